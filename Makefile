@@ -1,0 +1,36 @@
+# fastio: `make demo` and `make test` install what they need on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+# The torch requirement. The default is the CPU build this machine carries;
+# on a GPU node override it, e.g. `make install TORCH=torch EXTRAS=cuda12,dev`.
+TORCH  ?= torch==2.13.0
+EXTRAS ?= cuda13,dev
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m fastio.demo demo-out
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+lint: $(STAMP)
+	$(BIN)/ruff check fastio converters tests bench examples
+
+clean:
+	rm -rf $(VENV) demo-out bench/work .pytest_cache *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

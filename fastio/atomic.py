@@ -1,0 +1,39 @@
+"""Publishing files so that nothing half-written is ever visible: write a temporary name, fsync, rename."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["TMP_SUFFIX", "tmp_path_for", "atomic_write_bytes", "publish", "fsync_dir"]
+
+TMP_SUFFIX = ".tmp"
+
+
+def tmp_path_for(path: Path) -> Path:
+    """The hidden temporary name ``path`` is written under before it is published."""
+    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a fully written and fsynced ``tmp`` to ``final`` and make the rename durable."""
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = tmp_path_for(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, path)

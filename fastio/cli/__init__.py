@@ -1,0 +1,50 @@
+"""The ``fastio`` command: parse options, call one library function, print.
+
+Every :class:`~fastio.errors.FastioError` becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from fastio import __version__
+from fastio.errors import FastioError
+
+__all__ = ["main", "cli"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fastio")
+def cli() -> None:
+    """fastio: pack datasets into WebDataset shards, load them through DALI, checkpoint and resume."""
+
+
+def _register() -> None:
+    from fastio.cli import commands  # noqa: F401  (subcommand modules attach themselves to `cli`)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register()
+    try:
+        cli.main(args=argv, prog_name="fastio", standalone_mode=False)
+    except FastioError as err:
+        click.echo(f"fastio: error: {err}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("fastio: aborted", err=True)
+        return 130
+    except click.ClickException as err:
+        err.show()
+        return 2
+    except click.exceptions.Exit as err:
+        return err.exit_code
+    except KeyboardInterrupt:
+        click.echo("fastio: interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from fastio.cli import main
+
+sys.exit(main())

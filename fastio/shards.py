@@ -1,0 +1,206 @@
+"""The shard writer: samples in, WebDataset tar shards + DALI ``.idx`` files + manifest out.
+
+Every shard is written under a hidden temporary name, fsynced and renamed; the manifest is
+written last. Tars are reproducible: members sorted by field within a sample, mtime 0,
+uid/gid 0, empty owner names, mode 0444, USTAR headers only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+
+from fastio import __version__
+from fastio.atomic import fsync_dir, publish, tmp_path_for
+from fastio.idx import IndexEntry, format_index
+from fastio.manifest import FORMAT, FORMAT_VERSION, SHARDS_DIR, write_manifest
+
+__all__ = ["ShardWriter", "ShardInfo", "sanitize_key", "Sample", "BLOCK"]
+
+BLOCK = 512
+Sample = dict[str, Any]  # {"__key__": str, field: bytes}
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-/]")
+_MAX_NAME = 100  # USTAR name field; longer names would need PAX headers that DALI's reader does not expect
+
+
+def sanitize_key(text: str) -> str:
+    """A WebDataset key from a path-like string: ASCII letters, digits, ``_ - /`` only, no dots."""
+    key = _UNSAFE.sub("_", text).strip("/")
+    if len(key) > 80:
+        key = key[:63] + "_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return key or "_"
+
+
+@dataclass
+class ShardInfo:
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+    idx_sha256: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("name", "samples", "bytes", "sha256", "idx_sha256")}
+
+
+class _HashingFile:
+    """A write-only file wrapper that hashes and counts what passes through it."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+@dataclass
+class _OpenShard:
+    index: int
+    path: Path
+    tmp: Path
+    file: Any
+    hashing: _HashingFile
+    tar: wds.TarWriter
+    entries: list[IndexEntry] = field(default_factory=list)
+    pos: int = 0  # logical end of the tar so far (header + padded data of each member)
+
+
+class ShardWriter:
+    """Write samples into ``DEST/shards/NAME-NNNNNN.tar`` and publish ``DEST/manifest.json`` on close.
+
+    Args:
+        dest: output directory (must exist).
+        name: shard name prefix.
+        max_bytes: start a new shard before one would exceed this size (a single larger sample
+            still gets a shard of its own).
+        max_samples: at most this many samples per shard (None: unlimited).
+    """
+
+    def __init__(self, dest: Path, *, name: str = "shard", max_bytes: int = 256 * 10**6,
+                 max_samples: int | None = None):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if max_samples is not None and max_samples <= 0:
+            raise ValueError(f"max_samples must be positive, got {max_samples}")
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+            raise ValueError(f"shard name must be letters, digits, '_' or '-', got {name!r}")
+        self.dest = Path(dest)
+        self.name, self.max_bytes, self.max_samples = name, max_bytes, max_samples
+        self.shards: list[ShardInfo] = []
+        self.fields: set[str] = set()
+        self.total_bytes_in = 0
+        self._keys: set[str] = set()
+        self._open: _OpenShard | None = None
+        (self.dest / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards) + (len(self._open.entries) if self._open else 0)
+
+    def write(self, sample: Sample) -> None:
+        key = sample.get("__key__")
+        if not isinstance(key, str) or sanitize_key(key) != key:
+            raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see sanitize_key)")
+        if key in self._keys:
+            raise ValueError(f"duplicate sample key {key!r}")
+        members = sorted((k, v) for k, v in sample.items() if k != "__key__")
+        if not members:
+            raise ValueError(f"sample {key!r} has no fields")
+        for ext, value in members:
+            if not re.fullmatch(r"[A-Za-z0-9_\-.]+", ext):
+                raise ValueError(f"sample {key!r}: field name {ext!r} is not a safe tar extension")
+            if len(f"{key}.{ext}") > _MAX_NAME:
+                raise ValueError(f"sample {key!r}: member name {key}.{ext} is over {_MAX_NAME} characters")
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ValueError(f"sample {key!r}: field {ext!r} is {type(value).__name__}, not bytes")
+        size = sum(BLOCK + _padded(len(v)) for _, v in members)
+        shard = self._open
+        if shard is not None and shard.entries and (
+            shard.pos + size + 2 * BLOCK > self.max_bytes
+            or (self.max_samples is not None and len(shard.entries) >= self.max_samples)
+        ):
+            self._finish()
+        if self._open is None:
+            self._start()
+        shard = self._open
+        offsets = []
+        for ext, value in members:
+            offsets.append((ext, shard.pos + BLOCK, len(value)))
+            shard.pos += BLOCK + _padded(len(value))
+        shard.tar.write({"__key__": key, **dict(members)})
+        shard.entries.append(IndexEntry(key=key, members=tuple(offsets)))
+        self._keys.add(key)
+        self.fields.update(ext for ext, _ in members)
+        self.total_bytes_in += sum(len(v) for _, v in members)
+
+    def close(self, **manifest_fields: Any) -> dict[str, Any]:
+        """Publish the last shard, then the manifest (with ``manifest_fields`` added); return it."""
+        if self._open is not None:
+            self._finish()
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "fastio_version": __version__,
+            "name": self.name,
+            "shards": [s.as_dict() for s in self.shards],
+            "total_samples": self.total_samples,
+            "total_bytes": sum(s.bytes for s in self.shards),
+            "fields": sorted(self.fields),
+            **manifest_fields,
+        }
+        write_manifest(self.dest, manifest)
+        return manifest
+
+    def abort(self) -> None:
+        """Drop the shard being written (its temporary file is removed)."""
+        if self._open is not None:
+            self._open.tar.close()
+            self._open.file.close()
+            self._open.tmp.unlink(missing_ok=True)
+            self._open = None
+
+    def _start(self) -> None:
+        index = len(self.shards)
+        path = self.dest / SHARDS_DIR / f"{self.name}-{index:06d}.tar"
+        tmp = tmp_path_for(path)
+        f = open(tmp, "wb")
+        hashing = _HashingFile(f)
+        tar = wds.TarWriter(hashing, encoder=False, mtime=0, user="", group="", mode=0o444)
+        self._open = _OpenShard(index=index, path=path, tmp=tmp, file=f, hashing=hashing, tar=tar)
+
+    def _finish(self) -> None:
+        shard, self._open = self._open, None
+        shard.tar.close()
+        shard.file.flush()
+        os.fsync(shard.file.fileno())
+        shard.file.close()
+        idx_text = format_index(shard.entries).encode()
+        idx_path = shard.path.with_suffix(".idx")
+        idx_tmp = tmp_path_for(idx_path)
+        with open(idx_tmp, "wb") as f:
+            f.write(idx_text)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(shard.tmp, shard.path)
+        publish(idx_tmp, idx_path)
+        fsync_dir(shard.path.parent)
+        self.shards.append(ShardInfo(
+            name=shard.path.name, samples=len(shard.entries), bytes=shard.hashing.size,
+            sha256=shard.hashing.sha.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest(),
+        ))
+
+
+def _padded(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK * BLOCK

@@ -1,0 +1,53 @@
+"""Small, deterministic synthetic datasets that fastio generates itself (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["CLASS_NAMES", "synthetic_image", "make_imagefolder"]
+
+CLASS_NAMES = ("circle", "hstripes", "square", "vstripes")
+
+
+def synthetic_image(label: int, rng: np.random.Generator, width: int, height: int) -> np.ndarray:
+    """An HWC uint8 image whose class can be told from its shape: a disc, stripes or a square on noise."""
+    img = rng.integers(0, 96, size=(height, width, 3), dtype=np.uint8)
+    yy, xx = np.mgrid[0:height, 0:width]
+    color = rng.integers(128, 256, size=3, dtype=np.uint8)
+    cy, cx = rng.uniform(0.35, 0.65) * height, rng.uniform(0.35, 0.65) * width
+    r = rng.uniform(0.2, 0.3) * min(width, height)
+    period = max(4, int(min(width, height) * rng.uniform(0.12, 0.2)))
+    kind = CLASS_NAMES[label % len(CLASS_NAMES)]
+    if kind == "circle":
+        mask = (yy - cy) ** 2 + (xx - cx) ** 2 < r * r
+    elif kind == "square":
+        mask = (abs(yy - cy) < r) & (abs(xx - cx) < r)
+    elif kind == "hstripes":
+        mask = (yy // (period // 2)) % 2 == 0
+    else:
+        mask = (xx // (period // 2)) % 2 == 0
+    img[mask] = color
+    return img
+
+
+def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32, min_side: int = 48,
+                     max_side: int = 96, seed: int = 0, quality: int = 90, fmt: str = "JPEG") -> Path:
+    """Write ``dest/<class>/<class>_NNNN.jpg``: the same bytes for the same arguments on every run."""
+    if not 1 <= classes <= len(CLASS_NAMES):
+        raise ValueError(f"classes must be in 1..{len(CLASS_NAMES)}, got {classes}")
+    dest = Path(dest)
+    rng = np.random.default_rng(seed)
+    ext = {"JPEG": "jpg", "PNG": "png"}[fmt]
+    for label in range(classes):
+        folder = dest / CLASS_NAMES[label]
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
+            buf = io.BytesIO()
+            Image.fromarray(synthetic_image(label, rng, w, h)).save(buf, fmt, quality=quality)
+            (folder / f"{CLASS_NAMES[label]}_{i:04d}.{ext}").write_bytes(buf.getvalue())
+    return dest
