@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,7 @@ class ShardWriter:
         size = sum(BLOCK + _padded(len(v)) for _, v in members)
         shard = self._open
         if shard is not None and shard.entries and (
-            shard.pos + size + 2 * BLOCK > self.max_bytes
+            _tar_size(shard.pos + size) > self.max_bytes
             or (self.max_samples is not None and len(shard.entries) >= self.max_samples)
         ):
             self._finish()
@@ -204,3 +205,9 @@ class ShardWriter:
 
 def _padded(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _tar_size(members_end: int) -> int:
+    """Size of a closed tar whose members end at ``members_end``: two zero blocks, padded to a record."""
+    record = tarfile.RECORDSIZE
+    return (members_end + 2 * BLOCK + record - 1) // record * record

@@ -1,0 +1,103 @@
+"""`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
+
+Usage: python -m bench.run [--only convert,loader,checkpoint] [--repeats N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+WORK = ROOT / "work"
+SECTIONS = ("convert", "loader", "checkpoint")
+
+
+def _ratios(section: str, result: dict) -> list[dict]:
+    """The section's headline ratios: [{"name", "value", "target", "better": "higher"|"lower"}]."""
+    return list(result.get("ratios", []))
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(sec, r) for sec, res in summary["sections"].items() for r in res.get("ratios", [])]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.5))
+    names = [f"{sec}: {r['name']}" for sec, r in rows]
+    values = [r["value"] for _, r in rows]
+    colors = []
+    for _, r in rows:
+        ok = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
+        colors.append("tab:green" if ok else "tab:red")
+    y = range(len(rows))
+    ax.barh(y, values, color=colors)
+    for i, (_, r) in enumerate(rows):
+        ax.plot([r["target"], r["target"]], [i - 0.4, i + 0.4], color="black", lw=2)
+        ax.text(r["value"], i, f" {r['value']:.2f} (target {'>=' if r['better'] == 'higher' else '<='}"
+                f" {r['target']})", va="center", fontsize=8)
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (fastio vs peer; black bar = target; green = target met)")
+    ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {summary['repeats']} runs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians are reported)")
+    args = parser.parse_args(argv)
+    wanted = [s for s in args.only.split(",") if s]
+    unknown = set(wanted) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    import os
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    summary = {"host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "machine": platform.machine()},
+               "repeats": args.repeats, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "sections": {}}
+    failed = []
+    for name in wanted:
+        print(f"\n=== {name} ===", flush=True)
+        module = importlib.import_module(f"bench.{name}")
+        try:
+            result = module.run(WORK / name, repeats=args.repeats)
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        summary["sections"][name] = result
+    print("\n=== summary (fastio vs peer, medians) ===")
+    for name, result in summary["sections"].items():
+        for r in _ratios(name, result):
+            ok = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
+            sign = ">=" if r["better"] == "higher" else "<="
+            print(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
+                  f"{'met' if ok else 'MISSED'}")
+    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    plot(summary, RESULTS / "summary.png")
+    print(f"\nwrote {RESULTS / 'summary.json'} and {RESULTS / 'summary.png'}")
+    if failed:
+        print(f"sections that failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
