@@ -1,0 +1,70 @@
+"""Source formats fastio converts, one module each, and how a format is chosen or detected.
+
+``scan(source, fmt, options)`` returns a :class:`~converters.base.ScanResult`: the samples to write,
+in a deterministic order, without having read any image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from converters import files, imagefolder, parquet, table
+from converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
+from fastio.errors import ConvertError
+
+__all__ = ["FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect", "scan"]
+
+FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
+
+
+def detect(source: Path) -> str:
+    """The format of ``source``; ConvertError naming it when it is missing, empty or unrecognised."""
+    source = Path(source)
+    if not source.exists():
+        raise ConvertError(f"{source}: no such file or directory")
+    if source.is_dir():
+        if not any(not p.name.startswith(".") for p in source.iterdir()):
+            raise ConvertError(f"{source}: source directory is empty")
+        if imagefolder.detect(source):
+            return imagefolder.NAME
+        if files.detect(source):
+            return files.NAME
+        raise ConvertError(f"{source}: cannot tell the format (no images in class folders, no loose files);"
+                           " give --format")
+    fmt = table.detect(source)
+    if fmt:
+        return fmt
+    if parquet.detect(source):
+        return parquet.NAME
+    raise ConvertError(f"{source}: cannot tell the format from suffix {source.suffix!r}; give --format"
+                       f" ({', '.join(FORMATS)})")
+
+
+def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = None) -> ScanResult:
+    """Scan ``source`` as ``fmt`` (detected when None). Raises ConvertError for bad or empty input."""
+    source = Path(source)
+    options = options or ScanOptions()
+    if fmt is not None and fmt not in FORMATS:
+        raise ConvertError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    if not source.exists():
+        raise ConvertError(f"{source}: no such file or directory")
+    fmt = fmt or detect(source)
+    want_dir = fmt in ("imagefolder", "files")
+    if want_dir != source.is_dir():
+        raise ConvertError(f"{source}: format {fmt} needs a {'directory' if want_dir else 'file'}")
+    try:
+        if fmt == "imagefolder":
+            result = imagefolder.scan(source, options)
+        elif fmt == "files":
+            result = files.scan(source, options)
+        elif fmt == "parquet":
+            result = parquet.scan(source, options)
+        else:
+            result = table.scan(source, options, fmt)
+    except PermissionError as err:
+        raise ConvertError(f"{err.filename or source}: permission denied") from None
+    if not result.entries:
+        why = f" ({len(result.skipped)} files left out, e.g. {result.skipped[0].path}: {result.skipped[0].reason})" \
+            if result.skipped else ""
+        raise ConvertError(f"{source}: no samples found as {fmt}{why}")
+    return result

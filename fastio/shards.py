@@ -8,14 +8,13 @@ uid/gid 0, empty owner names, mode 0444, USTAR headers only.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import webdataset as wds
 
 from fastio import __version__
 from fastio.atomic import fsync_dir, publish, tmp_path_for
@@ -65,6 +64,9 @@ class _HashingFile:
     def flush(self):
         self.f.flush()
 
+    def tell(self) -> int:
+        return self.size
+
 
 @dataclass
 class _OpenShard:
@@ -73,7 +75,7 @@ class _OpenShard:
     tmp: Path
     file: Any
     hashing: _HashingFile
-    tar: wds.TarWriter
+    tar: tarfile.TarFile
     entries: list[IndexEntry] = field(default_factory=list)
     pos: int = 0  # logical end of the tar so far (header + padded data of each member)
 
@@ -140,7 +142,10 @@ class ShardWriter:
         for ext, value in members:
             offsets.append((ext, shard.pos + BLOCK, len(value)))
             shard.pos += BLOCK + _padded(len(value))
-        shard.tar.write({"__key__": key, **dict(members)})
+        for ext, value in members:
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mode, info.mtime, info.uname, info.gname = len(value), 0o444, 0, "", ""
+            shard.tar.addfile(info, io.BytesIO(value))
         shard.entries.append(IndexEntry(key=key, members=tuple(offsets)))
         self._keys.add(key)
         self.fields.update(ext for ext, _ in members)
@@ -178,7 +183,7 @@ class ShardWriter:
         tmp = tmp_path_for(path)
         f = open(tmp, "wb")
         hashing = _HashingFile(f)
-        tar = wds.TarWriter(hashing, encoder=False, mtime=0, user="", group="", mode=0o444)
+        tar = tarfile.open(fileobj=hashing, mode="w", format=tarfile.USTAR_FORMAT)
         self._open = _OpenShard(index=index, path=path, tmp=tmp, file=f, hashing=hashing, tar=tar)
 
     def _finish(self) -> None:

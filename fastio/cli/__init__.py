@@ -12,7 +12,7 @@ import click
 from fastio import __version__
 from fastio.errors import FastioError
 
-__all__ = ["main", "cli"]
+__all__ = ["cli", "main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,22 +28,26 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> int:
     _register()
     try:
-        cli.main(args=argv, prog_name="fastio", standalone_mode=False)
+        rc = cli.main(args=argv, prog_name="fastio", standalone_mode=False)
     except FastioError as err:
         click.echo(f"fastio: error: {err}", err=True)
         return 2
     except click.exceptions.Abort:
         click.echo("fastio: aborted", err=True)
         return 130
+    except click.exceptions.UsageError as err:
+        hint = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
+        click.echo(f"fastio: error: {err.format_message()}{hint}", err=True)
+        return 2
     except click.ClickException as err:
-        err.show()
+        click.echo(f"fastio: error: {err.format_message()}", err=True)
         return 2
     except click.exceptions.Exit as err:
         return err.exit_code
     except KeyboardInterrupt:
         click.echo("fastio: interrupted", err=True)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Helpers every benchmark shares: interleaved timing, medians and ratios, machine facts, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "time_call", "write_results"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+    """Wall-clock seconds one call of ``fn`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(runs: dict[str, Callable[[], Any]], repeats: int,
+                before: Callable[[str], Any] | None = None) -> dict[str, list[float]]:
+    """Time each of ``runs`` ``repeats`` times, alternating between them so that drift in machine
+    load hits all alike; ``before(name)`` (untimed) runs ahead of each timed call."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            if before is not None:
+                before(name)
+            times[name].append(time_call(fn))
+    return times
+
+
+def median_ratio(ours: list[float], peer: list[float]) -> dict[str, float]:
+    """Median seconds of each side and ``speedup`` = peer median / our median (> 1: we are faster)."""
+    ours_s, peer_s = statistics.median(ours), statistics.median(peer)
+    return {"ours_median_s": ours_s, "peer_median_s": peer_s, "speedup": peer_s / ours_s}
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count()
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": cpus,
+            "processor": platform.processor() or platform.machine()}
+
+
+def write_results(name: str, data: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
+    """Write ``results_dir/NAME.json`` atomically and return its path."""
+    from fastio.atomic import atomic_write_bytes
+
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.json"
+    atomic_write_bytes(path, json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
+    return path

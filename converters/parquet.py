@@ -1,0 +1,87 @@
+"""Parquet tables (pyarrow): columns holding bytes become fields, other columns as in CSV/JSONL.
+
+A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` member as Hugging Face
+stores images) whose first value is an encoded image becomes a field named by the image type
+(``jpg``, ``png``, ...); any other bytes column keeps its (sanitised) name. A path column is optional.
+Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
+The bytes are read into memory at scan time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from converters.base import ScanOptions, ScanResult, safe_field_name
+from converters.table import rows_to_result
+from fastio.errors import ConvertError
+from fastio.images import sniff_image_field
+
+__all__ = ["NAME", "detect", "scan"]
+
+NAME = "parquet"
+
+
+def detect(source: Path) -> bool:
+    return source.is_file() and source.suffix.lower() in (".parquet", ".pq")
+
+
+def _bytes_of(value: Any) -> bytes | None:
+    if isinstance(value, dict):
+        value = value.get("bytes")
+    return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+
+
+def _struct_paths(data: list[dict[str, Any]], bytes_columns: dict[str, str]) -> list[str] | None:
+    """Keys from the ``path`` member of the first struct bytes column (file name without suffix),
+    when every row has one; None otherwise."""
+    for col in bytes_columns:
+        names = [r[col].get("path") if isinstance(r[col], dict) else None for r in data]
+        if all(isinstance(n, str) and n for n in names):
+            return [n.rsplit(".", 1)[0] if "." in n.rsplit("/", 1)[-1] else n for n in names]
+    return None
+
+
+def scan(source: Path, options: ScanOptions) -> ScanResult:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = Path(source)
+    try:
+        table = pq.read_table(source)
+    except (OSError, pa.ArrowException) as err:
+        raise ConvertError(f"{source}: unreadable table ({str(err).splitlines()[0]})") from None
+    columns = list(table.column_names)
+    if not columns or table.num_rows == 0:
+        raise ConvertError(f"{source}: unreadable table (no rows)")
+    data = table.to_pylist()
+
+    def is_bytes(col: str) -> bool:
+        t = table.schema.field(col).type
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return True
+        return pa.types.is_struct(t) and any(t.field(i).name == "bytes" for i in range(t.num_fields))
+
+    bytes_columns: dict[str, str] = {}
+    for col in columns:
+        if not is_bytes(col):
+            continue
+        first = next((b for b in (_bytes_of(r[col]) for r in data) if b is not None), None)
+        field = sniff_image_field(first) if first is not None else None
+        name = field or safe_field_name(col)
+        if name in bytes_columns.values():
+            name = safe_field_name(col)
+        if name in bytes_columns.values():
+            raise ConvertError(f"{source}: bytes columns collide on field name {name!r}")
+        bytes_columns[col] = name
+    rows = [(i, {c: (_bytes_of(v) if c in bytes_columns else v) for c, v in row.items()})
+            for i, row in enumerate(data, start=1)]
+    named = _struct_paths(data, bytes_columns)
+    if named is not None and options.key_column is None and "__key__" not in columns and "key" not in columns:
+        for (_, row), name in zip(rows, named):
+            row["__key__"] = name
+        columns = [*columns, "__key__"]
+    result = rows_to_result(rows, columns, source=source, fmt=NAME, options=options, require_path=False,
+                            bytes_columns=bytes_columns)
+    result.description["options"]["bytes_columns"] = dict(sorted(bytes_columns.items()))
+    return result

@@ -1,0 +1,230 @@
+"""CSV / TSV / JSONL tables: a path column (relative to the table's folder) plus any other columns.
+
+The file named by the path column becomes a field named by its type (``jpg``, ``png``, or its
+suffix); the label column becomes ``cls`` (an ASCII integer: the value itself when every label is
+an integer, else its index among the sorted label names, recorded as the label map); every other
+column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from converters.base import (
+    Entry,
+    FieldValue,
+    FileRef,
+    ScanOptions,
+    ScanResult,
+    image_field_for_suffix,
+    safe_field_name,
+    unique_key,
+)
+from fastio.errors import ConvertError
+from fastio.images import IMAGE_FIELDS as _IMAGE_FIELDS
+
+__all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
+
+NAMES = ("csv", "jsonl")
+SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "image_path", "image", "img")
+LABEL_COLUMNS = ("label", "class", "cls")
+KEY_COLUMNS = ("__key__", "key")
+
+Row = dict[str, Any]
+
+
+def detect(source: Path) -> str | None:
+    """``csv`` or ``jsonl`` for a file with a table suffix, else None."""
+    return SUFFIXES.get(source.suffix.lower()) if source.is_file() else None
+
+
+def scan(source: Path, options: ScanOptions, fmt: str) -> ScanResult:
+    source = Path(source)
+    columns, rows = read_rows(source, fmt)
+    return rows_to_result(
+        rows, columns, source=source, fmt=fmt, options=options, require_path=True,
+    )
+
+
+def read_rows(source: Path, fmt: str) -> tuple[list[str], list[tuple[int, Row]]]:
+    """(columns, [(line number, row), ...]) of a CSV/TSV or JSONL file; ConvertError if unreadable."""
+    try:
+        with open(source, encoding="utf-8-sig", newline="") as f:
+            return _read_csv(f, source) if fmt == "csv" else _read_jsonl(f, source)
+    except UnicodeDecodeError as err:
+        raise ConvertError(f"{source}: unreadable table (not UTF-8: {err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise ConvertError(f"{source}: unreadable table ({err.strerror or err})") from None
+
+
+def _read_csv(f, source: Path) -> tuple[list[str], list[tuple[int, Row]]]:
+    reader = csv.reader(f, delimiter="\t" if source.suffix.lower() == ".tsv" else ",")
+    try:
+        header = next(reader, None)
+        if not header or not any(h.strip() for h in header):
+            raise ConvertError(f"{source}: unreadable table (no header row)")
+        header = [h.strip() for h in header]
+        dupes = sorted({h for h in header if header.count(h) > 1})
+        if dupes:
+            raise ConvertError(f"{source}: unreadable table (duplicate column {dupes[0]!r})")
+        rows = []
+        for values in reader:
+            if not values:
+                continue
+            if len(values) != len(header):
+                raise ConvertError(
+                    f"{source}:{reader.line_num}: unreadable table (expected {len(header)} columns, found {len(values)})"
+                )
+            rows.append((reader.line_num, dict(zip(header, values))))
+    except csv.Error as err:
+        raise ConvertError(f"{source}:{reader.line_num}: unreadable table ({err})") from None
+    return header, rows
+
+
+def _read_jsonl(f, source: Path) -> tuple[list[str], list[tuple[int, Row]]]:
+    columns: dict[str, None] = {}
+    rows = []
+    for lineno, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ConvertError(f"{source}:{lineno}: unreadable table (invalid JSON: {err})") from None
+        if not isinstance(row, dict):
+            raise ConvertError(f"{source}:{lineno}: unreadable table (a line is a {type(row).__name__}, not an object)")
+        columns.update(dict.fromkeys(row))
+        rows.append((lineno, row))
+    if not rows:
+        raise ConvertError(f"{source}: unreadable table (no rows)")
+    return list(columns), rows
+
+
+def _pick(source: Path, columns: list[str], given: str | None, candidates: Iterable[str], what: str) -> str | None:
+    if given is not None:
+        if given not in columns:
+            raise ConvertError(f"{source}: no {what} column {given!r} (columns: {', '.join(columns)})")
+        return given
+    lower = {c.lower(): c for c in columns}
+    for name in candidates:
+        if name in lower:
+            return lower[name]
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, str) and value.strip().lstrip("-").isdigit()
+
+
+def _text(value: Any) -> bytes:
+    return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
+
+
+def rows_to_result(
+    rows: list[tuple[int, Row]],
+    columns: list[str],
+    *,
+    source: Path,
+    fmt: str,
+    options: ScanOptions,
+    require_path: bool,
+    bytes_columns: dict[str, str] | None = None,
+) -> ScanResult:
+    """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name."""
+    bytes_columns = bytes_columns or {}
+    base = source.parent
+    path_col = _pick(source, columns, options.path_column, PATH_COLUMNS if require_path else (), "path")
+    if require_path and path_col is None:
+        raise ConvertError(
+            f"{source}: no path column (looked for {', '.join(PATH_COLUMNS)}; columns: {', '.join(columns)};"
+            " name it with --path-column)"
+        )
+    label_col = _pick(source, columns, options.label_column, LABEL_COLUMNS, "label")
+    key_col = _pick(source, columns, options.key_column, KEY_COLUMNS, "key")
+    if path_col is not None and path_col in bytes_columns:
+        path_col = None
+    special = {path_col, label_col, key_col, *bytes_columns}
+    text_cols = {c: safe_field_name(c) for c in columns if c not in special}
+
+    labels = [row[label_col] for _, row in rows if label_col and row.get(label_col) not in (None, "")]
+    label_map = None
+    if labels and not all(_is_int(v) for v in labels):
+        label_map = {name: i for i, name in enumerate(sorted({str(v) for v in labels}))}
+
+    entries: list[Entry] = []
+    taken: set[str] = set()
+    image_counts: dict[str, int] = {}
+    for index, (lineno, row) in enumerate(rows):
+        where = f"{source.name}:{lineno}"
+        fields: dict[str, FieldValue] = {}
+        origin = where
+        stem = None
+        if path_col is not None:
+            value = row.get(path_col)
+            if value in (None, "") or not isinstance(value, str):
+                raise ConvertError(f"{where}: path column {path_col!r} is empty or not text ({value!r})")
+            path = Path(value) if os.path.isabs(value) else base / value
+            if not path.is_file():
+                raise ConvertError(f"{where}: path column {path_col!r} names a missing file: {value}")
+            field = image_field_for_suffix(path.suffix) or safe_field_name(path.suffix.lstrip(".") or "file")
+            if image_field_for_suffix(path.suffix):
+                image_counts[field] = image_counts.get(field, 0) + 1
+            fields[field] = FileRef(str(path))
+            origin = value
+            stem = _key_text(value)
+        for col, field in bytes_columns.items():
+            value = row.get(col)
+            if value is not None:
+                _put(fields, field, bytes(value), where)
+                if field in _IMAGE_FIELDS:
+                    image_counts[field] = image_counts.get(field, 0) + 1
+        if label_col is not None and row.get(label_col) not in (None, ""):
+            value = row[label_col]
+            cls = label_map[str(value)] if label_map is not None else int(value)
+            _put(fields, "cls", str(cls).encode(), where)
+        for col, field in text_cols.items():
+            value = row.get(col)
+            if value is not None:
+                _put(fields, field, _text(value), where)
+        if not fields:
+            raise ConvertError(f"{where}: row has no values")
+        if key_col is not None and row.get(key_col) not in (None, ""):
+            key = unique_key(str(row[key_col]), taken)
+        else:
+            key = unique_key(stem if stem is not None else f"{index:08d}", taken)
+        entries.append(Entry(key=key, fields=tuple(sorted(fields.items())), origin=origin))
+
+    options_desc = {k: v for k, v in (("path_column", path_col), ("label_column", label_col),
+                                       ("key_column", key_col)) if v is not None}
+    return ScanResult(
+        entries=entries,
+        description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
+        label_map=label_map,
+        image_field=max(sorted(image_counts), key=lambda f: image_counts[f]) if image_counts else None,
+        label_field="cls" if labels else None,
+    )
+
+
+def _key_text(value: str) -> str:
+    """A key seed from a path value: normalised, without leading ``/`` or ``..`` parts, without suffix."""
+    parts = [p for p in Path(os.path.normpath(value)).as_posix().split("/") if p not in ("", ".", "..")]
+    text = "/".join(parts) or value
+    suffix = Path(text).suffix
+    return text[: len(text) - len(suffix)] if suffix else text
+
+
+def _put(fields: dict[str, FieldValue], name: str, value: bytes, where: str) -> None:
+    if name in fields:
+        raise ConvertError(f"{where}: two columns both become field {name!r}; rename one")
+    fields[name] = value
+

@@ -1,0 +1,135 @@
+"""``fastio convert``, ``fastio verify``, ``fastio inspect``: parse options, call the library, print.
+
+Heavy modules are imported inside the commands so that ``fastio --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fastio.cli import cli
+from fastio.errors import ConvertError, FastioError
+
+__all__ = ["convert", "inspect", "verify"]
+
+
+@cli.command()
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", metavar="FORMAT", default=None,
+              help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
+@click.option("--shard-size", default="256MB", show_default=True,
+              help="Largest shard size: bytes or human units (256MB, 1GiB, 500k).")
+@click.option("--max-samples-per-shard", type=int, default=None, help="At most this many samples per shard.")
+@click.option("--workers", type=int, default=None, help="Worker processes (default: one per CPU).")
+@click.option("--shuffle/--no-shuffle", default=False, show_default=True,
+              help="Permute the sample order with --seed before sharding.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --shuffle and --split.")
+@click.option("--split", default=None, metavar="NAME=FRAC[,...]",
+              help="E.g. val=0.05: write DEST/train and DEST/val, each a complete dataset.")
+@click.option("--max-side", type=int, default=None,
+              help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
+@click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
+@click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
+              help="A corrupt or unreadable sample is skipped and listed in the manifest, or stops the run.")
+@click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
+@click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
+@click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
+@click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
+@click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
+def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
+            workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
+            quality: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
+            label_column: str | None, key_column: str | None, quiet: bool) -> None:
+    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST."""
+    from fastio.convert import ConvertConfig
+    from fastio.convert import convert as run_convert
+    from fastio.progress import progress_wanted
+
+    kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
+    try:
+        config = ConvertConfig(
+            source=source, dest=dest, format=fmt, shard_size=shard_size,
+            max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
+            max_side=max_side, quality=quality, on_error=on_error, overwrite=overwrite, name=name,
+            path_column=path_column, label_column=label_column, key_column=key_column,
+            progress=progress_wanted(quiet), **kwargs,
+        )
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
+    result = run_convert(config)
+    if not quiet:
+        click.echo(result.summary())
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--decode", is_flag=True, help="Also decode every image.")
+@click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
+def verify(dest: Path, decode: bool, quiet: bool) -> None:
+    """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem."""
+    from fastio.verify import verify as run_verify
+
+    report = run_verify(dest, decode=decode)
+    for problem in report.problems:
+        click.echo(problem.line())
+    if report.problems:
+        click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
+        raise click.exceptions.Exit(1)
+    if not quiet:
+        decoded = f", {report.decoded} images decoded" if decode else ""
+        click.echo(f"ok: {dest}: {report.shards} shards, {report.samples} samples verified{decoded}")
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--max-images", type=int, default=1000, show_default=True,
+              help="Probe the headers of at most this many images for size statistics.")
+def inspect(dest: Path, as_json: bool, max_images: int) -> None:
+    """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes."""
+    from fastio.verify import inspect as run_inspect
+
+    try:
+        info = run_inspect(dest, max_images=max_images)
+    except ValueError as err:
+        raise FastioError(str(err)) from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    if "splits" in info:
+        for name, sub in info["splits"].items():
+            click.echo(f"[{name}]")
+            _print_info(sub)
+    else:
+        _print_info(info)
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    from fastio.progress import human_bytes
+
+    src = info.get("source") or {}
+    click.echo(f"dataset:  {info['path']} (fingerprint {info['fingerprint']})")
+    if src:
+        click.echo(f"source:   {src.get('format')} {src.get('path')}")
+    click.echo(f"samples:  {info['samples']} in {info['shards']} shards, {human_bytes(info['bytes'])}"
+               f" (skipped at conversion: {info['skipped']})")
+    click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
+    if info.get("classes"):
+        click.echo(f"classes:  {len(info['classes'])}")
+        for c in info["classes"]:
+            click.echo(f"  {c['label']:>6}  {c['name'] or '':<24} {c['count']}")
+    sizes = info.get("image_sizes")
+    if sizes and sizes["width"]:
+        w, h, b = sizes["width"], sizes["height"], sizes["bytes"]
+        unreadable = f", {sizes['unreadable']} unreadable" if sizes["unreadable"] else ""
+        click.echo(f"images:   field {sizes['field']}, {sizes['probed']} probed{unreadable}")
+        click.echo(f"  width   min {w['min']}  median {w['median']}  mean {w['mean']}  max {w['max']}")
+        click.echo(f"  height  min {h['min']}  median {h['median']}  mean {h['mean']}  max {h['max']}")
+        click.echo(f"  bytes   min {b['min']}  median {b['median']}  mean {b['mean']}  max {b['max']}")
+

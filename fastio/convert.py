@@ -1,0 +1,430 @@
+"""``fastio convert``: scan a source, load and check every sample in worker processes, write shards.
+
+The scan (``converters``) gives entries in a deterministic order; splitting and shuffling are pure
+functions of that order and the seed; worker results are consumed in order. So the same source,
+options and seed give byte-identical shards and manifests whatever the number of workers.
+
+DEST life cycle: the marker file is written first, shards are published one by one, the manifest
+(or, with --split, ``splits.json`` after every split's manifest) is written last. A DEST holding the
+marker but no final file is an interrupted run, which the same command redoes from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastio.atomic import atomic_write_bytes
+from fastio.errors import ConvertError
+from fastio.images import IMAGE_FIELDS, ImageCheckError, check_image, downscale
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME
+from fastio.progress import Progress, rate_line
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "SPLITS_NAME",
+    "ConvertConfig",
+    "ConvertResult",
+    "check_dest",
+    "convert",
+    "load_entry",
+    "parse_size",
+    "parse_split",
+    "reset_dest",
+]
+
+SPLITS_NAME = "splits.json"
+DEFAULT_SHARD_SIZE = 256 * 10**6
+ON_ERROR = ("skip", "fail")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ValueError(f"--shard-size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+        number, prefix, binary, _ = m.groups()
+        if binary and not prefix:
+            raise ValueError(f"--shard-size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+        power = "kmgtp".find(prefix.lower()) + 1 if prefix else 0
+        value = int(float(number) * (1024 if binary else 1000) ** power)
+    if value <= 0:
+        raise ValueError(f"--shard-size must be positive, got {text!r}")
+    return value
+
+
+def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
+    """``val=0.05`` or ``val=0.05,test=0.05`` -> ``{"val": 0.05, ...}``; the rest becomes ``train``."""
+    if text is None or text == "" or text == {}:
+        return None
+    if isinstance(text, dict):
+        items = list(text.items())
+    else:
+        items = []
+        for part in str(text).split(","):
+            name, eq, value = part.partition("=")
+            try:
+                items.append((name.strip(), float(value)))
+            except ValueError:
+                raise ValueError(f"--split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)") from None
+            if not eq:
+                raise ValueError(f"--split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)")
+    split: dict[str, float] = {}
+    for name, frac in items:
+        if not _NAME.match(name) or name == "train" or name in split:
+            raise ValueError(f"--split: bad or repeated split name {name!r} (train is the remainder)")
+        if not 0 < frac < 1:
+            raise ValueError(f"--split: fraction for {name!r} must be between 0 and 1, got {frac}")
+        split[name] = frac
+    if sum(split.values()) >= 1:
+        raise ValueError(f"--split: fractions add up to {sum(split.values())}, leaving nothing for train")
+    return split
+
+
+def _default_workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class ConvertConfig:
+    """Everything ``fastio convert`` needs; the output depends on all fields but ``workers`` and ``progress``."""
+
+    source: Path
+    """The raw dataset: a directory (imagefolder, files) or a table file (csv, jsonl, parquet)."""
+    dest: Path
+    """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split)."""
+    format: str | None = None
+    """Source format (see ``converters.FORMATS``); None: detected from SOURCE."""
+    shard_size: int | str = DEFAULT_SHARD_SIZE
+    """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
+    max_samples_per_shard: int | None = None
+    """At most this many samples per shard; None: no limit."""
+    workers: int = field(default_factory=_default_workers)
+    """Processes that read, check and re-encode samples; does not change the output."""
+    shuffle: bool = False
+    """Permute the sample order (with ``seed``) before sharding."""
+    seed: int = 0
+    """Seed for ``shuffle`` and ``split``."""
+    split: dict[str, float] | str | None = None
+    """``{"val": 0.05}`` or ``"val=0.05"``: write DEST/train and DEST/val, each a complete dataset."""
+    max_side: int | None = None
+    """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
+    quality: int = 90
+    """JPEG/WebP quality for re-encoded images (only with ``max_side``)."""
+    on_error: str = "skip"
+    """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
+    overwrite: bool = False
+    """Replace a DEST that already holds a dataset or other files."""
+    name: str = "shard"
+    """Shard file name prefix: ``shards/NAME-000000.tar``."""
+    path_column: str | None = None
+    """Tables: the column with file paths (default: detected)."""
+    label_column: str | None = None
+    """Tables: the column with labels (default: ``label`` when present)."""
+    key_column: str | None = None
+    """Tables: the column with sample keys (default: derived from the path or row number)."""
+    progress: bool = False
+    """Draw a progress bar on stderr."""
+
+    def __post_init__(self) -> None:
+        self.source, self.dest = Path(self.source), Path(self.dest)
+        self.shard_size = parse_size(self.shard_size)
+        self.split = parse_split(self.split)
+        if self.max_samples_per_shard is not None and self.max_samples_per_shard <= 0:
+            raise ValueError(f"--max-samples-per-shard must be positive, got {self.max_samples_per_shard}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if self.max_side is not None and self.max_side < 1:
+            raise ValueError(f"--max-side must be positive, got {self.max_side}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"--quality must be in 1..100, got {self.quality}")
+        if self.on_error not in ON_ERROR:
+            raise ValueError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if not _NAME.match(self.name):
+            raise ValueError(f"--name must be letters, digits, '_' or '-', got {self.name!r}")
+
+    def output_options(self) -> dict[str, Any]:
+        """The options that shape the output, as recorded in each manifest."""
+        return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
+                "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
+                "quality": self.quality if self.max_side else None, "on_error": self.on_error}
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion wrote: one manifest per dataset (key ``""`` without --split, else split names)."""
+
+    dest: Path
+    format: str
+    manifests: dict[str, dict[str, Any]]
+    skipped: list[dict[str, str]]
+    seconds: float
+    bytes_in: int
+
+    @property
+    def samples(self) -> int:
+        return sum(m["total_samples"] for m in self.manifests.values())
+
+    @property
+    def shards(self) -> int:
+        return sum(len(m["shards"]) for m in self.manifests.values())
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{n}: {m['total_samples']}" for n, m in self.manifests.items() if n)
+        split = f" [{parts}]" if parts else ""
+        return (f"converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {self.shards} shards"
+                f"{split} at {self.dest}; skipped {len(self.skipped)}")
+
+
+# -- loading, in worker processes -------------------------------------------------------------------
+
+_LOAD_OPTIONS: tuple[int | None, int] = (None, 90)
+
+
+_IN_WORKER = False
+
+
+def _init_worker(options: tuple[int | None, int], in_worker: bool = False) -> None:
+    global _LOAD_OPTIONS, _IN_WORKER
+    _LOAD_OPTIONS, _IN_WORKER = options, in_worker
+
+
+def _is_image(field_name: str) -> bool:
+    return field_name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
+
+
+def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
+    """Read an entry's file fields, check (and with ``max_side`` re-encode) its images.
+
+    Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
+    """
+    from converters.base import FileRef
+
+    max_side, quality = _LOAD_OPTIONS
+    refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
+    out: dict[str, bytes] = {}
+    for name, value in entry.fields:
+        where = entry.origin
+        if isinstance(value, FileRef):
+            where = value.path
+            try:
+                with open(value.path, "rb") as f:
+                    value = f.read()
+            except OSError as err:
+                return None, f"unreadable file ({err.strerror or err})", where
+        original = value
+        if _is_image(name):
+            try:
+                if max_side is not None:
+                    value, _ = downscale(value, name.rsplit(".", 1)[-1].lower(), max_side, quality)
+                else:
+                    check_image(value)
+            except ImageCheckError as err:
+                return None, str(err), where
+        # In a worker, a file's bytes that stay as they are go back as the FileRef: the writer reads
+        # them again from the page cache, which costs less than sending them through the pool's pipe.
+        ref = refs.get(name)
+        out[name] = ref if _IN_WORKER and ref is not None and value is original else value
+    return out, None, None
+
+
+def resolve_fields(fields: dict) -> dict[str, bytes]:
+    """Read the FileRefs a worker handed back in place of unchanged file bytes."""
+    from converters.base import FileRef
+
+    out = {}
+    for name, value in fields.items():
+        if isinstance(value, FileRef):
+            with open(value.path, "rb") as f:
+                value = f.read()
+        out[name] = value
+    return out
+
+
+def _display_path(where: str, source: Path) -> str:
+    """A skipped input as the manifest lists it: relative to the source folder when inside it."""
+    base = source if source.is_dir() else source.parent
+    try:
+        return Path(where).relative_to(base).as_posix()
+    except ValueError:
+        return where
+
+
+# -- DEST --------------------------------------------------------------------------------------------
+
+def _is_complete(dest: Path) -> bool:
+    return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
+
+
+def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
+    """Raise ConvertError if DEST may not be (re)written by this conversion."""
+    if dest.exists() and not dest.is_dir():
+        raise ConvertError(f"{dest}: exists and is not a directory")
+    src, dst = source.resolve(), dest.resolve()
+    if src == dst or src in dst.parents or dst in src.parents:
+        raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
+    if dest.is_dir() and any(dest.iterdir()):
+        complete = _is_complete(dest)
+        ours = complete or (dest / MARKER_NAME).is_file()
+        if complete and not overwrite:
+            raise ConvertError(f"{dest}: already holds a converted dataset; pass --overwrite to replace it")
+        if not ours and not overwrite:
+            raise ConvertError(f"{dest}: directory is not empty and is not fastio output; "
+                               "pass --overwrite to replace its contents")
+
+
+def reset_dest(dest: Path) -> None:
+    """Make DEST an empty directory holding only the marker (call :func:`check_dest` first)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(dest / MARKER_NAME, b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    # The final files go first so that DEST stops being a dataset before anything else changes.
+    for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
+        final.unlink(missing_ok=True)
+    for child in dest.iterdir():
+        if child.name == MARKER_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+# -- orchestration -----------------------------------------------------------------------------------
+
+def _assign(n: int, config: ConvertConfig) -> dict[str, list[int]]:
+    """Entry indices per output dataset, in writing order."""
+    if not config.split:
+        groups = {"": list(range(n))}
+    else:
+        order = list(range(n))
+        random.Random(f"{config.seed}:split").shuffle(order)
+        groups, start = {}, 0
+        for name, frac in config.split.items():
+            count = round(frac * n)
+            if count == 0 or start + count >= n:
+                raise ConvertError(f"{config.source}: --split {name}={frac} of {n} samples leaves "
+                                   f"{'it' if count == 0 else 'train'} empty")
+            groups[name] = sorted(order[start:start + count])
+            start += count
+        groups = {"train": sorted(order[start:]), **groups}
+    if config.shuffle:
+        for name, indices in groups.items():
+            random.Random(f"{config.seed}:shuffle:{name}").shuffle(indices)
+    return groups
+
+
+def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, progress: Progress,
+                   scan_skipped: list[dict[str, str]], **manifest_fields: Any):
+    """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes)."""
+    from fastio.shards import ShardWriter
+
+    writer = ShardWriter(out, name=config.name, max_bytes=config.shard_size,
+                         max_samples=config.max_samples_per_shard)
+    skipped: list[dict[str, str]] = []
+    nbytes = 0
+    for entry, (fields, reason, where) in loaded:
+        if fields is None:
+            if config.on_error == "fail":
+                writer.abort()
+                raise ConvertError(f"{where}: {reason} (--on-error fail)")
+            skipped.append({"path": _display_path(where, config.source), "reason": reason})
+            progress.update(1, 0)
+            continue
+        try:
+            fields = resolve_fields(fields)
+        except OSError as err:
+            writer.abort()
+            raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
+        try:
+            writer.write({"__key__": entry.key, **fields})
+        except ValueError as err:  # e.g. a column name too long for a tar member name
+            writer.abort()
+            raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
+        size = sum(len(v) for v in fields.values())
+        nbytes += size
+        progress.update(1, size)
+    if writer.total_samples == 0:
+        writer.abort()
+        example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
+        of_split = f" of split {split_name}" if split_name else ""
+        raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
+    manifest = writer.close(skipped=scan_skipped + skipped,
+                            image_fields=sorted(f for f in writer.fields if _is_image(f)), **manifest_fields)
+    return manifest, skipped, nbytes
+
+
+def convert(config: ConvertConfig) -> ConvertResult:
+    """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees."""
+    import converters
+    from converters.base import ScanOptions
+
+    started = time.perf_counter()
+    if config.format is not None and config.format not in converters.FORMATS:
+        raise ConvertError(f"unknown format {config.format!r} (choose from {', '.join(converters.FORMATS)})")
+    if not config.source.exists():
+        raise ConvertError(f"{config.source}: no such file or directory")
+    check_dest(config.dest, config.source, config.overwrite)
+    scan = converters.scan(config.source, config.format, ScanOptions(
+        path_column=config.path_column, label_column=config.label_column, key_column=config.key_column))
+    groups = _assign(len(scan.entries), config)
+    reset_dest(config.dest)
+
+    options = config.output_options()
+    scan_skipped = [s.as_dict() for s in scan.skipped]
+    manifests: dict[str, dict[str, Any]] = {}
+    all_skipped = list(scan_skipped)
+    bytes_in = 0
+    pool = None
+    if config.workers > 1:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=((config.max_side, config.quality), True))
+    else:
+        _init_worker((config.max_side, config.quality))
+    try:
+        with Progress(len(scan.entries), enabled=config.progress, desc="convert") as progress:
+            for split_name, indices in groups.items():
+                entries = [scan.entries[i] for i in indices]
+                if pool is None:
+                    results = map(load_entry, entries)
+                else:
+                    chunk = max(1, min(16, len(entries) // (config.workers * 8)))
+                    results = pool.imap(load_entry, entries, chunksize=chunk)
+                extra = {"split": {"name": split_name, "of": sorted(groups)}} if split_name else {}
+                manifest, skipped, nbytes = _write_dataset(
+                    config, config.dest / split_name if split_name else config.dest, split_name,
+                    zip(entries, results), progress, source=scan.description, label_map=scan.label_map,
+                    image_field=scan.image_field, label_field=scan.label_field, convert_options=options,
+                    scan_skipped=scan_skipped, **extra)
+                manifests[split_name] = manifest
+                all_skipped.extend(skipped)
+                bytes_in += nbytes
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    if config.split:
+        from fastio.manifest import fingerprint
+
+        splits = {"format": "fastio-splits",
+                  "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)}
+                             for n, m in manifests.items()}}
+        atomic_write_bytes(config.dest / SPLITS_NAME, json.dumps(splits, indent=2, sort_keys=True).encode() + b"\n")
+    return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
+                         skipped=all_skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)

@@ -1,0 +1,69 @@
+"""Progress on stderr (a tqdm bar, only when stderr is a terminal and not --quiet) and summary lines."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+__all__ = ["Progress", "human_bytes", "progress_wanted", "rate_line"]
+
+
+def progress_wanted(quiet: bool, stream: TextIO | None = None) -> bool:
+    """Whether to draw a bar: not ``quiet`` and ``stream`` (default stderr) is a terminal."""
+    stream = stream if stream is not None else sys.stderr
+    return not quiet and hasattr(stream, "isatty") and stream.isatty()
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` -> ``1.2 MB`` (decimal units, as --shard-size reads them)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def rate_line(samples: int, nbytes: int, seconds: float) -> str:
+    """``N samples (X MB) in Ts (R samples/s, M MB/s)``."""
+    s = max(seconds, 1e-9)
+    return (f"{samples} samples ({human_bytes(nbytes)}) in {seconds:.1f}s "
+            f"({samples / s:.0f} samples/s, {nbytes / s / 1e6:.1f} MB/s)")
+
+
+class Progress:
+    """Counts samples and bytes; draws a tqdm bar (samples, MB/s, ETA) on stderr when ``enabled``.
+
+    Use as a context manager; ``update`` is cheap when disabled.
+    """
+
+    def __init__(self, total: int, *, enabled: bool, desc: str = "") -> None:
+        self.total, self.samples, self.bytes = total, 0, 0
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc or None, unit="sample", file=sys.stderr,
+                             dynamic_ncols=True, smoothing=0.1, leave=False, postfix="0.0 MB/s")
+        self._since_refresh = 0
+
+    def update(self, samples: int = 1, nbytes: int = 0) -> None:
+        self.samples += samples
+        self.bytes += nbytes
+        if self._bar is not None:
+            self._since_refresh += samples
+            self._bar.update(samples)
+            if self._since_refresh >= 16:
+                self._since_refresh = 0
+                elapsed = self._bar.format_dict.get("elapsed") or 1e-9
+                self._bar.set_postfix_str(f"{self.bytes / elapsed / 1e6:.1f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,303 @@
+"""`fastio convert` end to end: determinism, shuffle, split, limits, bad samples, DEST rules, kill-and-rerun."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from fastio.cli import main
+from fastio.convert import ConvertConfig, convert, parse_size, parse_split
+from fastio.dataset import Dataset
+from fastio.errors import ConvertError, DatasetError
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME
+from fastio.progress import progress_wanted
+from fastio.synthetic import make_imagefolder
+from fastio.verify import verify
+
+
+def tree(dest: Path) -> dict[str, bytes]:
+    """Every file under ``dest`` (hidden ones included) by relative path."""
+    return {p.relative_to(dest).as_posix(): p.read_bytes() for p in sorted(dest.rglob("*")) if p.is_file()}
+
+
+def keys(dest: Path) -> list[str]:
+    return Dataset(dest).table.keys
+
+
+@pytest.mark.parametrize("text, value", [
+    ("256MB", 256 * 10**6), ("1GiB", 2**30), ("500k", 500_000), ("1024", 1024), ("1.5 MiB", 1572864),
+    ("64kb", 64_000), (4096, 4096),
+])
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "MB", "12 parsecs", "0", "-5MB", "1 iB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="--shard-size"):
+        parse_size(text)
+
+
+def test_parse_split():
+    assert parse_split("val=0.05") == {"val": 0.05}
+    assert parse_split("val=0.1,test=0.2") == {"val": 0.1, "test": 0.2}
+    for bad in ("val", "val=x", "val=1.5", "train=0.1", "a=0.6,b=0.5", "v al=0.1"):
+        with pytest.raises(ValueError, match="--split"):
+            parse_split(bad)
+
+
+def test_same_bytes_for_any_worker_count(tmp_path, image_folder):
+    outs = []
+    for workers in (1, 3):
+        dest = tmp_path / f"w{workers}"
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=workers, shuffle=True, seed=3,
+                              split="val=0.25", max_samples_per_shard=5, max_side=64, quality=80))
+        outs.append(tree(dest))
+    assert outs[0] == outs[1]
+    assert "train/shards/shard-000007.tar" in outs[0] and "val/manifest.json" in outs[0]
+
+
+def test_shuffle_is_a_seeded_permutation(tmp_path, image_folder):
+    plain = keys(convert(ConvertConfig(source=image_folder, dest=tmp_path / "a", workers=1)).dest)
+    s0 = keys(convert(ConvertConfig(source=image_folder, dest=tmp_path / "b", workers=1, shuffle=True)).dest)
+    s1 = keys(convert(ConvertConfig(source=image_folder, dest=tmp_path / "c", workers=1, shuffle=True,
+                                    seed=1)).dest)
+    assert plain == sorted(plain)
+    assert sorted(s0) == sorted(s1) == plain
+    assert s0 != plain and s1 != s0
+    manifest = json.loads((tmp_path / "b" / MANIFEST_NAME).read_text())
+    assert manifest["convert_options"]["shuffle"] is True and manifest["convert_options"]["seed"] == 0
+
+
+def test_split_writes_complete_disjoint_datasets(tmp_path, image_folder):
+    result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "d", workers=1, split="val=0.25"))
+    train, val = Dataset(tmp_path / "d" / "train"), Dataset(tmp_path / "d" / "val")
+    assert (len(train), len(val)) == (36, 12)
+    assert set(train.table.keys).isdisjoint(val.table.keys)
+    everything = sorted(f"{p.parent.name}/{p.stem}" for p in image_folder.rglob("*.jpg"))
+    assert sorted(train.table.keys + val.table.keys) == everything
+    assert train.table.keys == sorted(train.table.keys)  # no --shuffle: source order within each split
+    assert train.label_map == val.label_map == {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    splits = json.loads((tmp_path / "d" / "splits.json").read_text())["splits"]
+    assert splits == {"train": {"samples": 36, "fingerprint": train.fingerprint},
+                      "val": {"samples": 12, "fingerprint": val.fingerprint}}
+    assert result.samples == 48 and verify(tmp_path / "d").ok
+    again = convert(ConvertConfig(source=image_folder, dest=tmp_path / "e", workers=2, split="val=0.25"))
+    assert keys(again.dest / "val") == val.table.keys  # same seed, other worker count: same split
+    other = convert(ConvertConfig(source=image_folder, dest=tmp_path / "f", workers=1, split="val=0.25", seed=5))
+    assert keys(other.dest / "val") != val.table.keys
+
+
+def test_shard_size_and_sample_limits(tmp_path, image_folder):
+    ds = Dataset(convert(ConvertConfig(source=image_folder, dest=tmp_path / "a", workers=1,
+                                       shard_size="20k")).dest)
+    assert len(ds.shards) > 3
+    assert all(s.bytes <= 20_000 for s in ds.shards)
+    assert sum(s.samples for s in ds.shards) == 48
+    ds = Dataset(convert(ConvertConfig(source=image_folder, dest=tmp_path / "b", workers=1,
+                                       max_samples_per_shard=10)).dest)
+    assert [s.samples for s in ds.shards] == [10, 10, 10, 10, 8]
+
+
+def damage(image_folder: Path) -> tuple[Path, Path]:
+    truncated = image_folder / "square" / "square_0003.jpg"
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])  # header intact: only a full decode notices
+    garbage = image_folder / "circle" / "circle_0005.jpg"
+    garbage.write_bytes(b"this is not a jpeg")
+    return truncated, garbage
+
+
+def test_bad_images_are_skipped_and_listed(tmp_path, image_folder):
+    damage(image_folder)
+    result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "d", workers=2))
+    ds = Dataset(tmp_path / "d")
+    assert len(ds) == 46 and result.samples == 46
+    skipped = {s["path"]: s["reason"] for s in ds.manifest["skipped"]}
+    assert set(skipped) == {"square/square_0003.jpg", "circle/circle_0005.jpg"}
+    assert skipped["square/square_0003.jpg"].startswith("image does not decode")
+    assert "truncated" in skipped["square/square_0003.jpg"]
+    assert skipped["circle/circle_0005.jpg"].startswith("not a readable image")
+    assert "circle/circle_0005" not in ds.table.keys
+
+
+def test_bad_image_with_on_error_fail_stops_naming_it(tmp_path, image_folder):
+    damage(image_folder)
+    with pytest.raises(ConvertError, match=r"circle_0005.jpg: not a readable image .*--on-error fail"):
+        convert(ConvertConfig(source=image_folder, dest=tmp_path / "d", workers=2, on_error="fail"))
+    assert (tmp_path / "d" / MARKER_NAME).is_file()
+    with pytest.raises(DatasetError, match="not a fastio dataset"):
+        Dataset(tmp_path / "d")
+
+
+def test_max_side_downscales_only_big_images(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=8, min_side=40, max_side=120)
+    ds = Dataset(convert(ConvertConfig(source=src, dest=tmp_path / "d", workers=2, max_side=64,
+                                       quality=85)).dest)
+    import webdataset as wds
+
+    shrunk = 0
+    for sample in wds.WebDataset([str(s.path) for s in ds.shards], shardshuffle=False):
+        original = (src / f"{sample['__key__']}.jpg").read_bytes()
+        img = Image.open(io.BytesIO(sample["jpg"]))
+        img.load()
+        w0, h0 = Image.open(io.BytesIO(original)).size
+        assert max(img.size) == min(64, max(w0, h0)) and img.format == "JPEG"
+        if max(w0, h0) <= 64:
+            assert sample["jpg"] == original
+        else:
+            shrunk += 1
+    assert shrunk > 0
+    assert ds.manifest["convert_options"]["max_side"] == 64
+
+
+def test_dest_rules(tmp_path, image_folder):
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    clean = tree(dest)
+    with pytest.raises(ConvertError, match=r"d: already holds a converted dataset; pass --overwrite"):
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, overwrite=True))
+    assert tree(dest) == clean
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(ConvertError, match=r"foreign: directory is not empty and is not fastio output"):
+        convert(ConvertConfig(source=image_folder, dest=foreign, workers=1))
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    convert(ConvertConfig(source=image_folder, dest=foreign, workers=1, overwrite=True))
+    assert tree(foreign) == clean
+
+    with pytest.raises(ConvertError, match="must not contain one another"):
+        convert(ConvertConfig(source=image_folder, dest=image_folder / "out", workers=1))
+
+
+def test_interrupted_dest_is_redone_without_overwrite(tmp_path, image_folder):
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, max_samples_per_shard=8))
+    clean = tree(dest)
+    (dest / MANIFEST_NAME).unlink()  # what a run killed before its last step leaves ...
+    (dest / "shards" / ".shard-000006.tar.tmp").write_bytes(b"half a shard")  # ... plus a half-written one
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=2, max_samples_per_shard=8))
+    assert tree(dest) == clean
+
+
+def test_kill_and_rerun_gives_identical_output(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=4, per_class=60, min_side=160, max_side=240)
+    args = ["convert", str(src), "DEST", "--max-samples-per-shard", "2", "--max-side", "96",
+            "--workers", "1", "--quiet"]
+    reference = tmp_path / "reference"
+    assert main([a.replace("DEST", str(reference)) for a in args]) == 0
+
+    dest = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "fastio.cli", *[a.replace("DEST", str(dest)) for a in args]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = dest / "shards" / "shard-000000.tar"
+    deadline = time.monotonic() + 60
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()
+    assert first.exists() and (dest / MARKER_NAME).exists()
+    assert not (dest / MANIFEST_NAME).exists(), "the run finished before it was killed"
+    with pytest.raises(DatasetError):
+        Dataset(dest)
+
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stderr == ""
+    assert tree(dest) == tree(reference)
+
+
+def test_cli_summary_line_and_quiet(tmp_path, image_folder, capsys):
+    assert main(["convert", str(image_folder), str(tmp_path / "a"), "--workers", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("converted 48 samples (") and "into 1 shards" in out and out.count("\n") == 1
+    assert err == ""  # stderr is not a terminal here: no progress bar
+    assert main(["convert", str(image_folder), str(tmp_path / "b"), "--quiet"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_bar_on_a_real_terminal(tmp_path, image_folder):
+    """stderr is a pseudo-terminal: the bar shows samples and MB/s, then the summary line follows."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "fastio.cli", "convert", str(image_folder), str(tmp_path / "d"),
+                             "--workers", "1", "--max-side", "32"], stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert "convert:" in text and "/48 [" in text and "sample/s" in text and "MB/s" in text
+    assert text.rstrip().splitlines()[-1].lstrip("\r ").startswith("converted 48 samples")
+
+
+def test_progress_only_on_a_terminal(tmp_path):
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert progress_wanted(False, Tty()) is True
+    assert progress_wanted(True, Tty()) is False
+    assert progress_wanted(False, io.StringIO()) is False
+    with open(os.devnull, "w") as devnull:
+        assert progress_wanted(False, devnull) is False
+
+
+def test_convert_command_imports_neither_torch_nor_dali(tmp_path, image_folder):
+    """Start-up matters for conversion: the convert command (without other command modules) stays torch-free."""
+    script = (
+        "import sys\n"
+        "from fastio.cli import cli\n"
+        "import fastio.cli.dataset_commands\n"
+        f"cli.main(args=['convert', {str(image_folder)!r}, {str(tmp_path / 'd')!r}, '--workers', '2', '-q'],"
+        " standalone_mode=False)\n"
+        "print(sorted(m for m in ('torch', 'nvidia.dali') if sys.modules.get(m) is not None))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    assert len(Dataset(tmp_path / "d")) == 48
+
+
+def test_downscale_keeps_orientation_and_format():
+    from fastio.images import downscale
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW when shown": the stored pixels are not rotated
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 200), (200, 10, 10)).save(buf, "JPEG", exif=exif.tobytes())
+    out, size = downscale(buf.getvalue(), "jpg", 100, 80)
+    img = Image.open(io.BytesIO(out))
+    assert size == img.size == (100, 67) and img.format == "JPEG"
+    assert img.getexif().get(0x0112) == 6
+    png = io.BytesIO()
+    Image.new("RGBA", (50, 120), (0, 0, 255, 128)).save(png, "PNG")
+    out, size = downscale(png.getvalue(), "png", 60, 80)
+    assert Image.open(io.BytesIO(out)).format == "PNG" and size == (25, 60)
+    assert downscale(png.getvalue(), "png", 500, 80)[0] == png.getvalue()

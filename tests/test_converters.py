@@ -1,0 +1,182 @@
+"""Each converter turns its source format into the expected entries (keys, fields, labels, skips)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import converters
+from converters.base import FileRef, ScanOptions, unique_key
+from fastio.errors import ConvertError
+
+
+def fields_of(entry) -> dict:
+    return dict(entry.fields)
+
+
+def test_imagefolder_keys_labels_and_skips(image_folder):
+    (image_folder / "README.txt").write_text("not a class")
+    (image_folder / "circle" / "notes.txt").write_text("not an image")
+    assert converters.detect(image_folder) == "imagefolder"
+    result = converters.scan(image_folder)
+    assert result.label_map == {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    assert result.image_field == "jpg" and result.label_field == "cls"
+    assert len(result.entries) == 48
+    first = result.entries[0]
+    assert first.key == "circle/circle_0000"
+    assert fields_of(first) == {"jpg": FileRef(str(image_folder / "circle" / "circle_0000.jpg")), "cls": b"0"}
+    assert fields_of(result.entries[-1])["cls"] == b"3"
+    assert [e.key for e in result.entries] == sorted(e.key for e in result.entries)
+    assert {(s.path, s.reason.split(" (")[0]) for s in result.skipped} == {
+        ("README.txt", "not inside a class folder"), ("circle/notes.txt", "not an image file")}
+    assert result.description["format"] == "imagefolder"
+
+
+def test_imagefolder_keys_stay_unique_and_safe(image_folder):
+    src = image_folder / "circle"
+    (src / "a b.jpg").write_bytes((src / "circle_0000.jpg").read_bytes())
+    (src / "a_b.jpg").write_bytes((src / "circle_0001.jpg").read_bytes())
+    (src / "a_b.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    keys = [e.key for e in converters.scan(image_folder).entries if e.origin.startswith("circle/a")]
+    assert len(keys) == len(set(keys)) == 3
+    assert all(k.startswith("circle/a_b") and " " not in k and "." not in k for k in keys)
+
+
+def test_unique_key_is_deterministic():
+    def keys():
+        taken: set[str] = set()
+        return [unique_key(t, taken) for t in ("x y", "x_y", "x.y", "x y")]
+
+    first = keys()
+    assert first == keys()
+    assert first[0] == "x_y" and len(set(first)) == 4
+    assert all(k.startswith("x_y") and "." not in k for k in first)
+
+
+def write_csv(folder: Path, files: list[Path], *, header="path,label,caption,score") -> Path:
+    lines = [header] + [f"{p.relative_to(folder).as_posix()},{p.parent.name},\"hello, {i}\",{i / 2}"
+                        for i, p in enumerate(files)]
+    table = folder / "table.csv"
+    table.write_text("\n".join(lines) + "\n")
+    return table
+
+
+def test_csv_paths_labels_and_text_columns(image_folder):
+    files = sorted(image_folder.rglob("*.jpg"))[::7]
+    table = write_csv(image_folder, files)
+    assert converters.detect(table) == "csv"
+    result = converters.scan(table)
+    classes = sorted({p.parent.name for p in files})
+    assert result.label_map == {c: i for i, c in enumerate(classes)}
+    assert [e.key for e in result.entries] == [f"{p.parent.name}/{p.stem}" for p in files]
+    e = fields_of(result.entries[1])
+    assert e == {"jpg": FileRef(str(files[1])), "cls": str(classes.index(files[1].parent.name)).encode(),
+                 "caption": b"hello, 1", "score": b"0.5"}
+    assert result.description["options"] == {"path_column": "path", "label_column": "label"}
+
+
+def test_jsonl_integer_labels_and_json_values(image_folder):
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    table = image_folder / "meta.jsonl"
+    rows = [{"file": f"{p.parent.name}/{p.name}", "label": 7 - i, "meta": {"i": i}, "ok": i % 2 == 0}
+            for i, p in enumerate(files)]
+    table.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    result = converters.scan(table)
+    assert result.label_map is None
+    assert [fields_of(e)["cls"] for e in result.entries] == [b"7", b"6", b"5", b"4"]
+    assert fields_of(result.entries[2])["meta"] == b'{"i": 2}'
+    assert fields_of(result.entries[1])["ok"] == b"false"
+
+
+def test_table_options_name_columns(image_folder):
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    table = write_csv(image_folder, files, header="where,kind,caption,id")
+    with pytest.raises(ConvertError, match=r"table.csv: no path column"):
+        converters.scan(table)
+    result = converters.scan(table, "csv", ScanOptions(path_column="where", label_column="kind", key_column="id"))
+    assert [e.key for e in result.entries] == ["0_0", "0_5", "1_0"]
+    with pytest.raises(ConvertError, match=r"no label column 'nope'"):
+        converters.scan(table, "csv", ScanOptions(path_column="where", label_column="nope"))
+
+
+def test_parquet_bytes_columns_become_fields(tmp_path, image_folder):
+    files = sorted(image_folder.rglob("*.jpg"))[:5]
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({
+        "image": [{"bytes": p.read_bytes(), "path": p.name} for p in files],  # Hugging Face layout
+        "mask": pa.array([b"\x00\x01"] * 5, pa.binary()),
+        "label": [p.parent.name for p in files],
+        "text": [f"t{i}" for i in range(5)],
+    }), path)
+    assert converters.detect(path) == "parquet"
+    result = converters.scan(path)
+    assert result.image_field == "jpg"
+    e = fields_of(result.entries[3])
+    assert e == {"jpg": files[3].read_bytes(), "mask": b"\x00\x01", "cls": b"0", "text": b"t3"}
+    assert [x.key for x in result.entries] == [p.stem for p in files]  # from the struct's "path"
+    pq.write_table(pa.table({"img": [p.read_bytes() for p in files], "n": list(range(5))}), path)
+    result = converters.scan(path)
+    assert [x.key for x in result.entries] == ["00000000", "00000001", "00000002", "00000003", "00000004"]
+    assert fields_of(result.entries[4]) == {"jpg": files[4].read_bytes(), "n": b"4"}
+
+
+def test_files_grouped_by_basename(tmp_path, image_folder):
+    src = tmp_path / "loose"
+    (src / "sub").mkdir(parents=True)
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    (src / "a.jpg").write_bytes(jpg)
+    (src / "a.json").write_text("{}")
+    (src / "a.cls").write_text("3")
+    (src / "sub" / "b.seg.png").write_bytes(b"png?")
+    (src / "README").write_text("no extension")
+    assert converters.detect(src) == "files"
+    result = converters.scan(src)
+    assert [e.key for e in result.entries] == ["a", "sub/b"]
+    assert sorted(fields_of(result.entries[0])) == ["cls", "jpg", "json"]
+    assert list(fields_of(result.entries[1])) == ["seg.png"]
+    assert result.label_field == "cls" and result.image_field == "jpg"
+    assert [s.path for s in result.skipped] == ["README"]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing", r"missing: no such file or directory"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: source directory is empty"),
+    (lambda d: (d / "x.bin").write_bytes(b"1") and d / "x.bin", r"x.bin: cannot tell the format"),
+])
+def test_detect_errors_name_the_source(tmp_path, make, message):
+    with pytest.raises(ConvertError, match=message):
+        converters.scan(make(tmp_path))
+
+
+def test_unknown_format_is_rejected(image_folder):
+    with pytest.raises(ConvertError, match=r"unknown format 'tfrecord'"):
+        converters.scan(image_folder, "tfrecord")
+
+
+@pytest.mark.parametrize("name, body, message", [
+    ("t.csv", "path,label\na.jpg,1,extra\n", r"t.csv:2: unreadable table \(expected 2 columns, found 3\)"),
+    ("t.csv", "", r"t.csv: unreadable table \(no header row\)"),
+    ("t.jsonl", '{"path": "a.jpg"}\n{oops\n', r"t.jsonl:2: unreadable table \(invalid JSON"),
+    ("t.jsonl", '[1, 2]\n', r"t.jsonl:1: unreadable table \(a line is a list"),
+    ("t.csv", "path\nmissing.jpg\n", r"t.csv:2: path column 'path' names a missing file: missing.jpg"),
+])
+def test_bad_tables_name_file_and_line(tmp_path, name, body, message):
+    (tmp_path / name).write_text(body)
+    with pytest.raises(ConvertError, match=message):
+        converters.scan(tmp_path / name)
+
+
+def test_non_utf8_table(tmp_path):
+    (tmp_path / "t.csv").write_bytes(b"path\n\xff\xfe.jpg\n")
+    with pytest.raises(ConvertError, match=r"t.csv: unreadable table \(not UTF-8"):
+        converters.scan(tmp_path / "t.csv")
+
+
+def test_corrupt_parquet(tmp_path):
+    (tmp_path / "t.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ConvertError, match=r"t.parquet: unreadable table"):
+        converters.scan(tmp_path / "t.parquet")
