@@ -1,0 +1,307 @@
+"""Loader benchmark: fastio against the loaders a user would otherwise pick, on the same shards, one run.
+
+Each contender delivers one epoch of the ``image-train`` transform at 224 px (random resized crop,
+horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..640x480:
+
+- ``fastio``: ``fastio.Loader(device=...)``;
+- ``dataloader``: ``torch.utils.data.DataLoader(num_workers=cores)`` over ``webdataset.WebDataset`` with PIL
+  decode and the same transforms written with PIL + numpy + torch (no torchvision);
+- ``dali``: DALI's own ``fn.readers.webdataset`` with the same graph. The crop is
+  ``fn.decoders.image_random_crop`` (DALI's fused decode + random-resized-crop, the ROI decode its own
+  ResNet example uses), because fastio's graph also decodes only the crop window;
+- ``ceiling``: a tight single-process PIL decode + resize loop, multiplied by the core count.
+
+Runs are interleaved and rotated (A B C D, B C D A, ...); each figure is the median samples/s, next
+to the median CPU time per sample (this process and its reaped children), which is far less sensitive
+than wall time to other load on a shared machine.
+``python bench/loader.py [--device cuda] [--repeats N] [--samples N]`` writes
+``bench/results/loader[-cuda].json`` and a PNG bar chart next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RESULTS_DIR, machine_info, write_results
+
+__all__ = ["make_shards", "run", "table"]
+
+SIZE = 224
+BATCH = 64
+MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+
+def _photo_like(rng: np.random.Generator, w: int, h: int) -> bytes:
+    """A JPEG with photo-like statistics: smooth colour fields, edges and mild sensor noise."""
+    small = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
+    yy, xx = np.mgrid[0:h, 0:w]
+    for _ in range(4):
+        cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(0.05, 0.3) * min(w, h)
+        img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.integers(0, 256, 3)
+    img += rng.normal(0, 6, size=img.shape).astype(np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
+    """``workdir/shards-N-S`` (a fastio dataset) with ``samples`` JPEGs in ``shards`` shards; reused if there."""
+    from fastio.shards import ShardWriter
+
+    dest = Path(workdir) / f"shards-{samples}-{shards}"
+    if (dest / "manifest.json").is_file():
+        return dest
+    rng = np.random.default_rng(0)
+    writer = ShardWriter(dest, name="bench", max_samples=-(-samples // shards))
+    for i in range(samples):
+        w, h = int(rng.integers(400, 641)), int(rng.integers(300, 481))
+        writer.write({"__key__": f"img{i:06d}", "jpg": _photo_like(rng, w, h), "cls": str(i % 10).encode()})
+    writer.close(image_field="jpg", label_field="cls")
+    return dest
+
+
+# -- contenders: each returns (samples delivered, seconds) for one epoch -------------------------------
+
+def _fastio(dest: Path, device: str) -> tuple[int, float]:
+    import torch
+
+    from fastio.loader import Loader
+
+    t = time.perf_counter()
+    loader = Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0)
+    n = 0
+    for batch in loader:
+        n += int((~batch["padded"]).sum())
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    loader.close()
+    return n, seconds
+
+
+def _rrc_params(rng, width: int, height: int):
+    import math
+
+    area = width * height
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
+    s = min(width, height)
+    return (width - s) // 2, (height - s) // 2, s, s
+
+
+class _Transform:
+    """RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor + Normalize, with PIL, numpy and torch."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng()
+
+    def __call__(self, sample):
+        import torch
+
+        img, cls = sample
+        x, y, w, h = _rrc_params(self.rng, *img.size)
+        img = img.convert("RGB").resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
+        if self.rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        arr = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
+        return torch.from_numpy(arr.transpose(2, 0, 1).copy()), int(cls)
+
+
+def _dataloader(dest: Path, workers: int, device: str) -> tuple[int, float]:
+    import torch
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (dest / "shards").glob("*.tar"))
+    t = time.perf_counter()
+    ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker)
+          .shuffle(256).decode("pil").to_tuple("jpg", "cls").map(_Transform()).batched(BATCH))
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=device == "cuda")
+    n = 0
+    for images, labels in loader:
+        if device == "cuda":
+            images = images.to(device, non_blocking=True)
+        n += len(labels)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return n, time.perf_counter() - t
+
+
+def _dali(dest: Path, device: str, threads: int) -> tuple[int, float]:
+    from nvidia.dali import fn, pipeline_def, types
+
+    tars = sorted(str(p) for p in (dest / "shards").glob("*.tar"))
+    idxs = [str(Path(t).with_suffix(".idx")) for t in tars]
+    decoder = "mixed" if device == "cuda" else "cpu"
+
+    @pipeline_def(batch_size=BATCH, num_threads=threads, device_id=0 if device == "cuda" else None,
+                  prefetch_queue_depth=2)
+    def graph():
+        jpg, cls = fn.readers.webdataset(paths=tars, index_paths=idxs, ext=["jpg", "cls"], random_shuffle=True,
+                                         initial_fill=256, missing_component_behavior="error", name="reader")
+        img = fn.decoders.image_random_crop(jpg, device=decoder, output_type=types.RGB,
+                                            random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        img = fn.resize(img, resize_x=SIZE, resize_y=SIZE, antialias=True)
+        img = fn.crop_mirror_normalize(img, mirror=fn.random.coin_flip(), mean=list(MEAN * 255),
+                                       std=list(STD * 255), dtype=types.FLOAT, output_layout="CHW")
+        return img, cls
+
+    t = time.perf_counter()
+    pipe = graph()
+    pipe.build()
+    total = pipe.epoch_size("reader")
+    n = 0
+    for _ in range(-(-total // BATCH)):
+        img, _ = pipe.run()
+        n += len(_to_torch(img, device))  # what DALIGenericIterator does for a training loop
+    seconds = time.perf_counter() - t
+    del pipe
+    return min(n, total), seconds
+
+
+def _to_torch(tl, device: str):
+    import torch
+
+    if device != "cuda":
+        return torch.from_numpy(tl.as_array())
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    t = tl.as_tensor()
+    out = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
+    feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    return out
+
+
+def _ceiling(dest: Path, limit: int = 300) -> tuple[int, float]:
+    from fastio.dataset import Dataset
+    from fastio.reader import Reader
+
+    ds = Dataset(dest)
+    with Reader(ds, ["jpg"], threads=1) as reader:
+        blobs = [b.tobytes() for b in reader.read(np.arange(min(limit, len(ds))))["jpg"]]
+    t = time.perf_counter()
+    for data in blobs:
+        Image.open(io.BytesIO(data)).convert("RGB").resize((SIZE, SIZE), Image.BILINEAR)
+    return len(blobs), time.perf_counter() - t
+
+
+def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 1200,
+        results_dir: Path | None = RESULTS_DIR) -> dict:
+    """Run the comparison, print the table, write ``loader[-DEVICE].json`` + ``.png`` under ``results_dir``
+    (None: write nothing) and return the result dict."""
+    cores = os.cpu_count() or 1
+    dest = make_shards(Path(workdir), samples, shards=max(8, 2 * cores))  # every DataLoader worker gets shards
+    contenders = {
+        "fastio": lambda: _fastio(dest, device),
+        "dataloader": lambda: _dataloader(dest, cores, device),
+        "dali": lambda: _dali(dest, device, cores),
+        "ceiling": lambda: _ceiling(dest),
+    }
+    scale = {"ceiling": cores}  # the ceiling is one core's loop; `cores` of them run side by side
+    _fastio(dest, device)  # warm the page cache and DALI's lazy initialisation before timing
+    runs: dict[str, list[float]] = {k: [] for k in contenders}
+    cpu: dict[str, list[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for r in range(repeats):  # interleaved and rotated, so that drift in load and run order hit all alike
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            before = _cpu_seconds()
+            n, seconds = contenders[name]()
+            cpu[name].append(1000 * (_cpu_seconds() - before) / n)
+            runs[name].append(scale.get(name, 1) * n / seconds)
+            print(f"  {name:<11} {runs[name][-1]:9.1f} samples/s  {cpu[name][-1]:6.2f} CPU ms/sample",
+                  file=sys.stderr, flush=True)
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    result = {
+        "benchmark": "loader", "device": device, "machine": machine_info(), "cores": cores, "samples": samples,
+        "batch_size": BATCH, "image_size": SIZE, "repeats": repeats, "samples_per_s": median, "runs": runs,
+        # CPU time (this process and its reaped children) per delivered sample: the efficiency figure,
+        # much less sensitive than wall time to other load on a shared machine.
+        "cpu_ms_per_sample": {k: statistics.median(v) for k, v in cpu.items()},
+        "ratios": [
+            {"name": f"loader {device} samples/s vs DataLoader+WebDataset", "better": "higher", "target": 1.2,
+             "value": median["fastio"] / median["dataloader"]},
+            {"name": f"loader {device} samples/s vs DALI webdataset reader", "better": "higher", "target": 0.9,
+             "value": median["fastio"] / median["dali"]},
+        ],
+        "fastio_vs_ceiling": median["fastio"] / median["ceiling"],
+    }
+    print(table(result))
+    if results_dir is not None:
+        stem = "loader" if device == "cpu" else f"loader-{device}"
+        write_results(stem, result, results_dir)
+        _chart(result, results_dir / f"{stem}.png")
+    return result
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def table(result: dict) -> str:
+    sps, cpu = result["samples_per_s"], result["cpu_ms_per_sample"]
+    lines = [f"loader benchmark ({result['device']}, {result['cores']} cores, {result['samples']} JPEGs, "
+             f"image-train {result['image_size']}, median of {result['repeats']})",
+             f"{'contender':<12}{'samples/s':>12}{'fastio x':>10}{'CPU ms/sample':>15}"]
+    for name, v in sps.items():
+        lines.append(f"{name:<12}{v:12.1f}{sps['fastio'] / v:10.2f}{cpu[name]:15.2f}")
+    for r in result["ratios"]:
+        lines.append(f"{r['name']}: {r['value']:.3f}x (target >= {r['target']}: "
+                     f"{'met' if r['value'] >= r['target'] else 'MISSED'})")
+    return "\n".join(lines)
+
+
+def _chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, values = zip(*result["samples_per_s"].items())
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(names, values, color=["#2a7" if n == "fastio" else "#888" for n in names])
+    ax.set_ylabel("samples/s (median)")
+    ax.set_title(f"image-train 224, {result['device']}, {result['cores']} cores")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    from fastio.atomic import atomic_write_bytes
+
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "loader")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    run(args.workdir, args.repeats, args.device, args.samples, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

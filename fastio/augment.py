@@ -1,0 +1,129 @@
+"""Per-sample augmentation parameters as a pure function of (seed, epoch, global sample index).
+
+Random numbers come from a counter-based hash (splitmix64) of ``(seed, epoch, index, draw)``, so a
+sample's crop and flip do not depend on which rank or thread handles it, nor on batch composition.
+The crop follows torchvision's ``RandomResizedCrop.get_params`` (10 attempts, then a center crop).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+
+import numpy as np
+
+__all__ = ["CropParams", "image_size", "random_resized_crop", "splitmix64", "uniforms"]
+
+ATTEMPTS = 10
+_DRAWS = 4 * ATTEMPTS + 1  # scale, log-ratio, top, left per attempt, then the flip
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser applied elementwise to a uint64 array (wrapping arithmetic)."""
+    x = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seed: int, epoch: int, indices: np.ndarray, draws: int) -> np.ndarray:
+    """``[len(indices), draws]`` float64 uniforms in [0, 1), one independent stream per sample."""
+    base = splitmix64(np.array([(seed * 0x1000003 + epoch) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+    idx = np.asarray(indices, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        stream = splitmix64(idx ^ base)
+        counters = stream[:, None] + np.arange(draws, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
+    bits = splitmix64(counters) >> np.uint64(11)
+    return bits.astype(np.float64) * (1.0 / (1 << 53))
+
+
+class CropParams:
+    """Crop windows in pixels (``anchor`` = (x, y), ``shape`` = (w, h), float32 [N, 2]) and ``flip`` (int32 [N])."""
+
+    def __init__(self, anchor: np.ndarray, shape: np.ndarray, flip: np.ndarray):
+        self.anchor, self.shape, self.flip = anchor, shape, flip
+
+
+def random_resized_crop(seed: int, epoch: int, indices: np.ndarray, widths: np.ndarray, heights: np.ndarray,
+                        scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                        flip_p: float = 0.5) -> CropParams:
+    """torchvision ``RandomResizedCrop`` + ``RandomHorizontalFlip`` parameters for each sample, vectorised."""
+    width = np.asarray(widths, dtype=np.float64)[:, None]
+    height = np.asarray(heights, dtype=np.float64)[:, None]
+    u = uniforms(seed, epoch, indices, _DRAWS)
+    att = u[:, : 4 * ATTEMPTS].reshape(-1, ATTEMPTS, 4)
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    target = area * (scale[0] + (scale[1] - scale[0]) * att[..., 0])
+    aspect = np.exp(log_lo + (log_hi - log_lo) * att[..., 1])
+    w = np.round(np.sqrt(target * aspect))
+    h = np.round(np.sqrt(target / aspect))
+    ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    top = np.floor(att[..., 2] * (height - h + 1))
+    left = np.floor(att[..., 3] * (width - w + 1))
+    first = np.argmax(ok, axis=1)
+    rows = np.arange(len(first))
+    found = ok[rows, first]
+    # Center-crop fallback, with the aspect ratio clamped into `ratio`.
+    wf, hf = width[:, 0].copy(), height[:, 0].copy()
+    in_ratio = wf / hf
+    narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
+    hf[narrow] = np.round(wf[narrow] / min(ratio))
+    wf[wide] = np.round(hf[wide] * max(ratio))
+    tf = np.floor((height[:, 0] - hf) / 2)
+    lf = np.floor((width[:, 0] - wf) / 2)
+    cw = np.where(found, w[rows, first], wf)
+    ch = np.where(found, h[rows, first], hf)
+    cy = np.where(found, top[rows, first], tf)
+    cx = np.where(found, left[rows, first], lf)
+    flip = (u[:, -1] < flip_p).astype(np.int32)
+    return CropParams(np.stack([cx, cy], 1).astype(np.float32), np.stack([cw, ch], 1).astype(np.float32), flip)
+
+
+def image_size(data: bytes | memoryview | np.ndarray) -> tuple[int, int]:
+    """``(width, height)`` from a JPEG or PNG header (other formats: PIL's lazy open). Raises ValueError."""
+    buf = bytes(data[:32]) if not isinstance(data, bytes) else data
+    if buf[:8] == b"\x89PNG\r\n\x1a\n":
+        w, h = struct.unpack(">II", bytes(data[16:24]))
+        return int(w), int(h)
+    if buf[:2] == b"\xff\xd8":
+        return _jpeg_size(memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data))
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(bytes(data))) as img:
+            return img.size
+    except Exception as err:  # PIL raises many kinds for bytes that are not an image
+        raise ValueError(f"not a decodable image ({type(err).__name__})") from None
+
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_size(mv: memoryview) -> tuple[int, int]:
+    i, n = 2, len(mv)
+    while i + 4 <= n:
+        if mv[i] != 0xFF:
+            raise ValueError(f"corrupt JPEG header (no marker at byte {i})")
+        marker = mv[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = (mv[i + 2] << 8) | mv[i + 3]
+        if marker in _SOF:
+            if i + 9 > n:
+                break
+            h = (mv[i + 5] << 8) | mv[i + 6]
+            w = (mv[i + 7] << 8) | mv[i + 8]
+            if w == 0 or h == 0:
+                raise ValueError(f"JPEG header gives size {w}x{h}")
+            return w, h
+        i += 2 + length
+    raise ValueError("truncated JPEG header (no frame size)")

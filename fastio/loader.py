@@ -1,0 +1,448 @@
+"""The Loader users iterate: this rank's slice of the global order, read ahead, decoded by DALI, as torch.
+
+Iterating a Loader yields the rest of the current epoch and then moves to the next epoch by itself.
+``state_dict()`` records the position (global samples consumed by the training loop, not prefetched);
+``load_state_dict()`` continues from there, at the same or at a different world size.
+"""
+
+from __future__ import annotations
+
+import io
+import operator
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from dataclasses import fields as dc_fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.augment import random_resized_crop
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, PIPELINES, GraphSpec, build_pipeline
+from fastio.reader import Reader, parse_label, sample_where
+from fastio.sampler import REMAINDER_MODES, SHUFFLE_MODES, EpochPlan, epoch_order
+from fastio.stats import Stats
+
+__all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
+
+STATE_VERSION = 1
+K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
+K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
+    "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
+_ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
+_INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS)
+
+
+def _as_int(key: str, value: Any) -> int:
+    """A state integer, also when a checkpoint round trip made it a numpy or 0-d torch integer."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
+
+
+@dataclass
+class LoaderConfig:
+    """Everything that shapes what a :class:`Loader` delivers."""
+
+    batch_size: int = 64
+    """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
+    pipeline: str | Callable = "image-train"
+    """``image-train``, ``image-eval``, ``raw``, or ``f(image, device) -> DataNode | dict[str, DataNode]``
+    that builds a DALI graph from the decoded HWC RGB uint8 image (``device`` is ``"cpu"`` or ``"mixed"``)."""
+    device: str = "auto"
+    """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
+    ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
+    image_size: int = 224
+    """Output side S: images are S x S."""
+    seed: int = 0
+    """Seeds the order of every epoch and every sample's augmentation."""
+    shuffle: str = "global"
+    """``global`` (full permutation), ``block`` (shuffled shards, samples shuffled in windows) or ``none``."""
+    block_shards: int = 4
+    """Shards per window in ``block`` mode."""
+    drop_last: bool = False
+    """Drop the last incomplete global batch of each epoch."""
+    remainder: str = "pad"
+    """Without drop_last: ``pad`` fills the last global batch by wrapping to the start of the epoch order;
+    ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
+    one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
+    fields: tuple[str, ...] | None = None
+    """Fields delivered besides the image; default: the label field (``image-*``), every field (``raw``)."""
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    """Per-channel mean on the 0..1 scale, subtracted before dividing by ``std``."""
+    std: tuple[float, float, float] = IMAGENET_STD
+    """Per-channel standard deviation on the 0..1 scale."""
+    dtype: str = "float32"
+    """Image dtype: float32, float16 (normalised) or uint8 (not normalised)."""
+    layout: str = "CHW"
+    """Image layout: CHW or HWC."""
+    eval_crop_ratio: float = 0.875
+    """``image-eval`` resizes the shorter side to ``image_size / eval_crop_ratio`` then center-crops."""
+    num_threads: int | None = None
+    """DALI worker threads (default: the core count)."""
+    prefetch: int = 2
+    """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
+    read_ahead: int | None = None
+    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``)."""
+    reader_threads: int | None = None
+    """Threads reading shard bytes (default: min(4, cores))."""
+    verify: bool = False
+    """Check each shard's sha256 against the manifest before its first use."""
+    rank: int | None = None
+    """This rank (default: torch.distributed, else env RANK, else 0)."""
+    world_size: int | None = None
+    """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
+    progress: bool = False
+    """Print a throughput/stall line to stderr every few seconds."""
+
+    def __post_init__(self):
+        cores = os.cpu_count() or 1
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if not callable(self.pipeline) and self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)} or a callable, got {self.pipeline!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.shuffle not in SHUFFLE_MODES:
+            raise ValueError(f"shuffle must be one of {', '.join(SHUFFLE_MODES)}, got {self.shuffle!r}")
+        if self.remainder not in REMAINDER_MODES:
+            raise ValueError(f"remainder must be one of {', '.join(REMAINDER_MODES)}, got {self.remainder!r}")
+        if self.block_shards < 1:
+            raise ValueError(f"block_shards must be >= 1, got {self.block_shards}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        self.num_threads = self.num_threads or cores
+        self.read_ahead = self.prefetch + 1 if self.read_ahead is None else self.read_ahead
+        self.reader_threads = self.reader_threads or min(4, cores)
+        if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
+            raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
+        if self.fields is not None:
+            self.fields = tuple(self.fields)
+        self.mean, self.std = tuple(self.mean), tuple(self.std)
+        GraphSpec(kind=self.pipeline, image_size=self.image_size, mean=self.mean, std=self.std, dtype=self.dtype,
+                  layout=self.layout, eval_crop_ratio=self.eval_crop_ratio)  # validates those fields
+        if self.world_size is not None and self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Loader:
+    """Iterate a fastio dataset as batches ``{"image", "label", "index", "padded", ...}`` of torch tensors.
+
+    ``image`` (and ``label``) are on the loader's device; ``index`` (int64 dataset-wide indices, see
+    :meth:`key`) and ``padded`` (bool) stay on the CPU. ``len(loader)`` is the number of batches of a
+    full epoch on every rank. Iterating yields the rest of the current epoch, then the epoch advances.
+    """
+
+    def __init__(self, dest: str | Path | Dataset, config: LoaderConfig | None = None, **overrides: Any):
+        if config is None:
+            config = LoaderConfig(**overrides)
+        elif overrides:
+            config = LoaderConfig(**{**{f.name: getattr(config, f.name) for f in dc_fields(config)}, **overrides})
+        self.config = cfg = config
+        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest)
+        rank, world = _default_rank_world()
+        self.rank = rank if cfg.rank is None else cfg.rank
+        self.world_size = world if cfg.world_size is None else cfg.world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+        n = len(ds)
+        if cfg.batch_size > n:
+            raise DatasetError(f"{ds.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
+        if cfg.drop_last and cfg.batch_size * self.world_size > n:
+            raise DatasetError(f"{ds.root}: global batch {cfg.batch_size * self.world_size} is larger than the "
+                               f"dataset ({n} samples) and drop_last leaves no batch")
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device")
+        # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
+        self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
+            else torch.device("cpu")
+        self._image_field = None
+        if cfg.pipeline != "raw":
+            self._image_field = ds.image_field
+            if self._image_field is None:
+                raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
+        if cfg.fields is not None:
+            extra = list(cfg.fields)
+        elif cfg.pipeline == "raw":
+            extra = ds.fields
+        else:
+            extra = [ds.label_field] if ds.label_field else []
+        ds.require_fields(extra)
+        self._extra = [f for f in extra if f != self._image_field]
+        read_fields = ([self._image_field] if self._image_field else []) + self._extra
+        self._spec = GraphSpec(kind=cfg.pipeline, image_size=cfg.image_size, mean=cfg.mean, std=cfg.std,
+                               dtype=cfg.dtype, layout=cfg.layout, eval_crop_ratio=cfg.eval_crop_ratio,
+                               raw_fields=tuple(self._extra) if cfg.pipeline == "raw" else ())
+        self._reader = Reader(ds, read_fields, threads=cfg.reader_threads, verify=cfg.verify,
+                              size_field=self._image_field if cfg.pipeline == "image-train" else None)
+        self._shard_sizes = [s.samples for s in ds.shards]
+        self.epoch, self.consumed = 0, 0
+        self._stats = Stats(progress=cfg.progress)
+        self._active: Iterator | None = None
+
+    # -- order and position -------------------------------------------------------------------------
+
+    def _plan(self, epoch: int, start: int) -> EpochPlan:
+        order = epoch_order(self._shard_sizes, self.config.seed, epoch, self.dataset.fingerprint,
+                            self.config.shuffle, self.config.block_shards)
+        return EpochPlan(order, start, self.config.batch_size, self.world_size, self.rank, self.config.drop_last,
+                         self.config.remainder)
+
+    def __len__(self) -> int:
+        n, gb = len(self.dataset), self.config.batch_size * self.world_size
+        return n // gb if self.config.drop_last else -(-n // gb)
+
+    def key(self, index: int) -> str:
+        """The ``__key__`` of the sample with dataset-wide index ``index``."""
+        return self.dataset.key(int(index))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``. The current epoch is left where it is, so calling
+        ``set_epoch(e)`` after restoring a mid-epoch state of epoch ``e`` does not lose the position."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self._close_active()
+            self.epoch, self.consumed = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed to the training loop (prefetched batches do not count)."""
+        cfg = self.config
+        return {K_VERSION: STATE_VERSION, K_SEED: cfg.seed, K_EPOCH: self.epoch, K_CONSUMED: self.consumed,
+                K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
+                K_FINGERPRINT: self.dataset.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``. With another world size the rest of that epoch is re-split into
+        global batches of the new size (each remaining sample once); later epochs are fresh runs."""
+        if not isinstance(state, dict) or K_VERSION not in state:
+            raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
+        state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
+        if state[K_VERSION] != STATE_VERSION:
+            raise LoaderStateError(f"loader state version {state[K_VERSION]!r}, this fastio reads {STATE_VERSION}")
+        missing = [k for k in (K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS)
+                   if k not in state]
+        if missing:
+            raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
+        if state[K_FINGERPRINT] != self.dataset.fingerprint:
+            raise LoaderStateError(f"{self.dataset.root}: loader state is for dataset fingerprint "
+                                   f"{state[K_FINGERPRINT]}, this dataset is {self.dataset.fingerprint}")
+        mine = self.state_dict()
+        for k in _ORDER_KEYS:
+            if state[k] != mine[k]:
+                raise LoaderStateError(f"loader state has {k}={state[k]!r}, this loader {k}={mine[k]!r} "
+                                       f"(the sample order would differ)")
+        epoch, consumed = state[K_EPOCH], state[K_CONSUMED]
+        if not (epoch >= 0 and 0 <= consumed <= len(self.dataset)):
+            raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
+                                   f"(dataset has {len(self.dataset)} samples)")
+        self._close_active()
+        self.epoch, self.consumed = epoch, consumed
+        if not len(self._plan(epoch, consumed)):  # nothing left of that epoch at this world size
+            self.epoch, self.consumed = epoch + 1, 0
+
+    # -- iteration ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """``{"last_epoch", "epoch", "overall"}``, each ``{"batches", "samples", "seconds", "samples_per_s",
+        "stall_fraction"}`` (padding repeats are not counted as samples)."""
+        return self._stats.as_dict()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._close_active()
+        self._active = self._iterate()
+        return self._active
+
+    def close(self) -> None:
+        self._close_active()
+        self._reader.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
+        epoch = self.epoch
+        plan = self._plan(epoch, self.consumed)
+        feeder = _Feeder(self, plan, epoch)
+        pipe = None
+        try:
+            if len(plan):
+                feeder.read_ahead(0)  # the first reads overlap the pipeline build
+                pipe = build_pipeline(self._spec, feeder, batch_size=self.config.batch_size,
+                                      num_threads=self.config.num_threads, device=self.device,
+                                      device_id=self.torch_device.index,
+                                      prefetch=self.config.prefetch, seed=self.config.seed)
+            for g in range(len(plan)):
+                started = self._stats.begin_wait()
+                try:  # on cuda, outputs are made ready on torch's current stream
+                    outputs = (pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda"
+                               else pipe.run())
+                except DatasetError:
+                    raise
+                except Exception as err:  # DALI reports a bad image as a bare RuntimeError
+                    raise self._decode_error(list(feeder.fed), err) from None
+                batch = self._to_torch(pipe, outputs, feeder.fed.popleft())
+                self._stats.end_wait(started, int((~batch["padded"]).sum()))
+                self.consumed = plan.consumed_after(g)
+                if g == len(plan) - 1:  # the epoch is over (with drop_last, before its dropped tail)
+                    self.epoch, self.consumed = epoch + 1, 0
+                    self._stats.end_epoch()
+                yield batch
+                if self.epoch != epoch:
+                    return
+            if self.epoch == epoch:  # nothing left in this epoch (e.g. drop_last after the last full batch)
+                self.epoch, self.consumed = epoch + 1, 0
+                self._stats.end_epoch()
+        finally:
+            self._stats.pause()
+            feeder.cancel()
+            del pipe
+
+    def _to_torch(self, pipe, outputs, fed: _Fed) -> dict[str, Any]:
+        names = pipe.fastio_outputs
+        out = dict(zip(names, outputs))
+        index = out.pop("index").as_array().reshape(-1)
+        if not np.array_equal(index, fed.indices):
+            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
+        batch: dict[str, Any] = {}
+        for name, value in out.items():
+            if self._spec.kind == "raw":
+                batch[name] = [value.at(j).tobytes() for j in range(len(value))]
+            else:
+                batch[name] = self._tensor(value)
+        label_field = self.dataset.label_field
+        for f in self._extra:
+            raw = fed.batch.fields[f]
+            if f == label_field:
+                labels = [parse_label(self.dataset, f, int(i), b) for i, b in zip(fed.indices, raw)]
+                batch["label"] = torch.tensor(labels, dtype=torch.int64, device=self.torch_device)
+            elif self._spec.kind != "raw":
+                batch[f] = _field_value([b.tobytes() for b in raw])
+        batch["index"] = torch.from_numpy(fed.indices.copy())
+        batch["padded"] = torch.from_numpy(fed.padded.copy())
+        return batch
+
+    def _tensor(self, value):
+        if self.device == "cuda":
+            from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+            if not value.is_dense_tensor():
+                return [self._tensor_one(value[j]) for j in range(len(value))]
+            t = value.as_tensor()
+            dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.torch_device)
+            feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
+            return dst
+        if value.is_dense_tensor():
+            return torch.from_numpy(value.as_array())
+        return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
+
+    def _tensor_one(self, t):
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+        dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.torch_device)
+        feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
+        return dst
+
+    def _decode_error(self, in_flight: list[_Fed], err: Exception) -> DatasetError:
+        """Map a DALI failure back to the sample: the first image PIL cannot decode either, in feed order."""
+        from PIL import Image
+
+        field = self._image_field
+        for fed in in_flight:
+            for i, data in zip(fed.indices.tolist(), fed.batch.fields.get(field, [])):
+                try:
+                    with Image.open(io.BytesIO(data.tobytes())) as img:
+                        img.load()
+                except Exception as bad:  # whatever PIL raises, the image is undecodable
+                    return DatasetError(f"{sample_where(self.dataset, i)}: field {field!r} failed to decode "
+                                        f"({type(bad).__name__}: {str(bad)[:80]})")
+        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+        keys = ", ".join(repr(self.key(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
+        return DatasetError(f"{self.dataset.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+@dataclass
+class _Fed:
+    batch: Any  # ReadBatch
+    indices: np.ndarray
+    padded: np.ndarray
+
+
+@dataclass
+class _Feeder:
+    """The external-source callback: hands DALI the next batch of the plan, reading ahead of it."""
+
+    loader: Loader
+    plan: EpochPlan
+    epoch: int
+    next_g: int = 0
+    futures: dict = field(default_factory=dict)
+    fed: deque = field(default_factory=deque)
+
+    def __call__(self):
+        g, plan = self.next_g, self.plan
+        if g >= len(plan):
+            raise StopIteration
+        self.next_g += 1
+        self.read_ahead(g)
+        future, padded = self.futures.pop(g)
+        rb = future.result()
+        self.fed.append(_Fed(rb, rb.indices, padded))
+        spec = self.loader._spec
+        idx = [np.array(i, dtype=np.int64) for i in rb.indices.tolist()]
+        if spec.kind == "raw":
+            return (idx, *[rb.fields[f] for f in spec.raw_fields])
+        enc = rb.fields[self.loader._image_field]
+        if spec.kind != "image-train":
+            return enc, idx
+        crop = random_resized_crop(self.loader.config.seed, self.epoch, rb.indices, rb.sizes[:, 0], rb.sizes[:, 1])
+        return (enc, idx, list(crop.anchor), list(crop.shape), [np.array(f, np.int32) for f in crop.flip])
+
+    def read_ahead(self, g: int) -> None:
+        """Make sure batches g .. g + read_ahead are being read."""
+        for h in range(g, min(g + self.loader.config.read_ahead + 1, len(self.plan))):
+            if h not in self.futures:
+                indices, padded = self.plan.batch(h)
+                self.futures[h] = (self.loader._reader.submit(indices), padded)
+
+    def cancel(self) -> None:
+        for future, _ in self.futures.values():
+            future.cancel()
+        self.futures.clear()
+
+
+def _field_value(values: list[bytes]):
+    """Numeric text fields become an int64 or float64 tensor; anything else stays a list of bytes."""
+    try:
+        return torch.tensor([int(v) for v in values], dtype=torch.int64)
+    except ValueError:
+        pass
+    try:
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+    except ValueError:
+        return values

@@ -1,0 +1,78 @@
+"""Loader telemetry: throughput and the data-stall fraction, over the last epoch and overall.
+
+The stall fraction is the time the training loop spent waiting inside ``next(loader)`` divided by
+the wall time from the first request to the last delivery (waiting + the loop's own work between
+calls). 0 means data was always ready; 1 means the loop did nothing but wait.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+__all__ = ["Stats", "Window"]
+
+
+@dataclass
+class Window:
+    """Counters over one span of iteration."""
+
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    busy_s: float = 0.0  # time between a delivery and the next request (the training loop's work)
+
+    def as_dict(self) -> dict:
+        total = self.wait_s + self.busy_s
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "seconds": total,
+            "samples_per_s": self.samples / total if total > 0 else 0.0,
+            "stall_fraction": self.wait_s / total if total > 0 else 0.0,
+        }
+
+
+class Stats:
+    """Timing around each ``next()``; ``as_dict()`` gives ``{"last_epoch": ..., "epoch": ..., "overall": ...}``."""
+
+    def __init__(self, progress: bool = False, every_s: float = 5.0):
+        self.overall, self.epoch, self.last_epoch = Window(), Window(), Window()
+        self.progress, self.every_s = progress, every_s
+        self._last_return: float | None = None
+        self._last_print = time.perf_counter()
+
+    def begin_wait(self) -> float:
+        now = time.perf_counter()
+        if self._last_return is not None:
+            busy = now - self._last_return
+            self.overall.busy_s += busy
+            self.epoch.busy_s += busy
+        return now
+
+    def end_wait(self, started: float, samples: int) -> None:
+        now = time.perf_counter()
+        wait = now - started
+        for w in (self.overall, self.epoch):
+            w.wait_s += wait
+            w.batches += 1
+            w.samples += samples
+        self._last_return = now
+        if self.progress and now - self._last_print >= self.every_s:
+            self._last_print = now
+            d = self.epoch.as_dict()
+            print(f"fastio: {d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
+                  f"stall {100 * d['stall_fraction']:.1f}%", file=sys.stderr, flush=True)
+
+    def pause(self) -> None:
+        """The loop left the iterator (epoch end, break): time until the next request is not counted."""
+        self._last_return = None
+
+    def end_epoch(self) -> None:
+        self.last_epoch, self.epoch = self.epoch, Window()
+        self.pause()
+
+    def as_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch.as_dict(), "epoch": self.epoch.as_dict(),
+                "overall": self.overall.as_dict()}

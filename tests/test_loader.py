@@ -1,0 +1,168 @@
+"""What a Loader delivers: tensors, labels, indices, order contracts, pipelines, stats."""
+
+from __future__ import annotations
+
+import io
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from resume import batches, same_batch
+
+from fastio.augment import random_resized_crop
+from fastio.dataset import Dataset
+from fastio.loader import Loader, LoaderConfig
+from fastio.stats import Stats
+
+
+def _loader(dest, **kw):
+    opts = dict(batch_size=8, image_size=32, device="cpu", seed=0, world_size=1, rank=0, num_threads=1)
+    opts.update(kw)
+    return Loader(dest, **opts)
+
+
+def test_image_train_batch_and_labels(image_dataset):
+    loader = _loader(image_dataset)
+    assert len(loader) == 6
+    epoch = list(loader)
+    assert len(epoch) == 6
+    b = epoch[0]
+    assert b["image"].shape == (8, 3, 32, 32) and b["image"].dtype == torch.float32
+    assert b["label"].dtype == torch.int64 and b["index"].dtype == torch.int64 and b["padded"].dtype == torch.bool
+    label_map = Dataset(image_dataset).label_map
+    for batch in epoch:
+        for i, y in zip(batch["index"].tolist(), batch["label"].tolist()):
+            assert label_map[loader.key(i).split("/")[0]] == y
+    seen = torch.cat([e["index"] for e in epoch]).tolist()
+    assert sorted(seen) == list(range(48))
+    # normalised with ImageNet mean/std: values are centred, not 0..255
+    assert -3 < float(b["image"].mean()) < 3 and float(b["image"].std()) > 0.1
+
+
+def test_train_pixels_match_a_pil_reference_of_the_computed_crop(image_dataset):
+    """DALI decodes exactly the window fastio computed: PIL crop + resize + flip + normalize agrees."""
+    b = next(iter(_loader(image_dataset, seed=3)))
+    raw = next(iter(_loader(image_dataset, seed=3, pipeline="raw")))
+    assert torch.equal(raw["index"], b["index"])
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    for j, i in enumerate(b["index"].tolist()):
+        img = Image.open(io.BytesIO(raw["jpg"][j])).convert("RGB")
+        p = random_resized_crop(3, 0, np.array([i]), np.array([img.width]), np.array([img.height]))
+        (x, y), (w, h) = p.anchor[0].tolist(), p.shape[0].tolist()
+        ref = img.resize((32, 32), Image.BILINEAR, box=(x, y, x + w, y + h))
+        if p.flip[0]:
+            ref = ref.transpose(Image.FLIP_LEFT_RIGHT)
+        ref = ((np.asarray(ref, np.float32) / 255 - mean) / std).transpose(2, 0, 1)
+        assert float(np.abs(b["image"][j].numpy() - ref).mean()) < 0.03, f"sample {i}: wrong window or flip"
+
+
+def test_epochs_advance_by_themselves_and_differ(image_dataset):
+    loader = _loader(image_dataset)
+    e0 = torch.cat([b["index"] for b in loader])
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["consumed"] == 0
+    e1 = torch.cat([b["index"] for b in loader])
+    assert sorted(e1.tolist()) == list(range(48)) and not torch.equal(e0, e1)
+    assert loader.stats()["last_epoch"]["batches"] == 6
+
+
+def test_order_and_pixels_do_not_depend_on_threads_or_prefetch(image_dataset):
+    slow = list(_loader(image_dataset, num_threads=1, prefetch=1, read_ahead=0, reader_threads=1))
+    fast = list(_loader(image_dataset, num_threads=2, prefetch=3, read_ahead=4, reader_threads=3))
+    assert all(same_batch(a, b) for a, b in zip(slow, fast)) and len(slow) == len(fast)
+
+
+def test_rank_slices_concatenate_to_the_single_rank_order(image_dataset):
+    one = list(_loader(image_dataset, pipeline="raw", batch_size=8))
+    two = [list(_loader(image_dataset, pipeline="raw", batch_size=4, world_size=2, rank=r)) for r in range(2)]
+    assert len(two[0]) == len(two[1]) == len(one)
+    for g, b in enumerate(one):
+        joined = torch.cat([two[0][g]["index"], two[1][g]["index"]])
+        assert torch.equal(joined, b["index"])
+
+
+def test_eval_is_deterministic_and_train_varies_by_epoch(image_dataset):
+    def images(loader, n_epochs):
+        out = []
+        for _ in range(n_epochs):
+            out.append({int(i): b["image"][j] for b in loader for j, i in enumerate(b["index"])})
+        return out
+
+    ev = images(_loader(image_dataset, pipeline="image-eval"), 2)
+    assert all(torch.equal(ev[0][i], ev[1][i]) for i in range(48))
+    tr = images(_loader(image_dataset), 2)
+    differ = sum(not torch.equal(tr[0][i], tr[1][i]) for i in range(48))
+    assert differ > 40
+
+
+def test_raw_pipeline_returns_the_stored_bytes(image_dataset, image_folder):
+    loader = _loader(image_dataset, pipeline="raw")
+    b = next(iter(loader))
+    assert set(b) == {"jpg", "cls", "label", "index", "padded"}
+    for j, i in enumerate(b["index"].tolist()):
+        key = loader.key(i)
+        assert b["jpg"][j] == (image_folder / f"{key}.jpg").read_bytes()
+        assert int(b["cls"][j]) == int(b["label"][j])
+
+
+def test_user_pipeline_and_output_options(image_dataset):
+    from nvidia.dali import fn
+
+    def graph(image, device):
+        return {"small": fn.resize(image, resize_x=16, resize_y=12), "big": fn.resize(image, resize_x=20, resize_y=20)}
+
+    b = next(iter(_loader(image_dataset, pipeline=graph)))
+    assert b["small"].shape == (8, 12, 16, 3) and b["small"].dtype == torch.uint8
+    assert b["big"].shape == (8, 20, 20, 3) and "label" in b
+    u8 = next(iter(_loader(image_dataset, dtype="uint8", layout="HWC", image_size=24)))
+    assert u8["image"].shape == (8, 24, 24, 3) and u8["image"].dtype == torch.uint8
+    h = next(iter(_loader(image_dataset, dtype="float16")))
+    assert h["image"].dtype == torch.float16
+
+
+def test_extra_fields_and_padding(image_dataset):
+    loader = _loader(image_dataset, fields=("cls",), batch_size=5, pipeline="image-eval")
+    assert len(loader) == 10
+    epoch = list(loader)
+    assert int(epoch[-1]["padded"].sum()) == 2 and not epoch[0]["padded"].any()
+    assert epoch[-1]["index"][-2:].tolist() == epoch[0]["index"][:2].tolist()  # wraps to the epoch start
+    assert len(_loader(image_dataset, batch_size=5, drop_last=True)) == 9
+
+
+def test_stats_and_progress_line(image_dataset, capsys):
+    loader = _loader(image_dataset)
+    for b in islice(batches(loader), 8):
+        pass
+    s = loader.stats()
+    assert s["overall"]["batches"] == 8 and s["overall"]["samples"] == 64
+    assert s["last_epoch"]["samples"] == 48 and s["epoch"]["batches"] == 2
+    assert 0 <= s["overall"]["stall_fraction"] <= 1 and s["overall"]["samples_per_s"] > 0
+    stats = Stats(progress=True, every_s=0)
+    stats.end_wait(stats.begin_wait(), 8)
+    assert "samples/s" in capsys.readouterr().err
+
+
+def test_rank_defaults_from_environment(image_dataset, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    loader = Loader(image_dataset, batch_size=4, device="cpu", image_size=32)
+    assert (loader.rank, loader.world_size) == (1, 3) and len(loader) == 4
+    assert Loader(image_dataset, batch_size=4, device="cpu", rank=0, world_size=1).world_size == 1
+
+
+def test_config_object_and_overrides(image_dataset):
+    cfg = LoaderConfig(batch_size=4, image_size=32, device="cpu", world_size=1, rank=0)
+    loader = Loader(image_dataset, cfg, batch_size=6)
+    assert loader.config.batch_size == 6 and len(loader) == 8
+
+
+@pytest.mark.gpu
+def test_cuda_batches_are_on_the_device(image_dataset):
+    b = next(iter(_loader(image_dataset, device="cuda")))
+    assert b["image"].is_cuda and b["image"].dtype == torch.float32 and b["image"].shape == (8, 3, 32, 32)
+    assert b["label"].is_cuda and not b["index"].is_cuda
+    cpu = next(iter(_loader(image_dataset, device="cpu")))
+    assert torch.equal(cpu["index"], b["index"])
+    # Different decoders (nvJPEG vs libjpeg-turbo): close, not bitwise.
+    assert float((cpu["image"] - b["image"].cpu()).abs().mean()) < 0.1

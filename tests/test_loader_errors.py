@@ -1,0 +1,118 @@
+"""Bad input: each a clear FastioError naming the dataset, shard, key or field; never a silent skip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fastio.errors import DatasetError, FastioError, LoaderStateError
+from fastio.loader import Loader
+from fastio.shards import ShardWriter
+
+
+def _loader(dest, **kw):
+    opts = dict(batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1)
+    opts.update(kw)
+    return Loader(dest, **opts)
+
+
+def test_dest_without_manifest(tmp_path):
+    (tmp_path / "half").mkdir()
+    with pytest.raises(DatasetError, match=r"half: not a fastio dataset \(no manifest.json"):
+        _loader(tmp_path / "half")
+
+
+def test_missing_shard_names_the_shard(image_dataset):
+    (image_dataset / "shards" / "shard-000001.tar").unlink()
+    with pytest.raises(DatasetError, match="shard file shard-000001.tar is missing"):
+        _loader(image_dataset)
+
+
+def test_sha256_mismatch_is_caught_with_verify(image_dataset):
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the zero trailer: readers do not notice, the checksum does
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    assert len(list(_loader(image_dataset, pipeline="raw"))) == 6
+    with pytest.raises(DatasetError, match=r"shard shard-000002.tar sha256 mismatch"):
+        list(_loader(image_dataset, pipeline="raw", verify=True))
+
+
+def test_missing_field(image_dataset):
+    with pytest.raises(DatasetError, match=r"ds: dataset has no field 'json'"):
+        _loader(image_dataset, fields=("cls", "json"))
+
+
+def test_batch_larger_than_dataset(image_dataset):
+    with pytest.raises(DatasetError, match=r"ds: batch_size 64 is larger than the dataset \(48 samples\)"):
+        _loader(image_dataset, batch_size=64)
+
+
+def _bad_image_dataset(tmp_path, image_folder, bad: dict[int, bytes]):
+    writer = ShardWriter(tmp_path / "bad", max_samples=8)
+    for k, path in enumerate(sorted(image_folder.rglob("*.jpg"))[:16]):
+        writer.write({"__key__": f"img{k:02d}", "jpg": bad.get(k, path.read_bytes()), "cls": b"0"})
+    writer.close(image_field="jpg", label_field="cls")
+    return tmp_path / "bad"
+
+
+@pytest.mark.parametrize("pipeline", ["image-train", "image-eval"])
+def test_undecodable_image_names_key_and_shard(tmp_path, image_folder, pipeline):
+    good = sorted(image_folder.rglob("*.jpg"))[11].read_bytes()
+    # Sample 11 has a valid JPEG header but a truncated body: only the decoder can tell.
+    dest = _bad_image_dataset(tmp_path, image_folder, {11: good[: len(good) // 3]})
+    loader = _loader(dest, pipeline=pipeline, shuffle="none", batch_size=4)
+    with pytest.raises(DatasetError, match=r"shard shard-000001.tar key 'img11': field 'jpg' failed to decode"):
+        list(loader)
+
+
+def test_not_an_image_at_all(tmp_path, image_folder):
+    dest = _bad_image_dataset(tmp_path, image_folder, {3: b"this is not an image"})
+    with pytest.raises(DatasetError, match=r"shard shard-000000.tar key 'img03': field 'jpg' failed to decode"):
+        list(_loader(dest, batch_size=4))
+
+
+def test_state_mismatches(image_dataset, tmp_path, image_folder):
+    loader = _loader(image_dataset)
+    state = loader.state_dict()
+    with pytest.raises(LoaderStateError, match="shuffle='block'"):
+        _loader(image_dataset, shuffle="block").load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="version 99"):
+        loader.load_state_dict({**state, "version": 99})
+    with pytest.raises(LoaderStateError, match="consumed=1000"):
+        loader.load_state_dict({**state, "consumed": 1000})
+    other = _bad_image_dataset(tmp_path, image_folder, {})
+    with pytest.raises(LoaderStateError, match=f"fingerprint {state['fingerprint']}"):
+        _loader(other).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="not a fastio Loader state_dict"):
+        loader.load_state_dict({"epoch": 1})
+    with pytest.raises(LoaderStateError, match="consumed='12', not an integer"):
+        loader.load_state_dict({**state, "consumed": "12"})
+    # Integers that a checkpoint round trip turned into numpy / torch scalars are accepted.
+    loader.load_state_dict({**state, "consumed": np.int64(16), "epoch": torch.tensor(2)})
+    assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (2, 16)
+
+
+def test_bad_label_text(tmp_path, image_folder):
+    writer = ShardWriter(tmp_path / "lbl")
+    for k, path in enumerate(sorted(image_folder.rglob("*.jpg"))[:8]):
+        writer.write({"__key__": f"k{k}", "jpg": path.read_bytes(), "cls": b"cat" if k == 5 else b"1"})
+    writer.close(image_field="jpg", label_field="cls")
+    with pytest.raises(DatasetError, match=r"key 'k5': field 'cls' is not an integer label: b'cat'"):
+        list(_loader(tmp_path / "lbl", batch_size=4, shuffle="none"))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=0), "batch_size"), (dict(pipeline="video"), "pipeline"), (dict(device="tpu"), "device"),
+    (dict(shuffle="random"), "shuffle"), (dict(remainder="keep"), "remainder"), (dict(dtype="int8"), "dtype"),
+    (dict(rank=2, world_size=2), "rank"), (dict(prefetch=0), "prefetch"),
+])
+def test_bad_arguments(image_dataset, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _loader(image_dataset, **kw)
+
+
+def test_errors_are_fastio_errors():
+    assert issubclass(DatasetError, FastioError) and issubclass(LoaderStateError, FastioError)

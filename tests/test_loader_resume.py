@@ -1,0 +1,152 @@
+"""Exact resume at the same world size (every pipeline, every shuffle mode) and elastic resume."""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+import pytest
+from resume import batches, check_resume, same_batch
+
+from fastio.loader import Loader
+
+
+def _factory(dest, **kw):
+    opts = dict(batch_size=4, image_size=32, device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
+                prefetch=2, block_shards=2)
+    opts.update(kw)
+    return lambda: Loader(dest, **opts)
+
+
+@pytest.mark.parametrize("pipeline", ["image-train", "image-eval", "raw"])
+@pytest.mark.parametrize("shuffle", ["global", "block", "none"])
+def test_same_world_size_resume_is_bitwise(image_dataset, pipeline, shuffle):
+    # 48 samples / batch 4 = 12 batches per epoch: save mid-epoch, continue across the epoch boundary.
+    state = check_resume(_factory(image_dataset, pipeline=pipeline, shuffle=shuffle), n=5, k=9)
+    assert state["epoch"] == 0 and state["consumed"] == 20 and state["shuffle"] == shuffle
+
+
+def test_resume_on_a_rank_of_many_with_padding(image_dataset):
+    # world 5 x batch 4 = 20: 3 batches per epoch, the last one padded; save in epoch 1.
+    check_resume(_factory(image_dataset, world_size=5, rank=3, drop_last=False), n=4, k=4)
+
+
+def test_resume_with_drop_last(image_dataset):
+    check_resume(_factory(image_dataset, batch_size=5, drop_last=True), n=7, k=6)
+
+
+@pytest.mark.gpu
+def test_same_world_size_resume_is_bitwise_cuda(image_dataset):
+    check_resume(_factory(image_dataset, device="cuda", pipeline="image-train"), n=5, k=9)
+
+
+def _run_ranks(dest, world, n_batches=None, state=None, epoch=None, **kw):
+    """Batches of every rank in lockstep; with n_batches None, to the end of the current epoch."""
+    loaders = [_factory(dest, world_size=world, rank=r, **kw)() for r in range(world)]
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(state)
+        if epoch is not None:
+            ld.set_epoch(epoch)
+    iters = [iter(ld) for ld in loaders]
+    steps = []
+    while n_batches is None or len(steps) < n_batches:
+        step = [next(it, None) for it in iters]
+        if all(b is None for b in step):
+            break
+        assert all(b is not None for b in step), "ranks got different numbers of batches"
+        steps.append(step)
+    states = [ld.state_dict() for ld in loaders]
+    for ld in loaders:
+        ld.close()
+    return steps, states
+
+
+def _delivered(steps):
+    out = []
+    for step in steps:
+        for b in step:
+            out.extend(b["index"][~b["padded"]].tolist())
+    return out
+
+
+@pytest.mark.parametrize("old,new,n", [(2, 3, 2), (4, 1, 1), (3, 2, 2)])
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_elastic_resume_delivers_rest_of_epoch_once(image_dataset, old, new, n, shuffle):
+    kw = dict(pipeline="image-train", shuffle=shuffle)
+    before, states = _run_ranks(image_dataset, old, n_batches=n, **kw)
+    assert len({tuple(sorted(s.items())) for s in states}) == 1, "ranks disagree on the state"
+    state = states[0]
+    assert state["consumed"] == n * 4 * old and state["world_size"] == old
+    after, _ = _run_ranks(image_dataset, new, state=state, **kw)
+    first, rest = _delivered(before), _delivered(after)
+    loader = _factory(image_dataset)()
+    keys = Counter(loader.key(i) for i in first + rest)
+    assert keys == Counter(loader.key(i) for i in range(48)), "a sample was lost or delivered twice"
+    assert not set(first) & set(rest)
+    # A sample's augmentation does not depend on the world size, rank or batch that decodes it.
+    single, _ = _run_ranks(image_dataset, 1, batch_size=6, **kw)
+    image_of = {int(i): b["image"][j] for step in single for b in step for j, i in enumerate(b["index"])}
+    for step in after:
+        for b in step:
+            for j, i in enumerate(b["index"].tolist()):
+                assert np.array_equal(b["image"][j].numpy(), image_of[i].numpy()), f"sample {i} augmented differently"
+    # The next epoch equals a fresh run at the new world size.
+    nxt, _ = _run_ranks(image_dataset, new, n_batches=None, state={**state, "epoch": 1, "consumed": 0}, **kw)
+    fresh, _ = _run_ranks(image_dataset, new, epoch=1, **kw)
+    assert len(nxt) == len(fresh) == -(-48 // (4 * new))
+    for s1, s2 in zip(nxt, fresh):
+        assert all(same_batch(a, b) for a, b in zip(s1, s2))
+
+
+def test_elastic_then_next_epoch_continues_in_same_loaders(image_dataset):
+    _, states = _run_ranks(image_dataset, 2, n_batches=3, pipeline="raw")
+    loaders = [_factory(image_dataset, pipeline="raw", world_size=3, rank=r)() for r in range(3)]
+    for ld in loaders:
+        ld.load_state_dict(states[0])
+    streams = [batches(ld) for ld in loaders]
+    rest_batches = -(-(48 - 24) // 12)
+    for _ in range(rest_batches):
+        for s in streams:
+            next(s)
+    assert all(ld.state_dict()["epoch"] == 1 and ld.state_dict()["consumed"] == 0 for ld in loaders)
+    fresh, _ = _run_ranks(image_dataset, 3, n_batches=2, epoch=1, pipeline="raw")
+    for step in fresh:
+        got = [next(s) for s in streams]
+        assert all(same_batch(a, b) for a, b in zip(step, got))
+
+
+def test_set_epoch_keeps_restored_position(image_dataset):
+    make = _factory(image_dataset, pipeline="raw")
+    a = make()
+    list(islice(iter(a), 3))
+    state = a.state_dict()
+    b = make()
+    b.load_state_dict(state)
+    b.set_epoch(0)  # same epoch: position kept
+    assert b.state_dict()["consumed"] == 12
+    assert next(iter(b))["index"].tolist() == next(islice(batches(make()), 3, None))["index"].tolist()
+    b.set_epoch(2)  # another epoch: starts at 0
+    assert b.state_dict()["epoch"] == 2 and b.state_dict()["consumed"] == 0
+
+
+def test_drop_last_epoch_ends_at_its_last_full_batch(image_dataset):
+    make = _factory(image_dataset, batch_size=5, drop_last=True, pipeline="raw")  # 9 batches, 3 samples dropped
+    loader = make()
+    assert len(list(islice(iter(loader), 9))) == 9
+    assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
+    check_resume(make, n=9, k=3)
+    # An elastic restore whose rest of the epoch is smaller than one new global batch goes to the next epoch.
+    resumed = _factory(image_dataset, batch_size=5, drop_last=True, pipeline="raw", world_size=2, rank=0)()
+    resumed.load_state_dict({**loader.state_dict(), "epoch": 0, "consumed": 40})
+    assert (resumed.state_dict()["epoch"], resumed.state_dict()["consumed"]) == (1, 0)
+
+
+def test_partial_remainder_resume_and_elastic(image_dataset):
+    # world 3 x batch 5 = 15 per step; 48 = 3 x 15 + 3: the last step has one sample on each rank.
+    make = _factory(image_dataset, batch_size=5, world_size=3, rank=2, remainder="partial", pipeline="image-eval")
+    check_resume(make, n=2, k=4)
+    steps, _ = _run_ranks(image_dataset, 3, batch_size=5, remainder="partial", pipeline="raw")
+    assert [len(b["index"]) for b in steps[-1]] == [1, 1, 1]
+    assert sorted(_delivered(steps)) == list(range(48))

@@ -1,0 +1,90 @@
+"""The global order: a pure function, the shape of each shuffle mode, rank slices, order quality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fastio.dataset import Dataset
+from fastio.sampler import EpochPlan, epoch_order, order_quality
+
+SIZES = [16, 16, 16, 10]
+
+
+def test_order_is_a_pure_function_of_seed_epoch_fingerprint_mode():
+    a = epoch_order(SIZES, 1, 3, "fp", "global")
+    assert np.array_equal(a, epoch_order(SIZES, 1, 3, "fp", "global"))
+    assert sorted(a.tolist()) == list(range(58))
+    for other in [epoch_order(SIZES, 2, 3, "fp", "global"), epoch_order(SIZES, 1, 4, "fp", "global"),
+                  epoch_order(SIZES, 1, 3, "fp2", "global"), epoch_order(SIZES, 1, 3, "fp", "block")]:
+        assert not np.array_equal(a, other)
+    assert np.array_equal(epoch_order(SIZES, 1, 3, "fp", "none"), np.arange(58))
+
+
+def test_block_mode_keeps_samples_inside_windows_of_shards():
+    sizes = [16, 16, 16, 16]
+    order = epoch_order(sizes, 0, 0, "fp", "block", block_shards=2)
+    assert sorted(order.tolist()) == list(range(64))
+    shard = order // 16
+    first_window = set(shard[:32].tolist())
+    assert len(first_window) == 2 and not first_window & set(shard[32:].tolist())
+    assert not np.array_equal(order[:32], np.sort(order[:32]))
+
+
+def test_rank_slices_tile_global_batches_and_pad_the_end():
+    order = epoch_order(SIZES, 0, 0, "fp")
+    plans = [EpochPlan(order, 0, 4, 3, r, drop_last=False) for r in range(3)]
+    assert {len(p) for p in plans} == {5}  # ceil(58 / 12)
+    seen, pads = [], 0
+    for g in range(5):
+        for p in plans:
+            idx, padded = p.batch(g)
+            assert len(idx) == 4
+            seen.extend(idx[~padded].tolist())
+            pads += int(padded.sum())
+    assert sorted(seen) == list(range(58)) and pads == 60 - 58
+    assert plans[0].consumed_after(4) == 58
+    assert len(EpochPlan(order, 0, 4, 3, 0, drop_last=True)) == 4
+
+
+def test_plan_from_a_resume_point_covers_the_rest_exactly_once():
+    order = epoch_order(SIZES, 0, 0, "fp")
+    plans = [EpochPlan(order, 20, 5, 2, r, drop_last=False) for r in range(2)]
+    got = [i for g in range(len(plans[0])) for p in plans for i, pad in zip(*p.batch(g)) if not pad]
+    assert sorted(got) == sorted(order[20:].tolist())
+
+
+def test_bad_arguments_raise_valueerror():
+    with pytest.raises(ValueError, match="shuffle"):
+        epoch_order(SIZES, 0, 0, "fp", "random")
+    with pytest.raises(ValueError, match="rank"):
+        EpochPlan(np.arange(4), 0, 2, 2, 2, False)
+
+
+def test_order_quality_global_is_near_ideal_and_none_is_not():
+    labels = np.repeat(np.arange(8), 100)  # stored sorted by class, like an image folder
+    sizes = [100] * 8
+    g = order_quality((sizes, labels), seed=0, mode="global", batch_size=32)
+    n = order_quality((sizes, labels), seed=0, mode="none", batch_size=32)
+    assert g["class_mixing_ratio"] > 0.95
+    assert n["class_mixing_ratio"] < 0.3 and n["mean_displacement"] == 0.0
+    assert abs(g["mean_displacement"] - g["mean_displacement_ideal"]) < 0.05
+
+
+def test_order_quality_reads_labels_from_a_dataset(image_dataset):
+    q = order_quality(Dataset(image_dataset), seed=0, mode="global", batch_size=8)
+    assert q["samples"] == 48 and q["classes"] == 4 and q["class_mixing"] > 2
+
+
+def test_partial_remainder_splits_the_last_batch_evenly():
+    order = epoch_order(SIZES, 0, 0, "fp")  # 58 samples; global batch 4 x 4 = 16 -> remainder 10
+    plans = [EpochPlan(order, 0, 4, 4, r, drop_last=False, remainder="partial") for r in range(4)]
+    assert {len(p) for p in plans} == {4}
+    last = [p.batch(3) for p in plans]
+    assert [len(i) for i, _ in last] == [3, 3, 2, 2] and not any(m.any() for _, m in last)
+    got = [i for g in range(4) for p in plans for i in p.batch(g)[0].tolist()]
+    assert got == order.tolist()
+    # Fewer samples left than ranks: a rank with none gets one padded repeat and still takes a step.
+    tiny = [EpochPlan(order, 56, 4, 3, r, drop_last=False, remainder="partial") for r in range(3)]
+    sizes = [(len(i), int(m.sum())) for i, m in (p.batch(0) for p in tiny)]
+    assert sizes == [(1, 0), (1, 0), (1, 1)]
