@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m fastio.demo demo-out
+	$(BIN)/python examples/demo.py demo-out
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

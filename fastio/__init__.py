@@ -1,4 +1,41 @@
-"""fastio: a data layer for training on GPU clusters."""
+"""fastio: a data layer for training on GPU clusters.
+
+The public API is imported lazily, so that ``fastio convert`` and friends start without torch or DALI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+
+_LAZY = {
+    "Dataset": "fastio.dataset",
+    "ShardWriter": "fastio.shards",
+    "convert": "fastio.convert",
+    "Loader": "fastio.loader",
+    "LoaderConfig": "fastio.loader",
+    "order_quality": "fastio.sampler",
+    "Checkpointer": "fastio.checkpoint",
+    "CheckpointConfig": "fastio.checkpoint",
+    "TrainState": "fastio.checkpoint",
+    "FastioError": "fastio.errors",
+    "DatasetError": "fastio.errors",
+    "ConvertError": "fastio.errors",
+    "LoaderStateError": "fastio.errors",
+    "CheckpointError": "fastio.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastio' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -138,3 +138,14 @@ def test_inspect_skipped_and_source(tmp_path, image_folder):
     info = inspect(convert(ConvertConfig(source=image_folder, dest=tmp_path / "d", workers=1)).dest)
     assert info["skipped"] == 1 and info["samples"] == 47
     assert info["source"]["format"] == "imagefolder" and Path(info["source"]["path"]) == image_folder.resolve()
+
+
+def test_inspect_order_rates_each_shuffle_mode(image_dataset, capsys):
+    assert main(["inspect", str(image_dataset), "--order", "--batch-size", "4", "--json"]) == 0
+    order = {q["mode"]: q for q in json.loads(capsys.readouterr().out)["order"]}
+    assert set(order) == {"global", "block", "none"}
+    # The fixture is stored class by class (12 each): unshuffled batches of 4 hold one class.
+    assert order["none"]["class_mixing"] == 1.0 and order["none"]["mean_displacement"] == 0.0
+    assert order["global"]["class_mixing_ratio"] > 0.8
+    assert main(["inspect", str(image_dataset), "--order", "--batch-size", "8"]) == 0
+    assert "order:    global batch 8" in capsys.readouterr().out

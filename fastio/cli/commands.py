@@ -1,3 +1,3 @@
 """Imports every subcommand module so that each registers itself on the ``cli`` group."""
 
-# Each module below defines its commands with ``@cli.command(...)``.
+from fastio.cli import ckpt_commands, dataset_commands  # noqa: F401

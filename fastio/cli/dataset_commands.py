@@ -91,12 +91,27 @@ def verify(dest: Path, decode: bool, quiet: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--max-images", type=int, default=1000, show_default=True,
               help="Probe the headers of at most this many images for size statistics.")
-def inspect(dest: Path, as_json: bool, max_images: int) -> None:
+@click.option("--order", is_flag=True,
+              help="Also rate the Loader's epoch order per shuffle mode: class mixing per batch against "
+                   "a uniform shuffle, and the mean displacement of samples from their stored position.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Loader seed for --order.")
+@click.option("--epoch", type=int, default=0, show_default=True, help="Epoch for --order.")
+@click.option("--batch-size", type=int, default=256, show_default=True,
+              help="Global batch size for --order (capped at the dataset size).")
+def inspect(dest: Path, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
+            batch_size: int) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes."""
     from fastio.verify import inspect as run_inspect
 
     try:
         info = run_inspect(dest, max_images=max_images)
+        if order:
+            from fastio.dataset import Dataset
+            from fastio.sampler import SHUFFLE_MODES, order_quality
+
+            ds = Dataset(dest)
+            info["order"] = [order_quality(ds, seed=seed, epoch=epoch, mode=mode,
+                                           batch_size=min(batch_size, len(ds))) for mode in SHUFFLE_MODES]
     except ValueError as err:
         raise FastioError(str(err)) from None
     if as_json:
@@ -108,6 +123,10 @@ def inspect(dest: Path, as_json: bool, max_images: int) -> None:
             _print_info(sub)
     else:
         _print_info(info)
+    for q in info.get("order", []):
+        click.echo(f"order:    {q['mode']:<6} batch {q['batch_size']}: classes per batch {q['class_mixing']:.2f}"
+                   f" (uniform {q['class_mixing_ideal']:.2f}, ratio {q['class_mixing_ratio']:.2f}),"
+                   f" mean displacement {q['mean_displacement']:.3f} (uniform {q['mean_displacement_ideal']:.3f})")
 
 
 def _print_info(info: dict[str, Any]) -> None:

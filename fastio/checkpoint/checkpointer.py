@@ -1,0 +1,393 @@
+"""The Checkpointer: staged async torchsnapshot saves, atomic publish, retention, restore, preemption.
+
+A save copies the state into the :class:`~fastio.checkpoint.staging.Stager`'s buffers on the calling
+thread (the only part the training loop waits for), then one background thread runs torchsnapshot's
+``Snapshot.take`` on that private copy, checksums and commits (rank 0), and prunes. torchsnapshot's own
+``async_take`` is not used: it would run its collectives and slab packing on the training thread and,
+for CPU tensors, still read live memory in the background. The writer's collectives go over a gloo
+group of their own, so they never interleave with the training thread's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastio.checkpoint import layout
+from fastio.checkpoint.config import CheckpointConfig
+from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
+from fastio.checkpoint.rng import capture_rng, restore_rng
+from fastio.checkpoint.staging import Frozen, Stager
+from fastio.errors import CheckpointError
+
+__all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState"]
+
+log = logging.getLogger(__name__)
+
+RNG_KEY = "_fastio_rng"
+PROGRESS_KEY = "_fastio_progress"
+PROGRESS_VERSION = 1
+_RESERVED_PREFIX = "_fastio"
+
+
+@dataclass
+class TrainState:
+    """What ``restore_latest`` found: the step the checkpoint was taken after, and the run's progress."""
+
+    step: int
+    """The last completed step; continue with ``step + 1``."""
+    epoch: int | None
+    """The epoch given to (or found by) ``maybe_save``, None when unknown."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics passed with that save."""
+    elapsed: float = 0.0
+    """Seconds of training (summed over restarts) up to that save."""
+    time: float = 0.0
+    """Unix time of the commit."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """The ``hparams`` the saving run was created with."""
+    path: Path | None = None
+    """The checkpoint directory restored from."""
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    for line in reversed(text.splitlines()):
+        if line.strip() and not line.startswith(" "):
+            return f"{type(err).__name__}: {line.strip()}" if line is text else line.strip()
+    return type(err).__name__
+
+
+def _replicated_keys(app: dict[str, Any]) -> list[str]:
+    """Globs for DDP modules and for optimizers over nothing but DDP parameters: identical on every rank."""
+    ddp = [k for k, obj in app.items() if isinstance(obj, DistributedDataParallel)]
+    shared = {id(p) for k in ddp for p in app[k].parameters()}
+    optims = [k for k, obj in app.items() if type(obj).__name__ != "ZeroRedundancyOptimizer"
+              and isinstance(obj, torch.optim.Optimizer)
+              and all(id(p) in shared for g in obj.param_groups for p in g["params"])]
+    return [f"{k}/**" for k in ddp + (optims if shared else [])]
+
+
+class Checkpointer:
+    """Saves ``app`` (a dict of objects with ``state_dict``/``load_state_dict``) as ``DIR/step-N/``.
+
+    ``Checkpointer("ckpt/", every_steps=500, keep=3)`` takes :class:`CheckpointConfig` fields as keywords,
+    or a ready config. ``hparams`` (plain values) are stored with every save and handed back on restore.
+    All ranks must call ``maybe_save``/``restore_latest``/``close`` at the same steps.
+    """
+
+    def __init__(self, dir: str | Path | CheckpointConfig, *, hparams: dict[str, Any] | None = None,
+                 **options: Any):
+        if isinstance(dir, CheckpointConfig):
+            if options:
+                raise ValueError("pass either a CheckpointConfig or keyword options, not both")
+            self.config = dir
+        else:
+            self.config = CheckpointConfig(dir=dir, **options)
+        self.dir: Path = self.config.dir
+        self.hparams = dict(hparams or {})
+        try:  # stored in the JSON commit marker and in torchsnapshot's manifest
+            json.dumps(self.hparams, allow_nan=True)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
+        self.rank, self.world_size = _rank_world()
+        if self.rank == 0:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise CheckpointError(f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}") from None
+        self._stager = Stager()
+        # Checkpoint collectives run on the writer thread, so they get a gloo group of their own and
+        # never interleave with the training thread's collectives on the default group.
+        self._pg = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        self._thread: threading.Thread | None = None
+        self._inflight_step: int | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._last_step: int | None = None
+        self._last_time = time.monotonic()
+        self._started = time.monotonic()
+        self._elapsed_before = 0.0
+        self.preempted = False
+        """True once a preemption signal has been turned into a committed blocking save."""
+        self.last_blocked_s = 0.0
+        """Seconds the last save held the caller (staging plus handing the write to the background)."""
+        self.last_write_s = 0.0
+        """Seconds the last completed background write took, from start to commit."""
+        self._flag = PreemptionFlag(self.config.signals)
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def preemption_requested(self) -> bool:
+        """A preemption signal arrived and has not been acted on yet."""
+        return self._flag.requested
+
+    def request_preemption(self) -> None:
+        """Act as if a preemption signal had arrived (the next ``maybe_save`` saves and sets ``preempted``)."""
+        self._flag.request()
+
+    def maybe_save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
+                   epoch: int | None = None, force: bool = False) -> bool:
+        """Save after ``step`` when one is due (or forced, or a preemption signal came); True if a save started.
+
+        Returns once the state is staged; the write goes on in the background. An error of an
+        earlier background write is raised here as a :class:`CheckpointError`.
+        """
+        self._raise_if_failed(wait=False)
+        every = self.config.every_steps
+        due = force or (every > 0 and step % every == 0)
+        if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
+            due = due or self.rank == 0
+        busy = self._thread is not None and self._thread.is_alive()
+        preempt, due, busy = self._agree(self._flag.requested, due, busy)
+        if step == self._last_step and not preempt:
+            return False
+        if preempt:
+            self._save(step, app, metrics, epoch, blocking=True)
+            self._flag.clear()  # acted on; a later signal asks again
+            self.preempted = True
+            if self.config.requeue and self.rank == 0:
+                requeue_slurm_job()
+            return True
+        if not due:
+            return False
+        if busy and self.config.policy == "skip":
+            log.info("fastio: checkpoint at step %d skipped: step %s is still being written", step,
+                     self._inflight_step)
+            return False
+        self._save(step, app, metrics, epoch, blocking=not self.config.async_save)
+        return True
+
+    def save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
+             epoch: int | None = None, blocking: bool = False) -> None:
+        """Save after ``step`` now (waiting for an earlier write first); ``blocking`` also waits for the commit."""
+        self._raise_if_failed(wait=False)
+        self._save(step, app, metrics, epoch, blocking=blocking)
+
+    def wait(self) -> None:
+        """Wait for the write in flight to be committed; raise its error as a CheckpointError."""
+        self._raise_if_failed(wait=True)
+
+    def close(self) -> None:
+        """Wait for the last write, remove the signal handlers and free staging memory."""
+        try:
+            self._raise_if_failed(wait=True)
+        finally:
+            self._flag.uninstall()
+            self._stager.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def steps(self) -> list[int]:
+        """Committed steps in DIR, oldest first."""
+        return [e.step for e in layout.committed(self.dir)]
+
+    def restore_latest(self, app: dict[str, Any], step: int | None = None) -> TrainState | None:
+        """Load the newest committed checkpoint (or ``step``) into ``app``; None when there is none.
+
+        Uncommitted leftovers (``step-N.tmp``) are deleted. RNG states are restored last.
+        """
+        self._check_app(app)
+        self._raise_if_failed(wait=True)
+        chosen: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                layout.clean_uncommitted(self.dir)
+                done = layout.committed(self.dir)
+                if step is not None:
+                    found = [e for e in done if e.step == step]
+                    if not found:
+                        have = ", ".join(str(e.step) for e in done) or "none"
+                        chosen[1] = f"{self.dir}: no committed checkpoint for step {step} (committed: {have})"
+                    else:
+                        chosen[0] = found[0].step
+                elif done:
+                    chosen[0] = done[-1].step
+            except OSError as err:
+                chosen[1] = f"{self.dir}: cannot read checkpoint directory: {err}"
+        if self.world_size > 1:
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[1]:
+            raise CheckpointError(chosen[1])
+        if chosen[0] is None:
+            return None
+        path = layout.step_dir(self.dir, chosen[0])
+        commit = layout.read_commit(path)
+        return self._restore(path, commit, app)
+
+    # ----------------------------------------------------------------- internals
+    def _check_app(self, app: dict[str, Any]) -> None:
+        if not isinstance(app, dict) or not app:
+            raise ValueError("app must be a non-empty dict of objects with state_dict/load_state_dict")
+        for key, obj in app.items():
+            if not isinstance(key, str) or not key or "/" in key or key.startswith(_RESERVED_PREFIX):
+                raise ValueError(f"app key {key!r}: keys must be non-empty strings without '/' "
+                                 f"not starting with {_RESERVED_PREFIX!r}")
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"app[{key!r}] ({type(obj).__name__}) has no state_dict/load_state_dict")
+
+    def _agree(self, preempt: bool, due: bool, busy: bool) -> tuple[bool, bool, bool]:
+        if self.world_size == 1:
+            return preempt, due, busy
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        flags = torch.tensor([int(preempt), int(due), int(busy)], dtype=torch.int32, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        p, d, b = (bool(v) for v in flags.tolist())
+        return p, d, b
+
+    def _raise_if_failed(self, *, wait: bool) -> None:
+        thread = self._thread
+        if thread is not None and (wait or not thread.is_alive()):
+            thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, step = self._error, self._error_step
+            self._error = self._error_step = None
+            raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
+                                  f"{_first_line(err)} (the previous checkpoint is intact)") from err
+
+    def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
+              *, blocking: bool) -> None:
+        self._check_app(app)
+        if step == self._inflight_step or step == self._last_step:
+            self._raise_if_failed(wait=True)
+            if blocking and self.world_size > 1:
+                dist.barrier()
+            return
+        self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
+        t0 = time.perf_counter()
+        tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
+        try:
+            if self.rank == 0:
+                if tmp.exists():
+                    layout.remove_step(tmp)
+                tmp.mkdir(parents=True)
+        except OSError as err:
+            raise CheckpointError(f"{tmp}: cannot create checkpoint directory: {err.strerror or err}") from None
+        rng = capture_rng()
+        states = {key: obj.state_dict() for key, obj in app.items()}
+        if epoch is None:
+            loader_state = states.get("loader")
+            if isinstance(loader_state, dict) and isinstance(loader_state.get("epoch"), int):
+                epoch = loader_state["epoch"]
+        elapsed = self._elapsed_before + time.monotonic() - self._started
+        progress = {"version": PROGRESS_VERSION, "step": int(step), "epoch": -1 if epoch is None else int(epoch),
+                    "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "elapsed": float(elapsed),
+                    "hparams": self.hparams, "world_size": self.world_size}
+        states[RNG_KEY] = rng
+        states[PROGRESS_KEY] = progress
+        staged = self._stager.stage(states)
+        frozen = {key: Frozen(value) for key, value in staged.items()}
+        replicated = list(self.config.replicated)  # progress holds per-rank metrics: not replicated
+        if self.world_size > 1:
+            replicated += _replicated_keys(app)
+        info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
+                "elapsed": elapsed, "hparams": self.hparams}
+        self._inflight_step = step
+        self._last_step = step
+        self._last_time = time.monotonic()
+        self._thread = threading.Thread(target=self._write, args=(frozen, replicated, step, tmp, final, info),
+                                        name=f"fastio-ckpt-{step}", daemon=True)
+        self._thread.start()
+        self.last_blocked_s = time.perf_counter() - t0
+        if blocking:
+            self._raise_if_failed(wait=True)
+            if self.world_size > 1:
+                dist.barrier()
+
+    def _write(self, frozen: dict[str, Frozen], replicated: list[str], step: int, tmp: Path, final: Path,
+               info: dict[str, Any]) -> None:
+        """Background thread: torchsnapshot writes the staged copy, then rank 0 commits and prunes."""
+        from torchsnapshot import Snapshot
+        from torchsnapshot.knobs import override_is_batching_disabled
+
+        if self.config.writer_nice:
+            try:  # Linux: a thread's own nice value; the I/O threads torchsnapshot starts here inherit it
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.writer_nice)
+            except (AttributeError, OSError):
+                pass
+        started = time.perf_counter()
+        try:
+            self._stager.wait_copies()
+            # The staged buffers are a private copy already: torchsnapshot writes straight from them
+            # (one file per tensor) instead of packing small tensors into slabs it would allocate and fill.
+            with override_is_batching_disabled(True):
+                Snapshot.take(str(tmp), frozen, pg=self._pg, replicated=replicated)
+            if self.rank == 0:
+                layout.commit(tmp, final, step=step, info=info)
+                layout.apply_retention(self.dir, self.config.keep)
+            self.last_write_s = time.perf_counter() - started
+        except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
+            self._error, self._error_step = err, step
+            if self.rank == 0:
+                try:
+                    layout.remove_step(tmp)
+                except OSError:
+                    pass
+        finally:
+            self._inflight_step = None
+
+    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
+        from torchsnapshot import Snapshot
+
+        snap = Snapshot(str(path), pg=self._pg)
+        try:
+            manifest = snap.get_manifest()
+        except Exception as err:  # noqa: BLE001 - a missing or corrupt .snapshot_metadata, named below
+            raise CheckpointError(f"{path}: unreadable snapshot metadata: {_first_line(err)}") from None
+        saved = {k.split("/")[1] for k in manifest if k.startswith(f"{self.rank}/")}
+        missing = sorted(k for k in app if k not in saved)
+        if missing:
+            holds = ", ".join(sorted(k for k in saved if not k.startswith(_RESERVED_PREFIX))) or "nothing"
+            raise CheckpointError(
+                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {self.rank} "
+                f"(it holds: {holds}; written by {commit.get('world_size', '?')} rank(s), "
+                f"this run has {self.world_size})")
+        progress = Frozen({})
+        targets = dict(app)
+        has_rng = any(k.startswith(f"{self.rank}/{RNG_KEY}/") or k == f"{self.rank}/{RNG_KEY}" for k in manifest)
+        if has_rng:
+            targets[RNG_KEY] = Frozen(capture_rng())
+        targets[PROGRESS_KEY] = progress
+        try:
+            snap.restore(targets)
+        except CheckpointError:
+            raise
+        except Exception as err:  # a mismatched model or a loader refusing its state lands here
+            raise CheckpointError(f"{path}: restore failed: {_first_line(err)}") from err
+        if has_rng:
+            restore_rng(targets[RNG_KEY].state)
+        else:
+            log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
+        p = progress.state
+        if p.get("version") != PROGRESS_VERSION:
+            raise CheckpointError(f"{path}: progress record version {p.get('version')!r}, "
+                                  f"this fastio reads {PROGRESS_VERSION}")
+        self._last_step = int(p.get("step", commit["step"]))
+        self._last_time = time.monotonic()
+        self._elapsed_before = float(p.get("elapsed", 0.0))
+        self._started = time.monotonic()
+        epoch = p.get("epoch", -1)
+        return TrainState(step=self._last_step, epoch=None if epoch is None or epoch < 0 else int(epoch),
+                          metrics=dict(p.get("metrics", {})), elapsed=self._elapsed_before,
+                          time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path)

@@ -1,0 +1,77 @@
+"""What a :class:`~fastio.checkpoint.Checkpointer` does and when: one validated dataclass."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["POLICIES", "CheckpointConfig"]
+
+POLICIES = ("wait", "skip")
+
+
+@dataclass
+class CheckpointConfig:
+    """Options of a Checkpointer; ``Checkpointer(dir, **options)`` builds one of these."""
+
+    dir: str | Path
+    """Directory holding ``step-N/`` checkpoints (shared storage when several hosts write)."""
+
+    every_steps: int = 0
+    """Save when ``step % every_steps == 0``; 0 turns step-based saving off."""
+
+    every_seconds: float = 0.0
+    """Save when this many seconds have passed since the last save (or the start); 0 turns it off."""
+
+    keep: int = 0
+    """Keep the newest ``keep`` committed checkpoints, delete older ones after each commit; 0 keeps all."""
+
+    policy: str = "wait"
+    """A save falling due while the previous one is still writing: ``"wait"`` for it, or ``"skip"`` this one."""
+
+    async_save: bool = True
+    """Write in the background (``maybe_save`` returns once the state is staged); False blocks until committed."""
+
+    signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
+    """Signals that request a preemption save; their handler only sets a flag. Empty: install none."""
+
+    requeue: bool = False
+    """After a preemption save under Slurm, rank 0 runs ``scontrol requeue <job id>``."""
+
+    replicated: tuple[str, ...] = field(default_factory=tuple)
+    """Extra torchsnapshot globs (``"model/**"``) for state identical on all ranks; DDP modules (and
+    optimizers over DDP parameters only) are added."""
+
+    writer_nice: int = 0
+    """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
+    price of a longer write); 0 leaves its priority alone."""
+
+    def __post_init__(self) -> None:
+        self.dir = Path(self.dir)
+        if str(self.dir) == "":
+            raise ValueError("CheckpointConfig.dir must not be empty")
+        if isinstance(self.writer_nice, bool) or not isinstance(self.writer_nice, int) \
+                or not 0 <= self.writer_nice <= 19:
+            raise ValueError(f"CheckpointConfig.writer_nice must be an int in 0..19, got {self.writer_nice!r}")
+        for name in ("every_steps", "keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CheckpointConfig.{name} must be an int >= 0, got {value!r}")
+        if isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float)) \
+                or self.every_seconds < 0:
+            raise ValueError(f"CheckpointConfig.every_seconds must be a number >= 0, got {self.every_seconds!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"CheckpointConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if isinstance(self.signals, str):
+            self.signals = (self.signals,)
+        names = []
+        for sig in self.signals:
+            try:
+                names.append(signal.Signals[sig].name if isinstance(sig, str) else signal.Signals(sig).name)
+            except (KeyError, ValueError):
+                raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
+        self.signals = tuple(names)
+        if isinstance(self.replicated, str):
+            self.replicated = (self.replicated,)
+        self.replicated = tuple(self.replicated)

@@ -1,0 +1,85 @@
+"""Preemption: signals that only set a flag, and Slurm requeue of the current job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Mapping
+
+__all__ = ["PreemptionFlag", "requeue_slurm_job", "slurm_job_id"]
+
+log = logging.getLogger(__name__)
+
+
+class PreemptionFlag:
+    """Installs handlers for ``signals`` that record the signal and do nothing else; ``uninstall`` puts the old ones back.
+
+    Handlers can only be installed from the main thread; elsewhere nothing is installed and
+    ``installed`` stays False (the flag can still be set with :meth:`request`).
+    """
+
+    def __init__(self, signals: tuple[str, ...]):
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        if signals and threading.current_thread() is threading.main_thread():
+            for name in signals:
+                sig = signal.Signals[name]
+                self._previous[sig] = signal.signal(sig, self._handler)
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int = signal.SIGUSR1) -> None:
+        self.signum = int(signum)
+
+    def clear(self) -> None:
+        self.signum = None
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = signum
+
+    def uninstall(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+
+def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The id ``scontrol requeue`` takes: ``ARRAYJOB_TASK`` for an array task, else ``SLURM_JOB_ID``; None outside Slurm."""
+    env = os.environ if env is None else env
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeue_slurm_job(env: Mapping[str, str] | None = None, timeout: float = 60.0) -> bool:
+    """Run ``scontrol requeue <id>``; False (with a logged warning) when not under Slurm or it fails."""
+    job = slurm_job_id(env)
+    if job is None:
+        log.warning("fastio: requeue asked for, but SLURM_JOB_ID is not set; not requeueing")
+        return False
+    exe = shutil.which("scontrol")
+    if exe is None:
+        log.warning("fastio: cannot requeue Slurm job %s: scontrol is not on PATH", job)
+        return False
+    try:
+        proc = subprocess.run([exe, "requeue", job], check=False, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.warning("fastio: scontrol requeue %s failed: %s", job, err)
+        return False
+    if proc.returncode != 0:
+        log.warning("fastio: scontrol requeue %s exited %d: %s", job, proc.returncode,
+                    (proc.stderr or proc.stdout).strip().splitlines()[-1:] or "")
+        return False
+    return True

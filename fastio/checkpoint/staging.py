@@ -1,0 +1,112 @@
+"""A consistent copy of a state_dict taken before a background write, into buffers reused across saves.
+
+torchsnapshot's ``async_take`` serialises CPU tensors straight from the caller's memory in its
+background thread, so a training step after it returns can change what lands on disk. The stager
+copies every tensor into a preallocated CPU buffer (pinned when the source is on a GPU) and copies
+everything else; the write then reads only from the stager's buffers, which are not touched again
+until that write has finished (the Checkpointer keeps one save in flight). CPU tensors are copied
+before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from fastio.errors import CheckpointError
+
+__all__ = ["Frozen", "Stager"]
+
+_LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class Frozen:
+    """A torchsnapshot Stateful whose state_dict is a fixed, already staged dict."""
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = state_dict
+
+
+class Stager:
+    """Copies state_dicts into buffers keyed by their path; a buffer is reallocated only when its shape changes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._events: list = []
+        self.bytes_staged = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+    def stage(self, states: dict[str, Any]) -> dict[str, Any]:
+        """Return a copy of ``states`` (a dict of state_dicts) that later changes to the originals cannot reach."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[str] = set()
+        out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
+        for path in set(self._buffers) - seen:
+            del self._buffers[path]
+        devices = set()
+        with torch.no_grad():
+            for dst, src in pairs:
+                if src.is_cuda:
+                    devices.add(src.device)
+                dst.copy_(src, non_blocking=src.is_cuda)
+        # Device-to-host copies are queued on each device's current stream: kernels queued after them
+        # (the next optimizer step) run after them, so the caller need not wait; the writer does.
+        self._events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
+        self.bytes_staged = sum(d.numel() * d.element_size() for d, _ in pairs)
+        return out
+
+    def wait_copies(self) -> None:
+        """Block until the device-to-host copies of the last :meth:`stage` have landed (no-op for CPU state)."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+    def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.is_cuda and torch.cuda.is_available()
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[path] = buf
+        return buf
+
+    def _walk(self, obj: Any, path: str, pairs: list, seen: set[str]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
+                    and not isinstance(obj, torch.nn.Parameter):
+                return obj.detach().to("cpu", copy=True)
+            seen.add(path)
+            buf = self._buffer(path, obj)
+            pairs.append((buf, obj.detach()))
+            return buf
+        if isinstance(obj, dict):
+            items = ((k, self._walk(v, f"{path}/{k}", pairs, seen)) for k, v in obj.items())
+            return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        if isinstance(obj, (list, tuple)):
+            items = [self._walk(v, f"{path}/{i}", pairs, seen) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, _LEAF_TYPES):
+            return copy.copy(obj)
+        raise CheckpointError(
+            f"state key {path!r}: cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__} "
+            "(state_dicts may hold tensors, numbers, strings, bytes, None, and dicts/lists/tuples of them)"
+        )

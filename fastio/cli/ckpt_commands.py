@@ -1,0 +1,62 @@
+"""``fastio ckpt ls`` and ``fastio ckpt verify``: inspect a checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from fastio.checkpoint import layout
+from fastio.cli import cli
+
+__all__ = ["ckpt"]
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@cli.group()
+def ckpt() -> None:
+    """Inspect checkpoint directories written by fastio.Checkpointer."""
+
+
+@ckpt.command("ls")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
+def ls_cmd(directory: Path, as_json: bool) -> None:
+    """List the checkpoints in DIRECTORY: step, size, commit time, metrics."""
+    rows = layout.list_checkpoints(directory)
+    if as_json:
+        click.echo(json.dumps({"dir": str(directory), "checkpoints": rows}, indent=1))
+        return
+    if not rows:
+        click.echo(f"{directory}: no checkpoints")
+        return
+    click.echo(f"{'STEP':>10}  {'STATE':<11} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
+    for r in rows:
+        metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
+        state = "committed" if r["committed"] else "incomplete"
+        click.echo(f"{r['step']:>10}  {state:<11} {_human(r['bytes']):>10}  {r['time_utc'] or '-':<20}  {metrics}")
+
+
+@ckpt.command("verify")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--all", "include_uncommitted", is_flag=True,
+              help="Also report step-N.tmp directories (writes in progress or interrupted).")
+def verify_cmd(directory: Path, include_uncommitted: bool) -> None:
+    """Check every committed checkpoint in DIRECTORY against its recorded sha256s; exit 1 on a problem."""
+    problems = layout.verify(directory, include_uncommitted=include_uncommitted)
+    steps = layout.committed(directory)
+    if problems:
+        for line in problems:
+            click.echo(line)
+        raise click.exceptions.Exit(1)
+    click.echo(f"{directory}: {len(steps)} committed checkpoint(s) verified "
+               f"({', '.join(f'step {e.step}' for e in steps) or 'none'})")

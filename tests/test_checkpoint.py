@@ -1,0 +1,451 @@
+"""Checkpointer: staged async saves, restore, RNG, retention, policies, disk errors, kills, signals, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastio.checkpoint import CheckpointConfig, Checkpointer, layout, slurm_job_id
+from fastio.cli import main as fastio_main
+from fastio.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """Checkpointers that are never closed would leave their flag-only handlers in the pytest process."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+class Counter:
+    """A stand-in for the Loader: small versioned state that moves every step."""
+
+    def __init__(self, rank: int = 0):
+        self.consumed, self.epoch, self.rank = 0, 0, rank
+
+    def state_dict(self):
+        return {"version": 1, "consumed": self.consumed, "epoch": self.epoch, "rank": self.rank}
+
+    def load_state_dict(self, state):
+        assert state["version"] == 1
+        self.consumed, self.epoch, self.rank = state["consumed"], state["epoch"], state["rank"]
+
+
+def make_app(width: int = 64, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": optim, "loader": Counter()}
+
+
+def train_step(app, width: int = 64):
+    model, optim = app["model"], app["optim"]
+    loss = model(torch.randn(8, width)).square().mean()
+    optim.zero_grad()
+    loss.backward()
+    optim.step()
+    app["loader"].consumed += 8
+    return loss.item()
+
+
+def snapshot_tensors(app) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.clone() for k, v in app["model"].state_dict().items()}
+    for i, s in app["optim"].state_dict()["state"].items():
+        for k, v in s.items():
+            out[f"optim/{i}/{k}"] = v.clone()
+    return out
+
+
+def run_py(code: str, tmp_path: Path, *args: str, timeout: float = 60, env=None) -> subprocess.CompletedProcess:
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+# ---------------------------------------------------------------- save / restore
+def test_mutation_right_after_async_save_does_not_reach_the_checkpoint(tmp_path):
+    width = 1024  # ~1M params + 2M Adam moments: the background write outlasts the mutation below
+    app = make_app(width)
+    ckpt = Checkpointer(tmp_path / "ck", every_steps=1)
+    train_step(app, width)
+    expected = snapshot_tensors(app)
+    assert ckpt.maybe_save(1, app, metrics={"loss": 1.5}) is True
+    with torch.no_grad():  # every parameter and every optimizer moment, in place
+        for p in app["model"].parameters():
+            p.add_(1000.0)
+        for s in app["optim"].state.values():
+            s["exp_avg"].mul_(-3.0)
+            s["exp_avg_sq"].add_(7.0)
+    ckpt.close()
+    fresh = make_app(width, seed=1)
+    state = Checkpointer(tmp_path / "ck").restore_latest(fresh)
+    assert state.step == 1 and state.metrics == {"loss": 1.5}
+    got = snapshot_tensors(fresh)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_restore_brings_back_loader_rng_progress_and_hparams(tmp_path):
+    app = make_app()
+    ckpt = Checkpointer(tmp_path / "ck", every_steps=2, hparams={"lr": 0.01, "seed": 7})
+    for step in range(1, 5):
+        train_step(app)
+        app["loader"].epoch = step // 3
+        ckpt.maybe_save(step, app, metrics={"loss": float(step)})
+    ckpt.wait()
+    after = (random.random(), np.random.rand(), torch.rand(3))
+    expected = snapshot_tensors(app)
+    ckpt.close()
+    assert sorted(ckpt.steps()) == [2, 4]
+
+    random.seed(123), np.random.seed(123), torch.manual_seed(123)
+    fresh = make_app(seed=5)
+    state = Checkpointer(tmp_path / "ck").restore_latest(fresh)
+    assert (state.step, state.epoch, state.metrics, state.hparams) == (4, 1, {"loss": 4.0}, {"lr": 0.01, "seed": 7})
+    assert state.path == tmp_path / "ck" / "step-4"
+    assert fresh["loader"].state_dict() == {"version": 1, "consumed": 32, "epoch": 1, "rank": 0}
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert again[:2] == after[:2] and torch.equal(again[2], after[2])
+    for key, value in snapshot_tensors(fresh).items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_restore_specific_step_and_missing_step(tmp_path):
+    app = make_app()
+    with Checkpointer(tmp_path / "ck", every_steps=1) as ckpt:
+        for step in (1, 2, 3):
+            app["loader"].consumed = step * 100
+            ckpt.maybe_save(step, app)
+    fresh = make_app()
+    state = Checkpointer(tmp_path / "ck").restore_latest(fresh, step=2)
+    assert state.step == 2 and fresh["loader"].consumed == 200
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint for step 9 \(committed: 1, 2, 3\)"):
+        Checkpointer(tmp_path / "ck").restore_latest(fresh, step=9)
+    assert Checkpointer(tmp_path / "empty").restore_latest(fresh) is None
+
+
+def test_restore_ignores_and_removes_uncommitted(tmp_path):
+    root = tmp_path / "ck"
+    app = make_app()
+    with Checkpointer(root, every_steps=1) as ckpt:
+        ckpt.maybe_save(1, app)
+    # a half-written newer one, and a newer directory without a commit marker
+    (root / "step-5.tmp" / "0").mkdir(parents=True)
+    (root / "step-5.tmp" / "0" / "junk").write_bytes(b"x" * 10)
+    (root / "step-7").mkdir()
+    (root / "step-7" / ".snapshot_metadata").write_text("partial")
+    state = Checkpointer(root).restore_latest(make_app())
+    assert state.step == 1
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+
+
+def test_app_without_a_saved_key_is_named(tmp_path):
+    app = make_app()
+    with Checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.save(1, {"model": app["model"]}, blocking=True)
+    with pytest.raises(CheckpointError, match=r"step-1: checkpoint has no state for app key\(s\) loader, optim on rank 0 "
+                       r"\(it holds: model; written by 1 rank\(s\), this run has 1\)"):
+        Checkpointer(tmp_path / "ck").restore_latest(app)
+
+
+def test_unsupported_state_value_is_named(tmp_path):
+    class Bad:
+        def state_dict(self):
+            return {"ok": 1, "gen": np.random.default_rng(0)}
+
+        def load_state_dict(self, s):
+            pass
+
+    ckpt = Checkpointer(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"state key 'bad/gen': cannot checkpoint a numpy"):
+        ckpt.save(1, {"bad": Bad()})
+    ckpt.close()
+
+
+@pytest.mark.parametrize("bad", [{"every_steps": -1}, {"keep": 1.5}, {"policy": "queue"},
+                                 {"signals": ("SIGNOPE",)}, {"every_seconds": -2}])
+def test_config_validation(bad, tmp_path):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        CheckpointConfig(dir=tmp_path, **bad)
+
+
+# ---------------------------------------------------------------- retention and in-flight policy
+def test_retention_keeps_newest_k_after_commit(tmp_path):
+    root = tmp_path / "ck"
+    app = make_app()
+    with Checkpointer(root, every_steps=1, keep=2) as ckpt:
+        for step in range(1, 6):
+            train_step(app)
+            ckpt.maybe_save(step, app)
+            ckpt.wait()
+            names = sorted(p.name for p in root.iterdir())
+            assert names == [f"step-{s}" for s in range(max(1, step - 1), step + 1)]
+    assert layout.verify(root) == []
+
+
+def test_policy_skip_and_wait_never_interleave(tmp_path):
+    width = 2048  # ~50 MB of state: the first write is still running when the next step asks
+    for policy, expect in (("skip", [1, 3]), ("wait", [1, 2, 3])):
+        app = make_app(width)
+        root = tmp_path / policy
+        ckpt = Checkpointer(root, every_steps=1, policy=policy)
+        assert ckpt.maybe_save(1, app)
+        started = ckpt.maybe_save(2, app)
+        assert started is (policy == "wait")
+        ckpt.wait()
+        assert ckpt.maybe_save(3, app)
+        ckpt.close()
+        assert ckpt.steps() == expect
+        assert layout.verify(root) == []
+
+
+def test_every_seconds_schedule(tmp_path):
+    app = make_app()
+    with Checkpointer(tmp_path / "ck", every_seconds=0.3, signals=()) as ckpt:
+        assert not ckpt.maybe_save(1, app)
+        time.sleep(0.35)
+        assert ckpt.maybe_save(2, app)
+        assert not ckpt.maybe_save(3, app)  # the clock restarted at the save
+    assert ckpt.steps() == [2]
+
+
+# ---------------------------------------------------------------- failures
+FSIZE_WORKER = """
+    import resource, signal, sys, torch
+    from fastio.checkpoint import Checkpointer, layout
+    from fastio.errors import CheckpointError
+    model = torch.nn.Linear(256, 256)
+    ckpt = Checkpointer(sys.argv[1], every_steps=1)
+    ckpt.maybe_save(1, {"model": model}); ckpt.wait()
+    # from now on no file of this process may grow past 4 KiB: writes fail with EFBIG, as on a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+    with torch.no_grad():
+        model.weight.add_(1)
+    try:
+        ckpt.maybe_save(2, {"model": model})
+        ckpt.maybe_save(3, {"model": model})
+        ckpt.close()
+    except CheckpointError as err:
+        print("ERROR", err)
+    else:
+        print("NO ERROR")
+"""
+
+
+def test_write_error_in_background_surfaces_at_next_call_and_keeps_previous(tmp_path):
+    root = tmp_path / "ck"
+    proc = run_py(FSIZE_WORKER, tmp_path, str(root))
+    out = proc.stdout.strip()
+    assert proc.returncode == 0, proc.stderr
+    assert out.startswith("ERROR ") and "\n" not in out, out
+    assert f"{root}/step-2: checkpoint write failed" in out and "File too large" in out
+    assert "previous checkpoint is intact" in out
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+    assert layout.verify(root) == []
+    model = torch.nn.Linear(256, 256)
+    assert Checkpointer(root).restore_latest({"model": model}).step == 1
+
+
+def test_unusable_directory_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match=rf"{blocker}/ck: cannot create checkpoint directory"):
+        Checkpointer(blocker / "ck")
+    root = tmp_path / "ck"
+    ckpt = Checkpointer(root, every_steps=1)
+    app = make_app()
+    ckpt.maybe_save(1, app)
+    ckpt.wait()
+    (root / "step-2.tmp").write_text("a file where the checkpoint directory goes")
+    os.chmod(root, 0o555)  # root ignores modes; the file above is what makes the write fail
+    try:
+        with pytest.raises(CheckpointError, match=r"step-2"):
+            ckpt.maybe_save(2, app)
+            ckpt.close()
+    finally:
+        os.chmod(root, 0o755)
+    assert Checkpointer(root).restore_latest(make_app()).step == 1
+
+
+KILL_WORKER = """
+    import os, signal, sys, torch
+    from fastio.checkpoint import Checkpointer
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)  # 16 MiB: the kill below lands while step 2 is being written
+    ckpt = Checkpointer(sys.argv[1], every_steps=1)
+    ckpt.maybe_save(1, {"model": model}); ckpt.wait()
+    torch.save(model.state_dict(), sys.argv[2])
+    with torch.no_grad():
+        model.weight.mul_(2)
+    ckpt.maybe_save(2, {"model": model})
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path):
+    root = tmp_path / "ck"
+    proc = run_py(KILL_WORKER, tmp_path, str(root), str(tmp_path / "ref.pt"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    names = sorted(p.name for p in root.iterdir())
+    assert "step-1" in names and "step-2" not in names and "step-2.tmp" in names, names
+    assert layout.verify(root) == []
+    model = torch.nn.Linear(2048, 2048)
+    assert Checkpointer(root).restore_latest({"model": model}).step == 1
+    ref = torch.load(tmp_path / "ref.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref.items())
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+
+
+# ---------------------------------------------------------------- preemption
+SIGNAL_WORKER = """
+    import sys, time, torch
+    from fastio.checkpoint import Checkpointer
+    model = torch.nn.Linear(8, 8)
+    ckpt = Checkpointer(sys.argv[1], every_steps=1000, requeue=True)
+    for step in range(1, 100000):
+        with torch.no_grad():
+            model.weight.add_(1)
+        print(f"step {step}", flush=True)
+        ckpt.maybe_save(step, {"model": model})
+        if ckpt.preempted:
+            print(f"preempted {step} {model.weight[0, 0].item()}", flush=True)
+            break
+        time.sleep(0.02)
+    ckpt.close()
+"""
+
+
+def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "scontrol.args"
+    fake = bindir / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
+    fake.chmod(0o755)
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(SIGNAL_WORKER))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bindir}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": "4242"}
+    env.pop("SLURM_ARRAY_JOB_ID", None)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    for line in proc.stdout:
+        if line.startswith("step 5"):
+            proc.send_signal(signal.SIGUSR1)
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=30) == 0
+    last = [line for line in out.splitlines() if line.startswith("preempted")]
+    assert len(last) == 1, out
+    _, step, value = last[0].split()
+    assert int(step) >= 5
+    assert record.read_text().split() == ["requeue", "4242"]
+    model = torch.nn.Linear(8, 8)
+    state = Checkpointer(tmp_path / "ck").restore_latest({"model": model})
+    assert state.step == int(step) and model.weight[0, 0].item() == float(value)
+
+
+def test_slurm_job_id_for_plain_and_array_jobs():
+    assert slurm_job_id({}) is None
+    assert slurm_job_id({"SLURM_JOB_ID": "17"}) == "17"
+    assert slurm_job_id({"SLURM_JOB_ID": "18", "SLURM_ARRAY_JOB_ID": "10", "SLURM_ARRAY_TASK_ID": "3"}) == "10_3"
+
+
+def test_request_preemption_sets_preempted_after_save(tmp_path):
+    app = make_app()
+    ckpt = Checkpointer(tmp_path / "ck", every_steps=100, signals=())
+    assert not ckpt.maybe_save(1, app)
+    ckpt.request_preemption()
+    assert ckpt.maybe_save(2, app) and ckpt.preempted
+    assert ckpt.steps() == [2]  # blocking: committed before maybe_save returned
+    ckpt.close()
+
+
+# ---------------------------------------------------------------- CLI
+def test_cli_ls_and_verify(tmp_path, capsys):
+    root = tmp_path / "ck"
+    app = make_app()
+    with Checkpointer(root, every_steps=1) as ckpt:
+        for step in (1, 2):
+            ckpt.maybe_save(step, app, metrics={"loss": step / 4})
+    (root / "step-3.tmp").mkdir()
+    assert fastio_main(["ckpt", "ls", "--json", str(root)]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(r["step"], r["committed"], r["metrics"]) for r in rows] == [
+        (1, True, {"loss": 0.25}), (2, True, {"loss": 0.5}), (3, False, {})]
+    assert all(r["bytes"] > 0 for r in rows[:2])
+    assert fastio_main(["ckpt", "ls", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert "loss=0.5" in table and "incomplete" in table
+    assert fastio_main(["ckpt", "verify", str(root)]) == 0
+    assert "2 committed checkpoint(s) verified" in capsys.readouterr().out
+
+    victim = next(p for p in sorted((root / "step-2").rglob("*")) if p.is_file() and p.stat().st_size > 100
+                  and p.name != layout.COMMIT_FILE)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as exc:
+        fastio_main(["ckpt", "verify", str(root)])
+    assert exc.value.code == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [f"{victim}: sha256 " + lines[0].split(": sha256 ")[1]] and "commit marker says" in lines[0]
+    assert fastio_main(["ckpt", "ls", str(tmp_path / "nope")]) == 2
+    assert "nope: checkpoint directory does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_state_is_staged_and_restored(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(512, 512).cuda()
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 512, device="cuda")).sum().backward()
+    optim.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    cuda_rng = torch.cuda.get_rng_state()
+    ckpt = Checkpointer(tmp_path / "ck", every_steps=1)
+    ckpt.maybe_save(1, {"model": model, "optim": optim})
+    with torch.no_grad():
+        model.weight.add_(1)
+    torch.cuda.manual_seed(5)
+    ckpt.close()
+    fresh = nn.Linear(512, 512).cuda()
+    Checkpointer(tmp_path / "ck").restore_latest({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())})
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+
+
+def test_hparams_must_be_plain_values(tmp_path):
+    with pytest.raises(ValueError, match="hparams must hold plain JSON values.*PosixPath"):
+        Checkpointer(tmp_path / "ck", hparams={"data": tmp_path})
+
+
+def test_signal_only_sets_a_flag_and_close_restores_handlers(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = Checkpointer(tmp_path / "ck", every_steps=100)
+    os.kill(os.getpid(), signal.SIGTERM)  # would end pytest without the Checkpointer's handler
+    time.sleep(0.01)
+    assert ckpt.preemption_requested and not ckpt.preempted and ckpt.steps() == []
+    assert ckpt.maybe_save(3, make_app()) and ckpt.preempted and ckpt.steps() == [3]
+    assert not ckpt.preemption_requested
+    ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -1,0 +1,174 @@
+"""End to end: examples/train.py on a tiny dataset, interrupted (SIGKILL, SIGUSR1) and resumed, ends bitwise equal."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastio.checkpoint import layout
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 16
+
+
+def command(data: Path, ckpt: Path) -> list[str]:
+    return [sys.executable, str(REPO / "examples" / "train.py"), "--data", str(data), "--ckpt-dir", str(ckpt),
+            "--steps", str(STEPS), "--every-steps", "2", "--keep", "2", "--batch-size", "8",
+            "--image-size", "32", "--loader-threads", "1", "--resume", "auto"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def run_until(cmd: list[str], step: int, sig: int) -> tuple[int, str]:
+    """Start ``cmd``, send ``sig`` once it prints ``step <step>``; return its exit code and output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"step {step} "):
+            proc.send_signal(sig)
+            break
+    lines += proc.stdout.readlines()
+    return proc.wait(timeout=60), "".join(lines)
+
+
+def digest(out: str) -> str:
+    found = [line.split(": ")[1] for line in out.splitlines() if line.startswith("final weights sha256: ")]
+    assert len(found) == 1, out
+    return found[0]
+
+
+def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path):
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    kill_at = rnd.randint(3, 8)
+    usr1_at = rnd.randint(kill_at + 2, STEPS - 3)
+    why = f"seed {seed}: SIGKILL at step {kill_at}, SIGUSR1 at step {usr1_at}"
+
+    reference = subprocess.Popen(command(image_dataset, tmp_path / "ref"), stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env())
+    ckpt = tmp_path / "ck"
+    cmd = command(image_dataset, ckpt)
+
+    rc, out = run_until(cmd, kill_at, signal.SIGKILL)
+    assert rc == -signal.SIGKILL, why + out
+    assert f"step {kill_at + 1} " not in out
+    before = [e.step for e in layout.committed(ckpt)]  # the newest write may not have committed yet
+    assert not before or max(before) <= kill_at, why
+
+    rc, out = run_until(cmd, usr1_at, signal.SIGUSR1)
+    assert rc == 0, why + out
+    assert (f"resumed from step {max(before)}" if before else "fresh start") in out, why + out
+    preempted = [line for line in out.splitlines() if line.startswith("preempted: saved step")]
+    assert len(preempted) == 1 and "final weights" not in out, why + out
+    saved = int(preempted[0].split()[3])
+    assert saved in (usr1_at, usr1_at + 1), why + out
+    assert max(e.step for e in layout.committed(ckpt)) == saved
+
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), timeout=60)
+    assert result.returncode == 0, why + result.stdout + result.stderr
+    assert f"resumed from step {saved}" in result.stdout
+    ref_out = reference.communicate(timeout=60)[0]
+    assert reference.returncode == 0, ref_out
+    assert digest(result.stdout) == digest(ref_out), why
+    assert layout.verify(ckpt) == [] and [e.step for e in layout.committed(ckpt)] == [STEPS - 2, STEPS]
+
+
+def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, tmp_path):
+    """examples/slurm/train.sbatch run by bash with stand-ins for srun and scontrol (Slurm is not the
+    thing under test): B:USR1 to the batch shell reaches train.py, which saves, requeues and exits."""
+    bindir, record = tmp_path / "bin", tmp_path / "scontrol.log"
+    bindir.mkdir()
+    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\n'
+                                 'export SLURM_PROCID=0 SLURM_NTASKS=1 SLURM_LOCALID=0\nexec "$@"\n')
+    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n'
+                                     '[ "$1" = show ] && echo 127.0.0.1\nexit 0\n')
+    for f in bindir.iterdir():
+        f.chmod(0o755)
+    ckpt = tmp_path / "ck"
+    run_env = {**env(), "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777",
+               "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NAME": "t", "DATA": str(image_dataset), "CKPT": str(ckpt),
+               "PYTHON": sys.executable, "FASTIO": str(REPO), "MASTER_PORT": "29555",
+               "TRAIN_ARGS": f"--steps {STEPS} --every-steps 100 --loader-threads 1 --step-delay 0.05"}
+    script = REPO / "examples" / "slurm" / "train.sbatch"
+    proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=run_env)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step 4 "):
+            proc.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@120` does
+            break
+    out += proc.stdout.readlines()
+    text = "".join(out)
+    assert proc.wait(timeout=60) == 0, text
+    assert "SIGUSR1: asking ranks to checkpoint" in text and "preempted: saved step" in text, text
+    saved = max(e.step for e in layout.committed(ckpt))
+    assert 4 <= saved < STEPS
+    assert "requeue 777" in record.read_text()
+    again = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=run_env, timeout=60)
+    assert again.returncode == 0 and f"resumed from step {saved}" in again.stdout, again.stdout + again.stderr
+    assert "final weights sha256" in again.stdout
+
+
+SLURM_JOB = r"""
+set -u
+cd "$WORK"
+jid=$(sbatch --parsable --gpus-per-node=0 --cpus-per-task=1 "$FASTIO/examples/slurm/train.sbatch") || exit 1
+out=fastio-train-$jid.out
+for i in $(seq 240); do grep -q "^step 4 " "$out" 2>/dev/null && break; sleep 0.25; done
+scancel --signal=USR1 --batch "$jid"       # what --signal=B:USR1@120 does before the time limit
+for i in $(seq 120); do scontrol show job "$jid" | grep -q "Restarts=1" && break; sleep 0.25; done
+for i in $(seq 240); do  # a requeued job is held back a while (BeginTime); let it start now
+  state=$(scontrol show job "$jid" | grep -o "JobState=[A-Z]*")
+  [ "$state" = JobState=COMPLETED ] && break
+  # only once the first run has left the node, or the restart is refused ("credential revoked")
+  if [ "$state" = JobState=PENDING ] && sinfo -h -o %T | grep -qx idle; then
+    scontrol update jobid="$jid" StartTime=now 2>/dev/null
+  fi
+  sleep 0.25
+done
+scontrol show job "$jid" | grep -o "JobState=[A-Z]*\|Restarts=[0-9]*"
+cat "$out"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(x) for x in ("slurmctld", "slurmd", "munged",
+                                                                         "sbatch", "unshare")),
+                    reason="needs root and Slurm (slurm-wlm, munge) for a one-node cluster")
+def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
+    """sbatch examples/slurm/train.sbatch on a one-node Slurm cluster (tests/slurm/with-cluster.sh):
+    B:USR1 -> checkpoint, real `scontrol requeue`, the requeued job resumes and ends like an uninterrupted run."""
+    steps = 24
+    reference = subprocess.Popen(
+        [sys.executable, str(REPO / "examples" / "train.py"), "--data", str(image_dataset), "--ckpt-dir",
+         str(tmp_path / "ref"), "--steps", str(steps), "--every-steps", "100", "--loader-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    work = tmp_path / "job"
+    work.mkdir()
+    script = tmp_path / "job.sh"
+    script.write_text(SLURM_JOB)
+    job_env = {**env(), "WORK": str(work), "DATA": str(image_dataset), "CKPT": str(tmp_path / "ck"),
+               "PYTHON": sys.executable, "FASTIO": str(REPO),
+               "TRAIN_ARGS": f"--steps {steps} --every-steps 100 --loader-threads 1 --step-delay 0.1"}
+    proc = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "with-cluster.sh"), str(tmp_path / "cluster"),
+                           "bash", str(script)], capture_output=True, text=True, env=job_env, timeout=150,
+                          check=False)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "JobState=COMPLETED" in out and "Restarts=1" in out, out
+    saved = [line for line in out.splitlines() if line.startswith("preempted: saved step")]
+    assert len(saved) == 1, out
+    step = int(saved[0].split()[3])
+    assert f"resumed from step {step}" in out and "job" in out and "restart 1" in out, out
+    assert digest(out) == digest(reference.communicate(timeout=60)[0])
