@@ -8,7 +8,7 @@ EXTRAS ?= cuda13,dev
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-slurm bench bench-gpu lint clean
 
 install: $(STAMP)
 
@@ -25,8 +25,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The real one-node Slurm test (it runs in `make test` too wherever Slurm is installed).
+test-slurm: $(STAMP)
+	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge)
+	$(BIN)/python -m pytest -q -m slurm
+
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+bench-gpu: $(STAMP)
+	bash bench/gpu.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check fastio converters tests bench examples

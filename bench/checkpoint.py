@@ -203,7 +203,7 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
     loader = Loader(data, batch_size=8, device="cpu", pipeline="image-train", image_size=32, seed=0,
                     rank=0, world_size=1)
     it = iter(loader)
-    for step in range(1, 4):  # a mid-epoch position, so the resumed loader must skip what was consumed
+    for _ in range(3):  # a mid-epoch position, so the resumed loader must skip what was consumed
         train_step(model, optim, next(it)["image"])
     with Checkpointer(ckpt_dir, signals=()) as ckpt:
         ckpt.save(3, {"model": model, "optim": optim, "loader": loader}, blocking=True)

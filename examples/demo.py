@@ -38,10 +38,10 @@ def load(dest: Path) -> None:
 
     print(f"\n# one epoch of {dest} through the Loader (image-train, 64 px)", flush=True)
     with Loader(dest, batch_size=32, image_size=64, device="auto", seed=0) as loader:
+        shape = None
         for batch in loader:
-            pass
+            shape = tuple(batch["image"].shape)
         s = loader.stats()["last_epoch"]
-        shape = tuple(batch["image"].shape)
         print(f"load: {s['samples']} samples in {s['batches']} batches of {shape} on {loader.device}: "
               f"{s['samples_per_s']:.0f} samples/s, data stall {100 * s['stall_fraction']:.1f}% "
               "(this loop does no training work, so nearly all of its time is spent waiting for data)",

@@ -142,10 +142,10 @@ cat "$out"
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slurm
 @pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(x) for x in ("slurmctld", "slurmd", "munged",
                                                                          "sbatch", "unshare")),
-                    reason="needs root and Slurm (slurm-wlm, munge) for a one-node cluster")
+                    reason="needs root and Slurm (slurm-wlm, munge) for a one-node cluster: make test-slurm")
 def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
     """sbatch examples/slurm/train.sbatch on a one-node Slurm cluster (tests/slurm/with-cluster.sh):
     B:USR1 -> checkpoint, real `scontrol requeue`, the requeued job resumes and ends like an uninterrupted run."""

@@ -132,7 +132,7 @@ def test_extra_fields_and_padding(image_dataset):
 
 def test_stats_and_progress_line(image_dataset, capsys):
     loader = _loader(image_dataset)
-    for b in islice(batches(loader), 8):
+    for _ in islice(batches(loader), 8):
         pass
     s = loader.stats()
     assert s["overall"]["batches"] == 8 and s["overall"]["samples"] == 64
