@@ -62,20 +62,13 @@ def state_mib(model: nn.Module, optim: torch.optim.Optimizer) -> float:
 
 def make_dataset(dest: Path) -> Path:
     """A tiny image dataset for the Loader in the resume measurement."""
-    from fastio.shards import ShardWriter
+    from fastio.convert import ConvertConfig, convert
     from fastio.synthetic import make_imagefolder
 
     if (dest / "manifest.json").exists():
         return dest
     src = make_imagefolder(dest.parent / "src", classes=4, per_class=16)
-    classes = sorted(p.name for p in src.iterdir())
-    writer = ShardWriter(dest, max_samples=16)
-    for path in sorted(src.rglob("*.jpg")):
-        label = classes.index(path.parent.name)
-        writer.write({"__key__": f"{path.parent.name}/{path.stem}", "jpg": path.read_bytes(),
-                      "cls": str(label).encode()})
-    writer.close(image_field="jpg", label_field="cls", label_map={c: i for i, c in enumerate(classes)},
-                 source={"format": "imagefolder", "path": str(src)}, skipped=[])
+    convert(ConvertConfig(source=src, dest=dest, max_samples_per_shard=16, workers=1, overwrite=True))
     return dest
 
 

@@ -205,7 +205,8 @@ class Checkpointer:
     def restore_latest(self, app: dict[str, Any], step: int | None = None) -> TrainState | None:
         """Load the newest committed checkpoint (or ``step``) into ``app``; None when there is none.
 
-        Uncommitted leftovers (``step-N.tmp``) are deleted. RNG states are restored last.
+        Uncommitted leftovers (``step-N.tmp``) are deleted. RNG states are restored last. A checkpoint
+        written by another number of ranks is restored elastically (see :mod:`fastio.checkpoint.elastic`).
         """
         self._check_app(app)
         self._raise_if_failed(wait=True)
@@ -355,27 +356,47 @@ class Checkpointer:
             manifest = snap.get_manifest()
         except Exception as err:  # noqa: BLE001 - a missing or corrupt .snapshot_metadata, named below
             raise CheckpointError(f"{path}: unreadable snapshot metadata: {_first_line(err)}") from None
-        saved = {k.split("/")[1] for k in manifest if k.startswith(f"{self.rank}/")}
+        saved_world = int(commit.get("world_size") or snap.metadata.world_size)
+        elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
+        src = self.rank % saved_world  # the saving rank whose per-rank state this rank takes
+        saved = {k.split("/")[1] for k in manifest if k.startswith(f"{src}/")}
         missing = sorted(k for k in app if k not in saved)
         if missing:
             holds = ", ".join(sorted(k for k in saved if not k.startswith(_RESERVED_PREFIX))) or "nothing"
             raise CheckpointError(
-                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {self.rank} "
-                f"(it holds: {holds}; written by {commit.get('world_size', '?')} rank(s), "
-                f"this run has {self.world_size})")
+                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
+                f"(it holds: {holds}; written by {saved_world} rank(s), this run has {self.world_size})")
         progress = Frozen({})
         targets = dict(app)
-        has_rng = any(k.startswith(f"{self.rank}/{RNG_KEY}/") or k == f"{self.rank}/{RNG_KEY}" for k in manifest)
-        if has_rng:
-            targets[RNG_KEY] = Frozen(capture_rng())
         targets[PROGRESS_KEY] = progress
+        per_rank: list[str] = []
+        if elastic:
+            from fastio.checkpoint import elastic as el
+
+            replicated, per_rank = el.split_keys(el.rank_view(manifest, src), list(targets))
+            has_rng = False
+        else:
+            has_rng = any(k.startswith(f"{self.rank}/{RNG_KEY}/") or k == f"{self.rank}/{RNG_KEY}" for k in manifest)
+            if has_rng:
+                targets[RNG_KEY] = Frozen(capture_rng())
         try:
-            snap.restore(targets)
+            snap.restore({k: v for k, v in targets.items() if k not in per_rank})
+            for key in per_rank:  # elastic only: another rank's state, read leaf by leaf
+                from_rank = 0 if key == PROGRESS_KEY else src
+                targets[key].load_state_dict(el.read_state(snap, el.rank_view(manifest, from_rank), from_rank,
+                                                           key, str(path)))
         except CheckpointError:
             raise
         except Exception as err:  # a mismatched model or a loader refusing its state lands here
             raise CheckpointError(f"{path}: restore failed: {_first_line(err)}") from err
-        if has_rng:
+        if elastic:
+            if self.rank == 0:
+                log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
+                            "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
+                            "restored (left as this run seeded it)", path, saved_world, self.world_size,
+                            ", ".join(replicated) or "nothing",
+                            ", ".join(k for k in per_rank if k != PROGRESS_KEY) or "nothing", saved_world)
+        elif has_rng:
             restore_rng(targets[RNG_KEY].state)
         else:
             log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
