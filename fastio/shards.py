@@ -2,13 +2,14 @@
 
 Every shard is written under a hidden temporary name, fsynced and renamed; the manifest is
 written last. Tars are reproducible: members sorted by field within a sample, mtime 0,
-uid/gid 0, empty owner names, mode 0444, USTAR headers only.
+uid/gid 0, empty owner names, mode 0444, USTAR headers only. Members are written straight to the
+file (headers from ``tarfile.TarInfo``), which is what webdataset's TarWriter does too, without
+importing webdataset (and through it torch) into ``fastio convert``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import tarfile
@@ -64,9 +65,6 @@ class _HashingFile:
     def flush(self):
         self.f.flush()
 
-    def tell(self) -> int:
-        return self.size
-
 
 @dataclass
 class _OpenShard:
@@ -75,7 +73,6 @@ class _OpenShard:
     tmp: Path
     file: Any
     hashing: _HashingFile
-    tar: tarfile.TarFile
     entries: list[IndexEntry] = field(default_factory=list)
     pos: int = 0  # logical end of the tar so far (header + padded data of each member)
 
@@ -142,10 +139,11 @@ class ShardWriter:
         for ext, value in members:
             offsets.append((ext, shard.pos + BLOCK, len(value)))
             shard.pos += BLOCK + _padded(len(value))
+        out = shard.hashing
         for ext, value in members:
-            info = tarfile.TarInfo(f"{key}.{ext}")
-            info.size, info.mode, info.mtime, info.uname, info.gname = len(value), 0o444, 0, "", ""
-            shard.tar.addfile(info, io.BytesIO(value))
+            out.write(_member_header(f"{key}.{ext}", len(value)))
+            out.write(value)
+            out.write(bytes(_padded(len(value)) - len(value)))
         shard.entries.append(IndexEntry(key=key, members=tuple(offsets)))
         self._keys.add(key)
         self.fields.update(ext for ext, _ in members)
@@ -172,7 +170,6 @@ class ShardWriter:
     def abort(self) -> None:
         """Drop the shard being written (its temporary file is removed)."""
         if self._open is not None:
-            self._open.tar.close()
             self._open.file.close()
             self._open.tmp.unlink(missing_ok=True)
             self._open = None
@@ -183,12 +180,13 @@ class ShardWriter:
         tmp = tmp_path_for(path)
         f = open(tmp, "wb")
         hashing = _HashingFile(f)
-        tar = tarfile.open(fileobj=hashing, mode="w", format=tarfile.USTAR_FORMAT)
-        self._open = _OpenShard(index=index, path=path, tmp=tmp, file=f, hashing=hashing, tar=tar)
+        self._open = _OpenShard(index=index, path=path, tmp=tmp, file=f, hashing=hashing)
 
     def _finish(self) -> None:
         shard, self._open = self._open, None
-        shard.tar.close()
+        end = _tar_size(shard.pos)
+        shard.hashing.write(bytes(end - shard.pos))  # the two closing zero blocks and the record padding
+        assert shard.hashing.size == end, (shard.path, shard.hashing.size, end)
         shard.file.flush()
         os.fsync(shard.file.fileno())
         shard.file.close()
@@ -210,6 +208,13 @@ class ShardWriter:
 
 def _padded(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def _member_header(name: str, size: int) -> bytes:
+    """The USTAR header of a regular member: mode 0444, mtime 0, uid/gid 0, no owner names."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "", ""
+    return info.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict")
 
 
 def _tar_size(members_end: int) -> int:
