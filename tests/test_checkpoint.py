@@ -353,7 +353,7 @@ def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path):
             proc.send_signal(signal.SIGUSR1)
             break
     out = proc.stdout.read()
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=120) == 0
     last = [line for line in out.splitlines() if line.startswith("preempted")]
     assert len(last) == 1, out
     _, step, value = last[0].split()

@@ -38,7 +38,7 @@ def run_until(cmd: list[str], step: int, sig: int) -> tuple[int, str]:
             proc.send_signal(sig)
             break
     lines += proc.stdout.readlines()
-    return proc.wait(timeout=60), "".join(lines)
+    return proc.wait(timeout=180), "".join(lines)
 
 
 def digest(out: str) -> str:
@@ -74,10 +74,10 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
     assert saved in (usr1_at, usr1_at + 1), why + out
     assert max(e.step for e in layout.committed(ckpt)) == saved
 
-    result = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), timeout=60)
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), timeout=180)
     assert result.returncode == 0, why + result.stdout + result.stderr
     assert f"resumed from step {saved}" in result.stdout
-    ref_out = reference.communicate(timeout=60)[0]
+    ref_out = reference.communicate(timeout=180)[0]
     assert reference.returncode == 0, ref_out
     assert digest(result.stdout) == digest(ref_out), why
     assert layout.verify(ckpt) == [] and [e.step for e in layout.committed(ckpt)] == [STEPS - 2, STEPS]
@@ -110,12 +110,12 @@ def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, t
             break
     out += proc.stdout.readlines()
     text = "".join(out)
-    assert proc.wait(timeout=60) == 0, text
+    assert proc.wait(timeout=180) == 0, text
     assert "SIGUSR1: asking ranks to checkpoint" in text and "preempted: saved step" in text, text
     saved = max(e.step for e in layout.committed(ckpt))
     assert 4 <= saved < STEPS
     assert "requeue 777" in record.read_text()
-    again = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=run_env, timeout=60)
+    again = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=run_env, timeout=180)
     assert again.returncode == 0 and f"resumed from step {saved}" in again.stdout, again.stdout + again.stderr
     assert "final weights sha256" in again.stdout
 
@@ -125,10 +125,10 @@ set -u
 cd "$WORK"
 jid=$(sbatch --parsable --gpus-per-node=0 --cpus-per-task=1 "$FASTIO/examples/slurm/train.sbatch") || exit 1
 out=fastio-train-$jid.out
-for i in $(seq 240); do grep -q "^step 4 " "$out" 2>/dev/null && break; sleep 0.25; done
+for i in $(seq 480); do grep -q "^step 4 " "$out" 2>/dev/null && break; sleep 0.25; done
 scancel --signal=USR1 --batch "$jid"       # what --signal=B:USR1@120 does before the time limit
-for i in $(seq 120); do scontrol show job "$jid" | grep -q "Restarts=1" && break; sleep 0.25; done
-for i in $(seq 240); do  # a requeued job is held back a while (BeginTime); let it start now
+for i in $(seq 480); do scontrol show job "$jid" | grep -q "Restarts=1" && break; sleep 0.25; done
+for i in $(seq 960); do  # a requeued job is held back a while (BeginTime); let it start now
   state=$(scontrol show job "$jid" | grep -o "JobState=[A-Z]*")
   [ "$state" = JobState=COMPLETED ] && break
   # only once the first run has left the node, or the restart is refused ("credential revoked")
@@ -162,7 +162,7 @@ def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
                "PYTHON": sys.executable, "FASTIO": str(REPO),
                "TRAIN_ARGS": f"--steps {steps} --every-steps 100 --loader-threads 1 --step-delay 0.1"}
     proc = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "with-cluster.sh"), str(tmp_path / "cluster"),
-                           "bash", str(script)], capture_output=True, text=True, env=job_env, timeout=150,
+                           "bash", str(script)], capture_output=True, text=True, env=job_env, timeout=480,
                           check=False)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -171,4 +171,4 @@ def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
     assert len(saved) == 1, out
     step = int(saved[0].split()[3])
     assert f"resumed from step {step}" in out and "job" in out and "restart 1" in out, out
-    assert digest(out) == digest(reference.communicate(timeout=60)[0])
+    assert digest(out) == digest(reference.communicate(timeout=120)[0])
