@@ -100,7 +100,8 @@ def verify(dest: Path, decode: bool, quiet: bool) -> None:
               help="Global batch size for --order (capped at the dataset size).")
 def inspect(dest: Path, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
             batch_size: int) -> None:
-    """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes."""
+    """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
+    --order, how well each shuffle mode of the Loader mixes the data)."""
     from fastio.verify import inspect as run_inspect
 
     try:
