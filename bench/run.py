@@ -1,6 +1,7 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only convert,loader,checkpoint] [--repeats N] [--quick]
+Usage: python -m bench.run [--only convert,loader,checkpoint] [--repeats N]
+(bench/results/summary.json keeps the last results of the sections not run this time.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_yticks(list(y), names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("ratio (fastio vs peer; black bar = target; green = target met)")
-    ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {summary['repeats']} runs")
+    runs = sorted({res.get("repeats", "?") for res in summary["sections"].values()}, key=str)
+    ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {'/'.join(map(str, runs))} runs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -68,29 +70,34 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     RESULTS.mkdir(parents=True, exist_ok=True)
+    summary_path = RESULTS / "summary.json"
+    # Sections not run now keep their last results (each records when it ran and how many repeats).
+    previous = json.loads(summary_path.read_text()).get("sections", {}) if summary_path.exists() else {}
     summary = {"host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "machine": platform.machine()},
-               "repeats": args.repeats, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "sections": {}}
+               "sections": {k: v for k, v in previous.items() if k in SECTIONS and k not in wanted}}
     failed = []
     for name in wanted:
         print(f"\n=== {name} ===", flush=True)
         module = importlib.import_module(f"bench.{name}")
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
             result = module.run(WORK / name, repeats=args.repeats)
         except Exception:
             traceback.print_exc()
             failed.append(name)
             continue
-        summary["sections"][name] = result
+        summary["sections"][name] = {**result, "started": started, "repeats": args.repeats}
     print("\n=== summary (fastio vs peer, medians) ===")
-    for name, result in summary["sections"].items():
+    for name in (s for s in SECTIONS if s in summary["sections"]):
+        result = summary["sections"][name]
+        when = f"(ran {result.get('started', '?')}, {result.get('repeats', '?')} repeats)"
         for r in _ratios(name, result):
             ok = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
             sign = ">=" if r["better"] == "higher" else "<="
             print(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
-                  f"{'met' if ok else 'MISSED'}")
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+                  f"{'met' if ok else 'MISSED':<6} {when}")
+    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     plot(summary, RESULTS / "summary.png")
     print(f"\nwrote {RESULTS / 'summary.json'} and {RESULTS / 'summary.png'}")
     if failed:
