@@ -5,8 +5,7 @@ The public API is imported lazily, so that ``fastio convert`` and friends start 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fastio.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -30,12 +29,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fastio' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -5,8 +5,7 @@ Names are imported lazily: ``fastio ckpt ls`` and ``verify`` read the layout wit
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from fastio.lazy import lazy_exports
 
 _LAZY = {
     "Checkpointer": "fastio.checkpoint.checkpointer",
@@ -20,12 +19,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fastio.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
