@@ -174,6 +174,9 @@ def train(args: argparse.Namespace) -> int:
     ckpt.close()
     loader.close()
     if rank == 0:
+        s = loader.stats()["overall"]
+        print(f"loader: {s['samples']} samples at {s['samples_per_s']:.0f} samples/s, "
+              f"data stall {100 * s['stall_fraction']:.1f}% of the training loop's time", flush=True)
         print(f"final weights sha256: {weights_digest(model.module if world > 1 else model)}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -219,6 +222,9 @@ def demo_interrupt_resume(argv: list[str], interrupt_at: int) -> bool:
     print(f"demo:   {stopped[0] if stopped else 'the run ended before the signal'}", flush=True)
     resumed = subprocess.run(cmd("interrupted"), capture_output=True, text=True, check=True).stdout
     print(f"demo: resumed with the same command: {resumed.splitlines()[0]}", flush=True)
+    for line in straight.splitlines():
+        if line.startswith("loader: "):
+            print(f"demo: uninterrupted run's {line}", flush=True)
     a, b = digest_of(straight), digest_of(resumed)
     print(f"demo: uninterrupted final weights sha256 {a}")
     print(f"demo: interrupted+resumed final weights sha256 {b}")
