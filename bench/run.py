@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from fastio.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -21,9 +24,9 @@ WORK = ROOT / "work"
 SECTIONS = ("convert", "loader", "checkpoint")
 
 
-def _ratios(section: str, result: dict) -> list[dict]:
-    """The section's headline ratios: [{"name", "value", "target", "better": "higher"|"lower"}]."""
-    return list(result.get("ratios", []))
+def _met(r: dict) -> bool:
+    """Whether a ratio ``{"value", "target", "better": "higher"|"lower"}`` meets its target."""
+    return r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -38,10 +41,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.5))
     names = [f"{sec}: {r['name']}" for sec, r in rows]
     values = [r["value"] for _, r in rows]
-    colors = []
-    for _, r in rows:
-        ok = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
-        colors.append("tab:green" if ok else "tab:red")
+    colors = ["tab:green" if _met(r) else "tab:red" for _, r in rows]
     y = range(len(rows))
     ax.barh(y, values, color=colors)
     for i, (_, r) in enumerate(rows):
@@ -67,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
-    import os
-
     RESULTS.mkdir(parents=True, exist_ok=True)
     summary_path = RESULTS / "summary.json"
     # Sections not run now keep their last results (each records when it ran and how many repeats).
@@ -92,12 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in (s for s in SECTIONS if s in summary["sections"]):
         result = summary["sections"][name]
         when = f"(ran {result.get('started', '?')}, {result.get('repeats', '?')} repeats)"
-        for r in _ratios(name, result):
-            ok = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
+        for r in result.get("ratios", []):
+            ok = _met(r)
             sign = ">=" if r["better"] == "higher" else "<="
             print(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
                   f"{'met' if ok else 'MISSED':<6} {when}")
-    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    atomic_write_bytes(summary_path, json.dumps(summary, indent=2, sort_keys=True).encode() + b"\n")
     plot(summary, RESULTS / "summary.png")
     print(f"\nwrote {RESULTS / 'summary.json'} and {RESULTS / 'summary.png'}")
     if failed:

@@ -7,13 +7,11 @@ The crop follows torchvision's ``RandomResizedCrop.get_params`` (10 attempts, th
 
 from __future__ import annotations
 
-import io
 import math
-import struct
 
 import numpy as np
 
-__all__ = ["CropParams", "image_size", "random_resized_crop", "splitmix64", "uniforms"]
+__all__ = ["CropParams", "random_resized_crop", "splitmix64", "uniforms"]
 
 ATTEMPTS = 10
 _DRAWS = 4 * ATTEMPTS + 1  # scale, log-ratio, top, left per attempt, then the flip
@@ -82,48 +80,3 @@ def random_resized_crop(seed: int, epoch: int, indices: np.ndarray, widths: np.n
     cx = np.where(found, left[rows, first], lf)
     flip = (u[:, -1] < flip_p).astype(np.int32)
     return CropParams(np.stack([cx, cy], 1).astype(np.float32), np.stack([cw, ch], 1).astype(np.float32), flip)
-
-
-def image_size(data: bytes | memoryview | np.ndarray) -> tuple[int, int]:
-    """``(width, height)`` from a JPEG or PNG header (other formats: PIL's lazy open). Raises ValueError."""
-    buf = bytes(data[:32]) if not isinstance(data, bytes) else data
-    if buf[:8] == b"\x89PNG\r\n\x1a\n":
-        w, h = struct.unpack(">II", bytes(data[16:24]))
-        return int(w), int(h)
-    if buf[:2] == b"\xff\xd8":
-        return _jpeg_size(memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data))
-    try:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(bytes(data))) as img:
-            return img.size
-    except Exception as err:  # PIL raises many kinds for bytes that are not an image
-        raise ValueError(f"not a decodable image ({type(err).__name__})") from None
-
-
-_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-def _jpeg_size(mv: memoryview) -> tuple[int, int]:
-    i, n = 2, len(mv)
-    while i + 4 <= n:
-        if mv[i] != 0xFF:
-            raise ValueError(f"corrupt JPEG header (no marker at byte {i})")
-        marker = mv[i + 1]
-        if marker == 0xFF:
-            i += 1
-            continue
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            i += 2
-            continue
-        length = (mv[i + 2] << 8) | mv[i + 3]
-        if marker in _SOF:
-            if i + 9 > n:
-                break
-            h = (mv[i + 5] << 8) | mv[i + 6]
-            w = (mv[i + 7] << 8) | mv[i + 8]
-            if w == 0 or h == 0:
-                raise ValueError(f"JPEG header gives size {w}x{h}")
-            return w, h
-        i += 2 + length
-    raise ValueError("truncated JPEG header (no frame size)")

@@ -337,34 +337,34 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                          max_samples=config.max_samples_per_shard)
     skipped: list[dict[str, str]] = []
     nbytes = 0
-    for entry, (fields, reason, where) in loaded:
-        if fields is None:
-            if config.on_error == "fail":
-                writer.abort()
-                raise ConvertError(f"{where}: {reason} (--on-error fail)")
-            skipped.append({"path": _display_path(where, config.source), "reason": reason})
-            progress.update(1, 0)
-            continue
-        try:
-            fields = resolve_fields(fields)
-        except OSError as err:
-            writer.abort()
-            raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
-        try:
-            writer.write({"__key__": entry.key, **fields})
-        except ValueError as err:  # e.g. a column name too long for a tar member name
-            writer.abort()
-            raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
-        size = sum(len(v) for v in fields.values())
-        nbytes += size
-        progress.update(1, size)
-    if writer.total_samples == 0:
-        writer.abort()
-        example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
-        of_split = f" of split {split_name}" if split_name else ""
-        raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
-    manifest = writer.close(skipped=scan_skipped + skipped,
-                            image_fields=sorted(f for f in writer.fields if _is_image(f)), **manifest_fields)
+    try:
+        for entry, (fields, reason, where) in loaded:
+            if fields is None:
+                if config.on_error == "fail":
+                    raise ConvertError(f"{where}: {reason} (--on-error fail)")
+                skipped.append({"path": _display_path(where, config.source), "reason": reason})
+                progress.update(1, 0)
+                continue
+            try:
+                fields = resolve_fields(fields)
+            except OSError as err:
+                raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
+            try:
+                writer.write({"__key__": entry.key, **fields})
+            except ValueError as err:  # e.g. a column name too long for a tar member name
+                raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
+            size = sum(len(v) for v in fields.values())
+            nbytes += size
+            progress.update(1, size)
+        if writer.total_samples == 0:
+            example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
+            of_split = f" of split {split_name}" if split_name else ""
+            raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
+        manifest = writer.close(skipped=scan_skipped + skipped,
+                                image_fields=sorted(f for f in writer.fields if _is_image(f)), **manifest_fields)
+    except BaseException:
+        writer.abort()  # the shard being written stays a hidden temporary; drop it
+        raise
     return manifest, skipped, nbytes
 
 
@@ -382,6 +382,14 @@ def convert(config: ConvertConfig) -> ConvertResult:
     scan = converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column))
     groups = _assign(len(scan.entries), config)
+    try:
+        return _write_all(config, scan, groups, started)
+    except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run, ...
+        raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
+
+
+def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
+    """Reset DEST, then load and write every group (split) of ``scan``'s entries; the manifests go last."""
     reset_dest(config.dest)
 
     options = config.output_options()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import struct
 
 __all__ = [
     "IMAGE_FIELDS",
@@ -107,16 +108,57 @@ def downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[byt
         kwargs["quality"] = quality
         # Keep EXIF (orientation) and the colour profile: the pixels stay as stored, as in the original.
         kwargs.update({k: img.info[k] for k in ("exif", "icc_profile") if img.info.get(k)})
-    out.save(buf, fmt, **kwargs)
+    try:
+        out.save(buf, fmt, **kwargs)
+    except Exception as err:  # noqa: BLE001  (e.g. a CMYK image stored under a .png name)
+        raise ImageCheckError(f"cannot re-encode as {fmt} ({_reason(err)})") from None
     return buf.getvalue(), size
 
 
-def image_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from the image header without decoding pixels; None if unreadable."""
+def image_size(data) -> tuple[int, int]:
+    """``(width, height)`` from a JPEG or PNG header (other formats: PIL's lazy open), without decoding
+    pixels. ``data`` is bytes, a memoryview or a uint8 array. Raises ValueError for bytes that are no image."""
+    buf = bytes(data[:32]) if not isinstance(data, bytes) else data
+    if buf[:8] == b"\x89PNG\r\n\x1a\n":
+        w, h = struct.unpack(">II", bytes(data[16:24]))
+        return int(w), int(h)
+    if buf[:2] == b"\xff\xd8":
+        return _jpeg_size(memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data))
     try:
-        return _open(data).size
-    except ImageCheckError:
-        return None
+        from PIL import Image
+
+        with Image.open(io.BytesIO(bytes(data))) as img:
+            return img.size
+    except Exception as err:  # PIL raises many kinds for bytes that are not an image
+        raise ValueError(f"not a decodable image ({type(err).__name__})") from None
+
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_size(mv: memoryview) -> tuple[int, int]:
+    i, n = 2, len(mv)
+    while i + 4 <= n:
+        if mv[i] != 0xFF:
+            raise ValueError(f"corrupt JPEG header (no marker at byte {i})")
+        marker = mv[i + 1]
+        if marker == 0xFF:
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = (mv[i + 2] << 8) | mv[i + 3]
+        if marker in _SOF:
+            if i + 9 > n:
+                break
+            h = (mv[i + 5] << 8) | mv[i + 6]
+            w = (mv[i + 7] << 8) | mv[i + 8]
+            if w == 0 or h == 0:
+                raise ValueError(f"JPEG header gives size {w}x{h}")
+            return w, h
+        i += 2 + length
+    raise ValueError("truncated JPEG header (no frame size)")
 
 
 def _reason(err: BaseException) -> str:

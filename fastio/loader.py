@@ -349,14 +349,9 @@ class Loader:
 
     def _tensor(self, value):
         if self.device == "cuda":
-            from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
             if not value.is_dense_tensor():
                 return [self._tensor_one(value[j]) for j in range(len(value))]
-            t = value.as_tensor()
-            dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.torch_device)
-            feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
-            return dst
+            return self._tensor_one(value.as_tensor())
         if value.is_dense_tensor():
             return torch.from_numpy(value.as_array())
         return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]

@@ -13,9 +13,9 @@ from struct import error as struct_error
 
 import numpy as np
 
-from fastio.augment import image_size
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
+from fastio.images import image_size
 
 __all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio import __version__
-from fastio.atomic import fsync_dir, publish, tmp_path_for
+from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.idx import IndexEntry, format_index
 from fastio.manifest import FORMAT, FORMAT_VERSION, SHARDS_DIR, write_manifest
 
@@ -191,15 +191,8 @@ class ShardWriter:
         os.fsync(shard.file.fileno())
         shard.file.close()
         idx_text = format_index(shard.entries).encode()
-        idx_path = shard.path.with_suffix(".idx")
-        idx_tmp = tmp_path_for(idx_path)
-        with open(idx_tmp, "wb") as f:
-            f.write(idx_text)
-            f.flush()
-            os.fsync(f.fileno())
         publish(shard.tmp, shard.path)
-        publish(idx_tmp, idx_path)
-        fsync_dir(shard.path.parent)
+        atomic_write_bytes(shard.path.with_suffix(".idx"), idx_text)
         self.shards.append(ShardInfo(
             name=shard.path.name, samples=len(shard.entries), bytes=shard.hashing.size,
             sha256=shard.hashing.sha.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest(),

@@ -163,6 +163,13 @@ def verify(dest: str | Path, *, decode: bool = False) -> VerifyReport:
     return report
 
 
+def _size_or_none(data: bytes) -> tuple[int, int] | None:
+    try:
+        return image_size(data)
+    except ValueError:
+        return None
+
+
 def _stats(values: list[int]) -> dict[str, float]:
     return {"min": min(values), "max": max(values), "mean": round(statistics.fmean(values), 1),
             "median": statistics.median(values)}
@@ -208,7 +215,7 @@ def _inspect_one(root: Path, max_images: int) -> dict[str, Any]:
             have = [i for i in range(n) if table.sizes[image][i] >= 0]
             step = max(1, len(have) // max_images) if max_images > 0 else len(have) + 1
             probe = have[::step][:max_images]
-            sizes = [s for s in (image_size(read(i, image)) for i in probe) if s is not None]
+            sizes = [s for s in (_size_or_none(read(i, image)) for i in probe) if s is not None]
             info["image_sizes"] = {
                 "field": image, "probed": len(probe), "unreadable": len(probe) - len(sizes),
                 "width": _stats([w for w, _ in sizes]) if sizes else None,

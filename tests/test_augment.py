@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastio.augment import image_size, random_resized_crop, uniforms
+from fastio.augment import random_resized_crop, uniforms
+from fastio.images import image_size
 
 
 def _torchvision_reference(u, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):

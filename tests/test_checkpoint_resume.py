@@ -128,12 +128,15 @@ out=fastio-train-$jid.out
 for i in $(seq 480); do grep -q "^step 4 " "$out" 2>/dev/null && break; sleep 0.25; done
 scancel --signal=USR1 --batch "$jid"       # what --signal=B:USR1@120 does before the time limit
 for i in $(seq 480); do scontrol show job "$jid" | grep -q "Restarts=1" && break; sleep 0.25; done
+forced=0
 for i in $(seq 960); do  # a requeued job is held back a while (BeginTime); let it start now
   state=$(scontrol show job "$jid" | grep -o "JobState=[A-Z]*")
   [ "$state" = JobState=COMPLETED ] && break
-  # only once the first run has left the node, or the restart is refused ("credential revoked")
-  if [ "$state" = JobState=PENDING ] && sinfo -h -o %T | grep -qx idle; then
-    scontrol update jobid="$jid" StartTime=now 2>/dev/null
+  # Only once the first run has left the node, and not within the second of the requeue: slurmd
+  # refuses such a restart ("Job credential revoked") and the job ends instead of running again.
+  if [ $forced = 0 ] && [ "$state" = JobState=PENDING ] && sinfo -h -o %T | grep -qx idle; then
+    sleep 2
+    scontrol update jobid="$jid" StartTime=now 2>/dev/null && forced=1
   fi
   sleep 0.25
 done

@@ -60,6 +60,8 @@ CASES = {
     "bad on-error": lambda t, f: ([str(f), str(t / "out"), "--on-error", "ignore"], ["--on-error", "'ignore'"]),
     "zero workers": lambda t, f: ([str(f), str(t / "out"), "--workers", "0"], ["--workers must be at least 1"]),
     "dest is a file": lambda t, f: ([str(f), str(table(t, "file.txt", "x"))], ["file.txt: exists and is not a directory"]),
+    "dest below a file": lambda t, f: ([str(f), str(table(t, "file2.txt", "x") / "sub")],
+                                       ["file2.txt/sub: Not a directory"]),
 }
 
 

@@ -301,3 +301,14 @@ def test_downscale_keeps_orientation_and_format():
     out, size = downscale(png.getvalue(), "png", 60, 80)
     assert Image.open(io.BytesIO(out)).format == "PNG" and size == (25, 60)
     assert downscale(png.getvalue(), "png", 500, 80)[0] == png.getvalue()
+
+
+def test_image_that_cannot_be_reencoded_is_skipped_not_fatal(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4, min_side=40, max_side=80)
+    buf = io.BytesIO()
+    Image.new("CMYK", (300, 200)).save(buf, "JPEG")  # decodes fine, but PNG cannot hold CMYK
+    (src / "circle" / "cmyk.png").write_bytes(buf.getvalue())
+    ds = Dataset(convert(ConvertConfig(source=src, dest=tmp_path / "d", workers=1, max_side=64)).dest)
+    assert len(ds) == 8
+    assert [(s["path"], s["reason"][:29]) for s in ds.manifest["skipped"]] == [
+        ("circle/cmyk.png", "cannot re-encode as PNG (cann")]

@@ -295,13 +295,18 @@ class Checkpointer:
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
         tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
-        try:
-            if self.rank == 0:
+        problem: list[str | None] = [None]
+        if self.rank == 0:
+            try:
                 if tmp.exists():
                     layout.remove_step(tmp)
                 tmp.mkdir(parents=True)
-        except OSError as err:
-            raise CheckpointError(f"{tmp}: cannot create checkpoint directory: {err.strerror or err}") from None
+            except OSError as err:
+                problem[0] = f"{tmp}: cannot create checkpoint directory: {err.strerror or err}"
+        if self.world_size > 1:  # every rank fails together, or the others would wait in the write forever
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise CheckpointError(problem[0])
         rng = capture_rng()
         states = {key: obj.state_dict() for key, obj in app.items()}
         if epoch is None:

@@ -42,12 +42,6 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: list = []
-        self.bytes_staged = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held in staging buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def release(self) -> None:
         self._buffers.clear()
@@ -72,7 +66,6 @@ class Stager:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._events.append(event)
-        self.bytes_staged = sum(d.numel() * d.element_size() for d, _ in pairs)
         return out
 
     def wait_copies(self) -> None:
