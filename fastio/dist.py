@@ -1,0 +1,29 @@
+"""Which rank this process is and how many there are: one rule for the Loader and the Checkpointer.
+
+``torch.distributed`` when a process group is initialised; otherwise the launcher's ``RANK`` and
+``WORLD_SIZE`` (torchrun, or ``srun`` with them exported); otherwise a single process (0, 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["rank_and_world"]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process; see the module docstring for where they come from."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # torch is a dependency, but keep this usable from light tools
+        dist = None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ValueError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}"
+                         " are not integers") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return rank, world
