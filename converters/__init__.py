@@ -1,6 +1,6 @@
 """Source formats fastio converts, one module each, and how a format is chosen or detected.
 
-``scan(source, fmt, options)`` returns a :class:`~converters.base.ScanResult`: the samples to write,
+``scan(source, fmt, options)`` returns a :class:`~fastio.converters.base.ScanResult`: the samples to write,
 in a deterministic order, without having read any image.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converters import files, imagefolder, parquet, table
-from converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
+from fastio.converters import files, imagefolder, parquet, table
+from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
 from fastio.errors import ConvertError
 
 __all__ = ["FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect", "scan"]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from fastio.images import image_field_for_suffix
-from fastio.shards import sanitize_key
+from fastio.images import image_field_for_suffix, is_image_field
+from fastio.wds import safe_field_name, sanitize_key
 
 __all__ = [
     "Entry",
@@ -23,6 +23,7 @@ __all__ = [
     "ScanResult",
     "Skip",
     "image_field_for_suffix",
+    "main_image_field",
     "rel",
     "safe_field_name",
     "unique_key",
@@ -83,13 +84,14 @@ class ScanOptions:
     """Table column holding the sample key (default: derived from the path or the row number)."""
 
 
-_FIELD_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-def safe_field_name(name: str) -> str:
-    """A tar extension from a column name: letters, digits, ``_`` and ``-``; others become ``_``."""
-    out = "".join(c if c in _FIELD_OK else "_" for c in name.strip())
-    return out or "_"
+def main_image_field(entries: list[Entry]) -> str | None:
+    """The image field most entries have (ties broken by name), or None when no entry has an image."""
+    counts: dict[str, int] = {}
+    for entry in entries:
+        for name, _ in entry.fields:
+            if is_image_field(name):
+                counts[name] = counts.get(name, 0) + 1
+    return max(sorted(counts), key=lambda f: counts[f]) if counts else None
 
 
 def unique_key(text: str, taken: set[str]) -> str:

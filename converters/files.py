@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip, rel, unique_key
-from fastio.idx import split_member_name
-from fastio.images import IMAGE_FIELDS
+from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip, main_image_field, rel, unique_key
+from fastio.wds import is_field_name, split_member_name
 
 __all__ = ["NAME", "detect", "scan"]
 
 NAME = "files"
-_FIELD_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
 def detect(source: Path) -> bool:
@@ -33,23 +31,15 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             skipped.append(Skip(relpath, "hidden file"))
             continue
         stem, ext = split_member_name(relpath)
-        if not ext or not set(ext) <= _FIELD_CHARS:
+        if not is_field_name(ext):
             skipped.append(Skip(relpath, f"no usable extension to name a field ({ext!r})"))
             continue
-        group = groups.setdefault(stem, {})
-        if ext in group:  # impossible from one stem/ext pair; kept for clarity of the invariant
-            skipped.append(Skip(relpath, f"duplicate field {ext!r}"))
-            continue
-        group[ext] = path
+        groups.setdefault(stem, {})[ext] = path  # one file per (stem, ext): no duplicates possible
     entries: list[Entry] = []
     taken: set[str] = set()
-    image_counts: dict[str, int] = {}
     has_cls = False
     for stem in sorted(groups):
         fields = groups[stem]
-        for ext in fields:
-            if ext.lower() in IMAGE_FIELDS:
-                image_counts[ext] = image_counts.get(ext, 0) + 1
         has_cls = has_cls or "cls" in fields
         entries.append(Entry(
             key=unique_key(stem, taken),
@@ -60,6 +50,6 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         entries=entries,
         description={"format": NAME, "path": str(source.resolve()), "options": {}},
         skipped=skipped,
-        image_field=max(sorted(image_counts), key=lambda f: image_counts[f]) if image_counts else None,
+        image_field=main_image_field(entries),
         label_field="cls" if has_cls else None,
     )

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from converters.base import (
+from fastio.converters.base import (
     Entry,
     FileRef,
     ScanOptions,
     ScanResult,
     Skip,
     image_field_for_suffix,
+    main_image_field,
     rel,
     unique_key,
 )
@@ -49,7 +50,6 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
     entries: list[Entry] = []
     skipped: list[Skip] = []
     taken: set[str] = set()
-    fields: set[str] = set()
     for path in sorted(p for p in source.iterdir() if not p.is_dir()):
         skipped.append(Skip(rel(path, source), "not inside a class folder"))
     for name in classes:
@@ -60,7 +60,6 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
                 skipped.append(Skip(relpath, f"not an image file (suffix {path.suffix or 'none'!r})"))
                 continue
             key = unique_key(relpath[: len(relpath) - len(path.suffix)], taken)
-            fields.add(field)
             entries.append(Entry(
                 key=key,
                 fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
@@ -71,14 +70,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         description={"format": NAME, "path": str(source.resolve()), "options": {}},
         label_map=label_map,
         skipped=skipped,
-        image_field=_main_field(entries) if fields else None,
+        image_field=main_image_field(entries),
         label_field="cls",
     )
 
-
-def _main_field(entries: list[Entry]) -> str:
-    """The most common image field (ties broken by name)."""
-    counts: dict[str, int] = {}
-    for e in entries:
-        counts[e.fields[0][0]] = counts.get(e.fields[0][0], 0) + 1
-    return max(sorted(counts), key=lambda f: counts[f])

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from converters.base import ScanOptions, ScanResult, safe_field_name
-from converters.table import rows_to_result
+from fastio.converters.base import ScanOptions, ScanResult, safe_field_name
+from fastio.converters.table import rows_to_result
 from fastio.errors import ConvertError
 from fastio.images import sniff_image_field
 

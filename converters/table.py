@@ -15,18 +15,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from converters.base import (
+from fastio.converters.base import (
     Entry,
     FieldValue,
     FileRef,
     ScanOptions,
     ScanResult,
     image_field_for_suffix,
+    main_image_field,
     safe_field_name,
     unique_key,
 )
 from fastio.errors import ConvertError
-from fastio.images import IMAGE_FIELDS as _IMAGE_FIELDS
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 
@@ -163,7 +163,6 @@ def rows_to_result(
 
     entries: list[Entry] = []
     taken: set[str] = set()
-    image_counts: dict[str, int] = {}
     for index, (lineno, row) in enumerate(rows):
         where = f"{source.name}:{lineno}"
         fields: dict[str, FieldValue] = {}
@@ -177,8 +176,6 @@ def rows_to_result(
             if not path.is_file():
                 raise ConvertError(f"{where}: path column {path_col!r} names a missing file: {value}")
             field = image_field_for_suffix(path.suffix) or safe_field_name(path.suffix.lstrip(".") or "file")
-            if image_field_for_suffix(path.suffix):
-                image_counts[field] = image_counts.get(field, 0) + 1
             fields[field] = FileRef(str(path))
             origin = value
             stem = _key_text(value)
@@ -186,8 +183,6 @@ def rows_to_result(
             value = row.get(col)
             if value is not None:
                 _put(fields, field, bytes(value), where)
-                if field in _IMAGE_FIELDS:
-                    image_counts[field] = image_counts.get(field, 0) + 1
         if label_col is not None and row.get(label_col) not in (None, ""):
             value = row[label_col]
             cls = label_map[str(value)] if label_map is not None else int(value)
@@ -210,7 +205,7 @@ def rows_to_result(
         entries=entries,
         description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
         label_map=label_map,
-        image_field=max(sorted(image_counts), key=lambda f: image_counts[f]) if image_counts else None,
+        image_field=main_image_field(entries),
         label_field="cls" if labels else None,
     )
 

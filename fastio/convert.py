@@ -1,6 +1,6 @@
 """``fastio convert``: scan a source, load and check every sample in worker processes, write shards.
 
-The scan (``converters``) gives entries in a deterministic order; splitting and shuffling are pure
+The scan (``fastio.converters``) gives entries in a deterministic order; splitting and shuffling are pure
 functions of that order and the seed; worker results are consumed in order. So the same source,
 options and seed give byte-identical shards and manifests whatever the number of workers.
 
@@ -109,7 +109,7 @@ class ConvertConfig:
     dest: Path
     """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split)."""
     format: str | None = None
-    """Source format (see ``converters.FORMATS``); None: detected from SOURCE."""
+    """Source format (see ``fastio.converters.FORMATS``); None: detected from SOURCE."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
     max_samples_per_shard: int | None = None
@@ -213,7 +213,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    from converters.base import FileRef
+    from fastio.converters.base import FileRef
 
     max_side, quality = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
@@ -245,7 +245,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
 
 def resolve_fields(fields: dict) -> dict[str, bytes]:
     """Read the FileRefs a worker handed back in place of unchanged file bytes."""
-    from converters.base import FileRef
+    from fastio.converters.base import FileRef
 
     out = {}
     for name, value in fields.items():
@@ -370,8 +370,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 
 def convert(config: ConvertConfig) -> ConvertResult:
     """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees."""
-    import converters
-    from converters.base import ScanOptions
+    from fastio import converters
+    from fastio.converters.base import ScanOptions
 
     started = time.perf_counter()
     if config.format is not None and config.format not in converters.FORMATS:

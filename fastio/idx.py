@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INDEX_VERSION", "IndexEntry", "format_index", "parse_index", "split_member_name"]
+from fastio.wds import member_name, split_member_name
+
+__all__ = ["INDEX_VERSION", "IndexEntry", "format_index", "parse_index"]
 
 INDEX_VERSION = "v1.2"
 
@@ -21,12 +23,6 @@ class IndexEntry:
     key: str
     members: tuple[tuple[str, int, int], ...]  # (ext, offset, size) in tar order
 
-    def field(self, ext: str) -> tuple[int, int] | None:
-        for name, offset, size in self.members:
-            if name == ext:
-                return offset, size
-        return None
-
     @property
     def span(self) -> tuple[int, int]:
         """(offset, size) of the smallest byte range holding every member's data."""
@@ -35,18 +31,10 @@ class IndexEntry:
         return start, end - start
 
 
-def split_member_name(name: str) -> tuple[str, str]:
-    """Split a tar member name into (key, ext) at the first dot of its basename, as WebDataset does."""
-    dot = name.find(".", name.rfind("/") + 1)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :]
-
-
 def format_index(entries: list[IndexEntry]) -> str:
     lines = [f"{INDEX_VERSION} {len(entries)}"]
     for entry in entries:
-        lines.append(" ".join(f"{ext} {offset} {size} {entry.key}.{ext}" for ext, offset, size in entry.members))
+        lines.append(" ".join(f"{ext} {offset} {size} {member_name(entry.key, ext)}" for ext, offset, size in entry.members))
     return "\n".join(lines) + "\n"
 
 

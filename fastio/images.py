@@ -16,6 +16,7 @@ __all__ = [
     "downscale",
     "image_field_for_suffix",
     "image_size",
+    "is_image_field",
     "sniff_image_field",
 ]
 
@@ -31,6 +32,11 @@ _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif":
 
 class ImageCheckError(ValueError):
     """Image bytes that do not decode; the message says why (without naming the file)."""
+
+
+def is_image_field(name: str) -> bool:
+    """Whether a field holds an image, judged by its last extension (``jpg``, ``left.png``, ``JPEG``)."""
+    return name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
 
 
 def image_field_for_suffix(suffix: str) -> str | None:

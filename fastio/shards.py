@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,21 +20,12 @@ from fastio import __version__
 from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.idx import IndexEntry, format_index
 from fastio.manifest import FORMAT, FORMAT_VERSION, SHARDS_DIR, write_manifest
+from fastio.wds import check_member, is_key, is_plain_name, member_name
 
-__all__ = ["ShardWriter", "ShardInfo", "sanitize_key", "Sample", "BLOCK"]
+__all__ = ["ShardWriter", "ShardInfo", "Sample", "BLOCK"]
 
 BLOCK = 512
 Sample = dict[str, Any]  # {"__key__": str, field: bytes}
-_UNSAFE = re.compile(r"[^A-Za-z0-9_\-/]")
-_MAX_NAME = 100  # USTAR name field; longer names would need PAX headers that DALI's reader does not expect
-
-
-def sanitize_key(text: str) -> str:
-    """A WebDataset key from a path-like string: ASCII letters, digits, ``_ - /`` only, no dots."""
-    key = _UNSAFE.sub("_", text).strip("/")
-    if len(key) > 80:
-        key = key[:63] + "_" + hashlib.sha256(text.encode()).hexdigest()[:16]
-    return key or "_"
 
 
 @dataclass
@@ -94,7 +84,7 @@ class ShardWriter:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if max_samples is not None and max_samples <= 0:
             raise ValueError(f"max_samples must be positive, got {max_samples}")
-        if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+        if not is_plain_name(name):
             raise ValueError(f"shard name must be letters, digits, '_' or '-', got {name!r}")
         self.dest = Path(dest)
         self.name, self.max_bytes, self.max_samples = name, max_bytes, max_samples
@@ -111,18 +101,15 @@ class ShardWriter:
 
     def write(self, sample: Sample) -> None:
         key = sample.get("__key__")
-        if not isinstance(key, str) or sanitize_key(key) != key:
-            raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see sanitize_key)")
+        if not is_key(key):
+            raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see fastio.wds.sanitize_key)")
         if key in self._keys:
             raise ValueError(f"duplicate sample key {key!r}")
         members = sorted((k, v) for k, v in sample.items() if k != "__key__")
         if not members:
             raise ValueError(f"sample {key!r} has no fields")
         for ext, value in members:
-            if not re.fullmatch(r"[A-Za-z0-9_\-.]+", ext):
-                raise ValueError(f"sample {key!r}: field name {ext!r} is not a safe tar extension")
-            if len(f"{key}.{ext}") > _MAX_NAME:
-                raise ValueError(f"sample {key!r}: member name {key}.{ext} is over {_MAX_NAME} characters")
+            check_member(key, ext)
             if not isinstance(value, (bytes, bytearray, memoryview)):
                 raise ValueError(f"sample {key!r}: field {ext!r} is {type(value).__name__}, not bytes")
         size = sum(BLOCK + _padded(len(v)) for _, v in members)
@@ -141,7 +128,7 @@ class ShardWriter:
             shard.pos += BLOCK + _padded(len(value))
         out = shard.hashing
         for ext, value in members:
-            out.write(_member_header(f"{key}.{ext}", len(value)))
+            out.write(_member_header(member_name(key, ext), len(value)))
             out.write(value)
             out.write(bytes(_padded(len(value)) - len(value)))
         shard.entries.append(IndexEntry(key=key, members=tuple(offsets)))

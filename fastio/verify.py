@@ -17,9 +17,10 @@ from typing import Any
 
 from fastio.convert import SPLITS_NAME
 from fastio.errors import DatasetError
-from fastio.idx import parse_index, split_member_name
+from fastio.idx import parse_index
 from fastio.images import IMAGE_FIELDS, ImageCheckError, check_image, image_size
 from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, load_manifest
+from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "inspect", "split_names", "verify"]
 

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import converters
-from converters.base import FileRef, ScanOptions, unique_key
+import fastio.converters as converters
+from fastio.converters.base import FileRef, ScanOptions, unique_key
 from fastio.errors import ConvertError
 
 

@@ -14,7 +14,8 @@ from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.idx import parse_index
 from fastio.manifest import MANIFEST_NAME, fingerprint
-from fastio.shards import ShardWriter, sanitize_key
+from fastio.shards import ShardWriter
+from fastio.wds import sanitize_key
 
 WDS2IDX = Path(sys.executable).with_name("wds2idx")
 
