@@ -201,12 +201,10 @@ class Nested:
         self.state = state
 
 
-def test_elastic_read_state_rebuilds_nested_state_exactly(tmp_path):
+def test_engine_reads_back_nested_per_rank_state_exactly(tmp_path):
     from collections import OrderedDict
 
-    from torchsnapshot import Snapshot
-
-    from fastio.checkpoint import elastic
+    from fastio.checkpoint.engines import get_engine
 
     state = {"version": 1, "t": torch.arange(6.0).reshape(2, 3), "blob": b"\x00\x01", "none": None,
              "list": [1, {"a": torch.ones(2, dtype=torch.int64)}, "x"], "pair": (3, 4.5),
@@ -214,12 +212,12 @@ def test_elastic_read_state_rebuilds_nested_state_exactly(tmp_path):
     ckpt = Checkpointer(tmp_path / "ck", signals=())
     ckpt.save(1, {"per%rank": Nested(state)}, blocking=True)
     ckpt.close()
-    snap = Snapshot(str(tmp_path / "ck" / "step-1"))
-    view = elastic.rank_view(snap.get_manifest(), 0)
-    assert elastic.split_keys(view, ["per%rank"]) == ([], ["per%rank"])
-    assert same(elastic.read_state(snap, view, 0, "per%rank", "ck/step-1"), state)
+    saved = get_engine("torchsnapshot").open(tmp_path / "ck" / "step-1")
+    assert saved.world_size == 1 and {"per%rank", "_fastio_rng", "_fastio_progress"} <= saved.keys(0)
+    assert saved.is_replicated("per%rank", 0) is False
+    assert same(saved.read("per%rank", 0), state)
     with pytest.raises(CheckpointError, match="absent"):
-        elastic.read_state(snap, view, 0, "absent", "ck/step-1")
+        saved.read("absent", 0)
 
 
 def same(a, b) -> bool:

@@ -1,4 +1,4 @@
-"""Checkpoints for an exact continuation: async torchsnapshot saves, atomic publish, retention, preemption.
+"""Checkpoints for an exact continuation: async saves through an engine (torchsnapshot), atomic publish, retention.
 
 Names are imported lazily: ``fastio ckpt ls`` and ``verify`` read the layout without importing torch.
 """

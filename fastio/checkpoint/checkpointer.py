@@ -1,11 +1,13 @@
-"""The Checkpointer: staged async torchsnapshot saves, atomic publish, retention, restore, preemption.
+"""The Checkpointer: staged async saves through an engine, atomic publish, retention, restore, preemption.
 
 A save copies the state into the :class:`~fastio.checkpoint.staging.Stager`'s buffers on the calling
-thread (the only part the training loop waits for), then one background thread runs torchsnapshot's
-``Snapshot.take`` on that private copy, checksums and commits (rank 0), and prunes. torchsnapshot's own
-``async_take`` is not used: it would run its collectives and slab packing on the training thread and,
-for CPU tensors, still read live memory in the background. The writer's collectives go over a gloo
-group of their own, so they never interleave with the training thread's.
+thread (the only part the training loop waits for), then one background thread hands that private
+copy to the checkpoint engine (:mod:`fastio.checkpoint.engines`; torchsnapshot's ``Snapshot.take`` by
+default), checksums and commits (rank 0), and prunes. torchsnapshot's own ``async_take`` is not used:
+it would run its collectives and slab packing on the training thread and, for CPU tensors, still read
+live memory in the background. The writer's collectives go over a gloo group of their own, so they
+never interleave with the training thread's. The Checkpointer talks to the engine only through
+:class:`~fastio.checkpoint.engines.base.Engine`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastio.checkpoint import layout
 from fastio.checkpoint.config import CheckpointConfig
+from fastio.checkpoint.elastic import restore_elastic
+from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, get_engine
+from fastio.checkpoint.engines.base import first_line
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
@@ -66,31 +71,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    for line in reversed(text.splitlines()):
-        if line.strip() and not line.startswith(" "):
-            return f"{type(err).__name__}: {line.strip()}" if line is text else line.strip()
-    return type(err).__name__
-
-
-def restore_each_key(snap, targets: dict[str, Any]) -> None:
-    """``snap.restore(targets)``, one key at a time, each from a manifest holding only that key's entries.
-
-    torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``), so
-    restoring model, optimizer, loader and progress reads every tensor of the snapshot once per key; with
-    a view per key each byte is read once. The effect on the restored state is the same.
-    """
-    full = snap.metadata
-    try:
-        for key, obj in targets.items():
-            view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [key]}
-            snap._metadata = replace(full, manifest=view)
-            snap.restore({key: obj})
-    finally:
-        snap._metadata = full
-
-
 def _replicated_keys(app: dict[str, Any]) -> list[str]:
     """Globs for DDP modules and for optimizers over nothing but DDP parameters: identical on every rank."""
     ddp = [k for k, obj in app.items() if isinstance(obj, DistributedDataParallel)]
@@ -124,6 +104,7 @@ class Checkpointer:
         except (TypeError, ValueError) as err:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
         self.rank, self.world_size = _rank_world()
+        self.engine = get_engine(self.config.engine)
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -282,7 +263,7 @@ class Checkpointer:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
             raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
-                                  f"{_first_line(err)} (the previous checkpoint is intact)") from err
+                                  f"{first_line(err)} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
@@ -320,16 +301,15 @@ class Checkpointer:
         states[RNG_KEY] = rng
         states[PROGRESS_KEY] = progress
         staged = self._stager.stage(states)
-        frozen = {key: Frozen(value) for key, value in staged.items()}
         replicated = list(self.config.replicated)  # progress holds per-rank metrics: not replicated
         if self.world_size > 1:
             replicated += _replicated_keys(app)
         info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
-                "elapsed": elapsed, "hparams": self.hparams}
+                "elapsed": elapsed, "hparams": self.hparams, "engine": self.engine.name}
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
-        self._thread = threading.Thread(target=self._write, args=(frozen, replicated, step, tmp, final, info),
+        self._thread = threading.Thread(target=self._write, args=(staged, replicated, step, tmp, final, info),
                                         name=f"fastio-ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_blocked_s = time.perf_counter() - t0
@@ -338,24 +318,18 @@ class Checkpointer:
             if self.world_size > 1:
                 dist.barrier()
 
-    def _write(self, frozen: dict[str, Frozen], replicated: list[str], step: int, tmp: Path, final: Path,
+    def _write(self, staged: dict[str, Any], replicated: list[str], step: int, tmp: Path, final: Path,
                info: dict[str, Any]) -> None:
-        """Background thread: torchsnapshot writes the staged copy, then rank 0 commits and prunes."""
-        from torchsnapshot import Snapshot
-        from torchsnapshot.knobs import override_is_batching_disabled
-
+        """Background thread: the engine writes the staged copy, then rank 0 commits and prunes."""
         if self.config.writer_nice:
-            try:  # Linux: a thread's own nice value; the I/O threads torchsnapshot starts here inherit it
+            try:  # Linux: a thread's own nice value; the I/O threads the engine starts here inherit it
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.writer_nice)
             except (AttributeError, OSError):
                 pass
         started = time.perf_counter()
         try:
             self._stager.wait_copies()
-            # The staged buffers are a private copy already: torchsnapshot writes straight from them
-            # (one file per tensor) instead of packing small tensors into slabs it would allocate and fill.
-            with override_is_batching_disabled(True):
-                Snapshot.take(str(tmp), frozen, pg=self._pg, replicated=replicated)
+            self.engine.save(tmp, staged, pg=self._pg, replicated=replicated)
             if self.rank == 0:
                 layout.commit(tmp, final, step=step, info=info)
                 layout.apply_retention(self.dir, self.config.keep)
@@ -371,46 +345,38 @@ class Checkpointer:
             self._inflight_step = None
 
     def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
-        from torchsnapshot import Snapshot
-
-        snap = Snapshot(str(path), pg=self._pg)
-        try:
-            manifest = snap.get_manifest()
-        except Exception as err:  # noqa: BLE001 - a missing or corrupt .snapshot_metadata, named below
-            raise CheckpointError(f"{path}: unreadable snapshot metadata: {_first_line(err)}") from None
-        saved_world = int(commit.get("world_size") or snap.metadata.world_size)
+        name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
+        if name not in ENGINES:
+            raise CheckpointError(f"{path / layout.COMMIT_FILE}: written by checkpoint engine {name!r}, this fastio "
+                                  f"has {', '.join(sorted(ENGINES))}")
+        engine = self.engine if name == self.engine.name else get_engine(name)
+        saved = engine.open(path, pg=self._pg)
+        saved_world = int(commit.get("world_size") or saved.world_size)
         elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
         src = self.rank % saved_world  # the saving rank whose per-rank state this rank takes
-        saved = {k.split("/")[1] for k in manifest if k.startswith(f"{src}/")}
-        missing = sorted(k for k in app if k not in saved)
+        have = saved.keys(src)
+        missing = sorted(k for k in app if k not in have)
         if missing:
-            holds = ", ".join(sorted(k for k in saved if not k.startswith(_RESERVED_PREFIX))) or "nothing"
+            holds = ", ".join(sorted(k for k in have if not k.startswith(_RESERVED_PREFIX))) or "nothing"
             raise CheckpointError(
                 f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
                 f"(it holds: {holds}; written by {saved_world} rank(s), this run has {self.world_size})")
         progress = Frozen({})
         targets = dict(app)
         targets[PROGRESS_KEY] = progress
-        per_rank: list[str] = []
-        if elastic:
-            from fastio.checkpoint import elastic as el
-
-            replicated, per_rank = el.split_keys(el.rank_view(manifest, src), list(targets))
-            has_rng = False
-        else:
-            has_rng = any(k.startswith(f"{self.rank}/{RNG_KEY}/") or k == f"{self.rank}/{RNG_KEY}" for k in manifest)
-            if has_rng:
-                targets[RNG_KEY] = Frozen(capture_rng())
+        has_rng = not elastic and RNG_KEY in saved.keys(self.rank)
+        if has_rng:
+            targets[RNG_KEY] = Frozen(capture_rng())
         try:
-            restore_each_key(snap, {k: v for k, v in targets.items() if k not in per_rank})
-            for key in per_rank:  # elastic only: another rank's state, read leaf by leaf
-                from_rank = 0 if key == PROGRESS_KEY else src
-                targets[key].load_state_dict(el.read_state(snap, el.rank_view(manifest, from_rank), from_rank,
-                                                           key, str(path)))
+            if elastic:
+                replicated, per_rank = restore_elastic(saved, targets, rank=self.rank, saved_world=saved_world,
+                                                       from_rank_zero=(PROGRESS_KEY,))
+            else:
+                saved.restore(targets)
         except CheckpointError:
             raise
         except Exception as err:  # a mismatched model or a loader refusing its state lands here
-            raise CheckpointError(f"{path}: restore failed: {_first_line(err)}") from err
+            raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
         if elastic:
             if self.rank == 0:
                 log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "

@@ -6,6 +6,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastio.checkpoint.engines import DEFAULT_ENGINE, check_engine_name
+
 __all__ = ["POLICIES", "CheckpointConfig"]
 
 POLICIES = ("wait", "skip")
@@ -40,8 +42,12 @@ class CheckpointConfig:
     """After a preemption save under Slurm, rank 0 runs ``scontrol requeue <job id>``."""
 
     replicated: tuple[str, ...] = field(default_factory=tuple)
-    """Extra torchsnapshot globs (``"model/**"``) for state identical on all ranks; DDP modules (and
-    optimizers over DDP parameters only) are added."""
+    """Extra globs over ``key/sub/path`` (``"model/**"``) for state identical on all ranks, written once;
+    DDP modules (and optimizers over DDP parameters only) are added."""
+
+    engine: str = DEFAULT_ENGINE
+    """The checkpoint engine that writes new checkpoints (one of ``fastio.checkpoint.engines.ENGINES``).
+    A restore uses the engine named in the checkpoint's commit marker."""
 
     writer_nice: int = 0
     """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
@@ -72,6 +78,10 @@ class CheckpointConfig:
             except (KeyError, ValueError):
                 raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
         self.signals = tuple(names)
+        try:
+            check_engine_name(self.engine)
+        except ValueError as err:
+            raise ValueError(f"CheckpointConfig.engine: {err}") from None
         if isinstance(self.replicated, str):
             self.replicated = (self.replicated,)
         self.replicated = tuple(self.replicated)

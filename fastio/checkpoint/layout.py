@@ -1,8 +1,9 @@
 """On-disk layout of a checkpoint directory: ``step-N.tmp/`` while writing, ``step-N/`` once committed.
 
 A checkpoint counts only when its directory is named ``step-N`` and holds a valid commit marker
-(``fastio-commit.json``: step, time, metrics, and the size and sha256 of every other file), written
-last with fsync before the rename. Anything else under DIR that looks like a step is uncommitted.
+(``fastio-commit.json``: step, time, metrics, the engine that wrote the files, and the size and sha256
+of every other file), written last with fsync before the rename. Anything else under DIR that looks
+like a step is uncommitted.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.atomic import atomic_write_bytes, fsync_dir
+from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.errors import CheckpointError
 
 __all__ = [
@@ -226,7 +228,7 @@ def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
 
 
 def list_checkpoints(root: Path) -> list[dict]:
-    """One row per step directory: step, committed, bytes, time, epoch, metrics, problem."""
+    """One row per step directory: step, committed, bytes, engine, time, epoch, metrics, problem."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
@@ -237,6 +239,7 @@ def list_checkpoints(root: Path) -> list[dict]:
         if size is None:
             size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
         rows.append({"step": e.step, "path": str(e.path), "committed": e.committed, "bytes": size,
+                     "engine": c.get("engine", DEFAULT_ENGINE) if e.committed else None,
                      "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
                      "files": len(c.get("files", {})), "problem": e.problem})
     return rows

@@ -1,0 +1,89 @@
+"""The interface between the Checkpointer and a checkpoint engine (the library that writes the files).
+
+The Checkpointer owns everything around one ``step-N`` directory: staging a private copy of the state,
+scheduling, the commit marker and atomic publish, retention, verification, the elastic-resume rule and
+the RNG and progress records. An engine owns the files inside the directory: how state dicts become
+files, which ranks write what, and how a rank reads its state back. It is the only code that imports
+its library (torchsnapshot, torch.distributed.checkpoint) or touches that library's internals.
+
+State is addressed by app key (``"model"``, ``"optim"``, ...); inside a key, engines name leaves by
+``key/sub/path`` (the ``replicated`` globs use that form). Every method that says *collective* must be
+called by all ranks of ``pg`` together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Engine", "SavedCheckpoint", "Stateful", "first_line"]
+
+
+def first_line(err: BaseException) -> str:
+    """One line for an engine's (or the disk's) error: the last unindented line of its text, where
+    torchsnapshot and torch put the cause, or ``Type: text`` when the text is one line."""
+    text = str(err).strip()
+    for line in reversed(text.splitlines()):
+        if line.strip() and not line.startswith(" "):
+            return f"{type(err).__name__}: {line.strip()}" if line is text else line.strip()
+    return type(err).__name__
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What an engine saves and restores: an object with ``state_dict`` and ``load_state_dict``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class SavedCheckpoint(Protocol):
+    """One written checkpoint, opened for reading by :meth:`Engine.open`."""
+
+    path: Path
+    """The step directory."""
+
+    world_size: int
+    """How many ranks wrote it (as the engine recorded it)."""
+
+    def keys(self, rank: int) -> set[str]:
+        """App keys whose state saving rank ``rank`` can read back: its own and the replicated ones."""
+        ...
+
+    def is_replicated(self, key: str, rank: int) -> bool:
+        """True when every leaf of ``key`` that saving rank ``rank`` sees was written as replicated
+        (identical on every rank, so any rank of any world size may restore it)."""
+        ...
+
+    def restore(self, targets: dict[str, Stateful]) -> None:
+        """Collective: load each target from this rank's saved state (its own rank's, or the replicated
+        copy); each target's ``load_state_dict`` is called once. Raises what the engine raises."""
+        ...
+
+    def read(self, key: str, rank: int) -> Any:
+        """The state dict that saving rank ``rank`` wrote for ``key``, rebuilt as it was saved (nested
+        dicts, lists, tuples); not collective. :class:`~fastio.errors.CheckpointError` naming the key
+        when it cannot be read."""
+        ...
+
+
+class Engine(Protocol):
+    """A checkpoint engine; :func:`fastio.checkpoint.engines.get_engine` returns one by name."""
+
+    name: str
+    """The registry name, recorded in every commit marker so a restore uses the engine that wrote it."""
+
+    def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
+             replicated: Sequence[str] = ()) -> None:
+        """Collective: write ``states`` (app key -> a private, already staged state dict) into the
+        existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
+        every rank (written once). Runs on the Checkpointer's writer thread; must leave no process-wide
+        setting changed when it returns or raises. The Checkpointer commits afterwards."""
+        ...
+
+    def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:
+        """Open the checkpoint in ``path`` for reading; :class:`~fastio.errors.CheckpointError` naming
+        ``path`` when the engine's own metadata is missing or unreadable."""
+        ...

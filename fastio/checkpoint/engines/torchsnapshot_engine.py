@@ -1,0 +1,189 @@
+"""The torchsnapshot engine: the only module that imports ``torchsnapshot`` (pinned to 0.1.0).
+
+torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that are not public API:
+the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), manifest entry types and
+paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
+paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, and
+the ``knobs`` environment switch for batching. Those internals are the contract, hence the exact pin
+in ``pyproject.toml``; a new torchsnapshot release means re-checking this module, and nothing else.
+
+Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
+``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from torchsnapshot import Snapshot
+from torchsnapshot.flatten import _encode, inflate
+from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
+from torchsnapshot.manifest import PrimitiveEntry, ShardedTensorEntry, is_container_entry, is_replicated
+
+from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.staging import Frozen
+from fastio.errors import CheckpointError
+
+__all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
+
+_LOGGER = "torchsnapshot.snapshot"
+
+
+# ---------------------------------------------------------------- batching switch (process-wide env)
+_batching_lock = threading.Lock()
+_batching_users = 0
+_batching_previous: str | None = None
+
+
+@contextmanager
+def _batching_disabled() -> Iterator[None]:
+    """torchsnapshot reads its batching switch from the environment on every take/restore; set it for
+    the duration of a write and put the previous value back afterwards, also when the write raises.
+
+    Counted, so that writes of several Checkpointers in one process overlapping in any order leave
+    the variable as it was before the first of them.
+    """
+    global _batching_users, _batching_previous
+    with _batching_lock:
+        if _batching_users == 0:
+            _batching_previous = os.environ.get(_DISABLE_BATCHING_ENV_VAR)
+            os.environ[_DISABLE_BATCHING_ENV_VAR] = "True"
+        _batching_users += 1
+    try:
+        yield
+    finally:
+        with _batching_lock:
+            _batching_users -= 1
+            if _batching_users == 0:
+                if _batching_previous is None:
+                    os.environ.pop(_DISABLE_BATCHING_ENV_VAR, None)
+                else:
+                    os.environ[_DISABLE_BATCHING_ENV_VAR] = _batching_previous
+
+
+class _QuietObjOut(logging.Filter):
+    """Drops torchsnapshot's per-leaf warning that a leaf read without ``obj_out`` is not loaded in place."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "does not support in-place load" not in record.getMessage()
+
+
+# ---------------------------------------------------------------- manifest views
+def _top(path: str) -> str:
+    """The escaped app key of an unranked manifest path ``key/sub/path``."""
+    return path.split("/", 1)[0]
+
+
+def _rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The entries saving rank ``rank`` can read, by unranked path: its own plus the replicated ones
+    (listed under rank 0 only)."""
+    view = {path.split("/", 1)[1]: entry for path, entry in manifest.items()
+            if path.startswith("0/") and is_replicated(entry)}
+    view.update((path.split("/", 1)[1], entry) for path, entry in manifest.items() if path.startswith(f"{rank}/"))
+    return view
+
+
+class TorchSnapshotCheckpoint(SavedCheckpoint):
+    """A torchsnapshot step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
+
+    def __init__(self, path: Path, pg: Any = None):
+        self.path = Path(path)
+        self._snap = Snapshot(str(path), pg=pg)
+        try:
+            self._manifest = self._snap.get_manifest()
+            self.world_size = int(self._snap.metadata.world_size)
+        except Exception as err:  # noqa: BLE001 - a missing or corrupt .snapshot_metadata, named here
+            raise CheckpointError(f"{path}: unreadable snapshot metadata: {first_line(err)}") from None
+        self._views: dict[int, dict[str, Any]] = {}
+
+    def _view(self, rank: int) -> dict[str, Any]:
+        if rank not in self._views:
+            self._views[rank] = _rank_view(self._manifest, rank)
+        return self._views[rank]
+
+    def _entries(self, key: str, rank: int) -> dict[str, Any]:
+        escaped = _encode(key)
+        return {path: entry for path, entry in self._view(rank).items() if _top(path) == escaped}
+
+    def keys(self, rank: int) -> set[str]:
+        from urllib.parse import unquote  # torchsnapshot's own decoding (flatten._decode)
+
+        return {unquote(_top(path)) for path in self._view(rank)}
+
+    def is_replicated(self, key: str, rank: int) -> bool:
+        return all(is_container_entry(e) or is_replicated(e) for e in self._entries(key, rank).values())
+
+    def restore(self, targets: dict[str, Stateful]) -> None:
+        """``Snapshot.restore(targets)``, one key at a time, each from a manifest holding only that key.
+
+        torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``),
+        so restoring model, optimizer, loader and progress would read every tensor once per key; with a
+        view per key each byte is read once. The restored state is the same.
+        """
+        snap = self._snap
+        full = snap.metadata
+        try:
+            for key, obj in targets.items():
+                escaped = _encode(key)
+                view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [escaped]}
+                snap._metadata = replace(full, manifest=view)
+                snap.restore({key: obj})
+        finally:
+            snap._metadata = full
+
+    def read(self, key: str, rank: int) -> Any:
+        entries = self._entries(key, rank)
+        where = str(self.path)
+        if not entries:
+            raise CheckpointError(f"{where}: checkpoint has no state for app key {key} on saving rank {rank}")
+        containers = {p: e for p, e in entries.items() if is_container_entry(e)}
+        leaves: dict[str, Any] = {}
+        quiet, ts_log = _QuietObjOut(), logging.getLogger(_LOGGER)
+        ts_log.addFilter(quiet)
+        try:
+            for path, entry in entries.items():
+                if path in containers:
+                    continue
+                if isinstance(entry, ShardedTensorEntry):
+                    raise CheckpointError(f"{where}: {rank}/{path} is a ShardedTensor: elastic restore of sharded "
+                                          "state is not supported; restore at the saved world size")
+                if isinstance(entry, PrimitiveEntry):
+                    leaves[path] = entry.get_value()
+                else:
+                    leaves[path] = self._snap.read_object(f"{rank}/{path}")
+            return inflate(containers, leaves, prefix=key)
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an unreadable leaf or a structure inflate cannot rebuild
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"{where}: cannot rebuild the state of app key {key} saved by rank {rank}: "
+                                  f"{type(err).__name__}: {first}") from err
+        finally:
+            ts_log.removeFilter(quiet)
+
+
+class TorchSnapshotEngine:
+    """Writes and reads checkpoints with torchsnapshot 0.1.0 (see :class:`~fastio.checkpoint.engines.base.Engine`)."""
+
+    name = "torchsnapshot"
+
+    def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
+             replicated: Sequence[str] = ()) -> None:
+        """``Snapshot.take`` of the staged ``states``, without batching.
+
+        The staged buffers are a private copy already: torchsnapshot writes straight from them (one file
+        per tensor) instead of packing small tensors into slabs it would allocate and fill.
+        """
+        app = {key: Frozen(state) for key, state in states.items()}
+        with _batching_disabled():
+            Snapshot.take(str(path), app, pg=pg, replicated=list(replicated))
+
+    def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
+        return TorchSnapshotCheckpoint(path, pg)
