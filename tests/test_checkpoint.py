@@ -209,6 +209,41 @@ def test_app_key_with_a_percent_sign_round_trips(tmp_path):
     assert torch.equal(fresh.state["t"], torch.arange(3.0)) and fresh.state["n"] == 5
 
 
+def test_loader_is_found_by_its_state_not_by_its_app_key(image_dataset, tmp_path):
+    from fastio import Loader
+
+    def make():
+        return Loader(image_dataset, batch_size=4, image_size=32, device="cpu", seed=3, num_threads=1,
+                      reader_threads=1, prefetch=1)
+
+    data = make()
+    data.set_epoch(2)
+    batches = iter(data)
+    next(batches), next(batches)
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=()) as ckpt:
+        ckpt.save(7, {"model": nn.Linear(4, 4), "train_data": data}, blocking=True)  # no epoch= given
+        ckpt.save(8, {"model": nn.Linear(4, 4)}, blocking=True)  # no loader: epoch unknown
+    data.close()
+    assert layout.read_commit(root / "step-7")["epoch"] == 2 and layout.read_commit(root / "step-8")["epoch"] == -1
+    fresh = make()
+    state = Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(4, 4), "train_data": fresh}, step=7)
+    assert state.epoch == 2 and (fresh.epoch, fresh.consumed) == (2, 8)
+    fresh.close()
+    assert Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(4, 4)}).epoch is None
+
+
+def test_world_size_from_the_environment_needs_a_process_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CheckpointError, match=r"WORLD_SIZE=2 \(rank 1\) but torch.distributed is not initialised"):
+        Checkpointer(tmp_path / "ck")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert (ckpt.rank, ckpt.world_size) == (0, 1)
+
+
 def test_engine_leaves_the_environment_as_it_found_it(tmp_path):
     """torchsnapshot's batching switch is an environment variable: a save, also a failing one, restores it."""
     from fastio.checkpoint.engines import get_engine

@@ -33,9 +33,10 @@ from fastio.checkpoint.engines.base import first_line
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
+from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError
 
-__all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState"]
+__all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,27 @@ class TrainState:
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """``fastio.dist.rank_and_world()``, refusing several ranks without a process group: saves and
+    restores are collectives."""
+    rank, world = rank_and_world()
+    if world > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError(f"WORLD_SIZE={world} (rank {rank}) but torch.distributed is not initialised: "
+                              "call torch.distributed.init_process_group before creating the Checkpointer")
+    return rank, world
+
+
+def loader_epoch(states: dict[str, Any]) -> int | None:
+    """The epoch of the app's data loader, found by its state rather than by its app key.
+
+    A loader is an app object whose state_dict carries the position part of the fastio Loader's state
+    contract: integer ``epoch`` and ``consumed`` entries. The first such object in app order counts;
+    None when there is none.
+    """
+    for state in states.values():
+        if isinstance(state, dict) and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool)
+                                           for k in ("epoch", "consumed")):
+            return int(state["epoch"])
+    return None
 
 
 def _replicated_keys(app: dict[str, Any]) -> list[str]:
@@ -145,7 +164,8 @@ class Checkpointer:
         """Save after ``step`` when one is due (or forced, or a preemption signal came); True if a save started.
 
         Returns once the state is staged; the write goes on in the background. An error of an
-        earlier background write is raised here as a :class:`CheckpointError`.
+        earlier background write is raised here as a :class:`CheckpointError`. Without ``epoch``, the
+        epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`).
         """
         self._raise_if_failed(wait=False)
         every = self.config.every_steps
@@ -291,9 +311,7 @@ class Checkpointer:
         rng = capture_rng()
         states = {key: obj.state_dict() for key, obj in app.items()}
         if epoch is None:
-            loader_state = states.get("loader")
-            if isinstance(loader_state, dict) and isinstance(loader_state.get("epoch"), int):
-                epoch = loader_state["epoch"]
+            epoch = loader_epoch(states)
         elapsed = self._elapsed_before + time.monotonic() - self._started
         progress = {"version": PROGRESS_VERSION, "step": int(step), "epoch": -1 if epoch is None else int(epoch),
                     "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "elapsed": float(elapsed),
