@@ -8,7 +8,6 @@ like a step is uncommitted.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any
 
 from fastio.atomic import atomic_write_bytes, fsync_dir
 from fastio.checkpoint.engines import DEFAULT_ENGINE
+from fastio.checksum import sha256_fd, sha256_file
 from fastio.errors import CheckpointError
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "clean_uncommitted",
     "commit",
     "committed",
-    "latest_committed",
     "list_checkpoints",
     "read_commit",
     "remove_step",
@@ -40,14 +39,15 @@ __all__ = [
     "step_dir",
     "tmp_dir",
     "verify",
+    "verify_report",
     "verify_step",
+    "VerifyReport",
 ]
 
 COMMIT_FILE = "fastio-commit.json"
 COMMIT_FORMAT = "fastio-checkpoint"
 COMMIT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
-_CHUNK = 8 << 20
 _HASH_THREADS = 4
 
 
@@ -118,22 +118,19 @@ def scan(root: Path) -> list[StepEntry]:
 
 
 def committed(root: Path) -> list[StepEntry]:
+    """The committed step directories under ``root``, oldest first."""
     return [e for e in scan(root) if e.committed]
 
 
-def latest_committed(root: Path) -> StepEntry | None:
-    done = committed(root)
-    return done[-1] if done else None
-
-
-def _hash_file(path: Path) -> tuple[int, str]:
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-        os.fsync(f.fileno())
-    return size, h.hexdigest()
+def _hash_and_sync(path: Path) -> tuple[int, str]:
+    """``(size, sha256)`` of a freshly written file, flushed to disk through the same descriptor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        result = sha256_fd(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return result
 
 
 def _files(path: Path) -> list[Path]:
@@ -145,7 +142,7 @@ def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[s
     """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``."""
     paths = _files(tmp)
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:  # overlaps the fsyncs' waits on the disk
-        sums = list(pool.map(_hash_file, paths))
+        sums = list(pool.map(_hash_and_sync, paths))
     files = {p.relative_to(tmp).as_posix(): {"bytes": size, "sha256": digest}
              for p, (size, digest) in zip(paths, sums)}
     for d in sorted({p.parent for p in paths} | {tmp}, key=lambda p: -len(p.parts)):
@@ -204,7 +201,7 @@ def verify_step(entry: StepEntry) -> list[str]:
         if not p.is_file():
             problems.append(f"{p}: missing")
             continue
-        size, digest = _hash_file(p)
+        size, digest = sha256_file(p)
         if size != want.get("bytes"):
             problems.append(f"{p}: size {size}, commit marker says {want.get('bytes')}")
         elif digest != want.get("sha256"):
@@ -215,16 +212,35 @@ def verify_step(entry: StepEntry) -> list[str]:
     return problems
 
 
-def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
-    """Problems found in every committed checkpoint under ``root`` (and in-progress ones when asked)."""
+@dataclass
+class VerifyReport:
+    """What :func:`verify_report` found."""
+
+    problems: list[str]
+    """One line per problem, naming the file or directory; empty when everything checked out."""
+    steps: list[int]
+    """The committed steps that were checked, oldest first."""
+
+
+def verify_report(root: Path, *, include_uncommitted: bool = False) -> VerifyReport:
+    """Check every committed checkpoint under ``root`` against its commit marker (and report step
+    directories that are not committed: always a ``step-N`` without a valid marker, ``step-N.tmp``
+    ones too when ``include_uncommitted``)."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
-    problems = []
+    problems, steps = [], []
     for entry in scan(root):
         if entry.committed or include_uncommitted or not entry.path.name.endswith(".tmp"):
             problems += verify_step(entry)
-    return problems
+        if entry.committed:
+            steps.append(entry.step)
+    return VerifyReport(problems, steps)
+
+
+def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
+    """Problems found in every committed checkpoint under ``root`` (and in-progress ones when asked)."""
+    return verify_report(root, include_uncommitted=include_uncommitted).problems
 
 
 def list_checkpoints(root: Path) -> list[dict]:

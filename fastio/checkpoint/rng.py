@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RNG_VERSION", "RNGHolder", "capture_rng", "restore_rng"]
+__all__ = ["RNG_VERSION", "capture_rng", "restore_rng"]
 
 RNG_VERSION = 1
 KEY_VERSION, KEY_PYTHON, KEY_NUMPY, KEY_TORCH, KEY_CUDA = "version", "python", "numpy", "torch", "cuda"
@@ -48,15 +48,3 @@ def restore_rng(state: dict[str, Any]) -> None:
         for i, s in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s.cpu(), i)
 
-
-class RNGHolder:
-    """A torchsnapshot Stateful that only carries an RNG state; applied after everything else is restored."""
-
-    def __init__(self, state: dict[str, Any] | None = None):
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state if self.state is not None else capture_rng()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.state = state_dict

@@ -9,16 +9,9 @@ import click
 
 from fastio.checkpoint import layout
 from fastio.cli import cli
+from fastio.progress import human_bytes
 
 __all__ = ["ckpt"]
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @cli.group()
@@ -42,7 +35,7 @@ def ls_cmd(directory: Path, as_json: bool) -> None:
     for r in rows:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
         state = "committed" if r["committed"] else "incomplete"
-        click.echo(f"{r['step']:>10}  {state:<11} {_human(r['bytes']):>10}  {r['time_utc'] or '-':<20}  {metrics}")
+        click.echo(f"{r['step']:>10}  {state:<11} {human_bytes(r['bytes']):>10}  {r['time_utc'] or '-':<20}  {metrics}")
 
 
 @ckpt.command("verify")
@@ -51,11 +44,10 @@ def ls_cmd(directory: Path, as_json: bool) -> None:
               help="Also report step-N.tmp directories (writes in progress or interrupted).")
 def verify_cmd(directory: Path, include_uncommitted: bool) -> None:
     """Check every committed checkpoint in DIRECTORY against its recorded sha256s; exit 1 on a problem."""
-    problems = layout.verify(directory, include_uncommitted=include_uncommitted)
-    steps = layout.committed(directory)
-    if problems:
-        for line in problems:
+    report = layout.verify_report(directory, include_uncommitted=include_uncommitted)
+    if report.problems:
+        for line in report.problems:
             click.echo(line)
         raise click.exceptions.Exit(1)
-    click.echo(f"{directory}: {len(steps)} committed checkpoint(s) verified "
-               f"({', '.join(f'step {e.step}' for e in steps) or 'none'})")
+    click.echo(f"{directory}: {len(report.steps)} committed checkpoint(s) verified "
+               f"({', '.join(f'step {s}' for s in report.steps) or 'none'})")
