@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchsnapshot import Snapshot
-from torchsnapshot.flatten import _encode, inflate
+from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import PrimitiveEntry, ShardedTensorEntry, is_container_entry, is_replicated
 
@@ -113,9 +113,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         return {path: entry for path, entry in self._view(rank).items() if _top(path) == escaped}
 
     def keys(self, rank: int) -> set[str]:
-        from urllib.parse import unquote  # torchsnapshot's own decoding (flatten._decode)
-
-        return {unquote(_top(path)) for path in self._view(rank)}
+        return {_decode(_top(path)) for path in self._view(rank)}
 
     def is_replicated(self, key: str, rank: int) -> bool:
         return all(is_container_entry(e) or is_replicated(e) for e in self._entries(key, rank).values())
