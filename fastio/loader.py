@@ -3,29 +3,32 @@
 Iterating a Loader yields the rest of the current epoch and then moves to the next epoch by itself.
 ``state_dict()`` records the position (global samples consumed by the training loop, not prefetched);
 ``load_state_dict()`` continues from there, at the same or at a different world size.
+
+The Loader wires the parts together: :mod:`fastio.sampler` (order and this rank's batches), :mod:`fastio.reader`
+(bytes), :mod:`fastio.feeder` (the DALI callback), :mod:`fastio.pipeline` (the graph), :mod:`fastio.stats`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import operator
 import os
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from dataclasses import fields as dc_fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fastio.augment import random_resized_crop
 from fastio.dataset import Dataset
+from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, PIPELINES, GraphSpec, build_pipeline
+from fastio.feeder import Fed, Feeder
+from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, GraphSpec, build_pipeline
 from fastio.reader import Reader, parse_label, sample_where
-from fastio.sampler import REMAINDER_MODES, SHUFFLE_MODES, EpochPlan, epoch_order
+from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
@@ -46,9 +49,12 @@ def _as_int(key: str, value: Any) -> int:
         raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoaderConfig:
-    """Everything that shapes what a :class:`Loader` delivers."""
+    """Everything that shapes what a :class:`Loader` delivers; checked when made, then read-only.
+
+    ``dataclasses.replace(config, **changes)`` (or ``Loader(dest, config, **changes)``) makes a changed copy.
+    """
 
     batch_size: int = 64
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
@@ -95,50 +101,39 @@ class LoaderConfig:
     verify: bool = False
     """Check each shard's sha256 against the manifest before its first use."""
     rank: int | None = None
-    """This rank (default: torch.distributed, else env RANK, else 0)."""
+    """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
+    checked against the world size when the Loader is made."""
     world_size: int | None = None
     """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
     progress: bool = False
     """Print a throughput/stall line to stderr every few seconds."""
+    graph: GraphSpec = field(init=False, repr=False, compare=False)
+    """The DALI graph these options describe (built and checked once, here)."""
+    sampling: SamplerSpec = field(init=False, repr=False, compare=False)
+    """The order and batching these options describe (built and checked once, here)."""
 
     def __post_init__(self):
+        def put(name: str, value: Any) -> None:  # frozen: __post_init__ fills in defaults this way
+            object.__setattr__(self, name, value)
+
         cores = os.cpu_count() or 1
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
-        if not callable(self.pipeline) and self.pipeline not in PIPELINES:
-            raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)} or a callable, got {self.pipeline!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.shuffle not in SHUFFLE_MODES:
-            raise ValueError(f"shuffle must be one of {', '.join(SHUFFLE_MODES)}, got {self.shuffle!r}")
-        if self.remainder not in REMAINDER_MODES:
-            raise ValueError(f"remainder must be one of {', '.join(REMAINDER_MODES)}, got {self.remainder!r}")
-        if self.block_shards < 1:
-            raise ValueError(f"block_shards must be >= 1, got {self.block_shards}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        self.num_threads = self.num_threads or cores
-        self.read_ahead = self.prefetch + 1 if self.read_ahead is None else self.read_ahead
-        self.reader_threads = self.reader_threads or min(4, cores)
+        put("num_threads", self.num_threads or cores)
+        put("read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
+        put("reader_threads", self.reader_threads or min(4, cores))
         if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
             raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
         if self.fields is not None:
-            self.fields = tuple(self.fields)
-        self.mean, self.std = tuple(self.mean), tuple(self.std)
-        GraphSpec(kind=self.pipeline, image_size=self.image_size, mean=self.mean, std=self.std, dtype=self.dtype,
-                  layout=self.layout, eval_crop_ratio=self.eval_crop_ratio)  # validates those fields
-        if self.world_size is not None and self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
-
-
-def _default_rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            put("fields", tuple(self.fields))
+        put("mean", tuple(self.mean))
+        put("std", tuple(self.std))
+        put("sampling", SamplerSpec(seed=self.seed, shuffle=self.shuffle, block_shards=self.block_shards,
+                                    batch_size=self.batch_size, drop_last=self.drop_last, remainder=self.remainder))
+        put("graph", GraphSpec(kind=self.pipeline, image_size=self.image_size, mean=self.mean, std=self.std,
+                               dtype=self.dtype, layout=self.layout, eval_crop_ratio=self.eval_crop_ratio))
 
 
 class Loader:
@@ -153,14 +148,16 @@ class Loader:
         if config is None:
             config = LoaderConfig(**overrides)
         elif overrides:
-            config = LoaderConfig(**{**{f.name: getattr(config, f.name) for f in dc_fields(config)}, **overrides})
+            config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
         self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest)
-        rank, world = _default_rank_world()
-        self.rank = rank if cfg.rank is None else cfg.rank
-        self.world_size = world if cfg.world_size is None else cfg.world_size
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in 0..{self.world_size - 1}")
+        rank, world = cfg.rank, cfg.world_size
+        if rank is None or world is None:
+            found_rank, found_world = rank_and_world()
+            rank = found_rank if rank is None else rank
+            world = found_world if world is None else world
+        self._sampler = Sampler(cfg.sampling, [s.samples for s in ds.shards], ds.fingerprint, world, rank)
+        self.rank, self.world_size = rank, world
         n = len(ds)
         if cfg.batch_size > n:
             raise DatasetError(f"{ds.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
@@ -173,41 +170,33 @@ class Loader:
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
+        graph = cfg.graph
         self._image_field = None
-        if cfg.pipeline != "raw":
+        if graph.decodes:
             self._image_field = ds.image_field
             if self._image_field is None:
                 raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
         if cfg.fields is not None:
             extra = list(cfg.fields)
-        elif cfg.pipeline == "raw":
+        elif not graph.decodes:
             extra = ds.fields
         else:
             extra = [ds.label_field] if ds.label_field else []
         ds.require_fields(extra)
-        self._extra = [f for f in extra if f != self._image_field]
+        self._extra = [f for f in extra if f != self._image_field]  # fields delivered besides the image
+        # The fields the graph is fed: the encoded image, or (raw) every delivered field.
+        self._graph_fields = (self._image_field,) if graph.decodes else tuple(self._extra)
         read_fields = ([self._image_field] if self._image_field else []) + self._extra
-        self._spec = GraphSpec(kind=cfg.pipeline, image_size=cfg.image_size, mean=cfg.mean, std=cfg.std,
-                               dtype=cfg.dtype, layout=cfg.layout, eval_crop_ratio=cfg.eval_crop_ratio,
-                               raw_fields=tuple(self._extra) if cfg.pipeline == "raw" else ())
         self._reader = Reader(ds, read_fields, threads=cfg.reader_threads, verify=cfg.verify,
-                              size_field=self._image_field if cfg.pipeline == "image-train" else None)
-        self._shard_sizes = [s.samples for s in ds.shards]
+                              size_field=self._image_field if graph.needs_image_size else None)
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress)
         self._active: Iterator | None = None
 
     # -- order and position -------------------------------------------------------------------------
 
-    def _plan(self, epoch: int, start: int) -> EpochPlan:
-        order = epoch_order(self._shard_sizes, self.config.seed, epoch, self.dataset.fingerprint,
-                            self.config.shuffle, self.config.block_shards)
-        return EpochPlan(order, start, self.config.batch_size, self.world_size, self.rank, self.config.drop_last,
-                         self.config.remainder)
-
     def __len__(self) -> int:
-        n, gb = len(self.dataset), self.config.batch_size * self.world_size
-        return n // gb if self.config.drop_last else -(-n // gb)
+        return len(self._sampler)
 
     def key(self, index: int) -> str:
         """The ``__key__`` of the sample with dataset-wide index ``index``."""
@@ -255,7 +244,7 @@ class Loader:
                                    f"(dataset has {len(self.dataset)} samples)")
         self._close_active()
         self.epoch, self.consumed = epoch, consumed
-        if not len(self._plan(epoch, consumed)):  # nothing left of that epoch at this world size
+        if not len(self._sampler.plan(epoch, consumed)):  # nothing left of that epoch at this world size
             self.epoch, self.consumed = epoch + 1, 0
 
     # -- iteration ----------------------------------------------------------------------------------
@@ -286,27 +275,26 @@ class Loader:
             self._active = None
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
-        epoch = self.epoch
-        plan = self._plan(epoch, self.consumed)
-        feeder = _Feeder(self, plan, epoch)
-        pipe = None
+        cfg, epoch = self.config, self.epoch
+        plan = self._sampler.plan(epoch, self.consumed)
+        feeder = Feeder(self._reader, plan, cfg.graph, self._graph_fields, seed=cfg.seed, read_ahead=cfg.read_ahead)
+        built = None
         try:
             if len(plan):
-                feeder.read_ahead(0)  # the first reads overlap the pipeline build
-                pipe = build_pipeline(self._spec, feeder, batch_size=self.config.batch_size,
-                                      num_threads=self.config.num_threads, device=self.device,
-                                      device_id=self.torch_device.index,
-                                      prefetch=self.config.prefetch, seed=self.config.seed)
+                feeder.start(0)  # the first reads overlap the pipeline build
+                built = build_pipeline(cfg.graph, self._graph_fields, feeder, batch_size=cfg.batch_size,
+                                       num_threads=cfg.num_threads, device=self.device,
+                                       device_id=self.torch_device.index, prefetch=cfg.prefetch, seed=cfg.seed)
             for g in range(len(plan)):
                 started = self._stats.begin_wait()
                 try:  # on cuda, outputs are made ready on torch's current stream
-                    outputs = (pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda"
-                               else pipe.run())
+                    outputs = (built.pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda"
+                               else built.pipe.run())
                 except DatasetError:
                     raise
                 except Exception as err:  # DALI reports a bad image as a bare RuntimeError
-                    raise self._decode_error(list(feeder.fed), err) from None
-                batch = self._to_torch(pipe, outputs, feeder.fed.popleft())
+                    raise self._decode_error(feeder.in_flight(), err) from None
+                batch = self._to_torch(built.outputs, outputs, feeder.delivered())
                 self._stats.end_wait(started, int((~batch["padded"]).sum()))
                 self.consumed = plan.consumed_after(g)
                 if g == len(plan) - 1:  # the epoch is over (with drop_last, before its dropped tail)
@@ -321,28 +309,25 @@ class Loader:
         finally:
             self._stats.pause()
             feeder.cancel()
-            del pipe
+            del built  # DALI's threads and buffers go now, not when the generator is collected
 
-    def _to_torch(self, pipe, outputs, fed: _Fed) -> dict[str, Any]:
-        names = pipe.fastio_outputs
+    def _to_torch(self, names: tuple[str, ...], outputs, fed: Fed) -> dict[str, Any]:
         out = dict(zip(names, outputs))
         index = out.pop("index").as_array().reshape(-1)
         if not np.array_equal(index, fed.indices):
             raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
         batch: dict[str, Any] = {}
+        decoded = self.config.graph.decodes  # raw graphs hand the fields through as bytes
         for name, value in out.items():
-            if self._spec.kind == "raw":
-                batch[name] = [value.at(j).tobytes() for j in range(len(value))]
-            else:
-                batch[name] = self._tensor(value)
+            batch[name] = self._tensor(value) if decoded else [value.at(j).tobytes() for j in range(len(value))]
         label_field = self.dataset.label_field
         for f in self._extra:
-            raw = fed.batch.fields[f]
+            data = fed.batch.fields[f]
             if f == label_field:
-                labels = [parse_label(self.dataset, f, int(i), b) for i, b in zip(fed.indices, raw)]
+                labels = [parse_label(self.dataset, f, int(i), b) for i, b in zip(fed.indices, data)]
                 batch["label"] = torch.tensor(labels, dtype=torch.int64, device=self.torch_device)
-            elif self._spec.kind != "raw":
-                batch[f] = _field_value([b.tobytes() for b in raw])
+            elif decoded:
+                batch[f] = _field_value([b.tobytes() for b in data])
         batch["index"] = torch.from_numpy(fed.indices.copy())
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
@@ -363,7 +348,7 @@ class Loader:
         feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
         return dst
 
-    def _decode_error(self, in_flight: list[_Fed], err: Exception) -> DatasetError:
+    def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
         """Map a DALI failure back to the sample: the first image PIL cannot decode either, in feed order."""
         from PIL import Image
 
@@ -379,56 +364,6 @@ class Loader:
         first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
         keys = ", ".join(repr(self.key(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{self.dataset.root}: DALI failed on a batch with keys {keys}: {first}")
-
-
-@dataclass
-class _Fed:
-    batch: Any  # ReadBatch
-    indices: np.ndarray
-    padded: np.ndarray
-
-
-@dataclass
-class _Feeder:
-    """The external-source callback: hands DALI the next batch of the plan, reading ahead of it."""
-
-    loader: Loader
-    plan: EpochPlan
-    epoch: int
-    next_g: int = 0
-    futures: dict = field(default_factory=dict)
-    fed: deque = field(default_factory=deque)
-
-    def __call__(self):
-        g, plan = self.next_g, self.plan
-        if g >= len(plan):
-            raise StopIteration
-        self.next_g += 1
-        self.read_ahead(g)
-        future, padded = self.futures.pop(g)
-        rb = future.result()
-        self.fed.append(_Fed(rb, rb.indices, padded))
-        spec = self.loader._spec
-        idx = [np.array(i, dtype=np.int64) for i in rb.indices.tolist()]
-        if spec.kind == "raw":
-            return (idx, *[rb.fields[f] for f in spec.raw_fields])
-        enc = rb.fields[self.loader._image_field]
-        if spec.kind != "image-train":
-            return enc, idx
-        crop = random_resized_crop(self.loader.config.seed, self.epoch, rb.indices, rb.sizes[:, 0], rb.sizes[:, 1])
-        return (enc, idx, list(crop.anchor), list(crop.shape), [np.array(f, np.int32) for f in crop.flip])
-
-    def read_ahead(self, g: int) -> None:
-        """Make sure batches g .. g + read_ahead are being read."""
-        for h in range(g, min(g + self.loader.config.read_ahead + 1, len(self.plan))):
-            if h not in self.futures:
-                indices, padded = self.plan.batch(h)
-                self.futures[h] = (self.loader._reader.submit(indices), padded)
-
-    def cancel(self) -> None:
-        for future, _ in self.futures.values():
-            future.cancel()
-        self.futures.clear()
 
 
 def _field_value(values: list[bytes]):

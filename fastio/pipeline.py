@@ -1,7 +1,8 @@
-"""DALI graphs the Loader runs: ``image-train``, ``image-eval``, ``raw`` and a user-supplied graph.
+"""DALI graphs the Loader runs (``image-train``, ``image-eval``, ``raw`` or a user-supplied graph), and their inputs.
 
 Every graph is fed by one batch-mode ``fn.external_source`` whose callback the Loader owns (the
-sample order is fastio's, not DALI's). The same graph runs on DALI CPU operators (``device="cpu"``)
+sample order is fastio's, not DALI's); :func:`graph_inputs` turns the bytes of one read batch into
+what that callback returns. The same graph runs on DALI CPU operators (``device="cpu"``)
 or decodes with ``mixed`` (nvJPEG / hardware decoder) and augments on the GPU (``device="cuda"``).
 The global index of every sample goes through the graph and comes out next to its image so the
 Loader can check that outputs line up with what it fed.
@@ -9,17 +10,27 @@ Loader can check that outputs line up with what it fed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
-__all__ = ["PIPELINES", "GraphSpec", "build_pipeline", "input_names"]
+from fastio.augment import random_resized_crop
+
+if TYPE_CHECKING:
+    from fastio.reader import ReadBatch
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PIPELINES", "BuiltPipeline", "GraphSpec", "build_pipeline",
+           "graph_inputs", "input_names"]
 
 PIPELINES = ("image-train", "image-eval", "raw")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}
+_INPUT_DTYPES = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
+                 "flip": types.INT32}
 
 
 @dataclass(frozen=True)
@@ -33,7 +44,6 @@ class GraphSpec:
     dtype: str = "float32"
     layout: str = "CHW"
     eval_crop_ratio: float = 0.875
-    raw_fields: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not callable(self.kind) and self.kind not in PIPELINES:
@@ -49,39 +59,76 @@ class GraphSpec:
         if not 0 < self.eval_crop_ratio <= 1:
             raise ValueError(f"eval_crop_ratio must be in (0, 1], got {self.eval_crop_ratio}")
 
+    @property
+    def decodes(self) -> bool:
+        """Whether the graph decodes an image field (every kind but ``raw``)."""
+        return self.kind != "raw"
 
-def input_names(spec: GraphSpec) -> tuple[str, ...]:
-    """What the external source callback returns, in order (each a list of per-sample arrays)."""
+    @property
+    def needs_image_size(self) -> bool:
+        """Whether :func:`graph_inputs` needs each image's (width, height) (``ReadBatch.sizes``)."""
+        return self.kind == "image-train"
+
+
+@dataclass(frozen=True)
+class BuiltPipeline:
+    """A built DALI pipeline and the names of its outputs, in the order ``pipe.run()`` returns them."""
+
+    pipe: Any  # nvidia.dali.Pipeline
+    outputs: tuple[str, ...]
+
+
+def input_names(spec: GraphSpec, fields: Sequence[str]) -> tuple[str, ...]:
+    """What the external source callback returns, in order (each a list of per-sample arrays).
+
+    ``fields`` are the dataset fields fed to the graph: ``(image_field,)``, or the raw fields for ``raw``.
+    """
     if spec.kind == "image-train":
         return ("encoded", "index", "anchor", "shape", "flip")
     if spec.kind == "raw":
-        return ("index",) + spec.raw_fields
+        return ("index", *fields)
     return ("encoded", "index")
 
 
-def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_threads: int, device: str,
-                   device_id: int | None, prefetch: int, seed: int = 0):
-    """A built DALI pipeline whose outputs are ``(image, index)`` (``raw``: ``(index, *raw_fields)``;
-    callable: ``(index, *outputs)`` with the names in ``pipe.fastio_outputs``)."""
-    names = input_names(spec)
-    dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
-              "flip": types.INT32}
+def graph_inputs(spec: GraphSpec, fields: Sequence[str], batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+    """The external source's return value for one read batch, in :func:`input_names` order.
+
+    ``image-train`` crop and flip parameters are a pure function of ``(seed, epoch, global index)``.
+    """
+    index = [np.array(i, dtype=np.int64) for i in batch.indices.tolist()]
+    if spec.kind == "raw":
+        return (index, *[batch.fields[f] for f in fields])
+    encoded = batch.fields[fields[0]]
+    if spec.kind != "image-train":
+        return encoded, index
+    crop = random_resized_crop(seed, epoch, batch.indices, batch.sizes[:, 0], batch.sizes[:, 1])
+    return (encoded, index, list(crop.anchor), list(crop.shape), [np.array(f, np.int32) for f in crop.flip])
+
+
+def build_pipeline(spec: GraphSpec, fields: Sequence[str], source: Callable, *, batch_size: int,
+                   num_threads: int, device: str, device_id: int | None, prefetch: int,
+                   seed: int = 0) -> BuiltPipeline:
+    """Build the graph, fed by ``source`` (a callable returning :func:`graph_inputs`).
+
+    Outputs: ``("image", "index")`` for ``image-*``; ``("index", *fields)`` for ``raw``; ``("index", *names)``
+    for a callable, with the names of the dict it returns (``"image"`` when it returns one node).
+    """
+    names = input_names(spec, fields)
     decoder_device = "mixed" if device == "cuda" else "cpu"
     scale = 255.0 if spec.dtype != "uint8" else 1.0
     mean = [m * scale for m in spec.mean] if spec.dtype != "uint8" else [0.0, 0.0, 0.0]
     std = [s * scale for s in spec.std] if spec.dtype != "uint8" else [1.0, 1.0, 1.0]
-    out_names: list[str] = []
+    user_outputs: list[str] = []
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                   prefetch_queue_depth=prefetch, seed=seed)
     def graph():
         nodes = fn.external_source(source=source, num_outputs=len(names), batch=True,
-                                   dtype=[dtypes.get(n, types.UINT8) for n in names])
+                                   dtype=[_INPUT_DTYPES.get(n, types.UINT8) for n in names])
         inp = dict(zip(names, nodes))
         index = inp["index"]
         if spec.kind == "raw":
-            out_names.extend(spec.raw_fields)
-            return (index, *[inp[f] for f in spec.raw_fields])
+            return (index, *[inp[f] for f in fields])
         if spec.kind == "image-train":
             img = fn.decoders.image_slice(inp["encoded"], inp["anchor"], inp["shape"], device=decoder_device,
                                           output_type=types.RGB, normalized_anchor=False,
@@ -89,7 +136,6 @@ def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_th
             img = fn.resize(img, resize_x=spec.image_size, resize_y=spec.image_size, antialias=True)
             img = fn.crop_mirror_normalize(img, mirror=inp["flip"], mean=mean, std=std,
                                            dtype=_DTYPES[spec.dtype], output_layout=spec.layout)
-            out_names.append("image")
             return img, index
         img = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
                                 adjust_orientation=False)
@@ -97,16 +143,19 @@ def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_th
             img = fn.resize(img, resize_shorter=spec.image_size / spec.eval_crop_ratio, antialias=True)
             img = fn.crop_mirror_normalize(img, crop=(spec.image_size, spec.image_size), mean=mean, std=std,
                                            dtype=_DTYPES[spec.dtype], output_layout=spec.layout)
-            out_names.append("image")
             return img, index
         result = spec.kind(img, decoder_device)
         if not isinstance(result, dict):
             result = {"image": result}
-        out_names.extend(result)
+        user_outputs.extend(result)
         return (index, *result.values())
 
     pipe = graph()
     pipe.build()
-    pipe.fastio_outputs = (("image", "index") if spec.kind in ("image-train", "image-eval")
-                           else ("index", *out_names))
-    return pipe
+    if spec.kind in ("image-train", "image-eval"):
+        outputs = ("image", "index")
+    elif spec.kind == "raw":
+        outputs = ("index", *fields)
+    else:
+        outputs = ("index", *user_outputs)
+    return BuiltPipeline(pipe, outputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from itertools import islice
 
@@ -13,7 +14,11 @@ from resume import batches, same_batch
 
 from fastio.augment import random_resized_crop
 from fastio.dataset import Dataset
+from fastio.feeder import Feeder
 from fastio.loader import Loader, LoaderConfig
+from fastio.pipeline import GraphSpec, build_pipeline
+from fastio.reader import Reader
+from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
 
 
@@ -155,6 +160,54 @@ def test_config_object_and_overrides(image_dataset):
     cfg = LoaderConfig(batch_size=4, image_size=32, device="cpu", world_size=1, rank=0)
     loader = Loader(image_dataset, cfg, batch_size=6)
     assert loader.config.batch_size == 6 and len(loader) == 8
+    assert loader.config.sampling.batch_size == 6 and cfg.sampling.batch_size == 4
+
+
+def test_config_builds_its_graph_and_sampling_specs_once_and_is_read_only(image_dataset):
+    cfg = LoaderConfig(batch_size=4, image_size=40, device="cpu", world_size=1, rank=0, shuffle="block", seed=9)
+    assert cfg.graph == GraphSpec("image-train", image_size=40)
+    assert cfg.sampling == SamplerSpec(seed=9, shuffle="block", batch_size=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.image_size = 64  # would leave cfg.graph describing another graph
+    loader = Loader(image_dataset, cfg)
+    assert loader.config is cfg and loader.config.graph is cfg.graph
+    assert next(iter(loader))["image"].shape == (4, 3, 40, 40)
+    changed = dataclasses.replace(cfg, image_size=24)
+    assert changed.graph.image_size == 24 and cfg.graph.image_size == 40
+
+
+def test_rank_is_checked_against_a_world_size_from_the_environment(image_dataset, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1, got 2"):
+        Loader(image_dataset, batch_size=4, device="cpu", rank=2)
+    assert Loader(image_dataset, batch_size=4, device="cpu", rank=1).world_size == 2
+
+
+@pytest.mark.parametrize("kind", ["image-train", "raw"])
+def test_feeder_feeds_a_pipeline_the_plan_in_order(image_dataset, kind):
+    """The parts the Loader wires together, used on their own: sampler plan -> reader -> feeder -> DALI graph."""
+    ds = Dataset(image_dataset)
+    spec = GraphSpec(kind, image_size=16)
+    fields = ("jpg",) if kind != "raw" else ("jpg", "cls")
+    plan = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint).plan(1, 16)
+    with Reader(ds, list(fields), threads=2, size_field="jpg" if spec.needs_image_size else None) as reader:
+        feeder = Feeder(reader, plan, spec, fields, seed=2, read_ahead=1)
+        built = build_pipeline(spec, fields, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None,
+                               prefetch=1)
+        assert built.outputs == (("image", "index") if kind != "raw" else ("index", "jpg", "cls"))
+        for g in range(len(plan)):
+            out = dict(zip(built.outputs, built.pipe.run()))
+            fed = feeder.delivered()
+            want, padded = plan.batch(g)
+            assert out["index"].as_array().reshape(-1).tolist() == fed.indices.tolist() == want.tolist()
+            assert fed.padded.tolist() == padded.tolist()
+            if kind == "raw":
+                assert [out["cls"].at(j).tobytes() for j in range(8)] == [b.tobytes() for b in fed.batch.fields["cls"]]
+            else:
+                assert out["image"].as_array().shape == (8, 3, 16, 16)
+        assert g == len(plan) - 1 == 3 and not feeder.in_flight()
+        feeder.cancel()
+        del built
 
 
 @pytest.mark.gpu

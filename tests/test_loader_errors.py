@@ -107,7 +107,8 @@ def test_bad_label_text(tmp_path, image_folder):
 @pytest.mark.parametrize("kw,match", [
     (dict(batch_size=0), "batch_size"), (dict(pipeline="video"), "pipeline"), (dict(device="tpu"), "device"),
     (dict(shuffle="random"), "shuffle"), (dict(remainder="keep"), "remainder"), (dict(dtype="int8"), "dtype"),
-    (dict(rank=2, world_size=2), "rank"), (dict(prefetch=0), "prefetch"),
+    (dict(rank=2, world_size=2), "rank"), (dict(prefetch=0), "prefetch"), (dict(world_size=0), "world_size"),
+    (dict(block_shards=0), "block_shards"), (dict(layout="NCHW"), "layout"), (dict(image_size=0), "image_size"),
 ])
 def test_bad_arguments(image_dataset, kw, match):
     with pytest.raises(ValueError, match=match):

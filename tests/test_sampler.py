@@ -1,4 +1,4 @@
-"""The global order: a pure function, the shape of each shuffle mode, rank slices, order quality."""
+"""The global order: a pure function, the shape of each shuffle mode, rank slices, argument checks, order quality."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 
 from fastio.dataset import Dataset
-from fastio.sampler import EpochPlan, epoch_order, order_quality
+from fastio.sampler import Sampler, SamplerSpec, epoch_order, order_quality
 
 SIZES = [16, 16, 16, 10]
+
+
+def _plans(batch_size, world, start=0, drop_last=False, remainder="pad"):
+    """Every rank's plan of epoch 0 of SIZES with seed 0 (the order ``epoch_order(SIZES, 0, 0, "fp")``)."""
+    spec = SamplerSpec(seed=0, batch_size=batch_size, drop_last=drop_last, remainder=remainder)
+    return [Sampler(spec, SIZES, "fp", world, r).plan(0, start) for r in range(world)]
 
 
 def test_order_is_a_pure_function_of_seed_epoch_fingerprint_mode():
@@ -32,8 +38,8 @@ def test_block_mode_keeps_samples_inside_windows_of_shards():
 
 
 def test_rank_slices_tile_global_batches_and_pad_the_end():
-    order = epoch_order(SIZES, 0, 0, "fp")
-    plans = [EpochPlan(order, 0, 4, 3, r, drop_last=False) for r in range(3)]
+    plans = _plans(4, 3)
+    assert np.array_equal(plans[0].order, epoch_order(SIZES, 0, 0, "fp"))
     assert {len(p) for p in plans} == {5}  # ceil(58 / 12)
     seen, pads = [], 0
     for g in range(5):
@@ -44,21 +50,48 @@ def test_rank_slices_tile_global_batches_and_pad_the_end():
             pads += int(padded.sum())
     assert sorted(seen) == list(range(58)) and pads == 60 - 58
     assert plans[0].consumed_after(4) == 58
-    assert len(EpochPlan(order, 0, 4, 3, 0, drop_last=True)) == 4
+    assert len(_plans(4, 3, drop_last=True)[0]) == 4
+    assert len(Sampler(SamplerSpec(batch_size=4), SIZES, "fp", 3, 0)) == 5
 
 
 def test_plan_from_a_resume_point_covers_the_rest_exactly_once():
     order = epoch_order(SIZES, 0, 0, "fp")
-    plans = [EpochPlan(order, 20, 5, 2, r, drop_last=False) for r in range(2)]
+    plans = _plans(5, 2, start=20)
     got = [i for g in range(len(plans[0])) for p in plans for i, pad in zip(*p.batch(g)) if not pad]
     assert sorted(got) == sorted(order[20:].tolist())
 
 
-def test_bad_arguments_raise_valueerror():
+@pytest.mark.parametrize("kw,match", [
+    (dict(shuffle="random"), "shuffle must be one of global, block, none, got 'random'"),
+    (dict(block_shards=0), "block_shards must be >= 1, got 0"), (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=2.0), "batch_size must be a positive int"), (dict(remainder="keep"), "remainder"),
+])
+def test_bad_spec_raises_valueerror_naming_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplerSpec(**kw)
+
+
+def test_bad_rank_start_and_order_arguments_raise_valueerror():
     with pytest.raises(ValueError, match="shuffle"):
         epoch_order(SIZES, 0, 0, "fp", "random")
-    with pytest.raises(ValueError, match="rank"):
-        EpochPlan(np.arange(4), 0, 2, 2, 2, False)
+    with pytest.raises(ValueError, match="block_shards"):
+        epoch_order(SIZES, 0, 0, "fp", "block", block_shards=0)
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.1, got 2"):
+        Sampler(SamplerSpec(), SIZES, "fp", world_size=2, rank=2)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        Sampler(SamplerSpec(), SIZES, "fp", world_size=0, rank=0)
+    sampler = Sampler(SamplerSpec(batch_size=4), SIZES, "fp")
+    with pytest.raises(ValueError, match=r"start must be in 0\.\.58, got 59"):
+        sampler.plan(0, 59)
+    with pytest.raises(IndexError, match="batch 15 out of range"):
+        sampler.plan(0, 0).batch(15)
+
+
+def test_sampler_order_is_epoch_order_and_plans_carry_their_epoch():
+    sampler = Sampler(SamplerSpec(seed=3, shuffle="block", block_shards=2, batch_size=4), SIZES, "fp", 2, 1)
+    for epoch in (0, 5):
+        assert np.array_equal(sampler.order(epoch), epoch_order(SIZES, 3, epoch, "fp", "block", 2))
+        assert sampler.plan(epoch, 8).epoch == epoch
 
 
 def test_order_quality_global_is_near_ideal_and_none_is_not():
@@ -78,13 +111,13 @@ def test_order_quality_reads_labels_from_a_dataset(image_dataset):
 
 def test_partial_remainder_splits_the_last_batch_evenly():
     order = epoch_order(SIZES, 0, 0, "fp")  # 58 samples; global batch 4 x 4 = 16 -> remainder 10
-    plans = [EpochPlan(order, 0, 4, 4, r, drop_last=False, remainder="partial") for r in range(4)]
+    plans = _plans(4, 4, remainder="partial")
     assert {len(p) for p in plans} == {4}
     last = [p.batch(3) for p in plans]
     assert [len(i) for i, _ in last] == [3, 3, 2, 2] and not any(m.any() for _, m in last)
     got = [i for g in range(4) for p in plans for i in p.batch(g)[0].tolist()]
     assert got == order.tolist()
     # Fewer samples left than ranks: a rank with none gets one padded repeat and still takes a step.
-    tiny = [EpochPlan(order, 56, 4, 3, r, drop_last=False, remainder="partial") for r in range(3)]
+    tiny = _plans(4, 3, start=56, remainder="partial")
     sizes = [(len(i), int(m.sum())) for i, m in (p.batch(0) for p in tiny)]
     assert sizes == [(1, 0), (1, 0), (1, 1)]
