@@ -4,7 +4,6 @@ on cached file descriptors, a thread pool so that reads run ahead of the consume
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import weakref
@@ -13,6 +12,7 @@ from struct import error as struct_error
 
 import numpy as np
 
+from fastio.checksum import sha256_fd
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.images import image_size
@@ -60,11 +60,10 @@ class Reader:
         dataset.require_fields(list(fields))
         self.ds, self.fields, self.verify, self.size_field = dataset, list(fields), verify, size_field
         self.table = dataset.table
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds, self._lock)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
 
     def __enter__(self) -> Reader:
         return self
@@ -114,34 +113,72 @@ class Reader:
         fd = self._fds.get(shard_index)
         if fd is not None:
             return fd
-        with self._lock:
+        # One thread opens (and, with verify, hashes) a given shard; others wait for that shard only.
+        with self._fds.opening(shard_index):
             fd = self._fds.get(shard_index)
             if fd is None:
-                shard = self.ds.shards[shard_index]
-                try:
-                    fd = os.open(shard.path, os.O_RDONLY)
-                except OSError as err:
-                    raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be opened: "
-                                       f"{err.strerror}") from None
-                if self.verify:
-                    self._verify(fd, shard)
-                self._fds[shard_index] = fd
+                fd = self._open(shard_index)
+                if not self._fds.publish(shard_index, fd):
+                    os.close(fd)
+                    raise RuntimeError(f"{self.ds.root}: the reader is closed")
         return fd
 
-    def _verify(self, fd: int, shard) -> None:
-        h, pos = hashlib.sha256(), 0
-        while chunk := os.pread(fd, 1 << 22, pos):
-            h.update(chunk)
-            pos += len(chunk)
-        if h.hexdigest() != shard.sha256:
+    def _open(self, shard_index: int) -> int:
+        shard = self.ds.shards[shard_index]
+        try:
+            fd = os.open(shard.path, os.O_RDONLY)
+        except OSError as err:
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be opened: {err.strerror}") from None
+        if not self.verify:
+            return fd
+        try:
+            _, digest = sha256_fd(fd)
+        except OSError as err:
+            os.close(fd)
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be read: {err.strerror}") from None
+        if digest != shard.sha256:
             os.close(fd)
             raise DatasetError(f"{self.ds.root}: shard {shard.name} sha256 mismatch "
-                               f"(manifest {shard.sha256[:16]}…, file {h.hexdigest()[:16]}…)")
+                               f"(manifest {shard.sha256[:16]}…, file {digest[:16]}…)")
+        return fd
 
 
-def _release(pool: ThreadPoolExecutor, fds: dict[int, int], lock: threading.Lock) -> None:
+class _Descriptors:
+    """Open shard file descriptors by shard index; every one is closed by :meth:`close_all`."""
+
+    def __init__(self):
+        self._fds: dict[int, int] = {}
+        self._opening: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the two dicts and `closed`, never held during I/O
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def get(self, shard_index: int) -> int | None:
+        return self._fds.get(shard_index)
+
+    def opening(self, shard_index: int) -> threading.Lock:
+        """The lock a thread holds while it opens this shard."""
+        with self._lock:
+            return self._opening.setdefault(shard_index, threading.Lock())
+
+    def publish(self, shard_index: int, fd: int) -> bool:
+        """Keep ``fd`` as this shard's; False (and nothing kept) once closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._fds[shard_index] = fd
+            return True
+
+    def close_all(self) -> None:
+        with self._lock:
+            self.closed = True
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def _release(pool: ThreadPoolExecutor, fds: _Descriptors) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
-    with lock:
-        for fd in fds.values():
-            os.close(fd)
-        fds.clear()
+    fds.close_all()
