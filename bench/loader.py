@@ -79,7 +79,7 @@ def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
 def _fastio(dest: Path, device: str) -> tuple[int, float]:
     import torch
 
-    from fastio.loader import Loader
+    from fastio import Loader
 
     t = time.perf_counter()
     loader = Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0)

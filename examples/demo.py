@@ -34,7 +34,7 @@ def fastio(*args: str) -> None:
 
 
 def load(dest: Path) -> None:
-    from fastio.loader import Loader
+    from fastio import Loader
 
     print(f"\n# one epoch of {dest} through the Loader (image-train, 64 px)", flush=True)
     with Loader(dest, batch_size=32, image_size=64, device="auto", seed=0) as loader:

@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastio.checkpoint import Checkpointer
-from fastio.errors import FastioError
-from fastio.loader import Loader
+from fastio import Checkpointer, FastioError, Loader
 
 
 class SmallCNN(nn.Module):
