@@ -30,13 +30,13 @@ def detect(source: Path) -> str:
         if files.detect(source):
             return files.NAME
         raise ConvertError(f"{source}: cannot tell the format (no images in class folders, no loose files);"
-                           " give --format")
+                           " give format=NAME")
     fmt = table.detect(source)
     if fmt:
         return fmt
     if parquet.detect(source):
         return parquet.NAME
-    raise ConvertError(f"{source}: cannot tell the format from suffix {source.suffix!r}; give --format"
+    raise ConvertError(f"{source}: cannot tell the format from suffix {source.suffix!r}; give format=NAME"
                        f" ({', '.join(FORMATS)})")
 
 

@@ -147,7 +147,7 @@ def rows_to_result(
     if require_path and path_col is None:
         raise ConvertError(
             f"{source}: no path column (looked for {', '.join(PATH_COLUMNS)}; columns: {', '.join(columns)};"
-            " name it with --path-column)"
+            " name it with path_column=NAME)"
         )
     label_col = _pick(source, columns, options.label_column, LABEL_COLUMNS, "label")
     key_col = _pick(source, columns, options.key_column, KEY_COLUMNS, "key")

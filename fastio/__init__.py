@@ -15,7 +15,7 @@ _LAZY = {
     "convert": "fastio.convert",
     "Loader": "fastio.loader",
     "LoaderConfig": "fastio.loader",
-    "order_quality": "fastio.sampler",
+    "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",
     "CheckpointConfig": "fastio.checkpoint",
     "TrainState": "fastio.checkpoint",

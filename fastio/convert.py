@@ -5,13 +5,12 @@ functions of that order and the seed; worker results are consumed in order. So t
 options and seed give byte-identical shards and manifests whatever the number of workers.
 
 DEST life cycle: the marker file is written first, shards are published one by one, the manifest
-(or, with --split, ``splits.json`` after every split's manifest) is written last. A DEST holding the
+(or, with ``split``, ``splits.json`` after every split's manifest) is written last. A DEST holding the
 marker but no final file is an interrupted run, which the same command redoes from scratch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -21,15 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastio import converters
 from fastio.atomic import atomic_write_bytes
+from fastio.converters.base import FileRef, ScanOptions
 from fastio.errors import ConvertError
-from fastio.images import IMAGE_FIELDS, ImageCheckError, check_image, downscale
-from fastio.manifest import MANIFEST_NAME, MARKER_NAME
+from fastio.images import ImageCheckError, check_image, downscale, is_image_field
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
 from fastio.progress import Progress, rate_line
+from fastio.shards import ShardWriter
+from fastio.wds import is_plain_name
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
-    "SPLITS_NAME",
     "ConvertConfig",
     "ConvertResult",
     "check_dest",
@@ -40,33 +42,35 @@ __all__ = [
     "reset_dest",
 ]
 
-SPLITS_NAME = "splits.json"
 DEFAULT_SHARD_SIZE = 256 * 10**6
 ON_ERROR = ("skip", "fail")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary)."""
+    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary).
+
+    ValueError messages name the parameter this reads, ``shard_size``."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
         m = _SIZE.match(str(text))
         if not m:
-            raise ValueError(f"--shard-size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
         number, prefix, binary, _ = m.groups()
         if binary and not prefix:
-            raise ValueError(f"--shard-size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
         power = "kmgtp".find(prefix.lower()) + 1 if prefix else 0
         value = int(float(number) * (1024 if binary else 1000) ** power)
     if value <= 0:
-        raise ValueError(f"--shard-size must be positive, got {text!r}")
+        raise ValueError(f"shard_size must be positive, got {text!r}")
     return value
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
-    """``val=0.05`` or ``val=0.05,test=0.05`` -> ``{"val": 0.05, ...}``; the rest becomes ``train``."""
+    """``val=0.05`` or ``val=0.05,test=0.05`` -> ``{"val": 0.05, ...}``; the rest becomes ``train``.
+
+    ValueError messages name the parameter this reads, ``split``."""
     if text is None or text == "" or text == {}:
         return None
     if isinstance(text, dict):
@@ -78,18 +82,18 @@ def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
             try:
                 items.append((name.strip(), float(value)))
             except ValueError:
-                raise ValueError(f"--split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)") from None
+                raise ValueError(f"split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)") from None
             if not eq:
-                raise ValueError(f"--split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)")
+                raise ValueError(f"split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)")
     split: dict[str, float] = {}
     for name, frac in items:
-        if not _NAME.match(name) or name == "train" or name in split:
-            raise ValueError(f"--split: bad or repeated split name {name!r} (train is the remainder)")
+        if not is_plain_name(name) or name == "train" or name in split:
+            raise ValueError(f"split: bad or repeated split name {name!r} (train is the remainder)")
         if not 0 < frac < 1:
-            raise ValueError(f"--split: fraction for {name!r} must be between 0 and 1, got {frac}")
+            raise ValueError(f"split: fraction for {name!r} must be between 0 and 1, got {frac}")
         split[name] = frac
     if sum(split.values()) >= 1:
-        raise ValueError(f"--split: fractions add up to {sum(split.values())}, leaving nothing for train")
+        raise ValueError(f"split: fractions add up to {sum(split.values())}, leaving nothing for train")
     return split
 
 
@@ -109,7 +113,7 @@ class ConvertConfig:
     dest: Path
     """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split)."""
     format: str | None = None
-    """Source format (see ``fastio.converters.FORMATS``); None: detected from SOURCE."""
+    """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
     max_samples_per_shard: int | None = None
@@ -121,7 +125,7 @@ class ConvertConfig:
     seed: int = 0
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
-    """``{"val": 0.05}`` or ``"val=0.05"``: write DEST/train and DEST/val, each a complete dataset."""
+    """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
     max_side: int | None = None
     """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
     quality: int = 90
@@ -142,21 +146,24 @@ class ConvertConfig:
     """Draw a progress bar on stderr."""
 
     def __post_init__(self) -> None:
+        """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``)."""
         self.source, self.dest = Path(self.source), Path(self.dest)
+        if self.format is not None and self.format not in converters.FORMATS:
+            raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
         self.split = parse_split(self.split)
         if self.max_samples_per_shard is not None and self.max_samples_per_shard <= 0:
-            raise ValueError(f"--max-samples-per-shard must be positive, got {self.max_samples_per_shard}")
+            raise ValueError(f"max_samples_per_shard must be positive, got {self.max_samples_per_shard}")
         if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_side is not None and self.max_side < 1:
-            raise ValueError(f"--max-side must be positive, got {self.max_side}")
+            raise ValueError(f"max_side must be positive, got {self.max_side}")
         if not 1 <= self.quality <= 100:
-            raise ValueError(f"--quality must be in 1..100, got {self.quality}")
+            raise ValueError(f"quality must be in 1..100, got {self.quality}")
         if self.on_error not in ON_ERROR:
-            raise ValueError(f"--on-error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
-        if not _NAME.match(self.name):
-            raise ValueError(f"--name must be letters, digits, '_' or '-', got {self.name!r}")
+            raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+        if not is_plain_name(self.name):
+            raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
 
     def output_options(self) -> dict[str, Any]:
         """The options that shape the output, as recorded in each manifest."""
@@ -167,7 +174,7 @@ class ConvertConfig:
 
 @dataclass
 class ConvertResult:
-    """What a conversion wrote: one manifest per dataset (key ``""`` without --split, else split names)."""
+    """What a conversion wrote: one manifest per dataset (key ``""`` without ``split``, else split names)."""
 
     dest: Path
     format: str
@@ -204,17 +211,11 @@ def _init_worker(options: tuple[int | None, int], in_worker: bool = False) -> No
     _LOAD_OPTIONS, _IN_WORKER = options, in_worker
 
 
-def _is_image(field_name: str) -> bool:
-    return field_name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
-
-
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     """Read an entry's file fields, check (and with ``max_side`` re-encode) its images.
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    from fastio.converters.base import FileRef
-
     max_side, quality = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
@@ -228,7 +229,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
             except OSError as err:
                 return None, f"unreadable file ({err.strerror or err})", where
         original = value
-        if _is_image(name):
+        if is_image_field(name):
             try:
                 if max_side is not None:
                     value, _ = downscale(value, name.rsplit(".", 1)[-1].lower(), max_side, quality)
@@ -245,8 +246,6 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
 
 def resolve_fields(fields: dict) -> dict[str, bytes]:
     """Read the FileRefs a worker handed back in place of unchanged file bytes."""
-    from fastio.converters.base import FileRef
-
     out = {}
     for name, value in fields.items():
         if isinstance(value, FileRef):
@@ -282,10 +281,10 @@ def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
         complete = _is_complete(dest)
         ours = complete or (dest / MARKER_NAME).is_file()
         if complete and not overwrite:
-            raise ConvertError(f"{dest}: already holds a converted dataset; pass --overwrite to replace it")
+            raise ConvertError(f"{dest}: already holds a converted dataset; pass overwrite=True to replace it")
         if not ours and not overwrite:
             raise ConvertError(f"{dest}: directory is not empty and is not fastio output; "
-                               "pass --overwrite to replace its contents")
+                               "pass overwrite=True to replace its contents")
 
 
 def reset_dest(dest: Path) -> None:
@@ -317,7 +316,7 @@ def _assign(n: int, config: ConvertConfig) -> dict[str, list[int]]:
         for name, frac in config.split.items():
             count = round(frac * n)
             if count == 0 or start + count >= n:
-                raise ConvertError(f"{config.source}: --split {name}={frac} of {n} samples leaves "
+                raise ConvertError(f"{config.source}: split fraction {frac} for {name!r} of {n} samples leaves "
                                    f"{'it' if count == 0 else 'train'} empty")
             groups[name] = sorted(order[start:start + count])
             start += count
@@ -330,18 +329,17 @@ def _assign(n: int, config: ConvertConfig) -> dict[str, list[int]]:
 
 def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, progress: Progress,
                    scan_skipped: list[dict[str, str]], **manifest_fields: Any):
-    """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes)."""
-    from fastio.shards import ShardWriter
+    """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes).
 
-    writer = ShardWriter(out, name=config.name, max_bytes=config.shard_size,
-                         max_samples=config.max_samples_per_shard)
+    On any error the shard being written stays a hidden temporary and is dropped (the writer aborts)."""
     skipped: list[dict[str, str]] = []
     nbytes = 0
-    try:
+    with ShardWriter(out, name=config.name, max_bytes=config.shard_size,
+                     max_samples=config.max_samples_per_shard) as writer:
         for entry, (fields, reason, where) in loaded:
             if fields is None:
                 if config.on_error == "fail":
-                    raise ConvertError(f"{where}: {reason} (--on-error fail)")
+                    raise ConvertError(f"{where}: {reason} (on_error='fail')")
                 skipped.append({"path": _display_path(where, config.source), "reason": reason})
                 progress.update(1, 0)
                 continue
@@ -361,23 +359,13 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             of_split = f" of split {split_name}" if split_name else ""
             raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
         manifest = writer.close(skipped=scan_skipped + skipped,
-                                image_fields=sorted(f for f in writer.fields if _is_image(f)), **manifest_fields)
-    except BaseException:
-        writer.abort()  # the shard being written stays a hidden temporary; drop it
-        raise
+                                image_fields=sorted(f for f in writer.fields if is_image_field(f)), **manifest_fields)
     return manifest, skipped, nbytes
 
 
 def convert(config: ConvertConfig) -> ConvertResult:
     """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees."""
-    from fastio import converters
-    from fastio.converters.base import ScanOptions
-
     started = time.perf_counter()
-    if config.format is not None and config.format not in converters.FORMATS:
-        raise ConvertError(f"unknown format {config.format!r} (choose from {', '.join(converters.FORMATS)})")
-    if not config.source.exists():
-        raise ConvertError(f"{config.source}: no such file or directory")
     check_dest(config.dest, config.source, config.overwrite)
     scan = converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column))
@@ -428,11 +416,6 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
             pool.terminate()
             pool.join()
     if config.split:
-        from fastio.manifest import fingerprint
-
-        splits = {"format": "fastio-splits",
-                  "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)}
-                             for n, m in manifests.items()}}
-        atomic_write_bytes(config.dest / SPLITS_NAME, json.dumps(splits, indent=2, sort_keys=True).encode() + b"\n")
+        write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=all_skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)

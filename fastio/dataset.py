@@ -11,23 +11,21 @@ import numpy as np
 
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, parse_index
-from fastio.manifest import SHARDS_DIR, fingerprint, load_manifest
+from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, load_manifest, shard_records
 
 __all__ = ["Dataset", "Shard", "SampleTable"]
 
 
 @dataclass(frozen=True)
-class Shard:
-    """One shard as the manifest describes it; ``first`` is the dataset-wide index of its first sample."""
+class Shard(ShardRecord):
+    """A manifest's :class:`~fastio.manifest.ShardRecord` located in an opened DEST."""
 
-    name: str
     path: Path
+    """The tar file."""
     idx_path: Path
-    samples: int
-    bytes: int
-    sha256: str
-    idx_sha256: str
+    """Its ``.idx`` file."""
     first: int
+    """Dataset-wide index of the shard's first sample."""
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,11 @@ class Dataset:
     def __init__(self, dest: str | Path):
         self.root = Path(dest)
         self.manifest: dict[str, Any] = load_manifest(self.root)
-        shards, first = [], 0
-        for s in self.manifest["shards"]:
-            path = self.root / SHARDS_DIR / s["name"]
-            shards.append(Shard(
-                name=s["name"], path=path, idx_path=path.with_suffix(".idx"), samples=s["samples"],
-                bytes=s["bytes"], sha256=s["sha256"], idx_sha256=s["idx_sha256"], first=first,
-            ))
-            first += s["samples"]
+        shards, first, folder = [], 0, self.root / SHARDS_DIR
+        for record in shard_records(self.manifest):
+            shards.append(Shard(**record.as_dict(), path=folder / record.name, idx_path=folder / record.idx_name,
+                                first=first))
+            first += record.samples
         self.shards: list[Shard] = shards
         for shard in shards:
             for p in (shard.path, shard.idx_path):

@@ -1,40 +1,125 @@
-"""The manifest schema: ``DEST/manifest.json``, written last, whose presence makes DEST a dataset."""
+"""The dataset format's one schema: ``DEST/manifest.json`` (written last; its presence makes DEST a
+dataset), its shard record, and ``DEST/splits.json`` (written last by a ``--split`` conversion).
+
+Every field is validated with its type when read, so a damaged or hand-edited manifest gives one
+:class:`~fastio.errors.DatasetError` naming the file and the field, never a ``TypeError`` later on.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+from fastio import __version__
 from fastio.atomic import atomic_write_bytes
 from fastio.errors import DatasetError
+from fastio.wds import is_field_name, is_plain_name
 
 __all__ = [
-    "MANIFEST_NAME",
     "FORMAT",
     "FORMAT_VERSION",
-    "SHARDS_DIR",
+    "MANIFEST_NAME",
     "MARKER_NAME",
-    "write_manifest",
-    "load_manifest",
+    "SHARDS_DIR",
+    "SPLITS_FORMAT",
+    "SPLITS_NAME",
+    "ShardRecord",
     "fingerprint",
+    "load_manifest",
+    "make_manifest",
+    "shard_records",
+    "split_names",
+    "write_manifest",
+    "write_splits",
 ]
 
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
+SPLITS_NAME = "splits.json"
 # Written first by a conversion: marks DEST as fastio's own output even before the manifest exists,
 # so that an interrupted run can be redone in place without --overwrite.
 MARKER_NAME = ".fastio-output"
 FORMAT = "fastio-webdataset"
 FORMAT_VERSION = 1
+SPLITS_FORMAT = "fastio-splits"
 
-_SHARD_KEYS = ("name", "samples", "bytes", "sha256", "idx_sha256")
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*\.tar")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx``."""
+
+    name: str
+    """File name of the tar inside ``DEST/shards/`` (no directory part)."""
+    samples: int
+    """Samples the shard holds."""
+    bytes: int
+    """Size of the tar file."""
+    sha256: str
+    """Hex sha256 of the tar file."""
+    idx_sha256: str
+    """Hex sha256 of the ``.idx`` file."""
+
+    @property
+    def idx_name(self) -> str:
+        """File name of the shard's DALI index, next to the tar."""
+        return self.name[: -len(".tar")] + ".idx"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The manifest entry (only the record's own fields, also for a subclass that locates it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ShardRecord)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ShardRecord:
+        """A record from its manifest entry; DatasetError naming ``where`` (e.g. ``FILE: shards[3]``) and the field."""
+        if not isinstance(data, dict):
+            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
+        missing = [k for k in ("name", "samples", "bytes", "sha256", "idx_sha256") if k not in data]
+        if missing:
+            raise DatasetError(f"{where} lacks {', '.join(missing)}")
+        name = data["name"]
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
+            raise DatasetError(f"{where}.name: {name!r} is not a shard file name (NAME.tar, no directory part)")
+        for key in ("samples", "bytes"):
+            _count(data[key], f"{where}.{key}")
+        for key in ("sha256", "idx_sha256"):
+            if not isinstance(data[key], str) or not _SHA256.fullmatch(data[key]):
+                raise DatasetError(f"{where}.{key}: {data[key]!r} is not a hex sha256")
+        return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
+                   idx_sha256=data["idx_sha256"])
+
+
+def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], **extra: Any) -> dict[str, Any]:
+    """A manifest for ``shards`` (in order) whose samples have ``fields``; ``extra`` adds optional fields
+    (``image_field``, ``label_field``, ``label_map``, ``source``, ``skipped``, ...)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fastio_version": __version__,
+        "name": name,
+        "shards": [s.as_dict() for s in shards],
+        "total_samples": sum(s.samples for s in shards),
+        "total_bytes": sum(s.bytes for s in shards),
+        "fields": sorted(fields),
+        **extra,
+    }
 
 
 def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
-    data = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
-    atomic_write_bytes(Path(dest) / MANIFEST_NAME, data)
+    """Validate ``manifest`` as a reader would, then publish ``DEST/manifest.json`` atomically."""
+    path = Path(dest) / MANIFEST_NAME
+    try:
+        _validate(manifest, str(path))
+    except DatasetError as err:  # a writer's bug or bad extra fields: a ValueError for the caller
+        raise ValueError(str(err)) from None
+    atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
 def load_manifest(dest: Path) -> dict[str, Any]:
@@ -48,21 +133,13 @@ def load_manifest(dest: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise DatasetError(f"{path}: unreadable manifest ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DatasetError(f"{path}: not a fastio manifest (format is not {FORMAT!r})")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise DatasetError(f"{path}: manifest format_version {version!r}, this fastio reads {FORMAT_VERSION}")
-    for field in ("shards", "total_samples", "fields"):
-        if field not in manifest:
-            raise DatasetError(f"{path}: manifest lacks field {field!r}")
-    for i, shard in enumerate(manifest["shards"]):
-        missing = [k for k in _SHARD_KEYS if k not in shard]
-        if missing:
-            raise DatasetError(f"{path}: shards[{i}] lacks {', '.join(missing)}")
-    if sum(s["samples"] for s in manifest["shards"]) != manifest["total_samples"]:
-        raise DatasetError(f"{path}: total_samples does not equal the sum of shard sample counts")
+    _validate(manifest, str(path))
     return manifest
+
+
+def shard_records(manifest: dict[str, Any]) -> list[ShardRecord]:
+    """The shard records of a manifest that :func:`load_manifest` has validated."""
+    return [ShardRecord.from_dict(s, f"shards[{i}]") for i, s in enumerate(manifest["shards"])]
 
 
 def fingerprint(manifest: dict[str, Any]) -> str:
@@ -71,3 +148,100 @@ def fingerprint(manifest: dict[str, Any]) -> str:
     for shard in manifest["shards"]:
         h.update(f"{shard['name']}:{shard['samples']}:{shard['sha256']}\n".encode())
     return h.hexdigest()[:16]
+
+
+# -- splits.json --------------------------------------------------------------------------------------
+
+def write_splits(dest: Path, manifests: dict[str, dict[str, Any]]) -> None:
+    """Publish ``DEST/splits.json`` listing each split's sample count and fingerprint (after their manifests)."""
+    splits = {"format": SPLITS_FORMAT,
+              "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)} for n, m in manifests.items()}}
+    atomic_write_bytes(Path(dest) / SPLITS_NAME, json.dumps(splits, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def split_names(dest: Path) -> list[str] | None:
+    """Split names of a DEST written with ``split`` (sorted), or None for a plain dataset directory."""
+    dest = Path(dest)
+    path = dest / SPLITS_NAME
+    if (dest / MANIFEST_NAME).is_file() or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DatasetError(f"{path}: unreadable split list ({err})") from None
+    if not isinstance(data, dict) or data.get("format") != SPLITS_FORMAT:
+        raise DatasetError(f"{path}: not a fastio split list (format is not {SPLITS_FORMAT!r})")
+    splits = data.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise DatasetError(f"{path}: splits: is {_kind(splits)}, not an object naming at least one split")
+    for name, info in splits.items():
+        if not is_plain_name(name):
+            raise DatasetError(f"{path}: splits: {name!r} is not a split name (letters, digits, '_', '-')")
+        if not isinstance(info, dict):
+            raise DatasetError(f"{path}: splits.{name}: is {_kind(info)}, not an object")
+        _count(info.get("samples"), f"{path}: splits.{name}.samples")
+        if not isinstance(info.get("fingerprint"), str) or not _FINGERPRINT.fullmatch(info["fingerprint"]):
+            raise DatasetError(f"{path}: splits.{name}.fingerprint: {info.get('fingerprint')!r} is not 16 hex digits")
+    return sorted(splits)
+
+
+# -- validation ---------------------------------------------------------------------------------------
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"[:80]
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DatasetError(f"{where}: {value!r} is not an integer")
+    if value < 0:
+        raise DatasetError(f"{where}: {value} is negative")
+    return value
+
+
+def _optional(manifest: dict[str, Any], key: str, path: str, check, what: str) -> None:
+    if key in manifest and manifest[key] is not None and not check(manifest[key]):
+        raise DatasetError(f"{path}: {key}: {manifest[key]!r} is not {what}"[:300])
+
+
+def _str_list(value: Any, item=lambda s: isinstance(s, str)) -> bool:
+    return isinstance(value, list) and all(item(v) for v in value)
+
+
+def _validate(manifest: Any, path: str) -> None:
+    """DatasetError naming ``path`` and the first field of ``manifest`` that breaks the schema."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DatasetError(f"{path}: not a fastio manifest (format is not {FORMAT!r})")
+    version = manifest.get("format_version")
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise DatasetError(f"{path}: manifest format_version {version!r}, this fastio reads {FORMAT_VERSION}")
+    for key in ("shards", "total_samples", "fields"):
+        if key not in manifest:
+            raise DatasetError(f"{path}: manifest lacks field {key!r}")
+    shards = manifest["shards"]
+    if not isinstance(shards, list):
+        raise DatasetError(f"{path}: shards: is {_kind(shards)}, not a list")
+    records = [ShardRecord.from_dict(s, f"{path}: shards[{i}]") for i, s in enumerate(shards)]
+    names = [r.name for r in records]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise DatasetError(f"{path}: shards: {dup} is listed twice")
+    total = _count(manifest["total_samples"], f"{path}: total_samples")
+    if sum(r.samples for r in records) != total:
+        raise DatasetError(f"{path}: total_samples does not equal the sum of shard sample counts")
+    if "total_bytes" in manifest:
+        _count(manifest["total_bytes"], f"{path}: total_bytes")
+    fields = manifest["fields"]
+    if not _str_list(fields, is_field_name):
+        raise DatasetError(f"{path}: fields: {_kind(fields)} is not a list of field names")
+    for key in ("name", "fastio_version", "image_field", "label_field"):
+        _optional(manifest, key, path, lambda v: isinstance(v, str), "text")
+    _optional(manifest, "image_fields", path, _str_list, "a list of field names")
+    _optional(manifest, "label_map", path, lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(i, int) and not isinstance(i, bool) for k, i in v.items()),
+        "an object of class name to integer label")
+    _optional(manifest, "skipped", path, lambda v: isinstance(v, list) and all(
+        isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("reason"), str) for s in v),
+        "a list of {path, reason}")
+    for key in ("source", "convert_options", "split"):
+        _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")

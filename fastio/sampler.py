@@ -21,8 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["REMAINDER_MODES", "SHUFFLE_MODES", "EpochPlan", "Sampler", "SamplerSpec", "epoch_order",
-           "order_quality"]
+__all__ = ["REMAINDER_MODES", "SHUFFLE_MODES", "EpochPlan", "Sampler", "SamplerSpec", "epoch_order"]
 
 SHUFFLE_MODES = ("global", "block", "none")
 # What happens to the last, incomplete global batch when it is not dropped. Both keep every rank at
@@ -175,67 +174,3 @@ class EpochPlan:
         """Global samples consumed once global batch ``g`` has been delivered (the state's ``consumed``)."""
         return min(self.start + (g + 1) * self.sampler.global_batch, len(self.order))
 
-
-def order_quality(dataset_or_len_and_labels, seed: int = 0, epoch: int = 0, mode: str = "global",
-                  batch_size: int = 256, block_shards: int = 4) -> dict:
-    """How well an epoch order mixes the data.
-
-    Args:
-        dataset_or_len_and_labels: a :class:`fastio.dataset.Dataset` (labels read from its label field),
-            or ``(shard_sizes, labels)`` with ``labels`` an int array in manifest order.
-
-    Returns ``{"mode", "samples", "batch_size", "classes", "class_mixing", "class_mixing_ideal",
-    "class_mixing_ratio", "mean_displacement", "mean_displacement_ideal"}``: class mixing is the mean
-    number of distinct classes per batch (ideal: expected under a uniform random permutation); mean
-    displacement is the mean ``|position - stored index| / N`` (about 1/3 for a uniform permutation).
-    """
-    if hasattr(dataset_or_len_and_labels, "table"):
-        ds = dataset_or_len_and_labels
-        shard_sizes, fingerprint = [s.samples for s in ds.shards], ds.fingerprint
-        labels = _dataset_labels(ds)
-    else:
-        shard_sizes, labels = dataset_or_len_and_labels
-        shard_sizes, fingerprint = list(shard_sizes), "external"
-        labels = np.asarray(labels, dtype=np.int64)
-    order = epoch_order(shard_sizes, seed, epoch, fingerprint, mode, block_shards)
-    n = len(order)
-    if len(labels) != n:
-        raise ValueError(f"labels has {len(labels)} entries, shard sizes add up to {n}")
-    if batch_size < 1 or batch_size > n:
-        raise ValueError(f"batch_size must be in 1..{n}, got {batch_size}")
-    _, lab = np.unique(labels, return_inverse=True)
-    k = int(lab.max()) + 1 if n else 0
-    full = n // batch_size
-    per_batch = lab[order[: full * batch_size]].reshape(full, batch_size)
-    counts = np.zeros((full, k), np.int64)
-    np.add.at(counts, (np.repeat(np.arange(full), batch_size), per_batch.ravel()), 1)
-    mixing = float((counts > 0).sum(1).mean())
-    # Expected distinct classes in a batch drawn without replacement: sum_c 1 - C(N-n_c, B)/C(N, B).
-    freq = np.bincount(lab, minlength=k)
-    ideal = 0.0
-    for n_c in freq:
-        ratio = 1.0
-        for j in range(batch_size):
-            ratio *= max(n - n_c - j, 0) / (n - j)
-            if ratio == 0.0:
-                break
-        ideal += 1.0 - ratio
-    displacement = float(np.abs(np.arange(n) - order).mean() / n)
-    return {
-        "mode": mode, "samples": n, "batch_size": batch_size, "classes": k,
-        "class_mixing": mixing, "class_mixing_ideal": ideal,
-        "class_mixing_ratio": mixing / ideal if ideal else 1.0,
-        "mean_displacement": displacement, "mean_displacement_ideal": (n * n - 1) / (3 * n * n),
-    }
-
-
-def _dataset_labels(ds) -> np.ndarray:
-    from fastio.errors import DatasetError
-    from fastio.reader import Reader, parse_label
-
-    field = ds.label_field
-    if field is None:
-        raise DatasetError(f"{ds.root}: dataset has no label field; order quality needs labels")
-    with Reader(ds, [field], threads=1) as reader:
-        raw = reader.read(np.arange(len(ds)))[field]
-    return np.array([parse_label(ds, field, i, b) for i, b in enumerate(raw)], dtype=np.int64)

@@ -1,10 +1,13 @@
 """The shard writer: samples in, WebDataset tar shards + DALI ``.idx`` files + manifest out.
 
 Every shard is written under a hidden temporary name, fsynced and renamed; the manifest is
-written last. Tars are reproducible: members sorted by field within a sample, mtime 0,
-uid/gid 0, empty owner names, mode 0444, USTAR headers only. Members are written straight to the
-file (headers from ``tarfile.TarInfo``), which is what webdataset's TarWriter does too, without
-importing webdataset (and through it torch) into ``fastio convert``.
+written last. Used as a context manager, an error inside the ``with`` block drops the shard being
+written (:meth:`ShardWriter.abort`), so nothing half-written becomes visible.
+
+Tars are reproducible: members sorted by field within a sample, mtime 0, uid/gid 0, empty owner
+names, mode 0444, USTAR headers only. Members are written straight to the file (headers from
+``tarfile.TarInfo``), which is what webdataset's TarWriter does too, without importing webdataset
+(and through it torch) into ``fastio convert``.
 """
 
 from __future__ import annotations
@@ -16,53 +19,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio import __version__
 from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
+from fastio.checksum import HashingWriter
 from fastio.idx import IndexEntry, format_index
-from fastio.manifest import FORMAT, FORMAT_VERSION, SHARDS_DIR, write_manifest
+from fastio.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
 from fastio.wds import check_member, is_key, is_plain_name, member_name
 
-__all__ = ["ShardWriter", "ShardInfo", "Sample", "BLOCK"]
+__all__ = ["ShardWriter", "Sample", "BLOCK"]
 
 BLOCK = 512
 Sample = dict[str, Any]  # {"__key__": str, field: bytes}
 
 
 @dataclass
-class ShardInfo:
-    name: str
-    samples: int
-    bytes: int
-    sha256: str
-    idx_sha256: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("name", "samples", "bytes", "sha256", "idx_sha256")}
-
-
-class _HashingFile:
-    """A write-only file wrapper that hashes and counts what passes through it."""
-
-    def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(data)
-        return self.f.write(data)
-
-    def flush(self):
-        self.f.flush()
-
-
-@dataclass
 class _OpenShard:
-    index: int
     path: Path
     tmp: Path
     file: Any
-    hashing: _HashingFile
+    out: HashingWriter
     entries: list[IndexEntry] = field(default_factory=list)
     pos: int = 0  # logical end of the tar so far (header + padded data of each member)
 
@@ -70,8 +44,12 @@ class _OpenShard:
 class ShardWriter:
     """Write samples into ``DEST/shards/NAME-NNNNNN.tar`` and publish ``DEST/manifest.json`` on close.
 
+    ``with ShardWriter(dest) as writer: ...; writer.close(...)``: leaving the block by an exception
+    aborts (drops the shard being written, publishes no manifest); leaving it normally closes the
+    writer if :meth:`close` has not been called.
+
     Args:
-        dest: output directory (must exist).
+        dest: output directory (created if missing).
         name: shard name prefix.
         max_bytes: start a new shard before one would exceed this size (a single larger sample
             still gets a shard of its own).
@@ -85,21 +63,32 @@ class ShardWriter:
         if max_samples is not None and max_samples <= 0:
             raise ValueError(f"max_samples must be positive, got {max_samples}")
         if not is_plain_name(name):
-            raise ValueError(f"shard name must be letters, digits, '_' or '-', got {name!r}")
+            raise ValueError(f"name must be letters, digits, '_' or '-', got {name!r}")
         self.dest = Path(dest)
         self.name, self.max_bytes, self.max_samples = name, max_bytes, max_samples
-        self.shards: list[ShardInfo] = []
+        self.shards: list[ShardRecord] = []
         self.fields: set[str] = set()
-        self.total_bytes_in = 0
+        self.manifest: dict[str, Any] | None = None
         self._keys: set[str] = set()
         self._open: _OpenShard | None = None
         (self.dest / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self.manifest is None:
+            self.close()
 
     @property
     def total_samples(self) -> int:
         return sum(s.samples for s in self.shards) + (len(self._open.entries) if self._open else 0)
 
     def write(self, sample: Sample) -> None:
+        if self.manifest is not None:
+            raise ValueError(f"{self.dest}: the shard writer is closed")
         key = sample.get("__key__")
         if not is_key(key):
             raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see fastio.wds.sanitize_key)")
@@ -126,64 +115,52 @@ class ShardWriter:
         for ext, value in members:
             offsets.append((ext, shard.pos + BLOCK, len(value)))
             shard.pos += BLOCK + _padded(len(value))
-        out = shard.hashing
         for ext, value in members:
-            out.write(_member_header(member_name(key, ext), len(value)))
-            out.write(value)
-            out.write(bytes(_padded(len(value)) - len(value)))
+            shard.out.write(_member_header(member_name(key, ext), len(value)))
+            shard.out.write(value)
+            shard.out.write(bytes(_padded(len(value)) - len(value)))
         shard.entries.append(IndexEntry(key=key, members=tuple(offsets)))
         self._keys.add(key)
         self.fields.update(ext for ext, _ in members)
-        self.total_bytes_in += sum(len(v) for _, v in members)
 
     def close(self, **manifest_fields: Any) -> dict[str, Any]:
         """Publish the last shard, then the manifest (with ``manifest_fields`` added); return it."""
+        if self.manifest is not None:
+            raise ValueError(f"{self.dest}: the shard writer is already closed")
         if self._open is not None:
             self._finish()
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "fastio_version": __version__,
-            "name": self.name,
-            "shards": [s.as_dict() for s in self.shards],
-            "total_samples": self.total_samples,
-            "total_bytes": sum(s.bytes for s in self.shards),
-            "fields": sorted(self.fields),
-            **manifest_fields,
-        }
+        manifest = make_manifest(name=self.name, shards=self.shards, fields=sorted(self.fields), **manifest_fields)
         write_manifest(self.dest, manifest)
+        self.manifest = manifest
         return manifest
 
     def abort(self) -> None:
-        """Drop the shard being written (its temporary file is removed)."""
+        """Drop the shard being written (its temporary file is removed); shards already published stay."""
         if self._open is not None:
             self._open.file.close()
             self._open.tmp.unlink(missing_ok=True)
             self._open = None
 
     def _start(self) -> None:
-        index = len(self.shards)
-        path = self.dest / SHARDS_DIR / f"{self.name}-{index:06d}.tar"
+        path = self.dest / SHARDS_DIR / f"{self.name}-{len(self.shards):06d}.tar"
         tmp = tmp_path_for(path)
-        f = open(tmp, "wb")
-        hashing = _HashingFile(f)
-        self._open = _OpenShard(index=index, path=path, tmp=tmp, file=f, hashing=hashing)
+        f = open(tmp, "wb")  # noqa: SIM115 (closed by _finish or abort)
+        self._open = _OpenShard(path=path, tmp=tmp, file=f, out=HashingWriter(f))
 
     def _finish(self) -> None:
         shard, self._open = self._open, None
         end = _tar_size(shard.pos)
-        shard.hashing.write(bytes(end - shard.pos))  # the two closing zero blocks and the record padding
-        assert shard.hashing.size == end, (shard.path, shard.hashing.size, end)
+        shard.out.write(bytes(end - shard.pos))  # the two closing zero blocks and the record padding
+        assert shard.out.size == end, (shard.path, shard.out.size, end)
         shard.file.flush()
         os.fsync(shard.file.fileno())
         shard.file.close()
         idx_text = format_index(shard.entries).encode()
         publish(shard.tmp, shard.path)
-        atomic_write_bytes(shard.path.with_suffix(".idx"), idx_text)
-        self.shards.append(ShardInfo(
-            name=shard.path.name, samples=len(shard.entries), bytes=shard.hashing.size,
-            sha256=shard.hashing.sha.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest(),
-        ))
+        record = ShardRecord(name=shard.path.name, samples=len(shard.entries), bytes=shard.out.size,
+                             sha256=shard.out.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest())
+        atomic_write_bytes(self.dest / SHARDS_DIR / record.idx_name, idx_text)
+        self.shards.append(record)
 
 
 def _padded(n: int) -> int:

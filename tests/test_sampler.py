@@ -1,12 +1,11 @@
-"""The global order: a pure function, the shape of each shuffle mode, rank slices, argument checks, order quality."""
+"""The global order: a pure function, the shape of each shuffle mode, rank slices, argument checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fastio.dataset import Dataset
-from fastio.sampler import Sampler, SamplerSpec, epoch_order, order_quality
+from fastio.sampler import Sampler, SamplerSpec, epoch_order
 
 SIZES = [16, 16, 16, 10]
 
@@ -92,21 +91,6 @@ def test_sampler_order_is_epoch_order_and_plans_carry_their_epoch():
     for epoch in (0, 5):
         assert np.array_equal(sampler.order(epoch), epoch_order(SIZES, 3, epoch, "fp", "block", 2))
         assert sampler.plan(epoch, 8).epoch == epoch
-
-
-def test_order_quality_global_is_near_ideal_and_none_is_not():
-    labels = np.repeat(np.arange(8), 100)  # stored sorted by class, like an image folder
-    sizes = [100] * 8
-    g = order_quality((sizes, labels), seed=0, mode="global", batch_size=32)
-    n = order_quality((sizes, labels), seed=0, mode="none", batch_size=32)
-    assert g["class_mixing_ratio"] > 0.95
-    assert n["class_mixing_ratio"] < 0.3 and n["mean_displacement"] == 0.0
-    assert abs(g["mean_displacement"] - g["mean_displacement_ideal"]) < 0.05
-
-
-def test_order_quality_reads_labels_from_a_dataset(image_dataset):
-    q = order_quality(Dataset(image_dataset), seed=0, mode="global", batch_size=8)
-    assert q["samples"] == 48 and q["classes"] == 4 and q["class_mixing"] > 2
 
 
 def test_partial_remainder_splits_the_last_batch_evenly():

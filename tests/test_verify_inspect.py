@@ -1,19 +1,23 @@
-"""`fastio verify` finds each kind of damage, naming shard and key; `fastio inspect` describes a dataset."""
+"""`fastio verify` finds each kind of damage, naming shard and key; `fastio inspect` describes a dataset;
+a manifest or split list that breaks the schema is one line naming the file and field, from every entry point."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_image_dataset
 from PIL import Image
 
 from fastio.cli import main
 from fastio.convert import ConvertConfig, convert
+from fastio.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.manifest import MANIFEST_NAME
-from fastio.verify import inspect, verify
+from fastio.inspect import inspect, order_quality
+from fastio.manifest import MANIFEST_NAME, SPLITS_NAME
+from fastio.verify import verify
 
 
 def cli(args: list[str]) -> int:
@@ -149,3 +153,119 @@ def test_inspect_order_rates_each_shuffle_mode(image_dataset, capsys):
     assert order["global"]["class_mixing_ratio"] > 0.8
     assert main(["inspect", str(image_dataset), "--order", "--batch-size", "8"]) == 0
     assert "order:    global batch 8" in capsys.readouterr().out
+
+
+def test_inspect_order_on_a_split_dest(tmp_path, image_folder, capsys):
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25"))
+    assert main(["inspect", str(dest), "--order", "--batch-size", "8", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for name, samples in (("train", 36), ("val", 12)):
+        order = {q["mode"]: q for q in info["splits"][name]["order"]}
+        assert set(order) == {"global", "block", "none"}
+        assert {q["samples"] for q in order.values()} == {samples} and order["none"]["mean_displacement"] == 0.0
+        # the same statistics as for that split opened on its own
+        assert info["splits"][name]["order"] == inspect(dest / name, order=True, batch_size=8)["order"]
+    assert main(["inspect", str(dest), "--order", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("order:    global batch 8") == 2 and out.index("[val]") < out.rindex("order:    none")
+
+
+def test_order_quality_global_is_near_ideal_and_none_is_not():
+    labels = np.repeat(np.arange(8), 100)  # stored sorted by class, like an image folder
+    sizes = [100] * 8
+    g = order_quality(sizes, labels, seed=0, mode="global", batch_size=32)
+    n = order_quality(sizes, labels, seed=0, mode="none", batch_size=32)
+    assert g["class_mixing_ratio"] > 0.95
+    assert n["class_mixing_ratio"] < 0.3 and n["mean_displacement"] == 0.0
+    assert abs(g["mean_displacement"] - g["mean_displacement_ideal"]) < 0.05
+    with pytest.raises(ValueError, match="labels has 799 entries"):
+        order_quality(sizes, labels[:-1])
+
+
+def test_inspect_order_uses_the_dataset_labels_and_fingerprint(image_dataset):
+    ds = Dataset(image_dataset)
+    labels = np.array([int(k.split("/")[0] == "hstripes") + 2 * int(k.split("/")[0] == "square")
+                       + 3 * int(k.split("/")[0] == "vstripes") for k in ds.table.keys])
+    want = order_quality([s.samples for s in ds.shards], labels, seed=3, epoch=1, mode="global", batch_size=8,
+                         fingerprint=ds.fingerprint)
+    got = {q["mode"]: q for q in inspect(image_dataset, order=True, seed=3, epoch=1, batch_size=8)["order"]}
+    assert got["global"] == want and want["classes"] == 4 and want["class_mixing"] > 2
+
+
+def test_inspect_order_needs_labels(tmp_path):
+    from fastio.shards import ShardWriter
+
+    with ShardWriter(tmp_path / "d") as writer:
+        writer.write({"__key__": "a", "txt": b"x"})
+    with pytest.raises(DatasetError, match="no label field; order quality needs labels"):
+        inspect(tmp_path / "d", order=True)
+    assert main(["inspect", str(tmp_path / "d"), "--order"]) == 2
+
+
+def _edit(path: Path, change) -> None:
+    """Apply ``change`` to the JSON in ``path``; a value it returns replaces the whole document."""
+    data = json.loads(path.read_text())
+    replaced = change(data)
+    path.write_text(json.dumps(data if replaced is None else replaced))
+
+
+# (what the manifest gets, what the one error line must say)
+BAD_MANIFESTS = {
+    "samples is text": (lambda m: m["shards"][0].update(samples="16"), "shards[0].samples: '16' is not an integer"),
+    "shards is a number": (lambda m: m.update(shards=5), "shards: is int 5, not a list"),
+    "fields is null": (lambda m: m.update(fields=None), "fields: null is not a list of field names"),
+    "negative count": (lambda m: m["shards"][1].update(samples=-1), "shards[1].samples: -1 is negative"),
+    "total is text": (lambda m: m.update(total_samples="48"), "total_samples: '48' is not an integer"),
+    "bytes is float": (lambda m: m["shards"][2].update(bytes=1.5), "shards[2].bytes: 1.5 is not an integer"),
+    "sha256 not hex": (lambda m: m["shards"][0].update(sha256="xyz"), "shards[0].sha256: 'xyz' is not a hex sha256"),
+    "idx_sha256 null": (lambda m: m["shards"][0].update(idx_sha256=None), "shards[0].idx_sha256: None is not a hex"),
+    "name with slash": (lambda m: m["shards"][0].update(name="../x.tar"), "shards[0].name: '../x.tar' is not a shard"),
+    "name with dir": (lambda m: m["shards"][0].update(name="a/b.tar"), "shards[0].name: 'a/b.tar' is not a shard"),
+    "shard is a list": (lambda m: m["shards"].__setitem__(0, [1]), "shards[0]: is list [1], not an object"),
+    "shard lacks key": (lambda m: m["shards"][0].pop("sha256") and None, "shards[0] lacks sha256"),
+    "duplicate shard": (lambda m: m["shards"].__setitem__(1, dict(m["shards"][0])), "shard-000000.tar is listed twice"),
+    "version is true": (lambda m: m.update(format_version=True), "format_version True"),
+    "label_map values": (lambda m: m.update(label_map={"a": "0"}), "label_map: {'a': '0'} is not an object"),
+    "image_field list": (lambda m: m.update(image_field=["jpg"]), "image_field: ['jpg'] is not text"),
+    "skipped entries": (lambda m: m.update(skipped=[1]), "skipped: [1] is not a list of {path, reason}"),
+    "no shards": (lambda m: m.pop("shards") and None, "manifest lacks field 'shards'"),
+    "top level list": (lambda m: [m], "not a fastio manifest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
+def test_bad_manifest_is_one_line_from_every_entry_point(case, image_dataset, capsys):
+    change, needle = BAD_MANIFESTS[case]
+    path = image_dataset / MANIFEST_NAME
+    _edit(path, change)
+    with pytest.raises(DatasetError) as err:
+        Dataset(image_dataset)
+    assert str(err.value).startswith(f"{path}: ") and needle in str(err.value)
+    for command in (["verify"], ["inspect"], ["inspect", "--order"]):
+        assert cli([*command, str(image_dataset)]) == 2
+        out, errs = capsys.readouterr()
+        assert out == "" and lines(errs) == [f"fastio: error: {err.value}"], (command, errs)
+
+
+BAD_SPLITS = {
+    "splits is a list": (lambda s: s.update(splits=["train"]), "splits: is list ['train']"),
+    "a string": (lambda s: "{", "not a fastio split list"),
+    "name escapes": (lambda s: s["splits"].update({"../x": s["splits"]["val"]}), "'../x' is not a split name"),
+    "samples is text": (lambda s: s["splits"]["val"].update(samples="12"), "splits.val.samples: '12' is not an integer"),
+    "bad fingerprint": (lambda s: s["splits"]["val"].update(fingerprint=7), "splits.val.fingerprint: 7 is not 16 hex"),
+    "wrong format": (lambda s: s.update(format="other"), "not a fastio split list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SPLITS))
+def test_bad_split_list_is_one_line(case, tmp_path, image_folder, capsys):
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25"))
+    change, needle = BAD_SPLITS[case]
+    _edit(dest / SPLITS_NAME, change)
+    for command in ("verify", "inspect"):
+        assert cli([command, str(dest)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(lines(err)) == 1 and err.startswith(f"fastio: error: {dest / SPLITS_NAME}: ")
+        assert needle in err, err

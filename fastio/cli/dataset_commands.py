@@ -6,6 +6,7 @@ Heavy modules are imported inside the commands so that ``fastio --help`` stays i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,20 @@ from fastio.cli import cli
 from fastio.errors import ConvertError, FastioError
 
 __all__ = ["convert", "inspect", "verify"]
+
+
+def _in_flags(text: str, *, leading: bool = False) -> str:
+    """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
+    ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
+    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``."""
+    ctx = click.get_current_context()
+    flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
+             for opt in p.opts if opt.startswith("--")}
+    names = "|".join(sorted(flags, key=len, reverse=True))
+    if leading:
+        text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
+    return re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
+                  lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
 
 
 @cli.command()
@@ -61,8 +76,11 @@ def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samp
             progress=progress_wanted(quiet), **kwargs,
         )
     except ValueError as err:
-        raise ConvertError(str(err)) from None
-    result = run_convert(config)
+        raise ConvertError(_in_flags(str(err), leading=True)) from None
+    try:
+        result = run_convert(config)
+    except ConvertError as err:
+        raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
         click.echo(result.summary())
 
@@ -101,20 +119,13 @@ def verify(dest: Path, decode: bool, quiet: bool) -> None:
 def inspect(dest: Path, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
             batch_size: int) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
-    --order, how well each shuffle mode of the Loader mixes the data)."""
-    from fastio.verify import inspect as run_inspect
+    --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split."""
+    from fastio.inspect import inspect as run_inspect
 
     try:
-        info = run_inspect(dest, max_images=max_images)
-        if order:
-            from fastio.dataset import Dataset
-            from fastio.sampler import SHUFFLE_MODES, order_quality
-
-            ds = Dataset(dest)
-            info["order"] = [order_quality(ds, seed=seed, epoch=epoch, mode=mode,
-                                           batch_size=min(batch_size, len(ds))) for mode in SHUFFLE_MODES]
+        info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size)
     except ValueError as err:
-        raise FastioError(str(err)) from None
+        raise FastioError(_in_flags(str(err), leading=True)) from None
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
@@ -124,10 +135,6 @@ def inspect(dest: Path, as_json: bool, max_images: int, order: bool, seed: int, 
             _print_info(sub)
     else:
         _print_info(info)
-    for q in info.get("order", []):
-        click.echo(f"order:    {q['mode']:<6} batch {q['batch_size']}: classes per batch {q['class_mixing']:.2f}"
-                   f" (uniform {q['class_mixing_ideal']:.2f}, ratio {q['class_mixing_ratio']:.2f}),"
-                   f" mean displacement {q['mean_displacement']:.3f} (uniform {q['mean_displacement_ideal']:.3f})")
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -152,4 +159,8 @@ def _print_info(info: dict[str, Any]) -> None:
         click.echo(f"  width   min {w['min']}  median {w['median']}  mean {w['mean']}  max {w['max']}")
         click.echo(f"  height  min {h['min']}  median {h['median']}  mean {h['mean']}  max {h['max']}")
         click.echo(f"  bytes   min {b['min']}  median {b['median']}  mean {b['mean']}  max {b['max']}")
+    for q in info.get("order", []):
+        click.echo(f"order:    {q['mode']:<6} batch {q['batch_size']}: classes per batch {q['class_mixing']:.2f}"
+                   f" (uniform {q['class_mixing_ideal']:.2f}, ratio {q['class_mixing_ratio']:.2f}),"
+                   f" mean displacement {q['mean_displacement']:.3f} (uniform {q['mean_displacement_ideal']:.3f})")
 

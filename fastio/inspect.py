@@ -1,0 +1,175 @@
+"""Describe a converted dataset (:func:`inspect`): counts, fields, classes, image sizes and, on request,
+how well each shuffle mode of the Loader mixes it (:func:`order_quality`).
+
+Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.json``), in which case
+each split is described. Sample bytes (labels, image headers) are read through
+:class:`fastio.reader.Reader`; the order itself comes from the pure :func:`fastio.sampler.epoch_order`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from struct import error as struct_error
+from typing import Any
+
+import numpy as np
+
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError
+from fastio.images import image_size
+from fastio.manifest import split_names
+from fastio.reader import Reader
+from fastio.sampler import SHUFFLE_MODES, epoch_order
+
+__all__ = ["inspect", "order_quality"]
+
+_READ_BATCH = 256  # samples per Reader call while probing images (bounds the bytes held at once)
+
+
+def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, seed: int = 0, epoch: int = 0,
+            batch_size: int = 256, block_shards: int = 4) -> dict[str, Any]:
+    """Samples, shards, bytes, fields (with how many samples have each), classes with counts and image
+    size statistics (headers of at most ``max_images`` evenly spaced images).
+
+    With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
+    ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
+    (capped at the dataset size). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
+    JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
+    """
+    if max_images < 0:
+        raise ValueError(f"max_images must be 0 or more, got {max_images}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    options = {"max_images": max_images, "order": order, "seed": seed, "epoch": epoch, "batch_size": batch_size,
+               "block_shards": block_shards}
+    dest = Path(dest)
+    splits = split_names(dest)
+    if splits is None:
+        return _inspect_one(dest, **options)
+    return {"path": str(dest), "splits": {name: _inspect_one(dest / name, **options) for name in splits}}
+
+
+def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int = 0, epoch: int = 0,
+                  mode: str = "global", batch_size: int = 256, block_shards: int = 4,
+                  fingerprint: str = "external") -> dict[str, Any]:
+    """How well the epoch order of ``mode`` mixes a dataset whose samples have ``labels`` (in manifest order).
+
+    ``shard_sizes``, ``seed``, ``epoch``, ``block_shards`` and ``fingerprint`` (the dataset's, for the
+    order a Loader really delivers) determine the order as :func:`fastio.sampler.epoch_order` does.
+
+    Returns ``{"mode", "samples", "batch_size", "classes", "class_mixing", "class_mixing_ideal",
+    "class_mixing_ratio", "mean_displacement", "mean_displacement_ideal"}``: class mixing is the mean
+    number of distinct classes per batch (ideal: expected under a uniform random permutation); mean
+    displacement is the mean ``|position - stored index| / N`` (about 1/3 for a uniform permutation).
+    """
+    labels = np.asarray(labels)
+    order = epoch_order(list(shard_sizes), seed, epoch, fingerprint, mode, block_shards)
+    n = len(order)
+    if len(labels) != n:
+        raise ValueError(f"labels has {len(labels)} entries, shard sizes add up to {n}")
+    if batch_size < 1 or batch_size > n:
+        raise ValueError(f"batch_size must be in 1..{n}, got {batch_size}")
+    _, lab = np.unique(labels, return_inverse=True)
+    lab = lab.reshape(-1)
+    k = int(lab.max()) + 1 if n else 0
+    full = n // batch_size
+    per_batch = lab[order[: full * batch_size]].reshape(full, batch_size)
+    counts = np.zeros((full, k), np.int64)
+    np.add.at(counts, (np.repeat(np.arange(full), batch_size), per_batch.ravel()), 1)
+    mixing = float((counts > 0).sum(1).mean())
+    # Expected distinct classes in a batch drawn without replacement: sum_c 1 - C(N-n_c, B)/C(N, B).
+    freq = np.bincount(lab, minlength=k)
+    ideal = 0.0
+    for n_c in freq:
+        ratio = 1.0
+        for j in range(batch_size):
+            ratio *= max(n - n_c - j, 0) / (n - j)
+            if ratio == 0.0:
+                break
+        ideal += 1.0 - ratio
+    displacement = float(np.abs(np.arange(n) - order).mean() / n)
+    return {
+        "mode": mode, "samples": n, "batch_size": batch_size, "classes": k,
+        "class_mixing": mixing, "class_mixing_ideal": ideal,
+        "class_mixing_ratio": mixing / ideal if ideal else 1.0,
+        "mean_displacement": displacement, "mean_displacement_ideal": (n * n - 1) / (3 * n * n),
+    }
+
+
+def _label_value(raw: bytes) -> int | str:
+    text = raw.strip()
+    return int(text) if text.lstrip(b"-").isdigit() else text.decode(errors="replace")
+
+
+def _read(ds: Dataset, field: str, indices: np.ndarray) -> list[bytes]:
+    """``field`` of samples ``indices``, in batches so that image probes hold little in memory."""
+    out: list[bytes] = []
+    with Reader(ds, [field], threads=1) as reader:
+        for start in range(0, len(indices), _READ_BATCH):
+            out.extend(bytes(a) for a in reader.read(indices[start:start + _READ_BATCH])[field])
+    return out
+
+
+def _size_or_none(data: bytes) -> tuple[int, int] | None:
+    try:
+        return image_size(data)
+    except (ValueError, IndexError, struct_error):
+        return None
+
+
+def _stats(values: list[int]) -> dict[str, float]:
+    return {"min": min(values), "max": max(values), "mean": round(statistics.fmean(values), 1),
+            "median": statistics.median(values)}
+
+
+def _inspect_one(root: Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
+                 block_shards: int) -> dict[str, Any]:
+    ds = Dataset(root)
+    table = ds.table
+    n = len(ds)
+    info: dict[str, Any] = {
+        "path": str(root), "samples": n, "shards": len(ds.shards), "bytes": sum(s.bytes for s in ds.shards),
+        "fingerprint": ds.fingerprint, "source": ds.manifest.get("source"),
+        "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
+        "image_field": ds.image_field, "label_field": ds.label_field,
+        "skipped": len(ds.manifest.get("skipped") or []),
+    }
+    label, values = ds.label_field, None
+    if label in table.offsets:
+        have = np.flatnonzero(table.sizes[label] >= 0)
+        values = [_label_value(raw) for raw in _read(ds, label, have)]
+        names = {v: k for k, v in (ds.label_map or {}).items()}
+        counts: dict[int | str, int] = {}
+        for value in values:
+            counts[value] = counts.get(value, 0) + 1
+        classes = set(counts) | set(names)  # classes of the label map that no sample has count 0
+        info["classes"] = [{"label": k, "name": names.get(k), "count": counts.get(k, 0)}
+                           for k in sorted(classes, key=lambda v: (isinstance(v, str), v))]
+        if len(have) < n:
+            values = None  # not every sample has a label: no order statistics
+    image = ds.image_field
+    if image in table.offsets:
+        have = np.flatnonzero(table.sizes[image] >= 0)
+        step = max(1, len(have) // max_images) if max_images > 0 else len(have) + 1
+        probe = have[::step][:max_images]
+        sizes = [s for s in (_size_or_none(data) for data in _read(ds, image, probe)) if s is not None]
+        info["image_sizes"] = {
+            "field": image, "probed": len(probe), "unreadable": len(probe) - len(sizes),
+            "width": _stats([w for w, _ in sizes]) if sizes else None,
+            "height": _stats([h for _, h in sizes]) if sizes else None,
+            "bytes": _stats(table.sizes[image][have].tolist()) if len(have) else None,
+        }
+    if order:
+        if label is None:
+            raise DatasetError(f"{root}: dataset has no label field; order quality needs labels")
+        if values is None:
+            why = "is missing on some samples" if label in table.offsets else "is not among the fields"
+            raise DatasetError(f"{root}: order quality needs a label on every sample; label field {label!r} {why}")
+        labels = np.array(values if all(isinstance(v, int) for v in values) else [str(v) for v in values])
+        sizes_per_shard = [s.samples for s in ds.shards]
+        info["order"] = [order_quality(sizes_per_shard, labels, seed=seed, epoch=epoch, mode=mode,
+                                       batch_size=min(batch_size, n), block_shards=block_shards,
+                                       fingerprint=ds.fingerprint) for mode in SHUFFLE_MODES]
+    return info
