@@ -21,29 +21,12 @@ from typing import Any
 import numpy as np
 
 from bench.common import interleaved, machine_info, median_ratio, write_results
+from fastio.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
 
 CLASSES = ("class_a", "class_b", "class_c", "class_d")
 TARGET = 1.7
-
-
-def _photo(rng: np.random.Generator, width: int, height: int) -> bytes:
-    """A photo-like JPEG (smooth colour fields, a few shapes, sensor noise), quality 90."""
-    from PIL import Image, ImageDraw
-
-    coarse = rng.integers(0, 256, size=(max(2, height // 48), max(2, width // 48), 3), dtype=np.uint8)
-    img = Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
-    draw = ImageDraw.Draw(img)
-    for _ in range(6):
-        x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(0, height - 8))
-        x1, y1 = x0 + int(rng.integers(8, width // 2)), y0 + int(rng.integers(8, height // 2))
-        color = tuple(int(c) for c in rng.integers(0, 256, size=3))
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=color)
-    pixels = np.asarray(img, dtype=np.int16) + rng.integers(-10, 11, size=(height, width, 3), dtype=np.int16)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
 
 
 def make_photos(dest: Path, count: int = 1500, seed: int = 0) -> Path:
@@ -59,7 +42,7 @@ def make_photos(dest: Path, count: int = 1500, seed: int = 0) -> Path:
         folder = dest / CLASSES[i % len(CLASSES)]
         folder.mkdir(parents=True, exist_ok=True)
         width, height = int(rng.integers(400, 641)), int(rng.integers(300, 481))
-        (folder / f"{i:06d}.jpg").write_bytes(_photo(rng, width, height))
+        (folder / f"{i:06d}.jpg").write_bytes(photo_jpeg(rng, width, height))
     done.write_text(stamp)
     return dest
 

@@ -44,23 +44,10 @@ MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
 
 
-def _photo_like(rng: np.random.Generator, w: int, h: int) -> bytes:
-    """A JPEG with photo-like statistics: smooth colour fields, edges and mild sensor noise."""
-    small = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
-    img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
-    yy, xx = np.mgrid[0:h, 0:w]
-    for _ in range(4):
-        cy, cx, r = rng.uniform(0, h), rng.uniform(0, w), rng.uniform(0.05, 0.3) * min(w, h)
-        img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.integers(0, 256, 3)
-    img += rng.normal(0, 6, size=img.shape).astype(np.int16)
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
 def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
     """``workdir/shards-N-S`` (a fastio dataset) with ``samples`` JPEGs in ``shards`` shards; reused if there."""
     from fastio.shards import ShardWriter
+    from fastio.synthetic import photo_jpeg
 
     dest = Path(workdir) / f"shards-{samples}-{shards}"
     if (dest / "manifest.json").is_file():
@@ -69,7 +56,7 @@ def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
     writer = ShardWriter(dest, name="bench", max_samples=-(-samples // shards))
     for i in range(samples):
         w, h = int(rng.integers(400, 641)), int(rng.integers(300, 481))
-        writer.write({"__key__": f"img{i:06d}", "jpg": _photo_like(rng, w, h), "cls": str(i % 10).encode()})
+        writer.write({"__key__": f"img{i:06d}", "jpg": photo_jpeg(rng, w, h), "cls": str(i % 10).encode()})
     writer.close(image_field="jpg", label_field="cls")
     return dest
 

@@ -1,4 +1,5 @@
-"""Small, deterministic synthetic datasets that fastio generates itself (demo, tests, benchmarks)."""
+"""Small, deterministic synthetic images and datasets that fastio generates itself: the one generator
+the demo, the tests and the benchmarks share (same arguments and seed, same bytes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["CLASS_NAMES", "synthetic_image", "make_imagefolder"]
+__all__ = ["CLASS_NAMES", "make_imagefolder", "photo_jpeg", "synthetic_image"]
 
 CLASS_NAMES = ("circle", "hstripes", "square", "vstripes")
 
@@ -32,6 +33,25 @@ def synthetic_image(label: int, rng: np.random.Generator, width: int, height: in
         mask = (xx // (period // 2)) % 2 == 0
     img[mask] = color
     return img
+
+
+def photo_jpeg(rng: np.random.Generator, width: int, height: int, quality: int = 90) -> bytes:
+    """A photo-like JPEG (smooth colour fields, a few shapes, sensor noise): decodes like a real photo
+    of that size, which the shape images of :func:`synthetic_image` do not (benchmarks use this)."""
+    from PIL import ImageDraw
+
+    coarse = rng.integers(0, 256, size=(max(2, height // 48), max(2, width // 48), 3), dtype=np.uint8)
+    img = Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(img)
+    for _ in range(6):
+        x0, y0 = int(rng.integers(0, width - 8)), int(rng.integers(0, height - 8))
+        x1, y1 = x0 + int(rng.integers(8, width // 2)), y0 + int(rng.integers(8, height // 2))
+        color = tuple(int(c) for c in rng.integers(0, 256, size=3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=color)
+    pixels = np.asarray(img, dtype=np.int16) + rng.integers(-10, 11, size=(height, width, 3), dtype=np.int16)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=quality)
+    return buf.getvalue()
 
 
 def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32, min_side: int = 48,

@@ -30,14 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 def write_image_dataset(dest: Path, src: Path, *, max_samples: int = 16) -> Path:
     """Pack an image folder into a fastio dataset with the shard writer (no converter involved)."""
-    writer = ShardWriter(dest, max_samples=max_samples)
     classes = sorted(p.name for p in src.iterdir())
-    for path in sorted(src.rglob("*.jpg")):
-        label = classes.index(path.parent.name)
-        writer.write({"__key__": f"{path.parent.name}/{path.stem}", "jpg": path.read_bytes(),
-                      "cls": str(label).encode()})
-    writer.close(image_field="jpg", label_field="cls", label_map={c: i for i, c in enumerate(classes)},
-                 source={"format": "imagefolder", "path": str(src)}, skipped=[])
+    with ShardWriter(dest, max_samples=max_samples) as writer:
+        for path in sorted(src.rglob("*.jpg")):
+            label = classes.index(path.parent.name)
+            writer.write({"__key__": f"{path.parent.name}/{path.stem}", "jpg": path.read_bytes(),
+                          "cls": str(label).encode()})
+        writer.close(image_field="jpg", label_field="cls", label_map={c: i for i, c in enumerate(classes)},
+                     source={"format": "imagefolder", "path": str(src)}, skipped=[])
     return dest
 
 

@@ -76,6 +76,31 @@ def test_nothing_but_hidden_temporaries_before_publish(tmp_path):
     assert list((tmp_path / "ds" / "shards").iterdir()) == []
 
 
+def test_context_manager_aborts_on_error_and_closes_otherwise(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardWriter(tmp_path / "bad", max_samples=2) as writer:
+            for s in _samples(3):
+                writer.write(s)
+            raise RuntimeError("boom")
+    # the first shard was complete and published; the open one is dropped; no manifest
+    assert sorted(p.name for p in (tmp_path / "bad" / "shards").iterdir()) == ["shard-000000.idx", "shard-000000.tar"]
+    assert not (tmp_path / "bad" / MANIFEST_NAME).exists()
+    with ShardWriter(tmp_path / "good", max_samples=2) as writer:
+        for s in _samples(3):
+            writer.write(s)
+    assert len(Dataset(tmp_path / "good")) == 3 and writer.manifest["total_samples"] == 3
+    with pytest.raises(ValueError, match="closed"):
+        writer.write(_samples(4)[3])
+
+
+def test_close_refuses_a_manifest_readers_would_reject(tmp_path):
+    writer = ShardWriter(tmp_path, max_samples=2)
+    writer.write(_samples(1)[0])
+    with pytest.raises(ValueError, match=r"label_map: \{'a': 'x'\} is not an object of class name to integer"):
+        writer.close(label_map={"a": "x"})
+    assert not (tmp_path / MANIFEST_NAME).exists()
+
+
 @pytest.mark.parametrize("sample, words", [
     ({"__key__": "a.b", "x": b"1"}, "not a safe"),
     ({"__key__": "ok", "x": "text"}, "not bytes"),
