@@ -1,0 +1,100 @@
+"""One writer per directory: an advisory lock that a dead holder cannot leave behind.
+
+``DirLock(dir)`` creates ``dir/.fastio-lock`` and takes an exclusive ``flock`` on it for as long as it is
+held. The kernel drops the lock when the holding process ends in any way (exit, exception, SIGKILL), so a
+requeued job never finds a stale lock; the file's content (host, pid, Slurm job, start time) only names the
+holder in the error a second writer gets. The file itself is left in place: deleting it while another process
+waits on it would let two writers in.
+
+Shared file systems: on NFSv4 ``flock`` is carried out as a POSIX byte-range lock by the server, and the
+server releases it when the client's lease expires (about 90 s after a node dies). On Lustre, ``flock``
+works across nodes when the client is mounted with ``-o flock`` (the default on most sites);
+with ``-o localflock`` it only excludes writers on the same node, and with ``-o noflock`` it fails: fastio
+then raises rather than run unlocked.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+__all__ = ["LOCK_NAME", "DirLock", "LockedError", "holder_of"]
+
+LOCK_NAME = ".fastio-lock"
+
+
+class LockedError(Exception):
+    """Another process holds the directory's lock (the message names the directory and the holder)."""
+
+
+def _describe_self(purpose: str) -> dict[str, object]:
+    return {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"), "since": time.time()}
+
+
+def holder_of(directory: str | Path) -> str:
+    """Who holds (or last held) the lock of ``directory``, as one phrase for messages."""
+    try:
+        info = json.loads((Path(directory) / LOCK_NAME).read_text() or "{}")
+    except (OSError, ValueError):
+        return "an unknown process"
+    job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+    return f"{info.get('purpose', 'fastio')} pid {info.get('pid')} on {info.get('host')}{job}, since {since}"
+
+
+class DirLock:
+    """An exclusive, process-lifetime lock on a directory. Use as a context manager or ``acquire``/``release``.
+
+    Args:
+        directory: the directory to guard (created if missing).
+        purpose: what the holder does, shown to a second writer (e.g. ``"fastio convert"``).
+    """
+
+    def __init__(self, directory: str | Path, purpose: str = "fastio"):
+        self.directory, self.purpose = Path(directory), purpose
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> DirLock:
+        """Take the lock or raise :class:`LockedError` at once (never waits)."""
+        if self._fd is not None:
+            return self
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockedError(f"{self.directory}: in use by {holder_of(self.directory)}"
+                                  f" (one writer per directory; {LOCK_NAME} is released when that process ends)") from None
+            raise LockedError(f"{self.directory}: cannot lock {LOCK_NAME} ({err.strerror}); on Lustre mount with "
+                              "-o flock") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_describe_self(self.purpose)).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __enter__(self) -> DirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()

@@ -1,0 +1,35 @@
+"""fastio.lock: one writer per directory, and no stale lock after the holder dies."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fastio.lock import LOCK_NAME, DirLock, LockedError
+
+
+def test_second_holder_is_refused_with_directory_and_holder(tmp_path):
+    with DirLock(tmp_path, "fastio convert"):
+        with pytest.raises(LockedError) as err:
+            DirLock(tmp_path, "other").acquire()
+    msg = str(err.value)
+    assert str(tmp_path) in msg and "fastio convert" in msg and f"pid {os.getpid()}" in msg
+    DirLock(tmp_path).acquire().release()  # free again once released
+
+
+def test_lock_of_a_killed_process_does_not_block(tmp_path):
+    code = ("import sys, time; from fastio.lock import DirLock; DirLock(sys.argv[1], 'job').acquire(); "
+            "print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(LockedError, match="job pid"):
+            DirLock(tmp_path).acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert (tmp_path / LOCK_NAME).exists()  # the file stays; only the flock went with the process
+    with DirLock(tmp_path, "requeued"):
+        pass
