@@ -61,9 +61,11 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
 
     rc, out = run_until(cmd, kill_at, signal.SIGKILL)
     assert rc == -signal.SIGKILL, why + out
-    assert f"step {kill_at + 1} " not in out
-    before = [e.step for e in layout.committed(ckpt)]  # the newest write may not have committed yet
-    assert not before or max(before) <= kill_at, why
+    # The child may print a step or two more before the signal lands (a loaded machine); nothing it had
+    # not reached can be committed, and the newest write may not have committed yet.
+    reached = max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
+    before = [e.step for e in layout.committed(ckpt)]
+    assert not before or max(before) <= reached, why + out
 
     rc, out = run_until(cmd, usr1_at, signal.SIGUSR1)
     assert rc == 0, why + out
