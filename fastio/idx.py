@@ -66,17 +66,20 @@ def parse_index(text: str, source: str = "<index>") -> list[IndexEntry]:
         parts = line.split(" ")
         if not parts or len(parts) % 4:
             raise ValueError(f"{source}:{lineno}: malformed index line")
-        members, key = [], None
+        key, _ = split_member_name(parts[3])
+        members = []
         for i in range(0, len(parts), 4):
             ext, offset, size, name = parts[i : i + 4]
-            member_key, member_ext = split_member_name(name)
-            key = member_key if key is None else key
-            if member_key != key or member_ext != ext:
+            if name != f"{key}.{ext}":
                 raise ValueError(f"{source}:{lineno}: member {name!r} does not match key {key!r} and field {ext!r}")
-            if not (offset.isdigit() and size.isdigit()):
+            try:
+                member = (ext, int(offset), int(size))
+            except ValueError:
+                member = (ext, -1, -1)
+            if member[1] < 0 or member[2] < 0:
                 raise ValueError(f"{source}:{lineno}: member {name!r} has offset {offset[:24]!r} and size "
                                  f"{size[:24]!r}, not two non-negative integers")
-            members.append((ext, int(offset), int(size)))
+            members.append(member)
         entries.append(IndexEntry(key=key, members=tuple(members)))
     return entries
 
@@ -89,18 +92,18 @@ def check_index(entries: list[IndexEntry], *, samples: int, tar_bytes: int, sour
     keys: set[str] = set()
     end = 0  # where the previous member's data ended
     for n, entry in enumerate(entries):
-        if entry.key in keys:
-            raise ValueError(f"{source}: entry {n}: key {entry.key!r} is listed twice")
-        keys.add(entry.key)
-        exts = [ext for ext, _, _ in entry.members]
-        if len(set(exts)) != len(exts):
-            raise ValueError(f"{source}: entry {n} (key {entry.key!r}): a field is listed twice")
-        for ext, offset, size in entry.members:
-            what = f"{source}: entry {n} (key {entry.key!r}) field {ext!r}: offset {offset} size {size}"
-            if offset % _BLOCK or offset < end + _BLOCK:
+        key, members = entry.key, entry.members
+        if key in keys:
+            raise ValueError(f"{source}: entry {n}: key {key!r} is listed twice")
+        keys.add(key)
+        if len(members) > 1 and len({m[0] for m in members}) != len(members):
+            raise ValueError(f"{source}: entry {n} (key {key!r}): a field is listed twice")
+        for ext, offset, size in members:
+            if offset % _BLOCK or offset < end + _BLOCK or offset + size > tar_bytes:
+                what = f"{source}: entry {n} (key {key!r}) field {ext!r}: offset {offset} size {size}"
+                if offset + size > tar_bytes:
+                    raise ValueError(f"{what} reaches past the end of the shard ({tar_bytes} bytes)")
                 raise ValueError(f"{what} is not the start of a member's data after the previous member")
-            if offset + size > tar_bytes:
-                raise ValueError(f"{what} reaches past the end of the shard ({tar_bytes} bytes)")
             end = offset + -(-size // _BLOCK) * _BLOCK
 
 

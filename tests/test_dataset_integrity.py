@@ -79,7 +79,7 @@ def test_tampered_index_names_the_index_file(case, image_dataset):
     make_edit, reason = TAMPERING[case]
     _tamper(image_dataset, make_edit(image_dataset), consistent=True)
     with pytest.raises(DatasetError, match=rf"shards/{IDX}.*{reason}"):
-        Dataset(image_dataset).table
+        _ = Dataset(image_dataset).table
     with pytest.raises(DatasetError, match=rf"shards/{IDX}"):
         list(_loader(image_dataset))
     problems = [p.line() for p in verify(image_dataset).problems]
