@@ -330,14 +330,15 @@ def test_second_convert_into_the_same_dest_is_refused(tmp_path):
     second = make_imagefolder(tmp_path / "second", classes=2, per_class=10, seed=2)
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "fastio.cli", "convert"]
-    a = subprocess.Popen([*cmd, str(first), str(dest), "--workers", "1", "-q", "--max-side", "64"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    a = subprocess.Popen([*cmd, str(first), str(dest), "--workers", "1", "-q", "--max-side", "64",
+                          "--max-samples-per-shard", "10"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while f'"pid": {a.pid}' not in _read(dest / LOCK_NAME):  # the first holds the lock
+        while not (dest / "shards" / "shard-000000.tar").exists():  # the first is writing (1 of 24 shards)
             assert a.poll() is None and time.monotonic() < deadline, a.communicate()
             time.sleep(0.002)
         os.kill(a.pid, signal.SIGSTOP)  # keep it mid-run, deterministically
+        assert f'"pid": {a.pid}' in _read(dest / LOCK_NAME) and not (dest / "manifest.json").exists()
         try:
             b = subprocess.run([*cmd, str(second), str(dest), "-q"], capture_output=True, text=True, timeout=120)
             c = subprocess.run([*cmd, str(second), str(dest), "-q", "--overwrite"], capture_output=True, text=True,
