@@ -154,7 +154,7 @@ def walk_files(source: Path) -> tuple[list[Path], list[Skip]]:
     found: list[tuple[bool, str, Path, str]] = []  # (reached through a symlink, relpath, path, real path)
     skipped: list[Skip] = []
 
-    def visit(folder: Path, ancestors: frozenset[str], via_link: bool) -> None:
+    def visit(folder: Path, real_folder: str, ancestors: frozenset[str], via_link: bool) -> None:
         try:
             children = sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as err:
@@ -162,32 +162,35 @@ def walk_files(source: Path) -> tuple[list[Path], list[Skip]]:
             return
         for child in children:
             path = Path(child.path)
-            relpath = rel(path, source)
             if child.name.startswith("."):
-                skipped.append(Skip(relpath, "hidden"))
+                skipped.append(Skip(rel(path, source), "hidden"))
                 continue
-            link = child.is_symlink()
-            real = os.path.realpath(path)
-            if link:
+            if child.is_symlink():  # only links cost a realpath; other entries extend their folder's real path
+                real = os.path.realpath(path)
                 if not os.path.exists(path):
                     why = "symlink loop" if _is_loop(path) else "dangling symlink"
-                    skipped.append(Skip(relpath, f"{why} (-> {os.readlink(path)})", error=True))
+                    skipped.append(Skip(rel(path, source), f"{why} (-> {os.readlink(path)})", error=True))
                     continue
                 if not _inside(real, root):
-                    skipped.append(Skip(relpath, f"symlink points outside the source (to {real})", error=True))
+                    skipped.append(Skip(rel(path, source), f"symlink points outside the source (to {real})",
+                                        error=True))
                     continue
-            if os.path.isdir(path):
-                if real in ancestors:
-                    skipped.append(Skip(relpath, f"symlink loop (-> {os.readlink(path)}, a folder that contains"
-                                        " it)", error=True))
-                    continue
-                visit(path, ancestors | {real}, via_link or link)
-            elif os.path.isfile(path):
-                found.append((via_link or link, relpath, path, real))
+                is_dir, is_file, link = os.path.isdir(path), os.path.isfile(path), True
             else:
-                skipped.append(Skip(relpath, "not a regular file", error=True))
+                real = os.path.join(real_folder, child.name)
+                is_dir, is_file, link = child.is_dir(follow_symlinks=False), child.is_file(follow_symlinks=False), False
+            if is_dir:
+                if real in ancestors:
+                    skipped.append(Skip(rel(path, source), f"symlink loop (-> {os.readlink(path)}, a folder that "
+                                        "contains it)", error=True))
+                    continue
+                visit(path, real, ancestors | {real}, via_link or link)
+            elif is_file:
+                found.append((via_link or link, rel(path, source), path, real))
+            else:
+                skipped.append(Skip(rel(path, source), "not a regular file", error=True))
 
-    visit(source, frozenset({root}), False)
+    visit(source, root, frozenset({root}), False)
     chosen: dict[str, str] = {}
     for _, relpath, _, real in sorted(found):  # paths without symlinks first (False < True), then by path
         chosen.setdefault(real, relpath)
