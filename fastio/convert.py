@@ -409,7 +409,7 @@ def _lock(lock: DirLock, dest: Path) -> None:
     try:
         lock.acquire()
     except LockedError as err:
-        raise ConvertError(f"{err} (another conversion into this DEST is running)") from None
+        raise ConvertError(str(err)) from None  # names DEST and the holder
     except OSError as err:  # DEST cannot be created
         raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
 

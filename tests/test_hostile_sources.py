@@ -377,3 +377,12 @@ def test_lock_file_does_not_make_dest_foreign(tmp_path, image_folder):
     (dest / LOCK_NAME).write_text("{}")
     convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
     assert sorted(p.name for p in dest.iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json", "shards"]
+
+
+def test_inputs_that_are_not_samples_do_not_fail_a_strict_run(tmp_path, image_folder):
+    """on_error="fail" stops on rejected samples only: a README beside the classes or a hidden file is listed."""
+    (image_folder / "README.txt").write_text("about this dataset")
+    (image_folder / "circle" / ".DS_Store").write_bytes(b"\0")
+    result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "out", on_error="fail", workers=1))
+    assert result.samples == 48
+    assert skipped_of(tmp_path / "out") == {"README.txt": "not inside a class folder", "circle/.DS_Store": "hidden"}
