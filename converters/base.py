@@ -7,7 +7,9 @@ worker processes read. Converters never read image files, write tars, hash or kn
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -27,6 +29,7 @@ __all__ = [
     "rel",
     "safe_field_name",
     "unique_key",
+    "walk_files",
 ]
 
 
@@ -51,10 +54,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class Skip:
-    """An input left out of the dataset, and why."""
+    """An input left out of the dataset, and why.
+
+    ``error`` marks a rejected sample (a bad label, a path outside the root, a symlink that breaks the
+    policy): ``on_error="fail"`` stops the conversion on it. Without it the input is simply not a sample
+    (a README next to the class folders, a hidden file) and is only listed."""
 
     path: str
     reason: str
+    error: bool = False
 
     def as_dict(self) -> dict[str, str]:
         return {"path": self.path, "reason": self.reason}
@@ -77,11 +85,15 @@ class ScanOptions:
     """Format options a user may give; each converter uses the ones that apply to it."""
 
     path_column: str | None = None
-    """Table column holding file paths relative to the table's folder (default: detected)."""
+    """Table column holding file paths relative to ``root`` (default: detected)."""
     label_column: str | None = None
     """Table column holding the class label (default: ``label`` when present)."""
     key_column: str | None = None
     """Table column holding the sample key (default: derived from the path or the row number)."""
+    root: Path | None = None
+    """Tables: the folder relative paths of the path column start from and every path must resolve into
+    (symlinks followed); a path resolving elsewhere (``../``, ``/etc/...``) is skipped and listed.
+    None: the table's own folder."""
 
 
 def main_image_field(entries: list[Entry]) -> str | None:
@@ -111,3 +123,89 @@ def unique_key(text: str, taken: set[str]) -> str:
 def rel(path: Path, root: Path) -> str:
     """``path`` relative to ``root`` in POSIX form (for keys and messages)."""
     return path.relative_to(root).as_posix()
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_inside(path: Path, root: Path) -> str | None:
+    """Why ``path`` may not be read as part of a source rooted at ``root`` (None when it may): its real
+    path (symlinks followed) must lie inside ``root``'s real path."""
+    real = os.path.realpath(path)
+    if not _inside(real, os.path.realpath(root)):
+        return f"resolves outside {root} (to {real})"
+    return None
+
+
+def walk_files(source: Path) -> tuple[list[Path], list[Skip]]:
+    """The regular files below ``source``, sorted by path, under fastio's symlink policy.
+
+    A symlink (to a file or a folder) is followed when its target lies inside ``source``. A dangling
+    symlink, one whose target lies outside ``source``, a symlinked folder that contains itself (a loop)
+    and anything that is not a regular file (FIFO, socket, device) is skipped and listed as an error. A
+    file reached by two paths (through symlinks) is taken once: by the path without symlinks if there
+    is one, else by the first path in sorted order; the others are skipped and listed as duplicates.
+    Hidden names (``.git``, ``.DS_Store``) are listed, not entered. Paths are returned as found below
+    ``source`` (not resolved), so keys and class names follow the folders a user sees.
+    """
+    source = Path(source)
+    root = os.path.realpath(source)
+    found: list[tuple[bool, str, Path, str]] = []  # (reached through a symlink, relpath, path, real path)
+    skipped: list[Skip] = []
+
+    def visit(folder: Path, real_folder: str, ancestors: frozenset[str], via_link: bool) -> None:
+        try:
+            children = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as err:
+            skipped.append(Skip(rel(folder, source), f"unreadable folder ({err.strerror or err})", error=True))
+            return
+        for child in children:
+            path = Path(child.path)
+            if child.name.startswith("."):
+                skipped.append(Skip(rel(path, source), "hidden"))
+                continue
+            if child.is_symlink():  # only links cost a realpath; other entries extend their folder's real path
+                real = os.path.realpath(path)
+                if not os.path.exists(path):
+                    why = "symlink loop" if _is_loop(path) else "dangling symlink"
+                    skipped.append(Skip(rel(path, source), f"{why} (-> {os.readlink(path)})", error=True))
+                    continue
+                if not _inside(real, root):
+                    skipped.append(Skip(rel(path, source), f"symlink points outside the source (to {real})",
+                                        error=True))
+                    continue
+                is_dir, is_file, link = os.path.isdir(path), os.path.isfile(path), True
+            else:
+                real = os.path.join(real_folder, child.name)
+                is_dir, is_file, link = child.is_dir(follow_symlinks=False), child.is_file(follow_symlinks=False), False
+            if is_dir:
+                if real in ancestors:
+                    skipped.append(Skip(rel(path, source), f"symlink loop (-> {os.readlink(path)}, a folder that "
+                                        "contains it)", error=True))
+                    continue
+                visit(path, real, ancestors | {real}, via_link or link)
+            elif is_file:
+                found.append((via_link or link, rel(path, source), path, real))
+            else:
+                skipped.append(Skip(rel(path, source), "not a regular file", error=True))
+
+    visit(source, root, frozenset({root}), False)
+    chosen: dict[str, str] = {}
+    for _, relpath, _, real in sorted(found):  # paths without symlinks first (False < True), then by path
+        chosen.setdefault(real, relpath)
+    files = []
+    for _, relpath, path, real in sorted(found, key=lambda f: f[1]):
+        if chosen[real] == relpath:
+            files.append(path)
+        else:
+            skipped.append(Skip(relpath, f"same file as {chosen[real]} (reached through a symlink)", error=True))
+    return files, skipped
+
+
+def _is_loop(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False

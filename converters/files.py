@@ -1,14 +1,26 @@
 """Loose files grouped into samples by basename, as WebDataset groups tar members.
 
 ``dir/a.jpg``, ``dir/a.json``, ``dir/a.cls`` -> sample ``dir/a`` with fields ``jpg``, ``json``,
-``cls``: the key is the path up to the first dot of the file name, the field is the rest.
+``cls``: the key is the path up to the first dot of the file name, the field is the rest. When some samples
+have a ``cls`` label, a sample without one is skipped and listed. Folders are walked under the symlink
+policy of :func:`~fastio.converters.base.walk_files`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip, main_image_field, rel, unique_key
+from fastio.converters.base import (
+    Entry,
+    FileRef,
+    ScanOptions,
+    ScanResult,
+    Skip,
+    main_image_field,
+    rel,
+    unique_key,
+    walk_files,
+)
 from fastio.wds import is_field_name, split_member_name
 
 __all__ = ["NAME", "detect", "scan"]
@@ -24,12 +36,9 @@ def detect(source: Path) -> bool:
 def scan(source: Path, options: ScanOptions) -> ScanResult:
     source = Path(source)
     groups: dict[str, dict[str, Path]] = {}
-    skipped: list[Skip] = []
-    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+    files, skipped = walk_files(source)
+    for path in files:
         relpath = rel(path, source)
-        if any(part.startswith(".") for part in Path(relpath).parts):
-            skipped.append(Skip(relpath, "hidden file"))
-            continue
         stem, ext = split_member_name(relpath)
         if not is_field_name(ext):
             skipped.append(Skip(relpath, f"no usable extension to name a field ({ext!r})"))
@@ -37,10 +46,12 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         groups.setdefault(stem, {})[ext] = path  # one file per (stem, ext): no duplicates possible
     entries: list[Entry] = []
     taken: set[str] = set()
-    has_cls = False
+    has_cls = any("cls" in fields for fields in groups.values())
     for stem in sorted(groups):
         fields = groups[stem]
-        has_cls = has_cls or "cls" in fields
+        if has_cls and "cls" not in fields:
+            skipped.append(Skip(stem, "no label (other samples have a .cls file, this one has none)", error=True))
+            continue
         entries.append(Entry(
             key=unique_key(stem, taken),
             fields=tuple((ext, FileRef(str(fields[ext]))) for ext in sorted(fields)),

@@ -1,7 +1,9 @@
 """``SOURCE/<class>/<file>`` (ImageNet layout): label = index of the class in sorted class names.
 
 Keys are ``<class>/<path below the class folder, without suffix>``; images are fields named by type
-(``jpg``, ``png``, ...), the label is ``cls`` (ASCII integer).
+(``jpg``, ``png``, ...; a folder may mix them), the label is ``cls`` (ASCII integer). Folders are walked
+under the symlink policy of :func:`~fastio.converters.base.walk_files`: a class folder that links back to
+SOURCE (or to a folder containing it) is a loop and is skipped, and an image reached twice is packed once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fastio.converters.base import (
     main_image_field,
     rel,
     unique_key,
+    walk_files,
 )
 
 __all__ = ["NAME", "detect", "scan"]
@@ -45,26 +48,29 @@ def detect(source: Path) -> bool:
 
 def scan(source: Path, options: ScanOptions) -> ScanResult:
     source = Path(source)
-    classes = [d.name for d in _visible_dirs(source)]
+    files, skipped = walk_files(source)
+    refused = {s.path for s in skipped}
+    classes = [d.name for d in _visible_dirs(source) if d.name not in refused]
     label_map = {name: i for i, name in enumerate(classes)}
     entries: list[Entry] = []
-    skipped: list[Skip] = []
     taken: set[str] = set()
-    for path in sorted(p for p in source.iterdir() if not p.is_dir()):
-        skipped.append(Skip(rel(path, source), "not inside a class folder"))
-    for name in classes:
-        for path in sorted(p for p in (source / name).rglob("*") if p.is_file()):
-            relpath = rel(path, source)
-            field = image_field_for_suffix(path.suffix)
-            if field is None:
-                skipped.append(Skip(relpath, f"not an image file (suffix {path.suffix or 'none'!r})"))
-                continue
-            key = unique_key(relpath[: len(relpath) - len(path.suffix)], taken)
-            entries.append(Entry(
-                key=key,
-                fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
-                origin=relpath,
-            ))
+    for path in files:
+        relpath = rel(path, source)
+        name = relpath.split("/", 1)[0]
+        if name not in label_map:
+            skipped.append(Skip(relpath, "not inside a class folder"))
+            continue
+        field = image_field_for_suffix(path.suffix)
+        if field is None:
+            skipped.append(Skip(relpath, f"not an image file (suffix {path.suffix or 'none'!r})"))
+            continue
+        key = unique_key(relpath[: len(relpath) - len(path.suffix)], taken)
+        entries.append(Entry(
+            key=key,
+            fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
+            origin=relpath,
+        ))
+    skipped.sort(key=lambda s: s.path)
     return ScanResult(
         entries=entries,
         description={"format": NAME, "path": str(source.resolve()), "options": {}},

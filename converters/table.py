@@ -1,9 +1,16 @@
-"""CSV / TSV / JSONL tables: a path column (relative to the table's folder) plus any other columns.
+"""CSV / TSV / JSONL tables: a path column (relative to the root: the table's folder unless given) plus any
+other columns.
 
 The file named by the path column becomes a field named by its type (``jpg``, ``png``, or its
 suffix); the label column becomes ``cls`` (an ASCII integer: the value itself when every label is
 an integer, else its index among the sorted label names, recorded as the label map); every other
 column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
+
+Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path resolves
+outside the root (``ScanOptions.root``, default the table's folder; symlinks followed, so ``../x``,
+``/etc/passwd`` and a link pointing out are all refused), when their label cell is empty while the
+table has a label column, or when an integer label is negative or does not fit int64
+(:mod:`fastio.labels`).
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ from fastio.converters.base import (
     FileRef,
     ScanOptions,
     ScanResult,
+    Skip,
     image_field_for_suffix,
     main_image_field,
+    resolve_inside,
     safe_field_name,
     unique_key,
 )
 from fastio.errors import ConvertError
+from fastio.labels import check_label
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 
@@ -126,6 +136,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lstrip("-").isdigit()
 
 
+def _label_cell(value: Any) -> Any:
+    """A label cell with surrounding blanks removed; ``""`` for an empty one (None, blank text)."""
+    if value is None:
+        return ""
+    return value.strip() if isinstance(value, str) else value
+
+
 def _text(value: Any) -> bytes:
     return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
 
@@ -143,6 +160,7 @@ def rows_to_result(
     """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name."""
     bytes_columns = bytes_columns or {}
     base = source.parent
+    root = Path(options.root) if options.root is not None else base
     path_col = _pick(source, columns, options.path_column, PATH_COLUMNS if require_path else (), "path")
     if require_path and path_col is None:
         raise ConvertError(
@@ -153,26 +171,47 @@ def rows_to_result(
     key_col = _pick(source, columns, options.key_column, KEY_COLUMNS, "key")
     if path_col is not None and path_col in bytes_columns:
         path_col = None
+    labels = [row[label_col] for _, row in rows if label_col and _label_cell(row.get(label_col)) != ""]
+    if label_col is not None and not labels and options.label_column is None:
+        label_col = None  # a column named like a label column but empty throughout: an ordinary text column
     special = {path_col, label_col, key_col, *bytes_columns}
     text_cols = {c: safe_field_name(c) for c in columns if c not in special}
 
-    labels = [row[label_col] for _, row in rows if label_col and row.get(label_col) not in (None, "")]
     label_map = None
     if labels and not all(_is_int(v) for v in labels):
         label_map = {name: i for i, name in enumerate(sorted({str(v) for v in labels}))}
 
     entries: list[Entry] = []
+    skipped: list[Skip] = []
     taken: set[str] = set()
     for index, (lineno, row) in enumerate(rows):
         where = f"{source.name}:{lineno}"
         fields: dict[str, FieldValue] = {}
         origin = where
         stem = None
+        if label_col is not None:
+            cell = _label_cell(row.get(label_col))
+            if cell == "":
+                skipped.append(Skip(where, f"empty label in column {label_col!r}", error=True))
+                continue
+            if label_map is None:
+                try:
+                    cls = check_label(row[label_col])
+                except ValueError as err:
+                    skipped.append(Skip(where, f"column {label_col!r}: {err}", error=True))
+                    continue
+            else:
+                cls = label_map[str(row[label_col])]
+            fields["cls"] = str(cls).encode()
         if path_col is not None:
             value = row.get(path_col)
             if value in (None, "") or not isinstance(value, str):
                 raise ConvertError(f"{where}: path column {path_col!r} is empty or not text ({value!r})")
-            path = Path(value) if os.path.isabs(value) else base / value
+            path = Path(value) if os.path.isabs(value) else root / value
+            outside = resolve_inside(path, root)
+            if outside is not None:
+                skipped.append(Skip(where, f"path column {path_col!r}: {value} {outside}", error=True))
+                continue
             if not path.is_file():
                 raise ConvertError(f"{where}: path column {path_col!r} names a missing file: {value}")
             field = image_field_for_suffix(path.suffix) or safe_field_name(path.suffix.lstrip(".") or "file")
@@ -183,10 +222,6 @@ def rows_to_result(
             value = row.get(col)
             if value is not None:
                 _put(fields, field, bytes(value), where)
-        if label_col is not None and row.get(label_col) not in (None, ""):
-            value = row[label_col]
-            cls = label_map[str(value)] if label_map is not None else int(value)
-            _put(fields, "cls", str(cls).encode(), where)
         for col, field in text_cols.items():
             value = row.get(col)
             if value is not None:
@@ -201,10 +236,13 @@ def rows_to_result(
 
     options_desc = {k: v for k, v in (("path_column", path_col), ("label_column", label_col),
                                        ("key_column", key_col)) if v is not None}
+    if options.root is not None:
+        options_desc["root"] = str(Path(options.root).resolve())
     return ScanResult(
         entries=entries,
         description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
         label_map=label_map,
+        skipped=skipped,
         image_field=main_image_field(entries),
         label_field="cls" if labels else None,
     )

@@ -7,6 +7,16 @@ options and seed give byte-identical shards and manifests whatever the number of
 DEST life cycle: the marker file is written first, shards are published one by one, the manifest
 (or, with ``split``, ``splits.json`` after every split's manifest) is written last. A DEST holding the
 marker but no final file is an interrupted run, which the same command redoes from scratch.
+
+One writer per DEST: a conversion holds DEST's :class:`~fastio.lock.DirLock` (``DEST/.fastio-lock``) from
+before it checks DEST until its last file is published; a second conversion into the same DEST is
+refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder. The kernel drops
+the lock when the holder dies, so a killed run never blocks the next.
+
+Rejected inputs: the scan's refusals (bad labels, paths outside the root, symlinks against the policy,
+see :mod:`fastio.converters`) and samples that fail to load (unreadable, undecodable, over ``max_pixels``,
+a label outside ``0 .. 2**63-1``) are skipped and listed in the manifest, or stop the run with
+``on_error="fail"``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from fastio import converters
 from fastio.atomic import atomic_write_bytes
 from fastio.converters.base import FileRef, ScanOptions
 from fastio.errors import ConvertError
-from fastio.images import ImageCheckError, check_image, downscale, is_image_field
+from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
+from fastio.labels import check_label
+from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
 from fastio.progress import Progress, rate_line
 from fastio.shards import ShardWriter
@@ -130,6 +142,9 @@ class ConvertConfig:
     """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
     quality: int = 90
     """JPEG/WebP quality for re-encoded images (only with ``max_side``)."""
+    max_pixels: int | None = DEFAULT_MAX_PIXELS
+    """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
+    the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -142,6 +157,9 @@ class ConvertConfig:
     """Tables: the column with labels (default: ``label`` when present)."""
     key_column: str | None = None
     """Tables: the column with sample keys (default: derived from the path or row number)."""
+    root: Path | None = None
+    """Tables: the folder relative paths start from and every path must resolve into (default: the
+    table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
     progress: bool = False
     """Draw a progress bar on stderr."""
 
@@ -158,6 +176,10 @@ class ConvertConfig:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_side is not None and self.max_side < 1:
             raise ValueError(f"max_side must be positive, got {self.max_side}")
+        if self.max_pixels is not None and (isinstance(self.max_pixels, bool) or self.max_pixels < 1):
+            raise ValueError(f"max_pixels must be positive (or None for no limit), got {self.max_pixels}")
+        if self.root is not None:
+            self.root = Path(self.root)
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
         if self.on_error not in ON_ERROR:
@@ -169,7 +191,8 @@ class ConvertConfig:
         """The options that shape the output, as recorded in each manifest."""
         return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
-                "quality": self.quality if self.max_side else None, "on_error": self.on_error}
+                "quality": self.quality if self.max_side else None, "on_error": self.on_error,
+                "max_pixels": self.max_pixels}
 
 
 @dataclass
@@ -200,23 +223,25 @@ class ConvertResult:
 
 # -- loading, in worker processes -------------------------------------------------------------------
 
-_LOAD_OPTIONS: tuple[int | None, int] = (None, 90)
+# (max_side, quality, max_pixels, label field): set in each worker by _init_worker.
+_LOAD_OPTIONS: tuple[int | None, int, int | None, str | None] = (None, 90, DEFAULT_MAX_PIXELS, None)
 
 
 _IN_WORKER = False
 
 
-def _init_worker(options: tuple[int | None, int], in_worker: bool = False) -> None:
+def _init_worker(options: tuple[int | None, int, int | None, str | None], in_worker: bool = False) -> None:
     global _LOAD_OPTIONS, _IN_WORKER
     _LOAD_OPTIONS, _IN_WORKER = options, in_worker
 
 
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
-    """Read an entry's file fields, check (and with ``max_side`` re-encode) its images.
+    """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
+    and that they decode (and with ``max_side`` re-encode them).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    max_side, quality = _LOAD_OPTIONS
+    max_side, quality, max_pixels, label_field = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
     for name, value in entry.fields:
@@ -229,12 +254,17 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
             except OSError as err:
                 return None, f"unreadable file ({err.strerror or err})", where
         original = value
+        if name == label_field:
+            try:
+                check_label(value)
+            except ValueError as err:
+                return None, f"field {name!r}: {err}", where
         if is_image_field(name):
             try:
                 if max_side is not None:
-                    value, _ = downscale(value, name.rsplit(".", 1)[-1].lower(), max_side, quality)
+                    value, _ = downscale(value, name.rsplit(".", 1)[-1].lower(), max_side, quality, max_pixels)
                 else:
-                    check_image(value)
+                    check_image(value, max_pixels)
             except ImageCheckError as err:
                 return None, str(err), where
         # In a worker, a file's bytes that stay as they are go back as the FileRef: the writer reads
@@ -277,7 +307,7 @@ def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
     src, dst = source.resolve(), dest.resolve()
     if src == dst or src in dst.parents or dst in src.parents:
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
-    if dest.is_dir() and any(dest.iterdir()):
+    if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
         complete = _is_complete(dest)
         ours = complete or (dest / MARKER_NAME).is_file()
         if complete and not overwrite:
@@ -295,7 +325,7 @@ def reset_dest(dest: Path) -> None:
     for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
         final.unlink(missing_ok=True)
     for child in dest.iterdir():
-        if child.name == MARKER_NAME:
+        if child.name in (MARKER_NAME, LOCK_NAME):  # the lock file stays: the holder's lock is on it
             continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
@@ -366,10 +396,37 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 def convert(config: ConvertConfig) -> ConvertResult:
     """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees."""
     started = time.perf_counter()
+    lock = DirLock(config.dest, purpose="fastio convert")
+    if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
+        _lock(lock, config.dest)
+    try:
+        return _convert_locked(config, lock, started)
+    finally:
+        lock.release()
+
+
+def _lock(lock: DirLock, dest: Path) -> None:
+    try:
+        lock.acquire()
+    except LockedError as err:
+        raise ConvertError(str(err)) from None  # names DEST and the holder
+    except OSError as err:  # DEST cannot be created
+        raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
+
+
+def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> ConvertResult:
     check_dest(config.dest, config.source, config.overwrite)
     scan = converters.scan(config.source, config.format, ScanOptions(
-        path_column=config.path_column, label_column=config.label_column, key_column=config.key_column))
+        path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
+        root=config.root))
+    if config.on_error == "fail":
+        bad = next((s for s in scan.skipped if s.error), None)
+        if bad is not None:
+            raise ConvertError(f"{_display_path(bad.path, config.source)}: {bad.reason} (on_error='fail')")
     groups = _assign(len(scan.entries), config)
+    if not lock.held:
+        _lock(lock, config.dest)
+        check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
     try:
         return _write_all(config, scan, groups, started)
     except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run, ...
@@ -386,13 +443,14 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
     all_skipped = list(scan_skipped)
     bytes_in = 0
     pool = None
+    load_options = (config.max_side, config.quality, config.max_pixels, scan.label_field)
     if config.workers > 1:
         import multiprocessing as mp
 
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=((config.max_side, config.quality), True))
+        pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(load_options, True))
     else:
-        _init_worker((config.max_side, config.quality))
+        _init_worker(load_options)
     try:
         with Progress(len(scan.entries), enabled=config.progress, desc="convert") as progress:
             for split_name, indices in groups.items():

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, parse_index
+from fastio.idx import IndexEntry, load_index
 from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, load_manifest, shard_records
 
 __all__ = ["Dataset", "Shard", "SampleTable"]
@@ -88,15 +88,14 @@ class Dataset:
         return fingerprint(self.manifest)
 
     def read_index(self, shard: Shard) -> list[IndexEntry]:
+        """The shard's index, checked against the manifest (sha256, counts, ranges: :func:`fastio.idx.load_index`)."""
         try:
-            entries = parse_index(shard.idx_path.read_text(), source=str(shard.idx_path))
-        except (OSError, ValueError) as err:
-            raise DatasetError(f"{self.root}: shard index {shard.idx_path.name}: {err}") from None
-        if len(entries) != shard.samples:
-            raise DatasetError(
-                f"{self.root}: shard {shard.name} index lists {len(entries)} samples, manifest says {shard.samples}"
-            )
-        return entries
+            return load_index(shard.idx_path.read_bytes(), samples=shard.samples, tar_bytes=shard.bytes,
+                              sha256=shard.idx_sha256, source=str(shard.idx_path))
+        except OSError as err:
+            raise DatasetError(f"{self.root}: shard index {shard.idx_path.name}: {err.strerror or err}") from None
+        except ValueError as err:  # names the index file
+            raise DatasetError(str(err)) from None
 
     @cached_property
     def table(self) -> SampleTable:

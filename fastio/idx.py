@@ -3,17 +3,28 @@
 An index has a header line ``v1.2 N`` and one line per sample listing, for each tar
 member of the sample in tar order, ``ext offset size name`` (offset of the member's
 data, not its header).
+
+Every index a dataset reads goes through :func:`load_index`, which always checks it, since the
+index is tiny next to its shard and a wrong entry delivers one sample's bytes under another's key:
+
+- its sha256 against the manifest's ``idx_sha256`` (hashing costs a few per cent of parsing);
+- its structure (:func:`check_index`): the sample count of the manifest; every member name
+  ``KEY.EXT`` agreeing with the line's key and extension; no key twice; every member's data
+  512-byte aligned after its header, inside the shard's size, and after the previous member's
+  data (tar order: no two members share bytes).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from fastio.wds import member_name, split_member_name
 
-__all__ = ["INDEX_VERSION", "IndexEntry", "format_index", "parse_index"]
+__all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "load_index", "parse_index"]
 
 INDEX_VERSION = "v1.2"
+_BLOCK = 512  # tar block: a member's header, and the alignment of its data
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,56 @@ def parse_index(text: str, source: str = "<index>") -> list[IndexEntry]:
         parts = line.split(" ")
         if not parts or len(parts) % 4:
             raise ValueError(f"{source}:{lineno}: malformed index line")
-        members, key = [], None
+        key, _ = split_member_name(parts[3])
+        members = []
         for i in range(0, len(parts), 4):
             ext, offset, size, name = parts[i : i + 4]
-            member_key, _ = split_member_name(name)
-            key = member_key if key is None else key
-            members.append((ext, int(offset), int(size)))
+            if name != f"{key}.{ext}":
+                raise ValueError(f"{source}:{lineno}: member {name!r} does not match key {key!r} and field {ext!r}")
+            try:
+                member = (ext, int(offset), int(size))
+            except ValueError:
+                member = (ext, -1, -1)
+            if member[1] < 0 or member[2] < 0:
+                raise ValueError(f"{source}:{lineno}: member {name!r} has offset {offset[:24]!r} and size "
+                                 f"{size[:24]!r}, not two non-negative integers")
+            members.append(member)
         entries.append(IndexEntry(key=key, members=tuple(members)))
+    return entries
+
+
+def check_index(entries: list[IndexEntry], *, samples: int, tar_bytes: int, source: str = "<index>") -> None:
+    """ValueError naming ``source`` and the first entry that cannot describe a shard of ``tar_bytes``
+    bytes holding ``samples`` samples (see the module docstring for the rules)."""
+    if len(entries) != samples:
+        raise ValueError(f"{source}: index lists {len(entries)} samples, manifest says {samples}")
+    keys: set[str] = set()
+    end = 0  # where the previous member's data ended
+    for n, entry in enumerate(entries):
+        key, members = entry.key, entry.members
+        if key in keys:
+            raise ValueError(f"{source}: entry {n}: key {key!r} is listed twice")
+        keys.add(key)
+        if len(members) > 1 and len({m[0] for m in members}) != len(members):
+            raise ValueError(f"{source}: entry {n} (key {key!r}): a field is listed twice")
+        for ext, offset, size in members:
+            if offset % _BLOCK or offset < end + _BLOCK or offset + size > tar_bytes:
+                what = f"{source}: entry {n} (key {key!r}) field {ext!r}: offset {offset} size {size}"
+                if offset + size > tar_bytes:
+                    raise ValueError(f"{what} reaches past the end of the shard ({tar_bytes} bytes)")
+                raise ValueError(f"{what} is not the start of a member's data after the previous member")
+            end = offset + -(-size // _BLOCK) * _BLOCK
+
+
+def load_index(data: bytes, *, samples: int, tar_bytes: int, sha256: str, source: str = "<index>") -> list[IndexEntry]:
+    """Check ``data`` (an ``.idx`` file's bytes) against the manifest's ``sha256``, parse it and
+    :func:`check_index` it; ValueError naming ``source`` and what is wrong."""
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{source}: sha256 does not match the manifest (the index was changed or replaced)")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{source}: not an index (non-ASCII byte at {err.start})") from None
+    entries = parse_index(text, source)
+    check_index(entries, samples=samples, tar_bytes=tar_bytes, source=source)
     return entries

@@ -1,6 +1,13 @@
 """Image bytes: name their type, check that they decode, downscale and re-encode, probe their size.
 
 PIL is imported on first use so that importing this module costs nothing.
+
+Pixel limit: :func:`check_pixels` reads an image's size from its header (:func:`image_size`: JPEG, PNG,
+GIF, BMP, WebP and TIFF headers are parsed here, anything else through PIL's lazy open) and refuses one
+with more than ``max_pixels`` pixels before a single pixel is decoded, so a 140 KB PNG of 12000x12000
+costs nothing. fastio applies its own limit (:data:`DEFAULT_MAX_PIXELS`), so PIL's
+``DecompressionBombWarning`` is silenced inside this module; PIL's hard limit (twice its warning limit,
+about 179 M pixels) still refuses larger images with an :class:`ImageCheckError`.
 """
 
 from __future__ import annotations
@@ -8,11 +15,15 @@ from __future__ import annotations
 import io
 import re
 import struct
+import warnings
+from contextlib import contextmanager
 
 __all__ = [
+    "DEFAULT_MAX_PIXELS",
     "IMAGE_FIELDS",
     "ImageCheckError",
     "check_image",
+    "check_pixels",
     "downscale",
     "image_field_for_suffix",
     "image_size",
@@ -26,6 +37,8 @@ _SUFFIX_FIELD = {
     ".gif": "gif", ".tif": "tiff", ".tiff": "tiff",
 }
 IMAGE_FIELDS = frozenset(_SUFFIX_FIELD.values())
+# Images with more pixels are refused at conversion (10000 x 10000; about 300 MB once decoded as RGB).
+DEFAULT_MAX_PIXELS = 100_000_000
 # Field name -> PIL format used when re-encoding a downscaled image of that type.
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF", "tiff": "TIFF"}
 
@@ -62,6 +75,16 @@ def sniff_image_field(data: bytes) -> str | None:
     return None
 
 
+@contextmanager
+def _pil():
+    """PIL's Image module with its DecompressionBombWarning silenced (fastio applies its own limit)."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield Image
+
+
 def _open(data: bytes):
     from PIL import Image
 
@@ -72,20 +95,44 @@ def _open(data: bytes):
     return img
 
 
-def check_image(data: bytes) -> tuple[int, int]:
-    """Fully decode ``data``; return (width, height) or raise :class:`ImageCheckError`."""
-    img = _open(data)
+def check_pixels(data, max_pixels: int | None) -> tuple[int, int]:
+    """(width, height) from the header of ``data``; :class:`ImageCheckError` if it is unreadable or has
+    more than ``max_pixels`` pixels (None: no limit). Decodes nothing."""
     try:
-        img.load()
-    except Exception as err:  # noqa: BLE001  (any decoder failure means a bad image)
-        raise ImageCheckError(f"image does not decode ({_reason(err)})") from None
-    return img.size
+        w, h = image_size(data)
+    except ValueError as err:
+        raise ImageCheckError(f"not a readable image ({err})") from None
+    if max_pixels is not None and w * h > max_pixels:
+        raise ImageCheckError(f"image of {w}x{h} = {w * h} pixels is over the limit of {max_pixels} (max_pixels)")
+    return w, h
 
 
-def downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]]:
-    """Decode ``data`` (checking it) and, if its longer side exceeds ``max_side``, shrink it to that
-    side and re-encode in the same format (``quality`` for JPEG/WebP). Returns (bytes, (w, h)) with
-    the original bytes when no resize was needed."""
+def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
+    """Fully decode ``data`` (after :func:`check_pixels` with ``max_pixels``); return (width, height) or
+    raise :class:`ImageCheckError`."""
+    if max_pixels is not None:
+        check_pixels(data, max_pixels)
+    with _pil():
+        img = _open(data)
+        try:
+            img.load()
+        except Exception as err:  # noqa: BLE001  (any decoder failure means a bad image)
+            raise ImageCheckError(f"image does not decode ({_reason(err)})") from None
+        return img.size
+
+
+def downscale(data: bytes, field: str, max_side: int, quality: int,
+              max_pixels: int | None = None) -> tuple[bytes, tuple[int, int]]:
+    """Decode ``data`` (checking it, and its size against ``max_pixels`` first) and, if its longer side
+    exceeds ``max_side``, shrink it to that side and re-encode in the same format (``quality`` for
+    JPEG/WebP). Returns (bytes, (w, h)) with the original bytes when no resize was needed."""
+    if max_pixels is not None:
+        check_pixels(data, max_pixels)
+    with _pil():
+        return _downscale(data, field, max_side, quality)
+
+
+def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]]:
     from PIL import Image
 
     img = _open(data)
@@ -122,27 +169,32 @@ def downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[byt
 
 
 def image_size(data) -> tuple[int, int]:
-    """``(width, height)`` from a JPEG or PNG header (other formats: PIL's lazy open), without decoding
-    pixels. ``data`` is bytes, a memoryview or a uint8 array. Raises ValueError for bytes that are no image."""
-    buf = bytes(data[:32]) if not isinstance(data, bytes) else data
-    if buf[:8] == b"\x89PNG\r\n\x1a\n":
-        w, h = struct.unpack(">II", bytes(data[16:24]))
-        return int(w), int(h)
-    if buf[:2] == b"\xff\xd8":
-        return _jpeg_size(memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data))
+    """``(width, height)`` from the header of a JPEG, PNG, GIF, BMP, WebP or TIFF image (other formats, or a
+    header these parsers cannot follow: PIL's lazy open), without decoding pixels. ``data`` is bytes, a
+    memoryview or a uint8 array. Raises ValueError for bytes that are no image."""
+    mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    kind = sniff_image_field(mv[:12])
+    parse = _HEADER_PARSERS.get(kind)
+    if parse is not None:
+        try:
+            w, h = parse(mv)
+            if w > 0 and h > 0:
+                return int(w), int(h)
+        except (ValueError, IndexError, struct.error):
+            pass
     try:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(bytes(data))) as img:
+        with _pil() as Image, Image.open(io.BytesIO(bytes(data))) as img:
             return img.size
     except Exception as err:  # PIL raises many kinds for bytes that are not an image
-        raise ValueError(f"not a decodable image ({type(err).__name__})") from None
+        detail = f": {_reason(err)}" if type(err).__name__ == "DecompressionBombError" else ""
+        raise ValueError(f"not a decodable image ({type(err).__name__}{detail})") from None
 
 
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
 def _jpeg_size(mv: memoryview) -> tuple[int, int]:
+    """The frame size from the first SOF marker."""
     i, n = 2, len(mv)
     while i + 4 <= n:
         if mv[i] != 0xFF:
@@ -165,6 +217,63 @@ def _jpeg_size(mv: memoryview) -> tuple[int, int]:
             return w, h
         i += 2 + length
     raise ValueError("truncated JPEG header (no frame size)")
+
+
+def _png_size(mv: memoryview) -> tuple[int, int]:
+    if bytes(mv[12:16]) != b"IHDR":
+        raise ValueError("PNG without IHDR")
+    return struct.unpack(">II", mv[16:24])
+
+
+def _gif_size(mv: memoryview) -> tuple[int, int]:
+    return struct.unpack("<HH", mv[6:10])
+
+
+def _bmp_size(mv: memoryview) -> tuple[int, int]:
+    (header,) = struct.unpack("<I", mv[14:18])
+    if header == 12:  # BITMAPCOREHEADER
+        return struct.unpack("<HH", mv[18:22])
+    w, h = struct.unpack("<ii", mv[18:26])
+    return w, abs(h)  # a negative height means top-down rows
+
+
+def _webp_size(mv: memoryview) -> tuple[int, int]:
+    chunk = bytes(mv[12:16])
+    if chunk == b"VP8X":
+        w = int.from_bytes(mv[24:27], "little") + 1
+        h = int.from_bytes(mv[27:30], "little") + 1
+        return w, h
+    if chunk == b"VP8 ":
+        if bytes(mv[23:26]) != b"\x9d\x01\x2a":
+            raise ValueError("VP8 without start code")
+        w, h = struct.unpack("<HH", mv[26:30])
+        return w & 0x3FFF, h & 0x3FFF
+    if chunk == b"VP8L":
+        if mv[20] != 0x2F:
+            raise ValueError("VP8L without signature")
+        (bits,) = struct.unpack("<I", mv[21:25])
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    raise ValueError(f"unknown WebP chunk {chunk!r}")
+
+
+def _tiff_size(mv: memoryview) -> tuple[int, int]:
+    order = "<" if bytes(mv[:2]) == b"II" else ">"
+    (ifd,) = struct.unpack(order + "I", mv[4:8])
+    (count,) = struct.unpack(order + "H", mv[ifd:ifd + 2])
+    size: dict[int, int] = {}
+    for i in range(count):
+        at = ifd + 2 + 12 * i
+        tag, kind = struct.unpack(order + "HH", mv[at:at + 4])
+        if tag in (256, 257):
+            if kind == 3:  # SHORT
+                (size[tag],) = struct.unpack(order + "H", mv[at + 8:at + 10])
+            elif kind == 4:  # LONG
+                (size[tag],) = struct.unpack(order + "I", mv[at + 8:at + 12])
+    return size[256], size[257]
+
+
+_HEADER_PARSERS = {"jpg": _jpeg_size, "png": _png_size, "gif": _gif_size, "bmp": _bmp_size,
+                   "webp": _webp_size, "tiff": _tiff_size}
 
 
 def _reason(err: BaseException) -> str:

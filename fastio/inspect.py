@@ -18,7 +18,7 @@ import numpy as np
 
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.images import image_size
+from fastio.images import image_size, is_image_field
 from fastio.manifest import split_names
 from fastio.reader import Reader
 from fastio.sampler import SHUFFLE_MODES, epoch_order
@@ -30,8 +30,10 @@ _READ_BATCH = 256  # samples per Reader call while probing images (bounds the by
 
 def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, seed: int = 0, epoch: int = 0,
             batch_size: int = 256, block_shards: int = 4) -> dict[str, Any]:
-    """Samples, shards, bytes, fields (with how many samples have each), classes with counts and image
-    size statistics (headers of at most ``max_images`` evenly spaced images).
+    """Samples, shards, bytes, fields (with how many samples have each), classes with counts, image
+    formats (``image_formats``: how many samples have their image as ``jpg``, ``png``, ...; a sample's image
+    is whichever image field it has) and image size statistics (headers of at most ``max_images`` evenly
+    spaced images, whatever their format).
 
     With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
@@ -112,6 +114,13 @@ def _read(ds: Dataset, field: str, indices: np.ndarray) -> list[bytes]:
     return out
 
 
+def _image_fields(ds: Dataset) -> list[str]:
+    """The dataset's image fields, its main one first (the manifest's ``image_fields``, else by extension)."""
+    listed = ds.manifest.get("image_fields") or [f for f in ds.fields if is_image_field(f)]
+    main = [ds.image_field] if ds.image_field in listed and ds.image_field in ds.table.offsets else []
+    return main + sorted(f for f in listed if f not in main and f in ds.table.offsets)
+
+
 def _size_or_none(data: bytes) -> tuple[int, int] | None:
     try:
         return image_size(data)
@@ -149,17 +158,28 @@ def _inspect_one(root: Path, *, max_images: int, order: bool, seed: int, epoch: 
                            for k in sorted(classes, key=lambda v: (isinstance(v, str), v))]
         if len(have) < n:
             values = None  # not every sample has a label: no order statistics
-    image = ds.image_field
-    if image in table.offsets:
-        have = np.flatnonzero(table.sizes[image] >= 0)
+    image_fields = _image_fields(ds)
+    if image_fields:
+        # A sample's image is whichever image field it has (the main one first): datasets mix formats.
+        which = np.full(n, -1, np.int64)
+        for k, f in enumerate(image_fields):
+            which[(which < 0) & (table.sizes[f] >= 0)] = k
+        have = np.flatnonzero(which >= 0)
+        info["image_formats"] = {f: int((which == k).sum()) for k, f in enumerate(image_fields)
+                                 if (which == k).any()}
         step = max(1, len(have) // max_images) if max_images > 0 else len(have) + 1
         probe = have[::step][:max_images]
-        sizes = [s for s in (_size_or_none(data) for data in _read(ds, image, probe)) if s is not None]
+        sizes = []
+        for k, f in enumerate(image_fields):
+            part = probe[which[probe] == k]
+            if len(part):
+                sizes += [s for s in (_size_or_none(data) for data in _read(ds, f, part)) if s is not None]
+        nbytes = [int(table.sizes[image_fields[which[i]]][i]) for i in have.tolist()]
         info["image_sizes"] = {
-            "field": image, "probed": len(probe), "unreadable": len(probe) - len(sizes),
+            "field": ds.image_field or image_fields[0], "probed": len(probe), "unreadable": len(probe) - len(sizes),
             "width": _stats([w for w, _ in sizes]) if sizes else None,
             "height": _stats([h for _, h in sizes]) if sizes else None,
-            "bytes": _stats(table.sizes[image][have].tolist()) if len(have) else None,
+            "bytes": _stats(nbytes) if nbytes else None,
         }
     if order:
         if label is None:

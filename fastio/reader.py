@@ -1,5 +1,12 @@
 """Sample bytes by dataset-wide index: byte ranges from the ``.idx`` (via ``Dataset.table``), ``os.pread``
 on cached file descriptors, a thread pool so that reads run ahead of the consumer.
+
+A shard file is checked when it is opened: its size against the manifest (always), its sha256 (with
+``verify``). A shard replaced or rewritten while it is read (a new file renamed over it, or the old one
+written in place) is detected after each batch's reads: the descriptor's and the path's (device, inode,
+size, mtime) must still be those seen at open, else :class:`~fastio.errors.DatasetError` (two ``stat``
+calls per shard per batch). Not detected: an in-place rewrite that keeps size and restores the mtime;
+on NFS, a change the client's attribute cache has not seen yet (``actimeo``, seconds).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from fastio.checksum import sha256_fd
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.images import image_size
+from fastio.labels import parse_label as _parse_label_bytes
 
 __all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
 
@@ -26,13 +34,13 @@ def sample_where(ds: Dataset, index: int) -> str:
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:
-    """The integer class label stored as ASCII text in ``field`` of sample ``index``."""
+    """The integer class label stored as ASCII text in ``field`` of sample ``index`` (:mod:`fastio.labels`)."""
     text = bytes(data)
     try:
-        return int(text.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise DatasetError(f"{sample_where(ds, index)}: field {field!r} is not an integer label: {text[:32]!r}") \
-            from None
+        return _parse_label_bytes(text)
+    except ValueError as err:
+        raise DatasetError(f"{sample_where(ds, index)}: field {field!r} is not an integer label: {text[:32]!r} "
+                           f"({err})") from None
 
 
 class ReadBatch:
@@ -98,6 +106,8 @@ class Reader:
                     raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
                                        f"({len(data)} of {size} bytes at offset {offset})")
                 out[f][j] = np.frombuffer(data, dtype=np.uint8)
+        for s_i in np.unique(t.shard[indices]).tolist():  # the bytes above came from the file opened
+            self._check_unchanged(int(s_i))
         sizes = None
         if self.size_field is not None:
             sizes = np.empty((len(indices), 2), np.int64)
@@ -123,12 +133,32 @@ class Reader:
                     raise RuntimeError(f"{self.ds.root}: the reader is closed")
         return fd
 
+    def _check_unchanged(self, shard_index: int) -> None:
+        """DatasetError if the shard's file changed or was replaced since it was opened."""
+        shard = self.ds.shards[shard_index]
+        fd, seen = self._fds.get(shard_index), self._fds.identity.get(shard_index)
+        if fd is None or seen is None:
+            return
+        try:
+            now = (_identity(os.fstat(fd)), _identity(os.stat(shard.path)))
+        except OSError as err:
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} vanished while being read ({err.strerror})") \
+                from None
+        if now != (seen, seen):
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} was replaced or modified while being read "
+                               "(inode, size or mtime changed since it was opened); restart to read the new file")
+
     def _open(self, shard_index: int) -> int:
         shard = self.ds.shards[shard_index]
         try:
             fd = os.open(shard.path, os.O_RDONLY)
         except OSError as err:
             raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be opened: {err.strerror}") from None
+        st = os.fstat(fd)
+        if st.st_size != shard.bytes:
+            os.close(fd)
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} is {st.st_size} bytes, manifest says {shard.bytes}")
+        self._fds.identity[shard_index] = _identity(st)
         if not self.verify:
             return fd
         try:
@@ -149,6 +179,7 @@ class _Descriptors:
     def __init__(self):
         self._fds: dict[int, int] = {}
         self._opening: dict[int, threading.Lock] = {}
+        self.identity: dict[int, tuple[int, int, int, int]] = {}  # (dev, inode, size, mtime) at open
         self._lock = threading.Lock()  # guards the two dicts and `closed`, never held during I/O
         self.closed = False
 
@@ -177,6 +208,10 @@ class _Descriptors:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _release(pool: ThreadPoolExecutor, fds: _Descriptors) -> None:

@@ -9,9 +9,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["CLASS_NAMES", "make_imagefolder", "photo_jpeg", "synthetic_image"]
+__all__ = ["CLASS_NAMES", "FORMATS", "MIXED_FORMATS", "make_imagefolder", "make_mixed_imagefolder", "photo_jpeg",
+           "synthetic_image"]
 
 CLASS_NAMES = ("circle", "hstripes", "square", "vstripes")
+# PIL format -> file suffix, for every image type fastio packs.
+FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "TIFF": "tiff"}
+MIXED_FORMATS = tuple(FORMATS)
 
 
 def synthetic_image(label: int, rng: np.random.Generator, width: int, height: int) -> np.ndarray:
@@ -55,19 +59,34 @@ def photo_jpeg(rng: np.random.Generator, width: int, height: int, quality: int =
 
 
 def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32, min_side: int = 48,
-                     max_side: int = 96, seed: int = 0, quality: int = 90, fmt: str = "JPEG") -> Path:
-    """Write ``dest/<class>/<class>_NNNN.jpg``: the same bytes for the same arguments on every run."""
+                     max_side: int = 96, seed: int = 0, quality: int = 90,
+                     fmt: str | tuple[str, ...] = "JPEG") -> Path:
+    """Write ``dest/<class>/<class>_NNNN.<ext>``: the same bytes for the same arguments on every run.
+
+    ``fmt`` is a PIL format of :data:`FORMATS` or a tuple of them, used in turn image after image (within
+    each class, so every class mixes them)."""
     if not 1 <= classes <= len(CLASS_NAMES):
         raise ValueError(f"classes must be in 1..{len(CLASS_NAMES)}, got {classes}")
+    formats = (fmt,) if isinstance(fmt, str) else tuple(fmt)
+    unknown = [f for f in formats if f not in FORMATS]
+    if not formats or unknown:
+        raise ValueError(f"fmt must be one or more of {', '.join(FORMATS)}, got {fmt!r}")
     dest = Path(dest)
     rng = np.random.default_rng(seed)
-    ext = {"JPEG": "jpg", "PNG": "png"}[fmt]
     for label in range(classes):
         folder = dest / CLASS_NAMES[label]
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
+            kind = formats[i % len(formats)]
             buf = io.BytesIO()
-            Image.fromarray(synthetic_image(label, rng, w, h)).save(buf, fmt, quality=quality)
-            (folder / f"{CLASS_NAMES[label]}_{i:04d}.{ext}").write_bytes(buf.getvalue())
+            Image.fromarray(synthetic_image(label, rng, w, h)).save(
+                buf, kind, **({"quality": quality} if kind in ("JPEG", "WEBP") else {}))
+            (folder / f"{CLASS_NAMES[label]}_{i:04d}.{FORMATS[kind]}").write_bytes(buf.getvalue())
     return dest
+
+
+def make_mixed_imagefolder(dest: str | Path, **kwargs) -> Path:
+    """:func:`make_imagefolder` with every format of :data:`MIXED_FORMATS` (jpg, png, webp, bmp, gif, tiff)
+    in turn within each class: a dataset whose samples carry different image fields."""
+    return make_imagefolder(dest, fmt=MIXED_FORMATS, **kwargs)

@@ -1,4 +1,6 @@
-"""Check a converted dataset against its manifest: checksums, counts, tar members, index (``verify``).
+"""Check a converted dataset against its manifest: checksums, counts, tar members, index (``verify``),
+and that ``shards/`` holds no file the manifest does not list (a stray shard or index, e.g. from another
+conversion, is reported: a reader would never see it, but it is not this dataset).
 
 Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.json``), in which
 case each split is checked and shard names are prefixed with the split name.
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checksum import sha256_file
-from fastio.idx import parse_index
+from fastio.idx import check_index, parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
 from fastio.manifest import SHARDS_DIR, load_manifest, shard_records, split_names
 from fastio.wds import split_member_name
@@ -73,7 +75,14 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
 
 
 def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> None:
-    for shard in shard_records(load_manifest(root)):
+    records = shard_records(load_manifest(root))
+    listed = {name for shard in records for name in (shard.name, shard.idx_name)}
+    folder = root / SHARDS_DIR
+    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if path.name not in listed:
+            report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{path.name}", None,
+                                           "file is not listed in the manifest"))
+    for shard in records:
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
         report.shards += 1
@@ -95,6 +104,11 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                 entries = parse_index(idx_path.read_text(), source=idx_path.name)
             except (ValueError, UnicodeDecodeError) as err:
                 report.problems.append(Problem(label, None, f"index does not parse: {err}"))
+            else:
+                try:
+                    check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
+                except ValueError as err:
+                    report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
         try:
             samples = _tar_samples(tar_path, decode, report, label)
         except (tarfile.TarError, OSError, EOFError) as err:

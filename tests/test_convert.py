@@ -18,6 +18,7 @@ from fastio.cli import main
 from fastio.convert import ConvertConfig, convert, parse_size, parse_split
 from fastio.dataset import Dataset
 from fastio.errors import ConvertError, DatasetError
+from fastio.lock import LOCK_NAME
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME
 from fastio.progress import progress_wanted
 from fastio.synthetic import make_imagefolder
@@ -25,8 +26,9 @@ from fastio.verify import verify
 
 
 def tree(dest: Path) -> dict[str, bytes]:
-    """Every file under ``dest`` (hidden ones included) by relative path."""
-    return {p.relative_to(dest).as_posix(): p.read_bytes() for p in sorted(dest.rglob("*")) if p.is_file()}
+    """Every file under ``dest`` (hidden ones included, but the writer lock, which names its holder) by relative path."""
+    return {p.relative_to(dest).as_posix(): p.read_bytes() for p in sorted(dest.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}
 
 
 def keys(dest: Path) -> list[str]:

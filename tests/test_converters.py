@@ -132,12 +132,13 @@ def test_files_grouped_by_basename(tmp_path, image_folder):
     (src / "a.json").write_text("{}")
     (src / "a.cls").write_text("3")
     (src / "sub" / "b.seg.png").write_bytes(b"png?")
+    (src / "sub" / "b.cls").write_text("1")
     (src / "README").write_text("no extension")
     assert converters.detect(src) == "files"
     result = converters.scan(src)
     assert [e.key for e in result.entries] == ["a", "sub/b"]
     assert sorted(fields_of(result.entries[0])) == ["cls", "jpg", "json"]
-    assert list(fields_of(result.entries[1])) == ["seg.png"]
+    assert list(fields_of(result.entries[1])) == ["cls", "seg.png"]
     assert result.label_field == "cls" and result.image_field == "jpg"
     assert [s.path for s in result.skipped] == ["README"]
 

@@ -1,6 +1,8 @@
 """The ``fastio`` command: parse options, call one library function, print.
 
-Every :class:`~fastio.errors.FastioError` becomes one line on stderr and exit code 2.
+Every :class:`~fastio.errors.FastioError` becomes one line on stderr and exit code 2. A command group
+given no command (``fastio``, ``fastio ckpt``) prints its help on stdout and exits 0, as ``pip`` does:
+asking for nothing is not an error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from fastio import __version__
 from fastio.errors import FastioError
 
 __all__ = ["cli", "main"]
+
+# click >= 8.2 raises this for a group called without a command; older click prints the help and exits 0.
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("fastio: aborted", err=True)
         return 130
+    except _NO_ARGS as err:
+        click.echo(err.ctx.get_help())
+        return 0
     except click.exceptions.UsageError as err:
         hint = f" (see '{err.ctx.command_path} --help')" if err.ctx is not None else ""
         click.echo(f"fastio: error: {err.format_message()}{hint}", err=True)

@@ -14,6 +14,7 @@ import click
 
 from fastio.cli import cli
 from fastio.errors import ConvertError, FastioError
+from fastio.images import DEFAULT_MAX_PIXELS
 
 __all__ = ["convert", "inspect", "verify"]
 
@@ -49,18 +50,26 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
+@click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
+                   "one (see --on-error); 0: no limit of fastio's own.")
 @click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
-              help="A corrupt or unreadable sample is skipped and listed in the manifest, or stops the run.")
+              help="A rejected input (corrupt or unreadable file, image over --max-pixels, bad or empty label, "
+                   "path outside --root, symlink against the policy) is skipped and listed in the manifest, "
+                   "or stops the run.")
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
 @click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
 @click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
 @click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
 @click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--root", type=click.Path(path_type=Path), default=None,
+              help="Tables: relative paths start here and every path must resolve inside it "
+                   "(default: the table's folder).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
-            quality: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, quiet: bool) -> None:
+            quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
+            label_column: str | None, key_column: str | None, root: Path | None, quiet: bool) -> None:
     """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
@@ -71,8 +80,9 @@ def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samp
         config = ConvertConfig(
             source=source, dest=dest, format=fmt, shard_size=shard_size,
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
-            max_side=max_side, quality=quality, on_error=on_error, overwrite=overwrite, name=name,
-            path_column=path_column, label_column=label_column, key_column=key_column,
+            max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
+            overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
+            key_column=key_column, root=root,
             progress=progress_wanted(quiet), **kwargs,
         )
     except ValueError as err:
@@ -155,7 +165,8 @@ def _print_info(info: dict[str, Any]) -> None:
     if sizes and sizes["width"]:
         w, h, b = sizes["width"], sizes["height"], sizes["bytes"]
         unreadable = f", {sizes['unreadable']} unreadable" if sizes["unreadable"] else ""
-        click.echo(f"images:   field {sizes['field']}, {sizes['probed']} probed{unreadable}")
+        formats = ", ".join(f"{f} {n}" for f, n in info.get("image_formats", {}).items())
+        click.echo(f"images:   {formats or 'field ' + sizes['field']}; {sizes['probed']} probed{unreadable}")
         click.echo(f"  width   min {w['min']}  median {w['median']}  mean {w['mean']}  max {w['max']}")
         click.echo(f"  height  min {h['min']}  median {h['median']}  mean {h['mean']}  max {h['max']}")
         click.echo(f"  bytes   min {b['min']}  median {b['median']}  mean {b['mean']}  max {b['max']}")

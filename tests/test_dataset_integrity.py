@@ -1,0 +1,193 @@
+"""A converted dataset that was damaged or tampered with after conversion: the index is checked whenever it
+is read, a shard replaced while it is read is noticed, `fastio verify` sees stray files, labels that do not
+fit int64 name their shard and key, and bare `fastio` is not an error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastio.cli import main
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError
+from fastio.idx import IndexEntry, check_index
+from fastio.loader import Loader
+from fastio.reader import Reader
+from fastio.shards import ShardWriter
+from fastio.verify import verify
+
+IDX = "shard-000001.idx"
+
+
+def _loader(dest, **kw):
+    opts = dict(batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1, pipeline="raw")
+    opts.update(kw)
+    return Loader(dest, **opts)
+
+
+def _tamper(dest: Path, edit, *, consistent: bool) -> None:
+    """Rewrite shard 1's index with ``edit(lines) -> lines``; with ``consistent``, also record the new
+    index's sha256 in the manifest (a tamperer who covers their tracks)."""
+    path = dest / "shards" / IDX
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(edit(lines)) + "\n")
+    if consistent:
+        manifest = json.loads((dest / "manifest.json").read_text())
+        manifest["shards"][1]["idx_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        (dest / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set_member(lines: list[str], row: int, offset=None, size=None) -> list[str]:
+    parts = lines[row].split(" ")
+    if offset is not None:
+        parts[1] = str(offset)
+    if size is not None:
+        parts[2] = str(size)
+    return [*lines[:row], " ".join(parts), *lines[row + 1:]]
+
+
+def _shard_bytes(dest: Path) -> int:
+    return (dest / "shards" / "shard-000001.tar").stat().st_size
+
+
+TAMPERING = {
+    "negative offset": (lambda d: lambda ls: _set_member(ls, 3, offset=-512), "not two non-negative integers"),
+    "absurd size": (lambda d: lambda ls: _set_member(ls, 3, size=10**15), "reaches past the end of the shard"),
+    "beyond the shard": (lambda d: lambda ls: _set_member(ls, 16, offset=_shard_bytes(d)),
+                         "reaches past the end of the shard"),
+    "unaligned offset": (lambda d: lambda ls: _set_member(ls, 3, offset=int(ls[3].split()[1]) + 7),
+                         "is not the start of a member's data"),
+    "two samples share bytes": (lambda d: lambda ls: _set_member(ls, 4, offset=int(ls[3].split()[1])),
+                                "is not the start of a member's data"),
+    "swapped keys": (lambda d: lambda ls: [*ls[:3], ls[4], ls[3], *ls[5:]], "is not the start of a member's data"),
+    "duplicated sample": (lambda d: lambda ls: [*ls[:4], ls[3], *ls[5:]], "is listed twice"),
+    "member of another key": (lambda d: lambda ls: [ls[0], *ls[1:3], ls[3].replace(ls[3].split()[3].split(".")[0],
+                                                                                     "intruder", 1), *ls[4:]],
+                              "does not match key"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERING))
+def test_tampered_index_names_the_index_file(case, image_dataset):
+    make_edit, reason = TAMPERING[case]
+    _tamper(image_dataset, make_edit(image_dataset), consistent=True)
+    with pytest.raises(DatasetError, match=rf"shards/{IDX}.*{reason}"):
+        _ = Dataset(image_dataset).table
+    with pytest.raises(DatasetError, match=rf"shards/{IDX}"):
+        list(_loader(image_dataset))
+    problems = [p.line() for p in verify(image_dataset).problems]
+    assert any(IDX in p for p in problems), problems
+
+
+@pytest.mark.parametrize("verify_shards", [True, False])
+def test_index_sha256_is_checked_whenever_it_is_read(image_dataset, verify_shards):
+    """Swapping two samples' lines delivers one sample's bytes under the other's key; the manifest's
+    idx_sha256 catches it (always: hashing the index costs a few per cent of parsing it)."""
+    def swap_offsets(ls):
+        a, b = ls[2].split(" "), ls[3].split(" ")
+        a[1], b[1], a[5], b[5] = b[1], a[1], b[5], a[5]
+        return [*ls[:2], " ".join(a), " ".join(b), *ls[4:]]
+
+    _tamper(image_dataset, swap_offsets, consistent=False)
+    with pytest.raises(DatasetError, match=rf"shards/{IDX}: sha256 does not match the manifest"):
+        list(_loader(image_dataset, verify=verify_shards))
+
+
+def test_check_index_accepts_what_the_writer_writes(tmp_path, image_dataset):
+    ds = Dataset(image_dataset)
+    for shard in ds.shards:
+        check_index(ds.read_index(shard), samples=shard.samples, tar_bytes=shard.bytes)
+    with pytest.raises(ValueError, match="index lists 1 samples, manifest says 2"):
+        check_index([IndexEntry("a", (("jpg", 512, 3),))], samples=2, tar_bytes=10240)
+
+
+# -- a shard replaced while it is read ----------------------------------------------------------------
+
+def _replace_by_rename(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[600] ^= 0xFF
+    tmp = path.with_name(".new")
+    tmp.write_bytes(bytes(data))  # same size
+    os.replace(tmp, path)
+
+
+def _rewrite_in_place(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[600] ^= 0xFF
+    path.chmod(0o644)
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # a coarse clock may not move the mtime
+
+
+@pytest.mark.parametrize("replace", [_replace_by_rename, _rewrite_in_place])
+@pytest.mark.parametrize("verify_shards", [False, True])
+def test_shard_replaced_during_iteration_is_detected(image_dataset, replace, verify_shards):
+    ds = Dataset(image_dataset)
+    with Reader(ds, ["jpg"], verify=verify_shards) as reader:
+        first = reader.read(np.arange(0, 4))["jpg"]
+        assert len(first) == 4
+        replace(image_dataset / "shards" / "shard-000000.tar")
+        reader.read(np.arange(20, 24))  # other shards stay readable
+        with pytest.raises(DatasetError, match=r"shard shard-000000.tar was replaced or modified while being read"):
+            reader.read(np.arange(4, 8))
+
+
+def test_shard_of_the_wrong_size_is_refused_at_open(image_dataset):
+    path = image_dataset / "shards" / "shard-000001.tar"
+    path.chmod(0o644)
+    with open(path, "ab") as f:
+        f.write(bytes(512))
+    with Reader(Dataset(image_dataset), ["jpg"]) as reader, \
+            pytest.raises(DatasetError, match=r"shard shard-000001.tar is \d+ bytes, manifest says \d+"):
+        reader.read(np.arange(16, 18))
+
+
+# -- labels in the Loader -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("label", [b"99999999999999999999", b"-4", b""])
+def test_label_outside_int64_names_shard_and_key(tmp_path, image_folder, label):
+    writer = ShardWriter(tmp_path / "lbl", max_samples=4)
+    for k, path in enumerate(sorted(image_folder.rglob("*.jpg"))[:8]):
+        writer.write({"__key__": f"k{k}", "jpg": path.read_bytes(), "cls": label if k == 6 else b"1"})
+    writer.close(image_field="jpg", label_field="cls")
+    loader = Loader(tmp_path / "lbl", batch_size=4, image_size=32, device="cpu", world_size=1, rank=0,
+                    num_threads=1, shuffle="none")
+    with pytest.raises(DatasetError, match=r"lbl: shard shard-000001.tar key 'k6': field 'cls' is not an integer "
+                                           r"label"):
+        list(loader)
+
+
+# -- fastio verify: files the manifest does not list --------------------------------------------------
+
+def test_verify_reports_shard_files_missing_from_the_manifest(image_dataset, capsys):
+    shards = image_dataset / "shards"
+    (shards / "shard-000099.tar").write_bytes((shards / "shard-000000.tar").read_bytes())
+    (shards / "other-000000.idx").write_text("v1.2 0\n")
+    problems = [p.line() for p in verify(image_dataset).problems]
+    assert problems == ["shards/other-000000.idx: file is not listed in the manifest",
+                        "shards/shard-000099.tar: file is not listed in the manifest"]
+    assert main(["verify", str(image_dataset)]) == 1
+    out, err = capsys.readouterr()
+    assert "shards/shard-000099.tar: file is not listed in the manifest" in out and "2 problem(s)" in err
+
+
+# -- bare `fastio` ------------------------------------------------------------------------------------
+
+def test_bare_fastio_prints_usage_on_stdout_and_exits_0(capsys):
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Usage: fastio") and "convert" in out and err == ""
+    proc = subprocess.run([sys.executable, "-m", "fastio.cli"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: fastio") and proc.stderr == ""
+    assert main(["ckpt"]) == 0  # a group without its command: the same rule
+    out, err = capsys.readouterr()
+    assert out.startswith("Usage: fastio ckpt") and "error" not in err
