@@ -33,7 +33,9 @@ from fastio.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
-STATE_VERSION = 1
+# 2: the lazy keyed order of fastio.sampler (ORDER_ALGORITHM). A version 1 state was written for the
+# materialised numpy permutation, which is gone: it is refused (the position would mean other samples).
+STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
     "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
@@ -224,6 +226,11 @@ class Loader:
         if not isinstance(state, dict) or K_VERSION not in state:
             raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
         state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
+        if state[K_VERSION] == 1:
+            raise LoaderStateError("loader state version 1 is from a fastio whose sample order differs (a "
+                                   "materialised numpy permutation); this fastio reads version 2 and cannot "
+                                   "continue that epoch: start without the loader state, or at the next epoch "
+                                   "with set_epoch(epoch + 1)")
         if state[K_VERSION] != STATE_VERSION:
             raise LoaderStateError(f"loader state version {state[K_VERSION]!r}, this fastio reads {STATE_VERSION}")
         missing = [k for k in (K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS)
