@@ -101,7 +101,8 @@ class LoaderConfig:
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
-    """Check each shard's sha256 against the manifest before its first use."""
+    """Check each shard's sha256 against the manifest before its first use (and the sample index's when
+    the Loader opens the dataset)."""
     rank: int | None = None
     """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
     checked against the world size when the Loader is made."""
@@ -152,7 +153,7 @@ class Loader:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
-        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest)
+        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest, verify=cfg.verify)
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
             found_rank, found_world = rank_and_world()

@@ -22,6 +22,7 @@ from fastio.wds import is_field_name, is_plain_name
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "IndexRecord",
     "MANIFEST_NAME",
     "MARKER_NAME",
     "SHARDS_DIR",
@@ -29,6 +30,7 @@ __all__ = [
     "SPLITS_NAME",
     "ShardRecord",
     "fingerprint",
+    "index_record",
     "load_manifest",
     "make_manifest",
     "shard_records",
@@ -50,6 +52,7 @@ SPLITS_FORMAT = "fastio-splits"
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*\.tar")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+_INDEX_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +99,53 @@ class ShardRecord:
                    idx_sha256=data["idx_sha256"])
 
 
-def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], **extra: Any) -> dict[str, Any]:
-    """A manifest for ``shards`` (in order) whose samples have ``fields``; ``extra`` adds optional fields
-    (``image_field``, ``label_field``, ``label_map``, ``source``, ``skipped``, ...)."""
+@dataclasses.dataclass(frozen=True)
+class IndexRecord:
+    """The manifest's ``index`` entry: the consolidated sample index ``DEST/NAME`` (see :mod:`fastio.dsindex`).
+
+    Optional in the manifest (format_version 1 stays readable both ways): a dataset without it is opened
+    from its per-shard ``.idx`` files.
+    """
+
+    name: str
+    """File name inside DEST (no directory part)."""
+    bytes: int
+    """Size of the file."""
+    sha256: str
+    """Hex sha256 of the file."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> IndexRecord:
+        """A record from the manifest's ``index`` entry; DatasetError naming ``where`` and the field."""
+        if not isinstance(data, dict):
+            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
+        missing = [k for k in ("name", "bytes", "sha256") if k not in data]
+        if missing:
+            raise DatasetError(f"{where} lacks {', '.join(missing)}")
+        if not isinstance(data["name"], str) or not _INDEX_NAME.fullmatch(data["name"]):
+            raise DatasetError(f"{where}.name: {data['name']!r} is not an index file name (no directory part)")
+        _count(data["bytes"], f"{where}.bytes")
+        if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
+            raise DatasetError(f"{where}.sha256: {data['sha256']!r} is not a hex sha256")
+        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"])
+
+
+def index_record(manifest: dict[str, Any]) -> IndexRecord | None:
+    """The consolidated index of a manifest that :func:`load_manifest` has validated (None: it has none)."""
+    data = manifest.get("index")
+    return None if data is None else IndexRecord.from_dict(data, "index")
+
+
+def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], index: IndexRecord | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
+    if one was written; ``extra`` adds optional fields (``image_field``, ``label_field``, ``label_map``,
+    ``source``, ``skipped``, ...)."""
+    if index is not None:
+        extra["index"] = index.as_dict()
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -245,3 +292,5 @@ def _validate(manifest: Any, path: str) -> None:
         "a list of {path, reason}")
     for key in ("source", "convert_options", "split"):
         _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")
+    if manifest.get("index") is not None:
+        IndexRecord.from_dict(manifest["index"], f"{path}: index")

@@ -1,4 +1,4 @@
-"""Sample bytes by dataset-wide index: byte ranges from the ``.idx`` (via ``Dataset.table``), ``os.pread``
+"""Sample bytes by dataset-wide index: byte ranges from the sample index (``Dataset.locate``), ``os.pread``
 on cached file descriptors, a thread pool so that reads run ahead of the consumer.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
 
 def sample_where(ds: Dataset, index: int) -> str:
     """``"DEST: shard NAME key KEY"`` for error messages."""
-    return f"{ds.root}: shard {ds.shards[int(ds.table.shard[index])].name} key {ds.table.keys[index]!r}"
+    return f"{ds.root}: shard {ds.shard_of(int(index)).name} key {ds.key(int(index))!r}"
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:
@@ -59,7 +59,7 @@ class Reader:
             raise ValueError(f"threads must be >= 1, got {threads}")
         dataset.require_fields(list(fields))
         self.ds, self.fields, self.verify, self.size_field = dataset, list(fields), verify, size_field
-        self.table = dataset.table
+        self.index = dataset.index  # opened (and checked) now, not in the first read
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -83,14 +83,14 @@ class Reader:
         return self.read_batch(np.asarray(indices, dtype=np.int64)).fields
 
     def read_batch(self, indices: np.ndarray) -> ReadBatch:
-        t = self.table
+        t = self.ds.locate(indices)  # row j: sample indices[j]
         out: dict[str, list] = {f: [None] * len(indices) for f in self.fields}
         # Read in (shard, offset) order, which storage likes; results keep the batch's order.
-        for j in np.lexsort((t.span_offset[indices], t.shard[indices])).tolist():
+        for j in np.lexsort((t.span_offset, t.shard)).tolist():
             i = int(indices[j])
-            fd = self._fd(int(t.shard[i]))
+            fd = self._fd(int(t.shard[j]))
             for f in self.fields:
-                offset, size = int(t.offsets[f][i]), int(t.sizes[f][i])
+                offset, size = int(t.offsets[f][j]), int(t.sizes[f][j])
                 if size < 0:
                     raise DatasetError(f"{sample_where(self.ds, i)}: sample has no field {f!r}")
                 data = os.pread(fd, size, offset)

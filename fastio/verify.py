@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checksum import sha256_file
+from fastio.dsindex import check_index
 from fastio.idx import parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
-from fastio.manifest import SHARDS_DIR, load_manifest, shard_records, split_names
+from fastio.manifest import SHARDS_DIR, index_record, load_manifest, shard_records, split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -73,7 +74,9 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
 
 
 def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> None:
-    for shard in shard_records(load_manifest(root)):
+    manifest = load_manifest(root)
+    parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
+    for shard in shard_records(manifest):
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
         report.shards += 1
@@ -95,6 +98,7 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                 entries = parse_index(idx_path.read_text(), source=idx_path.name)
             except (ValueError, UnicodeDecodeError) as err:
                 report.problems.append(Problem(label, None, f"index does not parse: {err}"))
+        parsed.append((shard, entries))  # entries None: a problem is reported, no index rebuild
         try:
             samples = _tar_samples(tar_path, decode, report, label)
         except (tarfile.TarError, OSError, EOFError) as err:
@@ -117,6 +121,11 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                     report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
             if len(entries) > len(samples):
                 report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
+    record = index_record(manifest)
+    if record is not None:
+        shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
+        for what in check_index(root / record.name, record, parsed if shards_ok else None, manifest["fields"]):
+            report.problems.append(Problem(f"{prefix}{record.name}", None, what))
 
 
 def verify(dest: str | Path, *, decode: bool = False) -> VerifyReport:

@@ -51,8 +51,9 @@ def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
     data[-1] ^= 0xFF
     shard.chmod(0o644)
     shard.write_bytes(bytes(data))
+    ds = Dataset(image_dataset)  # holds one descriptor: its memory-mapped sample index
     before = _open_fds()
-    with Reader(Dataset(image_dataset), ["cls"], verify=True) as reader:
+    with Reader(ds, ["cls"], verify=True) as reader:
         assert reader.read(np.array([0]))["cls"][0].size > 0  # shard 0 is fine
         for _ in range(2):  # a failed open is not cached: it fails again, naming the shard
             with pytest.raises(DatasetError, match="shard shard-000001.tar sha256 mismatch"):
