@@ -99,21 +99,41 @@ class IndexBuilder:
         offsets: dict[str, np.ndarray] = {}
         sizes: dict[str, np.ndarray] = {}
         for j, entry in enumerate(entries):
-            members = entry.members
-            if not members:
+            if not entry.members:
                 raise ValueError(f"shard {record.name}: sample {entry.key!r} has no members")
-            span[j] = min(offset for _, offset, _ in members)
-            expect, previous = members[0][1], None
-            for ext, offset, size in members:
+            span[j] = min(offset for _, offset, _ in entry.members)
+            for ext, offset, size in entry.members:
                 if ext not in sizes:
                     sizes[ext], offsets[ext] = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
                 if offset < 0 or size < 0:
                     raise ValueError(f"shard {record.name}: sample {entry.key!r} field {ext!r} has a negative "
                                      f"offset or size")
                 offsets[ext][j], sizes[ext][j] = offset, size
-                if offset != expect or (previous is not None and ext <= previous):
+        self.add_columns(record, span, sizes, offsets)
+
+    def add_columns(self, record: ShardRecord, span_offset: np.ndarray, sizes: dict[str, np.ndarray],
+                    offsets: dict[str, np.ndarray] | None = None) -> None:
+        """Append shard ``record`` given as columns: each sample's first member data offset, and per field
+        the sizes (and data offsets; -1 where a sample lacks the field). Without ``offsets`` the shard must
+        have fastio's layout (fields in sorted order, each data ``padded(size) + 512`` after the previous).
+        """
+        n = record.samples
+        span = np.asarray(span_offset, np.int64)
+        sizes = {f: np.asarray(v, np.int64) for f, v in sizes.items()}
+        if len(span) != n or any(len(v) != n for v in sizes.values()):
+            raise ValueError(f"shard {record.name}: columns of {len(span)} samples, record says {n}")
+        if offsets is None:
+            self._shards.append((record.name, span, {}, sizes))
+            return
+        offsets = {f: np.asarray(offsets[f], np.int64) for f in sizes}
+        if self._derived:  # does this shard have the layout whose offsets follow from the sizes?
+            at = span.copy()
+            for f in sorted(sizes):
+                have = sizes[f] >= 0
+                if not np.array_equal(offsets[f][have], at[have]):
                     self._derived = False
-                expect, previous = offset + int(_padded(np.int64(size))) + _BLOCK, ext
+                    break
+                at = np.where(have, at + _padded(sizes[f]) + _BLOCK, at)
         self._shards.append((record.name, span, offsets, sizes))
 
     def write(self, out: BinaryIO, fields: Sequence[str]) -> None:
@@ -133,7 +153,8 @@ class IndexBuilder:
             columns.append((f"size:{f}", dtype, parts, int(np.iinfo(dtype).max)))
         if not self._derived:
             for f in fields:
-                parts = [offs.get(f, np.full(len(span), -1, np.int64)) for _, span, offs, _ in self._shards]
+                parts = [offs.get(f, np.full(len(span), -1, np.int64)) if offs else _derive(span, sizes, fields)[f]
+                         for _, span, offs, sizes in self._shards]
                 columns.append((f"offset:{f}", np.dtype("<i8"), parts, -1))
         table, at = {}, 0
         for name, dtype, _, _ in columns:  # offsets from the data start (the first 64-aligned byte after the header)
@@ -173,6 +194,17 @@ class IndexBuilder:
             tmp.unlink(missing_ok=True)
             raise
         return IndexRecord(name=path.name, bytes=out.size, sha256=out.hexdigest())
+
+
+def _derive(span: np.ndarray, sizes: dict[str, np.ndarray], fields: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each field's data offset in fastio's layout (fields in sorted order, one 512-byte header each)."""
+    at, out = span.copy(), {}
+    for f in sorted(fields):
+        size = sizes.get(f, np.full(len(span), -1, np.int64))
+        have = size >= 0
+        out[f] = np.where(have, at, -1)
+        at = np.where(have, at + _padded(size) + _BLOCK, at)
+    return out
 
 
 def _aligned(n: int) -> int:

@@ -202,3 +202,30 @@ def test_a_bad_index_record_in_the_manifest_is_named(tmp_path, entry, match):
 def test_index_record_round_trips():
     record = IndexRecord(name=INDEX_NAME, bytes=3, sha256="a" * 64)
     assert IndexRecord.from_dict(record.as_dict(), "index") == record
+
+
+def test_columns_give_the_same_index_as_parsed_entries(tmp_path):
+    """What a merge of converted parts can do: pass each shard's columns instead of re-parsing text."""
+    from fastio.dsindex import IndexBuilder
+
+    dest = _ragged(tmp_path / "ds")
+    ds = Dataset(dest)
+    by_entries, by_columns, mixed = IndexBuilder(), IndexBuilder(), IndexBuilder()
+    odd = _record("odd.tar", 1), [IndexEntry("q", (("txt", 512, 1), ("bin", 1536, 2)))]  # not fastio's order
+    for shard in ds.shards:
+        rows = ds.locate(np.arange(shard.first, shard.first + shard.samples))
+        by_entries.add(shard, ds.read_index(shard))
+        by_columns.add_columns(shard, rows.span_offset, rows.sizes)
+        mixed.add_columns(shard, rows.span_offset, rows.sizes)
+    mixed.add(*odd)
+    assert by_columns.to_bytes(ds.fields) == by_entries.to_bytes(ds.fields) == (dest / INDEX_NAME).read_bytes()
+    index = SampleIndex.from_bytes(mixed.to_bytes(ds.fields), "mixed", [s.samples for s in ds.shards] + [1],
+                                   ds.fields)
+    assert not index.derived
+    want = ds.locate(np.arange(len(ds)))
+    got = index.locate(np.arange(len(ds) + 1))
+    for f in ds.fields:  # the offsets of the fastio-layout shards were derived and stored
+        assert np.array_equal(got.offsets[f][:-1], want.offsets[f]) and np.array_equal(got.sizes[f][:-1], want.sizes[f])
+    assert got.offsets["bin"][-1] == 1536 and got.offsets["txt"][-1] == 512 and got.offsets["cls"][-1] == -1
+    with pytest.raises(ValueError, match="columns of 2 samples, record says 7"):
+        IndexBuilder().add_columns(ds.shards[0], np.zeros(2), {"bin": np.zeros(2)})
