@@ -9,6 +9,7 @@ which are parsed into the same in-memory index on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -21,23 +22,32 @@ import numpy as np
 from fastio.dsindex import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, parse_index
-from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, index_record, load_manifest, shard_records
+from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, index_record, load_manifest
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
 _KEY_SHARDS = 8  # parsed .idx files kept for key lookups
+_RECORD_FIELDS = [f.name for f in dataclasses.fields(ShardRecord)]
 
 
 @dataclass(frozen=True)
 class Shard(ShardRecord):
     """A manifest's :class:`~fastio.manifest.ShardRecord` located in an opened DEST."""
 
-    path: Path
-    """The tar file."""
-    idx_path: Path
-    """Its ``.idx`` file."""
+    folder: Path
+    """``DEST/shards``."""
     first: int
     """Dataset-wide index of the shard's first sample."""
+
+    @property
+    def path(self) -> Path:
+        """The tar file."""
+        return self.folder / self.name
+
+    @property
+    def idx_path(self) -> Path:
+        """Its ``.idx`` file."""
+        return self.folder / self.idx_name
 
 
 @dataclass(frozen=True)
@@ -70,10 +80,9 @@ class Dataset:
         self.verify = verify
         self.manifest: dict[str, Any] = load_manifest(self.root)
         shards, first, folder = [], 0, self.root / SHARDS_DIR
-        for record in shard_records(self.manifest):
-            shards.append(Shard(**record.as_dict(), path=folder / record.name, idx_path=folder / record.idx_name,
-                                first=first))
-            first += record.samples
+        for entry in self.manifest["shards"]:  # validated by load_manifest (as shard_records assumes)
+            shards.append(Shard(*(entry[f] for f in _RECORD_FIELDS), folder=folder, first=first))
+            first += entry["samples"]
         self.shards: list[Shard] = shards
         self._starts = np.array([s.first for s in shards] + [first], np.int64)
         self._keys: dict[int, list[str]] = {}
@@ -84,9 +93,9 @@ class Dataset:
         except OSError:
             present = set()
         for shard in shards:
-            for p in (shard.path, shard.idx_path):
-                if p.name not in present:
-                    raise DatasetError(f"{self.root}: shard file {p.name} is missing")
+            for name in (shard.name, shard.idx_name):
+                if name not in present:
+                    raise DatasetError(f"{self.root}: shard file {name} is missing")
         if index_record(self.manifest) is not None:  # memory-mapped and checked now; .idx files only on demand
             self.index  # noqa: B018
 
