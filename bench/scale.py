@@ -4,7 +4,7 @@
   whole-epoch plan (``EpochPlan.batches()``, one vectorised lookup) and of a mid-epoch resume, for the lazy
   ``global`` and ``block`` orders at full size, against the materialised numpy permutation fastio used
   before (``rng.permutation(N)``; run at ``--legacy-samples``, where it still fits) and the lazy order at
-  that same size;
+  that same size; the lazy orders materialised at that size and checked to be permutations;
 - order statistics of the lazy order against numpy's permutation: mean displacement, neighbour
   correlation, class mixing per batch (``fastio.inspect.order_quality``'s measure);
 - start-up: a real DEST with ``--startup-shards`` shard files (empty tars, real manifest and sample
@@ -113,6 +113,25 @@ def _legacy(samples: int, shards: int, ranks: int, batch: int) -> dict:
                     "plan costs the same (it slices the same array)"}
 
 
+def _is_permutation(samples: int, shards: int, block_shards: int) -> dict:
+    """Materialise the lazy order of each mode in chunks and check that every index appears exactly once."""
+    from fastio.sampler import epoch_order
+
+    sizes = np.random.default_rng(0).integers(1, 2 * samples // shards, shards)
+    sizes[-1] += max(0, samples - int(sizes.sum()))
+    out = {"samples": int(sizes.sum()), "shards": shards}
+    for mode in ("global", "block"):
+        order = epoch_order(sizes, 0, 0, "fp", mode, block_shards)
+        seen = np.zeros(len(order), np.uint8)
+        start = time.perf_counter()
+        for i in range(0, len(order), 1 << 22):
+            seen[order[i:i + (1 << 22)]] = 1
+        out[f"{mode}_s"] = time.perf_counter() - start
+        out[mode] = bool(seen.all())  # N values in range, all N seen: a permutation
+        assert out[mode], f"the lazy {mode} order is not a permutation of {len(order)} samples"
+    return out
+
+
 def _statistics(samples: int, classes: int, batch: int) -> dict:
     from fastio.inspect import order_quality
     from fastio.sampler import epoch_order
@@ -205,6 +224,7 @@ def run(workdir: Path, repeats: int = 1, samples: int = 10**9, shards: int = 10*
                           block_shards)
     legacy = _legacy(legacy_samples, min(shards, max(1, legacy_samples // 100)), ranks, batch)
     stats = _statistics(stats_samples, 1000, 256)
+    permutation = _is_permutation(legacy_samples, min(shards, max(1, legacy_samples // 100)), block_shards)
     startup = _startup(work, startup_shards, startup_per_shard)
     idx = _idx_parse(work, idx_samples)
     per_1e9 = {"index_bytes": startup["index_bytes_per_sample"] * 1e9,
@@ -213,7 +233,7 @@ def run(workdir: Path, repeats: int = 1, samples: int = 10**9, shards: int = 10*
                "legacy_order_bytes": 8e9}
     result = {
         "machine": machine_info(), "lazy": lazy, "lazy_at_legacy_size": lazy_small, "legacy": legacy,
-        "statistics": stats, "startup": startup, "idx_parse": idx, "per_1e9_samples": per_1e9,
+        "statistics": stats, "permutation": permutation, "startup": startup, "idx_parse": idx, "per_1e9_samples": per_1e9,
         "ratios": [
             {"name": f"first batch time: materialised@{legacy_samples:.0e} / lazy@{samples:.0e}",
              "value": legacy["first_batch_s"] / lazy["global"]["first_batch_s"], "target": 10, "better": "higher"},
@@ -248,6 +268,9 @@ def table(r: dict) -> None:
               f"(ideal {s['mean_displacement_ideal']:.4f}), neighbour correlation "
               f"{s[name]['neighbour_correlation']:+.5f}, classes per batch of {s['batch_size']} "
               f"{s[name]['class_mixing']:.2f} (ideal {s['class_mixing_ideal']:.2f})")
+    x = r["permutation"]
+    print(f"lazy order materialised at N={x['samples']:.0e} in {x['shards']} ragged shards: a permutation in "
+          f"global mode {x['global']} ({x['global_s']:.1f} s), block mode {x['block']} ({x['block_s']:.1f} s)")
     u = r["startup"]
     print(f"start-up S={u['shards']} N={u['samples']:.0e}: manifest {u['manifest_bytes'] / mib:.1f} MiB, index "
           f"{u['index_bytes'] / mib:.1f} MiB ({u['index_bytes_per_sample']:.2f} B/sample); Dataset() "
