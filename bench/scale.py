@@ -7,6 +7,8 @@
   that same size; the lazy orders materialised at that size and checked to be permutations;
 - order statistics of the lazy order against numpy's permutation: mean displacement, neighbour
   correlation, class mixing per batch (``fastio.inspect.order_quality``'s measure);
+- requests: the shards one node's ranks touch in a step and in an epoch (what caching whole shards per node
+  would fetch);
 - start-up: a real DEST with ``--startup-shards`` shard files (empty tars, real manifest and sample
   index): time and bytes to open it as a rank does (manifest, one listing of ``shards/``, index map), the
   index's bytes per sample, and, against it, parsing ``.idx`` text files as fastio did before (measured on
@@ -98,6 +100,27 @@ def _sampler(samples: int, shards: int, ranks: int, batch: int, shuffle: str, bl
             "distinct_in_epoch_plan": int(len(np.unique(all_idx[~pad])) == int((~pad).sum()))}
 
 
+def _requests(samples: int, shards: int, ranks: int, batch: int, block_shards: int, per_node: int = 8) -> dict:
+    """Which shards one node's ranks read: per step (its share of one global batch) and over the epoch."""
+    from fastio.sampler import Sampler, SamplerSpec
+
+    sizes = np.full(shards, samples // shards, np.int64)
+    sizes[: samples % shards] += 1
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    out = {"ranks_per_node": per_node}
+    for mode in ("global", "block"):
+        spec = SamplerSpec(seed=0, shuffle=mode, block_shards=block_shards, batch_size=batch)
+        plans = [Sampler(spec, sizes, "0123456789abcdef", ranks, r).plan(0) for r in range(per_node)]
+        step = np.concatenate([p.batch(0)[0] for p in plans])
+        epoch = np.concatenate([p.batches()[0] for p in plans])
+        shard_step = np.searchsorted(starts, step, "right") - 1
+        shard_epoch = np.searchsorted(starts, epoch, "right") - 1
+        out[mode] = {"samples_per_step": int(len(step)), "shards_per_step": int(len(np.unique(shard_step))),
+                     "samples_per_epoch": int(len(epoch)), "shards_per_epoch": int(len(np.unique(shard_epoch))),
+                     "adjacent_pairs_per_step": int((np.diff(np.sort(step)) == 1).sum())}
+    return out
+
+
 def _legacy(samples: int, shards: int, ranks: int, batch: int) -> dict:
     sizes = [samples // shards] * shards
     sizes[0] += samples - sum(sizes)
@@ -132,7 +155,9 @@ def _is_permutation(samples: int, shards: int, block_shards: int) -> dict:
     return out
 
 
-def _statistics(samples: int, classes: int, batch: int) -> dict:
+def _statistics(samples: int, classes: int, batch: int, block_shards: int) -> dict:
+    """Mean displacement, neighbour correlation and classes per batch of the lazy orders and numpy's, on a
+    dataset stored in class order in 100 shards (the worst case for ``block``)."""
     from fastio.inspect import order_quality
     from fastio.sampler import epoch_order
 
@@ -140,17 +165,19 @@ def _statistics(samples: int, classes: int, batch: int) -> dict:
     n = len(labels)
     shards = [n // 100] * 100
     out = {}
-    for name, order in (("lazy", epoch_order(shards, 0, 0, "fp")[:]), ("numpy", legacy_order(shards, 0, 0, "fp"))):
-        full = n // batch
-        per_batch = np.sort(labels[order[: full * batch]].reshape(full, batch), axis=1)
-        mixing = float((np.diff(per_batch, axis=1) != 0).sum(1).mean() + 1)
-        out[name] = {"mean_displacement": float(np.abs(order - np.arange(n)).mean() / n),
-                     "neighbour_correlation": float(np.corrcoef(order[:-1], order[1:])[0, 1]),
-                     "class_mixing": mixing}
-    q = order_quality(shards, labels, batch_size=batch, fingerprint="fp")
-    assert abs(q["class_mixing"] - out["lazy"]["class_mixing"]) < 1e-9
-    out.update(samples=n, classes=classes, batch_size=batch, class_mixing_ideal=q["class_mixing_ideal"],
-               mean_displacement_ideal=q["mean_displacement_ideal"])
+    for mode in ("global", "block"):
+        for name, order in (("lazy", epoch_order(shards, 0, 0, "fp", mode, block_shards)[:]),
+                            ("numpy", legacy_order(shards, 0, 0, "fp", mode, block_shards))):
+            full = n // batch
+            per_batch = np.sort(labels[order[: full * batch]].reshape(full, batch), axis=1)
+            mixing = float((np.diff(per_batch, axis=1) != 0).sum(1).mean() + 1)
+            out[f"{name}_{mode}"] = {"mean_displacement": float(np.abs(order - np.arange(n)).mean() / n),
+                                     "neighbour_correlation": float(np.corrcoef(order[:-1], order[1:])[0, 1]),
+                                     "class_mixing": mixing}
+        q = order_quality(shards, labels, batch_size=batch, fingerprint="fp", mode=mode, block_shards=block_shards)
+        assert abs(q["class_mixing"] - out[f"lazy_{mode}"]["class_mixing"]) < 1e-9
+    out.update(samples=n, classes=classes, batch_size=batch, block_shards=block_shards,
+               class_mixing_ideal=q["class_mixing_ideal"], mean_displacement_ideal=q["mean_displacement_ideal"])
     return out
 
 
@@ -186,10 +213,14 @@ def _startup(work: Path, shards: int, per_shard: int) -> dict:
     index_bytes = (dest / INDEX_NAME).stat().st_size
     t, m, ds = _measure(lambda: Dataset(dest))
     n = len(ds)
-    rows_t, _, _ = _measure(lambda: ds.locate(np.random.default_rng(1).integers(0, n, 256)))
+    rows_t, _, _ = _measure(lambda: ds.locate(np.random.default_rng(1).integers(0, n, 256)))  # first: cold pages
+    warm_t, _, _ = _measure(lambda: ds.locate(np.random.default_rng(2).integers(0, n, 256)))
+    epoch_t, epoch_m, _ = _measure(lambda: ds.locate(np.random.default_rng(3).integers(0, n, 122_070)))
     return {"shards": shards, "samples": n, "manifest_bytes": manifest_bytes, "index_bytes": index_bytes,
             "index_bytes_per_sample": index_bytes / n, "open_s": t, "open_peak_bytes": m,
-            "locate_256_random_s": rows_t, "columns": "span_offset uint32, size:cls uint8, size:jpg uint32"}
+            "locate_256_random_s": rows_t, "locate_256_random_warm_s": warm_t,
+            "locate_122070_random_s": epoch_t, "locate_122070_random_peak_bytes": epoch_m,
+            "columns": "span_offset uint32, size:cls uint8, size:jpg uint32"}
 
 
 def _idx_parse(work: Path, samples: int) -> dict:
@@ -223,7 +254,8 @@ def run(workdir: Path, repeats: int = 1, samples: int = 10**9, shards: int = 10*
     lazy_small = _sampler(legacy_samples, min(shards, max(1, legacy_samples // 100)), ranks, batch, "global",
                           block_shards)
     legacy = _legacy(legacy_samples, min(shards, max(1, legacy_samples // 100)), ranks, batch)
-    stats = _statistics(stats_samples, 1000, 256)
+    stats = _statistics(stats_samples, 1000, 256, 4)
+    requests = _requests(samples, shards, ranks, batch, block_shards)
     permutation = _is_permutation(legacy_samples, min(shards, max(1, legacy_samples // 100)), block_shards)
     startup = _startup(work, startup_shards, startup_per_shard)
     idx = _idx_parse(work, idx_samples)
@@ -233,7 +265,8 @@ def run(workdir: Path, repeats: int = 1, samples: int = 10**9, shards: int = 10*
                "legacy_order_bytes": 8e9}
     result = {
         "machine": machine_info(), "lazy": lazy, "lazy_at_legacy_size": lazy_small, "legacy": legacy,
-        "statistics": stats, "permutation": permutation, "startup": startup, "idx_parse": idx, "per_1e9_samples": per_1e9,
+        "statistics": stats, "requests": requests,
+        "permutation": permutation, "startup": startup, "idx_parse": idx, "per_1e9_samples": per_1e9,
         "ratios": [
             {"name": f"first batch time: materialised@{legacy_samples:.0e} / lazy@{samples:.0e}",
              "value": legacy["first_batch_s"] / lazy["global"]["first_batch_s"], "target": 10, "better": "higher"},
@@ -241,7 +274,7 @@ def run(workdir: Path, repeats: int = 1, samples: int = 10**9, shards: int = 10*
              "value": legacy["first_batch_peak_bytes"] / lazy["global"]["first_batch_peak_bytes"], "target": 10,
              "better": "higher"},
             {"name": "class mixing per batch: lazy / numpy permutation",
-             "value": stats["lazy"]["class_mixing"] / stats["numpy"]["class_mixing"], "target": 0.99,
+             "value": stats["lazy_global"]["class_mixing"] / stats["numpy_global"]["class_mixing"], "target": 0.99,
              "better": "higher"},
         ],
     }
@@ -263,11 +296,17 @@ def table(r: dict) -> None:
           f"{x['first_batch_peak_bytes'] / mib:.0f} MiB (lazy at the same N: {y['first_batch_s'] * 1e3:.1f} ms / "
           f"{y['first_batch_peak_bytes'] / mib:.1f} MiB)")
     s = r["statistics"]
-    for name in ("lazy", "numpy"):
-        print(f"order {name:<5} N={s['samples']:.0e}: mean displacement {s[name]['mean_displacement']:.4f} "
+    for name in ("lazy_global", "numpy_global", "lazy_block", "numpy_block"):
+        print(f"order {name:<12} N={s['samples']:.0e}: mean displacement {s[name]['mean_displacement']:.4f} "
               f"(ideal {s['mean_displacement_ideal']:.4f}), neighbour correlation "
               f"{s[name]['neighbour_correlation']:+.5f}, classes per batch of {s['batch_size']} "
               f"{s[name]['class_mixing']:.2f} (ideal {s['class_mixing_ideal']:.2f})")
+    q = r["requests"]
+    for mode in ("global", "block"):
+        x = q[mode]
+        print(f"one node ({q['ranks_per_node']} ranks), {mode}: a step reads {x['samples_per_step']} samples from "
+              f"{x['shards_per_step']} shards ({x['adjacent_pairs_per_step']} adjacent pairs); an epoch "
+              f"{x['samples_per_epoch']} samples from {x['shards_per_epoch']} shards")
     x = r["permutation"]
     print(f"lazy order materialised at N={x['samples']:.0e} in {x['shards']} ragged shards: a permutation in "
           f"global mode {x['global']} ({x['global_s']:.1f} s), block mode {x['block']} ({x['block_s']:.1f} s)")
@@ -275,7 +314,9 @@ def table(r: dict) -> None:
     print(f"start-up S={u['shards']} N={u['samples']:.0e}: manifest {u['manifest_bytes'] / mib:.1f} MiB, index "
           f"{u['index_bytes'] / mib:.1f} MiB ({u['index_bytes_per_sample']:.2f} B/sample); Dataset() "
           f"{u['open_s']:.2f} s / {u['open_peak_bytes'] / mib:.0f} MiB peak; locate 256 random "
-          f"{u['locate_256_random_s'] * 1e3:.2f} ms")
+          f"{u['locate_256_random_s'] * 1e3:.2f} ms (then {u['locate_256_random_warm_s'] * 1e3:.2f} ms), 122070 "
+          f"(a rank's epoch) {u['locate_122070_random_s'] * 1e3:.0f} ms / "
+          f"{u['locate_122070_random_peak_bytes'] / mib:.0f} MiB")
     i, p = r["idx_parse"], r["per_1e9_samples"]
     print(f"before (.idx text parsed into a table): {i['parse_s_per_sample'] * 1e6:.1f} us and "
           f"{i['parse_bytes_per_sample']:.0f} B per sample -> per 1e9 samples {p['legacy_parse_s'] / 3600:.1f} h "
