@@ -33,7 +33,9 @@ from fastio.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
-STATE_VERSION = 1
+# 2: the lazy keyed order of fastio.sampler (ORDER_ALGORITHM). A version 1 state was written for the
+# materialised numpy permutation, which is gone: it is refused (the position would mean other samples).
+STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
     "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
@@ -99,7 +101,8 @@ class LoaderConfig:
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
-    """Check each shard's sha256 against the manifest before its first use."""
+    """Check each shard's sha256 against the manifest before its first use (and the sample index's when
+    the Loader opens the dataset)."""
     rank: int | None = None
     """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
     checked against the world size when the Loader is made."""
@@ -150,7 +153,7 @@ class Loader:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
-        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest)
+        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest, verify=cfg.verify)
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
             found_rank, found_world = rank_and_world()
@@ -224,6 +227,11 @@ class Loader:
         if not isinstance(state, dict) or K_VERSION not in state:
             raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
         state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
+        if state[K_VERSION] == 1:
+            raise LoaderStateError("loader state version 1 is from a fastio whose sample order differs (a "
+                                   "materialised numpy permutation); this fastio reads version 2 and cannot "
+                                   "continue that epoch: start without the loader state, or at the next epoch "
+                                   "with set_epoch(epoch + 1)")
         if state[K_VERSION] != STATE_VERSION:
             raise LoaderStateError(f"loader state version {state[K_VERSION]!r}, this fastio reads {STATE_VERSION}")
         missing = [k for k in (K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS)

@@ -1,4 +1,4 @@
-"""Sample bytes by dataset-wide index: byte ranges from the ``.idx`` (via ``Dataset.table``), ``os.pread``
+"""Sample bytes by dataset-wide index: byte ranges from the sample index (``Dataset.locate``), ``os.pread``
 on cached file descriptors, a thread pool so that reads run ahead of the consumer.
 
 A shard file is checked when it is opened: its size against the manifest (always), its sha256 (with
@@ -30,7 +30,7 @@ __all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
 
 def sample_where(ds: Dataset, index: int) -> str:
     """``"DEST: shard NAME key KEY"`` for error messages."""
-    return f"{ds.root}: shard {ds.shards[int(ds.table.shard[index])].name} key {ds.table.keys[index]!r}"
+    return f"{ds.root}: shard {ds.shard_of(int(index)).name} key {ds.key(int(index))!r}"
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:
@@ -67,7 +67,8 @@ class Reader:
             raise ValueError(f"threads must be >= 1, got {threads}")
         dataset.require_fields(list(fields))
         self.ds, self.fields, self.verify, self.size_field = dataset, list(fields), verify, size_field
-        self.table = dataset.table
+        self.index = dataset.index  # opened (and checked) now, not in the first read
+        self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -91,14 +92,20 @@ class Reader:
         return self.read_batch(np.asarray(indices, dtype=np.int64)).fields
 
     def read_batch(self, indices: np.ndarray) -> ReadBatch:
-        t = self.table
+        t = self.ds.locate(indices)  # row j: sample indices[j]
+        outside = np.flatnonzero(t.span_offset + t.span_size > self._shard_bytes[t.shard])
+        if outside.size:  # a damaged or tampered index: never hand pread an absurd range
+            j = int(outside[0])
+            raise DatasetError(f"{self.index.source}: {sample_where(self.ds, int(indices[j]))}: byte range "
+                               f"{int(t.span_offset[j])}+{int(t.span_size[j])} lies outside the shard's "
+                               f"{int(self._shard_bytes[t.shard[j]])} bytes")
         out: dict[str, list] = {f: [None] * len(indices) for f in self.fields}
         # Read in (shard, offset) order, which storage likes; results keep the batch's order.
-        for j in np.lexsort((t.span_offset[indices], t.shard[indices])).tolist():
+        for j in np.lexsort((t.span_offset, t.shard)).tolist():
             i = int(indices[j])
-            fd = self._fd(int(t.shard[i]))
+            fd = self._fd(int(t.shard[j]))
             for f in self.fields:
-                offset, size = int(t.offsets[f][i]), int(t.sizes[f][i])
+                offset, size = int(t.offsets[f][j]), int(t.sizes[f][j])
                 if size < 0:
                     raise DatasetError(f"{sample_where(self.ds, i)}: sample has no field {f!r}")
                 data = os.pread(fd, size, offset)
@@ -106,7 +113,7 @@ class Reader:
                     raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
                                        f"({len(data)} of {size} bytes at offset {offset})")
                 out[f][j] = np.frombuffer(data, dtype=np.uint8)
-        for s_i in np.unique(t.shard[indices]).tolist():  # the bytes above came from the file opened
+        for s_i in np.unique(t.shard).tolist():  # the bytes above came from the file opened
             self._check_unchanged(int(s_i))
         sizes = None
         if self.size_field is not None:

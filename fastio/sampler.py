@@ -1,7 +1,9 @@
 """The global sample order of an epoch, each rank's slice of it, and the arithmetic of (elastic) resume.
 
 The order of epoch ``e`` is a pure function of ``(seed, e, fingerprint, shuffle)`` and the shard sizes;
-it does not depend on the world size. A plan cuts ``order[start:]`` into global batches of
+it does not depend on the world size. It is lazy (:class:`EpochOrder`): a rank evaluates only the
+positions it needs, in O(shards) memory, so 10^9 samples cost a rank what its own batches cost.
+A plan cuts ``order[start:]`` into global batches of
 ``batch_size * world_size`` samples; rank ``r`` takes positions ``[r*B, (r+1)*B)`` of each. Resuming
 at any world size is therefore "start the plan at ``consumed``": with the same world size the batches
 are the ones the uninterrupted run would have produced, with another every remaining sample is still
@@ -21,7 +23,8 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["REMAINDER_MODES", "SHUFFLE_MODES", "EpochPlan", "Sampler", "SamplerSpec", "epoch_order"]
+__all__ = ["ORDER_ALGORITHM", "REMAINDER_MODES", "SHUFFLE_MODES", "EpochOrder", "EpochPlan", "Sampler",
+           "SamplerSpec", "epoch_order"]
 
 SHUFFLE_MODES = ("global", "block", "none")
 # What happens to the last, incomplete global batch when it is not dropped. Both keep every rank at
@@ -61,14 +64,15 @@ class SamplerSpec:
 
 
 def epoch_order(shard_sizes: Sequence[int], seed: int, epoch: int, fingerprint: str, shuffle: str = "global",
-                block_shards: int = 4) -> np.ndarray:
-    """The dataset-wide indices of epoch ``epoch`` in the order they are delivered (int64).
+                block_shards: int = 4) -> EpochOrder:
+    """The order of epoch ``epoch``: ``order[p]`` is the dataset-wide index delivered at position ``p``.
 
-    ``block`` shuffles the shards, then shuffles samples within each window of ``block_shards``
-    consecutive (shuffled) shards, so that a reader touches few shards at a time.
+    Lazy (see :class:`EpochOrder`): nothing of size N is built; ``block`` shuffles the shards, then
+    shuffles samples within each window of ``block_shards`` consecutive (shuffled) shards, so that a
+    reader touches few shards at a time.
     """
     spec = SamplerSpec(seed=seed, shuffle=shuffle, block_shards=block_shards)
-    return _epoch_order(shard_sizes, spec, epoch, fingerprint)
+    return EpochOrder(shard_sizes, spec, epoch, fingerprint)
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,9 @@ class Sampler:
         n, gb = self.samples, self.global_batch
         return n // gb if self.spec.drop_last else -(-n // gb)
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The dataset-wide indices of epoch ``epoch`` in delivery order (see :func:`epoch_order`)."""
-        return _epoch_order(self.shard_sizes, self.spec, epoch, self.fingerprint)
+    def order(self, epoch: int) -> EpochOrder:
+        """The lazy delivery order of epoch ``epoch`` (see :func:`epoch_order`)."""
+        return EpochOrder(self.shard_sizes, self.spec, epoch, self.fingerprint)
 
     def plan(self, epoch: int, start: int = 0) -> EpochPlan:
         """This rank's batches of epoch ``epoch`` from global position ``start`` (samples consumed) on."""
@@ -113,26 +117,151 @@ class Sampler:
         return EpochPlan(self, epoch, self.order(epoch), start)
 
 
-def _generator(seed: int, epoch: int, fingerprint: str, shuffle: str) -> np.random.Generator:
-    digest = hashlib.sha256(f"fastio-order:{seed}:{epoch}:{fingerprint}:{shuffle}".encode()).digest()
-    return np.random.Generator(np.random.Philox(key=int.from_bytes(digest[:16], "little")))
+# -- the lazy order -----------------------------------------------------------------------------------
+# A keyed pseudo-random permutation of [0, n): a Feistel network over the smallest power of two >= n
+# (halves of floor(bits/2) and ceil(bits/2) bits, their widths swapping each round), with cycle
+# walking (re-encrypt until the value falls below n), which keeps it a permutation of [0, n). Round
+# keys come from sha256 of (seed, epoch, fingerprint, shuffle); the round function is the splitmix64
+# finaliser. Everything is vectorised over arrays of positions; nothing of size n is ever built.
+
+ORDER_ALGORITHM = "feistel-v2"
+"""Names the order :class:`EpochOrder` computes (the loader state's version changes with it)."""
+_ROUNDS = 6  # even, so that the halves end at their starting widths
+_CHUNK = 1 << 20  # positions evaluated at once (bounds the temporaries of a big request)
+_U64 = np.uint64
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
 
 
-def _epoch_order(shard_sizes: Sequence[int], spec: SamplerSpec, epoch: int, fingerprint: str) -> np.ndarray:
-    n = int(sum(shard_sizes))
-    if spec.shuffle == "none":
-        return np.arange(n, dtype=np.int64)
-    rng = _generator(spec.seed, epoch, fingerprint, spec.shuffle)
-    if spec.shuffle == "global":
-        return rng.permutation(n).astype(np.int64)
-    firsts = np.concatenate([[0], np.cumsum(shard_sizes)[:-1]]).astype(np.int64)
-    shard_order = rng.permutation(len(shard_sizes))
-    parts = []
-    for w in range(0, len(shard_order), spec.block_shards):
-        window = np.concatenate([np.arange(firsts[s], firsts[s] + shard_sizes[s], dtype=np.int64)
-                                 for s in shard_order[w:w + spec.block_shards]])
-        parts.append(window[rng.permutation(len(window))])
-    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+def _round_keys(spec: SamplerSpec, epoch: int, fingerprint: str, purpose: str) -> tuple[np.uint64, ...]:
+    base = f"fastio-order:{ORDER_ALGORITHM}:{spec.seed}:{epoch}:{fingerprint}:{spec.shuffle}:{purpose}"
+    return tuple(_U64(int.from_bytes(hashlib.sha256(f"{base}:{r}".encode()).digest()[:8], "little"))
+                 for r in range(_ROUNDS))
+
+
+def _bits(n: int) -> int:
+    """Width of the Feistel domain for n values (at least 2 bits, so that both halves are non-empty)."""
+    return max(2, (int(n) - 1).bit_length())
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser (uint64, wrapping): every output bit depends on every input bit."""
+    x = x ^ (x >> _U64(30))
+    x = x * _U64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> _U64(27))
+    x = x * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def _feistel(x: np.ndarray, bits, keys, tweak) -> np.ndarray:
+    """One encryption of ``x`` < 2**bits (uint64; ``bits`` and ``tweak`` scalars or per-element arrays)."""
+    wl = bits >> _U64(1)
+    wr = bits - wl
+    one = _U64(1)
+    left, right = x >> wr, x & ((one << wr) - one)
+    for key in keys:
+        f = _mix((right + key) ^ tweak)
+        left, right = right, (left ^ f) & ((one << wl) - one)
+        wl, wr = wr, wl
+    return (left << wr) | right
+
+
+def _permute(x: np.ndarray, n, bits, keys, tweak) -> np.ndarray:
+    """The keyed permutation of [0, n) at ``x`` (int64 < n), by cycle walking; per-element or scalar
+    ``n``/``bits``/``tweak``."""
+    def pick(a, i):
+        return a[i] if isinstance(a, np.ndarray) else a
+
+    n, bits, tweak = (a.astype(_U64) if isinstance(a, np.ndarray) else _U64(a) for a in (n, bits, tweak))
+    out = _feistel(x.astype(_U64), bits, keys, tweak)
+    todo = np.flatnonzero(out >= n)
+    while todo.size:
+        y = _feistel(out[todo], pick(bits, todo), keys, pick(tweak, todo))
+        out[todo] = y
+        todo = todo[y >= pick(n, todo)]
+    return out.astype(np.int64)
+
+
+class EpochOrder:
+    """The delivery order of one epoch, evaluated lazily: ``order[p]`` for an int, a slice or an int64
+    array of positions is the dataset-wide index delivered at position ``p``.
+
+    Memory is O(shards) (the shard permutation and window table of ``block``), whatever the dataset
+    size; ``order[positions]`` costs O(len(positions)). ``np.asarray(order)`` materialises all N
+    indices (for small datasets and tests). A pure function of (seed, epoch, fingerprint, shuffle,
+    block_shards, shard sizes), and a true permutation of ``range(N)``.
+    """
+
+    def __init__(self, shard_sizes: Sequence[int], spec: SamplerSpec, epoch: int, fingerprint: str):
+        sizes = np.asarray(shard_sizes, dtype=np.int64).reshape(-1)
+        if (sizes < 0).any():
+            raise ValueError(f"shard sizes must be >= 0, got {int(sizes.min())}")
+        self.shuffle = spec.shuffle
+        self._n = int(sizes.sum())
+        if spec.shuffle == "global":
+            self._keys = _round_keys(spec, epoch, fingerprint, "samples")
+            self._nbits = _bits(self._n)
+        elif spec.shuffle == "block":
+            self._keys = _round_keys(spec, epoch, fingerprint, "windows")
+            s = len(sizes)
+            perm = (_permute(np.arange(s, dtype=np.int64), s, _bits(s), _round_keys(spec, epoch, fingerprint, "shards"),
+                             0) if s else np.empty(0, np.int64))
+            firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if s else sizes
+            self._slot_first = firsts[perm]  # dataset-wide first index of the shard in each (permuted) slot
+            self._slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)  # S + 1
+            edges = self._slot_start[np.r_[np.arange(0, s, spec.block_shards), s]] if s else np.zeros(1, np.int64)
+            self._win_start, win_size = edges[:-1], np.diff(edges)
+            self._win_bits = np.array([_bits(m) for m in win_size.tolist()], dtype=np.int64)
+            self._win_size = win_size
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return f"EpochOrder(samples={self._n}, shuffle={self.shuffle!r})"
+
+    def __getitem__(self, key) -> np.ndarray | int:
+        if isinstance(key, slice):
+            return self._at(np.arange(*key.indices(self._n), dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            p = int(key) + self._n if key < 0 else int(key)
+            if not 0 <= p < self._n:
+                raise IndexError(f"position {int(key)} out of range for an order of {self._n} samples")
+            return int(self._at(np.array([p], np.int64))[0])
+        pos = np.asarray(key)
+        if pos.dtype.kind not in "iu":
+            raise IndexError(f"positions must be integers, got dtype {pos.dtype}")
+        pos = pos.astype(np.int64, copy=False)
+        if pos.size and (pos.min() < 0 or pos.max() >= self._n):
+            bad = int(pos[(pos < 0) | (pos >= self._n)][0])
+            raise IndexError(f"position {bad} out of range for an order of {self._n} samples")
+        return self._at(pos)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def tolist(self) -> list[int]:
+        return self[:].tolist()
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        flat = pos.reshape(-1)
+        if flat.size <= _CHUNK:
+            return self._eval(flat).reshape(pos.shape)
+        out = np.empty(flat.size, np.int64)
+        for i in range(0, flat.size, _CHUNK):
+            out[i:i + _CHUNK] = self._eval(flat[i:i + _CHUNK])
+        return out.reshape(pos.shape)
+
+    def _eval(self, pos: np.ndarray) -> np.ndarray:
+        if self.shuffle == "none" or not pos.size:
+            return pos.astype(np.int64, copy=True)
+        if self.shuffle == "global":
+            return _permute(pos, self._n, self._nbits, self._keys, 0)
+        w = np.searchsorted(self._win_start, pos, "right") - 1
+        start = self._win_start[w]
+        t = start + _permute(pos - start, self._win_size[w], self._win_bits[w], self._keys, w.astype(_U64) * _GOLDEN)
+        j = np.searchsorted(self._slot_start, t, "right") - 1
+        return self._slot_first[j] + (t - self._slot_start[j])
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +273,7 @@ class EpochPlan:
 
     sampler: Sampler
     epoch: int
-    order: np.ndarray
+    order: EpochOrder
     start: int
 
     def __len__(self) -> int:
@@ -156,19 +285,40 @@ class EpochPlan:
         """This rank's indices of global batch ``g`` (counted from ``start``) and its padding mask."""
         if not 0 <= g < len(self):
             raise IndexError(f"batch {g} out of range 0..{len(self) - 1}")
+        pos = self._positions(g)
+        n = len(self.order)
+        return self.order[pos % n], pos >= n
+
+    def batches(self, first: int = 0, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's indices and padding mask of batches ``first .. first + count - 1`` (default: to the
+        end of the epoch), concatenated, in one vectorised lookup of the order (what read-ahead and
+        start-up planning use; ``batch(g)`` one at a time gives the same values)."""
+        last = len(self) if count is None else first + count
+        if count is not None and count < 0 or not 0 <= first <= last <= len(self):
+            raise IndexError(f"batches {first}..{last - 1} out of range 0..{len(self) - 1}")
+        n, gb, b = len(self.order), self.sampler.global_batch, self.sampler.spec.batch_size
+        tail = last
+        if self.sampler.spec.remainder == "partial" and last > first and self.start + last * gb > n:
+            tail = last - 1  # the partial last batch is cut differently
+        g = np.arange(first, tail, dtype=np.int64)
+        pos = (self.start + g * gb + self.sampler.rank * b)[:, None] + np.arange(b, dtype=np.int64)
+        parts = [pos.reshape(-1)] + ([self._positions(tail)] if tail < last else [])
+        pos = np.concatenate(parts)
+        return self.order[pos % n], pos >= n
+
+    def _positions(self, g: int) -> np.ndarray:
+        """Global positions (``>= len(order)`` where padding wraps) of this rank's part of batch ``g``."""
         n, gb, b = len(self.order), self.sampler.global_batch, self.sampler.spec.batch_size
         rank, w = self.sampler.rank, self.sampler.world_size
         first = self.start + g * gb
         if self.sampler.spec.remainder == "partial" and first + gb > n:
             rest = n - first
             size = rest // w + (rank < rest % w)
+            if size == 0:  # fewer samples left than ranks: one repeat of the epoch's first, flagged padded
+                return np.array([first + n], np.int64)
             offset = rank * (rest // w) + min(rank, rest % w)
-            if size == 0:
-                return self.order[[first]], np.ones(1, dtype=bool)
-            pos = first + offset + np.arange(size)
-        else:
-            pos = first + rank * b + np.arange(b)
-        return self.order[pos % n], pos >= n
+            return first + offset + np.arange(size, dtype=np.int64)
+        return first + rank * b + np.arange(b, dtype=np.int64)
 
     def consumed_after(self, g: int) -> int:
         """Global samples consumed once global batch ``g`` has been delivered (the state's ``consumed``)."""

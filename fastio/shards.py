@@ -1,8 +1,10 @@
-"""The shard writer: samples in, WebDataset tar shards + DALI ``.idx`` files + manifest out.
+"""The shard writer: samples in, WebDataset tar shards + DALI ``.idx`` files + the consolidated sample
+index (:mod:`fastio.dsindex`) + manifest out.
 
-Every shard is written under a hidden temporary name, fsynced and renamed; the manifest is
-written last. Used as a context manager, an error inside the ``with`` block drops the shard being
-written (:meth:`ShardWriter.abort`), so nothing half-written becomes visible.
+Every shard is written under a hidden temporary name, fsynced and renamed; the sample index next, the
+manifest (which records the index's size and sha256) last. Used as a context manager, an error inside
+the ``with`` block drops the shard being written (:meth:`ShardWriter.abort`), so nothing half-written
+becomes visible.
 
 Tars are reproducible: members sorted by field within a sample, mtime 0, uid/gid 0, empty owner
 names, mode 0444, USTAR headers only. Members are written straight to the file (headers from
@@ -21,6 +23,7 @@ from typing import Any
 
 from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.checksum import HashingWriter
+from fastio.dsindex import INDEX_NAME, IndexBuilder
 from fastio.idx import IndexEntry, format_index
 from fastio.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
 from fastio.wds import check_member, is_key, is_plain_name, member_name
@@ -42,7 +45,8 @@ class _OpenShard:
 
 
 class ShardWriter:
-    """Write samples into ``DEST/shards/NAME-NNNNNN.tar`` and publish ``DEST/manifest.json`` on close.
+    """Write samples into ``DEST/shards/NAME-NNNNNN.tar`` and publish ``DEST/samples.fxi`` and
+    ``DEST/manifest.json`` on close.
 
     ``with ShardWriter(dest) as writer: ...; writer.close(...)``: leaving the block by an exception
     aborts (drops the shard being written, publishes no manifest); leaving it normally closes the
@@ -71,6 +75,7 @@ class ShardWriter:
         self.manifest: dict[str, Any] | None = None
         self._keys: set[str] = set()
         self._open: _OpenShard | None = None
+        self._index = IndexBuilder()
         (self.dest / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> ShardWriter:
@@ -124,12 +129,14 @@ class ShardWriter:
         self.fields.update(ext for ext, _ in members)
 
     def close(self, **manifest_fields: Any) -> dict[str, Any]:
-        """Publish the last shard, then the manifest (with ``manifest_fields`` added); return it."""
+        """Publish the last shard, the sample index, then the manifest (with ``manifest_fields`` added); return it."""
         if self.manifest is not None:
             raise ValueError(f"{self.dest}: the shard writer is already closed")
         if self._open is not None:
             self._finish()
-        manifest = make_manifest(name=self.name, shards=self.shards, fields=sorted(self.fields), **manifest_fields)
+        index = self._index.publish(self.dest / INDEX_NAME, sorted(self.fields))
+        manifest = make_manifest(name=self.name, shards=self.shards, fields=sorted(self.fields), index=index,
+                                 **manifest_fields)
         write_manifest(self.dest, manifest)
         self.manifest = manifest
         return manifest
@@ -160,6 +167,7 @@ class ShardWriter:
         record = ShardRecord(name=shard.path.name, samples=len(shard.entries), bytes=shard.out.size,
                              sha256=shard.out.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest())
         atomic_write_bytes(self.dest / SHARDS_DIR / record.idx_name, idx_text)
+        self._index.add(record, shard.entries)
         self.shards.append(record)
 
 

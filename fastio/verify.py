@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checksum import sha256_file
+from fastio.dsindex import check_index as check_sample_index
 from fastio.idx import check_index, parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
-from fastio.manifest import SHARDS_DIR, load_manifest, shard_records, split_names
+from fastio.manifest import SHARDS_DIR, index_record, load_manifest, shard_records, split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -75,13 +76,15 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
 
 
 def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> None:
-    records = shard_records(load_manifest(root))
+    manifest = load_manifest(root)
+    records = shard_records(manifest)
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
     folder = root / SHARDS_DIR
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
         if path.name not in listed:
             report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{path.name}", None,
                                            "file is not listed in the manifest"))
+    parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
     for shard in records:
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
@@ -109,6 +112,7 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                     check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
                 except ValueError as err:
                     report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
+        parsed.append((shard, entries))  # entries None: a problem is reported, no index rebuild
         try:
             samples = _tar_samples(tar_path, decode, report, label)
         except (tarfile.TarError, OSError, EOFError) as err:
@@ -131,6 +135,11 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                     report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
             if len(entries) > len(samples):
                 report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
+    record = index_record(manifest)
+    if record is not None:
+        shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
+        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest["fields"]):
+            report.problems.append(Problem(f"{prefix}{record.name}", None, what))
 
 
 def verify(dest: str | Path, *, decode: bool = False) -> VerifyReport:

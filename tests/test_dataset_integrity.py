@@ -16,6 +16,7 @@ import pytest
 
 from fastio.cli import main
 from fastio.dataset import Dataset
+from fastio.dsindex import INDEX_NAME, build_index
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, check_index
 from fastio.loader import Loader
@@ -42,6 +43,15 @@ def _tamper(dest: Path, edit, *, consistent: bool) -> None:
         manifest = json.loads((dest / "manifest.json").read_text())
         manifest["shards"][1]["idx_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         (dest / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _drop_sample_index(dest: Path) -> None:
+    """Make ``dest`` a dataset of the kind written before the sample index existed: readers, the Loader
+    included, then take every location from the ``.idx`` files."""
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["index"]
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    (dest / INDEX_NAME).unlink()
 
 
 def _set_member(lines: list[str], row: int, offset=None, size=None) -> list[str]:
@@ -80,10 +90,11 @@ def test_tampered_index_names_the_index_file(case, image_dataset):
     _tamper(image_dataset, make_edit(image_dataset), consistent=True)
     with pytest.raises(DatasetError, match=rf"shards/{IDX}.*{reason}"):
         _ = Dataset(image_dataset).table
-    with pytest.raises(DatasetError, match=rf"shards/{IDX}"):
-        list(_loader(image_dataset))
     problems = [p.line() for p in verify(image_dataset).problems]
     assert any(IDX in p for p in problems), problems
+    _drop_sample_index(image_dataset)  # a Loader reads the .idx files only for datasets without samples.fxi
+    with pytest.raises(DatasetError, match=rf"shards/{IDX}"):
+        list(_loader(image_dataset))
 
 
 @pytest.mark.parametrize("verify_shards", [True, False])
@@ -95,9 +106,28 @@ def test_index_sha256_is_checked_whenever_it_is_read(image_dataset, verify_shard
         a[1], b[1], a[5], b[5] = b[1], a[1], b[5], a[5]
         return [*ls[:2], " ".join(a), " ".join(b), *ls[4:]]
 
+    _drop_sample_index(image_dataset)
     _tamper(image_dataset, swap_offsets, consistent=False)
     with pytest.raises(DatasetError, match=rf"shards/{IDX}: sha256 does not match the manifest"):
         list(_loader(image_dataset, verify=verify_shards))
+
+
+def test_a_tampered_sample_index_never_hands_pread_a_range_outside_the_shard(image_dataset, tmp_path):
+    """samples.fxi rewritten with the same size (so it opens) but one sample moved past its shard's end: the
+    Loader names the index file and the sample instead of reading garbage; verify=True catches it by sha256."""
+    ds = Dataset(image_dataset)
+    shards = [(s, list(ds.read_index(s))) for s in ds.shards]
+    record, entries = shards[1]
+    first, far = entries[0], record.bytes + 4096
+    entries[0] = IndexEntry(first.key, tuple((ext, offset - first.span[0] + far, size)
+                                             for ext, offset, size in first.members))
+    build_index(tmp_path / INDEX_NAME, shards, ds.fields)
+    assert (tmp_path / INDEX_NAME).stat().st_size == (image_dataset / INDEX_NAME).stat().st_size
+    os.replace(tmp_path / INDEX_NAME, image_dataset / INDEX_NAME)
+    with pytest.raises(DatasetError, match=rf"{INDEX_NAME}: .*key '{first.key}': byte range .* lies outside"):
+        list(_loader(image_dataset))
+    with pytest.raises(DatasetError, match="sample index sha256 does not match the manifest"):
+        list(_loader(image_dataset, verify=True))
 
 
 def test_check_index_accepts_what_the_writer_writes(tmp_path, image_dataset):

@@ -376,7 +376,8 @@ def test_lock_file_does_not_make_dest_foreign(tmp_path, image_folder):
     dest.mkdir()
     (dest / LOCK_NAME).write_text("{}")
     convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
-    assert sorted(p.name for p in dest.iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json", "shards"]
+    assert sorted(p.name for p in dest.iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json", "samples.fxi",
+                                                             "shards"]
 
 
 def test_inputs_that_are_not_samples_do_not_fail_a_strict_run(tmp_path, image_folder):

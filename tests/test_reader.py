@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from concurrent.futures import wait
 
@@ -31,6 +32,7 @@ def test_reads_the_stored_bytes(image_dataset, image_folder):
 def test_concurrent_first_opens_keep_one_descriptor_per_shard_and_close_all(image_dataset):
     """Many threads open (and hash) the same shards at once: one descriptor each, every one closed."""
     ds = Dataset(image_dataset)
+    gc.collect()  # objects of earlier tests (a Dataset holds its index map's descriptor) close theirs now
     before = _open_fds()
     reader = Reader(ds, ["jpg"], threads=8, verify=True)
     every = np.arange(len(ds))
@@ -51,8 +53,10 @@ def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
     data[-1] ^= 0xFF
     shard.chmod(0o644)
     shard.write_bytes(bytes(data))
+    ds = Dataset(image_dataset)  # holds one descriptor: its memory-mapped sample index
+    gc.collect()
     before = _open_fds()
-    with Reader(Dataset(image_dataset), ["cls"], verify=True) as reader:
+    with Reader(ds, ["cls"], verify=True) as reader:
         assert reader.read(np.array([0]))["cls"][0].size > 0  # shard 0 is fine
         for _ in range(2):  # a failed open is not cached: it fails again, naming the shard
             with pytest.raises(DatasetError, match="shard shard-000001.tar sha256 mismatch"):

@@ -30,7 +30,7 @@ def test_block_mode_keeps_samples_inside_windows_of_shards():
     sizes = [16, 16, 16, 16]
     order = epoch_order(sizes, 0, 0, "fp", "block", block_shards=2)
     assert sorted(order.tolist()) == list(range(64))
-    shard = order // 16
+    shard = order[:] // 16  # a slice of the lazy order is an ndarray
     first_window = set(shard[:32].tolist())
     assert len(first_window) == 2 and not first_window & set(shard[32:].tolist())
     assert not np.array_equal(order[:32], np.sort(order[:32]))
