@@ -8,7 +8,9 @@ horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..6
   decode and the same transforms written with PIL + numpy + torch (no torchvision);
 - ``dali``: DALI's own ``fn.readers.webdataset`` with the same graph. The crop is
   ``fn.decoders.image_random_crop`` (DALI's fused decode + random-resized-crop, the ROI decode its own
-  ResNet example uses), because fastio's graph also decodes only the crop window;
+  ResNet example uses), because fastio's graph also decodes only the crop window; its outputs become torch
+  tensors the way ``DALIGenericIterator`` makes them (``torch.from_dlpack``, no copy, with DALI's dynamic
+  executor), as fastio's do;
 - ``ceiling``: a tight single-process PIL decode + resize loop, multiplied by the core count.
 
 Runs are interleaved and rotated (A B C D, B C D A, ...); each figure is the median samples/s, next
@@ -199,7 +201,7 @@ def _dali(dest: Path, device: str, threads: int) -> tuple[int, float]:
     n = 0
     for _ in range(-(-total // BATCH)):
         img, _ = pipe.run()
-        n += len(_to_torch(img, device))  # what DALIGenericIterator does for a training loop
+        n += len(_to_torch(img, device, pipe))  # what DALIGenericIterator does for a training loop
     seconds = time.perf_counter() - t
     del pipe
     return min(n, total), seconds
@@ -210,7 +212,7 @@ def _first_dali(dest: Path, device: str, threads: int) -> float:
     t = time.perf_counter()
     pipe = _dali_pipe(dest, device, threads)
     img, _ = pipe.run()
-    _to_torch(img, device)
+    _to_torch(img, device, pipe)
     seconds = time.perf_counter() - t
     del pipe
     return seconds
@@ -242,7 +244,7 @@ def _steady_rss(name: str, dest: Path, device: str, epochs: int = 3) -> float:
         for epoch in range(epochs):
             for _ in range(per_epoch):
                 img, _ = pipe.run()
-                _to_torch(img, device)
+                _to_torch(img, device, pipe)
                 if epoch:
                     samples.append(_rss_mib())
     return statistics.median(samples)
@@ -259,17 +261,24 @@ def _steady_rss_in_child(name: str, dest: Path, device: str) -> float:
     return float(out.strip().splitlines()[-1])
 
 
-def _to_torch(tl, device: str):
+def _to_torch(tl, device: str, pipe):
+    """What ``DALIGenericIterator`` does with an output: ``torch.from_dlpack`` (no copy) when the pipeline's
+    outputs own their memory (the dynamic executor), else a copy into a torch tensor."""
     import torch
 
-    if device != "cuda":
-        return torch.from_numpy(tl.as_array())
-    from nvidia.dali.plugin.pytorch import feed_ndarray
-
     t = tl.as_tensor()
-    out = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
-    feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream())
-    torch.cuda.synchronize()
+    if getattr(pipe, "exec_dynamic", False):
+        with torch.device("cuda" if device == "cuda" else "cpu"):
+            out = torch.from_dlpack(t)
+    elif device != "cuda":
+        return torch.from_numpy(tl.as_array())
+    else:
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        out = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
+        feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream())
+    if device == "cuda":
+        torch.cuda.synchronize()
     return out
 
 

@@ -384,6 +384,8 @@ class Loader:
                 return [self._tensor_one(value[j]) for j in range(len(value))]
             return self._tensor_one(value.as_tensor())
         if value.is_dense_tensor():
+            if self._built is not None and self._built.owned_outputs:
+                return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
             return torch.from_numpy(value.as_array())
         return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
 

@@ -79,6 +79,13 @@ class BuiltPipeline:
     pipe: Any  # nvidia.dali.Pipeline
     outputs: tuple[str, ...]
 
+    @property
+    def owned_outputs(self) -> bool:
+        """Whether outputs own their memory (DALI's dynamic executor): a later ``run()`` does not reuse it,
+        so they can be handed to torch without a copy (``torch.from_dlpack``), as DALI's own PyTorch
+        iterator does. Otherwise a buffer is valid only until the next ``run()`` and must be copied."""
+        return bool(getattr(self.pipe, "exec_dynamic", False))
+
 
 def decodable(data: np.ndarray) -> np.ndarray:
     """Encoded image bytes DALI's decoders take (they decode by content: JPEG, PNG, WebP, BMP, TIFF, PNM,

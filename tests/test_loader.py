@@ -240,3 +240,17 @@ def test_one_pipeline_serves_the_loaders_life_until_the_position_jumps(image_dat
     assert fifth == [b["index"].tolist() for b in fresh]
     loader.close()
     fresh.close()
+
+
+def test_batches_kept_across_later_batches_and_epochs_stay_intact(image_dataset):
+    """Images are handed over without a copy when DALI's outputs own their memory: a batch the loop keeps
+    must not change while the Loader goes on (later runs must not reuse its buffer)."""
+    loader = _loader(image_dataset, batch_size=8, prefetch=2)
+    kept, snapshots = [], []
+    for batch in islice(batches(loader), 3 * len(loader)):
+        kept.append(batch["image"])
+        snapshots.append(batch["image"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshots))
+    assert len({t.data_ptr() for t in kept}) == len(kept)  # a buffer of its own for every kept batch
+    loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshots))
