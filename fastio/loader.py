@@ -6,6 +6,8 @@ Iterating a Loader yields the rest of the current epoch and then moves to the ne
 
 The Loader wires the parts together: :mod:`fastio.sampler` (order and this rank's batches), :mod:`fastio.reader`
 (bytes), :mod:`fastio.feeder` (the DALI callback), :mod:`fastio.pipeline` (the graph), :mod:`fastio.stats`.
+One feeder and one DALI pipeline serve the Loader's life (the feeder runs on into the next epoch by itself);
+they are made again only when the position jumps. ``close()`` releases them.
 """
 
 from __future__ import annotations

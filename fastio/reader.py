@@ -1,5 +1,7 @@
-"""Sample bytes by dataset-wide index: byte ranges from the ``.idx`` (via ``Dataset.table``), ``os.pread``
-on cached file descriptors, a thread pool so that reads run ahead of the consumer.
+"""Sample bytes by dataset-wide index: byte ranges from the ``.idx`` (via ``Dataset.table``), read in
+(shard, offset) order with neighbouring ranges coalesced into one ``os.pread`` on cached file descriptors,
+a thread pool so that reads run ahead of the consumer. A sample's image is the first image field it has,
+so a dataset may mix formats.
 """
 
 from __future__ import annotations
