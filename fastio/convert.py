@@ -448,6 +448,8 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
         import multiprocessing as mp
 
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        if ctx.get_start_method() == "fork":
+            import PIL.Image  # noqa: F401  (forked workers inherit it: one import instead of one per worker)
         pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(load_options, True))
     else:
         _init_worker(load_options)

@@ -1,15 +1,19 @@
-"""The DALI external-source callback: hands the graph the inputs of a plan's next batch, reading ahead of it.
+"""The DALI external-source callback: hands the graph the inputs of the next batch, reading ahead of it.
 
-A :class:`Feeder` serves one epoch plan. Each call takes the plan's next batch, waits for its bytes
-(read in the reader's threads, ``read_ahead`` batches ahead) and returns :func:`fastio.pipeline.graph_inputs`.
-It keeps what it fed, oldest first, until the Loader takes it (:meth:`Feeder.delivered`) to pair it with the
-graph's outputs. It gets everything it needs as arguments and knows nothing of the Loader.
+A :class:`Feeder` is a stream of batches that starts at a position ``(epoch, start)`` and runs on
+through the following epochs by itself (the plan of epoch ``e + 1`` follows the last batch of epoch
+``e``), so that one DALI pipeline serves the Loader's whole life and the first batches of the next
+epoch are read and decoded while the training loop finishes the current one. Each call takes the
+stream's next batch, waits for its bytes (read in the reader's threads, ``read_ahead`` batches ahead)
+and returns :func:`fastio.pipeline.graph_inputs`. It keeps what it fed, oldest first, until the Loader
+takes it (:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
+arguments and knows nothing of the Loader.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -24,53 +28,98 @@ __all__ = ["Fed", "Feeder"]
 
 @dataclass(frozen=True)
 class Fed:
-    """One batch handed to the graph: its bytes (and dataset-wide indices) and its padding mask."""
+    """One batch of the stream: its bytes (and dataset-wide indices), its padding mask and its position."""
 
     batch: ReadBatch
     padded: np.ndarray
+    epoch: int
+    """The epoch it belongs to."""
+    start: int
+    """Global samples of that epoch consumed before it (the Loader's ``consumed`` when it is next)."""
+    consumed: int
+    """Global samples of that epoch consumed once it is delivered."""
+    last: bool
+    """Whether it is the last batch of its epoch."""
 
     @property
     def indices(self) -> np.ndarray:
         return self.batch.indices
 
 
+@dataclass(frozen=True)
+class _Slot:
+    plan: EpochPlan
+    g: int
+    read: Future
+    padded: np.ndarray
+
+
 class Feeder:
-    """The ``source`` of :func:`fastio.pipeline.build_pipeline` for one epoch plan.
+    """The ``source`` of :func:`fastio.pipeline.build_pipeline`: the batches from ``(epoch, start)`` on.
 
     Args:
         reader: reads the bytes of each batch (its thread pool does the reading ahead).
-        plan: the batches to feed, in order.
+        plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``).
         spec: the graph being fed.
-        fields: the dataset fields fed to the graph (see :func:`fastio.pipeline.input_names`).
-        seed: seeds the per-sample augmentation parameters (with the plan's epoch and the sample index).
+        seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
         read_ahead: batches whose reads are started ahead of the one being fed.
+        epoch, start: where the stream starts.
     """
 
-    def __init__(self, reader: Reader, plan: EpochPlan, spec: GraphSpec, fields: Sequence[str], *, seed: int,
-                 read_ahead: int):
-        self.reader, self.plan, self.spec, self.fields = reader, plan, spec, tuple(fields)
+    def __init__(self, reader: Reader, plans: Callable[[int, int], EpochPlan], spec: GraphSpec, *, seed: int,
+                 read_ahead: int, epoch: int = 0, start: int = 0):
+        self.reader, self.plans, self.spec = reader, plans, spec
         self.seed, self.read_ahead = seed, read_ahead
-        self._next = 0
-        self._reads: dict[int, tuple[Future, np.ndarray]] = {}
+        self._positions = self._walk(epoch, start)
+        self._slots: deque[_Slot] = deque()
         self._fed: deque[Fed] = deque()
 
-    def __call__(self) -> tuple:
-        g = self._next
-        if g >= len(self.plan):
-            raise StopIteration
-        self._next += 1
-        self.start(g)
-        future, padded = self._reads.pop(g)
-        rb = future.result()
-        self._fed.append(Fed(rb, padded))
-        return graph_inputs(self.spec, self.fields, rb, seed=self.seed, epoch=self.plan.epoch)
+    def _walk(self, epoch: int, start: int) -> Iterator[tuple[EpochPlan, int]]:
+        empty_epochs = 0
+        while True:
+            plan = self.plans(epoch, start)
+            yield from ((plan, g) for g in range(len(plan)))
+            empty_epochs = 0 if len(plan) else empty_epochs + 1
+            if empty_epochs > 1:  # two epochs in a row without a batch: a whole epoch has none
+                return
+            epoch, start = epoch + 1, 0
 
-    def start(self, g: int = 0) -> None:
-        """Make sure the reads of batches ``g .. g + read_ahead`` have started."""
-        for h in range(g, min(g + self.read_ahead + 1, len(self.plan))):
-            if h not in self._reads:
-                indices, padded = self.plan.batch(h)
-                self._reads[h] = (self.reader.submit(indices), padded)
+    def start(self) -> None:
+        """Make sure the reads of the next ``read_ahead + 1`` batches have started."""
+        while len(self._slots) <= self.read_ahead:
+            try:
+                plan, g = next(self._positions)
+            except StopIteration:
+                return
+            indices, padded = plan.batch(g)
+            self._slots.append(_Slot(plan, g, self.reader.submit(indices), padded))
+
+    def take(self) -> Fed:
+        """The stream's next batch, once its bytes are read (not recorded as fed: see ``__call__``)."""
+        self.start()
+        if not self._slots:
+            raise StopIteration
+        slot = self._slots.popleft()
+        self.start()  # keep read_ahead batches being read while this one is waited for and used
+        plan, g = slot.plan, slot.g
+        start = plan.start if g == 0 else plan.consumed_after(g - 1)
+        return Fed(slot.read.result(), slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
+
+    def __call__(self) -> tuple:
+        fed = self.take()
+        self._fed.append(fed)
+        return graph_inputs(self.spec, fed.batch, seed=self.seed, epoch=fed.epoch)
+
+    def next_position(self) -> tuple[int, int] | None:
+        """``(epoch, start)`` of the batch the consumer gets next: the oldest fed one, else the next to
+        feed; None when the stream has ended."""
+        if self._fed:
+            return self._fed[0].epoch, self._fed[0].start
+        self.start()
+        if not self._slots:
+            return None
+        plan, g = self._slots[0].plan, self._slots[0].g
+        return plan.epoch, plan.start if g == 0 else plan.consumed_after(g - 1)
 
     def delivered(self) -> Fed:
         """The oldest batch fed to the graph and not yet taken: the one its next output belongs to."""
@@ -82,6 +131,6 @@ class Feeder:
 
     def cancel(self) -> None:
         """Cancel the reads not started yet (running ones finish in the reader's threads)."""
-        for future, _ in self._reads.values():
-            future.cancel()
-        self._reads.clear()
+        for slot in self._slots:
+            slot.read.cancel()
+        self._slots.clear()

@@ -6,6 +6,8 @@ Iterating a Loader yields the rest of the current epoch and then moves to the ne
 
 The Loader wires the parts together: :mod:`fastio.sampler` (order and this rank's batches), :mod:`fastio.reader`
 (bytes), :mod:`fastio.feeder` (the DALI callback), :mod:`fastio.pipeline` (the graph), :mod:`fastio.stats`.
+One feeder and one DALI pipeline serve the Loader's life (the feeder runs on into the next epoch by itself);
+they are made again only when the position jumps. ``close()`` releases them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from fastio.dataset import Dataset
 from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.feeder import Fed, Feeder
-from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, GraphSpec, build_pipeline
+from fastio.images import is_image_field
+from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpec, build_pipeline, decodable
 from fastio.reader import Reader, parse_label, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
@@ -174,11 +177,15 @@ class Loader:
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
         graph = cfg.graph
-        self._image_field = None
-        if graph.decodes:
-            self._image_field = ds.image_field
-            if self._image_field is None:
-                raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
+        # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
+        # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
+        self._image_fields: tuple[str, ...] = ()
+        if ds.image_field is not None:
+            others = ds.manifest.get("image_fields") or [f for f in ds.fields if is_image_field(f)]
+            self._image_fields = (ds.image_field, *[f for f in others if f != ds.image_field])
+        if graph.decodes and not self._image_fields:
+            raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
+        self._image_field = ds.image_field if graph.decodes else None
         if cfg.fields is not None:
             extra = list(cfg.fields)
         elif not graph.decodes:
@@ -187,14 +194,17 @@ class Loader:
             extra = [ds.label_field] if ds.label_field else []
         ds.require_fields(extra)
         self._extra = [f for f in extra if f != self._image_field]  # fields delivered besides the image
-        # The fields the graph is fed: the encoded image, or (raw) every delivered field.
-        self._graph_fields = (self._image_field,) if graph.decodes else tuple(self._extra)
-        read_fields = ([self._image_field] if self._image_field else []) + self._extra
-        self._reader = Reader(ds, read_fields, threads=cfg.reader_threads, verify=cfg.verify,
-                              size_field=self._image_field if graph.needs_image_size else None)
+        self._reader = Reader(ds, self._extra, threads=cfg.reader_threads, verify=cfg.verify,
+                              image=self._image_fields if graph.decodes else (), sizes=graph.needs_image_size,
+                              optional=self._image_fields, transcode=decodable if graph.decodes else None)
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress)
         self._active: Iterator | None = None
+        # One feeder and (for decoding graphs) one DALI pipeline for the Loader's life: the stream runs on
+        # into the next epoch by itself; they are made again only when the position jumps (set_epoch,
+        # load_state_dict) or after a failure.
+        self._feeder: Feeder | None = None
+        self._built: BuiltPipeline | None = None
 
     # -- order and position -------------------------------------------------------------------------
 
@@ -269,6 +279,7 @@ class Loader:
 
     def close(self) -> None:
         self._close_active()
+        self._drop_stream()
         self._reader.close()
 
     def __enter__(self) -> Loader:
@@ -282,60 +293,97 @@ class Loader:
             self._active.close()
             self._active = None
 
+    def _drop_stream(self) -> None:
+        if self._feeder is not None:
+            self._feeder.cancel()
+        self._feeder = self._built = None  # DALI's threads and buffers go now
+
+    def _stream_at(self, epoch: int, consumed: int) -> Feeder:
+        """The feeder (and pipeline) whose next batch is the one at ``(epoch, consumed)``."""
+        feeder = self._feeder
+        if feeder is not None and feeder.next_position() == (epoch, consumed):
+            return feeder
+        self._drop_stream()
+        cfg = self.config
+        self._feeder = feeder = Feeder(self._reader, self._sampler.plan, cfg.graph, seed=cfg.seed,
+                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed)
+        if cfg.graph.decodes:
+            feeder.start()  # the first reads overlap the pipeline build
+            self._built = build_pipeline(cfg.graph, feeder, batch_size=cfg.batch_size,
+                                         num_threads=cfg.num_threads, device=self.device,
+                                         device_id=self.torch_device.index, prefetch=cfg.prefetch, seed=cfg.seed)
+        return feeder
+
+    def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
+        if self._built is None:  # raw: the read bytes are the batch
+            fed = feeder.take()
+            return self._raw_batch(fed), fed
+        pipe = self._built.pipe
+        try:  # on cuda, outputs are made ready on torch's current stream
+            outputs = pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda" else pipe.run()
+        except DatasetError:
+            self._drop_stream()
+            raise
+        except Exception as err:  # DALI reports a bad image as a bare RuntimeError
+            in_flight = feeder.in_flight()
+            self._drop_stream()
+            raise self._decode_error(in_flight, err) from None
+        fed = feeder.delivered()
+        return self._to_torch(self._built.outputs, outputs, fed), fed
+
     def _iterate(self) -> Iterator[dict[str, Any]]:
-        cfg, epoch = self.config, self.epoch
-        plan = self._sampler.plan(epoch, self.consumed)
-        feeder = Feeder(self._reader, plan, cfg.graph, self._graph_fields, seed=cfg.seed, read_ahead=cfg.read_ahead)
-        built = None
+        epoch = self.epoch
+        streaming = self._feeder is not None and self._feeder.next_position() == (epoch, self.consumed)
+        if not streaming and not len(self._sampler.plan(epoch, self.consumed)):
+            # nothing left in this epoch (e.g. drop_last after the last full batch)
+            self.epoch, self.consumed = epoch + 1, 0
+            self._stats.end_epoch()
+            return
         try:
-            if len(plan):
-                feeder.start(0)  # the first reads overlap the pipeline build
-                built = build_pipeline(cfg.graph, self._graph_fields, feeder, batch_size=cfg.batch_size,
-                                       num_threads=cfg.num_threads, device=self.device,
-                                       device_id=self.torch_device.index, prefetch=cfg.prefetch, seed=cfg.seed)
-            for g in range(len(plan)):
+            feeder = self._stream_at(epoch, self.consumed)
+            while True:
                 started = self._stats.begin_wait()
-                try:  # on cuda, outputs are made ready on torch's current stream
-                    outputs = (built.pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda"
-                               else built.pipe.run())
-                except DatasetError:
-                    raise
-                except Exception as err:  # DALI reports a bad image as a bare RuntimeError
-                    raise self._decode_error(feeder.in_flight(), err) from None
-                batch = self._to_torch(built.outputs, outputs, feeder.delivered())
+                batch, fed = self._next_batch(feeder)
+                if (fed.epoch, fed.start) != (epoch, self.consumed):
+                    raise RuntimeError(f"internal error: fed epoch {fed.epoch} from {fed.start}, "
+                                       f"the loader is at epoch {epoch} consumed {self.consumed}")
                 self._stats.end_wait(started, int((~batch["padded"]).sum()))
-                self.consumed = plan.consumed_after(g)
-                if g == len(plan) - 1:  # the epoch is over (with drop_last, before its dropped tail)
+                self.consumed = fed.consumed
+                if fed.last:  # the epoch is over (with drop_last, before its dropped tail)
                     self.epoch, self.consumed = epoch + 1, 0
                     self._stats.end_epoch()
                 yield batch
                 if self.epoch != epoch:
                     return
-            if self.epoch == epoch:  # nothing left in this epoch (e.g. drop_last after the last full batch)
-                self.epoch, self.consumed = epoch + 1, 0
-                self._stats.end_epoch()
         finally:
             self._stats.pause()
-            feeder.cancel()
-            del built  # DALI's threads and buffers go now, not when the generator is collected
+
+    def _raw_batch(self, fed: Fed) -> dict[str, Any]:
+        batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}
+        label_field = self.dataset.label_field
+        if label_field in self._extra:
+            batch["label"] = self._labels(fed)
+        batch["index"] = torch.from_numpy(fed.indices.copy())
+        batch["padded"] = torch.from_numpy(fed.padded.copy())
+        return batch
+
+    def _labels(self, fed: Fed) -> torch.Tensor:
+        f = self.dataset.label_field
+        labels = [parse_label(self.dataset, f, i, b) for i, b in zip(fed.indices.tolist(), fed.batch.fields[f])]
+        return torch.tensor(labels, dtype=torch.int64, device=self.torch_device)
 
     def _to_torch(self, names: tuple[str, ...], outputs, fed: Fed) -> dict[str, Any]:
         out = dict(zip(names, outputs))
         index = out.pop("index").as_array().reshape(-1)
         if not np.array_equal(index, fed.indices):
             raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
-        batch: dict[str, Any] = {}
-        decoded = self.config.graph.decodes  # raw graphs hand the fields through as bytes
-        for name, value in out.items():
-            batch[name] = self._tensor(value) if decoded else [value.at(j).tobytes() for j in range(len(value))]
+        batch: dict[str, Any] = {name: self._tensor(value) for name, value in out.items()}
         label_field = self.dataset.label_field
         for f in self._extra:
-            data = fed.batch.fields[f]
             if f == label_field:
-                labels = [parse_label(self.dataset, f, int(i), b) for i, b in zip(fed.indices, data)]
-                batch["label"] = torch.tensor(labels, dtype=torch.int64, device=self.torch_device)
-            elif decoded:
-                batch[f] = _field_value([b.tobytes() for b in data])
+                batch["label"] = self._labels(fed)
+            else:
+                batch[f] = _field_value([b.tobytes() for b in fed.batch.fields[f]])
         batch["index"] = torch.from_numpy(fed.indices.copy())
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
@@ -346,6 +394,8 @@ class Loader:
                 return [self._tensor_one(value[j]) for j in range(len(value))]
             return self._tensor_one(value.as_tensor())
         if value.is_dense_tensor():
+            if self._built is not None and self._built.owned_outputs:
+                return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
             return torch.from_numpy(value.as_array())
         return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
 
@@ -360,14 +410,13 @@ class Loader:
         """Map a DALI failure back to the sample: the first image PIL cannot decode either, in feed order."""
         from PIL import Image
 
-        field = self._image_field
         for fed in in_flight:
-            for i, data in zip(fed.indices.tolist(), fed.batch.fields.get(field, [])):
+            for i, data, name in zip(fed.indices.tolist(), fed.batch.image or [], fed.batch.image_field or []):
                 try:
                     with Image.open(io.BytesIO(data.tobytes())) as img:
                         img.load()
                 except Exception as bad:  # whatever PIL raises, the image is undecodable
-                    return DatasetError(f"{sample_where(self.dataset, i)}: field {field!r} failed to decode "
+                    return DatasetError(f"{sample_where(self.dataset, i)}: field {name!r} failed to decode "
                                         f"({type(bad).__name__}: {str(bad)[:80]})")
         first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
         keys = ", ".join(repr(self.key(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"

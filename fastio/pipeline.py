@@ -1,16 +1,18 @@
-"""DALI graphs the Loader runs (``image-train``, ``image-eval``, ``raw`` or a user-supplied graph), and their inputs.
+"""DALI graphs the Loader runs (``image-train``, ``image-eval`` or a user-supplied graph), and their inputs.
 
 Every graph is fed by one batch-mode ``fn.external_source`` whose callback the Loader owns (the
 sample order is fastio's, not DALI's); :func:`graph_inputs` turns the bytes of one read batch into
-what that callback returns. The same graph runs on DALI CPU operators (``device="cpu"``)
-or decodes with ``mixed`` (nvJPEG / hardware decoder) and augments on the GPU (``device="cuda"``).
+what that callback returns. ``raw`` has no graph: DALI would only copy the bytes in and out again.
+The same graph runs on DALI CPU operators (``device="cpu"``) or decodes with ``mixed`` (nvJPEG /
+hardware decoder) and augments on the GPU (``device="cuda"``).
 The global index of every sample goes through the graph and comes out next to its image so the
 Loader can check that outputs line up with what it fed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from fastio.reader import ReadBatch
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PIPELINES", "BuiltPipeline", "GraphSpec", "build_pipeline",
-           "graph_inputs", "input_names"]
+           "decodable", "graph_inputs", "input_names"]
 
 PIPELINES = ("image-train", "image-eval", "raw")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -77,43 +79,63 @@ class BuiltPipeline:
     pipe: Any  # nvidia.dali.Pipeline
     outputs: tuple[str, ...]
 
+    @property
+    def owned_outputs(self) -> bool:
+        """Whether outputs own their memory (DALI's dynamic executor): a later ``run()`` does not reuse it,
+        so they can be handed to torch without a copy (``torch.from_dlpack``), as DALI's own PyTorch
+        iterator does. Otherwise a buffer is valid only until the next ``run()`` and must be copied."""
+        return bool(getattr(self.pipe, "exec_dynamic", False))
 
-def input_names(spec: GraphSpec, fields: Sequence[str]) -> tuple[str, ...]:
-    """What the external source callback returns, in order (each a list of per-sample arrays).
 
-    ``fields`` are the dataset fields fed to the graph: ``(image_field,)``, or the raw fields for ``raw``.
-    """
+def decodable(data: np.ndarray) -> np.ndarray:
+    """Encoded image bytes DALI's decoders take (they decode by content: JPEG, PNG, WebP, BMP, TIFF, PNM,
+    JPEG 2000). GIF, which they lack, becomes a BMP of its first frame in RGB: lossless, no compression
+    to undo. Other bytes are returned as they are (the reader thread calls this for every image)."""
+    if bytes(data[:4]) != b"GIF8":
+        return data
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data.tobytes())) as img:
+            buf = io.BytesIO()
+            img.convert("RGB").save(buf, "BMP")
+    except (OSError, UnidentifiedImageError, SyntaxError) as err:
+        raise ValueError(f"GIF: {err}") from None
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+def input_names(spec: GraphSpec) -> tuple[str, ...]:
+    """What the external source callback returns for a decoding graph, in order."""
+    if not spec.decodes:
+        raise ValueError("the raw pipeline has no DALI graph: the Loader hands the read bytes through")
     if spec.kind == "image-train":
         return ("encoded", "index", "anchor", "shape", "flip")
-    if spec.kind == "raw":
-        return ("index", *fields)
     return ("encoded", "index")
 
 
-def graph_inputs(spec: GraphSpec, fields: Sequence[str], batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+def graph_inputs(spec: GraphSpec, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
     """The external source's return value for one read batch, in :func:`input_names` order.
 
-    ``image-train`` crop and flip parameters are a pure function of ``(seed, epoch, global index)``.
+    The encoded images are a list (one array per sample, each sample's own image field, DALI decodes by
+    content); the other inputs are whole-batch arrays (outermost dimension = sample). ``image-train``
+    crop and flip parameters are a pure function of ``(seed, epoch, global index)``.
     """
-    index = [np.array(i, dtype=np.int64) for i in batch.indices.tolist()]
-    if spec.kind == "raw":
-        return (index, *[batch.fields[f] for f in fields])
-    encoded = batch.fields[fields[0]]
+    index = np.ascontiguousarray(batch.indices, dtype=np.int64)
     if spec.kind != "image-train":
-        return encoded, index
+        return batch.image, index
     crop = random_resized_crop(seed, epoch, batch.indices, batch.sizes[:, 0], batch.sizes[:, 1])
-    return (encoded, index, list(crop.anchor), list(crop.shape), [np.array(f, np.int32) for f in crop.flip])
+    return batch.image, index, crop.anchor, crop.shape, crop.flip
 
 
-def build_pipeline(spec: GraphSpec, fields: Sequence[str], source: Callable, *, batch_size: int,
-                   num_threads: int, device: str, device_id: int | None, prefetch: int,
-                   seed: int = 0) -> BuiltPipeline:
-    """Build the graph, fed by ``source`` (a callable returning :func:`graph_inputs`).
+def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_threads: int, device: str,
+                   device_id: int | None, prefetch: int, seed: int = 0) -> BuiltPipeline:
+    """Build the graph, fed by ``source`` (a callable returning :func:`graph_inputs`; it is called for as
+    long as the pipeline runs, across epochs).
 
-    Outputs: ``("image", "index")`` for ``image-*``; ``("index", *fields)`` for ``raw``; ``("index", *names)``
-    for a callable, with the names of the dict it returns (``"image"`` when it returns one node).
+    Outputs: ``("image", "index")`` for ``image-*``; ``("index", *names)`` for a callable, with the names
+    of the dict it returns (``"image"`` when it returns one node). ``raw`` has no graph.
     """
-    names = input_names(spec, fields)
+    names = input_names(spec)
     decoder_device = "mixed" if device == "cuda" else "cpu"
     scale = 255.0 if spec.dtype != "uint8" else 1.0
     mean = [m * scale for m in spec.mean] if spec.dtype != "uint8" else [0.0, 0.0, 0.0]
@@ -127,8 +149,6 @@ def build_pipeline(spec: GraphSpec, fields: Sequence[str], source: Callable, *, 
                                    dtype=[_INPUT_DTYPES.get(n, types.UINT8) for n in names])
         inp = dict(zip(names, nodes))
         index = inp["index"]
-        if spec.kind == "raw":
-            return (index, *[inp[f] for f in fields])
         if spec.kind == "image-train":
             img = fn.decoders.image_slice(inp["encoded"], inp["anchor"], inp["shape"], device=decoder_device,
                                           output_type=types.RGB, normalized_anchor=False,
@@ -154,8 +174,6 @@ def build_pipeline(spec: GraphSpec, fields: Sequence[str], source: Callable, *, 
     pipe.build()
     if spec.kind in ("image-train", "image-eval"):
         outputs = ("image", "index")
-    elif spec.kind == "raw":
-        outputs = ("index", *fields)
     else:
         outputs = ("index", *user_outputs)
     return BuiltPipeline(pipe, outputs)

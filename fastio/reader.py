@@ -1,12 +1,15 @@
-"""Sample bytes by dataset-wide index: byte ranges from the sample index (``Dataset.locate``), ``os.pread``
-on cached file descriptors, a thread pool so that reads run ahead of the consumer.
+"""Sample bytes by dataset-wide index: byte ranges from the sample index (``Dataset.locate``), read in
+(shard, offset) order with neighbouring ranges coalesced into one ``os.pread`` on cached file descriptors,
+a thread pool so that reads run ahead of the consumer. A sample's image is the first image field it has,
+so a dataset may mix formats.
 
 A shard file is checked when it is opened: its size against the manifest (always), its sha256 (with
-``verify``). A shard replaced or rewritten while it is read (a new file renamed over it, or the old one
-written in place) is detected after each batch's reads: the descriptor's and the path's (device, inode,
-size, mtime) must still be those seen at open, else :class:`~fastio.errors.DatasetError` (two ``stat``
-calls per shard per batch). Not detected: an in-place rewrite that keeps size and restores the mtime;
-on NFS, a change the client's attribute cache has not seen yet (``actimeo``, seconds).
+``verify``). A byte range outside its shard (a damaged or tampered index) is refused before any read. A
+shard replaced or rewritten while it is read (a new file renamed over it, or the old one written in place)
+is detected after each batch's reads: the descriptor's and the path's (device, inode, size, mtime) must
+still be those seen at open, else :class:`~fastio.errors.DatasetError` (two ``stat`` calls per shard per
+batch). Not detected: an in-place rewrite that keeps size and restores the mtime; on NFS, a change the
+client's attribute cache has not seen yet (``actimeo``, seconds).
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from struct import error as struct_error
 
 import numpy as np
 
 from fastio.checksum import sha256_fd
-from fastio.dataset import Dataset
+from fastio.dataset import Dataset, Rows
 from fastio.errors import DatasetError
 from fastio.images import image_size
 from fastio.labels import parse_label as _parse_label_bytes
@@ -44,10 +48,21 @@ def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -
 
 
 class ReadBatch:
-    """The bytes of one batch: ``fields[f][j]`` is a uint8 array; ``sizes`` is [B, 2] (w, h) if requested."""
+    """The bytes of one batch: ``fields[f][j]`` is a uint8 array (empty where an optional field is absent);
+    ``image[j]`` the sample's image and ``image_field[j]`` the field it came from (if an image was requested);
+    ``sizes`` is [B, 2] (w, h) of those images (if requested)."""
 
-    def __init__(self, indices: np.ndarray, fields: dict[str, list[np.ndarray]], sizes: np.ndarray | None):
+    def __init__(self, indices: np.ndarray, fields: dict[str, list[np.ndarray]], sizes: np.ndarray | None,
+                 image: list[np.ndarray] | None = None, image_field: list[str] | None = None):
         self.indices, self.fields, self.sizes = indices, fields, sizes
+        self.image, self.image_field = image, image_field
+
+
+# Neighbouring byte ranges of one shard are read with one pread when the gap between them is at most
+# _GAP bytes (tar headers and padding) and the whole read stays under _RUN bytes.
+_GAP = 4096
+_RUN = 4 << 20
+_EMPTY = np.empty(0, np.uint8)
 
 
 class Reader:
@@ -58,15 +73,28 @@ class Reader:
         fields: the fields to read (each must exist in the dataset).
         threads: reader threads; ``submit`` keeps up to this many batches being read at once.
         verify: check each shard's sha256 against the manifest the first time it is opened.
-        size_field: also parse (width, height) from this image field's header, in the reader thread.
+        image: image fields in order of preference: each sample's image is the first of them it has
+            (``ReadBatch.image``), so a dataset may mix formats (``jpg`` here, ``png`` there).
+        sizes: also parse (width, height) from each image's header (``ReadBatch.sizes``), in the reader thread.
+        optional: fields (of ``fields``) a sample may lack: read as empty arrays instead of failing.
+        transcode: applied to each image's bytes in the reader thread (e.g. formats a decoder lacks);
+            may raise ``ValueError`` for bytes it cannot handle.
+
+    The byte ranges a batch needs are read in (shard, offset) order; neighbouring ranges are coalesced
+    into one ``os.pread``.
     """
 
-    def __init__(self, dataset: Dataset, fields: list[str], threads: int = 2, verify: bool = False,
-                 size_field: str | None = None):
+    def __init__(self, dataset: Dataset, fields: Sequence[str], threads: int = 2, verify: bool = False,
+                 image: Sequence[str] = (), sizes: bool = False, optional: Collection[str] = (),
+                 transcode: Callable[[np.ndarray], np.ndarray] | None = None):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
-        dataset.require_fields(list(fields))
-        self.ds, self.fields, self.verify, self.size_field = dataset, list(fields), verify, size_field
+        if sizes and not image:
+            raise ValueError("sizes=True needs image fields")
+        dataset.require_fields([*fields, *image])
+        self.ds, self.fields, self.verify = dataset, list(fields), verify
+        self.image, self.sizes, self.optional = tuple(image), sizes, frozenset(optional)
+        self.transcode = transcode
         self.index = dataset.index  # opened (and checked) now, not in the first read
         self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
         self._fds = _Descriptors()
@@ -91,40 +119,106 @@ class Reader:
     def read(self, indices: np.ndarray) -> dict[str, list[np.ndarray]]:
         return self.read_batch(np.asarray(indices, dtype=np.int64)).fields
 
+    def image_fields_of(self, indices: np.ndarray, rows: Rows | None = None) -> np.ndarray:
+        """For each sample, the position in ``image`` of the image field it has (its first one)."""
+        t = self.ds.locate(indices) if rows is None else rows
+        which = np.full(len(indices), -1, np.int64)
+        for k in range(len(self.image) - 1, -1, -1):
+            which[t.sizes[self.image[k]] >= 0] = k
+        return which
+
     def read_batch(self, indices: np.ndarray) -> ReadBatch:
-        t = self.ds.locate(indices)  # row j: sample indices[j]
+        t, n = self.ds.locate(indices), len(indices)  # row j: sample indices[j]
         outside = np.flatnonzero(t.span_offset + t.span_size > self._shard_bytes[t.shard])
         if outside.size:  # a damaged or tampered index: never hand pread an absurd range
             j = int(outside[0])
             raise DatasetError(f"{self.index.source}: {sample_where(self.ds, int(indices[j]))}: byte range "
                                f"{int(t.span_offset[j])}+{int(t.span_size[j])} lies outside the shard's "
                                f"{int(self._shard_bytes[t.shard[j]])} bytes")
-        out: dict[str, list] = {f: [None] * len(indices) for f in self.fields}
-        # Read in (shard, offset) order, which storage likes; results keep the batch's order.
-        for j in np.lexsort((t.span_offset, t.shard)).tolist():
-            i = int(indices[j])
-            fd = self._fd(int(t.shard[j]))
-            for f in self.fields:
-                offset, size = int(t.offsets[f][j]), int(t.sizes[f][j])
-                if size < 0:
-                    raise DatasetError(f"{sample_where(self.ds, i)}: sample has no field {f!r}")
-                data = os.pread(fd, size, offset)
-                if len(data) != size:
-                    raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
-                                       f"({len(data)} of {size} bytes at offset {offset})")
-                out[f][j] = np.frombuffer(data, dtype=np.uint8)
+        # Every wanted (sample j, column c) range: the fields, then the image (column len(fields)).
+        columns = list(self.fields)
+        offsets = [t.offsets[f] for f in columns]
+        sizes = [t.sizes[f] for f in columns]
+        which = None
+        if self.image:
+            which = self.image_fields_of(indices, t)
+            off, size = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+            for k, f in enumerate(self.image):
+                sel = which == k
+                off[sel], size[sel] = t.offsets[f][sel], t.sizes[f][sel]
+            offsets.append(off)
+            sizes.append(size)
+            columns.append(None)
+        off = np.stack(offsets, 1) if offsets else np.empty((n, 0), np.int64)
+        size = np.stack(sizes, 1) if sizes else np.empty((n, 0), np.int64)
+        missing = size < 0
+        if missing.any():
+            for j, c in zip(*np.nonzero(missing)):
+                f = columns[c]
+                if f is not None and f in self.optional:
+                    continue
+                wanted = f"field {f!r}" if f is not None else f"image field ({', '.join(self.image)})"
+                raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
+        got = self._read_ranges(indices, t.shard, off, size)
         for s_i in np.unique(t.shard).tolist():  # the bytes above came from the file opened
             self._check_unchanged(int(s_i))
-        sizes = None
-        if self.size_field is not None:
-            sizes = np.empty((len(indices), 2), np.int64)
-            for j, (i, data) in enumerate(zip(indices.tolist(), out[self.size_field])):
-                try:
-                    sizes[j] = image_size(data)
-                except (ValueError, IndexError, struct_error) as err:
-                    raise DatasetError(f"{sample_where(self.ds, i)}: field {self.size_field!r} failed to "
-                                       f"decode: {err}") from None
-        return ReadBatch(indices, out, sizes)
+        out = {f: got[:, c].tolist() for c, f in enumerate(self.fields)}
+        image = image_field = dims = None
+        if self.image:
+            image = got[:, -1].tolist()
+            image_field = [self.image[k] for k in which.tolist()]
+            if self.transcode is not None:
+                for j, (i, data) in enumerate(zip(indices.tolist(), image)):
+                    try:
+                        image[j] = self.transcode(data)
+                    except ValueError as err:
+                        raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
+                                           f"decode: {err}") from None
+            if self.sizes:
+                dims = np.empty((n, 2), np.int64)
+                for j, (i, data) in enumerate(zip(indices.tolist(), image)):
+                    try:
+                        dims[j] = image_size(data)
+                    except (ValueError, IndexError, struct_error) as err:
+                        raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
+                                           f"decode: {err}") from None
+        return ReadBatch(indices, out, dims, image, image_field)
+
+    def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """``[n, columns]`` object array of uint8 arrays: the range (off, size) of each sample's shard
+        (absent ranges, size < 0, are empty arrays), coalescing neighbouring ranges into one pread."""
+        n, cols = off.shape
+        got = np.empty((n, cols), dtype=object)
+        flat_off, flat_size = off.reshape(-1), size.reshape(-1)
+        flat_shard = np.repeat(shards.astype(np.int64), cols)
+        present = np.nonzero(flat_size >= 0)[0]
+        for k in np.nonzero(flat_size < 0)[0].tolist():
+            got.flat[k] = _EMPTY
+        order = present[np.lexsort((flat_off[present], flat_shard[present]))]
+        o, z, s = flat_off[order].tolist(), flat_size[order].tolist(), flat_shard[order].tolist()
+        order = order.tolist()
+        a, m = 0, len(order)
+        while a < m:  # ranges a..b-1 become one read
+            shard, start, end, b = s[a], o[a], o[a] + z[a], a + 1
+            while b < m and s[b] == shard and start <= o[b] <= end + _GAP and \
+                    max(end, o[b] + z[b]) - start <= _RUN:
+                end = max(end, o[b] + z[b])
+                b += 1
+            fd = self._fd(shard)
+            data = os.pread(fd, end - start, start) if end > start else b""
+            buf = np.frombuffer(data, dtype=np.uint8)
+            for r in range(a, b):
+                lo = o[r] - start
+                piece = buf[lo:lo + z[r]]
+                if len(piece) != z[r]:
+                    k = order[r]
+                    j, c = divmod(k, cols)
+                    f = self.fields[c] if c < len(self.fields) else "image"
+                    raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: field {f!r} is truncated "
+                                       f"({len(piece)} of {z[r]} bytes at offset {o[r]})")
+                got.flat[order[r]] = piece
+            a = b
+        return got
 
     def _fd(self, shard_index: int) -> int:
         fd = self._fds.get(shard_index)

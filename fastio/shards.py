@@ -176,10 +176,30 @@ def _padded(n: int) -> int:
 
 
 def _member_header(name: str, size: int) -> bytes:
-    """The USTAR header of a regular member: mode 0444, mtime 0, uid/gid 0, no owner names."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "", ""
-    return info.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict")
+    """The USTAR header of a regular member: mode 0444, mtime 0, uid/gid 0, no owner names.
+
+    Byte for byte what ``tarfile.TarInfo.tobuf(USTAR_FORMAT)`` makes, built directly for the usual
+    short ASCII name (``TarInfo`` costs more than hashing and writing a typical image).
+    """
+    raw = name.encode("ascii", "strict")
+    if len(raw) > 100 or size >= 8**11:  # prefix/name split or a size in base-256: tarfile's own code
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "", ""
+        return info.tobuf(tarfile.USTAR_FORMAT, "ascii", "strict")
+    head = raw.ljust(100, b"\0") + b"%011o\0" % size
+    chksum = _HEADER_SUM + sum(head)
+    return b"".join((raw.ljust(100, b"\0"), _HEADER_MODE_IDS, b"%011o\0" % size, _HEADER_MTIME,
+                     b"%06o\0 " % chksum, _HEADER_TAIL))
+
+
+# The constant parts of _member_header: mode, uid, gid; mtime; type, link name, magic, version, owner
+# names, device numbers (empty for a regular file), prefix and padding. _HEADER_SUM is their byte sum
+# plus the checksum field's eight spaces (the USTAR rule).
+_HEADER_MODE_IDS = b"0000444\0" + b"0000000\0" * 2
+_HEADER_MTIME = b"00000000000\0"
+_HEADER_TAIL = (tarfile.REGTYPE + b"\0" * 100 + tarfile.POSIX_MAGIC + b"\0" * 64 + b"\0" * 16
+                + b"\0" * 155).ljust(BLOCK - 100 - 24 - 12 - 12 - 8, b"\0")
+_HEADER_SUM = sum(_HEADER_MODE_IDS) + sum(_HEADER_MTIME) + 8 * ord(" ") + sum(_HEADER_TAIL)
 
 
 def _tar_size(members_end: int) -> int:

@@ -183,29 +183,28 @@ def test_rank_is_checked_against_a_world_size_from_the_environment(image_dataset
     assert Loader(image_dataset, batch_size=4, device="cpu", rank=1).world_size == 2
 
 
-@pytest.mark.parametrize("kind", ["image-train", "raw"])
-def test_feeder_feeds_a_pipeline_the_plan_in_order(image_dataset, kind):
-    """The parts the Loader wires together, used on their own: sampler plan -> reader -> feeder -> DALI graph."""
+@pytest.mark.parametrize("kind", ["image-train", "image-eval"])
+def test_feeder_feeds_a_pipeline_the_plan_in_order_across_epochs(image_dataset, kind):
+    """The parts the Loader wires together, used on their own: sampler plans -> reader -> feeder -> DALI graph.
+    One pipeline runs from a mid-epoch position through the end of that epoch into the next one."""
     ds = Dataset(image_dataset)
     spec = GraphSpec(kind, image_size=16)
-    fields = ("jpg",) if kind != "raw" else ("jpg", "cls")
-    plan = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint).plan(1, 16)
-    with Reader(ds, list(fields), threads=2, size_field="jpg" if spec.needs_image_size else None) as reader:
-        feeder = Feeder(reader, plan, spec, fields, seed=2, read_ahead=1)
-        built = build_pipeline(spec, fields, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None,
-                               prefetch=1)
-        assert built.outputs == (("image", "index") if kind != "raw" else ("index", "jpg", "cls"))
-        for g in range(len(plan)):
+    sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
+    with Reader(ds, [], threads=2, image=("jpg",), sizes=spec.needs_image_size) as reader:
+        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=1, epoch=1, start=16)
+        built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        assert built.outputs == ("image", "index")
+        want = [(1, sampler.plan(1, 16), g) for g in range(4)] + [(2, sampler.plan(2), g) for g in range(6)]
+        for epoch, plan, g in want:
             out = dict(zip(built.outputs, built.pipe.run()))
             fed = feeder.delivered()
-            want, padded = plan.batch(g)
-            assert out["index"].as_array().reshape(-1).tolist() == fed.indices.tolist() == want.tolist()
+            indices, padded = plan.batch(g)
+            assert (fed.epoch, fed.consumed, fed.last) == (epoch, plan.consumed_after(g), g == len(plan) - 1)
+            assert out["index"].as_array().reshape(-1).tolist() == fed.indices.tolist() == indices.tolist()
             assert fed.padded.tolist() == padded.tolist()
-            if kind == "raw":
-                assert [out["cls"].at(j).tobytes() for j in range(8)] == [b.tobytes() for b in fed.batch.fields["cls"]]
-            else:
-                assert out["image"].as_array().shape == (8, 3, 16, 16)
-        assert g == len(plan) - 1 == 3 and not feeder.in_flight()
+            assert out["image"].as_array().shape == (8, 3, 16, 16)
+        # the stream went on into epoch 3 by itself (prefetch 2: one batch fed ahead of the one delivered)
+        assert [(f.epoch, f.start) for f in feeder.in_flight()] == [(3, 0)]
         feeder.cancel()
         del built
 
@@ -219,3 +218,39 @@ def test_cuda_batches_are_on_the_device(image_dataset):
     assert torch.equal(cpu["index"], b["index"])
     # Different decoders (nvJPEG vs libjpeg-turbo): close, not bitwise.
     assert float((cpu["image"] - b["image"].cpu()).abs().mean()) < 0.1
+
+
+def test_one_pipeline_serves_the_loaders_life_until_the_position_jumps(image_dataset):
+    """Epochs follow each other in one DALI pipeline (the next epoch's first batches are fed while the
+    current one ends); breaking out and iterating again continues it; a jump in position makes a new one."""
+    loader = _loader(image_dataset, batch_size=8)
+    first = [b["index"].tolist() for b in loader]
+    built = loader._built
+    assert built is not None and loader.epoch == 1
+    it = iter(loader)
+    head = [next(it)["index"].tolist() for _ in range(2)]
+    it.close()
+    rest = [b["index"].tolist() for b in loader]
+    assert loader._built is built and loader.epoch == 2 and len(head + rest) == len(first)
+    loader.set_epoch(5)
+    fifth = [b["index"].tolist() for b in loader]
+    assert loader._built is not built
+    fresh = _loader(image_dataset, batch_size=8)
+    fresh.set_epoch(5)
+    assert fifth == [b["index"].tolist() for b in fresh]
+    loader.close()
+    fresh.close()
+
+
+def test_batches_kept_across_later_batches_and_epochs_stay_intact(image_dataset):
+    """Images are handed over without a copy when DALI's outputs own their memory: a batch the loop keeps
+    must not change while the Loader goes on (later runs must not reuse its buffer)."""
+    loader = _loader(image_dataset, batch_size=8, prefetch=2)
+    kept, snapshots = [], []
+    for batch in islice(batches(loader), 3 * len(loader)):
+        kept.append(batch["image"])
+        snapshots.append(batch["image"].clone())
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshots))
+    assert len({t.data_ptr() for t in kept}) == len(kept)  # a buffer of its own for every kept batch
+    loader.close()
+    assert all(torch.equal(a, b) for a, b in zip(kept, snapshots))

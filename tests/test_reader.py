@@ -20,11 +20,14 @@ def _open_fds() -> int:
 
 def test_reads_the_stored_bytes(image_dataset, image_folder):
     ds = Dataset(image_dataset)
-    with Reader(ds, ["jpg", "cls"], threads=2, size_field="jpg") as reader:
+    with Reader(ds, ["jpg", "cls"], threads=2, image=("jpg",), sizes=True) as reader:
         rb = reader.submit(np.array([47, 0, 20])).result()
     assert rb.indices.tolist() == [47, 0, 20]
     for j, i in enumerate(rb.indices.tolist()):
-        assert rb.fields["jpg"][j].tobytes() == (image_folder / f"{ds.key(i)}.jpg").read_bytes()
+        assert rb.fields["jpg"][j].tobytes() == rb.image[j].tobytes() == \
+            (image_folder / f"{ds.key(i)}.jpg").read_bytes()
+        assert rb.fields["cls"][j].tobytes() == str(i // 12).encode()
+    assert rb.image_field == ["jpg"] * 3
     assert rb.sizes.shape == (3, 2) and (rb.sizes >= 48).all() and (rb.sizes <= 96).all()
 
 
