@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from fastio.converters.base import FileRef, ScanOptions
 from fastio.errors import ConvertError
 from fastio.images import ImageCheckError, check_image, downscale, is_image_field
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
-from fastio.progress import Progress, rate_line
+from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
 from fastio.wds import is_plain_name
 
@@ -44,27 +43,6 @@ __all__ = [
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
 ON_ERROR = ("skip", "fail")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary).
-
-    ValueError messages name the parameter this reads, ``shard_size``."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        if not m:
-            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
-        number, prefix, binary, _ = m.groups()
-        if binary and not prefix:
-            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
-        power = "kmgtp".find(prefix.lower()) + 1 if prefix else 0
-        value = int(float(number) * (1024 if binary else 1000) ** power)
-    if value <= 0:
-        raise ValueError(f"shard_size must be positive, got {text!r}")
-    return value
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:

@@ -11,7 +11,8 @@ import numpy as np
 
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, parse_index
-from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, load_manifest, shard_records
+from fastio.manifest import ShardRecord, fingerprint, shard_records
+from fastio.storage.dest import open_source
 
 __all__ = ["Dataset", "Shard", "SampleTable"]
 
@@ -45,21 +46,28 @@ class SampleTable:
 
 
 class Dataset:
-    """A converted dataset: ``Dataset(dest)`` validates the manifest and that every shard is present."""
+    """A converted dataset: ``Dataset(dest)`` validates the manifest and that every shard is present.
 
-    def __init__(self, dest: str | Path):
-        self.root = Path(dest)
-        self.manifest: dict[str, Any] = load_manifest(self.root)
-        shards, first, folder = [], 0, self.root / SHARDS_DIR
-        for record in shard_records(self.manifest):
-            shards.append(Shard(**record.as_dict(), path=folder / record.name, idx_path=folder / record.idx_name,
-                                first=first))
+    ``dest`` is a directory or an ``s3://bucket/prefix`` URL. A URL's shards are read through a node-local cache
+    in ``cache_dir`` bounded by ``cache_size`` (see :mod:`fastio.storage.cache`); ``storage_options`` overrides
+    the endpoint, region and credentials found in the environment (:class:`fastio.storage.StorageOptions`).
+    """
+
+    def __init__(self, dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,
+                 storage_options: dict | None = None):
+        # Where the files are (a local DEST, or an s3:// DEST read through a node-local cache) is the storage
+        # layer's business: the source hands over the manifest, local index files and local shard paths.
+        self.source = open_source(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
+        self.root: Path | str = self.source.display
+        self.manifest: dict[str, Any] = self.source.load_manifest()
+        shards, first = [], 0
+        records = shard_records(self.manifest)
+        for record in records:
+            shards.append(Shard(**record.as_dict(), path=self.source.shard_path(record),
+                                idx_path=self.source.idx_path(record), first=first))
             first += record.samples
         self.shards: list[Shard] = shards
-        for shard in shards:
-            for p in (shard.path, shard.idx_path):
-                if not p.is_file():
-                    raise DatasetError(f"{self.root}: shard file {p.name} is missing")
+        self.source.check(records)
 
     def __repr__(self) -> str:
         return f"Dataset({str(self.root)!r}, samples={len(self)}, shards={len(self.shards)})"

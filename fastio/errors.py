@@ -27,9 +27,10 @@ class StorageError(FastioError):
     """Bytes at a URL cannot be read or written (missing, refused, or still failing after the retries).
 
     ``url`` is the object or prefix concerned; ``transient`` is True when the last failure was one that
-    retrying could cure (5xx, throttling, timeouts, cut connections) and the retry bound ran out.
+    retrying could cure (5xx, throttling, timeouts, cut connections) and the retry bound ran out; ``missing``
+    is True when the object does not exist (404).
     """
 
-    def __init__(self, message: str, url: str = "", transient: bool = False):
+    def __init__(self, message: str, url: str = "", transient: bool = False, missing: bool = False):
         super().__init__(message)
-        self.url, self.transient = url, transient
+        self.url, self.transient, self.missing = url, transient, missing

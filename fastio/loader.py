@@ -24,7 +24,7 @@ import torch
 
 from fastio.dataset import Dataset
 from fastio.dist import rank_and_world
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.feeder import Fed, Feeder
 from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, GraphSpec, build_pipeline
 from fastio.reader import Reader, parse_label, sample_where
@@ -107,6 +107,17 @@ class LoaderConfig:
     """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
     progress: bool = False
     """Print a throughput/stall line to stderr every few seconds."""
+    cache_dir: str | None = None
+    """For an ``s3://`` dataset: the node-local cache directory its shards are read through (shared by every
+    process on the node; default ``$FASTIO_CACHE_DIR`` or ``~/.cache/fastio``). Ignored for a local dataset."""
+    cache_size: int | str | None = None
+    """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
+    storage_options: dict | None = field(default=None, compare=False)
+    """Object-store settings over those found in the environment: ``endpoint``, ``region``, ``access_key_id``,
+    ``secret_access_key``, ``profile``, ``retries``, ... (see :class:`fastio.storage.StorageOptions`)."""
+    shard_read_ahead: int = 2
+    """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
+    order the sampler will want them (0: fetch on demand only)."""
     graph: GraphSpec = field(init=False, repr=False, compare=False)
     """The DALI graph these options describe (built and checked once, here)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
@@ -124,6 +135,8 @@ class LoaderConfig:
         put("num_threads", self.num_threads or cores)
         put("read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
         put("reader_threads", self.reader_threads or min(4, cores))
+        if self.shard_read_ahead < 0:
+            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
         if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
             raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
         if self.fields is not None:
@@ -150,7 +163,8 @@ class Loader:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
-        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest)
+        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(
+            dest, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size, storage_options=cfg.storage_options)
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
             found_rank, found_world = rank_and_world()
@@ -187,8 +201,9 @@ class Loader:
         # The fields the graph is fed: the encoded image, or (raw) every delivered field.
         self._graph_fields = (self._image_field,) if graph.decodes else tuple(self._extra)
         read_fields = ([self._image_field] if self._image_field else []) + self._extra
+        self._files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
         self._reader = Reader(ds, read_fields, threads=cfg.reader_threads, verify=cfg.verify,
-                              size_field=self._image_field if graph.needs_image_size else None)
+                              size_field=self._image_field if graph.needs_image_size else None, files=self._files)
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress)
         self._active: Iterator | None = None
@@ -251,8 +266,13 @@ class Loader:
 
     def stats(self) -> dict:
         """``{"last_epoch", "epoch", "overall"}``, each ``{"batches", "samples", "seconds", "samples_per_s",
-        "stall_fraction"}`` (padding repeats are not counted as samples)."""
-        return self._stats.as_dict()
+        "stall_fraction"}`` (padding repeats are not counted as samples); for an ``s3://`` dataset also
+        ``"storage"``: ``{"hits", "waited_fills", "ahead_fills", "bytes_downloaded", "wait_s", "download_MBps",
+        "retries"}`` (``wait_s``: time readers waited for shards not yet in the cache)."""
+        out = self._stats.as_dict()
+        if self._files is not None:
+            out["storage"] = self._files.stats.as_dict(getattr(self._files.storage, "retry_count", 0))
+        return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._close_active()
@@ -278,6 +298,7 @@ class Loader:
         cfg, epoch = self.config, self.epoch
         plan = self._sampler.plan(epoch, self.consumed)
         feeder = Feeder(self._reader, plan, cfg.graph, self._graph_fields, seed=cfg.seed, read_ahead=cfg.read_ahead)
+        self._reader.read_ahead_shards(plan.batch(g)[0] for g in range(len(plan)))  # object stores: fetch shards
         built = None
         try:
             if len(plan):
@@ -290,7 +311,7 @@ class Loader:
                 try:  # on cuda, outputs are made ready on torch's current stream
                     outputs = (built.pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda"
                                else built.pipe.run())
-                except DatasetError:
+                except FastioError:  # the reader's own errors (a bad shard, a storage fault) pass through
                     raise
                 except Exception as err:  # DALI reports a bad image as a bare RuntimeError
                     raise self._decode_error(feeder.in_flight(), err) from None

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from struct import error as struct_error
+from typing import Protocol
 
 import numpy as np
 
@@ -17,7 +19,19 @@ from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.images import image_size
 
-__all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
+__all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "sample_where"]
+
+
+class ShardFiles(Protocol):
+    """A source of shard descriptors other than opening the shard paths (see ``Reader(files=...)``)."""
+
+    def acquire(self, shard_index: int) -> int: ...
+
+    def release(self, shard_index: int) -> None: ...
+
+    def read_ahead(self, order: Iterable[int]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def sample_where(ds: Dataset, index: int) -> str:
@@ -51,15 +65,19 @@ class Reader:
         threads: reader threads; ``submit`` keeps up to this many batches being read at once.
         verify: check each shard's sha256 against the manifest the first time it is opened.
         size_field: also parse (width, height) from this image field's header, in the reader thread.
+        files: where shard descriptors come from when not the shard paths themselves (an object-store DEST's
+            cache: :class:`fastio.storage.cache.CachedShardFiles`, which verifies shards as it fills them);
+            the reader holds the shards of a batch while it reads it, and releases them after.
     """
 
     def __init__(self, dataset: Dataset, fields: list[str], threads: int = 2, verify: bool = False,
-                 size_field: str | None = None):
+                 size_field: str | None = None, files: ShardFiles | None = None):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         dataset.require_fields(list(fields))
         self.ds, self.fields, self.verify, self.size_field = dataset, list(fields), verify, size_field
         self.table = dataset.table
+        self._files = files
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -74,6 +92,15 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
+        if self._files is not None:
+            self._files.close()
+
+    def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
+        """Tell the shard source the coming batches (dataset-wide indices, in order), so that it fetches their
+        shards ahead of need; a no-op for shards read in place."""
+        if self._files is not None:
+            shard = self.table.shard
+            self._files.read_ahead(int(s) for idx in batches for s in dict.fromkeys(shard[idx].tolist()))
 
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
@@ -85,19 +112,13 @@ class Reader:
     def read_batch(self, indices: np.ndarray) -> ReadBatch:
         t = self.table
         out: dict[str, list] = {f: [None] * len(indices) for f in self.fields}
-        # Read in (shard, offset) order, which storage likes; results keep the batch's order.
-        for j in np.lexsort((t.span_offset[indices], t.shard[indices])).tolist():
-            i = int(indices[j])
-            fd = self._fd(int(t.shard[i]))
-            for f in self.fields:
-                offset, size = int(t.offsets[f][i]), int(t.sizes[f][i])
-                if size < 0:
-                    raise DatasetError(f"{sample_where(self.ds, i)}: sample has no field {f!r}")
-                data = os.pread(fd, size, offset)
-                if len(data) != size:
-                    raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
-                                       f"({len(data)} of {size} bytes at offset {offset})")
-                out[f][j] = np.frombuffer(data, dtype=np.uint8)
+        fds = self._hold(np.unique(t.shard[indices]).tolist())
+        try:
+            self._read_into(out, indices, fds)
+        finally:
+            if self._files is not None:
+                for s in fds:
+                    self._files.release(s)
         sizes = None
         if self.size_field is not None:
             sizes = np.empty((len(indices), 2), np.int64)
@@ -108,6 +129,36 @@ class Reader:
                     raise DatasetError(f"{sample_where(self.ds, i)}: field {self.size_field!r} failed to "
                                        f"decode: {err}") from None
         return ReadBatch(indices, out, sizes)
+
+    def _hold(self, shards: list[int]) -> dict[int, int]:
+        """Descriptors of these shards, held (in use) until released when they come from a shard source."""
+        if self._files is None:
+            return {s: self._fd(s) for s in shards}
+        held: dict[int, int] = {}
+        try:
+            for s in shards:
+                held[s] = self._files.acquire(s)
+        except BaseException:
+            for s in held:
+                self._files.release(s)
+            raise
+        return held
+
+    def _read_into(self, out: dict[str, list], indices: np.ndarray, fds: dict[int, int]) -> None:
+        t = self.table
+        # Read in (shard, offset) order, which storage likes; results keep the batch's order.
+        for j in np.lexsort((t.span_offset[indices], t.shard[indices])).tolist():
+            i = int(indices[j])
+            fd = fds[int(t.shard[i])]
+            for f in self.fields:
+                offset, size = int(t.offsets[f][i]), int(t.sizes[f][i])
+                if size < 0:
+                    raise DatasetError(f"{sample_where(self.ds, i)}: sample has no field {f!r}")
+                data = os.pread(fd, size, offset)
+                if len(data) != size:
+                    raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
+                                       f"({len(data)} of {size} bytes at offset {offset})")
+                out[f][j] = np.frombuffer(data, dtype=np.uint8)
 
     def _fd(self, shard_index: int) -> int:
         fd = self._fds.get(shard_index)

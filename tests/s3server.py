@@ -69,18 +69,6 @@ class MotoServer:
         finally:
             conn.close()
 
-    def put_raw(self, bucket: str, key: str, data: bytes) -> None:
-        """Store an object behind fastio's back (e.g. a corrupted copy)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request("PUT", f"/{bucket}/{key}", body=data)
-            resp = conn.getresponse()
-            resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"put {bucket}/{key}: HTTP {resp.status}")
-        finally:
-            conn.close()
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

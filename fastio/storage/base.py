@@ -226,14 +226,16 @@ class S3Storage(Storage):
         self._retrying(lambda: self._client.delete(full), key, "DELETE")
 
     def get_to_file(self, key: str, path: Path, size: int | None = None) -> int:
-        """Ranged GETs of ``part_size`` bytes, ``concurrency`` at once, written in place with ``pwrite``."""
+        """Ranged GETs of ``part_size`` bytes, ``concurrency`` at once, written in place with ``pwrite`` (the file
+        is set to ``size`` bytes first, not truncated to zero)."""
         if size is None:
             size = self.head(key)
             if size is None:
                 raise StorageError(f"{self.url_of(key)}: not found", url=self.url_of(key))
         part = self.options.part_size
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
+            os.ftruncate(fd, size)  # full size at once: a cache's space accounting sees it reserved
             if size <= part:
                 data = self.get(key) if size else b""
                 if len(data) != size:

@@ -39,7 +39,7 @@ def retrying(fn: Callable[[], T], *, url: str, what: str, retries: int, backoff_
         try:
             return fn()
         except Permanent as err:
-            raise StorageError(f"{url}: {what} failed: {err}", url=url) from None
+            raise StorageError(f"{url}: {what} failed: {err}", url=url, missing=err.missing) from None
         except Transient as err:
             if attempt >= retries:
                 raise StorageError(f"{url}: {what} failed after {attempt + 1} attempts: {err}", url=url,
