@@ -7,13 +7,18 @@ case each split is checked and shard names are prefixed with the split name.
 from __future__ import annotations
 
 import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checksum import sha256_file
+from fastio.errors import DatasetError, StorageError
 from fastio.idx import parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
-from fastio.manifest import SHARDS_DIR, load_manifest, shard_records, split_names
+from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, load_manifest, shard_records, split_names
+from fastio.storage import is_remote, open_storage
+from fastio.storage.dest import dest_split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -35,7 +40,7 @@ class Problem:
 class VerifyReport:
     """What :func:`verify` checked (shards, samples, images decoded) and every problem it found."""
 
-    dest: Path
+    dest: Path | str
     shards: int = 0
     samples: int = 0
     decoded: int = 0
@@ -72,8 +77,21 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
     return samples
 
 
-def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> None:
+def _each_shard(root: Path, fetch: Callable[[ShardRecord], list[Path]] | None) -> Iterator[ShardRecord]:
+    """The manifest's shard records; with ``fetch`` (a remote DEST), each shard's files are fetched into
+    ``root`` before it is checked and deleted after."""
     for shard in shard_records(load_manifest(root)):
+        paths = fetch(shard) if fetch is not None else []
+        try:
+            yield shard
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+
+
+def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
+                fetch: Callable[[ShardRecord], list[Path]] | None = None) -> None:
+    for shard in _each_shard(root, fetch):
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
         report.shards += 1
@@ -119,13 +137,55 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
                 report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
 
 
-def verify(dest: str | Path, *, decode: bool = False) -> VerifyReport:
+def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Recompute every shard's and index's sha256, parse every tar member, compare counts and the
     index with the manifest; with ``decode`` also decode every image. DatasetError if DEST is not a
-    dataset at all; every other finding is a :class:`Problem` in the report."""
+    dataset at all; every other finding is a :class:`Problem` in the report.
+
+    An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
+    folder (not the cache: a damaged object is reported, not refused), checked, and deleted."""
+    if is_remote(dest):
+        return _verify_remote(str(dest), decode, storage_options)
     dest = Path(dest)
     report = VerifyReport(dest)
     splits = split_names(dest)
     for name in splits or [""]:
         _verify_one(dest / name if name else dest, f"{name}/" if name else "", decode, report)
+    return report
+
+
+def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> VerifyReport:
+    storage = open_storage(url, storage_options)
+    report = VerifyReport(url)
+    splits = dest_split_names(url, storage_options)
+    with tempfile.TemporaryDirectory(prefix="fastio-verify-") as tmp:
+        for name in splits or [""]:
+            sub, prefix = Path(tmp) / name, f"{name}/" if name else ""
+            (sub / SHARDS_DIR).mkdir(parents=True)
+            try:
+                storage.get_to_file(f"{prefix}{MANIFEST_NAME}", sub / MANIFEST_NAME)
+            except StorageError as err:
+                if err.missing:
+                    raise DatasetError(f"{storage.url_of(prefix.rstrip('/'))}: not a fastio dataset "
+                                       f"(no {MANIFEST_NAME}; an interrupted conversion?)") from None
+                raise
+
+            def fetch(shard: ShardRecord, sub: Path = sub, prefix: str = prefix) -> list[Path]:
+                paths = []
+                for file in (shard.name, shard.idx_name):
+                    path = sub / SHARDS_DIR / file
+                    try:
+                        storage.get_to_file(f"{prefix}{SHARDS_DIR}/{file}", path)
+                    except StorageError as err:
+                        if not err.missing:
+                            raise
+                        path.unlink(missing_ok=True)  # reported as missing by the check
+                    paths.append(path)
+                return paths
+
+            try:
+                _verify_one(sub, prefix, decode, report, fetch)
+            except DatasetError as err:  # name the URL, not the temporary copy
+                raise DatasetError(str(err).replace(str(sub / MANIFEST_NAME), storage.url_of(prefix + MANIFEST_NAME))
+                                   .replace(str(sub), url)) from None
     return report

@@ -121,7 +121,8 @@ class LocalStorage(Storage):
                 f.seek(start or 0)
                 return f.read(-1 if end is None else end - (start or 0))
         except OSError as err:
-            raise StorageError(f"{self.url_of(key)}: cannot read: {err.strerror}", url=self.url_of(key)) from None
+            raise StorageError(f"{self.url_of(key)}: cannot read: {err.strerror}", url=self.url_of(key),
+                               missing=isinstance(err, FileNotFoundError)) from None
 
     def head(self, key: str) -> int | None:
         try:
@@ -231,7 +232,7 @@ class S3Storage(Storage):
         if size is None:
             size = self.head(key)
             if size is None:
-                raise StorageError(f"{self.url_of(key)}: not found", url=self.url_of(key))
+                raise StorageError(f"{self.url_of(key)}: not found", url=self.url_of(key), missing=True)
         part = self.options.part_size
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from fastio.errors import DatasetError, StorageError
-from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, load_manifest
+from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, SPLITS_NAME, ShardRecord, load_manifest, split_names
 from fastio.storage.base import Storage, open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache, default_cache_dir
 from fastio.storage.options import StorageOptions
+from fastio.storage.url import parse_location
 
-__all__ = ["DatasetSource", "LocalSource", "RemoteSource", "open_source"]
+__all__ = ["DatasetSource", "LocalSource", "RemoteSource", "dest_child", "dest_split_names", "open_source"]
 
 
 class DatasetSource:
@@ -169,3 +171,31 @@ def open_source(dest: str | Path, *, cache_dir: str | Path | None = None, cache_
     if not storage.remote:
         return LocalSource(storage.location.path)
     return RemoteSource(storage, ShardCache(cache_dir or default_cache_dir(), cache_size))
+
+
+def dest_child(dest: str | Path, name: str) -> str | Path:
+    """``dest/name`` for a folder or a URL (a split of a ``split`` DEST)."""
+    if isinstance(dest, Path) or not parse_location(dest).remote:
+        return Path(dest) / name
+    return f"{str(dest).rstrip('/')}/{name}"
+
+
+def dest_split_names(dest: str | Path, storage_options: StorageOptions | dict | None = None) -> list[str] | None:
+    """:func:`fastio.manifest.split_names` for a folder or a URL DEST."""
+    storage = open_storage(dest, storage_options)
+    if not storage.remote:
+        return split_names(storage.location.path)
+    if storage.exists(MANIFEST_NAME):
+        return None
+    try:
+        data = storage.get(SPLITS_NAME)
+    except StorageError as err:
+        if err.missing:
+            return None
+        raise
+    with tempfile.TemporaryDirectory(prefix="fastio-splits-") as tmp:
+        (Path(tmp) / SPLITS_NAME).write_bytes(data)
+        try:
+            return split_names(Path(tmp))
+        except DatasetError as err:
+            raise DatasetError(str(err).replace(str(Path(tmp) / SPLITS_NAME), storage.url_of(SPLITS_NAME))) from None

@@ -51,6 +51,8 @@ def is_remote(dest: str | Path) -> bool:
 def parse_location(dest: str | Path) -> Location:
     """Parse a DEST: a local path, ``file:///abs/path``, or ``s3://bucket[/prefix]``."""
     if isinstance(dest, Path):
+        if _SCHEME.match(str(dest)):  # Path("s3://b/x") is "s3:/b/x": a URL mangled by pathlib, never a folder
+            raise StorageError(f"{dest}: looks like a URL passed as a Path (pass URLs as str)", url=str(dest))
         return Location("file", str(dest), path=dest)
     text = str(dest)
     m = _SCHEME.match(text)
