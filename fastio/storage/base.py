@@ -50,6 +50,10 @@ class Storage(ABC):
         return f"{self.url.rstrip('/')}/{key.lstrip('/')}" if key else self.url
 
     @abstractmethod
+    def child(self, sub: str) -> Storage:
+        """The storage rooted at ``sub`` below this one (same client and options)."""
+
+    @abstractmethod
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The whole object, or its bytes ``[start, end)``."""
 
@@ -109,6 +113,10 @@ class LocalStorage(Storage):
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root
+
+    def child(self, sub: str) -> LocalStorage:
+        path = self.root / sub.strip("/")
+        return LocalStorage(Location("file", str(path), path=path))
 
     def local_path(self, key: str) -> Path:
         return self._path(key)
@@ -183,6 +191,15 @@ class S3Storage(Storage):
 
     def _key(self, key: str) -> str:
         return join_key(self.location.prefix, key)
+
+    def child(self, sub: str) -> S3Storage:
+        loc = self.location
+        prefix = join_key(loc.prefix, sub.strip("/"))
+        out = object.__new__(S3Storage)
+        out.__dict__.update(self.__dict__)  # the same client, options and retry counter source
+        out.location = Location(loc.scheme, f"{loc.scheme}://{join_key(loc.bucket, prefix)}", bucket=loc.bucket,
+                                prefix=prefix)
+        return out
 
     def _retrying(self, fn, key: str, what: str) -> Any:
         o = self.options
