@@ -123,6 +123,11 @@ class S3Client:
                 out.extend((m["path"], int(m["size"])) for m in batch)
             return out
 
+    def presign(self, keys: list[str], expires_s: float) -> list[str]:
+        """Presigned GET URLs of ``keys`` (for tools without the credentials, e.g. ``curl``)."""
+        with _translated():
+            return list(obstore.sign(self._store, "GET", keys, timedelta(seconds=expires_s)))
+
     def delete(self, key: str) -> None:
         with _translated():
             obstore.delete(self._store, key)

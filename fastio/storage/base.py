@@ -243,6 +243,11 @@ class S3Storage(Storage):
         full = self._key(key)
         self._retrying(lambda: self._client.delete(full), key, "DELETE")
 
+    def presign(self, keys: list[str], expires_s: float = 3600.0) -> list[str]:
+        """Presigned HTTP GET URLs of ``keys``, valid ``expires_s`` seconds (signed by the client, offline)."""
+        full = [self._key(k) for k in keys]
+        return self._retrying(lambda: self._client.presign(full, expires_s), keys[0] if keys else "", "presign")
+
     def get_to_file(self, key: str, path: Path, size: int | None = None) -> int:
         """Ranged GETs of ``part_size`` bytes, ``concurrency`` at once, written in place with ``pwrite`` (the file
         is set to ``size`` bytes first, not truncated to zero)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -237,11 +238,8 @@ class ShardCache:
             try:
                 for attempt in (1, 2):
                     self._reserve(entry, tmp, url, wait)
-                    storage.get_to_file(entry.key, tmp, entry.size)
-                    size, digest = sha256_file(tmp)
+                    size, digest = self._download(storage, entry, tmp)
                     if size == entry.size and digest == entry.sha256:
-                        with open(tmp, "rb+") as f:
-                            os.fsync(f.fileno())
                         os.replace(tmp, final)
                         fsync_dir(self.objects)
                         return True
@@ -255,6 +253,30 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
         return True
+
+    @staticmethod
+    def _download(storage: Storage, entry: CacheEntry, tmp: Path) -> tuple[int, str]:
+        """Fill ``tmp`` (already at its full size) and return ``(size, sha256)`` of what arrived, fsynced.
+        One part: hashed in memory as it is written; several parts (parallel ranged GETs): hashed after."""
+        part = getattr(getattr(storage, "options", None), "part_size", None)
+        if part is None or entry.size > part:
+            storage.get_to_file(entry.key, tmp, entry.size)
+            size, digest = sha256_file(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return size, digest
+        data = storage.get(entry.key)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, len(data))
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(data), hashlib.sha256(data).hexdigest()
 
 
 @dataclass

@@ -151,7 +151,8 @@ class RemoteSource(DatasetSource):
         return [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes) for r in records]
 
     def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles:
-        return CachedShardFiles(self.cache, self.storage, self._entries(records), depth=read_ahead)
+        return CachedShardFiles(self.cache, self.storage, self._entries(records), depth=read_ahead,
+                                threads=max(2, read_ahead))
 
     @contextmanager
     def local_shard(self, record: ShardRecord) -> Iterator[Path]:
