@@ -291,3 +291,33 @@ def test_read_ahead_fetches_in_the_order_the_sampler_wants(moto_server, s3_bucke
     files.close()
     assert np.all([cache.path(entries[i].sha256).read_bytes() == (small_shards / SHARDS_DIR / entries[i].name)
                    .read_bytes() for i in order[:4]])
+
+
+def test_many_processes_opening_a_new_cache_at_once(tmp_path):
+    code = "import sys; from fastio.storage.cache import ShardCache; ShardCache(sys.argv[1], '1GB')"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "new")], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO))) for _ in range(6)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-500:]
+    assert (tmp_path / "new" / ".fastio-cache").is_file()
+
+
+def test_a_large_shard_is_filled_with_parallel_ranged_gets(moto_server, s3_bucket, fault_proxy, tmp_path):
+    import hashlib
+
+    fault_proxy.slowdown, fault_proxy.cut = 0.3, 0.3
+    data = os.urandom(12 << 20)
+    store = open_storage(f"s3://{s3_bucket}/big", moto_server.options(fault_proxy.endpoint, part_size=5 << 20,
+                                                                      backoff_s=0.01))
+    store.put_bytes("shards/big.tar", data)
+    entry = CacheEntry("big.tar", "shards/big.tar", hashlib.sha256(data).hexdigest(), len(data))
+    cache = ShardCache(tmp_path / "cache", "1GB")
+    before = fault_proxy.counts["requests"]
+    assert cache.fill(store, entry)
+    assert cache.path(entry.sha256).read_bytes() == data
+    assert fault_proxy.counts["requests"] - before >= 3  # 3 ranges of 5 MiB (and their retries)
+    bad = CacheEntry("big.tar", "shards/big.tar", "0" * 64, len(data))
+    with pytest.raises(StorageError, match=r"shard big.tar does not match the manifest after 2 downloads"):
+        cache.fill(store, bad)
+    assert not list(cache.objects.glob("*.tmp"))

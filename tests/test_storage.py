@@ -94,14 +94,18 @@ def test_transient_faults_are_retried_with_backoff(moto_server, s3_bucket, fault
         st.put_bytes(k, v)
     big = os.urandom(11 << 20)
     (tmp_path / "big").write_bytes(big)
-    st.put_file("big.bin", tmp_path / "big")
+    st.put_file("big.bin", tmp_path / "big")  # multipart: a faulted part is retried alone (inside the client)
+    put_faults = fault_proxy.counts["slowdown"]
+    assert put_faults > 0 and st.retry_count == 0
     for k, v in blobs.items():
         assert st.get(k) == v
         assert st.get(k, 1000, 5000) == v[1000:5000]
     st.get_to_file("big.bin", tmp_path / "copy")
     assert (tmp_path / "copy").read_bytes() == big
-    assert fault_proxy.counts["slowdown"] > 0 and fault_proxy.counts["cut"] > 0
-    assert st.retry_count >= fault_proxy.counts["slowdown"] + fault_proxy.counts["cut"] - 2
+    read_faults = fault_proxy.counts["slowdown"] - put_faults + fault_proxy.counts["cut"]
+    assert fault_proxy.counts["slowdown"] > put_faults and fault_proxy.counts["cut"] > 0
+    # every faulted read was retried by fastio; a pooled connection the proxy had closed may add a retry
+    assert read_faults <= st.retry_count <= read_faults + 3
 
 
 def test_retries_are_bounded_then_a_clear_error(moto_server, s3_bucket, fault_proxy):

@@ -84,8 +84,16 @@ class S3Client:
                 config["session_token"] = o.session_token
         client = {"timeout": timedelta(seconds=o.timeout_s), "connect_timeout": timedelta(seconds=o.connect_timeout_s),
                   "allow_http": bool(o.endpoint and o.endpoint.startswith("http://"))}
+        # Reads are retried by fastio (fastio.storage.retry: a cut body is retried too, attempts are counted).
+        # Uploads are retried request by request inside obstore, so a 503 on part 7 of a multipart upload
+        # retries that part, not the whole upload; fastio's loop still wraps what is left.
+        backoff = {"init_backoff": timedelta(seconds=max(o.backoff_s, 0.001)),
+                   "max_backoff": timedelta(seconds=max(o.backoff_max_s, 0.001)), "base": 2}
         with _translated():
             self._store = S3Store(bucket, config=config, client_options=client, retry_config={"max_retries": 0})
+            self._put_store = S3Store(bucket, config=config, client_options=client, retry_config={
+                "max_retries": o.retries, "backoff": backoff,
+                "retry_timeout": timedelta(seconds=o.timeout_s * (o.retries + 1))})
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or bytes ``[start, end)`` of it (a whole body is read; a cut one is Transient)."""
@@ -109,11 +117,11 @@ class S3Client:
     def put_file(self, key: str, path: Path) -> None:
         o = self.options
         with _translated():
-            obstore.put(self._store, key, Path(path), chunk_size=o.part_size, max_concurrency=o.concurrency)
+            obstore.put(self._put_store, key, Path(path), chunk_size=o.part_size, max_concurrency=o.concurrency)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translated():
-            obstore.put(self._store, key, data, use_multipart=False)
+            obstore.put(self._put_store, key, data, use_multipart=False)
 
     def list(self, prefix: str) -> list[tuple[str, int]]:
         """``(key, size)`` of every object under ``prefix`` (a folder-like prefix ending in ``/``)."""

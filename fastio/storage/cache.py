@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastio.atomic import atomic_write_bytes, fsync_dir
+from fastio.atomic import fsync_dir
 from fastio.checksum import sha256_file
 from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
@@ -52,6 +52,7 @@ __all__ = ["CACHE_MARKER", "CacheEntry", "CachedShardFiles", "ShardCache", "defa
 CACHE_MARKER = ".fastio-cache"
 OBJECTS_DIR = "objects"
 META_DIR = "meta"
+_OWN_NAMES = {CACHE_MARKER, OBJECTS_DIR, META_DIR, ".evict.lock"}
 _ENTRY = re.compile(r"[0-9a-f]{64}\.tar")
 _TMP = re.compile(r"\.([0-9a-f]{64})\.tar\.tmp")
 
@@ -120,10 +121,17 @@ class ShardCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not (self.dir / CACHE_MARKER).is_file():
-                if any(p.name != CACHE_MARKER for p in self.dir.iterdir()):
+                # several processes may open a new cache at once: what they create is not "foreign"
+                if any(p.name not in _OWN_NAMES for p in self.dir.iterdir()):
                     raise StorageError(f"{self.dir}: cache_dir is not empty and is not a fastio cache "
                                        f"(no {CACHE_MARKER}); give an empty or new directory", url=str(self.dir))
-                atomic_write_bytes(self.dir / CACHE_MARKER, json.dumps({"format": "fastio-cache", "version": 1}).encode())
+                try:
+                    fd = os.open(self.dir / CACHE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    pass
+                else:
+                    os.write(fd, json.dumps({"format": "fastio-cache", "version": 1}).encode())
+                    os.close(fd)
             (self.dir / OBJECTS_DIR).mkdir(exist_ok=True)
             (self.dir / META_DIR).mkdir(exist_ok=True)
         except OSError as err:
