@@ -95,6 +95,11 @@ class S3Client:
                 "max_retries": o.retries, "backoff": backoff,
                 "retry_timeout": timedelta(seconds=o.timeout_s * (o.retries + 1))})
 
+    def get_buffer(self, key: str) -> memoryview:
+        """The whole object as a read-only buffer over the client's memory (no copy into Python bytes)."""
+        with _translated():
+            return memoryview(obstore.get(self._store, key).bytes())
+
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or bytes ``[start, end)`` of it (a whole body is read; a cut one is Transient)."""
         with _translated():

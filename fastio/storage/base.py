@@ -57,6 +57,10 @@ class Storage(ABC):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The whole object, or its bytes ``[start, end)``."""
 
+    def get_buffer(self, key: str) -> bytes | memoryview:
+        """The whole object as bytes or a read-only buffer (S3: no copy of what the client received)."""
+        return self.get(key)
+
     @abstractmethod
     def head(self, key: str) -> int | None:
         """The object's size in bytes, or None if it does not exist."""
@@ -219,6 +223,10 @@ class S3Storage(Storage):
         if end is not None and len(data) != end - (start or 0):
             raise StorageError(f"{self.url_of(key)}: {what} returned {len(data)} bytes", url=self.url_of(key))
         return data
+
+    def get_buffer(self, key: str) -> memoryview:
+        full = self._key(key)
+        return self._retrying(lambda: self._client.get_buffer(full), key, "GET")
 
     def head(self, key: str) -> int | None:
         full = self._key(key)

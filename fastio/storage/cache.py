@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastio.atomic import fsync_dir
 from fastio.checksum import sha256_file
 from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
@@ -248,8 +247,8 @@ class ShardCache:
                     self._reserve(entry, tmp, url, wait)
                     size, digest = self._download(storage, entry, tmp)
                     if size == entry.size and digest == entry.sha256:
+                        # the data is fsynced; the rename is not (a rename lost in a crash costs one refill)
                         os.replace(tmp, final)
-                        fsync_dir(self.objects)
                         return True
                     if attempt == 2:
                         raise StorageError(f"{url}: shard {entry.name} does not match the manifest after 2 downloads "
@@ -276,7 +275,7 @@ class ShardCache:
             finally:
                 os.close(fd)
             return size, digest
-        data = storage.get(entry.key)
+        data = storage.get_buffer(entry.key)
         fd = os.open(tmp, os.O_WRONLY)
         try:
             os.ftruncate(fd, len(data))
