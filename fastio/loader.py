@@ -99,7 +99,8 @@ class LoaderConfig:
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
-    """Check each shard's sha256 against the manifest before its first use."""
+    """Check each shard's sha256 against the manifest before its first use (an ``s3://`` dataset's shards
+    are always checked, when the cache fills them)."""
     rank: int | None = None
     """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
     checked against the world size when the Loader is made."""

@@ -81,7 +81,7 @@ class Reader:
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds, files)
 
     def __enter__(self) -> Reader:
         return self
@@ -92,8 +92,6 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
-        if self._files is not None:
-            self._files.close()
 
     def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
         """Tell the shard source the coming batches (dataset-wide indices, in order), so that it fetches their
@@ -230,6 +228,8 @@ class _Descriptors:
             self._fds.clear()
 
 
-def _release(pool: ThreadPoolExecutor, fds: _Descriptors) -> None:
+def _release(pool: ThreadPoolExecutor, fds: _Descriptors, files: ShardFiles | None = None) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     fds.close_all()
+    if files is not None:  # its shards stop being in use (evictable) and its read-ahead stops
+        files.close()

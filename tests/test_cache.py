@@ -136,19 +136,22 @@ def test_two_processes_sharing_a_cache_download_each_shard_once(moto_server, s3_
     assert ShardCache(tmp_path / "cache").usage() == (sum(shard_sizes(small_shards)), 6)
 
 
-def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, small_shards, tmp_path):
+def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, fault_proxy, small_shards, tmp_path):
     url = f"s3://{s3_bucket}/ds"
     upload(small_shards, url, moto_server.options())
+    fault_proxy.slowdown, fault_proxy.cut = 0.2, 0.2
     name = sorted(p.name for p in (small_shards / SHARDS_DIR).glob("*.tar"))[2]
     data = bytearray((small_shards / SHARDS_DIR / name).read_bytes())
     data[700] ^= 0xFF  # same size, other bytes
     open_storage(url, moto_server.options()).put_bytes(f"{SHARDS_DIR}/{name}", bytes(data))  # behind fastio's back
     loader = Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none",
-                    cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options())
+                    cache_dir=str(tmp_path / "cache"),
+                    storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
     with pytest.raises(StorageError, match=rf"{url}/shards/{name}: shard {name} does not match the manifest after 2 "
                                            r"downloads"):
         raw_epoch(loader)
     loader.close()
+    assert fault_proxy.counts["slowdown"] + fault_proxy.counts["cut"] > 0
     objects = tmp_path / "cache" / "objects"
     good = {e.sha256 + ".tar" for e in _entries(small_shards) if e.name != name}
     assert not list(objects.glob("*.tmp")) and {p.name for p in objects.glob("*.tar")} <= good  # never the bad one
