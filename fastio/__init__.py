@@ -24,6 +24,7 @@ _LAZY = {
     "ConvertError": "fastio.errors",
     "LoaderStateError": "fastio.errors",
     "CheckpointError": "fastio.errors",
+    "StorageError": "fastio.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

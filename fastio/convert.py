@@ -21,10 +21,11 @@ a label outside ``0 .. 2**63-1``) are skipped and listed in the manifest, or sto
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
-import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,9 @@ from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, down
 from fastio.labels import check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
-from fastio.progress import Progress, rate_line
+from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
+from fastio.storage import Storage, is_remote, open_storage
 from fastio.wds import is_plain_name
 
 __all__ = [
@@ -56,27 +58,6 @@ __all__ = [
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
 ON_ERROR = ("skip", "fail")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary).
-
-    ValueError messages name the parameter this reads, ``shard_size``."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        if not m:
-            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
-        number, prefix, binary, _ = m.groups()
-        if binary and not prefix:
-            raise ValueError(f"shard_size: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
-        power = "kmgtp".find(prefix.lower()) + 1 if prefix else 0
-        value = int(float(number) * (1024 if binary else 1000) ** power)
-    if value <= 0:
-        raise ValueError(f"shard_size must be positive, got {text!r}")
-    return value
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
@@ -162,10 +143,17 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
     progress: bool = False
     """Draw a progress bar on stderr."""
+    staging_dir: Path | None = None
+    """For a URL ``dest`` (``s3://bucket/prefix``): where the dataset is written before it is uploaded
+    (a temporary folder inside it, removed afterwards; default: the system's temporary directory)."""
+    storage_options: dict | None = None
+    """For a URL ``dest``: endpoint, region, credentials over the environment's (:class:`fastio.storage.StorageOptions`)."""
 
     def __post_init__(self) -> None:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``)."""
-        self.source, self.dest = Path(self.source), Path(self.dest)
+        # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
+        self.source = Path(self.source)
+        self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
         if self.format is not None and self.format not in converters.FORMATS:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
@@ -394,7 +382,12 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 
 
 def convert(config: ConvertConfig) -> ConvertResult:
-    """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees."""
+    """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees.
+
+    A URL ``dest`` is written to a local staging folder first, then uploaded: shards and indexes, then each
+    manifest, ``splits.json`` last, so readers never see a partial dataset (see :func:`_convert_to_url`)."""
+    if not isinstance(config.dest, Path):
+        return _convert_to_url(config)
     started = time.perf_counter()
     lock = DirLock(config.dest, purpose="fastio convert")
     if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
@@ -479,3 +472,58 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=all_skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+
+
+# -- object-store DEST ------------------------------------------------------------------------------
+
+_FINAL_NAMES = (MANIFEST_NAME, SPLITS_NAME)
+
+
+def _is_dataset_key(key: str) -> bool:
+    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards, indexes."""
+    parts = key.split("/")
+    return (parts[-1] in (*_FINAL_NAMES, MARKER_NAME) and len(parts) <= 2) or (
+        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".idx")))
+
+
+def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
+    """The keys of a previous conversion under DEST (to delete after an ``overwrite``); ConvertError if
+    DEST holds a dataset (without ``overwrite``) or objects fastio did not write."""
+    keys = [o.key for o in storage.list()]
+    if not keys:
+        return []
+    ours = any(k in (MARKER_NAME, *_FINAL_NAMES) for k in keys)
+    if not ours:
+        raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
+    if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:
+        raise ConvertError(f"{storage.url}: already holds a converted dataset; pass overwrite=True to replace it")
+    return [k for k in keys if _is_dataset_key(k)]
+
+
+def _convert_to_url(config: ConvertConfig) -> ConvertResult:
+    """Convert into a local staging folder, then upload it to ``config.dest``, final files last.
+
+    With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
+    upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
+    deleted. One writer per DEST is the caller's business on object stores (there is no lock there yet)."""
+    storage = open_storage(config.dest, config.storage_options)
+    old = _check_remote_dest(storage, config.overwrite)
+    if config.staging_dir is not None:
+        Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="fastio-convert-", dir=config.staging_dir))
+    try:
+        local = dataclasses.replace(config, dest=staging / "dest", overwrite=False)
+        result = convert(local)
+        (local.dest / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
+        for key in old:
+            if key.split("/")[-1] in _FINAL_NAMES:
+                storage.delete(key)
+        finals = sorted(k for k in result.manifests if k) + [""]
+        last = tuple(f"{split}/{MANIFEST_NAME}" if split else MANIFEST_NAME for split in finals) + (SPLITS_NAME,)
+        uploaded = storage.publish_dir(local.dest, keys_last=last)
+        for key in sorted(set(old) - set(uploaded)):
+            storage.delete(key)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    result.dest = config.dest
+    return result

@@ -10,7 +10,6 @@ which are parsed into the same in-memory index on first use.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +21,8 @@ import numpy as np
 from fastio.dsindex import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, load_index
-from fastio.manifest import SHARDS_DIR, ShardRecord, fingerprint, index_record, load_manifest
+from fastio.manifest import ShardRecord, fingerprint, index_record
+from fastio.storage.dest import DatasetSource, open_source
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
@@ -34,20 +34,20 @@ _RECORD_FIELDS = [f.name for f in dataclasses.fields(ShardRecord)]
 class Shard(ShardRecord):
     """A manifest's :class:`~fastio.manifest.ShardRecord` located in an opened DEST."""
 
-    folder: Path
-    """``DEST/shards``."""
-    first: int
+    source: DatasetSource = dataclasses.field(repr=False, compare=False)
+    """Where the DEST lives (a local folder, or an object store read through a node-local cache)."""
+    first: int = 0
     """Dataset-wide index of the shard's first sample."""
 
     @property
     def path(self) -> Path:
-        """The tar file."""
-        return self.folder / self.name
+        """The local tar file (for a remote DEST: its cache entry, maybe not filled yet)."""
+        return self.source.shard_path(self)
 
     @property
     def idx_path(self) -> Path:
-        """Its ``.idx`` file."""
-        return self.folder / self.idx_name
+        """Its local ``.idx`` file (for a remote DEST: fetched and verified on first use)."""
+        return self.source.idx_path(self)
 
 
 @dataclass(frozen=True)
@@ -70,32 +70,32 @@ class Dataset:
     """A converted dataset: ``Dataset(dest)`` validates the manifest and that every shard is present.
 
     Args:
-        dest: the dataset directory.
+        dest: the dataset directory, or an ``s3://bucket/prefix`` URL.
         verify: also check the sample index's sha256 against the manifest when it is opened (reads all
             of it; its size and header are always checked).
+        cache_dir, cache_size: for a URL, the node-local cache its shards are read through
+            (:mod:`fastio.storage.cache`).
+        storage_options: override the endpoint, region and credentials found in the environment
+            (:class:`fastio.storage.StorageOptions`).
     """
 
-    def __init__(self, dest: str | Path, *, verify: bool = False):
-        self.root = Path(dest)
+    def __init__(self, dest: str | Path, *, verify: bool = False, cache_dir: str | Path | None = None,
+                 cache_size: int | str | None = None, storage_options: dict | None = None):
+        # Where the files are (a local DEST, or an s3:// DEST read through a node-local cache) is the storage
+        # layer's business: the source hands over the manifest, the local index and local shard paths.
+        self.source = open_source(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
+        self.root: Path | str = self.source.display
         self.verify = verify
-        self.manifest: dict[str, Any] = load_manifest(self.root)
-        shards, first, folder = [], 0, self.root / SHARDS_DIR
+        self.manifest: dict[str, Any] = self.source.load_manifest()
+        shards, first = [], 0
         for entry in self.manifest["shards"]:  # validated by load_manifest (as shard_records assumes)
-            shards.append(Shard(*(entry[f] for f in _RECORD_FIELDS), folder=folder, first=first))
+            shards.append(Shard(*(entry[f] for f in _RECORD_FIELDS), source=self.source, first=first))
             first += entry["samples"]
         self.shards: list[Shard] = shards
         self._starts = np.array([s.first for s in shards] + [first], np.int64)
         self._keys: dict[int, list[str]] = {}
         self._keys_lock = threading.Lock()
-        # One listing of the shard folder, not a stat per file (2 x 10^5 metadata calls per rank at scale).
-        try:
-            present = {e.name for e in os.scandir(folder) if e.is_file()}
-        except OSError:
-            present = set()
-        for shard in shards:
-            for name in (shard.name, shard.idx_name):
-                if name not in present:
-                    raise DatasetError(f"{self.root}: shard file {name} is missing")
+        self.source.check(shards)
         if index_record(self.manifest) is not None:  # memory-mapped and checked now; .idx files only on demand
             self.index  # noqa: B018
 
@@ -141,7 +141,7 @@ class Dataset:
         or, for a dataset without one, built in memory from every ``.idx`` (parsed once)."""
         counts, record = [s.samples for s in self.shards], index_record(self.manifest)
         if record is not None:
-            return SampleIndex.open(self.root / record.name, counts, self.fields, record, verify=self.verify)
+            return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify)
         builder = IndexBuilder()
         for shard in self.shards:
             try:

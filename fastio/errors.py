@@ -1,6 +1,6 @@
 """Exceptions that reach users as one line naming the offending file, shard, key or field."""
 
-__all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "CheckpointError"]
+__all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "CheckpointError", "StorageError"]
 
 
 class FastioError(Exception):
@@ -21,3 +21,16 @@ class LoaderStateError(FastioError):
 
 class CheckpointError(FastioError):
     """A checkpoint cannot be written, found or restored."""
+
+
+class StorageError(FastioError):
+    """Bytes at a URL cannot be read or written (missing, refused, or still failing after the retries).
+
+    ``url`` is the object or prefix concerned; ``transient`` is True when the last failure was one that
+    retrying could cure (5xx, throttling, timeouts, cut connections) and the retry bound ran out; ``missing``
+    is True when the object does not exist (404).
+    """
+
+    def __init__(self, message: str, url: str = "", transient: bool = False, missing: bool = False):
+        super().__init__(message)
+        self.url, self.transient, self.missing = url, transient, missing

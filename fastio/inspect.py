@@ -19,9 +19,9 @@ import numpy as np
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.images import image_size, is_image_field
-from fastio.manifest import split_names
 from fastio.reader import Reader
 from fastio.sampler import SHUFFLE_MODES, epoch_order
+from fastio.storage.dest import dest_child, dest_split_names
 
 __all__ = ["inspect", "order_quality"]
 
@@ -29,7 +29,8 @@ _READ_BATCH = 256  # samples per Reader call while probing images (bounds the by
 
 
 def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, seed: int = 0, epoch: int = 0,
-            batch_size: int = 256, block_shards: int = 4) -> dict[str, Any]:
+            batch_size: int = 256, block_shards: int = 4, cache_dir: str | Path | None = None,
+            cache_size: int | str | None = None, storage_options: dict | None = None) -> dict[str, Any]:
     """Samples, shards, bytes, fields (with how many samples have each), classes with counts, image
     formats (``image_formats``: how many samples have their image as ``jpg``, ``png``, ...; a sample's image
     is whichever image field it has) and image size statistics (headers of at most ``max_images`` evenly
@@ -39,18 +40,21 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
     (capped at the dataset size). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
+
+    An ``s3://`` DEST is read through the node-local cache (``cache_dir``, ``cache_size``, ``storage_options``
+    as for :class:`fastio.Dataset`).
     """
     if max_images < 0:
         raise ValueError(f"max_images must be 0 or more, got {max_images}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     options = {"max_images": max_images, "order": order, "seed": seed, "epoch": epoch, "batch_size": batch_size,
-               "block_shards": block_shards}
-    dest = Path(dest)
-    splits = split_names(dest)
+               "block_shards": block_shards,
+               "opening": {"cache_dir": cache_dir, "cache_size": cache_size, "storage_options": storage_options}}
+    splits = dest_split_names(dest, storage_options)
     if splits is None:
         return _inspect_one(dest, **options)
-    return {"path": str(dest), "splits": {name: _inspect_one(dest / name, **options) for name in splits}}
+    return {"path": str(dest), "splits": {name: _inspect_one(dest_child(dest, name), **options) for name in splits}}
 
 
 def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int = 0, epoch: int = 0,
@@ -108,7 +112,7 @@ def _label_value(raw: bytes) -> int | str:
 def _read(ds: Dataset, field: str, indices: np.ndarray) -> list[bytes]:
     """``field`` of samples ``indices``, in batches so that image probes hold little in memory."""
     out: list[bytes] = []
-    with Reader(ds, [field], threads=1) as reader:
+    with Reader(ds, [field], threads=1, files=ds.source.shard_files(ds.shards, read_ahead=0)) as reader:
         for start in range(0, len(indices), _READ_BATCH):
             out.extend(bytes(a) for a in reader.read(indices[start:start + _READ_BATCH])[field])
     return out
@@ -133,9 +137,9 @@ def _stats(values: list[int]) -> dict[str, float]:
             "median": statistics.median(values)}
 
 
-def _inspect_one(root: Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
-                 block_shards: int) -> dict[str, Any]:
-    ds = Dataset(root)
+def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
+                 block_shards: int, opening: dict[str, Any]) -> dict[str, Any]:
+    ds = Dataset(root, **opening)
     table = ds.table
     n = len(ds)
     info: dict[str, Any] = {

@@ -26,7 +26,7 @@ import torch
 
 from fastio.dataset import Dataset
 from fastio.dist import rank_and_world
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.feeder import Fed, Feeder
 from fastio.images import is_image_field
 from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpec, build_pipeline, decodable
@@ -104,8 +104,8 @@ class LoaderConfig:
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
-    """Check each shard's sha256 against the manifest before its first use (and the sample index's when
-    the Loader opens the dataset)."""
+    """Check each shard's sha256 against the manifest before its first use, and the sample index's when the
+    Loader opens the dataset (an ``s3://`` dataset's shards are always checked, when the cache fills them)."""
     rank: int | None = None
     """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
     checked against the world size when the Loader is made."""
@@ -113,6 +113,17 @@ class LoaderConfig:
     """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
     progress: bool = False
     """Print a throughput/stall line to stderr every few seconds."""
+    cache_dir: str | None = None
+    """For an ``s3://`` dataset: the node-local cache directory its shards are read through (shared by every
+    process on the node; default ``$FASTIO_CACHE_DIR`` or ``~/.cache/fastio``). Ignored for a local dataset."""
+    cache_size: int | str | None = None
+    """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
+    storage_options: dict | None = field(default=None, compare=False)
+    """Object-store settings over those found in the environment: ``endpoint``, ``region``, ``access_key_id``,
+    ``secret_access_key``, ``profile``, ``retries``, ... (see :class:`fastio.storage.StorageOptions`)."""
+    shard_read_ahead: int = 2
+    """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
+    order the sampler will want them (0: fetch on demand only)."""
     graph: GraphSpec = field(init=False, repr=False, compare=False)
     """The DALI graph these options describe (built and checked once, here)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
@@ -130,6 +141,8 @@ class LoaderConfig:
         put("num_threads", self.num_threads or cores)
         put("read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
         put("reader_threads", self.reader_threads or min(4, cores))
+        if self.shard_read_ahead < 0:
+            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
         if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
             raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
         if self.fields is not None:
@@ -156,7 +169,9 @@ class Loader:
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
-        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(dest, verify=cfg.verify)
+        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(
+            dest, verify=cfg.verify, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,
+            storage_options=cfg.storage_options)
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
             found_rank, found_world = rank_and_world()
@@ -194,9 +209,11 @@ class Loader:
             extra = [ds.label_field] if ds.label_field else []
         ds.require_fields(extra)
         self._extra = [f for f in extra if f != self._image_field]  # fields delivered besides the image
+        self._files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
         self._reader = Reader(ds, self._extra, threads=cfg.reader_threads, verify=cfg.verify,
                               image=self._image_fields if graph.decodes else (), sizes=graph.needs_image_size,
-                              optional=self._image_fields, transcode=decodable if graph.decodes else None)
+                              optional=self._image_fields, transcode=decodable if graph.decodes else None,
+                              files=self._files)
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress)
         self._active: Iterator | None = None
@@ -269,8 +286,13 @@ class Loader:
 
     def stats(self) -> dict:
         """``{"last_epoch", "epoch", "overall"}``, each ``{"batches", "samples", "seconds", "samples_per_s",
-        "stall_fraction"}`` (padding repeats are not counted as samples)."""
-        return self._stats.as_dict()
+        "stall_fraction"}`` (padding repeats are not counted as samples); for an ``s3://`` dataset also
+        ``"storage"``: ``{"hits", "waited_fills", "ahead_fills", "bytes_downloaded", "wait_s", "download_MBps",
+        "retries"}`` (``wait_s``: time readers waited for shards not yet in the cache)."""
+        out = self._stats.as_dict()
+        if self._files is not None:
+            out["storage"] = self._files.stats.as_dict(getattr(self._files.storage, "retry_count", 0))
+        return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._close_active()
@@ -321,7 +343,7 @@ class Loader:
         pipe = self._built.pipe
         try:  # on cuda, outputs are made ready on torch's current stream
             outputs = pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda" else pipe.run()
-        except DatasetError:
+        except FastioError:  # the reader's own errors (a bad shard, a storage fault) pass through
             self._drop_stream()
             raise
         except Exception as err:  # DALI reports a bad image as a bare RuntimeError
@@ -339,6 +361,8 @@ class Loader:
             self.epoch, self.consumed = epoch + 1, 0
             self._stats.end_epoch()
             return
+        # Object stores: fetch shards in the order the rest of this epoch and the next one will want them.
+        self._reader.read_ahead_shards(self._coming_batches(epoch, self.consumed))
         try:
             feeder = self._stream_at(epoch, self.consumed)
             while True:
@@ -357,6 +381,12 @@ class Loader:
                     return
         finally:
             self._stats.pause()
+
+    def _coming_batches(self, epoch: int, consumed: int) -> Iterator[np.ndarray]:
+        """This rank's batches (dataset-wide indices) from ``(epoch, consumed)`` to the end of the next epoch."""
+        for plan in (self._sampler.plan(epoch, consumed), self._sampler.plan(epoch + 1, 0)):
+            for g in range(len(plan)):
+                yield plan.batch(g)[0]
 
     def _raw_batch(self, fed: Fed) -> dict[str, Any]:
         batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}

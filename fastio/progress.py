@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes", "progress_wanted", "rate_line"]
+__all__ = ["Progress", "human_bytes", "parse_size", "progress_wanted", "rate_line"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
 def progress_wanted(quiet: bool, stream: TextIO | None = None) -> bool:
     """Whether to draw a bar: not ``quiet`` and ``stream`` (default stderr) is a terminal."""
     stream = stream if stream is not None else sys.stderr
     return not quiet and hasattr(stream, "isatty") and stream.isatty()
+
+
+def parse_size(text: str | int, param: str = "shard_size") -> int:
+    """Bytes from ``256MB``, ``1GiB``, ``500k`` or ``1024`` (k/M/G/T decimal, Ki/Mi/Gi/Ti binary).
+
+    ValueError messages name the parameter this reads, ``param`` (``shard_size``, ``cache_size``)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ValueError(f"{param}: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+        number, prefix, binary, _ = m.groups()
+        if binary and not prefix:
+            raise ValueError(f"{param}: cannot read {text!r} as a size (e.g. 256MB, 1GiB, 500k)")
+        power = "kmgtp".find(prefix.lower()) + 1 if prefix else 0
+        value = int(float(number) * (1024 if binary else 1000) ** power)
+    if value <= 0:
+        raise ValueError(f"{param} must be positive, got {text!r}")
+    return value
 
 
 def human_bytes(n: float) -> str:

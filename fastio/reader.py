@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from struct import error as struct_error
+from typing import Protocol
 
 import numpy as np
 
@@ -29,7 +30,19 @@ from fastio.errors import DatasetError
 from fastio.images import image_size
 from fastio.labels import parse_label as _parse_label_bytes
 
-__all__ = ["ReadBatch", "Reader", "parse_label", "sample_where"]
+__all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "sample_where"]
+
+
+class ShardFiles(Protocol):
+    """A source of shard descriptors other than opening the shard paths (see ``Reader(files=...)``)."""
+
+    def acquire(self, shard_index: int) -> int: ...
+
+    def release(self, shard_index: int) -> None: ...
+
+    def read_ahead(self, order: Iterable[int]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def sample_where(ds: Dataset, index: int) -> str:
@@ -79,6 +92,9 @@ class Reader:
         optional: fields (of ``fields``) a sample may lack: read as empty arrays instead of failing.
         transcode: applied to each image's bytes in the reader thread (e.g. formats a decoder lacks);
             may raise ``ValueError`` for bytes it cannot handle.
+        files: where shard descriptors come from when not the shard paths themselves (an object-store DEST's
+            cache: :class:`fastio.storage.cache.CachedShardFiles`, which verifies shards as it fills them);
+            the reader holds the shards of a batch while it reads it, and releases them after.
 
     The byte ranges a batch needs are read in (shard, offset) order; neighbouring ranges are coalesced
     into one ``os.pread``.
@@ -86,7 +102,7 @@ class Reader:
 
     def __init__(self, dataset: Dataset, fields: Sequence[str], threads: int = 2, verify: bool = False,
                  image: Sequence[str] = (), sizes: bool = False, optional: Collection[str] = (),
-                 transcode: Callable[[np.ndarray], np.ndarray] | None = None):
+                 transcode: Callable[[np.ndarray], np.ndarray] | None = None, files: ShardFiles | None = None):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if sizes and not image:
@@ -97,10 +113,11 @@ class Reader:
         self.transcode = transcode
         self.index = dataset.index  # opened (and checked) now, not in the first read
         self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
+        self._files = files
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
-        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds)
+        self._finalizer = weakref.finalize(self, _release, self._pool, self._fds, files)
 
     def __enter__(self) -> Reader:
         return self
@@ -111,6 +128,13 @@ class Reader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
+
+    def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
+        """Tell the shard source the coming batches (dataset-wide indices, in order), so that it fetches their
+        shards ahead of need; a no-op for shards read in place."""
+        if self._files is not None:
+            shard_of = self.ds.index.shard_of
+            self._files.read_ahead(int(s) for idx in batches for s in dict.fromkeys(shard_of(idx).tolist()))
 
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
@@ -159,8 +183,14 @@ class Reader:
                     continue
                 wanted = f"field {f!r}" if f is not None else f"image field ({', '.join(self.image)})"
                 raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
-        got = self._read_ranges(indices, t.shard, off, size)
-        for s_i in np.unique(t.shard).tolist():  # the bytes above came from the file opened
+        held = self._hold(np.unique(t.shard).tolist())
+        try:
+            got = self._read_ranges(indices, t.shard, off, size, held)
+        finally:
+            if self._files is not None:
+                for s_i in held:
+                    self._files.release(s_i)
+        for s_i in held:  # the bytes above came from the file opened
             self._check_unchanged(int(s_i))
         out = {f: got[:, c].tolist() for c, f in enumerate(self.fields)}
         image = image_field = dims = None
@@ -184,7 +214,8 @@ class Reader:
                                            f"decode: {err}") from None
         return ReadBatch(indices, out, dims, image, image_field)
 
-    def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray) -> np.ndarray:
+    def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray,
+                     fds: dict[int, int]) -> np.ndarray:
         """``[n, columns]`` object array of uint8 arrays: the range (off, size) of each sample's shard
         (absent ranges, size < 0, are empty arrays), coalescing neighbouring ranges into one pread."""
         n, cols = off.shape
@@ -204,7 +235,7 @@ class Reader:
                     max(end, o[b] + z[b]) - start <= _RUN:
                 end = max(end, o[b] + z[b])
                 b += 1
-            fd = self._fd(shard)
+            fd = fds[shard]
             data = os.pread(fd, end - start, start) if end > start else b""
             buf = np.frombuffer(data, dtype=np.uint8)
             for r in range(a, b):
@@ -219,6 +250,20 @@ class Reader:
                 got.flat[order[r]] = piece
             a = b
         return got
+
+    def _hold(self, shards: list[int]) -> dict[int, int]:
+        """Descriptors of these shards, held (in use) until released when they come from a shard source."""
+        if self._files is None:
+            return {s: self._fd(s) for s in shards}
+        held: dict[int, int] = {}
+        try:
+            for s in shards:
+                held[s] = self._files.acquire(s)
+        except BaseException:
+            for s in held:
+                self._files.release(s)
+            raise
+        return held
 
     def _fd(self, shard_index: int) -> int:
         fd = self._fds.get(shard_index)
@@ -315,6 +360,8 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _release(pool: ThreadPoolExecutor, fds: _Descriptors) -> None:
+def _release(pool: ThreadPoolExecutor, fds: _Descriptors, files: ShardFiles | None = None) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     fds.close_all()
+    if files is not None:  # its shards stop being in use (evictable) and its read-ahead stops
+        files.close()

@@ -9,14 +9,27 @@ case each split is checked and shard names are prefixed with the split name.
 from __future__ import annotations
 
 import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checksum import sha256_file
 from fastio.dsindex import check_index as check_sample_index
+from fastio.errors import DatasetError, StorageError
 from fastio.idx import check_index, parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
-from fastio.manifest import SHARDS_DIR, index_record, load_manifest, shard_records, split_names
+from fastio.manifest import (
+    MANIFEST_NAME,
+    SHARDS_DIR,
+    ShardRecord,
+    index_record,
+    load_manifest,
+    shard_records,
+    split_names,
+)
+from fastio.storage import is_remote, open_storage
+from fastio.storage.dest import dest_split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -38,7 +51,7 @@ class Problem:
 class VerifyReport:
     """What :func:`verify` checked (shards, samples, images decoded) and every problem it found."""
 
-    dest: Path
+    dest: Path | str
     shards: int = 0
     samples: int = 0
     decoded: int = 0
@@ -75,17 +88,33 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
     return samples
 
 
-def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> None:
+def _each_shard(records: list[ShardRecord], fetch: Callable[[ShardRecord], list[Path]] | None) -> Iterator[ShardRecord]:
+    """``records``; with ``fetch`` (a remote DEST), each shard's files are fetched into the dataset's folder
+    before it is checked and deleted after."""
+    for shard in records:
+        paths = fetch(shard) if fetch is not None else []
+        try:
+            yield shard
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+
+
+def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
+                fetch: Callable[[ShardRecord], list[Path]] | None = None, listed_files: list[str] | None = None) -> None:
+    """Check the dataset in ``root``. A remote DEST passes ``fetch`` (its shard files, one shard at a time)
+    and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here."""
     manifest = load_manifest(root)
     records = shard_records(manifest)
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
     folder = root / SHARDS_DIR
-    for path in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if path.name not in listed:
-            report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{path.name}", None,
-                                           "file is not listed in the manifest"))
+    if listed_files is None:
+        listed_files = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    for name in listed_files:
+        if name not in listed:
+            report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{name}", None, "file is not listed in the manifest"))
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
-    for shard in records:
+    for shard in _each_shard(records, fetch):
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
         report.shards += 1
@@ -142,13 +171,65 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport) -> 
             report.problems.append(Problem(f"{prefix}{record.name}", None, what))
 
 
-def verify(dest: str | Path, *, decode: bool = False) -> VerifyReport:
+def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Recompute every shard's and index's sha256, parse every tar member, compare counts and the
     index with the manifest; with ``decode`` also decode every image. DatasetError if DEST is not a
-    dataset at all; every other finding is a :class:`Problem` in the report."""
+    dataset at all; every other finding is a :class:`Problem` in the report.
+
+    An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
+    folder (not the cache: a damaged object is reported, not refused), checked, and deleted."""
+    if is_remote(dest):
+        return _verify_remote(str(dest), decode, storage_options)
     dest = Path(dest)
     report = VerifyReport(dest)
     splits = split_names(dest)
     for name in splits or [""]:
         _verify_one(dest / name if name else dest, f"{name}/" if name else "", decode, report)
+    return report
+
+
+def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> VerifyReport:
+    storage = open_storage(url, storage_options)
+    report = VerifyReport(url)
+    splits = dest_split_names(url, storage_options)
+    with tempfile.TemporaryDirectory(prefix="fastio-verify-") as tmp:
+        for name in splits or [""]:
+            sub, prefix = Path(tmp) / name, f"{name}/" if name else ""
+            (sub / SHARDS_DIR).mkdir(parents=True)
+            try:
+                storage.get_to_file(f"{prefix}{MANIFEST_NAME}", sub / MANIFEST_NAME)
+            except StorageError as err:
+                if err.missing:
+                    raise DatasetError(f"{storage.url_of(prefix.rstrip('/'))}: not a fastio dataset "
+                                       f"(no {MANIFEST_NAME}; an interrupted conversion?)") from None
+                raise
+            try:  # the sample index is small (a few bytes a sample): fetched once, checked like a local one
+                record = index_record(load_manifest(sub))
+                if record is not None:
+                    storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
+            except StorageError as err:
+                if not err.missing:
+                    raise
+            except DatasetError:
+                pass  # reported by _verify_one, naming the URL
+            listed_files = sorted(o.key.rsplit("/", 1)[1] for o in storage.list(f"{prefix}{SHARDS_DIR}/"))
+
+            def fetch(shard: ShardRecord, sub: Path = sub, prefix: str = prefix) -> list[Path]:
+                paths = []
+                for file in (shard.name, shard.idx_name):
+                    path = sub / SHARDS_DIR / file
+                    try:
+                        storage.get_to_file(f"{prefix}{SHARDS_DIR}/{file}", path)
+                    except StorageError as err:
+                        if not err.missing:
+                            raise
+                        path.unlink(missing_ok=True)  # reported as missing by the check
+                    paths.append(path)
+                return paths
+
+            try:
+                _verify_one(sub, prefix, decode, report, fetch, listed_files)
+            except DatasetError as err:  # name the URL, not the temporary copy
+                raise DatasetError(str(err).replace(str(sub / MANIFEST_NAME), storage.url_of(prefix + MANIFEST_NAME))
+                                   .replace(str(sub), url)) from None
     return report

@@ -51,3 +51,34 @@ def image_folder(tmp_path) -> Path:
 def image_dataset(tmp_path, image_folder) -> Path:
     """The image folder above as a fastio dataset: 48 samples in 3 shards of 16."""
     return write_image_dataset(tmp_path / "ds", image_folder)
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """A real S3 server (moto) on 127.0.0.1 for the whole test session."""
+    from s3server import MotoServer
+
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server, request) -> str:
+    """A fresh bucket on the moto server; its name."""
+    import re
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]", "-", f"t-{request.node.name.lower()}")[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    moto_server.create_bucket(name)
+    return name
+
+
+@pytest.fixture
+def fault_proxy(moto_server):
+    """A fault-injecting proxy in front of the moto server (set its rates in the test)."""
+    from s3server import FaultProxy
+
+    proxy = FaultProxy(moto_server.port, seed=11)
+    yield proxy
+    proxy.stop()

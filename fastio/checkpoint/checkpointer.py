@@ -124,6 +124,12 @@ class Checkpointer:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
         self.rank, self.world_size = _rank_world()
         self.engine = get_engine(self.config.engine)
+        # An s3:// dir: steps are committed in the local staging dir, then uploaded (see fastio.checkpoint.remote).
+        self._remote = None
+        if self.config.url is not None:
+            from fastio.checkpoint.remote import RemoteCheckpoints
+
+            self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +223,9 @@ class Checkpointer:
         self.close()
 
     def steps(self) -> list[int]:
-        """Committed steps in DIR, oldest first."""
+        """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
+        if self._remote is not None:
+            return self._remote.committed_steps()
         return [e.step for e in layout.committed(self.dir)]
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None) -> TrainState | None:
@@ -232,6 +240,8 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 layout.clean_uncommitted(self.dir)
+                if self._remote is not None:
+                    self._remote.pull(step)
                 done = layout.committed(self.dir)
                 if step is not None:
                     found = [e for e in done if e.step == step]
@@ -244,6 +254,8 @@ class Checkpointer:
                     chosen[0] = done[-1].step
             except OSError as err:
                 chosen[1] = f"{self.dir}: cannot read checkpoint directory: {err}"
+            except CheckpointError as err:
+                chosen[1] = str(err)
         if self.world_size > 1:
             dist.broadcast_object_list(chosen, src=0)
         if chosen[1]:
@@ -351,6 +363,8 @@ class Checkpointer:
             if self.rank == 0:
                 layout.commit(tmp, final, step=step, info=info)
                 layout.apply_retention(self.dir, self.config.keep)
+                if self._remote is not None:
+                    self._remote.after_commit(self.config.keep)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             self._error, self._error_step = err, step

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastio.checkpoint.engines import DEFAULT_ENGINE, check_engine_name
+from fastio.storage.url import is_remote
 
 __all__ = ["POLICIES", "CheckpointConfig"]
 
@@ -18,7 +19,8 @@ class CheckpointConfig:
     """Options of a Checkpointer; ``Checkpointer(dir, **options)`` builds one of these."""
 
     dir: str | Path
-    """Directory holding ``step-N/`` checkpoints (shared storage when several hosts write)."""
+    """Directory holding ``step-N/`` checkpoints (shared storage when several hosts write), or an
+    ``s3://bucket/prefix`` URL: then ``dir`` becomes the local staging directory and ``url`` the URL."""
 
     every_steps: int = 0
     """Save when ``step % every_steps == 0``; 0 turns step-based saving off."""
@@ -53,7 +55,23 @@ class CheckpointConfig:
     """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
     price of a longer write); 0 leaves its priority alone."""
 
+    staging_dir: str | Path | None = None
+    """With an ``s3://`` dir: the local directory checkpoints are written and committed in before they are
+    uploaded (seen by every writing rank; default ``<fastio cache dir>/checkpoints/<hash of the URL>``)."""
+
+    storage_options: dict | None = None
+    """With an ``s3://`` dir: endpoint, region, credentials over the environment's
+    (:class:`fastio.storage.StorageOptions`)."""
+
+    url: str | None = field(default=None, init=False)
+    """The object-store URL checkpoints are uploaded to (None: ``dir`` is the checkpoint directory itself)."""
+
     def __post_init__(self) -> None:
+        if is_remote(self.dir):
+            from fastio.checkpoint.remote import default_staging_dir
+
+            self.url = str(self.dir).rstrip("/")
+            self.dir = self.staging_dir or default_staging_dir(self.url)
         self.dir = Path(self.dir)
         if str(self.dir) == "":
             raise ValueError("CheckpointConfig.dir must not be empty")

@@ -19,11 +19,24 @@ def ckpt() -> None:
     """Inspect checkpoint directories written by fastio.Checkpointer."""
 
 
+def _local_dir(directory: str) -> Path:
+    """DIRECTORY as a local path; an object-store URL is refused by name (not read as a folder named ``s3:``)."""
+    from fastio.errors import FastioError
+    from fastio.storage import parse_location
+
+    loc = parse_location(directory)
+    if loc.remote:
+        raise FastioError(f"{directory}: fastio ckpt reads local checkpoint directories; for an object store, "
+                          "Checkpointer(url).steps() lists committed steps and restore_latest() fetches one")
+    return loc.path
+
+
 @ckpt.command("ls")
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("directory")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
-def ls_cmd(directory: Path, as_json: bool) -> None:
+def ls_cmd(directory: str, as_json: bool) -> None:
     """List the checkpoints in DIRECTORY: step, size, commit time, metrics."""
+    directory = _local_dir(directory)
     rows = layout.list_checkpoints(directory)
     if as_json:
         click.echo(json.dumps({"dir": str(directory), "checkpoints": rows}, indent=1))
@@ -39,11 +52,12 @@ def ls_cmd(directory: Path, as_json: bool) -> None:
 
 
 @ckpt.command("verify")
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("directory")
 @click.option("--all", "include_uncommitted", is_flag=True,
               help="Also report step-N.tmp directories (writes in progress or interrupted).")
-def verify_cmd(directory: Path, include_uncommitted: bool) -> None:
+def verify_cmd(directory: str, include_uncommitted: bool) -> None:
     """Check every committed checkpoint in DIRECTORY against its recorded sha256s; exit 1 on a problem."""
+    directory = _local_dir(directory)
     report = layout.verify_report(directory, include_uncommitted=include_uncommitted)
     if report.problems:
         for line in report.problems:

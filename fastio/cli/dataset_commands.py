@@ -33,9 +33,37 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
 
 
+def _storage_flags(cache: bool = False):
+    """``--endpoint-url``, ``--region``, ``--profile`` (and with ``cache``, ``--cache-dir``, ``--cache-size``)
+    for a DEST that is an ``s3://`` URL; they become ``storage_options`` (and the cache parameters)."""
+    def wrap(fn):
+        flags = [
+            click.option("--endpoint-url", default=None, metavar="URL",
+                         help="s3:// DEST: S3-compatible endpoint (default: AWS_ENDPOINT_URL, the profile, AWS)."),
+            click.option("--region", default=None, help="s3:// DEST: region (default: AWS_REGION, the profile)."),
+            click.option("--profile", default=None, help="s3:// DEST: AWS profile (default: AWS_PROFILE)."),
+        ]
+        if cache:
+            flags += [
+                click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
+                             help="s3:// DEST: node-local shard cache (default: $FASTIO_CACHE_DIR or ~/.cache/fastio)."),
+                click.option("--cache-size", default=None,
+                             help="s3:// DEST: cache bound, e.g. 500GB (default: half the free space)."),
+            ]
+        for flag in reversed(flags):
+            fn = flag(fn)
+        return fn
+    return wrap
+
+
+def _storage_options(endpoint_url: str | None, region: str | None, profile: str | None) -> dict[str, str]:
+    given = {"endpoint": endpoint_url, "region": region, "profile": profile}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 @cli.command()
 @click.argument("source", type=click.Path(path_type=Path))
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")
 @click.option("--format", "fmt", metavar="FORMAT", default=None,
               help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
 @click.option("--shard-size", default="256MB", show_default=True,
@@ -66,11 +94,17 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="Tables: relative paths start here and every path must resolve inside it "
                    "(default: the table's folder).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
-def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
+@click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
+              help="s3:// DEST: where shards are written before the upload (default: the system temp dir).")
+@_storage_flags()
+def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, root: Path | None, quiet: bool) -> None:
-    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST."""
+            label_column: str | None, key_column: str | None, root: Path | None, quiet: bool,
+            staging_dir: Path | None, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
+    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
+
+    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last)."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
     from fastio.progress import progress_wanted
@@ -82,8 +116,8 @@ def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samp
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
-            key_column=key_column, root=root,
-            progress=progress_wanted(quiet), **kwargs,
+            key_column=key_column, root=root, progress=progress_wanted(quiet), staging_dir=staging_dir,
+            storage_options=_storage_options(endpoint_url, region, profile), **kwargs,
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
@@ -96,14 +130,18 @@ def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samp
 
 
 @cli.command()
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")
 @click.option("--decode", is_flag=True, help="Also decode every image.")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
-def verify(dest: Path, decode: bool, quiet: bool) -> None:
-    """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem."""
+@_storage_flags()
+def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,
+           profile: str | None) -> None:
+    """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem.
+
+    DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
     from fastio.verify import verify as run_verify
 
-    report = run_verify(dest, decode=decode)
+    report = run_verify(dest, decode=decode, storage_options=_storage_options(endpoint_url, region, profile))
     for problem in report.problems:
         click.echo(problem.line())
     if report.problems:
@@ -115,7 +153,7 @@ def verify(dest: Path, decode: bool, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--max-images", type=int, default=1000, show_default=True,
               help="Probe the headers of at most this many images for size statistics.")
@@ -126,14 +164,19 @@ def verify(dest: Path, decode: bool, quiet: bool) -> None:
 @click.option("--epoch", type=int, default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
-def inspect(dest: Path, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
-            batch_size: int) -> None:
+@_storage_flags(cache=True)
+def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
+            batch_size: int, endpoint_url: str | None, region: str | None, profile: str | None,
+            cache_dir: Path | None, cache_size: str | None) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
-    --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split."""
+    --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split.
+    DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.inspect import inspect as run_inspect
 
     try:
-        info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size)
+        info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
+                           cache_dir=cache_dir, cache_size=cache_size,
+                           storage_options=_storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
     if as_json:

@@ -1,0 +1,85 @@
+"""Checkpoints on an object store: ``Checkpointer("s3://bucket/runs/r1/ckpt", ...)``.
+
+The engine writes and commits ``step-N/`` in a local staging directory exactly as on a file system; then,
+in the same background writer thread, each committed step is uploaded with its commit marker last
+(:class:`fastio.storage.mirror.DirMirror`), and retention deletes only committed older steps on the store
+(marker first). A restore downloads the newest committed remote step that is not already local, checks every
+file against its commit marker and falls back to the next older one when a download does not verify.
+The staging directory must be seen by every rank that writes (one node, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+from fastio.checkpoint import layout
+from fastio.errors import CheckpointError, StorageError
+from fastio.storage import open_storage
+from fastio.storage.cache import default_cache_dir
+from fastio.storage.mirror import DirMirror
+
+__all__ = ["RemoteCheckpoints", "default_staging_dir"]
+
+log = logging.getLogger(__name__)
+
+
+def default_staging_dir(url: str) -> Path:
+    """``<fastio cache dir>/checkpoints/<hash of url>``."""
+    return default_cache_dir() / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:20]
+
+
+def _step_of(name: str) -> int:
+    return int(name.split("-", 1)[1])
+
+
+class RemoteCheckpoints:
+    """The object-store side of a Checkpointer whose local ``root`` stages what is written to ``url``."""
+
+    def __init__(self, url: str, root: Path, storage_options: dict | None = None):
+        self.url, self.root = url, Path(root)
+        self.mirror = DirMirror(open_storage(url, storage_options), layout.COMMIT_FILE)
+
+    def committed_steps(self) -> list[int]:
+        return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
+
+    def after_commit(self, keep: int) -> None:
+        """Upload every locally committed step the store lacks, then apply retention on the store."""
+        try:
+            remote = set(self.committed_steps())
+            for entry in layout.committed(self.root):
+                if entry.step not in remote:
+                    self.mirror.push(entry.path, entry.path.name)
+                    remote.add(entry.step)
+            if keep > 0:
+                for step in sorted(remote)[:-keep]:
+                    self.mirror.remove(f"step-{step}")
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+
+    def pull(self, step: int | None = None) -> None:
+        """Make the newest verified remote step (or ``step``) committed locally, unless it already is."""
+        try:
+            steps = self.committed_steps()
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: cannot list checkpoints: {err}") from None
+        local = {e.step for e in layout.committed(self.root)}
+        wanted = [step] if step is not None else sorted(steps, reverse=True)
+        for s in wanted:
+            if s in local:
+                return
+            if s not in steps:
+                continue
+            dest = layout.step_dir(self.root, s)
+            try:
+                self.mirror.pull(dest.name, dest)
+            except StorageError as err:
+                log.warning("fastio: %s/step-%d cannot be downloaded (%s); trying an older step", self.url, s, err)
+                continue
+            problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
+            if not problems:
+                return
+            log.warning("fastio: %s/step-%d does not verify (%s); trying an older step", self.url, s, problems[0])
+            shutil.rmtree(dest, ignore_errors=True)

@@ -1,0 +1,13 @@
+"""Bytes by URL: local paths and ``file://``, ``s3://bucket/prefix`` (S3 and S3-compatible stores), and the
+node-local cache that object-store datasets are read through.
+
+``open_storage(dest, storage_options)`` is the entry point; see :mod:`fastio.storage.options` for where
+endpoint, region and credentials come from, and :mod:`fastio.storage.retry` for what is retried.
+"""
+
+from fastio.storage.base import LocalStorage, ObjectInfo, S3Storage, Storage, open_storage
+from fastio.storage.options import StorageOptions
+from fastio.storage.url import Location, is_remote, parse_location
+
+__all__ = ["Location", "LocalStorage", "ObjectInfo", "S3Storage", "Storage", "StorageOptions", "is_remote",
+           "open_storage", "parse_location"]

@@ -1,0 +1,445 @@
+"""The node-local shard cache: object-store shards on local disk, verified, bounded, shared by every process.
+
+Layout of ``cache_dir`` (shared by all ranks and jobs on a node)::
+
+    .fastio-cache              marker: this directory is a fastio cache (a non-empty directory without it is refused)
+    .evict.lock                flock held while space is counted, reserved or freed
+    objects/SHA256.tar         a filled shard, named by its content's sha256 (so a re-converted dataset never
+                               reads a stale copy, and the same shard in two datasets is stored once)
+    objects/.SHA256.tar.tmp    a fill in progress, created at its full size (the space is reserved)
+    objects/.SHA256.lock       flock held by the one process filling that shard
+    meta/URLHASH/...           manifests and ``.idx`` files of opened datasets (small, never evicted)
+
+Rules:
+
+- **Fill**: under the shard's fill lock (so each shard is downloaded once per node), into the ``.tmp`` name,
+  checked against the manifest's sha256, fsynced, then renamed. A mismatch is downloaded once more, then raised
+  naming the shard and the URL.
+- **In use**: a process reading a shard holds a shared ``flock`` on it; eviction takes an exclusive one without
+  waiting and skips the shard when it cannot. The kernel drops every lock when its process dies (even SIGKILL),
+  so there are no stale locks; a dead filler's ``.tmp`` is removed by the next scan (its fill lock is free).
+- **Bound**: before a fill, the least recently used entries (by mtime, refreshed on every use) not in use are
+  deleted until the new shard fits in ``cache_size``. Only ``objects/<sha256>.tar`` and ``.tmp`` names are ever
+  deleted: files the cache did not make are never touched.
+- **No torn reads**: a reader opens, locks, then checks that the file is still linked; an entry evicted in
+  between is filled again.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastio.checksum import sha256_file
+from fastio.errors import StorageError
+from fastio.progress import human_bytes, parse_size
+from fastio.storage.base import Storage
+
+__all__ = ["CACHE_MARKER", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
+
+CACHE_MARKER = ".fastio-cache"
+OBJECTS_DIR = "objects"
+META_DIR = "meta"
+_OWN_NAMES = {CACHE_MARKER, OBJECTS_DIR, META_DIR, ".evict.lock"}
+_ENTRY = re.compile(r"[0-9a-f]{64}\.tar")
+_TMP = re.compile(r"\.([0-9a-f]{64})\.tar\.tmp")
+
+
+def default_cache_dir() -> Path:
+    """``$FASTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastio``, else ``~/.cache/fastio``."""
+    if os.environ.get("FASTIO_CACHE_DIR"):
+        return Path(os.environ["FASTIO_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fastio"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One shard as the cache needs to know it."""
+
+    name: str
+    """Shard name, for messages."""
+    key: str
+    """Its key in the storage."""
+    sha256: str
+    size: int
+
+
+@contextmanager
+def _flocked(path: Path, mode: int) -> Iterator[int]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _try_exclusive(path: Path) -> int | None:
+    """An fd of ``path`` with an exclusive flock taken without waiting, or None (in use, or gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+class NoRoom(Exception):
+    """A fill that was told not to wait found no room (read-ahead skips the shard)."""
+
+
+class ShardCache:
+    """A bounded, verified shard cache in ``cache_dir`` shared by the processes of a node.
+
+    Args:
+        cache_dir: the directory (created if missing; a non-empty directory must already be a fastio cache).
+        cache_size: upper bound of the bytes of shards kept (an int or ``"500GB"``); None: half the free space of
+            ``cache_dir``'s file system when the cache is opened.
+        wait_s: how long a fill waits for space held by shards in use before it raises.
+    """
+
+    def __init__(self, cache_dir: str | Path, cache_size: int | str | None = None, *, wait_s: float = 120.0):
+        self.dir = Path(cache_dir)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not (self.dir / CACHE_MARKER).is_file():
+                # several processes may open a new cache at once: what they create is not "foreign"
+                if any(p.name not in _OWN_NAMES for p in self.dir.iterdir()):
+                    raise StorageError(f"{self.dir}: cache_dir is not empty and is not a fastio cache "
+                                       f"(no {CACHE_MARKER}); give an empty or new directory", url=str(self.dir))
+                try:
+                    fd = os.open(self.dir / CACHE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    pass
+                else:
+                    os.write(fd, json.dumps({"format": "fastio-cache", "version": 1}).encode())
+                    os.close(fd)
+            (self.dir / OBJECTS_DIR).mkdir(exist_ok=True)
+            (self.dir / META_DIR).mkdir(exist_ok=True)
+        except OSError as err:
+            raise StorageError(f"{self.dir}: cannot use as cache_dir: {err.strerror}", url=str(self.dir)) from None
+        if cache_size is None:
+            st = os.statvfs(self.dir)
+            cache_size = st.f_bavail * st.f_frsize // 2
+        self.size = parse_size(cache_size, "cache_size")
+        self.wait_s = wait_s
+        self.objects = self.dir / OBJECTS_DIR
+        self._evict_lock = self.dir / ".evict.lock"
+
+    def __repr__(self) -> str:
+        return f"ShardCache({str(self.dir)!r}, cache_size={human_bytes(self.size)})"
+
+    def path(self, sha256: str) -> Path:
+        return self.objects / f"{sha256}.tar"
+
+    def meta_dir(self, name: str) -> Path:
+        """A per-dataset folder for small metadata files (manifest, indexes); not counted, never evicted."""
+        d = self.dir / META_DIR / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    # -- space ----------------------------------------------------------------------------------------
+
+    def usage(self) -> tuple[int, int]:
+        """``(bytes, entries)`` of filled shards and fills in progress."""
+        total, n = 0, 0
+        for p in self.objects.iterdir():
+            if _ENTRY.fullmatch(p.name) or _TMP.fullmatch(p.name):
+                try:
+                    total += p.stat().st_size
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        return total, n
+
+    def _scan(self) -> tuple[int, list[tuple[float, int, Path]]]:
+        """Bytes used and the filled entries as ``(mtime, size, path)``; removes dead fillers' ``.tmp`` files."""
+        used, entries = 0, []
+        for p in self.objects.iterdir():
+            try:
+                if _ENTRY.fullmatch(p.name):
+                    st = p.stat()
+                    used += st.st_size
+                    entries.append((st.st_mtime, st.st_size, p))
+                elif m := _TMP.fullmatch(p.name):
+                    lock_fd = _try_exclusive(self.objects / f".{m[1]}.lock")
+                    if lock_fd is None:  # a live filler (or our own fill) holds it
+                        used += p.stat().st_size
+                        continue
+                    try:  # nobody fills it: what a killed filler left behind
+                        p.unlink()
+                    finally:
+                        os.close(lock_fd)
+            except FileNotFoundError:
+                pass
+        return used, entries
+
+    def _reserve(self, entry: CacheEntry, tmp: Path, url: str, wait: bool) -> None:
+        """Create ``tmp`` at the entry's size once it fits, evicting unused entries (oldest use first).
+        Without ``wait``, raise :class:`NoRoom` at once when shards in use leave no room."""
+        if entry.size > self.size:
+            raise StorageError(f"{url}: shard {entry.name} ({human_bytes(entry.size)}) is larger than cache_size "
+                               f"{human_bytes(self.size)} of {self.dir}", url=url)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with _flocked(self._evict_lock, fcntl.LOCK_EX):
+                used, entries = self._scan()
+                for _, size, path in sorted(entries):
+                    if used + entry.size <= self.size:
+                        break
+                    fd = _try_exclusive(path)
+                    if fd is None:
+                        continue  # in use by some process
+                    try:
+                        path.unlink()
+                        used -= size
+                    except FileNotFoundError:
+                        pass
+                    finally:
+                        os.close(fd)
+                if used + entry.size <= self.size:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        os.ftruncate(fd, entry.size)
+                    finally:
+                        os.close(fd)
+                    return
+            if not wait:
+                raise NoRoom(url)
+            if time.monotonic() > deadline:
+                raise StorageError(f"{url}: no room for shard {entry.name} in {self.dir}: cache_size "
+                                   f"{human_bytes(self.size)}, {human_bytes(used)} held by shards in use "
+                                   f"for {self.wait_s:.0f}s (raise cache_size)", url=url)
+            time.sleep(0.05)
+
+    # -- fill -----------------------------------------------------------------------------------------
+
+    def fill(self, storage: Storage, entry: CacheEntry, *, wait: bool = True) -> bool:
+        """Make sure the entry is in the cache; True if this call downloaded it. ``wait=False`` (read-ahead)
+        raises :class:`NoRoom` rather than wait for shards in use to make room."""
+        final = self.path(entry.sha256)
+        if final.exists():
+            return False
+        url = storage.url_of(entry.key)
+        tmp = self.objects / f".{entry.sha256}.tar.tmp"
+        with _flocked(self.objects / f".{entry.sha256}.lock", fcntl.LOCK_EX):
+            if final.exists():  # another process filled it while we waited for the lock
+                return False
+            try:
+                for attempt in (1, 2):
+                    self._reserve(entry, tmp, url, wait)
+                    size, digest = self._download(storage, entry, tmp)
+                    if size == entry.size and digest == entry.sha256:
+                        # the data is fsynced; the rename is not (a rename lost in a crash costs one refill)
+                        os.replace(tmp, final)
+                        return True
+                    if attempt == 2:
+                        raise StorageError(f"{url}: shard {entry.name} does not match the manifest after 2 downloads "
+                                           f"(manifest sha256 {entry.sha256[:16]}…, {entry.size} bytes; downloaded "
+                                           f"{digest[:16]}…, {size} bytes)", url=url)
+            finally:
+                try:
+                    tmp.unlink()
+                except FileNotFoundError:
+                    pass
+        return True
+
+    @staticmethod
+    def _download(storage: Storage, entry: CacheEntry, tmp: Path) -> tuple[int, str]:
+        """Fill ``tmp`` (already at its full size) and return ``(size, sha256)`` of what arrived, fsynced.
+        One part: hashed in memory as it is written; several parts (parallel ranged GETs): hashed after."""
+        part = getattr(getattr(storage, "options", None), "part_size", None)
+        if part is None or entry.size > part:
+            storage.get_to_file(entry.key, tmp, entry.size)
+            size, digest = sha256_file(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return size, digest
+        data = storage.get_buffer(entry.key)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, len(data))
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(data), hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class FillStats:
+    """What a :class:`CachedShardFiles` did: shards found, filled on demand (the reader waited) or ahead."""
+
+    hits: int = 0
+    waited_fills: int = 0
+    ahead_fills: int = 0
+    bytes_downloaded: int = 0
+    wait_s: float = 0.0
+    fill_s: float = 0.0
+
+    def as_dict(self, retries: int = 0) -> dict:
+        return {"hits": self.hits, "waited_fills": self.waited_fills, "ahead_fills": self.ahead_fills,
+                "bytes_downloaded": self.bytes_downloaded, "wait_s": self.wait_s,
+                "download_MBps": self.bytes_downloaded / self.fill_s / 1e6 if self.fill_s else 0.0,
+                "retries": retries}
+
+
+class CachedShardFiles:
+    """Open shard files for a reader, through a :class:`ShardCache`, with shard read-ahead.
+
+    ``acquire(i)`` returns a read-only descriptor of shard ``i`` (filled first if absent) and keeps it in use
+    until the matching ``release(i)``; ``read_ahead(order)`` fills shards in the order they will be wanted,
+    ``depth`` shards ahead of the furthest one acquired so far.
+    """
+
+    def __init__(self, cache: ShardCache, storage: Storage, entries: list[CacheEntry], *, depth: int = 2,
+                 threads: int = 2):
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self.cache, self.storage, self.entries, self.depth = cache, storage, entries, depth
+        self.stats = FillStats()
+        self._open: dict[int, list[int]] = {}  # shard -> [fd, holders]
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastio-fill") if depth else None
+        self._epoch = 0  # bumped by read_ahead(): an older read-ahead thread stops
+        self._pos: dict[int, int] = {}
+        self._reached = -1
+        self._closed = False
+
+    # -- reader side ------------------------------------------------------------------------------------
+
+    def acquire(self, i: int) -> int:
+        with self._lock:
+            held = self._open.get(i)
+            if held is not None:
+                held[1] += 1
+                self._note(i)
+                return held[0]
+        fd = self._open_entry(i)
+        with self._lock:
+            held = self._open.get(i)
+            if held is not None:  # another thread opened it meanwhile
+                os.close(fd)
+                held[1] += 1
+            else:
+                self._open[i] = [fd, 1]
+            self._note(i)
+            return self._open[i][0]
+
+    def release(self, i: int) -> None:
+        with self._lock:
+            held = self._open[i]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._open[i]
+                os.close(held[0])  # drops the shared lock: the shard may be evicted now
+
+    def _note(self, i: int) -> None:  # under self._lock
+        pos = self._pos.get(i)
+        if pos is not None and pos > self._reached:
+            self._reached = pos
+            self._cond.notify_all()
+
+    def _open_entry(self, i: int) -> int:
+        entry, filled = self.entries[i], False
+        path = self.cache.path(entry.sha256)
+        for _ in range(8):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                t = time.perf_counter()
+                if self.cache.fill(self.storage, entry):
+                    self.stats.bytes_downloaded += entry.size
+                    self.stats.waited_fills += 1
+                    self.stats.fill_s += time.perf_counter() - t
+                self.stats.wait_s += time.perf_counter() - t
+                filled = True
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it from now on
+            if os.fstat(fd).st_nlink == 0:  # evicted between open and lock
+                os.close(fd)
+                continue
+            os.utime(fd)  # most recently used
+            if not filled:
+                self.stats.hits += 1
+            return fd
+        url = self.storage.url_of(entry.key)
+        raise StorageError(f"{url}: shard {entry.name} was evicted from {self.cache.dir} again and again before it "
+                           f"could be read (cache_size {human_bytes(self.cache.size)} too small?)", url=url)
+
+    # -- read-ahead -------------------------------------------------------------------------------------
+
+    def read_ahead(self, order: Iterable[int]) -> None:
+        """Fill shards in ``order`` (the order they will first be wanted; repeats are skipped) ahead of use."""
+        if self._pool is None:
+            return
+        with self._lock:
+            self._epoch += 1
+            self._pos, self._reached = {}, -1
+            epoch = self._epoch
+            self._cond.notify_all()
+        threading.Thread(target=self._read_ahead, args=(iter(order), epoch), name="fastio-read-ahead",
+                         daemon=True).start()
+
+    def _read_ahead(self, order: Iterator[int], epoch: int) -> None:
+        k = 0
+        for i in order:
+            with self._lock:
+                if self._epoch != epoch or self._closed:
+                    return
+                if i in self._pos:
+                    continue
+                self._pos[i] = k
+                while self._epoch == epoch and not self._closed and k > self._reached + self.depth:
+                    self._cond.wait(0.5)
+                if self._epoch != epoch or self._closed:
+                    return
+            k += 1
+            try:
+                self._pool.submit(self._fill_ahead, i)
+            except RuntimeError:  # pool shut down
+                return
+
+    def _fill_ahead(self, i: int) -> None:
+        entry = self.entries[i]
+        t = time.perf_counter()
+        try:
+            if self.cache.fill(self.storage, entry, wait=False):
+                self.stats.ahead_fills += 1
+                self.stats.bytes_downloaded += entry.size
+                self.stats.fill_s += time.perf_counter() - t
+            else:
+                os.utime(self.cache.path(entry.sha256))  # keep it recent until it is read
+        except Exception:  # NoRoom or a fault: the reader fills it when it needs it, and reports errors then
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+            for fd, _ in self._open.values():
+                os.close(fd)
+            self._open.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,64 @@
+"""Directories published under an object-store prefix, each one complete once its marker object exists.
+
+``DirMirror(storage, marker)`` keeps ``PREFIX/NAME/...`` copies of local directories: :meth:`push` uploads
+every file and the marker last (a reader that sees the marker sees every file), :meth:`remove` deletes the
+marker first (the copy stops counting before its files go) and then only the keys under ``NAME/``,
+:meth:`pull` downloads a complete copy into a temporary folder and renames it into place. The checkpoint
+layer uses it for ``step-N`` directories whose marker is the commit file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from fastio.atomic import fsync_dir
+from fastio.errors import StorageError
+from fastio.storage.base import Storage
+
+__all__ = ["DirMirror"]
+
+
+class DirMirror:
+    """Mirror of directories ``NAME`` under ``storage``'s root, complete when ``NAME/<marker>`` exists."""
+
+    def __init__(self, storage: Storage, marker: str):
+        self.storage, self.marker = storage, marker
+
+    def names(self) -> list[str]:
+        """Names of complete directories (with their marker), sorted."""
+        return sorted({o.key.split("/")[0] for o in self.storage.list()
+                       if o.key.count("/") == 1 and o.key.endswith("/" + self.marker)})
+
+    def push(self, local: Path, name: str) -> None:
+        """Upload ``local``'s files to ``NAME/``, the marker last."""
+        if not (Path(local) / self.marker).is_file():
+            raise StorageError(f"{local}: has no {self.marker}; only complete directories are published",
+                               url=self.storage.url_of(name))
+        self.storage.child(name).publish_dir(Path(local), keys_last=(self.marker,))
+
+    def pull(self, name: str, dest: Path) -> None:
+        """Download complete ``NAME/`` into ``dest`` (through ``dest`` + ``.part``, renamed when whole)."""
+        sub = self.storage.child(name)
+        objects = sub.list()
+        if not any(o.key == self.marker for o in objects):
+            raise StorageError(f"{sub.url}: has no {self.marker} (incomplete upload)", url=sub.url)
+        part = Path(str(dest) + ".part")
+        shutil.rmtree(part, ignore_errors=True)
+        for o in objects:
+            target = part / o.key
+            target.parent.mkdir(parents=True, exist_ok=True)
+            sub.get_to_file(o.key, target, o.size)
+        os.replace(part, dest)
+        fsync_dir(Path(dest).parent)
+
+    def remove(self, name: str) -> None:
+        """Delete ``NAME/``: its marker first, then its other objects (nothing outside ``NAME/``)."""
+        sub = self.storage.child(name)
+        keys = [o.key for o in sub.list()]
+        if self.marker in keys:
+            sub.delete(self.marker)
+        for key in keys:
+            if key != self.marker:
+                sub.delete(key)

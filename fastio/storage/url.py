@@ -1,0 +1,78 @@
+"""The one rule for what a DEST string names: a local path (or ``file://``), or an object-store URL.
+
+``s3://bucket/prefix`` is an object store; any other ``scheme://`` is an error naming the URL, never a
+local path (``fastio convert SRC s3:/x`` must not create a folder named ``s3:``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote
+
+from fastio.errors import StorageError
+
+__all__ = ["REMOTE_SCHEMES", "Location", "is_remote", "join_key", "parse_location"]
+
+REMOTE_SCHEMES = ("s3",)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]")
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a DEST lives: ``scheme`` is ``"file"`` (``path`` set) or ``"s3"`` (``bucket`` and ``prefix`` set)."""
+
+    scheme: str
+    url: str
+    """The DEST as given, for messages (an ``s3://`` URL without a trailing slash)."""
+    path: Path | None = None
+    bucket: str = ""
+    prefix: str = ""
+    """Key prefix inside the bucket, without leading or trailing ``/`` ("" for the bucket's root)."""
+
+    @property
+    def remote(self) -> bool:
+        return self.scheme != "file"
+
+
+def join_key(prefix: str, key: str) -> str:
+    """``prefix/key`` without doubled or leading slashes."""
+    key = key.lstrip("/")
+    return f"{prefix}/{key}" if prefix and key else prefix or key
+
+
+def is_remote(dest: str | Path) -> bool:
+    """True for an object-store URL (``s3://...``); False for a local path; StorageError for another scheme."""
+    return parse_location(dest).remote
+
+
+def parse_location(dest: str | Path) -> Location:
+    """Parse a DEST: a local path, ``file:///abs/path``, or ``s3://bucket[/prefix]``."""
+    if isinstance(dest, Path):
+        if _SCHEME.match(str(dest)):  # Path("s3://b/x") is "s3:/b/x": a URL mangled by pathlib, never a folder
+            raise StorageError(f"{dest}: looks like a URL passed as a Path (pass URLs as str)", url=str(dest))
+        return Location("file", str(dest), path=dest)
+    text = str(dest)
+    m = _SCHEME.match(text)
+    if m is None:
+        return Location("file", text, path=Path(text))
+    scheme = m[1].lower()
+    if scheme == "file":
+        if not text.lower().startswith("file://"):
+            raise StorageError(f"{text}: a file URL is file:///absolute/path", url=text)
+        return Location("file", text, path=Path(unquote(text[len("file://"):]) or "/"))
+    if scheme not in REMOTE_SCHEMES:
+        raise StorageError(f"{text}: unsupported URL scheme {scheme!r} (fastio reads local paths, file:// and "
+                           f"{', '.join(s + '://' for s in REMOTE_SCHEMES)})", url=text)
+    if not text[m.end():].startswith("/"):
+        raise StorageError(f"{text}: an S3 URL is s3://bucket/prefix", url=text)
+    rest = text[m.end() + 1:]
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise StorageError(f"{text}: {bucket!r} is not a valid bucket name", url=text)
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        raise StorageError(f"{text}: key prefix {prefix!r} has an empty, '.' or '..' part", url=text)
+    return Location(scheme, f"{scheme}://{join_key(bucket, prefix)}", bucket=bucket, prefix=prefix)

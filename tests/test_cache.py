@@ -1,0 +1,326 @@
+"""The node-local shard cache and s3:// datasets, against a real S3 server (moto) behind a fault-injecting proxy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_image_dataset
+
+from fastio import Loader
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError, StorageError
+from fastio.manifest import MANIFEST_NAME, SHARDS_DIR
+from fastio.storage import open_storage
+from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def small_shards(tmp_path, image_folder) -> Path:
+    """48 samples in 6 shards of 8."""
+    return write_image_dataset(tmp_path / "local", image_folder, max_samples=8)
+
+
+def upload(local: Path, url: str, options: dict) -> None:
+    open_storage(url, options).publish_dir(local, keys_last=(MANIFEST_NAME,))
+
+
+def shard_sizes(local: Path) -> list[int]:
+    return [p.stat().st_size for p in sorted((local / SHARDS_DIR).glob("*.tar"))]
+
+
+def raw_epoch(loader: Loader) -> dict[int, bytes]:
+    out = {}
+    for batch in loader:
+        for i, data, pad in zip(batch["index"].tolist(), batch["jpg"], batch["padded"].tolist()):
+            if not pad:
+                assert i not in out, f"sample {i} delivered twice"
+                out[i] = data
+    return out
+
+
+def test_epoch_through_a_cache_smaller_than_the_dataset_with_faults(moto_server, s3_bucket, fault_proxy, small_shards,
+                                                                     tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    fault_proxy.slowdown, fault_proxy.cut, fault_proxy.max_faults = 0.25, 0.25, 2
+    sizes = shard_sizes(small_shards)
+    bound = sum(sorted(sizes)[-3:])  # room for 3 of the 6 shards
+    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", shard_read_ahead=1,
+                cache_dir=str(tmp_path / "cache"), cache_size=bound,
+                storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
+    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none"))
+    cache = ShardCache(tmp_path / "cache", bound)
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], cache.usage()[0])
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with Loader(url, **opts) as loader:
+            assert loader.dataset.root == url
+            got = raw_epoch(loader)
+            stats = loader.stats()["storage"]
+    finally:
+        stop.set()
+        watcher.join()
+    assert got == local and len(got) == 48  # every sample exactly once, the stored bytes
+    assert 0 < peak[0] <= bound and cache.usage()[0] <= bound
+    assert stats["waited_fills"] + stats["ahead_fills"] >= 6 and stats["retries"] > 0
+    assert fault_proxy.counts["slowdown"] > 0 and fault_proxy.counts["cut"] > 0
+
+
+def test_global_shuffle_matches_the_local_dataset_and_second_epoch_is_warm(moto_server, s3_bucket, small_shards,
+                                                                          tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    common = dict(batch_size=6, device="cpu", pipeline="image-eval", image_size=32, seed=3)
+    remote = Loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=moto_server.options(),
+                    **common)
+    local = Loader(small_shards, **common)
+    assert remote.dataset.fingerprint == local.dataset.fingerprint
+    for _ in range(2):
+        for a, b in zip(remote, local, strict=True):
+            assert a["index"].tolist() == b["index"].tolist()
+            assert bool((a["image"] == b["image"]).all()) and a["label"].tolist() == b["label"].tolist()
+    stats = remote.stats()["storage"]
+    assert stats["waited_fills"] + stats["ahead_fills"] == 6 and stats["bytes_downloaded"] == sum(shard_sizes(
+        small_shards))
+    assert stats["hits"] > 0
+    remote.close()
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    from fastio import Loader
+    url, cache, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    with Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), cache_dir=cache,
+                cache_size="1GB", storage_options=options, num_threads=1) as loader:
+        n = sum(int((~b["padded"]).sum()) for b in loader)
+        s = loader.stats()["storage"]
+    print(json.dumps({"samples": n, "downloads": s["waited_fills"] + s["ahead_fills"]}))
+""")
+
+
+def test_two_processes_sharing_a_cache_download_each_shard_once(moto_server, s3_bucket, fault_proxy, small_shards,
+                                                                 tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    fault_proxy.slowdown, fault_proxy.cut = 0.2, 0.2
+    options = json.dumps(moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, url, str(tmp_path / "cache"), options],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["samples"] for r in results] == [48, 48]
+    assert sum(r["downloads"] for r in results) == 6  # each of the 6 shards downloaded once on the node
+    assert ShardCache(tmp_path / "cache").usage() == (sum(shard_sizes(small_shards)), 6)
+
+
+def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, fault_proxy, small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    fault_proxy.slowdown, fault_proxy.cut = 0.2, 0.2
+    name = sorted(p.name for p in (small_shards / SHARDS_DIR).glob("*.tar"))[2]
+    data = bytearray((small_shards / SHARDS_DIR / name).read_bytes())
+    data[700] ^= 0xFF  # same size, other bytes
+    open_storage(url, moto_server.options()).put_bytes(f"{SHARDS_DIR}/{name}", bytes(data))  # behind fastio's back
+    loader = Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none",
+                    cache_dir=str(tmp_path / "cache"),
+                    storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
+    with pytest.raises(StorageError, match=rf"{url}/shards/{name}: shard {name} does not match the manifest after 2 "
+                                           r"downloads"):
+        raw_epoch(loader)
+    loader.close()
+    assert fault_proxy.counts["slowdown"] + fault_proxy.counts["cut"] > 0
+    objects = tmp_path / "cache" / "objects"
+    good = {e.sha256 + ".tar" for e in _entries(small_shards) if e.name != name}
+    assert not list(objects.glob("*.tmp")) and {p.name for p in objects.glob("*.tar")} <= good  # never the bad one
+    # a shard whose size differs from the manifest is refused when the dataset is opened
+    open_storage(url, moto_server.options()).put_bytes(f"{SHARDS_DIR}/{name}", bytes(data[:-1]))
+    with pytest.raises(DatasetError, match=rf"{url}/shards/{name}: shard {name} is \d+ bytes, the manifest says"):
+        Dataset(url, cache_dir=tmp_path / "cache", storage_options=moto_server.options())
+
+
+def test_missing_dataset_and_missing_shard_name_the_url(moto_server, s3_bucket, small_shards, tmp_path):
+    opts = dict(cache_dir=tmp_path / "cache", storage_options=moto_server.options())
+    with pytest.raises(DatasetError, match=rf"s3://{s3_bucket}/none: not a fastio dataset \(no manifest.json"):
+        Dataset(f"s3://{s3_bucket}/none", **opts)
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    open_storage(url, moto_server.options()).delete(f"{SHARDS_DIR}/shard-000001.tar")
+    with pytest.raises(DatasetError, match=rf"{url}: shard file shard-000001.tar is missing"):
+        Dataset(url, **opts)
+
+
+def _entries(local: Path) -> list[CacheEntry]:
+    import hashlib
+
+    out = []
+    for p in sorted((local / SHARDS_DIR).glob("*.tar")):
+        data = p.read_bytes()
+        out.append(CacheEntry(p.name, f"{SHARDS_DIR}/{p.name}", hashlib.sha256(data).hexdigest(), len(data)))
+    return out
+
+
+def test_eviction_is_lru_never_takes_a_shard_in_use_nor_foreign_files(moto_server, s3_bucket, small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)
+    cdir = tmp_path / "cache"
+    bound = entries[0].size + entries[1].size + max(e.size for e in entries[2:]) - 1  # 2 shards fit, not 3
+    cache = ShardCache(cdir, bound, wait_s=0.3)
+    foreign = cdir / "objects" / "my-notes.txt"
+    foreign.write_text("not the cache's")
+    files = CachedShardFiles(cache, storage, entries, depth=0)
+    fd0 = files.acquire(0)
+    files.acquire(1)
+    with pytest.raises(StorageError, match=r"no room for shard shard-000002.tar .* held by shards in use"):
+        files.acquire(2)  # both cached shards are in use: nothing may be evicted
+    files.release(1)
+    files.acquire(2)  # shard 1 (not in use) is evicted, shard 0 (in use) stays
+    assert cache.path(entries[0].sha256).exists() and not cache.path(entries[1].sha256).exists()
+    assert os.pread(fd0, 512, 0)[:9] == (small_shards / SHARDS_DIR / entries[0].name).read_bytes()[:9]
+    files.release(0)
+    files.release(2)
+    os.utime(cache.path(entries[0].sha256), (1, 1))  # used long ago: the LRU choice
+    files.acquire(3)
+    files.release(3)
+    assert not cache.path(entries[0].sha256).exists() and cache.path(entries[2].sha256).exists()
+    assert foreign.read_text() == "not the cache's" and cache.usage()[0] <= bound
+    files.close()
+
+
+def test_a_non_cache_directory_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "precious.bin").write_bytes(b"x")
+    with pytest.raises(StorageError, match=r"data: cache_dir is not empty and is not a fastio cache"):
+        ShardCache(tmp_path / "data", "1GB")
+    with pytest.raises(ValueError, match="cache_size: cannot read 'lots'"):
+        ShardCache(tmp_path / "c", "lots")
+
+
+_KILLED_FILLER = textwrap.dedent("""
+    import fcntl, os, sys, time
+    from pathlib import Path
+    from fastio.storage.cache import ShardCache
+    cache, sha, size = ShardCache(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    lock = os.open(cache.objects / f".{sha}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    tmp = cache.objects / f".{sha}.tar.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, b"partial", 0)
+    print("filling", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_filler_killed_mid_fill_leaves_no_stale_lock_or_space(moto_server, s3_bucket, small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entry = _entries(small_shards)[0]
+    cdir = tmp_path / "cache"
+    ShardCache(cdir, "1GB")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_FILLER, str(cdir), entry.sha256, str(entry.size)],
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert child.stdout.readline().strip() == "filling"
+        cache = ShardCache(cdir, "1GB")
+        assert cache.usage() == (entry.size, 1)  # the live filler's reservation counts
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    t = time.monotonic()
+    assert cache.fill(storage, entry)  # the lock died with its holder: no wait, the shard is downloaded
+    assert time.monotonic() - t < 10
+    assert cache.path(entry.sha256).read_bytes() == (small_shards / SHARDS_DIR / entry.name).read_bytes()
+    assert cache.usage() == (entry.size, 1) and not list(cache.objects.glob("*.tmp"))
+    # and a tmp left by a killed filler of a shard nobody asks for again is reclaimed by the next scan
+    other = _entries(small_shards)[1]
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_FILLER, str(cdir), other.sha256, str(other.size)],
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert child.stdout.readline().strip() == "filling"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    cache.fill(storage, _entries(small_shards)[2])
+    assert not list(cache.objects.glob("*.tmp")) and cache.usage()[1] == 2
+
+
+def test_read_ahead_fetches_in_the_order_the_sampler_wants(moto_server, s3_bucket, small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)
+    cache = ShardCache(tmp_path / "cache", "1GB")
+    files = CachedShardFiles(cache, storage, entries, depth=2)
+    order = [4, 1, 5, 0, 3, 2]
+    files.read_ahead(iter(order))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and files.stats.ahead_fills < 2:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    present = [i for i in range(6) if cache.path(entries[i].sha256).exists()]
+    assert sorted(present) == sorted(order[:2])  # 2 shards beyond the furthest acquired (none yet)
+    files.release(files.acquire(4) and 4)
+    files.release(files.acquire(1) and 1)  # furthest acquired is position 1: fill up to position 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and files.stats.ahead_fills < 4:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert sorted(i for i in range(6) if cache.path(entries[i].sha256).exists()) == sorted(order[:4])
+    assert files.stats.hits == 2 and files.stats.waited_fills == 0
+    files.close()
+    assert np.all([cache.path(entries[i].sha256).read_bytes() == (small_shards / SHARDS_DIR / entries[i].name)
+                   .read_bytes() for i in order[:4]])
+
+
+def test_many_processes_opening_a_new_cache_at_once(tmp_path):
+    code = "import sys; from fastio.storage.cache import ShardCache; ShardCache(sys.argv[1], '1GB')"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "new")], stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO))) for _ in range(6)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-500:]
+    assert (tmp_path / "new" / ".fastio-cache").is_file()
+
+
+def test_a_large_shard_is_filled_with_parallel_ranged_gets(moto_server, s3_bucket, fault_proxy, tmp_path):
+    import hashlib
+
+    fault_proxy.slowdown, fault_proxy.cut = 0.3, 0.3
+    data = os.urandom(12 << 20)
+    store = open_storage(f"s3://{s3_bucket}/big", moto_server.options(fault_proxy.endpoint, part_size=5 << 20,
+                                                                      backoff_s=0.01))
+    store.put_bytes("shards/big.tar", data)
+    entry = CacheEntry("big.tar", "shards/big.tar", hashlib.sha256(data).hexdigest(), len(data))
+    cache = ShardCache(tmp_path / "cache", "1GB")
+    before = fault_proxy.counts["requests"]
+    assert cache.fill(store, entry)
+    assert cache.path(entry.sha256).read_bytes() == data
+    assert fault_proxy.counts["requests"] - before >= 3  # 3 ranges of 5 MiB (and their retries)
+    bad = CacheEntry("big.tar", "shards/big.tar", "0" * 64, len(data))
+    with pytest.raises(StorageError, match=r"shard big.tar does not match the manifest after 2 downloads"):
+        cache.fill(store, bad)
+    assert not list(cache.objects.glob("*.tmp"))
