@@ -15,7 +15,7 @@ import click
 from fastio.cli import cli
 from fastio.errors import ConvertError, FastioError
 
-__all__ = ["convert", "inspect", "verify"]
+__all__ = ["convert", "inspect", "merge", "verify"]
 
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
@@ -56,12 +56,17 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
 @click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
 @click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--part", default=None, metavar="K/N",
+              help="Convert only part K (0-based) of N into DEST/.parts/ for `fastio merge DEST`; "
+                   "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
             quality: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, quiet: bool) -> None:
-    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST."""
+            label_column: str | None, key_column: str | None, part: str | None, quiet: bool) -> None:
+    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
+
+    With --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
     from fastio.progress import progress_wanted
@@ -73,12 +78,30 @@ def convert(source: Path, dest: Path, fmt: str | None, shard_size: str, max_samp
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
             max_side=max_side, quality=quality, on_error=on_error, overwrite=overwrite, name=name,
             path_column=path_column, label_column=label_column, key_column=key_column,
-            progress=progress_wanted(quiet), **kwargs,
+            progress=progress_wanted(quiet), part=part, **kwargs,
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
     try:
         result = run_convert(config)
+    except ConvertError as err:
+        raise ConvertError(_in_flags(str(err))) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace a dataset DEST already holds.")
+@click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
+@click.option("--quiet", "-q", is_flag=True, help="No summary line.")
+def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
+    """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
+    single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
+    from fastio.merge import merge as run_merge
+
+    try:
+        result = run_merge(dest, overwrite=overwrite, keep_parts=keep_parts)
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
