@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import os
 import random
+import socket
 import sys
 import time
 
@@ -80,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requeue", action="store_true", help="after a preemption save, scontrol requeue the job")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (to watch or signal a run)")
     p.add_argument("--quiet", action="store_true", help="do not print a line per step")
+    p.add_argument("--sample-log", metavar="DIR",
+                   help="append 'epoch index' of every sample this rank trains on to DIR/rank-R.HOST.log")
     p.add_argument("--demo-interrupt-at", type=int, metavar="K",
                    help="demo: compare an uninterrupted run with one stopped by SIGUSR1 at step K and resumed "
                         "(runs under CKPT_DIR/uninterrupted and CKPT_DIR/interrupted; exit 1 if weights differ)")
@@ -134,6 +137,10 @@ def train(args: argparse.Namespace) -> int:
         print(f"resumed from step {step}" if start else "fresh start", flush=True)
 
     total, last_loss = args.steps, None
+    sample_log = None
+    if args.sample_log:
+        os.makedirs(args.sample_log, exist_ok=True)
+        sample_log = open(os.path.join(args.sample_log, f"rank-{rank}.{socket.gethostname()}.log"), "a")  # noqa: SIM115
 
     def finished() -> bool:
         return step >= total if total else loader.epoch >= args.epochs
@@ -143,6 +150,10 @@ def train(args: argparse.Namespace) -> int:
         for batch in loader:  # the rest of the current epoch; the Loader moves to the next one by itself
             x = as_input(batch["image"]).to(device)
             y = batch["label"].reshape(-1).to(device)
+            if sample_log is not None:
+                sample_log.writelines(f"{loader.epoch} {int(i)}\n" for i, pad in zip(batch["index"], batch["padded"])
+                                      if not pad)
+                sample_log.flush()
             loss = nn.functional.cross_entropy(model(x), y)
             optim.zero_grad(set_to_none=True)
             loss.backward()
