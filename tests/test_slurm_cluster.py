@@ -50,6 +50,7 @@ def on_cluster(tmp_path: Path, script: str, job_env: dict[str, str], timeout: in
                           capture_output=True, text=True, env=job_env, timeout=timeout, check=False)
     logs = "".join(f"\n== {p.name}\n" + "".join(p.read_text().splitlines(True)[-15:])
                    for p in sorted((tmp_path / "c" / "log").glob("*.log")))
+    (tmp_path / "cluster.out").write_text(proc.stdout + proc.stderr + logs)
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
     return proc.stdout
 

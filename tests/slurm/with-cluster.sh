@@ -3,7 +3,8 @@
 # network, UTS and mount namespace (host ctl, 10.231.0.1 on a private bridge), and one slurmd per
 # node in a network and UTS namespace of its own (host nI, 10.231.0.(10+I), a veth on that bridge).
 # Only addresses inside these namespaces are used; /etc/hosts is replaced by the cluster's own list in the
-# private mount namespace only. Nothing outlives the command: daemons are ended by their pids, and the
+# private mount namespace only. Nothing outlives the command: every process in a node's namespace (slurmd,
+# slurmstepd, job tasks) is killed, slurmctld and munged are ended by their pids, and the
 # namespaces (with the bridge and veths) vanish with their last process.
 #   usage: bash tests/slurm/with-cluster.sh [--nodes N] WORKDIR COMMAND [ARGS...]
 # The command runs on the controller's host (sbatch, srun, scontrol work there); SLURM_CONF is exported.
@@ -46,7 +47,9 @@ chmod 600 "$work/munge/munge.key"
   for i in $(seq "$nodes"); do echo "$net.$((10 + i)) n$i"; done
 } > "$work/hosts"
 mount --bind "$work/hosts" /etc/hosts   # this mount namespace only
-cpus=$(nproc)
+# Per node (`nproc` alone would follow OMP_NUM_THREADS); at least 2, so that a node runs 2 tasks.
+cpus=${FASTIO_SLURM_CPUS:-$(nproc --all)}
+[ "$cpus" -ge 2 ] || cpus=2
 cat > "$work/slurm.conf" <<CONF
 ClusterName=fastio-test
 SlurmctldHost=ctl($net.1)
@@ -81,8 +84,20 @@ done
 export SLURM_CONF="$work/slurm.conf"
 
 node_pids=()
+node_nets=()
+in_net() {  # the pids of every process in network namespace $1 (a node's: all of them are ours)
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/ns/net" 2>/dev/null)" = "$1" ] && echo "${p#/proc/}"
+  done
+  return 0
+}
 stop() {
-  local pids=("${node_pids[@]}")
+  # Jobs first: slurmstepd and the tasks it started leave slurmd's process tree, but not the node's namespace.
+  local pids=() net
+  for net in "${node_nets[@]}"; do [ -z "$net" ] || pids+=($(in_net "$net")); done
+  [ ${#pids[@]} -eq 0 ] || kill -9 "${pids[@]}" 2>/dev/null || true
+  pids=()
   for pidfile in "$work/slurmctld.pid" "$work/munge/munged.pid"; do
     [ -s "$pidfile" ] && pids+=("$(cat "$pidfile")")
   done
@@ -111,7 +126,11 @@ for i in $(seq "$nodes"); do
     > "$work/log/node-n$i.out" 2>&1 &
   pid=$!
   node_pids+=("$pid")
+  disown "$pid"
   for _ in $(seq 200); do [ -e "$work/nodes/n$i.inside" ] && break; sleep 0.05; done
+  node_net=$(readlink "/proc/$pid/ns/net")
+  [ "$node_net" != "$(readlink /proc/$$/ns/net)" ] || { echo "node n$i has no network namespace" >&2; exit 1; }
+  node_nets+=("$node_net")
   ip link add "fastio-v$i" type veth peer name eth0 netns "$pid"
   ip link set "fastio-v$i" master fastio-br up
   touch "$work/nodes/n$i.go"
