@@ -178,3 +178,17 @@ def test_merge_refuses_to_replace_a_dataset_without_overwrite(tmp_path, image_fo
     assert main(["merge", str(dest), "--overwrite", "--keep-parts", "-q"]) == 0
     assert (dest / PARTS_DIR).is_dir()
     assert Dataset(dest).manifest["convert_options"]["shuffle"] is False
+
+
+def test_a_part_in_use_is_refused_by_a_second_run_and_by_merge(tmp_path, image_folder):
+    from fastio.lock import DirLock
+
+    dest = tmp_path / "parted"
+    in_parts(image_folder, dest, 2, workers=1)
+    with DirLock(part_dir(dest, 1, 2), "fastio convert --part 1/2"):
+        with pytest.raises(ConvertError, match=r"part-1-of-2: in use by fastio convert --part 1/2 pid"):
+            convert(ConvertConfig(source=image_folder, dest=dest, part=(1, 2), workers=1))
+        with pytest.raises(ConvertError, match=r"part-1-of-2: in use by"):
+            merge(dest)
+    assert (part_dir(dest, 1, 2) / PART_RECORD).is_file()  # the refused run touched nothing
+    assert merge(dest).samples == 48

@@ -12,8 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import write_image_dataset
+
 from fastio.convert import ConvertConfig, convert
 from fastio.synthetic import make_imagefolder
 
@@ -60,7 +60,8 @@ set -u
 cd "$WORK"
 submit() { sbatch --parsable --nodes=2 --ntasks-per-node=2 --gpus-per-node=0 --cpus-per-task=1 "$@" \
            "$FASTIO/examples/slurm/train.sbatch"; }
-wait_done() { for i in $(seq 1200); do scontrol show job "$1" | grep -q "JobState=COMPLETED\|JobState=FAILED\|JobState=CANCELLED" && break; sleep 0.25; done; }
+ended() { scontrol show job "$1" | grep -q "JobState=COMPLETED\|JobState=FAILED\|JobState=CANCELLED"; }
+wait_done() { for i in $(seq 1200); do ended "$1" && break; sleep 0.25; done; }
 # The uninterrupted reference: the same job, same 2 x 2 tasks, never signalled.
 ref=$(CKPT=$WORK/ref-ckpt TRAIN_ARGS="$TRAIN_ARGS --step-delay 0" submit --output=ref-%j.out) || exit 1
 wait_done "$ref"
@@ -130,7 +131,10 @@ cd "$WORK"
 line=$(bash "$FASTIO/examples/slurm/convert.sbatch" --shuffle --seed 3 --split val=0.25 --shard-size 40k) || exit 1
 echo "$line"
 merge=$(echo "$line" | grep -o "merge job [0-9]*" | grep -o "[0-9]*$")
-for i in $(seq 1200); do scontrol show job "$merge" | grep -q "JobState=COMPLETED\|JobState=FAILED\|JobState=CANCELLED" && break; sleep 0.25; done
+for i in $(seq 1200); do
+  scontrol show job "$merge" | grep -q "JobState=COMPLETED\|JobState=FAILED\|JobState=CANCELLED" && break
+  sleep 0.25
+done
 scontrol show job "$merge" | grep -o "JobState=[A-Z]*\|Dependency=[^ ]*"
 cat fastio-convert-*.out fastio-merge-*.out
 """
