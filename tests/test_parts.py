@@ -192,3 +192,10 @@ def test_a_part_in_use_is_refused_by_a_second_run_and_by_merge(tmp_path, image_f
             merge(dest)
     assert (part_dir(dest, 1, 2) / PART_RECORD).is_file()  # the refused run touched nothing
     assert merge(dest).samples == 48
+
+
+def test_more_parts_than_shards_leaves_empty_parts_that_merge_cleanly(tmp_path, image_folder, capsys):
+    single, merged, result = single_and_merged(tmp_path, image_folder, 12, max_samples_per_shard=8, workers=1)
+    assert single == merged and result.linked == 6 and result.repacked == 0
+    assert main(["convert", str(image_folder), str(tmp_path / "x"), "--part", "12/12"]) == 2
+    assert capsys.readouterr().err == "fastio: error: --part: K must be in 0..11 for 12 parts, got 12\n"
