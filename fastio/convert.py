@@ -39,6 +39,7 @@ from fastio.parts import (
     parse_part,
     part_dir,
     part_range,
+    predicted_shard_starts,
     write_part_record,
 )
 from fastio.progress import Progress, rate_line
@@ -440,9 +441,11 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         _clear_part(directory)
         jobs, ranges = [], {}
         for split_name, indices in groups.items():
-            start, end = part_range(len(indices), k, n, config.max_samples_per_shard)
+            entries = [scan.entries[i] for i in indices]
+            starts = predicted_shard_starts(entries, config.shard_size, config.max_samples_per_shard)
+            start, end = part_range(len(indices), k, n, starts)
             ranges[split_name] = {"range": [start, end], "count": len(indices)}
-            jobs.append((split_name, [scan.entries[i] for i in indices[start:end]],
+            jobs.append((split_name, entries[start:end],
                          directory / split_name if split_name else directory, {"scan_skipped": []}))
         manifests, skipped, bytes_in = _write_groups(config, jobs, allow_empty=True)
         plan = {"source": scan.description, "convert_options": config.output_options(), "name": config.name,

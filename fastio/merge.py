@@ -5,18 +5,20 @@ samples in the same order, the same shard files and ``.idx`` files, the same man
 
 Shard boundaries. A single conversion cuts shards greedily (:func:`fastio.shards.starts_new_shard`: a new
 shard when the next sample would overflow ``shard_size`` or the shard holds ``max_samples_per_shard``). Each
-part cuts its own range the same way, starting afresh at the range's first sample. The merge computes where
-the single run cuts, from the sample sizes in the parts' ``.idx`` files, and then, per shard of the result:
+part starts on a cut that it predicts from file sizes (:func:`fastio.parts.predicted_shard_starts`) and cuts
+its range by the same rule. The merge computes where the single run really cuts, from the sample sizes in the
+parts' ``.idx`` files, and then, per shard of the result:
 
 - a part shard that holds exactly the samples of a result shard is **linked** into place (a hard link, no
   copy; a copy where the file system refuses links);
 - any other result shard is **re-packed**: its samples' bytes are copied out of the part shards (no decode)
   through the same :class:`~fastio.shards.ShardWriter`.
 
-Within a part, cuts agree with the single run from the first cut they share to the part's end; so only the
-shards between a part's first sample and that first shared cut, and a part's last shard, may need re-packing.
-With ``max_samples_per_shard`` M and shards that never reach ``shard_size`` (and no sample skipped), part
-ranges are multiples of M (:func:`fastio.parts.part_range`), every cut is shared and the merge copies nothing.
+When the prediction holds (no sample skipped while loading, no ``max_side`` re-encoding) every shard is
+linked. A skipped or re-encoded sample moves the single run's cuts after it, and greedy cuts that started
+elsewhere rarely meet again, so the shards from there on are re-packed (still the same bytes; a sequential
+copy). Cuts by sample count alone (``max_samples_per_shard`` with shards that stay under ``shard_size``)
+only move at a skip.
 
 Safety: DEST and every part are locked for the merge (a part still being converted is refused), the parts are
 checked first (all N complete, same plan: source, options, seed, listing), DEST's final files are written

@@ -11,9 +11,12 @@ How parts agree on the listing: every part scans the source itself (the scan is 
 directory walks, table rows in file order) and records :func:`listing_digest` of what it saw; the merge
 refuses parts whose digests differ (e.g. a file was added between two parts' scans).
 
-Part ranges: with ``max_samples_per_shard`` M, range boundaries are rounded to multiples of M, so that a
-part boundary falls where a single conversion cuts a shard when shards are cut by sample count; then the
-merge only links the parts' shards into place (see :mod:`fastio.merge` for the general rule).
+Part ranges fall where a single conversion cuts a shard, as far as that can be known before loading: every
+part predicts the single run's cuts (:func:`predicted_shard_starts`) from the sizes of the files the samples
+name (one ``stat`` each) and the bytes the scan holds, with the writer's own cut rule, and takes the K-th of N
+runs of whole predicted shards (:func:`part_range`). The prediction is exact unless a sample is skipped while
+loading (a corrupt image) or re-encoded (``max_side``); then the merge re-packs the shards whose cuts moved
+(see :mod:`fastio.merge`), and the output is still the same bytes.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastio.atomic import atomic_write_bytes
-from fastio.converters.base import FileRef, ScanResult
+from fastio.converters.base import Entry, FileRef, ScanResult
 from fastio.errors import ConvertError
+from fastio.shards import sample_span, starts_new_shard
 
 __all__ = [
     "PARTS_DIR",
@@ -39,6 +44,7 @@ __all__ = [
     "part_dir",
     "part_name",
     "part_range",
+    "predicted_shard_starts",
     "read_part_record",
     "write_part_record",
 ]
@@ -93,15 +99,42 @@ def parse_part_dir(name: str) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def part_range(count: int, k: int, n: int, align: int | None = None) -> tuple[int, int]:
+def part_range(count: int, k: int, n: int, starts: Sequence[int] | None = None) -> tuple[int, int]:
     """Positions ``[start, end)`` of ``count`` ordered samples that part K of N converts.
 
-    Contiguous, in order, covering ``0..count`` once over K = 0..N-1; with ``align`` every boundary but the
-    last is a multiple of ``align`` (parts may then be empty when there are fewer blocks than parts)."""
-    unit = align or 1
-    blocks = -(-count // unit)
-    start, end = k * blocks // n * unit, (k + 1) * blocks // n * unit
-    return min(start, count), min(end, count)
+    Contiguous, in order, covering ``0..count`` once over K = 0..N-1. ``starts`` (ascending, from 0) are where
+    shards begin: part K gets the K-th of N runs of whole shards (a part is empty when there are fewer shards
+    than parts); None: every sample may start a shard."""
+    if starts is None:
+        return k * count // n, (k + 1) * count // n
+    shards = len(starts)
+    first, last = k * shards // n, (k + 1) * shards // n
+    return (starts[first] if first < shards else count), (starts[last] if last < shards else count)
+
+
+def predicted_shard_starts(entries: Sequence[Entry], max_bytes: int, max_samples: int | None) -> list[int]:
+    """Where a single conversion of ``entries`` (in writing order) starts each shard, if every sample is
+    written as it is: fields named by :class:`FileRef` count with their file's size (one ``stat``), bytes
+    with their length; the cut rule is the writer's own. A file that cannot be stat-ed counts as empty (its
+    sample will be skipped, and the merge re-cuts)."""
+    starts: list[int] = []
+    members_end = begun = 0
+    for i, entry in enumerate(entries):
+        sizes = []
+        for _, value in entry.fields:
+            if isinstance(value, FileRef):
+                try:
+                    sizes.append(os.stat(value.path).st_size)
+                except OSError:
+                    sizes.append(0)
+            else:
+                sizes.append(len(value))
+        span = sample_span(sizes)
+        if i == 0 or starts_new_shard(members_end, i - begun, span, max_bytes, max_samples):
+            starts.append(i)
+            begun, members_end = i, 0
+        members_end += span
+    return starts
 
 
 def listing_digest(scan: ScanResult) -> str:
