@@ -22,13 +22,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py demo-out
 
+# The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slurm"
 
-# The real one-node Slurm test (it runs in `make test` too wherever Slurm is installed).
+# The real Slurm tests (root): a one-node cluster, and a two-node cluster in network namespaces on a private
+# bridge (DDP training with preemption + requeue + resume, the conversion array job + merge). About 2 minutes.
 test-slurm: $(STAMP)
-	command -v slurmctld >/dev/null && command -v munged >/dev/null || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge)
+	command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2)
 	$(BIN)/python -m pytest -q -m slurm
 
 bench: $(STAMP)

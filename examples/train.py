@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import os
 import random
+import socket
 import sys
 import time
 
@@ -49,6 +50,25 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def ordered_allreduce_hook(order: dict[int, int], bucket):
+    """DDP gradient averaging whose floating-point result does not depend on the bucket's layout.
+
+    DDP fills its first bucket in parameter order, then, after the first step of every process, rebuilds it in
+    the order gradients became ready. A ring all-reduce sums each chunk of the buffer starting at a different
+    rank, so with more than two ranks the same gradients summed in another layout differ in the last bits: a
+    resumed run (whose first step uses the first layout) would drift from an uninterrupted one. Reducing the
+    gradients concatenated in parameter order keeps every element's summation order fixed."""
+    params, grads = bucket.parameters(), bucket.gradients()
+    ranked = sorted(range(len(params)), key=lambda i: order[id(params[i])])
+    flat = torch.cat([grads[i].reshape(-1) for i in ranked]).div_(dist.get_world_size())
+
+    def unpack(fut) -> torch.Tensor:
+        pieces = dict(zip(ranked, fut.value()[0].split([grads[i].numel() for i in ranked])))
+        return torch.cat([pieces[i] for i in range(len(params))])
+
+    return dist.all_reduce(flat, async_op=True).get_future().then(unpack)
+
+
 def as_input(image: torch.Tensor) -> torch.Tensor:
     """The Loader's image batch (NCHW, normalised float, or uint8) as float32."""
     return image.float() / 255.0 if image.dtype == torch.uint8 else image.float()
@@ -80,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requeue", action="store_true", help="after a preemption save, scontrol requeue the job")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (to watch or signal a run)")
     p.add_argument("--quiet", action="store_true", help="do not print a line per step")
+    p.add_argument("--sample-log", metavar="DIR",
+                   help="append 'epoch index' of every sample this rank trains on to DIR/rank-R.HOST.log")
     p.add_argument("--demo-interrupt-at", type=int, metavar="K",
                    help="demo: compare an uninterrupted run with one stopped by SIGUSR1 at step K and resumed "
                         "(runs under CKPT_DIR/uninterrupted and CKPT_DIR/interrupted; exit 1 if weights differ)")
@@ -113,7 +135,9 @@ def train(args: argparse.Namespace) -> int:
     classes = len(loader.dataset.label_map or {}) or 4
     model = SmallCNN(classes).to(device)
     if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
+        # One bucket and a fixed order inside it: see ordered_allreduce_hook.
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+        model.register_comm_hook({id(p): i for i, p in enumerate(model.parameters())}, ordered_allreduce_hook)
     optim = torch.optim.Adam(model.parameters(), lr=args.lr)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=50, gamma=0.5)
     app = {"model": model, "optim": optim, "sched": sched, "loader": loader}
@@ -134,15 +158,23 @@ def train(args: argparse.Namespace) -> int:
         print(f"resumed from step {step}" if start else "fresh start", flush=True)
 
     total, last_loss = args.steps, None
+    sample_log = None
+    if args.sample_log:
+        os.makedirs(args.sample_log, exist_ok=True)
+        sample_log = open(os.path.join(args.sample_log, f"rank-{rank}.{socket.gethostname()}.log"), "a")  # noqa: SIM115
 
     def finished() -> bool:
         return step >= total if total else loader.epoch >= args.epochs
 
     while not finished():
-        before = step
+        before, epoch = step, loader.epoch
         for batch in loader:  # the rest of the current epoch; the Loader moves to the next one by itself
             x = as_input(batch["image"]).to(device)
             y = batch["label"].reshape(-1).to(device)
+            if sample_log is not None:
+                sample_log.writelines(f"{epoch} {int(i)}\n" for i, pad in zip(batch["index"], batch["padded"])
+                                      if not pad)
+                sample_log.flush()
             loss = nn.functional.cross_entropy(model(x), y)
             optim.zero_grad(set_to_none=True)
             loss.backward()

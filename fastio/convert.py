@@ -17,6 +17,10 @@ Rejected inputs: the scan's refusals (bad labels, paths outside the root, symlin
 see :mod:`fastio.converters`) and samples that fail to load (unreadable, undecodable, over ``max_pixels``,
 a label outside ``0 .. 2**63-1``) are skipped and listed in the manifest, or stop the run with
 ``on_error="fail"``.
+
+With ``part`` (K, N), only the K-th of N contiguous ranges of every output dataset's order is written, into
+``DEST/.parts/part-K-of-N/`` with its completion record last (:mod:`fastio.parts`); DEST itself is left as it
+is, and ``fastio merge`` (:mod:`fastio.merge`) publishes the dataset once all parts are complete.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, down
 from fastio.labels import check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
+from fastio.parts import (
+    PART_RECORD,
+    PARTS_DIR,
+    PartRecord,
+    listing_digest,
+    parse_part,
+    part_dir,
+    part_range,
+    predicted_shard_starts,
+    write_part_record,
+)
 from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
 from fastio.storage import Storage, is_remote, open_storage
@@ -148,6 +163,9 @@ class ConvertConfig:
     (a temporary folder inside it, removed afterwards; default: the system's temporary directory)."""
     storage_options: dict | None = None
     """For a URL ``dest``: endpoint, region, credentials over the environment's (:class:`fastio.storage.StorageOptions`)."""
+    part: tuple[int, int] | str | None = None
+    """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): convert only the K-th of N
+    parts into ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
 
     def __post_init__(self) -> None:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``)."""
@@ -174,6 +192,8 @@ class ConvertConfig:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if not is_plain_name(self.name):
             raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
+        if self.part is not None:
+            self.part = parse_part(self.part)
 
     def output_options(self) -> dict[str, Any]:
         """The options that shape the output, as recorded in each manifest."""
@@ -193,6 +213,8 @@ class ConvertResult:
     skipped: list[dict[str, str]]
     seconds: float
     bytes_in: int
+    part: tuple[int, int] | None = None
+    """(K, N) when this was one part of a conversion in parts."""
 
     @property
     def samples(self) -> int:
@@ -205,8 +227,10 @@ class ConvertResult:
     def summary(self) -> str:
         parts = ", ".join(f"{n}: {m['total_samples']}" for n, m in self.manifests.items() if n)
         split = f" [{parts}]" if parts else ""
-        return (f"converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {self.shards} shards"
-                f"{split} at {self.dest}; skipped {len(self.skipped)}")
+        part = f"part {self.part[0]}/{self.part[1]}: " if self.part else ""
+        where = f"{self.dest}/{PARTS_DIR}" if self.part else self.dest
+        return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {self.shards} shards"
+                f"{split} at {where}; skipped {len(self.skipped)}")
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -297,7 +321,7 @@ def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
     if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
         complete = _is_complete(dest)
-        ours = complete or (dest / MARKER_NAME).is_file()
+        ours = complete or (dest / MARKER_NAME).is_file() or (dest / PARTS_DIR).is_dir()
         if complete and not overwrite:
             raise ConvertError(f"{dest}: already holds a converted dataset; pass overwrite=True to replace it")
         if not ours and not overwrite:
@@ -305,15 +329,16 @@ def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
                                "pass overwrite=True to replace its contents")
 
 
-def reset_dest(dest: Path) -> None:
-    """Make DEST an empty directory holding only the marker (call :func:`check_dest` first)."""
+def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
+    """Make DEST an empty directory holding only the marker and the entries named in ``keep`` (call
+    :func:`check_dest` first)."""
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(dest / MARKER_NAME, b"fastio convert output; complete once manifest.json or splits.json exists\n")
     # The final files go first so that DEST stops being a dataset before anything else changes.
     for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
         final.unlink(missing_ok=True)
     for child in dest.iterdir():
-        if child.name in (MARKER_NAME, LOCK_NAME):  # the lock file stays: the holder's lock is on it
+        if child.name in (MARKER_NAME, LOCK_NAME) or child.name in keep:  # the holder's lock is on the lock file
             continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
@@ -346,7 +371,7 @@ def _assign(n: int, config: ConvertConfig) -> dict[str, list[int]]:
 
 
 def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, progress: Progress,
-                   scan_skipped: list[dict[str, str]], **manifest_fields: Any):
+                   scan_skipped: list[dict[str, str]], allow_empty: bool = False, **manifest_fields: Any):
     """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes).
 
     On any error the shard being written stays a hidden temporary and is dropped (the writer aborts)."""
@@ -372,7 +397,7 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             size = sum(len(v) for v in fields.values())
             nbytes += size
             progress.update(1, size)
-        if writer.total_samples == 0:
+        if writer.total_samples == 0 and not allow_empty:
             example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
             of_split = f" of split {split_name}" if split_name else ""
             raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
@@ -382,13 +407,21 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 
 
 def convert(config: ConvertConfig) -> ConvertResult:
-    """Convert ``config.source`` into ``config.dest``; see the module docstring for the guarantees.
+    """Convert ``config.source`` into ``config.dest`` (or, with ``config.part``, one part of it into
+    ``DEST/.parts/``); see the module docstring for the guarantees.
 
     A URL ``dest`` is written to a local staging folder first, then uploaded: shards and indexes, then each
     manifest, ``splits.json`` last, so readers never see a partial dataset (see :func:`_convert_to_url`)."""
     if not isinstance(config.dest, Path):
+        if config.part is not None:
+            raise ConvertError(f"{config.dest}: part=... needs a DEST on a (shared) file system; convert the parts "
+                               "there, merge, then upload")
         return _convert_to_url(config)
     started = time.perf_counter()
+    if config.part is not None:  # parts run side by side: each locks only its own part directory
+        check_dest(config.dest, config.source, config.overwrite)
+        scan, groups = _scan(config)
+        return _guard_os(config, lambda: _write_part(config, scan, groups, started))
     lock = DirLock(config.dest, purpose="fastio convert")
     if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
         _lock(lock, config.dest)
@@ -409,6 +442,15 @@ def _lock(lock: DirLock, dest: Path) -> None:
 
 def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> ConvertResult:
     check_dest(config.dest, config.source, config.overwrite)
+    scan, groups = _scan(config)
+    if not lock.held:
+        _lock(lock, config.dest)
+        check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
+    return _guard_os(config, lambda: _write_all(config, scan, groups, started))
+
+
+def _scan(config: ConvertConfig):
+    """The source's entries and their assignment to output datasets (splits), in writing order."""
     scan = converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
         root=config.root))
@@ -416,12 +458,12 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
         bad = next((s for s in scan.skipped if s.error), None)
         if bad is not None:
             raise ConvertError(f"{_display_path(bad.path, config.source)}: {bad.reason} (on_error='fail')")
-    groups = _assign(len(scan.entries), config)
-    if not lock.held:
-        _lock(lock, config.dest)
-        check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
+    return scan, _assign(len(scan.entries), config)
+
+
+def _guard_os(config: ConvertConfig, write):
     try:
-        return _write_all(config, scan, groups, started)
+        return write()
     except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run, ...
         raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
 
@@ -429,14 +471,77 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
 def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
     """Reset DEST, then load and write every group (split) of ``scan``'s entries; the manifests go last."""
     reset_dest(config.dest)
-
-    options = config.output_options()
     scan_skipped = [s.as_dict() for s in scan.skipped]
+    jobs = []
+    for split_name, indices in groups.items():
+        extra = {"split": {"name": split_name, "of": sorted(groups)}} if split_name else {}
+        jobs.append((split_name, [scan.entries[i] for i in indices],
+                     config.dest / split_name if split_name else config.dest,
+                     dict(source=scan.description, label_map=scan.label_map, image_field=scan.image_field,
+                          label_field=scan.label_field, convert_options=config.output_options(),
+                          scan_skipped=scan_skipped, **extra)))
+    manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field)
+    if config.split:
+        write_splits(config.dest, manifests)
+    return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
+                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+
+
+def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
+    """Write part K of N of every group into ``DEST/.parts/part-K-of-N/``; its ``part.json`` goes last.
+
+    Only that directory is touched (parts of one conversion run side by side); a second process converting
+    the same part is refused. Each group's part manifest lists the samples this part skipped; the scan's
+    skipped inputs, labels and options go into the part record, which the merge checks across parts."""
+    k, n = config.part
+    directory = part_dir(config.dest, k, n)
+    lock = DirLock(directory, f"fastio convert --part {k}/{n}")
+    try:
+        lock.acquire()
+    except LockedError as err:
+        raise ConvertError(str(err)) from None
+    try:
+        _clear_part(directory)
+        jobs, ranges = [], {}
+        for split_name, indices in groups.items():
+            entries = [scan.entries[i] for i in indices]
+            starts = predicted_shard_starts(entries, config.shard_size, config.max_samples_per_shard)
+            start, end = part_range(len(indices), k, n, starts)
+            ranges[split_name] = {"range": [start, end], "count": len(indices)}
+            jobs.append((split_name, entries[start:end],
+                         directory / split_name if split_name else directory, {"scan_skipped": []}))
+        manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, allow_empty=True)
+        plan = {"source": scan.description, "convert_options": config.output_options(), "name": config.name,
+                "listing": {"sha256": listing_digest(scan), "entries": len(scan.entries)},
+                "label_map": scan.label_map, "image_field": scan.image_field, "label_field": scan.label_field,
+                "scan_skipped": [s.as_dict() for s in scan.skipped]}
+        write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=ranges))
+    finally:
+        lock.release()
+    return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
+                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
+
+
+def _clear_part(directory: Path) -> None:
+    """Empty a part's directory but for its lock; the completion record goes first."""
+    (directory / PART_RECORD).unlink(missing_ok=True)
+    for child in directory.iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
+    """Load and write each job ``(split name, entries, output dir, manifest fields)`` in order, through one
+    worker pool; return (manifests by split name, samples skipped while loading, bytes written)."""
     manifests: dict[str, dict[str, Any]] = {}
-    all_skipped = list(scan_skipped)
+    all_skipped: list[dict[str, str]] = []
     bytes_in = 0
     pool = None
-    load_options = (config.max_side, config.quality, config.max_pixels, scan.label_field)
+    load_options = (config.max_side, config.quality, config.max_pixels, label_field)
     if config.workers > 1:
         import multiprocessing as mp
 
@@ -447,20 +552,15 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
     else:
         _init_worker(load_options)
     try:
-        with Progress(len(scan.entries), enabled=config.progress, desc="convert") as progress:
-            for split_name, indices in groups.items():
-                entries = [scan.entries[i] for i in indices]
+        with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert") as progress:
+            for split_name, entries, out, fields in jobs:
                 if pool is None:
                     results = map(load_entry, entries)
                 else:
                     chunk = max(1, min(16, len(entries) // (config.workers * 8)))
                     results = pool.imap(load_entry, entries, chunksize=chunk)
-                extra = {"split": {"name": split_name, "of": sorted(groups)}} if split_name else {}
-                manifest, skipped, nbytes = _write_dataset(
-                    config, config.dest / split_name if split_name else config.dest, split_name,
-                    zip(entries, results), progress, source=scan.description, label_map=scan.label_map,
-                    image_field=scan.image_field, label_field=scan.label_field, convert_options=options,
-                    scan_skipped=scan_skipped, **extra)
+                manifest, skipped, nbytes = _write_dataset(config, out, split_name, zip(entries, results), progress,
+                                                           allow_empty=allow_empty, **fields)
                 manifests[split_name] = manifest
                 all_skipped.extend(skipped)
                 bytes_in += nbytes
@@ -468,10 +568,7 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
         if pool is not None:
             pool.terminate()
             pool.join()
-    if config.split:
-        write_splits(config.dest, manifests)
-    return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=all_skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+    return manifests, all_skipped, bytes_in
 
 
 # -- object-store DEST ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from fastio.idx import IndexEntry, format_index
 from fastio.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
 from fastio.wds import check_member, is_key, is_plain_name, member_name
 
-__all__ = ["ShardWriter", "Sample", "BLOCK"]
+__all__ = ["ShardWriter", "Sample", "BLOCK", "sample_span", "starts_new_shard"]
 
 BLOCK = 512
 Sample = dict[str, Any]  # {"__key__": str, field: bytes}
@@ -106,12 +106,10 @@ class ShardWriter:
             check_member(key, ext)
             if not isinstance(value, (bytes, bytearray, memoryview)):
                 raise ValueError(f"sample {key!r}: field {ext!r} is {type(value).__name__}, not bytes")
-        size = sum(BLOCK + _padded(len(v)) for _, v in members)
+        size = sample_span(len(v) for _, v in members)
         shard = self._open
-        if shard is not None and shard.entries and (
-            _tar_size(shard.pos + size) > self.max_bytes
-            or (self.max_samples is not None and len(shard.entries) >= self.max_samples)
-        ):
+        if shard is not None and starts_new_shard(shard.pos, len(shard.entries), size, self.max_bytes,
+                                                  self.max_samples):
             self._finish()
         if self._open is None:
             self._start()
@@ -169,6 +167,19 @@ class ShardWriter:
         atomic_write_bytes(self.dest / SHARDS_DIR / record.idx_name, idx_text)
         self._index.add(record, shard.entries)
         self.shards.append(record)
+
+
+def sample_span(member_sizes) -> int:
+    """Bytes a sample takes in a tar: a header block plus the padded data, per member."""
+    return sum(BLOCK + _padded(n) for n in member_sizes)
+
+
+def starts_new_shard(members_end: int, samples: int, span: int, max_bytes: int, max_samples: int | None) -> bool:
+    """The one cut rule: does a sample of ``span`` bytes go into a new shard, after an open shard whose
+    ``samples`` members end at ``members_end``? (Used by the writer, and by ``fastio merge`` to find where a
+    single conversion would have cut.)"""
+    return samples > 0 and (_tar_size(members_end + span) > max_bytes
+                            or (max_samples is not None and samples >= max_samples))
 
 
 def _padded(n: int) -> int:

@@ -16,7 +16,7 @@ from fastio.cli import cli
 from fastio.errors import ConvertError, FastioError
 from fastio.images import DEFAULT_MAX_PIXELS
 
-__all__ = ["convert", "inspect", "verify"]
+__all__ = ["convert", "inspect", "merge", "verify"]
 
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
@@ -93,6 +93,9 @@ def _storage_options(endpoint_url: str | None, region: str | None, profile: str 
 @click.option("--root", type=click.Path(path_type=Path), default=None,
               help="Tables: relative paths start here and every path must resolve inside it "
                    "(default: the table's folder).")
+@click.option("--part", default=None, metavar="K/N",
+              help="Convert only part K (0-based) of N into DEST/.parts/ for `fastio merge DEST`; "
+                   "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
               help="s3:// DEST: where shards are written before the upload (default: the system temp dir).")
@@ -100,11 +103,12 @@ def _storage_options(endpoint_url: str | None, region: str | None, profile: str 
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, root: Path | None, quiet: bool,
+            label_column: str | None, key_column: str | None, root: Path | None, part: str | None, quiet: bool,
             staging_dir: Path | None, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
     """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
-    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last)."""
+    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
+    --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
     from fastio.progress import progress_wanted
@@ -116,13 +120,31 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
-            key_column=key_column, root=root, progress=progress_wanted(quiet), staging_dir=staging_dir,
+            key_column=key_column, root=root, part=part, progress=progress_wanted(quiet), staging_dir=staging_dir,
             storage_options=_storage_options(endpoint_url, region, profile), **kwargs,
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
     try:
         result = run_convert(config)
+    except ConvertError as err:
+        raise ConvertError(_in_flags(str(err))) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+@cli.command()
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace a dataset DEST already holds.")
+@click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
+@click.option("--quiet", "-q", is_flag=True, help="No summary line.")
+def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
+    """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
+    single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
+    from fastio.merge import merge as run_merge
+
+    try:
+        result = run_merge(dest, overwrite=overwrite, keep_parts=keep_parts)
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
