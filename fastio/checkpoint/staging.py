@@ -6,6 +6,10 @@ copies every tensor into a preallocated CPU buffer (pinned when the source is on
 everything else; the write then reads only from the stager's buffers, which are not touched again
 until that write has finished (the Checkpointer keeps one save in flight). CPU tensors are copied
 before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
+
+A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the copy is a new DTensor over the
+staged buffer with the original's mesh, placements, global shape and stride, so the engine (DCP) writes
+the same shard of the same global tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ from fastio.errors import CheckpointError
 __all__ = ["Frozen", "Stager"]
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or None where torch.distributed is not built in."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 class Frozen:
@@ -83,6 +96,14 @@ class Stager:
         return buf
 
     def _walk(self, obj: Any, path: str, pairs: list, seen: set[str]) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
+            local = obj.to_local()
+            seen.add(path)
+            buf = self._buffer(path, local)
+            pairs.append((buf, local.detach()))
+            return dtensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
                     and not isinstance(obj, torch.nn.Parameter):
