@@ -295,9 +295,9 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[st
     n-th file from the i-th (so n ranks can share the reading)."""
     i, n = part
     listed = sorted(entry.commit["files"].items())[i::n]
-    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        found = pool.map(lambda kv: _check_file(entry.path / kv[0], kv[1]), listed)
-        return [p for p in found if p]
+    # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
+    found = (_check_file(entry.path / rel, want) for rel, want in listed)
+    return [p for p in found if p]
 
 
 def verify_step(entry: StepEntry) -> list[str]:

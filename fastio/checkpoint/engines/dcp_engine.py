@@ -196,7 +196,7 @@ class DcpCheckpoint(SavedCheckpoint):
             template = {k: targets[k].state_dict() for k in shared}
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
-                         planner=_SafeLoadPlanner(self.path), process_group=self.pg)
+                         planner=_SafeLoadPlanner(self.path), process_group=self.pg, no_dist=_rank()[1] == 1)
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -267,7 +267,9 @@ class DcpEngine:
             _rank_file(path, rank, key).write_bytes(buf.getbuffer())
         if shared:
             try:
-                dcp.save(shared, storage_writer=FileSystemWriter(str(path), sync_files=False), process_group=pg)
+                # sync_files off: the commit fsyncs every file anyway, through the descriptor it hashes with
+                dcp.save(shared, storage_writer=FileSystemWriter(str(path), sync_files=False), process_group=pg,
+                         no_dist=world == 1)
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
                 raise _unwrap(err, path) from None
         elif pg is not None:
