@@ -194,22 +194,29 @@ def test_fsdp2_exact_resume_after_kill_and_resharding(tmp_path):
     assert_same(three["got"], ref, "2 -> 3 FSDP2")
 
 
-def test_torchsnapshot_checkpoint_cannot_restore_into_dtensor_state(tmp_path):
-    """What cannot reshard fails clearly: a torchsnapshot checkpoint into an FSDP2 (DTensor) model."""
-    root = tmp_path / "ck"
-    app = build(0, 0, sharded=False)
-    with Checkpointer(root, engine="torchsnapshot", signals=()) as ckpt:
-        ckpt.save(1, app, blocking=True)
-    launch(_restore_ts_into_fsdp, 1, free_port(), str(root), str(tmp_path))
+def test_plain_checkpoint_into_fsdp2_dcp_restores_and_torchsnapshot_refuses(tmp_path):
+    """A plain model's checkpoint into an FSDP2 (DTensor) model: DCP reshards it; torchsnapshot cannot and says so."""
+    plain = build(0, 0, sharded=False)
+    step(plain, 1, 0)
+    for engine in ("dcp", "torchsnapshot"):
+        with Checkpointer(tmp_path / engine, engine=engine, signals=()) as ckpt:
+            ckpt.save(1, plain, blocking=True)
+    torch.save(full(plain), tmp_path / "plain.pt")
+    launch(_restore_plain_into_fsdp, 1, free_port(), str(tmp_path))
+    assert_same(torch.load(tmp_path / "fsdp-from-dcp.pt"), torch.load(tmp_path / "plain.pt"), "plain -> FSDP2")
     msg = (tmp_path / "error.txt").read_text()
+    root = tmp_path / "torchsnapshot"
     assert msg.startswith(f"{root}/step-1: written by the torchsnapshot engine, which cannot restore into DTensor")
     assert "model, optim" in msg and "\n" not in msg
 
 
-def _restore_ts_into_fsdp(rank: int, port: int, root: str, out: str) -> None:
+def _restore_plain_into_fsdp(rank: int, port: int, out: str) -> None:
     init(rank, 1, port)
+    app = build(3, rank)
+    Checkpointer(Path(out, "dcp"), signals=()).restore_latest(app)
+    torch.save(full(app), Path(out, "fsdp-from-dcp.pt"))
     try:
-        Checkpointer(root, signals=()).restore_latest(build(0, rank))
+        Checkpointer(Path(out, "torchsnapshot"), signals=()).restore_latest(build(0, rank))
         Path(out, "error.txt").write_text("no error")
     except CheckpointError as err:
         Path(out, "error.txt").write_text(str(err))
