@@ -8,6 +8,7 @@ teardown can abort a process at exit, so exit codes say nothing here (every work
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 from pathlib import Path
@@ -105,10 +106,9 @@ def run_and_kill(rank: int, port: int, root: str, out: str) -> None:
     ckpt = Checkpointer(root, every_steps=SAVE_AT, signals=())
     for n in range(1, STEPS + 1):
         step(app, n, rank)
-        ckpt.maybe_save(n, app)
-        if n == SAVE_AT:
-            ckpt.wait()
+        ckpt.maybe_save(n, app)  # returns once staged: step SAVE_AT + 1 changes the shards while they are written
         if n == SAVE_AT + 1:
+            ckpt.wait()
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -129,10 +129,11 @@ def resume(rank: int, port: int, root: str, out: str) -> None:
 
 
 def reshard(rank: int, ports: list[int], root: str, out: str) -> None:
-    """Ranks 0..2 restore the final 2-rank checkpoint as FSDP2 on 3 ranks; rank 3 alone into a plain model."""
+    """Ranks 0..2 restore the final 2-rank checkpoint as FSDP2 on 3 ranks; rank 3 alone into a plain model,
+    from a copy (two jobs at once on one directory: the second would be refused)."""
     if rank == 3:
         app = build(9, 0, sharded=False)
-        state = Checkpointer(root, signals=()).restore_latest(app)
+        state = Checkpointer(f"{root}-copy", signals=()).restore_latest(app)
         torch.save({"got": full(app), "step": state.step, "loader": app["loader"].state_dict()},
                    Path(out, "reshard1.pt"))
         finish(distributed=False)
@@ -185,6 +186,7 @@ def test_fsdp2_exact_resume_after_kill_and_resharding(tmp_path):
     assert_same(resumed["got"], ref, "2-rank resume")  # bitwise equal to the uninterrupted run
     assert [e.step for e in layout.committed(root)] == [SAVE_AT, STEPS] and layout.verify(root) == []
 
+    shutil.copytree(root, f"{root}-copy", ignore=shutil.ignore_patterns(".fastio-lock"))
     launch(reshard, 4, [free_port()], str(root), str(out))
     one = torch.load(out / "reshard1.pt")
     assert one["step"] == STEPS and one["loader"]["consumed"] == 8 * STEPS

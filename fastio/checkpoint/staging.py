@@ -7,9 +7,10 @@ everything else; the write then reads only from the stager's buffers, which are 
 until that write has finished (the Checkpointer keeps one save in flight). CPU tensors are copied
 before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
 
-A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the copy is a new DTensor over the
-staged buffer with the original's mesh, placements, global shape and stride, so the engine (DCP) writes
-the same shard of the same global tensor.
+A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the buffer is a CPU DTensor with the
+original's mesh, placements and global shape, whose local tensor is refilled on every save, so the engine
+(DCP) writes the same shard of the same global tensor. (Its buffer is not pinned: torch has no public way
+to build a DTensor over a pinned local tensor of another device than its mesh's.)
 """
 
 from __future__ import annotations
@@ -95,15 +96,26 @@ class Stager:
             self._buffers[path] = buf
         return buf
 
+    def _dtensor_buffer(self, path: str, t: Any) -> Any:
+        """A CPU DTensor like ``t`` (same mesh, placements, global shape) whose local shard is the buffer.
+
+        Made with DTensor's own ``to("cpu")`` (a GPU shard) or ``clone`` (a CPU one): ``DTensor.from_local``
+        would move a CPU buffer back to the mesh's device.
+        """
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.placements != t.placements \
+                or buf.device_mesh != t.device_mesh or buf.to_local().shape != t.to_local().shape:
+            buf = t.detach().to("cpu") if t.device.type != "cpu" else t.detach().clone()
+            self._buffers[path] = buf
+        return buf
+
     def _walk(self, obj: Any, path: str, pairs: list, seen: set[str]) -> Any:
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
-            local = obj.to_local()
             seen.add(path)
-            buf = self._buffer(path, local)
-            pairs.append((buf, local.detach()))
-            return dtensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                      stride=obj.stride())
+            buf = self._dtensor_buffer(path, obj)
+            pairs.append((buf.to_local(), obj.to_local().detach()))
+            return buf
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
                     and not isinstance(obj, torch.nn.Parameter):
