@@ -106,6 +106,10 @@ def test_damaged_newest_step_is_skipped_and_kept(tmp_path, caplog, engine, damag
     moved = root / "step-2.quarantined" / victim.relative_to(root / "step-2")
     assert moved.is_file()  # kept, not deleted
     assert layout.verify(root) == []  # the quarantined copy is no longer a step directory
+    rows = layout.list_checkpoints(root)  # but `fastio ckpt ls` shows it
+    assert [(r["step"], r["committed"], Path(r["path"]).name) for r in rows] == [
+        (1, True, "step-1"), (2, False, "step-2.quarantined")]
+    assert rows[1]["problem"].startswith("quarantined: moved aside by fastio")
 
 
 @pytest.mark.parametrize("damage", [marker_missing, marker_truncated, marker_newer])

@@ -352,12 +352,20 @@ def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
 
 
 def list_checkpoints(root: Path) -> list[dict]:
-    """One row per step directory: step, committed, bytes, engine, time, epoch, metrics, problem."""
+    """One row per step directory (quarantined ones too): step, committed, bytes, engine, checksum, time, epoch,
+    metrics, problem."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
     rows = []
-    for e in scan(root):
+    entries = scan(root)
+    for child in sorted(root.iterdir()):
+        m = _QUARANTINE_RE.match(child.name)
+        if m and child.is_dir():
+            entries.append(StepEntry(int(m.group(1)), child, None, "quarantined: moved aside by fastio (damaged, "
+                                     "unrecognised or replaced); inspect it, then delete it or rename it back"))
+    entries.sort(key=lambda e: (e.step, e.path.name))
+    for e in entries:
         c = e.commit or {}
         size = c.get("bytes")
         if size is None:

@@ -34,7 +34,7 @@ def ls_cmd(directory: Path, as_json: bool) -> None:
     click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<13} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
     for r in rows:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
-        state = "committed" if r["committed"] else "incomplete"
+        state = "committed" if r["committed"] else "quarantined" if ".quarantined" in r["path"] else "incomplete"
         click.echo(f"{r['step']:>10}  {state:<11} {r['engine'] or '-':<13} {human_bytes(r['bytes']):>10}  "
                    f"{r['time_utc'] or '-':<20}  {metrics}")
 
