@@ -1,11 +1,22 @@
-"""Checkpoint benchmark: fastio.Checkpointer against a synchronous torch.save of the same state.
+"""Checkpoint benchmark: fastio.Checkpointer against torch.save and torch.distributed.checkpoint (DCP).
 
-Three measurements, medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib``:
+Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib``:
 
-- blocked: seconds the training loop is held by one ``maybe_save`` vs by ``torch.save`` (target <= 0.15);
-- overhead: steady steps/s with a checkpoint every ``every`` steps vs none (target <= 3% slower);
+- blocked: seconds the training loop is held by one steady-state ``maybe_save`` vs a synchronous
+  ``torch.save`` (target <= 0.15) and vs DCP's own ``async_save`` with its default stager, staging
+  before it returns (target <= 1.0); the first save of a new Checkpointer (staging buffers allocated)
+  vs ``torch.save``;
+- overhead: steady steps/s with a checkpoint every ``every`` steps vs none, training on one core fewer
+  than the machine has (the writer gets a core: target <= 5%), and on every core beside it;
 - resume: process start to the first batch after ``restore_latest`` vs to the first batch of a fresh
-  start (target <= 1.5x); both are fresh interpreters, the page cache is warm in both.
+  start (target <= 1.5x); both are fresh interpreters, the page cache is warm in both;
+- integrity: seconds per GiB to check a checkpoint's files against their recorded checksums (what
+  every restore pays), xxh3-128 against the sha256 of older commits;
+- fsdp2: 2 gloo ranks, an FSDP2 model: blocking save (to commit) and restore through the Checkpointer
+  vs ``dcp.save``/``dcp.load`` of ``get_state_dict`` used directly (target <= 1.25);
+- compression (measurement only: fastio does not compress yet): bytes and MB/s of zstd, with and
+  without a byte shuffle of float tensors, on the weights and Adam moments of a small model trained a
+  few hundred steps.
 
     python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/results/checkpoint.json
 """
@@ -20,12 +31,13 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from bench.common import interleaved, machine_info, write_results
+from bench.common import interleaved, machine_info, time_call, write_results
 
 __all__ = ["run"]
 
@@ -100,17 +112,43 @@ def measure_blocked(work: Path, size_mib: int, repeats: int) -> dict:
         ckpt.wait()  # the previous background write is not part of the next measurement
         target.unlink(missing_ok=True)
 
-    fastio_save()  # first save allocates the staging buffers; steady state reuses them
+    dcp_dir = work / "dcp_async"
+    pending: list = []
+
+    def dcp_async_save():  # DCP's own async save: stages (default stager) before it returns
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned = torch.cuda.is_available()
+        stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=pinned))
+        pending.append(dcp.async_save({"model": model.state_dict(), "optim": optim.state_dict()},
+                                      checkpoint_id=str(dcp_dir / str(len(pending))), async_stager=stager,
+                                      no_dist=True))
+
+    def before_all(name: str):
+        before(name)
+        while pending:
+            fut = pending.pop()
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+
+    first_s = time_call(fastio_save)  # the first save allocates the staging buffers; steady state reuses them
     times = interleaved({"fastio_maybe_save": fastio_save, "torch_save": torch_save,
-                         "torch_save_fsync": torch_save_fsync}, repeats, before=before)
+                         "torch_save_fsync": torch_save_fsync, "dcp_async_save": dcp_async_save}, repeats,
+                        before=before_all)
+    before_all("")
     ckpt.close()
     target.unlink(missing_ok=True)
+    dcp_median = statistics.median(times["dcp_async_save"])
     ours, peer = statistics.median(times["fastio_maybe_save"]), statistics.median(times["torch_save"])
     return {"state_mib": state_mib(model, optim), "fastio_blocked_s": times["fastio_maybe_save"],
             "torch_save_s": times["torch_save"], "torch_save_fsync_s": times["torch_save_fsync"],
             "fastio_median_s": ours, "torch_save_median_s": peer,
             "torch_save_fsync_median_s": statistics.median(times["torch_save_fsync"]),
-            "ratio": ours / peer, "ratio_vs_fsync": ours / statistics.median(times["torch_save_fsync"])}
+            "ratio": ours / peer, "ratio_vs_fsync": ours / statistics.median(times["torch_save_fsync"]),
+            "dcp_async_save_s": times["dcp_async_save"], "dcp_async_save_median_s": dcp_median,
+            "ratio_vs_dcp_async": ours / dcp_median, "first_save_s": first_s, "first_ratio": first_s / peer}
 
 
 # ------------------------------------------------------------------ steady throughput
@@ -211,6 +249,171 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
             "fresh_median_s": peer, "ratio": ours / peer}
 
 
+# ------------------------------------------------------------------ integrity: what restore's check costs
+def measure_integrity(work: Path, size_mib: int) -> dict:
+    """Seconds per GiB to check every file of a committed checkpoint (warm page cache), both checksums."""
+    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checksum import digest_file
+
+    model, optim = build(size_mib)
+    train_step(model, optim)
+    with Checkpointer(work / "integrity", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    del model, optim
+    entry = layout.committed(work / "integrity")[0]
+    gib = entry.commit["bytes"] / 2**30
+    files = [entry.path / rel for rel in entry.commit["files"]]
+    for f in files:  # warm the page cache: the figure is the checksum's, not the disk's
+        digest_file(f, "xxh3_128")
+    xxh3 = time_call(lambda: layout.verify_files(entry))  # what restore_latest runs
+    with ThreadPoolExecutor(4) as pool:
+        xxh3_four = time_call(lambda: list(pool.map(lambda f: digest_file(f, "xxh3_128"), files)))
+        sha = time_call(lambda: list(pool.map(lambda f: digest_file(f, "sha256"), files)))
+    restore_s = time_call(lambda: _restore_once(work / "integrity", size_mib))
+    shutil.rmtree(work / "integrity", ignore_errors=True)
+    return {"gib": gib, "xxh3_s_per_gib": xxh3 / gib, "xxh3_four_threads_s_per_gib": xxh3_four / gib,
+            "sha256_s_per_gib": sha / gib, "restore_s": restore_s, "restore_check_share": xxh3 / restore_s}
+
+
+def _restore_once(root: Path, size_mib: int) -> None:
+    from fastio.checkpoint import Checkpointer
+
+    model, optim = build(size_mib, seed=1)
+    with Checkpointer(root, signals=()) as ckpt:
+        ckpt.restore_latest({"model": model, "optim": optim})
+
+
+# ------------------------------------------------------------------ FSDP2 on 2 gloo ranks
+def _fsdp_worker(rank: int, port: int, work: str, size_mib: int, repeats: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from fastio.checkpoint import Checkpointer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model, optim = build(size_mib)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)  # over the sharded parameters
+    train_step(model, optim)
+    app = {"model": model, "optim": optim}
+    root = Path(work) / "fsdp-fastio"
+    ckpt = Checkpointer(root, keep=1, signals=())
+    step = [0]
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def fastio_save():
+        step[0] += 1
+        ckpt.save(step[0], app, blocking=True)
+
+    def dcp_save():
+        msd, osd = get_state_dict(model, optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(work) / "fsdp-dcp"))
+
+    def dcp_load():
+        msd, osd = get_state_dict(model, optim)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(Path(work) / "fsdp-dcp"))
+        set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    times: dict[str, list[float]] = {"fastio_save": [], "dcp_save": [], "fastio_restore": [], "dcp_load": []}
+    fastio_save()  # warm-up: staging buffers
+    for _ in range(repeats):
+        times["fastio_save"].append(timed(fastio_save))
+        times["dcp_save"].append(timed(dcp_save))
+        times["fastio_restore"].append(timed(lambda: ckpt.restore_latest(app)))
+        times["dcp_load"].append(timed(dcp_load))
+    ckpt.close()
+    if rank == 0:
+        Path(work, "fsdp.json").write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # torch's gloo teardown can abort at interpreter exit; the result is in the file
+
+
+def measure_fsdp(work: Path, size_mib: int, repeats: int) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, port, str(work), size_mib, repeats)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    times = json.loads((work / "fsdp.json").read_text())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"times": times, "median_s": med, "save_ratio": med["fastio_save"] / med["dcp_save"],
+            "restore_ratio": med["fastio_restore"] / med["dcp_load"]}
+
+
+# ------------------------------------------------------------------ compression (measurement)
+def trained_state(steps: int = 300, width: int = 512) -> dict[str, torch.Tensor]:
+    """Weights and Adam moments of an MLP trained ``steps`` steps on a synthetic 10-class problem."""
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(10, 64, generator=g) * 2
+    model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        y = torch.randint(0, 10, (128,), generator=g)
+        x = centers[y] + torch.randn(128, 64, generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    out = {f"model/{k}": v for k, v in model.state_dict().items()}
+    for i, st in optim.state.items():
+        out.update({f"optim/{i}/{k}": v for k, v in st.items() if v.dim() > 0})
+    return out
+
+
+def _shuffle(raw: bytes, width: int) -> bytes:
+    """Byte shuffle: all first bytes of each element, then all second bytes, ... (as blosc/HDF5 do)."""
+    import numpy as np
+
+    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
+
+
+def measure_compression(levels: tuple[int, ...] = (1, 3)) -> dict:
+    import zstandard
+
+    state = trained_state()
+    blobs = [v.detach().contiguous().numpy().tobytes() for v in state.values()]
+    total = sum(map(len, blobs))
+    rows = {}
+    for level in levels:
+        for shuffle in (False, True):
+            data = [_shuffle(b, 4) if shuffle else b for b in blobs]
+            comp = zstandard.ZstdCompressor(level=level)
+            t = time.perf_counter()
+            packed = [comp.compress(b) for b in data]
+            c_s = time.perf_counter() - t
+            dec = zstandard.ZstdDecompressor()
+            t = time.perf_counter()
+            for p in packed:
+                dec.decompress(p)
+            d_s = time.perf_counter() - t
+            size = sum(map(len, packed))
+            rows[f"zstd{level}{'+shuffle' if shuffle else ''}"] = {
+                "bytes": size, "ratio": total / size, "compress_mb_s": total / c_s / 1e6,
+                "decompress_mb_s": total / d_s / 1e6}
+    return {"raw_bytes": total, "tensors": len(blobs), "codecs": rows}
+
+
 def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, every: int = 10) -> dict:
     """All three measurements; returns the JSON-able result (``ratios`` for bench.run's summary)."""
     workdir = Path(workdir)
@@ -222,33 +425,54 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     blocked = measure_blocked(workdir, size_mib, repeats)
     print(f"blocked: maybe_save {blocked['fastio_median_s']:.3f}s vs torch.save {blocked['torch_save_median_s']:.3f}s"
           f" = {blocked['ratio']:.3f} (target <= 0.15) for {blocked['state_mib']:.0f} MiB; torch.save + fsync "
-          f"{blocked['torch_save_fsync_median_s']:.3f}s = {blocked['ratio_vs_fsync']:.3f}", flush=True)
-    steady = measure_overhead(workdir, size_mib, repeats, steps, every, threads=cores)
-    print(f"steady: {steady['step_s_with']:.3f}s/step with a checkpoint every {every} steps vs "
-          f"{steady['step_s_without']:.3f}s/step without = {100 * steady['overhead']:+.1f}% (target <= 3%), "
-          f"training on all {cores} cores; one background write took {steady['write_s_median'] or 0:.2f}s",
+          f"{blocked['torch_save_fsync_median_s']:.3f}s = {blocked['ratio_vs_fsync']:.3f}; DCP async_save "
+          f"{blocked['dcp_async_save_median_s']:.3f}s = {blocked['ratio_vs_dcp_async']:.3f} (target <= 1.0)",
           flush=True)
+    print(f"first save of a new Checkpointer: {blocked['first_save_s']:.3f}s = {blocked['first_ratio']:.3f} x "
+          "torch.save", flush=True)
+    steady = measure_overhead(workdir, size_mib, repeats, steps, every, threads=cores)
+    print(f"steady, all {cores} cores busy: {steady['step_s_with']:.3f}s/step with a checkpoint every {every} steps"
+          f" vs {steady['step_s_without']:.3f}s/step without = {100 * steady['overhead']:+.1f}%; one background "
+          f"write took {steady['write_s_median'] or 0:.2f}s", flush=True)
     # On a GPU node the host cores mostly wait on the device; training on one core fewer than the
     # machine has is the CPU-only stand-in for that (the writer gets a core of its own).
     spare = None
     if cores > 1:
         spare = measure_overhead(workdir, size_mib, repeats, steps, every, threads=cores - 1)
         print(f"steady, one core left to the writer: {spare['step_s_with']:.3f}s/step vs "
-              f"{spare['step_s_without']:.3f}s/step = {100 * spare['overhead']:+.1f}%", flush=True)
+              f"{spare['step_s_without']:.3f}s/step = {100 * spare['overhead']:+.1f}% (target <= 5%)", flush=True)
     torch.set_num_threads(cores)
     resume = measure_resume(workdir, size_mib, repeats)
     print(f"resume: first batch {resume['resume_median_s']:.2f}s after start vs fresh {resume['fresh_median_s']:.2f}s"
           f" = {resume['ratio']:.2f}x (target <= 1.5)", flush=True)
+    integrity = measure_integrity(workdir, size_mib)
+    print(f"integrity: restore checks {integrity['xxh3_s_per_gib']:.3f}s/GiB (xxh3-128, one thread; "
+          f"{integrity['xxh3_four_threads_s_per_gib']:.3f}s/GiB on four) vs sha256 {integrity['sha256_s_per_gib']:.3f}"
+          f"s/GiB (four threads); {100 * integrity['restore_check_share']:.0f}% of a {integrity['restore_s']:.2f}s restore",
+          flush=True)
+    fsdp = measure_fsdp(workdir, size_mib, repeats)
+    m = fsdp["median_s"]
+    print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
+          f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
+          f"{fsdp['restore_ratio']:.2f} (targets <= 1.25)", flush=True)
+    compression = measure_compression()
+    for name, row in compression["codecs"].items():
+        print(f"compression {name:<14} {compression['raw_bytes'] / 2**20:.1f} MiB -> {row['bytes'] / 2**20:.1f} MiB "
+              f"(x{row['ratio']:.3f}), {row['compress_mb_s']:.0f} MB/s in, {row['decompress_mb_s']:.0f} MB/s out",
+              flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
     return {
         "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
         "blocked": blocked, "steady": steady, "steady_spare_core": spare, "resume": resume,
+        "integrity": integrity, "fsdp2": fsdp, "compression": compression,
         "ratios": [
             {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
-            {"name": "steps/s overhead with checkpoints (fraction)", "value": steady["overhead"], "target": 0.03,
+            {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
              "better": "lower"},
             *([{"name": "overhead, one core left to the writer (fraction)", "value": spare["overhead"],
-                "target": 0.03, "better": "lower"}] if spare else []),
+                "target": 0.05, "better": "lower"}] if spare else []),
+            {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
+            {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
             {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
         ],
     }

@@ -38,12 +38,12 @@ def build():
     return {"model": model, "optim": optim, "loader": Position()}
 
 
-def worker(rank: int, port: int, root: str, out: str) -> None:
+def worker(rank: int, port: int, root: str, out: str, engine: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         app = build()
         torch.manual_seed(100 + rank)  # per-rank RNG streams
-        ckpt = Checkpointer(root, every_steps=2, signals=())
+        ckpt = Checkpointer(root, every_steps=2, signals=(), engine=engine)
         for step in range(1, 6):
             x = torch.randn(8, 16)
             loss = app["model"](x).square().mean()
@@ -77,9 +77,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_per_rank_state_and_agreed_preemption(tmp_path):
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_two_ranks_per_rank_state_and_agreed_preemption(tmp_path, engine):
     root = tmp_path / "ck"
-    mp.spawn(worker, args=(free_port(), str(root), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(free_port(), str(root), str(tmp_path), engine), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert res["preempted"] is True, r
@@ -90,6 +91,12 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(tmp_path):
     assert [e.step for e in layout.committed(root)] == [2, 4, 5]
     assert layout.verify(root) == []
     files = layout.read_commit(root / "step-5")["files"]
+    if engine == "dcp":  # the DDP model and its optimizer are global DCP state; loader and RNG one file per rank
+        side = json.loads((root / "step-5" / "fastio-dcp.json").read_text())
+        assert side["global_keys"] == ["model", "optim"] and side["world_size"] == WORLD
+        assert {f"rank-{r}/{k}.pt" for r in range(WORLD) for k in ("loader", "_fastio_rng")} <= set(files)
+        assert ".metadata" in files and not any("model" in f or "optim" in f for f in files), sorted(files)
+        return
     # the DDP model and its optimizer are replicated (written once, not per rank); loader and RNG are per rank
     for key in ("model", "optim"):
         assert not any(f.startswith((f"0/{key}", f"1/{key}")) for f in files), sorted(files)
@@ -118,7 +125,7 @@ def delivered(batch) -> list[int]:
     return batch["index"][~batch["padded"]].tolist()
 
 
-def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str) -> None:
+def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str, engine: str) -> None:
     def group(port: int, world: int) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
@@ -142,7 +149,7 @@ def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str) 
         try:
             torch.manual_seed(0)  # same initial weights on both ranks, as DDP requires
             app = elastic_app(data)
-            ckpt = Checkpointer(root, signals=())
+            ckpt = Checkpointer(root, signals=(), engine=engine)
             batches = iter(app["loader"])
             before = []
             for _ in range(SAVE_AFTER):
@@ -166,14 +173,16 @@ def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str) 
         restore_rest(1)
 
 
-def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once(image_dataset, tmp_path):
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once(image_dataset, tmp_path, engine):
     from collections import Counter
 
     root = tmp_path / "ck"
     ports = [free_port() for _ in range(3)]
-    mp.spawn(elastic_worker, args=(ports, str(image_dataset), str(root), str(tmp_path)), nprocs=3, join=True)
+    mp.spawn(elastic_worker, args=(ports, str(image_dataset), str(root), str(tmp_path), engine), nprocs=3, join=True)
     saved = [json.loads((tmp_path / f"w2-rank{r}.json").read_text()) for r in range(SAVED_WORLD)]
-    assert layout.read_commit(root / f"step-{SAVE_AFTER}")["world_size"] == SAVED_WORLD
+    commit = layout.read_commit(root / f"step-{SAVE_AFTER}")
+    assert commit["world_size"] == SAVED_WORLD and commit["engine"] == engine
     before = Counter(i for s in saved for i in s["before"])
     remaining = Counter(i for s in saved for i in s["after"])
     assert sum(before.values()) == SAVED_WORLD * BATCH * SAVE_AFTER

@@ -2,12 +2,18 @@
 
 A save copies the state into the :class:`~fastio.checkpoint.staging.Stager`'s buffers on the calling
 thread (the only part the training loop waits for), then one background thread hands that private
-copy to the checkpoint engine (:mod:`fastio.checkpoint.engines`; torchsnapshot's ``Snapshot.take`` by
-default), checksums and commits (rank 0), and prunes. torchsnapshot's own ``async_take`` is not used:
-it would run its collectives and slab packing on the training thread and, for CPU tensors, still read
-live memory in the background. The writer's collectives go over a gloo group of their own, so they
-never interleave with the training thread's. The Checkpointer talks to the engine only through
-:class:`~fastio.checkpoint.engines.base.Engine`.
+copy to the checkpoint engine (:mod:`fastio.checkpoint.engines`: torchsnapshot's ``Snapshot.take``, or
+``torch.distributed.checkpoint.save`` for DTensor state), checksums and commits (rank 0), and prunes.
+The engines' own async saves (torchsnapshot's ``async_take``, DCP's ``async_save``) are not used:
+torchsnapshot's would run its collectives and slab packing on the training thread and, for CPU
+tensors, still read live memory in the background; one staging rule serves both engines. The writer's
+collectives go over a gloo group of their own, so they never interleave with the training thread's.
+The Checkpointer talks to the engine only through :class:`~fastio.checkpoint.engines.base.Engine`.
+
+One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from construction to
+``close`` (a second job is refused; the kernel drops the lock of a dead job). A restore checks every file
+of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 from fastio.checkpoint import layout
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.elastic import restore_elastic
-from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, get_engine
-from fastio.checkpoint.engines.base import first_line
+from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, choose_engine, get_engine, holds_dtensor
+from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError
+from fastio.lock import DirLock, LockedError
 
 __all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
 
@@ -123,18 +130,27 @@ class Checkpointer:
         except (TypeError, ValueError) as err:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
         self.rank, self.world_size = _rank_world()
-        self.engine = get_engine(self.config.engine)
         # An s3:// dir: steps are committed in the local staging dir, then uploaded (see fastio.checkpoint.remote).
         self._remote = None
         if self.config.url is not None:
             from fastio.checkpoint.remote import RemoteCheckpoints
 
             self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
+        self._engines: dict[str, Engine] = {}
+        self._lock = DirLock(self.dir, purpose="fastio checkpointer")
+        problem: list[str | None] = [None]
         if self.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
             except OSError as err:
-                raise CheckpointError(f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}") from None
+                problem[0] = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
+            except LockedError as err:
+                problem[0] = str(err)
+        if self.world_size > 1:  # every rank fails together
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            raise CheckpointError(problem[0])
         self._stager = Stager()
         # Checkpoint collectives run on the writer thread, so they get a gloo group of their own and
         # never interleave with the training thread's collectives on the default group.
@@ -209,12 +225,13 @@ class Checkpointer:
         self._raise_if_failed(wait=True)
 
     def close(self) -> None:
-        """Wait for the last write, remove the signal handlers and free staging memory."""
+        """Wait for the last write, remove the signal handlers, free staging memory and release DIR's lock."""
         try:
             self._raise_if_failed(wait=True)
         finally:
             self._flag.uninstall()
             self._stager.release()
+            self._lock.release()
 
     def __enter__(self):
         return self
@@ -229,44 +246,100 @@ class Checkpointer:
         return [e.step for e in layout.committed(self.dir)]
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None) -> TrainState | None:
-        """Load the newest committed checkpoint (or ``step``) into ``app``; None when there is none.
+        """Load the newest intact checkpoint (or ``step``) into ``app``; None when DIR holds none at all.
 
-        Uncommitted leftovers (``step-N.tmp``) are deleted. RNG states are restored last. A checkpoint
-        written by another number of ranks is restored elastically (see :mod:`fastio.checkpoint.elastic`).
+        Every file of the chosen checkpoint is first checked against its commit marker (size and
+        checksum). A damaged or unrecognised newer step is skipped with one warning naming it and the
+        reason, and moved aside (``step-N.quarantined``) so that a later save of that step cannot replace
+        it; the newest intact one is restored. CheckpointError when step directories exist but none is
+        intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
+        temporaries (``step-N.tmp``) are deleted. RNG states are restored last. A checkpoint written by
+        another number of ranks is restored elastically (see :mod:`fastio.checkpoint.elastic`).
         """
         self._check_app(app)
         self._raise_if_failed(wait=True)
-        chosen: list[Any] = [None, None]
+        plan: list[Any] = [None, None, None]  # candidate steps newest first, error, unrecognised step dirs
         if self.rank == 0:
             try:
-                layout.clean_uncommitted(self.dir)
-                if self._remote is not None:
+                _, left = layout.remove_abandoned(self.dir)
+                for entry in left:
+                    if entry.temporary:
+                        log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
+                if self._remote is not None:  # the newest remote step not here yet (verified below like any)
                     self._remote.pull(step)
-                done = layout.committed(self.dir)
+                entries = layout.scan(self.dir)
+                done = [e.step for e in entries if e.committed]
+                plan[2] = [(e.step, str(e.path), e.problem) for e in entries if not e.committed and not e.temporary]
                 if step is not None:
-                    found = [e for e in done if e.step == step]
-                    if not found:
-                        have = ", ".join(str(e.step) for e in done) or "none"
-                        chosen[1] = f"{self.dir}: no committed checkpoint for step {step} (committed: {have})"
-                    else:
-                        chosen[0] = found[0].step
-                elif done:
-                    chosen[0] = done[-1].step
+                    if step not in done:
+                        have = ", ".join(str(s) for s in done) or "none"
+                        plan[1] = f"{self.dir}: no committed checkpoint for step {step} (committed: {have})"
+                    plan[0] = [step]
+                else:
+                    plan[0] = done[::-1]
             except OSError as err:
-                chosen[1] = f"{self.dir}: cannot read checkpoint directory: {err}"
+                plan[1] = f"{self.dir}: cannot read checkpoint directory: {err}"
             except CheckpointError as err:
-                chosen[1] = str(err)
+                plan[1] = str(err)
         if self.world_size > 1:
-            dist.broadcast_object_list(chosen, src=0)
-        if chosen[1]:
-            raise CheckpointError(chosen[1])
-        if chosen[0] is None:
+            dist.broadcast_object_list(plan, src=0)
+        candidates, error, unrecognised = plan
+        if error:
+            raise CheckpointError(error)
+        skipped: list[tuple[int, str, str]] = []
+        chosen = None
+        for cand in candidates:
+            path = layout.step_dir(self.dir, cand)
+            problems = self._check_step(path)
+            if not problems:
+                chosen = cand
+                break
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            skipped.append((cand, str(path), problems[0] + more))
+            if step is not None:
+                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
+        newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
+        if chosen is None:
+            if newer:  # nothing to fall back to: leave everything where it is and say so
+                raise CheckpointError(f"{self.dir}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
+                                      f"unrecognised, newest {newer[0][1]}: {newer[0][2]}")
             return None
-        path = layout.step_dir(self.dir, chosen[0])
+        if self.rank == 0:
+            for _, where, reason in newer:
+                try:
+                    moved = f"; moved aside to {layout.quarantine(Path(where)).name}"
+                except OSError as err:
+                    moved = f"; left in place ({err.strerror or err})"
+                reason = reason[len(where) + 2:] if reason.startswith(f"{where}: ") else reason
+                log.warning("fastio: skipping checkpoint %s: %s%s", where, reason, moved)
+        path = layout.step_dir(self.dir, chosen)
         commit = layout.read_commit(path)
         return self._restore(path, commit, app)
 
     # ----------------------------------------------------------------- internals
+    def _engine(self, name: str) -> Engine:
+        if name not in self._engines:
+            self._engines[name] = get_engine(name)
+        return self._engines[name]
+
+    def _check_step(self, path: Path) -> list[str]:
+        """Collective: problems with the committed checkpoint in ``path`` (its marker, then every listed file
+        against its recorded size and checksum, the ranks sharing the files); empty when intact."""
+        try:
+            entry = layout.StepEntry(int(path.name.split("-")[1]), path, layout.read_commit(path))
+            name = entry.commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded
+            if name not in ENGINES:
+                return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {name!r}, this fastio has "
+                        f"{', '.join(sorted(ENGINES))}"]
+            mine = layout.verify_files(entry, part=(self.rank, self.world_size))
+        except CheckpointError as err:
+            mine = [str(err)]
+        if self.world_size == 1:
+            return mine
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self._pg)
+        return [p for part in every for p in part]
+
     def _check_app(self, app: dict[str, Any]) -> None:
         if not isinstance(app, dict) or not app:
             raise ValueError("app must be a non-empty dict of objects with state_dict/load_state_dict")
@@ -308,12 +381,12 @@ class Checkpointer:
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
         tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
+        engine = self._engine(choose_engine(self.config.engine, app))
+        prepared, global_keys = engine.prepare(app)
         problem: list[str | None] = [None]
         if self.rank == 0:
             try:
-                if tmp.exists():
-                    layout.remove_step(tmp)
-                tmp.mkdir(parents=True)
+                layout.start_tmp(self.dir, step)
             except OSError as err:
                 problem[0] = f"{tmp}: cannot create checkpoint directory: {err.strerror or err}"
         if self.world_size > 1:  # every rank fails together, or the others would wait in the write forever
@@ -321,7 +394,7 @@ class Checkpointer:
         if problem[0]:
             raise CheckpointError(problem[0])
         rng = capture_rng()
-        states = {key: obj.state_dict() for key, obj in app.items()}
+        states = {key: obj.state_dict() for key, obj in prepared.items()}
         if epoch is None:
             epoch = loader_epoch(states)
         elapsed = self._elapsed_before + time.monotonic() - self._started
@@ -332,14 +405,15 @@ class Checkpointer:
         states[PROGRESS_KEY] = progress
         staged = self._stager.stage(states)
         replicated = list(self.config.replicated)  # progress holds per-rank metrics: not replicated
-        if self.world_size > 1:
+        if self.world_size > 1 and not global_keys:
             replicated += _replicated_keys(app)
         info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
-                "elapsed": elapsed, "hparams": self.hparams, "engine": self.engine.name}
+                "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
-        self._thread = threading.Thread(target=self._write, args=(staged, replicated, step, tmp, final, info),
+        self._thread = threading.Thread(target=self._write,
+                                        args=(engine, staged, replicated, global_keys, step, tmp, final, info),
                                         name=f"fastio-ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_blocked_s = time.perf_counter() - t0
@@ -348,8 +422,8 @@ class Checkpointer:
             if self.world_size > 1:
                 dist.barrier()
 
-    def _write(self, staged: dict[str, Any], replicated: list[str], step: int, tmp: Path, final: Path,
-               info: dict[str, Any]) -> None:
+    def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
+               step: int, tmp: Path, final: Path, info: dict[str, Any]) -> None:
         """Background thread: the engine writes the staged copy, then rank 0 commits and prunes."""
         if self.config.writer_nice:
             try:  # Linux: a thread's own nice value; the I/O threads the engine starts here inherit it
@@ -359,7 +433,7 @@ class Checkpointer:
         started = time.perf_counter()
         try:
             self._stager.wait_copies()
-            self.engine.save(tmp, staged, pg=self._pg, replicated=replicated)
+            engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
             if self.rank == 0:
                 layout.commit(tmp, final, step=step, info=info)
                 layout.apply_retention(self.dir, self.config.keep)
@@ -378,10 +452,13 @@ class Checkpointer:
 
     def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
         name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
-        if name not in ENGINES:
-            raise CheckpointError(f"{path / layout.COMMIT_FILE}: written by checkpoint engine {name!r}, this fastio "
-                                  f"has {', '.join(sorted(ENGINES))}")
-        engine = self.engine if name == self.engine.name else get_engine(name)
+        engine = self._engine(name)
+        sharded = holds_dtensor(app)
+        if sharded and name != "dcp":
+            raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor (FSDP2 / "
+                                  f"tensor parallel) state of app key(s) {', '.join(sharded)}: restore it into the "
+                                  "unsharded model and save again with engine='dcp'")
+        app, _ = engine.prepare(app)
         saved = engine.open(path, pg=self._pg)
         saved_world = int(commit.get("world_size") or saved.world_size)
         elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule

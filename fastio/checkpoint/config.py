@@ -6,7 +6,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastio.checkpoint.engines import DEFAULT_ENGINE, check_engine_name
+from fastio.checkpoint.engines import AUTO, check_engine_name
 from fastio.storage.url import is_remote
 
 __all__ = ["POLICIES", "CheckpointConfig"]
@@ -47,9 +47,10 @@ class CheckpointConfig:
     """Extra globs over ``key/sub/path`` (``"model/**"``) for state identical on all ranks, written once;
     DDP modules (and optimizers over DDP parameters only) are added."""
 
-    engine: str = DEFAULT_ENGINE
-    """The checkpoint engine that writes new checkpoints (one of ``fastio.checkpoint.engines.ENGINES``).
-    A restore uses the engine named in the checkpoint's commit marker."""
+    engine: str = AUTO
+    """The checkpoint engine that writes new checkpoints: ``"torchsnapshot"``, ``"dcp"``, or ``"auto"``
+    (DCP when the app holds DTensor state, e.g. FSDP2, torchsnapshot otherwise). A restore uses the engine
+    named in the checkpoint's commit marker."""
 
     writer_nice: int = 0
     """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
@@ -97,7 +98,7 @@ class CheckpointConfig:
                 raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
         self.signals = tuple(names)
         try:
-            check_engine_name(self.engine)
+            check_engine_name(self.engine, allow_auto=True)
         except ValueError as err:
             raise ValueError(f"CheckpointConfig.engine: {err}") from None
         if isinstance(self.replicated, str):

@@ -1,9 +1,20 @@
 """On-disk layout of a checkpoint directory: ``step-N.tmp/`` while writing, ``step-N/`` once committed.
 
 A checkpoint counts only when its directory is named ``step-N`` and holds a valid commit marker
-(``fastio-commit.json``: step, time, metrics, the engine that wrote the files, and the size and sha256
-of every other file), written last with fsync before the rename. Anything else under DIR that looks
-like a step is uncommitted.
+(``fastio-commit.json``: step, time, metrics, the engine that wrote the files, and the size and checksum
+of every other file: xxh3-128 since marker version 2, sha256 in version 1), written last with fsync
+before the rename. Anything else under DIR that looks like a step is not committed.
+
+What may be deleted (the rules in one place):
+
+- a ``step-N.tmp`` holding the writer's mark ``fastio-writing.json`` and no commit marker is this
+  fastio's own abandoned temporary (a Checkpointer only looks while it holds the directory's lock, so
+  no other writer is alive): :func:`remove_abandoned` deletes it;
+- committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
+- nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
+  match it, and a ``step-N.tmp`` without the writer's mark are left alone or moved aside by rename to
+  ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be replaced
+  by a new commit of the same step is moved aside too.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,25 +32,32 @@ from typing import Any
 
 from fastio.atomic import atomic_write_bytes, fsync_dir
 from fastio.checkpoint.engines import DEFAULT_ENGINE
-from fastio.checksum import sha256_fd, sha256_file
+from fastio.checksum import DIGESTS, digest_fd, digest_file
 from fastio.errors import CheckpointError
+from fastio.lock import LOCK_NAME
 
 __all__ = [
+    "CHECKSUM",
     "COMMIT_FILE",
     "COMMIT_FORMAT",
     "COMMIT_VERSION",
+    "QUARANTINE_SUFFIX",
+    "WRITING_FILE",
     "StepEntry",
     "apply_retention",
-    "clean_uncommitted",
     "commit",
     "committed",
     "list_checkpoints",
+    "quarantine",
     "read_commit",
+    "remove_abandoned",
     "remove_step",
     "scan",
+    "start_tmp",
     "step_dir",
     "tmp_dir",
     "verify",
+    "verify_files",
     "verify_report",
     "verify_step",
     "VerifyReport",
@@ -46,9 +65,18 @@ __all__ = [
 
 COMMIT_FILE = "fastio-commit.json"
 COMMIT_FORMAT = "fastio-checkpoint"
-COMMIT_VERSION = 1
+COMMIT_VERSION = 2
+"""Version of new commit markers. 2: files carry ``xxh3_128``; 1 (still read): ``sha256``."""
+READ_VERSIONS = (1, 2)
+CHECKSUM = "xxh3_128"
+"""The checksum new commits record per file (see :mod:`fastio.checksum`)."""
+WRITING_FILE = "fastio-writing.json"
+"""The writer's mark in a ``step-N.tmp``: proof that fastio made it (host, pid, time)."""
+QUARANTINE_SUFFIX = ".quarantined"
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
+_QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
 _HASH_THREADS = 4
+_NOT_FILES = (COMMIT_FILE, WRITING_FILE)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -72,6 +100,15 @@ class StepEntry:
     def committed(self) -> bool:
         return self.commit is not None
 
+    @property
+    def temporary(self) -> bool:
+        return self.path.name.endswith(".tmp")
+
+    @property
+    def abandoned(self) -> bool:
+        """This fastio's own temporary: ``step-N.tmp`` with the writer's mark and no commit marker."""
+        return self.temporary and (self.path / WRITING_FILE).is_file() and not (self.path / COMMIT_FILE).exists()
+
 
 def read_commit(path: Path) -> dict[str, Any]:
     """Parse and check ``path``'s commit marker; CheckpointError naming the file when it is bad."""
@@ -84,8 +121,9 @@ def read_commit(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{marker}: unreadable commit marker: {err}") from None
     if not isinstance(data, dict) or data.get("format") != COMMIT_FORMAT:
         raise CheckpointError(f"{marker}: not a fastio commit marker")
-    if data.get("version") != COMMIT_VERSION:
-        raise CheckpointError(f"{marker}: commit marker version {data.get('version')!r}, expected {COMMIT_VERSION}")
+    if data.get("version") not in READ_VERSIONS:
+        raise CheckpointError(f"{marker}: commit marker version {data.get('version')!r}, this fastio reads "
+                              f"{', '.join(map(str, READ_VERSIONS))}")
     if not isinstance(data.get("files"), dict) or not isinstance(data.get("step"), int):
         raise CheckpointError(f"{marker}: commit marker lacks 'files' or 'step'")
     return data
@@ -103,7 +141,10 @@ def scan(root: Path) -> list[StepEntry]:
             continue
         step = int(m.group(1))
         if m.group(2):
-            entries.append(StepEntry(step, child, None, "uncommitted (write in progress or interrupted)"))
+            entry = StepEntry(step, child, None)
+            entry.problem = ("uncommitted (write in progress or interrupted)" if entry.abandoned else
+                             f"uncommitted, and without fastio's mark {WRITING_FILE}: not fastio's own temporary")
+            entries.append(entry)
             continue
         try:
             data = read_commit(child)
@@ -122,11 +163,18 @@ def committed(root: Path) -> list[StepEntry]:
     return [e for e in scan(root) if e.committed]
 
 
+def is_checkpoint_dir(root: Path) -> bool:
+    """True when ``root`` holds a Checkpointer's lock file or anything named like a step directory."""
+    root = Path(root)
+    return (root / LOCK_NAME).exists() or any(_STEP_RE.match(p.name) or _QUARANTINE_RE.match(p.name)
+                                              for p in root.iterdir())
+
+
 def _hash_and_sync(path: Path) -> tuple[int, str]:
-    """``(size, sha256)`` of a freshly written file, flushed to disk through the same descriptor."""
+    """``(size, checksum)`` of a freshly written file, flushed to disk through the same descriptor."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        result = sha256_fd(fd)
+        result = digest_fd(fd, CHECKSUM)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -134,26 +182,43 @@ def _hash_and_sync(path: Path) -> tuple[int, str]:
 
 
 def _files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != COMMIT_FILE
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name not in _NOT_FILES
                   and not p.name.endswith(".tmp"))
 
 
+def start_tmp(root: Path, step: int) -> Path:
+    """Create ``step-N.tmp`` with the writer's mark, moving an earlier one aside (or deleting it when it
+    is this fastio's abandoned temporary). The caller holds the directory's lock."""
+    tmp = tmp_dir(root, step)
+    if tmp.exists():
+        entry = StepEntry(step, tmp)
+        if entry.abandoned:
+            remove_step(tmp)
+        else:
+            quarantine(tmp)
+    tmp.mkdir(parents=True)
+    atomic_write_bytes(tmp / WRITING_FILE, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                       "time": time.time()}).encode())
+    return tmp
+
+
 def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[str, Any]:
-    """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``."""
+    """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``
+    (an existing ``final`` is moved aside by :func:`quarantine`, not deleted)."""
     paths = _files(tmp)
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:  # overlaps the fsyncs' waits on the disk
         sums = list(pool.map(_hash_and_sync, paths))
-    files = {p.relative_to(tmp).as_posix(): {"bytes": size, "sha256": digest}
+    files = {p.relative_to(tmp).as_posix(): {"bytes": size, CHECKSUM: digest}
              for p, (size, digest) in zip(paths, sums)}
     for d in sorted({p.parent for p in paths} | {tmp}, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     now = time.time()
     data = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "step": step, "time": now,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "checksum": CHECKSUM,
             "bytes": sum(f["bytes"] for f in files.values()), **info, "files": files}
     atomic_write_bytes(tmp / COMMIT_FILE, json.dumps(data, indent=1, sort_keys=True).encode())
     if final.exists():
-        remove_step(final)
+        quarantine(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
     return data
@@ -169,14 +234,32 @@ def remove_step(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def clean_uncommitted(root: Path) -> list[Path]:
-    """Delete every uncommitted step directory under ``root``; returns what was deleted."""
-    removed = []
+def quarantine(path: Path) -> Path:
+    """Move a step directory aside as ``<name>.quarantined`` (``-2``, ``-3``... when taken); returns the new path.
+    Nothing is deleted: what was there may be the only copy."""
+    path = Path(path)
+    target, n = path.with_name(path.name + QUARANTINE_SUFFIX), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{QUARANTINE_SUFFIX}-{n}")
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
+    """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring); returns
+    ``(deleted, left)``: ``left`` are the other uncommitted step directories, untouched."""
+    removed, left = [], []
     for entry in scan(root):
-        if not entry.committed:
+        if entry.committed:
+            continue
+        if entry.abandoned:
             remove_step(entry.path)
             removed.append(entry.path)
-    return removed
+        else:
+            left.append(entry)
+    return removed, left
 
 
 def apply_retention(root: Path, keep: int) -> list[Path]:
@@ -190,22 +273,40 @@ def apply_retention(root: Path, keep: int) -> list[Path]:
     return [e.path for e in old]
 
 
+def _check_file(p: Path, want: dict[str, Any]) -> str | None:
+    algo = next((a for a in DIGESTS if a in want), None)
+    if algo is None:
+        return f"{p}: the commit marker records no known checksum ({', '.join(sorted(want))})"
+    try:
+        size, digest = digest_file(p, algo)
+    except FileNotFoundError:
+        return f"{p}: missing"
+    except OSError as err:
+        return f"{p}: unreadable: {err.strerror or err}"
+    if size != want.get("bytes"):
+        return f"{p}: size {size}, commit marker says {want.get('bytes')}"
+    if digest != want[algo]:
+        return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
+    return None
+
+
+def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks every
+    n-th file from the i-th (so n ranks can share the reading)."""
+    i, n = part
+    listed = sorted(entry.commit["files"].items())[i::n]
+    # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
+    found = (_check_file(entry.path / rel, want) for rel, want in listed)
+    return [p for p in found if p]
+
+
 def verify_step(entry: StepEntry) -> list[str]:
     """Problems with one step directory, one line each (empty when every checksum matches)."""
     if not entry.committed:
-        return [f"{entry.path}: {entry.problem}"]
-    problems = []
+        return [f"{entry.path}: {entry.problem}" if not entry.problem.startswith(str(entry.path))
+                else entry.problem]
+    problems = verify_files(entry)
     listed = entry.commit["files"]
-    for rel, want in sorted(listed.items()):
-        p = entry.path / rel
-        if not p.is_file():
-            problems.append(f"{p}: missing")
-            continue
-        size, digest = sha256_file(p)
-        if size != want.get("bytes"):
-            problems.append(f"{p}: size {size}, commit marker says {want.get('bytes')}")
-        elif digest != want.get("sha256"):
-            problems.append(f"{p}: sha256 {digest[:16]}..., commit marker says {str(want.get('sha256'))[:16]}...")
     for p in _files(entry.path):
         if p.relative_to(entry.path).as_posix() not in listed:
             problems.append(f"{p}: not listed in the commit marker")
@@ -222,16 +323,23 @@ class VerifyReport:
     """The committed steps that were checked, oldest first."""
 
 
-def verify_report(root: Path, *, include_uncommitted: bool = False) -> VerifyReport:
-    """Check every committed checkpoint under ``root`` against its commit marker (and report step
-    directories that are not committed: always a ``step-N`` without a valid marker, ``step-N.tmp``
-    ones too when ``include_uncommitted``)."""
+def _check_root(root: Path) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    if not is_checkpoint_dir(root):
+        raise CheckpointError(f"{root}: not a checkpoint directory (no step-N directories, no {LOCK_NAME})")
+    return root
+
+
+def verify_report(root: Path, *, include_uncommitted: bool = False) -> VerifyReport:
+    """Check every committed checkpoint under ``root`` against its commit marker (and report step
+    directories that are not committed: always a ``step-N`` without a valid marker, ``step-N.tmp``
+    ones too when ``include_uncommitted``). CheckpointError when ``root`` is not a checkpoint directory."""
+    root = _check_root(root)
     problems, steps = [], []
     for entry in scan(root):
-        if entry.committed or include_uncommitted or not entry.path.name.endswith(".tmp"):
+        if entry.committed or include_uncommitted or not entry.temporary:
             problems += verify_step(entry)
         if entry.committed:
             steps.append(entry.step)
@@ -244,18 +352,27 @@ def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
 
 
 def list_checkpoints(root: Path) -> list[dict]:
-    """One row per step directory: step, committed, bytes, engine, time, epoch, metrics, problem."""
+    """One row per step directory (quarantined ones too): step, committed, bytes, engine, checksum, time, epoch,
+    metrics, problem."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
     rows = []
-    for e in scan(root):
+    entries = scan(root)
+    for child in sorted(root.iterdir()):
+        m = _QUARANTINE_RE.match(child.name)
+        if m and child.is_dir():
+            entries.append(StepEntry(int(m.group(1)), child, None, "quarantined: moved aside by fastio (damaged, "
+                                     "unrecognised or replaced); inspect it, then delete it or rename it back"))
+    entries.sort(key=lambda e: (e.step, e.path.name))
+    for e in entries:
         c = e.commit or {}
         size = c.get("bytes")
         if size is None:
             size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
         rows.append({"step": e.step, "path": str(e.path), "committed": e.committed, "bytes": size,
                      "engine": c.get("engine", DEFAULT_ENGINE) if e.committed else None,
+                     "checksum": c.get("checksum", "sha256") if e.committed else None,
                      "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
                      "files": len(c.get("files", {})), "problem": e.problem})
     return rows

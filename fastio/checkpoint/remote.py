@@ -78,7 +78,10 @@ class RemoteCheckpoints:
             except StorageError as err:
                 log.warning("fastio: %s/step-%d cannot be downloaded (%s); trying an older step", self.url, s, err)
                 continue
-            problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
+            try:
+                problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
+            except CheckpointError as err:  # an unreadable or unknown commit marker
+                problems = [str(err)]
             if not problems:
                 return
             log.warning("fastio: %s/step-%d does not verify (%s); trying an older step", self.url, s, problems[0])

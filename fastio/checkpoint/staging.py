@@ -6,6 +6,11 @@ copies every tensor into a preallocated CPU buffer (pinned when the source is on
 everything else; the write then reads only from the stager's buffers, which are not touched again
 until that write has finished (the Checkpointer keeps one save in flight). CPU tensors are copied
 before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
+
+A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the buffer is a CPU DTensor with the
+original's mesh, placements and global shape, whose local tensor is refilled on every save, so the engine
+(DCP) writes the same shard of the same global tensor. (Its buffer is not pinned: torch has no public way
+to build a DTensor over a pinned local tensor of another device than its mesh's.)
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from fastio.errors import CheckpointError
 __all__ = ["Frozen", "Stager"]
 
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or None where torch.distributed is not built in."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 class Frozen:
@@ -82,7 +96,26 @@ class Stager:
             self._buffers[path] = buf
         return buf
 
+    def _dtensor_buffer(self, path: str, t: Any) -> Any:
+        """A CPU DTensor like ``t`` (same mesh, placements, global shape) whose local shard is the buffer.
+
+        Made with DTensor's own ``to("cpu")`` (a GPU shard) or ``clone`` (a CPU one): ``DTensor.from_local``
+        would move a CPU buffer back to the mesh's device.
+        """
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.placements != t.placements \
+                or buf.device_mesh != t.device_mesh or buf.to_local().shape != t.to_local().shape:
+            buf = t.detach().to("cpu") if t.device.type != "cpu" else t.detach().clone()
+            self._buffers[path] = buf
+        return buf
+
     def _walk(self, obj: Any, path: str, pairs: list, seen: set[str]) -> Any:
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
+            seen.add(path)
+            buf = self._dtensor_buffer(path, obj)
+            pairs.append((buf.to_local(), obj.to_local().detach()))
+            return buf
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
                     and not isinstance(obj, torch.nn.Parameter):

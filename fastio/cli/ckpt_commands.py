@@ -35,7 +35,7 @@ def _local_dir(directory: str) -> Path:
 @click.argument("directory")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
 def ls_cmd(directory: str, as_json: bool) -> None:
-    """List the checkpoints in DIRECTORY: step, size, commit time, metrics."""
+    """List the checkpoints in DIRECTORY (either engine): step, engine, size, commit time, metrics."""
     directory = _local_dir(directory)
     rows = layout.list_checkpoints(directory)
     if as_json:
@@ -44,11 +44,12 @@ def ls_cmd(directory: str, as_json: bool) -> None:
     if not rows:
         click.echo(f"{directory}: no checkpoints")
         return
-    click.echo(f"{'STEP':>10}  {'STATE':<11} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
+    click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<13} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
     for r in rows:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
-        state = "committed" if r["committed"] else "incomplete"
-        click.echo(f"{r['step']:>10}  {state:<11} {human_bytes(r['bytes']):>10}  {r['time_utc'] or '-':<20}  {metrics}")
+        state = "committed" if r["committed"] else "quarantined" if ".quarantined" in r["path"] else "incomplete"
+        click.echo(f"{r['step']:>10}  {state:<11} {r['engine'] or '-':<13} {human_bytes(r['bytes']):>10}  "
+                   f"{r['time_utc'] or '-':<20}  {metrics}")
 
 
 @ckpt.command("verify")
@@ -56,7 +57,9 @@ def ls_cmd(directory: str, as_json: bool) -> None:
 @click.option("--all", "include_uncommitted", is_flag=True,
               help="Also report step-N.tmp directories (writes in progress or interrupted).")
 def verify_cmd(directory: str, include_uncommitted: bool) -> None:
-    """Check every committed checkpoint in DIRECTORY against its recorded sha256s; exit 1 on a problem."""
+    """Check every committed checkpoint in DIRECTORY (either engine) against its recorded checksums; exit 1 on a problem.
+
+    A directory that is not a checkpoint directory is an error (exit 2)."""
     directory = _local_dir(directory)
     report = layout.verify_report(directory, include_uncommitted=include_uncommitted)
     if report.problems:

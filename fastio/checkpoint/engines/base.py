@@ -75,12 +75,19 @@ class Engine(Protocol):
     name: str
     """The registry name, recorded in every commit marker so a restore uses the engine that wrote it."""
 
+    def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
+        """The app objects as this engine saves and restores them (an engine may wrap a module or an
+        optimizer in an adapter), and the keys of *global* state: one logical state across ranks
+        (sharded or identical), which the engine may write once and reshard. Others are per rank."""
+        ...
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = ()) -> None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
         """Collective: write ``states`` (app key -> a private, already staged state dict) into the
         existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
-        every rank (written once). Runs on the Checkpointer's writer thread; must leave no process-wide
-        setting changed when it returns or raises. The Checkpointer commits afterwards."""
+        every rank (written once). ``global_keys``: what :meth:`prepare` said is global. Runs on the
+        Checkpointer's writer thread; must leave no process-wide setting changed when it returns or
+        raises. The Checkpointer commits afterwards."""
         ...
 
     def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:

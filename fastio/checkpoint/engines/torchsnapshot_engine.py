@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +26,13 @@ from typing import Any
 from torchsnapshot import Snapshot
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
-from torchsnapshot.manifest import PrimitiveEntry, ShardedTensorEntry, is_container_entry, is_replicated
+from torchsnapshot.manifest import (
+    ObjectEntry,
+    PrimitiveEntry,
+    ShardedTensorEntry,
+    is_container_entry,
+    is_replicated,
+)
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
 from fastio.checkpoint.staging import Frozen
@@ -132,9 +139,29 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 escaped = _encode(key)
                 view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [escaped]}
                 snap._metadata = replace(full, manifest=view)
-                snap.restore({key: obj})
+                try:
+                    snap.restore({key: obj})
+                except pickle.UnpicklingError:  # torch.load refused (weights_only, torch >= 2.6): name the file
+                    raise self._refused(view) from None
         finally:
             snap._metadata = full
+
+    def _refused(self, view: dict[str, Any]) -> CheckpointError:
+        """The one-line error for an object file ``torch.load(weights_only=True)`` refuses to unpickle."""
+        import torch
+
+        for entry in view.values():
+            if isinstance(entry, ObjectEntry):
+                file = self.path / entry.location
+                try:
+                    torch.load(file, weights_only=True)
+                except pickle.UnpicklingError:
+                    return CheckpointError(f"{file}: refused to load: not plain tensors and containers "
+                                           "(torch.load weights_only)")
+                except Exception:  # noqa: BLE001, S112 - another problem of another file: keep looking
+                    continue
+        return CheckpointError(f"{self.path}: refused to load an object that is not plain tensors and containers "
+                               "(torch.load weights_only)")
 
     def read(self, key: str, rank: int) -> Any:
         entries = self._entries(key, rank)
@@ -155,7 +182,10 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 if isinstance(entry, PrimitiveEntry):
                     leaves[path] = entry.get_value()
                 else:
-                    leaves[path] = self._snap.read_object(f"{rank}/{path}")
+                    try:
+                        leaves[path] = self._snap.read_object(f"{rank}/{path}")
+                    except pickle.UnpicklingError:
+                        raise self._refused({path: entry}) from None
             return inflate(containers, leaves, prefix=key)
         except CheckpointError:
             raise
@@ -172,8 +202,13 @@ class TorchSnapshotEngine:
 
     name = "torchsnapshot"
 
+    def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
+        """The app as it is: torchsnapshot calls ``state_dict``/``load_state_dict`` itself; nothing is global
+        (replication is said by the ``replicated`` globs instead)."""
+        return dict(app), frozenset()
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = ()) -> None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
         """``Snapshot.take`` of the staged ``states``, without batching.
 
         The staged buffers are a private copy already: torchsnapshot writes straight from them (one file

@@ -1,0 +1,283 @@
+"""The DCP engine: the only module that imports ``torch.distributed.checkpoint`` (public API only).
+
+For DTensor state (FSDP2 ``fully_shard``, tensor parallel) and for resharding: a checkpoint written by N
+ranks restores on M ranks, sharded or not.
+
+What goes where in a step directory:
+
+- *global* state, written once across ranks through ``dcp.save`` (``.metadata`` and ``__R_0.distcp``):
+  every ``nn.Module`` of the app (``get_model_state_dict``: parameter names, DTensor shards or, for plain
+  and DDP modules, tensors identical on every rank), and every optimizer whose parameters all belong to
+  one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too);
+- *per-rank* state (the loader position, RNG streams, the progress record, any other object and an
+  optimizer of no app module), one ``torch.save`` file per app key and rank, ``rank-R/<key>.pt``;
+- ``fastio-dcp.json``: world size and which keys are global, per rank (written by rank 0).
+
+The Checkpointer stages a private copy before ``save`` is called on its writer thread; ``dcp.save``
+writes from that copy (DCP's own ``async_save`` is not used, so both engines keep one staging rule).
+
+Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
+``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
+is first unpickled here with an allow-list of DCP's metadata classes and refused otherwise.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.errors import CheckpointError
+
+__all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
+
+SIDECAR = "fastio-dcp.json"
+SIDECAR_FORMAT, SIDECAR_VERSION = "fastio-dcp", 1
+_METADATA = ".metadata"
+
+
+def _rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rank_file(path: Path, rank: int, key: str) -> Path:
+    return Path(path) / f"rank-{rank}" / f"{quote(key, safe='')}.pt"
+
+
+# ---------------------------------------------------------------- app objects as DCP sees them
+class ModuleState:
+    """An ``nn.Module`` through ``get_model_state_dict``/``set_model_state_dict`` (FQN keys, DTensors kept)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state_dict)
+
+
+class OptimizerState:
+    """An optimizer through ``get_optimizer_state_dict``/``set_optimizer_state_dict`` of its module
+    (state keyed by parameter name rather than by position, so it reshards)."""
+
+    def __init__(self, module: nn.Module, optim: torch.optim.Optimizer):
+        self.module, self.optim = module, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.module, self.optim)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.module, self.optim, state_dict)
+
+
+def _has_dtensor(params) -> bool:
+    return any(isinstance(p, DTensor) for p in params)
+
+
+# ---------------------------------------------------------------- loading without running code
+_METADATA_EXTRA = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("torch.serialization", "_get_layout"),
+                   ("collections", "OrderedDict"), ("torch", "Size")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only DCP's metadata classes and torch's dtype/Size/layout."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if (module, name) in _METADATA_EXTRA:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+                return super().find_class(module, name)
+            if module.startswith("torch.distributed.checkpoint."):
+                obj = super().find_class(module, name)
+                if isinstance(obj, type):
+                    return obj
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not DCP metadata")
+
+
+def check_metadata(path: Path) -> None:
+    """Refuse a ``.metadata`` that would run code when DCP unpickles it (one line naming the file)."""
+    meta = Path(path) / _METADATA
+    try:
+        with open(meta, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{meta}: missing (DCP metadata)") from None
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means: do not hand it to pickle.load
+        raise CheckpointError(f"{meta}: refused to load: {first_line(err)}") from None
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def __init__(self, where: Path):
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError:
+            raise CheckpointError(f"{self.where}: item {read_item.dest_index.fqn}: refused to load: not plain "
+                                  "tensors and containers (torch.load weights_only)") from None
+        safe = io.BytesIO()
+        torch.save(obj, safe)  # the vetted value, re-serialised: what the default planner then loads
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+def _unwrap(err: BaseException, path: Path) -> CheckpointError:
+    """One CheckpointError for what ``dcp.load``/``dcp.save`` raised (which wraps every rank's failure)."""
+    if isinstance(err, CheckpointException):
+        for exc, _trace in err.failures.values():
+            if isinstance(exc, CheckpointError):
+                return exc
+        for exc, _trace in err.failures.values():
+            return CheckpointError(f"{path}: {first_line(exc)}")
+    return CheckpointError(f"{path}: {first_line(err)}")
+
+
+# ---------------------------------------------------------------- a written checkpoint
+class DcpCheckpoint(SavedCheckpoint):
+    """A DCP step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
+
+    def __init__(self, path: Path, pg: Any = None):
+        self.path, self.pg = Path(path), pg
+        side = self.path / SIDECAR
+        try:
+            info = json.loads(side.read_text())
+            if info.get("format") != SIDECAR_FORMAT or info.get("version") != SIDECAR_VERSION:
+                raise ValueError(f"format {info.get('format')!r} version {info.get('version')!r}")
+            self.world_size = int(info["world_size"])
+            self.global_keys = set(info["global_keys"])
+            self.rank_keys = set(info["rank_keys"])
+        except FileNotFoundError:
+            raise CheckpointError(f"{side}: missing (the DCP engine's record of the checkpoint)") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{side}: unreadable: {first_line(err)}") from None
+
+    def keys(self, rank: int) -> set[str]:
+        return self.global_keys | (self.rank_keys if 0 <= rank < self.world_size else set())
+
+    def is_replicated(self, key: str, rank: int) -> bool:
+        return key in self.global_keys
+
+    def restore(self, targets: dict[str, Stateful]) -> None:
+        """Collective: global keys through one ``dcp.load`` into this run's own layout (resharding as
+        needed), then this rank's per-rank keys."""
+        rank, _ = _rank()
+        shared = [k for k in targets if k in self.global_keys]
+        if shared:
+            check_metadata(self.path)
+            template = {k: targets[k].state_dict() for k in shared}
+            try:
+                dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
+                         planner=_SafeLoadPlanner(self.path), process_group=self.pg, no_dist=_rank()[1] == 1)
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
+                raise _unwrap(err, self.path) from None
+            for k in shared:
+                targets[k].load_state_dict(template[k])
+        for k in targets:
+            if k not in self.global_keys:
+                targets[k].load_state_dict(self.read(k, rank))
+
+    def read(self, key: str, rank: int) -> Any:
+        if key in self.global_keys:
+            raise CheckpointError(f"{self.path}: app key {key} is global (DCP) state: restore it, it is not per rank")
+        file = _rank_file(self.path, rank, key)
+        if key not in self.rank_keys or not file.is_file():
+            raise CheckpointError(f"{self.path}: checkpoint has no state for app key {key} on saving rank {rank}")
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise CheckpointError(f"{file}: refused to load: not plain tensors and containers "
+                                  "(torch.load weights_only)") from None
+        except Exception as err:  # noqa: BLE001 - a truncated or damaged file, named here
+            raise CheckpointError(f"{file}: unreadable: {first_line(err)}") from None
+
+
+# ---------------------------------------------------------------- the engine
+class DcpEngine:
+    """Writes and reads checkpoints with ``torch.distributed.checkpoint`` (see
+    :class:`~fastio.checkpoint.engines.base.Engine`)."""
+
+    name = "dcp"
+
+    def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
+        """Modules and their optimizers as global DCP state (see the module docstring); the rest as is."""
+        modules = [m for m in app.values() if isinstance(m, nn.Module)]
+        out: dict[str, Stateful] = {}
+        shared = set()
+        for key, obj in app.items():
+            if isinstance(obj, nn.Module):
+                out[key], _ = ModuleState(obj), shared.add(key)
+            elif isinstance(obj, torch.optim.Optimizer):
+                ids = {id(p) for g in obj.param_groups for p in g["params"]}
+                owner = next((m for m in modules if ids <= {id(p) for p in m.parameters()}), None)
+                if owner is not None:
+                    out[key], _ = OptimizerState(owner, obj), shared.add(key)
+                elif _has_dtensor(p for g in obj.param_groups for p in g["params"]):
+                    raise CheckpointError(f"app key {key}: an optimizer over DTensor parameters needs its module in "
+                                          "the app (DCP names optimizer state by parameter name)")
+                else:
+                    out[key] = obj
+            else:
+                out[key] = obj
+        return out, frozenset(shared)
+
+    def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
+        """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar.
+        ``replicated`` is not used: global state is written once by DCP's own deduplication."""
+        rank, world = _rank()
+        path = Path(path)
+        shared = {k: v for k, v in states.items() if k in global_keys}
+        per_rank = {k: v for k, v in states.items() if k not in global_keys}
+        if per_rank:
+            _rank_file(path, rank, "x").parent.mkdir(parents=True, exist_ok=True)
+        for key, state in per_rank.items():  # small: serialised in memory, so a disk error reads as one
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            _rank_file(path, rank, key).write_bytes(buf.getbuffer())
+        if shared:
+            try:
+                # sync_files off: the commit fsyncs every file anyway, through the descriptor it hashes with
+                dcp.save(shared, storage_writer=FileSystemWriter(str(path), sync_files=False), process_group=pg,
+                         no_dist=world == 1)
+            except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
+                raise _unwrap(err, path) from None
+        elif pg is not None:
+            dist.barrier(group=pg)
+        if rank == 0:
+            (path / SIDECAR).write_text(json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION,
+                                                    "world_size": world, "global_keys": sorted(shared),
+                                                    "rank_keys": sorted(per_rank)}))
+
+    def open(self, path: Path, *, pg: Any = None) -> DcpCheckpoint:
+        return DcpCheckpoint(path, pg)

@@ -1,0 +1,300 @@
+"""Damaged, unrecognised and untrusted checkpoints; one writer per directory; old sha256 commits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastio.checkpoint import Checkpointer, checkpointer, layout
+from fastio.checksum import digest_file, sha256_file
+from fastio.cli import main as fastio_main
+from fastio.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=("torchsnapshot", "dcp"))
+def engine(request, monkeypatch) -> str:
+    """Runs a test once per engine: the Checkpointer's engine="auto" picks this one (as engine= would)."""
+    chosen = request.param
+    monkeypatch.setattr(checkpointer, "choose_engine", lambda name, app: chosen if name == "auto" else name)
+    return chosen
+
+
+def make_app(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim}
+
+
+def save_steps(root: Path, steps=(1, 2)) -> dict[int, dict[str, torch.Tensor]]:
+    """Save ``steps``, the weights changing between them; returns each step's weights."""
+    app = make_app()
+    weights = {}
+    with Checkpointer(root, signals=()) as ckpt:
+        for s in steps:
+            with torch.no_grad():
+                app["model"][0].weight.add_(1.0)
+            weights[s] = {k: v.clone() for k, v in app["model"].state_dict().items()}
+            ckpt.save(s, app, blocking=True)
+    return weights
+
+
+def biggest_file(step: Path) -> Path:
+    return max((p for p in step.rglob("*") if p.is_file() and p.name != layout.COMMIT_FILE), key=lambda p: p.stat().st_size)
+
+
+def restore(root: Path, caplog, **kw):
+    app = make_app(seed=5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastio"), Checkpointer(root, signals=()) as ckpt:
+        state = ckpt.restore_latest(app, **kw)
+    return state, app, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def truncate(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.truncate(p.stat().st_size // 2)
+
+
+def marker_missing(step: Path) -> None:
+    (step / layout.COMMIT_FILE).unlink()
+
+
+def marker_truncated(step: Path) -> None:
+    truncate(step / layout.COMMIT_FILE)
+
+
+def marker_newer(step: Path) -> None:
+    m = step / layout.COMMIT_FILE
+    m.write_text(json.dumps({**json.loads(m.read_text()), "version": layout.COMMIT_VERSION + 1}))
+
+
+# ---------------------------------------------------------------- damaged newest step: skip, warn, fall back
+@pytest.mark.parametrize("damage", [flip, truncate])
+def test_damaged_newest_step_is_skipped_and_kept(tmp_path, caplog, engine, damage):
+    root = tmp_path / "ck"
+    weights = save_steps(root)
+    victim = biggest_file(root / "step-2")
+    damage(victim)
+    state, app, warned = restore(root, caplog)
+    assert state.step == 1
+    assert all(torch.equal(app["model"].state_dict()[k], v) for k, v in weights[1].items())
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"fastio: skipping checkpoint {root}/step-2: {victim}: ")
+    reason = "size" if damage is truncate else "xxh3_128"
+    assert f": {reason} " in warned[0] and warned[0].endswith("moved aside to step-2.quarantined")
+    moved = root / "step-2.quarantined" / victim.relative_to(root / "step-2")
+    assert moved.is_file()  # kept, not deleted
+    assert layout.verify(root) == []  # the quarantined copy is no longer a step directory
+    rows = layout.list_checkpoints(root)  # but `fastio ckpt ls` shows it
+    assert [(r["step"], r["committed"], Path(r["path"]).name) for r in rows] == [
+        (1, True, "step-1"), (2, False, "step-2.quarantined")]
+    assert rows[1]["problem"].startswith("quarantined: moved aside by fastio")
+
+
+@pytest.mark.parametrize("damage", [marker_missing, marker_truncated, marker_newer])
+def test_unrecognised_commit_marker_is_skipped_not_deleted(tmp_path, caplog, damage):
+    root = tmp_path / "ck"
+    save_steps(root)
+    files = sorted(p.relative_to(root / "step-2") for p in (root / "step-2").rglob("*"))
+    damage(root / "step-2")
+    state, _, warned = restore(root, caplog)
+    assert state.step == 1
+    assert len(warned) == 1 and warned[0].startswith(f"fastio: skipping checkpoint {root}/step-2: ")
+    expect = {marker_missing: "no commit marker", marker_truncated: "unreadable commit marker",
+              marker_newer: f"commit marker version {layout.COMMIT_VERSION + 1}, this fastio reads"}[damage]
+    assert expect in warned[0], warned[0]
+    kept = sorted(p.relative_to(root / "step-2.quarantined") for p in (root / "step-2.quarantined").rglob("*"))
+    assert [f for f in files if f.name != layout.COMMIT_FILE] == [f for f in kept if f.name != layout.COMMIT_FILE]
+
+
+def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
+    """Never delete data newer than the step restored: the damaged step-2 stays, also after step 2 is saved again."""
+    root = tmp_path / "ck"
+    save_steps(root)
+    flip(biggest_file(root / "step-2"))
+    app = make_app()
+    with Checkpointer(root, signals=()) as ckpt:
+        assert ckpt.restore_latest(app).step == 1
+        ckpt.save(2, app, blocking=True)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [
+        "step-1", "step-2", "step-2.quarantined"]
+    assert layout.verify(root) == []
+
+
+def test_an_explicit_older_step_keeps_newer_steps_when_saving_over_them(tmp_path):
+    root = tmp_path / "ck"
+    save_steps(root, (1, 2))
+    first = (root / "step-2" / layout.COMMIT_FILE).read_text()
+    app = make_app()
+    with Checkpointer(root, signals=()) as ckpt:
+        assert ckpt.restore_latest(app, step=1).step == 1
+        ckpt.save(2, app, blocking=True)  # the run goes on from step 1 and reaches step 2 again
+    assert (root / "step-2.quarantined" / layout.COMMIT_FILE).read_text() == first
+
+
+def test_damaged_explicit_step_or_no_intact_step_is_an_error_and_moves_nothing(tmp_path, caplog):
+    root = tmp_path / "ck"
+    save_steps(root)
+    flip(biggest_file(root / "step-1"))
+    with pytest.raises(CheckpointError, match=rf"{root}/step-1: damaged checkpoint: {root}/step-1/.*: xxh3_128"):
+        restore(root, caplog, step=1)
+    flip(biggest_file(root / "step-2"))
+    with pytest.raises(CheckpointError, match=rf"{root}: no intact checkpoint: 2 step director\(ies\) damaged or "
+                                              rf"unrecognised, newest {root}/step-2: "):
+        restore(root, caplog)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == ["step-1", "step-2"]
+
+
+def test_restore_reads_old_sha256_commits(tmp_path, caplog):
+    """Commit markers of version 1 (sha256 per file) still verify and restore; a flipped byte is still caught."""
+    root = tmp_path / "ck"
+    weights = save_steps(root, (1,))
+    marker = root / "step-1" / layout.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    data["version"] = 1
+    data.pop("checksum")
+    for rel, rec in data["files"].items():
+        rec.pop("xxh3_128")
+        rec["sha256"] = sha256_file(root / "step-1" / rel)[1]
+    marker.write_text(json.dumps(data))
+    assert layout.verify(root) == []
+    state, app, warned = restore(root, caplog)
+    assert state.step == 1 and warned == []
+    assert all(torch.equal(app["model"].state_dict()[k], v) for k, v in weights[1].items())
+    victim = biggest_file(root / "step-1")
+    flip(victim)
+    assert [p.split(": ")[1].split()[0] for p in layout.verify(root)] == ["sha256"]
+
+
+# ---------------------------------------------------------------- one writer per directory
+HOLDER = """
+    import sys, time
+    from fastio.checkpoint import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], signals=())
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_second_job_is_refused_and_a_dead_jobs_lock_does_not_block(tmp_path):
+    root = tmp_path / "ck"
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent(HOLDER))
+    proc = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_ID": "777"})
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        with pytest.raises(CheckpointError) as err:
+            Checkpointer(root, signals=())
+        msg = str(err.value)
+        assert msg.startswith(f"{root}: in use by fastio checkpointer pid {proc.pid} on ") and "Slurm job 777" in msg
+        assert "\n" not in msg
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    app = make_app()
+    with Checkpointer(root, signals=()) as ckpt:  # the killed job's lock went with it (a Slurm requeue)
+        ckpt.save(1, app, blocking=True)
+    assert [e.step for e in layout.committed(root)] == [1]
+
+
+def test_a_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tmp_path):
+    root = tmp_path / "ck"
+    first = Checkpointer(root, signals=())
+    with pytest.raises(CheckpointError, match=rf"{root}: in use by fastio checkpointer pid {os.getpid()}"):
+        Checkpointer(root, signals=())
+    first.close()
+    Checkpointer(root, signals=()).close()
+
+
+# ---------------------------------------------------------------- untrusted checkpoints
+SENTINEL = Path("/tmp/fastio-test-pwned")
+
+
+class Payload:
+    """A pickle that would create SENTINEL when unpickled without weights_only."""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {SENTINEL}",))
+
+
+def _reseal(step: Path) -> None:
+    """Recompute the commit marker's checksums, as a consistent (but malicious) checkpoint would have them."""
+    marker = step / layout.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    for rel in data["files"]:
+        size, digest = digest_file(step / rel, layout.CHECKSUM)
+        data["files"][rel] = {"bytes": size, layout.CHECKSUM: digest}
+    marker.write_text(json.dumps(data))
+
+
+class Holder:
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+@pytest.mark.parametrize("where", ["torchsnapshot", "dcp-rank-file", "dcp-metadata"])
+def test_untrusted_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, where):
+    SENTINEL.unlink(missing_ok=True)
+    root = tmp_path / "ck"
+    engine = "torchsnapshot" if where == "torchsnapshot" else "dcp"
+    with Checkpointer(root, engine=engine, signals=()) as ckpt:
+        ckpt.save(1, {"model": nn.Linear(2, 2), "extra": Holder({"nothing": None})}, blocking=True)
+    step = root / "step-1"
+    if where == "torchsnapshot":
+        victim = step / "0" / "extra" / "nothing"  # torchsnapshot writes None as a torch.save object file
+        torch.save(Payload(), victim)
+    elif where == "dcp-rank-file":
+        victim = step / "rank-0" / "extra.pt"
+        torch.save({"nothing": Payload()}, victim)
+    else:
+        import pickle
+
+        victim = step / ".metadata"
+        victim.write_bytes(pickle.dumps(Payload()))
+    assert victim.is_file()
+    _reseal(step)
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(2, 2), "extra": Holder({})})
+    msg = str(err.value)
+    assert msg.startswith(f"{victim}: refused to load") and "\n" not in msg, msg
+    assert not SENTINEL.exists()
+
+
+# ---------------------------------------------------------------- CLI
+def test_ckpt_verify_on_a_directory_that_is_not_a_checkpoint_directory_is_an_error(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("hello")
+    assert fastio_main(["ckpt", "verify", str(tmp_path / "data")]) == 2
+    assert f"fastio: error: {tmp_path / 'data'}: not a checkpoint directory" in capsys.readouterr().err
+    Checkpointer(tmp_path / "fresh", signals=()).close()  # created by a Checkpointer, nothing saved yet: fine
+    assert fastio_main(["ckpt", "verify", str(tmp_path / "fresh")]) == 0
+    assert "0 committed checkpoint(s) verified" in capsys.readouterr().out
+
