@@ -58,6 +58,7 @@ from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
 from fastio.storage import Storage, is_remote, open_storage
 from fastio.wds import is_plain_name
+from fastio.workers import OrderedPool
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -545,10 +546,9 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
     if config.workers > 1:
         import multiprocessing as mp
 
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        if ctx.get_start_method() == "fork":
+        if "fork" in mp.get_all_start_methods():
             import PIL.Image  # noqa: F401  (forked workers inherit it: one import instead of one per worker)
-        pool = ctx.Pool(config.workers, initializer=_init_worker, initargs=(load_options, True))
+        pool = OrderedPool(load_entry, config.workers, initializer=_init_worker, initargs=(load_options, True))
     else:
         _init_worker(load_options)
     try:
@@ -557,8 +557,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
                 if pool is None:
                     results = map(load_entry, entries)
                 else:
-                    chunk = max(1, min(16, len(entries) // (config.workers * 8)))
-                    results = pool.imap(load_entry, entries, chunksize=chunk)
+                    results = pool.map(entries, chunksize=max(1, min(16, len(entries) // (config.workers * 8))))
                 manifest, skipped, nbytes = _write_dataset(config, out, split_name, zip(entries, results), progress,
                                                            allow_empty=allow_empty, **fields)
                 manifests[split_name] = manifest
@@ -566,8 +565,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
                 bytes_in += nbytes
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()  # at once, also after an error: the workers share no lock that could hang it
     return manifests, all_skipped, bytes_in
 
 

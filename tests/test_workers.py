@@ -1,0 +1,47 @@
+"""fastio.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
+
+import os
+import time
+
+import pytest
+
+from fastio.workers import OrderedPool
+
+_STATE = {}
+
+
+def _init(offset):
+    _STATE["offset"] = offset
+
+
+def _add(x):
+    if x == "boom":
+        raise ValueError("bad item boom")
+    time.sleep(0.001 * (x % 3))  # uneven work: results still come back in order
+    return x + _STATE["offset"], os.getpid()
+
+
+def test_results_come_in_order_from_every_worker():
+    with OrderedPool(_add, 3, initializer=_init, initargs=(1000,), chunksize=2, window=2) as pool:
+        out = list(pool.map(range(100)))
+        again = list(pool.map(range(5), chunksize=1))  # the pool serves one map after another
+    assert [v for v, _ in out] == list(range(1000, 1100)) and [v for v, _ in again] == list(range(1000, 1005))
+    assert len({pid for _, pid in out}) == 3 and os.getpid() not in {pid for _, pid in out}
+
+
+def test_an_error_in_a_worker_reaches_the_caller_and_close_is_immediate():
+    pool = OrderedPool(_add, 2, initializer=_init, initargs=(0,), chunksize=1)
+    results = pool.map([1, 2, "boom", *range(10_000)])
+    assert [v for v, _ in (next(results), next(results))] == [1, 2]
+    with pytest.raises(ValueError, match="bad item boom"):
+        next(results)
+    started = time.monotonic()
+    pool.close()  # workers mid-stream, tasks still queued: a Pool.terminate() here could hang
+    assert time.monotonic() - started < 10
+    assert all(not p.is_alive() for p in pool._procs)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        OrderedPool(_add, bad)
