@@ -115,7 +115,8 @@ class LoaderConfig:
     """Print a throughput/stall line to stderr every few seconds."""
     cache_dir: str | None = None
     """For an ``s3://`` dataset: the node-local cache directory its shards are read through (shared by every
-    process on the node; default ``$FASTIO_CACHE_DIR`` or ``~/.cache/fastio``). Ignored for a local dataset."""
+    process on the node; default ``$FASTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastio``, else ``~/.cache/fastio``).
+    Ignored for a local dataset."""
     cache_size: int | str | None = None
     """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
     storage_options: dict | None = field(default=None, compare=False)

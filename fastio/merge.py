@@ -22,7 +22,7 @@ only move at a skip.
 
 Safety: DEST and every part are locked for the merge (a part still being converted is refused), the parts are
 checked first (all N complete, same plan: source, options, seed, listing), DEST's final files are written
-last by :func:`publish`, and ``.parts`` is removed only after the dataset is published (``keep_parts`` keeps it).
+last by :func:`publish_dataset`, and ``.parts`` is removed only after the dataset is published (``keep_parts`` keeps it).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ the ``with`` block drops the shard being written (:meth:`ShardWriter.abort`), so
 becomes visible.
 
 Tars are reproducible: members sorted by field within a sample, mtime 0, uid/gid 0, empty owner
-names, mode 0444, USTAR headers only. Members are written straight to the file (headers from
-``tarfile.TarInfo``), which is what webdataset's TarWriter does too, without importing webdataset
-(and through it torch) into ``fastio convert``.
+names, mode 0444, USTAR headers only. Members are written straight to the file (headers built byte for
+byte as ``tarfile.TarInfo.tobuf`` makes them), which is what webdataset's TarWriter does too, without
+importing webdataset (and through it torch) into ``fastio convert``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Chosen by measurement on this project's machine (GET of 8 MiB objects from a loopback S3 server: obstore
 ~0.7-0.8 GB/s against boto3's ~0.45-0.6 GB/s, both limited by the Python test server) and for what it brings:
 S3 and S3-compatible endpoints (plain HTTP too), GCS and Azure behind the same calls, native multipart
-uploads, no Python in the data path. Its own retries are turned off: :mod:`fastio.storage.retry` retries
-every call, so the bound and the error are fastio's. Every obstore exception becomes
+uploads, no Python in the data path. Reads run with obstore's own retries off: :mod:`fastio.storage.retry`
+retries every call, so the bound and the error are fastio's; uploads keep obstore's per-request retries (a
+faulted multipart part is retried alone), inside fastio's loop. Every obstore exception becomes
 :class:`~fastio.storage.retry.Transient` or :class:`~fastio.storage.retry.Permanent` here.
 """
 

@@ -55,7 +55,8 @@ class DatasetSource:
         raise NotImplementedError
 
     def check(self, records: list[ShardRecord]) -> None:
-        """Raise DatasetError naming the first shard or index that is missing."""
+        """Raise DatasetError naming the first shard or ``.idx`` that is missing (``samples.fxi`` is checked
+        when :class:`~fastio.dsindex.SampleIndex` opens it)."""
         raise NotImplementedError
 
     def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles | None:
