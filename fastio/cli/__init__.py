@@ -11,19 +11,13 @@ import sys
 
 import click
 
-from fastio import __version__
+from fastio.cli.group import cli
 from fastio.errors import FastioError
 
 __all__ = ["cli", "main"]
 
 # click >= 8.2 raises this for a group called without a command; older click prints the help and exits 0.
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="fastio")
-def cli() -> None:
-    """fastio: pack datasets into WebDataset shards, load them through DALI, checkpoint and resume."""
 
 
 def _register() -> None:

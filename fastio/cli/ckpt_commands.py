@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from fastio.checkpoint import layout
-from fastio.cli import cli
+from fastio.cli.group import cli
 from fastio.progress import human_bytes
 
 __all__ = ["ckpt"]

@@ -1,3 +1,4 @@
-"""Imports every subcommand module so that each registers itself on the ``cli`` group."""
+"""Imports every subcommand module so that each registers itself on the ``cli`` group (:mod:`fastio.cli.group`)."""
 
-from fastio.cli import ckpt_commands, dataset_commands  # noqa: F401
+import fastio.cli.ckpt_commands  # noqa: F401
+import fastio.cli.dataset_commands  # noqa: F401

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from fastio.cli import cli
+from fastio.cli.group import cli
 from fastio.errors import ConvertError, FastioError
 from fastio.images import DEFAULT_MAX_PIXELS
 
