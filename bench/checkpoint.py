@@ -16,7 +16,8 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   vs ``dcp.save``/``dcp.load`` of ``get_state_dict`` used directly (target <= 1.25);
 - compression: bytes and MB/s of zstd, with and without a byte shuffle of float tensors, on the weights
   and Adam moments of a small model trained a few hundred steps; then the Checkpointer on that same state
-  with ``compression=None`` and ``"zstd"`` (both engines): bytes written, blocking save to commit, restore.
+  with ``compression=None``, ``"zstd"`` and ``"zstd+shuffle"`` (both engines): bytes written, blocking save
+  to commit, restore.
 
     python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/results/checkpoint.json
 """
@@ -435,7 +436,7 @@ def measure_checkpointer_compression(work: Path, state: dict[str, torch.Tensor],
     state = {f"t{j}": v for j, v in enumerate(state.values())}  # plain keys: they become file names
     rows = {}
     for engine in ("torchsnapshot", "dcp"):
-        for compression in (None, "zstd"):
+        for compression in (None, "zstd", "zstd+shuffle"):
             saves, restores, size = [], [], 0
             for i in range(repeats):
                 root = work / f"compress-{engine}-{compression}-{i}"

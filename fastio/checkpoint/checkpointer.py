@@ -483,7 +483,7 @@ class Checkpointer:
         mine: list[str] = []
         try:
             for p in layout.data_files(tmp)[self.rank::self.world_size]:
-                compress.compress_file(p, self._compression.level)
+                compress.compress_file(p, self._compression)
         except CheckpointError as err:
             mine.append(str(err))
         problems = self._gather(mine)
@@ -510,7 +510,7 @@ class Checkpointer:
             mine: list[str] = []
             try:
                 for rel in sorted(commit["files"])[self.rank::self.world_size]:
-                    compress.restore_file(path / rel, work / compress.stored_name(rel))
+                    compress.restore_file(path / rel, work / compress.stored_name(rel), commit["compression"])
             except CheckpointError as err:
                 mine.append(str(err))
             problems = self._gather(mine)

@@ -7,6 +7,10 @@ renamed, then ``NAME`` removed) and the commit marker lists the stored files wit
 ``ckpt verify`` checks the stored bytes. A restore verifies them too, then decompresses into a private
 directory next to the step (:func:`fastio.checkpoint.layout.start_restore_dir`) and the engine reads that.
 
+``"zstd+shuffle"`` byte-shuffles before compressing: each 1 MiB block of the file (the last one shorter) is
+rearranged as all first bytes of its 4-byte words, then all second bytes, ... (the tail that is not a whole
+word stays as is), which puts the sign/exponent bytes of fp32 values together; a restore undoes it exactly.
+
 ``zstandard`` is imported only when a checkpoint is compressed or decompressed.
 """
 
@@ -23,7 +27,8 @@ from fastio.errors import CheckpointError
 __all__ = ["CODECS", "SUFFIX", "Compression", "check_marker", "compress_file", "parse_compression",
            "restore_file", "stored_name"]
 
-CODECS = ("zstd",)
+SHUFFLE = "zstd+shuffle"
+CODECS = ("zstd", SHUFFLE)
 """Codecs a commit marker may name under ``"compression"``."""
 SUFFIX = ".zst"
 """What a compressed file's name ends with (``NAME`` is stored as ``NAME.zst``)."""
@@ -31,6 +36,8 @@ DEFAULT_LEVEL = 1
 """zstd level 1: measured as good a ratio on trained fp32 state as level 3, at ~300 MB/s per core."""
 _LEVELS = range(1, 23)  # zstd's levels; negative "fast" levels are not offered
 _CHUNK = 1 << 20
+_BLOCK = 1 << 20  # the shuffle block: part of the "zstd+shuffle" format
+_WORD = 4
 
 
 @dataclass(frozen=True)
@@ -42,11 +49,12 @@ class Compression:
 
 
 def parse_compression(value: Any) -> Compression | None:
-    """``None`` -> None; ``"zstd"`` or ``"zstd:LEVEL"`` (1..22) -> :class:`Compression`; ValueError otherwise."""
+    """``None`` -> None; ``"zstd"``, ``"zstd+shuffle"``, optionally ``":LEVEL"`` (1..22) -> :class:`Compression`;
+    ValueError otherwise."""
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ValueError(f"compression must be None, 'zstd' or 'zstd:LEVEL', got {value!r}")
+        raise ValueError(f"compression must be None or one of {', '.join(CODECS)} (optionally ':LEVEL'), got {value!r}")
     codec, sep, level = value.partition(":")
     if codec not in CODECS:
         raise ValueError(f"compression {value!r}: unknown codec {codec!r} (known: {', '.join(CODECS)})")
@@ -77,17 +85,49 @@ def _zstd():
     return zstandard
 
 
-def compress_file(path: Path, level: int) -> Path:
+def _shuffle(block: bytes) -> bytes:
+    import numpy as np
+
+    n = len(block) // _WORD * _WORD
+    return np.frombuffer(block, np.uint8, count=n).reshape(-1, _WORD).T.tobytes() + block[n:]
+
+
+def _unshuffle(block: bytes) -> bytes:
+    import numpy as np
+
+    n = len(block) // _WORD * _WORD
+    return np.frombuffer(block, np.uint8, count=n).reshape(_WORD, -1).T.tobytes() + block[n:]
+
+
+def _read_block(f) -> bytes:
+    """Exactly ``_BLOCK`` bytes from ``f``, fewer only at its end."""
+    parts, got = [], 0
+    while got < _BLOCK:
+        b = f.read(_BLOCK - got)
+        if not b:
+            break
+        parts.append(b)
+        got += len(b)
+    return b"".join(parts)
+
+
+def compress_file(path: Path, comp: Compression) -> Path:
     """Replace the file ``path`` by ``path.zst`` (via ``path.zst.tmp``); returns the new path.
     Not fsynced here: the commit flushes every stored file."""
     zstd = _zstd()
     path = Path(path)
     out = path.with_name(path.name + SUFFIX)
     part = out.with_name(out.name + ".tmp")
-    cctx = zstd.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    cctx = zstd.ZstdCompressor(level=comp.level, write_checksum=True, write_content_size=True)
     try:
         with open(path, "rb") as src, open(part, "wb") as dst:
-            cctx.copy_stream(src, dst, size=os.fstat(src.fileno()).st_size, read_size=_CHUNK, write_size=_CHUNK)
+            size = os.fstat(src.fileno()).st_size
+            if comp.codec == SHUFFLE:
+                with cctx.stream_writer(dst, size=size, write_size=_CHUNK, closefd=False) as w:
+                    while block := _read_block(src):
+                        w.write(_shuffle(block))
+            else:
+                cctx.copy_stream(src, dst, size=size, read_size=_CHUNK, write_size=_CHUNK)
         os.replace(part, out)
     except OSError as err:
         part.unlink(missing_ok=True)
@@ -96,9 +136,10 @@ def compress_file(path: Path, level: int) -> Path:
     return out
 
 
-def restore_file(src: Path, dst: Path) -> None:
-    """Write the plain file ``dst`` from the stored ``src``: decompressed when ``src`` ends with ``.zst``,
-    else copied. CheckpointError naming ``src`` when its frame is damaged."""
+def restore_file(src: Path, dst: Path, codec: str) -> None:
+    """Write the plain file ``dst`` from the stored ``src`` (of a checkpoint compressed with ``codec``):
+    decompressed when ``src`` ends with ``.zst``, else copied. CheckpointError naming ``src`` when its frame
+    is damaged."""
     src, dst = Path(src), Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -107,7 +148,12 @@ def restore_file(src: Path, dst: Path) -> None:
             return
         zstd = _zstd()
         with open(src, "rb") as fin, open(dst, "wb") as fout:
-            zstd.ZstdDecompressor().copy_stream(fin, fout, read_size=_CHUNK, write_size=_CHUNK)
+            if codec == SHUFFLE:
+                with zstd.ZstdDecompressor().stream_reader(fin, read_size=_CHUNK, closefd=False) as r:
+                    while block := _read_block(r):
+                        fout.write(_unshuffle(block))
+            else:
+                zstd.ZstdDecompressor().copy_stream(fin, fout, read_size=_CHUNK, write_size=_CHUNK)
     except OSError as err:
         raise CheckpointError(f"{src}: cannot decompress into {dst}: {err.strerror or err}") from None
     except Exception as err:  # noqa: BLE001 - zstandard.ZstdError: a damaged frame, named here
