@@ -14,9 +14,10 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   every restore pays), xxh3-128 against the sha256 of older commits;
 - fsdp2: 2 gloo ranks, an FSDP2 model: blocking save (to commit) and restore through the Checkpointer
   vs ``dcp.save``/``dcp.load`` of ``get_state_dict`` used directly (target <= 1.25);
-- compression (measurement only: fastio does not compress yet): bytes and MB/s of zstd, with and
-  without a byte shuffle of float tensors, on the weights and Adam moments of a small model trained a
-  few hundred steps.
+- compression: bytes and MB/s of zstd, with and without a byte shuffle of float tensors, on the weights
+  and Adam moments of a small model trained a few hundred steps; then the Checkpointer on that same state
+  with ``compression=None``, ``"zstd"`` and ``"zstd+shuffle"`` (both engines): bytes written, blocking save
+  to commit, restore.
 
     python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/results/checkpoint.json
 """
@@ -388,10 +389,9 @@ def _shuffle(raw: bytes, width: int) -> bytes:
     return np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
 
 
-def measure_compression(levels: tuple[int, ...] = (1, 3)) -> dict:
+def measure_compression(state: dict[str, torch.Tensor], levels: tuple[int, ...] = (1, 3)) -> dict:
     import zstandard
 
-    state = trained_state()
     blobs = [v.detach().contiguous().numpy().tobytes() for v in state.values()]
     total = sum(map(len, blobs))
     rows = {}
@@ -412,6 +412,49 @@ def measure_compression(levels: tuple[int, ...] = (1, 3)) -> dict:
                 "bytes": size, "ratio": total / size, "compress_mb_s": total / c_s / 1e6,
                 "decompress_mb_s": total / d_s / 1e6}
     return {"raw_bytes": total, "tensors": len(blobs), "codecs": rows}
+
+
+class _Tensors:
+    """App object over a dict of tensors (state_dict as is, load_state_dict copies in place)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in state.items():
+            self.tensors[k].copy_(v)
+
+
+def measure_checkpointer_compression(work: Path, state: dict[str, torch.Tensor], repeats: int) -> dict:
+    """The Checkpointer with and without ``compression="zstd"`` on the trained state, both engines: bytes in
+    the commit, blocking save to commit and restore (medians; each save into a new directory)."""
+    from fastio.checkpoint import Checkpointer
+
+    state = {f"t{j}": v for j, v in enumerate(state.values())}  # plain keys: they become file names
+    rows = {}
+    for engine in ("torchsnapshot", "dcp"):
+        for compression in (None, "zstd", "zstd+shuffle"):
+            saves, restores, size = [], [], 0
+            for i in range(repeats):
+                root = work / f"compress-{engine}-{compression}-{i}"
+                with Checkpointer(root, signals=(), engine=engine, compression=compression) as ckpt:
+                    t = time.perf_counter()
+                    ckpt.save(1, {"state": _Tensors(state)}, blocking=True)
+                    saves.append(time.perf_counter() - t)
+                size = json.loads((root / "step-1" / "fastio-commit.json").read_text())["bytes"]
+                fresh = _Tensors({k: torch.empty_like(v) for k, v in state.items()})
+                with Checkpointer(root, signals=()) as ckpt:
+                    t = time.perf_counter()
+                    ckpt.restore_latest({"state": fresh})
+                    restores.append(time.perf_counter() - t)
+                assert all(torch.equal(fresh.tensors[k], v) for k, v in state.items())
+                shutil.rmtree(root, ignore_errors=True)
+            rows[f"{engine}/{compression or 'none'}"] = {"bytes": size, "save_median_s": statistics.median(saves),
+                                                          "restore_median_s": statistics.median(restores)}
+    return rows
 
 
 def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, every: int = 10) -> dict:
@@ -455,11 +498,16 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
           f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
           f"{fsdp['restore_ratio']:.2f} (targets <= 1.25)", flush=True)
-    compression = measure_compression()
+    trained = trained_state()
+    compression = measure_compression(trained)
     for name, row in compression["codecs"].items():
         print(f"compression {name:<14} {compression['raw_bytes'] / 2**20:.1f} MiB -> {row['bytes'] / 2**20:.1f} MiB "
               f"(x{row['ratio']:.3f}), {row['compress_mb_s']:.0f} MB/s in, {row['decompress_mb_s']:.0f} MB/s out",
               flush=True)
+    compression["checkpointer"] = measure_checkpointer_compression(workdir, trained, repeats)
+    for name, row in compression["checkpointer"].items():
+        print(f"compression Checkpointer {name:<20} {row['bytes'] / 2**20:.2f} MiB written, save to commit "
+              f"{row['save_median_s']:.3f}s, restore {row['restore_median_s']:.3f}s", flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
     return {
         "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,

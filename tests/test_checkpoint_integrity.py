@@ -86,7 +86,7 @@ def marker_truncated(step: Path) -> None:
 
 def marker_newer(step: Path) -> None:
     m = step / layout.COMMIT_FILE
-    m.write_text(json.dumps({**json.loads(m.read_text()), "version": layout.COMMIT_VERSION + 1}))
+    m.write_text(json.dumps({**json.loads(m.read_text()), "version": max(layout.READ_VERSIONS) + 1}))
 
 
 # ---------------------------------------------------------------- damaged newest step: skip, warn, fall back
@@ -122,7 +122,7 @@ def test_unrecognised_commit_marker_is_skipped_not_deleted(tmp_path, caplog, dam
     assert state.step == 1
     assert len(warned) == 1 and warned[0].startswith(f"fastio: skipping checkpoint {root}/step-2: ")
     expect = {marker_missing: "no commit marker", marker_truncated: "unreadable commit marker",
-              marker_newer: f"commit marker version {layout.COMMIT_VERSION + 1}, this fastio reads"}[damage]
+              marker_newer: f"commit marker version {max(layout.READ_VERSIONS) + 1}, this fastio reads"}[damage]
     assert expect in warned[0], warned[0]
     kept = sorted(p.relative_to(root / "step-2.quarantined") for p in (root / "step-2.quarantined").rglob("*"))
     assert [f for f in files if f.name != layout.COMMIT_FILE] == [f for f in kept if f.name != layout.COMMIT_FILE]

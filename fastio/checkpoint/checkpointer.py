@@ -14,6 +14,8 @@ One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from 
 ``close`` (a second job is refused; the kernel drops the lock of a dead job). A restore checks every file
 of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
 back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
+With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
+and a restore decompresses into a private directory the engine reads (:mod:`fastio.checkpoint.compress`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import layout
+from fastio.checkpoint import compress, layout
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, choose_engine, get_engine, holds_dtensor
@@ -137,6 +140,7 @@ class Checkpointer:
 
             self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
         self._engines: dict[str, Engine] = {}
+        self._compression = compress.parse_compression(self.config.compression)
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
         problem: list[str | None] = [None]
         if self.rank == 0:
@@ -331,13 +335,20 @@ class Checkpointer:
             if name not in ENGINES:
                 return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {name!r}, this fastio has "
                         f"{', '.join(sorted(ENGINES))}"]
+            why = compress.check_marker(entry.commit)
+            if why:
+                return [f"{path / layout.COMMIT_FILE}: {why}"]
             mine = layout.verify_files(entry, part=(self.rank, self.world_size))
         except CheckpointError as err:
             mine = [str(err)]
+        return self._gather(mine)
+
+    def _gather(self, mine: list[str]) -> list[str]:
+        """Collective over the checkpoint group: every rank's problems, rank order (also a barrier)."""
         if self.world_size == 1:
-            return mine
+            return list(mine)
         every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self._pg)
+        dist.all_gather_object(every, list(mine), group=self._pg)
         return [p for part in every for p in part]
 
     def _check_app(self, app: dict[str, Any]) -> None:
@@ -409,6 +420,8 @@ class Checkpointer:
             replicated += _replicated_keys(app)
         info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
                 "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
+        if self._compression is not None:
+            info["compression"] = self._compression.codec
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
@@ -433,7 +446,10 @@ class Checkpointer:
         started = time.perf_counter()
         try:
             self._stager.wait_copies()
-            engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
+            if self._compression is None:
+                engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
+            else:
+                self._save_compressed(engine, tmp, staged, replicated, global_keys)
             if self.rank == 0:
                 layout.commit(tmp, final, step=step, info=info)
                 layout.apply_retention(self.dir, self.config.keep)
@@ -450,7 +466,67 @@ class Checkpointer:
         finally:
             self._inflight_step = None
 
+    def _save_compressed(self, engine: Engine, tmp: Path, staged: dict[str, Any], replicated: list[str],
+                         global_keys: frozenset[str]) -> None:
+        """Writer thread, collective: the engine writes, then (once every rank's files are there) the ranks
+        share compressing them; any rank's failure fails every rank's save."""
+        failed: BaseException | None = None
+        try:
+            engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+            failed = err
+        others = self._gather([f"rank {self.rank}: {first_line(failed)}"] if failed is not None else [])
+        if failed is not None:
+            raise failed
+        if others:
+            raise CheckpointError(f"another rank's write failed: {others[0]}")
+        mine: list[str] = []
+        try:
+            for p in layout.data_files(tmp)[self.rank::self.world_size]:
+                compress.compress_file(p, self._compression)
+        except CheckpointError as err:
+            mine.append(str(err))
+        problems = self._gather(mine)
+        if problems:
+            raise CheckpointError(problems[0])
+
     def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
+        if not commit.get("compression"):
+            return self._restore_from(path, path, commit, app)
+        # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
+        # the work; the engine reads there; the directory goes when every rank is done with it.
+        where: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                where[0] = str(layout.start_restore_dir(self.dir, commit["step"]))
+            except OSError as err:
+                where[1] = f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: {err.strerror or err}"
+        if self.world_size > 1:
+            dist.broadcast_object_list(where, src=0, group=self._pg)
+        if where[1]:
+            raise CheckpointError(where[1])
+        work = Path(where[0])
+        try:
+            mine: list[str] = []
+            try:
+                for rel in sorted(commit["files"])[self.rank::self.world_size]:
+                    compress.restore_file(path / rel, work / compress.stored_name(rel), commit["compression"])
+            except CheckpointError as err:
+                mine.append(str(err))
+            problems = self._gather(mine)
+            if problems:
+                raise CheckpointError(problems[0])
+            try:
+                return self._restore_from(path, work, commit, app)
+            except CheckpointError as err:  # name the checkpoint, not the directory about to go
+                raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
+        finally:
+            self._gather([])  # every rank is done reading
+            if self.rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
+        """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``."""
         name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
         engine = self._engine(name)
         sharded = holds_dtensor(app)
@@ -459,7 +535,7 @@ class Checkpointer:
                                   f"tensor parallel) state of app key(s) {', '.join(sharded)}: restore it into the "
                                   "unsharded model and save again with engine='dcp'")
         app, _ = engine.prepare(app)
-        saved = engine.open(path, pg=self._pg)
+        saved = engine.open(files, pg=self._pg)
         saved_world = int(commit.get("world_size") or saved.world_size)
         elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
         src = self.rank % saved_world  # the saving rank whose per-rank state this rank takes

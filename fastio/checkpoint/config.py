@@ -6,6 +6,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastio.checkpoint.compress import parse_compression
 from fastio.checkpoint.engines import AUTO, check_engine_name
 from fastio.storage.url import is_remote
 
@@ -51,6 +52,15 @@ class CheckpointConfig:
     """The checkpoint engine that writes new checkpoints: ``"torchsnapshot"``, ``"dcp"``, or ``"auto"``
     (DCP when the app holds DTensor state, e.g. FSDP2, torchsnapshot otherwise). A restore uses the engine
     named in the checkpoint's commit marker."""
+
+    compression: str | None = None
+    """``None`` (default): files are stored as the engine writes them. ``"zstd"`` or ``"zstd+shuffle"`` (bytes
+    of 4-byte words grouped before compressing), level 1 or ``":LEVEL"`` (1..22): the writer compresses every
+    file of a checkpoint after the engine wrote it (``NAME.zst``), the commit marker records it, and a restore
+    decompresses (into a temporary directory next to the step, so it needs that much free space) without being
+    told. Off by default because it does not pay on float state: on trained fp32 weights and Adam moments zstd
+    saves about 8% of the bytes (x1.08), with the shuffle about 15% (x1.18), at ~300 MB/s per core: several
+    core-seconds per GiB on the writer, slower than most disks take the bytes it saves."""
 
     writer_nice: int = 0
     """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
@@ -101,6 +111,10 @@ class CheckpointConfig:
             check_engine_name(self.engine, allow_auto=True)
         except ValueError as err:
             raise ValueError(f"CheckpointConfig.engine: {err}") from None
+        try:
+            parse_compression(self.compression)
+        except ValueError as err:
+            raise ValueError(f"CheckpointConfig.{err}") from None
         if isinstance(self.replicated, str):
             self.replicated = (self.replicated,)
         self.replicated = tuple(self.replicated)

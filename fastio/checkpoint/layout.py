@@ -3,7 +3,12 @@
 A checkpoint counts only when its directory is named ``step-N`` and holds a valid commit marker
 (``fastio-commit.json``: step, time, metrics, the engine that wrote the files, and the size and checksum
 of every other file: xxh3-128 since marker version 2, sha256 in version 1), written last with fsync
-before the rename. Anything else under DIR that looks like a step is not committed.
+before the rename. Anything else under DIR that looks like a step is not committed. A compressed checkpoint
+(:mod:`fastio.checkpoint.compress`) has a version 3 marker with ``"compression": "zstd"``, and its files are
+listed as stored (``NAME.zst``); older fastio versions refuse version 3 instead of misreading it.
+
+A restore of a compressed checkpoint decompresses into ``.step-N.restore-PID`` (hidden, marked with
+``fastio-restoring.json``), deleted when the restore ends; :func:`scan` never sees it.
 
 What may be deleted (the rules in one place):
 
@@ -11,6 +16,8 @@ What may be deleted (the rules in one place):
   fastio's own abandoned temporary (a Checkpointer only looks while it holds the directory's lock, so
   no other writer is alive): :func:`remove_abandoned` deletes it;
 - committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
+- a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
+  step, left by a killed process): :func:`remove_abandoned` deletes it;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
   match it, and a ``step-N.tmp`` without the writer's mark are left alone or moved aside by rename to
   ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be replaced
@@ -41,18 +48,24 @@ __all__ = [
     "COMMIT_FILE",
     "COMMIT_FORMAT",
     "COMMIT_VERSION",
+    "COMPRESSED_VERSION",
     "QUARANTINE_SUFFIX",
+    "READ_VERSIONS",
+    "RESTORING_FILE",
     "WRITING_FILE",
     "StepEntry",
     "apply_retention",
     "commit",
     "committed",
+    "data_files",
     "list_checkpoints",
     "quarantine",
     "read_commit",
     "remove_abandoned",
     "remove_step",
+    "restore_dir",
     "scan",
+    "start_restore_dir",
     "start_tmp",
     "step_dir",
     "tmp_dir",
@@ -66,8 +79,10 @@ __all__ = [
 COMMIT_FILE = "fastio-commit.json"
 COMMIT_FORMAT = "fastio-checkpoint"
 COMMIT_VERSION = 2
-"""Version of new commit markers. 2: files carry ``xxh3_128``; 1 (still read): ``sha256``."""
-READ_VERSIONS = (1, 2)
+"""Version of new uncompressed commit markers. 2: files carry ``xxh3_128``; 1 (still read): ``sha256``."""
+COMPRESSED_VERSION = 3
+"""Version of the markers of compressed checkpoints: as 2, plus ``"compression"`` (stored files listed)."""
+READ_VERSIONS = (1, 2, 3)
 CHECKSUM = "xxh3_128"
 """The checksum new commits record per file (see :mod:`fastio.checksum`)."""
 WRITING_FILE = "fastio-writing.json"
@@ -75,6 +90,9 @@ WRITING_FILE = "fastio-writing.json"
 QUARANTINE_SUFFIX = ".quarantined"
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 _QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
+_RESTORE_RE = re.compile(r"^\.step-(\d+)\.restore-(\d+)$")
+RESTORING_FILE = "fastio-restoring.json"
+"""The mark in a restore's private directory: proof that fastio made it."""
 _HASH_THREADS = 4
 _NOT_FILES = (COMMIT_FILE, WRITING_FILE)
 
@@ -85,6 +103,22 @@ def step_dir(root: Path, step: int) -> Path:
 
 def tmp_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step}.tmp"
+
+
+def restore_dir(root: Path, step: int, pid: int | None = None) -> Path:
+    """The private directory a restore of ``step`` decompresses into (hidden: never a step's name)."""
+    return Path(root) / f".step-{step}.restore-{os.getpid() if pid is None else pid}"
+
+
+def start_restore_dir(root: Path, step: int) -> Path:
+    """Create (empty, marked) this process's restore directory for ``step``."""
+    path = restore_dir(root, step)
+    if path.exists():  # this pid's own, from an earlier restore that could not clean up
+        shutil.rmtree(path)
+    path.mkdir()
+    (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                   "time": time.time()}))
+    return path
 
 
 @dataclass
@@ -186,6 +220,11 @@ def _files(path: Path) -> list[Path]:
                   and not p.name.endswith(".tmp"))
 
 
+def data_files(path: Path) -> list[Path]:
+    """The files of a step directory that its commit marker lists (all but fastio's marks and ``*.tmp``)."""
+    return _files(path)
+
+
 def start_tmp(root: Path, step: int) -> Path:
     """Create ``step-N.tmp`` with the writer's mark, moving an earlier one aside (or deleting it when it
     is this fastio's abandoned temporary). The caller holds the directory's lock."""
@@ -204,7 +243,8 @@ def start_tmp(root: Path, step: int) -> Path:
 
 def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[str, Any]:
     """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``
-    (an existing ``final`` is moved aside by :func:`quarantine`, not deleted)."""
+    (an existing ``final`` is moved aside by :func:`quarantine`, not deleted). ``info`` with a
+    ``"compression"`` makes a version 3 marker."""
     paths = _files(tmp)
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:  # overlaps the fsyncs' waits on the disk
         sums = list(pool.map(_hash_and_sync, paths))
@@ -213,7 +253,8 @@ def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[s
     for d in sorted({p.parent for p in paths} | {tmp}, key=lambda p: -len(p.parts)):
         fsync_dir(d)
     now = time.time()
-    data = {"format": COMMIT_FORMAT, "version": COMMIT_VERSION, "step": step, "time": now,
+    version = COMPRESSED_VERSION if info.get("compression") else COMMIT_VERSION
+    data = {"format": COMMIT_FORMAT, "version": version, "step": step, "time": now,
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "checksum": CHECKSUM,
             "bytes": sum(f["bytes"] for f in files.values()), **info, "files": files}
     atomic_write_bytes(tmp / COMMIT_FILE, json.dumps(data, indent=1, sort_keys=True).encode())
@@ -248,9 +289,15 @@ def quarantine(path: Path) -> Path:
 
 
 def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
-    """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring); returns
-    ``(deleted, left)``: ``left`` are the other uncommitted step directories, untouched."""
+    """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring): marked
+    ``step-N.tmp`` and marked ``.step-N.restore-PID``; returns ``(deleted, left)``: ``left`` are the other
+    uncommitted step directories, untouched."""
     removed, left = [], []
+    if Path(root).is_dir():
+        for child in sorted(Path(root).iterdir()):
+            if _RESTORE_RE.match(child.name) and child.is_dir() and (child / RESTORING_FILE).is_file():
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
     for entry in scan(root):
         if entry.committed:
             continue
@@ -352,8 +399,8 @@ def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
 
 
 def list_checkpoints(root: Path) -> list[dict]:
-    """One row per step directory (quarantined ones too): step, committed, bytes, engine, checksum, time, epoch,
-    metrics, problem."""
+    """One row per step directory (quarantined ones too): step, committed, bytes (as stored), engine, checksum,
+    compression, time, epoch, metrics, problem."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
@@ -373,6 +420,7 @@ def list_checkpoints(root: Path) -> list[dict]:
         rows.append({"step": e.step, "path": str(e.path), "committed": e.committed, "bytes": size,
                      "engine": c.get("engine", DEFAULT_ENGINE) if e.committed else None,
                      "checksum": c.get("checksum", "sha256") if e.committed else None,
+                     "compression": c.get("compression") if e.committed else None,
                      "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
                      "files": len(c.get("files", {})), "problem": e.problem})
     return rows

@@ -35,7 +35,8 @@ def _local_dir(directory: str) -> Path:
 @click.argument("directory")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
 def ls_cmd(directory: str, as_json: bool) -> None:
-    """List the checkpoints in DIRECTORY (either engine): step, engine, size, commit time, metrics."""
+    """List the checkpoints in DIRECTORY (either engine): step, engine (+zstd when compressed), size as stored,
+    commit time, metrics."""
     directory = _local_dir(directory)
     rows = layout.list_checkpoints(directory)
     if as_json:
@@ -44,11 +45,12 @@ def ls_cmd(directory: str, as_json: bool) -> None:
     if not rows:
         click.echo(f"{directory}: no checkpoints")
         return
-    click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<13} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
+    click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<18} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
     for r in rows:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
         state = "committed" if r["committed"] else "quarantined" if ".quarantined" in r["path"] else "incomplete"
-        click.echo(f"{r['step']:>10}  {state:<11} {r['engine'] or '-':<13} {human_bytes(r['bytes']):>10}  "
+        engine = (r["engine"] or "-") + (f"+{r['compression']}" if r.get("compression") else "")
+        click.echo(f"{r['step']:>10}  {state:<11} {engine:<18} {human_bytes(r['bytes']):>10}  "
                    f"{r['time_utc'] or '-':<20}  {metrics}")
 
 
