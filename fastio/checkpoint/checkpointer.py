@@ -457,12 +457,13 @@ class Checkpointer:
                     self._remote.after_commit(self.config.keep)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
-            self._error, self._error_step = err, step
             if self.rank == 0:
                 try:
                     layout.remove_step(tmp)
                 except OSError:
                     pass
+            # Published only after the clean-up: a caller that sees it may exit at once (this is a daemon thread).
+            self._error, self._error_step = err, step
         finally:
             self._inflight_step = None
 
