@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from stateful import StateHolder
 from torch import nn
 
 from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, slurm_job_id
@@ -211,24 +212,11 @@ def test_config_validation(bad, tmp_path):
         CheckpointConfig(dir=tmp_path, **bad)
 
 
-class Nested:
-    """Arbitrary nested state."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def test_app_key_with_a_percent_sign_round_trips(tmp_path):
     """torchsnapshot escapes '%' in manifest paths; the restore must look the key up escaped."""
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
-        ckpt.save(1, {"a%b": Nested({"t": torch.arange(3.0), "n": 5})}, blocking=True)
-    fresh = Nested({"t": torch.zeros(3), "n": 0})
+        ckpt.save(1, {"a%b": StateHolder({"t": torch.arange(3.0), "n": 5})}, blocking=True)
+    fresh = StateHolder({"t": torch.zeros(3), "n": 0})
     assert Checkpointer(tmp_path / "ck", signals=()).restore_latest({"a%b": fresh}).step == 1
     assert torch.equal(fresh.state["t"], torch.arange(3.0)) and fresh.state["n"] == 5
 

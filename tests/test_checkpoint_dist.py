@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from stateful import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
@@ -197,19 +198,6 @@ def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once
         assert got == remaining, (world, sorted((got - remaining).elements()), sorted((remaining - got).elements()))
 
 
-class Nested:
-    """Per-rank state of several shapes, for the leaf-by-leaf rebuild of elastic restore."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
-
-
 def test_engine_reads_back_nested_per_rank_state_exactly(tmp_path):
     from collections import OrderedDict
 
@@ -219,7 +207,7 @@ def test_engine_reads_back_nested_per_rank_state_exactly(tmp_path):
              "list": [1, {"a": torch.ones(2, dtype=torch.int64)}, "x"], "pair": (3, 4.5),
              "od": OrderedDict([("z", 1), ("a", [2.0])]), 7: "int key"}
     ckpt = Checkpointer(tmp_path / "ck", signals=())
-    ckpt.save(1, {"per%rank": Nested(state)}, blocking=True)
+    ckpt.save(1, {"per%rank": StateHolder(state)}, blocking=True)
     ckpt.close()
     saved = get_engine("torchsnapshot").open(tmp_path / "ck" / "step-1")
     assert saved.world_size == 1 and {"per%rank", "_fastio_rng", "_fastio_progress"} <= saved.keys(0)

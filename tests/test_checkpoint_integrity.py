@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stateful import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, checkpointer, layout
@@ -249,15 +250,6 @@ def _reseal(step: Path) -> None:
     marker.write_text(json.dumps(data))
 
 
-class Holder:
-    def __init__(self, state):
-        self.state = state
-
-    def state_dict(self):
-        return self.state
-
-    def load_state_dict(self, state):
-        self.state = state
 
 
 @pytest.mark.parametrize("where", ["torchsnapshot", "dcp-rank-file", "dcp-metadata"])
@@ -266,7 +258,7 @@ def test_untrusted_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, w
     root = tmp_path / "ck"
     engine = "torchsnapshot" if where == "torchsnapshot" else "dcp"
     with Checkpointer(root, engine=engine, signals=()) as ckpt:
-        ckpt.save(1, {"model": nn.Linear(2, 2), "extra": Holder({"nothing": None})}, blocking=True)
+        ckpt.save(1, {"model": nn.Linear(2, 2), "extra": StateHolder({"nothing": None})}, blocking=True)
     step = root / "step-1"
     if where == "torchsnapshot":
         victim = step / "0" / "extra" / "nothing"  # torchsnapshot writes None as a torch.save object file
@@ -282,7 +274,7 @@ def test_untrusted_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, w
     assert victim.is_file()
     _reseal(step)
     with pytest.raises(CheckpointError) as err:
-        Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(2, 2), "extra": Holder({})})
+        Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(2, 2), "extra": StateHolder({})})
     msg = str(err.value)
     assert msg.startswith(f"{victim}: refused to load") and "\n" not in msg, msg
     assert not SENTINEL.exists()
