@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,12 @@ def fault_proxy(moto_server):
     proxy = FaultProxy(moto_server.port, seed=11)
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """Checkpointers that are never closed would leave their flag-only handlers in the pytest process."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from stateful import StateHolder
+from helpers import StateHolder
 from torch import nn
 
 from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, slurm_job_id
@@ -40,13 +40,6 @@ def step_dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != ".fastio-lock")
 
 
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """Checkpointers that are never closed would leave their flag-only handlers in the pytest process."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 class Counter:

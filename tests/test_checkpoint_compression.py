@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import socket
 from pathlib import Path
 
@@ -29,12 +28,6 @@ def engine(request, monkeypatch) -> str:
     return chosen
 
 
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 class Counter:

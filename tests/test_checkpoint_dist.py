@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from stateful import StateHolder
+from helpers import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout

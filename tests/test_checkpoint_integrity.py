@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stateful import StateHolder
+from helpers import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, checkpointer, layout

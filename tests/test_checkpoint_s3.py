@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import signal
-
-import pytest
 import torch
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
 from fastio.storage import open_storage
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def make_app(seed: int = 0):

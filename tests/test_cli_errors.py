@@ -7,17 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from fastio.cli import main
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from helpers import run_cli
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
@@ -68,7 +58,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_convert_bad_input(case, tmp_path, image_folder, capsys):
     args, needles = CASES[case](tmp_path, image_folder)
-    code, out, err = run(["convert", *args], capsys)
+    code, out, err = run_cli(["convert", *args], capsys)
     assert_one_line_error(code, err, *needles)
     assert out == ""
     assert not (tmp_path / "out").exists()  # a rejected run leaves no DEST behind
@@ -78,23 +68,23 @@ def test_foreign_dest_needs_overwrite(tmp_path, image_folder, capsys):
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "mine.txt").write_text("x")
-    code, _, err = run(["convert", str(image_folder), str(dest)], capsys)
+    code, _, err = run_cli(["convert", str(image_folder), str(dest)], capsys)
     assert_one_line_error(code, err, f"{dest}: directory is not empty and is not fastio output", "--overwrite")
     assert (dest / "mine.txt").exists()
 
 
 def test_existing_dataset_needs_overwrite(tmp_path, image_folder, capsys):
     dest = tmp_path / "dest"
-    assert run(["convert", str(image_folder), str(dest), "-q"], capsys)[0] == 0
-    code, _, err = run(["convert", str(image_folder), str(dest)], capsys)
+    assert run_cli(["convert", str(image_folder), str(dest), "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["convert", str(image_folder), str(dest)], capsys)
     assert_one_line_error(code, err, f"{dest}: already holds a converted dataset; pass --overwrite")
-    assert run(["convert", str(image_folder), str(dest), "-q", "--overwrite"], capsys)[0] == 0
+    assert run_cli(["convert", str(image_folder), str(dest), "-q", "--overwrite"], capsys)[0] == 0
 
 
 def test_corrupt_image_with_on_error_fail(tmp_path, image_folder, capsys):
     bad = image_folder / "square" / "square_0004.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 not much of a jpeg")
-    code, _, err = run(["convert", str(image_folder), str(tmp_path / "out"), "--on-error", "fail"], capsys)
+    code, _, err = run_cli(["convert", str(image_folder), str(tmp_path / "out"), "--on-error", "fail"], capsys)
     assert_one_line_error(code, err, f"{bad}: ", "--on-error fail")
 
 
@@ -102,13 +92,13 @@ def test_every_sample_bad(tmp_path, capsys):
     src = tmp_path / "src" / "only"
     src.mkdir(parents=True)
     (src / "a.jpg").write_bytes(b"nope")
-    code, _, err = run(["convert", str(tmp_path / "src"), str(tmp_path / "out")], capsys)
+    code, _, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, "every sample was skipped", "only/a.jpg")
 
 
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_verify_and_inspect_of_non_dataset(command, tmp_path, capsys):
-    code, _, err = run([command, str(tmp_path / "missing")], capsys)
+    code, _, err = run_cli([command, str(tmp_path / "missing")], capsys)
     assert_one_line_error(code, err, f"{tmp_path / 'missing'}: no such dataset directory")
 
 
@@ -123,5 +113,5 @@ def test_real_process_prints_one_line_and_exits_2(tmp_path):
 def test_field_name_too_long_for_tar(tmp_path, image_folder, capsys):
     table = image_folder.parent / "wide.csv"
     table.write_text("path," + "c" * 120 + "\nsrc/circle/circle_0000.jpg,x\n")
-    code, _, err = run(["convert", str(table), str(tmp_path / "out")], capsys)
+    code, _, err = run_cli(["convert", str(table), str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, "src/circle/circle_0000.jpg: cannot be stored", "over 100 characters")

@@ -6,20 +6,11 @@ import json
 import os
 
 import pytest
+from helpers import run_cli
 from s3server import ACCESS_KEY, REGION, SECRET_KEY
 
 from fastio import Loader
-from fastio.cli import main
 from fastio.storage import open_storage
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
@@ -39,24 +30,24 @@ def aws_env(monkeypatch, moto_server, tmp_path):
 def test_convert_verify_inspect_load_on_s3(aws_env, s3_bucket, image_folder, tmp_path, capsys, monkeypatch):
     url = f"s3://{s3_bucket}/imagenet"
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q",
+    code, out, err = run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q",
                           "--staging-dir", str(tmp_path / "staging")], capsys)
     assert code == 0, err
     assert not (tmp_path / "s3:").exists() and list((tmp_path / "staging").iterdir()) == []
     keys = [o.key for o in open_storage(url).list()]
     assert keys == [".fastio-output", "manifest.json", "samples.fxi"] + [f"shards/shard-{i:06d}.{e}" for i in range(3)
                                                           for e in ("idx", "tar")]
-    code, out, err = run(["verify", url, "--decode"], capsys)
+    code, out, err = run_cli(["verify", url, "--decode"], capsys)
     assert code == 0 and out.strip() == f"ok: {url}: 3 shards, 48 samples verified, 48 images decoded", err
-    code, out, err = run(["inspect", url, "--json"], capsys)
+    code, out, err = run_cli(["inspect", url, "--json"], capsys)
     info = json.loads(out)
     assert code == 0 and info["path"] == url and info["samples"] == 48 and len(info["classes"]) == 4
     with Loader(url, batch_size=16, device="cpu", image_size=32) as loader:
         assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(48))
     # the same DEST again: refused without --overwrite, replaced with it
-    code, _, err = run(["convert", str(image_folder), url, "-q"], capsys)
+    code, _, err = run_cli(["convert", str(image_folder), url, "-q"], capsys)
     assert code == 2 and f"fastio: error: {url}: already holds a converted dataset; pass --overwrite" in err
-    code, _, err = run(["convert", str(image_folder), url, "-q", "--overwrite", "--max-samples-per-shard", "24"],
+    code, _, err = run_cli(["convert", str(image_folder), url, "-q", "--overwrite", "--max-samples-per-shard", "24"],
                        capsys)
     assert code == 0, err
     assert [o.key for o in open_storage(url).list("shards/")] == [f"shards/shard-{i:06d}.{e}" for i in range(2)
@@ -65,13 +56,13 @@ def test_convert_verify_inspect_load_on_s3(aws_env, s3_bucket, image_folder, tmp
 
 def test_verify_names_a_damaged_object(aws_env, s3_bucket, image_folder, capsys):
     url = f"s3://{s3_bucket}/ds"
-    assert run(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
+    assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
     st = open_storage(url)
     data = bytearray(st.get("shards/shard-000001.tar"))
     data[-1] ^= 1
     st.put_bytes("shards/shard-000001.tar", bytes(data))
     st.delete("shards/shard-000002.idx")
-    code, out, err = run(["verify", url], capsys)
+    code, out, err = run_cli(["verify", url], capsys)
     assert code == 1, err
     assert "shard-000001.tar: sha256 does not match the manifest" in out
     assert "shard-000002.tar: index shard-000002.idx is missing" in out
@@ -79,13 +70,13 @@ def test_verify_names_a_damaged_object(aws_env, s3_bucket, image_folder, capsys)
 
 def test_split_dest_on_s3(aws_env, s3_bucket, image_folder, capsys):
     url = f"s3://{s3_bucket}/split"
-    code, _, err = run(["convert", str(image_folder), url, "--split", "val=0.25", "-q"], capsys)
+    code, _, err = run_cli(["convert", str(image_folder), url, "--split", "val=0.25", "-q"], capsys)
     assert code == 0, err
     keys = [o.key for o in open_storage(url).list()]
     assert "splits.json" in keys and "train/manifest.json" in keys and "val/manifest.json" in keys
-    code, out, err = run(["inspect", url, "--json"], capsys)
+    code, out, err = run_cli(["inspect", url, "--json"], capsys)
     assert code == 0 and sorted(json.loads(out)["splits"]) == ["train", "val"], err
-    assert run(["verify", url], capsys)[0] == 0
+    assert run_cli(["verify", url], capsys)[0] == 0
     with Loader(f"{url}/val", batch_size=4, device="cpu", image_size=32) as loader:
         assert len(loader) == 3
 
@@ -94,22 +85,22 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     monkeypatch.chdir(tmp_path)
     for dest, needle in [("gs://bucket/x", "gs://bucket/x: unsupported URL scheme 'gs'"),
                          ("s3:/bucket/x", "s3:/bucket/x: an S3 URL is s3://bucket/prefix")]:
-        code, _, err = run(["convert", str(image_folder), dest, "-q"], capsys)
+        code, _, err = run_cli(["convert", str(image_folder), dest, "-q"], capsys)
         assert code == 2 and err.startswith("fastio: error: ") and needle in err, err
     assert not any(":" in p.name for p in tmp_path.rglob("*"))  # no local folder named after a URL scheme
     open_storage(f"s3://{s3_bucket}/mine").put_bytes("notes.txt", b"precious")
-    code, _, err = run(["convert", str(image_folder), f"s3://{s3_bucket}/mine", "-q"], capsys)
+    code, _, err = run_cli(["convert", str(image_folder), f"s3://{s3_bucket}/mine", "-q"], capsys)
     assert code == 2 and "prefix is not empty and is not fastio output" in err
     assert open_storage(f"s3://{s3_bucket}/mine").get("notes.txt") == b"precious"
-    code, _, err = run(["verify", f"s3://{s3_bucket}/nothing"], capsys)
+    code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)
     assert code == 2 and f"s3://{s3_bucket}/nothing: not a fastio dataset" in err
-    code, _, err = run(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
+    code, _, err = run_cli(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"s3://{s3_bucket}/nothing" in err and "Traceback" not in err
 
 
 def test_ckpt_commands_refuse_urls_by_name(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for cmd in ("ls", "verify"):
-        code, _, err = run(["ckpt", cmd, "s3://bucket/runs/ckpt"], capsys)
+        code, _, err = run_cli(["ckpt", cmd, "s3://bucket/runs/ckpt"], capsys)
         assert code == 2 and "s3://bucket/runs/ckpt: fastio ckpt reads local checkpoint directories" in err
     assert list(tmp_path.iterdir()) == []
