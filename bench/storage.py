@@ -8,7 +8,7 @@ decode, so that the storage tier is what is measured):
 - ``webdataset cold`` / ``webdataset warm``: ``webdataset.WebDataset`` over presigned ``http://`` URLs of the
   same shards with its own ``cache_dir=`` (downloads with ``curl``), epochs 1 and 2;
 - ``local``: fastio's Loader on the same shards on local disk (page cache warm): the warm epoch's target
-  (warm epochs of both are interleaved, three of each per repeat);
+  (warm epochs of both are interleaved: three figures of each per repeat, each timing three consecutive epochs);
 - ``stall``: the Loader's stall fraction over a cold epoch with a simulated training step per batch (as long
   as a batch takes to arrive in the cold epoch), with read-ahead (4 shards, the default batch read-ahead) and
   without any (shards fetched and batches read on demand), and on local disk; the first window of shards is
@@ -42,6 +42,7 @@ __all__ = ["run"]
 BATCH = 64
 BUCKET = "fastio-bench"
 THREADS = 8
+WARM_EPOCHS = 3
 
 
 def _s3server():
@@ -84,10 +85,12 @@ def _stall_epoch(loader, step_s: float) -> tuple[float, float]:
     return loader.stats()["last_epoch"]["stall_fraction"], steady
 
 
-def _epoch(loader) -> tuple[int, float]:
+def _epoch(loader, epochs: int = 1) -> tuple[int, float]:
+    """(samples, seconds) of ``epochs`` consecutive epochs."""
     n, t = 0, time.perf_counter()
-    for batch in loader:
-        n += int((~batch["padded"]).sum())
+    for _ in range(epochs):
+        for batch in loader:
+            n += int((~batch["padded"]).sum())
     return n, time.perf_counter() - t
 
 
@@ -149,12 +152,13 @@ def run(workdir: Path, repeats: int = 3, samples: int = 2400, results_dir: Path 
             with _loader(url, cache, options) as loader:
                 n, cold = _epoch(loader)
                 figures["fastio_cold"].append(n / cold)
-                # warm epochs of the cached dataset and of the local one, interleaved (a shared machine drifts)
+                # warm epochs of the cached dataset and of the local one, interleaved (a shared machine drifts),
+                # timed WARM_EPOCHS at a time (one epoch is a tenth of a second: too short to time alone)
                 warm, near = [], []
                 for _ in range(3):
-                    n, seconds = _epoch(loader)
+                    n, seconds = _epoch(loader, WARM_EPOCHS)
                     warm.append(n / seconds)
-                    n, seconds = _epoch(local)
+                    n, seconds = _epoch(local, WARM_EPOCHS)
                     near.append(n / seconds)
             figures["fastio_warm"].append(statistics.median(warm))
             figures["local"].append(statistics.median(near))

@@ -5,8 +5,9 @@ through the following epochs by itself (the plan of epoch ``e + 1`` follows the 
 ``e``), so that one DALI pipeline serves the Loader's whole life and the first batches of the next
 epoch are read and decoded while the training loop finishes the current one. Each call takes the
 stream's next batch, waits for its bytes (read in the reader's threads, ``read_ahead`` batches ahead)
-and returns :func:`fastio.pipeline.graph_inputs`. It keeps what it fed, oldest first, until the Loader
-takes it (:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
+and returns :func:`fastio.pipeline.graph_inputs`. It keeps what it fed, with the arrays it handed over
+(the graph reads them in place, without a copy), oldest first, until the Loader takes it
+(:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
 arguments and knows nothing of the Loader.
 """
 
@@ -54,12 +55,22 @@ class _Slot:
     padded: np.ndarray
 
 
+@dataclass(frozen=True)
+class _InGraph:
+    """A batch handed to the graph, with the very arrays handed over: DALI reads them in place
+    (``no_copy``), so they are kept until the batch's outputs come back."""
+
+    fed: Fed
+    inputs: tuple
+
+
 class Feeder:
     """The ``source`` of :func:`fastio.pipeline.build_pipeline`: the batches from ``(epoch, start)`` on.
 
     Args:
         reader: reads the bytes of each batch (its thread pool does the reading ahead).
-        plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``).
+        plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
+            batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
         spec: the graph being fed.
         seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
         read_ahead: batches whose reads are started ahead of the one being fed.
@@ -72,13 +83,13 @@ class Feeder:
         self.seed, self.read_ahead = seed, read_ahead
         self._positions = self._walk(epoch, start)
         self._slots: deque[_Slot] = deque()
-        self._fed: deque[Fed] = deque()
+        self._fed: deque[_InGraph] = deque()
 
-    def _walk(self, epoch: int, start: int) -> Iterator[tuple[EpochPlan, int]]:
+    def _walk(self, epoch: int, start: int) -> Iterator[tuple[EpochPlan, int, np.ndarray, np.ndarray]]:
         empty_epochs = 0
         while True:
             plan = self.plans(epoch, start)
-            yield from ((plan, g) for g in range(len(plan)))
+            yield from ((plan, g, *batch) for g, batch in enumerate(plan.iter_batches()))
             empty_epochs = 0 if len(plan) else empty_epochs + 1
             if empty_epochs > 1:  # two epochs in a row without a batch: a whole epoch has none
                 return
@@ -88,10 +99,9 @@ class Feeder:
         """Make sure the reads of the next ``read_ahead + 1`` batches have started."""
         while len(self._slots) <= self.read_ahead:
             try:
-                plan, g = next(self._positions)
+                plan, g, indices, padded = next(self._positions)
             except StopIteration:
                 return
-            indices, padded = plan.batch(g)
             self._slots.append(_Slot(plan, g, self.reader.submit(indices), padded))
 
     def take(self) -> Fed:
@@ -107,14 +117,15 @@ class Feeder:
 
     def __call__(self) -> tuple:
         fed = self.take()
-        self._fed.append(fed)
-        return graph_inputs(self.spec, fed.batch, seed=self.seed, epoch=fed.epoch)
+        inputs = graph_inputs(self.spec, fed.batch, seed=self.seed, epoch=fed.epoch)
+        self._fed.append(_InGraph(fed, inputs))
+        return inputs
 
     def next_position(self) -> tuple[int, int] | None:
         """``(epoch, start)`` of the batch the consumer gets next: the oldest fed one, else the next to
         feed; None when the stream has ended."""
         if self._fed:
-            return self._fed[0].epoch, self._fed[0].start
+            return self._fed[0].fed.epoch, self._fed[0].fed.start
         self.start()
         if not self._slots:
             return None
@@ -122,12 +133,13 @@ class Feeder:
         return plan.epoch, plan.start if g == 0 else plan.consumed_after(g - 1)
 
     def delivered(self) -> Fed:
-        """The oldest batch fed to the graph and not yet taken: the one its next output belongs to."""
-        return self._fed.popleft()
+        """The oldest batch fed to the graph and not yet taken: the one its next output belongs to (its
+        inputs are let go: the graph is done with them once it returned that output)."""
+        return self._fed.popleft().fed
 
     def in_flight(self) -> list[Fed]:
         """Batches fed to the graph and not yet taken, oldest first."""
-        return list(self._fed)
+        return [f.fed for f in self._fed]
 
     def cancel(self) -> None:
         """Cancel the reads not started yet (running ones finish in the reader's threads)."""

@@ -2,13 +2,17 @@
 not negative), stored in a sample as ASCII decimal text (the ``cls`` field).
 
 The converters check labels with :func:`check_label` before anything is written; the Loader parses them
-back with :func:`parse_label`. Both raise ``ValueError`` with a reason that names the value, not the
-sample: the caller adds the table line, file, shard or key.
+back with :func:`parse_label` (:func:`parse_labels` for a batch). They raise ``ValueError`` with a reason
+that names the value, not the sample: the caller adds the table line, file, shard or key.
 """
 
 from __future__ import annotations
 
-__all__ = ["LABEL_MAX", "check_label", "label_bytes", "parse_label"]
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["LABEL_MAX", "check_label", "label_bytes", "parse_label", "parse_labels"]
 
 LABEL_MAX = 2**63 - 1  # int64
 
@@ -45,3 +49,13 @@ def label_bytes(value: int | str | bytes) -> bytes:
 def parse_label(data: bytes) -> int:
     """The label stored as ``data``; ValueError saying why it is not one."""
     return check_label(bytes(data))
+
+
+def parse_labels(values: Sequence[bytes | np.ndarray]) -> np.ndarray:
+    """The labels stored as ``values`` (one batch), as int64; ``ValueError`` for the first that is not one.
+    The text fastio writes (1 to 18 ASCII digits, which always fits int64) is parsed in one pass; anything
+    else goes through :func:`parse_label` one by one."""
+    texts = [bytes(v) for v in values]
+    if texts and all(0 < len(t) < 19 for t in texts) and b"".join(texts).isdigit():
+        return np.array([int(t) for t in texts], dtype=np.int64)
+    return np.array([parse_label(t) for t in texts], dtype=np.int64)

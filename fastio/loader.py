@@ -30,7 +30,7 @@ from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.feeder import Fed, Feeder
 from fastio.images import is_image_field
 from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpec, build_pipeline, decodable
-from fastio.reader import Reader, parse_label, sample_where
+from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
 
@@ -386,8 +386,8 @@ class Loader:
     def _coming_batches(self, epoch: int, consumed: int) -> Iterator[np.ndarray]:
         """This rank's batches (dataset-wide indices) from ``(epoch, consumed)`` to the end of the next epoch."""
         for plan in (self._sampler.plan(epoch, consumed), self._sampler.plan(epoch + 1, 0)):
-            for g in range(len(plan)):
-                yield plan.batch(g)[0]
+            for indices, _ in plan.iter_batches():
+                yield indices
 
     def _raw_batch(self, fed: Fed) -> dict[str, Any]:
         batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}
@@ -400,8 +400,8 @@ class Loader:
 
     def _labels(self, fed: Fed) -> torch.Tensor:
         f = self.dataset.label_field
-        labels = [parse_label(self.dataset, f, i, b) for i, b in zip(fed.indices.tolist(), fed.batch.fields[f])]
-        return torch.tensor(labels, dtype=torch.int64, device=self.torch_device)
+        labels = torch.from_numpy(parse_labels(self.dataset, f, fed.indices, fed.batch.fields[f]))
+        return labels if self.device == "cpu" else labels.to(self.torch_device)
 
     def _to_torch(self, names: tuple[str, ...], outputs, fed: Fed) -> dict[str, Any]:
         out = dict(zip(names, outputs))

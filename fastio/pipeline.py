@@ -130,7 +130,8 @@ def graph_inputs(spec: GraphSpec, batch: ReadBatch, *, seed: int, epoch: int) ->
 def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_threads: int, device: str,
                    device_id: int | None, prefetch: int, seed: int = 0) -> BuiltPipeline:
     """Build the graph, fed by ``source`` (a callable returning :func:`graph_inputs`; it is called for as
-    long as the pipeline runs, across epochs).
+    long as the pipeline runs, across epochs). The graph reads what ``source`` returns without copying it:
+    the source must keep those arrays alive and unchanged until the outputs of that batch are returned.
 
     Outputs: ``("image", "index")`` for ``image-*``; ``("index", *names)`` for a callable, with the names
     of the dict it returns (``"image"`` when it returns one node). ``raw`` has no graph.
@@ -145,7 +146,9 @@ def build_pipeline(spec: GraphSpec, source: Callable, *, batch_size: int, num_th
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                   prefetch_queue_depth=prefetch, seed=seed)
     def graph():
-        nodes = fn.external_source(source=source, num_outputs=len(names), batch=True,
+        # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
+        # batch's outputs are returned (fastio.feeder.Feeder does), which is what DALI requires.
+        nodes = fn.external_source(source=source, num_outputs=len(names), batch=True, no_copy=True,
                                    dtype=[_INPUT_DTYPES.get(n, types.UINT8) for n in names])
         inp = dict(zip(names, nodes))
         index = inp["index"]

@@ -29,8 +29,9 @@ from fastio.dataset import Dataset, Rows
 from fastio.errors import DatasetError
 from fastio.images import image_size
 from fastio.labels import parse_label as _parse_label_bytes
+from fastio.labels import parse_labels as _parse_labels_bytes
 
-__all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "sample_where"]
+__all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "parse_labels", "sample_where"]
 
 
 class ShardFiles(Protocol):
@@ -58,6 +59,16 @@ def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -
     except ValueError as err:
         raise DatasetError(f"{sample_where(ds, index)}: field {field!r} is not an integer label: {text[:32]!r} "
                            f"({err})") from None
+
+
+def parse_labels(ds: Dataset, field: str, indices: np.ndarray, values: Sequence[np.ndarray | bytes]) -> np.ndarray:
+    """:func:`parse_label` for a batch (``values[j]`` is sample ``indices[j]``), as int64."""
+    try:
+        return _parse_labels_bytes(values)
+    except ValueError:
+        for i, data in zip(indices.tolist(), values):
+            parse_label(ds, field, i, data)  # raises, naming the sample
+        raise
 
 
 class ReadBatch:
@@ -281,23 +292,24 @@ class Reader:
 
     def _check_unchanged(self, shard_index: int) -> None:
         """DatasetError if the shard's file changed or was replaced since it was opened."""
-        shard = self.ds.shards[shard_index]
         fd, seen = self._fds.get(shard_index), self._fds.identity.get(shard_index)
         if fd is None or seen is None:
             return
         try:
-            now = (_identity(os.fstat(fd)), _identity(os.stat(shard.path)))
+            now = (_identity(os.fstat(fd)), _identity(os.stat(self._fds.paths[shard_index])))
         except OSError as err:
-            raise DatasetError(f"{self.ds.root}: shard {shard.name} vanished while being read ({err.strerror})") \
-                from None
+            raise DatasetError(f"{self.ds.root}: shard {self.ds.shards[shard_index].name} vanished while being read "
+                               f"({err.strerror})") from None
         if now != (seen, seen):
+            shard = self.ds.shards[shard_index]
             raise DatasetError(f"{self.ds.root}: shard {shard.name} was replaced or modified while being read "
                                "(inode, size or mtime changed since it was opened); restart to read the new file")
 
     def _open(self, shard_index: int) -> int:
         shard = self.ds.shards[shard_index]
+        path = str(shard.path)
         try:
-            fd = os.open(shard.path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except OSError as err:
             raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be opened: {err.strerror}") from None
         st = os.fstat(fd)
@@ -305,6 +317,7 @@ class Reader:
             os.close(fd)
             raise DatasetError(f"{self.ds.root}: shard {shard.name} is {st.st_size} bytes, manifest says {shard.bytes}")
         self._fds.identity[shard_index] = _identity(st)
+        self._fds.paths[shard_index] = path
         if not self.verify:
             return fd
         try:
@@ -326,6 +339,7 @@ class _Descriptors:
         self._fds: dict[int, int] = {}
         self._opening: dict[int, threading.Lock] = {}
         self.identity: dict[int, tuple[int, int, int, int]] = {}  # (dev, inode, size, mtime) at open
+        self.paths: dict[int, str] = {}  # the path opened
         self._lock = threading.Lock()  # guards the two dicts and `closed`, never held during I/O
         self.closed = False
 

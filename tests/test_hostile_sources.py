@@ -387,3 +387,14 @@ def test_inputs_that_are_not_samples_do_not_fail_a_strict_run(tmp_path, image_fo
     result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "out", on_error="fail", workers=1))
     assert result.samples == 48
     assert skipped_of(tmp_path / "out") == {"README.txt": "not inside a class folder", "circle/.DS_Store": "hidden"}
+
+
+def test_parse_labels_fast_path_agrees_with_the_rule():
+    from fastio.labels import parse_labels
+
+    good = [b"0", b"7", np.frombuffer(b"123", np.uint8), b"9" * 18, str(LABEL_MAX).encode(), b" 12\n", b"+3"]
+    assert parse_labels(good).tolist() == [check_label(bytes(v)) for v in good]
+    assert parse_labels([b"4", b"5"]).dtype == np.int64 and parse_labels([]).tolist() == []
+    for bad in ([b"1", b""], [b"1_0"], [b"-1"], [str(LABEL_MAX + 1).encode()], [b"9" * 40], [b"\xd9\xa3"]):
+        with pytest.raises(ValueError):
+            parse_labels(bad)

@@ -105,3 +105,18 @@ def test_partial_remainder_splits_the_last_batch_evenly():
     tiny = _plans(4, 3, start=56, remainder="partial")
     sizes = [(len(i), int(m.sum())) for i, m in (p.batch(0) for p in tiny)]
     assert sizes == [(1, 0), (1, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("remainder,drop_last", [("pad", False), ("partial", False), ("pad", True)])
+@pytest.mark.parametrize("world,start", [(1, 0), (3, 0), (3, 7), (5, 40)])
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64])
+def test_iter_batches_gives_batch_g_for_every_g(remainder, drop_last, world, start, chunk):
+    for plan in _plans(4, world, start, drop_last, remainder):
+        for first in (0, len(plan) // 2):
+            got = list(plan.iter_batches(first, chunk))
+            assert len(got) == len(plan) - first
+            for g, (indices, padded) in enumerate(got, first):
+                want_i, want_p = plan.batch(g)
+                assert np.array_equal(indices, want_i) and np.array_equal(padded, want_p)
+    with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
+        next(_plans(4, 1)[0].iter_batches(0, 0))
