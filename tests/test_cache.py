@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -326,3 +327,34 @@ def test_a_large_shard_is_filled_with_parallel_ranged_gets(moto_server, s3_bucke
     with pytest.raises(StorageError, match=r"shard big.tar does not match the manifest after 2 downloads"):
         cache.fill(store, bad)
     assert not list(cache.objects.glob("*.tmp"))
+
+
+def test_a_released_shard_is_kept_open_briefly_then_evictable_by_another_process(moto_server, s3_bucket,
+                                                                                   small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)
+    cache = ShardCache(tmp_path / "cache", 10**9)
+    files = CachedShardFiles(cache, storage, entries, depth=0, keep_open_s=0.3)
+    fd = files.acquire(0)
+    files.release(0)
+    assert files.acquire(0) == fd and files.stats.hits == 1  # the same descriptor, not reopened
+    files.release(0)
+    path = cache.path(entries[0].sha256)
+    # still held: an evictor (the exclusive flock another process would take) cannot have it yet ...
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        deadline = time.monotonic() + 5
+        while True:  # ... until the timer lets it go
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, "the idle shard was never released"
+                time.sleep(0.05)
+    finally:
+        os.close(probe)
+    files.close()

@@ -15,12 +15,13 @@ Rules:
 - **Fill**: under the shard's fill lock (so each shard is downloaded once per node), into the ``.tmp`` name,
   checked against the manifest's sha256, fsynced, then renamed. A mismatch is downloaded once more, then raised
   naming the shard and the URL.
-- **In use**: a process reading a shard holds a shared ``flock`` on it; eviction takes an exclusive one without
+- **In use**: a process reading a shard holds a shared ``flock`` on it (kept for half a second after its last
+  read, so that consecutive batches do not reopen it); eviction takes an exclusive one without
   waiting and skips the shard when it cannot. The kernel drops every lock when its process dies (even SIGKILL),
   so there are no stale locks; a dead filler's ``.tmp`` is removed by the next scan (its fill lock is free).
-- **Bound**: before a fill, the least recently used entries (by mtime, refreshed on every use) not in use are
-  deleted until the new shard fits in ``cache_size``. Only ``objects/<sha256>.tar`` and ``.tmp`` names are ever
-  deleted: files the cache did not make are never touched.
+- **Bound**: before a fill, the least recently used entries (by mtime, refreshed on every open and at least
+  every 10 s of use) not in use are deleted until the new shard fits in ``cache_size``. Only
+  ``objects/<sha256>.tar`` and ``.tmp`` names are ever deleted: files the cache did not make are never touched.
 - **No torn reads**: a reader opens, locks, then checks that the file is still linked; an entry evicted in
   between is filled again.
 """
@@ -35,6 +36,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -54,6 +56,7 @@ META_DIR = "meta"
 _OWN_NAMES = {CACHE_MARKER, OBJECTS_DIR, META_DIR, ".evict.lock"}
 _ENTRY = re.compile(r"[0-9a-f]{64}\.tar")
 _TMP = re.compile(r"\.([0-9a-f]{64})\.tar\.tmp")
+_TOUCH_S = 10.0  # a shard kept open across batches has its mtime (LRU age) refreshed at most this often
 
 
 def default_cache_dir() -> Path:
@@ -310,15 +313,25 @@ class CachedShardFiles:
     ``acquire(i)`` returns a read-only descriptor of shard ``i`` (filled first if absent) and keeps it in use
     until the matching ``release(i)``; ``read_ahead(order)`` fills shards in the order they will be wanted,
     ``depth`` shards ahead of the furthest one acquired so far.
+
+    A released shard stays open (and in use) for ``keep_open_s`` more, at most ``max_idle`` of them, so
+    that the next batches of the same shards skip the open, lock and checks; a fill of this process closes
+    them first, and a timer closes them after ``keep_open_s``, so other processes can evict them then.
     """
 
     def __init__(self, cache: ShardCache, storage: Storage, entries: list[CacheEntry], *, depth: int = 2,
-                 threads: int = 2):
+                 threads: int = 2, keep_open_s: float = 0.5, max_idle: int = 8):
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
+        if keep_open_s < 0 or max_idle < 0:
+            raise ValueError(f"keep_open_s and max_idle must be >= 0, got {keep_open_s} and {max_idle}")
         self.cache, self.storage, self.entries, self.depth = cache, storage, entries, depth
+        self.keep_open_s, self.max_idle = keep_open_s, max_idle
         self.stats = FillStats()
         self._open: dict[int, list[int]] = {}  # shard -> [fd, holders]
+        self._idle: OrderedDict[int, tuple[int, float]] = OrderedDict()  # released, still open: (fd, when)
+        self._touched: dict[int, float] = {}  # when the shard's mtime (its LRU age) was last refreshed
+        self._sweeper: threading.Timer | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="fastio-fill") if depth else None
@@ -336,6 +349,16 @@ class CachedShardFiles:
                 held[1] += 1
                 self._note(i)
                 return held[0]
+            idle = self._idle.pop(i, None)
+            if idle is not None:  # still open and locked since its release: it cannot have been evicted
+                self._open[i] = [idle[0], 1]
+                self.stats.hits += 1
+                self._note(i)
+                fd = idle[0]
+                if time.monotonic() - self._touched.get(i, 0.0) > _TOUCH_S:
+                    self._touched[i] = time.monotonic()
+                    os.utime(fd)
+                return fd
         fd = self._open_entry(i)
         with self._lock:
             held = self._open.get(i)
@@ -353,7 +376,36 @@ class CachedShardFiles:
             held[1] -= 1
             if held[1] == 0:
                 del self._open[i]
-                os.close(held[0])  # drops the shared lock: the shard may be evicted now
+                if self._closed or not self.max_idle or not self.keep_open_s:
+                    os.close(held[0])  # drops the shared lock: the shard may be evicted now
+                    return
+                self._idle[i] = (held[0], time.monotonic())
+                self._close_idle(keep=self.max_idle)
+                if self._sweeper is None:
+                    self._sweeper = threading.Timer(self.keep_open_s, self._sweep)
+                    self._sweeper.daemon = True
+                    self._sweeper.start()
+
+    def _close_idle(self, keep: int = 0, older_than: float | None = None) -> None:  # under self._lock
+        """Close released shards (their shared lock goes with the descriptor), oldest first, down to ``keep``;
+        with ``older_than``, also every one released before that time."""
+        while self._idle:
+            i, (fd, when) = next(iter(self._idle.items()))
+            if len(self._idle) <= keep and (older_than is None or when > older_than):
+                break
+            del self._idle[i]
+            os.close(fd)
+
+    def _sweep(self) -> None:
+        with self._lock:
+            self._sweeper = None
+            if self._closed:
+                return
+            self._close_idle(keep=self.max_idle, older_than=time.monotonic() - self.keep_open_s)
+            if self._idle:
+                self._sweeper = threading.Timer(self.keep_open_s, self._sweep)
+                self._sweeper.daemon = True
+                self._sweeper.start()
 
     def _note(self, i: int) -> None:  # under self._lock
         pos = self._pos.get(i)
@@ -368,6 +420,8 @@ class CachedShardFiles:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
+                with self._lock:  # room may be needed: let go of what this process keeps open idly
+                    self._close_idle()
                 t = time.perf_counter()
                 if self.cache.fill(self.storage, entry):
                     self.stats.bytes_downloaded += entry.size
@@ -381,6 +435,7 @@ class CachedShardFiles:
                 os.close(fd)
                 continue
             os.utime(fd)  # most recently used
+            self._touched[i] = time.monotonic()
             if not filled:
                 self.stats.hits += 1
             return fd
@@ -441,5 +496,9 @@ class CachedShardFiles:
             for fd, _ in self._open.values():
                 os.close(fd)
             self._open.clear()
+            self._close_idle()
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                self._sweeper = None
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
