@@ -15,7 +15,8 @@ horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..6
 
 Runs are interleaved and rotated (A B C D, B C D A, ...); each figure is the median samples/s, next
 to the median CPU time per sample (this process, all its threads, and its reaped children), which is far
-less sensitive than wall time to other load on a shared machine.
+less sensitive than wall time to other load on a shared machine. For fastio and DALI that CPU time is also
+split by thread group (DALI's worker threads, its other threads, the Python threads): where each spends it.
 
 Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the first batch of a fresh
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
@@ -71,11 +72,40 @@ def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
 
 # -- contenders: each returns (samples delivered, seconds) for one epoch -------------------------------
 
-def _fastio(dest: Path, device: str) -> tuple[int, float]:
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of every live thread of this process: ``{tid: (group, seconds)}``, the group from the
+    thread's name: ``dali_workers`` (DALI's thread pool, where decoding and augmentation run), ``dali_other``
+    (its executor, reader and input threads) or ``python`` (the interpreter's threads: the training loop,
+    the DALI input callback, fastio's reader threads)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        group = ("dali_workers" if comm.startswith("[DALI][TP") else
+                 "dali_other" if comm.startswith("[DALI]") or comm == "PrefetchWorker" else "python")
+        out[int(tid)] = (group, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _cpu_by_group(before: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread group since ``before`` (threads alive now; call it before the pipeline goes)."""
+    by: dict[str, float] = {}
+    for tid, (group, seconds) in _thread_cpu().items():
+        by[group] = by.get(group, 0.0) + seconds - before.get(tid, (group, 0.0))[1]
+    return by
+
+
+def _fastio(dest: Path, device: str, threads: dict | None = None) -> tuple[int, float]:
     import torch
 
     from fastio import Loader
 
+    before = _thread_cpu()
     t = time.perf_counter()
     loader = Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0)
     n = 0
@@ -84,6 +114,8 @@ def _fastio(dest: Path, device: str) -> tuple[int, float]:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
+    if threads is not None:
+        threads.update(_cpu_by_group(before))
     loader.close()
     return n, seconds
 
@@ -194,7 +226,8 @@ def _dali_pipe(dest: Path, device: str, threads: int):
     return pipe
 
 
-def _dali(dest: Path, device: str, threads: int) -> tuple[int, float]:
+def _dali(dest: Path, device: str, threads: int, by_thread: dict | None = None) -> tuple[int, float]:
+    before = _thread_cpu()
     t = time.perf_counter()
     pipe = _dali_pipe(dest, device, threads)
     total = pipe.epoch_size("reader")
@@ -203,6 +236,8 @@ def _dali(dest: Path, device: str, threads: int) -> tuple[int, float]:
         img, _ = pipe.run()
         n += len(_to_torch(img, device, pipe))  # what DALIGenericIterator does for a training loop
     seconds = time.perf_counter() - t
+    if by_thread is not None:
+        by_thread.update(_cpu_by_group(before))
     del pipe
     return min(n, total), seconds
 
@@ -301,10 +336,12 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
     (None: write nothing) and return the result dict."""
     cores = os.cpu_count() or 1
     dest = make_shards(Path(workdir), samples, shards=max(8, 2 * cores))  # every DataLoader worker gets shards
+    by_thread: dict[str, dict[str, list[float]]] = {"fastio": {}, "dali": {}}
+    last: dict[str, dict[str, float]] = {"fastio": {}, "dali": {}}
     contenders = {
-        "fastio": lambda: _fastio(dest, device),
+        "fastio": lambda: _fastio(dest, device, last["fastio"]),
         "dataloader": lambda: _dataloader(dest, cores, device),
-        "dali": lambda: _dali(dest, device, cores),
+        "dali": lambda: _dali(dest, device, cores, last["dali"]),
         "ceiling": lambda: _ceiling(dest),
     }
     scale = {"ceiling": cores}  # the ceiling is one core's loop; `cores` of them run side by side
@@ -325,6 +362,8 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
             n, seconds = contenders[name]()
             cpu[name].append(1000 * (_cpu_seconds() - before) / n)
             runs[name].append(scale.get(name, 1) * n / seconds)
+            for group, secs in last.get(name, {}).items():  # where that CPU went, by thread group
+                by_thread[name].setdefault(group, []).append(1000 * secs / n)
             print(f"  {name:<11} {runs[name][-1]:9.1f} samples/s  {cpu[name][-1]:6.2f} CPU ms/sample",
                   file=sys.stderr, flush=True)
         for name, f in firsts.items():
@@ -340,6 +379,9 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         # CPU time (this process and its reaped children) per delivered sample: the efficiency figure,
         # much less sensitive than wall time to other load on a shared machine.
         "cpu_ms_per_sample": {k: statistics.median(v) for k, v in cpu.items()},
+        # the same, split by thread group (see _thread_cpu), up to the end of the epoch
+        "cpu_ms_per_sample_by_thread": {k: {g: statistics.median(v) for g, v in groups.items()}
+                                        for k, groups in by_thread.items()},
         "first_batch_s": first_s, "first_batch_runs": first, "steady_rss_mib": rss,
         "ratios": [
             {"name": f"loader {device} samples/s vs DataLoader+WebDataset", "better": "higher", "target": 1.3,
@@ -375,6 +417,8 @@ def table(result: dict) -> str:
              f"{'contender':<12}{'samples/s':>12}{'fastio x':>10}{'CPU ms/sample':>15}"]
     for name, v in sps.items():
         lines.append(f"{name:<12}{v:12.1f}{sps['fastio'] / v:10.2f}{cpu[name]:15.2f}")
+    for name, groups in result.get("cpu_ms_per_sample_by_thread", {}).items():
+        lines.append(f"{name} CPU ms/sample by thread: " + ", ".join(f"{g} {v:.3f}" for g, v in sorted(groups.items())))
     first = result.get("first_batch_s", {})
     if first:
         lines.append("first batch: " + ", ".join(f"{k} {v:.3f} s" for k, v in first.items()))
