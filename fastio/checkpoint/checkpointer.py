@@ -11,7 +11,8 @@ collectives go over a gloo group of their own, so they never interleave with the
 The Checkpointer talks to the engine only through :class:`~fastio.checkpoint.engines.base.Engine`.
 
 One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from construction to
-``close`` (a second job is refused; the kernel drops the lock of a dead job). A restore checks every file
+``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
+prefix's lease (:mod:`fastio.checkpoint.remote`). A restore checks every file
 of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
 back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -43,7 +44,7 @@ from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
 from fastio.dist import rank_and_world
-from fastio.errors import CheckpointError
+from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
 
 __all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
@@ -147,10 +148,14 @@ class Checkpointer:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
+                if self._remote is not None:
+                    self._remote.hold()
             except OSError as err:
                 problem[0] = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-            except LockedError as err:
+            except (LockedError, FastioError) as err:
                 problem[0] = str(err)
+            if problem[0]:
+                self._lock.release()
         if self.world_size > 1:  # every rank fails together
             dist.broadcast_object_list(problem, src=0)
         if problem[0]:
@@ -235,6 +240,8 @@ class Checkpointer:
         finally:
             self._flag.uninstall()
             self._stager.release()
+            if self._remote is not None:
+                self._remote.release()
             self._lock.release()
 
     def __enter__(self):

@@ -6,6 +6,11 @@ in the same background writer thread, each committed step is uploaded with its c
 (marker first). A restore downloads the newest committed remote step that is not already local, checks every
 file against its commit marker and falls back to the next older one when a download does not verify.
 The staging directory must be seen by every rank that writes (one node, or a shared file system).
+
+One writer per prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`)
+from construction to ``close``, beside the staging directory's DirLock, and confirms it before each step's
+upload, before its commit marker and before retention; a lost lease fails that save (nothing more is uploaded
+or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is never touched.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from fastio.checkpoint import layout
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import default_cache_dir
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 
 __all__ = ["RemoteCheckpoints", "default_staging_dir"]
@@ -41,21 +47,44 @@ class RemoteCheckpoints:
     def __init__(self, url: str, root: Path, storage_options: dict | None = None):
         self.url, self.root = url, Path(root)
         self.mirror = DirMirror(open_storage(url, storage_options), layout.COMMIT_FILE)
+        self.lease: Lease | None = None
+
+    def hold(self, purpose: str = "fastio checkpointer") -> None:
+        """Take the prefix's lease (:class:`~fastio.lock.LockedError` naming the holder; StorageError if the
+        store cannot be reached or ignores conditional writes). Rank 0 only."""
+        lease = writer_lease(self.mirror.storage, purpose)
+        if lease is not None:
+            lease.acquire()
+        self.lease = lease
+
+    def release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+
+    def _confirm(self) -> None:
+        if self.lease is not None:
+            self.lease.confirm()
 
     def committed_steps(self) -> list[int]:
         return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
 
     def after_commit(self, keep: int) -> None:
-        """Upload every locally committed step the store lacks, then apply retention on the store."""
+        """Upload every locally committed step the store lacks, then apply retention on the store; each only
+        while the lease (if held) is confirmed."""
         try:
+            self._confirm()
             remote = set(self.committed_steps())
             for entry in layout.committed(self.root):
                 if entry.step not in remote:
-                    self.mirror.push(entry.path, entry.path.name)
+                    self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
             if keep > 0:
+                self._confirm()
                 for step in sorted(remote)[:-keep]:
                     self.mirror.remove(f"step-{step}")
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
 
