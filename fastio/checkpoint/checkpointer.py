@@ -160,6 +160,15 @@ class Checkpointer:
             dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0])
+        if self._remote is not None and self.world_size > 1:
+            from fastio.checkpoint.remote import staging_views, unshared_staging
+
+            problem[0] = unshared_staging(staging_views(self.dir, self.rank, self.world_size))
+            if problem[0]:
+                if self.rank == 0:
+                    self._remote.release()
+                    self._lock.release()
+                raise CheckpointError(problem[0])
         self._stager = Stager()
         # Checkpoint collectives run on the writer thread, so they get a gloo group of their own and
         # never interleave with the training thread's collectives on the default group.

@@ -68,7 +68,8 @@ class CheckpointConfig:
 
     staging_dir: str | Path | None = None
     """With an ``s3://`` dir: the local directory checkpoints are written and committed in before they are
-    uploaded (seen by every writing rank; default ``<fastio cache dir>/checkpoints/<hash of the URL>``)."""
+    uploaded (default ``<fastio cache dir>/checkpoints/<hash of the URL>``). Every writing rank must see the
+    same one (one node, or a shared file system); the Checkpointer refuses ranks that do not."""
 
     storage_options: dict | None = None
     """With an ``s3://`` dir: endpoint, region, credentials over the environment's

@@ -5,7 +5,10 @@ in the same background writer thread, each committed step is uploaded with its c
 (:class:`fastio.storage.mirror.DirMirror`), and retention deletes only committed older steps on the store
 (marker first). A restore downloads the newest committed remote step that is not already local, checks every
 file against its commit marker and falls back to the next older one when a download does not verify.
-The staging directory must be seen by every rank that writes (one node, or a shared file system).
+The staging directory must be seen by every rank that writes (one node, or a shared file system): with several
+ranks, the Checkpointer checks that at construction (:func:`staging_views`: every rank drops a probe file into
+its staging directory and reports whose probes it sees) and refuses, naming the ranks and hosts that do not
+see rank 0's, rather than upload steps that lack their files.
 
 One writer per prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`)
 from construction to ``close``, beside the staging directory's DirLock, and confirms it before each step's
@@ -18,7 +21,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import socket
+import uuid
 from pathlib import Path
+
+import torch.distributed as dist
 
 from fastio.checkpoint import layout
 from fastio.errors import CheckpointError, StorageError
@@ -27,7 +34,7 @@ from fastio.storage.cache import default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["RemoteCheckpoints", "default_staging_dir"]
+__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_views", "unshared_staging"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,42 @@ log = logging.getLogger(__name__)
 def default_staging_dir(url: str) -> Path:
     """``<fastio cache dir>/checkpoints/<hash of url>``."""
     return default_cache_dir() / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:20]
+
+
+def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """Collective over the default group: ``(rank, host, staging dir, ranks whose probe file that rank sees)``
+    for every rank.
+
+    Each rank writes ``root/.fastio-staging-probe-<token>-<rank>`` (creating ``root``), all wait, each lists the
+    probes of that token in its own ``root``, the views are gathered, and each rank removes its own probe."""
+    token: list[str | None] = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    stem = f".fastio-staging-probe-{token[0]}-"
+    mine = Path(root) / f"{stem}{rank}"
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        mine.write_bytes(b"")
+    except OSError:
+        pass  # then this rank sees nothing, not even itself: reported like a staging dir apart
+    dist.barrier()
+    try:
+        seen = tuple(sorted(int(p.name[len(stem):]) for p in Path(root).glob(stem + "*")))
+    except (OSError, ValueError):
+        seen = ()
+    views: list = [None] * world
+    dist.all_gather_object(views, (rank, socket.gethostname(), str(root), seen))
+    mine.unlink(missing_ok=True)
+    return views
+
+
+def unshared_staging(views: list[tuple[int, str, str, tuple[int, ...]]]) -> str | None:
+    """The refusal when some rank does not see rank 0's staging directory (from :func:`staging_views`), or None."""
+    apart = [f"{rank} ({host})" for rank, host, _, seen in views if 0 not in seen or rank not in seen]
+    if not apart:
+        return None
+    return (f"{views[0][2]}: the staging directory of rank 0 is not seen by rank(s) {', '.join(apart)}; an s3:// "
+            "Checkpointer commits each step there, so every writing rank must see it: give staging_dir= on a "
+            "shared file system")
 
 
 def _step_of(name: str) -> int:
