@@ -262,3 +262,21 @@ def test_convert_holds_the_lease_on_its_dest(aws_env, s3_bucket, image_folder, c
     code, _, err = run_cli(["convert", str(image_folder), url, "-q", "--overwrite"], capsys)
     assert code == 0, err
     assert LOCK_NAME not in [o.key for o in storage.list()]
+
+
+def test_a_lease_not_renewed_for_its_ttl_fails_the_check_until_a_renewal_succeeds(moto_server, s3_bucket,
+                                                                                   fault_proxy):
+    storage = open_storage(f"s3://{s3_bucket}/cut", moto_server.options(fault_proxy.endpoint, lease_ttl_s=1.5,
+                                                                          retries=0))
+    lease = Lease(storage, purpose="cut off").acquire()
+    fault_proxy.forbidden = {LOCK_NAME}  # every request for the lease object: 403
+    time.sleep(1.8)
+    with pytest.raises(LeaseLostError, match=r"lease not renewed for \d+ s \(ttl 1.5 s\): another writer may"):
+        lease.check()
+    with pytest.raises(StorageError, match="access denied"):
+        lease.confirm()
+    fault_proxy.forbidden = set()
+    lease.confirm()  # nobody wrote the object meanwhile (If-Match held): still ours
+    lease.check()
+    lease.release()
+    assert storage.head(LOCK_NAME) is None
