@@ -1,19 +1,29 @@
 """Checkpoints on an object store: ``Checkpointer("s3://bucket/runs/r1/ckpt", ...)``.
 
-The engine writes and commits ``step-N/`` in a local staging directory exactly as on a file system; then,
-in the same background writer thread, each committed step is uploaded with its commit marker last
-(:class:`fastio.storage.mirror.DirMirror`), and retention deletes only committed older steps on the store
-(marker first). A restore downloads the newest committed remote step that is not already local, checks every
-file against its commit marker and falls back to the next older one when a download does not verify.
-The staging directory must be seen by every rank that writes (one node, or a shared file system): with several
-ranks, the Checkpointer checks that at construction (:func:`staging_views`: every rank drops a probe file into
-its staging directory and reports whose probes it sees) and refuses, naming the ranks and hosts that do not
-see rank 0's, rather than upload steps that lack their files.
+Steps are written in a local staging directory, then uploaded by the background writer thread; which way
+depends on who sees that directory, found at construction (:func:`staging_views`: every rank drops a probe
+file into its staging directory and reports whose probes it sees; :func:`staging_groups`):
 
-One writer per prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`)
-from construction to ``close``, beside the staging directory's DirLock, and confirms it before each step's
-upload, before its commit marker and before retention; a lost lease fails that save (nothing more is uploaded
-or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is never touched.
+- **Shared** (one node, or a shared file system: every rank sees every probe). The engine writes and rank 0
+  commits ``step-N/`` exactly as on a file system; then each committed step is uploaded with its commit marker
+  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads the newest committed remote step that is
+  not already local, checks every file against its commit marker and falls back to the next older one.
+- **Node-local** (each group of ranks sees only its own directory, e.g. the default one under each node's
+  cache dir). Every rank writes into its own node's ``step-N.tmp``; the ranks of a node share hashing and
+  uploading that node's files to ``step-N/`` (:meth:`RemoteCheckpoints.upload_files`); rank 0 gathers every
+  file's size and checksum and, after all uploads, writes the commit marker to the store last
+  (:meth:`RemoteCheckpoints.publish_commit`); the temporaries are then removed (no node holds a whole step).
+  A restore pulls each candidate step into every node's staging directory (one puller per directory, the
+  lowest rank that sees it) and the ranks of each node check their node's copy before the engine reads it.
+- Anything else (a rank that cannot write its staging directory, or sees probes of ranks that do not see its
+  own) is refused with one CheckpointError naming the ranks and hosts.
+
+Retention deletes only committed older steps on the store (marker first). One writer per prefix: rank 0 holds
+the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction to ``close``,
+beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and confirms it
+before a step's upload, before its commit marker and before retention; a lost lease fails that save (nothing
+more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
+never touched.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import logging
 import shutil
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -34,7 +46,7 @@ from fastio.storage.cache import default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_views", "unshared_staging"]
+__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +78,28 @@ def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str
         seen = ()
     views: list = [None] * world
     dist.all_gather_object(views, (rank, socket.gethostname(), str(root), seen))
-    mine.unlink(missing_ok=True)
+    try:
+        mine.unlink(missing_ok=True)
+    except OSError:
+        pass
     return views
 
 
-def unshared_staging(views: list[tuple[int, str, str, tuple[int, ...]]]) -> str | None:
-    """The refusal when some rank does not see rank 0's staging directory (from :func:`staging_views`), or None."""
-    apart = [f"{rank} ({host})" for rank, host, _, seen in views if 0 not in seen or rank not in seen]
-    if not apart:
-        return None
-    return (f"{views[0][2]}: the staging directory of rank 0 is not seen by rank(s) {', '.join(apart)}; an s3:// "
-            "Checkpointer commits each step there, so every writing rank must see it: give staging_dir= on a "
-            "shared file system")
+def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[tuple[int, ...]] | str:
+    """The ranks sharing each staging directory, lowest rank first, groups ordered by their lowest rank (one
+    group: shared staging); or, when the views do not split the ranks that way, the refusal (one line)."""
+    by_rank = {rank: seen for rank, _, _, seen in views}
+    for rank, host, root, seen in views:
+        if rank not in seen:
+            return (f"{root}: rank {rank} ({host}) cannot use this staging directory (its probe file could not be "
+                    "written or listed); give staging_dir= a writable directory")
+        odd = [other for other in seen if by_rank.get(other) != seen]
+        if odd:
+            other = odd[0]
+            return (f"{views[0][2]}: ranks {rank} ({host}, {root}) and {other} ({views[other][1]}, {views[other][2]}) "
+                    "see different sets of staging directories; give staging_dir= either one directory on a shared "
+                    "file system or one directory per node that no other node sees")
+    return sorted(set(by_rank.values()), key=min)
 
 
 def _step_of(name: str) -> int:
@@ -108,6 +130,59 @@ class RemoteCheckpoints:
     def _confirm(self) -> None:
         if self.lease is not None:
             self.lease.confirm()
+
+    def confirm(self) -> None:
+        """CheckpointError unless the lease (if held) is confirmed by a renewal now."""
+        try:
+            self._confirm()
+        except (LeaseLostError, StorageError) as err:
+            raise CheckpointError(f"{err}; nothing uploaded") from None
+
+    def upload_files(self, step: int, tmp: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+        """Checksum and upload files of ``step-N.tmp`` to ``step-N/`` (no marker); their commit-marker records."""
+        sub = self.mirror.storage.child(f"step-{step}")
+
+        def one(path: Path) -> tuple[str, dict[str, Any]]:
+            rel = path.relative_to(tmp).as_posix()
+            record = layout.file_record(path)
+            sub.put_file(rel, path)
+            return rel, record
+
+        try:
+            with ThreadPoolExecutor(max(1, min(4, len(paths))), thread_name_prefix="fastio-ckpt-put") as pool:
+                return dict(pool.map(one, paths))
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{tmp}: cannot read a written file: {err}") from None
+
+    def publish_commit(self, step: int, data: dict[str, Any], keep: int) -> None:
+        """Write ``step-N``'s commit marker to the store (its files are uploaded), then apply retention; each
+        only while the lease (if held) is confirmed."""
+        try:
+            self._confirm()
+            self.mirror.storage.child(f"step-{step}").put_bytes(layout.COMMIT_FILE, layout.encode_commit(data))
+            if keep > 0:
+                self._confirm()
+                for old in self.committed_steps()[:-keep]:
+                    self.mirror.remove(f"step-{old}")
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+
+    def fetch(self, step: int) -> None:
+        """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
+        the caller checks every node's copy)."""
+        dest = layout.step_dir(self.root, step)
+        if any(e.step == step for e in layout.committed(self.root)):
+            return
+        if dest.exists():
+            layout.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+        try:
+            self.mirror.pull(dest.name, dest)
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
         return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
