@@ -242,6 +242,9 @@ class Lease:
             if not err.precondition:
                 raise
             found = self.storage.get_versioned(self.key)
+            if found is not None and found.e_tag == self._etag:  # unchanged: refused for a concurrent write (409)
+                raise StorageError(f"{self.url}: renewal refused while the lease is unchanged ({err})", url=self.url,
+                                   transient=True) from None
             if found is None or found.data != body:
                 self._lost = "deleted by someone else" if found is None else \
                     f"taken over by {self._holder(found)}"
