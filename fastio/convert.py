@@ -11,7 +11,9 @@ marker but no final file is an interrupted run, which the same command redoes fr
 One writer per DEST: a conversion holds DEST's :class:`~fastio.lock.DirLock` (``DEST/.fastio-lock``) from
 before it checks DEST until its last file is published; a second conversion into the same DEST is
 refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder. The kernel drops
-the lock when the holder dies, so a killed run never blocks the next.
+the lock when the holder dies, so a killed run never blocks the next. An ``s3://`` DEST is guarded the same way
+by a lease object (:mod:`fastio.storage.lease`), which a killed run leaves until it expires (at once for a
+rerun on the same host or a requeue of the same Slurm job).
 
 Rejected inputs: the scan's refusals (bad labels, paths outside the root, symlinks against the policy,
 see :mod:`fastio.converters`) and samples that fail to load (unreadable, undecodable, over ``max_pixels``,
@@ -31,6 +33,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,8 @@ from fastio.parts import (
 )
 from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
-from fastio.storage import Storage, is_remote, open_storage
+from fastio.storage import S3Storage, Storage, is_remote, open_storage
+from fastio.storage.lease import LeaseLostError, writer_lease
 from fastio.wds import is_plain_name
 from fastio.workers import OrderedPool
 
@@ -583,8 +587,9 @@ def _is_dataset_key(key: str) -> bool:
 
 def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
     """The keys of a previous conversion under DEST (to delete after an ``overwrite``); ConvertError if
-    DEST holds a dataset (without ``overwrite``) or objects fastio did not write."""
-    keys = [o.key for o in storage.list()]
+    DEST holds a dataset (without ``overwrite``) or objects fastio did not write. The lease object
+    (``.fastio-lock``) is neither: it is the writer's, never listed for deletion."""
+    keys = [o.key for o in storage.list() if o.key != LOCK_NAME]
     if not keys:
         return []
     ours = any(k in (MARKER_NAME, *_FINAL_NAMES) for k in keys)
@@ -600,8 +605,27 @@ def _convert_to_url(config: ConvertConfig) -> ConvertResult:
 
     With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
     upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
-    deleted. One writer per DEST is the caller's business on object stores (there is no lock there yet)."""
+    deleted. One writer per DEST: the conversion holds DEST's lease (``DEST/.fastio-lock``,
+    :mod:`fastio.storage.lease`) from before it checks DEST until the last upload, and confirms it before it
+    deletes anything and before the final files; a second conversion is refused at once naming the holder."""
     storage = open_storage(config.dest, config.storage_options)
+    lease = writer_lease(storage, "fastio convert") if isinstance(storage, S3Storage) else None
+    if lease is not None:
+        try:
+            lease.acquire()
+        except LockedError as err:
+            raise ConvertError(str(err)) from None  # names DEST and the holder
+    guard = lease.confirm if lease is not None else (lambda: None)
+    try:
+        return _upload_converted(config, storage, guard)
+    except LeaseLostError as err:
+        raise ConvertError(f"{err} (nothing more was uploaded)") from None
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _upload_converted(config: ConvertConfig, storage: Storage, guard: Callable[[], None]) -> ConvertResult:
     old = _check_remote_dest(storage, config.overwrite)
     if config.staging_dir is not None:
         Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
@@ -610,12 +634,14 @@ def _convert_to_url(config: ConvertConfig) -> ConvertResult:
         local = dataclasses.replace(config, dest=staging / "dest", overwrite=False)
         result = convert(local)
         (local.dest / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
+        guard()
         for key in old:
             if key.split("/")[-1] in _FINAL_NAMES:
                 storage.delete(key)
         finals = sorted(k for k in result.manifests if k) + [""]
         last = tuple(f"{split}/{MANIFEST_NAME}" if split else MANIFEST_NAME for split in finals) + (SPLITS_NAME,)
-        uploaded = storage.publish_dir(local.dest, keys_last=last)
+        uploaded = storage.publish_dir(local.dest, keys_last=last, before_last=guard)
+        guard()
         for key in sorted(set(old) - set(uploaded)):
             storage.delete(key)
     finally:

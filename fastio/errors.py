@@ -28,9 +28,11 @@ class StorageError(FastioError):
 
     ``url`` is the object or prefix concerned; ``transient`` is True when the last failure was one that
     retrying could cure (5xx, throttling, timeouts, cut connections) and the retry bound ran out; ``missing``
-    is True when the object does not exist (404).
+    is True when the object does not exist (404); ``precondition`` when a conditional write was refused
+    because the object exists or changed (412).
     """
 
-    def __init__(self, message: str, url: str = "", transient: bool = False, missing: bool = False):
+    def __init__(self, message: str, url: str = "", transient: bool = False, missing: bool = False,
+                 precondition: bool = False):
         super().__init__(message)
-        self.url, self.transient, self.missing = url, transient, missing
+        self.url, self.transient, self.missing, self.precondition = url, transient, missing, precondition

@@ -23,18 +23,37 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["LOCK_NAME", "DirLock", "LockedError", "holder_of"]
+__all__ = ["LOCK_NAME", "DirLock", "LockedError", "describe_holder", "holder_of", "holder_record"]
 
 LOCK_NAME = ".fastio-lock"
 
 
 class LockedError(Exception):
-    """Another process holds the directory's lock (the message names the directory and the holder)."""
+    """Another process holds the directory's lock, or another writer the prefix's lease
+    (:mod:`fastio.storage.lease`); the message names the directory or URL and the holder."""
 
 
-def _describe_self(purpose: str) -> dict[str, object]:
+def holder_record(purpose: str) -> dict[str, object]:
+    """Who this process is, as stored in a lock file or lease object: purpose, host, pid, Slurm job, time."""
     return {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
             "slurm_job": os.environ.get("SLURM_JOB_ID"), "since": time.time()}
+
+
+def describe_holder(info: object) -> str:
+    """A :func:`holder_record` (as read back) as one phrase for messages."""
+    if not isinstance(info, dict) or not info:
+        return "an unknown process"
+    out = str(info.get("purpose") or "fastio")
+    if info.get("pid") is not None:
+        out += f" pid {info['pid']}"
+    out += f" on {info['host']}" if info.get("host") else " on an unknown host"
+    if info.get("slurm_job"):
+        out += f", Slurm job {info['slurm_job']}"
+    try:
+        out += ", since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        pass
+    return out
 
 
 def holder_of(directory: str | Path) -> str:
@@ -43,9 +62,7 @@ def holder_of(directory: str | Path) -> str:
         info = json.loads((Path(directory) / LOCK_NAME).read_text() or "{}")
     except (OSError, ValueError):
         return "an unknown process"
-    job = f", Slurm job {info['slurm_job']}" if info.get("slurm_job") else ""
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
-    return f"{info.get('purpose', 'fastio')} pid {info.get('pid')} on {info.get('host')}{job}, since {since}"
+    return describe_holder(info)
 
 
 class DirLock:
@@ -81,7 +98,7 @@ class DirLock:
             raise LockedError(f"{self.directory}: cannot lock {LOCK_NAME} ({err.strerror}); on Lustre mount with "
                               "-o flock") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_describe_self(self.purpose)).encode(), 0)
+        os.pwrite(fd, json.dumps(holder_record(self.purpose)).encode(), 0)
         self._fd = fd
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -83,6 +84,23 @@ def fault_proxy(moto_server):
     proxy = FaultProxy(moto_server.port, seed=11)
     yield proxy
     proxy.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch, moto_server, tmp_path):
+    """Credentials, region and endpoint of the moto server where the AWS tools look (nothing on the command
+    lines), and a cache dir in tmp_path."""
+    from s3server import ACCESS_KEY, REGION, SECRET_KEY
+
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_REGION", REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
+    monkeypatch.setenv("FASTIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.fixture(autouse=True)

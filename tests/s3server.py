@@ -97,7 +97,9 @@ class FaultProxy:
         cut: fraction of GET requests whose response body is cut off halfway (connection closed).
         max_faults: the same request is faulted at most this many times in a row.
         seed: seeds the fault choice.
-    ``forbidden`` (a set of path substrings) answers 403 AccessDenied, always. ``counts`` tallies what was done.
+    ``forbidden`` (a set of path substrings) answers 403 AccessDenied, always. ``drop_headers`` (lower-case
+    request header names) are not passed on: dropping ``if-none-match`` and ``if-match`` makes a store that
+    ignores conditional writes. ``counts`` tallies what was done.
     """
 
     def __init__(self, upstream_port: int, *, slowdown: float = 0.0, cut: float = 0.0, max_faults: int = 2,
@@ -105,6 +107,7 @@ class FaultProxy:
         self.upstream_port, self.slowdown, self.cut, self.max_faults, self.seed = (
             upstream_port, slowdown, cut, max_faults, seed)
         self.forbidden: set[str] = set()
+        self.drop_headers: set[str] = set()
         self.counts: Counter = Counter()
         self._seen: Counter = Counter()
         self._lock = threading.Lock()
@@ -142,8 +145,8 @@ class FaultProxy:
                     return self._reply(403, _DENIED)
                 if decision == "slowdown":
                     return self._reply(503, _SLOWDOWN)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding",
-                                                                                       "content-length")}
+                dropped = {"transfer-encoding", "content-length", *proxy.drop_headers}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 try:
                     conn.request(self.command, self.path, body=body if body or self.command in ("PUT", "POST")

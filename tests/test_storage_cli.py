@@ -3,28 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
-import pytest
 from helpers import run_cli
-from s3server import ACCESS_KEY, REGION, SECRET_KEY
 
 from fastio import Loader
 from fastio.storage import open_storage
-
-
-@pytest.fixture
-def aws_env(monkeypatch, moto_server, tmp_path):
-    """Credentials, region and endpoint where the AWS tools look (nothing on the command lines)."""
-    for k in list(os.environ):
-        if k.startswith("AWS_"):
-            monkeypatch.delenv(k)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_REGION", REGION)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server.endpoint)
-    monkeypatch.setenv("FASTIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def test_convert_verify_inspect_load_on_s3(aws_env, s3_bucket, image_folder, tmp_path, capsys, monkeypatch):

@@ -11,7 +11,9 @@ collectives go over a gloo group of their own, so they never interleave with the
 The Checkpointer talks to the engine only through :class:`~fastio.checkpoint.engines.base.Engine`.
 
 One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from construction to
-``close`` (a second job is refused; the kernel drops the lock of a dead job). A restore checks every file
+``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
+prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
+(:mod:`fastio.checkpoint.remote`). A restore checks every file
 of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
 back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -43,7 +45,7 @@ from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
 from fastio.dist import rank_and_world
-from fastio.errors import CheckpointError
+from fastio.errors import CheckpointError, FastioError, StorageError
 from fastio.lock import DirLock, LockedError
 
 __all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
@@ -147,14 +149,25 @@ class Checkpointer:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
+                if self._remote is not None:
+                    self._remote.hold()
             except OSError as err:
                 problem[0] = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-            except LockedError as err:
+            except (LockedError, FastioError) as err:
                 problem[0] = str(err)
+            if problem[0]:
+                self._lock.release()
         if self.world_size > 1:  # every rank fails together
             dist.broadcast_object_list(problem, src=0)
         if problem[0]:
             raise CheckpointError(problem[0])
+        # The ranks that see this rank's directory (all, except for an s3:// dir staged node-locally): they
+        # share hashing, compressing and checking its files; the lowest of them creates and cleans its step dirs.
+        self._group: tuple[int, ...] = tuple(range(self.world_size))
+        if self._remote is not None and self.world_size > 1:
+            self._group_staging()
+        self._share = (self._group.index(self.rank), len(self._group))
+        self._leader = self._share[0] == 0
         self._stager = Stager()
         # Checkpoint collectives run on the writer thread, so they get a gloo group of their own and
         # never interleave with the training thread's collectives on the default group.
@@ -235,6 +248,8 @@ class Checkpointer:
         finally:
             self._flag.uninstall()
             self._stager.release()
+            if self._remote is not None:
+                self._remote.release()
             self._lock.release()
 
     def __enter__(self):
@@ -262,6 +277,8 @@ class Checkpointer:
         """
         self._check_app(app)
         self._raise_if_failed(wait=True)
+        if self._node_local:
+            return self._restore_node_local(app, step)
         plan: list[Any] = [None, None, None]  # candidate steps newest first, error, unrecognised step dirs
         if self.rank == 0:
             try:
@@ -321,6 +338,46 @@ class Checkpointer:
         return self._restore(path, commit, app)
 
     # ----------------------------------------------------------------- internals
+    @property
+    def _node_local(self) -> bool:
+        """An s3:// dir whose staging directories are not all one (see fastio.checkpoint.remote)."""
+        return len(self._group) < self.world_size
+
+    def _group_staging(self) -> None:
+        """Collective at construction: find the ranks sharing this rank's staging dir; the lowest rank of each
+        node-local dir (other than rank 0's) takes its DirLock. Every rank fails together, naming the problem."""
+        from fastio.checkpoint.remote import staging_groups, staging_views
+
+        groups = staging_groups(staging_views(self.dir, self.rank, self.world_size))
+        problem = groups if isinstance(groups, str) else None
+        if problem is None:
+            self._group = next(g for g in groups if self.rank in g)
+            if len(groups) > 1 and self._group[0] == self.rank and self.rank != 0:
+                try:
+                    self._lock.acquire()
+                except (LockedError, OSError) as err:
+                    problem = str(err)
+            if len(groups) > 1 and self.rank == 0:
+                log.info("fastio: %s: %d node-local staging directories; each node uploads its own files",
+                         self.config.url, len(groups))
+        problems = [problem]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, problems)
+        first = next((p[0] for p in every if p[0]), None)
+        if first:
+            if self.rank == 0:
+                self._remote.release()
+            self._lock.release()
+            raise CheckpointError(first)
+
+    def _agree_problem(self, mine: str | None) -> str | None:
+        """Collective on the default group: the first rank's problem, so that every rank fails together."""
+        if self.world_size == 1:
+            return mine
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return next((p for p in every if p), None)
+
     def _engine(self, name: str) -> Engine:
         if name not in self._engines:
             self._engines[name] = get_engine(name)
@@ -338,7 +395,7 @@ class Checkpointer:
             why = compress.check_marker(entry.commit)
             if why:
                 return [f"{path / layout.COMMIT_FILE}: {why}"]
-            mine = layout.verify_files(entry, part=(self.rank, self.world_size))
+            mine = layout.verify_files(entry, part=self._share)  # every directory's copy, by the ranks seeing it
         except CheckpointError as err:
             mine = [str(err)]
         return self._gather(mine)
@@ -394,16 +451,15 @@ class Checkpointer:
         tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
         engine = self._engine(choose_engine(self.config.engine, app))
         prepared, global_keys = engine.prepare(app)
-        problem: list[str | None] = [None]
-        if self.rank == 0:
+        problem = None
+        if self._leader:
             try:
                 layout.start_tmp(self.dir, step)
             except OSError as err:
-                problem[0] = f"{tmp}: cannot create checkpoint directory: {err.strerror or err}"
-        if self.world_size > 1:  # every rank fails together, or the others would wait in the write forever
-            dist.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            raise CheckpointError(problem[0])
+                problem = f"{tmp}: cannot create checkpoint directory: {err.strerror or err}"
+        problem = self._agree_problem(problem)  # every rank fails together, or the others would wait forever
+        if problem:
+            raise CheckpointError(problem)
         rng = capture_rng()
         states = {key: obj.state_dict() for key, obj in prepared.items()}
         if epoch is None:
@@ -450,14 +506,16 @@ class Checkpointer:
                 engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
             else:
                 self._save_compressed(engine, tmp, staged, replicated, global_keys)
-            if self.rank == 0:
+            if self._node_local:
+                self._commit_node_local(tmp, step, info)
+            elif self.rank == 0:
                 layout.commit(tmp, final, step=step, info=info)
                 layout.apply_retention(self.dir, self.config.keep)
                 if self._remote is not None:
                     self._remote.after_commit(self.config.keep)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
-            if self.rank == 0:
+            if self._leader:
                 try:
                     layout.remove_step(tmp)
                 except OSError:
@@ -466,6 +524,58 @@ class Checkpointer:
             self._error, self._error_step = err, step
         finally:
             self._inflight_step = None
+
+    def _commit_node_local(self, tmp: Path, step: int, info: dict[str, Any]) -> None:
+        """Writer thread, collective: every node's files are uploaded by that node's ranks, then rank 0 writes
+        the commit marker to the store last and applies retention; any failure fails every rank's save. The
+        temporaries go afterwards: no node holds the whole step."""
+        remote = self._remote
+        mine: list[str] = []
+        if self.rank == 0:  # every engine.save has returned once this gather is through
+            try:
+                remote.confirm()
+            except CheckpointError as err:
+                mine.append(str(err))
+        problems = self._gather(mine)
+        if problems:
+            raise CheckpointError(problems[0])
+        records: dict[str, Any] = {}
+        try:
+            i, n = self._share
+            records = remote.upload_files(step, tmp, layout.data_files(tmp)[i::n])
+        except CheckpointError as err:
+            mine.append(f"rank {self.rank}: {err}")
+        every = self._gather_objects((records, mine))
+        problems = [p for _, part in every for p in part]
+        if problems:
+            raise CheckpointError(problems[0])
+        if self.rank == 0:
+            files: dict[str, Any] = {}
+            for part, _ in every:
+                twice = sorted(set(files) & set(part))
+                if twice:  # two nodes wrote the same file: the engine assumed one directory
+                    mine.append(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a shared "
+                                "file system")
+                    break
+                files.update(part)
+            if not mine:
+                try:
+                    remote.publish_commit(step, layout.commit_data(files, step=step, info=info), self.config.keep)
+                except CheckpointError as err:
+                    mine.append(str(err))
+        problems = self._gather(mine)
+        if problems:
+            raise CheckpointError(problems[0])
+        if self._leader:
+            layout.remove_step(tmp)
+
+    def _gather_objects(self, mine: Any) -> list[Any]:
+        """Collective over the checkpoint group: every rank's ``mine``, in rank order."""
+        if self.world_size == 1:
+            return [mine]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self._pg)
+        return every
 
     def _save_compressed(self, engine: Engine, tmp: Path, staged: dict[str, Any], replicated: list[str],
                          global_keys: frozenset[str]) -> None:
@@ -483,7 +593,8 @@ class Checkpointer:
             raise CheckpointError(f"another rank's write failed: {others[0]}")
         mine: list[str] = []
         try:
-            for p in layout.data_files(tmp)[self.rank::self.world_size]:
+            i, n = self._share  # the ranks that see this directory share its files
+            for p in layout.data_files(tmp)[i::n]:
                 compress.compress_file(p, self._compression)
         except CheckpointError as err:
             mine.append(str(err))
@@ -491,26 +602,74 @@ class Checkpointer:
         if problems:
             raise CheckpointError(problems[0])
 
+    def _restore_node_local(self, app: dict[str, Any], step: int | None) -> TrainState | None:
+        """``restore_latest`` with node-local staging: the candidates are the store's committed steps (newest
+        first); each is pulled into every staging dir that lacks it (by its lowest rank) and every copy checked
+        by the ranks that see it; a step that fails anywhere is moved aside on every node and the next tried."""
+        plan: list[Any] = [None, None]  # candidate steps newest first, error
+        if self.rank == 0:
+            try:
+                steps = self._remote.committed_steps()
+                if step is not None and step not in steps:
+                    plan[1] = (f"{self.config.url}: no committed checkpoint for step {step} (committed: "
+                               f"{', '.join(map(str, steps)) or 'none'})")
+                plan[0] = [step] if step is not None else steps[::-1]
+            except StorageError as err:
+                plan[1] = f"{self.config.url}: cannot list checkpoints: {err}"
+        dist.broadcast_object_list(plan, src=0)
+        candidates, error = plan
+        if error:
+            raise CheckpointError(error)
+        if self._leader:
+            layout.remove_abandoned(self.dir)
+        skipped: list[str] = []
+        for cand in candidates:
+            path = layout.step_dir(self.dir, cand)
+            mine: list[str] = []
+            if self._leader:
+                try:
+                    self._remote.fetch(cand)
+                except (CheckpointError, OSError) as err:
+                    mine.append(str(err))
+            problems = self._gather(mine) or self._check_step(path)
+            if not problems:
+                if skipped:
+                    log.warning("fastio: %s: skipped newer checkpoint(s): %s", self.config.url, "; ".join(skipped))
+                return self._restore(path, layout.read_commit(path), app)
+            if step is not None:
+                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}")
+            skipped.append(f"step {cand}: {problems[0]}")
+            if self._leader and path.exists():
+                try:
+                    layout.quarantine(path)  # this node's copy: moved aside, a later restore downloads it again
+                except OSError:
+                    pass
+        if skipped:
+            raise CheckpointError(f"{self.config.url}: no intact checkpoint: {len(skipped)} step(s) could not be "
+                                  f"restored on every node, newest {skipped[0]}")
+        return None
+
     def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
         if not commit.get("compression"):
             return self._restore_from(path, path, commit, app)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
         # the work; the engine reads there; the directory goes when every rank is done with it.
-        where: list[Any] = [None, None]
-        if self.rank == 0:
+        where: tuple[str | None, str | None] = (None, None)
+        if self._leader:  # one private directory per staging directory, made by the lowest rank seeing it
             try:
-                where[0] = str(layout.start_restore_dir(self.dir, commit["step"]))
+                where = (str(layout.start_restore_dir(self.dir, commit["step"])), None)
             except OSError as err:
-                where[1] = f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: {err.strerror or err}"
-        if self.world_size > 1:
-            dist.broadcast_object_list(where, src=0, group=self._pg)
-        if where[1]:
-            raise CheckpointError(where[1])
-        work = Path(where[0])
+                where = (None, f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: {err.strerror or err}")
+        every = self._gather_objects(where)
+        error = next((e for _, e in every if e), None)
+        if error:
+            raise CheckpointError(error)
+        work = Path(every[self._group[0]][0])
         try:
             mine: list[str] = []
             try:
-                for rel in sorted(commit["files"])[self.rank::self.world_size]:
+                i, n = self._share
+                for rel in sorted(commit["files"])[i::n]:
                     compress.restore_file(path / rel, work / compress.stored_name(rel), commit["compression"])
             except CheckpointError as err:
                 mine.append(str(err))
@@ -523,7 +682,7 @@ class Checkpointer:
                 raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
         finally:
             self._gather([])  # every rank is done reading
-            if self.rank == 0:
+            if self._leader:
                 shutil.rmtree(work, ignore_errors=True)
 
     def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:

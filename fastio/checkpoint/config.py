@@ -67,8 +67,9 @@ class CheckpointConfig:
     price of a longer write); 0 leaves its priority alone."""
 
     staging_dir: str | Path | None = None
-    """With an ``s3://`` dir: the local directory checkpoints are written and committed in before they are
-    uploaded (seen by every writing rank; default ``<fastio cache dir>/checkpoints/<hash of the URL>``)."""
+    """With an ``s3://`` dir: the local directory checkpoints are written in before they are uploaded
+    (default ``<fastio cache dir>/checkpoints/<hash of the URL>``). Either one directory every rank sees (a
+    shared file system) or one per node (each node uploads its own files); see :mod:`fastio.checkpoint.remote`."""
 
     storage_options: dict | None = None
     """With an ``s3://`` dir: endpoint, region, credentials over the environment's

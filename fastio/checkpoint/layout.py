@@ -16,6 +16,8 @@ What may be deleted (the rules in one place):
   fastio's own abandoned temporary (a Checkpointer only looks while it holds the directory's lock, so
   no other writer is alive): :func:`remove_abandoned` deletes it;
 - committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
+- with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
+  commit marker is on the store (:mod:`fastio.checkpoint.remote`; no node holds the whole step);
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
   step, left by a killed process): :func:`remove_abandoned` deletes it;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
@@ -56,8 +58,11 @@ __all__ = [
     "StepEntry",
     "apply_retention",
     "commit",
+    "commit_data",
     "committed",
     "data_files",
+    "encode_commit",
+    "file_record",
     "list_checkpoints",
     "quarantine",
     "read_commit",
@@ -241,6 +246,25 @@ def start_tmp(root: Path, step: int) -> Path:
     return tmp
 
 
+def file_record(path: Path) -> dict[str, Any]:
+    """What a commit marker lists for one file: ``{"bytes": size, CHECKSUM: digest}``."""
+    size, digest = digest_file(path, CHECKSUM)
+    return {"bytes": size, CHECKSUM: digest}
+
+
+def commit_data(files: dict[str, dict[str, Any]], *, step: int, info: dict[str, Any]) -> dict[str, Any]:
+    """The commit marker of ``step`` listing ``files`` (relative path -> :func:`file_record`)."""
+    now = time.time()
+    version = COMPRESSED_VERSION if info.get("compression") else COMMIT_VERSION
+    return {"format": COMMIT_FORMAT, "version": version, "step": step, "time": now,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "checksum": CHECKSUM,
+            "bytes": sum(f["bytes"] for f in files.values()), **info, "files": files}
+
+
+def encode_commit(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
 def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[str, Any]:
     """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``
     (an existing ``final`` is moved aside by :func:`quarantine`, not deleted). ``info`` with a
@@ -252,12 +276,8 @@ def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[s
              for p, (size, digest) in zip(paths, sums)}
     for d in sorted({p.parent for p in paths} | {tmp}, key=lambda p: -len(p.parts)):
         fsync_dir(d)
-    now = time.time()
-    version = COMPRESSED_VERSION if info.get("compression") else COMMIT_VERSION
-    data = {"format": COMMIT_FORMAT, "version": version, "step": step, "time": now,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "checksum": CHECKSUM,
-            "bytes": sum(f["bytes"] for f in files.values()), **info, "files": files}
-    atomic_write_bytes(tmp / COMMIT_FILE, json.dumps(data, indent=1, sort_keys=True).encode())
+    data = commit_data(files, step=step, info=info)
+    atomic_write_bytes(tmp / COMMIT_FILE, encode_commit(data))
     if final.exists():
         quarantine(final)
     os.replace(tmp, final)

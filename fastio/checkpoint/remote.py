@@ -1,11 +1,29 @@
 """Checkpoints on an object store: ``Checkpointer("s3://bucket/runs/r1/ckpt", ...)``.
 
-The engine writes and commits ``step-N/`` in a local staging directory exactly as on a file system; then,
-in the same background writer thread, each committed step is uploaded with its commit marker last
-(:class:`fastio.storage.mirror.DirMirror`), and retention deletes only committed older steps on the store
-(marker first). A restore downloads the newest committed remote step that is not already local, checks every
-file against its commit marker and falls back to the next older one when a download does not verify.
-The staging directory must be seen by every rank that writes (one node, or a shared file system).
+Steps are written in a local staging directory, then uploaded by the background writer thread; which way
+depends on who sees that directory, found at construction (:func:`staging_views`: every rank drops a probe
+file into its staging directory and reports whose probes it sees; :func:`staging_groups`):
+
+- **Shared** (one node, or a shared file system: every rank sees every probe). The engine writes and rank 0
+  commits ``step-N/`` exactly as on a file system; then each committed step is uploaded with its commit marker
+  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads the newest committed remote step that is
+  not already local, checks every file against its commit marker and falls back to the next older one.
+- **Node-local** (each group of ranks sees only its own directory, e.g. the default one under each node's
+  cache dir). Every rank writes into its own node's ``step-N.tmp``; the ranks of a node share hashing and
+  uploading that node's files to ``step-N/`` (:meth:`RemoteCheckpoints.upload_files`); rank 0 gathers every
+  file's size and checksum and, after all uploads, writes the commit marker to the store last
+  (:meth:`RemoteCheckpoints.publish_commit`); the temporaries are then removed (no node holds a whole step).
+  A restore pulls each candidate step into every node's staging directory (one puller per directory, the
+  lowest rank that sees it) and the ranks of each node check their node's copy before the engine reads it.
+- Anything else (a rank that cannot write its staging directory, or sees probes of ranks that do not see its
+  own) is refused with one CheckpointError naming the ranks and hosts.
+
+Retention deletes only committed older steps on the store (marker first). One writer per prefix: rank 0 holds
+the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction to ``close``,
+beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and confirms it
+before a step's upload, before its commit marker and before retention; a lost lease fails that save (nothing
+more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
+never touched.
 """
 
 from __future__ import annotations
@@ -13,15 +31,22 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import socket
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 from fastio.checkpoint import layout
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import default_cache_dir
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["RemoteCheckpoints", "default_staging_dir"]
+__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +54,52 @@ log = logging.getLogger(__name__)
 def default_staging_dir(url: str) -> Path:
     """``<fastio cache dir>/checkpoints/<hash of url>``."""
     return default_cache_dir() / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:20]
+
+
+def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """Collective over the default group: ``(rank, host, staging dir, ranks whose probe file that rank sees)``
+    for every rank.
+
+    Each rank writes ``root/.fastio-staging-probe-<token>-<rank>`` (creating ``root``), all wait, each lists the
+    probes of that token in its own ``root``, the views are gathered, and each rank removes its own probe."""
+    token: list[str | None] = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    stem = f".fastio-staging-probe-{token[0]}-"
+    mine = Path(root) / f"{stem}{rank}"
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        mine.write_bytes(b"")
+    except OSError:
+        pass  # then this rank sees nothing, not even itself: reported like a staging dir apart
+    dist.barrier()
+    try:
+        seen = tuple(sorted(int(p.name[len(stem):]) for p in Path(root).glob(stem + "*")))
+    except (OSError, ValueError):
+        seen = ()
+    views: list = [None] * world
+    dist.all_gather_object(views, (rank, socket.gethostname(), str(root), seen))
+    try:
+        mine.unlink(missing_ok=True)
+    except OSError:
+        pass
+    return views
+
+
+def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[tuple[int, ...]] | str:
+    """The ranks sharing each staging directory, lowest rank first, groups ordered by their lowest rank (one
+    group: shared staging); or, when the views do not split the ranks that way, the refusal (one line)."""
+    by_rank = {rank: seen for rank, _, _, seen in views}
+    for rank, host, root, seen in views:
+        if rank not in seen:
+            return (f"{root}: rank {rank} ({host}) cannot use this staging directory (its probe file could not be "
+                    "written or listed); give staging_dir= a writable directory")
+        odd = [other for other in seen if by_rank.get(other) != seen]
+        if odd:
+            other = odd[0]
+            return (f"{views[0][2]}: ranks {rank} ({host}, {root}) and {other} ({views[other][1]}, {views[other][2]}) "
+                    "see different sets of staging directories; give staging_dir= either one directory on a shared "
+                    "file system or one directory per node that no other node sees")
+    return sorted(set(by_rank.values()), key=min)
 
 
 def _step_of(name: str) -> int:
@@ -41,21 +112,97 @@ class RemoteCheckpoints:
     def __init__(self, url: str, root: Path, storage_options: dict | None = None):
         self.url, self.root = url, Path(root)
         self.mirror = DirMirror(open_storage(url, storage_options), layout.COMMIT_FILE)
+        self.lease: Lease | None = None
+
+    def hold(self, purpose: str = "fastio checkpointer") -> None:
+        """Take the prefix's lease (:class:`~fastio.lock.LockedError` naming the holder; StorageError if the
+        store cannot be reached or ignores conditional writes). Rank 0 only."""
+        lease = writer_lease(self.mirror.storage, purpose)
+        if lease is not None:
+            lease.acquire()
+        self.lease = lease
+
+    def release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
+
+    def _confirm(self) -> None:
+        if self.lease is not None:
+            self.lease.confirm()
+
+    def confirm(self) -> None:
+        """CheckpointError unless the lease (if held) is confirmed by a renewal now."""
+        try:
+            self._confirm()
+        except (LeaseLostError, StorageError) as err:
+            raise CheckpointError(f"{err}; nothing uploaded") from None
+
+    def upload_files(self, step: int, tmp: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+        """Checksum and upload files of ``step-N.tmp`` to ``step-N/`` (no marker); their commit-marker records."""
+        sub = self.mirror.storage.child(f"step-{step}")
+
+        def one(path: Path) -> tuple[str, dict[str, Any]]:
+            rel = path.relative_to(tmp).as_posix()
+            record = layout.file_record(path)
+            sub.put_file(rel, path)
+            return rel, record
+
+        try:
+            with ThreadPoolExecutor(max(1, min(4, len(paths))), thread_name_prefix="fastio-ckpt-put") as pool:
+                return dict(pool.map(one, paths))
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{tmp}: cannot read a written file: {err}") from None
+
+    def publish_commit(self, step: int, data: dict[str, Any], keep: int) -> None:
+        """Write ``step-N``'s commit marker to the store (its files are uploaded), then apply retention; each
+        only while the lease (if held) is confirmed."""
+        try:
+            self._confirm()
+            self.mirror.storage.child(f"step-{step}").put_bytes(layout.COMMIT_FILE, layout.encode_commit(data))
+            if keep > 0:
+                self._confirm()
+                for old in self.committed_steps()[:-keep]:
+                    self.mirror.remove(f"step-{old}")
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+
+    def fetch(self, step: int) -> None:
+        """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
+        the caller checks every node's copy)."""
+        dest = layout.step_dir(self.root, step)
+        if any(e.step == step for e in layout.committed(self.root)):
+            return
+        if dest.exists():
+            layout.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+        try:
+            self.mirror.pull(dest.name, dest)
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
         return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
 
     def after_commit(self, keep: int) -> None:
-        """Upload every locally committed step the store lacks, then apply retention on the store."""
+        """Upload every locally committed step the store lacks, then apply retention on the store; each only
+        while the lease (if held) is confirmed."""
         try:
+            self._confirm()
             remote = set(self.committed_steps())
             for entry in layout.committed(self.root):
                 if entry.step not in remote:
-                    self.mirror.push(entry.path, entry.path.name)
+                    self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
             if keep > 0:
+                self._confirm()
                 for step in sorted(remote)[:-keep]:
                     self.mirror.remove(f"step-{step}")
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
 

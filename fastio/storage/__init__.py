@@ -2,7 +2,8 @@
 node-local cache that object-store datasets are read through.
 
 ``open_storage(dest, storage_options)`` is the entry point; see :mod:`fastio.storage.options` for where
-endpoint, region and credentials come from, and :mod:`fastio.storage.retry` for what is retried.
+endpoint, region and credentials come from, :mod:`fastio.storage.retry` for what is retried, and
+:mod:`fastio.storage.lease` for the lease that keeps one writer per object-store prefix.
 """
 
 from fastio.storage.base import LocalStorage, ObjectInfo, S3Storage, Storage, open_storage

@@ -6,7 +6,8 @@ S3 and S3-compatible endpoints (plain HTTP too), GCS and Azure behind the same c
 uploads, no Python in the data path. Reads run with obstore's own retries off: :mod:`fastio.storage.retry`
 retries every call, so the bound and the error are fastio's; uploads keep obstore's per-request retries (a
 faulted multipart part is retried alone), inside fastio's loop. Every obstore exception becomes
-:class:`~fastio.storage.retry.Transient` or :class:`~fastio.storage.retry.Permanent` here.
+:class:`~fastio.storage.retry.Transient` or :class:`~fastio.storage.retry.Permanent` here; a refused
+conditional write (HTTP 412, or 409 for a concurrent one) is a Permanent with ``precondition`` set.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import obstore
 from obstore.exceptions import (
+    AlreadyExistsError,
     BaseError,
     InvalidPathError,
     NotFoundError,
     PermissionDeniedError,
+    PreconditionError,
     UnauthenticatedError,
     UnknownConfigurationKeyError,
 )
@@ -53,6 +56,8 @@ def _translated() -> Iterator[None]:
         yield
     except (NotFoundError, FileNotFoundError) as err:
         raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+    except (AlreadyExistsError, PreconditionError) as err:
+        raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
     except (PermissionDeniedError, UnauthenticatedError, PermissionError) as err:
         raise Permanent(f"access denied ({_first_line(err)})") from None
     except (InvalidPathError, UnknownConfigurationKeyError) as err:
@@ -62,6 +67,8 @@ def _translated() -> Iterator[None]:
         code = int(status[1]) if status else None
         if code == 404:
             raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+        if code == 412 or (code == 409 and "ConditionalRequestConflict" in str(err)):
+            raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
         if code is not None and 400 <= code < 500 and code not in (408, 429):
             raise Permanent(_first_line(err)) from None
         raise Transient(_first_line(err)) from None
@@ -128,6 +135,31 @@ class S3Client:
     def put_bytes(self, key: str, data: bytes) -> None:
         with _translated():
             obstore.put(self._put_store, key, data, use_multipart=False)
+
+    def put_if(self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str:
+        """Write a small object only if none exists (``if_absent``: ``If-None-Match: *``) or only if its entity
+        tag is still ``if_match`` (``If-Match``); returns the new entity tag. No retries inside the client: the
+        caller's loop must tell a lost response from a refused write."""
+        if if_absent == (if_match is not None):
+            raise ValueError("put_if needs exactly one of if_absent=True and if_match=ETAG")
+        mode = "create" if if_absent else {"e_tag": if_match}
+        with _translated():
+            result = obstore.put(self._store, key, data, mode=mode, use_multipart=False)
+        if not result.get("e_tag"):
+            raise Permanent(f"the store returned no entity tag for a conditional PUT of {key}")
+        return str(result["e_tag"])
+
+    def get_versioned(self, key: str) -> tuple[bytes, str, datetime] | None:
+        """``(bytes, entity tag, last-modified time)`` of the object (one GET), or None if there is none."""
+        try:
+            with _translated():
+                got = obstore.get(self._store, key)
+                data = bytes(got.bytes())
+        except Permanent as err:
+            if err.missing:
+                return None
+            raise
+        return data, str(got.meta.get("e_tag") or ""), got.meta["last_modified"]
 
     def list(self, prefix: str) -> list[tuple[str, int]]:
         """``(key, size)`` of every object under ``prefix`` (a folder-like prefix ending in ``/``)."""

@@ -12,8 +12,10 @@ import random
 import shutil
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.retry import Permanent, retrying
 from fastio.storage.url import Location, join_key, parse_location
 
-__all__ = ["LocalStorage", "ObjectInfo", "S3Storage", "Storage", "open_storage"]
+__all__ = ["LocalStorage", "ObjectInfo", "S3Storage", "Storage", "Versioned", "open_storage"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,15 @@ class ObjectInfo:
     key: str
     """Relative to the storage root."""
     size: int
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """One version of an object: its bytes, entity tag and the server's last-modified time."""
+
+    data: bytes
+    e_tag: str
+    last_modified: datetime
 
 
 class Storage(ABC):
@@ -91,14 +102,18 @@ class Storage(ABC):
             f.write(data)
         return len(data)
 
-    def publish_dir(self, local: Path, keys_last: tuple[str, ...] = ()) -> list[str]:
+    def publish_dir(self, local: Path, keys_last: tuple[str, ...] = (),
+                    before_last: Callable[[], None] | None = None) -> list[str]:
         """Upload every file under ``local`` to the same relative keys; the keys in ``keys_last`` are uploaded
-        after all others, in that order (a manifest or commit marker makes the upload visible). Returns the keys."""
+        after all others, in that order (a manifest or commit marker makes the upload visible), after calling
+        ``before_last`` (a writer's last chance to refuse, e.g. a lease check). Returns the keys."""
         local = Path(local)
         files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
         last = [k for k in keys_last if k in files]
         first = [k for k in files if k not in last]
         self._put_many(local, first)
+        if before_last is not None:
+            before_last()
         for k in last:
             self.put_file(k, local / k)
         return first + last
@@ -231,6 +246,21 @@ class S3Storage(Storage):
     def head(self, key: str) -> int | None:
         full = self._key(key)
         return self._retrying(lambda: self._client.head(full), key, "HEAD")
+
+    def put_if(self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> str:
+        """Write a small object only if there is none (``if_absent``) or only if its entity tag is still
+        ``if_match``; returns the new entity tag. A refused write is a StorageError with ``precondition`` set
+        (at once, not retried). A retry after a lost response can be refused by the write that did land, so a
+        caller that sees a refusal compares what is stored with what it wrote (:meth:`get_versioned`)."""
+        full = self._key(key)
+        return self._retrying(lambda: self._client.put_if(full, data, if_absent=if_absent, if_match=if_match),
+                              key, "conditional PUT")
+
+    def get_versioned(self, key: str) -> Versioned | None:
+        """The object with its entity tag and last-modified time, or None if there is none."""
+        full = self._key(key)
+        got = self._retrying(lambda: self._client.get_versioned(full), key, "GET")
+        return None if got is None else Versioned(*got)
 
     def put_file(self, key: str, path: Path) -> None:
         full = self._key(key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from fastio.atomic import fsync_dir
@@ -31,12 +32,13 @@ class DirMirror:
         return sorted({o.key.split("/")[0] for o in self.storage.list()
                        if o.key.count("/") == 1 and o.key.endswith("/" + self.marker)})
 
-    def push(self, local: Path, name: str) -> None:
-        """Upload ``local``'s files to ``NAME/``, the marker last."""
+    def push(self, local: Path, name: str, before_marker: Callable[[], None] | None = None) -> None:
+        """Upload ``local``'s files to ``NAME/``, the marker last, after calling ``before_marker`` (which may
+        raise to leave the copy incomplete, i.e. invisible)."""
         if not (Path(local) / self.marker).is_file():
             raise StorageError(f"{local}: has no {self.marker}; only complete directories are published",
                                url=self.storage.url_of(name))
-        self.storage.child(name).publish_dir(Path(local), keys_last=(self.marker,))
+        self.storage.child(name).publish_dir(Path(local), keys_last=(self.marker,), before_last=before_marker)
 
     def pull(self, name: str, dest: Path) -> None:
         """Download complete ``NAME/`` into ``dest`` (through ``dest`` + ``.part``, renamed when whole)."""

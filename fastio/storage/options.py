@@ -50,6 +50,15 @@ class StorageOptions:
     """Bytes per part of a multipart upload and per ranged GET of a parallel download."""
     concurrency: int = 8
     """Parts transferred at once by one upload or download."""
+    lease_ttl_s: float = 60.0
+    """Seconds a writer's lease on a prefix (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) lasts
+    unless renewed; its holder renews it every third of that. A holder that dies without releasing it blocks
+    other writers this long plus ``lease_skew_s`` (less on the same host or in a requeued Slurm job).
+    0 turns the lease off, for stores that ignore conditional writes: one writer per prefix is then yours to keep."""
+    lease_skew_s: float = 10.0
+    """Seconds of clock difference between hosts tolerated when judging a lease expired: another writer takes
+    it over only this long after the expiry its holder recorded (and after the server's last-modified time
+    plus ``lease_ttl_s``)."""
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -63,6 +72,10 @@ class StorageOptions:
             raise ValueError(f"part_size must be >= 5 MiB (the S3 minimum part), got {self.part_size}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not (self.lease_ttl_s == 0 or self.lease_ttl_s >= 1):
+            raise ValueError(f"lease_ttl_s must be 0 (no lease) or >= 1 second, got {self.lease_ttl_s}")
+        if self.lease_skew_s < 0:
+            raise ValueError(f"lease_skew_s must be >= 0, got {self.lease_skew_s}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
 

@@ -19,11 +19,12 @@ class Transient(Exception):
 
 
 class Permanent(Exception):
-    """A fault retrying cannot cure (403, 404, bad request); ``missing`` is True for 404."""
+    """A fault retrying cannot cure (403, 404, bad request); ``missing`` is True for 404, ``precondition``
+    for a refused conditional write (412)."""
 
-    def __init__(self, message: str, missing: bool = False):
+    def __init__(self, message: str, missing: bool = False, precondition: bool = False):
         super().__init__(message)
-        self.missing = missing
+        self.missing, self.precondition = missing, precondition
 
 
 def retrying(fn: Callable[[], T], *, url: str, what: str, retries: int, backoff_s: float, backoff_max_s: float,
@@ -39,7 +40,8 @@ def retrying(fn: Callable[[], T], *, url: str, what: str, retries: int, backoff_
         try:
             return fn()
         except Permanent as err:
-            raise StorageError(f"{url}: {what} failed: {err}", url=url, missing=err.missing) from None
+            raise StorageError(f"{url}: {what} failed: {err}", url=url, missing=err.missing,
+                               precondition=err.precondition) from None
         except Transient as err:
             if attempt >= retries:
                 raise StorageError(f"{url}: {what} failed after {attempt + 1} attempts: {err}", url=url,

@@ -1,0 +1,204 @@
+"""Two real ranks (gloo on 127.0.0.1) with a Checkpointer on s3:// (moto): one staging directory both see, or
+one each (simulated nodes: each node uploads its own files, rank 0 commits on the store, restores pull the step
+into every node's directory); a rank that cannot use its staging directory is refused by name."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fastio.checkpoint import Checkpointer
+from fastio.errors import CheckpointError
+from fastio.lock import LOCK_NAME
+from fastio.storage import open_storage
+
+WORLD = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def refused_worker(rank: int, port: int, url: str, options: dict, staging: list[str], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        try:
+            Checkpointer(url, storage_options=options, staging_dir=staging[rank], signals=()).close()
+            result = "constructed"
+        except CheckpointError as err:
+            result = str(err)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_use_its_staging_dir_is_refused_by_name(moto_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/runs/apart"
+    options = moto_server.options()
+    (tmp_path / "a-file").write_text("not a directory")
+    staging = [str(tmp_path / "node0"), str(tmp_path / "a-file" / "node1")]
+    mp.spawn(refused_worker, args=(free_port(), url, options, staging, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert results[0] == results[1]  # every rank fails, with the same one line
+    assert results[0] == (f"{staging[1]}: rank 1 ({socket.gethostname()}) cannot use this staging directory (its "
+                          "probe file could not be written or listed); give staging_dir= a writable directory")
+    # rank 0 let go of the prefix's lease and of its staging lock; no probe files are left behind
+    assert open_storage(url, options).head(LOCK_NAME) is None
+    assert sorted(p.name for p in Path(staging[0]).iterdir()) == [LOCK_NAME]
+    Checkpointer(url, storage_options=options, staging_dir=staging[0], signals=()).close()
+
+
+class Position:
+    """Per-rank loader-like state."""
+
+    def __init__(self):
+        self.consumed = 0
+
+    def state_dict(self):
+        return {"version": 1, "consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.consumed = state["consumed"]
+
+
+def build():
+    torch.manual_seed(0)  # same initial weights on both ranks, as DDP requires
+    model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+    return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01), "loader": Position()}
+
+
+def round_trip_worker(rank: int, port: int, url: str, options: dict, staging: list[str], restore_staging: list[str],
+                      engine: str, compression: str | None, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        app = build()
+        torch.manual_seed(100 + rank)
+        with Checkpointer(url, every_steps=2, keep=1, storage_options=options, staging_dir=staging[rank],
+                          engine=engine, compression=compression, signals=()) as ckpt:
+            for step in range(1, 5):
+                loss = app["model"](torch.randn(8, 16)).square().mean()
+                app["optim"].zero_grad()
+                loss.backward()
+                app["optim"].step()
+                app["loader"].consumed += 8 * (rank + 1)
+                ckpt.maybe_save(step, app)
+        expected = {"consumed": app["loader"].consumed, "draw": torch.rand(4).tolist(),
+                    "weight": app["model"].module.weight.detach().flatten().tolist(),
+                    "exp_avg": app["optim"].state_dict()["state"][0]["exp_avg"].flatten().tolist()}
+        fresh = build()
+        torch.manual_seed(999)
+        with Checkpointer(url, storage_options=options, staging_dir=restore_staging[rank], signals=()) as ckpt:
+            state = ckpt.restore_latest(fresh)
+            steps = ckpt.steps()
+        got = {"consumed": fresh["loader"].consumed, "draw": torch.rand(4).tolist(),
+               "weight": fresh["model"].module.weight.detach().flatten().tolist(),
+               "exp_avg": fresh["optim"].state_dict()["state"][0]["exp_avg"].flatten().tolist()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"expected": expected, "got": got, "step": state.step,
+                                                            "steps": steps}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_round_trip(moto_server, bucket: str, tmp_path: Path, staging: list[str], restore_staging: list[str],
+                   engine: str, compression: str | None = None) -> list[dict]:
+    url = f"s3://{bucket}/runs/{engine}"
+    mp.spawn(round_trip_worker, args=(free_port(), url, moto_server.options(), staging, restore_staging, engine,
+                                      compression, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in results:
+        assert r["step"] == 4 and r["steps"] == [4] and r["got"] == r["expected"]
+    assert results[0]["got"]["consumed"] != results[1]["got"]["consumed"]  # per-rank state came back per rank
+    return results
+
+
+def test_two_ranks_sharing_a_staging_dir_round_trip_through_s3(moto_server, s3_bucket, tmp_path):
+    shared = str(tmp_path / "shared")
+    run_round_trip(moto_server, s3_bucket, tmp_path, [shared, shared], [str(tmp_path / "fresh")] * 2,
+                   "torchsnapshot")
+
+
+@pytest.mark.parametrize(("engine", "compression"), [("torchsnapshot", None), ("dcp", "zstd")])
+def test_two_nodes_with_their_own_staging_dirs_round_trip_through_s3(moto_server, s3_bucket, tmp_path, engine,
+                                                                     compression):
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_round_trip(moto_server, s3_bucket, tmp_path, nodes, [str(tmp_path / "new0"), str(tmp_path / "new1")], engine,
+                   compression)
+    store = open_storage(f"s3://{s3_bucket}/runs/{engine}", moto_server.options())
+    keys = [o.key for o in store.list()]
+    assert {k.split("/")[0] for k in keys} == {"step-4"} and "step-4/fastio-commit.json" in keys
+    assert all(k.endswith(".zst") for k in keys if not k.endswith("fastio-commit.json")) == bool(compression)
+    # each node wrote part of the step and uploaded it; no node kept a temporary or a partial step
+    for node in nodes:
+        assert sorted(p.name for p in Path(node).iterdir()) == [LOCK_NAME]
+    # the restore pulled the whole step into each node's staging dir
+    for new in ("new0", "new1"):
+        got = sorted(p.relative_to(tmp_path / new / "step-4").as_posix() for p in (tmp_path / new / "step-4").rglob("*")
+                     if p.is_file())
+        assert got == sorted(k[len("step-4/"):] for k in keys)
+
+
+def fallback_worker(rank: int, port: int, url: str, options: dict, root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        app = build()
+        saved = {}
+        with Checkpointer(url, every_steps=2, storage_options=options, staging_dir=f"{root}/node{rank}",
+                          signals=()) as ckpt:
+            for step in range(1, 5):
+                loss = app["model"](torch.randn(8, 16)).square().mean()
+                app["optim"].zero_grad()
+                loss.backward()
+                app["optim"].step()
+                app["loader"].consumed += rank + 1
+                ckpt.maybe_save(step, app)
+                saved[step] = app["loader"].consumed
+        if rank == 0:  # damage one stored file of the newest step (rank 1's, written on the other node)
+            store = open_storage(url, options)
+            victim = next(o.key for o in store.list("step-4/") if o.key.startswith("step-4/1/"))
+            data = bytearray(store.get(victim))
+            data[len(data) // 2] ^= 0xFF
+            store.put_bytes(victim, bytes(data))
+        dist.barrier()
+        fresh = build()
+        ckpt = Checkpointer(url, every_steps=1, storage_options=options, staging_dir=f"{root}/new{rank}", signals=())
+        state = ckpt.restore_latest(fresh)
+        # another job takes the prefix over: the next save fails on every rank, and uploads nothing
+        if rank == 0:
+            open_storage(url, options).put_bytes(LOCK_NAME, b'{"purpose": "intruder", "host": "node-x", "pid": 5}')
+        dist.barrier()
+        ckpt.maybe_save(5, fresh)
+        try:
+            ckpt.maybe_save(6, fresh)
+            lost = None
+        except CheckpointError as err:
+            lost = str(err)
+        ckpt.close()
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"step": state.step, "consumed": fresh["loader"].consumed,
+                                                            "saved": saved[2], "lost": lost}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_nodes_fall_back_together_past_a_step_damaged_on_the_store(moto_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/runs/fallback"
+    mp.spawn(fallback_worker, args=(free_port(), url, moto_server.options(), str(tmp_path), str(tmp_path)),
+             nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["step"] == 2 and got["consumed"] == got["saved"] == 2 * (r + 1)
+        # each node's copy of step 4 was moved aside (not deleted); step 2 was pulled and restored; each node's
+        # staging dir is locked by its own lowest rank
+        names = sorted(p.name for p in (tmp_path / f"new{r}").iterdir())
+        assert names == [LOCK_NAME, "step-2", "step-4.quarantined"]
+        assert "step-5: checkpoint write failed: " in got["lost"] and "lease lost: taken over by intruder" in got["lost"]
+    assert {o.key.split("/")[0] for o in open_storage(url, moto_server.options()).list()} == {
+        LOCK_NAME, "step-2", "step-4"}  # step 5 never uploaded; the intruder's lease left alone
