@@ -372,7 +372,7 @@ class Loader:
                 if (fed.epoch, fed.start) != (epoch, self.consumed):
                     raise RuntimeError(f"internal error: fed epoch {fed.epoch} from {fed.start}, "
                                        f"the loader is at epoch {epoch} consumed {self.consumed}")
-                self._stats.end_wait(started, int((~batch["padded"]).sum()))
+                self._stats.end_wait(started, len(fed.padded) - int(np.count_nonzero(fed.padded)))
                 self.consumed = fed.consumed
                 if fed.last:  # the epoch is over (with drop_last, before its dropped tail)
                     self.epoch, self.consumed = epoch + 1, 0
@@ -384,9 +384,10 @@ class Loader:
             self._stats.pause()
 
     def _coming_batches(self, epoch: int, consumed: int) -> Iterator[np.ndarray]:
-        """This rank's batches (dataset-wide indices) from ``(epoch, consumed)`` to the end of the next epoch."""
+        """This rank's samples (dataset-wide indices, a chunk of batches at a time, in order) from
+        ``(epoch, consumed)`` to the end of the next epoch."""
         for plan in (self._sampler.plan(epoch, consumed), self._sampler.plan(epoch + 1, 0)):
-            for indices, _ in plan.iter_batches():
+            for indices, _, _ in plan.iter_chunks():
                 yield indices
 
     def _raw_batch(self, fed: Fed) -> dict[str, Any]:

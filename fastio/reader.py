@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from struct import error as struct_error
 from typing import Protocol
@@ -141,11 +141,10 @@ class Reader:
         self._finalizer()
 
     def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
-        """Tell the shard source the coming batches (dataset-wide indices, in order), so that it fetches their
-        shards ahead of need; a no-op for shards read in place."""
+        """Tell the shard source the coming samples (arrays of dataset-wide indices, in order: a batch or a chunk of
+        batches each), so that it fetches their shards ahead of need; a no-op for shards read in place."""
         if self._files is not None:
-            shard_of = self.ds.index.shard_of
-            self._files.read_ahead(int(s) for idx in batches for s in dict.fromkeys(shard_of(idx).tolist()))
+            self._files.read_ahead(_first_uses(self.ds.index.shard_of, batches, len(self.ds.shards)))
 
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
@@ -368,6 +367,22 @@ class _Descriptors:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _first_uses(shard_of: Callable[[np.ndarray], np.ndarray], batches: Iterable[np.ndarray],
+                shards: int) -> Iterator[int]:
+    """The shards of ``batches`` in the order they are first wanted, each once, done once all ``shards`` were
+    seen (this runs in a read-ahead thread beside the training loop: one vectorised lookup per array)."""
+    seen: set[int] = set()
+    for block in batches:
+        if len(seen) >= shards:
+            return
+        wanted = shard_of(block)
+        _, first = np.unique(wanted, return_index=True)
+        for s in wanted[np.sort(first)].tolist():
+            if s not in seen:
+                seen.add(s)
+                yield s
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -17,8 +17,10 @@ bytes, files or tensors.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -85,6 +87,9 @@ class Sampler:
     world_size: int = 1
     rank: int = 0
 
+    _chunks: _ChunkCache = field(default_factory=lambda: _ChunkCache(), init=False, repr=False, compare=False)
+    """Recent :meth:`EpochPlan.iter_batches` chunks (shared by the plans of this sampler)."""
+
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size!r}")
@@ -115,6 +120,30 @@ class Sampler:
         if not 0 <= start <= self.samples:
             raise ValueError(f"start must be in 0..{self.samples}, got {start}")
         return EpochPlan(self, epoch, self.order(epoch), start)
+
+
+class _ChunkCache:
+    """The last few chunks of batches a sampler looked up, read-only. The Loader's feeder and its shard
+    read-ahead walk the same chunks of the same epoch, so whichever comes second finds them here."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._chunks: OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, compute: Callable[[], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        with self._lock:
+            if key in self._chunks:
+                self._chunks.move_to_end(key)
+                return self._chunks[key]
+        value = compute()
+        for a in value:
+            a.flags.writeable = False
+        with self._lock:
+            self._chunks[key] = value
+            while len(self._chunks) > self.size:
+                self._chunks.popitem(last=False)
+        return value
 
 
 # -- the lazy order -----------------------------------------------------------------------------------
@@ -306,17 +335,26 @@ class EpochPlan:
         pos = np.concatenate(parts)
         return self.order[pos % n], pos >= n
 
+    def iter_chunks(self, first: int = 0, chunk: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        """``(indices, padded, count)``: ``batches(g, count)`` for consecutive chunks of ``chunk`` batches from
+        ``first`` to the end of the epoch (read-only arrays, shared with the other plans of the sampler at this
+        position: the feeder and the shard read-ahead look each chunk up once between them)."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        for g in range(first, len(self), chunk):
+            count = min(chunk, len(self) - g)
+            indices, padded = self.sampler._chunks.get((self.epoch, self.start, g, count),
+                                                       lambda g=g, count=count: self.batches(g, count))
+            yield indices, padded, count
+
     def iter_batches(self, first: int = 0, chunk: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``batch(g)`` for ``g = first ..`` the end of the epoch, looked up ``chunk`` batches at a time (one
         vectorised evaluation of the order per chunk instead of one per batch: what the feeder uses)."""
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
         b = self.sampler.spec.batch_size
-        for g in range(first, len(self), chunk):
-            count = min(chunk, len(self) - g)
-            indices, padded = self.batches(g, count)
-            cuts = np.arange(1, count) * b  # only the epoch's last batch can be shorter than batch_size
-            yield from zip(np.split(indices, cuts), np.split(padded, cuts))
+        for indices, padded, count in self.iter_chunks(first, chunk):
+            for j in range(count):  # only the epoch's last batch can be shorter than batch_size
+                end = (j + 1) * b if j < count - 1 else len(indices)
+                yield indices[j * b:end], padded[j * b:end]
 
     def _positions(self, g: int) -> np.ndarray:
         """Global positions (``>= len(order)`` where padding wraps) of this rank's part of batch ``g``."""

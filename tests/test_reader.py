@@ -66,3 +66,20 @@ def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
                 reader.read(np.array([16]))
         assert _open_fds() == before + 1
     assert _open_fds() == before
+
+
+def test_first_uses_lists_each_shard_once_in_order_of_first_use_and_stops_when_all_seen():
+    from fastio.reader import _first_uses
+
+    def shard_of(idx):
+        return np.asarray(idx) // 10
+
+    batches = [np.array([35, 3, 31]), np.array([12, 0]), np.array([44]), np.array([1, 2])]
+    assert list(_first_uses(shard_of, batches, shards=5)) == [3, 0, 1, 4]
+    assert list(_first_uses(shard_of, [np.concatenate(batches)], shards=5)) == [3, 0, 1, 4]
+
+    def endless():
+        while True:
+            yield np.array([7, 15])
+
+    assert list(_first_uses(shard_of, endless(), shards=2)) == [0, 1]  # stops once every shard was seen

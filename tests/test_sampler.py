@@ -120,3 +120,14 @@ def test_iter_batches_gives_batch_g_for_every_g(remainder, drop_last, world, sta
                 assert np.array_equal(indices, want_i) and np.array_equal(padded, want_p)
     with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
         next(_plans(4, 1)[0].iter_batches(0, 0))
+
+
+def test_iter_batches_chunks_are_shared_by_plans_of_one_sampler_and_read_only():
+    spec = SamplerSpec(seed=0, batch_size=4)
+    sampler = Sampler(spec, SIZES, "fp", 2, 1)
+    a = list(sampler.plan(1, 8).iter_batches())
+    b = list(sampler.plan(1, 8).iter_batches())  # another plan of the same position: the cached chunks
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(a, b))
+    assert np.shares_memory(a[0][0], b[0][0]) and not a[0][0].flags.writeable
+    fresh = Sampler(spec, SIZES, "fp", 2, 1).plan(1, 8)
+    assert all(np.array_equal(x[0], fresh.batch(g)[0]) for g, x in enumerate(a))
