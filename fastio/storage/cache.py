@@ -446,7 +446,9 @@ class CachedShardFiles:
     # -- read-ahead -------------------------------------------------------------------------------------
 
     def read_ahead(self, order: Iterable[int]) -> None:
-        """Fill shards in ``order`` (the order they will first be wanted; repeats are skipped) ahead of use."""
+        """Fill shards in ``order`` (the order they will first be wanted; repeats are skipped) ahead of use, at
+        most ``depth`` ahead of the furthest one acquired; those already cached are only marked recently used
+        (at once: a warm epoch costs one ``utime`` per shard here, and no waiting)."""
         if self._pool is None:
             return
         with self._lock:
@@ -466,11 +468,18 @@ class CachedShardFiles:
                 if i in self._pos:
                     continue
                 self._pos[i] = k
-                while self._epoch == epoch and not self._closed and k > self._reached + self.depth:
+            k += 1
+            path = self.cache.path(self.entries[i].sha256)
+            try:  # already cached: mark it recently used now (evicted last) and go on without waiting
+                os.utime(path)
+                continue
+            except FileNotFoundError:
+                pass
+            with self._lock:
+                while self._epoch == epoch and not self._closed and k - 1 > self._reached + self.depth:
                     self._cond.wait(0.5)
                 if self._epoch != epoch or self._closed:
                     return
-            k += 1
             try:
                 self._pool.submit(self._fill_ahead, i)
             except RuntimeError:  # pool shut down
