@@ -15,8 +15,10 @@ horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..6
 
 Runs are interleaved and rotated (A B C D, B C D A, ...); each figure is the median samples/s, next
 to the median CPU time per sample (this process, all its threads, and its reaped children), which is far
-less sensitive than wall time to other load on a shared machine. For fastio and DALI that CPU time is also
-split by thread group (DALI's worker threads, its other threads, the Python threads): where each spends it.
+less sensitive than wall time to other load on a shared machine. The ratios against DataLoader and DALI are
+paired: the median over the rounds of fastio's samples/s over the peer's in the same round. For fastio and
+DALI the CPU time is also split by thread group (DALI's worker threads, its other threads, the Python
+threads): where each spends it.
 
 Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the first batch of a fresh
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
@@ -385,9 +387,9 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         "first_batch_s": first_s, "first_batch_runs": first, "steady_rss_mib": rss,
         "ratios": [
             {"name": f"loader {device} samples/s vs DataLoader+WebDataset", "better": "higher", "target": 1.3,
-             "value": median["fastio"] / median["dataloader"]},
+             "value": _paired(runs, "fastio", "dataloader")},
             {"name": f"loader {device} samples/s vs DALI webdataset reader", "better": "higher", "target": 1.0,
-             "value": median["fastio"] / median["dali"]},
+             "value": _paired(runs, "fastio", "dali")},
             {"name": f"loader {device} first batch vs DALI's", "better": "lower", "target": 1.2,
              "value": first_s["fastio"] / first_s["dali"]},
             {"name": f"loader {device} first batch of a resumed epoch vs DALI's", "better": "lower",
@@ -401,6 +403,12 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         write_results(stem, result, results_dir)
         _chart(result, results_dir / f"{stem}.png")
     return result
+
+
+def _paired(runs: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over the rounds of ``a``'s figure over ``b``'s in the same round (a paired ratio: the load of a
+    shared machine drifts between rounds, much less within one)."""
+    return statistics.median(x / y for x, y in zip(runs[a], runs[b]))
 
 
 def _cpu_seconds() -> float:
