@@ -15,7 +15,7 @@ decode, so that the storage tier is what is measured):
   without any (shards fetched and batches read on demand), and on local disk; the first window of shards is
   a wait either way, so the figure is taken after the first batch, and the Loader's own per-batch work in
   ``next()`` stalls local disk too, so the ratio is the excess over local disk's stall;
-- ``download``: cache fills (ranged GETs, sha256 check, fsync, rename) against the client's raw GETs of the
+- ``download``: cache fills (ranged GETs, xxh3-128 check, fsync, rename) against the client's raw GETs of the
   same objects into memory, same concurrency.
 
 ``python bench/storage.py [--repeats N] [--samples N]`` writes ``bench/results/storage.json``.
@@ -139,7 +139,7 @@ def run(workdir: Path, repeats: int = 3, samples: int = 2400, results_dir: Path 
         storage = open_storage(url, options)
         storage.publish_dir(dest, keys_last=(MANIFEST_NAME,))
         records = shard_records(load_manifest(dest))
-        entries = [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes) for r in records]
+        entries = [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes, r.xxh3_128) for r in records]
         urls = storage.presign([e.key for e in entries], 3600)
         total_bytes = sum(e.size for e in entries)
         figures: dict[str, list[float]] = {k: [] for k in (

@@ -1,5 +1,5 @@
-"""The checksum loops: sha256 (datasets, and checkpoints before xxh3) and xxh3-128 (checkpoints), of a file by
-path, of an open descriptor, or (sha256) of bytes as they are written.
+"""The checksum loops: sha256 (datasets, and checkpoints before xxh3) and xxh3-128 (checkpoints; shards too, for
+the fills of object-store caches), of a file by path, of an open descriptor, or of bytes as they are written.
 
 xxh3-128 (the maintained ``xxhash`` binding) is a non-cryptographic checksum that runs at memory speed
 (tens of GB/s against sha256's ~1 GB/s): it catches flipped bits and truncation, not deliberate tampering.
@@ -11,7 +11,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_file", "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -45,6 +45,21 @@ def digest_file(path: str | Path, algo: str = "sha256", *, chunk: int = CHUNK) -
         os.close(fd)
 
 
+def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK) -> tuple[int, dict[str, str]]:
+    """``(size, {algo: hex digest})`` of the file at ``path``, every ``algo`` (keys of :data:`DIGESTS`) in one
+    read."""
+    hashes = {a: DIGESTS[a]() for a in algos}
+    fd, pos = os.open(path, os.O_RDONLY), 0
+    try:
+        while data := os.pread(fd, chunk, pos):
+            for h in hashes.values():
+                h.update(data)
+            pos += len(data)
+    finally:
+        os.close(fd)
+    return pos, {a: h.hexdigest() for a, h in hashes.items()}
+
+
 def sha256_fd(fd: int, *, chunk: int = CHUNK) -> tuple[int, str]:
     """``(size, hex digest)`` of everything an open descriptor holds, read with ``pread`` (no seek)."""
     return digest_fd(fd, "sha256", chunk=chunk)
@@ -56,14 +71,16 @@ def sha256_file(path: str | Path, *, chunk: int = CHUNK) -> tuple[int, str]:
 
 
 class HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through it (hash while writing)."""
+    """A write-only file wrapper that hashes and counts what passes through it (hash while writing): sha256
+    (:meth:`hexdigest`) and xxh3-128 (:meth:`xxh3_hexdigest`)."""
 
     def __init__(self, f):
-        self.f, self.sha = f, hashlib.sha256()
+        self.f, self.sha, self.xxh3 = f, hashlib.sha256(), _xxh3_128()
         self.size = 0
 
     def write(self, data) -> int:
         self.sha.update(data)
+        self.xxh3.update(data)
         self.size += len(data)
         return self.f.write(data)
 
@@ -72,3 +89,6 @@ class HashingWriter:
 
     def hexdigest(self) -> str:
         return self.sha.hexdigest()
+
+    def xxh3_hexdigest(self) -> str:
+        return self.xxh3.hexdigest()

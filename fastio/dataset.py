@@ -34,9 +34,9 @@ _RECORD_FIELDS = [f.name for f in dataclasses.fields(ShardRecord)]
 class Shard(ShardRecord):
     """A manifest's :class:`~fastio.manifest.ShardRecord` located in an opened DEST."""
 
-    source: DatasetSource = dataclasses.field(repr=False, compare=False)
+    source: DatasetSource = dataclasses.field(repr=False, compare=False, kw_only=True)
     """Where the DEST lives (a local folder, or an object store read through a node-local cache)."""
-    first: int = 0
+    first: int = dataclasses.field(default=0, kw_only=True)
     """Dataset-wide index of the shard's first sample."""
 
     @property
@@ -89,7 +89,7 @@ class Dataset:
         self.manifest: dict[str, Any] = self.source.load_manifest()
         shards, first = [], 0
         for entry in self.manifest["shards"]:  # validated by load_manifest (as shard_records assumes)
-            shards.append(Shard(*(entry[f] for f in _RECORD_FIELDS), source=self.source, first=first))
+            shards.append(Shard(*(entry.get(f) for f in _RECORD_FIELDS), source=self.source, first=first))
             first += entry["samples"]
         self.shards: list[Shard] = shards
         self._starts = np.array([s.first for s in shards] + [first], np.int64)

@@ -163,7 +163,8 @@ class ShardWriter:
         idx_text = format_index(shard.entries).encode()
         publish(shard.tmp, shard.path)
         record = ShardRecord(name=shard.path.name, samples=len(shard.entries), bytes=shard.out.size,
-                             sha256=shard.out.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest())
+                             sha256=shard.out.hexdigest(), idx_sha256=hashlib.sha256(idx_text).hexdigest(),
+                             xxh3_128=shard.out.xxh3_hexdigest())
         atomic_write_bytes(self.dest / SHARDS_DIR / record.idx_name, idx_text)
         self._index.add(record, shard.entries)
         self.shards.append(record)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastio.checksum import sha256_file
+from fastio.checksum import digests_file, sha256_file
 from fastio.dsindex import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError
 from fastio.idx import check_index, parse_index
@@ -121,11 +121,13 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
         if not tar_path.is_file():
             report.problems.append(Problem(label, None, "shard file is missing"))
             continue
-        size, digest = sha256_file(tar_path)
+        size, digests = digests_file(tar_path, ("sha256", "xxh3_128") if shard.xxh3_128 else ("sha256",))
         if size != shard.bytes:
             report.problems.append(Problem(label, None, f"size {size} bytes, manifest says {shard.bytes}"))
-        if digest != shard.sha256:
+        if digests["sha256"] != shard.sha256:
             report.problems.append(Problem(label, None, "sha256 does not match the manifest"))
+        if shard.xxh3_128 and digests["xxh3_128"] != shard.xxh3_128:
+            report.problems.append(Problem(label, None, "xxh3_128 does not match the manifest"))
         entries = None
         if not idx_path.is_file():
             report.problems.append(Problem(label, None, f"index {idx_path.name} is missing"))
@@ -172,9 +174,9 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
 
 
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
-    """Recompute every shard's and index's sha256, parse every tar member, compare counts and the
-    index with the manifest; with ``decode`` also decode every image. DatasetError if DEST is not a
-    dataset at all; every other finding is a :class:`Problem` in the report.
+    """Recompute every shard's sha256 (and xxh3-128, when recorded) and every index's sha256, parse every tar
+    member, compare counts and the index with the manifest; with ``decode`` also decode every image.
+    DatasetError if DEST is not a dataset at all; every other finding is a :class:`Problem` in the report.
 
     An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
     folder (not the cache: a damaged object is reported, not refused), checked, and deleted."""

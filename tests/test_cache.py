@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -151,7 +152,7 @@ def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, fault_
                     cache_dir=str(tmp_path / "cache"),
                     storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
     with pytest.raises(StorageError, match=rf"{url}/shards/{name}: shard {name} does not match the manifest after 2 "
-                                           r"downloads"):
+                                           r"downloads \(manifest xxh3_128 "):
         raw_epoch(loader)
     loader.close()
     assert fault_proxy.counts["slowdown"] + fault_proxy.counts["cut"] > 0
@@ -358,3 +359,17 @@ def test_a_released_shard_is_kept_open_briefly_then_evictable_by_another_process
     finally:
         os.close(probe)
     files.close()
+
+
+def test_fills_of_a_manifest_without_xxh3_are_checked_with_sha256(moto_server, s3_bucket, small_shards, tmp_path):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)  # as a manifest written before fastio recorded xxh3-128: sha256 only
+    assert all(e.xxh3_128 is None and e.check == ("sha256", e.sha256) for e in entries)
+    cache = ShardCache(tmp_path / "cache", 10**9)
+    assert cache.fill(storage, entries[0]) and cache.path(entries[0].sha256).read_bytes() == \
+        (small_shards / SHARDS_DIR / entries[0].name).read_bytes()
+    wrong = dataclasses.replace(entries[1], sha256="0" * 64)
+    with pytest.raises(StorageError, match=r"does not match the manifest after 2 downloads \(manifest sha256 0000"):
+        cache.fill(storage, wrong)

@@ -46,11 +46,12 @@ def test_flipped_byte_is_reported_with_shard(image_dataset, capsys):
     data[2000] ^= 0xFF
     shard.write_bytes(bytes(data))
     problems = [p.line() for p in verify(image_dataset).problems]
-    assert problems == ["shard-000001.tar: sha256 does not match the manifest"]
+    assert problems == ["shard-000001.tar: sha256 does not match the manifest",
+                        "shard-000001.tar: xxh3_128 does not match the manifest"]
     assert cli(["verify", str(image_dataset)]) == 1
     out, err = capsys.readouterr()
     assert lines(out) == problems
-    assert lines(err) == [f"fastio: verify: 1 problem(s) in {image_dataset}"]
+    assert lines(err) == [f"fastio: verify: 2 problem(s) in {image_dataset}"]
 
 
 def test_missing_shard_and_damaged_index(image_dataset):
@@ -269,3 +270,29 @@ def test_bad_split_list_is_one_line(case, tmp_path, image_folder, capsys):
         out, err = capsys.readouterr()
         assert out == "" and len(lines(err)) == 1 and err.startswith(f"fastio: error: {dest / SPLITS_NAME}: ")
         assert needle in err, err
+
+
+def test_shards_record_an_xxh3_that_verify_checks_and_older_manifests_without_it_still_verify(image_dataset):
+    import xxhash
+
+    manifest = json.loads((image_dataset / MANIFEST_NAME).read_text())
+    for shard in manifest["shards"]:
+        data = (image_dataset / "shards" / shard["name"]).read_bytes()
+        assert shard["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
+    manifest["shards"][0]["xxh3_128"] = "0" * 32  # the sha256 still matches: only the recorded xxh3 is wrong
+    (image_dataset / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert [p.line() for p in verify(image_dataset).problems] == [
+        "shard-000000.tar: xxh3_128 does not match the manifest"]
+    for shard in manifest["shards"]:
+        del shard["xxh3_128"]  # as fastio wrote manifests before it recorded xxh3
+    (image_dataset / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert verify(image_dataset).ok and Dataset(image_dataset).shards[0].xxh3_128 is None
+
+
+@pytest.mark.parametrize("value", ["abc", 7, "0" * 64, "G" * 32])
+def test_a_malformed_xxh3_is_one_line_naming_the_field(image_dataset, value):
+    manifest = json.loads((image_dataset / MANIFEST_NAME).read_text())
+    manifest["shards"][1]["xxh3_128"] = value
+    (image_dataset / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=r"shards\[1\]\.xxh3_128: .* is not a hex xxh3-128"):
+        Dataset(image_dataset)

@@ -13,8 +13,8 @@ Layout of ``cache_dir`` (shared by all ranks and jobs on a node)::
 Rules:
 
 - **Fill**: under the shard's fill lock (so each shard is downloaded once per node), into the ``.tmp`` name,
-  checked against the manifest's sha256, fsynced, then renamed. A mismatch is downloaded once more, then raised
-  naming the shard and the URL.
+  checked against the manifest's xxh3-128 (sha256 for manifests without it), fsynced, then renamed. A mismatch
+  is downloaded once more, then raised naming the shard and the URL.
 - **In use**: a process reading a shard holds a shared ``flock`` on it (kept for half a second after its last
   read, so that consecutive batches do not reopen it); eviction takes an exclusive one without
   waiting and skips the shard when it cannot. The kernel drops every lock when its process dies (even SIGKILL),
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -43,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastio.checksum import sha256_file
+from fastio.checksum import DIGESTS, digest_file
 from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
@@ -75,7 +74,15 @@ class CacheEntry:
     key: str
     """Its key in the storage."""
     sha256: str
+    """Its sha256 (also its name in the cache)."""
     size: int
+    xxh3_128: str | None = None
+    """Its xxh3-128 when the manifest records it: fills are checked against it (memory speed), else sha256."""
+
+    @property
+    def check(self) -> tuple[str, str]:
+        """``(algorithm, hex digest)`` a fill is checked against."""
+        return ("xxh3_128", self.xxh3_128) if self.xxh3_128 else ("sha256", self.sha256)
 
 
 @contextmanager
@@ -249,13 +256,14 @@ class ShardCache:
                 for attempt in (1, 2):
                     self._reserve(entry, tmp, url, wait)
                     size, digest = self._download(storage, entry, tmp)
-                    if size == entry.size and digest == entry.sha256:
+                    algo, want = entry.check
+                    if size == entry.size and digest == want:
                         # the data is fsynced; the rename is not (a rename lost in a crash costs one refill)
                         os.replace(tmp, final)
                         return True
                     if attempt == 2:
                         raise StorageError(f"{url}: shard {entry.name} does not match the manifest after 2 downloads "
-                                           f"(manifest sha256 {entry.sha256[:16]}…, {entry.size} bytes; downloaded "
+                                           f"(manifest {algo} {want[:16]}…, {entry.size} bytes; downloaded "
                                            f"{digest[:16]}…, {size} bytes)", url=url)
             finally:
                 try:
@@ -267,11 +275,13 @@ class ShardCache:
     @staticmethod
     def _download(storage: Storage, entry: CacheEntry, tmp: Path) -> tuple[int, str]:
         """Fill ``tmp`` (already at its full size) and return ``(size, sha256)`` of what arrived, fsynced.
-        One part: hashed in memory as it is written; several parts (parallel ranged GETs): hashed after."""
+        One part: hashed in memory as it is written; several parts (parallel ranged GETs): hashed after. The
+        digest is of the entry's :attr:`CacheEntry.check` algorithm."""
+        algo = entry.check[0]
         part = getattr(getattr(storage, "options", None), "part_size", None)
         if part is None or entry.size > part:
             storage.get_to_file(entry.key, tmp, entry.size)
-            size, digest = sha256_file(tmp)
+            size, digest = digest_file(tmp, algo)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -286,7 +296,9 @@ class ShardCache:
             os.fsync(fd)
         finally:
             os.close(fd)
-        return len(data), hashlib.sha256(data).hexdigest()
+        h = DIGESTS[algo]()
+        h.update(data)
+        return len(data), h.hexdigest()
 
 
 @dataclass

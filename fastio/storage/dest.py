@@ -175,7 +175,7 @@ class RemoteSource(DatasetSource):
         raise DatasetError(f"{self.storage.url_of(key)}: {what} does not match the manifest's checksum after 2 downloads")
 
     def _entries(self, records: list[ShardRecord]) -> list[CacheEntry]:
-        return [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes) for r in records]
+        return [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes, r.xxh3_128) for r in records]
 
     def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles:
         return CachedShardFiles(self.cache, self.storage, self._entries(records), depth=read_ahead,
