@@ -157,7 +157,8 @@ def test_a_lease_taken_over_under_a_live_holder_is_lost_and_never_deleted(moto_s
 
 
 def test_lease_works_through_faults(moto_server, s3_bucket, fault_proxy):
-    fault_proxy.slowdown = 0.3
+    # every kind of request answers 503 SlowDown the first time it is seen (then passes): faults for certain
+    fault_proxy.slowdown, fault_proxy.max_faults = 1.0, 1
     storage = open_storage(f"s3://{s3_bucket}/f", moto_server.options(fault_proxy.endpoint, lease_ttl_s=1.5,
                                                                         backoff_s=0.01))
     with Lease(storage, purpose="faulted") as lease:
