@@ -591,10 +591,12 @@ class Checkpointer:
             raise failed
         if others:
             raise CheckpointError(f"another rank's write failed: {others[0]}")
+        i, n = self._share  # the ranks that see this directory share its files
+        files = layout.data_files(tmp)[i::n]
+        self._gather([])  # every rank has listed the files before any replaces one by its compressed file
         mine: list[str] = []
         try:
-            i, n = self._share  # the ranks that see this directory share its files
-            for p in layout.data_files(tmp)[i::n]:
+            for p in files:
                 compress.compress_file(p, self._compression)
         except CheckpointError as err:
             mine.append(str(err))
