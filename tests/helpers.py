@@ -16,6 +16,19 @@ class StateHolder:
         self.state = state
 
 
+class Position:
+    """Per-rank loader-like state (``consumed``) for the multi-rank checkpoint tests."""
+
+    def __init__(self):
+        self.consumed = 0
+
+    def state_dict(self):
+        return {"version": 1, "consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.consumed = state["consumed"]
+
+
 def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     """``fastio ARGS`` in this process: (exit code, stdout, stderr)."""
     try:

@@ -10,26 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import StateHolder
+from helpers import Position, StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
 from fastio.errors import CheckpointError
 
 WORLD = 2
-
-
-class Position:
-    """Per-rank loader-like state."""
-
-    def __init__(self):
-        self.consumed = 0
-
-    def state_dict(self):
-        return {"version": 1, "consumed": self.consumed}
-
-    def load_state_dict(self, state):
-        self.consumed = state["consumed"]
 
 
 def build():

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import Position
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -55,19 +56,6 @@ def test_a_rank_that_cannot_use_its_staging_dir_is_refused_by_name(moto_server, 
     assert open_storage(url, options).head(LOCK_NAME) is None
     assert sorted(p.name for p in Path(staging[0]).iterdir()) == [LOCK_NAME]
     Checkpointer(url, storage_options=options, staging_dir=staging[0], signals=()).close()
-
-
-class Position:
-    """Per-rank loader-like state."""
-
-    def __init__(self):
-        self.consumed = 0
-
-    def state_dict(self):
-        return {"version": 1, "consumed": self.consumed}
-
-    def load_state_dict(self, state):
-        self.consumed = state["consumed"]
 
 
 def build():
