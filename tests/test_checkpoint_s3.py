@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
+from helpers import run_cli
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
@@ -78,3 +81,41 @@ def test_restore_falls_back_when_the_newest_remote_step_does_not_verify(moto_ser
     assert state.step == 1
     assert all(torch.equal(fresh["model"].state_dict()[k], states[1][k]) for k in states[1])
     assert not (tmp_path / "b" / "step-2").exists()
+
+
+def test_ckpt_ls_and_verify_read_an_s3_prefix_without_changing_it(moto_server, s3_bucket, aws_env, tmp_path,
+                                                                  capsys):
+    url = f"s3://{s3_bucket}/runs/r2/ckpt"
+    app = make_app()
+    with Checkpointer(url, every_steps=1, staging_dir=tmp_path / "stage", signals=(), compression="zstd") as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.maybe_save(step, app, metrics={"loss": 0.5 * step})
+            ckpt.wait()
+    store = open_storage(url)
+    store.put_bytes("step-3/0/model", b"partial")  # an upload cut short: no commit marker
+    before = {o.key: o.size for o in store.list()}
+    code, out, err = run_cli(["ckpt", "ls", url], capsys)
+    lines = out.splitlines()
+    assert code == 0 and err == "" and len(lines) == 4, out
+    assert lines[1].split()[:3] == ["1", "committed", "torchsnapshot+zstd"] and "loss=1" in lines[2]
+    assert lines[3].split()[:2] == ["3", "incomplete"]
+    code, out, _ = run_cli(["ckpt", "ls", url, "--json"], capsys)
+    rows = json.loads(out)["checkpoints"]
+    assert json.loads(out)["dir"] == url and [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["path"] == f"{url}/step-2" and rows[1]["metrics"] == {"loss": 1.0} and rows[1]["files"] > 3
+    code, out, _ = run_cli(["ckpt", "verify", url], capsys)
+    assert code == 0 and out == f"{url}: 2 committed checkpoint(s) verified (step 1, step 2)\n"
+    code, out, _ = run_cli(["ckpt", "verify", url, "--all"], capsys)
+    assert code == 1 and out == f"{url}/step-3: no fastio-commit.json (an upload in progress, or one that failed)\n"
+    victim = next(k for k, n in before.items() if k.startswith("step-2/") and n > 100
+                  and not k.endswith(layout.COMMIT_FILE))
+    data = bytearray(store.get(victim))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(victim, bytes(data))
+    code, out, _ = run_cli(["ckpt", "verify", url], capsys)
+    assert code == 1 and out.startswith(f"{url}/step-2/{victim.split('/', 1)[1]}") and "step-1" not in out, out
+    assert {o.key: o.size for o in store.list()} == before  # verify and ls changed nothing on the store
+    code, _, err = run_cli(["ckpt", "verify", f"s3://{s3_bucket}/nothing"], capsys)
+    assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a checkpoint prefix (no step-N/, " \
+                                "no .fastio-lock)\n"

@@ -79,11 +79,3 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     assert code == 2 and f"s3://{s3_bucket}/nothing: not a fastio dataset" in err
     code, _, err = run_cli(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"s3://{s3_bucket}/nothing" in err and "Traceback" not in err
-
-
-def test_ckpt_commands_refuse_urls_by_name(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for cmd in ("ls", "verify"):
-        code, _, err = run_cli(["ckpt", cmd, "s3://bucket/runs/ckpt"], capsys)
-        assert code == 2 and "s3://bucket/runs/ckpt: fastio ckpt reads local checkpoint directories" in err
-    assert list(tmp_path.iterdir()) == []

@@ -64,6 +64,8 @@ __all__ = [
     "encode_commit",
     "file_record",
     "list_checkpoints",
+    "listing_row",
+    "parse_commit",
     "quarantine",
     "read_commit",
     "remove_abandoned",
@@ -153,10 +155,20 @@ def read_commit(path: Path) -> dict[str, Any]:
     """Parse and check ``path``'s commit marker; CheckpointError naming the file when it is bad."""
     marker = Path(path) / COMMIT_FILE
     try:
-        data = json.loads(marker.read_text())
+        text = marker.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no commit marker {COMMIT_FILE} (uncommitted checkpoint)") from None
-    except (OSError, ValueError) as err:
+    except OSError as err:
+        raise CheckpointError(f"{marker}: unreadable commit marker: {err}") from None
+    return parse_commit(text, str(marker))
+
+
+def parse_commit(text: bytes, where: str) -> dict[str, Any]:
+    """A commit marker's bytes, parsed and checked; CheckpointError naming ``where`` when they are bad."""
+    marker = where
+    try:
+        data = json.loads(text)
+    except ValueError as err:
         raise CheckpointError(f"{marker}: unreadable commit marker: {err}") from None
     if not isinstance(data, dict) or data.get("format") != COMMIT_FORMAT:
         raise CheckpointError(f"{marker}: not a fastio commit marker")
@@ -433,14 +445,20 @@ def list_checkpoints(root: Path) -> list[dict]:
                                      "unrecognised or replaced); inspect it, then delete it or rename it back"))
     entries.sort(key=lambda e: (e.step, e.path.name))
     for e in entries:
-        c = e.commit or {}
-        size = c.get("bytes")
+        size = (e.commit or {}).get("bytes")
         if size is None:
             size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
-        rows.append({"step": e.step, "path": str(e.path), "committed": e.committed, "bytes": size,
-                     "engine": c.get("engine", DEFAULT_ENGINE) if e.committed else None,
-                     "checksum": c.get("checksum", "sha256") if e.committed else None,
-                     "compression": c.get("compression") if e.committed else None,
-                     "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
-                     "files": len(c.get("files", {})), "problem": e.problem})
+        rows.append(listing_row(e.step, str(e.path), e.commit, size, e.problem))
     return rows
+
+
+def listing_row(step: int, where: str, commit: dict[str, Any] | None, size: int, problem: str | None) -> dict:
+    """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None)."""
+    c = commit or {}
+    committed = commit is not None
+    return {"step": step, "path": where, "committed": committed, "bytes": size,
+            "engine": c.get("engine", DEFAULT_ENGINE) if committed else None,
+            "checksum": c.get("checksum", "sha256") if committed else None,
+            "compression": c.get("compression") if committed else None,
+            "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
+            "files": len(c.get("files", {})), "problem": problem}

@@ -1,14 +1,12 @@
-"""``fastio ckpt ls`` and ``fastio ckpt verify``: inspect a checkpoint directory."""
+"""``fastio ckpt ls`` and ``fastio ckpt verify``: inspect a checkpoint directory or ``s3://`` prefix."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
-from fastio.checkpoint import layout
-from fastio.cli.group import cli
+from fastio.cli.group import cli, storage_flags, storage_options
 from fastio.progress import human_bytes
 
 __all__ = ["ckpt"]
@@ -16,31 +14,21 @@ __all__ = ["ckpt"]
 
 @cli.group()
 def ckpt() -> None:
-    """Inspect checkpoint directories written by fastio.Checkpointer."""
-
-
-def _local_dir(directory: str) -> Path:
-    """DIRECTORY as a local path; an object-store URL is refused by name (not read as a folder named ``s3:``)."""
-    from fastio.errors import FastioError
-    from fastio.storage import parse_location
-
-    loc = parse_location(directory)
-    if loc.remote:
-        raise FastioError(f"{directory}: fastio ckpt reads local checkpoint directories; for an object store, "
-                          "Checkpointer(url).steps() lists committed steps and restore_latest() fetches one")
-    return loc.path
+    """Inspect checkpoint directories (or s3:// prefixes) written by fastio.Checkpointer."""
 
 
 @ckpt.command("ls")
 @click.argument("directory")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document instead of a table.")
-def ls_cmd(directory: str, as_json: bool) -> None:
-    """List the checkpoints in DIRECTORY (either engine): step, engine (+zstd when compressed), size as stored,
-    commit time, metrics."""
-    directory = _local_dir(directory)
-    rows = layout.list_checkpoints(directory)
+@storage_flags()
+def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
+    """List the checkpoints in DIRECTORY, a directory or an s3:// prefix (either engine): step, state, engine
+    (+zstd when compressed), size as stored, commit time, metrics."""
+    from fastio.checkpoint.catalog import list_steps
+
+    directory, rows = list_steps(directory, storage_options(endpoint_url, region, profile))
     if as_json:
-        click.echo(json.dumps({"dir": str(directory), "checkpoints": rows}, indent=1))
+        click.echo(json.dumps({"dir": directory, "checkpoints": rows}, indent=1))
         return
     if not rows:
         click.echo(f"{directory}: no checkpoints")
@@ -57,13 +45,19 @@ def ls_cmd(directory: str, as_json: bool) -> None:
 @ckpt.command("verify")
 @click.argument("directory")
 @click.option("--all", "include_uncommitted", is_flag=True,
-              help="Also report step-N.tmp directories (writes in progress or interrupted).")
-def verify_cmd(directory: str, include_uncommitted: bool) -> None:
-    """Check every committed checkpoint in DIRECTORY (either engine) against its recorded checksums; exit 1 on a problem.
+              help="Also report step-N.tmp directories (writes in progress or interrupted; on s3://, steps "
+                   "without their commit marker).")
+@storage_flags()
+def verify_cmd(directory: str, include_uncommitted: bool, endpoint_url: str | None, region: str | None,
+               profile: str | None) -> None:
+    """Check every committed checkpoint in DIRECTORY, a directory or an s3:// prefix (either engine), against its
+    recorded checksums; exit 1 on a problem. On s3:// each step is downloaded into a temporary directory first.
 
     A directory that is not a checkpoint directory is an error (exit 2)."""
-    directory = _local_dir(directory)
-    report = layout.verify_report(directory, include_uncommitted=include_uncommitted)
+    from fastio.checkpoint.catalog import verify_steps
+
+    directory, report = verify_steps(directory, include_uncommitted=include_uncommitted,
+                                     storage_options=storage_options(endpoint_url, region, profile))
     if report.problems:
         for line in report.problems:
             click.echo(line)

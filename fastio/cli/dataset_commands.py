@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from fastio.cli.group import cli
+from fastio.cli.group import cli, storage_flags, storage_options
 from fastio.errors import ConvertError, FastioError
 from fastio.images import DEFAULT_MAX_PIXELS
 
@@ -31,34 +31,6 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
     return re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
-
-
-def _storage_flags(cache: bool = False):
-    """``--endpoint-url``, ``--region``, ``--profile`` (and with ``cache``, ``--cache-dir``, ``--cache-size``)
-    for a DEST that is an ``s3://`` URL; they become ``storage_options`` (and the cache parameters)."""
-    def wrap(fn):
-        flags = [
-            click.option("--endpoint-url", default=None, metavar="URL",
-                         help="s3:// DEST: S3-compatible endpoint (default: AWS_ENDPOINT_URL, the profile, AWS)."),
-            click.option("--region", default=None, help="s3:// DEST: region (default: AWS_REGION, the profile)."),
-            click.option("--profile", default=None, help="s3:// DEST: AWS profile (default: AWS_PROFILE)."),
-        ]
-        if cache:
-            flags += [
-                click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
-                             help="s3:// DEST: node-local shard cache (default: $FASTIO_CACHE_DIR or ~/.cache/fastio)."),
-                click.option("--cache-size", default=None,
-                             help="s3:// DEST: cache bound, e.g. 500GB (default: half the free space)."),
-            ]
-        for flag in reversed(flags):
-            fn = flag(fn)
-        return fn
-    return wrap
-
-
-def _storage_options(endpoint_url: str | None, region: str | None, profile: str | None) -> dict[str, str]:
-    given = {"endpoint": endpoint_url, "region": region, "profile": profile}
-    return {k: v for k, v in given.items() if v is not None}
 
 
 @cli.command()
@@ -99,7 +71,7 @@ def _storage_options(endpoint_url: str | None, region: str | None, profile: str 
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
               help="s3:// DEST: where shards are written before the upload (default: the system temp dir).")
-@_storage_flags()
+@storage_flags()
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
@@ -121,7 +93,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
             key_column=key_column, root=root, part=part, progress=progress_wanted(quiet), staging_dir=staging_dir,
-            storage_options=_storage_options(endpoint_url, region, profile), **kwargs,
+            storage_options=storage_options(endpoint_url, region, profile), **kwargs,
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
@@ -155,7 +127,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.argument("dest")
 @click.option("--decode", is_flag=True, help="Also decode every image.")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
-@_storage_flags()
+@storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,
            profile: str | None) -> None:
     """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem.
@@ -163,7 +135,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
     from fastio.verify import verify as run_verify
 
-    report = run_verify(dest, decode=decode, storage_options=_storage_options(endpoint_url, region, profile))
+    report = run_verify(dest, decode=decode, storage_options=storage_options(endpoint_url, region, profile))
     for problem in report.problems:
         click.echo(problem.line())
     if report.problems:
@@ -186,7 +158,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @click.option("--epoch", type=int, default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
-@_storage_flags(cache=True)
+@storage_flags(cache=True)
 def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
             batch_size: int, endpoint_url: str | None, region: str | None, profile: str | None,
             cache_dir: Path | None, cache_size: str | None) -> None:
@@ -198,7 +170,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     try:
         info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
                            cache_dir=cache_dir, cache_size=cache_size,
-                           storage_options=_storage_options(endpoint_url, region, profile))
+                           storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
     if as_json:

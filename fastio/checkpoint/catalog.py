@@ -1,0 +1,106 @@
+"""What ``fastio ckpt ls`` and ``fastio ckpt verify`` show: the checkpoints of a directory or of an ``s3://`` prefix.
+
+A directory is read by :mod:`fastio.checkpoint.layout`. On an object store a step is committed when
+``step-N/fastio-commit.json`` exists (the Checkpointer uploads it last); a ``step-N/`` without it is an upload in
+progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``). Verifying a
+committed step downloads it into a temporary directory, one step at a time, and checks every file against its
+marker exactly as on disk; nothing on the store is changed.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from fastio.checkpoint import layout
+from fastio.errors import CheckpointError, StorageError
+from fastio.lock import LOCK_NAME
+from fastio.storage import open_storage, parse_location
+from fastio.storage.base import Storage
+from fastio.storage.mirror import DirMirror
+
+__all__ = ["list_steps", "verify_steps"]
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
+    """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
+    directory or ``s3://`` prefix, oldest first."""
+    loc = parse_location(str(where))
+    if not loc.remote:
+        return str(loc.path), layout.list_checkpoints(loc.path)
+    storage = open_storage(loc, storage_options)
+    rows = []
+    for step, sizes in _remote_steps(storage).items():
+        name = f"step-{step}"
+        commit, problem = None, None
+        if layout.COMMIT_FILE in sizes:
+            try:
+                commit = layout.parse_commit(_get(storage, f"{name}/{layout.COMMIT_FILE}"),
+                                             storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
+            except CheckpointError as err:
+                problem = str(err)
+        else:
+            problem = f"{storage.url_of(name)}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)"
+        size = (commit or {}).get("bytes")
+        rows.append(layout.listing_row(step, storage.url_of(name), commit,
+                                       sum(sizes.values()) if size is None else size, problem))
+    return storage.url, rows
+
+
+def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
+                 storage_options: dict | None = None) -> tuple[str, layout.VerifyReport]:
+    """``(where, report)``: every committed checkpoint of a directory or ``s3://`` prefix checked against its
+    commit marker (see :func:`fastio.checkpoint.layout.verify_report`). CheckpointError when ``where`` holds no
+    checkpoints at all (no step, no lock)."""
+    loc = parse_location(str(where))
+    if not loc.remote:
+        return str(loc.path), layout.verify_report(loc.path, include_uncommitted=include_uncommitted)
+    storage = open_storage(loc, storage_options)
+    steps = _remote_steps(storage)
+    if not steps and storage.head(LOCK_NAME) is None:
+        raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
+    mirror = DirMirror(storage, layout.COMMIT_FILE)
+    problems, verified = [], []
+    with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
+        for step, sizes in steps.items():
+            name, url = f"step-{step}", storage.url_of(f"step-{step}")
+            if layout.COMMIT_FILE not in sizes:
+                if include_uncommitted:
+                    problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
+                continue
+            local = Path(tmp) / name
+            try:
+                mirror.pull(name, local)
+                found = layout.verify_step(layout.StepEntry(step, local, layout.read_commit(local)))
+            except (StorageError, CheckpointError) as err:
+                found = [str(err)]
+            problems += [p.replace(str(local), url) for p in found]
+            verified.append(step)
+            shutil.rmtree(local, ignore_errors=True)
+    return storage.url, layout.VerifyReport(problems, verified)
+
+
+def _remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
+    """``{step: {key under step-N/: size}}`` of every ``step-N/`` prefix, oldest step first."""
+    try:
+        objects = storage.list()
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+    steps: dict[int, dict[str, int]] = {}
+    for o in objects:
+        top, _, rest = o.key.partition("/")
+        m = _STEP.fullmatch(top)
+        if m and rest:
+            steps.setdefault(int(m[1]), {})[rest] = o.size
+    return dict(sorted(steps.items()))
+
+
+def _get(storage: Storage, key: str) -> bytes:
+    try:
+        return storage.get(key)
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url_of(key)}: cannot read: {err}") from None
