@@ -11,7 +11,8 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_file", "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file", "sha256_fd",
+           "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -26,38 +27,36 @@ DIGESTS = {"sha256": hashlib.sha256, "xxh3_128": _xxh3_128}
 """Checksum name (as recorded next to a file's size) -> a new hash object with ``update``/``hexdigest``."""
 
 
-def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
-    """``(size, hex digest)`` of everything an open descriptor holds, read with ``pread`` (no seek);
-    ``algo`` is a key of :data:`DIGESTS`."""
-    h, pos = DIGESTS[algo](), 0
+def digests_fd(fd: int, algos: tuple[str, ...], *, chunk: int = CHUNK) -> tuple[int, dict[str, str]]:
+    """``(size, {algo: hex digest})`` of everything an open descriptor holds, every ``algo`` (keys of
+    :data:`DIGESTS`) in one read with ``pread`` (no seek): the one checksum loop."""
+    hashes, pos = {a: DIGESTS[a]() for a in algos}, 0
     while data := os.pread(fd, chunk, pos):
-        h.update(data)
+        for h in hashes.values():
+            h.update(data)
         pos += len(data)
-    return pos, h.hexdigest()
+    return pos, {a: h.hexdigest() for a, h in hashes.items()}
+
+
+def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK) -> tuple[int, dict[str, str]]:
+    """:func:`digests_fd` of the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return digests_fd(fd, algos, chunk=chunk)
+    finally:
+        os.close(fd)
+
+
+def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
+    """``(size, hex digest)`` of everything an open descriptor holds; ``algo`` is a key of :data:`DIGESTS`."""
+    size, digests = digests_fd(fd, (algo,), chunk=chunk)
+    return size, digests[algo]
 
 
 def digest_file(path: str | Path, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
     """``(size, hex digest)`` of the file at ``path`` (``algo`` as in :func:`digest_fd`)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return digest_fd(fd, algo, chunk=chunk)
-    finally:
-        os.close(fd)
-
-
-def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK) -> tuple[int, dict[str, str]]:
-    """``(size, {algo: hex digest})`` of the file at ``path``, every ``algo`` (keys of :data:`DIGESTS`) in one
-    read."""
-    hashes = {a: DIGESTS[a]() for a in algos}
-    fd, pos = os.open(path, os.O_RDONLY), 0
-    try:
-        while data := os.pread(fd, chunk, pos):
-            for h in hashes.values():
-                h.update(data)
-            pos += len(data)
-    finally:
-        os.close(fd)
-    return pos, {a: h.hexdigest() for a, h in hashes.items()}
+    size, digests = digests_file(path, (algo,), chunk=chunk)
+    return size, digests[algo]
 
 
 def sha256_fd(fd: int, *, chunk: int = CHUNK) -> tuple[int, str]:
