@@ -6,21 +6,68 @@ early (a conversion that fails on a bad sample) can hang forever. Here every wor
 own and shares no lock with anyone: chunk k goes to worker ``k % N`` and results are read back in the
 same order, a feeder thread sends while the caller reads (so neither side can block the other), and
 :meth:`OrderedPool.close` simply kills the workers.
+
+Workers never outlive their parent, however it ends (exit, exception, SIGTERM, SIGKILL): each one asks
+the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG`` on Linux), closes every descriptor it
+inherited but its own pipe end (so it holds no lock of its parent's, such as DEST's ``.fastio-lock``, no
+other worker's pipe and not the caller's stdout: a ``| tail`` sees EOF), and returns at EOF on its pipe.
+:func:`detach_child` is that set-up, for any process fastio forks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
+import signal
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-__all__ = ["OrderedPool"]
+__all__ = ["OrderedPool", "detach_child"]
+
+_PR_SET_PDEATHSIG = 1
 
 
-def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple) -> None:
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the thread that forked it ends (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def detach_child(parent_pid: int, keep: tuple[int, ...] = ()) -> None:
+    """Run first in a forked child: die with the parent, and hold none of its descriptors.
+
+    SIGKILL when the parent dies (and exit at once if it already has: the fork raced its death); stdin and
+    stdout become ``/dev/null`` (stderr stays, for a crash's last words), every other inherited descriptor but
+    ``keep`` is closed: the parent's locks, other children's pipe ends, sockets and files."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        if fd not in keep:
+            os.dup2(null, fd)
+    lowest = 3
+    for fd in sorted({*keep, null}):
+        if fd >= lowest:
+            os.closerange(lowest, fd)
+            lowest = fd + 1
+    os.closerange(lowest, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+    if null > 2 and null not in keep:
+        os.close(null)
+
+
+def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, parent_pid: int) -> None:
+    detach_child(parent_pid, keep=(conn.fileno(),))
     if initializer is not None:
         initializer(*initargs)
     while True:
@@ -57,7 +104,8 @@ class OrderedPool:
         self._closed = False
         for _ in range(workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, fn, initializer, initargs), daemon=True)
+            proc = ctx.Process(target=_serve, args=(child, fn, initializer, initargs, os.getpid()),
+                              daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)

@@ -1,0 +1,121 @@
+"""A killed run never blocks the next: SIGKILL or SIGTERM of `fastio convert`, `convert --part` and `fastio merge`
+(real CLI processes) at several moments leaves no fastio process behind within seconds, the caller's stdout
+pipe reaches EOF (a `| tail` ends), and the same command run again succeeds."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fastio.convert import ConvertConfig, convert
+from fastio.dataset import Dataset
+from fastio.lock import LOCK_NAME
+from fastio.manifest import MANIFEST_NAME
+from fastio.merge import merge
+from fastio.parts import PARTS_DIR
+from fastio.synthetic import make_imagefolder
+
+OPTIONS = ["--max-samples-per-shard", "2", "--max-side", "40", "--quality", "80"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_imagefolder(tmp_path_factory.mktemp("kill") / "src", classes=2, per_class=40, min_side=64,
+                            max_side=96)
+
+
+def children(pid: int) -> set[int]:
+    """Live descendants of ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a reaper (a zombie holds no descriptor)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_at(cmd: list[str], moment, sig: int, env=None) -> None:
+    """Run ``cmd``; when ``moment()`` holds, freeze it, signal it, and check that it and its children are gone
+    within 5 s and that its stdout pipe reached EOF (no child kept it open)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 60
+    while not moment() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGSTOP)
+    assert proc.poll() is None, f"finished before the moment: {proc.stderr.read().decode()}"
+    kids = children(proc.pid)
+    proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
+    assert proc.wait(timeout=30) == -sig
+    gone_by = time.monotonic() + 5
+    while any(alive(k) for k in kids) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not [k for k in kids if alive(k)], "processes outlived the killed run"
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.1, gone_by - time.monotonic()))
+    assert ready and proc.stdout.read() == b"", "stdout is still held open: a `| tail` would wait forever"
+    proc.stderr.close()
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fastio.cli", *args]
+
+
+def exists(path: Path):
+    return path.exists
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
+@pytest.mark.parametrize("moment", ["workers started", "shards written"])
+def test_killed_convert_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig, moment):
+    dest = tmp_path / "d"
+    me = os.getpid()
+    when = {"workers started": lambda: any(children(p) for p in children(me)),
+            "shards written": exists(dest / "shards" / "shard-000003.tar")}[moment]
+    kill_at(cli("convert", str(source), str(dest), "--workers", "2", *OPTIONS), when, sig)
+    assert not (dest / MANIFEST_NAME).exists()
+    convert(ConvertConfig(source=source, dest=dest, workers=2, max_samples_per_shard=2, max_side=40, quality=80))
+    assert len(Dataset(dest)) == 80
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
+def test_killed_part_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig):
+    dest = tmp_path / "d"
+    part = dest / PARTS_DIR / "part-1-of-2"
+    kill_at(cli("convert", str(source), str(dest), "--workers", "2", "--part", "1/2", *OPTIONS),
+            exists(part / "shards" / "shard-000004.tar"), sig)
+    for k in (0, 1):
+        convert(ConvertConfig(source=source, dest=dest, workers=2, max_samples_per_shard=2, max_side=40,
+                              quality=80, part=(k, 2)))
+    assert merge(dest).samples == 80
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
+def test_killed_merge_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig):
+    dest = tmp_path / "d"
+    for k in (0, 1):
+        convert(ConvertConfig(source=source, dest=dest, workers=1, max_samples_per_shard=2, part=(k, 2)))
+    kill_at(cli("merge", str(dest)), exists(dest / LOCK_NAME), sig)  # DEST and the parts locked
+    assert not (dest / MANIFEST_NAME).exists()
+    assert merge(dest).samples == 80
