@@ -78,6 +78,8 @@ class ScanResult:
     skipped: list[Skip] = field(default_factory=list)
     image_field: str | None = None
     label_field: str | None = None
+    label_rule: str | None = None
+    """How labels were made (a key of :data:`fastio.labels.LABEL_RULES`); None: no labels."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ class ScanOptions:
     """Table column holding the class label (default: ``label`` when present)."""
     key_column: str | None = None
     """Table column holding the sample key (default: derived from the path or the row number)."""
+    labels: str = "auto"
+    """Tables: the label rule (:mod:`fastio.labels`): ``auto`` (integers when every label is integral, names
+    when none is, else an error naming rows), ``integers`` or ``names``."""
     root: Path | None = None
     """Tables: the folder relative paths of the path column start from and every path must resolve into
     (symlinks followed); a path resolving elsewhere (``../``, ``/etc/...``) is skipped and listed.

@@ -63,4 +63,5 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         skipped=skipped,
         image_field=main_image_field(entries),
         label_field="cls" if has_cls else None,
+        label_rule="integers" if has_cls else None,
     )

@@ -78,5 +78,6 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         skipped=skipped,
         image_field=main_image_field(entries),
         label_field="cls",
+        label_rule="names",
     )
 

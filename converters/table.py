@@ -2,9 +2,10 @@
 other columns.
 
 The file named by the path column becomes a field named by its type (``jpg``, ``png``, or its
-suffix); the label column becomes ``cls`` (an ASCII integer: the value itself when every label is
-an integer, else its index among the sorted label names, recorded as the label map); every other
-column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
+suffix); the label column becomes ``cls`` (an ASCII integer, by the label rule of :mod:`fastio.labels`:
+the value itself when every label is integral (``2``, ``2.0``, ``" 2"``), else its index among the sorted
+class names, recorded as the label map; a mix is an error unless ``ScanOptions.labels="names"``); every
+other column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
 
 Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path resolves
 outside the root (``ScanOptions.root``, default the table's folder; symlinks followed, so ``../x``,
@@ -36,7 +37,7 @@ from fastio.converters.base import (
     unique_key,
 )
 from fastio.errors import ConvertError
-from fastio.labels import check_label
+from fastio.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 
@@ -128,21 +129,6 @@ def _pick(source: Path, columns: list[str], given: str | None, candidates: Itera
     return None
 
 
-def _is_int(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    return isinstance(value, str) and value.strip().lstrip("-").isdigit()
-
-
-def _label_cell(value: Any) -> Any:
-    """A label cell with surrounding blanks removed; ``""`` for an empty one (None, blank text)."""
-    if value is None:
-        return ""
-    return value.strip() if isinstance(value, str) else value
-
-
 def _text(value: Any) -> bytes:
     return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
 
@@ -171,15 +157,21 @@ def rows_to_result(
     key_col = _pick(source, columns, options.key_column, KEY_COLUMNS, "key")
     if path_col is not None and path_col in bytes_columns:
         path_col = None
-    labels = [row[label_col] for _, row in rows if label_col and _label_cell(row.get(label_col)) != ""]
+    labels = [(f"{source.name}:{lineno}", row[label_col]) for lineno, row in rows
+              if label_col and not is_empty_label(row.get(label_col))]
     if label_col is not None and not labels and options.label_column is None:
         label_col = None  # a column named like a label column but empty throughout: an ordinary text column
     special = {path_col, label_col, key_col, *bytes_columns}
     text_cols = {c: safe_field_name(c) for c in columns if c not in special}
 
-    label_map = None
-    if labels and not all(_is_int(v) for v in labels):
-        label_map = {name: i for i, name in enumerate(sorted({str(v) for v in labels}))}
+    label_map = rule = None
+    if labels:
+        try:
+            rule = choose_label_rule(labels, options.labels)
+        except ValueError as err:
+            raise ConvertError(f"{source}: column {label_col!r}: {err}") from None
+        if rule == "names":
+            label_map = {name: i for i, name in enumerate(sorted({label_name(v) for _, v in labels}))}
 
     entries: list[Entry] = []
     skipped: list[Skip] = []
@@ -190,18 +182,18 @@ def rows_to_result(
         origin = where
         stem = None
         if label_col is not None:
-            cell = _label_cell(row.get(label_col))
-            if cell == "":
+            cell = row.get(label_col)
+            if is_empty_label(cell):
                 skipped.append(Skip(where, f"empty label in column {label_col!r}", error=True))
                 continue
             if label_map is None:
                 try:
-                    cls = check_label(row[label_col])
+                    cls = check_label(integral_text(cell))
                 except ValueError as err:
                     skipped.append(Skip(where, f"column {label_col!r}: {err}", error=True))
                     continue
             else:
-                cls = label_map[str(row[label_col])]
+                cls = label_map[label_name(cell)]
             fields["cls"] = str(cls).encode()
         if path_col is not None:
             value = row.get(path_col)
@@ -236,6 +228,8 @@ def rows_to_result(
 
     options_desc = {k: v for k, v in (("path_column", path_col), ("label_column", label_col),
                                        ("key_column", key_col)) if v is not None}
+    if options.labels != "auto":
+        options_desc["labels"] = options.labels
     if options.root is not None:
         options_desc["root"] = str(Path(options.root).resolve())
     return ScanResult(
@@ -245,6 +239,7 @@ def rows_to_result(
         skipped=skipped,
         image_field=main_image_field(entries),
         label_field="cls" if labels else None,
+        label_rule=rule,
     )
 
 

@@ -43,7 +43,7 @@ from fastio.atomic import atomic_write_bytes
 from fastio.converters.base import FileRef, ScanOptions
 from fastio.errors import ConvertError
 from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
-from fastio.labels import check_label
+from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
 from fastio.parts import (
@@ -158,6 +158,11 @@ class ConvertConfig:
     """Tables: the column with labels (default: ``label`` when present)."""
     key_column: str | None = None
     """Tables: the column with sample keys (default: derived from the path or row number)."""
+    labels: str = "auto"
+    """Tables: the label rule (:mod:`fastio.labels`): ``auto`` (the values themselves when every label is
+    integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
+    error naming rows of each kind), ``integers`` or ``names``. The rule applied is in the manifest
+    (``label_rule``) and the summary."""
     root: Path | None = None
     """Tables: the folder relative paths start from and every path must resolve into (default: the
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
@@ -199,6 +204,8 @@ class ConvertConfig:
             raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
         if self.part is not None:
             self.part = parse_part(self.part)
+        if self.labels not in LABEL_CHOICES:
+            raise ValueError(f"labels must be one of {', '.join(LABEL_CHOICES)}, got {self.labels!r}")
 
     def output_options(self) -> dict[str, Any]:
         """The options that shape the output, as recorded in each manifest."""
@@ -226,6 +233,11 @@ class ConvertResult:
         return sum(m["total_samples"] for m in self.manifests.values())
 
     @property
+    def label_rule(self) -> str | None:
+        """How labels were made (:data:`fastio.labels.LABEL_RULES`), None without labels."""
+        return next((m.get("label_rule") for m in self.manifests.values() if m.get("label_rule")), None)
+
+    @property
     def shards(self) -> int:
         return sum(len(m["shards"]) for m in self.manifests.values())
 
@@ -234,8 +246,15 @@ class ConvertResult:
         split = f" [{parts}]" if parts else ""
         part = f"part {self.part[0]}/{self.part[1]}: " if self.part else ""
         where = f"{self.dest}/{PARTS_DIR}" if self.part else self.dest
+        rule = self.label_rule
+        if rule == "names":
+            classes = len(next(m["label_map"] for m in self.manifests.values() if m.get("label_map")))
+            rule = f"{rule} ({classes} classes, {LABEL_RULES[rule]})"
+        elif rule:
+            rule = f"{rule} ({LABEL_RULES[rule]})"
+        labels = f"; labels: {rule}" if rule else ""
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {self.shards} shards"
-                f"{split} at {where}; skipped {len(self.skipped)}")
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}")
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -458,7 +477,7 @@ def _scan(config: ConvertConfig):
     """The source's entries and their assignment to output datasets (splits), in writing order."""
     scan = converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
-        root=config.root))
+        root=config.root, labels=config.labels))
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)
         if bad is not None:
@@ -483,7 +502,8 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
         jobs.append((split_name, [scan.entries[i] for i in indices],
                      config.dest / split_name if split_name else config.dest,
                      dict(source=scan.description, label_map=scan.label_map, image_field=scan.image_field,
-                          label_field=scan.label_field, convert_options=config.output_options(),
+                          label_field=scan.label_field, label_rule=scan.label_rule,
+                          convert_options=config.output_options(),
                           scan_skipped=scan_skipped, **extra)))
     manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field)
     if config.split:
@@ -519,6 +539,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         plan = {"source": scan.description, "convert_options": config.output_options(), "name": config.name,
                 "listing": {"sha256": listing_digest(scan), "entries": len(scan.entries)},
                 "label_map": scan.label_map, "image_field": scan.image_field, "label_field": scan.label_field,
+                "label_rule": scan.label_rule,
                 "scan_skipped": [s.as_dict() for s in scan.skipped]}
         write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=ranges))
     finally:

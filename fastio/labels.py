@@ -4,17 +4,98 @@ not negative), stored in a sample as ASCII decimal text (the ``cls`` field).
 The converters check labels with :func:`check_label` before anything is written; the Loader parses them
 back with :func:`parse_label` (:func:`parse_labels` for a batch). They raise ``ValueError`` with a reason
 that names the value, not the sample: the caller adds the table line, file, shard or key.
+
+A table's label column follows one of two rules (:data:`LABEL_RULES`), chosen by :func:`choose_label_rule`
+and recorded in the manifest as ``label_rule``:
+
+- ``integers``: every label cell is integral (``2``, ``2.0``, ``" 2"``, a JSON ``2.0``, a float column's
+  ``2.0``): the label is that number.
+- ``names``: the cells are class names (text as written, blanks around it removed; other JSON values as
+  JSON), numbered ``0, 1, ...`` in sorted order and listed in the manifest's ``label_map``.
+
+``auto`` (the default) takes ``integers`` when every cell is integral and ``names`` when none is; a mix is an
+error naming rows of each kind (one odd cell would otherwise renumber every label), unless the user asks for
+``names``. Empty cells (blank text, null, NaN) are not labels: the converter skips and lists their rows.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["LABEL_MAX", "check_label", "label_bytes", "parse_label", "parse_labels"]
+__all__ = ["LABEL_CHOICES", "LABEL_MAX", "LABEL_RULES", "check_label", "choose_label_rule", "integral_text",
+           "is_empty_label", "label_bytes", "label_name", "parse_label", "parse_labels"]
 
 LABEL_MAX = 2**63 - 1  # int64
+LABEL_RULES = {
+    "integers": "each label is its integral value",
+    "names": "labels are class names, numbered in sorted order (label_map)",
+}
+"""The rules a dataset's labels follow (the manifest's ``label_rule``), with the phrase the summary prints."""
+LABEL_CHOICES = ("auto", *LABEL_RULES)
+"""What a user may ask for (``labels=`` / ``--labels``): ``auto`` picks a rule from the values."""
+
+_INTEGRAL = re.compile(r"([+-]?[0-9]+)(?:\.0*)?")
+_SHOWN = 3  # rows named per kind in a mixed-labels error
+
+
+def is_empty_label(value: Any) -> bool:
+    """A missing label cell: None, blank text or NaN."""
+    return value is None or (isinstance(value, str) and not value.strip()) or (
+        isinstance(value, float) and math.isnan(value))
+
+
+def integral_text(value: Any) -> str | None:
+    """The decimal text of an integral label cell (``2``, ``2.0``, ``" 2"``, ``"2.00"``, ``-1``), else None
+    (booleans, fractions, other text, lists, ...). Range is :func:`check_label`'s business."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value)) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, (str, bytes)):
+        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+        match = _INTEGRAL.fullmatch(text.strip())
+        return match.group(1).lstrip("+") if match and match.group(1).isascii() else None
+    return None
+
+
+def label_name(value: Any) -> str:
+    """A label cell as a class name: text without surrounding blanks; other values as JSON."""
+    return value.strip() if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def choose_label_rule(cells: Sequence[tuple[str, Any]], wanted: str = "auto") -> str:
+    """The rule (a key of :data:`LABEL_RULES`) for the non-empty label ``cells``, given as (row, value).
+
+    ``wanted`` is one of :data:`LABEL_CHOICES`. ValueError when ``auto`` meets a mix of integral and other
+    values, or ``integers`` meets a value that is not integral, naming rows of each kind."""
+    if wanted not in LABEL_CHOICES:
+        raise ValueError(f"labels must be one of {', '.join(LABEL_CHOICES)}, got {wanted!r}")
+    if wanted == "names":
+        return "names"
+    other = [(where, value) for where, value in cells if integral_text(value) is None]
+    if not other:
+        return "integers"
+    if wanted == "auto" and len(other) == len(cells):
+        return "names"
+
+    def rows(items: list[tuple[str, Any]]) -> str:
+        shown = ", ".join(f"{where} ({value!r})"[:60] for where, value in items[:_SHOWN])
+        return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+    others = rows(other)
+    if wanted == "integers":
+        raise ValueError(f"labels='integers', but some labels are not integral: {others}")
+    integral = [(where, value) for where, value in cells if integral_text(value) is not None]
+    raise ValueError(f"labels mix integral values ({rows(integral)}) and others ({others}); fix those rows, "
+                     "or pass labels='names' to treat every label as a class name")
 
 
 def check_label(value: int | str | bytes) -> int:

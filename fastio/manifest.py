@@ -17,6 +17,7 @@ from typing import Any
 from fastio import __version__
 from fastio.atomic import atomic_write_bytes
 from fastio.errors import DatasetError
+from fastio.labels import LABEL_RULES
 from fastio.wds import is_field_name, is_plain_name
 
 __all__ = [
@@ -327,6 +328,7 @@ def _validate(manifest: Any, path: str) -> None:
     _optional(manifest, "label_map", path, lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(i, int) and not isinstance(i, bool) for k, i in v.items()),
         "an object of class name to integer label")
+    _optional(manifest, "label_rule", path, lambda v: v in LABEL_RULES, f"one of {', '.join(LABEL_RULES)}")
     _optional(manifest, "skipped", path, lambda v: isinstance(v, list) and all(
         isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("reason"), str) for s in v),
         "a list of {path, reason}")

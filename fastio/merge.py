@@ -279,7 +279,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         name=plan["name"], fields=sorted(fields), skipped=skipped,
         image_fields=sorted(f for f in fields if is_image_field(f)), source=plan["source"],
         label_map=plan["label_map"], image_field=plan["image_field"], label_field=plan["label_field"],
-        convert_options=options)
+        label_rule=plan.get("label_rule"), convert_options=options)
     if name:
         manifest_fields["split"] = {"name": name, "of": sorted(records[0].datasets)}
     return planned, manifest_fields

@@ -62,6 +62,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
 @click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
 @click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--labels", default="auto", show_default=True, metavar="auto|integers|names",
+              help="Tables: label rule. auto: the values when all are integral (2, 2.0), sorted class names "
+                   "numbered from 0 when none is, an error naming rows on a mix; names: always class names.")
 @click.option("--root", type=click.Path(path_type=Path), default=None,
               help="Tables: relative paths start here and every path must resolve inside it "
                    "(default: the table's folder).")
@@ -75,7 +78,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, root: Path | None, part: str | None, quiet: bool,
+            label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None, quiet: bool,
             staging_dir: Path | None, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
     """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
@@ -92,7 +95,8 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
-            key_column=key_column, root=root, part=part, progress=progress_wanted(quiet), staging_dir=staging_dir,
+            key_column=key_column, labels=labels, root=root, part=part, progress=progress_wanted(quiet),
+            staging_dir=staging_dir,
             storage_options=storage_options(endpoint_url, region, profile), **kwargs,
         )
     except ValueError as err:
