@@ -121,7 +121,7 @@ class LoaderConfig:
     """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
     storage_options: dict | None = field(default=None, compare=False)
     """Object-store settings over those found in the environment: ``endpoint``, ``region``, ``access_key_id``,
-    ``secret_access_key``, ``profile``, ``retries``, ... (see :class:`fastio.storage.StorageOptions`)."""
+    ``secret_access_key``, ``profile``, ``retries``, ``deadline_s``, ... (see :class:`fastio.storage.StorageOptions`)."""
     shard_read_ahead: int = 2
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
     order the sampler will want them (0: fetch on demand only)."""
@@ -216,7 +216,7 @@ class Loader:
                               optional=self._image_fields, transcode=decodable if graph.decodes else None,
                               files=self._files)
         self.epoch, self.consumed = 0, 0
-        self._stats = Stats(progress=cfg.progress)
+        self._stats = Stats(progress=cfg.progress, detail=self._storage_line if self._files is not None else None)
         self._active: Iterator | None = None
         # One feeder and (for decoding graphs) one DALI pipeline for the Loader's life: the stream runs on
         # into the next epoch by itself; they are made again only when the position jumps (set_epoch,
@@ -294,6 +294,10 @@ class Loader:
         if self._files is not None:
             out["storage"] = self._files.stats.as_dict(getattr(self._files.storage, "retry_count", 0))
         return out
+
+    def _storage_line(self) -> str:
+        s = self.stats()["storage"]
+        return f"storage wait {s['wait_s']:.1f} s, {s['retries']} retries"
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._close_active()

@@ -220,7 +220,7 @@ class S3Storage(Storage):
                                 prefix=prefix)
         return out
 
-    def _retrying(self, fn, key: str, what: str) -> Any:
+    def _retrying(self, fn, key: str, what: str, deadline: bool = True) -> Any:
         o = self.options
         with self._rng_lock:
             rng = random.Random(self._rng.random())
@@ -229,7 +229,8 @@ class S3Storage(Storage):
             self.retry_count += 1
 
         return retrying(fn, url=self.url_of(key), what=what, retries=o.retries, backoff_s=o.backoff_s,
-                        backoff_max_s=o.backoff_max_s, rng=rng, on_retry=counted)
+                        backoff_max_s=o.backoff_max_s, deadline_s=o.deadline_s if deadline else None,
+                        attempt_s=o.timeout_s + o.connect_timeout_s, rng=rng, on_retry=counted)
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         what = "GET" if start is None and end is None else f"GET bytes {start or 0}-{'' if end is None else end - 1}"
@@ -264,7 +265,7 @@ class S3Storage(Storage):
 
     def put_file(self, key: str, path: Path) -> None:
         full = self._key(key)
-        self._retrying(lambda: self._client.put_file(full, Path(path)), key, "PUT")
+        self._retrying(lambda: self._client.put_file(full, Path(path)), key, "PUT", deadline=False)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         full = self._key(key)

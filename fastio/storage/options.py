@@ -44,6 +44,11 @@ class StorageOptions:
     """Largest retry delay in seconds."""
     timeout_s: float = 60.0
     """Timeout of one request (connect, send and read)."""
+    deadline_s: float = 120.0
+    """Longest time one read (GET, HEAD, LIST; small PUTs and DELETEs too) may take, its attempts and retry
+    sleeps together, before it fails with a :class:`~fastio.errors.StorageError`; each retry before that logs a
+    warning (logger ``fastio.storage``) naming the URL and the attempt. Multipart uploads are bounded by
+    ``timeout_s`` per request and ``retries`` instead."""
     connect_timeout_s: float = 5.0
     """Timeout of establishing a connection."""
     part_size: int = 16 << 20
@@ -65,6 +70,8 @@ class StorageOptions:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
         if not (0 <= self.backoff_s <= self.backoff_max_s):
             raise ValueError(f"backoff_s must be between 0 and backoff_max_s, got {self.backoff_s}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError(f"timeout_s and connect_timeout_s must be > 0, got {self.timeout_s}, "
                              f"{self.connect_timeout_s}")

@@ -1,0 +1,86 @@
+"""An object store that stops answering: each retry warns once (URL, attempt count), a deadline per read bounds
+the time before a StorageError (a silent socket; the real S3 server paused with SIGSTOP), and the Loader's
+stats() and progress line show the time spent waiting on storage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+import pytest
+from conftest import write_image_dataset
+
+from fastio import Loader
+from fastio.errors import StorageError
+from fastio.manifest import MANIFEST_NAME
+from fastio.storage import StorageOptions, open_storage
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A loopback socket that accepts connections and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def options(endpoint: str, **extra) -> dict:
+    return {"endpoint": endpoint, "region": "us-east-1", "access_key_id": "k", "secret_access_key": "s", **extra}
+
+
+def test_each_retry_warns_with_url_and_attempt(silent_endpoint, caplog):
+    st = open_storage("s3://bucket/p", options(silent_endpoint, timeout_s=0.5, retries=2, backoff_s=0.01))
+    with caplog.at_level(logging.WARNING, logger="fastio.storage"):
+        with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 3 attempts: "):
+            st.get("k.bin")
+    warned = [r.getMessage() for r in caplog.records if r.name == "fastio.storage"]
+    assert len(warned) == 2, warned
+    for attempt, line in enumerate(warned, start=1):
+        assert line.startswith(f"fastio: s3://bucket/p/k.bin: GET failed (attempt {attempt} of 3, ")
+        assert "retrying in" in line
+
+
+def test_a_deadline_bounds_a_read_however_long_the_request_timeout(silent_endpoint):
+    """Before: 7 attempts x 60 s timeout in silence; now deadline_s (default 120 s) ends it."""
+    assert StorageOptions().deadline_s == 120
+    st = open_storage("s3://bucket/p", options(silent_endpoint, deadline_s=1.5))  # timeout_s stays 60
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 1 attempts in 1\.\d s "
+                                           r"\(deadline_s=1\.5\): no answer before the deadline") as info:
+        st.get("k.bin")
+    assert 1.4 < time.monotonic() - started < 3 and info.value.transient
+    with pytest.raises(ValueError, match="deadline_s must be > 0, got 0"):
+        StorageOptions(deadline_s=0)
+
+
+def test_loader_on_a_paused_server_fails_in_time_and_reports_its_wait(moto_server, s3_bucket, image_folder, tmp_path,
+                                                                     capsys, caplog):
+    url = f"s3://{s3_bucket}/ds"
+    local = write_image_dataset(tmp_path / "local", image_folder, max_samples=8)
+    open_storage(url, moto_server.options()).publish_dir(local, keys_last=(MANIFEST_NAME,))
+    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", progress=True,
+                cache_dir=str(tmp_path / "cache"), cache_size="1GB", shard_read_ahead=0)
+    loader = Loader(url, storage_options=moto_server.options(timeout_s=1, deadline_s=2.5, backoff_s=0.05), **opts)
+    loader._stats.every_s = 0  # a progress line after every batch
+    os.kill(moto_server.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError, match=rf"s3://{s3_bucket}/ds/shards/.*\(deadline_s=2\.5\)"):
+            next(iter(loader))
+        assert time.monotonic() - started < 6
+    finally:
+        os.kill(moto_server.proc.pid, signal.SIGCONT)
+    loader.close()
+    assert any("GET failed (attempt 1 of 7" in r.getMessage() for r in caplog.records)
+    with Loader(url, storage_options=moto_server.options(), **opts) as again:
+        again._stats.every_s = 0
+        assert sum(len(b["jpg"]) for b in again) == 48
+        waited = again.stats()["storage"]["wait_s"]
+    assert waited > 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fastio: ") and "batches" in ln]
+    assert lines and all(", storage wait " in ln and " retries" in ln for ln in lines)
