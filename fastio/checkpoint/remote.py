@@ -42,7 +42,7 @@ import torch.distributed as dist
 from fastio.checkpoint import layout
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
-from fastio.storage.cache import default_cache_dir
+from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 def default_staging_dir(url: str) -> Path:
     """``<fastio cache dir>/checkpoints/<hash of url>``."""
-    return default_cache_dir() / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:20]
+    return default_cache_dir() / CHECKPOINT_STAGING / hashlib.sha256(url.encode()).hexdigest()[:20]
 
 
 def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str, tuple[int, ...]]]:

@@ -47,12 +47,16 @@ from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
 
-__all__ = ["CACHE_MARKER", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
+__all__ = ["CACHE_MARKER", "CHECKPOINT_STAGING", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
 
 CACHE_MARKER = ".fastio-cache"
 OBJECTS_DIR = "objects"
 META_DIR = "meta"
-_OWN_NAMES = {CACHE_MARKER, OBJECTS_DIR, META_DIR, ".evict.lock"}
+CHECKPOINT_STAGING = "checkpoints"
+"""The default root shares: ``<default_cache_dir()>/checkpoints/`` is the Checkpointer's staging area for
+``s3://`` checkpoints (:func:`fastio.checkpoint.remote.default_staging_dir`), beside the shard cache's own
+names; the cache accepts it in a root it opens and never touches it."""
+_OWN_NAMES = {CACHE_MARKER, OBJECTS_DIR, META_DIR, ".evict.lock", CHECKPOINT_STAGING}
 _ENTRY = re.compile(r"[0-9a-f]{64}\.tar")
 _TMP = re.compile(r"\.([0-9a-f]{64})\.tar\.tmp")
 _TOUCH_S = 10.0  # a shard kept open across batches has its mtime (LRU age) refreshed at most this often
