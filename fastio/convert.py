@@ -28,6 +28,7 @@ is, and ``fastio merge`` (:mod:`fastio.merge`) publishes the dataset once all pa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import random
 import shutil
@@ -74,6 +75,7 @@ __all__ = [
     "parse_size",
     "parse_split",
     "reset_dest",
+    "staging_path",
 ]
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -169,8 +171,10 @@ class ConvertConfig:
     progress: bool = False
     """Draw a progress bar on stderr."""
     staging_dir: Path | None = None
-    """For a URL ``dest`` (``s3://bucket/prefix``): where the dataset is written before it is uploaded
-    (a temporary folder inside it, removed afterwards; default: the system's temporary directory)."""
+    """For a URL ``dest`` (``s3://bucket/prefix``): where the dataset is written before it is uploaded, in a
+    folder named after DEST (:func:`staging_path`: a killed run's copy is reused and replaced by the rerun;
+    removed after the upload; as big as the whole converted dataset). Default: the system's temporary
+    directory (``$TMPDIR``, else ``/tmp``)."""
     storage_options: dict | None = None
     """For a URL ``dest``: endpoint, region, credentials over the environment's (:class:`fastio.storage.StorageOptions`)."""
     part: tuple[int, int] | str | None = None
@@ -646,13 +650,24 @@ def _convert_to_url(config: ConvertConfig) -> ConvertResult:
             lease.release()
 
 
+def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
+    """The local folder a conversion into the URL ``dest`` is written in before its upload:
+    ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
+    temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
+    left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
+    digest = hashlib.sha256(str(dest).encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
+
+
 def _upload_converted(config: ConvertConfig, storage: Storage, guard: Callable[[], None]) -> ConvertResult:
     old = _check_remote_dest(storage, config.overwrite)
-    if config.staging_dir is not None:
-        Path(config.staging_dir).mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="fastio-convert-", dir=config.staging_dir))
+    staging = staging_path(str(config.dest), config.staging_dir)
+    lock = DirLock(staging, f"fastio convert to {config.dest}")
+    _lock(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
-        local = dataclasses.replace(config, dest=staging / "dest", overwrite=False)
+        # the folder is this DEST's own staging copy: what a killed run left there is replaced
+        local = dataclasses.replace(config, dest=staging / "dest", overwrite=True)
         result = convert(local)
         (local.dest / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
         guard()
@@ -666,6 +681,7 @@ def _upload_converted(config: ConvertConfig, storage: Storage, guard: Callable[[
         for key in sorted(set(old) - set(uploaded)):
             storage.delete(key)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
+        lock.release()
     result.dest = config.dest
     return result

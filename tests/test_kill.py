@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fastio.convert import ConvertConfig, convert
+from fastio.convert import ConvertConfig, convert, staging_path
 from fastio.dataset import Dataset
 from fastio.lock import LOCK_NAME
 from fastio.manifest import MANIFEST_NAME
@@ -119,3 +119,16 @@ def test_killed_merge_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, si
     kill_at(cli("merge", str(dest)), exists(dest / LOCK_NAME), sig)  # DEST and the parts locked
     assert not (dest / MANIFEST_NAME).exists()
     assert merge(dest).samples == 80
+
+
+def test_killed_convert_to_s3_leaves_its_staging_copy_for_the_rerun_only(aws_env, s3_bucket, source, tmp_path):
+    """The local copy is named after DEST: the rerun reuses and replaces it, then removes it."""
+    url, stage = f"s3://{s3_bucket}/ds", tmp_path / "stage"
+    staging = staging_path(url, stage)
+    kill_at(cli("convert", str(source), url, "--workers", "2", "--staging-dir", str(stage), *OPTIONS),
+            exists(staging / "dest" / "shards" / "shard-000003.tar"), signal.SIGKILL)
+    assert [p.name for p in stage.iterdir()] == [staging.name]  # what the kill left: this DEST's copy only
+    result = convert(ConvertConfig(source=source, dest=url, workers=2, max_samples_per_shard=2, max_side=40,
+                                   quality=80, staging_dir=stage))
+    assert result.samples == 80 and list(stage.iterdir()) == []
+    assert len(Dataset(url, cache_dir=tmp_path / "cache")) == 80

@@ -73,7 +73,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
-              help="s3:// DEST: where shards are written before the upload (default: the system temp dir).")
+              help="s3:// DEST: where the dataset is written before the upload, in a folder named after DEST "
+                   "(a killed run's copy is replaced by the rerun; needs the dataset's size; default: the "
+                   "system temp dir).")
 @storage_flags()
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
