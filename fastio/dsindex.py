@@ -44,7 +44,7 @@ from typing import BinaryIO
 import numpy as np
 
 from fastio.atomic import publish, tmp_path_for
-from fastio.checksum import HashingWriter, sha256_file
+from fastio.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry
 from fastio.manifest import IndexRecord, ShardRecord
@@ -193,7 +193,7 @@ class IndexBuilder:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return IndexRecord(name=path.name, bytes=out.size, sha256=out.hexdigest())
+        return IndexRecord(name=path.name, bytes=out.size, sha256=out.hexdigest(), xxh3_128=out.xxh3_hexdigest())
 
 
 def _derive(span: np.ndarray, sizes: dict[str, np.ndarray], fields: Sequence[str]) -> dict[str, np.ndarray]:
@@ -275,8 +275,14 @@ class SampleIndex:
 
     @classmethod
     def open(cls, path: Path, shard_samples: Sequence[int], fields: Sequence[str],
-             record: IndexRecord | None = None, verify: bool = False) -> SampleIndex:
-        """Memory-map ``path``; its size must be ``record.bytes``, and with ``verify`` its sha256 too."""
+             record: IndexRecord | None = None, verify: bool = False, shard_bytes: Sequence[int] | None = None,
+             check: bool = True) -> SampleIndex:
+        """Memory-map ``path``; its size must be ``record.bytes``, and with ``verify`` its sha256 too.
+
+        With ``check`` (the default) the content is checked too: its xxh3-128 against ``record.xxh3_128``
+        (when the manifest has one) and, given ``shard_bytes``, its structure (:meth:`check_structure`), so
+        that a swapped or duplicated row is refused before any read trusts it.
+        """
         path = Path(path)
         try:
             with open(path, "rb") as f:
@@ -288,7 +294,45 @@ class SampleIndex:
                 buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except OSError as err:
             raise DatasetError(f"{path}: sample index cannot be read: {err.strerror}") from None
-        return cls(buffer, str(path), shard_samples, fields)
+        index = cls(buffer, str(path), shard_samples, fields)  # the header: what the file claims to be
+        if check and record is not None and record.xxh3_128 is not None:
+            digest = DIGESTS["xxh3_128"]()
+            digest.update(memoryview(buffer))
+            if digest.hexdigest() != record.xxh3_128:
+                raise DatasetError(f"{path}: sample index xxh3_128 does not match the manifest (changed after it "
+                                   "was written: convert or index the dataset again)")
+        if check and shard_bytes is not None:
+            index.check_structure(shard_bytes)
+        return index
+
+    def check_structure(self, shard_bytes: Sequence[int], *, chunk: int = 1 << 22) -> None:
+        """DatasetError naming the first row whose byte ranges cannot be right: inside a shard every sample
+        lies after a tar header and after the previous sample's data (tar order, no two samples sharing
+        bytes), and ends inside the shard's size. O(samples), a chunk of rows at a time."""
+        sizes = np.asarray(shard_bytes, np.int64)
+        if len(sizes) != len(self._starts) - 1:
+            raise ValueError(f"{len(sizes)} shard sizes for {len(self._starts) - 1} shards")
+        prev_shard, prev_end = -1, 0
+        for a in range(0, self.samples, chunk):
+            rows = self.locate(np.arange(a, min(a + chunk, self.samples), dtype=np.int64))
+            end = rows.span_offset + rows.span_size
+            shard = rows.shard.astype(np.int64)
+            before = np.concatenate([[prev_end], end[:-1]])
+            same = shard == np.concatenate([[prev_shard], shard[:-1]])
+            floor = np.where(same, before, 0) + _BLOCK  # a member's data follows its header
+            bad = (rows.span_offset < floor) | (end > sizes[shard])
+            for f in self.fields:
+                have = rows.sizes[f] >= 0
+                bad |= have & (rows.offsets[f] < rows.span_offset)
+            if bad.any():
+                j = int(np.argmax(bad))
+                s = int(shard[j])
+                what = (f"ends at byte {int(end[j])}, past the shard's {int(sizes[s])} bytes" if end[j] > sizes[s]
+                        else f"starts at byte {int(rows.span_offset[j])}, inside the previous sample or header")
+                raise DatasetError(f"{self.source}: sample index row {a + j} (shard #{s}, sample "
+                                   f"{a + j - int(self._starts[s])}) {what}: a damaged or tampered index "
+                                   "(convert or index the dataset again)")
+            prev_shard, prev_end = int(shard[-1]), int(end[-1])
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str, shard_samples: Sequence[int], fields: Sequence[str]) -> SampleIndex:
@@ -346,6 +390,8 @@ def check_index(path: Path, record: IndexRecord, shards: Sequence[tuple[ShardRec
         problems.append(f"size {size} bytes, manifest says {record.bytes}")
     if digest != record.sha256:
         problems.append("sha256 does not match the manifest")
+    if record.xxh3_128 is not None and digests_file(path, ("xxh3_128",))[1]["xxh3_128"] != record.xxh3_128:
+        problems.append("xxh3_128 does not match the manifest")
     if shards is not None:
         builder = IndexBuilder()
         try:

@@ -11,6 +11,8 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Iterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IndexRecord",
     "MANIFEST_NAME",
+    "Manifest",
     "MARKER_NAME",
     "SHARDS_DIR",
     "SPLITS_FORMAT",
@@ -132,9 +135,14 @@ class IndexRecord:
     """Size of the file."""
     sha256: str
     """Hex sha256 of the file."""
+    xxh3_128: str | None = None
+    """Hex xxh3-128 of the file, checked on every open (optional: manifests written before it lack it)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.xxh3_128 is None:
+            del out["xxh3_128"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> IndexRecord:
@@ -149,13 +157,119 @@ class IndexRecord:
         _count(data["bytes"], f"{where}.bytes")
         if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
             raise DatasetError(f"{where}.sha256: {data['sha256']!r} is not a hex sha256")
-        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"])
+        xxh3 = data.get("xxh3_128")
+        if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
+            raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
+        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"], xxh3_128=xxh3)
 
 
-def index_record(manifest: dict[str, Any]) -> IndexRecord | None:
+def index_record(manifest: Mapping[str, Any]) -> IndexRecord | None:
     """The consolidated index of a manifest that :func:`load_manifest` has validated (None: it has none)."""
     data = manifest.get("index")
     return None if data is None else IndexRecord.from_dict(data, "index")
+
+
+class Manifest(Mapping[str, Any]):
+    """A validated manifest (what :func:`load_manifest` returns), read through typed properties.
+
+    Other modules use the properties, never the manifest's string keys, so the schema has one home. It is
+    also a read-only mapping of the JSON object (``manifest["convert_options"]``) for tools and old callers.
+    """
+
+    def __init__(self, data: dict[str, Any]):
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self._data['shards'])})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object (the one this view reads: do not change it)."""
+        return self._data
+
+    @property
+    def name(self) -> str | None:
+        """The dataset's name (shards are ``NAME-NNNNNN.tar``)."""
+        return self._data.get("name")
+
+    @cached_property
+    def shards(self) -> list[ShardRecord]:
+        """The shard records, in order."""
+        return shard_records(self._data)
+
+    @property
+    def total_samples(self) -> int:
+        """Samples in all shards."""
+        return self._data["total_samples"]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shards."""
+        return self._data.get("total_bytes", sum(s["bytes"] for s in self._data["shards"]))
+
+    @property
+    def fields(self) -> list[str]:
+        """Every field some sample has (sorted)."""
+        return list(self._data["fields"])
+
+    @property
+    def image_field(self) -> str | None:
+        """The main image field (None: no images, or unknown)."""
+        return self._data.get("image_field")
+
+    @property
+    def image_fields(self) -> list[str] | None:
+        """Every image field, the main one first (None: not recorded; tell them by suffix)."""
+        value = self._data.get("image_fields")
+        return list(value) if value else None
+
+    @property
+    def label_field(self) -> str | None:
+        """The field holding each sample's integer label (ASCII decimal), if any."""
+        return self._data.get("label_field")
+
+    @property
+    def label_map(self) -> dict[str, int] | None:
+        """Class name to label, for a source that named its classes."""
+        return self._data.get("label_map")
+
+    @property
+    def skipped(self) -> list[dict[str, str]]:
+        """What the writer left out, each ``{path, reason}``."""
+        return list(self._data.get("skipped") or [])
+
+    @property
+    def source(self) -> dict[str, Any] | None:
+        """What the dataset was made from (format, path, ...)."""
+        return self._data.get("source")
+
+    @property
+    def convert_options(self) -> dict[str, Any] | None:
+        """The options of the conversion that wrote it."""
+        return self._data.get("convert_options")
+
+    @property
+    def split(self) -> dict[str, Any] | None:
+        """``{name, of}`` for one split of a ``split`` DEST."""
+        return self._data.get("split")
+
+    @cached_property
+    def index(self) -> IndexRecord | None:
+        """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
+        return index_record(self._data)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """See :func:`fingerprint`."""
+        return fingerprint(self._data)
 
 
 def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], index: IndexRecord | None = None,
@@ -188,7 +302,7 @@ def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
-def load_manifest(dest: Path) -> dict[str, Any]:
+def load_manifest(dest: Path) -> Manifest:
     """Read and validate ``DEST/manifest.json``; raise :class:`DatasetError` naming what is wrong."""
     path = Path(dest) / MANIFEST_NAME
     if not Path(dest).is_dir():
@@ -200,16 +314,16 @@ def load_manifest(dest: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise DatasetError(f"{path}: unreadable manifest ({err})") from None
     _validate(manifest, str(path))
-    return manifest
+    return Manifest(manifest)
 
 
-def shard_records(manifest: dict[str, Any]) -> list[ShardRecord]:
+def shard_records(manifest: Mapping[str, Any]) -> list[ShardRecord]:
     """The shard records of a manifest that :func:`load_manifest` has validated (not checked again: at
     10^5 shards every rank would pay for it twice)."""
     return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128")) for s in manifest["shards"]]
 
 
-def fingerprint(manifest: dict[str, Any]) -> str:
+def fingerprint(manifest: Mapping[str, Any]) -> str:
     """Identity of a dataset's content: shard names, counts and checksums, in order (16 hex digits)."""
     h = hashlib.sha256()
     for shard in manifest["shards"]:
@@ -219,7 +333,7 @@ def fingerprint(manifest: dict[str, Any]) -> str:
 
 # -- splits.json --------------------------------------------------------------------------------------
 
-def write_splits(dest: Path, manifests: dict[str, dict[str, Any]]) -> None:
+def write_splits(dest: Path, manifests: Mapping[str, Mapping[str, Any]]) -> None:
     """Publish ``DEST/splits.json`` listing each split's sample count and fingerprint (after their manifests)."""
     splits = {"format": SPLITS_FORMAT,
               "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)} for n, m in manifests.items()}}

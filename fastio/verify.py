@@ -23,13 +23,11 @@ from fastio.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
     ShardRecord,
-    index_record,
     load_manifest,
-    shard_records,
     split_names,
 )
+from fastio.source import dest_split_names
 from fastio.storage import is_remote, open_storage
-from fastio.storage.dest import dest_split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -105,7 +103,7 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     """Check the dataset in ``root``. A remote DEST passes ``fetch`` (its shard files, one shard at a time)
     and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here."""
     manifest = load_manifest(root)
-    records = shard_records(manifest)
+    records = manifest.shards
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
     folder = root / SHARDS_DIR
     if listed_files is None:
@@ -166,10 +164,10 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                     report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
             if len(entries) > len(samples):
                 report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
-    record = index_record(manifest)
+    record = manifest.index
     if record is not None:
         shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
-        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest["fields"]):
+        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest.fields):
             report.problems.append(Problem(f"{prefix}{record.name}", None, what))
 
 
@@ -206,7 +204,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                                        f"(no {MANIFEST_NAME}; an interrupted conversion?)") from None
                 raise
             try:  # the sample index is small (a few bytes a sample): fetched once, checked like a local one
-                record = index_record(load_manifest(sub))
+                record = load_manifest(sub).index
                 if record is not None:
                     storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
             except StorageError as err:

@@ -1,4 +1,5 @@
-"""Where a dataset's files are: the seam between :class:`fastio.Dataset` and storage.
+"""Where a dataset's files are: the seam between :class:`fastio.Dataset` and storage (which only moves bytes:
+the dataset layout, ``shards/``, ``samples.fxi``, ``splits.json``, is known here and in :mod:`fastio.manifest`).
 
 :class:`LocalSource` is a DEST directory read in place. :class:`RemoteSource` is a DEST on an object store: its
 manifest and ``.idx`` files are copied (verified) into the cache's metadata folder, and its shards are read
@@ -14,7 +15,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from fastio.errors import DatasetError, StorageError
 from fastio.manifest import (
@@ -22,6 +22,7 @@ from fastio.manifest import (
     SHARDS_DIR,
     SPLITS_NAME,
     IndexRecord,
+    Manifest,
     ShardRecord,
     load_manifest,
     split_names,
@@ -40,7 +41,7 @@ class DatasetSource:
     display: str | Path
     """The DEST for messages (a path, or the URL)."""
 
-    def load_manifest(self) -> dict[str, Any]:
+    def load_manifest(self) -> Manifest:
         raise NotImplementedError
 
     def shard_path(self, record: ShardRecord) -> Path:
@@ -73,7 +74,9 @@ class LocalSource(DatasetSource):
     def __init__(self, root: Path):
         self.root = self.display = Path(root)
 
-    def load_manifest(self) -> dict[str, Any]:
+    def load_manifest(self) -> Manifest:
+        if not (self.root / MANIFEST_NAME).is_file():
+            _refuse_split_parent(self.root, split_names(self.root) if self.root.is_dir() else None)
         return load_manifest(self.root)
 
     def shard_path(self, record: ShardRecord) -> Path:
@@ -116,12 +119,13 @@ class RemoteSource(DatasetSource):
         self._fetched: set[str] = set()  # metadata files verified in this process
         (self.meta / SHARDS_DIR).mkdir(exist_ok=True)
 
-    def load_manifest(self) -> dict[str, Any]:
+    def load_manifest(self) -> Manifest:
         url = self.storage.url
         try:
             data = self.storage.get(MANIFEST_NAME)
         except StorageError as err:
             if err.missing:
+                _refuse_split_parent(url, dest_split_names(url, self.storage.options))
                 raise DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)") \
                     from None
             raise
@@ -189,6 +193,13 @@ class RemoteSource(DatasetSource):
             yield self.shard_path(record)
         finally:
             files.close()
+
+
+def _refuse_split_parent(dest: str | Path, splits: list[str] | None) -> None:
+    """DatasetError naming the splits a DEST written with ``split`` holds (it is not a dataset itself)."""
+    if splits:
+        children = " or ".join(str(dest_child(dest, name)) for name in splits)
+        raise DatasetError(f"{dest}: holds the splits {', '.join(splits)}, not one dataset: open {children}")
 
 
 def open_source(dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,
