@@ -167,6 +167,28 @@ def test_an_intact_sample_index_of_an_old_manifest_still_opens(image_dataset):
     assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(48))
 
 
+def test_a_big_sample_index_is_checked_once_per_node_while_it_is_the_same_file(image_dataset, tmp_path, monkeypatch):
+    """Past CHECKED_STAMP_MIN_BYTES the checks of samples.fxi (xxh3-128 + structure: ~1 s per 10^7 samples) run once
+    per node: a stamp named by the file's identity in $TMPDIR/fastio-checked-UID/. A file rewritten afterwards
+    has another identity, so it is checked again."""
+    import tempfile
+
+    from fastio import dsindex
+
+    monkeypatch.setattr(dsindex, "CHECKED_STAMP_MIN_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    checks = []
+    real = dsindex.SampleIndex.check_structure
+    monkeypatch.setattr(dsindex.SampleIndex, "check_structure", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    Dataset(image_dataset)
+    Dataset(image_dataset)
+    assert len(checks) == 1 and len(list((tmp_path / "node-tmp").glob("fastio-checked-*/*"))) == 1
+    _forge_sample_index(image_dataset, tmp_path, _swap)  # a new file (same size): checked again, refused
+    with pytest.raises(DatasetError, match="sample index xxh3_128 does not match the manifest"):
+        Dataset(image_dataset)
+
+
 def test_check_index_accepts_what_the_writer_writes(tmp_path, image_dataset):
     ds = Dataset(image_dataset)
     for shard in ds.shards:
