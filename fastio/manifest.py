@@ -34,6 +34,7 @@ __all__ = [
     "ShardRecord",
     "fingerprint",
     "index_record",
+    "is_location",
     "load_manifest",
     "make_manifest",
     "shard_records",
@@ -61,7 +62,8 @@ _INDEX_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*")
 
 @dataclasses.dataclass(frozen=True)
 class ShardRecord:
-    """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx``."""
+    """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx`` (or, for
+    shards indexed where they are by ``fastio index``, ``location`` and ``idx_location``)."""
 
     name: str
     """File name of the tar inside ``DEST/shards/`` (no directory part)."""
@@ -77,11 +79,26 @@ class ShardRecord:
     """Hex xxh3-128 of the tar file (optional: written since fastio records it; older manifests lack it).
     What an object-store cache checks its fills against: it runs at memory speed where sha256 takes a core
     per ~1 GB/s; ``fastio verify`` checks both."""
+    location: str | None = None
+    """Where the tar is when not at ``shards/NAME`` (``fastio index``): relative to DEST (``/``-separated, no
+    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
+    idx_location: str | None = None
+    """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
 
     @property
     def idx_name(self) -> str:
         """File name of the shard's DALI index, next to the tar."""
         return self.name[: -len(".tar")] + ".idx"
+
+    @property
+    def tar_key(self) -> str:
+        """Where the tar is: relative to DEST (``shards/NAME`` unless ``location`` says), absolute, or a URL."""
+        return self.location if self.location is not None else f"{SHARDS_DIR}/{self.name}"
+
+    @property
+    def idx_key(self) -> str:
+        """Where the ``.idx`` is, in the terms of :attr:`tar_key`."""
+        return self.idx_location if self.idx_location is not None else f"{SHARDS_DIR}/{self.idx_name}"
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest entry (only the record's own fields, also for a subclass that locates it)."""
@@ -108,11 +125,28 @@ class ShardRecord:
         xxh3 = data.get("xxh3_128")
         if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
             raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
+        for key in ("location", "idx_location"):
+            if data.get(key) is not None and not is_location(data[key]):
+                raise DatasetError(f"{where}.{key}: {data[key]!r} is not a path relative to DEST (no '..'), an "
+                                   "absolute path or an s3:// URL")
         return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
-                   idx_sha256=data["idx_sha256"], xxh3_128=xxh3)
+                   idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
+                   idx_location=data.get("idx_location"))
 
 
-_OPTIONAL_RECORD_KEYS = ("xxh3_128",)  # keys a manifest shard entry may have
+def is_location(value: object) -> bool:
+    """Whether ``value`` may be a record's ``location``/``idx_location``: a path relative to DEST without ``..`` or
+    empty parts, an absolute path, or an ``s3://bucket/key`` URL (no whitespace: ``.idx`` lines are
+    space-separated)."""
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value) or "\x00" in value:
+        return False
+    if value.startswith("s3://"):
+        return len(value.split("/", 3)) == 4 and all(value.split("/", 3)[2:])
+    parts = value[1:].split("/") if value.startswith("/") else value.split("/")
+    return all(p and p not in (".", "..") for p in parts)
+
+
+_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location")  # keys a manifest shard entry may have
 _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(ShardRecord)
                      if f.name not in _OPTIONAL_RECORD_KEYS)  # keys it must have
 _RECORD_KEYSET = frozenset(_RECORD_KEYS)
@@ -232,6 +266,11 @@ class Manifest(Mapping[str, Any]):
         return list(value) if value else None
 
     @property
+    def field_counts(self) -> dict[str, int] | None:
+        """Samples having each field (recorded by ``fastio index``; None: not recorded)."""
+        return self._data.get("field_counts")
+
+    @property
     def label_field(self) -> str | None:
         """The field holding each sample's integer label (ASCII decimal), if any."""
         return self._data.get("label_field")
@@ -320,7 +359,8 @@ def load_manifest(dest: Path) -> Manifest:
 def shard_records(manifest: Mapping[str, Any]) -> list[ShardRecord]:
     """The shard records of a manifest that :func:`load_manifest` has validated (not checked again: at
     10^5 shards every rank would pay for it twice)."""
-    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128")) for s in manifest["shards"]]
+    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"),
+                        location=s.get("location"), idx_location=s.get("idx_location")) for s in manifest["shards"]]
 
 
 def fingerprint(manifest: Mapping[str, Any]) -> str:
@@ -403,7 +443,9 @@ def _records_valid(shards: list) -> bool:
                 v + "\n" for v in column[key])):
             return False
     xxh3 = [s["xxh3_128"] for s in shards if s.get("xxh3_128") is not None]
-    return all(isinstance(v, str) for v in xxh3) and bool(_XXH3S.fullmatch("".join(v + "\n" for v in xxh3)))
+    if not (all(isinstance(v, str) for v in xxh3) and _XXH3S.fullmatch("".join(v + "\n" for v in xxh3))):
+        return False
+    return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
 
 
 def _validate(manifest: Any, path: str) -> None:
@@ -438,6 +480,8 @@ def _validate(manifest: Any, path: str) -> None:
     for key in ("name", "fastio_version", "image_field", "label_field"):
         _optional(manifest, key, path, lambda v: isinstance(v, str), "text")
     _optional(manifest, "image_fields", path, _str_list, "a list of field names")
+    _optional(manifest, "field_counts", path, lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and type(i) is int and i >= 0 for k, i in v.items()), "an object of field to sample count")
     _optional(manifest, "label_map", path, lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(i, int) and not isinstance(i, bool) for k, i in v.items()),
         "an object of class name to integer label")
