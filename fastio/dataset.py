@@ -21,13 +21,12 @@ import numpy as np
 from fastio.dsindex import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, load_index
-from fastio.manifest import ShardRecord, fingerprint, index_record
-from fastio.storage.dest import DatasetSource, open_source
+from fastio.manifest import Manifest, ShardRecord
+from fastio.source import DatasetSource, open_source
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
 _KEY_SHARDS = 8  # parsed .idx files kept for key lookups
-_RECORD_FIELDS = [f.name for f in dataclasses.fields(ShardRecord)]
 
 
 @dataclass(frozen=True)
@@ -86,44 +85,44 @@ class Dataset:
         self.source = open_source(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
         self.root: Path | str = self.source.display
         self.verify = verify
-        self.manifest: dict[str, Any] = self.source.load_manifest()
+        self.manifest: Manifest = self.source.load_manifest()
         shards, first = [], 0
-        for entry in self.manifest["shards"]:  # validated by load_manifest (as shard_records assumes)
-            shards.append(Shard(*(entry.get(f) for f in _RECORD_FIELDS), source=self.source, first=first))
-            first += entry["samples"]
+        for record in self.manifest.shards:
+            shards.append(Shard(**_record_fields(record), source=self.source, first=first))
+            first += record.samples
         self.shards: list[Shard] = shards
         self._starts = np.array([s.first for s in shards] + [first], np.int64)
         self._keys: dict[int, list[str]] = {}
         self._keys_lock = threading.Lock()
         self.source.check(shards)
-        if index_record(self.manifest) is not None:  # memory-mapped and checked now; .idx files only on demand
+        if self.manifest.index is not None:  # memory-mapped and checked now; .idx files only on demand
             self.index  # noqa: B018
 
     def __repr__(self) -> str:
         return f"Dataset({str(self.root)!r}, samples={len(self)}, shards={len(self.shards)})"
 
     def __len__(self) -> int:
-        return self.manifest["total_samples"]
+        return self.manifest.total_samples
 
     @property
     def fields(self) -> list[str]:
-        return list(self.manifest["fields"])
+        return self.manifest.fields
 
     @property
     def image_field(self) -> str | None:
-        return self.manifest.get("image_field")
+        return self.manifest.image_field
 
     @property
     def label_field(self) -> str | None:
-        return self.manifest.get("label_field")
+        return self.manifest.label_field
 
     @property
     def label_map(self) -> dict[str, int] | None:
-        return self.manifest.get("label_map")
+        return self.manifest.label_map
 
-    @cached_property
+    @property
     def fingerprint(self) -> str:
-        return fingerprint(self.manifest)
+        return self.manifest.fingerprint
 
     def read_index(self, shard: Shard) -> list[IndexEntry]:
         """The shard's index, checked against the manifest (sha256, counts, ranges: :func:`fastio.idx.load_index`)."""
@@ -139,9 +138,10 @@ class Dataset:
     def index(self) -> SampleIndex:
         """The sample index: ``DEST/samples.fxi`` memory-mapped (pages shared by every process of a node),
         or, for a dataset without one, built in memory from every ``.idx`` (parsed once)."""
-        counts, record = [s.samples for s in self.shards], index_record(self.manifest)
+        counts, record = [s.samples for s in self.shards], self.manifest.index
         if record is not None:
-            return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify)
+            return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify,
+                                    shard_bytes=[s.bytes for s in self.shards])
         builder = IndexBuilder()
         for shard in self.shards:
             try:
@@ -188,3 +188,8 @@ class Dataset:
             raise DatasetError(
                 f"{self.root}: dataset has no field {', '.join(map(repr, missing))} (fields: {', '.join(self.fields)})"
             )
+
+
+def _record_fields(record: ShardRecord) -> dict[str, Any]:
+    """A record's own fields, to build the :class:`Shard` that locates it."""
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(ShardRecord)}

@@ -21,7 +21,7 @@ from fastio.errors import DatasetError
 from fastio.images import image_size, is_image_field
 from fastio.reader import Reader
 from fastio.sampler import SHUFFLE_MODES, epoch_order
-from fastio.storage.dest import dest_child, dest_split_names
+from fastio.source import dest_child, dest_split_names
 
 __all__ = ["inspect", "order_quality"]
 
@@ -120,7 +120,7 @@ def _read(ds: Dataset, field: str, indices: np.ndarray) -> list[bytes]:
 
 def _image_fields(ds: Dataset) -> list[str]:
     """The dataset's image fields, its main one first (the manifest's ``image_fields``, else by extension)."""
-    listed = ds.manifest.get("image_fields") or [f for f in ds.fields if is_image_field(f)]
+    listed = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
     main = [ds.image_field] if ds.image_field in listed and ds.image_field in ds.table.offsets else []
     return main + sorted(f for f in listed if f not in main and f in ds.table.offsets)
 
@@ -144,10 +144,10 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
     n = len(ds)
     info: dict[str, Any] = {
         "path": str(root), "samples": n, "shards": len(ds.shards), "bytes": sum(s.bytes for s in ds.shards),
-        "fingerprint": ds.fingerprint, "source": ds.manifest.get("source"),
+        "fingerprint": ds.fingerprint, "source": ds.manifest.source,
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
-        "skipped": len(ds.manifest.get("skipped") or []),
+        "skipped": len(ds.manifest.skipped),
     }
     label, values = ds.label_field, None
     if label in table.offsets:

@@ -197,7 +197,7 @@ class Loader:
         # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
         self._image_fields: tuple[str, ...] = ()
         if ds.image_field is not None:
-            others = ds.manifest.get("image_fields") or [f for f in ds.fields if is_image_field(f)]
+            others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
             self._image_fields = (ds.image_field, *[f for f in others if f != ds.image_field])
         if graph.decodes and not self._image_fields:
             raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")

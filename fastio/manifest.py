@@ -11,6 +11,8 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Iterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IndexRecord",
     "MANIFEST_NAME",
+    "Manifest",
     "MARKER_NAME",
     "SHARDS_DIR",
     "SPLITS_FORMAT",
@@ -32,6 +35,7 @@ __all__ = [
     "ShardRecord",
     "fingerprint",
     "index_record",
+    "is_location",
     "load_manifest",
     "make_manifest",
     "shard_records",
@@ -59,7 +63,8 @@ _INDEX_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*")
 
 @dataclasses.dataclass(frozen=True)
 class ShardRecord:
-    """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx``."""
+    """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx`` (or, for
+    shards indexed where they are by ``fastio index``, ``location`` and ``idx_location``)."""
 
     name: str
     """File name of the tar inside ``DEST/shards/`` (no directory part)."""
@@ -75,11 +80,26 @@ class ShardRecord:
     """Hex xxh3-128 of the tar file (optional: written since fastio records it; older manifests lack it).
     What an object-store cache checks its fills against: it runs at memory speed where sha256 takes a core
     per ~1 GB/s; ``fastio verify`` checks both."""
+    location: str | None = None
+    """Where the tar is when not at ``shards/NAME`` (``fastio index``): relative to DEST (``/``-separated, no
+    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
+    idx_location: str | None = None
+    """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
 
     @property
     def idx_name(self) -> str:
         """File name of the shard's DALI index, next to the tar."""
         return self.name[: -len(".tar")] + ".idx"
+
+    @property
+    def tar_key(self) -> str:
+        """Where the tar is: relative to DEST (``shards/NAME`` unless ``location`` says), absolute, or a URL."""
+        return self.location if self.location is not None else f"{SHARDS_DIR}/{self.name}"
+
+    @property
+    def idx_key(self) -> str:
+        """Where the ``.idx`` is, in the terms of :attr:`tar_key`."""
+        return self.idx_location if self.idx_location is not None else f"{SHARDS_DIR}/{self.idx_name}"
 
     def as_dict(self) -> dict[str, Any]:
         """The manifest entry (only the record's own fields, also for a subclass that locates it)."""
@@ -106,11 +126,28 @@ class ShardRecord:
         xxh3 = data.get("xxh3_128")
         if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
             raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
+        for key in ("location", "idx_location"):
+            if data.get(key) is not None and not is_location(data[key]):
+                raise DatasetError(f"{where}.{key}: {data[key]!r} is not a path relative to DEST (no '..'), an "
+                                   "absolute path or an s3:// URL")
         return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
-                   idx_sha256=data["idx_sha256"], xxh3_128=xxh3)
+                   idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
+                   idx_location=data.get("idx_location"))
 
 
-_OPTIONAL_RECORD_KEYS = ("xxh3_128",)  # keys a manifest shard entry may have
+def is_location(value: object) -> bool:
+    """Whether ``value`` may be a record's ``location``/``idx_location``: a path relative to DEST without ``..`` or
+    empty parts, an absolute path, or an ``s3://bucket/key`` URL (no whitespace: ``.idx`` lines are
+    space-separated)."""
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value) or "\x00" in value:
+        return False
+    if value.startswith("s3://"):
+        return len(value.split("/", 3)) == 4 and all(value.split("/", 3)[2:])
+    parts = value[1:].split("/") if value.startswith("/") else value.split("/")
+    return all(p and p not in (".", "..") for p in parts)
+
+
+_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location")  # keys a manifest shard entry may have
 _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(ShardRecord)
                      if f.name not in _OPTIONAL_RECORD_KEYS)  # keys it must have
 _RECORD_KEYSET = frozenset(_RECORD_KEYS)
@@ -133,9 +170,14 @@ class IndexRecord:
     """Size of the file."""
     sha256: str
     """Hex sha256 of the file."""
+    xxh3_128: str | None = None
+    """Hex xxh3-128 of the file, checked on every open (optional: manifests written before it lack it)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.xxh3_128 is None:
+            del out["xxh3_128"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> IndexRecord:
@@ -150,13 +192,124 @@ class IndexRecord:
         _count(data["bytes"], f"{where}.bytes")
         if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
             raise DatasetError(f"{where}.sha256: {data['sha256']!r} is not a hex sha256")
-        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"])
+        xxh3 = data.get("xxh3_128")
+        if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
+            raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
+        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"], xxh3_128=xxh3)
 
 
-def index_record(manifest: dict[str, Any]) -> IndexRecord | None:
+def index_record(manifest: Mapping[str, Any]) -> IndexRecord | None:
     """The consolidated index of a manifest that :func:`load_manifest` has validated (None: it has none)."""
     data = manifest.get("index")
     return None if data is None else IndexRecord.from_dict(data, "index")
+
+
+class Manifest(Mapping[str, Any]):
+    """A validated manifest (what :func:`load_manifest` returns), read through typed properties.
+
+    Other modules use the properties, never the manifest's string keys, so the schema has one home. It is
+    also a read-only mapping of the JSON object (``manifest["convert_options"]``) for tools and old callers.
+    """
+
+    def __init__(self, data: dict[str, Any]):
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self._data['shards'])})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object (the one this view reads: do not change it)."""
+        return self._data
+
+    @property
+    def name(self) -> str | None:
+        """The dataset's name (shards are ``NAME-NNNNNN.tar``)."""
+        return self._data.get("name")
+
+    @cached_property
+    def shards(self) -> list[ShardRecord]:
+        """The shard records, in order."""
+        return shard_records(self._data)
+
+    @property
+    def total_samples(self) -> int:
+        """Samples in all shards."""
+        return self._data["total_samples"]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shards."""
+        return self._data.get("total_bytes", sum(s["bytes"] for s in self._data["shards"]))
+
+    @property
+    def fields(self) -> list[str]:
+        """Every field some sample has (sorted)."""
+        return list(self._data["fields"])
+
+    @property
+    def image_field(self) -> str | None:
+        """The main image field (None: no images, or unknown)."""
+        return self._data.get("image_field")
+
+    @property
+    def image_fields(self) -> list[str] | None:
+        """Every image field, the main one first (None: not recorded; tell them by suffix)."""
+        value = self._data.get("image_fields")
+        return list(value) if value else None
+
+    @property
+    def field_counts(self) -> dict[str, int] | None:
+        """Samples having each field (recorded by ``fastio index``; None: not recorded)."""
+        return self._data.get("field_counts")
+
+    @property
+    def label_field(self) -> str | None:
+        """The field holding each sample's integer label (ASCII decimal), if any."""
+        return self._data.get("label_field")
+
+    @property
+    def label_map(self) -> dict[str, int] | None:
+        """Class name to label, for a source that named its classes."""
+        return self._data.get("label_map")
+
+    @property
+    def skipped(self) -> list[dict[str, str]]:
+        """What the writer left out, each ``{path, reason}``."""
+        return list(self._data.get("skipped") or [])
+
+    @property
+    def source(self) -> dict[str, Any] | None:
+        """What the dataset was made from (format, path, ...)."""
+        return self._data.get("source")
+
+    @property
+    def convert_options(self) -> dict[str, Any] | None:
+        """The options of the conversion that wrote it."""
+        return self._data.get("convert_options")
+
+    @property
+    def split(self) -> dict[str, Any] | None:
+        """``{name, of}`` for one split of a ``split`` DEST."""
+        return self._data.get("split")
+
+    @cached_property
+    def index(self) -> IndexRecord | None:
+        """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
+        return index_record(self._data)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """See :func:`fingerprint`."""
+        return fingerprint(self._data)
 
 
 def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], index: IndexRecord | None = None,
@@ -189,7 +342,7 @@ def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
-def load_manifest(dest: Path) -> dict[str, Any]:
+def load_manifest(dest: Path) -> Manifest:
     """Read and validate ``DEST/manifest.json``; raise :class:`DatasetError` naming what is wrong."""
     path = Path(dest) / MANIFEST_NAME
     if not Path(dest).is_dir():
@@ -201,16 +354,17 @@ def load_manifest(dest: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise DatasetError(f"{path}: unreadable manifest ({err})") from None
     _validate(manifest, str(path))
-    return manifest
+    return Manifest(manifest)
 
 
-def shard_records(manifest: dict[str, Any]) -> list[ShardRecord]:
+def shard_records(manifest: Mapping[str, Any]) -> list[ShardRecord]:
     """The shard records of a manifest that :func:`load_manifest` has validated (not checked again: at
     10^5 shards every rank would pay for it twice)."""
-    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128")) for s in manifest["shards"]]
+    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"),
+                        location=s.get("location"), idx_location=s.get("idx_location")) for s in manifest["shards"]]
 
 
-def fingerprint(manifest: dict[str, Any]) -> str:
+def fingerprint(manifest: Mapping[str, Any]) -> str:
     """Identity of a dataset's content: shard names, counts and checksums, in order (16 hex digits)."""
     h = hashlib.sha256()
     for shard in manifest["shards"]:
@@ -220,7 +374,7 @@ def fingerprint(manifest: dict[str, Any]) -> str:
 
 # -- splits.json --------------------------------------------------------------------------------------
 
-def write_splits(dest: Path, manifests: dict[str, dict[str, Any]]) -> None:
+def write_splits(dest: Path, manifests: Mapping[str, Mapping[str, Any]]) -> None:
     """Publish ``DEST/splits.json`` listing each split's sample count and fingerprint (after their manifests)."""
     splits = {"format": SPLITS_FORMAT,
               "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)} for n, m in manifests.items()}}
@@ -290,7 +444,9 @@ def _records_valid(shards: list) -> bool:
                 v + "\n" for v in column[key])):
             return False
     xxh3 = [s["xxh3_128"] for s in shards if s.get("xxh3_128") is not None]
-    return all(isinstance(v, str) for v in xxh3) and bool(_XXH3S.fullmatch("".join(v + "\n" for v in xxh3)))
+    if not (all(isinstance(v, str) for v in xxh3) and _XXH3S.fullmatch("".join(v + "\n" for v in xxh3))):
+        return False
+    return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
 
 
 def _validate(manifest: Any, path: str) -> None:
@@ -325,6 +481,8 @@ def _validate(manifest: Any, path: str) -> None:
     for key in ("name", "fastio_version", "image_field", "label_field"):
         _optional(manifest, key, path, lambda v: isinstance(v, str), "text")
     _optional(manifest, "image_fields", path, _str_list, "a list of field names")
+    _optional(manifest, "field_counts", path, lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and type(i) is int and i >= 0 for k, i in v.items()), "an object of field to sample count")
     _optional(manifest, "label_map", path, lambda v: isinstance(v, dict) and all(
         isinstance(k, str) and isinstance(i, int) and not isinstance(i, bool) for k, i in v.items()),
         "an object of class name to integer label")

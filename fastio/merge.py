@@ -47,7 +47,6 @@ from fastio.manifest import (
     ShardRecord,
     load_manifest,
     make_manifest,
-    shard_records,
     write_manifest,
     write_splits,
 )
@@ -250,9 +249,9 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
             manifest = load_manifest(out)
         except DatasetError as err:
             raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
-        fields.update(manifest["fields"])
-        skipped += manifest.get("skipped") or []
-        for shard in shard_records(manifest):
+        fields.update(manifest.fields)
+        skipped += manifest.skipped
+        for shard in manifest.shards:
             path = out / SHARDS_DIR / shard.name
             entries = _read_index(path, shard)
             part_shards[(len(samples), len(samples) + len(entries))] = path

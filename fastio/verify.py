@@ -23,13 +23,11 @@ from fastio.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
     ShardRecord,
-    index_record,
     load_manifest,
-    shard_records,
     split_names,
 )
+from fastio.source import LocalSource, dest_split_names
 from fastio.storage import is_remote, open_storage
-from fastio.storage.dest import dest_split_names
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -62,15 +60,22 @@ class VerifyReport:
         return not self.problems
 
 
-def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str):
-    """[(key, ((ext, offset, size), ...)), ...] in tar order; member problems go into ``report``."""
+def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool = False):
+    """[(key, ((ext, offset, size), ...)), ...] in tar order; member problems go into ``report``. A ``foreign``
+    tar (indexed by ``fastio index``, not written by fastio) may hold what its index passed over: folders,
+    links, hidden files and members without a field name (:mod:`fastio.index_tar`)."""
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     with tarfile.open(path, "r:") as tar:
         for member in tar:
+            base = member.name[member.name.rfind("/") + 1:]
+            if foreign and (not member.isfile() or not base or base.startswith(".")):
+                continue
             if not member.isfile():
                 report.problems.append(Problem(label, None, f"tar member {member.name!r} is not a regular file"))
                 continue
             key, ext = split_member_name(member.name)
+            if not ext and foreign:
+                continue
             if not ext:
                 report.problems.append(Problem(label, key, f"tar member {member.name!r} has no field extension"))
                 continue
@@ -102,10 +107,13 @@ def _each_shard(records: list[ShardRecord], fetch: Callable[[ShardRecord], list[
 
 def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                 fetch: Callable[[ShardRecord], list[Path]] | None = None, listed_files: list[str] | None = None) -> None:
-    """Check the dataset in ``root``. A remote DEST passes ``fetch`` (its shard files, one shard at a time)
-    and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here."""
+    """Check the dataset in ``root``. A remote DEST passes ``fetch`` (its shard files, one shard at a time, into
+    ``root/shards/``) and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here,
+    and its shards are where the manifest says (``shards/``, or where ``fastio index`` found them)."""
     manifest = load_manifest(root)
-    records = shard_records(manifest)
+    records = manifest.shards
+    local = LocalSource(root) if fetch is None else None
+    foreign = (manifest.source or {}).get("format") == "webdataset"
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
     folder = root / SHARDS_DIR
     if listed_files is None:
@@ -117,6 +125,12 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     for shard in _each_shard(records, fetch):
         label = f"{prefix}{shard.name}"
         tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
+        if local is not None:
+            try:
+                tar_path, idx_path = local.shard_path(shard), local.idx_path(shard)
+            except DatasetError as err:
+                report.problems.append(Problem(label, None, str(err)))
+                continue
         report.shards += 1
         if not tar_path.is_file():
             report.problems.append(Problem(label, None, "shard file is missing"))
@@ -145,7 +159,7 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                     report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
         parsed.append((shard, entries))  # entries None: a problem is reported, no index rebuild
         try:
-            samples = _tar_samples(tar_path, decode, report, label)
+            samples = _tar_samples(tar_path, decode, report, label, foreign)
         except (tarfile.TarError, OSError, EOFError) as err:
             report.problems.append(Problem(label, None, f"tar does not parse ({err})"))
             continue
@@ -166,10 +180,10 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                     report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
             if len(entries) > len(samples):
                 report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
-    record = index_record(manifest)
+    record = manifest.index
     if record is not None:
         shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
-        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest["fields"]):
+        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest.fields):
             report.problems.append(Problem(f"{prefix}{record.name}", None, what))
 
 
@@ -190,6 +204,15 @@ def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | No
     return report
 
 
+def _remote_file(storage, prefix: str, location: str):
+    """The storage and key of a shard file of the remote dataset at ``storage``/``prefix`` (a key relative to it,
+    or an ``s3://`` URL anywhere)."""
+    if location.startswith("s3://"):
+        bucket, key = location[len("s3://"):].split("/", 1)
+        return open_storage(f"s3://{bucket}", storage.options), key
+    return storage, f"{prefix}{location}"
+
+
 def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> VerifyReport:
     storage = open_storage(url, storage_options)
     report = VerifyReport(url)
@@ -206,7 +229,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                                        f"(no {MANIFEST_NAME}; an interrupted conversion?)") from None
                 raise
             try:  # the sample index is small (a few bytes a sample): fetched once, checked like a local one
-                record = index_record(load_manifest(sub))
+                record = load_manifest(sub).index
                 if record is not None:
                     storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
             except StorageError as err:
@@ -218,10 +241,11 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
 
             def fetch(shard: ShardRecord, sub: Path = sub, prefix: str = prefix) -> list[Path]:
                 paths = []
-                for file in (shard.name, shard.idx_name):
+                for file, location in ((shard.name, shard.tar_key), (shard.idx_name, shard.idx_key)):
                     path = sub / SHARDS_DIR / file
+                    where, key = _remote_file(storage, prefix, location)
                     try:
-                        storage.get_to_file(f"{prefix}{SHARDS_DIR}/{file}", path)
+                        where.get_to_file(key, path)
                     except StorageError as err:
                         if not err.missing:
                             raise

@@ -112,22 +112,81 @@ def test_index_sha256_is_checked_whenever_it_is_read(image_dataset, verify_shard
         list(_loader(image_dataset, verify=verify_shards))
 
 
-def test_a_tampered_sample_index_never_hands_pread_a_range_outside_the_shard(image_dataset, tmp_path):
-    """samples.fxi rewritten with the same size (so it opens) but one sample moved past its shard's end: the
-    Loader names the index file and the sample instead of reading garbage; verify=True catches it by sha256."""
-    ds = Dataset(image_dataset)
+def _forge_sample_index(dest: Path, tmp_path: Path, edit) -> None:
+    """Replace ``dest``'s samples.fxi by one built from its shards' entries after ``edit(entries of shard 1)``
+    (same size, valid header: only the rows differ)."""
+    ds = Dataset(dest)
     shards = [(s, list(ds.read_index(s))) for s in ds.shards]
-    record, entries = shards[1]
+    edit(shards[1][1], shards[1][0])
+    build_index(tmp_path / INDEX_NAME, shards, ds.fields)
+    assert (tmp_path / INDEX_NAME).stat().st_size == (dest / INDEX_NAME).stat().st_size
+    os.replace(tmp_path / INDEX_NAME, dest / INDEX_NAME)
+
+
+def _as_old_manifest(dest: Path) -> None:
+    """Drop the sample index's xxh3-128 from the manifest (one written before fastio recorded it)."""
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["index"]["xxh3_128"]
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _swap(entries, record):
+    entries[2], entries[5] = entries[5], entries[2]
+
+
+def _duplicate(entries, record):
+    entries[3] = entries[2]
+
+
+def _past_the_end(entries, record):
     first, far = entries[0], record.bytes + 4096
     entries[0] = IndexEntry(first.key, tuple((ext, offset - first.span[0] + far, size)
                                              for ext, offset, size in first.members))
-    build_index(tmp_path / INDEX_NAME, shards, ds.fields)
-    assert (tmp_path / INDEX_NAME).stat().st_size == (image_dataset / INDEX_NAME).stat().st_size
-    os.replace(tmp_path / INDEX_NAME, image_dataset / INDEX_NAME)
-    with pytest.raises(DatasetError, match=rf"{INDEX_NAME}: .*key '{first.key}': byte range .* lies outside"):
-        list(_loader(image_dataset))
+
+
+@pytest.mark.parametrize("edit", [_swap, _duplicate, _past_the_end], ids=lambda f: f.__name__.strip("_"))
+def test_a_tampered_sample_index_is_refused_on_open(image_dataset, tmp_path, edit):
+    """Issue 19.6: a swapped, duplicated or moved row of samples.fxi delivered other samples' bytes under the
+    default verify=False. Now every open checks its xxh3-128 against the manifest, and (for manifests without
+    it) its structure: samples in tar order, inside their shard."""
+    _forge_sample_index(image_dataset, tmp_path, edit)
+    with pytest.raises(DatasetError, match=rf"{INDEX_NAME}: sample index xxh3_128 does not match the manifest"):
+        _loader(image_dataset)
     with pytest.raises(DatasetError, match="sample index sha256 does not match the manifest"):
-        list(_loader(image_dataset, verify=True))
+        _loader(image_dataset, verify=True)
+    _as_old_manifest(image_dataset)
+    what = "past the shard's" if edit is _past_the_end else "inside the previous sample"
+    with pytest.raises(DatasetError, match=rf"{INDEX_NAME}: sample index row 1[0-9] \(shard #1, sample \d\) .*{what}"):
+        Dataset(image_dataset)
+
+
+def test_an_intact_sample_index_of_an_old_manifest_still_opens(image_dataset):
+    """A manifest without the index's xxh3-128 opens (structure checked) and reads every sample once."""
+    _as_old_manifest(image_dataset)
+    loader = _loader(image_dataset, shuffle="none")
+    assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(48))
+
+
+def test_a_big_sample_index_is_checked_once_per_node_while_it_is_the_same_file(image_dataset, tmp_path, monkeypatch):
+    """Past CHECKED_STAMP_MIN_BYTES the checks of samples.fxi (xxh3-128 + structure: ~1 s per 10^7 samples) run once
+    per node: a stamp named by the file's identity in $TMPDIR/fastio-checked-UID/. A file rewritten afterwards
+    has another identity, so it is checked again."""
+    import tempfile
+
+    from fastio import dsindex
+
+    monkeypatch.setattr(dsindex, "CHECKED_STAMP_MIN_BYTES", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    checks = []
+    real = dsindex.SampleIndex.check_structure
+    monkeypatch.setattr(dsindex.SampleIndex, "check_structure", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    Dataset(image_dataset)
+    Dataset(image_dataset)
+    assert len(checks) == 1 and len(list((tmp_path / "node-tmp").glob("fastio-checked-*/*"))) == 1
+    _forge_sample_index(image_dataset, tmp_path, _swap)  # a new file (same size): checked again, refused
+    with pytest.raises(DatasetError, match="sample index xxh3_128 does not match the manifest"):
+        Dataset(image_dataset)
 
 
 def test_check_index_accepts_what_the_writer_writes(tmp_path, image_dataset):

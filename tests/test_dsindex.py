@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fastio import Loader
+from fastio.checksum import digest_file
 from fastio.dataset import Dataset
 from fastio.dsindex import INDEX_NAME, SampleIndex, build_index
 from fastio.errors import DatasetError
@@ -48,7 +49,8 @@ def test_writer_publishes_the_index_and_records_it_in_the_manifest(tmp_path):
     manifest = load_manifest(dest)
     path = dest / INDEX_NAME
     assert manifest["index"] == {"name": INDEX_NAME, "bytes": path.stat().st_size,
-                                 "sha256": __import__("hashlib").sha256(path.read_bytes()).hexdigest()}
+                                 "sha256": __import__("hashlib").sha256(path.read_bytes()).hexdigest(),
+                                 "xxh3_128": digest_file(path, "xxh3_128")[1]}
     assert not [p for p in dest.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
     assert verify(dest).ok
 
@@ -154,6 +156,7 @@ def test_a_damaged_index_is_refused_naming_the_file(tmp_path):
     assert [p.line() for p in verify(dest).problems] == [
         f"{INDEX_NAME}: size {len(data) - 8} bytes, manifest says {len(data)}",
         f"{INDEX_NAME}: sha256 does not match the manifest",
+        f"{INDEX_NAME}: xxh3_128 does not match the manifest",
         f"{INDEX_NAME}: does not match the index rebuilt from the shards' .idx files"]
     path.write_bytes(b"NOTANIDX" + data[8:])
     with pytest.raises(DatasetError, match="not a fastio sample index"):
@@ -161,7 +164,8 @@ def test_a_damaged_index_is_refused_naming_the_file(tmp_path):
     flipped = bytearray(data)
     flipped[-1] ^= 1
     path.write_bytes(bytes(flipped))
-    Dataset(dest)  # the header and size check out; the content is checked by verify=True and fastio verify
+    with pytest.raises(DatasetError, match="sample index xxh3_128 does not match the manifest"):
+        Dataset(dest)  # the header and size check out; the content is checked on every open
     with pytest.raises(DatasetError, match="sample index sha256 does not match the manifest"):
         Dataset(dest, verify=True)
     path.unlink()

@@ -23,6 +23,21 @@ def test_dest_without_manifest(tmp_path):
         _loader(tmp_path / "half")
 
 
+def test_the_parent_of_splits_names_them(tmp_path, image_folder):
+    """Loader("ds") on a DEST written with --split said "not a fastio dataset"; it names the splits instead."""
+    from fastio.convert import ConvertConfig, convert
+    from fastio.dataset import Dataset
+
+    convert(ConvertConfig(source=image_folder, dest=tmp_path / "ds", split="val=0.25"))
+    needle = (rf"{tmp_path / 'ds'}: holds the splits train, val, not one dataset: open {tmp_path / 'ds' / 'train'} "
+              rf"or {tmp_path / 'ds' / 'val'}$")
+    with pytest.raises(DatasetError, match=needle):
+        _loader(tmp_path / "ds")
+    with pytest.raises(DatasetError, match=needle):
+        Dataset(tmp_path / "ds")
+    assert len(Dataset(tmp_path / "ds" / "val")) == 12
+
+
 def test_missing_shard_names_the_shard(image_dataset):
     (image_dataset / "shards" / "shard-000001.tar").unlink()
     with pytest.raises(DatasetError, match="shard file shard-000001.tar is missing"):

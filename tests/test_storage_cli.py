@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import run_cli
 
 from fastio import Loader
+from fastio.errors import DatasetError
 from fastio.storage import open_storage
 
 
@@ -62,6 +64,9 @@ def test_split_dest_on_s3(aws_env, s3_bucket, image_folder, capsys):
     assert run_cli(["verify", url], capsys)[0] == 0
     with Loader(f"{url}/val", batch_size=4, device="cpu", image_size=32) as loader:
         assert len(loader) == 3
+    with pytest.raises(DatasetError, match=rf"{url}: holds the splits train, val, not one dataset: open {url}/train "
+                                           rf"or {url}/val$"):
+        Loader(url, batch_size=4, device="cpu", image_size=32)
 
 
 def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_folder, tmp_path, capsys, monkeypatch):

@@ -13,10 +13,10 @@ from typing import Any
 import click
 
 from fastio.cli.group import cli, storage_flags, storage_options
-from fastio.errors import ConvertError, FastioError
+from fastio.errors import ConvertError, DatasetError, FastioError
 from fastio.images import DEFAULT_MAX_PIXELS
 
-__all__ = ["convert", "inspect", "merge", "verify"]
+__all__ = ["convert", "index", "inspect", "merge", "verify"]
 
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
@@ -125,6 +125,46 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
         result = run_merge(dest, overwrite=overwrite, keep_parts=keep_parts)
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+@cli.command()
+@click.argument("source")
+@click.option("--dest", default=None,
+              help="Where the metadata goes (default: SOURCE's folder, .idx files beside the tars); elsewhere for "
+                   "read-only shards: the manifest then names them by absolute path or URL.")
+@click.option("--label-field", default=None, help="Field holding integer labels (default: cls or label, "
+                                                   "when every sample has it).")
+@click.option("--image-field", default=None, help="Main image field (default: the one most samples have).")
+@click.option("--name", default="webdataset", show_default=True, help="Dataset name in the manifest.")
+@click.option("--threads", type=int, default=4, show_default=True, help="Shards read at once.")
+@click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
+                                                "files are never written).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
+@storage_flags()
+def index(source: str, dest: str | None, label_field: str | None, image_field: str | None, name: str, threads: int,
+          overwrite: bool, quiet: bool, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
+    """Make existing WebDataset shards a fastio dataset without rewriting them.
+
+    SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
+    Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
+    from fastio.index_shards import IndexConfig, index_shards
+    from fastio.progress import progress_wanted
+
+    try:
+        config = IndexConfig(source=source, dest=dest, label_field=label_field, image_field=image_field, name=name,
+                             threads=threads, overwrite=overwrite,
+                             storage_options=storage_options(endpoint_url, region, profile))
+    except ValueError as err:
+        raise DatasetError(_in_flags(str(err), leading=True)) from None
+    show = progress_wanted(quiet)
+    report = (lambda done, total: click.echo(f"\rindexed {done}/{total} shards", nl=done == total, err=True)) \
+        if show else None
+    try:
+        result = index_shards(config, progress=report)
+    except DatasetError as err:
+        raise DatasetError(_in_flags(str(err), leading=True)) from None
     if not quiet:
         click.echo(result.summary())
 

@@ -1,4 +1,5 @@
-"""Where a dataset's files are: the seam between :class:`fastio.Dataset` and storage.
+"""Where a dataset's files are: the seam between :class:`fastio.Dataset` and storage (which only moves bytes:
+the dataset layout, ``shards/``, ``samples.fxi``, ``splits.json``, is known here and in :mod:`fastio.manifest`).
 
 :class:`LocalSource` is a DEST directory read in place. :class:`RemoteSource` is a DEST on an object store: its
 manifest and ``.idx`` files are copied (verified) into the cache's metadata folder, and its shards are read
@@ -14,7 +15,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from fastio.errors import DatasetError, StorageError
 from fastio.manifest import (
@@ -22,6 +22,7 @@ from fastio.manifest import (
     SHARDS_DIR,
     SPLITS_NAME,
     IndexRecord,
+    Manifest,
     ShardRecord,
     load_manifest,
     split_names,
@@ -40,7 +41,7 @@ class DatasetSource:
     display: str | Path
     """The DEST for messages (a path, or the URL)."""
 
-    def load_manifest(self) -> dict[str, Any]:
+    def load_manifest(self) -> Manifest:
         raise NotImplementedError
 
     def shard_path(self, record: ShardRecord) -> Path:
@@ -73,28 +74,41 @@ class LocalSource(DatasetSource):
     def __init__(self, root: Path):
         self.root = self.display = Path(root)
 
-    def load_manifest(self) -> dict[str, Any]:
+    def load_manifest(self) -> Manifest:
+        if not (self.root / MANIFEST_NAME).is_file():
+            _refuse_split_parent(self.root, split_names(self.root) if self.root.is_dir() else None)
         return load_manifest(self.root)
 
     def shard_path(self, record: ShardRecord) -> Path:
-        return self.root / SHARDS_DIR / record.name
+        return self._local(record.tar_key)
 
     def idx_path(self, record: ShardRecord) -> Path:
-        return self.root / SHARDS_DIR / record.idx_name
+        return self._local(record.idx_key)
 
     def index_path(self, record: IndexRecord) -> Path:
         return self.root / record.name
 
+    def _local(self, key: str) -> Path:
+        """A record's location as a local path (relative ones below DEST)."""
+        if key.startswith("s3://"):
+            raise DatasetError(f"{self.root}: shard {key} is on an object store: a local DEST reads local shards "
+                               "(index it with an s3:// --dest)")
+        return Path(key) if key.startswith("/") else self.root / key
+
     def check(self, records: list[ShardRecord]) -> None:
-        # One listing of the shard folder, not a stat per file (2 x 10^5 metadata calls per rank at scale).
-        try:
-            present = {e.name for e in os.scandir(self.root / SHARDS_DIR) if e.is_file()}
-        except OSError:
-            present = set()
+        # One listing per folder holding shards, not a stat per file (2 x 10^5 metadata calls per rank at scale).
+        listed: dict[Path, set[str]] = {}
         for r in records:
-            for name in (r.name, r.idx_name):
-                if name not in present:
-                    raise DatasetError(f"{self.root}: shard file {name} is missing")
+            for key in (r.tar_key, r.idx_key):
+                path = self._local(key)
+                if path.parent not in listed:
+                    try:
+                        listed[path.parent] = {e.name for e in os.scandir(path.parent) if e.is_file()}
+                    except OSError:
+                        listed[path.parent] = set()
+                if path.name not in listed[path.parent]:
+                    where = path.name if key.startswith(f"{SHARDS_DIR}/") else path
+                    raise DatasetError(f"{self.root}: shard file {where} is missing")
 
 
 def _write_unique_tmp(path: Path, data: bytes) -> None:
@@ -114,14 +128,28 @@ class RemoteSource(DatasetSource):
         self.display = storage.url
         self.meta = cache.meta_dir(hashlib.sha256(storage.url.encode()).hexdigest()[:20])
         self._fetched: set[str] = set()  # metadata files verified in this process
+        self._buckets: dict[str, Storage] = {}  # bucket roots of shards named by URL (fastio index --dest)
         (self.meta / SHARDS_DIR).mkdir(exist_ok=True)
 
-    def load_manifest(self) -> dict[str, Any]:
+    def _where(self, key: str) -> tuple[Storage, str]:
+        """The storage and key of a record's location (relative to DEST, or an ``s3://`` URL)."""
+        if not key.startswith("s3://"):
+            if key.startswith("/"):
+                raise DatasetError(f"{self.storage.url}: shard {key} is a local path: an s3:// DEST reads shards "
+                                   "on the object store")
+            return self.storage, key
+        bucket, rest = key[len("s3://"):].split("/", 1)
+        if bucket not in self._buckets:
+            self._buckets[bucket] = open_storage(f"s3://{bucket}", self.storage.options)
+        return self._buckets[bucket], rest
+
+    def load_manifest(self) -> Manifest:
         url = self.storage.url
         try:
             data = self.storage.get(MANIFEST_NAME)
         except StorageError as err:
             if err.missing:
+                _refuse_split_parent(url, dest_split_names(url, self.storage.options))
                 raise DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)") \
                     from None
             raise
@@ -139,28 +167,35 @@ class RemoteSource(DatasetSource):
         """The ``.idx`` in the metadata folder, fetched (and verified) the first time it is asked for."""
         path = self.meta / SHARDS_DIR / record.idx_name
         if record.idx_name not in self._fetched:
-            self._fetch(f"{SHARDS_DIR}/{record.idx_name}", path, record.idx_sha256, f"shard index {record.idx_name}")
+            self._fetch(*self._where(record.idx_key), path, record.idx_sha256, f"shard index {record.idx_name}")
             self._fetched.add(record.idx_name)
         return path
 
     def index_path(self, record: IndexRecord) -> Path:
         path = self.meta / record.name
         if record.name not in self._fetched:
-            self._fetch(record.name, path, record.sha256, "sample index")
+            self._fetch(self.storage, record.name, path, record.sha256, "sample index")
             self._fetched.add(record.name)
         return path
 
     def check(self, records: list[ShardRecord]) -> None:
-        listed = {o.key: o.size for o in self.storage.list(SHARDS_DIR + "/")}
+        # One listing per prefix holding shards (for a converted DEST: shards/), not a HEAD per file.
+        listed: dict[tuple[int, str], dict[str, int]] = {}
         for r in records:
-            for key, size in ((f"{SHARDS_DIR}/{r.name}", r.bytes), (f"{SHARDS_DIR}/{r.idx_name}", None)):
-                if key not in listed:
-                    raise DatasetError(f"{self.storage.url}: shard file {key.rsplit('/', 1)[1]} is missing")
-                if size is not None and listed[key] != size:
-                    raise DatasetError(f"{self.storage.url_of(key)}: shard {r.name} is {listed[key]} bytes, "
+            for location, size in ((r.tar_key, r.bytes), (r.idx_key, None)):
+                storage, key = self._where(location)
+                parent = key.rsplit("/", 1)[0] + "/" if "/" in key else ""
+                if (id(storage), parent) not in listed:
+                    listed[(id(storage), parent)] = {o.key: o.size for o in storage.list(parent)}
+                found = listed[(id(storage), parent)]
+                if key not in found:
+                    where = key.rsplit("/", 1)[1] if location.startswith(f"{SHARDS_DIR}/") else storage.url_of(key)
+                    raise DatasetError(f"{self.storage.url}: shard file {where} is missing")
+                if size is not None and found[key] != size:
+                    raise DatasetError(f"{storage.url_of(key)}: shard {r.name} is {found[key]} bytes, "
                                        f"the manifest says {size}")
 
-    def _fetch(self, key: str, path: Path, sha256: str, what: str) -> None:
+    def _fetch(self, storage: Storage, key: str, path: Path, sha256: str, what: str) -> None:
         """Make ``path`` a verified copy of object ``key`` (kept across runs: a copy that still matches is reused)."""
         try:
             if hashlib.sha256(path.read_bytes()).hexdigest() == sha256:
@@ -168,27 +203,41 @@ class RemoteSource(DatasetSource):
         except FileNotFoundError:
             pass
         for _ in range(2):
-            data = self.storage.get(key)
+            data = storage.get(key)
             if hashlib.sha256(data).hexdigest() == sha256:
                 _write_unique_tmp(path, data)
                 return
-        raise DatasetError(f"{self.storage.url_of(key)}: {what} does not match the manifest's checksum after 2 downloads")
+        raise DatasetError(f"{storage.url_of(key)}: {what} does not match the manifest's checksum after 2 downloads")
 
-    def _entries(self, records: list[ShardRecord]) -> list[CacheEntry]:
-        return [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes, r.xxh3_128) for r in records]
+    def _entries(self, records: list[ShardRecord]) -> tuple[Storage, list[CacheEntry]]:
+        """The one storage the shards are read from, and their cache entries."""
+        where = [self._where(r.tar_key) for r in records]
+        storages = {id(st): st for st, _ in where}
+        if len(storages) > 1:
+            raise DatasetError(f"{self.storage.url}: shards lie in {len(storages)} places (DEST and buckets "
+                               f"{', '.join(sorted(self._buckets))}); one dataset reads shards from one")
+        storage = next(iter(storages.values()), self.storage)
+        return storage, [CacheEntry(r.name, key, r.sha256, r.bytes, r.xxh3_128) for r, (_, key) in zip(records, where)]
 
     def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles:
-        return CachedShardFiles(self.cache, self.storage, self._entries(records), depth=read_ahead,
-                                threads=max(2, read_ahead))
+        storage, entries = self._entries(records)
+        return CachedShardFiles(self.cache, storage, entries, depth=read_ahead, threads=max(2, read_ahead))
 
     @contextmanager
     def local_shard(self, record: ShardRecord) -> Iterator[Path]:
-        files = CachedShardFiles(self.cache, self.storage, self._entries([record]), depth=0)
+        files = CachedShardFiles(self.cache, *self._entries([record]), depth=0)
         try:
             files.acquire(0)
             yield self.shard_path(record)
         finally:
             files.close()
+
+
+def _refuse_split_parent(dest: str | Path, splits: list[str] | None) -> None:
+    """DatasetError naming the splits a DEST written with ``split`` holds (it is not a dataset itself)."""
+    if splits:
+        children = " or ".join(str(dest_child(dest, name)) for name in splits)
+        raise DatasetError(f"{dest}: holds the splits {', '.join(splits)}, not one dataset: open {children}")
 
 
 def open_source(dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,

@@ -1,0 +1,359 @@
+"""``fastio index``: make existing WebDataset shards a fastio dataset without writing a byte of them.
+
+SOURCE is a folder (every ``*.tar`` below it, in sorted order), an ``s3://bucket/prefix/``, or a brace
+pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``). Each tar is read once
+(:func:`fastio.index_tar.read_tar`; from an object store downloaded by parallel ranged GETs into a temporary
+file, removed after). What is written, all of it metadata:
+
+- by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
+  against what fastio makes of the tar, never overwritten), then ``samples.fxi`` and ``manifest.json``
+  (last) beside the shards; the manifest names each shard by its path relative to DEST;
+- with ``dest`` elsewhere (a read-only bucket), every ``.idx`` in ``DEST/shards/``, and the manifest names
+  the shards by absolute path or URL.
+
+The result is an ordinary dataset (:class:`fastio.Dataset`, the Loader, ``verify``, ``inspect``); its manifest
+also records the fields with their sample counts (``field_counts``), the label and image fields, and what was
+left out with reasons (``skipped``: empty tars, members without a field name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastio.atomic import atomic_write_bytes
+from fastio.dsindex import INDEX_NAME, IndexBuilder
+from fastio.errors import DatasetError
+from fastio.idx import IndexEntry, format_index
+from fastio.images import is_image_field
+from fastio.index_tar import COMPRESSED, TarContents, read_tar
+from fastio.lock import DirLock, LockedError
+from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.progress import human_bytes
+from fastio.storage import open_storage
+from fastio.storage.base import Storage
+from fastio.storage.options import StorageOptions
+
+__all__ = ["IndexConfig", "IndexResult", "expand_braces", "index_shards"]
+
+LABEL_FIELDS = ("cls", "label")
+"""Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
+_COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_\-.]")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """What ``fastio index`` indexes and where it writes (checked when made: ValueError naming the parameter)."""
+
+    source: str | Path
+    """A folder of tars, an ``s3://bucket/prefix/``, or a brace pattern of tar paths or URLs."""
+    dest: str | Path | None = None
+    """Where the metadata goes; None: SOURCE's folder (the ``.idx`` files beside the tars)."""
+    label_field: str | None = None
+    """The field holding integer labels; None: ``cls`` or ``label``, when every sample has it."""
+    image_field: str | None = None
+    """The main image field; None: the image field most samples have."""
+    name: str = "webdataset"
+    """The dataset's name in the manifest."""
+    overwrite: bool = False
+    """Index again where a manifest exists (shards and existing ``.idx`` files are never written)."""
+    threads: int = 4
+    """Shards read at once (each is read sequentially)."""
+    storage_options: StorageOptions | dict | None = None
+    """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
+
+    def __post_init__(self):
+        if not str(self.source).strip():
+            raise ValueError("source: empty")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
+        for key in ("label_field", "image_field"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
+                raise ValueError(f"{key}: {value!r} is not a field name")
+
+
+@dataclass
+class IndexResult:
+    """What :func:`index_shards` published."""
+
+    dest: str | Path
+    shards: int
+    samples: int
+    bytes: int
+    seconds: float
+    written_idx: int
+    """``.idx`` files written (the others existed and matched)."""
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return (f"indexed {self.shards} shards, {self.samples} samples ({human_bytes(self.bytes)}) in {self.seconds:.1f}s "
+                f"({self.shards / s:.1f} shards/s, {self.bytes / s / 1e6:.1f} MB/s) -> {self.dest}; "
+                f"{self.written_idx} .idx written, {len(self.skipped)} skipped")
+
+
+@dataclass
+class _Shard:
+    """One source tar: how messages name it, where its bytes are, and where the manifest will say it is."""
+
+    display: str
+    storage: Storage
+    key: str
+    size: int | None = None
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``{a,b}`` alternatives and ``{000..099}`` ranges (zero-padded like their bounds), as WebDataset does."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[:m.start()], m[1], pattern[m.end():]
+    r = _RANGE.match(body)
+    if r:
+        a, b = int(r[1]), int(r[2])
+        width = len(r[1]) if r[1].startswith("0") and len(r[1]) > 1 else 0
+        options = [str(i).zfill(width) for i in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
+    else:
+        options = body.split(",")
+    return [x for o in options for x in expand_braces(head + o + tail)]
+
+
+def _listing(source: str, options: StorageOptions | dict | None) -> tuple[Storage, list[_Shard]]:
+    """The storage of SOURCE's folder (the default DEST) and the shards SOURCE names, in order."""
+    if "{" in source:
+        prefix = source[:source.index("{")]
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        storage = open_storage(folder or ".", options)
+        shards = [_Shard(_display(storage, key), storage, key)
+                  for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
+        listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
+        for s in shards:
+            _refuse_compressed(s)
+            s.size = listed.get(s.key) if listed is not None else _local_size(storage, s.key)
+            if s.size is None:
+                raise DatasetError(f"{s.display}: no such shard (named by {source})")
+        return storage, shards
+    storage = open_storage(source, options)
+    if not storage.remote and not storage.location.path.is_dir():
+        if storage.location.path.is_file():
+            raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
+        raise DatasetError(f"{source}: no such folder")
+    shards = []
+    for o in storage.list(""):
+        parts = o.key.split("/")
+        if any(p.startswith(".") for p in parts) or parts[0] == SHARDS_DIR:
+            continue  # fastio's own and hidden files
+        s = _Shard(_display(storage, o.key), storage, o.key, o.size)
+        _refuse_compressed(s)
+        if o.key.endswith(".tar"):
+            shards.append(s)
+    if not shards:
+        raise DatasetError(f"{source}: holds no .tar files")
+    return storage, shards
+
+
+def _display(storage: Storage, key: str) -> str:
+    """How messages and a manifest with ``--dest`` name a file: its URL, or its absolute path."""
+    return storage.url_of(key) if storage.remote else os.path.abspath(storage.location.path / key)
+
+
+def _local_size(storage: Storage, key: str) -> int | None:
+    try:
+        return (storage.location.path / key).stat().st_size
+    except OSError:
+        return None
+
+
+def _refuse_compressed(shard: _Shard) -> None:
+    if shard.key.lower().endswith(_COMPRESSED_SUFFIXES):
+        kinds = "/".join(sorted(set(COMPRESSED.values())))
+        raise DatasetError(f"{shard.display}: a compressed tar ({kinds} tars cannot be read at offsets): "
+                           "`fastio convert` it into a dataset (or decompress it) instead")
+
+
+@contextmanager
+def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
+    """A local file with the shard's bytes: the file itself, or a download removed afterwards."""
+    if not shard.storage.remote:
+        yield shard.storage.location.path / shard.key
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".fastio-index-", suffix=".tar", dir=staging)
+    os.close(fd)
+    try:
+        shard.storage.get_to_file(shard.key, Path(tmp), shard.size)
+        yield Path(tmp)
+    finally:
+        os.unlink(tmp)
+
+
+def _read(shard: _Shard, staging: Path) -> TarContents:
+    with _local_copy(shard, staging) as path:
+        return read_tar(path, shard.display)
+
+
+def _record_names(shards: list[_Shard]) -> list[str]:
+    """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE."""
+    taken: set[str] = set()
+    names = []
+    for s in shards:
+        base = _UNSAFE.sub("_", s.key.replace("/", "-"))
+        base = base if re.match(r"[A-Za-z0-9_\-]", base) else "_" + base
+        name, i = base, 1
+        while name in taken:
+            name, i = f"{base[:-len('.tar')]}-{i}.tar", i + 1
+        taken.add(name)
+        names.append(name)
+    return names
+
+
+def _idx_key(key: str) -> str:
+    return key[: -len(".tar")] + ".idx"
+
+
+def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None = None) -> IndexResult:
+    """Index the shards ``config.source`` names (see the module docstring); ``progress(done, total)`` is called
+    after each shard. Raises :class:`DatasetError` naming the file and the reason a shard is refused."""
+    started = time.perf_counter()
+    source = str(config.source)
+    src_root, shards = _listing(source, config.storage_options)
+    dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
+    in_place = dest_storage.url == src_root.url
+    if not in_place and src_root.remote and not dest_storage.remote:
+        raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
+    if dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
+        raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
+                           "(--overwrite) to index again")
+    lock = None if dest_storage.remote else DirLock(dest_storage.location.path, "fastio index")
+    try:
+        if lock is not None:
+            lock.acquire()
+        with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+            return _index(config, shards, src_root, dest_storage, in_place, Path(tmp), started, progress)
+    except LockedError as err:
+        raise DatasetError(str(err)) from None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _index(config: IndexConfig, shards: list[_Shard], src_root: Storage, dest: Storage, in_place: bool,
+           tmp: Path, started: float, progress) -> IndexResult:
+    names = _record_names(shards)
+    skipped: list[dict[str, str]] = []
+    contents: list[TarContents] = []
+    with ThreadPoolExecutor(min(config.threads, len(shards)), thread_name_prefix="fastio-index") as pool:
+        for i, got in enumerate(pool.map(lambda s: _read(s, tmp), shards)):
+            contents.append(got)
+            if progress is not None:
+                progress(i + 1, len(shards))
+    staged = tmp / "out"
+    (staged / SHARDS_DIR).mkdir(parents=True)
+    records: list[ShardRecord] = []
+    entries: list[list[IndexEntry]] = []
+    uploads: list[tuple[str, Path]] = []  # (key in DEST, staged file), manifest last
+    field_counts: Counter = Counter()
+    written = 0
+    for shard, name, got in zip(shards, names, contents):
+        skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
+        if not got.entries:
+            skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
+            continue
+        text = format_index(got.entries).encode()
+        idx_key = _idx_key(shard.key) if in_place else f"{SHARDS_DIR}/{name[:-len('.tar')]}.idx"
+        existing = _existing(dest, idx_key) if in_place else None
+        if existing is not None and existing != text:
+            raise DatasetError(f"{_display(dest, idx_key)}: exists and differs from the index of "
+                               f"{shard.display} ({_first_difference(existing, text)}); an existing .idx is never "
+                               "overwritten: remove it, or index with --dest elsewhere")
+        if existing is None:
+            path = staged / f"idx-{len(records)}.idx"
+            path.write_bytes(text)
+            uploads.append((idx_key, path))
+            written += 1
+        location = shard.key if in_place else _display(shard.storage, shard.key)
+        records.append(ShardRecord(name=name, samples=len(got.entries), bytes=got.bytes, sha256=got.sha256,
+                                   idx_sha256=hashlib.sha256(text).hexdigest(), xxh3_128=got.xxh3_128, location=location,
+                                   idx_location=idx_key if in_place else None))
+        entries.append(got.entries)
+        field_counts.update(got.fields)
+    if not records:
+        raise DatasetError(f"{config.source}: no samples in any shard ({len(shards)} shards, all empty)")
+    fields = sorted(field_counts)
+    total = sum(r.samples for r in records)
+    label = _label_field(config, field_counts, total, fields)
+    image_fields = sorted(f for f in fields if is_image_field(f))
+    image = _image_field(config, field_counts, image_fields, fields)
+    builder = IndexBuilder()
+    for record, es in zip(records, entries):
+        builder.add(record, es)
+    index = builder.publish(staged / INDEX_NAME, fields)
+    manifest = make_manifest(
+        name=config.name, shards=records, fields=fields, index=index, image_field=image,
+        image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
+        label_field=label, field_counts=dict(sorted(field_counts.items())), skipped=skipped,
+        source={"format": "webdataset", "path": str(config.source), "indexed_in_place": in_place})
+    write_manifest(staged, manifest)
+    uploads += [(INDEX_NAME, staged / INDEX_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)]
+    _publish(dest, uploads)
+    return IndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(records), samples=total,
+                       bytes=sum(r.bytes for r in records), seconds=time.perf_counter() - started,
+                       written_idx=written, skipped=skipped)
+
+
+def _existing(storage: Storage, key: str) -> bytes | None:
+    if not storage.remote:
+        path = storage.location.path / key
+        return path.read_bytes() if path.is_file() else None
+    return storage.get(key) if storage.exists(key) else None
+
+
+def _first_difference(old: bytes, new: bytes) -> str:
+    a, b = old.decode("latin-1").splitlines(), new.decode("latin-1").splitlines()
+    for n, (x, y) in enumerate(zip(a, b), start=1):
+        if x != y:
+            return f"line {n}"
+    return f"{len(a)} lines, fastio makes {len(b)}"
+
+
+def _label_field(config: IndexConfig, counts: Counter, total: int, fields: list[str]) -> str | None:
+    if config.label_field is not None:
+        if config.label_field not in counts:
+            raise DatasetError(f"label_field: no sample has field {config.label_field!r} (fields: {', '.join(fields)})")
+        if counts[config.label_field] != total:
+            raise DatasetError(f"label_field: {total - counts[config.label_field]} of {total} samples lack field "
+                               f"{config.label_field!r}")
+        return config.label_field
+    return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _image_field(config: IndexConfig, counts: Counter, image_fields: list[str], fields: list[str]) -> str | None:
+    if config.image_field is not None:
+        if config.image_field not in counts:
+            raise DatasetError(f"image_field: no sample has field {config.image_field!r} (fields: {', '.join(fields)})")
+        return config.image_field
+    return max(image_fields, key=lambda f: (counts[f], [-ord(c) for c in f])) if image_fields else None
+
+
+def _publish(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
+    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3."""
+    for key, path in uploads:
+        if dest.remote:
+            dest.put_file(key, path)
+        else:
+            final = dest.location.path / key
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(final, path.read_bytes())
+

@@ -1,0 +1,113 @@
+"""One existing WebDataset tar, read once for ``fastio index``: its samples as ``.idx`` entries, its size and
+checksums, the fields it holds (with counts) and what it leaves out, or a refusal naming the file and why.
+
+What WebDataset accepts is accepted: members of a sample in any order, keys with folders (``a/b/c.jpg``: key
+``a/b/c``), multi-dot names (``x.seg.png``: field ``seg.png``), GNU long names and pax headers (read by
+:mod:`tarfile`), samples lacking some fields, empty tars. Entries that are not regular files (folders, links)
+and hidden files are passed over as ``wds2idx`` does; members WebDataset cannot name (no extension) are left
+out and reported.
+
+Refused (:class:`~fastio.errors.DatasetError`, naming the file): a key that appears twice (both members
+named), a field twice in one sample, compressed tars (their members cannot be read at offsets), files that
+are not tars or end before their last member's data, names an ``.idx`` line cannot hold (spaces, non-ASCII).
+
+The entries are those ``wds2idx`` writes (tar order, the data's offset), with one exception: for a member with
+a GNU long name, ``wds2idx`` records the offset of the long-name block (``tar --block-num``), not of the data;
+fastio records the data's offset.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastio.checksum import digests_file
+from fastio.errors import DatasetError
+from fastio.idx import IndexEntry
+from fastio.wds import is_field_name, split_member_name
+
+__all__ = ["COMPRESSED", "TarContents", "read_tar"]
+
+COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+              b"\x04\x22\x4d\x18": "lz4"}
+"""Magic bytes of the compressions a ``.tar.*`` shard may have."""
+
+
+@dataclass
+class TarContents:
+    """What :func:`read_tar` found in one tar."""
+
+    entries: list[IndexEntry]
+    """Its samples in tar order, as its ``.idx`` lists them."""
+    bytes: int
+    """Size of the file."""
+    sha256: str
+    xxh3_128: str
+    fields: Counter = field(default_factory=Counter)
+    """Samples having each field."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(member name, reason) of each member left out."""
+
+
+def read_tar(path: Path, name: str) -> TarContents:
+    """Index the tar at ``path``; ``name`` (its path or URL) is how errors name it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError as err:
+        raise DatasetError(f"{name}: cannot be read: {err.strerror or err}") from None
+    for magic, kind in COMPRESSED.items():
+        if head.startswith(magic):
+            raise DatasetError(f"{name}: a {kind}-compressed tar: its members cannot be read at offsets; "
+                               "`fastio convert` it into a dataset (or decompress it) instead")
+    if not head:
+        raise DatasetError(f"{name}: not a tar (an empty file)")
+    size, digests = digests_file(path, ("sha256", "xxh3_128"))
+    out = TarContents([], size, digests["sha256"], digests["xxh3_128"])
+    first_member: dict[str, str] = {}  # key -> the member that started its sample
+    key, members, member_names = None, [], []
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for info in tar:
+                if not info.isreg():
+                    continue
+                if info.offset_data + info.size > size:
+                    raise DatasetError(f"{name}: truncated: member {info.name} needs bytes up to "
+                                       f"{info.offset_data + info.size}, the file has {size}")
+                member = info.name
+                base = member[member.rfind("/") + 1:]
+                if not base or base.startswith("."):
+                    continue  # hidden files, as wds2idx does
+                if not member.isascii() or any(c.isspace() for c in member):
+                    raise DatasetError(f"{name}: member {member!r}: a name with spaces or non-ASCII characters "
+                                       "cannot be listed in an .idx file")
+                k, ext = split_member_name(member)
+                if not ext or not is_field_name(ext):
+                    out.skipped.append((member, "no field name (extension) WebDataset can read"))
+                    continue
+                if k != key:
+                    if key is not None:
+                        out.entries.append(IndexEntry(key, tuple(members)))
+                    if k in first_member:
+                        raise DatasetError(f"{name}: key {k!r} appears twice: members {first_member[k]} and "
+                                           f"{member} are not adjacent (WebDataset would make two samples of it)")
+                    first_member[k] = member
+                    key, members, member_names = k, [], []
+                if any(ext == m[0] for m in members):
+                    raise DatasetError(f"{name}: sample {k!r} has field {ext!r} twice: members "
+                                       f"{member_names[[m[0] for m in members].index(ext)]} and {member}")
+                members.append((ext, info.offset_data, info.size))
+                member_names.append(member)
+    except tarfile.ReadError as err:
+        what = "truncated" if "unexpected end" in str(err) or "truncated" in str(err) else "not a tar"
+        raise DatasetError(f"{name}: {what} ({err})") from None
+    except (EOFError, tarfile.TarError, OSError) as err:
+        raise DatasetError(f"{name}: not a readable tar ({err})") from None
+    if key is not None:
+        out.entries.append(IndexEntry(key, tuple(members)))
+    for entry in out.entries:
+        out.fields.update(ext for ext, _, _ in entry.members)
+    return out
