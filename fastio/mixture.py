@@ -9,6 +9,7 @@ the samples of a mixture epoch; :class:`fastio.Loader` accepts it where it accep
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import numbers
 import threading
@@ -24,6 +25,7 @@ from fastio.errors import DatasetError, LoaderStateError
 from fastio.mixorder import MixSampler, MixSchedule
 from fastio.reader import ReadBatch, Reader
 from fastio.sampler import SamplerSpec
+from fastio.storage.url import is_remote
 
 __all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state"]
 
@@ -78,6 +80,34 @@ class Mixture:
         self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
         self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         """Mixture id of each source's first sample (source ``s``'s sample ``i`` is ``base[s] + i``)."""
+
+    @classmethod
+    def from_file(cls, path: str | Path, **opening: Any) -> Mixture:
+        """A mixture described by a JSON file ``{"sources": {name: path or URL}, "weights": {name: weight},
+        "samples_per_epoch": N}`` (``weights`` and ``samples_per_epoch`` optional; relative paths are relative
+        to the file). ``opening``: as for the constructor. DatasetError names the file and the bad entry."""
+        path = Path(path)
+        try:
+            spec = json.loads(path.read_text())
+        except OSError as err:
+            raise DatasetError(f"{path}: cannot read the mixture file ({err.strerror or err})") from None
+        except ValueError as err:
+            raise DatasetError(f"{path}: not a JSON mixture file ({err})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("sources"), dict):
+            raise DatasetError(f"{path}: a mixture file is an object with \"sources\": {{name: path or URL}}")
+        unknown = sorted(set(spec) - {"sources", "weights", "samples_per_epoch"})
+        if unknown:
+            raise DatasetError(f"{path}: unknown keys {unknown} (known: sources, weights, samples_per_epoch)")
+        sources = {}
+        for name, where in spec["sources"].items():
+            if not isinstance(where, str):
+                raise DatasetError(f"{path}: sources[{name!r}] must be a path or URL string, got {where!r}")
+            sources[name] = where if is_remote(where) or Path(where).is_absolute() else str(path.parent / where)
+        try:
+            return cls(sources, weights=spec.get("weights"), samples_per_epoch=spec.get("samples_per_epoch"),
+                       **opening)
+        except ValueError as err:
+            raise DatasetError(f"{path}: {err}") from None
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))

@@ -247,3 +247,25 @@ def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path
     assert list(storage) == ["b"] and storage["b"]["waited_fills"] + storage["b"]["ahead_fills"] == 2
     mixed.close()
     local.close()
+
+
+def test_inspect_order_on_a_mixture_file(raw_sources, tmp_path, capsys):
+    from helpers import run_cli
+
+    spec = {"sources": {"a": "a", "b": "b", "c": str(raw_sources["c"])}, "weights": {"a": 3, "b": 2, "c": 1},
+            "samples_per_epoch": 60}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(spec))  # "a", "b": relative to the file
+    code, out, err = run_cli(["inspect", str(path), "--order", "--batch-size", "12", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert [s["per_epoch"] for s in info["sources"]] == [30, 20, 10] and info["batches"] == 10
+    assert info["per_batch"]["a"] == {"expected": 6, "min": 6, "max": 6, "max_deviation": 0}
+    b = info["repeat_distance"]["b"]  # 7 samples, 20 per epoch: cycles, each cycle a permutation
+    assert b["repeats"] == 40 - 7 and b["min"] >= 2
+    assert info["repeat_distance"]["a"]["repeats"] == 60 - 30  # 30 samples, 30 per epoch: once per epoch
+    code, out, _ = run_cli(["inspect", str(path)], capsys)
+    assert code == 0 and "per batch" in out and "share 0.5000" in out
+    path.write_text(json.dumps({**spec, "weights": {"a": 1, "b": 0, "c": 1}}))
+    code, _, err = run_cli(["inspect", str(path)], capsys)
+    assert code == 2 and f"{path}: weights['b'] must be a positive number, got 0" in err
