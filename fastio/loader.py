@@ -517,8 +517,10 @@ class _Part:
     label_field: str | None
 
 
-def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ...] | None) -> _Part:
-    """The reader of ``ds`` for the graph of ``cfg`` delivering ``fields`` (default: the label, or all for raw)."""
+def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ...] | None,
+               threads: int | None = None) -> _Part:
+    """The reader of ``ds`` for the graph of ``cfg`` delivering ``fields`` (default: the label, or all for raw),
+    with ``threads`` reader threads (default ``cfg.reader_threads``)."""
     graph = cfg.graph
     # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
     # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
@@ -538,7 +540,7 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
     ds.require_fields(extra)
     extra = [f for f in extra if f != image_field]
     files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
-    reader = Reader(ds, extra, threads=cfg.reader_threads, verify=cfg.verify,
+    reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
                     image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,
                     optional=image_fields, transcode=decodable if graph.decodes else None, files=files)
     return _Part(ds, reader, files, extra, image_field, ds.label_field)
@@ -546,7 +548,8 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
 
 def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
     """One part per source, all delivering the same fields: ``cfg.fields``, else the label (decoding graphs)
-    or the fields every source has (raw). A source lacking one is refused by name."""
+    or the fields every source has (raw). A source lacking one is refused by name. The sources share
+    ``cfg.reader_threads`` (each reads its part of every batch, in parallel with the others)."""
     fields = cfg.fields
     if fields is None and not cfg.graph.decodes:
         fields = [f for f in mixture.datasets[0].fields if all(f in ds.fields for ds in mixture.datasets)]
@@ -559,7 +562,7 @@ def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
     try:
         for name, ds in zip(mixture.names, mixture.datasets):
             try:
-                parts.append(_open_part(ds, cfg, fields))
+                parts.append(_open_part(ds, cfg, fields, threads=-(-cfg.reader_threads // len(mixture.names))))
             except DatasetError as err:
                 raise DatasetError(f"mixture source {name!r}: {err}") from None
             if parts[-1].label_field != parts[0].label_field and parts[0].label_field in parts[0].extra:

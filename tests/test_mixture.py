@@ -269,3 +269,23 @@ def test_inspect_order_on_a_mixture_file(raw_sources, tmp_path, capsys):
     path.write_text(json.dumps({**spec, "weights": {"a": 1, "b": 0, "c": 1}}))
     code, _, err = run_cli(["inspect", str(path)], capsys)
     assert code == 2 and f"{path}: weights['b'] must be a positive number, got 0" in err
+
+
+@pytest.mark.parametrize("kw", [dict(drop_last=True), dict(remainder="partial"), dict(remainder="pad")])
+def test_resume_on_a_rank_with_drop_last_and_remainders(raw_sources, kw):
+    # 50 samples, global batch 2 x 4 = 8: a dropped, a partial or a padded last batch; resume across it
+    def make():
+        return _raw_loader(raw_sources, {"a": 2, "b": 1, "c": 1}, batch_size=4, world_size=2, rank=1, **kw)
+
+    loader = make()
+    epoch = list(loader)
+    sizes = [len(b["index"]) for b in epoch]
+    padded = sum(int(b["padded"].sum()) for b in epoch)
+    if kw.get("drop_last"):
+        assert len(epoch) == 6 and set(sizes) == {4} and not padded
+    elif kw["remainder"] == "partial":
+        assert len(epoch) == 7 and sizes[-1] == 1 and not padded  # 2 left: one each
+    else:
+        assert len(epoch) == 7 and sizes[-1] == 4 and padded == 4  # rank 1's part of the last batch: all padding
+    loader.close()
+    check_resume(make, n=5, k=4)
