@@ -35,7 +35,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from fastio.sampler import EpochOrder, Sampler, SamplerSpec
+from fastio.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "integer_weights",
            "window_spread"]
@@ -207,8 +207,14 @@ class MixOrder:
             size = self.sampler.sizes[s]
             ks = k[sel]
             epochs, offsets = ks // size, ks % size
-            for e in np.unique(epochs).tolist():
-                part = epochs == e
+            uniq, which = np.unique(epochs, return_inverse=True)
+            if self.sampler.spec.shuffle == "global" and len(uniq) > 2:
+                # a small source cycling through many of its epochs in this lookup: one vectorised permutation
+                # with each element's round keys (what EpochOrder computes one epoch at a time)
+                out[sel] = self.sampler.base[s] + self.sampler.cycling_order(s, uniq, which.reshape(-1), offsets)
+                continue
+            for j, e in enumerate(uniq.tolist()):
+                part = which == j
                 out[sel[part]] = self.sampler.base[s] + self.sampler.source_order(s, e)[offsets[part]]
         return out.reshape(pos.shape)
 
@@ -246,6 +252,16 @@ class MixSampler(Sampler):
     def order(self, epoch: int) -> MixOrder:
         return MixOrder(self, epoch)
 
+    def _source_spec(self, s: int) -> SamplerSpec:
+        return SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,
+                           block_shards=self.spec.block_shards)
+
+    def cycling_order(self, s: int, epochs: np.ndarray, which: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """``source_order(s, epochs[which[j]])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle)."""
+        spec, fp, size = self._source_spec(s), self.schedule.fingerprints[s], self.sizes[s]
+        keys = np.array([_round_keys(spec, e, fp, "samples") for e in epochs.tolist()], np.uint64)
+        return _permute(offsets, size, _bits(size), tuple(keys[which, r] for r in range(keys.shape[1])), 0)
+
     def source_order(self, s: int, epoch: int) -> EpochOrder:
         """Source ``s``'s own order in its epoch ``epoch`` (its seed derived from the loader's and its name)."""
         key = (s, epoch)
@@ -253,9 +269,7 @@ class MixSampler(Sampler):
             if key in self._orders:
                 self._orders.move_to_end(key)
                 return self._orders[key]
-        spec = SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,
-                           block_shards=self.spec.block_shards)
-        order = EpochOrder(self.source_shards[s], spec, epoch, self.schedule.fingerprints[s])
+        order = EpochOrder(self.source_shards[s], self._source_spec(s), epoch, self.schedule.fingerprints[s])
         with self._orders_lock:
             self._orders[key] = order
             while len(self._orders) > _ORDERS:

@@ -74,6 +74,19 @@ def test_a_source_repeats_nothing_until_used_up_and_cycles(shuffle):
         assert tiny[:7] != tiny[7:14], "each cycle of a source is its own next epoch"
 
 
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_a_source_follows_its_own_epoch_orders(shuffle):
+    # the k-th sample of a source is position k % size of that source's own epoch k // size
+    sched = MixSchedule(("tiny", "big"), (1.0, 1.0), ("t", "b"), 4000, seed=2)
+    sampler = MixSampler.make(SamplerSpec(seed=2, shuffle=shuffle, block_shards=2), sched, [[5, 5], [100] * 30])
+    pos = np.arange(1000, 3000)
+    got = sampler.order(1)[pos]
+    src, k = sched.sources(1, pos)
+    want = [sampler.base[s] + sampler.source_order(s, kk // sampler.sizes[s])[kk % sampler.sizes[s]]
+            for s, kk in zip(src.tolist(), k.tolist())]
+    assert got.tolist() == want
+
+
 def test_the_order_is_pure():
     def order(seed=1, weights=(2.0, 1.0), fps=("x", "y")):
         sched = MixSchedule(("a", "b"), weights, fps, 90, seed)
