@@ -5,7 +5,9 @@ and once as two halves; the mixture reads the halves with weights by size and ``
 the total, so both contenders decode the same amount of the same kind of images per epoch through the
 ``image-train`` graph. Rounds are paired (single then mixture, then the other way round in the next round);
 the figure is the median over rounds of the mixture's samples/s over the single dataset's in the same round
-(target >= 0.97: mixing costs nothing measurable).
+(target >= 0.97: mixing costs nothing measurable). Beside it, ``cpu_ratio``: the median over rounds of the
+single dataset's CPU time per sample over the mixture's (this process, all threads), which a busy machine
+disturbs far less than wall time.
 
 ``python bench/mixture.py [--repeats N] [--samples N] [--device cpu|cuda]`` writes ``bench/results/mixture.json``.
 """
@@ -13,6 +15,7 @@ the figure is the median over rounds of the mixture's samples/s over the single 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -53,15 +56,22 @@ def make_datasets(workdir: Path, samples: int) -> tuple[Path, Path, Path]:
             _write(root / "b", half, samples - half, 4))
 
 
-def _epoch(make) -> tuple[int, float]:
+def _cpu() -> float:
+    """CPU seconds of this process so far (all its threads)."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def _epoch(make) -> tuple[int, float, float]:
+    """Samples, wall seconds and CPU seconds of one epoch (the loader made outside the timing)."""
     loader = make()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     n = 0
     for batch in loader:
         n += int((~batch["padded"]).sum())
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
     loader.close()
-    return n, seconds
+    return n, seconds, cpu
 
 
 def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu",
@@ -83,16 +93,19 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
         pair = {}
         for name, make in ((("single", one), ("mixture", mixed)) if r % 2 == 0 else (("mixture", mixed),
                                                                                      ("single", one))):
-            n, s = _epoch(make)
-            pair[name] = n / s
+            n, s, cpu = _epoch(make)
+            pair[name], pair[f"{name}_cpu_ms_per_sample"] = n / s, 1000 * cpu / n
         rounds.append(pair)
-        print(f"round {r}: single {pair['single']:.1f} samples/s, mixture {pair['mixture']:.1f} samples/s, "
+        print(f"round {r}: single {pair['single']:.1f} samples/s ({pair['single_cpu_ms_per_sample']:.2f} CPU ms/sample), "
+              f"mixture {pair['mixture']:.1f} samples/s ({pair['mixture_cpu_ms_per_sample']:.2f} CPU ms/sample), "
               f"ratio {pair['mixture'] / pair['single']:.3f}", flush=True)
     ratio = statistics.median(p["mixture"] / p["single"] for p in rounds)
+    cpu_ratio = statistics.median(p["single_cpu_ms_per_sample"] / p["mixture_cpu_ms_per_sample"] for p in rounds)
     result = {
         "samples": samples, "device": device, "batch_size": BATCH, "rounds": rounds,
         "single_samples_per_s": statistics.median(p["single"] for p in rounds),
         "mixture_samples_per_s": statistics.median(p["mixture"] for p in rounds),
+        "cpu_ratio": cpu_ratio,
         "machine": machine_info(),
         "ratios": [{"name": "mixture of 2 vs one dataset, samples/s (paired)", "better": "higher", "target": 0.97,
                     "value": ratio}],
