@@ -15,6 +15,7 @@ _LAZY = {
     "convert": "fastio.convert",
     "Loader": "fastio.loader",
     "LoaderConfig": "fastio.loader",
+    "Mixture": "fastio.mixture",
     "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",
     "CheckpointConfig": "fastio.checkpoint",

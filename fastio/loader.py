@@ -29,6 +29,7 @@ from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.feeder import Fed, Feeder
 from fastio.images import is_image_field
+from fastio.mixture import MixReader, Mixture, check_mixture_state, mixture_state
 from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpec, build_pipeline, decodable
 from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
@@ -42,6 +43,7 @@ STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
     "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
+K_MIXTURE = "mixture"
 _ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
 _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS)
 
@@ -164,13 +166,15 @@ class Loader:
     full epoch on every rank. Iterating yields the rest of the current epoch, then the epoch advances.
     """
 
-    def __init__(self, dest: str | Path | Dataset, config: LoaderConfig | None = None, **overrides: Any):
+    def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, **overrides: Any):
         if config is None:
             config = LoaderConfig(**overrides)
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
-        self.dataset = ds = dest if isinstance(dest, Dataset) else Dataset(
+        # A Mixture stands where a Dataset does (len, root, fingerprint); its sources are read one Reader each.
+        self.mixture: Mixture | None = dest if isinstance(dest, Mixture) else None
+        self.dataset = ds = dest if isinstance(dest, (Dataset, Mixture)) else Dataset(
             dest, verify=cfg.verify, cache_dir=cfg.cache_dir, cache_size=cfg.cache_size,
             storage_options=cfg.storage_options)
         rank, world = cfg.rank, cfg.world_size
@@ -178,7 +182,10 @@ class Loader:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
-        self._sampler = Sampler(cfg.sampling, [s.samples for s in ds.shards], ds.fingerprint, world, rank)
+        if self.mixture is not None:
+            self._sampler = self.mixture.sampler(cfg.sampling, world, rank)
+        else:
+            self._sampler = Sampler(cfg.sampling, [s.samples for s in ds.shards], ds.fingerprint, world, rank)
         self.rank, self.world_size = rank, world
         n = len(ds)
         if cfg.batch_size > n:
@@ -192,29 +199,17 @@ class Loader:
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
-        graph = cfg.graph
-        # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
-        # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
-        self._image_fields: tuple[str, ...] = ()
-        if ds.image_field is not None:
-            others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
-            self._image_fields = (ds.image_field, *[f for f in others if f != ds.image_field])
-        if graph.decodes and not self._image_fields:
-            raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
-        self._image_field = ds.image_field if graph.decodes else None
-        if cfg.fields is not None:
-            extra = list(cfg.fields)
-        elif not graph.decodes:
-            extra = ds.fields
+        if self.mixture is None:
+            self._part = _open_part(ds, cfg, cfg.fields)
+            self._reader = self._part.reader
+            self._files = self._part.files
         else:
-            extra = [ds.label_field] if ds.label_field else []
-        ds.require_fields(extra)
-        self._extra = [f for f in extra if f != self._image_field]  # fields delivered besides the image
-        self._files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
-        self._reader = Reader(ds, self._extra, threads=cfg.reader_threads, verify=cfg.verify,
-                              image=self._image_fields if graph.decodes else (), sizes=graph.needs_image_size,
-                              optional=self._image_fields, transcode=decodable if graph.decodes else None,
-                              files=self._files)
+            self._parts = _open_mixture(self.mixture, cfg)
+            self._part = self._parts[0]
+            self._reader = MixReader(self.mixture, [p.reader for p in self._parts])
+            self._files = None
+            self._source_samples = np.zeros(len(self._parts), np.int64)
+        self._extra, self._image_field = self._part.extra, self._part.image_field
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress, detail=self._storage_line if self._files is not None else None)
         self._active: Iterator | None = None
@@ -229,9 +224,16 @@ class Loader:
     def __len__(self) -> int:
         return len(self._sampler)
 
-    def key(self, index: int) -> str:
-        """The ``__key__`` of the sample with dataset-wide index ``index``."""
-        return self.dataset.key(int(index))
+    def key(self, source: int | str, index: int | None = None) -> str:
+        """The ``__key__`` of a sample: ``key(index)`` (dataset-wide index) for a dataset, ``key(source, index)``
+        (``batch["source"]`` or the source's name, and ``batch["index"]``) for a mixture."""
+        if self.mixture is not None:
+            if index is None:
+                raise TypeError("a mixture's loader names a sample by key(source, index)")
+            return self.mixture.key(source, index)
+        if index is not None:
+            raise TypeError("a dataset's loader names a sample by key(index)")
+        return self.dataset.key(int(source))
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``. The current epoch is left where it is, so calling
@@ -245,9 +247,12 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed to the training loop (prefetched batches do not count)."""
         cfg = self.config
-        return {K_VERSION: STATE_VERSION, K_SEED: cfg.seed, K_EPOCH: self.epoch, K_CONSUMED: self.consumed,
-                K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
-                K_FINGERPRINT: self.dataset.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
+        state = {K_VERSION: STATE_VERSION, K_SEED: cfg.seed, K_EPOCH: self.epoch, K_CONSUMED: self.consumed,
+                 K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
+                 K_FINGERPRINT: self.dataset.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
+        if self.mixture is not None:
+            state[K_MIXTURE] = mixture_state(self.mixture)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. With another world size the rest of that epoch is re-split into
@@ -266,6 +271,8 @@ class Loader:
                    if k not in state]
         if missing:
             raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
+        if self.mixture is not None:
+            check_mixture_state(self.mixture, state.get(K_MIXTURE), state[K_EPOCH], state[K_CONSUMED])
         if state[K_FINGERPRINT] != self.dataset.fingerprint:
             raise LoaderStateError(f"{self.dataset.root}: loader state is for dataset fingerprint "
                                    f"{state[K_FINGERPRINT]}, this dataset is {self.dataset.fingerprint}")
@@ -291,6 +298,14 @@ class Loader:
         ``"storage"``: ``{"hits", "waited_fills", "ahead_fills", "bytes_downloaded", "wait_s", "download_MBps",
         "retries"}`` (``wait_s``: time readers waited for shards not yet in the cache)."""
         out = self._stats.as_dict()
+        if self.mixture is not None:
+            total = int(self._source_samples.sum())
+            out["sources"] = {name: {"samples": int(n), "share": n / total if total else 0.0}
+                              for name, n in zip(self.mixture.names, self._source_samples.tolist())}
+            storage = {name: p.files.stats.as_dict(getattr(p.files.storage, "retry_count", 0))
+                       for name, p in zip(self.mixture.names, self._parts) if p.files is not None}
+            if storage:
+                out["storage_by_source"] = storage
         if self._files is not None:
             out["storage"] = self._files.stats.as_dict(getattr(self._files.storage, "retry_count", 0))
         return out
@@ -367,7 +382,10 @@ class Loader:
             self._stats.end_epoch()
             return
         # Object stores: fetch shards in the order the rest of this epoch and the next one will want them.
-        self._reader.read_ahead_shards(self._coming_batches(epoch, self.consumed))
+        if self.mixture is not None:
+            self._reader.read_ahead_shards(lambda c=self.consumed: self._coming_batches(epoch, c))
+        else:
+            self._reader.read_ahead_shards(self._coming_batches(epoch, self.consumed))
         try:
             feeder = self._stream_at(epoch, self.consumed)
             while True:
@@ -377,6 +395,9 @@ class Loader:
                     raise RuntimeError(f"internal error: fed epoch {fed.epoch} from {fed.start}, "
                                        f"the loader is at epoch {epoch} consumed {self.consumed}")
                 self._stats.end_wait(started, len(fed.padded) - int(np.count_nonzero(fed.padded)))
+                if self.mixture is not None:
+                    src = batch["source"].numpy()[~fed.padded]
+                    self._source_samples += np.bincount(src, minlength=len(self._source_samples))
                 self.consumed = fed.consumed
                 if fed.last:  # the epoch is over (with drop_last, before its dropped tail)
                     self.epoch, self.consumed = epoch + 1, 0
@@ -396,16 +417,33 @@ class Loader:
 
     def _raw_batch(self, fed: Fed) -> dict[str, Any]:
         batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}
-        label_field = self.dataset.label_field
-        if label_field in self._extra:
+        if self._part.label_field in self._extra:
             batch["label"] = self._labels(fed)
-        batch["index"] = torch.from_numpy(fed.indices.copy())
-        batch["padded"] = torch.from_numpy(fed.padded.copy())
+        self._positions(batch, fed)
         return batch
 
+    def _positions(self, batch: dict[str, Any], fed: Fed) -> None:
+        """``index`` (and, for a mixture, ``source``) and ``padded`` of a batch."""
+        if self.mixture is not None:
+            source, index = self.mixture.split(fed.indices)
+            batch["source"] = torch.from_numpy(source)
+            batch["index"] = torch.from_numpy(index)
+        else:
+            batch["index"] = torch.from_numpy(fed.indices.copy())
+        batch["padded"] = torch.from_numpy(fed.padded.copy())
+
     def _labels(self, fed: Fed) -> torch.Tensor:
-        f = self.dataset.label_field
-        labels = torch.from_numpy(parse_labels(self.dataset, f, fed.indices, fed.batch.fields[f]))
+        f = self._part.label_field
+        if self.mixture is None:
+            values = parse_labels(self.dataset, f, fed.indices, fed.batch.fields[f])
+        else:
+            values = np.empty(len(fed.indices), np.int64)
+            source, index = self.mixture.split(fed.indices)
+            column = fed.batch.fields[f]
+            for s in np.unique(source).tolist():
+                sel = np.flatnonzero(source == s)
+                values[sel] = parse_labels(self._parts[s].dataset, f, index[sel], [column[j] for j in sel.tolist()])
+        labels = torch.from_numpy(values)
         return labels if self.device == "cpu" else labels.to(self.torch_device)
 
     def _to_torch(self, names: tuple[str, ...], outputs, fed: Fed) -> dict[str, Any]:
@@ -414,14 +452,13 @@ class Loader:
         if not np.array_equal(index, fed.indices):
             raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
         batch: dict[str, Any] = {name: self._tensor(value) for name, value in out.items()}
-        label_field = self.dataset.label_field
+        label_field = self._part.label_field
         for f in self._extra:
             if f == label_field:
                 batch["label"] = self._labels(fed)
             else:
                 batch[f] = _field_value([b.tobytes() for b in fed.batch.fields[f]])
-        batch["index"] = torch.from_numpy(fed.indices.copy())
-        batch["padded"] = torch.from_numpy(fed.padded.copy())
+        self._positions(batch, fed)
         return batch
 
     def _tensor(self, value):
@@ -452,11 +489,94 @@ class Loader:
                     with Image.open(io.BytesIO(data.tobytes())) as img:
                         img.load()
                 except Exception as bad:  # whatever PIL raises, the image is undecodable
-                    return DatasetError(f"{sample_where(self.dataset, i)}: field {name!r} failed to decode "
+                    return DatasetError(f"{self._where(i)}: field {name!r} failed to decode "
                                         f"({type(bad).__name__}: {str(bad)[:80]})")
         first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
-        keys = ", ".join(repr(self.key(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
+        keys = ", ".join(repr(self._key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{self.dataset.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+    def _where(self, i: int) -> str:
+        """Names the sample a reader index ``i`` (a mixture id for a mixture) stands for."""
+        return self.mixture.describe(i) if self.mixture is not None else sample_where(self.dataset, i)
+
+    def _key_of(self, i: int) -> str:
+        if self.mixture is None:
+            return self.dataset.key(int(i))
+        source, index = self.mixture.split(np.array([i]))
+        return self.mixture.key(int(source[0]), int(index[0]))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One dataset as the Loader reads it (the dataset, or one source of a mixture)."""
+
+    dataset: Dataset
+    reader: Reader
+    files: Any
+    """The shard source of an ``s3://`` dataset (its cache), else None."""
+    extra: list[str]
+    """Fields delivered besides the image."""
+    image_field: str | None
+    label_field: str | None
+
+
+def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ...] | None,
+               threads: int | None = None) -> _Part:
+    """The reader of ``ds`` for the graph of ``cfg`` delivering ``fields`` (default: the label, or all for raw),
+    with ``threads`` reader threads (default ``cfg.reader_threads``)."""
+    graph = cfg.graph
+    # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
+    # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
+    image_fields: tuple[str, ...] = ()
+    if ds.image_field is not None:
+        others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
+        image_fields = (ds.image_field, *[f for f in others if f != ds.image_field])
+    if graph.decodes and not image_fields:
+        raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
+    image_field = ds.image_field if graph.decodes else None
+    if fields is not None:
+        extra = list(fields)
+    elif not graph.decodes:
+        extra = ds.fields
+    else:
+        extra = [ds.label_field] if ds.label_field else []
+    ds.require_fields(extra)
+    extra = [f for f in extra if f != image_field]
+    files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
+    reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
+                    image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,
+                    optional=image_fields, transcode=decodable if graph.decodes else None, files=files)
+    return _Part(ds, reader, files, extra, image_field, ds.label_field)
+
+
+def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
+    """One part per source, all delivering the same fields: ``cfg.fields``, else the label (decoding graphs)
+    or the fields every source has (raw). A source lacking one is refused by name. The sources share
+    ``cfg.reader_threads`` (each reads its part of every batch, in parallel with the others)."""
+    fields = cfg.fields
+    if fields is None and not cfg.graph.decodes:
+        fields = [f for f in mixture.datasets[0].fields if all(f in ds.fields for ds in mixture.datasets)]
+    labels = {ds.label_field for ds in mixture.datasets}
+    if fields is None and cfg.graph.decodes and len(labels) > 1:
+        raise DatasetError(f"{mixture.root}: sources have different label fields "
+                           f"({', '.join(f'{n}: {ds.label_field!r}' for n, ds in zip(mixture.names, mixture.datasets))}); "
+                           f"choose the fields to deliver with fields=")
+    parts: list[_Part] = []
+    try:
+        for name, ds in zip(mixture.names, mixture.datasets):
+            try:
+                parts.append(_open_part(ds, cfg, fields, threads=-(-cfg.reader_threads // len(mixture.names))))
+            except DatasetError as err:
+                raise DatasetError(f"mixture source {name!r}: {err}") from None
+            if parts[-1].label_field != parts[0].label_field and parts[0].label_field in parts[0].extra:
+                raise DatasetError(f"mixture source {name!r}: label field {parts[-1].label_field!r}, source "
+                                   f"{mixture.names[0]!r} has {parts[0].label_field!r}")
+    except BaseException:
+        for p in parts:
+            p.reader.close()
+        raise
+    return parts
 
 
 def _field_value(values: list[bytes]):

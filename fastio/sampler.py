@@ -196,7 +196,7 @@ def _feistel(x: np.ndarray, bits, keys, tweak) -> np.ndarray:
 
 def _permute(x: np.ndarray, n, bits, keys, tweak) -> np.ndarray:
     """The keyed permutation of [0, n) at ``x`` (int64 < n), by cycle walking; per-element or scalar
-    ``n``/``bits``/``tweak``."""
+    ``n``/``bits``/``tweak`` and round keys (``keys``: a tuple of scalars, or of per-element arrays)."""
     def pick(a, i):
         return a[i] if isinstance(a, np.ndarray) else a
 
@@ -204,7 +204,7 @@ def _permute(x: np.ndarray, n, bits, keys, tweak) -> np.ndarray:
     out = _feistel(x.astype(_U64), bits, keys, tweak)
     todo = np.flatnonzero(out >= n)
     while todo.size:
-        y = _feistel(out[todo], pick(bits, todo), keys, pick(tweak, todo))
+        y = _feistel(out[todo], pick(bits, todo), tuple(pick(k, todo) for k in keys), pick(tweak, todo))
         out[todo] = y
         todo = todo[y >= pick(n, todo)]
     return out.astype(np.int64)

@@ -213,6 +213,10 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.inspect import inspect as run_inspect
 
+    if dest.endswith(".json") and Path(dest).is_file():  # a mixture file (docs/mixtures.md)
+        _inspect_mixture(dest, as_json, seed, epoch, batch_size, cache_dir, cache_size,
+                         storage_options(endpoint_url, region, profile))
+        return
     try:
         info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
                            cache_dir=cache_dir, cache_size=cache_size,
@@ -228,6 +232,32 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
             _print_info(sub)
     else:
         _print_info(info)
+
+
+def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
+                     cache_size: str | None, options: dict | None) -> None:
+    from fastio.mixinspect import mixture_order_report
+    from fastio.mixture import Mixture
+
+    try:
+        mixture = Mixture.from_file(path, cache_dir=cache_dir, cache_size=cache_size, storage_options=options)
+        info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size)
+    except ValueError as err:
+        raise FastioError(_in_flags(str(err), leading=True)) from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} samples per epoch")
+    for s in info["sources"]:
+        click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
+                   f"({s['cycles']:.2f} cycles)  {s['path']}")
+    click.echo(f"order:    epochs {info['epoch']}..{info['epoch'] + info['epochs'] - 1}, {info['batches']} batches "
+               f"of {info['batch_size']} (seed {info['seed']})")
+    for name, b in info["per_batch"].items():
+        r = info["repeat_distance"][name]
+        again = f"repeats after >= {r['min']} (median {r['median']:g}) positions" if r["repeats"] else "no repeat"
+        click.echo(f"  {name:<12} per batch {b['min']}..{b['max']} (expected {b['expected']:g}, max deviation "
+                   f"{b['max_deviation']:g}); {again}")
 
 
 def _print_info(info: dict[str, Any]) -> None:

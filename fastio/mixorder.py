@@ -1,0 +1,290 @@
+"""The order of a mixture of datasets: which source fills each position, and which of its samples.
+
+Pure arithmetic beside :mod:`fastio.sampler`: no bytes, files or tensors.
+
+**Which source.** The weights become integers ``n_s`` (exactly when they are small rationals, else an
+apportionment of ``MAX_PERIOD``) and one period of ``W = sum(n_s)`` positions is laid out by the *largest
+deficit* rule: position ``q`` goes to the source with the largest ``n_s * (q + 1) - W * C_s(q)``, where
+``C_s(q)`` counts the source's earlier positions (ties to the earlier source). That sequence repeats
+forever; mixture epoch ``e`` is its stretch ``[phase + e*N, phase + (e+1)*N)`` (``N`` samples per epoch,
+``phase`` from the seed, names and fingerprints). Every prefix of it stays within quota
+(``|C_s - w_s * q| < 1``), so any window of ``n`` consecutive positions holds ``w_s * n`` samples of ``s``
+up to less than 2; with two sources (and with equal weights) less than 1. :func:`window_spread` measures it.
+
+**Which sample.** The count of ``s``'s positions before stream position ``Q`` is
+``(Q // W) * n_s + rank[Q % W]`` (O(1)); the ``k``-th sample of source ``s`` is position ``k % size_s`` of
+that source's own epoch ``k // size_s`` (:class:`fastio.sampler.EpochOrder`, seeded per source). So a
+source never repeats a sample before all of its samples were delivered, a small source cycles through its
+own epochs, a large one is partly covered per mixture epoch, and nothing is stored: everything follows
+from the position.
+
+Samples of a mixture are named by *mixture ids*: source ``s``'s sample ``i`` is ``base_s + i`` (sources laid
+end to end in mapping order), which is what :class:`MixOrder` returns and what the reader is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cached_property, lru_cache
+
+import numpy as np
+
+from fastio.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
+
+__all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "integer_weights",
+           "window_spread"]
+
+MIX_ALGORITHM = "deficit-v1"
+"""Names the schedule :class:`MixSchedule` computes."""
+MAX_PERIOD = 1 << 16
+"""Longest period of the source schedule; weights that need more are apportioned over this many positions
+(each proportion then within 1/MAX_PERIOD of the asked one)."""
+_ORDERS = 64  # per-source epoch orders kept (a tiny source goes through many of its epochs per chunk)
+
+
+def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
+    """Positive integers in the proportions of ``weights`` (positive numbers), summing to at most MAX_PERIOD:
+    exact for rationals with small denominators (``3, 1`` -> ``3, 1``; ``0.7, 0.3`` -> ``7, 3``), else the
+    largest-remainder apportionment of MAX_PERIOD (every source keeps at least 1)."""
+    fr = [Fraction(w).limit_denominator(MAX_PERIOD) for w in weights]
+    if all(f > 0 for f in fr):
+        lcm = math.lcm(*(f.denominator for f in fr))
+        ints = [int(f * lcm) for f in fr]
+        g = math.gcd(*ints)
+        ints = [i // g for i in ints]
+        if sum(ints) <= MAX_PERIOD and all(abs(i / sum(ints) - w / sum(weights)) < 1e-12 for i, w in zip(ints, weights)):
+            return tuple(ints)
+    total = float(sum(weights))
+    quota = [w / total * MAX_PERIOD for w in weights]
+    ints = [max(1, int(q)) for q in quota]
+    order = sorted(range(len(quota)), key=lambda s: quota[s] - int(quota[s]), reverse=True)
+    k = 0
+    while sum(ints) < MAX_PERIOD:
+        ints[order[k % len(order)]] += 1
+        k += 1
+    while sum(ints) > MAX_PERIOD:  # only when many tiny weights were raised to 1
+        s = max(range(len(ints)), key=lambda s: ints[s])
+        ints[s] -= 1
+    return tuple(ints)
+
+
+@lru_cache(maxsize=16)
+def _period(n: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One period of the largest-deficit schedule for integer weights ``n``: the source of each position and
+    how many positions of that source come before it in the period."""
+    w = sum(n)
+    src = np.empty(w, np.int64)
+    rank = np.empty(w, np.int64)
+    count = [0] * len(n)
+    sources = range(len(n))
+    for q in range(w):
+        s = max(sources, key=lambda s: (n[s] * (q + 1) - w * count[s], -s))
+        src[q], rank[q] = s, count[s]
+        count[s] += 1
+    src.flags.writeable = rank.flags.writeable = False
+    return src, rank
+
+
+def _u63(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+@dataclass(frozen=True)
+class MixSchedule:
+    """Which source fills each position of each mixture epoch, and its running count of that source.
+
+    A pure function of (seed, names, weights, fingerprints, samples_per_epoch).
+    """
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    """Relative weights (positive); only their proportions matter."""
+    fingerprints: tuple[str, ...]
+    samples_per_epoch: int
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (len(self.names) == len(self.weights) == len(self.fingerprints)) or not self.names:
+            raise ValueError("names, weights and fingerprints must be non-empty and of the same length")
+        for name, w in zip(self.names, self.weights):
+            if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
+                raise ValueError(f"weight of {name!r} must be a positive number, got {w!r}")
+        if self.samples_per_epoch < 1:
+            raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch!r}")
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Positions of each source in one period (:func:`integer_weights`)."""
+        return integer_weights(self.weights)
+
+    @property
+    def period(self) -> int:
+        return sum(self.counts)
+
+    @cached_property
+    def phase(self) -> int:
+        """Where epoch 0 starts in the periodic schedule."""
+        key = f"fastio-mix:{MIX_ALGORITHM}:{self.seed}:{self.names}:{self.counts}:{self.fingerprints}"
+        return _u63(key) % self.period
+
+    def sources(self, epoch: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, k)`` for positions ``pos`` of mixture epoch ``epoch``: the source filling each one and how
+        many samples of that source the stream delivered before it (since position 0 of mixture epoch 0)."""
+        src, rank = _period(self.counts)
+        q = self.phase + epoch * self.samples_per_epoch + np.asarray(pos, np.int64)
+        r = q % self.period
+        s = src[r]
+        return s, (q // self.period) * np.asarray(self.counts, np.int64)[s] + rank[r] - self._start[s]
+
+    @cached_property
+    def _start(self) -> np.ndarray:
+        """Each source's count at the start of epoch 0 (so that its stream starts at its own epoch 0)."""
+        return self._before(self.phase)
+
+    def per_epoch(self, epoch: int) -> np.ndarray:
+        """Samples of each source in mixture epoch ``epoch`` (O(sources))."""
+        start = self.phase + epoch * self.samples_per_epoch
+        return self._before(start + self.samples_per_epoch) - self._before(start)
+
+    def _before(self, q: int) -> np.ndarray:
+        src, _ = _period(self.counts)
+        counts = np.asarray(self.counts, np.int64)
+        return (q // self.period) * counts + np.bincount(src[:q % self.period], minlength=len(counts))
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of a source's own order in a mixture (by name: adding a source leaves the others' orders)."""
+    return _u63(f"fastio-mix-source:{seed}:{name}")
+
+
+class MixOrder:
+    """The delivery order of one mixture epoch, lazily: ``order[positions]`` are mixture ids (see the module
+    docstring); ``len(order)`` is the epoch's samples. Same interface as :class:`~fastio.sampler.EpochOrder`."""
+
+    def __init__(self, sampler: MixSampler, epoch: int):
+        self.sampler, self.epoch = sampler, epoch
+
+    def __len__(self) -> int:
+        return self.sampler.schedule.samples_per_epoch
+
+    def __repr__(self) -> str:
+        return f"MixOrder(epoch={self.epoch}, samples={len(self)})"
+
+    def __getitem__(self, key) -> np.ndarray | int:
+        n = len(self)
+        if isinstance(key, slice):
+            return self._at(np.arange(*key.indices(n), dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            p = int(key) + n if key < 0 else int(key)
+            if not 0 <= p < n:
+                raise IndexError(f"position {int(key)} out of range for a mixture epoch of {n} samples")
+            return int(self._at(np.array([p], np.int64))[0])
+        pos = np.asarray(key).astype(np.int64, copy=False)
+        if pos.size and (pos.min() < 0 or pos.max() >= n):
+            raise IndexError(f"positions out of range for a mixture epoch of {n} samples")
+        return self._at(pos)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+    def sources(self, pos: np.ndarray) -> np.ndarray:
+        """The source filling each of positions ``pos``."""
+        return self.sampler.schedule.sources(self.epoch, pos)[0]
+
+    def _at(self, pos: np.ndarray) -> np.ndarray:
+        flat = pos.reshape(-1)
+        src, k = self.sampler.schedule.sources(self.epoch, flat)
+        out = np.empty(flat.size, np.int64)
+        for s in np.unique(src).tolist():
+            sel = np.flatnonzero(src == s)
+            size = self.sampler.sizes[s]
+            ks = k[sel]
+            epochs, offsets = ks // size, ks % size
+            uniq, which = np.unique(epochs, return_inverse=True)
+            if self.sampler.spec.shuffle == "global" and len(uniq) > 2:
+                # a small source cycling through many of its epochs in this lookup: one vectorised permutation
+                # with each element's round keys (what EpochOrder computes one epoch at a time)
+                out[sel] = self.sampler.base[s] + self.sampler.cycling_order(s, uniq, which.reshape(-1), offsets)
+                continue
+            for j, e in enumerate(uniq.tolist()):
+                part = which == j
+                out[sel[part]] = self.sampler.base[s] + self.sampler.source_order(s, e)[offsets[part]]
+        return out.reshape(pos.shape)
+
+
+@dataclass(frozen=True)
+class MixSampler(Sampler):
+    """A :class:`~fastio.sampler.Sampler` whose epochs are mixture epochs (``schedule``) over sources of
+    ``source_shards`` (shard sizes per source); plans, batches, rank slicing and resume arithmetic are the
+    sampler's. ``shard_sizes`` is ``(samples_per_epoch,)``: the epoch's length, which is all plans use."""
+
+    schedule: MixSchedule | None = None
+    source_shards: tuple[tuple[int, ...], ...] = ()
+
+    _orders: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False, compare=False)
+    _orders_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    @classmethod
+    def make(cls, spec: SamplerSpec, schedule: MixSchedule, source_shards: Sequence[Sequence[int]], world_size: int = 1,
+             rank: int = 0) -> MixSampler:
+        shards = tuple(tuple(int(x) for x in s) for s in source_shards)
+        if len(shards) != len(schedule.names) or any(sum(s) < 1 for s in shards):
+            raise ValueError("every source of a mixture needs at least one sample")
+        fp = hashlib.sha256(repr((schedule.names, schedule.fingerprints)).encode()).hexdigest()[:16]
+        return cls(spec, (schedule.samples_per_epoch,), fp, world_size, rank, schedule=schedule, source_shards=shards)
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(s) for s in self.source_shards)
+
+    @cached_property
+    def base(self) -> tuple[int, ...]:
+        """Mixture id of each source's first sample."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.sizes)[:-1]]))
+
+    def order(self, epoch: int) -> MixOrder:
+        return MixOrder(self, epoch)
+
+    def _source_spec(self, s: int) -> SamplerSpec:
+        return SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,
+                           block_shards=self.spec.block_shards)
+
+    def cycling_order(self, s: int, epochs: np.ndarray, which: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """``source_order(s, epochs[which[j]])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle)."""
+        spec, fp, size = self._source_spec(s), self.schedule.fingerprints[s], self.sizes[s]
+        keys = np.array([_round_keys(spec, e, fp, "samples") for e in epochs.tolist()], np.uint64)
+        return _permute(offsets, size, _bits(size), tuple(keys[which, r] for r in range(keys.shape[1])), 0)
+
+    def source_order(self, s: int, epoch: int) -> EpochOrder:
+        """Source ``s``'s own order in its epoch ``epoch`` (its seed derived from the loader's and its name)."""
+        key = (s, epoch)
+        with self._orders_lock:
+            if key in self._orders:
+                self._orders.move_to_end(key)
+                return self._orders[key]
+        order = EpochOrder(self.source_shards[s], self._source_spec(s), epoch, self.schedule.fingerprints[s])
+        with self._orders_lock:
+            self._orders[key] = order
+            while len(self._orders) > _ORDERS:
+                self._orders.popitem(last=False)
+        return order
+
+
+def window_spread(sources: np.ndarray, weights: Sequence[float], count: int) -> np.ndarray:
+    """For each source, ``max |c - w_s * n|`` over every window of ``n`` consecutive entries of ``sources`` and
+    every n (c: the source's entries in the window, w_s: its share of ``weights``): how far any window strays
+    from the proportions. It is the spread (max - min) of the prefix error, O(len * sources)."""
+    share = np.asarray(weights, float) / float(sum(weights))
+    out = np.empty(count)
+    steps = np.arange(len(sources) + 1)
+    for s in range(count):
+        err = np.concatenate([[0], np.cumsum(sources == s)]) - share[s] * steps
+        out[s] = err.max() - err.min()
+    return out

@@ -1,0 +1,282 @@
+"""``fastio.Mixture``: several datasets read as one, in weighted proportions, in one deterministic order.
+
+A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights and
+the samples of a mixture epoch; :class:`fastio.Loader` accepts it where it accepts a dataset. The order is
+:mod:`fastio.mixorder`'s. :class:`MixReader` reads a batch of mixture ids with one
+:class:`~fastio.reader.Reader` per source and hands back one :class:`~fastio.reader.ReadBatch`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.mixorder import MixSampler, MixSchedule
+from fastio.reader import ReadBatch, Reader
+from fastio.sampler import SamplerSpec
+from fastio.storage.url import is_remote
+
+__all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state"]
+
+
+class Mixture:
+    """Datasets mixed by weight: ``Mixture({"web": "s3://b/web", "coco": "/data/coco"}, weights={"web": 3,
+    "coco": 1})``.
+
+    Args:
+        sources: name -> dataset directory, ``s3://`` URL or opened :class:`~fastio.Dataset`. The mapping's
+            order numbers the sources (``batch["source"]``).
+        weights: name -> relative weight (any positive numbers; only proportions matter). Default: each
+            source's size, i.e. every sample about once per mixture epoch.
+        samples_per_epoch: samples of a mixture epoch (default: the sum of the sources' sizes).
+        verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
+            (as for :class:`~fastio.Dataset`).
+    """
+
+    def __init__(self, sources: Mapping[str, str | Path | Dataset], weights: Mapping[str, float] | None = None,
+                 samples_per_epoch: int | None = None, *, verify: bool = False, cache_dir: str | Path | None = None,
+                 cache_size: int | str | None = None, storage_options: dict | None = None):
+        if not isinstance(sources, Mapping) or not sources:
+            raise ValueError(f"sources must be a non-empty mapping of name -> dataset, got {sources!r}")
+        for name in sources:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"source names must be non-empty strings, got {name!r}")
+        self.names: tuple[str, ...] = tuple(sources)
+        if weights is not None:
+            if not isinstance(weights, Mapping):
+                raise ValueError(f"weights must be a mapping of source name -> weight, got {weights!r}")
+            unknown = [k for k in weights if k not in sources]
+            missing = [k for k in self.names if k not in weights]
+            if unknown or missing:
+                raise ValueError(f"weights must name every source once: unknown {unknown}, missing {missing}")
+            for k, w in weights.items():
+                if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0:
+                    raise ValueError(f"weights[{k!r}] must be a positive number, got {w!r}")
+        if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool) or not isinstance(
+                samples_per_epoch, numbers.Integral) or samples_per_epoch < 1):
+            raise ValueError(f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}")
+        opening = {"verify": verify, "cache_dir": cache_dir, "cache_size": cache_size,
+                   "storage_options": storage_options}
+        self.datasets: tuple[Dataset, ...] = tuple(
+            d if isinstance(d, Dataset) else _open(name, d, opening) for name, d in sources.items())
+        for name, ds in zip(self.names, self.datasets):
+            if len(ds) < 1:
+                raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
+        self.sizes: tuple[int, ...] = tuple(len(ds) for ds in self.datasets)
+        raw = [float(weights[k]) for k in self.names] if weights is not None else [float(n) for n in self.sizes]
+        self.weights: tuple[float, ...] = tuple(w / sum(raw) for w in raw)
+        """Each source's share (the weights normalised to sum to 1)."""
+        self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
+        self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        """Mixture id of each source's first sample (source ``s``'s sample ``i`` is ``base[s] + i``)."""
+
+    @classmethod
+    def from_file(cls, path: str | Path, **opening: Any) -> Mixture:
+        """A mixture described by a JSON file ``{"sources": {name: path or URL}, "weights": {name: weight},
+        "samples_per_epoch": N}`` (``weights`` and ``samples_per_epoch`` optional; relative paths are relative
+        to the file). ``opening``: as for the constructor. DatasetError names the file and the bad entry."""
+        path = Path(path)
+        try:
+            spec = json.loads(path.read_text())
+        except OSError as err:
+            raise DatasetError(f"{path}: cannot read the mixture file ({err.strerror or err})") from None
+        except ValueError as err:
+            raise DatasetError(f"{path}: not a JSON mixture file ({err})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("sources"), dict):
+            raise DatasetError(f"{path}: a mixture file is an object with \"sources\": {{name: path or URL}}")
+        unknown = sorted(set(spec) - {"sources", "weights", "samples_per_epoch"})
+        if unknown:
+            raise DatasetError(f"{path}: unknown keys {unknown} (known: sources, weights, samples_per_epoch)")
+        sources = {}
+        for name, where in spec["sources"].items():
+            if not isinstance(where, str):
+                raise DatasetError(f"{path}: sources[{name!r}] must be a path or URL string, got {where!r}")
+            sources[name] = where if is_remote(where) or Path(where).is_absolute() else str(path.parent / where)
+        try:
+            return cls(sources, weights=spec.get("weights"), samples_per_epoch=spec.get("samples_per_epoch"),
+                       **opening)
+        except ValueError as err:
+            raise DatasetError(f"{path}: {err}") from None
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))
+        return f"Mixture({parts}, samples_per_epoch={self.samples_per_epoch})"
+
+    def __len__(self) -> int:
+        """Samples of a mixture epoch."""
+        return self.samples_per_epoch
+
+    @property
+    def root(self) -> str:
+        """How messages name the mixture."""
+        return f"mixture({', '.join(self.names)})"
+
+    @property
+    def fingerprints(self) -> tuple[str, ...]:
+        return tuple(ds.fingerprint for ds in self.datasets)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the sources (names and datasets), not the weights."""
+        return hashlib.sha256(repr((self.names, self.fingerprints)).encode()).hexdigest()[:16]
+
+    def schedule(self, seed: int) -> MixSchedule:
+        return MixSchedule(self.names, self.weights, self.fingerprints, self.samples_per_epoch, seed)
+
+    def sampler(self, spec: SamplerSpec, world_size: int = 1, rank: int = 0) -> MixSampler:
+        """The order and batches of rank ``rank`` of ``world_size`` (``spec``: the loader's sampling)."""
+        return MixSampler.make(spec, self.schedule(spec.seed), [[s.samples for s in ds.shards] for ds in self.datasets],
+                               world_size, rank)
+
+    def source_index(self, source: int | str) -> int:
+        """A source's position in the mapping, from its position or name."""
+        if isinstance(source, str):
+            if source not in self.names:
+                raise KeyError(f"mixture has no source {source!r} (sources: {', '.join(self.names)})")
+            return self.names.index(source)
+        s = int(source)
+        if not 0 <= s < len(self.names):
+            raise IndexError(f"source {s} out of range 0..{len(self.names) - 1}")
+        return s
+
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mixture ids -> ``(source, index within that source)``, int64 arrays."""
+        ids = np.asarray(ids, np.int64)
+        src = np.searchsorted(self.base, ids, "right") - 1
+        return src, ids - self.base[src]
+
+    def key(self, source: int | str, index: int) -> str:
+        """The ``__key__`` of sample ``index`` of source ``source`` (position or name)."""
+        return self.datasets[self.source_index(source)].key(int(index))
+
+    def describe(self, ids: int) -> str:
+        """``"mixture source NAME: DEST: shard ... key ..."`` of one mixture id, for messages."""
+        from fastio.reader import sample_where
+
+        src, index = self.split(np.array([ids]))
+        s = int(src[0])
+        return f"mixture source {self.names[s]!r}: {sample_where(self.datasets[s], int(index[0]))}"
+
+
+def mixture_state(mixture: Mixture) -> dict[str, Any]:
+    """What identifies a mixture's order in a loader state: names, fingerprints, weights, epoch length."""
+    return {"names": list(mixture.names), "fingerprints": list(mixture.fingerprints),
+            "weights": list(mixture.weights), "samples_per_epoch": mixture.samples_per_epoch}
+
+
+def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int) -> None:
+    """LoaderStateError unless a state saved at ``(epoch, consumed)`` can continue with ``mixture``: the same
+    sources (names and datasets); the same weights and epoch length, unless the state is at an epoch boundary
+    (new weights apply from the next mixture epoch)."""
+    if not isinstance(saved, dict) or not {"names", "fingerprints", "weights", "samples_per_epoch"} <= saved.keys():
+        raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
+    names, fps = list(saved["names"]), list(saved["fingerprints"])
+    if names != list(mixture.names):
+        raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
+                               f"{list(mixture.names)}")
+    for name, old, new in zip(names, fps, mixture.fingerprints):
+        if old != new:
+            raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
+                                   f"state was saved with {old} (another dataset)")
+    weights, samples = [float(w) for w in saved["weights"]], int(saved["samples_per_epoch"])
+    same = samples == mixture.samples_per_epoch and all(
+        math.isclose(a, b, rel_tol=1e-12) for a, b in zip(weights, mixture.weights))
+    if same or consumed == 0 or consumed >= samples:
+        return
+    old = ", ".join(f"{n}={w:.4g}" for n, w in zip(names, weights))
+    new = ", ".join(f"{n}={w:.4g}" for n, w in zip(mixture.names, mixture.weights))
+    raise LoaderStateError(
+        f"{mixture.root}: loader state is {consumed} samples into mixture epoch {epoch} with weights {old} and "
+        f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
+        f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
+        f"epoch (call loader.set_epoch({epoch + 1}) instead of load_state_dict)")
+
+
+def _open(name: str, where: Any, opening: dict) -> Dataset:
+    if not isinstance(where, (str, Path)):
+        raise ValueError(f"source {name!r} must be a path, an s3:// URL or a fastio.Dataset, got {where!r}")
+    return Dataset(where, **opening)
+
+
+class MixReader:
+    """Reads batches of mixture ids: each source's samples with that source's :class:`Reader` (they run in
+    parallel, in the readers' own threads), merged back into the batch's order."""
+
+    def __init__(self, mixture: Mixture, readers: Sequence[Reader]):
+        self.mixture, self.readers = mixture, list(readers)
+
+    def submit(self, ids: np.ndarray) -> Future:
+        """Start reading a batch; the future's result is a :class:`ReadBatch` whose ``indices`` are ``ids``."""
+        ids = np.asarray(ids, np.int64)
+        src, local = self.mixture.split(ids)
+        parts = [(np.flatnonzero(src == s), s) for s in np.unique(src).tolist()]
+        futures = [self.readers[s].submit(local[sel]) for sel, s in parts]
+        out: Future = Future()
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_f: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result(_merge(ids, [(sel, f.result()) for (sel, _), f in zip(parts, futures)]))
+            except BaseException as err:  # a source's read error (DatasetError, StorageError) passes through
+                out.set_exception(err)
+
+        for f in futures:
+            f.add_done_callback(done)
+        return out
+
+    def read_batch(self, ids: np.ndarray) -> ReadBatch:
+        return self.submit(ids).result()
+
+    def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
+        """Each source's shards in the order the coming batches (``batches()``: mixture ids) want them."""
+        for s, reader in enumerate(self.readers):
+            reader.read_ahead_shards(_of_source(self.mixture, s, batches()))
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
+def _of_source(mixture: Mixture, s: int, batches: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    for ids in batches:
+        src, local = mixture.split(ids)
+        yield local[src == s]
+
+
+def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBatch:
+    n = len(ids)
+    first = parts[0][1]
+    fields = {f: [None] * n for f in first.fields}
+    image = [None] * n if first.image is not None else None
+    image_field = [None] * n if first.image_field is not None else None
+    sizes = np.empty((n, 2), np.int64) if first.sizes is not None else None
+    for sel, batch in parts:
+        rows = sel.tolist()
+        for f, values in batch.fields.items():
+            column = fields[f]
+            for j, v in zip(rows, values):
+                column[j] = v
+        if image is not None:
+            for j, v, name in zip(rows, batch.image, batch.image_field):
+                image[j], image_field[j] = v, name
+        if sizes is not None:
+            sizes[sel] = batch.sizes
+    return ReadBatch(ids, fields, sizes, image, image_field)

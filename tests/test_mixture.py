@@ -1,0 +1,304 @@
+"""fastio.Mixture: the pure schedule (proportions in every window, per-source order without repeats, purity)
+and the Loader on a mixture (batches, exact and elastic resume, weight changes, fields, an S3 source)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+import pytest
+from conftest import write_image_dataset
+from resume import batches, check_resume, same_batch
+
+from fastio import Loader, Mixture
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.mixorder import MixSampler, MixSchedule, window_spread
+from fastio.sampler import SamplerSpec
+from fastio.shards import ShardWriter
+from fastio.synthetic import make_imagefolder
+
+# -- the pure order --------------------------------------------------------------------------------
+
+
+def _schedule(weights, samples=2000, seed=0):
+    names = tuple("abcdefgh"[:len(weights)])
+    return MixSchedule(names, tuple(weights), tuple(f"fp-{n}" for n in names), samples, seed)
+
+
+@pytest.mark.parametrize("weights", [(3, 1), (1, 1), (0.7, 0.3), (1, 9), (1, 1, 1), (5, 3, 2), (4, 2, 1),
+                                     (6, 3, 2, 1), (1, 2, 3, 4, 5)])
+@pytest.mark.parametrize("batch", [8, 10, 64])
+def test_every_batch_holds_the_weights_within_one(weights, batch):
+    sched = _schedule(weights)
+    share = np.asarray(weights, float) / sum(weights)
+    for epoch in (0, 1, 5):
+        src, _ = sched.sources(epoch, np.arange(2000))
+        counts = np.stack([np.bincount(b, minlength=len(weights)) for b in src[: 2000 // batch * batch].reshape(-1, batch)])
+        assert np.abs(counts - share * batch).max() <= 1, f"a batch of {batch} strays more than 1 from {weights}"
+        spread = window_spread(src, weights, len(weights))  # every window of every length
+        assert spread.max() <= (1 if len(weights) == 2 or weights in ((1, 1, 1), (5, 3, 2), (4, 2, 1), (6, 3, 2, 1))
+                                else 2), spread
+
+
+@pytest.mark.parametrize("weights", [(1, 1, 10), (13, 11, 7, 5, 3), (0.123, 0.456, 0.421), (1, 100, 1000)])
+def test_any_weights_stay_within_quota(weights):
+    sched = _schedule(weights, samples=5000, seed=3)
+    src, _ = sched.sources(2, np.arange(5000))
+    assert window_spread(src, weights, len(weights)).max() < 2  # any window of any length: less than 2 off
+
+
+def _stream(sampler, source, epochs):
+    """Source ``source``'s own indices in delivery order over mixture epochs ``0 .. epochs-1``."""
+    out = []
+    for e in range(epochs):
+        order = sampler.order(e)
+        ids = order[np.arange(len(order))]
+        src = order.sources(np.arange(len(order)))
+        out.extend((ids[src == source] - sampler.base[source]).tolist())
+    return out
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block", "none"])
+def test_a_source_repeats_nothing_until_used_up_and_cycles(shuffle):
+    # a tiny source (7 samples) with a large weight cycles many times; a large one (300) is partly covered
+    sched = MixSchedule(("tiny", "big"), (5.0, 1.0), ("t", "b"), 60, seed=4)
+    sampler = MixSampler.make(SamplerSpec(seed=4, shuffle=shuffle, block_shards=2), sched, [[3, 4], [100] * 3])
+    tiny, big = _stream(sampler, 0, 6), _stream(sampler, 1, 6)
+    assert len(tiny) == 300 and len(big) == 60
+    for start in range(0, len(tiny) - 6, 7):  # each cycle of the tiny source is a permutation of it
+        assert sorted(tiny[start:start + 7]) == list(range(7))
+    assert len(set(big)) == len(big)  # the big one: no repeat across mixture epochs before it is used up
+    if shuffle != "none":
+        assert tiny[:7] != tiny[7:14], "each cycle of a source is its own next epoch"
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_a_source_follows_its_own_epoch_orders(shuffle):
+    # the k-th sample of a source is position k % size of that source's own epoch k // size
+    sched = MixSchedule(("tiny", "big"), (1.0, 1.0), ("t", "b"), 4000, seed=2)
+    sampler = MixSampler.make(SamplerSpec(seed=2, shuffle=shuffle, block_shards=2), sched, [[5, 5], [100] * 30])
+    pos = np.arange(1000, 1600)  # the tiny source goes through ~60 of its epochs here
+    got = sampler.order(1)[pos]
+    src, k = sched.sources(1, pos)
+    want = [sampler.base[s] + sampler.source_order(s, kk // sampler.sizes[s])[kk % sampler.sizes[s]]
+            for s, kk in zip(src.tolist(), k.tolist())]
+    assert got.tolist() == want
+
+
+def test_the_order_is_pure():
+    def order(seed=1, weights=(2.0, 1.0), fps=("x", "y")):
+        sched = MixSchedule(("a", "b"), weights, fps, 90, seed)
+        sampler = MixSampler.make(SamplerSpec(seed=seed), sched, [[10, 10], [25]])
+        return [sampler.order(e)[:].tolist() for e in range(3)]
+
+    assert order() == order()
+    assert order() != order(seed=2)
+    assert order() != order(weights=(1.0, 1.0))
+    assert order() != order(fps=("x", "z"))
+    epochs = order()
+    assert epochs[0] != epochs[1]
+
+
+# -- the Loader on a mixture ---------------------------------------------------------------------------
+
+
+def _small(dest, n, label, extra=b"x", with_label=True):
+    with ShardWriter(dest, max_samples=4) as writer:
+        for i in range(n):
+            sample = {"__key__": f"s{i:03d}", "txt": extra + str(i).encode()}
+            if with_label:
+                sample["cls"] = str(label).encode()
+            writer.write(sample)
+        writer.close(label_field="cls" if with_label else None, source={"format": "test"}, skipped=[])
+    return dest
+
+
+@pytest.fixture
+def raw_sources(tmp_path):
+    return {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1), "c": _small(tmp_path / "c", 13, 2)}
+
+
+def _raw_loader(sources, weights, **kw):
+    opts = dict(batch_size=6, pipeline="raw", device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
+    opts.update(kw)
+    return Loader(Mixture(sources, weights=weights), **opts)
+
+
+def test_loader_batches_carry_source_and_index_in_the_mixture_order(raw_sources):
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    assert len(loader.dataset) == 50 and len(loader) == 9
+    got = list(islice(batches(loader), 12))  # into epoch 1
+    order = loader._sampler.order(0)
+    ids = order[np.arange(50)]
+    src, idx = loader.mixture.split(ids)
+    first = got[0]
+    assert first["source"].dtype == first["index"].dtype == first["label"].dtype
+    assert first["source"].tolist() == src[:6].tolist() and first["index"].tolist() == idx[:6].tolist()
+    for b in got[:8]:  # a batch of 6 with weights 3:2:1 is exactly 3, 2, 1
+        assert sorted(Counter(b["source"].tolist()).values()) == [1, 2, 3]
+        assert b["label"].tolist() == b["source"].tolist()  # source s was written with label s
+        for s, i, txt in zip(b["source"].tolist(), b["index"].tolist(), b["txt"]):
+            assert txt == b"x" + str(i).encode() and loader.key(s, i) == f"s{i:03d}"
+    assert loader.key("b", 3) == "s003"
+    stats = loader.stats()["sources"]
+    assert sum(v["samples"] for v in stats.values()) == 12 * 6 - 4  # the padded tail of epoch 0 not counted
+    assert stats["a"]["share"] == pytest.approx(0.5, abs=0.05)
+    loader.close()
+
+
+@pytest.mark.parametrize("pipeline,shuffle", [("raw", "global"), ("raw", "none"), ("image-train", "block"),
+                                              ("image-eval", "global")])
+def test_exact_resume_is_bitwise(tmp_path, image_folder, pipeline, shuffle):
+    tiny_folder = make_imagefolder(tmp_path / "tiny-src", classes=2, per_class=3, seed=9)
+    sources = {"big": write_image_dataset(tmp_path / "big", image_folder, max_samples=16),
+               "tiny": write_image_dataset(tmp_path / "tiny", tiny_folder, max_samples=4)}  # 6 samples
+
+    def make():
+        mix = Mixture(sources, weights={"big": 1, "tiny": 1}, samples_per_epoch=40)
+        return Loader(mix, batch_size=4, image_size=32, device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
+                      prefetch=2, block_shards=2, pipeline=pipeline, shuffle=shuffle)
+
+    state = check_resume(make, n=7, k=8)  # 10 batches per epoch: across the boundary
+    assert state["mixture"]["names"] == ["big", "tiny"] and state["consumed"] == 28
+
+
+def _ranks(sources, world, weights, n=None, state=None, **kw):
+    loaders = [_raw_loader(sources, weights, world_size=world, rank=r, batch_size=3, **kw) for r in range(world)]
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(state)
+    iters = [iter(ld) for ld in loaders]
+    out = []
+    while n is None or len(out) < n:
+        step = [next(it, None) for it in iters]
+        if all(b is None for b in step):
+            break
+        assert all(b is not None for b in step)
+        out.append(step)
+    states = [ld.state_dict() for ld in loaders]
+    for ld in loaders:
+        ld.close()
+    return out, states
+
+
+def _pairs(steps):
+    return [(s, i) for step in steps for b in step
+            for s, i, p in zip(b["source"].tolist(), b["index"].tolist(), b["padded"].tolist()) if not p]
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2)])
+def test_elastic_resume_delivers_each_remaining_position_once(raw_sources, old, new):
+    weights = {"a": 1, "b": 1, "c": 2}
+    before, states = _ranks(raw_sources, old, weights, n=2)
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
+    after, _ = _ranks(raw_sources, new, weights, state=states[0])
+    whole, _ = _ranks(raw_sources, 1, weights)  # the epoch at world size 1
+    assert Counter(_pairs(before) + _pairs(after)) == Counter(_pairs(whole))
+    assert len(_pairs(whole)) == 50
+
+
+def test_weights_change_only_at_an_epoch_boundary(raw_sources):
+    old = _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 1})
+    list(islice(iter(old), 2))
+    mid = old.state_dict()
+    new = _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 2})
+    with pytest.raises(LoaderStateError, match=r"weights can change only from the next epoch.*set_epoch\(1\)"):
+        new.load_state_dict(mid)
+    new.set_epoch(1)  # what the message says: the new weights from the next epoch
+    b = next(iter(new))
+    assert new.state_dict()["epoch"] == 1 and abs(b["source"].tolist().count(2) - 3) <= 1
+    list(old)  # to the end of epoch 0: the state is at a boundary
+    boundary = old.state_dict()
+    assert (boundary["epoch"], boundary["consumed"]) == (1, 0)
+    again = _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 2})
+    again.load_state_dict(boundary)
+    assert same_batch(next(iter(again)), b)
+    other = Mixture({"a": raw_sources["a"], "b": raw_sources["c"], "c": raw_sources["b"]})
+    with pytest.raises(LoaderStateError, match="source 'b' is dataset fingerprint"):
+        Loader(other, batch_size=6, pipeline="raw", device="cpu", seed=5).load_state_dict(mid)
+    for ld in (old, new, again):
+        ld.close()
+
+
+def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
+    sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
+    with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):
+        _raw_loader(sources, None, fields=("txt", "cls"))
+    loader = _raw_loader(sources, None)  # raw without fields=: the fields every source has
+    assert set(next(iter(loader))) == {"txt", "source", "index", "padded"}
+    loader.close()
+
+
+@pytest.mark.parametrize("weights,match", [({"a": 1, "b": -1, "c": 1}, r"weights\['b'\] must be a positive"),
+                                           ({"a": 1, "b": 1}, r"missing \['c'\]"),
+                                           ({"a": 1, "b": 1, "c": 1, "d": 1}, r"unknown \['d'\]"),
+                                           ({"a": 1, "b": float("nan"), "c": 1}, r"weights\['b'\]")])
+def test_bad_weights_are_named(raw_sources, weights, match):
+    with pytest.raises(ValueError, match=match):
+        Mixture(raw_sources, weights=weights)
+    with pytest.raises(ValueError, match="samples_per_epoch must be a positive integer, got 0"):
+        Mixture(raw_sources, samples_per_epoch=0)
+
+
+def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path):
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/b"
+    open_storage(url, moto_server.options()).publish_dir(raw_sources["b"], keys_last=(MANIFEST_NAME,))
+    remote = {**raw_sources, "b": url}
+    opening = dict(cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=moto_server.options())
+    mixed = Loader(Mixture(remote, weights={"a": 3, "b": 2, "c": 1}, **opening), batch_size=6, pipeline="raw",
+                   device="cpu", seed=5, world_size=1, rank=0)
+    local = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    for _ in range(2):  # two epochs: the second from the warm cache
+        for x, y in zip(mixed, local, strict=True):
+            assert same_batch(x, y)
+    storage = mixed.stats()["storage_by_source"]
+    assert list(storage) == ["b"] and storage["b"]["waited_fills"] + storage["b"]["ahead_fills"] == 2
+    mixed.close()
+    local.close()
+
+
+def test_inspect_order_on_a_mixture_file(raw_sources, tmp_path, capsys):
+    from helpers import run_cli
+
+    spec = {"sources": {"a": "a", "b": "b", "c": str(raw_sources["c"])}, "weights": {"a": 3, "b": 2, "c": 1},
+            "samples_per_epoch": 60}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(spec))  # "a", "b": relative to the file
+    code, out, err = run_cli(["inspect", str(path), "--order", "--batch-size", "12", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert [s["per_epoch"] for s in info["sources"]] == [30, 20, 10] and info["batches"] == 10
+    assert info["per_batch"]["a"] == {"expected": 6, "min": 6, "max": 6, "max_deviation": 0}
+    b = info["repeat_distance"]["b"]  # 7 samples, 20 per epoch: cycles, each cycle a permutation
+    assert b["repeats"] == 40 - 7 and b["min"] >= 2
+    assert info["repeat_distance"]["a"]["repeats"] == 60 - 30  # 30 samples, 30 per epoch: once per epoch
+    code, out, _ = run_cli(["inspect", str(path)], capsys)
+    assert code == 0 and "per batch" in out and "share 0.5000" in out
+    path.write_text(json.dumps({**spec, "weights": {"a": 1, "b": 0, "c": 1}}))
+    code, _, err = run_cli(["inspect", str(path)], capsys)
+    assert code == 2 and f"{path}: weights['b'] must be a positive number, got 0" in err
+
+
+@pytest.mark.parametrize("kw", [dict(drop_last=True), dict(remainder="partial"), dict(remainder="pad")])
+def test_resume_on_a_rank_with_drop_last_and_remainders(raw_sources, kw):
+    # 50 samples, global batch 2 x 4 = 8: a dropped, a partial or a padded last batch; resume across it
+    def make():
+        return _raw_loader(raw_sources, {"a": 2, "b": 1, "c": 1}, batch_size=4, world_size=2, rank=1, **kw)
+
+    loader = make()
+    epoch = list(loader)
+    sizes = [len(b["index"]) for b in epoch]
+    padded = sum(int(b["padded"].sum()) for b in epoch)
+    if kw.get("drop_last"):
+        assert len(epoch) == 6 and set(sizes) == {4} and not padded
+    elif kw["remainder"] == "partial":
+        assert len(epoch) == 7 and sizes[-1] == 1 and not padded  # 2 left: one each
+    else:
+        assert len(epoch) == 7 and sizes[-1] == 4 and padded == 4  # rank 1's part of the last batch: all padding
+    loader.close()
+    check_resume(make, n=5, k=4)
