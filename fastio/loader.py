@@ -84,7 +84,9 @@ class LoaderConfig:
     ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
     one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
     fields: tuple[str, ...] | None = None
-    """Fields delivered besides the image; default: the label field (``image-*``), every field (``raw``)."""
+    """Fields delivered besides the image; default: the label field (``image-*``), every field (``raw``).
+    With ``raw`` every field but the label field is optional: a sample that lacks one gets empty bytes, and
+    ``batch["has"][field]`` (a bool tensor [B]) says which samples have it."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     """Per-channel mean on the 0..1 scale, subtracted before dividing by ``std``."""
     std: tuple[float, float, float] = IMAGENET_STD
@@ -213,7 +215,9 @@ class Loader:
         self._files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
         self._reader = Reader(ds, self._extra, threads=cfg.reader_threads, verify=cfg.verify,
                               image=self._image_fields if graph.decodes else (), sizes=graph.needs_image_size,
-                              optional=self._image_fields, transcode=decodable if graph.decodes else None,
+                              optional=self._image_fields if graph.decodes else
+                              [f for f in self._extra if f != ds.label_field],
+                              transcode=decodable if graph.decodes else None,
                               files=self._files)
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress, detail=self._storage_line if self._files is not None else None)
@@ -399,6 +403,7 @@ class Loader:
         label_field = self.dataset.label_field
         if label_field in self._extra:
             batch["label"] = self._labels(fed)
+        batch["has"] = {f: torch.from_numpy(fed.batch.present[f].copy()) for f in self._extra}
         batch["index"] = torch.from_numpy(fed.indices.copy())
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
