@@ -60,6 +60,7 @@ from fastio.parts import (
 )
 from fastio.progress import Progress, parse_size, rate_line
 from fastio.shards import ShardWriter
+from fastio.split import SPLIT_BY, assign_splits
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
 from fastio.storage.lease import LeaseLostError, writer_lease
 from fastio.wds import is_plain_name
@@ -141,6 +142,10 @@ class ConvertConfig:
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
     """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
+    split_by: str | None = None
+    """How ``split`` is drawn (:mod:`fastio.split`): ``label`` (each split takes its fraction of every class)
+    or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
+    ``convert_options.split_by``."""
     max_side: int | None = None
     """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
     quality: int = 90
@@ -170,6 +175,9 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
     progress: bool = False
     """Draw a progress bar on stderr."""
+    progress_every_s: float | None = None
+    """Without ``progress``: print a progress line to stderr every this many seconds (for logs, e.g. Slurm's,
+    where a bar cannot be drawn; the CLI gives 5 when stderr is not a terminal); None: no lines."""
     staging_dir: Path | None = None
     """For a URL ``dest`` (``s3://bucket/prefix``): where the dataset is written before it is uploaded, in a
     folder named after DEST (:func:`staging_path`: a killed run's copy is reused and replaced by the rerun;
@@ -192,6 +200,10 @@ class ConvertConfig:
         self.split = parse_split(self.split)
         if self.max_samples_per_shard is not None and self.max_samples_per_shard <= 0:
             raise ValueError(f"max_samples_per_shard must be positive, got {self.max_samples_per_shard}")
+        if self.split_by is not None and self.split_by not in SPLIT_BY:
+            raise ValueError(f"split_by must be one of {', '.join(SPLIT_BY)} (or None), got {self.split_by!r}")
+        if self.progress_every_s is not None and not self.progress_every_s > 0:
+            raise ValueError(f"progress_every_s must be > 0 (or None), got {self.progress_every_s}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_side is not None and self.max_side < 1:
@@ -376,22 +388,47 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
 
 # -- orchestration -----------------------------------------------------------------------------------
 
-def _assign(n: int, config: ConvertConfig) -> dict[str, list[int]]:
+def _split_by(config: ConvertConfig, scan) -> str | None:
+    """How ``split`` is drawn for this scan (:mod:`fastio.split`): as asked, else by label when there are labels."""
+    if not config.split:
+        return None
+    if config.split_by == "label" and not scan.label_field:
+        raise ConvertError(f"{config.source}: split_by='label' but the source has no labels")
+    return config.split_by or ("label" if scan.label_field else "random")
+
+
+def _options(config: ConvertConfig, scan) -> dict[str, Any]:
+    """The options recorded in each manifest, with how the split was drawn."""
+    by = _split_by(config, scan)
+    return {**config.output_options(), **({"split_by": by} if by else {})}
+
+
+def _label_keys(scan) -> list[bytes]:
+    """Each entry's stored label bytes (a ``.cls`` file of loose files is read: a few bytes each)."""
+    out = []
+    for entry in scan.entries:
+        value = dict(entry.fields).get(scan.label_field, b"")
+        if isinstance(value, FileRef):
+            try:
+                with open(value.path, "rb") as f:
+                    value = f.read(64)
+            except OSError as err:
+                raise ConvertError(f"{value.path}: unreadable label file ({err.strerror or err})") from None
+        out.append(bytes(value).strip())
+    return out
+
+
+def _assign(scan, config: ConvertConfig) -> dict[str, list[int]]:
     """Entry indices per output dataset, in writing order."""
+    n = len(scan.entries)
     if not config.split:
         groups = {"": list(range(n))}
     else:
-        order = list(range(n))
-        random.Random(f"{config.seed}:split").shuffle(order)
-        groups, start = {}, 0
-        for name, frac in config.split.items():
-            count = round(frac * n)
-            if count == 0 or start + count >= n:
-                raise ConvertError(f"{config.source}: split fraction {frac} for {name!r} of {n} samples leaves "
-                                   f"{'it' if count == 0 else 'train'} empty")
-            groups[name] = sorted(order[start:start + count])
-            start += count
-        groups = {"train": sorted(order[start:]), **groups}
+        labels = _label_keys(scan) if _split_by(config, scan) == "label" else None
+        try:
+            groups = assign_splits(n, config.split, config.seed, labels)
+        except ValueError as err:
+            raise ConvertError(f"{config.source}: {err}") from None
     if config.shuffle:
         for name, indices in groups.items():
             random.Random(f"{config.seed}:shuffle:{name}").shuffle(indices)
@@ -486,7 +523,7 @@ def _scan(config: ConvertConfig):
         bad = next((s for s in scan.skipped if s.error), None)
         if bad is not None:
             raise ConvertError(f"{_display_path(bad.path, config.source)}: {bad.reason} (on_error='fail')")
-    return scan, _assign(len(scan.entries), config)
+    return scan, _assign(scan, config)
 
 
 def _guard_os(config: ConvertConfig, write):
@@ -507,7 +544,7 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
                      config.dest / split_name if split_name else config.dest,
                      dict(source=scan.description, label_map=scan.label_map, image_field=scan.image_field,
                           label_field=scan.label_field, label_rule=scan.label_rule,
-                          convert_options=config.output_options(),
+                          convert_options=_options(config, scan),
                           scan_skipped=scan_skipped, **extra)))
     manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field)
     if config.split:
@@ -540,7 +577,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
             jobs.append((split_name, entries[start:end],
                          directory / split_name if split_name else directory, {"scan_skipped": []}))
         manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, allow_empty=True)
-        plan = {"source": scan.description, "convert_options": config.output_options(), "name": config.name,
+        plan = {"source": scan.description, "convert_options": _options(config, scan), "name": config.name,
                 "listing": {"sha256": listing_digest(scan), "entries": len(scan.entries)},
                 "label_map": scan.label_map, "image_field": scan.image_field, "label_field": scan.label_field,
                 "label_rule": scan.label_rule,
@@ -581,7 +618,8 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
     else:
         _init_worker(load_options)
     try:
-        with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert") as progress:
+        with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert",
+                      every_s=config.progress_every_s) as progress:
             for split_name, entries, out, fields in jobs:
                 if pool is None:
                     results = map(load_entry, entries)

@@ -86,7 +86,9 @@ class LoaderConfig:
     ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
     one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
     fields: tuple[str, ...] | None = None
-    """Fields delivered besides the image; default: the label field (``image-*``), every field (``raw``)."""
+    """Fields delivered besides the image; default: the label field (``image-*``), every field (``raw``).
+    With ``raw`` every field but the label field is optional: a sample that lacks one gets empty bytes, and
+    ``batch["has"][field]`` (a bool tensor [B]) says which samples have it."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     """Per-channel mean on the 0..1 scale, subtracted before dividing by ``std``."""
     std: tuple[float, float, float] = IMAGENET_STD
@@ -419,6 +421,7 @@ class Loader:
         batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}
         if self._part.label_field in self._extra:
             batch["label"] = self._labels(fed)
+        batch["has"] = {f: torch.from_numpy(fed.batch.present[f].copy()) for f in self._extra}
         self._positions(batch, fed)
         return batch
 
@@ -546,7 +549,8 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
     files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
     reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
                     image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,
-                    optional=image_fields, transcode=decodable if graph.decodes else None, files=files)
+                    optional=image_fields if graph.decodes else [f for f in extra if f != ds.label_field],
+                    transcode=decodable if graph.decodes else None, files=files)
     return _Part(ds, reader, files, extra, image_field, ds.label_field)
 
 

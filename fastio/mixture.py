@@ -268,15 +268,17 @@ def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBa
     image = [None] * n if first.image is not None else None
     image_field = [None] * n if first.image_field is not None else None
     sizes = np.empty((n, 2), np.int64) if first.sizes is not None else None
+    present = {f: np.ones(n, bool) for f in first.fields}
     for sel, batch in parts:
         rows = sel.tolist()
         for f, values in batch.fields.items():
             column = fields[f]
             for j, v in zip(rows, values):
                 column[j] = v
+            present[f][sel] = batch.present[f]
         if image is not None:
             for j, v, name in zip(rows, batch.image, batch.image_field):
                 image[j], image_field[j] = v, name
         if sizes is not None:
             sizes[sel] = batch.sizes
-    return ReadBatch(ids, fields, sizes, image, image_field)
+    return ReadBatch(ids, fields, sizes, image, image_field, present)

@@ -1,9 +1,11 @@
-"""Progress on stderr (a tqdm bar, only when stderr is a terminal and not --quiet) and summary lines."""
+"""Progress on stderr (a tqdm bar when stderr is a terminal; else, for logs such as Slurm's, one line every few
+seconds; nothing with --quiet) and summary lines."""
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 from typing import TextIO
 
 __all__ = ["Progress", "human_bytes", "parse_size", "progress_wanted", "rate_line"]
@@ -54,13 +56,17 @@ def rate_line(samples: int, nbytes: int, seconds: float) -> str:
 
 
 class Progress:
-    """Counts samples and bytes; draws a tqdm bar (samples, MB/s, ETA) on stderr when ``enabled``.
+    """Counts samples and bytes; draws a tqdm bar (samples, MB/s, ETA) on stderr when ``enabled``, else with
+    ``every_s`` prints one line (``DESC: N/TOTAL samples (P%), R samples/s, M MB/s, ETA T s``) to stderr every
+    ``every_s`` seconds.
 
     Use as a context manager; ``update`` is cheap when disabled.
     """
 
-    def __init__(self, total: int, *, enabled: bool, desc: str = "") -> None:
+    def __init__(self, total: int, *, enabled: bool, desc: str = "", every_s: float | None = None) -> None:
         self.total, self.samples, self.bytes = total, 0, 0
+        self.desc, self.every_s = desc or "progress", None if enabled else every_s
+        self._started = self._last_line = time.monotonic()
         self._bar = None
         if enabled:
             from tqdm import tqdm
@@ -72,6 +78,11 @@ class Progress:
     def update(self, samples: int = 1, nbytes: int = 0) -> None:
         self.samples += samples
         self.bytes += nbytes
+        if self.every_s is not None:
+            now = time.monotonic()
+            if now - self._last_line >= self.every_s:
+                self._last_line = now
+                print(self.line(now - self._started), file=sys.stderr, flush=True)
         if self._bar is not None:
             self._since_refresh += samples
             self._bar.update(samples)
@@ -79,6 +90,14 @@ class Progress:
                 self._since_refresh = 0
                 elapsed = self._bar.format_dict.get("elapsed") or 1e-9
                 self._bar.set_postfix_str(f"{self.bytes / elapsed / 1e6:.1f} MB/s", refresh=False)
+
+    def line(self, elapsed: float) -> str:
+        """The progress line after ``elapsed`` seconds."""
+        rate = self.samples / max(elapsed, 1e-9)
+        eta = f"{(self.total - self.samples) / rate:.0f} s" if rate > 0 else "unknown"
+        pct = 100 * self.samples / self.total if self.total else 100.0
+        return (f"{self.desc}: {self.samples}/{self.total} samples ({pct:.0f}%), {rate:.0f} samples/s, "
+                f"{self.bytes / max(elapsed, 1e-9) / 1e6:.1f} MB/s, {elapsed:.0f} s elapsed, ETA {eta}")
 
     def close(self) -> None:
         if self._bar is not None:

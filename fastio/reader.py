@@ -74,12 +74,15 @@ def parse_labels(ds: Dataset, field: str, indices: np.ndarray, values: Sequence[
 class ReadBatch:
     """The bytes of one batch: ``fields[f][j]`` is a uint8 array (empty where an optional field is absent);
     ``image[j]`` the sample's image and ``image_field[j]`` the field it came from (if an image was requested);
-    ``sizes`` is [B, 2] (w, h) of those images (if requested)."""
+    ``sizes`` is [B, 2] (w, h) of those images (if requested); ``present[f]`` is a bool [B] array: which samples
+    have field ``f`` (an optional field's absent value and a present empty one both read as empty arrays)."""
 
     def __init__(self, indices: np.ndarray, fields: dict[str, list[np.ndarray]], sizes: np.ndarray | None,
-                 image: list[np.ndarray] | None = None, image_field: list[str] | None = None):
+                 image: list[np.ndarray] | None = None, image_field: list[str] | None = None,
+                 present: dict[str, np.ndarray] | None = None):
         self.indices, self.fields, self.sizes = indices, fields, sizes
         self.image, self.image_field = image, image_field
+        self.present = present if present is not None else {f: np.ones(len(indices), bool) for f in fields}
 
 
 # Neighbouring byte ranges of one shard are read with one pread when the gap between them is at most
@@ -222,7 +225,8 @@ class Reader:
                     except (ValueError, IndexError, struct_error) as err:
                         raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
                                            f"decode: {err}") from None
-        return ReadBatch(indices, out, dims, image, image_field)
+        present = {f: size[:, c] >= 0 for c, f in enumerate(self.fields)}
+        return ReadBatch(indices, out, dims, image, image_field, present)
 
     def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray,
                      fds: dict[int, int]) -> np.ndarray:

@@ -43,15 +43,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def detach_child(parent_pid: int, keep: tuple[int, ...] = ()) -> None:
-    """Run first in a forked child: die with the parent, and hold none of its descriptors.
+def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = True) -> None:
+    """Run first in a child process: die with the parent, and (``forked``) hold none of its descriptors.
 
-    SIGKILL when the parent dies (and exit at once if it already has: the fork raced its death); stdin and
-    stdout become ``/dev/null`` (stderr stays, for a crash's last words), every other inherited descriptor but
-    ``keep`` is closed: the parent's locks, other children's pipe ends, sockets and files."""
+    SIGKILL when the parent dies (and exit at once if it already has: the start raced its death; Linux sends
+    it when the *thread* that started the child ends, so start children from a thread that outlives them);
+    after a fork, stdin and stdout become ``/dev/null`` (stderr stays, for a crash's last words) and every
+    other inherited descriptor but ``keep`` is closed: the parent's locks, other children's pipe ends, sockets
+    and files. A spawned child inherits none of those (Python's descriptors are not inheritable)."""
     _die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(1)
+    if not forked:
+        return
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         if fd not in keep:
@@ -66,8 +70,9 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = ()) -> None:
         os.close(null)
 
 
-def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, parent_pid: int) -> None:
-    detach_child(parent_pid, keep=(conn.fileno(),))
+def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, parent_pid: int,
+           forked: bool) -> None:
+    detach_child(parent_pid, keep=(conn.fileno(),), forked=forked)
     if initializer is not None:
         initializer(*initargs)
     while True:
@@ -98,13 +103,14 @@ class OrderedPool:
                  initargs: tuple = (), chunksize: int = 1, window: int = 4):
         if workers < 1 or chunksize < 1 or window < 1:
             raise ValueError(f"workers, chunksize and window must be >= 1, got {workers}, {chunksize}, {window}")
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(method)
         self.chunksize, self.window = chunksize, window
         self._conns, self._procs = [], []
         self._closed = False
         for _ in range(workers):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, fn, initializer, initargs, os.getpid()),
+            proc = ctx.Process(target=_serve, args=(child, fn, initializer, initargs, os.getpid(), method == "fork"),
                               daemon=True)
             proc.start()
             child.close()

@@ -24,7 +24,10 @@ def same_batch(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return False
     for k in a:
         x, y = a[k], b[k]
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, dict):  # raw batches' presence masks: {field: tensor}
+            if not isinstance(y, dict) or not same_batch(x, y):
+                return False
+        elif isinstance(x, torch.Tensor):
             if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape:
                 return False
             if x.device.type != y.device.type:

@@ -99,24 +99,30 @@ def test_killed_convert_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, 
     assert len(Dataset(dest)) == 80
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
-def test_killed_part_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig):
+@pytest.mark.parametrize("sig, moment", [(signal.SIGKILL, "workers started"), (signal.SIGTERM, "shards written")],
+                         ids=["KILL-workers", "TERM-shards"])
+def test_killed_part_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig, moment):
     dest = tmp_path / "d"
     part = dest / PARTS_DIR / "part-1-of-2"
-    kill_at(cli("convert", str(source), str(dest), "--workers", "2", "--part", "1/2", *OPTIONS),
-            exists(part / "shards" / "shard-000004.tar"), sig)
+    me = os.getpid()
+    when = {"workers started": lambda: any(children(p) for p in children(me)),
+            "shards written": exists(part / "shards" / "shard-000004.tar")}[moment]
+    kill_at(cli("convert", str(source), str(dest), "--workers", "2", "--part", "1/2", *OPTIONS), when, sig)
     for k in (0, 1):
         convert(ConvertConfig(source=source, dest=dest, workers=2, max_samples_per_shard=2, max_side=40,
                               quality=80, part=(k, 2)))
     assert merge(dest).samples == 80
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
-def test_killed_merge_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig):
+@pytest.mark.parametrize("sig, moment", [(signal.SIGKILL, "locked"), (signal.SIGTERM, "publishing")],
+                         ids=["KILL-locked", "TERM-publishing"])
+def test_killed_merge_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig, moment):
     dest = tmp_path / "d"
     for k in (0, 1):
         convert(ConvertConfig(source=source, dest=dest, workers=1, max_samples_per_shard=2, part=(k, 2)))
-    kill_at(cli("merge", str(dest)), exists(dest / LOCK_NAME), sig)  # DEST and the parts locked
+    when = {"locked": exists(dest / LOCK_NAME),  # DEST and the parts locked
+            "publishing": exists(dest / "shards" / "shard-000005.idx")}[moment]  # shards being linked into DEST
+    kill_at(cli("merge", str(dest)), when, sig)
     assert not (dest / MANIFEST_NAME).exists()
     assert merge(dest).samples == 80
 

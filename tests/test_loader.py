@@ -104,7 +104,8 @@ def test_eval_is_deterministic_and_train_varies_by_epoch(image_dataset):
 def test_raw_pipeline_returns_the_stored_bytes(image_dataset, image_folder):
     loader = _loader(image_dataset, pipeline="raw")
     b = next(iter(loader))
-    assert set(b) == {"jpg", "cls", "label", "index", "padded"}
+    assert set(b) == {"jpg", "cls", "label", "index", "padded", "has"}
+    assert set(b["has"]) == {"jpg", "cls"} and all(bool(m.all()) for m in b["has"].values())
     for j, i in enumerate(b["index"].tolist()):
         key = loader.key(i)
         assert b["jpg"][j] == (image_folder / f"{key}.jpg").read_bytes()

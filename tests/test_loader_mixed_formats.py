@@ -87,11 +87,11 @@ def test_raw_hands_each_sample_its_own_image_field(mixed):
     batches = _epoch(dest, pipeline="raw", shuffle="global")
     seen = set()
     for batch in batches:
-        assert set(FORMATS) | {"cls", "label", "index", "padded"} == set(batch)
+        assert set(FORMATS) | {"cls", "label", "index", "padded", "has"} == set(batch)
         for j, i in enumerate(batch["index"].tolist()):
             have = field_of[f"s{i:03d}"]
             for f in FORMATS:  # its own field holds its bytes, the other image fields are empty
-                assert (len(batch[f][j]) > 0) == (f == have)
+                assert (len(batch[f][j]) > 0) == (f == have) == bool(batch["has"][f][j])
             assert _decoded(batch[have][j]).shape[2] == 3
             seen.add(i)
     assert seen == set(range(PER_FORMAT * len(FORMATS)))

@@ -45,3 +45,25 @@ def test_an_error_in_a_worker_reaches_the_caller_and_close_is_immediate():
 def test_bad_sizes_are_refused(bad):
     with pytest.raises(ValueError, match="must be >= 1"):
         OrderedPool(_add, bad)
+
+
+def _open_files(_):
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return out
+
+
+def test_workers_hold_no_descriptor_of_their_parent(tmp_path):
+    """A worker that kept the parent's lock (or stdout) open would outlive a killed parent holding them."""
+    from fastio.lock import LOCK_NAME, DirLock
+
+    with DirLock(tmp_path, "test"), OrderedPool(_open_files, 2) as pool:
+        files = list(pool.map([0, 1]))
+    for held in files:
+        assert str(tmp_path / LOCK_NAME) not in held.values()
+        assert held[1] == "/dev/null" and held[0] == "/dev/null"
+        assert len([fd for fd in held if fd > 2]) == 1, held  # its own pipe end only

@@ -45,6 +45,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--shuffle/--no-shuffle", default=False, show_default=True,
               help="Permute the sample order with --seed before sharding.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --shuffle and --split.")
+@click.option("--split-by", default=None, metavar="label|random",
+              help="How --split is drawn: label (each split takes its fraction of every class; the default when "
+                   "the source has labels) or random.")
 @click.option("--split", default=None, metavar="NAME=FRAC[,...]",
               help="E.g. val=0.05: write DEST/train and DEST/val, each a complete dataset.")
 @click.option("--max-side", type=int, default=None,
@@ -72,15 +75,18 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="Convert only part K (0-based) of N into DEST/.parts/ for `fastio merge DEST`; "
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary line.")
+@click.option("--progress-every", type=float, default=5.0, show_default=True, metavar="SECONDS",
+              help="When stderr is not a terminal (a log file, Slurm): a progress line this often.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
               help="s3:// DEST: where the dataset is written before the upload, in a folder named after DEST "
                    "(a killed run's copy is replaced by the rerun; needs the dataset's size; default: the "
                    "system temp dir).")
 @storage_flags()
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
-            workers: int | None, shuffle: bool, seed: int, split: str | None, max_side: int | None,
+            workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
-            label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None, quiet: bool,
+            label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
+            quiet: bool, progress_every: float,
             staging_dir: Path | None, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
     """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
@@ -94,10 +100,11 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
     try:
         config = ConvertConfig(
             source=source, dest=dest, format=fmt, shard_size=shard_size,
-            max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split,
+            max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split, split_by=split_by,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
             key_column=key_column, labels=labels, root=root, part=part, progress=progress_wanted(quiet),
+            progress_every_s=None if quiet or progress_wanted(quiet) else progress_every,
             staging_dir=staging_dir,
             storage_options=storage_options(endpoint_url, region, profile), **kwargs,
         )
