@@ -227,7 +227,7 @@ def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):
         _raw_loader(sources, None, fields=("txt", "cls"))
     loader = _raw_loader(sources, None)  # raw without fields=: the fields every source has
-    assert set(next(iter(loader))) == {"txt", "source", "index", "padded"}
+    assert set(next(iter(loader))) == {"txt", "has", "source", "index", "padded"}
     loader.close()
 
 
