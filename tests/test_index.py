@@ -261,6 +261,27 @@ def test_the_image_pipeline_decodes_indexed_shards(shards, capsys):
     assert sum(b["image"].shape[0] for b in batches) >= 31 and batches[0]["image"].shape[1:] == (3, 16, 16)
 
 
+def test_index_in_parts_then_merge_equals_one_run(shards, tmp_path, capsys, monkeypatch):
+    """--part K/N (auto/N from SLURM_ARRAY_TASK_ID) + `fastio merge`: the same manifest and samples.fxi as one run."""
+    folder, expected = shards
+    assert run_cli(["index", str(folder), "--dest", str(tmp_path / "one"), "-q"], capsys)[0] == 0
+    parted = tmp_path / "parted"
+    code, _, err = run_cli(["merge", str(parted)], capsys)
+    assert code == 2 and "no parts to merge" in err
+    for k in (2, 0):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(k))
+        assert run_cli(["index", str(folder), "--dest", str(parted), "--part", "auto/3", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(parted)], capsys)
+    assert code == 2 and "1 of 3 parts not complete" in err and "part-1-of-3 (missing)" in err
+    assert run_cli(["index", str(folder), "--dest", str(parted), "--part", "1/3", "-q"], capsys)[0] == 0
+    code, out, err = run_cli(["merge", str(parted)], capsys)
+    assert code == 0, err
+    for name in ("manifest.json", "samples.fxi"):
+        assert (parted / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+    assert not (parted / ".parts").exists()
+    _read_all(parted, expected)
+
+
 def test_expand_braces():
     from fastio.index_shards import expand_braces
 
