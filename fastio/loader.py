@@ -33,6 +33,7 @@ from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpe
 from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
+from fastio.working_set import check_working_set
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
@@ -210,6 +211,9 @@ class Loader:
             extra = [ds.label_field] if ds.label_field else []
         ds.require_fields(extra)
         self._extra = [f for f in extra if f != self._image_field]  # fields delivered besides the image
+        if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
+            check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead,
+                              ds.source.cache_size, str(ds.root))
         self._files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
         self._reader = Reader(ds, self._extra, threads=cfg.reader_threads, verify=cfg.verify,
                               image=self._image_fields if graph.decodes else (), sizes=graph.needs_image_size,
