@@ -41,7 +41,7 @@ from fastio.dsindex import INDEX_NAME, build_index
 from fastio.errors import ConvertError, DatasetError
 from fastio.idx import IndexEntry, parse_index
 from fastio.images import is_image_field
-from fastio.index_shards import INDEX_PLAN, merge_index_parts
+from fastio.index_dataset import INDEX_PLAN, merge_index_parts
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import (
     SHARDS_DIR,

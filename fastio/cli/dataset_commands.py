@@ -147,7 +147,7 @@ def index(source: str, dest: str | None, label_field: str | None, image_field: s
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
     Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
-    from fastio.index_shards import IndexConfig, index_shards
+    from fastio.index_dataset import IndexConfig, index_shards
     from fastio.progress import progress_wanted
 
     try:
