@@ -253,6 +253,36 @@ def test_exact_resume_over_indexed_shards(shards, capsys):
                                                  shuffle=mode, block_shards=2, seed=3, fields=["cls", "jpg"]), n=3, k=4)
 
 
+def test_elastic_resume_over_indexed_shards(shards, capsys):
+    """2 ranks stop after 2 global batches; 3 ranks take the state and deliver the rest of the epoch, each
+    sample once."""
+    folder, expected = shards
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+
+    def make(world, rank):
+        return Loader(folder, batch_size=4, device="cpu", pipeline="raw", num_threads=1, shuffle="block",
+                      block_shards=2, seed=5, world_size=world, rank=rank, fields=["cls"], drop_last=False)
+
+    first, states = [], []
+    for rank in range(2):
+        loader = make(2, rank)
+        it = iter(loader)
+        for _ in range(2):
+            b = next(it)
+            first += b["index"][~b["padded"]].tolist()
+        states.append(loader.state_dict())
+        loader.close()
+    assert states[0] == states[1] and states[0]["consumed"] == 16
+    rest = []
+    for rank in range(3):
+        loader = make(3, rank)
+        loader.load_state_dict(states[0])
+        for b in loader:
+            rest += b["index"][~b["padded"]].tolist()
+        loader.close()
+    assert sorted(first + rest) == list(range(len(expected)))
+
+
 def test_the_image_pipeline_decodes_indexed_shards(shards, capsys):
     folder, _ = shards
     assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
