@@ -43,6 +43,7 @@ from fastio.progress import human_bytes
 from fastio.source import LocalSource
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.options import StorageOptions
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts"]
@@ -257,7 +258,9 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
         part, shards, names = (k, n, a, b, len(shards), _listing_digest(shards)), shards[a:b], names[a:b]
     lock_dir = None if dest_storage.remote else (
         part_dir(dest_storage.location.path, part[0], part[1]) if part else dest_storage.location.path)
-    lock = None if lock_dir is None else DirLock(lock_dir, "fastio index")
+    # one writer per DEST: a DirLock on a local one, the lease object on an s3:// prefix
+    lock = DirLock(lock_dir, "fastio index") if lock_dir is not None else writer_lease(dest_storage, "fastio index")
+    guard = lock.confirm if isinstance(lock, Lease) else (lambda: None)
     try:
         if lock is not None:
             lock.acquire()
@@ -267,15 +270,17 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
             done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
+            guard()
             _publish(dest_storage, done.uploads)
             if part is not None:
                 k, n, a, b, count, digest = part
                 write_part_record(lock_dir, PartRecord(part=k, of=n, plan=_plan(config, in_place, count, digest),
                                                        datasets={"": {"range": [a, b], "count": count, **done.state()}}))
             else:
+                guard()
                 _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
                         Path(tmp))
-    except LockedError as err:
+    except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
         if lock is not None:
