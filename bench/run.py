@@ -1,6 +1,6 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only convert,loader,checkpoint,scale,storage,mixture] [--repeats N]
+Usage: python -m bench.run [--only convert,loader,checkpoint,scale,storage,mixture,index] [--repeats N]
 (bench/results/summary.json keeps the last results of the sections not run this time.)
 """
 
@@ -21,7 +21,7 @@ from fastio.atomic import atomic_write_bytes
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 WORK = ROOT / "work"
-SECTIONS = ("convert", "loader", "checkpoint", "scale", "storage", "mixture")
+SECTIONS = ("convert", "loader", "checkpoint", "scale", "storage", "mixture", "index")
 
 
 def _met(r: dict) -> bool:

@@ -13,6 +13,8 @@ _LAZY = {
     "Dataset": "fastio.dataset",
     "ShardWriter": "fastio.shards",
     "convert": "fastio.convert",
+    "index_shards": "fastio.index_dataset",
+    "IndexConfig": "fastio.index_dataset",
     "Loader": "fastio.loader",
     "LoaderConfig": "fastio.loader",
     "Mixture": "fastio.mixture",

@@ -63,8 +63,14 @@ def read_tar(path: Path, name: str) -> TarContents:
         if head.startswith(magic):
             raise DatasetError(f"{name}: a {kind}-compressed tar: its members cannot be read at offsets; "
                                "`fastio convert` it into a dataset (or decompress it) instead")
-    if not head:
-        raise DatasetError(f"{name}: not a tar (an empty file)")
+    if len(head) < 512:
+        raise DatasetError(f"{name}: not a tar ({len(head)} bytes, shorter than one tar block)")
+    try:
+        tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
+    except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError):
+        pass  # zero blocks: an empty archive (or one that starts with them); read on
+    except tarfile.HeaderError as err:
+        raise DatasetError(f"{name}: not a tar (no tar header at byte 0: {err})") from None
     size, digests = digests_file(path, ("sha256", "xxh3_128"))
     out = TarContents([], size, digests["sha256"], digests["xxh3_128"])
     first_member: dict[str, str] = {}  # key -> the member that started its sample

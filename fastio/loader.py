@@ -34,6 +34,7 @@ from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpe
 from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
+from fastio.working_set import check_working_set
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
@@ -546,6 +547,9 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
         extra = [ds.label_field] if ds.label_field else []
     ds.require_fields(extra)
     extra = [f for f in extra if f != image_field]
+    if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
+        check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead,
+                          ds.source.cache_size, str(ds.root))
     files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
     reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
                     image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,

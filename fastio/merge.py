@@ -41,6 +41,7 @@ from fastio.dsindex import INDEX_NAME, build_index
 from fastio.errors import ConvertError, DatasetError
 from fastio.idx import IndexEntry, parse_index
 from fastio.images import is_image_field
+from fastio.index_dataset import INDEX_PLAN, merge_index_parts
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import (
     SHARDS_DIR,
@@ -121,14 +122,21 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
             raise ConvertError(str(err)) from None
         records = _complete_parts(dest, n)
         plan = _check_plans(dest, records)
-        check_dest(dest, Path(plan["source"]["path"]), overwrite)
-        staging = root / STAGING
-        if staging.exists():
-            shutil.rmtree(staging)
-        counts = {"linked": 0, "repacked": 0}
-        datasets = {name: _assemble(dest, name, records, plan, staging / (name or "_"), counts)
-                    for name in sorted(records[0].datasets)}
-        manifests = publish_dataset(dest, datasets)
+        if plan.get("kind") == INDEX_PLAN:  # parts of `fastio index`: the shards stay where they are
+            try:
+                manifests = {"": merge_index_parts(dest, records, plan, overwrite=overwrite)}
+            except DatasetError as err:
+                raise ConvertError(str(err)) from None
+            counts = {"linked": len(manifests[""]["shards"]), "repacked": 0}
+        else:
+            check_dest(dest, Path(plan["source"]["path"]), overwrite)
+            staging = root / STAGING
+            if staging.exists():
+                shutil.rmtree(staging)
+            counts = {"linked": 0, "repacked": 0}
+            datasets = {name: _assemble(dest, name, records, plan, staging / (name or "_"), counts)
+                        for name in sorted(records[0].datasets)}
+            manifests = publish_dataset(dest, datasets)
         if not keep_parts:
             shutil.rmtree(root)
     except OSError as err:

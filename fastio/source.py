@@ -40,6 +40,8 @@ class DatasetSource:
 
     display: str | Path
     """The DEST for messages (a path, or the URL)."""
+    cache_size: int | None = None
+    """Bytes of the node-local cache shards are read through (None: shards are read in place)."""
 
     def load_manifest(self) -> Manifest:
         raise NotImplementedError
@@ -126,6 +128,7 @@ class RemoteSource(DatasetSource):
     def __init__(self, storage: Storage, cache: ShardCache):
         self.storage, self.cache = storage, cache
         self.display = storage.url
+        self.cache_size = cache.size
         self.meta = cache.meta_dir(hashlib.sha256(storage.url.encode()).hexdigest()[:20])
         self._fetched: set[str] = set()  # metadata files verified in this process
         self._buckets: dict[str, Storage] = {}  # bucket roots of shards named by URL (fastio index --dest)

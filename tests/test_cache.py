@@ -193,14 +193,17 @@ def test_eviction_is_lru_never_takes_a_shard_in_use_nor_foreign_files(moto_serve
     entries = _entries(small_shards)
     cdir = tmp_path / "cache"
     bound = entries[0].size + entries[1].size + max(e.size for e in entries[2:]) - 1  # 2 shards fit, not 3
-    cache = ShardCache(cdir, bound, wait_s=0.3)
+    cache = ShardCache(cdir, bound, wait_s=30)
     foreign = cdir / "objects" / "my-notes.txt"
     foreign.write_text("not the cache's")
     files = CachedShardFiles(cache, storage, entries, depth=0)
     fd0 = files.acquire(0)
     files.acquire(1)
-    with pytest.raises(StorageError, match=r"no room for shard shard-000002.tar .* held by shards in use"):
-        files.acquire(2)  # both cached shards are in use: nothing may be evicted
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"no room for shard shard-000002.tar .* held by this process's own shards "
+                                           r"in use \(the reader's working set: raise cache_size"):
+        files.acquire(2)  # both cached shards are in use by this process: nothing may be evicted, waiting is vain
+    assert time.monotonic() - started < 5  # at once, not after wait_s (issue 20)
     files.release(1)
     files.acquire(2)  # shard 1 (not in use) is evicted, shard 0 (in use) stays
     assert cache.path(entries[0].sha256).exists() and not cache.path(entries[1].sha256).exists()
@@ -213,6 +216,66 @@ def test_eviction_is_lru_never_takes_a_shard_in_use_nor_foreign_files(moto_serve
     assert not cache.path(entries[0].sha256).exists() and cache.path(entries[2].sha256).exists()
     assert foreign.read_text() == "not the cache's" and cache.usage()[0] <= bound
     files.close()
+
+
+def test_a_fill_waits_only_for_room_other_processes_hold_and_says_so(moto_server, s3_bucket, small_shards, tmp_path,
+                                                                     caplog):
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)
+    bound = entries[0].size + entries[1].size + max(e.size for e in entries[2:]) - 1  # 2 shards fit, not 3
+    cache = ShardCache(tmp_path / "cache", bound, wait_s=0.5)
+    files = CachedShardFiles(cache, storage, entries, depth=0)
+    for i in (0, 1):
+        files.acquire(i)
+        files.release(i)
+    files.close()
+    paths = [str(cache.path(e.sha256)) for e in entries[:2]]
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fds = [os.open(p, os.O_RDONLY) for p in {paths!r}]
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        files = CachedShardFiles(cache, storage, entries, depth=0)
+        with pytest.raises(StorageError, match=r"no room for shard shard-000002.tar .* held by other processes' "
+                                               r"shards in use for 0s"):
+            files.acquire(2)
+        assert "held by other processes' shards in use" in caplog.text
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    files.acquire(2)  # the other process is gone: its shards are evicted
+    files.close()
+
+
+def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_server, s3_bucket, small_shards, tmp_path):
+    """Issue 20: 9 shards, cache_size at 60% of the data, default global shuffle: a StorageError after 240 s.
+    Now the Loader refuses at construction, naming cache_size, the bytes needed and the block_shards that fits."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    sizes = shard_sizes(small_shards)
+    bound = int(sum(sizes) * 0.6)
+    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), cache_dir=str(tmp_path / "cache"),
+                cache_size=bound, storage_options=moto_server.options(), shard_read_ahead=1)
+    started = time.monotonic()
+    assert sum(sorted(sizes)[::-1][:3]) <= bound < sum(sorted(sizes)[::-1][:4])  # 3 of the 6 shards fit, not 4
+    with pytest.raises(StorageError, match=rf"{url}: cache_size .* cannot hold what shuffle='global' reads at once: "
+                                           r".* \(every shard.*\); use shuffle='block' with block_shards <= 1, "
+                                           "or raise cache_size"):
+        Loader(url, **opts)
+    with pytest.raises(StorageError, match=r"shuffle='block' reads at once: .* \(the 3 largest shards of a window "
+                                           r"\+ 1 read ahead\); use block_shards <= 1, or raise"):
+        Loader(url, shuffle="block", block_shards=3, **opts)
+    assert time.monotonic() - started < 10
+    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",)))
+    with Loader(url, shuffle="block", block_shards=1, **opts) as loader:
+        assert raw_epoch(loader) == local
 
 
 def test_a_non_cache_directory_is_refused(tmp_path):

@@ -180,7 +180,8 @@ def test_a_big_sample_index_is_checked_once_per_node_while_it_is_the_same_file(i
     (tmp_path / "node-tmp").mkdir()
     checks = []
     real = dsindex.SampleIndex.check_structure
-    monkeypatch.setattr(dsindex.SampleIndex, "check_structure", lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(dsindex.SampleIndex, "check_structure",
+                        lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
     Dataset(image_dataset)
     Dataset(image_dataset)
     assert len(checks) == 1 and len(list((tmp_path / "node-tmp").glob("fastio-checked-*/*"))) == 1

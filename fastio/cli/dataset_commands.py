@@ -148,20 +148,24 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--threads", type=int, default=4, show_default=True, help="Shards read at once.")
 @click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
                                                 "files are never written).")
+@click.option("--part", default=None, metavar="K/N",
+              help="Index only part K (0-based) of N of the listing into DEST/.parts/ for `fastio merge DEST`; "
+                   "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
 @storage_flags()
 def index(source: str, dest: str | None, label_field: str | None, image_field: str | None, name: str, threads: int,
-          overwrite: bool, quiet: bool, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
+          overwrite: bool, part: str | None, quiet: bool, endpoint_url: str | None, region: str | None,
+          profile: str | None) -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
     Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
-    from fastio.index_shards import IndexConfig, index_shards
+    from fastio.index_dataset import IndexConfig, index_shards
     from fastio.progress import progress_wanted
 
     try:
         config = IndexConfig(source=source, dest=dest, label_field=label_field, image_field=image_field, name=name,
-                             threads=threads, overwrite=overwrite,
+                             threads=threads, overwrite=overwrite, part=part,
                              storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None

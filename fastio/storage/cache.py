@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import threading
@@ -113,6 +114,20 @@ def _try_exclusive(path: Path) -> int | None:
             return None
         raise
     return fd
+
+
+_OWN_HELD: dict[str, int] = {}  # cache entries this process's readers hold in use (acquired, not released), by path
+_OWN_LOCK = threading.Lock()
+
+
+def _hold(path: Path, delta: int) -> None:
+    """Count a reader of this process taking ``path`` into use (+1) or releasing it (-1)."""
+    with _OWN_LOCK:
+        n = _OWN_HELD.get(str(path), 0) + delta
+        if n > 0:
+            _OWN_HELD[str(path)] = n
+        else:
+            _OWN_HELD.pop(str(path), None)
 
 
 class NoRoom(Exception):
@@ -211,7 +226,7 @@ class ShardCache:
         if entry.size > self.size:
             raise StorageError(f"{url}: shard {entry.name} ({human_bytes(entry.size)}) is larger than cache_size "
                                f"{human_bytes(self.size)} of {self.dir}", url=url)
-        deadline = time.monotonic() + self.wait_s
+        deadline, said = time.monotonic() + self.wait_s, False
         while True:
             with _flocked(self._evict_lock, fcntl.LOCK_EX):
                 used, entries = self._scan()
@@ -237,10 +252,22 @@ class ShardCache:
                     return
             if not wait:
                 raise NoRoom(url)
+            with _OWN_LOCK:
+                own = sum(size for _, size, path in entries if str(path) in _OWN_HELD)
+            if own + entry.size > self.size:  # what others hold may go; this process's own shards in use stay
+                raise StorageError(f"{url}: no room for shard {entry.name} in {self.dir}: cache_size "
+                                   f"{human_bytes(self.size)}, {human_bytes(own)} held by this process's own shards "
+                                   "in use (the reader's working set: raise cache_size, or read fewer shards at "
+                                   "once: shuffle='block', a smaller block_shards or shard_read_ahead)", url=url)
+            if not said:
+                said = True
+                logging.getLogger("fastio").warning(
+                    "%s: waiting up to %.0fs for room in %s: %s of cache_size %s held by other processes' shards "
+                    "in use", url, self.wait_s, self.dir, human_bytes(used - own), human_bytes(self.size))
             if time.monotonic() > deadline:
                 raise StorageError(f"{url}: no room for shard {entry.name} in {self.dir}: cache_size "
-                                   f"{human_bytes(self.size)}, {human_bytes(used)} held by shards in use "
-                                   f"for {self.wait_s:.0f}s (raise cache_size)", url=url)
+                                   f"{human_bytes(self.size)}, {human_bytes(used - own)} held by other processes' "
+                                   f"shards in use for {self.wait_s:.0f}s (raise cache_size)", url=url)
             time.sleep(0.05)
 
     # -- fill -----------------------------------------------------------------------------------------
@@ -368,6 +395,7 @@ class CachedShardFiles:
             idle = self._idle.pop(i, None)
             if idle is not None:  # still open and locked since its release: it cannot have been evicted
                 self._open[i] = [idle[0], 1]
+                self._in_use(i, +1)
                 self.stats.hits += 1
                 self._note(i)
                 fd = idle[0]
@@ -383,6 +411,7 @@ class CachedShardFiles:
                 held[1] += 1
             else:
                 self._open[i] = [fd, 1]
+                self._in_use(i, +1)
             self._note(i)
             return self._open[i][0]
 
@@ -392,6 +421,7 @@ class CachedShardFiles:
             held[1] -= 1
             if held[1] == 0:
                 del self._open[i]
+                self._in_use(i, -1)
                 if self._closed or not self.max_idle or not self.keep_open_s:
                     os.close(held[0])  # drops the shared lock: the shard may be evicted now
                     return
@@ -411,6 +441,11 @@ class CachedShardFiles:
                 break
             del self._idle[i]
             os.close(fd)
+
+    def _in_use(self, i: int, delta: int) -> None:
+        """Count shard ``i`` in (+1) or out of (-1) this process's use (released shards kept open are not in
+        use: they close within ``keep_open_s``, so a fill may wait for them)."""
+        _hold(self.cache.path(self.entries[i].sha256), delta)
 
     def _sweep(self) -> None:
         with self._lock:
@@ -518,8 +553,9 @@ class CachedShardFiles:
         with self._lock:
             self._closed = True
             self._cond.notify_all()
-            for fd, _ in self._open.values():
+            for i, (fd, _) in self._open.items():
                 os.close(fd)
+                self._in_use(i, -1)
             self._open.clear()
             self._close_idle()
             if self._sweeper is not None:

@@ -33,17 +33,20 @@ from pathlib import Path
 from fastio.atomic import atomic_write_bytes
 from fastio.dsindex import INDEX_NAME, IndexBuilder
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, format_index
+from fastio.idx import IndexEntry, format_index, load_index
 from fastio.images import is_image_field
 from fastio.index_tar import COMPRESSED, TarContents, read_tar
 from fastio.lock import DirLock, LockedError
 from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.parts import PART_RECORD, PartRecord, parse_part, part_dir, part_name, part_range, write_part_record
 from fastio.progress import human_bytes
+from fastio.source import LocalSource
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.options import StorageOptions
 
-__all__ = ["IndexConfig", "IndexResult", "expand_braces", "index_shards"]
+__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -71,6 +74,9 @@ class IndexConfig:
     """Index again where a manifest exists (shards and existing ``.idx`` files are never written)."""
     threads: int = 4
     """Shards read at once (each is read sequentially)."""
+    part: str | tuple[int, int] | None = None
+    """``K/N`` (or ``auto/N``: K from ``SLURM_ARRAY_TASK_ID``): index only the K-th of N runs of the listing
+    into ``DEST/.parts/``; ``fastio merge DEST`` then publishes the dataset. Local DEST only."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
 
@@ -79,6 +85,8 @@ class IndexConfig:
             raise ValueError("source: empty")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
+        if self.part is not None:
+            parse_part(self.part)  # ValueError naming part
         for key in ("label_field", "image_field"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
@@ -225,7 +233,11 @@ def _idx_key(key: str) -> str:
 
 def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None = None) -> IndexResult:
     """Index the shards ``config.source`` names (see the module docstring); ``progress(done, total)`` is called
-    after each shard. Raises :class:`DatasetError` naming the file and the reason a shard is refused."""
+    after each shard. Raises :class:`DatasetError` naming the file and the reason a shard is refused.
+
+    With ``config.part`` (``K/N``), index only the K-th of N runs of the listing: its ``.idx`` files are
+    published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.merge.merge` then
+    writes ``samples.fxi`` and the manifest (:func:`merge_index_parts`)."""
     started = time.perf_counter()
     source = str(config.source)
     src_root, shards = _listing(source, config.storage_options)
@@ -233,84 +245,184 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     in_place = dest_storage.url == src_root.url
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
-    if dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
+    if config.part is not None and dest_storage.remote:
+        raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
+    if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
-    lock = None if dest_storage.remote else DirLock(dest_storage.location.path, "fastio index")
+    names = _record_names(shards)
+    part = None
+    if config.part is not None:
+        k, n = parse_part(config.part)
+        a, b = part_range(len(shards), k, n)
+        part, shards, names = (k, n, a, b, len(shards), _listing_digest(shards)), shards[a:b], names[a:b]
+    lock_dir = None if dest_storage.remote else (
+        part_dir(dest_storage.location.path, part[0], part[1]) if part else dest_storage.location.path)
+    # one writer per DEST: a DirLock on a local one, the lease object on an s3:// prefix
+    lock = DirLock(lock_dir, "fastio index") if lock_dir is not None else writer_lease(dest_storage, "fastio index")
+    guard = lock.confirm if isinstance(lock, Lease) else (lambda: None)
     try:
         if lock is not None:
             lock.acquire()
+        if part is not None:
+            (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
-            return _index(config, shards, src_root, dest_storage, in_place, Path(tmp), started, progress)
-    except LockedError as err:
+            done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
+            if part is None:
+                _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
+            guard()
+            _publish(dest_storage, done.uploads)
+            if part is not None:
+                k, n, a, b, count, digest = part
+                write_part_record(lock_dir, PartRecord(part=k, of=n, plan=_plan(config, in_place, count, digest),
+                                                       datasets={"": {"range": [a, b], "count": count, **done.state()}}))
+            else:
+                guard()
+                _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
+                        Path(tmp))
+    except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
         if lock is not None:
             lock.release()
+    return IndexResult(dest=dest_storage.url if dest_storage.remote else dest_storage.location.path,
+                       shards=len(done.records), samples=sum(r.samples for r in done.records),
+                       bytes=sum(r.bytes for r in done.records), seconds=time.perf_counter() - started,
+                       written_idx=done.written, skipped=done.skipped)
 
 
-def _index(config: IndexConfig, shards: list[_Shard], src_root: Storage, dest: Storage, in_place: bool,
-           tmp: Path, started: float, progress) -> IndexResult:
-    names = _record_names(shards)
-    skipped: list[dict[str, str]] = []
-    contents: list[TarContents] = []
+INDEX_PLAN = "fastio-index"
+"""``plan.kind`` of the parts of an index (``fastio merge`` publishes them with :func:`merge_index_parts`)."""
+
+
+def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
+    """What every part of one index shares (compared by the merge)."""
+    return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
+            "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
+                        "in_place": in_place}}
+
+
+def _listing_digest(shards: list[_Shard]) -> str:
+    """sha256 of the listing (keys and sizes): parts that disagree saw different sources."""
+    return hashlib.sha256("".join(f"{s.key}\t{s.size}\n" for s in shards).encode()).hexdigest()
+
+
+@dataclass
+class _Indexed:
+    """What a run of shards gave: records (empty shards left out), their entries, field counts, skips."""
+
+    records: list[ShardRecord] = field(default_factory=list)
+    entries: list[list[IndexEntry]] = field(default_factory=list)
+    field_counts: Counter = field(default_factory=Counter)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    written: int = 0
+    uploads: list[tuple[str, Path]] = field(default_factory=list)
+    """(key in DEST, staged file) of each ``.idx`` to publish."""
+
+    def state(self) -> dict:
+        """For a part record (entries are in the ``.idx`` files)."""
+        return {"shards": [r.as_dict() for r in self.records], "field_counts": dict(self.field_counts),
+                "skipped": self.skipped}
+
+
+def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], dest: Storage, in_place: bool,
+                 tmp: Path, progress) -> _Indexed:
+    """Read ``shards`` and publish each missing ``.idx`` (in place: beside its tar; else ``DEST/shards/``)."""
+    out = _Indexed()
+    if not shards:
+        return out
     with ThreadPoolExecutor(min(config.threads, len(shards)), thread_name_prefix="fastio-index") as pool:
+        contents = []
         for i, got in enumerate(pool.map(lambda s: _read(s, tmp), shards)):
             contents.append(got)
             if progress is not None:
                 progress(i + 1, len(shards))
-    staged = tmp / "out"
-    (staged / SHARDS_DIR).mkdir(parents=True)
-    records: list[ShardRecord] = []
-    entries: list[list[IndexEntry]] = []
-    uploads: list[tuple[str, Path]] = []  # (key in DEST, staged file), manifest last
-    field_counts: Counter = Counter()
-    written = 0
+    uploads: list[tuple[str, Path]] = []
     for shard, name, got in zip(shards, names, contents):
-        skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
+        out.skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
         if not got.entries:
-            skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
+            out.skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
             continue
         text = format_index(got.entries).encode()
         idx_key = _idx_key(shard.key) if in_place else f"{SHARDS_DIR}/{name[:-len('.tar')]}.idx"
-        existing = _existing(dest, idx_key) if in_place else None
+        existing = _existing(dest, idx_key) if in_place else None  # DEST/shards/ is fastio's own
         if existing is not None and existing != text:
             raise DatasetError(f"{_display(dest, idx_key)}: exists and differs from the index of "
                                f"{shard.display} ({_first_difference(existing, text)}); an existing .idx is never "
                                "overwritten: remove it, or index with --dest elsewhere")
         if existing is None:
-            path = staged / f"idx-{len(records)}.idx"
+            path = tmp / f"idx-{len(out.records)}.idx"
             path.write_bytes(text)
             uploads.append((idx_key, path))
-            written += 1
+            out.written += 1
         location = shard.key if in_place else _display(shard.storage, shard.key)
-        records.append(ShardRecord(name=name, samples=len(got.entries), bytes=got.bytes, sha256=got.sha256,
-                                   idx_sha256=hashlib.sha256(text).hexdigest(), xxh3_128=got.xxh3_128, location=location,
-                                   idx_location=idx_key if in_place else None))
-        entries.append(got.entries)
-        field_counts.update(got.fields)
-    if not records:
-        raise DatasetError(f"{config.source}: no samples in any shard ({len(shards)} shards, all empty)")
-    fields = sorted(field_counts)
-    total = sum(r.samples for r in records)
-    label = _label_field(config, field_counts, total, fields)
-    image_fields = sorted(f for f in fields if is_image_field(f))
-    image = _image_field(config, field_counts, image_fields, fields)
+        out.records.append(ShardRecord(name=name, samples=len(got.entries), bytes=got.bytes, sha256=got.sha256,
+                                       idx_sha256=hashlib.sha256(text).hexdigest(), xxh3_128=got.xxh3_128,
+                                       location=location, idx_location=idx_key if in_place else None))
+        out.entries.append(got.entries)
+        out.field_counts.update(got.fields)
+    out.uploads = uploads
+    return out
+
+
+def _finish(name: str, source: str, label_field: str | None, image_field: str | None, in_place: bool,
+            done: _Indexed, dest: Storage, tmp: Path) -> dict:
+    """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST; returns the manifest."""
+    fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
-    for record, es in zip(records, entries):
+    for record, es in zip(done.records, done.entries):
         builder.add(record, es)
+    staged = tmp / "out"
+    staged.mkdir()
     index = builder.publish(staged / INDEX_NAME, fields)
     manifest = make_manifest(
-        name=config.name, shards=records, fields=fields, index=index, image_field=image,
+        name=name, shards=done.records, fields=fields, index=index, image_field=image,
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
-        label_field=label, field_counts=dict(sorted(field_counts.items())), skipped=skipped,
-        source={"format": "webdataset", "path": str(config.source), "indexed_in_place": in_place})
+        label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
+        source={"format": "webdataset", "path": source, "indexed_in_place": in_place})
     write_manifest(staged, manifest)
-    uploads += [(INDEX_NAME, staged / INDEX_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)]
-    _publish(dest, uploads)
-    return IndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(records), samples=total,
-                       bytes=sum(r.bytes for r in records), seconds=time.perf_counter() - started,
-                       written_idx=written, skipped=skipped)
+    _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    return manifest
+
+
+def _fields_of(source: str, label_field: str | None, image_field: str | None, done: _Indexed):
+    """(fields, label field, image field, image fields); DatasetError when there are no samples or a field asked
+    for is missing."""
+    if not done.records:
+        raise DatasetError(f"{source}: no samples in any shard (all empty)")
+    fields = sorted(done.field_counts)
+    total = sum(r.samples for r in done.records)
+    label = _label_field(label_field, done.field_counts, total, fields)
+    image_fields = sorted(f for f in fields if is_image_field(f))
+    return fields, label, _image_field(image_field, done.field_counts, image_fields, fields), image_fields
+
+
+def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, overwrite: bool = False) -> dict:
+    """Publish the parts of an index (``fastio index --part K/N``) as one dataset in DEST: the parts' shard
+    records in order, each ``.idx`` read back (checked against its record), ``samples.fxi``, the manifest last."""
+    if (Path(dest) / MANIFEST_NAME).exists() and not overwrite:
+        raise DatasetError(f"{dest}: already holds a dataset ({MANIFEST_NAME}); pass overwrite (--overwrite) "
+                           "to index again")
+    done = _Indexed()
+    source = LocalSource(Path(dest))
+    for part in records:
+        state = part.datasets[""]
+        for i, data in enumerate(state["shards"]):
+            record = ShardRecord.from_dict(data, f"{part_name(part.part, part.of)}: shards[{i}]")
+            try:
+                entries = load_index(source.idx_path(record).read_bytes(), samples=record.samples,
+                                     tar_bytes=record.bytes, sha256=record.idx_sha256, source=record.idx_key)
+            except (OSError, ValueError) as err:
+                raise DatasetError(f"{dest}: {record.idx_key}: {getattr(err, 'strerror', None) or err} "
+                                   f"(index {part_name(part.part, part.of)} again)") from None
+            done.records.append(record)
+            done.entries.append(entries)
+        done.field_counts.update(state["field_counts"])
+        done.skipped += state["skipped"]
+    options = plan["options"]
+    with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+        return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
+                       options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
 def _existing(storage: Storage, key: str) -> bytes | None:
@@ -328,22 +440,21 @@ def _first_difference(old: bytes, new: bytes) -> str:
     return f"{len(a)} lines, fastio makes {len(b)}"
 
 
-def _label_field(config: IndexConfig, counts: Counter, total: int, fields: list[str]) -> str | None:
-    if config.label_field is not None:
-        if config.label_field not in counts:
-            raise DatasetError(f"label_field: no sample has field {config.label_field!r} (fields: {', '.join(fields)})")
-        if counts[config.label_field] != total:
-            raise DatasetError(f"label_field: {total - counts[config.label_field]} of {total} samples lack field "
-                               f"{config.label_field!r}")
-        return config.label_field
+def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str]) -> str | None:
+    if wanted is not None:
+        if wanted not in counts:
+            raise DatasetError(f"label_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
+        if counts[wanted] != total:
+            raise DatasetError(f"label_field: {total - counts[wanted]} of {total} samples lack field {wanted!r}")
+        return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
 
 
-def _image_field(config: IndexConfig, counts: Counter, image_fields: list[str], fields: list[str]) -> str | None:
-    if config.image_field is not None:
-        if config.image_field not in counts:
-            raise DatasetError(f"image_field: no sample has field {config.image_field!r} (fields: {', '.join(fields)})")
-        return config.image_field
+def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], fields: list[str]) -> str | None:
+    if wanted is not None:
+        if wanted not in counts:
+            raise DatasetError(f"image_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
+        return wanted
     return max(image_fields, key=lambda f: (counts[f], [-ord(c) for c in f])) if image_fields else None
 
 

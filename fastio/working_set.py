@@ -1,0 +1,60 @@
+"""What a Loader over an object-store dataset needs in its node-local cache at once, by shuffle mode, and the
+refusal when ``cache_size`` cannot hold it (at construction, not after a fill has waited for room in vain):
+
+- ``global``: every batch draws from the whole dataset, so every shard is wanted at once: all of it;
+- ``block``: a window of ``block_shards`` shards (the largest ones, as a bound whatever the epoch's order), plus
+  ``shard_read_ahead`` shards filled ahead;
+- ``none``: one shard plus the read-ahead.
+
+This is what any reader of the mode needs, so a cache below it is refused. It is not always enough: batches
+that cross from one window into the next (or into the next epoch) hold shards of both, so :func:`suggested
+<check_working_set>` ``block_shards`` leave room for two windows; a fill that still finds the cache full of
+this process's own shards in use fails at once (:class:`fastio.storage.cache.ShardCache`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fastio.errors import StorageError
+from fastio.progress import human_bytes
+
+__all__ = ["check_working_set", "working_set_bytes"]
+
+
+def _largest(shard_bytes: Sequence[int], count: int) -> int:
+    """Bytes of the ``count`` largest shards."""
+    sizes = np.sort(np.asarray(shard_bytes, np.int64))[::-1]
+    return int(sizes[:max(count, 0)].sum())
+
+
+def working_set_bytes(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int) -> int:
+    """Shard bytes a reader of ``shuffle`` mode needs in the cache at the same time (see the module docstring)."""
+    if shuffle == "global":
+        return int(np.asarray(shard_bytes, np.int64).sum())
+    return _largest(shard_bytes, (block_shards if shuffle == "block" else 1) + shard_read_ahead)
+
+
+def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int,
+                      cache_size: int, url: str) -> None:
+    """StorageError naming ``cache_size``, the bytes needed and what would fit, when the cache cannot hold the
+    working set of ``shuffle``."""
+    need = working_set_bytes(shard_bytes, shuffle, block_shards, shard_read_ahead)
+    if need <= cache_size:
+        return
+    what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
+            "block": f"the {block_shards} largest shards of a window + {shard_read_ahead} read ahead",
+            "none": f"the largest shard + {shard_read_ahead} read ahead"}[shuffle]
+    # suggested: two windows fit (batches crossing a window boundary), else one
+    fits = [b for b in range(1, len(shard_bytes) + 1) if _largest(shard_bytes, 2 * b + shard_read_ahead) <= cache_size]
+    if shuffle == "none" or not fits:
+        hint = (f"lower shard_read_ahead, or raise cache_size to at least "
+                f"{human_bytes(_largest(shard_bytes, 2 + shard_read_ahead))}")
+    elif shuffle == "global":
+        hint = f"use shuffle='block' with block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
+    else:
+        hint = f"use block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
+    raise StorageError(f"{url}: cache_size {human_bytes(cache_size)} cannot hold what shuffle={shuffle!r} reads at "
+                       f"once: {human_bytes(need)} ({what}); {hint}", url=url)
