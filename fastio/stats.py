@@ -11,7 +11,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["Stats", "Window"]
+__all__ = ["PROGRESS_EVERY_S", "Stats", "Window"]
+
+PROGRESS_EVERY_S = 5.0
+"""With ``progress=True``: seconds between two lines while batches come (and one line at each epoch's end)."""
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Window:
 class Stats:
     """Timing around each ``next()``; ``as_dict()`` gives ``{"last_epoch": ..., "epoch": ..., "overall": ...}``."""
 
-    def __init__(self, progress: bool = False, every_s: float = 5.0):
+    def __init__(self, progress: bool = False, every_s: float = PROGRESS_EVERY_S):
         self.overall, self.epoch, self.last_epoch = Window(), Window(), Window()
         self.progress, self.every_s = progress, every_s
         self._last_return: float | None = None
@@ -60,16 +63,21 @@ class Stats:
             w.samples += samples
         self._last_return = now
         if self.progress and now - self._last_print >= self.every_s:
-            self._last_print = now
-            d = self.epoch.as_dict()
-            print(f"fastio: {d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
-                  f"stall {100 * d['stall_fraction']:.1f}%", file=sys.stderr, flush=True)
+            self._print("")
+
+    def _print(self, what: str) -> None:
+        self._last_print = time.perf_counter()
+        d = self.epoch.as_dict()
+        print(f"fastio: {what}{d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
+              f"stall {100 * d['stall_fraction']:.1f}%", file=sys.stderr, flush=True)
 
     def pause(self) -> None:
         """The loop left the iterator (epoch end, break): time until the next request is not counted."""
         self._last_return = None
 
     def end_epoch(self) -> None:
+        if self.progress and self.epoch.batches:  # at least one line per epoch, however short
+            self._print("epoch done: ")
         self.last_epoch, self.epoch = self.epoch, Window()
         self.pause()
 
