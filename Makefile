@@ -26,8 +26,8 @@ demo: $(STAMP)
 # The documentation site with its API reference (mkdocs.yml), into site/. --strict: a broken link, anchor or
 # reference fails the build. Installs the `docs` extra on first use.
 docs: $(DOCS_STAMP)
-	$(BIN)/mkdocs build --strict --quiet
-	@echo "docs: built site/index.html"
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	@echo "docs: open site/index.html"
 
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e ".[$(EXTRAS),docs]"

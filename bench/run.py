@@ -47,7 +47,7 @@ def plot(summary: dict, path: Path) -> None:
     rows = [(sec, r) for sec, res in summary["sections"].items() for r in res.get("ratios", [])]
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.8))
     names = [f"{sec}: {r['name']}" for sec, r in rows]
     values = [max(r["value"], 1e-3) for _, r in rows]  # a log axis: a ratio of 0 is drawn at 0.001
     colors = ["tab:green" if _met(r) else "tab:red" for _, r in rows]
@@ -58,13 +58,14 @@ def plot(summary: dict, path: Path) -> None:
     ax.axvline(1, color="grey", lw=0.8)
     for i, (_, r) in enumerate(rows):
         ax.plot([r["target"], r["target"]], [i - 0.4, i + 0.4], color="black", lw=2)
-        ax.text(values[i], i, f" {r['value']:.3g} (target {'>=' if r['better'] == 'higher' else '<='}"
-                f" {r['target']})", va="center", fontsize=8)
+        sign = ">=" if r["better"] == "higher" else "<="
+        ax.text(max(values[i], r["target"], 1) * 1.15, i, f"{r['value']:.3g} (target {sign} {r['target']})",
+                va="center", fontsize=8)
     ax.set_yticks(list(y), names, fontsize=8)
     ax.invert_yaxis()
     lo, hi = min(values + [r["target"] for _, r in rows]), max(values + [r["target"] for _, r in rows])
-    ax.set_xlim(min(lo, 1) / 2, max(hi, 1) * 4)
-    ax.set_xlabel("ratio, log scale (fastio vs peer; 1 = parity; black bar = target; green = target met)")
+    ax.set_xlim(min(lo, 1) / 2, max(hi, 1) * 40)  # room on the right for the labels
+    ax.set_xlabel("ratio, log scale (fastio vs peer; 1 = parity)\nblack bar = target; green = met, red = missed")
     runs = sorted({res.get("repeats", "?") for res in summary["sections"].values()}, key=str)
     ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {'/'.join(map(str, runs))} runs")
     fig.tight_layout()
