@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["PROGRESS_EVERY_S", "Stats", "Window"]
@@ -38,11 +39,14 @@ class Window:
 
 
 class Stats:
-    """Timing around each ``next()``; ``as_dict()`` gives ``{"last_epoch": ..., "epoch": ..., "overall": ...}``."""
+    """Timing around each ``next()``; ``as_dict()`` gives ``{"last_epoch": ..., "epoch": ..., "overall": ...}``.
+    With ``progress`` a line goes to stderr every ``every_s`` seconds and at each epoch's end, ending with
+    ``detail()`` if given (the Loader's time spent waiting on storage)."""
 
-    def __init__(self, progress: bool = False, every_s: float = PROGRESS_EVERY_S):
+    def __init__(self, progress: bool = False, every_s: float = PROGRESS_EVERY_S,
+                 detail: Callable[[], str] | None = None):
         self.overall, self.epoch, self.last_epoch = Window(), Window(), Window()
-        self.progress, self.every_s = progress, every_s
+        self.progress, self.every_s, self.detail = progress, every_s, detail
         self._last_return: float | None = None
         self._last_print = time.perf_counter()
 
@@ -69,7 +73,8 @@ class Stats:
         self._last_print = time.perf_counter()
         d = self.epoch.as_dict()
         print(f"fastio: {what}{d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
-              f"stall {100 * d['stall_fraction']:.1f}%", file=sys.stderr, flush=True)
+              f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}",
+              file=sys.stderr, flush=True)
 
     def pause(self) -> None:
         """The loop left the iterator (epoch end, break): time until the next request is not counted."""
