@@ -7,8 +7,9 @@ TORCH  ?= torch==2.13.0
 EXTRAS ?= cuda13,dev
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: install demo test test-slurm bench bench-gpu lint clean
+.PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
 install: $(STAMP)
 
@@ -22,6 +23,16 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py demo-out
 
+# The documentation site with its API reference (mkdocs.yml), into site/. --strict: a broken link, anchor or
+# reference fails the build. Installs the `docs` extra on first use.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	@echo "docs: open site/index.html"
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[$(EXTRAS),docs]"
+	touch $(DOCS_STAMP)
+
 # The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slurm"
@@ -33,6 +44,7 @@ test-slurm: $(STAMP)
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2)
 	$(BIN)/python -m pytest -q -m slurm
 
+# Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
@@ -43,5 +55,5 @@ lint: $(STAMP)
 	$(BIN)/ruff check fastio converters tests bench examples
 
 clean:
-	rm -rf $(VENV) demo-out bench/work .pytest_cache *.egg-info
+	rm -rf $(VENV) demo-out bench/work bench/out site .pytest_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

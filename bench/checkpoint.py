@@ -19,7 +19,7 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   with ``compression=None``, ``"zstd"`` and ``"zstd+shuffle"`` (both engines): bytes written, blocking save
   to commit, restore.
 
-    python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/results/checkpoint.json
+    python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/out/checkpoint.json
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from typing import Any
 
 __all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "time_call", "write_results"]
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Where a run writes its results: bench/out/ (not tracked by git). bench/results/ holds the reference results
+# someone chose to commit (copy them there from bench/out/ by hand).
+RESULTS_DIR = Path(__file__).resolve().parent / "out"
 
 
 def time_call(fn: Callable[[], Any]) -> float:

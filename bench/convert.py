@@ -4,7 +4,7 @@ each decodes with PIL, as fastio does. Runs are interleaved; medians; the ratio 
 CPU seconds per 1,000 images of each side (all processes: fastio's CLI, its workers; the peer's loop),
 the figure that does not depend on what else the machine runs.
 
-    python -m bench.convert [--images N] [--repeats R]   # writes bench/results/convert.json
+    python -m bench.convert [--images N] [--repeats R]   # writes bench/out/convert.json
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run_peer(src: Path, out: Path) -> None:
 
 def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
     """Generate the photos under ``workdir`` (once), time both sides ``repeats`` times, interleaved;
-    write ``bench/results/convert.json``, print the one-line result and return it."""
+    write ``bench/out/convert.json``, print the one-line result and return it."""
     import webdataset  # noqa: F401  (imported before timing so the peer's import cost is not counted)
 
     workdir = Path(workdir)

@@ -3,7 +3,7 @@
 # device="cuda": fastio (mixed nvJPEG / hardware decode into GPU memory) against DataLoader+WebDataset
 # (PIL decode on the CPU, then .to("cuda")) and DALI's own webdataset reader decoding on the GPU.
 # Needs torch with CUDA and nvidia-dali-cuda12x/13x. Under 5 minutes on one GPU.
-# Usage: bench/gpu.sh [REPEATS] [SAMPLES]   (writes bench/results/loader-cuda.json and .png)
+# Usage: bench/gpu.sh [REPEATS] [SAMPLES]   (writes bench/out/loader-cuda.json and .png)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

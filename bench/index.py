@@ -6,7 +6,7 @@ both read one shard at a time) reads each tar's headers, checksums it (sha256 + 
 the S3 cache check), writes each ``.idx``, ``samples.fxi`` and the manifest. Runs are interleaved; medians;
 shards/s and MB/s of each, and the ratio (fastio shards/s over wds2idx's).
 
-``python bench/index.py [--repeats N] [--shards N] [--samples-per-shard N]`` writes ``bench/results/index.json``.
+``python bench/index.py [--repeats N] [--shards N] [--samples-per-shard N]`` writes ``bench/out/index.json``.
 """
 
 from __future__ import annotations

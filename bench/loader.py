@@ -26,7 +26,7 @@ build to the first batch), medians of the same rounds; and the steady RSS of a p
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
 second and third epochs, each in its own fresh process).
 ``python bench/loader.py [--device cuda] [--repeats N] [--samples N]`` writes
-``bench/results/loader[-cuda].json`` and a PNG bar chart next to it.
+``bench/out/loader[-cuda].json`` and a PNG bar chart next to it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the figure is the median over rounds of the mixture's samples/s over the single 
 single dataset's CPU time per sample over the mixture's (this process, all threads), which a busy machine
 disturbs far less than wall time.
 
-``python bench/mixture.py [--repeats N] [--samples N] [--device cpu|cuda]`` writes ``bench/results/mixture.json``.
+``python bench/mixture.py [--repeats N] [--samples N] [--device cpu|cuda]`` writes ``bench/out/mixture.json``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only convert,loader,checkpoint,scale,storage,mixture,index] [--repeats N]
-(bench/results/summary.json keeps the last results of the sections not run this time.)
+Usage: python -m bench.run [--only SECTION,...] [--repeats N]
+Writes bench/out/ (not tracked by git): each section's SECTION.json (written by the section as it ends),
+summary.json (this run's sections, plus the last results of sections not run this time, each with its start
+time) and summary.png. bench/results/ holds reference results that someone chose to commit.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ import time
 import traceback
 from pathlib import Path
 
+from bench.common import RESULTS_DIR as RESULTS
 from fastio.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
 WORK = ROOT / "work"
-SECTIONS = ("convert", "loader", "checkpoint", "scale", "storage", "mixture", "index")
+# The sections, in the order they run: each is the module bench/NAME.py with run(workdir, repeats=) -> dict.
+SECTIONS = (
+    "convert",
+    "loader",
+    "checkpoint",
+    "scale",
+    "storage",
+    "mixture",
+    "index",
+)
 
 
 def _met(r: dict) -> bool:
@@ -38,19 +49,25 @@ def plot(summary: dict, path: Path) -> None:
     rows = [(sec, r) for sec, res in summary["sections"].items() for r in res.get("ratios", [])]
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.8))
     names = [f"{sec}: {r['name']}" for sec, r in rows]
-    values = [r["value"] for _, r in rows]
+    values = [max(r["value"], 1e-3) for _, r in rows]  # a log axis: a ratio of 0 is drawn at 0.001
     colors = ["tab:green" if _met(r) else "tab:red" for _, r in rows]
     y = range(len(rows))
-    ax.barh(y, values, color=colors)
+    # Bars grow from 1 (parity) on a log axis, so 0.16 and 31x are both visible and symmetric about parity.
+    ax.set_xscale("log")
+    ax.barh(y, [v - 1 for v in values], left=1, color=colors)
+    ax.axvline(1, color="grey", lw=0.8)
     for i, (_, r) in enumerate(rows):
         ax.plot([r["target"], r["target"]], [i - 0.4, i + 0.4], color="black", lw=2)
-        ax.text(r["value"], i, f" {r['value']:.2f} (target {'>=' if r['better'] == 'higher' else '<='}"
-                f" {r['target']})", va="center", fontsize=8)
+        sign = ">=" if r["better"] == "higher" else "<="
+        ax.text(max(values[i], r["target"], 1) * 1.15, i, f"{r['value']:.3g} (target {sign} {r['target']})",
+                va="center", fontsize=8)
     ax.set_yticks(list(y), names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ratio (fastio vs peer; black bar = target; green = target met)")
+    lo, hi = min(values + [r["target"] for _, r in rows]), max(values + [r["target"] for _, r in rows])
+    ax.set_xlim(min(lo, 1) / 2, max(hi, 1) * 40)  # room on the right for the labels
+    ax.set_xlabel("ratio, log scale (fastio vs peer; 1 = parity)\nblack bar = target; green = met, red = missed")
     runs = sorted({res.get("repeats", "?") for res in summary["sections"].values()}, key=str)
     ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {'/'.join(map(str, runs))} runs")
     fig.tight_layout()
@@ -60,13 +77,14 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
+    parser.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
+                        help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians are reported)")
     args = parser.parse_args(argv)
     wanted = [s for s in args.only.split(",") if s]
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+        parser.error(f"unknown section(s): {', '.join(sorted(unknown))}; the sections are: {', '.join(SECTIONS)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     summary_path = RESULTS / "summary.json"
     # Sections not run now keep their last results (each records when it ran and how many repeats).

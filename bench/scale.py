@@ -14,7 +14,7 @@
   index's bytes per sample, and, against it, parsing ``.idx`` text files as fastio did before (measured on
   ``--idx-samples`` samples, per sample).
 
-``python -m bench.scale [--samples N] [--shards S] [--ranks W] ...`` writes ``bench/results/scale.json``.
+``python -m bench.scale [--samples N] [--shards S] [--ranks W] ...`` writes ``bench/out/scale.json``.
 """
 
 from __future__ import annotations

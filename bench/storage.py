@@ -18,7 +18,7 @@ decode, so that the storage tier is what is measured):
 - ``download``: cache fills (ranged GETs, xxh3-128 check, fsync, rename) against the client's raw GETs of the
   same objects into memory, same concurrency.
 
-``python bench/storage.py [--repeats N] [--samples N]`` writes ``bench/results/storage.json``.
+``python bench/storage.py [--repeats N] [--samples N]`` writes ``bench/out/storage.json``.
 """
 
 from __future__ import annotations

@@ -48,6 +48,15 @@ def load(dest: Path) -> None:
               flush=True)
 
 
+def next_steps(data: Path, out: Path) -> str:
+    """What to try after the demo: the commands, with this run's paths."""
+    return (f"\nNext, try the CLI and the quickstart training loop on the demo's dataset:\n"
+            f"  source .venv/bin/activate        # puts `fastio` on your PATH\n"
+            f"  fastio inspect {data / 'train'}\n"
+            f"  python examples/quickstart.py {data} {out / 'quickstart-ckpt'}\n"
+            f"Then your own data: README.md, \"Your own data in 5 minutes\".")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -69,6 +78,7 @@ def main(argv: list[str]) -> int:
              "--steps", "60", "--every-steps", "10", "--demo-interrupt-at", "37"]
     run([sys.executable, str(HERE / "train.py"), *train[1:]], ["python", *train])
     print("\ndemo: done", flush=True)
+    print(next_steps(data, out), flush=True)
     return 0
 
 

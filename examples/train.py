@@ -1,6 +1,6 @@
 """Train a small CNN on a fastio dataset with exact resume: Loader + Checkpointer, torchrun-ready.
 
-    python examples/train.py --data demo-out/dataset --ckpt-dir ckpt --steps 200 --every-steps 20
+    python examples/train.py --data demo-out/data/train --ckpt-dir ckpt --steps 200 --every-steps 20
     torchrun --nproc-per-node 2 examples/train.py --data ... --ckpt-dir ... --resume auto
 
 A run killed at any step and started again with the same command (``--resume auto``, the default)

@@ -26,6 +26,7 @@ _LAZY = {
     "DatasetError": "fastio.errors",
     "ConvertError": "fastio.errors",
     "LoaderStateError": "fastio.errors",
+    "LoaderArgumentError": "fastio.errors",
     "CheckpointError": "fastio.errors",
     "StorageError": "fastio.errors",
 }

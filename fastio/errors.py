@@ -1,6 +1,7 @@
 """Exceptions that reach users as one line naming the offending file, shard, key or field."""
 
-__all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "CheckpointError", "StorageError"]
+__all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "LoaderArgumentError", "CheckpointError",
+           "StorageError"]
 
 
 class FastioError(Exception):
@@ -17,6 +18,11 @@ class ConvertError(FastioError):
 
 class LoaderStateError(FastioError):
     """A loader ``state_dict`` does not fit the loader it is loaded into."""
+
+
+class LoaderArgumentError(FastioError, TypeError):
+    """A Loader argument that another loader takes (``num_workers=``, ``pin_memory=``, ``shuffle=True``); the
+    message names fastio's equivalent. Also a ``TypeError``, as for any unexpected argument."""
 
 
 class CheckpointError(FastioError):

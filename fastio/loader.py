@@ -26,7 +26,7 @@ import torch
 
 from fastio.dataset import Dataset
 from fastio.dist import rank_and_world
-from fastio.errors import DatasetError, FastioError, LoaderStateError
+from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.feeder import Fed, Feeder
 from fastio.images import is_image_field
 from fastio.mixture import MixReader, Mixture, check_mixture_state, mixture_state
@@ -55,6 +55,27 @@ def _as_int(key: str, value: Any) -> int:
         return operator.index(value)
     except TypeError:
         raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
+
+
+# Arguments of torch's DataLoader (and similar loaders) that fastio does not take, with what to use instead.
+_HABITS = {
+    "num_workers": "fastio has no worker processes: DALI decodes on num_threads= threads, shard bytes are read "
+                   "on reader_threads=",
+    "pin_memory": "not needed: with device='cuda' batches are decoded straight into GPU memory",
+    "sampler": "the order is built in (shuffle=, seed=; rank and world size from torch.distributed)",
+    "collate_fn": "batches come as a dict of tensors; for other outputs pass pipeline= a DALI graph function",
+}
+
+
+def _check_habits(arguments: dict[str, Any]) -> None:
+    """Refuse an argument of another loader with one line naming fastio's equivalent."""
+    for name, hint in _HABITS.items():
+        if name in arguments:
+            raise LoaderArgumentError(f"Loader got {name}={arguments[name]!r}: {hint}")
+    if isinstance(arguments.get("shuffle"), bool):
+        use = "'global' (or 'block')" if arguments["shuffle"] else "'none'"
+        raise LoaderArgumentError(f"Loader got shuffle={arguments['shuffle']}: fastio's shuffle is a mode, "
+                                  f"use shuffle={use}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +138,8 @@ class LoaderConfig:
     world_size: int | None = None
     """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
     progress: bool = False
-    """Print a throughput/stall line to stderr every few seconds."""
+    """Print a throughput/stall line to stderr every 5 seconds while batches come (``stats.PROGRESS_EVERY_S``),
+    and one at the end of every epoch."""
     cache_dir: str | None = None
     """For an ``s3://`` dataset: the node-local cache directory its shards are read through (shared by every
     process on the node; default ``$FASTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastio``, else ``~/.cache/fastio``).
@@ -170,6 +192,7 @@ class Loader:
     """
 
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, **overrides: Any):
+        _check_habits(overrides)
         if config is None:
             config = LoaderConfig(**overrides)
         elif overrides:

@@ -48,6 +48,11 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "shard")`` -> ``1 shard``; ``count(3, "shard")`` -> ``3 shards``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def rate_line(samples: int, nbytes: int, seconds: float) -> str:
     """``N samples (X MB) in Ts (R samples/s, M MB/s)``."""
     s = max(seconds, 1e-9)

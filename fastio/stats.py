@@ -12,7 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Stats", "Window"]
+__all__ = ["PROGRESS_EVERY_S", "Stats", "Window"]
+
+PROGRESS_EVERY_S = 5.0
+"""With ``progress=True``: seconds between two lines while batches come (and one line at each epoch's end)."""
 
 
 @dataclass
@@ -37,10 +40,11 @@ class Window:
 
 class Stats:
     """Timing around each ``next()``; ``as_dict()`` gives ``{"last_epoch": ..., "epoch": ..., "overall": ...}``.
-    With ``progress`` a line goes to stderr every ``every_s`` seconds, ending with ``detail()`` if given
-    (the Loader's time spent waiting on storage)."""
+    With ``progress`` a line goes to stderr every ``every_s`` seconds and at each epoch's end, ending with
+    ``detail()`` if given (the Loader's time spent waiting on storage)."""
 
-    def __init__(self, progress: bool = False, every_s: float = 5.0, detail: Callable[[], str] | None = None):
+    def __init__(self, progress: bool = False, every_s: float = PROGRESS_EVERY_S,
+                 detail: Callable[[], str] | None = None):
         self.overall, self.epoch, self.last_epoch = Window(), Window(), Window()
         self.progress, self.every_s, self.detail = progress, every_s, detail
         self._last_return: float | None = None
@@ -63,17 +67,22 @@ class Stats:
             w.samples += samples
         self._last_return = now
         if self.progress and now - self._last_print >= self.every_s:
-            self._last_print = now
-            d = self.epoch.as_dict()
-            print(f"fastio: {d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
-                  f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}",
-                  file=sys.stderr, flush=True)
+            self._print("")
+
+    def _print(self, what: str) -> None:
+        self._last_print = time.perf_counter()
+        d = self.epoch.as_dict()
+        print(f"fastio: {what}{d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
+              f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}",
+              file=sys.stderr, flush=True)
 
     def pause(self) -> None:
         """The loop left the iterator (epoch end, break): time until the next request is not counted."""
         self._last_return = None
 
     def end_epoch(self) -> None:
+        if self.progress and self.epoch.batches:  # at least one line per epoch, however short
+            self._print("epoch done: ")
         self.last_epoch, self.epoch = self.epoch, Window()
         self.pause()
 

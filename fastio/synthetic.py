@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-__all__ = ["CLASS_NAMES", "FORMATS", "MIXED_FORMATS", "make_imagefolder", "make_mixed_imagefolder", "photo_jpeg",
-           "synthetic_image"]
+__all__ = ["CLASS_NAMES", "FORMATS", "MAX_CLASSES", "MIXED_FORMATS", "class_name", "make_imagefolder",
+           "make_mixed_imagefolder", "photo_jpeg", "synthetic_image"]
 
 CLASS_NAMES = ("circle", "hstripes", "square", "vstripes")
+MAX_CLASSES = 100
+"""make_imagefolder's class count bound: class k >= 4 repeats shape k % 4 under its own name (``circle2``, ...)."""
 # PIL format -> file suffix, for every image type fastio packs.
 FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "TIFF": "tiff"}
 MIXED_FORMATS = tuple(FORMATS)
@@ -58,6 +60,12 @@ def photo_jpeg(rng: np.random.Generator, width: int, height: int, quality: int =
     return buf.getvalue()
 
 
+def class_name(label: int) -> str:
+    """The folder name of class ``label``: a shape name, numbered from the second round of shapes on."""
+    shape = CLASS_NAMES[label % len(CLASS_NAMES)]
+    return shape if label < len(CLASS_NAMES) else f"{shape}{label // len(CLASS_NAMES) + 1}"
+
+
 def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32, min_side: int = 48,
                      max_side: int = 96, seed: int = 0, quality: int = 90,
                      fmt: str | tuple[str, ...] = "JPEG") -> Path:
@@ -65,8 +73,8 @@ def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32,
 
     ``fmt`` is a PIL format of :data:`FORMATS` or a tuple of them, used in turn image after image (within
     each class, so every class mixes them)."""
-    if not 1 <= classes <= len(CLASS_NAMES):
-        raise ValueError(f"classes must be in 1..{len(CLASS_NAMES)}, got {classes}")
+    if not 1 <= classes <= MAX_CLASSES:
+        raise ValueError(f"classes must be in 1..{MAX_CLASSES}, got {classes}")
     formats = (fmt,) if isinstance(fmt, str) else tuple(fmt)
     unknown = [f for f in formats if f not in FORMATS]
     if not formats or unknown:
@@ -74,7 +82,8 @@ def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32,
     dest = Path(dest)
     rng = np.random.default_rng(seed)
     for label in range(classes):
-        folder = dest / CLASS_NAMES[label]
+        name = class_name(label)
+        folder = dest / name
         folder.mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
             w, h = (int(v) for v in rng.integers(min_side, max_side + 1, size=2))
@@ -82,7 +91,7 @@ def make_imagefolder(dest: str | Path, *, classes: int = 4, per_class: int = 32,
             buf = io.BytesIO()
             Image.fromarray(synthetic_image(label, rng, w, h)).save(
                 buf, kind, **({"quality": quality} if kind in ("JPEG", "WEBP") else {}))
-            (folder / f"{CLASS_NAMES[label]}_{i:04d}.{FORMATS[kind]}").write_bytes(buf.getvalue())
+            (folder / f"{name}_{i:04d}.{FORMATS[kind]}").write_bytes(buf.getvalue())
     return dest
 
 

@@ -52,7 +52,10 @@ def test_parse_size_rejects(text):
 def test_parse_split():
     assert parse_split("val=0.05") == {"val": 0.05}
     assert parse_split("val=0.1,test=0.2") == {"val": 0.1, "test": 0.2}
-    for bad in ("val", "val=x", "val=1.5", "train=0.1", "a=0.6,b=0.5", "v al=0.1"):
+    assert parse_split("train=0.9,val=0.1") == parse_split("val=0.1,train=0.9") == {"val": 0.1}
+    assert parse_split("train=0.8,val=0.1,test=0.1") == {"val": 0.1, "test": 0.1}
+    for bad in ("val", "val=x", "val=1.5", "train=0.1", "a=0.6,b=0.5", "v al=0.1", "train=0.8,val=0.1",
+                "train=0.5,train=0.4,val=0.1"):
         with pytest.raises(ValueError, match="^split: "):
             parse_split(bad)
 

@@ -124,7 +124,7 @@ def test_inspect_cli_text_and_json(image_dataset, capsys):
     assert info["samples"] == 48 and info["fingerprint"] == inspect(image_dataset)["fingerprint"]
     assert cli(["inspect", str(image_dataset)]) == 0
     out = capsys.readouterr().out
-    assert "samples:  48 in 3 shards" in out and "hstripes" in out and "width   min" in out
+    assert "samples:  48 samples in 3 shards" in out and "hstripes" in out and "width (px)         min" in out
 
 
 def test_split_dest_verifies_and_inspects(tmp_path, image_folder, capsys):

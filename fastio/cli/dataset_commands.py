@@ -272,14 +272,14 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    from fastio.progress import human_bytes
+    from fastio.progress import count, human_bytes
 
     src = info.get("source") or {}
     click.echo(f"dataset:  {info['path']} (fingerprint {info['fingerprint']})")
     if src:
         click.echo(f"source:   {src.get('format')} {src.get('path')}")
-    click.echo(f"samples:  {info['samples']} in {info['shards']} shards, {human_bytes(info['bytes'])}"
-               f" (skipped at conversion: {info['skipped']})")
+    click.echo(f"samples:  {count(info['samples'], 'sample')} in {count(info['shards'], 'shard')}, "
+               f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})")
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
@@ -291,9 +291,9 @@ def _print_info(info: dict[str, Any]) -> None:
         unreadable = f", {sizes['unreadable']} unreadable" if sizes["unreadable"] else ""
         formats = ", ".join(f"{f} {n}" for f, n in info.get("image_formats", {}).items())
         click.echo(f"images:   {formats or 'field ' + sizes['field']}; {sizes['probed']} probed{unreadable}")
-        click.echo(f"  width   min {w['min']}  median {w['median']}  mean {w['mean']}  max {w['max']}")
-        click.echo(f"  height  min {h['min']}  median {h['median']}  mean {h['mean']}  max {h['max']}")
-        click.echo(f"  bytes   min {b['min']}  median {b['median']}  mean {b['mean']}  max {b['max']}")
+        click.echo(f"  width (px)         min {w['min']}  median {w['median']}  mean {w['mean']}  max {w['max']}")
+        click.echo(f"  height (px)        min {h['min']}  median {h['median']}  mean {h['mean']}  max {h['max']}")
+        click.echo(f"  bytes per image    min {b['min']}  median {b['median']}  mean {b['mean']}  max {b['max']}")
     for q in info.get("order", []):
         click.echo(f"order:    {q['mode']:<6} batch {q['batch_size']}: classes per batch {q['class_mixing']:.2f}"
                    f" (uniform {q['class_mixing_ideal']:.2f}, ratio {q['class_mixing_ratio']:.2f}),"

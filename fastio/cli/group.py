@@ -10,10 +10,27 @@ import click
 
 from fastio import __version__
 
-__all__ = ["cli", "storage_flags", "storage_options"]
+__all__ = ["FullHelpGroup", "cli", "storage_flags", "storage_options"]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class FullHelpGroup(click.Group):
+    """A group whose ``--help`` lists each command with its whole first sentence (wrapped), where click would
+    cut it at the terminal's width with "..."; its subgroups are of this class too."""
+
+    group_class = type  # click: subgroups made with @group.group() are FullHelpGroups
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=FullHelpGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="fastio")
 def cli() -> None:
     """fastio: pack datasets into WebDataset shards, load them through DALI, checkpoint and resume."""

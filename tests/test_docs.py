@@ -1,0 +1,172 @@
+"""Every ```python block of README.md and docs/*.md runs, and the README's quickstart is examples/quickstart.py.
+
+Each block runs as a standalone script (``python snippet.py``) in a fresh temporary directory holding
+``./images/`` (``fastio.synthetic.make_imagefolder``: 10 classes of small JPEGs) and ``./ds/`` (that folder
+converted by ``fastio convert images ds --split train=0.9,val=0.1``: ``ds/train``, ``ds/val``), both made once
+per session. A snippet that cannot run there lives under ``examples/`` and is run by a test of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def python_blocks(page: Path) -> list[tuple[int, str]]:
+    """(line number, code) of every fenced ```python block of a Markdown page."""
+    text = page.read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in FENCE.finditer(text)]
+
+
+# The README's copy of examples/quickstart.py is run (preempted and resumed) by its own test below.
+SNIPPETS = [pytest.param(page, line, code, id=f"{page.relative_to(ROOT)}:{line}")
+            for page in PAGES for line, code in python_blocks(page)
+            if code.rstrip() != QUICKSTART.read_text().rstrip()]
+
+
+@pytest.fixture(scope="session")
+def docs_data(tmp_path_factory) -> Path:
+    """``images/`` and ``ds/`` as the documentation's snippets expect them."""
+    from fastio.synthetic import make_imagefolder
+
+    base = tmp_path_factory.mktemp("docs-data")
+    make_imagefolder(base / "images", classes=10, per_class=20, seed=0)
+    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "images", "ds", "--split", "train=0.9,val=0.1",
+                    "--quiet"], cwd=base, check=True)
+    return base
+
+
+@pytest.fixture
+def workdir(docs_data, tmp_path) -> Path:
+    """A fresh directory with copies of ``images/`` and ``ds/`` (a snippet may write into them)."""
+    for name in ("images", "ds"):
+        shutil.copytree(docs_data / name, tmp_path / name)
+    return tmp_path
+
+
+def test_the_pages_have_snippets():
+    """The fence pattern finds blocks (a changed pattern must not make every snippet test vanish)."""
+    assert len(SNIPPETS) >= 4
+    assert python_blocks(ROOT / "README.md")
+
+
+@pytest.mark.parametrize("page,line,code", SNIPPETS)
+def test_snippet_runs(page, line, code, workdir):
+    script = workdir / "snippet.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], cwd=workdir, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (f"{page.relative_to(ROOT)}:{line}: the snippet exited {done.returncode}\n"
+                                  f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def test_readme_quickstart_is_the_tested_example():
+    """The README shows examples/quickstart.py verbatim, so the code a newcomer copies is the code tested here."""
+    example = (ROOT / "examples" / "quickstart.py").read_text().rstrip()
+    assert any(code.rstrip() == example for _, code in python_blocks(ROOT / "README.md"))
+
+
+def run_quickstart(workdir: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), *args], cwd=workdir,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir):
+    """SIGUSR1 mid-epoch: the run saves, says so and exits 0; the same command resumes at that step and ends
+    at the same step count as an uninterrupted run would (180 train samples, batch 16: 12 steps an epoch);
+    a third launch restores the final save and trains nothing."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 3 "):
+                proc.send_signal(signal.SIGUSR1)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert rc == 0, out
+    saved = re.search(r"^preempted: saved step (\d+)", out, re.MULTILINE)
+    assert saved, out
+    at = int(saved.group(1))
+    assert 3 <= at < 24, out
+
+    second = run_quickstart(workdir)
+    assert f"resumed at step {at}, epoch 0" in second
+    assert f"step {at + 1} " in second and "done: 24 steps" in second
+    assert re.search(r"epoch 2 done: val accuracy [0-9.]+", second), second
+
+    third = run_quickstart(workdir)
+    assert "resumed at step 24, epoch 2" in third and "done: 24 steps" in third
+    assert not re.search(r"^step \d+ ", third, re.MULTILINE), third
+
+
+def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket):
+    """docs/storage.md's example (examples/s3.py): convert to s3://, load through the cache, checkpoint to
+    s3://, restore in a new Checkpointer; the endpoint and credentials only in the environment."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "s3.py"), f"s3://{s3_bucket}/run"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^restored step (\d+) from s3://", done.stdout, re.MULTILINE), done.stdout
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc (mkdocs) gives a heading."""
+    text = re.sub(r"[`*]", "", heading).strip()
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.MULTILINE)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists (and a heading on that page);
+    `make docs` checks the same for the site, strictly, where mkdocs is installed."""
+    broken = []
+    for page in PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+        for target in LINK.findall(text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_site_builds_strictly(tmp_path):
+    """`make docs`: the site and the API reference build with no warning (a broken link, anchor or reference
+    fails). Needs the `docs` extra (mkdocs); skipped where it is not installed (`make test`'s environment)."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Samples per batch on each rank" in (tmp_path / "site" / "reference" / "index.html").read_text()

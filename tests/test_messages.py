@@ -1,0 +1,138 @@
+"""What a newcomer reads: hints for other loaders' arguments, progress lines, `fastio --help`, `inspect`,
+`make demo`'s last words, and `bench.run --only`."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import write_image_dataset
+
+from fastio import FastioError, Loader, LoaderArgumentError
+from fastio.cli import main
+from fastio.progress import count
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(args: list[str]) -> int:
+    try:
+        return main(args)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+@pytest.mark.parametrize("arguments,names", [
+    ({"num_workers": 4}, ["num_workers=4", "num_threads=", "reader_threads="]),
+    ({"pin_memory": True}, ["pin_memory=True", "device='cuda'"]),
+    ({"shuffle": True}, ["shuffle=True", "shuffle='global'"]),
+    ({"shuffle": False}, ["shuffle=False", "shuffle='none'"]),
+])
+def test_other_loaders_arguments_get_a_one_line_hint(image_dataset, arguments, names):
+    with pytest.raises(LoaderArgumentError) as err:
+        Loader(image_dataset, batch_size=4, device="cpu", **arguments)
+    message = str(err.value)
+    assert "\n" not in message and all(n in message for n in names), message
+    assert isinstance(err.value, FastioError) and isinstance(err.value, TypeError)
+
+
+def test_progress_prints_at_least_once_per_epoch(image_dataset, capsys):
+    """48 samples, batch 16: an epoch takes far less than the 5 s interval, yet each epoch prints a line."""
+    with Loader(image_dataset, batch_size=16, device="cpu", pipeline="raw", progress=True) as loader:
+        for _ in range(2):
+            assert len(list(loader)) == 3
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fastio: epoch done")]
+    assert len(lines) == 2, lines
+    assert all(re.fullmatch(r"fastio: epoch done: 3 batches, \d+ samples/s, stall [\d.]+%", line) for line in lines)
+
+
+def test_help_lists_whole_command_descriptions(capsys):
+    """Each command's first sentence appears whole (wrapped), never cut with '...'."""
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    listed = out.split("Commands:", 1)[1]
+    assert "..." not in listed
+    flat = " ".join(listed.split())
+    from fastio.cli.group import cli as group
+
+    for name, command in group.commands.items():
+        first = " ".join(command.get_short_help_str(limit=10_000).split())
+        assert f"{name} {first}" in flat, (name, first, flat)
+    assert cli(["ckpt", "--help"]) == 0
+    assert "..." not in capsys.readouterr().out.split("Commands:", 1)[1]
+
+
+def test_count_pluralises():
+    assert [count(1, "shard"), count(2, "shard"), count(0, "sample"), count(1, "class", "classes")] == \
+        ["1 shard", "2 shards", "0 samples", "1 class"]
+
+
+def test_inspect_names_shard_bytes_and_image_bytes_apart(tmp_path, image_folder, capsys):
+    dest = write_image_dataset(tmp_path / "one", image_folder, max_samples=1000)  # 48 samples, one shard
+    assert cli(["inspect", str(dest)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^samples:  48 samples in 1 shard, [\d.]+ kB of shard files", out, re.MULTILINE), out
+    assert re.search(r"^  bytes per image    min \d+", out, re.MULTILINE), out
+    assert "1 shards" not in out
+
+
+def test_demo_ends_with_the_next_command(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from demo import next_steps
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    text = next_steps(Path("demo-out/data"), Path("demo-out"))
+    assert "fastio inspect demo-out/data/train" in text
+    assert "python examples/quickstart.py demo-out/data" in text
+    assert (ROOT / "examples" / "quickstart.py").is_file()
+    # examples/train.py's usage names the folder the demo writes (demo-out/data/train), not one that never exists.
+    usage = (ROOT / "examples" / "train.py").read_text().split('"""')[1]
+    assert "--data demo-out/data/train" in usage
+
+
+def test_bench_only_names_the_sections(capsys):
+    from bench.run import SECTIONS
+    from bench.run import main as bench_main
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["--only", "loader,nosuch"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown section(s): nosuch" in err and all(s in err for s in SECTIONS)
+    with pytest.raises(SystemExit):
+        bench_main(["--help"])
+    out = capsys.readouterr().out
+    assert all(s in out for s in SECTIONS), out
+
+
+def test_bench_writes_untracked_results_and_a_log_chart(tmp_path, monkeypatch):
+    """Results go to bench/out/ (ignored by git), not bench/results/ (committed reference results); the chart
+    has a log axis with each target marked."""
+    import subprocess
+
+    import bench.common
+    import bench.run
+
+    assert bench.run.RESULTS == bench.common.RESULTS_DIR == ROOT / "bench" / "out"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "bench/out/summary.json"], cwd=ROOT)
+    assert ignored.returncode == 0
+    summary = {"host": {"cpus": 2}, "sections": {"scale": {"repeats": 1, "ratios": [
+        {"name": "time", "value": 31.3, "target": 10, "better": "higher"},
+        {"name": "overhead", "value": 0.16, "target": 0.05, "better": "lower"}]}}}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: shown.update(ax=fig.axes[0]))
+    bench.run.plot(summary, tmp_path / "summary.png")
+    ax = shown["ax"]
+    assert ax.get_xscale() == "log"
+    lo, hi = ax.get_xlim()
+    assert lo < 0.05 and hi > 31.3
+    marks = [line.get_xdata()[0] for line in ax.get_lines() if line.get_color() == "black"]
+    assert sorted(marks) == [0.05, 10]
