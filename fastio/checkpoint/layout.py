@@ -44,6 +44,7 @@ from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.checksum import DIGESTS, digest_fd, digest_file
 from fastio.errors import CheckpointError
 from fastio.lock import LOCK_NAME
+from fastio.manifest import FORMAT, MANIFEST_NAME, SPLITS_FORMAT, SPLITS_NAME
 
 __all__ = [
     "CHECKSUM",
@@ -68,6 +69,7 @@ __all__ = [
     "parse_commit",
     "quarantine",
     "read_commit",
+    "refuse_dataset_dir",
     "remove_abandoned",
     "remove_step",
     "restore_dir",
@@ -219,6 +221,19 @@ def is_checkpoint_dir(root: Path) -> bool:
     root = Path(root)
     return (root / LOCK_NAME).exists() or any(_STEP_RE.match(p.name) or _QUARANTINE_RE.match(p.name)
                                               for p in root.iterdir())
+
+
+def refuse_dataset_dir(root: Path) -> None:
+    """CheckpointError when ``root`` is a fastio dataset (its ``manifest.json`` or ``splits.json`` says so): a
+    Checkpointer must not drop its lock and steps among a dataset's files."""
+    for name, fmt in ((MANIFEST_NAME, FORMAT), (SPLITS_NAME, SPLITS_FORMAT)):
+        try:
+            data = json.loads((Path(root) / name).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("format") == fmt:
+            raise CheckpointError(f"{root}: is a fastio dataset ({name}), not a checkpoint directory; give the "
+                                  "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
 
 
 def _hash_and_sync(path: Path) -> tuple[int, str]:

@@ -37,9 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from fastio.checkpoint import layout
+from fastio.checkpoint.group import RankGroup
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import default_cache_dir
@@ -56,28 +55,27 @@ def default_staging_dir(url: str) -> Path:
     return default_cache_dir() / "checkpoints" / hashlib.sha256(url.encode()).hexdigest()[:20]
 
 
-def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str, tuple[int, ...]]]:
-    """Collective over the default group: ``(rank, host, staging dir, ranks whose probe file that rank sees)``
-    for every rank.
+def staging_views(root: Path, ranks: RankGroup) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """Collective over ``ranks``: ``(rank, host, staging dir, ranks whose probe file that rank sees)`` for every
+    rank.
 
     Each rank writes ``root/.fastio-staging-probe-<token>-<rank>`` (creating ``root``), all wait, each lists the
     probes of that token in its own ``root``, the views are gathered, and each rank removes its own probe."""
-    token: list[str | None] = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    stem = f".fastio-staging-probe-{token[0]}-"
+    rank = ranks.rank
+    token = ranks.broadcast("staging", uuid.uuid4().hex if rank == 0 else None)
+    stem = f".fastio-staging-probe-{token}-"
     mine = Path(root) / f"{stem}{rank}"
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
         mine.write_bytes(b"")
     except OSError:
         pass  # then this rank sees nothing, not even itself: reported like a staging dir apart
-    dist.barrier()
+    ranks.barrier("staging")
     try:
         seen = tuple(sorted(int(p.name[len(stem):]) for p in Path(root).glob(stem + "*")))
     except (OSError, ValueError):
         seen = ()
-    views: list = [None] * world
-    dist.all_gather_object(views, (rank, socket.gethostname(), str(root), seen))
+    views = ranks.gather("staging", (rank, socket.gethostname(), str(root), seen))
     try:
         mine.unlink(missing_ok=True)
     except OSError:
