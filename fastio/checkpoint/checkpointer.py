@@ -414,8 +414,9 @@ class Checkpointer:
         if self._error is not None:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
+            why = str(err) if isinstance(err, CheckpointError) else first_line(err)
             raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
-                                  f"{first_line(err)} (the previous checkpoint is intact)") from err
+                                  f"{why} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:

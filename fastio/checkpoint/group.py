@@ -11,8 +11,9 @@ by peer`` in the survivors' next collective; :class:`RankGroup` turns that into 
 phase and the rank that went away (found by process id on this host; a rank on another host is named when it
 is the only candidate).
 
-``RankGroup.fault`` is a test hook: a callable ``fault(phase)`` run on this rank at the end of each phase's
-local work (it raises to inject a failure of this rank in that phase). Production code never sets it.
+``fault_hook`` (module attribute) is a test hook: a callable ``fault_hook(group_name, phase)`` run on this rank at
+the end of each phase's local work (it raises to inject a failure of this rank in that phase, or ends the
+process to make the rank go away). Production code never sets it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from fastio.errors import CheckpointError, FastioError
 __all__ = ["RankGroup"]
 
 T = TypeVar("T")
+
+fault_hook: Callable[[str, str], None] | None = None
+"""Test hook, see the module docstring."""
 
 
 def _alive(pid: int) -> bool:
@@ -57,10 +61,6 @@ class RankGroup:
     :meth:`gone`. With one rank nothing is communicated.
     """
 
-    fault: Callable[[str], None] | None = None
-    """Test hook (on the class or one instance): called with the phase at the end of each phase's local work
-    on this rank; raising there is this rank failing in that phase."""
-
     def __init__(self, name: str, rank: int, world: int):
         self.name, self.rank, self.world = name, rank, world
         self.pg = dist.new_group(backend="gloo") if world > 1 else None
@@ -78,8 +78,8 @@ class RankGroup:
         cause: BaseException | None = None
         try:
             result = fn()
-            if self.fault is not None:
-                self.fault(phase)
+            if fault_hook is not None:
+                fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
             cause = err
             mine = str(err) if isinstance(err, FastioError) else first_line(err)
@@ -91,8 +91,8 @@ class RankGroup:
         is this rank's problem. Nothing is raised: the caller decides (e.g. fall back to an older step)."""
         try:
             mine = list(fn())
-            if self.fault is not None:
-                self.fault(phase)
+            if fault_hook is not None:
+                fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - one line per rank, gathered
             mine = [str(err) if isinstance(err, FastioError) else f"rank {self.rank}: {first_line(err)}"]
         return [p for part in self.gather(phase, mine) for p in part]
@@ -132,11 +132,6 @@ class RankGroup:
     def barrier(self, phase: str) -> None:
         if self.world > 1:
             self._collective(phase, lambda: dist.barrier(group=self.pg))
-
-    def share(self, items: list[T], members: tuple[int, ...] | None = None) -> list[T]:
-        """This rank's share of ``items`` among ``members`` (default: every rank): every n-th from its index."""
-        members = members or tuple(range(self.world))
-        return items[members.index(self.rank)::len(members)]
 
     # ------------------------------------------------------------ peers going away
     def gone(self) -> str:
