@@ -76,7 +76,9 @@ __all__ = [
     "scan",
     "start_restore_dir",
     "start_tmp",
+    "parse_step_name",
     "step_dir",
+    "step_name",
     "tmp_dir",
     "verify",
     "verify_files",
@@ -106,17 +108,28 @@ _HASH_THREADS = 4
 _NOT_FILES = (COMMIT_FILE, WRITING_FILE)
 
 
+def step_name(step: int) -> str:
+    """The name of ``step``'s committed directory (and of its prefix on an object store): ``step-N``."""
+    return f"step-{step}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a committed directory's name ``step-N``; None for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m and not m.group(2) else None
+
+
 def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step}"
+    return Path(root) / step_name(step)
 
 
 def tmp_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step}.tmp"
+    return Path(root) / f"{step_name(step)}.tmp"
 
 
 def restore_dir(root: Path, step: int, pid: int | None = None) -> Path:
     """The private directory a restore of ``step`` decompresses into (hidden: never a step's name)."""
-    return Path(root) / f".step-{step}.restore-{os.getpid() if pid is None else pid}"
+    return Path(root) / f".{step_name(step)}.restore-{os.getpid() if pid is None else pid}"
 
 
 def start_restore_dir(root: Path, step: int) -> Path:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checkpoint import layout
+from fastio.checkpoint.catalog import remote_steps
 from fastio.checkpoint.group import RankGroup
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
@@ -100,10 +101,6 @@ def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[t
     return sorted(set(by_rank.values()), key=min)
 
 
-def _step_of(name: str) -> int:
-    return int(name.split("-", 1)[1])
-
-
 class RemoteCheckpoints:
     """The object-store side of a Checkpointer whose local ``root`` stages what is written to ``url``."""
 
@@ -138,7 +135,7 @@ class RemoteCheckpoints:
 
     def upload_files(self, step: int, tmp: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
         """Checksum and upload files of ``step-N.tmp`` to ``step-N/`` (no marker); their commit-marker records."""
-        sub = self.mirror.storage.child(f"step-{step}")
+        sub = self.mirror.storage.child(layout.step_name(step))
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(tmp).as_posix()
@@ -159,11 +156,9 @@ class RemoteCheckpoints:
         only while the lease (if held) is confirmed."""
         try:
             self._confirm()
-            self.mirror.storage.child(f"step-{step}").put_bytes(layout.COMMIT_FILE, layout.encode_commit(data))
-            if keep > 0:
-                self._confirm()
-                for old in self.committed_steps()[:-keep]:
-                    self.mirror.remove(f"step-{old}")
+            self.mirror.storage.child(layout.step_name(step)).put_bytes(layout.COMMIT_FILE,
+                                                                        layout.encode_commit(data))
+            self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
@@ -183,7 +178,26 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
-        return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
+        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None)
+
+    def _retain(self, keep: int) -> None:
+        """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
+        steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
+        during an earlier retention (or upload) left behind. While the lease is held no other writer is
+        uploading, and such a step was never, or is no longer, a checkpoint."""
+        steps = {step: layout.COMMIT_FILE in keys for step, keys in remote_steps(self.mirror.storage).items()}
+        done = sorted(s for s, marked in steps.items() if marked)
+        if not done:
+            return
+        old = done[:-keep] if keep > 0 else []
+        leftovers = [s for s, marked in steps.items() if not marked and s < done[-1]]
+        if old or leftovers:
+            self._confirm()
+        for step in old + sorted(leftovers):
+            self.mirror.remove(layout.step_name(step))
+        if leftovers:
+            log.info("fastio: %s: removed leftovers of uncommitted step(s) %s (older than committed step %d)",
+                     self.url, ", ".join(map(str, sorted(leftovers))), done[-1])
 
     def after_commit(self, keep: int) -> None:
         """Upload every locally committed step the store lacks, then apply retention on the store; each only
@@ -195,10 +209,7 @@ class RemoteCheckpoints:
                 if entry.step not in remote:
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
-            if keep > 0:
-                self._confirm()
-                for step in sorted(remote)[:-keep]:
-                    self.mirror.remove(f"step-{step}")
+            self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
@@ -221,7 +232,7 @@ class RemoteCheckpoints:
             try:
                 self.mirror.pull(dest.name, dest)
             except StorageError as err:
-                log.warning("fastio: %s/step-%d cannot be downloaded (%s); trying an older step", self.url, s, err)
+                log.warning("fastio: %s/%s cannot be downloaded (%s); trying an older step", self.url, dest.name, err)
                 continue
             try:
                 problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
@@ -229,5 +240,5 @@ class RemoteCheckpoints:
                 problems = [str(err)]
             if not problems:
                 return
-            log.warning("fastio: %s/step-%d does not verify (%s); trying an older step", self.url, s, problems[0])
+            log.warning("fastio: %s/%s does not verify (%s); trying an older step", self.url, dest.name, problems[0])
             shutil.rmtree(dest, ignore_errors=True)
