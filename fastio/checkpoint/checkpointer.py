@@ -197,6 +197,12 @@ class Checkpointer:
         """A preemption signal arrived and has not been acted on yet."""
         return self._flag.requested
 
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: ``preempted_exit_code`` once a preemption save was made
+        (``preempted``), else 0. ``sys.exit(ckpt.exit_code)`` at the end of the training script."""
+        return self.config.preempted_exit_code if self.preempted else 0
+
     def request_preemption(self) -> None:
         """Act as if a preemption signal had arrived (the next ``maybe_save`` saves and sets ``preempted``)."""
         self._flag.request()
