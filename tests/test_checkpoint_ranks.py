@@ -59,7 +59,7 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     ckpt = Checkpointer(root, signals=(), compression="zstd")
     for i, phase in enumerate(SAVE_PHASES):
         inject(phase, i % world)
-        attempt(f"save:{phase}", lambda: ckpt.save(10 + i, app, blocking=True))
+        attempt(f"save:{phase}", lambda s=10 + i: ckpt.save(s, app, blocking=True))
     ckpt.save(100, app, blocking=True)  # a clean save still works after every failure
     for i, phase in enumerate(RESTORE_PHASES):
         inject(phase, (i + 1) % world)

@@ -30,7 +30,6 @@ def saved(tmp_path, engine: str, app: dict) -> Checkpointer:
 def test_fewer_layers_is_refused_naming_the_keys(tmp_path, engine):
     ckpt = saved(tmp_path, engine, {"model": model(3)})
     small = model(2)
-    before = {k: v.clone() for k, v in small.state_dict().items()}
     with pytest.raises(CheckpointError, match=r"app key model: in the checkpoint, not in the app: 2\.bias, 2\.weight"):
         ckpt.restore_latest({"model": small})
     ckpt.close()

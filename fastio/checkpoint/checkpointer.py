@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastio.checkpoint import compress, layout
+from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit, Unrecognised
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, choose_engine, get_engine, holds_dtensor
@@ -46,7 +47,7 @@ from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
 from fastio.dist import rank_and_world
-from fastio.errors import CheckpointError, FastioError, StorageError
+from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
 
 __all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
@@ -173,6 +174,9 @@ class Checkpointer:
         self._dir_ranks: tuple[int, ...] = tuple(range(self.world_size))
         if self._remote is not None and self.world_size > 1:
             self._group_staging()
+        self._commit: Commit = (NodeLocalCommit(self.dir, self._remote, self._dir_ranks)
+                                if len(self._dir_ranks) < self.world_size
+                                else LocalCommit(self.dir, self._remote, self.world_size))
         self._leader = self._dir_ranks[0] == self.rank
         self._stager = Stager()
         self._thread: threading.Thread | None = None
@@ -269,9 +273,7 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
-        if self._remote is not None:
-            return self._remote.committed_steps()
-        return [e.step for e in layout.committed(self.dir)]
+        return self._commit.steps()
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True) -> TrainState | None:
         """Load the newest intact checkpoint (or ``step``) into ``app``; None when DIR holds none at all.
@@ -291,35 +293,20 @@ class Checkpointer:
         """
         self._check_app(app)
         self._raise_if_failed(wait=True)
-        if self._node_local:
-            return self._restore_node_local(app, step, strict)
+        commit = self._commit
 
-        def make_plan() -> tuple[list[int], list[tuple[int, str, str | None]]]:
-            """Rank 0: candidate steps newest first, and the unrecognised step directories."""
-            try:
-                _, left = layout.remove_abandoned(self.dir)
-                for entry in left:
-                    if entry.temporary:
-                        log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
-                if self._remote is not None:  # the newest remote step not here yet (verified below like any)
-                    self._remote.pull(step)
-                entries = layout.scan(self.dir)
-            except OSError as err:
-                raise CheckpointError(f"{self.dir}: cannot read checkpoint directory: {err}") from None
-            done = [e.step for e in entries if e.committed]
-            unrecognised = [(e.step, str(e.path), e.problem) for e in entries if not e.committed and not e.temporary]
-            if step is not None and step not in done:
-                have = ", ".join(str(s) for s in done) or "none"
-                raise CheckpointError(f"{self.dir}: no committed checkpoint for step {step} (committed: {have})")
-            return ([step] if step is not None else done[::-1]), unrecognised
+        def plan() -> tuple[list[int], list[Unrecognised]] | None:
+            if self._leader:  # every directory's own abandoned temporaries
+                commit.clean()
+            return commit.plan(step) if self.rank == 0 else None
 
-        plan = self._ranks.run("plan", make_plan if self.rank == 0 else lambda: None)
-        candidates, unrecognised = self._ranks.broadcast("plan", plan)
-        skipped: list[tuple[int, str, str]] = []
+        candidates, unrecognised = self._ranks.broadcast("plan", self._ranks.run("plan", plan))
+        skipped: list[Unrecognised] = []
         chosen = None
         for cand in candidates:
-            path = layout.step_dir(self.dir, cand)
-            problems = self._check_step(path)
+            path = commit.step_dir(cand)
+            problems = self._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if self._leader else [])
+            problems = problems or self._check_step(path)
             if not problems:
                 chosen = cand
                 break
@@ -328,37 +315,34 @@ class Checkpointer:
             if step is not None:
                 raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
         newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
+        where = self.config.url or self.dir
         if chosen is None:
             if newer:  # nothing to fall back to: leave everything where it is and say so
-                raise CheckpointError(f"{self.dir}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
+                raise CheckpointError(f"{where}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
                                       f"unrecognised, newest {newer[0][1]}: {newer[0][2]}")
             return None
-        if self.rank == 0:
-            for _, where, reason in newer:
+        if self._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
+            for _, path_, reason in newer:
+                if not Path(path_).exists():
+                    continue
                 try:
-                    moved = f"; moved aside to {layout.quarantine(Path(where)).name}"
+                    moved = f"; moved aside to {layout.quarantine(Path(path_)).name}"
                 except OSError as err:
                     moved = f"; left in place ({err.strerror or err})"
-                reason = reason[len(where) + 2:] if reason.startswith(f"{where}: ") else reason
-                log.warning("fastio: skipping checkpoint %s: %s%s", where, reason, moved)
-        path = layout.step_dir(self.dir, chosen)
-        commit = layout.read_commit(path)
-        return self._restore(path, commit, app, strict)
+                reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
+                log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
+        path = commit.step_dir(chosen)
+        return self._restore(path, layout.read_commit(path), app, strict)
 
     # ----------------------------------------------------------------- internals
-    @property
-    def _node_local(self) -> bool:
-        """An s3:// dir whose staging directories are not all one (see fastio.checkpoint.remote)."""
-        return len(self._dir_ranks) < self.world_size
-
     def _group_staging(self) -> None:
         """Collective at construction: find the ranks sharing this rank's staging dir; the lowest rank of each
         node-local dir (other than rank 0's) takes its DirLock. Every rank fails together, naming the problem."""
         from fastio.checkpoint.remote import staging_groups, staging_views
 
-        groups = staging_groups(staging_views(self.dir, self._ranks))
-        problem = groups if isinstance(groups, str) else None
-        if problem is None:
+        groups = staging_groups(staging_views(self.dir, self._ranks))  # the same on every rank
+        problem = groups if isinstance(groups, str) and self.rank == 0 else None
+        if not isinstance(groups, str):
             self._dir_ranks = next(g for g in groups if self.rank in g)
             if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0:
                 try:
@@ -369,7 +353,7 @@ class Checkpointer:
                 log.info("fastio: %s: %d node-local staging directories; each node uploads its own files",
                          self.config.url, len(groups))
         try:
-            self._ranks.check("staging", problem)
+            self._ranks.check("staging", problem, blame=False)  # each problem names its directory and rank
         except CheckpointError:
             if self.rank == 0:
                 self._remote.release()
@@ -434,7 +418,7 @@ class Checkpointer:
             return
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
-        tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
+        tmp = self._commit.tmp_dir(step)
         engine = self._engine(choose_engine(self.config.engine, app))
         made: list[Path] = []
 
@@ -442,10 +426,7 @@ class Checkpointer:
             """This rank's part: the step's temporary directory (the directory's lowest rank), a private copy."""
             prepared, global_keys = engine.prepare(app)
             if self._leader:
-                try:
-                    made.append(layout.start_tmp(self.dir, step))
-                except OSError as err:
-                    raise CheckpointError(f"{tmp}: cannot create checkpoint directory: {err.strerror or err}") from None
+                made.append(self._commit.start(step))
             rng = capture_rng()
             states = {key: obj.state_dict() for key, obj in prepared.items()}
             found = loader_epoch(states) if epoch is None else epoch
@@ -474,7 +455,7 @@ class Checkpointer:
         self._last_step = step
         self._last_time = time.monotonic()
         self._thread = threading.Thread(target=self._write,
-                                        args=(engine, staged, replicated, global_keys, step, tmp, final, info),
+                                        args=(engine, staged, replicated, global_keys, step, tmp, info),
                                         name=f"fastio-ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_blocked_s = time.perf_counter() - t0
@@ -483,7 +464,7 @@ class Checkpointer:
             self._ranks.barrier("save")
 
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
-               step: int, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+               step: int, tmp: Path, info: dict[str, Any]) -> None:
         """Background thread (the seam where a staged save runs): the engine writes the staged copy, the ranks
         compress (if asked), then the step is committed and pruned; each phase is agreed over the writer's rank
         group, so any rank's failure fails every rank's save."""
@@ -504,17 +485,7 @@ class Checkpointer:
                 files = layout.data_files(tmp)[self._share[0]::self._share[1]]
                 ranks.barrier("compress")  # every rank has listed the files before any replaces one
                 ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
-            if self._node_local:
-                self._commit_node_local(tmp, step, info)
-            else:
-                def commit() -> None:
-                    if self.rank == 0:
-                        layout.commit(tmp, final, step=step, info=info)
-                        layout.apply_retention(self.dir, self.config.keep)
-                        if self._remote is not None:
-                            self._remote.after_commit(self.config.keep)
-
-                ranks.run("commit", commit)
+            self._commit.publish(ranks, self.rank, step, info, self.config.keep)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:
@@ -526,71 +497,6 @@ class Checkpointer:
             self._error, self._error_step = err, step
         finally:
             self._inflight_step = None
-
-    def _commit_node_local(self, tmp: Path, step: int, info: dict[str, Any]) -> None:
-        """Writer thread, collective: every node's files are uploaded by that node's ranks, then rank 0 writes
-        the commit marker to the store last and applies retention; any failure fails every rank's save. The
-        temporaries go afterwards: no node holds the whole step."""
-        remote, ranks = self._remote, self._writer_ranks
-        ranks.run("confirm", remote.confirm if self.rank == 0 else lambda: None)  # every engine.save has returned
-        i, n = self._share
-        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, layout.data_files(tmp)[i::n]))
-        every = ranks.gather("upload", records)
-
-        def publish() -> None:
-            if self.rank != 0:
-                return
-            files: dict[str, Any] = {}
-            for part in every:
-                twice = sorted(set(files) & set(part))
-                if twice:  # two nodes wrote the same file: the engine assumed one directory
-                    raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a "
-                                          "shared file system")
-                files.update(part)
-            remote.publish_commit(step, layout.commit_data(files, step=step, info=info), self.config.keep)
-
-        ranks.run("publish", publish)
-        if self._leader:
-            layout.remove_step(tmp)
-
-    def _restore_node_local(self, app: dict[str, Any], step: int | None, strict: bool) -> TrainState | None:
-        """``restore_latest`` with node-local staging: the candidates are the store's committed steps (newest
-        first); each is pulled into every staging dir that lacks it (by its lowest rank) and every copy checked
-        by the ranks that see it; a step that fails anywhere is moved aside on every node and the next tried."""
-        def make_plan() -> list[int]:
-            try:
-                steps = self._remote.committed_steps()
-            except StorageError as err:
-                raise CheckpointError(f"{self.config.url}: cannot list checkpoints: {err}") from None
-            if step is not None and step not in steps:
-                raise CheckpointError(f"{self.config.url}: no committed checkpoint for step {step} (committed: "
-                                      f"{', '.join(map(str, steps)) or 'none'})")
-            return [step] if step is not None else steps[::-1]
-
-        candidates = self._ranks.broadcast("plan", self._ranks.run("plan", make_plan if self.rank == 0 else list))
-        if self._leader:
-            layout.remove_abandoned(self.dir)
-        skipped: list[str] = []
-        for cand in candidates:
-            path = layout.step_dir(self.dir, cand)
-            problems = self._ranks.collect("fetch", lambda: self._remote.fetch(cand) or [] if self._leader else [])
-            problems = problems or self._check_step(path)
-            if not problems:
-                if skipped:
-                    log.warning("fastio: %s: skipped newer checkpoint(s): %s", self.config.url, "; ".join(skipped))
-                return self._restore(path, layout.read_commit(path), app, strict)
-            if step is not None:
-                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}")
-            skipped.append(f"step {cand}: {problems[0]}")
-            if self._leader and path.exists():
-                try:
-                    layout.quarantine(path)  # this node's copy: moved aside, a later restore downloads it again
-                except OSError:
-                    pass
-        if skipped:
-            raise CheckpointError(f"{self.config.url}: no intact checkpoint: {len(skipped)} step(s) could not be "
-                                  f"restored on every node, newest {skipped[0]}")
-        return None
 
     def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any], strict: bool) -> TrainState:
         if not commit.get("compression"):

@@ -97,14 +97,15 @@ class RankGroup:
             mine = [str(err) if isinstance(err, FastioError) else f"rank {self.rank}: {first_line(err)}"]
         return [p for part in self.gather(phase, mine) for p in part]
 
-    def check(self, phase: str, problem: str | None, *, cause: BaseException | None = None) -> None:
-        """Agree on this rank's ``problem`` (None: none): every rank raises the first rank's, or none does."""
+    def check(self, phase: str, problem: str | None, *, cause: BaseException | None = None, blame: bool = True) -> None:
+        """Agree on this rank's ``problem`` (None: none): every rank raises the first rank's, or none does.
+        ``blame=False`` leaves out which rank failed (for problems that already name what is wrong)."""
         every = self.gather(phase, problem)
         failed = [(r, p) for r, p in enumerate(every) if p]
         if failed:
             rank, text = failed[0]
             more = f", and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
-            where = f" ({phase} failed on rank {rank}{more})" if self.world > 1 else ""
+            where = f" ({phase} failed on rank {rank}{more})" if self.world > 1 and blame else ""
             raise CheckpointError(f"{text}{where}") from cause
 
     def gather(self, phase: str, obj: Any) -> list[Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -214,31 +213,3 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
-
-    def pull(self, step: int | None = None) -> None:
-        """Make the newest verified remote step (or ``step``) committed locally, unless it already is."""
-        try:
-            steps = self.committed_steps()
-        except StorageError as err:
-            raise CheckpointError(f"{self.url}: cannot list checkpoints: {err}") from None
-        local = {e.step for e in layout.committed(self.root)}
-        wanted = [step] if step is not None else sorted(steps, reverse=True)
-        for s in wanted:
-            if s in local:
-                return
-            if s not in steps:
-                continue
-            dest = layout.step_dir(self.root, s)
-            try:
-                self.mirror.pull(dest.name, dest)
-            except StorageError as err:
-                log.warning("fastio: %s/%s cannot be downloaded (%s); trying an older step", self.url, dest.name, err)
-                continue
-            try:
-                problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
-            except CheckpointError as err:  # an unreadable or unknown commit marker
-                problems = [str(err)]
-            if not problems:
-                return
-            log.warning("fastio: %s/%s does not verify (%s); trying an older step", self.url, dest.name, problems[0])
-            shutil.rmtree(dest, ignore_errors=True)

@@ -240,7 +240,8 @@ class DcpCheckpoint(SavedCheckpoint):
             template = {k: targets[k].state_dict() for k in shared}
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
-                         planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg, no_dist=_rank()[1] == 1)
+                         planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
+                         no_dist=_rank()[1] == 1)
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
