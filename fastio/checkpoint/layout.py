@@ -18,6 +18,9 @@ What may be deleted (the rules in one place):
 - committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.remote`; no node holds the whole step);
+- on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
+  first), and ``step-N/`` objects without a commit marker older than the newest committed step (a deletion
+  cut short), :mod:`fastio.checkpoint.remote`;
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
   step, left by a killed process): :func:`remove_abandoned` deletes it;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not

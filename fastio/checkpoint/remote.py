@@ -6,8 +6,9 @@ file into its staging directory and reports whose probes it sees; :func:`staging
 
 - **Shared** (one node, or a shared file system: every rank sees every probe). The engine writes and rank 0
   commits ``step-N/`` exactly as on a file system; then each committed step is uploaded with its commit marker
-  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads the newest committed remote step that is
-  not already local, checks every file against its commit marker and falls back to the next older one.
+  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads a committed remote step that is not
+  already local (:meth:`RemoteCheckpoints.fetch`), checks every file against its commit marker and falls back to
+  the next older one (a copy that does not verify is moved aside, not deleted).
 - **Node-local** (each group of ranks sees only its own directory, e.g. the default one under each node's
   cache dir). Every rank writes into its own node's ``step-N.tmp``; the ranks of a node share hashing and
   uploading that node's files to ``step-N/`` (:meth:`RemoteCheckpoints.upload_files`); rank 0 gathers every
@@ -18,11 +19,12 @@ file into its staging directory and reports whose probes it sees; :func:`staging
 - Anything else (a rank that cannot write its staging directory, or sees probes of ranks that do not see its
   own) is refused with one CheckpointError naming the ranks and hosts.
 
-Retention deletes only committed older steps on the store (marker first). One writer per prefix: rank 0 holds
-the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction to ``close``,
-beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and confirms it
-before a step's upload, before its commit marker and before retention; a lost lease fails that save (nothing
-more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
+Retention deletes only committed older steps on the store (marker first), and ``step-N/`` objects without a commit
+marker of steps older than the newest committed one (what a retention cut short by a kill leaves). One writer per
+prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction
+to ``close``, beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and
+confirms it before a step's upload, before its commit marker and before retention; a lost lease fails that save
+(nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
 """
 
