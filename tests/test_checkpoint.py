@@ -562,13 +562,14 @@ def test_preempted_exit_code_is_configurable_and_validated(tmp_path):
             Checkpointer(tmp_path / "c", preempted_exit_code=bad)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_checkpointer_refuses_a_dataset_directory(tmp_path, image_folder, split):
-    from fastio.convert import ConvertConfig, convert
+def test_checkpointer_refuses_a_dataset_directory(tmp_path, image_dataset):
+    from fastio.manifest import load_manifest, write_splits
 
-    ds = tmp_path / "ds"
-    convert(ConvertConfig(source=image_folder, dest=ds, split="val=0.5" if split else None))
-    before = sorted(p.name for p in ds.iterdir())
-    with pytest.raises(CheckpointError, match=r"is a fastio dataset \((manifest|splits)\.json\), not a checkpoint"):
-        Checkpointer(ds, signals=())
-    assert sorted(p.name for p in ds.iterdir()) == before  # no lock file dropped there
+    parent = tmp_path / "parent"  # a split dataset's parent: splits.json, no manifest of its own
+    parent.mkdir()
+    write_splits(parent, {"train": load_manifest(image_dataset)})
+    for ds, name in ((image_dataset, "manifest.json"), (parent, "splits.json")):
+        before = sorted(p.name for p in ds.iterdir())
+        with pytest.raises(CheckpointError, match=rf"{ds}: is a fastio dataset \({name}\), not a checkpoint"):
+            Checkpointer(ds, signals=())
+        assert sorted(p.name for p in ds.iterdir()) == before  # no lock file dropped there
