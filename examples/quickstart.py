@@ -56,7 +56,7 @@ while train.epoch < epochs:                  # after a restore, the epoch the ch
         if ckpt.preempted:                   # a signal came and the blocking save is made
             ckpt.close()
             print(f"preempted: saved step {step}; run the same command to resume", flush=True)
-            sys.exit(0)                      # not a failure: the same command resumes from here
+            sys.exit(ckpt.exit_code)         # preempted_exit_code (default 0): the same command resumes
     print(f"epoch {train.epoch} done: val accuracy {evaluate():.2f}", flush=True)
 
 if not start or step > start.step:           # the final state, so that a relaunch trains nothing more

@@ -192,7 +192,7 @@ def train(args: argparse.Namespace) -> int:
                 loader.close()
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                return 0
+                return ckpt.exit_code  # preempted_exit_code (default 0)
             if args.step_delay:
                 time.sleep(args.step_delay)
             if finished():

@@ -542,3 +542,34 @@ def test_signal_only_sets_a_flag_and_close_restores_handlers(tmp_path):
     assert not ckpt.preemption_requested
     ckpt.close()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_preempted_exit_code_is_configurable_and_validated(tmp_path):
+    app = {"model": nn.Linear(2, 2)}
+    with Checkpointer(tmp_path / "a", signals=()) as ckpt:
+        assert ckpt.exit_code == 0
+        ckpt.request_preemption()
+        assert ckpt.maybe_save(1, app) and ckpt.preempted
+        assert ckpt.exit_code == 0  # the default: a preempted run exits as it did before the option existed
+    with Checkpointer(tmp_path / "b", signals=(), preempted_exit_code=75) as ckpt:
+        ckpt.maybe_save(1, app)
+        assert ckpt.exit_code == 0  # not preempted
+        ckpt.request_preemption()
+        ckpt.maybe_save(2, app)
+        assert ckpt.exit_code == 75
+    for bad in (-1, 256, True, "75"):
+        with pytest.raises(ValueError, match="preempted_exit_code"):
+            Checkpointer(tmp_path / "c", preempted_exit_code=bad)
+
+
+def test_checkpointer_refuses_a_dataset_directory(tmp_path, image_dataset):
+    from fastio.manifest import load_manifest, write_splits
+
+    parent = tmp_path / "parent"  # a split dataset's parent: splits.json, no manifest of its own
+    parent.mkdir()
+    write_splits(parent, {"train": load_manifest(image_dataset)})
+    for ds, name in ((image_dataset, "manifest.json"), (parent, "splits.json")):
+        before = sorted(p.name for p in ds.iterdir())
+        with pytest.raises(CheckpointError, match=rf"{ds}: is a fastio dataset \({name}\), not a checkpoint"):
+            Checkpointer(ds, signals=())
+        assert sorted(p.name for p in ds.iterdir()) == before  # no lock file dropped there

@@ -8,7 +8,7 @@ import torch
 from helpers import run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint import Checkpointer, catalog, layout
 from fastio.storage import open_storage
 
 
@@ -119,3 +119,30 @@ def test_ckpt_ls_and_verify_read_an_s3_prefix_without_changing_it(moto_server, s
     code, _, err = run_cli(["ckpt", "verify", f"s3://{s3_bucket}/nothing"], capsys)
     assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a checkpoint prefix (no step-N/, " \
                                 "no .fastio-lock)\n"
+
+
+def test_leftovers_of_a_killed_retention_are_removed_by_the_next_commit(moto_server, s3_bucket, tmp_path):
+    """Issue 19.9: retention deletes a step's marker first, then its files; a kill in between leaves
+    ``step-N/`` objects (``fastio-writing.json`` among them) that are no checkpoint. The lease holder's next
+    commit removes those of steps older than the newest committed one, and nothing else."""
+    url = f"s3://{s3_bucket}/ckpt"
+    store = open_storage(url, moto_server.options())
+    app = make_app()
+    with Checkpointer(url, keep=1, storage_options=moto_server.options(), staging_dir=tmp_path / "s",
+                      signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+        kept = {o.key: store.get(o.key) for o in store.list() if o.key.startswith("step-1/")}
+        ckpt.save(2, app, blocking=True)
+    assert "step-1/fastio-writing.json" in kept
+    for key, data in kept.items():  # what a kill during the retention of step 1 leaves: all but the marker
+        if not key.endswith("fastio-commit.json"):
+            store.put_bytes(key, data)
+    store.put_bytes("step-7/model.bin", b"an upload of a newer step, not finished")  # newer: not touched
+    rows = catalog.list_steps(url, moto_server.options())[1]
+    assert [(r["step"], r["committed"]) for r in rows] == [(1, False), (2, True), (7, False)]
+    with Checkpointer(url, keep=1, storage_options=moto_server.options(), staging_dir=tmp_path / "s",
+                      signals=()) as ckpt:
+        ckpt.save(3, app, blocking=True)
+        assert ckpt.steps() == [3]
+    keys = {o.key.split("/")[0] for o in store.list()}
+    assert keys - {".fastio-lock"} == {"step-3", "step-7"}

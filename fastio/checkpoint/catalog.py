@@ -9,7 +9,6 @@ marker exactly as on disk; nothing on the store is changed.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,10 +20,7 @@ from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["list_steps", "verify_steps"]
-
-_STEP = re.compile(r"step-(\d+)")
-
+__all__ = ["list_steps", "remote_steps", "verify_steps"]
 
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
     """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
@@ -34,8 +30,8 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
         return str(loc.path), layout.list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
     rows = []
-    for step, sizes in _remote_steps(storage).items():
-        name = f"step-{step}"
+    for step, sizes in remote_steps(storage).items():
+        name = layout.step_name(step)
         commit, problem = None, None
         if layout.COMMIT_FILE in sizes:
             try:
@@ -60,14 +56,15 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
     if not loc.remote:
         return str(loc.path), layout.verify_report(loc.path, include_uncommitted=include_uncommitted)
     storage = open_storage(loc, storage_options)
-    steps = _remote_steps(storage)
+    steps = remote_steps(storage)
     if not steps and storage.head(LOCK_NAME) is None:
         raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
     mirror = DirMirror(storage, layout.COMMIT_FILE)
     problems, verified = [], []
     with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
         for step, sizes in steps.items():
-            name, url = f"step-{step}", storage.url_of(f"step-{step}")
+            name = layout.step_name(step)
+            url = storage.url_of(name)
             if layout.COMMIT_FILE not in sizes:
                 if include_uncommitted:
                     problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
@@ -84,7 +81,7 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
     return storage.url, layout.VerifyReport(problems, verified)
 
 
-def _remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
+def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
     """``{step: {key under step-N/: size}}`` of every ``step-N/`` prefix, oldest step first."""
     try:
         objects = storage.list()
@@ -93,9 +90,9 @@ def _remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
     steps: dict[int, dict[str, int]] = {}
     for o in objects:
         top, _, rest = o.key.partition("/")
-        m = _STEP.fullmatch(top)
-        if m and rest:
-            steps.setdefault(int(m[1]), {})[rest] = o.size
+        step = layout.parse_step_name(top)
+        if step is not None and rest:
+            steps.setdefault(step, {})[rest] = o.size
     return dict(sorted(steps.items()))
 
 

@@ -37,15 +37,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastio.checkpoint import compress, layout
+from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit, Unrecognised
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, choose_engine, get_engine, holds_dtensor
 from fastio.checkpoint.engines.base import Engine, first_line
+from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
 from fastio.dist import rank_and_world
-from fastio.errors import CheckpointError, FastioError, StorageError
+from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
 
 __all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
@@ -76,6 +78,8 @@ class TrainState:
     """The ``hparams`` the saving run was created with."""
     path: Path | None = None
     """The checkpoint directory restored from."""
+    skipped: list[str] = field(default_factory=list)
+    """What a ``strict=False`` restore left out (app keys, state keys, shape mismatches); empty otherwise."""
 
 
 def _rank_world() -> tuple[int, int]:
@@ -135,6 +139,12 @@ class Checkpointer:
         except (TypeError, ValueError) as err:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
         self.rank, self.world_size = _rank_world()
+        # Every collective of the Checkpointer goes through one of its two rank groups (fastio.checkpoint.group),
+        # each on a gloo group of its own: the training thread's (construction, scheduling, restores) and the
+        # writer thread's (a save's write and commit, and the engine's own collectives), so that the two
+        # threads' collectives never interleave, nor meet the training's own on the default group.
+        self._ranks = RankGroup("checkpointer", self.rank, self.world_size)
+        self._writer_ranks = RankGroup("checkpoint writer", self.rank, self.world_size)
         # An s3:// dir: steps are committed in the local staging dir, then uploaded (see fastio.checkpoint.remote).
         self._remote = None
         if self.config.url is not None:
@@ -144,34 +154,31 @@ class Checkpointer:
         self._engines: dict[str, Engine] = {}
         self._compression = compress.parse_compression(self.config.compression)
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
-        problem: list[str | None] = [None]
+        problem: str | None = None
         if self.rank == 0:
             try:
+                layout.refuse_dataset_dir(self.dir)
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
                 if self._remote is not None:
                     self._remote.hold()
             except OSError as err:
-                problem[0] = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
+                problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
             except (LockedError, FastioError) as err:
-                problem[0] = str(err)
-            if problem[0]:
+                problem = str(err)
+            if problem:
                 self._lock.release()
-        if self.world_size > 1:  # every rank fails together
-            dist.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            raise CheckpointError(problem[0])
+        self._ranks.check("open", problem)  # every rank fails together
         # The ranks that see this rank's directory (all, except for an s3:// dir staged node-locally): they
         # share hashing, compressing and checking its files; the lowest of them creates and cleans its step dirs.
-        self._group: tuple[int, ...] = tuple(range(self.world_size))
+        self._dir_ranks: tuple[int, ...] = tuple(range(self.world_size))
         if self._remote is not None and self.world_size > 1:
             self._group_staging()
-        self._share = (self._group.index(self.rank), len(self._group))
-        self._leader = self._share[0] == 0
+        self._commit: Commit = (NodeLocalCommit(self.dir, self._remote, self._dir_ranks)
+                                if len(self._dir_ranks) < self.world_size
+                                else LocalCommit(self.dir, self._remote, self.world_size))
+        self._leader = self._dir_ranks[0] == self.rank
         self._stager = Stager()
-        # Checkpoint collectives run on the writer thread, so they get a gloo group of their own and
-        # never interleave with the training thread's collectives on the default group.
-        self._pg = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
         self._error: BaseException | None = None
@@ -194,6 +201,12 @@ class Checkpointer:
         """A preemption signal arrived and has not been acted on yet."""
         return self._flag.requested
 
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: ``preempted_exit_code`` once a preemption save was made
+        (``preempted``), else 0. ``sys.exit(ckpt.exit_code)`` at the end of the training script."""
+        return self.config.preempted_exit_code if self.preempted else 0
+
     def request_preemption(self) -> None:
         """Act as if a preemption signal had arrived (the next ``maybe_save`` saves and sets ``preempted``)."""
         self._flag.request()
@@ -212,7 +225,7 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._agree(self._flag.requested, due, busy)
+        preempt, due, busy = self._ranks.any("schedule", self._flag.requested, due, busy)
         if step == self._last_step and not preempt:
             return False
         if preempt:
@@ -260,11 +273,9 @@ class Checkpointer:
 
     def steps(self) -> list[int]:
         """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
-        if self._remote is not None:
-            return self._remote.committed_steps()
-        return [e.step for e in layout.committed(self.dir)]
+        return self._commit.steps()
 
-    def restore_latest(self, app: dict[str, Any], step: int | None = None) -> TrainState | None:
+    def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True) -> TrainState | None:
         """Load the newest intact checkpoint (or ``step``) into ``app``; None when DIR holds none at all.
 
         Every file of the chosen checkpoint is first checked against its commit marker (size and
@@ -274,44 +285,28 @@ class Checkpointer:
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
         temporaries (``step-N.tmp``) are deleted. RNG states are restored last. A checkpoint written by
         another number of ranks is restored elastically (see :mod:`fastio.checkpoint.elastic`).
+
+        Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
+        parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
+        another shape are a CheckpointError naming the keys. ``strict=False`` restores what matches, leaves
+        the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
         """
         self._check_app(app)
         self._raise_if_failed(wait=True)
-        if self._node_local:
-            return self._restore_node_local(app, step)
-        plan: list[Any] = [None, None, None]  # candidate steps newest first, error, unrecognised step dirs
-        if self.rank == 0:
-            try:
-                _, left = layout.remove_abandoned(self.dir)
-                for entry in left:
-                    if entry.temporary:
-                        log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
-                if self._remote is not None:  # the newest remote step not here yet (verified below like any)
-                    self._remote.pull(step)
-                entries = layout.scan(self.dir)
-                done = [e.step for e in entries if e.committed]
-                plan[2] = [(e.step, str(e.path), e.problem) for e in entries if not e.committed and not e.temporary]
-                if step is not None:
-                    if step not in done:
-                        have = ", ".join(str(s) for s in done) or "none"
-                        plan[1] = f"{self.dir}: no committed checkpoint for step {step} (committed: {have})"
-                    plan[0] = [step]
-                else:
-                    plan[0] = done[::-1]
-            except OSError as err:
-                plan[1] = f"{self.dir}: cannot read checkpoint directory: {err}"
-            except CheckpointError as err:
-                plan[1] = str(err)
-        if self.world_size > 1:
-            dist.broadcast_object_list(plan, src=0)
-        candidates, error, unrecognised = plan
-        if error:
-            raise CheckpointError(error)
-        skipped: list[tuple[int, str, str]] = []
+        commit = self._commit
+
+        def plan() -> tuple[list[int], list[Unrecognised]] | None:
+            if self._leader:  # every directory's own abandoned temporaries
+                commit.clean()
+            return commit.plan(step) if self.rank == 0 else None
+
+        candidates, unrecognised = self._ranks.broadcast("plan", self._ranks.run("plan", plan))
+        skipped: list[Unrecognised] = []
         chosen = None
         for cand in candidates:
-            path = layout.step_dir(self.dir, cand)
-            problems = self._check_step(path)
+            path = commit.step_dir(cand)
+            problems = self._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if self._leader else [])
+            problems = problems or self._check_step(path)
             if not problems:
                 chosen = cand
                 break
@@ -320,39 +315,36 @@ class Checkpointer:
             if step is not None:
                 raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
         newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
+        where = self.config.url or self.dir
         if chosen is None:
             if newer:  # nothing to fall back to: leave everything where it is and say so
-                raise CheckpointError(f"{self.dir}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
+                raise CheckpointError(f"{where}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
                                       f"unrecognised, newest {newer[0][1]}: {newer[0][2]}")
             return None
-        if self.rank == 0:
-            for _, where, reason in newer:
+        if self._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
+            for _, path_, reason in newer:
+                if not Path(path_).exists():
+                    continue
                 try:
-                    moved = f"; moved aside to {layout.quarantine(Path(where)).name}"
+                    moved = f"; moved aside to {layout.quarantine(Path(path_)).name}"
                 except OSError as err:
                     moved = f"; left in place ({err.strerror or err})"
-                reason = reason[len(where) + 2:] if reason.startswith(f"{where}: ") else reason
-                log.warning("fastio: skipping checkpoint %s: %s%s", where, reason, moved)
-        path = layout.step_dir(self.dir, chosen)
-        commit = layout.read_commit(path)
-        return self._restore(path, commit, app)
+                reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
+                log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
+        path = commit.step_dir(chosen)
+        return self._restore(path, layout.read_commit(path), app, strict)
 
     # ----------------------------------------------------------------- internals
-    @property
-    def _node_local(self) -> bool:
-        """An s3:// dir whose staging directories are not all one (see fastio.checkpoint.remote)."""
-        return len(self._group) < self.world_size
-
     def _group_staging(self) -> None:
         """Collective at construction: find the ranks sharing this rank's staging dir; the lowest rank of each
         node-local dir (other than rank 0's) takes its DirLock. Every rank fails together, naming the problem."""
         from fastio.checkpoint.remote import staging_groups, staging_views
 
-        groups = staging_groups(staging_views(self.dir, self.rank, self.world_size))
-        problem = groups if isinstance(groups, str) else None
-        if problem is None:
-            self._group = next(g for g in groups if self.rank in g)
-            if len(groups) > 1 and self._group[0] == self.rank and self.rank != 0:
+        groups = staging_groups(staging_views(self.dir, self._ranks))  # the same on every rank
+        problem = groups if isinstance(groups, str) and self.rank == 0 else None
+        if not isinstance(groups, str):
+            self._dir_ranks = next(g for g in groups if self.rank in g)
+            if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0:
                 try:
                     self._lock.acquire()
                 except (LockedError, OSError) as err:
@@ -360,33 +352,28 @@ class Checkpointer:
             if len(groups) > 1 and self.rank == 0:
                 log.info("fastio: %s: %d node-local staging directories; each node uploads its own files",
                          self.config.url, len(groups))
-        problems = [problem]
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, problems)
-        first = next((p[0] for p in every if p[0]), None)
-        if first:
+        try:
+            self._ranks.check("staging", problem, blame=False)  # each problem names its directory and rank
+        except CheckpointError:
             if self.rank == 0:
                 self._remote.release()
             self._lock.release()
-            raise CheckpointError(first)
-
-    def _agree_problem(self, mine: str | None) -> str | None:
-        """Collective on the default group: the first rank's problem, so that every rank fails together."""
-        if self.world_size == 1:
-            return mine
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
-        return next((p for p in every if p), None)
+            raise
 
     def _engine(self, name: str) -> Engine:
         if name not in self._engines:
             self._engines[name] = get_engine(name)
         return self._engines[name]
 
+    @property
+    def _share(self) -> tuple[int, int]:
+        """This rank's place among the ranks that see its directory, and their number (they share its files)."""
+        return self._dir_ranks.index(self.rank), len(self._dir_ranks)
+
     def _check_step(self, path: Path) -> list[str]:
         """Collective: problems with the committed checkpoint in ``path`` (its marker, then every listed file
         against its recorded size and checksum, the ranks sharing the files); empty when intact."""
-        try:
+        def check() -> list[str]:
             entry = layout.StepEntry(int(path.name.split("-")[1]), path, layout.read_commit(path))
             name = entry.commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded
             if name not in ENGINES:
@@ -395,18 +382,9 @@ class Checkpointer:
             why = compress.check_marker(entry.commit)
             if why:
                 return [f"{path / layout.COMMIT_FILE}: {why}"]
-            mine = layout.verify_files(entry, part=self._share)  # every directory's copy, by the ranks seeing it
-        except CheckpointError as err:
-            mine = [str(err)]
-        return self._gather(mine)
+            return layout.verify_files(entry, part=self._share)  # every directory's copy, by the ranks seeing it
 
-    def _gather(self, mine: list[str]) -> list[str]:
-        """Collective over the checkpoint group: every rank's problems, rank order (also a barrier)."""
-        if self.world_size == 1:
-            return list(mine)
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, list(mine), group=self._pg)
-        return [p for part in every for p in part]
+        return self._ranks.collect("check", check)
 
     def _check_app(self, app: dict[str, Any]) -> None:
         if not isinstance(app, dict) or not app:
@@ -418,15 +396,6 @@ class Checkpointer:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"app[{key!r}] ({type(obj).__name__}) has no state_dict/load_state_dict")
 
-    def _agree(self, preempt: bool, due: bool, busy: bool) -> tuple[bool, bool, bool]:
-        if self.world_size == 1:
-            return preempt, due, busy
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        flags = torch.tensor([int(preempt), int(due), int(busy)], dtype=torch.int32, device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        p, d, b = (bool(v) for v in flags.tolist())
-        return p, d, b
-
     def _raise_if_failed(self, *, wait: bool) -> None:
         thread = self._thread
         if thread is not None and (wait or not thread.is_alive()):
@@ -435,84 +404,88 @@ class Checkpointer:
         if self._error is not None:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
+            why = str(err) if isinstance(err, CheckpointError) else first_line(err)
             raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
-                                  f"{first_line(err)} (the previous checkpoint is intact)") from err
+                                  f"{why} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
         self._check_app(app)
         if step == self._inflight_step or step == self._last_step:
             self._raise_if_failed(wait=True)
-            if blocking and self.world_size > 1:
-                dist.barrier()
+            if blocking:
+                self._ranks.barrier("save")
             return
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
-        tmp, final = layout.tmp_dir(self.dir, step), layout.step_dir(self.dir, step)
+        tmp = self._commit.tmp_dir(step)
         engine = self._engine(choose_engine(self.config.engine, app))
-        prepared, global_keys = engine.prepare(app)
-        problem = None
-        if self._leader:
-            try:
-                layout.start_tmp(self.dir, step)
-            except OSError as err:
-                problem = f"{tmp}: cannot create checkpoint directory: {err.strerror or err}"
-        problem = self._agree_problem(problem)  # every rank fails together, or the others would wait forever
-        if problem:
-            raise CheckpointError(problem)
-        rng = capture_rng()
-        states = {key: obj.state_dict() for key, obj in prepared.items()}
-        if epoch is None:
-            epoch = loader_epoch(states)
-        elapsed = self._elapsed_before + time.monotonic() - self._started
-        progress = {"version": PROGRESS_VERSION, "step": int(step), "epoch": -1 if epoch is None else int(epoch),
-                    "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "elapsed": float(elapsed),
-                    "hparams": self.hparams, "world_size": self.world_size}
-        states[RNG_KEY] = rng
-        states[PROGRESS_KEY] = progress
-        staged = self._stager.stage(states)
+        made: list[Path] = []
+
+        def stage() -> tuple[dict[str, Any], frozenset[str], dict[str, Any]]:
+            """This rank's part: the step's temporary directory (the directory's lowest rank), a private copy."""
+            prepared, global_keys = engine.prepare(app)
+            if self._leader:
+                made.append(self._commit.start(step))
+            rng = capture_rng()
+            states = {key: obj.state_dict() for key, obj in prepared.items()}
+            found = loader_epoch(states) if epoch is None else epoch
+            elapsed = self._elapsed_before + time.monotonic() - self._started
+            progress = {"version": PROGRESS_VERSION, "step": int(step), "epoch": -1 if found is None else int(found),
+                        "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "elapsed": float(elapsed),
+                        "hparams": self.hparams, "world_size": self.world_size}
+            states[RNG_KEY] = rng
+            states[PROGRESS_KEY] = progress
+            info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
+                    "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
+            return self._stager.stage(states), global_keys, info
+
+        try:  # every rank fails together, or the others would wait forever in the write's collectives
+            staged, global_keys, info = self._ranks.run("stage", stage)
+        except CheckpointError:
+            for path in made:
+                layout.remove_step(path)
+            raise
         replicated = list(self.config.replicated)  # progress holds per-rank metrics: not replicated
         if self.world_size > 1 and not global_keys:
             replicated += _replicated_keys(app)
-        info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
-                "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
         if self._compression is not None:
             info["compression"] = self._compression.codec
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
         self._thread = threading.Thread(target=self._write,
-                                        args=(engine, staged, replicated, global_keys, step, tmp, final, info),
+                                        args=(engine, staged, replicated, global_keys, step, tmp, info),
                                         name=f"fastio-ckpt-{step}", daemon=True)
         self._thread.start()
         self.last_blocked_s = time.perf_counter() - t0
         if blocking:
             self._raise_if_failed(wait=True)
-            if self.world_size > 1:
-                dist.barrier()
+            self._ranks.barrier("save")
 
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
-               step: int, tmp: Path, final: Path, info: dict[str, Any]) -> None:
-        """Background thread: the engine writes the staged copy, then rank 0 commits and prunes."""
+               step: int, tmp: Path, info: dict[str, Any]) -> None:
+        """Background thread (the seam where a staged save runs): the engine writes the staged copy, the ranks
+        compress (if asked), then the step is committed and pruned; each phase is agreed over the writer's rank
+        group, so any rank's failure fails every rank's save."""
         if self.config.writer_nice:
             try:  # Linux: a thread's own nice value; the I/O threads the engine starts here inherit it
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.writer_nice)
             except (AttributeError, OSError):
                 pass
         started = time.perf_counter()
+        ranks = self._writer_ranks
         try:
-            self._stager.wait_copies()
-            if self._compression is None:
-                engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
-            else:
-                self._save_compressed(engine, tmp, staged, replicated, global_keys)
-            if self._node_local:
-                self._commit_node_local(tmp, step, info)
-            elif self.rank == 0:
-                layout.commit(tmp, final, step=step, info=info)
-                layout.apply_retention(self.dir, self.config.keep)
-                if self._remote is not None:
-                    self._remote.after_commit(self.config.keep)
+            def write() -> None:
+                self._stager.wait_copies()
+                engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
+
+            ranks.run("write", write)
+            if self._compression is not None:
+                files = layout.data_files(tmp)[self._share[0]::self._share[1]]
+                ranks.barrier("compress")  # every rank has listed the files before any replaces one
+                ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
+            self._commit.publish(ranks, self.rank, step, info, self.config.keep)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:
@@ -525,205 +498,102 @@ class Checkpointer:
         finally:
             self._inflight_step = None
 
-    def _commit_node_local(self, tmp: Path, step: int, info: dict[str, Any]) -> None:
-        """Writer thread, collective: every node's files are uploaded by that node's ranks, then rank 0 writes
-        the commit marker to the store last and applies retention; any failure fails every rank's save. The
-        temporaries go afterwards: no node holds the whole step."""
-        remote = self._remote
-        mine: list[str] = []
-        if self.rank == 0:  # every engine.save has returned once this gather is through
-            try:
-                remote.confirm()
-            except CheckpointError as err:
-                mine.append(str(err))
-        problems = self._gather(mine)
-        if problems:
-            raise CheckpointError(problems[0])
-        records: dict[str, Any] = {}
-        try:
-            i, n = self._share
-            records = remote.upload_files(step, tmp, layout.data_files(tmp)[i::n])
-        except CheckpointError as err:
-            mine.append(f"rank {self.rank}: {err}")
-        every = self._gather_objects((records, mine))
-        problems = [p for _, part in every for p in part]
-        if problems:
-            raise CheckpointError(problems[0])
-        if self.rank == 0:
-            files: dict[str, Any] = {}
-            for part, _ in every:
-                twice = sorted(set(files) & set(part))
-                if twice:  # two nodes wrote the same file: the engine assumed one directory
-                    mine.append(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a shared "
-                                "file system")
-                    break
-                files.update(part)
-            if not mine:
-                try:
-                    remote.publish_commit(step, layout.commit_data(files, step=step, info=info), self.config.keep)
-                except CheckpointError as err:
-                    mine.append(str(err))
-        problems = self._gather(mine)
-        if problems:
-            raise CheckpointError(problems[0])
-        if self._leader:
-            layout.remove_step(tmp)
-
-    def _gather_objects(self, mine: Any) -> list[Any]:
-        """Collective over the checkpoint group: every rank's ``mine``, in rank order."""
-        if self.world_size == 1:
-            return [mine]
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self._pg)
-        return every
-
-    def _save_compressed(self, engine: Engine, tmp: Path, staged: dict[str, Any], replicated: list[str],
-                         global_keys: frozenset[str]) -> None:
-        """Writer thread, collective: the engine writes, then (once every rank's files are there) the ranks
-        share compressing them; any rank's failure fails every rank's save."""
-        failed: BaseException | None = None
-        try:
-            engine.save(tmp, staged, pg=self._pg, replicated=replicated, global_keys=global_keys)
-        except BaseException as err:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
-            failed = err
-        others = self._gather([f"rank {self.rank}: {first_line(failed)}"] if failed is not None else [])
-        if failed is not None:
-            raise failed
-        if others:
-            raise CheckpointError(f"another rank's write failed: {others[0]}")
-        i, n = self._share  # the ranks that see this directory share its files
-        files = layout.data_files(tmp)[i::n]
-        self._gather([])  # every rank has listed the files before any replaces one by its compressed file
-        mine: list[str] = []
-        try:
-            for p in files:
-                compress.compress_file(p, self._compression)
-        except CheckpointError as err:
-            mine.append(str(err))
-        problems = self._gather(mine)
-        if problems:
-            raise CheckpointError(problems[0])
-
-    def _restore_node_local(self, app: dict[str, Any], step: int | None) -> TrainState | None:
-        """``restore_latest`` with node-local staging: the candidates are the store's committed steps (newest
-        first); each is pulled into every staging dir that lacks it (by its lowest rank) and every copy checked
-        by the ranks that see it; a step that fails anywhere is moved aside on every node and the next tried."""
-        plan: list[Any] = [None, None]  # candidate steps newest first, error
-        if self.rank == 0:
-            try:
-                steps = self._remote.committed_steps()
-                if step is not None and step not in steps:
-                    plan[1] = (f"{self.config.url}: no committed checkpoint for step {step} (committed: "
-                               f"{', '.join(map(str, steps)) or 'none'})")
-                plan[0] = [step] if step is not None else steps[::-1]
-            except StorageError as err:
-                plan[1] = f"{self.config.url}: cannot list checkpoints: {err}"
-        dist.broadcast_object_list(plan, src=0)
-        candidates, error = plan
-        if error:
-            raise CheckpointError(error)
-        if self._leader:
-            layout.remove_abandoned(self.dir)
-        skipped: list[str] = []
-        for cand in candidates:
-            path = layout.step_dir(self.dir, cand)
-            mine: list[str] = []
-            if self._leader:
-                try:
-                    self._remote.fetch(cand)
-                except (CheckpointError, OSError) as err:
-                    mine.append(str(err))
-            problems = self._gather(mine) or self._check_step(path)
-            if not problems:
-                if skipped:
-                    log.warning("fastio: %s: skipped newer checkpoint(s): %s", self.config.url, "; ".join(skipped))
-                return self._restore(path, layout.read_commit(path), app)
-            if step is not None:
-                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}")
-            skipped.append(f"step {cand}: {problems[0]}")
-            if self._leader and path.exists():
-                try:
-                    layout.quarantine(path)  # this node's copy: moved aside, a later restore downloads it again
-                except OSError:
-                    pass
-        if skipped:
-            raise CheckpointError(f"{self.config.url}: no intact checkpoint: {len(skipped)} step(s) could not be "
-                                  f"restored on every node, newest {skipped[0]}")
-        return None
-
-    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
+    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any], strict: bool) -> TrainState:
         if not commit.get("compression"):
-            return self._restore_from(path, path, commit, app)
+            return self._restore_from(path, path, commit, app, strict)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
         # the work; the engine reads there; the directory goes when every rank is done with it.
-        where: tuple[str | None, str | None] = (None, None)
-        if self._leader:  # one private directory per staging directory, made by the lowest rank seeing it
+        def start() -> str | None:  # one private directory per staging directory, made by the lowest rank seeing it
+            if not self._leader:
+                return None
             try:
-                where = (str(layout.start_restore_dir(self.dir, commit["step"])), None)
+                return str(layout.start_restore_dir(self.dir, commit["step"]))
             except OSError as err:
-                where = (None, f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: {err.strerror or err}")
-        every = self._gather_objects(where)
-        error = next((e for _, e in every if e), None)
-        if error:
-            raise CheckpointError(error)
-        work = Path(every[self._group[0]][0])
+                raise CheckpointError(f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: "
+                                      f"{err.strerror or err}") from None
+
+        where = self._ranks.gather("decompress", self._ranks.run("decompress", start))
+        work = Path(where[self._dir_ranks[0]])
         try:
-            mine: list[str] = []
+            i, n = self._share
+            mine = sorted(commit["files"])[i::n]
+            self._ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
+                                                                         commit["compression"]) for rel in mine])
             try:
-                i, n = self._share
-                for rel in sorted(commit["files"])[i::n]:
-                    compress.restore_file(path / rel, work / compress.stored_name(rel), commit["compression"])
-            except CheckpointError as err:
-                mine.append(str(err))
-            problems = self._gather(mine)
-            if problems:
-                raise CheckpointError(problems[0])
-            try:
-                return self._restore_from(path, work, commit, app)
+                return self._restore_from(path, work, commit, app, strict)
             except CheckpointError as err:  # name the checkpoint, not the directory about to go
                 raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
         finally:
-            self._gather([])  # every rank is done reading
-            if self._leader:
-                shutil.rmtree(work, ignore_errors=True)
+            try:
+                self._ranks.barrier("restore")  # every rank is done reading
+            finally:
+                if self._leader:
+                    shutil.rmtree(work, ignore_errors=True)
 
-    def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any]) -> TrainState:
-        """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``."""
+    def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any],
+                      strict: bool) -> TrainState:
+        """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
+        makes, then the engine's load; each agreed, so a rank that fails fails every rank's restore."""
         name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
         engine = self._engine(name)
-        sharded = holds_dtensor(app)
-        if sharded and name != "dcp":
-            raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor (FSDP2 / "
-                                  f"tensor parallel) state of app key(s) {', '.join(sharded)}: restore it into the "
-                                  "unsharded model and save again with engine='dcp'")
-        app, _ = engine.prepare(app)
-        saved = engine.open(files, pg=self._pg)
-        saved_world = int(commit.get("world_size") or saved.world_size)
+        saved_world = int(commit.get("world_size") or 0)
+
+        def open_():
+            sharded = holds_dtensor(app)
+            if sharded and name != "dcp":
+                raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
+                                      f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
+                                      "into the unsharded model and save again with engine='dcp'")
+            prepared, _ = engine.prepare(app)
+            saved = engine.open(files, pg=self._ranks.pg)
+            world = saved_world or saved.world_size
+            src = self.rank % world  # the saving rank whose per-rank state this rank takes
+            have = saved.keys(src)
+            missing = sorted(k for k in prepared if k not in have)
+            if missing:
+                holds = ", ".join(sorted(k for k in have if not k.startswith(_RESERVED_PREFIX))) or "nothing"
+                raise CheckpointError(
+                    f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
+                    f"(it holds: {holds}; written by {world} rank(s), this run has {self.world_size})")
+            extra = sorted(k for k in have if k not in prepared and not k.startswith(_RESERVED_PREFIX))
+            if extra and strict:
+                raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
+                                      "app lacks (restore_latest(..., strict=False) skips them)")
+            return prepared, saved, world, extra
+
+        prepared, saved, saved_world, extra = self._ranks.run("open", open_)
         elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
-        src = self.rank % saved_world  # the saving rank whose per-rank state this rank takes
-        have = saved.keys(src)
-        missing = sorted(k for k in app if k not in have)
-        if missing:
-            holds = ", ".join(sorted(k for k in have if not k.startswith(_RESERVED_PREFIX))) or "nothing"
-            raise CheckpointError(
-                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
-                f"(it holds: {holds}; written by {saved_world} rank(s), this run has {self.world_size})")
         progress = Frozen({})
-        targets = dict(app)
+        targets = dict(prepared)
         targets[PROGRESS_KEY] = progress
         has_rng = not elastic and RNG_KEY in saved.keys(self.rank)
         if has_rng:
             targets[RNG_KEY] = Frozen(capture_rng())
-        try:
-            if elastic:
-                replicated, per_rank = restore_elastic(saved, targets, rank=self.rank, saved_world=saved_world,
-                                                       from_rank_zero=(PROGRESS_KEY,))
-            else:
-                saved.restore(targets)
-        except CheckpointError:
-            raise
-        except Exception as err:  # a mismatched model or a loader refusing its state lands here
-            raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+
+        def load() -> tuple[list[str], list[str], list[str]]:
+            replicated: list[str] = []
+            per_rank: list[str] = []
+            try:
+                if elastic:
+                    replicated, per_rank, skipped = restore_elastic(saved, targets, rank=self.rank,
+                                                                    saved_world=saved_world,
+                                                                    from_rank_zero=(PROGRESS_KEY,), strict=strict)
+                else:
+                    skipped = saved.restore(targets, strict=strict)
+            except CheckpointError:
+                raise
+            except Exception as err:  # a mismatched model or a loader refusing its state lands here
+                raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+            p = progress.state
+            if p.get("version") != PROGRESS_VERSION:
+                raise CheckpointError(f"{path}: progress record version {p.get('version')!r}, "
+                                      f"this fastio reads {PROGRESS_VERSION}")
+            return replicated, per_rank, list(skipped or [])
+
+        replicated, per_rank, skipped = self._ranks.run("load", load)
+        skipped = [f"app key {k} (not in this app)" for k in extra] + skipped
+        if skipped and self.rank == 0:
+            log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
         if elastic:
             if self.rank == 0:
                 log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
@@ -736,9 +606,6 @@ class Checkpointer:
         else:
             log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
         p = progress.state
-        if p.get("version") != PROGRESS_VERSION:
-            raise CheckpointError(f"{path}: progress record version {p.get('version')!r}, "
-                                  f"this fastio reads {PROGRESS_VERSION}")
         self._last_step = int(p.get("step", commit["step"]))
         self._last_time = time.monotonic()
         self._elapsed_before = float(p.get("elapsed", 0.0))
@@ -746,4 +613,5 @@ class Checkpointer:
         epoch = p.get("epoch", -1)
         return TrainState(step=self._last_step, epoch=None if epoch is None or epoch < 0 else int(epoch),
                           metrics=dict(p.get("metrics", {})), elapsed=self._elapsed_before,
-                          time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path)
+                          time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path,
+                          skipped=skipped)

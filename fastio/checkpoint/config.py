@@ -44,6 +44,11 @@ class CheckpointConfig:
     requeue: bool = False
     """After a preemption save under Slurm, rank 0 runs ``scontrol requeue <job id>``."""
 
+    preempted_exit_code: int = 0
+    """The exit status a preempted run should end with: ``sys.exit(ckpt.exit_code)`` gives this after a
+    preemption save and 0 otherwise. 0 (the default) reads as success; schedulers or wrappers that must tell a
+    preempted run from a finished one can ask for another value (0..255)."""
+
     replicated: tuple[str, ...] = field(default_factory=tuple)
     """Extra globs over ``key/sub/path`` (``"model/**"``) for state identical on all ranks, written once;
     DDP modules (and optimizers over DDP parameters only) are added."""
@@ -90,6 +95,10 @@ class CheckpointConfig:
         if isinstance(self.writer_nice, bool) or not isinstance(self.writer_nice, int) \
                 or not 0 <= self.writer_nice <= 19:
             raise ValueError(f"CheckpointConfig.writer_nice must be an int in 0..19, got {self.writer_nice!r}")
+        if isinstance(self.preempted_exit_code, bool) or not isinstance(self.preempted_exit_code, int) \
+                or not 0 <= self.preempted_exit_code <= 255:
+            raise ValueError(f"CheckpointConfig.preempted_exit_code must be an int in 0..255, "
+                             f"got {self.preempted_exit_code!r}")
         for name in ("every_steps", "keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -25,9 +25,10 @@ __all__ = ["restore_elastic"]
 
 
 def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, rank: int, saved_world: int,
-                    from_rank_zero: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+                    from_rank_zero: tuple[str, ...] = (), strict: bool = True) -> tuple[list[str], list[str], list[str]]:
     """Restore ``targets`` on this ``rank`` by the rule above (``saved_world`` ranks wrote ``saved``);
-    returns the ``(replicated, per_rank)`` keys.
+    returns the ``(replicated, per_rank)`` keys and what a non-``strict`` restore skipped (see
+    :meth:`SavedCheckpoint.restore <fastio.checkpoint.engines.base.SavedCheckpoint.restore>`).
 
     Collective (the replicated part). Keys in ``from_rank_zero`` are read from saving rank 0 instead
     of ``rank % saved_world``.
@@ -35,7 +36,7 @@ def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, ran
     src = rank % saved_world
     per_rank = [k for k in targets if not saved.is_replicated(k, src)]
     replicated = [k for k in targets if k not in per_rank]
-    saved.restore({k: targets[k] for k in replicated})
+    skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict)
     for key in per_rank:  # another rank's state, read leaf by leaf
         targets[key].load_state_dict(saved.read(key, 0 if key in from_rank_zero else src))
-    return replicated, per_rank
+    return replicated, per_rank, skipped

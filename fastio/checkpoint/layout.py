@@ -18,6 +18,9 @@ What may be deleted (the rules in one place):
 - committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.remote`; no node holds the whole step);
+- on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
+  first), and ``step-N/`` objects without a commit marker older than the newest committed step (a deletion
+  cut short), :mod:`fastio.checkpoint.remote`;
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
   step, left by a killed process): :func:`remove_abandoned` deletes it;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
@@ -44,6 +47,7 @@ from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.checksum import DIGESTS, digest_fd, digest_file
 from fastio.errors import CheckpointError
 from fastio.lock import LOCK_NAME
+from fastio.manifest import FORMAT, MANIFEST_NAME, SPLITS_FORMAT, SPLITS_NAME
 
 __all__ = [
     "CHECKSUM",
@@ -68,13 +72,16 @@ __all__ = [
     "parse_commit",
     "quarantine",
     "read_commit",
+    "refuse_dataset_dir",
     "remove_abandoned",
     "remove_step",
     "restore_dir",
     "scan",
     "start_restore_dir",
     "start_tmp",
+    "parse_step_name",
     "step_dir",
+    "step_name",
     "tmp_dir",
     "verify",
     "verify_files",
@@ -104,17 +111,28 @@ _HASH_THREADS = 4
 _NOT_FILES = (COMMIT_FILE, WRITING_FILE)
 
 
+def step_name(step: int) -> str:
+    """The name of ``step``'s committed directory (and of its prefix on an object store): ``step-N``."""
+    return f"step-{step}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step of a committed directory's name ``step-N``; None for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m and not m.group(2) else None
+
+
 def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step}"
+    return Path(root) / step_name(step)
 
 
 def tmp_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step-{step}.tmp"
+    return Path(root) / f"{step_name(step)}.tmp"
 
 
 def restore_dir(root: Path, step: int, pid: int | None = None) -> Path:
     """The private directory a restore of ``step`` decompresses into (hidden: never a step's name)."""
-    return Path(root) / f".step-{step}.restore-{os.getpid() if pid is None else pid}"
+    return Path(root) / f".{step_name(step)}.restore-{os.getpid() if pid is None else pid}"
 
 
 def start_restore_dir(root: Path, step: int) -> Path:
@@ -219,6 +237,19 @@ def is_checkpoint_dir(root: Path) -> bool:
     root = Path(root)
     return (root / LOCK_NAME).exists() or any(_STEP_RE.match(p.name) or _QUARANTINE_RE.match(p.name)
                                               for p in root.iterdir())
+
+
+def refuse_dataset_dir(root: Path) -> None:
+    """CheckpointError when ``root`` is a fastio dataset (its ``manifest.json`` or ``splits.json`` says so): a
+    Checkpointer must not drop its lock and steps among a dataset's files."""
+    for name, fmt in ((MANIFEST_NAME, FORMAT), (SPLITS_NAME, SPLITS_FORMAT)):
+        try:
+            data = json.loads((Path(root) / name).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("format") == fmt:
+            raise CheckpointError(f"{root}: is a fastio dataset ({name}), not a checkpoint directory; give the "
+                                  "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
 
 
 def _hash_and_sync(path: Path) -> tuple[int, str]:

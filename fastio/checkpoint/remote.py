@@ -6,8 +6,9 @@ file into its staging directory and reports whose probes it sees; :func:`staging
 
 - **Shared** (one node, or a shared file system: every rank sees every probe). The engine writes and rank 0
   commits ``step-N/`` exactly as on a file system; then each committed step is uploaded with its commit marker
-  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads the newest committed remote step that is
-  not already local, checks every file against its commit marker and falls back to the next older one.
+  last (:class:`fastio.storage.mirror.DirMirror`). A restore downloads a committed remote step that is not
+  already local (:meth:`RemoteCheckpoints.fetch`), checks every file against its commit marker and falls back to
+  the next older one (a copy that does not verify is moved aside, not deleted).
 - **Node-local** (each group of ranks sees only its own directory, e.g. the default one under each node's
   cache dir). Every rank writes into its own node's ``step-N.tmp``; the ranks of a node share hashing and
   uploading that node's files to ``step-N/`` (:meth:`RemoteCheckpoints.upload_files`); rank 0 gathers every
@@ -18,11 +19,12 @@ file into its staging directory and reports whose probes it sees; :func:`staging
 - Anything else (a rank that cannot write its staging directory, or sees probes of ranks that do not see its
   own) is refused with one CheckpointError naming the ranks and hosts.
 
-Retention deletes only committed older steps on the store (marker first). One writer per prefix: rank 0 holds
-the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction to ``close``,
-beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and confirms it
-before a step's upload, before its commit marker and before retention; a lost lease fails that save (nothing
-more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
+Retention deletes only committed older steps on the store (marker first), and ``step-N/`` objects without a commit
+marker of steps older than the newest committed one (what a retention cut short by a kill leaves). One writer per
+prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction
+to ``close``, beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and
+confirms it before a step's upload, before its commit marker and before retention; a lost lease fails that save
+(nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
 """
 
@@ -30,16 +32,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from fastio.checkpoint import layout
+from fastio.checkpoint.catalog import remote_steps
+from fastio.checkpoint.group import RankGroup
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
@@ -56,28 +57,27 @@ def default_staging_dir(url: str) -> Path:
     return default_cache_dir() / CHECKPOINT_STAGING / hashlib.sha256(url.encode()).hexdigest()[:20]
 
 
-def staging_views(root: Path, rank: int, world: int) -> list[tuple[int, str, str, tuple[int, ...]]]:
-    """Collective over the default group: ``(rank, host, staging dir, ranks whose probe file that rank sees)``
-    for every rank.
+def staging_views(root: Path, ranks: RankGroup) -> list[tuple[int, str, str, tuple[int, ...]]]:
+    """Collective over ``ranks``: ``(rank, host, staging dir, ranks whose probe file that rank sees)`` for every
+    rank.
 
     Each rank writes ``root/.fastio-staging-probe-<token>-<rank>`` (creating ``root``), all wait, each lists the
     probes of that token in its own ``root``, the views are gathered, and each rank removes its own probe."""
-    token: list[str | None] = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    stem = f".fastio-staging-probe-{token[0]}-"
+    rank = ranks.rank
+    token = ranks.broadcast("staging", uuid.uuid4().hex if rank == 0 else None)
+    stem = f".fastio-staging-probe-{token}-"
     mine = Path(root) / f"{stem}{rank}"
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
         mine.write_bytes(b"")
     except OSError:
         pass  # then this rank sees nothing, not even itself: reported like a staging dir apart
-    dist.barrier()
+    ranks.barrier("staging")
     try:
         seen = tuple(sorted(int(p.name[len(stem):]) for p in Path(root).glob(stem + "*")))
     except (OSError, ValueError):
         seen = ()
-    views: list = [None] * world
-    dist.all_gather_object(views, (rank, socket.gethostname(), str(root), seen))
+    views = ranks.gather("staging", (rank, socket.gethostname(), str(root), seen))
     try:
         mine.unlink(missing_ok=True)
     except OSError:
@@ -100,10 +100,6 @@ def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[t
                     "see different sets of staging directories; give staging_dir= either one directory on a shared "
                     "file system or one directory per node that no other node sees")
     return sorted(set(by_rank.values()), key=min)
-
-
-def _step_of(name: str) -> int:
-    return int(name.split("-", 1)[1])
 
 
 class RemoteCheckpoints:
@@ -140,7 +136,7 @@ class RemoteCheckpoints:
 
     def upload_files(self, step: int, tmp: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
         """Checksum and upload files of ``step-N.tmp`` to ``step-N/`` (no marker); their commit-marker records."""
-        sub = self.mirror.storage.child(f"step-{step}")
+        sub = self.mirror.storage.child(layout.step_name(step))
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(tmp).as_posix()
@@ -161,11 +157,9 @@ class RemoteCheckpoints:
         only while the lease (if held) is confirmed."""
         try:
             self._confirm()
-            self.mirror.storage.child(f"step-{step}").put_bytes(layout.COMMIT_FILE, layout.encode_commit(data))
-            if keep > 0:
-                self._confirm()
-                for old in self.committed_steps()[:-keep]:
-                    self.mirror.remove(f"step-{old}")
+            self.mirror.storage.child(layout.step_name(step)).put_bytes(layout.COMMIT_FILE,
+                                                                        layout.encode_commit(data))
+            self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
@@ -185,7 +179,26 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
-        return sorted(_step_of(n) for n in self.mirror.names() if n.startswith("step-") and n[5:].isdigit())
+        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None)
+
+    def _retain(self, keep: int) -> None:
+        """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
+        steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
+        during an earlier retention (or upload) left behind. While the lease is held no other writer is
+        uploading, and such a step was never, or is no longer, a checkpoint."""
+        steps = {step: layout.COMMIT_FILE in keys for step, keys in remote_steps(self.mirror.storage).items()}
+        done = sorted(s for s, marked in steps.items() if marked)
+        if not done:
+            return
+        old = done[:-keep] if keep > 0 else []
+        leftovers = [s for s, marked in steps.items() if not marked and s < done[-1]]
+        if old or leftovers:
+            self._confirm()
+        for step in old + sorted(leftovers):
+            self.mirror.remove(layout.step_name(step))
+        if leftovers:
+            log.info("fastio: %s: removed leftovers of uncommitted step(s) %s (older than committed step %d)",
+                     self.url, ", ".join(map(str, sorted(leftovers))), done[-1])
 
     def after_commit(self, keep: int) -> None:
         """Upload every locally committed step the store lacks, then apply retention on the store; each only
@@ -197,39 +210,8 @@ class RemoteCheckpoints:
                 if entry.step not in remote:
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
-            if keep > 0:
-                self._confirm()
-                for step in sorted(remote)[:-keep]:
-                    self.mirror.remove(f"step-{step}")
+            self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
-
-    def pull(self, step: int | None = None) -> None:
-        """Make the newest verified remote step (or ``step``) committed locally, unless it already is."""
-        try:
-            steps = self.committed_steps()
-        except StorageError as err:
-            raise CheckpointError(f"{self.url}: cannot list checkpoints: {err}") from None
-        local = {e.step for e in layout.committed(self.root)}
-        wanted = [step] if step is not None else sorted(steps, reverse=True)
-        for s in wanted:
-            if s in local:
-                return
-            if s not in steps:
-                continue
-            dest = layout.step_dir(self.root, s)
-            try:
-                self.mirror.pull(dest.name, dest)
-            except StorageError as err:
-                log.warning("fastio: %s/step-%d cannot be downloaded (%s); trying an older step", self.url, s, err)
-                continue
-            try:
-                problems = layout.verify_step(layout.StepEntry(s, dest, layout.read_commit(dest)))
-            except CheckpointError as err:  # an unreadable or unknown commit marker
-                problems = [str(err)]
-            if not problems:
-                return
-            log.warning("fastio: %s/step-%d does not verify (%s); trying an older step", self.url, s, problems[0])
-            shutil.rmtree(dest, ignore_errors=True)

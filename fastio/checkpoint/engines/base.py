@@ -57,9 +57,11 @@ class SavedCheckpoint(Protocol):
         (identical on every rank, so any rank of any world size may restore it)."""
         ...
 
-    def restore(self, targets: dict[str, Stateful]) -> None:
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
         """Collective: load each target from this rank's saved state (its own rank's, or the replicated
-        copy); each target's ``load_state_dict`` is called once. Raises what the engine raises."""
+        copy); each target's ``load_state_dict`` is called once. Raises what the engine raises. Modules are
+        restored by the strict rule (:mod:`fastio.checkpoint.engines.strict`): ``strict`` refuses any
+        difference with a CheckpointError naming the keys; otherwise returns what was skipped, one line each."""
         ...
 
     def read(self, key: str, rank: int) -> Any:

@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.engines.strict import Mismatch, shape_of
 from fastio.errors import CheckpointError
 
 __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
@@ -132,11 +133,53 @@ def check_metadata(path: Path) -> None:
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``, and applying
+    the strict rule (:mod:`fastio.checkpoint.engines.strict`) to the checkpoint's keys against the app's: DCP
+    itself loads only the keys it is asked for, so a checkpoint of a larger model would load silently."""
 
-    def __init__(self, where: Path):
-        super().__init__()
-        self.where = where
+    def __init__(self, where: Path, *, strict: bool = True, skipped: list[str] | None = None):
+        super().__init__(allow_partial_load=not strict)
+        self.where, self.strict = where, strict
+        self.skipped = skipped if skipped is not None else []
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        saved_paths = metadata.planner_data or {}
+
+        def top(fqn: str, paths: dict) -> str:
+            path = paths.get(fqn)
+            return str(path[0]) if path else fqn.split(".", 1)[0]
+
+        keys = {top(fqn, self.mappings) for fqn in self.state_dict}
+        saved = {fqn: getattr(m, "size", None) for fqn, m in metadata.state_dict_metadata.items()
+                 if top(fqn, saved_paths) in keys}
+        found = []
+        for key in sorted(keys):
+            sub = len(key) + 1  # state keys named inside their app key
+            theirs = {fqn[sub:]: (tuple(size) if size is not None else None)
+                      for fqn, size in saved.items() if top(fqn, saved_paths) == key}
+            ours = {fqn[sub:]: shape_of(v) for fqn, v in self.state_dict.items() if top(fqn, self.mappings) == key}
+            mismatch = Mismatch(key, theirs, ours)
+            if mismatch:
+                found.append(mismatch)
+        if not found:
+            return
+        if self.strict:
+            raise CheckpointError(f"{self.where}: checkpoint does not match the app: "
+                                  f"{'; '.join(line for m in found for line in m.lines())} "
+                                  "(restore_latest(..., strict=False) loads what matches and lists the rest)")
+        for m in found:
+            self.skipped.extend(m.lines())
+            for sub_key in m.skipped_keys:  # left as the app has them
+                self.state_dict.pop(f"{m.key}.{sub_key}", None)
+        self._planned = True
+
+    def create_local_plan(self):
+        if getattr(self, "_planned", False):  # keys were left out on purpose: not a DCP 2.3 checkpoint's names
+            return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+        return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -186,17 +229,19 @@ class DcpCheckpoint(SavedCheckpoint):
     def is_replicated(self, key: str, rank: int) -> bool:
         return key in self.global_keys
 
-    def restore(self, targets: dict[str, Stateful]) -> None:
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
         """Collective: global keys through one ``dcp.load`` into this run's own layout (resharding as
         needed), then this rank's per-rank keys."""
         rank, _ = _rank()
+        skipped: list[str] = []
         shared = [k for k in targets if k in self.global_keys]
         if shared:
             check_metadata(self.path)
             template = {k: targets[k].state_dict() for k in shared}
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
-                         planner=_SafeLoadPlanner(self.path), process_group=self.pg, no_dist=_rank()[1] == 1)
+                         planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
+                         no_dist=_rank()[1] == 1)
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -206,6 +251,7 @@ class DcpCheckpoint(SavedCheckpoint):
         for k in targets:
             if k not in self.global_keys:
                 targets[k].load_state_dict(self.read(k, rank))
+        return skipped
 
     def read(self, key: str, rank: int) -> Any:
         if key in self.global_keys:

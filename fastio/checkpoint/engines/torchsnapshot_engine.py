@@ -35,6 +35,7 @@ from torchsnapshot.manifest import (
 )
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.engines.strict import CheckedModule
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 
@@ -125,17 +126,23 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
     def is_replicated(self, key: str, rank: int) -> bool:
         return all(is_container_entry(e) or is_replicated(e) for e in self._entries(key, rank).values())
 
-    def restore(self, targets: dict[str, Stateful]) -> None:
-        """``Snapshot.restore(targets)``, one key at a time, each from a manifest holding only that key.
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
+        """``Snapshot.restore(targets)``, one key at a time, each from a manifest holding only that key;
+        modules through :class:`~fastio.checkpoint.engines.strict.CheckedModule` (the strict rule).
 
         torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``),
         so restoring model, optimizer, loader and progress would read every tensor once per key; with a
         view per key each byte is read once. The restored state is the same.
         """
+        from torch import nn
+
         snap = self._snap
         full = snap.metadata
+        skipped: list[str] = []
         try:
             for key, obj in targets.items():
+                if isinstance(obj, nn.Module):
+                    obj = CheckedModule(key, obj, strict=strict, where=str(self.path), skipped=skipped)
                 escaped = _encode(key)
                 view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [escaped]}
                 snap._metadata = replace(full, manifest=view)
@@ -145,6 +152,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                     raise self._refused(view) from None
         finally:
             snap._metadata = full
+        return skipped
 
     def _refused(self, view: dict[str, Any]) -> CheckpointError:
         """The one-line error for an object file ``torch.load(weights_only=True)`` refuses to unpickle."""

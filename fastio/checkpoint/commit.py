@@ -1,0 +1,189 @@
+"""Where a Checkpointer's steps are committed and found again: one interface, two implementations.
+
+:class:`Commit` owns a checkpoint directory's steps as the Checkpointer sees them: the temporary a save is
+written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.layout`), publishing it with its commit marker
+last, retention, which steps exist, and making a step readable locally before a restore checks it. The
+Checkpointer keeps the scheduling and decides what to restore; it runs one restore flow over either
+implementation (plan, fetch, check, fall back).
+
+- :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
+  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`layout.commit`) and applies retention; for
+  ``s3://`` it then uploads every committed step the store lacks and applies retention there
+  (:meth:`RemoteCheckpoints.after_commit`). Restore candidates: local committed steps, and the store's.
+- :class:`NodeLocalCommit`: an ``s3://`` dir staged in one directory per node. Each node's ranks upload their
+  node's files, rank 0 writes the commit marker to the store last and applies retention there, then the
+  temporaries go (:mod:`fastio.checkpoint.remote`). Restore candidates: the store's committed steps.
+
+Every method that takes a :class:`~fastio.checkpoint.group.RankGroup` is collective over it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fastio.checkpoint import layout
+from fastio.errors import CheckpointError, StorageError
+
+if TYPE_CHECKING:
+    from fastio.checkpoint.group import RankGroup
+    from fastio.checkpoint.remote import RemoteCheckpoints
+
+__all__ = ["Commit", "LocalCommit", "NodeLocalCommit", "Unrecognised"]
+
+log = logging.getLogger(__name__)
+
+Unrecognised = tuple[int, str, str]
+"""A ``step-N`` directory that is not a committed checkpoint: (step, path, why)."""
+
+
+class Commit(Protocol):
+    """The steps of one checkpoint directory (see the module docstring)."""
+
+    root: Path
+    """The local directory steps are written in and read from."""
+    ranks_here: tuple[int, ...]
+    """The ranks that see ``root`` (they share its files' work), lowest first; the lowest creates and cleans."""
+
+    def tmp_dir(self, step: int) -> Path: ...
+
+    def step_dir(self, step: int) -> Path: ...
+
+    def start(self, step: int) -> Path:
+        """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own."""
+        ...
+
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+        """Writer thread, collective: commit the fully written temporary of ``step`` (marker last), then retention
+        keeping ``keep`` (0: all); any rank's failure raises on every rank, nothing half-published is visible."""
+        ...
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        ...
+
+    def clean(self) -> None:
+        """The lowest rank of ``ranks_here``: delete fastio's own abandoned temporaries in ``root``."""
+        ...
+
+    def plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]]:
+        """Rank 0: the steps a restore tries (``[step]``, or every committed one newest first) and the step
+        directories that are not committed checkpoints. CheckpointError when ``step`` is not committed."""
+        ...
+
+    def fetch(self, step: int) -> None:
+        """The lowest rank of ``ranks_here``: make committed ``step`` readable in ``root`` (downloaded when it
+        is only on the store; not verified here, the caller checks every copy)."""
+        ...
+
+
+class _Steps:
+    def __init__(self, root: Path, remote: RemoteCheckpoints | None, ranks_here: tuple[int, ...]):
+        self.root, self.remote, self.ranks_here = Path(root), remote, ranks_here
+
+    def tmp_dir(self, step: int) -> Path:
+        return layout.tmp_dir(self.root, step)
+
+    def step_dir(self, step: int) -> Path:
+        return layout.step_dir(self.root, step)
+
+    def start(self, step: int) -> Path:
+        try:
+            return layout.start_tmp(self.root, step)
+        except OSError as err:
+            raise CheckpointError(f"{self.tmp_dir(step)}: cannot create checkpoint directory: "
+                                  f"{err.strerror or err}") from None
+
+    def clean(self) -> None:
+        _, left = layout.remove_abandoned(self.root)
+        for entry in left:
+            if entry.temporary:
+                log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
+
+    def fetch(self, step: int) -> None:
+        if self.remote is not None:
+            self.remote.fetch(step)
+
+    def _remote_steps(self) -> list[int]:
+        try:
+            return self.remote.committed_steps()
+        except StorageError as err:
+            raise CheckpointError(f"{self.remote.url}: cannot list checkpoints: {err}") from None
+
+
+class LocalCommit(_Steps):
+    """Steps committed in a directory every rank sees (and uploaded from there for an ``s3://`` dir)."""
+
+    def __init__(self, root: Path, remote: RemoteCheckpoints | None, world: int):
+        super().__init__(root, remote, tuple(range(world)))
+
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+        def commit() -> None:
+            if rank == 0:
+                layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
+                layout.apply_retention(self.root, keep)
+                if self.remote is not None:
+                    self.remote.after_commit(keep)
+
+        ranks.run("commit", commit)
+
+    def steps(self) -> list[int]:
+        if self.remote is not None:
+            return self._remote_steps()
+        return [e.step for e in layout.committed(self.root)]
+
+    def plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]]:
+        try:
+            entries = layout.scan(self.root)
+        except OSError as err:
+            raise CheckpointError(f"{self.root}: cannot read checkpoint directory: {err}") from None
+        done = {e.step for e in entries if e.committed}
+        if self.remote is not None:  # steps on the store not here yet are downloaded (and checked) when tried
+            done |= set(self._remote_steps())
+        unrecognised = [(e.step, str(e.path), e.problem or "") for e in entries
+                        if not e.committed and not e.temporary and e.step not in done]
+        if step is not None and step not in done:
+            have = ", ".join(str(s) for s in sorted(done)) or "none"
+            raise CheckpointError(f"{self.remote.url if self.remote else self.root}: no committed checkpoint for "
+                                  f"step {step} (committed: {have})")
+        return ([step] if step is not None else sorted(done, reverse=True)), unrecognised
+
+
+class NodeLocalCommit(_Steps):
+    """Steps of an ``s3://`` dir whose ranks stage in one directory per node: each node uploads its own files."""
+
+    remote: RemoteCheckpoints
+
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+        remote, tmp = self.remote, self.tmp_dir(step)
+        ranks.run("confirm", remote.confirm if rank == 0 else lambda: None)  # every engine.save has returned
+        i, n = self.ranks_here.index(rank), len(self.ranks_here)
+        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, layout.data_files(tmp)[i::n]))
+        every = ranks.gather("upload", records)
+
+        def commit() -> None:
+            if rank != 0:
+                return
+            files: dict[str, Any] = {}
+            for part in every:
+                twice = sorted(set(files) & set(part))
+                if twice:  # two nodes wrote the same file: the engine assumed one directory
+                    raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a "
+                                          "shared file system")
+                files.update(part)
+            remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
+
+        ranks.run("commit", commit)
+        if rank == self.ranks_here[0]:  # no node holds the whole step: the temporaries go
+            layout.remove_step(tmp)
+
+    def steps(self) -> list[int]:
+        return self._remote_steps()
+
+    def plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]]:
+        steps = self._remote_steps()
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{self.remote.url}: no committed checkpoint for step {step} (committed: "
+                                  f"{', '.join(map(str, steps)) or 'none'})")
+        return ([step] if step is not None else steps[::-1]), []

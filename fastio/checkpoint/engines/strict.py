@@ -1,0 +1,99 @@
+"""Strict restores: what a checkpoint holds against what the app has room for, one rule for both engines.
+
+A restore compares, per app key, the state keys the checkpoint holds with the state keys the app object has
+(and the shapes of tensors present in both). By default any difference is a
+:class:`~fastio.errors.CheckpointError` naming the app key and the state keys. With ``strict=False`` what
+matches is loaded, the rest of the app's state is left as it is, and every skipped key is listed (the
+Checkpointer logs them and hands them back in ``TrainState.skipped``).
+
+The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
+dict it rebuilt against the module's own), DCP in its load planner (the checkpoint's metadata against the
+flattened state dict it is asked to fill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastio.errors import CheckpointError
+
+__all__ = ["CheckedModule", "Mismatch", "shape_of"]
+
+_SHOWN = 8
+
+
+def shape_of(value: Any) -> tuple[int, ...] | None:
+    """The (global) shape of a tensor-like value, None for anything else."""
+    shape = getattr(value, "shape", None)
+    return tuple(int(n) for n in shape) if shape is not None and hasattr(value, "dtype") else None
+
+
+def _names(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_SHOWN])
+    return shown + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
+
+
+def _dims(shape: tuple[int, ...] | None) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+class Mismatch:
+    """The differences between one app key's state in a checkpoint and in the app."""
+
+    def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None]):
+        self.key = key
+        self.unexpected = sorted(k for k in saved if k not in own)
+        """In the checkpoint, not in the app."""
+        self.missing = sorted(k for k in own if k not in saved)
+        """In the app, not in the checkpoint."""
+        self.shapes = sorted((k, saved[k], own[k]) for k in saved if k in own and saved[k] != own[k]
+                             and saved[k] is not None and own[k] is not None)
+        """Tensors in both, of other shapes: (state key, checkpoint's shape, app's shape)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.unexpected or self.missing or self.shapes)
+
+    @property
+    def skipped_keys(self) -> set[str]:
+        """The app's state keys a non-strict restore leaves as they are."""
+        return set(self.missing) | {k for k, _, _ in self.shapes}
+
+    def lines(self) -> list[str]:
+        """One line per kind of difference, naming the app key and the state keys."""
+        out = []
+        if self.unexpected:
+            out.append(f"app key {self.key}: in the checkpoint, not in the app: {_names(self.unexpected)}")
+        if self.missing:
+            out.append(f"app key {self.key}: in the app, not in the checkpoint: {_names(self.missing)}")
+        if self.shapes:
+            shown = [f"{k} (checkpoint {_dims(a)}, app {_dims(b)})" for k, a, b in self.shapes]
+            out.append(f"app key {self.key}: other shape: {_names(shown)}")
+        return out
+
+    def refusal(self, where: str) -> CheckpointError:
+        return CheckpointError(f"{where}: checkpoint does not match the app: {'; '.join(self.lines())} "
+                               "(restore_latest(..., strict=False) loads what matches and lists the rest)")
+
+
+class CheckedModule:
+    """An ``nn.Module`` as a restore target that applies the rule to the state dict it is given."""
+
+    def __init__(self, key: str, module: Any, *, strict: bool, where: str, skipped: list[str]):
+        self.key, self.module, self.strict, self.where, self.skipped = key, module, strict, where, skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        own = self.module.state_dict()
+        found = Mismatch(self.key, {k: shape_of(v) for k, v in state_dict.items()},
+                         {k: shape_of(v) for k, v in own.items()})
+        if not found:
+            self.module.load_state_dict(state_dict)
+            return
+        if self.strict:
+            raise found.refusal(self.where)
+        self.skipped.extend(found.lines())
+        keep = {k: v for k, v in state_dict.items() if k in own and k not in found.skipped_keys}
+        self.module.load_state_dict(keep, strict=False)

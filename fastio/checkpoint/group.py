@@ -1,0 +1,162 @@
+"""The ranks of one Checkpointer: every agreement, gather and broadcast it makes, on one named gloo group.
+
+Saves and restores are collectives: if one rank returns or raises early, the others wait forever in the
+next collective. So every unit of local work that can fail on one rank (a *phase*: ``"write"``,
+``"commit"``, ``"check"``...) runs through :meth:`RankGroup.run`, which always reaches the agreement that
+follows it and raises the same :class:`~fastio.errors.CheckpointError` on every rank when any rank failed,
+naming the phase and the first failing rank.
+
+A rank that dies (its process ended, its host went down) makes gloo raise ``RuntimeError: Connection closed
+by peer`` in the survivors' next collective; :class:`RankGroup` turns that into a CheckpointError naming the
+phase and the rank that went away (found by process id on this host; a rank on another host is named when it
+is the only candidate).
+
+``fault_hook`` (module attribute) is a test hook: a callable ``fault_hook(group_name, phase)`` run on this rank at
+the end of each phase's local work (it raises to inject a failure of this rank in that phase, or ends the
+process to make the rank go away). Production code never sets it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from fastio.checkpoint.engines.base import first_line
+from fastio.errors import CheckpointError, FastioError
+
+__all__ = ["RankGroup"]
+
+T = TypeVar("T")
+
+fault_hook: Callable[[str, str], None] | None = None
+"""Test hook, see the module docstring."""
+
+
+def _alive(pid: int) -> bool:
+    """True when process ``pid`` (on this host) exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+class RankGroup:
+    """``world`` ranks on a gloo process group of their own, called ``name`` in messages.
+
+    Creating one is a collective over the default group (``dist.new_group``), as is every method except
+    :meth:`gone`. With one rank nothing is communicated.
+    """
+
+    def __init__(self, name: str, rank: int, world: int):
+        self.name, self.rank, self.world = name, rank, world
+        self.pg = dist.new_group(backend="gloo") if world > 1 else None
+        """The process group (None with one rank); engines run their own collectives on it."""
+        self._peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
+        if world > 1:
+            self._peers = self._collective("start", lambda: self._all_gather((socket.gethostname(), os.getpid())))
+
+    # ------------------------------------------------------------ the helpers callers use
+    def run(self, phase: str, fn: Callable[[], T], *, fail: type[BaseException] | None = None) -> T:
+        """Run ``fn`` on this rank, then agree: when ``fn`` raised on any rank, every rank raises the same
+        CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank)."""
+        result: Any = None
+        mine: str | None = None
+        cause: BaseException | None = None
+        try:
+            result = fn()
+            if fault_hook is not None:
+                fault_hook(self.name, phase)
+        except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
+            cause = err
+            mine = str(err) if isinstance(err, FastioError) else first_line(err)
+        self.check(phase, mine, cause=cause)
+        return result
+
+    def collect(self, phase: str, fn: Callable[[], list[str]]) -> list[str]:
+        """Every rank's problems (one line each, rank order) from running ``fn`` here; an exception of ``fn``
+        is this rank's problem. Nothing is raised: the caller decides (e.g. fall back to an older step)."""
+        try:
+            mine = list(fn())
+            if fault_hook is not None:
+                fault_hook(self.name, phase)
+        except Exception as err:  # noqa: BLE001 - one line per rank, gathered
+            mine = [str(err) if isinstance(err, FastioError) else f"rank {self.rank}: {first_line(err)}"]
+        return [p for part in self.gather(phase, mine) for p in part]
+
+    def check(self, phase: str, problem: str | None, *, cause: BaseException | None = None, blame: bool = True) -> None:
+        """Agree on this rank's ``problem`` (None: none): every rank raises the first rank's, or none does.
+        ``blame=False`` leaves out which rank failed (for problems that already name what is wrong)."""
+        every = self.gather(phase, problem)
+        failed = [(r, p) for r, p in enumerate(every) if p]
+        if failed:
+            rank, text = failed[0]
+            more = f", and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
+            where = f" ({phase} failed on rank {rank}{more})" if self.world > 1 and blame else ""
+            raise CheckpointError(f"{text}{where}") from cause
+
+    def gather(self, phase: str, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (also a barrier)."""
+        if self.world == 1:
+            return [obj]
+        return self._collective(phase, lambda: self._all_gather(obj))
+
+    def broadcast(self, phase: str, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self._collective(phase, lambda: dist.broadcast_object_list(box, src=src, group=self.pg))
+        return box[0]
+
+    def any(self, phase: str, *flags: bool) -> tuple[bool, ...]:
+        """Each flag OR-ed over the ranks."""
+        if self.world == 1:
+            return tuple(bool(f) for f in flags)
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+        self._collective(phase, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg))
+        return tuple(bool(v) for v in t.tolist())
+
+    def barrier(self, phase: str) -> None:
+        if self.world > 1:
+            self._collective(phase, lambda: dist.barrier(group=self.pg))
+
+    # ------------------------------------------------------------ peers going away
+    def gone(self) -> str:
+        """Who went away, as far as this rank can tell: ranks on this host whose process ended, else the only
+        other rank it could be, else the ranks on other hosts."""
+        host = socket.gethostname()
+        dead = [r for r, (h, pid) in enumerate(self._peers) if r != self.rank and h == host and not _alive(pid)]
+        if dead:
+            return ", ".join(f"rank {r} (pid {self._peers[r][1]} on {host})" for r in dead) + " went away"
+        unknown = [r for r, (h, _) in enumerate(self._peers) if r != self.rank and h != host]
+        if len(unknown) == 1:
+            return f"rank {unknown[0]} ({self._peers[unknown[0]][0]}) went away"
+        if unknown:
+            return f"one of ranks {', '.join(map(str, unknown))} (on other hosts) went away or stopped answering"
+        return "a peer rank closed its connection"
+
+    def _collective(self, phase: str, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except RuntimeError as err:  # gloo: a peer's process ended (connection closed or reset) or timed out
+            raise CheckpointError(f"checkpoint {phase}: {self.gone()} ({self.name} group, rank {self.rank} of "
+                                  f"{self.world}: {first_line(err)})") from err
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.pg)
+        return every

@@ -1,0 +1,106 @@
+"""A rank that fails, or goes away, in any phase of a save or a restore: every rank raises, none hangs.
+
+One multi-process run per world size (2 and 3 gloo ranks on 127.0.0.1) loops over the phases in-process:
+``fastio.checkpoint.group.fault_hook`` makes one rank fail at the end of that phase's local work. At the end
+the last rank ends its process in the middle of a save (issue 19.10): the survivors get a CheckpointError
+naming the phase and the rank that went away, not gloo's ``Connection closed by peer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import Position
+from torch import nn
+
+from fastio.checkpoint import Checkpointer, group
+from fastio.errors import CheckpointError
+
+SAVE_PHASES = ["stage", "write", "compress", "commit"]
+RESTORE_PHASES = ["plan", "check", "decompress", "open", "load"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    app = {"model": nn.Linear(4, 2), "loader": Position()}
+    seen: dict[str, str | None] = {}
+
+    def inject(phase: str, failing: int, *, die: bool = False):
+        def hook(_group: str, now: str) -> None:
+            if now == phase and rank == failing:
+                if die:
+                    os._exit(0)  # this rank goes away: its sockets close, the others are mid-collective
+                raise RuntimeError(f"injected fault in {phase}")
+        group.fault_hook = hook
+
+    def attempt(label: str, call) -> None:
+        try:
+            call()
+            seen[label] = None
+        except CheckpointError as err:
+            seen[label] = str(err)
+        finally:
+            group.fault_hook = None
+
+    ckpt = Checkpointer(root, signals=(), compression="zstd")
+    for i, phase in enumerate(SAVE_PHASES):
+        inject(phase, i % world)
+        attempt(f"save:{phase}", lambda s=10 + i: ckpt.save(s, app, blocking=True))
+    ckpt.save(100, app, blocking=True)  # a clean save still works after every failure
+    for i, phase in enumerate(RESTORE_PHASES):
+        inject(phase, (i + 1) % world)
+        attempt(f"restore:{phase}", lambda: ckpt.restore_latest(app, step=100))
+    attempt("restore:clean", lambda: ckpt.restore_latest(app))
+    inject("write", world - 1, die=True)
+    attempt("death", lambda: ckpt.save(200, app, blocking=True))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)  # the group lost a member: no orderly teardown
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, world):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(tmp_path / "ck"), str(tmp_path)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung"
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world - 1)]
+    assert not (tmp_path / f"rank{world - 1}.json").exists()  # it went away
+    for i, phase in enumerate(SAVE_PHASES + RESTORE_PHASES):
+        label = f"{'save' if phase in SAVE_PHASES else 'restore'}:{phase}"
+        failing = i % world if phase in SAVE_PHASES else (i - len(SAVE_PHASES) + 1) % world
+        texts = {s[label] for s in seen}
+        assert len(texts) == 1 and None not in texts, (label, texts)  # the same error on every rank
+        text = texts.pop()
+        assert f"injected fault in {phase}" in text, (label, text)
+        if phase != "check":  # a check's problem makes the step damaged: named by the rank that saw it
+            assert f"({phase} failed on rank {failing})" in text, (label, text)
+        else:
+            assert f"rank {failing}: RuntimeError" in text and "damaged checkpoint" in text, text
+    assert all(s["restore:clean"] is None for s in seen)
+    for s in seen:
+        assert "checkpoint write: rank " + str(world - 1) in s["death"] and "went away" in s["death"], s["death"]
+        assert "Connection closed" not in s["death"].split("(")[0]
