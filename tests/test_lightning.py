@@ -39,7 +39,7 @@ def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
 
 
 
-def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, image_dataset):
+def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, image_dataset, one_thread):
     Classifier = _example().Classifier
     pl.seed_everything(0, verbose=False)
     model = Classifier(4)
@@ -63,7 +63,7 @@ def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, imag
         assert same_batch(resumed.state_dict(), want), f"weights after resuming from step {step}"
 
 
-def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dataset):
+def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dataset, one_thread):
     """limit_train_batches=2: Lightning's epoch 1 starts the Loader's epoch 1, not batch 3 of epoch 0."""
     Classifier = _example().Classifier
     model = Classifier(4)

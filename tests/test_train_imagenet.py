@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
-import torch
 from helpers import run_cli
 
 from fastio.synthetic import make_imagefolder
@@ -22,15 +20,6 @@ def _recipe():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model trains faster on one torch thread than on two busy-waiting ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_fastio_and_torchvision_backends_learn_alike(tmp_path, capsys, one_thread):
