@@ -76,6 +76,25 @@ def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dat
     assert model.seen == [(0, i) for i in epoch0] + [(1, i) for i in epoch1]
 
 
+def test_every_validation_sees_the_whole_validation_set(tmp_path, image_dataset, one_thread):
+    """Lightning's sanity check runs 2 validation batches before training; the validation after epoch 0 must
+    still see every sample, not the rest of an epoch the sanity check started."""
+    class Recording(_example().Classifier):
+        def on_validation_epoch_start(self):
+            self.val_runs = [*getattr(self, "val_runs", []), []]
+
+        def validation_step(self, batch, batch_idx):
+            self.val_runs[-1] += batch["index"][~batch["padded"]].tolist()
+            return super().validation_step(batch, batch_idx)
+
+    model = Recording(4)
+    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=1, enable_checkpointing=False).fit(model, datamodule=data)
+    sanity, *after_epochs = model.val_runs
+    assert sanity == list(range(16))  # 2 batches of 8, in dataset order (shuffle="none")
+    assert after_epochs == [list(range(48))] * 2
+
+
 def test_the_datamodule_refuses_a_rank_of_its_own(image_dataset):
     with pytest.raises(ValueError, match="rank= is taken from the Lightning trainer"):
         FastioDataModule(image_dataset, rank=1, **OPTIONS)
@@ -98,10 +117,11 @@ def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
 
     def run(*args: str) -> None:
-        cmd = [sys.executable, str(EXAMPLE), "--data", str(image_dataset), "--devices", "2", "--max-epochs", "2",
-               *args]
+        cmd = [sys.executable, str(EXAMPLE), "--data", str(image_dataset), "--val", str(image_dataset),
+               "--devices", "2", "--max-epochs", "2", *args]
         done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "val_acc" in done.stdout, done.stdout[-3000:]  # validation ran, on both ranks (sync_dist)
 
     # 48 samples, 2 ranks x 8: 3 steps an epoch; checkpoints at steps 2, 4 and 6
     run("--ckpt-dir", "ckpt", "--every-n-steps", "2", "--save-weights", "full.pt", "--log-indices", "seen")

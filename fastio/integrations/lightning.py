@@ -46,16 +46,21 @@ class LightningLoader:
     """A :class:`fastio.Loader` as Lightning expects a stateful dataloader (see the module docstring).
 
     Iterating, ``len``, ``state_dict``/``load_state_dict`` and every other attribute are the Loader's own
-    (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself).
+    (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself). ``whole_epochs=True``
+    (validation): each iteration starts an epoch from its beginning, also when the last one was left unfinished
+    (Lightning's sanity check reads 2 batches; ``limit_val_batches``).
     """
 
     batch_sampler = None  # Lightning looks for a sampler here too; there is none
 
-    def __init__(self, loader: Loader):
+    def __init__(self, loader: Loader, *, whole_epochs: bool = False):
         self.loader = loader
         self.sampler = _EpochSetter(loader)
+        self.whole_epochs = whole_epochs
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.whole_epochs and self.loader.state_dict()["consumed"]:
+            self.loader.set_epoch(self.loader.epoch + 1)
         return iter(self.loader)
 
     def __len__(self) -> int:
@@ -78,7 +83,8 @@ class FastioDataModule(pl.LightningDataModule):
     training Loader's :class:`~fastio.LoaderConfig` and overrides (``batch_size=``, ``device=``, ...). The
     validation Loader takes the same options with ``pipeline="image-eval"``, ``shuffle="none"`` and
     ``remainder="partial"`` (each sample once; repeats flagged in ``batch["padded"]``), then ``val_options``
-    over them. ``rank`` and ``world_size`` come from the trainer and cannot be given.
+    over them; every validation run reads a whole epoch of it. ``rank`` and ``world_size`` come from the trainer
+    and cannot be given.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
@@ -92,22 +98,24 @@ class FastioDataModule(pl.LightningDataModule):
         self.val_config = dataclasses.replace(self.config, **{"pipeline": "image-eval", "shuffle": "none",
                                                               "remainder": "partial", **(val_options or {})})
         self._loaders: list[Loader] = []
+        if val is None:  # Lightning runs no validation loop for a datamodule without this method
+            self.val_dataloader = None
 
-    def _make(self, dest: str | Path, config: LoaderConfig) -> LightningLoader:
+    def _make(self, dest: str | Path, config: LoaderConfig, whole_epochs: bool = False) -> LightningLoader:
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("FastioDataModule makes its Loaders for a trainer: pass it to trainer.fit(...)")
         loader = Loader(dest, config, rank=trainer.global_rank, world_size=trainer.world_size)
         self._loaders.append(loader)
-        return LightningLoader(loader)
+        return LightningLoader(loader, whole_epochs=whole_epochs)
 
     def train_dataloader(self) -> LightningLoader:
         if self.train is None:
             raise ValueError("FastioDataModule(train=None) has no training data")
         return self._make(self.train, self.config)
 
-    def val_dataloader(self) -> LightningLoader | list:
-        return [] if self.val is None else self._make(self.val, self.val_config)
+    def val_dataloader(self) -> LightningLoader:
+        return self._make(self.val, self.val_config, whole_epochs=True)
 
     def teardown(self, stage: str) -> None:
         for loader in self._loaders:
