@@ -25,6 +25,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from enum import Enum
@@ -548,4 +549,10 @@ def accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[torc
 
 
 if __name__ == "__main__":
-    main()
+    from fastio import FastioError
+
+    try:
+        main()
+    except FastioError as err:  # a missing or broken dataset: one line, not a traceback
+        print(f"train_imagenet.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

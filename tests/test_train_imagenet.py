@@ -39,8 +39,11 @@ def test_fastio_and_torchvision_backends_learn_alike(tmp_path, capsys, one_threa
             common[common.index("-j") + 1] = "0"  # DataLoader in this process
         acc[backend] = recipe.main([str(data), "--data-backend", backend, "--out", str(out), *common])
         assert (out / "checkpoint.pth.tar").is_file() and (out / "model_best.pth.tar").is_file()
+    # the best checkpoint, evaluated again, gives the accuracy it was saved with
+    again = recipe.main([str(ds), "--evaluate", "--resume", str(tmp_path / "fastio" / "model_best.pth.tar"), *common])
+    assert again == acc["fastio"]
     printed = capsys.readouterr().out
-    assert printed.count("best Acc@1") == 2, printed[-2000:]
+    assert printed.count("best Acc@1") == 2 and "=> loaded checkpoint" in printed, printed[-2000:]
     # 4 classes: chance is 25 %; 100 validation images, so one run's accuracy moves by several points
     assert acc["fastio"] >= 60 and acc["torchvision"] >= 60, acc
     assert abs(acc["fastio"] - acc["torchvision"]) <= 20, acc
