@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 from torch.nn import functional as F
 
-from fastio import Loader
+from fastio import FastioError, Loader
 
 
 def make_model(classes: int) -> nn.Module:
@@ -79,4 +80,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FastioError as err:  # a missing or broken dataset: one line, not a traceback
+        print(f"accelerate_train.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

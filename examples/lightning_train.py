@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-from fastio import Dataset
+from fastio import Dataset, FastioError
 from fastio.integrations.lightning import FastioDataModule
 
 
@@ -99,4 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except FastioError as err:  # a missing or broken dataset: one line, not a traceback
+        print(f"lightning_train.py: error: {err}", file=sys.stderr)
+        sys.exit(2)
