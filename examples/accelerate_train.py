@@ -2,7 +2,11 @@
 
     python examples/accelerate_train.py --data ds/train --epochs 2 --save-at 5 --state-dir state
     python examples/accelerate_train.py --data ds/train --epochs 2 --resume state
-    torchrun --nproc-per-node 2 examples/accelerate_train.py --data ds/train ...   (or: accelerate launch)
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --data ds/train ...
+    accelerate launch --multi_gpu --num_processes 8 examples/accelerate_train.py --data ds/train ...  (GPUs)
+
+On the CPU, start several processes with torchrun: ``accelerate launch --cpu`` starts one, whatever
+``--num_processes`` says.
 
 The Loader is made with Accelerate's process index and count, and is NOT passed to ``accelerator.prepare``: that
 would return it unchanged (it is not a torch ``DataLoader``), but a ``DataLoader`` wrapping it would be re-sharded
