@@ -103,6 +103,17 @@ def aws_env(monkeypatch, moto_server, tmp_path):
     monkeypatch.setenv("FASTIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for a tiny model trained in the test process (two would busy-wait on a shared core)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _keep_signal_handlers():
     """Checkpointers that are never closed would leave their flag-only handlers in the pytest process."""

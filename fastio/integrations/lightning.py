@@ -1,0 +1,123 @@
+"""fastio inside Lightning: Loaders made for Lightning's ranks, following Lightning's epochs, saved in its checkpoints.
+
+:class:`FastioDataModule` makes the Loaders in ``train_dataloader()``/``val_dataloader()``, that is after the
+strategy has set up the processes, with ``rank=trainer.global_rank`` and ``world_size=trainer.world_size``
+(a Loader made at the top of a script launched by ``strategy="ddp"`` would see no rank yet). Each is handed to
+Lightning as a :class:`LightningLoader`:
+
+- not a ``torch.utils.data.DataLoader``, so Lightning does not wrap it, inject a ``DistributedSampler`` or re-shard
+  it (``use_distributed_sampler`` does not apply): every rank gets its own slice of fastio's global order;
+- ``state_dict``/``load_state_dict`` make it stateful in Lightning's sense: the position is saved in every
+  checkpoint (``loops.fit_loop.state_dict.combined_loader``) and restored by ``trainer.fit(ckpt_path=...)``,
+  mid-epoch included; the state is global (samples consumed by all ranks), so rank 0's serves every rank;
+- ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the Loader to that epoch
+  (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
+  also when ``limit_train_batches`` or a restore ends an epoch early.
+
+Lightning's data fetcher reads one batch ahead only for iterables without a length; a Loader has one, so the
+position Lightning saves after batch ``k`` is the one after batch ``k`` and not ``k + 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from fastio.loader import Loader, LoaderConfig
+
+__all__ = ["FastioDataModule", "LightningLoader"]
+
+
+class _EpochSetter:
+    """What Lightning finds as ``loader.sampler``: its ``set_epoch(epoch)`` calls ``Loader.set_epoch``."""
+
+    def __init__(self, loader: Loader):
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+class LightningLoader:
+    """A :class:`fastio.Loader` as Lightning expects a stateful dataloader (see the module docstring).
+
+    Iterating, ``len``, ``state_dict``/``load_state_dict`` and every other attribute are the Loader's own
+    (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself). ``whole_epochs=True``
+    (validation): each iteration starts an epoch from its beginning, also when the last one was left unfinished
+    (Lightning's sanity check reads 2 batches; ``limit_val_batches``).
+    """
+
+    batch_sampler = None  # Lightning looks for a sampler here too; there is none
+
+    def __init__(self, loader: Loader, *, whole_epochs: bool = False):
+        self.loader = loader
+        self.sampler = _EpochSetter(loader)
+        self.whole_epochs = whole_epochs
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.whole_epochs and self.loader.state_dict()["consumed"]:
+            self.loader.set_epoch(self.loader.epoch + 1)
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found above
+        return getattr(self.__dict__["loader"], name)
+
+
+class FastioDataModule(pl.LightningDataModule):
+    """Training (and optionally validation) Loaders for ``trainer.fit(model, datamodule=...)``.
+
+    ``train``/``val``: dataset directories or URLs (``val`` may be None). ``config`` and ``**options``: the
+    training Loader's :class:`~fastio.LoaderConfig` and overrides (``batch_size=``, ``device=``, ...). The
+    validation Loader takes the same options with ``pipeline="image-eval"``, ``shuffle="none"`` and
+    ``remainder="partial"`` (each sample once; repeats flagged in ``batch["padded"]``), then ``val_options``
+    over them; every validation run reads a whole epoch of it. ``rank`` and ``world_size`` come from the trainer
+    and cannot be given.
+    """
+
+    def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
+                 config: LoaderConfig | None = None, val_options: dict[str, Any] | None = None, **options: Any):
+        super().__init__()
+        for name in ("rank", "world_size"):
+            if name in options or name in (val_options or {}):
+                raise ValueError(f"{name}= is taken from the Lightning trainer; do not pass it")
+        self.train, self.val = train, val
+        self.config = dataclasses.replace(config, **options) if config is not None else LoaderConfig(**options)
+        self.val_config = dataclasses.replace(self.config, **{"pipeline": "image-eval", "shuffle": "none",
+                                                              "remainder": "partial", **(val_options or {})})
+        self._loaders: list[Loader] = []
+        if val is None:  # Lightning runs no validation loop for a datamodule without this method
+            self.val_dataloader = None
+
+    def _make(self, dest: str | Path, config: LoaderConfig, whole_epochs: bool = False) -> LightningLoader:
+        trainer = self.trainer
+        if trainer is None:
+            raise RuntimeError("FastioDataModule makes its Loaders for a trainer: pass it to trainer.fit(...)")
+        loader = Loader(dest, config, rank=trainer.global_rank, world_size=trainer.world_size)
+        self._loaders.append(loader)
+        return LightningLoader(loader, whole_epochs=whole_epochs)
+
+    def train_dataloader(self) -> LightningLoader:
+        if self.train is None:
+            raise ValueError("FastioDataModule(train=None) has no training data")
+        return self._make(self.train, self.config)
+
+    def val_dataloader(self) -> LightningLoader:
+        return self._make(self.val, self.val_config, whole_epochs=True)
+
+    def teardown(self, stage: str) -> None:
+        for loader in self._loaders:
+            loader.close()
+        self._loaders.clear()

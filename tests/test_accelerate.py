@@ -1,0 +1,60 @@
+"""fastio inside Hugging Face Accelerate (``fastio[accelerate]``), on the CPU: ``register_for_checkpointing(loader)``,
+``save_state`` mid-epoch, ``load_state`` in a new process, and the run ends with the weights of the run that was
+never interrupted, bit for bit; on one process and on two (torchrun, gloo). Runs ``examples/accelerate_train.py``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from resume import same_batch
+
+pytest.importorskip("accelerate")
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "accelerate_train.py"
+
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(tmp_path: Path, saved_after: tuple[int, int]) -> None:
+    full, resumed = (torch.load(tmp_path / name, weights_only=True) for name in ("full.pt", "resumed.pt"))
+    assert same_batch(full, resumed)
+    # the saved position is mid-epoch, so the check above is not trivially an epoch restart
+    saved = torch.load(tmp_path / "state" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert (saved["epoch"], saved["consumed"]) == saved_after
+
+
+def test_one_process_save_state_mid_epoch_then_load_state(tmp_path, image_dataset, monkeypatch, one_thread):
+    """In this process (two Accelerators in turn, as in a notebook): 6 steps an epoch, saved after step 8."""
+    monkeypatch.chdir(tmp_path)
+    main = _example().main
+    common = ["--data", str(image_dataset), "--epochs", "2"]
+    main([*common, "--save-at", "8", "--state-dir", "state", "--save-weights", "full.pt"])
+    main([*common, "--resume", "state", "--save-weights", "resumed.pt"])
+    _check(tmp_path, (1, 16))
+
+
+def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp_path, image_dataset):
+    """torchrun, gloo: 2 processes x 8 a batch, 3 steps an epoch, saved after step 4."""
+    from s3server import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), str(EXAMPLE), "--data", str(image_dataset), "--epochs", "2"]
+    for args in (["--save-at", "4", "--state-dir", "state", "--save-weights", "full.pt"],
+                 ["--resume", "state", "--save-weights", "resumed.pt"]):
+        done = subprocess.run([*launch, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _check(tmp_path, (1, 16))

@@ -1,0 +1,141 @@
+"""fastio inside Lightning (``fastio[lightning]``), on the CPU: mid-epoch checkpoints resume bit for bit, on one
+process (a plain Loader given to ``trainer.fit``) and on two (``strategy="ddp"`` on gloo, through
+``examples/lightning_train.py`` and ``FastioDataModule``); Lightning neither wraps nor re-shards the Loaders and
+their epochs follow Lightning's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from resume import same_batch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from fastio import Loader  # noqa: E402
+from fastio.integrations.lightning import FastioDataModule, LightningLoader  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "lightning_train.py"
+OPTIONS = dict(batch_size=8, image_size=32, device="cpu", num_threads=1, reader_threads=1)
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
+
+
+
+def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, image_dataset, one_thread):
+    Classifier = _example().Classifier
+    pl.seed_everything(0, verbose=False)
+    model = Classifier(4)
+    ckpt_dir = tmp_path / "ckpt"
+    every = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", save_top_k=-1, every_n_train_steps=2)
+    with Loader(image_dataset, **OPTIONS) as loader:  # 48 samples: 6 batches an epoch
+        _trainer(tmp_path, max_epochs=2, callbacks=[every]).fit(model, loader)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(model.seen) == 12
+
+    # step 4: mid epoch 0; step 6: the last batch of epoch 0; step 8: mid epoch 1
+    for step, (epoch, consumed) in ((4, (0, 32)), (6, (1, 0)), (8, (1, 16))):
+        ckpt = ckpt_dir / f"step={step}.ckpt"
+        saved = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        assert (saved[0]["epoch"], saved[0]["consumed"]) == (epoch, consumed)
+        pl.seed_everything(1, verbose=False)  # other initial weights: they must come from the checkpoint
+        resumed = Classifier(4)
+        with Loader(image_dataset, **OPTIONS) as loader:
+            _trainer(tmp_path, max_epochs=2, enable_checkpointing=False).fit(resumed, loader, ckpt_path=ckpt)
+        assert resumed.seen == model.seen[step:], f"batches after step {step}"
+        assert same_batch(resumed.state_dict(), want), f"weights after resuming from step {step}"
+
+
+def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dataset, one_thread):
+    """limit_train_batches=2: Lightning's epoch 1 starts the Loader's epoch 1, not batch 3 of epoch 0."""
+    Classifier = _example().Classifier
+    model = Classifier(4)
+    data = FastioDataModule(image_dataset, **OPTIONS)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=2, enable_checkpointing=False).fit(model, datamodule=data)
+    with Loader(image_dataset, **OPTIONS) as ref:
+        epoch0 = [b["index"].tolist() for b in ref][:2]
+        epoch1 = [b["index"].tolist() for b in ref][:2]
+    assert epoch0 != epoch1
+    assert model.seen == [(0, i) for i in epoch0] + [(1, i) for i in epoch1]
+
+
+def test_every_validation_sees_the_whole_validation_set(tmp_path, image_dataset, one_thread):
+    """Lightning's sanity check runs 2 validation batches before training; the validation after epoch 0 must
+    still see every sample, not the rest of an epoch the sanity check started."""
+    class Recording(_example().Classifier):
+        def on_validation_epoch_start(self):
+            self.val_runs = [*getattr(self, "val_runs", []), []]
+
+        def validation_step(self, batch, batch_idx):
+            self.val_runs[-1] += batch["index"][~batch["padded"]].tolist()
+            return super().validation_step(batch, batch_idx)
+
+    model = Recording(4)
+    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS)
+    _trainer(tmp_path, max_epochs=2, limit_train_batches=1, enable_checkpointing=False).fit(model, datamodule=data)
+    sanity, *after_epochs = model.val_runs
+    assert sanity == list(range(16))  # 2 batches of 8, in dataset order (shuffle="none")
+    assert after_epochs == [list(range(48))] * 2
+
+
+def test_the_datamodule_refuses_a_rank_of_its_own(image_dataset):
+    with pytest.raises(ValueError, match="rank= is taken from the Lightning trainer"):
+        FastioDataModule(image_dataset, rank=1, **OPTIONS)
+
+
+def test_lightning_loader_is_stateful_and_not_a_dataloader(image_dataset):
+    from lightning.pytorch.utilities.combined_loader import _Stateful
+
+    with Loader(image_dataset, **OPTIONS) as loader:
+        wrapped = LightningLoader(loader)
+        assert isinstance(wrapped, _Stateful) and not isinstance(wrapped, torch.utils.data.DataLoader)
+        assert len(wrapped) == 6 and wrapped.dataset is loader.dataset
+        wrapped.sampler.set_epoch(3)
+        assert wrapped.state_dict()["epoch"] == 3
+
+
+def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp_path, image_dataset):
+    from s3server import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+
+    def run(*args: str) -> None:
+        cmd = [sys.executable, str(EXAMPLE), "--data", str(image_dataset), "--val", str(image_dataset),
+               "--devices", "2", "--max-epochs", "2", *args]
+        done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "val_acc" in done.stdout, done.stdout[-3000:]  # validation ran, on both ranks (sync_dist)
+
+    # 48 samples, 2 ranks x 8: 3 steps an epoch; checkpoints at steps 2, 4 and 6
+    run("--ckpt-dir", "ckpt", "--every-n-steps", "2", "--save-weights", "full.pt", "--log-indices", "seen")
+    run("--resume", str(tmp_path / "ckpt" / "step=4.ckpt"), "--save-weights", "resumed.pt")
+    full, resumed = (torch.load(tmp_path / name, weights_only=True) for name in ("full.pt", "resumed.pt"))
+    assert same_batch(full, resumed)
+
+    seen = [json.loads((tmp_path / f"seen.rank{r}").read_text()) for r in (0, 1)]
+    for epoch in (0, 1):
+        ranks = [[i for e, batch in s if e == epoch for i in batch] for s in seen]
+        assert len(ranks[0]) == len(ranks[1]) == 24
+        assert sorted(ranks[0] + ranks[1]) == list(range(48)), f"epoch {epoch}: the ranks' slices"
+        for r in (0, 1):  # exactly what a Loader of that rank delivers: Lightning did not re-shard it
+            with Loader(image_dataset, rank=r, world_size=2, pipeline="raw", fields=(), **{
+                    k: v for k, v in OPTIONS.items() if k != "image_size"}) as ref:
+                ref.set_epoch(epoch)
+                assert ranks[r] == [i for b in ref for i in b["index"].tolist()]
