@@ -12,7 +12,6 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
 from resume import batches, check_resume, same_batch
 
 from fastio import Loader, Mixture
@@ -56,7 +55,8 @@ def sources(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("interplay")
     folder = make_imagefolder(tmp / "images", classes=3, per_class=3, seed=11)
     images = [p.read_bytes() for p in sorted(folder.rglob("*.jpg"))]
-    images += [p.read_bytes() for p in sorted(make_imagefolder(tmp / "more", classes=3, per_class=1, seed=12).rglob("*.jpg"))]
+    more = make_imagefolder(tmp / "more", classes=3, per_class=1, seed=12)
+    images += [p.read_bytes() for p in sorted(more.rglob("*.jpg"))]
     want = _wds_shards(tmp / "wds", images)
     from fastio.cli import main
 
