@@ -31,8 +31,9 @@ def test_a_source_that_cannot_be_opened_is_named(tmp_path):
         Mixture.from_file(spec)
 
 
-@pytest.mark.xfail(strict=True, reason="the Loader reads the first source's label field name in every source: "
-                   "sources labelled by 'cls' and by 'label' cannot deliver batch['label'] (loader.py, mixture.py)")
+@pytest.mark.xfail(strict=True, reason="sources labelled by 'cls' and by 'label' cannot deliver batch['label']: "
+                   "raw leaves the label out without a word, the image pipelines refuse; a per-source label field "
+                   "needs loader._open_mixture and MixReader to map each source's label field (loader.py)")
 def test_each_source_delivers_its_own_label_field(tmp_path):
     mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls"), "web": _small(tmp_path / "b", 6, "label")})
     loader = Loader(mix, batch_size=4, pipeline="raw", device="cpu", seed=1, world_size=1, rank=0)
