@@ -9,8 +9,9 @@ import signal
 import subprocess
 import time
 
-from test_kill import OPTIONS, alive, children, cli
+from test_kill import OPTIONS, alive, children, cli, kill_at
 
+from fastio.convert import ConvertConfig, convert, staging_path
 from fastio.dataset import Dataset
 from fastio.synthetic import make_imagefolder
 
@@ -36,3 +37,18 @@ def test_ctrl_c_stops_convert_and_its_workers_with_one_line(tmp_path):
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     assert len(Dataset(dest)) == 60
+
+
+def test_a_killed_s3_convert_leaves_no_copy_when_rerun_with_another_spelling_of_dest(aws_env, s3_bucket, tmp_path):
+    """Issue 19.8: the staging copy is named after DEST; `s3://b/ds/` and `s3://b/ds` are the same DEST, so the
+    rerun must find (and remove) the copy the killed run left, not leave it behind for good."""
+    source = make_imagefolder(tmp_path / "src", classes=2, per_class=8, seed=2)
+    stage = tmp_path / "stage"
+    assert staging_path(f"s3://{s3_bucket}/ds/", stage) == staging_path(f"s3://{s3_bucket}//ds", stage) \
+        == staging_path(f"s3://{s3_bucket}/ds", stage)
+    kill_at(cli("convert", str(source), f"s3://{s3_bucket}/ds/", "--workers", "1", "--staging-dir", str(stage),
+                *OPTIONS), lambda: any(stage.glob("*/dest/shards/shard-000002.tar")), signal.SIGKILL)
+    assert len(list(stage.iterdir())) == 1
+    result = convert(ConvertConfig(source=source, dest=f"s3://{s3_bucket}/ds", workers=1, max_samples_per_shard=2,
+                                   staging_dir=stage))
+    assert result.samples == 16 and list(stage.iterdir()) == []
