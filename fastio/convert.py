@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import os
 import random
 import shutil
@@ -86,8 +85,8 @@ ON_ERROR = ("skip", "fail")
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
-    """``val=0.05`` or ``val=0.05,test=0.05`` -> ``{"val": 0.05, ...}``; the rest becomes ``train`` (which may
-    also be named, with that rest: ``train=0.9,val=0.1``).
+    """``val=0.05`` or ``val=0.05,test=0.05`` -> ``{"val": 0.05, ...}``; the rest becomes ``train``, which may also
+    be given when it is exactly the rest (``train=0.9,val=0.1``).
 
     ValueError messages name the parameter this reads, ``split``."""
     if text is None or text == "" or text == {}:
@@ -105,21 +104,23 @@ def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
             if not eq:
                 raise ValueError(f"split: {part.strip()!r} is not NAME=FRACTION (e.g. val=0.05)")
     split: dict[str, float] = {}
-    train = None  # may be named (train=0.9,val=0.1) if it is the remainder
+    train = None  # train is the remainder; it may be written out (train=0.9,val=0.1) if it is exactly that
     for name, frac in items:
-        if not is_plain_name(name) or name in split or (name == "train" and train is not None):
-            raise ValueError(f"split: bad or repeated split name {name!r} (train is the remainder)")
         if not 0 < frac < 1:
             raise ValueError(f"split: fraction for {name!r} must be between 0 and 1, got {frac}")
-        if name == "train":
+        if name == "train" and train is None:
             train = frac
-        else:
-            split[name] = frac
+            continue
+        if not is_plain_name(name) or name == "train" or name in split:
+            raise ValueError(f"split: bad or repeated split name {name!r} (train is the remainder)")
+        split[name] = frac
+    if not split:
+        raise ValueError("split: no split named besides train (e.g. val=0.05, or train=0.95,val=0.05)")
     if sum(split.values()) >= 1:
         raise ValueError(f"split: fractions add up to {sum(split.values())}, leaving nothing for train")
-    if train is not None and not math.isclose(train, 1 - sum(split.values()), abs_tol=1e-9):
-        raise ValueError(f"split: train={train:g} is not what the others leave ({1 - sum(split.values()):g}); "
-                         "train is the remainder: leave it out or give it exactly that")
+    if train is not None and abs(train + sum(split.values()) - 1) > 1e-9:
+        raise ValueError(f"split: train={train} and the other fractions add up to {train + sum(split.values()):g}, "
+                         "not 1 (train is the remainder: give it so that all add up to 1, or leave it out)")
     return split
 
 
