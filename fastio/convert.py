@@ -63,6 +63,7 @@ from fastio.shards import ShardWriter
 from fastio.split import SPLIT_BY, assign_splits
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
 from fastio.storage.lease import LeaseLostError, writer_lease
+from fastio.storage.url import parse_location
 from fastio.wds import is_plain_name
 from fastio.workers import OrderedPool
 
@@ -703,7 +704,8 @@ def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
     temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
     left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
-    digest = hashlib.sha256(str(dest).encode()).hexdigest()[:16]
+    url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else 0
     return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
 

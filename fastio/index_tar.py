@@ -9,7 +9,9 @@ out and reported.
 
 Refused (:class:`~fastio.errors.DatasetError`, naming the file): a key that appears twice (both members
 named), a field twice in one sample, compressed tars (their members cannot be read at offsets), files that
-are not tars or end before their last member's data, names an ``.idx`` line cannot hold (spaces, non-ASCII).
+are not tars, end before their last member's data or lack the end-of-archive block after it (cut at a member
+boundary), a damaged header after the first (:mod:`tarfile` would take it for the end), GNU sparse members
+(their bytes are not at one offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
 
 The entries are those ``wds2idx`` writes (tar order, the data's offset), with one exception: for a member with
 a GNU long name, ``wds2idx`` records the offset of the long-name block (``tar --block-num``), not of the data;
@@ -78,6 +80,10 @@ def read_tar(path: Path, name: str) -> TarContents:
     try:
         with tarfile.open(path, mode="r:") as tar:
             for info in tar:
+                if info.issparse():
+                    raise DatasetError(f"{name}: member {info.name} is a GNU sparse file: its bytes are not stored "
+                                       "in one piece, so they cannot be read at an offset; write the tar without "
+                                       "--sparse")
                 if not info.isreg():
                     continue
                 if info.offset_data + info.size > size:
@@ -107,6 +113,7 @@ def read_tar(path: Path, name: str) -> TarContents:
                                        f"{member_names[[m[0] for m in members].index(ext)]} and {member}")
                 members.append((ext, info.offset_data, info.size))
                 member_names.append(member)
+            _check_end(path, name, tar.offset, size, tar.members[-1].name if tar.members else None)
     except tarfile.ReadError as err:
         what = "truncated" if "unexpected end" in str(err) or "truncated" in str(err) else "not a tar"
         raise DatasetError(f"{name}: {what} ({err})") from None
@@ -117,3 +124,18 @@ def read_tar(path: Path, name: str) -> TarContents:
     for entry in out.entries:
         out.fields.update(ext for ext, _, _ in entry.members)
     return out
+
+
+def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) -> None:
+    """:mod:`tarfile` stops quietly at a damaged header or at the end of the file after a member; what follows
+    the last member must be tar's end-of-archive block (zeros), else samples would be left out unsaid."""
+    after = f"after member {last}" if last else "at the start"
+    if offset + 512 > size:
+        raise DatasetError(f"{name}: truncated: the file ends at byte {size} {after}, without tar's "
+                           "end-of-archive blocks")
+    with open(path, "rb") as f:
+        f.seek(offset)
+        block = f.read(512)
+    if block.count(0) != len(block):
+        raise DatasetError(f"{name}: damaged: no valid tar header at byte {offset} ({after}); "
+                           "the members after it cannot be found")

@@ -9,7 +9,7 @@ A table's label column follows one of two rules (:data:`LABEL_RULES`), chosen by
 and recorded in the manifest as ``label_rule``:
 
 - ``integers``: every label cell is integral (``2``, ``2.0``, ``" 2"``, a JSON ``2.0``, a float column's
-  ``2.0``): the label is that number.
+  ``2.0``, a decimal column's ``2.00``): the label is that number.
 - ``names``: the cells are class names (text as written, blanks around it removed; other JSON values as
   JSON), numbered ``0, 1, ...`` in sorted order and listed in the manifest's ``label_map``.
 
@@ -20,8 +20,10 @@ error naming rows of each kind (one odd cell would otherwise renumber every labe
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -47,18 +49,21 @@ _SHOWN = 3  # rows named per kind in a mixed-labels error
 def is_empty_label(value: Any) -> bool:
     """A missing label cell: None, blank text or NaN."""
     return value is None or (isinstance(value, str) and not value.strip()) or (
-        isinstance(value, float) and math.isnan(value))
+        isinstance(value, decimal.Decimal) and value.is_nan()) or (
+        isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value))
 
 
 def integral_text(value: Any) -> str | None:
     """The decimal text of an integral label cell (``2``, ``2.0``, ``" 2"``, ``"2.00"``, ``-1``), else None
     (booleans, fractions, other text, lists, ...). Range is :func:`check_label`'s business."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         return None
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return str(int(value)) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, numbers.Integral):  # also numpy's integers
+        return str(int(value))
+    if isinstance(value, decimal.Decimal):  # a parquet decimal column's cells
+        return str(int(value)) if value.is_finite() and value == value.to_integral_value() else None
+    if isinstance(value, numbers.Real):  # float, numpy's floats
+        return str(int(value)) if math.isfinite(value) and value == int(value) else None
     if isinstance(value, (str, bytes)):
         text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
         match = _INTEGRAL.fullmatch(text.strip())
@@ -67,8 +72,9 @@ def integral_text(value: Any) -> str | None:
 
 
 def label_name(value: Any) -> str:
-    """A label cell as a class name: text without surrounding blanks; other values as JSON."""
-    return value.strip() if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    """A label cell as a class name: text without surrounding blanks; other values as JSON (what JSON has no
+    form for, a parquet date or decimal, as its text)."""
+    return value.strip() if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
 
 
 def choose_label_rule(cells: Sequence[tuple[str, Any]], wanted: str = "auto") -> str:

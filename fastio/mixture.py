@@ -106,7 +106,7 @@ class Mixture:
         try:
             return cls(sources, weights=spec.get("weights"), samples_per_epoch=spec.get("samples_per_epoch"),
                        **opening)
-        except ValueError as err:
+        except (ValueError, DatasetError) as err:
             raise DatasetError(f"{path}: {err}") from None
 
     def __repr__(self) -> str:
@@ -206,7 +206,10 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
 def _open(name: str, where: Any, opening: dict) -> Dataset:
     if not isinstance(where, (str, Path)):
         raise ValueError(f"source {name!r} must be a path, an s3:// URL or a fastio.Dataset, got {where!r}")
-    return Dataset(where, **opening)
+    try:
+        return Dataset(where, **opening)
+    except DatasetError as err:
+        raise DatasetError(f"mixture source {name!r}: {err}") from None
 
 
 class MixReader:

@@ -17,6 +17,7 @@ bytes, files or tensors.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -55,8 +56,14 @@ class SamplerSpec:
     """Without drop_last: ``pad`` or ``partial`` (see ``REMAINDER_MODES``)."""
 
     def __post_init__(self):
+        # integers only: a loader state stores them, and a resume reads them back as integers
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
         if self.shuffle not in SHUFFLE_MODES:
             raise ValueError(f"shuffle must be one of {', '.join(SHUFFLE_MODES)}, got {self.shuffle!r}")
+        if isinstance(self.block_shards, bool) or not isinstance(self.block_shards, numbers.Integral):
+            raise ValueError(f"block_shards must be an integer >= 1, got {self.block_shards!r}")
         if self.block_shards < 1:
             raise ValueError(f"block_shards must be >= 1, got {self.block_shards!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

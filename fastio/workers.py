@@ -50,10 +50,13 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = Tru
     it when the *thread* that started the child ends, so start children from a thread that outlives them);
     after a fork, stdin and stdout become ``/dev/null`` (stderr stays, for a crash's last words) and every
     other inherited descriptor but ``keep`` is closed: the parent's locks, other children's pipe ends, sockets
-    and files. A spawned child inherits none of those (Python's descriptors are not inheritable)."""
+    and files. A spawned child inherits none of those (Python's descriptors are not inheritable). SIGINT is
+    ignored: a Ctrl-C reaches every process of the terminal's group, and the parent, which stops its children,
+    is the one to report it (not each child with a traceback)."""
     _die_with_parent()
     if os.getppid() != parent_pid:
         os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops its children
     if not forked:
         return
     null = os.open(os.devnull, os.O_RDWR)

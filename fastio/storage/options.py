@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import configparser
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,11 @@ class StorageOptions:
     plus ``lease_ttl_s``)."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a YAML "120" or true: named here, not a TypeError further down
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and (isinstance(value, bool) or not isinstance(
+                    value, numbers.Integral if f.type == "int" else numbers.Real)):
+                raise ValueError(f"{f.name} must be {'an integer' if f.type == 'int' else 'a number'}, got {value!r}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
         if not (0 <= self.backoff_s <= self.backoff_max_s):
