@@ -30,10 +30,20 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in FENCE.finditer(text)]
 
 
-# The README's copy of examples/quickstart.py is run (preempted and resumed) by its own test below.
-SNIPPETS = [pytest.param(page, line, code, id=f"{page.relative_to(ROOT)}:{line}")
-            for page in PAGES for line, code in python_blocks(page)
-            if code.rstrip() != QUICKSTART.read_text().rstrip()]
+def distinct_snippets() -> list:
+    """Every block once: the README's copy of examples/quickstart.py is run (preempted and resumed) by its own
+    test below, and a block shown on two pages (the README's trainer scripts, also in docs/trainers.md) runs once."""
+    seen = {QUICKSTART.read_text().rstrip()}
+    params = []
+    for page in PAGES:
+        for line, code in python_blocks(page):
+            if code.rstrip() not in seen:
+                seen.add(code.rstrip())
+                params.append(pytest.param(page, line, code, id=f"{page.relative_to(ROOT)}:{line}"))
+    return params
+
+
+SNIPPETS = distinct_snippets()
 
 
 @pytest.fixture(scope="session")
