@@ -67,3 +67,26 @@ def check_resume(make_loader: Callable[[], Any], n: int, k: int) -> dict[str, An
     if state["consumed"]:
         assert not same_batch(restart, again[0]), "resumed loader restarted the epoch"
     return state
+
+
+def run_ranks(loaders: list, n: int | None = None, state: dict[str, Any] | None = None,
+              epoch: int | None = None) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Batches of every rank's loader in lockstep (``n`` steps; None: to the end of the current epoch), after
+    loading ``state`` or setting ``epoch`` in each; then each rank's state. The loaders are closed."""
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(state)
+        if epoch is not None:
+            ld.set_epoch(epoch)
+    iters = [iter(ld) for ld in loaders]
+    steps: list[list[dict[str, Any]]] = []
+    while n is None or len(steps) < n:
+        step = [next(it, None) for it in iters]
+        if all(b is None for b in step):
+            break
+        assert all(b is not None for b in step), "ranks got different numbers of batches"
+        steps.append(step)
+    states = [ld.state_dict() for ld in loaders]
+    for ld in loaders:
+        ld.close()
+    return steps, states

@@ -7,7 +7,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from resume import batches, check_resume, same_batch
+from resume import batches, check_resume, run_ranks, same_batch
 
 from fastio.loader import Loader
 
@@ -43,24 +43,7 @@ def test_same_world_size_resume_is_bitwise_cuda(image_dataset):
 
 def _run_ranks(dest, world, n_batches=None, state=None, epoch=None, **kw):
     """Batches of every rank in lockstep; with n_batches None, to the end of the current epoch."""
-    loaders = [_factory(dest, world_size=world, rank=r, **kw)() for r in range(world)]
-    for ld in loaders:
-        if state is not None:
-            ld.load_state_dict(state)
-        if epoch is not None:
-            ld.set_epoch(epoch)
-    iters = [iter(ld) for ld in loaders]
-    steps = []
-    while n_batches is None or len(steps) < n_batches:
-        step = [next(it, None) for it in iters]
-        if all(b is None for b in step):
-            break
-        assert all(b is not None for b in step), "ranks got different numbers of batches"
-        steps.append(step)
-    states = [ld.state_dict() for ld in loaders]
-    for ld in loaders:
-        ld.close()
-    return steps, states
+    return run_ranks([_factory(dest, world_size=world, rank=r, **kw)() for r in range(world)], n_batches, state, epoch)
 
 
 def _delivered(steps):

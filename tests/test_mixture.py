@@ -10,7 +10,7 @@ from itertools import islice
 import numpy as np
 import pytest
 from conftest import write_image_dataset
-from resume import batches, check_resume, same_batch
+from resume import batches, check_resume, run_ranks, same_batch
 
 from fastio import Loader, Mixture
 from fastio.errors import DatasetError, LoaderStateError
@@ -165,22 +165,8 @@ def test_exact_resume_is_bitwise(tmp_path, image_folder, pipeline, shuffle):
 
 
 def _ranks(sources, world, weights, n=None, state=None, **kw):
-    loaders = [_raw_loader(sources, weights, world_size=world, rank=r, batch_size=3, **kw) for r in range(world)]
-    for ld in loaders:
-        if state is not None:
-            ld.load_state_dict(state)
-    iters = [iter(ld) for ld in loaders]
-    out = []
-    while n is None or len(out) < n:
-        step = [next(it, None) for it in iters]
-        if all(b is None for b in step):
-            break
-        assert all(b is not None for b in step)
-        out.append(step)
-    states = [ld.state_dict() for ld in loaders]
-    for ld in loaders:
-        ld.close()
-    return out, states
+    return run_ranks([_raw_loader(sources, weights, world_size=world, rank=r, batch_size=3, **kw)
+                      for r in range(world)], n, state)
 
 
 def _pairs(steps):
