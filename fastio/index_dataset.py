@@ -207,9 +207,9 @@ def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-def _read(shard: _Shard, staging: Path) -> TarContents:
+def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> TarContents:
     with _local_copy(shard, staging) as path:
-        return read_tar(path, shard.display)
+        return read_tar(path, shard.display, label_fields)
 
 
 def _record_names(shards: list[_Shard]) -> list[str]:
@@ -270,6 +270,8 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
             done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
+            elif config.label_field is not None:  # a part knows its label field only when it is named
+                _check_labels(config.label_field, done)
             guard()
             _publish(dest_storage, done.uploads)
             if part is not None:
@@ -318,11 +320,18 @@ class _Indexed:
     written: int = 0
     uploads: list[tuple[str, Path]] = field(default_factory=list)
     """(key in DEST, staged file) of each ``.idx`` to publish."""
+    bad_labels: dict[str, str] = field(default_factory=dict)
+    """Candidate label field -> its first value that is not a label, named by shard and key."""
 
     def state(self) -> dict:
         """For a part record (entries are in the ``.idx`` files)."""
         return {"shards": [r.as_dict() for r in self.records], "field_counts": dict(self.field_counts),
-                "skipped": self.skipped}
+                "skipped": self.skipped, "bad_labels": self.bad_labels}
+
+    def add_bad_labels(self, found: dict[str, str]) -> None:
+        """Keep the first bad value of each field, in listing order."""
+        for f, where in found.items():
+            self.bad_labels.setdefault(f, where)
 
 
 def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], dest: Storage, in_place: bool,
@@ -333,13 +342,15 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
         return out
     with ThreadPoolExecutor(min(config.threads, len(shards)), thread_name_prefix="fastio-index") as pool:
         contents = []
-        for i, got in enumerate(pool.map(lambda s: _read(s, tmp), shards)):
+        labels = (config.label_field,) if config.label_field is not None else LABEL_FIELDS
+        for i, got in enumerate(pool.map(lambda s: _read(s, tmp, labels), shards)):
             contents.append(got)
             if progress is not None:
                 progress(i + 1, len(shards))
     uploads: list[tuple[str, Path]] = []
     for shard, name, got in zip(shards, names, contents):
         out.skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
+        out.add_bad_labels({f: f"{shard.display}: {where}" for f, where in got.bad_labels.items()})
         if not got.entries:
             out.skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
             continue
@@ -393,6 +404,8 @@ def _fields_of(source: str, label_field: str | None, image_field: str | None, do
     fields = sorted(done.field_counts)
     total = sum(r.samples for r in done.records)
     label = _label_field(label_field, done.field_counts, total, fields)
+    if label is not None:
+        _check_labels(label, done)
     image_fields = sorted(f for f in fields if is_image_field(f))
     return fields, label, _image_field(image_field, done.field_counts, image_fields, fields), image_fields
 
@@ -418,6 +431,7 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
             done.records.append(record)
             done.entries.append(entries)
         done.field_counts.update(state["field_counts"])
+        done.add_bad_labels(state.get("bad_labels", {}))
         done.skipped += state["skipped"]
     options = plan["options"]
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
@@ -448,6 +462,14 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
             raise DatasetError(f"label_field: {total - counts[wanted]} of {total} samples lack field {wanted!r}")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _check_labels(label: str, done: _Indexed) -> None:
+    """DatasetError naming the shard, key and value when a value of the label field is not a label."""
+    if label in done.bad_labels:
+        raise DatasetError(f"{done.bad_labels[label]} (label field {label!r}: labels are integers "
+                           "0..2**63-1 in ASCII decimal); fix that sample, or pass label_field (--label-field) naming "
+                           "the field that holds the labels")
 
 
 def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], fields: list[str]) -> str | None:
