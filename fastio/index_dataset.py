@@ -36,9 +36,18 @@ from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, format_index, load_index
 from fastio.images import is_image_field
 from fastio.index_tar import COMPRESSED, TarContents, read_tar
-from fastio.lock import DirLock, LockedError
-from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
-from fastio.parts import PART_RECORD, PartRecord, parse_part, part_dir, part_name, part_range, write_part_record
+from fastio.lock import LOCK_NAME, DirLock, LockedError
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.parts import (
+    PART_RECORD,
+    PARTS_DIR,
+    PartRecord,
+    parse_part,
+    part_dir,
+    part_name,
+    part_range,
+    write_part_record,
+)
 from fastio.progress import human_bytes
 from fastio.source import LocalSource
 from fastio.storage import open_storage
@@ -247,6 +256,8 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
     if config.part is not None and dest_storage.remote:
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
+    if not in_place:
+        _check_dest(dest_storage, config.overwrite)
     if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
@@ -264,6 +275,8 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     try:
         if lock is not None:
             lock.acquire()
+        if not in_place and not dest_storage.exists(MARKER_NAME):  # a rerun after a failure finds DEST its own
+            dest_storage.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
@@ -437,6 +450,24 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
+
+
+def _check_dest(dest: Storage, overwrite: bool) -> None:
+    """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
+    ``fastio convert``'s; with ``overwrite`` any folder is written into."""
+    if overwrite:
+        return
+    if dest.remote:
+        names = {o.key.split("/")[0] for o in dest.list("")}
+    else:
+        path = dest.location.path
+        if path.exists() and not path.is_dir():
+            raise DatasetError(f"{path}: DEST exists and is not a directory")
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    names.discard(LOCK_NAME)
+    if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
+        raise DatasetError(f"{dest.url}: DEST is not empty and is not fastio output (no {MARKER_NAME}); give a new "
+                           "or empty folder, or pass overwrite (--overwrite) to write into it")
 
 
 def _existing(storage: Storage, key: str) -> bytes | None:

@@ -135,3 +135,21 @@ def test_index_parts_catch_a_text_label_too(tmp_path, capsys):
     assert code == 2 and "x1.tar" in err and "s37" in err and "n01440764" in err, err
     assert not (dest / "manifest.json").exists()
 
+
+def test_index_dest_refuses_a_folder_fastio_did_not_make(tmp_path, capsys):
+    """As `fastio convert` does: a non-empty DEST without fastio's marker is refused (its files untouched) unless
+    --overwrite; a DEST index made (a rerun) is its own."""
+    _tar(tmp_path / "src" / "x.tar")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest)], capsys)
+    assert code == 2 and str(dest) in err and "not fastio output" in err and "--overwrite" in err, err
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", "0/2"], capsys)
+    assert code == 2 and "not fastio output" in err, err
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "manifest.json").is_file()
+    (dest / "manifest.json").unlink()  # as if the first run had died before its manifest
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+
