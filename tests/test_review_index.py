@@ -153,3 +153,13 @@ def test_index_dest_refuses_a_folder_fastio_did_not_make(tmp_path, capsys):
     (dest / "manifest.json").unlink()  # as if the first run had died before its manifest
     assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
 
+
+def test_merge_names_fastio_index_for_the_missing_parts_of_an_index(tmp_path, capsys):
+    for n in range(2):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "dest"
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and "part-1-of-2 (missing)" in err, err
+    assert f"index them (fastio index {tmp_path / 'src'} --dest {dest} --part K/2)" in err, err
+    assert "convert" not in err, err
