@@ -36,9 +36,18 @@ from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, format_index, load_index
 from fastio.images import is_image_field
 from fastio.index_tar import COMPRESSED, TarContents, read_tar
-from fastio.lock import DirLock, LockedError
-from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
-from fastio.parts import PART_RECORD, PartRecord, parse_part, part_dir, part_name, part_range, write_part_record
+from fastio.lock import LOCK_NAME, DirLock, LockedError
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.parts import (
+    PART_RECORD,
+    PARTS_DIR,
+    PartRecord,
+    parse_part,
+    part_dir,
+    part_name,
+    part_range,
+    write_part_record,
+)
 from fastio.progress import human_bytes
 from fastio.source import LocalSource
 from fastio.storage import open_storage
@@ -207,9 +216,9 @@ def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-def _read(shard: _Shard, staging: Path) -> TarContents:
+def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> TarContents:
     with _local_copy(shard, staging) as path:
-        return read_tar(path, shard.display)
+        return read_tar(path, shard.display, label_fields)
 
 
 def _record_names(shards: list[_Shard]) -> list[str]:
@@ -247,6 +256,8 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
     if config.part is not None and dest_storage.remote:
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
+    if not in_place:
+        _check_dest(dest_storage, config.overwrite)
     if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
@@ -264,12 +275,16 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     try:
         if lock is not None:
             lock.acquire()
+        if not in_place and not dest_storage.exists(MARKER_NAME):  # a rerun after a failure finds DEST its own
+            dest_storage.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
             done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
+            elif config.label_field is not None:  # a part knows its label field only when it is named
+                _check_labels(config.label_field, done)
             guard()
             _publish(dest_storage, done.uploads)
             if part is not None:
@@ -318,11 +333,18 @@ class _Indexed:
     written: int = 0
     uploads: list[tuple[str, Path]] = field(default_factory=list)
     """(key in DEST, staged file) of each ``.idx`` to publish."""
+    bad_labels: dict[str, str] = field(default_factory=dict)
+    """Candidate label field -> its first value that is not a label, named by shard and key."""
 
     def state(self) -> dict:
         """For a part record (entries are in the ``.idx`` files)."""
         return {"shards": [r.as_dict() for r in self.records], "field_counts": dict(self.field_counts),
-                "skipped": self.skipped}
+                "skipped": self.skipped, "bad_labels": self.bad_labels}
+
+    def add_bad_labels(self, found: dict[str, str]) -> None:
+        """Keep the first bad value of each field, in listing order."""
+        for f, where in found.items():
+            self.bad_labels.setdefault(f, where)
 
 
 def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], dest: Storage, in_place: bool,
@@ -333,13 +355,15 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
         return out
     with ThreadPoolExecutor(min(config.threads, len(shards)), thread_name_prefix="fastio-index") as pool:
         contents = []
-        for i, got in enumerate(pool.map(lambda s: _read(s, tmp), shards)):
+        labels = (config.label_field,) if config.label_field is not None else LABEL_FIELDS
+        for i, got in enumerate(pool.map(lambda s: _read(s, tmp, labels), shards)):
             contents.append(got)
             if progress is not None:
                 progress(i + 1, len(shards))
     uploads: list[tuple[str, Path]] = []
     for shard, name, got in zip(shards, names, contents):
         out.skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
+        out.add_bad_labels({f: f"{shard.display}: {where}" for f, where in got.bad_labels.items()})
         if not got.entries:
             out.skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
             continue
@@ -393,6 +417,8 @@ def _fields_of(source: str, label_field: str | None, image_field: str | None, do
     fields = sorted(done.field_counts)
     total = sum(r.samples for r in done.records)
     label = _label_field(label_field, done.field_counts, total, fields)
+    if label is not None:
+        _check_labels(label, done)
     image_fields = sorted(f for f in fields if is_image_field(f))
     return fields, label, _image_field(image_field, done.field_counts, image_fields, fields), image_fields
 
@@ -418,11 +444,30 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
             done.records.append(record)
             done.entries.append(entries)
         done.field_counts.update(state["field_counts"])
+        done.add_bad_labels(state.get("bad_labels", {}))
         done.skipped += state["skipped"]
     options = plan["options"]
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
+
+
+def _check_dest(dest: Storage, overwrite: bool) -> None:
+    """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
+    ``fastio convert``'s; with ``overwrite`` any folder is written into."""
+    if overwrite:
+        return
+    if dest.remote:
+        names = {o.key.split("/")[0] for o in dest.list("")}
+    else:
+        path = dest.location.path
+        if path.exists() and not path.is_dir():
+            raise DatasetError(f"{path}: DEST exists and is not a directory")
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    names.discard(LOCK_NAME)
+    if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
+        raise DatasetError(f"{dest.url}: DEST is not empty and is not fastio output (no {MARKER_NAME}); give a new "
+                           "or empty folder, or pass overwrite (--overwrite) to write into it")
 
 
 def _existing(storage: Storage, key: str) -> bytes | None:
@@ -448,6 +493,14 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
             raise DatasetError(f"label_field: {total - counts[wanted]} of {total} samples lack field {wanted!r}")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _check_labels(label: str, done: _Indexed) -> None:
+    """DatasetError naming the shard, key and value when a value of the label field is not a label."""
+    if label in done.bad_labels:
+        raise DatasetError(f"{done.bad_labels[label]} (label field {label!r}: labels are integers "
+                           "0..2**63-1 in ASCII decimal); fix that sample, or pass label_field (--label-field) naming "
+                           "the field that holds the labels")
 
 
 def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], fields: list[str]) -> str | None:

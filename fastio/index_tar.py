@@ -28,6 +28,7 @@ from pathlib import Path
 from fastio.checksum import digests_file
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry
+from fastio.labels import parse_label
 from fastio.wds import is_field_name, split_member_name
 
 __all__ = ["COMPRESSED", "TarContents", "read_tar"]
@@ -51,10 +52,17 @@ class TarContents:
     """Samples having each field."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(member name, reason) of each member left out."""
+    bad_labels: dict[str, str] = field(default_factory=dict)
+    """Label field -> the first of its values that is not a label (:mod:`fastio.labels`), as ``sample 'KEY':
+    REASON``; only the fields :func:`read_tar` was asked to check."""
 
 
-def read_tar(path: Path, name: str) -> TarContents:
-    """Index the tar at ``path``; ``name`` (its path or URL) is how errors name it."""
+_LABEL_READ = 64  # a longer value is no label: read this much of it, to show it
+
+
+def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarContents:
+    """Index the tar at ``path``; ``name`` (its path or URL) is how errors name it. The values of
+    ``label_fields`` are read and checked with the label rule (``TarContents.bad_labels``)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -78,7 +86,7 @@ def read_tar(path: Path, name: str) -> TarContents:
     first_member: dict[str, str] = {}  # key -> the member that started its sample
     key, members, member_names = None, [], []
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with tarfile.open(path, mode="r:") as tar, open(path, "rb") as data:
             for info in tar:
                 if info.issparse():
                     raise DatasetError(f"{name}: member {info.name} is a GNU sparse file: its bytes are not stored "
@@ -112,6 +120,11 @@ def read_tar(path: Path, name: str) -> TarContents:
                     raise DatasetError(f"{name}: sample {k!r} has field {ext!r} twice: members "
                                        f"{member_names[[m[0] for m in members].index(ext)]} and {member}")
                 members.append((ext, info.offset_data, info.size))
+                if ext in label_fields and ext not in out.bad_labels:
+                    data.seek(info.offset_data)
+                    reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
+                    if reason:
+                        out.bad_labels[ext] = f"sample {k!r}: {reason}"
                 member_names.append(member)
             _check_end(path, name, tar.offset, size, tar.members[-1].name if tar.members else None)
     except tarfile.ReadError as err:
@@ -124,6 +137,15 @@ def read_tar(path: Path, name: str) -> TarContents:
     for entry in out.entries:
         out.fields.update(ext for ext, _, _ in entry.members)
     return out
+
+
+def _not_a_label(head: bytes, size: int) -> str | None:
+    """Why a label field's value (its first bytes ``head``, ``size`` in all) is not a label, or None."""
+    try:
+        parse_label(head)
+    except ValueError as err:
+        return str(err) if size <= _LABEL_READ else f"a {size}-byte value ({head[:32]!r}...) is not a label"
+    return None if size <= _LABEL_READ else f"a {size}-byte value is not a label"
 
 
 def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) -> None:

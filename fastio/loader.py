@@ -232,7 +232,8 @@ class Loader:
         else:
             self._parts = _open_mixture(self.mixture, cfg)
             self._part = self._parts[0]
-            self._reader = MixReader(self.mixture, [p.reader for p in self._parts])
+            self._reader = MixReader(self.mixture, [p.reader for p in self._parts],
+                                     [p.label_field if p.label_field in p.extra else None for p in self._parts])
             self._files = None
             self._source_samples = np.zeros(len(self._parts), np.int64)
         self._extra, self._image_field = self._part.extra, self._part.image_field
@@ -469,7 +470,8 @@ class Loader:
             column = fed.batch.fields[f]
             for s in np.unique(source).tolist():
                 sel = np.flatnonzero(source == s)
-                values[sel] = parse_labels(self._parts[s].dataset, f, index[sel], [column[j] for j in sel.tolist()])
+                part = self._parts[s]  # its label field, read under the first source's name (MixReader)
+                values[sel] = parse_labels(part.dataset, part.label_field, index[sel], [column[j] for j in sel.tolist()])
         labels = torch.from_numpy(values)
         return labels if self.device == "cpu" else labels.to(self.torch_device)
 
@@ -582,27 +584,32 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
 
 
 def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
-    """One part per source, all delivering the same fields: ``cfg.fields``, else the label (decoding graphs)
-    or the fields every source has (raw). A source lacking one is refused by name. The sources share
-    ``cfg.reader_threads`` (each reads its part of every batch, in parallel with the others)."""
-    fields = cfg.fields
-    if fields is None and not cfg.graph.decodes:
-        fields = [f for f in mixture.datasets[0].fields if all(f in ds.fields for ds in mixture.datasets)]
-    labels = {ds.label_field for ds in mixture.datasets}
-    if fields is None and cfg.graph.decodes and len(labels) > 1:
-        raise DatasetError(f"{mixture.root}: sources have different label fields "
-                           f"({', '.join(f'{n}: {ds.label_field!r}' for n, ds in zip(mixture.names, mixture.datasets))}); "
-                           f"choose the fields to deliver with fields=")
+    """One part per source. Each source delivers its own label field (the sources' label fields may be named
+    differently: ``cls`` here, ``label`` there) and the same other fields: ``cfg.fields``, else none (decoding
+    graphs) or the fields every source has (raw). The label is wanted when ``fields`` names a source's label
+    field, else by decoding graphs, and by raw when every source has one. A source lacking a wanted field
+    (the label included) is refused by name. The sources share ``cfg.reader_threads`` (each reads its part of
+    every batch, in parallel with the others)."""
+    labels = [ds.label_field for ds in mixture.datasets]
+    named = [f for f in cfg.fields or () if f in labels]
+    if cfg.fields is not None:
+        wanted, others = bool(named), cfg.fields
+    elif cfg.graph.decodes:
+        wanted, others = any(labels), []
+    else:
+        wanted = all(labels)
+        others = [f for f in mixture.datasets[0].fields if all(f in ds.fields for ds in mixture.datasets)]
+    if wanted:  # the label fields are each source's own
+        others = [f for f in others if f not in labels]
+    asked = named[0] if named else next((f for f in labels if f), None)  # what a source without one lacks
     parts: list[_Part] = []
     try:
         for name, ds in zip(mixture.names, mixture.datasets):
             try:
-                parts.append(_open_part(ds, cfg, fields, threads=-(-cfg.reader_threads // len(mixture.names))))
+                parts.append(_open_part(ds, cfg, [*others, ds.label_field or asked] if wanted else others,
+                                        threads=-(-cfg.reader_threads // len(mixture.names))))
             except DatasetError as err:
                 raise DatasetError(f"mixture source {name!r}: {err}") from None
-            if parts[-1].label_field != parts[0].label_field and parts[0].label_field in parts[0].extra:
-                raise DatasetError(f"mixture source {name!r}: label field {parts[-1].label_field!r}, source "
-                                   f"{mixture.names[0]!r} has {parts[0].label_field!r}")
     except BaseException:
         for p in parts:
             p.reader.close()

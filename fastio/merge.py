@@ -199,9 +199,18 @@ def _complete_parts(dest: Path, n: int) -> list[PartRecord]:
             raise ConvertError(f"{directory}: part record says part {record.part} of {record.of}")
         records.append(record)
     if missing:
-        raise ConvertError(f"{dest}: {len(missing)} of {n} parts not complete, convert them (part=K/{n}) and "
+        raise ConvertError(f"{dest}: {len(missing)} of {n} parts not complete, {_rerun(dest, n, records)} and "
                            f"merge again: {', '.join(missing)}")
     return records
+
+
+def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
+    """How to make the missing parts: the command that made the others (an index's, or a conversion's)."""
+    plan = next((r.plan for r in records if r is not None), {})
+    if plan.get("kind") == INDEX_PLAN:
+        where = "" if plan.get("options", {}).get("in_place") else f" --dest {dest}"
+        return f"index them (fastio index {plan['source']['path']}{where} --part K/{n})"
+    return f"convert them (part=K/{n})"
 
 
 def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:

@@ -214,10 +214,16 @@ def _open(name: str, where: Any, opening: dict) -> Dataset:
 
 class MixReader:
     """Reads batches of mixture ids: each source's samples with that source's :class:`Reader` (they run in
-    parallel, in the readers' own threads), merged back into the batch's order."""
+    parallel, in the readers' own threads), merged back into the batch's order.
 
-    def __init__(self, mixture: Mixture, readers: Sequence[Reader]):
+    ``label_fields``: each source's label field as its reader reads it (None: none read); every source's label
+    column comes back under the first source's label field name, so sources labelled by ``cls`` and by
+    ``label`` make one label column."""
+
+    def __init__(self, mixture: Mixture, readers: Sequence[Reader], label_fields: Sequence[str | None] = ()):
         self.mixture, self.readers = mixture, list(readers)
+        labels = list(label_fields) or [None] * len(self.readers)
+        self._renames = [{f: labels[0]} if f is not None and f != labels[0] else {} for f in labels]
 
     def submit(self, ids: np.ndarray) -> Future:
         """Start reading a batch; the future's result is a :class:`ReadBatch` whose ``indices`` are ``ids``."""
@@ -237,7 +243,8 @@ class MixReader:
             if not out.set_running_or_notify_cancel():
                 return
             try:
-                out.set_result(_merge(ids, [(sel, f.result()) for (sel, _), f in zip(parts, futures)]))
+                out.set_result(_merge(ids, [(sel, _renamed(f.result(), self._renames[s]))
+                                            for (sel, s), f in zip(parts, futures)]))
             except BaseException as err:  # a source's read error (DatasetError, StorageError) passes through
                 out.set_exception(err)
 
@@ -262,6 +269,14 @@ def _of_source(mixture: Mixture, s: int, batches: Iterable[np.ndarray]) -> Itera
     for ids in batches:
         src, local = mixture.split(ids)
         yield local[src == s]
+
+
+def _renamed(batch: ReadBatch, names: dict[str, str]) -> ReadBatch:
+    """``batch`` with its fields ``old`` named ``names[old]``."""
+    if not names:
+        return batch
+    return ReadBatch(batch.indices, {names.get(f, f): v for f, v in batch.fields.items()}, batch.sizes, batch.image,
+                     batch.image_field, {names.get(f, f): v for f, v in batch.present.items()})
 
 
 def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBatch:

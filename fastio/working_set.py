@@ -47,14 +47,17 @@ def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: in
     what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
             "block": f"the {block_shards} largest shards of a window + {shard_read_ahead} read ahead",
             "none": f"the largest shard + {shard_read_ahead} read ahead"}[shuffle]
-    # suggested: two windows fit (batches crossing a window boundary), else one
+    # suggested: two windows fit (batches crossing a window boundary), else one; a size named is always
+    # enough for the mode it is named with
     fits = [b for b in range(1, len(shard_bytes) + 1) if _largest(shard_bytes, 2 * b + shard_read_ahead) <= cache_size]
-    if shuffle == "none" or not fits:
-        hint = (f"lower shard_read_ahead, or raise cache_size to at least "
-                f"{human_bytes(_largest(shard_bytes, 2 + shard_read_ahead))}")
-    elif shuffle == "global":
-        hint = f"use shuffle='block' with block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
+    smallest = human_bytes(_largest(shard_bytes, 2 + shard_read_ahead))  # block_shards=1, two windows
+    block = "shuffle='block' with " if shuffle == "global" else ""
+    if shuffle == "none" or (shuffle == "block" and block_shards == 1 and not fits):
+        hint = f"lower shard_read_ahead, or raise cache_size to at least {smallest}"
+    elif fits:
+        hint = f"use {block}block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
     else:
-        hint = f"use block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
+        hint = (f"raise cache_size to {human_bytes(need)}, or use {block}block_shards=1 with cache_size at least "
+                f"{smallest} (less with a lower shard_read_ahead)")
     raise StorageError(f"{url}: cache_size {human_bytes(cache_size)} cannot hold what shuffle={shuffle!r} reads at "
                        f"once: {human_bytes(need)} ({what}); {hint}", url=url)

@@ -278,6 +278,23 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
         assert raw_epoch(loader) == local
 
 
+def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
+    """Ten shards of 100 bytes, cache_size 150, 2 shards read ahead: not even block_shards=1 fits (two windows +
+    read-ahead: 400 bytes). The hint named 400 bytes as the cache_size for shuffle='global', which needs 1000."""
+    from fastio.progress import human_bytes
+    from fastio.working_set import check_working_set
+
+    sizes = [100] * 10
+    for shuffle, block_shards, need in (("global", 4, 1000), ("block", 4, 600)):
+        with pytest.raises(StorageError) as err:
+            check_working_set(sizes, shuffle, block_shards, 2, 150, "s3://b/ds")
+        hint = str(err.value).split("; ", 1)[1]
+        assert hint.startswith(f"raise cache_size to {human_bytes(need)}, or use "), hint
+        assert f"block_shards=1 with cache_size at least {human_bytes(400)}" in hint, hint
+    with pytest.raises(StorageError, match=f"lower shard_read_ahead, or raise cache_size to at least {human_bytes(400)}$"):
+        check_working_set(sizes, "block", 1, 2, 150, "s3://b/ds")
+
+
 def test_a_non_cache_directory_is_refused(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "precious.bin").write_bytes(b"x")

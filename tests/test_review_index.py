@@ -79,22 +79,87 @@ def test_an_intact_tar_still_indexes_with_trailing_zero_padding(tmp_path, capsys
     assert code == 0 and "3 samples" in out, err
 
 
-@pytest.mark.xfail(strict=True, reason="fastio index takes `cls` as the label field without reading its values: a "
-                   "text label is found by the Loader at the batch that holds it, possibly hours into an epoch "
-                   "(index_shards/_label_field and the index parts' records; idx's area)")
-def test_a_label_field_holding_text_is_caught_when_indexing(tmp_path, capsys):
+def _text_label_tar(path: Path, bad: int | None = 37, n: int = 50) -> None:
+    """``n`` samples (txt + cls); sample ``bad``'s cls holds a WordNet id instead of an integer."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for i in range(50):
-            for ext, data in (("txt", b"t"), ("cls", b"n01440764" if i == 37 else b"%d" % (i % 3))):
+        for i in range(n):
+            for ext, data in (("txt", b"t"), ("cls", b"n01440764" if i == bad else b"%d" % (i % 3))):
                 info = tarfile.TarInfo(f"s{i:02d}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    (tmp_path / "x.tar").write_bytes(buf.getvalue())
-    code, _, err = run_cli(["index", str(tmp_path)], capsys)
-    if code == 2:
-        assert "x.tar" in err and "s37" in err and "n01440764" in err, err
-    else:
-        from fastio.dataset import Dataset
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buf.getvalue())
 
-        assert Dataset(tmp_path).label_field is None, "a label field whose values are not all labels"
+
+def test_a_label_field_holding_text_is_caught_when_indexing(tmp_path, capsys):
+    _text_label_tar(tmp_path / "x.tar")
+    code, _, err = run_cli(["index", str(tmp_path)], capsys)
+    assert code == 2, err
+    assert "x.tar" in err and "s37" in err and "n01440764" in err and "'cls'" in err, err
+    assert not (tmp_path / "manifest.json").exists()
+    code, _, err = run_cli(["index", str(tmp_path), "--label-field", "cls", "--dest", str(tmp_path / "d")], capsys)
+    assert code == 2 and "s37" in err and "n01440764" in err, err
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_a_text_label_field_that_is_not_the_label_is_accepted(tmp_path, capsys):
+    """``label`` holding class names beside an integer ``cls``: cls is the label, the names are a field."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(4):
+            for ext, data in (("cls", b"%d" % i), ("label", b"tench")):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "x.tar").write_bytes(buf.getvalue())
+    code, _, err = run_cli(["index", str(tmp_path), "-q"], capsys)
+    assert code == 0, err
+    from fastio.dataset import Dataset
+
+    assert Dataset(tmp_path).label_field == "cls"
+
+
+def test_index_parts_catch_a_text_label_too(tmp_path, capsys):
+    """The part that reads the bad value refuses when the label field is named; otherwise the merge does (only
+    it knows which field is the label), naming the shard, key and value, and publishes nothing."""
+    src = tmp_path / "src"
+    for n in range(2):
+        _text_label_tar(src / f"x{n}.tar", bad=37 if n == 1 else None)
+    dest = tmp_path / "dest"
+    assert run_cli(["index", str(src), "--dest", str(dest), "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["index", str(src), "--dest", str(dest), "--part", "1/2", "--label-field", "cls"], capsys)
+    assert code == 2 and "x1.tar" in err and "s37" in err and "n01440764" in err, err
+    assert run_cli(["index", str(src), "--dest", str(dest), "--part", "1/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and "x1.tar" in err and "s37" in err and "n01440764" in err, err
+    assert not (dest / "manifest.json").exists()
+
+
+def test_index_dest_refuses_a_folder_fastio_did_not_make(tmp_path, capsys):
+    """As `fastio convert` does: a non-empty DEST without fastio's marker is refused (its files untouched) unless
+    --overwrite; a DEST index made (a rerun) is its own."""
+    _tar(tmp_path / "src" / "x.tar")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest)], capsys)
+    assert code == 2 and str(dest) in err and "not fastio output" in err and "--overwrite" in err, err
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", "0/2"], capsys)
+    assert code == 2 and "not fastio output" in err, err
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "manifest.json").is_file()
+    (dest / "manifest.json").unlink()  # as if the first run had died before its manifest
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+
+
+def test_merge_names_fastio_index_for_the_missing_parts_of_an_index(tmp_path, capsys):
+    for n in range(2):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "dest"
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and "part-1-of-2 (missing)" in err, err
+    assert f"index them (fastio index {tmp_path / 'src'} --dest {dest} --part K/2)" in err, err
+    assert "convert" not in err, err

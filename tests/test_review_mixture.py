@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from fastio import Loader, Mixture
 from fastio.errors import DatasetError
 from fastio.shards import ShardWriter
+from fastio.synthetic import photo_jpeg
 
 
-def _small(dest, n, label_field="cls"):
+def _small(dest, n, label_field="cls", image=False):
+    rng = np.random.default_rng(0)
     with ShardWriter(dest, max_samples=4) as writer:
         for i in range(n):
-            writer.write({"__key__": f"s{i:03d}", "txt": b"x%d" % i, label_field: b"%d" % (i % 2)})
-        writer.close(label_field=label_field, source={"format": "test"}, skipped=[])
+            sample = {"__key__": f"s{i:03d}", "txt": b"x%d" % i}
+            if label_field is not None:
+                sample[label_field] = b"%d" % (i % 2)
+            if image:
+                sample["jpg"] = photo_jpeg(rng, 32, 24)
+            writer.write(sample)
+        writer.close(label_field=label_field, image_field="jpg" if image else None, source={"format": "test"},
+                     skipped=[])
     return dest
 
 
@@ -31,12 +40,29 @@ def test_a_source_that_cannot_be_opened_is_named(tmp_path):
         Mixture.from_file(spec)
 
 
-@pytest.mark.xfail(strict=True, reason="sources labelled by 'cls' and by 'label' cannot deliver batch['label']: "
-                   "raw leaves the label out without a word, the image pipelines refuse; a per-source label field "
-                   "needs loader._open_mixture and MixReader to map each source's label field (loader.py)")
 def test_each_source_delivers_its_own_label_field(tmp_path):
     mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls"), "web": _small(tmp_path / "b", 6, "label")})
     loader = Loader(mix, batch_size=4, pipeline="raw", device="cpu", seed=1, world_size=1, rank=0)
     batch = next(iter(loader))
     loader.close()
     assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
+    assert batch["txt"] == [b"x%d" % i for i in batch["index"].tolist()]  # fields= semantics kept for the others
+
+
+def test_the_image_pipelines_deliver_each_sources_label_field(tmp_path):
+    mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls", image=True),
+                   "web": _small(tmp_path / "b", 6, "label", image=True)})
+    with Loader(mix, batch_size=12, pipeline="image-eval", image_size=16, device="cpu", num_threads=1, seed=1,
+                world_size=1, rank=0) as loader:
+        batch = next(iter(loader))
+    assert sorted(batch["source"].tolist()) == [0] * 6 + [1] * 6
+    assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
+    assert batch["image"].shape == (12, 3, 16, 16)
+
+
+def test_fields_naming_one_sources_label_field_deliver_every_sources_label(tmp_path):
+    mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls"), "web": _small(tmp_path / "b", 6, "label")})
+    with Loader(mix, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0, fields=["label"]) as loader:
+        batch = next(iter(loader))
+    assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
+    assert "txt" not in batch
