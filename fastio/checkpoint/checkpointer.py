@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
 import time
@@ -44,6 +43,7 @@ from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
+from fastio.checkpoint.writer import start_writer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError, StorageError
 from fastio.lock import DirLock, LockedError
@@ -481,10 +481,8 @@ class Checkpointer:
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
-        self._thread = threading.Thread(target=self._write,
-                                        args=(engine, staged, replicated, global_keys, step, tmp, final, info),
-                                        name=f"fastio-ckpt-{step}", daemon=True)
-        self._thread.start()
+        self._thread = start_writer(self._write, (engine, staged, replicated, global_keys, step, tmp, final, info),
+                                    name=f"fastio-ckpt-{step}", nice=self.config.writer_nice)
         self.last_blocked_s = time.perf_counter() - t0
         if blocking:
             self._raise_if_failed(wait=True)
@@ -494,11 +492,6 @@ class Checkpointer:
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
                step: int, tmp: Path, final: Path, info: dict[str, Any]) -> None:
         """Background thread: the engine writes the staged copy, then rank 0 commits and prunes."""
-        if self.config.writer_nice:
-            try:  # Linux: a thread's own nice value; the I/O threads the engine starts here inherit it
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.writer_nice)
-            except (AttributeError, OSError):
-                pass
         started = time.perf_counter()
         try:
             self._stager.wait_copies()
