@@ -319,18 +319,18 @@ def _fsdp_worker(rank: int, port: int, work: str, size_mib: int, repeats: int) -
         step[0] += 1
         ckpt.save(step[0], app, blocking=True)
 
-    # The peer saves into a new directory each time and keeps the previous one until then, as the Checkpointer
-    # must (overwriting one directory in place recycles its page-cache pages and blocks: on this machine's VM
-    # that made dcp.save 1.9x faster than the same save into new files, and it leaves no intact checkpoint
-    # while it runs). The older directory is deleted untimed.
+    # The peer saves into a new directory each time and then deletes the previous one, as the Checkpointer does
+    # (keep=1: write step-N beside step-N-1, commit, prune). Overwriting one directory in place instead recycles
+    # the pages and blocks it frees at once, which on this project's VM made the same dcp.save up to 3x faster
+    # than writing new files, and leaves no intact checkpoint while it runs.
     dcp_dirs: list[Path] = []
+    dcp_saves = [0]
 
     def dcp_save():
         msd, osd = get_state_dict(model, optim)
-        dcp_dirs.append(Path(work) / f"fsdp-dcp-{len(dcp_dirs)}")
+        dcp_saves[0] += 1
+        dcp_dirs.append(Path(work) / f"fsdp-dcp-{dcp_saves[0]}")
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dirs[-1]))
-
-    def dcp_drop_older():
         dist.barrier()
         if rank == 0:
             for old in dcp_dirs[:-1]:
@@ -345,10 +345,10 @@ def _fsdp_worker(rank: int, port: int, work: str, size_mib: int, repeats: int) -
 
     times: dict[str, list[float]] = {"fastio_save": [], "dcp_save": [], "fastio_restore": [], "dcp_load": []}
     fastio_save()  # warm-up: staging buffers
+    dcp_save()
     for _ in range(repeats):
         times["fastio_save"].append(timed(fastio_save))
         times["dcp_save"].append(timed(dcp_save))
-        dcp_drop_older()
         times["fastio_restore"].append(timed(lambda: ckpt.restore_latest(app)))
         times["dcp_load"].append(timed(dcp_load))
     ckpt.close()
