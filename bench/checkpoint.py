@@ -21,7 +21,7 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   with ``compression=None``, ``"zstd"`` and ``"zstd+shuffle"`` (both engines): bytes written, blocking save
   to commit, restore.
 
-    python -m bench.checkpoint [--size-mib 1024] [--repeats 3]     # writes bench/results/checkpoint.json
+    python -m bench.checkpoint [--size-mib 1024] [--repeats 3] [--cadence-mib 512]   # bench/results/checkpoint.json
 """
 
 from __future__ import annotations
@@ -499,13 +499,15 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     # stand-in for that (the writer gets the other core). K from the cadence rule: K x step >= 4 x write.
     from bench.checkpoint_overhead import measure as measure_cadence
 
-    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "dcp_process"))
+    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
+    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
     every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
     ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
     print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
           f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
           f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
-          f" (its write {dcp_proc['write_s'] or 0:.2f}s); every 10 steps "
+          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
+          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
           f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
           flush=True)
     torch.set_num_threads(cores)
@@ -556,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps per steady-throughput run")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the steady run")
+    p.add_argument("--cadence-mib", type=int, default=512, help="state size (MiB) of the one-thread cadence rows")
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "checkpoint")
     p.add_argument("--child", choices=("fresh", "resume"), help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
@@ -564,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.ckpt_dir, args.data, args.size_mib)
         return 0
-    result = run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every)
+    result = run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
+                 cadence_mib=args.cadence_mib)
     print(f"wrote {write_results('checkpoint', result)}")
     return 0
 

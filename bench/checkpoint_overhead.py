@@ -52,17 +52,18 @@ def _schedstat() -> tuple[float, float]:
 class _Fastio:
     def __init__(self, root: Path, app: dict, options: dict[str, Any]):
         from fastio.checkpoint import Checkpointer
+        from fastio.checkpoint.engines import torchsnapshot_engine
 
-        # "streams": the torchsnapshot engine's WRITE_STREAMS for this saver's writes (for comparisons)
-        self.streams = options.pop("streams", None)
+        # "streams": the torchsnapshot engine's WRITE_STREAMS for this saver's writes (for comparisons); set before
+        # every save, so savers interleaved in one process each write with their own (default: the shipped value)
+        self.streams = options.pop("streams", torchsnapshot_engine.WRITE_STREAMS)
         self.ckpt = Checkpointer(root, keep=1, signals=(), **options)
         self.app, self.writes = app, []
 
     def save(self, step: int) -> None:
-        if self.streams is not None:
-            from fastio.checkpoint.engines import torchsnapshot_engine
+        from fastio.checkpoint.engines import torchsnapshot_engine
 
-            torchsnapshot_engine.WRITE_STREAMS = self.streams
+        torchsnapshot_engine.WRITE_STREAMS = self.streams
         self.ckpt.save(step, self.app)
 
     def finish(self) -> None:
