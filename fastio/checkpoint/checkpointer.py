@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import threading
 import time
@@ -46,6 +45,7 @@ from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen, Stager
+from fastio.checkpoint.writer import start_writer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
@@ -454,10 +454,8 @@ class Checkpointer:
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
-        self._thread = threading.Thread(target=self._write,
-                                        args=(engine, staged, replicated, global_keys, step, tmp, info),
-                                        name=f"fastio-ckpt-{step}", daemon=True)
-        self._thread.start()
+        self._thread = start_writer(self._write, (engine, staged, replicated, global_keys, step, tmp, info),
+                                    name=f"fastio-ckpt-{step}", nice=self.config.writer_nice)
         self.last_blocked_s = time.perf_counter() - t0
         if blocking:
             self._raise_if_failed(wait=True)
@@ -468,11 +466,6 @@ class Checkpointer:
         """Background thread (the seam where a staged save runs): the engine writes the staged copy, the ranks
         compress (if asked), then the step is committed and pruned; each phase is agreed over the writer's rank
         group, so any rank's failure fails every rank's save."""
-        if self.config.writer_nice:
-            try:  # Linux: a thread's own nice value; the I/O threads the engine starts here inherit it
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.config.writer_nice)
-            except (AttributeError, OSError):
-                pass
         started = time.perf_counter()
         ranks = self._writer_ranks
         try:

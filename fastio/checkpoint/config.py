@@ -68,8 +68,9 @@ class CheckpointConfig:
     core-seconds per GiB on the writer, slower than most disks take the bytes it saves."""
 
     writer_nice: int = 0
-    """Nice value for the background writer thread (Linux; 1..19 lets training threads win the CPU, at the
-    price of a longer write); 0 leaves its priority alone."""
+    """Nice value for the background writer thread and the threads it starts (Linux; 1..19 lets training threads
+    win an oversubscribed CPU, at the price of a longer write; raised to this value, never lowered below the
+    caller's); 0 leaves its priority alone. Off by default: see the checkpoint section of docs/performance.md."""
 
     staging_dir: str | Path | None = None
     """With an ``s3://`` dir: the local directory checkpoints are written in before they are uploaded

@@ -3,9 +3,10 @@
 torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that are not public API:
 the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), manifest entry types and
 paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
-paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, and
-the ``knobs`` environment switch for batching. Those internals are the contract, hence the exact pin
-in ``pyproject.toml``; a new torchsnapshot release means re-checking this module, and nothing else.
+paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
+``knobs`` environment switch for batching, and the write concurrency globals of ``scheduler``. Those
+internals are the contract, hence the exact pin in ``pyproject.toml``; a new torchsnapshot release means
+re-checking this module, and nothing else.
 
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from torchsnapshot import Snapshot
+from torchsnapshot import scheduler as _scheduler
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
@@ -44,36 +46,49 @@ __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 _LOGGER = "torchsnapshot.snapshot"
 
 
-# ---------------------------------------------------------------- batching switch (process-wide env)
-_batching_lock = threading.Lock()
-_batching_users = 0
-_batching_previous: str | None = None
+# ---------------------------------------------------------------- write settings (process-wide)
+WRITE_STREAMS = 1
+"""Files torchsnapshot writes at once during a save (its default is 16, through 6 executor threads): one
+stream keeps the writer on one core, so a training thread beside it keeps its own (see the checkpoint
+section of docs/performance.md: with 16, the training thread kept 26-38% of its CPU share during a write,
+with one 74-92%). Restores keep torchsnapshot's defaults (one that overlaps a save in the same process reads with one
+stream too: the settings are process-wide)."""
+
+_settings_lock = threading.Lock()
+_settings_users = 0
+_settings_previous: tuple[str | None, int, int] | None = None
 
 
 @contextmanager
-def _batching_disabled() -> Iterator[None]:
-    """torchsnapshot reads its batching switch from the environment on every take/restore; set it for
-    the duration of a write and put the previous value back afterwards, also when the write raises.
+def _write_settings() -> Iterator[None]:
+    """For the duration of a write: torchsnapshot's batching off (an environment switch it reads on every
+    take) and its write concurrency at :data:`WRITE_STREAMS` (two module globals of ``torchsnapshot.scheduler``
+    it reads when it schedules); the previous values come back afterwards, also when the write raises.
 
     Counted, so that writes of several Checkpointers in one process overlapping in any order leave
-    the variable as it was before the first of them.
+    the settings as they were before the first of them.
     """
-    global _batching_users, _batching_previous
-    with _batching_lock:
-        if _batching_users == 0:
-            _batching_previous = os.environ.get(_DISABLE_BATCHING_ENV_VAR)
+    global _settings_users, _settings_previous
+    with _settings_lock:
+        if _settings_users == 0:
+            _settings_previous = (os.environ.get(_DISABLE_BATCHING_ENV_VAR), _scheduler._MAX_PER_RANK_IO_CONCURRENCY,
+                                  _scheduler._MAX_PER_RANK_CPU_CONCURRENCY)
             os.environ[_DISABLE_BATCHING_ENV_VAR] = "True"
-        _batching_users += 1
+            _scheduler._MAX_PER_RANK_IO_CONCURRENCY = WRITE_STREAMS
+            _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = WRITE_STREAMS
+        _settings_users += 1
     try:
         yield
     finally:
-        with _batching_lock:
-            _batching_users -= 1
-            if _batching_users == 0:
-                if _batching_previous is None:
+        with _settings_lock:
+            _settings_users -= 1
+            if _settings_users == 0:
+                batching, io, cpu = _settings_previous
+                if batching is None:
                     os.environ.pop(_DISABLE_BATCHING_ENV_VAR, None)
                 else:
-                    os.environ[_DISABLE_BATCHING_ENV_VAR] = _batching_previous
+                    os.environ[_DISABLE_BATCHING_ENV_VAR] = batching
+                _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
 
 
 class _QuietObjOut(logging.Filter):
@@ -223,7 +238,7 @@ class TorchSnapshotEngine:
         per tensor) instead of packing small tensors into slabs it would allocate and fill.
         """
         app = {key: Frozen(state) for key, state in states.items()}
-        with _batching_disabled():
+        with _write_settings():
             Snapshot.take(str(path), app, pg=pg, replicated=list(replicated))
 
     def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
