@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,6 +33,9 @@ from fastio.errors import CheckpointError, FastioError
 __all__ = ["RankGroup"]
 
 T = TypeVar("T")
+
+GONE_WAIT_S = 2.0
+"""After a peer closed its connection, how long to wait for a process of this host to be seen as ended."""
 
 fault_hook: Callable[[str, str], None] | None = None
 """Test hook, see the module docstring."""
@@ -139,7 +143,14 @@ class RankGroup:
         """Who went away, as far as this rank can tell: ranks on this host whose process ended, else the only
         other rank it could be, else the ranks on other hosts."""
         host = socket.gethostname()
-        dead = [r for r, (h, pid) in enumerate(self._peers) if r != self.rank and h == host and not _alive(pid)]
+        local = [r for r, (h, _) in enumerate(self._peers) if r != self.rank and h == host]
+        # A peer's sockets close while its process is still exiting: give it a moment to be seen as ended.
+        deadline = time.monotonic() + GONE_WAIT_S
+        while True:
+            dead = [r for r in local if not _alive(self._peers[r][1])]
+            if dead or not local or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if dead:
             return ", ".join(f"rank {r} (pid {self._peers[r][1]} on {host})" for r in dead) + " went away"
         unknown = [r for r, (h, _) in enumerate(self._peers) if r != self.rank and h != host]
