@@ -2,13 +2,15 @@
 
 ``torch.distributed`` when a process group is initialised; otherwise the launcher's ``RANK`` and
 ``WORLD_SIZE`` (torchrun, or ``srun`` with them exported); otherwise a single process (0, 1).
+
+Also the one place that reaches into ``torch.distributed``'s internals: :func:`default_store`.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["rank_and_world"]
+__all__ = ["default_store", "rank_and_world"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -27,3 +29,13 @@ def rank_and_world() -> tuple[int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
     return rank, world
+
+
+def default_store():
+    """The key-value store of the default process group (torchrun's agent store, or rank 0's TCPStore with a
+    ``tcp://`` init), or None when there is none. Private to torch: this is the only caller."""
+    try:
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no group, or a torch without it: callers do without a store
+        return None

@@ -8,8 +8,11 @@ naming the phase and the first failing rank.
 
 A rank that dies (its process ended, its host went down) makes gloo raise ``RuntimeError: Connection closed
 by peer`` in the survivors' next collective; :class:`RankGroup` turns that into a CheckpointError naming the
-phase and the rank that went away (found by process id on this host; a rank on another host is named when it
-is the only candidate).
+phase and the rank that went away. A rank finds it by process id among the ranks of its own host, and notes
+what it found in the default group's store: first note wins, and every survivor names the rank that note names.
+So a survivor that already raised and ended its own process is not mistaken for the rank that went away, and a
+rank on another host is named by the survivors of that host. Without a note, a rank on another host is named
+when it is the only candidate.
 
 ``fault_hook`` (module attribute) is a test hook: a callable ``fault_hook(group_name, phase)`` run on this rank at
 the end of each phase's local work (it raises to inject a failure of this rank in that phase, or ends the
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fastio.checkpoint.engines.base import first_line
+from fastio.dist import default_store
 from fastio.errors import CheckpointError, FastioError
 
 __all__ = ["RankGroup"]
@@ -35,7 +39,12 @@ __all__ = ["RankGroup"]
 T = TypeVar("T")
 
 GONE_WAIT_S = 2.0
-"""After a peer closed its connection, how long to wait for a process of this host to be seen as ended."""
+"""After a peer closed its connection, how long to wait for a process of this host to be seen as ended, or for
+another rank's note of who went away."""
+
+_created = 0
+"""Rank groups this process created with more than one rank: the same count on every rank (creation is a
+collective), so it names one group in the store's keys."""
 
 fault_hook: Callable[[str, str], None] | None = None
 """Test hook, see the module docstring."""
@@ -70,8 +79,13 @@ class RankGroup:
         self.pg = dist.new_group(backend="gloo") if world > 1 else None
         """The process group (None with one rank); engines run their own collectives on it."""
         self._peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
+        self._gone_key = ""
         if world > 1:
+            global _created
+            _created += 1
             self._peers = self._collective("start", lambda: self._all_gather((socket.gethostname(), os.getpid())))
+            host0, pid0 = self._peers[0]
+            self._gone_key = f"fastio/rank-group/{host0}/{pid0}/{_created}/gone"
 
     # ------------------------------------------------------------ the helpers callers use
     def run(self, phase: str, fn: Callable[[], T], *, fail: type[BaseException] | None = None) -> T:
@@ -140,25 +154,49 @@ class RankGroup:
 
     # ------------------------------------------------------------ peers going away
     def gone(self) -> str:
-        """Who went away, as far as this rank can tell: ranks on this host whose process ended, else the only
-        other rank it could be, else the ranks on other hosts."""
+        """Who went away, as far as the ranks can tell: the first note of a rank that found ranks of its host
+        ended (see the module docstring), else what this rank finds: ranks of this host whose process ended,
+        else the only other rank it could be, else the ranks on other hosts."""
         host = socket.gethostname()
         local = [r for r, (h, _) in enumerate(self._peers) if r != self.rank and h == host]
         # A peer's sockets close while its process is still exiting: give it a moment to be seen as ended.
         deadline = time.monotonic() + GONE_WAIT_S
         while True:
+            noted = self._noted()
             dead = [r for r in local if not _alive(self._peers[r][1])]
-            if dead or not local or time.monotonic() >= deadline:
+            if noted or dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
+        if noted:
+            return noted
         if dead:
-            return ", ".join(f"rank {r} (pid {self._peers[r][1]} on {host})" for r in dead) + " went away"
+            return self._note(", ".join(f"rank {r} (pid {self._peers[r][1]} on {host})" for r in dead) + " went away")
         unknown = [r for r, (h, _) in enumerate(self._peers) if r != self.rank and h != host]
         if len(unknown) == 1:
             return f"rank {unknown[0]} ({self._peers[unknown[0]][0]}) went away"
         if unknown:
             return f"one of ranks {', '.join(map(str, unknown))} (on other hosts) went away or stopped answering"
         return "a peer rank closed its connection"
+
+    def _noted(self) -> str | None:
+        """Another rank's note of who went away, if the store has one (and can still be reached)."""
+        store = default_store()
+        try:
+            if store is not None and store.check([self._gone_key]):
+                return store.get(self._gone_key).decode()
+        except Exception:  # noqa: BLE001 - the store went with its host: this rank's own finding stands
+            pass
+        return None
+
+    def _note(self, found: str) -> str:
+        """Note ``found`` unless a rank noted first; the note that stands."""
+        store = default_store()
+        try:
+            if store is not None:
+                return store.compare_set(self._gone_key, "", found).decode()
+        except Exception:  # noqa: BLE001 - see _noted
+            pass
+        return found
 
     def _collective(self, phase: str, call: Callable[[], T]) -> T:
         try:
