@@ -25,6 +25,8 @@ from fastio.wds import is_field_name, is_plain_name
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
+    "format_version",
     "IndexRecord",
     "MANIFEST_NAME",
     "Manifest",
@@ -51,7 +53,12 @@ SPLITS_NAME = "splits.json"
 # so that an interrupted run can be redone in place without --overwrite.
 MARKER_NAME = ".fastio-output"
 FORMAT = "fastio-webdataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest manifest format this fastio writes and reads. 2: shard records may say where the shard is
+(``location``/``idx_location``: shards indexed where they are by ``fastio index``). A manifest that needs
+nothing of 2 is written as 1 (:func:`format_version`), so an older fastio still reads converted datasets and
+refuses an indexed one by its version instead of reporting its shards missing."""
+READ_VERSIONS = (1, 2)
 SPLITS_FORMAT = "fastio-splits"
 
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*\.tar")
@@ -312,6 +319,11 @@ class Manifest(Mapping[str, Any]):
         return fingerprint(self._data)
 
 
+def format_version(shards: list[ShardRecord]) -> int:
+    """The manifest format version ``shards`` need: 2 when a shard lives outside ``DEST/shards/``, else 1."""
+    return 2 if any(s.location is not None or s.idx_location is not None for s in shards) else 1
+
+
 def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], index: IndexRecord | None = None,
                   **extra: Any) -> dict[str, Any]:
     """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
@@ -321,7 +333,7 @@ def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], in
         extra["index"] = index.as_dict()
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version(shards),
         "fastio_version": __version__,
         "name": name,
         "shards": [s.as_dict() for s in shards],
@@ -454,8 +466,9 @@ def _validate(manifest: Any, path: str) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DatasetError(f"{path}: not a fastio manifest (format is not {FORMAT!r})")
     version = manifest.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        raise DatasetError(f"{path}: manifest format_version {version!r}, this fastio reads {FORMAT_VERSION}")
+    if type(version) is not int or version not in READ_VERSIONS:
+        raise DatasetError(f"{path}: manifest format_version {version!r}, this fastio reads "
+                           f"{', '.join(map(str, READ_VERSIONS))}")
     for key in ("shards", "total_samples", "fields"):
         if key not in manifest:
             raise DatasetError(f"{path}: manifest lacks field {key!r}")

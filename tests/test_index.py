@@ -117,6 +117,7 @@ def test_index_in_place_reads_every_sample_once_with_its_bytes_and_label(shards,
     assert code == 0, err
     assert _digests(folder) == before  # not one byte of a shard written
     manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format_version"] == 2  # shards outside DEST/shards/: an older fastio refuses it by version
     assert [s["location"] for s in manifest["shards"]] == [
         "sub/gnu.tar", "sub/pax.tar", "wds-000000.tar", "wds-000001.tar", "wds-000002.tar"]
     assert (folder / "sub" / "gnu.idx").is_file() and (folder / "wds-000000.idx").is_file()

@@ -137,9 +137,10 @@ def test_dataset_errors_name_the_problem(tmp_path):
         Dataset(tmp_path / "ds")
     manifest_path = tmp_path / "ds" / MANIFEST_NAME
     manifest = json.loads(manifest_path.read_text())
+    assert manifest["format_version"] == 1  # nothing of version 2 needed: older fastio reads converted datasets
     manifest["format_version"] = 99
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(DatasetError, match="format_version 99"):
+    with pytest.raises(DatasetError, match="format_version 99, this fastio reads 1, 2"):
         Dataset(tmp_path / "ds")
 
 
