@@ -24,18 +24,20 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py demo-out
 
 # The documentation site with its API reference (mkdocs.yml), into site/. --strict: a broken link, anchor or
-# reference fails the build. Installs the `docs` extra on first use.
+# reference fails the build (also checked by the `docs`-marked test). Installs the `docs` extra on first use.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	$(BIN)/python -m pytest -q -m docs
 	@echo "docs: open site/index.html"
 
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e ".[$(EXTRAS),docs]"
 	touch $(DOCS_STAMP)
 
-# The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm).
+# The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm)
+# and the site build (it needs the docs extra: make docs).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slurm"
+	$(BIN)/python -m pytest -q -m "not slurm and not docs"
 
 # The real Slurm tests (root): a one-node cluster, and a two-node cluster in network namespaces on a private
 # bridge (DDP training with preemption + requeue + resume, the conversion array job + merge). About 2 minutes.

@@ -170,11 +170,10 @@ def test_relative_links_resolve():
     assert not broken, "\n".join(broken)
 
 
+@pytest.mark.docs
 def test_site_builds_strictly(tmp_path):
     """`make docs`: the site and the API reference build with no warning (a broken link, anchor or reference
-    fails). Needs the `docs` extra (mkdocs); skipped where it is not installed (`make test`'s environment)."""
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("mkdocstrings")
+    fails). Marked ``docs``: it needs the `docs` extra (mkdocs), which `make docs` installs and `make test` does not."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
