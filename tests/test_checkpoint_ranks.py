@@ -3,7 +3,9 @@
 One multi-process run per world size (2 and 3 gloo ranks on 127.0.0.1) loops over the phases in-process:
 ``fastio.checkpoint.group.fault_hook`` makes one rank fail at the end of that phase's local work. At the end
 the last rank ends its process in the middle of a save (issue 19.10): the survivors get a CheckpointError
-naming the phase and the rank that went away, not gloo's ``Connection closed by peer``. With 3 ranks, rank 0
+naming the phase and the rank that went away, not gloo's ``Connection closed by peer``. Before that, a disk
+error *inside* each engine's write on one rank (torchsnapshot's file writes, DCP's, fastio's per-rank files
+beside DCP's), while the other ranks are in that engine's own collectives. With 3 ranks, rank 0
 comes late to that save, after rank 1 has raised and ended its own process too: rank 0 still names rank 2
 only (rank 1's note in the store), not every process it finds ended (a race first seen in CI).
 """
@@ -28,6 +30,31 @@ from fastio.errors import CheckpointError
 
 SAVE_PHASES = ["stage", "write", "compress", "commit"]
 RESTORE_PHASES = ["plan", "check", "decompress", "open", "load"]
+
+
+ENGINE_WRITES = ["torchsnapshot", "dcp", "dcp-rank-files"]
+
+
+def disk_full(*_args, **_kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def break_engine_write(which: str) -> tuple[object, str, object]:
+    """(owner, attribute, original) after making that engine's file writes on this rank fail as on a full disk."""
+    if which == "torchsnapshot":
+        from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+
+        async def write(self, write_io):
+            disk_full()
+        owner, name, new = FSStoragePlugin, "write", write
+    elif which == "dcp":
+        from torch.distributed.checkpoint import filesystem
+        owner, name, new = filesystem, "_write_files_from_queue", disk_full
+    else:
+        owner, name, new = Path, "write_bytes", disk_full  # the engine's rank-R/KEY.pt files
+    original = getattr(owner, name)
+    setattr(owner, name, new)
+    return owner, name, original
 
 
 def free_port() -> int:
@@ -70,6 +97,15 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
         inject(phase, (i + 1) % world)
         attempt(f"restore:{phase}", lambda: ckpt.restore_latest(app, step=100))
     attempt("restore:clean", lambda: ckpt.restore_latest(app))
+    for i, which in enumerate(ENGINE_WRITES):
+        other = Checkpointer(Path(root) / which, signals=(), engine=which.split("-")[0])
+        if rank == i % world:
+            owner, name, original = break_engine_write(which)
+        attempt(f"engine:{which}", lambda c=other: c.save(1, app, blocking=True))
+        if rank == i % world:
+            setattr(owner, name, original)
+        attempt(f"engine:{which}:after", lambda c=other: c.save(2, app, blocking=True))
+        other.close()
     inject("write", world - 1, die=True)
     attempt("death", lambda: ckpt.save(200, app, blocking=True))
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
@@ -106,6 +142,12 @@ def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, w
         else:
             assert f"rank {failing}: RuntimeError" in text and "damaged checkpoint" in text, text
     assert all(s["restore:clean"] is None for s in seen)
+    for i, which in enumerate(ENGINE_WRITES):
+        texts = {s[f"engine:{which}"] for s in seen}
+        assert len(texts) == 1 and None not in texts, (which, texts)
+        text = texts.pop()
+        assert "No space left on device" in text and f"(write failed on rank {i % world})" in text, (which, text)
+        assert all(s[f"engine:{which}:after"] is None for s in seen), which
     for s in seen:
         assert "checkpoint write: rank " + str(world - 1) in s["death"] and "went away" in s["death"], s["death"]
         assert "Connection closed" not in s["death"].split("(")[0]

@@ -193,13 +193,15 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-def _unwrap(err: BaseException, path: Path) -> CheckpointError:
-    """One CheckpointError for what ``dcp.load``/``dcp.save`` raised (which wraps every rank's failure)."""
+def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> CheckpointError:
+    """One CheckpointError for what ``dcp.load``/``dcp.save`` raised (which wraps every rank's failure): rank
+    ``rank``'s failure when given, else the first one."""
     if isinstance(err, CheckpointException):
-        for exc, _trace in err.failures.values():
+        failures = {rank: err.failures[rank]} if rank in err.failures else err.failures
+        for exc, _trace in failures.values():
             if isinstance(exc, CheckpointError):
                 return exc
-        for exc, _trace in err.failures.values():
+        for exc, _trace in failures.values():
             return CheckpointError(f"{path}: {first_line(exc)}")
     return CheckpointError(f"{path}: {first_line(err)}")
 
@@ -300,26 +302,38 @@ class DcpEngine:
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
         """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar.
-        ``replicated`` is not used: global state is written once by DCP's own deduplication."""
+        ``replicated`` is not used: global state is written once by DCP's own deduplication.
+
+        Only this rank's own failure raises here, and only after the collective (the other ranks are in it):
+        another rank's failure, which DCP reports on every rank, is left to the caller's agreement, which
+        names that rank."""
         rank, world = _rank()
         path = Path(path)
         shared = {k: v for k, v in states.items() if k in global_keys}
         per_rank = {k: v for k, v in states.items() if k not in global_keys}
-        if per_rank:
-            _rank_file(path, rank, "x").parent.mkdir(parents=True, exist_ok=True)
-        for key, state in per_rank.items():  # small: serialised in memory, so a disk error reads as one
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            _rank_file(path, rank, key).write_bytes(buf.getbuffer())
+        mine: Exception | None = None
+        try:
+            if per_rank:
+                _rank_file(path, rank, "x").parent.mkdir(parents=True, exist_ok=True)
+            for key, state in per_rank.items():  # small: serialised in memory, so a disk error reads as one
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                _rank_file(path, rank, key).write_bytes(buf.getbuffer())
+        except Exception as err:  # noqa: BLE001 - raised after the collective below, which every rank must reach
+            mine = err
         if shared:
             try:
                 # sync_files off: the commit fsyncs every file anyway, through the descriptor it hashes with
                 dcp.save(shared, storage_writer=FileSystemWriter(str(path), sync_files=False), process_group=pg,
                          no_dist=world == 1)
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
-                raise _unwrap(err, path) from None
+                me = rank if pg is None else dist.get_rank(group=pg)
+                if mine is None and (world == 1 or me in err.failures):
+                    raise _unwrap(err, path, me) from None
         elif pg is not None:
             dist.barrier(group=pg)
+        if mine is not None:
+            raise mine
         if rank == 0:
             (path / SIDECAR).write_text(json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION,
                                                     "world_size": world, "global_keys": sorted(shared),

@@ -4,7 +4,8 @@ torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that 
 the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), manifest entry types and
 paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
 paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
-``knobs`` environment switch for batching, and the write concurrency globals of ``scheduler``. Those
+``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, and the steps
+of ``Snapshot.take`` (:func:`_take` runs them with a storage plugin of its own, see there). Those
 internals are the contract, hence the exact pin in ``pyproject.toml``; a new torchsnapshot release means
 re-checking this module, and nothing else.
 
@@ -14,6 +15,7 @@ Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last b
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pickle
@@ -27,6 +29,7 @@ from typing import Any
 from torchsnapshot import Snapshot
 from torchsnapshot import scheduler as _scheduler
 from torchsnapshot.flatten import _decode, _encode, inflate
+from torchsnapshot.io_types import WriteIO
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
     ObjectEntry,
@@ -35,6 +38,8 @@ from torchsnapshot.manifest import (
     is_container_entry,
     is_replicated,
 )
+from torchsnapshot.pg_wrapper import PGWrapper
+from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
 from fastio.checkpoint.engines.strict import CheckedModule
@@ -89,6 +94,50 @@ def _write_settings() -> Iterator[None]:
                 else:
                     os.environ[_DISABLE_BATCHING_ENV_VAR] = batching
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
+
+
+class _LaterErrors(FSStoragePlugin):
+    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it.
+
+    A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
+    next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
+    collective of it, and the Checkpointer's agreement on the ``write`` phase then fails every rank with it."""
+
+    def __init__(self, root: str):
+        super().__init__(root=root)
+        self.error: Exception | None = None
+
+    async def write(self, write_io: WriteIO) -> None:
+        if self.error is not None:
+            return  # this step is lost already: write nothing more
+        try:
+            await super().write(write_io)
+        except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
+            self.error = err
+
+
+def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> None:
+    """``Snapshot.take(path, app, pg=pg, replicated=replicated)``, step for step as torchsnapshot 0.1.0 does it,
+    but through :class:`_LaterErrors`: a write error on this rank is raised after the take's last collective
+    (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway)."""
+    event_loop = asyncio.new_event_loop()
+    try:
+        ranks = PGWrapper(pg=pg)
+        path, coalesced = Snapshot._coalesce_path_and_replicated(path=path, pg_wrapper=ranks, app_state=app,
+                                                                 replicated=replicated)
+        storage = _LaterErrors(path)
+        pending, metadata = Snapshot._take_impl(path=path, app_state=app, replicated=coalesced,
+                                                pg_wrapper=PGWrapper(pg), storage=storage, event_loop=event_loop,
+                                                is_async_snapshot=False)
+        pending.sync_complete(event_loop=event_loop)
+        ranks.barrier()  # every rank's files are written before rank 0 writes the metadata
+        if ranks.get_rank() == 0 and storage.error is None:
+            Snapshot._write_snapshot_metadata(snapshot_metadata=metadata, storage=storage, event_loop=event_loop)
+        storage.sync_close(event_loop=event_loop)
+    finally:
+        event_loop.close()
+    if storage.error is not None:
+        raise storage.error
 
 
 class _QuietObjOut(logging.Filter):
@@ -232,14 +281,15 @@ class TorchSnapshotEngine:
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
-        """``Snapshot.take`` of the staged ``states``, without batching.
+        """``Snapshot.take`` of the staged ``states`` (:func:`_take`: a write error raises on its rank only
+        after the take's collectives), without batching.
 
         The staged buffers are a private copy already: torchsnapshot writes straight from them (one file
         per tensor) instead of packing small tensors into slabs it would allocate and fill.
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
-            Snapshot.take(str(path), app, pg=pg, replicated=list(replicated))
+            _take(str(path), app, pg, list(replicated))
 
     def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
         return TorchSnapshotCheckpoint(path, pg)
