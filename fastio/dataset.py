@@ -182,12 +182,22 @@ class Dataset:
         keys = [e.key for shard in self.shards for e in self.read_index(shard)]
         return SampleTable(keys, rows.shard, rows.span_offset, rows.span_size, rows.offsets, rows.sizes)
 
-    def require_fields(self, wanted: list[str]) -> None:
+    def require_fields(self, wanted: list[str], *, in_every_sample: bool = False) -> None:
+        """DatasetError naming the fields of ``wanted`` the dataset lacks; with ``in_every_sample``, also those
+        some samples lack where the manifest counts them (``field_counts``, written by ``fastio index``), so
+        a reader that needs them in every sample is refused now, not mid-epoch."""
         missing = [f for f in wanted if f not in self.fields]
         if missing:
             raise DatasetError(
                 f"{self.root}: dataset has no field {', '.join(map(repr, missing))} (fields: {', '.join(self.fields)})"
             )
+        counts = self.manifest.field_counts if in_every_sample else None
+        short = [f for f in wanted if counts is not None and counts.get(f, 0) < len(self)]
+        if short:
+            f = short[0]
+            raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
+                               "pipeline needs it in every sample (pipeline='raw' delivers the samples lacking it, "
+                               "with batch['has'])")
 
 
 def _record_fields(record: ShardRecord) -> dict[str, Any]:

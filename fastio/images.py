@@ -48,8 +48,9 @@ class ImageCheckError(ValueError):
 
 
 def is_image_field(name: str) -> bool:
-    """Whether a field holds an image, judged by its last extension (``jpg``, ``left.png``, ``JPEG``)."""
-    return name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
+    """Whether a field holds an image, judged by its last extension (``jpg``, ``jpeg``, ``tif``, ``left.png``,
+    ``JPEG``): the extensions of :func:`image_field_for_suffix`, as WebDataset's image decoder takes them."""
+    return image_field_for_suffix("." + name.rsplit(".", 1)[-1]) is not None
 
 
 def image_field_for_suffix(suffix: str) -> str | None:

@@ -237,6 +237,11 @@ class Loader:
             self._files = None
             self._source_samples = np.zeros(len(self._parts), np.int64)
         self._extra, self._image_field = self._part.extra, self._part.image_field
+        # The field delivered as batch["label"]: for a mixture, only when every source reads its own label field
+        # (a field of the same name in a source without a label field is delivered as it is, not as labels).
+        parts = self._parts if self.mixture is not None else [self._part]
+        self._label_field = self._part.label_field if all(
+            p.label_field is not None and p.label_field in p.extra for p in parts) else None
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress, detail=self._storage_line if self._files is not None else None)
         self._active: Iterator | None = None
@@ -265,8 +270,9 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """Move to the start of ``epoch``. The current epoch is left where it is, so calling
         ``set_epoch(e)`` after restoring a mid-epoch state of epoch ``e`` does not lose the position."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        epoch = int(epoch)
         if epoch != self.epoch:
             self._close_active()
             self.epoch, self.consumed = epoch, 0
@@ -300,6 +306,10 @@ class Loader:
             raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
         if self.mixture is not None:
             check_mixture_state(self.mixture, state.get(K_MIXTURE), state[K_EPOCH], state[K_CONSUMED])
+        elif state.get(K_MIXTURE) is not None:
+            names = ", ".join(map(repr, state[K_MIXTURE].get("names", []))) if isinstance(state[K_MIXTURE], dict) else ""
+            raise LoaderStateError(f"{self.dataset.root}: loader state is of a mixture (sources {names}), this "
+                                   "Loader reads one dataset: make it with the same fastio.Mixture")
         if state[K_FINGERPRINT] != self.dataset.fingerprint:
             raise LoaderStateError(f"{self.dataset.root}: loader state is for dataset fingerprint "
                                    f"{state[K_FINGERPRINT]}, this dataset is {self.dataset.fingerprint}")
@@ -444,7 +454,7 @@ class Loader:
 
     def _raw_batch(self, fed: Fed) -> dict[str, Any]:
         batch: dict[str, Any] = {f: [b.tobytes() for b in fed.batch.fields[f]] for f in self._extra}
-        if self._part.label_field in self._extra:
+        if self._label_field is not None:
             batch["label"] = self._labels(fed)
         batch["has"] = {f: torch.from_numpy(fed.batch.present[f].copy()) for f in self._extra}
         self._positions(batch, fed)
@@ -461,7 +471,7 @@ class Loader:
         batch["padded"] = torch.from_numpy(fed.padded.copy())
 
     def _labels(self, fed: Fed) -> torch.Tensor:
-        f = self._part.label_field
+        f = self._label_field
         if self.mixture is None:
             values = parse_labels(self.dataset, f, fed.indices, fed.batch.fields[f])
         else:
@@ -481,9 +491,8 @@ class Loader:
         if not np.array_equal(index, fed.indices):
             raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
         batch: dict[str, Any] = {name: self._tensor(value) for name, value in out.items()}
-        label_field = self._part.label_field
         for f in self._extra:
-            if f == label_field:
+            if f == self._label_field:
                 batch["label"] = self._labels(fed)
             else:
                 batch[f] = _field_value([b.tobytes() for b in fed.batch.fields[f]])
@@ -570,7 +579,7 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
         extra = ds.fields
     else:
         extra = [ds.label_field] if ds.label_field else []
-    ds.require_fields(extra)
+    ds.require_fields(extra, in_every_sample=graph.decodes)
     extra = [f for f in extra if f != image_field]
     if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
         check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead,
@@ -606,7 +615,12 @@ def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
     try:
         for name, ds in zip(mixture.names, mixture.datasets):
             try:
-                parts.append(_open_part(ds, cfg, [*others, ds.label_field or asked] if wanted else others,
+                if wanted and ds.label_field is None:  # another field of the same name is not its label
+                    ds.require_fields([*others, asked])  # a source lacking it altogether: named by the field
+                    raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels ({asked!r} "
+                                       "of the others) are wanted; index it with --label-field, or leave labels "
+                                       "out with pipeline='raw' and fields=")
+                parts.append(_open_part(ds, cfg, [*others, ds.label_field] if wanted else others,
                                         threads=-(-cfg.reader_threads // len(mixture.names))))
             except DatasetError as err:
                 raise DatasetError(f"mixture source {name!r}: {err}") from None

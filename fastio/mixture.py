@@ -216,14 +216,15 @@ class MixReader:
     """Reads batches of mixture ids: each source's samples with that source's :class:`Reader` (they run in
     parallel, in the readers' own threads), merged back into the batch's order.
 
-    ``label_fields``: each source's label field as its reader reads it (None: none read); every source's label
-    column comes back under the first source's label field name, so sources labelled by ``cls`` and by
-    ``label`` make one label column."""
+    ``label_fields``: each source's label field as its reader reads it (None: none read); when every source
+    reads one, every source's label column comes back under the first source's label field name, so sources
+    labelled by ``cls`` and by ``label`` make one label column (otherwise no field is renamed)."""
 
     def __init__(self, mixture: Mixture, readers: Sequence[Reader], label_fields: Sequence[str | None] = ()):
         self.mixture, self.readers = mixture, list(readers)
         labels = list(label_fields) or [None] * len(self.readers)
-        self._renames = [{f: labels[0]} if f is not None and f != labels[0] else {} for f in labels]
+        every = all(f is not None for f in labels)
+        self._renames = [{f: labels[0]} if every and f != labels[0] else {} for f in labels]
 
     def submit(self, ids: np.ndarray) -> Future:
         """Start reading a batch; the future's result is a :class:`ReadBatch` whose ``indices`` are ``ids``."""

@@ -1,4 +1,9 @@
-"""Small helpers several test modules share: a stateful holder for checkpoint tests, and the CLI in-process."""
+"""Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, and a
+WebDataset tar indexed by ``fastio index``."""
+
+import io
+import tarfile
+from pathlib import Path
 
 from fastio.cli import main
 
@@ -37,3 +42,18 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         code = exit_.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def indexed_tar(folder: Path, samples: dict[str, dict[str, bytes]], capsys) -> Path:
+    """``folder`` holding one tar ``0.tar`` of ``samples`` (key -> field -> bytes, members in that order),
+    indexed in place by ``fastio index``."""
+    folder.mkdir(parents=True)
+    with tarfile.open(folder / "0.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for key, fields in samples.items():
+            for field, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+    return folder

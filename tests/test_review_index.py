@@ -163,3 +163,26 @@ def test_merge_names_fastio_index_for_the_missing_parts_of_an_index(tmp_path, ca
     assert code == 2 and "part-1-of-2 (missing)" in err, err
     assert f"index them (fastio index {tmp_path / 'src'} --dest {dest} --part K/2)" in err, err
     assert "convert" not in err, err
+
+
+def test_jpeg_and_tif_members_are_image_fields(tmp_path, capsys):
+    """WebDataset decodes ``.jpeg`` and ``.tif`` as images: so does the Loader of an indexed dataset (it said
+    "dataset has no image field")."""
+    import json
+
+    import numpy as np
+    from helpers import indexed_tar
+    from PIL import Image
+
+    from fastio import Loader
+    from fastio.synthetic import photo_jpeg
+
+    tif = io.BytesIO()
+    Image.new("RGB", (32, 24), (10, 200, 10)).save(tif, "TIFF")
+    for ext, data in (("jpeg", photo_jpeg(np.random.default_rng(0), 32, 24)), ("tif", tif.getvalue())):
+        dest = indexed_tar(tmp_path / ext, {f"k{i}": {ext: data, "cls": b"%d" % i} for i in range(3)}, capsys)
+        assert json.loads((dest / "manifest.json").read_text())["image_field"] == ext
+        with Loader(dest, batch_size=3, pipeline="image-eval", image_size=16, device="cpu", shuffle="none",
+                    world_size=1, rank=0) as loader:
+            batch = next(iter(loader))
+        assert batch["image"].shape[0] == 3 and batch["label"].tolist() == [0, 1, 2]

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import indexed_tar
 
 from fastio import Loader, Mixture
 from fastio.errors import DatasetError
@@ -66,3 +67,34 @@ def test_fields_naming_one_sources_label_field_deliver_every_sources_label(tmp_p
         batch = next(iter(loader))
     assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
     assert "txt" not in batch
+
+
+def _img(i: int) -> bytes:
+    return photo_jpeg(np.random.default_rng(i), 32, 24)
+
+
+def test_a_source_without_a_label_field_is_refused_though_some_samples_have_a_field_of_that_name(tmp_path, capsys):
+    """img2dataset-like: ``cls`` in 4 of 5 samples, so ``fastio index`` records no label field. Its ``cls``
+    is not a label: the Loader is refused when it is made (it took ``cls`` as labels, then failed mid-epoch)."""
+    a = indexed_tar(tmp_path / "a", {f"a{i}": {"jpg": _img(i), "cls": b"%d" % i} for i in range(2)}, capsys)
+    b = indexed_tar(tmp_path / "b", {f"p{i}": {"jpg": _img(i), **({"cls": b"5%d" % i} if i < 4 else {})}
+                                  for i in range(5)}, capsys)
+    assert json.loads((b / "manifest.json").read_text())["label_field"] is None
+    for sources in ({"a": a, "b": b}, {"b": b, "a": a}):
+        with pytest.raises(DatasetError, match=rf"^mixture source 'b': {b}: dataset has no label field"):
+            Loader(Mixture(sources), batch_size=2, pipeline="image-eval", image_size=16, device="cpu",
+                   world_size=1, rank=0)
+        with Loader(Mixture(sources), batch_size=2, pipeline="raw", device="cpu", world_size=1, rank=0) as loader:
+            batches = list(loader)  # raw without fields=: the label only when every source has one
+        assert sum(len(x["index"]) for x in batches) == len(loader) * 2 and "label" not in batches[0]
+
+
+def test_a_field_some_samples_lack_is_refused_at_open_where_every_sample_needs_it(tmp_path, capsys):
+    b = indexed_tar(tmp_path / "b", {f"p{i}": {"jpg": _img(i), **({"txt": b"t%d" % i} if i < 4 else {})}
+                                  for i in range(5)}, capsys)
+    with pytest.raises(DatasetError, match=rf"^{b}: field 'txt' is in 4 of 5 samples, and this pipeline needs it"):
+        Loader(b, batch_size=2, pipeline="image-eval", image_size=16, fields=["txt"], device="cpu",
+               world_size=1, rank=0)
+    with Loader(b, batch_size=5, pipeline="raw", fields=["txt"], device="cpu", world_size=1, rank=0) as loader:
+        batch = next(iter(loader))
+    assert sorted(batch["has"]["txt"].tolist()) == [False, True, True, True, True]

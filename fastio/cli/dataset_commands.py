@@ -212,7 +212,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
               help="Also rate the Loader's epoch order per shuffle mode: class mixing per batch against "
                    "a uniform shuffle, and the mean displacement of samples from their stored position.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Loader seed for --order.")
-@click.option("--epoch", type=int, default=0, show_default=True, help="Epoch for --order.")
+@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
 @storage_flags(cache=True)
@@ -224,7 +224,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.inspect import inspect as run_inspect
 
-    if dest.endswith(".json") and Path(dest).is_file():  # a mixture file (docs/mixtures.md)
+    if dest.endswith(".json") and not Path(dest).is_dir():  # a mixture file (docs/mixtures.md)
         _inspect_mixture(dest, as_json, seed, epoch, batch_size, cache_dir, cache_size,
                          storage_options(endpoint_url, region, profile))
         return
