@@ -32,8 +32,12 @@ def publish(tmp: Path, final: Path) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = tmp_path_for(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    publish(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, path)
+    except BaseException:  # nothing half-written left behind (a full disk, a folder in the way)
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,9 +1,10 @@
 """``fastio index``: make existing WebDataset shards a fastio dataset without writing a byte of them.
 
-SOURCE is a folder (every ``*.tar`` below it, in sorted order), an ``s3://bucket/prefix/``, or a brace
-pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``). Each tar is read once
-(:func:`fastio.index_tar.read_tar`; from an object store downloaded by parallel ranged GETs into a temporary
-file, removed after). What is written, all of it metadata:
+SOURCE is a folder (every ``*.tar`` below it, in sorted order; links to files followed, links to folders
+listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a brace pattern of
+shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused.
+Each tar is read once (:func:`fastio.index_tar.read_tar`; from an object store downloaded by parallel ranged
+GETs into a temporary file, removed after). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
   against what fastio makes of the tar, never overwritten), then ``samples.fxi`` and ``manifest.json``
@@ -18,9 +19,11 @@ left out with reasons (``skipped``: empty tars, members without a field name).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import time
 from collections import Counter
@@ -35,9 +38,17 @@ from fastio.dsindex import INDEX_NAME, IndexBuilder
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, format_index, load_index
 from fastio.images import is_image_field
-from fastio.index_tar import COMPRESSED, TarContents, read_tar
+from fastio.index_tar import COMPRESSED, TarContents, as_fields, read_tar
 from fastio.lock import LOCK_NAME, DirLock, LockedError
-from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.manifest import (
+    MANIFEST_NAME,
+    MARKER_NAME,
+    SHARDS_DIR,
+    ShardRecord,
+    is_location,
+    make_manifest,
+    write_manifest,
+)
 from fastio.parts import (
     PART_RECORD,
     PARTS_DIR,
@@ -54,6 +65,7 @@ from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.options import StorageOptions
+from fastio.wds import field_of
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts"]
 
@@ -100,6 +112,8 @@ class IndexConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
                 raise ValueError(f"{key}: {value!r} is not a field name")
+            if value is not None:  # a field is a lowercased suffix (fastio.wds.field_of)
+                object.__setattr__(self, key, field_of(value))
 
 
 @dataclass
@@ -148,38 +162,140 @@ def expand_braces(pattern: str) -> list[str]:
     return [x for o in options for x in expand_braces(head + o + tail)]
 
 
-def _listing(source: str, options: StorageOptions | dict | None) -> tuple[Storage, list[_Shard]]:
-    """The storage of SOURCE's folder (the default DEST) and the shards SOURCE names, in order."""
-    if "{" in source:
-        prefix = source[:source.index("{")]
-        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        storage = open_storage(folder or ".", options)
-        shards = [_Shard(_display(storage, key), storage, key)
-                  for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
-        listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
-        for s in shards:
-            _refuse_compressed(s)
-            s.size = listed.get(s.key) if listed is not None else _local_size(storage, s.key)
-            if s.size is None:
-                raise DatasetError(f"{s.display}: no such shard (named by {source})")
-        return storage, shards
+def _listing(source: str, options: StorageOptions | dict | None) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
+    """The storage of SOURCE's folder (the default DEST), the shards SOURCE names, in order, and what a folder's
+    listing passed over with reasons (``skipped``). A shard named twice is refused."""
+    storage, shards, skipped = (_pattern_listing if "{" in source else _folder_listing)(source, options)
+    _refuse_repeats(shards)
+    return storage, shards, skipped
+
+
+def _pattern_listing(source: str, options) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
+    prefix = source[:source.index("{")]
+    folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    storage = open_storage(folder or ".", options)
+    shards = [_Shard(_display(storage, key), storage, key)
+              for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
+    listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
+    for s in shards:
+        _refuse_compressed(s.key, s.display)
+        if listed is None:
+            s.size = _local_tar(s.display, f" (named by {source})")
+        elif (size := listed.get(s.key)) is not None:
+            s.size = size
+        else:
+            raise DatasetError(f"{s.display}: no such shard (named by {source})")
+    return storage, shards, []
+
+
+def _folder_listing(source: str, options) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
     storage = open_storage(source, options)
     if not storage.remote and not storage.location.path.is_dir():
         if storage.location.path.is_file():
             raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
+        if any(c in source for c in "*?["):
+            raise DatasetError(f"{source}: no such folder; fastio does not expand globs (the shell matched "
+                               "nothing, or the pattern was quoted): give the folder, or a brace pattern such "
+                               "as '/data/{000..009}.tar'")
         raise DatasetError(f"{source}: no such folder")
+    if storage.remote:
+        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
+    else:
+        found, skipped = _walk_local(storage.location.path)
     shards = []
-    for o in storage.list(""):
-        parts = o.key.split("/")
-        if any(p.startswith(".") for p in parts) or parts[0] == SHARDS_DIR:
-            continue  # fastio's own and hidden files
-        s = _Shard(_display(storage, o.key), storage, o.key, o.size)
-        _refuse_compressed(s)
-        if o.key.endswith(".tar"):
+    for key, size in found:
+        s = _Shard(_display(storage, key), storage, key, size)
+        _refuse_compressed(s.key, s.display)
+        if key.endswith(".tar"):
             shards.append(s)
     if not shards:
         raise DatasetError(f"{source}: holds no .tar files")
-    return storage, shards
+    return storage, shards, skipped
+
+
+def _listed(key: str) -> bool:
+    """Whether a folder's listing looks at ``key``: not hidden, not in fastio's own ``shards/``."""
+    return not any(p.startswith(".") for p in key.split("/")) and key.split("/")[0] != SHARDS_DIR
+
+
+def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
+    """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
+    it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
+    are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
+    is not followed (no loops, nothing reached twice), nor is a broken link of another name: both are listed."""
+    found: list[tuple[str, int | None]] = []
+    skipped: list[dict[str, str]] = []
+
+    def visit(folder: str, prefix: str) -> None:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            key, display = prefix + entry.name, os.path.abspath(entry.path)
+            if not _listed(key):
+                continue
+            if key.endswith(".tar"):
+                found.append((key, _local_tar(display)))
+            elif entry.is_dir(follow_symlinks=False):
+                visit(entry.path, key + "/")
+            elif entry.is_symlink() and not os.path.isfile(entry.path):
+                what = "a link to a folder" if os.path.isdir(entry.path) else "a broken link"
+                skipped.append({"path": display, "reason": f"{what} (-> {os.readlink(entry.path)}): not followed"})
+            elif entry.is_file():
+                found.append((key, None))  # looked at for its name only (a compressed tar is refused)
+
+    visit(str(root), "")
+    return sorted(found), skipped
+
+
+def _local_tar(path: str, named_by: str = "") -> int:
+    """The size of the local shard ``path``; DatasetError naming it unless it is a regular file once links are
+    followed (a broken link names its target: a mount that is missing must not lose a shard unsaid)."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if os.path.islink(path):
+            raise DatasetError(f"{path}: a broken link (-> {os.readlink(path)}: {err.strerror}){named_by}") from None
+        raise DatasetError(f"{path}: no such shard{named_by}" if err.errno in (errno.ENOENT, errno.ENOTDIR)
+                           else f"{path}: {err.strerror}{named_by}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        if os.path.islink(path):
+            what = f"a link (-> {os.readlink(path)}) to {what}"
+        raise DatasetError(f"{path}: {what}, not a tar file{named_by}")
+    return st.st_size
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _refuse_repeats(shards: list[_Shard]) -> None:
+    """DatasetError naming a shard listed twice (the same resolved path, or URL): its samples would come twice an
+    epoch."""
+    first: dict[str, str] = {}
+    for s in shards:
+        ident = s.display if s.storage.remote else os.path.realpath(s.display)
+        if ident in first:
+            also = "" if first[ident] == s.display else f" (the same file as {first[ident]})"
+            raise DatasetError(f"{s.display}: named twice{also}: each of its samples would come twice an epoch; "
+                               "name each shard once")
+        first[ident] = s.display
+
+
+def _location(shard: _Shard, in_place: bool) -> str:
+    """Where the manifest says the shard is: relative to DEST in place, else its absolute path or URL."""
+    return shard.key if in_place else shard.display
+
+
+def _check_locations(shards: list[_Shard], in_place: bool, dest: str) -> None:
+    """DatasetError, before anything is written, naming a shard the manifest could not record
+    (:func:`fastio.manifest.is_location`)."""
+    for s in shards:
+        where = _location(s, in_place)
+        if is_location(where):
+            continue
+        if any(ord(c) < 32 or c == "\x7f" for c in where):
+            raise DatasetError(f"{s.display!r}: a control character (newline, tab, ...) in a shard's path; "
+                               "rename the shard")
+        raise DatasetError(f"{s.display}: cannot be named relative to {dest} ({where!r}); index it with --dest")
 
 
 def _display(storage: Storage, key: str) -> str:
@@ -187,17 +303,10 @@ def _display(storage: Storage, key: str) -> str:
     return storage.url_of(key) if storage.remote else os.path.abspath(storage.location.path / key)
 
 
-def _local_size(storage: Storage, key: str) -> int | None:
-    try:
-        return (storage.location.path / key).stat().st_size
-    except OSError:
-        return None
-
-
-def _refuse_compressed(shard: _Shard) -> None:
-    if shard.key.lower().endswith(_COMPRESSED_SUFFIXES):
+def _refuse_compressed(key: str, display: str) -> None:
+    if key.lower().endswith(_COMPRESSED_SUFFIXES):
         kinds = "/".join(sorted(set(COMPRESSED.values())))
-        raise DatasetError(f"{shard.display}: a compressed tar ({kinds} tars cannot be read at offsets): "
+        raise DatasetError(f"{display}: a compressed tar ({kinds} tars cannot be read at offsets): "
                            "`fastio convert` it into a dataset (or decompress it) instead")
 
 
@@ -247,13 +356,22 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     With ``config.part`` (``K/N``), index only the K-th of N runs of the listing: its ``.idx`` files are
     published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.merge.merge` then
     writes ``samples.fxi`` and the manifest (:func:`merge_index_parts`)."""
+    try:
+        return _index_shards(config, progress)
+    except OSError as err:  # DEST unwritable, a folder unreadable, disk full, ...: one line naming the file
+        raise DatasetError(f"{err.filename2 or err.filename or config.dest or config.source}: {err.strerror or err}") \
+            from None
+
+
+def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
     started = time.perf_counter()
     source = str(config.source)
-    src_root, shards = _listing(source, config.storage_options)
+    src_root, shards, listing_skipped = _listing(source, config.storage_options)
     dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
     in_place = dest_storage.url == src_root.url
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
+    _check_locations(shards, in_place, dest_storage.url)
     if config.part is not None and dest_storage.remote:
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
     if not in_place:
@@ -267,6 +385,7 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
         k, n = parse_part(config.part)
         a, b = part_range(len(shards), k, n)
         part, shards, names = (k, n, a, b, len(shards), _listing_digest(shards)), shards[a:b], names[a:b]
+        listing_skipped = listing_skipped if k == 0 else []  # recorded once, first, as one run does
     lock_dir = None if dest_storage.remote else (
         part_dir(dest_storage.location.path, part[0], part[1]) if part else dest_storage.location.path)
     # one writer per DEST: a DirLock on a local one, the lease object on an s3:// prefix
@@ -281,6 +400,7 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
             done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
+            done.skipped[:0] = listing_skipped
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
             elif config.label_field is not None:  # a part knows its label field only when it is named
@@ -369,7 +489,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
             continue
         text = format_index(got.entries).encode()
         idx_key = _idx_key(shard.key) if in_place else f"{SHARDS_DIR}/{name[:-len('.tar')]}.idx"
-        existing = _existing(dest, idx_key) if in_place else None  # DEST/shards/ is fastio's own
+        existing = _existing(dest, idx_key, shard.display) if in_place else None  # DEST/shards/ is fastio's own
         if existing is not None and existing != text:
             raise DatasetError(f"{_display(dest, idx_key)}: exists and differs from the index of "
                                f"{shard.display} ({_first_difference(existing, text)}); an existing .idx is never "
@@ -379,7 +499,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
             path.write_bytes(text)
             uploads.append((idx_key, path))
             out.written += 1
-        location = shard.key if in_place else _display(shard.storage, shard.key)
+        location = _location(shard, in_place)
         out.records.append(ShardRecord(name=name, samples=len(got.entries), bytes=got.bytes, sha256=got.sha256,
                                        idx_sha256=hashlib.sha256(text).hexdigest(), xxh3_128=got.xxh3_128,
                                        location=location, idx_location=idx_key if in_place else None))
@@ -395,7 +515,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
-        builder.add(record, es)
+        builder.add(record, as_fields(es))  # samples.fxi by field; the .idx keeps the suffixes as written
     staged = tmp / "out"
     staged.mkdir()
     index = builder.publish(staged / INDEX_NAME, fields)
@@ -455,14 +575,18 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
 def _check_dest(dest: Storage, overwrite: bool) -> None:
     """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
     ``fastio convert``'s; with ``overwrite`` any folder is written into."""
+    if not dest.remote:
+        path = dest.location.path
+        if path.exists() and not path.is_dir():
+            raise DatasetError(f"{path}: DEST exists and is not a directory")
+        above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
+        if above is not None and not above.is_dir():
+            raise DatasetError(f"{path}: DEST cannot be made: {above} is not a directory")
     if overwrite:
         return
     if dest.remote:
         names = {o.key.split("/")[0] for o in dest.list("")}
     else:
-        path = dest.location.path
-        if path.exists() and not path.is_dir():
-            raise DatasetError(f"{path}: DEST exists and is not a directory")
         names = {p.name for p in path.iterdir()} if path.is_dir() else set()
     names.discard(LOCK_NAME)
     if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
@@ -470,10 +594,16 @@ def _check_dest(dest: Storage, overwrite: bool) -> None:
                            "or empty folder, or pass overwrite (--overwrite) to write into it")
 
 
-def _existing(storage: Storage, key: str) -> bytes | None:
+def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
+    """The bytes of an ``.idx`` already at ``key``, or None; DatasetError if something else is there."""
     if not storage.remote:
         path = storage.location.path / key
-        return path.read_bytes() if path.is_file() else None
+        if not path.exists() and not path.is_symlink():
+            return None
+        if not path.is_file():
+            raise DatasetError(f"{_display(storage, key)}: the .idx of {tar} goes there, but it exists and is not a "
+                               "file; move it away")
+        return path.read_bytes()
     return storage.get(key) if storage.exists(key) else None
 
 

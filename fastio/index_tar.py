@@ -7,10 +7,14 @@ What WebDataset accepts is accepted: members of a sample in any order, keys with
 and hidden files are passed over as ``wds2idx`` does; members WebDataset cannot name (no extension) are left
 out and reported.
 
+A member's field is its suffix lowercased, as WebDataset reads it (``a.JPG`` is field ``jpg``); the entries
+keep the suffix as written.
+
 Refused (:class:`~fastio.errors.DatasetError`, naming the file): a key that appears twice (both members
-named), a field twice in one sample, compressed tars (their members cannot be read at offsets), files that
-are not tars, end before their last member's data or lack the end-of-archive block after it (cut at a member
-boundary), a damaged header after the first (:mod:`tarfile` would take it for the end), GNU sparse members
+named), a field twice in one sample (``a.cls`` and ``a.CLS`` too), compressed tars (their members cannot be
+read at offsets), files that are not tars, end before their last member's data or lack the end-of-archive
+block after it (cut at a member boundary, which cannot be told from a tar written without those blocks: both
+refused), a damaged header after the first (:mod:`tarfile` would take it for the end), GNU sparse members
 (their bytes are not at one offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
 
 The entries are those ``wds2idx`` writes (tar order, the data's offset), with one exception: for a member with
@@ -29,9 +33,9 @@ from fastio.checksum import digests_file
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry
 from fastio.labels import parse_label
-from fastio.wds import is_field_name, split_member_name
+from fastio.wds import field_of, is_field_name, split_member_name
 
-__all__ = ["COMPRESSED", "TarContents", "read_tar"]
+__all__ = ["COMPRESSED", "TarContents", "as_fields", "read_tar"]
 
 COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
               b"\x04\x22\x4d\x18": "lz4"}
@@ -43,13 +47,14 @@ class TarContents:
     """What :func:`read_tar` found in one tar."""
 
     entries: list[IndexEntry]
-    """Its samples in tar order, as its ``.idx`` lists them."""
+    """Its samples in tar order, as its ``.idx`` lists them (each member's suffix as written; its field is
+    :func:`fastio.wds.field_of` it, see :func:`as_fields`)."""
     bytes: int
     """Size of the file."""
     sha256: str
     xxh3_128: str
     fields: Counter = field(default_factory=Counter)
-    """Samples having each field."""
+    """Samples having each field (lowercased suffix)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(member name, reason) of each member left out."""
     bad_labels: dict[str, str] = field(default_factory=dict)
@@ -116,15 +121,17 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
                                            f"{member} are not adjacent (WebDataset would make two samples of it)")
                     first_member[k] = member
                     key, members, member_names = k, [], []
-                if any(ext == m[0] for m in members):
-                    raise DatasetError(f"{name}: sample {k!r} has field {ext!r} twice: members "
-                                       f"{member_names[[m[0] for m in members].index(ext)]} and {member}")
+                f = field_of(ext)
+                if any(f == field_of(m[0]) for m in members):
+                    first = member_names[[field_of(m[0]) for m in members].index(f)]
+                    raise DatasetError(f"{name}: sample {k!r} has field {f!r} twice: members {first} and {member}"
+                                       " (fields are suffixes lowercased, as WebDataset reads them)")
                 members.append((ext, info.offset_data, info.size))
-                if ext in label_fields and ext not in out.bad_labels:
+                if f in label_fields and f not in out.bad_labels:
                     data.seek(info.offset_data)
                     reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
                     if reason:
-                        out.bad_labels[ext] = f"sample {k!r}: {reason}"
+                        out.bad_labels[f] = f"sample {k!r}: {reason}"
                 member_names.append(member)
             _check_end(path, name, tar.offset, size, tar.members[-1].name if tar.members else None)
     except tarfile.ReadError as err:
@@ -134,9 +141,17 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
         raise DatasetError(f"{name}: not a readable tar ({err})") from None
     if key is not None:
         out.entries.append(IndexEntry(key, tuple(members)))
-    for entry in out.entries:
-        out.fields.update(ext for ext, _, _ in entry.members)
+    for entry in as_fields(out.entries):
+        out.fields.update(f for f, _, _ in entry.members)
     return out
+
+
+def as_fields(entries: list[IndexEntry]) -> list[IndexEntry]:
+    """``entries`` of a WebDataset tar's ``.idx`` with each member's suffix replaced by its field (lowercased:
+    :func:`fastio.wds.field_of`): what ``samples.fxi`` and the manifest's fields hold, while the ``.idx`` keeps
+    the suffixes as written (byte-equal to ``wds2idx``)."""
+    return [e if all(x == field_of(x) for x, _, _ in e.members)
+            else IndexEntry(e.key, tuple((field_of(x), o, n) for x, o, n in e.members)) for e in entries]
 
 
 def _not_a_label(head: bytes, size: int) -> str | None:
@@ -154,7 +169,8 @@ def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) 
     after = f"after member {last}" if last else "at the start"
     if offset + 512 > size:
         raise DatasetError(f"{name}: truncated: the file ends at byte {size} {after}, without tar's "
-                           "end-of-archive blocks")
+                           "end-of-archive blocks (a tar cut short and one written without them look the same); "
+                           "if the shard is whole, write it again with `tar` or webdataset's ShardWriter")
     with open(path, "rb") as f:
         f.seek(offset)
         block = f.read(512)

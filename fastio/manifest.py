@@ -144,9 +144,9 @@ class ShardRecord:
 
 def is_location(value: object) -> bool:
     """Whether ``value`` may be a record's ``location``/``idx_location``: a path relative to DEST without ``..`` or
-    empty parts, an absolute path, or an ``s3://bucket/key`` URL (no whitespace: ``.idx`` lines are
-    space-separated)."""
-    if not isinstance(value, str) or not value or any(c.isspace() for c in value) or "\x00" in value:
+    empty parts, an absolute path, or an ``s3://bucket/key`` URL. Spaces are allowed (the shard is opened by its
+    path: no text format holds locations); control characters (newline, tab, NUL) are not."""
+    if not isinstance(value, str) or not value or any(ord(c) < 32 or c == "\x7f" for c in value):
         return False
     if value.startswith("s3://"):
         return len(value.split("/", 3)) == 4 and all(value.split("/", 3)[2:])

@@ -19,6 +19,7 @@ from fastio.dsindex import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError
 from fastio.idx import check_index, parse_index
 from fastio.images import ImageCheckError, check_image, is_image_field
+from fastio.index_tar import as_fields
 from fastio.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
@@ -157,7 +158,10 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                     check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
                 except ValueError as err:
                     report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
-        parsed.append((shard, entries))  # entries None: a problem is reported, no index rebuild
+        # entries None: a problem is reported, no index rebuild. An indexed dataset's fields are the suffixes
+        # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
+        lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
+        parsed.append((shard, as_fields(entries) if lower else entries))
         try:
             samples = _tar_samples(tar_path, decode, report, label, foreign)
         except (tarfile.TarError, OSError, EOFError) as err:

@@ -16,6 +16,7 @@ __all__ = [
     "MAX_KEY",
     "MAX_NAME",
     "check_member",
+    "field_of",
     "is_field_name",
     "is_key",
     "is_plain_name",
@@ -62,6 +63,12 @@ def is_field_name(name: object) -> bool:
 def is_plain_name(name: object) -> bool:
     """Whether ``name`` is letters, digits, ``_`` and ``-`` only: shard name prefixes and split names."""
     return isinstance(name, str) and _PLAIN.fullmatch(name) is not None
+
+
+def field_of(suffix: str) -> str:
+    """The field a member's suffix names in a WebDataset tar: lowercased, as WebDataset's reader does
+    (``group_by_keys(lcase=True)``): ``a.JPG`` is field ``jpg``, and ``a.cls`` with ``a.CLS`` is one field twice."""
+    return suffix.lower()
 
 
 def member_name(key: str, field: str) -> str:

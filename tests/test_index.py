@@ -58,6 +58,22 @@ def _gnu_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]], fmt: str =
     shutil.rmtree(src)
 
 
+def _small_tar(path: Path, members: list[tuple[str, bytes]], end_blocks: bool = True) -> None:
+    """A tar of ``members`` (name, data) by tarfile; without ``end_blocks``, the file ends after the last member."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    data = buf.getvalue()
+    path.write_bytes(data if end_blocks else data[:sum(512 + -(-len(d) // 512) * 512 for _, d in members)])
+
+
 def _tar_samples(n0: int, n: int) -> list[tuple[str, dict[str, bytes]]]:
     """Nested keys, long keys, multi-dot fields, members in scrambled order, some fields missing."""
     rng = np.random.default_rng(n0)
@@ -89,14 +105,14 @@ def _digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*.tar"))}
 
 
-def _read_all(dest, expected: dict[str, dict[str, bytes]], **kw) -> None:
+def _read_all(dest, expected: dict[str, dict[str, bytes]], batch_size: int = 5, **kw) -> None:
     """Every sample exactly once, each field its own bytes (b"" where the sample lacks an image field), label =
     int(cls). (json, which some samples lack, is not asked for: the raw pipeline's optional non-image fields are
     issue 19.7.)"""
     ds = Dataset(dest, **{k: v for k, v in kw.items() if k in ("cache_dir", "cache_size")})
     fields = [f for f in ds.fields if f != "json"]
     seen = []
-    with Loader(dest, batch_size=5, device="cpu", pipeline="raw", num_threads=1, fields=fields, **kw) as loader:
+    with Loader(dest, batch_size=batch_size, device="cpu", pipeline="raw", num_threads=1, fields=fields, **kw) as loader:
         for batch in loader:
             for j, index in enumerate(batch["index"].tolist()):
                 if batch["padded"][j]:
@@ -219,6 +235,11 @@ def test_refusals_name_the_file_and_the_reason(tmp_path, capsys):
     _refused(capsys, folder, f"{folder / 'cut.tar'}: truncated")
     (folder / "cut.tar").write_bytes(b"hello, not a tar\n" * 40)
     _refused(capsys, folder, f"{folder / 'cut.tar'}: not a tar")
+    _small_tar(folder / "cut.tar", [("a.jpg", b"1")], end_blocks=False)  # what `head -c` of a tar gives
+    _refused(capsys, folder, "without tar's end-of-archive blocks (a tar cut short and one written without them look "
+                             "the same); if the shard is whole, write it again with `tar` or webdataset's ShardWriter")
+    _small_tar(folder / "cut.tar", [("k.cls", b"1"), ("k.jpg", b"2"), ("k.CLS", b"3")])
+    _refused(capsys, folder, f"{folder / 'cut.tar'}: sample 'k' has field 'cls' twice: members k.cls and k.CLS")
     (folder / "cut.tar").unlink()
     _refused(capsys, folder, "--label-field: no sample has field 'label'", "--label-field", "label")
     _refused(capsys, tmp_path / "none", f"{tmp_path / 'none'}: no such folder")
@@ -325,3 +346,97 @@ def test_expand_braces():
     assert expand_braces("s3://b/{a,b}-{8..10}.tar") == [
         "s3://b/a-8.tar", "s3://b/a-9.tar", "s3://b/a-10.tar", "s3://b/b-8.tar", "s3://b/b-9.tar", "s3://b/b-10.tar"]
     assert os.sep == "/"
+
+
+def test_listing_refusals_name_the_path_and_what_it_is(tmp_path, capsys):
+    """A *.tar that is a broken link (a missing mount), a device, a FIFO or a folder; a shard named twice; a
+    glob; a DEST under a file; an .idx place taken by a folder: one line each, nothing half-written left."""
+    folder = tmp_path / "src"
+    _small_tar(folder / "0.tar", [("a.jpg", b"1"), ("a.cls", b"0")])
+    link = folder / "1.tar"
+    link.symlink_to(tmp_path / "unmounted" / "1.tar")
+    _refused(capsys, folder, f"{link}: a broken link (-> {tmp_path / 'unmounted' / '1.tar'}: No such file")
+    link.unlink()
+    link.symlink_to("/dev/zero")
+    _refused(capsys, folder, f"{link}: a link (-> /dev/zero) to a character device, not a tar file")
+    _refused(capsys, f"{folder}/{{0,1}}.tar", f"{link}: a link (-> /dev/zero) to a character device, not a tar file")
+    link.unlink()
+    os.mkfifo(link)
+    _refused(capsys, folder, f"{link}: a FIFO (named pipe), not a tar file")
+    link.unlink()
+    link.mkdir()
+    _refused(capsys, folder, f"{link}: a folder, not a tar file")
+    link.rmdir()
+    _refused(capsys, f"{folder}/{{0,0}}.tar", f"{folder / '0.tar'}: named twice: each of its samples would come twice")
+    link.symlink_to("0.tar")
+    _refused(capsys, folder, f"{link}: named twice (the same file as {folder / '0.tar'})")
+    link.unlink()
+    _refused(capsys, f"{folder}/*.tar", "fastio does not expand globs (the shell matched nothing, or the pattern was "
+                                        "quoted): give the folder, or a brace pattern such as")
+    (tmp_path / "file").touch()
+    _refused(capsys, folder, f"{tmp_path / 'file' / 'sub'}: DEST cannot be made: {tmp_path / 'file'} is not a "
+                             "directory", "--dest", str(tmp_path / "file" / "sub"))
+    (folder / "0.idx").mkdir()
+    _refused(capsys, folder, f"{folder / '0.idx'}: the .idx of {folder / '0.tar'} goes there, but it exists and is "
+                             "not a file")
+    assert sorted(p.name for p in folder.iterdir()) == [".fastio-lock", "0.idx", "0.tar"]
+    (tmp_path / "d" / "shards" / "0.idx").mkdir(parents=True)  # in fastio's own DEST/shards/: found when written
+    (tmp_path / "d" / ".fastio-output").touch()
+    _refused(capsys, folder, f"{tmp_path / 'd' / 'shards' / '0.idx'}: Is a directory", "--dest", str(tmp_path / "d"))
+    assert sorted(p.name for p in (tmp_path / "d" / "shards").iterdir()) == ["0.idx"]  # no temporary left
+
+
+def test_links_to_folders_are_listed_in_skipped_not_followed(tmp_path, capsys):
+    folder, other = tmp_path / "src", tmp_path / "other"
+    _small_tar(folder / "0.tar", [("a.jpg", b"1"), ("a.cls", b"0")])
+    _small_tar(other / "1.tar", [("b.jpg", b"2"), ("b.cls", b"1")])
+    (folder / "more").symlink_to(other)
+    (folder / "loop").symlink_to(folder)
+    (folder / "gone").symlink_to(tmp_path / "gone")
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [s["location"] for s in manifest["shards"]] == ["0.tar"]
+    assert manifest["skipped"] == [
+        {"path": str(folder / "gone"), "reason": f"a broken link (-> {tmp_path / 'gone'}): not followed"},
+        {"path": str(folder / "loop"), "reason": f"a link to a folder (-> {folder}): not followed"},
+        {"path": str(folder / "more"), "reason": f"a link to a folder (-> {other}): not followed"}]
+
+
+def test_fields_are_suffixes_lowercased_as_webdataset_reads_them(tmp_path, capsys):
+    """a.JPG / a.CLS: fields jpg and cls (the label), read by the Loader with their own bytes; the .idx keeps
+    the suffixes as written (byte-equal to wds2idx); verify passes."""
+    rng = np.random.default_rng(1)
+    expected, members = {}, []
+    for i, (jpg, cls) in enumerate((("JPG", "CLS"), ("jpg", "cls"), ("Jpg", "Cls"))):
+        expected[f"u{i}"] = {"jpg": photo_jpeg(rng, 24, 20), "cls": str(i + 3).encode()}
+        members += [(f"u{i}.{jpg}", expected[f"u{i}"]["jpg"]), (f"u{i}.{cls}", expected[f"u{i}"]["cls"])]
+    folder = tmp_path / "upper"
+    _small_tar(folder / "0.tar", members)
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["label_field"] == "cls" and manifest["image_field"] == "jpg"
+    assert manifest["field_counts"] == {"cls": 3, "jpg": 3}
+    if WDS2IDX.exists():
+        subprocess.run([str(WDS2IDX), str(folder / "0.tar"), str(tmp_path / "theirs.idx")], check=True,
+                       capture_output=True)
+        assert (folder / "0.idx").read_bytes() == (tmp_path / "theirs.idx").read_bytes()
+    _read_all(folder, expected, batch_size=2)
+    assert run_cli(["verify", str(folder)], capsys)[0] == 0
+
+
+def test_shard_paths_with_spaces(tmp_path, capsys):
+    """Spaces in a shard's name, its folder, and DEST: indexed in place and with --dest, read back, verified."""
+    folder = tmp_path / "my data"
+    expected = {"a": {"jpg": b"one", "cls": b"1"}, "b": {"jpg": b"two", "cls": b"2"}}
+    _small_tar(folder / "my shard.tar", [("a.jpg", b"one"), ("a.cls", b"1")])
+    _small_tar(folder / "a b" / "x.tar", [("b.jpg", b"two"), ("b.cls", b"2")])
+    for dest in (folder, tmp_path / "d e"):
+        code, _, err = run_cli(["index", str(folder), "--dest", str(dest), "-q"], capsys)
+        assert code == 0, err
+        locations = [s["location"] for s in json.loads((dest / "manifest.json").read_text())["shards"]]
+        assert locations == (["a b/x.tar", "my shard.tar"] if dest == folder else
+                             [str(folder / "a b" / "x.tar"), str(folder / "my shard.tar")])
+        _read_all(dest, expected, batch_size=2)
+        assert run_cli(["verify", str(dest)], capsys)[0] == 0
