@@ -5,7 +5,8 @@ One multi-process run per world size (2 and 3 gloo ranks on 127.0.0.1) loops ove
 the last rank ends its process in the middle of a save (issue 19.10): the survivors get a CheckpointError
 naming the phase and the rank that went away, not gloo's ``Connection closed by peer``. Before that, a disk
 error *inside* each engine's write on one rank (torchsnapshot's file writes, DCP's, fastio's per-rank files
-beside DCP's), while the other ranks are in that engine's own collectives. With 3 ranks, rank 0
+beside DCP's), while the other ranks are in that engine's own collectives, and an app object whose
+``load_state_dict`` raises on one rank inside the engine's restore. With 3 ranks, rank 0
 comes late to that save, after rank 1 has raised and ended its own process too: rank 0 still names rank 2
 only (rank 1's note in the store), not every process it finds ended (a race first seen in CI).
 """
@@ -57,6 +58,21 @@ def break_engine_write(which: str) -> tuple[object, str, object]:
     return owner, name, original
 
 
+class Refusing:
+    """App state whose ``load_state_dict`` raises when armed (user code failing inside an engine's restore)."""
+
+    def __init__(self, armed: bool):
+        self.armed, self.value = armed, torch.zeros(3)
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        if self.armed:
+            raise RuntimeError("refusing state")
+        self.value = state["value"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -99,12 +115,15 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     attempt("restore:clean", lambda: ckpt.restore_latest(app))
     for i, which in enumerate(ENGINE_WRITES):
         other = Checkpointer(Path(root) / which, signals=(), engine=which.split("-")[0])
+        mine = {**app, "extra": Refusing(armed=False)}
         if rank == i % world:
             owner, name, original = break_engine_write(which)
-        attempt(f"engine:{which}", lambda c=other: c.save(1, app, blocking=True))
+        attempt(f"engine:{which}", lambda c=other, a=mine: c.save(1, a, blocking=True))
         if rank == i % world:
             setattr(owner, name, original)
-        attempt(f"engine:{which}:after", lambda c=other: c.save(2, app, blocking=True))
+        attempt(f"engine:{which}:after", lambda c=other, a=mine: c.save(2, a, blocking=True))
+        mine["extra"].armed = rank == i % world  # its load_state_dict raises on this rank only
+        attempt(f"engine:{which}:load", lambda c=other, a=mine: c.restore_latest(a))
         other.close()
     inject("write", world - 1, die=True)
     attempt("death", lambda: ckpt.save(200, app, blocking=True))
@@ -148,6 +167,10 @@ def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, w
         text = texts.pop()
         assert "No space left on device" in text and f"(write failed on rank {i % world})" in text, (which, text)
         assert all(s[f"engine:{which}:after"] is None for s in seen), which
+        texts = {s[f"engine:{which}:load"] for s in seen}
+        assert len(texts) == 1 and None not in texts, (which, texts)
+        text = texts.pop()
+        assert "refusing state" in text and f"(load failed on rank {i % world})" in text, (which, text)
     for s in seen:
         assert "checkpoint write: rank " + str(world - 1) in s["death"] and "went away" in s["death"], s["death"]
         assert "Connection closed" not in s["death"].split("(")[0]

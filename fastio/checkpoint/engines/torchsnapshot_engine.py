@@ -140,6 +140,30 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> Non
         raise storage.error
 
 
+class _LaterLoadError:
+    """An app object for ``Snapshot.restore`` whose ``state_dict``/``load_state_dict`` keep their first error for
+    later instead of raising it: raised inside the restore on one rank, it would leave that rank's restore while
+    the others wait in its next collective (see :class:`_LaterErrors`)."""
+
+    def __init__(self, obj: Stateful):
+        self.obj, self.error = obj, None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.error is None:
+            try:
+                return self.obj.state_dict()
+            except Exception as err:  # noqa: BLE001 - raised by restore() once the collectives are done
+                self.error = err
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.error is None:
+            try:
+                self.obj.load_state_dict(state)
+            except Exception as err:  # noqa: BLE001 - see state_dict
+                self.error = err
+
+
 class _QuietObjOut(logging.Filter):
     """Drops torchsnapshot's per-leaf warning that a leaf read without ``obj_out`` is not loaded in place."""
 
@@ -203,6 +227,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         snap = self._snap
         full = snap.metadata
         skipped: list[str] = []
+        error: Exception | None = None  # the first load error of this rank, raised once every key's restore is done
         try:
             for key, obj in targets.items():
                 if isinstance(obj, nn.Module):
@@ -210,12 +235,17 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 escaped = _encode(key)
                 view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [escaped]}
                 snap._metadata = replace(full, manifest=view)
+                later = _LaterLoadError(obj)
                 try:
-                    snap.restore({key: obj})
+                    snap.restore({key: later})
                 except pickle.UnpicklingError:  # torch.load refused (weights_only, torch >= 2.6): name the file
-                    raise self._refused(view) from None
+                    error = error or self._refused(view)
+                    PGWrapper(snap.pg).barrier()  # the key's last collective, which the raise skipped
+                error = error or later.error
         finally:
             snap._metadata = full
+        if error is not None:  # only now: the other ranks went through every key's collectives too
+            raise error
         return skipped
 
     def _refused(self, view: dict[str, Any]) -> CheckpointError:
