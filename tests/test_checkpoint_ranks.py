@@ -6,7 +6,8 @@ the last rank ends its process in the middle of a save (issue 19.10): the surviv
 naming the phase and the rank that went away, not gloo's ``Connection closed by peer``. Before that, a disk
 error *inside* each engine's write on one rank (torchsnapshot's file writes, DCP's, fastio's per-rank files
 beside DCP's), while the other ranks are in that engine's own collectives, and an app object whose
-``load_state_dict`` raises on one rank inside the engine's restore. With 3 ranks, rank 0
+``load_state_dict`` raises on one rank inside the engine's restore. Then ranks that disagree on a save's step,
+app keys or global state's shapes: refused on every rank before anything is written. With 3 ranks, rank 0
 comes late to that save, after rank 1 has raised and ended its own process too: rank 0 still names rank 2
 only (rank 1's note in the store), not every process it finds ended (a race first seen in CI).
 """
@@ -125,6 +126,16 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
         mine["extra"].armed = rank == i % world  # its load_state_dict raises on this rank only
         attempt(f"engine:{which}:load", lambda c=other, a=mine: c.restore_latest(a))
         other.close()
+    agreed = Checkpointer(Path(root) / "agree", signals=(), engine="dcp")
+    agreed.save(1, app, blocking=True)
+    attempt("agree:step", lambda: agreed.save(300 + rank, app, blocking=True))
+    attempt("agree:keys", lambda: agreed.save(301, {**app, **({"x": Position()} if rank == world - 1 else {})},
+                                              blocking=True))
+    other_shape = {**app, "model": nn.Linear(4, 3 if rank == world - 1 else 2)}
+    attempt("agree:shapes", lambda: agreed.save(302, other_shape, blocking=True))
+    dist.barrier()  # rank 0, the directory's lowest rank, has removed what it made for the refused saves
+    seen["agree:steps"] = agreed.steps() + sorted(p.name for p in (Path(root) / "agree").glob("step-*"))
+    agreed.close()
     inject("write", world - 1, die=True)
     attempt("death", lambda: ckpt.save(200, app, blocking=True))
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
@@ -171,6 +182,13 @@ def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, w
         assert len(texts) == 1 and None not in texts, (which, texts)
         text = texts.pop()
         assert "refusing state" in text and f"(load failed on rank {i % world})" in text, (which, text)
+    last = world - 1
+    for label, text in (("agree:step", "ranks save different steps: rank 0 step 300, rank 1 step 301"),
+                        ("agree:keys", f"ranks save different app keys: rank 0 only none, rank {last} only ['x']"),
+                        ("agree:shapes", f"ranks hold different global state (it is written once, from all ranks): "
+                                         f"model.bias is 2/float32 on rank 0, 3/float32 on rank {last}")):
+        assert {s[label] for s in seen} == {s[label] for s in seen[:1]} and text in seen[0][label], (label, seen)
+    assert all(s["agree:steps"] == [1, "step-1"] for s in seen), [s["agree:steps"] for s in seen]  # none written
     for s in seen:
         assert "checkpoint write: rank " + str(world - 1) in s["death"] and "went away" in s["death"], s["death"]
         assert "Connection closed" not in s["death"].split("(")[0]

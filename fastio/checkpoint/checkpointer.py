@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import compress, layout
+from fastio.checkpoint import agree, compress, layout
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit, Unrecognised
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.elastic import restore_elastic
@@ -411,6 +411,10 @@ class Checkpointer:
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
         self._check_app(app)
+        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
+            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
+            if why:  # (not "at step N": that may be what differs)
+                raise CheckpointError(f"checkpoint save: {why}")
         if step == self._inflight_step or step == self._last_step:
             self._raise_if_failed(wait=True)
             if blocking:
@@ -438,10 +442,17 @@ class Checkpointer:
             states[PROGRESS_KEY] = progress
             info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
                     "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
+            shapes.extend(agree.global_shapes(states, global_keys))
             return self._stager.stage(states), global_keys, info
 
+        shapes: list[tuple[str, str, str]] = []
         try:  # every rank fails together, or the others would wait forever in the write's collectives
             staged, global_keys, info = self._ranks.run("stage", stage)
+            if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
+                signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
+                if agree.first_difference(signatures):
+                    why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
+                    raise CheckpointError(f"checkpoint save at step {step}: {why}")
         except CheckpointError:
             for path in made:
                 layout.remove_step(path)

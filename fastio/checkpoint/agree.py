@@ -1,0 +1,70 @@
+"""What every rank of a save must agree on before anything is written: the step, the app's keys, and the
+shape of the global state (the state an engine such as DCP writes once, from all ranks together).
+
+Ranks that disagree would otherwise write a checkpoint no rank can restore (a step whose files lack one
+rank's shard, a global tensor stored with one rank's shape), and commit it. :func:`save_signature` is what a
+rank brings to the agreement; :func:`first_difference` names what differs, for one ``CheckpointError`` on
+every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+__all__ = ["first_difference", "global_shapes", "save_signature"]
+
+
+def global_shapes(states: dict[str, Any], global_keys: frozenset[str]) -> list[tuple[str, str, str]]:
+    """``(path, shape, dtype)`` of every tensor of the global keys' states, in a stable order (a DTensor's shape
+    is its global shape, the same on every rank)."""
+    out: list[tuple[str, str, str]] = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out.append((path, "x".join(map(str, value.shape)) or "scalar", str(value.dtype).replace("torch.", "")))
+        elif isinstance(value, dict):
+            for k in sorted(value, key=str):
+                walk(f"{path}.{k}", value[k])
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{path}.{i}", v)
+
+    for key in sorted(global_keys):
+        walk(key, states.get(key))
+    return out
+
+
+def save_signature(step: int, keys: list[str], shapes: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """One rank's part of a save's agreement (small: the shapes travel as a digest)."""
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    return {"step": int(step), "keys": sorted(keys), "shapes": digest}
+
+
+def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[str, str, str]]] | None = None
+                     ) -> str | None:
+    """None when every rank's signature is rank 0's; else one line naming the first rank that differs and how
+    (``shapes``: every rank's :func:`global_shapes`, to name the first tensor whose shape differs)."""
+    base = signatures[0]
+    for rank, sig in enumerate(signatures[1:], start=1):
+        if sig["step"] != base["step"]:
+            return f"ranks save different steps: rank 0 step {base['step']}, rank {rank} step {sig['step']}"
+        if sig["keys"] != base["keys"]:
+            only0 = sorted(set(base["keys"]) - set(sig["keys"]))
+            only = sorted(set(sig["keys"]) - set(base["keys"]))
+            return (f"ranks save different app keys: rank 0 only {only0 or 'none'}, rank {rank} only "
+                    f"{only or 'none'}")
+        if sig["shapes"] != base["shapes"]:
+            detail = ""
+            if shapes is not None:
+                mine, theirs = dict((p, (s, d)) for p, s, d in shapes[0]), dict((p, (s, d)) for p, s, d in shapes[rank])
+                for path in sorted(set(mine) | set(theirs)):
+                    if mine.get(path) != theirs.get(path):
+                        a, b = mine.get(path), theirs.get(path)
+                        detail = (f": {path} is {'/'.join(a) if a else 'absent'} on rank 0, "
+                                  f"{'/'.join(b) if b else 'absent'} on rank {rank}")
+                        break
+            return f"ranks hold different global state (it is written once, from all ranks){detail}"
+    return None
