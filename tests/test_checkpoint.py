@@ -295,6 +295,58 @@ def test_retention_keeps_newest_k_after_commit(tmp_path, engine):
     assert layout.verify(root) == []
 
 
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, keep, capsys):
+    """restore_latest(step=20) while step 30 is committed, then saves from there: retention counted step 30
+    as the newest and deleted each save of the new branch (keep=1: the step just committed), and a relaunch
+    resumed on the abandoned branch. Now step 30 is superseded (its files kept), the new branch is the latest."""
+    root = tmp_path / "ck"
+    app = make_app()
+    with Checkpointer(root, signals=()) as ckpt:  # keep=0: both stay
+        ckpt.save(20, app, blocking=True)
+        train_step(app)
+        ckpt.save(30, app, blocking=True)
+    branch = make_app(seed=1)
+    with Checkpointer(root, keep=keep, signals=()) as ckpt:
+        assert ckpt.restore_latest(branch, step=20).step == 20
+        train_step(branch)
+        ckpt.save(21, branch, blocking=True)
+        assert ckpt.steps() == ([20, 21] if keep == 2 else [21])
+        train_step(branch)
+        ckpt.save(22, branch, blocking=True)
+        assert ckpt.steps() == [21, 22][-keep:]
+    relaunched = make_app(seed=2)
+    assert Checkpointer(root, signals=()).restore_latest(relaunched).step == 22
+    assert all(torch.equal(a, b) for a, b in zip(relaunched["model"].state_dict().values(),
+                                                 branch["model"].state_dict().values()))
+    kept = root / "step-30"
+    assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / layout.COMMIT_FILE).exists()
+    marker = json.loads((kept / layout.SUPERSEDED_FILE).read_text())
+    assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
+        f"{kept / layout.SUPERSEDED_FILE}: not listed in the commit marker"]
+    assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
+    assert "superseded" in capsys.readouterr().out
+
+
+def test_what_a_kill_leaves_in_the_middle_of_a_commit_or_a_deletion_is_removed(tmp_path):
+    """A kill between writing the commit marker into ``step-N.tmp`` and its rename left a marked temporary with
+    a marker, and one in the middle of a retention deletion a ``step-N`` without its marker: both were left
+    forever (the first moved aside, full size, by the next save of that step). The next Checkpointer's restore
+    removes what is provably its own: the marked temporary, and a hidden ``.step-N.deleting-PID``."""
+    root = tmp_path / "ck"
+    app = make_app()
+    with Checkpointer(root, signals=()) as ckpt:
+        ckpt.save(5, app, blocking=True)
+    import shutil
+
+    shutil.copytree(root / "step-5", root / "step-6.tmp")  # its marker written, the rename not done
+    (root / "step-6.tmp" / layout.WRITING_FILE).write_text("{}")
+    shutil.copytree(root / "step-5", root / ".step-4.deleting-123")  # renamed for deletion, then killed
+    with Checkpointer(root, signals=()) as ckpt:
+        assert ckpt.restore_latest(make_app()).step == 5  # a restore cleans the directory first
+    assert step_dirs(root) == ["step-5"]
+
+
 def test_policy_skip_and_wait_never_interleave(tmp_path, engine):
     width = 2048  # ~50 MB of state: the first write is still running when the next step asks
     for policy, expect in (("skip", [1, 3]), ("wait", [1, 2, 3])):

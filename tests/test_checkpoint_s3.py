@@ -146,3 +146,39 @@ def test_leftovers_of_a_killed_retention_are_removed_by_the_next_commit(moto_ser
         assert ckpt.steps() == [3]
     keys = {o.key.split("/")[0] for o in store.list()}
     assert keys - {".fastio-lock"} == {"step-3", "step-7"}
+
+
+def test_a_rollback_on_s3_supersedes_the_abandoned_branch_keeping_its_objects(moto_server, s3_bucket, tmp_path):
+    """As on disk (test_checkpoint.py): after restore_latest(step=20) with step 30 on the store, the save of
+    step 21 supersedes step 30 (its marker becomes fastio-superseded.json, its objects stay, also when the
+    new branch passes step 30) instead of retention deleting the new branch; a relaunch restores step 21."""
+    url = f"s3://{s3_bucket}/ckpt"
+    store = open_storage(url, moto_server.options())
+
+    def checkpointer(keep: int, staging: str) -> Checkpointer:
+        return Checkpointer(url, keep=keep, storage_options=moto_server.options(), staging_dir=tmp_path / staging,
+                            signals=())
+
+    app = make_app()
+    with checkpointer(0, "a") as ckpt:
+        ckpt.save(20, app, blocking=True)
+        train_step(app)
+        ckpt.save(30, app, blocking=True)
+    abandoned = {o.key: store.get(o.key) for o in store.list() if o.key.startswith("step-30/")}
+    branch = make_app(seed=1)
+    with checkpointer(1, "b") as ckpt:  # another node: nothing of the first run staged here
+        assert ckpt.restore_latest(branch, step=20).step == 20
+        train_step(branch)
+        ckpt.save(21, branch, blocking=True)
+        assert ckpt.steps() == [21]
+        ckpt.save(31, branch, blocking=True)  # past the abandoned step: its objects are still kept
+        assert ckpt.steps() == [31]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, moto_server.options())[1]}
+    assert rows == {30: "superseded", 31: "committed"}
+    now = {o.key: store.get(o.key) for o in store.list() if o.key.startswith("step-30/")}
+    marker = abandoned.pop("step-30/fastio-commit.json")
+    assert now.pop("step-30/fastio-superseded.json") == marker and now == abandoned
+    relaunched = make_app(seed=2)
+    with checkpointer(1, "c") as ckpt:
+        assert ckpt.restore_latest(relaunched).step == 31
+    assert same_state(relaunched, branch)

@@ -39,6 +39,8 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
                                              storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
             except CheckpointError as err:
                 problem = str(err)
+        elif layout.SUPERSEDED_FILE in sizes:
+            problem = layout.SUPERSEDED
         else:
             problem = f"{storage.url_of(name)}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)"
         size = (commit or {}).get("bytes")

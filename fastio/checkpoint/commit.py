@@ -78,6 +78,16 @@ class Commit(Protocol):
         ...
 
 
+def _supersede_newer(root: Path, step: int) -> None:
+    """Before ``step`` is committed: every committed step above it in ``root`` is superseded (a rollback)."""
+    newer = [e for e in layout.committed(root) if e.step > step]
+    for entry in newer:
+        layout.supersede(entry.path)
+    if newer:
+        log.warning("fastio: %s: committing step %d after a rollback: step(s) %s superseded (files kept, no longer "
+                    "checkpoints)", root, step, ", ".join(str(e.step) for e in newer))
+
+
 class _Steps:
     def __init__(self, root: Path, remote: RemoteCheckpoints | None, ranks_here: tuple[int, ...]):
         self.root, self.remote, self.ranks_here = Path(root), remote, ranks_here
@@ -121,6 +131,9 @@ class LocalCommit(_Steps):
     def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
         def commit() -> None:
             if rank == 0:
+                if self.remote is not None:
+                    self.remote.supersede_newer(step)
+                _supersede_newer(self.root, step)
                 layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
                 layout.apply_retention(self.root, keep)
                 if self.remote is not None:
@@ -141,8 +154,8 @@ class LocalCommit(_Steps):
         done = {e.step for e in entries if e.committed}
         if self.remote is not None:  # steps on the store not here yet are downloaded (and checked) when tried
             done |= set(self._remote_steps())
-        unrecognised = [(e.step, str(e.path), e.problem or "") for e in entries
-                        if not e.committed and not e.temporary and e.step not in done]
+        unrecognised = [(e.step, str(e.path), e.problem or "") for e in entries  # superseded: left where it is
+                        if not e.committed and not e.temporary and not e.superseded and e.step not in done]
         if step is not None and step not in done:
             have = ", ".join(str(s) for s in sorted(done)) or "none"
             raise CheckpointError(f"{self.remote.url if self.remote else self.root}: no committed checkpoint for "
@@ -172,6 +185,7 @@ class NodeLocalCommit(_Steps):
                     raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a "
                                           "shared file system")
                 files.update(part)
+            remote.supersede_newer(step)
             remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
 
         ranks.run("commit", commit)

@@ -12,10 +12,13 @@ A restore of a compressed checkpoint decompresses into ``.step-N.restore-PID`` (
 
 What may be deleted (the rules in one place):
 
-- a ``step-N.tmp`` holding the writer's mark ``fastio-writing.json`` and no commit marker is this
-  fastio's own abandoned temporary (a Checkpointer only looks while it holds the directory's lock, so
-  no other writer is alive): :func:`remove_abandoned` deletes it;
-- committed checkpoints older than the newest ``keep`` (:func:`apply_retention`);
+- a ``step-N.tmp`` holding the writer's mark ``fastio-writing.json`` (with or without a commit marker: a
+  kill can come between writing the marker and the rename) is this fastio's own abandoned temporary (a
+  Checkpointer only looks while it holds the directory's lock, so no other writer is alive):
+  :func:`remove_abandoned` deletes it;
+- committed checkpoints older than the newest ``keep`` (:func:`apply_retention`), each renamed to a hidden
+  ``.step-N.deleting-PID`` first and then deleted (:func:`remove_step`); :func:`remove_abandoned` finishes
+  such a deletion a kill cut short;
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.remote`; no node holds the whole step);
 - on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
@@ -27,6 +30,11 @@ What may be deleted (the rules in one place):
   match it, and a ``step-N.tmp`` without the writer's mark are left alone or moved aside by rename to
   ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be replaced
   by a new commit of the same step is moved aside too.
+
+A rollback (``restore_latest(step=S)`` while higher steps are committed, then saves from there): committing a
+step supersedes every committed step numbered above it (:func:`supersede`: its marker is renamed to
+``fastio-superseded.json``, every file kept), so the latest checkpoint is the newest of the run's current
+branch and retention counts only that branch; nothing of the abandoned branch is deleted.
 """
 
 from __future__ import annotations
@@ -102,6 +110,11 @@ CHECKSUM = "xxh3_128"
 WRITING_FILE = "fastio-writing.json"
 """The writer's mark in a ``step-N.tmp``: proof that fastio made it (host, pid, time)."""
 QUARANTINE_SUFFIX = ".quarantined"
+SUPERSEDED_FILE = "fastio-superseded.json"
+"""A committed step's marker, renamed by :func:`supersede` when an older step was restored and saved after it."""
+SUPERSEDED = ("superseded: a lower step was restored and saved after it (a rollback); its files are kept, "
+              "it is no longer a checkpoint")
+_DELETING_RE = re.compile(r"^\.step-(\d+)(\.tmp)?\.deleting-(\d+)$")
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 _QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
 _RESTORE_RE = re.compile(r"^\.step-(\d+)\.restore-(\d+)$")
@@ -154,6 +167,8 @@ class StepEntry:
     path: Path
     commit: dict[str, Any] | None = None
     problem: str | None = field(default=None)
+    superseded: bool = False
+    """A committed step made no checkpoint by a later commit of a lower step (:func:`supersede`)."""
 
     @property
     def committed(self) -> bool:
@@ -165,8 +180,9 @@ class StepEntry:
 
     @property
     def abandoned(self) -> bool:
-        """This fastio's own temporary: ``step-N.tmp`` with the writer's mark and no commit marker."""
-        return self.temporary and (self.path / WRITING_FILE).is_file() and not (self.path / COMMIT_FILE).exists()
+        """This fastio's own temporary: ``step-N.tmp`` with the writer's mark (also one a kill left with its commit
+        marker already written: a temporary is never a checkpoint until renamed to ``step-N``)."""
+        return self.temporary and (self.path / WRITING_FILE).is_file()
 
 
 def read_commit(path: Path) -> dict[str, Any]:
@@ -218,7 +234,8 @@ def scan(root: Path) -> list[StepEntry]:
         try:
             data = read_commit(child)
         except CheckpointError as err:
-            entries.append(StepEntry(step, child, None, str(err)))
+            superseded = not (child / COMMIT_FILE).exists() and (child / SUPERSEDED_FILE).is_file()
+            entries.append(StepEntry(step, child, None, SUPERSEDED if superseded else str(err), superseded))
             continue
         if data["step"] != step:
             entries.append(StepEntry(step, child, None, f"{child}: commit marker says step {data['step']}"))
@@ -329,13 +346,30 @@ def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[s
 
 
 def remove_step(path: Path) -> None:
-    """Delete a step directory; its marker goes first so a half-deleted one reads as uncommitted."""
+    """Delete a step directory: first renamed to a hidden ``.step-N.deleting-PID`` (atomic: it is no step from
+    then on), then deleted; a deletion a kill cut short is finished by :func:`remove_abandoned`."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
     try:
-        (Path(path) / COMMIT_FILE).unlink()
-        fsync_dir(Path(path))
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        fsync_dir(path.parent)
     except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+        return
+    except OSError:  # cannot rename (e.g. busy): its marker first, so a half-deleted one reads as uncommitted
+        doomed = path
+        try:
+            (path / COMMIT_FILE).unlink()
+            fsync_dir(path)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def supersede(path: Path) -> None:
+    """Make committed ``path`` no checkpoint, keeping every file: its commit marker becomes ``SUPERSEDED_FILE``."""
+    os.replace(Path(path) / COMMIT_FILE, Path(path) / SUPERSEDED_FILE)
+    fsync_dir(Path(path))
 
 
 def quarantine(path: Path) -> Path:
@@ -358,7 +392,8 @@ def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
     removed, left = [], []
     if Path(root).is_dir():
         for child in sorted(Path(root).iterdir()):
-            if _RESTORE_RE.match(child.name) and child.is_dir() and (child / RESTORING_FILE).is_file():
+            if (_RESTORE_RE.match(child.name) and child.is_dir() and (child / RESTORING_FILE).is_file()
+                    or _DELETING_RE.match(child.name) and child.is_dir()):  # also a deletion a kill cut short
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
     for entry in scan(root):
@@ -487,7 +522,9 @@ def listing_row(step: int, where: str, commit: dict[str, Any] | None, size: int,
     """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None)."""
     c = commit or {}
     committed = commit is not None
-    return {"step": step, "path": where, "committed": committed, "bytes": size,
+    state = ("committed" if committed else "superseded" if problem == SUPERSEDED else
+             "quarantined" if QUARANTINE_SUFFIX in where else "incomplete")
+    return {"step": step, "path": where, "committed": committed, "state": state, "bytes": size,
             "engine": c.get("engine", DEFAULT_ENGINE) if committed else None,
             "checksum": c.get("checksum", "sha256") if committed else None,
             "compression": c.get("compression") if committed else None,

@@ -165,6 +165,26 @@ class RemoteCheckpoints:
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
 
+    def supersede_newer(self, step: int) -> None:
+        """Before ``step``'s marker goes to the store: every committed step above it is superseded (a rollback):
+        its marker is copied to ``SUPERSEDED_FILE``, then deleted; every other object is kept. Only while the
+        lease (if held) is confirmed."""
+        try:
+            newer = [s for s in self.committed_steps() if s > step]
+            if not newer:
+                return
+            self._confirm()
+            for s in newer:
+                sub = self.mirror.storage.child(layout.step_name(s))
+                sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
+                sub.delete(layout.COMMIT_FILE)
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}: cannot supersede the steps above {step}: {err}") from None
+        log.warning("fastio: %s: committing step %d after a rollback: step(s) %s superseded (objects kept, no "
+                    "longer checkpoints)", self.url, step, ", ".join(map(str, newer)))
+
     def fetch(self, step: int) -> None:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
         the caller checks every node's copy)."""
@@ -186,12 +206,14 @@ class RemoteCheckpoints:
         steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
         during an earlier retention (or upload) left behind. While the lease is held no other writer is
         uploading, and such a step was never, or is no longer, a checkpoint."""
-        steps = {step: layout.COMMIT_FILE in keys for step, keys in remote_steps(self.mirror.storage).items()}
+        listed = remote_steps(self.mirror.storage)
+        steps = {step: layout.COMMIT_FILE in keys for step, keys in listed.items()}
         done = sorted(s for s, marked in steps.items() if marked)
         if not done:
             return
         old = done[:-keep] if keep > 0 else []
-        leftovers = [s for s, marked in steps.items() if not marked and s < done[-1]]
+        leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see supersede_newer)
+                     if not marked and s < done[-1] and layout.SUPERSEDED_FILE not in listed[s]]
         if old or leftovers:
             self._confirm()
         for step in old + sorted(leftovers):

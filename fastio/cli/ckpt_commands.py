@@ -36,7 +36,7 @@ def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str 
     click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<18} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
     for r in rows:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
-        state = "committed" if r["committed"] else "quarantined" if ".quarantined" in r["path"] else "incomplete"
+        state = r["state"]
         engine = (r["engine"] or "-") + (f"+{r['compression']}" if r.get("compression") else "")
         click.echo(f"{r['step']:>10}  {state:<11} {engine:<18} {human_bytes(r['bytes']):>10}  "
                    f"{r['time_utc'] or '-':<20}  {metrics}")
