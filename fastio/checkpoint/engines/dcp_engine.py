@@ -206,6 +206,26 @@ def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> Checkpoi
     return CheckpointError(f"{path}: {first_line(err)}")
 
 
+_LOW_SPACE = 64 << 20
+"""Below this many free bytes, a failed write's message says how much space is left."""
+
+
+def _with_free_space(err: CheckpointError, path: Path) -> CheckpointError:
+    """``err`` saying how much space the file system holding ``path`` has left when that is little: a full
+    disk reaches DCP's writer as torch's zip-writer error (``unexpected pos``), without the errno."""
+    import shutil
+
+    from fastio.progress import human_bytes
+
+    try:
+        free = shutil.disk_usage(path if Path(path).exists() else Path(path).parent).free
+    except OSError:
+        return err
+    if free >= _LOW_SPACE or "No space left" in str(err):
+        return err
+    return CheckpointError(f"{err} (the file system holding {path} has {human_bytes(free)} free: full?)")
+
+
 # ---------------------------------------------------------------- a written checkpoint
 class DcpCheckpoint(SavedCheckpoint):
     """A DCP step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
@@ -329,7 +349,7 @@ class DcpEngine:
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
                 me = rank if pg is None else dist.get_rank(group=pg)
                 if mine is None and (world == 1 or me in err.failures):
-                    raise _unwrap(err, path, me) from None
+                    raise _with_free_space(_unwrap(err, path, me), path) from None
         elif pg is not None:
             dist.barrier(group=pg)
         if mine is not None:
