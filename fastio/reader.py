@@ -128,6 +128,7 @@ class Reader:
         self.index = dataset.index  # opened (and checked) now, not in the first read
         self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
         self._files = files
+        self._verified: set[int] = set()  # shards of a shard source (cache) whose bytes verify=True has checked
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -273,6 +274,9 @@ class Reader:
         try:
             for s in shards:
                 held[s] = self._files.acquire(s)
+                if self.verify and s not in self._verified:  # a cached copy too: damage on the node's disk
+                    self._check_digest(s, held[s], where=f" (cached copy {self._files.path_of(s)})")
+                    self._verified.add(s)
         except BaseException:
             for s in held:
                 self._files.release(s)
@@ -321,18 +325,24 @@ class Reader:
             raise DatasetError(f"{self.ds.root}: shard {shard.name} is {st.st_size} bytes, manifest says {shard.bytes}")
         self._fds.identity[shard_index] = _identity(st)
         self._fds.paths[shard_index] = path
-        if not self.verify:
-            return fd
+        if self.verify:
+            try:
+                self._check_digest(shard_index, fd)
+            except DatasetError:
+                os.close(fd)
+                raise
+        return fd
+
+    def _check_digest(self, shard_index: int, fd: int, where: str = "") -> None:
+        """DatasetError unless the bytes behind ``fd`` have the shard's sha256 (``verify=True``)."""
+        shard = self.ds.shards[shard_index]
         try:
             _, digest = sha256_fd(fd)
         except OSError as err:
-            os.close(fd)
-            raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be read: {err.strerror}") from None
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} cannot be read{where}: {err.strerror}") from None
         if digest != shard.sha256:
-            os.close(fd)
-            raise DatasetError(f"{self.ds.root}: shard {shard.name} sha256 mismatch "
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} sha256 mismatch{where} "
                                f"(manifest {shard.sha256[:16]}…, file {digest[:16]}…)")
-        return fd
 
 
 class _Descriptors:

@@ -165,6 +165,31 @@ def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, fault_
         Dataset(url, cache_dir=tmp_path / "cache", storage_options=moto_server.options())
 
 
+def test_verify_checks_a_cached_copy_damaged_on_the_nodes_disk(moto_server, s3_bucket, small_shards, tmp_path):
+    """A cache fill checks what it downloads, but a copy already in the cache was served unchecked also with
+    verify=True: damage on the node's disk reached training. verify=True now checks each cached copy at its
+    first use, naming the shard and the copy."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+
+    def make(verify: bool) -> Loader:
+        return Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", verify=verify,
+                      cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options())
+
+    with make(False) as loader:
+        want = raw_epoch(loader)  # every shard now in the cache
+    entry = _entries(small_shards)[1]
+    cached = tmp_path / "cache" / "objects" / f"{entry.sha256}.tar"
+    data = bytearray(cached.read_bytes())
+    data[700] ^= 0xFF  # same size, other bytes
+    os.chmod(cached, 0o644)
+    cached.write_bytes(bytes(data))
+    with make(True) as loader, pytest.raises(DatasetError, match=rf"shard {entry.name} sha256 mismatch \(cached copy "
+                                                                 rf"{cached}\)"):
+        raw_epoch(loader)
+    assert want  # the same loader without the damage read every sample
+
+
 def test_missing_dataset_and_missing_shard_name_the_url(moto_server, s3_bucket, small_shards, tmp_path):
     opts = dict(cache_dir=tmp_path / "cache", storage_options=moto_server.options())
     with pytest.raises(DatasetError, match=rf"s3://{s3_bucket}/none: not a fastio dataset \(no manifest.json"):

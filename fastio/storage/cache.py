@@ -385,6 +385,10 @@ class CachedShardFiles:
 
     # -- reader side ------------------------------------------------------------------------------------
 
+    def path_of(self, i: int) -> Path:
+        """Where shard ``i``'s copy lives (or will) in the cache."""
+        return self.cache.path(self.entries[i].sha256)
+
     def acquire(self, i: int) -> int:
         with self._lock:
             held = self._open.get(i)
