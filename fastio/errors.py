@@ -1,7 +1,7 @@
 """Exceptions that reach users as one line naming the offending file, shard, key or field."""
 
 __all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "LoaderArgumentError", "CheckpointError",
-           "StorageError"]
+           "StorageError", "StorageOptionsError"]
 
 
 class FastioError(Exception):
@@ -42,3 +42,8 @@ class StorageError(FastioError):
                  precondition: bool = False):
         super().__init__(message)
         self.url, self.transient, self.missing, self.precondition = url, transient, missing, precondition
+
+
+class StorageOptionsError(FastioError, ValueError):
+    """A storage setting that cannot be used (an endpoint without ``http://``, a timeout of 0...), from
+    ``storage_options=``, a CLI flag or the environment. Also a ``ValueError``, as for any bad argument."""

@@ -69,6 +69,18 @@ def test_split_dest_on_s3(aws_env, s3_bucket, image_folder, capsys):
         Loader(url, batch_size=4, device="cpu", image_size=32)
 
 
+def test_an_endpoint_without_a_scheme_is_one_line_in_every_command(s3_bucket, capsys, monkeypatch):
+    """``--endpoint-url 127.0.0.1:9000`` (the usual MinIO typo) was a raw ValueError traceback in verify and index."""
+    for argv in (["verify", f"s3://{s3_bucket}/ds", "--endpoint-url", "127.0.0.1:9000"],
+                 ["index", f"s3://{s3_bucket}/ds/", "--endpoint-url", "127.0.0.1:9000"],
+                 ["inspect", f"s3://{s3_bucket}/ds", "--endpoint-url", "127.0.0.1:9000"]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and err == "fastio: error: endpoint must be an http:// or https:// URL, got '127.0.0.1:9000'\n"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "localhost:9000")
+    code, _, err = run_cli(["index", f"s3://{s3_bucket}/ds/", "--dest", f"s3://{s3_bucket}/zz"], capsys)
+    assert code == 2 and "got 'localhost:9000'" in err and "Traceback" not in err
+
+
 def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_folder, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for dest, needle in [("gs://bucket/x", "gs://bucket/x: unsupported URL scheme 'gs'"),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastio.errors import StorageOptionsError
+
 __all__ = ["StorageOptions"]
 
 
@@ -71,26 +73,27 @@ class StorageOptions:
             value = getattr(self, f.name)
             if f.type in ("int", "float") and (isinstance(value, bool) or not isinstance(
                     value, numbers.Integral if f.type == "int" else numbers.Real)):
-                raise ValueError(f"{f.name} must be {'an integer' if f.type == 'int' else 'a number'}, got {value!r}")
+                kind = "an integer" if f.type == "int" else "a number"
+                raise StorageOptionsError(f"{f.name} must be {kind}, got {value!r}")
         if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
+            raise StorageOptionsError(f"retries must be >= 0, got {self.retries}")
         if not (0 <= self.backoff_s <= self.backoff_max_s):
-            raise ValueError(f"backoff_s must be between 0 and backoff_max_s, got {self.backoff_s}")
+            raise StorageOptionsError(f"backoff_s must be between 0 and backoff_max_s, got {self.backoff_s}")
         if not self.deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+            raise StorageOptionsError(f"deadline_s must be > 0, got {self.deadline_s}")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError(f"timeout_s and connect_timeout_s must be > 0, got {self.timeout_s}, "
+            raise StorageOptionsError(f"timeout_s and connect_timeout_s must be > 0, got {self.timeout_s}, "
                              f"{self.connect_timeout_s}")
         if self.part_size < 5 << 20:
-            raise ValueError(f"part_size must be >= 5 MiB (the S3 minimum part), got {self.part_size}")
+            raise StorageOptionsError(f"part_size must be >= 5 MiB (the S3 minimum part), got {self.part_size}")
         if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+            raise StorageOptionsError(f"concurrency must be >= 1, got {self.concurrency}")
         if not (self.lease_ttl_s == 0 or self.lease_ttl_s >= 1):
-            raise ValueError(f"lease_ttl_s must be 0 (no lease) or >= 1 second, got {self.lease_ttl_s}")
+            raise StorageOptionsError(f"lease_ttl_s must be 0 (no lease) or >= 1 second, got {self.lease_ttl_s}")
         if self.lease_skew_s < 0:
-            raise ValueError(f"lease_skew_s must be >= 0, got {self.lease_skew_s}")
+            raise StorageOptionsError(f"lease_skew_s must be >= 0, got {self.lease_skew_s}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
+            raise StorageOptionsError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
 
     @classmethod
     def resolve(cls, overrides: StorageOptions | dict[str, Any] | None = None,
@@ -101,7 +104,7 @@ class StorageOptions:
         overrides = dict(overrides or {})
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise ValueError(f"storage_options has no {', '.join(map(repr, unknown))} "
+            raise StorageOptionsError(f"storage_options has no {', '.join(map(repr, unknown))} "
                              f"(known: {', '.join(f.name for f in dataclasses.fields(cls))})")
         env = os.environ if env is None else env
         profile_name = overrides.get("profile") or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
@@ -134,11 +137,11 @@ def _profile(name: str, env: dict[str, str], explicit: bool) -> dict[str, str]:
         try:
             parser.read(path)
         except configparser.Error as err:
-            raise ValueError(f"{path}: cannot parse AWS profile file: {str(err).splitlines()[0]}") from None
+            raise StorageOptionsError(f"{path}: cannot parse AWS profile file: {str(err).splitlines()[0]}") from None
         for sec in (section, name) if name == "default" else (section,):
             if parser.has_section(sec):
                 seen = True
                 found.update(parser.items(sec))
     if explicit and not seen:
-        raise ValueError(f"profile {name!r} is in neither {files[0][0]} nor {files[1][0]}")
+        raise StorageOptionsError(f"profile {name!r} is in neither {files[0][0]} nor {files[1][0]}")
     return found
