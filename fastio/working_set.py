@@ -2,14 +2,13 @@
 refusal when ``cache_size`` cannot hold it (at construction, not after a fill has waited for room in vain):
 
 - ``global``: every batch draws from the whole dataset, so every shard is wanted at once: all of it;
-- ``block``: a window of ``block_shards`` shards (the largest ones, as a bound whatever the epoch's order), plus
+- ``block``: two windows of ``block_shards`` shards (the largest ones, as a bound whatever the epoch's order):
+  the batches that cross from one window into the next (or into the next epoch) hold shards of both; plus
   ``shard_read_ahead`` shards filled ahead;
-- ``none``: one shard plus the read-ahead.
+- ``none``: two shards (a batch crossing from one into the next) plus the read-ahead.
 
-This is what any reader of the mode needs, so a cache below it is refused. It is not always enough: batches
-that cross from one window into the next (or into the next epoch) hold shards of both, so :func:`suggested
-<check_working_set>` ``block_shards`` leave room for two windows; a fill that still finds the cache full of
-this process's own shards in use fails at once (:class:`fastio.storage.cache.ShardCache`).
+A cache below that is refused when the Loader is made; with it, an epoch never finds the cache full of this
+process's own shards in use (a fill that did would fail at once: :class:`fastio.storage.cache.ShardCache`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def working_set_bytes(shard_bytes: Sequence[int], shuffle: str, block_shards: in
     """Shard bytes a reader of ``shuffle`` mode needs in the cache at the same time (see the module docstring)."""
     if shuffle == "global":
         return int(np.asarray(shard_bytes, np.int64).sum())
-    return _largest(shard_bytes, (block_shards if shuffle == "block" else 1) + shard_read_ahead)
+    return _largest(shard_bytes, 2 * (block_shards if shuffle == "block" else 1) + shard_read_ahead)
 
 
 def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int,
@@ -45,11 +44,12 @@ def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: in
     if need <= cache_size:
         return
     what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
-            "block": f"the {block_shards} largest shards of a window + {shard_read_ahead} read ahead",
-            "none": f"the largest shard + {shard_read_ahead} read ahead"}[shuffle]
-    # suggested: two windows fit (batches crossing a window boundary), else one; a size named is always
-    # enough for the mode it is named with
-    fits = [b for b in range(1, len(shard_bytes) + 1) if _largest(shard_bytes, 2 * b + shard_read_ahead) <= cache_size]
+            "block": f"two windows of the {block_shards} largest shards (a batch crossing into the next window "
+                     f"holds shards of both) + {shard_read_ahead} read ahead",
+            "none": f"the two largest shards (a batch crossing into the next) + {shard_read_ahead} read ahead"}[shuffle]
+    # a size named is always enough for the mode it is named with
+    fits = [b for b in range(1, len(shard_bytes) + 1)
+            if working_set_bytes(shard_bytes, "block", b, shard_read_ahead) <= cache_size]
     smallest = human_bytes(_largest(shard_bytes, 2 + shard_read_ahead))  # block_shards=1, two windows
     block = "shuffle='block' with " if shuffle == "global" else ""
     if shuffle == "none" or (shuffle == "block" and block_shards == 1 and not fits):

@@ -294,9 +294,12 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
                                            r".* \(every shard.*\); use shuffle='block' with block_shards <= 1, "
                                            "or raise cache_size"):
         Loader(url, **opts)
-    with pytest.raises(StorageError, match=r"shuffle='block' reads at once: .* \(the 3 largest shards of a window "
-                                           r"\+ 1 read ahead\); use block_shards <= 1, or raise"):
+    with pytest.raises(StorageError, match=r"shuffle='block' reads at once: .* \(two windows of the 3 largest shards "
+                                           r"\(a batch crossing into the next window holds shards of both\) \+ 1 "
+                                           r"read ahead\); use block_shards <= 1, or raise"):
         Loader(url, shuffle="block", block_shards=3, **opts)
+    with pytest.raises(StorageError, match=r"two windows of the 2 largest shards"):  # one window + read-ahead fit: it
+        Loader(url, shuffle="block", block_shards=2, **opts)  # passed, then failed where a batch crossed windows
     assert time.monotonic() - started < 10
     local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",)))
     with Loader(url, shuffle="block", block_shards=1, **opts) as loader:
@@ -310,7 +313,7 @@ def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
     from fastio.working_set import check_working_set
 
     sizes = [100] * 10
-    for shuffle, block_shards, need in (("global", 4, 1000), ("block", 4, 600)):
+    for shuffle, block_shards, need in (("global", 4, 1000), ("block", 4, 1000)):
         with pytest.raises(StorageError) as err:
             check_working_set(sizes, shuffle, block_shards, 2, 150, "s3://b/ds")
         hint = str(err.value).split("; ", 1)[1]
