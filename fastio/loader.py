@@ -34,7 +34,7 @@ from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpe
 from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
-from fastio.working_set import check_working_set
+from fastio.working_set import check_shared_working_set, check_working_set
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
@@ -611,6 +611,13 @@ def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
     if wanted:  # the label fields are each source's own
         others = [f for f in others if f not in labels]
     asked = named[0] if named else next((f for f in labels if f), None)  # what a source without one lacks
+    shared: dict[Any, dict[str, list[int]]] = {}  # remote sources by the cache they share
+    for name, ds in zip(mixture.names, mixture.datasets):
+        if ds.source.cache_size is not None:
+            shared.setdefault((str(ds.source.cache.dir), ds.source.cache_size), {})[name] = [s.bytes for s in ds.shards]
+    for (where, size), sources in shared.items():
+        if len(sources) > 1:
+            check_shared_working_set(sources, cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead, size, where)
     parts: list[_Part] = []
     try:
         for name, ds in zip(mixture.names, mixture.datasets):

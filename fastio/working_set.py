@@ -20,7 +20,7 @@ import numpy as np
 from fastio.errors import StorageError
 from fastio.progress import human_bytes
 
-__all__ = ["check_working_set", "working_set_bytes"]
+__all__ = ["check_shared_working_set", "check_working_set", "working_set_bytes"]
 
 
 def _largest(shard_bytes: Sequence[int], count: int) -> int:
@@ -61,3 +61,19 @@ def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: in
                 f"{smallest} (less with a lower shard_read_ahead)")
     raise StorageError(f"{url}: cache_size {human_bytes(cache_size)} cannot hold what shuffle={shuffle!r} reads at "
                        f"once: {human_bytes(need)} ({what}); {hint}", url=url)
+
+
+def check_shared_working_set(sources: dict[str, Sequence[int]], shuffle: str, block_shards: int,
+                             shard_read_ahead: int, cache_size: int, where: str) -> None:
+    """StorageError when the sources of a mixture that read through one cache (``where``: its directory) need
+    more than ``cache_size`` together: each reads its own working set at the same time (``sources``: name ->
+    shard bytes). Each one alone is checked by :func:`check_working_set`."""
+    each = {name: working_set_bytes(sizes, shuffle, block_shards, shard_read_ahead) for name, sizes in sources.items()}
+    need = sum(each.values())
+    if need <= cache_size:
+        return
+    parts = ", ".join(f"{name!r} {human_bytes(b)}" for name, b in each.items())
+    raise StorageError(f"mixture sources {', '.join(map(repr, each))} read through one cache ({where}) at the same "
+                       f"time: cache_size {human_bytes(cache_size)} cannot hold their working sets together "
+                       f"({parts}: {human_bytes(need)} for shuffle={shuffle!r}); raise cache_size, or read fewer "
+                       "shards at once (shuffle='block' with a smaller block_shards)", url=where)

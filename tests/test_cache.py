@@ -306,6 +306,30 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
         assert raw_epoch(loader) == local
 
 
+def test_mixture_sources_sharing_a_cache_are_checked_together(moto_server, s3_bucket, small_shards, tmp_path):
+    """Each of two s3:// sources fit the cache alone, so the mixture was made; together they did not, and the
+    epoch thrashed the cache (3.3x the bytes downloaded), waiting for room 'held by other processes'."""
+    from fastio import Mixture
+
+    urls = {name: f"s3://{s3_bucket}/{name}" for name in ("a", "b")}
+    for url in urls.values():
+        upload(small_shards, url, moto_server.options())
+    total = sum(shard_sizes(small_shards))
+
+    def mixture(cache_size: int) -> Mixture:
+        return Mixture(urls, cache_dir=tmp_path / "cache", cache_size=cache_size, storage_options=moto_server.options())
+
+    with pytest.raises(StorageError, match=r"mixture sources 'a', 'b' read through one cache .* at the same time: "
+                                           r"cache_size .* cannot hold their working sets together"):
+        Loader(mixture(total + total // 2), batch_size=8, device="cpu", pipeline="raw", fields=("jpg",))
+    with Loader(mixture(2 * total), batch_size=8, device="cpu", pipeline="raw", fields=("jpg",)) as loader:
+        seen = [(int(s), int(i)) for b in loader for s, i in zip(b["source"], b["index"])]
+        assert len(seen) == len(set(seen)) == len(loader) * 8 - int(loader.stats().get("padded", 0))
+        by_source = loader.stats()["storage_by_source"]
+    # the sources hold the same shards (the cache keys them by checksum): each downloaded once, no thrashing
+    assert by_source["a"]["bytes_downloaded"] + by_source["b"]["bytes_downloaded"] == total
+
+
 def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
     """Ten shards of 100 bytes, cache_size 150, 2 shards read ahead: not even block_shards=1 fits (two windows +
     read-ahead: 400 bytes). The hint named 400 bytes as the cache_size for shuffle='global', which needs 1000."""
