@@ -190,16 +190,21 @@ def _pattern_listing(source: str, options) -> tuple[Storage, list[_Shard], list[
 
 def _folder_listing(source: str, options) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
     storage = open_storage(source, options)
+    glob = (f"{source}: fastio does not expand globs (the shell matched nothing, or the pattern was quoted): give "
+            "the folder, or a brace pattern such as '/data/{000..009}.tar'")
     if not storage.remote and not storage.location.path.is_dir():
         if storage.location.path.is_file():
             raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
         if any(c in source for c in "*?["):
-            raise DatasetError(f"{source}: no such folder; fastio does not expand globs (the shell matched "
-                               "nothing, or the pattern was quoted): give the folder, or a brace pattern such "
-                               "as '/data/{000..009}.tar'")
+            raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
     if storage.remote:
         found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
+        if not found and any(c in source for c in "*?["):
+            raise DatasetError(glob)
+        if not found and source.endswith(".tar"):
+            raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
+                               "pattern")
     else:
         found, skipped = _walk_local(storage.location.path)
     shards = []

@@ -59,8 +59,12 @@ def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: in
     else:
         hint = (f"raise cache_size to {human_bytes(need)}, or use {block}block_shards=1 with cache_size at least "
                 f"{smallest} (less with a lower shard_read_ahead)")
-    raise StorageError(f"{url}: cache_size {human_bytes(cache_size)} cannot hold what shuffle={shuffle!r} reads at "
-                       f"once: {human_bytes(need)} ({what}); {hint}", url=url)
+    have, want = human_bytes(cache_size), human_bytes(need)
+    if have == want:  # rounded alike: the bytes say which is larger
+        have, want = f"{cache_size} bytes", f"{need} bytes"
+        hint = hint.replace(human_bytes(need), want)
+    raise StorageError(f"{url}: cache_size {have} cannot hold what shuffle={shuffle!r} reads at once: {want} "
+                       f"({what}); {hint}", url=url)
 
 
 def check_shared_working_set(sources: dict[str, Sequence[int]], shuffle: str, block_shards: int,

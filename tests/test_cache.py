@@ -345,6 +345,8 @@ def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
         assert f"block_shards=1 with cache_size at least {human_bytes(400)}" in hint, hint
     with pytest.raises(StorageError, match=f"lower shard_read_ahead, or raise cache_size to at least {human_bytes(400)}$"):
         check_working_set(sizes, "block", 1, 2, 150, "s3://b/ds")
+    with pytest.raises(StorageError, match="cache_size 499999 bytes cannot hold .* at once: 500000 bytes"):
+        check_working_set([100_000] * 5, "global", 1, 2, 499_999, "s3://b/ds")  # both "500.0 kB" when rounded
 
 
 def test_a_non_cache_directory_is_refused(tmp_path):

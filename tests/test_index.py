@@ -259,6 +259,10 @@ def test_index_on_s3_in_place_and_with_dest(aws_env, s3_bucket, shards, tmp_path
     with writer_lease(open_storage(f"s3://{s3_bucket}/meta"), "another fastio index"):  # one writer per DEST
         code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", f"s3://{s3_bucket}/meta", "-q"], capsys)
         assert code == 2 and "another fastio index" in err, err
+    for source, said in ((f"s3://{s3_bucket}/ro/wds-*.tar", "fastio does not expand globs"),
+                         (f"s3://{s3_bucket}/ro/wds-000000.tar", "an object, not a prefix")):  # said "holds no .tar"
+        code, _, err = run_cli(["index", source, "--dest", f"s3://{s3_bucket}/x", "-q"], capsys)
+        assert code == 2 and said in err, err
     code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", f"s3://{s3_bucket}/meta", "-q"], capsys)
     assert code == 0, err
     assert sorted(o.key for o in ro.list()) == sorted(str(p.relative_to(folder)) for p in folder.rglob("*.tar"))
