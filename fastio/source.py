@@ -32,7 +32,8 @@ from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache, defau
 from fastio.storage.options import StorageOptions
 from fastio.storage.url import parse_location
 
-__all__ = ["DatasetSource", "LocalSource", "RemoteSource", "dest_child", "dest_split_names", "open_source"]
+__all__ = ["DatasetSource", "LocalSource", "RemoteSource", "dest_child", "dest_split_names", "no_manifest",
+           "open_source"]
 
 
 class DatasetSource:
@@ -122,6 +123,20 @@ def _write_unique_tmp(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def no_manifest(url: str, storage: Storage) -> DatasetError:
+    """The error for a DEST on an object store (``storage``) whose manifest is missing: its bucket does not
+    exist (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), or it is not
+    a fastio dataset."""
+    bucket = url.split("/", 3)[2] if url.startswith("s3://") else None
+    if bucket:
+        try:
+            open_storage(f"s3://{bucket}", storage.options).get(".fastio-no-such-key")
+        except StorageError as err:
+            if "NoSuchBucket" in str(err):
+                return DatasetError(f"{url}: no such bucket {bucket!r} (at this endpoint)")
+    return DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
 class RemoteSource(DatasetSource):
     """A DEST on an object store, read through a node-local :class:`ShardCache`."""
 
@@ -153,8 +168,7 @@ class RemoteSource(DatasetSource):
         except StorageError as err:
             if err.missing:
                 _refuse_split_parent(url, dest_split_names(url, self.storage.options))
-                raise DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)") \
-                    from None
+                raise no_manifest(url, self.storage) from None
             raise
         _write_unique_tmp(self.meta / MANIFEST_NAME, data)
         try:

@@ -27,7 +27,7 @@ from fastio.manifest import (
     load_manifest,
     split_names,
 )
-from fastio.source import LocalSource, dest_split_names
+from fastio.source import LocalSource, dest_split_names, no_manifest
 from fastio.storage import is_remote, open_storage
 from fastio.wds import split_member_name
 
@@ -229,8 +229,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                 storage.get_to_file(f"{prefix}{MANIFEST_NAME}", sub / MANIFEST_NAME)
             except StorageError as err:
                 if err.missing:
-                    raise DatasetError(f"{storage.url_of(prefix.rstrip('/'))}: not a fastio dataset "
-                                       f"(no {MANIFEST_NAME}; an interrupted conversion?)") from None
+                    raise no_manifest(storage.url_of(prefix.rstrip("/")), storage) from None
                 raise
             try:  # the sample index is small (a few bytes a sample): fetched once, checked like a local one
                 record = load_manifest(sub).index

@@ -94,5 +94,8 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     assert open_storage(f"s3://{s3_bucket}/mine").get("notes.txt") == b"precious"
     code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)
     assert code == 2 and f"s3://{s3_bucket}/nothing: not a fastio dataset" in err
+    for command in ("verify", "inspect"):  # said "not a fastio dataset (no manifest.json ...)"
+        code, _, err = run_cli([command, "s3://no-such-bucket-here/ds"], capsys)
+        assert code == 2 and "s3://no-such-bucket-here/ds: no such bucket 'no-such-bucket-here'" in err, err
     code, _, err = run_cli(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"s3://{s3_bucket}/nothing" in err and "Traceback" not in err
