@@ -450,7 +450,7 @@ class Checkpointer:
             staged, global_keys, info = self._ranks.run("stage", stage)
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
-                if agree.first_difference(signatures):
+                if agree.first_difference(signatures):  # every rank sees it: all gather the shapes to name it
                     why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
                     raise CheckpointError(f"checkpoint save at step {step}: {why}")
         except CheckpointError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
 from fastio.checkpoint.engines.strict import Mismatch, shape_of
 from fastio.errors import CheckpointError
+from fastio.progress import human_bytes
 
 __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
 
@@ -213,10 +215,6 @@ _LOW_SPACE = 64 << 20
 def _with_free_space(err: CheckpointError, path: Path) -> CheckpointError:
     """``err`` saying how much space the file system holding ``path`` has left when that is little: a full
     disk reaches DCP's writer as torch's zip-writer error (``unexpected pos``), without the errno."""
-    import shutil
-
-    from fastio.progress import human_bytes
-
     try:
         free = shutil.disk_usage(path if Path(path).exists() else Path(path).parent).free
     except OSError:
