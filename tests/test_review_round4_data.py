@@ -4,22 +4,28 @@ parts, a shard rewritten in place after ``fastio index``, two Loaders sharing on
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import write_image_dataset
 
-from fastio import Mixture
+from fastio import Loader, Mixture
 from fastio.convert import ConvertConfig, convert
 from fastio.errors import ConvertError
+from fastio.manifest import MANIFEST_NAME
 from fastio.mixorder import MAX_PERIOD, MixSchedule
 from fastio.parts import PARTS_DIR
 from fastio.shards import ShardWriter
+from fastio.storage import StorageOptions, open_storage
 from fastio.synthetic import make_imagefolder
 from fastio.verify import verify
 
@@ -118,3 +124,53 @@ def test_a_part_does_not_start_under_a_whole_conversion(tmp_path):
     assert not (dest / PARTS_DIR / "part-0-of-2" / "shards").exists()
     convert(ConvertConfig(source=src, dest=dest, workers=1, part=(0, 2)))
     assert (dest / PARTS_DIR / "part-0-of-2" / "part.json").is_file()
+
+
+# -- 13: an S3 outage of 10 s mid-epoch ---------------------------------------------------------------------
+
+def test_a_ten_second_outage_mid_epoch_costs_time_not_the_run(moto_server, s3_bucket, image_folder, tmp_path,
+                                                             caplog):
+    """The real S3 server paused (SIGSTOP) for 10 s after the first batch: every sample of the epoch still comes,
+    with one warning when retrying starts and one when the store answers again. Before: "GET failed after 7
+    attempts" after about 5 s (the retry budget was 6 retries, not the deadline)."""
+    assert StorageOptions().deadline_s >= 120 and StorageOptions().retries is None  # the default: a deadline
+    url = f"s3://{s3_bucket}/ds"
+    local = write_image_dataset(tmp_path / "local", image_folder, max_samples=4)  # 12 shards of 4
+    open_storage(url, moto_server.options()).publish_dir(local, keys_last=(MANIFEST_NAME,))
+    options = moto_server.options(timeout_s=0.5, deadline_s=60, backoff_s=0.05)  # attempts time out quickly
+    loader = Loader(url, batch_size=4, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none",
+                    cache_dir=str(tmp_path / "cache"), cache_size="1GB", shard_read_ahead=0, storage_options=options)
+    pid = moto_server.proc.pid
+    with caplog.at_level(logging.DEBUG, logger="fastio.storage"):
+        batches = iter(loader)
+        seen = next(batches)["index"].tolist()
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(10, os.kill, (pid, signal.SIGCONT))
+        started = time.monotonic()
+        resume.start()
+        try:
+            for batch in batches:
+                seen += batch["index"].tolist()
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+        took = time.monotonic() - started
+    retries = loader.stats()["storage"]["retries"]
+    loader.close()
+    assert sorted(seen) == list(range(48)) and took > 9 and retries > 3
+    warned = [r.getMessage() for r in caplog.records if r.name == "fastio.storage" and r.levelno >= logging.WARNING]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith(f"fastio: s3://{s3_bucket}/ds/shards/") and "(attempt 1, " in warned[0]
+    assert "each request until deadline_s=60" in warned[0]
+    assert re.fullmatch(rf"fastio: s3://{s3_bucket} answers again after \d+\.\d s \(\d+ retries\)", warned[1])
+    debug = [r for r in caplog.records if r.name == "fastio.storage" and r.levelno == logging.DEBUG]
+    assert len(debug) + 1 >= retries
+
+
+def test_retries_none_is_the_default_and_is_checked():
+    assert StorageOptions().upload_retries == 6 and StorageOptions(retries=2).upload_retries == 2
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match=rf"^retries must be None \(until deadline_s\) or an integer >= 0, "
+                                             rf"got {re.escape(repr(bad))}$"):
+            StorageOptions(retries=bad)
+
