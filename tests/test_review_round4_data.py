@@ -3,6 +3,7 @@ parts, a shard rewritten in place after ``fastio index``, two Loaders sharing on
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from conftest import write_image_dataset
 
 from fastio import Loader, Mixture
 from fastio.convert import ConvertConfig, convert
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, StorageError
 from fastio.manifest import MANIFEST_NAME
 from fastio.mixorder import MAX_PERIOD, MixSchedule
 from fastio.parts import PARTS_DIR
@@ -173,4 +174,40 @@ def test_retries_none_is_the_default_and_is_checked():
         with pytest.raises(ValueError, match=rf"^retries must be None \(until deadline_s\) or an integer >= 0, "
                                              rf"got {re.escape(repr(bad))}$"):
             StorageOptions(retries=bad)
+
+
+# -- 12: two Loaders of one process sharing one cache --------------------------------------------------------
+
+def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_server, s3_bucket, image_folder,
+                                                                      tmp_path):
+    """Each Loader's working set fits the cache alone, not both: the second is refused when it is made, naming
+    the first (before: both were made, and their fills waited 2 x 120 s for room 'held by other processes').
+    A closed (or dropped) Loader frees its claim."""
+    opts = moto_server.options()
+    urls = []
+    for name in ("a", "b"):
+        url = f"s3://{s3_bucket}/{name}"
+        local = write_image_dataset(tmp_path / name, image_folder, max_samples=8)  # 6 shards of 8
+        open_storage(url, opts).publish_dir(local, keys_last=(MANIFEST_NAME,))
+        urls.append(url)
+    largest = max(p.stat().st_size for p in (tmp_path / "a" / "shards").glob("*.tar"))
+    cache = dict(cache_dir=str(tmp_path / "cache"), cache_size=3 * largest)  # one working set: 2 shards
+    kw = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", shard_read_ahead=0,
+              storage_options=opts, **cache)
+    first = Loader(urls[0], **kw)
+    with pytest.raises(StorageError, match=rf"^{urls[1]}: cache_size .* of {tmp_path / 'cache'} cannot hold this "
+                                           rf"Loader's working set \(.*\) beside those of the other Loaders in this "
+                                           rf"process reading through it \({urls[0]} .*\): close them first"):
+        Loader(urls[1], **kw)
+    first.close()
+    with Loader(urls[1], **kw) as second:
+        assert sum(len(b["jpg"]) for b in second) == 48
+    dropped = Loader(urls[0], **kw)
+    del dropped
+    gc.collect()
+    with Loader(urls[1], **kw) as second:
+        assert sum(len(b["jpg"]) for b in second) == 48
+    other = dict(kw, cache_dir=str(tmp_path / "cache2"))
+    with Loader(urls[0], **kw) as one, Loader(urls[1], **other) as two:  # separate caches: no claim between them
+        assert sum(len(a["jpg"]) + len(b["jpg"]) for a, b in zip(one, two)) == 96
 
