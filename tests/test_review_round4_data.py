@@ -4,6 +4,7 @@ parts, a shard rewritten in place after ``fastio index``, two Loaders sharing on
 from __future__ import annotations
 
 import gc
+import io
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -18,16 +20,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import write_image_dataset
+from helpers import run_cli
 
-from fastio import Loader, Mixture
+from fastio import Dataset, Loader, Mixture
 from fastio.convert import ConvertConfig, convert
-from fastio.errors import ConvertError, StorageError
+from fastio.errors import ConvertError, DatasetError, StorageError
 from fastio.manifest import MANIFEST_NAME
 from fastio.mixorder import MAX_PERIOD, MixSchedule
 from fastio.parts import PARTS_DIR
+from fastio.reader import Reader
 from fastio.shards import ShardWriter
 from fastio.storage import StorageOptions, open_storage
-from fastio.synthetic import make_imagefolder
+from fastio.synthetic import make_imagefolder, photo_jpeg
 from fastio.verify import verify
 
 
@@ -211,3 +215,47 @@ def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_serve
     with Loader(urls[0], **kw) as one, Loader(urls[1], **other) as two:  # separate caches: no claim between them
         assert sum(len(a["jpg"]) + len(b["jpg"]) for a, b in zip(one, two)) == 96
 
+
+# -- 5: a shard rewritten in place after `fastio index` ------------------------------------------------------
+
+def _write_tar(path: Path, samples: dict[str, dict[str, bytes]], fmt=tarfile.GNU_FORMAT) -> None:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for key, fields in samples.items():
+            for field, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys, fmt):
+    """Two samples of the same sizes swapped in a shard after `fastio index` (same size, so the size check at open
+    passes): before, each was delivered under the other's key; now every read checks each member's tar header."""
+    jpeg = photo_jpeg(np.random.default_rng(0), 32, 24)  # one image for all: only the names tell them apart
+    samples = {f"s{i:02d}": {"cls": b"%d" % (i % 2), "jpg": jpeg, "txt": b"text of sample %02d" % i}
+               for i in range(8)}
+    folder = tmp_path / "web"
+    folder.mkdir()
+    _write_tar(folder / "0.tar", samples, fmt)
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+        assert next(iter(loader))["txt"] == [samples[f"s{i:02d}"]["txt"] for i in range(8)]  # the check passes
+    size = (folder / "0.tar").stat().st_size
+    order = ["s00", "s01", "s03", "s02", *[f"s{i:02d}" for i in range(4, 8)]]
+    _write_tar(folder / "0.tar", {k: samples[k] for k in order}, fmt)  # in place, s02 and s03 swapped
+    assert (folder / "0.tar").stat().st_size == size
+    refused = (rf"^{folder}: shard 0\.tar key 's02': field 'txt': the index says member 's02\.txt' of 17 bytes at "
+               r"offset \d+, the shard holds member 's03\.txt' of 17 bytes there: it was rewritten after it was "
+               r"indexed; re-run `fastio index` \(or the conversion\)$")
+    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+        with pytest.raises(DatasetError, match=refused):
+            next(iter(loader))
+    with Loader(folder, batch_size=8, pipeline="image-eval", image_size=16, device="cpu", num_threads=1,
+                shuffle="none") as loader:  # a decoding pipeline: the image's member (and the label's)
+        with pytest.raises(DatasetError, match=r"key 's02': field '(jpg|cls)': .* holds member 's03\.(jpg|cls)'"):
+            next(iter(loader))
+    with Reader(Dataset(folder), ["cls"]) as reader:  # the label members too (same sizes)
+        assert reader.read(np.arange(2))["cls"][1].tobytes() == b"1"  # samples before the swap still read
+        with pytest.raises(DatasetError, match=r"key 's02': field 'cls': .* holds member 's03\.cls' of 1 bytes"):
+            reader.read(np.arange(8))
