@@ -34,7 +34,7 @@ from fastio.pipeline import IMAGENET_MEAN, IMAGENET_STD, BuiltPipeline, GraphSpe
 from fastio.reader import Reader, parse_labels, sample_where
 from fastio.sampler import Sampler, SamplerSpec
 from fastio.stats import Stats
-from fastio.working_set import check_shared_working_set, check_working_set
+from fastio.working_set import check_shared_working_set, check_working_set, working_set_bytes
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
@@ -145,7 +145,9 @@ class LoaderConfig:
     process on the node; default ``$FASTIO_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastio``, else ``~/.cache/fastio``).
     Ignored for a local dataset."""
     cache_size: int | str | None = None
-    """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
+    """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system). It
+    must hold this Loader's working set beside those of the other live Loaders of this process on the same
+    ``cache_dir`` (docs/storage.md, Cache sizing)."""
     storage_options: dict | None = field(default=None, compare=False)
     """Object-store settings over those found in the environment: ``endpoint``, ``region``, ``access_key_id``,
     ``secret_access_key``, ``profile``, ``retries``, ``deadline_s``, ... (see :class:`fastio.storage.StorageOptions`)."""
@@ -581,10 +583,13 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
         extra = [ds.label_field] if ds.label_field else []
     ds.require_fields(extra, in_every_sample=graph.decodes)
     extra = [f for f in extra if f != image_field]
+    need = None
     if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
         check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead,
                           ds.source.cache_size, str(ds.root))
-    files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
+        need = working_set_bytes([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead)
+    # None: local files; a cache's files claim their working set beside this process's other Loaders' there
+    files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead, working_set=need)
     reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
                     image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,
                     optional=image_fields if graph.decodes else [f for f in extra if f != ds.label_field],

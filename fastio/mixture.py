@@ -22,7 +22,7 @@ import numpy as np
 
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import MixSampler, MixSchedule
+from fastio.mixorder import MixSampler, MixSchedule, check_shares
 from fastio.reader import ReadBatch, Reader
 from fastio.sampler import SamplerSpec
 from fastio.storage.url import is_remote
@@ -75,6 +75,8 @@ class Mixture:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         self.sizes: tuple[int, ...] = tuple(len(ds) for ds in self.datasets)
         raw = [float(weights[k]) for k in self.names] if weights is not None else [float(n) for n in self.sizes]
+        check_shares(self.names, raw, "" if weights is not None else " (no weights= given: each source's size "
+                     "is its weight; give weights=)")
         self.weights: tuple[float, ...] = tuple(w / sum(raw) for w in raw)
         """Each source's share (the weights normalised to sum to 1)."""
         self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
