@@ -221,7 +221,8 @@ class Loader:
         self._built: BuiltPipeline | None = None
 
     def _place(self) -> None:
-        """Rank and world size, this rank's order, and the device; checked against the read set's size."""
+        """Rank and world size, this rank's order of units and their reader, and the device; checked against
+        the read set's size."""
         cfg, rs = self.config, self.read_set
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
@@ -229,6 +230,7 @@ class Loader:
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
         self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, world, rank)
+        self._reader = self.pipeline.reader(rs)
         self.rank, self.world_size = rank, world
         n = len(rs)
         if cfg.batch_size > n:
@@ -315,6 +317,8 @@ class Loader:
     def close(self) -> None:
         self._close_active()
         self._drop_stream()
+        if self._reader is not self.read_set.reader:
+            self._reader.close()
         self.read_set.close()
 
     def __enter__(self) -> Loader:
@@ -340,10 +344,9 @@ class Loader:
             return feeder
         self._drop_stream()
         cfg = self.config
-        self._feeder = feeder = Feeder(self.read_set.reader, self._sampler.plan, self.pipeline, seed=cfg.seed,
+        self._feeder = feeder = Feeder(self._reader, self._sampler.plan, self.pipeline, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed)
-        if self.pipeline.decodes:
-            feeder.start()  # the first reads overlap the pipeline build
+        feeder.start()  # the first reads overlap the pipeline build
         self._built = self.pipeline.build(feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
                                           device=self.device, device_id=self.torch_device.index,
                                           prefetch=cfg.prefetch, seed=cfg.seed)
@@ -375,7 +378,7 @@ class Loader:
             self._stats.end_epoch()
             return
         # Object stores: fetch shards in the order the rest of this epoch and the next one will want them.
-        self.read_set.reader.read_ahead_shards(coming(self._sampler.plan, epoch, self.consumed))
+        self._reader.read_ahead_shards(coming(self._sampler.plan, epoch, self.consumed))
         try:
             feeder = self._stream_at(epoch, self.consumed)
             while True:

@@ -1,7 +1,7 @@
 """What every pipeline object is: the interface between the Loader and one kind of data.
 
 A pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`, :class:`fastio.Raw`,
-:class:`fastio.Graph`) is a frozen, validated set of options. To the Loader it answers five questions,
+:class:`fastio.Graph`) is a frozen, validated set of options. To the Loader it answers these questions,
 and nothing else of a kind's is known to the Loader:
 
 - which fields it reads (:meth:`Pipeline.choose_fields` over the read set's datasets, :meth:`Pipeline.read_fields`
@@ -9,8 +9,8 @@ and nothing else of a kind's is known to the Loader:
 - what its DALI graph is (:meth:`Pipeline.build`, None for no graph) and what the graph's external source
   returns for one read batch (:meth:`Pipeline.inputs`);
 - how a batch is assembled from the graph's outputs and the read fields (:meth:`Pipeline.assemble`);
-- which order of units it reads (:meth:`Pipeline.unit_plan`: the read set's order of stored samples, unless
-  a kind's unit is something else);
+- which order of units it reads and what reads them (:meth:`Pipeline.unit_plan`, :meth:`Pipeline.reader`: the
+  read set's order and reader of stored samples, unless a kind's unit is something else);
 - what it adds to the Loader's state (:meth:`Pipeline.state_dict`, :meth:`Pipeline.check_state`).
 
 ``docs/adding-a-kind.md`` describes how a new kind is added.
@@ -178,6 +178,12 @@ class Pipeline:
         ``plan(epoch, start)`` like :class:`fastio.sampler.Sampler`): the read set's order of stored samples.
         A kind whose unit is not a stored sample (a packed token sequence) returns its own plan here."""
         return read_set.sampler(sampling, world_size, rank)
+
+    def reader(self, read_set: Any) -> Any:
+        """What reads the units of :meth:`unit_plan` (``submit(ids) -> Future[ReadBatch]``,
+        ``read_ahead_shards(batches)``, ``close()``): the read set's reader of stored samples. A kind whose unit is
+        not a stored sample returns a reader of its units here (it is closed with the read set's)."""
+        return read_set.reader
 
     def state_dict(self) -> dict[str, Any]:
         """Entries this kind adds to the Loader's ``state_dict()`` (none for the built-in kinds)."""
