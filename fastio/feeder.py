@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,8 @@ class Feeder:
     ``(epoch, start)`` on.
 
     Args:
-        reader: reads the bytes of each batch (its thread pool does the reading ahead).
+        reader: reads the bytes of each batch (``submit(ids) -> Future[ReadBatch]``: a :class:`Reader`, a mixture's
+            ``MixReader`` or a pipeline's own reader of its units; its threads do the reading ahead).
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
         pipeline: the pipeline object whose graph is fed.
@@ -79,7 +81,7 @@ class Feeder:
         epoch, start: where the stream starts.
     """
 
-    def __init__(self, reader: Reader, plans: Callable[[int, int], EpochPlan], pipeline: Pipeline, *, seed: int,
+    def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], pipeline: Pipeline, *, seed: int,
                  read_ahead: int, epoch: int = 0, start: int = 0):
         self.reader, self.plans, self.pipeline = reader, plans, pipeline
         self.seed, self.read_ahead = seed, read_ahead

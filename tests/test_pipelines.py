@@ -197,3 +197,18 @@ def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
         mix = MixReader(Mixture({"a": ds, "b": ds}), [reader, reader])
         mix.read_ahead_shards(coming)
     assert calls == []
+
+
+def test_an_undecodable_image_in_a_mixture_is_named_by_source_shard_and_key(tmp_path, image_folder, image_dataset):
+    paths = sorted(image_folder.rglob("*.jpg"))[:8]
+    with ShardWriter(tmp_path / "bad", max_samples=4) as writer:
+        for k, path in enumerate(paths):
+            writer.write({"__key__": f"img{k:02d}", "jpg": b"not an image" if k == 5 else path.read_bytes(),
+                          "cls": b"0"})
+        writer.close(image_field="jpg", label_field="cls")
+    mix = Mixture({"good": image_dataset, "bad": tmp_path / "bad"})
+    with Loader(mix, batch_size=8, pipeline=fastio.ImageEval(size=16), device="cpu", shuffle="none", world_size=1,
+                rank=0, num_threads=1) as loader, pytest.raises(
+            fastio.DatasetError, match=rf"^mixture source 'bad': {tmp_path / 'bad'}: shard shard-000001.tar "
+                                       r"key 'img05': field 'jpg' failed to decode"):
+        list(loader)
