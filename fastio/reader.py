@@ -185,11 +185,12 @@ class Reader:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
 
-    def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
-        """Tell the shard source the coming samples (arrays of dataset-wide indices, in order: a batch or a chunk of
-        batches each), so that it fetches their shards ahead of need; a no-op for shards read in place."""
+    def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
+        """Tell the shard source the coming samples, so that it fetches their shards ahead of need; a no-op for
+        shards read in place. ``batches()`` iterates them (arrays of dataset-wide indices, in order: a batch or a
+        chunk of batches each), lazily; it is called at most once (a mixture's reader calls it once a source)."""
         if self._files is not None:
-            self._files.read_ahead(_first_uses(self.ds.index.shard_of, batches, len(self.ds.shards)))
+            self._files.read_ahead(_first_uses(self.ds.index.shard_of, batches(), len(self.ds.shards)))
 
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
