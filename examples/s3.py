@@ -31,12 +31,14 @@ with tempfile.TemporaryDirectory() as tmp:
 
 loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0,
                        cache_size="1GB")                 # shards are fetched into the node-local cache
-classes = len(loader.dataset.label_map)
+classes = loader.dataset.num_classes
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 app = {"model": model, "optim": optimizer, "loader": loader}
 
-with fastio.Checkpointer(f"{prefix}/ckpt", every_steps=4, keep=2) as ckpt:
+# Ctrl-C: one line, no traceback (the Checkpointer's exit waits for the write in flight first).
+with fastio.exit_cleanly(resume="run it again: it converts and trains afresh"), \
+        fastio.Checkpointer(f"{prefix}/ckpt", every_steps=4, keep=2) as ckpt:
     step = 0
     for batch in loader:                                  # one epoch
         loss = torch.nn.functional.cross_entropy(model(batch["image"]), batch["label"])

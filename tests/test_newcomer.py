@@ -1,0 +1,123 @@
+"""Issue 33, a newcomer's first hour: the quickstart on shards made by ``fastio index``, Ctrl-C ending a run with
+one line and an exact resume, ``Dataset.num_classes``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastio import Dataset
+from fastio.errors import DatasetError
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+
+
+def fastio_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastio.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """``ds/`` converted from a 10-class image folder (train/val), and ``wds/``: the same tar shards copied into
+    plain folders and made datasets by ``fastio index`` (no label map, as for any foreign WebDataset shards)."""
+    from fastio.synthetic import make_imagefolder
+
+    base = tmp_path_factory.mktemp("newcomer")
+    make_imagefolder(base / "images", classes=10, per_class=20, seed=0)
+    assert fastio_cli("convert", "images", "ds", "--split", "train=0.9,val=0.1", "--quiet", cwd=base).returncode == 0
+    for split in ("train", "val"):
+        (base / "wds" / split).mkdir(parents=True)
+        for tar in (base / "ds" / split / "shards").glob("*.tar"):
+            shutil.copy(tar, base / "wds" / split / tar.name)
+        done = fastio_cli("index", f"wds/{split}", cwd=base)
+        assert done.returncode == 0, done.stderr
+    return base
+
+
+def quickstart(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(QUICKSTART), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def losses(out: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", out, re.MULTILINE)}
+
+
+def test_num_classes_of_converted_and_indexed_datasets_agree(data):
+    converted, indexed = Dataset(data / "ds" / "train"), Dataset(data / "wds" / "train")
+    assert converted.label_map and indexed.label_map is None
+    assert converted.num_classes == indexed.num_classes == 10
+
+
+def test_num_classes_names_a_sample_whose_label_is_not_an_integer(tmp_path):
+    from fastio.shards import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=4) as writer:
+        for i, cls in enumerate([b"0", b"3", b"cat"]):
+            writer.write({"__key__": f"s{i}", "txt": b"x", "cls": cls})
+        writer.close(label_field="cls", source={"format": "test"}, skipped=[])
+    with pytest.raises(DatasetError, match=r"shard-000000\.tar key 's2': field 'cls' is not an integer label"):
+        Dataset(tmp_path / "ds").num_classes  # noqa: B018
+
+
+def test_num_classes_is_none_without_labels(tmp_path):
+    from fastio.shards import ShardWriter
+
+    with ShardWriter(tmp_path / "ds", max_samples=4) as writer:
+        writer.write({"__key__": "s0", "txt": b"x"})
+        writer.close(source={"format": "test"}, skipped=[])
+    assert Dataset(tmp_path / "ds").num_classes is None
+
+
+def test_quickstart_trains_on_indexed_shards(data, tmp_path):
+    """docs/byo-shards.md: an indexed dataset is an ordinary fastio dataset; the quickstart runs on it (it
+    crashed on ``len(label_map)``, None for indexed shards)."""
+    done = quickstart(data, "wds", str(tmp_path / "ckpt"), "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "done: 12 steps" in done.stdout and "epoch 1 done: val accuracy" in done.stdout
+
+
+def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, tmp_path):
+    """SIGINT mid-epoch (what Ctrl-C sends): exit 130, stderr one line naming the saved step and the next command,
+    no traceback; the same command resumes from that step and every later step's loss equals an uninterrupted
+    run's."""
+    straight = quickstart(data, "ds", str(tmp_path / "straight"), "1")
+    assert straight.returncode == 0, straight.stderr
+    proc = subprocess.Popen([sys.executable, str(QUICKSTART), "ds", str(tmp_path / "ckpt"), "1"], cwd=data,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 8 "):
+                proc.send_signal(signal.SIGINT)
+                break
+        rc = proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == [f"quickstart.py: interrupted: step 5 is saved in {tmp_path / 'ckpt'}; "
+                                        "run the same command to resume"], err
+    resumed = quickstart(data, "ds", str(tmp_path / "ckpt"), "1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed at step 5, epoch 0" in resumed.stdout
+    after = losses(resumed.stdout)
+    assert sorted(after) == list(range(6, 13))
+    assert after == {k: v for k, v in losses(straight.stdout).items() if k > 5}
+
+
+def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path):
+    done = quickstart(data, "nowhere", str(tmp_path / "ckpt"), "1")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("quickstart.py: error: nowhere/train"), \
+        done.stderr
