@@ -121,3 +121,47 @@ def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path):
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("quickstart.py: error: nowhere/train"), \
         done.stderr
+
+
+def test_the_readme_fits_two_screens_and_starts_with_the_two_setup_commands():
+    """A quickstart a newcomer reads whole: at most 250 lines, the two commands of a fresh clone first."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    first = re.search(r"^```(\w*)\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert first and first.group(1) == "bash"
+    assert [line.split("#")[0].strip() for line in first.group(2).splitlines()] == ["make demo", "make test"]
+
+
+def summary_rows(page: Path) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the first table of a Markdown page."""
+    lines = [line for line in page.read_text().splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return table[0], table[2:]
+
+
+def test_performance_page_starts_with_one_table_read_one_way():
+    """docs/performance.md's top table: one row per figure with fastio, peer, ratio, which way is better, target,
+    met and source; 'met' agrees with the ratio and the target in the row's own direction."""
+    header, rows = summary_rows(ROOT / "docs" / "performance.md")
+    assert header == ["what", "fastio", "peer", "ratio", "better is", "target", "met", "source"]
+    assert len(rows) >= 15
+    checked = 0
+    for what, _, _, ratio, better, target, met, source in rows:
+        assert better in ("higher", "lower"), what
+        assert source in ("A", "B"), what
+        value = re.match(r"[0-9.]+", ratio)
+        bound = re.match(r"(>=|<=) ([0-9.]+)$", target)
+        if value and bound:
+            assert bound.group(1) == (">=" if better == "higher" else "<="), what
+            ok = float(value.group()) >= float(bound.group(2)) if better == "higher" else \
+                float(value.group()) <= float(bound.group(2))
+            assert met.startswith("yes" if ok else "no"), what
+            checked += 1
+        elif target == "—":
+            assert met == "reported", what
+    assert checked >= 12
