@@ -280,9 +280,9 @@ class ConvertResult:
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
         labels = f"; labels: {rule}" if rule else ""
+        more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}"
-                + skipped_lines(self.skipped, f"fastio inspect {self.dest} --skipped"))
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}" + skipped_lines(self.skipped, more))
 
 
 # -- loading, in worker processes -------------------------------------------------------------------

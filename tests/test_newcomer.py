@@ -105,14 +105,24 @@ def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, 
             proc.kill()
     assert rc == 130, err
     assert "Traceback" not in err
-    assert err.strip().splitlines() == [f"quickstart.py: interrupted: step 5 is saved in {tmp_path / 'ckpt'}; "
-                                        "run the same command to resume"], err
+    saved = one_interrupted_line(err, "quickstart.py", tmp_path / "ckpt")
     resumed = quickstart(data, "ds", str(tmp_path / "ckpt"), "1")
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed at step 5, epoch 0" in resumed.stdout
+    assert f"resumed at step {saved}, epoch 0" in resumed.stdout
     after = losses(resumed.stdout)
-    assert sorted(after) == list(range(6, 13))
-    assert after == {k: v for k, v in losses(straight.stdout).items() if k > 5}
+    assert sorted(after) == list(range(saved + 1, 13))
+    assert after == {k: v for k, v in losses(straight.stdout).items() if k > saved}
+
+
+def one_interrupted_line(err: str, script: str, ckpt: Path) -> int:
+    """The step named by the one line a script interrupted by SIGINT printed (a save every 5 steps; the signal
+    came at step 7 or 8, or a little later: the script runs ahead of the pipe the test reads)."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    m = re.fullmatch(rf"{script}: interrupted: step (\d+) is saved in {re.escape(str(ckpt))}; run the same command "
+                     "to resume", lines[0])
+    assert m and int(m.group(1)) % 5 == 0 and int(m.group(1)) >= 5, err
+    return int(m.group(1))
 
 
 def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path):
@@ -165,3 +175,38 @@ def test_performance_page_starts_with_one_table_read_one_way():
         elif target == "—":
             assert met == "reported", what
     assert checked >= 12
+
+
+def train_py(data: Path, ckpt: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / "train.py"), "--data", str(data / "ds" / "train"), "--ckpt-dir",
+            str(ckpt), "--steps", "20", "--every-steps", "5", *extra]
+
+
+def test_ctrl_c_ends_train_py_with_one_line_and_the_resume_ends_bitwise_equal(data, tmp_path):
+    """examples/train.py under SIGINT: exit 130, one line naming the saved step; the same command resumes and
+    ends with the weights of an uninterrupted run, bit for bit."""
+    straight = subprocess.run(train_py(data, tmp_path / "straight", "--quiet"), capture_output=True, text=True,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    proc = subprocess.Popen(train_py(data, tmp_path / "ckpt"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 7 "):
+                proc.send_signal(signal.SIGINT)
+                break
+        rc = proc.wait(timeout=120)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130 and "Traceback" not in err, err
+    saved = one_interrupted_line(err, "train.py", tmp_path / "ckpt")
+    resumed = subprocess.run(train_py(data, tmp_path / "ckpt", "--quiet"), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0 and f"resumed from step {saved}" in resumed.stdout, resumed.stderr
+
+    def digest(out: str) -> str:
+        return re.search(r"^final weights sha256: (\w+)$", out, re.MULTILINE).group(1)
+
+    assert digest(resumed.stdout) == digest(straight.stdout)
