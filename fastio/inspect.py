@@ -38,7 +38,8 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
 
     With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
-    (capped at the dataset size). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
+    (capped at the dataset size). ``skipped`` counts the inputs the conversion or index left out,
+    ``skipped_inputs`` lists them (``{path, reason}``). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
 
     An ``s3://`` DEST is read through the node-local cache (``cache_dir``, ``cache_size``, ``storage_options``
@@ -147,7 +148,7 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
         "fingerprint": ds.fingerprint, "source": ds.manifest.source,
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
-        "skipped": len(ds.manifest.skipped),
+        "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
     }
     label, values = ds.label_field, None
     if label in table.offsets:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from functools import cached_property
@@ -19,6 +20,7 @@ from typing import Any
 from fastio import __version__
 from fastio.atomic import atomic_write_bytes
 from fastio.errors import DatasetError
+from fastio.images import is_image_field
 from fastio.labels import LABEL_RULES
 from fastio.wds import is_field_name, is_plain_name
 
@@ -354,13 +356,57 @@ def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
+_LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
+
+
+def not_a_dataset(dest: Path) -> DatasetError:
+    """The error for a local DEST without a manifest: a file, a folder of tar shards or of images (naming the
+    command that makes it a dataset), a missing folder, or else an interrupted conversion."""
+    if dest.is_file():
+        dataset = dest.parent.parent
+        if dest.suffix.lower() == ".tar" and dest.parent.name == SHARDS_DIR and (dataset / MANIFEST_NAME).is_file():
+            return DatasetError(f"{dest}: a shard of the dataset {dataset}: give the dataset folder")
+        if dest.suffix.lower() == ".tar":
+            return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
+                                f"shards one with `fastio index {dest.parent}`, then give that folder")
+        return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
+                            "or `fastio index`")
+    if not dest.is_dir():
+        return DatasetError(f"{dest}: no such dataset directory")
+    holds = _holds(dest)
+    if "tar" in holds:
+        return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
+                            f"`fastio index {dest}`")
+    if "image" in holds:
+        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
+                            "DEST`, then give DEST")
+    return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _holds(folder: Path) -> set[str]:
+    """What a folder and its sub-folders hold, by file suffix: ``tar``, ``image`` (a bounded look; an unreadable
+    folder holds nothing)."""
+    found: set[str] = set()
+    names: list[str] = []
+    try:
+        subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        for sub in [folder, *subs][:64]:
+            names += os.listdir(sub)[:_LOOK_AT]
+    except OSError:
+        pass
+    for name in names[:_LOOK_AT]:
+        if name.lower().endswith(".tar"):
+            found.add("tar")
+        elif "." in name and is_image_field(name):
+            found.add("image")
+    return found
+
+
 def load_manifest(dest: Path) -> Manifest:
     """Read and validate ``DEST/manifest.json``; raise :class:`DatasetError` naming what is wrong."""
     path = Path(dest) / MANIFEST_NAME
-    if not Path(dest).is_dir():
-        raise DatasetError(f"{dest}: no such dataset directory")
     if not path.is_file():
-        raise DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+        raise not_a_dataset(Path(dest))
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:

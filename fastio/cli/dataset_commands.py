@@ -137,7 +137,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("source")
+@click.argument("source", nargs=-1, required=True)
 @click.option("--dest", default=None,
               help="Where the metadata goes (default: SOURCE's folder, .idx files beside the tars); elsewhere for "
                    "read-only shards: the manifest then names them by absolute path or URL.")
@@ -153,18 +153,20 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
 @storage_flags()
-def index(source: str, dest: str | None, label_field: str | None, image_field: str | None, name: str, threads: int,
-          overwrite: bool, part: str | None, quiet: bool, endpoint_url: str | None, region: str | None,
+def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
+          threads: int, overwrite: bool, part: str | None, quiet: bool, endpoint_url: str | None, region: str | None,
           profile: str | None) -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
-    SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
-    Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
-    from fastio.index_dataset import IndexConfig, index_shards
+    SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
+    several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
+    samples.fxi and manifest.json."""
+    from fastio.index_dataset import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
     try:
-        config = IndexConfig(source=source, dest=dest, label_field=label_field, image_field=image_field, name=name,
+        pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
+        config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
                              threads=threads, overwrite=overwrite, part=part,
                              storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
@@ -215,9 +217,11 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
+@click.option("--skipped", "list_skipped", is_flag=True,
+              help="List every input the conversion or index left out, with its reason (and nothing else).")
 @storage_flags(cache=True)
 def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
-            batch_size: int, endpoint_url: str | None, region: str | None, profile: str | None,
+            batch_size: int, list_skipped: bool, endpoint_url: str | None, region: str | None, profile: str | None,
             cache_dir: Path | None, cache_size: str | None) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
     --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split.
@@ -237,12 +241,20 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
+    show = _print_skipped if list_skipped else _print_info
     if "splits" in info:
         for name, sub in info["splits"].items():
             click.echo(f"[{name}]")
-            _print_info(sub)
+            show(sub)
     else:
-        _print_info(info)
+        show(info)
+
+
+def _print_skipped(info: dict[str, Any]) -> None:
+    for s in info["skipped_inputs"]:
+        click.echo(f"{s.get('path')}: {s.get('reason')}")
+    if not info["skipped_inputs"]:
+        click.echo(f"{info['path']}: nothing was skipped")
 
 
 def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
@@ -272,19 +284,22 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    from fastio.progress import count, human_bytes
+    from fastio.progress import count, human_bytes, skipped_lines
 
     src = info.get("source") or {}
     click.echo(f"dataset:  {info['path']} (fingerprint {info['fingerprint']})")
     if src:
         click.echo(f"source:   {src.get('format')} {src.get('path')}")
     click.echo(f"samples:  {count(info['samples'], 'sample')} in {count(info['shards'], 'shard')}, "
-               f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})")
+               f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})"
+               + skipped_lines(info["skipped_inputs"], f"fastio inspect {info['path']} --skipped"))
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
+        named = any(c["name"] for c in info["classes"])  # indexed shards have labels without names
         for c in info["classes"]:
-            click.echo(f"  {c['label']:>6}  {c['name'] or '':<24} {c['count']}")
+            click.echo(f"  {c['label']:>6}  {c['name'] or '':<24} {c['count']}" if named
+                       else f"  {c['label']:>6}  {c['count']}")
     sizes = info.get("image_sizes")
     if sizes and sizes["width"]:
         w, h, b = sizes["width"], sizes["height"], sizes["bytes"]
