@@ -106,8 +106,8 @@ class ConcatPacking:
             first.append(lo)
             count.append(hi - lo)
             tokens.append(np.diff(edges))
-        cat = (lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64))
-        self._blk_shard, self._blk_first, self._blk_n, self._blk_tokens = map(cat, (shard, first, count, tokens))
+        self._blk_shard, self._blk_first, self._blk_n, self._blk_tokens = (
+            np.concatenate(parts) if parts else np.zeros(0, np.int64) for parts in (shard, first, count, tokens))
 
     def sampler(self, *, batch_size: int = 1, world_size: int = 1, rank: int = 0, drop_last: bool = False,
                 remainder: str = "pad") -> Sampler:
