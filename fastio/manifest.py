@@ -40,6 +40,7 @@ __all__ = [
     "fingerprint",
     "index_record",
     "is_location",
+    "is_shard_name",
     "load_manifest",
     "make_manifest",
     "shard_records",
@@ -151,6 +152,12 @@ class ShardRecord:
         return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
                    idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
                    idx_location=data.get("idx_location"), tokens=data.get("tokens"))
+
+
+def is_shard_name(name: object) -> bool:
+    """Whether ``name`` may be a shard record's ``name``: ``NAME.tar`` or ``NAME.bin`` of letters, digits, ``_``,
+    ``-`` and ``.``, no directory part."""
+    return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None
 
 
 def is_location(value: object) -> bool:

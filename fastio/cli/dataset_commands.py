@@ -195,17 +195,24 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
               help="Index only part K (0-based) of N of the listing into DEST/.parts/ for `fastio merge DEST`; "
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
+@click.option("--eos-id", type=int, default=None,
+              help="SOURCE is a folder of Megatron .bin/.idx pairs: index them as a token dataset whose documents end "
+                   "with this end-of-document id (docs/tokens.md).")
 @storage_flags()
 def index(source: str, dest: str | None, label_field: str | None, image_field: str | None, name: str, threads: int,
-          overwrite: bool, part: str | None, quiet: bool, endpoint_url: str | None, region: str | None,
-          profile: str | None) -> None:
+          overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
+          region: str | None, profile: str | None) -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
-    Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
+    Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json.
+    With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only manifest.json is written."""
     from fastio.index_dataset import IndexConfig, index_shards
     from fastio.progress import progress_wanted
 
+    if eos_id is not None:
+        _index_tokens(click.get_current_context(), quiet)
+        return
     try:
         config = IndexConfig(source=source, dest=dest, label_field=label_field, image_field=image_field, name=name,
                              threads=threads, overwrite=overwrite, part=part,
@@ -218,6 +225,29 @@ def index(source: str, dest: str | None, label_field: str | None, image_field: s
     try:
         result = index_shards(config, progress=report)
     except DatasetError as err:
+        raise DatasetError(_in_flags(str(err), leading=True)) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet")
+
+
+def _index_tokens(ctx: click.Context, quiet: bool) -> None:
+    """``fastio index --eos-id``: Megatron pairs indexed in place; WebDataset-only flags refused by name."""
+    from fastio.tokens.index import TokenIndexConfig, index_tokens
+
+    params = ctx.params
+    other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_INDEX_FLAGS and
+             ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+    if other:
+        raise DatasetError(f"{', '.join(other)}: not an option of a Megatron index (--eos-id)")
+    name = params["name"] if ctx.get_parameter_source("name") is not click.core.ParameterSource.DEFAULT else "megatron"
+    try:
+        config = TokenIndexConfig(source=params["source"], eos_id=params["eos_id"], dest=params["dest"], name=name,
+                                  overwrite=params["overwrite"])
+        result = index_tokens(config)
+    except (ValueError, DatasetError) as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
     if not quiet:
         click.echo(result.summary())
