@@ -70,3 +70,24 @@ def test_refusals(corpus, image_dataset):
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(DatasetError, match=r"shard-000002\.bin: .* bytes, but shard-000002\.idx indexes"):
         TokenDataset(bad)
+
+
+def test_best_fit_batches_mark_padding(corpus):
+    ds = TokenDataset(corpus)
+    longest = max(s.document(j).size for s in ds.shards for j in range(s.documents))
+    width = longest + 1  # seq_len + 1: every document fits whole
+    p = ds.packing(longest, packing="best-fit", seed=0, block_docs=16)
+    plan = p.sampler(batch_size=8).plan(epoch=0)
+    real = 0
+    for g in range(len(plan)):
+        ids, padded = plan.batch(g)
+        b = ds.batch(p, 0, ids[~padded])
+        assert b["tokens"].shape[1] == width and b["loss_mask"].dtype == bool
+        assert (b["tokens"][~b["loss_mask"]] == ds.eos_id).all()
+        rows_end_eos = [row[mask][-1] == ds.eos_id for row, mask in zip(b["tokens"], b["loss_mask"])]
+        assert all(rows_end_eos)  # whole documents: none is cut
+        real += int(b["loss_mask"].sum())
+    assert real == ds.info.total_tokens  # every token once, none lost to a tail
+    assert p.padding_fraction == pytest.approx(1 - real / (p.sequences * width))
+    with pytest.raises(ValueError, match="packing must be one of concat, best-fit, got 'bfd'"):
+        ds.packing(24, packing="bfd")

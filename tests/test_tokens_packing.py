@@ -182,3 +182,78 @@ def test_memory_stays_per_block():
     assert p.sequences == (2 * 10**8 - 1) // 2048
     pieces = p.pieces(0, p.sequences - 1)
     assert sum(x.count for x in pieces) == 2049 and all(x.count <= 100 for x in pieces)
+
+
+# -- best-fit ------------------------------------------------------------------------------------------
+
+def best_fit_corpus():
+    """Unique token ids; documents of 1..60 tokens with a few longer than a sequence."""
+    rng = np.random.default_rng(9)
+    tables, next_id = [], 1
+    for _ in range(3):
+        ds = []
+        for k in range(23):
+            n = int(rng.integers(0, 60)) if k % 7 else 90  # every 7th document longer than seq_len + 1
+            ds.append(np.r_[np.arange(next_id, next_id + n), EOS].astype(np.int64))
+            next_id += n
+        tables.append(Table(ds))
+    return tables
+
+
+@pytest.mark.parametrize("fit", ["best", "first"])
+def test_best_fit_keeps_short_documents_whole_and_every_token_once(fit):
+    from fastio.tokens.packing import BestFitPacking
+
+    tables, seq_len = best_fit_corpus(), 32
+    p = BestFitPacking(tables, seq_len, seed=2, fingerprint="f", block_docs=10, fit=fit)
+    seqs = epoch_sequences(p, tables, epoch=1)
+    assert all(s.size <= seq_len + 1 for s in seqs)
+    every = np.concatenate([t.data for t in tables])
+    got = np.concatenate(seqs)
+    assert sorted(got[got != EOS].tolist()) == sorted(every[every != EOS].tolist())  # every token once, no tail lost
+    assert np.count_nonzero(got == EOS) == np.count_nonzero(every == EOS)
+    rows = {tuple(s.tolist()) for s in seqs}
+    for t in tables:
+        for d in t.docs:
+            if d.size <= seq_len + 1:  # never cut: the document lies whole inside one sequence
+                assert any(_contains(r, d.tolist()) for r in rows), d
+    padding = sum(seq_len + 1 - s.size for s in seqs) / (len(seqs) * (seq_len + 1))
+    assert p.padding_fraction == pytest.approx(padding) and 0 <= padding < 0.5
+
+
+def _contains(row, doc):
+    n = len(doc)
+    return any(list(row[i:i + n]) == doc for i in range(len(row) - n + 1))
+
+
+def test_best_fit_pads_no_more_than_first_fit_here_and_is_pure():
+    from fastio.tokens.packing import BestFitPacking
+
+    tables = best_fit_corpus()
+    best = BestFitPacking(tables, 32, seed=2, fingerprint="f", block_docs=30)
+    first = BestFitPacking(tables, 32, seed=2, fingerprint="f", block_docs=30, fit="first")
+    assert best.padding_fraction <= first.padding_fraction + 1e-9
+    again = BestFitPacking(best_fit_corpus(), 32, seed=2, fingerprint="f", block_docs=30)
+    assert [x.tolist() for x in epoch_sequences(best, tables, 3)] == \
+        [x.tolist() for x in epoch_sequences(again, tables, 3)]
+    assert best.fingerprint != first.fingerprint
+    with pytest.raises(ValueError, match="fit must be one of best, first, got 'worst'"):
+        BestFitPacking(tables, 32, fit="worst")
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 2)])
+def test_best_fit_elastic_resume(before, after):
+    from fastio.tokens.packing import BestFitPacking
+
+    p = BestFitPacking(best_fit_corpus(), 16, seed=5, fingerprint="f", block_docs=7)
+    first, consumed = _delivered(p, before, 0, 2, epoch=0, steps=3)
+    rest, _ = _delivered(p, after, consumed, 2, epoch=0)
+    ids = [s for rank in first + rest for batch in rank for s in batch]
+    assert len(ids) == len(set(ids)) and len(ids) >= p.sequences - after * 2
+
+
+def test_masked_fields_treat_padding_as_one_segment():
+    tokens = np.array([[5, EOS, 6, 7, EOS, EOS, EOS]])
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0]], bool)
+    assert position_ids(tokens, EOS, mask).tolist() == [[0, 1, 0, 1, 2, 0, 1]]
+    assert cu_seqlens(tokens, EOS, mask).tolist() == [0, 2, 5, 6]
