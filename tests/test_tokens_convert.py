@@ -192,3 +192,30 @@ def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
     convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
     with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):
         Dataset(tmp_path / "ds").index  # noqa: B018
+
+
+def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, tokenizer):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", TEXTS * 4)
+    (src / "b.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    config = TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1, max_samples_per_shard=3, batch_size=2)
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2: not a JSON object"):
+        convert_tokens(config)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    assert not list((tmp_path / "ds" / "shards").glob(".*.tmp"))  # the shard being written was dropped
+    write_jsonl(src / "b.jsonl", ["fine"])
+    result = convert_tokens(config)  # no overwrite needed: DEST is fastio's interrupted output
+    assert result.documents == len(expected_docs(tokenizer, TEXTS * 4 + ["fine"])[0])
+    with pytest.raises(ConvertError, match="already holds a converted dataset; pass overwrite=True"):
+        convert_tokens(config)
+
+
+def test_a_second_writer_is_refused(tmp_path, tokenizer):
+    from fastio.lock import DirLock
+
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    with DirLock(tmp_path / "ds", purpose="another conversion"):
+        with pytest.raises(ConvertError, match=r"ds: in use by .*another conversion"):
+            convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
+    assert not (tmp_path / "ds" / "manifest.json").exists()
