@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +153,8 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     encodings = _WORKER["tokenizer"].encode_batch(texts, add_special_tokens=False)
     eos, dtype = _WORKER["eos_id"], _WORKER["dtype"]
     docs = [e.ids + [eos] if e.ids else [] for e in encodings]
-    lengths = np.fromiter((len(d) for d in docs), np.int64, len(docs))
-    flat = np.fromiter((t for d in docs for t in d), dtype, int(lengths.sum()))
-    return lengths, flat
+    lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+    return lengths, np.fromiter(chain.from_iterable(docs), dtype, int(lengths.sum()))
 
 
 # -- writing ------------------------------------------------------------------------------------------
