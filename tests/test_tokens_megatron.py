@@ -159,3 +159,14 @@ def test_check_structure_names_a_bad_pointer(tmp_path):
     written.idx_path.write_bytes(bytes(data))
     with pytest.raises(DatasetError, match=r"s\.idx: sequence 1's pointer 7"):
         MegatronIndex(written.idx_path).check_structure()
+
+
+def test_sparse_starts_read_with_pread_agree_with_the_mapping(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(1, 100, int(rng.integers(0, 9))) for _ in range(5000)]
+    written = _write(tmp_path / "s.bin", docs)
+    index = MegatronIndex(written.idx_path)
+    few = np.array([0, 7, 4999, 5000, 1234])  # 5 of 5000: read entry by entry
+    dense = index.starts(np.arange(5001))
+    assert index.starts(few).tolist() == dense[few].tolist()
+    assert dense[-1] == written.tokens and np.diff(dense).tolist() == [d.size for d in docs]

@@ -24,6 +24,7 @@ longer than its ``.idx`` says (truncated, or indexed with another token type), a
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from array import array
@@ -46,6 +47,7 @@ TOKEN_DTYPES = {"uint16": 8, "int32": 4}
 """The token types fastio writes and reads, by name, with Megatron's dtype code."""
 _CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
 _UINT16_VOCAB = 65500  # Megatron's DType.optimal_dtype: uint16 below this many ids
+_SPARSE = 512  # documents per looked-up one below which starts() reads entries with pread
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -97,10 +99,18 @@ class MegatronIndex:
                                f"needs {plain}: truncated or not a Megatron .idx")
         self.documents = entries - 1
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        self._map = getattr(mm, "_mmap", None)
+        self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
         self.lengths = np.frombuffer(mm, np.int32, n, HEADER_BYTES)
         self.pointers = np.frombuffer(mm, np.int64, n, HEADER_BYTES + 4 * n)
         self.doc_index = np.frombuffer(mm, np.int64, entries, HEADER_BYTES + 12 * n)
         self.itemsize = np.dtype(self.dtype).itemsize
+
+    def _advise(self, name: str) -> None:
+        """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
+        advice = getattr(mmap, name, None)
+        if self._map is not None and advice is not None:
+            self._map.madvise(advice)
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
         if len(head) < HEADER_BYTES or head[:9] != MAGIC:
@@ -123,15 +133,40 @@ class MegatronIndex:
         return self.bin_bytes // self.itemsize
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
-        """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end)."""
-        seq = self.doc_index[np.asarray(docs, dtype=np.int64)]
+        """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end).
+
+        Few documents far apart (a packing's block edges) are read with ``pread``: through the mapping, each
+        would map a page-cache window around it into this process (the kernel's fault-around), which shows as
+        resident memory in the hundreds of MB for 10^8 documents."""
+        docs = np.asarray(docs, dtype=np.int64)
+        sparse = docs.size * _SPARSE < self.documents
+        seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
         inside = seq < self.sequences
         out = np.full(seq.shape, self.tokens, dtype=np.int64)
-        out[inside] = self.pointers[seq[inside]] // self.itemsize
+        out[inside] = (self._entries("pointers", seq[inside]) if sparse else self.pointers[seq[inside]]) // self.itemsize
         return out
+
+    def _entries(self, column: str, at: np.ndarray) -> np.ndarray:
+        """``column[at]`` (``pointers`` or ``doc_index``: int64 columns of the file) read entry by entry with
+        ``pread``."""
+        n = self.sequences
+        base = HEADER_BYTES + (4 * n if column == "pointers" else 12 * n)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in at.reshape(-1))
+        finally:
+            os.close(fd)
+        return np.frombuffer(raw, "<i8").reshape(at.shape).astype(np.int64)
 
     def check_structure(self) -> None:
         """DatasetError naming the file and the first entry that breaks the format (O(N))."""
+        self._advise("MADV_SEQUENTIAL")
+        try:
+            self._check_structure()
+        finally:
+            self._advise("MADV_RANDOM")
+
+    def _check_structure(self) -> None:
         n, lengths, pointers, docs = self.sequences, self.lengths, self.pointers, self.doc_index
         if n and lengths.min() < 0:
             raise DatasetError(f"{self.path}: sequence {int(np.argmax(lengths < 0))} has a negative length")
