@@ -24,7 +24,9 @@ Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the f
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
 build to the first batch), medians of the same rounds; and the steady RSS of a process that runs
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
-second and third epochs, each in its own fresh process).
+second and third epochs, each in its own fresh process). And the cost of the tar-header check every read
+makes (``fastio.reader``: each member's header, read with its data, against the index): raw reads of every
+sample's ``jpg`` and ``cls`` in CPU microseconds per sample, beside the check alone on the same headers.
 ``python bench/loader.py [--device cuda] [--repeats N] [--samples N]`` writes
 ``bench/out/loader[-cuda].json`` and a PNG bar chart next to it.
 """
@@ -332,6 +334,41 @@ def _ceiling(dest: Path, limit: int = 300) -> tuple[int, float]:
     return len(blobs), time.perf_counter() - t
 
 
+def _member_check(dest: Path, rounds: int = 3) -> dict[str, float]:
+    """CPU microseconds per sample of raw reads (``jpg`` + ``cls``, batches of BATCH, one reader thread) and of
+    the member check alone on the same tar headers (median of ``rounds``), and the check's share of the read."""
+    import zlib
+
+    from fastio.dataset import Dataset
+    from fastio.reader import _HEADER, Reader, _member_matches, _tar_header
+
+    ds = Dataset(dest)
+    idx = np.arange(len(ds), dtype=np.int64)
+    rows, members = ds.locate(idx), []
+    for s, shard in enumerate(ds.shards):
+        data = shard.path.read_bytes()
+        keys = [zlib.crc32(e.key.encode()) for e in ds.read_index(shard)]
+        for j in np.flatnonzero(rows.shard == s).tolist():
+            for f in ("jpg", "cls"):
+                o, z = int(rows.offsets[f][j]), int(rows.sizes[f][j])
+                members.append((data[o - _HEADER:o], keys[j - shard.first], f, z))
+    reads, checks = [], []
+    with Reader(ds, ["jpg", "cls"], threads=1) as reader:
+        reader.read(idx[:BATCH])  # the shards opened, their keys read
+        for _ in range(rounds):
+            t = time.process_time()
+            for b in range(0, len(ds), BATCH):
+                reader.read(idx[b:b + BATCH])
+            reads.append(1e6 * (time.process_time() - t) / len(ds))
+            t = time.process_time()
+            for header, crc, f, z in members:
+                if not _member_matches(*_tar_header(header), crc, f, z):
+                    raise AssertionError(f"{dest}: member check failed on an intact shard ({f}, {z} bytes)")
+            checks.append(1e6 * (time.process_time() - t) / len(ds))
+    read, check = statistics.median(reads), statistics.median(checks)
+    return {"raw_read_us_per_sample": read, "check_us_per_sample": check, "check_share_of_read": check / read}
+
+
 def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 1200,
         results_dir: Path | None = RESULTS_DIR) -> dict:
     """Run the comparison, print the table, write ``loader[-DEVICE].json`` + ``.png`` under ``results_dir``
@@ -373,6 +410,7 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         print("  first batch " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in first.items()), file=sys.stderr,
               flush=True)
     rss = {name: _steady_rss_in_child(name, dest, device) for name in ("fastio", "dali")}
+    member_check = _member_check(dest, repeats)
     median = {k: statistics.median(v) for k, v in runs.items()}
     first_s = {k: statistics.median(v) for k, v in first.items()}
     result = {
@@ -384,7 +422,7 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         # the same, split by thread group (see _thread_cpu), up to the end of the epoch
         "cpu_ms_per_sample_by_thread": {k: {g: statistics.median(v) for g, v in groups.items()}
                                         for k, groups in by_thread.items()},
-        "first_batch_s": first_s, "first_batch_runs": first, "steady_rss_mib": rss,
+        "first_batch_s": first_s, "first_batch_runs": first, "steady_rss_mib": rss, "member_check": member_check,
         "ratios": [
             {"name": f"loader {device} samples/s vs DataLoader+WebDataset", "better": "higher", "target": 1.3,
              "value": _paired(runs, "fastio", "dataloader")},
@@ -433,6 +471,10 @@ def table(result: dict) -> str:
     rss = result.get("steady_rss_mib", {})
     if rss:
         lines.append("steady RSS: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in rss.items()))
+    check = result.get("member_check")
+    if check:
+        lines.append(f"tar header check: {check['check_us_per_sample']:.2f} CPU us/sample of a raw read's "
+                     f"{check['raw_read_us_per_sample']:.1f} ({100 * check['check_share_of_read']:.1f}%)")
     for r in result["ratios"]:
         higher = r.get("better", "higher") == "higher"
         met = r["value"] >= r["target"] if higher else r["value"] <= r["target"]

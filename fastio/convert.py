@@ -10,7 +10,9 @@ marker but no final file is an interrupted run, which the same command redoes fr
 
 One writer per DEST: a conversion holds DEST's :class:`~fastio.lock.DirLock` (``DEST/.fastio-lock``) from
 before it checks DEST until its last file is published; a second conversion into the same DEST is
-refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder. The kernel drops
+refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder; so is one into a DEST
+whose parts (``DEST/.parts/part-K-of-N/``, each locked by its writer) are still being converted, before
+anything is deleted, and a part started while DEST's lock is held. The kernel drops
 the lock when the holder dies, so a killed run never blocks the next. An ``s3://`` DEST is guarded the same way
 by a lease object (:mod:`fastio.storage.lease`), which a killed run leaves until it expires (at once for a
 rerun on the same host or a requeue of the same Slurm job).
@@ -45,7 +47,7 @@ from fastio.converters.base import FileRef, ScanOptions
 from fastio.errors import ConvertError
 from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
-from fastio.lock import LOCK_NAME, DirLock, LockedError
+from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
 from fastio.parts import (
     PART_RECORD,
@@ -53,6 +55,7 @@ from fastio.parts import (
     PartRecord,
     listing_digest,
     parse_part,
+    parse_part_dir,
     part_dir,
     part_range,
     predicted_shard_starts,
@@ -522,7 +525,37 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
     if not lock.held:
         _lock(lock, config.dest)
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
-    return _guard_os(config, lambda: _write_all(config, scan, groups, started))
+    parts = _lock_parts(config.dest)
+    try:
+        return _guard_os(config, lambda: _write_all(config, scan, groups, started))
+    finally:
+        for part in parts:
+            part.release()
+
+
+def _lock_parts(dest: Path) -> list[DirLock]:
+    """Lock every part directory under ``DEST/.parts/`` (DEST's own lock is held), so that resetting DEST
+    deletes no running part's files; a running part is a ConvertError naming it and its holder, before
+    anything is deleted. (A part started later sees DEST's lock and refuses: :func:`_write_part`.)"""
+    root, locks = dest / PARTS_DIR, []
+    children = sorted(root.iterdir()) if root.is_dir() else []
+    try:
+        for child in children:
+            kn = parse_part_dir(child.name)
+            if kn is None or not child.is_dir() or child.is_symlink():
+                continue
+            try:
+                locks.append(DirLock(child, "fastio convert").acquire())
+            except LockedError:
+                raise ConvertError(
+                    f"{dest}: part {kn[0]}/{kn[1]} of a conversion in parts is running ({holder_of(child)}); "
+                    f"nothing was deleted: let it finish and run `fastio merge {dest}`, or stop it, before "
+                    "converting into DEST again") from None
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
 
 
 def _scan(config: ConvertConfig):
@@ -578,6 +611,10 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     except LockedError as err:
         raise ConvertError(str(err)) from None
     try:
+        holder = current_holder(config.dest)  # a whole conversion or merge resetting DEST: not under it
+        if holder is not None:
+            raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
+                               "once that process has ended)")
         _clear_part(directory)
         jobs, ranges = [], {}
         for split_name, indices in groups.items():

@@ -5,8 +5,9 @@ through the following epochs by itself (the plan of epoch ``e + 1`` follows the 
 ``e``), so that one DALI pipeline serves the Loader's whole life and the first batches of the next
 epoch are read and decoded while the training loop finishes the current one. Each call takes the
 stream's next batch, waits for its bytes (read in the reader's threads, ``read_ahead`` batches ahead)
-and returns :func:`fastio.pipeline.graph_inputs`. It keeps what it fed, with the arrays it handed over
-(the graph reads them in place, without a copy), oldest first, until the Loader takes it
+and returns the pipeline's graph inputs (:meth:`fastio.pipelines.Pipeline.inputs`). It keeps what it
+fed, with the arrays it handed over (the graph reads them in place, without a copy), oldest first, until
+the Loader takes it
 (:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
 arguments and knows nothing of the Loader.
 """
@@ -17,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from fastio.pipeline import GraphSpec, graph_inputs
+from fastio.pipelines import Pipeline
 from fastio.reader import ReadBatch, Reader
 from fastio.sampler import EpochPlan
 
@@ -65,21 +67,23 @@ class _InGraph:
 
 
 class Feeder:
-    """The ``source`` of :func:`fastio.pipeline.build_pipeline`: the batches from ``(epoch, start)`` on.
+    """The ``source`` of a pipeline's DALI graph (:meth:`fastio.pipelines.Pipeline.build`): the batches from
+    ``(epoch, start)`` on.
 
     Args:
-        reader: reads the bytes of each batch (its thread pool does the reading ahead).
+        reader: reads the bytes of each batch (``submit(ids) -> Future[ReadBatch]``: a :class:`Reader`, a mixture's
+            ``MixReader`` or a pipeline's own reader of its units; its threads do the reading ahead).
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
-        spec: the graph being fed.
+        pipeline: the pipeline object whose graph is fed.
         seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
         read_ahead: batches whose reads are started ahead of the one being fed.
         epoch, start: where the stream starts.
     """
 
-    def __init__(self, reader: Reader, plans: Callable[[int, int], EpochPlan], spec: GraphSpec, *, seed: int,
+    def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], pipeline: Pipeline, *, seed: int,
                  read_ahead: int, epoch: int = 0, start: int = 0):
-        self.reader, self.plans, self.spec = reader, plans, spec
+        self.reader, self.plans, self.pipeline = reader, plans, pipeline
         self.seed, self.read_ahead = seed, read_ahead
         self._positions = self._walk(epoch, start)
         self._slots: deque[_Slot] = deque()
@@ -117,7 +121,7 @@ class Feeder:
 
     def __call__(self) -> tuple:
         fed = self.take()
-        inputs = graph_inputs(self.spec, fed.batch, seed=self.seed, epoch=fed.epoch)
+        inputs = self.pipeline.inputs(fed.batch, seed=self.seed, epoch=fed.epoch)
         self._fed.append(_InGraph(fed, inputs))
         return inputs
 

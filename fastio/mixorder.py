@@ -37,21 +37,36 @@ import numpy as np
 
 from fastio.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
-__all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "integer_weights",
-           "window_spread"]
+__all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_shares",
+           "integer_weights", "window_spread"]
 
 MIX_ALGORITHM = "deficit-v1"
 """Names the schedule :class:`MixSchedule` computes."""
 MAX_PERIOD = 1 << 16
 """Longest period of the source schedule; weights that need more are apportioned over this many positions
-(each proportion then within 1/MAX_PERIOD of the asked one)."""
+(each proportion then within 1/MAX_PERIOD of the asked one). A share below 1/MAX_PERIOD cannot be represented
+and is refused (:func:`check_shares`)."""
 _ORDERS = 64  # per-source epoch orders kept (a tiny source goes through many of its epochs per chunk)
 
 
+def check_shares(names: Sequence[str], weights: Sequence[float], note: str = "") -> None:
+    """ValueError naming the first source whose share ``w / sum(weights)`` is below ``1 / MAX_PERIOD``, the
+    smallest share one period of the schedule can hold (it was raised to that share without a word before);
+    ``note`` ends the message (e.g. where the weights came from)."""
+    total = float(sum(weights))
+    for name, w in zip(names, weights):
+        if w * MAX_PERIOD < total * (1 - 1e-12):
+            raise ValueError(f"weight {w:g} of mixture source {name!r} is a share of {w / total:.3g}, below the "
+                             f"smallest share a mixture can represent, 1/{MAX_PERIOD} = {1 / MAX_PERIOD:.3g}: give it "
+                             f"a weight of at least {(total - w) / (MAX_PERIOD - 1):.6g} (with the other weights as "
+                             f"they are) or leave the source out{note}")
+
+
 def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
-    """Positive integers in the proportions of ``weights`` (positive numbers), summing to at most MAX_PERIOD:
-    exact for rationals with small denominators (``3, 1`` -> ``3, 1``; ``0.7, 0.3`` -> ``7, 3``), else the
-    largest-remainder apportionment of MAX_PERIOD (every source keeps at least 1)."""
+    """Positive integers in the proportions of ``weights`` (positive numbers, each a share of at least
+    1/MAX_PERIOD: :func:`check_shares`), summing to at most MAX_PERIOD: exact for rationals with small
+    denominators (``3, 1`` -> ``3, 1``; ``0.7, 0.3`` -> ``7, 3``), else the largest-remainder apportionment of
+    MAX_PERIOD (every source keeps at least 1)."""
     fr = [Fraction(w).limit_denominator(MAX_PERIOD) for w in weights]
     if all(f > 0 for f in fr):
         lcm = math.lcm(*(f.denominator for f in fr))
@@ -68,7 +83,7 @@ def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
     while sum(ints) < MAX_PERIOD:
         ints[order[k % len(order)]] += 1
         k += 1
-    while sum(ints) > MAX_PERIOD:  # only when many tiny weights were raised to 1
+    while sum(ints) > MAX_PERIOD:  # only when shares at 1/MAX_PERIOD were rounded up to 1 position
         s = max(range(len(ints)), key=lambda s: ints[s])
         ints[s] -= 1
     return tuple(ints)
@@ -115,6 +130,7 @@ class MixSchedule:
         for name, w in zip(self.names, self.weights):
             if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
                 raise ValueError(f"weight of {name!r} must be a positive number, got {w!r}")
+        check_shares(self.names, self.weights)
         if self.samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch!r}")
 

@@ -22,10 +22,12 @@ import numpy as np
 
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import MixSampler, MixSchedule
+from fastio.mixorder import MixSampler, MixSchedule, check_shares
 from fastio.reader import ReadBatch, Reader
 from fastio.sampler import SamplerSpec
 from fastio.storage.url import is_remote
+
+_EMPTY = np.empty(0, np.uint8)
 
 __all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state"]
 
@@ -75,6 +77,8 @@ class Mixture:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         self.sizes: tuple[int, ...] = tuple(len(ds) for ds in self.datasets)
         raw = [float(weights[k]) for k in self.names] if weights is not None else [float(n) for n in self.sizes]
+        check_shares(self.names, raw, "" if weights is not None else " (no weights= given: each source's size "
+                     "is its weight; give weights=)")
         self.weights: tuple[float, ...] = tuple(w / sum(raw) for w in raw)
         """Each source's share (the weights normalised to sum to 1)."""
         self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
@@ -214,17 +218,11 @@ def _open(name: str, where: Any, opening: dict) -> Dataset:
 
 class MixReader:
     """Reads batches of mixture ids: each source's samples with that source's :class:`Reader` (they run in
-    parallel, in the readers' own threads), merged back into the batch's order.
+    parallel, in the readers' own threads), merged back into the batch's order. Each source's fields keep
+    their names: a field only some sources read is absent (empty, ``present`` False) in the others' rows."""
 
-    ``label_fields``: each source's label field as its reader reads it (None: none read); when every source
-    reads one, every source's label column comes back under the first source's label field name, so sources
-    labelled by ``cls`` and by ``label`` make one label column (otherwise no field is renamed)."""
-
-    def __init__(self, mixture: Mixture, readers: Sequence[Reader], label_fields: Sequence[str | None] = ()):
+    def __init__(self, mixture: Mixture, readers: Sequence[Reader]):
         self.mixture, self.readers = mixture, list(readers)
-        labels = list(label_fields) or [None] * len(self.readers)
-        every = all(f is not None for f in labels)
-        self._renames = [{f: labels[0]} if every and f != labels[0] else {} for f in labels]
 
     def submit(self, ids: np.ndarray) -> Future:
         """Start reading a batch; the future's result is a :class:`ReadBatch` whose ``indices`` are ``ids``."""
@@ -244,8 +242,7 @@ class MixReader:
             if not out.set_running_or_notify_cancel():
                 return
             try:
-                out.set_result(_merge(ids, [(sel, _renamed(f.result(), self._renames[s]))
-                                            for (sel, s), f in zip(parts, futures)]))
+                out.set_result(_merge(ids, [(sel, f.result()) for (sel, _), f in zip(parts, futures)]))
             except BaseException as err:  # a source's read error (DatasetError, StorageError) passes through
                 out.set_exception(err)
 
@@ -259,7 +256,7 @@ class MixReader:
     def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
         """Each source's shards in the order the coming batches (``batches()``: mixture ids) want them."""
         for s, reader in enumerate(self.readers):
-            reader.read_ahead_shards(_of_source(self.mixture, s, batches()))
+            reader.read_ahead_shards(lambda s=s: _of_source(self.mixture, s, batches()))
 
     def close(self) -> None:
         for reader in self.readers:
@@ -272,22 +269,16 @@ def _of_source(mixture: Mixture, s: int, batches: Iterable[np.ndarray]) -> Itera
         yield local[src == s]
 
 
-def _renamed(batch: ReadBatch, names: dict[str, str]) -> ReadBatch:
-    """``batch`` with its fields ``old`` named ``names[old]``."""
-    if not names:
-        return batch
-    return ReadBatch(batch.indices, {names.get(f, f): v for f, v in batch.fields.items()}, batch.sizes, batch.image,
-                     batch.image_field, {names.get(f, f): v for f, v in batch.present.items()})
-
-
 def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBatch:
+    """One batch of ``ids`` from the sources' batches (``sel``: the rows each fills), every field of any."""
     n = len(ids)
     first = parts[0][1]
-    fields = {f: [None] * n for f in first.fields}
+    names = list(dict.fromkeys(f for _, batch in parts for f in batch.fields))
+    fields = {f: [_EMPTY] * n for f in names}
+    present = {f: np.zeros(n, bool) for f in names}
     image = [None] * n if first.image is not None else None
     image_field = [None] * n if first.image_field is not None else None
     sizes = np.empty((n, 2), np.int64) if first.sizes is not None else None
-    present = {f: np.ones(n, bool) for f in first.fields}
     for sel, batch in parts:
         rows = sel.tolist()
         for f, values in batch.fields.items():

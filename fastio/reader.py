@@ -8,8 +8,16 @@ A shard file is checked when it is opened: its size against the manifest (always
 shard replaced or rewritten while it is read (a new file renamed over it, or the old one written in place)
 is detected after each batch's reads: the descriptor's and the path's (device, inode, size, mtime) must
 still be those seen at open, else :class:`~fastio.errors.DatasetError` (two ``stat`` calls per shard per
-batch). Not detected: an in-place rewrite that keeps size and restores the mtime; on NFS, a change the
-client's attribute cache has not seen yet (``actimeo``, seconds).
+batch).
+
+A shard rewritten *before* it is opened (after ``fastio index``) with the same size, e.g. two samples of the
+same sizes swapped, is caught on every read: each run of coalesced ranges is read from 512 bytes before its
+first member, so every member's own tar header comes with the same ``pread``, and its name (key and field)
+and size must be those of the index (the key compared by a CRC-32 of each shard's ``.idx`` keys, 4 bytes a
+sample, kept from the shard's first read), else a DatasetError naming the shard, the key and what changed.
+Not detected: new member bytes under the same names and sizes (``verify=True`` checks the sha256), and the key
+of a member whose name is 99 bytes or longer or not ASCII (a GNU or pax long name, a pax name: the header holds
+a stand-in; the size is still checked).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from struct import error as struct_error
@@ -90,6 +99,36 @@ class ReadBatch:
 _GAP = 4096
 _RUN = 4 << 20
 _EMPTY = np.empty(0, np.uint8)
+_HEADER = 512  # a tar member's header, right before its data (read with it: the member check)
+_LONG_NAME = 99  # a header name this long may be the start of a longer one (GNU long name, pax path)
+
+
+def _tar_header(header: bytes) -> tuple[bytes, int | None]:
+    """(member name, size) of a 512-byte tar header: the USTAR prefix joined, the size octal or base-256;
+    None for a size that is neither."""
+    name = header[:100].split(b"\0", 1)[0]
+    if header[257:263] == b"ustar\0" and header[345]:
+        name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+    field = header[124:136]
+    if field[0] & 0x80:
+        return name, int.from_bytes(field[1:], "big")
+    digits = field.split(b"\0", 1)[0].strip()
+    try:
+        return name, int(digits, 8) if digits else 0
+    except ValueError:
+        return name, None
+
+
+def _member_matches(name: bytes, size: int | None, key_crc: int, field: str, want: int) -> bool:
+    """Whether a member header (``name``, ``size``) is field ``field`` (its suffix, any case) of a sample
+    whose key has CRC-32 ``key_crc``, ``want`` bytes long; a long name (see :data:`_LONG_NAME`): the size only."""
+    if size != want:
+        return False
+    if len(name) >= _LONG_NAME:
+        return True
+    cut = len(name) - len(field) - 1
+    return (cut >= 0 and name[cut:cut + 1] == b"." and name[cut + 1:].lower() == field.encode()
+            and zlib.crc32(name[:cut]) == key_crc)
 
 
 class Reader:
@@ -129,6 +168,8 @@ class Reader:
         self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
         self._files = files
         self._verified: set[int] = set()  # shards of a shard source (cache) whose bytes verify=True has checked
+        self._key_crcs: dict[int, np.ndarray] = {}  # shard -> CRC-32 of each sample's key (from its .idx)
+        self._key_lock = threading.Lock()
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -144,11 +185,12 @@ class Reader:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
 
-    def read_ahead_shards(self, batches: Iterable[np.ndarray]) -> None:
-        """Tell the shard source the coming samples (arrays of dataset-wide indices, in order: a batch or a chunk of
-        batches each), so that it fetches their shards ahead of need; a no-op for shards read in place."""
+    def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
+        """Tell the shard source the coming samples, so that it fetches their shards ahead of need; a no-op for
+        shards read in place. ``batches()`` iterates them (arrays of dataset-wide indices, in order: a batch or a
+        chunk of batches each), lazily; it is called at most once (a mixture's reader calls it once a source)."""
         if self._files is not None:
-            self._files.read_ahead(_first_uses(self.ds.index.shard_of, batches, len(self.ds.shards)))
+            self._files.read_ahead(_first_uses(self.ds.index.shard_of, batches(), len(self.ds.shards)))
 
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
@@ -177,6 +219,8 @@ class Reader:
         columns = list(self.fields)
         offsets = [t.offsets[f] for f in columns]
         sizes = [t.sizes[f] for f in columns]
+        names = np.empty((n, len(columns) + bool(self.image)), dtype=object)  # each range's field
+        names[:, :len(columns)] = columns
         which = None
         if self.image:
             which = self.image_fields_of(indices, t)
@@ -184,6 +228,7 @@ class Reader:
             for k, f in enumerate(self.image):
                 sel = which == k
                 off[sel], size[sel] = t.offsets[f][sel], t.sizes[f][sel]
+                names[sel, -1] = f
             offsets.append(off)
             sizes.append(size)
             columns.append(None)
@@ -199,7 +244,7 @@ class Reader:
                 raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
         held = self._hold(np.unique(t.shard).tolist())
         try:
-            got = self._read_ranges(indices, t.shard, off, size, held)
+            got = self._read_ranges(indices, t.shard, off, size, held, names)
         finally:
             if self._files is not None:
                 for s_i in held:
@@ -230,9 +275,10 @@ class Reader:
         return ReadBatch(indices, out, dims, image, image_field, present)
 
     def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray,
-                     fds: dict[int, int]) -> np.ndarray:
+                     fds: dict[int, int], names: np.ndarray) -> np.ndarray:
         """``[n, columns]`` object array of uint8 arrays: the range (off, size) of each sample's shard
-        (absent ranges, size < 0, are empty arrays), coalescing neighbouring ranges into one pread."""
+        (absent ranges, size < 0, are empty arrays), coalescing neighbouring ranges into one pread that
+        starts at the first one's tar header; each range's header is checked (``names``: its field)."""
         n, cols = off.shape
         got = np.empty((n, cols), dtype=object)
         flat_off, flat_size = off.reshape(-1), size.reshape(-1)
@@ -250,21 +296,48 @@ class Reader:
                     max(end, o[b] + z[b]) - start <= _RUN:
                 end = max(end, o[b] + z[b])
                 b += 1
-            fd = fds[shard]
-            data = os.pread(fd, end - start, start) if end > start else b""
+            first = max(0, start - _HEADER)
+            data = os.pread(fds[shard], end - first, first)
             buf = np.frombuffer(data, dtype=np.uint8)
+            crcs = self._shard_key_crcs(shard)
             for r in range(a, b):
-                lo = o[r] - start
+                lo = o[r] - first
                 piece = buf[lo:lo + z[r]]
+                j, c = divmod(order[r], cols)
                 if len(piece) != z[r]:
-                    k = order[r]
-                    j, c = divmod(k, cols)
                     f = self.fields[c] if c < len(self.fields) else "image"
                     raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: field {f!r} is truncated "
                                        f"({len(piece)} of {z[r]} bytes at offset {o[r]})")
+                name, got_size = _tar_header(data[lo - _HEADER:lo]) if lo >= _HEADER else (b"", None)
+                i = int(indices[j])
+                if not _member_matches(name, got_size, int(crcs[i - self.ds.shards[shard].first]), names[j, c], z[r]):
+                    self._recheck_member(i, names[j, c], z[r], o[r], name, got_size)
                 got.flat[order[r]] = piece
             a = b
         return got
+
+    def _shard_key_crcs(self, shard_index: int) -> np.ndarray:
+        """CRC-32 of the key of each sample of a shard, from its ``.idx`` (read on the shard's first use)."""
+        crcs = self._key_crcs.get(shard_index)
+        if crcs is None:
+            entries = self.ds.read_index(self.ds.shards[shard_index])
+            crcs = np.fromiter((zlib.crc32(e.key.encode()) for e in entries), np.uint32, len(entries))
+            with self._key_lock:
+                crcs = self._key_crcs.setdefault(shard_index, crcs)
+        return crcs
+
+    def _recheck_member(self, index: int, field: str, size: int, offset: int, name: bytes, got: int | None) -> None:
+        """DatasetError: the tar header before a field's bytes is not the one the index describes; but a key
+        that is not ASCII may stand in a pax member's header as a substitute (``?`` for each other character,
+        the name itself in the pax record before it): its size is checked only."""
+        key = self.ds.key(index)
+        if got == size and not key.isascii():
+            return
+        found = (f"member {name.decode('utf-8', 'replace')!r} of {got} bytes" if got is not None
+                 else f"no tar header ({name[:16]!r}...)")
+        raise DatasetError(f"{sample_where(self.ds, index)}: field {field!r}: the index says member "
+                           f"{key + '.' + field!r} of {size} bytes at offset {offset}, the shard holds {found} there: "
+                           "it was rewritten after it was indexed; re-run `fastio index` (or the conversion)")
 
     def _hold(self, shards: list[int]) -> dict[int, int]:
         """Descriptors of these shards, held (in use) until released when they come from a shard source."""

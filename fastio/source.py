@@ -63,8 +63,11 @@ class DatasetSource:
         when :class:`~fastio.dsindex.SampleIndex` opens it)."""
         raise NotImplementedError
 
-    def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles | None:
-        """Descriptors for a reader (None: read :meth:`shard_path` directly)."""
+    def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2,
+                    working_set: int | None = None) -> CachedShardFiles | None:
+        """Descriptors for a reader (None: read :meth:`shard_path` directly); ``working_set``: the bytes of the
+        cache they need at once, claimed beside this process's other readers of the same cache
+        (:meth:`~fastio.storage.cache.CachedShardFiles.claim`)."""
         return None
 
     @contextmanager
@@ -236,9 +239,17 @@ class RemoteSource(DatasetSource):
         storage = next(iter(storages.values()), self.storage)
         return storage, [CacheEntry(r.name, key, r.sha256, r.bytes, r.xxh3_128) for r, (_, key) in zip(records, where)]
 
-    def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2) -> CachedShardFiles:
+    def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2,
+                    working_set: int | None = None) -> CachedShardFiles:
         storage, entries = self._entries(records)
-        return CachedShardFiles(self.cache, storage, entries, depth=read_ahead, threads=max(2, read_ahead))
+        files = CachedShardFiles(self.cache, storage, entries, depth=read_ahead, threads=max(2, read_ahead))
+        if working_set is not None:
+            try:
+                files.claim(working_set, self.storage.url)
+            except BaseException:
+                files.close()
+                raise
+        return files
 
     @contextmanager
     def local_shard(self, record: ShardRecord) -> Iterator[Path]:

@@ -11,7 +11,8 @@ from fastio.storage.options import StorageOptions
 
 
 @pytest.mark.parametrize("kw,match", [({"deadline_s": "120"}, r"deadline_s must be a number, got '120'"),
-                                      ({"retries": 2.5}, r"retries must be an integer, got 2\.5"),
+                                      ({"retries": 2.5}, r"retries must be None \(until deadline_s\) or an integer >= 0, "
+                                                         r"got 2\.5"),
                                       ({"part_size": "16MB"}, r"part_size must be an integer, got '16MB'"),
                                       ({"concurrency": True}, r"concurrency must be an integer, got True")])
 def test_a_number_of_the_wrong_type_is_named(kw, match):

@@ -1,4 +1,4 @@
-"""An object store that stops answering: each retry warns once (URL, attempt count), a deadline per read bounds
+"""An object store that stops answering: retrying starts with one warning (URL, attempt count), a deadline per read bounds
 the time before a StorageError (a silent socket; the real S3 server paused with SIGSTOP), and the Loader's
 stats() and progress line show the time spent waiting on storage."""
 
@@ -33,16 +33,17 @@ def options(endpoint: str, **extra) -> dict:
     return {"endpoint": endpoint, "region": "us-east-1", "access_key_id": "k", "secret_access_key": "s", **extra}
 
 
-def test_each_retry_warns_with_url_and_attempt(silent_endpoint, caplog):
+def test_one_warning_when_retrying_starts_debug_for_each_further_retry(silent_endpoint, caplog):
     st = open_storage("s3://bucket/p", options(silent_endpoint, timeout_s=0.5, retries=2, backoff_s=0.01))
-    with caplog.at_level(logging.WARNING, logger="fastio.storage"):
+    with caplog.at_level(logging.DEBUG, logger="fastio.storage"):
         with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 3 attempts: "):
             st.get("k.bin")
-    warned = [r.getMessage() for r in caplog.records if r.name == "fastio.storage"]
-    assert len(warned) == 2, warned
-    for attempt, line in enumerate(warned, start=1):
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "fastio.storage"]
+    assert [level for level, _ in logged] == [logging.WARNING, logging.DEBUG], logged
+    for attempt, (_, line) in enumerate(logged, start=1):
         assert line.startswith(f"fastio: s3://bucket/p/k.bin: GET failed (attempt {attempt} of 3, ")
         assert "retrying in" in line
+    assert "each request until 2 retries or deadline_s=120 (further retries on s3://bucket" in logged[0][1]
 
 
 def test_a_deadline_bounds_a_read_however_long_the_request_timeout(silent_endpoint):
@@ -76,7 +77,8 @@ def test_loader_on_a_paused_server_fails_in_time_and_reports_its_wait(moto_serve
     finally:
         os.kill(moto_server.proc.pid, signal.SIGCONT)
     loader.close()
-    assert any("GET failed (attempt 1 of 7" in r.getMessage() for r in caplog.records)
+    assert any("GET failed (attempt 1, " in r.getMessage() and "until deadline_s=2.5" in r.getMessage()
+               for r in caplog.records)
     with Loader(url, storage_options=moto_server.options(), **opts) as again:
         again._stats.every_s = 0
         assert sum(len(b["jpg"]) for b in again) == 48

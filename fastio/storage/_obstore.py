@@ -100,8 +100,8 @@ class S3Client:
         with _translated():
             self._store = S3Store(bucket, config=config, client_options=client, retry_config={"max_retries": 0})
             self._put_store = S3Store(bucket, config=config, client_options=client, retry_config={
-                "max_retries": o.retries, "backoff": backoff,
-                "retry_timeout": timedelta(seconds=o.timeout_s * (o.retries + 1))})
+                "max_retries": o.upload_retries, "backoff": backoff,
+                "retry_timeout": timedelta(seconds=o.timeout_s * (o.upload_retries + 1))})
 
     def get_buffer(self, key: str) -> memoryview:
         """The whole object as a read-only buffer over the client's memory (no copy into Python bytes)."""

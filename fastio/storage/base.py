@@ -228,7 +228,8 @@ class S3Storage(Storage):
         def counted(attempt: int, err: Exception) -> None:
             self.retry_count += 1
 
-        return retrying(fn, url=self.url_of(key), what=what, retries=o.retries, backoff_s=o.backoff_s,
+        return retrying(fn, url=self.url_of(key), what=what, retries=o.retries if deadline else o.upload_retries,
+                        backoff_s=o.backoff_s,
                         backoff_max_s=o.backoff_max_s, deadline_s=o.deadline_s if deadline else None,
                         attempt_s=o.timeout_s + o.connect_timeout_s, rng=rng, on_retry=counted)
 

@@ -36,6 +36,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -128,6 +129,34 @@ def _hold(path: Path, delta: int) -> None:
             _OWN_HELD[str(path)] = n
         else:
             _OWN_HELD.pop(str(path), None)
+
+
+_CLAIMS: dict[str, weakref.WeakKeyDictionary] = {}  # cache dir -> {live CachedShardFiles: (what, working set)}
+
+
+def _claim(files: CachedShardFiles, need: int, what: str) -> None:
+    """Record ``files``' working set in this process's claims on its cache; StorageError naming the other live
+    claimants when together they need more than ``cache_size`` (see :meth:`CachedShardFiles.claim`)."""
+    cache = files.cache
+    with _OWN_LOCK:
+        live = _CLAIMS.setdefault(str(cache.dir.resolve()), weakref.WeakKeyDictionary())
+        others = [(w, b) for f, (w, b) in live.items() if f is not files]
+        total = need + sum(b for _, b in others)
+        if others and total > cache.size:
+            named = ", ".join(f"{w} {human_bytes(b)}" for w, b in others)
+            raise StorageError(
+                f"{what}: cache_size {human_bytes(cache.size)} of {cache.dir} cannot hold this Loader's working set "
+                f"({human_bytes(need)}) beside those of the other Loaders in this process reading through it "
+                f"({named}; {human_bytes(total)} together): close them first, raise cache_size, or read fewer "
+                "shards at once (shuffle='block' with a smaller block_shards, a lower shard_read_ahead)", url=what)
+        live[files] = (what, need)
+
+
+def _unclaim(files: CachedShardFiles) -> None:
+    with _OWN_LOCK:
+        live = _CLAIMS.get(str(files.cache.dir.resolve()))
+        if live is not None:
+            live.pop(files, None)
 
 
 class NoRoom(Exception):
@@ -383,6 +412,14 @@ class CachedShardFiles:
         self._reached = -1
         self._closed = False
 
+    def claim(self, need: int, what: str) -> None:
+        """Claim ``need`` bytes of the cache (the working set of the Loader reading ``what`` through these files)
+        beside the other live claims of this process on the same cache directory: together they must fit in
+        ``cache_size``, else a :class:`~fastio.errors.StorageError` names the others (two Loaders of one process
+        would otherwise fill the cache with each other's shards in use and wait for room in vain). The claim
+        ends with :meth:`close`, or when these files are garbage collected. Other processes' use is not known here."""
+        _claim(self, need, what)
+
     # -- reader side ------------------------------------------------------------------------------------
 
     def path_of(self, i: int) -> Path:
@@ -554,6 +591,7 @@ class CachedShardFiles:
             pass
 
     def close(self) -> None:
+        _unclaim(self)
         with self._lock:
             self._closed = True
             self._cond.notify_all()

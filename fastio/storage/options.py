@@ -18,7 +18,10 @@ from typing import Any
 
 from fastio.errors import StorageOptionsError
 
-__all__ = ["StorageOptions"]
+__all__ = ["UPLOAD_RETRIES", "StorageOptions"]
+
+UPLOAD_RETRIES = 6
+"""Retries of one multipart-upload request when ``retries`` is None (uploads have no ``deadline_s``)."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,11 @@ class StorageOptions:
     """Profile in ``~/.aws/credentials`` / ``~/.aws/config`` (default: ``AWS_PROFILE``, else ``default``)."""
     virtual_hosted: bool = False
     """Address buckets as ``bucket.endpoint`` instead of ``endpoint/bucket`` (path style, the default)."""
-    retries: int = 6
-    """Attempts after the first for a transient fault (503 SlowDown, 5xx, timeouts, cut connections)."""
+    retries: int | None = None
+    """Attempts after the first for a transient fault (503 SlowDown, 5xx, timeouts, cut connections). None (the
+    default): as many as fit in ``deadline_s``, so an endpoint that blips or throttles for tens of seconds
+    costs time, not the run. Multipart uploads, which ``deadline_s`` does not bound, then retry each request
+    up to :data:`UPLOAD_RETRIES` times (:attr:`upload_retries`)."""
     backoff_s: float = 0.1
     """First retry delay in seconds; doubles each retry (with full jitter), capped at ``backoff_max_s``."""
     backoff_max_s: float = 5.0
@@ -49,9 +55,10 @@ class StorageOptions:
     """Timeout of one request (connect, send and read)."""
     deadline_s: float = 120.0
     """Longest time one read (GET, HEAD, LIST; small PUTs and DELETEs too) may take, its attempts and retry
-    sleeps together, before it fails with a :class:`~fastio.errors.StorageError`; each retry before that logs a
-    warning (logger ``fastio.storage``) naming the URL and the attempt. Multipart uploads are bounded by
-    ``timeout_s`` per request and ``retries`` instead."""
+    sleeps together, before it fails with a :class:`~fastio.errors.StorageError`. The first retry while a store
+    is failing logs one warning (logger ``fastio.storage``) naming the URL, and the first answer after that
+    one more (:mod:`fastio.storage.retry`). Multipart uploads are bounded by ``timeout_s`` per request and
+    :attr:`upload_retries` instead."""
     connect_timeout_s: float = 5.0
     """Timeout of establishing a connection."""
     part_size: int = 16 << 20
@@ -75,8 +82,10 @@ class StorageOptions:
                     value, numbers.Integral if f.type == "int" else numbers.Real)):
                 kind = "an integer" if f.type == "int" else "a number"
                 raise StorageOptionsError(f"{f.name} must be {kind}, got {value!r}")
-        if self.retries < 0:
-            raise StorageOptionsError(f"retries must be >= 0, got {self.retries}")
+        if self.retries is not None and (isinstance(self.retries, bool) or not isinstance(
+                self.retries, numbers.Integral) or self.retries < 0):
+            raise StorageOptionsError(f"retries must be None (until deadline_s) or an integer >= 0, got "
+                                      f"{self.retries!r}")
         if not (0 <= self.backoff_s <= self.backoff_max_s):
             raise StorageOptionsError(f"backoff_s must be between 0 and backoff_max_s, got {self.backoff_s}")
         if not self.deadline_s > 0:
@@ -94,6 +103,11 @@ class StorageOptions:
             raise StorageOptionsError(f"lease_skew_s must be >= 0, got {self.lease_skew_s}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise StorageOptionsError(f"endpoint must be an http:// or https:// URL, got {self.endpoint!r}")
+
+    @property
+    def upload_retries(self) -> int:
+        """Retries of one request of a multipart upload: ``retries``, or :data:`UPLOAD_RETRIES` when None."""
+        return UPLOAD_RETRIES if self.retries is None else self.retries
 
     @classmethod
     def resolve(cls, overrides: StorageOptions | dict[str, Any] | None = None,

@@ -1,0 +1,152 @@
+"""The image kinds: :class:`ImageTrain` (random resized crop + flip) and :class:`ImageEval` (resize + center
+crop), decoded by DALI on CPU operators or with ``mixed`` (nvJPEG / hardware decoder) on the GPU.
+
+A sample's image is the first image field it has (a dataset may mix formats; DALI decodes by content, and GIF,
+which DALI lacks, becomes a BMP in the reader thread: :func:`decodable`). The global index of every sample goes
+through the graph and comes out beside its image, so the Loader can check that outputs line up with what it fed.
+Crop and flip parameters are a pure function of ``(seed, epoch, global index)`` (:mod:`fastio.augment`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from fastio.augment import random_resized_crop
+from fastio.pipelines.base import BuiltPipeline, Pipeline, check_fields, decodable, run_graph
+
+if TYPE_CHECKING:
+    from fastio.reader import ReadBatch
+
+__all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "ImageEval", "ImageTrain", "decodable"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DTYPES = ("float32", "float16", "uint8")
+LAYOUTS = ("CHW", "HWC")
+
+
+def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any, name: str = "size") -> None:
+    """ValueError naming the first bad image option (``name``: how the caller spells ``size``)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be CHW or HWC, got {layout!r}")
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+        raise ValueError(f"mean and std need 3 values, std > 0; got {mean}, {std}")
+
+
+def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
+    if not 0 < ratio <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {ratio}")
+
+
+@dataclass(frozen=True)
+class _Image(Pipeline):
+    """Options both image kinds share."""
+
+    size: int = 224
+    """Output side S: images are S x S."""
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    """Per-channel mean on the 0..1 scale, subtracted before dividing by ``std`` (not with ``uint8``)."""
+    std: tuple[float, float, float] = IMAGENET_STD
+    """Per-channel standard deviation on the 0..1 scale."""
+    dtype: str = "float32"
+    """Image dtype: float32, float16 (normalised) or uint8 (not normalised)."""
+    layout: str = "CHW"
+    """Image layout: CHW or HWC."""
+    fields: tuple[str, ...] | None = None
+    """Fields delivered besides the image (default: the label field, as ``batch["label"]``); every sample must
+    have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "mean", tuple(self.mean))
+        object.__setattr__(self, "std", tuple(self.std))
+        object.__setattr__(self, "fields", check_fields(self.fields))
+        check_image_options(self.size, self.mean, self.std, self.dtype, self.layout)
+
+    @property
+    def image_size(self) -> int:
+        """The old name of ``size`` (``LoaderConfig(image_size=...)``)."""
+        return self.size
+
+    def _normalize(self) -> dict[str, Any]:
+        """``crop_mirror_normalize``'s dtype, mean, std and layout (on the 0..255 scale)."""
+        from nvidia.dali import types
+
+        scale = 255.0 if self.dtype != "uint8" else 1.0
+        mean = [m * scale for m in self.mean] if self.dtype != "uint8" else [0.0, 0.0, 0.0]
+        std = [s * scale for s in self.std] if self.dtype != "uint8" else [1.0, 1.0, 1.0]
+        dtypes = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}
+        return {"mean": mean, "std": std, "dtype": dtypes[self.dtype], "output_layout": self.layout}
+
+    def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
+              prefetch: int, seed: int = 0) -> BuiltPipeline:
+        pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
+                         device=device, device_id=device_id, prefetch=prefetch, seed=seed)
+        return BuiltPipeline(pipe, ("image", "index"))
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ImageTrain(_Image):
+    """Training images: a random resized crop of each image (scale 0.08..1, ratio 3/4..4/3, decoded as that
+    window only), resized to ``size`` x ``size``, flipped at random, normalised. The crop and the flip are a
+    pure function of ``(seed, epoch, global sample index)``: the same on every rank, run and world size.
+
+    ``fastio.ImageTrain(size=224)``; ``Loader(dest, pipeline=fastio.ImageTrain(size=160, dtype="float16"))``.
+    """
+
+    kind: ClassVar[str] = "image-train"
+    needs_image_size: ClassVar[bool] = True
+
+    def input_names(self) -> tuple[str, ...]:
+        return ("encoded", "index", "anchor", "shape", "flip")
+
+    def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+        index = np.ascontiguousarray(batch.indices, dtype=np.int64)
+        crop = random_resized_crop(seed, epoch, batch.indices, batch.sizes[:, 0], batch.sizes[:, 1])
+        return batch.image, index, crop.anchor, crop.shape, crop.flip
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        from nvidia.dali import fn, types
+
+        img = fn.decoders.image_slice(inp["encoded"], inp["anchor"], inp["shape"], device=decoder_device,
+                                      output_type=types.RGB, normalized_anchor=False,
+                                      normalized_shape=False, axis_names="WH", adjust_orientation=False)
+        img = fn.resize(img, resize_x=self.size, resize_y=self.size, antialias=True)
+        img = fn.crop_mirror_normalize(img, mirror=inp["flip"], **self._normalize())
+        return img, inp["index"]
+
+
+@dataclass(frozen=True)
+class ImageEval(_Image):
+    """Evaluation images: the shorter side resized to ``size / crop_ratio``, then the center ``size`` x ``size``
+    crop, normalised; no randomness.
+
+    ``fastio.ImageEval(size=224, crop_ratio=0.875)``.
+    """
+
+    kind: ClassVar[str] = "image-eval"
+    crop_ratio: float = 0.875
+    """The center crop's share of the resized shorter side, in (0, 1]."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_crop_ratio(self.crop_ratio)
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        from nvidia.dali import fn, types
+
+        img = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
+                                adjust_orientation=False)
+        img = fn.resize(img, resize_shorter=self.size / self.crop_ratio, antialias=True)
+        img = fn.crop_mirror_normalize(img, crop=(self.size, self.size), **self._normalize())
+        return img, inp["index"]

@@ -1,0 +1,54 @@
+"""The one place where the Loader's old flat options (``pipeline="image-train", image_size=224, mean=...,
+eval_crop_ratio=..., fields=...``) become a pipeline object; they give the same batches, bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastio.pipelines.base import Pipeline
+from fastio.pipelines.graph import Graph
+from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, check_crop_ratio, check_image_options
+from fastio.pipelines.raw import Raw
+
+__all__ = ["IMAGE_OPTIONS", "KINDS", "as_pipeline"]
+
+KINDS = ("image-train", "image-eval", "raw")
+"""The built-in kinds by their old names."""
+IMAGE_OPTIONS = ("image_size", "mean", "std", "dtype", "layout", "eval_crop_ratio")
+"""The old options of the image kinds (each a field of :class:`ImageTrain` / :class:`ImageEval` now)."""
+_DEFAULTS = {"image_size": 224, "mean": IMAGENET_MEAN, "std": IMAGENET_STD, "dtype": "float32", "layout": "CHW",
+             "eval_crop_ratio": 0.875}
+
+
+def as_pipeline(pipeline: str | Callable | Pipeline, fields: Any = None, **old: Any) -> Pipeline:
+    """The pipeline object for ``pipeline`` (an object, a kind's old name, or a graph function) with the old
+    options ``old`` (:data:`IMAGE_OPTIONS`, None: not given) and ``fields``. The old options are checked for
+    every kind, as before (a kind ignores those it has no use for); beside an object they are refused."""
+    given = {k: v for k, v in old.items() if v is not None}
+    unknown = sorted(set(given) - set(IMAGE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown pipeline options {unknown}")
+    if isinstance(pipeline, Pipeline):
+        extra = {**given, **({"fields": fields} if fields is not None else {})}
+        if extra:
+            name, value = next(iter(extra.items()))
+            raise ValueError(f"{name}={value!r} is an option of the pipeline object now: give it there "
+                             f"(pipeline={type(pipeline).__name__}(...)), not beside pipeline={pipeline!r}")
+        return pipeline
+    if not callable(pipeline) and pipeline not in KINDS:
+        raise ValueError(f"pipeline must be one of {', '.join(KINDS)}, a pipeline object or a callable, "
+                         f"got {pipeline!r}")
+    o = {**_DEFAULTS, **given}
+    o["mean"], o["std"] = tuple(o["mean"]), tuple(o["std"])
+    check_image_options(o["image_size"], o["mean"], o["std"], o["dtype"], o["layout"], name="image_size")
+    check_crop_ratio(o["eval_crop_ratio"], name="eval_crop_ratio")
+    image = {"size": o["image_size"], "mean": o["mean"], "std": o["std"], "dtype": o["dtype"],
+             "layout": o["layout"], "fields": fields}
+    if callable(pipeline):
+        return Graph(pipeline, fields=fields)
+    if pipeline == "raw":
+        return Raw(fields=fields)
+    if pipeline == "image-eval":
+        return ImageEval(**image, crop_ratio=o["eval_crop_ratio"])
+    return ImageTrain(**image)

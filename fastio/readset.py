@@ -1,0 +1,335 @@
+"""The read set: what a Loader reads, one dataset or a mixture of several, the same kind of object to it.
+
+A read set owns the readers (one :class:`~fastio.reader.Reader` per dataset; a mixture's are merged by a
+:class:`~fastio.mixture.MixReader`), the order of its samples (:class:`~fastio.sampler.Sampler` for a dataset,
+the mixture's :class:`~fastio.mixorder.MixSampler`), the label field of each dataset, the keys, and its share of
+the Loader's state (nothing for a dataset, so its states stay as they were; the ``mixture`` entry for a mixture).
+Which fields are read is the pipeline object's choice (:meth:`fastio.pipelines.Pipeline.choose_fields`,
+:meth:`~fastio.pipelines.Pipeline.read_fields`); each dataset reads its own label field under its own name.
+
+:func:`open_read_set` makes one from what the Loader was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastio.dataset import Dataset
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.mixture import MixReader, Mixture, check_mixture_state, mixture_state
+from fastio.pipelines import Delivery, Pipeline
+from fastio.reader import ReadBatch, Reader, parse_labels, sample_where
+from fastio.sampler import Sampler, SamplerSpec
+from fastio.working_set import check_shared_working_set, check_working_set, working_set_bytes
+
+__all__ = ["K_MIXTURE", "DatasetReadSet", "MixtureReadSet", "ReadSet", "open_read_set"]
+
+K_MIXTURE = "mixture"
+"""The state entry only a mixture writes (:func:`fastio.mixture.mixture_state`)."""
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One dataset as the read set reads it (the dataset, or one source of a mixture)."""
+
+    dataset: Dataset
+    reader: Reader
+    files: Any
+    """The shard source of an ``s3://`` dataset (its cache), else None."""
+    label_field: str | None
+    """Its label field when labels are delivered, else None."""
+
+
+class ReadSet:
+    """What the Loader reads (see the module docstring). ``target`` is the :class:`Dataset` or :class:`Mixture`;
+    ``options``: a :class:`fastio.LoaderConfig` (reader threads, verify, shuffle and cache read-ahead)."""
+
+    def __init__(self, target: Dataset | Mixture, names: Sequence[str], datasets: Sequence[Dataset],
+                 pipeline: Pipeline, options: Any):
+        self.target, self.names, self.pipeline = target, tuple(names), pipeline
+        self.mixture: Mixture | None = target if isinstance(target, Mixture) else None
+        """The :class:`Mixture` read, else None (for those who want to know; the Loader does not ask)."""
+        labels = [ds.label_field for ds in datasets]
+        shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
+        choice = pipeline.choose_fields(labels, shared)
+        _check_shared_caches(self.names, datasets, options)
+        self.sources = self._open(datasets, choice, options)
+        first = self.sources[0]
+        named = {s.label_field for s in self.sources}
+        self.label_column: str | None = first.label_field if choice.label and len(named) == 1 else None
+        """The field holding every dataset's labels, when all name it alike (delivered as bytes too, by raw)."""
+        self.labelled: bool = choice.label
+        """Whether ``batch["label"]`` is delivered (each dataset's own label field)."""
+        others = [f for f in first.reader.fields if f != first.label_field]
+        self.columns: tuple[str, ...] = (*others, self.label_column) if self.label_column else tuple(others)
+        """The read fields delivered under their own names, in order."""
+        self.reader = self._reader()
+
+    # -- opening --------------------------------------------------------------------------------------
+
+    def _open(self, datasets: Sequence[Dataset], choice, options: Any) -> list[_Source]:
+        """One source per dataset, each reading ``choice``'s fields and its own label field; the datasets share
+        ``options.reader_threads`` (each reads its part of every batch, in parallel with the others)."""
+        threads = -(-options.reader_threads // len(datasets))
+        sources: list[_Source] = []
+        try:
+            for name, ds in zip(self.names, datasets):
+                try:
+                    if choice.label and ds.label_field is None:  # another field of the same name is not its label
+                        ds.require_fields([*choice.others, choice.asked])  # lacking it altogether: named by field
+                        raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels "
+                                           f"({choice.asked!r} of the others) are wanted; index it with "
+                                           "--label-field, or leave labels out with pipeline='raw' and fields=")
+                    fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
+                    sources.append(_open_source(ds, self.pipeline, fields, threads, options,
+                                                ds.label_field if choice.label else None))
+                except DatasetError as err:
+                    raise self._named(name, err) from None
+        except BaseException:
+            for s in sources:
+                s.reader.close()
+            raise
+        return sources
+
+    def _named(self, name: str, err: DatasetError) -> DatasetError:
+        """``err`` as the read set says it of its source ``name``."""
+        return err
+
+    def _reader(self) -> Any:
+        """What reads a batch of the read set's ids (``submit``, ``read_ahead_shards``, ``close``)."""
+        return self.sources[0].reader
+
+    # -- what it is -----------------------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        """How messages name it."""
+        return str(self.target.root)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.target.fingerprint
+
+    def __len__(self) -> int:
+        """Samples of an epoch."""
+        return len(self.target)
+
+    def sampler(self, spec: SamplerSpec, world_size: int, rank: int) -> Any:
+        """The order of its samples and rank ``rank``'s batches."""
+        raise NotImplementedError
+
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read-set ids -> ``(source, index within that source)``."""
+        ids = np.asarray(ids, np.int64)
+        return np.zeros(len(ids), np.int64), ids
+
+    # -- a batch --------------------------------------------------------------------------------------
+
+    def labels(self, read: ReadBatch) -> np.ndarray:
+        """The batch's labels (int64), each sample's from its dataset's own label field."""
+        source, index = self.split(read.indices)
+        if len(self.sources) == 1:
+            s = self.sources[0]
+            return parse_labels(s.dataset, s.label_field, index, read.fields[s.label_field])
+        values = np.empty(len(index), np.int64)
+        for k in np.unique(source).tolist():
+            sel = np.flatnonzero(source == k)
+            s = self.sources[k]
+            column = read.fields[s.label_field]
+            values[sel] = parse_labels(s.dataset, s.label_field, index[sel], [column[j] for j in sel.tolist()])
+        return values
+
+    def delivery(self, read: ReadBatch, labels: Callable[[np.ndarray], Any]) -> Delivery:
+        """``read`` as a pipeline assembles it; ``labels`` puts the parsed labels where the batch wants them."""
+        return Delivery(read, self.columns, self.label_column,
+                        (lambda: labels(self.labels(read))) if self.labelled else None)
+
+    def positions(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch entries that say which samples it holds: ``index`` (and ``source`` for a mixture)."""
+        return {"index": torch.from_numpy(np.asarray(ids).copy())}
+
+    def key(self, source: int | str, index: int | None = None) -> str:
+        """The ``__key__`` of a sample (see :meth:`fastio.Loader.key`)."""
+        raise NotImplementedError
+
+    def key_of(self, i: int) -> str:
+        """The ``__key__`` of read-set id ``i``."""
+        source, index = self.split(np.array([i]))
+        return self.sources[int(source[0])].dataset.key(int(index[0]))
+
+    def where(self, i: int) -> str:
+        """Names the sample read-set id ``i`` stands for, for messages."""
+        source, index = self.split(np.array([i]))
+        return sample_where(self.sources[int(source[0])].dataset, int(index[0]))
+
+    # -- state and stats ------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Its entries of the Loader's state."""
+        return {}
+
+    def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+        """LoaderStateError unless ``state`` (a whole Loader state) can continue with this read set."""
+        raise NotImplementedError
+
+    def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
+        """Count a delivered batch's samples (padding repeats left out) for :meth:`stats`."""
+
+    def stats(self) -> dict[str, Any]:
+        """Its entries of ``Loader.stats()``."""
+        raise NotImplementedError
+
+    def progress_detail(self) -> Callable[[], str] | None:
+        """What adds the storage part to a progress line, or None where there is none to show."""
+        return None
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class DatasetReadSet(ReadSet):
+    """One dataset: ids are its dataset-wide indices; today's :class:`~fastio.sampler.Sampler` orders them."""
+
+    def __init__(self, ds: Dataset, pipeline: Pipeline, options: Any):
+        super().__init__(ds, [str(ds.root)], [ds], pipeline, options)
+
+    def sampler(self, spec: SamplerSpec, world_size: int, rank: int) -> Sampler:
+        ds = self.target
+        return Sampler(spec, [s.samples for s in ds.shards], ds.fingerprint, world_size, rank)
+
+    def key(self, source: int | str, index: int | None = None) -> str:
+        if index is not None:
+            raise TypeError("a dataset's loader names a sample by key(index)")
+        return self.target.key(int(source))
+
+    def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+        saved = state.get(K_MIXTURE)
+        if saved is not None:
+            names = ", ".join(map(repr, saved.get("names", []))) if isinstance(saved, dict) else ""
+            raise LoaderStateError(f"{self.root}: loader state is of a mixture (sources {names}), this "
+                                   "Loader reads one dataset: make it with the same fastio.Mixture")
+
+    def stats(self) -> dict[str, Any]:
+        files = self.sources[0].files
+        return {"storage": _storage_stats(files)} if files is not None else {}
+
+    def progress_detail(self) -> Callable[[], str] | None:
+        files = self.sources[0].files
+        if files is None:
+            return None
+
+        def line() -> str:
+            s = _storage_stats(files)
+            return f"storage wait {s['wait_s']:.1f} s, {s['retries']} retries"
+        return line
+
+
+class MixtureReadSet(ReadSet):
+    """A :class:`~fastio.Mixture`: ids are mixture ids (source ``s``'s sample ``i`` is ``base[s] + i``), in the
+    mixture's order; batches carry ``source`` and ``index``; its state entry names sources, weights, length."""
+
+    def __init__(self, mixture: Mixture, pipeline: Pipeline, options: Any):
+        super().__init__(mixture, mixture.names, mixture.datasets, pipeline, options)
+        self.delivered = np.zeros(len(self.sources), np.int64)
+
+    def _named(self, name: str, err: DatasetError) -> DatasetError:
+        return DatasetError(f"mixture source {name!r}: {err}")
+
+    def _reader(self) -> MixReader:
+        return MixReader(self.target, [s.reader for s in self.sources])
+
+    def sampler(self, spec: SamplerSpec, world_size: int, rank: int) -> Any:
+        return self.target.sampler(spec, world_size, rank)
+
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.target.split(ids)
+
+    def positions(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+        source, index = self.target.split(ids)
+        return {"source": torch.from_numpy(source), "index": torch.from_numpy(index)}
+
+    def key(self, source: int | str, index: int | None = None) -> str:
+        if index is None:
+            raise TypeError("a mixture's loader names a sample by key(source, index)")
+        return self.target.key(source, index)
+
+    def where(self, i: int) -> str:
+        return self.target.describe(i)
+
+    def state(self) -> dict[str, Any]:
+        return {K_MIXTURE: mixture_state(self.target)}
+
+    def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
+        check_mixture_state(self.target, state.get(K_MIXTURE), epoch, consumed)
+
+    def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
+        src = positions["source"].numpy()[~padded]
+        self.delivered += np.bincount(src, minlength=len(self.delivered))
+
+    def stats(self) -> dict[str, Any]:
+        total = int(self.delivered.sum())
+        out: dict[str, Any] = {"sources": {name: {"samples": int(n), "share": n / total if total else 0.0}
+                                           for name, n in zip(self.names, self.delivered.tolist())}}
+        storage = {name: _storage_stats(s.files) for name, s in zip(self.names, self.sources) if s.files is not None}
+        if storage:
+            out["storage_by_source"] = storage
+        return out
+
+
+def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Pipeline, options: Any) -> ReadSet:
+    """The read set of a :class:`Mixture`, a :class:`Dataset`, or a DEST (a path or URL, opened with
+    ``options``' verify, cache_dir, cache_size and storage_options)."""
+    if isinstance(target, Mixture):
+        return MixtureReadSet(target, pipeline, options)
+    if not isinstance(target, Dataset):
+        target = Dataset(target, verify=options.verify, cache_dir=options.cache_dir, cache_size=options.cache_size,
+                         storage_options=options.storage_options)
+    return DatasetReadSet(target, pipeline, options)
+
+
+def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: int, options: Any,
+                 label_field: str | None) -> _Source:
+    """The reader of ``ds`` for ``pipeline`` delivering ``fields``."""
+    wanted = pipeline.read_fields(ds, fields)
+    need = None
+    if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
+        sizes = [s.bytes for s in ds.shards]
+        check_working_set(sizes, options.shuffle, options.block_shards, options.shard_read_ahead,
+                          ds.source.cache_size, str(ds.root))
+        need = working_set_bytes(sizes, options.shuffle, options.block_shards, options.shard_read_ahead)
+    # None: local files; a cache's files claim their working set beside this process's other Loaders' there
+    files = ds.source.shard_files(ds.shards, read_ahead=options.shard_read_ahead, working_set=need)
+    reader = Reader(ds, wanted.fields, threads=threads, verify=options.verify, image=wanted.image,
+                    sizes=wanted.sizes, optional=wanted.optional, transcode=wanted.transcode, files=files)
+    return _Source(ds, reader, files, label_field)
+
+
+def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Any) -> None:
+    """Remote datasets reading through one cache read their working sets at once: checked together."""
+    shared: dict[Any, dict[str, list[int]]] = {}
+    for name, ds in zip(names, datasets):
+        if ds.source.cache_size is not None:
+            shared.setdefault((str(ds.source.cache.dir), ds.source.cache_size), {})[name] = [s.bytes for s in ds.shards]
+    for (where, size), sources in shared.items():
+        if len(sources) > 1:
+            check_shared_working_set(sources, options.shuffle, options.block_shards, options.shard_read_ahead,
+                                     size, where)
+
+
+def _storage_stats(files: Any) -> dict[str, Any]:
+    return files.stats.as_dict(getattr(files.storage, "retry_count", 0))
+
+
+def coming(plans: Callable[[int, int], Any], epoch: int, consumed: int) -> Callable[[], Iterable[np.ndarray]]:
+    """The read set's ids from ``(epoch, consumed)`` to the end of the next epoch, a chunk of batches at a time,
+    in order (for ``read_ahead_shards``): ``plans`` is the sampler's ``plan``."""
+    def chunks() -> Iterable[np.ndarray]:
+        for plan in (plans(epoch, consumed), plans(epoch + 1, 0)):
+            for indices, _, _ in plan.iter_chunks():
+                yield indices
+    return chunks

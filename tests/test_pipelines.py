@@ -1,0 +1,214 @@
+"""Pipeline objects (fastio.ImageTrain, ImageEval, Raw, Graph, a kind of one's own) and the one read set: the
+new spellings deliver the recorded batches, options belong to the objects, a mixture's label fields keep
+their names, and the Loader holds no kind's options and no mixture branch."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_image_dataset
+
+import fastio
+from fastio import Loader, LoaderConfig, Mixture
+from fastio.errors import LoaderStateError
+from fastio.pipelines import ReadFields
+from fastio.shards import ShardWriter
+
+_FIXTURES = Path(__file__).with_name("fixtures")
+_spec = importlib.util.spec_from_file_location("make_loader_fixtures", _FIXTURES / "make_loader_fixtures.py")
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+RECORDED = json.loads(fixtures.FIXTURE.read_text())["cases"]
+SIZE = fixtures.LOADER["image_size"]
+OBJECTS = {"image-train": fastio.ImageTrain(size=SIZE), "image-eval": fastio.ImageEval(size=SIZE),
+           "raw": fastio.Raw()}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    return fixtures.make_datasets(tmp_path_factory.mktemp("pipeline-objects"))
+
+
+@pytest.mark.parametrize("case", fixtures.cases(), ids=lambda c: fixtures.case_id(*c))
+def test_pipeline_objects_deliver_the_batches_and_states_recorded_with_the_old_spellings(datasets, case):
+    got = fixtures.run_case(case, datasets, pipeline=OBJECTS[case[0]], image_size=None)
+    want = RECORDED[fixtures.case_id(*case)]
+    assert [g["batch"] for g in got] == [w["batch"] for w in want]
+    assert [g["state"] for g in got] == [w["state"] for w in want]
+
+
+def test_a_config_keeps_the_shared_options_and_its_pipeline_object():
+    cfg = LoaderConfig(batch_size=4, pipeline=fastio.ImageEval(size=40, crop_ratio=0.5), device="cpu")
+    assert cfg.graph == fastio.ImageEval(size=40, crop_ratio=0.5) and cfg.graph.image_size == 40
+    changed = dataclasses.replace(cfg, batch_size=8, seed=3)
+    assert changed.graph is cfg.graph and changed.sampling.batch_size == 8
+    old = LoaderConfig(pipeline="image-eval", image_size=40, eval_crop_ratio=0.5, dtype="uint8", fields=["cls"])
+    assert old.graph == fastio.ImageEval(size=40, crop_ratio=0.5, dtype="uint8", fields=("cls",))
+    assert LoaderConfig(pipeline="raw", fields=["txt"]).graph == fastio.Raw(fields=("txt",))
+
+
+@pytest.mark.parametrize("option", [{"image_size": 32}, {"mean": (0.5, 0.5, 0.5)}, {"fields": ["cls"]},
+                                    {"eval_crop_ratio": 0.5}])
+def test_an_old_option_beside_a_pipeline_object_is_refused_by_name(option):
+    name, value = next(iter(option.items()))
+    with pytest.raises(ValueError, match=rf"^{name}=.* is an option of the pipeline object now: give it there"):
+        LoaderConfig(pipeline=fastio.ImageTrain(size=16), **option)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: fastio.ImageTrain(size=0), "size must be an integer >= 1, got 0"),
+    (lambda: fastio.ImageTrain(dtype="int8"), "dtype must be one of float32, float16, uint8, got 'int8'"),
+    (lambda: fastio.ImageEval(layout="NCHW"), "layout must be CHW or HWC, got 'NCHW'"),
+    (lambda: fastio.ImageEval(crop_ratio=1.5), r"crop_ratio must be in \(0, 1\], got 1.5"),
+    (lambda: fastio.ImageTrain(std=(0.2, 0.2, 0)), "mean and std need 3 values, std > 0"),
+    (lambda: fastio.Raw(fields="txt"), "fields must be a sequence of field names, got 'txt'"),
+    (lambda: fastio.Graph(None), "Graph needs a callable fn"),
+])
+def test_pipeline_objects_check_their_options(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_a_graph_object_is_the_graph_function(image_dataset):
+    def flip(image, device):
+        from nvidia.dali import fn
+
+        return {"image": fn.flip(fn.resize(image, resize_x=16, resize_y=16), horizontal=1)}
+
+    opts = dict(batch_size=8, device="cpu", seed=0, world_size=1, rank=0, num_threads=1, shuffle="none")
+    with Loader(image_dataset, pipeline=flip, **opts) as a, Loader(image_dataset, pipeline=fastio.Graph(flip),
+                                                                     **opts) as b:
+        x, y = next(iter(a)), next(iter(b))
+    assert torch.equal(x["image"], y["image"]) and torch.equal(x["label"], y["label"])
+    assert x["image"].shape == (8, 16, 16, 3)
+
+
+def _tagged(dest: Path, n: int, label_field: str) -> Path:
+    with ShardWriter(dest, max_samples=4) as writer:
+        for i in range(n):
+            writer.write({"__key__": f"s{i:03d}", "txt": b"x%d" % i, label_field: b"%d" % (i % 2)})
+        writer.close(label_field=label_field, source={"format": "test"}, skipped=[])
+    return dest
+
+
+def test_a_mixtures_label_fields_keep_their_names(tmp_path):
+    """Sources labelled ``cls`` and ``label``: each reads its own; raw delivers them as batch["label"] only (the
+    label bytes were renamed to the first source's field name, ``cls``, and delivered under it)."""
+    mix = Mixture({"conv": _tagged(tmp_path / "a", 6, "cls"), "web": _tagged(tmp_path / "b", 6, "label")})
+    with Loader(mix, batch_size=12, pipeline=fastio.Raw(), device="cpu", world_size=1, rank=0) as loader:
+        batch = next(iter(loader))
+    assert sorted(batch) == ["has", "index", "label", "padded", "source", "txt"]
+    assert sorted(batch["has"]) == ["txt"]
+    assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
+    assert sorted(batch["source"].tolist()) == [0] * 6 + [1] * 6
+    same = Mixture({"a": _tagged(tmp_path / "c", 6, "cls"), "b": _tagged(tmp_path / "d", 6, "cls")})
+    with Loader(same, batch_size=12, pipeline=fastio.Raw(), device="cpu", world_size=1, rank=0) as loader:
+        batch = next(iter(loader))
+    assert batch["cls"] == [b"%d" % (i % 2) for i in batch["index"].tolist()] and "cls" in batch["has"]
+
+
+@dataclass(frozen=True)
+class ImageSizes(fastio.Pipeline):
+    """A kind of one's own: each image's (width, height) from its header, no graph; it keeps a state entry."""
+
+    kind: ClassVar[str] = "image-sizes"
+    decodes: ClassVar[bool] = False
+    fields: tuple[str, ...] | None = None
+    version: int = 1
+
+    def read_fields(self, ds, fields):
+        ds.require_fields(list(fields), in_every_sample=True)
+        return ReadFields(tuple(fields), image=(ds.image_field,), sizes=True)
+
+    def build(self, source, **options):
+        return None
+
+    def assemble(self, outputs, delivery):
+        return {"size": torch.from_numpy(delivery.read.sizes.copy()), "label": delivery.labels()}
+
+    def state_dict(self):
+        return {"image_sizes": self.version}
+
+    def check_state(self, state):
+        if state.get("image_sizes") != self.version:
+            raise LoaderStateError(f"loader state has image_sizes={state.get('image_sizes')!r}, this pipeline "
+                                   f"{self.version}")
+
+
+def test_a_kind_of_ones_own_plugs_in_with_its_state_on_a_dataset_and_a_mixture(tmp_path, image_folder):
+    from PIL import Image
+
+    one = write_image_dataset(tmp_path / "one", image_folder)
+    mix = Mixture({"a": one, "b": write_image_dataset(tmp_path / "two", image_folder, max_samples=7)})
+    for target in (one, mix):
+        with Loader(target, batch_size=8, pipeline=ImageSizes(), device="cpu", world_size=1, rank=0) as loader:
+            batch = next(iter(loader))
+            state = loader.state_dict()
+            keys = [loader.key(*st) for st in zip(batch["source"].tolist(), batch["index"].tolist())] \
+                if "source" in batch else [loader.key(i) for i in batch["index"].tolist()]
+        folder = {p.parent.name + "/" + p.stem: p for p in image_folder.rglob("*.jpg")}
+        assert batch["size"].tolist() == [list(Image.open(folder[k]).size) for k in keys]
+        assert state["image_sizes"] == 1
+        with Loader(target, batch_size=8, pipeline=ImageSizes(), device="cpu", world_size=1, rank=0) as again:
+            again.load_state_dict(state)
+            assert again.consumed == 8
+        with Loader(target, batch_size=8, pipeline=ImageSizes(version=2), device="cpu", world_size=1,
+                    rank=0) as other, pytest.raises(LoaderStateError, match="image_sizes=1, this pipeline 2"):
+            other.load_state_dict(state)
+
+
+def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
+    source = (Path(fastio.__file__).parent / "loader.py").read_text()
+    tree = ast.parse(source)
+    branches = [ast.unparse(n.test) for n in ast.walk(tree) if isinstance(n, (ast.If, ast.IfExp))]
+    assert not [b for b in branches if "mixture" in b.lower()], branches
+    shared = {f.name for f in dataclasses.fields(LoaderConfig) if f.init}
+    old = {"image_size", "mean", "std", "dtype", "layout", "eval_crop_ratio", "fields"}
+    assert old <= shared  # the old spellings, mapped by fastio/pipelines/spellings.py only
+    loader = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Loader")
+    uses = {n.attr for n in ast.walk(loader) if isinstance(n, ast.Attribute)}
+    assert not (old - {"dtype"}) & uses, uses  # (a DALI tensor's dtype is read when copying to the GPU)
+
+
+def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
+    """Reader and MixReader take the same argument: a callable giving the coming batches (called lazily)."""
+    from fastio.dataset import Dataset
+    from fastio.mixture import MixReader
+    from fastio.reader import Reader
+
+    calls = []
+
+    def coming():
+        calls.append(1)
+        yield np.arange(4)
+
+    ds = Dataset(image_dataset)
+    with Reader(ds, ["cls"], threads=1) as reader:
+        reader.read_ahead_shards(coming)  # local shards: nothing to fetch, and nothing iterated
+        mix = MixReader(Mixture({"a": ds, "b": ds}), [reader, reader])
+        mix.read_ahead_shards(coming)
+    assert calls == []
+
+
+def test_an_undecodable_image_in_a_mixture_is_named_by_source_shard_and_key(tmp_path, image_folder, image_dataset):
+    paths = sorted(image_folder.rglob("*.jpg"))[:8]
+    with ShardWriter(tmp_path / "bad", max_samples=4) as writer:
+        for k, path in enumerate(paths):
+            writer.write({"__key__": f"img{k:02d}", "jpg": b"not an image" if k == 5 else path.read_bytes(),
+                          "cls": b"0"})
+        writer.close(image_field="jpg", label_field="cls")
+    mix = Mixture({"good": image_dataset, "bad": tmp_path / "bad"})
+    with Loader(mix, batch_size=8, pipeline=fastio.ImageEval(size=16), device="cpu", shuffle="none", world_size=1,
+                rank=0, num_threads=1) as loader, pytest.raises(
+            fastio.DatasetError, match=rf"^mixture source 'bad': {tmp_path / 'bad'}: shard shard-000001.tar "
+                                       r"key 'img05': field 'jpg' failed to decode"):
+        list(loader)
