@@ -192,6 +192,10 @@ def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
     convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
     with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):
         Dataset(tmp_path / "ds").index  # noqa: B018
+    import fastio
+
+    with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):  # not yet the Loader's
+        next(iter(fastio.Loader(tmp_path / "ds", batch_size=2, device="cpu", pipeline="raw")))
 
 
 def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, tokenizer):
