@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# megatron-core for the token interop tests only, without its dependencies (it needs none to read .idx)
+	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -175,6 +175,9 @@ class Dataset:
         """The sample index: ``DEST/samples.fxi`` memory-mapped (pages shared by every process of a node),
         or, for a dataset without one, built in memory from every ``.idx`` (parsed once)."""
         counts, record = [s.samples for s in self.shards], self.manifest.index
+        if self.manifest.kind == "tokens":
+            raise DatasetError(f"{self.root}: a token dataset (Megatron .bin/.idx shards): its documents are read by "
+                               "fastio.tokens (docs/tokens.md), not as samples")
         if record is not None:
             return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify,
                                     shard_bytes=[s.bytes for s in self.shards])
