@@ -256,6 +256,12 @@ class Loader:
     def __len__(self) -> int:
         return len(self._sampler)
 
+    def batches_left(self) -> int:
+        """Batches this rank has left in the current epoch: ``len(loader)`` at an epoch's start, fewer after
+        ``load_state_dict`` of a mid-epoch state (at another world size, not ``len(loader)`` minus the batches
+        counted before the save). What a trainer's batch counter must be reconciled with."""
+        return len(self._sampler.plan(self.epoch, self.consumed))
+
     def key(self, source: int | str, index: int | None = None) -> str:
         """The ``__key__`` of a sample: ``key(index)`` (dataset-wide index) for a dataset, ``key(source, index)``
         (``batch["source"]`` or the source's name, and ``batch["index"]``) for a mixture."""
