@@ -32,6 +32,9 @@ class Counting(pl.LightningModule):
         self.seen.append((self.current_epoch, batch["index"][~batch["padded"]].tolist()))
         return (self.weight - 1.0).pow(2).sum()
 
+    def validation_step(self, batch, batch_idx):
+        return None
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
     parser.add_argument("--save-every-steps", type=int, default=0, help="with --ckpt-dir: every N steps")
     parser.add_argument("--ckpt-dir")
     parser.add_argument("--resume")
+    parser.add_argument("--validate", action="store_true", help="validate on DATA after each epoch (checkpoints "
+                        "are then saved after validation)")
     args = parser.parse_args(argv)
 
     callbacks = []
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
                          max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks, logger=False,
                          enable_checkpointing=bool(callbacks), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
-    data = FastioDataModule(args.data, batch_size=args.batch_size, pipeline="raw", fields=(), device="cpu",
+    data = FastioDataModule(args.data, args.data if args.validate else None, val_options={"pipeline": "raw"},
+                            batch_size=args.batch_size, pipeline="raw", fields=(), device="cpu",
                             num_threads=1, reader_threads=1)
     model = Counting()
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)

@@ -37,17 +37,24 @@ def _run(tmp_path: Path, data: Path, log: str, devices: int, *args: str) -> list
     return read_logs(tmp_path, log)
 
 
-@pytest.mark.parametrize("devices, stop", [(1, "--max-epochs"), (1, "--max-steps"), (2, "--max-epochs")])
-def test_a_resume_from_an_end_of_epoch_checkpoint_trains_the_whole_next_epoch(tmp_path, devices, stop, one_thread):
-    """Run 1 stops at the end of epoch 0 and saves there (ModelCheckpoint(every_n_epochs=1)); run 2 resumes
-    from that checkpoint: its epoch 1 trains all 80 samples (it trained none)."""
+@pytest.mark.parametrize("devices, stop, validate", [
+    (1, "--max-epochs", False), (1, "--max-steps", False), (2, "--max-epochs", False),
+    (1, "--max-epochs", True), (1, "--max-steps", True)])
+def test_a_resume_from_an_end_of_epoch_checkpoint_trains_the_whole_next_epoch(tmp_path, devices, stop, validate,
+                                                                             one_thread):
+    """Run 1 stops at the end of epoch 0 and saves there (ModelCheckpoint(every_n_epochs=1); after validation
+    where there is one); run 2 resumes from that checkpoint: its epoch 1 trains all 80 samples (it trained
+    none; with max_steps, one batch labelled epoch 0 then the next epoch's order, or with validation the
+    next epoch's order labelled epoch 2)."""
     data = dataset80(tmp_path)
     steps = SAMPLES // (4 * devices)  # an epoch's
     limit = {"--max-epochs": ("1", "2"), "--max-steps": (str(steps), str(2 * steps))}[stop]
-    first = _run(tmp_path, data, "first", devices, stop, limit[0], "--save-every-epoch", str(tmp_path / "ckpt"))
+    extra = ["--validate"] if validate else []
+    first = _run(tmp_path, data, "first", devices, stop, limit[0], "--save-every-epoch", str(tmp_path / "ckpt"),
+                 *extra)
     ckpt = tmp_path / "ckpt" / f"step={steps}.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    second = _run(tmp_path, data, "second", devices, stop, limit[1], "--resume", str(ckpt))
+    second = _run(tmp_path, data, "second", devices, stop, limit[1], "--resume", str(ckpt), *extra)
     assert sorted(per_epoch(first)) == [0] and sorted(per_epoch(second)) == [1]
     assert_exactly_once(per_epoch(first)[0], "epoch 0")
     assert_exactly_once(per_epoch(second)[1], "epoch 1, after the resume")

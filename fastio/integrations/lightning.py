@@ -21,8 +21,9 @@ Lightning as a :class:`LightningLoader`:
   ``len(loader) - loader.batches_left()``, so Lightning's epoch ends exactly where the Loader's does and every
   remaining sample is trained once (global steps, and with them ``every_n_train_steps``, are not changed).
   A checkpoint saved in ``on_train_epoch_end`` and restarted (``max_steps`` runs restart it) would send
-  Lightning back into the finished epoch for one batch and then past the Loader's next epoch; the restore
-  marks that epoch completed, as Lightning does itself when ``max_epochs`` runs resume.
+  Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
+  the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
+  resume.
 
 Lightning's data fetcher reads one batch ahead only for iterables without a length; a Loader has one, so the
 position Lightning saves after batch ``k`` is the one after batch ``k`` and not ``k + 1``.
@@ -55,24 +56,24 @@ class _EpochSetter:
 def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
     """Reconcile the fit loop's progress with the position the Loader was just restored to, before Lightning's
     loop resumes (Lightning restores a training loader's position only when it restarts an epoch)."""
-    if loader.consumed:
-        _align_batch_counter(trainer, loader, len(loader) - loader.batches_left())
+    if loader.state_dict()["consumed"]:
+        # what the Loader delivered of this epoch at its world size, so Lightning ends it (at len(loader)) when
+        # the Loader does; at the world size of the save the counter already is that
+        _set_batch_counter(trainer, len(loader) - loader.batches_left())
         return
     epochs = trainer.fit_loop.epoch_progress
     if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1:
         # Saved in on_train_epoch_end (every_n_epochs), and restarted (max_steps runs are): Lightning would go
-        # back into the finished epoch for one more batch, then set_epoch(next) past the Loader's new epoch.
-        # The finished epoch is completed, as it is when max_epochs runs resume; no batch of the next is counted.
+        # back into the finished epoch (for one more batch, or none and then past the Loader's next epoch).
+        # Resume as max_epochs runs do: that epoch completed, the next one started afresh (its epoch loop not
+        # restarting resets its own counters).
         epochs.current.completed, epochs.total.completed = epochs.current.processed, epochs.total.processed
-        _align_batch_counter(trainer, loader, 0)
+        trainer.fit_loop.epoch_loop.restarting = False
 
 
-def _align_batch_counter(trainer: pl.Trainer, loader: Loader, done: int) -> None:
-    """Set the fit loop's batch counter of the current epoch to ``done``: for a mid-epoch position the batches the
-    Loader has delivered of it at its world size, ``len(loader) - loader.batches_left()``, so that Lightning ends
-    the epoch (at ``len(loader)``) exactly when the Loader does. At the world size of the save the counter is
-    already that. Every field of the counter moves by the same amount, so Lightning's own restart rules (which
-    compare them) decide as before."""
+def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
+    """Set the fit loop's count of the batches done in the current epoch to ``done``. Every field of the counter
+    moves by the same amount, so Lightning's own restart rules (which compare them) decide as before."""
     counter = trainer.fit_loop.epoch_loop.batch_progress.current
     shift = done - counter.ready
     for name in ("ready", "started", "processed", "completed"):
