@@ -257,9 +257,10 @@ class Loader:
         return len(self._sampler)
 
     def batches_left(self) -> int:
-        """Batches this rank has left in the current epoch: ``len(loader)`` at an epoch's start, fewer after
-        ``load_state_dict`` of a mid-epoch state (at another world size, not ``len(loader)`` minus the batches
-        counted before the save). What a trainer's batch counter must be reconciled with."""
+        """Batches this rank has left in the current epoch from the current position (``len(loader)`` at an
+        epoch's start). After ``load_state_dict`` of a mid-epoch state saved at another world size this is not
+        ``len(loader)`` minus the batches counted before the save: a trainer's batch counter is reconciled
+        with it (:mod:`fastio.integrations.lightning`)."""
         return len(self._sampler.plan(self.epoch, self.consumed))
 
     def key(self, source: int | str, index: int | None = None) -> str:
