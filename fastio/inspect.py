@@ -68,7 +68,7 @@ def _inspect_tokens(ds: Dataset) -> dict[str, Any]:
                 "max": int(lengths.max())} if lengths.size else None)
     return {"path": str(ds.root), "samples": len(ds), "shards": len(ds.shards),
             "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.source,
-            "fields": {}, "skipped": len(ds.manifest.skipped),
+            "fields": {}, "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
             "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc}}
 
 
