@@ -20,7 +20,8 @@ from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["list_steps", "remote_steps", "verify_steps"]
+__all__ = ["list_steps", "pending_rollback", "remote_steps", "verify_steps"]
+
 
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
     """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
@@ -30,10 +31,13 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
         return str(loc.path), layout.list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
     rows = []
+    doomed = pending_rollback(storage)
     for step, sizes in remote_steps(storage).items():
         name = layout.step_name(step)
         commit, problem = None, None
-        if layout.COMMIT_FILE in sizes:
+        if step in doomed:
+            problem = layout.SUPERSEDED
+        elif layout.COMMIT_FILE in sizes:
             try:
                 commit = layout.parse_commit(_get(storage, f"{name}/{layout.COMMIT_FILE}"),
                                              storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
@@ -62,11 +66,14 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
     if not steps and storage.head(LOCK_NAME) is None:
         raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
     mirror = DirMirror(storage, layout.COMMIT_FILE)
-    problems, verified = [], []
+    problems, verified, vanished = [], [], []
+    doomed = pending_rollback(storage)
     with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
         for step, sizes in steps.items():
             name = layout.step_name(step)
             url = storage.url_of(name)
+            if step in doomed or layout.COMMIT_FILE not in sizes and layout.SUPERSEDED_FILE in sizes:
+                continue  # superseded: no checkpoint any more, and not damaged either
             if layout.COMMIT_FILE not in sizes:
                 if include_uncommitted:
                     problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
@@ -77,10 +84,21 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
                 found = layout.verify_step(layout.StepEntry(step, local, layout.read_commit(local)))
             except (StorageError, CheckpointError) as err:
                 found = [str(err)]
+            shutil.rmtree(local, ignore_errors=True)
+            if found and not _marked(storage, name):  # retention deletes the marker first: being deleted
+                vanished.append(step)
+                continue
             problems += [p.replace(str(local), url) for p in found]
             verified.append(step)
-            shutil.rmtree(local, ignore_errors=True)
-    return storage.url, layout.VerifyReport(problems, verified)
+    return storage.url, layout.VerifyReport(problems, verified, vanished)
+
+
+def _marked(storage: Storage, name: str) -> bool:
+    """True when ``name/`` still holds its commit marker (an unreachable store counts as marked: not skipped)."""
+    try:
+        return storage.head(f"{name}/{layout.COMMIT_FILE}") is not None
+    except StorageError:
+        return True
 
 
 def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
@@ -96,6 +114,17 @@ def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
         if step is not None and rest:
             steps.setdefault(step, {})[rest] = o.size
     return dict(sorted(steps.items()))
+
+
+def pending_rollback(storage: Storage) -> frozenset[int]:
+    """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``, see
+    :func:`fastio.checkpoint.layout.start_rollback`): superseded, whatever their marker is still called."""
+    try:
+        if storage.head(layout.ROLLBACK_FILE) is None:
+            return frozenset()
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+    return layout.parse_rollback(_get(storage, layout.ROLLBACK_FILE), storage.url_of(layout.ROLLBACK_FILE))
 
 
 def _get(storage: Storage, key: str) -> bytes:

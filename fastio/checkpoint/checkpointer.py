@@ -332,7 +332,9 @@ class Checkpointer:
                 reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
                 log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
         path = commit.step_dir(chosen)
-        return self._restore(path, layout.read_commit(path), app, strict)
+        state = self._restore(path, layout.read_commit(path), app, strict)
+        commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
+        return state
 
     # ----------------------------------------------------------------- internals
     def _group_staging(self) -> None:

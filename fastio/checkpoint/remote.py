@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checkpoint import layout
-from fastio.checkpoint.catalog import remote_steps
+from fastio.checkpoint.catalog import pending_rollback, remote_steps
 from fastio.checkpoint.group import RankGroup
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
@@ -165,25 +165,51 @@ class RemoteCheckpoints:
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
 
-    def supersede_newer(self, step: int) -> None:
-        """Before ``step``'s marker goes to the store: every committed step above it is superseded (a rollback):
-        its marker is copied to ``SUPERSEDED_FILE``, then deleted; every other object is kept. Only while the
-        lease (if held) is confirmed."""
+    def pending_rollback(self) -> frozenset[int]:
+        """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``); none are
+        checkpoints."""
+        return pending_rollback(self.mirror.storage)
+
+    def start_rollback(self, floor: int) -> list[int]:
+        """Before the first commit after a restore of step ``floor``: record on the store every committed step
+        above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
+        a checkpoint. Only while the lease (if held) is confirmed."""
+        def start() -> list[int]:
+            doomed = sorted(self.pending_rollback() | {s for s in self.committed_steps() if s > floor})
+            if doomed:
+                self._confirm()
+                self.mirror.storage.put_bytes(layout.ROLLBACK_FILE, layout.encode_rollback(floor, doomed))
+            return doomed
+
+        return self._superseding(start, floor)
+
+    def finish_rollback(self) -> list[int]:
+        """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
+        deleted; every other object kept), then delete the record; returns the steps it listed."""
+        def finish() -> list[int]:
+            storage = self.mirror.storage
+            doomed = sorted(self.pending_rollback())
+            if doomed:
+                self._confirm()
+            for s in doomed:
+                sub = storage.child(layout.step_name(s))
+                if sub.head(layout.COMMIT_FILE) is not None:
+                    sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
+                    sub.delete(layout.COMMIT_FILE)
+            if doomed:
+                storage.delete(layout.ROLLBACK_FILE)
+            return doomed
+
+        return self._superseding(finish, None)
+
+    def _superseding(self, fn, floor: int | None) -> list[int]:
         try:
-            newer = [s for s in self.committed_steps() if s > step]
-            if not newer:
-                return
-            self._confirm()
-            for s in newer:
-                sub = self.mirror.storage.child(layout.step_name(s))
-                sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
-                sub.delete(layout.COMMIT_FILE)
+            return fn()
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
-            raise CheckpointError(f"{self.url}: cannot supersede the steps above {step}: {err}") from None
-        log.warning("fastio: %s: committing step %d after a rollback: step(s) %s superseded (objects kept, no "
-                    "longer checkpoints)", self.url, step, ", ".join(map(str, newer)))
+            above = f" above {floor}" if floor is not None else " of a rollback"
+            raise CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}") from None
 
     def fetch(self, step: int) -> None:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
@@ -199,7 +225,9 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
-        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None)
+        """The store's committed steps, oldest first (less those of a rollback in progress)."""
+        doomed = self.pending_rollback()
+        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
@@ -212,7 +240,7 @@ class RemoteCheckpoints:
         if not done:
             return
         old = done[:-keep] if keep > 0 else []
-        leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see supersede_newer)
+        leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see finish_rollback)
                      if not marked and s < done[-1] and layout.SUPERSEDED_FILE not in listed[s]]
         if old or leftovers:
             self._confirm()
