@@ -23,7 +23,9 @@ Retention deletes only committed older steps on the store (marker first), and ``
 marker of steps older than the newest committed one (what a retention cut short by a kill leaves). One writer per
 prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction
 to ``close``, beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and
-confirms it before a step's upload, before its commit marker and before retention; a lost lease fails that save
+confirms it before a step's upload, before its commit marker, before a rollback supersedes the abandoned steps
+(``PREFIX/fastio-rollback.json`` lists them first, as on disk: :func:`fastio.checkpoint.layout.start_rollback`) and
+before retention; a lost lease fails that save
 (nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
 """
@@ -36,7 +38,7 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastio.checkpoint import layout
 from fastio.checkpoint.catalog import pending_rollback, remote_steps
@@ -202,7 +204,8 @@ class RemoteCheckpoints:
 
         return self._superseding(finish, None)
 
-    def _superseding(self, fn, floor: int | None) -> list[int]:
+    def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
+        """``fn()``, its store and lease errors as one CheckpointError."""
         try:
             return fn()
         except LeaseLostError as err:
