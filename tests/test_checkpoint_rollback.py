@@ -168,6 +168,11 @@ def test_a_rollback_on_s3_supersedes_the_whole_abandoned_branch(moto_server, s3_
                                     5: "committed", 6: "superseded"}
     store = open_storage(url, options)
     assert store.head(layout.ROLLBACK_FILE) is None
+    # the old step 5 was moved aside, not written over (its marker stayed beside the new one: verify failed)
+    assert store.head(f"step-5.quarantined/{layout.SUPERSEDED_FILE}") is not None
+    assert store.head(f"step-5/{layout.SUPERSEDED_FILE}") is None
+    assert "quarantined" in {r["state"] for r in catalog.list_steps(url, options)[1] if r["step"] == 5}
+    assert catalog.verify_steps(url, storage_options=options)[1].problems == []
     key = next(o.key for o in store.list("step-5/") if not o.key.endswith(".json") and o.size > 0)
     data = bytearray(store.get(key))
     data[0] ^= 0xFF
@@ -175,6 +180,10 @@ def test_a_rollback_on_s3_supersedes_the_whole_abandoned_branch(moto_server, s3_
     app = app_at(-1)
     with checkpointer("c") as ckpt:
         assert ckpt.restore_latest(app).step == 2 and tag_of(app) == 2
+        save_branch(ckpt, [5], offset=300)  # the damaged step 5 superseded, and moved aside beside the first one
+    assert store.head(f"step-5.quarantined-2/{layout.SUPERSEDED_FILE}") is not None
+    assert store.head(f"step-5.quarantined/{layout.SUPERSEDED_FILE}") is not None
+    assert catalog.verify_steps(url, storage_options=options)[1].problems == []
 
 
 @pytest.mark.parametrize("at", ["local", "commit"])

@@ -2,7 +2,9 @@
 
 A directory is read by :mod:`fastio.checkpoint.layout`. On an object store a step is committed when
 ``step-N/fastio-commit.json`` exists (the Checkpointer uploads it last); a ``step-N/`` without it is an upload in
-progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``). Verifying a
+progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``); a
+``step-N.quarantined/`` prefix (a superseded step moved aside by a new step of its number) is listed as
+quarantined. Verifying a
 committed step downloads it into a temporary directory, one step at a time, and checks every file against its
 marker exactly as on disk; nothing on the store is changed.
 """
@@ -50,7 +52,25 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
         size = (commit or {}).get("bytes")
         rows.append(layout.listing_row(step, storage.url_of(name), commit,
                                        sum(sizes.values()) if size is None else size, problem))
-    return storage.url, rows
+    for name, (step, size) in _quarantined(storage).items():
+        rows.append(layout.listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
+                                       "(a superseded step of the number a new one took)"))
+    return storage.url, sorted(rows, key=lambda r: (r["step"], r["path"]))
+
+
+def _quarantined(storage: Storage) -> dict[str, tuple[int, int]]:
+    """``{name: (step, bytes)}`` of every ``step-N.quarantined/`` prefix on the store."""
+    try:
+        objects = storage.list()  # a store lists by whole path segments: no "step-" prefix
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+    found: dict[str, tuple[int, int]] = {}
+    for o in objects:
+        top = o.key.partition("/")[0]
+        step = layout.parse_quarantined_name(top)
+        if step is not None:
+            found[top] = (step, found.get(top, (step, 0))[1] + o.size)
+    return found
 
 
 def verify_steps(where: str | Path, *, include_uncommitted: bool = False,

@@ -197,6 +197,7 @@ class NodeLocalCommit(_Steps):
                 remote.confirm()
                 remote.start_rollback(floor)
                 _warn_superseded(remote.url, step, floor, remote.finish_rollback())
+                remote.make_room(step)
 
         ranks.run("confirm", confirm)
         i, n = self.ranks_here.index(rank), len(self.ranks_here)

@@ -89,6 +89,8 @@ __all__ = [
     "list_checkpoints",
     "listing_row",
     "parse_commit",
+    "parse_quarantined_name",
+    "quarantine_names",
     "parse_rollback",
     "pending_rollback",
     "quarantine",
@@ -153,6 +155,22 @@ def parse_step_name(name: str) -> int | None:
     """The step of a committed directory's name ``step-N``; None for any other name."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m and not m.group(2) else None
+
+
+def parse_quarantined_name(name: str) -> int | None:
+    """The step of a name moved aside by :func:`quarantine` (``step-N.quarantined``, ``-2``...; also on a store);
+    None for any other name."""
+    m = _QUARANTINE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def quarantine_names(name: str):
+    """``name.quarantined``, then ``name.quarantined-2``, ``-3``...: the names :func:`quarantine` tries in turn."""
+    yield name + QUARANTINE_SUFFIX
+    n = 2
+    while True:
+        yield f"{name}{QUARANTINE_SUFFIX}-{n}"
+        n += 1
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -473,10 +491,7 @@ def quarantine(path: Path) -> Path:
     """Move a step directory aside as ``<name>.quarantined`` (``-2``, ``-3``... when taken); returns the new path.
     Nothing is deleted: what was there may be the only copy."""
     path = Path(path)
-    target, n = path.with_name(path.name + QUARANTINE_SUFFIX), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}{QUARANTINE_SUFFIX}-{n}")
+    target = next(path.with_name(n) for n in quarantine_names(path.name) if not path.with_name(n).exists())
     os.replace(path, target)
     fsync_dir(path.parent)
     return target

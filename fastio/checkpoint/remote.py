@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +103,15 @@ def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[t
                     "see different sets of staging directories; give staging_dir= either one directory on a shared "
                     "file system or one directory per node that no other node sees")
     return sorted(set(by_rank.values()), key=min)
+
+
+def _copy_objects(source, dest, objects) -> None:
+    """Copy ``objects`` (keys of ``source``) to the same keys under ``dest``, one at a time through a temp file."""
+    with tempfile.TemporaryDirectory(prefix="fastio-ckpt-copy-") as tmp:
+        local = Path(tmp) / "object"
+        for o in objects:
+            source.get_to_file(o.key, local, o.size)
+            dest.put_file(o.key, local)
 
 
 class RemoteCheckpoints:
@@ -214,6 +224,28 @@ class RemoteCheckpoints:
             above = f" above {floor}" if floor is not None else " of a rollback"
             raise CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}") from None
 
+    def make_room(self, step: int) -> str | None:
+        """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
+        ``step-N.quarantined/`` (``-2``...: each object copied through a temporary file, then deleted), not written
+        over; returns the new name (None when there was nothing to move). Only while the lease is confirmed."""
+        storage, name = self.mirror.storage, layout.step_name(step)
+        try:
+            objects = storage.child(name).list()
+            if not any(o.key == layout.SUPERSEDED_FILE for o in objects):
+                return None
+            self._confirm()
+            taken = {o.key.split("/")[0] for o in storage.list()}  # a store lists by whole path segments
+            target = next(n for n in layout.quarantine_names(name) if n not in taken)
+            _copy_objects(storage.child(name), storage.child(target), objects)
+            for o in objects:
+                storage.child(name).delete(o.key)
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from None
+        log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
+        return target
+
     def fetch(self, step: int) -> None:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
         the caller checks every node's copy)."""
@@ -261,6 +293,7 @@ class RemoteCheckpoints:
             remote = set(self.committed_steps())
             for entry in layout.committed(self.root):
                 if entry.step not in remote:
+                    self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
             self._retain(keep)
