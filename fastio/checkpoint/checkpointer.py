@@ -326,7 +326,8 @@ class Checkpointer:
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
         read and checked before anything is loaded, and loaded last. ``loader_policy="next-epoch"`` replaces it
         by the start of the epoch after the saved one (everything else is restored as saved): for a loader that
-        cannot continue the saved epoch, such as a mixture whose weights changed.
+        cannot continue the saved epoch, such as a mixture whose weights changed; ``TrainState.epoch`` is then the
+        epoch the loader starts (the saved one + 1).
         """
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:
@@ -665,6 +666,8 @@ class Checkpointer:
         self._elapsed_before = float(p.get("elapsed", 0.0))
         self._started = time.monotonic()
         epoch = p.get("epoch", -1)
+        if loader_policy == "next-epoch" and epoch is not None and epoch >= 0:
+            epoch += 1  # where the loader now starts
         return TrainState(step=self._last_step, epoch=None if epoch is None or epoch < 0 else int(epoch),
                           metrics=dict(p.get("metrics", {})), elapsed=self._elapsed_before,
                           time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path,
