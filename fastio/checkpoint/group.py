@@ -122,7 +122,8 @@ class RankGroup:
     # ------------------------------------------------------------ the helpers callers use
     def run(self, phase: str, fn: Callable[[], T], *, fail: type[BaseException] | None = None) -> T:
         """Run ``fn`` on this rank, then agree: when ``fn`` raised on any rank, every rank raises the same
-        CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank)."""
+        CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank). An error
+        marked ``elsewhere`` (an engine's agreement: another rank failed) is left to the rank that failed."""
         result: Any = None
         mine: str | None = None
         cause: BaseException | None = None
@@ -132,7 +133,8 @@ class RankGroup:
                 fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
             cause = err
-            mine = str(err) if isinstance(err, FastioError) else first_line(err)
+            if not getattr(err, "elsewhere", False):  # else another rank's failure, which that rank reports
+                mine = str(err) if isinstance(err, FastioError) else first_line(err)
         self.check(phase, mine, cause=cause)
         return result
 

@@ -65,6 +65,32 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def _agreed(pg: Any, fn: Any) -> Any:
+    """``fn()`` on this rank, then every rank's outcome gathered over ``pg``, so that no rank enters the next
+    collective alone: a rank where ``fn`` raised raises its error; when it raised only on other ranks, this rank
+    raises a CheckpointError marked ``elsewhere`` (the first failing rank's, naming it), which
+    :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report."""
+    mine: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - gathered, then raised
+        mine = err
+    world = _rank()[1]
+    if world > 1:
+        every: list[str | None] = [None] * world
+        text = None if mine is None else str(mine) if isinstance(mine, CheckpointError) else first_line(mine)
+        dist.all_gather_object(every, text, group=pg)
+        failed = [(r, t) for r, t in enumerate(every) if t]
+        if failed and mine is None:
+            other = CheckpointError(f"{failed[0][1]} (on rank {failed[0][0]})")
+            other.elsewhere = True
+            raise other
+    if mine is not None:
+        raise mine
+    return result
+
+
 def _rank_file(path: Path, rank: int, key: str) -> Path:
     return Path(path) / f"rank-{rank}" / f"{quote(key, safe='')}.pt"
 
@@ -255,9 +281,9 @@ class DcpCheckpoint(SavedCheckpoint):
         rank, _ = _rank()
         skipped: list[str] = []
         shared = [k for k in targets if k in self.global_keys]
-        if shared:
-            check_metadata(self.path)
-            template = {k: targets[k].state_dict() for k in shared}
+        if shared:  # before dcp.load's collectives: every rank can read the metadata, or every rank raises
+            template = _agreed(self.pg, lambda: (check_metadata(self.path), {k: targets[k].state_dict()
+                                                                              for k in shared})[1])
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
                          planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,

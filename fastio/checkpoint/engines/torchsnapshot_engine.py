@@ -241,12 +241,23 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 except pickle.UnpicklingError:  # torch.load refused (weights_only, torch >= 2.6): name the file
                     error = error or self._refused(view)
                     PGWrapper(snap.pg).barrier()  # the key's last collective, which the raise skipped
+                except Exception as err:  # noqa: BLE001 - a read error of this rank's (its view of a file)
+                    error = error or self._unreadable(key, err)
+                    PGWrapper(snap.pg).barrier()
                 error = error or later.error
         finally:
             snap._metadata = full
         if error is not None:  # only now: the other ranks went through every key's collectives too
             raise error
         return skipped
+
+    def _unreadable(self, key: str, err: Exception) -> CheckpointError:
+        """The one-line error for a read that failed inside ``Snapshot.restore`` (the file, when the error names
+        it). Raised only after the key's collectives, so the other ranks are not left waiting inside them."""
+        file = getattr(err, "filename", None)
+        if file:
+            return CheckpointError(f"{file}: unreadable: {err.strerror or first_line(err)}")
+        return CheckpointError(f"{self.path}: app key {key}: cannot read its state: {first_line(err)}")
 
     def _refused(self, view: dict[str, Any]) -> CheckpointError:
         """The one-line error for an object file ``torch.load(weights_only=True)`` refuses to unpickle."""
