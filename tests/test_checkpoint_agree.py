@@ -116,3 +116,16 @@ def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path
     warned = [line for line in seen[0]["stopped:log"] if "waiting" in line]
     assert len(warned) == 1 and "rank 1 (pid" in warned[0] and "checkpoint save" in warned[0], seen[0]["stopped:log"]
     assert seen[0]["stopped:steps"] == [1]
+
+
+def test_agree_timeout_is_checked_where_it_enters(tmp_path):
+    from fastio.checkpoint import CheckpointConfig
+
+    for bad in (0, -1, float("inf"), float("nan"), "300", True):
+        try:
+            CheckpointConfig(dir=tmp_path / "ck", agree_timeout=bad)
+        except ValueError as err:
+            assert f"agree_timeout must be a number of seconds > 0, got {bad!r}" in str(err)
+        else:
+            raise AssertionError(f"agree_timeout={bad!r} was accepted")
+    assert CheckpointConfig(dir=tmp_path / "ck").agree_timeout == 300
