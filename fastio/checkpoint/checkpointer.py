@@ -149,7 +149,9 @@ class Checkpointer:
 
     ``Checkpointer("ckpt/", every_steps=500, keep=3)`` takes :class:`CheckpointConfig` fields as keywords,
     or a ready config. ``hparams`` (plain values) are stored with every save and handed back on restore.
-    All ranks must call ``maybe_save``/``restore_latest``/``close`` at the same steps.
+    All ranks must call ``maybe_save``/``restore_latest``/``close`` at the same steps, with the same directory
+    and engine: ranks that do not are refused on every rank (naming the difference, or after ``agree_timeout`` the
+    ranks that did not arrive).
     """
 
     def __init__(self, dir: str | Path | CheckpointConfig, *, hparams: dict[str, Any] | None = None,

@@ -230,8 +230,9 @@ class RankGroup:
             self._store_set(f"{key}/{self.rank}", operation)
             warned, before = False, None
             while not done.wait(0.5):
-                absent = [r for r in range(self.world) if r != self.rank and not self._store_has(f"{key}/{r}")]
-                if time.monotonic() - started >= timeout:
+                waited_s = time.monotonic() - started
+                if waited_s >= timeout:
+                    absent = self._absent(key)
                     text = (f"checkpoint {operation}: {self._ranks_text(absent) or 'a rank'} did not arrive within "
                             f"agree_timeout={timeout:g} s ({self.name} group, rank {self.rank} of {self.world} "
                             "waited; is it stopped, in another collective, or making other Checkpointer calls?)")
@@ -240,12 +241,13 @@ class RankGroup:
                         raise CheckpointError(verdict)
                     done.wait()  # a rank saw everyone arrive: this rank's all-reduce is completing too
                     break
-                late = [r for r in absent if before is not None and r in before]
-                if late and not warned and time.monotonic() - started >= ABSENT_WARN_S:
-                    log.warning("fastio: checkpoint %s: waiting %.0f s for %s (stopped? agree_timeout=%g s)",
-                                operation, time.monotonic() - started, self._ranks_text(late), timeout)
-                    warned = True
-                before = absent
+                if not warned and waited_s >= ABSENT_WARN_S:  # absent in two looks 0.5 s apart: not just late
+                    absent = self._absent(key)
+                    late = [r for r in absent if before is not None and r in before]
+                    if late:
+                        log.warning("fastio: checkpoint %s: waiting %.0f s for %s (stopped? agree_timeout=%g s)",
+                                    operation, waited_s, self._ranks_text(late), timeout)
+                    warned, before = before is not None, absent
         try:
             work.wait()
         except RuntimeError as err:  # gloo's own timeout, or a peer went away
@@ -255,6 +257,10 @@ class RankGroup:
             raise CheckpointError(f"checkpoint {operation}: {self.gone()} ({self.name} group, rank {self.rank} of "
                                   f"{self.world}: {first_line(err)})") from err
         return waited
+
+    def _absent(self, key: str) -> list[int]:
+        """The other ranks that have not noted their arrival under ``key`` (one store request each)."""
+        return [r for r in range(self.world) if r != self.rank and not self._store_has(f"{key}/{r}")]
 
     def _forget_entries(self, n: int) -> None:
         """Delete the store keys of entries two or more behind ``n`` (every rank is past them)."""
