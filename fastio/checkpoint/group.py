@@ -203,7 +203,8 @@ class RankGroup:
         ms = int(time.time() * 1000)
         padded = [int(bool(f)) for f in flags] + [0] * (ENTRY_FLAGS - len(flags))
         t = torch.tensor([code, -code, ms, -ms, *padded], dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._entry_pg, async_op=True)
+        work = self._collective(operation, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._entry_pg,
+                                                                   async_op=True))
         waited = self._await_entry(work, n, operation, started)
         spread_s = (int(t[2]) + int(t[3])) / 1000
         if waited or spread_s >= ARRIVED_AFTER_S / 2:  # someone may have given up: the verdict that stands
