@@ -69,7 +69,24 @@ def no_dcp_metadata():
     return lambda: setattr(builtins, "open", original)
 
 
-CASES = {"torchsnapshot:eio": eio_on_data_files, "torchsnapshot:short": short_reads, "dcp:metadata": no_dcp_metadata}
+def other_dcp_record():
+    """On this rank, the DCP engine's record of the checkpoint lists the modules as per-rank state (another
+    checkpoint's record: a node that sees other files)."""
+    original = Path.read_text
+
+    def fake(self, *args, **kwargs):
+        text = original(self, *args, **kwargs)
+        if self.name != "fastio-dcp.json":
+            return text
+        info = json.loads(text)
+        info["rank_keys"], info["global_keys"] = info["rank_keys"] + info["global_keys"], []
+        return json.dumps(info)
+    Path.read_text = fake
+    return lambda: setattr(Path, "read_text", original)
+
+
+CASES = {"torchsnapshot:eio": eio_on_data_files, "torchsnapshot:short": short_reads, "dcp:metadata": no_dcp_metadata,
+         "dcp:record": other_dcp_record}
 
 
 def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -111,7 +128,8 @@ def test_a_file_one_rank_cannot_read_fails_every_rank(tmp_path):
     assert not hung, f"ranks {hung} hung"
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for label, file in (("torchsnapshot:eio", "/1/model/"), ("torchsnapshot:short", "from 1/model/bias, 1/model/weight:"),
-                        ("dcp:metadata", "/.metadata")):
+                        ("dcp:metadata", "/.metadata"),
+                        ("dcp:record", "ranks see different global (DCP) keys in ")):
         texts = {s[label] for s in seen}
         assert len(texts) == 1 and None not in texts, (label, texts)  # the same error on every rank
         text = texts.pop()

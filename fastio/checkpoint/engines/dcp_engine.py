@@ -65,11 +65,11 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
-def _agreed(pg: Any, fn: Any) -> Any:
-    """``fn()`` on this rank, then every rank's outcome gathered over ``pg``, so that no rank enters the next
-    collective alone: a rank where ``fn`` raised raises its error; when it raised only on other ranks, this rank
-    raises a CheckpointError marked ``elsewhere`` (the first failing rank's, naming it), which
-    :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report."""
+def _agreed(pg: Any, fn: Any, same: Any = None, what: str = "") -> Any:
+    """``fn()`` on this rank, then every rank's outcome (and its ``same``, ``what`` it saw) gathered over ``pg``,
+    so that no rank enters the next collective alone: a rank where ``fn`` raised, or whose ``same`` is not rank
+    0's, raises its error; the others raise a CheckpointError marked ``elsewhere`` (the first failing rank's,
+    naming it), which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report."""
     mine: BaseException | None = None
     result = None
     try:
@@ -78,13 +78,16 @@ def _agreed(pg: Any, fn: Any) -> Any:
         mine = err
     world = _rank()[1]
     if world > 1:
-        every: list[str | None] = [None] * world
+        every: list[Any] = [None] * world
         text = None if mine is None else str(mine) if isinstance(mine, CheckpointError) else first_line(mine)
-        dist.all_gather_object(every, text, group=pg)
-        failed = [(r, t) for r, t in enumerate(every) if t]
+        dist.all_gather_object(every, (text, same), group=pg)
+        failed = [(r, t) for r, (t, _) in enumerate(every) if t]
+        failed = failed or [(r, f"ranks see different {what}: rank 0 {every[0][1]}, rank {r} {seen} (a node that "
+                                "sees other files?)") for r, (_, seen) in enumerate(every) if seen != every[0][1]][:1]
         if failed and mine is None:
-            other = CheckpointError(f"{failed[0][1]} (on rank {failed[0][0]})")
-            other.elsewhere = True
+            first, why = failed[0]
+            other = CheckpointError(why if first == _rank()[0] else f"{why} (on rank {first})")
+            other.elsewhere = first != _rank()[0]
             raise other
     if mine is not None:
         raise mine
@@ -281,9 +284,12 @@ class DcpCheckpoint(SavedCheckpoint):
         rank, _ = _rank()
         skipped: list[str] = []
         shared = [k for k in targets if k in self.global_keys]
-        if shared:  # before dcp.load's collectives: every rank can read the metadata, or every rank raises
-            template = _agreed(self.pg, lambda: (check_metadata(self.path), {k: targets[k].state_dict()
-                                                                              for k in shared})[1])
+        # Before dcp.load's collectives: every rank has the same global keys and can read the metadata, or every
+        # rank raises.
+        template = _agreed(self.pg, lambda: (check_metadata(self.path) if shared else None,
+                                             {k: targets[k].state_dict() for k in shared})[1],
+                           sorted(shared), f"global (DCP) keys in {self.path / SIDECAR}")
+        if shared:
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
                          planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
