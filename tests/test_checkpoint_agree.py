@@ -4,8 +4,9 @@ One run of 2 gloo ranks on 127.0.0.1 (issue 28, points 7 and 8): ranks that pass
 wrote into rank 0's, without a word); ranks with different ``engine=`` (hung inside torchsnapshot's broadcast until
 gloo's timeout); one rank restoring while the other saves (``TypeError`` on one rank, a raw dict on the other); one
 rank saving while the other is in an all-reduce of the training's own (both hung): the saving rank gives up after
-``agree_timeout``, naming the other; and a rank stopped with SIGSTOP for a few seconds: the other names it once in
-the log while it waits, and the save goes through when it resumes.
+``agree_timeout``, naming the other, which gets the same error when it comes late; and a rank stopped with
+SIGSTOP for a few seconds: the other names it once in the log while it waits, and the save goes through when it
+resumes.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     if rank == 0:
         attempt("absent", lambda: absent.save(1, app, blocking=True))
     dist.all_reduce(torch.ones(1))  # rank 1 is here all along; rank 0 comes once it has given up
+    if rank == 1:  # comes late: the verdict of the ranks that gave up stands
+        attempt("absent", lambda: absent.save(1, app, blocking=True))
     stopped = Checkpointer(Path(root) / "stopped", signals=(), agree_timeout=60)
     lines.lines.clear()
     if rank == 1:  # stopped before it arrives, for 3 s
@@ -111,6 +114,7 @@ def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path
     assert all(s["ops:after"] is None for s in seen)
     text = seen[0]["absent"]
     assert text and "rank 1 (pid" in text and "did not arrive within agree_timeout=3 s" in text, text
+    assert seen[1]["absent"] == text and seen[1]["absent:s"] < 2, seen[1]  # the late rank: the same, at once
     assert 2.5 < seen[0]["absent:s"] < 10, seen[0]["absent:s"]
     assert seen[0]["stopped"] is None and seen[1]["stopped"] is None, seen
     warned = [line for line in seen[0]["stopped:log"] if "waiting" in line]
