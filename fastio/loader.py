@@ -287,6 +287,15 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. With another world size the rest of that epoch is re-split into
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
+        state = self.check_state_dict(state)
+        self._close_active()
+        self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
+        if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
+        checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
         state = _checked_state(state)
         rs = self.read_set
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
@@ -303,10 +312,7 @@ class Loader:
         if not (epoch >= 0 and 0 <= consumed <= len(rs)):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {len(rs)} samples)")
-        self._close_active()
-        self.epoch, self.consumed = epoch, consumed
-        if not len(self._sampler.plan(epoch, consumed)):  # nothing left of that epoch at this world size
-            self.epoch, self.consumed = epoch + 1, 0
+        return state
 
     # -- iteration ----------------------------------------------------------------------------------
 

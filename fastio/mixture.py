@@ -204,7 +204,8 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
         f"{mixture.root}: loader state is {consumed} samples into mixture epoch {epoch} with weights {old} and "
         f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
         f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
-        f"epoch (call loader.set_epoch({epoch + 1}) instead of load_state_dict)")
+        f"epoch: continue from the start of epoch {epoch + 1} (a Checkpointer: restore_latest(..., "
+        f"loader_policy='next-epoch'); a Loader alone: loader.set_epoch({epoch + 1}) instead of load_state_dict)")
 
 
 def _open(name: str, where: Any, opening: dict) -> Dataset:

@@ -1,4 +1,5 @@
-"""What every rank of a save must agree on before anything is written: the step, the app's keys, and the
+"""What every rank must agree on: before any operation, what it is (:func:`terms_code`, :func:`first_disagreement`:
+the operation, the directory, the engine); before a save writes anything, the step, the app's keys, and the
 shape of the global state (the state an engine such as DCP writes once, from all ranks together).
 
 Ranks that disagree would otherwise write a checkpoint no rank can restore (a step whose files lack one
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["first_difference", "global_shapes", "save_signature"]
+__all__ = ["first_difference", "first_disagreement", "global_shapes", "save_signature", "terms_code"]
 
 
 def global_shapes(states: dict[str, Any], global_keys: frozenset[str]) -> list[tuple[str, str, str]]:
@@ -67,4 +68,23 @@ def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[s
                                   f"{'/'.join(b) if b else 'absent'} on rank {rank}")
                         break
             return f"ranks hold different global state (it is written once, from all ranks){detail}"
+    return None
+
+
+def terms_code(terms: dict[str, Any]) -> int:
+    """``terms`` (``{"operation": "save", "engine": "dcp"}``) as one 62-bit integer (a digest of their text): what
+    ranks compare cheaply (one all-reduce of its maximum and minimum) before they exchange the terms themselves."""
+    text = repr(sorted((str(k), repr(v)) for k, v in terms.items()))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+
+
+def first_disagreement(every: list[dict[str, Any]]) -> str | None:
+    """None when every rank brought rank 0's terms (``{"operation": "save", "engine": "dcp", ...}``); else one
+    line naming the first term that differs, rank 0's value and the first other rank's."""
+    base = every[0]
+    for name in dict.fromkeys(k for terms in every for k in terms):
+        for rank, terms in enumerate(every[1:], start=1):
+            if terms.get(name) != base.get(name):
+                return (f"ranks disagree on the {name}: rank 0 {base.get(name, 'none')}, "
+                        f"rank {rank} {terms.get(name, 'none')}")
     return None

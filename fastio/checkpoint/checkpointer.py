@@ -52,7 +52,8 @@ from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
 
-__all__ = ["PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
+__all__ = ["LOADER_POLICIES", "PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState",
+           "loader_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ PROGRESS_VERSION = 1
 _RESERVED_PREFIX = "_fastio"
 READ_ONLY_HINT = ("to restore only (e.g. evaluation beside training), use Checkpointer(dir, read_only=True), which "
                   "takes no lock")
+LOADER_POLICIES = ("exact", "next-epoch")
+"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
 
 
 @dataclass
@@ -110,6 +113,31 @@ def loader_epoch(states: dict[str, Any]) -> int | None:
     return None
 
 
+def _loader_keys(app: dict[str, Any]) -> list[str]:
+    """App keys of objects that can check a state before loading it (``check_state_dict``: the fastio Loader)."""
+    return [k for k, obj in app.items() if callable(getattr(obj, "check_state_dict", None))]
+
+
+def _checked_states(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
+                    policy: str) -> dict[str, Any]:
+    """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
+    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one."""
+    held: dict[str, Any] = {}
+    for key in keys:
+        state = saved.read(key, src)
+        if policy == "next-epoch":
+            if not isinstance(state, dict) or loader_epoch({key: state}) is None:
+                raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
+                                      "with integer 'epoch' and 'consumed'")
+            state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
+        try:
+            app[key].check_state_dict(state)
+        except FastioError as err:
+            raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
+        held[key] = state
+    return held
+
+
 def _replicated_keys(app: dict[str, Any]) -> list[str]:
     """Globs for DDP modules and for optimizers over nothing but DDP parameters: identical on every rank."""
     ddp = [k for k, obj in app.items() if isinstance(obj, DistributedDataParallel)]
@@ -125,7 +153,9 @@ class Checkpointer:
 
     ``Checkpointer("ckpt/", every_steps=500, keep=3)`` takes :class:`CheckpointConfig` fields as keywords,
     or a ready config. ``hparams`` (plain values) are stored with every save and handed back on restore.
-    All ranks must call ``maybe_save``/``restore_latest``/``close`` at the same steps.
+    All ranks must call ``maybe_save``/``restore_latest``/``close`` at the same steps, with the same directory
+    and engine: ranks that do not are refused on every rank (naming the difference, or after ``agree_timeout`` the
+    ranks that did not arrive).
     """
 
     def __init__(self, dir: str | Path | CheckpointConfig, *, hparams: dict[str, Any] | None = None,
@@ -150,8 +180,11 @@ class Checkpointer:
         # each on a gloo group of its own: the training thread's (construction, scheduling, restores) and the
         # writer thread's (a save's write and commit, and the engine's own collectives), so that the two
         # threads' collectives never interleave, nor meet the training's own on the default group.
-        self._ranks = RankGroup("checkpointer", self.rank, self.world_size)
+        self._ranks = RankGroup("checkpointer", self.rank, self.world_size, agree_timeout=self.config.agree_timeout)
         self._writer_ranks = RankGroup("checkpoint writer", self.rank, self.world_size)
+        # Before anything is created or locked: every rank names the same directory (or refuses, naming both).
+        where = self.config.url or str(Path(self.dir).expanduser().resolve())
+        self._ranks.enter("Checkpointer()", {"checkpoint directory": where})
         # An s3:// dir: steps are committed in the local staging dir, then uploaded (see fastio.checkpoint.remote).
         self._remote = None
         if self.config.url is not None:
@@ -236,7 +269,7 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.any("schedule", self._flag.requested, due, busy)
+        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy))
         if step == self._last_step and not preempt:
             return False
         if preempt:
@@ -289,7 +322,8 @@ class Checkpointer:
         """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
         return self._commit.steps()
 
-    def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True) -> TrainState | None:
+    def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True,
+                       loader_policy: str = "exact") -> TrainState | None:
         """Load the newest intact checkpoint (or ``step``) into ``app``; None when DIR holds none at all.
 
         Every file of the chosen checkpoint is first checked against its commit marker (size and
@@ -305,8 +339,20 @@ class Checkpointer:
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
         another shape are a CheckpointError naming the keys. ``strict=False`` restores what matches, leaves
         the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
+
+        All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
+        read and checked before anything is loaded, and loaded last. ``loader_policy="next-epoch"`` replaces it
+        by the start of the epoch after the saved one (everything else is restored as saved): for a loader that
+        cannot continue the saved epoch, such as a mixture whose weights changed; ``TrainState.epoch`` is then the
+        epoch the loader starts (the saved one + 1).
         """
         self._check_app(app)
+        if loader_policy not in LOADER_POLICIES:
+            raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
+        if loader_policy != "exact" and not _loader_keys(app):
+            raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
+                             "Loader)")
+        self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
         self._raise_if_failed(wait=True)
         commit = self._commit
 
@@ -348,7 +394,7 @@ class Checkpointer:
                 reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
                 log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
         path = commit.step_dir(chosen)
-        state = self._restore(path, layout.read_commit(path), app, strict)
+        state = self._restore(path, layout.read_commit(path), app, strict, loader_policy)
         commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
         return state
 
@@ -434,6 +480,8 @@ class Checkpointer:
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
         self._check_app(app)
+        engine_name = choose_engine(self.config.engine, app)
+        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
         if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
             why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
             if why:  # (not "at step N": that may be what differs)
@@ -446,7 +494,7 @@ class Checkpointer:
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
         tmp = self._commit.tmp_dir(step)
-        engine = self._engine(choose_engine(self.config.engine, app))
+        engine = self._engine(engine_name)
         made: list[Path] = []
 
         def stage() -> tuple[dict[str, Any], frozenset[str], dict[str, Any]]:
@@ -525,9 +573,10 @@ class Checkpointer:
         finally:
             self._inflight_step = None
 
-    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any], strict: bool) -> TrainState:
+    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any], strict: bool,
+                 loader_policy: str) -> TrainState:
         if not commit.get("compression"):
-            return self._restore_from(path, path, commit, app, strict)
+            return self._restore_from(path, path, commit, app, strict, loader_policy)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
         # the work; the engine reads there; the directory goes when every rank is done with it.
         def start() -> str | None:  # one private directory per staging directory, made by the lowest rank seeing it
@@ -547,7 +596,7 @@ class Checkpointer:
             self._ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
                                                                          commit["compression"]) for rel in mine])
             try:
-                return self._restore_from(path, work, commit, app, strict)
+                return self._restore_from(path, work, commit, app, strict, loader_policy)
             except CheckpointError as err:  # name the checkpoint, not the directory about to go
                 raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
         finally:
@@ -558,9 +607,10 @@ class Checkpointer:
                     shutil.rmtree(work, ignore_errors=True)
 
     def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any],
-                      strict: bool) -> TrainState:
+                      strict: bool, loader_policy: str) -> TrainState:
         """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
-        makes, then the engine's load; each agreed, so a rank that fails fails every rank's restore."""
+        makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
+        so a rank that fails fails every rank's restore."""
         name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
         engine = self._engine(name)
         saved_world = int(commit.get("world_size") or 0)
@@ -586,12 +636,13 @@ class Checkpointer:
             if extra and strict:
                 raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
                                       "app lacks (restore_latest(..., strict=False) skips them)")
-            return prepared, saved, world, extra
+            return prepared, saved, world, extra, _checked_states(saved, app, _loader_keys(app), src, path,
+                                                                  loader_policy)
 
-        prepared, saved, saved_world, extra = self._ranks.run("open", open_)
+        prepared, saved, saved_world, extra, held = self._ranks.run("open", open_)
         elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
         progress = Frozen({})
-        targets = dict(prepared)
+        targets = {k: v for k, v in prepared.items() if k not in held}  # loaders: checked above, loaded last
         targets[PROGRESS_KEY] = progress
         has_rng = not elastic and RNG_KEY in saved.keys(self.rank)
         if has_rng:
@@ -607,6 +658,8 @@ class Checkpointer:
                                                                     from_rank_zero=(PROGRESS_KEY,), strict=strict)
                 else:
                     skipped = saved.restore(targets, strict=strict)
+                for key, state in held.items():
+                    app[key].load_state_dict(state)
             except CheckpointError:
                 raise
             except Exception as err:  # a mismatched model or a loader refusing its state lands here
@@ -615,7 +668,7 @@ class Checkpointer:
             if p.get("version") != PROGRESS_VERSION:
                 raise CheckpointError(f"{path}: progress record version {p.get('version')!r}, "
                                       f"this fastio reads {PROGRESS_VERSION}")
-            return replicated, per_rank, list(skipped or [])
+            return replicated, per_rank + (list(held) if elastic else []), list(skipped or [])
 
         replicated, per_rank, skipped = self._ranks.run("load", load)
         skipped = [f"app key {k} (not in this app)" for k in extra] + skipped
@@ -638,6 +691,8 @@ class Checkpointer:
         self._elapsed_before = float(p.get("elapsed", 0.0))
         self._started = time.monotonic()
         epoch = p.get("epoch", -1)
+        if loader_policy == "next-epoch" and epoch is not None and epoch >= 0:
+            epoch += 1  # where the loader now starts
         return TrainState(step=self._last_step, epoch=None if epoch is None or epoch < 0 else int(epoch),
                           metrics=dict(p.get("metrics", {})), elapsed=self._elapsed_before,
                           time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path,

@@ -87,6 +87,13 @@ class CheckpointConfig:
     an ``s3://`` dir and no ``staging_dir``, steps are downloaded into a private temporary directory that
     ``close`` removes (the default staging directory may be the training job's)."""
 
+    agree_timeout: float = 300.0
+    """Seconds the ranks wait for each other to start the same operation (``Checkpointer(...)``, ``maybe_save``,
+    ``save``, ``restore_latest``): then every rank that arrived raises a CheckpointError naming the ranks that did
+    not (stopped, stuck in another collective, or making other calls). Ranks that arrive but disagree (on the
+    operation, the directory, the engine) are refused at once. Well under gloo's own 30 minutes; it bounds only
+    the start of an operation, not the write or read that follows."""
+
     url: str | None = field(default=None, init=False)
     """The object-store URL checkpoints are uploaded to (None: ``dir`` is the checkpoint directory itself)."""
 
@@ -115,6 +122,10 @@ class CheckpointConfig:
         if isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float)) \
                 or self.every_seconds < 0:
             raise ValueError(f"CheckpointConfig.every_seconds must be a number >= 0, got {self.every_seconds!r}")
+        if isinstance(self.agree_timeout, bool) or not isinstance(self.agree_timeout, (int, float)) \
+                or not 0 < self.agree_timeout < float("inf"):
+            raise ValueError(f"CheckpointConfig.agree_timeout must be a number of seconds > 0, "
+                             f"got {self.agree_timeout!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"CheckpointConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if isinstance(self.signals, str):

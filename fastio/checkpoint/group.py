@@ -14,6 +14,15 @@ So a survivor that already raised and ended its own process is not mistaken for 
 rank on another host is named by the survivors of that host. Without a note, a rank on another host is named
 when it is the only candidate.
 
+Before an operation's first collective, the ranks *enter* it together (:meth:`RankGroup.enter`): one all-reduce on
+a gloo group of its own compares a digest of what each rank is about to do (the operation, the directory, the
+engine: every rank raises the same CheckpointError naming the first difference) and waits at most
+``agree_timeout`` seconds for every rank to arrive. A rank that waits longer than ``ARRIVED_AFTER_S`` notes its
+arrival in the default group's store, so the ranks that arrived can name the ones that did not: one warning after
+``ABSENT_WARN_S`` (a rank stopped, or busy in a collective of the training's own), then at the deadline one
+CheckpointError on every rank that arrived, and the same on a rank that arrives after it (the first verdict
+noted in the store stands: the deadline's, or "ok" from a rank that saw everyone arrive).
+
 ``fault_hook`` (module attribute) is a test hook: a callable ``fault_hook(group_name, phase)`` run on this rank at
 the end of each phase's local work (it raises to inject a failure of this rank in that phase, or ends the
 process to make the rank go away). Production code never sets it.
@@ -21,26 +30,41 @@ process to make the rank go away). Production code never sets it.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from fastio.checkpoint import agree
 from fastio.checkpoint.engines.base import first_line
 from fastio.dist import default_store
 from fastio.errors import CheckpointError, FastioError
 
 __all__ = ["RankGroup"]
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 GONE_WAIT_S = 2.0
 """After a peer closed its connection, how long to wait for a process of this host to be seen as ended, or for
 another rank's note of who went away."""
+
+ARRIVED_AFTER_S = 0.5
+"""A rank that has waited this long to enter an operation notes its arrival in the store."""
+
+ABSENT_WARN_S = 5.0
+"""A rank that has waited this long to enter an operation names, once, the ranks that have not arrived."""
+
+ENTRY_FLAGS = 4
+"""Flags an entry can OR over the ranks (a fixed number: every rank's all-reduce has the same size)."""
 
 _created = 0
 """Rank groups this process created with more than one rank: the same count on every rank (creation is a
@@ -74,23 +98,32 @@ class RankGroup:
     :meth:`gone`. With one rank nothing is communicated.
     """
 
-    def __init__(self, name: str, rank: int, world: int):
+    def __init__(self, name: str, rank: int, world: int, *, agree_timeout: float | None = None):
         self.name, self.rank, self.world = name, rank, world
+        self.agree_timeout = agree_timeout
+        """Seconds :meth:`enter` waits for every rank (None: this group has no :meth:`enter`)."""
         self.pg = dist.new_group(backend="gloo") if world > 1 else None
         """The process group (None with one rank); engines run their own collectives on it."""
+        self._entry_pg = None
+        if world > 1 and agree_timeout is not None:  # gloo gives up a little after the deadline: no op lingers
+            self._entry_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout + 10))
+        self._entries = 0
+        self._noted_entries: list[int] = []
         self._peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
-        self._gone_key = ""
+        self._key = self._gone_key = ""
         if world > 1:
             global _created
             _created += 1
             self._peers = self._collective("start", lambda: self._all_gather((socket.gethostname(), os.getpid())))
             host0, pid0 = self._peers[0]
-            self._gone_key = f"fastio/rank-group/{host0}/{pid0}/{_created}/gone"
+            self._key = f"fastio/rank-group/{host0}/{pid0}/{_created}"
+            self._gone_key = f"{self._key}/gone"
 
     # ------------------------------------------------------------ the helpers callers use
     def run(self, phase: str, fn: Callable[[], T], *, fail: type[BaseException] | None = None) -> T:
         """Run ``fn`` on this rank, then agree: when ``fn`` raised on any rank, every rank raises the same
-        CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank)."""
+        CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank). An error
+        marked ``elsewhere`` (an engine's agreement: another rank failed) is left to the rank that failed."""
         result: Any = None
         mine: str | None = None
         cause: BaseException | None = None
@@ -100,7 +133,8 @@ class RankGroup:
                 fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
             cause = err
-            mine = str(err) if isinstance(err, FastioError) else first_line(err)
+            if not getattr(err, "elsewhere", False):  # else another rank's failure, which that rank reports
+                mine = str(err) if isinstance(err, FastioError) else first_line(err)
         self.check(phase, mine, cause=cause)
         return result
 
@@ -151,6 +185,117 @@ class RankGroup:
     def barrier(self, phase: str) -> None:
         if self.world > 1:
             self._collective(phase, lambda: dist.barrier(group=self.pg))
+
+    # ------------------------------------------------------------ entering an operation together
+    def enter(self, operation: str, terms: dict[str, Any] | None = None, flags: tuple[bool, ...] = ()
+              ) -> tuple[bool, ...]:
+        """Every rank starts ``operation`` with the same ``terms`` (``{"engine": "dcp"}``), or every rank raises
+        one CheckpointError naming the first difference; ``flags`` OR-ed over the ranks. See the module docstring
+        for the deadline (``agree_timeout``) and the warning about ranks that do not arrive."""
+        terms = {"operation": operation, **(terms or {})}
+        if self.world == 1:
+            return tuple(bool(f) for f in flags)
+        if self._entry_pg is None or len(flags) > ENTRY_FLAGS:
+            raise ValueError(f"RankGroup.enter: {self.name} group has no agree_timeout, or flags {flags!r} > "
+                             f"{ENTRY_FLAGS}")
+        self._entries += 1
+        n, code, started = self._entries, agree.terms_code(terms), time.monotonic()
+        ms = int(time.time() * 1000)
+        padded = [int(bool(f)) for f in flags] + [0] * (ENTRY_FLAGS - len(flags))
+        t = torch.tensor([code, -code, ms, -ms, *padded], dtype=torch.int64)
+        work = self._collective(operation, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._entry_pg,
+                                                                   async_op=True))
+        waited = self._await_entry(work, n, operation, started)
+        spread_s = (int(t[2]) + int(t[3])) / 1000
+        if waited or spread_s >= ARRIVED_AFTER_S / 2:  # someone may have given up: the verdict that stands
+            self._noted_entries.append(n)
+            verdict = self._store_compare_set(f"{self._key}/entry/{n}/verdict", "ok")
+            if verdict != "ok":
+                raise CheckpointError(verdict)
+        self._forget_entries(n)
+        if int(t[0]) != -int(t[1]):  # some rank brought other terms: all exchange them to name the difference
+            why = agree.first_disagreement(self.gather(operation, terms))
+            raise CheckpointError(f"Checkpointer: {why} (every rank must make the same Checkpointer "
+                                  "calls, in the same order, with the same directory and engine)")
+        return tuple(bool(v) for v in t[4:4 + len(flags)].tolist())
+
+    def _await_entry(self, work: Any, n: int, operation: str, started: float) -> bool:
+        """Wait for entry ``n``'s all-reduce; True when this rank had to wait (and noted its arrival). Raises the
+        standing verdict at the deadline, or when gloo gave up first."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        timeout = float(self.agree_timeout or 0)
+        waited = not done.wait(min(ARRIVED_AFTER_S, timeout / 4))
+        if waited:
+            key = f"{self._key}/entry/{n}"
+            self._store_set(f"{key}/{self.rank}", operation)
+            warned, before = False, None
+            while not done.wait(0.5):
+                waited_s = time.monotonic() - started
+                if waited_s >= timeout:
+                    absent = self._absent(key)
+                    text = (f"checkpoint {operation}: {self._ranks_text(absent) or 'a rank'} did not arrive within "
+                            f"agree_timeout={timeout:g} s ({self.name} group, rank {self.rank} of {self.world} "
+                            "waited; is it stopped, in another collective, or making other Checkpointer calls?)")
+                    verdict = self._store_compare_set(f"{key}/verdict", text)
+                    if verdict != "ok":
+                        raise CheckpointError(verdict)
+                    done.wait()  # a rank saw everyone arrive: this rank's all-reduce is completing too
+                    break
+                if not warned and waited_s >= ABSENT_WARN_S:  # absent in two looks 0.5 s apart: not just late
+                    absent = self._absent(key)
+                    late = [r for r in absent if before is not None and r in before]
+                    if late:
+                        log.warning("fastio: checkpoint %s: waiting %.0f s for %s (stopped? agree_timeout=%g s)",
+                                    operation, waited_s, self._ranks_text(late), timeout)
+                    warned, before = before is not None, absent
+        try:
+            work.wait()
+        except RuntimeError as err:  # gloo's own timeout, or a peer went away
+            verdict = self._store_get(f"{self._key}/entry/{n}/verdict")
+            if verdict and verdict != "ok":
+                raise CheckpointError(verdict) from err
+            raise CheckpointError(f"checkpoint {operation}: {self.gone()} ({self.name} group, rank {self.rank} of "
+                                  f"{self.world}: {first_line(err)})") from err
+        return waited
+
+    def _absent(self, key: str) -> list[int]:
+        """The other ranks that have not noted their arrival under ``key`` (one store request each)."""
+        return [r for r in range(self.world) if r != self.rank and not self._store_has(f"{key}/{r}")]
+
+    def _forget_entries(self, n: int) -> None:
+        """Delete the store keys of entries two or more behind ``n`` (every rank is past them)."""
+        while self._noted_entries and self._noted_entries[0] <= n - 2:
+            old = self._noted_entries.pop(0)
+            for key in (f"{self._key}/entry/{old}/{self.rank}", f"{self._key}/entry/{old}/verdict"):
+                try:
+                    default_store().delete_key(key)
+                except Exception:  # noqa: BLE001 - a key left behind costs a few bytes
+                    pass
+
+    def _ranks_text(self, ranks: list[int]) -> str:
+        """``rank 1 (pid 4711 on node-a), rank 3 (...)``."""
+        return ", ".join(f"rank {r} (pid {self._peers[r][1]} on {self._peers[r][0]})" for r in ranks)
+
+    def _store_set(self, key: str, value: str) -> None:
+        store = default_store()
+        if store is not None:
+            store.set(key, value)
+
+    def _store_has(self, key: str) -> bool:
+        store = default_store()
+        return store is not None and store.check([key])
+
+    def _store_get(self, key: str) -> str | None:
+        try:
+            return default_store().get(key).decode() if self._store_has(key) else None
+        except Exception:  # noqa: BLE001 - the store went with its host
+            return None
+
+    def _store_compare_set(self, key: str, value: str) -> str:
+        """The value of ``key`` that stands: ``value`` when this rank set it first."""
+        store = default_store()
+        return value if store is None else store.compare_set(key, "", value).decode()
 
     # ------------------------------------------------------------ peers going away
     def gone(self) -> str:

@@ -65,6 +65,35 @@ def _rank() -> tuple[int, int]:
     return 0, 1
 
 
+def _agreed(pg: Any, fn: Any, same: Any = None, what: str = "") -> Any:
+    """``fn()`` on this rank, then every rank's outcome (and its ``same``, ``what`` it saw) gathered over ``pg``,
+    so that no rank enters the next collective alone: a rank where ``fn`` raised, or whose ``same`` is not rank
+    0's, raises its error; the others raise a CheckpointError marked ``elsewhere`` (the first failing rank's,
+    naming it), which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report."""
+    mine: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - gathered, then raised
+        mine = err
+    world = _rank()[1]
+    if world > 1:
+        every: list[Any] = [None] * world
+        text = None if mine is None else str(mine) if isinstance(mine, CheckpointError) else first_line(mine)
+        dist.all_gather_object(every, (text, same), group=pg)
+        failed = [(r, t) for r, (t, _) in enumerate(every) if t]
+        failed = failed or [(r, f"ranks see different {what}: rank 0 {every[0][1]}, rank {r} {seen} (a node that "
+                                "sees other files?)") for r, (_, seen) in enumerate(every) if seen != every[0][1]][:1]
+        if failed and mine is None:
+            first, why = failed[0]
+            other = CheckpointError(why if first == _rank()[0] else f"{why} (on rank {first})")
+            other.elsewhere = first != _rank()[0]
+            raise other
+    if mine is not None:
+        raise mine
+    return result
+
+
 def _rank_file(path: Path, rank: int, key: str) -> Path:
     return Path(path) / f"rank-{rank}" / f"{quote(key, safe='')}.pt"
 
@@ -255,9 +284,12 @@ class DcpCheckpoint(SavedCheckpoint):
         rank, _ = _rank()
         skipped: list[str] = []
         shared = [k for k in targets if k in self.global_keys]
+        # Before dcp.load's collectives: every rank has the same global keys and can read the metadata, or every
+        # rank raises.
+        template = _agreed(self.pg, lambda: (check_metadata(self.path) if shared else None,
+                                             {k: targets[k].state_dict() for k in shared})[1],
+                           sorted(shared), f"global (DCP) keys in {self.path / SIDECAR}")
         if shared:
-            check_metadata(self.path)
-            template = {k: targets[k].state_dict() for k in shared}
             try:
                 dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
                          planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,

@@ -186,6 +186,17 @@ def _rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     return view
 
 
+def _locations(entry: Any) -> list[str]:
+    """The files (relative to the step) a manifest entry is read from."""
+    if isinstance(entry, ShardedTensorEntry):
+        return [shard.tensor.location for shard in entry.shards]
+    chunks = getattr(entry, "chunks", None)
+    if chunks is not None:
+        return [chunk.tensor.location for chunk in chunks]
+    location = getattr(entry, "location", None)
+    return [location] if location else []
+
+
 class TorchSnapshotCheckpoint(SavedCheckpoint):
     """A torchsnapshot step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
 
@@ -241,12 +252,29 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 except pickle.UnpicklingError:  # torch.load refused (weights_only, torch >= 2.6): name the file
                     error = error or self._refused(view)
                     PGWrapper(snap.pg).barrier()  # the key's last collective, which the raise skipped
+                except Exception as err:  # noqa: BLE001 - a read error of this rank's (its view of a file)
+                    error = error or self._unreadable(key, view, err)
+                    PGWrapper(snap.pg).barrier()
                 error = error or later.error
         finally:
             snap._metadata = full
         if error is not None:  # only now: the other ranks went through every key's collectives too
             raise error
         return skipped
+
+    def _unreadable(self, key: str, view: dict[str, Any], err: Exception) -> CheckpointError:
+        """The one-line error for a read that failed inside ``Snapshot.restore``: the file the error names, else
+        the key's files (a short read fails later, in deserialising). Raised only after the key's collectives, so
+        the other ranks are not left waiting inside them."""
+        file = getattr(err, "filename", None)
+        if file:
+            return CheckpointError(f"{file}: unreadable: {getattr(err, 'strerror', None) or first_line(err)}")
+        rank = PGWrapper(self._snap.pg).get_rank()
+        mine = [e for path, e in view.items() if path.startswith(f"{rank}/") or is_replicated(e)]
+        files = sorted({loc for entry in mine for loc in _locations(entry)})
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return CheckpointError(f"{self.path}: app key {key}: cannot read its state from {shown or 'its files'}: "
+                               f"{first_line(err)}")
 
     def _refused(self, view: dict[str, Any]) -> CheckpointError:
         """The one-line error for an object file ``torch.load(weights_only=True)`` refuses to unpickle."""

@@ -1,0 +1,135 @@
+"""Ranks that disagree on what they are doing are refused on every rank, and ranks that do not arrive are named.
+
+One run of 2 gloo ranks on 127.0.0.1 (issue 28, points 7 and 8): ranks that pass different directories (they all
+wrote into rank 0's, without a word); ranks with different ``engine=`` (hung inside torchsnapshot's broadcast until
+gloo's timeout); one rank restoring while the other saves (``TypeError`` on one rank, a raw dict on the other); one
+rank saving while the other is in an all-reduce of the training's own (both hung): the saving rank gives up after
+``agree_timeout``, naming the other, which gets the same error when it comes late; and a rank stopped with
+SIGSTOP for a few seconds: the other names it once in the log while it waits, and the save goes through when it
+resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import Position
+from test_checkpoint_ranks import free_port
+from torch import nn
+
+from fastio.checkpoint import Checkpointer, group
+from fastio.errors import CheckpointError
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group.ABSENT_WARN_S = 1.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    app = {"model": nn.Linear(4, 2), "loader": Position()}
+    seen: dict[str, object] = {}
+
+    def attempt(label: str, call) -> None:
+        started = time.monotonic()
+        try:
+            call()
+            seen[label] = None
+        except CheckpointError as err:
+            seen[label] = str(err)
+        seen[f"{label}:s"] = time.monotonic() - started
+
+    t0 = time.monotonic()
+    attempt("dirs", lambda: Checkpointer(Path(root) / f"dir{rank}", signals=()))
+    seen["dirs:made"] = sorted(p.name for p in Path(root).glob("dir*"))
+    engines = Checkpointer(Path(root) / "engines", signals=(), engine="torchsnapshot" if rank == 0 else "dcp")
+    attempt("engines", lambda: engines.save(1, app, blocking=True))
+    engines.close()
+    ops = Checkpointer(Path(root) / "ops", signals=())
+    ops.save(1, app, blocking=True)
+    attempt("ops", (lambda: ops.save(2, app, blocking=True)) if rank == 0 else (lambda: ops.restore_latest(app)))
+    attempt("ops:after", lambda: ops.restore_latest(app))  # the refusal left both ranks in step
+    ops.close()
+    absent = Checkpointer(Path(root) / "absent", signals=(), agree_timeout=3)
+    if rank == 0:
+        attempt("absent", lambda: absent.save(1, app, blocking=True))
+    dist.all_reduce(torch.ones(1))  # rank 1 is here all along; rank 0 comes once it has given up
+    if rank == 1:  # comes late: the verdict of the ranks that gave up stands
+        attempt("absent", lambda: absent.save(1, app, blocking=True))
+    stopped = Checkpointer(Path(root) / "stopped", signals=(), agree_timeout=60)
+    lines.lines.clear()
+    if rank == 1:  # stopped before it arrives, for 3 s
+        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 3; kill -CONT {os.getpid()}"])
+        time.sleep(1)
+    attempt("stopped", lambda: stopped.save(1, app, blocking=True))
+    seen["stopped:log"] = list(lines.lines)
+    seen["stopped:steps"] = stopped.steps()
+    seen["total"] = time.monotonic() - t0
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp_path / "ck"), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung"
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    root = (tmp_path / "ck").resolve()
+    for label, parts in (("dirs", ["ranks disagree on the checkpoint directory", f"rank 0 {root / 'dir0'}",
+                                   f"rank 1 {root / 'dir1'}"]),
+                         ("engines", ["ranks disagree on the engine: rank 0 torchsnapshot, rank 1 dcp"]),
+                         ("ops", ["ranks disagree on the operation: rank 0 save, rank 1 restore_latest"])):
+        texts = {s[label] for s in seen}
+        assert len(texts) == 1 and None not in texts, (label, texts)  # the same error on every rank
+        text = texts.pop()
+        assert all(part in text for part in parts), (label, text)
+        assert "\n" not in text and "{" not in text, text
+    assert all(s["dirs:made"] == [] for s in seen)  # refused before anything was created
+    assert all(s["ops:after"] is None for s in seen)
+    text = seen[0]["absent"]
+    assert text and "rank 1 (pid" in text and "did not arrive within agree_timeout=3 s" in text, text
+    assert seen[1]["absent"] == text and seen[1]["absent:s"] < 2, seen[1]  # the late rank: the same, at once
+    assert 2.5 < seen[0]["absent:s"] < 10, seen[0]["absent:s"]
+    assert seen[0]["stopped"] is None and seen[1]["stopped"] is None, seen
+    warned = [line for line in seen[0]["stopped:log"] if "waiting" in line]
+    assert len(warned) == 1 and "rank 1 (pid" in warned[0] and "checkpoint save" in warned[0], seen[0]["stopped:log"]
+    assert seen[0]["stopped:steps"] == [1]
+
+
+def test_agree_timeout_is_checked_where_it_enters(tmp_path):
+    from fastio.checkpoint import CheckpointConfig
+
+    for bad in (0, -1, float("inf"), float("nan"), "300", True):
+        try:
+            CheckpointConfig(dir=tmp_path / "ck", agree_timeout=bad)
+        except ValueError as err:
+            assert f"agree_timeout must be a number of seconds > 0, got {bad!r}" in str(err)
+        else:
+            raise AssertionError(f"agree_timeout={bad!r} was accepted")
+    assert CheckpointConfig(dir=tmp_path / "ck").agree_timeout == 300
