@@ -151,7 +151,8 @@ class LoaderConfig:
     ``secret_access_key``, ``profile``, ``retries``, ``deadline_s``, ... (see :class:`fastio.storage.StorageOptions`)."""
     shard_read_ahead: int = 2
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
-    order the sampler will want them (0: fetch on demand only)."""
+    order the sampler will want them (0: fetch on demand only); fewer, with one warning line, where the cache
+    has no room for them on top of what the batches read at once."""
     graph: GraphSpec = field(init=False, repr=False, compare=False)
     """The DALI graph these options describe (built and checked once, here)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
@@ -560,9 +561,10 @@ class _Part:
 
 
 def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ...] | None,
-               threads: int | None = None) -> _Part:
+               threads: int | None = None, read_ahead: int | None = None) -> _Part:
     """The reader of ``ds`` for the graph of ``cfg`` delivering ``fields`` (default: the label, or all for raw),
-    with ``threads`` reader threads (default ``cfg.reader_threads``)."""
+    with ``threads`` reader threads (default ``cfg.reader_threads``) and at most ``read_ahead`` shards read ahead
+    (default ``cfg.shard_read_ahead``; fewer where the cache has no room for them)."""
     graph = cfg.graph
     # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
     # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
@@ -581,10 +583,11 @@ def _open_part(ds: Dataset, cfg: LoaderConfig, fields: list[str] | tuple[str, ..
         extra = [ds.label_field] if ds.label_field else []
     ds.require_fields(extra, in_every_sample=graph.decodes)
     extra = [f for f in extra if f != image_field]
+    depth = cfg.shard_read_ahead if read_ahead is None else read_ahead
     if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
-        check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead,
-                          ds.source.cache_size, str(ds.root))
-    files = ds.source.shard_files(ds.shards, read_ahead=cfg.shard_read_ahead)  # None: local files
+        depth = check_working_set([s.bytes for s in ds.shards], cfg.shuffle, cfg.block_shards, depth,
+                                  ds.source.cache_size, str(ds.root))
+    files = ds.source.shard_files(ds.shards, read_ahead=depth)  # None: local files
     reader = Reader(ds, extra, threads=threads or cfg.reader_threads, verify=cfg.verify,
                     image=image_fields if graph.decodes else (), sizes=graph.needs_image_size,
                     optional=image_fields if graph.decodes else [f for f in extra if f != ds.label_field],
@@ -615,9 +618,11 @@ def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
     for name, ds in zip(mixture.names, mixture.datasets):
         if ds.source.cache_size is not None:
             shared.setdefault((str(ds.source.cache.dir), ds.source.cache_size), {})[name] = [s.bytes for s in ds.shards]
+    depth: dict[str, int] = {}  # the read-ahead that sources sharing a cache have room for
     for (where, size), sources in shared.items():
         if len(sources) > 1:
-            check_shared_working_set(sources, cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead, size, where)
+            fits = check_shared_working_set(sources, cfg.shuffle, cfg.block_shards, cfg.shard_read_ahead, size, where)
+            depth.update(dict.fromkeys(sources, fits))
     parts: list[_Part] = []
     try:
         for name, ds in zip(mixture.names, mixture.datasets):
@@ -628,7 +633,8 @@ def _open_mixture(mixture: Mixture, cfg: LoaderConfig) -> list[_Part]:
                                        "of the others) are wanted; index it with --label-field, or leave labels "
                                        "out with pipeline='raw' and fields=")
                 parts.append(_open_part(ds, cfg, [*others, ds.label_field] if wanted else others,
-                                        threads=-(-cfg.reader_threads // len(mixture.names))))
+                                        threads=-(-cfg.reader_threads // len(mixture.names)),
+                                        read_ahead=depth.get(name)))
             except DatasetError as err:
                 raise DatasetError(f"mixture source {name!r}: {err}") from None
     except BaseException:
