@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench.checkpoint import build, state_mib, train_step
+from bench.model import build, state_mib, train_step
 
 __all__ = ["cadence", "measure"]
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from bench.checkpoint import build, train_step
 from bench.checkpoint_overhead import _schedstat
+from bench.model import build, train_step
 
 __all__ = ["probe"]
 

@@ -142,7 +142,8 @@ class LoaderConfig:
     ``secret_access_key``, ``profile``, ``retries``, ``deadline_s``, ... (see :class:`fastio.storage.StorageOptions`)."""
     shard_read_ahead: int = 2
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
-    order the sampler will want them (0: fetch on demand only)."""
+    order the sampler will want them (0: fetch on demand only); fewer, with one warning line, where the cache
+    has no room for them on top of what the batches read at once."""
     image_size: int | None = None
     """Old spelling of ``ImageTrain(size=)`` / ``ImageEval(size=)`` (default 224)."""
     fields: tuple[str, ...] | None = None

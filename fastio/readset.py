@@ -57,8 +57,8 @@ class ReadSet:
         labels = [ds.label_field for ds in datasets]
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
         choice = pipeline.choose_fields(labels, shared)
-        _check_shared_caches(self.names, datasets, options)
-        self.sources = self._open(datasets, choice, options)
+        depth = _check_shared_caches(self.names, datasets, options)
+        self.sources = self._open(datasets, choice, options, depth)
         first = self.sources[0]
         named = {s.label_field for s in self.sources}
         self.label_column: str | None = first.label_field if choice.label and len(named) == 1 else None
@@ -72,9 +72,10 @@ class ReadSet:
 
     # -- opening --------------------------------------------------------------------------------------
 
-    def _open(self, datasets: Sequence[Dataset], choice, options: Any) -> list[_Source]:
+    def _open(self, datasets: Sequence[Dataset], choice, options: Any, depth: dict[str, int]) -> list[_Source]:
         """One source per dataset, each reading ``choice``'s fields and its own label field; the datasets share
-        ``options.reader_threads`` (each reads its part of every batch, in parallel with the others)."""
+        ``options.reader_threads`` (each reads its part of every batch, in parallel with the others); ``depth``:
+        the shard read-ahead that sources sharing a cache have room for, by name."""
         threads = -(-options.reader_threads // len(datasets))
         sources: list[_Source] = []
         try:
@@ -87,7 +88,7 @@ class ReadSet:
                                            "--label-field, or leave labels out with pipeline='raw' and fields=")
                     fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
                     sources.append(_open_source(ds, self.pipeline, fields, threads, options,
-                                                ds.label_field if choice.label else None))
+                                                ds.label_field if choice.label else None, depth.get(name)))
                 except DatasetError as err:
                     raise self._named(name, err) from None
         except BaseException:
@@ -293,32 +294,38 @@ def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Pipeline, opt
 
 
 def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: int, options: Any,
-                 label_field: str | None) -> _Source:
-    """The reader of ``ds`` for ``pipeline`` delivering ``fields``."""
+                 label_field: str | None, read_ahead: int | None = None) -> _Source:
+    """The reader of ``ds`` for ``pipeline`` delivering ``fields``, with at most ``read_ahead`` shards read ahead
+    (default ``options.shard_read_ahead``; fewer where the cache has no room for them)."""
     wanted = pipeline.read_fields(ds, fields)
     need = None
+    depth = options.shard_read_ahead if read_ahead is None else read_ahead
     if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
         sizes = [s.bytes for s in ds.shards]
-        check_working_set(sizes, options.shuffle, options.block_shards, options.shard_read_ahead,
-                          ds.source.cache_size, str(ds.root))
-        need = working_set_bytes(sizes, options.shuffle, options.block_shards, options.shard_read_ahead)
+        depth = check_working_set(sizes, options.shuffle, options.block_shards, depth, ds.source.cache_size,
+                                  str(ds.root))
+        need = working_set_bytes(sizes, options.shuffle, options.block_shards, depth)
     # None: local files; a cache's files claim their working set beside this process's other Loaders' there
-    files = ds.source.shard_files(ds.shards, read_ahead=options.shard_read_ahead, working_set=need)
+    files = ds.source.shard_files(ds.shards, read_ahead=depth, working_set=need)
     reader = Reader(ds, wanted.fields, threads=threads, verify=options.verify, image=wanted.image,
                     sizes=wanted.sizes, optional=wanted.optional, transcode=wanted.transcode, files=files)
     return _Source(ds, reader, files, label_field)
 
 
-def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Any) -> None:
-    """Remote datasets reading through one cache read their working sets at once: checked together."""
+def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Any) -> dict[str, int]:
+    """Remote datasets reading through one cache read their working sets at once: checked together; returns
+    the shard read-ahead that those sharing a cache have room for, by name."""
     shared: dict[Any, dict[str, list[int]]] = {}
     for name, ds in zip(names, datasets):
         if ds.source.cache_size is not None:
             shared.setdefault((str(ds.source.cache.dir), ds.source.cache_size), {})[name] = [s.bytes for s in ds.shards]
+    depth: dict[str, int] = {}
     for (where, size), sources in shared.items():
         if len(sources) > 1:
-            check_shared_working_set(sources, options.shuffle, options.block_shards, options.shard_read_ahead,
-                                     size, where)
+            fits = check_shared_working_set(sources, options.shuffle, options.block_shards,
+                                            options.shard_read_ahead, size, where)
+            depth.update(dict.fromkeys(sources, fits))
+    return depth
 
 
 def _storage_stats(files: Any) -> dict[str, Any]:

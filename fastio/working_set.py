@@ -7,12 +7,16 @@ refusal when ``cache_size`` cannot hold it (at construction, not after a fill ha
   ``shard_read_ahead`` shards filled ahead;
 - ``none``: two shards (a batch crossing from one into the next) plus the read-ahead.
 
-A cache below that is refused when the Loader is made; with it, an epoch never finds the cache full of this
-process's own shards in use (a fill that did would fail at once: :class:`fastio.storage.cache.ShardCache`).
+The read-ahead is an optimisation: where the cache holds what the batches need but not the read-ahead on top,
+it shrinks to the shards that fit (down to none), with one warning line on the ``fastio`` logger. Only a cache
+that cannot hold the batches' own shards is refused, when the Loader is made; with it, an epoch never finds the
+cache full of this process's own shards in use (a fill that did would fail at once:
+:class:`fastio.storage.cache.ShardCache`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,29 +40,59 @@ def working_set_bytes(shard_bytes: Sequence[int], shuffle: str, block_shards: in
     return _largest(shard_bytes, 2 * (block_shards if shuffle == "block" else 1) + shard_read_ahead)
 
 
+def _fitting_read_ahead(need, shard_read_ahead: int, cache_size: int) -> int:
+    """The largest read-ahead ``r <= shard_read_ahead`` with ``need(r) <= cache_size`` (``need(0)`` fits; ``need``
+    grows with ``r``: a binary search)."""
+    low, high = 0, shard_read_ahead
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if need(mid) <= cache_size else (low, mid - 1)
+    return low
+
+
+def _warn_shrunk(where: str, shard_read_ahead: int, fits: int, cache_size: int, what: str) -> None:
+    logging.getLogger("fastio").warning(
+        "%s: shard_read_ahead %d shrunk to %d: cache_size %s holds %s but not %d more shards read ahead (raise "
+        "cache_size, or set shard_read_ahead=%d to silence this)", where, shard_read_ahead, fits,
+        human_bytes(cache_size), what, shard_read_ahead, fits)
+
+
 def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int,
-                      cache_size: int, url: str) -> None:
+                      cache_size: int, url: str) -> int:
+    """The shard read-ahead the cache has room for: ``shard_read_ahead``, or fewer with one warning line when the
+    cache holds what the batches of ``shuffle`` read at once but not the read-ahead on top. A StorageError naming
+    ``cache_size``, the bytes needed and what would fit when it cannot hold even that."""
+    _refuse_unless_it_fits(shard_bytes, shuffle, block_shards, cache_size, url)
+    fits = _fitting_read_ahead(lambda r: working_set_bytes(shard_bytes, shuffle, block_shards, r), shard_read_ahead,
+                               cache_size)
+    if fits < shard_read_ahead:
+        what = human_bytes(working_set_bytes(shard_bytes, shuffle, block_shards, 0))
+        _warn_shrunk(url, shard_read_ahead, fits, cache_size, f"what shuffle={shuffle!r} reads at once ({what})")
+    return fits
+
+
+def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shards: int, cache_size: int,
+                           url: str) -> None:
     """StorageError naming ``cache_size``, the bytes needed and what would fit, when the cache cannot hold the
-    working set of ``shuffle``."""
-    need = working_set_bytes(shard_bytes, shuffle, block_shards, shard_read_ahead)
+    shards the batches of ``shuffle`` read at once (no read-ahead)."""
+    need = working_set_bytes(shard_bytes, shuffle, block_shards, 0)
     if need <= cache_size:
         return
     what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
             "block": f"two windows of the {block_shards} largest shards (a batch crossing into the next window "
-                     f"holds shards of both) + {shard_read_ahead} read ahead",
-            "none": f"the two largest shards (a batch crossing into the next) + {shard_read_ahead} read ahead"}[shuffle]
+                     "holds shards of both)",
+            "none": "the two largest shards (a batch crossing into the next)"}[shuffle]
     # a size named is always enough for the mode it is named with
-    fits = [b for b in range(1, len(shard_bytes) + 1)
-            if working_set_bytes(shard_bytes, "block", b, shard_read_ahead) <= cache_size]
-    smallest = human_bytes(_largest(shard_bytes, 2 + shard_read_ahead))  # block_shards=1, two windows
+    fits = [b for b in range(1, len(shard_bytes) + 1) if working_set_bytes(shard_bytes, "block", b, 0) <= cache_size]
+    smallest = human_bytes(_largest(shard_bytes, 2))  # block_shards=1, two windows
     block = "shuffle='block' with " if shuffle == "global" else ""
     if shuffle == "none" or (shuffle == "block" and block_shards == 1 and not fits):
-        hint = f"lower shard_read_ahead, or raise cache_size to at least {smallest}"
+        hint = f"raise cache_size to at least {smallest}"
     elif fits:
         hint = f"use {block}block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
     else:
         hint = (f"raise cache_size to {human_bytes(need)}, or use {block}block_shards=1 with cache_size at least "
-                f"{smallest} (less with a lower shard_read_ahead)")
+                f"{smallest}")
     have, want = human_bytes(cache_size), human_bytes(need)
     if have == want:  # rounded alike: the bytes say which is larger
         have, want = f"{cache_size} bytes", f"{need} bytes"
@@ -68,16 +102,23 @@ def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: in
 
 
 def check_shared_working_set(sources: dict[str, Sequence[int]], shuffle: str, block_shards: int,
-                             shard_read_ahead: int, cache_size: int, where: str) -> None:
-    """StorageError when the sources of a mixture that read through one cache (``where``: its directory) need
-    more than ``cache_size`` together: each reads its own working set at the same time (``sources``: name ->
-    shard bytes). Each one alone is checked by :func:`check_working_set`."""
-    each = {name: working_set_bytes(sizes, shuffle, block_shards, shard_read_ahead) for name, sizes in sources.items()}
-    need = sum(each.values())
-    if need <= cache_size:
-        return
-    parts = ", ".join(f"{name!r} {human_bytes(b)}" for name, b in each.items())
-    raise StorageError(f"mixture sources {', '.join(map(repr, each))} read through one cache ({where}) at the same "
-                       f"time: cache_size {human_bytes(cache_size)} cannot hold their working sets together "
-                       f"({parts}: {human_bytes(need)} for shuffle={shuffle!r}); raise cache_size, or read fewer "
-                       "shards at once (shuffle='block' with a smaller block_shards)", url=where)
+                             shard_read_ahead: int, cache_size: int, where: str) -> int:
+    """The shard read-ahead each of the sources of a mixture that read through one cache (``where``: its
+    directory) has room for: each reads its own working set at the same time (``sources``: name -> shard bytes).
+    Fewer than ``shard_read_ahead`` with one warning line; a StorageError when ``cache_size`` cannot hold the
+    sources' batches together even without read-ahead. Each one alone is checked by :func:`check_working_set`."""
+    def need(r: int) -> int:
+        return sum(working_set_bytes(sizes, shuffle, block_shards, r) for sizes in sources.values())
+
+    if need(0) > cache_size:
+        each = {name: working_set_bytes(sizes, shuffle, block_shards, 0) for name, sizes in sources.items()}
+        parts = ", ".join(f"{name!r} {human_bytes(b)}" for name, b in each.items())
+        raise StorageError(f"mixture sources {', '.join(map(repr, each))} read through one cache ({where}) at the "
+                           f"same time: cache_size {human_bytes(cache_size)} cannot hold their working sets together "
+                           f"({parts}: {human_bytes(need(0))} for shuffle={shuffle!r}); raise cache_size, or read "
+                           "fewer shards at once (shuffle='block' with a smaller block_shards)", url=where)
+    fits = _fitting_read_ahead(need, shard_read_ahead, cache_size)
+    if fits < shard_read_ahead:
+        _warn_shrunk(where, shard_read_ahead, fits, cache_size,
+                     f"what mixture sources {', '.join(map(repr, sources))} read at once ({human_bytes(need(0))})")
+    return fits

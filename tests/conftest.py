@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
+from fastio.manifest import MANIFEST_NAME
 from fastio.shards import ShardWriter
 from fastio.synthetic import CLASS_NAMES, make_imagefolder
 
@@ -43,16 +46,31 @@ def write_image_dataset(dest: Path, src: Path, *, max_samples: int = 16) -> Path
     return dest
 
 
-@pytest.fixture
-def image_folder(tmp_path) -> Path:
-    """4 classes x 12 JPEGs of 48..96 px, in ImageNet layout."""
-    return make_imagefolder(tmp_path / "src", classes=len(CLASS_NAMES), per_class=12)
+@pytest.fixture(scope="session")
+def _image_originals(tmp_path_factory) -> tuple[Path, Path]:
+    """The image folder and its dataset, made once per test process; tests get copies (they may change them)."""
+    base = tmp_path_factory.mktemp("image-originals")
+    folder = make_imagefolder(base / "src", classes=len(CLASS_NAMES), per_class=12)
+    return folder, write_image_dataset(base / "ds", folder)
 
 
 @pytest.fixture
-def image_dataset(tmp_path, image_folder) -> Path:
-    """The image folder above as a fastio dataset: 48 samples in 3 shards of 16."""
-    return write_image_dataset(tmp_path / "ds", image_folder)
+def image_folder(tmp_path, _image_originals) -> Path:
+    """4 classes x 12 JPEGs of 48..96 px, in ImageNet layout (a copy of this process's originals)."""
+    return Path(shutil.copytree(_image_originals[0], tmp_path / "src"))
+
+
+@pytest.fixture
+def image_dataset(tmp_path, image_folder, _image_originals) -> Path:
+    """The image folder above as a fastio dataset: 48 samples in 3 shards of 16 (a copy of this process's
+    original whose manifest names ``image_folder`` as its source: the bytes ``write_image_dataset`` writes)."""
+    folder, dataset = _image_originals
+    dest = Path(shutil.copytree(dataset, tmp_path / "ds"))
+    manifest = dest / MANIFEST_NAME
+    text = manifest.read_text()
+    assert text.count(json.dumps(str(folder))) == 1, text
+    manifest.write_text(text.replace(json.dumps(str(folder)), json.dumps(str(image_folder))))
+    return dest
 
 
 @pytest.fixture(scope="session")

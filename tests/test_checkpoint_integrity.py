@@ -231,7 +231,7 @@ def test_a_second_checkpointer_in_one_process_is_refused_until_the_first_closes(
 
 
 # ---------------------------------------------------------------- untrusted checkpoints
-SENTINEL = Path("/tmp/fastio-test-pwned")
+SENTINEL = Path(f"/tmp/fastio-test-pwned-{os.getpid()}")  # one per process: test runs side by side
 
 
 class Payload:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from s3server import free_port
 
 from fastio.checkpoint import layout
 
@@ -99,7 +100,7 @@ def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, t
     ckpt = tmp_path / "ck"
     run_env = {**env(), "PATH": f"{bindir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777",
                "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_NAME": "t", "DATA": str(image_dataset), "CKPT": str(ckpt),
-               "PYTHON": sys.executable, "FASTIO": str(REPO), "MASTER_PORT": "29555",
+               "PYTHON": sys.executable, "FASTIO": str(REPO), "MASTER_PORT": str(free_port()),
                "TRAIN_ARGS": f"--steps {STEPS} --every-steps 100 --loader-threads 1 --step-delay 0.05"}
     script = REPO / "examples" / "slurm" / "train.sbatch"
     proc = subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,0 +1,40 @@
+"""The benchmarks' training model: a stack of Linear layers with Adam whose state comes to a chosen size, and one
+training step. Shared by :mod:`bench.checkpoint`, :mod:`bench.checkpoint_overhead` and :mod:`bench.checkpoint_probe`
+(its own module, so that none of those imports another back)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["LAYER_MIB", "WIDTH", "build", "state_mib", "train_step"]
+
+WIDTH = 2048  # one Linear(WIDTH, WIDTH) layer: 16 MiB of fp32 weights; Adam adds 32 MiB
+LAYER_MIB = WIDTH * WIDTH * 4 / 2**20
+
+
+def build(size_mib: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A stack of Linear layers whose weights + Adam moments come to about ``size_mib``."""
+    torch.manual_seed(seed)
+    layers = max(1, round(size_mib / (3 * LAYER_MIB)))
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor | None = None) -> float:
+    x = batch if batch is not None else torch.randn(8, WIDTH)
+    if x.shape[-1] != WIDTH:
+        x = x.reshape(x.shape[0], -1)[:, :WIDTH]
+        x = nn.functional.pad(x, (0, WIDTH - x.shape[1]))
+    loss = model(x).square().mean()
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    optim.step()
+    return loss.item()
+
+
+def state_mib(model: nn.Module, optim: torch.optim.Optimizer) -> float:
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    n += sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor))
+    return n / 2**20

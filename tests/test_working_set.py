@@ -1,0 +1,93 @@
+"""The cache room an s3:// Loader needs (fastio/working_set.py), against a real S3 server (moto): the shard
+read-ahead shrinks to the room the cache has; only a cache that cannot hold a batch's own shards is refused."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from conftest import write_image_dataset
+
+from fastio import Loader, Mixture
+from fastio.errors import StorageError
+from fastio.manifest import MANIFEST_NAME, SHARDS_DIR
+from fastio.progress import human_bytes
+from fastio.storage import open_storage
+from fastio.working_set import check_working_set
+
+OPTS = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="block", block_shards=2)
+
+
+@pytest.fixture
+def shards(tmp_path, image_folder) -> Path:
+    """48 samples in 6 shards of 8."""
+    return write_image_dataset(tmp_path / "local", image_folder, max_samples=8)
+
+
+def _upload(local: Path, url: str, options: dict) -> None:
+    open_storage(url, options).publish_dir(local, keys_last=(MANIFEST_NAME,))
+
+
+def _largest(local: Path, count: int) -> int:
+    return sum(sorted((p.stat().st_size for p in (local / SHARDS_DIR).glob("*.tar")), reverse=True)[:count])
+
+
+def _epoch(loader: Loader) -> dict[int, bytes]:
+    return {i: data for b in loader for i, data, pad in zip(b["index"].tolist(), b["jpg"], b["padded"].tolist())
+            if not pad}
+
+
+def _shrunk(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "shard_read_ahead" in r.getMessage()]
+
+
+def test_a_cache_without_room_for_the_read_ahead_shrinks_it_with_one_warning(moto_server, s3_bucket, shards, tmp_path,
+                                                                             caplog):
+    """Issue 32.5: a cache that holds two windows of block_shards=2 (4 shards) but not the 2 shards read ahead
+    on top was refused ('cannot hold ... (two windows ... + 2 read ahead)'). Now the read-ahead shrinks to the
+    one shard that fits, one warning line says so, and the epoch is the local dataset's."""
+    url = f"s3://{s3_bucket}/ds"
+    _upload(shards, url, moto_server.options())
+    local = _epoch(Loader(shards, **OPTS))
+    caplog.set_level(logging.WARNING, logger="fastio")
+    size = _largest(shards, 5)  # two windows + 1 shard, not + 2
+    with Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=size, storage_options=moto_server.options(),
+                **OPTS) as loader:
+        assert _epoch(loader) == local
+    assert _shrunk(caplog) == [f"{url}: shard_read_ahead 2 shrunk to 1: cache_size {human_bytes(size)} holds what "
+                               f"shuffle='block' reads at once ({human_bytes(_largest(shards, 4))}) but not 2 more "
+                               "shards read ahead (raise cache_size, or set shard_read_ahead=1 to silence this)"]
+    with pytest.raises(StorageError, match=rf"{url}: cache_size .* cannot hold what shuffle='block' reads at once: "
+                                           r".* \(two windows of the 2 largest shards \(a batch crossing into the "
+                                           r"next window holds shards of both\)\); use block_shards <= 1"):
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=_largest(shards, 4) - 1,
+               storage_options=moto_server.options(), **OPTS)
+
+
+def test_mixture_sources_sharing_a_cache_shrink_their_read_ahead_together(moto_server, s3_bucket, shards, tmp_path,
+                                                                           caplog):
+    """Two sources through one cache with room for both sources' two windows and no read-ahead: made, with one
+    warning for the shared cache (none for each source alone, whose own check then fits), and an epoch of both
+    sources, each sample once."""
+    urls = {name: f"s3://{s3_bucket}/{name}" for name in ("a", "b")}
+    for url in urls.values():
+        _upload(shards, url, moto_server.options())
+    caplog.set_level(logging.WARNING, logger="fastio")
+    mixture = Mixture(urls, cache_dir=tmp_path / "cache", cache_size=2 * _largest(shards, 4),
+                      storage_options=moto_server.options())
+    with Loader(mixture, **OPTS) as loader:
+        seen = [(int(s), int(i)) for b in loader for s, i, pad in zip(b["source"], b["index"], b["padded"]) if not pad]
+    assert len(seen) == len(set(seen)) == loader.mixture.samples_per_epoch
+    assert {s for s, _ in seen} == {0, 1}
+    assert len(_shrunk(caplog)) == 1 and "shard_read_ahead 2 shrunk to 0" in _shrunk(caplog)[0], caplog.text
+
+
+def test_the_read_ahead_that_fits_is_returned_and_only_the_batches_own_shards_are_refused(caplog):
+    """Ten shards of 100 bytes, block_shards=1 (two windows: 200 bytes), 2 read ahead (400 bytes in all)."""
+    sizes = [100] * 10
+    assert [check_working_set(sizes, "block", 1, 2, room, "s3://b/ds") for room in (200, 399, 400, 10_000)] == [0, 1, 2, 2]
+    assert check_working_set(sizes, "global", 1, 7, 1000, "s3://b/ds") == 7  # a global shuffle holds every shard
+    with pytest.raises(StorageError, match=r"cache_size 199 B cannot hold .* 200 B .*; raise cache_size to at least 200 B$"):
+        check_working_set(sizes, "block", 1, 2, 199, "s3://b/ds")
+    assert check_working_set(sizes, "none", 1, 10**9, 10**9, "s3://b/ds") == 10**9  # a deep read-ahead: no loop over it
