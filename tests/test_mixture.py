@@ -467,3 +467,24 @@ def test_inspect_a_mixture_file_with_a_schedule(raw_sources, tmp_path, capsys):
     path.write_text(json.dumps({**spec, "weights": [[0, {"a": 1, "b": 1, "c": 1}], [0, {"a": 1, "b": 1, "c": 1}]]}))
     code, _, err = run_cli(["inspect", str(path)], capsys)
     assert code == 2 and f"{path}: weights[1]: position 0 is not after the previous entry's 0" in err
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_scheduled_state_goes_through_the_checkpointer(raw_sources, tmp_path, engine):
+    from fastio import Checkpointer
+
+    loader = _scheduled_loader(raw_sources, _SCHEDULE)
+    stream = batches(loader)
+    list(islice(stream, 5))
+    with Checkpointer(tmp_path / "ck", engine=engine) as ckpt:
+        ckpt.save(5, {"data": loader}, blocking=True)
+    want = list(islice(stream, 3))  # across the change at 36
+    saved = loader.state_dict()["mixture"]
+    loader.close()
+    fresh = _scheduled_loader(raw_sources, _SCHEDULE)
+    with Checkpointer(tmp_path / "ck", engine=engine) as ckpt:
+        assert ckpt.restore_latest({"data": fresh}).step == 5
+    assert fresh.state_dict()["mixture"] == saved
+    got = list(islice(batches(fresh), 3))
+    fresh.close()
+    assert all(same_batch(a, b) for a, b in zip(want, got))
