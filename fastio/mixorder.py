@@ -197,7 +197,7 @@ class MixSchedule:
         if not (len(self.names) == len(self.weights) == len(self.fingerprints)) or not self.names:
             raise ValueError("names, weights and fingerprints must be non-empty and of the same length")
         _check_weights(self.names, self.weights)
-        check_positions([0, *(pos for pos, _ in self.changes)], "changes")
+        check_positions([0, *(pos for pos, _ in self.changes)], "schedule")  # schedule[0]: weights, at 0
         for i, (pos, weights) in enumerate(self.changes):
             if len(weights) != len(self.names):
                 raise ValueError(f"changes[{i}] (position {pos}): {len(weights)} weights for {len(self.names)} sources")

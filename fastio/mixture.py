@@ -1,9 +1,10 @@
 """``fastio.Mixture``: several datasets read as one, in weighted proportions, in one deterministic order.
 
-A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights and
-the samples of a mixture epoch; :class:`fastio.Loader` accepts it where it accepts a dataset. The order is
-:mod:`fastio.mixorder`'s. :class:`MixReader` reads a batch of mixture ids with one
-:class:`~fastio.reader.Reader` per source and hands back one :class:`~fastio.reader.ReadBatch`.
+A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights (or a
+schedule of weights that change at positions of the stream) and the samples of a mixture epoch;
+:class:`fastio.Loader` accepts it where it accepts a dataset. The order is :mod:`fastio.mixorder`'s.
+:class:`MixReader` reads a batch of mixture ids with one :class:`~fastio.reader.Reader` per source and hands back
+one :class:`~fastio.reader.ReadBatch`.
 """
 
 from __future__ import annotations
