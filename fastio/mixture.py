@@ -183,13 +183,16 @@ class Mixture:
 
 
 def mixture_state(mixture: Mixture) -> dict[str, Any]:
-    """What identifies a mixture's order in a loader state: names, fingerprints, weights (the first phase's),
-    epoch length, and with a schedule ``schedule``: ``[[position, shares], ...]`` (absent for plain weights, so
-    such states are as they were)."""
-    state = {"names": list(mixture.names), "fingerprints": list(mixture.fingerprints),
-             "weights": list(mixture.weights), "samples_per_epoch": mixture.samples_per_epoch}
+    """What identifies a mixture's order in a loader state: names, fingerprints, epoch length and ``weights``;
+    with a schedule ``schedule`` (``[[position, shares], ...]``) instead of ``weights``, so that a fastio from
+    before schedules refuses the state (it requires ``weights``) rather than ignoring the schedule. Plain
+    weights' states are as they were."""
+    state: dict[str, Any] = {"names": list(mixture.names), "fingerprints": list(mixture.fingerprints)}
     if len(mixture.phases) > 1:
         state["schedule"] = [[pos, list(shares)] for pos, shares in mixture.phases]
+    else:
+        state["weights"] = list(mixture.weights)
+    state["samples_per_epoch"] = mixture.samples_per_epoch
     return state
 
 
@@ -199,7 +202,8 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
-    if not isinstance(saved, dict) or not {"names", "fingerprints", "weights", "samples_per_epoch"} <= saved.keys():
+    if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
+            or not {"weights", "schedule"} & saved.keys():
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
     _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]))
     old, samples = _saved_phases(mixture, saved), int(saved["samples_per_epoch"])
@@ -228,7 +232,7 @@ def _check_sources(mixture: Mixture, names: list, fps: list) -> None:
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
     """The saved schedule (``schedule``, else the plain ``weights`` from position 0)."""
-    entries = saved.get("schedule", [[0, saved["weights"]]])
+    entries = saved["schedule"] if "schedule" in saved else [[0, saved["weights"]]]
     try:
         phases = [(int(pos), tuple(float(w) for w in shares)) for pos, shares in entries]
     except (TypeError, ValueError):
