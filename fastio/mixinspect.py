@@ -19,10 +19,16 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     """Mixture epochs ``epoch .. epoch + epochs - 1`` of a Loader with ``seed``/``shuffle``/``block_shards``, in
     global batches of ``batch_size`` (capped at the epoch). JSON-serialisable:
 
-    - ``sources``: per source its path, samples, share (the normalised weight), samples per mixture epoch
-      (``per_epoch``) and how many times that covers the source (``cycles``);
-    - ``per_batch``: per source over the full batches of those epochs, the expected count (share x batch),
-      the min and max count, and ``max_deviation`` = max |count - expected|;
+    - ``sources``: per source its path, samples, share (the normalised weight at the first inspected position),
+      samples per mixture epoch ``epoch`` (``per_epoch``) and how many times that covers the source
+      (``cycles``);
+    - ``per_batch``: per source over the full batches of those epochs, the expected count (share x batch; None
+      where a schedule makes it differ between batches), the min and max count, and ``max_deviation`` = max
+      |count - expected| (each batch against its own expected count: a batch across a schedule's change
+      expects each phase's share of its part);
+    - ``phases``: the schedule's phases that reach into those epochs: ``position`` (stream position where it
+      starts), ``shares``, ``batches`` (full batches wholly inside it) and ``per_batch`` over those batches as
+      above;
     - ``repeat_distance``: per source, the positions between two deliveries of the same sample (``min``,
       ``median``; ``repeats`` = how many deliveries were repeats; all None without a repeat).
     """
@@ -37,19 +43,56 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     sampler = mixture.sampler(SamplerSpec(seed=seed, shuffle=shuffle, block_shards=block_shards))
     ids = np.concatenate([sampler.order(e)[np.arange(n)] for e in range(epoch, epoch + epochs)])
     src, _ = mixture.split(ids)
-    k = len(mixture.names)
+    counts, expected, phase = _full_batches(mixture, seed, src, epoch, epochs, batch_size)
+    schedule = mixture.schedule(seed)
+    first, last = schedule.phase_of(np.array([epoch * n, (epoch + epochs) * n - 1])).tolist()
+    phases = []
+    for i in range(first, last + 1):
+        pos, shares = mixture.phases[i]
+        mine = (phase == i).all(axis=1)  # the full batches wholly inside phase i
+        phases.append({"position": pos, "shares": {k: round(w, 6) for k, w in zip(mixture.names, shares)},
+                       "batches": int(mine.sum()), "per_batch": _per_batch(mixture.names, counts[mine], expected[mine])})
+    sources = [{"name": name, "path": str(ds.root), "samples": len(ds), "share": round(w, 6), "per_epoch": int(m),
+                "cycles": round(int(m) / len(ds), 3)}
+               for name, ds, w, m in zip(mixture.names, mixture.datasets, mixture.phases[first][1],
+                                         schedule.per_epoch(epoch).tolist())]
+    return {"samples_per_epoch": n, "seed": seed, "epoch": epoch, "epochs": epochs, "shuffle": shuffle,
+            "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
+            "per_batch": _per_batch(mixture.names, counts, expected), "phases": phases,
+            "repeat_distance": _repeat_distance(mixture, ids, src)}
+
+
+def _full_batches(mixture: Mixture, seed: int, src: np.ndarray, epoch: int, epochs: int,
+                  batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Over the full global batches of the epochs (``src``: the source at each of their positions): each
+    batch's count per source, its expected count per source (the share of each position's phase, summed) and
+    the phase of each of its positions."""
+    n, k = len(mixture), len(mixture.names)
     full = n // batch_size
-    per_batch = {}
-    counts = np.concatenate([
-        np.stack([np.bincount(b, minlength=k) for b in src[e * n:e * n + full * batch_size].reshape(full, -1)])
-        for e in range(epochs)]) if full else np.zeros((0, k), np.int64)
-    for s, name in enumerate(mixture.names):
-        want = mixture.weights[s] * batch_size
-        c = counts[:, s]
-        per_batch[name] = {"expected": round(want, 3), "min": int(c.min()) if c.size else None,
-                           "max": int(c.max()) if c.size else None,
-                           "max_deviation": round(float(np.abs(c - want).max()), 3) if c.size else None}
-    # distance between two deliveries of the same sample: sort positions by id, consecutive equal ids
+    within = np.arange(full * batch_size).reshape(full, batch_size)
+    rows = np.concatenate([j * n + within for j in range(epochs)])  # into src
+    stream = np.concatenate([e * n + within for e in range(epoch, epoch + epochs)])
+    phase = mixture.schedule(seed).phase_of(stream)
+    shares = np.asarray([w for _, w in mixture.phases], float)
+    counts = np.stack([np.bincount(b, minlength=k) for b in src[rows]]) if full else np.zeros((0, k), np.int64)
+    return counts, shares[phase].sum(axis=1) if full else np.zeros((0, k)), phase
+
+
+def _per_batch(names: tuple[str, ...], counts: np.ndarray, expected: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Per source: the expected count (None unless the same in every batch), min, max, max |count - expected|."""
+    out = {}
+    for s, name in enumerate(names):
+        c, want = counts[:, s], expected[:, s]
+        same = c.size and np.allclose(want, want[0])
+        out[name] = {"expected": round(float(want[0]), 3) if same else None,
+                     "min": int(c.min()) if c.size else None, "max": int(c.max()) if c.size else None,
+                     "max_deviation": round(float(np.abs(c - want).max()), 3) if c.size else None}
+    return out
+
+
+def _repeat_distance(mixture: Mixture, ids: np.ndarray, src: np.ndarray) -> dict[str, dict[str, Any]]:
+    """Per source: positions between two deliveries of the same sample (sort positions by id, consecutive
+    equal ids)."""
     pos = np.arange(len(ids))
     by_id = np.lexsort((pos, ids))
     same = ids[by_id][1:] == ids[by_id][:-1]
@@ -60,10 +103,4 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
         g = gaps[gap_src == s]
         repeat[name] = {"repeats": int(g.size), "min": int(g.min()) if g.size else None,
                         "median": float(np.median(g)) if g.size else None}
-    per_epoch = mixture.schedule(seed).per_epoch(epoch)
-    sources = [{"name": name, "path": str(ds.root), "samples": len(ds), "share": round(w, 6),
-                "per_epoch": int(m), "cycles": round(int(m) / len(ds), 3)}
-               for name, ds, w, m in zip(mixture.names, mixture.datasets, mixture.weights, per_epoch.tolist())]
-    return {"samples_per_epoch": n, "seed": seed, "epoch": epoch, "epochs": epochs, "shuffle": shuffle,
-            "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
-            "per_batch": per_batch, "repeat_distance": repeat}
+    return repeat

@@ -18,6 +18,14 @@ source never repeats a sample before all of its samples were delivered, a small 
 own epochs, a large one is partly covered per mixture epoch, and nothing is stored: everything follows
 from the position.
 
+**A schedule.** Weights may change at chosen stream positions (:class:`MixSchedule`'s ``changes``): the
+*stream position* of position ``p`` of mixture epoch ``e`` is ``e * N + p``, so epochs keep their length and a
+schedule's phases change what each epoch holds. Phase ``i`` runs from its start ``P_i`` to the next one's; in it the
+largest-deficit schedule of its own weights is laid out afresh (from an offset of its own), so its windows hold
+its weights as above, and each source's count runs on across the change (its samples before ``P_i`` plus its
+positions in the phase so far): a source never repeats a sample before all were delivered, across phases too.
+A lookup is O(1) per position plus a search among the phases' starts.
+
 Samples of a mixture are named by *mixture ids*: source ``s``'s sample ``i`` is ``base_s + i`` (sources laid
 end to end in mapping order), which is what :class:`MixOrder` returns and what the reader is given.
 """
@@ -26,18 +34,20 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property, lru_cache
+from typing import Any
 
 import numpy as np
 
 from fastio.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
-__all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_shares",
+__all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_positions", "check_shares",
            "integer_weights", "window_spread"]
 
 MIX_ALGORITHM = "deficit-v1"
@@ -110,33 +120,94 @@ def _u63(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
+def check_positions(positions: Sequence[Any], what: str = "weights") -> None:
+    """ValueError naming the first entry of a schedule (``what[i]``) whose position is not an integer, the first
+    not 0, or one not after the entry before it: a schedule starts at 0 and its positions strictly increase."""
+    for i, pos in enumerate(positions):
+        if isinstance(pos, bool) or not isinstance(pos, numbers.Integral) or pos < 0:
+            raise ValueError(f"{what}[{i}]: the position must be an integer >= 0 (samples since training began), "
+                             f"got {pos!r}")
+        if i == 0 and pos != 0:
+            raise ValueError(f"{what}[0]: a schedule starts at position 0, got {pos!r}")
+        if i and pos <= positions[i - 1]:
+            raise ValueError(f"{what}[{i}]: position {pos!r} is not after the previous entry's {positions[i - 1]!r} "
+                             "(a schedule's positions strictly increase)")
+
+
+def _check_weights(names: Sequence[str], weights: Sequence[float], note: str = "") -> None:
+    for name, w in zip(names, weights):
+        if isinstance(w, bool) or not (isinstance(w, numbers.Real) and math.isfinite(w) and w > 0):
+            raise ValueError(f"weight of {name!r} must be a positive number, got {w!r}{note}")
+    check_shares(names, weights, note)
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One phase of a schedule: the periodic largest-deficit sequence of ``counts`` from ``offset`` on, filling
+    stream positions from ``start``; ``base``: each source's samples delivered before ``start``."""
+
+    start: int
+    counts: tuple[int, ...]
+    offset: int
+    base: np.ndarray
+
+    @property
+    def period(self) -> int:
+        return sum(self.counts)
+
+    def before(self, q: int) -> np.ndarray:
+        """Positions of each source in ``[0, q)`` of the periodic sequence."""
+        src, _ = _period(self.counts)
+        return (q // self.period) * np.asarray(self.counts, np.int64) + np.bincount(
+            src[:q % self.period], minlength=len(self.counts))
+
+    def delivered(self, stream: int) -> np.ndarray:
+        """Each source's samples delivered before stream position ``stream`` (in this phase or before it)."""
+        return self.base + self.before(self.offset + stream - self.start) - self.before(self.offset)
+
+    def sources(self, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, k)`` at stream positions ``stream`` (all in this phase)."""
+        src, rank = _period(self.counts)
+        q = self.offset + stream - self.start
+        r = q % self.period
+        s = src[r]
+        first = self.base - self.before(self.offset)
+        return s, (q // self.period) * np.asarray(self.counts, np.int64)[s] + rank[r] + first[s]
+
+
 @dataclass(frozen=True)
 class MixSchedule:
     """Which source fills each position of each mixture epoch, and its running count of that source.
 
-    A pure function of (seed, names, weights, fingerprints, samples_per_epoch).
+    A pure function of (seed, names, weights, changes, fingerprints, samples_per_epoch). Without ``changes`` the
+    weights hold everywhere; each change ``(position, weights)`` starts a phase at that stream position (see the
+    module docstring).
     """
 
     names: tuple[str, ...]
     weights: tuple[float, ...]
-    """Relative weights (positive); only their proportions matter."""
+    """Relative weights (positive) from stream position 0; only their proportions matter."""
     fingerprints: tuple[str, ...]
     samples_per_epoch: int
     seed: int = 0
+    changes: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    """Later phases: ``(stream position, weights)``, positions after 0 and strictly increasing."""
 
     def __post_init__(self):
         if not (len(self.names) == len(self.weights) == len(self.fingerprints)) or not self.names:
             raise ValueError("names, weights and fingerprints must be non-empty and of the same length")
-        for name, w in zip(self.names, self.weights):
-            if not (isinstance(w, (int, float)) and math.isfinite(w) and w > 0):
-                raise ValueError(f"weight of {name!r} must be a positive number, got {w!r}")
-        check_shares(self.names, self.weights)
+        _check_weights(self.names, self.weights)
+        check_positions([0, *(pos for pos, _ in self.changes)], "schedule")  # schedule[0]: weights, at 0
+        for i, (pos, weights) in enumerate(self.changes):
+            if len(weights) != len(self.names):
+                raise ValueError(f"changes[{i}] (position {pos}): {len(weights)} weights for {len(self.names)} sources")
+            _check_weights(self.names, weights, f" (the schedule's entry at position {pos})")
         if self.samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch!r}")
 
     @cached_property
     def counts(self) -> tuple[int, ...]:
-        """Positions of each source in one period (:func:`integer_weights`)."""
+        """Positions of each source in one period of the first phase (:func:`integer_weights`)."""
         return integer_weights(self.weights)
 
     @property
@@ -145,33 +216,55 @@ class MixSchedule:
 
     @cached_property
     def phase(self) -> int:
-        """Where epoch 0 starts in the periodic schedule."""
-        key = f"fastio-mix:{MIX_ALGORITHM}:{self.seed}:{self.names}:{self.counts}:{self.fingerprints}"
-        return _u63(key) % self.period
+        """Where epoch 0 starts in the first phase's periodic sequence."""
+        return self._offset(self.counts, 0)
+
+    def _offset(self, counts: tuple[int, ...], start: int) -> int:
+        key = f"fastio-mix:{MIX_ALGORITHM}:{self.seed}:{self.names}:{counts}:{self.fingerprints}"
+        return _u63(key if start == 0 else f"{key}:{start}") % sum(counts)
+
+    @cached_property
+    def _phases(self) -> tuple[_Phase, ...]:
+        first = _Phase(0, self.counts, self.phase, np.zeros(len(self.names), np.int64))
+        phases = [first]
+        for start, weights in self.changes:
+            counts = integer_weights(weights)
+            base = phases[-1].delivered(start)
+            phases.append(_Phase(start, counts, self._offset(counts, start), base))
+        for p in phases:
+            p.base.flags.writeable = False
+        return tuple(phases)
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """The stream position where each phase starts (the first: 0)."""
+        return np.array([p.start for p in self._phases], np.int64)
+
+    def phase_of(self, stream: np.ndarray) -> np.ndarray:
+        """The phase (0, 1, ...) of each of stream positions ``stream``."""
+        return np.searchsorted(self.starts, np.asarray(stream, np.int64), "right") - 1
 
     def sources(self, epoch: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` for positions ``pos`` of mixture epoch ``epoch``: the source filling each one and how
         many samples of that source the stream delivered before it (since position 0 of mixture epoch 0)."""
-        src, rank = _period(self.counts)
-        q = self.phase + epoch * self.samples_per_epoch + np.asarray(pos, np.int64)
-        r = q % self.period
-        s = src[r]
-        return s, (q // self.period) * np.asarray(self.counts, np.int64)[s] + rank[r] - self._start[s]
+        stream = epoch * self.samples_per_epoch + np.asarray(pos, np.int64)
+        if len(self._phases) == 1:
+            return self._phases[0].sources(stream)
+        which = self.phase_of(stream)
+        s, k = np.empty(stream.shape, np.int64), np.empty(stream.shape, np.int64)
+        for i in np.unique(which).tolist():
+            sel = which == i
+            s[sel], k[sel] = self._phases[i].sources(stream[sel])
+        return s, k
 
-    @cached_property
-    def _start(self) -> np.ndarray:
-        """Each source's count at the start of epoch 0 (so that its stream starts at its own epoch 0)."""
-        return self._before(self.phase)
+    def delivered(self, stream: int) -> np.ndarray:
+        """Each source's samples in stream positions ``[0, stream)`` (O(log phases))."""
+        return self._phases[int(self.phase_of(np.array([stream]))[0])].delivered(int(stream))
 
     def per_epoch(self, epoch: int) -> np.ndarray:
-        """Samples of each source in mixture epoch ``epoch`` (O(sources))."""
-        start = self.phase + epoch * self.samples_per_epoch
-        return self._before(start + self.samples_per_epoch) - self._before(start)
-
-    def _before(self, q: int) -> np.ndarray:
-        src, _ = _period(self.counts)
-        counts = np.asarray(self.counts, np.int64)
-        return (q // self.period) * counts + np.bincount(src[:q % self.period], minlength=len(counts))
+        """Samples of each source in mixture epoch ``epoch`` (O(sources + log phases))."""
+        start = epoch * self.samples_per_epoch
+        return self.delivered(start + self.samples_per_epoch) - self.delivered(start)
 
 
 def source_seed(seed: int, name: str) -> int:

@@ -1,9 +1,10 @@
 """``fastio.Mixture``: several datasets read as one, in weighted proportions, in one deterministic order.
 
-A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights and
-the samples of a mixture epoch; :class:`fastio.Loader` accepts it where it accepts a dataset. The order is
-:mod:`fastio.mixorder`'s. :class:`MixReader` reads a batch of mixture ids with one
-:class:`~fastio.reader.Reader` per source and hands back one :class:`~fastio.reader.ReadBatch`.
+A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights (or a
+schedule of weights that change at positions of the stream) and the samples of a mixture epoch;
+:class:`fastio.Loader` accepts it where it accepts a dataset. The order is :mod:`fastio.mixorder`'s.
+:class:`MixReader` reads a batch of mixture ids with one :class:`~fastio.reader.Reader` per source and hands back
+one :class:`~fastio.reader.ReadBatch`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import MixSampler, MixSchedule, check_shares
+from fastio.mixorder import MixSampler, MixSchedule, check_positions, check_shares
 from fastio.reader import ReadBatch, Reader
 from fastio.sampler import SamplerSpec
 from fastio.storage.url import is_remote
@@ -40,13 +41,18 @@ class Mixture:
         sources: name -> dataset directory, ``s3://`` URL or opened :class:`~fastio.Dataset`. The mapping's
             order numbers the sources (``batch["source"]``).
         weights: name -> relative weight (any positive numbers; only proportions matter). Default: each
-            source's size, i.e. every sample about once per mixture epoch.
-        samples_per_epoch: samples of a mixture epoch (default: the sum of the sources' sizes).
+            source's size, i.e. every sample about once per mixture epoch. Or a schedule: a list of
+            ``(position, {name: weight})`` pairs, the first at position 0, positions strictly increasing; the
+            weights of an entry apply from that position of the mixture stream (samples since training began,
+            across epochs: position ``p`` of mixture epoch ``e`` is ``e * samples_per_epoch + p``) to the next.
+        samples_per_epoch: samples of a mixture epoch (default: the sum of the sources' sizes); a schedule
+            changes what an epoch holds, not its length.
         verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
             (as for :class:`~fastio.Dataset`).
     """
 
-    def __init__(self, sources: Mapping[str, str | Path | Dataset], weights: Mapping[str, float] | None = None,
+    def __init__(self, sources: Mapping[str, str | Path | Dataset],
+                 weights: Mapping[str, float] | Sequence[tuple[int, Mapping[str, float]]] | None = None,
                  samples_per_epoch: int | None = None, *, verify: bool = False, cache_dir: str | Path | None = None,
                  cache_size: int | str | None = None, storage_options: dict | None = None):
         if not isinstance(sources, Mapping) or not sources:
@@ -55,16 +61,7 @@ class Mixture:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"source names must be non-empty strings, got {name!r}")
         self.names: tuple[str, ...] = tuple(sources)
-        if weights is not None:
-            if not isinstance(weights, Mapping):
-                raise ValueError(f"weights must be a mapping of source name -> weight, got {weights!r}")
-            unknown = [k for k in weights if k not in sources]
-            missing = [k for k in self.names if k not in weights]
-            if unknown or missing:
-                raise ValueError(f"weights must name every source once: unknown {unknown}, missing {missing}")
-            for k, w in weights.items():
-                if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0:
-                    raise ValueError(f"weights[{k!r}] must be a positive number, got {w!r}")
+        given = None if weights is None else _parse_weights(self.names, weights)
         if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool) or not isinstance(
                 samples_per_epoch, numbers.Integral) or samples_per_epoch < 1):
             raise ValueError(f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}")
@@ -76,11 +73,16 @@ class Mixture:
             if len(ds) < 1:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         self.sizes: tuple[int, ...] = tuple(len(ds) for ds in self.datasets)
-        raw = [float(weights[k]) for k in self.names] if weights is not None else [float(n) for n in self.sizes]
-        check_shares(self.names, raw, "" if weights is not None else " (no weights= given: each source's size "
-                     "is its weight; give weights=)")
-        self.weights: tuple[float, ...] = tuple(w / sum(raw) for w in raw)
-        """Each source's share (the weights normalised to sum to 1)."""
+        if given is None:
+            raw = [float(n) for n in self.sizes]
+            check_shares(self.names, raw, " (no weights= given: each source's size is its weight; give weights=)")
+            given = ((0, tuple(raw)),)
+        self.phases: tuple[tuple[int, tuple[float, ...]], ...] = tuple(
+            (pos, tuple(w / sum(raw) for w in raw)) for pos, raw in given)
+        """The schedule: ``(position, shares)`` per phase, the first at 0 (one entry for plain weights); shares are
+        the weights normalised to sum to 1, positions count samples of the mixture stream since training began."""
+        self.weights: tuple[float, ...] = self.phases[0][1]
+        """Each source's share (the weights normalised to sum to 1); with a schedule, its first phase's."""
         self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
         self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         """Mixture id of each source's first sample (source ``s``'s sample ``i`` is ``base[s] + i``)."""
@@ -88,8 +90,9 @@ class Mixture:
     @classmethod
     def from_file(cls, path: str | Path, **opening: Any) -> Mixture:
         """A mixture described by a JSON file ``{"sources": {name: path or URL}, "weights": {name: weight},
-        "samples_per_epoch": N}`` (``weights`` and ``samples_per_epoch`` optional; relative paths are relative
-        to the file). ``opening``: as for the constructor. DatasetError names the file and the bad entry."""
+        "samples_per_epoch": N}`` (``weights`` and ``samples_per_epoch`` optional; ``weights`` may be a schedule,
+        ``[[position, {name: weight}], ...]``; relative paths are relative to the file). ``opening``: as for the
+        constructor. DatasetError names the file and the bad entry."""
         path = Path(path)
         try:
             spec = json.loads(path.read_text())
@@ -114,8 +117,12 @@ class Mixture:
             raise DatasetError(f"{path}: {err}") from None
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, self.weights))
-        return f"Mixture({parts}, samples_per_epoch={self.samples_per_epoch})"
+        def shares(weights: Sequence[float]) -> str:
+            return ", ".join(f"{n}={w:.3g}" for n, w in zip(self.names, weights))
+        if len(self.phases) == 1:
+            return f"Mixture({shares(self.weights)}, samples_per_epoch={self.samples_per_epoch})"
+        phases = "; ".join(f"from {pos}: {shares(w)}" for pos, w in self.phases)
+        return f"Mixture({phases}, samples_per_epoch={self.samples_per_epoch})"
 
     def __len__(self) -> int:
         """Samples of a mixture epoch."""
@@ -136,7 +143,9 @@ class Mixture:
         return hashlib.sha256(repr((self.names, self.fingerprints)).encode()).hexdigest()[:16]
 
     def schedule(self, seed: int) -> MixSchedule:
-        return MixSchedule(self.names, self.weights, self.fingerprints, self.samples_per_epoch, seed)
+        """The order of the sources' positions with ``seed`` (:class:`~fastio.mixorder.MixSchedule`)."""
+        return MixSchedule(self.names, self.weights, self.fingerprints, self.samples_per_epoch, seed,
+                           changes=self.phases[1:])
 
     def sampler(self, spec: SamplerSpec, world_size: int = 1, rank: int = 0) -> MixSampler:
         """The order and batches of rank ``rank`` of ``world_size`` (``spec``: the loader's sampling)."""
@@ -174,18 +183,44 @@ class Mixture:
 
 
 def mixture_state(mixture: Mixture) -> dict[str, Any]:
-    """What identifies a mixture's order in a loader state: names, fingerprints, weights, epoch length."""
-    return {"names": list(mixture.names), "fingerprints": list(mixture.fingerprints),
-            "weights": list(mixture.weights), "samples_per_epoch": mixture.samples_per_epoch}
+    """What identifies a mixture's order in a loader state: names, fingerprints, epoch length and ``weights``;
+    with a schedule ``schedule`` (``[[position, shares], ...]``) instead of ``weights``, so that a fastio from
+    before schedules refuses the state (it requires ``weights``) rather than ignoring the schedule. Plain
+    weights' states are as they were."""
+    state: dict[str, Any] = {"names": list(mixture.names), "fingerprints": list(mixture.fingerprints)}
+    if len(mixture.phases) > 1:
+        state["schedule"] = [[pos, list(shares)] for pos, shares in mixture.phases]
+    else:
+        state["weights"] = list(mixture.weights)
+    state["samples_per_epoch"] = mixture.samples_per_epoch
+    return state
 
 
 def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int) -> None:
     """LoaderStateError unless a state saved at ``(epoch, consumed)`` can continue with ``mixture``: the same
-    sources (names and datasets); the same weights and epoch length, unless the state is at an epoch boundary
-    (new weights apply from the next mixture epoch)."""
-    if not isinstance(saved, dict) or not {"names", "fingerprints", "weights", "samples_per_epoch"} <= saved.keys():
+    sources (names and datasets), and a schedule that keeps the past: the entries before the saved stream
+    position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
+    Plain weights on both sides (states from before schedules): as before, they may change at an epoch
+    boundary (the new weights then order the stream as if they had always applied)."""
+    if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
+            or not {"weights", "schedule"} & saved.keys():
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
-    names, fps = list(saved["names"]), list(saved["fingerprints"])
+    _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]))
+    old, samples = _saved_phases(mixture, saved), int(saved["samples_per_epoch"])
+    if samples == mixture.samples_per_epoch and _same_phases(old, mixture.phases):
+        return
+    if len(old) == 1 and len(mixture.phases) == 1:
+        _check_weight_change(mixture, old[0][1], samples, epoch, consumed)
+        return
+    if samples != mixture.samples_per_epoch:
+        raise LoaderStateError(
+            f"{mixture.root}: loader state has samples_per_epoch {samples}, this mixture "
+            f"{mixture.samples_per_epoch}: a schedule's positions count samples across epochs of that length, "
+            "so it cannot change under a schedule")
+    _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
+
+
+def _check_sources(mixture: Mixture, names: list, fps: list) -> None:
     if names != list(mixture.names):
         raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
                                f"{list(mixture.names)}")
@@ -193,19 +228,102 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
         if old != new:
             raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
                                    f"state was saved with {old} (another dataset)")
-    weights, samples = [float(w) for w in saved["weights"]], int(saved["samples_per_epoch"])
-    same = samples == mixture.samples_per_epoch and all(
-        math.isclose(a, b, rel_tol=1e-12) for a, b in zip(weights, mixture.weights))
-    if same or consumed == 0 or consumed >= samples:
+
+
+def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
+    """The saved schedule (``schedule``, else the plain ``weights`` from position 0)."""
+    entries = saved["schedule"] if "schedule" in saved else [[0, saved["weights"]]]
+    try:
+        phases = [(int(pos), tuple(float(w) for w in shares)) for pos, shares in entries]
+    except (TypeError, ValueError):
+        raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule is not [[position, weights], ...]: "
+                               f"{entries!r}") from None
+    if not phases or any(len(w) != len(mixture.names) for _, w in phases):
+        raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule does not give a weight per source: "
+                               f"{entries!r}")
+    return phases
+
+
+def _same_entry(a: tuple[int, Sequence[float]], b: tuple[int, Sequence[float]]) -> bool:
+    return a[0] == b[0] and all(math.isclose(x, y, rel_tol=1e-12) for x, y in zip(a[1], b[1]))
+
+
+def _same_phases(a: Sequence, b: Sequence) -> bool:
+    return len(a) == len(b) and all(_same_entry(x, y) for x, y in zip(a, b))
+
+
+def _describe_entry(names: Sequence[str], entry: tuple[int, Sequence[float]] | None) -> str:
+    if entry is None:
+        return "no entry"
+    return f"({entry[0]}, {{{', '.join(f'{n}: {w:.4g}' for n, w in zip(names, entry[1]))}}})"
+
+
+def _check_past(mixture: Mixture, old: Sequence, position: int, epoch: int, consumed: int) -> None:
+    """LoaderStateError naming the first entry before stream position ``position`` that ``mixture``'s schedule
+    added, dropped or changed against the saved one ``old``."""
+    was = [e for e in old if e[0] < position]
+    now = [e for e in mixture.phases if e[0] < position]
+    for i in range(max(len(was), len(now))):
+        a, b = (was[i] if i < len(was) else None), (now[i] if i < len(now) else None)
+        if a is None or b is None or not _same_entry(a, b):
+            raise LoaderStateError(
+                f"{mixture.root}: loader state is at stream position {position} (mixture epoch {epoch}, {consumed} "
+                f"samples in), and this mixture's schedule changes what came before it: entry {i} was "
+                f"{_describe_entry(mixture.names, a)} and is {_describe_entry(mixture.names, b)}; entries before "
+                f"position {position} must stay as saved (entries from {position} on may change)")
+
+
+def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: int, epoch: int, consumed: int) -> None:
+    """Plain weights (or epoch length) changed: allowed at an epoch boundary only, as before schedules."""
+    if consumed == 0 or consumed >= samples:
         return
-    old = ", ".join(f"{n}={w:.4g}" for n, w in zip(names, weights))
+    old = ", ".join(f"{n}={w:.4g}" for n, w in zip(mixture.names, weights))
     new = ", ".join(f"{n}={w:.4g}" for n, w in zip(mixture.names, mixture.weights))
+    position = epoch * samples + consumed
+
+    def mapping(shares: Sequence[float]) -> str:
+        return "{" + ", ".join(f"{n!r}: {w:.4g}" for n, w in zip(mixture.names, shares)) + "}"
+    schedule = (f", or from stream position {position} with a schedule that keeps the saved weights before it: "
+                f"weights=[(0, {mapping(weights)}), ({position}, {mapping(mixture.weights)})]"
+                if samples == mixture.samples_per_epoch else "")
     raise LoaderStateError(
         f"{mixture.root}: loader state is {consumed} samples into mixture epoch {epoch} with weights {old} and "
         f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
         f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
         f"epoch: continue from the start of epoch {epoch + 1} (a Checkpointer: restore_latest(..., "
-        f"loader_policy='next-epoch'); a Loader alone: loader.set_epoch({epoch + 1}) instead of load_state_dict)")
+        f"loader_policy='next-epoch'); a Loader alone: loader.set_epoch({epoch + 1}) instead of load_state_dict)"
+        f"{schedule}")
+
+
+def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """``weights`` (a mapping, or a schedule of ``(position, mapping)`` pairs) as ``(position, weights)`` per
+    phase, checked: ValueError naming the offending entry, source or value."""
+    if isinstance(weights, Mapping):
+        return ((0, _entry_weights(names, weights, "weights")),)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
+        raise ValueError(f"weights must be a mapping of source name -> weight, or a schedule: a list of (position, "
+                         f"{{name: weight}}) pairs, got {weights!r}")
+    for i, entry in enumerate(weights):
+        if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != 2 \
+                or not isinstance(entry[1], Mapping):
+            raise ValueError(f"weights[{i}] must be a (position, {{name: weight}}) pair, got {entry!r}")
+    check_positions([pos for pos, _ in weights])
+    return tuple((int(pos), _entry_weights(names, w, f"weights[{i}]", f" (weights[{i}], from position {pos})"))
+                 for i, (pos, w) in enumerate(weights))
+
+
+def _entry_weights(names: tuple[str, ...], weights: Mapping, what: str, note: str = "") -> tuple[float, ...]:
+    """One mapping of weights as a tuple in source order, checked (``what`` names it in messages)."""
+    unknown = [k for k in weights if k not in names]
+    missing = [k for k in names if k not in weights]
+    if unknown or missing:
+        raise ValueError(f"{what} must name every source once: unknown {unknown}, missing {missing}")
+    for k, w in weights.items():
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0:
+            raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}")
+    raw = tuple(float(weights[k]) for k in names)
+    check_shares(names, raw, note)
+    return raw
 
 
 def _open(name: str, where: Any, opening: dict) -> Dataset:

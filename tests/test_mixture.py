@@ -288,3 +288,204 @@ def test_resume_on_a_rank_with_drop_last_and_remainders(raw_sources, kw):
         assert len(epoch) == 7 and sizes[-1] == 4 and padded == 4  # rank 1's part of the last batch: all padding
     loader.close()
     check_resume(make, n=5, k=4)
+
+
+# -- a schedule: weights that change at stream positions ------------------------------------------------------
+
+
+def _scheduled(weights, changes, samples=2000, seed=0):
+    names = tuple("abcdefgh"[:len(weights)])
+    return MixSchedule(names, tuple(weights), tuple(f"fp-{n}" for n in names), samples, seed,
+                       changes=tuple((p, tuple(w)) for p, w in changes))
+
+
+@pytest.mark.parametrize("batch", [8, 10])
+def test_every_batch_of_each_phase_holds_its_weights_within_one(batch):
+    # epochs of 1000; changes mid-epoch 0 (at 333, not a batch edge), at the epoch boundary 1000, mid-epoch 1
+    sched = _scheduled((3, 1, 1), [(333, (1, 1, 2)), (1000, (1, 4, 1)), (1555, (5, 3, 2))], samples=1000)
+    src = np.concatenate([sched.sources(e, np.arange(1000))[0] for e in range(3)])
+    edges = [0, 333, 1000, 1555, 3000]
+    for (lo, hi), weights in zip(zip(edges, edges[1:]), [(3, 1, 1), (1, 1, 2), (1, 4, 1), (5, 3, 2)]):
+        share = np.asarray(weights, float) / sum(weights)
+        first = -(-lo // batch) * batch  # global batches wholly inside the phase
+        part = src[first:first + (hi - first) // batch * batch].reshape(-1, batch)
+        counts = np.stack([np.bincount(b, minlength=3) for b in part])
+        assert np.abs(counts - share * batch).max() <= 1, f"phase from {lo}: a batch strays from {weights}"
+    plain = _schedule((3, 1, 1), samples=1000)
+    assert (src[:333] == plain.sources(0, np.arange(333))[0]).all(), "before the first change: the plain order"
+
+
+def test_each_source_counts_on_across_a_change():
+    # a source's k-th delivery is its k-th sample, whatever phase it comes in: no restart, no gap, no repeat
+    sched = _scheduled((1, 3), [(50, (4, 1)), (130, (1, 1))], samples=70)
+    src, k = (np.concatenate(x) for x in zip(*(sched.sources(e, np.arange(70)) for e in range(4))))
+    for s in range(2):
+        assert k[src == s].tolist() == list(range(int((src == s).sum())))
+    for e in range(4):
+        assert sched.per_epoch(e).tolist() == np.bincount(src[e * 70:(e + 1) * 70], minlength=2).tolist()
+    pos = np.array([0, 49, 50, 51, 129, 130, 131, 279])  # any position alone gives what the stream gave
+    got = [sched.sources(int(p) // 70, np.array([int(p) % 70])) for p in pos]
+    assert [(int(s[0]), int(kk[0])) for s, kk in got] == list(zip(src[pos].tolist(), k[pos].tolist()))
+
+
+def test_a_schedule_is_checked_where_it_enters(raw_sources):
+    def mix(weights):
+        return Mixture(raw_sources, weights=weights)
+
+    w = {"a": 1, "b": 1, "c": 1}
+    for weights, match in [([(5, w)], r"weights\[0\]: a schedule starts at position 0, got 5"),
+                           ([(0, w), (40, w), (40, w)], r"weights\[2\]: position 40 is not after the previous "
+                                                        r"entry's 40"),
+                           ([(0, w), (10, w), (3, w)], r"weights\[2\]: position 3 is not after"),
+                           ([(0, w), (2.5, w)], r"weights\[1\]: the position must be an integer >= 0 .*got 2\.5"),
+                           ([(0, w), (True, w)], r"weights\[1\]: the position must be an integer"),
+                           ([(0, w), (9, {"a": 1, "b": 0, "c": 1})], r"weights\[1\]\['b'\] must be a positive "
+                                                                     r"number, got 0"),
+                           ([(0, w), (9, {"a": 1, "b": 1})], r"weights\[1\] must name every source once: unknown "
+                                                             r"\[\], missing \['c'\]"),
+                           ([(0, w), (9, {"a": 1e6, "b": 1, "c": 1})], r"weight 1 of mixture source 'b' is a share "
+                                                                       r".*\(weights\[1\], from position 9\)$"),
+                           ([(0, w), 9], r"weights\[1\] must be a \(position, \{name: weight\}\) pair, got 9"),
+                           ([], r"weights must be a mapping of source name -> weight, or a schedule")]:
+        with pytest.raises(ValueError, match=match):
+            mix(weights)
+    m = mix([(0, w), (40, {"a": 2, "b": 1, "c": 1})])
+    assert m.weights == pytest.approx((1 / 3,) * 3) and [p for p, _ in m.phases] == [0, 40]
+    assert "from 40: a=0.5" in repr(m)
+
+
+def _scheduled_loader(sources, schedule, **kw):
+    return _raw_loader(sources, [(p, dict(zip("abc", w))) for p, w in schedule], **kw)
+
+
+_SCHEDULE = [(0, (3, 2, 1)), (36, (1, 1, 4))]  # 50 samples an epoch, batches of 6: the change at batch 6
+
+
+@pytest.mark.parametrize("n", [5, 6, 7, 8])  # mid-phase, exactly at the change, just after it, into epoch 1
+def test_resume_across_a_change_is_bitwise(raw_sources, n):
+    state = check_resume(lambda: _scheduled_loader(raw_sources, _SCHEDULE), n=n, k=6)
+    assert state["mixture"]["schedule"] == [[0, pytest.approx([0.5, 1 / 3, 1 / 6])],
+                                            [36, pytest.approx([1 / 6, 1 / 6, 2 / 3])]]
+    assert "weights" not in state["mixture"]  # which a fastio from before schedules requires: it refuses the state
+    loader = _scheduled_loader(raw_sources, _SCHEDULE)
+    got = list(islice(batches(loader), 6))
+    assert [sorted(Counter(b["source"].tolist()).items()) for b in got] == \
+        [[(0, 3), (1, 2), (2, 1)]] * 6  # batches 0..5: 3:2:1
+    after = Counter(s for b in islice(batches(loader), 2) for s in b["source"].tolist())
+    assert after == {0: 2, 1: 2, 2: 8}  # batches 6, 7: 1:1:4
+    stats = loader.stats()["sources"]
+    assert [stats[k]["samples"] for k in "abc"] == [18 + 2, 12 + 2, 6 + 8]
+    loader.close()
+
+
+@pytest.mark.parametrize("old,new,n", [(2, 3, 5), (3, 2, 4), (2, 3, 6)])
+def test_elastic_resume_across_a_change_delivers_each_remaining_position_once(raw_sources, old, new, n):
+    # world 2 x batch 3 = global batch 6 (the change at global batch 6); world 3 x 3 = 9 (at 4 batches)
+    weights = [(p, dict(zip("abc", w))) for p, w in _SCHEDULE]
+    before, states = _ranks(raw_sources, old, weights, n=n)
+    after, _ = _ranks(raw_sources, new, weights, state=states[0])
+    whole, _ = _ranks(raw_sources, 1, weights)
+    assert Counter(_pairs(before) + _pairs(after)) == Counter(_pairs(whole)) and len(_pairs(whole)) == 50
+
+
+def _state_at(sources, schedule, n):
+    loader = _scheduled_loader(sources, schedule)
+    list(islice(batches(loader), n))
+    state = loader.state_dict()
+    loader.close()
+    return state
+
+
+def test_a_resume_may_change_the_future_of_a_schedule_not_its_past(raw_sources):
+    state = _state_at(raw_sources, _SCHEDULE, 4)  # stream position 24
+    for changed, entry in [([(0, (1, 1, 1)), (36, (1, 1, 4))], r"entry 0 was \(0, \{a: 0.5"),
+                           ([(0, (3, 2, 1)), (20, (1, 1, 4))], r"entry 1 was no entry and is \(20, "),
+                           ([(0, (3, 2, 1)), (12, (3, 2, 1)), (36, (1, 1, 4))], r"entry 1 was no entry")]:
+        with pytest.raises(LoaderStateError, match=rf"stream position 24 \(mixture epoch 0, 24 samples in\).*"
+                                                   rf"{entry}.*entries before position 24 must stay as saved"):
+            _scheduled_loader(raw_sources, changed).load_state_dict(state)
+    ref = _scheduled_loader(raw_sources, _SCHEDULE)
+    want = list(islice(batches(ref), 12))[4:]
+    ref.close()
+    # the future changed: a later change, a dropped one, one exactly at the saved position; all load
+    for future, same in [([(0, (3, 2, 1)), (36, (1, 1, 4)), (60, (1, 1, 1))], 6),
+                         ([(0, (3, 2, 1)), (48, (1, 1, 4))], 2), ([(0, (3, 2, 1))], 2),
+                         ([(0, (3, 2, 1)), (24, (1, 4, 1))], 0)]:
+        loader = _scheduled_loader(raw_sources, future)
+        loader.load_state_dict(state)
+        got = list(islice(batches(loader), 8))
+        loader.close()
+        assert all(same_batch(a, b) for a, b in zip(want[:same], got[:same])), future
+        assert not same_batch(want[same], got[same]), future
+    assert Counter(got[0]["source"].tolist()) == {0: 1, 1: 4, 2: 1}  # from 24: 1:4:1
+    with pytest.raises(LoaderStateError, match="samples_per_epoch 50, this mixture 60: a schedule's positions"):
+        loader = Loader(Mixture(raw_sources, weights=[(0, {"a": 3, "b": 2, "c": 1}), (36, {"a": 1, "b": 1, "c": 4})],
+                                samples_per_epoch=60), batch_size=6, pipeline="raw", device="cpu", seed=5)
+        loader.load_state_dict(state)
+
+
+def test_a_state_with_plain_weights_continues_into_a_schedule(raw_sources):
+    plain = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    stream = batches(plain)
+    list(islice(stream, 4))
+    state = plain.state_dict()
+    assert "schedule" not in state["mixture"]  # a plain mixture's state is as it was
+    want = list(islice(stream, 2))
+    plain.close()
+    later = _scheduled_loader(raw_sources, _SCHEDULE)  # the saved weights up to 36, then new ones
+    later.load_state_dict(state)
+    got = list(islice(batches(later), 3))
+    later.close()
+    assert same_batch(want[0], got[0]) and same_batch(want[1], got[1])
+    assert Counter(got[2]["source"].tolist()) == {0: 1, 1: 1, 2: 4}
+    mid = _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 4})  # the message says how to change them mid-epoch
+    with pytest.raises(LoaderStateError, match=r"or from stream position 24 with a schedule .*weights=\[\(0, "
+                                               r"\{'a': 0.5, 'b': 0.3333, 'c': 0.1667\}\), \(24, \{'a': 0.1667"):
+        mid.load_state_dict(state)
+    mid.close()
+
+
+def test_inspect_a_mixture_file_with_a_schedule(raw_sources, tmp_path, capsys):
+    from helpers import run_cli
+
+    spec = {"sources": {k: str(v) for k, v in raw_sources.items()},
+            "weights": [[0, {"a": 3, "b": 2, "c": 1}], [66, {"a": 1, "b": 1, "c": 4}]], "samples_per_epoch": 60}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(spec))
+    assert Mixture.from_file(path).phases[1][0] == 66
+    code, out, err = run_cli(["inspect", str(path), "--order", "--batch-size", "12", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    assert [p["position"] for p in info["phases"]] == [0, 66] and [p["batches"] for p in info["phases"]] == [5, 4]
+    first, second = (p["per_batch"] for p in info["phases"])
+    assert first["a"] == {"expected": 6, "min": 6, "max": 6, "max_deviation": 0}
+    assert second["c"] == {"expected": 8, "min": 8, "max": 8, "max_deviation": 0}
+    assert info["per_batch"]["c"]["expected"] is None and info["per_batch"]["c"]["max_deviation"] <= 1
+    assert [s["per_epoch"] for s in info["sources"]] == [30, 20, 10]
+    code, out, _ = run_cli(["inspect", str(path), "--epoch", "1", "--batch-size", "12"], capsys)
+    assert code == 0 and "phase:    from position 66: a 0.1667, b 0.1667, c 0.6667; 9 batches" in out
+    assert "  c            per batch 8..8 (expected 8, max deviation 0)" in out
+    path.write_text(json.dumps({**spec, "weights": [[0, {"a": 1, "b": 1, "c": 1}], [0, {"a": 1, "b": 1, "c": 1}]]}))
+    code, _, err = run_cli(["inspect", str(path)], capsys)
+    assert code == 2 and f"{path}: weights[1]: position 0 is not after the previous entry's 0" in err
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_scheduled_state_goes_through_the_checkpointer(raw_sources, tmp_path, engine):
+    from fastio import Checkpointer
+
+    loader = _scheduled_loader(raw_sources, _SCHEDULE)
+    stream = batches(loader)
+    list(islice(stream, 5))
+    with Checkpointer(tmp_path / "ck", engine=engine) as ckpt:
+        ckpt.save(5, {"data": loader}, blocking=True)
+    want = list(islice(stream, 3))  # across the change at 36
+    saved = loader.state_dict()["mixture"]
+    loader.close()
+    fresh = _scheduled_loader(raw_sources, _SCHEDULE)
+    with Checkpointer(tmp_path / "ck", engine=engine) as ckpt:
+        assert ckpt.restore_latest({"data": fresh}).step == 5
+    assert fresh.state_dict()["mixture"] == saved
+    got = list(islice(batches(fresh), 3))
+    fresh.close()
+    assert all(same_batch(a, b) for a, b in zip(want, got))

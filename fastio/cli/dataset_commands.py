@@ -355,8 +355,17 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     for name, b in info["per_batch"].items():
         r = info["repeat_distance"][name]
         again = f"repeats after >= {r['min']} (median {r['median']:g}) positions" if r["repeats"] else "no repeat"
-        click.echo(f"  {name:<12} per batch {b['min']}..{b['max']} (expected {b['expected']:g}, max deviation "
+        expected = f"expected {b['expected']:g}, " if b["expected"] is not None else ""
+        click.echo(f"  {name:<12} per batch {b['min']}..{b['max']} ({expected}max deviation "
                    f"{b['max_deviation']:g}); {again}")
+    if len(info["phases"]) > 1 or info["phases"][0]["position"]:
+        for p in info["phases"]:
+            shares = ", ".join(f"{k} {w:.4f}" for k, w in p["shares"].items())
+            click.echo(f"phase:    from position {p['position']}: {shares}; {p['batches']} batches wholly inside")
+            for name, b in p["per_batch"].items():
+                if b["min"] is not None:
+                    click.echo(f"  {name:<12} per batch {b['min']}..{b['max']} (expected {b['expected']:g}, max "
+                               f"deviation {b['max_deviation']:g})")
 
 
 def _print_info(info: dict[str, Any]) -> None:
