@@ -49,6 +49,7 @@ from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, down
 from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
+from fastio.media import PROBE_FIELD, MediaCheckError, check_media, is_media_field
 from fastio.parts import (
     PART_RECORD,
     PARTS_DIR,
@@ -303,7 +304,9 @@ def _init_worker(options: tuple[int | None, int, int | None, str | None], in_wor
 
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
-    and that they decode (and with ``max_side`` re-encode them).
+    and that they decode (and with ``max_side`` re-encode them); probe each video or audio field once and add
+    the probe as the ``probe.json`` field (:func:`fastio.media.check_media`: a codec the CPU decoders cannot
+    read is a bad sample).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
@@ -325,6 +328,11 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 check_label(value)
             except ValueError as err:
                 return None, f"field {name!r}: {err}", where
+        if is_media_field(name):
+            try:
+                out[PROBE_FIELD] = check_media(value, name)
+            except MediaCheckError as err:
+                return None, str(err), where
         if is_image_field(name):
             try:
                 if max_side is not None:
