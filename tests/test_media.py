@@ -119,3 +119,236 @@ def test_convert_stores_media_with_probes_and_skips_what_cpu_cannot_read(tmp_pat
     assert set(ds.fields) == {"cls", "probe.json", "webm"}
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert {s["path"] for s in manifest["skipped"]} == {"c1/camera.mp4", "c1/broken.webm"}
+
+
+# -- VideoClips ---------------------------------------------------------------------------------------------
+
+VIDEO_FRAMES = {"v0": 12, "v1": 16, "v2": 20, "short": 4}
+
+
+def frames_shown(video) -> np.ndarray:
+    """[B, F] frame numbers of uint8 FHWC clips (each frame's mean gray level)."""
+    return synthetic.frame_of_level(video.float().mean(dim=(2, 3, 4)).numpy())
+
+
+def video_loader(dest, pipeline=None, **kw):
+    import fastio
+
+    pipeline = pipeline or fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC")
+    opts = dict(batch_size=3, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline, **{**opts, **kw})
+
+
+def test_video_clips_hold_the_frames_their_start_says(video_ds):
+    seen = {}
+    with video_loader(video_ds) as loader:
+        for _epoch in range(2):
+            for b in loader:
+                assert b["video"].shape == (3, 4, 24, 24, 3) and b["video"].dtype == torch_uint8()
+                assert b["start_frame"].dtype == torch_int64() and set(b) >= {"label", "index", "padded"}
+                for j, i in enumerate(b["index"].tolist()):
+                    key = loader.key(i)
+                    n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                    want = np.minimum(start + 2 * np.arange(4), n - 1)  # a short video repeats its last frame
+                    assert frames_shown(b["video"])[j].tolist() == want.tolist(), key
+                    assert 0 <= start <= max(n - 7, 0), (key, start)
+                    assert int(b["label"][j]) == int(key[1])
+                    if not b["padded"][j]:
+                        seen.setdefault(key, []).append(start)
+    assert len(seen) == 7 and all(len(v) == 2 for v in seen.values())
+    assert any(a != b for a, b in seen.values()), "every clip started where it did the epoch before"
+    assert seen["c0/short"] == [0, 0]
+
+
+def test_video_clip_starts_are_pure_in_seed_epoch_and_sample(video_ds):
+    def starts(**kw):
+        with video_loader(video_ds, **kw) as loader:
+            return {int(i): int(s) for b in loader for i, s in zip(b["index"], b["start_frame"])}
+
+    one = starts()
+    assert starts(batch_size=2) == one  # not a function of the batch
+    assert starts(seed=4) != one
+    ranks = {}
+    for rank in range(2):
+        ranks.update(starts(world_size=2, rank=rank, batch_size=2, drop_last=False))
+    assert {i: one[i] for i in ranks} == ranks  # nor of the rank
+
+
+def test_video_clips_float_layouts_and_several_clips(video_ds):
+    import fastio
+
+    pipe = fastio.VideoClips(frames=3, stride=1, size=16, clips_per_video=2, crop="center")
+    with video_loader(video_ds, pipe) as loader:
+        b = next(iter(loader))
+    assert b["video"].shape == (3, 2, 3, 3, 16, 16) and b["video"].dtype == torch_float32()
+    assert b["start_frame"].shape == (3, 2)
+    # normalised: gray level g -> (g / 255 - mean) / std per channel; the frame number comes back from channel 0
+    red = b["video"][:, :, :, 0].mean(dim=(3, 4)).numpy() * 0.229 + 0.485
+    shown = synthetic.frame_of_level(red * 255)
+    for j, i in enumerate(b["index"].tolist()):
+        n = VIDEO_FRAMES[loader.key(i).split("/")[1]]
+        for c in range(2):
+            start = int(b["start_frame"][j, c])
+            assert shown[j, c].tolist() == np.minimum(start + np.arange(3), n - 1).tolist()
+    pipe = fastio.VideoClips(frames=2, size=8, layout="CFHW", dtype="uint8")
+    with video_loader(video_ds, pipe) as loader:
+        assert next(iter(loader))["video"].shape == (3, 3, 2, 8, 8)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(frames=0), "frames must be an integer >= 1, got 0"),
+    (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
+    (dict(crop="left"), "crop must be random or center, got 'left'"),
+    (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),
+    (dict(dtype="float16"), "dtype must be float32 or uint8, got 'float16'"),
+])
+def test_video_clips_options_are_checked(bad, match):
+    import fastio
+
+    with pytest.raises(ValueError, match=match):
+        fastio.VideoClips(**bad)
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_video_clips_resume_exactly(video_ds, shuffle):
+    from resume import check_resume
+
+    check_resume(lambda: video_loader(video_ds, batch_size=2, shuffle=shuffle), n=2, k=4)
+
+
+def test_video_clips_elastic_resume_keeps_each_sample_once_and_its_clip(video_ds):
+    from resume import run_ranks
+
+    single = {int(i): int(s) for b in video_loader(video_ds, batch_size=1) for i, s in zip(b["index"], b["start_frame"])}
+    before, states = run_ranks([video_loader(video_ds, batch_size=1, world_size=2, rank=r) for r in range(2)], n=1)
+    after, _ = run_ranks([video_loader(video_ds, batch_size=1, world_size=3, rank=r, drop_last=False)
+                          for r in range(3)], state=states[0])
+    got = [(int(i), int(s)) for step in before + after for b in step
+           for i, s, p in zip(b["index"], b["start_frame"], b["padded"]) if not p]
+    assert sorted(i for i, _ in got) == list(range(7))
+    assert all(single[i] == s for i, s in got)
+
+
+def test_a_mixture_of_video_and_images_is_refused_by_name(video_ds, image_dataset):
+    import fastio
+    from fastio.errors import DatasetError
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(image_dataset)})
+    with pytest.raises(DatasetError, match=r"ds: dataset has no video field \(its fields: cls, jpg\)"):
+        video_loader(mix)
+
+
+def test_a_mixture_of_video_datasets(video_ds):
+    import fastio
+
+    mix = fastio.Mixture({"a": str(video_ds), "b": str(video_ds)}, weights={"a": 1, "b": 1})
+    with video_loader(mix, batch_size=2) as loader:
+        b = next(iter(loader))
+    assert b["video"].shape == (2, 4, 24, 24, 3) and "source" in b
+
+
+def test_video_clips_from_s3_through_the_cache(moto_server, s3_bucket, video_ds, tmp_path):
+    from resume import same_batch
+
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/videos"
+    open_storage(url, moto_server.options()).publish_dir(video_ds, keys_last=(MANIFEST_NAME,))
+    remote = video_loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB",
+                          storage_options=moto_server.options())
+    with remote, video_loader(video_ds) as local:
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+
+
+# -- AudioClips ---------------------------------------------------------------------------------------------
+
+AUDIO_SECONDS = {"a": 2.0, "b": 1.5, "c": 2.0, "short": 0.5}
+
+
+def audio_loader(dest, pipeline=None, **kw):
+    import fastio
+
+    opts = dict(batch_size=4, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline or fastio.AudioClips(sample_rate=16000, seconds=0.25),
+                         **{**opts, **kw})
+
+
+def test_audio_clips_have_their_pitch_and_the_envelope_at_their_start(audio_ds):
+    with audio_loader(audio_ds) as loader:
+        batches = [b for _ in range(2) for b in loader]
+    starts = {}
+    for b in batches:
+        assert b["audio"].shape == (4, 4000) and b["audio"].dtype == torch_float32()
+        for j, i in enumerate(b["index"].tolist()):
+            name, wave, start = loader.key(i).split("/")[1], b["audio"][j].numpy(), int(b["start_sample"][j])
+            seconds = AUDIO_SECONDS[name]
+            assert abs(tone_pitch(wave[:2000], 16000) - (440.0, 1000.0)[int(b["label"][j])]) < 20
+            assert 0 <= start <= max(0, int(seconds * 16000) - 4000)
+            at = start / 16000
+            want = 0.1 + 0.8 * at / seconds  # the tone's amplitude where the clip starts
+            assert abs(np.abs(wave[:400]).max() - want) < 0.05, (name, start)
+            if not b["padded"][j]:
+                starts.setdefault(i, []).append(start)
+    assert len(starts) == 8 and any(a != b for a, b in starts.values())
+
+
+def test_audio_shorter_than_the_clip_is_padded_with_silence(audio_ds):
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(sample_rate=8000, seconds=1.0)) as loader:
+        for b in loader:
+            for j, i in enumerate(b["index"].tolist()):
+                if loader.key(i).endswith("short"):
+                    wave = b["audio"][j].numpy()
+                    assert int(b["start_sample"][j]) == 0
+                    assert np.abs(wave[: 3900]).max() > 0.1 and not wave[4100:].any()  # 0.5 s of 1 s at 8 kHz
+
+
+def test_audio_clips_log_mel(audio_ds):
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(seconds=0.5, n_mels=32, n_fft=400, hop=160)) as loader:
+        b = next(iter(loader))
+    assert b["audio"].shape[:2] == (4, 32) and b["audio"].shape[2] == 8000 // 160 + 1
+    # The loudest band is higher for the 1000 Hz tone than for the 440 Hz one.
+    peak = b["audio"].mean(dim=2).argmax(dim=1)
+    labels = b["label"].tolist()
+    if 0 in labels and 1 in labels:
+        assert max(peak[j] for j in range(4) if labels[j] == 0) < min(peak[j] for j in range(4) if labels[j] == 1)
+
+
+def test_audio_clips_resume_exactly(audio_ds):
+    from resume import check_resume
+
+    check_resume(lambda: audio_loader(audio_ds, batch_size=3), n=1, k=4)
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def torch_int64():
+    import torch
+
+    return torch.int64
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
+
+
+@pytest.mark.gpu
+def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
+    """device='cuda': fn.decoders.video on the mixed backend (NVDEC); the same frames as the CPU path shows."""
+    cpu = video_loader(video_ds)
+    gpu = video_loader(video_ds, device="cuda")
+    with cpu, gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["video"].is_cuda and y["start_frame"].tolist() == x["start_frame"].tolist()
+            assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()

@@ -214,11 +214,12 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
               batch_size: int, num_threads: int, device: str, device_id: int | None, prefetch: int,
               seed: int) -> Any:
     """A built DALI pipeline: ``names`` from ``source`` through one batch-mode external source (fastio's
-    order, not DALI's), then ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``)."""
+    order, not DALI's; each input's dtype by its name, a numbered ``start0``, ``start1`` as ``start``), then
+    ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``)."""
     from nvidia.dali import fn, pipeline_def, types
 
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
-              "flip": types.INT32}
+              "flip": types.INT32, "start": types.INT32, "roi_start": types.FLOAT, "roi_end": types.FLOAT}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
@@ -227,7 +228,7 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
         # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
         # batch's outputs are returned (fastio.feeder.Feeder does), which is what DALI requires.
         nodes = fn.external_source(source=source, num_outputs=len(names), batch=True, no_copy=True,
-                                   dtype=[dtypes.get(n, types.UINT8) for n in names])
+                                   dtype=[dtypes.get(n.rstrip("0123456789"), types.UINT8) for n in names])
         return body(dict(zip(names, nodes)), decoder_device)
 
     pipe = graph()
