@@ -352,3 +352,39 @@ def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
         for x, y in zip(cpu, gpu, strict=True):
             assert y["video"].is_cuda and y["start_frame"].tolist() == x["start_frame"].tolist()
             assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
+
+
+def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
+    from fastio.shards import ShardWriter
+
+    with ShardWriter(dest) as writer:
+        for key, data in videos.items():
+            fields = {"webm": data, "cls": b"0"}
+            if probes is not None:
+                fields["probe.json"] = probes[key]
+            writer.write({"__key__": key, **fields})
+        writer.close(label_field="cls", label_map={"c": 0}, source={"format": "test"}, skipped=[])
+    return dest
+
+
+def test_a_video_dali_cannot_decode_is_named(tmp_path, video_folder):
+    import fastio
+    from fastio.errors import DatasetError
+
+    good = (video_folder / "c0" / "v2.webm").read_bytes()
+    info = check_media(good, "webm")
+    videos = {f"k{i}": good for i in range(4)}
+    videos["k2"] = good[: len(good) // 3]  # cut: the probe stored says 20 frames, the stream ends early
+    dest = _write_videos(tmp_path / "ds", videos, {k: info for k in videos})
+    pipe = fastio.VideoClips(frames=4, stride=4, size=16)
+    with pytest.raises(DatasetError, match=r"key 'k2': field 'webm' failed to decode"):
+        with video_loader(dest, pipe, batch_size=4, shuffle="none", seed=1) as loader:
+            next(iter(loader))
+
+
+def test_videos_without_probes_are_refused_by_name(tmp_path, video_folder):
+    from fastio.errors import DatasetError
+
+    dest = _write_videos(tmp_path / "ds", {"k0": (video_folder / "c0" / "v0.webm").read_bytes()})
+    with pytest.raises(DatasetError, match=r"ds: dataset has no probe.json field .* convert the video files"):
+        video_loader(dest, batch_size=1)

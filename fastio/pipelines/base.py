@@ -171,6 +171,18 @@ class Pipeline:
             batch["label"] = delivery.labels()
         return batch
 
+    def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
+        """Why sample ``j`` of ``batch`` cannot be decoded, or None: asked after the graph failed on a batch,
+        to name the sample. Images: whatever PIL raises opening ``batch.image[j]``."""
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(batch.image[j].tobytes())) as img:
+                img.load()
+        except Exception as bad:  # whatever PIL raises, the image is undecodable
+            return f"{type(bad).__name__}: {str(bad)[:80]}"
+        return None
+
     # -- order and state ----------------------------------------------------------------------------
 
     def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastio.augment import clip_starts, random_resized_crop
 from fastio.errors import DatasetError
-from fastio.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe
+from fastio.media import PROBE_FIELD, MediaCheckError, is_audio_field, is_video_field, parse_probe, probe
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
@@ -78,6 +78,19 @@ class _Clips(Pipeline):
         asked = set(self.fields or ())
         columns = tuple(c for c in delivery.columns if c in asked or c != PROBE_FIELD)
         return super().assemble(outputs, dataclasses.replace(delivery, columns=columns))
+
+    def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
+        """Why sample ``j``'s media cannot be decoded: PyAV cannot probe it, or it is not what its
+        ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
+        stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), f"sample {int(batch.indices[j])}")
+        try:
+            found = probe(batch.image[j].tobytes(), batch.image_field[j])
+        except MediaCheckError as err:
+            return str(err)
+        count = "frames" if self.media == "video" else "samples"
+        if found[count] != stored[count]:
+            return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
+        return None
 
     def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
               prefetch: int, seed: int = 0) -> BuiltPipeline:
