@@ -388,3 +388,22 @@ def test_videos_without_probes_are_refused_by_name(tmp_path, video_folder):
     dest = _write_videos(tmp_path / "ds", {"k0": (video_folder / "c0" / "v0.webm").read_bytes()})
     with pytest.raises(DatasetError, match=r"ds: dataset has no probe.json field .* convert the video files"):
         video_loader(dest, batch_size=1)
+
+
+def test_a_table_naming_videos_and_audio_converts_with_probes(tmp_path):
+    import fastio
+
+    synthetic.make_video(tmp_path / "files" / "a.webm", frames=6)
+    synthetic.make_audio(tmp_path / "files" / "b.flac", seconds=0.5)
+    synthetic.make_audio(tmp_path / "files" / "c.mp3", seconds=0.5)
+    table = tmp_path / "files.csv"
+    table.write_text("path,label\nfiles/a.webm,0\nfiles/b.flac,1\nfiles/c.mp3,1\n")
+    result = convert(ConvertConfig(source=table, dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and [s["path"] for s in result.skipped] == ["files/c.mp3"]
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert set(ds.fields) == {"cls", "flac", "probe.json", "webm"}
+    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=2, device="cpu",
+                       shuffle="none") as loader:
+        probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
+    assert {p["kind"]: p["frames" if p["kind"] == "video" else "samples"] for p in probes} == {"video": 6,
+                                                                                                "audio": 8000}
