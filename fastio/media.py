@@ -5,7 +5,9 @@ decode path reads.
 it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
 cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that DALI's CPU
-decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message.
+decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message; with
+``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
+(:func:`prepare_media`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import json
 from typing import Any
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBE_FIELD", "VIDEO_FIELDS",
-           "MediaCheckError", "check_media", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
-           "parse_probe",
+           "TRANSCODES", "MediaCheckError", "check_media", "is_audio_field", "is_media_field", "is_video_field",
+           "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
            "probe"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
@@ -91,6 +93,44 @@ def _probe_audio(container, stream) -> dict[str, Any]:
             "seconds": round(samples / rate, 6), "codec": codec}
 
 
+TRANSCODES = ("vp9",)
+"""What ``fastio convert --transcode`` re-encodes video the CPU decoder cannot read into."""
+
+
+def transcode_vp9(data: bytes) -> bytes:
+    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate
+    and size; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
+    import av
+
+    out_buf = io.BytesIO()
+    try:
+        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
+            stream_in = src.streams.video[0]
+            stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
+            stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
+            stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
+            for frame in src.decode(stream_in):
+                frame.pts = None
+                for packet in stream.encode(frame.reformat(format="yuv420p")):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+    except (av.FFmpegError, IndexError) as err:
+        raise MediaCheckError(f"cannot be transcoded ({getattr(err, 'strerror', None) or err})") from None
+    return out_buf.getvalue()
+
+
+def prepare_media(data: bytes, field: str, transcode: str | None = None) -> tuple[str, bytes, bytes]:
+    """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
+    ``transcode="vp9"`` a video the CPU decoder cannot read re-encoded (field ``webm``); MediaCheckError
+    otherwise (:func:`check_media`)."""
+    if transcode is not None and is_video_field(field):
+        info = probe(data, field)
+        if info["codec"] not in CPU_VIDEO_CODECS:
+            data, field = transcode_vp9(data), "webm"
+    return field, data, check_media(data, field)
+
+
 def check_media(data: bytes, field: str) -> bytes:
     """The ``probe.json`` bytes of a video or audio file the CPU decode path reads; MediaCheckError (its
     message: why, with the way out for a codec) otherwise."""
@@ -100,7 +140,8 @@ def check_media(data: bytes, field: str) -> bytes:
         raise MediaCheckError(f"video codec {codec} is not read by DALI's CPU decoder (it reads "
                               f"{', '.join(CPU_VIDEO_CODECS)}): re-encode it as VP9 "
                               f"(e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); "
-                              f"decoding it with NVDEC on a GPU is not supported yet")
+                              f"or convert with --transcode vp9 (transcode='vp9'); decoding it with NVDEC on a GPU is "
+                              f"not supported yet")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
                               f"WAV or Opus (e.g. ffmpeg -c:a flac)")

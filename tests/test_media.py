@@ -407,3 +407,25 @@ def test_a_table_naming_videos_and_audio_converts_with_probes(tmp_path):
         probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
     assert {p["kind"]: p["frames" if p["kind"] == "video" else "samples"] for p in probes} == {"video": 6,
                                                                                                 "audio": 8000}
+
+
+def test_transcode_vp9_turns_h264_into_clips_with_the_same_frames(tmp_path, capsys):
+    from helpers import run_cli
+
+    synthetic.make_video(tmp_path / "src" / "c0" / "camera.mp4", frames=14, fps=12)
+    synthetic.make_video(tmp_path / "src" / "c0" / "phone.webm", frames=10, fps=12)
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds"), "--transcode", "vp9", "-q"],
+                             capsys)
+    assert code == 0, err
+    import fastio
+
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert set(ds.fields) == {"cls", "probe.json", "webm"} and ds.manifest.convert_options["transcode"] == "vp9"
+    pipe = fastio.VideoClips(frames=14, stride=1, size=16, dtype="uint8", layout="FHWC")
+    with video_loader(tmp_path / "ds", pipe, batch_size=2, shuffle="none") as loader:
+        b = next(iter(loader))
+    keys = [loader.key(int(i)) for i in b["index"]]
+    camera = keys.index("c0/camera")
+    assert frames_shown(b["video"])[camera].tolist() == list(range(14))
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds2"), "--transcode", "av1"], capsys)
+    assert code == 2 and "fastio: error:" in err and "av1" in err
