@@ -13,25 +13,34 @@ DOCS_STAMP := $(VENV)/.docs-installed
 
 install: $(STAMP)
 
+# QUIET_EDITABLE: setuptools' "Editable installation" banner (a warning about same-named folders) is not shown.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	# megatron-core for the token interop tests only, without its dependencies (it needs none to read .idx)
+	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py demo-out
 
-# The documentation site with its API reference (mkdocs.yml), into site/. --strict: a broken link, anchor or
-# reference fails the build (also checked by the `docs`-marked test). Installs the `docs` extra on first use.
+# The documentation site with its API reference (mkdocs.yml), into site/, browsable from disk (file://).
+# --strict: a broken link, anchor or reference fails the build. The `docs`-marked tests build it again and
+# browse every page in headless Chromium (links, anchors, no raw Sphinx roles). Installs the `docs` extra and
+# (as root, where missing) Debian's chromium on first use; without chromium the browser test skips, saying why.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 	$(BIN)/python -m pytest -q -m docs
-	@echo "docs: open site/index.html"
+	@echo "docs: open site/index.html (file://$(CURDIR)/site/index.html)"
 
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[$(EXTRAS),docs]"
+	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS),docs]"
+	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $(DOCS_STAMP)
 
 # The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm)

@@ -32,6 +32,7 @@ SECTIONS = (
     "storage",
     "mixture",
     "index",
+    "tokens",
     "media",
 )
 

@@ -3,6 +3,7 @@
     python examples/accelerate_train.py --data ds/train --epochs 2 --save-at 5 --state-dir state
     python examples/accelerate_train.py --data ds/train --epochs 2 --resume state
     torchrun --nproc-per-node 2 examples/accelerate_train.py --data ds/train ...
+    torchrun --nproc-per-node 3 examples/accelerate_train.py --data ds/train --resume state  (another world size)
     accelerate launch --multi_gpu --num_processes 8 examples/accelerate_train.py --data ds/train ...  (GPUs)
 
 On the CPU, start several processes with torchrun: ``accelerate launch --cpu`` starts one, whatever
@@ -13,12 +14,16 @@ would return it unchanged (it is not a torch ``DataLoader``), but a ``DataLoader
 and its batches re-split. ``accelerator.register_for_checkpointing(loader)`` puts its position into
 ``save_state``; ``load_state`` in a new process continues from there, mid-epoch included, and the run ends with
 the same weights, bit for bit, as one that was never interrupted (CPU, same number of processes). The position is
-global (samples consumed by all processes), so the copy Accelerate saves from the main process serves them all.
+global (samples consumed by all processes), so the copy Accelerate saves from the main process serves them all,
+also at another number of processes: the rest of the epoch is re-split over them, each sample once (the loop
+runs on the Loader's epochs, not on a count of steps; the processes without a saved RNG state start from the
+seed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-at", type=int, default=0, help="save the state after this many steps of this run")
     parser.add_argument("--resume", help="a state directory written by --save-at")
     parser.add_argument("--save-weights", help="the main process writes the final state_dict here")
+    parser.add_argument("--log-indices", help="each process writes [epoch, dataset indices] of its batches to "
+                        "PATH.rankR (padding repeats left out)")
     args = parser.parse_args(argv)
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -63,10 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         accelerator.load_state(args.resume)  # weights, optimizer, RNG of each process, the loader's position
 
-    steps = 0
+    steps, seen = 0, []
     model.train()
     while loader.epoch < args.epochs:
+        epoch = loader.epoch  # the loader moves to the next epoch as it hands out the last batch
         for batch in loader:  # the rest of the current epoch (all of it unless just restored mid-epoch)
+            seen.append((epoch, batch["index"][~batch["padded"]].tolist()))
             loss = F.cross_entropy(model(batch["image"]), batch["label"])
             accelerator.backward(loss)
             optimizer.step()
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
             if steps == args.save_at:
                 accelerator.save_state(args.state_dir)
     loader.close()
+    if args.log_indices:
+        with open(f"{args.log_indices}.rank{accelerator.process_index}", "w") as f:
+            json.dump(seen, f)
     accelerator.wait_for_everyone()
     if args.save_weights and accelerator.is_main_process:
         tmp = f"{args.save_weights}.tmp"

@@ -83,4 +83,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from fastio import exit_cleanly
+
+    with exit_cleanly(name="demo", resume="run `make demo` again (it starts over)"):  # Ctrl-C: one line
+        sys.exit(main(sys.argv[1:]))

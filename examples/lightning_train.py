@@ -2,12 +2,15 @@
 
     python examples/lightning_train.py --data ds/train --val ds/val --max-epochs 2
     python examples/lightning_train.py --data ds/train --devices 2 --ckpt-dir ckpt --every-n-steps 4
-    python examples/lightning_train.py --data ds/train --devices 2 --resume ckpt/step=4.ckpt
+    python examples/lightning_train.py --data ds/train --devices 2 --ckpt-dir ckpt --resume ckpt/step=4.ckpt
+    python examples/lightning_train.py --data ds/train --devices 3 --ckpt-dir ckpt --resume ckpt/step=4.ckpt
 
 ``FastioDataModule`` makes the Loaders once Lightning has started its processes, with Lightning's rank and world
 size; Lightning neither wraps nor re-shards them, calls their ``set_epoch`` at each epoch, and keeps their
 position in every checkpoint, so ``--resume`` from a mid-epoch checkpoint ends with the same weights, bit for
-bit, as the run that was never interrupted (CPU, same number of devices). ``--save-weights`` writes them.
+bit, as the run that was never interrupted (CPU, same number of devices). On another number of devices the
+rest of the epoch is re-split over them, each sample once. ``--save-weights`` writes the weights. The resumed run
+writes checkpoints only with ``--ckpt-dir``.
 """
 
 from __future__ import annotations

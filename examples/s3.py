@@ -29,33 +29,36 @@ with tempfile.TemporaryDirectory() as tmp:
     subprocess.run([sys.executable, "-m", "fastio.cli", "convert", images, f"{prefix}/data",
                     "--split", "train=0.8,val=0.2", "--quiet", "--overwrite"], check=True)
 
-loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0,
-                       cache_size="1GB")                 # shards are fetched into the node-local cache
-classes = len(loader.dataset.label_map)
-model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-app = {"model": model, "optim": optimizer, "loader": loader}
+# Ctrl-C or a fastio error (a bucket that does not exist, ...): one line, no traceback. The Checkpointer's exit
+# waits for a write in flight first.
+with fastio.exit_cleanly(resume="run it again: it converts and trains afresh"):
+    loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0,
+                           cache_size="1GB")                 # shards are fetched into the node-local cache
+    classes = loader.dataset.num_classes
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    app = {"model": model, "optim": optimizer, "loader": loader}
 
-with fastio.Checkpointer(f"{prefix}/ckpt", every_steps=4, keep=2) as ckpt:
-    step = 0
-    for batch in loader:                                  # one epoch
-        loss = torch.nn.functional.cross_entropy(model(batch["image"]), batch["label"])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        ckpt.maybe_save(step, app)
-    ckpt.save(step, app, blocking=True)
-print(f"trained {step} steps; storage: {loader.stats()['storage']}")
-loader.close()
+    with fastio.Checkpointer(f"{prefix}/ckpt", every_steps=4, keep=2) as ckpt:
+        step = 0
+        for batch in loader:                                  # one epoch
+            loss = torch.nn.functional.cross_entropy(model(batch["image"]), batch["label"])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            ckpt.maybe_save(step, app)
+        ckpt.save(step, app, blocking=True)
+    print(f"trained {step} steps; storage: {loader.stats()['storage']}")
+    loader.close()
 
-# A new run (another node, a requeued job) restores the newest checkpoint from the store.
-model2 = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
-fresh = {"model": model2, "optim": torch.optim.SGD(model2.parameters(), lr=0.01),
-         "loader": fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0)}
-with fastio.Checkpointer(f"{prefix}/ckpt") as ckpt:
-    state = ckpt.restore_latest(fresh)
-fresh["loader"].close()
-assert state is not None and state.step == step, state
-assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
-print(f"restored step {state.step} from {prefix}/ckpt")
+    # A new run (another node, a requeued job) restores the newest checkpoint from the store.
+    model2 = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
+    fresh = {"model": model2, "optim": torch.optim.SGD(model2.parameters(), lr=0.01),
+             "loader": fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0)}
+    with fastio.Checkpointer(f"{prefix}/ckpt") as ckpt:
+        state = ckpt.restore_latest(fresh)
+    fresh["loader"].close()
+    assert state is not None and state.step == step, state
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    print(f"restored step {state.step} from {prefix}/ckpt")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastio import Checkpointer, FastioError, Loader
+from fastio import Checkpointer, FastioError, Loader, exit_cleanly
 
 
 class SmallCNN(nn.Module):
@@ -132,7 +132,7 @@ def train(args: argparse.Namespace) -> int:
     loader = Loader(args.data, batch_size=args.batch_size, device=device.type, pipeline="image-train",
                     image_size=args.image_size, seed=args.seed, rank=rank, world_size=world, shuffle="global",
                     num_threads=args.loader_threads)
-    classes = len(loader.dataset.label_map or {}) or 4
+    classes = loader.dataset.num_classes or 4
     model = SmallCNN(classes).to(device)
     if world > 1:
         # One bucket and a fixed order inside it: see ordered_allreduce_hook.
@@ -145,69 +145,70 @@ def train(args: argparse.Namespace) -> int:
     hparams = {k: v for k, v in vars(args).items() if k not in ("resume", "quiet", "step_delay", "requeue")}
     ckpt = Checkpointer(args.ckpt_dir, every_steps=args.every_steps, every_seconds=args.every_seconds,
                         keep=args.keep, requeue=args.requeue, hparams=hparams)
-    start = None
-    if args.resume == "none" and ckpt.steps():
-        raise SystemExit(f"train.py: {args.ckpt_dir} already holds checkpoints {ckpt.steps()}; "
-                         "use a new --ckpt-dir for a fresh run, or --resume auto")
-    if args.resume == "auto":
-        start = ckpt.restore_latest(app)
-    elif args.resume != "none":
-        start = ckpt.restore_latest(app, step=int(args.resume))
-    step = start.step if start else 0
-    if rank == 0:
-        print(f"resumed from step {step}" if start else "fresh start", flush=True)
+    with exit_cleanly(ckpt, loader):  # Ctrl-C: one line naming the saved step, exit 130; no traceback
+        start = None
+        if args.resume == "none" and ckpt.steps():
+            raise SystemExit(f"train.py: {args.ckpt_dir} already holds checkpoints {ckpt.steps()}; "
+                             "use a new --ckpt-dir for a fresh run, or --resume auto")
+        if args.resume == "auto":
+            start = ckpt.restore_latest(app)
+        elif args.resume != "none":
+            start = ckpt.restore_latest(app, step=int(args.resume))
+        step = start.step if start else 0
+        if rank == 0:
+            print(f"resumed from step {step}" if start else "fresh start", flush=True)
 
-    total, last_loss = args.steps, None
-    sample_log = None
-    if args.sample_log:
-        os.makedirs(args.sample_log, exist_ok=True)
-        sample_log = open(os.path.join(args.sample_log, f"rank-{rank}.{socket.gethostname()}.log"), "a")  # noqa: SIM115
+        total, last_loss = args.steps, None
+        sample_log = None
+        if args.sample_log:
+            os.makedirs(args.sample_log, exist_ok=True)
+            sample_log = open(os.path.join(args.sample_log, f"rank-{rank}.{socket.gethostname()}.log"), "a")  # noqa: SIM115
 
-    def finished() -> bool:
-        return step >= total if total else loader.epoch >= args.epochs
+        def finished() -> bool:
+            return step >= total if total else loader.epoch >= args.epochs
 
-    while not finished():
-        before, epoch = step, loader.epoch
-        for batch in loader:  # the rest of the current epoch; the Loader moves to the next one by itself
-            x = as_input(batch["image"]).to(device)
-            y = batch["label"].reshape(-1).to(device)
-            if sample_log is not None:
-                sample_log.writelines(f"{epoch} {int(i)}\n" for i, pad in zip(batch["index"], batch["padded"])
-                                      if not pad)
-                sample_log.flush()
-            loss = nn.functional.cross_entropy(model(x), y)
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
-            sched.step()
-            step += 1
-            last_loss = loss.item()
-            if rank == 0 and not args.quiet:
-                print(f"step {step} epoch {loader.epoch} loss {last_loss:.6f}", flush=True)
-            ckpt.maybe_save(step, app, metrics={"loss": last_loss})
-            if ckpt.preempted:
-                if rank == 0:
-                    print(f"preempted: saved step {step} to {ckpt.dir}", flush=True)
-                ckpt.close()
-                loader.close()
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                return ckpt.exit_code  # preempted_exit_code (default 0)
-            if args.step_delay:
-                time.sleep(args.step_delay)
-            if finished():
-                break
-        if step == before:
-            raise SystemExit(f"train.py: {args.data}: the loader delivered no batch")
-    if step:
-        ckpt.save(step, app, metrics={"loss": last_loss} if last_loss is not None else None, blocking=True)
-    ckpt.close()
-    loader.close()
-    if rank == 0:
-        s = loader.stats()["overall"]
-        print(f"loader: {s['samples']} samples at {s['samples_per_s']:.0f} samples/s, "
-              f"data stall {100 * s['stall_fraction']:.1f}% of the training loop's time", flush=True)
-        print(f"final weights sha256: {weights_digest(model.module if world > 1 else model)}", flush=True)
+        while not finished():
+            before, epoch = step, loader.epoch
+            for batch in loader:  # the rest of the current epoch; the Loader moves to the next one by itself
+                x = as_input(batch["image"]).to(device)
+                y = batch["label"].reshape(-1).to(device)
+                if sample_log is not None:
+                    sample_log.writelines(f"{epoch} {int(i)}\n" for i, pad in zip(batch["index"], batch["padded"])
+                                          if not pad)
+                    sample_log.flush()
+                loss = nn.functional.cross_entropy(model(x), y)
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
+                sched.step()
+                step += 1
+                last_loss = loss.item()
+                if rank == 0 and not args.quiet:
+                    print(f"step {step} epoch {loader.epoch} loss {last_loss:.6f}", flush=True)
+                ckpt.maybe_save(step, app, metrics={"loss": last_loss})
+                if ckpt.preempted:
+                    if rank == 0:
+                        print(f"preempted: saved step {step} to {ckpt.dir}", flush=True)
+                    ckpt.close()
+                    loader.close()
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
+                    return ckpt.exit_code  # preempted_exit_code (default 0)
+                if args.step_delay:
+                    time.sleep(args.step_delay)
+                if finished():
+                    break
+            if step == before:
+                raise SystemExit(f"train.py: {args.data}: the loader delivered no batch")
+        if step:
+            ckpt.save(step, app, metrics={"loss": last_loss} if last_loss is not None else None, blocking=True)
+        ckpt.close()
+        loader.close()
+        if rank == 0:
+            s = loader.stats()["overall"]
+            print(f"loader: {s['samples']} samples at {s['samples_per_s']:.0f} samples/s, "
+                  f"data stall {100 * s['stall_fraction']:.1f}% of the training loop's time", flush=True)
+            print(f"final weights sha256: {weights_digest(model.module if world > 1 else model)}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

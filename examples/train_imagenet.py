@@ -25,7 +25,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from enum import Enum
@@ -162,7 +161,7 @@ def fastio_loaders(args, rank: int, world: int, device: str):
     # remainder="partial": every validation sample once over all ranks (repeats, if any, flagged as padded)
     val = Loader(os.path.join(args.data, "val"), pipeline="image-eval", shuffle="none", remainder="partial",
                  **common)
-    return FastioBatches(train), FastioBatches(val), len(train.dataset.label_map)
+    return FastioBatches(train), FastioBatches(val), train.dataset.num_classes
 
 
 def _torchvision():
@@ -549,10 +548,8 @@ def accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[torc
 
 
 if __name__ == "__main__":
-    from fastio import FastioError
+    from fastio import exit_cleanly
 
-    try:
+    # A missing or broken dataset, or Ctrl-C: one line, not a traceback.
+    with exit_cleanly(resume="checkpoint.pth.tar holds the last finished epoch: --resume it to continue"):
         main()
-    except FastioError as err:  # a missing or broken dataset: one line, not a traceback
-        print(f"train_imagenet.py: error: {err}", file=sys.stderr)
-        sys.exit(2)

@@ -29,6 +29,7 @@ _LAZY = {
     "Checkpointer": "fastio.checkpoint",
     "CheckpointConfig": "fastio.checkpoint",
     "TrainState": "fastio.checkpoint",
+    "exit_cleanly": "fastio.exits",
     "FastioError": "fastio.errors",
     "DatasetError": "fastio.errors",
     "ConvertError": "fastio.errors",

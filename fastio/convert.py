@@ -62,7 +62,7 @@ from fastio.parts import (
     predicted_shard_starts,
     write_part_record,
 )
-from fastio.progress import Progress, parse_size, rate_line
+from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
 from fastio.shards import ShardWriter
 from fastio.split import SPLIT_BY, assign_splits
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
@@ -289,8 +289,9 @@ class ConvertResult:
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
         labels = f"; labels: {rule}" if rule else ""
-        return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {self.shards} shards"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}")
+        more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
+        return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}" + skipped_lines(self.skipped, more))
 
 
 # -- loading, in worker processes -------------------------------------------------------------------

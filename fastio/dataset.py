@@ -10,6 +10,7 @@ which are parsed into the same in-memory index on first use.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -21,6 +22,7 @@ import numpy as np
 from fastio.dsindex import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
 from fastio.idx import IndexEntry, load_index
+from fastio.labels import parse_label
 from fastio.manifest import Manifest, ShardRecord
 from fastio.source import DatasetSource, open_source
 
@@ -80,6 +82,8 @@ class Dataset:
 
     def __init__(self, dest: str | Path, *, verify: bool = False, cache_dir: str | Path | None = None,
                  cache_size: int | str | None = None, storage_options: dict | None = None):
+        if isinstance(dest, (list, tuple)):
+            raise _a_list(dest)
         # Where the files are (a local DEST, or an s3:// DEST read through a node-local cache) is the storage
         # layer's business: the source hands over the manifest, the local index and local shard paths.
         self.source = open_source(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
@@ -124,6 +128,38 @@ class Dataset:
     def fingerprint(self) -> str:
         return self.manifest.fingerprint
 
+    @cached_property
+    def num_classes(self) -> int | None:
+        """How many outputs a classifier of this dataset needs: the largest integer label + 1. From the label
+        map where the source named its classes (``fastio convert`` of an image folder); otherwise (shards made
+        by ``fastio index``, integer labels of a table) read once from the samples' label field on first use:
+        one small read per sample. None for a dataset without a label field or without labelled samples;
+        DatasetError naming the shard and sample for a value that is not a label."""
+        if self.label_map:
+            return max(self.label_map.values()) + 1
+        if self.label_field is None or self.label_field not in self.fields:
+            return None
+        largest = max((self._largest_label(shard) for shard in self.shards), default=-1)
+        return largest + 1 if largest >= 0 else None
+
+    def _largest_label(self, shard: Shard) -> int:
+        """The largest label in ``shard``'s label field (-1 when no sample of it has one)."""
+        field = self.label_field
+        rows = self.locate(np.arange(shard.first, shard.first + shard.samples, dtype=np.int64))
+        offsets, sizes = rows.offsets[field].tolist(), rows.sizes[field].tolist()
+        largest = -1
+        with self.source.local_shard(shard) as path, open(path, "rb") as f:
+            for j, (offset, size) in enumerate(zip(offsets, sizes)):
+                if size < 0:
+                    continue
+                data = os.pread(f.fileno(), size, offset)
+                try:
+                    largest = max(largest, parse_label(data))
+                except ValueError as err:
+                    raise DatasetError(f"{self.root}: shard {shard.name} key {self.key(shard.first + j)!r}: field "
+                                       f"{field!r} is not an integer label: {data[:32]!r} ({err})") from None
+        return largest
+
     def read_index(self, shard: Shard) -> list[IndexEntry]:
         """The shard's index, checked against the manifest (sha256, counts, ranges: :func:`fastio.idx.load_index`)."""
         try:
@@ -139,6 +175,9 @@ class Dataset:
         """The sample index: ``DEST/samples.fxi`` memory-mapped (pages shared by every process of a node),
         or, for a dataset without one, built in memory from every ``.idx`` (parsed once)."""
         counts, record = [s.samples for s in self.shards], self.manifest.index
+        if self.manifest.kind == "tokens":
+            raise DatasetError(f"{self.root}: a token dataset (Megatron .bin/.idx shards): its documents are read by "
+                               "fastio.tokens (docs/tokens.md), not as samples")
         if record is not None:
             return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify,
                                     shard_bytes=[s.bytes for s in self.shards])
@@ -198,6 +237,15 @@ class Dataset:
             raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
                                "pipeline needs it in every sample (pipeline='raw' delivers the samples lacking it, "
                                "with batch['has'])")
+
+
+def _a_list(dest: list | tuple) -> DatasetError:
+    """The error for a list given as a dataset (shard files, as other loaders take them)."""
+    folders = {str(Path(p).parent) for p in dest}
+    folder = folders.pop() if len(folders) == 1 else "FOLDER"
+    shown = f"{[str(p) for p in dest[:2]]}{'...' if len(dest) > 2 else ''}"
+    return DatasetError(f"{shown}: a list; a dataset is one folder: make the folder of shards one with `fastio index "
+                        f"{folder}`, then give that folder (several datasets: fastio.Mixture)")
 
 
 def _record_fields(record: ShardRecord) -> dict[str, Any]:

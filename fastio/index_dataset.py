@@ -59,7 +59,7 @@ from fastio.parts import (
     part_range,
     write_part_record,
 )
-from fastio.progress import human_bytes
+from fastio.progress import count, human_bytes, skipped_lines
 from fastio.source import LocalSource
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
@@ -67,7 +67,8 @@ from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.options import StorageOptions
 from fastio.wds import field_of
 
-__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts"]
+__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts",
+           "paths_pattern"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -131,9 +132,10 @@ class IndexResult:
 
     def summary(self) -> str:
         s = max(self.seconds, 1e-9)
-        return (f"indexed {self.shards} shards, {self.samples} samples ({human_bytes(self.bytes)}) in {self.seconds:.1f}s "
-                f"({self.shards / s:.1f} shards/s, {self.bytes / s / 1e6:.1f} MB/s) -> {self.dest}; "
-                f"{self.written_idx} .idx written, {len(self.skipped)} skipped")
+        return (f"indexed {count(self.shards, 'shard')}, {count(self.samples, 'sample')} ({human_bytes(self.bytes)}) "
+                f"in {self.seconds:.1f}s ({self.shards / s:.1f} shards/s, {self.bytes / s / 1e6:.1f} MB/s) -> "
+                f"{self.dest}; {self.written_idx} .idx written, {len(self.skipped)} skipped"
+                + skipped_lines(self.skipped, f"fastio inspect {self.dest} --skipped"))
 
 
 @dataclass
@@ -160,6 +162,25 @@ def expand_braces(pattern: str) -> list[str]:
     else:
         options = body.split(",")
     return [x for o in options for x in expand_braces(head + o + tail)]
+
+
+def paths_pattern(paths: list[str]) -> str:
+    """The brace pattern naming several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
+    expanded): ``COMMON/{a.tar,b/c.tar}``, with COMMON their deepest common folder (the default DEST).
+    DatasetError naming a path that is not a local ``.tar`` file or that a brace pattern cannot hold."""
+    for path in paths:
+        if "://" in path or not path.lower().endswith(".tar"):
+            raise DatasetError(f"{path}: not a .tar file: fastio index takes one SOURCE (a folder, prefix or brace "
+                               "pattern) or several local .tar files (quote a glob for s3://)")
+        if any(c in path for c in "{},"):
+            raise DatasetError(f"{path}: a name with a brace or comma cannot be listed with others: give the folder")
+    try:
+        common = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
+    except ValueError:  # absolute and relative paths mixed
+        common = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+        paths = [os.path.abspath(p) for p in paths]
+    inside = [os.path.relpath(p, common) for p in paths]
+    return f"{common}/{{{','.join(inside)}}}"
 
 
 def _listing(source: str, options: StorageOptions | dict | None) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:

@@ -22,6 +22,7 @@ from fastio.images import image_size, is_image_field
 from fastio.reader import Reader
 from fastio.sampler import SHUFFLE_MODES, epoch_order
 from fastio.source import dest_child, dest_split_names
+from fastio.tokens.megatron import MegatronIndex
 
 __all__ = ["inspect", "order_quality"]
 
@@ -38,7 +39,8 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
 
     With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
-    (capped at the dataset size). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
+    (capped at the dataset size). ``skipped`` counts the inputs the conversion or index left out,
+    ``skipped_inputs`` lists them (``{path, reason}``). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
 
     An ``s3://`` DEST is read through the node-local cache (``cache_dir``, ``cache_size``, ``storage_options``
@@ -55,6 +57,19 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     if splits is None:
         return _inspect_one(dest, **options)
     return {"path": str(dest), "splits": {name: _inspect_one(dest_child(dest, name), **options) for name in splits}}
+
+
+def _inspect_tokens(ds: Dataset) -> dict[str, Any]:
+    """A token dataset: documents, tokens, token type, end-of-document id, tokens per document (from the
+    ``.idx`` files; no ``.bin`` is read)."""
+    lengths = np.concatenate([np.diff(MegatronIndex(s.idx_path, ds.manifest.tokens.dtype).starts(
+        np.arange(s.samples + 1))) for s in ds.shards] or [np.zeros(0, np.int64)])
+    per_doc = ({"min": int(lengths.min()), "median": float(np.median(lengths)), "mean": round(float(lengths.mean()), 1),
+                "max": int(lengths.max())} if lengths.size else None)
+    return {"path": str(ds.root), "samples": len(ds), "shards": len(ds.shards),
+            "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.source,
+            "fields": {}, "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
+            "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc}}
 
 
 def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int = 0, epoch: int = 0,
@@ -140,6 +155,8 @@ def _stats(values: list[int]) -> dict[str, float]:
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
                  block_shards: int, opening: dict[str, Any]) -> dict[str, Any]:
     ds = Dataset(root, **opening)
+    if ds.manifest.tokens is not None:
+        return _inspect_tokens(ds)
     table = ds.table
     n = len(ds)
     info: dict[str, Any] = {
@@ -147,7 +164,7 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
         "fingerprint": ds.fingerprint, "source": ds.manifest.source,
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
-        "skipped": len(ds.manifest.skipped),
+        "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
     }
     label, values = ds.label_field, None
     if label in table.offsets:

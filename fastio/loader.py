@@ -251,6 +251,13 @@ class Loader:
     def __len__(self) -> int:
         return len(self._sampler)
 
+    def batches_left(self) -> int:
+        """Batches this rank has left in the current epoch from the current position (``len(loader)`` at an
+        epoch's start). After ``load_state_dict`` of a mid-epoch state saved at another world size this is not
+        ``len(loader)`` minus the batches counted before the save: a trainer's batch counter is reconciled
+        with it (:mod:`fastio.integrations.lightning`)."""
+        return len(self._sampler.plan(self.epoch, self.consumed))
+
     def key(self, source: int | str, index: int | None = None) -> str:
         """The ``__key__`` of a sample: ``key(index)`` (dataset-wide index) for a dataset, ``key(source, index)``
         (``batch["source"]`` or the source's name, and ``batch["index"]``) for a mixture."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from functools import cached_property
@@ -19,6 +20,7 @@ from typing import Any
 from fastio import __version__
 from fastio.atomic import atomic_write_bytes
 from fastio.errors import DatasetError
+from fastio.images import is_image_field
 from fastio.labels import LABEL_RULES
 from fastio.wds import is_field_name, is_plain_name
 
@@ -28,6 +30,7 @@ __all__ = [
     "READ_VERSIONS",
     "format_version",
     "IndexRecord",
+    "KINDS",
     "MANIFEST_NAME",
     "Manifest",
     "MARKER_NAME",
@@ -35,9 +38,11 @@ __all__ = [
     "SPLITS_FORMAT",
     "SPLITS_NAME",
     "ShardRecord",
+    "TokenInfo",
     "fingerprint",
     "index_record",
     "is_location",
+    "is_shard_name",
     "load_manifest",
     "make_manifest",
     "shard_records",
@@ -53,15 +58,19 @@ SPLITS_NAME = "splits.json"
 # so that an interrupted run can be redone in place without --overwrite.
 MARKER_NAME = ".fastio-output"
 FORMAT = "fastio-webdataset"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest manifest format this fastio writes and reads. 2: shard records may say where the shard is
-(``location``/``idx_location``: shards indexed where they are by ``fastio index``). A manifest that needs
-nothing of 2 is written as 1 (:func:`format_version`), so an older fastio still reads converted datasets and
-refuses an indexed one by its version instead of reporting its shards missing."""
-READ_VERSIONS = (1, 2)
+(``location``/``idx_location``: shards indexed where they are by ``fastio index``). 3: ``kind: "tokens"``, a token
+dataset (Megatron ``.bin``/``.idx`` shards, :class:`TokenInfo`). A manifest that needs nothing of 2 or 3 is written
+as 1 (:func:`format_version`), so an older fastio still reads converted datasets and refuses an indexed or token
+one by its version instead of reporting its shards missing."""
+READ_VERSIONS = (1, 2, 3)
+KINDS = {"samples": ".tar", "tokens": ".bin"}
+"""What a dataset holds (the manifest's ``kind``, ``samples`` when absent) and its shards' file suffix: WebDataset
+samples in ``.tar`` shards, or token documents in Megatron ``.bin`` shards (each with its ``.idx``)."""
 SPLITS_FORMAT = "fastio-splits"
 
-_SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*\.tar")
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*\.(?:tar|bin)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3 = re.compile(r"[0-9a-f]{32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
@@ -74,13 +83,13 @@ class ShardRecord:
     shards indexed where they are by ``fastio index``, ``location`` and ``idx_location``)."""
 
     name: str
-    """File name of the tar inside ``DEST/shards/`` (no directory part)."""
+    """File name of the tar (a token dataset: the ``.bin``) inside ``DEST/shards/`` (no directory part)."""
     samples: int
-    """Samples the shard holds."""
+    """Samples the shard holds (a token dataset: documents)."""
     bytes: int
-    """Size of the tar file."""
+    """Size of the tar (``.bin``) file."""
     sha256: str
-    """Hex sha256 of the tar file."""
+    """Hex sha256 of the tar (``.bin``) file."""
     idx_sha256: str
     """Hex sha256 of the ``.idx`` file."""
     xxh3_128: str | None = None
@@ -92,11 +101,13 @@ class ShardRecord:
     ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
     idx_location: str | None = None
     """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
+    tokens: int | None = None
+    """Tokens the shard holds (a token dataset's shards only)."""
 
     @property
     def idx_name(self) -> str:
-        """File name of the shard's DALI index, next to the tar."""
-        return self.name[: -len(".tar")] + ".idx"
+        """File name of the shard's index next to it: DALI's for a tar, Megatron's for a ``.bin``."""
+        return self.name[: -len(".tar")] + ".idx"  # both suffixes have four characters
 
     @property
     def tar_key(self) -> str:
@@ -124,9 +135,12 @@ class ShardRecord:
             raise DatasetError(f"{where} lacks {', '.join(missing)}")
         name = data["name"]
         if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
-            raise DatasetError(f"{where}.name: {name!r} is not a shard file name (NAME.tar, no directory part)")
+            raise DatasetError(f"{where}.name: {name!r} is not a shard file name (NAME.tar or NAME.bin, no directory "
+                               "part)")
         for key in ("samples", "bytes"):
             _count(data[key], f"{where}.{key}")
+        if data.get("tokens") is not None:
+            _count(data["tokens"], f"{where}.tokens")
         for key in ("sha256", "idx_sha256"):
             if not isinstance(data[key], str) or not _SHA256.fullmatch(data[key]):
                 raise DatasetError(f"{where}.{key}: {data[key]!r} is not a hex sha256")
@@ -139,7 +153,13 @@ class ShardRecord:
                                    "absolute path or an s3:// URL")
         return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
                    idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
-                   idx_location=data.get("idx_location"))
+                   idx_location=data.get("idx_location"), tokens=data.get("tokens"))
+
+
+def is_shard_name(name: object) -> bool:
+    """Whether ``name`` may be a shard record's ``name``: ``NAME.tar`` or ``NAME.bin`` of letters, digits, ``_``,
+    ``-`` and ``.``, no directory part."""
+    return isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None
 
 
 def is_location(value: object) -> bool:
@@ -154,7 +174,7 @@ def is_location(value: object) -> bool:
     return all(p and p not in (".", "..") for p in parts)
 
 
-_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location")  # keys a manifest shard entry may have
+_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location", "tokens")  # keys a manifest shard entry may have
 _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(ShardRecord)
                      if f.name not in _OPTIONAL_RECORD_KEYS)  # keys it must have
 _RECORD_KEYSET = frozenset(_RECORD_KEYS)
@@ -205,6 +225,48 @@ class IndexRecord:
         return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"], xxh3_128=xxh3)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenInfo:
+    """The manifest's ``tokens`` entry of a token dataset (``kind: "tokens"``)."""
+
+    dtype: str
+    """Token type of every ``.bin``: ``uint16`` or ``int32``."""
+    eos_id: int
+    """The end-of-document token id that ends every document."""
+    total_tokens: int
+    """Tokens in all shards (the sum of the shard records' ``tokens``)."""
+    vocab_size: int | None = None
+    """Ids of the tokenizer (None: not known, e.g. shards indexed by ``fastio index``)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.vocab_size is None:
+            del out["vocab_size"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> TokenInfo:
+        """The ``tokens`` entry; DatasetError naming ``where`` and the field."""
+        if not isinstance(data, dict):
+            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
+        missing = [k for k in ("dtype", "eos_id", "total_tokens") if k not in data]
+        if missing:
+            raise DatasetError(f"{where} lacks {', '.join(missing)}")
+        if data["dtype"] not in _TOKEN_LIMITS:
+            raise DatasetError(f"{where}.dtype: {data['dtype']!r} is not one of {', '.join(_TOKEN_LIMITS)}")
+        eos = _count(data["eos_id"], f"{where}.eos_id")
+        if eos > _TOKEN_LIMITS[data["dtype"]]:
+            raise DatasetError(f"{where}.eos_id: {eos} does not fit {data['dtype']}")
+        _count(data["total_tokens"], f"{where}.total_tokens")
+        vocab = data.get("vocab_size")
+        if vocab is not None and (_count(vocab, f"{where}.vocab_size") <= eos):
+            raise DatasetError(f"{where}.vocab_size: {vocab} does not include eos_id {eos}")
+        return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab)
+
+
+_TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
+
+
 def index_record(manifest: Mapping[str, Any]) -> IndexRecord | None:
     """The consolidated index of a manifest that :func:`load_manifest` has validated (None: it has none)."""
     data = manifest.get("index")
@@ -238,8 +300,19 @@ class Manifest(Mapping[str, Any]):
         return self._data
 
     @property
+    def kind(self) -> str:
+        """What the dataset holds: ``samples`` (WebDataset tars) or ``tokens`` (Megatron ``.bin``/``.idx``)."""
+        return self._data.get("kind", "samples")
+
+    @cached_property
+    def tokens(self) -> TokenInfo | None:
+        """A token dataset's token type, end-of-document id and counts (None: a dataset of samples)."""
+        data = self._data.get("tokens")
+        return None if data is None else TokenInfo.from_dict(data, "tokens")
+
+    @property
     def name(self) -> str | None:
-        """The dataset's name (shards are ``NAME-NNNNNN.tar``)."""
+        """The dataset's name (shards are ``NAME-NNNNNN.tar``, or ``.bin`` for tokens)."""
         return self._data.get("name")
 
     @cached_property
@@ -319,8 +392,11 @@ class Manifest(Mapping[str, Any]):
         return fingerprint(self._data)
 
 
-def format_version(shards: list[ShardRecord]) -> int:
-    """The manifest format version ``shards`` need: 2 when a shard lives outside ``DEST/shards/``, else 1."""
+def format_version(shards: list[ShardRecord], kind: str = "samples") -> int:
+    """The manifest format version a dataset needs: 3 for tokens, 2 when a shard lives outside
+    ``DEST/shards/``, else 1."""
+    if kind == "tokens":
+        return 3
     return 2 if any(s.location is not None or s.idx_location is not None for s in shards) else 1
 
 
@@ -328,12 +404,14 @@ def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], in
                   **extra: Any) -> dict[str, Any]:
     """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
     if one was written; ``extra`` adds optional fields (``image_field``, ``label_field``, ``label_map``,
-    ``source``, ``skipped``, ...)."""
+    ``source``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``)."""
     if index is not None:
         extra["index"] = index.as_dict()
+    if isinstance(extra.get("tokens"), TokenInfo):
+        extra["tokens"] = extra["tokens"].as_dict()
     return {
         "format": FORMAT,
-        "format_version": format_version(shards),
+        "format_version": format_version(shards, extra.get("kind", "samples")),
         "fastio_version": __version__,
         "name": name,
         "shards": [s.as_dict() for s in shards],
@@ -354,13 +432,57 @@ def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
     atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
 
 
+_LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
+
+
+def not_a_dataset(dest: Path) -> DatasetError:
+    """The error for a local DEST without a manifest: a file, a folder of tar shards or of images (naming the
+    command that makes it a dataset), a missing folder, or else an interrupted conversion."""
+    if dest.is_file():
+        dataset = dest.parent.parent
+        if dest.suffix.lower() == ".tar" and dest.parent.name == SHARDS_DIR and (dataset / MANIFEST_NAME).is_file():
+            return DatasetError(f"{dest}: a shard of the dataset {dataset}: give the dataset folder")
+        if dest.suffix.lower() == ".tar":
+            return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
+                                f"shards one with `fastio index {dest.parent}`, then give that folder")
+        return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
+                            "or `fastio index`")
+    if not dest.is_dir():
+        return DatasetError(f"{dest}: no such dataset directory")
+    holds = _holds(dest)
+    if "tar" in holds:
+        return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
+                            f"`fastio index {dest}`")
+    if "image" in holds:
+        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
+                            "DEST`, then give DEST")
+    return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _holds(folder: Path) -> set[str]:
+    """What a folder and its sub-folders hold, by file suffix: ``tar``, ``image`` (a bounded look; an unreadable
+    folder holds nothing)."""
+    found: set[str] = set()
+    names: list[str] = []
+    try:
+        subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        for sub in [folder, *subs][:64]:
+            names += os.listdir(sub)[:_LOOK_AT]
+    except OSError:
+        pass
+    for name in names[:_LOOK_AT]:
+        if name.lower().endswith(".tar"):
+            found.add("tar")
+        elif "." in name and is_image_field(name):
+            found.add("image")
+    return found
+
+
 def load_manifest(dest: Path) -> Manifest:
     """Read and validate ``DEST/manifest.json``; raise :class:`DatasetError` naming what is wrong."""
     path = Path(dest) / MANIFEST_NAME
-    if not Path(dest).is_dir():
-        raise DatasetError(f"{dest}: no such dataset directory")
     if not path.is_file():
-        raise DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+        raise not_a_dataset(Path(dest))
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -372,8 +494,8 @@ def load_manifest(dest: Path) -> Manifest:
 def shard_records(manifest: Mapping[str, Any]) -> list[ShardRecord]:
     """The shard records of a manifest that :func:`load_manifest` has validated (not checked again: at
     10^5 shards every rank would pay for it twice)."""
-    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"),
-                        location=s.get("location"), idx_location=s.get("idx_location")) for s in manifest["shards"]]
+    return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"), location=s.get("location"),
+                        idx_location=s.get("idx_location"), tokens=s.get("tokens")) for s in manifest["shards"]]
 
 
 def fingerprint(manifest: Mapping[str, Any]) -> str:
@@ -458,6 +580,9 @@ def _records_valid(shards: list) -> bool:
     xxh3 = [s["xxh3_128"] for s in shards if s.get("xxh3_128") is not None]
     if not (all(isinstance(v, str) for v in xxh3) and _XXH3S.fullmatch("".join(v + "\n" for v in xxh3))):
         return False
+    tokens = [s["tokens"] for s in shards if s.get("tokens") is not None]
+    if not {type(v) for v in tokens} <= {int} or (tokens and min(tokens) < 0):
+        return False
     return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
 
 
@@ -507,3 +632,28 @@ def _validate(manifest: Any, path: str) -> None:
         _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")
     if manifest.get("index") is not None:
         IndexRecord.from_dict(manifest["index"], f"{path}: index")
+    _validate_kind(manifest, path)
+
+
+def _validate_kind(manifest: dict[str, Any], path: str) -> None:
+    """The kind's rules: shard suffixes; for tokens, the ``tokens`` entry and per-shard token counts."""
+    kind = manifest.get("kind", "samples")
+    if kind not in KINDS:
+        raise DatasetError(f"{path}: kind: {kind!r} is not one of {', '.join(KINDS)}")
+    suffix = KINDS[kind]
+    wrong = next((s["name"] for s in manifest["shards"] if not s["name"].endswith(suffix)), None)
+    if wrong is not None:
+        raise DatasetError(f"{path}: shards: {wrong} is not a {suffix} shard, as a dataset of {kind} has")
+    if kind != "tokens":
+        if manifest.get("tokens") is not None:
+            raise DatasetError(f"{path}: tokens: only a dataset of kind 'tokens' has it")
+        return
+    if manifest.get("format_version", 0) < 3:
+        raise DatasetError(f"{path}: kind 'tokens' needs format_version 3, the manifest says "
+                           f"{manifest.get('format_version')}")
+    info = TokenInfo.from_dict(manifest.get("tokens"), f"{path}: tokens")
+    counts = [s.get("tokens") for s in manifest["shards"]]
+    if None in counts:
+        raise DatasetError(f"{path}: shards[{counts.index(None)}] lacks tokens (a token dataset's shards count them)")
+    if sum(counts) != info.total_tokens:
+        raise DatasetError(f"{path}: tokens.total_tokens does not equal the sum of shard token counts")

@@ -53,6 +53,19 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
+SKIPPED_SHOWN = 5
+"""Skipped inputs a summary names (the rest: ``fastio inspect DEST --skipped``)."""
+
+
+def skipped_lines(skipped: list[dict[str, str]], more: str, shown: int = SKIPPED_SHOWN) -> str:
+    """The first ``shown`` skipped inputs, one ``  PATH: REASON`` line each, each line after a newline; then,
+    when there are more, a line saying how many and ``more`` (the command that lists them all)."""
+    lines = [f"  {s.get('path')}: {s.get('reason')}" for s in skipped[:shown]]
+    if len(skipped) > shown:
+        lines.append(f"  ... and {len(skipped) - shown} more: {more}")
+    return "".join(f"\n{line}" for line in lines)
+
+
 def rate_line(samples: int, nbytes: int, seconds: float) -> str:
     """``N samples (X MB) in Ts (R samples/s, M MB/s)``."""
     s = max(seconds, 1e-9)

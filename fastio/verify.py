@@ -3,7 +3,9 @@ and that ``shards/`` holds no file the manifest does not list (a stray shard or 
 conversion, is reported: a reader would never see it, but it is not this dataset).
 
 Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.json``), in which
-case each split is checked and shard names are prefixed with the split name.
+case each split is checked and shard names are prefixed with the split name. A token dataset's shards (Megatron
+``.bin``/``.idx``) are checked for their checksums, the ``.idx`` structure, document and token counts, every document
+ending with the end-of-document id and every id inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from fastio.checksum import digests_file, sha256_file
 from fastio.dsindex import check_index as check_sample_index
@@ -24,11 +28,13 @@ from fastio.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
     ShardRecord,
+    TokenInfo,
     load_manifest,
     split_names,
 )
 from fastio.source import LocalSource, dest_split_names, no_manifest
 from fastio.storage import is_remote, open_storage
+from fastio.tokens.megatron import MegatronShard
 from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -94,6 +100,35 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
     return samples
 
 
+def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport):
+    """What is wrong with a token shard's ``.idx`` and documents: checksum, structure, counts, every document
+    ending with the end-of-document id, ids inside the vocabulary."""
+    if not idx_path.is_file():
+        return [f"index {idx_path.name} is missing"]
+    problems = []
+    if sha256_file(idx_path)[1] != shard.idx_sha256:
+        problems.append(f"index {idx_path.name} sha256 does not match the manifest")
+    try:
+        pair = MegatronShard(bin_path, info.dtype)
+        pair.index.check_structure()
+    except DatasetError as err:
+        return [*problems, str(err)]
+    report.samples += pair.documents
+    if pair.documents != shard.samples:
+        problems.append(f"holds {pair.documents} documents, manifest says {shard.samples}")
+    if shard.tokens is not None and pair.index.tokens != shard.tokens:
+        problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
+    edges = pair.index.starts(np.arange(pair.documents + 1))
+    docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
+    tokens = pair.tokens(0, pair.index.tokens)
+    bad = docs[tokens[edges[docs + 1] - 1] != info.eos_id]
+    if bad.size:
+        problems.append(f"document {int(bad[0])} does not end with the end-of-document id {info.eos_id}")
+    if info.vocab_size is not None and tokens.size and int(tokens.max()) >= info.vocab_size:
+        problems.append(f"holds token id {int(tokens.max())}, outside the vocabulary of {info.vocab_size}")
+    return problems
+
+
 def _each_shard(records: list[ShardRecord], fetch: Callable[[ShardRecord], list[Path]] | None) -> Iterator[ShardRecord]:
     """``records``; with ``fetch`` (a remote DEST), each shard's files are fetched into the dataset's folder
     before it is checked and deleted after."""
@@ -143,6 +178,10 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
             report.problems.append(Problem(label, None, "sha256 does not match the manifest"))
         if shard.xxh3_128 and digests["xxh3_128"] != shard.xxh3_128:
             report.problems.append(Problem(label, None, "xxh3_128 does not match the manifest"))
+        if manifest.tokens is not None:
+            report.problems += [Problem(label, None, what) for what in _token_problems(tar_path, idx_path, shard,
+                                                                                        manifest.tokens, report)]
+            continue
         entries = None
         if not idx_path.is_file():
             report.problems.append(Problem(label, None, f"index {idx_path.name} is missing"))

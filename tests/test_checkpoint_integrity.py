@@ -151,7 +151,8 @@ def test_an_explicit_older_step_keeps_newer_steps_when_saving_over_them(tmp_path
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(app, step=1).step == 1
         ckpt.save(2, app, blocking=True)  # the run goes on from step 1 and reaches step 2 again
-    assert (root / "step-2.quarantined" / layout.COMMIT_FILE).read_text() == first
+    # the abandoned step 2: superseded (its marker renamed), then moved aside; every file kept
+    assert (root / "step-2.quarantined" / layout.SUPERSEDED_FILE).read_text() == first
 
 
 def test_damaged_explicit_step_or_no_intact_step_is_an_error_and_moves_nothing(tmp_path, caplog):

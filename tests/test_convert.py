@@ -228,7 +228,7 @@ def test_kill_and_rerun_gives_identical_output(tmp_path):
 def test_cli_summary_line_and_quiet(tmp_path, image_folder, capsys):
     assert main(["convert", str(image_folder), str(tmp_path / "a"), "--workers", "2"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("converted 48 samples (") and "into 1 shards" in out and out.count("\n") == 1
+    assert out.startswith("converted 48 samples (") and "into 1 shard at" in out and out.count("\n") == 1
     assert err == ""  # stderr is not a terminal here: no progress bar
     assert main(["convert", str(image_folder), str(tmp_path / "b"), "--quiet"]) == 0
     assert capsys.readouterr() == ("", "")

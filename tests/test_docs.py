@@ -170,15 +170,72 @@ def test_relative_links_resolve():
     assert not broken, "\n".join(broken)
 
 
-@pytest.mark.docs
-def test_site_builds_strictly(tmp_path):
-    """`make docs`: the site and the API reference build with no warning (a broken link, anchor or reference
-    fails). Marked ``docs``: it needs the `docs` extra (mkdocs), which `make docs` installs and `make test` does not
-    (it deselects the test); run by another command where mkdocs is missing, it says so and skips."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site as `make docs` builds it (strictly: a warning fails), into a temporary folder."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+    out = tmp_path_factory.mktemp("site") / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Samples per batch on each rank" in (tmp_path / "site" / "reference" / "index.html").read_text()
+    return out
+
+
+@pytest.mark.docs
+def test_site_builds_strictly(site):
+    """`make docs`: the site and the API reference build with no warning (a broken link, anchor or reference
+    fails). Marked ``docs``: it needs the `docs` extra (mkdocs), which `make docs` installs and `make test` does not
+    (it deselects the test); run by another command where mkdocs is missing, it says so and skips."""
+    reference = (site / "reference.html").read_text()
+    assert "Samples per batch on each rank" in reference
+    quickstart = re.sub(r"<[^>]+>", "", (site / "quickstart.html").read_text())
+    assert "with fastio.exit_cleanly(ckpt):" in quickstart  # the README (its quickstart) is a page
+
+
+BROWSER = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`?[\w~]")  # a role with its target
+
+
+def rendered(page: Path) -> str:
+    """The page's DOM after a real headless browser loaded it from file:// (scripts run)."""
+    done = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "</html>" in done.stdout, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.docs
+def test_site_browses_from_disk_in_a_headless_browser(site):
+    """`make docs` says "open site/index.html": in a real browser over file://, every page's every link names a
+    file (a page, not a folder, which a browser would list) and every #anchor exists on its page; no Sphinx role
+    shows as raw text; the API reference shows the Loader's constructor signature. Skips, saying why, where no
+    Chromium is installed (`make docs` installs Debian's `chromium`)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from html import unescape
+    from urllib.parse import unquote, urljoin, urlsplit
+
+    if BROWSER is None:
+        pytest.skip("no chromium on PATH (make docs installs Debian's chromium package)")
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")  # a server's page, links from /
+    with ThreadPoolExecutor(4) as pool:
+        doms = dict(zip(pages, pool.map(rendered, pages)))
+    ids = {page: set(re.findall(r'\bid="([^"]+)"', dom)) for page, dom in doms.items()}
+    broken, raw = [], []
+    for page, dom in doms.items():
+        for href in re.findall(r'<a\b[^>]*\bhref="([^"]*)"', dom):
+            url = urlsplit(urljoin(page.as_uri(), unescape(href)))
+            if url.scheme != "file":
+                continue
+            target = Path(unquote(url.path))
+            if not target.is_file():
+                broken.append(f"{page.name}: {href} ({'a folder' if target.is_dir() else 'no such file'})")
+            elif url.fragment and target in ids and unquote(url.fragment) not in ids[target]:
+                broken.append(f"{page.name}: {href} (no such anchor)")
+        text = re.sub(r"<[^>]+>", "", re.sub(r"<(script|style)\b.*?</\1>", "", dom, flags=re.DOTALL))
+        raw += [f"{page.name}: ...{text[m.start() - 40:m.end() + 40]!r}" for m in ROLE.finditer(unescape(text))]
+    assert not broken, "\n".join(broken)
+    assert not raw, "\n".join(raw)
+    signature = re.sub(r"<[^>]+>|\s+", "", doms[site / "reference.html"])
+    assert "Loader(dest:str|Path|Dataset|Mixture,config:LoaderConfig|None=None,**overrides:Any" in unescape(signature)

@@ -2,7 +2,9 @@
 
 A directory is read by :mod:`fastio.checkpoint.layout`. On an object store a step is committed when
 ``step-N/fastio-commit.json`` exists (the Checkpointer uploads it last); a ``step-N/`` without it is an upload in
-progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``). Verifying a
+progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``); a
+``step-N.quarantined/`` prefix (a superseded step moved aside by a new step of its number) is listed as
+quarantined. Verifying a
 committed step downloads it into a temporary directory, one step at a time, and checks every file against its
 marker exactly as on disk; nothing on the store is changed.
 """
@@ -20,7 +22,8 @@ from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["list_steps", "remote_steps", "verify_steps"]
+__all__ = ["list_steps", "pending_rollback", "remote_steps", "verify_steps"]
+
 
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
     """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
@@ -30,10 +33,13 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
         return str(loc.path), layout.list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
     rows = []
+    doomed = pending_rollback(storage)
     for step, sizes in remote_steps(storage).items():
         name = layout.step_name(step)
         commit, problem = None, None
-        if layout.COMMIT_FILE in sizes:
+        if step in doomed:
+            problem = layout.SUPERSEDED
+        elif layout.COMMIT_FILE in sizes:
             try:
                 commit = layout.parse_commit(_get(storage, f"{name}/{layout.COMMIT_FILE}"),
                                              storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
@@ -46,7 +52,25 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
         size = (commit or {}).get("bytes")
         rows.append(layout.listing_row(step, storage.url_of(name), commit,
                                        sum(sizes.values()) if size is None else size, problem))
-    return storage.url, rows
+    for name, (step, size) in _quarantined(storage).items():
+        rows.append(layout.listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
+                                       "(a superseded step of the number a new one took)"))
+    return storage.url, sorted(rows, key=lambda r: (r["step"], r["path"]))
+
+
+def _quarantined(storage: Storage) -> dict[str, tuple[int, int]]:
+    """``{name: (step, bytes)}`` of every ``step-N.quarantined/`` prefix on the store."""
+    try:
+        objects = storage.list()  # a store lists by whole path segments: no "step-" prefix
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+    found: dict[str, tuple[int, int]] = {}
+    for o in objects:
+        top = o.key.partition("/")[0]
+        step = layout.parse_quarantined_name(top)
+        if step is not None:
+            found[top] = (step, found.get(top, (step, 0))[1] + o.size)
+    return found
 
 
 def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
@@ -62,11 +86,14 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
     if not steps and storage.head(LOCK_NAME) is None:
         raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
     mirror = DirMirror(storage, layout.COMMIT_FILE)
-    problems, verified = [], []
+    problems, verified, vanished = [], [], []
+    doomed = pending_rollback(storage)
     with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
         for step, sizes in steps.items():
             name = layout.step_name(step)
             url = storage.url_of(name)
+            if step in doomed or layout.COMMIT_FILE not in sizes and layout.SUPERSEDED_FILE in sizes:
+                continue  # superseded: no checkpoint any more, and not damaged either
             if layout.COMMIT_FILE not in sizes:
                 if include_uncommitted:
                     problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
@@ -77,10 +104,21 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
                 found = layout.verify_step(layout.StepEntry(step, local, layout.read_commit(local)))
             except (StorageError, CheckpointError) as err:
                 found = [str(err)]
+            shutil.rmtree(local, ignore_errors=True)
+            if found and not _marked(storage, name):  # retention deletes the marker first: being deleted
+                vanished.append(step)
+                continue
             problems += [p.replace(str(local), url) for p in found]
             verified.append(step)
-            shutil.rmtree(local, ignore_errors=True)
-    return storage.url, layout.VerifyReport(problems, verified)
+    return storage.url, layout.VerifyReport(problems, verified, vanished)
+
+
+def _marked(storage: Storage, name: str) -> bool:
+    """True when ``name/`` still holds its commit marker (an unreachable store counts as marked: not skipped)."""
+    try:
+        return storage.head(f"{name}/{layout.COMMIT_FILE}") is not None
+    except StorageError:
+        return True
 
 
 def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
@@ -96,6 +134,17 @@ def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
         if step is not None and rest:
             steps.setdefault(step, {})[rest] = o.size
     return dict(sorted(steps.items()))
+
+
+def pending_rollback(storage: Storage) -> frozenset[int]:
+    """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``, see
+    :func:`fastio.checkpoint.layout.start_rollback`): superseded, whatever their marker is still called."""
+    try:
+        if storage.head(layout.ROLLBACK_FILE) is None:
+            return frozenset()
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+    return layout.parse_rollback(_get(storage, layout.ROLLBACK_FILE), storage.url_of(layout.ROLLBACK_FILE))
 
 
 def _get(storage: Storage, key: str) -> bytes:

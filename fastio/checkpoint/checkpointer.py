@@ -13,7 +13,8 @@ The Checkpointer talks to the engine only through :class:`~fastio.checkpoint.eng
 One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from construction to
 ``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
-(:mod:`fastio.checkpoint.remote`). A restore checks every file
+(:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
+of them and changes nothing in DIR; ``save`` is refused. A restore checks every file
 of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
 back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,6 +60,8 @@ RNG_KEY = "_fastio_rng"
 PROGRESS_KEY = "_fastio_progress"
 PROGRESS_VERSION = 1
 _RESERVED_PREFIX = "_fastio"
+READ_ONLY_HINT = ("to restore only (e.g. evaluation beside training), use Checkpointer(dir, read_only=True), which "
+                  "takes no lock")
 
 
 @dataclass
@@ -139,6 +143,9 @@ class Checkpointer:
         except (TypeError, ValueError) as err:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
         self.rank, self.world_size = _rank_world()
+        self.read_only = self.config.read_only
+        if self.read_only and self.config.url is not None and self.config.staging_dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="fastio-ckpt-restore-"))  # the default may be a writer's
         # Every collective of the Checkpointer goes through one of its two rank groups (fastio.checkpoint.group),
         # each on a gloo group of its own: the training thread's (construction, scheduling, restores) and the
         # writer thread's (a save's write and commit, and the engine's own collectives), so that the two
@@ -158,13 +165,16 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 layout.refuse_dataset_dir(self.dir)
-                self.dir.mkdir(parents=True, exist_ok=True)
-                self._lock.acquire()
-                if self._remote is not None:
-                    self._remote.hold()
+                if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                    self._lock.acquire()
+                    if self._remote is not None:
+                        self._remote.hold()
             except OSError as err:
                 problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-            except (LockedError, FastioError) as err:
+            except LockedError as err:
+                problem = f"{err}; {READ_ONLY_HINT}"
+            except FastioError as err:
                 problem = str(err)
             if problem:
                 self._lock.release()
@@ -219,6 +229,7 @@ class Checkpointer:
         earlier background write is raised here as a :class:`CheckpointError`. Without ``epoch``, the
         epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`).
         """
+        self._refuse_if_read_only()
         self._raise_if_failed(wait=False)
         every = self.config.every_steps
         due = force or (every > 0 and step % every == 0)
@@ -247,6 +258,7 @@ class Checkpointer:
     def save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
              epoch: int | None = None, blocking: bool = False) -> None:
         """Save after ``step`` now (waiting for an earlier write first); ``blocking`` also waits for the commit."""
+        self._refuse_if_read_only()
         self._raise_if_failed(wait=False)
         self._save(step, app, metrics, epoch, blocking=blocking)
 
@@ -264,6 +276,8 @@ class Checkpointer:
             if self._remote is not None:
                 self._remote.release()
             self._lock.release()
+            if self.read_only and self.config.url is not None and self.config.staging_dir is None:
+                shutil.rmtree(self.dir, ignore_errors=True)  # this Checkpointer's private download directory
 
     def __enter__(self):
         return self
@@ -283,8 +297,9 @@ class Checkpointer:
         reason, and moved aside (``step-N.quarantined``) so that a later save of that step cannot replace
         it; the newest intact one is restored. CheckpointError when step directories exist but none is
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
-        temporaries (``step-N.tmp``) are deleted. RNG states are restored last. A checkpoint written by
-        another number of ranks is restored elastically (see :mod:`fastio.checkpoint.elastic`).
+        temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside.
+        RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
+        (see :mod:`fastio.checkpoint.elastic`).
 
         Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
@@ -296,7 +311,7 @@ class Checkpointer:
         commit = self._commit
 
         def plan() -> tuple[list[int], list[Unrecognised]] | None:
-            if self._leader:  # every directory's own abandoned temporaries
+            if self._leader and not self.read_only:  # every directory's own abandoned temporaries
                 commit.clean()
             return commit.plan(step) if self.rank == 0 else None
 
@@ -326,13 +341,21 @@ class Checkpointer:
                 if not Path(path_).exists():
                     continue
                 try:
-                    moved = f"; moved aside to {layout.quarantine(Path(path_)).name}"
+                    moved = ("; left in place (read_only)" if self.read_only else
+                             f"; moved aside to {layout.quarantine(Path(path_)).name}")
                 except OSError as err:
                     moved = f"; left in place ({err.strerror or err})"
                 reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
                 log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
         path = commit.step_dir(chosen)
-        return self._restore(path, layout.read_commit(path), app, strict)
+        state = self._restore(path, layout.read_commit(path), app, strict)
+        commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
+        return state
+
+    def _refuse_if_read_only(self) -> None:
+        if self.read_only:
+            raise CheckpointError(f"{self.config.url or self.dir}: this Checkpointer is read-only (read_only=True): "
+                                  "it restores, it does not save")
 
     # ----------------------------------------------------------------- internals
     def _group_staging(self) -> None:
@@ -344,7 +367,7 @@ class Checkpointer:
         problem = groups if isinstance(groups, str) and self.rank == 0 else None
         if not isinstance(groups, str):
             self._dir_ranks = next(g for g in groups if self.rank in g)
-            if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0:
+            if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0 and not self.read_only:
                 try:
                     self._lock.acquire()
                 except (LockedError, OSError) as err:

@@ -45,6 +45,10 @@ class Commit(Protocol):
     """The local directory steps are written in and read from."""
     ranks_here: tuple[int, ...]
     """The ranks that see ``root`` (they share its files' work), lowest first; the lowest creates and cleans."""
+    restored: int | None
+    """Set by the Checkpointer to the step a restore loaded: the next :meth:`publish` first supersedes every
+    committed step above it (the abandoned branch of a rollback, crash-safely: see
+    :func:`fastio.checkpoint.layout.start_rollback`), then forgets it."""
 
     def tmp_dir(self, step: int) -> Path: ...
 
@@ -55,8 +59,9 @@ class Commit(Protocol):
         ...
 
     def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
-        """Writer thread, collective: commit the fully written temporary of ``step`` (marker last), then retention
-        keeping ``keep`` (0: all); any rank's failure raises on every rank, nothing half-published is visible."""
+        """Writer thread, collective: supersede the committed steps above ``step`` (above ``restored`` after a
+        rollback), commit the fully written temporary of ``step`` (marker last), then retention keeping ``keep``
+        (0: all); any rank's failure raises on every rank, nothing half-published is visible."""
         ...
 
     def steps(self) -> list[int]:
@@ -78,19 +83,22 @@ class Commit(Protocol):
         ...
 
 
-def _supersede_newer(root: Path, step: int) -> None:
-    """Before ``step`` is committed: every committed step above it in ``root`` is superseded (a rollback)."""
-    newer = [e for e in layout.committed(root) if e.step > step]
-    for entry in newer:
-        layout.supersede(entry.path)
-    if newer:
-        log.warning("fastio: %s: committing step %d after a rollback: step(s) %s superseded (files kept, no longer "
-                    "checkpoints)", root, step, ", ".join(str(e.step) for e in newer))
+def _warn_superseded(where: object, step: int, floor: int, steps: list[int]) -> None:
+    if steps:
+        log.warning("fastio: %s: committing step %d after a rollback to step %d: step(s) %s superseded (files kept, "
+                    "no longer checkpoints)", where, step, floor, ", ".join(map(str, steps)))
 
 
 class _Steps:
     def __init__(self, root: Path, remote: RemoteCheckpoints | None, ranks_here: tuple[int, ...]):
         self.root, self.remote, self.ranks_here = Path(root), remote, ranks_here
+        self.restored: int | None = None
+        """The step the last restore loaded, until the next commit: every committed step above it is the
+        abandoned branch of a rollback, superseded before that commit."""
+
+    def _floor(self, step: int) -> int:
+        """The step above which a commit of ``step`` supersedes every committed step."""
+        return step if self.restored is None else min(step, self.restored)
 
     def tmp_dir(self, step: int) -> Path:
         return layout.tmp_dir(self.root, step)
@@ -121,6 +129,12 @@ class _Steps:
         except StorageError as err:
             raise CheckpointError(f"{self.remote.url}: cannot list checkpoints: {err}") from None
 
+    def _remote_pending(self) -> frozenset[int]:
+        try:
+            return self.remote.pending_rollback()
+        except StorageError as err:
+            raise CheckpointError(f"{self.remote.url}: cannot list checkpoints: {err}") from None
+
 
 class LocalCommit(_Steps):
     """Steps committed in a directory every rank sees (and uploaded from there for an ``s3://`` dir)."""
@@ -131,15 +145,20 @@ class LocalCommit(_Steps):
     def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
         def commit() -> None:
             if rank == 0:
-                if self.remote is not None:
-                    self.remote.supersede_newer(step)
-                _supersede_newer(self.root, step)
+                floor, remote = self._floor(step), self.remote
+                if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
+                    remote.start_rollback(floor)
+                layout.start_rollback(self.root, floor)
+                _warn_superseded(self.root, step, floor, layout.finish_rollback(self.root))
+                if remote is not None:
+                    _warn_superseded(remote.url, step, floor, remote.finish_rollback())
                 layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
                 layout.apply_retention(self.root, keep)
                 if self.remote is not None:
                     self.remote.after_commit(keep)
 
         ranks.run("commit", commit)
+        self.restored = None
 
     def steps(self) -> list[int]:
         if self.remote is not None:
@@ -154,6 +173,7 @@ class LocalCommit(_Steps):
         done = {e.step for e in entries if e.committed}
         if self.remote is not None:  # steps on the store not here yet are downloaded (and checked) when tried
             done |= set(self._remote_steps())
+            done -= self._remote_pending()  # a rollback a kill cut short: its record outlives the local one
         unrecognised = [(e.step, str(e.path), e.problem or "") for e in entries  # superseded: left where it is
                         if not e.committed and not e.temporary and not e.superseded and e.step not in done]
         if step is not None and step not in done:
@@ -170,7 +190,16 @@ class NodeLocalCommit(_Steps):
 
     def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
         remote, tmp = self.remote, self.tmp_dir(step)
-        ranks.run("confirm", remote.confirm if rank == 0 else lambda: None)  # every engine.save has returned
+        floor = self._floor(step)
+
+        def confirm() -> None:  # every engine.save has returned; the abandoned branch goes before any upload
+            if rank == 0:
+                remote.confirm()
+                remote.start_rollback(floor)
+                _warn_superseded(remote.url, step, floor, remote.finish_rollback())
+                remote.make_room(step)
+
+        ranks.run("confirm", confirm)
         i, n = self.ranks_here.index(rank), len(self.ranks_here)
         records = ranks.run("upload", lambda: remote.upload_files(step, tmp, layout.data_files(tmp)[i::n]))
         every = ranks.gather("upload", records)
@@ -185,10 +214,10 @@ class NodeLocalCommit(_Steps):
                     raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a "
                                           "shared file system")
                 files.update(part)
-            remote.supersede_newer(step)
             remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
 
         ranks.run("commit", commit)
+        self.restored = None
         if rank == self.ranks_here[0]:  # no node holds the whole step: the temporaries go
             layout.remove_step(tmp)
 

@@ -81,6 +81,12 @@ class CheckpointConfig:
     """With an ``s3://`` dir: endpoint, region, credentials over the environment's
     (:class:`fastio.storage.StorageOptions`)."""
 
+    read_only: bool = False
+    """Restore only (e.g. evaluation beside training): no lock or lease is taken (the training job holds them),
+    nothing under ``dir`` is cleaned, moved aside, superseded or deleted, and ``save``/``maybe_save`` raise. With
+    an ``s3://`` dir and no ``staging_dir``, steps are downloaded into a private temporary directory that
+    ``close`` removes (the default staging directory may be the training job's)."""
+
     url: str | None = field(default=None, init=False)
     """The object-store URL checkpoints are uploaded to (None: ``dir`` is the checkpoint directory itself)."""
 
@@ -100,6 +106,8 @@ class CheckpointConfig:
                 or not 0 <= self.preempted_exit_code <= 255:
             raise ValueError(f"CheckpointConfig.preempted_exit_code must be an int in 0..255, "
                              f"got {self.preempted_exit_code!r}")
+        if not isinstance(self.read_only, bool):
+            raise ValueError(f"CheckpointConfig.read_only must be True or False, got {self.read_only!r}")
         for name in ("every_steps", "keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

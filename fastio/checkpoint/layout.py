@@ -24,17 +24,24 @@ What may be deleted (the rules in one place):
 - on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
   first), and ``step-N/`` objects without a commit marker older than the newest committed step (a deletion
   cut short), :mod:`fastio.checkpoint.remote`;
+- a ``step-N.tmp``, or one moved aside as ``step-N.tmp.quarantined``, that holds nothing at all but the writer's
+  mark or its half-written ``.fastio-writing.json.tmp`` (a kill between creating the temporary and publishing
+  its mark): :func:`remove_abandoned` deletes it (no data can be in it);
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
   step, left by a killed process): :func:`remove_abandoned` deletes it;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
-  match it, and a ``step-N.tmp`` without the writer's mark are left alone or moved aside by rename to
+  match it, and a ``step-N.tmp`` without the writer's mark holding anything else are left alone or moved aside by rename to
   ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be replaced
   by a new commit of the same step is moved aside too.
 
-A rollback (``restore_latest(step=S)`` while higher steps are committed, then saves from there): committing a
-step supersedes every committed step numbered above it (:func:`supersede`: its marker is renamed to
-``fastio-superseded.json``, every file kept), so the latest checkpoint is the newest of the run's current
-branch and retention counts only that branch; nothing of the abandoned branch is deleted.
+A rollback (``restore_latest(step=S)`` while higher steps are committed, then saves from there): before the
+first commit after it, every committed step numbered above S (the whole abandoned branch, also the steps below
+the new one) is superseded (:func:`supersede`: its marker is renamed to ``fastio-superseded.json``, every file
+kept), so the latest checkpoint is the newest of the run's current branch, a fallback never reaches the
+abandoned branch, and retention counts only the current branch; nothing of the abandoned branch is deleted.
+Crash-safe: :func:`start_rollback` first writes ``fastio-rollback.json`` (the steps about to be superseded;
+while it exists :func:`scan` counts them as superseded), :func:`finish_rollback` renames their markers and
+then removes it, all before the new step is committed; a kill anywhere leaves restore the new branch or S.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import atomic_write_bytes, fsync_dir
+from fastio.atomic import atomic_write_bytes, fsync_dir, tmp_path_for
 from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.checksum import DIGESTS, digest_fd, digest_file
 from fastio.errors import CheckpointError
@@ -66,6 +73,7 @@ __all__ = [
     "QUARANTINE_SUFFIX",
     "READ_VERSIONS",
     "RESTORING_FILE",
+    "ROLLBACK_FILE",
     "WRITING_FILE",
     "StepEntry",
     "apply_retention",
@@ -74,10 +82,17 @@ __all__ = [
     "committed",
     "data_files",
     "encode_commit",
+    "encode_rollback",
+    "finish_rollback",
     "file_record",
+    "holds_only_writer_marks",
     "list_checkpoints",
     "listing_row",
     "parse_commit",
+    "parse_quarantined_name",
+    "quarantine_names",
+    "parse_rollback",
+    "pending_rollback",
     "quarantine",
     "read_commit",
     "refuse_dataset_dir",
@@ -86,10 +101,13 @@ __all__ = [
     "restore_dir",
     "scan",
     "start_restore_dir",
+    "start_rollback",
     "start_tmp",
     "parse_step_name",
     "step_dir",
     "step_name",
+    "still_committed",
+    "supersede_above",
     "tmp_dir",
     "verify",
     "verify_files",
@@ -114,6 +132,9 @@ SUPERSEDED_FILE = "fastio-superseded.json"
 """A committed step's marker, renamed by :func:`supersede` when an older step was restored and saved after it."""
 SUPERSEDED = ("superseded: a lower step was restored and saved after it (a rollback); its files are kept, "
               "it is no longer a checkpoint")
+ROLLBACK_FILE = "fastio-rollback.json"
+"""A rollback in progress (:func:`start_rollback`): the committed steps being superseded; none is a checkpoint."""
+ROLLBACK_FORMAT = "fastio-rollback"
 _DELETING_RE = re.compile(r"^\.step-(\d+)(\.tmp)?\.deleting-(\d+)$")
 _STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
 _QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
@@ -122,6 +143,7 @@ RESTORING_FILE = "fastio-restoring.json"
 """The mark in a restore's private directory: proof that fastio made it."""
 _HASH_THREADS = 4
 _NOT_FILES = (COMMIT_FILE, WRITING_FILE)
+_WRITER_MARKS = frozenset({WRITING_FILE, tmp_path_for(Path(WRITING_FILE)).name})
 
 
 def step_name(step: int) -> str:
@@ -133,6 +155,22 @@ def parse_step_name(name: str) -> int | None:
     """The step of a committed directory's name ``step-N``; None for any other name."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m and not m.group(2) else None
+
+
+def parse_quarantined_name(name: str) -> int | None:
+    """The step of a name moved aside by :func:`quarantine` (``step-N.quarantined``, ``-2``...; also on a store);
+    None for any other name."""
+    m = _QUARANTINE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def quarantine_names(name: str):
+    """``name.quarantined``, then ``name.quarantined-2``, ``-3``...: the names :func:`quarantine` tries in turn."""
+    yield name + QUARANTINE_SUFFIX
+    n = 2
+    while True:
+        yield f"{name}{QUARANTINE_SUFFIX}-{n}"
+        n += 1
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -181,8 +219,19 @@ class StepEntry:
     @property
     def abandoned(self) -> bool:
         """This fastio's own temporary: ``step-N.tmp`` with the writer's mark (also one a kill left with its commit
-        marker already written: a temporary is never a checkpoint until renamed to ``step-N``)."""
-        return self.temporary and (self.path / WRITING_FILE).is_file()
+        marker already written: a temporary is never a checkpoint until renamed to ``step-N``), or one holding
+        nothing but the writer's mark half-written (a kill inside :func:`start_tmp`)."""
+        return self.temporary and ((self.path / WRITING_FILE).is_file() or holds_only_writer_marks(self.path))
+
+
+def holds_only_writer_marks(path: Path) -> bool:
+    """True when directory ``path`` holds nothing but fastio's writer's mark and its half-written temporary
+    (``fastio-writing.json``, ``.fastio-writing.json.tmp``), or nothing at all: no data that could be lost."""
+    try:
+        return all(child.name in _WRITER_MARKS and child.is_file() and not child.is_symlink()
+                   for child in Path(path).iterdir())
+    except OSError:
+        return False
 
 
 def read_commit(path: Path) -> dict[str, Any]:
@@ -220,6 +269,7 @@ def scan(root: Path) -> list[StepEntry]:
     if not root.is_dir():
         return []
     entries = []
+    doomed = pending_rollback(root)
     for child in root.iterdir():
         m = _STEP_RE.match(child.name)
         if not m or not child.is_dir():
@@ -234,11 +284,15 @@ def scan(root: Path) -> list[StepEntry]:
         try:
             data = read_commit(child)
         except CheckpointError as err:
+            if not child.exists():  # deleted (renamed away first) since it was listed: no step any more
+                continue
             superseded = not (child / COMMIT_FILE).exists() and (child / SUPERSEDED_FILE).is_file()
             entries.append(StepEntry(step, child, None, SUPERSEDED if superseded else str(err), superseded))
             continue
         if data["step"] != step:
             entries.append(StepEntry(step, child, None, f"{child}: commit marker says step {data['step']}"))
+        elif step in doomed:  # a rollback a kill cut short: superseded, whatever its marker is still called
+            entries.append(StepEntry(step, child, None, SUPERSEDED, True))
         else:
             entries.append(StepEntry(step, child, data))
     return sorted(entries, key=lambda e: (e.step, e.committed))
@@ -372,14 +426,72 @@ def supersede(path: Path) -> None:
     fsync_dir(Path(path))
 
 
+def encode_rollback(floor: int, steps: list[int]) -> bytes:
+    """The bytes of a rollback record: steps above ``floor`` being superseded."""
+    return json.dumps({"format": ROLLBACK_FORMAT, "version": 1, "rollback_to": floor, "steps": sorted(steps),
+                       "time": time.time()}).encode()
+
+
+def parse_rollback(text: bytes, where: str) -> frozenset[int]:
+    """The steps a rollback record lists; CheckpointError naming ``where`` when it is not one."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: unreadable rollback record: {err}") from None
+    steps = data.get("steps") if isinstance(data, dict) and data.get("format") == ROLLBACK_FORMAT else None
+    if not isinstance(steps, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        raise CheckpointError(f"{where}: not a fastio rollback record")
+    return frozenset(steps)
+
+
+def pending_rollback(root: Path) -> frozenset[int]:
+    """The steps of a rollback in progress under ``root`` (:data:`ROLLBACK_FILE`); empty when there is none."""
+    record = Path(root) / ROLLBACK_FILE
+    try:
+        return parse_rollback(record.read_bytes(), str(record))
+    except FileNotFoundError:
+        return frozenset()
+    except OSError as err:
+        raise CheckpointError(f"{record}: unreadable rollback record: {err.strerror or err}") from None
+
+
+def start_rollback(root: Path, floor: int) -> list[int]:
+    """Before a commit that follows a restore of step ``floor``: record every committed step above it (and those
+    of a rollback a kill cut short) in :data:`ROLLBACK_FILE`, durably; from then on none of them is a
+    checkpoint. Returns them (nothing is written when there are none)."""
+    doomed = sorted(pending_rollback(root) | {e.step for e in committed(root) if e.step > floor})
+    if doomed:
+        atomic_write_bytes(Path(root) / ROLLBACK_FILE, encode_rollback(floor, doomed))
+    return doomed
+
+
+def finish_rollback(root: Path) -> list[int]:
+    """Supersede every step of the rollback recorded under ``root`` whose marker is still a commit marker, then
+    remove the record; returns the steps it listed (none when there was no record)."""
+    root = Path(root)
+    doomed = sorted(pending_rollback(root))
+    for step in doomed:
+        path = step_dir(root, step)
+        if (path / COMMIT_FILE).is_file():
+            supersede(path)
+    if doomed:
+        (root / ROLLBACK_FILE).unlink()
+        fsync_dir(root)
+    return doomed
+
+
+def supersede_above(root: Path, floor: int) -> list[int]:
+    """A rollback to ``floor`` on disk (:func:`start_rollback` then :func:`finish_rollback`): the superseded
+    steps."""
+    start_rollback(root, floor)
+    return finish_rollback(root)
+
+
 def quarantine(path: Path) -> Path:
     """Move a step directory aside as ``<name>.quarantined`` (``-2``, ``-3``... when taken); returns the new path.
     Nothing is deleted: what was there may be the only copy."""
     path = Path(path)
-    target, n = path.with_name(path.name + QUARANTINE_SUFFIX), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}{QUARANTINE_SUFFIX}-{n}")
+    target = next(path.with_name(n) for n in quarantine_names(path.name) if not path.with_name(n).exists())
     os.replace(path, target)
     fsync_dir(path.parent)
     return target
@@ -387,13 +499,18 @@ def quarantine(path: Path) -> Path:
 
 def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
     """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring): marked
-    ``step-N.tmp`` and marked ``.step-N.restore-PID``; returns ``(deleted, left)``: ``left`` are the other
-    uncommitted step directories, untouched."""
+    ``step-N.tmp``, a ``step-N.tmp`` or ``step-N.tmp.quarantined`` holding nothing but writer's marks, and marked
+    ``.step-N.restore-PID`` (after finishing a rollback a kill cut short); returns ``(deleted, left)``: ``left``
+    are the other uncommitted step directories, untouched."""
     removed, left = [], []
     if Path(root).is_dir():
+        finish_rollback(root)  # one a kill cut short
         for child in sorted(Path(root).iterdir()):
             if (_RESTORE_RE.match(child.name) and child.is_dir() and (child / RESTORING_FILE).is_file()
                     or _DELETING_RE.match(child.name) and child.is_dir()):  # also a deletion a kill cut short
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+            elif _is_empty_quarantined_tmp(child):
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)
     for entry in scan(root):
@@ -405,6 +522,13 @@ def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
         else:
             left.append(entry)
     return removed, left
+
+
+def _is_empty_quarantined_tmp(path: Path) -> bool:
+    """A ``step-N.tmp`` moved aside (``step-N.tmp.quarantined``) that holds nothing but writer's marks: what a kill
+    inside :func:`start_tmp` left, quarantined by an older fastio; nothing of it can be data."""
+    m = _QUARANTINE_RE.match(path.name)
+    return bool(m and m.group(2)) and path.is_dir() and not path.is_symlink() and holds_only_writer_marks(path)
 
 
 def apply_retention(root: Path, keep: int) -> list[Path]:
@@ -466,6 +590,9 @@ class VerifyReport:
     """One line per problem, naming the file or directory; empty when everything checked out."""
     steps: list[int]
     """The committed steps that were checked, oldest first."""
+    vanished: list[int] = field(default_factory=list)
+    """Committed steps that retention deleted (or a rollback superseded) while they were being checked: skipped,
+    not damaged."""
 
 
 def _check_root(root: Path) -> Path:
@@ -480,15 +607,30 @@ def _check_root(root: Path) -> Path:
 def verify_report(root: Path, *, include_uncommitted: bool = False) -> VerifyReport:
     """Check every committed checkpoint under ``root`` against its commit marker (and report step
     directories that are not committed: always a ``step-N`` without a valid marker, ``step-N.tmp``
-    ones too when ``include_uncommitted``). CheckpointError when ``root`` is not a checkpoint directory."""
+    ones too when ``include_uncommitted``). Superseded steps are skipped, and so is a committed step that is
+    deleted while it is checked (``vanished``). CheckpointError when ``root`` is not a checkpoint directory."""
     root = _check_root(root)
-    problems, steps = [], []
+    report = VerifyReport([], [])
     for entry in scan(root):
-        if entry.committed or include_uncommitted or not entry.temporary:
-            problems += verify_step(entry)
+        if entry.superseded:  # no checkpoint any more, and not damaged either
+            continue
+        found = verify_step(entry) if entry.committed or include_uncommitted or not entry.temporary else []
+        if found and entry.committed and not still_committed(entry):
+            report.vanished.append(entry.step)  # being deleted by retention (renamed away first), not damaged
+            continue
+        report.problems += found
         if entry.committed:
-            steps.append(entry.step)
-    return VerifyReport(problems, steps)
+            report.steps.append(entry.step)
+    return report
+
+
+def still_committed(entry: StepEntry) -> bool:
+    """True when committed ``entry``'s directory still holds the commit marker it was listed with (False once
+    retention has renamed it away to delete it, or a rollback superseded it, after :func:`scan` listed it)."""
+    try:
+        return read_commit(entry.path) == entry.commit
+    except CheckpointError:
+        return False
 
 
 def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:

@@ -23,7 +23,9 @@ Retention deletes only committed older steps on the store (marker first), and ``
 marker of steps older than the newest committed one (what a retention cut short by a kill leaves). One writer per
 prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction
 to ``close``, beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and
-confirms it before a step's upload, before its commit marker and before retention; a lost lease fails that save
+confirms it before a step's upload, before its commit marker, before a rollback supersedes the abandoned steps
+(``PREFIX/fastio-rollback.json`` lists them first, as on disk: :func:`fastio.checkpoint.layout.start_rollback`) and
+before retention; a lost lease fails that save
 (nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
 """
@@ -33,13 +35,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastio.checkpoint import layout
-from fastio.checkpoint.catalog import remote_steps
+from fastio.checkpoint.catalog import pending_rollback, remote_steps
 from fastio.checkpoint.group import RankGroup
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
@@ -100,6 +103,15 @@ def staging_groups(views: list[tuple[int, str, str, tuple[int, ...]]]) -> list[t
                     "see different sets of staging directories; give staging_dir= either one directory on a shared "
                     "file system or one directory per node that no other node sees")
     return sorted(set(by_rank.values()), key=min)
+
+
+def _copy_objects(source, dest, objects) -> None:
+    """Copy ``objects`` (keys of ``source``) to the same keys under ``dest``, one at a time through a temp file."""
+    with tempfile.TemporaryDirectory(prefix="fastio-ckpt-copy-") as tmp:
+        local = Path(tmp) / "object"
+        for o in objects:
+            source.get_to_file(o.key, local, o.size)
+            dest.put_file(o.key, local)
 
 
 class RemoteCheckpoints:
@@ -165,25 +177,74 @@ class RemoteCheckpoints:
         except StorageError as err:
             raise CheckpointError(f"{self.url}: upload failed: {err}") from None
 
-    def supersede_newer(self, step: int) -> None:
-        """Before ``step``'s marker goes to the store: every committed step above it is superseded (a rollback):
-        its marker is copied to ``SUPERSEDED_FILE``, then deleted; every other object is kept. Only while the
-        lease (if held) is confirmed."""
+    def pending_rollback(self) -> frozenset[int]:
+        """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``); none are
+        checkpoints."""
+        return pending_rollback(self.mirror.storage)
+
+    def start_rollback(self, floor: int) -> list[int]:
+        """Before the first commit after a restore of step ``floor``: record on the store every committed step
+        above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
+        a checkpoint. Only while the lease (if held) is confirmed."""
+        def start() -> list[int]:
+            doomed = sorted(self.pending_rollback() | {s for s in self.committed_steps() if s > floor})
+            if doomed:
+                self._confirm()
+                self.mirror.storage.put_bytes(layout.ROLLBACK_FILE, layout.encode_rollback(floor, doomed))
+            return doomed
+
+        return self._superseding(start, floor)
+
+    def finish_rollback(self) -> list[int]:
+        """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
+        deleted; every other object kept), then delete the record; returns the steps it listed."""
+        def finish() -> list[int]:
+            storage = self.mirror.storage
+            doomed = sorted(self.pending_rollback())
+            if doomed:
+                self._confirm()
+            for s in doomed:
+                sub = storage.child(layout.step_name(s))
+                if sub.head(layout.COMMIT_FILE) is not None:
+                    sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
+                    sub.delete(layout.COMMIT_FILE)
+            if doomed:
+                storage.delete(layout.ROLLBACK_FILE)
+            return doomed
+
+        return self._superseding(finish, None)
+
+    def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
+        """``fn()``, its store and lease errors as one CheckpointError."""
         try:
-            newer = [s for s in self.committed_steps() if s > step]
-            if not newer:
-                return
-            self._confirm()
-            for s in newer:
-                sub = self.mirror.storage.child(layout.step_name(s))
-                sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
-                sub.delete(layout.COMMIT_FILE)
+            return fn()
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
-            raise CheckpointError(f"{self.url}: cannot supersede the steps above {step}: {err}") from None
-        log.warning("fastio: %s: committing step %d after a rollback: step(s) %s superseded (objects kept, no "
-                    "longer checkpoints)", self.url, step, ", ".join(map(str, newer)))
+            above = f" above {floor}" if floor is not None else " of a rollback"
+            raise CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}") from None
+
+    def make_room(self, step: int) -> str | None:
+        """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
+        ``step-N.quarantined/`` (``-2``...: each object copied through a temporary file, then deleted), not written
+        over; returns the new name (None when there was nothing to move). Only while the lease is confirmed."""
+        storage, name = self.mirror.storage, layout.step_name(step)
+        try:
+            objects = storage.child(name).list()
+            if not any(o.key == layout.SUPERSEDED_FILE for o in objects):
+                return None
+            self._confirm()
+            taken = {o.key.split("/")[0] for o in storage.list()}  # a store lists by whole path segments
+            target = next(n for n in layout.quarantine_names(name) if n not in taken)
+            _copy_objects(storage.child(name), storage.child(target), objects)
+            for o in objects:
+                storage.child(name).delete(o.key)
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from None
+        log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
+        return target
 
     def fetch(self, step: int) -> None:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
@@ -199,7 +260,9 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
 
     def committed_steps(self) -> list[int]:
-        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None)
+        """The store's committed steps, oldest first (less those of a rollback in progress)."""
+        doomed = self.pending_rollback()
+        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
@@ -212,7 +275,7 @@ class RemoteCheckpoints:
         if not done:
             return
         old = done[:-keep] if keep > 0 else []
-        leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see supersede_newer)
+        leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see finish_rollback)
                      if not marked and s < done[-1] and layout.SUPERSEDED_FILE not in listed[s]]
         if old or leftovers:
             self._confirm()
@@ -230,6 +293,7 @@ class RemoteCheckpoints:
             remote = set(self.committed_steps())
             for entry in layout.committed(self.root):
                 if entry.step not in remote:
+                    self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
             self._retain(keep)

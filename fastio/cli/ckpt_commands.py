@@ -53,7 +53,8 @@ def verify_cmd(directory: str, include_uncommitted: bool, endpoint_url: str | No
     """Check every committed checkpoint in DIRECTORY, a directory or an s3:// prefix (either engine), against its
     recorded checksums; exit 1 on a problem. On s3:// each step is downloaded into a temporary directory first.
 
-    A directory that is not a checkpoint directory is an error (exit 2)."""
+    Superseded steps (a rollback) are skipped, and so is a step that retention deletes while it is being checked
+    ("being deleted"). A directory that is not a checkpoint directory is an error (exit 2)."""
     from fastio.checkpoint.catalog import verify_steps
 
     directory, report = verify_steps(directory, include_uncommitted=include_uncommitted,
@@ -62,5 +63,6 @@ def verify_cmd(directory: str, include_uncommitted: bool, endpoint_url: str | No
         for line in report.problems:
             click.echo(line)
         raise click.exceptions.Exit(1)
+    gone = f"; skipped step(s) {', '.join(map(str, report.vanished))}: being deleted" if report.vanished else ""
     click.echo(f"{directory}: {len(report.steps)} committed checkpoint(s) verified "
-               f"({', '.join(f'step {s}' for s in report.steps) or 'none'})")
+               f"({', '.join(f'step {s}' for s in report.steps) or 'none'}){gone}")

@@ -84,22 +84,33 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="s3:// DEST: where the dataset is written before the upload, in a folder named after DEST "
                    "(a killed run's copy is replaced by the rerun; needs the dataset's size; default: the "
                    "system temp dir).")
+@click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
+              help="A tokenizer.json: write a token dataset (Megatron .bin/.idx shards) from JSONL, Parquet or .txt "
+                   "documents (docs/tokens.md).")
+@click.option("--text-field", default=None, help="With --tokenizer: the JSONL field or Parquet column of the text "
+                                                 "(default: text).")
+@click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
+                                                            "each document (default: the tokenizer's end-of-text token).")
 @storage_flags()
 def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
-            quiet: bool, progress_every: float,
-            staging_dir: Path | None, endpoint_url: str | None, region: str | None, profile: str | None,
-            transcode: str | None = None) -> None:
+            quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
+            text_field: str | None, eos: str | None, endpoint_url: str | None, region: str | None,
+            profile: str | None, transcode: str | None = None) -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
-    --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`."""
+    --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
+    With --tokenizer, tokenize text documents into a token dataset in the folder DEST."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
     from fastio.progress import progress_wanted
 
+    if tokenizer is not None or text_field is not None or eos is not None:
+        _convert_tokens(click.get_current_context(), quiet, workers=workers)
+        return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
     if transcode is not None:
         kwargs["transcode"] = transcode
@@ -118,6 +129,37 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
         raise ConvertError(_in_flags(str(err), leading=True)) from None
     try:
         result = run_convert(config)
+    except ConvertError as err:
+        raise ConvertError(_in_flags(str(err))) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+_TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
+                "name", "overwrite", "quiet")
+
+
+def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
+    """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    params = ctx.params
+    other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
+             ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+    if params["tokenizer"] is None:
+        raise ConvertError("--text-field and --eos need --tokenizer (a token conversion)")
+    if other:
+        raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
+    options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
+                                      "name", "overwrite")}
+    options.update({"text_field": params["text_field"] or "text"},
+                   **{k: v for k, v in kwargs.items() if v is not None})
+    try:
+        config = TokenConvertConfig(**options)
+    except ValueError as err:
+        raise ConvertError(_in_flags(str(err), leading=True)) from None
+    try:
+        result = convert_tokens(config)
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
@@ -143,7 +185,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 
 
 @cli.command()
-@click.argument("source")
+@click.argument("source", nargs=-1, required=True)
 @click.option("--dest", default=None,
               help="Where the metadata goes (default: SOURCE's folder, .idx files beside the tars); elsewhere for "
                    "read-only shards: the manifest then names them by absolute path or URL.")
@@ -158,19 +200,28 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
               help="Index only part K (0-based) of N of the listing into DEST/.parts/ for `fastio merge DEST`; "
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
+@click.option("--eos-id", type=int, default=None,
+              help="SOURCE is a folder of Megatron .bin/.idx pairs: index them as a token dataset whose documents end "
+                   "with this end-of-document id (docs/tokens.md).")
 @storage_flags()
-def index(source: str, dest: str | None, label_field: str | None, image_field: str | None, name: str, threads: int,
-          overwrite: bool, part: str | None, quiet: bool, endpoint_url: str | None, region: str | None,
-          profile: str | None) -> None:
+def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
+          threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
+          region: str | None, profile: str | None) -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
-    SOURCE is a folder of .tar shards, s3://bucket/prefix/, or a brace pattern (/data/{00000..00999}.tar).
-    Writes .idx files (existing ones are checked, never overwritten), samples.fxi and manifest.json."""
-    from fastio.index_dataset import IndexConfig, index_shards
+    SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
+    several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
+    samples.fxi and manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only
+    manifest.json is written."""
+    from fastio.index_dataset import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
+    if eos_id is not None:
+        _index_tokens(click.get_current_context(), quiet)
+        return
     try:
-        config = IndexConfig(source=source, dest=dest, label_field=label_field, image_field=image_field, name=name,
+        pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
+        config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
                              threads=threads, overwrite=overwrite, part=part,
                              storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
@@ -181,6 +232,32 @@ def index(source: str, dest: str | None, label_field: str | None, image_field: s
     try:
         result = index_shards(config, progress=report)
     except DatasetError as err:
+        raise DatasetError(_in_flags(str(err), leading=True)) from None
+    if not quiet:
+        click.echo(result.summary())
+
+
+_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet")
+
+
+def _index_tokens(ctx: click.Context, quiet: bool) -> None:
+    """``fastio index --eos-id``: Megatron pairs indexed in place; WebDataset-only flags refused by name."""
+    from fastio.tokens.index import TokenIndexConfig, index_tokens
+
+    params = ctx.params
+    other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_INDEX_FLAGS and
+             ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+    if other:
+        raise DatasetError(f"{', '.join(other)}: not an option of a Megatron index (--eos-id)")
+    name = params["name"] if ctx.get_parameter_source("name") is not click.core.ParameterSource.DEFAULT else "megatron"
+    try:
+        if len(params["source"]) != 1:
+            raise DatasetError("--eos-id takes one folder or s3:// prefix of Megatron .bin/.idx pairs, not "
+                               f"{len(params['source'])} paths")
+        config = TokenIndexConfig(source=params["source"][0], eos_id=params["eos_id"], dest=params["dest"], name=name,
+                                  overwrite=params["overwrite"])
+        result = index_tokens(config)
+    except (ValueError, DatasetError) as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
     if not quiet:
         click.echo(result.summary())
@@ -221,9 +298,11 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
+@click.option("--skipped", "list_skipped", is_flag=True,
+              help="List every input the conversion or index left out, with its reason (and nothing else).")
 @storage_flags(cache=True)
 def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
-            batch_size: int, endpoint_url: str | None, region: str | None, profile: str | None,
+            batch_size: int, list_skipped: bool, endpoint_url: str | None, region: str | None, profile: str | None,
             cache_dir: Path | None, cache_size: str | None) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
     --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split.
@@ -243,12 +322,20 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
+    show = _print_skipped if list_skipped else _print_info
     if "splits" in info:
         for name, sub in info["splits"].items():
             click.echo(f"[{name}]")
-            _print_info(sub)
+            show(sub)
     else:
-        _print_info(info)
+        show(info)
+
+
+def _print_skipped(info: dict[str, Any]) -> None:
+    for s in info["skipped_inputs"]:
+        click.echo(f"{s.get('path')}: {s.get('reason')}")
+    if not info["skipped_inputs"]:
+        click.echo(f"{info['path']}: nothing was skipped")
 
 
 def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
@@ -278,19 +365,29 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
 
 
 def _print_info(info: dict[str, Any]) -> None:
-    from fastio.progress import count, human_bytes
+    from fastio.progress import count, human_bytes, skipped_lines
 
     src = info.get("source") or {}
     click.echo(f"dataset:  {info['path']} (fingerprint {info['fingerprint']})")
     if src:
         click.echo(f"source:   {src.get('format')} {src.get('path')}")
     click.echo(f"samples:  {count(info['samples'], 'sample')} in {count(info['shards'], 'shard')}, "
-               f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})")
+               f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})"
+               + skipped_lines(info["skipped_inputs"], f"fastio inspect {info['path']} --skipped"))
+    tokens = info.get("tokens")
+    if tokens:
+        d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
+        click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
+                   f"(end of document: id {tokens['eos_id']}; vocabulary: {tokens.get('vocab_size') or 'not recorded'}"
+                   f"); tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
+        return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
+        named = any(c["name"] for c in info["classes"])  # indexed shards have labels without names
         for c in info["classes"]:
-            click.echo(f"  {c['label']:>6}  {c['name'] or '':<24} {c['count']}")
+            click.echo(f"  {c['label']:>6}  {c['name'] or '':<24} {c['count']}" if named
+                       else f"  {c['label']:>6}  {c['count']}")
     sizes = info.get("image_sizes")
     if sizes and sizes["width"]:
         w, h, b = sizes["width"], sizes["height"], sizes["bytes"]

@@ -12,7 +12,18 @@ Lightning as a :class:`LightningLoader`:
   mid-epoch included; the state is global (samples consumed by all ranks), so rank 0's serves every rank;
 - ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the Loader to that epoch
   (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
-  also when ``limit_train_batches`` or a restore ends an epoch early.
+  also when ``limit_train_batches`` or a restore ends an epoch early. Lightning may call ``iter()`` before
+  ``set_epoch`` (a resume from an end-of-epoch checkpoint does), so the Loader's iteration starts at the first
+  batch asked for, not at ``iter()``;
+- a mid-epoch position restored at another world size leaves the Loader fewer (or more) batches than
+  Lightning's restored batch counter implies (it counts the batches of the old size and ends the epoch at
+  ``len(loader)`` of the new one). The training loader sets that counter of the fit loop to
+  ``len(loader) - loader.batches_left()``, so Lightning's epoch ends exactly where the Loader's does and every
+  remaining sample is trained once (global steps, and with them ``every_n_train_steps``, are not changed).
+  A checkpoint saved in ``on_train_epoch_end`` and restarted (``max_steps`` runs restart it) would send
+  Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
+  the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
+  resume.
 
 Lightning's data fetcher reads one batch ahead only for iterables without a length; a Loader has one, so the
 position Lightning saves after batch ``k`` is the one after batch ``k`` and not ``k + 1``.
@@ -42,26 +53,60 @@ class _EpochSetter:
         self._loader.set_epoch(epoch)
 
 
+def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
+    """Reconcile the fit loop's progress with the position the Loader was just restored to, before Lightning's
+    loop resumes (Lightning restores a training loader's position only when it restarts an epoch)."""
+    if loader.state_dict()["consumed"]:
+        # what the Loader delivered of this epoch at its world size, so Lightning ends it (at len(loader)) when
+        # the Loader does; at the world size of the save the counter already is that
+        _set_batch_counter(trainer, len(loader) - loader.batches_left())
+        return
+    epochs = trainer.fit_loop.epoch_progress
+    if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1:
+        # Saved in on_train_epoch_end (every_n_epochs), and restarted (max_steps runs are): Lightning would go
+        # back into the finished epoch (for one more batch, or none and then past the Loader's next epoch).
+        # Resume as max_epochs runs do: that epoch completed, the next one started afresh (its epoch loop not
+        # restarting resets its own counters).
+        epochs.current.completed, epochs.total.completed = epochs.current.processed, epochs.total.processed
+        trainer.fit_loop.epoch_loop.restarting = False
+
+
+def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
+    """Set the fit loop's count of the batches done in the current epoch to ``done``. Every field of the counter
+    moves by the same amount, so Lightning's own restart rules (which compare them) decide as before."""
+    counter = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = done - counter.ready
+    for name in ("ready", "started", "processed", "completed"):
+        setattr(counter, name, getattr(counter, name) + shift)
+
+
 class LightningLoader:
     """A :class:`fastio.Loader` as Lightning expects a stateful dataloader (see the module docstring).
 
     Iterating, ``len``, ``state_dict``/``load_state_dict`` and every other attribute are the Loader's own
     (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself). ``whole_epochs=True``
     (validation): each iteration starts an epoch from its beginning, also when the last one was left unfinished
-    (Lightning's sanity check reads 2 batches; ``limit_val_batches``).
+    (Lightning's sanity check reads 2 batches; ``limit_val_batches``). ``trainer`` (the training loader's):
+    ``load_state_dict`` reconciles the trainer's batch counter with the restored position (module docstring).
     """
 
     batch_sampler = None  # Lightning looks for a sampler here too; there is none
 
-    def __init__(self, loader: Loader, *, whole_epochs: bool = False):
+    def __init__(self, loader: Loader, *, whole_epochs: bool = False, trainer: pl.Trainer | None = None):
         self.loader = loader
         self.sampler = _EpochSetter(loader)
         self.whole_epochs = whole_epochs
+        self._trainer = trainer
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self._batches()
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        # A generator: nothing runs until the first batch is asked for, so a set_epoch between iter() and it
+        # (Lightning's order when it resumes from an end-of-epoch checkpoint) moves the Loader before it starts.
         if self.whole_epochs and self.loader.state_dict()["consumed"]:
             self.loader.set_epoch(self.loader.epoch + 1)
-        return iter(self.loader)
+        yield from self.loader
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -71,6 +116,8 @@ class LightningLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
+        if self._trainer is not None:
+            _align_progress(self._trainer, self.loader)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
         return getattr(self.__dict__["loader"], name)
@@ -101,21 +148,21 @@ class FastioDataModule(pl.LightningDataModule):
         if val is None:  # Lightning runs no validation loop for a datamodule without this method
             self.val_dataloader = None
 
-    def _make(self, dest: str | Path, config: LoaderConfig, whole_epochs: bool = False) -> LightningLoader:
+    def _make(self, dest: str | Path, config: LoaderConfig, training: bool) -> LightningLoader:
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("FastioDataModule makes its Loaders for a trainer: pass it to trainer.fit(...)")
         loader = Loader(dest, config, rank=trainer.global_rank, world_size=trainer.world_size)
         self._loaders.append(loader)
-        return LightningLoader(loader, whole_epochs=whole_epochs)
+        return LightningLoader(loader, whole_epochs=not training, trainer=trainer if training else None)
 
     def train_dataloader(self) -> LightningLoader:
         if self.train is None:
             raise ValueError("FastioDataModule(train=None) has no training data")
-        return self._make(self.train, self.config)
+        return self._make(self.train, self.config, training=True)
 
     def val_dataloader(self) -> LightningLoader:
-        return self._make(self.val, self.val_config, whole_epochs=True)
+        return self._make(self.val, self.val_config, training=False)
 
     def teardown(self, stage: str) -> None:
         for loader in self._loaders:

@@ -1,0 +1,294 @@
+"""Token benchmark: converting text to tokens, reading packed sequences, and the time to a first batch at scale.
+
+Figures (medians over the repeats, runs interleaved on the same files):
+
+- ``convert``: ``fastio convert --tokenizer`` (library call, default workers) against the bare ``tokenizers``
+  ``encode_batch`` limit over the same texts in one process (reported, no target: the conversion also writes,
+  checksums and publishes the shards);
+- ``read vs megatron``: packed sequences (``packing="concat"``, ``seq_len``, batches of 8) read by
+  ``fastio.tokens.dataset.TokenDataset`` in the main process, against Megatron-Core's ``GPTDataset`` over the same
+  ``.bin``/``.idx`` in a ``torch.utils.data.DataLoader`` with one worker (target: 3x the tokens/s);
+- ``read vs litdata``: against LitData's ``TokensLoader`` (``StreamingDataset`` + ``StreamingDataLoader``, one
+  worker) over the same documents written by ``litdata.optimize`` (target: 3x; skipped, saying why, where
+  litdata is missing: ``pip install --no-deps litdata``, its own dependencies would replace torch);
+- ``first batch at scale``: a synthetic corpus (``.idx`` files of ``scale_docs`` documents, sparse ``.bin`` files:
+  no token is read but those of the batch) opened, packed and its first batch for rank 0 of 1,024 read, in a fresh
+  process: seconds from the imports on, and the process's peak resident memory (target: under 2 s; the issue's
+  size is 10^8 documents of 10^11 tokens: ``--scale-docs 100000000``).
+
+``python bench/tokens.py [--repeats N] [--docs N] [--seq-len N] [--scale-docs N]`` writes
+``bench/out/tokens.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import resource
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from bench.common import interleaved, machine_info, median_ratio, write_results
+
+__all__ = ["run"]
+
+READ_TARGET = 3.0
+FIRST_BATCH_TARGET_S = 2.0
+BATCH = 8
+WORDS = ("data loader token stream packed sequence epoch shard index resume elastic rank batch model train "
+         "checkpoint mixture weight schedule document corpus megatron fastio throughput memory").split()
+
+
+def make_corpus(workdir: Path, docs: int) -> tuple[Path, Path, list[str]]:
+    """``workdir/corpus-N.jsonl`` of ``docs`` documents of random words, and a byte-level BPE trained on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(WORDS, int(rng.integers(20, 400)))) for _ in range(docs)]
+    corpus = workdir / f"corpus-{docs}.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts[:2000], trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok_path = workdir / "tokenizer.json"
+    tok.save(str(tok_path))
+    return corpus, tok_path, texts
+
+
+def bench_convert(workdir: Path, corpus: Path, tok_path: Path, texts: list[str], repeats: int) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    tok = Tokenizer.from_file(str(tok_path))
+    dest = workdir / "tokens"
+    tokens = sum(len(e.ids) + 1 for e in tok.encode_batch(texts, add_special_tokens=False) if e.ids)
+
+    def bare() -> None:
+        for i in range(0, len(texts), 256):
+            tok.encode_batch(texts[i:i + 256], add_special_tokens=False)
+
+    def fastio() -> None:
+        convert_tokens(TokenConvertConfig(corpus, dest, tok_path, overwrite=True))
+
+    times = interleaved({"fastio": fastio, "tokenizers": bare}, repeats)
+    ratio = median_ratio(times["fastio"], times["tokenizers"])
+    return {"tokens": tokens, "fastio_tokens_per_s": tokens / ratio["ours_median_s"],
+            "tokenizers_tokens_per_s": tokens / ratio["peer_median_s"], "fraction_of_limit": ratio["speedup"],
+            "seconds": times}
+
+
+def fastio_reader(dest: Path, seq_len: int):
+    """A call reading every batch of one epoch as a trainer would take it, returning the tokens delivered."""
+    from fastio.tokens.dataset import TokenDataset
+
+    ds = TokenDataset(dest)
+    packing = ds.packing(seq_len, seed=0)
+    sampler = packing.sampler(batch_size=BATCH, drop_last=True)
+
+    def epoch() -> int:
+        return sum(ds.batch(packing, 0, ids)["tokens"][:, :-1].size for ids, _ in sampler.plan(epoch=0).iter_batches())
+    return epoch
+
+
+class _MegatronTokenizer:
+    """What GPTDataset asks of a tokenizer (module level: DataLoader workers may be spawned)."""
+
+    vocab_size, eod, pad, unique_identifiers = 2000, 0, 0, {"class": "bench"}
+
+
+def megatron_reader(prefix: str, seq_len: int, cache: Path):
+    """Megatron-Core's GPTDataset over the same pair, in a DataLoader with one (persistent) worker."""
+    import torch
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    ids = IndexedDataset(prefix)
+    config = GPTDatasetConfig(random_seed=0, sequence_length=seq_len, split="100,0,0", tokenizer=_MegatronTokenizer(),
+                              reset_position_ids=True, reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False, path_to_cache=str(cache))
+    ds = GPTDataset(ids, prefix, np.arange(len(ids), dtype=np.int32), None, Split.train, config)
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=1, drop_last=True, persistent_workers=True)
+    return lambda: sum(b["tokens"].numel() for b in loader)
+
+
+def litdata_setup(workdir: Path, dest: Path, seq_len: int) -> Path | None:
+    """The same documents written by ``litdata.optimize`` for its TokensLoader (None: litdata missing)."""
+    try:
+        from litdata import TokensLoader, optimize
+    except ImportError:
+        return None
+    from fastio.tokens.dataset import TokenDataset
+
+    out = workdir / "litdata"
+    shutil.rmtree(out, ignore_errors=True)
+    ds = TokenDataset(dest)
+    docs = [(k, j) for k, s in enumerate(ds.shards) for j in range(s.documents)]
+    optimize(fn=functools.partial(_lit_document, str(dest)), inputs=docs, output_dir=str(out),
+             chunk_size=(seq_len + 1) * 256, item_loader=TokensLoader(), num_workers=1, mode="overwrite")
+    return out
+
+
+_OPEN: dict[str, Any] = {}
+
+
+def _lit_document(dest: str, item: tuple[int, int]):
+    """One document's tokens, for ``litdata.optimize`` (module level: its workers are spawned)."""
+    import torch
+
+    from fastio.tokens.dataset import TokenDataset
+
+    ds = _OPEN.get(dest)
+    if ds is None:
+        ds = _OPEN[dest] = TokenDataset(dest)
+    yield torch.tensor(np.asarray(ds.shards[item[0]].document(item[1]), dtype=np.int64))
+
+
+def litdata_reader(out: Path, seq_len: int):
+    """LitData's TokensLoader over the same documents, one (persistent) worker."""
+    from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+    ds = StreamingDataset(input_dir=str(out), item_loader=TokensLoader(block_size=seq_len + 1), shuffle=True,
+                          drop_last=True, seed=0)
+    loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=1, drop_last=True, persistent_workers=True)
+    return lambda: sum(b[:, :-1].numel() for b in loader)
+
+
+def bench_read(workdir: Path, dest: Path, seq_len: int, repeats: int) -> dict[str, Any]:
+    from fastio.manifest import load_manifest
+
+    prefix = str(dest / "shards" / load_manifest(dest).shards[0].name[:-len(".bin")])
+    if len(load_manifest(dest).shards) != 1:
+        raise SystemExit("bench: the read section needs one shard (raise --shard-size)")
+    runs = {"fastio": fastio_reader(dest, seq_len)}
+    try:
+        runs["megatron"] = megatron_reader(prefix, seq_len, workdir / "megatron-cache")
+    except ImportError:
+        pass
+    lit = litdata_setup(workdir, dest, seq_len)
+    if lit is not None:
+        runs["litdata"] = litdata_reader(lit, seq_len)
+    tokens = {name: fn() for name, fn in runs.items()}  # warm-up: workers started, indexes built, page cache
+    times = interleaved(runs, repeats)
+    out: dict[str, Any] = {name: {"tokens": tokens[name], "tokens_per_s": tokens[name] / np.median(times[name]),
+                                  "seconds": times[name]} for name in runs}
+    for peer in ("megatron", "litdata"):
+        if peer in runs:
+            out[f"speedup_vs_{peer}"] = out["fastio"]["tokens_per_s"] / out[peer]["tokens_per_s"]
+    if lit is None:
+        out["litdata"] = {"skipped": "litdata is not installed (pip install --no-deps litdata)"}
+    if "megatron" not in runs:
+        out["megatron"] = {"skipped": "megatron-core is not installed (make install adds it: pip install --no-deps)"}
+    return out
+
+
+def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) -> Path:
+    """``shards`` pairs of ``docs // shards`` documents each: real ``.idx`` files, sparse ``.bin`` files."""
+    import struct
+
+    from fastio.tokens.megatron import MAGIC
+
+    folder.mkdir(parents=True, exist_ok=True)
+    per = docs // shards
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 2 * mean_len, per, dtype=np.int64).astype(np.int32)
+    pointers = np.zeros(per, np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * 4, out=pointers[1:])
+    total = int(lengths.astype(np.int64).sum())
+    first = folder / "s-000000.idx"
+    with open(first, "wb") as f:
+        f.write(MAGIC + struct.pack("<QBQQ", 1, 4, per, per + 1))
+        f.write(lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(per + 1, dtype=np.int64).tobytes())
+    for k in range(shards):
+        idx = folder / f"s-{k:06d}.idx"
+        if k:
+            shutil.copyfile(first, idx)
+        with open(idx.with_suffix(".bin"), "wb") as f:
+            f.truncate(total * 4)  # sparse: int32 tokens, zeros
+    return folder
+
+
+def first_batch(folder: Path, seq_len: int) -> dict[str, Any]:
+    """Open the synthetic corpus, pack it and read rank 0 of 1,024's first batch: seconds, this process's peak
+    resident memory (run in a fresh process by :func:`bench_first_batch`)."""
+    import time
+
+    start = time.perf_counter()
+    from fastio.tokens.megatron import MegatronShard
+    from fastio.tokens.packing import ConcatPacking
+
+    shards = [MegatronShard(p) for p in sorted(folder.glob("*.bin"))]
+    packing = ConcatPacking([s.index for s in shards], seq_len, seed=0, fingerprint="scale")
+    plan = packing.sampler(batch_size=BATCH, world_size=1024, rank=0, drop_last=True).plan(epoch=0)
+    batch = [np.concatenate([shards[p.shard].tokens(p.start, p.count) for p in packing.pieces(0, int(s))])
+             for s in plan.batch(0)[0]]
+    seconds = time.perf_counter() - start
+    assert all(b.size == seq_len + 1 for b in batch)
+    return {"tokens": packing.total_tokens, "seconds": seconds,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def bench_first_batch(workdir: Path, scale_docs: int, seq_len: int) -> dict[str, Any]:
+    folder = write_synthetic(workdir / f"scale-{scale_docs}", scale_docs, shards=8)
+    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
+            f"from pathlib import Path; from bench.tokens import first_batch; "
+            f"print(json.dumps(first_batch(Path({str(folder)!r}), {seq_len})))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return {"documents": scale_docs, **json.loads(out.strip().splitlines()[-1]), "target_s": FIRST_BATCH_TARGET_S}
+
+
+def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048,
+        scale_docs: int = 10_000_000) -> dict[str, Any]:
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)  # megatron-core and litdata log every index they build
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    corpus, tok_path, texts = make_corpus(workdir, docs)
+    convert = bench_convert(workdir, corpus, tok_path, texts, repeats)
+    read = bench_read(workdir, workdir / "tokens", seq_len, repeats)
+    scale = bench_first_batch(workdir, scale_docs, seq_len)
+    ratios = [{"name": f"tokens/s: fastio / {peer}", "value": read[f"speedup_vs_{peer}"], "target": READ_TARGET,
+               "better": "higher"} for peer in ("megatron", "litdata") if f"speedup_vs_{peer}" in read]
+    ratios.append({"name": f"first batch at {scale_docs} documents (s)", "value": scale["seconds"],
+                   "target": FIRST_BATCH_TARGET_S, "better": "lower"})
+    result = {"benchmark": "tokens", "documents": docs, "seq_len": seq_len, "repeats": repeats, "convert": convert,
+              "read": read, "first_batch": scale, "ratios": ratios, "machine": machine_info()}
+    write_results("tokens", result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--docs", type=int, default=20_000)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--scale-docs", type=int, default=10_000_000)
+    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "tokens")
+    args = parser.parse_args()
+    result = run(args.workdir, args.repeats, args.docs, args.seq_len, args.scale_docs)
+    for r in result["ratios"]:
+        print(f"{r['name']}: {r['value']:.3g} (target {'>=' if r['better'] == 'higher' else '<='} {r['target']})")
+    c = result["convert"]
+    print(f"convert: {c['fastio_tokens_per_s']:.0f} tokens/s, tokenizers encode_batch {c['tokenizers_tokens_per_s']:.0f}"
+          f" tokens/s ({c['fraction_of_limit']:.2f} of the limit)")
+
+
+if __name__ == "__main__":
+    main()

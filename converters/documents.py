@@ -1,0 +1,109 @@
+"""Text documents for a token dataset, in input order: JSONL (one document per line, its text in ``text_field``),
+Parquet (the ``text_field`` column, one document per row) and plain text (``.txt``: one document per file). SOURCE is
+one such file or a folder of them (walked in sorted path order under fastio's symlink policy, :func:`walk_files`).
+
+Yields ``(where, text)``: ``where`` names the file (and the line or row) for messages; ``text`` may be empty (the
+caller skips and counts empty documents). Refusals are one :class:`~fastio.errors.ConvertError` naming the file,
+line or row and the field: a line that is not JSON, a missing or non-text field, text that is not UTF-8, a file
+of another kind in SOURCE. Never tokenizes, writes shards or knows shard sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastio.converters.base import walk_files
+from fastio.errors import ConvertError
+
+__all__ = ["DOCUMENT_SUFFIXES", "document_files", "iter_documents"]
+
+DOCUMENT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
+"""The file kinds a token conversion reads, by suffix (lowercased)."""
+_PARQUET_BATCH = 4096
+
+
+def document_files(source: Path) -> list[Path]:
+    """The document files of SOURCE (a file, or a folder's files in sorted path order)."""
+    source = Path(source)
+    if not source.exists():
+        raise ConvertError(f"{source}: no such file or folder")
+    if source.is_file():
+        files = [source]
+    else:
+        files, skipped = walk_files(source)
+        bad = next((s for s in skipped if s.error), None)
+        if bad is not None:
+            raise ConvertError(f"{source / bad.path}: {bad.reason}")
+    other = next((f for f in files if f.suffix.lower() not in DOCUMENT_SUFFIXES), None)
+    if other is not None:
+        raise ConvertError(f"{other}: not a document file (a token conversion reads "
+                           f"{', '.join(DOCUMENT_SUFFIXES)})")
+    if not files:
+        raise ConvertError(f"{source}: holds no document files ({', '.join(DOCUMENT_SUFFIXES)})")
+    return files
+
+
+def iter_documents(source: Path, text_field: str = "text") -> Iterator[tuple[str, str]]:
+    """``(where, text)`` of every document of SOURCE, in input order (see the module docstring)."""
+    for path in document_files(source):
+        kind = DOCUMENT_SUFFIXES[path.suffix.lower()]
+        try:
+            if kind == "text":
+                yield str(path), _text_file(path)
+            elif kind == "jsonl":
+                yield from _jsonl(path, text_field)
+            else:
+                yield from _parquet(path, text_field)
+        except OSError as err:
+            raise ConvertError(f"{path}: {err.strerror or err}") from None
+
+
+def _text_file(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConvertError(f"{path}: not UTF-8 text (byte {err.start})") from None
+
+
+def _jsonl(path: Path, field: str) -> Iterator[tuple[str, str]]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            if not raw.strip():
+                continue  # a blank line is no document
+            try:
+                row = json.loads(raw)
+            except UnicodeDecodeError as err:
+                raise ConvertError(f"{where}: not UTF-8 text (byte {err.start})") from None
+            except ValueError as err:
+                raise ConvertError(f"{where}: not a JSON object ({err})") from None
+            if not isinstance(row, dict) or field not in row:
+                raise ConvertError(f"{where}: has no field {field!r} (text_field={field!r})")
+            text = row[field]
+            if not isinstance(text, str):
+                raise ConvertError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+            yield where, text
+
+
+def _parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ConvertError(f"{path}: not a Parquet file ({err})") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise ConvertError(f"{path}: has no column {field!r} (text_field={field!r}; columns: {', '.join(names)})")
+    kind = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConvertError(f"{path}: column {field!r} is {kind}, not text")
+    row = 0
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
+        for text in batch.column(0).to_pylist():
+            yield f"{path}: row {row}", text or ""  # a null is an empty document
+            row += 1

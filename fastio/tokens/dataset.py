@@ -1,0 +1,87 @@
+"""A token dataset opened for reading: its manifest, its Megatron shards mapped, and packed sequences read from them.
+
+``TokenDataset(dest)`` checks the manifest (``kind: "tokens"``) and every shard pair (present, sizes against the
+manifest and against each other); :meth:`TokenDataset.packing` gives the pure order of packed sequences
+(:class:`~fastio.tokens.packing.ConcatPacking` or :class:`~fastio.tokens.packing.BestFitPacking`) over its
+documents, and :meth:`TokenDataset.batch` reads the sequences a plan names, with their ``position_ids``,
+``cu_seqlens`` and ``loss_mask``. Local datasets only this release.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fastio.errors import DatasetError
+from fastio.manifest import Manifest
+from fastio.source import LocalSource
+from fastio.tokens.megatron import MegatronShard
+from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
+
+__all__ = ["TokenDataset"]
+
+
+class TokenDataset:
+    """The token dataset in ``dest`` (see the module docstring)."""
+
+    def __init__(self, dest: str | Path):
+        self.source = LocalSource(Path(dest))
+        self.root = self.source.root
+        self.manifest: Manifest = self.source.load_manifest()
+        info = self.manifest.tokens
+        if info is None:
+            raise DatasetError(f"{self.root}: not a token dataset (kind {self.manifest.kind!r}); open it with "
+                               "fastio.Dataset")
+        self.info = info
+        self.source.check(self.manifest.shards)
+        self.shards: list[MegatronShard] = []
+        for record in self.manifest.shards:
+            pair = MegatronShard(self.source.shard_path(record), info.dtype)
+            if (pair.documents, pair.index.bin_bytes) != (record.samples, record.bytes):
+                raise DatasetError(f"{pair.bin_path}: {pair.documents} documents in {pair.index.bin_bytes} bytes, the "
+                                   f"manifest says {record.samples} in {record.bytes}")
+            self.shards.append(pair)
+
+    @property
+    def eos_id(self) -> int:
+        return self.info.eos_id
+
+    @property
+    def documents(self) -> int:
+        return self.manifest.total_samples
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    def packing(self, seq_len: int, *, packing: str = "concat", seed: int = 0, shuffle: str = "global",
+                block_docs: int = 4096, fit: str = "best") -> ConcatPacking | BestFitPacking:
+        """The order of packed sequences over this dataset's documents (pure: see :mod:`fastio.tokens.packing`):
+        ``packing="concat"``, or ``"best-fit"`` (with ``fit="best"`` or ``"first"``)."""
+        common = {"seed": seed, "shuffle": shuffle, "fingerprint": self.fingerprint, "block_docs": block_docs}
+        tables = [s.index for s in self.shards]
+        if packing == "concat":
+            return ConcatPacking(tables, seq_len, **common)
+        if packing == "best-fit":
+            return BestFitPacking(tables, seq_len, fit=fit, **common)
+        raise ValueError(f"packing must be one of concat, best-fit, got {packing!r}")
+
+    def read(self, pieces: list[Piece]) -> np.ndarray:
+        """The tokens ``pieces`` name, concatenated (int64)."""
+        return np.concatenate([self.shards[p.shard].tokens(p.start, p.count) for p in pieces]).astype(np.int64)
+
+    def batch(self, packing: ConcatPacking | BestFitPacking, epoch: int, sequences: np.ndarray
+              ) -> dict[str, np.ndarray]:
+        """``tokens`` int64 [B, seq_len + 1] (padding: the end-of-document id), ``loss_mask`` bool (same shape, False
+        on padding: a target ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``), ``position_ids`` (same shape) and
+        ``cu_seqlens`` int32 [n + 1] (padding one segment) of sequences ``sequences`` of ``epoch``."""
+        width = packing.seq_len + 1
+        ids = np.asarray(sequences).reshape(-1)
+        tokens = np.full((ids.size, width), self.eos_id, np.int64)
+        mask = np.zeros((ids.size, width), bool)
+        for row, s in enumerate(ids.tolist()):
+            got = self.read(packing.pieces(epoch, s))
+            tokens[row, :got.size], mask[row, :got.size] = got, True
+        return {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
+                "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}

@@ -1,0 +1,328 @@
+"""Megatron-LM's indexed token format, in one module: ``NAME.bin`` (the tokens of every document, back to back)
+and ``NAME.idx`` (where each one is), byte-compatible with ``megatron.core.datasets.indexed_dataset``.
+
+``NAME.idx``, little-endian::
+
+    b"MMIDIDX\\x00\\x00"            9 bytes: the magic
+    version                      u64: 1
+    dtype code                   u8: the token type (8 = uint16, 4 = int32; Megatron's ``DType`` codes)
+    sequence count N             u64
+    document count D + 1         u64: the document indices, a leading 0 included
+    sequence lengths             N x int32: tokens of each sequence
+    sequence pointers            N x int64: byte offset of each sequence in ``.bin`` (running sum of lengths)
+    document indices             (D + 1) x int64: 0, then the sequence index after each document's last
+    (sequence modes)             N x int8: only in Megatron's multimodal files (accepted, not read)
+
+fastio writes one sequence per document (as Megatron's ``preprocess_data.py`` does without sentence splitting);
+a reader takes document ``j`` as sequences ``doc_index[j] .. doc_index[j+1]``, contiguous in ``.bin``.
+The token type is uint16 where the vocabulary has fewer than 65,500 ids (Megatron's ``optimal_dtype``), else
+int32. Reading maps both files (``numpy.memmap``): a document is found in O(1) and nothing of size N is read
+at open. Refusals are one :class:`~fastio.errors.DatasetError` naming the file: bad magic or version, a token type
+that is not uint16/int32 (or not the one expected), a size that disagrees with its counts, a ``.bin`` shorter or
+longer than its ``.idx`` says (truncated, or indexed with another token type), a missing partner file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fastio.atomic import fsync_dir, tmp_path_for
+from fastio.checksum import HashingWriter
+from fastio.errors import DatasetError
+
+__all__ = ["HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronIndex", "MegatronShard", "MegatronWriter",
+           "WrittenShard", "partner_path", "token_dtype"]
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
+TOKEN_DTYPES = {"uint16": 8, "int32": 4}
+"""The token types fastio writes and reads, by name, with Megatron's dtype code."""
+_CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+_UINT16_VOCAB = 65500  # Megatron's DType.optimal_dtype: uint16 below this many ids
+_SPARSE = 512  # documents per looked-up one below which starts() reads entries with pread
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The token type for a vocabulary of ``vocab_size`` ids: ``uint16`` below 65,500 (as Megatron), else
+    ``int32``."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    return "uint16" if vocab_size < _UINT16_VOCAB else "int32"
+
+
+def partner_path(path: Path) -> Path:
+    """The other file of a pair: ``NAME.idx`` for ``NAME.bin`` and the reverse."""
+    path = Path(path)
+    return path.with_suffix(".idx" if path.suffix == ".bin" else ".bin")
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+class MegatronIndex:
+    """One ``.idx`` file, mapped: ``lengths``, ``pointers``, ``doc_index`` (read-only arrays on the file).
+
+    The header and the file size are checked at open; :meth:`check_structure` checks every entry (O(N): what
+    ``fastio verify`` and ``fastio index`` pay, not every open)."""
+
+    def __init__(self, path: str | Path, dtype: str | None = None):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(HEADER_BYTES)
+        except FileNotFoundError:
+            raise DatasetError(f"{self.path}: no such Megatron .idx file (the partner of "
+                               f"{partner_path(self.path).name})") from None
+        except OSError as err:
+            raise DatasetError(f"{self.path}: cannot read ({err.strerror or err})") from None
+        code, self.sequences, entries = self._header(head)
+        if code not in _CODE_NAMES or _CODE_NAMES[code] not in TOKEN_DTYPES:
+            raise DatasetError(f"{self.path}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
+                               f"reads ({', '.join(TOKEN_DTYPES)})")
+        self.dtype = _CODE_NAMES[code]
+        if dtype is not None and self.dtype != dtype:
+            raise DatasetError(f"{self.path}: holds {self.dtype} tokens, expected {dtype}")
+        if entries < 1:
+            raise DatasetError(f"{self.path}: document count is 0 (a Megatron .idx lists at least the leading 0)")
+        n = self.sequences
+        plain = HEADER_BYTES + n * 12 + entries * 8
+        if size not in (plain, plain + n):  # + n: Megatron's multimodal sequence modes
+            raise DatasetError(f"{self.path}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
+                               f"needs {plain}: truncated or not a Megatron .idx")
+        self.documents = entries - 1
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        self._map = getattr(mm, "_mmap", None)
+        self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
+        self.lengths = np.frombuffer(mm, np.int32, n, HEADER_BYTES)
+        self.pointers = np.frombuffer(mm, np.int64, n, HEADER_BYTES + 4 * n)
+        self.doc_index = np.frombuffer(mm, np.int64, entries, HEADER_BYTES + 12 * n)
+        self.itemsize = np.dtype(self.dtype).itemsize
+
+    def _advise(self, name: str) -> None:
+        """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
+        advice = getattr(mmap, name, None)
+        if self._map is not None and advice is not None:
+            self._map.madvise(advice)
+
+    def _header(self, head: bytes) -> tuple[int, int, int]:
+        if len(head) < HEADER_BYTES or head[:9] != MAGIC:
+            raise DatasetError(f"{self.path}: not a Megatron .idx (no MMIDIDX header)")
+        version, code, sequences, entries = struct.unpack("<QBQQ", head[9:HEADER_BYTES])
+        if version != VERSION:
+            raise DatasetError(f"{self.path}: Megatron .idx version {version}, fastio reads {VERSION}")
+        return code, sequences, entries
+
+    @property
+    def bin_bytes(self) -> int:
+        """The size the ``.bin`` must have: the end of the last sequence."""
+        if not self.sequences:
+            return 0
+        return int(self.pointers[-1]) + int(self.lengths[-1]) * self.itemsize
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in all documents."""
+        return self.bin_bytes // self.itemsize
+
+    def starts(self, docs: np.ndarray) -> np.ndarray:
+        """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end).
+
+        Few documents far apart (a packing's block edges) are read with ``pread``: through the mapping, each
+        would map a page-cache window around it into this process (the kernel's fault-around), which shows as
+        resident memory in the hundreds of MB for 10^8 documents."""
+        docs = np.asarray(docs, dtype=np.int64)
+        sparse = docs.size * _SPARSE < self.documents
+        seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
+        inside = seq < self.sequences
+        out = np.full(seq.shape, self.tokens, dtype=np.int64)
+        out[inside] = (self._entries("pointers", seq[inside]) if sparse else self.pointers[seq[inside]]) // self.itemsize
+        return out
+
+    def _entries(self, column: str, at: np.ndarray) -> np.ndarray:
+        """``column[at]`` (``pointers`` or ``doc_index``: int64 columns of the file) read entry by entry with
+        ``pread``."""
+        n = self.sequences
+        base = HEADER_BYTES + (4 * n if column == "pointers" else 12 * n)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in at.reshape(-1))
+        finally:
+            os.close(fd)
+        return np.frombuffer(raw, "<i8").reshape(at.shape).astype(np.int64)
+
+    def check_structure(self) -> None:
+        """DatasetError naming the file and the first entry that breaks the format (O(N))."""
+        self._advise("MADV_SEQUENTIAL")
+        try:
+            self._check_structure()
+        finally:
+            self._advise("MADV_RANDOM")
+
+    def _check_structure(self) -> None:
+        n, lengths, pointers, docs = self.sequences, self.lengths, self.pointers, self.doc_index
+        if n and lengths.min() < 0:
+            raise DatasetError(f"{self.path}: sequence {int(np.argmax(lengths < 0))} has a negative length")
+        expected = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * self.itemsize]) if n else pointers
+        bad = np.flatnonzero(pointers != expected)
+        if bad.size:
+            raise DatasetError(f"{self.path}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
+                               f"of the sequences before it ({int(expected[bad[0]])})")
+        if docs[0] != 0 or docs[-1] != n or (np.diff(docs) < 0).any():
+            raise DatasetError(f"{self.path}: document indices do not run from 0 up to the {n} sequences")
+
+
+class MegatronShard:
+    """A ``.bin``/``.idx`` pair, mapped; ``document(j)`` and ``tokens(start, count)`` are O(1) lookups.
+
+    ``path`` is either file of the pair (or the common prefix); ``dtype`` (optional) is the token type the
+    caller expects. The ``.bin``'s size is checked against the ``.idx`` at open."""
+
+    def __init__(self, path: str | Path, dtype: str | None = None):
+        path = Path(path)
+        stem = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+        self.bin_path = Path(f"{stem}.bin")
+        self.idx_path = partner_path(self.bin_path)
+        self.index = MegatronIndex(self.idx_path, dtype)
+        try:
+            size = self.bin_path.stat().st_size
+        except FileNotFoundError:
+            raise DatasetError(f"{self.bin_path}: no such Megatron .bin file (the partner of "
+                               f"{self.idx_path.name})") from None
+        if size != self.index.bin_bytes:
+            raise DatasetError(f"{self.bin_path}: {size} bytes, but {self.idx_path.name} indexes "
+                               f"{self.index.bin_bytes} ({self.index.tokens} {self.index.dtype} tokens): truncated, "
+                               "or indexed with another token type")
+        self._tokens = (np.memmap(self.bin_path, dtype=self.index.dtype, mode="r") if size
+                        else np.zeros(0, self.index.dtype))
+
+    @property
+    def dtype(self) -> str:
+        return self.index.dtype
+
+    @property
+    def documents(self) -> int:
+        return self.index.documents
+
+    def __len__(self) -> int:
+        return self.index.documents
+
+    def document(self, j: int) -> np.ndarray:
+        """The tokens of document ``j`` (a read-only view on the file)."""
+        if not 0 <= j < self.index.documents:
+            raise IndexError(f"{self.bin_path.name}: document {j} out of range 0..{self.index.documents - 1}")
+        start, end = self.index.starts(np.array([j, j + 1]))
+        return self._tokens[start:end]
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        """``count`` tokens from token offset ``start`` of ``.bin`` (a read-only view)."""
+        if start < 0 or count < 0 or start + count > self._tokens.size:
+            raise IndexError(f"{self.bin_path.name}: tokens {start}..{start + count} outside 0..{self._tokens.size}")
+        return self._tokens[start:start + count]
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WrittenShard:
+    """What :meth:`MegatronWriter.close` published: sizes and checksums of both files, counts."""
+
+    bin_path: Path
+    idx_path: Path
+    documents: int
+    tokens: int
+    bin_bytes: int
+    bin_sha256: str
+    bin_xxh3_128: str
+    idx_bytes: int
+    idx_sha256: str
+
+
+class MegatronWriter:
+    """Write one ``.bin``/``.idx`` pair: :meth:`add` one document at a time, :meth:`close` publishes both
+    (each written under its hidden temporary name, fsynced, renamed; ``.idx`` last), :meth:`abort` removes
+    them. Checksums are taken while writing."""
+
+    def __init__(self, bin_path: str | Path, dtype: str):
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
+        self.bin_path = Path(bin_path)
+        self.idx_path = partner_path(self.bin_path)
+        self.dtype = np.dtype(dtype)
+        self._limit = np.iinfo(self.dtype).max
+        self._tmp = tmp_path_for(self.bin_path)
+        self._file = open(self._tmp, "wb")
+        self._out = HashingWriter(self._file)
+        self._lengths = array("q")
+
+    @property
+    def documents(self) -> int:
+        return len(self._lengths)
+
+    @property
+    def bytes(self) -> int:
+        return self._out.size
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append one document (token ids, which must fit the token type)."""
+        tokens = np.asarray(tokens)
+        if tokens.size and (tokens.min() < 0 or tokens.max() > self._limit):
+            bad = int(tokens[(tokens < 0) | (tokens > self._limit)][0])
+            raise ValueError(f"token id {bad} does not fit {self.dtype.name} ({self.bin_path.name})")
+        if tokens.size > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {tokens.size} tokens does not fit a Megatron .idx (int32 lengths)")
+        self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.append(tokens.size)
+
+    def close(self) -> WrittenShard:
+        """Publish the pair (``.bin`` first, ``.idx`` last) and say what was written."""
+        try:
+            self._out.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            index = self._index_bytes()
+            idx_tmp = tmp_path_for(self.idx_path)
+            with open(idx_tmp, "wb") as f:
+                idx_out = HashingWriter(f)
+                idx_out.write(index)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(self._tmp, self.bin_path)
+            os.replace(idx_tmp, self.idx_path)
+            fsync_dir(self.bin_path.parent)
+        except BaseException:
+            self.abort()
+            raise
+        return WrittenShard(self.bin_path, self.idx_path, len(self._lengths), self._out.size // self.dtype.itemsize,
+                            self._out.size, self._out.hexdigest(), self._out.xxh3_hexdigest(), idx_out.size,
+                            idx_out.hexdigest())
+
+    def abort(self) -> None:
+        """Drop what was written (the temporary files; nothing was published)."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+        tmp_path_for(self.idx_path).unlink(missing_ok=True)
+
+    def _index_bytes(self) -> bytes:
+        n = len(self._lengths)
+        lengths = np.frombuffer(self._lengths, dtype=np.int64) if n else np.zeros(0, np.int64)
+        pointers = np.zeros(n, np.int64)
+        if n:
+            np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+        docs = np.arange(n + 1, dtype=np.int64)  # one sequence per document
+        head = MAGIC + struct.pack("<QBQQ", VERSION, TOKEN_DTYPES[self.dtype.name], n, n + 1)
+        return head + lengths.astype("<i4").tobytes() + pointers.astype("<i8").tobytes() + docs.astype("<i8").tobytes()
+
+    def __enter__(self) -> MegatronWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.abort()

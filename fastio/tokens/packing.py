@@ -1,0 +1,331 @@
+"""The order of packed token sequences, ``packing="concat"`` (:class:`ConcatPacking`) and ``packing="best-fit"``
+(:class:`BestFitPacking`): a pure function of (seed, epoch, fingerprint, shuffle, seq_len, block_docs) and the
+documents' lengths. Nothing here reads a byte, opens a file or makes a tensor.
+
+An epoch's documents, in an order drawn from (seed, epoch), are concatenated (each already ends with its
+end-of-document token) into one stream of T tokens, cut into ``(T - 1) // seq_len`` sequences of ``seq_len + 1``
+tokens with one token of overlap, as Megatron does: sequence ``s`` is stream tokens ``[s * seq_len,
+(s + 1) * seq_len]``, so its inputs ``tokens[:-1]`` cover every stream token once per epoch but the tail
+(fewer than ``seq_len + 1`` tokens).
+
+The document order is lazy: documents are grouped in blocks of at most ``block_docs`` consecutive documents of a
+shard; the blocks are shuffled with the sampler's keyed Feistel permutation (:mod:`fastio.sampler`), and the
+documents within each block too. The token offset where each shuffled block starts (one prefix sum over the
+blocks: O(blocks) memory per epoch) locates a stream position's block; a prefix sum over that block's shuffled
+document lengths (O(block_docs), a few blocks kept) locates the document. So any sequence is found without a
+sample index, whatever the corpus size.
+
+The order of the sequences themselves, each rank's slice and the resume arithmetic are the sampler's:
+:meth:`ConcatPacking.sampler` is a :class:`~fastio.sampler.Sampler` over the epoch's sequences (one "shard" of
+``sequences`` units), so a plan started at ``consumed`` continues bitwise at the same world size and delivers
+each remaining sequence exactly once at another.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fastio.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
+
+__all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
+           "cu_seqlens", "position_ids"]
+
+PACKING_ALGORITHM = "concat-blocks-v1"
+"""Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
+PACKINGS = ("concat", "best-fit")
+_SHUFFLES = ("global", "none")
+
+
+class DocumentTable(Protocol):
+    """What the packing needs of a shard: its document count, token count, and where documents start
+    (:class:`fastio.tokens.megatron.MegatronIndex` is one)."""
+
+    documents: int
+
+    @property
+    def tokens(self) -> int: ...
+
+    def starts(self, docs: np.ndarray) -> np.ndarray:
+        """Token offset of each document in ``docs`` within the shard; ``documents`` gives the shard's end."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``count`` tokens of shard ``shard`` from its token offset ``start``: part of one sequence."""
+
+    shard: int
+    start: int
+    count: int
+
+
+class _BlockPacking:
+    """What both packings share: arguments, documents in blocks of ``block_docs`` of a shard, the sampler over
+    the sequences, the blocks' order per epoch and a small cache of per-block tables."""
+
+    kind = ""
+
+    def __init__(self, tables: Sequence[DocumentTable], seq_len: int, *, seed: int, shuffle: str, fingerprint: str,
+                 block_docs: int):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if isinstance(block_docs, bool) or not isinstance(block_docs, int) or block_docs < 1:
+            raise ValueError(f"block_docs must be a positive integer, got {block_docs!r}")
+        if shuffle not in _SHUFFLES:
+            raise ValueError(f"shuffle for packed tokens must be one of {', '.join(_SHUFFLES)}, got {shuffle!r}")
+        self.spec = SamplerSpec(seed=seed, shuffle=shuffle)
+        self.seq_len, self.block_docs, self.tables = seq_len, block_docs, list(tables)
+        self._blocks(block_docs)
+        self.total_tokens = int(self._blk_tokens.sum())
+        self.fingerprint = hashlib.sha256(
+            f"{PACKING_ALGORITHM}:{self.kind}:{fingerprint}:{seq_len}:{block_docs}".encode()).hexdigest()[:16]
+        """Identifies the sequences (corpus, packing, seq_len, blocks, algorithm): the sampler's fingerprint."""
+        self.sequences = 0
+        """Sequences in every epoch."""
+        self._lock = threading.Lock()
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+
+    def _blocks(self, block_docs: int) -> None:
+        shard, first, count, tokens = [], [], [], []
+        for k, table in enumerate(self.tables):
+            d = int(table.documents)
+            if d == 0:
+                continue
+            lo = np.arange(0, d, block_docs, dtype=np.int64)
+            hi = np.minimum(lo + block_docs, d)
+            edges = table.starts(np.r_[lo, d])
+            shard.append(np.full(lo.size, k, np.int64))
+            first.append(lo)
+            count.append(hi - lo)
+            tokens.append(np.diff(edges))
+        self._blk_shard, self._blk_first, self._blk_n, self._blk_tokens = (
+            np.concatenate(parts) if parts else np.zeros(0, np.int64) for parts in (shard, first, count, tokens))
+
+    def sampler(self, *, batch_size: int = 1, world_size: int = 1, rank: int = 0, drop_last: bool = False,
+                remainder: str = "pad") -> Sampler:
+        """The order of the sequences, rank ``rank``'s slices of each global batch and the resume arithmetic:
+        ``sampler.plan(epoch, consumed)`` yields sequence ids for :meth:`pieces`."""
+        spec = SamplerSpec(seed=self.spec.seed, shuffle=self.spec.shuffle, batch_size=batch_size,
+                           drop_last=drop_last, remainder=remainder)
+        return Sampler(spec, (self.sequences,), self.fingerprint, world_size=world_size, rank=rank)
+
+    def _keys(self, epoch: int, purpose: str):
+        return _round_keys(self.spec, epoch, self.fingerprint, purpose)
+
+    def _slots(self, epoch: int, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(block in each slot, where each slot starts in units of ``sizes`` + the end) of ``epoch``."""
+        with self._lock:
+            if epoch in self._epochs:
+                return self._epochs[epoch]
+        b = self._blk_n.size
+        perm = np.arange(b, dtype=np.int64)
+        if self.spec.shuffle == "global" and b > 1:
+            perm = _permute(perm, b, _bits(b), self._keys(epoch, "token-blocks"), 0)
+        slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)
+        with self._lock:
+            self._epochs[epoch] = (perm, slot_start)
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return perm, slot_start
+
+    def _cached(self, key: tuple, compute):
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        value = compute()
+        with self._lock:
+            self._cache[key] = value
+            while len(self._cache) > 16:
+                self._cache.popitem(last=False)
+        return value
+
+    def _documents(self, b: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token offset in its shard, length) of block ``b``'s documents at local positions ``order``."""
+        docs = self._blk_first[b] + order
+        table = self.tables[int(self._blk_shard[b])]
+        starts = table.starts(docs)
+        return starts, table.starts(docs + 1) - starts
+
+
+class ConcatPacking(_BlockPacking):
+    """``packing="concat"`` over documents ``tables`` (one per shard, in order): see the module docstring.
+
+    ``fingerprint`` identifies the corpus (the manifest's); ``shuffle`` is ``global`` (documents and sequences
+    shuffled) or ``none`` (stored order). Memory is O(blocks) plus a few blocks' document tables."""
+
+    kind = "concat"
+
+    def __init__(self, tables: Sequence[DocumentTable], seq_len: int, *, seed: int = 0, shuffle: str = "global",
+                 fingerprint: str = "", block_docs: int = 4096):
+        super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
+        if self.total_tokens <= seq_len:
+            raise ValueError(f"seq_len {seq_len} needs more than {seq_len} tokens; the corpus holds "
+                             f"{self.total_tokens}")
+        self.sequences = (self.total_tokens - 1) // seq_len
+
+    def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token offset in its shard of each document of block ``b`` in its shuffled order, prefix sums of
+        their lengths) in ``epoch``."""
+        def compute():
+            n = int(self._blk_n[b])
+            local = np.arange(n, dtype=np.int64)
+            if self.spec.shuffle == "global" and n > 1:
+                local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
+                                 np.uint64(b * int(_GOLDEN) % (1 << 64)))
+            starts, lengths = self._documents(b, local)
+            return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        return self._cached((epoch, b), compute)
+
+    def pieces(self, epoch: int, sequence: int) -> list[Piece]:
+        """The token ranges that make sequence ``sequence`` (``seq_len + 1`` tokens, in order) of ``epoch``."""
+        if not 0 <= sequence < self.sequences:
+            raise IndexError(f"sequence {sequence} out of range 0..{self.sequences - 1}")
+        perm, slot_start = self._slots(epoch, self._blk_tokens)
+        t = sequence * self.seq_len
+        slot = int(np.searchsorted(slot_start, t, "right")) - 1
+        off, need, out = t - int(slot_start[slot]), self.seq_len + 1, []
+        while need:
+            b = int(perm[slot])
+            starts, cum = self._block(epoch, b)
+            i = int(np.searchsorted(cum, off, "right")) - 1
+            while need and i < starts.size:
+                take = min(need, int(cum[i + 1]) - off)
+                if take > 0:
+                    out.append(Piece(int(self._blk_shard[b]), int(starts[i]) + off - int(cum[i]), take))
+                    need -= take
+                    off += take
+                i += 1
+            slot, off = slot + 1, 0
+        return out
+
+
+FITS = ("best", "first")
+
+
+class BestFitPacking(_BlockPacking):
+    """``packing="best-fit"``: whole documents fill sequences of ``seq_len + 1`` tokens without being cut, the rest
+    padding (see :meth:`pieces`). Documents longer than ``seq_len + 1`` tokens are split into pieces of that size
+    (the last one shorter, packed like a document).
+
+    Each block of ``block_docs`` documents is a window packed on its own by best-fit decreasing (``fit="best"``:
+    each piece, longest first, into the fullest sequence it fits) or first-fit decreasing (``fit="first"``: into the
+    first sequence it fits). A block's packing does not depend on the document order, so the number of
+    sequences of every block is computed once, at construction (one pass over the documents' lengths, O(documents)
+    time, O(blocks) memory); an epoch shuffles the blocks and the sampler shuffles the sequences."""
+
+    kind = "best-fit"
+
+    def __init__(self, tables: Sequence[DocumentTable], seq_len: int, *, seed: int = 0, shuffle: str = "global",
+                 fingerprint: str = "", block_docs: int = 4096, fit: str = "best"):
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+        self.kind = f"{fit}-fit"
+        super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
+        self.fit = fit
+        self._bins = np.array([len(self._pack(b)) for b in range(self._blk_n.size)], dtype=np.int64)
+        self.sequences = int(self._bins.sum())
+        if not self.sequences:
+            raise ValueError("the corpus holds no tokens to pack")
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding tokens over all tokens of an epoch's sequences."""
+        return 1.0 - self.total_tokens / (self.sequences * (self.seq_len + 1))
+
+    def _pack(self, b: int) -> list[list[Piece]]:
+        """Block ``b``'s sequences: the pieces of each, in placement order (cached: a few blocks)."""
+        def compute():
+            n = int(self._blk_n[b])
+            starts, lengths = self._documents(b, np.arange(n, dtype=np.int64))
+            cap, shard = self.seq_len + 1, int(self._blk_shard[b])
+            items = [(min(cap, int(n_) - off), int(s) + off) for s, n_ in zip(starts, lengths)
+                     for off in range(0, int(n_), cap)]
+            items.sort(key=lambda it: (-it[0], it[1]))
+            bins = _best_fit(items, cap) if self.fit == "best" else _first_fit(items, cap)
+            return [[Piece(shard, start, size) for size, start in pieces] for pieces in bins]
+        return self._cached(("bins", b), compute)
+
+    def pieces(self, epoch: int, sequence: int) -> list[Piece]:
+        """The documents (or parts of a long one) of sequence ``sequence`` of ``epoch``, whole and in order: their
+        tokens, then padding up to ``seq_len + 1`` (``loss_mask`` 0)."""
+        if not 0 <= sequence < self.sequences:
+            raise IndexError(f"sequence {sequence} out of range 0..{self.sequences - 1}")
+        perm, slot_start = self._slots(epoch, self._bins)
+        slot = int(np.searchsorted(slot_start, sequence, "right")) - 1
+        return list(self._pack(int(perm[slot]))[sequence - int(slot_start[slot])])
+
+
+def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
+    """Each (size, start), in the given order, into the bin with the least room that holds it (ties: the
+    oldest), else a new bin."""
+    bins: list[list[tuple[int, int]]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for size, start in items:
+        i = bisect.bisect_left(room, (size, -1))
+        if i < len(room):
+            left, k = room.pop(i)
+        else:
+            left, k = cap, len(bins)
+            bins.append([])
+        bins[k].append((size, start))
+        bisect.insort(room, (left - size, k))
+    return bins
+
+
+def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
+    """Each (size, start), in the given order, into the first bin that holds it, else a new bin."""
+    bins: list[list[tuple[int, int]]] = []
+    room = np.zeros(0, np.int64)
+    for size, start in items:
+        fits = np.flatnonzero(room >= size)
+        if fits.size:
+            k = int(fits[0])
+        else:
+            k, room = len(bins), np.r_[room, cap]
+            bins.append([])
+        bins[k].append((size, start))
+        room[k] -= size
+    return bins
+
+
+def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarray:
+    """Where a document begins in each row: the row's start, right after an ``eos_id``, and (with ``mask``, 0 on
+    padding) where padding begins; padding is one segment."""
+    starts = np.zeros(rows.shape, bool)
+    starts[:, 0] = True
+    starts[:, 1:] = rows[:, :-1] == eos_id
+    if mask is not None:
+        real = np.asarray(mask, bool).reshape(rows.shape)
+        starts[:, 1:] &= real[:, 1:]
+        starts[:, 1:] |= real[:, :-1] & ~real[:, 1:]
+    return starts
+
+
+def position_ids(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
+    """int64 like ``tokens`` ([B, L] or [L]): 0 at each sequence's start and right after every ``eos_id``,
+    else one more than the token before (with ``mask``: padding, where it is 0, counts as one segment)."""
+    tokens = np.asarray(tokens)
+    rows = tokens.reshape(-1, tokens.shape[-1])
+    j = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int64), rows.shape)
+    last_start = np.maximum.accumulate(np.where(_starts(rows, eos_id, mask), j, 0), axis=1)
+    return (j - last_start).reshape(tokens.shape)
+
+
+def cu_seqlens(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
+    """int32 ``[n + 1]``: where each document of the flattened inputs ``tokens[:, :-1]`` begins, and their end
+    (for variable-length attention): a boundary at every sequence start and after every ``eos_id`` (with ``mask``:
+    padding is one segment)."""
+    tokens = np.asarray(tokens)
+    rows = tokens.reshape(-1, tokens.shape[-1])
+    inputs = rows[:, :-1]
+    starts = _starts(inputs, eos_id, None if mask is None else np.asarray(mask).reshape(rows.shape)[:, :-1])
+    return np.concatenate([np.flatnonzero(starts.reshape(-1)), [inputs.size]]).astype(np.int32)

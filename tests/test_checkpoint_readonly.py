@@ -1,0 +1,114 @@
+"""A restore-only process (evaluation beside training): ``Checkpointer(dir, read_only=True)`` restores while a
+training Checkpointer in another process holds the directory's lock (on s3://, the prefix's lease), takes neither,
+changes nothing in the directory, and refuses to save; the refusal a second writer gets names it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import StateHolder
+
+from fastio.checkpoint import Checkpointer, layout
+from fastio.errors import CheckpointError
+from fastio.storage import open_storage
+
+REPO = Path(__file__).resolve().parents[1]
+
+TRAINER = """
+    import json, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from helpers import StateHolder
+    from fastio.checkpoint import Checkpointer
+
+    where, options, staging = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    kw = {"storage_options": options, "staging_dir": staging} if options else {}
+    with Checkpointer(where, signals=(), **kw) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
+        print("ready", flush=True)
+        sys.stdin.readline()  # holds the lock (and lease) until the test is done
+"""
+
+
+class Trainer:
+    """A training Checkpointer in a real process, holding DIR's lock after saving steps 1 and 2."""
+
+    def __init__(self, where: str, tmp_path: Path, options: dict | None = None):
+        import json
+
+        script = tmp_path / "trainer.py"
+        script.write_text(textwrap.dedent(TRAINER))
+        self.proc = subprocess.Popen([sys.executable, str(script), where, json.dumps(options or {}),
+                                      str(tmp_path / "trainer-staging")], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def __enter__(self):
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", line + self.proc.stderr.read()
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0, self.proc.stderr.read()
+
+
+def app() -> dict:
+    return {"model": StateHolder({"w": torch.zeros(4)})}
+
+
+def tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_path, caplog):
+    """Before: a second Checkpointer on the directory was refused by the writer's lock, so evaluation beside
+    training could not restore. Now read_only=True restores (falling back past a damaged step without moving it),
+    leaves fastio's own leftovers alone, and refuses to save; the writer's refusal names read_only=True."""
+    root = tmp_path / "ck"
+    with Trainer(str(root), tmp_path):
+        with pytest.raises(CheckpointError, match=r"in use by .*read_only=True"):
+            Checkpointer(root, signals=())
+        abandoned = root / "step-3.tmp"
+        abandoned.mkdir()
+        (abandoned / layout.WRITING_FILE).write_text("{}")  # the writer's own temporary: the writer's to clean
+        before = tree(root)
+        reader = Checkpointer(root, read_only=True, signals=())
+        restored = app()
+        assert reader.restore_latest(restored).step == 2 and float(restored["model"].state["w"][0]) == 2.0
+        assert tree(root) == before
+        with pytest.raises(CheckpointError, match="read-only"):
+            reader.save(3, restored)
+        with pytest.raises(CheckpointError, match="read-only"):
+            reader.maybe_save(3, restored, force=True)
+        victim = root / "step-2" / sorted(layout.read_commit(root / "step-2")["files"])[0]
+        victim.write_bytes(victim.read_bytes()[:-1])  # damaged: skipped, left where it is
+        before = tree(root)
+        assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0
+        reader.close()
+        assert tree(root) == before and "left in place (read_only)" in caplog.text
+        victim.unlink()  # the training job can still commit (its lock was never disturbed)
+
+
+def test_a_read_only_restore_on_s3_takes_no_lease_and_no_staging_dir(moto_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    with Trainer(url, tmp_path, options):
+        with pytest.raises(CheckpointError, match=r"read_only=True"):
+            Checkpointer(url, storage_options=options, staging_dir=tmp_path / "second", signals=())
+        lease = open_storage(url, options).get(".fastio-lock")
+        reader = Checkpointer(url, storage_options=options, read_only=True, signals=())
+        private = reader.dir
+        restored = app()
+        assert reader.restore_latest(restored).step == 2 and float(restored["model"].state["w"][0]) == 2.0
+        with pytest.raises(CheckpointError, match="read-only"):
+            reader.save(3, restored)
+        reader.close()
+        assert not private.exists() and open_storage(url, options).get(".fastio-lock") == lease

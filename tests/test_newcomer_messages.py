@@ -1,0 +1,120 @@
+"""Issue 33, point 4, 5 and 9: messages that name the next step, skipped inputs named with their reasons,
+``fastio index`` of several shard paths (an unquoted glob), class lists of indexed shards, counts in words."""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from fastio import Dataset, Loader
+from fastio.errors import DatasetError
+from fastio.synthetic import make_imagefolder
+from tests.conftest import write_image_dataset
+from tests.helpers import run_cli
+
+
+@pytest.fixture
+def shards(tmp_path, image_folder) -> Path:
+    """Three plain WebDataset tar shards (a fastio dataset's, copied) in ``wds/``, no fastio metadata."""
+    ds = write_image_dataset(tmp_path / "ds", image_folder)
+    (tmp_path / "wds").mkdir()
+    for tar in sorted((ds / "shards").glob("*.tar")):
+        shutil.copy(tar, tmp_path / "wds" / tar.name)
+    return tmp_path / "wds"
+
+
+def test_a_loader_given_a_shard_file_names_fastio_index(shards):
+    tar = shards / "shard-000000.tar"
+    with pytest.raises(DatasetError, match=rf"^{tar}: a tar shard, not a dataset: .*`fastio index {shards}`"):
+        Loader(str(tar), batch_size=4, device="cpu")
+
+
+def test_a_loader_given_a_list_of_shards_names_fastio_index(shards):
+    tars = [str(p) for p in sorted(shards.glob("*.tar"))]
+    with pytest.raises(DatasetError, match=rf"a list; a dataset is one folder: .*`fastio index {shards}`"):
+        Loader(tars, batch_size=4, device="cpu")
+
+
+def test_a_shard_inside_a_dataset_names_the_dataset(image_dataset):
+    with pytest.raises(DatasetError, match=rf"a shard of the dataset {image_dataset}: give the dataset folder"):
+        Dataset(image_dataset / "shards" / "shard-000000.tar")
+
+
+def test_verify_on_unconverted_folders_names_the_command(shards, image_folder, capsys):
+    code, _, err = run_cli(["verify", str(shards)], capsys)
+    assert code == 2 and f"`fastio index {shards}`" in err and "interrupted" not in err, err
+    code, _, err = run_cli(["verify", str(image_folder)], capsys)
+    assert code == 2 and f"`fastio convert {image_folder} DEST`" in err and "interrupted" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_index_takes_several_shard_paths(shards, capsys):
+    """`fastio index wds/*.tar` unquoted: the shell gives every path; they are indexed as one dataset in their
+    folder (it was click's 'Got unexpected extra arguments')."""
+    tars = [str(p) for p in sorted(shards.glob("*.tar"))]
+    code, out, err = run_cli(["index", *tars], capsys)
+    assert code == 0, err
+    assert out.startswith("indexed 3 shards, 48 samples (") and f"-> {shards};" in out
+    assert len(Dataset(shards)) == 48
+
+
+def test_index_of_several_paths_refuses_a_folder_among_them(shards, capsys):
+    code, _, err = run_cli(["index", str(shards / "shard-000000.tar"), str(shards)], capsys)
+    assert code == 2 and f"{shards}: not a .tar file: fastio index takes one SOURCE" in err, err
+
+
+def test_one_shard_is_counted_in_words(shards, capsys):
+    for tar in sorted(shards.glob("*.tar"))[1:]:
+        tar.unlink()
+    code, out, err = run_cli(["index", str(shards)], capsys)
+    assert code == 0 and out.startswith("indexed 1 shard, 16 samples ("), out + err
+
+
+def test_inspect_of_indexed_shards_lists_labels_without_blank_names(shards, capsys):
+    assert run_cli(["index", str(shards), "-q"], capsys)[0] == 0
+    code, out, _ = run_cli(["inspect", str(shards)], capsys)
+    assert code == 0
+    lines = out[out.index("classes:"):].splitlines()[1:5]
+    assert lines == [f"  {label:>6}  12" for label in range(4)], out  # no blank name column
+
+
+@pytest.fixture
+def broken_folder(tmp_path) -> Path:
+    """An image folder with 7 files that do not decode."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
+    good = next(src.rglob("*.jpg")).read_bytes()
+    for i in range(6):
+        (src / "circle" / f"bad{i}.jpg").write_bytes(good[:100])
+    (src / "circle" / "notes.jpg").write_bytes(b"not an image")
+    return src
+
+
+def test_convert_names_the_first_skipped_inputs_and_inspect_lists_all(tmp_path, broken_folder, capsys):
+    dest = tmp_path / "ds"
+    code, out, err = run_cli(["convert", str(broken_folder), str(dest)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "skipped 7" in lines[0]
+    assert [line.split(":")[0].strip() for line in lines[1:6]] == [f"circle/bad{i}.jpg" for i in range(5)]
+    assert all("not a readable image" in line for line in lines[1:6])
+    assert lines[6] == f"  ... and 2 more: fastio inspect {dest} --skipped" and len(lines) == 7
+    code, out, _ = run_cli(["inspect", str(dest), "--skipped"], capsys)
+    assert code == 0
+    listed = out.splitlines()
+    assert [line.split(":")[0] for line in listed] == [f"circle/bad{i}.jpg" for i in range(6)] + ["circle/notes.jpg"]
+    assert all(": not a readable image" in line for line in listed)
+    code, out, _ = run_cli(["inspect", str(dest)], capsys)
+    assert "(skipped at conversion: 7)\n  circle/bad0.jpg: not a readable image" in out
+
+
+def test_inspect_skipped_of_a_clean_dataset_says_so(image_dataset, capsys):
+    code, out, _ = run_cli(["inspect", str(image_dataset), "--skipped"], capsys)
+    assert code == 0 and out == f"{image_dataset}: nothing was skipped\n"
+
+
+def test_the_tar_fixture_is_a_plain_webdataset_tar(shards):
+    with tarfile.open(shards / "shard-000000.tar") as tar:
+        assert sorted({Path(m.name).suffix for m in tar.getmembers()}) == [".cls", ".jpg"]

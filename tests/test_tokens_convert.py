@@ -1,0 +1,225 @@
+"""fastio convert --tokenizer: JSONL, Parquet and text into Megatron shards + a token manifest; verify, inspect."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+from tokens_helpers import train_tokenizer
+
+from fastio.cli import main
+from fastio.errors import ConvertError
+from fastio.manifest import load_manifest
+from fastio.tokens.convert import TokenConvertConfig, convert_tokens, load_tokenizer
+from fastio.tokens.megatron import MegatronShard
+
+TEXTS = ["the quick brown fox", "", "héllo wörld — 日本語", "   ", "packing documents into sequences",
+         "a stream of tokens", "megatron indexed datasets"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def expected_docs(tokenizer, texts):
+    tok = load_tokenizer(tokenizer)
+    eos = tok.token_to_id("<|endoftext|>")
+    return [tok.encode(t, add_special_tokens=False).ids + [eos] for t in texts if t], eos
+
+
+def all_documents(dest):
+    m = load_manifest(dest)
+    return [MegatronShard(dest / "shards" / s.name).document(j).tolist() for s in m.shards for j in range(s.samples)]
+
+
+class Ran:
+    def __init__(self, rc, output):
+        self.exit_code, self.output = rc, output
+
+
+def fastio(capsys, *args):
+    """``fastio ARGS`` as the console script runs it: exit code and what it printed."""
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return Ran(rc, out.out + out.err)
+
+
+def write_jsonl(path, texts, field="text"):
+    path.write_text("".join(json.dumps({field: t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    return path
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS * 3)
+    result = convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=workers, batch_size=4,
+                                               max_samples_per_shard=4))
+    docs, eos = expected_docs(tokenizer, TEXTS * 3)
+    assert all_documents(tmp_path / "ds") == docs  # input order, EOS appended, the empty one skipped
+    assert result.empty == 3 and result.documents == len(docs) and result.shards == -(-len(docs) // 4)
+    m = load_manifest(tmp_path / "ds")
+    assert m.kind == "tokens" and m["format_version"] == 3
+    assert m.tokens.dtype == "uint16" and m.tokens.eos_id == eos and m.tokens.vocab_size == 300
+    assert m.tokens.total_tokens == sum(map(len, docs)) == sum(s.tokens for s in m.shards)
+    assert [s.name for s in m.shards] == sorted(s.name for s in m.shards)
+    assert m.source["empty_documents"] == 3
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json",
+                                                                     "shards"]
+
+
+def test_non_ascii_round_trips(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "c.jsonl", ["héllo wörld — 日本語 🙂"])
+    convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
+    tok = load_tokenizer(tokenizer)
+    (doc,) = all_documents(tmp_path / "ds")
+    assert tok.decode(doc[:-1]) == "héllo wörld — 日本語 🙂"
+
+
+def test_parquet_and_text_folder(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": TEXTS[:3] + [None]}), tmp_path / "c.parquet")
+    convert_tokens(TokenConvertConfig(tmp_path / "c.parquet", tmp_path / "p", tokenizer, text_field="body", workers=1))
+    assert all_documents(tmp_path / "p") == expected_docs(tokenizer, TEXTS[:3])[0]
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, t in enumerate(TEXTS):
+        (folder / f"{i:02d}.txt").write_text(t)
+    result = convert_tokens(TokenConvertConfig(folder, tmp_path / "t", tokenizer, workers=1))
+    assert all_documents(tmp_path / "t") == expected_docs(tokenizer, TEXTS)[0]
+    assert result.empty == 1
+
+
+def test_megatron_core_opens_converted_shards(tmp_path, tokenizer):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
+    ds = idx.IndexedDataset(str(tmp_path / "ds" / "shards" / "shard-000000"))
+    assert [ds[j].tolist() for j in range(len(ds))] == expected_docs(tokenizer, TEXTS)[0]
+
+
+def test_eos_default_given_and_refused(tmp_path, tokenizer, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    bare = train_tokenizer(tmp_path / "bare.json", eos=None)
+    with pytest.raises(ConvertError, match=r"bare\.json: no end-of-text token .* eos=TOKEN"):
+        convert_tokens(TokenConvertConfig(src, tmp_path / "ds", bare, workers=1))
+    assert not (tmp_path / "ds").exists()  # refused before DEST was touched
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare)])
+    assert r.exit_code == 2 and "--eos TOKEN" in r.output and "Traceback" not in r.output
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare), "--eos", "<nope>"])
+    assert r.exit_code == 2 and "has no token '<nope>' (--eos <nope>)" in r.output
+    tok = load_tokenizer(bare)
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare), "--eos", "x"])
+    assert r.exit_code == 0, r.output
+    assert load_manifest(tmp_path / "ds").tokens.eos_id == tok.token_to_id("x")
+
+
+def test_hostile_inputs_named(tmp_path, tokenizer):
+    cases = {
+        "bad.jsonl": (b'{"text": "ok"}\n{not json\n', r"bad\.jsonl:2: not a JSON object"),
+        "nofield.jsonl": (b'{"text": "ok"}\n{"body": "x"}\n', r"nofield\.jsonl:2: has no field 'text'"),
+        "num.jsonl": (b'{"text": 3}\n', r"num\.jsonl:1: field 'text' is int, not text"),
+        "latin.txt": ("caf\xe9".encode("latin-1"), r"latin\.txt: not UTF-8 text \(byte 3\)"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConvertError, match=message):
+            convert_tokens(TokenConvertConfig(tmp_path / name, tmp_path / f"out-{name}", tokenizer, workers=1))
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text("x")
+    (mixed / "b.csv").write_text("x")
+    with pytest.raises(ConvertError, match=r"b\.csv: not a document file"):
+        convert_tokens(TokenConvertConfig(mixed, tmp_path / "o", tokenizer, workers=1))
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ConvertError, match=r"broken\.json: not a tokenizer\.json"):
+        convert_tokens(TokenConvertConfig(mixed / "a.txt", tmp_path / "o", tmp_path / "broken.json", workers=1))
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ConvertError, match=r"empty\.jsonl: holds no document with text \(1 empty document\)"):
+        convert_tokens(TokenConvertConfig(tmp_path / "empty.jsonl", tmp_path / "e", tokenizer, workers=1))
+    assert not (tmp_path / "e" / "manifest.json").exists()
+
+
+def test_cli_refuses_image_options_and_verify_inspect_work(tmp_path, tokenizer, capsys):
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(tokenizer), "--max-side", "64"])
+    assert r.exit_code == 2 and "--max-side: not an option of a token conversion" in r.output
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--eos", "x"])
+    assert r.exit_code == 2 and "need --tokenizer" in r.output
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(tokenizer), "--workers", "1",
+                  "--max-samples-per-shard", "2", "--name", "web"])
+    assert r.exit_code == 0, r.output
+    assert "6 documents" in r.output and "1 empty document skipped" in r.output and "tokens/s" in r.output
+    r = fastio(capsys, *["verify", str(tmp_path / "ds")])
+    assert r.exit_code == 0 and "3 shards, 6 samples verified" in r.output, r.output
+    r = fastio(capsys, *["inspect", str(tmp_path / "ds")])
+    assert r.exit_code == 0, r.output
+    assert "tokens:" in r.output and "uint16" in r.output and "6 documents" in r.output
+    shard = tmp_path / "ds" / "shards" / "web-000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    r = fastio(capsys, *["verify", str(tmp_path / "ds")])
+    assert r.exit_code == 1 and "web-000001.bin: sha256 does not match the manifest" in r.output
+    shard.write_bytes(bytes(data[:-2]))
+    r = fastio(capsys, *["verify", str(tmp_path / "ds")])
+    assert r.exit_code == 1 and "truncated" in r.output
+
+
+def test_tokens_are_below_vocab_and_documents_end_with_eos(tmp_path, tokenizer):
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS * 5)
+    convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=2, shard_size=200))
+    m = load_manifest(tmp_path / "ds")
+    assert len(m.shards) > 1 and all(s.bytes <= 200 for s in m.shards)
+    docs = all_documents(tmp_path / "ds")
+    assert all(d[-1] == m.tokens.eos_id and m.tokens.eos_id not in d[:-1] for d in docs)
+    assert max(max(d) for d in docs) < m.tokens.vocab_size
+    assert np.array(sum(docs, [])).size == m.tokens.total_tokens
+
+
+def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
+    from fastio.dataset import Dataset
+    from fastio.errors import DatasetError
+
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
+    with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):
+        Dataset(tmp_path / "ds").index  # noqa: B018
+    import fastio
+
+    with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):  # not yet the Loader's
+        next(iter(fastio.Loader(tmp_path / "ds", batch_size=2, device="cpu", pipeline="raw")))
+
+
+def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, tokenizer):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", TEXTS * 4)
+    (src / "b.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    config = TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1, max_samples_per_shard=3, batch_size=2)
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2: not a JSON object"):
+        convert_tokens(config)
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+    assert not list((tmp_path / "ds" / "shards").glob(".*.tmp"))  # the shard being written was dropped
+    write_jsonl(src / "b.jsonl", ["fine"])
+    result = convert_tokens(config)  # no overwrite needed: DEST is fastio's interrupted output
+    assert result.documents == len(expected_docs(tokenizer, TEXTS * 4 + ["fine"])[0])
+    with pytest.raises(ConvertError, match="already holds a converted dataset; pass overwrite=True"):
+        convert_tokens(config)
+
+
+def test_a_second_writer_is_refused(tmp_path, tokenizer):
+    from fastio.lock import DirLock
+
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    with DirLock(tmp_path / "ds", purpose="another conversion"):
+        with pytest.raises(ConvertError, match=r"ds: in use by .*another conversion"):
+            convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
+    assert not (tmp_path / "ds" / "manifest.json").exists()

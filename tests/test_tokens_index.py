@@ -1,0 +1,137 @@
+"""fastio index DIR --eos-id N: Megatron pairs (written by megatron-core) become a token dataset without copying."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from fastio.cli import main
+from fastio.manifest import load_manifest
+from fastio.tokens.index import TokenIndexConfig, index_tokens
+from fastio.tokens.megatron import MegatronWriter
+
+EOS = 2
+DOCS = [[5, 6, 7, EOS], [1, EOS], [9, 9, 9, 9, EOS]]
+
+
+def megatron_pair(folder, stem, docs, dtype=np.uint16):
+    """A pair written by megatron-core's IndexedDatasetBuilder, as its preprocess_data.py does."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    folder.mkdir(exist_ok=True)
+    builder = idx.IndexedDatasetBuilder(str(folder / f"{stem}.bin"), dtype=dtype)
+    for d in docs:
+        builder.add_item(torch.tensor(d))
+        builder.end_document()
+    builder.finalize(str(folder / f"{stem}.idx"))
+
+
+def run(capsys, *args):
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_index_in_place_then_verify_and_inspect(tmp_path, capsys):
+    data = tmp_path / "data"
+    megatron_pair(data, "web_text_document", DOCS)
+    megatron_pair(data, "code_text_document", DOCS[:2])
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    rc, out = run(capsys, "index", data, "--eos-id", EOS)
+    assert rc == 0 and "indexed 2 shards, 5 documents" in out, out
+    assert {p.name: p.read_bytes() for p in data.iterdir() if p.name in before} == before  # nothing rewritten
+    m = load_manifest(data)
+    assert m.kind == "tokens" and m.tokens.eos_id == EOS and m.tokens.dtype == "uint16" and m.tokens.vocab_size is None
+    assert [(s.name, s.samples, s.tokens) for s in m.shards] == [("code_text_document.bin", 2, 6),
+                                                                 ("web_text_document.bin", 3, 11)]
+    assert [s.location for s in m.shards] == ["code_text_document.bin", "web_text_document.bin"]
+    rc, out = run(capsys, "verify", data)
+    assert rc == 0 and "2 shards, 5 samples verified" in out, out
+    rc, out = run(capsys, "inspect", data)
+    assert rc == 0 and "5 documents, 17 uint16 tokens" in out and "not recorded" in out, out
+
+
+def test_index_elsewhere_names_pairs_by_path(tmp_path, capsys):
+    data = tmp_path / "data"
+    megatron_pair(data, "a", DOCS, dtype=np.int32)
+    rc, out = run(capsys, "index", data, "--eos-id", EOS, "--dest", tmp_path / "meta")
+    assert rc == 0, out
+    m = load_manifest(tmp_path / "meta")
+    assert m.shards[0].location == str((data / "a.bin").resolve()) and m.tokens.dtype == "int32"
+    assert not (data / "manifest.json").exists()
+    rc, out = run(capsys, "verify", tmp_path / "meta")
+    assert rc == 0, out
+    rc, out = run(capsys, "index", data, "--eos-id", EOS, "--dest", tmp_path / "meta")
+    assert rc == 2 and "already holds a manifest; pass --overwrite" in out
+
+
+def test_verify_finds_a_changed_pair(tmp_path, capsys):
+    data = tmp_path / "data"
+    megatron_pair(data, "a", DOCS)
+    assert run(capsys, "index", data, "--eos-id", EOS)[0] == 0
+    raw = bytearray((data / "a.bin").read_bytes())
+    raw[0] ^= 1
+    (data / "a.bin").write_bytes(bytes(raw))
+    rc, out = run(capsys, "verify", data)
+    assert rc == 1 and "a.bin: sha256 does not match the manifest" in out
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate", r"a\.bin: 20 bytes, but a\.idx indexes 22 .*truncated"),
+    ("other-dtype", r"b\.idx: holds int32 tokens, expected uint16"),
+    ("no-idx", r"a\.bin: has no partner a\.idx"),
+    ("no-bin", r"a\.idx: has no partner a\.bin"),
+    ("magic", r"a\.idx: not a Megatron \.idx"),
+    ("wrong-eos", r"a\.bin: document 0 ends with token 2, not eos_id 3"),
+    ("empty", r"data: holds no Megatron \.bin/\.idx pairs"),
+])
+def test_hostile_pairs_refused_in_one_line(tmp_path, capsys, damage, message):
+    data = tmp_path / "data"
+    megatron_pair(data, "a", DOCS)
+    eos = EOS
+    if damage == "truncate":
+        with open(data / "a.bin", "r+b") as f:
+            f.truncate(20)
+    elif damage == "other-dtype":
+        megatron_pair(data, "b", DOCS, dtype=np.int32)
+    elif damage == "no-idx":
+        (data / "a.idx").unlink()
+    elif damage == "no-bin":
+        (data / "a.bin").unlink()
+    elif damage == "magic":
+        (data / "a.idx").write_bytes(b"NOTMEGA" + (data / "a.idx").read_bytes()[7:])
+    elif damage == "wrong-eos":
+        eos = 3
+    else:
+        for p in data.iterdir():
+            p.unlink()
+    rc, out = run(capsys, "index", data, "--eos-id", eos)
+    assert rc == 2 and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert out.startswith("fastio: error: ")
+    import re
+
+    assert re.search(message, out), out
+    assert not (data / "manifest.json").exists()
+
+
+def test_fastio_writer_pairs_index_too_and_flags_checked(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    w = MegatronWriter(data / "s.bin", "uint16")
+    for d in DOCS:
+        w.add(np.array(d))
+    w.close()
+    result = index_tokens(TokenIndexConfig(data, EOS))
+    assert (result.shards, result.documents, result.tokens) == (1, 3, 11)
+    rc, out = run(capsys, "index", data, "--eos-id", EOS, "--label-field", "cls")
+    assert rc == 2 and "--label-field: not an option of a Megatron index" in out
+    rc, out = run(capsys, "index", data, "--eos-id", -1)
+    assert rc == 2 and "--eos-id must be a token id" in out
+    assert json.loads((data / "manifest.json").read_text())["name"] == "megatron"
