@@ -429,3 +429,14 @@ def test_transcode_vp9_turns_h264_into_clips_with_the_same_frames(tmp_path, caps
     assert frames_shown(b["video"])[camera].tolist() == list(range(14))
     code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds2"), "--transcode", "av1"], capsys)
     assert code == 2 and "fastio: error:" in err and "av1" in err
+
+
+def test_a_bad_probe_is_named_by_sample(tmp_path, video_folder):
+    from fastio.errors import DatasetError
+
+    good = (video_folder / "c0" / "v0.webm").read_bytes()
+    info = check_media(good, "webm")
+    dest = _write_videos(tmp_path / "ds", {"k0": good, "k1": good}, {"k0": info, "k1": b'{"kind": "video"}'})
+    with pytest.raises(DatasetError, match=r"^sample 1: bad probe.json \('frames'\); re-convert the dataset"):
+        with video_loader(dest, batch_size=2, shuffle="none") as loader:
+            next(iter(loader))

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastio.augment import clip_starts, random_resized_crop
 from fastio.errors import DatasetError
-from fastio.media import PROBE_FIELD, MediaCheckError, is_audio_field, is_video_field, parse_probe, probe
+from fastio.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
@@ -67,9 +67,13 @@ class _Clips(Pipeline):
         return ReadFields(tuple(dict.fromkeys([PROBE_FIELD, *fields])), image=media)
 
     def _probes(self, batch: ReadBatch) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-        """The batch's encoded media (one array per sample) and their probes."""
-        probes = [parse_probe(p.tobytes(), f"sample {i}") for i, p in zip(batch.indices.tolist(),
-                                                                         batch.fields[PROBE_FIELD])]
+        """The batch's encoded media (one array per sample) and their probes (DatasetError naming the sample's
+        read-set id, ``batch["index"]`` of a dataset, when one is not a probe)."""
+        try:
+            probes = [parse_probe(p.tobytes(), f"sample {i}") for i, p in zip(batch.indices.tolist(),
+                                                                             batch.fields[PROBE_FIELD])]
+        except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
+            raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
         return batch.image, probes
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
@@ -80,12 +84,12 @@ class _Clips(Pipeline):
         return super().assemble(outputs, dataclasses.replace(delivery, columns=columns))
 
     def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
-        """Why sample ``j``'s media cannot be decoded: PyAV cannot probe it, or it is not what its
-        ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
-        stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), f"sample {int(batch.indices[j])}")
+        """Why sample ``j``'s media cannot be decoded: its ``probe.json`` is not one, PyAV cannot probe it, or it
+        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
         try:
+            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
-        except MediaCheckError as err:
+        except ValueError as err:  # MediaCheckError too
             return str(err)
         count = "frames" if self.media == "video" else "samples"
         if found[count] != stored[count]:
