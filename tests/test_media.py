@@ -440,3 +440,34 @@ def test_a_bad_probe_is_named_by_sample(tmp_path, video_folder):
     with pytest.raises(DatasetError, match=r"^sample 1: bad probe.json \('frames'\); re-convert the dataset"):
         with video_loader(dest, batch_size=2, shuffle="none") as loader:
             next(iter(loader))
+
+
+def test_video_clips_train_under_lightning(video_ds, tmp_path):
+    """The trainers take a clip pipeline like any other: a Lightning fit over VideoClips batches."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    import fastio
+    from fastio.integrations.lightning import FastioDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 2)
+            self.starts = []
+
+        def training_step(self, batch, _):
+            self.starts += batch["start_frame"].tolist()
+            assert batch["video"].shape == (2, 4, 3, 16, 16)
+            return torch.nn.functional.cross_entropy(self.head(batch["video"].mean(dim=(1, 3, 4))), batch["label"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = FastioDataModule(str(video_ds), pipeline=fastio.VideoClips(frames=4, stride=2, size=16), batch_size=2,
+                            device="cpu", seed=3, num_threads=1)
+    model = Model()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    assert len(model.starts) == 8  # 7 videos in 4 batches of 2 (one repeat, flagged padded)
