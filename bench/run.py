@@ -33,6 +33,7 @@ SECTIONS = (
     "mixture",
     "index",
     "tokens",
+    "media",
 )
 
 

@@ -1,5 +1,8 @@
 """``SOURCE/<class>/<file>`` (ImageNet layout): label = index of the class in sorted class names.
 
+Files are images, videos or audio files (fields named by their suffix: ``webm``, ``flac``, ...;
+:mod:`fastio.media`).
+
 Keys are ``<class>/<path below the class folder, without suffix>``; images are fields named by type
 (``jpg``, ``png``, ...; a folder may mix them), the label is ``cls`` (ASCII integer). Folders are walked
 under the symlink policy of :func:`~fastio.converters.base.walk_files`: a class folder that links back to
@@ -22,6 +25,7 @@ from fastio.converters.base import (
     unique_key,
     walk_files,
 )
+from fastio.media import media_field_for_suffix
 
 __all__ = ["NAME", "detect", "scan"]
 
@@ -32,16 +36,20 @@ def _visible_dirs(source: Path) -> list[Path]:
     return sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+def _field(suffix: str) -> str | None:
+    return image_field_for_suffix(suffix) or media_field_for_suffix(suffix)
+
+
 def detect(source: Path) -> bool:
-    """A directory with class folders holding images and no image files of its own."""
+    """A directory with class folders holding images (or videos, audio) and none of its own."""
     if not source.is_dir():
         return False
     top = [p for p in source.iterdir() if not p.name.startswith(".")]
-    if any(p.is_file() and image_field_for_suffix(p.suffix) for p in top):
+    if any(p.is_file() and _field(p.suffix) for p in top):
         return False
     for folder in (p for p in top if p.is_dir()):
         for path in folder.rglob("*"):
-            if path.is_file() and image_field_for_suffix(path.suffix):
+            if path.is_file() and _field(path.suffix):
                 return True
     return False
 
@@ -60,9 +68,9 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         if name not in label_map:
             skipped.append(Skip(relpath, "not inside a class folder"))
             continue
-        field = image_field_for_suffix(path.suffix)
+        field = _field(path.suffix)
         if field is None:
-            skipped.append(Skip(relpath, f"not an image file (suffix {path.suffix or 'none'!r})"))
+            skipped.append(Skip(relpath, f"not an image, video or audio file (suffix {path.suffix or 'none'!r})"))
             continue
         key = unique_key(relpath[: len(relpath) - len(path.suffix)], taken)
         entries.append(Entry(

@@ -22,6 +22,8 @@ _LAZY = {
     "ImageEval": "fastio.pipelines",
     "Raw": "fastio.pipelines",
     "Graph": "fastio.pipelines",
+    "VideoClips": "fastio.pipelines",
+    "AudioClips": "fastio.pipelines",
     "Pipeline": "fastio.pipelines",
     "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",

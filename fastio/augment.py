@@ -1,4 +1,5 @@
-"""Per-sample augmentation parameters as a pure function of (seed, epoch, global sample index).
+"""Per-sample augmentation parameters as a pure function of (seed, epoch, global sample index): image crops and
+flips, and the starts of video and audio clips (:func:`clip_starts`).
 
 Random numbers come from a counter-based hash (splitmix64) of ``(seed, epoch, index, draw)``, so a
 sample's crop and flip do not depend on which rank or thread handles it, nor on batch composition.
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-__all__ = ["CropParams", "random_resized_crop", "splitmix64", "uniforms"]
+__all__ = ["CropParams", "clip_starts", "random_resized_crop", "splitmix64", "uniforms"]
 
 ATTEMPTS = 10
 _DRAWS = 4 * ATTEMPTS + 1  # scale, log-ratio, top, left per attempt, then the flip
@@ -80,3 +81,18 @@ def random_resized_crop(seed: int, epoch: int, indices: np.ndarray, widths: np.n
     cx = np.where(found, left[rows, first], lf)
     flip = (u[:, -1] < flip_p).astype(np.int32)
     return CropParams(np.stack([cx, cy], 1).astype(np.float32), np.stack([cw, ch], 1).astype(np.float32), flip)
+
+
+CLIP_STREAM = 0x434C4950  # "CLIP": clip starts draw from their own streams, apart from the crop's
+"""Mixed into the seed for clip starts, so a clip's start and its crop are independent draws."""
+
+
+def clip_starts(seed: int, epoch: int, indices: np.ndarray, lengths: np.ndarray, span: int,
+                clips: int = 1) -> np.ndarray:
+    """int64 ``[len(indices), clips]``: each clip's first position, uniform over the positions where a clip of
+    ``span`` positions fits in its sample's ``lengths`` (``0 .. length - span``); 0 where it does not fit (the
+    clip is then padded past the end). A pure function of ``(seed, epoch, index)``; clip ``c`` of a sample
+    is its ``c``-th draw."""
+    u = uniforms(seed ^ CLIP_STREAM, epoch, indices, clips)
+    room = np.maximum(np.asarray(lengths, dtype=np.int64) - int(span) + 1, 1)[:, None]
+    return np.minimum(np.floor(u * room).astype(np.int64), room - 1)

@@ -49,6 +49,7 @@ from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, down
 from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
+from fastio.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
 from fastio.parts import (
     PART_RECORD,
     PARTS_DIR,
@@ -167,6 +168,9 @@ class ConvertConfig:
     max_pixels: int | None = DEFAULT_MAX_PIXELS
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
+    transcode: str | None = None
+    """``vp9``: re-encode video the CPU decoder cannot read (H.264, HEVC, ...) as VP9 WebM (field ``webm``);
+    None: such video is skipped and listed (:mod:`fastio.media`)."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -228,6 +232,8 @@ class ConvertConfig:
             self.root = Path(self.root)
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
+        if self.transcode is not None and self.transcode not in TRANSCODES:
+            raise ValueError(f"transcode must be vp9 (or None), got {self.transcode!r}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if not is_plain_name(self.name):
@@ -242,7 +248,7 @@ class ConvertConfig:
         return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
-                "max_pixels": self.max_pixels}
+                "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {})}
 
 
 @dataclass
@@ -290,25 +296,27 @@ class ConvertResult:
 
 # -- loading, in worker processes -------------------------------------------------------------------
 
-# (max_side, quality, max_pixels, label field): set in each worker by _init_worker.
-_LOAD_OPTIONS: tuple[int | None, int, int | None, str | None] = (None, 90, DEFAULT_MAX_PIXELS, None)
+# (max_side, quality, max_pixels, label field, transcode): set in each worker by _init_worker.
+_LOAD_OPTIONS: tuple = (None, 90, DEFAULT_MAX_PIXELS, None, None)
 
 
 _IN_WORKER = False
 
 
-def _init_worker(options: tuple[int | None, int, int | None, str | None], in_worker: bool = False) -> None:
+def _init_worker(options: tuple, in_worker: bool = False) -> None:
     global _LOAD_OPTIONS, _IN_WORKER
     _LOAD_OPTIONS, _IN_WORKER = options, in_worker
 
 
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
-    and that they decode (and with ``max_side`` re-encode them).
+    and that they decode (and with ``max_side`` re-encode them); probe each video or audio field once and add
+    the probe as the ``probe.json`` field (:func:`fastio.media.check_media`: a codec the CPU decoders cannot
+    read is a bad sample).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    max_side, quality, max_pixels, label_field = _LOAD_OPTIONS
+    max_side, quality, max_pixels, label_field, transcode = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
     for name, value in entry.fields:
@@ -326,6 +334,11 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 check_label(value)
             except ValueError as err:
                 return None, f"field {name!r}: {err}", where
+        if is_media_field(name):
+            try:
+                name, value, out[PROBE_FIELD] = prepare_media(value, name, transcode)
+            except MediaCheckError as err:
+                return None, str(err), where
         if is_image_field(name):
             try:
                 if max_side is not None:
@@ -657,7 +670,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
     all_skipped: list[dict[str, str]] = []
     bytes_in = 0
     pool = None
-    load_options = (config.max_side, config.quality, config.max_pixels, label_field)
+    load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode)
     if config.workers > 1:
         import multiprocessing as mp
 

@@ -14,7 +14,6 @@ they are made again only when the position jumps. ``close()`` releases them.
 from __future__ import annotations
 
 import dataclasses
-import io
 import operator
 import os
 from collections.abc import Callable, Iterator
@@ -453,18 +452,14 @@ class Loader:
         return dst
 
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
-        """Map a DALI failure back to the sample: the first image PIL cannot decode either, in feed order."""
-        from PIL import Image
-
+        """Map a DALI failure back to the sample: the first one the pipeline object finds undecodable too
+        (:meth:`fastio.Pipeline.decode_problem`), in feed order."""
         rs = self.read_set
         for fed in in_flight:
-            for i, data, name in zip(fed.indices.tolist(), fed.batch.image or [], fed.batch.image_field or []):
-                try:
-                    with Image.open(io.BytesIO(data.tobytes())) as img:
-                        img.load()
-                except Exception as bad:  # whatever PIL raises, the image is undecodable
-                    return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode "
-                                        f"({type(bad).__name__}: {str(bad)[:80]})")
+            for j, (i, name) in enumerate(zip(fed.indices.tolist(), fed.batch.image_field or [])):
+                problem = self.pipeline.decode_problem(fed.batch, j)
+                if problem is not None:
+                    return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")

@@ -99,3 +99,88 @@ def make_mixed_imagefolder(dest: str | Path, **kwargs) -> Path:
     """:func:`make_imagefolder` with every format of :data:`MIXED_FORMATS` (jpg, png, webp, bmp, gif, tiff)
     in turn within each class: a dataset whose samples carry different image fields."""
     return make_imagefolder(dest, fmt=MIXED_FORMATS, **kwargs)
+
+
+# -- video and audio (PyAV: the dev extra's ``av``, imported only here) ---------------------------------
+
+VIDEO_CODECS = {"webm": "libvpx-vp9", "mp4": "libx264", "mkv": "libvpx-vp9"}
+"""make_video's container suffix -> encoder (PyAV's wheels bundle both)."""
+FRAME_STEP = 4
+"""Frame k of a synthetic video is gray level ``FRAME_BASE + FRAME_STEP * k`` everywhere (k < 56)."""
+FRAME_BASE = 16
+AUDIO_CODECS = {"wav": ("wav", "pcm_s16le", "s16"), "flac": ("flac", "flac", "s16"),
+                "opus": ("ogg", "libopus", "flt"), "ogg": ("ogg", "libopus", "flt"), "mp3": ("mp3", "libmp3lame", "fltp")}
+
+
+def frame_level(k: np.ndarray | int):
+    """The gray level of frame ``k`` of a synthetic video (see :data:`FRAME_STEP`)."""
+    return FRAME_BASE + FRAME_STEP * np.asarray(k)
+
+
+def frame_of_level(red: np.ndarray) -> np.ndarray:
+    """The frame number a mean gray level shows (the inverse of :func:`frame_level`, rounded)."""
+    return np.rint((np.asarray(red, dtype=np.float64) - FRAME_BASE) / FRAME_STEP).astype(np.int64)
+
+
+def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int = 64, height: int = 48,
+               ) -> Path:
+    """A video whose frame k is uniform gray :func:`frame_level` (k). The codec follows the suffix
+    (:data:`VIDEO_CODECS`: ``.webm`` VP9, ``.mp4`` H.264); flat gray pictures at a low crf keep the level within
+    1, so a decoded frame's mean tells its number (:func:`frame_of_level`), after any crop, resize or flip."""
+    import av
+
+    path = Path(path)
+    if not 1 <= frames <= 56:
+        raise ValueError(f"frames must be in 1..56, got {frames}")
+    codec = VIDEO_CODECS[path.suffix.lstrip(".")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"} \
+            if codec == "libvpx-vp9" else {"crf": "4", "preset": "ultrafast"}
+        for k in range(frames):
+            rgb = np.full((height, width, 3), frame_level(k), np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def tone(seconds: float, rate: int, pitch: float, channels: int = 1) -> np.ndarray:
+    """``[channels, n]`` float32: a sine of ``pitch`` Hz whose amplitude rises linearly from 0.1 to 0.9 over
+    the file (the envelope tells where a clip was cut from)."""
+    n = int(round(seconds * rate))
+    t = np.arange(n) / rate
+    wave = (0.1 + 0.8 * t / max(seconds, 1e-9)) * np.sin(2 * np.pi * pitch * t)
+    return np.repeat(wave[None, :].astype(np.float32), channels, axis=0)
+
+
+def make_audio(path: str | Path, *, seconds: float = 2.0, rate: int = 16000, pitch: float = 440.0,
+               channels: int = 1) -> Path:
+    """An audio file of :func:`tone`; the codec follows the suffix (:data:`AUDIO_CODECS`)."""
+    import av
+
+    path = Path(path)
+    fmt, codec, sample_fmt = AUDIO_CODECS[path.suffix.lstrip(".")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    wave = tone(seconds, rate, pitch, channels)
+    layout = "mono" if channels == 1 else "stereo"
+    with av.open(str(path), "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate if codec != "libopus" else 48000, layout=layout)
+        data = wave if sample_fmt == "fltp" else wave.T.reshape(1, -1)
+        if sample_fmt == "s16":
+            data = np.clip(data * 32767, -32768, 32767).astype(np.int16)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=sample_fmt, layout=layout)
+        frame.sample_rate = rate
+        frame.pts = None
+        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout,
+                                      rate=stream.codec_context.sample_rate,
+                                      frame_size=stream.codec_context.frame_size or None)
+        for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+            for packet in stream.encode(chunk):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path

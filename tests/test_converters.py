@@ -32,7 +32,7 @@ def test_imagefolder_keys_labels_and_skips(image_folder):
     assert fields_of(result.entries[-1])["cls"] == b"3"
     assert [e.key for e in result.entries] == sorted(e.key for e in result.entries)
     assert {(s.path, s.reason.split(" (")[0]) for s in result.skipped} == {
-        ("README.txt", "not inside a class folder"), ("circle/notes.txt", "not an image file")}
+        ("README.txt", "not inside a class folder"), ("circle/notes.txt", "not an image, video or audio file")}
     assert result.description["format"] == "imagefolder"
 
 

@@ -53,6 +53,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
+@click.option("--transcode", default=None, metavar="vp9",
+              help="Re-encode video DALI's CPU decoder cannot read (H.264, HEVC, MPEG-4) as VP9 WebM (default: "
+                   "such video is skipped and listed).")
 @click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
               help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
                    "one (see --on-error); 0: no limit of fastio's own.")
@@ -95,8 +98,8 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
             text_field: str | None, eos: str | None, endpoint_url: str | None, region: str | None,
-            profile: str | None) -> None:
-    """Pack SOURCE (image folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
+            profile: str | None, transcode: str | None = None) -> None:
+    """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
@@ -109,6 +112,8 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
+    if transcode is not None:
+        kwargs["transcode"] = transcode
     try:
         config = ConvertConfig(
             source=source, dest=dest, format=fmt, shard_size=shard_size,

@@ -171,6 +171,18 @@ class Pipeline:
             batch["label"] = delivery.labels()
         return batch
 
+    def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
+        """Why sample ``j`` of ``batch`` cannot be decoded, or None: asked after the graph failed on a batch,
+        to name the sample. Images: whatever PIL raises opening ``batch.image[j]``."""
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(batch.image[j].tobytes())) as img:
+                img.load()
+        except Exception as bad:  # whatever PIL raises, the image is undecodable
+            return f"{type(bad).__name__}: {str(bad)[:80]}"
+        return None
+
     # -- order and state ----------------------------------------------------------------------------
 
     def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:
@@ -214,11 +226,12 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
               batch_size: int, num_threads: int, device: str, device_id: int | None, prefetch: int,
               seed: int) -> Any:
     """A built DALI pipeline: ``names`` from ``source`` through one batch-mode external source (fastio's
-    order, not DALI's), then ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``)."""
+    order, not DALI's; each input's dtype by its name, a numbered ``start0``, ``start1`` as ``start``), then
+    ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``)."""
     from nvidia.dali import fn, pipeline_def, types
 
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
-              "flip": types.INT32}
+              "flip": types.INT32, "start": types.INT32, "roi_start": types.FLOAT, "roi_end": types.FLOAT}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
@@ -227,7 +240,7 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
         # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
         # batch's outputs are returned (fastio.feeder.Feeder does), which is what DALI requires.
         nodes = fn.external_source(source=source, num_outputs=len(names), batch=True, no_copy=True,
-                                   dtype=[dtypes.get(n, types.UINT8) for n in names])
+                                   dtype=[dtypes.get(n.rstrip("0123456789"), types.UINT8) for n in names])
         return body(dict(zip(names, nodes)), decoder_device)
 
     pipe = graph()

@@ -1,0 +1,225 @@
+"""Media benchmark: video and audio clips/s, fastio (``VideoClips`` / ``AudioClips``, DALI's CPU decoders) against
+``torch.utils.data.DataLoader`` (workers = CPUs) decoding the same files with PyAV, with the same clip starts
+(``fastio.augment.clip_starts``), the same center crop and resize (video) and the same resampling and mixdown
+(audio).
+
+Media: ``videos`` VP9 ``.webm`` of 64 frames, 320x240 at 24 fps, with moving texture (so frames cost what real
+ones cost to decode), and ``audios`` FLAC files of 10 s at 44.1 kHz stereo. Clips: 16 frames, stride 2, 112 x
+112, uint8; audio 1 s at 16 kHz mono. Rounds are interleaved; each figure is the median over rounds of fastio's
+clips/s over the peer's (targets >= 1.5), with CPU ms per clip of both sides (this process and its finished
+children). soundfile and torchaudio are not installed here: the audio peer decodes and resamples with PyAV.
+
+``python bench/media.py [--repeats N] [--videos N] [--audios N]`` writes ``bench/out/media.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RESULTS_DIR, machine_info, write_results
+
+__all__ = ["make_media", "run"]
+
+BATCH = 8
+FRAMES, STRIDE, SIZE = 16, 2, 112
+RATE, SECONDS = 16000, 1.0
+SEED = 0
+
+
+def _video(path: Path, seed: int, frames: int = 64, width: int = 320, height: int = 240) -> None:
+    import av
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libvpx-vp9", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "32", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}
+        for k in range(frames):
+            frame = np.roll(base, (k * 3, k * 5), axis=(0, 1))
+            frame = np.clip(frame.astype(np.int16) + rng.integers(-8, 9, frame.shape), 0, 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def make_media(workdir: Path, videos: int, audios: int) -> tuple[Path, Path]:
+    """Folders ``videos/`` and ``audio/`` (class folders of files) under ``workdir``, reused when there."""
+    from fastio.synthetic import make_audio
+
+    root = Path(workdir) / f"media-{videos}-{audios}"
+    vdir, adir = root / "videos", root / "audio"
+    for i in range(videos):
+        path = vdir / f"c{i % 4}" / f"v{i:05d}.webm"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _video(path, i)
+    for i in range(audios):
+        path = adir / f"c{i % 4}" / f"a{i:05d}.flac"
+        if not path.exists():
+            make_audio(path, seconds=10.0, rate=44100, pitch=220.0 + 20 * (i % 40), channels=2)
+    return vdir, adir
+
+
+def _converted(src: Path) -> Path:
+    from fastio.convert import ConvertConfig, convert
+
+    dest = src.with_name(src.name + "-ds")
+    if not (dest / "manifest.json").is_file():
+        convert(ConvertConfig(source=src, dest=dest, progress=False))
+    return dest
+
+
+class _Peer:
+    """A map-style dataset: sample i decoded with PyAV as fastio would deliver it (same start, crop, size)."""
+
+    def __init__(self, dest: Path, video: bool):
+        from fastio import Loader, Raw
+
+        field = "webm" if video else "flac"
+        self.video, self.files, self.probes = video, [], []
+        with Loader(dest, pipeline=Raw(fields=[field, "probe.json"]), batch_size=1, device="cpu",
+                    shuffle="none", world_size=1, rank=0) as loader:
+            for b in loader:  # sample i's bytes and probe, as fastio's index i
+                self.files.append(b[field][0])
+                self.probes.append(json.loads(b["probe.json"][0]))
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        from fastio.augment import clip_starts
+
+        p = self.probes[i]
+        if self.video:
+            start = int(clip_starts(SEED, 0, np.array([i]), np.array([p["frames"]]), (FRAMES - 1) * STRIDE + 1)[0, 0])
+            return _peer_video(self.files[i], start)
+        length = int(RATE * SECONDS)
+        n = p["samples"] * RATE // p["rate"]
+        start = int(clip_starts(SEED, 0, np.array([i]), np.array([n]), length)[0, 0])
+        return _peer_audio(self.files[i], start, length)
+
+
+def _peer_video(data: bytes, start: int):
+    import av
+    import torch
+
+    wanted = set(range(start, start + (FRAMES - 1) * STRIDE + 1, STRIDE))
+    out = []
+    with av.open(io.BytesIO(data)) as c:
+        for k, frame in enumerate(c.decode(video=0)):
+            if k in wanted:
+                img = frame.to_ndarray(format="rgb24")
+                h, w = img.shape[:2]
+                side = min(h, w)
+                y, x = (h - side) // 2, (w - side) // 2
+                t = torch.from_numpy(img[y:y + side, x:x + side]).permute(2, 0, 1)[None].float()
+                out.append(torch.nn.functional.interpolate(t, size=(SIZE, SIZE), mode="bilinear",
+                                                           antialias=True)[0].round().to(torch.uint8))
+            if k >= max(wanted):
+                break
+    while len(out) < FRAMES:
+        out.append(out[-1])
+    return torch.stack(out)
+
+
+def _peer_audio(data: bytes, start: int, length: int):
+    import av
+    import torch
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=RATE)
+    chunks = []
+    with av.open(io.BytesIO(data)) as c:
+        for frame in c.decode(audio=0):
+            chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+    chunks += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
+    wave = np.concatenate(chunks)[start:start + length]
+    return torch.from_numpy(np.pad(wave, (0, length - len(wave))))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _epoch(make) -> tuple[int, float, float]:
+    """Clips, wall seconds and CPU seconds of one epoch (the loader made and closed inside the timing: the
+    peer's workers end with it, so their CPU counts)."""
+    start, cpu, n = time.perf_counter(), _cpu(), 0
+    loader = make()
+    for batch in loader:
+        n += len(batch["video"] if isinstance(batch, dict) and "video" in batch else
+                 batch["audio"] if isinstance(batch, dict) else batch)
+    if hasattr(loader, "close"):
+        loader.close()
+    del loader
+    return n, time.perf_counter() - start, _cpu() - cpu
+
+
+def _contenders(vds: Path, ads: Path, workers: int) -> dict:
+    from torch.utils.data import DataLoader
+
+    import fastio
+
+    opts = dict(batch_size=BATCH, device="cpu", seed=SEED, shuffle="none", world_size=1, rank=0,
+                num_threads=workers)
+    video = fastio.VideoClips(frames=FRAMES, stride=STRIDE, size=SIZE, crop="center", dtype="uint8", layout="FCHW")
+    audio = fastio.AudioClips(sample_rate=RATE, seconds=SECONDS)
+    vpeer, apeer = _Peer(vds, True), _Peer(ads, False)
+    return {
+        "video": (lambda: fastio.Loader(vds, pipeline=video, **opts),
+                  lambda: DataLoader(vpeer, batch_size=BATCH, num_workers=workers)),
+        "audio": (lambda: fastio.Loader(ads, pipeline=audio, **opts),
+                  lambda: DataLoader(apeer, batch_size=BATCH, num_workers=workers)),
+    }
+
+
+def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
+        results_dir: Path | None = RESULTS_DIR) -> dict:
+    vsrc, asrc = make_media(workdir, videos, audios)
+    vds, ads = _converted(vsrc), _converted(asrc)
+    workers = machine_info()["cpus"]
+    result: dict = {"videos": videos, "audios": audios, "workers": workers, "batch_size": BATCH, "ratios": [],
+                    "machine": machine_info()}
+    for kind, (ours, peer) in _contenders(vds, ads, workers).items():
+        rounds = []
+        for r in range(repeats):
+            row = {}
+            for name, make in (("fastio", ours), ("peer", peer))[:: 1 if r % 2 == 0 else -1]:
+                n, s, cpu = _epoch(make)
+                row[name], row[f"{name}_cpu_ms_per_clip"] = n / s, 1000 * cpu / n
+            rounds.append(row)
+            print(f"{kind} round {r}: fastio {row['fastio']:.1f} clips/s ({row['fastio_cpu_ms_per_clip']:.1f} CPU "
+                  f"ms/clip), peer {row['peer']:.1f} clips/s ({row['peer_cpu_ms_per_clip']:.1f} CPU ms/clip)",
+                  flush=True)
+        result[kind] = {"rounds": rounds, **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]}}
+        result["ratios"].append({"name": f"{kind} clips/s vs DataLoader({workers} workers) + PyAV",
+                                 "better": "higher", "target": 1.5,
+                                 "value": statistics.median(r["fastio"] / r["peer"] for r in rounds)})
+    if results_dir is not None:
+        write_results("media", result, results_dir)
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--videos", type=int, default=128)
+    parser.add_argument("--audios", type=int, default=256)
+    args = parser.parse_args()
+    run(Path(__file__).resolve().parent / "work" / "media", repeats=args.repeats, videos=args.videos,
+        audios=args.audios)

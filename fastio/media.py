@@ -1,0 +1,167 @@
+"""Video and audio fields: which suffixes they are, what a probe records of each file, which codecs the CPU
+decode path reads.
+
+``fastio convert`` probes every video or audio file once (PyAV, :func:`probe`) and stores the result beside
+it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
+checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
+cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that DALI's CPU
+decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message; with
+``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
+(:func:`prepare_media`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBE_FIELD", "VIDEO_FIELDS",
+           "TRANSCODES", "MediaCheckError", "check_media", "is_audio_field", "is_media_field", "is_video_field",
+           "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
+           "probe"]
+
+VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
+AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
+MEDIA_FIELDS = VIDEO_FIELDS + AUDIO_FIELDS
+PROBE_FIELD = "probe.json"
+"""The field holding a media sample's probe (JSON: ``kind`` and the numbers of :func:`probe`)."""
+CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
+"""Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); others need NVDEC (``device="cuda"``)."""
+CPU_AUDIO_REFUSED = ("mp3", "mp3float")
+"""Audio codecs ``fn.decoders.audio`` fails on (DALI 2.4)."""
+
+
+class MediaCheckError(ValueError):
+    """A video or audio file that cannot be probed, or whose codec the CPU decoders cannot read."""
+
+
+def _suffix(name: str) -> str:
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def is_video_field(name: str) -> bool:
+    """Whether a field holds a video, by its last extension (``mp4``, ``webm``, ``mkv``, ``mov``, ``avi``)."""
+    return _suffix(name) in VIDEO_FIELDS
+
+
+def is_audio_field(name: str) -> bool:
+    """Whether a field holds audio, by its last extension (``wav``, ``flac``, ``ogg``, ``opus``, ``mp3``)."""
+    return _suffix(name) in AUDIO_FIELDS
+
+
+def is_media_field(name: str) -> bool:
+    return is_video_field(name) or is_audio_field(name)
+
+
+def probe(data: bytes, field: str) -> dict[str, Any]:
+    """What clip sampling needs of one file, read by demuxing (video: no frame decoded) or decoding (audio):
+    video ``frames`` (packets of the first video stream), ``fps``, ``seconds``, ``codec``, ``width``,
+    ``height``; audio ``rate``, ``channels``, ``samples`` (at ``rate``), ``seconds``, ``codec``.
+    MediaCheckError when PyAV cannot read it or it has no such stream."""
+    import av
+
+    video = is_video_field(field)
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            streams = container.streams.video if video else container.streams.audio
+            if not streams:
+                raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
+            stream = streams[0]
+            return _probe_video(container, stream) if video else _probe_audio(container, stream)
+    except av.FFmpegError as err:
+        raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _probe_video(container, stream) -> dict[str, Any]:
+    frames = sum(1 for p in container.demux(stream) if p.size and p.pts is not None)
+    fps = float(stream.average_rate or stream.guessed_rate or 0)
+    if frames == 0 or fps <= 0:
+        raise MediaCheckError("cannot be probed (no frames)")
+    return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
+            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height}
+
+
+def _probe_audio(container, stream) -> dict[str, Any]:
+    codec, rate, channels = stream.codec_context.name, stream.sample_rate, stream.channels
+    if codec in CPU_AUDIO_REFUSED:  # refused below before decoding it
+        return {"kind": "audio", "rate": rate, "channels": channels, "samples": 0, "seconds": 0.0, "codec": codec}
+    samples = sum(f.samples for f in container.decode(stream))
+    if samples == 0 or not rate:
+        raise MediaCheckError("cannot be probed (no samples)")
+    return {"kind": "audio", "rate": rate, "channels": channels, "samples": samples,
+            "seconds": round(samples / rate, 6), "codec": codec}
+
+
+TRANSCODES = ("vp9",)
+"""What ``fastio convert --transcode`` re-encodes video the CPU decoder cannot read into."""
+
+
+def transcode_vp9(data: bytes) -> bytes:
+    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate
+    and size; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
+    import av
+
+    out_buf = io.BytesIO()
+    try:
+        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
+            stream_in = src.streams.video[0]
+            stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
+            stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
+            stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
+            for frame in src.decode(stream_in):
+                frame.pts = None
+                for packet in stream.encode(frame.reformat(format="yuv420p")):
+                    out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+    except (av.FFmpegError, IndexError) as err:
+        raise MediaCheckError(f"cannot be transcoded ({getattr(err, 'strerror', None) or err})") from None
+    return out_buf.getvalue()
+
+
+def prepare_media(data: bytes, field: str, transcode: str | None = None) -> tuple[str, bytes, bytes]:
+    """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
+    ``transcode="vp9"`` a video the CPU decoder cannot read re-encoded (field ``webm``); MediaCheckError
+    otherwise (:func:`check_media`)."""
+    if transcode is not None and is_video_field(field):
+        info = probe(data, field)
+        if info["codec"] not in CPU_VIDEO_CODECS:
+            data, field = transcode_vp9(data), "webm"
+    return field, data, check_media(data, field)
+
+
+def check_media(data: bytes, field: str) -> bytes:
+    """The ``probe.json`` bytes of a video or audio file the CPU decode path reads; MediaCheckError (its
+    message: why, with the way out for a codec) otherwise."""
+    info = probe(data, field)
+    codec = info["codec"]
+    if info["kind"] == "video" and codec not in CPU_VIDEO_CODECS:
+        raise MediaCheckError(f"video codec {codec} is not read by DALI's CPU decoder (it reads "
+                              f"{', '.join(CPU_VIDEO_CODECS)}): re-encode it as VP9 "
+                              f"(e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); "
+                              f"or convert with --transcode vp9 (transcode='vp9'); decoding it with NVDEC on a GPU is "
+                              f"not supported yet")
+    if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
+        raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
+                              f"WAV or Opus (e.g. ffmpeg -c:a flac)")
+    return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_probe(data: bytes, where: str) -> dict[str, Any]:
+    """A stored ``probe.json`` as a dict; ValueError naming ``where`` when it is not one."""
+    try:
+        info = json.loads(data)
+        if info["kind"] == "video":
+            int(info["frames"]), float(info["fps"]), int(info["width"]), int(info["height"])
+        else:
+            int(info["rate"]), int(info["samples"])
+        return info
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{where}: bad {PROBE_FIELD} ({err})") from None
+
+
+def media_field_for_suffix(suffix: str) -> str | None:
+    """The field name of a video or audio file suffix such as ``.WebM`` (``webm``), or None."""
+    field = suffix.lower().lstrip(".")
+    return field if field in MEDIA_FIELDS else None

@@ -1,0 +1,294 @@
+"""The clip kinds: :class:`VideoClips` (``fn.decoders.video``) and :class:`AudioClips` (``fn.decoders.audio``).
+
+The unit stays a stored sample: a video or audio field and its ``probe.json`` (written by ``fastio convert``,
+:mod:`fastio.media`), read together, so planning a clip never opens a file. Where a clip starts, and a video
+clip's crop and flip, are a pure function of ``(seed, epoch, global sample index)`` (:mod:`fastio.augment`),
+drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from fastio.augment import clip_starts, random_resized_crop
+from fastio.errors import DatasetError
+from fastio.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
+from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
+from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
+
+if TYPE_CHECKING:
+    from fastio.dataset import Dataset
+    from fastio.reader import ReadBatch
+
+__all__ = ["AudioClips", "VideoClips"]
+
+VIDEO_LAYOUTS = ("FCHW", "FHWC", "CFHW")
+CROPS = ("random", "center")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
+    """The dataset's fields of one kind (video or audio), the most common first; DatasetError naming what it
+    lacks (those fields, or the probes convert writes beside them)."""
+    counts = ds.manifest.field_counts or {}
+    found = sorted((f for f in ds.fields if test(f)), key=lambda f: (-counts.get(f, 0), f))
+    if not found:
+        raise DatasetError(f"{ds.root}: dataset has no {what} field (its fields: {', '.join(ds.fields)})")
+    if PROBE_FIELD not in ds.fields:
+        raise DatasetError(f"{ds.root}: dataset has no {PROBE_FIELD} field (the probe fastio convert writes "
+                           f"beside each {what} file); convert the {what} files with fastio convert")
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class _Clips(Pipeline):
+    """What both clip kinds share: the media field read with its probe, the probes parsed per batch."""
+
+    media: ClassVar[str] = "video"
+    fields: tuple[str, ...] | None = None
+    """Fields delivered besides the clip (default: the label field, as ``batch["label"]``)."""
+
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        test = is_video_field if self.media == "video" else is_audio_field
+        media = _media_fields(ds, test, self.media)
+        ds.require_fields([PROBE_FIELD, *fields], in_every_sample=True)
+        # A sample's clip comes from the first media field it has (a dataset may mix formats), read as the
+        # reader's "image" (no header parsed, nothing transcoded).
+        return ReadFields(tuple(dict.fromkeys([PROBE_FIELD, *fields])), image=media)
+
+    def _probes(self, batch: ReadBatch) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+        """The batch's encoded media (one array per sample) and their probes (DatasetError naming the sample's
+        read-set id, ``batch["index"]`` of a dataset, when one is not a probe)."""
+        try:
+            probes = [parse_probe(p.tobytes(), f"sample {i}") for i, p in zip(batch.indices.tolist(),
+                                                                             batch.fields[PROBE_FIELD])]
+        except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
+            raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
+        return batch.image, probes
+
+    def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
+        """The clip outputs, then the asked fields (the probes are read, not delivered, unless ``fields`` names
+        them) and ``batch["label"]``."""
+        asked = set(self.fields or ())
+        columns = tuple(c for c in delivery.columns if c in asked or c != PROBE_FIELD)
+        return super().assemble(outputs, dataclasses.replace(delivery, columns=columns))
+
+    def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
+        """Why sample ``j``'s media cannot be decoded: its ``probe.json`` is not one, PyAV cannot probe it, or it
+        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
+        try:
+            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
+            found = probe(batch.image[j].tobytes(), batch.image_field[j])
+        except ValueError as err:  # MediaCheckError too
+            return str(err)
+        count = "frames" if self.media == "video" else "samples"
+        if found[count] != stored[count]:
+            return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
+        return None
+
+    def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
+              prefetch: int, seed: int = 0) -> BuiltPipeline:
+        pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
+                         device=device, device_id=device_id, prefetch=prefetch, seed=seed)
+        return BuiltPipeline(pipe, self.output_names())
+
+    def output_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class VideoClips(_Clips):
+    """Clips of ``frames`` frames, ``stride`` apart, from each sample's video (VP9, VP8 or MJPEG on the CPU),
+    resized to ``size`` x ``size``: ``batch["video"]`` [B, frames, 3, size, size] (``layout="FCHW"``; with
+    ``clips_per_video=K`` [B, K, frames, ...]), ``batch["start_frame"]`` int64 [B] (or [B, K]): each clip's first
+    frame in its video, ``batch["label"]``.
+
+    A clip's start is drawn uniformly over the frames where it fits (``0 .. frames_in_video - span``, span =
+    ``(frames - 1) * stride + 1``), a pure function of ``(seed, epoch, global sample index)``. A video shorter
+    than the span starts at frame 0 and is padded by repeating its last frame. ``crop="random"``: a random
+    resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
+    every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
+
+    ``Loader(dest, pipeline=fastio.VideoClips(frames=16, stride=2, size=112), batch_size=8)``.
+    """
+
+    kind: ClassVar[str] = "video-clips"
+    media: ClassVar[str] = "video"
+    frames: int = 16
+    """Frames per clip."""
+    stride: int = 1
+    """Distance between a clip's frames, in frames of the video."""
+    size: int = 112
+    """Output side S: frames are S x S."""
+    clips_per_video: int = 1
+    """Clips K drawn from each video (each its own start; one crop and flip for all K)."""
+    crop: str = "random"
+    """``random`` (random resized crop) or ``center`` (shorter side to ``size``, center crop)."""
+    scale: tuple[float, float] = (0.08, 1.0)
+    """The random crop's share of the frame's area (``crop="random"``)."""
+    flip: bool = True
+    """Flip each video's clips horizontally with probability 1/2 (``crop="random"``)."""
+    dtype: str = "float32"
+    """``float32`` (normalised by ``mean`` and ``std``) or ``uint8`` (the decoded pixels, resized)."""
+    layout: str = "FCHW"
+    """Layout of one clip: ``FCHW``, ``FHWC`` or ``CFHW``."""
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    """Per-channel mean on the 0..1 scale (float32 only)."""
+    std: tuple[float, float, float] = IMAGENET_STD
+    """Per-channel standard deviation on the 0..1 scale (float32 only)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "fields", check_fields(self.fields))
+        object.__setattr__(self, "mean", tuple(self.mean))
+        object.__setattr__(self, "std", tuple(self.std))
+        object.__setattr__(self, "scale", tuple(self.scale))
+        for name in ("frames", "stride", "size", "clips_per_video"):
+            _positive_int(name, getattr(self, name))
+        if self.crop not in CROPS:
+            raise ValueError(f"crop must be random or center, got {self.crop!r}")
+        if self.dtype not in ("float32", "uint8"):
+            raise ValueError(f"dtype must be float32 or uint8, got {self.dtype!r}")
+        if self.layout not in VIDEO_LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(VIDEO_LAYOUTS)}, got {self.layout!r}")
+        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.scale!r}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ValueError(f"mean and std need 3 values, std > 0; got {self.mean}, {self.std}")
+
+    @property
+    def span(self) -> int:
+        """Frames of the video one clip covers: ``(frames - 1) * stride + 1``."""
+        return (self.frames - 1) * self.stride + 1
+
+    def input_names(self) -> tuple[str, ...]:
+        starts = tuple(f"start{c}" for c in range(self.clips_per_video))
+        return ("encoded", "index", *starts, "roi_start", "roi_end", "flip")
+
+    def output_names(self) -> tuple[str, ...]:
+        return ("video", "start_frame", "index")
+
+    def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+        encoded, probes = self._probes(batch)
+        lengths = np.array([p["frames"] for p in probes], np.int64)
+        starts = clip_starts(seed, epoch, batch.indices, lengths, self.span, self.clips_per_video).astype(np.int32)
+        w = np.array([p["width"] for p in probes], np.float64)
+        h = np.array([p["height"] for p in probes], np.float64)
+        if self.crop == "random":
+            crop = random_resized_crop(seed, epoch, batch.indices, w, h, scale=self.scale,
+                                       flip_p=0.5 if self.flip else 0.0)
+            (x, y), (cw, ch), flip = crop.anchor.T, crop.shape.T, crop.flip
+        else:  # the center square of the shorter side
+            side = np.minimum(w, h)
+            x, y, cw, ch = np.floor((w - side) / 2), np.floor((h - side) / 2), side, side
+            flip = np.zeros(len(w), np.int32)
+        roi_start = np.ascontiguousarray(np.stack([y, x], 1), np.float32)
+        roi_end = np.ascontiguousarray(np.stack([y + ch, x + cw], 1), np.float32)
+        index = np.ascontiguousarray(batch.indices, dtype=np.int64)
+        return (encoded, index, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
+                roi_start, roi_end, np.ascontiguousarray(flip, np.int32))
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        from nvidia.dali import fn, types
+
+        device = "mixed" if decoder_device == "mixed" else "cpu"
+        clips, starts = [], []
+        for c in range(self.clips_per_video):
+            start = inp[f"start{c}"]
+            clip = fn.decoders.video(inp["encoded"], device=device, start_frame=start, sequence_length=self.frames,
+                                     stride=self.stride, pad_mode="edge")
+            clip = fn.resize(clip, roi_start=inp["roi_start"], roi_end=inp["roi_end"], roi_relative=False,
+                             size=[self.size, self.size], antialias=True)
+            clips.append(self._normalize(fn, types, clip, inp["flip"]))
+            starts.append(start)
+        start = fn.cast(starts[0] if self.clips_per_video == 1 else fn.stack(*starts), dtype=types.INT64)
+        video = clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
+        return video, start.gpu() if device == "mixed" else start, inp["index"]
+
+    def _normalize(self, fn, types, clip, flip):
+        uint8 = self.dtype == "uint8"
+        mean = [0.0] * 3 if uint8 else [m * 255 for m in self.mean]
+        std = [1.0] * 3 if uint8 else [s * 255 for s in self.std]
+        return fn.crop_mirror_normalize(clip, mirror=flip, mean=mean, std=std, output_layout=self.layout,
+                                        dtype=types.UINT8 if uint8 else types.FLOAT)
+
+
+@dataclass(frozen=True)
+class AudioClips(_Clips):
+    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg/Opus), decoded, resampled to
+    ``sample_rate`` and mixed down to mono: ``batch["audio"]`` float32 [B, round(sample_rate * seconds)], or with
+    ``n_mels`` the clip's log-mel spectrogram [B, n_mels, T] in dB (``fn.spectrogram`` with ``n_fft`` and ``hop``,
+    ``fn.mel_filter_bank``, ``fn.to_decibels``); ``batch["start_sample"]`` int64 [B]: the clip's first sample at
+    ``sample_rate``; ``batch["label"]``.
+
+    A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, global
+    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end.
+
+    ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
+    """
+
+    kind: ClassVar[str] = "audio-clips"
+    media: ClassVar[str] = "audio"
+    sample_rate: int = 16000
+    """Output rate in Hz: every file is resampled to it."""
+    seconds: float = 1.0
+    """Clip length in seconds."""
+    n_mels: int | None = None
+    """Mel bands of a log-mel output; None delivers the waveform."""
+    n_fft: int = 400
+    """FFT size and window length of the spectrogram (``n_mels`` only)."""
+    hop: int = 160
+    """Samples between spectrogram windows (``n_mels`` only)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "fields", check_fields(self.fields))
+        _positive_int("sample_rate", self.sample_rate)
+        for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) or self.length < 1:
+            raise ValueError(f"seconds must be a number giving at least one sample, got {self.seconds!r}")
+
+    @property
+    def length(self) -> int:
+        """Samples per clip at ``sample_rate``."""
+        return int(round(self.sample_rate * self.seconds))
+
+    def input_names(self) -> tuple[str, ...]:
+        return ("encoded", "index", "start")
+
+    def output_names(self) -> tuple[str, ...]:
+        return ("audio", "start_sample", "index")
+
+    def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+        encoded, probes = self._probes(batch)
+        # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
+        lengths = np.array([p["samples"] * self.sample_rate // p["rate"] for p in probes], np.int64)
+        starts = clip_starts(seed, epoch, batch.indices, lengths, self.length)[:, 0].astype(np.int32)
+        return encoded, np.ascontiguousarray(batch.indices, dtype=np.int64), np.ascontiguousarray(starts)
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
+        from nvidia.dali import fn, types
+
+        audio, _rate = fn.decoders.audio(inp["encoded"], sample_rate=self.sample_rate, downmix=True,
+                                         dtype=types.FLOAT)
+        clip = fn.slice(audio, start=inp["start"], shape=[self.length], axes=[0],
+                        out_of_bounds_policy="pad", fill_values=0.0)
+        if self.n_mels is not None:
+            spec = fn.spectrogram(clip, nfft=self.n_fft, window_length=self.n_fft, window_step=self.hop)
+            clip = fn.to_decibels(fn.mel_filter_bank(spec, sample_rate=self.sample_rate, nfilter=self.n_mels))
+        start = fn.cast(inp["start"], dtype=types.INT64)
+        if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
+            clip, start = clip.gpu(), start.gpu()
+        return clip, start, inp["index"]

@@ -1,0 +1,473 @@
+"""Video and audio: media made here with PyAV (frame numbers in the pixels, tones of known pitch and
+envelope), converted with their probes, and read back through fastio.VideoClips / fastio.AudioClips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+
+from fastio import synthetic  # noqa: E402
+from fastio.convert import ConvertConfig, convert  # noqa: E402
+from fastio.media import MediaCheckError, check_media, probe  # noqa: E402
+
+
+def tone_pitch(wave: np.ndarray, rate: int) -> float:
+    """The strongest frequency of a wave, in Hz."""
+    spectrum = np.abs(np.fft.rfft(wave * np.hanning(len(wave))))
+    return float(np.fft.rfftfreq(len(wave), 1 / rate)[np.argmax(spectrum)])
+
+
+@pytest.fixture(scope="module")
+def video_folder(tmp_path_factory) -> Path:
+    """2 classes x 3 VP9 videos of 12, 16, 20 frames; c0 also has a 4-frame one (too short for most clips)."""
+    root = tmp_path_factory.mktemp("videos")
+    for c in range(2):
+        for i in range(3):
+            synthetic.make_video(root / f"c{c}" / f"v{i}.webm", frames=12 + 4 * i, fps=12)
+    synthetic.make_video(root / "c0" / "short.webm", frames=4, fps=12)
+    return root
+
+
+@pytest.fixture(scope="module")
+def video_ds(tmp_path_factory, video_folder) -> Path:
+    dest = tmp_path_factory.mktemp("vds") / "ds"
+    convert(ConvertConfig(source=video_folder, dest=dest, workers=1, progress=False))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def audio_folder(tmp_path_factory) -> Path:
+    """Tones: class 0 at 440 Hz, class 1 at 1000 Hz; WAV, FLAC and Opus, 22.05 kHz stereo or 16 kHz mono."""
+    root = tmp_path_factory.mktemp("audio")
+    for c, pitch in enumerate((440.0, 1000.0)):
+        synthetic.make_audio(root / f"c{c}" / "a.wav", seconds=2.0, rate=22050, pitch=pitch, channels=2)
+        synthetic.make_audio(root / f"c{c}" / "b.flac", seconds=1.5, rate=16000, pitch=pitch)
+        synthetic.make_audio(root / f"c{c}" / "c.opus", seconds=2.0, rate=48000, pitch=pitch)
+        synthetic.make_audio(root / f"c{c}" / "short.flac", seconds=0.5, rate=16000, pitch=pitch)
+    return root
+
+
+@pytest.fixture(scope="module")
+def audio_ds(tmp_path_factory, audio_folder) -> Path:
+    dest = tmp_path_factory.mktemp("ads") / "ds"
+    convert(ConvertConfig(source=audio_folder, dest=dest, workers=1, progress=False))
+    return dest
+
+
+# -- made media and their probes ------------------------------------------------------------------------
+
+def test_synthetic_video_shows_its_frame_numbers(tmp_path):
+    import av
+
+    path = synthetic.make_video(tmp_path / "v.webm", frames=56)
+    with av.open(str(path)) as c:
+        means = [f.to_ndarray(format="rgb24").mean() for f in c.decode(video=0)]
+    assert synthetic.frame_of_level(means).tolist() == list(range(56))
+    info = probe(path.read_bytes(), "webm")
+    assert (info["frames"], info["fps"], info["codec"], info["width"], info["height"]) == (56, 24.0, "vp9", 64, 48)
+
+
+@pytest.mark.parametrize("ext", ["wav", "flac", "opus"])
+def test_synthetic_audio_has_its_pitch_and_envelope(tmp_path, ext):
+    import av
+
+    path = synthetic.make_audio(tmp_path / f"a.{ext}", seconds=1.0, rate=16000, pitch=440.0)
+    info = probe(path.read_bytes(), ext)
+    with av.open(str(path)) as c:
+        wave = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    wave = wave / 32768.0 if wave.dtype == np.int16 else wave.astype(np.float64)
+    rate = info["rate"]
+    assert abs(tone_pitch(wave, rate) - 440.0) < 5
+    assert info["samples"] == len(wave) and abs(info["seconds"] - 1.0) < 0.02
+    head, tail = np.abs(wave[: rate // 10]).max(), np.abs(wave[-rate // 10:]).max()
+    assert 0.05 < head < 0.25 and 0.8 < tail < 0.95  # the envelope rises 0.1 -> 0.9
+
+
+def test_cpu_refused_codecs_name_codec_and_way_out(tmp_path):
+    h264 = synthetic.make_video(tmp_path / "v.mp4", frames=4).read_bytes()
+    with pytest.raises(MediaCheckError, match="video codec h264 .* re-encode it as VP9"):
+        check_media(h264, "mp4")
+    mp3 = synthetic.make_audio(tmp_path / "a.mp3", seconds=0.5).read_bytes()
+    with pytest.raises(MediaCheckError, match="audio codec mp3.* re-encode it as FLAC"):
+        check_media(mp3, "mp3")
+    with pytest.raises(MediaCheckError, match="cannot be probed"):
+        check_media(b"not a video at all", "webm")
+
+
+# -- convert ----------------------------------------------------------------------------------------------
+
+def test_convert_stores_media_with_probes_and_skips_what_cpu_cannot_read(tmp_path, video_folder):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(video_folder, src)
+    synthetic.make_video(src / "c1" / "camera.mp4", frames=6)
+    (src / "c1" / "broken.webm").write_bytes(b"\x1aE\xdf\xa3 cut short")
+    result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", workers=2, progress=False))
+    assert result.samples == 7
+    reasons = {s["path"]: s["reason"] for s in result.skipped}
+    assert reasons.keys() == {"c1/camera.mp4", "c1/broken.webm"}
+    assert "video codec h264" in reasons["c1/camera.mp4"] and "cannot be probed" in reasons["c1/broken.webm"]
+    import fastio
+
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert set(ds.fields) == {"cls", "probe.json", "webm"}
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    assert {s["path"] for s in manifest["skipped"]} == {"c1/camera.mp4", "c1/broken.webm"}
+
+
+# -- VideoClips ---------------------------------------------------------------------------------------------
+
+VIDEO_FRAMES = {"v0": 12, "v1": 16, "v2": 20, "short": 4}
+
+
+def frames_shown(video) -> np.ndarray:
+    """[B, F] frame numbers of uint8 FHWC clips (each frame's mean gray level)."""
+    return synthetic.frame_of_level(video.float().mean(dim=(2, 3, 4)).numpy())
+
+
+def video_loader(dest, pipeline=None, **kw):
+    import fastio
+
+    pipeline = pipeline or fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC")
+    opts = dict(batch_size=3, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline, **{**opts, **kw})
+
+
+def test_video_clips_hold_the_frames_their_start_says(video_ds):
+    seen = {}
+    with video_loader(video_ds) as loader:
+        for _epoch in range(2):
+            for b in loader:
+                assert b["video"].shape == (3, 4, 24, 24, 3) and b["video"].dtype == torch_uint8()
+                assert b["start_frame"].dtype == torch_int64() and set(b) >= {"label", "index", "padded"}
+                for j, i in enumerate(b["index"].tolist()):
+                    key = loader.key(i)
+                    n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                    want = np.minimum(start + 2 * np.arange(4), n - 1)  # a short video repeats its last frame
+                    assert frames_shown(b["video"])[j].tolist() == want.tolist(), key
+                    assert 0 <= start <= max(n - 7, 0), (key, start)
+                    assert int(b["label"][j]) == int(key[1])
+                    if not b["padded"][j]:
+                        seen.setdefault(key, []).append(start)
+    assert len(seen) == 7 and all(len(v) == 2 for v in seen.values())
+    assert any(a != b for a, b in seen.values()), "every clip started where it did the epoch before"
+    assert seen["c0/short"] == [0, 0]
+
+
+def test_video_clip_starts_are_pure_in_seed_epoch_and_sample(video_ds):
+    def starts(**kw):
+        with video_loader(video_ds, **kw) as loader:
+            return {int(i): int(s) for b in loader for i, s in zip(b["index"], b["start_frame"])}
+
+    one = starts()
+    assert starts(batch_size=2) == one  # not a function of the batch
+    assert starts(seed=4) != one
+    ranks = {}
+    for rank in range(2):
+        ranks.update(starts(world_size=2, rank=rank, batch_size=2, drop_last=False))
+    assert {i: one[i] for i in ranks} == ranks  # nor of the rank
+
+
+def test_video_clips_float_layouts_and_several_clips(video_ds):
+    import fastio
+
+    pipe = fastio.VideoClips(frames=3, stride=1, size=16, clips_per_video=2, crop="center")
+    with video_loader(video_ds, pipe) as loader:
+        b = next(iter(loader))
+    assert b["video"].shape == (3, 2, 3, 3, 16, 16) and b["video"].dtype == torch_float32()
+    assert b["start_frame"].shape == (3, 2)
+    # normalised: gray level g -> (g / 255 - mean) / std per channel; the frame number comes back from channel 0
+    red = b["video"][:, :, :, 0].mean(dim=(3, 4)).numpy() * 0.229 + 0.485
+    shown = synthetic.frame_of_level(red * 255)
+    for j, i in enumerate(b["index"].tolist()):
+        n = VIDEO_FRAMES[loader.key(i).split("/")[1]]
+        for c in range(2):
+            start = int(b["start_frame"][j, c])
+            assert shown[j, c].tolist() == np.minimum(start + np.arange(3), n - 1).tolist()
+    pipe = fastio.VideoClips(frames=2, size=8, layout="CFHW", dtype="uint8")
+    with video_loader(video_ds, pipe) as loader:
+        assert next(iter(loader))["video"].shape == (3, 3, 2, 8, 8)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(frames=0), "frames must be an integer >= 1, got 0"),
+    (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
+    (dict(crop="left"), "crop must be random or center, got 'left'"),
+    (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),
+    (dict(dtype="float16"), "dtype must be float32 or uint8, got 'float16'"),
+])
+def test_video_clips_options_are_checked(bad, match):
+    import fastio
+
+    with pytest.raises(ValueError, match=match):
+        fastio.VideoClips(**bad)
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block"])
+def test_video_clips_resume_exactly(video_ds, shuffle):
+    from resume import check_resume
+
+    check_resume(lambda: video_loader(video_ds, batch_size=2, shuffle=shuffle), n=2, k=4)
+
+
+def test_video_clips_elastic_resume_keeps_each_sample_once_and_its_clip(video_ds):
+    from resume import run_ranks
+
+    single = {int(i): int(s) for b in video_loader(video_ds, batch_size=1) for i, s in zip(b["index"], b["start_frame"])}
+    before, states = run_ranks([video_loader(video_ds, batch_size=1, world_size=2, rank=r) for r in range(2)], n=1)
+    after, _ = run_ranks([video_loader(video_ds, batch_size=1, world_size=3, rank=r, drop_last=False)
+                          for r in range(3)], state=states[0])
+    got = [(int(i), int(s)) for step in before + after for b in step
+           for i, s, p in zip(b["index"], b["start_frame"], b["padded"]) if not p]
+    assert sorted(i for i, _ in got) == list(range(7))
+    assert all(single[i] == s for i, s in got)
+
+
+def test_a_mixture_of_video_and_images_is_refused_by_name(video_ds, image_dataset):
+    import fastio
+    from fastio.errors import DatasetError
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(image_dataset)})
+    with pytest.raises(DatasetError, match=r"ds: dataset has no video field \(its fields: cls, jpg\)"):
+        video_loader(mix)
+
+
+def test_a_mixture_of_video_datasets(video_ds):
+    import fastio
+
+    mix = fastio.Mixture({"a": str(video_ds), "b": str(video_ds)}, weights={"a": 1, "b": 1})
+    with video_loader(mix, batch_size=2) as loader:
+        b = next(iter(loader))
+    assert b["video"].shape == (2, 4, 24, 24, 3) and "source" in b
+
+
+def test_video_clips_from_s3_through_the_cache(moto_server, s3_bucket, video_ds, tmp_path):
+    from resume import same_batch
+
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/videos"
+    open_storage(url, moto_server.options()).publish_dir(video_ds, keys_last=(MANIFEST_NAME,))
+    remote = video_loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB",
+                          storage_options=moto_server.options())
+    with remote, video_loader(video_ds) as local:
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+
+
+# -- AudioClips ---------------------------------------------------------------------------------------------
+
+AUDIO_SECONDS = {"a": 2.0, "b": 1.5, "c": 2.0, "short": 0.5}
+
+
+def audio_loader(dest, pipeline=None, **kw):
+    import fastio
+
+    opts = dict(batch_size=4, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline or fastio.AudioClips(sample_rate=16000, seconds=0.25),
+                         **{**opts, **kw})
+
+
+def test_audio_clips_have_their_pitch_and_the_envelope_at_their_start(audio_ds):
+    with audio_loader(audio_ds) as loader:
+        batches = [b for _ in range(2) for b in loader]
+    starts = {}
+    for b in batches:
+        assert b["audio"].shape == (4, 4000) and b["audio"].dtype == torch_float32()
+        for j, i in enumerate(b["index"].tolist()):
+            name, wave, start = loader.key(i).split("/")[1], b["audio"][j].numpy(), int(b["start_sample"][j])
+            seconds = AUDIO_SECONDS[name]
+            assert abs(tone_pitch(wave[:2000], 16000) - (440.0, 1000.0)[int(b["label"][j])]) < 20
+            assert 0 <= start <= max(0, int(seconds * 16000) - 4000)
+            at = start / 16000
+            want = 0.1 + 0.8 * at / seconds  # the tone's amplitude where the clip starts
+            assert abs(np.abs(wave[:400]).max() - want) < 0.05, (name, start)
+            if not b["padded"][j]:
+                starts.setdefault(i, []).append(start)
+    assert len(starts) == 8 and any(a != b for a, b in starts.values())
+
+
+def test_audio_shorter_than_the_clip_is_padded_with_silence(audio_ds):
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(sample_rate=8000, seconds=1.0)) as loader:
+        for b in loader:
+            for j, i in enumerate(b["index"].tolist()):
+                if loader.key(i).endswith("short"):
+                    wave = b["audio"][j].numpy()
+                    assert int(b["start_sample"][j]) == 0
+                    assert np.abs(wave[: 3900]).max() > 0.1 and not wave[4100:].any()  # 0.5 s of 1 s at 8 kHz
+
+
+def test_audio_clips_log_mel(audio_ds):
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(seconds=0.5, n_mels=32, n_fft=400, hop=160)) as loader:
+        b = next(iter(loader))
+    assert b["audio"].shape[:2] == (4, 32) and b["audio"].shape[2] == 8000 // 160 + 1
+    # The loudest band is higher for the 1000 Hz tone than for the 440 Hz one.
+    peak = b["audio"].mean(dim=2).argmax(dim=1)
+    labels = b["label"].tolist()
+    if 0 in labels and 1 in labels:
+        assert max(peak[j] for j in range(4) if labels[j] == 0) < min(peak[j] for j in range(4) if labels[j] == 1)
+
+
+def test_audio_clips_resume_exactly(audio_ds):
+    from resume import check_resume
+
+    check_resume(lambda: audio_loader(audio_ds, batch_size=3), n=1, k=4)
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def torch_int64():
+    import torch
+
+    return torch.int64
+
+
+def torch_float32():
+    import torch
+
+    return torch.float32
+
+
+@pytest.mark.gpu
+def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
+    """device='cuda': fn.decoders.video on the mixed backend (NVDEC); the same frames as the CPU path shows."""
+    cpu = video_loader(video_ds)
+    gpu = video_loader(video_ds, device="cuda")
+    with cpu, gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["video"].is_cuda and y["start_frame"].tolist() == x["start_frame"].tolist()
+            assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
+
+
+def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
+    from fastio.shards import ShardWriter
+
+    with ShardWriter(dest) as writer:
+        for key, data in videos.items():
+            fields = {"webm": data, "cls": b"0"}
+            if probes is not None:
+                fields["probe.json"] = probes[key]
+            writer.write({"__key__": key, **fields})
+        writer.close(label_field="cls", label_map={"c": 0}, source={"format": "test"}, skipped=[])
+    return dest
+
+
+def test_a_video_dali_cannot_decode_is_named(tmp_path, video_folder):
+    import fastio
+    from fastio.errors import DatasetError
+
+    good = (video_folder / "c0" / "v2.webm").read_bytes()
+    info = check_media(good, "webm")
+    videos = {f"k{i}": good for i in range(4)}
+    videos["k2"] = good[: len(good) // 3]  # cut: the probe stored says 20 frames, the stream ends early
+    dest = _write_videos(tmp_path / "ds", videos, {k: info for k in videos})
+    pipe = fastio.VideoClips(frames=4, stride=4, size=16)
+    with pytest.raises(DatasetError, match=r"key 'k2': field 'webm' failed to decode"):
+        with video_loader(dest, pipe, batch_size=4, shuffle="none", seed=1) as loader:
+            next(iter(loader))
+
+
+def test_videos_without_probes_are_refused_by_name(tmp_path, video_folder):
+    from fastio.errors import DatasetError
+
+    dest = _write_videos(tmp_path / "ds", {"k0": (video_folder / "c0" / "v0.webm").read_bytes()})
+    with pytest.raises(DatasetError, match=r"ds: dataset has no probe.json field .* convert the video files"):
+        video_loader(dest, batch_size=1)
+
+
+def test_a_table_naming_videos_and_audio_converts_with_probes(tmp_path):
+    import fastio
+
+    synthetic.make_video(tmp_path / "files" / "a.webm", frames=6)
+    synthetic.make_audio(tmp_path / "files" / "b.flac", seconds=0.5)
+    synthetic.make_audio(tmp_path / "files" / "c.mp3", seconds=0.5)
+    table = tmp_path / "files.csv"
+    table.write_text("path,label\nfiles/a.webm,0\nfiles/b.flac,1\nfiles/c.mp3,1\n")
+    result = convert(ConvertConfig(source=table, dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and [s["path"] for s in result.skipped] == ["files/c.mp3"]
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert set(ds.fields) == {"cls", "flac", "probe.json", "webm"}
+    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=2, device="cpu",
+                       shuffle="none") as loader:
+        probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
+    assert {p["kind"]: p["frames" if p["kind"] == "video" else "samples"] for p in probes} == {"video": 6,
+                                                                                                "audio": 8000}
+
+
+def test_transcode_vp9_turns_h264_into_clips_with_the_same_frames(tmp_path, capsys):
+    from helpers import run_cli
+
+    synthetic.make_video(tmp_path / "src" / "c0" / "camera.mp4", frames=14, fps=12)
+    synthetic.make_video(tmp_path / "src" / "c0" / "phone.webm", frames=10, fps=12)
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds"), "--transcode", "vp9", "-q"],
+                             capsys)
+    assert code == 0, err
+    import fastio
+
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert set(ds.fields) == {"cls", "probe.json", "webm"} and ds.manifest.convert_options["transcode"] == "vp9"
+    pipe = fastio.VideoClips(frames=14, stride=1, size=16, dtype="uint8", layout="FHWC")
+    with video_loader(tmp_path / "ds", pipe, batch_size=2, shuffle="none") as loader:
+        b = next(iter(loader))
+    keys = [loader.key(int(i)) for i in b["index"]]
+    camera = keys.index("c0/camera")
+    assert frames_shown(b["video"])[camera].tolist() == list(range(14))
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds2"), "--transcode", "av1"], capsys)
+    assert code == 2 and "fastio: error:" in err and "av1" in err
+
+
+def test_a_bad_probe_is_named_by_sample(tmp_path, video_folder):
+    from fastio.errors import DatasetError
+
+    good = (video_folder / "c0" / "v0.webm").read_bytes()
+    info = check_media(good, "webm")
+    dest = _write_videos(tmp_path / "ds", {"k0": good, "k1": good}, {"k0": info, "k1": b'{"kind": "video"}'})
+    with pytest.raises(DatasetError, match=r"^sample 1: bad probe.json \('frames'\); re-convert the dataset"):
+        with video_loader(dest, batch_size=2, shuffle="none") as loader:
+            next(iter(loader))
+
+
+def test_video_clips_train_under_lightning(video_ds, tmp_path):
+    """The trainers take a clip pipeline like any other: a Lightning fit over VideoClips batches."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    import fastio
+    from fastio.integrations.lightning import FastioDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(3, 2)
+            self.starts = []
+
+        def training_step(self, batch, _):
+            self.starts += batch["start_frame"].tolist()
+            assert batch["video"].shape == (2, 4, 3, 16, 16)
+            return torch.nn.functional.cross_entropy(self.head(batch["video"].mean(dim=(1, 3, 4))), batch["label"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = FastioDataModule(str(video_ds), pipeline=fastio.VideoClips(frames=4, stride=2, size=16), batch_size=2,
+                            device="cpu", seed=3, num_threads=1)
+    model = Model()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    assert len(model.starts) == 8  # 7 videos in 4 batches of 2 (one repeat, flagged padded)
