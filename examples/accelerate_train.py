@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = Loader(args.data, batch_size=args.batch_size, image_size=args.image_size, seed=args.seed,
                     device=accelerator.device.type, num_threads=1,
                     rank=accelerator.process_index, world_size=accelerator.num_processes)
-    model = make_model(len(loader.dataset.label_map))
+    model = make_model(loader.dataset.num_classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the loader (see the docstring)
     accelerator.register_for_checkpointing(loader)

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     data = FastioDataModule(args.data, args.val, batch_size=args.batch_size, image_size=args.image_size,
                             seed=args.seed, device="cuda" if accelerator == "gpu" else "cpu", num_threads=1)
     if args.classes is None:
-        args.classes = len(Dataset(args.data).label_map)
+        args.classes = Dataset(args.data).num_classes
     model = Classifier(args.classes)
     callbacks = []
     if args.ckpt_dir:
