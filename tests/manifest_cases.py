@@ -58,6 +58,11 @@ def _convert_cases(tmp: Path) -> None:
     convert(ConvertConfig(source=images, dest=tmp / "out" / "folder", shuffle=True, seed=3, **common))
     convert(ConvertConfig(source=images, dest=tmp / "out" / "split", split="val=0.25", **common))
     convert(ConvertConfig(source=_table(tmp, images), dest=tmp / "out" / "table", max_side=20, **common))
+    flat = tmp / "flat"
+    flat.mkdir()
+    for p in sorted((images / "square").glob("*.jpg")):
+        (flat / p.name).write_bytes(p.read_bytes())
+    convert(ConvertConfig(source=flat, dest=tmp / "out" / "unlabelled", **common))
     for k in range(2):
         convert(ConvertConfig(source=images, dest=tmp / "out" / "parts", part=(k, 2), name="p", **common))
     merge(tmp / "out" / "parts")
