@@ -124,7 +124,7 @@ def _download(storage, entries, cache_dir: Path) -> tuple[float, float]:
 
 
 def run(workdir: Path, repeats: int = 3, samples: int = 2400, results_dir: Path | None = RESULTS_DIR) -> dict:
-    from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, load_manifest, shard_records
+    from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, load_manifest
     from fastio.storage import open_storage
     from fastio.storage.cache import CacheEntry
 
@@ -138,7 +138,7 @@ def run(workdir: Path, repeats: int = 3, samples: int = 2400, results_dir: Path 
         url = f"s3://{BUCKET}/bench"
         storage = open_storage(url, options)
         storage.publish_dir(dest, keys_last=(MANIFEST_NAME,))
-        records = shard_records(load_manifest(dest))
+        records = load_manifest(dest).shards
         entries = [CacheEntry(r.name, f"{SHARDS_DIR}/{r.name}", r.sha256, r.bytes, r.xxh3_128) for r in records]
         urls = storage.presign([e.key for e in entries], 3600)
         total_bytes = sum(e.size for e in entries)

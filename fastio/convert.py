@@ -48,7 +48,7 @@ from fastio.errors import ConvertError
 from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
-from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, write_splits
+from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
 from fastio.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
 from fastio.parts import (
     PART_RECORD,
@@ -257,7 +257,7 @@ class ConvertResult:
 
     dest: Path
     format: str
-    manifests: dict[str, dict[str, Any]]
+    manifests: dict[str, Manifest]
     skipped: list[dict[str, str]]
     seconds: float
     bytes_in: int
@@ -266,25 +266,25 @@ class ConvertResult:
 
     @property
     def samples(self) -> int:
-        return sum(m["total_samples"] for m in self.manifests.values())
+        return sum(m.total_samples for m in self.manifests.values())
 
     @property
     def label_rule(self) -> str | None:
         """How labels were made (:data:`fastio.labels.LABEL_RULES`), None without labels."""
-        return next((m.get("label_rule") for m in self.manifests.values() if m.get("label_rule")), None)
+        return next((m.label_rule for m in self.manifests.values() if m.label_rule), None)
 
     @property
     def shards(self) -> int:
-        return sum(len(m["shards"]) for m in self.manifests.values())
+        return sum(len(m.shards) for m in self.manifests.values())
 
     def summary(self) -> str:
-        parts = ", ".join(f"{n}: {m['total_samples']}" for n, m in self.manifests.items() if n)
+        parts = ", ".join(f"{n}: {m.total_samples}" for n, m in self.manifests.items() if n)
         split = f" [{parts}]" if parts else ""
         part = f"part {self.part[0]}/{self.part[1]}: " if self.part else ""
         where = f"{self.dest}/{PARTS_DIR}" if self.part else self.dest
         rule = self.label_rule
         if rule == "names":
-            classes = len(next(m["label_map"] for m in self.manifests.values() if m.get("label_map")))
+            classes = len(next(m.label_map for m in self.manifests.values() if m.label_map))
             rule = f"{rule} ({classes} classes, {LABEL_RULES[rule]})"
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"

@@ -44,6 +44,7 @@ from fastio.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
     SHARDS_DIR,
+    Manifest,
     ShardRecord,
     is_location,
     make_manifest,
@@ -393,18 +394,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     started = time.perf_counter()
     source = str(config.source)
     src_root, shards, listing_skipped = _listing(source, config.storage_options)
-    dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
-    in_place = dest_storage.url == src_root.url
-    if not in_place and src_root.remote and not dest_storage.remote:
-        raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
-    _check_locations(shards, in_place, dest_storage.url)
-    if config.part is not None and dest_storage.remote:
-        raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
-    if not in_place:
-        _check_dest(dest_storage, config.overwrite)
-    if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
-        raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
-                           "(--overwrite) to index again")
+    dest_storage, in_place = _index_dest(config, src_root, shards)
     names = _record_names(shards)
     part = None
     if config.part is not None:
@@ -450,6 +440,23 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
                        shards=len(done.records), samples=sum(r.samples for r in done.records),
                        bytes=sum(r.bytes for r in done.records), seconds=time.perf_counter() - started,
                        written_idx=done.written, skipped=done.skipped)
+
+
+def _index_dest(config: IndexConfig, src_root: Storage, shards: list[_Shard]) -> tuple[Storage, bool]:
+    """Where the index goes and whether that is in place; DatasetError for a DEST that cannot take it."""
+    dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
+    in_place = dest_storage.url == src_root.url
+    if not in_place and src_root.remote and not dest_storage.remote:
+        raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
+    _check_locations(shards, in_place, dest_storage.url)
+    if config.part is not None and dest_storage.remote:
+        raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
+    if not in_place:
+        _check_dest(dest_storage, config.overwrite)
+    if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
+        raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
+                           "(--overwrite) to index again")
+    return dest_storage, in_place
 
 
 INDEX_PLAN = "fastio-index"
@@ -536,7 +543,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
 
 
 def _finish(name: str, source: str, label_field: str | None, image_field: str | None, in_place: bool,
-            done: _Indexed, dest: Storage, tmp: Path) -> dict:
+            done: _Indexed, dest: Storage, tmp: Path) -> Manifest:
     """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST; returns the manifest."""
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
@@ -569,7 +576,7 @@ def _fields_of(source: str, label_field: str | None, image_field: str | None, do
     return fields, label, _image_field(image_field, done.field_counts, image_fields, fields), image_fields
 
 
-def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, overwrite: bool = False) -> dict:
+def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, overwrite: bool = False) -> Manifest:
     """Publish the parts of an index (``fastio index --part K/N``) as one dataset in DEST: the parts' shard
     records in order, each ``.idx`` read back (checked against its record), ``samples.fxi``, the manifest last."""
     if (Path(dest) / MANIFEST_NAME).exists() and not overwrite:

@@ -65,10 +65,8 @@ class TarContents:
 _LABEL_READ = 64  # a longer value is no label: read this much of it, to show it
 
 
-def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarContents:
-    """Index the tar at ``path``; ``name`` (its path or URL) is how errors name it. The values of
-    ``label_fields`` are read and checked with the label rule (``TarContents.bad_labels``)."""
-    path = Path(path)
+def _check_head(path: Path, name: str) -> None:
+    """DatasetError naming ``name`` unless the file starts like an uncompressed tar (or with zero blocks)."""
     try:
         with open(path, "rb") as f:
             head = f.read(512)
@@ -86,6 +84,34 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
         pass  # zero blocks: an empty archive (or one that starts with them); read on
     except tarfile.HeaderError as err:
         raise DatasetError(f"{name}: not a tar (no tar header at byte 0: {err})") from None
+
+
+def _listed_member(info: tarfile.TarInfo, name: str, size: int) -> str | None:
+    """The member's name when its ``.idx`` lists it (None: not a regular file, or hidden); DatasetError for a
+    member that cannot be read at an offset (sparse, past the end of the file) or listed (spaces, non-ASCII)."""
+    if info.issparse():
+        raise DatasetError(f"{name}: member {info.name} is a GNU sparse file: its bytes are not stored "
+                           "in one piece, so they cannot be read at an offset; write the tar without --sparse")
+    if not info.isreg():
+        return None
+    if info.offset_data + info.size > size:
+        raise DatasetError(f"{name}: truncated: member {info.name} needs bytes up to "
+                           f"{info.offset_data + info.size}, the file has {size}")
+    member = info.name
+    base = member[member.rfind("/") + 1:]
+    if not base or base.startswith("."):
+        return None  # hidden files, as wds2idx does
+    if not member.isascii() or any(c.isspace() for c in member):
+        raise DatasetError(f"{name}: member {member!r}: a name with spaces or non-ASCII characters "
+                           "cannot be listed in an .idx file")
+    return member
+
+
+def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarContents:
+    """Index the tar at ``path``; ``name`` (its path or URL) is how errors name it. The values of
+    ``label_fields`` are read and checked with the label rule (``TarContents.bad_labels``)."""
+    path = Path(path)
+    _check_head(path, name)
     size, digests = digests_file(path, ("sha256", "xxh3_128"))
     out = TarContents([], size, digests["sha256"], digests["xxh3_128"])
     first_member: dict[str, str] = {}  # key -> the member that started its sample
@@ -93,22 +119,9 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
     try:
         with tarfile.open(path, mode="r:") as tar, open(path, "rb") as data:
             for info in tar:
-                if info.issparse():
-                    raise DatasetError(f"{name}: member {info.name} is a GNU sparse file: its bytes are not stored "
-                                       "in one piece, so they cannot be read at an offset; write the tar without "
-                                       "--sparse")
-                if not info.isreg():
+                member = _listed_member(info, name, size)
+                if member is None:
                     continue
-                if info.offset_data + info.size > size:
-                    raise DatasetError(f"{name}: truncated: member {info.name} needs bytes up to "
-                                       f"{info.offset_data + info.size}, the file has {size}")
-                member = info.name
-                base = member[member.rfind("/") + 1:]
-                if not base or base.startswith("."):
-                    continue  # hidden files, as wds2idx does
-                if not member.isascii() or any(c.isspace() for c in member):
-                    raise DatasetError(f"{name}: member {member!r}: a name with spaces or non-ASCII characters "
-                                       "cannot be listed in an .idx file")
                 k, ext = split_member_name(member)
                 if not ext or not is_field_name(ext):
                     out.skipped.append((member, "no field name (extension) WebDataset can read"))

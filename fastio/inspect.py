@@ -68,7 +68,7 @@ def _inspect_tokens(ds: Dataset) -> dict[str, Any]:
                 "max": int(lengths.max())} if lengths.size else None)
     return {"path": str(ds.root), "samples": len(ds), "shards": len(ds.shards),
             "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.source,
-            "fields": {}, "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
+            "fields": {}, "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
             "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc}}
 
 
@@ -152,6 +152,49 @@ def _stats(values: list[int]) -> dict[str, float]:
             "median": statistics.median(values)}
 
 
+def _label_classes(ds: Dataset, info: dict[str, Any]) -> list | None:
+    """Put the label classes and their counts in ``info``; every sample's label (None: some sample has none)."""
+    label, table = ds.label_field, ds.table
+    if label not in table.offsets:
+        return None
+    have = np.flatnonzero(table.sizes[label] >= 0)
+    values = [_label_value(raw) for raw in _read(ds, label, have)]
+    names = {v: k for k, v in (ds.label_map or {}).items()}
+    counts: dict[int | str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    classes = set(counts) | set(names)  # classes of the label map that no sample has count 0
+    info["classes"] = [{"label": k, "name": names.get(k), "count": counts.get(k, 0)}
+                       for k in sorted(classes, key=lambda v: (isinstance(v, str), v))]
+    return values if len(have) == len(ds) else None  # not every sample has a label: no order statistics
+
+
+def _image_info(ds: Dataset, max_images: int) -> dict[str, Any]:
+    """``image_formats`` and ``image_sizes`` (up to ``max_images`` headers probed), or nothing without images."""
+    image_fields, table = _image_fields(ds), ds.table
+    if not image_fields:
+        return {}
+    # A sample's image is whichever image field it has (the main one first): datasets mix formats.
+    which = np.full(len(ds), -1, np.int64)
+    for k, f in enumerate(image_fields):
+        which[(which < 0) & (table.sizes[f] >= 0)] = k
+    have = np.flatnonzero(which >= 0)
+    step = max(1, len(have) // max_images) if max_images > 0 else len(have) + 1
+    probe = have[::step][:max_images]
+    sizes = []
+    for k, f in enumerate(image_fields):
+        part = probe[which[probe] == k]
+        if len(part):
+            sizes += [s for s in (_size_or_none(data) for data in _read(ds, f, part)) if s is not None]
+    nbytes = [int(table.sizes[image_fields[which[i]]][i]) for i in have.tolist()]
+    return {"image_formats": {f: int((which == k).sum()) for k, f in enumerate(image_fields) if (which == k).any()},
+            "image_sizes": {
+                "field": ds.image_field or image_fields[0], "probed": len(probe),
+                "unreadable": len(probe) - len(sizes), "width": _stats([w for w, _ in sizes]) if sizes else None,
+                "height": _stats([h for _, h in sizes]) if sizes else None,
+                "bytes": _stats(nbytes) if nbytes else None}}
+
+
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
                  block_shards: int, opening: dict[str, Any]) -> dict[str, Any]:
     ds = Dataset(root, **opening)
@@ -164,44 +207,11 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
         "fingerprint": ds.fingerprint, "source": ds.manifest.source,
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
-        "skipped": len(ds.manifest.skipped), "skipped_inputs": ds.manifest.skipped,
+        "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
     }
-    label, values = ds.label_field, None
-    if label in table.offsets:
-        have = np.flatnonzero(table.sizes[label] >= 0)
-        values = [_label_value(raw) for raw in _read(ds, label, have)]
-        names = {v: k for k, v in (ds.label_map or {}).items()}
-        counts: dict[int | str, int] = {}
-        for value in values:
-            counts[value] = counts.get(value, 0) + 1
-        classes = set(counts) | set(names)  # classes of the label map that no sample has count 0
-        info["classes"] = [{"label": k, "name": names.get(k), "count": counts.get(k, 0)}
-                           for k in sorted(classes, key=lambda v: (isinstance(v, str), v))]
-        if len(have) < n:
-            values = None  # not every sample has a label: no order statistics
-    image_fields = _image_fields(ds)
-    if image_fields:
-        # A sample's image is whichever image field it has (the main one first): datasets mix formats.
-        which = np.full(n, -1, np.int64)
-        for k, f in enumerate(image_fields):
-            which[(which < 0) & (table.sizes[f] >= 0)] = k
-        have = np.flatnonzero(which >= 0)
-        info["image_formats"] = {f: int((which == k).sum()) for k, f in enumerate(image_fields)
-                                 if (which == k).any()}
-        step = max(1, len(have) // max_images) if max_images > 0 else len(have) + 1
-        probe = have[::step][:max_images]
-        sizes = []
-        for k, f in enumerate(image_fields):
-            part = probe[which[probe] == k]
-            if len(part):
-                sizes += [s for s in (_size_or_none(data) for data in _read(ds, f, part)) if s is not None]
-        nbytes = [int(table.sizes[image_fields[which[i]]][i]) for i in have.tolist()]
-        info["image_sizes"] = {
-            "field": ds.image_field or image_fields[0], "probed": len(probe), "unreadable": len(probe) - len(sizes),
-            "width": _stats([w for w, _ in sizes]) if sizes else None,
-            "height": _stats([h for _, h in sizes]) if sizes else None,
-            "bytes": _stats(nbytes) if nbytes else None,
-        }
+    label = ds.label_field
+    values = _label_classes(ds, info)
+    info.update(_image_info(ds, max_images))
     if order:
         if label is None:
             raise DatasetError(f"{root}: dataset has no label field; order quality needs labels")

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,6 @@ __all__ = [
     "ShardRecord",
     "TokenInfo",
     "fingerprint",
-    "index_record",
     "is_location",
     "is_shard_name",
     "load_manifest",
@@ -267,129 +266,103 @@ class TokenInfo:
 _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
 
 
-def index_record(manifest: Mapping[str, Any]) -> IndexRecord | None:
-    """The consolidated index of a manifest that :func:`load_manifest` has validated (None: it has none)."""
-    data = manifest.get("index")
-    return None if data is None else IndexRecord.from_dict(data, "index")
+_OPTIONAL_KEYS = ("kind", "tokens", "index", "image_field", "image_fields", "field_counts", "label_field",
+                  "label_map", "label_rule", "skipped", "source", "convert_options", "split")
+"""The manifest's optional keys: written when set (or named in :attr:`Manifest.nulls`), absent otherwise."""
 
 
-class Manifest(Mapping[str, Any]):
-    """A validated manifest (what :func:`load_manifest` returns), read through typed properties.
+@dataclasses.dataclass(frozen=True, eq=True)
+class Manifest:
+    """A dataset's manifest: what :func:`make_manifest` builds and :func:`load_manifest` returns, written by
+    :func:`write_manifest` (:meth:`to_json` is its one serialisation). Read through its fields, never by the JSON
+    object's string keys, so the schema has one home. Optional fields are None when the manifest lacks them."""
 
-    Other modules use the properties, never the manifest's string keys, so the schema has one home. It is
-    also a read-only mapping of the JSON object (``manifest["convert_options"]``) for tools and old callers.
-    """
-
-    def __init__(self, data: dict[str, Any]):
-        self._data = data
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
+    name: str | None
+    """The dataset's name (shards are ``NAME-NNNNNN.tar``, or ``.bin`` for tokens)."""
+    shards: list[ShardRecord]
+    """The shard records, in order."""
+    fields: list[str]
+    """Every field some sample has (sorted)."""
+    total_samples: int
+    """Samples in all shards."""
+    total_bytes: int
+    """Bytes of all shards (a manifest without the key: their sum)."""
+    format_version: int = 1
+    """The format version it was written with (:func:`format_version`)."""
+    fastio_version: str | None = None
+    """The fastio that wrote it."""
+    kind: str = "samples"
+    """What the dataset holds: ``samples`` (WebDataset tars) or ``tokens`` (Megatron ``.bin``/``.idx``)."""
+    tokens: TokenInfo | None = None
+    """A token dataset's token type, end-of-document id and counts (None: a dataset of samples)."""
+    index: IndexRecord | None = None
+    """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
+    image_field: str | None = None
+    """The main image field (None: no images, or unknown)."""
+    image_fields: list[str] | None = None
+    """Every image field, the main one first (None or empty: not recorded; tell them by suffix)."""
+    field_counts: dict[str, int] | None = None
+    """Samples having each field (recorded by ``fastio index``; None: not recorded)."""
+    label_field: str | None = None
+    """The field holding each sample's integer label (ASCII decimal), if any."""
+    label_map: dict[str, int] | None = None
+    """Class name to label, for a source that named its classes."""
+    label_rule: str | None = None
+    """How a table's labels were read (:data:`fastio.labels.LABEL_RULES`)."""
+    skipped: list[dict[str, str]] | None = None
+    """What the writer left out, each ``{path, reason}`` (None: the writer keeps no such list)."""
+    source: dict[str, Any] | None = None
+    """What the dataset was made from (format, path, ...)."""
+    convert_options: dict[str, Any] | None = None
+    """The options of the conversion that wrote it."""
+    split: dict[str, Any] | None = None
+    """``{name, of}`` for one split of a ``split`` DEST."""
+    nulls: frozenset[str] = frozenset()
+    """Optional keys written as JSON ``null`` (a writer naming a key it has no value for, e.g. convert's
+    ``label_map`` for a source without class names): kept, so that a manifest's bytes say what they said."""
 
     def __repr__(self) -> str:
-        return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self._data['shards'])})"
-
-    def as_dict(self) -> dict[str, Any]:
-        """The JSON object (the one this view reads: do not change it)."""
-        return self._data
-
-    @property
-    def kind(self) -> str:
-        """What the dataset holds: ``samples`` (WebDataset tars) or ``tokens`` (Megatron ``.bin``/``.idx``)."""
-        return self._data.get("kind", "samples")
-
-    @cached_property
-    def tokens(self) -> TokenInfo | None:
-        """A token dataset's token type, end-of-document id and counts (None: a dataset of samples)."""
-        data = self._data.get("tokens")
-        return None if data is None else TokenInfo.from_dict(data, "tokens")
-
-    @property
-    def name(self) -> str | None:
-        """The dataset's name (shards are ``NAME-NNNNNN.tar``, or ``.bin`` for tokens)."""
-        return self._data.get("name")
-
-    @cached_property
-    def shards(self) -> list[ShardRecord]:
-        """The shard records, in order."""
-        return shard_records(self._data)
-
-    @property
-    def total_samples(self) -> int:
-        """Samples in all shards."""
-        return self._data["total_samples"]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of all shards."""
-        return self._data.get("total_bytes", sum(s["bytes"] for s in self._data["shards"]))
-
-    @property
-    def fields(self) -> list[str]:
-        """Every field some sample has (sorted)."""
-        return list(self._data["fields"])
-
-    @property
-    def image_field(self) -> str | None:
-        """The main image field (None: no images, or unknown)."""
-        return self._data.get("image_field")
-
-    @property
-    def image_fields(self) -> list[str] | None:
-        """Every image field, the main one first (None: not recorded; tell them by suffix)."""
-        value = self._data.get("image_fields")
-        return list(value) if value else None
-
-    @property
-    def field_counts(self) -> dict[str, int] | None:
-        """Samples having each field (recorded by ``fastio index``; None: not recorded)."""
-        return self._data.get("field_counts")
-
-    @property
-    def label_field(self) -> str | None:
-        """The field holding each sample's integer label (ASCII decimal), if any."""
-        return self._data.get("label_field")
-
-    @property
-    def label_map(self) -> dict[str, int] | None:
-        """Class name to label, for a source that named its classes."""
-        return self._data.get("label_map")
-
-    @property
-    def skipped(self) -> list[dict[str, str]]:
-        """What the writer left out, each ``{path, reason}``."""
-        return list(self._data.get("skipped") or [])
-
-    @property
-    def source(self) -> dict[str, Any] | None:
-        """What the dataset was made from (format, path, ...)."""
-        return self._data.get("source")
-
-    @property
-    def convert_options(self) -> dict[str, Any] | None:
-        """The options of the conversion that wrote it."""
-        return self._data.get("convert_options")
-
-    @property
-    def split(self) -> dict[str, Any] | None:
-        """``{name, of}`` for one split of a ``split`` DEST."""
-        return self._data.get("split")
-
-    @cached_property
-    def index(self) -> IndexRecord | None:
-        """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
-        return index_record(self._data)
+        return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self.shards)})"
 
     @cached_property
     def fingerprint(self) -> str:
         """See :func:`fingerprint`."""
-        return fingerprint(self._data)
+        return fingerprint(self.shards)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object of ``manifest.json``."""
+        out: dict[str, Any] = {
+            "format": FORMAT, "format_version": self.format_version, "fastio_version": self.fastio_version,
+            "name": self.name, "shards": [s.as_dict() for s in self.shards], "total_samples": self.total_samples,
+            "total_bytes": self.total_bytes, "fields": list(self.fields)}
+        for key in _OPTIONAL_KEYS:
+            value = getattr(self, key)
+            if key == "kind" and value == "samples":
+                value = None
+            if value is not None:
+                out[key] = value.as_dict() if isinstance(value, (TokenInfo, IndexRecord)) else value
+            elif key in self.nulls:
+                out[key] = None
+        return out
+
+    def to_json(self) -> bytes:
+        """The bytes of ``manifest.json`` (the one serialisation: sorted keys, two-space indent, a final newline)."""
+        return json.dumps(self.as_dict(), indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        """The manifest of a JSON object that :func:`_validate` has passed."""
+        optional = {k: data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index")}
+        tokens, index = data.get("tokens"), data.get("index")
+        shards = shard_records(data)
+        return cls(name=data.get("name"), shards=shards, fields=list(data["fields"]),
+                   total_samples=data["total_samples"],
+                   total_bytes=data.get("total_bytes", sum(s.bytes for s in shards)),
+                   format_version=data["format_version"], fastio_version=data.get("fastio_version"),
+                   kind=data.get("kind", "samples"),
+                   tokens=None if tokens is None else TokenInfo.from_dict(tokens, "tokens"),
+                   index=None if index is None else IndexRecord.from_dict(index, "index"),
+                   nulls=frozenset(k for k in _OPTIONAL_KEYS if k in data and data[k] is None), **optional)
 
 
 def format_version(shards: list[ShardRecord], kind: str = "samples") -> int:
@@ -401,35 +374,31 @@ def format_version(shards: list[ShardRecord], kind: str = "samples") -> int:
 
 
 def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], index: IndexRecord | None = None,
-                  **extra: Any) -> dict[str, Any]:
+                  **optional: Any) -> Manifest:
     """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
-    if one was written; ``extra`` adds optional fields (``image_field``, ``label_field``, ``label_map``,
-    ``source``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``)."""
-    if index is not None:
-        extra["index"] = index.as_dict()
-    if isinstance(extra.get("tokens"), TokenInfo):
-        extra["tokens"] = extra["tokens"].as_dict()
-    return {
-        "format": FORMAT,
-        "format_version": format_version(shards, extra.get("kind", "samples")),
-        "fastio_version": __version__,
-        "name": name,
-        "shards": [s.as_dict() for s in shards],
-        "total_samples": sum(s.samples for s in shards),
-        "total_bytes": sum(s.bytes for s in shards),
-        "fields": sorted(fields),
-        **extra,
-    }
+    if one was written; ``optional`` sets :class:`Manifest`'s optional fields (``image_field``, ``label_field``,
+    ``label_map``, ``source``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``).
+    One given as None is written as ``null``. A ``ValueError`` names a key the manifest does not have."""
+    unknown = sorted(set(optional) - set(_OPTIONAL_KEYS))
+    if unknown:
+        raise ValueError(f"make_manifest: {', '.join(unknown)} is not a manifest field")
+    nulls = frozenset(k for k, v in optional.items() if v is None)
+    if optional.get("kind") is None:
+        optional.pop("kind", None)
+    return Manifest(name=name, shards=list(shards), fields=sorted(fields), index=index,
+                    total_samples=sum(s.samples for s in shards), total_bytes=sum(s.bytes for s in shards),
+                    format_version=format_version(shards, optional.get("kind", "samples")),
+                    fastio_version=__version__, nulls=nulls, **optional)
 
 
-def write_manifest(dest: Path, manifest: dict[str, Any]) -> None:
+def write_manifest(dest: Path, manifest: Manifest) -> None:
     """Validate ``manifest`` as a reader would, then publish ``DEST/manifest.json`` atomically."""
     path = Path(dest) / MANIFEST_NAME
     try:
-        _validate(manifest, str(path))
-    except DatasetError as err:  # a writer's bug or bad extra fields: a ValueError for the caller
+        _validate(manifest.as_dict(), str(path))
+    except DatasetError as err:  # a writer's bug or bad fields: a ValueError for the caller
         raise ValueError(str(err)) from None
-    atomic_write_bytes(path, json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n")
+    atomic_write_bytes(path, manifest.to_json())
 
 
 _LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
@@ -488,30 +457,30 @@ def load_manifest(dest: Path) -> Manifest:
     except (OSError, ValueError) as err:
         raise DatasetError(f"{path}: unreadable manifest ({err})") from None
     _validate(manifest, str(path))
-    return Manifest(manifest)
+    return Manifest.from_dict(manifest)
 
 
-def shard_records(manifest: Mapping[str, Any]) -> list[ShardRecord]:
-    """The shard records of a manifest that :func:`load_manifest` has validated (not checked again: at
-    10^5 shards every rank would pay for it twice)."""
+def shard_records(data: Mapping[str, Any]) -> list[ShardRecord]:
+    """The shard records of a manifest's JSON object that :func:`load_manifest` has validated (not checked again:
+    at 10^5 shards every rank would pay for it twice)."""
     return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"), location=s.get("location"),
-                        idx_location=s.get("idx_location"), tokens=s.get("tokens")) for s in manifest["shards"]]
+                        idx_location=s.get("idx_location"), tokens=s.get("tokens")) for s in data["shards"]]
 
 
-def fingerprint(manifest: Mapping[str, Any]) -> str:
+def fingerprint(shards: Sequence[ShardRecord]) -> str:
     """Identity of a dataset's content: shard names, counts and checksums, in order (16 hex digits)."""
     h = hashlib.sha256()
-    for shard in manifest["shards"]:
-        h.update(f"{shard['name']}:{shard['samples']}:{shard['sha256']}\n".encode())
+    for shard in shards:
+        h.update(f"{shard.name}:{shard.samples}:{shard.sha256}\n".encode())
     return h.hexdigest()[:16]
 
 
 # -- splits.json --------------------------------------------------------------------------------------
 
-def write_splits(dest: Path, manifests: Mapping[str, Mapping[str, Any]]) -> None:
+def write_splits(dest: Path, manifests: Mapping[str, Manifest]) -> None:
     """Publish ``DEST/splits.json`` listing each split's sample count and fingerprint (after their manifests)."""
     splits = {"format": SPLITS_FORMAT,
-              "splits": {n: {"samples": m["total_samples"], "fingerprint": fingerprint(m)} for n, m in manifests.items()}}
+              "splits": {n: {"samples": m.total_samples, "fingerprint": m.fingerprint} for n, m in manifests.items()}}
     atomic_write_bytes(Path(dest) / SPLITS_NAME, json.dumps(splits, indent=2, sort_keys=True).encode() + b"\n")
 
 

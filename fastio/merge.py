@@ -45,6 +45,7 @@ from fastio.index_dataset import INDEX_PLAN, merge_index_parts
 from fastio.lock import LOCK_NAME, DirLock, LockedError
 from fastio.manifest import (
     SHARDS_DIR,
+    Manifest,
     ShardRecord,
     load_manifest,
     make_manifest,
@@ -65,7 +66,7 @@ class MergeResult:
 
     dest: Path
     parts: int
-    manifests: dict[str, dict[str, Any]]
+    manifests: dict[str, Manifest]
     linked: int
     """Result shards that are a part's shard, linked into place."""
     repacked: int
@@ -74,7 +75,7 @@ class MergeResult:
 
     @property
     def samples(self) -> int:
-        return sum(m["total_samples"] for m in self.manifests.values())
+        return sum(m.total_samples for m in self.manifests.values())
 
     def summary(self) -> str:
         shards = self.linked + self.repacked
@@ -127,7 +128,7 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
                 manifests = {"": merge_index_parts(dest, records, plan, overwrite=overwrite)}
             except DatasetError as err:
                 raise ConvertError(str(err)) from None
-            counts = {"linked": len(manifests[""]["shards"]), "repacked": 0}
+            counts = {"linked": len(manifests[""].shards), "repacked": 0}
         else:
             check_dest(dest, Path(plan["source"]["path"]), overwrite)
             staging = root / STAGING
@@ -148,11 +149,11 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
                        repacked=counts["repacked"], seconds=time.perf_counter() - started)
 
 
-def publish_dataset(dest: Path, datasets: dict[str, tuple[list[_Planned], dict[str, Any]]]) -> dict[str, dict]:
+def publish_dataset(dest: Path, datasets: dict[str, tuple[list[_Planned], dict[str, Any]]]) -> dict[str, Manifest]:
     """Publish the merged dataset: clear DEST (its final files first, ``.parts`` kept), put every shard and
     index in place, then each dataset's manifest, then (with splits) ``splits.json`` last. Returns the manifests."""
     reset_dest(dest, keep=(PARTS_DIR, LOCK_NAME))
-    manifests: dict[str, dict] = {}
+    manifests: dict[str, Manifest] = {}
     for name, (planned, manifest_fields) in datasets.items():
         out = dest / name if name else dest
         (out / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
@@ -267,7 +268,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         except DatasetError as err:
             raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
         fields.update(manifest.fields)
-        skipped += manifest.skipped
+        skipped += manifest.skipped or []
         for shard in manifest.shards:
             path = out / SHARDS_DIR / shard.name
             entries = _read_index(path, shard)

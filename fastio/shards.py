@@ -25,7 +25,7 @@ from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.checksum import HashingWriter
 from fastio.dsindex import INDEX_NAME, IndexBuilder
 from fastio.idx import IndexEntry, format_index
-from fastio.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, make_manifest, write_manifest
 from fastio.wds import check_member, is_key, is_plain_name, member_name
 
 __all__ = ["ShardWriter", "Sample", "BLOCK", "sample_span", "starts_new_shard"]
@@ -72,7 +72,7 @@ class ShardWriter:
         self.name, self.max_bytes, self.max_samples = name, max_bytes, max_samples
         self.shards: list[ShardRecord] = []
         self.fields: set[str] = set()
-        self.manifest: dict[str, Any] | None = None
+        self.manifest: Manifest | None = None
         self._keys: set[str] = set()
         self._open: _OpenShard | None = None
         self._index = IndexBuilder()
@@ -126,7 +126,7 @@ class ShardWriter:
         self._keys.add(key)
         self.fields.update(ext for ext, _ in members)
 
-    def close(self, **manifest_fields: Any) -> dict[str, Any]:
+    def close(self, **manifest_fields: Any) -> Manifest:
         """Publish the last shard, the sample index, then the manifest (with ``manifest_fields`` added); return it."""
         if self.manifest is not None:
             raise ValueError(f"{self.dest}: the shard writer is already closed")

@@ -27,6 +27,7 @@ from fastio.index_tar import as_fields
 from fastio.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
+    Manifest,
     ShardRecord,
     TokenInfo,
     load_manifest,
@@ -147,9 +148,23 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     ``root/shards/``) and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here,
     and its shards are where the manifest says (``shards/``, or where ``fastio index`` found them)."""
     manifest = load_manifest(root)
-    records = manifest.shards
     local = LocalSource(root) if fetch is None else None
-    foreign = (manifest.source or {}).get("format") == "webdataset"
+    _stray_files(root, prefix, manifest.shards, listed_files, report)
+    parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
+    for shard in _each_shard(manifest.shards, fetch):
+        checked = _verify_shard(root, prefix, shard, manifest, local, decode, report)
+        if checked is not None:
+            parsed.append(checked)
+    record = manifest.index
+    if record is not None:
+        shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
+        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest.fields):
+            report.problems.append(Problem(f"{prefix}{record.name}", None, what))
+
+
+def _stray_files(root: Path, prefix: str, records: list[ShardRecord], listed_files: list[str] | None,
+                 report: VerifyReport) -> None:
+    """A problem for each file in ``shards/`` (``listed_files``, else the folder listed) the manifest does not list."""
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
     folder = root / SHARDS_DIR
     if listed_files is None:
@@ -157,77 +172,94 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     for name in listed_files:
         if name not in listed:
             report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{name}", None, "file is not listed in the manifest"))
-    parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
-    for shard in _each_shard(records, fetch):
-        label = f"{prefix}{shard.name}"
-        tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
-        if local is not None:
-            try:
-                tar_path, idx_path = local.shard_path(shard), local.idx_path(shard)
-            except DatasetError as err:
-                report.problems.append(Problem(label, None, str(err)))
-                continue
-        report.shards += 1
-        if not tar_path.is_file():
-            report.problems.append(Problem(label, None, "shard file is missing"))
-            continue
-        size, digests = digests_file(tar_path, ("sha256", "xxh3_128") if shard.xxh3_128 else ("sha256",))
-        if size != shard.bytes:
-            report.problems.append(Problem(label, None, f"size {size} bytes, manifest says {shard.bytes}"))
-        if digests["sha256"] != shard.sha256:
-            report.problems.append(Problem(label, None, "sha256 does not match the manifest"))
-        if shard.xxh3_128 and digests["xxh3_128"] != shard.xxh3_128:
-            report.problems.append(Problem(label, None, "xxh3_128 does not match the manifest"))
-        if manifest.tokens is not None:
-            report.problems += [Problem(label, None, what) for what in _token_problems(tar_path, idx_path, shard,
-                                                                                        manifest.tokens, report)]
-            continue
-        entries = None
-        if not idx_path.is_file():
-            report.problems.append(Problem(label, None, f"index {idx_path.name} is missing"))
-        else:
-            if sha256_file(idx_path)[1] != shard.idx_sha256:
-                report.problems.append(Problem(label, None, f"index {idx_path.name} sha256 does not match the manifest"))
-            try:
-                entries = parse_index(idx_path.read_text(), source=idx_path.name)
-            except (ValueError, UnicodeDecodeError) as err:
-                report.problems.append(Problem(label, None, f"index does not parse: {err}"))
-            else:
-                try:
-                    check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
-                except ValueError as err:
-                    report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
-        # entries None: a problem is reported, no index rebuild. An indexed dataset's fields are the suffixes
-        # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
-        lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
-        parsed.append((shard, as_fields(entries) if lower else entries))
+
+
+def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifest, local: LocalSource | None,
+                  decode: bool, report: VerifyReport) -> tuple[ShardRecord, list | None] | None:
+    """Check one shard's files; its (record, .idx entries) for the consolidated index check (None: not checked
+    that far, or a token shard)."""
+    label = f"{prefix}{shard.name}"
+    tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
+    if local is not None:
         try:
-            samples = _tar_samples(tar_path, decode, report, label, foreign)
-        except (tarfile.TarError, OSError, EOFError) as err:
-            report.problems.append(Problem(label, None, f"tar does not parse ({err})"))
-            continue
-        report.samples += len(samples)
-        if len(samples) != shard.samples:
-            report.problems.append(Problem(label, None, f"holds {len(samples)} samples, manifest says {shard.samples}"))
-        seen: set[str] = set()
-        for key, _ in samples:
-            if key in seen:
-                report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
-            seen.add(key)
-        if entries is not None:
-            for i, (key, members) in enumerate(samples):
-                if i >= len(entries):
-                    report.problems.append(Problem(label, key, "sample is missing from the index"))
-                    break
-                if entries[i].key != key or list(entries[i].members) != members:
-                    report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
-            if len(entries) > len(samples):
-                report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
-    record = manifest.index
-    if record is not None:
-        shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
-        for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest.fields):
-            report.problems.append(Problem(f"{prefix}{record.name}", None, what))
+            tar_path, idx_path = local.shard_path(shard), local.idx_path(shard)
+        except DatasetError as err:
+            report.problems.append(Problem(label, None, str(err)))
+            return None
+    report.shards += 1
+    if not tar_path.is_file():
+        report.problems.append(Problem(label, None, "shard file is missing"))
+        return None
+    report.problems += [Problem(label, None, what) for what in _file_problems(tar_path, shard)]
+    if manifest.tokens is not None:
+        report.problems += [Problem(label, None, what) for what in _token_problems(tar_path, idx_path, shard,
+                                                                                    manifest.tokens, report)]
+        return None
+    entries = _idx_entries(idx_path, shard, label, report)
+    # entries None: a problem is reported, no index rebuild. An indexed dataset's fields are the suffixes
+    # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
+    foreign = (manifest.source or {}).get("format") == "webdataset"
+    lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
+    _verify_tar(tar_path, shard, entries, decode, foreign, label, report)
+    return shard, as_fields(entries) if lower else entries
+
+
+def _file_problems(path: Path, shard: ShardRecord) -> list[str]:
+    """The shard file's size and checksums against its record."""
+    size, digests = digests_file(path, ("sha256", "xxh3_128") if shard.xxh3_128 else ("sha256",))
+    out = [f"size {size} bytes, manifest says {shard.bytes}"] if size != shard.bytes else []
+    if digests["sha256"] != shard.sha256:
+        out.append("sha256 does not match the manifest")
+    if shard.xxh3_128 and digests["xxh3_128"] != shard.xxh3_128:
+        out.append("xxh3_128 does not match the manifest")
+    return out
+
+
+def _idx_entries(idx_path: Path, shard: ShardRecord, label: str, report: VerifyReport) -> list | None:
+    """The shard's ``.idx`` entries, checked against the record (None: missing or unparsable, reported)."""
+    if not idx_path.is_file():
+        report.problems.append(Problem(label, None, f"index {idx_path.name} is missing"))
+        return None
+    if sha256_file(idx_path)[1] != shard.idx_sha256:
+        report.problems.append(Problem(label, None, f"index {idx_path.name} sha256 does not match the manifest"))
+    try:
+        entries = parse_index(idx_path.read_text(), source=idx_path.name)
+    except (ValueError, UnicodeDecodeError) as err:
+        report.problems.append(Problem(label, None, f"index does not parse: {err}"))
+        return None
+    try:
+        check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
+    except ValueError as err:
+        report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
+    return entries
+
+
+def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode: bool, foreign: bool, label: str,
+                report: VerifyReport) -> None:
+    """The tar's samples: their count against the record, keys adjacent, and the ``.idx`` entries matching them."""
+    try:
+        samples = _tar_samples(tar_path, decode, report, label, foreign)
+    except (tarfile.TarError, OSError, EOFError) as err:
+        report.problems.append(Problem(label, None, f"tar does not parse ({err})"))
+        return
+    report.samples += len(samples)
+    if len(samples) != shard.samples:
+        report.problems.append(Problem(label, None, f"holds {len(samples)} samples, manifest says {shard.samples}"))
+    seen: set[str] = set()
+    for key, _ in samples:
+        if key in seen:
+            report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
+        seen.add(key)
+    if entries is None:
+        return
+    for i, (key, members) in enumerate(samples):
+        if i >= len(entries):
+            report.problems.append(Problem(label, key, "sample is missing from the index"))
+            break
+        if entries[i].key != key or list(entries[i].members) != members:
+            report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
+    if len(entries) > len(samples):
+        report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
 
 
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:

@@ -127,7 +127,7 @@ def test_bad_images_are_skipped_and_listed(tmp_path, image_folder):
     result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "d", workers=2))
     ds = Dataset(tmp_path / "d")
     assert len(ds) == 46 and result.samples == 46
-    skipped = {s["path"]: s["reason"] for s in ds.manifest["skipped"]}
+    skipped = {s["path"]: s["reason"] for s in ds.manifest.skipped}
     assert set(skipped) == {"square/square_0003.jpg", "circle/circle_0005.jpg"}
     assert skipped["square/square_0003.jpg"].startswith("image does not decode")
     assert "truncated" in skipped["square/square_0003.jpg"]
@@ -162,7 +162,7 @@ def test_max_side_downscales_only_big_images(tmp_path):
         else:
             shrunk += 1
     assert shrunk > 0
-    assert ds.manifest["convert_options"]["max_side"] == 64
+    assert ds.manifest.convert_options["max_side"] == 64
 
 
 def test_dest_rules(tmp_path, image_folder):
@@ -315,5 +315,5 @@ def test_image_that_cannot_be_reencoded_is_skipped_not_fatal(tmp_path):
     (src / "circle" / "cmyk.png").write_bytes(buf.getvalue())
     ds = Dataset(convert(ConvertConfig(source=src, dest=tmp_path / "d", workers=1, max_side=64)).dest)
     assert len(ds) == 8
-    assert [(s["path"], s["reason"][:29]) for s in ds.manifest["skipped"]] == [
+    assert [(s["path"], s["reason"][:29]) for s in ds.manifest.skipped] == [
         ("circle/cmyk.png", "cannot re-encode as PNG (cann")]

@@ -48,9 +48,9 @@ def test_writer_publishes_the_index_and_records_it_in_the_manifest(tmp_path):
     dest = _ragged(tmp_path / "ds")
     manifest = load_manifest(dest)
     path = dest / INDEX_NAME
-    assert manifest["index"] == {"name": INDEX_NAME, "bytes": path.stat().st_size,
-                                 "sha256": __import__("hashlib").sha256(path.read_bytes()).hexdigest(),
-                                 "xxh3_128": digest_file(path, "xxh3_128")[1]}
+    assert manifest.index == IndexRecord(name=INDEX_NAME, bytes=path.stat().st_size,
+                                         sha256=__import__("hashlib").sha256(path.read_bytes()).hexdigest(),
+                                         xxh3_128=digest_file(path, "xxh3_128")[1])
     assert not [p for p in dest.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp")]
     assert verify(dest).ok
 

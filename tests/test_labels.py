@@ -83,10 +83,10 @@ def test_rule_in_manifest_and_summary(tmp_path, image_folder, capsys):
     path = table(tmp_path, "t.csv", ["1.0", "2", "10.0"], image_folder)
     assert main(["convert", str(path), str(tmp_path / "a"), "--workers", "1"]) == 0
     assert "; labels: integers (each label is its integral value)" in capsys.readouterr().out
-    assert load_manifest(tmp_path / "a")["label_rule"] == "integers"
+    assert load_manifest(tmp_path / "a").label_rule == "integers"
     assert main(["convert", str(path), str(tmp_path / "b"), "--workers", "1", "--labels", "names"]) == 0
     assert "; labels: names (3 classes, labels are class names" in capsys.readouterr().out
-    assert Dataset(tmp_path / "b").manifest["label_map"] == {"1.0": 0, "10.0": 1, "2": 2}
+    assert Dataset(tmp_path / "b").manifest.label_map == {"1.0": 0, "10.0": 1, "2": 2}
     mixed = table(tmp_path, "m.csv", ["1", "cat"], image_folder)
     assert main(["convert", str(mixed), str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err

@@ -182,7 +182,7 @@ def test_merge_refuses_to_replace_a_dataset_without_overwrite(tmp_path, image_fo
         merge(dest)
     assert main(["merge", str(dest), "--overwrite", "--keep-parts", "-q"]) == 0
     assert (dest / PARTS_DIR).is_dir()
-    assert Dataset(dest).manifest["convert_options"]["shuffle"] is False
+    assert Dataset(dest).manifest.convert_options["shuffle"] is False
 
 
 def test_a_part_in_use_is_refused_by_a_second_run_and_by_merge(tmp_path, image_folder):

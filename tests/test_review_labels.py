@@ -29,7 +29,7 @@ def test_a_decimal_label_column_gives_its_integral_values(tmp_path, image_folder
     code, out, err = run_cli(["convert", str(path), str(tmp_path / "ds"), "--workers", "1"], capsys)
     assert code == 0, err
     ds = Dataset(tmp_path / "ds")
-    assert ds.manifest["label_rule"] == "integers" and ds.label_map is None
+    assert ds.manifest.label_rule == "integers" and ds.label_map is None
     loader = Loader(ds, batch_size=4, pipeline="raw", shuffle="none", device="cpu", world_size=1, rank=0)
     assert next(iter(loader))["label"].tolist() == [1, 10, 2, 0]  # path order = row order
     loader.close()

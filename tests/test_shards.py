@@ -13,7 +13,7 @@ import pytest
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.idx import parse_index
-from fastio.manifest import MANIFEST_NAME, fingerprint
+from fastio.manifest import MANIFEST_NAME, Manifest, fingerprint
 from fastio.shards import ShardWriter
 from fastio.wds import sanitize_key
 
@@ -25,7 +25,7 @@ def _samples(n: int, size: int = 700) -> list[dict]:
             for i in range(n)]
 
 
-def _write(dest: Path, samples, **kw) -> dict:
+def _write(dest: Path, samples, **kw) -> Manifest:
     writer = ShardWriter(dest, **kw)
     for s in samples:
         writer.write(s)
@@ -34,7 +34,7 @@ def _write(dest: Path, samples, **kw) -> dict:
 
 def test_round_trip_counts_checksums_and_index(tmp_path):
     manifest = _write(tmp_path / "ds", _samples(10), max_samples=4)
-    assert [s["samples"] for s in manifest["shards"]] == [4, 4, 2]
+    assert [s.samples for s in manifest.shards] == [4, 4, 2]
     ds = Dataset(tmp_path / "ds")
     assert len(ds) == 10 and ds.fields == ["bin", "cls"]
     assert ds.table.keys == [f"k/{i:04d}" for i in range(10)]
@@ -61,9 +61,9 @@ def test_index_is_byte_equal_to_wds2idx(tmp_path):
 def test_size_limit_starts_new_shards_and_output_is_reproducible(tmp_path):
     a = _write(tmp_path / "a", _samples(12), max_bytes=30000)
     b = _write(tmp_path / "b", _samples(12), max_bytes=30000)
-    assert len(a["shards"]) > 2 and all(s["bytes"] <= 30000 for s in a["shards"])
+    assert len(a.shards) > 2 and all(s.bytes <= 30000 for s in a.shards)
     assert (tmp_path / "a" / MANIFEST_NAME).read_bytes() == (tmp_path / "b" / MANIFEST_NAME).read_bytes()
-    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a.shards) == fingerprint(b.shards) == a.fingerprint
 
 
 def test_nothing_but_hidden_temporaries_before_publish(tmp_path):
@@ -88,7 +88,7 @@ def test_context_manager_aborts_on_error_and_closes_otherwise(tmp_path):
     with ShardWriter(tmp_path / "good", max_samples=2) as writer:
         for s in _samples(3):
             writer.write(s)
-    assert len(Dataset(tmp_path / "good")) == 3 and writer.manifest["total_samples"] == 3
+    assert len(Dataset(tmp_path / "good")) == 3 and writer.manifest.total_samples == 3
     with pytest.raises(ValueError, match="closed"):
         writer.write(_samples(4)[3])
 

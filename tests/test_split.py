@@ -46,9 +46,9 @@ def test_convert_split_is_stratified_by_default(tmp_path):
     assert main(["convert", str(src), str(tmp_path / "d"), "--split", "val=0.1", "--workers", "1", "-q"]) == 0
     val = Dataset(tmp_path / "d" / "val")
     assert sorted(key.split("/")[0] for key in val.table.keys) == [f"class{c}" for c in range(10)]
-    assert val.manifest["convert_options"]["split_by"] == "label"
+    assert val.manifest.convert_options["split_by"] == "label"
     result = convert(ConvertConfig(source=src, dest=tmp_path / "r", split="val=0.1", split_by="random", workers=1))
-    assert result.manifests["val"]["convert_options"]["split_by"] == "random"
+    assert result.manifests["val"].convert_options["split_by"] == "random"
     assert len(Dataset(tmp_path / "r" / "val")) == 10
     with pytest.raises(ValueError, match="split_by must be one of label, random"):
         ConvertConfig(source=src, dest=tmp_path / "x", split="val=0.1", split_by="class")
@@ -62,7 +62,7 @@ def test_split_by_label_needs_labels(tmp_path):
     with pytest.raises(ConvertError, match=r"split_by='label' but the source has no labels"):
         convert(ConvertConfig(source=src, dest=tmp_path / "d", split="val=0.1", split_by="label", workers=1))
     result = convert(ConvertConfig(source=src, dest=tmp_path / "d", split="val=0.1", workers=1))
-    assert result.manifests["val"]["convert_options"]["split_by"] == "random"
+    assert result.manifests["val"].convert_options["split_by"] == "random"
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):

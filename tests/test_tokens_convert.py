@@ -62,7 +62,7 @@ def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
     assert all_documents(tmp_path / "ds") == docs  # input order, EOS appended, the empty one skipped
     assert result.empty == 3 and result.documents == len(docs) and result.shards == -(-len(docs) // 4)
     m = load_manifest(tmp_path / "ds")
-    assert m.kind == "tokens" and m["format_version"] == 3
+    assert m.kind == "tokens" and m.format_version == 3
     assert m.tokens.dtype == "uint16" and m.tokens.eos_id == eos and m.tokens.vocab_size == 300
     assert m.tokens.total_tokens == sum(map(len, docs)) == sum(s.tokens for s in m.shards)
     assert [s.name for s in m.shards] == sorted(s.name for s in m.shards)

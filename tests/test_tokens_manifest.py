@@ -12,19 +12,23 @@ from fastio.manifest import ShardRecord, TokenInfo, load_manifest, make_manifest
 SHA = "a" * 64
 
 
+SHARDS = [ShardRecord(name="t-000000.bin", samples=2, bytes=20, sha256=SHA, idx_sha256=SHA, tokens=10),
+          ShardRecord(name="t-000001.bin", samples=1, bytes=8, sha256=SHA, idx_sha256=SHA, tokens=4)]
+INFO = TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, vocab_size=300)
+
+
 def token_manifest(**changes):
-    shards = [ShardRecord(name="t-000000.bin", samples=2, bytes=20, sha256=SHA, idx_sha256=SHA, tokens=10),
-              ShardRecord(name="t-000001.bin", samples=1, bytes=8, sha256=SHA, idx_sha256=SHA, tokens=4)]
-    m = make_manifest(name="t", shards=shards, fields=[], kind="tokens",
-                      tokens=TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, vocab_size=300))
-    m.update(changes)
-    return m
+    """A token manifest's JSON object with ``changes``."""
+    m = make_manifest(name="t", shards=SHARDS, fields=[], kind="tokens", tokens=INFO)
+    data = m.as_dict()
+    data.update(changes)
+    return data
 
 
 def test_round_trip(tmp_path):
-    write_manifest(tmp_path, token_manifest())
+    write_manifest(tmp_path, make_manifest(name="t", shards=SHARDS, fields=[], kind="tokens", tokens=INFO))
     m = load_manifest(tmp_path)
-    assert m.kind == "tokens" and m["format_version"] == 3
+    assert m.kind == "tokens" and m.format_version == 3
     assert m.tokens == TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, vocab_size=300)
     assert [(s.name, s.idx_name, s.tokens) for s in m.shards] == [("t-000000.bin", "t-000000.idx", 10),
                                                                   ("t-000001.bin", "t-000001.idx", 4)]

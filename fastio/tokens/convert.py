@@ -26,7 +26,7 @@ from fastio.convert import DEFAULT_SHARD_SIZE, _default_workers, check_dest, res
 from fastio.converters.documents import document_files, iter_documents
 from fastio.errors import ConvertError
 from fastio.lock import DirLock, LockedError
-from fastio.manifest import SHARDS_DIR, ShardRecord, TokenInfo, make_manifest, write_manifest
+from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
@@ -224,7 +224,7 @@ def _write(config: TokenConvertConfig, eos_id: int, dtype: str) -> tuple[list[Wr
 
 
 def _manifest(config: TokenConvertConfig, shards: list[WrittenShard], empty: int, info: TokenInfo,
-              files: int) -> dict[str, Any]:
+              files: int) -> Manifest:
     records = [ShardRecord(name=s.bin_path.name, samples=s.documents, bytes=s.bin_bytes, sha256=s.bin_sha256,
                            idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens) for s in shards]
     return make_manifest(
