@@ -22,6 +22,7 @@ a stand-in; the size is still checked).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -101,6 +102,8 @@ _RUN = 4 << 20
 _EMPTY = np.empty(0, np.uint8)
 _HEADER = 512  # a tar member's header, right before its data (read with it: the member check)
 _LONG_NAME = 99  # a header name this long may be the start of a longer one (GNU long name, pax path)
+log = logging.getLogger("fastio")
+_NO_KEY = -1  # a shard whose .idx cannot be read: member names are checked by field and size, not key
 
 
 def _tar_header(header: bytes) -> tuple[bytes, int | None]:
@@ -121,14 +124,15 @@ def _tar_header(header: bytes) -> tuple[bytes, int | None]:
 
 def _member_matches(name: bytes, size: int | None, key_crc: int, field: str, want: int) -> bool:
     """Whether a member header (``name``, ``size``) is field ``field`` (its suffix, any case) of a sample
-    whose key has CRC-32 ``key_crc``, ``want`` bytes long; a long name (see :data:`_LONG_NAME`): the size only."""
+    whose key has CRC-32 ``key_crc`` (:data:`_NO_KEY`: unknown, not compared), ``want`` bytes long; a long name
+    (see :data:`_LONG_NAME`): the size only."""
     if size != want:
         return False
     if len(name) >= _LONG_NAME:
         return True
     cut = len(name) - len(field) - 1
     return (cut >= 0 and name[cut:cut + 1] == b"." and name[cut + 1:].lower() == field.encode()
-            and zlib.crc32(name[:cut]) == key_crc)
+            and (key_crc == _NO_KEY or zlib.crc32(name[:cut]) == key_crc))
 
 
 class Reader:
@@ -320,8 +324,14 @@ class Reader:
         """CRC-32 of the key of each sample of a shard, from its ``.idx`` (read on the shard's first use)."""
         crcs = self._key_crcs.get(shard_index)
         if crcs is None:
-            entries = self.ds.read_index(self.ds.shards[shard_index])
-            crcs = np.fromiter((zlib.crc32(e.key.encode()) for e in entries), np.uint32, len(entries))
+            shard = self.ds.shards[shard_index]
+            try:
+                entries = self.ds.read_index(shard)
+                crcs = np.fromiter((zlib.crc32(e.key.encode()) for e in entries), np.int64, len(entries))
+            except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
+                log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
+                            "(fastio verify names the damage)", err, shard.name)
+                crcs = np.full(shard.samples, _NO_KEY, np.int64)
             with self._key_lock:
                 crcs = self._key_crcs.setdefault(shard_index, crcs)
         return crcs

@@ -259,3 +259,19 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys,
         assert reader.read(np.arange(2))["cls"][1].tobytes() == b"1"  # samples before the swap still read
         with pytest.raises(DatasetError, match=r"key 's02': field 'cls': .* holds member 's03\.cls' of 1 bytes"):
             reader.read(np.arange(8))
+
+
+def test_a_damaged_idx_leaves_member_names_checked_by_field_and_size_and_says_so(image_dataset, caplog):
+    """The Loader reads samples.fxi, not the .idx files; the tar-header check wants their keys. A damaged .idx
+    does not stop training (as before the check), but the warning names it and what is no longer checked."""
+    for idx in (image_dataset / "shards").glob("*.idx"):
+        idx.chmod(0o644)
+        idx.write_text("garbage that no parser accepts\n")
+    with caplog.at_level(logging.WARNING, logger="fastio"):
+        loader = Loader(image_dataset, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0,
+                        num_threads=1)
+        n = sum(len(b["label"]) for b in loader)
+        loader.close()
+    assert n == len(Dataset(image_dataset))
+    said = [r.getMessage() for r in caplog.records if "checked by field and size only" in r.getMessage()]
+    assert said and "shard-000000.idx" in said[0] and "sha256" in said[0]
