@@ -22,6 +22,7 @@ _LAZY = {
     "ImageEval": "fastio.pipelines",
     "Raw": "fastio.pipelines",
     "Graph": "fastio.pipelines",
+    "Tokens": "fastio.pipelines",
     "Pipeline": "fastio.pipelines",
     "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",

@@ -234,7 +234,7 @@ class Loader:
         self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, world, rank)
         self._reader = self.pipeline.reader(rs)
         self.rank, self.world_size = rank, world
-        n = len(rs)
+        n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         if cfg.batch_size > n:
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
         if cfg.drop_last and cfg.batch_size * self.world_size > n:
@@ -300,9 +300,9 @@ class Loader:
                 raise LoaderStateError(f"loader state has {k}={state[k]!r}, this loader {k}={mine[k]!r} "
                                        f"(the sample order would differ)")
         epoch, consumed = state[K_EPOCH], state[K_CONSUMED]
-        if not (epoch >= 0 and 0 <= consumed <= len(rs)):
+        if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
-                                   f"(dataset has {len(rs)} samples)")
+                                   f"(dataset has {self._sampler.samples} samples)")
         self._close_active()
         self.epoch, self.consumed = epoch, consumed
         if not len(self._sampler.plan(epoch, consumed)):  # nothing left of that epoch at this world size

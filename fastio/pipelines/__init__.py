@@ -1,7 +1,8 @@
 """Pipeline objects: one per kind of data, each owning its options, the fields it needs, its DALI graph (or
 none) and how its batch is assembled (:mod:`fastio.pipelines.base` describes the interface the Loader uses).
 
-Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, and :class:`Graph` (a user's DALI graph).
+Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, :class:`Graph` (a user's DALI graph) and
+:class:`Tokens` (packed token sequences).
 :func:`as_pipeline` maps the Loader's old flat options to them.
 """
 
@@ -12,6 +13,8 @@ from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, decodable
 from fastio.pipelines.raw import Raw
 from fastio.pipelines.spellings import IMAGE_OPTIONS, KINDS, as_pipeline
+from fastio.pipelines.tokens import Tokens
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_OPTIONS", "KINDS", "BuiltPipeline", "Delivery", "FieldChoice",
-           "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "as_pipeline", "decodable"]
+           "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokens", "as_pipeline",
+           "decodable"]

@@ -1,0 +1,139 @@
+"""fastio.Tokens in the Loader: packed sequences as batches, ranks, drop_last/remainder, exact and elastic resume,
+refusals naming the dataset and the pipeline."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+import pytest
+from resume import check_resume, run_ranks
+from tokens_helpers import train_tokenizer
+
+import fastio
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+from fastio.tokens.dataset import TokenDataset
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens-loader")
+    tok = train_tokenizer(root / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    texts = [" ".join(rng.choice(words, int(rng.integers(1, 30)))) for _ in range(120)]
+    (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
+    return root / "ds"
+
+
+def _loader(corpus, packing="concat", **options):
+    options = {"batch_size": 4, "device": "cpu", "seed": 3, "reader_threads": 2, **options}
+    return fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=SEQ, packing=packing, window=8), **options)
+
+
+def _ids(steps):
+    return [i for step in steps for b in step for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
+
+
+def test_concat_batches_cover_the_corpus_once_on_two_ranks(corpus):
+    ds = TokenDataset(corpus)
+    steps, _ = run_ranks([_loader(corpus, world_size=2, rank=r) for r in range(2)])
+    ids = _ids(steps)
+    p = ds.packing(SEQ, seed=3, block_docs=8)
+    assert sorted(ids) == list(range(p.sequences))  # every sequence once (remainder="pad": repeats flagged)
+    stream = []
+    for step in steps:
+        for b in step:
+            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "index", "padded"}
+            t, pos, cu = b["tokens"].numpy(), b["position_ids"].numpy(), b["cu_seqlens"].numpy()
+            assert t.dtype == np.int64 and t.shape == (4, SEQ + 1) and pos.dtype == np.int64 and cu.dtype == np.int32
+            for row, s in zip(t, b["index"].tolist()):
+                assert np.array_equal(row, ds.read(p.pieces(0, s)))  # the packing's own sequence
+            after_eos = np.flatnonzero(t[:, :-1].reshape(-1) == ds.eos_id) + 1
+            starts = np.union1d(np.arange(0, t[:, :-1].size, SEQ), after_eos[after_eos < t[:, :-1].size])
+            assert np.array_equal(cu, np.r_[starts, t[:, :-1].size])
+            assert (pos[:, 0] == 0).all() and (pos[:, 1:][t[:, :-1] == ds.eos_id] == 0).all()
+            stream += [row[:-1] for row, p_ in zip(t, b["padded"].tolist()) if not p_]
+    counts = np.bincount(np.concatenate(stream), minlength=300)
+    docs = np.concatenate([s.document(j) for s in ds.shards for j in range(s.documents)]).astype(np.int64)
+    left = np.bincount(docs, minlength=300) - counts
+    assert left.min() >= 0 and left.sum() < SEQ + 1  # no token twice, at most one sequence's tail left out
+
+
+def test_best_fit_marks_padding_and_cuts_no_short_document(corpus):
+    ds = TokenDataset(corpus)
+    with _loader(corpus, packing="best-fit", batch_size=8) as ld:
+        real = 0
+        for b in ld:
+            t, mask = b["tokens"].numpy(), b["loss_mask"].numpy()
+            assert mask.dtype == bool and mask.shape == t.shape
+            real += int(mask[~b["padded"].numpy()].sum())
+            assert (t[~mask] == ds.eos_id).all()
+    longest = max(s.document(j).size for s in ds.shards for j in range(s.documents))
+    assert longest > SEQ + 1  # some documents are split; every token is still delivered once
+    assert real == ds.info.total_tokens
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_exact_resume_is_bitwise(corpus, packing):
+    state = check_resume(lambda: _loader(corpus, packing), n=5, k=6)
+    assert state["tokens"] == {"seq_len": SEQ, "packing": packing, "window": 8}
+    assert len(json.dumps(state)) < 400  # a position, not a packing buffer
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_elastic_resume_delivers_each_remaining_sequence_once(corpus, packing, old, new):
+    before, states = run_ranks([_loader(corpus, packing, world_size=old, rank=r) for r in range(old)], n=3)
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
+    after, _ = run_ranks([_loader(corpus, packing, world_size=new, rank=r) for r in range(new)], state=states[0])
+    whole, _ = run_ranks([_loader(corpus, packing)])
+    assert Counter(_ids(before) + _ids(after)) == Counter(_ids(whole))
+    assert len(set(_ids(whole))) == len(_ids(whole))
+
+
+def test_drop_last_and_partial_remainder(corpus):
+    n = TokenDataset(corpus).packing(SEQ, seed=3, block_docs=8).sequences
+    steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, drop_last=True) for r in range(3)])
+    assert len(steps) == n // 12 and len(_ids(steps)) == len(steps) * 12
+    steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, remainder="partial") for r in range(3)])
+    assert sorted(_ids(steps)) == list(range(n))
+
+
+def test_refusals_name_the_dataset_and_the_pipeline(corpus, image_dataset):
+    with pytest.raises(DatasetError, match=r"ds: a dataset of stored samples .*fastio\.Tokens reads token datasets"):
+        fastio.Loader(image_dataset, pipeline=fastio.Tokens(seq_len=8), batch_size=2, device="cpu")
+    for pipeline in ("raw", "image-train", fastio.ImageEval()):
+        with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline '(raw|image-train|image-eval)' reads "
+                                               r"stored samples: read it with fastio\.Tokens"):
+            fastio.Loader(corpus, pipeline=pipeline, batch_size=2, device="cpu")
+    with pytest.raises(DatasetError, match=r"a fastio\.Mixture of token datasets is not supported yet"):
+        fastio.Loader(fastio.Mixture({"a": corpus, "b": corpus}), pipeline=fastio.Tokens(seq_len=8), batch_size=2,
+                      device="cpu")
+    with pytest.raises(DatasetError, match=r"ds: seq_len 100000 needs more than 100000 tokens"):
+        fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=100_000), batch_size=2, device="cpu")
+    with pytest.raises(ValueError, match="packing must be one of concat, best-fit, got 'bfd'"):
+        fastio.Tokens(packing="bfd")
+    with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
+        fastio.Tokens(seq_len=0)
+
+
+def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
+    with _loader(corpus) as ld:
+        list(islice(iter(ld), 2))
+        state = ld.state_dict()
+    other = fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=SEQ + 1, window=8), batch_size=4, device="cpu",
+                          seed=3)
+    with pytest.raises(LoaderStateError, match=r"tokens seq_len=16, this Loader's fastio\.Tokens seq_len=17"):
+        other.load_state_dict(state)
+    other.close()
+    with fastio.Loader(image_dataset, pipeline="raw", batch_size=4, device="cpu", seed=3) as images:
+        image_state = images.state_dict()
+    with _loader(corpus) as ld, pytest.raises(LoaderStateError, match="not of packed token sequences"):
+        ld.load_state_dict(image_state)
