@@ -9,7 +9,8 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from resume import check_resume, run_ranks
+import torch
+from resume import batches, check_resume, run_ranks
 from tokens_helpers import train_tokenizer
 
 import fastio
@@ -137,3 +138,85 @@ def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
         image_state = images.state_dict()
     with _loader(corpus) as ld, pytest.raises(LoaderStateError, match="not of packed token sequences"):
         ld.load_state_dict(image_state)
+
+
+class _TinyLM(torch.nn.Module):
+    """A bigram model: enough to train on the token batches and compare weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 8)
+        self.out = torch.nn.Linear(8, 300)
+
+    def loss(self, batch):
+        x, y = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        return torch.nn.functional.cross_entropy(self.out(self.emb(x)).flatten(0, 1), y.flatten())
+
+
+def test_lightning_resumes_a_token_run_mid_epoch(corpus, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.seen = _TinyLM(), []
+
+        def training_step(self, batch, i):
+            self.seen.append(batch["index"].tolist())
+            return self.lm.loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(model, ckpt=None, **kwargs):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=12, **kwargs)
+        with _loader(corpus, batch_size=16) as loader:  # 139 sequences: 9 batches an epoch
+            trainer.fit(model, loader, ckpt_path=ckpt)
+
+    torch.manual_seed(0)
+    model = Module()
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=4)
+    fit(model, callbacks=[every])  # 12 steps: into epoch 1
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
+    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert (state["epoch"], state["consumed"]) == (0, 64) and state["tokens"]["seq_len"] == SEQ
+    torch.manual_seed(1)
+    resumed = Module()
+    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
+    assert resumed.seen == model.seen[4:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+
+
+def test_accelerate_save_state_then_load_state_continues_the_sequences(corpus, tmp_path, monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+
+    def run(steps, resume=None):
+        acc = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = _TinyLM()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        loader = _loader(corpus, batch_size=8)
+        acc.register_for_checkpointing(loader)
+        if resume:
+            acc.load_state(resume)
+        seen = []
+        for batch in islice(batches(loader), steps):
+            seen.append(batch["index"].tolist())
+            optimizer.zero_grad()
+            acc.backward(model.loss(batch))
+            optimizer.step()
+            if resume is None and len(seen) == 5:
+                acc.save_state("state")
+        loader.close()
+        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+        acc.end_training()
+        return seen, weights
+
+    seen, want = run(12)
+    again, got = run(7, resume="state")
+    assert again == seen[5:]
+    assert all(torch.equal(want[k], got[k]) for k in want)
