@@ -10,7 +10,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from resume import batches, check_resume, run_ranks
+from resume import batches, check_resume, run_ranks, same_batch
 from tokens_helpers import train_tokenizer
 
 import fastio
@@ -220,3 +220,49 @@ def test_accelerate_save_state_then_load_state_continues_the_sequences(corpus, t
     again, got = run(7, resume="state")
     assert again == seen[5:]
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_s3_token_dataset_reads_through_the_cache(corpus, moto_server, s3_bucket, tmp_path):
+    from fastio.errors import StorageError
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/corpus"
+    open_storage(url, moto_server.options()).publish_dir(corpus, keys_last=(MANIFEST_NAME,))
+    opening = dict(cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options())
+    remote, local = _loader(url, cache_size="1GB", **opening), _loader(corpus)
+    for _ in range(2):  # two epochs: the second from the warm cache
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+    storage = remote.stats()["storage"]
+    assert storage["waited_fills"] + storage["ahead_fills"] == 5 and storage["hits"] > 0
+    state = remote.state_dict()
+    remote.close()
+    local.close()
+    assert state["fingerprint"] == TokenDataset(corpus).fingerprint
+    shard_bytes = sum(s.stat().st_size for s in (corpus / "shards").glob("*.bin"))
+    with pytest.raises(StorageError, match=r"cache_size"):  # shuffle="global" needs every shard in the cache
+        _loader(url, cache_size=shard_bytes // 2, **{**opening, "cache_dir": str(tmp_path / "small")})
+
+
+def test_verify_checks_each_shard_before_its_first_use(corpus, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(corpus, bad)
+    shard = bad / "shards" / "shard-000003.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1  # same size, other tokens: only a checksum sees it
+    shard.write_bytes(bytes(data))
+    with _loader(bad) as ld:
+        assert len(list(ld)) == len(ld)  # verify=False: read as it is
+    with _loader(bad, verify=True) as ld:
+        with pytest.raises(DatasetError, match=r"bad: shard shard-000003\.bin: sha256 mismatch"):
+            list(ld)
+    index = bad / "shards" / "shard-000001.idx"
+    shutil.copy(corpus / "shards" / "shard-000003.bin", shard)
+    data = bytearray(index.read_bytes())
+    data[-1] ^= 1  # the last document index: the same size
+    index.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"bad: shard shard-000001\.idx: sha256 mismatch"):
+        _loader(bad, verify=True)

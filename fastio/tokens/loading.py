@@ -13,13 +13,16 @@ set's shard source, filled ahead in the order the coming sequences want them).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fastio.checksum import sha256_file
 from fastio.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.sampler import EpochPlan, Sampler, SamplerSpec
@@ -31,16 +34,30 @@ __all__ = ["TokenBatch", "TokenReader", "TokenUnits", "open_tables", "packing_of
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
     """Each shard's ``.idx`` of token dataset ``ds`` (local, or fetched and checked into the cache's metadata),
-    its documents and ``.bin`` bytes checked against the manifest."""
+    its documents and ``.bin`` bytes checked against the manifest; with ``ds.verify`` a local ``.idx``'s sha256
+    too (a fetched one always is)."""
     info = ds.manifest.tokens
     tables = []
     for shard in ds.shards:
+        if ds.verify and ds.source.cache_size is None:
+            _check_sha256(ds, shard.idx_path, shard.idx_sha256)
         index = MegatronIndex(shard.idx_path, info.dtype)
         if (index.documents, index.bin_bytes) != (shard.samples, shard.bytes):
             raise DatasetError(f"{ds.root}: shard {shard.name}: its .idx indexes {index.documents} documents in "
                                f"{index.bin_bytes} bytes, the manifest says {shard.samples} in {shard.bytes}")
         tables.append(index)
     return tables
+
+
+def _check_sha256(ds: Dataset, path: Path, want: str) -> None:
+    """DatasetError naming the shard file unless the file at ``path`` has sha256 ``want``."""
+    try:
+        _, digest = sha256_file(path)
+    except OSError as err:
+        raise DatasetError(f"{ds.root}: shard {path.name}: cannot be read: {err.strerror or err}") from None
+    if digest != want:
+        raise DatasetError(f"{ds.root}: shard {path.name}: sha256 mismatch ({digest[:12]}..., the manifest says "
+                           f"{want[:12]}...): the file changed after it was written; run fastio verify")
 
 
 def packing_of(ds: Dataset, tables: list[MegatronIndex], seq_len: int, packing: str, window: int, spec: SamplerSpec
@@ -120,6 +137,7 @@ class TokenReader:
         self._itemsize = np.dtype(ds.manifest.tokens.dtype).itemsize
         self._dtype = np.dtype(ds.manifest.tokens.dtype).newbyteorder("<")
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
 
     def submit(self, ids: np.ndarray) -> Future:
@@ -159,12 +177,18 @@ class TokenReader:
             return self._files.acquire(k)
         fd = self._fds.get(k)
         if fd is None:
-            path = self.ds.shards[k].path
+            shard = self.ds.shards[k]
+            if self.ds.verify:  # a cache's fills are always checked; a local shard before its first use
+                _check_sha256(self.ds, shard.path, shard.sha256)
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(shard.path, os.O_RDONLY)
             except OSError as err:
-                raise DatasetError(f"{path}: {err.strerror or err}") from None
-            fd = self._fds.setdefault(k, fd)
+                raise DatasetError(f"{shard.path}: {err.strerror or err}") from None
+            with self._lock:
+                if k in self._fds:  # another thread opened it meanwhile
+                    os.close(fd)
+                    return self._fds[k]
+                self._fds[k] = fd
         return fd
 
     def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
