@@ -23,6 +23,7 @@ _LAZY = {
     "Raw": "fastio.pipelines",
     "Graph": "fastio.pipelines",
     "Tokens": "fastio.pipelines",
+    "Tokenize": "fastio.pipelines",
     "Pipeline": "fastio.pipelines",
     "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",

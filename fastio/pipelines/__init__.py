@@ -13,8 +13,9 @@ from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, decodable
 from fastio.pipelines.raw import Raw
 from fastio.pipelines.spellings import IMAGE_OPTIONS, KINDS, as_pipeline
+from fastio.pipelines.text import Tokenize
 from fastio.pipelines.tokens import Tokens
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_OPTIONS", "KINDS", "BuiltPipeline", "Delivery", "FieldChoice",
-           "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokens", "as_pipeline",
+           "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokenize", "Tokens", "as_pipeline",
            "decodable"]
