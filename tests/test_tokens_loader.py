@@ -308,3 +308,23 @@ def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path):
     assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
     overlap = [s for s in after if s in before]
     assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)
+
+
+def test_inspect_order_reports_the_packing(corpus, capsys):
+    from helpers import run_cli
+
+    code, out, err = run_cli(["inspect", str(corpus), "--order", "--seq-len", str(SEQ), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)["packing"]
+    ds = TokenDataset(corpus)
+    concat = ds.packing(SEQ, block_docs=4096)
+    assert report["concat"] == {"sequences": concat.sequences,
+                                "tail_tokens": ds.info.total_tokens - concat.sequences * SEQ}
+    for fit in ("best", "first"):
+        p = ds.packing(SEQ, packing="best-fit", fit=fit, block_docs=4096)
+        assert report[f"{fit}-fit"] == {"sequences": p.sequences, "padding_fraction": round(p.padding_fraction, 6)}
+    code, out, _ = run_cli(["inspect", str(corpus), "--order", "--seq-len", str(SEQ)], capsys)
+    assert code == 0 and f"packing:  seq_len {SEQ}, window 4096 documents: concat {concat.sequences} sequences" in out
+    code, _, err = run_cli(["inspect", str(corpus), "--order", "--seq-len", "100000"], capsys)
+    assert code == 2 and err.strip().startswith("fastio: error: --seq-len 100000 needs more than 100000 tokens")
+    assert "packing" not in json.loads(run_cli(["inspect", str(corpus), "--json"], capsys)[1])
