@@ -198,16 +198,21 @@ class TokenReader:
             self._files.read_ahead(self._first_uses(batches))
 
     def _first_uses(self, batches: Callable[[], Iterable[np.ndarray]]) -> Iterator[int]:
+        """The shards the coming sequences start in, in the order they first want them (one vectorised lookup
+        per chunk of ids: this runs in a read-ahead thread beside the training loop)."""
         seen: set[int] = set()
-        n = self.packing.sequences
         for ids in batches():
-            for i in np.asarray(ids).tolist():
-                for p in self.packing.pieces(*divmod(i, n)):
-                    if p.shard not in seen:
-                        seen.add(p.shard)
-                        yield p.shard
-                if len(seen) == len(self.ds.shards):
-                    return
+            epochs, seqs = np.divmod(np.asarray(ids, np.int64), self.packing.sequences)
+            shards = np.empty(seqs.size, np.int64)
+            for e in np.unique(epochs).tolist():
+                at = epochs == e
+                shards[at] = self.packing.shards_of(e, seqs[at])
+            for k in shards.tolist():
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+            if len(seen) == len(self.ds.shards):
+                return
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
