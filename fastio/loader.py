@@ -92,7 +92,7 @@ class LoaderConfig:
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
     pipeline: str | Callable | Pipeline = "image-train"
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
-    :class:`fastio.Raw`, :class:`fastio.Graph`), a DALI graph function ``f(image, device) -> DataNode |
+    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function ``f(image, device) -> DataNode |
     dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is ``"cpu"`` or ``"mixed"``), or the
     old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
     device: str = "auto"
