@@ -92,9 +92,9 @@ class LoaderConfig:
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
     pipeline: str | Callable | Pipeline = "image-train"
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
-    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function ``f(image, device) -> DataNode |
-    dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is ``"cpu"`` or ``"mixed"``), or the
-    old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
+    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function
+    ``f(image, device) -> DataNode | dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is
+    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
     device: str = "auto"
     """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
     ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
