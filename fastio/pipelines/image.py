@@ -67,8 +67,8 @@ class _Image(Pipeline):
     """Fields delivered besides the image (default: the label field, as ``batch["label"]``); every sample must
     have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes."""
     text: dict[str, Tokenize] | tuple[tuple[str, Tokenize], ...] | None = None
-    """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), in the
-    reader threads: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
+    """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), off the
+    training thread: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
     must have them. Kept as sorted (field, Tokenize) pairs."""
 
     def __post_init__(self):
@@ -91,7 +91,7 @@ class _Image(Pipeline):
     def reader(self, read_set: Any) -> Any:
         if not self.text:
             return read_set.reader
-        return TextReader(read_set.reader, self.text, read_set.where)
+        return TextReader(read_set.reader, self.text, read_set.where, read_set.reader_threads)
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         if not self.text:

@@ -1,6 +1,6 @@
 """Text fields delivered tokenized beside images: :class:`Tokenize` (a ``tokenizer.json`` and a length) and
-:class:`TextReader`, which tokenizes each read batch's text fields in the reader's threads, off the training
-thread.
+:class:`TextReader`, which tokenizes each read batch's text fields in threads of its own beside the reader's, off
+the training thread.
 
 ``fastio.ImageTrain(size=224, text={"txt": fastio.Tokenize("tokenizer.json", max_len=77)})`` delivers
 ``batch["txt"]`` int64 [B, max_len] (the ids, cut at ``max_len``, then ``pad_id``) and ``batch["txt_mask"]`` bool
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,28 +93,22 @@ def mask_name(field: str) -> str:
 
 
 class TextReader:
-    """Reads batches with ``inner`` (a read set's reader), then tokenizes the ``text`` fields in the thread that
-    read them (``ReadBatch.text[field] = (ids, mask)``); ``where(i)`` names read-set id ``i`` in messages."""
+    """Reads batches with ``inner`` (a read set's reader), then tokenizes the ``text`` fields in one of its own
+    ``threads`` (``ReadBatch.text[field] = (ids, mask)``), never in the thread that asked for the batch;
+    ``where(i)`` names read-set id ``i`` in messages."""
 
-    def __init__(self, inner: Any, text: tuple[tuple[str, Tokenize], ...], where: Callable[[int], str]):
+    def __init__(self, inner: Any, text: tuple[tuple[str, Tokenize], ...], where: Callable[[int], str],
+                 threads: int = 2):
         self.inner, self.text, self.where = inner, text, where
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-text")
 
     def submit(self, ids: np.ndarray) -> Future:
-        done: Future = Future()
-        read = self.inner.submit(ids)
-        done.add_done_callback(lambda f: read.cancel() if f.cancelled() else None)
+        return self._pool.submit(self._tokenized, self.inner.submit(ids))
 
-        def tokenize(read: Future) -> None:  # runs in the reader thread that finished the read
-            if not done.set_running_or_notify_cancel():  # cancelled meanwhile: nobody waits for it
-                return
-            try:
-                batch = read.result()
-                batch.text = {field: tok.encode(self._texts(batch, field)) for field, tok in self.text}
-                done.set_result(batch)
-            except BaseException as err:  # noqa: BLE001 (handed to whoever waits for the batch)
-                done.set_exception(err)
-        read.add_done_callback(tokenize)
-        return done
+    def _tokenized(self, read: Future) -> Any:
+        batch = read.result()
+        batch.text = {field: tok.encode(self._texts(batch, field)) for field, tok in self.text}
+        return batch
 
     def _texts(self, batch: Any, field: str) -> list[str]:
         out = []
@@ -130,4 +124,5 @@ class TextReader:
         self.inner.read_ahead_shards(batches)
 
     def close(self) -> None:
-        """Nothing of its own: the inner reader is the read set's, closed with it."""
+        """Its threads (the inner reader is the read set's, closed with it)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
