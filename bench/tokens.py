@@ -5,14 +5,16 @@ Figures (medians over the repeats, runs interleaved on the same files):
 - ``convert``: ``fastio convert --tokenizer`` (library call, default workers) against the bare ``tokenizers``
   ``encode_batch`` limit over the same texts in one process (reported, no target: the conversion also writes,
   checksums and publishes the shards);
-- ``read vs megatron``: packed sequences (``packing="concat"``, ``seq_len``, batches of 8) read by
-  ``fastio.tokens.dataset.TokenDataset`` in the main process, against Megatron-Core's ``GPTDataset`` over the same
-  ``.bin``/``.idx`` in a ``torch.utils.data.DataLoader`` with one worker (target: 3x the tokens/s);
+- ``read vs megatron``: packed sequences (``packing="concat"``, ``seq_len``, batches of 8) delivered by
+  ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=...))`` (its reader threads, prefetch), against
+  Megatron-Core's ``GPTDataset`` over the same ``.bin``/``.idx`` in a ``torch.utils.data.DataLoader`` with one
+  worker (target: 3x the tokens/s);
 - ``read vs litdata``: against LitData's ``TokensLoader`` (``StreamingDataset`` + ``StreamingDataLoader``, one
   worker) over the same documents written by ``litdata.optimize`` (target: 3x; skipped, saying why, where
   litdata is missing: ``pip install --no-deps litdata``, its own dependencies would replace torch);
 - ``first batch at scale``: a synthetic corpus (``.idx`` files of ``scale_docs`` documents, sparse ``.bin`` files:
-  no token is read but those of the batch) opened, packed and its first batch for rank 0 of 1,024 read, in a fresh
+  no token is read but those of the batch; no manifest, so not through a Loader: the packing and the reads its
+  reader makes) opened, packed and its first batch for rank 0 of 1,024 read, in a fresh
   process: seconds from the imports on, and the process's peak resident memory (target: under 2 s; the issue's
   size is 10^8 documents of 10^11 tokens: ``--scale-docs 100000000``).
 
@@ -93,15 +95,15 @@ def bench_convert(workdir: Path, corpus: Path, tok_path: Path, texts: list[str],
 
 
 def fastio_reader(dest: Path, seq_len: int):
-    """A call reading every batch of one epoch as a trainer would take it, returning the tokens delivered."""
-    from fastio.tokens.dataset import TokenDataset
+    """A call iterating one epoch of a ``fastio.Loader`` with ``fastio.Tokens`` (the next epoch each call, as a
+    trainer takes them: sequences read ahead in the reader threads), returning the input tokens delivered."""
+    import fastio
 
-    ds = TokenDataset(dest)
-    packing = ds.packing(seq_len, seed=0)
-    sampler = packing.sampler(batch_size=BATCH, drop_last=True)
+    loader = fastio.Loader(dest, pipeline=fastio.Tokens(seq_len=seq_len), batch_size=BATCH, drop_last=True,
+                           device="cpu", seed=0)
 
     def epoch() -> int:
-        return sum(ds.batch(packing, 0, ids)["tokens"][:, :-1].size for ids, _ in sampler.plan(epoch=0).iter_batches())
+        return sum(b["tokens"][:, :-1].numel() for b in loader)
     return epoch
 
 

@@ -24,6 +24,8 @@ _LAZY = {
     "Graph": "fastio.pipelines",
     "VideoClips": "fastio.pipelines",
     "AudioClips": "fastio.pipelines",
+    "Tokens": "fastio.pipelines",
+    "Tokenize": "fastio.pipelines",
     "Pipeline": "fastio.pipelines",
     "order_quality": "fastio.inspect",
     "Checkpointer": "fastio.checkpoint",

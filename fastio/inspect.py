@@ -24,14 +24,15 @@ from fastio.sampler import SHUFFLE_MODES, epoch_order
 from fastio.source import dest_child, dest_split_names
 from fastio.tokens.megatron import MegatronIndex
 
-__all__ = ["inspect", "order_quality"]
+__all__ = ["inspect", "order_quality", "packing_report"]
 
 _READ_BATCH = 256  # samples per Reader call while probing images (bounds the bytes held at once)
 
 
 def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, seed: int = 0, epoch: int = 0,
             batch_size: int = 256, block_shards: int = 4, cache_dir: str | Path | None = None,
-            cache_size: int | str | None = None, storage_options: dict | None = None) -> dict[str, Any]:
+            cache_size: int | str | None = None, storage_options: dict | None = None, seq_len: int = 2048,
+            window: int = 4096) -> dict[str, Any]:
     """Samples, shards, bytes, fields (with how many samples have each), classes with counts, image
     formats (``image_formats``: how many samples have their image as ``jpg``, ``png``, ...; a sample's image
     is whichever image field it has) and image size statistics (headers of at most ``max_images`` evenly
@@ -40,7 +41,9 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
     (capped at the dataset size). ``skipped`` counts the inputs the conversion or index left out,
-    ``skipped_inputs`` lists them (``{path, reason}``). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
+    ``skipped_inputs`` lists them (``{path, reason}``). A token dataset: documents and tokens instead of fields
+    and images, and with ``order`` its ``"packing"`` (:func:`packing_report` for ``seq_len`` and ``window``, as
+    :class:`fastio.Tokens` packs it). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
 
     An ``s3://`` DEST is read through the node-local cache (``cache_dir``, ``cache_size``, ``storage_options``
@@ -51,7 +54,7 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     options = {"max_images": max_images, "order": order, "seed": seed, "epoch": epoch, "batch_size": batch_size,
-               "block_shards": block_shards,
+               "block_shards": block_shards, "seq_len": seq_len, "window": window,
                "opening": {"cache_dir": cache_dir, "cache_size": cache_size, "storage_options": storage_options}}
     splits = dest_split_names(dest, storage_options)
     if splits is None:
@@ -59,9 +62,28 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     return {"path": str(dest), "splits": {name: _inspect_one(dest_child(dest, name), **options) for name in splits}}
 
 
-def _inspect_tokens(ds: Dataset) -> dict[str, Any]:
+def packing_report(ds: Dataset, seq_len: int, window: int) -> dict[str, Any]:
+    """What packing token dataset ``ds`` into sequences of ``seq_len + 1`` tokens gives, per packing: ``concat``
+    (sequences, tokens left out as the tail), ``best-fit`` and ``first-fit`` (sequences and padding fraction,
+    each window of ``window`` documents packed on its own). From the ``.idx`` files; no ``.bin`` is read."""
+    from fastio.tokens.loading import open_tables
+    from fastio.tokens.packing import BestFitPacking, ConcatPacking
+
+    tables = open_tables(ds)
+    common = {"fingerprint": ds.fingerprint, "block_docs": window}
+    concat = ConcatPacking(tables, seq_len, **common)
+    out: dict[str, Any] = {"seq_len": seq_len, "window": window,
+                           "concat": {"sequences": concat.sequences,
+                                      "tail_tokens": concat.total_tokens - concat.sequences * seq_len}}
+    for fit in ("best", "first"):
+        packing = BestFitPacking(tables, seq_len, fit=fit, **common)
+        out[f"{fit}-fit"] = {"sequences": packing.sequences, "padding_fraction": round(packing.padding_fraction, 6)}
+    return out
+
+
+def _inspect_tokens(ds: Dataset, order: bool, seq_len: int, window: int) -> dict[str, Any]:
     """A token dataset: documents, tokens, token type, end-of-document id, tokens per document (from the
-    ``.idx`` files; no ``.bin`` is read)."""
+    ``.idx`` files; no ``.bin`` is read); with ``order`` the packing report."""
     lengths = np.concatenate([np.diff(MegatronIndex(s.idx_path, ds.manifest.tokens.dtype).starts(
         np.arange(s.samples + 1))) for s in ds.shards] or [np.zeros(0, np.int64)])
     per_doc = ({"min": int(lengths.min()), "median": float(np.median(lengths)), "mean": round(float(lengths.mean()), 1),
@@ -69,7 +91,8 @@ def _inspect_tokens(ds: Dataset) -> dict[str, Any]:
     return {"path": str(ds.root), "samples": len(ds), "shards": len(ds.shards),
             "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.source,
             "fields": {}, "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
-            "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc}}
+            "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc},
+            **({"packing": packing_report(ds, seq_len, window)} if order else {})}
 
 
 def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int = 0, epoch: int = 0,
@@ -196,10 +219,10 @@ def _image_info(ds: Dataset, max_images: int) -> dict[str, Any]:
 
 
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
-                 block_shards: int, opening: dict[str, Any]) -> dict[str, Any]:
+                 block_shards: int, seq_len: int, window: int, opening: dict[str, Any]) -> dict[str, Any]:
     ds = Dataset(root, **opening)
     if ds.manifest.tokens is not None:
-        return _inspect_tokens(ds)
+        return _inspect_tokens(ds, order, seq_len, window)
     table = ds.table
     n = len(ds)
     info: dict[str, Any] = {

@@ -91,9 +91,9 @@ class LoaderConfig:
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
     pipeline: str | Callable | Pipeline = "image-train"
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
-    :class:`fastio.Raw`, :class:`fastio.Graph`), a DALI graph function ``f(image, device) -> DataNode |
-    dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is ``"cpu"`` or ``"mixed"``), or the
-    old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
+    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function
+    ``f(image, device) -> DataNode | dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is
+    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
     device: str = "auto"
     """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
     ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
@@ -234,7 +234,7 @@ class Loader:
         self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, world, rank)
         self._reader = self.pipeline.reader(rs)
         self.rank, self.world_size = rank, world
-        n = len(rs)
+        n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         if cfg.batch_size > n:
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
         if cfg.drop_last and cfg.batch_size * self.world_size > n:
@@ -309,9 +309,9 @@ class Loader:
                 raise LoaderStateError(f"loader state has {k}={state[k]!r}, this loader {k}={mine[k]!r} "
                                        f"(the sample order would differ)")
         epoch, consumed = state[K_EPOCH], state[K_CONSUMED]
-        if not (epoch >= 0 and 0 <= consumed <= len(rs)):
+        if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
-                                   f"(dataset has {len(rs)} samples)")
+                                   f"(dataset has {self._sampler.samples} samples)")
         return state
 
     # -- iteration ----------------------------------------------------------------------------------

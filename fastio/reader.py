@@ -93,6 +93,8 @@ class ReadBatch:
         self.indices, self.fields, self.sizes = indices, fields, sizes
         self.image, self.image_field = image, image_field
         self.present = present if present is not None else {f: np.ones(len(indices), bool) for f in fields}
+        self.text: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        """Text fields tokenized once read, off the training thread: field -> (ids, mask) (:mod:`fastio.pipelines.text`)."""
 
 
 # Neighbouring byte ranges of one shard are read with one pread when the gap between them is at most

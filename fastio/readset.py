@@ -38,7 +38,8 @@ class _Source:
     """One dataset as the read set reads it (the dataset, or one source of a mixture)."""
 
     dataset: Dataset
-    reader: Reader
+    reader: Reader | None
+    """None where the pipeline reads no stored sample (its own reader reads the shards: :class:`fastio.Tokens`)."""
     files: Any
     """The shard source of an ``s3://`` dataset (its cache), else None."""
     label_field: str | None
@@ -58,6 +59,7 @@ class ReadSet:
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
         choice = pipeline.choose_fields(labels, shared)
         depth = _check_shared_caches(self.names, datasets, options)
+        self.reader_threads: int = options.reader_threads
         self.sources = self._open(datasets, choice, options, depth)
         first = self.sources[0]
         named = {s.label_field for s in self.sources}
@@ -65,7 +67,7 @@ class ReadSet:
         """The field holding every dataset's labels, when all name it alike (delivered as bytes too, by raw)."""
         self.labelled: bool = choice.label
         """Whether ``batch["label"]`` is delivered (each dataset's own label field)."""
-        others = [f for f in first.reader.fields if f != first.label_field]
+        others = [f for f in (first.reader.fields if first.reader else []) if f != first.label_field]
         self.columns: tuple[str, ...] = (*others, self.label_column) if self.label_column else tuple(others)
         """The read fields delivered under their own names, in order."""
         self.reader = self._reader()
@@ -93,7 +95,7 @@ class ReadSet:
                     raise self._named(name, err) from None
         except BaseException:
             for s in sources:
-                s.reader.close()
+                _close_source(s)
             raise
         return sources
 
@@ -190,7 +192,11 @@ class ReadSet:
         return None
 
     def close(self) -> None:
-        self.reader.close()
+        if self.sources[0].reader is not None:
+            self.reader.close()
+        else:  # no reader of stored samples: the shard sources are closed here
+            for s in self.sources:
+                _close_source(s)
 
 
 class DatasetReadSet(ReadSet):
@@ -295,8 +301,9 @@ def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Pipeline, opt
 
 def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: int, options: Any,
                  label_field: str | None, read_ahead: int | None = None) -> _Source:
-    """The reader of ``ds`` for ``pipeline`` delivering ``fields``, with at most ``read_ahead`` shards read ahead
-    (default ``options.shard_read_ahead``; fewer where the cache has no room for them)."""
+    """The reader of ``ds`` for ``pipeline`` delivering ``fields`` (none where the pipeline reads no stored
+    sample: then only its shard source), with at most ``read_ahead`` shards read ahead (default
+    ``options.shard_read_ahead``; fewer where the cache has no room for them)."""
     wanted = pipeline.read_fields(ds, fields)
     need = None
     depth = options.shard_read_ahead if read_ahead is None else read_ahead
@@ -307,9 +314,18 @@ def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: in
         need = working_set_bytes(sizes, options.shuffle, options.block_shards, depth)
     # None: local files; a cache's files claim their working set beside this process's other Loaders' there
     files = ds.source.shard_files(ds.shards, read_ahead=depth, working_set=need)
+    if wanted is None:
+        return _Source(ds, None, files, label_field)
     reader = Reader(ds, wanted.fields, threads=threads, verify=options.verify, image=wanted.image,
                     sizes=wanted.sizes, optional=wanted.optional, transcode=wanted.transcode, files=files)
     return _Source(ds, reader, files, label_field)
+
+
+def _close_source(s: _Source) -> None:
+    if s.reader is not None:
+        s.reader.close()
+    elif s.files is not None:
+        s.files.close()
 
 
 def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Any) -> dict[str, int]:

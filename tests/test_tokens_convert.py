@@ -194,7 +194,8 @@ def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
         Dataset(tmp_path / "ds").index  # noqa: B018
     import fastio
 
-    with pytest.raises(DatasetError, match=r"ds: a token dataset .*read by fastio\.tokens"):  # not yet the Loader's
+    with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline 'raw' reads stored samples: read it with "
+                                           r"fastio\.Tokens"):
         next(iter(fastio.Loader(tmp_path / "ds", batch_size=2, device="cpu", pipeline="raw")))
 
 

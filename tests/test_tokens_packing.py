@@ -257,3 +257,16 @@ def test_masked_fields_treat_padding_as_one_segment():
     mask = np.array([[1, 1, 1, 1, 1, 0, 0]], bool)
     assert position_ids(tokens, EOS, mask).tolist() == [[0, 1, 0, 1, 2, 0, 1]]
     assert cu_seqlens(tokens, EOS, mask).tolist() == [0, 2, 5, 6]
+
+
+@pytest.mark.parametrize("shuffle", ["global", "none"])
+def test_shards_of_is_the_shard_each_sequence_starts_in(shuffle):
+    from fastio.tokens.packing import BestFitPacking
+
+    tables = best_fit_corpus()
+    for p in (ConcatPacking(tables, 16, seed=1, shuffle=shuffle, fingerprint="f", block_docs=4),
+              BestFitPacking(tables, 32, seed=1, shuffle=shuffle, fingerprint="f", block_docs=4)):
+        for epoch in (0, 3):
+            seqs = np.arange(p.sequences)
+            want = [p.pieces(epoch, int(s))[0].shard for s in seqs]
+            assert p.shards_of(epoch, seqs[::-1]).tolist() == want[::-1]

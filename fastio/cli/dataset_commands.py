@@ -298,14 +298,18 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True, help="Epoch for --order.")
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="A token dataset's --order: sequences of this many tokens (+1), packed as fastio.Tokens does "
+                   "(concat: sequences and tail; best-fit and first-fit: padding).")
 @click.option("--skipped", "list_skipped", is_flag=True,
               help="List every input the conversion or index left out, with its reason (and nothing else).")
 @storage_flags(cache=True)
 def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, epoch: int,
-            batch_size: int, list_skipped: bool, endpoint_url: str | None, region: str | None, profile: str | None,
-            cache_dir: Path | None, cache_size: str | None) -> None:
+            batch_size: int, seq_len: int, list_skipped: bool, endpoint_url: str | None, region: str | None,
+            profile: str | None, cache_dir: Path | None, cache_size: str | None) -> None:
     """Describe DEST: samples, shards, bytes, fields, classes with counts, image sizes (and, with
-    --order, how well each shuffle mode of the Loader mixes the data). A --split DEST: each split.
+    --order, how well each shuffle mode of the Loader mixes the data). A token dataset: documents and tokens
+    (with --order, its packing into --seq-len sequences). A --split DEST: each split.
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.inspect import inspect as run_inspect
 
@@ -315,7 +319,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
         return
     try:
         info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
-                           cache_dir=cache_dir, cache_size=cache_size,
+                           cache_dir=cache_dir, cache_size=cache_size, seq_len=seq_len,
                            storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
@@ -329,6 +333,15 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
             show(sub)
     else:
         show(info)
+
+
+def _print_packing(p: dict[str, Any] | None) -> None:
+    if p:
+        c = p["concat"]
+        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat {c['sequences']} "
+                   f"sequences ({c['tail_tokens']} tokens of tail left out); best-fit {p['best-fit']['sequences']} "
+                   f"(padding {p['best-fit']['padding_fraction']:.1%}), first-fit {p['first-fit']['sequences']} "
+                   f"(padding {p['first-fit']['padding_fraction']:.1%})")
 
 
 def _print_skipped(info: dict[str, Any]) -> None:
@@ -389,6 +402,7 @@ def _print_info(info: dict[str, Any]) -> None:
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
                    f"(end of document: id {tokens['eos_id']}; vocabulary: {tokens.get('vocab_size') or 'not recorded'}"
                    f"); tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
+        _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
     if info.get("classes"):

@@ -1,8 +1,9 @@
 """Pipeline objects: one per kind of data, each owning its options, the fields it needs, its DALI graph (or
 none) and how its batch is assembled (:mod:`fastio.pipelines.base` describes the interface the Loader uses).
 
-Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, :class:`Graph` (a user's DALI graph), and the
-clip kinds :class:`VideoClips` and :class:`AudioClips` (``media.py``).
+Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, :class:`Graph` (a user's DALI graph),
+:class:`Tokens` (packed token sequences), and the clip kinds :class:`VideoClips` and :class:`AudioClips`
+(``media.py``).
 :func:`as_pipeline` maps the Loader's old flat options to them.
 """
 
@@ -14,7 +15,9 @@ from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, Image
 from fastio.pipelines.media import AudioClips, VideoClips
 from fastio.pipelines.raw import Raw
 from fastio.pipelines.spellings import IMAGE_OPTIONS, KINDS, as_pipeline
+from fastio.pipelines.text import Tokenize
+from fastio.pipelines.tokens import Tokens
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_OPTIONS", "KINDS", "AudioClips", "BuiltPipeline", "Delivery",
-           "FieldChoice", "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "VideoClips",
-           "as_pipeline", "decodable"]
+           "FieldChoice", "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokenize", "Tokens",
+           "VideoClips", "as_pipeline", "decodable"]

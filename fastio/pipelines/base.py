@@ -125,8 +125,10 @@ class Pipeline:
             return FieldChoice(tuple(others), bool(named), named[0] if named else None)
         return FieldChoice((), any(label_fields), next((f for f in label_fields if f), None))
 
-    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
-        """What to read of ``ds`` to deliver ``fields`` (DatasetError naming what it lacks)."""
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
+        """What to read of ``ds`` to deliver ``fields`` (DatasetError naming what it lacks); None for a kind
+        that reads no stored sample (its :meth:`reader` reads the shards)."""
+        self.refuse_tokens(ds)
         if ds.image_field is None:
             raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
         # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
@@ -136,6 +138,12 @@ class Pipeline:
         ds.require_fields(list(fields), in_every_sample=True)
         return ReadFields(tuple(f for f in fields if f != ds.image_field), image, self.needs_image_size, image,
                           decodable)
+
+    def refuse_tokens(self, ds: Dataset) -> None:
+        """DatasetError naming ``ds`` and this kind when ``ds`` is a token dataset (its shards hold no samples)."""
+        if ds.manifest.tokens is not None:
+            raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {self.kind!r} "
+                               "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
 
     # -- the graph ----------------------------------------------------------------------------------
 

@@ -9,14 +9,17 @@ Crop and flip parameters are a pure function of ``(seed, epoch, global index)`` 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from fastio.augment import random_resized_crop
-from fastio.pipelines.base import BuiltPipeline, Pipeline, check_fields, decodable, run_graph
+from fastio.pipelines.base import BuiltPipeline, Delivery, FieldChoice, Pipeline, check_fields, decodable, run_graph
+from fastio.pipelines.text import TextReader, Tokenize, check_text, mask_name
 
 if TYPE_CHECKING:
     from fastio.reader import ReadBatch
@@ -63,8 +66,13 @@ class _Image(Pipeline):
     fields: tuple[str, ...] | None = None
     """Fields delivered besides the image (default: the label field, as ``batch["label"]``); every sample must
     have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes."""
+    text: dict[str, Tokenize] | tuple[tuple[str, Tokenize], ...] | None = None
+    """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), off the
+    training thread: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
+    must have them. Kept as sorted (field, Tokenize) pairs."""
 
     def __post_init__(self):
+        object.__setattr__(self, "text", check_text(self.text))
         object.__setattr__(self, "mean", tuple(self.mean))
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "fields", check_fields(self.fields))
@@ -74,6 +82,28 @@ class _Image(Pipeline):
     def image_size(self) -> int:
         """The old name of ``size`` (``LoaderConfig(image_size=...)``)."""
         return self.size
+
+    def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:
+        choice = super().choose_fields(label_fields, shared)
+        text = [f for f, _ in self.text or () if f not in choice.others]
+        return dataclasses.replace(choice, others=(*choice.others, *text)) if text else choice
+
+    def reader(self, read_set: Any) -> Any:
+        if not self.text:
+            return read_set.reader
+        return TextReader(read_set.reader, self.text, read_set.where, read_set.reader_threads)
+
+    def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
+        if not self.text:
+            return super().assemble(outputs, delivery)
+        import torch
+
+        fields = dict(self.text)
+        batch = super().assemble(outputs, dataclasses.replace(
+            delivery, columns=tuple(f for f in delivery.columns if f not in fields)))
+        for field, (ids, mask) in delivery.read.text.items():
+            batch[field], batch[mask_name(field)] = torch.from_numpy(ids), torch.from_numpy(mask)
+        return batch
 
     def _normalize(self) -> dict[str, Any]:
         """``crop_mirror_normalize``'s dtype, mean, std and layout (on the 0..255 scale)."""

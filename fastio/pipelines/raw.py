@@ -40,6 +40,7 @@ class Raw(Pipeline):
         return FieldChoice(tuple(others), label, next((f for f in label_fields if f), None))
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        self.refuse_tokens(ds)
         ds.require_fields(list(fields))
         return ReadFields(tuple(fields), optional=tuple(f for f in fields if f != ds.label_field))
 

@@ -148,6 +148,17 @@ class _BlockPacking:
                 self._cache.popitem(last=False)
         return value
 
+    def shards_of(self, epoch: int, sequences: np.ndarray) -> np.ndarray:
+        """The shard each of ``sequences`` of ``epoch`` starts in (its first piece's; vectorised, for reading
+        shards ahead in the order the sequences want them)."""
+        sizes, units = self._units(np.asarray(sequences, np.int64))
+        perm, slot_start = self._slots(epoch, sizes)
+        return self._blk_shard[perm[np.searchsorted(slot_start, units, "right") - 1]]
+
+    def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(what each block holds, where each of ``sequences`` starts) in the same units."""
+        raise NotImplementedError
+
     def _documents(self, b: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token offset in its shard, length) of block ``b``'s documents at local positions ``order``."""
         docs = self._blk_first[b] + order
@@ -171,6 +182,9 @@ class ConcatPacking(_BlockPacking):
             raise ValueError(f"seq_len {seq_len} needs more than {seq_len} tokens; the corpus holds "
                              f"{self.total_tokens}")
         self.sequences = (self.total_tokens - 1) // seq_len
+
+    def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._blk_tokens, sequences * self.seq_len  # stream tokens
 
     def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(token offset in its shard of each document of block ``b`` in its shuffled order, prefix sums of
@@ -240,6 +254,9 @@ class BestFitPacking(_BlockPacking):
     def padding_fraction(self) -> float:
         """Padding tokens over all tokens of an epoch's sequences."""
         return 1.0 - self.total_tokens / (self.sequences * (self.seq_len + 1))
+
+    def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._bins, sequences  # sequences
 
     def _pack(self, b: int) -> list[list[Piece]]:
         """Block ``b``'s sequences: the pieces of each, in placement order (cached: a few blocks)."""

@@ -1,0 +1,114 @@
+""":class:`Tokens`: packed sequences of a token dataset (``fastio convert --tokenizer``, ``fastio index --eos-id``),
+no DALI graph. Its unit is a packed sequence, not a stored sample: it brings its own unit plan and reader
+(:mod:`fastio.tokens.loading`)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.pipelines.base import Delivery, FieldChoice, Pipeline
+from fastio.tokens.packing import PACKINGS
+
+if TYPE_CHECKING:
+    from fastio.dataset import Dataset
+
+__all__ = ["Tokens"]
+
+K_TOKENS = "tokens"
+"""The Loader state's entry of a :class:`Tokens` pipeline."""
+_PACKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Read set -> the packing :meth:`Tokens.unit_plan` made for it, which :meth:`Tokens.reader` reads (a pipeline
+object is frozen and may serve several Loaders)."""
+
+
+@dataclass(frozen=True)
+class Tokens(Pipeline):
+    """Packed sequences of ``seq_len + 1`` tokens: ``batch["tokens"]`` int64 [B, seq_len + 1] (inputs
+    ``tokens[:, :-1]``, targets ``tokens[:, 1:]``), ``batch["position_ids"]`` int64 [B, seq_len + 1] (0 at each
+    sequence start and right after every end-of-document token), ``batch["cu_seqlens"]`` int32 [n + 1] (document
+    boundaries in the flattened inputs ``tokens[:, :-1]``, for variable-length attention); with
+    ``packing="best-fit"`` also ``batch["loss_mask"]`` bool [B, seq_len + 1] (False on padding: a target
+    ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``). ``batch["index"]`` holds the sequence ids. Tensors stay
+    on the CPU.
+
+    ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=2048), batch_size=8)``; ``shuffle`` is ``global`` or
+    ``none``; the order is a pure function of (seed, epoch, the corpus, the options below), so ranks, drop_last,
+    remainder and exact or elastic resume work as for stored samples (docs/tokens.md).
+    """
+
+    kind: ClassVar[str] = "tokens"
+    decodes: ClassVar[bool] = False
+    seq_len: int = 2048
+    """Tokens of input per sequence (each sequence holds ``seq_len + 1``: one of overlap with the next)."""
+    packing: str = "concat"
+    """``concat`` (documents in a drawn order concatenated and cut, as Megatron does: every token once per
+    epoch but the tail) or ``best-fit`` (whole documents fill sequences by best-fit decreasing, padding marked in
+    ``loss_mask``; documents longer than ``seq_len + 1`` tokens are split)."""
+    window: int = 4096
+    """Documents per block: the order shuffles blocks of this many consecutive documents of a shard, and the
+    documents within each; best-fit packs each block on its own."""
+
+    def __post_init__(self):
+        for name in ("seq_len", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+
+    def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:
+        return FieldChoice((), False)
+
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> None:
+        """None: no stored sample is read (the read set opens only the shard source); refuses a dataset of
+        stored samples."""
+        if ds.manifest.tokens is None:
+            raise DatasetError(f"{ds.root}: a dataset of stored samples (kind {ds.manifest.kind!r}), and "
+                               f"fastio.Tokens reads token datasets (fastio convert --tokenizer, fastio index "
+                               "--eos-id); read it with fastio.ImageTrain, fastio.Raw, ...")
+        return None
+
+    def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:
+        from fastio.tokens.loading import TokenUnits, open_tables, packing_of
+
+        if read_set.mixture is not None:
+            raise DatasetError(f"{read_set.root}: fastio.Tokens reads one token dataset; a fastio.Mixture of token "
+                               "datasets is not supported yet")
+        ds = read_set.target
+        packing = packing_of(ds, open_tables(ds), self.seq_len, self.packing, self.window, sampling)
+        sampler = packing.sampler(batch_size=sampling.batch_size, world_size=world_size, rank=rank,
+                                  drop_last=sampling.drop_last, remainder=sampling.remainder)
+        _PACKINGS[read_set] = packing
+        return TokenUnits(packing, sampler)
+
+    def reader(self, read_set: Any) -> Any:
+        from fastio.tokens.loading import TokenReader
+
+        return TokenReader(read_set.target, _PACKINGS[read_set], read_set.sources[0].files, read_set.reader_threads)
+
+    def build(self, source, **_options: Any) -> None:
+        return None
+
+    def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
+        import torch
+
+        arrays = delivery.read.arrays
+        names = ("tokens", "position_ids", "cu_seqlens") + (("loss_mask",) if self.packing == "best-fit" else ())
+        return {name: torch.from_numpy(arrays[name]) for name in names}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {K_TOKENS: {"seq_len": self.seq_len, "packing": self.packing, "window": self.window}}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        mine, saved = self.state_dict()[K_TOKENS], state.get(K_TOKENS)
+        if saved is None:
+            raise LoaderStateError("loader state is not of packed token sequences (no 'tokens' entry), this Loader "
+                                   "reads fastio.Tokens")
+        for key, value in mine.items():
+            if saved.get(key) != value:
+                raise LoaderStateError(f"loader state has tokens {key}={saved.get(key)!r}, this Loader's "
+                                       f"fastio.Tokens {key}={value!r} (the sequences would differ)")

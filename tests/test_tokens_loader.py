@@ -1,0 +1,330 @@
+"""fastio.Tokens in the Loader: packed sequences as batches, ranks, drop_last/remainder, exact and elastic resume,
+refusals naming the dataset and the pipeline."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+from resume import batches, check_resume, run_ranks, same_batch
+from tokens_helpers import train_tokenizer
+
+import fastio
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+from fastio.tokens.dataset import TokenDataset
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens-loader")
+    tok = train_tokenizer(root / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    texts = [" ".join(rng.choice(words, int(rng.integers(1, 30)))) for _ in range(120)]
+    (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
+    return root / "ds"
+
+
+def _loader(corpus, packing="concat", **options):
+    options = {"batch_size": 4, "device": "cpu", "seed": 3, "reader_threads": 2, **options}
+    return fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=SEQ, packing=packing, window=8), **options)
+
+
+def _ids(steps):
+    return [i for step in steps for b in step for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
+
+
+def test_concat_batches_cover_the_corpus_once_on_two_ranks(corpus):
+    ds = TokenDataset(corpus)
+    steps, _ = run_ranks([_loader(corpus, world_size=2, rank=r) for r in range(2)])
+    ids = _ids(steps)
+    p = ds.packing(SEQ, seed=3, block_docs=8)
+    assert sorted(ids) == list(range(p.sequences))  # every sequence once (remainder="pad": repeats flagged)
+    stream = []
+    for step in steps:
+        for b in step:
+            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "index", "padded"}
+            t, pos, cu = b["tokens"].numpy(), b["position_ids"].numpy(), b["cu_seqlens"].numpy()
+            assert t.dtype == np.int64 and t.shape == (4, SEQ + 1) and pos.dtype == np.int64 and cu.dtype == np.int32
+            for row, s in zip(t, b["index"].tolist()):
+                assert np.array_equal(row, ds.read(p.pieces(0, s)))  # the packing's own sequence
+            after_eos = np.flatnonzero(t[:, :-1].reshape(-1) == ds.eos_id) + 1
+            starts = np.union1d(np.arange(0, t[:, :-1].size, SEQ), after_eos[after_eos < t[:, :-1].size])
+            assert np.array_equal(cu, np.r_[starts, t[:, :-1].size])
+            assert (pos[:, 0] == 0).all() and (pos[:, 1:][t[:, :-1] == ds.eos_id] == 0).all()
+            stream += [row[:-1] for row, p_ in zip(t, b["padded"].tolist()) if not p_]
+    counts = np.bincount(np.concatenate(stream), minlength=300)
+    docs = np.concatenate([s.document(j) for s in ds.shards for j in range(s.documents)]).astype(np.int64)
+    left = np.bincount(docs, minlength=300) - counts
+    assert left.min() >= 0 and left.sum() < SEQ + 1  # no token twice, at most one sequence's tail left out
+
+
+def test_best_fit_marks_padding_and_cuts_no_short_document(corpus):
+    ds = TokenDataset(corpus)
+    with _loader(corpus, packing="best-fit", batch_size=8) as ld:
+        real = 0
+        for b in ld:
+            t, mask = b["tokens"].numpy(), b["loss_mask"].numpy()
+            assert mask.dtype == bool and mask.shape == t.shape
+            real += int(mask[~b["padded"].numpy()].sum())
+            assert (t[~mask] == ds.eos_id).all()
+    longest = max(s.document(j).size for s in ds.shards for j in range(s.documents))
+    assert longest > SEQ + 1  # some documents are split; every token is still delivered once
+    assert real == ds.info.total_tokens
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_exact_resume_is_bitwise(corpus, packing):
+    state = check_resume(lambda: _loader(corpus, packing), n=5, k=6)
+    assert state["tokens"] == {"seq_len": SEQ, "packing": packing, "window": 8}
+    assert len(json.dumps(state)) < 400  # a position, not a packing buffer
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_elastic_resume_delivers_each_remaining_sequence_once(corpus, packing, old, new):
+    before, states = run_ranks([_loader(corpus, packing, world_size=old, rank=r) for r in range(old)], n=3)
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
+    after, _ = run_ranks([_loader(corpus, packing, world_size=new, rank=r) for r in range(new)], state=states[0])
+    whole, _ = run_ranks([_loader(corpus, packing)])
+    assert Counter(_ids(before) + _ids(after)) == Counter(_ids(whole))
+    assert len(set(_ids(whole))) == len(_ids(whole))
+
+
+def test_drop_last_and_partial_remainder(corpus):
+    n = TokenDataset(corpus).packing(SEQ, seed=3, block_docs=8).sequences
+    steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, drop_last=True) for r in range(3)])
+    assert len(steps) == n // 12 and len(_ids(steps)) == len(steps) * 12
+    steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, remainder="partial") for r in range(3)])
+    assert sorted(_ids(steps)) == list(range(n))
+
+
+def test_refusals_name_the_dataset_and_the_pipeline(corpus, image_dataset):
+    with pytest.raises(DatasetError, match=r"ds: a dataset of stored samples .*fastio\.Tokens reads token datasets"):
+        fastio.Loader(image_dataset, pipeline=fastio.Tokens(seq_len=8), batch_size=2, device="cpu")
+    for pipeline in ("raw", "image-train", fastio.ImageEval()):
+        with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline '(raw|image-train|image-eval)' reads "
+                                               r"stored samples: read it with fastio\.Tokens"):
+            fastio.Loader(corpus, pipeline=pipeline, batch_size=2, device="cpu")
+    with pytest.raises(DatasetError, match=r"a fastio\.Mixture of token datasets is not supported yet"):
+        fastio.Loader(fastio.Mixture({"a": corpus, "b": corpus}), pipeline=fastio.Tokens(seq_len=8), batch_size=2,
+                      device="cpu")
+    with pytest.raises(DatasetError, match=r"ds: seq_len 100000 needs more than 100000 tokens"):
+        fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=100_000), batch_size=2, device="cpu")
+    with pytest.raises(ValueError, match="packing must be one of concat, best-fit, got 'bfd'"):
+        fastio.Tokens(packing="bfd")
+    with pytest.raises(ValueError, match="seq_len must be a positive integer, got 0"):
+        fastio.Tokens(seq_len=0)
+
+
+def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
+    with _loader(corpus) as ld:
+        list(islice(iter(ld), 2))
+        state = ld.state_dict()
+    other = fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=SEQ + 1, window=8), batch_size=4, device="cpu",
+                          seed=3)
+    with pytest.raises(LoaderStateError, match=r"tokens seq_len=16, this Loader's fastio\.Tokens seq_len=17"):
+        other.load_state_dict(state)
+    other.close()
+    with fastio.Loader(image_dataset, pipeline="raw", batch_size=4, device="cpu", seed=3) as images:
+        image_state = images.state_dict()
+    with _loader(corpus) as ld, pytest.raises(LoaderStateError, match="not of packed token sequences"):
+        ld.load_state_dict(image_state)
+
+
+class _TinyLM(torch.nn.Module):
+    """A bigram model: enough to train on the token batches and compare weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 8)
+        self.out = torch.nn.Linear(8, 300)
+
+    def loss(self, batch):
+        x, y = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+        return torch.nn.functional.cross_entropy(self.out(self.emb(x)).flatten(0, 1), y.flatten())
+
+
+def test_lightning_resumes_a_token_run_mid_epoch(corpus, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.seen = _TinyLM(), []
+
+        def training_step(self, batch, i):
+            self.seen.append(batch["index"].tolist())
+            return self.lm.loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(model, ckpt=None, **kwargs):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=12, **kwargs)
+        with _loader(corpus, batch_size=16) as loader:  # 139 sequences: 9 batches an epoch
+            trainer.fit(model, loader, ckpt_path=ckpt)
+
+    torch.manual_seed(0)
+    model = Module()
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=4)
+    fit(model, callbacks=[every])  # 12 steps: into epoch 1
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
+    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert (state["epoch"], state["consumed"]) == (0, 64) and state["tokens"]["seq_len"] == SEQ
+    torch.manual_seed(1)
+    resumed = Module()
+    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
+    assert resumed.seen == model.seen[4:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+
+
+def test_accelerate_save_state_then_load_state_continues_the_sequences(corpus, tmp_path, monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+
+    def run(steps, resume=None):
+        acc = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = _TinyLM()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        loader = _loader(corpus, batch_size=8)
+        acc.register_for_checkpointing(loader)
+        if resume:
+            acc.load_state(resume)
+        seen = []
+        for batch in islice(batches(loader), steps):
+            seen.append(batch["index"].tolist())
+            optimizer.zero_grad()
+            acc.backward(model.loss(batch))
+            optimizer.step()
+            if resume is None and len(seen) == 5:
+                acc.save_state("state")
+        loader.close()
+        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+        acc.end_training()
+        return seen, weights
+
+    seen, want = run(12)
+    again, got = run(7, resume="state")
+    assert again == seen[5:]
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_s3_token_dataset_reads_through_the_cache(corpus, moto_server, s3_bucket, tmp_path):
+    from fastio.errors import StorageError
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/corpus"
+    open_storage(url, moto_server.options()).publish_dir(corpus, keys_last=(MANIFEST_NAME,))
+    opening = dict(cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options())
+    remote, local = _loader(url, cache_size="1GB", **opening), _loader(corpus)
+    for _ in range(2):  # two epochs: the second from the warm cache
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+    storage = remote.stats()["storage"]
+    assert storage["waited_fills"] + storage["ahead_fills"] == 5 and storage["hits"] > 0
+    state = remote.state_dict()
+    remote.close()
+    local.close()
+    assert state["fingerprint"] == TokenDataset(corpus).fingerprint
+    shard_bytes = sum(s.stat().st_size for s in (corpus / "shards").glob("*.bin"))
+    with pytest.raises(StorageError, match=r"cache_size"):  # shuffle="global" needs every shard in the cache
+        _loader(url, cache_size=shard_bytes // 2, **{**opening, "cache_dir": str(tmp_path / "small")})
+
+
+def test_verify_checks_each_shard_before_its_first_use(corpus, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(corpus, bad)
+    shard = bad / "shards" / "shard-000003.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1  # same size, other tokens: only a checksum sees it
+    shard.write_bytes(bytes(data))
+    with _loader(bad) as ld:
+        assert len(list(ld)) == len(ld)  # verify=False: read as it is
+    with _loader(bad, verify=True) as ld:
+        with pytest.raises(DatasetError, match=r"bad: shard shard-000003\.bin: sha256 mismatch"):
+            list(ld)
+    index = bad / "shards" / "shard-000001.idx"
+    shutil.copy(corpus / "shards" / "shard-000003.bin", shard)
+    data = bytearray(index.read_bytes())
+    data[-1] ^= 1  # the last document index: the same size
+    index.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"bad: shard shard-000001\.idx: sha256 mismatch"):
+        _loader(bad, verify=True)
+
+
+def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path):
+    """examples/gpt_train.py killed with SIGKILL mid-run: the same command continues from its last committed
+    step with the same sequences and bit-identical losses."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "gpt_train.py"
+    command = [sys.executable, str(example), str(corpus), str(tmp_path / "ckpt"), "--seq-len", "32",
+               "--batch-size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.Popen([*command, "--steps", "500"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env)
+    lines = []
+    for line in killed.stdout:
+        lines.append(line)
+        if line.startswith("step 13 "):
+            break
+    deadline = time.monotonic() + 60
+    while not list((tmp_path / "ckpt").glob("step-*[0-9]")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    lines += killed.stdout.readlines()
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    done = subprocess.run([*command, "--steps", "18"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def steps(text):
+        return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) (loss .*)$", text, re.M)}
+
+    before, after = steps("".join(lines)), steps(done.stdout)
+    start = int(re.search(r"^resumed at step (\d+)$", done.stdout, re.M)[1])
+    assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
+    overlap = [s for s in after if s in before]
+    assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)
+
+
+def test_inspect_order_reports_the_packing(corpus, capsys):
+    from helpers import run_cli
+
+    code, out, err = run_cli(["inspect", str(corpus), "--order", "--seq-len", str(SEQ), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)["packing"]
+    ds = TokenDataset(corpus)
+    concat = ds.packing(SEQ, block_docs=4096)
+    assert report["concat"] == {"sequences": concat.sequences,
+                                "tail_tokens": ds.info.total_tokens - concat.sequences * SEQ}
+    for fit in ("best", "first"):
+        p = ds.packing(SEQ, packing="best-fit", fit=fit, block_docs=4096)
+        assert report[f"{fit}-fit"] == {"sequences": p.sequences, "padding_fraction": round(p.padding_fraction, 6)}
+    code, out, _ = run_cli(["inspect", str(corpus), "--order", "--seq-len", str(SEQ)], capsys)
+    assert code == 0 and f"packing:  seq_len {SEQ}, window 4096 documents: concat {concat.sequences} sequences" in out
+    code, _, err = run_cli(["inspect", str(corpus), "--order", "--seq-len", "100000"], capsys)
+    assert code == 2 and err.strip().startswith("fastio: error: --seq-len 100000 needs more than 100000 tokens")
+    assert "packing" not in json.loads(run_cli(["inspect", str(corpus), "--json"], capsys)[1])
