@@ -3,12 +3,15 @@ or misled after the merge, kept as a regression."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from fastio import Checkpointer
 from fastio.errors import CheckpointError
+from fastio.mixorder import MixSchedule
 
 
 @pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
@@ -33,3 +36,14 @@ def test_a_module_of_another_shape_leaves_every_other_app_key_as_it_was(tmp_path
             ckpt.restore_latest({"a": a2, "opt": opt2, "b": b2})
     assert torch.count_nonzero(a2.weight) == 0 and torch.count_nonzero(a2.bias) == 0, "model a was loaded"
     assert opt2.param_groups[0]["lr"] == 0.5, "the optimizer was loaded"
+
+
+@pytest.mark.parametrize("big", [1e6, 3e7, 86415.0, 1e12])
+def test_the_smallest_weight_a_refusal_suggests_is_accepted(big):
+    """Point 6: the refusal of ``1e6:1`` said "give it a weight of at least 15.259", the exact minimum (15.2590219)
+    rounded down to 6 digits: 15.259 was refused in turn."""
+    with pytest.raises(ValueError, match="give it a weight of at least") as err:
+        MixSchedule(("a", "b"), (big, 1.0), ("fa", "fb"), 10)
+    least = float(re.search(r"at least (\S+) \(with", str(err.value)).group(1))
+    MixSchedule(("a", "b"), (big, least), ("fa", "fb"), 10)  # accepted
+    assert least <= (big / (65536 - 1)) * (1 + 1e-5)  # and still about the smallest
