@@ -4,12 +4,14 @@ or misled after the merge, kept as a regression."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 import torch
 from torch import nn
 
 from fastio import Checkpointer
+from fastio.checkpoint import layout
 from fastio.errors import CheckpointError
 from fastio.mixorder import MixSchedule
 
@@ -47,3 +49,28 @@ def test_the_smallest_weight_a_refusal_suggests_is_accepted(big):
     least = float(re.search(r"at least (\S+) \(with", str(err.value)).group(1))
     MixSchedule(("a", "b"), (big, least), ("fa", "fb"), 10)  # accepted
     assert least <= (big / (65536 - 1)) * (1 + 1e-5)  # and still about the smallest
+
+
+def test_a_restore_of_another_live_process_keeps_its_directory_when_a_writer_restores(tmp_path):
+    """Point 14: an evaluation restoring a compressed checkpoint (read-only) decompresses into its
+    ``.step-N.restore-PID``; the trainer's own restore (a relaunch) deleted every such directory as abandoned,
+    the live reader's too, under its feet. Only a dead process's is abandoned."""
+    root = tmp_path / "ck"
+    model = nn.Linear(4, 2)
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        ckpt.save(1, {"m": model}, blocking=True)
+    reader = subprocess.Popen(["sleep", "60"])  # a live process of this host, as the reader
+    try:
+        live = layout.start_restore_dir(root, 1).rename(root / f".step-1.restore-{reader.pid}")
+        (live / "m.bin").write_bytes(b"being read")
+        dead = layout.start_restore_dir(root, 1).rename(root / ".step-1.restore-999999")
+        with Checkpointer(root, signals=()) as ckpt:  # the trainer, relaunched
+            assert ckpt.restore_latest({"m": nn.Linear(4, 2)}).step == 1
+        assert (live / "m.bin").read_bytes() == b"being read"
+        assert not dead.exists()
+    finally:
+        reader.kill()
+        reader.wait()
+    with Checkpointer(root, signals=()) as ckpt:  # once it has ended, its directory is a leftover
+        ckpt.restore_latest({"m": nn.Linear(4, 2)})
+    assert not live.exists()
