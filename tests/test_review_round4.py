@@ -3,11 +3,16 @@ or misled after the merge, kept as a regression."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from test_checkpoint_ranks import free_port
 from torch import nn
 
 from fastio import Checkpointer
@@ -74,3 +79,42 @@ def test_a_restore_of_another_live_process_keeps_its_directory_when_a_writer_res
     with Checkpointer(root, signals=()) as ckpt:  # once it has ended, its directory is a leftover
         ckpt.restore_latest({"m": nn.Linear(4, 2)})
     assert not live.exists()
+
+
+def _compression_worker(rank: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ckpt = Checkpointer(root, signals=(), compression="zstd" if rank == 0 else None, agree_timeout=20)
+        ckpt.save(1, {"m": nn.Linear(4, 2)}, blocking=True)
+        ckpt.close()
+        seen = None
+    except CheckpointError as err:
+        seen = str(err)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    os._exit(0)
+
+
+def test_ranks_with_other_compression_are_refused_on_every_rank(tmp_path):
+    """Point 8, ranks that disagree: rank 0 with compression="zstd", rank 1 without. Both hung (rank 0 in the
+    writer's "compress" barrier, rank 1 already in the commit's gather); codecs that differ would commit files
+    that the marker's codec cannot read."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_compression_worker, args=(r, port, str(tmp_path / "ck"), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung"
+    seen = {json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    assert len(seen) == 1, seen
+    text = seen.pop()
+    assert text and "ranks disagree on the compression: rank 0 zstd, rank 1 none" in text, text
+    assert not (tmp_path / "ck").exists()  # refused before anything was created
