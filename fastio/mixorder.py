@@ -68,8 +68,15 @@ def check_shares(names: Sequence[str], weights: Sequence[float], note: str = "")
         if w * MAX_PERIOD < total * (1 - 1e-12):
             raise ValueError(f"weight {w:g} of mixture source {name!r} is a share of {w / total:.3g}, below the "
                              f"smallest share a mixture can represent, 1/{MAX_PERIOD} = {1 / MAX_PERIOD:.3g}: give it "
-                             f"a weight of at least {(total - w) / (MAX_PERIOD - 1):.6g} (with the other weights as "
-                             f"they are) or leave the source out{note}")
+                             f"a weight of at least {_round_up((total - w) / (MAX_PERIOD - 1)):.6g} (with the other "
+                             f"weights as they are) or leave the source out{note}")
+
+
+def _round_up(x: float, digits: int = 6) -> float:
+    """``x`` rounded up to ``digits`` significant digits (a suggested least weight printed with ``:.6g`` must not
+    fall below the least one)."""
+    unit = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return math.ceil(x / unit * (1 - 1e-12)) * unit
 
 
 def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:

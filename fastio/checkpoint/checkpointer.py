@@ -182,9 +182,12 @@ class Checkpointer:
         # threads' collectives never interleave, nor meet the training's own on the default group.
         self._ranks = RankGroup("checkpointer", self.rank, self.world_size, agree_timeout=self.config.agree_timeout)
         self._writer_ranks = RankGroup("checkpoint writer", self.rank, self.world_size)
-        # Before anything is created or locked: every rank names the same directory (or refuses, naming both).
+        # Before anything is created or locked: every rank names the same directory and codec (or refuses, naming
+        # both: ranks compressing and ranks not wait in different collectives of every save).
         where = self.config.url or str(Path(self.dir).expanduser().resolve())
-        self._ranks.enter("Checkpointer()", {"checkpoint directory": where})
+        self._compression = compress.parse_compression(self.config.compression)
+        self._ranks.enter("Checkpointer()", {"checkpoint directory": where, "compression": getattr(
+            self._compression, "codec", "none")})
         # An s3:// dir: steps are committed in the local staging dir, then uploaded (see fastio.checkpoint.remote).
         self._remote = None
         if self.config.url is not None:
@@ -192,7 +195,6 @@ class Checkpointer:
 
             self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
         self._engines: dict[str, Engine] = {}
-        self._compression = compress.parse_compression(self.config.compression)
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
         problem: str | None = None
         if self.rank == 0:

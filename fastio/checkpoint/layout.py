@@ -28,7 +28,9 @@ What may be deleted (the rules in one place):
   mark or its half-written ``.fastio-writing.json.tmp`` (a kill between creating the temporary and publishing
   its mark): :func:`remove_abandoned` deletes it (no data can be in it);
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
-  step, left by a killed process): :func:`remove_abandoned` deletes it;
+  step, left by a killed process): :func:`remove_abandoned` deletes it once process PID of the host its mark
+  names has ended (another host's: a day after its mark was written), never under a restore still reading it
+  (a read-only one beside training);
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
   match it, and a ``step-N.tmp`` without the writer's mark holding anything else are left alone or moved aside by rename to
   ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be replaced
@@ -497,6 +499,40 @@ def quarantine(path: Path) -> Path:
     return target
 
 
+OTHER_HOST_RESTORE_S = 24 * 3600.0
+"""A restore directory marked by another host (whose processes this one cannot see) is abandoned this long after
+its mark was written."""
+
+
+def _restore_abandoned(child: Path) -> bool:
+    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) gone from the host
+    its mark names, or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
+    found = _RESTORE_RE.match(child.name)
+    if not found or not child.is_dir() or not (child / RESTORING_FILE).is_file():
+        return False
+    try:
+        mark = json.loads((child / RESTORING_FILE).read_text())
+        host, started = mark.get("host"), float(mark.get("time", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return True  # a mark cut short by a kill
+    if host != socket.gethostname():
+        return time.time() - started > OTHER_HOST_RESTORE_S
+    pid = int(found.group(2))
+    if pid == os.getpid():
+        return True  # this process's own, from a restore that could not clean up
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    try:  # a zombie has ended
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
     """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring): marked
     ``step-N.tmp``, a ``step-N.tmp`` or ``step-N.tmp.quarantined`` holding nothing but writer's marks, and marked
@@ -506,7 +542,7 @@ def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
     if Path(root).is_dir():
         finish_rollback(root)  # one a kill cut short
         for child in sorted(Path(root).iterdir()):
-            if (_RESTORE_RE.match(child.name) and child.is_dir() and (child / RESTORING_FILE).is_file()
+            if (_restore_abandoned(child)
                     or _DELETING_RE.match(child.name) and child.is_dir()):  # also a deletion a kill cut short
                 shutil.rmtree(child, ignore_errors=True)
                 removed.append(child)

@@ -42,7 +42,7 @@ from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
-from fastio.checkpoint.engines.strict import CheckedModule
+from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, shape_of
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 
@@ -238,6 +238,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         snap = self._snap
         full = snap.metadata
         skipped: list[str] = []
+        self._check_modules(targets, strict)  # all or nothing: before any key is loaded, on every rank
         error: Exception | None = None  # the first load error of this rank, raised once every key's restore is done
         try:
             for key, obj in targets.items():
@@ -261,6 +262,47 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         if error is not None:  # only now: the other ranks went through every key's collectives too
             raise error
         return skipped
+
+    def _check_modules(self, targets: dict[str, Stateful], strict: bool) -> None:
+        """Strict: every module target against this rank's manifest (state keys, tensor shapes), agreed over the
+        ranks before any key is loaded (keys load one by one, in place: a module refused only when its turn came
+        left the keys before it loaded). The rank that found a difference raises it; the others raise a
+        CheckpointError marked ``elsewhere``, which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to it."""
+        from torch import nn
+
+        if not strict:
+            return
+        pg = PGWrapper(self._snap.pg)
+        rank, world = pg.get_rank(), pg.get_world_size()
+        mine = None
+        for key, obj in targets.items():
+            if isinstance(obj, nn.Module):
+                found = Mismatch(key, self._shapes(key, rank), {k: shape_of(v) for k, v in obj.state_dict().items()})
+                if found:
+                    mine = str(found.refusal(str(self.path)))
+                    break
+        every = [mine]
+        if world > 1:
+            every = [None] * world
+            pg.all_gather_object(every, mine)
+        failed = [(r, text) for r, text in enumerate(every) if text]
+        if failed:
+            first, text = failed[0] if mine is None else (rank, mine)
+            err = CheckpointError(text if first == rank else f"{text} (on rank {first})")
+            err.elsewhere = first != rank
+            raise err
+
+    def _shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
+        """The state keys saving rank ``rank`` wrote for app key ``key`` (a flat state dict, a module's), with the
+        shape of each plain tensor (None for anything else)."""
+        out: dict[str, tuple[int, ...] | None] = {}
+        for path, entry in self._entries(key, rank).items():
+            parts = path.split("/")
+            if len(parts) < 2:  # the key's own container
+                continue
+            shape = None if len(parts) > 2 or isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
+            out.setdefault(_decode(parts[1]), tuple(int(n) for n in shape) if shape is not None else None)
+        return out
 
     def _unreadable(self, key: str, view: dict[str, Any], err: Exception) -> CheckpointError:
         """The one-line error for a read that failed inside ``Snapshot.restore``: the file the error names, else
