@@ -128,26 +128,21 @@ class Checkpointer:
         self._engines: dict[str, Engine] = {}
         self._compression = compress.parse_compression(self.config.compression)
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
-        problem: str | None = None
-        if self.rank == 0:
-            try:
-                layout.refuse_dataset_dir(self.dir)
-                if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
-                    self.dir.mkdir(parents=True, exist_ok=True)
-                    self._lock.acquire()
-                    if self._remote is not None:
-                        self._remote.hold()
-            except OSError as err:
-                problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-            except LockedError as err:
-                problem = f"{err}; {READ_ONLY_HINT}"
-            except FastioError as err:
-                problem = str(err)
-            if problem:
-                self._lock.release()
-        self._ranks.check("open", problem)  # every rank fails together
-        # The ranks that see this rank's directory (all, except for an s3:// dir staged node-locally): they
-        # share hashing, compressing and checking its files; the lowest of them creates and cleans its step dirs.
+        self._ranks.check("open", self._take_dir() if self.rank == 0 else None)  # every rank fails together
+        self._start_commit()
+        self._start_state()
+        self.preempted = False
+        """True once a preemption signal has been turned into a committed blocking save."""
+        self.last_blocked_s = 0.0
+        """Seconds the last save held the caller (staging plus handing the write to the background)."""
+        self.last_write_s = 0.0
+        """Seconds the last completed background write took, from start to commit."""
+        self._flag = PreemptionFlag(self.config.signals)
+
+    def _start_commit(self) -> None:
+        """The ranks that see this rank's directory (all, except for an ``s3://`` dir staged node-locally: a
+        collective finds them), which share hashing, compressing and checking its files, the lowest of them
+        creating and cleaning its step dirs; and the :class:`Commit` over them."""
         self._dir_ranks: tuple[int, ...] = tuple(range(self.world_size))
         if self._remote is not None and self.world_size > 1:
             self._group_staging()
@@ -155,6 +150,30 @@ class Checkpointer:
                                 if len(self._dir_ranks) < self.world_size
                                 else LocalCommit(self.dir, self._remote, self.world_size))
         self._leader = self._dir_ranks[0] == self.rank
+
+    def _take_dir(self) -> str | None:
+        """Rank 0 at construction: refuse a dataset directory, create DIR and take its lock (and an ``s3://`` dir's
+        lease), unless read-only; the problem in one line, None when there is none."""
+        problem: str | None = None
+        try:
+            layout.refuse_dataset_dir(self.dir)
+            if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
+                if self._remote is not None:
+                    self._remote.hold()
+        except OSError as err:
+            problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
+        except LockedError as err:
+            problem = f"{err}; {READ_ONLY_HINT}"
+        except FastioError as err:
+            problem = str(err)
+        if problem:
+            self._lock.release()
+        return problem
+
+    def _start_state(self) -> None:
+        """The scheduling state of a new Checkpointer: nothing in flight, no step saved, the clock started."""
         self._stager = Stager()
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
@@ -164,13 +183,6 @@ class Checkpointer:
         self._last_time = time.monotonic()
         self._started = time.monotonic()
         self._elapsed_before = 0.0
-        self.preempted = False
-        """True once a preemption signal has been turned into a committed blocking save."""
-        self.last_blocked_s = 0.0
-        """Seconds the last save held the caller (staging plus handing the write to the background)."""
-        self.last_write_s = 0.0
-        """Seconds the last completed background write took, from start to commit."""
-        self._flag = PreemptionFlag(self.config.signals)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -368,13 +380,7 @@ class Checkpointer:
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
-        self._check_app(app)
-        engine_name = choose_engine(self.config.engine, app)
-        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
-        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
-            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
-            if why:  # (not "at step N": that may be what differs)
-                raise CheckpointError(f"checkpoint save: {why}")
+        engine_name = self._enter_save(step, app)
         if step == self._inflight_step or step == self._last_step:
             self._raise_if_failed(wait=True)
             if blocking:
@@ -402,10 +408,7 @@ class Checkpointer:
         try:  # every rank fails together, or the others would wait forever in the write's collectives
             staged, global_keys, progress = self._ranks.run("stage", stage)
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
-                signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
-                if agree.first_difference(signatures):  # every rank sees it: all gather the shapes to name it
-                    why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
-                    raise CheckpointError(f"checkpoint save at step {step}: {why}")
+                self._agree_shapes(step, app, shapes)
         except CheckpointError:
             for path in made:
                 layout.remove_step(path)
@@ -424,6 +427,26 @@ class Checkpointer:
         if blocking:
             self._raise_if_failed(wait=True)
             self._ranks.barrier("save")
+
+    def _agree_shapes(self, step: int, app: dict[str, Any], shapes: list[tuple[str, str, str]]) -> None:
+        """Collective: every rank stages global state of the same shapes, or every rank raises, naming the first
+        rank that differs and how."""
+        signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
+        if agree.first_difference(signatures):  # every rank sees it: all gather the shapes to name it
+            why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
+            raise CheckpointError(f"checkpoint save at step {step}: {why}")
+
+    def _enter_save(self, step: int, app: dict[str, Any]) -> str:
+        """Before a save's first collective: the app checked, every rank in the same operation with the same engine
+        (and, with several ranks, the same step and app keys); returns the engine's name."""
+        self._check_app(app)
+        engine_name = choose_engine(self.config.engine, app)
+        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
+        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
+            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
+            if why:  # (not "at step N": that may be what differs)
+                raise CheckpointError(f"checkpoint save: {why}")
+        return engine_name
 
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
                step: int, tmp: Path, info: CommitInfo) -> None:
