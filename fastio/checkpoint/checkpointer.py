@@ -279,7 +279,8 @@ class Checkpointer:
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
         temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside.
         RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
-        (see :mod:`fastio.checkpoint.elastic`).
+        (see :mod:`fastio.checkpoint.elastic`). The progress returned (epoch, metrics, elapsed, hparams) is the
+        commit marker's, rank 0's at the save, on every rank. The restore itself is :mod:`fastio.checkpoint.restore`.
 
         Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
