@@ -234,8 +234,8 @@ def measure_integrity(work: Path, size_mib: int) -> dict:
         ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
     del model, optim
     entry = layout.committed(work / "integrity")[0]
-    gib = entry.commit["bytes"] / 2**30
-    files = [entry.path / rel for rel in entry.commit["files"]]
+    gib = entry.commit.bytes / 2**30
+    files = [entry.path / rel for rel in entry.commit.files]
     for f in files:  # warm the page cache: the figure is the checksum's, not the disk's
         digest_file(f, "xxh3_128")
     xxh3 = time_call(lambda: layout.verify_files(entry))  # what restore_latest runs

@@ -230,7 +230,8 @@ def test_loader_is_found_by_its_state_not_by_its_app_key(image_dataset, tmp_path
         ckpt.save(7, {"model": nn.Linear(4, 4), "train_data": data}, blocking=True)  # no epoch= given
         ckpt.save(8, {"model": nn.Linear(4, 4)}, blocking=True)  # no loader: epoch unknown
     data.close()
-    assert layout.read_commit(root / "step-7")["epoch"] == 2 and layout.read_commit(root / "step-8")["epoch"] == -1
+    assert layout.read_commit(root / "step-7").progress.epoch == 2
+    assert layout.read_commit(root / "step-8").progress.epoch == -1
     fresh = make()
     state = Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(4, 4), "train_data": fresh}, step=7)
     assert state.epoch == 2 and (fresh.epoch, fresh.consumed) == (2, 8)
@@ -321,7 +322,7 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
                                                  branch["model"].state_dict().values()))
     kept = root / "step-30"
     assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / layout.COMMIT_FILE).exists()
-    marker = json.loads((kept / layout.SUPERSEDED_FILE).read_text())
+    marker = layout.parse_commit((kept / layout.SUPERSEDED_FILE).read_bytes(), str(kept / layout.SUPERSEDED_FILE))
     assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
         f"{kept / layout.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)

@@ -99,11 +99,11 @@ def test_round_trip_is_exact_and_needs_no_flag(tmp_path, engine, codec):
     train(app, 3)
     commit = save(root, app, 3, compression=codec)
     want = tensors(app)
-    assert commit["compression"] == codec and commit["version"] == layout.COMPRESSED_VERSION
-    assert commit["engine"] == engine
+    assert commit.compression == codec and commit.version == layout.COMPRESSED_VERSION
+    assert commit.engine == engine
     step = root / "step-3"
     stored = sorted(p.relative_to(step).as_posix() for p in layout.data_files(step))
-    assert stored == sorted(commit["files"]) and all(f.endswith(".zst") for f in stored), stored
+    assert stored == sorted(commit.files) and all(f.endswith(".zst") for f in stored), stored
     assert layout.verify(root) == []
     draw = torch.rand(3)  # what the RNG gives right after the save
     fresh = make_app(seed=1)
@@ -124,13 +124,13 @@ def test_compressible_state_is_stored_smaller(tmp_path, engine):
             p.copy_(torch.round(p * 8) / 8)
     plain = save(tmp_path / "plain", app, 1)
     packed = save(tmp_path / "zstd", app, 1, compression="zstd:3")
-    assert "compression" not in plain and plain["version"] == layout.COMMIT_VERSION
-    assert packed["bytes"] < 0.5 * plain["bytes"], (packed["bytes"], plain["bytes"])
+    assert plain.compression is None and plain.version == layout.COMMIT_VERSION
+    assert packed.bytes < 0.5 * plain.bytes, (packed.bytes, plain.bytes)
     on_disk = sum(p.stat().st_size for p in layout.data_files(tmp_path / "zstd" / "step-1"))
-    assert on_disk == packed["bytes"]
-    assert {f.removesuffix(".zst") for f in packed["files"]} == set(plain["files"])
+    assert on_disk == packed.bytes
+    assert {f.removesuffix(".zst") for f in packed.files} == set(plain.files)
     rows = layout.list_checkpoints(tmp_path / "zstd")
-    assert rows[0]["compression"] == "zstd" and rows[0]["bytes"] == packed["bytes"]
+    assert rows[0]["compression"] == "zstd" and rows[0]["bytes"] == packed.bytes
 
 
 @pytest.mark.parametrize("size", [0, 3, 64, 1001, 4 * 64 + 2])
@@ -199,14 +199,14 @@ def test_uncompressed_checkpoints_still_restore(tmp_path, engine):
     train(app, 1)
     old = save(root, app, 1)  # written without compression (as every checkpoint before the option)
     want1 = tensors(app)
-    assert "compression" not in old and not any(f.endswith(".zst") for f in old["files"])
+    assert old.compression is None and not any(f.endswith(".zst") for f in old.files)
     fresh = make_app(seed=1)
     with Checkpointer(root, signals=(), compression="zstd") as ckpt:
         assert ckpt.restore_latest(fresh).step == 1
         assert_equal(tensors(fresh), want1)
         train(fresh, 1)
         ckpt.save(2, fresh, blocking=True)  # the same directory now gets a compressed step
-    assert layout.read_commit(root / "step-2")["compression"] == "zstd"
+    assert layout.read_commit(root / "step-2").compression == "zstd"
     again = make_app(seed=2)
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(again, step=1).step == 1
@@ -316,6 +316,6 @@ def test_two_ranks_compress_and_restore_exactly(tmp_path, engine_name):
         assert len(res["want"]["state"]) >= 5  # weight, bias, Adam step/exp_avg/exp_avg_sq
     assert results[0]["got"]["consumed"] == 24 and results[1]["got"]["consumed"] == 48
     commit = layout.read_commit(root / "step-3")
-    assert commit["compression"] == "zstd+shuffle" and commit["world_size"] == WORLD
-    assert all(f.endswith(".zst") for f in commit["files"]), sorted(commit["files"])
+    assert commit.compression == "zstd+shuffle" and commit.progress.world_size == WORLD
+    assert all(f.endswith(".zst") for f in commit.files), sorted(commit.files)
     assert layout.verify(root) == [] and entries(root) == ["step-3"]

@@ -78,7 +78,7 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(tmp_path, engine):
     assert results[0]["got"]["draw"] != results[1]["got"]["draw"]
     assert [e.step for e in layout.committed(root)] == [2, 4, 5]
     assert layout.verify(root) == []
-    files = layout.read_commit(root / "step-5")["files"]
+    files = layout.read_commit(root / "step-5").files
     if engine == "dcp":  # the DDP model and its optimizer are global DCP state; loader and RNG one file per rank
         side = json.loads((root / "step-5" / "fastio-dcp.json").read_text())
         assert side["global_keys"] == ["model", "optim"] and side["world_size"] == WORLD
@@ -170,7 +170,7 @@ def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once
     mp.spawn(elastic_worker, args=(ports, str(image_dataset), str(root), str(tmp_path), engine), nprocs=3, join=True)
     saved = [json.loads((tmp_path / f"w2-rank{r}.json").read_text()) for r in range(SAVED_WORLD)]
     commit = layout.read_commit(root / f"step-{SAVE_AFTER}")
-    assert commit["world_size"] == SAVED_WORLD and commit["engine"] == engine
+    assert commit.progress.world_size == SAVED_WORLD and commit.engine == engine
     before = Counter(i for s in saved for i in s["before"])
     remaining = Counter(i for s in saved for i in s["after"])
     assert sum(before.values()) == SAVED_WORLD * BATCH * SAVE_AFTER
@@ -197,7 +197,8 @@ def test_engine_reads_back_nested_per_rank_state_exactly(tmp_path):
     ckpt.save(1, {"per%rank": StateHolder(state)}, blocking=True)
     ckpt.close()
     saved = get_engine("torchsnapshot").open(tmp_path / "ck" / "step-1")
-    assert saved.world_size == 1 and {"per%rank", "_fastio_rng", "_fastio_progress"} <= saved.keys(0)
+    assert saved.world_size == 1 and {"per%rank", "_fastio_rng"} <= saved.keys(0)
+    assert "_fastio_progress" not in saved.keys(0)  # the progress is the commit marker's, written once
     assert saved.is_replicated("per%rank", 0) is False
     assert same(saved.read("per%rank", 0), state)
     with pytest.raises(CheckpointError, match="absent"):

@@ -176,7 +176,7 @@ def test_fsdp2_exact_resume_after_kill_and_resharding(tmp_path):
     root, out = tmp_path / "ck", tmp_path
     launch(run_and_kill, 2, free_port(), str(root), str(out))
     commit = layout.read_commit(root / f"step-{SAVE_AT}")
-    assert commit["engine"] == "dcp" and commit["world_size"] == 2  # engine="auto" chose DCP for DTensor state
+    assert commit.engine == "dcp" and commit.progress.world_size == 2  # engine="auto" chose DCP for DTensor state
     assert [e.step for e in layout.committed(root)] == [SAVE_AT]  # killed before the next save
     ref = torch.load(out / "ref.pt")
 

@@ -88,7 +88,7 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
             reader.save(3, restored)
         with pytest.raises(CheckpointError, match="read-only"):
             reader.maybe_save(3, restored, force=True)
-        victim = root / "step-2" / sorted(layout.read_commit(root / "step-2")["files"])[0]
+        victim = root / "step-2" / sorted(layout.read_commit(root / "step-2").files)[0]
         victim.write_bytes(victim.read_bytes()[:-1])  # damaged: skipped, left where it is
         before = tree(root)
         assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0

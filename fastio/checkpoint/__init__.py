@@ -10,7 +10,7 @@ from fastio.lazy import lazy_exports
 
 _LAZY = {
     "Checkpointer": "fastio.checkpoint.checkpointer",
-    "TrainState": "fastio.checkpoint.checkpointer",
+    "TrainState": "fastio.checkpoint.restore",
     "CheckpointConfig": "fastio.checkpoint.config",
     "verify": "fastio.checkpoint.layout",
     "requeue_slurm_job": "fastio.checkpoint.preemption",

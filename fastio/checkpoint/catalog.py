@@ -49,7 +49,7 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
             problem = layout.SUPERSEDED
         else:
             problem = f"{storage.url_of(name)}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)"
-        size = (commit or {}).get("bytes")
+        size = commit.bytes if commit else None
         rows.append(layout.listing_row(step, storage.url_of(name), commit,
                                        sum(sizes.values()) if size is None else size, problem))
     for name, (step, size) in _quarantined(storage).items():

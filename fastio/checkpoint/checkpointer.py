@@ -14,9 +14,11 @@ One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from 
 ``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
-of them and changes nothing in DIR; ``save`` is refused. A restore checks every file
-of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted.
+of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
+file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
+(:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
 and a restore decompresses into a private directory the engine reads (:mod:`fastio.checkpoint.compress`).
 """
@@ -29,7 +31,6 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,56 +38,28 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, layout
-from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit, Unrecognised
+from fastio.checkpoint import agree, compress, layout, restore
+from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
-from fastio.checkpoint.elastic import restore_elastic
-from fastio.checkpoint.engines import DEFAULT_ENGINE, ENGINES, choose_engine, get_engine, holds_dtensor
+from fastio.checkpoint.engines import choose_engine, get_engine
 from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
-from fastio.checkpoint.rng import capture_rng, restore_rng
-from fastio.checkpoint.staging import Frozen, Stager
+from fastio.checkpoint.record import CommitInfo, Progress
+from fastio.checkpoint.restore import LOADER_POLICIES, RESERVED_PREFIX, RNG_KEY, TrainState, loader_epoch, loader_keys
+from fastio.checkpoint.rng import capture_rng
+from fastio.checkpoint.staging import Stager
 from fastio.checkpoint.writer import start_writer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
 from fastio.lock import DirLock, LockedError
 
-__all__ = ["LOADER_POLICIES", "PROGRESS_KEY", "PROGRESS_VERSION", "RNG_KEY", "Checkpointer", "TrainState",
-           "loader_epoch"]
+__all__ = ["LOADER_POLICIES", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
 
 log = logging.getLogger(__name__)
 
-RNG_KEY = "_fastio_rng"
-PROGRESS_KEY = "_fastio_progress"
-PROGRESS_VERSION = 1
-_RESERVED_PREFIX = "_fastio"
 READ_ONLY_HINT = ("to restore only (e.g. evaluation beside training), use Checkpointer(dir, read_only=True), which "
                   "takes no lock")
-LOADER_POLICIES = ("exact", "next-epoch")
-"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
-
-
-@dataclass
-class TrainState:
-    """What ``restore_latest`` found: the step the checkpoint was taken after, and the run's progress."""
-
-    step: int
-    """The last completed step; continue with ``step + 1``."""
-    epoch: int | None
-    """The epoch given to (or found by) ``maybe_save``, None when unknown."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The metrics passed with that save."""
-    elapsed: float = 0.0
-    """Seconds of training (summed over restarts) up to that save."""
-    time: float = 0.0
-    """Unix time of the commit."""
-    hparams: dict[str, Any] = field(default_factory=dict)
-    """The ``hparams`` the saving run was created with."""
-    path: Path | None = None
-    """The checkpoint directory restored from."""
-    skipped: list[str] = field(default_factory=list)
-    """What a ``strict=False`` restore left out (app keys, state keys, shape mismatches); empty otherwise."""
 
 
 def _rank_world() -> tuple[int, int]:
@@ -97,45 +70,6 @@ def _rank_world() -> tuple[int, int]:
         raise CheckpointError(f"WORLD_SIZE={world} (rank {rank}) but torch.distributed is not initialised: "
                               "call torch.distributed.init_process_group before creating the Checkpointer")
     return rank, world
-
-
-def loader_epoch(states: dict[str, Any]) -> int | None:
-    """The epoch of the app's data loader, found by its state rather than by its app key.
-
-    A loader is an app object whose state_dict carries the position part of the fastio Loader's state
-    contract: integer ``epoch`` and ``consumed`` entries. The first such object in app order counts;
-    None when there is none.
-    """
-    for state in states.values():
-        if isinstance(state, dict) and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool)
-                                           for k in ("epoch", "consumed")):
-            return int(state["epoch"])
-    return None
-
-
-def _loader_keys(app: dict[str, Any]) -> list[str]:
-    """App keys of objects that can check a state before loading it (``check_state_dict``: the fastio Loader)."""
-    return [k for k, obj in app.items() if callable(getattr(obj, "check_state_dict", None))]
-
-
-def _checked_states(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
-                    policy: str) -> dict[str, Any]:
-    """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
-    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one."""
-    held: dict[str, Any] = {}
-    for key in keys:
-        state = saved.read(key, src)
-        if policy == "next-epoch":
-            if not isinstance(state, dict) or loader_epoch({key: state}) is None:
-                raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
-                                      "with integer 'epoch' and 'consumed'")
-            state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
-        try:
-            app[key].check_state_dict(state)
-        except FastioError as err:
-            raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
-        held[key] = state
-    return held
 
 
 def _replicated_keys(app: dict[str, Any]) -> list[str]:
@@ -168,7 +102,7 @@ class Checkpointer:
             self.config = CheckpointConfig(dir=dir, **options)
         self.dir: Path = self.config.dir
         self.hparams = dict(hparams or {})
-        try:  # stored in the JSON commit marker and in torchsnapshot's manifest
+        try:  # stored in the JSON commit marker
             json.dumps(self.hparams, allow_nan=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"hparams must hold plain JSON values (numbers, strings, lists, dicts): {err}") from None
@@ -196,26 +130,21 @@ class Checkpointer:
             self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
         self._engines: dict[str, Engine] = {}
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
-        problem: str | None = None
-        if self.rank == 0:
-            try:
-                layout.refuse_dataset_dir(self.dir)
-                if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
-                    self.dir.mkdir(parents=True, exist_ok=True)
-                    self._lock.acquire()
-                    if self._remote is not None:
-                        self._remote.hold()
-            except OSError as err:
-                problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-            except LockedError as err:
-                problem = f"{err}; {READ_ONLY_HINT}"
-            except FastioError as err:
-                problem = str(err)
-            if problem:
-                self._lock.release()
-        self._ranks.check("open", problem)  # every rank fails together
-        # The ranks that see this rank's directory (all, except for an s3:// dir staged node-locally): they
-        # share hashing, compressing and checking its files; the lowest of them creates and cleans its step dirs.
+        self._ranks.check("open", self._take_dir() if self.rank == 0 else None)  # every rank fails together
+        self._start_commit()
+        self._start_state()
+        self.preempted = False
+        """True once a preemption signal has been turned into a committed blocking save."""
+        self.last_blocked_s = 0.0
+        """Seconds the last save held the caller (staging plus handing the write to the background)."""
+        self.last_write_s = 0.0
+        """Seconds the last completed background write took, from start to commit."""
+        self._flag = PreemptionFlag(self.config.signals)
+
+    def _start_commit(self) -> None:
+        """The ranks that see this rank's directory (all, except for an ``s3://`` dir staged node-locally: a
+        collective finds them), which share hashing, compressing and checking its files, the lowest of them
+        creating and cleaning its step dirs; and the :class:`Commit` over them."""
         self._dir_ranks: tuple[int, ...] = tuple(range(self.world_size))
         if self._remote is not None and self.world_size > 1:
             self._group_staging()
@@ -223,6 +152,30 @@ class Checkpointer:
                                 if len(self._dir_ranks) < self.world_size
                                 else LocalCommit(self.dir, self._remote, self.world_size))
         self._leader = self._dir_ranks[0] == self.rank
+
+    def _take_dir(self) -> str | None:
+        """Rank 0 at construction: refuse a dataset directory, create DIR and take its lock (and an ``s3://`` dir's
+        lease), unless read-only; the problem in one line, None when there is none."""
+        problem: str | None = None
+        try:
+            layout.refuse_dataset_dir(self.dir)
+            if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
+                if self._remote is not None:
+                    self._remote.hold()
+        except OSError as err:
+            problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
+        except LockedError as err:
+            problem = f"{err}; {READ_ONLY_HINT}"
+        except FastioError as err:
+            problem = str(err)
+        if problem:
+            self._lock.release()
+        return problem
+
+    def _start_state(self) -> None:
+        """The scheduling state of a new Checkpointer: nothing in flight, no step saved, the clock started."""
         self._stager = Stager()
         self._thread: threading.Thread | None = None
         self._inflight_step: int | None = None
@@ -232,13 +185,6 @@ class Checkpointer:
         self._last_time = time.monotonic()
         self._started = time.monotonic()
         self._elapsed_before = 0.0
-        self.preempted = False
-        """True once a preemption signal has been turned into a committed blocking save."""
-        self.last_blocked_s = 0.0
-        """Seconds the last save held the caller (staging plus handing the write to the background)."""
-        self.last_write_s = 0.0
-        """Seconds the last completed background write took, from start to commit."""
-        self._flag = PreemptionFlag(self.config.signals)
 
     # ----------------------------------------------------------------- public API
     @property
@@ -335,7 +281,8 @@ class Checkpointer:
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
         temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside.
         RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
-        (see :mod:`fastio.checkpoint.elastic`).
+        (see :mod:`fastio.checkpoint.elastic`). The progress returned (epoch, metrics, elapsed, hparams) is the
+        commit marker's, rank 0's at the save, on every rank. The restore itself is :mod:`fastio.checkpoint.restore`.
 
         Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
@@ -351,53 +298,16 @@ class Checkpointer:
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:
             raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
-        if loader_policy != "exact" and not _loader_keys(app):
+        if loader_policy != "exact" and not loader_keys(app):
             raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
                              "Loader)")
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
         self._raise_if_failed(wait=True)
-        commit = self._commit
-
-        def plan() -> tuple[list[int], list[Unrecognised]] | None:
-            if self._leader and not self.read_only:  # every directory's own abandoned temporaries
-                commit.clean()
-            return commit.plan(step) if self.rank == 0 else None
-
-        candidates, unrecognised = self._ranks.broadcast("plan", self._ranks.run("plan", plan))
-        skipped: list[Unrecognised] = []
-        chosen = None
-        for cand in candidates:
-            path = commit.step_dir(cand)
-            problems = self._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if self._leader else [])
-            problems = problems or self._check_step(path)
-            if not problems:
-                chosen = cand
-                break
-            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-            skipped.append((cand, str(path), problems[0] + more))
-            if step is not None:
-                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
-        newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
-        where = self.config.url or self.dir
-        if chosen is None:
-            if newer:  # nothing to fall back to: leave everything where it is and say so
-                raise CheckpointError(f"{where}: no intact checkpoint: {len(newer)} step director(ies) damaged or "
-                                      f"unrecognised, newest {newer[0][1]}: {newer[0][2]}")
-            return None
-        if self._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
-            for _, path_, reason in newer:
-                if not Path(path_).exists():
-                    continue
-                try:
-                    moved = ("; left in place (read_only)" if self.read_only else
-                             f"; moved aside to {layout.quarantine(Path(path_)).name}")
-                except OSError as err:
-                    moved = f"; left in place ({err.strerror or err})"
-                reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
-                log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
-        path = commit.step_dir(chosen)
-        state = self._restore(path, layout.read_commit(path), app, strict, loader_policy)
-        commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
+        state = restore.restore_latest(self, app, step, strict, loader_policy)
+        if state is not None:  # the next save continues the restored run's clock
+            self._last_step = state.step
+            self._last_time = self._started = time.monotonic()
+            self._elapsed_before = state.elapsed
         return state
 
     def _refuse_if_read_only(self) -> None:
@@ -441,29 +351,21 @@ class Checkpointer:
         """This rank's place among the ranks that see its directory, and their number (they share its files)."""
         return self._dir_ranks.index(self.rank), len(self._dir_ranks)
 
-    def _check_step(self, path: Path) -> list[str]:
-        """Collective: problems with the committed checkpoint in ``path`` (its marker, then every listed file
-        against its recorded size and checksum, the ranks sharing the files); empty when intact."""
-        def check() -> list[str]:
-            entry = layout.StepEntry(int(path.name.split("-")[1]), path, layout.read_commit(path))
-            name = entry.commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded
-            if name not in ENGINES:
-                return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {name!r}, this fastio has "
-                        f"{', '.join(sorted(ENGINES))}"]
-            why = compress.check_marker(entry.commit)
-            if why:
-                return [f"{path / layout.COMMIT_FILE}: {why}"]
-            return layout.verify_files(entry, part=self._share)  # every directory's copy, by the ranks seeing it
-
-        return self._ranks.collect("check", check)
+    def _progress(self, states: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None) -> Progress:
+        """This save's progress (rank 0's goes into the commit marker): the epoch given, else the app's loader's."""
+        found = loader_epoch(states) if epoch is None else epoch
+        return Progress(epoch=-1 if found is None else int(found),
+                        metrics={str(k): float(v) for k, v in (metrics or {}).items()},
+                        elapsed=float(self._elapsed_before + time.monotonic() - self._started), hparams=self.hparams,
+                        world_size=self.world_size)
 
     def _check_app(self, app: dict[str, Any]) -> None:
         if not isinstance(app, dict) or not app:
             raise ValueError("app must be a non-empty dict of objects with state_dict/load_state_dict")
         for key, obj in app.items():
-            if not isinstance(key, str) or not key or "/" in key or key.startswith(_RESERVED_PREFIX):
+            if not isinstance(key, str) or not key or "/" in key or key.startswith(RESERVED_PREFIX):
                 raise ValueError(f"app key {key!r}: keys must be non-empty strings without '/' "
-                                 f"not starting with {_RESERVED_PREFIX!r}")
+                                 f"not starting with {RESERVED_PREFIX!r}")
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"app[{key!r}] ({type(obj).__name__}) has no state_dict/load_state_dict")
 
@@ -481,13 +383,7 @@ class Checkpointer:
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
-        self._check_app(app)
-        engine_name = choose_engine(self.config.engine, app)
-        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
-        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
-            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
-            if why:  # (not "at step N": that may be what differs)
-                raise CheckpointError(f"checkpoint save: {why}")
+        engine_name = self._enter_save(step, app)
         if step == self._inflight_step or step == self._last_step:
             self._raise_if_failed(wait=True)
             if blocking:
@@ -499,42 +395,32 @@ class Checkpointer:
         engine = self._engine(engine_name)
         made: list[Path] = []
 
-        def stage() -> tuple[dict[str, Any], frozenset[str], dict[str, Any]]:
+        def stage() -> tuple[dict[str, Any], frozenset[str], Progress]:
             """This rank's part: the step's temporary directory (the directory's lowest rank), a private copy."""
             prepared, global_keys = engine.prepare(app)
             if self._leader:
                 made.append(self._commit.start(step))
             rng = capture_rng()
             states = {key: obj.state_dict() for key, obj in prepared.items()}
-            found = loader_epoch(states) if epoch is None else epoch
-            elapsed = self._elapsed_before + time.monotonic() - self._started
-            progress = {"version": PROGRESS_VERSION, "step": int(step), "epoch": -1 if found is None else int(found),
-                        "metrics": {str(k): float(v) for k, v in (metrics or {}).items()}, "elapsed": float(elapsed),
-                        "hparams": self.hparams, "world_size": self.world_size}
+            progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
-            states[PROGRESS_KEY] = progress
-            info = {"epoch": progress["epoch"], "metrics": progress["metrics"], "world_size": self.world_size,
-                    "elapsed": elapsed, "hparams": self.hparams, "engine": engine.name}
             shapes.extend(agree.global_shapes(states, global_keys))
-            return self._stager.stage(states), global_keys, info
+            return self._stager.stage(states), global_keys, progress
 
         shapes: list[tuple[str, str, str]] = []
         try:  # every rank fails together, or the others would wait forever in the write's collectives
-            staged, global_keys, info = self._ranks.run("stage", stage)
+            staged, global_keys, progress = self._ranks.run("stage", stage)
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
-                signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
-                if agree.first_difference(signatures):  # every rank sees it: all gather the shapes to name it
-                    why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
-                    raise CheckpointError(f"checkpoint save at step {step}: {why}")
+                self._agree_shapes(step, app, shapes)
         except CheckpointError:
             for path in made:
                 layout.remove_step(path)
             raise
-        replicated = list(self.config.replicated)  # progress holds per-rank metrics: not replicated
+        replicated = list(self.config.replicated)
         if self.world_size > 1 and not global_keys:
             replicated += _replicated_keys(app)
-        if self._compression is not None:
-            info["compression"] = self._compression.codec
+        info = CommitInfo(engine=engine.name, progress=progress,
+                          compression=self._compression.codec if self._compression is not None else None)
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()
@@ -545,8 +431,28 @@ class Checkpointer:
             self._raise_if_failed(wait=True)
             self._ranks.barrier("save")
 
+    def _agree_shapes(self, step: int, app: dict[str, Any], shapes: list[tuple[str, str, str]]) -> None:
+        """Collective: every rank stages global state of the same shapes, or every rank raises, naming the first
+        rank that differs and how."""
+        signatures = self._ranks.gather("stage", agree.save_signature(step, list(app), shapes))
+        if agree.first_difference(signatures):  # every rank sees it: all gather the shapes to name it
+            why = agree.first_difference(signatures, self._ranks.gather("stage", shapes))
+            raise CheckpointError(f"checkpoint save at step {step}: {why}")
+
+    def _enter_save(self, step: int, app: dict[str, Any]) -> str:
+        """Before a save's first collective: the app checked, every rank in the same operation with the same engine
+        (and, with several ranks, the same step and app keys); returns the engine's name."""
+        self._check_app(app)
+        engine_name = choose_engine(self.config.engine, app)
+        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
+        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
+            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
+            if why:  # (not "at step N": that may be what differs)
+                raise CheckpointError(f"checkpoint save: {why}")
+        return engine_name
+
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
-               step: int, tmp: Path, info: dict[str, Any]) -> None:
+               step: int, tmp: Path, info: CommitInfo) -> None:
         """Background thread (the seam where a staged save runs): the engine writes the staged copy, the ranks
         compress (if asked), then the step is committed and pruned; each phase is agreed over the writer's rank
         group, so any rank's failure fails every rank's save."""
@@ -574,128 +480,3 @@ class Checkpointer:
             self._error, self._error_step = err, step
         finally:
             self._inflight_step = None
-
-    def _restore(self, path: Path, commit: dict[str, Any], app: dict[str, Any], strict: bool,
-                 loader_policy: str) -> TrainState:
-        if not commit.get("compression"):
-            return self._restore_from(path, path, commit, app, strict, loader_policy)
-        # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
-        # the work; the engine reads there; the directory goes when every rank is done with it.
-        def start() -> str | None:  # one private directory per staging directory, made by the lowest rank seeing it
-            if not self._leader:
-                return None
-            try:
-                return str(layout.start_restore_dir(self.dir, commit["step"]))
-            except OSError as err:
-                raise CheckpointError(f"{layout.restore_dir(self.dir, commit['step'])}: cannot create: "
-                                      f"{err.strerror or err}") from None
-
-        where = self._ranks.gather("decompress", self._ranks.run("decompress", start))
-        work = Path(where[self._dir_ranks[0]])
-        try:
-            i, n = self._share
-            mine = sorted(commit["files"])[i::n]
-            self._ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
-                                                                         commit["compression"]) for rel in mine])
-            try:
-                return self._restore_from(path, work, commit, app, strict, loader_policy)
-            except CheckpointError as err:  # name the checkpoint, not the directory about to go
-                raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
-        finally:
-            try:
-                self._ranks.barrier("restore")  # every rank is done reading
-            finally:
-                if self._leader:
-                    shutil.rmtree(work, ignore_errors=True)
-
-    def _restore_from(self, path: Path, files: Path, commit: dict[str, Any], app: dict[str, Any],
-                      strict: bool, loader_policy: str) -> TrainState:
-        """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
-        makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
-        so a rank that fails fails every rank's restore."""
-        name = commit.get("engine", DEFAULT_ENGINE)  # markers from before engines were recorded: torchsnapshot
-        engine = self._engine(name)
-        saved_world = int(commit.get("world_size") or 0)
-
-        def open_():
-            sharded = holds_dtensor(app)
-            if sharded and name != "dcp":
-                raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
-                                      f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
-                                      "into the unsharded model and save again with engine='dcp'")
-            prepared, _ = engine.prepare(app)
-            saved = engine.open(files, pg=self._ranks.pg)
-            world = saved_world or saved.world_size
-            src = self.rank % world  # the saving rank whose per-rank state this rank takes
-            have = saved.keys(src)
-            missing = sorted(k for k in prepared if k not in have)
-            if missing:
-                holds = ", ".join(sorted(k for k in have if not k.startswith(_RESERVED_PREFIX))) or "nothing"
-                raise CheckpointError(
-                    f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
-                    f"(it holds: {holds}; written by {world} rank(s), this run has {self.world_size})")
-            extra = sorted(k for k in have if k not in prepared and not k.startswith(_RESERVED_PREFIX))
-            if extra and strict:
-                raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
-                                      "app lacks (restore_latest(..., strict=False) skips them)")
-            return prepared, saved, world, extra, _checked_states(saved, app, _loader_keys(app), src, path,
-                                                                  loader_policy)
-
-        prepared, saved, saved_world, extra, held = self._ranks.run("open", open_)
-        elastic = saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
-        progress = Frozen({})
-        targets = {k: v for k, v in prepared.items() if k not in held}  # loaders: checked above, loaded last
-        targets[PROGRESS_KEY] = progress
-        has_rng = not elastic and RNG_KEY in saved.keys(self.rank)
-        if has_rng:
-            targets[RNG_KEY] = Frozen(capture_rng())
-
-        def load() -> tuple[list[str], list[str], list[str]]:
-            replicated: list[str] = []
-            per_rank: list[str] = []
-            try:
-                if elastic:
-                    replicated, per_rank, skipped = restore_elastic(saved, targets, rank=self.rank,
-                                                                    saved_world=saved_world,
-                                                                    from_rank_zero=(PROGRESS_KEY,), strict=strict)
-                else:
-                    skipped = saved.restore(targets, strict=strict)
-                for key, state in held.items():
-                    app[key].load_state_dict(state)
-            except CheckpointError:
-                raise
-            except Exception as err:  # a mismatched model or a loader refusing its state lands here
-                raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
-            p = progress.state
-            if p.get("version") != PROGRESS_VERSION:
-                raise CheckpointError(f"{path}: progress record version {p.get('version')!r}, "
-                                      f"this fastio reads {PROGRESS_VERSION}")
-            return replicated, per_rank + (list(held) if elastic else []), list(skipped or [])
-
-        replicated, per_rank, skipped = self._ranks.run("load", load)
-        skipped = [f"app key {k} (not in this app)" for k in extra] + skipped
-        if skipped and self.rank == 0:
-            log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
-        if elastic:
-            if self.rank == 0:
-                log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
-                            "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
-                            "restored (left as this run seeded it)", path, saved_world, self.world_size,
-                            ", ".join(replicated) or "nothing",
-                            ", ".join(k for k in per_rank if k != PROGRESS_KEY) or "nothing", saved_world)
-        elif has_rng:
-            restore_rng(targets[RNG_KEY].state)
-        else:
-            log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
-        p = progress.state
-        self._last_step = int(p.get("step", commit["step"]))
-        self._last_time = time.monotonic()
-        self._elapsed_before = float(p.get("elapsed", 0.0))
-        self._started = time.monotonic()
-        epoch = p.get("epoch", -1)
-        if loader_policy == "next-epoch" and epoch is not None and epoch >= 0:
-            epoch += 1  # where the loader now starts
-        return TrainState(step=self._last_step, epoch=None if epoch is None or epoch < 0 else int(epoch),
-                          metrics=dict(p.get("metrics", {})), elapsed=self._elapsed_before,
-                          time=float(commit.get("time", 0.0)), hparams=dict(p.get("hparams", {})), path=path,
-                          skipped=skipped)

@@ -28,6 +28,7 @@ from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
     from fastio.checkpoint.group import RankGroup
+    from fastio.checkpoint.record import CommitInfo
     from fastio.checkpoint.remote import RemoteCheckpoints
 
 __all__ = ["Commit", "LocalCommit", "NodeLocalCommit", "Unrecognised"]
@@ -58,7 +59,7 @@ class Commit(Protocol):
         """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own."""
         ...
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
         """Writer thread, collective: supersede the committed steps above ``step`` (above ``restored`` after a
         rollback), commit the fully written temporary of ``step`` (marker last), then retention keeping ``keep``
         (0: all); any rank's failure raises on every rank, nothing half-published is visible."""
@@ -142,7 +143,7 @@ class LocalCommit(_Steps):
     def __init__(self, root: Path, remote: RemoteCheckpoints | None, world: int):
         super().__init__(root, remote, tuple(range(world)))
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
         def commit() -> None:
             if rank == 0:
                 floor, remote = self._floor(step), self.remote
@@ -188,7 +189,7 @@ class NodeLocalCommit(_Steps):
 
     remote: RemoteCheckpoints
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: dict[str, Any], keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
         remote, tmp = self.remote, self.tmp_dir(step)
         floor = self._floor(step)
 

@@ -20,9 +20,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastio.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from fastio.checkpoint.record import CommitRecord
 
 __all__ = ["CODECS", "SUFFIX", "Compression", "check_marker", "compress_file", "parse_compression",
            "restore_file", "stored_name"]
@@ -69,9 +72,9 @@ def parse_compression(value: Any) -> Compression | None:
     return Compression(codec, n)
 
 
-def check_marker(commit: dict[str, Any]) -> str | None:
+def check_marker(commit: CommitRecord) -> str | None:
     """Why this fastio cannot read a commit marker's ``compression`` (None when it can, or there is none)."""
-    codec = commit.get("compression")
+    codec = commit.compression
     if codec is None or codec in CODECS:
         return None
     return f"compressed with {codec!r}, this fastio reads {', '.join(CODECS)}"

@@ -5,8 +5,8 @@ The rule, when the saving run had ``A`` ranks and this one has ``B != A``:
 - replicated state (a DDP model and its optimizer, written once) is restored by the engine on every
   rank as usual, also on ranks that did not exist at save time;
 - every other app object (also one only partly replicated) on rank ``r`` gets the state that rank
-  ``r % A`` saved (its own, on a rank that existed then), and the progress record
-  (step, epoch, metrics, elapsed) comes from rank 0. The fastio Loader's state is global (the same on
+  ``r % A`` saved (its own, on a rank that existed then); the progress (step, epoch, metrics, elapsed) is the
+  commit marker's, rank 0's (:mod:`fastio.checkpoint.record`). The fastio Loader's state is global (the same on
   every rank) and its ``load_state_dict`` re-splits the rest of the epoch over the ``B`` ranks, so every
   remaining sample of the epoch is still seen exactly once;
 - RNG streams are not restored: another rank's stream means nothing at another world size, and handing
@@ -25,18 +25,17 @@ __all__ = ["restore_elastic"]
 
 
 def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, rank: int, saved_world: int,
-                    from_rank_zero: tuple[str, ...] = (), strict: bool = True) -> tuple[list[str], list[str], list[str]]:
+                    strict: bool = True) -> tuple[list[str], list[str], list[str]]:
     """Restore ``targets`` on this ``rank`` by the rule above (``saved_world`` ranks wrote ``saved``);
     returns the ``(replicated, per_rank)`` keys and what a non-``strict`` restore skipped (see
     :meth:`SavedCheckpoint.restore <fastio.checkpoint.engines.base.SavedCheckpoint.restore>`).
 
-    Collective (the replicated part). Keys in ``from_rank_zero`` are read from saving rank 0 instead
-    of ``rank % saved_world``.
+    Collective (the replicated part).
     """
     src = rank % saved_world
     per_rank = [k for k in targets if not saved.is_replicated(k, src)]
     replicated = [k for k in targets if k not in per_rank]
     skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict)
     for key in per_rank:  # another rank's state, read leaf by leaf
-        targets[key].load_state_dict(saved.read(key, 0 if key in from_rank_zero else src))
+        targets[key].load_state_dict(saved.read(key, src))
     return replicated, per_rank, skipped

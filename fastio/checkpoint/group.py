@@ -216,7 +216,7 @@ class RankGroup:
         if int(t[0]) != -int(t[1]):  # some rank brought other terms: all exchange them to name the difference
             why = agree.first_disagreement(self.gather(operation, terms))
             raise CheckpointError(f"Checkpointer: {why} (every rank must make the same Checkpointer "
-                                  "calls, in the same order, with the same directory and engine)")
+                                  "calls, in the same order, with the same directory, engine and compression)")
         return tuple(bool(v) for v in t[4:4 + len(flags)].tolist())
 
     def _await_entry(self, work: Any, n: int, operation: str, started: float) -> bool:

@@ -1,11 +1,12 @@
 """On-disk layout of a checkpoint directory: ``step-N.tmp/`` while writing, ``step-N/`` once committed.
 
 A checkpoint counts only when its directory is named ``step-N`` and holds a valid commit marker
-(``fastio-commit.json``: step, time, metrics, the engine that wrote the files, and the size and checksum
-of every other file: xxh3-128 since marker version 2, sha256 in version 1), written last with fsync
-before the rename. Anything else under DIR that looks like a step is not committed. A compressed checkpoint
-(:mod:`fastio.checkpoint.compress`) has a version 3 marker with ``"compression": "zstd"``, and its files are
-listed as stored (``NAME.zst``); older fastio versions refuse version 3 instead of misreading it.
+(``fastio-commit.json``, :class:`~fastio.checkpoint.record.CommitRecord`: step, time, the save's progress, the
+engine that wrote the files, and the size and checksum of every other file: xxh3-128 since marker version 2,
+sha256 in version 1), written last with fsync before the rename. Anything else under DIR that looks like a step
+is not committed. A compressed checkpoint (:mod:`fastio.checkpoint.compress`) has a version 3 marker with
+``"compression": "zstd"``, and its files are listed as stored (``NAME.zst``); older fastio versions
+refuse version 3 instead of misreading it.
 
 A restore of a compressed checkpoint decompresses into ``.step-N.restore-PID`` (hidden, marked with
 ``fastio-restoring.json``), deleted when the restore ends; :func:`scan` never sees it.
@@ -60,7 +61,16 @@ from pathlib import Path
 from typing import Any
 
 from fastio.atomic import atomic_write_bytes, fsync_dir, tmp_path_for
-from fastio.checkpoint.engines import DEFAULT_ENGINE
+from fastio.checkpoint.record import (
+    CHECKSUM,
+    COMMIT_FORMAT,
+    COMMIT_VERSION,
+    COMPRESSED_VERSION,
+    READ_VERSIONS,
+    CommitInfo,
+    CommitRecord,
+    parse_commit,
+)
 from fastio.checksum import DIGESTS, digest_fd, digest_file
 from fastio.errors import CheckpointError
 from fastio.lock import LOCK_NAME
@@ -77,6 +87,8 @@ __all__ = [
     "RESTORING_FILE",
     "ROLLBACK_FILE",
     "WRITING_FILE",
+    "CommitInfo",
+    "CommitRecord",
     "StepEntry",
     "apply_retention",
     "commit",
@@ -119,14 +131,6 @@ __all__ = [
 ]
 
 COMMIT_FILE = "fastio-commit.json"
-COMMIT_FORMAT = "fastio-checkpoint"
-COMMIT_VERSION = 2
-"""Version of new uncompressed commit markers. 2: files carry ``xxh3_128``; 1 (still read): ``sha256``."""
-COMPRESSED_VERSION = 3
-"""Version of the markers of compressed checkpoints: as 2, plus ``"compression"`` (stored files listed)."""
-READ_VERSIONS = (1, 2, 3)
-CHECKSUM = "xxh3_128"
-"""The checksum new commits record per file (see :mod:`fastio.checksum`)."""
 WRITING_FILE = "fastio-writing.json"
 """The writer's mark in a ``step-N.tmp``: proof that fastio made it (host, pid, time)."""
 QUARANTINE_SUFFIX = ".quarantined"
@@ -205,7 +209,7 @@ class StepEntry:
 
     step: int
     path: Path
-    commit: dict[str, Any] | None = None
+    commit: CommitRecord | None = None
     problem: str | None = field(default=None)
     superseded: bool = False
     """A committed step made no checkpoint by a later commit of a lower step (:func:`supersede`)."""
@@ -236,7 +240,7 @@ def holds_only_writer_marks(path: Path) -> bool:
         return False
 
 
-def read_commit(path: Path) -> dict[str, Any]:
+def read_commit(path: Path) -> CommitRecord:
     """Parse and check ``path``'s commit marker; CheckpointError naming the file when it is bad."""
     marker = Path(path) / COMMIT_FILE
     try:
@@ -246,23 +250,6 @@ def read_commit(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise CheckpointError(f"{marker}: unreadable commit marker: {err}") from None
     return parse_commit(text, str(marker))
-
-
-def parse_commit(text: bytes, where: str) -> dict[str, Any]:
-    """A commit marker's bytes, parsed and checked; CheckpointError naming ``where`` when they are bad."""
-    marker = where
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise CheckpointError(f"{marker}: unreadable commit marker: {err}") from None
-    if not isinstance(data, dict) or data.get("format") != COMMIT_FORMAT:
-        raise CheckpointError(f"{marker}: not a fastio commit marker")
-    if data.get("version") not in READ_VERSIONS:
-        raise CheckpointError(f"{marker}: commit marker version {data.get('version')!r}, this fastio reads "
-                              f"{', '.join(map(str, READ_VERSIONS))}")
-    if not isinstance(data.get("files"), dict) or not isinstance(data.get("step"), int):
-        raise CheckpointError(f"{marker}: commit marker lacks 'files' or 'step'")
-    return data
 
 
 def scan(root: Path) -> list[StepEntry]:
@@ -291,8 +278,8 @@ def scan(root: Path) -> list[StepEntry]:
             superseded = not (child / COMMIT_FILE).exists() and (child / SUPERSEDED_FILE).is_file()
             entries.append(StepEntry(step, child, None, SUPERSEDED if superseded else str(err), superseded))
             continue
-        if data["step"] != step:
-            entries.append(StepEntry(step, child, None, f"{child}: commit marker says step {data['step']}"))
+        if data.step != step:
+            entries.append(StepEntry(step, child, None, f"{child}: commit marker says step {data.step}"))
         elif step in doomed:  # a rollback a kill cut short: superseded, whatever its marker is still called
             entries.append(StepEntry(step, child, None, SUPERSEDED, True))
         else:
@@ -368,23 +355,19 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"bytes": size, CHECKSUM: digest}
 
 
-def commit_data(files: dict[str, dict[str, Any]], *, step: int, info: dict[str, Any]) -> dict[str, Any]:
+def commit_data(files: dict[str, dict[str, Any]], *, step: int, info: CommitInfo) -> CommitRecord:
     """The commit marker of ``step`` listing ``files`` (relative path -> :func:`file_record`)."""
-    now = time.time()
-    version = COMPRESSED_VERSION if info.get("compression") else COMMIT_VERSION
-    return {"format": COMMIT_FORMAT, "version": version, "step": step, "time": now,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "checksum": CHECKSUM,
-            "bytes": sum(f["bytes"] for f in files.values()), **info, "files": files}
+    return CommitRecord.new(files, step=step, info=info)
 
 
-def encode_commit(data: dict[str, Any]) -> bytes:
-    return json.dumps(data, indent=1, sort_keys=True).encode()
+def encode_commit(record: CommitRecord) -> bytes:
+    return record.encode()
 
 
-def commit(tmp: Path, final: Path, *, step: int, info: dict[str, Any]) -> dict[str, Any]:
+def commit(tmp: Path, final: Path, *, step: int, info: CommitInfo) -> CommitRecord:
     """Checksum every file of the fully written ``tmp``, write the marker last, rename to ``final``
     (an existing ``final`` is moved aside by :func:`quarantine`, not deleted). ``info`` with a
-    ``"compression"`` makes a version 3 marker."""
+    ``compression`` makes a version 3 marker."""
     paths = _files(tmp)
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:  # overlaps the fsyncs' waits on the disk
         sums = list(pool.map(_hash_and_sync, paths))
@@ -599,7 +582,7 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[st
     """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks every
     n-th file from the i-th (so n ranks can share the reading)."""
     i, n = part
-    listed = sorted(entry.commit["files"].items())[i::n]
+    listed = sorted(entry.commit.files.items())[i::n]
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
     found = (_check_file(entry.path / rel, want) for rel, want in listed)
     return [p for p in found if p]
@@ -611,7 +594,7 @@ def verify_step(entry: StepEntry) -> list[str]:
         return [f"{entry.path}: {entry.problem}" if not entry.problem.startswith(str(entry.path))
                 else entry.problem]
     problems = verify_files(entry)
-    listed = entry.commit["files"]
+    listed = entry.commit.files
     for p in _files(entry.path):
         if p.relative_to(entry.path).as_posix() not in listed:
             problems.append(f"{p}: not listed in the commit marker")
@@ -689,22 +672,20 @@ def list_checkpoints(root: Path) -> list[dict]:
                                      "unrecognised or replaced); inspect it, then delete it or rename it back"))
     entries.sort(key=lambda e: (e.step, e.path.name))
     for e in entries:
-        size = (e.commit or {}).get("bytes")
+        size = e.commit.bytes if e.commit else None
         if size is None:
             size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
         rows.append(listing_row(e.step, str(e.path), e.commit, size, e.problem))
     return rows
 
 
-def listing_row(step: int, where: str, commit: dict[str, Any] | None, size: int, problem: str | None) -> dict:
+def listing_row(step: int, where: str, commit: CommitRecord | None, size: int, problem: str | None) -> dict:
     """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None)."""
-    c = commit or {}
-    committed = commit is not None
-    state = ("committed" if committed else "superseded" if problem == SUPERSEDED else
+    c = commit
+    state = ("committed" if c else "superseded" if problem == SUPERSEDED else
              "quarantined" if QUARANTINE_SUFFIX in where else "incomplete")
-    return {"step": step, "path": where, "committed": committed, "state": state, "bytes": size,
-            "engine": c.get("engine", DEFAULT_ENGINE) if committed else None,
-            "checksum": c.get("checksum", "sha256") if committed else None,
-            "compression": c.get("compression") if committed else None,
-            "time_utc": c.get("time_utc"), "epoch": c.get("epoch"), "metrics": c.get("metrics", {}),
-            "files": len(c.get("files", {})), "problem": problem}
+    return {"step": step, "path": where, "committed": c is not None, "state": state, "bytes": size,
+            "engine": c.engine if c else None, "checksum": c.checksum if c else None,
+            "compression": c.compression if c else None, "time_utc": c.time_utc if c else None,
+            "epoch": c.progress.epoch if c else None, "metrics": dict(c.progress.metrics) if c else {},
+            "files": len(c.files) if c else 0, "problem": problem}

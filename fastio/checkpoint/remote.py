@@ -44,6 +44,7 @@ from typing import Any, Callable
 from fastio.checkpoint import layout
 from fastio.checkpoint.catalog import pending_rollback, remote_steps
 from fastio.checkpoint.group import RankGroup
+from fastio.checkpoint.record import CommitRecord
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
@@ -164,13 +165,13 @@ class RemoteCheckpoints:
         except OSError as err:
             raise CheckpointError(f"{tmp}: cannot read a written file: {err}") from None
 
-    def publish_commit(self, step: int, data: dict[str, Any], keep: int) -> None:
+    def publish_commit(self, step: int, data: CommitRecord, keep: int) -> None:
         """Write ``step-N``'s commit marker to the store (its files are uploaded), then apply retention; each
         only while the lease (if held) is confirmed."""
         try:
             self._confirm()
             self.mirror.storage.child(layout.step_name(step)).put_bytes(layout.COMMIT_FILE,
-                                                                        layout.encode_commit(data))
+                                                                        data.encode())
             self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None

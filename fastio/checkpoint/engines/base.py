@@ -2,7 +2,7 @@
 
 The Checkpointer owns everything around one ``step-N`` directory: staging a private copy of the state,
 scheduling, the commit marker and atomic publish, retention, verification, the elastic-resume rule and
-the RNG and progress records. An engine owns the files inside the directory: how state dicts become
+the RNG record. An engine owns the files inside the directory: how state dicts become
 files, which ranks write what, and how a rank reads its state back. It is the only code that imports
 its library (torchsnapshot, torch.distributed.checkpoint) or touches that library's internals.
 

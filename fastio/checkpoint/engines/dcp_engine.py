@@ -9,7 +9,7 @@ What goes where in a step directory:
   every ``nn.Module`` of the app (``get_model_state_dict``: parameter names, DTensor shards or, for plain
   and DDP modules, tensors identical on every rank), and every optimizer whose parameters all belong to
   one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too);
-- *per-rank* state (the loader position, RNG streams, the progress record, any other object and an
+- *per-rank* state (the loader position, RNG streams, any other object and an
   optimizer of no app module), one ``torch.save`` file per app key and rank, ``rank-R/<key>.pt``;
 - ``fastio-dcp.json``: world size and which keys are global, per rank (written by rank 0).
 

@@ -230,7 +230,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         modules through :class:`~fastio.checkpoint.engines.strict.CheckedModule` (the strict rule).
 
         torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``),
-        so restoring model, optimizer, loader and progress would read every tensor once per key; with a
+        so restoring model, optimizer, loader and RNG would read every tensor once per key; with a
         view per key each byte is read once. The restored state is the same.
         """
         from torch import nn

@@ -1,0 +1,154 @@
+"""The commit marker ``fastio-commit.json`` as a typed record: parsed and checked here, serialised here.
+
+A marker says that a step directory is a checkpoint (see :mod:`fastio.checkpoint.layout`). It holds the step, the
+commit time, the engine that wrote the files, the codec of a compressed checkpoint, the size and checksum of every
+file, and the save's progress (:class:`Progress`: epoch, metrics, elapsed time, hparams, world size): the one
+progress record of a checkpoint, written once by rank 0 and read back on every rank by a restore.
+
+Versions read: 1 (files carry ``sha256``, no ``checksum`` or ``engine`` field: torchsnapshot), 2 (``xxh3_128``),
+3 (as 2, plus ``compression``; the files listed as stored). A field that an older marker lacks takes the value that
+version meant. Checkpoints written before this record was the only one also hold a per-rank progress record (the
+``_fastio_progress`` app key of the engine's files); a restore ignores it: the marker's progress wins.
+Torch-free (``fastio ckpt``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastio.checkpoint.engines import DEFAULT_ENGINE
+from fastio.errors import CheckpointError
+
+__all__ = ["CHECKSUM", "COMMIT_FORMAT", "COMMIT_VERSION", "COMPRESSED_VERSION", "READ_VERSIONS", "CommitInfo",
+           "CommitRecord", "Progress", "parse_commit"]
+
+COMMIT_FORMAT = "fastio-checkpoint"
+COMMIT_VERSION = 2
+"""Version of new uncompressed commit markers. 2: files carry ``xxh3_128``; 1 (still read): ``sha256``."""
+COMPRESSED_VERSION = 3
+"""Version of the markers of compressed checkpoints: as 2, plus ``"compression"`` (stored files listed)."""
+READ_VERSIONS = (1, 2, 3)
+CHECKSUM = "xxh3_128"
+"""The checksum new commits record per file (see :mod:`fastio.checksum`)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A save's progress, as rank 0 saw it: what ``restore_latest`` hands back in its ``TrainState``."""
+
+    epoch: int = -1
+    """The epoch given to (or found by) ``maybe_save``; -1 when unknown."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    elapsed: float = 0.0
+    """Seconds of training (summed over restarts) up to the save."""
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+    world_size: int = 0
+    """The number of ranks that saved; 0 when unknown (the engine's files then say)."""
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """What the writer knows of a step before its files are checksummed: the rest of its marker."""
+
+    engine: str
+    progress: Progress
+    compression: str | None = None
+    """The codec of a compressed checkpoint (a version 3 marker), None when its files are plain."""
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One parsed commit marker (:func:`parse_commit`), or a new one (:meth:`new`, :meth:`encode`)."""
+
+    version: int
+    step: int
+    files: Mapping[str, Mapping[str, Any]]
+    """Relative path -> ``{"bytes": size, CHECKSUM: digest}`` (``sha256`` in version 1)."""
+    time: float = 0.0
+    """Unix time of the commit."""
+    time_utc: str | None = None
+    checksum: str = "sha256"
+    bytes: int | None = None
+    """The listed files' bytes, as stored."""
+    engine: str = DEFAULT_ENGINE
+    compression: str | None = None
+    progress: Progress = field(default_factory=Progress)
+
+    @classmethod
+    def new(cls, files: Mapping[str, Mapping[str, Any]], *, step: int, info: CommitInfo) -> CommitRecord:
+        """The marker of ``step`` listing ``files``, committed now; version 3 when ``info`` names a codec."""
+        now = time.time()
+        return cls(version=COMPRESSED_VERSION if info.compression else COMMIT_VERSION, step=step, files=dict(files),
+                   time=now, time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), checksum=CHECKSUM,
+                   bytes=sum(f["bytes"] for f in files.values()), engine=info.engine, compression=info.compression,
+                   progress=info.progress)
+
+    def to_json(self) -> dict[str, Any]:
+        """The marker as JSON values (the progress fields at the top level, as every version wrote them)."""
+        p = self.progress
+        data = {"format": COMMIT_FORMAT, "version": self.version, "step": self.step, "time": self.time,
+                "time_utc": self.time_utc, "checksum": self.checksum, "bytes": self.bytes, "epoch": p.epoch,
+                "metrics": dict(p.metrics), "world_size": p.world_size, "elapsed": p.elapsed,
+                "hparams": dict(p.hparams), "engine": self.engine, "files": {k: dict(v) for k, v in self.files.items()}}
+        if self.compression:
+            data["compression"] = self.compression
+        return data
+
+    def encode(self) -> bytes:
+        """The marker's bytes, as written to ``fastio-commit.json``."""
+        return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
+
+
+def _field(data: dict, name: str, kinds: tuple[type, ...], default: Any, where: str) -> Any:
+    """``data[name]`` when it is one of ``kinds`` (never a bool for a number), ``default`` when absent."""
+    value = data.get(name, default)
+    if value is default or (isinstance(value, kinds) and not isinstance(value, bool)):
+        return value
+    raise CheckpointError(f"{where}: commit marker field {name!r} is {value!r}, expected "
+                          f"{' or '.join(k.__name__ for k in kinds)}")
+
+
+def _progress(data: dict, where: str) -> Progress:
+    metrics = _field(data, "metrics", (dict,), {}, where)
+    hparams = _field(data, "hparams", (dict,), {}, where)
+    return Progress(epoch=_field(data, "epoch", (int,), -1, where), metrics=metrics,
+                    elapsed=float(_field(data, "elapsed", (int, float), 0.0, where)), hparams=hparams,
+                    world_size=_field(data, "world_size", (int,), 0, where) or 0)
+
+
+def _files(data: dict, where: str) -> dict[str, dict[str, Any]]:
+    files = data.get("files")
+    if not isinstance(files, dict) or not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
+        raise CheckpointError(f"{where}: commit marker lacks 'files' or 'step'")
+    for rel, rec in files.items():
+        if not isinstance(rec, dict):
+            raise CheckpointError(f"{where}: commit marker entry for {rel!r} is {rec!r}, expected a dict")
+    return files
+
+
+def parse_commit(text: bytes, where: str) -> CommitRecord:
+    """A commit marker's bytes (any version in :data:`READ_VERSIONS`), parsed and checked; CheckpointError
+    naming ``where`` (and the field) when they are bad. The codec and engine are not judged here: a restore
+    names an unknown one and skips the step."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: unreadable commit marker: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != COMMIT_FORMAT:
+        raise CheckpointError(f"{where}: not a fastio commit marker")
+    if data.get("version") not in READ_VERSIONS or isinstance(data.get("version"), bool):
+        raise CheckpointError(f"{where}: commit marker version {data.get('version')!r}, this fastio reads "
+                              f"{', '.join(map(str, READ_VERSIONS))}")
+    files = _files(data, where)
+    return CommitRecord(version=data["version"], step=data["step"], files=files,
+                        time=float(_field(data, "time", (int, float), 0.0, where)),
+                        time_utc=_field(data, "time_utc", (str,), None, where),
+                        checksum=_field(data, "checksum", (str,), "sha256", where),
+                        bytes=_field(data, "bytes", (int,), None, where),
+                        engine=_field(data, "engine", (str,), DEFAULT_ENGINE, where),
+                        compression=_field(data, "compression", (str,), None, where) or None,
+                        progress=_progress(data, where))

@@ -1,0 +1,324 @@
+"""The Checkpointer's restore path, beside its save path (:mod:`fastio.checkpoint.checkpointer`).
+
+``restore_latest`` plans the candidates (rank 0: the newest committed steps first, or the one asked for; every
+directory's own abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://``
+dir: into its staging directory), checks every file against the commit marker (the ranks sharing the files)
+and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
+current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
+(:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
+before anything loads (``loader_policy``), then loaded: the engine's keys, the loaders last, the RNG streams
+(or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
+thread's :class:`~fastio.checkpoint.group.RankGroup`, so one rank's failure is every rank's.
+
+The progress handed back (:class:`TrainState`) is the commit marker's (:class:`~fastio.checkpoint.record.Progress`,
+rank 0's at the save, the same on every rank). Older checkpoints also hold a per-rank progress record
+(the engine's ``_fastio_progress`` key): it is not read, the marker's wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastio.checkpoint import compress, layout
+from fastio.checkpoint.elastic import restore_elastic
+from fastio.checkpoint.engines import ENGINES, holds_dtensor
+from fastio.checkpoint.engines.base import first_line
+from fastio.checkpoint.record import CommitRecord
+from fastio.checkpoint.rng import capture_rng, restore_rng
+from fastio.checkpoint.staging import Frozen
+from fastio.errors import CheckpointError, FastioError
+
+if TYPE_CHECKING:
+    from fastio.checkpoint.checkpointer import Checkpointer
+    from fastio.checkpoint.commit import Unrecognised
+
+__all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "TrainState", "check_state_dicts", "loader_epoch",
+           "loader_keys", "restore_latest"]
+
+log = logging.getLogger(__name__)
+
+RNG_KEY = "_fastio_rng"
+RESERVED_PREFIX = "_fastio"
+"""App keys the Checkpointer keeps for itself (the RNG streams; older checkpoints' ``_fastio_progress``)."""
+LOADER_POLICIES = ("exact", "next-epoch")
+"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
+
+
+@dataclass
+class TrainState:
+    """What ``restore_latest`` found: the step the checkpoint was taken after, and the run's progress."""
+
+    step: int
+    """The last completed step; continue with ``step + 1``."""
+    epoch: int | None
+    """The epoch given to (or found by) ``maybe_save``, None when unknown."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics passed with that save (rank 0's)."""
+    elapsed: float = 0.0
+    """Seconds of training (summed over restarts) up to that save."""
+    time: float = 0.0
+    """Unix time of the commit."""
+    hparams: dict[str, Any] = field(default_factory=dict)
+    """The ``hparams`` the saving run was created with."""
+    path: Path | None = None
+    """The checkpoint directory restored from."""
+    skipped: list[str] = field(default_factory=list)
+    """What a ``strict=False`` restore left out (app keys, state keys, shape mismatches); empty otherwise."""
+
+
+def loader_epoch(states: dict[str, Any]) -> int | None:
+    """The epoch of the app's data loader, found by its state rather than by its app key.
+
+    A loader is an app object whose state_dict carries the position part of the fastio Loader's state
+    contract: integer ``epoch`` and ``consumed`` entries. The first such object in app order counts;
+    None when there is none.
+    """
+    for state in states.values():
+        if isinstance(state, dict) and all(isinstance(state.get(k), int) and not isinstance(state.get(k), bool)
+                                           for k in ("epoch", "consumed")):
+            return int(state["epoch"])
+    return None
+
+
+def loader_keys(app: dict[str, Any]) -> list[str]:
+    """App keys of objects that can check a state before loading it (``check_state_dict``: the fastio Loader)."""
+    return [k for k, obj in app.items() if callable(getattr(obj, "check_state_dict", None))]
+
+
+def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
+                      policy: str) -> dict[str, Any]:
+    """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
+    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one."""
+    held: dict[str, Any] = {}
+    for key in keys:
+        state = saved.read(key, src)
+        if policy == "next-epoch":
+            if not isinstance(state, dict) or loader_epoch({key: state}) is None:
+                raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
+                                      "with integer 'epoch' and 'consumed'")
+            state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
+        try:
+            app[key].check_state_dict(state)
+        except FastioError as err:
+            raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
+        held[key] = state
+    return held
+
+
+# ----------------------------------------------------------------- choosing the step
+def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, strict: bool,
+                   loader_policy: str) -> TrainState | None:
+    """The restore behind :meth:`Checkpointer.restore_latest` (which checks the arguments and enters the
+    operation on every rank first); collective over ``ck``'s rank group."""
+    commit = ck._commit
+    candidates, unrecognised = ck._ranks.broadcast("plan", ck._ranks.run("plan", lambda: _plan(ck, step)))
+    chosen, skipped = _choose(ck, candidates, step)
+    newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
+    if chosen is None:
+        if newer:  # nothing to fall back to: leave everything where it is and say so
+            raise CheckpointError(f"{ck.config.url or ck.dir}: no intact checkpoint: {len(newer)} step director(ies) "
+                                  f"damaged or unrecognised, newest {newer[0][1]}: {newer[0][2]}")
+        return None
+    if ck._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
+        _set_aside(newer, read_only=ck.read_only)
+    path = commit.step_dir(chosen)
+    state = _restore(ck, path, layout.read_commit(path), app, strict, loader_policy)
+    commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
+    return state
+
+
+def _plan(ck: Checkpointer, step: int | None) -> tuple[list[int], list[Unrecognised]] | None:
+    """Rank 0's candidates, newest first (after every directory's abandoned temporaries are cleaned)."""
+    if ck._leader and not ck.read_only:
+        ck._commit.clean()
+    return ck._commit.plan(step) if ck.rank == 0 else None
+
+
+def _choose(ck: Checkpointer, candidates: list[int], step: int | None) -> tuple[int | None, list[Unrecognised]]:
+    """The first intact candidate (fetched and checked on every rank), and the damaged ones before it."""
+    commit = ck._commit
+    skipped: list[Unrecognised] = []
+    for cand in candidates:
+        path = commit.step_dir(cand)
+        problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
+        problems = problems or _check_step(ck, cand, path)
+        if not problems:
+            return cand, skipped
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        skipped.append((cand, str(path), problems[0] + more))
+        if step is not None:
+            raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
+    return None, skipped
+
+
+def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
+    """Move the damaged or unrecognised steps above the chosen one aside (not with ``read_only``), one warning
+    each."""
+    for _, path_, reason in newer:
+        if not Path(path_).exists():
+            continue
+        try:
+            moved = ("; left in place (read_only)" if read_only else
+                     f"; moved aside to {layout.quarantine(Path(path_)).name}")
+        except OSError as err:
+            moved = f"; left in place ({err.strerror or err})"
+        reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
+        log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
+
+
+def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
+    """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
+    against its recorded size and checksum, the ranks sharing the files); empty when intact."""
+    def check() -> list[str]:
+        entry = layout.StepEntry(step, path, layout.read_commit(path))
+        if entry.commit.engine not in ENGINES:
+            return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
+                    f"fastio has {', '.join(sorted(ENGINES))}"]
+        why = compress.check_marker(entry.commit)
+        if why:
+            return [f"{path / layout.COMMIT_FILE}: {why}"]
+        return layout.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
+
+    return ck._ranks.collect("check", check)
+
+
+# ----------------------------------------------------------------- loading the chosen step
+def _restore(ck: Checkpointer, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+             loader_policy: str) -> TrainState:
+    if not commit.compression:
+        return _restore_from(ck, path, path, commit, app, strict, loader_policy)
+    # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
+    # the work; the engine reads there; the directory goes when every rank is done with it.
+    where = ck._ranks.gather("decompress", ck._ranks.run("decompress", lambda: _start_restore_dir(ck, commit.step)))
+    work = Path(where[ck._dir_ranks[0]])
+    try:
+        i, n = ck._share
+        mine = sorted(commit.files)[i::n]
+        ck._ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
+                                                                   commit.compression) for rel in mine])
+        try:
+            return _restore_from(ck, path, work, commit, app, strict, loader_policy)
+        except CheckpointError as err:  # name the checkpoint, not the directory about to go
+            raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
+    finally:
+        try:
+            ck._ranks.barrier("restore")  # every rank is done reading
+        finally:
+            if ck._leader:
+                shutil.rmtree(work, ignore_errors=True)
+
+
+def _start_restore_dir(ck: Checkpointer, step: int) -> str | None:
+    """One private directory per staging directory, made by the lowest rank seeing it."""
+    if not ck._leader:
+        return None
+    try:
+        return str(layout.start_restore_dir(ck.dir, step))
+    except OSError as err:
+        raise CheckpointError(f"{layout.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
+
+
+@dataclass
+class _Opened:
+    """A checkpoint opened for this rank: the app's targets, what was saved, and what was checked."""
+
+    prepared: dict[str, Any]
+    saved: Any
+    saved_world: int
+    extra: list[str]
+    """App keys the checkpoint holds and this app lacks (skipped with ``strict=False``)."""
+    held: dict[str, Any]
+    """The loaders' checked states, loaded last."""
+
+
+def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+          loader_policy: str) -> _Opened:
+    """This rank's checks before anything loads: the engine can restore this app, the checkpoint has state for
+    every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
+    name = commit.engine
+    sharded = holds_dtensor(app)
+    if sharded and name != "dcp":
+        raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
+                              f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
+                              "into the unsharded model and save again with engine='dcp'")
+    engine = ck._engine(name)
+    prepared, _ = engine.prepare(app)
+    saved = engine.open(files, pg=ck._ranks.pg)
+    world = commit.progress.world_size or saved.world_size
+    src = ck.rank % world  # the saving rank whose per-rank state this rank takes
+    have = saved.keys(src)
+    missing = sorted(k for k in prepared if k not in have)
+    if missing:
+        holds = ", ".join(sorted(k for k in have if not k.startswith(RESERVED_PREFIX))) or "nothing"
+        raise CheckpointError(
+            f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
+            f"(it holds: {holds}; written by {world} rank(s), this run has {ck.world_size})")
+    extra = sorted(k for k in have if k not in prepared and not k.startswith(RESERVED_PREFIX))
+    if extra and strict:
+        raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
+                              "app lacks (restore_latest(..., strict=False) skips them)")
+    held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
+    return _Opened(prepared, saved, world, extra, held)
+
+
+def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+          strict: bool) -> tuple[list[str], list[str], list[str]]:
+    """The engine's load of ``targets``, then the loaders' checked states: ``(replicated, per_rank, skipped)``."""
+    replicated: list[str] = []
+    per_rank: list[str] = []
+    elastic = opened.saved_world != ck.world_size
+    try:
+        if elastic:
+            replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=ck.rank,
+                                                            saved_world=opened.saved_world, strict=strict)
+        else:
+            skipped = opened.saved.restore(targets, strict=strict)
+        for key, state in opened.held.items():
+            app[key].load_state_dict(state)
+    except CheckpointError:
+        raise
+    except Exception as err:  # a mismatched model or a loader refusing its state lands here
+        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+    return replicated, per_rank + (list(opened.held) if elastic else []), list(skipped or [])
+
+
+def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
+                  strict: bool, loader_policy: str) -> TrainState:
+    """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
+    makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
+    so a rank that fails fails every rank's restore."""
+    opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
+    elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
+    targets = {k: v for k, v in opened.prepared.items() if k not in opened.held}  # loaders: checked, loaded last
+    has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)
+    if has_rng:
+        targets[RNG_KEY] = Frozen(capture_rng())
+    replicated, per_rank, skipped = ck._ranks.run("load", lambda: _load(ck, path, opened, targets, app, strict))
+    skipped = [f"app key {k} (not in this app)" for k in opened.extra] + skipped
+    if skipped and ck.rank == 0:
+        log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
+    if elastic:
+        if ck.rank == 0:
+            log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
+                        "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
+                        "restored (left as this run seeded it)", path, opened.saved_world, ck.world_size,
+                        ", ".join(replicated) or "nothing", ", ".join(per_rank) or "nothing", opened.saved_world)
+    elif has_rng:
+        restore_rng(targets[RNG_KEY].state)
+    else:
+        log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, ck.rank)
+    return _train_state(path, commit, loader_policy, skipped)
+
+
+def _train_state(path: Path, commit: CommitRecord, loader_policy: str, skipped: list[str]) -> TrainState:
+    """What the restore hands back: the marker's step and progress (the epoch the loader now starts)."""
+    p = commit.progress
+    epoch = p.epoch
+    if loader_policy == "next-epoch" and epoch >= 0:
+        epoch += 1  # where the loader now starts
+    return TrainState(step=commit.step, epoch=None if epoch < 0 else int(epoch), metrics=dict(p.metrics),
+                      elapsed=p.elapsed, time=commit.time, hparams=dict(p.hparams), path=path, skipped=skipped)

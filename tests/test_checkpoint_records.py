@@ -1,0 +1,108 @@
+"""The commit marker as a typed record (fastio.checkpoint.record): one progress record, older markers still read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint.record import CommitInfo, CommitRecord, Progress, parse_commit
+from fastio.errors import CheckpointError
+
+BEFORE = Path(__file__).parent / "fixtures" / "checkpoint_before_records"
+"""A step written by fastio before the typed record (tests/fixtures/make_checkpoint_before_records.py): its
+progress is in the marker and in the engine's per-rank ``_fastio_progress`` record."""
+
+
+class Loader:
+    def __init__(self):
+        self.epoch, self.consumed = 0, 0
+
+    def state_dict(self):
+        return {"version": 1, "epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state):
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+
+def fresh_app() -> dict:
+    torch.manual_seed(123)
+    return {"model": nn.Linear(2, 2), "loader": Loader()}
+
+
+def old_checkpoint(tmp_path: Path) -> Path:
+    root = tmp_path / "ck"
+    shutil.copytree(BEFORE, root)
+    return root
+
+
+def test_a_checkpoint_written_before_the_typed_record_restores(tmp_path):
+    root = old_checkpoint(tmp_path)
+    app = fresh_app()
+    state = Checkpointer(root, signals=()).restore_latest(app)
+    assert (state.step, state.epoch, state.metrics, state.hparams) == (3, 1, {"loss": 0.25}, {"lr": 0.5})
+    assert state.elapsed > 0 and state.time > 0 and state.path == root / "step-3"
+    torch.manual_seed(0)
+    saved = nn.Linear(2, 2)  # the model the fixture's writer saved
+    assert all(torch.equal(a, b) for a, b in zip(app["model"].state_dict().values(), saved.state_dict().values()))
+    assert (app["loader"].epoch, app["loader"].consumed) == (1, 12)
+    assert layout.verify(root) == []
+
+
+def test_the_markers_progress_wins_over_an_old_progress_record(tmp_path):
+    """Old checkpoints hold the progress twice; the restore reads the marker's only (the engine's per-rank record
+    still says loss 0.25, epoch 1)."""
+    root = old_checkpoint(tmp_path)
+    marker = root / "step-3" / layout.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**data, "metrics": {"loss": 9.0}, "epoch": 4, "hparams": {"lr": 0.125},
+                                  "elapsed": 77.0}))
+    state = Checkpointer(root, signals=()).restore_latest(fresh_app())
+    assert (state.epoch, state.metrics, state.hparams, state.elapsed) == (4, {"loss": 9.0}, {"lr": 0.125}, 77.0)
+
+
+def test_a_save_writes_its_progress_once_into_the_marker(tmp_path):
+    root = tmp_path / "ck"
+    app = fresh_app()
+    app["loader"].epoch = 2
+    with Checkpointer(root, signals=(), hparams={"seed": 7}) as ckpt:
+        ckpt.save(5, app, metrics={"loss": 1.5}, blocking=True)
+    record = layout.read_commit(root / "step-5")
+    assert record.progress.epoch == 2 and record.progress.metrics == {"loss": 1.5}
+    assert record.progress.hparams == {"seed": 7} and record.progress.world_size == 1
+    assert not any("_fastio_progress" in str(p) for p in (root / "step-5").rglob("*"))
+    assert b"_fastio_progress" not in (root / "step-5" / ".snapshot_metadata").read_bytes()
+
+
+def test_a_record_round_trips_through_its_bytes():
+    info = CommitInfo(engine="dcp", progress=Progress(epoch=3, metrics={"loss": 0.5}, elapsed=1.25,
+                                                      hparams={"lr": 0.1}, world_size=4), compression="zstd")
+    record = CommitRecord.new({"a.pt": {"bytes": 4, layout.CHECKSUM: "00"}}, step=9, info=info)
+    assert record.version == layout.COMPRESSED_VERSION and record.bytes == 4
+    assert parse_commit(record.encode(), "m") == record
+    plain = CommitRecord.new({}, step=1, info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    assert plain.version == layout.COMMIT_VERSION and "compression" not in json.loads(plain.encode())
+
+
+def test_a_version_1_marker_reads_with_that_versions_meaning():
+    """Version 1: sha256 per file, no ``checksum`` or ``engine`` field (torchsnapshot)."""
+    text = json.dumps({"format": layout.COMMIT_FORMAT, "version": 1, "step": 2, "time": 5.0, "bytes": 3,
+                       "epoch": 0, "metrics": {}, "world_size": 2, "elapsed": 1.0, "hparams": {},
+                       "files": {"x": {"bytes": 3, "sha256": "ab"}}}).encode()
+    record = parse_commit(text, "m")
+    assert (record.checksum, record.engine, record.compression, record.progress.world_size) == (
+        "sha256", "torchsnapshot", None, 2)
+
+
+@pytest.mark.parametrize(("field", "value"), [("engine", 5), ("epoch", "one"), ("metrics", [1]), ("step", True),
+                                              ("world_size", 1.5)])
+def test_a_marker_field_of_the_wrong_type_is_one_error_naming_the_file_and_field(tmp_path, field, value):
+    good = CommitRecord.new({}, step=1, info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    text = json.dumps({**json.loads(good.encode()), field: value}).encode()
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker (field '{field}'|lacks 'files' or 'step')"):
+        parse_commit(text, f"{tmp_path}/m")
