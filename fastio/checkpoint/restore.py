@@ -21,7 +21,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastio.checkpoint import compress, layout
 from fastio.checkpoint.elastic import restore_elastic
@@ -33,8 +33,28 @@ from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError, FastioError
 
 if TYPE_CHECKING:
-    from fastio.checkpoint.checkpointer import Checkpointer
-    from fastio.checkpoint.commit import Unrecognised
+    from fastio.checkpoint.commit import Commit, Unrecognised
+    from fastio.checkpoint.config import CheckpointConfig
+    from fastio.checkpoint.engines.base import Engine
+    from fastio.checkpoint.group import RankGroup
+
+
+class Checkpointer(Protocol):
+    """What the restore path uses of :class:`fastio.checkpoint.checkpointer.Checkpointer` (a protocol, so this
+    module does not import the one that imports it)."""
+
+    config: CheckpointConfig
+    dir: Path
+    rank: int
+    world_size: int
+    read_only: bool
+    _commit: Commit
+    _ranks: RankGroup
+    _dir_ranks: list[int]
+    _leader: bool
+    _share: tuple[int, int]
+
+    def _engine(self, name: str) -> Engine: ...
 
 __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "TrainState", "check_state_dicts", "loader_epoch",
            "loader_keys", "restore_latest"]
