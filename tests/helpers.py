@@ -1,9 +1,14 @@
-"""Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, and a
-WebDataset tar indexed by ``fastio index``."""
+"""Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
+WebDataset tar indexed by ``fastio index``, and real ranks in spawned processes (``free_port``, ``run_ranks``)."""
 
 import io
+import socket
 import tarfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch.multiprocessing as mp
 
 from fastio.cli import main
 
@@ -57,3 +62,28 @@ def indexed_tar(folder: Path, samples: dict[str, dict[str, bytes]], capsys) -> P
     code, _, err = run_cli(["index", str(folder), "-q"], capsys)
     assert code == 0, err
     return folder
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, timeout: float) -> None:
+    """Run ``target(*args_of(rank))`` in ``world`` spawned processes; fail naming the ranks still running after
+    ``timeout`` seconds in all (killed first): a hang is a failure, never a stuck suite."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung"

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import Position
-from test_checkpoint_ranks import free_port
+from helpers import Position, free_port, run_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -86,19 +84,8 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
 
 def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path):
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp_path / "ck"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
+    run_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     root = (tmp_path / "ck").resolve()
     for label, parts in (("dirs", ["ranks disagree on the checkpoint directory", f"rank 0 {root / 'dir0'}",

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import Position
+from helpers import Position, free_port, run_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -72,12 +70,6 @@ class Refusing:
         if self.armed:
             raise RuntimeError("refusing state")
         self.value = state["value"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -144,20 +136,8 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, world):
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(tmp_path / "ck"), str(tmp_path)))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
+    run_ranks(worker, lambda r: (r, world, port, str(tmp_path / "ck"), str(tmp_path)), world, timeout=240)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world - 1)]
     assert not (tmp_path / f"rank{world - 1}.json").exists()  # it went away
     for i, phase in enumerate(SAVE_PHASES + RESTORE_PHASES):

@@ -15,13 +15,10 @@ import errno
 import io
 import json
 import os
-import time
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import Position
-from test_checkpoint_ranks import free_port
+from helpers import Position, free_port, run_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -112,20 +109,9 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
 
 def test_a_file_one_rank_cannot_read_fails_every_rank(tmp_path):
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp_path / "ck"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120  # about 20 s on a quiet machine; each case hung before
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
+    # about 20 s on a quiet machine; each case hung before
+    run_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for label, file in (("torchsnapshot:eio", "/1/model/"), ("torchsnapshot:short", "from 1/model/bias, 1/model/weight:"),
                         ("dcp:metadata", "/.metadata"),

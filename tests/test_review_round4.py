@@ -11,8 +11,7 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_checkpoint_ranks import free_port
+from helpers import free_port, run_ranks
 from torch import nn
 
 from fastio import Checkpointer
@@ -99,20 +98,8 @@ def test_ranks_with_other_compression_are_refused_on_every_rank(tmp_path):
     """Point 8, ranks that disagree: rank 0 with compression="zstd", rank 1 without. Both hung (rank 0 in the
     writer's "compress" barrier, rank 1 already in the commit's gather); codecs that differ would commit files
     that the marker's codec cannot read."""
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_compression_worker, args=(r, port, str(tmp_path / "ck"), str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
+    run_ranks(_compression_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = {json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     assert len(seen) == 1, seen
     text = seen.pop()
