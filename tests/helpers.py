@@ -1,5 +1,5 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
-WebDataset tar indexed by ``fastio index``, and real ranks in spawned processes (``free_port``, ``run_ranks``)."""
+WebDataset tar indexed by ``fastio index``, and real ranks in spawned processes (``free_port``, ``spawn_ranks``)."""
 
 import io
 import socket
@@ -71,7 +71,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, timeout: float) -> None:
+def spawn_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, timeout: float) -> None:
     """Run ``target(*args_of(rank))`` in ``world`` spawned processes; fail naming the ranks still running after
     ``timeout`` seconds in all (killed first): a hang is a failure, never a stuck suite."""
     ctx = mp.get_context("spawn")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import Position, free_port, run_ranks
+from helpers import Position, free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 
 def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path):
     port = free_port()
-    run_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    spawn_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     root = (tmp_path / "ck").resolve()
     for label, parts in (("dirs", ["ranks disagree on the checkpoint directory", f"rank 0 {root / 'dir0'}",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Position, free_port, run_ranks
+from helpers import Position, free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -137,7 +137,7 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_failing_or_vanishing_rank_fails_every_rank_in_every_phase(tmp_path, world):
     port = free_port()
-    run_ranks(worker, lambda r: (r, world, port, str(tmp_path / "ck"), str(tmp_path)), world, timeout=240)
+    spawn_ranks(worker, lambda r: (r, world, port, str(tmp_path / "ck"), str(tmp_path)), world, timeout=240)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world - 1)]
     assert not (tmp_path / f"rank{world - 1}.json").exists()  # it went away
     for i, phase in enumerate(SAVE_PHASES + RESTORE_PHASES):

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
-from helpers import Position, free_port, run_ranks
+from helpers import Position, free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -111,7 +111,7 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
 def test_a_file_one_rank_cannot_read_fails_every_rank(tmp_path):
     port = free_port()
     # about 20 s on a quiet machine; each case hung before
-    run_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    spawn_ranks(worker, lambda r: (r, 2, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for label, file in (("torchsnapshot:eio", "/1/model/"), ("torchsnapshot:short", "from 1/model/bias, 1/model/weight:"),
                         ("dcp:metadata", "/.metadata"),

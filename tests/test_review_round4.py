@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, run_ranks
+from helpers import free_port, spawn_ranks
 from torch import nn
 
 from fastio import Checkpointer
@@ -99,7 +99,7 @@ def test_ranks_with_other_compression_are_refused_on_every_rank(tmp_path):
     writer's "compress" barrier, rank 1 already in the commit's gather); codecs that differ would commit files
     that the marker's codec cannot read."""
     port = free_port()
-    run_ranks(_compression_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    spawn_ranks(_compression_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
     seen = {json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
     assert len(seen) == 1, seen
     text = seen.pop()

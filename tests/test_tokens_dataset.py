@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
-from tokens_helpers import train_tokenizer
+from tokens_helpers import word_corpus
 
 from fastio.errors import DatasetError
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens
 from fastio.tokens.dataset import TokenDataset
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    tok = train_tokenizer(root / "tokenizer.json")
-    rng = np.random.default_rng(0)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    texts = [" ".join(rng.choice(words, int(rng.integers(1, 30)))) for _ in range(120)]
-    (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
-    return root / "ds"
+    return word_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_epoch_on_two_ranks_reads_every_stream_token_once(corpus):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import numpy as np
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -26,3 +29,17 @@ def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: i
     tok.train_from_iterator(CORPUS, trainer=trainer)
     tok.save(str(path))
     return path
+
+
+def word_corpus(root: Path) -> Path:
+    """A converted token dataset of 120 documents of 1..29 random words (seeded), 25 documents per shard, with
+    its tokenizer, under ``root``; returns the dataset's folder."""
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    tok = train_tokenizer(root / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    texts = [" ".join(rng.choice(words, int(rng.integers(1, 30)))) for _ in range(120)]
+    (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
+    return root / "ds"
