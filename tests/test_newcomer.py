@@ -51,6 +51,21 @@ def losses(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", out, re.MULTILINE)}
 
 
+def interrupt_at(cmd: list[str], prefix: str, cwd=None) -> tuple[int, str]:
+    """Run ``cmd``, send it SIGINT (Ctrl-C) when it prints a line starting with ``prefix``; its exit code and
+    stderr (the process is killed if it outlives the test)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                proc.send_signal(signal.SIGINT)
+                break
+        return proc.wait(timeout=120), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_num_classes_of_converted_and_indexed_datasets_agree(data):
     converted, indexed = Dataset(data / "ds" / "train"), Dataset(data / "wds" / "train")
     assert converted.label_map and indexed.label_map is None
@@ -91,18 +106,7 @@ def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, 
     run's."""
     straight = quickstart(data, "ds", str(tmp_path / "straight"), "1")
     assert straight.returncode == 0, straight.stderr
-    proc = subprocess.Popen([sys.executable, str(QUICKSTART), "ds", str(tmp_path / "ckpt"), "1"], cwd=data,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 8 "):
-                proc.send_signal(signal.SIGINT)
-                break
-        rc = proc.wait(timeout=120)
-        err = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc, err = interrupt_at([sys.executable, str(QUICKSTART), "ds", str(tmp_path / "ckpt"), "1"], "step 8 ", cwd=data)
     assert rc == 130, err
     assert "Traceback" not in err
     saved = one_interrupted_line(err, "quickstart.py", tmp_path / "ckpt")
@@ -188,18 +192,7 @@ def test_ctrl_c_ends_train_py_with_one_line_and_the_resume_ends_bitwise_equal(da
     straight = subprocess.run(train_py(data, tmp_path / "straight", "--quiet"), capture_output=True, text=True,
                               timeout=300)
     assert straight.returncode == 0, straight.stderr
-    proc = subprocess.Popen(train_py(data, tmp_path / "ckpt"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        for line in proc.stdout:
-            if line.startswith("step 7 "):
-                proc.send_signal(signal.SIGINT)
-                break
-        rc = proc.wait(timeout=120)
-        err = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc, err = interrupt_at(train_py(data, tmp_path / "ckpt"), "step 7 ")
     assert rc == 130 and "Traceback" not in err, err
     saved = one_interrupted_line(err, "train.py", tmp_path / "ckpt")
     resumed = subprocess.run(train_py(data, tmp_path / "ckpt", "--quiet"), capture_output=True, text=True,
