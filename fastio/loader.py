@@ -360,7 +360,8 @@ class Loader:
         self._drop_stream()
         cfg = self.config
         self._feeder = feeder = Feeder(self._reader, self._sampler.plan, self.pipeline, seed=cfg.seed,
-                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed)
+                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
+                                       first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         self._built = self.pipeline.build(feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
                                           device=self.device, device_id=self.torch_device.index,
