@@ -28,7 +28,7 @@ import numpy as np
 
 from fastio.wds import member_name, split_member_name
 
-__all__ = ["INDEX_VERSION", "IndexEntry",  "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
+__all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
 
 INDEX_VERSION = "v1.2"
 _BLOCK = 512  # tar block: a member's header, and the alignment of its data
