@@ -114,7 +114,8 @@ class LoaderConfig:
     prefetch: int = 2
     """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
     read_ahead: int | None = None
-    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``)."""
+    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``); until the first batch of a
+    start or a resume comes out, only the ``prefetch`` batches the pipeline's first run asks for."""
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
