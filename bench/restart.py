@@ -56,8 +56,8 @@ def make_dataset(workdir: Path, samples: int) -> Path:
     with labels, in shards of 1,000; reused if there."""
     import numpy as np
 
-    from fastio.shards import ShardWriter
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
+    from fastio.dataset.shards import ShardWriter
 
     dest = Path(workdir) / f"small-{samples}"
     if (dest / "manifest.json").is_file():

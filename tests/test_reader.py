@@ -10,9 +10,9 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.reader import Reader
+from fastio.read.reader import Reader
 
 
 def _open_fds() -> int:
@@ -70,7 +70,7 @@ def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
 
 
 def test_first_uses_lists_each_shard_once_in_order_of_first_use_and_stops_when_all_seen():
-    from fastio.reader import _first_uses
+    from fastio.read.reader import _first_uses
 
     def shard_of(idx):
         return np.asarray(idx) // 10
@@ -115,7 +115,7 @@ def test_a_first_read_takes_only_the_keys_of_each_idx_not_a_whole_parse(tmp_path
 
     from helpers import run_cli
 
-    import fastio.idx
+    import fastio.formats.dali_idx
 
     folder = tmp_path / "web"
     folder.mkdir()
@@ -131,7 +131,7 @@ def test_a_first_read_takes_only_the_keys_of_each_idx_not_a_whole_parse(tmp_path
     def whole(*args, **kwargs):
         raise AssertionError("a whole .idx was parsed")
 
-    monkeypatch.setattr(fastio.idx, "parse_index", whole)
+    monkeypatch.setattr(fastio.formats.dali_idx, "parse_index", whole)
     with Reader(Dataset(folder), ["txt"], threads=1) as reader:
         assert [b.tobytes() for b in reader.read(np.arange(8))["txt"]] == [b"text of sample %02d" % i
                                                                           for i in range(8)]
@@ -147,7 +147,7 @@ def test_key_crcs_are_those_of_the_whole_parse_and_refusals_name_the_file_and_li
     import hashlib
     import zlib
 
-    from fastio.idx import key_crcs
+    from fastio.formats.dali_idx import key_crcs
 
     ds = Dataset(image_dataset)
     shard = ds.shards[1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fastio.wds import member_name, split_member_name
+from fastio.formats.wds import member_name, split_member_name
 
 __all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
 

@@ -14,8 +14,8 @@ A shard rewritten *before* it is opened (after ``fastio index``) with the same s
 same sizes swapped, is caught on every read: each run of coalesced ranges is read from 512 bytes before its
 first member, so every member's own tar header comes with the same ``pread``, and its name (key and field)
 and size must be those of the index (the key compared by a CRC-32 of each shard's ``.idx`` keys, 4 bytes a
-sample, kept from the shard's first read: :func:`fastio.idx.key_crcs` reads the keys only, no whole parse),
-else a DatasetError naming the shard, the key and what changed.
+sample, kept from the shard's first read: :func:`fastio.formats.dali_idx.key_crcs` reads the keys only, no
+whole parse), else a DatasetError naming the shard, the key and what changed.
 Not detected: new member bytes under the same names and sizes (``verify=True`` checks the sha256), and the key
 of a member whose name is 99 bytes or longer or not ASCII (a GNU or pax long name, a pax name: the header holds
 a stand-in; the size is still checked).
@@ -35,12 +35,12 @@ from typing import Protocol
 
 import numpy as np
 
-from fastio.checksum import sha256_fd
-from fastio.dataset import Dataset, Rows
+from fastio.dataset.dataset import Dataset, Rows
 from fastio.errors import DatasetError
-from fastio.images import image_size
-from fastio.labels import parse_label as _parse_label_bytes
-from fastio.labels import parse_labels as _parse_labels_bytes
+from fastio.formats.images import image_size
+from fastio.formats.labels import parse_label as _parse_label_bytes
+from fastio.formats.labels import parse_labels as _parse_labels_bytes
+from fastio.storage.checksum import sha256_fd
 
 __all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "parse_labels", "sample_where"]
 
@@ -63,7 +63,7 @@ def sample_where(ds: Dataset, index: int) -> str:
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:
-    """The integer class label stored as ASCII text in ``field`` of sample ``index`` (:mod:`fastio.labels`)."""
+    """The integer class label stored as ASCII text in ``field`` of sample ``index`` (:mod:`fastio.formats.labels`)."""
     text = bytes(data)
     try:
         return _parse_label_bytes(text)
