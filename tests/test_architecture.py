@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import io
 import re
 from pathlib import Path, PurePosixPath
@@ -95,7 +96,8 @@ def row_of() -> dict[str, int]:
     return rows
 
 
-def imports(path: Path, *, in_functions: bool) -> set[str]:
+@functools.cache
+def imports(path: Path, *, in_functions: bool) -> frozenset[str]:
     """What a module imports (``a.b`` and ``a.b.name`` for ``from a.b import name``); at import time (also
     ``if TYPE_CHECKING:`` blocks) or anywhere."""
     found: set[str] = set()
@@ -111,7 +113,7 @@ def imports(path: Path, *, in_functions: bool) -> set[str]:
             walk(child)
 
     walk(ast.parse(path.read_text()))
-    return found
+    return frozenset(found)
 
 
 def importers(package: str, *, in_functions: bool = True) -> set[str]:
