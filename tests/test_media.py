@@ -229,13 +229,85 @@ def test_video_clips_elastic_resume_keeps_each_sample_once_and_its_clip(video_ds
     assert all(single[i] == s for i, s in got)
 
 
-def test_a_mixture_of_video_and_images_is_refused_by_name(video_ds, image_dataset):
+PHOTO_COLORS = [(200, 10, 50), (30, 180, 90), (250, 250, 0), (5, 60, 220), (120, 0, 140)]
+
+
+@pytest.fixture(scope="module")
+def photo_ds(tmp_path_factory) -> Path:
+    """5 solid-colour PNGs of different sizes and aspect ratios (class = key's folder), converted."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("photos")
+    for k, color in enumerate(PHOTO_COLORS):
+        (root / f"c{k % 2}").mkdir(exist_ok=True)
+        Image.new("RGB", (40 + 13 * k, 30 + 7 * k), color).save(root / f"c{k % 2}" / f"p{k}.png")
+    dest = root.parent / "photo_ds"
+    convert(ConvertConfig(source=root, dest=dest, workers=1, progress=False))
+    return dest
+
+
+def check_still_clip(clip, color) -> None:
+    """A still clip (uint8 FHWC): every pixel of every frame is the image's colour."""
+    assert (clip.numpy() == np.array(color, np.uint8)).all()
+
+
+def test_a_mixture_of_video_and_images_gives_still_clips(video_ds, photo_ds):
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
+    with video_loader(mix, pipe, batch_size=4) as loader:
+        batches = [b for _ in range(2) for b in loader]
+    for b in batches:
+        assert b["video"].shape == (4, 4, 24, 24, 3)
+        assert sorted(b["source"].tolist()) == [0, 0, 1, 1]  # the weights' shares, batch by batch
+        for j, (s, i) in enumerate(zip(b["source"].tolist(), b["index"].tolist())):
+            key = loader.key(s, i)
+            assert int(b["label"][j]) == int(key[1])
+            if s == 1:
+                assert int(b["start_frame"][j]) == 0
+                check_still_clip(b["video"][j], PHOTO_COLORS[int(key.split("/p")[1])])
+            else:
+                n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                want = np.minimum(start + 2 * np.arange(4), n - 1)
+                assert frames_shown(b["video"][j:j + 1])[0].tolist() == want.tolist(), key
+
+
+def test_still_clips_take_the_image_crop_and_flip_on_every_frame(photo_ds):
+    """An image dataset alone: random crops and flips (float, normalised, two clips per sample): every frame of a
+    sample's clips is the same picture, and different samples got different crops of their frame size."""
+    import fastio
+
+    pipe = fastio.VideoClips(frames=3, size=16, clips_per_video=2)
+    with video_loader(photo_ds, pipe, batch_size=5, shuffle="none") as loader:
+        b = next(iter(loader))
+    video = b["video"]
+    assert video.shape == (5, 2, 3, 3, 16, 16) and (b["start_frame"] == 0).all()
+    assert (video == video[:, :1, :1]).all()  # every frame of both clips equals the first frame
+    mean = np.array(fastio.pipelines.image.IMAGENET_MEAN)[:, None, None]
+    std = np.array(fastio.pipelines.image.IMAGENET_STD)[:, None, None]
+    for j, i in enumerate(b["index"].tolist()):
+        pixels = np.rint((video[j, 0, 0].numpy() * std + mean) * 255)
+        color = PHOTO_COLORS[int(loader.key(i).split("/p")[1])]
+        assert (pixels == np.array(color)[:, None, None]).all()
+
+
+def test_a_mixture_of_video_and_images_resumes_exactly(video_ds, photo_ds):
+    from resume import check_resume
+
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
+    check_resume(lambda: video_loader(mix, batch_size=3), n=2, k=3)
+
+
+def test_a_mixture_of_audio_and_images_is_refused_by_name(audio_ds, photo_ds):
     import fastio
     from fastio.errors import DatasetError
 
-    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(image_dataset)})
-    with pytest.raises(DatasetError, match=r"ds: dataset has no video field \(its fields: cls, jpg\)"):
-        video_loader(mix)
+    mix = fastio.Mixture({"speech": str(audio_ds), "photos": str(photo_ds)})
+    with pytest.raises(DatasetError, match=r"photo_ds: dataset has no audio field \(its fields: cls, png\)"):
+        audio_loader(mix)
 
 
 def test_a_mixture_of_video_datasets(video_ds):

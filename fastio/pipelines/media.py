@@ -18,7 +18,7 @@ import numpy as np
 
 from fastio.augment import clip_starts, random_resized_crop
 from fastio.errors import DatasetError
-from fastio.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
+from fastio.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
@@ -66,15 +66,16 @@ class _Clips(Pipeline):
         # reader's "image" (no header parsed, nothing transcoded).
         return ReadFields(tuple(dict.fromkeys([PROBE_FIELD, *fields])), image=media)
 
-    def _probes(self, batch: ReadBatch) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-        """The batch's encoded media (one array per sample) and their probes (DatasetError naming the sample's
-        read-set id, ``batch["index"]`` of a dataset, when one is not a probe)."""
+    def _probes(self, batch: ReadBatch) -> list[dict[str, Any] | None]:
+        """Each sample's probe, None for a sample whose clip is a still image (:class:`VideoClips` of an image
+        dataset); DatasetError naming the sample's read-set id (``batch["index"]`` of a dataset) when one is not
+        a probe."""
+        stored = batch.fields.get(PROBE_FIELD)
         try:
-            probes = [parse_probe(p.tobytes(), f"sample {i}") for i, p in zip(batch.indices.tolist(),
-                                                                             batch.fields[PROBE_FIELD])]
+            return [parse_probe(stored[j].tobytes(), f"sample {i}") if is_media_field(field) else None
+                    for j, (i, field) in enumerate(zip(batch.indices.tolist(), batch.image_field))]
         except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
             raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
-        return batch.image, probes
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         """The clip outputs, then the asked fields (the probes are read, not delivered, unless ``fields`` names
@@ -85,7 +86,10 @@ class _Clips(Pipeline):
 
     def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
         """Why sample ``j``'s media cannot be decoded: its ``probe.json`` is not one, PyAV cannot probe it, or it
-        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
+        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...); a
+        still image's: as an image's."""
+        if not is_media_field(batch.image_field[j]):
+            return Pipeline.decode_problem(self, batch, j)
         try:
             stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
@@ -96,10 +100,14 @@ class _Clips(Pipeline):
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
         return None
 
+    conditionals: ClassVar[bool] = False
+    """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
+
     def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
               prefetch: int, seed: int = 0) -> BuiltPipeline:
         pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
-                         device=device, device_id=device_id, prefetch=prefetch, seed=seed)
+                         device=device, device_id=device_id, prefetch=prefetch, seed=seed,
+                         conditionals=self.conditionals)
         return BuiltPipeline(pipe, self.output_names())
 
     def output_names(self) -> tuple[str, ...]:
@@ -122,11 +130,16 @@ class VideoClips(_Clips):
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
 
+    An image dataset (alone, or in a :class:`fastio.Mixture` beside videos) gives **still clips**: each image
+    decoded, cropped, flipped and resized by the same rules (its own crop from its width and height), repeated
+    over the ``frames``; ``start_frame`` 0.
+
     ``Loader(dest, pipeline=fastio.VideoClips(frames=16, stride=2, size=112), batch_size=8)``.
     """
 
     kind: ClassVar[str] = "video-clips"
     media: ClassVar[str] = "video"
+    conditionals: ClassVar[bool] = True
     frames: int = 16
     """Frames per clip."""
     stride: int = 1
@@ -175,17 +188,26 @@ class VideoClips(_Clips):
 
     def input_names(self) -> tuple[str, ...]:
         starts = tuple(f"start{c}" for c in range(self.clips_per_video))
-        return ("encoded", "index", *starts, "roi_start", "roi_end", "flip")
+        return ("encoded", "index", "still", *starts, "roi_start", "roi_end", "flip")
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
 
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        """A video dataset's video field with its probe; an image dataset's images (with their sizes), whose
+        clips are stills."""
+        if ds.manifest.tokens is None and ds.image_field is not None and not any(map(is_video_field, ds.fields)):
+            return dataclasses.replace(Pipeline.read_fields(self, ds, fields), sizes=True)
+        return super().read_fields(ds, fields)
+
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        encoded, probes = self._probes(batch)
-        lengths = np.array([p["frames"] for p in probes], np.int64)
+        probes = self._probes(batch)
+        still = np.array([p is None for p in probes], bool)
+        sizes = batch.sizes if batch.sizes is not None else np.zeros((len(probes), 2), np.int64)
+        lengths = np.array([1 if p is None else p["frames"] for p in probes], np.int64)  # a still: start 0
+        w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
+        h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
         starts = clip_starts(seed, epoch, batch.indices, lengths, self.span, self.clips_per_video).astype(np.int32)
-        w = np.array([p["width"] for p in probes], np.float64)
-        h = np.array([p["height"] for p in probes], np.float64)
         if self.crop == "random":
             crop = random_resized_crop(seed, epoch, batch.indices, w, h, scale=self.scale,
                                        flip_p=0.5 if self.flip else 0.0)
@@ -197,25 +219,42 @@ class VideoClips(_Clips):
         roi_start = np.ascontiguousarray(np.stack([y, x], 1), np.float32)
         roi_end = np.ascontiguousarray(np.stack([y + ch, x + cw], 1), np.float32)
         index = np.ascontiguousarray(batch.indices, dtype=np.int64)
-        return (encoded, index, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
+        return (batch.image, index, still, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
                 roi_start, roi_end, np.ascontiguousarray(flip, np.int32))
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
 
-        device = "mixed" if decoder_device == "mixed" else "cpu"
-        clips, starts = [], []
-        for c in range(self.clips_per_video):
-            start = inp[f"start{c}"]
-            clip = fn.decoders.video(inp["encoded"], device=device, start_frame=start, sequence_length=self.frames,
-                                     stride=self.stride, pad_mode="edge")
-            clip = fn.resize(clip, roi_start=inp["roi_start"], roi_end=inp["roi_end"], roi_relative=False,
-                             size=[self.size, self.size], antialias=True)
-            clips.append(self._normalize(fn, types, clip, inp["flip"]))
-            starts.append(start)
+        # DALI's conditionals: each branch runs on its samples only, the outputs merge back in batch order
+        if inp["still"]:
+            video = self._still_clips(fn, types, inp, decoder_device)
+        else:
+            video = self._video_clips(fn, inp, decoder_device)
+        starts = [inp[f"start{c}"] for c in range(self.clips_per_video)]
         start = fn.cast(starts[0] if self.clips_per_video == 1 else fn.stack(*starts), dtype=types.INT64)
-        video = clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
-        return video, start.gpu() if device == "mixed" else start, inp["index"]
+        return video, start.gpu() if decoder_device == "mixed" else start, inp["index"]
+
+    def _video_clips(self, fn, inp: dict[str, Any], decoder_device: str):
+        from nvidia.dali import types
+
+        clips = []
+        for c in range(self.clips_per_video):
+            clip = fn.decoders.video(inp["encoded"], device=decoder_device, start_frame=inp[f"start{c}"],
+                                     sequence_length=self.frames, stride=self.stride, pad_mode="edge")
+            clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
+        return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
+
+    def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):
+        """An image as a clip: decoded, its crop resized, repeated over ``frames`` (and ``clips_per_video``)."""
+        frame = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
+                                  adjust_orientation=False)
+        frame = self._resize(fn, frame, inp)
+        clip = self._normalize(fn, types, fn.stack(*[frame] * self.frames, axis_name="F"), inp["flip"])
+        return clip if self.clips_per_video == 1 else fn.stack(*[clip] * self.clips_per_video)
+
+    def _resize(self, fn, frames, inp: dict[str, Any]):
+        return fn.resize(frames, roi_start=inp["roi_start"], roi_end=inp["roi_end"], roi_relative=False,
+                         size=[self.size, self.size], antialias=True)
 
     def _normalize(self, fn, types, clip, flip):
         uint8 = self.dtype == "uint8"
@@ -272,11 +311,11 @@ class AudioClips(_Clips):
         return ("audio", "start_sample", "index")
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        encoded, probes = self._probes(batch)
+        probes = self._probes(batch)
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
         lengths = np.array([p["samples"] * self.sample_rate // p["rate"] for p in probes], np.int64)
         starts = clip_starts(seed, epoch, batch.indices, lengths, self.length)[:, 0].astype(np.int32)
-        return encoded, np.ascontiguousarray(batch.indices, dtype=np.int64), np.ascontiguousarray(starts)
+        return batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), np.ascontiguousarray(starts)
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
