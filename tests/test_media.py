@@ -13,7 +13,7 @@ pytest.importorskip("av")
 
 from fastio import synthetic  # noqa: E402
 from fastio.convert import ConvertConfig, convert  # noqa: E402
-from fastio.media import MediaCheckError, check_media, probe  # noqa: E402
+from fastio.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
 
 
 def tone_pitch(wave: np.ndarray, rate: int) -> float:
@@ -543,3 +543,105 @@ def test_video_clips_train_under_lightning(video_ds, tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     assert len(model.starts) == 8  # 7 videos in 4 batches of 2 (one repeat, flagged padded)
+
+
+# -- fastio index of existing media shards ------------------------------------------------------------------
+
+def write_wds_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_index_of_video_shards_probes_them_into_a_table_and_clips_load(tmp_path, video_folder, capsys):
+    import hashlib
+
+    from helpers import run_cli
+
+    import fastio
+
+    members = {}
+    for c in range(2):
+        for i in range(3):
+            members[f"c{c}/v{i}.webm"] = (video_folder / f"c{c}" / f"v{i}.webm").read_bytes()
+            members[f"c{c}/v{i}.cls"] = str(c).encode()
+    tar = write_wds_tar(tmp_path / "wds" / "videos-000000.tar", members)
+    before = hashlib.sha256(tar.read_bytes()).hexdigest()
+    code, _, err = run_cli(["index", str(tmp_path / "wds"), "-q"], capsys)
+    assert code == 0, err
+    assert hashlib.sha256(tar.read_bytes()).hexdigest() == before  # the user's shard is not rewritten
+    ds = fastio.Dataset(tmp_path / "wds")
+    assert PROBE_FIELD not in ds.fields and ds.manifest.probes.name == "probes.fxp"
+    seen = set()
+    with video_loader(tmp_path / "wds") as loader:
+        for b in loader:
+            for j, i in enumerate(b["index"].tolist()):
+                key = loader.key(i)
+                n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                assert 0 <= start <= n - 7 and int(b["label"][j]) == int(key[1])
+                assert frames_shown(b["video"])[j].tolist() == (start + 2 * np.arange(4)).tolist(), key
+                seen.add(key)
+    assert len(seen) == 6
+    code, out, err = run_cli(["verify", str(tmp_path / "wds")], capsys)
+    assert code == 0, out + err
+    table = tmp_path / "wds" / "probes.fxp"
+    table.write_bytes(table.read_bytes()[:-1] + b"!")  # changed after indexing
+    code, out, err = run_cli(["verify", str(tmp_path / "wds")], capsys)
+    assert code != 0 and "probes.fxp" in out + err and "sha256 does not match" in out + err
+    with pytest.raises(fastio.DatasetError, match=r"probes.fxp: does not match the manifest"):
+        video_loader(tmp_path / "wds")
+
+
+def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder):
+    import fastio
+    from fastio.index_dataset import IndexConfig, index_shards
+
+    members = {}
+    for c in range(2):
+        members[f"k{c}a.flac"] = (audio_folder / f"c{c}" / "b.flac").read_bytes()
+        members[f"k{c}a.cls"] = str(c).encode()
+        members[f"k{c}b.opus"] = (audio_folder / f"c{c}" / "c.opus").read_bytes()
+        members[f"k{c}b.cls"] = str(c).encode()
+    write_wds_tar(tmp_path / "good" / "a-000000.tar", members)
+    result = index_shards(IndexConfig(source=tmp_path / "good"))
+    assert result.skipped == []
+    with audio_loader(tmp_path / "good") as loader:
+        for b in loader:
+            for j in range(len(b["index"])):
+                pitch = (440.0, 1000.0)[int(b["label"][j])]
+                assert abs(tone_pitch(b["audio"][j].numpy()[:2000], 16000) - pitch) < 20
+    mp3 = synthetic.make_audio(tmp_path / "x.mp3", seconds=0.5).read_bytes()
+    write_wds_tar(tmp_path / "bad" / "a-000000.tar", {**members, "k9.mp3": mp3, "k9.cls": b"1"})
+    result = index_shards(IndexConfig(source=tmp_path / "bad"))
+    assert [s["path"].rsplit("/", 1)[1] for s in result.skipped] == ["a-000000.tar:k9.mp3"]
+    assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): audio codec mp3")
+    with pytest.raises(fastio.DatasetError, match=r"1 samples' mp3 could not be probed when indexed \(the first: "
+                                                  r"shard a-000000.tar key 'k9': audio codec mp3"):
+        audio_loader(tmp_path / "bad")
+
+
+def test_index_in_parts_then_merge_gives_the_same_probe_table(tmp_path, video_folder, capsys):
+    from helpers import run_cli
+
+    for s in range(2):
+        members = {}
+        for i in range(3):
+            members[f"s{s}v{i}.webm"] = (video_folder / f"c{s}" / f"v{i}.webm").read_bytes()
+            members[f"s{s}v{i}.cls"] = str(s).encode()
+        write_wds_tar(tmp_path / "wds" / f"v-00000{s}.tar", members)
+    assert run_cli(["index", str(tmp_path / "wds"), "--dest", str(tmp_path / "one"), "-q"], capsys)[0] == 0
+    for k in range(2):
+        assert run_cli(["index", str(tmp_path / "wds"), "--dest", str(tmp_path / "parted"), "--part", f"{k}/2", "-q"],
+                       capsys)[0] == 0
+    assert run_cli(["merge", str(tmp_path / "parted"), "-q"], capsys)[0] == 0
+    assert (tmp_path / "parted" / "probes.fxp").read_bytes() == (tmp_path / "one" / "probes.fxp").read_bytes()
+    with video_loader(tmp_path / "parted", batch_size=6, shuffle="none") as loader:
+        assert next(iter(loader))["video"].shape == (6, 4, 24, 24, 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,6 +25,7 @@ from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
 if TYPE_CHECKING:
     from fastio.dataset import Dataset
+    from fastio.media import ProbeTable
     from fastio.reader import ReadBatch
 
 __all__ = ["AudioClips", "VideoClips"]
@@ -37,17 +39,74 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def probe_source(ds: Dataset) -> ProbeTable | None:
+    """Where the probes of ``ds``'s samples come from, the one place that decides: its probe table when it has
+    one (``fastio index`` writes it, :attr:`fastio.Dataset.probes`), else None: each sample's ``probe.json``
+    field (``fastio convert`` stores it beside the file)."""
+    return ds.probes
+
+
 def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     """The dataset's fields of one kind (video or audio), the most common first; DatasetError naming what it
-    lacks (those fields, or the probes convert writes beside them)."""
+    lacks (those fields, or their probes: the ``probe.json`` fields of convert or the probe table of index)."""
     counts = ds.manifest.field_counts or {}
     found = sorted((f for f in ds.fields if test(f)), key=lambda f: (-counts.get(f, 0), f))
     if not found:
         raise DatasetError(f"{ds.root}: dataset has no {what} field (its fields: {', '.join(ds.fields)})")
-    if PROBE_FIELD not in ds.fields:
+    table = probe_source(ds)
+    if table is None and PROBE_FIELD not in ds.fields:
         raise DatasetError(f"{ds.root}: dataset has no {PROBE_FIELD} field (the probe fastio convert writes "
                            f"beside each {what} file); convert the {what} files with fastio convert")
+    for f in found if table is not None else ():
+        if f in table.unprobed:
+            n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
+            raise DatasetError(f"{ds.root}: {n} samples' {f} could not be probed when indexed (the first: shard "
+                               f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
+                               "index again, or convert the files with fastio convert (which skips them)")
     return tuple(found)
+
+
+class _ProbeReader:
+    """Reads batches with ``inner`` (the read set's reader) and puts each sample's probe from its dataset's probe
+    table (``tables[source]``, None for a dataset whose samples hold a ``probe.json`` field) into the batch's
+    ``probe.json`` column, in the thread that finished the read; ``where(i)`` names read-set id ``i``."""
+
+    def __init__(self, inner: Any, tables: list[ProbeTable | None], split, where):
+        self.inner, self.tables, self.split, self.where = inner, tables, split, where
+
+    def submit(self, ids: np.ndarray) -> Future:
+        out: Future = Future()
+
+        def fill(read: Future) -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result(self._filled(read.result()))
+            except BaseException as err:  # a read error passes through, a missing probe is named
+                out.set_exception(err)
+
+        self.inner.submit(ids).add_done_callback(fill)
+        return out
+
+    def _filled(self, batch: ReadBatch) -> ReadBatch:
+        n = len(batch.indices)
+        column = batch.fields.setdefault(PROBE_FIELD, [np.empty(0, np.uint8)] * n)
+        present = batch.present.setdefault(PROBE_FIELD, np.zeros(n, bool))
+        source, index = self.split(batch.indices)
+        for j, (s, i, field) in enumerate(zip(source.tolist(), index.tolist(), batch.image_field)):
+            if self.tables[s] is not None and is_media_field(field):
+                try:
+                    column[j] = np.frombuffer(self.tables[s].probe(i, field), np.uint8)
+                except ValueError as err:
+                    raise DatasetError(f"{self.where(int(batch.indices[j]))}: {err}") from None
+                present[j] = True
+        return batch
+
+    def read_ahead_shards(self, batches) -> None:
+        self.inner.read_ahead_shards(batches)
+
+    def close(self) -> None:
+        """Nothing of its own (the inner reader is the read set's, closed with it)."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +120,18 @@ class _Clips(Pipeline):
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
         test = is_video_field if self.media == "video" else is_audio_field
         media = _media_fields(ds, test, self.media)
-        ds.require_fields([PROBE_FIELD, *fields], in_every_sample=True)
+        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by reader()
+        ds.require_fields([*probes, *fields], in_every_sample=True)
         # A sample's clip comes from the first media field it has (a dataset may mix formats), read as the
         # reader's "image" (no header parsed, nothing transcoded).
-        return ReadFields(tuple(dict.fromkeys([PROBE_FIELD, *fields])), image=media)
+        return ReadFields(tuple(dict.fromkeys([*probes, *fields])), image=media)
+
+    def reader(self, read_set: Any) -> Any:
+        """The read set's reader; with the probes of datasets that have a probe table put in (:func:`probe_source`)."""
+        tables = [probe_source(s.dataset) for s in read_set.sources]
+        if all(t is None for t in tables):
+            return read_set.reader
+        return _ProbeReader(read_set.reader, tables, read_set.split, read_set.where)
 
     def _probes(self, batch: ReadBatch) -> list[dict[str, Any] | None]:
         """Each sample's probe, None for a sample whose clip is a still image (:class:`VideoClips` of an image
