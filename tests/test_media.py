@@ -391,6 +391,45 @@ def test_audio_clips_log_mel(audio_ds):
         assert max(peak[j] for j in range(4) if labels[j] == 0) < min(peak[j] for j in range(4) if labels[j] == 1)
 
 
+def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length: int):
+    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end), and how many
+    of each clip's samples lie inside the file."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None)
+    def whole():
+        data = fn.external_source(source=lambda: [np.frombuffer(e, np.uint8) for e in encoded], batch=True,
+                                  dtype=types.UINT8)
+        audio, _ = fn.decoders.audio(data, sample_rate=rate, downmix=True, dtype=types.FLOAT)
+        return audio
+
+    pipe = whole()
+    pipe.build()
+    clips, inside = [], []
+    for wave, start in zip(pipe.run()[0], starts):
+        wave = np.array(wave)[start:start + length]
+        clips.append(np.pad(wave, (0, length - len(wave))))
+        inside.append(len(wave))
+    return np.stack(clips), inside
+
+
+def test_audio_clips_resample_only_their_window_as_the_whole_file_would(audio_ds):
+    """Only the clip's window is resampled, not the whole file: the same samples as resampling the whole file,
+    within DALI's own resampler noise (it places samples by float32 positions), and zeros past the file's end."""
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(sample_rate=16000, seconds=0.75), batch_size=8,
+                      shuffle="none") as loader:
+        b = next(iter(loader))
+        read = loader.read_set.reader.read_batch(b["index"].numpy())
+    want, inside = whole_file_clips([x.tobytes() for x in read.image], b["start_sample"].tolist(), 16000, 12000)
+    got = b["audio"].numpy()
+    assert np.abs(got - want).max() < 1e-3
+    assert min(inside) < 12000  # a file shorter than the clip: silence after it, as before
+    for j, n in enumerate(inside):
+        assert not got[j, n:].any() and np.abs(got[j, max(n - 100, 0):n]).max() > 0.05
+
+
 def test_audio_clips_resume_exactly(audio_ds):
     from resume import check_resume
 

@@ -340,7 +340,9 @@ class AudioClips(_Clips):
     ``sample_rate``; ``batch["label"]``.
 
     A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, global
-    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end.
+    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end. Each
+    file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is resampled
+    (:func:`resample_windows`), not the whole file.
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -372,25 +374,30 @@ class AudioClips(_Clips):
         return int(round(self.sample_rate * self.seconds))
 
     def input_names(self) -> tuple[str, ...]:
-        return ("encoded", "index", "start")
+        return ("encoded", "index", "start", "window_start", "window_length", "offset", "rate")
 
     def output_names(self) -> tuple[str, ...]:
         return ("audio", "start_sample", "index")
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
         probes = self._probes(batch)
+        rates = np.array([p["rate"] for p in probes], np.int64)
+        samples = np.array([p["samples"] for p in probes], np.int64)
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
-        lengths = np.array([p["samples"] * self.sample_rate // p["rate"] for p in probes], np.int64)
-        starts = clip_starts(seed, epoch, batch.indices, lengths, self.length)[:, 0].astype(np.int32)
-        return batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), np.ascontiguousarray(starts)
+        starts = clip_starts(seed, epoch, batch.indices, samples * self.sample_rate // rates, self.length)[:, 0]
+        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples, self.sample_rate)
+        return (batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), starts.astype(np.int32),
+                window_start, window_length, offset, rates.astype(np.float32))
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
 
-        audio, _rate = fn.decoders.audio(inp["encoded"], sample_rate=self.sample_rate, downmix=True,
-                                         dtype=types.FLOAT)
-        clip = fn.slice(audio, start=inp["start"], shape=[self.length], axes=[0],
-                        out_of_bounds_policy="pad", fill_values=0.0)
+        # Decoded at the file's rate and mixed down; only the clip's window (resample_windows) is resampled.
+        audio, _rate = fn.decoders.audio(inp["encoded"], downmix=True, dtype=types.FLOAT)
+        window = fn.slice(audio, start=inp["window_start"], shape=inp["window_length"], axes=[0])
+        window = fn.audio_resample(window, in_rate=inp["rate"], out_rate=self.sample_rate, dtype=types.FLOAT)
+        clip = fn.slice(window, start=inp["offset"], shape=[self.length], axes=[0], out_of_bounds_policy="pad",
+                        fill_values=0.0)
         if self.n_mels is not None:
             spec = fn.spectrogram(clip, nfft=self.n_fft, window_length=self.n_fft, window_step=self.hop)
             clip = fn.to_decibels(fn.mel_filter_bank(spec, sample_rate=self.sample_rate, nfilter=self.n_mels))
@@ -398,3 +405,26 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+RESAMPLE_MARGIN = 64
+"""Output samples resampled on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
+default quality, at most 16 output samples when downsampling, 16 input samples when upsampling), so the clip's own
+samples see the file as they would if the whole file were resampled."""
+
+
+def resample_windows(starts: np.ndarray, length: int, rates: np.ndarray, samples: np.ndarray,
+                     out_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(window_start, window_length, offset)`` (int32 [B]) of the audio clips starting at ``starts`` (at
+    ``out_rate``): the window of each file (``samples`` at ``rates``) that is resampled, and where the clip starts
+    in the resampled window. The window starts :data:`RESAMPLE_MARGIN` output samples before the clip or at the
+    file's start, at a sample where the input and output grids meet (a multiple of ``rate / gcd(rate, out_rate)``),
+    so its output samples fall where the whole file's would; it ends the margin after the clip, or at the file's
+    end (past it the clip is padded with zeros, as before)."""
+    g = np.gcd(rates, out_rate)
+    period_out, period_in = out_rate // g, rates // g
+    first = np.maximum(starts - RESAMPLE_MARGIN, 0) // period_out  # grid points before the window
+    window_start = first * period_in
+    end = np.minimum(-(-(starts + length + RESAMPLE_MARGIN) * rates // out_rate), samples)
+    return (window_start.astype(np.int32), np.maximum(end - window_start, 1).astype(np.int32),
+            (starts - first * period_out).astype(np.int32))
