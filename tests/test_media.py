@@ -465,6 +465,23 @@ def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
             assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
 
 
+@pytest.mark.gpu
+def test_still_clips_and_audio_on_cuda_match_the_cpu(video_ds, photo_ds, audio_ds):
+    """device='cuda': a video + image mixture (NVDEC for the videos, nvJPEG's mixed decoder for the images) shows
+    the CPU path's frames and colours; audio decoded on the CPU arrives on the GPU with the CPU path's samples."""
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
+    with video_loader(mix, pipe, batch_size=4) as cpu, video_loader(mix, pipe, batch_size=4, device="cuda") as gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["video"].is_cuda and y["source"].tolist() == x["source"].tolist()
+            assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
+    with audio_loader(audio_ds) as cpu, audio_loader(audio_ds, device="cuda") as gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["audio"].is_cuda and (y["audio"].cpu() == x["audio"]).all()
+
+
 def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
     from fastio.shards import ShardWriter
 
