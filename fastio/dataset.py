@@ -202,7 +202,7 @@ class Dataset:
             return None
         where = f"{self.root}: {record.name}"
         try:
-            data = self.source.index_path(record).read_bytes()
+            data = self.source.index_path(record, "probe table").read_bytes()
         except OSError as err:
             raise DatasetError(f"{where}: {err.strerror or err}") from None
         algos = ("xxh3_128", "sha256") if self.verify else ("xxh3_128",)
