@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("av")
 
-from fastio import synthetic  # noqa: E402
-from fastio.convert import ConvertConfig, convert  # noqa: E402
-from fastio.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
+from fastio.convert import synthetic  # noqa: E402
+from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+from fastio.formats.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
 
 
 def tone_pitch(wave: np.ndarray, rate: int) -> float:
@@ -322,7 +322,7 @@ def test_a_mixture_of_video_datasets(video_ds):
 def test_video_clips_from_s3_through_the_cache(moto_server, s3_bucket, video_ds, tmp_path):
     from resume import same_batch
 
-    from fastio.manifest import MANIFEST_NAME
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.storage import open_storage
 
     url = f"s3://{s3_bucket}/videos"
@@ -483,7 +483,7 @@ def test_still_clips_and_audio_on_cuda_match_the_cpu(video_ds, photo_ds, audio_d
 
 
 def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
-    from fastio.shards import ShardWriter
+    from fastio.dataset.shards import ShardWriter
 
     with ShardWriter(dest) as writer:
         for key, data in videos.items():
@@ -491,7 +491,7 @@ def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | Non
             if probes is not None:
                 fields["probe.json"] = probes[key]
             writer.write({"__key__": key, **fields})
-        writer.close(label_field="cls", label_map={"c": 0}, source={"format": "test"}, skipped=[])
+        writer.close(label_field="cls", label_map={"c": 0}, converted_from={"format": "test"}, skipped=[])
     return dest
 
 
@@ -658,7 +658,7 @@ def test_index_of_video_shards_probes_them_into_a_table_and_clips_load(tmp_path,
 
 def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder):
     import fastio
-    from fastio.index_dataset import IndexConfig, index_shards
+    from fastio.convert.index_command import IndexConfig, index_shards
 
     members = {}
     for c in range(2):

@@ -3,7 +3,7 @@
 SOURCE is a folder (every ``*.tar`` below it, in sorted order; links to files followed, links to folders
 listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a brace pattern of
 shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused.
-Each tar is read once (:func:`fastio.index_tar.read_tar`; from an object store downloaded by parallel ranged
+Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an object store downloaded by parallel ranged
 GETs into a temporary file, removed after). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
@@ -12,7 +12,7 @@ GETs into a temporary file, removed after). What is written, all of it metadata:
 - with ``dest`` elsewhere (a read-only bucket), every ``.idx`` in ``DEST/shards/``, and the manifest names
   the shards by absolute path or URL.
 
-Samples with video or audio members (:mod:`fastio.media`) get their probes in DEST's probe table
+Samples with video or audio members (:mod:`fastio.formats.media`) get their probes in DEST's probe table
 (``probes.fxp``, before the manifest): each member probed once with PyAV while its tar is read; one that
 cannot be probed or decoded on the CPU is kept (the shard is not rewritten) and named in ``skipped``.
 
@@ -39,15 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import atomic_write_bytes
-from fastio.checksum import digests_file
-from fastio.dsindex import INDEX_NAME, IndexBuilder
-from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, format_index, load_index
-from fastio.images import is_image_field
-from fastio.index_tar import COMPRESSED, TarContents, as_fields, read_tar
-from fastio.lock import LOCK_NAME, DirLock, LockedError
-from fastio.manifest import (
+from fastio.convert.foreign_tar import COMPRESSED, TarContents, as_fields, read_tar
+from fastio.convert.parts import (
+    PART_RECORD,
+    PARTS_DIR,
+    PartRecord,
+    parse_part,
+    part_dir,
+    part_name,
+    part_range,
+    write_part_record,
+)
+from fastio.dataset.files import LocalFiles
+from fastio.dataset.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
     SHARDS_DIR,
@@ -58,24 +62,20 @@ from fastio.manifest import (
     make_manifest,
     write_manifest,
 )
-from fastio.media import PROBES_NAME, MediaCheckError, check_media, is_media_field, write_probe_table
-from fastio.parts import (
-    PART_RECORD,
-    PARTS_DIR,
-    PartRecord,
-    parse_part,
-    part_dir,
-    part_name,
-    part_range,
-    write_part_record,
-)
+from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
+from fastio.errors import DatasetError
+from fastio.formats.dali_idx import IndexEntry, format_index, load_index
+from fastio.formats.images import is_image_field
+from fastio.formats.media import PROBES_NAME, MediaCheckError, check_media, is_media_field, write_probe_table
+from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
-from fastio.source import LocalSource
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
+from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.storage.options import StorageOptions
-from fastio.wds import field_of
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts",
            "paths_pattern"]
@@ -123,7 +123,7 @@ class IndexConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
                 raise ValueError(f"{key}: {value!r} is not a field name")
-            if value is not None:  # a field is a lowercased suffix (fastio.wds.field_of)
+            if value is not None:  # a field is a lowercased suffix (fastio.formats.wds.field_of)
                 object.__setattr__(self, key, field_of(value))
 
 
@@ -323,7 +323,7 @@ def _location(shard: _Shard, in_place: bool) -> str:
 
 def _check_locations(shards: list[_Shard], in_place: bool, dest: str) -> None:
     """DatasetError, before anything is written, naming a shard the manifest could not record
-    (:func:`fastio.manifest.is_location`)."""
+    (:func:`fastio.dataset.manifest.is_location`)."""
     for s in shards:
         where = _location(s, in_place)
         if is_location(where):
@@ -370,7 +370,7 @@ def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> tuple[
 
 def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[dict[str, Any]]:
     """Per sample, each video or audio member's probe (a dict, as convert's ``probe.json``), or the reason it
-    could not be probed or the CPU decoders cannot read it (:func:`fastio.media.check_media`): read once
+    could not be probed or the CPU decoders cannot read it (:func:`fastio.formats.media.check_media`): read once
     with PyAV while indexing, since the shards are never rewritten (the probes go to DEST's probe table)."""
     rows: list[dict[str, Any]] = [{} for _ in entries]
     media = [(j, field_of(ext), offset, size) for j, e in enumerate(entries) for ext, offset, size in e.members
@@ -418,7 +418,7 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     after each shard. Raises :class:`DatasetError` naming the file and the reason a shard is refused.
 
     With ``config.part`` (``K/N``), index only the K-th of N runs of the listing: its ``.idx`` files are
-    published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.merge.merge` then
+    published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.convert.merge.merge` then
     writes ``samples.fxi`` and the manifest (:func:`merge_index_parts`)."""
     try:
         return _index_shards(config, progress)
@@ -600,7 +600,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
         name=name, shards=done.records, fields=fields, index=index, **probes, image_field=image,
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
         label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
-        source={"format": "webdataset", "path": source, "indexed_in_place": in_place})
+        converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
@@ -638,7 +638,7 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
         raise DatasetError(f"{dest}: already holds a dataset ({MANIFEST_NAME}); pass overwrite (--overwrite) "
                            "to index again")
     done = _Indexed()
-    source = LocalSource(Path(dest))
+    source = LocalFiles(Path(dest))
     for part in records:
         state = part.datasets[""]
         for i, data in enumerate(state["shards"]):
