@@ -375,13 +375,6 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[
     rows: list[dict[str, Any]] = [{} for _ in entries]
     media = [(j, field_of(ext), offset, size) for j, e in enumerate(entries) for ext, offset, size in e.members
              if is_media_field(field_of(ext))]
-    if not media:
-        return rows
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        raise DatasetError(f"{display}: holds video or audio ({media[0][1]}); probing it needs PyAV: "
-                           "pip install 'fastio[media]'") from None
     fd = os.open(path, os.O_RDONLY)
     try:
         for j, name, offset, size in media:
@@ -389,6 +382,9 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[
                 rows[j][name] = json.loads(check_media(os.pread(fd, size, offset), name))
             except MediaCheckError as err:
                 rows[j][name] = str(err)
+    except ImportError:  # PyAV, imported by the probe on use
+        raise DatasetError(f"{display}: holds video or audio ({media[0][1]}); probing it needs PyAV: "
+                           "pip install 'fastio[media]'") from None
     finally:
         os.close(fd)
     return rows
