@@ -1,0 +1,154 @@
+"""A fastio.Mixture of token datasets read with fastio.Tokens: packed sequences mixed by weight (each source's
+size in sequences), every batch holding each source's share of sequences, no sequence twice per source epoch,
+exact and elastic resume, a schedule counted in sequences, refusals naming both sources."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+from resume import batches, check_resume, run_ranks
+from tokens_helpers import word_corpus
+
+import fastio
+from fastio.errors import DatasetError, LoaderStateError
+from fastio.mixorder import source_seed
+from fastio.tokens.dataset import TokenDataset
+
+SEQ, WINDOW, SEED = 16, 8, 3
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Two token datasets of different documents (the second: every document of the first but the first 40)."""
+    root = tmp_path_factory.mktemp("tokens-mixture")
+    (root / "web").mkdir()
+    web = word_corpus(root / "web")
+    code = root / "code"
+    shutil.copytree(web.parent, code)
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    lines = (code / "c.jsonl").read_text().splitlines(keepends=True)[40:]
+    (code / "c.jsonl").write_text("".join(lines))
+    convert_tokens(TokenConvertConfig(code / "c.jsonl", code / "ds", code / "tokenizer.json", workers=1,
+                                      max_samples_per_shard=25, overwrite=True))
+    return {"web": web, "code": code / "ds"}
+
+
+def _loader(corpora, weights=None, packing="concat", **options):
+    options = {"batch_size": 8, "device": "cpu", "seed": SEED, "reader_threads": 2, **options}
+    return fastio.Loader(fastio.Mixture(corpora, weights=weights), pipeline=fastio.Tokens(seq_len=SEQ, packing=packing,
+                         window=WINDOW), **options)
+
+
+def _packings(corpora, packing="concat"):
+    return {name: TokenDataset(dest).packing(SEQ, packing=packing, seed=source_seed(SEED, name), block_docs=WINDOW)
+            for name, dest in corpora.items()}
+
+
+def _delivered(steps):
+    """(source, index) of every sequence delivered (padding repeats left out), in order."""
+    return [(s, i) for step in steps for b in step
+            for s, i, p in zip(b["source"].tolist(), b["index"].tolist(), b["padded"].tolist()) if not p]
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_each_batch_holds_the_shares_of_sequences_and_the_sources_own_sequences(corpora, packing):
+    packings = _packings(corpora, packing)
+    names = list(corpora)
+    datasets = {name: TokenDataset(dest) for name, dest in corpora.items()}
+    with _loader(corpora, {"web": 3, "code": 1}, packing) as ld:
+        assert len(ld.read_set.target) == sum(p.sequences for p in packings.values())  # an epoch in sequences
+        seen = Counter()
+        for _, b in zip(range(12), ld):
+            source = b["source"].tolist()
+            assert source.count(0) == 6 and source.count(1) == 2  # 3:1 of 8 sequences, in every batch
+            assert b["tokens"].shape == (8, SEQ + 1)
+            for row, s, i in zip(b["tokens"].numpy(), source, b["index"].tolist()):
+                name = names[s]
+                epoch = seen[name] // packings[name].sequences  # the source's own epoch: its document order
+                seen[name] += 1
+                want = datasets[name].read(packings[name].pieces(epoch, i))
+                assert np.array_equal(row[:want.size], want)
+        stats = ld.stats()["sources"]
+    assert stats["web"]["samples"] == 72 and stats["code"]["samples"] == 24 and stats["web"]["share"] == 0.75
+
+
+def test_no_sequence_twice_in_a_source_epoch(corpora):
+    packings = _packings(corpora)
+    # the small source weighs as much as the large one: it cycles, each of its epochs a new order
+    with _loader(corpora, {"web": 1, "code": 1}, remainder="partial") as ld:
+        steps = [[b] for b in ld]
+    got = _delivered(steps)
+    for s, name in enumerate(corpora):
+        mine = [i for src, i in got if src == s]
+        size = packings[name].sequences
+        for k in range(0, len(mine), size):
+            part = mine[k:k + size]
+            assert len(set(part)) == len(part) and set(part) <= set(range(size))
+    assert len(got) == sum(p.sequences for p in packings.values())  # an epoch's length: the sum of sequences
+
+
+def test_default_weights_deliver_every_sequence_of_every_source_once_per_epoch(corpora):
+    packings = _packings(corpora)
+    steps, _ = run_ranks([_loader(corpora, world_size=2, rank=r) for r in range(2)])
+    got = _delivered(steps)
+    for s, name in enumerate(corpora):
+        assert sorted(i for src, i in got if src == s) == list(range(packings[name].sequences))
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_exact_resume_is_bitwise(corpora, packing):
+    state = check_resume(lambda: _loader(corpora, {"web": 3, "code": 1}, packing), n=5, k=6)
+    assert state["mixture"]["samples_per_epoch"] == sum(p.sequences for p in _packings(corpora, packing).values())
+    assert len(json.dumps(state)) < 700  # a position, not a packing buffer
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2)])
+def test_elastic_resume_delivers_each_remaining_sequence_once(corpora, old, new):
+    weights = {"web": 2, "code": 1}
+    before, states = run_ranks([_loader(corpora, weights, world_size=old, rank=r) for r in range(old)], n=3)
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
+    after, _ = run_ranks([_loader(corpora, weights, world_size=new, rank=r) for r in range(new)], state=states[0])
+    whole, _ = run_ranks([_loader(corpora, weights)])
+    assert Counter(_delivered(before) + _delivered(after)) == Counter(_delivered(whole))
+
+
+SCHEDULE = [(0, {"web": 3, "code": 1}), (40, {"web": 1, "code": 1})]
+
+
+def test_a_schedule_counts_sequences_and_resumes_across_its_change(corpora):
+    with _loader(corpora, SCHEDULE) as ld:
+        shares = [b["source"].tolist().count(1) for _, b in zip(range(8), ld)]
+    assert shares == [2] * 5 + [4] * 3  # the change at sequence 40: after 5 batches of 8
+    for n in (3, 6):  # saved before the change, and after it
+        check_resume(lambda: _loader(corpora, SCHEDULE), n=n, k=4)
+
+
+def test_a_schedule_may_change_its_future_but_not_its_past(corpora):
+    with _loader(corpora, SCHEDULE) as ld:
+        stream = batches(ld)
+        [next(stream) for _ in range(3)]
+        state = ld.state_dict()  # 24 sequences delivered
+    later = [(0, {"web": 3, "code": 1}), (32, {"web": 1, "code": 3})]
+    with _loader(corpora, later) as ld:
+        ld.load_state_dict(state)
+        assert next(iter(ld))["source"].tolist().count(1) == 2  # still 3:1 up to 32
+    with _loader(corpora, [(0, {"web": 1, "code": 1})]) as ld, pytest.raises(LoaderStateError, match="position"):
+        ld.load_state_dict(state)
+
+
+def test_refusals_name_both_sources(corpora, image_dataset, tmp_path):
+    with pytest.raises(DatasetError, match=r"mixture sources 'web' \(.*\) and 'img' \(.*\): 'web' is a token dataset "
+                                           r"and 'img' holds stored samples"):
+        fastio.Mixture({"web": corpora["web"], "img": image_dataset})
+    other = tmp_path / "other"
+    shutil.copytree(corpora["code"], other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokens"]["eos_id"] = 7
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=r"sources 'web' \(end-of-document id \d+\) and 'other' \(7\)"):
+        _loader({"web": corpora["web"], "other": other})
