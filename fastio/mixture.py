@@ -75,6 +75,7 @@ class Mixture:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         _check_kinds(self.names, self.datasets)
         self._given, self._given_samples = given, samples_per_epoch
+        self._units: tuple[tuple[int], ...] | None = None  # in_units: each source one run of that many units
         self._size([len(ds) for ds in self.datasets])
 
     def _size(self, sizes: Sequence[int]) -> None:
@@ -104,6 +105,7 @@ class Mixture:
             raise ValueError(f"in_units needs a positive size per source ({', '.join(self.names)}), got {sizes!r}")
         resized = copy.copy(self)
         resized._size(sizes)
+        resized._units = tuple((int(n),) for n in sizes)
         return resized
 
     @classmethod
@@ -168,8 +170,8 @@ class Mixture:
 
     def sampler(self, spec: SamplerSpec, world_size: int = 1, rank: int = 0) -> MixSampler:
         """The order and batches of rank ``rank`` of ``world_size`` (``spec``: the loader's sampling)."""
-        return MixSampler.make(spec, self.schedule(spec.seed), [[s.samples for s in ds.shards] for ds in self.datasets],
-                               world_size, rank)
+        shards = self._units or [[s.samples for s in ds.shards] for ds in self.datasets]
+        return MixSampler.make(spec, self.schedule(spec.seed), shards, world_size, rank)
 
     def source_index(self, source: int | str) -> int:
         """A source's position in the mapping, from its position or name."""

@@ -152,3 +152,25 @@ def test_refusals_name_both_sources(corpora, image_dataset, tmp_path):
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match=r"sources 'web' \(end-of-document id \d+\) and 'other' \(7\)"):
         _loader({"web": corpora["web"], "other": other})
+
+
+def test_inspect_reports_a_token_mixture_in_sequences(corpora, tmp_path, capsys):
+    from helpers import run_cli
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {k: str(v) for k, v in corpora.items()},
+                                "weights": [[0, {"web": 3, "code": 1}], [40, {"web": 1, "code": 1}]]}))
+    code, out, err = run_cli(["inspect", str(path), "--seq-len", str(SEQ), "--batch-size", "8", "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)
+    sizes = [TokenDataset(dest).packing(SEQ).sequences for dest in corpora.values()]
+    assert info["unit"] == "sequences" and info["samples_per_epoch"] == sum(sizes) != 200  # not documents
+    assert [s["samples"] for s in info["sources"]] == sizes
+    assert info["phases"][0]["per_batch"]["code"] == {"expected": 2, "min": 2, "max": 2, "max_deviation": 0}
+    assert info["phases"][1]["per_batch"]["code"]["expected"] == 4
+    # the Loader's order is the one reported (window 4096 in both)
+    with fastio.Loader(fastio.Mixture(corpora, weights=[(0, {"web": 3, "code": 1}), (40, {"web": 1, "code": 1})]),
+                       pipeline=fastio.Tokens(seq_len=SEQ), batch_size=8, device="cpu", seed=0) as ld:
+        assert [s["samples"] for s in info["sources"]] == list(ld.read_set.target.sizes)
+    code, out, _ = run_cli(["inspect", str(path), "--seq-len", str(SEQ)], capsys)
+    assert code == 0 and f"{sum(sizes)} sequences per epoch" in out

@@ -37,7 +37,7 @@ from fastio.tokens.megatron import MegatronIndex
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
 
 __all__ = ["TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits", "mixture_units",
-           "open_tables", "packing_of"]
+           "open_tables", "packing_of", "source_packings"]
 
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
@@ -141,10 +141,21 @@ class TokenMixSampler(MixSampler):
 
 def mixture_units(read_set: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec, world_size: int,
                   rank: int) -> tuple[TokenMixSampler, list[ConcatPacking | BestFitPacking]]:
-    """A token mixture's unit plan and each source's packing: each source packed with its own seed (drawn from
-    the loader's and its name), the read set's mixture sized in sequences (:meth:`fastio.Mixture.in_units`:
-    weights, a schedule's positions and ``samples_per_epoch`` count sequences), its order over them."""
-    mixture = read_set.mixture
+    """A token mixture's unit plan and each source's packing (:func:`source_packings`): the read set's mixture
+    sized in sequences (:meth:`fastio.Mixture.in_units`: weights, a schedule's positions and
+    ``samples_per_epoch`` count sequences), its order over them."""
+    packings = source_packings(read_set.mixture, seq_len, packing, window, spec)
+    read_set.in_units([p.sequences for p in packings])
+    sampler = TokenMixSampler.make(spec, read_set.mixture.schedule(spec.seed), [(p.sequences,) for p in packings],
+                                   world_size, rank)
+    return sampler, packings
+
+
+def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec
+                    ) -> list[ConcatPacking | BestFitPacking]:
+    """Each token source of ``mixture`` packed on its own, with its own seed (drawn from ``spec``'s and its
+    name); DatasetError naming two sources that end documents with different ids, or the source a packing
+    refuses."""
     eos = {name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)}
     if len(set(eos.values())) > 1:
         (a, x), (b, y) = _two_differing(eos)
@@ -158,11 +169,7 @@ def mixture_units(read_set: Any, seq_len: int, packing: str, window: int, spec: 
             packings.append(packing_of(ds, open_tables(ds), seq_len, packing, window, own))
         except DatasetError as err:
             raise DatasetError(f"mixture source {name!r}: {err}") from None
-    read_set.in_units([p.sequences for p in packings])
-    mixture = read_set.mixture
-    sampler = TokenMixSampler.make(spec, mixture.schedule(spec.seed), [(p.sequences,) for p in packings],
-                                   world_size, rank)
-    return sampler, packings
+    return packings
 
 
 def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
