@@ -174,3 +174,22 @@ def test_inspect_reports_a_token_mixture_in_sequences(corpora, tmp_path, capsys)
         assert [s["samples"] for s in info["sources"]] == list(ld.read_set.target.sizes)
     code, out, _ = run_cli(["inspect", str(path), "--seq-len", str(SEQ)], capsys)
     assert code == 0 and f"{sum(sizes)} sequences per epoch" in out
+
+
+def test_an_s3_source_reads_through_the_cache_as_a_local_one(corpora, moto_server, s3_bucket, tmp_path):
+    from resume import same_batch
+
+    from fastio.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/code"
+    open_storage(url, moto_server.options()).publish_dir(corpora["code"], keys_last=(MANIFEST_NAME,))
+    remote = fastio.Mixture({"web": corpora["web"], "code": url}, weights={"web": 1, "code": 1},
+                            cache_dir=str(tmp_path / "cache"), cache_size="1GB",
+                            storage_options=moto_server.options())
+    with fastio.Loader(remote, pipeline=fastio.Tokens(seq_len=SEQ, window=WINDOW), batch_size=8, device="cpu",
+                       seed=SEED) as ld, _loader(corpora, {"web": 1, "code": 1}) as local:
+        for x, y in zip(ld, local, strict=True):
+            assert same_batch(x, y)
+        assert ld.stats()["storage_by_source"]["code"]["waited_fills"] + \
+            ld.stats()["storage_by_source"]["code"]["ahead_fills"] == 4  # code's 4 shards, each filled once
