@@ -61,7 +61,8 @@ def test_each_batch_holds_the_shares_of_sequences_and_the_sources_own_sequences(
     names = list(corpora)
     datasets = {name: TokenDataset(dest) for name, dest in corpora.items()}
     with _loader(corpora, {"web": 3, "code": 1}, packing) as ld:
-        assert len(ld.read_set.target) == sum(p.sequences for p in packings.values())  # an epoch in sequences
+        assert len(ld.mixture) == sum(p.sequences for p in packings.values())  # an epoch in sequences
+        assert ld.mixture.sizes == tuple(p.sequences for p in packings.values()) and ld.dataset is ld.mixture
         seen = Counter()
         for _, b in zip(range(12), ld):
             source = b["source"].tolist()
