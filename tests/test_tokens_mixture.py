@@ -93,12 +93,16 @@ def test_no_sequence_twice_in_a_source_epoch(corpora):
     assert len(got) == sum(p.sequences for p in packings.values())  # an epoch's length: the sum of sequences
 
 
-def test_default_weights_deliver_every_sequence_of_every_source_once_per_epoch(corpora):
+@pytest.mark.parametrize("shuffle", ["global", "none"])
+def test_default_weights_deliver_every_sequence_of_every_source_once_per_epoch(corpora, shuffle):
     packings = _packings(corpora)
-    steps, _ = run_ranks([_loader(corpora, world_size=2, rank=r) for r in range(2)])
+    steps, _ = run_ranks([_loader(corpora, world_size=2, rank=r, shuffle=shuffle) for r in range(2)])
     got = _delivered(steps)
     for s, name in enumerate(corpora):
-        assert sorted(i for src, i in got if src == s) == list(range(packings[name].sequences))
+        mine = [i for src, i in got if src == s]
+        assert sorted(mine) == list(range(packings[name].sequences))
+        if shuffle == "none":  # each source's sequences in their stored order
+            assert mine == sorted(mine)
 
 
 @pytest.mark.parametrize("packing", ["concat", "best-fit"])
