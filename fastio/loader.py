@@ -299,8 +299,8 @@ class Loader:
         checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
         state = _checked_state(state)
         rs = self.read_set
+        self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
-        self.pipeline.check_state(state)
         if state[K_FINGERPRINT] != rs.fingerprint:
             raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint "
                                    f"{state[K_FINGERPRINT]}, this dataset is {rs.fingerprint}")

@@ -198,3 +198,14 @@ def test_an_s3_source_reads_through_the_cache_as_a_local_one(corpora, moto_serve
             assert same_batch(x, y)
         assert ld.stats()["storage_by_source"]["code"]["waited_fills"] + \
             ld.stats()["storage_by_source"]["code"]["ahead_fills"] == 4  # code's 4 shards, each filled once
+
+
+def test_a_state_of_another_seq_len_is_refused_naming_it(corpora):
+    with _loader(corpora) as ld:
+        next(iter(ld))
+        state = ld.state_dict()
+    other = fastio.Loader(fastio.Mixture(corpora), pipeline=fastio.Tokens(seq_len=SEQ + 1, window=WINDOW), batch_size=8,
+                          device="cpu", seed=SEED)
+    with pytest.raises(LoaderStateError, match=r"tokens seq_len=16, this Loader's fastio\.Tokens seq_len=17"):
+        other.load_state_dict(state)  # not the mixture's sizes, which follow from it
+    other.close()
