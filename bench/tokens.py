@@ -174,7 +174,7 @@ def litdata_reader(out: Path, seq_len: int):
 
 
 def bench_read(workdir: Path, dest: Path, seq_len: int, repeats: int) -> dict[str, Any]:
-    from fastio.manifest import load_manifest
+    from fastio.dataset.manifest import load_manifest
 
     prefix = str(dest / "shards" / load_manifest(dest).shards[0].name[:-len(".bin")])
     if len(load_manifest(dest).shards) != 1:
@@ -207,7 +207,7 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
     (a folder that has one is reused as it is)."""
     import struct
 
-    from fastio.manifest import MANIFEST_NAME
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.tokens.megatron import MAGIC
 
     if (folder / MANIFEST_NAME).exists():
@@ -240,8 +240,8 @@ def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int) -> Non
     ``.bin`` checksums computed from their content (``tokens`` int32 zeros, hashed once from memory: the sparse
     files hold nothing else, and reading them would fill the page cache with zeros). Every ``.idx`` is a copy
     of the first, hashed once."""
-    from fastio.checksum import DIGESTS, sha256_file
-    from fastio.manifest import ShardRecord, TokenInfo, make_manifest, write_manifest
+    from fastio.dataset.manifest import ShardRecord, TokenInfo, make_manifest, write_manifest
+    from fastio.storage.checksum import DIGESTS, sha256_file
 
     nbytes, zeros = tokens * 4, bytes(1 << 24)
     hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}

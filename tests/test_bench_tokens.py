@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.tokens import bench_first_batch, write_synthetic
-from fastio.verify import verify
+from fastio.report.verify import verify
 
 
 def test_the_synthetic_corpus_is_a_token_dataset_fastio_verify_accepts(tmp_path):

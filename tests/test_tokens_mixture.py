@@ -15,7 +15,7 @@ from tokens_helpers import word_corpus
 
 import fastio
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import source_seed
+from fastio.order.mixorder import source_seed
 from fastio.tokens.dataset import TokenDataset
 
 SEQ, WINDOW, SEED = 16, 8, 3
@@ -184,7 +184,7 @@ def test_inspect_reports_a_token_mixture_in_sequences(corpora, tmp_path, capsys)
 def test_an_s3_source_reads_through_the_cache_as_a_local_one(corpora, moto_server, s3_bucket, tmp_path):
     from resume import same_batch
 
-    from fastio.manifest import MANIFEST_NAME
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.storage import open_storage
 
     url = f"s3://{s3_bucket}/code"
