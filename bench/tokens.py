@@ -255,7 +255,7 @@ def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int) -> Non
                for k in range(shards)]
     info = TokenInfo(dtype="int32", eos_id=0, total_tokens=tokens * shards)
     write_manifest(folder, make_manifest(name="synthetic", shards=records, fields=[], kind="tokens", tokens=info,
-                                         source={"format": "synthetic", "path": str(folder)}))
+                                         converted_from={"format": "synthetic", "path": str(folder)}))
 
 
 def _peak_rss() -> int:
