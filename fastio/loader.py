@@ -193,15 +193,16 @@ class Loader:
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.graph
         self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)
-        self.dataset: Dataset | Mixture = self.read_set.target
-        """What the Loader reads: the :class:`Dataset`, or the :class:`Mixture`."""
-        self.mixture: Mixture | None = self.read_set.mixture
-        """The :class:`Mixture` read, else None."""
         try:
             self._place()
         except BaseException:
             self.read_set.close()
             raise
+        self.dataset: Dataset | Mixture = self.read_set.target
+        """What the Loader reads: the :class:`Dataset`, or the :class:`Mixture` (counted in the pipeline's units:
+        a token mixture's sizes are sequences)."""
+        self.mixture: Mixture | None = self.read_set.mixture
+        """The :class:`Mixture` read, else None."""
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress, detail=self.read_set.progress_detail())
         self._active: Iterator | None = None
@@ -287,8 +288,8 @@ class Loader:
         checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
         state = _checked_state(state)
         rs = self.read_set
+        self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
-        self.pipeline.check_state(state)
         if state[K_FINGERPRINT] != rs.fingerprint:
             raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint "
                                    f"{state[K_FINGERPRINT]}, this dataset is {rs.fingerprint}")
