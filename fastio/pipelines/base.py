@@ -114,6 +114,11 @@ class Pipeline:
     """Whether :meth:`inputs` needs each image's (width, height) (``ReadBatch.sizes``)."""
     fields: tuple[str, ...] | None = None
 
+    def evaluation(self) -> Pipeline:
+        """The pipeline that evaluates what this one trains on (``FastioDataModule``'s validation Loader): the same
+        options without random augmentation; this object itself where it has none to leave out."""
+        return self
+
     # -- fields -------------------------------------------------------------------------------------
 
     def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:

@@ -137,6 +137,11 @@ class ImageTrain(_Image):
     kind: ClassVar[str] = "image-train"
     needs_image_size: ClassVar[bool] = True
 
+    def evaluation(self) -> ImageEval:
+        """:class:`ImageEval` with this object's size, normalisation, dtype, layout and fields."""
+        return ImageEval(size=self.size, mean=self.mean, std=self.std, dtype=self.dtype, layout=self.layout,
+                         fields=self.fields, text=self.text)
+
     def input_names(self) -> tuple[str, ...]:
         return ("encoded", "index", "anchor", "shape", "flip")
 

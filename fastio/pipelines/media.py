@@ -248,6 +248,10 @@ class VideoClips(_Clips):
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ValueError(f"mean and std need 3 values, std > 0; got {self.mean}, {self.std}")
 
+    def evaluation(self) -> VideoClips:
+        """The same clips with ``crop="center"`` (no random crop, no flip)."""
+        return dataclasses.replace(self, crop="center")
+
     @property
     def span(self) -> int:
         """Frames of the video one clip covers: ``(frames - 1) * stride + 1``."""
