@@ -4,6 +4,7 @@ holds only what every kind shares, and the object); they give the same batches, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -68,11 +69,28 @@ def old_options(options: dict[str, Any]) -> dict[str, Any]:
 def spell(options: dict[str, Any], base: Pipeline | None = None) -> dict[str, Any]:
     """``options`` (a Loader's keyword arguments) as :class:`~fastio.LoaderConfig` fields: ``pipeline=`` a kind's
     old name or a graph function, with the old flat options (:data:`OLD_OPTIONS`), becomes one pipeline object
-    (:func:`as_pipeline`); the other options are returned as they are. Old options without ``pipeline=`` apply to
-    ``base`` (the pipeline of the config they change), else to ``"image-train"``."""
+    (:func:`as_pipeline`); the other options are returned as they are. Old options without ``pipeline=`` change
+    ``base`` (the pipeline object of the config they change) where it is of an old kind (``ImageTrain``,
+    ``ImageEval``, ``Raw``, ``Graph``; another kind refuses them), else they apply to ``"image-train"``."""
     old = old_options(options)
     out = {k: v for k, v in options.items() if k not in old}
-    if old or "pipeline" in out:
-        pipeline = out.get("pipeline", "image-train" if base is None else base)
-        out["pipeline"] = as_pipeline(pipeline, **old)
+    if old and "pipeline" not in out and base is not None:
+        out["pipeline"] = _respelled(base, old)
+    elif old or "pipeline" in out:
+        out["pipeline"] = as_pipeline(out.get("pipeline", "image-train"), **old)
     return out
+
+
+def _respelled(base: Pipeline, old: dict[str, Any]) -> Pipeline:
+    """``base`` (a config's pipeline object) changed by the old options ``old``: an object of an old kind is
+    spelled the old way, ``old`` over its options, and made again (checked as the old spelling is); another kind
+    has no old options (refused, naming the first)."""
+    if isinstance(base, (ImageTrain, ImageEval)):
+        spelled = {"image_size": base.size, "mean": base.mean, "std": base.std, "dtype": base.dtype,
+                   "layout": base.layout, "fields": base.fields}
+        if isinstance(base, ImageEval):
+            spelled["eval_crop_ratio"] = base.crop_ratio
+        return dataclasses.replace(as_pipeline(base.kind, **{**spelled, **old}), text=base.text)
+    if isinstance(base, (Raw, Graph)):
+        return as_pipeline(base.kind if isinstance(base, Raw) else base.fn, **{"fields": base.fields, **old})
+    return as_pipeline(base, **old)
