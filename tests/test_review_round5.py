@@ -99,3 +99,35 @@ def test_old_options_over_a_config_change_its_image_pipeline(image_ds):
     tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
     with pytest.raises(ValueError, match=r"^image_size=16 is an option of the pipeline object now"):
         fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused as before
+
+
+# -- a tar of video and image samples (docs/media.md: fastio index of media shards) ------------------------------
+
+def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_path):
+    """A tar holding one video sample and one image sample, indexed: VideoClips names the image sample as having
+    'no image field (webm)'; what it lacks is its video."""
+    pytest.importorskip("av")
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.synthetic import make_video
+
+    make_video(tmp_path / "v.webm", frames=6, fps=12)
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20), (1, 2, 3)).save(png, "PNG")
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "s-000000.tar", "w") as tar:
+        for name, data in (("k0.webm", (tmp_path / "v.webm").read_bytes()), ("k0.cls", b"0"),
+                           ("k1.png", png.getvalue()), ("k1.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    index_shards(IndexConfig(tmp_path / "wds"))
+    clips = fastio.VideoClips(frames=2, size=8, dtype="uint8", crop="center")
+    with fastio.Loader(tmp_path / "wds", pipeline=clips, batch_size=2, device="cpu", shuffle="none",
+                       num_threads=1, world_size=1, rank=0) as loader:
+        with pytest.raises(fastio.DatasetError, match=r"key 'k1': sample has no video field \(webm\)$"):
+            next(iter(loader))

@@ -40,6 +40,7 @@ from fastio.errors import DatasetError
 from fastio.formats.images import image_size
 from fastio.formats.labels import parse_label as _parse_label_bytes
 from fastio.formats.labels import parse_labels as _parse_labels_bytes
+from fastio.formats.media import is_audio_field, is_video_field
 from fastio.storage.checksum import sha256_fd
 
 __all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "parse_labels", "sample_where"]
@@ -136,6 +137,13 @@ def _member_matches(name: bytes, size: int | None, key_crc: int, field: str, wan
     cut = len(name) - len(field) - 1
     return (cut >= 0 and name[cut:cut + 1] == b"." and name[cut + 1:].lower() == field.encode()
             and (key_crc == _NO_KEY or zlib.crc32(name[:cut]) == key_crc))
+
+
+def _decoded_kind(fields: Sequence[str]) -> str:
+    """What the decoded fields hold, for messages: ``video``, ``audio`` or ``image``."""
+    if all(is_video_field(f) for f in fields):
+        return "video"
+    return "audio" if all(is_audio_field(f) for f in fields) else "image"
 
 
 class Reader:
@@ -247,7 +255,7 @@ class Reader:
                 f = columns[c]
                 if f is not None and f in self.optional:
                     continue
-                wanted = f"field {f!r}" if f is not None else f"image field ({', '.join(self.image)})"
+                wanted = f"field {f!r}" if f is not None else f"{_decoded_kind(self.image)} field ({', '.join(self.image)})"
                 raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
         held = self._hold(np.unique(t.shard).tolist())
         try:
