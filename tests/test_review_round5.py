@@ -131,3 +131,22 @@ def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_
                        num_threads=1, world_size=1, rank=0) as loader:
         with pytest.raises(fastio.DatasetError, match=r"key 'k1': sample has no video field \(webm\)$"):
             next(iter(loader))
+
+
+# -- loader.key on token datasets (docs/loader.md: loader.key(i); docs/tokens.md: batch["index"] a sequence id) ---
+
+NO_KEYS = r"ds: a token dataset .*, not as samples: it has no sample keys$"
+
+
+def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the_idx_damaged(token_ds):
+    """``loader.key(i)`` of a Tokens Loader parsed Megatron's .idx as DALI's and said 'part-000.idx: not an index
+    (non-ASCII byte ...)': a healthy dataset called damaged."""
+    pipe = fastio.Tokens(seq_len=8)
+    with fastio.Loader(token_ds, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(fastio.DatasetError, match=NO_KEYS) as err:
+            loader.key(0)
+    assert "not an index" not in str(err.value) and "\n" not in str(err.value)
+    mix = fastio.Mixture({"a": token_ds, "b": token_ds})
+    with fastio.Loader(mix, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(fastio.DatasetError, match=NO_KEYS):
+            loader.key("b", 0)

@@ -176,6 +176,7 @@ class Dataset:
 
     def _idx(self, shard: Shard, parse):
         """``parse(bytes, source)`` of the shard's ``.idx``; DatasetError naming the file when it cannot."""
+        self._refuse_tokens(", not as samples: it has no sample keys")
         try:
             return parse(shard.idx_path.read_bytes(), str(shard.idx_path))
         except OSError as err:
@@ -183,14 +184,19 @@ class Dataset:
         except ValueError as err:  # names the index file
             raise DatasetError(str(err)) from None
 
+    def _refuse_tokens(self, what: str) -> None:
+        """DatasetError naming this dataset when it is a token dataset, which holds documents, not samples (its
+        ``.idx`` files are Megatron's; a Tokens Loader's ``batch["index"]`` is a sequence id)."""
+        if self.manifest.kind == "tokens":
+            raise DatasetError(f"{self.root}: a token dataset (Megatron .bin/.idx shards): its documents are read by "
+                               f"fastio.tokens (docs/tokens.md){what}")
+
     @cached_property
     def index(self) -> SampleIndex:
         """The sample index: ``DEST/samples.fxi`` memory-mapped (pages shared by every process of a node),
         or, for a dataset without one, built in memory from every ``.idx`` (parsed once)."""
         counts, record = [s.samples for s in self.shards], self.manifest.index
-        if self.manifest.kind == "tokens":
-            raise DatasetError(f"{self.root}: a token dataset (Megatron .bin/.idx shards): its documents are read by "
-                               "fastio.tokens (docs/tokens.md), not as samples")
+        self._refuse_tokens(", not as samples")
         if record is not None:
             return SampleIndex.open(self.files.index_path(record), counts, self.fields, record, verify=self.verify,
                                     shard_bytes=[s.bytes for s in self.shards])
