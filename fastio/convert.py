@@ -51,9 +51,9 @@ from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_
 from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
 from fastio.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
 from fastio.parts import (
-    PART_RECORD,
     PARTS_DIR,
     PartRecord,
+    clear_part_dir,
     listing_digest,
     parse_part,
     parse_part_dir,
@@ -380,12 +380,13 @@ def _is_complete(dest: Path) -> bool:
     return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
 
 
-def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
-    """Raise ConvertError if DEST may not be (re)written by this conversion."""
+def check_dest(dest: Path, source: Path | None, overwrite: bool) -> None:
+    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None: a SOURCE that is
+    no local path, which DEST cannot contain)."""
     if dest.exists() and not dest.is_dir():
         raise ConvertError(f"{dest}: exists and is not a directory")
-    src, dst = source.resolve(), dest.resolve()
-    if src == dst or src in dst.parents or dst in src.parents:
+    src, dst = (None if source is None else source.resolve()), dest.resolve()
+    if src is not None and (src == dst or src in dst.parents or dst in src.parents):
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
     if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
         complete = _is_complete(dest)
@@ -629,7 +630,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         if holder is not None:
             raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
                                "once that process has ended)")
-        _clear_part(directory)
+        clear_part_dir(directory)
         jobs, ranges = [], {}
         for split_name, indices in groups.items():
             entries = [scan.entries[i] for i in indices]
@@ -649,18 +650,6 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
-
-
-def _clear_part(directory: Path) -> None:
-    """Empty a part's directory but for its lock; the completion record goes first."""
-    (directory / PART_RECORD).unlink(missing_ok=True)
-    for child in directory.iterdir():
-        if child.name == LOCK_NAME:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):

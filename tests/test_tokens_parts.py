@@ -1,0 +1,124 @@
+"""fastio convert --tokenizer --part K/N, then fastio merge: the dataset a single token conversion writes."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import run_cli
+from tokens_helpers import train_tokenizer
+
+from fastio.errors import ConvertError
+from fastio.merge import merge
+from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A folder of JSONL (with blank lines and empty documents), Parquet (several row groups) and .txt documents,
+    and a tokenizer; (folder, tokenizer)."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(3)
+    texts = [" ".join(rng.choice(WORDS, int(rng.integers(0, 25)))) for _ in range(240)]
+    src = root / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": t}) + ("\n\n" if i % 7 == 0 else "\n")
+                                         for i, t in enumerate(texts[:100])))
+    pq.write_table(pa.table({"text": texts[100:200]}), src / "b.parquet", row_group_size=16)
+    for i, t in enumerate(texts[200:]):
+        (src / "sub" / f"c{i:02d}.txt").write_text(t)
+    return src, train_tokenizer(root / "tokenizer.json")
+
+
+def convert(src, dest, tok, **kw):
+    return convert_tokens(TokenConvertConfig(src, dest, tok, workers=1, batch_size=16, **kw))
+
+
+def assert_same_dataset(a, b):
+    """Same manifest bytes (no path of DEST is in it), same shard files, byte for byte."""
+    assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
+    names = sorted(p.name for p in (a / "shards").iterdir())
+    assert names == sorted(p.name for p in (b / "shards").iterdir())
+    assert all(filecmp.cmp(a / "shards" / n, b / "shards" / n, shallow=False) for n in names)
+    assert not (b / ".parts").exists()
+
+
+@pytest.mark.parametrize("options", [{"shard_size": 400}, {"max_samples_per_shard": 10}],
+                         ids=["bytes", "documents"])
+def test_two_parts_merged_equal_the_whole_conversion(tmp_path, corpus, options):
+    src, tok = corpus
+    whole = convert(src, tmp_path / "whole", tok, **options)
+    parts = [convert(src, tmp_path / "ds", tok, part=(k, 2), **options) for k in (1, 0)]  # any order
+    assert sum(p.documents for p in parts) == whole.documents and sum(p.empty for p in parts) == whole.empty > 0
+    assert all(p.documents for p in parts)  # both parts did work
+    result = merge(tmp_path / "ds")
+    assert result.linked > 0  # the first part's shards are the whole run's
+    assert_same_dataset(tmp_path / "whole", tmp_path / "ds")
+
+
+def test_more_parts_than_files_and_empty_parts(tmp_path, corpus):
+    src, tok = corpus
+    convert(src / "sub", tmp_path / "whole", tok, shard_size=300)  # 40 one-document .txt files
+    for k in range(50):  # more parts than documents: some parts are empty
+        convert(src / "sub", tmp_path / "ds", tok, shard_size=300, part=(k, 50))
+    merge(tmp_path / "ds")
+    assert_same_dataset(tmp_path / "whole", tmp_path / "ds")
+
+
+def test_cli_parts_from_a_slurm_array_then_merge(tmp_path, corpus, capsys, monkeypatch):
+    src, tok = corpus
+    code, _, err = run_cli(["convert", str(src), str(tmp_path / "whole"), "--tokenizer", str(tok), "--workers", "1",
+                            "--shard-size", "500", "-q"], capsys)
+    assert code == 0, err
+    for k in range(3):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(k))
+        code, out, err = run_cli(["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(tok), "--workers",
+                                  "2", "--shard-size", "500", "--part", "auto/3"], capsys)
+        assert code == 0 and f"part {k}/3 of {tmp_path / 'ds'}" in out, err
+    code, out, err = run_cli(["merge", str(tmp_path / "ds")], capsys)
+    assert code == 0 and "merged 3 parts" in out, err
+    assert_same_dataset(tmp_path / "whole", tmp_path / "ds")
+    code, _, err = run_cli(["verify", str(tmp_path / "ds")], capsys)
+    assert code == 0, err
+
+
+def test_a_missing_part_is_named_with_the_command_that_makes_it(tmp_path, corpus, capsys):
+    src, tok = corpus
+    convert(src, tmp_path / "ds", tok, part=(0, 2), text_field="text", max_samples_per_shard=7)
+    code, _, err = run_cli(["merge", str(tmp_path / "ds")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "part-1-of-2 (missing)" in err
+    assert (f"fastio convert {src} {tmp_path / 'ds'} --tokenizer {tok} --max-samples-per-shard 7 --part K/2"
+            in err), err
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_parts_of_another_tokenizer_eos_or_options_are_refused(tmp_path, corpus, capsys):
+    src, tok = corpus
+    other = train_tokenizer(tmp_path / "other.json", eos="</s>")
+    cases = [({"tokenizer": other}, "tokenizer_sha256"), ({"eos": "a"}, "eos 'a' (part 0: None)"),
+             ({"max_samples_per_shard": 5}, "max_samples_per_shard 5 (part 0: None)")]
+    for i, (change, named) in enumerate(cases):
+        dest = tmp_path / f"ds{i}"
+        convert(src, dest, tok, part=(0, 2))
+        convert(src, dest, change.pop("tokenizer", tok), part=(1, 2), **change)
+        code, _, err = run_cli(["merge", str(dest)], capsys)
+        assert code == 2 and err.count("\n") == 1 and "part-1-of-2:" in err and named in err, err
+        assert not (dest / "manifest.json").exists() and (dest / ".parts").is_dir()
+
+
+def test_a_damaged_part_is_named(tmp_path, corpus):
+    src, tok = corpus
+    for k in range(2):
+        convert(src, tmp_path / "ds", tok, part=(k, 2), shard_size=400)
+    shard = sorted((tmp_path / "ds" / ".parts" / "part-1-of-2" / "shards").glob("*.bin"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    with pytest.raises(ConvertError, match=rf"{shard}: .*(truncated|damaged)"):
+        merge(tmp_path / "ds")
