@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastio import converters
 from fastio.atomic import atomic_write_bytes
@@ -71,6 +71,8 @@ from fastio.storage.url import parse_location
 from fastio.wds import is_plain_name
 from fastio.workers import OrderedPool
 
+T = TypeVar("T")
+
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "ConvertConfig",
@@ -82,6 +84,7 @@ __all__ = [
     "parse_split",
     "reset_dest",
     "staging_path",
+    "upload_dataset",
 ]
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -715,14 +718,24 @@ def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
 
 
 def _convert_to_url(config: ConvertConfig) -> ConvertResult:
-    """Convert into a local staging folder, then upload it to ``config.dest``, final files last.
+    """Convert into a local staging folder, then upload it to ``config.dest`` (:func:`upload_dataset`)."""
+    result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
+                            lambda local: convert(dataclasses.replace(config, dest=local, overwrite=True)))
+    result.dest = config.dest
+    return result
+
+
+def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | None, overwrite: bool,
+                   write: Callable[[Path], T]) -> T:
+    """Write a dataset with ``write(local)`` into DEST's local staging folder (:func:`staging_path`), then upload
+    it to the URL ``dest``, final files last; returns what ``write`` returned.
 
     With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
     upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
     deleted. One writer per DEST: the conversion holds DEST's lease (``DEST/.fastio-lock``,
     :mod:`fastio.storage.lease`) from before it checks DEST until the last upload, and confirms it before it
     deletes anything and before the final files; a second conversion is refused at once naming the holder."""
-    storage = open_storage(config.dest, config.storage_options)
+    storage = open_storage(dest, storage_options)
     lease = writer_lease(storage, "fastio convert") if isinstance(storage, S3Storage) else None
     if lease is not None:
         try:
@@ -731,7 +744,7 @@ def _convert_to_url(config: ConvertConfig) -> ConvertResult:
             raise ConvertError(str(err)) from None  # names DEST and the holder
     guard = lease.confirm if lease is not None else (lambda: None)
     try:
-        return _upload_converted(config, storage, guard)
+        return _upload_converted(dest, storage, staging_dir, overwrite, write, guard)
     except LeaseLostError as err:
         raise ConvertError(f"{err} (nothing more was uploaded)") from None
     finally:
@@ -750,28 +763,28 @@ def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
 
 
-def _upload_converted(config: ConvertConfig, storage: Storage, guard: Callable[[], None]) -> ConvertResult:
-    old = _check_remote_dest(storage, config.overwrite)
-    staging = staging_path(str(config.dest), config.staging_dir)
-    lock = DirLock(staging, f"fastio convert to {config.dest}")
+def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
+                      write: Callable[[Path], T], guard: Callable[[], None]) -> T:
+    old = _check_remote_dest(storage, overwrite)
+    staging = staging_path(str(dest), staging_dir)
+    lock = DirLock(staging, f"fastio convert to {dest}")
     _lock(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
         # the folder is this DEST's own staging copy: what a killed run left there is replaced
-        local = dataclasses.replace(config, dest=staging / "dest", overwrite=True)
-        result = convert(local)
-        (local.dest / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
+        local = staging / "dest"
+        result = write(local)
+        (local / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
         guard()
         for key in old:
             if key.split("/")[-1] in _FINAL_NAMES:
                 storage.delete(key)
-        finals = sorted(k for k in result.manifests if k) + [""]
-        last = tuple(f"{split}/{MANIFEST_NAME}" if split else MANIFEST_NAME for split in finals) + (SPLITS_NAME,)
-        uploaded = storage.publish_dir(local.dest, keys_last=last, before_last=guard)
+        splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
+        last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
+        uploaded = storage.publish_dir(local, keys_last=last, before_last=guard)
         guard()
         for key in sorted(set(old) - set(uploaded)):
             storage.delete(key)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
         lock.release()
-    result.dest = config.dest
     return result

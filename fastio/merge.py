@@ -81,7 +81,8 @@ class MergeResult:
 
     def summary(self) -> str:
         shards = self.linked + self.repacked
-        return (f"merged {self.parts} parts into {self.dest}: {self.samples} samples in {shards} shards "
+        noun = "documents" if all(m.kind == "tokens" for m in self.manifests.values()) else "samples"
+        return (f"merged {self.parts} parts into {self.dest}: {self.samples} {noun} in {shards} shards "
                 f"({self.linked} linked, {self.repacked} re-packed) in {self.seconds:.1f}s")
 
 

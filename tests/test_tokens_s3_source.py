@@ -100,3 +100,26 @@ def test_refusals_name_the_url_in_one_line(tmp_path, corpus, capsys, s3_bucket, 
         assert code == 2 and err.startswith("fastio: error: ") and err.count("\n") == 1, err
         assert message in err and "Traceback" not in err, err
         assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_an_s3_dest_gets_the_local_conversion_uploaded_manifest_last(tmp_path, corpus, capsys, s3_bucket):
+    src, url, tok, endpoint = corpus
+    assert tokens_convert(capsys, src, tmp_path / "local", tok, "--shard-size", "300")[0] == 0
+    dest = f"s3://{s3_bucket}/tokens"
+    code, _, err = tokens_convert(capsys, url, dest, tok, "--shard-size", "300", "--endpoint-url", endpoint,
+                                  "--staging-dir", str(tmp_path / "staging"))
+    assert code == 0, err
+    store = open_storage(dest, {"endpoint": endpoint})
+    local = tmp_path / "local"
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()
+                   and p.name != ".fastio-lock")
+    assert [o.key for o in store.list() if o.key != ".fastio-lock"] == files
+    for key in files:
+        if key != "manifest.json":
+            assert store.get(key) == (local / key).read_bytes(), key
+    assert json.loads(store.get("manifest.json"))["source"]["path"] == url
+    assert list((tmp_path / "staging").iterdir()) == []  # the staging copy removed after the upload
+    code, out, err = run_cli(["verify", dest, "--endpoint-url", endpoint], capsys)
+    assert code == 0, err
+    code, _, err = tokens_convert(capsys, src, dest, tok, "--part", "0/2", "--endpoint-url", endpoint)
+    assert code == 2 and err.count("\n") == 1 and "--part: needs a DEST on a (shared) file system" in err, err

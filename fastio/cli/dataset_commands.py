@@ -103,8 +103,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
-    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset in the
-    folder DEST."""
+    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset."""
     from fastio.convert import ConvertConfig
     from fastio.convert import convert as run_convert
     from fastio.progress import progress_wanted
@@ -137,7 +136,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
 
 
 _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
-                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile")
+                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile", "staging_dir")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -152,7 +151,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
-                                      "name", "overwrite", "part")}
+                                      "name", "overwrite", "part", "staging_dir")}
     options.update({"text_field": params["text_field"] or "text",
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fastio.checksum import sha256_file
-from fastio.convert import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest
+from fastio.convert import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest, upload_dataset
 from fastio.errors import ConvertError
 from fastio.lock import DirLock, LockedError, current_holder
 from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
@@ -57,8 +57,9 @@ class TokenConvertConfig:
 
     source: Path | str
     """A document file or a folder of them, or an ``s3://`` object or prefix (kept as a str)."""
-    dest: Path
-    """The dataset folder to write."""
+    dest: Path | str
+    """The dataset folder to write, or an ``s3://`` prefix (kept as a str: written in ``staging_dir``, then
+    uploaded, the manifest last, as :func:`fastio.convert.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
     text_field: str = "text"
@@ -83,17 +84,20 @@ class TokenConvertConfig:
     part: tuple[int, int] | str | None = None
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): tokenize only part K of N into
     ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
+    staging_dir: Path | None = None
+    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.staging_path`;
+    default: the system's temporary directory)."""
 
     def __post_init__(self) -> None:
-        if is_remote(str(self.dest)):
-            raise ValueError(f"dest: {self.dest} is a URL; a token conversion writes a local folder (upload it "
-                             "afterwards)")
-        for key in ("dest", "tokenizer"):
-            object.__setattr__(self, key, Path(getattr(self, key)))
-        if not is_remote(str(self.source)):
-            object.__setattr__(self, "source", Path(self.source))
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        for key in ("source", "dest"):
+            if not is_remote(str(getattr(self, key))):
+                object.__setattr__(self, key, Path(getattr(self, key)))
         if self.part is not None:
             object.__setattr__(self, "part", parse_part(self.part))
+            if isinstance(self.dest, str):
+                raise ValueError(f"part: needs a DEST on a (shared) file system, not {self.dest}; convert the "
+                                 "parts there, merge, then upload")
         object.__setattr__(self, "shard_size", parse_size(self.shard_size, "shard_size"))
         for key in ("workers", "batch_size"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
@@ -111,7 +115,7 @@ class TokenConvertConfig:
 class TokenConvertResult:
     """What :func:`convert_tokens` wrote."""
 
-    dest: Path
+    dest: Path | str
     shards: int
     documents: int
     tokens: int
@@ -313,6 +317,10 @@ def _lock(lock: DirLock, where: Path) -> None:
 def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     """Tokenize ``config.source`` into a token dataset in ``config.dest``, or with ``config.part`` one part of it
     into ``DEST/.parts/`` (see the module docstring)."""
+    if isinstance(config.dest, str):  # s3://: written in a local staging folder, then uploaded
+        result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
+                                lambda local: convert_tokens(replace(config, dest=local, overwrite=True)))
+        return replace(result, dest=config.dest)
     started = time.perf_counter()
     coder = _coder(config)
     corpus = open_corpus(config.source, config.storage_options)  # refusals before DEST is touched

@@ -3,7 +3,7 @@
 SOURCE is a document file or a folder of them (:mod:`fastio.converters.documents`), or an ``s3://`` object or
 prefix read through :mod:`fastio.storage` (endpoint, region and credentials as for any URL): the objects under the
 prefix, in sorted key order (the order a local folder gives: sorted paths), each downloaded into a temporary file
-just before it is read and deleted after. Refusals name the URL in one line: a prefix with no objects, objects
+while the one before it is read, and deleted once read. Refusals name the URL in one line: a prefix with no objects, objects
 none of which is a document file, an object of another kind, an object that cannot be read.
 
 Positions. The files, in order, are laid end to end: file ``i`` starts at byte ``offsets[i]`` of a
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastio.converters.documents import DOCUMENT_SUFFIXES, document_files, file_documents
 from fastio.errors import ConvertError
@@ -62,38 +61,38 @@ class Corpus:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def documents(self, text_field: str, span: tuple[int, int | None] = (0, None)) -> Iterator[tuple[str, str]]:
-        """``(where, text)`` of every document whose position is in ``span``, in input order."""
+        """``(where, text)`` of every document whose position is in ``span``, in input order. An object is
+        downloaded while the one before it is read (two at most in the temporary folder, each removed once read)."""
+        wanted = list(self._files_in(span))
+        if self.storage is None:
+            for f, inside in wanted:
+                yield from file_documents(Path(f.name), text_field, f.name, inside)
+            return
+        with tempfile.TemporaryDirectory(prefix="fastio-doc-") as tmp, \
+                ThreadPoolExecutor(1, thread_name_prefix="fastio-doc") as pool:
+            def fetch(i: int) -> Path:
+                f = wanted[i][0]
+                path = Path(tmp) / f"{i}{Path(f.key or f.name).suffix}"
+                self.storage.get_to_file(f.key, path, f.size)  # a StorageError names the URL
+                return path
+
+            coming = pool.submit(fetch, 0) if wanted else None
+            for i, (f, inside) in enumerate(wanted):
+                path = coming.result()
+                coming = pool.submit(fetch, i + 1) if i + 1 < len(wanted) else None
+                yield from file_documents(path, text_field, f.name, inside)
+                path.unlink()
+
+    def _files_in(self, span: tuple[int, int | None]) -> Iterator[tuple[DocumentFile, tuple[int, int | None]]]:
+        """The files with a document in ``span``, each with the span in its own positions."""
         start, end = span
         offset = 0
         for f in self.files:
             here, offset = offset, offset + f.size
-            if (end is not None and here >= end) or max(offset, here + 1) <= start:
-                continue  # no document of this file is in the span (an empty file's position is its start)
-            local = (start - here, None if end is None else end - here)
-            with self._local(f) as path:
-                yield from file_documents(path, text_field, f.name, local)
-
-    def _local(self, f: DocumentFile) -> _Fetched:
-        return _Fetched(self.storage, f)
-
-
-class _Fetched:
-    """A document file as a local path: itself, or the object downloaded into a temporary folder (removed on exit)."""
-
-    def __init__(self, storage: Storage | None, f: DocumentFile):
-        self.storage, self.file, self.tmp = storage, f, None
-
-    def __enter__(self) -> Path:
-        if self.storage is None:
-            return Path(self.file.name)
-        self.tmp = Path(tempfile.mkdtemp(prefix="fastio-doc-"))
-        path = self.tmp / Path(self.file.key or self.file.name).name
-        self.storage.get_to_file(self.file.key, path, self.file.size)  # a StorageError names the URL
-        return path
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            text = DOCUMENT_SUFFIXES[Path(f.key or f.name).suffix.lower()] == "text"
+            last = here + 1 if text or not f.size else offset  # a .txt's one document, an empty file: at the start
+            if (end is None or here < end) and last > start:
+                yield f, (start - here, None if end is None else end - here)
 
 
 def open_corpus(source: str | Path, storage_options: dict | None = None) -> Corpus:
