@@ -80,6 +80,7 @@ __all__ = [
     "check_dest",
     "convert",
     "load_entry",
+    "lock_parts",
     "parse_size",
     "parse_split",
     "reset_dest",
@@ -543,7 +544,7 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
     if not lock.held:
         _lock(lock, config.dest)
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
-    parts = _lock_parts(config.dest)
+    parts = lock_parts(config.dest)
     try:
         return _guard_os(config, lambda: _write_all(config, scan, groups, started))
     finally:
@@ -551,7 +552,7 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
             part.release()
 
 
-def _lock_parts(dest: Path) -> list[DirLock]:
+def lock_parts(dest: Path) -> list[DirLock]:
     """Lock every part directory under ``DEST/.parts/`` (DEST's own lock is held), so that resetting DEST
     deletes no running part's files; a running part is a ConvertError naming it and its holder, before
     anything is deleted. (A part started later sees DEST's lock and refuses: :func:`_write_part`.)"""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +14,9 @@ from helpers import run_cli
 from tokens_helpers import train_tokenizer
 
 from fastio.errors import ConvertError
+from fastio.lock import DirLock
 from fastio.merge import merge
+from fastio.parts import part_dir
 from fastio.tokens.convert import TokenConvertConfig, convert_tokens
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
@@ -122,3 +125,29 @@ def test_a_damaged_part_is_named(tmp_path, corpus):
         f.truncate(shard.stat().st_size - 2)
     with pytest.raises(ConvertError, match=rf"{shard}: .*(truncated|damaged)"):
         merge(tmp_path / "ds")
+
+
+def test_a_listing_that_changed_between_parts_is_refused(tmp_path, corpus, capsys):
+    src, tok = corpus
+    mine = tmp_path / "src"
+    shutil.copytree(src, mine)
+    convert(mine, tmp_path / "ds", tok, part=(0, 2))
+    with open(mine / "a.jsonl", "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    convert(mine, tmp_path / "ds", tok, part=(1, 2))
+    code, _, err = run_cli(["merge", str(tmp_path / "ds")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "part-1-of-2: source listing" in err, err
+
+
+def test_a_whole_conversion_leaves_a_running_part_alone(tmp_path, corpus):
+    src, tok = corpus
+    convert(src, tmp_path / "ds", tok, part=(0, 2))
+    running = DirLock(part_dir(tmp_path / "ds", 1, 2), "fastio convert --part 1/2").acquire()  # a part at work
+    try:
+        with pytest.raises(ConvertError, match="part 1/2 of a conversion in parts is running"):
+            convert(src, tmp_path / "ds", tok)
+        assert (part_dir(tmp_path / "ds", 0, 2) / "part.json").is_file()  # nothing deleted
+    finally:
+        running.release()
+    convert(src, tmp_path / "ds", tok)
+    assert (tmp_path / "ds" / "manifest.json").is_file() and not (tmp_path / "ds" / ".parts").exists()

@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from fastio.checksum import sha256_file
-from fastio.convert import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest, upload_dataset
+from fastio.convert import (
+    DEFAULT_SHARD_SIZE,
+    _default_workers,
+    check_dest,
+    lock_parts,
+    reset_dest,
+    upload_dataset,
+)
 from fastio.errors import ConvertError
 from fastio.lock import DirLock, LockedError, current_holder
 from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
@@ -330,8 +337,10 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
         return _convert_part(config, corpus, coder, started)
     lock = DirLock(config.dest, purpose="fastio convert")
     _lock(lock, config.dest)
+    parts = []
     try:
         check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
+        parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
         reset_dest(config.dest)
         shards, empty = _write(config, corpus, coder, config.dest)
         if not shards:
@@ -343,6 +352,8 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
         raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
     finally:
+        for part in parts:
+            part.release()
         lock.release()
     return _result(config, coder, shards, empty, started)
 
