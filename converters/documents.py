@@ -82,16 +82,30 @@ def _text_file(path: Path, name: str) -> str:
         raise ConvertError(f"{name}: not UTF-8 text (byte {err.start})") from None
 
 
+def _skip_to(f, start: int) -> int:
+    """Move ``f`` to the first line that starts at or after byte ``start``; the number of lines before it."""
+    if start <= 0:
+        return 0
+    lines, left = 0, start - 1
+    while left > 0:  # newlines before byte start - 1, counted in large reads (no line-by-line pass)
+        chunk = f.read(min(left, 1 << 24))
+        if not chunk:
+            return lines
+        lines, left = lines + chunk.count(b"\n"), left - len(chunk)
+    return lines + f.readline().count(b"\n")  # the rest of the line that holds byte start - 1
+
+
 def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None]) -> Iterator[tuple[str, str]]:
-    start, end = span
+    end = span[1]
     with open(path, "rb") as f:
-        at = 0
-        for n, raw in enumerate(f, 1):
+        before = _skip_to(f, span[0])
+        at = f.tell()
+        for n, raw in enumerate(f, before + 1):
             offset, at = at, at + len(raw)
-            if offset < start or not raw.strip():
-                continue  # before the span, or a blank line (no document)
             if end is not None and offset >= end:
                 return
+            if not raw.strip():
+                continue  # a blank line is no document
             where = f"{name}:{n}"
             try:
                 row = json.loads(raw)

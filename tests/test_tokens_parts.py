@@ -151,3 +151,21 @@ def test_a_whole_conversion_leaves_a_running_part_alone(tmp_path, corpus):
         running.release()
     convert(src, tmp_path / "ds", tok)
     assert (tmp_path / "ds" / "manifest.json").is_file() and not (tmp_path / "ds" / ".parts").exists()
+
+
+def test_spans_cut_a_file_into_contiguous_runs_with_their_line_and_row_names(tmp_path):
+    from fastio.converters.documents import file_documents
+
+    rng = np.random.default_rng(5)
+    lines = [json.dumps({"text": "x" * int(rng.integers(0, 9))}) if rng.random() > 0.2 else "" for _ in range(60)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": [str(i) for i in range(37)]}), tmp_path / "b.parquet", row_group_size=5)
+    for name in ("a.jsonl", "b.parquet"):
+        path = tmp_path / name
+        whole = list(file_documents(path))
+        size = path.stat().st_size
+        for cuts in ([0, size], [0, 1, size], *([0, *sorted(rng.integers(0, size, 3).tolist()), size]
+                                               for _ in range(20))):
+            runs = [list(file_documents(path, span=(a, b))) for a, b in zip(cuts, cuts[1:])]
+            assert [d for run in runs for d in run] == whole, (name, cuts)
+    assert whole[-1][0] == f"{tmp_path / 'b.parquet'}: row 36"
