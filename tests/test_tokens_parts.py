@@ -169,3 +169,20 @@ def test_spans_cut_a_file_into_contiguous_runs_with_their_line_and_row_names(tmp
             runs = [list(file_documents(path, span=(a, b))) for a, b in zip(cuts, cuts[1:])]
             assert [d for run in runs for d in run] == whole, (name, cuts)
     assert whole[-1][0] == f"{tmp_path / 'b.parquet'}: row 36"
+
+
+def test_the_merge_cuts_where_the_writer_cuts():
+    from fastio.tokens.convert import starts_new_token_shard, token_shard_cuts
+
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        sizes = rng.integers(1, 60, int(rng.integers(1, 80))) * 2
+        size, limit = int(rng.integers(10, 300)), [None, int(rng.integers(1, 9))][int(rng.integers(0, 2))]
+        cuts, start, docs, nbytes = [], 0, 0, 0
+        for i, n in enumerate(sizes.tolist()):  # the writer's streaming rule, one document at a time
+            if starts_new_token_shard(docs, nbytes, n, size, limit):
+                cuts.append((start, i))
+                start, docs, nbytes = i, 0, 0
+            docs, nbytes = docs + 1, nbytes + n
+        cuts.append((start, len(sizes)))
+        assert token_shard_cuts(sizes, size, limit) == cuts, (sizes, size, limit)

@@ -49,7 +49,7 @@ from fastio.wds import is_plain_name
 from fastio.workers import OrderedPool
 
 __all__ = ["EOS_NAMES", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
-           "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest"]
+           "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest", "token_shard_cuts"]
 
 TOKEN_PLAN = "tokens"
 """``plan["kind"]`` of a token conversion's part records (:mod:`fastio.tokens.merge` merges them)."""
@@ -200,6 +200,20 @@ def starts_new_token_shard(documents: int, nbytes: int, doc_bytes: int, shard_si
     (``doc_bytes``) when it holds ``max_documents`` or the document would take it past ``shard_size``."""
     return documents > 0 and (max_documents is not None and documents >= max_documents
                               or nbytes + doc_bytes > shard_size)
+
+
+def token_shard_cuts(doc_bytes: np.ndarray, shard_size: int, max_documents: int | None) -> list[tuple[int, int]]:
+    """Where :func:`starts_new_token_shard` cuts documents of these ``.bin`` sizes, in order: ``[(start, end), ...]``
+    (one binary search per shard on the running byte total, for a merge of 10^8 documents)."""
+    cum = np.zeros(len(doc_bytes) + 1, np.int64)
+    np.cumsum(doc_bytes, out=cum[1:])
+    cuts, start, n = [], 0, len(doc_bytes)
+    while start < n:
+        end = int(np.searchsorted(cum, cum[start] + shard_size, side="right")) - 1  # the bytes still fit
+        end = max(start + 1, min(end, n, start + (max_documents or n)))  # the document limit; at least one
+        cuts.append((start, end))
+        start = end
+    return cuts
 
 
 class _ShardSeries:

@@ -3,7 +3,7 @@
 Each part (:func:`fastio.tokens.convert.convert_tokens` with ``part``) tokenized a contiguous run of the
 documents and cut its own shards from its first document on. The merge reads every part shard's ``.idx``
 (checked against the part record: sha256, ``.bin`` size, document count), lays the documents end to end in part
-order, and cuts them where the single conversion cuts (:func:`~fastio.tokens.convert.starts_new_token_shard`
+order, and cuts them where the single conversion cuts (:func:`~fastio.tokens.convert.token_shard_cuts`
 on the documents' token counts). A result shard that is exactly a part's shard is **linked** into place (a hard
 link; a copy where links fail); any other is **re-packed**: its documents' tokens copied out of the part shards
 (no tokenizing) through :class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first.
@@ -31,7 +31,7 @@ from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, write_
 from fastio.parts import PARTS_DIR, PartRecord, part_dir, part_name
 from fastio.progress import count, parse_size
 from fastio.storage import is_remote
-from fastio.tokens.convert import shard_record, starts_new_token_shard, token_manifest
+from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
 from fastio.tokens.megatron import MegatronShard, MegatronWriter, partner_path
 
 __all__ = ["merge_token_parts", "part_command"]
@@ -72,8 +72,8 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
     if not lengths.size:
         raise ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
     options = plan["convert_options"]
-    cuts = _cuts(lengths, np.dtype(plan["tokens"]["dtype"]).itemsize, options["shard_size"],
-                 options["max_samples_per_shard"])
+    cuts = token_shard_cuts(lengths * np.dtype(plan["tokens"]["dtype"]).itemsize, options["shard_size"],
+                            options["max_samples_per_shard"])
     whole = {(s.first, s.first + s.record.samples): s for s in shards}
     if staging.exists():
         shutil.rmtree(staging)
@@ -124,18 +124,6 @@ def _open_pair(path: Path, shard: ShardRecord, dtype: str) -> MegatronShard:
     if idx_sha256 != shard.idx_sha256 or pair.index.bin_bytes != shard.bytes or pair.documents != shard.samples:
         raise ConvertError(f"{path}: does not match its part record (a damaged part: convert it again)")
     return pair
-
-
-def _cuts(lengths: np.ndarray, itemsize: int, shard_size: int, max_documents: int | None) -> list[tuple[int, int]]:
-    """Where a single conversion cuts documents of these token counts into shards: ``[(start, end), ...]``."""
-    cuts, start, nbytes = [], 0, 0
-    for i, n in enumerate((lengths * itemsize).tolist()):
-        if starts_new_token_shard(i - start, nbytes, n, shard_size, max_documents):
-            cuts.append((start, i))
-            start, nbytes = i, 0
-        nbytes += n
-    cuts.append((start, len(lengths)))
-    return cuts
 
 
 def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str):
