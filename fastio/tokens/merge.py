@@ -134,9 +134,7 @@ def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str):
             if lo >= hi:
                 continue
             starts = s.pair.index.starts(np.arange(lo, hi + 1))
-            tokens = s.pair.tokens(int(starts[0]), int(starts[-1] - starts[0]))
-            for x, y in zip((starts[:-1] - starts[0]).tolist(), (starts[1:] - starts[0]).tolist()):
-                writer.add(tokens[x:y])
+            writer.add_documents(s.pair.tokens(int(starts[0]), int(starts[-1] - starts[0])), np.diff(starts))
         return writer.close()
 
 
