@@ -186,3 +186,16 @@ def test_the_merge_cuts_where_the_writer_cuts():
             docs, nbytes = docs + 1, nbytes + n
         cuts.append((start, len(sizes)))
         assert token_shard_cuts(sizes, size, limit) == cuts, (sizes, size, limit)
+
+
+def test_a_tampered_part_record_is_named(tmp_path, corpus):
+    src, tok = corpus
+    for k in range(2):
+        convert(src, tmp_path / "ds", tok, part=(k, 2))
+    record = part_dir(tmp_path / "ds", 1, 2) / "part.json"
+    data = json.loads(record.read_text())
+    data["datasets"][""]["shards"][0]["name"] = "../../../elsewhere.bin"
+    record.write_text(json.dumps(data))
+    with pytest.raises(ConvertError, match=rf"{record}: part record has a malformed shard"):
+        merge(tmp_path / "ds")
+    assert not (tmp_path / "ds" / "manifest.json").exists()

@@ -27,8 +27,8 @@ from fastio.atomic import fsync_dir, place_file
 from fastio.convert import DEFAULT_SHARD_SIZE, check_dest, reset_dest
 from fastio.errors import ConvertError, DatasetError
 from fastio.lock import LOCK_NAME
-from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, write_manifest
-from fastio.parts import PARTS_DIR, PartRecord, part_dir, part_name
+from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
+from fastio.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
 from fastio.progress import count, parse_size
 from fastio.storage import is_remote
 from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
@@ -100,11 +100,16 @@ def _part_shards(dest: Path, records: list[PartRecord], dtype: str) -> list[_Par
     out, first = [], 0
     for record in records:
         folder = part_dir(dest, record.part, record.of) / SHARDS_DIR
-        for entry in record.datasets[""]["shards"]:
+        entries, empty = record.datasets[""].get("shards"), record.datasets[""].get("empty_documents")
+        if not isinstance(entries, list) or not isinstance(empty, int):
+            raise ConvertError(f"{folder.parent / PART_RECORD}: part record lacks its shards or empty documents")
+        for entry in entries:
             try:
                 shard = ShardRecord(**entry)
             except TypeError:
-                raise ConvertError(f"{part_name(record.part, record.of)}: part record has a malformed shard "
+                shard = None
+            if shard is None or not is_shard_name(shard.name) or not shard.name.endswith(".bin"):
+                raise ConvertError(f"{folder.parent / PART_RECORD}: part record has a malformed shard "
                                    f"{entry!r}") from None
             pair = _open_pair(folder / shard.name, shard, dtype)
             out.append(_PartShard(pair, shard, first))
