@@ -21,8 +21,9 @@ TEXTS = ["the quick brown fox", "", "héllo wörld — 日本語", "packing docu
 
 @pytest.fixture
 def corpus(tmp_path, aws_env, s3_bucket, monkeypatch):
-    """The same documents in a local folder and under s3://BUCKET/corpus/ (and a neighbour prefix that is not
-    part of it); the endpoint only on the command line (--endpoint-url). (folder, url, tokenizer, endpoint)."""
+    """The same documents in a local folder and under s3://BUCKET/corpus/ (with a folder marker, and a neighbour
+    prefix that is not part of it); the endpoint only on the command line (--endpoint-url).
+    (folder, url, tokenizer, endpoint)."""
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -33,6 +34,9 @@ def corpus(tmp_path, aws_env, s3_bucket, monkeypatch):
         store.put_file(f"corpus/{path.relative_to(src).as_posix()}", path)
     store.put_bytes("corpus-other/z.csv", b"not,part,of,it\n")
     endpoint = aws_env_endpoint(monkeypatch)
+    import boto3  # a folder marker ("corpus/sub/", empty), as the console and some tools write: not a document
+
+    boto3.client("s3", endpoint_url=endpoint).put_object(Bucket=s3_bucket, Key="corpus/sub/", Body=b"")
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the objects are downloaded to
     return src, f"s3://{s3_bucket}/corpus/", train_tokenizer(tmp_path / "tokenizer.json"), endpoint

@@ -17,6 +17,7 @@ every part saw the same listing.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import tempfile
@@ -104,7 +105,7 @@ def open_corpus(source: str | Path, storage_options: dict | None = None) -> Corp
         return Corpus(str(source), [DocumentFile(str(f), k, f.stat().st_size) for f, k in zip(files, keys)])
     url = parse_location(str(source)).url
     storage = open_storage(url, storage_options)
-    objects = storage.list()
+    objects = _without_folder_markers(storage.list())
     if objects:
         files = [DocumentFile(storage.url_of(o.key), o.key, o.size) for o in objects]
     else:  # not a prefix: one object?
@@ -122,6 +123,16 @@ def open_corpus(source: str | Path, storage_options: dict | None = None) -> Corp
         raise ConvertError(f"{other.name}: not a document file (a token conversion reads "
                            f"{', '.join(DOCUMENT_SUFFIXES)})")
     return Corpus(url, files, storage)
+
+
+def _without_folder_markers(objects: list) -> list:
+    """The objects but the empty ``sub/`` markers some tools write for a folder (listed as ``sub``, size 0,
+    with objects under ``sub/``)."""
+    keys = sorted(o.key for o in objects)
+    def has_children(key: str) -> bool:
+        i = bisect.bisect_left(keys, key + "/")
+        return i < len(keys) and keys[i].startswith(key + "/")
+    return [o for o in objects if o.size or not has_children(o.key)]
 
 
 def part_span(total: int, k: int, n: int) -> tuple[int, int | None]:
