@@ -13,10 +13,10 @@ import pytest
 from helpers import run_cli
 from tokens_helpers import train_tokenizer
 
+from fastio.convert.merge import merge
+from fastio.convert.parts import part_dir
 from fastio.errors import ConvertError
-from fastio.lock import DirLock
-from fastio.merge import merge
-from fastio.parts import part_dir
+from fastio.storage.lock import DirLock
 from fastio.tokens.convert import TokenConvertConfig, convert_tokens
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()

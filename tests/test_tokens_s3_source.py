@@ -12,7 +12,7 @@ import pytest
 from helpers import run_cli
 from tokens_helpers import train_tokenizer
 
-from fastio.manifest import load_manifest
+from fastio.dataset.manifest import load_manifest
 from fastio.storage import open_storage
 
 TEXTS = ["the quick brown fox", "", "héllo wörld — 日本語", "packing documents into sequences",
@@ -69,7 +69,7 @@ def test_a_prefix_converts_like_the_local_folder(tmp_path, corpus, capsys):
     assert code == 0, err
     assert same_shards(tmp_path / "local", tmp_path / "ds")  # the same documents in the same order
     local, remote = load_manifest(tmp_path / "local"), load_manifest(tmp_path / "ds")
-    assert remote.source == {**local.source, "path": url} and remote.source["files"] == 3
+    assert remote.converted_from == {**local.converted_from, "path": url} and remote.converted_from["files"] == 3
     assert remote.fingerprint == local.fingerprint
     assert list((tmp_path / "tmp").iterdir()) == []  # each downloaded object removed once read
 

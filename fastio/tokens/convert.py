@@ -3,13 +3,13 @@
 Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text; a local file or folder, or an ``s3://``
 object or prefix read through :mod:`fastio.tokens.corpus`, in sorted key order) are tokenized in batches with the
 ``tokenizers`` library (the file's own tokenizer, no special tokens added), in worker processes
-(:class:`~fastio.workers.OrderedPool`: results in input order), and each non-empty one is written with the
+(:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
 :mod:`fastio.tokens.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
 bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. The manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
-:func:`fastio.convert.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
+:func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
 
 With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.tokens.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checksum import sha256_file
-from fastio.convert import (
+from fastio.convert.parts import PartRecord, clear_part_dir, parse_part, part_dir, write_part_record
+from fastio.convert.run import (
     DEFAULT_SHARD_SIZE,
     _default_workers,
     check_dest,
@@ -37,16 +37,16 @@ from fastio.convert import (
     reset_dest,
     upload_dataset,
 )
+from fastio.convert.workers import OrderedPool
+from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
 from fastio.errors import ConvertError
-from fastio.lock import DirLock, LockedError, current_holder
-from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
-from fastio.parts import PartRecord, clear_part_dir, parse_part, part_dir, write_part_record
+from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
+from fastio.storage.checksum import sha256_file
+from fastio.storage.lock import DirLock, LockedError, current_holder
 from fastio.tokens.corpus import Corpus, open_corpus, part_span
 from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
-from fastio.wds import is_plain_name
-from fastio.workers import OrderedPool
 
 __all__ = ["EOS_NAMES", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
            "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest", "token_shard_cuts"]
@@ -66,7 +66,7 @@ class TokenConvertConfig:
     """A document file or a folder of them, or an ``s3://`` object or prefix (kept as a str)."""
     dest: Path | str
     """The dataset folder to write, or an ``s3://`` prefix (kept as a str: written in ``staging_dir``, then
-    uploaded, the manifest last, as :func:`fastio.convert.convert` does)."""
+    uploaded, the manifest last, as :func:`fastio.convert.run.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
     text_field: str = "text"
@@ -92,7 +92,7 @@ class TokenConvertConfig:
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): tokenize only part K of N into
     ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
     staging_dir: Path | None = None
-    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.staging_path`;
+    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.run.staging_path`;
     default: the system's temporary directory)."""
 
     def __post_init__(self) -> None:
@@ -308,7 +308,7 @@ def shard_record(s: WrittenShard) -> ShardRecord:
 def token_manifest(name: str, records: list[ShardRecord], info: TokenInfo, source: dict[str, Any],
                    options: dict[str, Any]) -> Manifest:
     """A token dataset's manifest (a conversion's, or a merge's of its parts: the same bytes)."""
-    return make_manifest(name=name, shards=records, fields=[], kind="tokens", tokens=info, source=source,
+    return make_manifest(name=name, shards=records, fields=[], kind="tokens", tokens=info, converted_from=source,
                          convert_options=options)
 
 

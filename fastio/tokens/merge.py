@@ -9,7 +9,7 @@ link; a copy where links fail); any other is **re-packed**: its documents' token
 (no tokenizing) through :class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first.
 Shards after a part's first cut usually differ from the single run's (byte-size cuts that start elsewhere
 rarely meet again), so most are re-packed: a sequential copy. The manifest is the single run's, byte for byte
-(the empty documents of every part summed), published last; DEST's life cycle is :mod:`fastio.merge`'s.
+(the empty documents of every part summed), published last; DEST's life cycle is :mod:`fastio.convert.merge`'s.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from fastio.atomic import fsync_dir, place_file
-from fastio.convert import DEFAULT_SHARD_SIZE, check_dest, reset_dest
+from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
+from fastio.convert.run import DEFAULT_SHARD_SIZE, check_dest, reset_dest
+from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
 from fastio.errors import ConvertError, DatasetError
-from fastio.lock import LOCK_NAME
-from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
-from fastio.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
 from fastio.progress import count, parse_size
 from fastio.storage import is_remote
+from fastio.storage.atomic import fsync_dir, place_file
+from fastio.storage.lock import LOCK_NAME
 from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
 from fastio.tokens.megatron import MegatronShard, MegatronWriter, partner_path
 
