@@ -127,3 +127,15 @@ def test_an_s3_dest_gets_the_local_conversion_uploaded_manifest_last(tmp_path, c
     assert code == 0, err
     code, _, err = tokens_convert(capsys, src, dest, tok, "--part", "0/2", "--endpoint-url", endpoint)
     assert code == 2 and err.count("\n") == 1 and "--part: needs a DEST on a (shared) file system" in err, err
+
+
+def test_overwriting_an_s3_token_dataset_leaves_none_of_its_old_shards(tmp_path, corpus, capsys, s3_bucket):
+    src, url, tok, endpoint = corpus
+    dest = f"s3://{s3_bucket}/tokens"
+    assert tokens_convert(capsys, src, dest, tok, "--max-samples-per-shard", "3", "--endpoint-url", endpoint)[0] == 0
+    store = open_storage(dest, {"endpoint": endpoint})
+    assert len([o for o in store.list() if o.key.endswith(".bin")]) > 2
+    code, _, err = tokens_convert(capsys, src, dest, tok, "--overwrite", "--endpoint-url", endpoint)
+    assert code == 0, err
+    assert sorted(o.key for o in store.list() if o.key.startswith("shards/")) == [
+        "shards/shard-000000.bin", "shards/shard-000000.idx"]  # the old dataset's other pairs deleted

@@ -697,10 +697,11 @@ _FINAL_NAMES = (MANIFEST_NAME, SPLITS_NAME)
 
 
 def _is_dataset_key(key: str) -> bool:
-    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards, indexes."""
+    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards (a token
+    conversion's ``.bin``), indexes."""
     parts = key.split("/")
     return (parts[-1] in (*_FINAL_NAMES, MARKER_NAME) and len(parts) <= 2) or (
-        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".idx")))
+        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".bin", ".idx")))
 
 
 def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
