@@ -82,7 +82,7 @@ def test_one_object_and_parts_from_s3(tmp_path, corpus, capsys):
     assert tokens_convert(capsys, src, tmp_path / "whole", tok, "--shard-size", "200")[0] == 0
     for k in range(2):
         code, _, err = tokens_convert(capsys, url, tmp_path / "ds", tok, "--shard-size", "200", "--part", f"{k}/2",
-                                      "--endpoint-url", endpoint)
+                                      "--endpoint-url", endpoint, "--workers", "2")  # worker processes too
         assert code == 0, err
     assert run_cli(["merge", str(tmp_path / "ds")], capsys)[0] == 0
     assert same_shards(tmp_path / "whole", tmp_path / "ds")
