@@ -212,8 +212,9 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
-    samples.fxi and manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only
-    manifest.json is written."""
+    samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
+    manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only manifest.json is
+    written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 

@@ -25,6 +25,8 @@ from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, load_index
 from fastio.formats.labels import parse_label
+from fastio.formats.media import ProbeTable
+from fastio.storage.checksum import DIGESTS
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
@@ -191,6 +193,29 @@ class Dataset:
         return SampleIndex.from_bytes(builder.to_bytes(self.fields), f"{self.root} (from its .idx files)", counts,
                                       self.fields)
 
+    @cached_property
+    def probes(self) -> ProbeTable | None:
+        """The probe table of the samples' video and audio files (``DEST/probes.fxp``, written by ``fastio
+        index``), checked against the manifest's record (size and xxh3-128; sha256 too with ``verify``); None
+        for a dataset without one (a converted dataset's probes are its ``probe.json`` fields)."""
+        record = self.manifest.probes
+        if record is None:
+            return None
+        where = f"{self.root}: {record.name}"
+        try:
+            data = self.files.index_path(record, "probe table").read_bytes()
+        except OSError as err:
+            raise DatasetError(f"{where}: {err.strerror or err}") from None
+        algos = ("xxh3_128", "sha256") if self.verify else ("xxh3_128",)
+        sums = {a: _digest(a, data) for a in algos}
+        if len(data) != record.bytes or any(sums[a] != getattr(record, a) for a in algos if getattr(record, a)):
+            raise DatasetError(f"{where}: does not match the manifest (size or checksum): the file changed after "
+                               "indexing; index the shards again (fastio index --overwrite)")
+        try:
+            return ProbeTable(data, where, len(self))
+        except ValueError as err:
+            raise DatasetError(str(err)) from None
+
     def locate(self, indices: np.ndarray) -> Rows:
         """Where samples ``indices`` (dataset-wide) lie: shard, span and each field's offset and size."""
         return self.index.locate(indices)
@@ -238,6 +263,12 @@ class Dataset:
             raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
                                "pipeline needs it in every sample (pipeline='raw' delivers the samples lacking it, "
                                "with batch['has'])")
+
+
+def _digest(algo: str, data: bytes) -> str:
+    h = DIGESTS[algo]()
+    h.update(data)
+    return h.hexdigest()
 
 
 def _a_list(dest: list | tuple) -> DatasetError:

@@ -397,7 +397,8 @@ def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBa
     present = {f: np.zeros(n, bool) for f in names}
     image = [None] * n if first.image is not None else None
     image_field = [None] * n if first.image_field is not None else None
-    sizes = np.empty((n, 2), np.int64) if first.sizes is not None else None
+    # (0, 0) for the samples of a source that parsed no sizes (a pipeline reading images of some sources only)
+    sizes = np.zeros((n, 2), np.int64) if any(b.sizes is not None for _, b in parts) else None
     for sel, batch in parts:
         rows = sel.tolist()
         for f, values in batch.fields.items():
@@ -408,6 +409,6 @@ def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBa
         if image is not None:
             for j, v, name in zip(rows, batch.image, batch.image_field):
                 image[j], image_field[j] = v, name
-        if sizes is not None:
+        if sizes is not None and batch.sizes is not None:
             sizes[sel] = batch.sizes
     return ReadBatch(ids, fields, sizes, image, image_field, present)
