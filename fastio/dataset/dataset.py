@@ -23,7 +23,7 @@ from fastio.dataset.files import DatasetFiles, open_files
 from fastio.dataset.manifest import Manifest, ShardRecord
 from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
-from fastio.formats.dali_idx import IndexEntry, load_index
+from fastio.formats.dali_idx import IndexEntry, key_crcs, load_index
 from fastio.formats.labels import parse_label
 from fastio.formats.media import ProbeTable
 from fastio.storage.checksum import DIGESTS
@@ -165,9 +165,19 @@ class Dataset:
     def read_index(self, shard: Shard) -> list[IndexEntry]:
         """The shard's index, checked against the manifest (sha256, counts, ranges:
         :func:`fastio.formats.dali_idx.load_index`)."""
+        return self._idx(shard, lambda data, source: load_index(
+            data, samples=shard.samples, tar_bytes=shard.bytes, sha256=shard.idx_sha256, source=source))
+
+    def key_crcs(self, shard: Shard) -> np.ndarray:
+        """The CRC-32 of each key of the shard's index (uint32, in shard order; sha256, line count and keys checked:
+        :func:`fastio.formats.dali_idx.key_crcs`), for the Reader's tar-header check."""
+        return self._idx(shard, lambda data, source: key_crcs(data, samples=shard.samples, sha256=shard.idx_sha256,
+                                                              source=source))
+
+    def _idx(self, shard: Shard, parse):
+        """``parse(bytes, source)`` of the shard's ``.idx``; DatasetError naming the file when it cannot."""
         try:
-            return load_index(shard.idx_path.read_bytes(), samples=shard.samples, tar_bytes=shard.bytes,
-                              sha256=shard.idx_sha256, source=str(shard.idx_path))
+            return parse(shard.idx_path.read_bytes(), str(shard.idx_path))
         except OSError as err:
             raise DatasetError(f"{self.root}: shard index {shard.idx_path.name}: {err.strerror or err}") from None
         except ValueError as err:  # names the index file
