@@ -16,8 +16,9 @@ One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from 
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
 of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
-file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+file of the checkpoint it loads against the commit marker's checksums before loading any (the ranks share the
+reading; a file a rank loads is read once, the load using the bytes checked) and falls back past damaged or
+unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
 progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
 (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
