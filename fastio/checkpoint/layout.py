@@ -599,7 +599,8 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), files: lis
     wanted = set(files or ())
     listed = listed[i::n] if files is None else [(rel, want) for rel, want in listed if rel in wanted]
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
-    found = (_check_file(entry.path / rel, want, kept if rel in keep else None, rel) for rel, want in listed)
+    found = (_check_file(entry.path / rel, want, kept, rel) if kept is not None and rel in keep
+             else _check_file(entry.path / rel, want) for rel, want in listed)
     return [p for p in found if p]
 
 

@@ -171,7 +171,9 @@ def _choose(ck: Checkpointer, candidates: list[int], step: int | None,
     skipped: list[Unrecognised] = []
     for cand in candidates:
         path = commit.step_dir(cand)
-        problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
+        problems = []
+        if ck.config.url is not None:  # (the same on every rank) a local directory has nothing to fetch
+            problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
         problems = problems or _check_step(ck, cand, path, kept)
         if not problems:
             return cand, skipped

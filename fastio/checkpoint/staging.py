@@ -96,6 +96,9 @@ class Stager:
         CPU tensors whose storage is in ``deferred`` (:func:`optimizer_storages`) are copied later, by
         :meth:`finish_copies` or by the next optimizer step, whichever comes first (see the module docstring);
         everything else before this returns."""
+        if self._deferred is not None:  # a save that failed after staging: finish its copies before reusing buffers
+            self._deferred.run()
+            self._deferred = None
         pairs: list[tuple[torch.Tensor, torch.Tensor, str]] = []
         seen: set[str] = set()
         out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
