@@ -11,13 +11,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, checkpointer, layout
-from fastio.checksum import digest_file, sha256_file
+from fastio.checksum import digest_file, read_digest_file, sha256_file
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -88,6 +89,17 @@ def marker_truncated(step: Path) -> None:
 def marker_newer(step: Path) -> None:
     m = step / layout.COMMIT_FILE
     m.write_text(json.dumps({**json.loads(m.read_text()), "version": max(layout.READ_VERSIONS) + 1}))
+
+
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 20, 1 << 22])
+def test_a_file_read_once_for_the_load_is_the_file_its_checksum_covers(tmp_path, chunk):
+    """What a restore keeps for the engine (read_digest_file) is the whole file, and its digest is digest_file's."""
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(0).integers(0, 256, (3 << 20) + 4097, dtype=np.uint8).tobytes()
+    path.write_bytes(data)
+    kept, digest = read_digest_file(path, "xxh3_128", chunk=chunk)
+    assert bytes(kept) == data
+    assert digest == digest_file(path, "xxh3_128")[1]
 
 
 # ---------------------------------------------------------------- damaged newest step: skip, warn, fall back
