@@ -293,6 +293,32 @@ def test_untrusted_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, w
     assert not SENTINEL.exists()
 
 
+def test_an_untrusted_dcp_item_is_refused_before_dcp_unpickles_it(tmp_path):
+    """A non-tensor item inside DCP's data file (an optimizer hyperparameter) that would run code: refused by the
+    weights_only check, naming the item, before DCP's planner loads the same bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    SENTINEL.unlink(missing_ok=True)
+    root = tmp_path / "ck"
+    model = nn.Linear(2, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(root, engine="dcp", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    step = root / "step-1"
+    bad = get_optimizer_state_dict(model, optim)
+    bad["param_groups"][0]["lr"] = Payload()
+    dcp.save({"model": get_model_state_dict(model), "optim": bad}, checkpoint_id=str(step), no_dist=True)
+    _reseal(step)
+    fresh = nn.Linear(2, 2)
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(root, signals=()).restore_latest({"model": fresh,
+                                                       "optim": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+    msg = str(err.value)
+    assert msg.startswith(f"{step}: item optim.param_groups.") and "refused to load" in msg and "\n" not in msg, msg
+    assert not SENTINEL.exists()
+
+
 # ---------------------------------------------------------------- CLI
 def test_ckpt_verify_on_a_directory_that_is_not_a_checkpoint_directory_is_an_error(tmp_path, capsys):
     (tmp_path / "data").mkdir()

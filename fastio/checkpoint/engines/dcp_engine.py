@@ -21,8 +21,9 @@ once: the Checkpointer checks them as it reads them into memory, and ``dcp.load`
 (``preread``: a ``FileSystemReader`` whose file system serves them, :class:`_PrereadFileSystem`); other files (the
 metadata, items deduplicated into another rank's file) are read from the disk after every file was checked.
 
-Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
-``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
+Loading never runs code from the checkpoint: per-rank files are read with ``torch.load(weights_only=True)``;
+DCP's non-tensor items are first unpickled with it (refused when they name anything it does not allow), then the
+same bytes are handed to DCP's planner; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
 is first unpickled here with an allow-list of DCP's metadata classes and refused otherwise.
 """
 
@@ -228,7 +229,7 @@ def check_metadata(path: Path) -> None:
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``, and applying
+    """DCP's default planner, vetting non-tensor items with ``torch.load(weights_only=True)``, and applying
     the strict rule (:mod:`fastio.checkpoint.engines.strict`) to the checkpoint's keys against the app's: DCP
     itself loads only the keys it is asked for, so a checkpoint of a larger model would load silently."""
 
@@ -278,14 +279,14 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
-            obj = torch.load(value, weights_only=True)
+            torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
             raise CheckpointError(f"{self.where}: item {read_item.dest_index.fqn}: refused to load: not plain "
                                   "tensors and containers (torch.load weights_only)") from None
-        safe = io.BytesIO()
-        torch.save(obj, safe)  # the vetted value, re-serialised: what the default planner then loads
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
+        # The same bytes in memory, vetted: they name nothing but what weights_only allows, so the default
+        # planner's own load of them runs the same allowed calls (a quarter of the time of re-serialising).
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> CheckpointError:
