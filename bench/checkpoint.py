@@ -47,8 +47,8 @@ __all__ = ["run"]
 
 def make_dataset(dest: Path) -> Path:
     """A tiny image dataset for the Loader in the resume measurement."""
-    from fastio.convert import ConvertConfig, convert
-    from fastio.synthetic import make_imagefolder
+    from fastio.convert.run import ConvertConfig, convert
+    from fastio.convert.synthetic import make_imagefolder
 
     if (dest / "manifest.json").exists():
         return dest
@@ -226,7 +226,7 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
 def measure_integrity(work: Path, size_mib: int) -> dict:
     """Seconds per GiB to check every file of a committed checkpoint (warm page cache), both checksums."""
     from fastio.checkpoint import Checkpointer, layout
-    from fastio.checksum import digest_file
+    from fastio.storage.checksum import digest_file
 
     model, optim = build(size_mib)
     train_step(model, optim)

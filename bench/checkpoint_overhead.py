@@ -59,7 +59,7 @@ def _written_pages() -> int:
 
 def _hash_s(step_dir: Path) -> float | None:
     """Seconds to xxh3-128 every file of one committed step on this thread (what the commit hashes)."""
-    from fastio.checksum import digest_file
+    from fastio.storage.checksum import digest_file
 
     files = [p for p in step_dir.rglob("*") if p.is_file()] if step_dir.is_dir() else []
     t = time.perf_counter()

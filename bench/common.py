@@ -57,7 +57,7 @@ def machine_info() -> dict[str, Any]:
 
 def write_results(name: str, data: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
     """Write ``results_dir/NAME.json`` atomically and return its path."""
-    from fastio.atomic import atomic_write_bytes
+    from fastio.storage.atomic import atomic_write_bytes
 
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{name}.json"

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import interleaved, machine_info, median_ratio, write_results
-from fastio.synthetic import photo_jpeg
+from fastio.convert.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
 

@@ -35,7 +35,7 @@ def make_shards(workdir: Path, shards: int, per_shard: int) -> Path:
     """``workdir/wds-S-N``: ``shards`` tars by ``webdataset.ShardWriter`` of ``per_shard`` JPEG + cls samples."""
     import webdataset as wds
 
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
 
     folder = Path(workdir) / f"wds-{shards}-{per_shard}"
     if folder.is_dir() and len(list(folder.glob("*.tar"))) == shards:

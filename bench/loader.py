@@ -25,7 +25,7 @@ epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its fir
 build to the first batch), medians of the same rounds; and the steady RSS of a process that runs
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
 second and third epochs, each in its own fresh process). And the cost of the tar-header check every read
-makes (``fastio.reader``: each member's header, read with its data, against the index): raw reads of every
+makes (``fastio.read.reader``: each member's header, read with its data, against the index): raw reads of every
 sample's ``jpg`` and ``cls`` in CPU microseconds per sample, beside the check alone on the same headers.
 ``python bench/loader.py [--device cuda] [--repeats N] [--samples N]`` writes
 ``bench/out/loader[-cuda].json`` and a PNG bar chart next to it.
@@ -59,8 +59,8 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)
 
 def make_shards(workdir: Path, samples: int = 1200, shards: int = 8) -> Path:
     """``workdir/shards-N-S`` (a fastio dataset) with ``samples`` JPEGs in ``shards`` shards; reused if there."""
-    from fastio.shards import ShardWriter
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
+    from fastio.dataset.shards import ShardWriter
 
     dest = Path(workdir) / f"shards-{samples}-{shards}"
     if (dest / "manifest.json").is_file():
@@ -322,8 +322,8 @@ def _to_torch(tl, device: str, pipe):
 
 
 def _ceiling(dest: Path, limit: int = 300) -> tuple[int, float]:
-    from fastio.dataset import Dataset
-    from fastio.reader import Reader
+    from fastio.dataset.dataset import Dataset
+    from fastio.read.reader import Reader
 
     ds = Dataset(dest)
     with Reader(ds, ["jpg"], threads=1) as reader:
@@ -339,8 +339,8 @@ def _member_check(dest: Path, rounds: int = 3) -> dict[str, float]:
     the member check alone on the same tar headers (median of ``rounds``), and the check's share of the read."""
     import zlib
 
-    from fastio.dataset import Dataset
-    from fastio.reader import _HEADER, Reader, _member_matches, _tar_header
+    from fastio.dataset.dataset import Dataset
+    from fastio.read.reader import _HEADER, Reader, _member_matches, _tar_header
 
     ds = Dataset(dest)
     idx = np.arange(len(ds), dtype=np.int64)
@@ -498,7 +498,7 @@ def _chart(result: dict, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    from fastio.atomic import atomic_write_bytes
+    from fastio.storage.atomic import atomic_write_bytes
 
     atomic_write_bytes(path, buf.getvalue())
 

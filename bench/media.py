@@ -1,6 +1,6 @@
 """Media benchmark: video and audio clips/s, fastio (``VideoClips`` / ``AudioClips``, DALI's CPU decoders) against
 ``torch.utils.data.DataLoader`` (workers = CPUs) decoding the same files with PyAV, with the same clip starts
-(``fastio.augment.clip_starts``), the same center crop and resize (video) and the same resampling and mixdown
+(``fastio.pipelines.augment.clip_starts``), the same center crop and resize (video) and the same resampling and mixdown
 (audio).
 
 Media: ``videos`` VP9 ``.webm`` of 64 frames, 320x240 at 24 fps, with moving texture (so frames cost what real
@@ -58,7 +58,7 @@ def _video(path: Path, seed: int, frames: int = 64, width: int = 320, height: in
 
 def make_media(workdir: Path, videos: int, audios: int) -> tuple[Path, Path]:
     """Folders ``videos/`` and ``audio/`` (class folders of files) under ``workdir``, reused when there."""
-    from fastio.synthetic import make_audio
+    from fastio.convert.synthetic import make_audio
 
     root = Path(workdir) / f"media-{videos}-{audios}"
     vdir, adir = root / "videos", root / "audio"
@@ -75,7 +75,7 @@ def make_media(workdir: Path, videos: int, audios: int) -> tuple[Path, Path]:
 
 
 def _converted(src: Path) -> Path:
-    from fastio.convert import ConvertConfig, convert
+    from fastio.convert.run import ConvertConfig, convert
 
     dest = src.with_name(src.name + "-ds")
     if not (dest / "manifest.json").is_file():
@@ -101,7 +101,7 @@ class _Peer:
         return len(self.files)
 
     def __getitem__(self, i: int):
-        from fastio.augment import clip_starts
+        from fastio.pipelines.augment import clip_starts
 
         p = self.probes[i]
         if self.video:

@@ -34,8 +34,8 @@ BATCH = 64
 
 
 def _write(dest: Path, first: int, count: int, shards: int) -> Path:
-    from fastio.shards import ShardWriter
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
+    from fastio.dataset.shards import ShardWriter
 
     if (dest / "manifest.json").is_file():
         return dest

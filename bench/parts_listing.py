@@ -4,7 +4,7 @@
 
 Creates FILES empty ``.jpg`` files in ImageNet layout (the scan never opens an image), then times what each
 ``fastio convert --part K/N`` does before converting: ``fastio.converters.scan`` (sorted directory walk, one
-stat per file), ``fastio.parts.listing_digest`` and ``fastio.parts.predicted_shard_starts`` (one more stat
+stat per file), ``fastio.convert.parts.listing_digest`` and ``fastio.convert.parts.predicted_shard_starts`` (one more stat
 per file). Prints per-file costs and the extrapolation to 10^8 files.
 """
 
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from fastio import converters
-from fastio.parts import listing_digest, predicted_shard_starts
+from fastio.convert.parts import listing_digest, predicted_shard_starts
 
 
 def make_tree(root: Path, files: int, per_class: int) -> None:

@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from bench.common import RESULTS_DIR as RESULTS
-from fastio.atomic import atomic_write_bytes
+from fastio.storage.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
 WORK = ROOT / "work"

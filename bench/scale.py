@@ -6,7 +6,7 @@
   before (``rng.permutation(N)``; run at ``--legacy-samples``, where it still fits) and the lazy order at
   that same size; the lazy orders materialised at that size and checked to be permutations;
 - order statistics of the lazy order against numpy's permutation: mean displacement, neighbour
-  correlation, class mixing per batch (``fastio.inspect.order_quality``'s measure);
+  correlation, class mixing per batch (``fastio.report.inspect.order_quality``'s measure);
 - requests: the shards one node's ranks touch in a step and in an epoch (what caching whole shards per node
   would fetch);
 - start-up: a real DEST with ``--startup-shards`` shard files (empty tars, real manifest and sample
@@ -74,7 +74,7 @@ def _measure(fn):
 
 
 def _sampler(samples: int, shards: int, ranks: int, batch: int, shuffle: str, block_shards: int) -> dict:
-    from fastio.sampler import Sampler, SamplerSpec
+    from fastio.order.sampler import Sampler, SamplerSpec
 
     sizes = np.full(shards, samples // shards, np.int64)
     sizes[: samples % shards] += 1
@@ -102,7 +102,7 @@ def _sampler(samples: int, shards: int, ranks: int, batch: int, shuffle: str, bl
 
 def _requests(samples: int, shards: int, ranks: int, batch: int, block_shards: int, per_node: int = 8) -> dict:
     """Which shards one node's ranks read: per step (its share of one global batch) and over the epoch."""
-    from fastio.sampler import Sampler, SamplerSpec
+    from fastio.order.sampler import Sampler, SamplerSpec
 
     sizes = np.full(shards, samples // shards, np.int64)
     sizes[: samples % shards] += 1
@@ -138,7 +138,7 @@ def _legacy(samples: int, shards: int, ranks: int, batch: int) -> dict:
 
 def _is_permutation(samples: int, shards: int, block_shards: int) -> dict:
     """Materialise the lazy order of each mode in chunks and check that every index appears exactly once."""
-    from fastio.sampler import epoch_order
+    from fastio.order.sampler import epoch_order
 
     sizes = np.random.default_rng(0).integers(1, 2 * samples // shards, shards)
     sizes[-1] += max(0, samples - int(sizes.sum()))
@@ -158,8 +158,8 @@ def _is_permutation(samples: int, shards: int, block_shards: int) -> dict:
 def _statistics(samples: int, classes: int, batch: int, block_shards: int) -> dict:
     """Mean displacement, neighbour correlation and classes per batch of the lazy orders and numpy's, on a
     dataset stored in class order in 100 shards (the worst case for ``block``)."""
-    from fastio.inspect import order_quality
-    from fastio.sampler import epoch_order
+    from fastio.order.sampler import epoch_order
+    from fastio.report.inspect import order_quality
 
     labels = np.repeat(np.arange(classes), samples // classes)
     n = len(labels)
@@ -183,9 +183,9 @@ def _statistics(samples: int, classes: int, batch: int, block_shards: int) -> di
 
 def _startup(work: Path, shards: int, per_shard: int) -> dict:
     """A real DEST of ``shards`` (empty) tar/idx files with a real manifest and sample index; open it."""
-    from fastio.dataset import Dataset
-    from fastio.dsindex import INDEX_NAME, IndexBuilder
-    from fastio.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+    from fastio.dataset.dataset import Dataset
+    from fastio.dataset.manifest import SHARDS_DIR, ShardRecord, make_manifest, write_manifest
+    from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
 
     dest = work / f"startup-{shards}x{per_shard}"
     if not (dest / "manifest.json").is_file():
@@ -225,8 +225,8 @@ def _startup(work: Path, shards: int, per_shard: int) -> dict:
 
 def _idx_parse(work: Path, samples: int) -> dict:
     """Per-sample cost of what opening a dataset did before: parse every .idx into a table."""
-    from fastio.dataset import Dataset
-    from fastio.shards import ShardWriter
+    from fastio.dataset.dataset import Dataset
+    from fastio.dataset.shards import ShardWriter
 
     dest = work / f"idx-{samples}"
     if not (dest / "manifest.json").is_file():

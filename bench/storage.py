@@ -124,7 +124,7 @@ def _download(storage, entries, cache_dir: Path) -> tuple[float, float]:
 
 
 def run(workdir: Path, repeats: int = 3, samples: int = 2400, results_dir: Path | None = RESULTS_DIR) -> dict:
-    from fastio.manifest import MANIFEST_NAME, SHARDS_DIR, load_manifest
+    from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR, load_manifest
     from fastio.storage import open_storage
     from fastio.storage.cache import CacheEntry
 

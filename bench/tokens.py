@@ -172,7 +172,7 @@ def litdata_reader(out: Path, seq_len: int):
 
 
 def bench_read(workdir: Path, dest: Path, seq_len: int, repeats: int) -> dict[str, Any]:
-    from fastio.manifest import load_manifest
+    from fastio.dataset.manifest import load_manifest
 
     prefix = str(dest / "shards" / load_manifest(dest).shards[0].name[:-len(".bin")])
     if len(load_manifest(dest).shards) != 1:

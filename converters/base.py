@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from fastio.images import image_field_for_suffix, is_image_field
-from fastio.wds import safe_field_name, sanitize_key
+from fastio.formats.images import image_field_for_suffix, is_image_field
+from fastio.formats.wds import safe_field_name, sanitize_key
 
 __all__ = [
     "Entry",
@@ -79,7 +79,7 @@ class ScanResult:
     image_field: str | None = None
     label_field: str | None = None
     label_rule: str | None = None
-    """How labels were made (a key of :data:`fastio.labels.LABEL_RULES`); None: no labels."""
+    """How labels were made (a key of :data:`fastio.formats.labels.LABEL_RULES`); None: no labels."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class ScanOptions:
     key_column: str | None = None
     """Table column holding the sample key (default: derived from the path or the row number)."""
     labels: str = "auto"
-    """Tables: the label rule (:mod:`fastio.labels`): ``auto`` (integers when every label is integral, names
+    """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (integers when every label is integral, names
     when none is, else an error naming rows), ``integers`` or ``names``."""
     root: Path | None = None
     """Tables: the folder relative paths of the path column start from and every path must resolve into

@@ -21,7 +21,7 @@ from fastio.converters.base import (
     unique_key,
     walk_files,
 )
-from fastio.wds import is_field_name, split_member_name
+from fastio.formats.wds import is_field_name, split_member_name
 
 __all__ = ["NAME", "detect", "scan"]
 

@@ -1,7 +1,7 @@
 """``SOURCE/<class>/<file>`` (ImageNet layout): label = index of the class in sorted class names.
 
 Files are images, videos or audio files (fields named by their suffix: ``webm``, ``flac``, ...;
-:mod:`fastio.media`).
+:mod:`fastio.formats.media`).
 
 Keys are ``<class>/<path below the class folder, without suffix>``; images are fields named by type
 (``jpg``, ``png``, ...; a folder may mix them), the label is ``cls`` (ASCII integer). Folders are walked
@@ -25,7 +25,7 @@ from fastio.converters.base import (
     unique_key,
     walk_files,
 )
-from fastio.media import media_field_for_suffix
+from fastio.formats.media import media_field_for_suffix
 
 __all__ = ["NAME", "detect", "scan"]
 

@@ -15,7 +15,7 @@ from typing import Any
 from fastio.converters.base import ScanOptions, ScanResult, safe_field_name
 from fastio.converters.table import rows_to_result
 from fastio.errors import ConvertError
-from fastio.images import sniff_image_field
+from fastio.formats.images import sniff_image_field
 
 __all__ = ["NAME", "detect", "scan"]
 

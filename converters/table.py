@@ -2,7 +2,7 @@
 other columns.
 
 The file named by the path column becomes a field named by its type (``jpg``, ``png``, or its
-suffix); the label column becomes ``cls`` (an ASCII integer, by the label rule of :mod:`fastio.labels`:
+suffix); the label column becomes ``cls`` (an ASCII integer, by the label rule of :mod:`fastio.formats.labels`:
 the value itself when every label is integral (``2``, ``2.0``, ``" 2"``), else its index among the sorted
 class names, recorded as the label map; a mix is an error unless ``ScanOptions.labels="names"``); every
 other column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
@@ -11,7 +11,7 @@ Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when t
 outside the root (``ScanOptions.root``, default the table's folder; symlinks followed, so ``../x``,
 ``/etc/passwd`` and a link pointing out are all refused), when their label cell is empty while the
 table has a label column, or when an integer label is negative or does not fit int64
-(:mod:`fastio.labels`).
+(:mod:`fastio.formats.labels`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fastio.converters.base import (
     unique_key,
 )
 from fastio.errors import ConvertError
-from fastio.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
+from fastio.formats.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 

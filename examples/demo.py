@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     if out.exists():
         shutil.rmtree(out)
-    from fastio.synthetic import make_imagefolder
+    from fastio.convert.synthetic import make_imagefolder
 
     raw = make_imagefolder(out / "raw", classes=4, per_class=64, min_side=64, max_side=160, seed=0)
     print(f"# generated {sum(1 for _ in raw.rglob('*.jpg'))} JPEGs in 4 class folders under {raw}")

@@ -22,7 +22,7 @@ prefix = sys.argv[1].rstrip("/")
 with tempfile.TemporaryDirectory() as tmp:
     images = sys.argv[2] if len(sys.argv) > 2 else None
     if images is None:
-        from fastio.synthetic import make_imagefolder
+        from fastio.convert.synthetic import make_imagefolder
 
         images = str(make_imagefolder(Path(tmp, "images"), classes=4, per_class=16, seed=0))
     # The CLI, as a user would run it: written to a local staging dir, then uploaded, manifests last.

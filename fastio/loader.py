@@ -4,9 +4,9 @@ Iterating a Loader yields the rest of the current epoch and then moves to the ne
 ``state_dict()`` records the position (global samples consumed by the training loop, not prefetched);
 ``load_state_dict()`` continues from there, at the same or at a different world size.
 
-The Loader wires the parts together: :mod:`fastio.readset` (the dataset or mixture it reads: readers, order,
+The Loader wires the parts together: :mod:`fastio.read.readset` (the dataset or mixture it reads: readers, order,
 labels, keys, its share of the state), :mod:`fastio.pipelines` (the pipeline object: fields, DALI graph, batch),
-:mod:`fastio.feeder` (the DALI callback), :mod:`fastio.stats`. It knows no kind's options and no mixture.
+:mod:`fastio.read.feeder` (the DALI callback), :mod:`fastio.read.stats`. It knows no kind's options and no mixture.
 One feeder and one DALI pipeline serve the Loader's life (the feeder runs on into the next epoch by itself);
 they are made again only when the position jumps. ``close()`` releases them.
 """
@@ -24,19 +24,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
-from fastio.feeder import Fed, Feeder
-from fastio.mixture import Mixture
+from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline
-from fastio.readset import ReadSet, coming, open_read_set
-from fastio.sampler import SamplerSpec
-from fastio.stats import Stats
+from fastio.read.feeder import Fed, Feeder
+from fastio.read.mixture import Mixture
+from fastio.read.readset import ReadSet, coming, open_read_set
+from fastio.read.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
-# 2: the lazy keyed order of fastio.sampler (ORDER_ALGORITHM). A version 1 state was written for the
+# 2: the lazy keyed order of fastio.order.sampler (ORDER_ALGORITHM). A version 1 state was written for the
 # materialised numpy permutation, which is gone: it is refused (the position would mean other samples).
 STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastio.pipelines import IMAGENET_MEAN, IMAGENET_STD, KINDS, BuiltPipeline, Pipeline, as_pipeline, decodable
 
 if TYPE_CHECKING:
-    from fastio.reader import ReadBatch
+    from fastio.read.reader import ReadBatch
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PIPELINES", "BuiltPipeline", "GraphSpec", "build_pipeline",
            "decodable", "graph_inputs", "input_names"]

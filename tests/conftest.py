@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fastio.manifest import MANIFEST_NAME
-from fastio.shards import ShardWriter
-from fastio.synthetic import CLASS_NAMES, make_imagefolder
+from fastio.convert.synthetic import CLASS_NAMES, make_imagefolder
+from fastio.dataset.manifest import MANIFEST_NAME
+from fastio.dataset.shards import ShardWriter
 
 
 def _cuda_available() -> bool:
@@ -42,7 +42,7 @@ def write_image_dataset(dest: Path, src: Path, *, max_samples: int = 16) -> Path
             writer.write({"__key__": f"{path.parent.name}/{path.stem}", "jpg": path.read_bytes(),
                           "cls": str(label).encode()})
         writer.close(image_field="jpg", label_field="cls", label_map={c: i for i, c in enumerate(classes)},
-                     source={"format": "imagefolder", "path": str(src)}, skipped=[])
+                     converted_from={"format": "imagefolder", "path": str(src)}, skipped=[])
     return dest
 
 

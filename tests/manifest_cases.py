@@ -31,7 +31,7 @@ def manifests(root: Path, tmp: Path) -> dict[str, str]:
 
 
 def _images(tmp: Path) -> Path:
-    from fastio.synthetic import make_imagefolder
+    from fastio.convert.synthetic import make_imagefolder
 
     src = make_imagefolder(tmp / "images", classes=3, per_class=6, min_side=16, max_side=24)
     (src / "circle" / "broken.jpg").write_bytes(b"not a jpeg")
@@ -50,8 +50,8 @@ def _table(tmp: Path, images: Path) -> Path:
 
 
 def _convert_cases(tmp: Path) -> None:
-    from fastio.convert import ConvertConfig, convert
-    from fastio.merge import merge
+    from fastio.convert.merge import merge
+    from fastio.convert.run import ConvertConfig, convert
 
     images = _images(tmp)
     common = dict(workers=1, max_samples_per_shard=5)
@@ -70,7 +70,7 @@ def _convert_cases(tmp: Path) -> None:
 
 def _wds(folder: Path) -> None:
     """Three WebDataset tars (jpg + cls, a json in two of three samples), members dated 0 (the same bytes each run)."""
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
 
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
@@ -87,7 +87,7 @@ def _wds(folder: Path) -> None:
 
 
 def _index_cases(tmp: Path) -> None:
-    from fastio.index_dataset import IndexConfig, index_shards
+    from fastio.convert.index_command import IndexConfig, index_shards
 
     _wds(tmp / "out" / "wds")
     index_shards(IndexConfig(source=tmp / "out" / "wds", threads=1))

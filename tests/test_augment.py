@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastio.augment import random_resized_crop, uniforms
-from fastio.images import image_size
+from fastio.formats.images import image_size
+from fastio.pipelines.augment import random_resized_crop, uniforms
 
 
 def _torchvision_reference(u, width, height, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):

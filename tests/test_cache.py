@@ -19,9 +19,9 @@ import pytest
 from conftest import write_image_dataset
 
 from fastio import Loader
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import DatasetError, StorageError
-from fastio.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.storage import open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache
 
@@ -335,7 +335,7 @@ def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
     200 bytes; the read-ahead shrinks to the room left). The hint named the cache_size of block_shards=1 as
     the one for shuffle='global', which needs 1000."""
     from fastio.progress import human_bytes
-    from fastio.working_set import check_working_set
+    from fastio.read.working_set import check_working_set
 
     sizes = [100] * 10
     for shuffle, block_shards, need in (("global", 4, 1000), ("block", 4, 800)):

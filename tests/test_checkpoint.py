@@ -658,7 +658,7 @@ def test_preempted_exit_code_is_configurable_and_validated(tmp_path):
 
 
 def test_checkpointer_refuses_a_dataset_directory(tmp_path, image_dataset):
-    from fastio.manifest import load_manifest, write_splits
+    from fastio.dataset.manifest import load_manifest, write_splits
 
     parent = tmp_path / "parent"  # a split dataset's parent: splits.json, no manifest of its own
     parent.mkdir()

@@ -18,9 +18,9 @@ from helpers import StateHolder
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, checkpointer, layout
-from fastio.checksum import digest_file, read_digest_file, sha256_file
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
+from fastio.storage.checksum import digest_file, read_digest_file, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,17 +25,17 @@ KILLED_IN_START_TMP = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    import fastio.atomic
+    import fastio.storage.atomic
     from fastio.checkpoint import Checkpointer
 
-    real = fastio.atomic.publish
+    real = fastio.storage.atomic.publish
 
     def publish(tmp, final):  # the writer's mark written to its temporary name, then killed before the rename
         if final.name == "fastio-writing.json":
             os._exit(9)
         real(tmp, final)
 
-    fastio.atomic.publish = publish
+    fastio.storage.atomic.publish = publish
     Checkpointer(sys.argv[1], signals=()).save(30, {"model": StateHolder({"w": torch.ones(4)})}, blocking=True)
 """
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from fastio.checkpoint import Checkpointer
 from fastio.errors import CheckpointError
-from fastio.lock import LOCK_NAME
 from fastio.storage import open_storage
+from fastio.storage.lock import LOCK_NAME
 
 WORLD = 2
 

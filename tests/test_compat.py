@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fastio.convert import ConvertConfig, convert
-from fastio.dataset import Dataset
+from fastio.convert.run import ConvertConfig, convert
+from fastio.dataset.dataset import Dataset
 
 BIN = Path(sys.executable).parent
 

@@ -15,14 +15,14 @@ import pytest
 from PIL import Image
 
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert, parse_size, parse_split
-from fastio.dataset import Dataset
+from fastio.convert.run import ConvertConfig, convert, parse_size, parse_split
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME
 from fastio.errors import ConvertError, DatasetError
-from fastio.lock import LOCK_NAME
-from fastio.manifest import MANIFEST_NAME, MARKER_NAME
 from fastio.progress import progress_wanted
-from fastio.synthetic import make_imagefolder
-from fastio.verify import verify
+from fastio.report.verify import verify
+from fastio.storage.lock import LOCK_NAME
 
 
 def tree(dest: Path) -> dict[str, bytes]:
@@ -291,7 +291,7 @@ def test_convert_command_imports_neither_torch_nor_dali(tmp_path, image_folder):
 
 
 def test_downscale_keeps_orientation_and_format():
-    from fastio.images import downscale
+    from fastio.formats.images import downscale
 
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 CW when shown": the stored pixels are not rotated

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from fastio.cli import main
-from fastio.dataset import Dataset
-from fastio.dsindex import INDEX_NAME, build_index
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.sample_table import INDEX_NAME, build_index
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, check_index
+from fastio.formats.dali_idx import IndexEntry, check_index
 from fastio.loader import Loader
-from fastio.reader import Reader
-from fastio.shards import ShardWriter
-from fastio.verify import verify
+from fastio.read.reader import Reader
+from fastio.report.verify import verify
 
 IDX = "shard-000001.idx"
 
@@ -173,14 +173,14 @@ def test_a_big_sample_index_is_checked_once_per_node_while_it_is_the_same_file(i
     has another identity, so it is checked again."""
     import tempfile
 
-    from fastio import dsindex
+    from fastio.dataset import sample_table
 
-    monkeypatch.setattr(dsindex, "CHECKED_STAMP_MIN_BYTES", 0)
+    monkeypatch.setattr(sample_table, "CHECKED_STAMP_MIN_BYTES", 0)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "node-tmp"))
     (tmp_path / "node-tmp").mkdir()
     checks = []
-    real = dsindex.SampleIndex.check_structure
-    monkeypatch.setattr(dsindex.SampleIndex, "check_structure",
+    real = sample_table.SampleIndex.check_structure
+    monkeypatch.setattr(sample_table.SampleIndex, "check_structure",
                         lambda self, *a, **k: checks.append(1) or real(self, *a, **k))
     Dataset(image_dataset)
     Dataset(image_dataset)

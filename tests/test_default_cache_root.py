@@ -12,7 +12,7 @@ from torch import nn
 
 from fastio import Loader
 from fastio.checkpoint import Checkpointer
-from fastio.manifest import MANIFEST_NAME
+from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.storage import open_storage
 
 

@@ -1,7 +1,7 @@
 """Every ```python block of README.md and docs/*.md runs, and the README's quickstart is examples/quickstart.py.
 
 Each block runs as a standalone script (``python snippet.py``) in a fresh temporary directory holding
-``./images/`` (``fastio.synthetic.make_imagefolder``: 10 classes of small JPEGs) and ``./ds/`` (that folder
+``./images/`` (``fastio.convert.synthetic.make_imagefolder``: 10 classes of small JPEGs) and ``./ds/`` (that folder
 converted by ``fastio convert images ds --split train=0.9,val=0.1``: ``ds/train``, ``ds/val``), both made once
 per session. A snippet that cannot run there lives under ``examples/`` and is run by a test of its own.
 """
@@ -49,7 +49,7 @@ SNIPPETS = distinct_snippets()
 @pytest.fixture(scope="session")
 def docs_data(tmp_path_factory) -> Path:
     """``images/`` and ``ds/`` as the documentation's snippets expect them."""
-    from fastio.synthetic import make_imagefolder
+    from fastio.convert.synthetic import make_imagefolder
 
     base = tmp_path_factory.mktemp("docs-data")
     make_imagefolder(base / "images", classes=10, per_class=20, seed=0)

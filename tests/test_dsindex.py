@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from fastio import Loader
-from fastio.checksum import digest_file
-from fastio.dataset import Dataset
-from fastio.dsindex import INDEX_NAME, SampleIndex, build_index
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, IndexRecord, ShardRecord, load_manifest
+from fastio.dataset.sample_table import INDEX_NAME, SampleIndex, build_index
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, parse_index
-from fastio.manifest import MANIFEST_NAME, IndexRecord, ShardRecord, load_manifest
-from fastio.shards import ShardWriter
-from fastio.verify import verify
+from fastio.formats.dali_idx import IndexEntry, parse_index
+from fastio.report.verify import verify
+from fastio.storage.checksum import digest_file
 
 
 def _rows_from_idx(dest):
@@ -210,7 +210,7 @@ def test_index_record_round_trips():
 
 def test_columns_give_the_same_index_as_parsed_entries(tmp_path):
     """What a merge of converted parts can do: pass each shard's columns instead of re-parsing text."""
-    from fastio.dsindex import IndexBuilder
+    from fastio.dataset.sample_table import IndexBuilder
 
     dest = _ragged(tmp_path / "ds")
     ds = Dataset(dest)

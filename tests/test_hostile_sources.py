@@ -22,16 +22,16 @@ from PIL import Image
 
 import fastio.converters as converters
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert
-from fastio.dataset import Dataset
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import FORMATS, MIXED_FORMATS, make_imagefolder, make_mixed_imagefolder
+from fastio.dataset.dataset import Dataset
 from fastio.errors import ConvertError
-from fastio.images import check_pixels, image_size
-from fastio.inspect import inspect
-from fastio.labels import LABEL_MAX, check_label
-from fastio.lock import LOCK_NAME
-from fastio.reader import Reader
-from fastio.synthetic import FORMATS, MIXED_FORMATS, make_imagefolder, make_mixed_imagefolder
-from fastio.verify import verify
+from fastio.formats.images import check_pixels, image_size
+from fastio.formats.labels import LABEL_MAX, check_label
+from fastio.read.reader import Reader
+from fastio.report.inspect import inspect
+from fastio.report.verify import verify
+from fastio.storage.lock import LOCK_NAME
 
 
 def skipped_of(dest: Path) -> dict[str, str]:
@@ -390,7 +390,7 @@ def test_inputs_that_are_not_samples_do_not_fail_a_strict_run(tmp_path, image_fo
 
 
 def test_parse_labels_fast_path_agrees_with_the_rule():
-    from fastio.labels import parse_labels
+    from fastio.formats.labels import parse_labels
 
     good = [b"0", b"7", np.frombuffer(b"123", np.uint8), b"9" * 18, str(LABEL_MAX).encode(), b" 12\n", b"+3"]
     assert parse_labels(good).tolist() == [check_label(bytes(v)) for v in good]

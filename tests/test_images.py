@@ -1,4 +1,4 @@
-"""Convert's decode check (fastio.images.check_image): a JPEG decoded at 1/8 scale refuses exactly the damaged
+"""Convert's decode check (fastio.formats.images.check_image): a JPEG decoded at 1/8 scale refuses exactly the damaged
 images a full decode refuses, on a corpus of damaged JPEGs (issue 32.7)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fastio.images import ImageCheckError, check_image, check_pixels
-from fastio.synthetic import photo_jpeg
+from fastio.convert.synthetic import photo_jpeg
+from fastio.formats.images import ImageCheckError, check_image, check_pixels
 
 
 def _jpeg(array: np.ndarray, mode: str | None = None, **save) -> bytes:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
-from fastio.dataset import Dataset
+from fastio.convert.synthetic import photo_jpeg
+from fastio.dataset.dataset import Dataset
 from fastio.loader import Loader
-from fastio.synthetic import photo_jpeg
 
 WDS2IDX = Path(sys.executable).with_name("wds2idx")
 LONG = "k" * 110  # a GNU tar long name (over USTAR's 100 bytes with its field)
@@ -344,7 +344,7 @@ def test_index_in_parts_then_merge_equals_one_run(shards, tmp_path, capsys, monk
 
 
 def test_expand_braces():
-    from fastio.index_dataset import expand_braces
+    from fastio.convert.index_command import expand_braces
 
     assert expand_braces("d/{000..002}.tar") == ["d/000.tar", "d/001.tar", "d/002.tar"]
     assert expand_braces("s3://b/{a,b}-{8..10}.tar") == [

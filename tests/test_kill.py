@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from fastio.convert import ConvertConfig, convert, staging_path
-from fastio.dataset import Dataset
-from fastio.lock import LOCK_NAME
-from fastio.manifest import MANIFEST_NAME
-from fastio.merge import merge
-from fastio.parts import PARTS_DIR
-from fastio.synthetic import make_imagefolder
+from fastio.convert.merge import merge
+from fastio.convert.parts import PARTS_DIR
+from fastio.convert.run import ConvertConfig, convert, staging_path
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME
+from fastio.storage.lock import LOCK_NAME
 
 OPTIONS = ["--max-samples-per-shard", "2", "--max-side", "40", "--quality", "80"]
 

@@ -1,4 +1,4 @@
-"""The label rule of table sources (fastio.labels): integral values are integers whatever their spelling, a mix
+"""The label rule of table sources (fastio.formats.labels): integral values are integers whatever their spelling, a mix
 of integral and other values is refused naming rows of each kind (unless labels="names"), and the rule applied
 is in the manifest and the convert summary."""
 
@@ -14,12 +14,12 @@ import pytest
 
 from fastio import converters
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert
+from fastio.convert.run import ConvertConfig, convert
 from fastio.converters.base import ScanOptions
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, load_manifest
 from fastio.errors import ConvertError, DatasetError
-from fastio.labels import choose_label_rule, integral_text, label_name
-from fastio.manifest import MANIFEST_NAME, load_manifest
+from fastio.formats.labels import choose_label_rule, integral_text, label_name
 
 
 def labels_of(result) -> list[int]:

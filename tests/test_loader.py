@@ -12,14 +12,14 @@ import torch
 from PIL import Image
 from resume import batches, same_batch
 
-from fastio.augment import random_resized_crop
-from fastio.dataset import Dataset
-from fastio.feeder import Feeder
+from fastio.dataset.dataset import Dataset
 from fastio.loader import Loader, LoaderConfig
+from fastio.order.sampler import Sampler, SamplerSpec
 from fastio.pipeline import GraphSpec, build_pipeline
-from fastio.reader import Reader
-from fastio.sampler import Sampler, SamplerSpec
-from fastio.stats import Stats
+from fastio.pipelines.augment import random_resized_crop
+from fastio.read.feeder import Feeder
+from fastio.read.reader import Reader
+from fastio.read.stats import Stats
 
 
 def _loader(dest, **kw):

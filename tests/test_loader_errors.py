@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.loader import Loader
-from fastio.shards import ShardWriter
 
 
 def _loader(dest, **kw):
@@ -25,8 +25,8 @@ def test_dest_without_manifest(tmp_path):
 
 def test_the_parent_of_splits_names_them(tmp_path, image_folder):
     """Loader("ds") on a DEST written with --split said "not a fastio dataset"; it names the splits instead."""
-    from fastio.convert import ConvertConfig, convert
-    from fastio.dataset import Dataset
+    from fastio.convert.run import ConvertConfig, convert
+    from fastio.dataset.dataset import Dataset
 
     convert(ConvertConfig(source=image_folder, dest=tmp_path / "ds", split="val=0.25"))
     needle = (rf"{tmp_path / 'ds'}: holds the splits train, val, not one dataset: open {tmp_path / 'ds' / 'train'} "

@@ -11,8 +11,8 @@ import pytest
 from nvidia.dali import fn
 from PIL import Image
 
+from fastio.dataset.shards import ShardWriter
 from fastio.loader import Loader
-from fastio.shards import ShardWriter
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF", "tiff": "TIFF"}
 PER_FORMAT = 3

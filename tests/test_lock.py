@@ -1,4 +1,4 @@
-"""fastio.lock: one writer per directory, and no stale lock after the holder dies."""
+"""fastio.storage.lock: one writer per directory, and no stale lock after the holder dies."""
 
 import os
 import signal
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fastio.lock import LOCK_NAME, DirLock, LockedError
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
 
 def test_second_holder_is_refused_with_directory_and_holder(tmp_path):
@@ -20,7 +20,7 @@ def test_second_holder_is_refused_with_directory_and_holder(tmp_path):
 
 
 def test_lock_of_a_killed_process_does_not_block(tmp_path):
-    code = ("import sys, time; from fastio.lock import DirLock; lock = DirLock(sys.argv[1], 'job').acquire(); "
+    code = ("import sys, time; from fastio.storage.lock import DirLock; lock = DirLock(sys.argv[1], 'job').acquire(); "
             "print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import pytest
 from manifest_cases import FIXTURE, build
 
-from fastio.manifest import MANIFEST_NAME, Manifest, load_manifest, make_manifest, write_manifest
+from fastio.dataset.manifest import MANIFEST_NAME, Manifest, load_manifest, make_manifest, write_manifest
 
 EXPECTED = json.loads(FIXTURE.read_text())
 

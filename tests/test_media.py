@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("av")
 
-from fastio import synthetic  # noqa: E402
-from fastio.convert import ConvertConfig, convert  # noqa: E402
-from fastio.media import MediaCheckError, check_media, probe  # noqa: E402
+from fastio.convert import synthetic  # noqa: E402
+from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+from fastio.formats.media import MediaCheckError, check_media, probe  # noqa: E402
 
 
 def tone_pitch(wave: np.ndarray, rate: int) -> float:
@@ -250,7 +250,7 @@ def test_a_mixture_of_video_datasets(video_ds):
 def test_video_clips_from_s3_through_the_cache(moto_server, s3_bucket, video_ds, tmp_path):
     from resume import same_batch
 
-    from fastio.manifest import MANIFEST_NAME
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.storage import open_storage
 
     url = f"s3://{s3_bucket}/videos"
@@ -355,7 +355,7 @@ def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
 
 
 def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
-    from fastio.shards import ShardWriter
+    from fastio.dataset.shards import ShardWriter
 
     with ShardWriter(dest) as writer:
         for key, data in videos.items():
@@ -363,7 +363,7 @@ def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | Non
             if probes is not None:
                 fields["probe.json"] = probes[key]
             writer.write({"__key__": key, **fields})
-        writer.close(label_field="cls", label_map={"c": 0}, source={"format": "test"}, skipped=[])
+        writer.close(label_field="cls", label_map={"c": 0}, converted_from={"format": "test"}, skipped=[])
     return dest
 
 

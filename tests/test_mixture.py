@@ -13,11 +13,11 @@ from conftest import write_image_dataset
 from resume import batches, check_resume, run_ranks, same_batch
 
 from fastio import Loader, Mixture
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import MixSampler, MixSchedule, window_spread
-from fastio.sampler import SamplerSpec
-from fastio.shards import ShardWriter
-from fastio.synthetic import make_imagefolder
+from fastio.order.mixorder import MixSampler, MixSchedule, window_spread
+from fastio.order.sampler import SamplerSpec
 
 # -- the pure order --------------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ def _small(dest, n, label, extra=b"x", with_label=True):
             if with_label:
                 sample["cls"] = str(label).encode()
             writer.write(sample)
-        writer.close(label_field="cls" if with_label else None, source={"format": "test"}, skipped=[])
+        writer.close(label_field="cls" if with_label else None, converted_from={"format": "test"}, skipped=[])
     return dest
 
 
@@ -229,7 +229,7 @@ def test_bad_weights_are_named(raw_sources, weights, match):
 
 
 def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path):
-    from fastio.manifest import MANIFEST_NAME
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.storage import open_storage
 
     url = f"s3://{s3_bucket}/b"

@@ -28,7 +28,7 @@ def fastio_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def data(tmp_path_factory) -> Path:
     """``ds/`` converted from a 10-class image folder (train/val), and ``wds/``: the same tar shards copied into
     plain folders and made datasets by ``fastio index`` (no label map, as for any foreign WebDataset shards)."""
-    from fastio.synthetic import make_imagefolder
+    from fastio.convert.synthetic import make_imagefolder
 
     base = tmp_path_factory.mktemp("newcomer")
     make_imagefolder(base / "images", classes=10, per_class=20, seed=0)
@@ -73,22 +73,22 @@ def test_num_classes_of_converted_and_indexed_datasets_agree(data):
 
 
 def test_num_classes_names_a_sample_whose_label_is_not_an_integer(tmp_path):
-    from fastio.shards import ShardWriter
+    from fastio.dataset.shards import ShardWriter
 
     with ShardWriter(tmp_path / "ds", max_samples=4) as writer:
         for i, cls in enumerate([b"0", b"3", b"cat"]):
             writer.write({"__key__": f"s{i}", "txt": b"x", "cls": cls})
-        writer.close(label_field="cls", source={"format": "test"}, skipped=[])
+        writer.close(label_field="cls", converted_from={"format": "test"}, skipped=[])
     with pytest.raises(DatasetError, match=r"shard-000000\.tar key 's2': field 'cls' is not an integer label"):
         Dataset(tmp_path / "ds").num_classes  # noqa: B018
 
 
 def test_num_classes_is_none_without_labels(tmp_path):
-    from fastio.shards import ShardWriter
+    from fastio.dataset.shards import ShardWriter
 
     with ShardWriter(tmp_path / "ds", max_samples=4) as writer:
         writer.write({"__key__": "s0", "txt": b"x"})
-        writer.close(source={"format": "test"}, skipped=[])
+        writer.close(converted_from={"format": "test"}, skipped=[])
     assert Dataset(tmp_path / "ds").num_classes is None
 
 

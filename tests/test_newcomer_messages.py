@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fastio import Dataset, Loader
+from fastio.convert.synthetic import make_imagefolder
 from fastio.errors import DatasetError
-from fastio.synthetic import make_imagefolder
 from tests.conftest import write_image_dataset
 from tests.helpers import run_cli
 

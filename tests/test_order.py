@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastio.inspect import order_quality
-from fastio.sampler import EpochOrder, Sampler, SamplerSpec, epoch_order
+from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec, epoch_order
+from fastio.report.inspect import order_quality
 
 
 @pytest.mark.parametrize("mode", ["global", "block", "none"])

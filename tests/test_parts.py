@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert
-from fastio.dataset import Dataset
+from fastio.convert.merge import merge
+from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part, part_dir, part_range
+from fastio.convert.run import ConvertConfig, convert
+from fastio.dataset.dataset import Dataset
 from fastio.errors import ConvertError
-from fastio.lock import LOCK_NAME
-from fastio.merge import merge
-from fastio.parts import PART_RECORD, PARTS_DIR, parse_part, part_dir, part_range
-from fastio.verify import verify
+from fastio.report.verify import verify
+from fastio.storage.lock import LOCK_NAME
 
 
 def tree(dest: Path) -> dict[str, bytes]:
@@ -186,7 +186,7 @@ def test_merge_refuses_to_replace_a_dataset_without_overwrite(tmp_path, image_fo
 
 
 def test_a_part_in_use_is_refused_by_a_second_run_and_by_merge(tmp_path, image_folder):
-    from fastio.lock import DirLock
+    from fastio.storage.lock import DirLock
 
     dest = tmp_path / "parted"
     in_parts(image_folder, dest, 2, workers=1)

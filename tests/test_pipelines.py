@@ -19,9 +19,9 @@ from conftest import write_image_dataset
 
 import fastio
 from fastio import Loader, LoaderConfig, Mixture
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import LoaderStateError
 from fastio.pipelines import ReadFields
-from fastio.shards import ShardWriter
 
 _FIXTURES = Path(__file__).with_name("fixtures")
 _spec = importlib.util.spec_from_file_location("make_loader_fixtures", _FIXTURES / "make_loader_fixtures.py")
@@ -96,7 +96,7 @@ def _tagged(dest: Path, n: int, label_field: str) -> Path:
     with ShardWriter(dest, max_samples=4) as writer:
         for i in range(n):
             writer.write({"__key__": f"s{i:03d}", "txt": b"x%d" % i, label_field: b"%d" % (i % 2)})
-        writer.close(label_field=label_field, source={"format": "test"}, skipped=[])
+        writer.close(label_field=label_field, converted_from={"format": "test"}, skipped=[])
     return dest
 
 
@@ -181,9 +181,9 @@ def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
 
 def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
     """Reader and MixReader take the same argument: a callable giving the coming batches (called lazily)."""
-    from fastio.dataset import Dataset
-    from fastio.mixture import MixReader
-    from fastio.reader import Reader
+    from fastio.dataset.dataset import Dataset
+    from fastio.read.mixture import MixReader
+    from fastio.read.reader import Reader
 
     calls = []
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fastio import Loader
-from fastio.convert import ConvertConfig, convert
-from fastio.synthetic import make_imagefolder
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder
 
 
 @pytest.fixture

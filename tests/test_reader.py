@@ -9,9 +9,9 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.reader import Reader
+from fastio.read.reader import Reader
 
 
 def _open_fds() -> int:
@@ -69,7 +69,7 @@ def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
 
 
 def test_first_uses_lists_each_shard_once_in_order_of_first_use_and_stops_when_all_seen():
-    from fastio.reader import _first_uses
+    from fastio.read.reader import _first_uses
 
     def shard_of(idx):
         return np.asarray(idx) // 10

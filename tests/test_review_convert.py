@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from helpers import run_cli
 
-from fastio.dataset import Dataset
-from fastio.synthetic import make_imagefolder
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.dataset import Dataset
 
 
 def test_train_may_be_named_with_the_remainder(tmp_path, capsys):

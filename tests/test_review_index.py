@@ -115,7 +115,7 @@ def test_a_text_label_field_that_is_not_the_label_is_accepted(tmp_path, capsys):
     (tmp_path / "x.tar").write_bytes(buf.getvalue())
     code, _, err = run_cli(["index", str(tmp_path), "-q"], capsys)
     assert code == 0, err
-    from fastio.dataset import Dataset
+    from fastio.dataset.dataset import Dataset
 
     assert Dataset(tmp_path).label_field == "cls"
 
@@ -175,7 +175,7 @@ def test_jpeg_and_tif_members_are_image_fields(tmp_path, capsys):
     from PIL import Image
 
     from fastio import Loader
-    from fastio.synthetic import photo_jpeg
+    from fastio.convert.synthetic import photo_jpeg
 
     tif = io.BytesIO()
     Image.new("RGB", (32, 24), (10, 200, 10)).save(tif, "TIFF")

@@ -15,7 +15,7 @@ import pytest
 from resume import batches, check_resume, same_batch
 
 from fastio import Loader, Mixture
-from fastio.synthetic import make_imagefolder
+from fastio.convert.synthetic import make_imagefolder
 
 LONG = "very-long-folder-name-" * 5  # > 100 bytes with the rest: a GNU long name
 

@@ -11,9 +11,9 @@ import time
 
 from test_kill import OPTIONS, alive, children, cli, kill_at
 
-from fastio.convert import ConvertConfig, convert, staging_path
-from fastio.dataset import Dataset
-from fastio.synthetic import make_imagefolder
+from fastio.convert.run import ConvertConfig, convert, staging_path
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.dataset import Dataset
 
 
 def test_ctrl_c_stops_convert_and_its_workers_with_one_line(tmp_path):

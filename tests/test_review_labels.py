@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 from helpers import run_cli
 
 from fastio import Loader
-from fastio.dataset import Dataset
-from fastio.labels import integral_text, is_empty_label
+from fastio.dataset.dataset import Dataset
+from fastio.formats.labels import integral_text, is_empty_label
 
 
 def _parquet(tmp_path, image_folder, labels: pa.Array):

@@ -11,9 +11,9 @@ import pytest
 from helpers import indexed_tar
 
 from fastio import Loader, Mixture
+from fastio.convert.synthetic import photo_jpeg
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError
-from fastio.shards import ShardWriter
-from fastio.synthetic import photo_jpeg
 
 
 def _small(dest, n, label_field="cls", image=False):
@@ -26,7 +26,7 @@ def _small(dest, n, label_field="cls", image=False):
             if image:
                 sample["jpg"] = photo_jpeg(rng, 32, 24)
             writer.write(sample)
-        writer.close(label_field=label_field, image_field="jpg" if image else None, source={"format": "test"},
+        writer.close(label_field=label_field, image_field="jpg" if image else None, converted_from={"format": "test"},
                      skipped=[])
     return dest
 

@@ -17,7 +17,7 @@ from torch import nn
 from fastio import Checkpointer
 from fastio.checkpoint import layout
 from fastio.errors import CheckpointError
-from fastio.mixorder import MixSchedule
+from fastio.order.mixorder import MixSchedule
 
 
 @pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])

@@ -23,23 +23,23 @@ from conftest import write_image_dataset
 from helpers import run_cli
 
 from fastio import Dataset, Loader, Mixture
-from fastio.convert import ConvertConfig, convert
+from fastio.convert.parts import PARTS_DIR
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder, photo_jpeg
+from fastio.dataset.manifest import MANIFEST_NAME
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError, DatasetError, StorageError
-from fastio.manifest import MANIFEST_NAME
-from fastio.mixorder import MAX_PERIOD, MixSchedule
-from fastio.parts import PARTS_DIR
-from fastio.reader import Reader
-from fastio.shards import ShardWriter
+from fastio.order.mixorder import MAX_PERIOD, MixSchedule
+from fastio.read.reader import Reader
+from fastio.report.verify import verify
 from fastio.storage import StorageOptions, open_storage
-from fastio.synthetic import make_imagefolder, photo_jpeg
-from fastio.verify import verify
 
 
 def _small(dest, n):
     with ShardWriter(dest, max_samples=4) as writer:
         for i in range(n):
             writer.write({"__key__": f"s{i:03d}", "txt": b"x%d" % i, "cls": b"%d" % (i % 2)})
-        writer.close(label_field="cls", source={"format": "test"}, skipped=[])
+        writer.close(label_field="cls", converted_from={"format": "test"}, skipped=[])
     return dest
 
 
@@ -115,7 +115,7 @@ def test_a_part_does_not_start_under_a_whole_conversion(tmp_path):
     before it writes anything (it would be deleted under it)."""
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=4, seed=1)
     dest = tmp_path / "dest"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fastio.lock import DirLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fastio.storage.lock import DirLock; "
                                "lock = DirLock(sys.argv[1], 'fastio convert').acquire(); print('held', flush=True); "
                                "time.sleep(60)", str(dest)], stdout=subprocess.PIPE, text=True)
     try:

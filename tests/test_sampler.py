@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastio.sampler import Sampler, SamplerSpec, epoch_order
+from fastio.order.sampler import Sampler, SamplerSpec, epoch_order
 
 SIZES = [16, 16, 16, 10]
 

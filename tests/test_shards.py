@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, Manifest, fingerprint
+from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError
-from fastio.idx import parse_index
-from fastio.manifest import MANIFEST_NAME, Manifest, fingerprint
-from fastio.shards import ShardWriter
-from fastio.wds import sanitize_key
+from fastio.formats.dali_idx import parse_index
+from fastio.formats.wds import sanitize_key
 
 WDS2IDX = Path(sys.executable).with_name("wds2idx")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import write_image_dataset
 
-from fastio.convert import ConvertConfig, convert
-from fastio.synthetic import make_imagefolder
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tests" / "slurm" / "with-cluster.sh"

@@ -9,11 +9,11 @@ import re
 import pytest
 
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert
-from fastio.dataset import Dataset
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.split import assign_splits
+from fastio.convert.synthetic import make_imagefolder
+from fastio.dataset.dataset import Dataset
 from fastio.errors import ConvertError
-from fastio.split import assign_splits
-from fastio.synthetic import make_imagefolder
 
 
 def test_stratified_split_takes_every_class_and_the_right_size():

@@ -18,9 +18,9 @@ from test_checkpoint_s3 import make_app, train_step
 
 from fastio.checkpoint import Checkpointer
 from fastio.errors import CheckpointError, StorageError
-from fastio.lock import LOCK_NAME, LockedError
 from fastio.storage import open_storage
 from fastio.storage.lease import Lease, LeaseLostError
+from fastio.storage.lock import LOCK_NAME, LockedError
 
 # A process holding a lease until it is killed. HOST (if given) stands in for another node's host name.
 HOLDER = textwrap.dedent("""

@@ -14,8 +14,8 @@ import pytest
 from conftest import write_image_dataset
 
 from fastio import Loader
+from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.errors import StorageError
-from fastio.manifest import MANIFEST_NAME
 from fastio.storage import StorageOptions, open_storage
 
 

@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from fastio.shards import _member_header
+from fastio.dataset.shards import _member_header
 
 
 def _tarfile_header(name: str, size: int) -> bytes:

@@ -10,8 +10,8 @@ import pytest
 from tokens_helpers import train_tokenizer
 
 from fastio.cli import main
+from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError
-from fastio.manifest import load_manifest
 from fastio.tokens.convert import TokenConvertConfig, convert_tokens, load_tokenizer
 from fastio.tokens.megatron import MegatronShard
 
@@ -66,7 +66,7 @@ def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
     assert m.tokens.dtype == "uint16" and m.tokens.eos_id == eos and m.tokens.vocab_size == 300
     assert m.tokens.total_tokens == sum(map(len, docs)) == sum(s.tokens for s in m.shards)
     assert [s.name for s in m.shards] == sorted(s.name for s in m.shards)
-    assert m.source["empty_documents"] == 3
+    assert m.converted_from["empty_documents"] == 3
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json",
                                                                      "shards"]
 
@@ -185,7 +185,7 @@ def test_tokens_are_below_vocab_and_documents_end_with_eos(tmp_path, tokenizer):
 
 
 def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
-    from fastio.dataset import Dataset
+    from fastio.dataset.dataset import Dataset
     from fastio.errors import DatasetError
 
     src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
@@ -217,7 +217,7 @@ def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, t
 
 
 def test_a_second_writer_is_refused(tmp_path, tokenizer):
-    from fastio.lock import DirLock
+    from fastio.storage.lock import DirLock
 
     src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
     with DirLock(tmp_path / "ds", purpose="another conversion"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fastio.cli import main
-from fastio.manifest import load_manifest
+from fastio.dataset.manifest import load_manifest
 from fastio.tokens.index import TokenIndexConfig, index_tokens
 from fastio.tokens.megatron import MegatronWriter
 

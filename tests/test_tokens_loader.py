@@ -215,8 +215,8 @@ def test_accelerate_save_state_then_load_state_continues_the_sequences(corpus, t
 
 
 def test_an_s3_token_dataset_reads_through_the_cache(corpus, moto_server, s3_bucket, tmp_path):
+    from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.errors import StorageError
-    from fastio.manifest import MANIFEST_NAME
     from fastio.storage import open_storage
 
     url = f"s3://{s3_bucket}/corpus"

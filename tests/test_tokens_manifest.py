@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from fastio.dataset.manifest import ShardRecord, TokenInfo, load_manifest, make_manifest, write_manifest
 from fastio.errors import DatasetError
-from fastio.manifest import ShardRecord, TokenInfo, load_manifest, make_manifest, write_manifest
 
 SHA = "a" * 64
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from helpers import run_cli
 
-from fastio.synthetic import make_imagefolder
+from fastio.convert.synthetic import make_imagefolder
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,12 +12,12 @@ from conftest import write_image_dataset
 from PIL import Image
 
 from fastio.cli import main
-from fastio.convert import ConvertConfig, convert
-from fastio.dataset import Dataset
+from fastio.convert.run import ConvertConfig, convert
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.manifest import MANIFEST_NAME, SPLITS_NAME
 from fastio.errors import DatasetError
-from fastio.inspect import inspect, order_quality
-from fastio.manifest import MANIFEST_NAME, SPLITS_NAME
-from fastio.verify import verify
+from fastio.report.inspect import inspect, order_quality
+from fastio.report.verify import verify
 
 
 def cli(args: list[str]) -> int:
@@ -195,7 +195,7 @@ def test_inspect_order_uses_the_dataset_labels_and_fingerprint(image_dataset):
 
 
 def test_inspect_order_needs_labels(tmp_path):
-    from fastio.shards import ShardWriter
+    from fastio.dataset.shards import ShardWriter
 
     with ShardWriter(tmp_path / "d") as writer:
         writer.write({"__key__": "a", "txt": b"x"})

@@ -1,11 +1,11 @@
-"""fastio.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
+"""fastio.convert.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
 
 import os
 import time
 
 import pytest
 
-from fastio.workers import OrderedPool
+from fastio.convert.workers import OrderedPool
 
 _STATE = {}
 
@@ -59,7 +59,7 @@ def _open_files(_):
 
 def test_workers_hold_no_descriptor_of_their_parent(tmp_path):
     """A worker that kept the parent's lock (or stdout) open would outlive a killed parent holding them."""
-    from fastio.lock import LOCK_NAME, DirLock
+    from fastio.storage.lock import LOCK_NAME, DirLock
 
     with DirLock(tmp_path, "test"), OrderedPool(_open_files, 2) as pool:
         files = list(pool.map([0, 1]))

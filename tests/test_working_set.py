@@ -1,4 +1,4 @@
-"""The cache room an s3:// Loader needs (fastio/working_set.py), against a real S3 server (moto): the shard
+"""The cache room an s3:// Loader needs (fastio/read/working_set.py), against a real S3 server (moto): the shard
 read-ahead shrinks to the room the cache has; only a cache that cannot hold a batch's own shards is refused."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from conftest import write_image_dataset
 
 from fastio import Loader, Mixture
+from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import StorageError
-from fastio.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.progress import human_bytes
+from fastio.read.working_set import check_working_set
 from fastio.storage import open_storage
-from fastio.working_set import check_working_set
 
 OPTS = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="block", block_shards=2)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import write_image_dataset
 
-from fastio.synthetic import make_imagefolder
+from fastio.convert.synthetic import make_imagefolder
 
 SAMPLES = 80
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from fastio.checkpoint import layout
 from fastio.errors import CheckpointError, StorageError
-from fastio.lock import LOCK_NAME
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
+from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
 
 __all__ = ["list_steps", "pending_rollback", "remote_steps", "verify_steps"]

@@ -11,7 +11,7 @@ tensors, still read live memory in the background; one staging rule serves both 
 collectives go over a gloo group of their own, so they never interleave with the training thread's.
 The Checkpointer talks to the engine only through :class:`~fastio.checkpoint.engines.base.Engine`.
 
-One writer per directory: rank 0 holds :class:`fastio.lock.DirLock` on DIR from construction to
+One writer per directory: rank 0 holds :class:`fastio.storage.lock.DirLock` on DIR from construction to
 ``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
@@ -54,7 +54,7 @@ from fastio.checkpoint.staging import Stager, optimizer_storages
 from fastio.checkpoint.writer import start_writer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
-from fastio.lock import DirLock, LockedError
+from fastio.storage.lock import DirLock, LockedError
 
 __all__ = ["LOADER_POLICIES", "RNG_KEY", "Checkpointer", "TrainState", "loader_epoch"]
 

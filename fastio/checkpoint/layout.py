@@ -60,7 +60,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import atomic_write_bytes, fsync_dir, tmp_path_for
 from fastio.checkpoint.record import (
     CHECKSUM,
     COMMIT_FORMAT,
@@ -71,10 +70,11 @@ from fastio.checkpoint.record import (
     CommitRecord,
     parse_commit,
 )
-from fastio.checksum import DIGESTS, digest_fd, digest_file, read_digest_file
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, SPLITS_FORMAT, SPLITS_NAME
 from fastio.errors import CheckpointError
-from fastio.lock import LOCK_NAME
-from fastio.manifest import FORMAT, MANIFEST_NAME, SPLITS_FORMAT, SPLITS_NAME
+from fastio.storage.atomic import atomic_write_bytes, fsync_dir, tmp_path_for
+from fastio.storage.checksum import DIGESTS, digest_fd, digest_file, read_digest_file
+from fastio.storage.lock import LOCK_NAME
 
 __all__ = [
     "CHECKSUM",

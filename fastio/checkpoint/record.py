@@ -33,7 +33,7 @@ COMPRESSED_VERSION = 3
 """Version of the markers of compressed checkpoints: as 2, plus ``"compression"`` (stored files listed)."""
 READ_VERSIONS = (1, 2, 3)
 CHECKSUM = "xxh3_128"
-"""The checksum new commits record per file (see :mod:`fastio.checksum`)."""
+"""The checksum new commits record per file (see :mod:`fastio.storage.checksum`)."""
 
 
 @dataclass(frozen=True)

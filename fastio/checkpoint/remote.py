@@ -124,7 +124,7 @@ class RemoteCheckpoints:
         self.lease: Lease | None = None
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
-        """Take the prefix's lease (:class:`~fastio.lock.LockedError` naming the holder; StorageError if the
+        """Take the prefix's lease (:class:`~fastio.storage.lock.LockedError` naming the holder; StorageError if the
         store cannot be reached or ignores conditional writes). Rank 0 only."""
         lease = writer_lease(self.mirror.storage, purpose)
         if lease is not None:

@@ -14,7 +14,7 @@ import click
 
 from fastio.cli.group import cli, storage_flags, storage_options
 from fastio.errors import ConvertError, DatasetError, FastioError
-from fastio.images import DEFAULT_MAX_PIXELS
+from fastio.formats.images import DEFAULT_MAX_PIXELS
 
 __all__ = ["convert", "index", "inspect", "merge", "verify"]
 
@@ -104,8 +104,8 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents into a token dataset in the folder DEST."""
-    from fastio.convert import ConvertConfig
-    from fastio.convert import convert as run_convert
+    from fastio.convert.run import ConvertConfig
+    from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
     if tokenizer is not None or text_field is not None or eos is not None:
@@ -174,7 +174,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
 def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
     """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
     single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
-    from fastio.merge import merge as run_merge
+    from fastio.convert.merge import merge as run_merge
 
     try:
         result = run_merge(dest, overwrite=overwrite, keep_parts=keep_parts)
@@ -213,7 +213,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi and manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only
     manifest.json is written."""
-    from fastio.index_dataset import IndexConfig, index_shards, paths_pattern
+    from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
     if eos_id is not None:
@@ -273,7 +273,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
     """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem.
 
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
-    from fastio.verify import verify as run_verify
+    from fastio.report.verify import verify as run_verify
 
     report = run_verify(dest, decode=decode, storage_options=storage_options(endpoint_url, region, profile))
     for problem in report.problems:
@@ -311,7 +311,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     --order, how well each shuffle mode of the Loader mixes the data). A token dataset: documents and tokens
     (with --order, its packing into --seq-len sequences). A --split DEST: each split.
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
-    from fastio.inspect import inspect as run_inspect
+    from fastio.report.inspect import inspect as run_inspect
 
     if dest.endswith(".json") and not Path(dest).is_dir():  # a mixture file (docs/mixtures.md)
         _inspect_mixture(dest, as_json, seed, epoch, batch_size, cache_dir, cache_size,
@@ -353,8 +353,8 @@ def _print_skipped(info: dict[str, Any]) -> None:
 
 def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
                      cache_size: str | None, options: dict | None) -> None:
-    from fastio.mixinspect import mixture_order_report
-    from fastio.mixture import Mixture
+    from fastio.read.mixture import Mixture
+    from fastio.report.mix_order import mixture_order_report
 
     try:
         mixture = Mixture.from_file(path, cache_dir=cache_dir, cache_size=cache_size, storage_options=options)

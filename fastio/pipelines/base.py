@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.images import is_image_field
+from fastio.formats.images import is_image_field
 
 if TYPE_CHECKING:
-    from fastio.dataset import Dataset
-    from fastio.reader import ReadBatch
+    from fastio.dataset.dataset import Dataset
+    from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "Pipeline", "ReadFields", "check_fields", "decodable", "field_value",
            "run_graph"]
@@ -64,7 +64,7 @@ class FieldChoice:
 
 @dataclass(frozen=True)
 class ReadFields:
-    """What to read of one dataset (the arguments of :class:`fastio.reader.Reader`)."""
+    """What to read of one dataset (the arguments of :class:`fastio.read.reader.Reader`)."""
 
     fields: tuple[str, ...]
     """Fields read besides the image."""
@@ -195,7 +195,7 @@ class Pipeline:
 
     def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:
         """The order of the units this kind delivers, sliced for ``rank`` (an object with ``len()`` and
-        ``plan(epoch, start)`` like :class:`fastio.sampler.Sampler`): the read set's order of stored samples.
+        ``plan(epoch, start)`` like :class:`fastio.order.sampler.Sampler`): the read set's order of stored samples.
         A kind whose unit is not a stored sample (a packed token sequence) returns its own plan here."""
         return read_set.sampler(sampling, world_size, rank)
 
@@ -246,7 +246,7 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
                   prefetch_queue_depth=prefetch, seed=seed)
     def graph():
         # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
-        # batch's outputs are returned (fastio.feeder.Feeder does), which is what DALI requires.
+        # batch's outputs are returned (fastio.read.feeder.Feeder does), which is what DALI requires.
         nodes = fn.external_source(source=source, num_outputs=len(names), batch=True, no_copy=True,
                                    dtype=[dtypes.get(n.rstrip("0123456789"), types.UINT8) for n in names])
         return body(dict(zip(names, nodes)), decoder_device)

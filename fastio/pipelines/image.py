@@ -4,7 +4,7 @@ crop), decoded by DALI on CPU operators or with ``mixed`` (nvJPEG / hardware dec
 A sample's image is the first image field it has (a dataset may mix formats; DALI decodes by content, and GIF,
 which DALI lacks, becomes a BMP in the reader thread: :func:`decodable`). The global index of every sample goes
 through the graph and comes out beside its image, so the Loader can check that outputs line up with what it fed.
-Crop and flip parameters are a pure function of ``(seed, epoch, global index)`` (:mod:`fastio.augment`).
+Crop and flip parameters are a pure function of ``(seed, epoch, global index)`` (:mod:`fastio.pipelines.augment`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.augment import random_resized_crop
+from fastio.pipelines.augment import random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, FieldChoice, Pipeline, check_fields, decodable, run_graph
 from fastio.pipelines.text import TextReader, Tokenize, check_text, mask_name
 
 if TYPE_CHECKING:
-    from fastio.reader import ReadBatch
+    from fastio.read.reader import ReadBatch
 
 __all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "ImageEval", "ImageTrain", "decodable"]
 

@@ -1,8 +1,8 @@
 """The clip kinds: :class:`VideoClips` (``fn.decoders.video``) and :class:`AudioClips` (``fn.decoders.audio``).
 
 The unit stays a stored sample: a video or audio field and its ``probe.json`` (written by ``fastio convert``,
-:mod:`fastio.media`), read together, so planning a clip never opens a file. Where a clip starts, and a video
-clip's crop and flip, are a pure function of ``(seed, epoch, global sample index)`` (:mod:`fastio.augment`),
+:mod:`fastio.formats.media`), read together, so planning a clip never opens a file. Where a clip starts, and a video
+clip's crop and flip, are a pure function of ``(seed, epoch, global sample index)`` (:mod:`fastio.pipelines.augment`),
 drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 """
 
@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.augment import clip_starts, random_resized_crop
 from fastio.errors import DatasetError
-from fastio.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
+from fastio.formats.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
+from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
 if TYPE_CHECKING:
-    from fastio.dataset import Dataset
-    from fastio.reader import ReadBatch
+    from fastio.dataset.dataset import Dataset
+    from fastio.read.reader import ReadBatch
 
 __all__ = ["AudioClips", "VideoClips"]
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastio.pipelines.base import Delivery, FieldChoice, Pipeline, ReadFields, check_fields
 
 if TYPE_CHECKING:
-    from fastio.dataset import Dataset
+    from fastio.dataset.dataset import Dataset
 
 __all__ = ["Raw"]
 

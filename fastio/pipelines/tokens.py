@@ -14,7 +14,7 @@ from fastio.pipelines.base import Delivery, FieldChoice, Pipeline
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
-    from fastio.dataset import Dataset
+    from fastio.dataset.dataset import Dataset
 
 __all__ = ["Tokens"]
 

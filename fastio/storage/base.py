@@ -19,8 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import fsync_dir, tmp_path_for
 from fastio.errors import StorageError
+from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.options import StorageOptions
 from fastio.storage.retry import Permanent, retrying
 from fastio.storage.url import Location, join_key, parse_location
@@ -169,7 +169,7 @@ class LocalStorage(Storage):
         fsync_dir(final.parent)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        from fastio.atomic import atomic_write_bytes
+        from fastio.storage.atomic import atomic_write_bytes
 
         final = self._path(key)
         final.parent.mkdir(parents=True, exist_ok=True)

@@ -44,10 +44,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastio.checksum import DIGESTS, digest_file
 from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
+from fastio.storage.checksum import DIGESTS, digest_file
 
 __all__ = ["CACHE_MARKER", "CHECKPOINT_STAGING", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
 

@@ -1,6 +1,6 @@
 """One writer per object-store prefix: a lease object kept by conditional writes.
 
-A local directory has :class:`fastio.lock.DirLock` (the kernel drops an ``flock`` when its holder dies); an
+A local directory has :class:`fastio.storage.lock.DirLock` (the kernel drops an ``flock`` when its holder dies); an
 object store has no such thing, so a writer holds ``PREFIX/.fastio-lock`` as a *lease*:
 
 - **Acquire**: create the object only if there is none (``If-None-Match: *``). Its JSON body names the holder
@@ -16,7 +16,7 @@ object store has no such thing, so a writer holds ``PREFIX/.fastio-lock`` as a *
   or by an earlier run of this Slurm job (same ``SLURM_JOB_ID``, lower ``SLURM_RESTART_COUNT``: a requeue; two
   steps of one allocation running at once are still refused). The take-over is itself conditional
   (``If-Match`` on the entity tag that was judged), so of two contenders one wins. Otherwise
-  :class:`~fastio.lock.LockedError` names the URL and the holder.
+  :class:`~fastio.storage.lock.LockedError` names the URL and the holder.
 - **Release**: renew once more (which proves the lease is still ours and pushes its expiry ahead), then delete.
   A lease that was lost is never deleted.
 
@@ -39,8 +39,8 @@ import time
 import uuid
 
 from fastio.errors import FastioError, StorageError
-from fastio.lock import LOCK_NAME, LockedError, describe_holder, holder_record
 from fastio.storage.base import S3Storage, Versioned
+from fastio.storage.lock import LOCK_NAME, LockedError, describe_holder, holder_record
 
 __all__ = ["Lease", "LeaseLostError", "writer_lease"]
 
@@ -98,7 +98,7 @@ class Lease:
     def __init__(self, storage: S3Storage, *, key: str = LOCK_NAME, purpose: str = "fastio",
                  ttl_s: float | None = None, skew_s: float | None = None):
         if not isinstance(storage, S3Storage):
-            raise TypeError("Lease guards object-store prefixes; local directories use fastio.lock.DirLock")
+            raise TypeError("Lease guards object-store prefixes; local directories use fastio.storage.lock.DirLock")
         self.storage, self.key, self.purpose = storage, key, purpose
         self.ttl_s = float(storage.options.lease_ttl_s if ttl_s is None else ttl_s)
         self.skew_s = float(storage.options.lease_skew_s if skew_s is None else skew_s)
@@ -120,7 +120,7 @@ class Lease:
 
     # ------------------------------------------------------------------ acquire
     def acquire(self) -> Lease:
-        """Take the lease, or take over a stale one, or raise :class:`~fastio.lock.LockedError` at once."""
+        """Take the lease, or take over a stale one, or raise :class:`~fastio.storage.lock.LockedError` at once."""
         if self._etag is not None:
             return self
         self._token, self._since, self._lost = uuid.uuid4().hex, time.time(), None

@@ -14,8 +14,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fastio.atomic import fsync_dir
 from fastio.errors import StorageError
+from fastio.storage.atomic import fsync_dir
 from fastio.storage.base import Storage
 
 __all__ = ["DirMirror"]

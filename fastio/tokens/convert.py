@@ -2,13 +2,13 @@
 
 Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text) are tokenized in batches with the
 ``tokenizers`` library (the file's own tokenizer, no special tokens added), in worker processes
-(:class:`~fastio.workers.OrderedPool`: results in input order), and each non-empty one is written with the
+(:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
 :mod:`fastio.tokens.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
 bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. The manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
-:func:`fastio.convert.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
+:func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from fastio.convert import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest
+from fastio.convert.run import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest
+from fastio.convert.workers import OrderedPool
 from fastio.converters.documents import document_files, iter_documents
+from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
 from fastio.errors import ConvertError
-from fastio.lock import DirLock, LockedError
-from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
+from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
+from fastio.storage.lock import DirLock, LockedError
 from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
-from fastio.wds import is_plain_name
-from fastio.workers import OrderedPool
 
 __all__ = ["EOS_NAMES", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
            "load_tokenizer"]
@@ -229,7 +229,7 @@ def _manifest(config: TokenConvertConfig, shards: list[WrittenShard], empty: int
                            idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens) for s in shards]
     return make_manifest(
         name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
-        source={"format": "documents", "path": str(config.source), "files": files, "empty_documents": empty},
+        converted_from={"format": "documents", "path": str(config.source), "files": files, "empty_documents": empty},
         convert_options={"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
                          "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard})
 

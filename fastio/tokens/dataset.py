@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fastio.dataset.files import LocalFiles
+from fastio.dataset.manifest import Manifest
 from fastio.errors import DatasetError
-from fastio.manifest import Manifest
-from fastio.source import LocalSource
 from fastio.tokens.megatron import MegatronShard
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
 
@@ -26,18 +26,18 @@ class TokenDataset:
     """The token dataset in ``dest`` (see the module docstring)."""
 
     def __init__(self, dest: str | Path):
-        self.source = LocalSource(Path(dest))
-        self.root = self.source.root
-        self.manifest: Manifest = self.source.load_manifest()
+        self.files = LocalFiles(Path(dest))
+        self.root = self.files.root
+        self.manifest: Manifest = self.files.load_manifest()
         info = self.manifest.tokens
         if info is None:
             raise DatasetError(f"{self.root}: not a token dataset (kind {self.manifest.kind!r}); open it with "
                                "fastio.Dataset")
         self.info = info
-        self.source.check(self.manifest.shards)
+        self.files.check(self.manifest.shards)
         self.shards: list[MegatronShard] = []
         for record in self.manifest.shards:
-            pair = MegatronShard(self.source.shard_path(record), info.dtype)
+            pair = MegatronShard(self.files.shard_path(record), info.dtype)
             if (pair.documents, pair.index.bin_bytes) != (record.samples, record.bytes):
                 raise DatasetError(f"{pair.bin_path}: {pair.documents} documents in {pair.index.bin_bytes} bytes, the "
                                    f"manifest says {record.samples} in {record.bytes}")

@@ -17,11 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.atomic import atomic_write_bytes
-from fastio.checksum import digests_file, sha256_file
-from fastio.errors import DatasetError
-from fastio.lock import DirLock, LockedError
-from fastio.manifest import (
+from fastio.dataset.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
     ShardRecord,
@@ -31,8 +27,12 @@ from fastio.manifest import (
     make_manifest,
     write_manifest,
 )
+from fastio.errors import DatasetError
 from fastio.progress import count
 from fastio.storage import is_remote
+from fastio.storage.atomic import atomic_write_bytes
+from fastio.storage.checksum import digests_file, sha256_file
+from fastio.storage.lock import DirLock, LockedError
 from fastio.tokens.megatron import MegatronShard, partner_path
 
 __all__ = ["TokenIndexConfig", "TokenIndexResult", "index_tokens"]
@@ -158,7 +158,7 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
             atomic_write_bytes(dest / MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
         info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records))
         write_manifest(dest, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
-                                           source={"format": "megatron", "path": str(config.source.resolve())}))
+                                           converted_from={"format": "megatron", "path": str(config.source.resolve())}))
     finally:
         lock.release()
     return TokenIndexResult(dest=dest, shards=len(records), documents=sum(r.samples for r in records),

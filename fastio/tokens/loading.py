@@ -4,7 +4,7 @@
 A sequence's tokens depend on the epoch (the document order is drawn per epoch), so a unit's id, as the plan
 hands it to the reader, is ``epoch * sequences + sequence``; the reader answers with the sequence ids alone
 (``batch["index"]``). The order, each rank's slice of every global batch and the resume arithmetic are the
-packing's :class:`~fastio.sampler.Sampler` over the sequences; nothing here holds a packing buffer.
+packing's :class:`~fastio.order.sampler.Sampler` over the sequences; nothing here holds a packing buffer.
 
 The shards are read in place (a local dataset) or through the node-local cache (an ``s3://`` dataset: the read
 set's shard source, filled ahead in the order the coming sequences want them).
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checksum import sha256_file
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.sampler import EpochPlan, Sampler, SamplerSpec
+from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
+from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
 
@@ -39,7 +39,7 @@ def open_tables(ds: Dataset) -> list[MegatronIndex]:
     info = ds.manifest.tokens
     tables = []
     for shard in ds.shards:
-        if ds.verify and ds.source.cache_size is None:
+        if ds.verify and ds.files.cache_size is None:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
         index = MegatronIndex(shard.idx_path, info.dtype)
         if (index.documents, index.bin_bytes) != (shard.samples, shard.bytes):
@@ -73,7 +73,7 @@ def packing_of(ds: Dataset, tables: list[MegatronIndex], seq_len: int, packing: 
 
 
 class _EpochUnits:
-    """An :class:`~fastio.sampler.EpochPlan` whose ids are ``epoch * sequences + sequence``."""
+    """An :class:`~fastio.order.sampler.EpochPlan` whose ids are ``epoch * sequences + sequence``."""
 
     def __init__(self, plan: EpochPlan, sequences: int):
         self._plan, self._base = plan, plan.epoch * sequences

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.atomic import fsync_dir, tmp_path_for
-from fastio.checksum import HashingWriter
 from fastio.errors import DatasetError
+from fastio.storage.atomic import fsync_dir, tmp_path_for
+from fastio.storage.checksum import HashingWriter
 
 __all__ = ["HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronIndex", "MegatronShard", "MegatronWriter",
            "WrittenShard", "partner_path", "token_dtype"]

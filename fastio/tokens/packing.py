@@ -9,14 +9,14 @@ tokens with one token of overlap, as Megatron does: sequence ``s`` is stream tok
 (fewer than ``seq_len + 1`` tokens).
 
 The document order is lazy: documents are grouped in blocks of at most ``block_docs`` consecutive documents of a
-shard; the blocks are shuffled with the sampler's keyed Feistel permutation (:mod:`fastio.sampler`), and the
+shard; the blocks are shuffled with the sampler's keyed Feistel permutation (:mod:`fastio.order.sampler`), and the
 documents within each block too. The token offset where each shuffled block starts (one prefix sum over the
 blocks: O(blocks) memory per epoch) locates a stream position's block; a prefix sum over that block's shuffled
 document lengths (O(block_docs), a few blocks kept) locates the document. So any sequence is found without a
 sample index, whatever the corpus size.
 
 The order of the sequences themselves, each rank's slice and the resume arithmetic are the sampler's:
-:meth:`ConcatPacking.sampler` is a :class:`~fastio.sampler.Sampler` over the epoch's sequences (one "shard" of
+:meth:`ConcatPacking.sampler` is a :class:`~fastio.order.sampler.Sampler` over the epoch's sequences (one "shard" of
 ``sequences`` units), so a plan started at ``consumed`` continues bitwise at the same world size and delivers
 each remaining sequence exactly once at another.
 """
@@ -33,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fastio.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
+from fastio.order.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
            "cu_seqlens", "position_ids"]

@@ -8,7 +8,7 @@ DEST life cycle: the marker file is written first, shards are published one by o
 (or, with ``split``, ``splits.json`` after every split's manifest) is written last. A DEST holding the
 marker but no final file is an interrupted run, which the same command redoes from scratch.
 
-One writer per DEST: a conversion holds DEST's :class:`~fastio.lock.DirLock` (``DEST/.fastio-lock``) from
+One writer per DEST: a conversion holds DEST's :class:`~fastio.storage.lock.DirLock` (``DEST/.fastio-lock``) from
 before it checks DEST until its last file is published; a second conversion into the same DEST is
 refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder; so is one into a DEST
 whose parts (``DEST/.parts/part-K-of-N/``, each locked by its writer) are still being converted, before
@@ -23,8 +23,8 @@ a label outside ``0 .. 2**63-1``) are skipped and listed in the manifest, or sto
 ``on_error="fail"``.
 
 With ``part`` (K, N), only the K-th of N contiguous ranges of every output dataset's order is written, into
-``DEST/.parts/part-K-of-N/`` with its completion record last (:mod:`fastio.parts`); DEST itself is left as it
-is, and ``fastio merge`` (:mod:`fastio.merge`) publishes the dataset once all parts are complete.
+``DEST/.parts/part-K-of-N/`` with its completion record last (:mod:`fastio.convert.parts`); DEST itself is left as it
+is, and ``fastio merge`` (:mod:`fastio.convert.merge`) publishes the dataset once all parts are complete.
 """
 
 from __future__ import annotations
@@ -42,15 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio import converters
-from fastio.atomic import atomic_write_bytes
-from fastio.converters.base import FileRef, ScanOptions
-from fastio.errors import ConvertError
-from fastio.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
-from fastio.labels import LABEL_CHOICES, LABEL_RULES, check_label
-from fastio.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
-from fastio.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
-from fastio.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
-from fastio.parts import (
+from fastio.convert.parts import (
     PART_RECORD,
     PARTS_DIR,
     PartRecord,
@@ -62,14 +54,22 @@ from fastio.parts import (
     predicted_shard_starts,
     write_part_record,
 )
+from fastio.convert.split import SPLIT_BY, assign_splits
+from fastio.convert.workers import OrderedPool
+from fastio.converters.base import FileRef, ScanOptions
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
+from fastio.dataset.shards import ShardWriter
+from fastio.errors import ConvertError
+from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
+from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
+from fastio.formats.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
+from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
-from fastio.shards import ShardWriter
-from fastio.split import SPLIT_BY, assign_splits
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.lease import LeaseLostError, writer_lease
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
 from fastio.storage.url import parse_location
-from fastio.wds import is_plain_name
-from fastio.workers import OrderedPool
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -158,7 +158,7 @@ class ConvertConfig:
     split: dict[str, float] | str | None = None
     """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
     split_by: str | None = None
-    """How ``split`` is drawn (:mod:`fastio.split`): ``label`` (each split takes its fraction of every class)
+    """How ``split`` is drawn (:mod:`fastio.convert.split`): ``label`` (each split takes its fraction of every class)
     or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
     ``convert_options.split_by``."""
     max_side: int | None = None
@@ -170,7 +170,7 @@ class ConvertConfig:
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
     """``vp9``: re-encode video the CPU decoder cannot read (H.264, HEVC, ...) as VP9 WebM (field ``webm``);
-    None: such video is skipped and listed (:mod:`fastio.media`)."""
+    None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -184,7 +184,7 @@ class ConvertConfig:
     key_column: str | None = None
     """Tables: the column with sample keys (default: derived from the path or row number)."""
     labels: str = "auto"
-    """Tables: the label rule (:mod:`fastio.labels`): ``auto`` (the values themselves when every label is
+    """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (the values themselves when every label is
     integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
     error naming rows of each kind), ``integers`` or ``names``. The rule applied is in the manifest
     (``label_rule``) and the summary."""
@@ -270,7 +270,7 @@ class ConvertResult:
 
     @property
     def label_rule(self) -> str | None:
-        """How labels were made (:data:`fastio.labels.LABEL_RULES`), None without labels."""
+        """How labels were made (:data:`fastio.formats.labels.LABEL_RULES`), None without labels."""
         return next((m.label_rule for m in self.manifests.values() if m.label_rule), None)
 
     @property
@@ -311,7 +311,7 @@ def _init_worker(options: tuple, in_worker: bool = False) -> None:
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
     and that they decode (and with ``max_side`` re-encode them); probe each video or audio field once and add
-    the probe as the ``probe.json`` field (:func:`fastio.media.check_media`: a codec the CPU decoders cannot
+    the probe as the ``probe.json`` field (:func:`fastio.formats.media.check_media`: a codec the CPU decoders cannot
     read is a bad sample).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
@@ -417,7 +417,7 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
 # -- orchestration -----------------------------------------------------------------------------------
 
 def _split_by(config: ConvertConfig, scan) -> str | None:
-    """How ``split`` is drawn for this scan (:mod:`fastio.split`): as asked, else by label when there are labels."""
+    """How ``split`` is drawn for this scan (:mod:`fastio.convert.split`): as asked, else by label when there are labels."""
     if not config.split:
         return None
     if config.split_by == "label" and not scan.label_field:
@@ -600,7 +600,7 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
         extra = {"split": {"name": split_name, "of": sorted(groups)}} if split_name else {}
         jobs.append((split_name, [scan.entries[i] for i in indices],
                      config.dest / split_name if split_name else config.dest,
-                     dict(source=scan.description, label_map=scan.label_map, image_field=scan.image_field,
+                     dict(converted_from=scan.description, label_map=scan.label_map, image_field=scan.image_field,
                           label_field=scan.label_field, label_rule=scan.label_rule,
                           convert_options=_options(config, scan),
                           scan_skipped=scan_skipped, **extra)))

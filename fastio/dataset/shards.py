@@ -1,5 +1,5 @@
 """The shard writer: samples in, WebDataset tar shards + DALI ``.idx`` files + the consolidated sample
-index (:mod:`fastio.dsindex`) + manifest out.
+index (:mod:`fastio.dataset.sample_table`) + manifest out.
 
 Every shard is written under a hidden temporary name, fsynced and renamed; the sample index next, the
 manifest (which records the index's size and sha256) last. Used as a context manager, an error inside
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
-from fastio.checksum import HashingWriter
-from fastio.dsindex import INDEX_NAME, IndexBuilder
-from fastio.idx import IndexEntry, format_index
-from fastio.manifest import SHARDS_DIR, Manifest, ShardRecord, make_manifest, write_manifest
-from fastio.wds import check_member, is_key, is_plain_name, member_name
+from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, make_manifest, write_manifest
+from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
+from fastio.formats.dali_idx import IndexEntry, format_index
+from fastio.formats.wds import check_member, is_key, is_plain_name, member_name
+from fastio.storage.atomic import atomic_write_bytes, publish, tmp_path_for
+from fastio.storage.checksum import HashingWriter
 
 __all__ = ["ShardWriter", "Sample", "BLOCK", "sample_span", "starts_new_shard"]
 
@@ -96,7 +96,7 @@ class ShardWriter:
             raise ValueError(f"{self.dest}: the shard writer is closed")
         key = sample.get("__key__")
         if not is_key(key):
-            raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see fastio.wds.sanitize_key)")
+            raise ValueError(f"sample key {key!r} is not a safe WebDataset key (see fastio.formats.wds.sanitize_key)")
         if key in self._keys:
             raise ValueError(f"duplicate sample key {key!r}")
         members = sorted((k, v) for k, v in sample.items() if k != "__key__")

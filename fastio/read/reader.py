@@ -34,12 +34,12 @@ from typing import Protocol
 
 import numpy as np
 
-from fastio.checksum import sha256_fd
-from fastio.dataset import Dataset, Rows
+from fastio.dataset.dataset import Dataset, Rows
 from fastio.errors import DatasetError
-from fastio.images import image_size
-from fastio.labels import parse_label as _parse_label_bytes
-from fastio.labels import parse_labels as _parse_labels_bytes
+from fastio.formats.images import image_size
+from fastio.formats.labels import parse_label as _parse_label_bytes
+from fastio.formats.labels import parse_labels as _parse_labels_bytes
+from fastio.storage.checksum import sha256_fd
 
 __all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "parse_labels", "sample_where"]
 
@@ -62,7 +62,7 @@ def sample_where(ds: Dataset, index: int) -> str:
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:
-    """The integer class label stored as ASCII text in ``field`` of sample ``index`` (:mod:`fastio.labels`)."""
+    """The integer class label stored as ASCII text in ``field`` of sample ``index`` (:mod:`fastio.formats.labels`)."""
     text = bytes(data)
     try:
         return _parse_label_bytes(text)

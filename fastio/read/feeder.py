@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from fastio.order.sampler import EpochPlan
 from fastio.pipelines import Pipeline
-from fastio.reader import ReadBatch, Reader
-from fastio.sampler import EpochPlan
+from fastio.read.reader import ReadBatch, Reader
 
 __all__ = ["Fed", "Feeder"]
 

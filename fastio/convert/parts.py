@@ -5,7 +5,7 @@ that a single ``fastio convert`` writes (the scan's deterministic order, then ``
 pure functions of the seed). Each part writes into its own directory, ``DEST/.parts/part-K-of-N/`` (one
 sub-directory per split with ``split``), so parts can run at the same time on different nodes, in any order,
 and a failed part can be rerun alone. ``part.json`` is written last: its presence marks the part complete.
-:func:`fastio.merge.merge` then publishes one dataset from the N parts.
+:func:`fastio.convert.merge.merge` then publishes one dataset from the N parts.
 
 How parts agree on the listing: every part scans the source itself (the scan is deterministic: sorted
 directory walks, table rows in file order) and records :func:`listing_digest` of what it saw; the merge
@@ -16,7 +16,7 @@ part predicts the single run's cuts (:func:`predicted_shard_starts`) from the si
 name (one ``stat`` each) and the bytes the scan holds, with the writer's own cut rule, and takes the K-th of N
 runs of whole predicted shards (:func:`part_range`). The prediction is exact unless a sample is skipped while
 loading (a corrupt image) or re-encoded (``max_side``); then the merge re-packs the shards whose cuts moved
-(see :mod:`fastio.merge`), and the output is still the same bytes.
+(see :mod:`fastio.convert.merge`), and the output is still the same bytes.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import atomic_write_bytes
 from fastio.converters.base import Entry, FileRef, ScanResult
+from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
-from fastio.shards import sample_span, starts_new_shard
+from fastio.storage.atomic import atomic_write_bytes
 
 __all__ = [
     "PARTS_DIR",

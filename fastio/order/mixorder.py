@@ -1,6 +1,6 @@
 """The order of a mixture of datasets: which source fills each position, and which of its samples.
 
-Pure arithmetic beside :mod:`fastio.sampler`: no bytes, files or tensors.
+Pure arithmetic beside :mod:`fastio.order.sampler`: no bytes, files or tensors.
 
 **Which source.** The weights become integers ``n_s`` (exactly when they are small rationals, else an
 apportionment of ``MAX_PERIOD``) and one period of ``W = sum(n_s)`` positions is laid out by the *largest
@@ -13,7 +13,7 @@ up to less than 2; with two sources (and with equal weights) less than 1. :func:
 
 **Which sample.** The count of ``s``'s positions before stream position ``Q`` is
 ``(Q // W) * n_s + rank[Q % W]`` (O(1)); the ``k``-th sample of source ``s`` is position ``k % size_s`` of
-that source's own epoch ``k // size_s`` (:class:`fastio.sampler.EpochOrder`, seeded per source). So a
+that source's own epoch ``k // size_s`` (:class:`fastio.order.sampler.EpochOrder`, seeded per source). So a
 source never repeats a sample before all of its samples were delivered, a small source cycles through its
 own epochs, a large one is partly covered per mixture epoch, and nothing is stored: everything follows
 from the position.
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
+from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_positions", "check_shares",
            "integer_weights", "window_spread"]
@@ -281,7 +281,7 @@ def source_seed(seed: int, name: str) -> int:
 
 class MixOrder:
     """The delivery order of one mixture epoch, lazily: ``order[positions]`` are mixture ids (see the module
-    docstring); ``len(order)`` is the epoch's samples. Same interface as :class:`~fastio.sampler.EpochOrder`."""
+    docstring); ``len(order)`` is the epoch's samples. Same interface as :class:`~fastio.order.sampler.EpochOrder`."""
 
     def __init__(self, sampler: MixSampler, epoch: int):
         self.sampler, self.epoch = sampler, epoch
@@ -337,7 +337,7 @@ class MixOrder:
 
 @dataclass(frozen=True)
 class MixSampler(Sampler):
-    """A :class:`~fastio.sampler.Sampler` whose epochs are mixture epochs (``schedule``) over sources of
+    """A :class:`~fastio.order.sampler.Sampler` whose epochs are mixture epochs (``schedule``) over sources of
     ``source_shards`` (shard sizes per source); plans, batches, rank slicing and resume arithmetic are the
     sampler's. ``shard_sizes`` is ``(samples_per_epoch,)``: the epoch's length, which is all plans use."""
 

@@ -1,8 +1,8 @@
 """The read set: what a Loader reads, one dataset or a mixture of several, the same kind of object to it.
 
-A read set owns the readers (one :class:`~fastio.reader.Reader` per dataset; a mixture's are merged by a
-:class:`~fastio.mixture.MixReader`), the order of its samples (:class:`~fastio.sampler.Sampler` for a dataset,
-the mixture's :class:`~fastio.mixorder.MixSampler`), the label field of each dataset, the keys, and its share of
+A read set owns the readers (one :class:`~fastio.read.reader.Reader` per dataset; a mixture's are merged by a
+:class:`~fastio.read.mixture.MixReader`), the order of its samples (:class:`~fastio.order.sampler.Sampler` for a dataset,
+the mixture's :class:`~fastio.order.mixorder.MixSampler`), the label field of each dataset, the keys, and its share of
 the Loader's state (nothing for a dataset, so its states stay as they were; the ``mixture`` entry for a mixture).
 Which fields are read is the pipeline object's choice (:meth:`fastio.pipelines.Pipeline.choose_fields`,
 :meth:`~fastio.pipelines.Pipeline.read_fields`); each dataset reads its own label field under its own name.
@@ -19,18 +19,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixture import MixReader, Mixture, check_mixture_state, mixture_state
+from fastio.order.sampler import Sampler, SamplerSpec
 from fastio.pipelines import Delivery, Pipeline
-from fastio.reader import ReadBatch, Reader, parse_labels, sample_where
-from fastio.sampler import Sampler, SamplerSpec
-from fastio.working_set import check_shared_working_set, check_working_set, working_set_bytes
+from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state
+from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
+from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
 
 __all__ = ["K_MIXTURE", "DatasetReadSet", "MixtureReadSet", "ReadSet", "open_read_set"]
 
 K_MIXTURE = "mixture"
-"""The state entry only a mixture writes (:func:`fastio.mixture.mixture_state`)."""
+"""The state entry only a mixture writes (:func:`fastio.read.mixture.mixture_state`)."""
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class ReadSet:
 
 
 class DatasetReadSet(ReadSet):
-    """One dataset: ids are its dataset-wide indices; today's :class:`~fastio.sampler.Sampler` orders them."""
+    """One dataset: ids are its dataset-wide indices; today's :class:`~fastio.order.sampler.Sampler` orders them."""
 
     def __init__(self, ds: Dataset, pipeline: Pipeline, options: Any):
         super().__init__(ds, [str(ds.root)], [ds], pipeline, options)
@@ -307,13 +307,13 @@ def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: in
     wanted = pipeline.read_fields(ds, fields)
     need = None
     depth = options.shard_read_ahead if read_ahead is None else read_ahead
-    if ds.source.cache_size is not None:  # refused now, not after a fill waited for room that never comes
+    if ds.files.cache_size is not None:  # refused now, not after a fill waited for room that never comes
         sizes = [s.bytes for s in ds.shards]
-        depth = check_working_set(sizes, options.shuffle, options.block_shards, depth, ds.source.cache_size,
+        depth = check_working_set(sizes, options.shuffle, options.block_shards, depth, ds.files.cache_size,
                                   str(ds.root))
         need = working_set_bytes(sizes, options.shuffle, options.block_shards, depth)
     # None: local files; a cache's files claim their working set beside this process's other Loaders' there
-    files = ds.source.shard_files(ds.shards, read_ahead=depth, working_set=need)
+    files = ds.files.shard_files(ds.shards, read_ahead=depth, working_set=need)
     if wanted is None:
         return _Source(ds, None, files, label_field)
     reader = Reader(ds, wanted.fields, threads=threads, verify=options.verify, image=wanted.image,
@@ -333,8 +333,8 @@ def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], opti
     the shard read-ahead that those sharing a cache have room for, by name."""
     shared: dict[Any, dict[str, list[int]]] = {}
     for name, ds in zip(names, datasets):
-        if ds.source.cache_size is not None:
-            shared.setdefault((str(ds.source.cache.dir), ds.source.cache_size), {})[name] = [s.bytes for s in ds.shards]
+        if ds.files.cache_size is not None:
+            shared.setdefault((str(ds.files.cache.dir), ds.files.cache_size), {})[name] = [s.bytes for s in ds.shards]
     depth: dict[str, int] = {}
     for (where, size), sources in shared.items():
         if len(sources) > 1:

@@ -1,5 +1,5 @@
 """How a mixture's order looks (``fastio inspect --order MIX.json``): proportions in every global batch and how
-soon each source's samples come back, computed from the pure order alone (:mod:`fastio.mixorder`; no sample
+soon each source's samples come back, computed from the pure order alone (:mod:`fastio.order.mixorder`; no sample
 bytes are read)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from fastio.mixture import Mixture
-from fastio.sampler import SHUFFLE_MODES, SamplerSpec
+from fastio.order.sampler import SHUFFLE_MODES, SamplerSpec
+from fastio.read.mixture import Mixture
 
 __all__ = ["mixture_order_report"]
 

@@ -29,11 +29,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastio.checksum import digests_file
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry
-from fastio.labels import parse_label
-from fastio.wds import field_of, is_field_name, split_member_name
+from fastio.formats.dali_idx import IndexEntry
+from fastio.formats.labels import parse_label
+from fastio.formats.wds import field_of, is_field_name, split_member_name
+from fastio.storage.checksum import digests_file
 
 __all__ = ["COMPRESSED", "TarContents", "as_fields", "read_tar"]
 
@@ -48,7 +48,7 @@ class TarContents:
 
     entries: list[IndexEntry]
     """Its samples in tar order, as its ``.idx`` lists them (each member's suffix as written; its field is
-    :func:`fastio.wds.field_of` it, see :func:`as_fields`)."""
+    :func:`fastio.formats.wds.field_of` it, see :func:`as_fields`)."""
     bytes: int
     """Size of the file."""
     sha256: str
@@ -58,7 +58,7 @@ class TarContents:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(member name, reason) of each member left out."""
     bad_labels: dict[str, str] = field(default_factory=dict)
-    """Label field -> the first of its values that is not a label (:mod:`fastio.labels`), as ``sample 'KEY':
+    """Label field -> the first of its values that is not a label (:mod:`fastio.formats.labels`), as ``sample 'KEY':
     REASON``; only the fields :func:`read_tar` was asked to check."""
 
 
@@ -161,7 +161,7 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
 
 def as_fields(entries: list[IndexEntry]) -> list[IndexEntry]:
     """``entries`` of a WebDataset tar's ``.idx`` with each member's suffix replaced by its field (lowercased:
-    :func:`fastio.wds.field_of`): what ``samples.fxi`` and the manifest's fields hold, while the ``.idx`` keeps
+    :func:`fastio.formats.wds.field_of`): what ``samples.fxi`` and the manifest's fields hold, while the ``.idx`` keeps
     the suffixes as written (byte-equal to ``wds2idx``)."""
     return [e if all(x == field_of(x) for x, _, _ in e.members)
             else IndexEntry(e.key, tuple((field_of(x), o, n) for x, o, n in e.members)) for e in entries]

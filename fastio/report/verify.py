@@ -18,13 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.checksum import digests_file, sha256_file
-from fastio.dsindex import check_index as check_sample_index
-from fastio.errors import DatasetError, StorageError
-from fastio.idx import check_index, parse_index
-from fastio.images import ImageCheckError, check_image, is_image_field
-from fastio.index_tar import as_fields
-from fastio.manifest import (
+from fastio.convert.foreign_tar import as_fields
+from fastio.dataset.files import LocalFiles, dest_split_names, no_manifest
+from fastio.dataset.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
     Manifest,
@@ -33,10 +29,14 @@ from fastio.manifest import (
     load_manifest,
     split_names,
 )
-from fastio.source import LocalSource, dest_split_names, no_manifest
+from fastio.dataset.sample_table import check_index as check_sample_index
+from fastio.errors import DatasetError, StorageError
+from fastio.formats.dali_idx import check_index, parse_index
+from fastio.formats.images import ImageCheckError, check_image, is_image_field
+from fastio.formats.wds import split_member_name
 from fastio.storage import is_remote, open_storage
+from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.megatron import MegatronShard
-from fastio.wds import split_member_name
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -71,7 +71,7 @@ class VerifyReport:
 def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool = False):
     """[(key, ((ext, offset, size), ...)), ...] in tar order; member problems go into ``report``. A ``foreign``
     tar (indexed by ``fastio index``, not written by fastio) may hold what its index passed over: folders,
-    links, hidden files and members without a field name (:mod:`fastio.index_tar`)."""
+    links, hidden files and members without a field name (:mod:`fastio.convert.foreign_tar`)."""
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     with tarfile.open(path, "r:") as tar:
         for member in tar:
@@ -148,7 +148,7 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     ``root/shards/``) and ``listed_files`` (the names under its ``shards/``); a local one's folder is listed here,
     and its shards are where the manifest says (``shards/``, or where ``fastio index`` found them)."""
     manifest = load_manifest(root)
-    local = LocalSource(root) if fetch is None else None
+    local = LocalFiles(root) if fetch is None else None
     _stray_files(root, prefix, manifest.shards, listed_files, report)
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
     for shard in _each_shard(manifest.shards, fetch):
@@ -174,7 +174,7 @@ def _stray_files(root: Path, prefix: str, records: list[ShardRecord], listed_fil
             report.problems.append(Problem(f"{prefix}{SHARDS_DIR}/{name}", None, "file is not listed in the manifest"))
 
 
-def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifest, local: LocalSource | None,
+def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifest, local: LocalFiles | None,
                   decode: bool, report: VerifyReport) -> tuple[ShardRecord, list | None] | None:
     """Check one shard's files; its (record, .idx entries) for the consolidated index check (None: not checked
     that far, or a token shard)."""
@@ -198,7 +198,7 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     entries = _idx_entries(idx_path, shard, label, report)
     # entries None: a problem is reported, no index rebuild. An indexed dataset's fields are the suffixes
     # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
-    foreign = (manifest.source or {}).get("format") == "webdataset"
+    foreign = (manifest.converted_from or {}).get("format") == "webdataset"
     lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
     _verify_tar(tar_path, shard, entries, decode, foreign, label, report)
     return shard, as_fields(entries) if lower else entries

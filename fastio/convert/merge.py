@@ -3,16 +3,16 @@
 The result is byte-identical to a single ``fastio convert`` with the same source, options and seed: the same
 samples in the same order, the same shard files and ``.idx`` files, the same manifest.
 
-Shard boundaries. A single conversion cuts shards greedily (:func:`fastio.shards.starts_new_shard`: a new
+Shard boundaries. A single conversion cuts shards greedily (:func:`fastio.dataset.shards.starts_new_shard`: a new
 shard when the next sample would overflow ``shard_size`` or the shard holds ``max_samples_per_shard``). Each
-part starts on a cut that it predicts from file sizes (:func:`fastio.parts.predicted_shard_starts`) and cuts
+part starts on a cut that it predicts from file sizes (:func:`fastio.convert.parts.predicted_shard_starts`) and cuts
 its range by the same rule. The merge computes where the single run really cuts, from the sample sizes in the
 parts' ``.idx`` files, and then, per shard of the result:
 
 - a part shard that holds exactly the samples of a result shard is **linked** into place (a hard link, no
   copy; a copy where the file system refuses links);
 - any other result shard is **re-packed**: its samples' bytes are copied out of the part shards (no decode)
-  through the same :class:`~fastio.shards.ShardWriter`.
+  through the same :class:`~fastio.dataset.shards.ShardWriter`.
 
 When the prediction holds (no sample skipped while loading, no ``max_side`` re-encoding) every shard is
 linked. A skipped or re-encoded sample moves the single run's cuts after it, and greedy cuts that started
@@ -35,15 +35,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fastio.atomic import fsync_dir, publish, tmp_path_for
-from fastio.convert import check_dest, reset_dest
-from fastio.dsindex import INDEX_NAME, build_index
-from fastio.errors import ConvertError, DatasetError
-from fastio.idx import IndexEntry, parse_index
-from fastio.images import is_image_field
-from fastio.index_dataset import INDEX_PLAN, merge_index_parts
-from fastio.lock import LOCK_NAME, DirLock, LockedError
-from fastio.manifest import (
+from fastio.convert.index_command import INDEX_PLAN, merge_index_parts
+from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
+from fastio.convert.run import check_dest, reset_dest
+from fastio.dataset.manifest import (
     SHARDS_DIR,
     Manifest,
     ShardRecord,
@@ -52,8 +47,13 @@ from fastio.manifest import (
     write_manifest,
     write_splits,
 )
-from fastio.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
-from fastio.shards import ShardWriter, sample_span, starts_new_shard
+from fastio.dataset.sample_table import INDEX_NAME, build_index
+from fastio.dataset.shards import ShardWriter, sample_span, starts_new_shard
+from fastio.errors import ConvertError, DatasetError
+from fastio.formats.dali_idx import IndexEntry, parse_index
+from fastio.formats.images import is_image_field
+from fastio.storage.atomic import fsync_dir, publish, tmp_path_for
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
 __all__ = ["MergeResult", "merge", "publish_dataset"]
 
@@ -294,7 +294,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
             counts["linked"] += 1
     manifest_fields = dict(
         name=plan["name"], fields=sorted(fields), skipped=skipped,
-        image_fields=sorted(f for f in fields if is_image_field(f)), source=plan["source"],
+        image_fields=sorted(f for f in fields if is_image_field(f)), converted_from=plan["source"],
         label_map=plan["label_map"], image_field=plan["image_field"], label_field=plan["label_field"],
         label_rule=plan.get("label_rule"), convert_options=options)
     if name:

@@ -26,7 +26,7 @@ SPLIT_BY = ("label", "random")
 def assign_splits(n: int, fractions: dict[str, float], seed: int, labels: Sequence[Hashable] | None = None
                   ) -> dict[str, list[int]]:
     """Sorted entry indices per split name (``train`` first: the remainder), stratified by ``labels`` (one per
-    entry) when given, else drawn at random. ``fractions`` as :func:`fastio.convert.parse_split` returns them.
+    entry) when given, else drawn at random. ``fractions`` as :func:`fastio.convert.run.parse_split` returns them.
     Raises ValueError naming the split that would be empty, or ``train`` when nothing is left for it."""
     sizes = {}
     for name, frac in fractions.items():

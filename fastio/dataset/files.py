@@ -1,7 +1,7 @@
 """Where a dataset's files are: the seam between :class:`fastio.Dataset` and storage (which only moves bytes:
-the dataset layout, ``shards/``, ``samples.fxi``, ``splits.json``, is known here and in :mod:`fastio.manifest`).
+the dataset layout, ``shards/``, ``samples.fxi``, ``splits.json``, is known here and in :mod:`fastio.dataset.manifest`).
 
-:class:`LocalSource` is a DEST directory read in place. :class:`RemoteSource` is a DEST on an object store: its
+:class:`LocalFiles` is a DEST directory read in place. :class:`RemoteFiles` is a DEST on an object store: its
 manifest and ``.idx`` files are copied (verified) into the cache's metadata folder, and its shards are read
 through the :class:`~fastio.storage.cache.ShardCache`, so the reader always gets local files to ``pread``.
 """
@@ -16,8 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fastio.errors import DatasetError, StorageError
-from fastio.manifest import (
+from fastio.dataset.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
     SPLITS_NAME,
@@ -27,16 +26,17 @@ from fastio.manifest import (
     load_manifest,
     split_names,
 )
+from fastio.errors import DatasetError, StorageError
 from fastio.storage.base import Storage, open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache, default_cache_dir
 from fastio.storage.options import StorageOptions
 from fastio.storage.url import parse_location
 
-__all__ = ["DatasetSource", "LocalSource", "RemoteSource", "dest_child", "dest_split_names", "no_manifest",
-           "open_source"]
+__all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "no_manifest",
+           "open_files"]
 
 
-class DatasetSource:
+class DatasetFiles:
     """What :class:`fastio.Dataset` asks of the place a DEST lives."""
 
     display: str | Path
@@ -60,7 +60,7 @@ class DatasetSource:
 
     def check(self, records: list[ShardRecord]) -> None:
         """Raise DatasetError naming the first shard or ``.idx`` that is missing (``samples.fxi`` is checked
-        when :class:`~fastio.dsindex.SampleIndex` opens it)."""
+        when :class:`~fastio.dataset.sample_table.SampleIndex` opens it)."""
         raise NotImplementedError
 
     def shard_files(self, records: list[ShardRecord], *, read_ahead: int = 2,
@@ -76,7 +76,7 @@ class DatasetSource:
         yield self.shard_path(record)
 
 
-class LocalSource(DatasetSource):
+class LocalFiles(DatasetFiles):
     def __init__(self, root: Path):
         self.root = self.display = Path(root)
 
@@ -140,7 +140,7 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
     return DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
 
 
-class RemoteSource(DatasetSource):
+class RemoteFiles(DatasetFiles):
     """A DEST on an object store, read through a node-local :class:`ShardCache`."""
 
     def __init__(self, storage: Storage, cache: ShardCache):
@@ -268,14 +268,14 @@ def _refuse_split_parent(dest: str | Path, splits: list[str] | None) -> None:
         raise DatasetError(f"{dest}: holds the splits {', '.join(splits)}, not one dataset: open {children}")
 
 
-def open_source(dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,
-                storage_options: StorageOptions | dict | None = None) -> DatasetSource:
-    """The :class:`DatasetSource` of a DEST: a local directory, or an ``s3://`` URL read through a cache in
+def open_files(dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,
+                storage_options: StorageOptions | dict | None = None) -> DatasetFiles:
+    """The :class:`DatasetFiles` of a DEST: a local directory, or an ``s3://`` URL read through a cache in
     ``cache_dir`` (default :func:`~fastio.storage.cache.default_cache_dir`) bounded by ``cache_size``."""
     storage = open_storage(dest, storage_options)
     if not storage.remote:
-        return LocalSource(storage.location.path)
-    return RemoteSource(storage, ShardCache(cache_dir or default_cache_dir(), cache_size))
+        return LocalFiles(storage.location.path)
+    return RemoteFiles(storage, ShardCache(cache_dir or default_cache_dir(), cache_size))
 
 
 def dest_child(dest: str | Path, name: str) -> str | Path:
@@ -286,7 +286,7 @@ def dest_child(dest: str | Path, name: str) -> str | Path:
 
 
 def dest_split_names(dest: str | Path, storage_options: StorageOptions | dict | None = None) -> list[str] | None:
-    """:func:`fastio.manifest.split_names` for a folder or a URL DEST."""
+    """:func:`fastio.dataset.manifest.split_names` for a folder or a URL DEST."""
     storage = open_storage(dest, storage_options)
     if not storage.remote:
         return split_names(storage.location.path)

@@ -3,7 +3,7 @@
 SOURCE is a folder (every ``*.tar`` below it, in sorted order; links to files followed, links to folders
 listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a brace pattern of
 shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused.
-Each tar is read once (:func:`fastio.index_tar.read_tar`; from an object store downloaded by parallel ranged
+Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an object store downloaded by parallel ranged
 GETs into a temporary file, removed after). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
@@ -33,24 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastio.atomic import atomic_write_bytes
-from fastio.dsindex import INDEX_NAME, IndexBuilder
-from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, format_index, load_index
-from fastio.images import is_image_field
-from fastio.index_tar import COMPRESSED, TarContents, as_fields, read_tar
-from fastio.lock import LOCK_NAME, DirLock, LockedError
-from fastio.manifest import (
-    MANIFEST_NAME,
-    MARKER_NAME,
-    SHARDS_DIR,
-    Manifest,
-    ShardRecord,
-    is_location,
-    make_manifest,
-    write_manifest,
-)
-from fastio.parts import (
+from fastio.convert.foreign_tar import COMPRESSED, TarContents, as_fields, read_tar
+from fastio.convert.parts import (
     PART_RECORD,
     PARTS_DIR,
     PartRecord,
@@ -60,13 +44,29 @@ from fastio.parts import (
     part_range,
     write_part_record,
 )
+from fastio.dataset.files import LocalFiles
+from fastio.dataset.manifest import (
+    MANIFEST_NAME,
+    MARKER_NAME,
+    SHARDS_DIR,
+    Manifest,
+    ShardRecord,
+    is_location,
+    make_manifest,
+    write_manifest,
+)
+from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
+from fastio.errors import DatasetError
+from fastio.formats.dali_idx import IndexEntry, format_index, load_index
+from fastio.formats.images import is_image_field
+from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
-from fastio.source import LocalSource
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.storage.options import StorageOptions
-from fastio.wds import field_of
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts",
            "paths_pattern"]
@@ -114,7 +114,7 @@ class IndexConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
                 raise ValueError(f"{key}: {value!r} is not a field name")
-            if value is not None:  # a field is a lowercased suffix (fastio.wds.field_of)
+            if value is not None:  # a field is a lowercased suffix (fastio.formats.wds.field_of)
                 object.__setattr__(self, key, field_of(value))
 
 
@@ -314,7 +314,7 @@ def _location(shard: _Shard, in_place: bool) -> str:
 
 def _check_locations(shards: list[_Shard], in_place: bool, dest: str) -> None:
     """DatasetError, before anything is written, naming a shard the manifest could not record
-    (:func:`fastio.manifest.is_location`)."""
+    (:func:`fastio.dataset.manifest.is_location`)."""
     for s in shards:
         where = _location(s, in_place)
         if is_location(where):
@@ -381,7 +381,7 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     after each shard. Raises :class:`DatasetError` naming the file and the reason a shard is refused.
 
     With ``config.part`` (``K/N``), index only the K-th of N runs of the listing: its ``.idx`` files are
-    published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.merge.merge` then
+    published, its records go to ``DEST/.parts/part-K-of-N/part.json``, and :func:`fastio.convert.merge.merge` then
     writes ``samples.fxi`` and the manifest (:func:`merge_index_parts`)."""
     try:
         return _index_shards(config, progress)
@@ -556,7 +556,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
         name=name, shards=done.records, fields=fields, index=index, image_field=image,
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
         label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
-        source={"format": "webdataset", "path": source, "indexed_in_place": in_place})
+        converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})
     write_manifest(staged, manifest)
     _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return manifest
@@ -583,7 +583,7 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
         raise DatasetError(f"{dest}: already holds a dataset ({MANIFEST_NAME}); pass overwrite (--overwrite) "
                            "to index again")
     done = _Indexed()
-    source = LocalSource(Path(dest))
+    source = LocalFiles(Path(dest))
     for part in records:
         state = part.datasets[""]
         for i, data in enumerate(state["shards"]):

@@ -1,10 +1,10 @@
 """``fastio.Mixture``: several datasets read as one, in weighted proportions, in one deterministic order.
 
-A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.Dataset`\\ s), their relative weights (or a
+A :class:`Mixture` names its sources (opened :class:`~fastio.dataset.dataset.Dataset`\\ s), their relative weights (or a
 schedule of weights that change at positions of the stream) and the samples of a mixture epoch;
-:class:`fastio.Loader` accepts it where it accepts a dataset. The order is :mod:`fastio.mixorder`'s.
-:class:`MixReader` reads a batch of mixture ids with one :class:`~fastio.reader.Reader` per source and hands back
-one :class:`~fastio.reader.ReadBatch`.
+:class:`fastio.Loader` accepts it where it accepts a dataset. The order is :mod:`fastio.order.mixorder`'s.
+:class:`MixReader` reads a batch of mixture ids with one :class:`~fastio.read.reader.Reader` per source and hands back
+one :class:`~fastio.read.reader.ReadBatch`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.mixorder import MixSampler, MixSchedule, check_positions, check_shares
-from fastio.reader import ReadBatch, Reader
-from fastio.sampler import SamplerSpec
+from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
+from fastio.order.sampler import SamplerSpec
+from fastio.read.reader import ReadBatch, Reader
 from fastio.storage.url import is_remote
 
 _EMPTY = np.empty(0, np.uint8)
@@ -143,7 +143,7 @@ class Mixture:
         return hashlib.sha256(repr((self.names, self.fingerprints)).encode()).hexdigest()[:16]
 
     def schedule(self, seed: int) -> MixSchedule:
-        """The order of the sources' positions with ``seed`` (:class:`~fastio.mixorder.MixSchedule`)."""
+        """The order of the sources' positions with ``seed`` (:class:`~fastio.order.mixorder.MixSchedule`)."""
         return MixSchedule(self.names, self.weights, self.fingerprints, self.samples_per_epoch, seed,
                            changes=self.phases[1:])
 
@@ -175,7 +175,7 @@ class Mixture:
 
     def describe(self, ids: int) -> str:
         """``"mixture source NAME: DEST: shard ... key ..."`` of one mixture id, for messages."""
-        from fastio.reader import sample_where
+        from fastio.read.reader import sample_where
 
         src, index = self.split(np.array([ids]))
         s = int(src[0])

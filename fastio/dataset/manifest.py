@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from fastio import __version__
-from fastio.atomic import atomic_write_bytes
 from fastio.errors import DatasetError
-from fastio.images import is_image_field
-from fastio.labels import LABEL_RULES
-from fastio.wds import is_field_name, is_plain_name
+from fastio.formats.images import is_image_field
+from fastio.formats.labels import LABEL_RULES
+from fastio.formats.wds import is_field_name, is_plain_name
+from fastio.storage.atomic import atomic_write_bytes
 
 __all__ = [
     "FORMAT",
@@ -184,7 +184,7 @@ _XXH3S = re.compile(f"(?:{_XXH3.pattern}\n)*")
 
 @dataclasses.dataclass(frozen=True)
 class IndexRecord:
-    """The manifest's ``index`` entry: the consolidated sample index ``DEST/NAME`` (see :mod:`fastio.dsindex`).
+    """The manifest's ``index`` entry: the consolidated sample index ``DEST/NAME`` (see :mod:`fastio.dataset.sample_table`).
 
     Optional in the manifest (format_version 1 stays readable both ways): a dataset without it is opened
     from its per-shard ``.idx`` files.
@@ -270,6 +270,20 @@ _OPTIONAL_KEYS = ("kind", "tokens", "index", "image_field", "image_fields", "fie
                   "label_map", "label_rule", "skipped", "source", "convert_options", "split")
 """The manifest's optional keys: written when set (or named in :attr:`Manifest.nulls`), absent otherwise."""
 
+_ATTRIBUTES = {"source": "converted_from"}
+"""JSON keys whose :class:`Manifest` field has another name (``source`` is a mixture's member in fastio's
+Python; the manifest's key keeps its spelling, so old manifests stay readable and new ones byte-identical)."""
+
+
+def _attribute(key: str) -> str:
+    """The :class:`Manifest` field of JSON key ``key``."""
+    return _ATTRIBUTES.get(key, key)
+
+
+def _json_key(attribute: str) -> str:
+    """The JSON key of :class:`Manifest` field ``attribute``."""
+    return next((k for k, a in _ATTRIBUTES.items() if a == attribute), attribute)
+
 
 @dataclasses.dataclass(frozen=True, eq=True)
 class Manifest:
@@ -308,11 +322,11 @@ class Manifest:
     label_map: dict[str, int] | None = None
     """Class name to label, for a source that named its classes."""
     label_rule: str | None = None
-    """How a table's labels were read (:data:`fastio.labels.LABEL_RULES`)."""
+    """How a table's labels were read (:data:`fastio.formats.labels.LABEL_RULES`)."""
     skipped: list[dict[str, str]] | None = None
     """What the writer left out, each ``{path, reason}`` (None: the writer keeps no such list)."""
-    source: dict[str, Any] | None = None
-    """What the dataset was made from (format, path, ...)."""
+    converted_from: dict[str, Any] | None = None
+    """What the dataset was made from (format, path, ...): JSON key ``source``."""
     convert_options: dict[str, Any] | None = None
     """The options of the conversion that wrote it."""
     split: dict[str, Any] | None = None
@@ -336,7 +350,7 @@ class Manifest:
             "name": self.name, "shards": [s.as_dict() for s in self.shards], "total_samples": self.total_samples,
             "total_bytes": self.total_bytes, "fields": list(self.fields)}
         for key in _OPTIONAL_KEYS:
-            value = getattr(self, key)
+            value = getattr(self, _attribute(key))
             if key == "kind" and value == "samples":
                 value = None
             if value is not None:
@@ -352,7 +366,7 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """The manifest of a JSON object that :func:`_validate` has passed."""
-        optional = {k: data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index")}
+        optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index")}
         tokens, index = data.get("tokens"), data.get("index")
         shards = shard_records(data)
         return cls(name=data.get("name"), shards=shards, fields=list(data["fields"]),
@@ -377,12 +391,12 @@ def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], in
                   **optional: Any) -> Manifest:
     """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
     if one was written; ``optional`` sets :class:`Manifest`'s optional fields (``image_field``, ``label_field``,
-    ``label_map``, ``source``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``).
+    ``label_map``, ``converted_from``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``).
     One given as None is written as ``null``. A ``ValueError`` names a key the manifest does not have."""
-    unknown = sorted(set(optional) - set(_OPTIONAL_KEYS))
+    unknown = sorted(set(optional) - {_attribute(k) for k in _OPTIONAL_KEYS})
     if unknown:
         raise ValueError(f"make_manifest: {', '.join(unknown)} is not a manifest field")
-    nulls = frozenset(k for k, v in optional.items() if v is None)
+    nulls = frozenset(_json_key(k) for k, v in optional.items() if v is None)
     if optional.get("kind") is None:
         optional.pop("kind", None)
     return Manifest(name=name, shards=list(shards), fields=sorted(fields), index=index,

@@ -2,7 +2,7 @@
 and where every sample lies (:meth:`Dataset.locate`, from the consolidated sample index).
 
 Opening reads ``manifest.json``, lists ``DEST/shards/`` once and memory-maps ``DEST/samples.fxi``
-(:mod:`fastio.dsindex`); no ``.idx`` file is read until a sample's key is asked for. A dataset written
+(:mod:`fastio.dataset.sample_table`); no ``.idx`` file is read until a sample's key is asked for. A dataset written
 before the consolidated index existed (its manifest has no ``index``) is opened from its ``.idx`` files,
 which are parsed into the same in-memory index on first use.
 """
@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from fastio.dsindex import IndexBuilder, Rows, SampleIndex
+from fastio.dataset.files import DatasetFiles, open_files
+from fastio.dataset.manifest import Manifest, ShardRecord
+from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry, load_index
-from fastio.labels import parse_label
-from fastio.manifest import Manifest, ShardRecord
-from fastio.source import DatasetSource, open_source
+from fastio.formats.dali_idx import IndexEntry, load_index
+from fastio.formats.labels import parse_label
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
@@ -33,9 +33,9 @@ _KEY_SHARDS = 8  # parsed .idx files kept for key lookups
 
 @dataclass(frozen=True)
 class Shard(ShardRecord):
-    """A manifest's :class:`~fastio.manifest.ShardRecord` located in an opened DEST."""
+    """A manifest's :class:`~fastio.dataset.manifest.ShardRecord` located in an opened DEST."""
 
-    source: DatasetSource = dataclasses.field(repr=False, compare=False, kw_only=True)
+    files: DatasetFiles = dataclasses.field(repr=False, compare=False, kw_only=True)
     """Where the DEST lives (a local folder, or an object store read through a node-local cache)."""
     first: int = dataclasses.field(default=0, kw_only=True)
     """Dataset-wide index of the shard's first sample."""
@@ -43,12 +43,12 @@ class Shard(ShardRecord):
     @property
     def path(self) -> Path:
         """The local tar file (for a remote DEST: its cache entry, maybe not filled yet)."""
-        return self.source.shard_path(self)
+        return self.files.shard_path(self)
 
     @property
     def idx_path(self) -> Path:
         """Its local ``.idx`` file (for a remote DEST: fetched and verified on first use)."""
-        return self.source.idx_path(self)
+        return self.files.idx_path(self)
 
 
 @dataclass(frozen=True)
@@ -85,20 +85,20 @@ class Dataset:
         if isinstance(dest, (list, tuple)):
             raise _a_list(dest)
         # Where the files are (a local DEST, or an s3:// DEST read through a node-local cache) is the storage
-        # layer's business: the source hands over the manifest, the local index and local shard paths.
-        self.source = open_source(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
-        self.root: Path | str = self.source.display
+        # layer's business: its files (`DatasetFiles`) hand over the manifest, the local index and local shard paths.
+        self.files = open_files(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
+        self.root: Path | str = self.files.display
         self.verify = verify
-        self.manifest: Manifest = self.source.load_manifest()
+        self.manifest: Manifest = self.files.load_manifest()
         shards, first = [], 0
         for record in self.manifest.shards:
-            shards.append(Shard(**_record_fields(record), source=self.source, first=first))
+            shards.append(Shard(**_record_fields(record), files=self.files, first=first))
             first += record.samples
         self.shards: list[Shard] = shards
         self._starts = np.array([s.first for s in shards] + [first], np.int64)
         self._keys: dict[int, list[str]] = {}
         self._keys_lock = threading.Lock()
-        self.source.check(shards)
+        self.files.check(shards)
         if self.manifest.index is not None:  # memory-mapped and checked now; .idx files only on demand
             self.index  # noqa: B018
 
@@ -148,7 +148,7 @@ class Dataset:
         rows = self.locate(np.arange(shard.first, shard.first + shard.samples, dtype=np.int64))
         offsets, sizes = rows.offsets[field].tolist(), rows.sizes[field].tolist()
         largest = -1
-        with self.source.local_shard(shard) as path, open(path, "rb") as f:
+        with self.files.local_shard(shard) as path, open(path, "rb") as f:
             for j, (offset, size) in enumerate(zip(offsets, sizes)):
                 if size < 0:
                     continue
@@ -161,7 +161,8 @@ class Dataset:
         return largest
 
     def read_index(self, shard: Shard) -> list[IndexEntry]:
-        """The shard's index, checked against the manifest (sha256, counts, ranges: :func:`fastio.idx.load_index`)."""
+        """The shard's index, checked against the manifest (sha256, counts, ranges:
+        :func:`fastio.formats.dali_idx.load_index`)."""
         try:
             return load_index(shard.idx_path.read_bytes(), samples=shard.samples, tar_bytes=shard.bytes,
                               sha256=shard.idx_sha256, source=str(shard.idx_path))
@@ -179,7 +180,7 @@ class Dataset:
             raise DatasetError(f"{self.root}: a token dataset (Megatron .bin/.idx shards): its documents are read by "
                                "fastio.tokens (docs/tokens.md), not as samples")
         if record is not None:
-            return SampleIndex.open(self.source.index_path(record), counts, self.fields, record, verify=self.verify,
+            return SampleIndex.open(self.files.index_path(record), counts, self.fields, record, verify=self.verify,
                                     shard_bytes=[s.bytes for s in self.shards])
         builder = IndexBuilder()
         for shard in self.shards:

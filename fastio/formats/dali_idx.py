@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from fastio.wds import member_name, split_member_name
+from fastio.formats.wds import member_name, split_member_name
 
 __all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "load_index", "parse_index"]
 

@@ -3,7 +3,7 @@ how well each shuffle mode of the Loader mixes it (:func:`order_quality`).
 
 Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.json``), in which case
 each split is described. Sample bytes (labels, image headers) are read through
-:class:`fastio.reader.Reader`; the order itself comes from the pure :func:`fastio.sampler.epoch_order`.
+:class:`fastio.read.reader.Reader`; the order itself comes from the pure :func:`fastio.order.sampler.epoch_order`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from fastio.dataset import Dataset
+from fastio.dataset.dataset import Dataset
+from fastio.dataset.files import dest_child, dest_split_names
 from fastio.errors import DatasetError
-from fastio.images import image_size, is_image_field
-from fastio.reader import Reader
-from fastio.sampler import SHUFFLE_MODES, epoch_order
-from fastio.source import dest_child, dest_split_names
+from fastio.formats.images import image_size, is_image_field
+from fastio.order.sampler import SHUFFLE_MODES, epoch_order
+from fastio.read.reader import Reader
 from fastio.tokens.megatron import MegatronIndex
 
 __all__ = ["inspect", "order_quality", "packing_report"]
@@ -89,7 +89,7 @@ def _inspect_tokens(ds: Dataset, order: bool, seq_len: int, window: int) -> dict
     per_doc = ({"min": int(lengths.min()), "median": float(np.median(lengths)), "mean": round(float(lengths.mean()), 1),
                 "max": int(lengths.max())} if lengths.size else None)
     return {"path": str(ds.root), "samples": len(ds), "shards": len(ds.shards),
-            "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.source,
+            "bytes": sum(s.bytes for s in ds.shards), "fingerprint": ds.fingerprint, "source": ds.manifest.converted_from,
             "fields": {}, "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
             "tokens": {**ds.manifest.tokens.as_dict(), "per_document": per_doc},
             **({"packing": packing_report(ds, seq_len, window)} if order else {})}
@@ -101,7 +101,7 @@ def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int =
     """How well the epoch order of ``mode`` mixes a dataset whose samples have ``labels`` (in manifest order).
 
     ``shard_sizes``, ``seed``, ``epoch``, ``block_shards`` and ``fingerprint`` (the dataset's, for the
-    order a Loader really delivers) determine the order as :func:`fastio.sampler.epoch_order` does.
+    order a Loader really delivers) determine the order as :func:`fastio.order.sampler.epoch_order` does.
 
     Returns ``{"mode", "samples", "batch_size", "classes", "class_mixing", "class_mixing_ideal",
     "class_mixing_ratio", "mean_displacement", "mean_displacement_ideal"}``: class mixing is the mean
@@ -150,7 +150,7 @@ def _label_value(raw: bytes) -> int | str:
 def _read(ds: Dataset, field: str, indices: np.ndarray) -> list[bytes]:
     """``field`` of samples ``indices``, in batches so that image probes hold little in memory."""
     out: list[bytes] = []
-    with Reader(ds, [field], threads=1, files=ds.source.shard_files(ds.shards, read_ahead=0)) as reader:
+    with Reader(ds, [field], threads=1, files=ds.files.shard_files(ds.shards, read_ahead=0)) as reader:
         for start in range(0, len(indices), _READ_BATCH):
             out.extend(bytes(a) for a in reader.read(indices[start:start + _READ_BATCH])[field])
     return out
@@ -227,7 +227,7 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
     n = len(ds)
     info: dict[str, Any] = {
         "path": str(root), "samples": n, "shards": len(ds.shards), "bytes": sum(s.bytes for s in ds.shards),
-        "fingerprint": ds.fingerprint, "source": ds.manifest.source,
+        "fingerprint": ds.fingerprint, "source": ds.manifest.converted_from,
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
         "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],

@@ -19,7 +19,7 @@ after the header). Columns:
   data starts ``padded(size_k) + 512`` after field k's. Shards laid out otherwise store them.
 
 The shard of a sample is not stored: it follows from the manifest's per-shard counts. Keys are not
-stored either: :class:`fastio.dataset.Dataset` reads one shard's ``.idx`` when a key is asked for
+stored either: :class:`fastio.dataset.dataset.Dataset` reads one shard's ``.idx`` when a key is asked for
 (errors, ``Loader.key``). A dataset of 10^9 two-field (jpg, cls) samples costs 9 bytes a sample.
 
 :func:`build_index` (or :class:`IndexBuilder` shard by shard) makes it from ``(ShardRecord, [IndexEntry])``
@@ -44,11 +44,11 @@ from typing import BinaryIO
 
 import numpy as np
 
-from fastio.atomic import atomic_write_bytes, publish, tmp_path_for
-from fastio.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
+from fastio.dataset.manifest import IndexRecord, ShardRecord
 from fastio.errors import DatasetError
-from fastio.idx import IndexEntry
-from fastio.manifest import IndexRecord, ShardRecord
+from fastio.formats.dali_idx import IndexEntry
+from fastio.storage.atomic import atomic_write_bytes, publish, tmp_path_for
+from fastio.storage.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
 
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexBuilder", "Rows", "SampleIndex", "build_index", "check_index"]
 

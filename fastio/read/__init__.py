@@ -1,0 +1,1 @@
+"""Reading batches: the ``Reader``, the read set (one dataset or a ``Mixture``), the ``Feeder`` and stats."""

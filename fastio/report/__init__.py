@@ -1,0 +1,1 @@
+"""What ``fastio verify`` and ``fastio inspect`` report: read-only looks at a dataset or a mixture."""
