@@ -28,7 +28,7 @@ from fastio.dataset.dataset import Dataset
 from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.sampler import SamplerSpec
-from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline
+from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline, spell
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture
 from fastio.read.readset import ReadSet, coming, open_read_set
@@ -81,10 +81,10 @@ class LoaderConfig:
     and the pipeline object that owns the rest; checked when made, then read-only.
 
     ``dataclasses.replace(config, **changes)`` (or ``Loader(dest, config, **changes)``) makes a changed copy.
-    The old flat image options (``image_size``, ``mean``, ``std``, ``dtype``, ``layout``, ``eval_crop_ratio``,
-    ``fields``) still work beside ``pipeline="image-train"`` (``"image-eval"``, ``"raw"``, a graph function):
-    they are mapped to the pipeline object in one place (:func:`fastio.pipelines.as_pipeline`), the same batches
-    bit for bit; beside a pipeline object they are refused.
+    The Loader's old flat image options (``image_size``, ``mean``, ``std``, ``dtype``, ``layout``,
+    ``eval_crop_ratio``, ``fields``) are no fields of it: ``Loader(dest, pipeline="image-train", image_size=224)``
+    maps them to the pipeline object before the config is made, in one place (:mod:`fastio.pipelines.spellings`),
+    the same batches bit for bit; beside a pipeline object they are refused.
     """
 
     batch_size: int = 64
@@ -93,7 +93,8 @@ class LoaderConfig:
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
     :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function
     ``f(image, device) -> DataNode | dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is
-    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw`` (with the old options below)."""
+    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw``; the config holds the
+    object (a name or function given is made one by :func:`fastio.pipelines.as_pipeline`)."""
     device: str = "auto"
     """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
     ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
@@ -143,22 +144,6 @@ class LoaderConfig:
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
     order the sampler will want them (0: fetch on demand only); fewer, with one warning line, where the cache
     has no room for them on top of what the batches read at once."""
-    image_size: int | None = None
-    """Old spelling of ``ImageTrain(size=)`` / ``ImageEval(size=)`` (default 224)."""
-    fields: tuple[str, ...] | None = None
-    """Old spelling of the pipeline object's ``fields=`` (see :class:`fastio.ImageTrain`, :class:`fastio.Raw`)."""
-    mean: tuple[float, float, float] | None = None
-    """Old spelling of ``ImageTrain(mean=)`` (default: ImageNet's, on the 0..1 scale)."""
-    std: tuple[float, float, float] | None = None
-    """Old spelling of ``ImageTrain(std=)`` (default: ImageNet's, on the 0..1 scale)."""
-    dtype: str | None = None
-    """Old spelling of ``ImageTrain(dtype=)``: float32 (default), float16 or uint8."""
-    layout: str | None = None
-    """Old spelling of ``ImageTrain(layout=)``: CHW (default) or HWC."""
-    eval_crop_ratio: float | None = None
-    """Old spelling of ``ImageEval(crop_ratio=)`` (default 0.875)."""
-    graph: Pipeline = field(init=False, repr=False, compare=False)
-    """The pipeline object these options describe (made and checked once, here)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
     """The order and batching these options describe (built and checked once, here)."""
 
@@ -180,9 +165,12 @@ class LoaderConfig:
             raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
         put("sampling", SamplerSpec(seed=self.seed, shuffle=self.shuffle, block_shards=self.block_shards,
                                     batch_size=self.batch_size, drop_last=self.drop_last, remainder=self.remainder))
-        put("graph", as_pipeline(self.pipeline, fields=self.fields, image_size=self.image_size, mean=self.mean,
-                                 std=self.std, dtype=self.dtype, layout=self.layout,
-                                 eval_crop_ratio=self.eval_crop_ratio))
+        put("pipeline", as_pipeline(self.pipeline))
+
+    @property
+    def graph(self) -> Pipeline:
+        """The pipeline object (:attr:`pipeline`; its older name)."""
+        return self.pipeline
 
 
 class Loader:
@@ -198,9 +186,9 @@ class Loader:
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, **overrides: Any):
         _check_habits(overrides)
         if config is None:
-            config = LoaderConfig(**overrides)
+            config = LoaderConfig(**spell(overrides))
         elif overrides:
-            config = dataclasses.replace(config, **overrides)
+            config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.graph
         self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)

@@ -18,6 +18,7 @@ from resume import same_batch
 
 pl = pytest.importorskip("lightning.pytorch")
 
+import fastio  # noqa: E402
 from fastio import Loader  # noqa: E402
 from fastio.integrations.lightning import FastioDataModule, LightningLoader  # noqa: E402
 
@@ -139,3 +140,13 @@ def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp
                     k: v for k, v in OPTIONS.items() if k != "image_size"}) as ref:
                 ref.set_epoch(epoch)
                 assert ranks[r] == [i for b in ref for i in b["index"].tolist()]
+
+
+def test_the_datamodule_maps_the_old_image_options_to_both_pipeline_objects(image_dataset):
+    """``image_size=`` beside the options reaches the training ``ImageTrain`` and the validation ``ImageEval``."""
+    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS, eval_crop_ratio=0.5)
+    assert data.config.pipeline == fastio.ImageTrain(size=32)
+    assert data.val_config.pipeline == fastio.ImageEval(size=32, crop_ratio=0.5)
+    assert (data.val_config.shuffle, data.val_config.remainder, data.val_config.batch_size) == ("none", "partial", 8)
+    raw = FastioDataModule(image_dataset, image_dataset, val_options={"pipeline": "raw"}, fields=("cls",), **OPTIONS)
+    assert raw.val_config.pipeline == fastio.Raw(fields=("cls",))

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from resume import batches, same_batch
 
+import fastio
 from fastio.dataset.dataset import Dataset
 from fastio.loader import Loader, LoaderConfig
 from fastio.order.sampler import Sampler, SamplerSpec
@@ -158,22 +159,23 @@ def test_rank_defaults_from_environment(image_dataset, monkeypatch):
 
 
 def test_config_object_and_overrides(image_dataset):
-    cfg = LoaderConfig(batch_size=4, image_size=32, device="cpu", world_size=1, rank=0)
+    cfg = LoaderConfig(batch_size=4, pipeline=fastio.ImageTrain(size=32), device="cpu", world_size=1, rank=0)
     loader = Loader(image_dataset, cfg, batch_size=6)
     assert loader.config.batch_size == 6 and len(loader) == 8
     assert loader.config.sampling.batch_size == 6 and cfg.sampling.batch_size == 4
 
 
 def test_config_builds_its_graph_and_sampling_specs_once_and_is_read_only(image_dataset):
-    cfg = LoaderConfig(batch_size=4, image_size=40, device="cpu", world_size=1, rank=0, shuffle="block", seed=9)
+    cfg = LoaderConfig(batch_size=4, pipeline=fastio.ImageTrain(size=40), device="cpu", world_size=1, rank=0,
+                       shuffle="block", seed=9)
     assert cfg.graph == GraphSpec("image-train", image_size=40)
     assert cfg.sampling == SamplerSpec(seed=9, shuffle="block", batch_size=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.image_size = 64  # would leave cfg.graph describing another graph
+        cfg.batch_size = 64  # would leave cfg.sampling describing another batching
     loader = Loader(image_dataset, cfg)
     assert loader.config is cfg and loader.config.graph is cfg.graph
     assert next(iter(loader))["image"].shape == (4, 3, 40, 40)
-    changed = dataclasses.replace(cfg, image_size=24)
+    changed = dataclasses.replace(cfg, pipeline=fastio.ImageTrain(size=24))
     assert changed.graph.image_size == 24 and cfg.graph.image_size == 40
 
 

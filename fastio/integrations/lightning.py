@@ -39,6 +39,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from fastio.loader import Loader, LoaderConfig
+from fastio.pipelines import old_options, spell
 
 __all__ = ["FastioDataModule", "LightningLoader"]
 
@@ -141,9 +142,11 @@ class FastioDataModule(pl.LightningDataModule):
             if name in options or name in (val_options or {}):
                 raise ValueError(f"{name}= is taken from the Lightning trainer; do not pass it")
         self.train, self.val = train, val
-        self.config = dataclasses.replace(config, **options) if config is not None else LoaderConfig(**options)
-        self.val_config = dataclasses.replace(self.config, **{"pipeline": "image-eval", "shuffle": "none",
-                                                              "remainder": "partial", **(val_options or {})})
+        fit = spell(options, base=None if config is None else config.pipeline)  # old spellings -> objects
+        self.config = dataclasses.replace(config, **fit) if config is not None else LoaderConfig(**fit)
+        validate = {"pipeline": "image-eval", "shuffle": "none", "remainder": "partial", **old_options(options),
+                    **(val_options or {})}
+        self.val_config = dataclasses.replace(self.config, **spell(validate))
         self._loaders: list[Loader] = []
         if val is None:  # Lightning runs no validation loop for a datamodule without this method
             self.val_dataloader = None

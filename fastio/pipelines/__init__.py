@@ -4,7 +4,7 @@ none) and how its batch is assembled (:mod:`fastio.pipelines.base` describes the
 Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, :class:`Graph` (a user's DALI graph),
 :class:`Tokens` (packed token sequences), and the clip kinds :class:`VideoClips` and :class:`AudioClips`
 (``media.py``).
-:func:`as_pipeline` maps the Loader's old flat options to them.
+:func:`spell` (through :func:`as_pipeline`) maps the Loader's old flat options to them, before a config is made.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, decodable
 from fastio.pipelines.media import AudioClips, VideoClips
 from fastio.pipelines.raw import Raw
-from fastio.pipelines.spellings import IMAGE_OPTIONS, KINDS, as_pipeline
+from fastio.pipelines.spellings import IMAGE_OPTIONS, KINDS, OLD_OPTIONS, as_pipeline, old_options, spell
 from fastio.pipelines.text import Tokenize
 from fastio.pipelines.tokens import Tokens
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_OPTIONS", "KINDS", "AudioClips", "BuiltPipeline", "Delivery",
-           "FieldChoice", "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokenize", "Tokens",
-           "VideoClips", "as_pipeline", "decodable"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMAGE_OPTIONS", "KINDS", "OLD_OPTIONS", "AudioClips", "BuiltPipeline",
+           "Delivery", "FieldChoice", "Graph", "ImageEval", "ImageTrain", "Pipeline", "Raw", "ReadFields", "Tokenize",
+           "Tokens", "VideoClips", "as_pipeline", "decodable", "old_options", "spell"]

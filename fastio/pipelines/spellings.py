@@ -1,5 +1,6 @@
 """The one place where the Loader's old flat options (``pipeline="image-train", image_size=224, mean=...,
-eval_crop_ratio=..., fields=...``) become a pipeline object; they give the same batches, bit for bit."""
+eval_crop_ratio=..., fields=...``) become a pipeline object, before a :class:`~fastio.LoaderConfig` is made (it
+holds only what every kind shares, and the object); they give the same batches, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, check_crop_ratio, check_image_options
 from fastio.pipelines.raw import Raw
 
-__all__ = ["IMAGE_OPTIONS", "KINDS", "as_pipeline"]
+__all__ = ["IMAGE_OPTIONS", "KINDS", "OLD_OPTIONS", "as_pipeline", "old_options", "spell"]
 
 KINDS = ("image-train", "image-eval", "raw")
 """The built-in kinds by their old names."""
@@ -52,3 +53,26 @@ def as_pipeline(pipeline: str | Callable | Pipeline, fields: Any = None, **old: 
     if pipeline == "image-eval":
         return ImageEval(**image, crop_ratio=o["eval_crop_ratio"])
     return ImageTrain(**image)
+
+
+OLD_OPTIONS = (*IMAGE_OPTIONS, "fields")
+"""Every old flat option of the Loader: none is a :class:`~fastio.LoaderConfig` field; :func:`spell` maps them."""
+
+
+def old_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The old flat options among ``options`` (a Loader's keyword arguments), e.g. for a second Loader of the
+    same images with another kind (``FastioDataModule``'s validation Loader)."""
+    return {k: v for k, v in options.items() if k in OLD_OPTIONS}
+
+
+def spell(options: dict[str, Any], base: Pipeline | None = None) -> dict[str, Any]:
+    """``options`` (a Loader's keyword arguments) as :class:`~fastio.LoaderConfig` fields: ``pipeline=`` a kind's
+    old name or a graph function, with the old flat options (:data:`OLD_OPTIONS`), becomes one pipeline object
+    (:func:`as_pipeline`); the other options are returned as they are. Old options without ``pipeline=`` apply to
+    ``base`` (the pipeline of the config they change), else to ``"image-train"``."""
+    old = old_options(options)
+    out = {k: v for k, v in options.items() if k not in old}
+    if old or "pipeline" in out:
+        pipeline = out.get("pipeline", "image-train" if base is None else base)
+        out["pipeline"] = as_pipeline(pipeline, **old)
+    return out
