@@ -136,7 +136,7 @@ def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, stri
     """The restore behind :meth:`Checkpointer.restore_latest` (which checks the arguments and enters the
     operation on every rank first); collective over ``ck``'s rank group."""
     commit = ck._commit
-    candidates, unrecognised = ck._ranks.broadcast("plan", ck._ranks.run("plan", lambda: _plan(ck, step)))
+    candidates, unrecognised = ck._ranks.share("plan", lambda: _plan(ck, step))
     kept: dict[str, bytearray] = {}  # relative path -> bytes checked: held from the check to the load only
     chosen, skipped = _choose(ck, candidates, step, kept)
     newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
