@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	# megatron-core for the token interop tests only, without its dependencies (it needs none to read .idx)
 	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
+	# torchdata (StatefulDataLoader), a peer of the restart benchmark only, without its dependencies (torch stays the pinned one)
+	$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -211,8 +211,9 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
-    samples.fxi and manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only
-    manifest.json is written."""
+    samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
+    manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only manifest.json is
+    written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
@@ -300,7 +301,8 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
               help="Global batch size for --order (capped at the dataset size).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="A token dataset's --order: sequences of this many tokens (+1), packed as fastio.Tokens does "
-                   "(concat: sequences and tail; best-fit and first-fit: padding).")
+                   "(concat: sequences and tail; best-fit and first-fit: padding). A mixture file of token "
+                   "datasets: its order in concat sequences of this length.")
 @click.option("--skipped", "list_skipped", is_flag=True,
               help="List every input the conversion or index left out, with its reason (and nothing else).")
 @storage_flags(cache=True)
@@ -314,7 +316,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     from fastio.report.inspect import inspect as run_inspect
 
     if dest.endswith(".json") and not Path(dest).is_dir():  # a mixture file (docs/mixtures.md)
-        _inspect_mixture(dest, as_json, seed, epoch, batch_size, cache_dir, cache_size,
+        _inspect_mixture(dest, as_json, seed, epoch, batch_size, seq_len, cache_dir, cache_size,
                          storage_options(endpoint_url, region, profile))
         return
     try:
@@ -351,20 +353,21 @@ def _print_skipped(info: dict[str, Any]) -> None:
         click.echo(f"{info['path']}: nothing was skipped")
 
 
-def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
-                     cache_size: str | None, options: dict | None) -> None:
+def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, seq_len: int,
+                     cache_dir: Path | None, cache_size: str | None, options: dict | None) -> None:
     from fastio.read.mixture import Mixture
     from fastio.report.mix_order import mixture_order_report
 
     try:
         mixture = Mixture.from_file(path, cache_dir=cache_dir, cache_size=cache_size, storage_options=options)
-        info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size)
+        info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size, seq_len=seq_len)
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} samples per epoch")
+    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} {info['unit']} per "
+               "epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
