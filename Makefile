@@ -8,6 +8,7 @@ EXTRAS ?= cuda13,dev
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+LITDATA_STAMP := $(VENV)/.litdata-installed
 
 .PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
@@ -60,8 +61,14 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP)
+bench: $(STAMP) $(LITDATA_STAMP)
 	$(BIN)/python -m bench.run
+
+# litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
+# what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
+$(LITDATA_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
+	touch $(LITDATA_STAMP)
 
 bench-gpu: $(STAMP)
 	bash bench/gpu.sh

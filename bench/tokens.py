@@ -10,8 +10,8 @@ Figures (medians over the repeats, runs interleaved on the same files):
   Megatron-Core's ``GPTDataset`` over the same ``.bin``/``.idx`` in a ``torch.utils.data.DataLoader`` with one
   worker (target: 3x the tokens/s);
 - ``read vs litdata``: against LitData's ``TokensLoader`` (``StreamingDataset`` + ``StreamingDataLoader``, one
-  worker) over the same documents written by ``litdata.optimize`` (target: 3x; skipped, saying why, where
-  litdata is missing: ``pip install --no-deps litdata``, its own dependencies would replace torch);
+  worker) over the same documents written by ``litdata.optimize`` (target: 3x; ``make bench`` installs litdata
+  ``--no-deps``, its own dependencies would replace torch; skipped, saying why, where it is missing);
 - ``first batch at scale``: a synthetic token dataset (``.idx`` files of ``scale_docs`` documents, sparse ``.bin``
   files of zeros, a manifest as ``fastio index --eos-id 0`` writes it; made once, then reused) read by
   ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len))`` as rank 0 of 1,024 in a fresh process: seconds from the
@@ -195,7 +195,7 @@ def bench_read(workdir: Path, dest: Path, seq_len: int, repeats: int) -> dict[st
         if peer in runs:
             out[f"speedup_vs_{peer}"] = out["fastio"]["tokens_per_s"] / out[peer]["tokens_per_s"]
     if lit is None:
-        out["litdata"] = {"skipped": "litdata is not installed (pip install --no-deps litdata)"}
+        out["litdata"] = {"skipped": "litdata is not installed (make bench adds it: pip install --no-deps)"}
     if "megatron" not in runs:
         out["megatron"] = {"skipped": "megatron-core is not installed (make install adds it: pip install --no-deps)"}
     return out

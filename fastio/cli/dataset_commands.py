@@ -34,7 +34,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 
 
 @cli.command()
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source")
 @click.argument("dest")
 @click.option("--format", "fmt", metavar="FORMAT", default=None,
               help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
@@ -92,7 +92,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
                                                             "each document (default: the tokenizer's end-of-text token).")
 @storage_flags()
-def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
+def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
@@ -103,7 +103,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
-    With --tokenizer, tokenize text documents into a token dataset in the folder DEST."""
+    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset."""
     from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
@@ -116,7 +116,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
         kwargs["transcode"] = transcode
     try:
         config = ConvertConfig(
-            source=source, dest=dest, format=fmt, shard_size=shard_size,
+            source=Path(source), dest=dest, format=fmt, shard_size=shard_size,
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split, split_by=split_by,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
@@ -136,7 +136,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
 
 
 _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
-                "name", "overwrite", "quiet")
+                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile", "staging_dir")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -151,8 +151,9 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
-                                      "name", "overwrite")}
-    options.update({"text_field": params["text_field"] or "text"},
+                                      "name", "overwrite", "part", "staging_dir")}
+    options.update({"text_field": params["text_field"] or "text",
+                    "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:
         config = TokenConvertConfig(**options)

@@ -294,6 +294,19 @@ class MegatronWriter:
         self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(tokens.size)
 
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents back to back: ``tokens`` holds them all, ``lengths`` their token counts (in order)."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int64)
+        if int(lengths.sum()) != tokens.size or (lengths.size and lengths.min() < 0):
+            raise ValueError(f"lengths add up to {int(lengths.sum())}, not the {tokens.size} tokens given")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > self._limit):
+            bad = int(tokens[(tokens < 0) | (tokens > self._limit)][0])
+            raise ValueError(f"token id {bad} does not fit {self.dtype.name} ({self.bin_path.name})")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {lengths.max()} tokens does not fit a Megatron .idx (int32 lengths)")
+        self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.frombytes(lengths.astype(np.int64).tobytes())
+
     def close(self) -> WrittenShard:
         """Publish the pair (``.bin`` first, ``.idx`` last) and say what was written."""
         try:
