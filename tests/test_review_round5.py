@@ -150,3 +150,12 @@ def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the
     with fastio.Loader(mix, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
         with pytest.raises(fastio.DatasetError, match=NO_KEYS):
             loader.key("b", 0)
+
+
+def test_clip_pipelines_refuse_a_token_dataset_as_one(token_ds):
+    """docs/tokens.md: a token dataset given to a pipeline of stored samples is refused in one line saying so; the
+    clip kinds said 'dataset has no video field (its fields: )'."""
+    for pipe in (fastio.VideoClips(frames=2, size=8), fastio.AudioClips()):
+        with pytest.raises(fastio.DatasetError, match=rf"ds: a token dataset .*pipeline '{pipe.kind}' reads stored "
+                                                      r"samples: read it with fastio.Tokens"):
+            fastio.Loader(token_ds, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0)

@@ -118,6 +118,7 @@ class _Clips(Pipeline):
     """Fields delivered besides the clip (default: the label field, as ``batch["label"]``)."""
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        self.refuse_tokens(ds)
         test = is_video_field if self.media == "video" else is_audio_field
         media = _media_fields(ds, test, self.media)
         probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by reader()
