@@ -159,3 +159,19 @@ def test_clip_pipelines_refuse_a_token_dataset_as_one(token_ds):
         with pytest.raises(fastio.DatasetError, match=rf"ds: a token dataset .*pipeline '{pipe.kind}' reads stored "
                                                       r"samples: read it with fastio.Tokens"):
             fastio.Loader(token_ds, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0)
+
+
+def test_an_image_pipeline_on_a_video_dataset_points_to_the_clip_kinds(tmp_path):
+    """An image pipeline on a video dataset said 'dataset has no image field; use pipeline='raw'', a way out that
+    delivers bytes, not frames: it names the media field and the clip kind that reads it."""
+    pytest.importorskip("av")
+    from fastio.convert.run import ConvertConfig, convert
+    from fastio.convert.synthetic import make_audio, make_video
+
+    for i in range(2):
+        make_video(tmp_path / "v" / "c0" / f"v{i}.webm", frames=4, fps=12)
+        make_audio(tmp_path / "a" / "c0" / f"a{i}.flac", seconds=0.2, rate=16000, pitch=440.0)
+    for kind, clips in (("v", r"webm: read it with fastio\.VideoClips"), ("a", r"flac: read it with fastio\.AudioClips")):
+        convert(ConvertConfig(source=tmp_path / kind, dest=tmp_path / f"{kind}ds", workers=1, progress=False))
+        with pytest.raises(fastio.DatasetError, match=rf"{kind}ds: dataset has no image field; it holds {clips}"):
+            fastio.Loader(tmp_path / f"{kind}ds", pipeline=fastio.ImageTrain(size=8), batch_size=2, device="cpu")

@@ -27,6 +27,7 @@ import numpy as np
 
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
+from fastio.formats.media import is_audio_field, is_video_field
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
@@ -102,6 +103,17 @@ def check_fields(fields: Any) -> tuple[str, ...] | None:
     return tuple(fields)
 
 
+def _no_image_way_out(fields: Sequence[str]) -> str:
+    """What to read a dataset without an image field with: the clip kind of its first video or audio field, else
+    ``Raw``."""
+    video = [f for f in fields if is_video_field(f)]
+    audio = [f for f in fields if is_audio_field(f)]
+    if video or audio:
+        kind = "VideoClips" if video else "AudioClips"
+        return f"it holds {(video or audio)[0]}: read it with fastio.{kind} (docs/media.md)"
+    return "use pipeline='raw'"
+
+
 class Pipeline:
     """The base of pipeline objects (see the module docstring). Subclasses are frozen dataclasses whose
     fields are their options; each checks them when made (``ValueError`` naming the value)."""
@@ -135,7 +147,7 @@ class Pipeline:
         that reads no stored sample (its :meth:`reader` reads the shards)."""
         self.refuse_tokens(ds)
         if ds.image_field is None:
-            raise DatasetError(f"{ds.root}: dataset has no image field; use pipeline='raw'")
+            raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
         # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
         # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
         others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
