@@ -8,12 +8,21 @@ points 1 and 2: resumes that lost samples). Started by tests/test_lightning_resu
 ``main(argv)`` runs in the caller's process (one device). Each rank writes ``LOG.rankR``: a JSON list of
 ``[epoch, [dataset indices]]``, one per training batch, padding repeats left out. The model is one parameter:
 the point is the data, and raw batches need no DALI graph.
+
+    LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/lightning_counts.py --plan PLAN.json   (r = 0 .. N-1)
+
+runs a list of runs in one set of N processes started by the caller (``run_plan``): each process imports
+Lightning once for all of them, instead of once a run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -77,5 +86,28 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
     return model.seen
 
 
+def run_plan(path: str) -> None:
+    """The runs of the JSON plan at ``path`` (``{"runs": [{"devices": N, "port": P, "argv": [...]}, ...], "done":
+    DIR}``), in order, as rank ``LOCAL_RANK`` of each run it is in: a fresh process group of ``N`` ranks on port
+    ``P`` a run, destroyed after it. A run it is not in (``LOCAL_RANK >= N``) it waits out, until rank 0 marks it
+    done in DIR, so that the checkpoints the next run resumes from exist."""
+    rank = int(os.environ["LOCAL_RANK"])
+    plan = json.loads(Path(path).read_text())
+    for i, run in enumerate(plan["runs"]):
+        done = Path(plan["done"]) / f"run{i}.done"
+        if rank >= run["devices"]:
+            while not done.exists():
+                time.sleep(0.05)
+            continue
+        os.environ.update(MASTER_PORT=str(run["port"]), WORLD_SIZE=str(run["devices"]))
+        main([*run["argv"], "--devices", str(run["devices"])])
+        torch.distributed.destroy_process_group()
+        if rank == 0:
+            done.touch()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plan"]:
+        run_plan(sys.argv[2])
+    else:
+        main()
