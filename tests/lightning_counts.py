@@ -11,8 +11,8 @@ the point is the data, and raw batches need no DALI graph.
 
     LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/lightning_counts.py --plan PLAN.json   (r = 0 .. N-1)
 
-runs a list of runs in one set of N processes started by the caller (``run_plan``): each process imports
-Lightning once for all of them, instead of once a run.
+runs a list of runs in one set of N processes started by the caller (``plan_runs.launch`` and ``run_plan``):
+each process imports Lightning once for all of them, instead of once a run.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -86,28 +84,15 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
     return model.seen
 
 
-def run_plan(path: str) -> None:
-    """The runs of the JSON plan at ``path`` (``{"runs": [{"devices": N, "port": P, "argv": [...]}, ...], "done":
-    DIR}``), in order, as rank ``LOCAL_RANK`` of each run it is in: a fresh process group of ``N`` ranks on port
-    ``P`` a run, destroyed after it. A run it is not in (``LOCAL_RANK >= N``) it waits out, until rank 0 marks it
-    done in DIR, so that the checkpoints the next run resumes from exist."""
-    rank = int(os.environ["LOCAL_RANK"])
-    plan = json.loads(Path(path).read_text())
-    for i, run in enumerate(plan["runs"]):
-        done = Path(plan["done"]) / f"run{i}.done"
-        if rank >= run["devices"]:
-            while not done.exists():
-                time.sleep(0.05)
-            continue
-        os.environ.update(MASTER_PORT=str(run["port"]), WORLD_SIZE=str(run["devices"]))
-        main([*run["argv"], "--devices", str(run["devices"])])
-        torch.distributed.destroy_process_group()
-        if rank == 0:
-            done.touch()
+def _plan_run(argv: list[str]) -> None:
+    """One run of a plan (``plan_runs.run_plan``): ``--devices`` is the run's number of ranks."""
+    main([*argv, "--devices", os.environ["WORLD_SIZE"]])
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--plan"]:
-        run_plan(sys.argv[2])
+        from plan_runs import run_plan
+
+        run_plan(sys.argv[2], _plan_run, torch.distributed.destroy_process_group)
     else:
         main()

@@ -1,20 +1,17 @@
 """Lightning resumes that lost samples (issue 28, points 1 and 2), with real Lightning processes on the CPU
 (``tests/lightning_counts.py``; 2 and 3 processes: ``strategy="ddp"`` on gloo) counting the samples each rank
-trained per epoch: every sample of every epoch exactly once across the resume."""
+trained per epoch: every sample of every epoch exactly once across the resume. The six multi-process runs share
+one set of 3 processes (``ddp_runs``, ``tests/plan_runs.py``); the one-process runs run in this process."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning.pytorch")
 
+from plan_runs import launch  # noqa: E402
 from trainer_counts import assert_exactly_once, dataset80, per_epoch, read_logs  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "lightning_counts.py"
@@ -42,35 +39,6 @@ def _mid_epoch_runs(where: Path, data: Path, before: int) -> list[list[str]]:
              "--resume", str(where / "ckpt" / f"step={step}.ckpt")]]
 
 
-def _launch(where: Path, runs: list[tuple[int, list[str]]]) -> None:
-    """The ``(devices, arguments)`` runs in order, in one set of processes started here (one a rank of the
-    largest run: ``lightning_counts.run_plan``), so each process imports Lightning once for all of them."""
-    from s3server import free_port
-
-    plan = where / "plan.json"
-    plan.write_text(json.dumps({"done": str(where), "runs": [
-        {"devices": devices, "port": free_port(), "argv": argv} for devices, argv in runs]}))
-    procs, outs = [], [where / f"rank{r}.out" for r in range(max(devices for devices, _ in runs))]
-    for rank, out in enumerate(outs):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-               "OMP_NUM_THREADS": "1"}
-        with open(out, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--plan", str(plan)], env=env, cwd=where,
-                                          stdout=f, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + 300
-    try:
-        while any(p.poll() is None for p in procs) and all(p.returncode in (None, 0) for p in procs):
-            assert time.monotonic() < deadline, "the Lightning processes ran past 300 s"
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"rank {r}: " + outs[r].read_text()[-3000:] for r in failed)
-
-
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Path:
     """Every multi-process run of this file, in one set of 3 processes (in the order the resumes need): the
@@ -79,7 +47,7 @@ def ddp_runs(tmp_path_factory) -> Path:
     data = dataset80(base)
     end2 = _end_of_epoch_runs(base / "end-2", data, 2, "--max-epochs", False)
     mid23, mid32 = _mid_epoch_runs(base / "mid-2-3", data, 2), _mid_epoch_runs(base / "mid-3-2", data, 3)
-    _launch(base, [(2, end2[0]), (2, end2[1]), (2, mid23[0]), (3, mid32[0]), (3, mid23[1]), (2, mid32[1])])
+    launch(SCRIPT, base, [(2, end2[0]), (2, end2[1]), (2, mid23[0]), (3, mid32[0]), (3, mid23[1]), (2, mid32[1])])
     return base
 
 
