@@ -8,6 +8,7 @@ EXTRAS ?= cuda13,dev
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
+LITDATA_STAMP := $(VENV)/.litdata-installed
 
 .PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
@@ -23,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	# megatron-core for the token interop tests only, without its dependencies (it needs none to read .idx)
 	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
+	# torchdata (StatefulDataLoader), a peer of the restart benchmark only, without its dependencies (torch stays the pinned one)
+	$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -60,8 +63,14 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP)
+bench: $(STAMP) $(LITDATA_STAMP)
 	$(BIN)/python -m bench.run
+
+# litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
+# what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
+$(LITDATA_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
+	touch $(LITDATA_STAMP)
 
 bench-gpu: $(STAMP)
 	bash bench/gpu.sh

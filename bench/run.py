@@ -34,6 +34,7 @@ SECTIONS = (
     "index",
     "tokens",
     "media",
+    "restart",
 )
 
 

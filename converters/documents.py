@@ -3,9 +3,14 @@ Parquet (the ``text_field`` column, one document per row) and plain text (``.txt
 one such file or a folder of them (walked in sorted path order under fastio's symlink policy, :func:`walk_files`).
 
 Yields ``(where, text)``: ``where`` names the file (and the line or row) for messages; ``text`` may be empty (the
-caller skips and counts empty documents). Refusals are one :class:`~fastio.errors.ConvertError` naming the file,
-line or row and the field: a line that is not JSON, a missing or non-text field, text that is not UTF-8, a file
-of another kind in SOURCE. Never tokenizes, writes shards or knows shard sizes.
+caller skips and counts empty documents). :func:`file_documents` reads one file under a name of the caller's (a URL
+for a downloaded object) and, with ``span``, only the documents whose *position* lies in it: the byte offset of a
+JSONL line, the file's start for a ``.txt``, ``size * row // rows`` for a Parquet row (positions grow with the
+input order, so a span is a contiguous run of documents: :mod:`fastio.tokens.corpus` cuts parts by them).
+
+Refusals are one :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is
+not JSON, a missing or non-text field, text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes,
+writes shards or knows shard sizes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from fastio.converters.base import walk_files
 from fastio.errors import ConvertError
 
-__all__ = ["DOCUMENT_SUFFIXES", "document_files", "iter_documents"]
+__all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_documents"]
 
 DOCUMENT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 """The file kinds a token conversion reads, by suffix (lowercased)."""
@@ -48,32 +53,60 @@ def document_files(source: Path) -> list[Path]:
 def iter_documents(source: Path, text_field: str = "text") -> Iterator[tuple[str, str]]:
     """``(where, text)`` of every document of SOURCE, in input order (see the module docstring)."""
     for path in document_files(source):
-        kind = DOCUMENT_SUFFIXES[path.suffix.lower()]
-        try:
-            if kind == "text":
-                yield str(path), _text_file(path)
-            elif kind == "jsonl":
-                yield from _jsonl(path, text_field)
-            else:
-                yield from _parquet(path, text_field)
-        except OSError as err:
-            raise ConvertError(f"{path}: {err.strerror or err}") from None
+        yield from file_documents(path, text_field)
 
 
-def _text_file(path: Path) -> str:
+def file_documents(path: Path, text_field: str = "text", name: str | None = None,
+                   span: tuple[int, int | None] = (0, None)) -> Iterator[tuple[str, str]]:
+    """``(where, text)`` of the documents of one file whose position is in ``span`` = ``[start, end)`` (``end``
+    None: to the end; see the module docstring); messages name the file ``name`` (default: ``path``)."""
+    name = str(path) if name is None else name
+    kind = DOCUMENT_SUFFIXES[Path(name).suffix.lower()]
+    try:
+        if kind == "text":
+            if span[0] <= 0 and (span[1] is None or span[1] > 0):
+                yield name, _text_file(path, name)
+        elif kind == "jsonl":
+            yield from _jsonl(path, text_field, name, span)
+        else:
+            yield from _parquet(path, text_field, name, span)
+    except OSError as err:
+        raise ConvertError(f"{name}: {err.strerror or err}") from None
+
+
+def _text_file(path: Path, name: str) -> str:
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConvertError(f"{path}: not UTF-8 text (byte {err.start})") from None
+        raise ConvertError(f"{name}: not UTF-8 text (byte {err.start})") from None
 
 
-def _jsonl(path: Path, field: str) -> Iterator[tuple[str, str]]:
+def _skip_to(f, start: int) -> int:
+    """Move ``f`` to the first line that starts at or after byte ``start``; the number of lines before it."""
+    if start <= 0:
+        return 0
+    lines, left = 0, start - 1
+    while left > 0:  # newlines before byte start - 1, counted in large reads (no line-by-line pass)
+        chunk = f.read(min(left, 1 << 24))
+        if not chunk:
+            return lines
+        lines, left = lines + chunk.count(b"\n"), left - len(chunk)
+    return lines + f.readline().count(b"\n")  # the rest of the line that holds byte start - 1
+
+
+def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None]) -> Iterator[tuple[str, str]]:
+    end = span[1]
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            where = f"{path}:{n}"
+        before = _skip_to(f, span[0])
+        at = f.tell()
+        for n, raw in enumerate(f, before + 1):
+            offset, at = at, at + len(raw)
+            if end is not None and offset >= end:
+                return
             if not raw.strip():
                 continue  # a blank line is no document
+            where = f"{name}:{n}"
             try:
                 row = json.loads(raw)
             except UnicodeDecodeError as err:
@@ -88,22 +121,38 @@ def _jsonl(path: Path, field: str) -> Iterator[tuple[str, str]]:
             yield where, text
 
 
-def _parquet(path: Path, field: str) -> Iterator[tuple[str, str]]:
+def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None]) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise ConvertError(f"{path}: not a Parquet file ({err})") from None
+        raise ConvertError(f"{name}: not a Parquet file ({err})") from None
     names = pf.schema_arrow.names
     if field not in names:
-        raise ConvertError(f"{path}: has no column {field!r} (text_field={field!r}; columns: {', '.join(names)})")
+        raise ConvertError(f"{name}: has no column {field!r} (text_field={field!r}; columns: {', '.join(names)})")
     kind = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConvertError(f"{path}: column {field!r} is {kind}, not text")
+        raise ConvertError(f"{name}: column {field!r} is {kind}, not text")
+    rows, size = pf.metadata.num_rows, path.stat().st_size
+    first, stop = _rows_in(span, rows, size)
     row = 0
     for batch in pf.iter_batches(batch_size=_PARQUET_BATCH, columns=[field]):
+        if row + batch.num_rows <= first:
+            row += batch.num_rows
+            continue
         for text in batch.column(0).to_pylist():
-            yield f"{path}: row {row}", text or ""  # a null is an empty document
+            if first <= row < stop:
+                yield f"{name}: row {row}", text or ""  # a null is an empty document
             row += 1
+        if row >= stop:
+            return
+
+
+def _rows_in(span: tuple[int, int | None], rows: int, size: int) -> tuple[int, int]:
+    """The rows ``[first, stop)`` whose position ``size * row // rows`` is in ``span``."""
+    def first_at(position: int) -> int:  # the first row whose position is >= position
+        return min(rows, max(0, -(-position * rows // size))) if size else (0 if position <= 0 else rows)
+
+    return first_at(span[0]), rows if span[1] is None else first_at(span[1])

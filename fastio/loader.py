@@ -115,7 +115,8 @@ class LoaderConfig:
     prefetch: int = 2
     """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
     read_ahead: int | None = None
-    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``)."""
+    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``); until the first batch of a
+    start or a resume comes out, only the ``prefetch`` batches the pipeline's first run asks for."""
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
@@ -192,15 +193,16 @@ class Loader:
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.graph
         self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)
-        self.dataset: Dataset | Mixture = self.read_set.target
-        """What the Loader reads: the :class:`Dataset`, or the :class:`Mixture`."""
-        self.mixture: Mixture | None = self.read_set.mixture
-        """The :class:`Mixture` read, else None."""
         try:
             self._place()
         except BaseException:
             self.read_set.close()
             raise
+        self.dataset: Dataset | Mixture = self.read_set.target
+        """What the Loader reads: the :class:`Dataset`, or the :class:`Mixture` (counted in the pipeline's units:
+        a token mixture's sizes are sequences)."""
+        self.mixture: Mixture | None = self.read_set.mixture
+        """The :class:`Mixture` read, else None."""
         self.epoch, self.consumed = 0, 0
         self._stats = Stats(progress=cfg.progress, detail=self.read_set.progress_detail())
         self._active: Iterator | None = None
@@ -286,8 +288,8 @@ class Loader:
         checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
         state = _checked_state(state)
         rs = self.read_set
+        self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
-        self.pipeline.check_state(state)
         if state[K_FINGERPRINT] != rs.fingerprint:
             raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint "
                                    f"{state[K_FINGERPRINT]}, this dataset is {rs.fingerprint}")
@@ -348,7 +350,8 @@ class Loader:
         self._drop_stream()
         cfg = self.config
         self._feeder = feeder = Feeder(self._reader, self._sampler.plan, self.pipeline, seed=cfg.seed,
-                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed)
+                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
+                                       first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         self._built = self.pipeline.build(feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
                                           device=self.device, device_id=self.torch_device.index,

@@ -212,6 +212,44 @@ def test_feeder_feeds_a_pipeline_the_plan_in_order_across_epochs(image_dataset, 
         del built
 
 
+def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_asks_for(image_dataset):
+    """Before the first output, reads further ahead than the graph's prefetch take the cores and the interpreter
+    from the first batch's build, read and decode (issue 32 point 3): ``first=prefetch`` batches are read; the
+    rest of the read-ahead starts when the first output is taken, and the batches are those of the plan."""
+    ds = Dataset(image_dataset)
+    spec = GraphSpec("image-train", image_size=16)
+    sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
+
+    class Counting(Reader):
+        submitted = 0
+
+        def submit(self, indices):
+            self.submitted += 1
+            return super().submit(indices)
+
+    with Counting(ds, [], threads=2, image=("jpg",), sizes=True) as reader:
+        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=2)
+        feeder.start()
+        assert reader.submitted == 2
+        built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        outputs = [dict(zip(built.outputs, built.pipe.run()))]
+        assert reader.submitted == 2  # the first run fed batches 0 and 1, nothing further was read
+        fed = [feeder.delivered()]
+        assert reader.submitted == 2 + 4  # then read_ahead + 1 batches being read ahead of the one fed next
+        for _ in range(3):
+            outputs.append(dict(zip(built.outputs, built.pipe.run())))
+            fed.append(feeder.delivered())
+        plan = sampler.plan(0)
+        for g, (out, f) in enumerate(zip(outputs, fed)):
+            assert out["index"].as_array().reshape(-1).tolist() == f.indices.tolist() == plan.batch(g)[0].tolist()
+        feeder.cancel()
+        del built
+    with Reader(ds, [], threads=1, image=("jpg",), sizes=True) as reader:  # more than `first` asked for: read
+        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=1)
+        assert [feeder().__len__() for _ in range(3)] == [5, 5, 5] and len(feeder.in_flight()) == 3
+        feeder.cancel()
+
+
 @pytest.mark.gpu
 def test_cuda_batches_are_on_the_device(image_dataset):
     b = next(iter(_loader(image_dataset, device="cuda")))

@@ -13,7 +13,7 @@ pytest.importorskip("av")
 
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
-from fastio.formats.media import MediaCheckError, check_media, probe  # noqa: E402
+from fastio.formats.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
 
 
 def tone_pitch(wave: np.ndarray, rate: int) -> float:
@@ -229,13 +229,85 @@ def test_video_clips_elastic_resume_keeps_each_sample_once_and_its_clip(video_ds
     assert all(single[i] == s for i, s in got)
 
 
-def test_a_mixture_of_video_and_images_is_refused_by_name(video_ds, image_dataset):
+PHOTO_COLORS = [(200, 10, 50), (30, 180, 90), (250, 250, 0), (5, 60, 220), (120, 0, 140)]
+
+
+@pytest.fixture(scope="module")
+def photo_ds(tmp_path_factory) -> Path:
+    """5 solid-colour PNGs of different sizes and aspect ratios (class = key's folder), converted."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("photos")
+    for k, color in enumerate(PHOTO_COLORS):
+        (root / f"c{k % 2}").mkdir(exist_ok=True)
+        Image.new("RGB", (40 + 13 * k, 30 + 7 * k), color).save(root / f"c{k % 2}" / f"p{k}.png")
+    dest = root.parent / "photo_ds"
+    convert(ConvertConfig(source=root, dest=dest, workers=1, progress=False))
+    return dest
+
+
+def check_still_clip(clip, color) -> None:
+    """A still clip (uint8 FHWC): every pixel of every frame is the image's colour."""
+    assert (clip.numpy() == np.array(color, np.uint8)).all()
+
+
+def test_a_mixture_of_video_and_images_gives_still_clips(video_ds, photo_ds):
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
+    with video_loader(mix, pipe, batch_size=4) as loader:
+        batches = [b for _ in range(2) for b in loader]
+    for b in batches:
+        assert b["video"].shape == (4, 4, 24, 24, 3)
+        assert sorted(b["source"].tolist()) == [0, 0, 1, 1]  # the weights' shares, batch by batch
+        for j, (s, i) in enumerate(zip(b["source"].tolist(), b["index"].tolist())):
+            key = loader.key(s, i)
+            assert int(b["label"][j]) == int(key[1])
+            if s == 1:
+                assert int(b["start_frame"][j]) == 0
+                check_still_clip(b["video"][j], PHOTO_COLORS[int(key.split("/p")[1])])
+            else:
+                n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                want = np.minimum(start + 2 * np.arange(4), n - 1)
+                assert frames_shown(b["video"][j:j + 1])[0].tolist() == want.tolist(), key
+
+
+def test_still_clips_take_the_image_crop_and_flip_on_every_frame(photo_ds):
+    """An image dataset alone: random crops and flips (float, normalised, two clips per sample): every frame of a
+    sample's clips is the same picture, and different samples got different crops of their frame size."""
+    import fastio
+
+    pipe = fastio.VideoClips(frames=3, size=16, clips_per_video=2)
+    with video_loader(photo_ds, pipe, batch_size=5, shuffle="none") as loader:
+        b = next(iter(loader))
+    video = b["video"]
+    assert video.shape == (5, 2, 3, 3, 16, 16) and (b["start_frame"] == 0).all()
+    assert (video == video[:, :1, :1]).all()  # every frame of both clips equals the first frame
+    mean = np.array(fastio.pipelines.image.IMAGENET_MEAN)[:, None, None]
+    std = np.array(fastio.pipelines.image.IMAGENET_STD)[:, None, None]
+    for j, i in enumerate(b["index"].tolist()):
+        pixels = np.rint((video[j, 0, 0].numpy() * std + mean) * 255)
+        color = PHOTO_COLORS[int(loader.key(i).split("/p")[1])]
+        assert (pixels == np.array(color)[:, None, None]).all()
+
+
+def test_a_mixture_of_video_and_images_resumes_exactly(video_ds, photo_ds):
+    from resume import check_resume
+
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
+    check_resume(lambda: video_loader(mix, batch_size=3), n=2, k=3)
+
+
+def test_a_mixture_of_audio_and_images_is_refused_by_name(audio_ds, photo_ds):
     import fastio
     from fastio.errors import DatasetError
 
-    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(image_dataset)})
-    with pytest.raises(DatasetError, match=r"ds: dataset has no video field \(its fields: cls, jpg\)"):
-        video_loader(mix)
+    mix = fastio.Mixture({"speech": str(audio_ds), "photos": str(photo_ds)})
+    with pytest.raises(DatasetError, match=r"photo_ds: dataset has no audio field \(its fields: cls, png\)"):
+        audio_loader(mix)
 
 
 def test_a_mixture_of_video_datasets(video_ds):
@@ -319,6 +391,45 @@ def test_audio_clips_log_mel(audio_ds):
         assert max(peak[j] for j in range(4) if labels[j] == 0) < min(peak[j] for j in range(4) if labels[j] == 1)
 
 
+def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length: int):
+    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end), and how many
+    of each clip's samples lie inside the file."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None)
+    def whole():
+        data = fn.external_source(source=lambda: [np.frombuffer(e, np.uint8) for e in encoded], batch=True,
+                                  dtype=types.UINT8)
+        audio, _ = fn.decoders.audio(data, sample_rate=rate, downmix=True, dtype=types.FLOAT)
+        return audio
+
+    pipe = whole()
+    pipe.build()
+    clips, inside = [], []
+    for wave, start in zip(pipe.run()[0], starts):
+        wave = np.array(wave)[start:start + length]
+        clips.append(np.pad(wave, (0, length - len(wave))))
+        inside.append(len(wave))
+    return np.stack(clips), inside
+
+
+def test_audio_clips_resample_only_their_window_as_the_whole_file_would(audio_ds):
+    """Only the clip's window is resampled, not the whole file: the same samples as resampling the whole file,
+    within DALI's own resampler noise (it places samples by float32 positions), and zeros past the file's end."""
+    import fastio
+
+    with audio_loader(audio_ds, fastio.AudioClips(sample_rate=16000, seconds=0.75), batch_size=8,
+                      shuffle="none") as loader:
+        b = next(iter(loader))
+        read = loader.read_set.reader.read_batch(b["index"].numpy())
+    want, inside = whole_file_clips([x.tobytes() for x in read.image], b["start_sample"].tolist(), 16000, 12000)
+    got = b["audio"].numpy()
+    assert np.abs(got - want).max() < 1e-3
+    assert min(inside) < 12000  # a file shorter than the clip: silence after it, as before
+    for j, n in enumerate(inside):
+        assert not got[j, n:].any() and np.abs(got[j, max(n - 100, 0):n]).max() > 0.05
+
+
 def test_audio_clips_resume_exactly(audio_ds):
     from resume import check_resume
 
@@ -352,6 +463,23 @@ def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
         for x, y in zip(cpu, gpu, strict=True):
             assert y["video"].is_cuda and y["start_frame"].tolist() == x["start_frame"].tolist()
             assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
+
+
+@pytest.mark.gpu
+def test_still_clips_and_audio_on_cuda_match_the_cpu(video_ds, photo_ds, audio_ds):
+    """device='cuda': a video + image mixture (NVDEC for the videos, nvJPEG's mixed decoder for the images) shows
+    the CPU path's frames and colours; audio decoded on the CPU arrives on the GPU with the CPU path's samples."""
+    import fastio
+
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
+    with video_loader(mix, pipe, batch_size=4) as cpu, video_loader(mix, pipe, batch_size=4, device="cuda") as gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["video"].is_cuda and y["source"].tolist() == x["source"].tolist()
+            assert frames_shown(y["video"].cpu()).tolist() == frames_shown(x["video"]).tolist()
+    with audio_loader(audio_ds) as cpu, audio_loader(audio_ds, device="cuda") as gpu:
+        for x, y in zip(cpu, gpu, strict=True):
+            assert y["audio"].is_cuda and (y["audio"].cpu() == x["audio"]).all()
 
 
 def _write_videos(dest, videos: dict[str, bytes], probes: dict[str, bytes] | None = None):
@@ -471,3 +599,130 @@ def test_video_clips_train_under_lightning(video_ds, tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     assert len(model.starts) == 8  # 7 videos in 4 batches of 2 (one repeat, flagged padded)
+
+
+# -- fastio index of existing media shards ------------------------------------------------------------------
+
+def write_wds_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_index_of_video_shards_probes_them_into_a_table_and_clips_load(tmp_path, video_folder, capsys):
+    import hashlib
+
+    from helpers import run_cli
+
+    import fastio
+
+    members = {}
+    for c in range(2):
+        for i in range(3):
+            members[f"c{c}/v{i}.webm"] = (video_folder / f"c{c}" / f"v{i}.webm").read_bytes()
+            members[f"c{c}/v{i}.cls"] = str(c).encode()
+    tar = write_wds_tar(tmp_path / "wds" / "videos-000000.tar", members)
+    before = hashlib.sha256(tar.read_bytes()).hexdigest()
+    code, _, err = run_cli(["index", str(tmp_path / "wds"), "-q"], capsys)
+    assert code == 0, err
+    assert hashlib.sha256(tar.read_bytes()).hexdigest() == before  # the user's shard is not rewritten
+    ds = fastio.Dataset(tmp_path / "wds")
+    assert PROBE_FIELD not in ds.fields and ds.manifest.probes.name == "probes.fxp"
+    seen = set()
+    with video_loader(tmp_path / "wds") as loader:
+        for b in loader:
+            for j, i in enumerate(b["index"].tolist()):
+                key = loader.key(i)
+                n, start = VIDEO_FRAMES[key.split("/")[1]], int(b["start_frame"][j])
+                assert 0 <= start <= n - 7 and int(b["label"][j]) == int(key[1])
+                assert frames_shown(b["video"])[j].tolist() == (start + 2 * np.arange(4)).tolist(), key
+                seen.add(key)
+    assert len(seen) == 6
+    code, out, err = run_cli(["verify", str(tmp_path / "wds")], capsys)
+    assert code == 0, out + err
+    table = tmp_path / "wds" / "probes.fxp"
+    table.write_bytes(table.read_bytes()[:-1] + b"!")  # changed after indexing
+    code, out, err = run_cli(["verify", str(tmp_path / "wds")], capsys)
+    assert code != 0 and "probes.fxp" in out + err and "sha256 does not match" in out + err
+    with pytest.raises(fastio.DatasetError, match=r"probes.fxp: does not match the manifest"):
+        video_loader(tmp_path / "wds")
+
+
+def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder):
+    import fastio
+    from fastio.convert.index_command import IndexConfig, index_shards
+
+    members = {}
+    for c in range(2):
+        members[f"k{c}a.flac"] = (audio_folder / f"c{c}" / "b.flac").read_bytes()
+        members[f"k{c}a.cls"] = str(c).encode()
+        members[f"k{c}b.opus"] = (audio_folder / f"c{c}" / "c.opus").read_bytes()
+        members[f"k{c}b.cls"] = str(c).encode()
+    write_wds_tar(tmp_path / "good" / "a-000000.tar", members)
+    result = index_shards(IndexConfig(source=tmp_path / "good"))
+    assert result.skipped == []
+    with audio_loader(tmp_path / "good") as loader:
+        for b in loader:
+            for j in range(len(b["index"])):
+                pitch = (440.0, 1000.0)[int(b["label"][j])]
+                assert abs(tone_pitch(b["audio"][j].numpy()[:2000], 16000) - pitch) < 20
+    mp3 = synthetic.make_audio(tmp_path / "x.mp3", seconds=0.5).read_bytes()
+    write_wds_tar(tmp_path / "bad" / "a-000000.tar", {**members, "k9.mp3": mp3, "k9.cls": b"1"})
+    result = index_shards(IndexConfig(source=tmp_path / "bad"))
+    assert [s["path"].rsplit("/", 1)[1] for s in result.skipped] == ["a-000000.tar:k9.mp3"]
+    assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): audio codec mp3")
+    with pytest.raises(fastio.DatasetError, match=r"1 samples' mp3 could not be probed when indexed \(the first: "
+                                                  r"shard a-000000.tar key 'k9': audio codec mp3"):
+        audio_loader(tmp_path / "bad")
+
+
+def test_index_in_parts_then_merge_gives_the_same_probe_table(tmp_path, video_folder, capsys):
+    from helpers import run_cli
+
+    for s in range(2):
+        members = {}
+        for i in range(3):
+            members[f"s{s}v{i}.webm"] = (video_folder / f"c{s}" / f"v{i}.webm").read_bytes()
+            members[f"s{s}v{i}.cls"] = str(s).encode()
+        write_wds_tar(tmp_path / "wds" / f"v-00000{s}.tar", members)
+    assert run_cli(["index", str(tmp_path / "wds"), "--dest", str(tmp_path / "one"), "-q"], capsys)[0] == 0
+    for k in range(2):
+        assert run_cli(["index", str(tmp_path / "wds"), "--dest", str(tmp_path / "parted"), "--part", f"{k}/2", "-q"],
+                       capsys)[0] == 0
+    assert run_cli(["merge", str(tmp_path / "parted"), "-q"], capsys)[0] == 0
+    assert (tmp_path / "parted" / "probes.fxp").read_bytes() == (tmp_path / "one" / "probes.fxp").read_bytes()
+    with video_loader(tmp_path / "parted", batch_size=6, shuffle="none") as loader:
+        assert next(iter(loader))["video"].shape == (6, 4, 24, 24, 3)
+
+
+def test_index_of_media_shards_on_s3_and_clips_through_the_cache(aws_env, s3_bucket, video_folder, tmp_path, capsys):
+    """Shards on an object store indexed in place: the probe table goes beside them, is fetched (checked) into the
+    cache's meta/ by the Loader, and the clips are those of the same shards read locally; verify passes."""
+    from helpers import run_cli
+    from resume import same_batch
+
+    from fastio.storage import open_storage
+
+    members = {}
+    for c in range(2):
+        for i in range(3):
+            members[f"c{c}/v{i}.webm"] = (video_folder / f"c{c}" / f"v{i}.webm").read_bytes()
+            members[f"c{c}/v{i}.cls"] = str(c).encode()
+    tar = write_wds_tar(tmp_path / "wds" / "videos-000000.tar", members)
+    open_storage(f"s3://{s3_bucket}/wds").put_file("videos-000000.tar", tar)
+    assert run_cli(["index", f"s3://{s3_bucket}/wds", "-q"], capsys)[0] == 0
+    assert run_cli(["index", str(tmp_path / "wds"), "-q"], capsys)[0] == 0
+    assert run_cli(["verify", f"s3://{s3_bucket}/wds"], capsys)[0] == 0
+    remote = video_loader(f"s3://{s3_bucket}/wds", cache_dir=str(tmp_path / "cache"), cache_size="1GB")
+    with remote, video_loader(tmp_path / "wds") as local:
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+    assert any((tmp_path / "cache").rglob("probes.fxp"))  # fetched into the cache, checked by its sha256

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import os
 from concurrent.futures import wait
 
@@ -83,3 +84,80 @@ def test_first_uses_lists_each_shard_once_in_order_of_first_use_and_stops_when_a
             yield np.array([7, 15])
 
     assert list(_first_uses(shard_of, endless(), shards=2)) == [0, 1]  # stops once every shard was seen
+
+
+def _swap_two_samples_in_place(folder) -> None:
+    """Rewrite ``folder/0.tar`` (samples s00..s07 of equal sizes) with s02 and s03 swapped: same size, same
+    offsets, each member under the other's name."""
+    import io
+    import tarfile
+
+    path = folder / "0.tar"
+    with tarfile.open(path) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]
+    swap = {"s02": "s03", "s03": "s02"}
+    order = sorted(members, key=lambda m: (swap.get(m[0].split(".")[0], m[0].split(".")[0]), m[0]))
+    size = path.stat().st_size
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, data in order:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert path.stat().st_size == size
+
+
+def test_a_first_read_takes_only_the_keys_of_each_idx_not_a_whole_parse(tmp_path, capsys, monkeypatch):
+    """The tar-header check wants each shard's keys: a fresh reader (the first batch after a restart) reads
+    them from each ``.idx`` it touches (its sha256 checked) without parsing and checking every entry's ranges
+    (issue 32: that whole parse was most of a fresh reader's extra time on the first batch). The check still
+    catches a shard rewritten after indexing (the refusal's message then parses the .idx, once)."""
+    import tarfile
+
+    from helpers import run_cli
+
+    import fastio.formats.dali_idx
+
+    folder = tmp_path / "web"
+    folder.mkdir()
+    with tarfile.open(folder / "0.tar", "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(8):
+            for field, data in (("cls", b"%d" % (i % 2)), ("txt", b"text of sample %02d" % i)):
+                info = tarfile.TarInfo(f"s{i:02d}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a whole .idx was parsed")
+
+    monkeypatch.setattr(fastio.formats.dali_idx, "parse_index", whole)
+    with Reader(Dataset(folder), ["txt"], threads=1) as reader:
+        assert [b.tobytes() for b in reader.read(np.arange(8))["txt"]] == [b"text of sample %02d" % i
+                                                                          for i in range(8)]
+    _swap_two_samples_in_place(folder)
+    with Reader(Dataset(folder), ["txt"], threads=1) as reader:
+        assert reader.read(np.arange(2))["txt"][1].tobytes() == b"text of sample 01"
+        monkeypatch.undo()  # the refusal names the key the index holds (Dataset.key: the whole .idx, once)
+        with pytest.raises(DatasetError, match=r"key 's02': field 'txt': .* holds member 's03\.txt' of 17 bytes"):
+            reader.read(np.arange(8))
+
+
+def test_key_crcs_are_those_of_the_whole_parse_and_refusals_name_the_file_and_line(image_dataset):
+    import hashlib
+    import zlib
+
+    from fastio.formats.dali_idx import key_crcs
+
+    ds = Dataset(image_dataset)
+    shard = ds.shards[1]
+    data = shard.idx_path.read_bytes()
+    got = key_crcs(data, samples=shard.samples, sha256=shard.idx_sha256, source="x.idx")
+    assert got.dtype == np.uint32 and got.tolist() == [zlib.crc32(e.key.encode()) for e in ds.read_index(shard)]
+    with pytest.raises(ValueError, match=r"^x\.idx: sha256 does not match the manifest"):
+        key_crcs(data + b"\n", samples=shard.samples, sha256=shard.idx_sha256, source="x.idx")
+    bad = data.replace(b".cls", b".txt", 1)  # the first member of the first line
+    with pytest.raises(ValueError, match=r"^x\.idx:2: malformed index line \(member b'.*\.txt'\)"):
+        key_crcs(bad, samples=shard.samples, sha256=hashlib.sha256(bad).hexdigest(), source="x.idx")
+    with pytest.raises(ValueError, match=r"^x\.idx: header b'v1\.2 16' is not 'v1\.2 17'"):
+        key_crcs(data, samples=17, sha256=shard.idx_sha256, source="x.idx")

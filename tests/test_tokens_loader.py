@@ -106,9 +106,9 @@ def test_refusals_name_the_dataset_and_the_pipeline(corpus, image_dataset):
         with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline '(raw|image-train|image-eval)' reads "
                                                r"stored samples: read it with fastio\.Tokens"):
             fastio.Loader(corpus, pipeline=pipeline, batch_size=2, device="cpu")
-    with pytest.raises(DatasetError, match=r"a fastio\.Mixture of token datasets is not supported yet"):
-        fastio.Loader(fastio.Mixture({"a": corpus, "b": corpus}), pipeline=fastio.Tokens(seq_len=8), batch_size=2,
-                      device="cpu")
+    with pytest.raises(DatasetError, match=r"mixture sources 'a' .* and 'b' .*: 'a' is a token dataset and 'b' holds "
+                                           r"stored samples"):
+        fastio.Mixture({"a": corpus, "b": image_dataset})
     with pytest.raises(DatasetError, match=r"ds: seq_len 100000 needs more than 100000 tokens"):
         fastio.Loader(corpus, pipeline=fastio.Tokens(seq_len=100_000), batch_size=2, device="cpu")
     with pytest.raises(ValueError, match="packing must be one of concat, best-fit, got 'bfd'"):

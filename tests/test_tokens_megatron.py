@@ -170,3 +170,20 @@ def test_sparse_starts_read_with_pread_agree_with_the_mapping(tmp_path):
     dense = index.starts(np.arange(5001))
     assert index.starts(few).tolist() == dense[few].tolist()
     assert dense[-1] == written.tokens and np.diff(dense).tolist() == [d.size for d in docs]
+
+
+def test_a_block_of_documents_is_looked_up_in_one_read_per_column(tmp_path, monkeypatch):
+    import os
+
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(1, 100, int(rng.integers(1, 9))) for _ in range(5000)]
+    index = MegatronIndex(_write(tmp_path / "s.bin", docs).idx_path)
+    dense = index.starts(np.arange(5001))
+    block = 3000 + rng.permutation(8)  # a packing block's documents, shuffled: 8 of 5000, looked up sparsely
+    calls, pread = [], os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: calls.append(n) or pread(fd, n, at))
+    assert index.starts(block).tolist() == dense[block].tolist()
+    assert len(calls) == 2  # the span of doc_index, then of pointers: not one read per document (16)
+    calls.clear()
+    edges = np.array([0, 4096, 4999, 5000, 17])  # far apart: entry by entry
+    assert index.starts(edges).tolist() == dense[edges].tolist() and len(calls) == 2 * 5 - 1  # 5000: no pointer

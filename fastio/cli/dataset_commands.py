@@ -34,7 +34,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 
 
 @cli.command()
-@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("source")
 @click.argument("dest")
 @click.option("--format", "fmt", metavar="FORMAT", default=None,
               help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
@@ -92,7 +92,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
                                                             "each document (default: the tokenizer's end-of-text token).")
 @storage_flags()
-def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
+def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
@@ -103,7 +103,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
-    With --tokenizer, tokenize text documents into a token dataset in the folder DEST."""
+    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset."""
     from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
@@ -116,7 +116,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
         kwargs["transcode"] = transcode
     try:
         config = ConvertConfig(
-            source=source, dest=dest, format=fmt, shard_size=shard_size,
+            source=Path(source), dest=dest, format=fmt, shard_size=shard_size,
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split, split_by=split_by,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
@@ -136,7 +136,7 @@ def convert(source: Path, dest: str, fmt: str | None, shard_size: str, max_sampl
 
 
 _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
-                "name", "overwrite", "quiet")
+                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile", "staging_dir")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -151,8 +151,9 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
-                                      "name", "overwrite")}
-    options.update({"text_field": params["text_field"] or "text"},
+                                      "name", "overwrite", "part", "staging_dir")}
+    options.update({"text_field": params["text_field"] or "text",
+                    "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:
         config = TokenConvertConfig(**options)
@@ -211,8 +212,9 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
-    samples.fxi and manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only
-    manifest.json is written."""
+    samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
+    manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only manifest.json is
+    written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
@@ -300,7 +302,8 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
               help="Global batch size for --order (capped at the dataset size).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="A token dataset's --order: sequences of this many tokens (+1), packed as fastio.Tokens does "
-                   "(concat: sequences and tail; best-fit and first-fit: padding).")
+                   "(concat: sequences and tail; best-fit and first-fit: padding). A mixture file of token "
+                   "datasets: its order in concat sequences of this length.")
 @click.option("--skipped", "list_skipped", is_flag=True,
               help="List every input the conversion or index left out, with its reason (and nothing else).")
 @storage_flags(cache=True)
@@ -314,7 +317,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     from fastio.report.inspect import inspect as run_inspect
 
     if dest.endswith(".json") and not Path(dest).is_dir():  # a mixture file (docs/mixtures.md)
-        _inspect_mixture(dest, as_json, seed, epoch, batch_size, cache_dir, cache_size,
+        _inspect_mixture(dest, as_json, seed, epoch, batch_size, seq_len, cache_dir, cache_size,
                          storage_options(endpoint_url, region, profile))
         return
     try:
@@ -351,20 +354,21 @@ def _print_skipped(info: dict[str, Any]) -> None:
         click.echo(f"{info['path']}: nothing was skipped")
 
 
-def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, cache_dir: Path | None,
-                     cache_size: str | None, options: dict | None) -> None:
+def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, seq_len: int,
+                     cache_dir: Path | None, cache_size: str | None, options: dict | None) -> None:
     from fastio.read.mixture import Mixture
     from fastio.report.mix_order import mixture_order_report
 
     try:
         mixture = Mixture.from_file(path, cache_dir=cache_dir, cache_size=cache_size, storage_options=options)
-        info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size)
+        info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size, seq_len=seq_len)
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} samples per epoch")
+    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} {info['unit']} per "
+               "epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")

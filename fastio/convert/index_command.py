@@ -12,6 +12,10 @@ GETs into a temporary file, removed after). What is written, all of it metadata:
 - with ``dest`` elsewhere (a read-only bucket), every ``.idx`` in ``DEST/shards/``, and the manifest names
   the shards by absolute path or URL.
 
+Samples with video or audio members (:mod:`fastio.formats.media`) get their probes in DEST's probe table
+(``probes.fxp``, before the manifest): each member probed once with PyAV while its tar is read; one that
+cannot be probed or decoded on the CPU is kept (the shard is not rewritten) and named in ``skipped``.
+
 The result is an ordinary dataset (:class:`fastio.Dataset`, the Loader, ``verify``, ``inspect``); its manifest
 also records the fields with their sample counts (``field_counts``), the label and image fields, and what was
 left out with reasons (``skipped``: empty tars, members without a field name).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import re
 import stat
@@ -32,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastio.convert.foreign_tar import COMPRESSED, TarContents, as_fields, read_tar
 from fastio.convert.parts import (
@@ -49,6 +55,7 @@ from fastio.dataset.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
     SHARDS_DIR,
+    IndexRecord,
     Manifest,
     ShardRecord,
     is_location,
@@ -59,11 +66,13 @@ from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
+from fastio.formats.media import PROBES_NAME, MediaCheckError, check_media, is_media_field, write_probe_table
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
 from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
+from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.storage.options import StorageOptions
@@ -352,9 +361,33 @@ def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> TarContents:
+def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> tuple[TarContents, list[dict[str, Any]]]:
+    """The tar's contents and each sample's media members probed (:func:`_probe_members`)."""
     with _local_copy(shard, staging) as path:
-        return read_tar(path, shard.display, label_fields)
+        got = read_tar(path, shard.display, label_fields)
+        return got, _probe_members(path, got.entries, shard.display)
+
+
+def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[dict[str, Any]]:
+    """Per sample, each video or audio member's probe (a dict, as convert's ``probe.json``), or the reason it
+    could not be probed or the CPU decoders cannot read it (:func:`fastio.formats.media.check_media`): read once
+    with PyAV while indexing, since the shards are never rewritten (the probes go to DEST's probe table)."""
+    rows: list[dict[str, Any]] = [{} for _ in entries]
+    media = [(j, field_of(ext), offset, size) for j, e in enumerate(entries) for ext, offset, size in e.members
+             if is_media_field(field_of(ext))]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for j, name, offset, size in media:
+            try:
+                rows[j][name] = json.loads(check_media(os.pread(fd, size, offset), name))
+            except MediaCheckError as err:
+                rows[j][name] = str(err)
+    except ImportError:  # PyAV, imported by the probe on use
+        raise DatasetError(f"{display}: holds video or audio ({media[0][1]}); probing it needs PyAV: "
+                           "pip install 'fastio[media]'") from None
+    finally:
+        os.close(fd)
+    return rows
 
 
 def _record_names(shards: list[_Shard]) -> list[str]:
@@ -488,11 +521,14 @@ class _Indexed:
     """(key in DEST, staged file) of each ``.idx`` to publish."""
     bad_labels: dict[str, str] = field(default_factory=dict)
     """Candidate label field -> its first value that is not a label, named by shard and key."""
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    """Per sample (dataset order): each media field's probe, or why it has none (:func:`_probe_members`)."""
 
     def state(self) -> dict:
-        """For a part record (entries are in the ``.idx`` files)."""
+        """For a part record (entries are in the ``.idx`` files; probes only when a sample has media)."""
+        media = {"probes": self.probes} if any(self.probes) else {}
         return {"shards": [r.as_dict() for r in self.records], "field_counts": dict(self.field_counts),
-                "skipped": self.skipped, "bad_labels": self.bad_labels}
+                "skipped": self.skipped, "bad_labels": self.bad_labels, **media}
 
     def add_bad_labels(self, found: dict[str, str]) -> None:
         """Keep the first bad value of each field, in listing order."""
@@ -514,8 +550,10 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
             if progress is not None:
                 progress(i + 1, len(shards))
     uploads: list[tuple[str, Path]] = []
-    for shard, name, got in zip(shards, names, contents):
+    for shard, name, (got, probes) in zip(shards, names, contents):
         out.skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
+        out.skipped += [{"path": f"{shard.display}:{e.key}.{f}", "reason": f"not probed (kept in the shard): {why}"}
+                        for e, row in zip(got.entries, probes) for f, why in row.items() if isinstance(why, str)]
         out.add_bad_labels({f: f"{shard.display}: {where}" for f, where in got.bad_labels.items()})
         if not got.entries:
             out.skipped.append({"path": shard.display, "reason": "empty shard (no samples)"})
@@ -537,6 +575,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
                                        idx_sha256=hashlib.sha256(text).hexdigest(), xxh3_128=got.xxh3_128,
                                        location=location, idx_location=idx_key if in_place else None))
         out.entries.append(got.entries)
+        out.probes += probes
         out.field_counts.update(got.fields)
     out.uploads = uploads
     return out
@@ -552,14 +591,26 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     staged = tmp / "out"
     staged.mkdir()
     index = builder.publish(staged / INDEX_NAME, fields)
+    probes = _probe_table(staged / PROBES_NAME, done.probes)
     manifest = make_manifest(
-        name=name, shards=done.records, fields=fields, index=index, image_field=image,
+        name=name, shards=done.records, fields=fields, index=index, **probes, image_field=image,
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
         label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
         converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})
     write_manifest(staged, manifest)
-    _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
+    _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return manifest
+
+
+def _probe_table(path: Path, probes: list[dict[str, Any]]) -> dict[str, IndexRecord]:
+    """``{"probes": record}`` of the probe table written at ``path`` when a sample has media, else ``{}``."""
+    if not any(probes):
+        return {}
+    write_probe_table(path, [{f: got if isinstance(got, str) else json.dumps(got).encode() for f, got in row.items()}
+                             for row in probes])
+    size, sums = digests_file(path, ("sha256", "xxh3_128"))
+    return {"probes": IndexRecord(name=path.name, bytes=size, sha256=sums["sha256"], xxh3_128=sums["xxh3_128"])}
 
 
 def _fields_of(source: str, label_field: str | None, image_field: str | None, done: _Indexed):
@@ -596,6 +647,7 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
                                    f"(index {part_name(part.part, part.of)} again)") from None
             done.records.append(record)
             done.entries.append(entries)
+        done.probes += state.get("probes") or [{} for _ in range(sum(s["samples"] for s in state["shards"]))]
         done.field_counts.update(state["field_counts"])
         done.add_bad_labels(state.get("bad_labels", {}))
         done.skipped += state["skipped"]

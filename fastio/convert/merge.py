@@ -52,8 +52,10 @@ from fastio.dataset.shards import ShardWriter, sample_span, starts_new_shard
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.dali_idx import IndexEntry, parse_index
 from fastio.formats.images import is_image_field
-from fastio.storage.atomic import fsync_dir, publish, tmp_path_for
+from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+from fastio.tokens.convert import TOKEN_PLAN
+from fastio.tokens.merge import merge_token_parts, part_command
 
 __all__ = ["MergeResult", "merge", "publish_dataset"]
 
@@ -79,7 +81,8 @@ class MergeResult:
 
     def summary(self) -> str:
         shards = self.linked + self.repacked
-        return (f"merged {self.parts} parts into {self.dest}: {self.samples} samples in {shards} shards "
+        noun = "documents" if all(m.kind == "tokens" for m in self.manifests.values()) else "samples"
+        return (f"merged {self.parts} parts into {self.dest}: {self.samples} {noun} in {shards} shards "
                 f"({self.linked} linked, {self.repacked} re-packed) in {self.seconds:.1f}s")
 
 
@@ -129,6 +132,9 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
             except DatasetError as err:
                 raise ConvertError(str(err)) from None
             counts = {"linked": len(manifests[""].shards), "repacked": 0}
+        elif plan.get("kind") == TOKEN_PLAN:  # parts of `fastio convert --tokenizer`: Megatron pairs
+            manifest, counts = merge_token_parts(dest, records, plan, root / STAGING, overwrite=overwrite)
+            manifests = {"": manifest}
         else:
             check_dest(dest, Path(plan["source"]["path"]), overwrite)
             staging = root / STAGING
@@ -162,7 +168,7 @@ def publish_dataset(dest: Path, datasets: dict[str, tuple[list[_Planned], dict[s
             record = replace(shard.record, name=f"{manifest_fields['name']}-{i:06d}.tar")
             for src, dst in ((shard.source or shard.staged, record.name),
                              (_idx(shard.source or shard.staged), record.idx_name)):
-                _place(src, out / SHARDS_DIR / dst, link=shard.source is not None)
+                place_file(src, out / SHARDS_DIR / dst, link=shard.source is not None)
             records.append(record)
             located.append((record, parse_index((out / SHARDS_DIR / record.idx_name).read_text(), record.idx_name)))
         fsync_dir(out / SHARDS_DIR)
@@ -211,6 +217,8 @@ def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
     if plan.get("kind") == INDEX_PLAN:
         where = "" if plan.get("options", {}).get("in_place") else f" --dest {dest}"
         return f"index them (fastio index {plan['source']['path']}{where} --part K/{n})"
+    if plan.get("kind") == TOKEN_PLAN:
+        return f"convert them ({part_command(plan, dest, n)})"
     return f"convert them (part=K/{n})"
 
 
@@ -225,7 +233,7 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
         if diff:
             detail = []
             for key in diff:
-                if key == "convert_options":
+                if key in ("convert_options", "tokens"):  # the options (a token conversion's: tokenizer, eos)
                     a, b = ref.plan.get(key) or {}, record.plan.get(key) or {}
                     detail += [f"{o} {b.get(o)!r} (part 0: {a.get(o)!r})" for o in sorted(set(a) | set(b))
                                if a.get(o) != b.get(o)]
@@ -359,20 +367,3 @@ def _read_index(path: Path, shard: ShardRecord) -> list[IndexEntry]:
 
 def _idx(tar: Path) -> Path:
     return tar.with_name(tar.name[: -len(".tar")] + ".idx")
-
-
-def _place(src: Path, dst: Path, *, link: bool) -> None:
-    """Put ``src`` at ``dst`` without a half-written moment: a hard link (part shards stay until the end) or,
-    for staged files, a rename; a copy where links fail (another file system, no link support)."""
-    tmp = tmp_path_for(dst)
-    tmp.unlink(missing_ok=True)
-    if not link:
-        os.replace(src, dst)
-        return
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    publish(tmp, dst)

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +35,13 @@ from fastio.converters.base import Entry, FileRef, ScanResult
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
 from fastio.storage.atomic import atomic_write_bytes
+from fastio.storage.lock import LOCK_NAME
 
 __all__ = [
     "PARTS_DIR",
     "PART_RECORD",
     "PartRecord",
+    "clear_part_dir",
     "listing_digest",
     "parse_part",
     "part_dir",
@@ -97,6 +100,18 @@ def part_dir(dest: Path, k: int, n: int) -> Path:
 def parse_part_dir(name: str) -> tuple[int, int] | None:
     m = _PART_DIR.match(name)
     return (int(m[1]), int(m[2])) if m else None
+
+
+def clear_part_dir(directory: Path) -> None:
+    """Empty a part's directory but for its lock (the writer holds it); the completion record goes first."""
+    (directory / PART_RECORD).unlink(missing_ok=True)
+    for child in directory.iterdir():
+        if child.name == LOCK_NAME:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def part_range(count: int, k: int, n: int, starts: Sequence[int] | None = None) -> tuple[int, int]:

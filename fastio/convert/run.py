@@ -39,13 +39,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastio import converters
 from fastio.convert.parts import (
-    PART_RECORD,
     PARTS_DIR,
     PartRecord,
+    clear_part_dir,
     listing_digest,
     parse_part,
     parse_part_dir,
@@ -71,6 +71,8 @@ from fastio.storage.lease import LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
 from fastio.storage.url import parse_location
 
+T = TypeVar("T")
+
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "ConvertConfig",
@@ -78,10 +80,12 @@ __all__ = [
     "check_dest",
     "convert",
     "load_entry",
+    "lock_parts",
     "parse_size",
     "parse_split",
     "reset_dest",
     "staging_path",
+    "upload_dataset",
 ]
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -380,12 +384,13 @@ def _is_complete(dest: Path) -> bool:
     return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
 
 
-def check_dest(dest: Path, source: Path, overwrite: bool) -> None:
-    """Raise ConvertError if DEST may not be (re)written by this conversion."""
+def check_dest(dest: Path, source: Path | None, overwrite: bool) -> None:
+    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None: a SOURCE that is
+    no local path, which DEST cannot contain)."""
     if dest.exists() and not dest.is_dir():
         raise ConvertError(f"{dest}: exists and is not a directory")
-    src, dst = source.resolve(), dest.resolve()
-    if src == dst or src in dst.parents or dst in src.parents:
+    src, dst = (None if source is None else source.resolve()), dest.resolve()
+    if src is not None and (src == dst or src in dst.parents or dst in src.parents):
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
     if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
         complete = _is_complete(dest)
@@ -539,7 +544,7 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
     if not lock.held:
         _lock(lock, config.dest)
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
-    parts = _lock_parts(config.dest)
+    parts = lock_parts(config.dest)
     try:
         return _guard_os(config, lambda: _write_all(config, scan, groups, started))
     finally:
@@ -547,7 +552,7 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
             part.release()
 
 
-def _lock_parts(dest: Path) -> list[DirLock]:
+def lock_parts(dest: Path) -> list[DirLock]:
     """Lock every part directory under ``DEST/.parts/`` (DEST's own lock is held), so that resetting DEST
     deletes no running part's files; a running part is a ConvertError naming it and its holder, before
     anything is deleted. (A part started later sees DEST's lock and refuses: :func:`_write_part`.)"""
@@ -629,7 +634,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         if holder is not None:
             raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
                                "once that process has ended)")
-        _clear_part(directory)
+        clear_part_dir(directory)
         jobs, ranges = [], {}
         for split_name, indices in groups.items():
             entries = [scan.entries[i] for i in indices]
@@ -649,18 +654,6 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
-
-
-def _clear_part(directory: Path) -> None:
-    """Empty a part's directory but for its lock; the completion record goes first."""
-    (directory / PART_RECORD).unlink(missing_ok=True)
-    for child in directory.iterdir():
-        if child.name == LOCK_NAME:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
@@ -704,10 +697,11 @@ _FINAL_NAMES = (MANIFEST_NAME, SPLITS_NAME)
 
 
 def _is_dataset_key(key: str) -> bool:
-    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards, indexes."""
+    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards (a token
+    conversion's ``.bin``), indexes."""
     parts = key.split("/")
     return (parts[-1] in (*_FINAL_NAMES, MARKER_NAME) and len(parts) <= 2) or (
-        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".idx")))
+        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".bin", ".idx")))
 
 
 def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
@@ -726,14 +720,24 @@ def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
 
 
 def _convert_to_url(config: ConvertConfig) -> ConvertResult:
-    """Convert into a local staging folder, then upload it to ``config.dest``, final files last.
+    """Convert into a local staging folder, then upload it to ``config.dest`` (:func:`upload_dataset`)."""
+    result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
+                            lambda local: convert(dataclasses.replace(config, dest=local, overwrite=True)))
+    result.dest = config.dest
+    return result
+
+
+def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | None, overwrite: bool,
+                   write: Callable[[Path], T]) -> T:
+    """Write a dataset with ``write(local)`` into DEST's local staging folder (:func:`staging_path`), then upload
+    it to the URL ``dest``, final files last; returns what ``write`` returned.
 
     With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
     upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
     deleted. One writer per DEST: the conversion holds DEST's lease (``DEST/.fastio-lock``,
     :mod:`fastio.storage.lease`) from before it checks DEST until the last upload, and confirms it before it
     deletes anything and before the final files; a second conversion is refused at once naming the holder."""
-    storage = open_storage(config.dest, config.storage_options)
+    storage = open_storage(dest, storage_options)
     lease = writer_lease(storage, "fastio convert") if isinstance(storage, S3Storage) else None
     if lease is not None:
         try:
@@ -742,7 +746,7 @@ def _convert_to_url(config: ConvertConfig) -> ConvertResult:
             raise ConvertError(str(err)) from None  # names DEST and the holder
     guard = lease.confirm if lease is not None else (lambda: None)
     try:
-        return _upload_converted(config, storage, guard)
+        return _upload_converted(dest, storage, staging_dir, overwrite, write, guard)
     except LeaseLostError as err:
         raise ConvertError(f"{err} (nothing more was uploaded)") from None
     finally:
@@ -761,28 +765,28 @@ def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
 
 
-def _upload_converted(config: ConvertConfig, storage: Storage, guard: Callable[[], None]) -> ConvertResult:
-    old = _check_remote_dest(storage, config.overwrite)
-    staging = staging_path(str(config.dest), config.staging_dir)
-    lock = DirLock(staging, f"fastio convert to {config.dest}")
+def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
+                      write: Callable[[Path], T], guard: Callable[[], None]) -> T:
+    old = _check_remote_dest(storage, overwrite)
+    staging = staging_path(str(dest), staging_dir)
+    lock = DirLock(staging, f"fastio convert to {dest}")
     _lock(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
         # the folder is this DEST's own staging copy: what a killed run left there is replaced
-        local = dataclasses.replace(config, dest=staging / "dest", overwrite=True)
-        result = convert(local)
-        (local.dest / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
+        local = staging / "dest"
+        result = write(local)
+        (local / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
         guard()
         for key in old:
             if key.split("/")[-1] in _FINAL_NAMES:
                 storage.delete(key)
-        finals = sorted(k for k in result.manifests if k) + [""]
-        last = tuple(f"{split}/{MANIFEST_NAME}" if split else MANIFEST_NAME for split in finals) + (SPLITS_NAME,)
-        uploaded = storage.publish_dir(local.dest, keys_last=last, before_last=guard)
+        splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
+        last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
+        uploaded = storage.publish_dir(local, keys_last=last, before_last=guard)
         guard()
         for key in sorted(set(old) - set(uploaded)):
             storage.delete(key)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
         lock.release()
-    result.dest = config.dest
     return result

@@ -23,8 +23,10 @@ from fastio.dataset.files import DatasetFiles, open_files
 from fastio.dataset.manifest import Manifest, ShardRecord
 from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex
 from fastio.errors import DatasetError
-from fastio.formats.dali_idx import IndexEntry, load_index
+from fastio.formats.dali_idx import IndexEntry, key_crcs, load_index
 from fastio.formats.labels import parse_label
+from fastio.formats.media import ProbeTable
+from fastio.storage.checksum import DIGESTS
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
@@ -163,9 +165,19 @@ class Dataset:
     def read_index(self, shard: Shard) -> list[IndexEntry]:
         """The shard's index, checked against the manifest (sha256, counts, ranges:
         :func:`fastio.formats.dali_idx.load_index`)."""
+        return self._idx(shard, lambda data, source: load_index(
+            data, samples=shard.samples, tar_bytes=shard.bytes, sha256=shard.idx_sha256, source=source))
+
+    def key_crcs(self, shard: Shard) -> np.ndarray:
+        """The CRC-32 of each key of the shard's index (uint32, in shard order; sha256, line count and keys checked:
+        :func:`fastio.formats.dali_idx.key_crcs`), for the Reader's tar-header check."""
+        return self._idx(shard, lambda data, source: key_crcs(data, samples=shard.samples, sha256=shard.idx_sha256,
+                                                              source=source))
+
+    def _idx(self, shard: Shard, parse):
+        """``parse(bytes, source)`` of the shard's ``.idx``; DatasetError naming the file when it cannot."""
         try:
-            return load_index(shard.idx_path.read_bytes(), samples=shard.samples, tar_bytes=shard.bytes,
-                              sha256=shard.idx_sha256, source=str(shard.idx_path))
+            return parse(shard.idx_path.read_bytes(), str(shard.idx_path))
         except OSError as err:
             raise DatasetError(f"{self.root}: shard index {shard.idx_path.name}: {err.strerror or err}") from None
         except ValueError as err:  # names the index file
@@ -190,6 +202,29 @@ class Dataset:
                 raise DatasetError(f"{self.root}: {err}") from None
         return SampleIndex.from_bytes(builder.to_bytes(self.fields), f"{self.root} (from its .idx files)", counts,
                                       self.fields)
+
+    @cached_property
+    def probes(self) -> ProbeTable | None:
+        """The probe table of the samples' video and audio files (``DEST/probes.fxp``, written by ``fastio
+        index``), checked against the manifest's record (size and xxh3-128; sha256 too with ``verify``); None
+        for a dataset without one (a converted dataset's probes are its ``probe.json`` fields)."""
+        record = self.manifest.probes
+        if record is None:
+            return None
+        where = f"{self.root}: {record.name}"
+        try:
+            data = self.files.index_path(record, "probe table").read_bytes()
+        except OSError as err:
+            raise DatasetError(f"{where}: {err.strerror or err}") from None
+        algos = ("xxh3_128", "sha256") if self.verify else ("xxh3_128",)
+        sums = {a: _digest(a, data) for a in algos}
+        if len(data) != record.bytes or any(sums[a] != getattr(record, a) for a in algos if getattr(record, a)):
+            raise DatasetError(f"{where}: does not match the manifest (size or checksum): the file changed after "
+                               "indexing; index the shards again (fastio index --overwrite)")
+        try:
+            return ProbeTable(data, where, len(self))
+        except ValueError as err:
+            raise DatasetError(str(err)) from None
 
     def locate(self, indices: np.ndarray) -> Rows:
         """Where samples ``indices`` (dataset-wide) lie: shard, span and each field's offset and size."""
@@ -238,6 +273,12 @@ class Dataset:
             raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
                                "pipeline needs it in every sample (pipeline='raw' delivers the samples lacking it, "
                                "with batch['has'])")
+
+
+def _digest(algo: str, data: bytes) -> str:
+    h = DIGESTS[algo]()
+    h.update(data)
+    return h.hexdigest()
 
 
 def _a_list(dest: list | tuple) -> DatasetError:

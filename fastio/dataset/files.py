@@ -54,8 +54,9 @@ class DatasetFiles:
     def idx_path(self, record: ShardRecord) -> Path:
         raise NotImplementedError
 
-    def index_path(self, record: IndexRecord) -> Path:
-        """The local file of the dataset's sample index (``samples.fxi``)."""
+    def index_path(self, record: IndexRecord, what: str = "sample index") -> Path:
+        """The local file of the dataset's sample index (``samples.fxi``), or of another file its manifest
+        records the same way (``what``: the probe table)."""
         raise NotImplementedError
 
     def check(self, records: list[ShardRecord]) -> None:
@@ -91,7 +92,7 @@ class LocalFiles(DatasetFiles):
     def idx_path(self, record: ShardRecord) -> Path:
         return self._local(record.idx_key)
 
-    def index_path(self, record: IndexRecord) -> Path:
+    def index_path(self, record: IndexRecord, what: str = "sample index") -> Path:
         return self.root / record.name
 
     def _local(self, key: str) -> Path:
@@ -191,10 +192,10 @@ class RemoteFiles(DatasetFiles):
             self._fetched.add(record.idx_name)
         return path
 
-    def index_path(self, record: IndexRecord) -> Path:
+    def index_path(self, record: IndexRecord, what: str = "sample index") -> Path:
         path = self.meta / record.name
         if record.name not in self._fetched:
-            self._fetch(self.storage, record.name, path, record.sha256, "sample index")
+            self._fetch(self.storage, record.name, path, record.sha256, what)
             self._fetched.add(record.name)
         return path
 

@@ -266,7 +266,7 @@ class TokenInfo:
 _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
 
 
-_OPTIONAL_KEYS = ("kind", "tokens", "index", "image_field", "image_fields", "field_counts", "label_field",
+_OPTIONAL_KEYS = ("kind", "tokens", "index", "probes", "image_field", "image_fields", "field_counts", "label_field",
                   "label_map", "label_rule", "skipped", "source", "convert_options", "split")
 """The manifest's optional keys: written when set (or named in :attr:`Manifest.nulls`), absent otherwise."""
 
@@ -311,6 +311,9 @@ class Manifest:
     """A token dataset's token type, end-of-document id and counts (None: a dataset of samples)."""
     index: IndexRecord | None = None
     """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
+    probes: IndexRecord | None = None
+    """The probe table of the samples' video and audio files (:data:`fastio.formats.media.PROBES_NAME`, written by
+    ``fastio index``; None: none, a converted dataset's probes are its ``probe.json`` fields)."""
     image_field: str | None = None
     """The main image field (None: no images, or unknown)."""
     image_fields: list[str] | None = None
@@ -366,8 +369,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """The manifest of a JSON object that :func:`_validate` has passed."""
-        optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index")}
-        tokens, index = data.get("tokens"), data.get("index")
+        optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index", "probes")}
+        tokens, index, probes = data.get("tokens"), data.get("index"), data.get("probes")
         shards = shard_records(data)
         return cls(name=data.get("name"), shards=shards, fields=list(data["fields"]),
                    total_samples=data["total_samples"],
@@ -376,6 +379,7 @@ class Manifest:
                    kind=data.get("kind", "samples"),
                    tokens=None if tokens is None else TokenInfo.from_dict(tokens, "tokens"),
                    index=None if index is None else IndexRecord.from_dict(index, "index"),
+                   probes=None if probes is None else IndexRecord.from_dict(probes, "probes"),
                    nulls=frozenset(k for k in _OPTIONAL_KEYS if k in data and data[k] is None), **optional)
 
 
@@ -613,8 +617,9 @@ def _validate(manifest: Any, path: str) -> None:
         "a list of {path, reason}")
     for key in ("source", "convert_options", "split"):
         _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")
-    if manifest.get("index") is not None:
-        IndexRecord.from_dict(manifest["index"], f"{path}: index")
+    for key in ("index", "probes"):
+        if manifest.get(key) is not None:
+            IndexRecord.from_dict(manifest[key], f"{path}: {key}")
     _validate_kind(manifest, path)
 
 

@@ -12,16 +12,23 @@ index is tiny next to its shard and a wrong entry delivers one sample's bytes un
   ``KEY.EXT`` agreeing with the line's key and extension; no key twice; every member's data
   512-byte aligned after its header, inside the shard's size, and after the previous member's
   data (tar order: no two members share bytes).
+
+The Reader's tar-header check wants only the keys: :func:`key_crcs` checks the sha256 and the line count and
+reads each line's key, not its ranges (a fresh reader's first batch, on the path back to training after a
+restart, opens every shard it touches).
 """
 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from dataclasses import dataclass
+
+import numpy as np
 
 from fastio.formats.wds import member_name, split_member_name
 
-__all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "load_index", "parse_index"]
+__all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
 
 INDEX_VERSION = "v1.2"
 _BLOCK = 512  # tar block: a member's header, and the alignment of its data
@@ -107,11 +114,44 @@ def check_index(entries: list[IndexEntry], *, samples: int, tar_bytes: int, sour
             end = offset + -(-size // _BLOCK) * _BLOCK
 
 
+def _check_sha256(data: bytes, sha256: str, source: str) -> None:
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{source}: sha256 does not match the manifest (the index was changed or replaced)")
+
+
+def key_crcs(data: bytes, *, samples: int, sha256: str, source: str = "<index>") -> np.ndarray:
+    """The CRC-32 of each sample's key, in shard order (uint32), from an ``.idx`` file's bytes: their sha256
+    checked against the manifest's, the header and the line count against ``samples``, each line read as far as
+    ``ext offset size KEY.EXT`` in ASCII; ValueError naming ``source`` (and the line) otherwise.
+
+    What the Reader's tar-header check needs, at a small part of :func:`load_index`'s cost (no entries made, no
+    ranges parsed). The other rules of :func:`check_index` are not checked here: a key is only compared with
+    the tar header the sample index points at, so a wrong one is refused there, never delivered.
+    """
+    _check_sha256(data, sha256, source)
+    lines = data.split(b"\n")
+    header = lines[0].split(b" ")
+    if len(header) != 2 or header[0] != INDEX_VERSION.encode() or header[1] != str(samples).encode():
+        raise ValueError(f"{source}: header {lines[0][:40]!r} is not '{INDEX_VERSION} {samples}'")
+    if len(lines) != samples + 2 or lines[-1]:
+        raise ValueError(f"{source}: header says {samples} samples, file lists {len(lines) - 2}")
+    if not data.isascii():
+        raise ValueError(f"{source}: not an index (a non-ASCII byte)")
+    out = np.empty(samples, np.uint32)
+    for j, line in enumerate(lines[1:-1]):
+        parts = line.split(b" ", 4)
+        name = parts[3] if len(parts) >= 4 else b""
+        dot = name.find(b".", name.rfind(b"/") + 1)
+        if dot < 0 or name[dot + 1:] != parts[0]:
+            raise ValueError(f"{source}:{j + 2}: malformed index line (member {name[:60]!r})")
+        out[j] = zlib.crc32(name[:dot])
+    return out
+
+
 def load_index(data: bytes, *, samples: int, tar_bytes: int, sha256: str, source: str = "<index>") -> list[IndexEntry]:
     """Check ``data`` (an ``.idx`` file's bytes) against the manifest's ``sha256``, parse it and
     :func:`check_index` it; ValueError naming ``source`` and what is wrong."""
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise ValueError(f"{source}: sha256 does not match the manifest (the index was changed or replaced)")
+    _check_sha256(data, sha256, source)
     try:
         text = data.decode("ascii")
     except UnicodeDecodeError as err:

@@ -8,6 +8,10 @@ cannot open is skipped and named in the report (:class:`MediaCheckError`), and s
 decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message; with
 ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
+
+``fastio index`` cannot add fields to shards it indexes: it probes each media member once and writes the probes
+into DEST's probe table (:data:`PROBES_NAME`, :func:`write_probe_table`, :class:`ProbeTable`), recorded in the
+manifest with its checksums.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import io
 import json
 from typing import Any
 
-__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBE_FIELD", "VIDEO_FIELDS",
-           "TRANSCODES", "MediaCheckError", "check_media", "is_audio_field", "is_media_field", "is_video_field",
+__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
+           "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
+           "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
            "probe"]
 
@@ -165,3 +170,79 @@ def media_field_for_suffix(suffix: str) -> str | None:
     """The field name of a video or audio file suffix such as ``.WebM`` (``webm``), or None."""
     field = suffix.lower().lstrip(".")
     return field if field in MEDIA_FIELDS else None
+
+
+PROBES_NAME = "probes.fxp"
+"""The probe table ``fastio index`` writes in DEST beside ``samples.fxi`` (shards it indexes are never rewritten,
+so it cannot add ``probe.json`` fields): :func:`write_probe_table`, :class:`ProbeTable`."""
+_PROBES_MAGIC = b"FASTIOPB"
+_PROBES_VERSION = 1
+
+
+def write_probe_table(path, rows: list[dict[str, bytes | str]]) -> None:
+    """Write the probe table of a dataset's samples (``rows[i]``: sample ``i``'s media fields, each its
+    ``probe.json`` bytes (:func:`check_media`) or, for one that could not be probed or read, the reason).
+
+    Layout: ``FASTIOPB``, a little-endian u64 header length, a JSON header (``version``, ``samples``,
+    ``unprobed``: per field the count and the first ``[sample, reason]``), zero padding to 8 bytes, int64
+    ``offsets[samples + 1]``, then each sample's entry: a JSON object of field -> probe (or ``{"error":
+    reason}``); empty for a sample without media."""
+    import numpy as np
+
+    unprobed: dict[str, dict[str, Any]] = {}
+    blobs = []
+    for i, row in enumerate(rows):
+        entry = {}
+        for field, got in sorted(row.items()):
+            if isinstance(got, str):
+                entry[field] = {"error": got}
+                seen = unprobed.setdefault(field, {"count": 0, "first": [i, got]})
+                seen["count"] += 1
+            else:
+                entry[field] = json.loads(got)
+        blobs.append(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() if entry else b"")
+    header = json.dumps({"version": _PROBES_VERSION, "samples": len(rows), "unprobed": unprobed},
+                        sort_keys=True).encode()
+    head = _PROBES_MAGIC + len(header).to_bytes(8, "little") + header
+    head += b"\0" * (-len(head) % 8)
+    offsets = np.zeros(len(rows) + 1, "<i8")
+    offsets[1:] = np.cumsum([len(b) for b in blobs])
+    with open(path, "wb") as f:
+        f.write(head + offsets.tobytes() + b"".join(blobs))
+
+
+class ProbeTable:
+    """A probe table (:func:`write_probe_table`) read from ``data`` (the file's bytes); ValueError naming
+    ``where`` when it is not one or holds another number of samples than ``samples``."""
+
+    def __init__(self, data: bytes, where: str, samples: int):
+        import numpy as np
+
+        try:
+            if data[:8] != _PROBES_MAGIC:
+                raise ValueError("not a probe table (bad magic)")
+            size = int.from_bytes(data[8:16], "little")
+            header = json.loads(data[16:16 + size])
+            if header["version"] != _PROBES_VERSION or header["samples"] != samples:
+                raise ValueError(f"version {header['version']}, {header['samples']} samples; expected version "
+                                 f"{_PROBES_VERSION}, {samples} samples")
+            start = 16 + size + (-(16 + size) % 8)
+            self._offsets = np.frombuffer(data, "<i8", samples + 1, start)
+            self._blob = memoryview(data)[start + 8 * (samples + 1):]
+            if self._offsets[0] != 0 or (np.diff(self._offsets) < 0).any() or self._offsets[-1] != len(self._blob):
+                raise ValueError("offsets do not fit the file")
+            self.unprobed: dict[str, dict[str, Any]] = header["unprobed"]
+            """Per field: ``count`` of samples whose file could not be probed, ``first`` ``[sample, reason]``."""
+        except (ValueError, KeyError, TypeError, IndexError) as err:
+            raise ValueError(f"{where}: {err}") from None
+        self.where = where
+
+    def probe(self, index: int, field: str) -> bytes:
+        """The ``probe.json`` bytes of sample ``index``'s ``field``; ValueError naming the sample when the table
+        has none (the reason it could not be probed, or no such field)."""
+        a, b = int(self._offsets[index]), int(self._offsets[index + 1])
+        entry = json.loads(self._blob[a:b].tobytes() or b"{}").get(field)
+        if entry is None or "error" in entry:
+            why = entry["error"] if entry else f"no {field} field"
+            raise ValueError(f"{self.where}: sample {index}: no probe of its {field} ({why})")
+        return json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()

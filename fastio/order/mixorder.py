@@ -327,11 +327,13 @@ class MixOrder:
             if self.sampler.spec.shuffle == "global" and len(uniq) > 2:
                 # a small source cycling through many of its epochs in this lookup: one vectorised permutation
                 # with each element's round keys (what EpochOrder computes one epoch at a time)
-                out[sel] = self.sampler.base[s] + self.sampler.cycling_order(s, uniq, which.reshape(-1), offsets)
-                continue
-            for j, e in enumerate(uniq.tolist()):
-                part = which == j
-                out[sel[part]] = self.sampler.base[s] + self.sampler.source_order(s, e)[offsets[part]]
+                local = self.sampler.cycling_order(s, uniq, which.reshape(-1), offsets)
+            else:
+                local = np.empty(offsets.size, np.int64)
+                for j, e in enumerate(uniq.tolist()):
+                    part = which == j
+                    local[part] = self.sampler.source_order(s, e)[offsets[part]]
+            out[sel] = self.sampler.unit_ids(s, epochs, local)
         return out.reshape(pos.shape)
 
 
@@ -367,6 +369,11 @@ class MixSampler(Sampler):
 
     def order(self, epoch: int) -> MixOrder:
         return MixOrder(self, epoch)
+
+    def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """The ids the order hands out for samples ``local`` of source ``s`` in its own epochs ``epochs``: the
+        mixture ids ``base[s] + local`` (a kind whose units change with the source's epoch adds it)."""
+        return self.base[s] + local
 
     def _source_spec(self, s: int) -> SamplerSpec:
         return SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,

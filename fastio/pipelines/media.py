@@ -11,19 +11,21 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.formats.media import PROBE_FIELD, is_audio_field, is_video_field, parse_probe, probe
+from fastio.formats.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
+    from fastio.formats.media import ProbeTable
     from fastio.read.reader import ReadBatch
 
 __all__ = ["AudioClips", "VideoClips"]
@@ -37,17 +39,74 @@ def _positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
+def probe_source(ds: Dataset) -> ProbeTable | None:
+    """Where the probes of ``ds``'s samples come from, the one place that decides: its probe table when it has
+    one (``fastio index`` writes it, :attr:`fastio.Dataset.probes`), else None: each sample's ``probe.json``
+    field (``fastio convert`` stores it beside the file)."""
+    return ds.probes
+
+
 def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     """The dataset's fields of one kind (video or audio), the most common first; DatasetError naming what it
-    lacks (those fields, or the probes convert writes beside them)."""
+    lacks (those fields, or their probes: the ``probe.json`` fields of convert or the probe table of index)."""
     counts = ds.manifest.field_counts or {}
     found = sorted((f for f in ds.fields if test(f)), key=lambda f: (-counts.get(f, 0), f))
     if not found:
         raise DatasetError(f"{ds.root}: dataset has no {what} field (its fields: {', '.join(ds.fields)})")
-    if PROBE_FIELD not in ds.fields:
+    table = probe_source(ds)
+    if table is None and PROBE_FIELD not in ds.fields:
         raise DatasetError(f"{ds.root}: dataset has no {PROBE_FIELD} field (the probe fastio convert writes "
                            f"beside each {what} file); convert the {what} files with fastio convert")
+    for f in found if table is not None else ():
+        if f in table.unprobed:
+            n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
+            raise DatasetError(f"{ds.root}: {n} samples' {f} could not be probed when indexed (the first: shard "
+                               f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
+                               "index again, or convert the files with fastio convert (which skips them)")
     return tuple(found)
+
+
+class _ProbeReader:
+    """Reads batches with ``inner`` (the read set's reader) and puts each sample's probe from its dataset's probe
+    table (``tables[source]``, None for a dataset whose samples hold a ``probe.json`` field) into the batch's
+    ``probe.json`` column, in the thread that finished the read; ``where(i)`` names read-set id ``i``."""
+
+    def __init__(self, inner: Any, tables: list[ProbeTable | None], split, where):
+        self.inner, self.tables, self.split, self.where = inner, tables, split, where
+
+    def submit(self, ids: np.ndarray) -> Future:
+        out: Future = Future()
+
+        def fill(read: Future) -> None:
+            if not out.set_running_or_notify_cancel():
+                return
+            try:
+                out.set_result(self._filled(read.result()))
+            except BaseException as err:  # a read error passes through, a missing probe is named
+                out.set_exception(err)
+
+        self.inner.submit(ids).add_done_callback(fill)
+        return out
+
+    def _filled(self, batch: ReadBatch) -> ReadBatch:
+        n = len(batch.indices)
+        column = batch.fields.setdefault(PROBE_FIELD, [np.empty(0, np.uint8)] * n)
+        present = batch.present.setdefault(PROBE_FIELD, np.zeros(n, bool))
+        source, index = self.split(batch.indices)
+        for j, (s, i, field) in enumerate(zip(source.tolist(), index.tolist(), batch.image_field)):
+            if self.tables[s] is not None and is_media_field(field):
+                try:
+                    column[j] = np.frombuffer(self.tables[s].probe(i, field), np.uint8)
+                except ValueError as err:
+                    raise DatasetError(f"{self.where(int(batch.indices[j]))}: {err}") from None
+                present[j] = True
+        return batch
+
+    def read_ahead_shards(self, batches) -> None:
+        self.inner.read_ahead_shards(batches)
+
+    def close(self) -> None:
+        """Nothing of its own (the inner reader is the read set's, closed with it)."""
 
 
 @dataclass(frozen=True)
@@ -61,20 +120,29 @@ class _Clips(Pipeline):
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
         test = is_video_field if self.media == "video" else is_audio_field
         media = _media_fields(ds, test, self.media)
-        ds.require_fields([PROBE_FIELD, *fields], in_every_sample=True)
+        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by reader()
+        ds.require_fields([*probes, *fields], in_every_sample=True)
         # A sample's clip comes from the first media field it has (a dataset may mix formats), read as the
         # reader's "image" (no header parsed, nothing transcoded).
-        return ReadFields(tuple(dict.fromkeys([PROBE_FIELD, *fields])), image=media)
+        return ReadFields(tuple(dict.fromkeys([*probes, *fields])), image=media)
 
-    def _probes(self, batch: ReadBatch) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
-        """The batch's encoded media (one array per sample) and their probes (DatasetError naming the sample's
-        read-set id, ``batch["index"]`` of a dataset, when one is not a probe)."""
+    def reader(self, read_set: Any) -> Any:
+        """The read set's reader; with the probes of datasets that have a probe table put in (:func:`probe_source`)."""
+        tables = [probe_source(s.dataset) for s in read_set.sources]
+        if all(t is None for t in tables):
+            return read_set.reader
+        return _ProbeReader(read_set.reader, tables, read_set.split, read_set.where)
+
+    def _probes(self, batch: ReadBatch) -> list[dict[str, Any] | None]:
+        """Each sample's probe, None for a sample whose clip is a still image (:class:`VideoClips` of an image
+        dataset); DatasetError naming the sample's read-set id (``batch["index"]`` of a dataset) when one is not
+        a probe."""
+        stored = batch.fields.get(PROBE_FIELD)
         try:
-            probes = [parse_probe(p.tobytes(), f"sample {i}") for i, p in zip(batch.indices.tolist(),
-                                                                             batch.fields[PROBE_FIELD])]
+            return [parse_probe(stored[j].tobytes(), f"sample {i}") if is_media_field(field) else None
+                    for j, (i, field) in enumerate(zip(batch.indices.tolist(), batch.image_field))]
         except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
             raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
-        return batch.image, probes
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         """The clip outputs, then the asked fields (the probes are read, not delivered, unless ``fields`` names
@@ -85,7 +153,10 @@ class _Clips(Pipeline):
 
     def decode_problem(self, batch: ReadBatch, j: int) -> str | None:
         """Why sample ``j``'s media cannot be decoded: its ``probe.json`` is not one, PyAV cannot probe it, or it
-        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...)."""
+        is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...); a
+        still image's: as an image's."""
+        if not is_media_field(batch.image_field[j]):
+            return Pipeline.decode_problem(self, batch, j)
         try:
             stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
@@ -96,10 +167,14 @@ class _Clips(Pipeline):
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
         return None
 
+    conditionals: ClassVar[bool] = False
+    """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
+
     def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
               prefetch: int, seed: int = 0) -> BuiltPipeline:
         pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
-                         device=device, device_id=device_id, prefetch=prefetch, seed=seed)
+                         device=device, device_id=device_id, prefetch=prefetch, seed=seed,
+                         conditionals=self.conditionals)
         return BuiltPipeline(pipe, self.output_names())
 
     def output_names(self) -> tuple[str, ...]:
@@ -122,11 +197,16 @@ class VideoClips(_Clips):
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
 
+    An image dataset (alone, or in a :class:`fastio.Mixture` beside videos) gives **still clips**: each image
+    decoded, cropped, flipped and resized by the same rules (its own crop from its width and height), repeated
+    over the ``frames``; ``start_frame`` 0.
+
     ``Loader(dest, pipeline=fastio.VideoClips(frames=16, stride=2, size=112), batch_size=8)``.
     """
 
     kind: ClassVar[str] = "video-clips"
     media: ClassVar[str] = "video"
+    conditionals: ClassVar[bool] = True
     frames: int = 16
     """Frames per clip."""
     stride: int = 1
@@ -175,17 +255,26 @@ class VideoClips(_Clips):
 
     def input_names(self) -> tuple[str, ...]:
         starts = tuple(f"start{c}" for c in range(self.clips_per_video))
-        return ("encoded", "index", *starts, "roi_start", "roi_end", "flip")
+        return ("encoded", "index", "still", *starts, "roi_start", "roi_end", "flip")
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
 
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        """A video dataset's video field with its probe; an image dataset's images (with their sizes), whose
+        clips are stills."""
+        if ds.manifest.tokens is None and ds.image_field is not None and not any(map(is_video_field, ds.fields)):
+            return dataclasses.replace(Pipeline.read_fields(self, ds, fields), sizes=True)
+        return super().read_fields(ds, fields)
+
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        encoded, probes = self._probes(batch)
-        lengths = np.array([p["frames"] for p in probes], np.int64)
+        probes = self._probes(batch)
+        still = np.array([p is None for p in probes], bool)
+        sizes = batch.sizes if batch.sizes is not None else np.zeros((len(probes), 2), np.int64)
+        lengths = np.array([1 if p is None else p["frames"] for p in probes], np.int64)  # a still: start 0
+        w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
+        h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
         starts = clip_starts(seed, epoch, batch.indices, lengths, self.span, self.clips_per_video).astype(np.int32)
-        w = np.array([p["width"] for p in probes], np.float64)
-        h = np.array([p["height"] for p in probes], np.float64)
         if self.crop == "random":
             crop = random_resized_crop(seed, epoch, batch.indices, w, h, scale=self.scale,
                                        flip_p=0.5 if self.flip else 0.0)
@@ -197,25 +286,42 @@ class VideoClips(_Clips):
         roi_start = np.ascontiguousarray(np.stack([y, x], 1), np.float32)
         roi_end = np.ascontiguousarray(np.stack([y + ch, x + cw], 1), np.float32)
         index = np.ascontiguousarray(batch.indices, dtype=np.int64)
-        return (encoded, index, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
+        return (batch.image, index, still, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
                 roi_start, roi_end, np.ascontiguousarray(flip, np.int32))
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
 
-        device = "mixed" if decoder_device == "mixed" else "cpu"
-        clips, starts = [], []
-        for c in range(self.clips_per_video):
-            start = inp[f"start{c}"]
-            clip = fn.decoders.video(inp["encoded"], device=device, start_frame=start, sequence_length=self.frames,
-                                     stride=self.stride, pad_mode="edge")
-            clip = fn.resize(clip, roi_start=inp["roi_start"], roi_end=inp["roi_end"], roi_relative=False,
-                             size=[self.size, self.size], antialias=True)
-            clips.append(self._normalize(fn, types, clip, inp["flip"]))
-            starts.append(start)
+        # DALI's conditionals: each branch runs on its samples only, the outputs merge back in batch order
+        if inp["still"]:
+            video = self._still_clips(fn, types, inp, decoder_device)
+        else:
+            video = self._video_clips(fn, inp, decoder_device)
+        starts = [inp[f"start{c}"] for c in range(self.clips_per_video)]
         start = fn.cast(starts[0] if self.clips_per_video == 1 else fn.stack(*starts), dtype=types.INT64)
-        video = clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
-        return video, start.gpu() if device == "mixed" else start, inp["index"]
+        return video, start.gpu() if decoder_device == "mixed" else start, inp["index"]
+
+    def _video_clips(self, fn, inp: dict[str, Any], decoder_device: str):
+        from nvidia.dali import types
+
+        clips = []
+        for c in range(self.clips_per_video):
+            clip = fn.decoders.video(inp["encoded"], device=decoder_device, start_frame=inp[f"start{c}"],
+                                     sequence_length=self.frames, stride=self.stride, pad_mode="edge")
+            clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
+        return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
+
+    def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):
+        """An image as a clip: decoded, its crop resized, repeated over ``frames`` (and ``clips_per_video``)."""
+        frame = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
+                                  adjust_orientation=False)
+        frame = self._resize(fn, frame, inp)
+        clip = self._normalize(fn, types, fn.stack(*[frame] * self.frames, axis_name="F"), inp["flip"])
+        return clip if self.clips_per_video == 1 else fn.stack(*[clip] * self.clips_per_video)
+
+    def _resize(self, fn, frames, inp: dict[str, Any]):
+        return fn.resize(frames, roi_start=inp["roi_start"], roi_end=inp["roi_end"], roi_relative=False,
+                         size=[self.size, self.size], antialias=True)
 
     def _normalize(self, fn, types, clip, flip):
         uint8 = self.dtype == "uint8"
@@ -234,7 +340,9 @@ class AudioClips(_Clips):
     ``sample_rate``; ``batch["label"]``.
 
     A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, global
-    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end.
+    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end. Each
+    file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is resampled
+    (:func:`resample_windows`), not the whole file.
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -266,25 +374,30 @@ class AudioClips(_Clips):
         return int(round(self.sample_rate * self.seconds))
 
     def input_names(self) -> tuple[str, ...]:
-        return ("encoded", "index", "start")
+        return ("encoded", "index", "start", "window_start", "window_length", "offset", "rate")
 
     def output_names(self) -> tuple[str, ...]:
         return ("audio", "start_sample", "index")
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        encoded, probes = self._probes(batch)
+        probes = self._probes(batch)
+        rates = np.array([p["rate"] for p in probes], np.int64)
+        samples = np.array([p["samples"] for p in probes], np.int64)
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
-        lengths = np.array([p["samples"] * self.sample_rate // p["rate"] for p in probes], np.int64)
-        starts = clip_starts(seed, epoch, batch.indices, lengths, self.length)[:, 0].astype(np.int32)
-        return encoded, np.ascontiguousarray(batch.indices, dtype=np.int64), np.ascontiguousarray(starts)
+        starts = clip_starts(seed, epoch, batch.indices, samples * self.sample_rate // rates, self.length)[:, 0]
+        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples, self.sample_rate)
+        return (batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), starts.astype(np.int32),
+                window_start, window_length, offset, rates.astype(np.float32))
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
 
-        audio, _rate = fn.decoders.audio(inp["encoded"], sample_rate=self.sample_rate, downmix=True,
-                                         dtype=types.FLOAT)
-        clip = fn.slice(audio, start=inp["start"], shape=[self.length], axes=[0],
-                        out_of_bounds_policy="pad", fill_values=0.0)
+        # Decoded at the file's rate and mixed down; only the clip's window (resample_windows) is resampled.
+        audio, _rate = fn.decoders.audio(inp["encoded"], downmix=True, dtype=types.FLOAT)
+        window = fn.slice(audio, start=inp["window_start"], shape=inp["window_length"], axes=[0])
+        window = fn.audio_resample(window, in_rate=inp["rate"], out_rate=self.sample_rate, dtype=types.FLOAT)
+        clip = fn.slice(window, start=inp["offset"], shape=[self.length], axes=[0], out_of_bounds_policy="pad",
+                        fill_values=0.0)
         if self.n_mels is not None:
             spec = fn.spectrogram(clip, nfft=self.n_fft, window_length=self.n_fft, window_step=self.hop)
             clip = fn.to_decibels(fn.mel_filter_bank(spec, sample_rate=self.sample_rate, nfilter=self.n_mels))
@@ -292,3 +405,26 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+RESAMPLE_MARGIN = 64
+"""Output samples resampled on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
+default quality, at most 16 output samples when downsampling, 16 input samples when upsampling), so the clip's own
+samples see the file as they would if the whole file were resampled."""
+
+
+def resample_windows(starts: np.ndarray, length: int, rates: np.ndarray, samples: np.ndarray,
+                     out_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(window_start, window_length, offset)`` (int32 [B]) of the audio clips starting at ``starts`` (at
+    ``out_rate``): the window of each file (``samples`` at ``rates``) that is resampled, and where the clip starts
+    in the resampled window. The window starts :data:`RESAMPLE_MARGIN` output samples before the clip or at the
+    file's start, at a sample where the input and output grids meet (a multiple of ``rate / gcd(rate, out_rate)``),
+    so its output samples fall where the whole file's would; it ends the margin after the clip, or at the file's
+    end (past it the clip is padded with zeros, as before)."""
+    g = np.gcd(rates, out_rate)
+    period_out, period_in = out_rate // g, rates // g
+    first = np.maximum(starts - RESAMPLE_MARGIN, 0) // period_out  # grid points before the window
+    window_start = first * period_in
+    end = np.minimum(-(-(starts + length + RESAMPLE_MARGIN) * rates // out_rate), samples)
+    return (window_start.astype(np.int32), np.maximum(end - window_start, 1).astype(np.int32),
+            (starts - first * period_out).astype(np.int32))

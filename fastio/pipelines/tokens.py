@@ -35,7 +35,9 @@ class Tokens(Pipeline):
     ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``). ``batch["index"]`` holds the sequence ids. Tensors stay
     on the CPU.
 
-    ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=2048), batch_size=8)``; ``shuffle`` is ``global`` or
+    ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=2048), batch_size=8)``, or a ``fastio.Mixture`` of token
+    datasets in place of DEST (its units are packed sequences: weights, ``samples_per_epoch`` and a schedule count
+    sequences; ``batch["source"]`` names the source, ``batch["index"]`` the sequence in it); ``shuffle`` is ``global`` or
     ``none``; the order is a pure function of (seed, epoch, the corpus, the options below), so ranks, drop_last,
     remainder and exact or elastic resume work as for stored samples (docs/tokens.md).
     """
@@ -73,22 +75,26 @@ class Tokens(Pipeline):
         return None
 
     def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:
-        from fastio.tokens.loading import TokenUnits, open_tables, packing_of
+        from fastio.tokens.loading import TokenUnits, mixture_units, open_tables, packing_of
 
-        if read_set.mixture is not None:
-            raise DatasetError(f"{read_set.root}: fastio.Tokens reads one token dataset; a fastio.Mixture of token "
-                               "datasets is not supported yet")
+        if read_set.mixture is not None:  # sources sized in sequences; the mixture's order over them
+            sampler, packings = mixture_units(read_set, self.seq_len, self.packing, self.window, sampling,
+                                              world_size, rank)
+            _PACKINGS[read_set] = packings
+            return sampler
         ds = read_set.target
         packing = packing_of(ds, open_tables(ds), self.seq_len, self.packing, self.window, sampling)
         sampler = packing.sampler(batch_size=sampling.batch_size, world_size=world_size, rank=rank,
                                   drop_last=sampling.drop_last, remainder=sampling.remainder)
-        _PACKINGS[read_set] = packing
+        _PACKINGS[read_set] = [packing]
         return TokenUnits(packing, sampler)
 
     def reader(self, read_set: Any) -> Any:
-        from fastio.tokens.loading import TokenReader
+        from fastio.tokens.loading import TokenReader, TokenSource
 
-        return TokenReader(read_set.target, _PACKINGS[read_set], read_set.sources[0].files, read_set.reader_threads)
+        sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources,
+                                                                                  _PACKINGS[read_set])]
+        return TokenReader(sources, read_set.reader_threads)
 
     def build(self, source, **_options: Any) -> None:
         return None

@@ -79,12 +79,18 @@ class Feeder:
         seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
         read_ahead: batches whose reads are started ahead of the one being fed.
         epoch, start: where the stream starts.
+        first: batches read until the graph's first output is taken (:meth:`delivered`): the graph's prefetch
+            depth, what its first run asks for, so that reads further ahead do not take the cores and the
+            interpreter from the first batch's build, read and decode; then ``read_ahead`` ahead at once.
+            None: ``read_ahead`` ahead from the start. :meth:`take` called directly (no graph) lifts it.
     """
 
     def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], pipeline: Pipeline, *, seed: int,
-                 read_ahead: int, epoch: int = 0, start: int = 0):
+                 read_ahead: int, epoch: int = 0, start: int = 0, first: int | None = None):
         self.reader, self.plans, self.pipeline = reader, plans, pipeline
         self.seed, self.read_ahead = seed, read_ahead
+        self._cap = first  # reads started before the first output is taken (None: no cap)
+        self._started = 0
         self._positions = self._walk(epoch, start)
         self._slots: deque[_Slot] = deque()
         self._fed: deque[_InGraph] = deque()
@@ -100,18 +106,32 @@ class Feeder:
             epoch, start = epoch + 1, 0
 
     def start(self) -> None:
-        """Make sure the reads of the next ``read_ahead + 1`` batches have started."""
-        while len(self._slots) <= self.read_ahead:
+        """Make sure the reads of the next ``read_ahead + 1`` batches have started (until the first output is
+        taken: of the first ``first`` only)."""
+        while len(self._slots) <= self.read_ahead and (self._cap is None or self._started < self._cap):
             try:
                 plan, g, indices, padded = next(self._positions)
             except StopIteration:
                 return
             self._slots.append(_Slot(plan, g, self.reader.submit(indices), padded))
+            self._started += 1
 
     def take(self) -> Fed:
         """The stream's next batch, once its bytes are read (not recorded as fed: see ``__call__``)."""
+        self._cap = None
+        return self._take()
+
+    def _ready(self) -> bool:
+        """Whether the stream has a next batch, its read started (asked for more than ``first`` before the first
+        output, the cap goes)."""
         self.start()
-        if not self._slots:
+        if not self._slots and self._cap is not None:
+            self._cap = None
+            self.start()
+        return bool(self._slots)
+
+    def _take(self) -> Fed:
+        if not self._ready():
             raise StopIteration
         slot = self._slots.popleft()
         self.start()  # keep read_ahead batches being read while this one is waited for and used
@@ -120,7 +140,7 @@ class Feeder:
         return Fed(slot.read.result(), slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
 
     def __call__(self) -> tuple:
-        fed = self.take()
+        fed = self._take()
         inputs = self.pipeline.inputs(fed.batch, seed=self.seed, epoch=fed.epoch)
         self._fed.append(_InGraph(fed, inputs))
         return inputs
@@ -130,15 +150,18 @@ class Feeder:
         feed; None when the stream has ended."""
         if self._fed:
             return self._fed[0].fed.epoch, self._fed[0].fed.start
-        self.start()
-        if not self._slots:
+        if not self._ready():
             return None
         plan, g = self._slots[0].plan, self._slots[0].g
         return plan.epoch, plan.start if g == 0 else plan.consumed_after(g - 1)
 
     def delivered(self) -> Fed:
         """The oldest batch fed to the graph and not yet taken: the one its next output belongs to (its
-        inputs are let go: the graph is done with them once it returned that output)."""
+        inputs are let go: the graph is done with them once it returned that output); from then on
+        ``read_ahead`` batches are read ahead (started now, while the training loop uses this one)."""
+        if self._cap is not None:
+            self._cap = None
+            self.start()
         return self._fed.popleft().fed
 
     def in_flight(self) -> list[Fed]:

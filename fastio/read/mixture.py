@@ -9,6 +9,7 @@ one :class:`~fastio.read.reader.ReadBatch`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -72,7 +73,15 @@ class Mixture:
         for name, ds in zip(self.names, self.datasets):
             if len(ds) < 1:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
-        self.sizes: tuple[int, ...] = tuple(len(ds) for ds in self.datasets)
+        _check_kinds(self.names, self.datasets)
+        self._given, self._given_samples = given, samples_per_epoch
+        self._units: tuple[tuple[int], ...] | None = None  # in_units: each source one run of that many units
+        self._size([len(ds) for ds in self.datasets])
+
+    def _size(self, sizes: Sequence[int]) -> None:
+        """Sizes, phases, epoch length and bases from the sources' sizes ``sizes`` (their units)."""
+        self.sizes: tuple[int, ...] = tuple(int(n) for n in sizes)
+        given = self._given
         if given is None:
             raw = [float(n) for n in self.sizes]
             check_shares(self.names, raw, " (no weights= given: each source's size is its weight; give weights=)")
@@ -83,9 +92,21 @@ class Mixture:
         the weights normalised to sum to 1, positions count samples of the mixture stream since training began."""
         self.weights: tuple[float, ...] = self.phases[0][1]
         """Each source's share (the weights normalised to sum to 1); with a schedule, its first phase's."""
-        self.samples_per_epoch: int = int(samples_per_epoch) if samples_per_epoch is not None else sum(self.sizes)
+        self.samples_per_epoch: int = (int(self._given_samples) if self._given_samples is not None
+                                       else sum(self.sizes))
         self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         """Mixture id of each source's first sample (source ``s``'s sample ``i`` is ``base[s] + i``)."""
+
+    def in_units(self, sizes: Sequence[int]) -> Mixture:
+        """This mixture over the same opened datasets, each source ``sizes[s]`` units long (a token mixture's
+        packed sequences, :class:`fastio.Tokens`): weights not given are those sizes, a ``samples_per_epoch`` not
+        given their sum; given weights, a schedule's positions and ``samples_per_epoch`` count these units."""
+        if len(sizes) != len(self.names) or any(int(n) < 1 for n in sizes):
+            raise ValueError(f"in_units needs a positive size per source ({', '.join(self.names)}), got {sizes!r}")
+        resized = copy.copy(self)
+        resized._size(sizes)
+        resized._units = tuple((int(n),) for n in sizes)
+        return resized
 
     @classmethod
     def from_file(cls, path: str | Path, **opening: Any) -> Mixture:
@@ -149,8 +170,8 @@ class Mixture:
 
     def sampler(self, spec: SamplerSpec, world_size: int = 1, rank: int = 0) -> MixSampler:
         """The order and batches of rank ``rank`` of ``world_size`` (``spec``: the loader's sampling)."""
-        return MixSampler.make(spec, self.schedule(spec.seed), [[s.samples for s in ds.shards] for ds in self.datasets],
-                               world_size, rank)
+        shards = self._units or [[s.samples for s in ds.shards] for ds in self.datasets]
+        return MixSampler.make(spec, self.schedule(spec.seed), shards, world_size, rank)
 
     def source_index(self, source: int | str) -> int:
         """A source's position in the mapping, from its position or name."""
@@ -295,6 +316,18 @@ def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: in
         f"{schedule}")
 
 
+def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
+    """DatasetError naming a token source and a source of stored samples when the mixture holds both (a batch
+    holds packed sequences or stored samples, not both)."""
+    tokens = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is not None]
+    samples = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is None]
+    if tokens and samples:
+        (t, tds), (o, ods) = tokens[0], samples[0]
+        raise DatasetError(f"mixture sources {t!r} ({tds.root}) and {o!r} ({ods.root}): {t!r} is a token dataset and "
+                           f"{o!r} holds stored samples (kind {ods.manifest.kind!r}); a mixture mixes one kind: "
+                           "token datasets (read with fastio.Tokens) or datasets of samples")
+
+
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
     """``weights`` (a mapping, or a schedule of ``(position, mapping)`` pairs) as ``(position, weights)`` per
     phase, checked: ValueError naming the offending entry, source or value."""
@@ -397,7 +430,8 @@ def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBa
     present = {f: np.zeros(n, bool) for f in names}
     image = [None] * n if first.image is not None else None
     image_field = [None] * n if first.image_field is not None else None
-    sizes = np.empty((n, 2), np.int64) if first.sizes is not None else None
+    # (0, 0) for the samples of a source that parsed no sizes (a pipeline reading images of some sources only)
+    sizes = np.zeros((n, 2), np.int64) if any(b.sizes is not None for _, b in parts) else None
     for sel, batch in parts:
         rows = sel.tolist()
         for f, values in batch.fields.items():
@@ -408,6 +442,6 @@ def _merge(ids: np.ndarray, parts: list[tuple[np.ndarray, ReadBatch]]) -> ReadBa
         if image is not None:
             for j, v, name in zip(rows, batch.image, batch.image_field):
                 image[j], image_field[j] = v, name
-        if sizes is not None:
+        if sizes is not None and batch.sizes is not None:
             sizes[sel] = batch.sizes
     return ReadBatch(ids, fields, sizes, image, image_field, present)

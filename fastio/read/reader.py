@@ -14,7 +14,8 @@ A shard rewritten *before* it is opened (after ``fastio index``) with the same s
 same sizes swapped, is caught on every read: each run of coalesced ranges is read from 512 bytes before its
 first member, so every member's own tar header comes with the same ``pread``, and its name (key and field)
 and size must be those of the index (the key compared by a CRC-32 of each shard's ``.idx`` keys, 4 bytes a
-sample, kept from the shard's first read), else a DatasetError naming the shard, the key and what changed.
+sample, kept from the shard's first read: :func:`fastio.formats.dali_idx.key_crcs` reads the keys only, no
+whole parse), else a DatasetError naming the shard, the key and what changed.
 Not detected: new member bytes under the same names and sizes (``verify=True`` checks the sha256), and the key
 of a member whose name is 99 bytes or longer or not ASCII (a GNU or pax long name, a pax name: the header holds
 a stand-in; the size is still checked).
@@ -174,7 +175,7 @@ class Reader:
         self._shard_bytes = np.array([s.bytes for s in dataset.shards], np.int64)
         self._files = files
         self._verified: set[int] = set()  # shards of a shard source (cache) whose bytes verify=True has checked
-        self._key_crcs: dict[int, np.ndarray] = {}  # shard -> CRC-32 of each sample's key (from its .idx)
+        self._key_crcs: dict[int, np.ndarray | None] = {}  # shard -> CRC-32 of each sample's key (from its .idx)
         self._key_lock = threading.Lock()
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
@@ -316,27 +317,27 @@ class Reader:
                                        f"({len(piece)} of {z[r]} bytes at offset {o[r]})")
                 name, got_size = _tar_header(data[lo - _HEADER:lo]) if lo >= _HEADER else (b"", None)
                 i = int(indices[j])
-                if not _member_matches(name, got_size, int(crcs[i - self.ds.shards[shard].first]), names[j, c], z[r]):
+                crc = _NO_KEY if crcs is None else int(crcs[i - self.ds.shards[shard].first])
+                if not _member_matches(name, got_size, crc, names[j, c], z[r]):
                     self._recheck_member(i, names[j, c], z[r], o[r], name, got_size)
                 got.flat[order[r]] = piece
             a = b
         return got
 
-    def _shard_key_crcs(self, shard_index: int) -> np.ndarray:
-        """CRC-32 of the key of each sample of a shard, from its ``.idx`` (read on the shard's first use)."""
-        crcs = self._key_crcs.get(shard_index)
-        if crcs is None:
-            shard = self.ds.shards[shard_index]
-            try:
-                entries = self.ds.read_index(shard)
-                crcs = np.fromiter((zlib.crc32(e.key.encode()) for e in entries), np.int64, len(entries))
-            except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
-                log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
-                            "(fastio verify names the damage)", err, shard.name)
-                crcs = np.full(shard.samples, _NO_KEY, np.int64)
-            with self._key_lock:
-                crcs = self._key_crcs.setdefault(shard_index, crcs)
-        return crcs
+    def _shard_key_crcs(self, shard_index: int) -> np.ndarray | None:
+        """CRC-32 of the key of each sample of a shard (uint32), from its ``.idx`` (read on the shard's first use);
+        None when it cannot be read."""
+        if shard_index in self._key_crcs:
+            return self._key_crcs[shard_index]
+        shard = self.ds.shards[shard_index]
+        try:
+            crcs = self.ds.key_crcs(shard)
+        except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
+            log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
+                        "(fastio verify names the damage)", err, shard.name)
+            crcs = None
+        with self._key_lock:
+            return self._key_crcs.setdefault(shard_index, crcs)
 
     def _recheck_member(self, index: int, field: str, size: int, offset: int, name: bytes, got: int | None) -> None:
         """DatasetError: the tar header before a field's bytes is not the one the index describes; but a key

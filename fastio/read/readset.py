@@ -256,6 +256,12 @@ class MixtureReadSet(ReadSet):
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.target.split(ids)
 
+    def in_units(self, sizes: Sequence[int]) -> None:
+        """Count the mixture in a kind's own units, ``sizes[s]`` of source ``s`` (packed sequences of a token
+        mixture): its ids, weights, schedule, epoch length, state entry and stats are then in those units
+        (:meth:`fastio.Mixture.in_units`)."""
+        self.target = self.mixture = self.target.in_units(sizes)
+
     def positions(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         source, index = self.target.split(ids)
         return {"source": torch.from_numpy(source), "index": torch.from_numpy(index)}

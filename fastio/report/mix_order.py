@@ -15,9 +15,12 @@ __all__ = ["mixture_order_report"]
 
 
 def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, batch_size: int = 256,
-                         shuffle: str = "global", block_shards: int = 4, epochs: int = 2) -> dict[str, Any]:
+                         shuffle: str = "global", block_shards: int = 4, epochs: int = 2, seq_len: int = 2048,
+                         packing: str = "concat", window: int = 4096) -> dict[str, Any]:
     """Mixture epochs ``epoch .. epoch + epochs - 1`` of a Loader with ``seed``/``shuffle``/``block_shards``, in
-    global batches of ``batch_size`` (capped at the epoch). JSON-serialisable:
+    global batches of ``batch_size`` (capped at the epoch). A mixture of token datasets is reported in packed
+    sequences of ``fastio.Tokens(seq_len, packing, window)`` (``unit``: ``sequences``, else ``samples``; each
+    source's ``samples`` is then its sequences). JSON-serialisable:
 
     - ``sources``: per source its path, samples, share (the normalised weight at the first inspected position),
       samples per mixture epoch ``epoch`` (``per_epoch``) and how many times that covers the source
@@ -38,6 +41,12 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if epochs < 1:
         raise ValueError(f"epochs must be positive, got {epochs}")
+    unit = "samples"
+    if mixture.datasets[0].manifest.tokens is not None:  # a token mixture (Mixture() refuses mixed kinds)
+        from fastio.tokens.loading import source_packings
+
+        sized = source_packings(mixture, seq_len, packing, window, SamplerSpec(seed=seed, shuffle=shuffle))
+        mixture, unit = mixture.in_units([p.sequences for p in sized]), "sequences"
     n = len(mixture)
     batch_size = min(batch_size, n)
     sampler = mixture.sampler(SamplerSpec(seed=seed, shuffle=shuffle, block_shards=block_shards))
@@ -52,11 +61,11 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
         mine = (phase == i).all(axis=1)  # the full batches wholly inside phase i
         phases.append({"position": pos, "shares": {k: round(w, 6) for k, w in zip(mixture.names, shares)},
                        "batches": int(mine.sum()), "per_batch": _per_batch(mixture.names, counts[mine], expected[mine])})
-    sources = [{"name": name, "path": str(ds.root), "samples": len(ds), "share": round(w, 6), "per_epoch": int(m),
-                "cycles": round(int(m) / len(ds), 3)}
-               for name, ds, w, m in zip(mixture.names, mixture.datasets, mixture.phases[first][1],
-                                         schedule.per_epoch(epoch).tolist())]
-    return {"samples_per_epoch": n, "seed": seed, "epoch": epoch, "epochs": epochs, "shuffle": shuffle,
+    sources = [{"name": name, "path": str(ds.root), "samples": size, "share": round(w, 6), "per_epoch": int(m),
+                "cycles": round(int(m) / size, 3)}
+               for name, ds, size, w, m in zip(mixture.names, mixture.datasets, mixture.sizes,
+                                               mixture.phases[first][1], schedule.per_epoch(epoch).tolist())]
+    return {"samples_per_epoch": n, "unit": unit, "seed": seed, "epoch": epoch, "epochs": epochs, "shuffle": shuffle,
             "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
             "per_batch": _per_batch(mixture.names, counts, expected), "phases": phases,
             "repeat_distance": _repeat_distance(mixture, ids, src)}

@@ -23,6 +23,7 @@ from fastio.dataset.files import LocalFiles, dest_split_names, no_manifest
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
+    IndexRecord,
     Manifest,
     ShardRecord,
     TokenInfo,
@@ -33,6 +34,7 @@ from fastio.dataset.sample_table import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError
 from fastio.formats.dali_idx import check_index, parse_index
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
+from fastio.formats.media import ProbeTable
 from fastio.formats.wds import split_member_name
 from fastio.storage import is_remote, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
@@ -160,6 +162,24 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
         shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
         for what in check_sample_index(root / record.name, record, parsed if shards_ok else None, manifest.fields):
             report.problems.append(Problem(f"{prefix}{record.name}", None, what))
+    if manifest.probes is not None:
+        report.problems += [Problem(f"{prefix}{manifest.probes.name}", None, what)
+                            for what in _probe_problems(root / manifest.probes.name, manifest)]
+
+
+def _probe_problems(path: Path, manifest: Manifest) -> list[str]:
+    """The probe table (``fastio index``'s, of video and audio samples): size and checksums against the manifest's
+    record, and its layout (a probe entry per sample)."""
+    record = manifest.probes
+    if not path.is_file():
+        return ["probe table is missing"]
+    out = _file_problems(path, record)
+    if not out:
+        try:
+            ProbeTable(path.read_bytes(), path.name, manifest.total_samples)
+        except ValueError as err:
+            out.append(f"probe table does not parse: {err}")
+    return out
 
 
 def _stray_files(root: Path, prefix: str, records: list[ShardRecord], listed_files: list[str] | None,
@@ -204,8 +224,8 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     return shard, as_fields(entries) if lower else entries
 
 
-def _file_problems(path: Path, shard: ShardRecord) -> list[str]:
-    """The shard file's size and checksums against its record."""
+def _file_problems(path: Path, shard: ShardRecord | IndexRecord) -> list[str]:
+    """The file's size and checksums against its record (a shard's, or the probe table's)."""
     size, digests = digests_file(path, ("sha256", "xxh3_128") if shard.xxh3_128 else ("sha256",))
     out = [f"size {size} bytes, manifest says {shard.bytes}"] if size != shard.bytes else []
     if digests["sha256"] != shard.sha256:
@@ -302,10 +322,11 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                 if err.missing:
                     raise no_manifest(storage.url_of(prefix.rstrip("/")), storage) from None
                 raise
-            try:  # the sample index is small (a few bytes a sample): fetched once, checked like a local one
-                record = load_manifest(sub).index
-                if record is not None:
-                    storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
+            try:  # the sample index and probe table are small: fetched once, checked like local ones
+                loaded = load_manifest(sub)
+                for record in (loaded.index, loaded.probes):
+                    if record is not None:
+                        storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
             except StorageError as err:
                 if not err.missing:
                     raise

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
-__all__ = ["TMP_SUFFIX", "tmp_path_for", "atomic_write_bytes", "publish", "fsync_dir"]
+__all__ = ["TMP_SUFFIX", "tmp_path_for", "atomic_write_bytes", "publish", "fsync_dir", "place_file"]
 
 TMP_SUFFIX = ".tmp"
 
@@ -41,3 +42,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:  # nothing half-written left behind (a full disk, a folder in the way)
         tmp.unlink(missing_ok=True)
         raise
+
+
+def place_file(src: Path, dst: Path, *, link: bool) -> None:
+    """Put ``src`` at ``dst`` without a half-written moment: a hard link (``src`` stays) or, without ``link``, a
+    rename; a copy where links fail (another file system, no link support)."""
+    tmp = tmp_path_for(dst)
+    tmp.unlink(missing_ok=True)
+    if not link:
+        os.replace(src, dst)
+        return
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    publish(tmp, dst)

@@ -1,6 +1,7 @@
 """``fastio convert SOURCE DEST --tokenizer tokenizer.json``: text documents into a token dataset.
 
-Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text) are tokenized in batches with the
+Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text; a local file or folder, or an ``s3://``
+object or prefix read through :mod:`fastio.tokens.corpus`, in sorted key order) are tokenized in batches with the
 ``tokenizers`` library (the file's own tokenizer, no special tokens added), in worker processes
 (:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
@@ -9,32 +10,49 @@ bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipp
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
 :func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
+
+With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.tokens.corpus.part_span`)
+are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
+records and the plan every part must share: source listing, options, tokenizer checksum, end-of-document id);
+``fastio merge DEST`` (:mod:`fastio.tokens.merge`) then publishes the dataset a single conversion writes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fastio.convert.run import DEFAULT_SHARD_SIZE, _default_workers, check_dest, reset_dest
+from fastio.convert.parts import PartRecord, clear_part_dir, parse_part, part_dir, write_part_record
+from fastio.convert.run import (
+    DEFAULT_SHARD_SIZE,
+    _default_workers,
+    check_dest,
+    lock_parts,
+    reset_dest,
+    upload_dataset,
+)
 from fastio.convert.workers import OrderedPool
-from fastio.converters.documents import document_files, iter_documents
 from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
 from fastio.errors import ConvertError
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
-from fastio.storage.lock import DirLock, LockedError
+from fastio.storage.checksum import sha256_file
+from fastio.storage.lock import DirLock, LockedError, current_holder
+from fastio.tokens.corpus import Corpus, open_corpus, part_span
 from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
 
-__all__ = ["EOS_NAMES", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
-           "load_tokenizer"]
+__all__ = ["EOS_NAMES", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
+           "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest", "token_shard_cuts"]
+
+TOKEN_PLAN = "tokens"
+"""``plan["kind"]`` of a token conversion's part records (:mod:`fastio.tokens.merge` merges them)."""
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 """Special tokens taken as the end-of-document token when ``eos`` is not given, in this order of preference."""
@@ -44,10 +62,11 @@ EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 class TokenConvertConfig:
     """A token conversion's options, checked at construction (a ``ValueError`` names the parameter)."""
 
-    source: Path
-    """A document file or a folder of them."""
-    dest: Path
-    """The dataset folder to write."""
+    source: Path | str
+    """A document file or a folder of them, or an ``s3://`` object or prefix (kept as a str)."""
+    dest: Path | str
+    """The dataset folder to write, or an ``s3://`` prefix (kept as a str: written in ``staging_dir``, then
+    uploaded, the manifest last, as :func:`fastio.convert.run.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
     text_field: str = "text"
@@ -66,13 +85,26 @@ class TokenConvertConfig:
     """Replace a dataset or other files in DEST."""
     batch_size: int = 256
     """Documents per ``encode_batch`` call (and per message to a worker)."""
+    storage_options: dict | None = None
+    """For an ``s3://`` source: endpoint, region, credentials over the environment's
+    (:class:`fastio.storage.StorageOptions`)."""
+    part: tuple[int, int] | str | None = None
+    """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): tokenize only part K of N into
+    ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
+    staging_dir: Path | None = None
+    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.run.staging_path`;
+    default: the system's temporary directory)."""
 
     def __post_init__(self) -> None:
-        if is_remote(str(self.dest)):
-            raise ValueError(f"dest: {self.dest} is a URL; a token conversion writes a local folder (upload it "
-                             "afterwards)")
-        for key in ("source", "dest", "tokenizer"):
-            object.__setattr__(self, key, Path(getattr(self, key)))
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        for key in ("source", "dest"):
+            if not is_remote(str(getattr(self, key))):
+                object.__setattr__(self, key, Path(getattr(self, key)))
+        if self.part is not None:
+            object.__setattr__(self, "part", parse_part(self.part))
+            if isinstance(self.dest, str):
+                raise ValueError(f"part: needs a DEST on a (shared) file system, not {self.dest}; convert the "
+                                 "parts there, merge, then upload")
         object.__setattr__(self, "shard_size", parse_size(self.shard_size, "shard_size"))
         for key in ("workers", "batch_size"):
             if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
@@ -90,7 +122,7 @@ class TokenConvertConfig:
 class TokenConvertResult:
     """What :func:`convert_tokens` wrote."""
 
-    dest: Path
+    dest: Path | str
     shards: int
     documents: int
     tokens: int
@@ -100,10 +132,13 @@ class TokenConvertResult:
     seconds: float
     dtype: str
     eos_id: int
+    part: tuple[int, int] | None = None
+    """(K, N) when this was one part of a conversion in parts."""
 
     def summary(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
-        return (f"{self.dest}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
+        where = f"part {self.part[0]}/{self.part[1]} of {self.dest} (merge with fastio merge)" if self.part else self.dest
+        return (f"{where}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
 
@@ -159,23 +194,45 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 # -- writing ------------------------------------------------------------------------------------------
 
-class _ShardSeries:
-    """Shards ``NAME-NNNNNN.bin`` one after another, cut by size and document count."""
+def starts_new_token_shard(documents: int, nbytes: int, doc_bytes: int, shard_size: int,
+                           max_documents: int | None) -> bool:
+    """The cut rule: a shard holding ``documents`` (``nbytes`` of ``.bin``) is closed before the next document
+    (``doc_bytes``) when it holds ``max_documents`` or the document would take it past ``shard_size``."""
+    return documents > 0 and (max_documents is not None and documents >= max_documents
+                              or nbytes + doc_bytes > shard_size)
 
-    def __init__(self, config: TokenConvertConfig, dtype: str):
-        self.config, self.dtype, self.itemsize = config, dtype, np.dtype(dtype).itemsize
+
+def token_shard_cuts(doc_bytes: np.ndarray, shard_size: int, max_documents: int | None) -> list[tuple[int, int]]:
+    """Where :func:`starts_new_token_shard` cuts documents of these ``.bin`` sizes, in order: ``[(start, end), ...]``
+    (one binary search per shard on the running byte total, for a merge of 10^8 documents)."""
+    cum = np.zeros(len(doc_bytes) + 1, np.int64)
+    np.cumsum(doc_bytes, out=cum[1:])
+    cuts, start, n = [], 0, len(doc_bytes)
+    while start < n:
+        end = int(np.searchsorted(cum, cum[start] + shard_size, side="right")) - 1  # the bytes still fit
+        end = max(start + 1, min(end, n, start + (max_documents or n)))  # the document limit; at least one
+        cuts.append((start, end))
+        start = end
+    return cuts
+
+
+class _ShardSeries:
+    """Shards ``NAME-NNNNNN.bin`` one after another in ``folder``, cut by :func:`starts_new_token_shard`."""
+
+    def __init__(self, config: TokenConvertConfig, dtype: str, folder: Path):
+        self.config, self.dtype, self.itemsize, self.folder = config, dtype, np.dtype(dtype).itemsize, folder
         self.written: list[WrittenShard] = []
         self.writer: MegatronWriter | None = None
 
     def add(self, tokens: np.ndarray) -> None:
-        w, limit = self.writer, self.config.max_samples_per_shard
-        if w is not None and (limit is not None and w.documents >= limit
-                              or w.bytes + tokens.size * self.itemsize > self.config.shard_size):
+        w = self.writer
+        if w is not None and starts_new_token_shard(w.documents, w.bytes, tokens.size * self.itemsize,
+                                                    self.config.shard_size, self.config.max_samples_per_shard):
             self.written.append(w.close())
             w = None
         if w is None:
             name = f"{self.config.name}-{len(self.written):06d}.bin"
-            w = self.writer = MegatronWriter(self.config.dest / SHARDS_DIR / name, self.dtype)
+            w = self.writer = MegatronWriter(self.folder / name, self.dtype)
         w.add(tokens)
 
     def close(self) -> list[WrittenShard]:
@@ -189,28 +246,47 @@ class _ShardSeries:
             self.writer.abort()
 
 
-def _batches(config: TokenConvertConfig) -> Iterator[list[str]]:
-    docs = (text for _, text in iter_documents(config.source, config.text_field))
+@dataclass(frozen=True)
+class _Coder:
+    """What the tokenizer decides: the end-of-document id, the vocabulary and token type, the file's checksum."""
+
+    eos_id: int
+    vocab_size: int
+    dtype: str
+    sha256: str
+
+
+def _coder(config: TokenConvertConfig) -> _Coder:
+    tokenizer = load_tokenizer(config.tokenizer)
+    eos_id = eos_token_id(tokenizer, config.eos, config.tokenizer)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer))
+
+
+def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None]) -> Iterator[list[str]]:
+    docs = (text for _, text in corpus.documents(config.text_field, span))
     while batch := list(islice(docs, config.batch_size)):
         yield batch
 
 
-def _encoded(config: TokenConvertConfig, eos_id: int, dtype: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    args = (config.tokenizer, eos_id, dtype)
+def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[list[str]]
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    args = (config.tokenizer, coder.eos_id, coder.dtype)
     if config.workers == 1:
         _init_worker(*args)
-        yield from map(_encode, _batches(config))
+        yield from map(_encode, batches)
         return
     with OrderedPool(_encode, config.workers, initializer=_init_worker, initargs=args) as pool:
-        yield from pool.map(_batches(config))
+        yield from pool.map(batches)
 
 
-def _write(config: TokenConvertConfig, eos_id: int, dtype: str) -> tuple[list[WrittenShard], int]:
-    """Every document into shards, in input order; (the shards, empty documents skipped)."""
-    series, empty = _ShardSeries(config, dtype), 0
-    (config.dest / SHARDS_DIR).mkdir()
+def _write(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, out: Path,
+           span: tuple[int, int | None] = (0, None)) -> tuple[list[WrittenShard], int]:
+    """The documents of ``span`` into shards in ``out/shards``, in input order; (the shards, empty documents)."""
+    series, empty = _ShardSeries(config, coder.dtype, out / SHARDS_DIR), 0
+    (out / SHARDS_DIR).mkdir()
     try:
-        for lengths, flat in _encoded(config, eos_id, dtype):
+        for lengths, flat in _encoded(config, coder, _batches(config, corpus, span)):
             ends = np.cumsum(lengths)
             for end, n in zip(ends.tolist(), lengths.tolist()):
                 if n == 0:
@@ -223,46 +299,112 @@ def _write(config: TokenConvertConfig, eos_id: int, dtype: str) -> tuple[list[Wr
         raise
 
 
-def _manifest(config: TokenConvertConfig, shards: list[WrittenShard], empty: int, info: TokenInfo,
-              files: int) -> Manifest:
-    records = [ShardRecord(name=s.bin_path.name, samples=s.documents, bytes=s.bin_bytes, sha256=s.bin_sha256,
-                           idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens) for s in shards]
-    return make_manifest(
-        name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
-        converted_from={"format": "documents", "path": str(config.source), "files": files, "empty_documents": empty},
-        convert_options={"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
-                         "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard})
+def shard_record(s: WrittenShard) -> ShardRecord:
+    """The manifest's record of a written pair."""
+    return ShardRecord(name=s.bin_path.name, samples=s.documents, bytes=s.bin_bytes, sha256=s.bin_sha256,
+                       idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens)
 
 
-def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
-    """Tokenize ``config.source`` into a token dataset in ``config.dest`` (see the module docstring)."""
-    started = time.perf_counter()
-    tokenizer = load_tokenizer(config.tokenizer)
-    eos_id = eos_token_id(tokenizer, config.eos, config.tokenizer)
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab_size)
-    files = document_files(config.source)  # refusals before DEST is touched
-    check_dest(config.dest, config.source, config.overwrite)
-    lock = DirLock(config.dest, purpose="fastio convert")
+def token_manifest(name: str, records: list[ShardRecord], info: TokenInfo, source: dict[str, Any],
+                   options: dict[str, Any]) -> Manifest:
+    """A token dataset's manifest (a conversion's, or a merge's of its parts: the same bytes)."""
+    return make_manifest(name=name, shards=records, fields=[], kind="tokens", tokens=info, converted_from=source,
+                         convert_options=options)
+
+
+def _source(config: TokenConvertConfig, corpus: Corpus) -> dict[str, Any]:
+    return {"format": "documents", "path": str(config.source), "files": len(corpus.files)}
+
+
+def _options(config: TokenConvertConfig) -> dict[str, Any]:
+    return {"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
+            "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard}
+
+
+def _info(coder: _Coder, records: list[ShardRecord]) -> TokenInfo:
+    return TokenInfo(dtype=coder.dtype, eos_id=coder.eos_id, total_tokens=sum(r.tokens or 0 for r in records),
+                     vocab_size=coder.vocab_size)
+
+
+def _lock(lock: DirLock, where: Path) -> None:
     try:
         lock.acquire()
     except LockedError as err:
         raise ConvertError(str(err)) from None
     except OSError as err:
-        raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
+        raise ConvertError(f"{err.filename or where}: {err.strerror or err}") from None
+
+
+def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
+    """Tokenize ``config.source`` into a token dataset in ``config.dest``, or with ``config.part`` one part of it
+    into ``DEST/.parts/`` (see the module docstring)."""
+    if isinstance(config.dest, str):  # s3://: written in a local staging folder, then uploaded
+        result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
+                                lambda local: convert_tokens(replace(config, dest=local, overwrite=True)))
+        return replace(result, dest=config.dest)
+    started = time.perf_counter()
+    coder = _coder(config)
+    corpus = open_corpus(config.source, config.storage_options)  # refusals before DEST is touched
+    local_source = config.source if isinstance(config.source, Path) else None
+    check_dest(config.dest, local_source, config.overwrite)
+    if config.part is not None:
+        return _convert_part(config, corpus, coder, started)
+    lock = DirLock(config.dest, purpose="fastio convert")
+    _lock(lock, config.dest)
+    parts = []
     try:
-        check_dest(config.dest, config.source, config.overwrite)  # again, under the lock
+        check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
+        parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
         reset_dest(config.dest)
-        shards, empty = _write(config, eos_id, dtype)
+        shards, empty = _write(config, corpus, coder, config.dest)
         if not shards:
             raise ConvertError(f"{config.source}: holds no document with text ({count(empty, 'empty document')})")
-        info = TokenInfo(dtype=dtype, eos_id=eos_id, total_tokens=sum(s.tokens for s in shards), vocab_size=vocab_size)
-        write_manifest(config.dest, _manifest(config, shards, empty, info, len(files)))
+        records = [shard_record(s) for s in shards]
+        source = {**_source(config, corpus), "empty_documents": empty}
+        write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records), source,
+                                                   _options(config)))
     except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
         raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
     finally:
+        for part in parts:
+            part.release()
         lock.release()
-    return TokenConvertResult(dest=config.dest, shards=len(shards), documents=sum(s.documents for s in shards),
-                              tokens=info.total_tokens, empty=empty, bytes=sum(s.bin_bytes for s in shards),
-                              seconds=time.perf_counter() - started, dtype=dtype, eos_id=eos_id)
+    return _result(config, coder, shards, empty, started)
 
+
+def _result(config: TokenConvertConfig, coder: _Coder, shards: list[WrittenShard], empty: int,
+            started: float) -> TokenConvertResult:
+    return TokenConvertResult(dest=config.dest, shards=len(shards), documents=sum(s.documents for s in shards),
+                              tokens=sum(s.tokens for s in shards), empty=empty,
+                              bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
+                              dtype=coder.dtype, eos_id=coder.eos_id, part=config.part)
+
+
+def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
+    """Part K of N into ``DEST/.parts/part-K-of-N/`` (its lock only: parts run side by side); ``part.json`` last."""
+    k, n = config.part
+    directory = part_dir(config.dest, k, n)
+    lock = DirLock(directory, f"fastio convert --part {k}/{n}")
+    _lock(lock, directory)
+    try:
+        holder = current_holder(config.dest)  # a whole conversion or merge resetting DEST: not under it
+        if holder is not None:
+            raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
+                               "once that process has ended)")
+        clear_part_dir(directory)
+        span = part_span(corpus.total, k, n)
+        shards, empty = _write(config, corpus, coder, directory, span)
+        plan = {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
+                "name": config.name,
+                "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
+                "tokens": {"tokenizer_sha256": coder.sha256, "eos_id": coder.eos_id, "dtype": coder.dtype,
+                           "vocab_size": coder.vocab_size}}
+        end = corpus.total if span[1] is None else span[1]
+        datasets = {"": {"range": [span[0], end], "count": corpus.total, "empty_documents": empty,
+                         "shards": [shard_record(s).as_dict() for s in shards]}}
+        write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=datasets))
+    except OSError as err:
+        raise ConvertError(f"{err.filename or directory}: {err.strerror or err}") from None
+    finally:
+        lock.release()
+    return _result(config, coder, shards, empty, started)

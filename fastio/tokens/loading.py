@@ -6,6 +6,12 @@ hands it to the reader, is ``epoch * sequences + sequence``; the reader answers 
 (``batch["index"]``). The order, each rank's slice of every global batch and the resume arithmetic are the
 packing's :class:`~fastio.order.sampler.Sampler` over the sequences; nothing here holds a packing buffer.
 
+A :class:`~fastio.Mixture` of token datasets (:func:`mixture_units`) mixes packed sequences: each source's size
+is its number of sequences, and the mixture's order (:class:`TokenMixSampler`, the mixture's
+:class:`~fastio.order.mixorder.MixSampler`) hands out ``source_epoch * total + base[s] + sequence`` (``total``: all
+sources' sequences; ``base[s] + sequence`` is the mixture id, ``source_epoch`` the source's own epoch, which
+draws its document order). A single dataset is the one-source case (``base`` 0, ``total`` its sequences).
+
 The shards are read in place (a local dataset) or through the node-local cache (an ``s3://`` dataset: the read
 set's shard source, filled ahead in the order the coming sequences want them).
 """
@@ -24,12 +30,14 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
+from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
 
-__all__ = ["TokenBatch", "TokenReader", "TokenUnits", "open_tables", "packing_of"]
+__all__ = ["TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits", "mixture_units",
+           "open_tables", "packing_of", "source_packings"]
 
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
@@ -118,6 +126,60 @@ class TokenUnits:
 
 
 @dataclass(frozen=True)
+class TokenMixSampler(MixSampler):
+    """A mixture's order over packed sequences: the :class:`~fastio.order.mixorder.MixSampler` of sources sized in
+    sequences, whose ids carry each sequence's source epoch (``source_epoch * total + base[s] + sequence``)."""
+
+    @property
+    def total(self) -> int:
+        """All sources' sequences: the ids' period."""
+        return sum(self.sizes)
+
+    def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
+        return np.asarray(epochs, np.int64) * self.total + self.base[s] + local
+
+
+def mixture_units(read_set: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec, world_size: int,
+                  rank: int) -> tuple[TokenMixSampler, list[ConcatPacking | BestFitPacking]]:
+    """A token mixture's unit plan and each source's packing (:func:`source_packings`): the read set's mixture
+    sized in sequences (:meth:`fastio.Mixture.in_units`: weights, a schedule's positions and
+    ``samples_per_epoch`` count sequences), its order over them."""
+    packings = source_packings(read_set.mixture, seq_len, packing, window, spec)
+    read_set.in_units([p.sequences for p in packings])
+    sampler = TokenMixSampler.make(spec, read_set.mixture.schedule(spec.seed), [(p.sequences,) for p in packings],
+                                   world_size, rank)
+    return sampler, packings
+
+
+def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec
+                    ) -> list[ConcatPacking | BestFitPacking]:
+    """Each token source of ``mixture`` packed on its own, with its own seed (drawn from ``spec``'s and its
+    name); DatasetError naming two sources that end documents with different ids, or the source a packing
+    refuses."""
+    eos = {name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)}
+    if len(set(eos.values())) > 1:
+        (a, x), (b, y) = _two_differing(eos)
+        raise DatasetError(f"{mixture.root}: sources {a!r} (end-of-document id {x}) and {b!r} ({y}) end documents "
+                           "with different ids; a batch's position_ids and cu_seqlens need one: mix token datasets "
+                           "of one tokenizer")
+    packings = []
+    for name, ds in zip(mixture.names, mixture.datasets):
+        own = SamplerSpec(seed=source_seed(spec.seed, name), shuffle=spec.shuffle)
+        try:
+            packings.append(packing_of(ds, open_tables(ds), seq_len, packing, window, own))
+        except DatasetError as err:
+            raise DatasetError(f"mixture source {name!r}: {err}") from None
+    return packings
+
+
+def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
+    """The first two (name, value) pairs of ``values`` whose values differ."""
+    items = list(values.items())
+    first = items[0]
+    return [first, next(it for it in items if it[1] != first[1])]
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """One batch of packed sequences as numpy arrays (``arrays``: ``tokens``, ``loss_mask``, ``position_ids``,
     ``cu_seqlens``); ``indices``: the sequence ids."""
@@ -126,92 +188,121 @@ class TokenBatch:
     arrays: dict[str, np.ndarray]
 
 
-class TokenReader:
-    """Reads batches of units of :class:`TokenUnits` (``submit(ids) -> Future[TokenBatch]``) from ``ds``'s
-    ``.bin`` files with ``threads`` threads; ``files``: the read set's shard source (an ``s3://`` dataset's cache),
-    else None (files read in place)."""
+@dataclass(frozen=True)
+class TokenSource:
+    """One token dataset as :class:`TokenReader` reads it: the dataset, its packing, its shard source (an
+    ``s3://`` dataset's cache, else None: files read in place)."""
 
-    def __init__(self, ds: Dataset, packing: ConcatPacking | BestFitPacking, files: Any, threads: int):
-        self.ds, self.packing, self._files = ds, packing, files
-        self.eos_id = ds.manifest.tokens.eos_id
-        self._itemsize = np.dtype(ds.manifest.tokens.dtype).itemsize
-        self._dtype = np.dtype(ds.manifest.tokens.dtype).newbyteorder("<")
-        self._fds: dict[int, int] = {}
+    ds: Dataset
+    packing: ConcatPacking | BestFitPacking
+    files: Any
+
+
+class TokenReader:
+    """Reads batches of units (``submit(ids) -> Future[TokenBatch]``) from the ``.bin`` files of ``sources`` (one
+    dataset, or a mixture's token datasets in the mixture's order; all of one end-of-document id) with
+    ``threads`` threads. A unit id is ``epoch * total + base[s] + sequence`` (``total``: all sources'
+    sequences, ``base[s]``: source ``s``'s first; one dataset: ``epoch * sequences + sequence``); the batch's
+    ``indices`` are ``base[s] + sequence``."""
+
+    def __init__(self, sources: list[TokenSource], threads: int):
+        self.sources = sources
+        self.eos_id = sources[0].ds.manifest.tokens.eos_id
+        sizes = [src.packing.sequences for src in sources]
+        self.total = sum(sizes)
+        self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._fds: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
+
+    @property
+    def width(self) -> int:
+        return self.sources[0].packing.seq_len + 1
 
     def submit(self, ids: np.ndarray) -> Future:
         return self._pool.submit(self.read_batch, np.asarray(ids, np.int64))
 
+    def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Unit ids -> ``(source, epoch, sequence)``."""
+        epochs, local = np.divmod(np.asarray(ids, np.int64), self.total)
+        src = np.searchsorted(self.base, local, "right") - 1
+        return src, epochs, local - self.base[src]
+
     def read_batch(self, ids: np.ndarray) -> TokenBatch:
-        """The sequences ``ids`` name (``epoch * sequences + sequence``), padded with the end-of-document id."""
-        n, width = self.packing.sequences, self.packing.seq_len + 1
-        epochs, seqs = np.divmod(ids, n)
-        tokens = np.full((ids.size, width), self.eos_id, np.int64)
-        mask = np.zeros((ids.size, width), bool)
-        for row, (e, s) in enumerate(zip(epochs.tolist(), seqs.tolist())):
-            got = self._read(self.packing.pieces(e, s))
+        """The sequences ``ids`` name, padded with the end-of-document id."""
+        src, epochs, seqs = self.split(ids)
+        tokens = np.full((ids.size, self.width), self.eos_id, np.int64)
+        mask = np.zeros((ids.size, self.width), bool)
+        for row, (s, e, q) in enumerate(zip(src.tolist(), epochs.tolist(), seqs.tolist())):
+            got = self._read(s, self.sources[s].packing.pieces(e, q))
             tokens[row, :got.size], mask[row, :got.size] = got, True
         arrays = {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
                   "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}
-        return TokenBatch(seqs, arrays)
+        return TokenBatch(self.base[src] + seqs, arrays)
 
-    def _read(self, pieces: list[Piece]) -> np.ndarray:
+    def _read(self, s: int, pieces: list[Piece]) -> np.ndarray:
+        source = self.sources[s]
+        dtype = np.dtype(source.ds.manifest.tokens.dtype).newbyteorder("<")
         parts = []
         for p in pieces:
-            fd = self._hold(p.shard)
+            fd = self._hold(s, p.shard)
             try:
-                data = os.pread(fd, p.count * self._itemsize, p.start * self._itemsize)
+                data = os.pread(fd, p.count * dtype.itemsize, p.start * dtype.itemsize)
             finally:
-                if self._files is not None:
-                    self._files.release(p.shard)
-            if len(data) != p.count * self._itemsize:
-                shard = self.ds.shards[p.shard]
-                raise DatasetError(f"{self.ds.root}: shard {shard.name}: {len(data)} bytes at byte "
-                                   f"{p.start * self._itemsize}, the .idx says {p.count * self._itemsize}: truncated")
-            parts.append(np.frombuffer(data, self._dtype))
+                if source.files is not None:
+                    source.files.release(p.shard)
+            if len(data) != p.count * dtype.itemsize:
+                shard = source.ds.shards[p.shard]
+                raise DatasetError(f"{source.ds.root}: shard {shard.name}: {len(data)} bytes at byte "
+                                   f"{p.start * dtype.itemsize}, the .idx says {p.count * dtype.itemsize}: truncated")
+            parts.append(np.frombuffer(data, dtype))
         return np.concatenate(parts).astype(np.int64)
 
-    def _hold(self, k: int) -> int:
-        if self._files is not None:
-            return self._files.acquire(k)
-        fd = self._fds.get(k)
+    def _hold(self, s: int, k: int) -> int:
+        source = self.sources[s]
+        if source.files is not None:
+            return source.files.acquire(k)
+        fd = self._fds.get((s, k))
         if fd is None:
-            shard = self.ds.shards[k]
-            if self.ds.verify:  # a cache's fills are always checked; a local shard before its first use
-                _check_sha256(self.ds, shard.path, shard.sha256)
+            ds = source.ds
+            shard = ds.shards[k]
+            if ds.verify:  # a cache's fills are always checked; a local shard before its first use
+                _check_sha256(ds, shard.path, shard.sha256)
             try:
                 fd = os.open(shard.path, os.O_RDONLY)
             except OSError as err:
                 raise DatasetError(f"{shard.path}: {err.strerror or err}") from None
             with self._lock:
-                if k in self._fds:  # another thread opened it meanwhile
+                if (s, k) in self._fds:  # another thread opened it meanwhile
                     os.close(fd)
-                    return self._fds[k]
-                self._fds[k] = fd
+                    return self._fds[(s, k)]
+                self._fds[(s, k)] = fd
         return fd
 
     def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
-        """Fill the cache with the shards the coming units read, in the order they first need them (a no-op
-        for a local dataset)."""
-        if self._files is not None:
-            self._files.read_ahead(self._first_uses(batches))
+        """Fill each cached source's shards in the order the coming units read them first (a no-op for local
+        datasets)."""
+        for s, source in enumerate(self.sources):
+            if source.files is not None:
+                source.files.read_ahead(self._first_uses(s, batches))
 
-    def _first_uses(self, batches: Callable[[], Iterable[np.ndarray]]) -> Iterator[int]:
-        """The shards the coming sequences start in, in the order they first want them (one vectorised lookup
-        per chunk of ids: this runs in a read-ahead thread beside the training loop)."""
+    def _first_uses(self, s: int, batches: Callable[[], Iterable[np.ndarray]]) -> Iterator[int]:
+        """The shards of source ``s`` the coming sequences start in, in the order they first want them (one
+        vectorised lookup per chunk of ids: this runs in a read-ahead thread beside the training loop)."""
         seen: set[int] = set()
+        source = self.sources[s]
         for ids in batches():
-            epochs, seqs = np.divmod(np.asarray(ids, np.int64), self.packing.sequences)
+            src, epochs, seqs = self.split(ids)
+            epochs, seqs = epochs[src == s], seqs[src == s]
             shards = np.empty(seqs.size, np.int64)
             for e in np.unique(epochs).tolist():
                 at = epochs == e
-                shards[at] = self.packing.shards_of(e, seqs[at])
+                shards[at] = source.packing.shards_of(e, seqs[at])
             for k in shards.tolist():
                 if k not in seen:
                     seen.add(k)
                     yield k
-            if len(seen) == len(self.ds.shards):
+            if len(seen) == len(source.ds.shards):
                 return
 
     def close(self) -> None:

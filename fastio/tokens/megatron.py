@@ -48,6 +48,7 @@ TOKEN_DTYPES = {"uint16": 8, "int32": 4}
 _CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
 _UINT16_VOCAB = 65500  # Megatron's DType.optimal_dtype: uint16 below this many ids
 _SPARSE = 512  # documents per looked-up one below which starts() reads entries with pread
+_SPAN = 16  # entries read per wanted one, at most, for the wanted ones to come in one pread of their span
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -147,16 +148,28 @@ class MegatronIndex:
         return out
 
     def _entries(self, column: str, at: np.ndarray) -> np.ndarray:
-        """``column[at]`` (``pointers`` or ``doc_index``: int64 columns of the file) read entry by entry with
-        ``pread``."""
+        """``column[at]`` (``pointers`` or ``doc_index``: int64 columns of the file) read with ``pread``: the span
+        from the least to the greatest of ``at`` in one read where it is at most ``_SPAN`` entries per wanted one
+        (a block's documents), else entry by entry (block edges far apart)."""
         n = self.sequences
         base = HEADER_BYTES + (4 * n if column == "pointers" else 12 * n)
+        flat = at.reshape(-1)
+        if not flat.size:
+            return np.zeros(at.shape, np.int64)
+        lo, hi = int(flat.min()), int(flat.max())
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in at.reshape(-1))
+            if hi - lo < _SPAN * flat.size:
+                raw = os.pread(fd, 8 * (hi - lo + 1), base + 8 * lo)
+                values = np.frombuffer(raw, "<i8")[flat - lo] if len(raw) == 8 * (hi - lo + 1) else None
+            else:
+                raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in flat)
+                values = np.frombuffer(raw, "<i8") if len(raw) == 8 * flat.size else None
         finally:
             os.close(fd)
-        return np.frombuffer(raw, "<i8").reshape(at.shape).astype(np.int64)
+        if values is None:
+            raise DatasetError(f"{self.path}: shorter than its header says (changed since it was opened)")
+        return values.reshape(at.shape).astype(np.int64)
 
     def check_structure(self) -> None:
         """DatasetError naming the file and the first entry that breaks the format (O(N))."""
@@ -280,6 +293,19 @@ class MegatronWriter:
             raise ValueError(f"a document of {tokens.size} tokens does not fit a Megatron .idx (int32 lengths)")
         self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.append(tokens.size)
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents back to back: ``tokens`` holds them all, ``lengths`` their token counts (in order)."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int64)
+        if int(lengths.sum()) != tokens.size or (lengths.size and lengths.min() < 0):
+            raise ValueError(f"lengths add up to {int(lengths.sum())}, not the {tokens.size} tokens given")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > self._limit):
+            bad = int(tokens[(tokens < 0) | (tokens > self._limit)][0])
+            raise ValueError(f"token id {bad} does not fit {self.dtype.name} ({self.bin_path.name})")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {lengths.max()} tokens does not fit a Megatron .idx (int32 lengths)")
+        self._out.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._lengths.frombytes(lengths.astype(np.int64).tobytes())
 
     def close(self) -> WrittenShard:
         """Publish the pair (``.bin`` first, ``.idx`` last) and say what was written."""

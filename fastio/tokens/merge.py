@@ -1,0 +1,154 @@
+"""``fastio merge DEST`` of a token conversion in parts: the dataset a single ``fastio convert --tokenizer`` writes.
+
+Each part (:func:`fastio.tokens.convert.convert_tokens` with ``part``) tokenized a contiguous run of the
+documents and cut its own shards from its first document on. The merge reads every part shard's ``.idx``
+(checked against the part record: sha256, ``.bin`` size, document count), lays the documents end to end in part
+order, and cuts them where the single conversion cuts (:func:`~fastio.tokens.convert.token_shard_cuts`
+on the documents' token counts). A result shard that is exactly a part's shard is **linked** into place (a hard
+link; a copy where links fail); any other is **re-packed**: its documents' tokens copied out of the part shards
+(no tokenizing) through :class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first.
+Shards after a part's first cut usually differ from the single run's (byte-size cuts that start elsewhere
+rarely meet again), so most are re-packed: a sequential copy. The manifest is the single run's, byte for byte
+(the empty documents of every part summed), published last; DEST's life cycle is :mod:`fastio.convert.merge`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
+from fastio.convert.run import DEFAULT_SHARD_SIZE, check_dest, reset_dest
+from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
+from fastio.errors import ConvertError, DatasetError
+from fastio.progress import count, parse_size
+from fastio.storage import is_remote
+from fastio.storage.atomic import fsync_dir, place_file
+from fastio.storage.lock import LOCK_NAME
+from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
+from fastio.tokens.megatron import MegatronShard, MegatronWriter, partner_path
+
+__all__ = ["merge_token_parts", "part_command"]
+
+
+@dataclass
+class _PartShard:
+    """One shard of a part: its pair, its record, and where its documents start in the merged order."""
+
+    pair: MegatronShard
+    record: ShardRecord
+    first: int
+
+
+def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:
+    """The command that converts a missing part (K for the part's number): the other parts' options."""
+    options = plan.get("convert_options", {})
+    words = ["fastio", "convert", plan["source"]["path"], str(dest), "--tokenizer", options["tokenizer"]]
+    for flag, key, default in (("--text-field", "text_field", "text"), ("--eos", "eos", None),
+                               ("--shard-size", "shard_size", parse_size(DEFAULT_SHARD_SIZE, "shard_size")),
+                               ("--max-samples-per-shard", "max_samples_per_shard", None),
+                               ("--name", "name", "shard")):
+        value = plan.get(key) if key == "name" else options.get(key)
+        if value is not None and value != default:
+            words += [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words) + f" --part K/{n}"
+
+
+def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any], staging: Path, *,
+                      overwrite: bool) -> tuple[Manifest, dict[str, int]]:
+    """Publish the parts' documents as one token dataset in DEST (see the module docstring); returns its
+    manifest and ``{"linked": ..., "repacked": ...}``. DEST's lock and every part's are held by the caller."""
+    source = plan["source"]["path"]
+    check_dest(dest, None if is_remote(source) else Path(source), overwrite)
+    shards = _part_shards(dest, records, plan["tokens"]["dtype"])
+    lengths = np.concatenate([np.asarray(s.pair.index.lengths, np.int64) for s in shards] or [np.zeros(0, np.int64)])
+    empty = sum(r.datasets[""]["empty_documents"] for r in records)
+    if not lengths.size:
+        raise ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
+    options = plan["convert_options"]
+    cuts = token_shard_cuts(lengths * np.dtype(plan["tokens"]["dtype"]).itemsize, options["shard_size"],
+                            options["max_samples_per_shard"])
+    whole = {(s.first, s.first + s.record.samples): s for s in shards}
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    placed: list[tuple[Path, ShardRecord, bool]] = []  # (file to place, its record, a link?)
+    for i, (a, b) in enumerate(cuts):
+        name = f"{plan['name']}-{i:06d}.bin"
+        if (a, b) in whole:
+            placed.append((whole[(a, b)].pair.bin_path, replace(whole[(a, b)].record, name=name), True))
+        else:
+            written = _repack(shards, a, b, staging / name, plan["tokens"]["dtype"])
+            placed.append((written.bin_path, shard_record(written), False))
+    result = [r for _, r, _ in placed]
+    info = TokenInfo(dtype=plan["tokens"]["dtype"], eos_id=plan["tokens"]["eos_id"],
+                     total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"])
+    manifest = token_manifest(plan["name"], result, info, {**plan["source"], "empty_documents": empty}, options)
+    _publish(dest, placed, manifest)
+    linked = sum(link for _, _, link in placed)
+    return manifest, {"linked": linked, "repacked": len(placed) - linked}
+
+
+def _part_shards(dest: Path, records: list[PartRecord], dtype: str) -> list[_PartShard]:
+    """Every part's shards in order, each checked against its part record."""
+    out, first = [], 0
+    for record in records:
+        folder = part_dir(dest, record.part, record.of) / SHARDS_DIR
+        entries, empty = record.datasets[""].get("shards"), record.datasets[""].get("empty_documents")
+        if not isinstance(entries, list) or not isinstance(empty, int):
+            raise ConvertError(f"{folder.parent / PART_RECORD}: part record lacks its shards or empty documents")
+        for entry in entries:
+            try:
+                shard = ShardRecord(**entry)
+            except TypeError:
+                shard = None
+            if shard is None or not is_shard_name(shard.name) or not shard.name.endswith(".bin"):
+                raise ConvertError(f"{folder.parent / PART_RECORD}: part record has a malformed shard "
+                                   f"{entry!r}") from None
+            pair = _open_pair(folder / shard.name, shard, dtype)
+            out.append(_PartShard(pair, shard, first))
+            first += shard.samples
+    return out
+
+
+def _open_pair(path: Path, shard: ShardRecord, dtype: str) -> MegatronShard:
+    """A part's pair, its ``.idx`` checksum, ``.bin`` size and document count against the part record."""
+    idx = partner_path(path)
+    try:
+        idx_sha256 = hashlib.sha256(idx.read_bytes()).hexdigest()
+        pair = MegatronShard(path, dtype)
+    except (OSError, DatasetError) as err:
+        raise ConvertError(f"{getattr(err, 'filename', None) or idx}: {getattr(err, 'strerror', None) or err} "
+                           "(a damaged part: convert it again)") from None
+    if idx_sha256 != shard.idx_sha256 or pair.index.bin_bytes != shard.bytes or pair.documents != shard.samples:
+        raise ConvertError(f"{path}: does not match its part record (a damaged part: convert it again)")
+    return pair
+
+
+def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str):
+    """Documents ``[a, b)`` of the merged order, copied out of the part shards into one new pair at ``path``."""
+    with MegatronWriter(path, dtype) as writer:
+        for s in shards:
+            lo, hi = max(a, s.first) - s.first, min(b, s.first + s.record.samples) - s.first
+            if lo >= hi:
+                continue
+            starts = s.pair.index.starts(np.arange(lo, hi + 1))
+            writer.add_documents(s.pair.tokens(int(starts[0]), int(starts[-1] - starts[0])), np.diff(starts))
+        return writer.close()
+
+
+def _publish(dest: Path, placed: list[tuple[Path, ShardRecord, bool]], manifest: Manifest) -> None:
+    """DEST's final files first out, then every pair in place (``.idx`` after its ``.bin``), the manifest last."""
+    reset_dest(dest, keep=(PARTS_DIR, LOCK_NAME))
+    (dest / SHARDS_DIR).mkdir()
+    for src, record, link in placed:
+        place_file(src, dest / SHARDS_DIR / record.name, link=link)
+        place_file(partner_path(src), dest / SHARDS_DIR / record.idx_name, link=link)
+    fsync_dir(dest / SHARDS_DIR)
+    write_manifest(dest, manifest)
