@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny synthetic data built in tmp_path, and the `gpu` marker's skip rule."""
+"""Shared fixtures: tiny synthetic data built in tmp_path, the `gpu` marker's skip rule, and the order the files run in
+(the slowest first: SLOW_FILES)."""
 
 from __future__ import annotations
 
@@ -32,20 +33,26 @@ def _cuda_available() -> bool:
 SLOW_FILES = (  # seconds of each alone, measured one after another on a busy 2-core machine (December 2026)
     "test_docs.py",  # 238
     "test_accelerate.py",  # 180
+    "test_checkpoint.py",  # 106
     "test_lightning.py",  # 103
+    "test_tokens_loader.py",  # 96
     "test_checkpoint_resume.py",  # 87
-    "test_lightning_resume.py",  # 72
     "test_checkpoint_fsdp.py",  # 68
     "test_storage_lease.py",  # 63
+    "test_lightning_resume.py",  # 60
     "test_checkpoint_dist.py",  # 57
     "test_newcomer.py",  # 48
     "test_review_round4_data.py",  # 40
     "test_checkpoint_s3_dist.py",  # 38
     "test_checkpoint_ranks.py",  # 36
     "test_cache.py",  # 35
+    "test_hostile_sources.py",  # 34
+    "test_tokens_megatron.py",  # 34
     "test_convert.py",  # 34
+    "test_tokens_convert.py",  # 33
     "test_kill.py",  # 32
     "test_train_imagenet.py",  # 29
+    "test_media.py",  # 28
     "test_checkpoint_agree.py",  # 24
     "test_loader_distributed.py",  # 22
 )
