@@ -1,11 +1,12 @@
 """A Lightning run on a fastio dataset that records which samples each rank trained in each epoch (issue 28,
-points 1 and 2: resumes that lost samples). Started by tests/test_lightning_resume.py, on one process or several
-(``strategy="ddp"`` on gloo: Lightning starts the other ranks by running this script again).
+points 1 and 2: resumes that lost samples), on one process or several (``strategy="ddp"`` on gloo). By hand,
+Lightning starts the other ranks by running this script again:
 
     python tests/lightning_counts.py DATA LOG --devices 2 --max-epochs 1 --save-every-epoch CKPT_DIR
     python tests/lightning_counts.py DATA LOG --devices 3 --max-epochs 2 --resume CKPT_DIR/step=6.ckpt
 
-``main(argv)`` runs in the caller's process (one device). Each rank writes ``LOG.rankR``: a JSON list of
+tests/test_lightning_resume.py calls ``main(argv)`` in its own process (one device), and starts the ranks of its
+multi-process runs itself (``--plan``, below). Each rank writes ``LOG.rankR``: a JSON list of
 ``[epoch, [dataset indices]]``, one per training batch, padding repeats left out. The model is one parameter:
 the point is the data, and raw batches need no DALI graph.
 
