@@ -49,9 +49,11 @@ $(DOCS_STAMP): $(STAMP)
 # The quick path: everything but the real-Slurm tests (those start daemons and take minutes: make test-slurm)
 # and the site build (it needs the docs extra: make docs). Two pytest-xdist worker processes, one test file
 # at a time each (a file's tests stay together, in order, on one worker; each worker has its own tmp dirs,
-# moto server and session fixtures): about half the time of one process (docs/development.md).
+# moto server and session fixtures), the slowest files first (tests/conftest.py's SLOW_FILES; without
+# --no-loadscope-reorder xdist would hand out the files with the most tests first): about half the time of
+# one process (docs/development.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slurm and not docs" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -m "not slurm and not docs" -n 2 --dist loadfile --no-loadscope-reorder
 
 # The real Slurm tests (root): a one-node cluster, and a two-node cluster in network namespaces on a private
 # bridge (DDP training with preemption + requeue + resume, the conversion array job + merge). About 2 minutes.

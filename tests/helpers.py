@@ -1,7 +1,9 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
-WebDataset tar indexed by ``fastio index``, and real ranks in spawned processes (``free_port``, ``spawn_ranks``)."""
+WebDataset tar indexed by ``fastio index``, real ranks in spawned processes (``free_port``, ``spawn_ranks``), and
+Ctrl-C's default action for a child a test interrupts (``ctrl_c_default``)."""
 
 import io
+import signal
 import socket
 import tarfile
 import time
@@ -87,3 +89,10 @@ def spawn_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, t
             p.kill()
             p.join()
     assert not hung, f"ranks {hung} hung"
+
+
+def ctrl_c_default() -> None:
+    """``preexec_fn`` of a child a test sends SIGINT (Ctrl-C): SIGINT's default action, as from a terminal, even
+    where pytest runs as a shell's background job (which inherits SIGINT ignored: Python would then install no
+    handler, and the child would run on as if never interrupted)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

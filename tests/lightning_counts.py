@@ -1,19 +1,27 @@
 """A Lightning run on a fastio dataset that records which samples each rank trained in each epoch (issue 28,
-points 1 and 2: resumes that lost samples). Started by tests/test_lightning_resume.py, on one process or several
-(``strategy="ddp"`` on gloo: Lightning starts the other ranks by running this script again).
+points 1 and 2: resumes that lost samples), on one process or several (``strategy="ddp"`` on gloo). By hand,
+Lightning starts the other ranks by running this script again:
 
     python tests/lightning_counts.py DATA LOG --devices 2 --max-epochs 1 --save-every-epoch CKPT_DIR
     python tests/lightning_counts.py DATA LOG --devices 3 --max-epochs 2 --resume CKPT_DIR/step=6.ckpt
 
-``main(argv)`` runs in the caller's process (one device). Each rank writes ``LOG.rankR``: a JSON list of
+tests/test_lightning_resume.py calls ``main(argv)`` in its own process (one device), and starts the ranks of its
+multi-process runs itself (``--plan``, below). Each rank writes ``LOG.rankR``: a JSON list of
 ``[epoch, [dataset indices]]``, one per training batch, padding repeats left out. The model is one parameter:
 the point is the data, and raw batches need no DALI graph.
+
+    LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/lightning_counts.py --plan PLAN.json   (r = 0 .. N-1)
+
+runs a list of runs in one set of N processes started by the caller (``plan_runs.launch`` and ``run_plan``):
+each process imports Lightning once for all of them, instead of once a run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import lightning.pytorch as pl
 import torch
@@ -77,5 +85,15 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
     return model.seen
 
 
+def _plan_run(argv: list[str]) -> None:
+    """One run of a plan (``plan_runs.run_plan``): ``--devices`` is the run's number of ranks."""
+    main([*argv, "--devices", os.environ["WORLD_SIZE"]])
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plan"]:
+        from plan_runs import run_plan
+
+        run_plan(sys.argv[2], _plan_run, torch.distributed.destroy_process_group)
+    else:
+        main()

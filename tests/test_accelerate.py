@@ -1,7 +1,8 @@
 """fastio inside Hugging Face Accelerate (``fastio[accelerate]``), on the CPU: ``register_for_checkpointing(loader)``,
 ``save_state`` mid-epoch, ``load_state`` in a new process, and the run ends with the weights of the run that was
 never interrupted, bit for bit; on one process and on two (torchrun, gloo); at another number of processes
-(2 -> 3, 3 -> 2) every sample of the epoch is trained once. Runs ``examples/accelerate_train.py``."""
+(2 -> 3, 3 -> 2) every sample of the epoch is trained once (those four runs in one set of 3 processes, started
+as torchrun would: ``tests/accelerate_counts.py``). Runs ``examples/accelerate_train.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_runs import launch
 from resume import same_batch
 from trainer_counts import assert_exactly_once, dataset80, per_epoch, read_logs
 
@@ -20,6 +22,7 @@ pytest.importorskip("accelerate")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "accelerate_train.py"
+COUNTS = Path(__file__).resolve().parent / "accelerate_counts.py"
 
 
 
@@ -62,25 +65,34 @@ def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp
     _check(tmp_path, (1, 16))
 
 
+@pytest.fixture(scope="module")
+def counted_runs(tmp_path_factory) -> Path:
+    """The runs of both world-size changes, in one set of 3 processes (``tests/accelerate_counts.py``; in the
+    order the resumes need): the directory of each change's ``2-3`` and ``3-2`` runs (logs and states)."""
+    base = tmp_path_factory.mktemp("accelerate-counts")
+    data = dataset80(base)
+    runs = {}
+    for before in (2, 3):
+        where, step = base / f"{before}-{5 - before}", {2: 6, 3: 4}[before]
+        where.mkdir()
+        common = ["--data", str(data), "--batch-size", "4", "--image-size", "16"]
+        runs[before] = [[*common, "--epochs", "1", "--save-at", str(step), "--state-dir", str(where / "state"),
+                         "--log-indices", str(where / "first")],
+                        [*common, "--epochs", "2", "--resume", str(where / "state"), "--log-indices",
+                         str(where / "second")]]
+    launch(COUNTS, base, [(2, runs[2][0]), (3, runs[3][0]), (3, runs[2][1]), (2, runs[3][1])])
+    return base
+
+
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 2)])
-def test_a_mid_epoch_state_loaded_by_another_number_of_processes_trains_each_sample_once(tmp_path, before, after):
+def test_a_mid_epoch_state_loaded_by_another_number_of_processes_trains_each_sample_once(counted_runs, before,
+                                                                                        after):
     """80 samples, 4 a batch: 2 processes save after step 6 (48 samples), 3 processes load the state and train
-    the 32 left in 3 steps of 12 (and 3 -> 2: saved after step 4, the 32 left in 4 steps of 8)."""
-    from s3server import free_port
-
-    data, step = dataset80(tmp_path), {2: 6, 3: 4}[before]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def run(processes: int, *args: str) -> list[list]:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-                  "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE), "--data", str(data),
-                  "--batch-size", "4", "--image-size", "16", *args]
-        done = subprocess.run(launch, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return read_logs(tmp_path, args[args.index("--log-indices") + 1])
-
-    first = run(before, "--epochs", "1", "--save-at", str(step), "--state-dir", "state", "--log-indices", "first")
-    second = run(after, "--epochs", "2", "--resume", "state", "--log-indices", "second")
+    the 32 left in 3 steps of 12 (and 3 -> 2: saved after step 4, the 32 left in 4 steps of 8). The runs are
+    ``counted_runs``'s."""
+    where, step = counted_runs / f"{before}-{after}", {2: 6, 3: 4}[before]
+    first, second = read_logs(where, "first"), read_logs(where, "second")
+    assert (len(first), len(second)) == (before, after)
     counts = per_epoch([batches[:step] for batches in first], second)
     assert sorted(counts) == [0, 1]
     assert_exactly_once(counts[0], f"epoch 0, {before} processes then {after}")

@@ -306,10 +306,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engines_worker(rank: int, ports: list[int], base: str) -> None:
+    """``worker`` for each engine in turn (a fresh group each), into ``base/ENGINE``."""
+    for engine, port in zip(ENGINE_NAMES, ports):
+        worker(rank, port, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> Path:
+    """One spawn of 2 ranks running ``worker`` for every engine: the directory holding each engine's run."""
+    base = tmp_path_factory.mktemp("two-ranks")
+    for engine in ENGINE_NAMES:
+        (base / engine).mkdir()
+    mp.spawn(engines_worker, args=([free_port() for _ in ENGINE_NAMES], str(base)), nprocs=WORLD, join=True)
+    return base
+
+
 @pytest.mark.parametrize("engine_name", ENGINE_NAMES)
-def test_two_ranks_compress_and_restore_exactly(tmp_path, engine_name):
+def test_two_ranks_compress_and_restore_exactly(two_rank_runs, engine_name):
+    tmp_path = two_rank_runs / engine_name
     root = tmp_path / "ck"
-    mp.spawn(worker, args=(free_port(), str(root), str(tmp_path), engine_name), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert res["step"] == 3 and res["got"] == res["want"], r

@@ -1,8 +1,11 @@
-"""Two real ranks (gloo on 127.0.0.1, torch.multiprocessing spawn): DDP state written once, per-rank state per rank."""
+"""Two real ranks (gloo on 127.0.0.1, torch.multiprocessing spawn): DDP state written once, per-rank state per rank.
+Each spawn runs both engines in turn (a fresh group each), once for the file: the tests of each engine read its
+results (``preemption_runs``, ``elastic_runs``)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from fastio.checkpoint import Checkpointer, layout
 from fastio.errors import CheckpointError
 
 WORLD = 2
+ENGINES = ("torchsnapshot", "dcp")
 
 
 def build():
@@ -59,16 +63,32 @@ def worker(rank: int, port: int, root: str, out: str, engine: str) -> None:
         dist.destroy_process_group()
 
 
+def engines_worker(rank: int, ports: list[int], base: str) -> None:
+    """``worker`` for each engine in turn, into ``base/ENGINE``."""
+    for engine, port in zip(ENGINES, ports):
+        worker(rank, port, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
-def test_two_ranks_per_rank_state_and_agreed_preemption(tmp_path, engine):
+@pytest.fixture(scope="module")
+def preemption_runs(tmp_path_factory) -> Path:
+    """One spawn of 2 ranks running ``worker`` for both engines: the directory holding each engine's."""
+    base = tmp_path_factory.mktemp("preemption")
+    for engine in ENGINES:
+        (base / engine).mkdir()
+    mp.spawn(engines_worker, args=([free_port() for _ in ENGINES], str(base)), nprocs=WORLD, join=True)
+    return base
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_ranks_per_rank_state_and_agreed_preemption(preemption_runs, engine):
+    tmp_path = preemption_runs / engine
     root = tmp_path / "ck"
-    mp.spawn(worker, args=(free_port(), str(root), str(tmp_path), engine), nprocs=WORLD, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r, res in enumerate(results):
         assert res["preempted"] is True, r
@@ -161,13 +181,31 @@ def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str, 
         restore_rest(1)
 
 
-@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
-def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once(image_dataset, tmp_path, engine):
+def elastic_engines_worker(rank: int, ports: list[list[int]], data: str, base: str) -> None:
+    """``elastic_worker`` for each engine in turn, into ``base/ENGINE``."""
+    for engine, three in zip(ENGINES, ports):
+        elastic_worker(rank, three, data, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory, _image_originals) -> Path:
+    """One spawn of 3 ranks running ``elastic_worker`` for both engines, on a copy of the session's image
+    dataset (48 samples): the directory holding each engine's."""
+    base = tmp_path_factory.mktemp("elastic")
+    data = shutil.copytree(_image_originals[1], base / "ds")
+    for engine in ENGINES:
+        (base / engine).mkdir()
+    ports = [[free_port() for _ in range(3)] for _ in ENGINES]
+    mp.spawn(elastic_engines_worker, args=(ports, str(data), str(base)), nprocs=3, join=True)
+    return base
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once(elastic_runs, engine):
     from collections import Counter
 
+    tmp_path = elastic_runs / engine
     root = tmp_path / "ck"
-    ports = [free_port() for _ in range(3)]
-    mp.spawn(elastic_worker, args=(ports, str(image_dataset), str(root), str(tmp_path), engine), nprocs=3, join=True)
     saved = [json.loads((tmp_path / f"w2-rank{r}.json").read_text()) for r in range(SAVED_WORLD)]
     commit = layout.read_commit(root / f"step-{SAVE_AFTER}")
     assert commit.progress.world_size == SAVED_WORLD and commit.engine == engine

@@ -1,11 +1,14 @@
 """Two real ranks (gloo on 127.0.0.1) with a Checkpointer on s3:// (moto): one staging directory both see, or
 one each (simulated nodes: each node uploads its own files, rank 0 commits on the store, restores pull the step
-into every node's directory); a rank that cannot use its staging directory is refused by name."""
+into every node's directory); a rank that cannot use its staging directory is refused by name. The five runs are
+one spawn of 2 ranks for the file, one after the other (a fresh gloo group and bucket each: ``runs``); each test
+checks its run's results."""
 
 from __future__ import annotations
 
 import json
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def runs_worker(rank: int, plan: list[tuple]) -> None:
+    """Each ``(worker, port, *args)`` of the plan in turn: ``worker(rank, port, *args)``."""
+    for worker, port, *args in plan:
+        worker(rank, port, *args)
+
+
+@pytest.fixture(scope="module")
+def runs(moto_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The run of each test below, all in one spawn of 2 ranks: its directory and its bucket, by name."""
+    base, options = tmp_path_factory.mktemp("s3-dist"), moto_server.options()
+    cases, plan = {}, []
+    for name in ("refused", "shared", "nodes-torchsnapshot", "nodes-dcp", "fallback"):
+        cases[name] = (base / name, f"{name}-{uuid.uuid4().hex[:8]}")
+        cases[name][0].mkdir()
+        moto_server.create_bucket(cases[name][1])
+    where, bucket = cases["refused"]
+    (where / "a-file").write_text("not a directory")
+    plan.append((refused_worker, f"s3://{bucket}/runs/apart", options, refused_staging(where), str(where)))
+    where, bucket = cases["shared"]
+    plan.append((round_trip_worker, f"s3://{bucket}/runs/torchsnapshot", options, [str(where / "shared")] * 2,
+                 [str(where / "fresh")] * 2, "torchsnapshot", None, str(where)))
+    for engine, compression in (("torchsnapshot", None), ("dcp", "zstd")):
+        where, bucket = cases[f"nodes-{engine}"]
+        plan.append((round_trip_worker, f"s3://{bucket}/runs/{engine}", options,
+                     [str(where / "node0"), str(where / "node1")], [str(where / "new0"), str(where / "new1")],
+                     engine, compression, str(where)))
+    where, bucket = cases["fallback"]
+    plan.append((fallback_worker, f"s3://{bucket}/runs/fallback", options, str(where), str(where)))
+    mp.spawn(runs_worker, args=([(worker, free_port(), *args) for worker, *args in plan],), nprocs=WORLD, join=True)
+    return cases
+
+
+def refused_staging(where: Path) -> list[str]:
+    """Rank 0's staging directory, and rank 1's under a file."""
+    return [str(where / "node0"), str(where / "a-file" / "node1")]
+
+
 def refused_worker(rank: int, port: int, url: str, options: dict, staging: list[str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
@@ -42,12 +82,11 @@ def refused_worker(rank: int, port: int, url: str, options: dict, staging: list[
         dist.destroy_process_group()
 
 
-def test_a_rank_that_cannot_use_its_staging_dir_is_refused_by_name(moto_server, s3_bucket, tmp_path):
-    url = f"s3://{s3_bucket}/runs/apart"
+def test_a_rank_that_cannot_use_its_staging_dir_is_refused_by_name(moto_server, runs):
+    tmp_path, bucket = runs["refused"]
+    url = f"s3://{bucket}/runs/apart"
     options = moto_server.options()
-    (tmp_path / "a-file").write_text("not a directory")
-    staging = [str(tmp_path / "node0"), str(tmp_path / "a-file" / "node1")]
-    mp.spawn(refused_worker, args=(free_port(), url, options, staging, str(tmp_path)), nprocs=WORLD, join=True)
+    staging = refused_staging(tmp_path)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert results[0] == results[1]  # every rank fails, with the same one line
     assert results[0] == (f"{staging[1]}: rank 1 ({socket.gethostname()}) cannot use this staging directory (its "
@@ -96,11 +135,7 @@ def round_trip_worker(rank: int, port: int, url: str, options: dict, staging: li
         dist.destroy_process_group()
 
 
-def run_round_trip(moto_server, bucket: str, tmp_path: Path, staging: list[str], restore_staging: list[str],
-                   engine: str, compression: str | None = None) -> list[dict]:
-    url = f"s3://{bucket}/runs/{engine}"
-    mp.spawn(round_trip_worker, args=(free_port(), url, moto_server.options(), staging, restore_staging, engine,
-                                      compression, str(tmp_path)), nprocs=WORLD, join=True)
+def check_round_trip(tmp_path: Path) -> list[dict]:
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in results:
         assert r["step"] == 4 and r["steps"] == [4] and r["got"] == r["expected"]
@@ -108,19 +143,18 @@ def run_round_trip(moto_server, bucket: str, tmp_path: Path, staging: list[str],
     return results
 
 
-def test_two_ranks_sharing_a_staging_dir_round_trip_through_s3(moto_server, s3_bucket, tmp_path):
-    shared = str(tmp_path / "shared")
-    run_round_trip(moto_server, s3_bucket, tmp_path, [shared, shared], [str(tmp_path / "fresh")] * 2,
-                   "torchsnapshot")
+def test_two_ranks_sharing_a_staging_dir_round_trip_through_s3(runs):
+    """Both ranks stage in ``shared``, restore through ``fresh``."""
+    check_round_trip(runs["shared"][0])
 
 
 @pytest.mark.parametrize(("engine", "compression"), [("torchsnapshot", None), ("dcp", "zstd")])
-def test_two_nodes_with_their_own_staging_dirs_round_trip_through_s3(moto_server, s3_bucket, tmp_path, engine,
-                                                                     compression):
+def test_two_nodes_with_their_own_staging_dirs_round_trip_through_s3(moto_server, runs, engine, compression):
+    """Rank r stages in ``node<r>``, restores through ``new<r>``."""
+    tmp_path, bucket = runs[f"nodes-{engine}"]
     nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
-    run_round_trip(moto_server, s3_bucket, tmp_path, nodes, [str(tmp_path / "new0"), str(tmp_path / "new1")], engine,
-                   compression)
-    store = open_storage(f"s3://{s3_bucket}/runs/{engine}", moto_server.options())
+    check_round_trip(tmp_path)
+    store = open_storage(f"s3://{bucket}/runs/{engine}", moto_server.options())
     keys = [o.key for o in store.list()]
     assert {k.split("/")[0] for k in keys} == {"step-4"} and "step-4/fastio-commit.json" in keys
     assert all(k.endswith(".zst") for k in keys if not k.endswith("fastio-commit.json")) == bool(compression)
@@ -176,10 +210,9 @@ def fallback_worker(rank: int, port: int, url: str, options: dict, root: str, ou
         dist.destroy_process_group()
 
 
-def test_two_nodes_fall_back_together_past_a_step_damaged_on_the_store(moto_server, s3_bucket, tmp_path):
-    url = f"s3://{s3_bucket}/runs/fallback"
-    mp.spawn(fallback_worker, args=(free_port(), url, moto_server.options(), str(tmp_path), str(tmp_path)),
-             nprocs=WORLD, join=True)
+def test_two_nodes_fall_back_together_past_a_step_damaged_on_the_store(moto_server, runs):
+    tmp_path, bucket = runs["fallback"]
+    url = f"s3://{bucket}/runs/fallback"
     for r in range(WORLD):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["step"] == 2 and got["consumed"] == got["saved"] == 2 * (r + 1)

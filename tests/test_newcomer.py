@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ctrl_c_default
 
 from fastio import Dataset
 from fastio.errors import DatasetError
@@ -54,7 +55,8 @@ def losses(out: str) -> dict[int, str]:
 def interrupt_at(cmd: list[str], prefix: str, cwd=None) -> tuple[int, str]:
     """Run ``cmd``, send it SIGINT (Ctrl-C) when it prints a line starting with ``prefix``; its exit code and
     stderr (the process is killed if it outlives the test)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_default)
     try:
         for line in proc.stdout:
             if line.startswith(prefix):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 
+from helpers import ctrl_c_default
 from test_kill import OPTIONS, alive, children, cli, kill_at
 
 from fastio.convert.run import ConvertConfig, convert, staging_path
@@ -20,7 +21,8 @@ def test_ctrl_c_stops_convert_and_its_workers_with_one_line(tmp_path):
     source = make_imagefolder(tmp_path / "src", classes=2, per_class=30, min_side=64, max_side=96)
     dest = tmp_path / "d"
     cmd = cli("convert", str(source), str(dest), "--workers", "2", *OPTIONS)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=ctrl_c_default)
     deadline = time.monotonic() + 60
     while not (dest / "shards" / "shard-000003.tar").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)

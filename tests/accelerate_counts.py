@@ -1,0 +1,37 @@
+"""Several runs of ``examples/accelerate_train.py`` in one set of processes (tests/test_accelerate.py), as
+``torchrun`` would start each of them: ``LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/accelerate_counts.py
+--plan PLAN.json`` (``plan_runs.launch`` and ``run_plan``). Between runs Accelerate's process group is destroyed
+and its process-wide state forgotten, so the next run's ``Accelerator`` reads its own number of processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from accelerate.state import AcceleratorState, GradientState
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "accelerate_train.py"
+
+
+def _example_main():
+    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _forget() -> None:
+    """The process group gone (``end_training`` destroyed it) and Accelerate's shared state with it."""
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+if __name__ == "__main__":
+    from plan_runs import run_plan
+
+    run_plan(sys.argv[sys.argv.index("--plan") + 1], _example_main(), _forget)
