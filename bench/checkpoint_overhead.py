@@ -7,12 +7,7 @@ rounds against rounds without checkpoints (the machine may be busy: a ratio is t
 the neighbouring round without, and the median of those ratios is reported). Each round also records
 the training thread's CPU time and its run-queue wait (``/proc/self/task/TID/schedstat``): extra wait
 means the writer (or the kernel working for it) took the training thread's core, extra CPU means the
-training thread itself ran slower (memory bandwidth, caches), and the rest of the extra wall time
-(``extra_blocked_per_save_s``) is time it was blocked: the GIL held by the writer's Python, an optimizer
-step waiting for the staging copy, a lock. Also per saver: how long ``save`` held the caller
-(``blocked_in_save_s``, fastio's ``last_blocked_s``), the page cache written back per save (``/proc/vmstat``
-``nr_written``, MiB), and for fastio the xxh3-128 time of one committed step's files on one thread
-(``hash_s``: the commit's hashing, on the writer's core).
+training thread itself ran slower (memory bandwidth, caches).
 
 Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants, and
 ``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
@@ -20,7 +15,6 @@ Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VAL
 before the next, as the Checkpointer does).
 
     python -m bench.checkpoint_overhead [--size-mib 512] [--rounds 3] [--saver fastio --saver dcp_process]
-        [--every 10]
 """
 
 from __future__ import annotations
@@ -48,26 +42,6 @@ def cadence(step_s: float, write_s: float, factor: float = 4.0) -> int:
     return max(1, math.ceil(factor * write_s / step_s))
 
 
-def _written_pages() -> int:
-    """Pages the kernel has written back since boot (``/proc/vmstat`` ``nr_written``; 0 where unreadable)."""
-    try:
-        with open("/proc/vmstat") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("nr_written ")), 0)
-    except OSError:
-        return 0
-
-
-def _hash_s(step_dir: Path) -> float | None:
-    """Seconds to xxh3-128 every file of one committed step on this thread (what the commit hashes)."""
-    from fastio.storage.checksum import digest_file
-
-    files = [p for p in step_dir.rglob("*") if p.is_file()] if step_dir.is_dir() else []
-    t = time.perf_counter()
-    for p in files:
-        digest_file(p, "xxh3_128")
-    return time.perf_counter() - t if files else None
-
-
 def _schedstat() -> tuple[float, float]:
     """(CPU seconds, run-queue wait seconds) of the calling thread."""
     with open(f"/proc/self/task/{__import__('threading').get_native_id()}/schedstat") as f:
@@ -84,18 +58,13 @@ class _Fastio:
         # every save, so savers interleaved in one process each write with their own (default: the shipped value)
         self.streams = options.pop("streams", torchsnapshot_engine.WRITE_STREAMS)
         self.ckpt = Checkpointer(root, keep=1, signals=(), **options)
-        self.app, self.writes, self.blocked = app, [], []
+        self.app, self.writes = app, []
 
     def save(self, step: int) -> None:
         from fastio.checkpoint.engines import torchsnapshot_engine
 
         torchsnapshot_engine.WRITE_STREAMS = self.streams
         self.ckpt.save(step, self.app)
-        self.blocked.append(self.ckpt.last_blocked_s)
-
-    def hash_s(self) -> float | None:
-        steps = self.ckpt.steps()
-        return _hash_s(self.ckpt.dir / f"step-{steps[-1]}") if steps else None
 
     def finish(self) -> None:
         self.ckpt.wait()
@@ -121,7 +90,7 @@ class _DcpProcess:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         self.root, self.app, self.pending, self.writes, self.n = root, app, None, [], 0
-        self.started, self.blocked = 0.0, []
+        self.started = 0.0
 
     def save(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
@@ -133,10 +102,6 @@ class _DcpProcess:
         sd = {"model": self.app["model"].state_dict(), "optim": self.app["optim"].state_dict()}
         self.pending = dcp.async_save(sd, checkpoint_id=str(self.root / str(self.n % 2)),
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        self.blocked.append(time.perf_counter() - self.started)
-
-    def hash_s(self) -> None:
-        return None  # DCP checksums nothing
 
     def finish(self) -> None:
         if self.pending is not None:
@@ -191,8 +156,8 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
         steps = k * saves_per_round
         base = [1000]
 
-        def run(obj: Any) -> tuple[float, float, float, int]:
-            t, (c, w), pages = time.perf_counter(), _schedstat(), _written_pages()
+        def run(obj: Any) -> tuple[float, float, float]:
+            t, (c, w) = time.perf_counter(), _schedstat()
             for i in range(steps):
                 train_step(model, optim)
                 if obj is not None and i % k == k // 2:
@@ -201,11 +166,10 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
             if obj is not None:
                 obj.finish()  # by the rule the write is long done; an unfinished one counts here
             c1, w1 = _schedstat()
-            return time.perf_counter() - t, c1 - c, w1 - w, _written_pages() - pages
+            return time.perf_counter() - t, c1 - c, w1 - w
 
-        rows: dict[str, dict[str, list[float]]] = {n: {"ratio": [], "cpu": [], "wait": [], "blocked": [],
-                                                       "written": []} for n in savers}
-        without: list[tuple[float, float, float, int]] = []
+        rows: dict[str, dict[str, list[float]]] = {n: {"ratio": [], "cpu": [], "wait": []} for n in savers}
+        without: list[tuple[float, float, float]] = []
         for _ in range(rounds):
             for name in savers:
                 base_run = run(None)
@@ -214,23 +178,16 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
                 rows[name]["ratio"].append(ours[0] / base_run[0])
                 rows[name]["cpu"].append((ours[1] - base_run[1]) / saves_per_round)
                 rows[name]["wait"].append((ours[2] - base_run[2]) / saves_per_round)
-                rows[name]["blocked"].append((ours[0] - ours[1] - ours[2] - (base_run[0] - base_run[1] - base_run[2]))
-                                             / saves_per_round)
-                rows[name]["written"].append((ours[3] - base_run[3]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-                                             / saves_per_round)
         out = {"size_mib": round(state_mib(model, optim)), "step_s": step_s, "write_s": write_s, "every": k,
                "factor": factor, "rounds": rounds, "saves_per_round": saves_per_round,
-               "without_round_s": [w[0] for w in without], "savers": {}}
+               "without_round_s": [w for w, _, _ in without], "savers": {}}
         for name, obj in objs.items():
             r = rows[name]
             out["savers"][name] = {
                 "overhead": statistics.median(r["ratio"]) - 1.0, "ratios": r["ratio"],
                 "write_s": statistics.median(obj.writes) if obj.writes else None,
                 "extra_cpu_per_save_s": statistics.median(r["cpu"]), "extra_wait_per_save_s": statistics.median(r["wait"]),
-                "extra_blocked_per_save_s": statistics.median(r["blocked"]),
-                "blocked_in_save_s": statistics.median(obj.blocked) if obj.blocked else None,
-                "written_back_per_save_mib": statistics.median(r["written"]), "hash_s": obj.hash_s(),
-                "lost_per_save_s": (statistics.median(r["ratio"]) - 1.0) * statistics.median(w[0] for w in without)
+                "lost_per_save_s": (statistics.median(r["ratio"]) - 1.0) * statistics.median(w for w, _, _ in without)
                 / saves_per_round}
             obj.close()
         return out

@@ -1,9 +1,8 @@
 """The Checkpointer: staged async saves through an engine, atomic publish, retention, restore, preemption.
 
-A save copies the state into the :class:`~fastio.checkpoint.staging.Stager`'s buffers (the tensors the
-app's optimizers update in the background, finished before any optimizer's next ``step``; the rest on the
-calling thread: see :mod:`fastio.checkpoint.staging` for what is guaranteed), then one background thread
-hands that private copy to the checkpoint engine (:mod:`fastio.checkpoint.engines`: torchsnapshot's ``Snapshot.take``, or
+A save copies the state into the :class:`~fastio.checkpoint.staging.Stager`'s buffers on the calling
+thread (the only part the training loop waits for), then one background thread hands that private
+copy to the checkpoint engine (:mod:`fastio.checkpoint.engines`: torchsnapshot's ``Snapshot.take``, or
 ``torch.distributed.checkpoint.save`` for DTensor state), checksums and commits (rank 0), and prunes.
 The engines' own async saves (torchsnapshot's ``async_take``, DCP's ``async_save``) are not used:
 torchsnapshot's would run its collectives and slab packing on the training thread and, for CPU
@@ -16,9 +15,8 @@ One writer per directory: rank 0 holds :class:`fastio.storage.lock.DirLock` on D
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
 of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
-file of the checkpoint it loads against the commit marker's checksums before loading any (the ranks share the
-reading; a file a rank loads is read once, the load using the bytes checked) and falls back past damaged or
-unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
 progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
 (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -50,7 +48,7 @@ from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.record import CommitInfo, Progress
 from fastio.checkpoint.restore import LOADER_POLICIES, RESERVED_PREFIX, RNG_KEY, TrainState, loader_epoch, loader_keys
 from fastio.checkpoint.rng import capture_rng
-from fastio.checkpoint.staging import Stager, optimizer_storages
+from fastio.checkpoint.staging import Stager
 from fastio.checkpoint.writer import start_writer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
@@ -138,8 +136,7 @@ class Checkpointer:
         self.preempted = False
         """True once a preemption signal has been turned into a committed blocking save."""
         self.last_blocked_s = 0.0
-        """Seconds the last save held the caller (the copies made before it returns, plus handing the write to the
-        background; the optimizers' tensors are copied behind the next step)."""
+        """Seconds the last save held the caller (staging plus handing the write to the background)."""
         self.last_write_s = 0.0
         """Seconds the last completed background write took, from start to commit."""
         self._flag = PreemptionFlag(self.config.signals)
@@ -209,8 +206,7 @@ class Checkpointer:
                    epoch: int | None = None, force: bool = False) -> bool:
         """Save after ``step`` when one is due (or forced, or a preemption signal came); True if a save started.
 
-        Returns once the state is staged (the optimizers' tensors are copied in the background before any
-        optimizer's next ``step``: :mod:`fastio.checkpoint.staging`); the write goes on in the background. An error of an
+        Returns once the state is staged; the write goes on in the background. An error of an
         earlier background write is raised here as a :class:`CheckpointError`. Without ``epoch``, the
         epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`).
         """
@@ -409,7 +405,7 @@ class Checkpointer:
             progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
-            return self._stager.stage(states, optimizer_storages(app)), global_keys, progress
+            return self._stager.stage(states), global_keys, progress
 
         shapes: list[tuple[str, str, str]] = []
         try:  # every rank fails together, or the others would wait forever in the write's collectives
@@ -464,7 +460,7 @@ class Checkpointer:
         ranks = self._writer_ranks
         try:
             def write() -> None:
-                self._stager.finish_copies()
+                self._stager.wait_copies()
                 engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
 
             ranks.run("write", write)

@@ -36,8 +36,7 @@ class CheckpointConfig:
     """A save falling due while the previous one is still writing: ``"wait"`` for it, or ``"skip"`` this one."""
 
     async_save: bool = True
-    """Write in the background (``maybe_save`` returns once the state is staged, see
-    :mod:`fastio.checkpoint.staging`); False blocks until committed."""
+    """Write in the background (``maybe_save`` returns once the state is staged); False blocks until committed."""
 
     signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
     """Signals that request a preemption save; their handler only sets a flag. Empty: install none."""

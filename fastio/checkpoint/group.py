@@ -124,29 +124,19 @@ class RankGroup:
         """Run ``fn`` on this rank, then agree: when ``fn`` raised on any rank, every rank raises the same
         CheckpointError (the first failing rank's one-line reason, naming ``phase`` and that rank). An error
         marked ``elsewhere`` (an engine's agreement: another rank failed) is left to the rank that failed."""
-        result, mine, cause = self._attempt(phase, fn)
-        self.check(phase, mine, cause=cause)
-        return result
-
-    def share(self, phase: str, fn: Callable[[], T], src: int = 0) -> T:
-        """:meth:`run`, returning rank ``src``'s result on every rank: one gather carries both the agreement and
-        the result (``run`` then ``broadcast`` would take three collectives)."""
-        result, mine, cause = self._attempt(phase, fn)
-        every = self.gather(phase, (mine, result if self.rank == src else None))
-        self._raise_first(phase, [problem for problem, _ in every], cause)
-        return every[src][1]
-
-    def _attempt(self, phase: str, fn: Callable[[], T]) -> tuple[T | None, str | None, BaseException | None]:
-        """``fn()`` on this rank: (its result, this rank's one-line problem or None, the exception)."""
+        result: Any = None
+        mine: str | None = None
+        cause: BaseException | None = None
         try:
             result = fn()
             if fault_hook is not None:
                 fault_hook(self.name, phase)
-            return result, None, None
-        except Exception as err:  # noqa: BLE001 - reported to every rank by the caller, re-raised with its cause
-            if getattr(err, "elsewhere", False):  # another rank's failure, which that rank reports
-                return None, None, err
-            return None, str(err) if isinstance(err, FastioError) else first_line(err), err
+        except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
+            cause = err
+            if not getattr(err, "elsewhere", False):  # else another rank's failure, which that rank reports
+                mine = str(err) if isinstance(err, FastioError) else first_line(err)
+        self.check(phase, mine, cause=cause)
+        return result
 
     def collect(self, phase: str, fn: Callable[[], list[str]]) -> list[str]:
         """Every rank's problems (one line each, rank order) from running ``fn`` here; an exception of ``fn``
@@ -162,11 +152,7 @@ class RankGroup:
     def check(self, phase: str, problem: str | None, *, cause: BaseException | None = None, blame: bool = True) -> None:
         """Agree on this rank's ``problem`` (None: none): every rank raises the first rank's, or none does.
         ``blame=False`` leaves out which rank failed (for problems that already name what is wrong)."""
-        self._raise_first(phase, self.gather(phase, problem), cause, blame=blame)
-
-    def _raise_first(self, phase: str, every: list[str | None], cause: BaseException | None, *,
-                     blame: bool = True) -> None:
-        """Raise the first rank's problem of ``every`` (one per rank) on this rank, or nothing when there is none."""
+        every = self.gather(phase, problem)
         failed = [(r, p) for r, p in enumerate(every) if p]
         if failed:
             rank, text = failed[0]

@@ -73,7 +73,7 @@ from fastio.checkpoint.record import (
 from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, SPLITS_FORMAT, SPLITS_NAME
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import atomic_write_bytes, fsync_dir, tmp_path_for
-from fastio.storage.checksum import DIGESTS, digest_fd, digest_file, read_digest_file
+from fastio.storage.checksum import DIGESTS, digest_fd, digest_file
 from fastio.storage.lock import LOCK_NAME
 
 __all__ = [
@@ -561,20 +561,12 @@ def apply_retention(root: Path, keep: int) -> list[Path]:
     return [e.path for e in old]
 
 
-def _check_file(p: Path, want: dict[str, Any], kept: dict[str, bytearray] | None = None,
-                rel: str = "") -> str | None:
-    """The problem with one listed file, or None; with ``kept``, the file is read once into memory and its bytes
-    put in ``kept[rel]`` when they check out."""
+def _check_file(p: Path, want: dict[str, Any]) -> str | None:
     algo = next((a for a in DIGESTS if a in want), None)
     if algo is None:
         return f"{p}: the commit marker records no known checksum ({', '.join(sorted(want))})"
-    data = None
     try:
-        if kept is None:
-            size, digest = digest_file(p, algo)
-        else:
-            data, digest = read_digest_file(p, algo)
-            size = len(data)
+        size, digest = digest_file(p, algo)
     except FileNotFoundError:
         return f"{p}: missing"
     except OSError as err:
@@ -583,24 +575,16 @@ def _check_file(p: Path, want: dict[str, Any], kept: dict[str, bytearray] | None
         return f"{p}: size {size}, commit marker says {want.get('bytes')}"
     if digest != want[algo]:
         return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
-    if kept is not None:
-        kept[rel] = data
     return None
 
 
-def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), files: list[str] | None = None,
-                 keep: frozenset[str] = frozenset(), kept: dict[str, bytearray] | None = None) -> list[str]:
+def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[str]:
     """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks every
-    n-th file from the i-th (so n ranks can share the reading), or ``files`` names the files to check. Those
-    in ``keep`` are read once into memory and, when they check out, put in ``kept`` (relative path -> bytes),
-    for the engine to load from without reading them again."""
+    n-th file from the i-th (so n ranks can share the reading)."""
     i, n = part
-    listed = sorted(entry.commit.files.items())
-    wanted = set(files or ())
-    listed = listed[i::n] if files is None else [(rel, want) for rel, want in listed if rel in wanted]
+    listed = sorted(entry.commit.files.items())[i::n]
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
-    found = (_check_file(entry.path / rel, want, kept, rel) if kept is not None and rel in keep
-             else _check_file(entry.path / rel, want) for rel, want in listed)
+    found = (_check_file(entry.path / rel, want) for rel, want in listed)
     return [p for p in found if p]
 
 

@@ -2,8 +2,7 @@
 
 ``restore_latest`` plans the candidates (rank 0: the newest committed steps first, or the one asked for; every
 directory's own abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://``
-dir: into its staging directory), checks every file against the commit marker (the ranks sharing the files; each
-rank reads the files it will load once, into memory, and its engine loads from those checked bytes: ``_my_files``)
+dir: into its staging directory), checks every file against the commit marker (the ranks sharing the files)
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
@@ -136,9 +135,8 @@ def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, stri
     """The restore behind :meth:`Checkpointer.restore_latest` (which checks the arguments and enters the
     operation on every rank first); collective over ``ck``'s rank group."""
     commit = ck._commit
-    candidates, unrecognised = ck._ranks.share("plan", lambda: _plan(ck, step))
-    kept: dict[str, bytearray] = {}  # relative path -> bytes checked: held from the check to the load only
-    chosen, skipped = _choose(ck, candidates, step, kept)
+    candidates, unrecognised = ck._ranks.broadcast("plan", ck._ranks.run("plan", lambda: _plan(ck, step)))
+    chosen, skipped = _choose(ck, candidates, step)
     newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
     if chosen is None:
         if newer:  # nothing to fall back to: leave everything where it is and say so
@@ -148,10 +146,7 @@ def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, stri
     if ck._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
         _set_aside(newer, read_only=ck.read_only)
     path = commit.step_dir(chosen)
-    try:
-        state = _restore(ck, path, layout.read_commit(path), app, strict, loader_policy, kept)
-    finally:
-        kept.clear()
+    state = _restore(ck, path, layout.read_commit(path), app, strict, loader_policy)
     commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
     return state
 
@@ -163,18 +158,14 @@ def _plan(ck: Checkpointer, step: int | None) -> tuple[list[int], list[Unrecogni
     return ck._commit.plan(step) if ck.rank == 0 else None
 
 
-def _choose(ck: Checkpointer, candidates: list[int], step: int | None,
-            kept: dict[str, bytearray]) -> tuple[int | None, list[Unrecognised]]:
-    """The first intact candidate (fetched and checked on every rank), and the damaged ones before it; ``kept``:
-    the chosen one's files this rank read while checking them, for its engine to load from."""
+def _choose(ck: Checkpointer, candidates: list[int], step: int | None) -> tuple[int | None, list[Unrecognised]]:
+    """The first intact candidate (fetched and checked on every rank), and the damaged ones before it."""
     commit = ck._commit
     skipped: list[Unrecognised] = []
     for cand in candidates:
         path = commit.step_dir(cand)
-        problems = []
-        if ck.config.url is not None:  # (the same on every rank) a local directory has nothing to fetch
-            problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
-        problems = problems or _check_step(ck, cand, path, kept)
+        problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
+        problems = problems or _check_step(ck, cand, path)
         if not problems:
             return cand, skipped
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
@@ -199,35 +190,9 @@ def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
         log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
 
 
-KEEP_BYTES = 4 << 30
-"""At most this many bytes of a step's files are held in memory per rank between the check and the load (the files
-its saving rank wrote); above it, that rank's engine reads them again after the check."""
-
-
-def _my_files(ck: Checkpointer, commit: CommitRecord) -> tuple[list[str], frozenset[str]]:
-    """This rank's share of a step's files to check, and those of them it keeps in memory for the load.
-
-    With as many ranks as saved it and no compression, each rank checks the files its saving rank wrote (the
-    engine's ``own_files``: what its load reads) and keeps them, so each is read once; the other files are shared
-    round robin among the ranks that see the directory, as are all of them otherwise."""
-    files, ranks = sorted(commit.files), tuple(ck._dir_ranks)
-    owner: dict[str, int] = {}
-    if commit.progress.world_size == ck.world_size and not commit.compression:
-        engine = ck._engine(commit.engine)
-        for r in ranks:
-            for rel in engine.own_files(files, r):
-                owner.setdefault(rel, r)
-    rest = [rel for rel in files if rel not in owner]
-    keep = frozenset(rel for rel, r in owner.items() if r == ck.rank)
-    if sum(commit.files[rel].get("bytes") or 0 for rel in keep) > KEEP_BYTES:
-        keep = frozenset()
-    return sorted(rel for rel, r in owner.items() if r == ck.rank) + rest[ranks.index(ck.rank)::len(ranks)], keep
-
-
-def _check_step(ck: Checkpointer, step: int, path: Path, kept: dict[str, bytearray]) -> list[str]:
+def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
     """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
-    against its recorded size and checksum, the ranks sharing the files); empty when intact. The files this rank
-    will load (:func:`_my_files`) are read once, into ``kept``, which is emptied when any rank found a problem."""
+    against its recorded size and checksum, the ranks sharing the files); empty when intact."""
     def check() -> list[str]:
         entry = layout.StepEntry(step, path, layout.read_commit(path))
         if entry.commit.engine not in ENGINES:
@@ -236,21 +201,16 @@ def _check_step(ck: Checkpointer, step: int, path: Path, kept: dict[str, bytearr
         why = compress.check_marker(entry.commit)
         if why:
             return [f"{path / layout.COMMIT_FILE}: {why}"]
-        mine, keep = _my_files(ck, entry.commit)  # every directory's copy, by the ranks seeing it
-        return layout.verify_files(entry, files=mine, keep=keep, kept=kept)
+        return layout.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
 
-    kept.clear()
-    problems = ck._ranks.collect("check", check)
-    if problems:
-        kept.clear()
-    return problems
+    return ck._ranks.collect("check", check)
 
 
 # ----------------------------------------------------------------- loading the chosen step
 def _restore(ck: Checkpointer, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-             loader_policy: str, kept: dict[str, bytearray]) -> TrainState:
+             loader_policy: str) -> TrainState:
     if not commit.compression:
-        return _restore_from(ck, path, path, commit, app, strict, loader_policy, kept)
+        return _restore_from(ck, path, path, commit, app, strict, loader_policy)
     # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
     # the work; the engine reads there; the directory goes when every rank is done with it.
     where = ck._ranks.gather("decompress", ck._ranks.run("decompress", lambda: _start_restore_dir(ck, commit.step)))
@@ -296,7 +256,7 @@ class _Opened:
 
 
 def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-          loader_policy: str, kept: dict[str, bytearray]) -> _Opened:
+          loader_policy: str) -> _Opened:
     """This rank's checks before anything loads: the engine can restore this app, the checkpoint has state for
     every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
     name = commit.engine
@@ -307,7 +267,7 @@ def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: 
                               "into the unsharded model and save again with engine='dcp'")
     engine = ck._engine(name)
     prepared, _ = engine.prepare(app)
-    saved = engine.open(files, pg=ck._ranks.pg, preread=kept)
+    saved = engine.open(files, pg=ck._ranks.pg)
     world = commit.progress.world_size or saved.world_size
     src = ck.rank % world  # the saving rank whose per-rank state this rank takes
     have = saved.keys(src)
@@ -347,11 +307,11 @@ def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any]
 
 
 def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
-                  strict: bool, loader_policy: str, kept: dict[str, bytearray] | None = None) -> TrainState:
+                  strict: bool, loader_policy: str) -> TrainState:
     """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
     makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
     so a rank that fails fails every rank's restore."""
-    opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy, kept or {}))
+    opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
     elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
     targets = {k: v for k, v in opened.prepared.items() if k not in opened.held}  # loaders: checked, loaded last
     has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)

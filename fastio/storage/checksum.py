@@ -11,8 +11,8 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_fd", "digests_file", "read_digest_file",
-           "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file", "sha256_fd",
+           "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -43,26 +43,6 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
     fd = os.open(path, os.O_RDONLY)
     try:
         return digests_fd(fd, algos, chunk=chunk)
-    finally:
-        os.close(fd)
-
-
-def read_digest_file(path: str | Path, algo: str, *, chunk: int = CHUNK) -> tuple[bytearray, str]:
-    """Everything the file at ``path`` holds, read once into one buffer, and its ``algo`` digest, each chunk hashed
-    as it lands (still in cache): a file checked and then used without a second read."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf, h, pos = bytearray(os.fstat(fd).st_size), DIGESTS[algo](), 0
-        with memoryview(buf) as view:
-            while pos < len(buf) and (n := os.preadv(fd, [view[pos:pos + chunk]], pos)):
-                h.update(view[pos:pos + n])
-                pos += n
-        del buf[pos:]  # shrank while read: what was read is what it holds
-        while extra := os.pread(fd, chunk, pos):  # grew while read
-            buf += extra
-            h.update(extra)
-            pos += len(extra)
-        return buf, h.hexdigest()
     finally:
         os.close(fd)
 

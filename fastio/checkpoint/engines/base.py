@@ -13,7 +13,7 @@ called by all ranks of ``pg`` together.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,14 +92,7 @@ class Engine(Protocol):
         raises. The Checkpointer commits afterwards."""
         ...
 
-    def own_files(self, files: Sequence[str], rank: int) -> set[str]:
-        """Of a step's ``files`` (relative paths), those saving rank ``rank`` wrote and a restore on as many ranks
-        reads on rank ``rank`` only: the restore checks them on that rank and hands their bytes to :meth:`open`
-        (``preread``), so they are read once. Empty when the engine cannot load from those bytes."""
-        ...
-
-    def open(self, path: Path, *, pg: Any = None, preread: Mapping[str, bytearray] | None = None) -> SavedCheckpoint:
+    def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:
         """Open the checkpoint in ``path`` for reading; :class:`~fastio.errors.CheckpointError` naming
-        ``path`` when the engine's own metadata is missing or unreadable. ``preread``: files (relative path ->
-        their whole content, already checked against the commit marker) to load from instead of the disk."""
+        ``path`` when the engine's own metadata is missing or unreadable."""
         ...

@@ -16,14 +16,8 @@ What goes where in a step directory:
 The Checkpointer stages a private copy before ``save`` is called on its writer thread; ``dcp.save``
 writes from that copy (DCP's own ``async_save`` is not used, so both engines keep one staging rule).
 
-A restore on as many ranks as saved reads each rank's own files (``__R_0.distcp``, ``rank-R/``: :meth:`DcpEngine.own_files`)
-once: the Checkpointer checks them as it reads them into memory, and ``dcp.load`` reads from those bytes
-(``preread``: a ``FileSystemReader`` whose file system serves them, :class:`_PrereadFileSystem`); other files (the
-metadata, items deduplicated into another rank's file) are read from the disk after every file was checked.
-
-Loading never runs code from the checkpoint: per-rank files are read with ``torch.load(weights_only=True)``;
-DCP's non-tensor items are first unpickled with it (refused when they name anything it does not allow), then the
-same bytes are handed to DCP's planner; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
+Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
+``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
 is first unpickled here with an allow-list of DCP's metadata classes and refused otherwise.
 """
 
@@ -32,10 +26,8 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import re
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -47,7 +39,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -105,62 +96,6 @@ def _agreed(pg: Any, fn: Any, same: Any = None, what: str = "") -> Any:
 
 def _rank_file(path: Path, rank: int, key: str) -> Path:
     return Path(path) / f"rank-{rank}" / f"{quote(key, safe='')}.pt"
-
-
-# ---------------------------------------------------------------- loading from bytes already read and checked
-class MemoryFile(io.RawIOBase):
-    """A read-only, seekable file over bytes in memory (no copy of them), as DCP and ``torch.load`` read files."""
-
-    def __init__(self, data: bytearray | bytes):
-        super().__init__()
-        self._data, self._pos = memoryview(data), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._data) - self._pos))
-        memoryview(b).cast("B")[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-class _PrereadFileSystem(FileSystem):
-    """DCP's local file system, serving the files in ``preread`` (relative to ``root``) from memory."""
-
-    def __init__(self, root: Path, preread: Mapping[str, bytearray]):
-        super().__init__()
-        self.root, self.preread = Path(root), preread
-
-    @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
-        data = self.preread.get(Path(path).relative_to(self.root).as_posix()) if mode == "rb" else None
-        if data is None:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        else:
-            with MemoryFile(data) as stream:
-                yield stream
-
-
-def _reader(path: Path, preread: Mapping[str, bytearray]) -> FileSystemReader:
-    reader = FileSystemReader(str(path))
-    if preread:
-        reader.fs = _PrereadFileSystem(path, preread)  # DCP's reader opens every file through its fs
-    return reader
 
 
 # ---------------------------------------------------------------- app objects as DCP sees them
@@ -229,7 +164,7 @@ def check_metadata(path: Path) -> None:
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, vetting non-tensor items with ``torch.load(weights_only=True)``, and applying
+    """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``, and applying
     the strict rule (:mod:`fastio.checkpoint.engines.strict`) to the checkpoint's keys against the app's: DCP
     itself loads only the keys it is asked for, so a checkpoint of a larger model would load silently."""
 
@@ -279,14 +214,14 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
-            torch.load(value, weights_only=True)
+            obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
             raise CheckpointError(f"{self.where}: item {read_item.dest_index.fqn}: refused to load: not plain "
                                   "tensors and containers (torch.load weights_only)") from None
-        # The same bytes in memory, vetted: they name nothing but what weights_only allows, so the default
-        # planner's own load of them runs the same allowed calls (a quarter of the time of re-serialising).
-        value.seek(0)
-        super().load_bytes(read_item, value)
+        safe = io.BytesIO()
+        torch.save(obj, safe)  # the vetted value, re-serialised: what the default planner then loads
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
 
 
 def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> CheckpointError:
@@ -322,8 +257,8 @@ def _with_free_space(err: CheckpointError, path: Path) -> CheckpointError:
 class DcpCheckpoint(SavedCheckpoint):
     """A DCP step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
 
-    def __init__(self, path: Path, pg: Any = None, preread: Mapping[str, bytearray] | None = None):
-        self.path, self.pg, self.preread = Path(path), pg, preread or {}
+    def __init__(self, path: Path, pg: Any = None):
+        self.path, self.pg = Path(path), pg
         side = self.path / SIDECAR
         try:
             info = json.loads(side.read_text())
@@ -356,7 +291,7 @@ class DcpCheckpoint(SavedCheckpoint):
                            sorted(shared), f"global (DCP) keys in {self.path / SIDECAR}")
         if shared:
             try:
-                dcp.load(template, storage_reader=_reader(self.path, self.preread),
+                dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
                          planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
                          no_dist=_rank()[1] == 1)
             except CheckpointError:
@@ -376,9 +311,8 @@ class DcpCheckpoint(SavedCheckpoint):
         file = _rank_file(self.path, rank, key)
         if key not in self.rank_keys or not file.is_file():
             raise CheckpointError(f"{self.path}: checkpoint has no state for app key {key} on saving rank {rank}")
-        data = self.preread.get(file.relative_to(self.path).as_posix())
         try:
-            return torch.load(MemoryFile(data) if data is not None else file, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:
             raise CheckpointError(f"{file}: refused to load: not plain tensors and containers "
                                   "(torch.load weights_only)") from None
@@ -455,10 +389,5 @@ class DcpEngine:
                                                     "world_size": world, "global_keys": sorted(shared),
                                                     "rank_keys": sorted(per_rank)}))
 
-    def own_files(self, files: Sequence[str], rank: int) -> set[str]:
-        """Rank ``rank``'s DCP data files (``__R_N.distcp``, FileSystemWriter's names) and per-rank files."""
-        data = re.compile(rf"__{rank}_\d+\.distcp")
-        return {f for f in files if data.fullmatch(f) or f.startswith(f"rank-{rank}/")}
-
-    def open(self, path: Path, *, pg: Any = None, preread: Mapping[str, bytearray] | None = None) -> DcpCheckpoint:
-        return DcpCheckpoint(path, pg, preread)
+    def open(self, path: Path, *, pg: Any = None) -> DcpCheckpoint:
+        return DcpCheckpoint(path, pg)

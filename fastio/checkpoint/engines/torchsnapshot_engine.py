@@ -391,9 +391,5 @@ class TorchSnapshotEngine:
         with _write_settings():
             _take(str(path), app, pg, list(replicated))
 
-    def own_files(self, files: Sequence[str], rank: int) -> set[str]:
-        """None: torchsnapshot reads through its own storage plugin, which cannot load from bytes in memory."""
-        return set()
-
-    def open(self, path: Path, *, pg: Any = None, preread: Any = None) -> TorchSnapshotCheckpoint:
+    def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
         return TorchSnapshotCheckpoint(path, pg)
