@@ -35,7 +35,7 @@ from fastio.converters.base import Entry, FileRef, ScanResult
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
 from fastio.storage.atomic import atomic_write_bytes
-from fastio.storage.lock import LOCK_NAME
+from fastio.storage.lock import LOCK_NAME, current_holder
 
 __all__ = [
     "PARTS_DIR",
@@ -100,6 +100,16 @@ def part_dir(dest: Path, k: int, n: int) -> Path:
 def parse_part_dir(name: str) -> tuple[int, int] | None:
     m = _PART_DIR.match(name)
     return (int(m[1]), int(m[2])) if m else None
+
+
+def start_part_dir(dest: str | Path, k: int, n: int, directory: Path) -> None:
+    """Refuse part ``k/n`` while a whole conversion or merge holds DEST (it may be resetting DEST: a part is not
+    started under it), then empty the part's directory (:func:`clear_part_dir`). The caller holds the part's lock."""
+    holder = current_holder(dest)
+    if holder is not None:
+        raise ConvertError(f"{dest}: in use by {holder}; part {k}/{n} was not started (run it again once that "
+                           "process has ended)")
+    clear_part_dir(directory)
 
 
 def clear_part_dir(directory: Path) -> None:

@@ -45,13 +45,13 @@ from fastio import converters
 from fastio.convert.parts import (
     PARTS_DIR,
     PartRecord,
-    clear_part_dir,
     listing_digest,
     parse_part,
     parse_part_dir,
     part_dir,
     part_range,
     predicted_shard_starts,
+    start_part_dir,
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
@@ -68,7 +68,7 @@ from fastio.progress import Progress, count, parse_size, rate_line, skipped_line
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
 from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.lease import LeaseLostError, writer_lease
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, current_holder, holder_of
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
 from fastio.storage.url import parse_location
 
 T = TypeVar("T")
@@ -630,11 +630,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     except LockedError as err:
         raise ConvertError(str(err)) from None
     try:
-        holder = current_holder(config.dest)  # a whole conversion or merge resetting DEST: not under it
-        if holder is not None:
-            raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
-                               "once that process has ended)")
-        clear_part_dir(directory)
+        start_part_dir(config.dest, k, n, directory)
         jobs, ranges = [], {}
         for split_name, indices in groups.items():
             entries = [scan.entries[i] for i in indices]

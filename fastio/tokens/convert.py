@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.convert.parts import PartRecord, clear_part_dir, parse_part, part_dir, write_part_record
+from fastio.convert.parts import PartRecord, parse_part, part_dir, start_part_dir, write_part_record
 from fastio.convert.run import (
     DEFAULT_SHARD_SIZE,
     _default_workers,
@@ -44,7 +44,7 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import DirLock, LockedError, current_holder
+from fastio.storage.lock import DirLock, LockedError
 from fastio.tokens.corpus import Corpus, open_corpus, part_span
 from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
 
@@ -387,11 +387,7 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
     lock = DirLock(directory, f"fastio convert --part {k}/{n}")
     _lock(lock, directory)
     try:
-        holder = current_holder(config.dest)  # a whole conversion or merge resetting DEST: not under it
-        if holder is not None:
-            raise ConvertError(f"{config.dest}: in use by {holder}; part {k}/{n} was not started (run it again "
-                               "once that process has ended)")
-        clear_part_dir(directory)
+        start_part_dir(config.dest, k, n, directory)
         span = part_span(corpus.total, k, n)
         shards, empty = _write(config, corpus, coder, directory, span)
         plan = {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
