@@ -169,18 +169,20 @@ def _rrc_params(rng, width: int, height: int):
     return (width - s) // 2, (height - s) // 2, s, s
 
 
-class _Transform:
-    """RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor + Normalize, with PIL, numpy and torch."""
+class PeerTransform:
+    """RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor + Normalize, with PIL, numpy and torch: the peers'
+    transform (also bench/restart.py's)."""
 
-    def __init__(self):
+    def __init__(self, size: int = SIZE):
         self.rng = np.random.default_rng()
+        self.size = size
 
     def __call__(self, sample):
         import torch
 
         img, cls = sample
         x, y, w, h = _rrc_params(self.rng, *img.size)
-        img = img.convert("RGB").resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
+        img = img.convert("RGB").resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + w, y + h))
         if self.rng.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
         arr = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
@@ -194,7 +196,7 @@ def _dataloader(dest: Path, workers: int, device: str) -> tuple[int, float]:
     urls = sorted(str(p) for p in (dest / "shards").glob("*.tar"))
     t = time.perf_counter()
     ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker)
-          .shuffle(256).decode("pil").to_tuple("jpg", "cls").map(_Transform()).batched(BATCH))
+          .shuffle(256).decode("pil").to_tuple("jpg", "cls").map(PeerTransform()).batched(BATCH))
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=device == "cuda")
     n = 0
     for images, labels in loader:

@@ -73,36 +73,14 @@ def make_dataset(workdir: Path, samples: int) -> Path:
 
 # -- the peers' data: WebDataset over the same shards, PIL decode, the same transform ------------------
 
-class _Transform:
-    """Random resized crop to SIZE, flip, normalize, CHW float32 (PIL + numpy + torch)."""
-
-    def __init__(self):
-        import numpy as np
-
-        self.rng = np.random.default_rng()
-
-    def __call__(self, sample):
-        import numpy as np
-        import torch
-        from PIL import Image
-
-        from bench.loader import MEAN, STD, _rrc_params
-
-        img, cls = sample
-        x, y, w, h = _rrc_params(self.rng, *img.size)
-        img = img.convert("RGB").resize((SIZE, SIZE), Image.BILINEAR, box=(x, y, x + w, y + h))
-        if self.rng.random() < 0.5:
-            img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        arr = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
-        return torch.from_numpy(arr.transpose(2, 0, 1).copy()), int(cls)
-
-
 def _webdataset(dest: Path):
     import webdataset as wds
 
+    from bench.loader import PeerTransform
+
     urls = sorted(str(p) for p in (Path(dest) / "shards").glob("*.tar"))
     return (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker)
-            .decode("pil").to_tuple("jpg", "cls").map(_Transform()))
+            .decode("pil").to_tuple("jpg", "cls").map(PeerTransform(SIZE)))
 
 
 def _workers() -> int:
