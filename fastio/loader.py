@@ -191,7 +191,7 @@ class Loader:
         elif overrides:
             config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
         self.config = cfg = config
-        self.pipeline: Pipeline = cfg.graph
+        self.pipeline: Pipeline = cfg.pipeline
         self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)
         try:
             self._place()
