@@ -4,6 +4,8 @@ Each block runs as a standalone script (``python snippet.py``) in a fresh tempor
 ``./images/`` (``fastio.convert.synthetic.make_imagefolder``: 10 classes of small JPEGs) and ``./ds/`` (that folder
 converted by ``fastio convert images ds --split train=0.9,val=0.1``: ``ds/train``, ``ds/val``), both made once
 per session. A snippet that cannot run there lives under ``examples/`` and is run by a test of its own.
+The snippets and the quickstart's plain runs are started by ``tests/warm_python.py`` (a child forked from an
+interpreter that imported torch and DALI once: ``python snippet.py`` without the ~2 s of those imports each time).
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ def docs_data(tmp_path_factory) -> Path:
     return base
 
 
+@pytest.fixture(scope="session")
+def warm():
+    """The warm interpreter that runs the snippets (``tests/warm_python.py``)."""
+    from warm_python import WarmPython
+
+    runner = WarmPython()
+    yield runner
+    runner.close()
+
+
 @pytest.fixture
 def workdir(docs_data, tmp_path) -> Path:
     """A fresh directory with copies of ``images/`` and ``ds/`` (a snippet may write into them)."""
@@ -73,13 +85,11 @@ def test_the_pages_have_snippets():
 
 
 @pytest.mark.parametrize("page,line,code", SNIPPETS)
-def test_snippet_runs(page, line, code, workdir):
+def test_snippet_runs(page, line, code, workdir, warm):
     script = workdir / "snippet.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=workdir, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, (f"{page.relative_to(ROOT)}:{line}: the snippet exited {done.returncode}\n"
-                                  f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    rc, out, err = warm.run(script, workdir)
+    assert rc == 0, f"{page.relative_to(ROOT)}:{line}: the snippet exited {rc}\n{out[-3000:]}\n{err[-3000:]}"
 
 
 def test_readme_quickstart_is_the_tested_example():
@@ -88,14 +98,13 @@ def test_readme_quickstart_is_the_tested_example():
     assert any(code.rstrip() == example for _, code in python_blocks(ROOT / "README.md"))
 
 
-def run_quickstart(workdir: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), *args], cwd=workdir,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def run_quickstart(warm, workdir: Path, *args: str) -> str:
+    rc, out, err = warm.run(ROOT / "examples" / "quickstart.py", workdir, *args)
+    assert rc == 0, out + err
+    return out
 
 
-def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir):
+def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir, warm):
     """SIGUSR1 mid-epoch: the run saves, says so and exits 0; the same command resumes at that step and ends
     at the same step count as an uninterrupted run would (180 train samples, batch 16: 12 steps an epoch);
     a third launch restores the final save and trains nothing."""
@@ -118,12 +127,12 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir)
     at = int(saved.group(1))
     assert 3 <= at < 24, out
 
-    second = run_quickstart(workdir)
+    second = run_quickstart(warm, workdir)
     assert f"resumed at step {at}, epoch 0" in second
     assert f"step {at + 1} " in second and "done: 24 steps" in second
     assert re.search(r"epoch 2 done: val accuracy [0-9.]+", second), second
 
-    third = run_quickstart(workdir)
+    third = run_quickstart(warm, workdir)
     assert "resumed at step 24, epoch 2" in third and "done: 24 steps" in third
     assert not re.search(r"^step \d+ ", third, re.MULTILINE), third
 

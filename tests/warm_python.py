@@ -1,0 +1,97 @@
+"""A warm interpreter for tests/test_docs.py: it imports torch and DALI once, then runs each script it is sent as
+``python script.py`` would, in a child forked from it (what the child of a fresh ``python`` spends most of its time on,
+the import of torch and DALI, is already done; everything else starts fresh in each child).
+
+The child of a request: its own working directory, stdin ``/dev/null``, stdout and stderr into files of the caller's,
+``sys.argv == [script, *args]``, ``sys.path[0]`` the script's folder, the script run as ``__main__`` in a fresh namespace
+(so a missing ``import`` still fails), and an ordinary interpreter exit (non-daemon threads joined, ``atexit``
+handlers run); an uncaught exception prints its traceback and exits 1, as ``python`` does. Only the top-level
+``import torch`` and ``import nvidia.dali`` that a snippet would do itself are done ahead, never fastio.
+
+Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "out", "err"}``; one JSON
+line a reply on stdout, ``{"rc": exit code, negative for a signal}`` (``timeout`` seconds: SIGALRM ends it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become ``python script`` and exit as it would (never returns to the serve loop)."""
+    import runpy
+    import signal
+    import traceback
+
+    for fd, name in ((1, "out"), (2, "err")):
+        os.dup2(os.open(request[name], os.O_WRONLY | os.O_TRUNC), fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.chdir(request["cwd"])
+    signal.alarm(int(request["timeout"]))
+    script = request["script"]
+    sys.argv = [script, *request.get("args", [])]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    raise SystemExit(code)
+
+
+def serve() -> None:
+    """Answer requests on stdin until it closes."""
+    import nvidia.dali  # noqa: F401  (what a snippet's own import would load; a child finds it loaded)
+    import torch  # noqa: F401
+
+    replies = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+class WarmPython:
+    """The warm interpreter, started by a test session; ``run(script, cwd, *args)`` runs one script."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=Path(__file__).parent)
+
+    def run(self, script: Path, cwd: Path, *args: str, timeout: float = 300) -> tuple[int, str, str]:
+        """``python script *args`` in ``cwd``: its exit code (negative: the signal that ended it), stdout, stderr."""
+        files = {}
+        for name in ("out", "err"):
+            fd, files[name] = tempfile.mkstemp(suffix=f".{name}")
+            os.close(fd)
+        self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(cwd), "args": list(args),
+                                          "timeout": timeout, **files}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the warm interpreter ended (exit code {self.proc.poll()})"
+        try:
+            return (json.loads(reply)["rc"], *(Path(files[n]).read_text(errors="replace") for n in ("out", "err")))
+        finally:
+            for name in files.values():
+                os.unlink(name)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    serve()
