@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from helpers import run_cli
 from fastio import Loader
 from fastio.errors import DatasetError
 from fastio.storage import open_storage
+from fastio.storage.options import StorageOptions
 
 
 def test_convert_verify_inspect_load_on_s3(aws_env, s3_bucket, image_folder, tmp_path, capsys, monkeypatch):
@@ -97,5 +99,11 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     for command in ("verify", "inspect"):  # said "not a fastio dataset (no manifest.json ...)"
         code, _, err = run_cli([command, "s3://no-such-bucket-here/ds"], capsys)
         assert code == 2 and "s3://no-such-bucket-here/ds: no such bucket 'no-such-bucket-here'" in err, err
+    # An endpoint nothing listens on: a refused connection is transient, retried until deadline_s (120 s by
+    # default), then one line. Here a 2 s deadline: the same retries and the same error, 118 s sooner.
+    resolve = StorageOptions.resolve.__func__
+    monkeypatch.setattr(StorageOptions, "resolve", classmethod(
+        lambda cls, overrides=None, env=None: dataclasses.replace(resolve(cls, overrides, env), deadline_s=2.0)))
     code, _, err = run_cli(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"s3://{s3_bucket}/nothing" in err and "Traceback" not in err
+    assert "deadline_s=2" in err, err  # it was retried to the deadline (a refusal not retried would not say so)
