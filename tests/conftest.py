@@ -163,6 +163,18 @@ def aws_env(monkeypatch, moto_server, tmp_path):
     monkeypatch.setenv("FASTIO_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.fixture(scope="session")
+def warm():
+    """A warm interpreter (``tests/warm_python.py``): ``warm.run(script, cwd, *args)`` is ``python script *args``
+    in a child forked from a process that imported torch and DALI once; ``(exit code, stdout, stderr)``. The
+    environment is this process's when the fixture started: a run that needs another starts a fresh python."""
+    from warm_python import WarmPython
+
+    runner = WarmPython()
+    yield runner
+    runner.close()
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for a tiny model trained in the test process (two would busy-wait on a shared core)."""

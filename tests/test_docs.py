@@ -60,16 +60,6 @@ def docs_data(tmp_path_factory) -> Path:
     return base
 
 
-@pytest.fixture(scope="session")
-def warm():
-    """The warm interpreter that runs the snippets (``tests/warm_python.py``)."""
-    from warm_python import WarmPython
-
-    runner = WarmPython()
-    yield runner
-    runner.close()
-
-
 @pytest.fixture
 def workdir(docs_data, tmp_path) -> Path:
     """A fresh directory with copies of ``images/`` and ``ds/`` (a snippet may write into them)."""

@@ -43,9 +43,10 @@ def data(tmp_path_factory) -> Path:
     return base
 
 
-def quickstart(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(QUICKSTART), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+def quickstart(warm, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python examples/quickstart.py ARGS`` in ``cwd`` (started by the warm interpreter: conftest's ``warm``)."""
+    rc, out, err = warm.run(QUICKSTART, cwd, *args)
+    return subprocess.CompletedProcess(QUICKSTART, rc, out, err)
 
 
 def losses(out: str) -> dict[int, str]:
@@ -94,25 +95,25 @@ def test_num_classes_is_none_without_labels(tmp_path):
     assert Dataset(tmp_path / "ds").num_classes is None
 
 
-def test_quickstart_trains_on_indexed_shards(data, tmp_path):
+def test_quickstart_trains_on_indexed_shards(data, tmp_path, warm):
     """docs/byo-shards.md: an indexed dataset is an ordinary fastio dataset; the quickstart runs on it (it
     crashed on ``len(label_map)``, None for indexed shards)."""
-    done = quickstart(data, "wds", str(tmp_path / "ckpt"), "1")
+    done = quickstart(warm, data, "wds", str(tmp_path / "ckpt"), "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "done: 12 steps" in done.stdout and "epoch 1 done: val accuracy" in done.stdout
 
 
-def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, tmp_path):
+def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, tmp_path, warm):
     """SIGINT mid-epoch (what Ctrl-C sends): exit 130, stderr one line naming the saved step and the next command,
     no traceback; the same command resumes from that step and every later step's loss equals an uninterrupted
     run's."""
-    straight = quickstart(data, "ds", str(tmp_path / "straight"), "1")
+    straight = quickstart(warm, data, "ds", str(tmp_path / "straight"), "1")
     assert straight.returncode == 0, straight.stderr
     rc, err = interrupt_at([sys.executable, str(QUICKSTART), "ds", str(tmp_path / "ckpt"), "1"], "step 8 ", cwd=data)
     assert rc == 130, err
     assert "Traceback" not in err
     saved = one_interrupted_line(err, "quickstart.py", tmp_path / "ckpt")
-    resumed = quickstart(data, "ds", str(tmp_path / "ckpt"), "1")
+    resumed = quickstart(warm, data, "ds", str(tmp_path / "ckpt"), "1")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed at step {saved}, epoch 0" in resumed.stdout
     after = losses(resumed.stdout)
@@ -131,8 +132,8 @@ def one_interrupted_line(err: str, script: str, ckpt: Path) -> int:
     return int(m.group(1))
 
 
-def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path):
-    done = quickstart(data, "nowhere", str(tmp_path / "ckpt"), "1")
+def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path, warm):
+    done = quickstart(warm, data, "nowhere", str(tmp_path / "ckpt"), "1")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("quickstart.py: error: nowhere/train"), \
@@ -188,17 +189,22 @@ def train_py(data: Path, ckpt: Path, *extra: str) -> list[str]:
             str(ckpt), "--steps", "20", "--every-steps", "5", *extra]
 
 
-def test_ctrl_c_ends_train_py_with_one_line_and_the_resume_ends_bitwise_equal(data, tmp_path):
+def train_py_warm(warm, data: Path, ckpt: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``train_py``'s command, started by the warm interpreter (conftest's ``warm``) in this directory."""
+    script, *args = train_py(data, ckpt, *extra)[1:]
+    rc, out, err = warm.run(Path(script), Path.cwd(), *args)
+    return subprocess.CompletedProcess(script, rc, out, err)
+
+
+def test_ctrl_c_ends_train_py_with_one_line_and_the_resume_ends_bitwise_equal(data, tmp_path, warm):
     """examples/train.py under SIGINT: exit 130, one line naming the saved step; the same command resumes and
     ends with the weights of an uninterrupted run, bit for bit."""
-    straight = subprocess.run(train_py(data, tmp_path / "straight", "--quiet"), capture_output=True, text=True,
-                              timeout=300)
+    straight = train_py_warm(warm, data, tmp_path / "straight", "--quiet")
     assert straight.returncode == 0, straight.stderr
     rc, err = interrupt_at(train_py(data, tmp_path / "ckpt"), "step 7 ")
     assert rc == 130 and "Traceback" not in err, err
     saved = one_interrupted_line(err, "train.py", tmp_path / "ckpt")
-    resumed = subprocess.run(train_py(data, tmp_path / "ckpt", "--quiet"), capture_output=True, text=True,
-                             timeout=300)
+    resumed = train_py_warm(warm, data, tmp_path / "ckpt", "--quiet")
     assert resumed.returncode == 0 and f"resumed from step {saved}" in resumed.stdout, resumed.stderr
 
     def digest(out: str) -> str:
