@@ -1,6 +1,7 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
-WebDataset tar indexed by ``fastio index``, real ranks in spawned processes (``free_port``, ``spawn_ranks``), and
-Ctrl-C's default action for a child a test interrupts (``ctrl_c_default``)."""
+WebDataset tar indexed by ``fastio index``, real ranks in processes forked from a server that imported torch once
+(``free_port``, ``spawn_ranks``, ``start_ranks``, ``rank_process``), and Ctrl-C's default action for a child a
+test interrupts (``ctrl_c_default``)."""
 
 import io
 import signal
@@ -73,11 +74,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Rank processes are forked from one server process per test process that imported torch once
+# (multiprocessing's forkserver), not spawned: a spawned rank spends ~2 s importing torch before its first line.
+# The server is a fresh interpreter (nothing of pytest's, no threads of the test process), like a spawned
+# rank's; each rank takes the test process's environment and working directory as they are when it starts,
+# as a spawned one would (the server's are those of its own start).
+RANKS = mp.get_context("forkserver")
+RANKS.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def as_started_here(env: dict[str, str], cwd: str, target: Callable, *args) -> None:
+    """In a rank process: the starting process's environment and working directory, then ``target(*args)``."""
+    import os
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
+def rank_process(target: Callable, args: tuple):
+    """A process of ``RANKS`` (not started) that runs ``target(*args)`` as if spawned from this process now."""
+    import os
+
+    return RANKS.Process(target=as_started_here, args=(dict(os.environ), os.getcwd(), target, *args))
+
+
+def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with ``RANKS``' processes: ``fn(rank, *args)`` in each,
+    joined; a rank that fails raises here with its traceback."""
+    import os
+
+    mp.start_processes(_rank_as_started_here, args=(dict(os.environ), os.getcwd(), fn, *args), nprocs=nprocs,
+                       join=True, start_method="forkserver")
+
+
+def _rank_as_started_here(rank: int, env: dict[str, str], cwd: str, fn: Callable, *args) -> None:
+    as_started_here(env, cwd, fn, rank, *args)
+
+
 def spawn_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, timeout: float) -> None:
-    """Run ``target(*args_of(rank))`` in ``world`` spawned processes; fail naming the ranks still running after
-    ``timeout`` seconds in all (killed first): a hang is a failure, never a stuck suite."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(world)]
+    """Run ``target(*args_of(rank))`` in ``world`` rank processes (``rank_process``); fail naming the ranks still
+    running after ``timeout`` seconds in all (killed first): a hang is a failure, never a stuck suite."""
+    procs = [rank_process(target, args_of(r)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

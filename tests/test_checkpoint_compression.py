@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import start_ranks
 from torch import nn
 
 from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout
@@ -318,7 +318,7 @@ def two_rank_runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("two-ranks")
     for engine in ENGINE_NAMES:
         (base / engine).mkdir()
-    mp.spawn(engines_worker, args=([free_port() for _ in ENGINE_NAMES], str(base)), nprocs=WORLD, join=True)
+    start_ranks(engines_worker, ([free_port() for _ in ENGINE_NAMES], str(base)), WORLD)
     return base
 
 

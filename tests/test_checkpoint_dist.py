@@ -1,4 +1,4 @@
-"""Two real ranks (gloo on 127.0.0.1, torch.multiprocessing spawn): DDP state written once, per-rank state per rank.
+"""Two real ranks (gloo on 127.0.0.1, processes of helpers.start_ranks): DDP state written once, per-rank state per rank.
 Each spawn runs both engines in turn (a fresh group each), once for the file: the tests of each engine read its
 results (``preemption_runs``, ``elastic_runs``)."""
 
@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import Position, StateHolder
+from helpers import Position, StateHolder, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
@@ -81,7 +80,7 @@ def preemption_runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("preemption")
     for engine in ENGINES:
         (base / engine).mkdir()
-    mp.spawn(engines_worker, args=([free_port() for _ in ENGINES], str(base)), nprocs=WORLD, join=True)
+    start_ranks(engines_worker, ([free_port() for _ in ENGINES], str(base)), WORLD)
     return base
 
 
@@ -196,7 +195,7 @@ def elastic_runs(tmp_path_factory, _image_originals) -> Path:
     for engine in ENGINES:
         (base / engine).mkdir()
     ports = [[free_port() for _ in range(3)] for _ in ENGINES]
-    mp.spawn(elastic_engines_worker, args=(ports, str(data), str(base)), nprocs=3, join=True)
+    start_ranks(elastic_engines_worker, (ports, str(data), str(base)), 3)
     return base
 
 

@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) on real gloo ranks: exact resume after a kill, and resharding 2 -> 1 and 2 -> 3.
 
-Workers are started with the ``spawn`` context and judged only by the files they write: torch's gloo
-teardown can abort a process at exit, so exit codes say nothing here (every worker ends with
-``destroy_process_group`` and ``os._exit(0)`` after flushing its files).
+Workers are started by ``helpers.rank_process`` (forked from a fresh server process, as a spawned one would start)
+and judged only by the files they write: torch's gloo teardown can abort a process at exit, so exit codes say
+nothing here (every worker ends with ``destroy_process_group`` and ``os._exit(0)`` after flushing its files).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import rank_process
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, layout
@@ -155,8 +155,7 @@ def free_port() -> int:
 
 
 def launch(target, nprocs: int, *args, timeout: float = 240) -> None:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(nprocs)]
+    procs = [rank_process(target, (r, *args)) for r in range(nprocs)]
     for p in procs:
         p.start()
     for p in procs:

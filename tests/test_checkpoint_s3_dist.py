@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import Position
+from helpers import Position, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -60,7 +59,7 @@ def runs(moto_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
                      engine, compression, str(where)))
     where, bucket = cases["fallback"]
     plan.append((fallback_worker, f"s3://{bucket}/runs/fallback", options, str(where), str(where)))
-    mp.spawn(runs_worker, args=([(worker, free_port(), *args) for worker, *args in plan],), nprocs=WORLD, join=True)
+    start_ranks(runs_worker, ([(worker, free_port(), *args) for worker, *args in plan],), WORLD)
     return cases
 
 

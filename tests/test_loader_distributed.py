@@ -6,7 +6,7 @@ import json
 import socket
 from pathlib import Path
 
-import torch.multiprocessing as mp
+from helpers import start_ranks
 
 
 def _free_port() -> int:
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, dest: str, out: str) -> None:
 
 
 def test_two_gloo_ranks(image_dataset, tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(image_dataset), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_worker, (2, _free_port(), str(image_dataset), str(tmp_path)), 2)
     r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
     assert [x["rank"] for x in r] == [0, 1] and {x["world"] for x in r} == {2}
     assert r[0]["len"] == r[1]["len"] == r[0]["steps"] == r[1]["steps"] == 5  # ceil(48 / 10)
