@@ -88,6 +88,16 @@ def run_py(code: str, tmp_path: Path, *args: str, timeout: float = 60, env=None)
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
+def run_warm(warm, code: str, tmp_path: Path, *args: str, env=None) -> subprocess.CompletedProcess:
+    """``run_py``'s run, started by the warm interpreter (conftest's ``warm``: torch already imported), for a
+    worker whose output is small (it goes to files, not pipes)."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(code))
+    rc, out, err = warm.run(script, REPO, *args, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return subprocess.CompletedProcess(script, rc, out, err)
+
+
 # ---------------------------------------------------------------- save / restore
 def test_mutation_right_after_async_save_does_not_reach_the_checkpoint(tmp_path, engine):
     width = 1024  # ~1M params + 2M Adam moments: the background write outlasts the mutation below
@@ -449,9 +459,9 @@ KILL_WORKER = """
 """
 
 
-def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine):
+def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine, warm):
     root = tmp_path / "ck"
-    proc = run_py(KILL_WORKER, tmp_path, str(root), str(tmp_path / "ref.pt"))
+    proc = run_warm(warm, KILL_WORKER, tmp_path, str(root), str(tmp_path / "ref.pt"))
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = step_dirs(root)
     assert "step-1" in names and "step-2" not in names and "step-2.tmp" in names, names

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -44,7 +42,7 @@ def app_at(tag: float) -> dict:
     return {"model": StateHolder({"w": torch.full((4,), float(tag))})}
 
 
-def test_a_temporary_holding_only_a_half_written_writers_mark_is_reclaimed(tmp_path):
+def test_a_temporary_holding_only_a_half_written_writers_mark_is_reclaimed(tmp_path, warm):
     """A kill inside start_tmp leaves step-30.tmp holding only .fastio-writing.json.tmp: it was left alone, then
     moved aside as step-30.tmp.quarantined by the next save of step 30, and never reclaimed. Now both are deleted
     by the next restore; a quarantined temporary holding anything else, and one without fastio's marks, stay."""
@@ -53,9 +51,8 @@ def test_a_temporary_holding_only_a_half_written_writers_mark_is_reclaimed(tmp_p
         ckpt.save(10, app_at(10), blocking=True)
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_IN_START_TMP))
-    proc = subprocess.run([sys.executable, str(script), str(root)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 9, proc.stdout + proc.stderr
+    rc, out, err = warm.run(script, REPO, str(root), timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rc == 9, out + err
     left = root / "step-30.tmp"
     assert [p.name for p in left.iterdir()] == [".fastio-writing.json.tmp"]
     shutil.copytree(left, root / "step-31.tmp")  # what an older fastio's next save of step 31 moved aside

@@ -192,7 +192,8 @@ def test_lease_options_are_validated():
 
 # -- users of the lease ------------------------------------------------------------------------------------
 
-def test_a_second_checkpointer_on_the_prefix_is_refused_in_this_process_and_another(moto_server, s3_bucket, tmp_path):
+def test_a_second_checkpointer_on_the_prefix_is_refused_in_this_process_and_another(moto_server, s3_bucket, tmp_path,
+                                                                                   warm):
     url = f"s3://{s3_bucket}/runs/ckpt"
     options = moto_server.options()
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "a", signals=()):
@@ -207,8 +208,9 @@ def test_a_second_checkpointer_on_the_prefix_is_refused_in_this_process_and_anot
             except CheckpointError as err:
                 print(err)
         """)
-        out = subprocess.run([sys.executable, "-c", script, url, json.dumps(options), str(tmp_path / "c")],
-                             capture_output=True, text=True, timeout=120).stdout
+        (tmp_path / "other.py").write_text(script)  # another process (from the warm interpreter: torch imported)
+        _, out, _ = warm.run(tmp_path / "other.py", tmp_path, url, json.dumps(options), str(tmp_path / "c"),
+                             timeout=120)
         assert out.startswith(f"{url}: in use by fastio checkpointer pid {os.getpid()} on ")
     assert open_storage(url, options).head(LOCK_NAME) is None  # close released it
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "b", signals=()):

@@ -8,8 +8,13 @@ The child of a request: its own working directory, stdin ``/dev/null``, stdout a
 handlers run); an uncaught exception prints its traceback and exits 1, as ``python`` does. Only the top-level
 ``import torch`` and ``import nvidia.dali`` that a snippet would do itself are done ahead, never fastio.
 
-Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "out", "err"}``; one JSON
-line a reply on stdout, ``{"rc": exit code, negative for a signal}`` (``timeout`` seconds: SIGALRM ends it)."""
+A request may carry an environment (``env``): the child takes it, and its ``PYTHONPATH`` goes on ``sys.path`` after
+the script's folder; what is read at an interpreter's or torch's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``...)
+must be the server's (``WarmPython`` refuses otherwise).
+
+Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "env", "path",
+"out", "err"}``; one JSON line a reply on stdout, ``{"rc": exit code, negative for a signal}`` (``timeout``
+seconds: SIGALRM ends it)."""
 
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ def _child(request: dict) -> None:
     script = request["script"]
     sys.argv = [script, *request.get("args", [])]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    if request.get("env") is not None:
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[1:1] = request["path"]  # PYTHONPATH's folders, where the server started without them
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
@@ -67,18 +76,38 @@ def serve() -> None:
 class WarmPython:
     """The warm interpreter, started by a test session; ``run(script, cwd, *args)`` runs one script."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=Path(__file__).parent)
+    # What an interpreter, torch or DALI read at their start: a run's environment must not change them.
+    AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_", "CUDA_", "TORCH", "DALI_", "NVIDIA_")
 
-    def run(self, script: Path, cwd: Path, *args: str, timeout: float = 300) -> tuple[int, str, str]:
-        """``python script *args`` in ``cwd``: its exit code (negative: the signal that ended it), stdout, stderr."""
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=Path(__file__).parent, env=self.env)
+
+    def _check_env(self, env: dict[str, str]) -> None:
+        """``env`` may differ from the server's only in what is read after start (and ``PYTHONPATH``, which the
+        child puts on ``sys.path`` as ``python`` would)."""
+        changed = sorted(k for k in set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
+                         if k.startswith(self.AT_START) and k != "PYTHONPATH")
+        assert not changed, f"the warm interpreter cannot run with other {', '.join(changed)}: start a fresh python"
+
+    def run(self, script: Path, cwd: Path, *args: str, timeout: float = 300,
+            env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        """``python script *args`` in ``cwd`` (with ``env``, else the server's environment): its exit code
+        (negative: the signal that ended it), stdout, stderr."""
+        path = []
+        if env is not None:
+            self._check_env(env)
+            if env.get("PYTHONPATH") != self.env.get("PYTHONPATH"):
+                assert not self.env.get("PYTHONPATH"), "the warm interpreter started with another PYTHONPATH"
+                path = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
         files = {}
         for name in ("out", "err"):
             fd, files[name] = tempfile.mkstemp(suffix=f".{name}")
             os.close(fd)
         self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(cwd), "args": list(args),
-                                          "timeout": timeout, **files}) + "\n")
+                                          "timeout": timeout, "env": env, "path": path,
+                                          **files}) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
         assert reply, f"the warm interpreter ended (exit code {self.proc.poll()})"
