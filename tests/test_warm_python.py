@@ -1,0 +1,56 @@
+"""The warm interpreter (tests/warm_python.py) runs a script as ``python script.py`` would: the tests that use it
+(the documentation's snippets, the examples' runs) can still fail for every reason a fresh python would fail."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+
+def script(tmp_path, text: str):
+    path = tmp_path / "s.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_missing_import_still_fails_and_the_traceback_is_on_stderr(warm, tmp_path):
+    """torch is loaded in the server, but not in the script's namespace: a script that forgot to import it fails."""
+    rc, out, err = warm.run(script(tmp_path, """
+        import sys
+        print(sys.argv[1:], __name__)
+        torch.zeros(1)
+    """), tmp_path, "a", "b")
+    assert rc == 1 and out == "['a', 'b'] __main__\n", out + err
+    assert err.startswith("Traceback") and err.endswith("NameError: name 'torch' is not defined\n"), err
+
+
+def test_exit_code_threads_atexit_cwd_and_path_are_a_fresh_pythons(warm, tmp_path):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "mine.py").write_text("VALUE = 7\n")
+    rc, out, err = warm.run(script(tmp_path, """
+        import atexit, os, sys, threading, time
+        import mine  # the script's folder is sys.path[0]
+        atexit.register(lambda: print("atexit", flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread", flush=True))).start()
+        print(mine.VALUE, os.path.basename(os.getcwd()), flush=True)
+        sys.exit(3)
+    """), tmp_path / "here")
+    assert (rc, out) == (3, "7 here\nthread\natexit\n"), out + err
+
+
+def test_a_run_past_its_timeout_or_killed_reports_the_signal(warm, tmp_path):
+    rc, _, _ = warm.run(script(tmp_path, "import time\ntime.sleep(30)\n"), tmp_path, timeout=1)
+    assert rc == -14  # SIGALRM
+    rc, _, _ = warm.run(script(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"), tmp_path)
+    assert rc == -9
+
+
+def test_a_runs_environment_is_its_own_and_what_is_read_at_start_is_refused(warm, tmp_path):
+    path = script(tmp_path, "import os, sys\nprint(os.environ.get('WARM_TEST'), sys.path[1])\n")
+    rc, out, _ = warm.run(path, tmp_path, env={**os.environ, "WARM_TEST": "yes", "PYTHONPATH": "/nowhere"})
+    assert (rc, out) == (0, "yes /nowhere\n")
+    assert warm.run(path, tmp_path)[1].startswith("None ")  # the next run has the server's environment again
+    with pytest.raises(AssertionError, match="cannot run with other OMP_NUM_THREADS"):
+        warm.run(path, tmp_path, env={**os.environ, "OMP_NUM_THREADS": "7"})
