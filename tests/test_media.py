@@ -726,3 +726,42 @@ def test_index_of_media_shards_on_s3_and_clips_through_the_cache(aws_env, s3_buc
         for x, y in zip(remote, local, strict=True):
             assert same_batch(x, y)
     assert any((tmp_path / "cache").rglob("probes.fxp"))  # fetched into the cache, checked by its sha256
+
+
+def test_probe_table_is_mapped_and_a_damaged_one_is_refused_in_one_line(tmp_path):
+    import mmap
+
+    from fastio.formats.media import ProbeTable, write_probe_table
+
+    video = {"kind": "video", "frames": 30, "fps": 12.0, "width": 64, "height": 48, "codec": "vp9", "seconds": 2.5}
+    rows = [{"webm": json.dumps({**video, "frames": 30 + i}).encode()} for i in range(5)] + [{}]
+    path = tmp_path / "probes.fxp"
+    write_probe_table(path, rows)
+    table = ProbeTable.open(path, str(path), 6)
+    assert isinstance(table.data, mmap.mmap)  # mapped, not read whole: a rank reads only the entries it plans
+    assert json.loads(table.probe(3, "webm"))["frames"] == 33
+    table.check()
+    whole = path.read_bytes()
+    for name, damaged, match in (
+            ("cut.fxp", whole[:-7], "offsets do not fit the file"),  # truncated
+            ("long.fxp", whole + b"{}", "offsets do not fit the file"),  # extended
+            ("empty.fxp", b"", "not a probe table"),
+            ("head.fxp", whole[:20], "")):
+        (tmp_path / name).write_bytes(damaged)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / name}: {match}") as err:
+            ProbeTable.open(tmp_path / name, str(tmp_path / name), 6)
+        assert "\n" not in str(err.value)
+    # Two entries' bytes swapped with the same total length: the offsets still fit, the entry read is refused.
+    start = whole.index(b'{"webm"')
+    (tmp_path / "entry.fxp").write_bytes(whole[:start] + b"]" + whole[start + 1:])
+    bad = ProbeTable.open(tmp_path / "entry.fxp", "entry.fxp", 6)
+    with pytest.raises(ValueError, match=r"^entry.fxp: sample 0: damaged probe entry"):
+        bad.probe(0, "webm")
+    # Offsets running backwards (the last still at the end): check() names the table.
+    offsets_at = len(whole) - sum(len(json.dumps(json.loads(r["webm"]), sort_keys=True, separators=(",", ":"))
+                                      .join(['{"webm":', "}"])) for r in rows if r) - 8 * 7
+    back = bytearray(whole)
+    back[offsets_at + 8:offsets_at + 16] = (10 ** 6).to_bytes(8, "little")
+    (tmp_path / "back.fxp").write_bytes(bytes(back))
+    with pytest.raises(ValueError, match=r"^back.fxp: offsets do not fit the file \(they run backwards"):
+        ProbeTable.open(tmp_path / "back.fxp", "back.fxp", 6).check()
