@@ -765,3 +765,38 @@ def test_probe_table_is_mapped_and_a_damaged_one_is_refused_in_one_line(tmp_path
     (tmp_path / "back.fxp").write_bytes(bytes(back))
     with pytest.raises(ValueError, match=r"^back.fxp: offsets do not fit the file \(they run backwards"):
         ProbeTable.open(tmp_path / "back.fxp", "back.fxp", 6).check()
+
+
+def test_a_clip_late_in_a_video_is_decoded_from_the_keyframe_before_it(tmp_path):
+    """DALI's CPU decoder decodes from its input's first frame whatever the start, so VideoClips hands it each
+    video cut at the last keyframe before its clips (trim_video): the frames must stay the ones the start says."""
+    import av
+
+    import fastio
+    from fastio.formats.media import trim_video
+
+    for i in range(4):
+        synthetic.make_video(tmp_path / "src" / f"c{i % 2}" / f"v{i}.webm", frames=40 + 4 * i, fps=12,
+                             keyframe_every=8)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", progress=False))
+    data = (tmp_path / "src" / "c0" / "v0.webm").read_bytes()
+    info = probe(data, "webm")
+    assert info["keyframes"] == list(range(0, 40, 8))
+    for keyframes in (info["keyframes"], None):  # from the probe, or found by reading the packets
+        cut, k = trim_video(data, 20, 30, keyframes)
+        with av.open(__import__("io").BytesIO(cut)) as c:
+            levels = [f.to_ndarray(format="rgb24").mean() for f in c.decode(video=0)]
+        assert k == 16 and len(cut) < len(data)
+        assert synthetic.frame_of_level(np.array(levels)).tolist() == list(range(16, 31))
+        assert trim_video(data, 7, 30, keyframes) == (data, 0)  # before the second keyframe: the file as it is
+    late = 0
+    clips = fastio.VideoClips(frames=4, stride=3, size=16, dtype="uint8", layout="FHWC", clips_per_video=2)
+    with video_loader(tmp_path / "ds", clips, batch_size=2) as loader:
+        for _ in range(3):
+            for b in loader:
+                starts = b["start_frame"].numpy()
+                for j in range(len(starts)):
+                    for c in range(2):
+                        assert frames_shown(b["video"][j])[c].tolist() == (starts[j, c] + 3 * np.arange(4)).tolist()
+                late += int((starts >= 8).sum())
+    assert late > 4  # clips that start after the first keyframe were asked for, and held the right frames

@@ -25,7 +25,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELD
            "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
-           "probe"]
+           "probe", "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -80,12 +80,50 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    frames = sum(1 for p in container.demux(stream) if p.size and p.pts is not None)
-    fps = float(stream.average_rate or stream.guessed_rate or 0)
+    keys = [p.is_keyframe for p in container.demux(stream) if p.size and p.pts is not None]
+    frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
-            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height}
+            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height,
+            "keyframes": [k for k, key in enumerate(keys) if key]}
+
+
+def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None) -> tuple[bytes, int]:
+    """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
+    ``k`` the last keyframe at or before frame ``first``, remuxed (no frame decoded) into a Matroska stream of
+    their packets, so that a decoder that decodes from its input's first frame (DALI's CPU ``fn.decoders.video``
+    decodes from frame 0 whatever ``start_frame`` is) starts at ``k``: frame ``f`` of the video is frame
+    ``f - k`` of the stream. ``data`` itself and 0 when ``k`` is 0 (``keyframes``: the probe's, when known, spares
+    reading the packets then), or when PyAV cannot remux it (the decoder then meets the file as it is)."""
+    if keyframes is not None and not any(0 < k <= first for k in keyframes):
+        return data, 0
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as src:
+            stream = src.streams.video[0]
+            packets, k = [], 0
+            for packet in src.demux(stream):
+                if not packet.size or packet.pts is None:
+                    continue
+                at = k + len(packets)  # this packet's frame
+                if at <= first and packet.is_keyframe:
+                    packets, k = [], at
+                packets.append(packet)
+                if at >= last:
+                    break
+            if k == 0:
+                return data, 0
+            out = io.BytesIO()
+            with av.open(out, "w", format="matroska") as dst:
+                copy = dst.add_stream_from_template(stream)
+                for packet in packets:
+                    packet.stream = copy
+                    dst.mux(packet)
+    except (av.FFmpegError, IndexError, ValueError):
+        return data, 0
+    return out.getvalue(), k
 
 
 def _probe_audio(container, stream) -> dict[str, Any]:
