@@ -261,7 +261,8 @@ class VideoClips(_Clips):
     def input_names(self) -> tuple[str, ...]:
         starts = tuple(f"start{c}" for c in range(self.clips_per_video))
         decode = tuple(f"decode{c}" for c in range(self.clips_per_video))
-        return ("encoded", "index", "still", *starts, *decode, "roi_start", "roi_end", "flip")
+        streams = tuple(f"encoded{c}" for c in range(1, self.clips_per_video))
+        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip")
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
@@ -294,21 +295,22 @@ class VideoClips(_Clips):
         index = np.ascontiguousarray(batch.indices, dtype=np.int64)
         encoded, decode = self._trimmed(batch.image, probes, starts)
         clips = range(self.clips_per_video)
-        return (encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
+        return (*encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
                 *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
                 np.ascontiguousarray(flip, np.int32))
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
-        """Each video cut to start at the last keyframe before its clips (:func:`trim_video`), and the clips'
-        starts in the cut stream: DALI's CPU decoder decodes from its input's first frame whatever the start
-        (docs/media.md), so a clip late in a long video would cost every frame before it."""
-        out, decode = list(encoded), starts.copy()
+        """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
+        still's image as it is), and the clip's start in its cut stream. DALI's CPU decoder decodes from its
+        input's first frame whatever the start (docs/media.md), so a clip late in a long video would cost every
+        frame before it."""
+        out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
-            if p is not None:
-                last = min(int(starts[j].max()) + self.span - 1, p["frames"] - 1)
-                data, k = trim_video(encoded[j], int(starts[j].min()), last, p.get("keyframes"))
+            for c in range(self.clips_per_video) if p is not None else ():
+                last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"))
                 if k:
-                    out[j], decode[j] = np.frombuffer(data, np.uint8), starts[j] - k
+                    out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
         return out, decode
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
@@ -328,7 +330,8 @@ class VideoClips(_Clips):
 
         clips = []
         for c in range(self.clips_per_video):
-            clip = fn.decoders.video(inp["encoded"], device=decoder_device, start_frame=inp[f"decode{c}"],
+            stream = inp["encoded" if c == 0 else f"encoded{c}"]
+            clip = fn.decoders.video(stream, device=decoder_device, start_frame=inp[f"decode{c}"],
                                      sequence_length=self.frames, stride=self.stride, pad_mode="edge")
             clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
