@@ -110,6 +110,8 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
                 at = k + len(packets)  # this packet's frame
                 if at <= first and packet.is_keyframe:
                     packets, k = [], at
+                if at > first and k == 0:  # no keyframe but frame 0 before the clip: the file as it is
+                    break
                 packets.append(packet)
                 if at >= last:
                     break
