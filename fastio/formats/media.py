@@ -95,10 +95,14 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
     their packets, so that a decoder that decodes from its input's first frame (DALI's CPU ``fn.decoders.video``
     decodes from frame 0 whatever ``start_frame`` is) starts at ``k``: frame ``f`` of the video is frame
     ``f - k`` of the stream. ``data`` itself and 0 when ``k`` is 0 (``keyframes``: the probe's, when known, spares
-    reading the packets then), or when PyAV cannot remux it (the decoder then meets the file as it is)."""
+    reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
+    it is)."""
     if keyframes is not None and not any(0 < k <= first for k in keyframes):
         return data, 0
-    import av
+    try:
+        import av
+    except ImportError:  # PyAV (fastio[media]) not installed where the Loader runs: decoded from frame 0
+        return data, 0
 
     try:
         with av.open(io.BytesIO(data)) as src:
