@@ -16,9 +16,13 @@ Figures (medians over the repeats, runs interleaved on the same files):
   files of zeros, a manifest as ``fastio index --eos-id 0`` writes it; made once, then reused) read by
   ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len))`` as rank 0 of 1,024 in a fresh process: seconds from the
   process's start to its first batch, and the process's peak resident memory after the imports, the Loader and
-  the first batch (targets: under 2 s and under 1 GB; the issue's size is 10^8 documents of 10^11 tokens:
+  the first batch. fastio's modules are compiled to bytecode first, as installing a package does (pip writes the
+  ``.pyc`` files of a wheel), so that an editable checkout run with ``PYTHONDONTWRITEBYTECODE`` does not pay
+  compiling them in every process (about 0.2 s); torch's are installed compiled. (Targets: under 2 s and under 1
+  GB; the issue's size is 10^8 documents of 10^11 tokens:
   ``--scale-docs 100000000``, whose first run also hashes the 50 GB of zeros of one ``.bin`` for the manifest
-  (the eight are alike), about a minute).
+  (the eight are alike), about a minute; a folder made before manifests said ``one_sequence_per_document`` gets
+  it added once its ``.idx`` files are checked to have one sequence per document).
 
 ``python bench/tokens.py [--repeats N] [--docs N] [--seq-len N] [--scale-docs N]`` writes
 ``bench/out/tokens.json``.
@@ -211,6 +215,7 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
     from fastio.tokens.megatron import MAGIC
 
     if (folder / MANIFEST_NAME).exists():
+        _upgrade_manifest(folder)
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     per = docs // shards
@@ -253,9 +258,25 @@ def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int) -> Non
                            idx_sha256=idx_sha256, xxh3_128=hashes["xxh3_128"].hexdigest(),
                            location=f"s-{k:06d}.bin", idx_location=f"s-{k:06d}.idx", tokens=tokens)
                for k in range(shards)]
-    info = TokenInfo(dtype="int32", eos_id=0, total_tokens=tokens * shards)
+    info = TokenInfo(dtype="int32", eos_id=0, total_tokens=tokens * shards, one_sequence_per_document=True)
     write_manifest(folder, make_manifest(name="synthetic", shards=records, fields=[], kind="tokens", tokens=info,
                                          converted_from={"format": "synthetic", "path": str(folder)}))
+
+
+def _upgrade_manifest(folder: Path) -> None:
+    """Add ``one_sequence_per_document`` to the manifest of a folder :func:`write_synthetic` made before manifests
+    said it (its ``.idx`` files checked first), the records as they are: nothing rehashed."""
+    from dataclasses import replace
+
+    from fastio.dataset.manifest import load_manifest, write_manifest
+    from fastio.tokens.megatron import MegatronIndex
+
+    manifest = load_manifest(folder)
+    if manifest.tokens.one_sequence_per_document:
+        return
+    if not all(MegatronIndex(folder / s.idx_location).is_one_per_document() for s in manifest.shards):
+        raise SystemExit(f"bench: {folder}: an .idx has not one sequence per document; remove the folder")
+    write_manifest(folder, replace(manifest, tokens=replace(manifest.tokens, one_sequence_per_document=True)))
 
 
 def _peak_rss() -> int:
@@ -298,9 +319,13 @@ def first_batch(folder: Path, seq_len: int) -> dict[str, Any]:
 def bench_first_batch(workdir: Path, scale_docs: int, seq_len: int) -> dict[str, Any]:
     """:func:`first_batch` over a synthetic corpus of ``scale_docs`` documents in a fresh process: ``seconds``
     from the process's start (``Popen``) to rank 0's first batch."""
+    import compileall
     import time
 
+    import fastio
+
     folder = write_synthetic(workdir / f"scale-{scale_docs}", scale_docs, shards=8)
+    compileall.compile_dir(Path(fastio.__file__).parent, quiet=1)  # as an install does (see the module docstring)
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
             f"from pathlib import Path; from bench.tokens import first_batch; "
             f"print(json.dumps(first_batch(Path({str(folder)!r}), {seq_len})))")

@@ -49,6 +49,7 @@ def test_index_in_place_then_verify_and_inspect(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in data.iterdir() if p.name in before} == before  # nothing rewritten
     m = load_manifest(data)
     assert m.kind == "tokens" and m.tokens.eos_id == EOS and m.tokens.dtype == "uint16" and m.tokens.vocab_size is None
+    assert m.tokens.one_sequence_per_document  # one item per document, as preprocess_data.py writes
     assert [(s.name, s.samples, s.tokens) for s in m.shards] == [("code_text_document.bin", 2, 6),
                                                                  ("web_text_document.bin", 3, 11)]
     assert [s.location for s in m.shards] == ["code_text_document.bin", "web_text_document.bin"]
@@ -135,3 +136,28 @@ def test_fastio_writer_pairs_index_too_and_flags_checked(tmp_path, capsys):
     rc, out = run(capsys, "index", data, "--eos-id", -1)
     assert rc == 2 and "--eos-id must be a token id" in out
     assert json.loads((data / "manifest.json").read_text())["name"] == "megatron"
+
+
+def test_documents_of_several_sequences_are_indexed_and_read_whole(tmp_path):
+    """Megatron pairs with sentence splitting (a document of several sequences): the manifest does not claim one
+    sequence per document, and a reader takes each document whole through doc_index."""
+    import torch
+
+    from fastio.tokens.dataset import TokenDataset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    data = tmp_path / "data"
+    data.mkdir()
+    builder = idx.IndexedDatasetBuilder(str(data / "s.bin"), dtype=np.uint16)
+    for doc in ([[5, 6], [7, EOS]], [[1, EOS]], [[9], [9, 9], [9, EOS]]):
+        for sentence in doc:
+            builder.add_item(torch.tensor(sentence))
+        builder.end_document()
+    builder.finalize(str(data / "s.idx"))
+    index_tokens(TokenIndexConfig(data, EOS))
+    assert not load_manifest(data).tokens.one_sequence_per_document
+    ds = TokenDataset(data)
+    assert [ds.shards[0].document(j).tolist() for j in range(3)] == DOCS
+    assert ds.shards[0].index.starts(np.array([0, 2, 3])).tolist() == [0, 6, 11]

@@ -112,7 +112,7 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
     if sha256_file(idx_path)[1] != shard.idx_sha256:
         problems.append(f"index {idx_path.name} sha256 does not match the manifest")
     try:
-        pair = MegatronShard(bin_path, info.dtype)
+        pair = MegatronShard(bin_path, info.dtype, one_per_document=info.one_sequence_per_document)
         pair.index.check_structure()
     except DatasetError as err:
         return [*problems, str(err)]

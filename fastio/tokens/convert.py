@@ -323,7 +323,7 @@ def _options(config: TokenConvertConfig) -> dict[str, Any]:
 
 def _info(coder: _Coder, records: list[ShardRecord]) -> TokenInfo:
     return TokenInfo(dtype=coder.dtype, eos_id=coder.eos_id, total_tokens=sum(r.tokens or 0 for r in records),
-                     vocab_size=coder.vocab_size)
+                     vocab_size=coder.vocab_size, one_sequence_per_document=True)  # as MegatronWriter writes
 
 
 def _lock(lock: DirLock, where: Path) -> None:

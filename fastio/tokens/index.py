@@ -146,17 +146,18 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
         raise DatasetError(str(err)) from None
     try:
         _check_dest(config, dest)
-        dtype, records = None, []
+        dtype, records, one = None, [], True
         for b in bins:
             try:
                 pair = _check_pair(b, dtype, config.eos_id)
-                dtype = pair.dtype
+                dtype, one = pair.dtype, one and pair.index.is_one_per_document()
                 records.append(_record(pair, dest, config.source))
             except OSError as err:
                 raise DatasetError(f"{err.filename or b}: {err.strerror or err}") from None
         if config.dest is not None:
             atomic_write_bytes(dest / MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
-        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records))
+        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
+                         one_sequence_per_document=one)
         write_manifest(dest, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
                                            converted_from={"format": "megatron", "path": str(config.source.resolve())}))
     finally:

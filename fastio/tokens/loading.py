@@ -49,7 +49,7 @@ def open_tables(ds: Dataset) -> list[MegatronIndex]:
     for shard in ds.shards:
         if ds.verify and ds.files.cache_size is None:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
-        index = MegatronIndex(shard.idx_path, info.dtype)
+        index = MegatronIndex(shard.idx_path, info.dtype, one_per_document=info.one_sequence_per_document)
         if (index.documents, index.bin_bytes) != (shard.samples, shard.bytes):
             raise DatasetError(f"{ds.root}: shard {shard.name}: its .idx indexes {index.documents} documents in "
                                f"{index.bin_bytes} bytes, the manifest says {shard.samples} in {shard.bytes}")

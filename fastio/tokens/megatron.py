@@ -71,9 +71,11 @@ class MegatronIndex:
     """One ``.idx`` file, mapped: ``lengths``, ``pointers``, ``doc_index`` (read-only arrays on the file).
 
     The header and the file size are checked at open; :meth:`check_structure` checks every entry (O(N): what
-    ``fastio verify`` and ``fastio index`` pay, not every open)."""
+    ``fastio verify`` and ``fastio index`` pay, not every open). ``one_per_document`` (what the manifest's
+    ``tokens.one_sequence_per_document`` says) takes document ``j`` as sequence ``j`` without reading
+    ``doc_index``: the counts are checked to agree at open, ``doc_index`` itself by :meth:`check_structure`."""
 
-    def __init__(self, path: str | Path, dtype: str | None = None):
+    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False):
         self.path = Path(path)
         try:
             size = self.path.stat().st_size
@@ -99,6 +101,10 @@ class MegatronIndex:
             raise DatasetError(f"{self.path}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
                                f"needs {plain}: truncated or not a Megatron .idx")
         self.documents = entries - 1
+        self.one_per_document = one_per_document
+        if one_per_document and self.documents != n:
+            raise DatasetError(f"{self.path}: {n} sequences for {self.documents} documents, and its manifest says one "
+                               "sequence per document")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._map = getattr(mm, "_mmap", None)
         self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
@@ -138,10 +144,14 @@ class MegatronIndex:
 
         Few documents far apart (a packing's block edges) are read with ``pread``: through the mapping, each
         would map a page-cache window around it into this process (the kernel's fault-around), which shows as
-        resident memory in the hundreds of MB for 10^8 documents."""
+        resident memory in the hundreds of MB for 10^8 documents. With ``one_per_document`` the document is
+        its sequence: ``doc_index`` is not read (half the reads)."""
         docs = np.asarray(docs, dtype=np.int64)
         sparse = docs.size * _SPARSE < self.documents
-        seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
+        if self.one_per_document:
+            seq = docs
+        else:
+            seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
         inside = seq < self.sequences
         out = np.full(seq.shape, self.tokens, dtype=np.int64)
         out[inside] = (self._entries("pointers", seq[inside]) if sparse else self.pointers[seq[inside]]) // self.itemsize
@@ -157,13 +167,13 @@ class MegatronIndex:
         if not flat.size:
             return np.zeros(at.shape, np.int64)
         lo, hi = int(flat.min()), int(flat.max())
-        fd = os.open(self.path, os.O_RDONLY)
+        fd, pread = os.open(self.path, os.O_RDONLY), os.pread
         try:
             if hi - lo < _SPAN * flat.size:
-                raw = os.pread(fd, 8 * (hi - lo + 1), base + 8 * lo)
+                raw = pread(fd, 8 * (hi - lo + 1), base + 8 * lo)
                 values = np.frombuffer(raw, "<i8")[flat - lo] if len(raw) == 8 * (hi - lo + 1) else None
-            else:
-                raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in flat)
+            else:  # a list of plain ints: the per-entry cost is the system call's, not numpy scalars'
+                raw = b"".join([pread(fd, 8, at) for at in (base + 8 * flat).tolist()])
                 values = np.frombuffer(raw, "<i8") if len(raw) == 8 * flat.size else None
         finally:
             os.close(fd)
@@ -190,20 +200,29 @@ class MegatronIndex:
                                f"of the sequences before it ({int(expected[bad[0]])})")
         if docs[0] != 0 or docs[-1] != n or (np.diff(docs) < 0).any():
             raise DatasetError(f"{self.path}: document indices do not run from 0 up to the {n} sequences")
+        if self.one_per_document and not self.is_one_per_document():
+            raise DatasetError(f"{self.path}: a document spans several sequences, and its manifest says one sequence "
+                               "per document")
+
+    def is_one_per_document(self) -> bool:
+        """Whether document ``j`` is sequence ``j`` for every ``j`` (``doc_index`` is 0, 1, ..., N; O(N))."""
+        return self.documents == self.sequences and bool(
+            (self.doc_index == np.arange(self.documents + 1, dtype=np.int64)).all())
 
 
 class MegatronShard:
     """A ``.bin``/``.idx`` pair, mapped; ``document(j)`` and ``tokens(start, count)`` are O(1) lookups.
 
     ``path`` is either file of the pair (or the common prefix); ``dtype`` (optional) is the token type the
-    caller expects. The ``.bin``'s size is checked against the ``.idx`` at open."""
+    caller expects; ``one_per_document`` as :class:`MegatronIndex`'s. The ``.bin``'s size is checked against the
+    ``.idx`` at open."""
 
-    def __init__(self, path: str | Path, dtype: str | None = None):
+    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False):
         path = Path(path)
         stem = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
         self.bin_path = Path(f"{stem}.bin")
         self.idx_path = partner_path(self.bin_path)
-        self.index = MegatronIndex(self.idx_path, dtype)
+        self.index = MegatronIndex(self.idx_path, dtype, one_per_document=one_per_document)
         try:
             size = self.bin_path.stat().st_size
         except FileNotFoundError:

@@ -88,7 +88,8 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
             placed.append((written.bin_path, shard_record(written), False))
     result = [r for _, r, _ in placed]
     info = TokenInfo(dtype=plan["tokens"]["dtype"], eos_id=plan["tokens"]["eos_id"],
-                     total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"])
+                     total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"],
+                     one_sequence_per_document=True)  # the parts' pairs and the repacked ones: MegatronWriter's
     manifest = token_manifest(plan["name"], result, info, {**plan["source"], "empty_documents": empty}, options)
     _publish(dest, placed, manifest)
     linked = sum(link for _, _, link in placed)
