@@ -70,40 +70,44 @@ def partner_path(path: Path) -> Path:
 class MegatronIndex:
     """One ``.idx`` file, mapped: ``lengths``, ``pointers``, ``doc_index`` (read-only arrays on the file).
 
-    The header and the file size are checked at open; :meth:`check_structure` checks every entry (O(N): what
-    ``fastio verify`` and ``fastio index`` pay, not every open). ``one_per_document`` (what the manifest's
+    The header and the file size are checked at open (``name``, where given, is how messages name the file);
+    :meth:`check_structure` checks every entry (O(N): what ``fastio verify`` and ``fastio index`` pay, not every
+    open). ``one_per_document`` (what the manifest's
     ``tokens.one_sequence_per_document`` says) takes document ``j`` as sequence ``j`` without reading
     ``doc_index``: the counts are checked to agree at open, ``doc_index`` itself by :meth:`check_structure`."""
 
-    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False):
+    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False,
+                 name: str | None = None):
         self.path = Path(path)
+        self.name = name or str(self.path)
+        """How messages name the file (``name``: e.g. the URL of an object downloaded to ``path``)."""
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:
                 head = f.read(HEADER_BYTES)
         except FileNotFoundError:
-            raise DatasetError(f"{self.path}: no such Megatron .idx file (the partner of "
+            raise DatasetError(f"{self.name}: no such Megatron .idx file (the partner of "
                                f"{partner_path(self.path).name})") from None
         except OSError as err:
-            raise DatasetError(f"{self.path}: cannot read ({err.strerror or err})") from None
+            raise DatasetError(f"{self.name}: cannot read ({err.strerror or err})") from None
         code, self.sequences, entries = self._header(head)
         if code not in _CODE_NAMES or _CODE_NAMES[code] not in TOKEN_DTYPES:
-            raise DatasetError(f"{self.path}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
+            raise DatasetError(f"{self.name}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
                                f"reads ({', '.join(TOKEN_DTYPES)})")
         self.dtype = _CODE_NAMES[code]
         if dtype is not None and self.dtype != dtype:
-            raise DatasetError(f"{self.path}: holds {self.dtype} tokens, expected {dtype}")
+            raise DatasetError(f"{self.name}: holds {self.dtype} tokens, expected {dtype}")
         if entries < 1:
-            raise DatasetError(f"{self.path}: document count is 0 (a Megatron .idx lists at least the leading 0)")
+            raise DatasetError(f"{self.name}: document count is 0 (a Megatron .idx lists at least the leading 0)")
         n = self.sequences
         plain = HEADER_BYTES + n * 12 + entries * 8
         if size not in (plain, plain + n):  # + n: Megatron's multimodal sequence modes
-            raise DatasetError(f"{self.path}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
+            raise DatasetError(f"{self.name}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
                                f"needs {plain}: truncated or not a Megatron .idx")
         self.documents = entries - 1
         self.one_per_document = one_per_document
         if one_per_document and self.documents != n:
-            raise DatasetError(f"{self.path}: {n} sequences for {self.documents} documents, and its manifest says one "
+            raise DatasetError(f"{self.name}: {n} sequences for {self.documents} documents, and its manifest says one "
                                "sequence per document")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._map = getattr(mm, "_mmap", None)
@@ -121,10 +125,10 @@ class MegatronIndex:
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
         if len(head) < HEADER_BYTES or head[:9] != MAGIC:
-            raise DatasetError(f"{self.path}: not a Megatron .idx (no MMIDIDX header)")
+            raise DatasetError(f"{self.name}: not a Megatron .idx (no MMIDIDX header)")
         version, code, sequences, entries = struct.unpack("<QBQQ", head[9:HEADER_BYTES])
         if version != VERSION:
-            raise DatasetError(f"{self.path}: Megatron .idx version {version}, fastio reads {VERSION}")
+            raise DatasetError(f"{self.name}: Megatron .idx version {version}, fastio reads {VERSION}")
         return code, sequences, entries
 
     @property
@@ -138,6 +142,19 @@ class MegatronIndex:
     def tokens(self) -> int:
         """Tokens in all documents."""
         return self.bin_bytes // self.itemsize
+
+    def check_bin(self, size: int, name: str) -> None:
+        """DatasetError naming the ``.bin`` (``name``) unless its ``size`` is what this index says."""
+        if size != self.bin_bytes:
+            raise DatasetError(f"{name}: {size} bytes, but {partner_path(Path(name)).name} indexes {self.bin_bytes} "
+                               f"({self.tokens} {self.dtype} tokens): truncated, or indexed with another token type")
+
+    def document_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the documents that hold tokens, the token offset just past each one's end): where each document's
+        last token is, for the end-of-document check (O(N))."""
+        edges = self.starts(np.arange(self.documents + 1))
+        docs = np.flatnonzero(edges[1:] > edges[:-1])
+        return docs, edges[docs + 1]
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end).
@@ -178,7 +195,7 @@ class MegatronIndex:
         finally:
             os.close(fd)
         if values is None:
-            raise DatasetError(f"{self.path}: shorter than its header says (changed since it was opened)")
+            raise DatasetError(f"{self.name}: shorter than its header says (changed since it was opened)")
         return values.reshape(at.shape).astype(np.int64)
 
     def check_structure(self) -> None:
@@ -192,16 +209,16 @@ class MegatronIndex:
     def _check_structure(self) -> None:
         n, lengths, pointers, docs = self.sequences, self.lengths, self.pointers, self.doc_index
         if n and lengths.min() < 0:
-            raise DatasetError(f"{self.path}: sequence {int(np.argmax(lengths < 0))} has a negative length")
+            raise DatasetError(f"{self.name}: sequence {int(np.argmax(lengths < 0))} has a negative length")
         expected = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * self.itemsize]) if n else pointers
         bad = np.flatnonzero(pointers != expected)
         if bad.size:
-            raise DatasetError(f"{self.path}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
+            raise DatasetError(f"{self.name}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
                                f"of the sequences before it ({int(expected[bad[0]])})")
         if docs[0] != 0 or docs[-1] != n or (np.diff(docs) < 0).any():
-            raise DatasetError(f"{self.path}: document indices do not run from 0 up to the {n} sequences")
+            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
         if self.one_per_document and not self.is_one_per_document():
-            raise DatasetError(f"{self.path}: a document spans several sequences, and its manifest says one sequence "
+            raise DatasetError(f"{self.name}: a document spans several sequences, and its manifest says one sequence "
                                "per document")
 
     def is_one_per_document(self) -> bool:
@@ -228,10 +245,7 @@ class MegatronShard:
         except FileNotFoundError:
             raise DatasetError(f"{self.bin_path}: no such Megatron .bin file (the partner of "
                                f"{self.idx_path.name})") from None
-        if size != self.index.bin_bytes:
-            raise DatasetError(f"{self.bin_path}: {size} bytes, but {self.idx_path.name} indexes "
-                               f"{self.index.bin_bytes} ({self.index.tokens} {self.index.dtype} tokens): truncated, "
-                               "or indexed with another token type")
+        self.index.check_bin(size, str(self.bin_path))
         self._tokens = (np.memmap(self.bin_path, dtype=self.index.dtype, mode="r") if size
                         else np.zeros(0, self.index.dtype))
 
