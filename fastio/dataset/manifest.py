@@ -240,6 +240,8 @@ class TokenInfo:
     """Every ``.idx`` has one sequence per document (``doc_index`` is 0, 1, ..., N: what ``fastio convert``
     writes, and what ``fastio index`` found), so a reader finds a document without ``doc_index``; written
     only when true."""
+    starts: IndexRecord | None = None
+    """The document-starts table (``doc-starts.fxs``, :mod:`fastio.tokens.starts`; None: none was written)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -247,6 +249,10 @@ class TokenInfo:
             del out["vocab_size"]
         if not self.one_sequence_per_document:
             del out["one_sequence_per_document"]
+        if self.starts is None:
+            del out["starts"]
+        else:
+            out["starts"] = self.starts.as_dict()
         return out
 
     @classmethod
@@ -269,8 +275,10 @@ class TokenInfo:
         one = data.get("one_sequence_per_document", False)
         if not isinstance(one, bool):
             raise DatasetError(f"{where}.one_sequence_per_document: {one!r} is not true or false")
+        starts = data.get("starts")
         return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab,
-                   one_sequence_per_document=one)
+                   one_sequence_per_document=one,
+                   starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"))
 
 
 _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}

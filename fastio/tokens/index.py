@@ -1,17 +1,17 @@
-"""``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset, in
-place.
+"""``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset.
 
-Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard. Each
-pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the ``.idx``
-structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document token;
-``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the manifest
-(``kind: "tokens"``) names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL
-(``dest`` elsewhere, for read-only data: pairs on ``s3://`` go to an ``s3://`` DEST), and is published last, under
-DEST's lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the
-manifest's upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is
-downloaded into a temporary folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and
-the end-of-document check on the way; never written to disk). Hostile input is refused in one
-:class:`~fastio.errors.DatasetError` naming the file or URL.
+Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard.
+Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the
+``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document
+token; ``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the
+document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which names the
+files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for read-only
+data: pairs on ``s3://`` go to an ``s3://`` DEST), and is published last, under DEST's lock (a local folder) or
+lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's upload are
+:mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a temporary
+folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document check on
+the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError` naming the
+file or URL.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
 from fastio.tokens.megatron import MegatronIndex, partner_path
+from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
 __all__ = ["TokenIndexConfig", "TokenIndexResult", "index_tokens"]
 
@@ -180,10 +181,21 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tu
     return {a: h.hexdigest() for a, h in hashes.items()}, last
 
 
-def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, tmp: Path
-                ) -> tuple[MegatronIndex, dict[str, str], str, bool]:
-    """The pair checked (see the module docstring): its index, the ``.bin``'s digests, the ``.idx``'s sha256 and
-    whether it has one sequence per document."""
+@dataclass(frozen=True)
+class _Checked:
+    """What :func:`_check_pair` found of a pair."""
+
+    index: MegatronIndex
+    digests: dict[str, str]
+    """The ``.bin``'s sha256 and xxh3-128."""
+    idx_sha256: str
+    one_per_document: bool
+    starts: np.ndarray
+    """Its entries of the document-starts table."""
+
+
+def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, tmp: Path) -> _Checked:
+    """The pair checked (see the module docstring), and what the manifest and the starts table need of it."""
     bin_name = _display(storage, pair.bin_key)
     with _local_idx(storage, pair, tmp) as idx_path:
         index = MegatronIndex(idx_path, dtype, name=_display(storage, pair.idx_key))
@@ -192,7 +204,7 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
         if eos_id > np.iinfo(index.dtype).max:
             raise DatasetError(f"{index.name}: holds {index.dtype} tokens, which cannot hold eos_id {eos_id}")
         docs, ends = index.document_ends()
-        one = index.is_one_per_document()
+        one, starts = index.is_one_per_document(), shard_starts(index)
         idx_sha256 = sha256_file(idx_path)[1]
     digests, last = _scan_bin(storage, pair, ends, index.dtype)
     wrong = np.flatnonzero(last != eos_id)
@@ -200,20 +212,19 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
         raise DatasetError(f"{bin_name}: document {int(docs[wrong[0]])} ends with token {int(last[wrong[0]])}, not "
                            f"eos_id {eos_id} (documents are taken as they are: each must end with its end-of-document "
                            "token)")
-    return index, digests, idx_sha256, one
+    return _Checked(index, digests, idx_sha256, one, starts)
 
 
-def _record(storage: Storage, pair: _Pair, index: MegatronIndex, digests: dict[str, str], idx_sha256: str,
-            in_place: bool) -> ShardRecord:
+def _record(storage: Storage, pair: _Pair, got: _Checked, in_place: bool) -> ShardRecord:
     if in_place:
         location, idx_location = pair.bin_key, pair.idx_key
     else:
         location, idx_location = _display(storage, pair.bin_key), _display(storage, pair.idx_key)
     if not (is_location(location) and is_location(idx_location)):
         raise DatasetError(f"{_display(storage, pair.bin_key)}: a path the manifest cannot hold (control characters)")
-    return ShardRecord(name=pair.bin_key, samples=index.documents, bytes=pair.bin_size, sha256=digests["sha256"],
-                       idx_sha256=idx_sha256, xxh3_128=digests["xxh3_128"], location=location,
-                       idx_location=idx_location, tokens=index.tokens)
+    return ShardRecord(name=pair.bin_key, samples=got.index.documents, bytes=pair.bin_size,
+                       sha256=got.digests["sha256"], idx_sha256=got.idx_sha256, xxh3_128=got.digests["xxh3_128"],
+                       location=location, idx_location=idx_location, tokens=got.index.tokens)
 
 
 def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
@@ -262,18 +273,19 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
 
 def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs: list[_Pair], in_place: bool,
                  lock: DirLock | Lease | None) -> tuple[TokenInfo, list[ShardRecord]]:
-    """Check and record every pair, then publish the manifest (last) into DEST."""
-    dtype, records, one = None, [], True
+    """Check and record every pair, then publish the document-starts table and the manifest (last) into DEST."""
+    dtype, records, one, starts = None, [], True, []
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         for pair in pairs:
-            index, digests, idx_sha256, its_one = _check_pair(source, pair, dtype, config.eos_id, Path(tmp))
-            dtype, one = index.dtype, one and its_one
-            records.append(_record(source, pair, index, digests, idx_sha256, in_place))
-        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
-                         one_sequence_per_document=one)
-        where = source.url if source.remote else str(source.location.path.resolve())
+            got = _check_pair(source, pair, dtype, config.eos_id, Path(tmp))
+            dtype, one = got.index.dtype, one and got.one_per_document
+            records.append(_record(source, pair, got, in_place))
+            starts.append(got.starts)
         staged = Path(tmp) / "out"
         staged.mkdir()
+        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
+                         one_sequence_per_document=one, starts=write_starts(staged, starts))
+        where = source.url if source.remote else str(source.location.path.resolve())
         write_manifest(staged, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
                                              converted_from={"format": "megatron", "path": where}))
         confirm = lock.confirm if isinstance(lock, Lease) else (lambda: None)
@@ -281,5 +293,5 @@ def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs
             confirm()
             dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
         confirm()
-        publish_uploads(dest, [(MANIFEST_NAME, staged / MANIFEST_NAME)])
+        publish_uploads(dest, [(STARTS_NAME, staged / STARTS_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return info, records

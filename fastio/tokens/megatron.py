@@ -116,6 +116,15 @@ class MegatronIndex:
         self.pointers = np.frombuffer(mm, np.int64, n, HEADER_BYTES + 4 * n)
         self.doc_index = np.frombuffer(mm, np.int64, entries, HEADER_BYTES + 12 * n)
         self.itemsize = np.dtype(self.dtype).itemsize
+        self._known: tuple[int, np.ndarray] | None = None
+
+    def use_starts(self, every: int, values: np.ndarray) -> None:
+        """Take the starts of documents 0, ``every``, 2 * ``every``, ..., and the end from ``values`` (a
+        dataset's document-starts table, :mod:`fastio.tokens.starts`) instead of reading the file; DatasetError
+        unless they begin at 0 and end at this index's token count."""
+        if values.size != -(-self.documents // every) + 1 or values[0] != 0 or values[-1] != self.tokens:
+            raise DatasetError(f"{self.name}: the document starts table disagrees with it (run fastio verify)")
+        self._known = (every, values)
 
     def _advise(self, name: str) -> None:
         """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
@@ -162,8 +171,14 @@ class MegatronIndex:
         Few documents far apart (a packing's block edges) are read with ``pread``: through the mapping, each
         would map a page-cache window around it into this process (the kernel's fault-around), which shows as
         resident memory in the hundreds of MB for 10^8 documents. With ``one_per_document`` the document is
-        its sequence: ``doc_index`` is not read (half the reads)."""
+        its sequence: ``doc_index`` is not read (half the reads). Documents that are all in the table given to
+        :meth:`use_starts` (block edges) are looked up there: nothing is read."""
         docs = np.asarray(docs, dtype=np.int64)
+        if self._known is not None:
+            every, values = self._known
+            on = (docs % every == 0) | (docs == self.documents)
+            if on.all():
+                return values[np.where(docs == self.documents, values.size - 1, docs // every)].astype(np.int64)
         sparse = docs.size * _SPARSE < self.documents
         if self.one_per_document:
             seq = docs
