@@ -68,8 +68,8 @@ def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
     assert m.tokens.total_tokens == sum(map(len, docs)) == sum(s.tokens for s in m.shards)
     assert [s.name for s in m.shards] == sorted(s.name for s in m.shards)
     assert m.converted_from["empty_documents"] == 3
-    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "doc-starts.fxs", "manifest.json",
-                                                                     "shards"]
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "doc-starts.fxs",
+                                                                     "manifest.json", "shards"]
 
 
 def test_non_ascii_round_trips(tmp_path, tokenizer):
