@@ -214,7 +214,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
-    manifest.json is written."""
+    doc-starts.fxs (where documents start) and manifest.json are written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
