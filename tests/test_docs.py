@@ -127,13 +127,13 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir,
     assert not re.search(r"^step \d+ ", third, re.MULTILINE), third
 
 
-def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket):
+def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket, warm):
     """docs/storage.md's example (examples/s3.py): convert to s3://, load through the cache, checkpoint to
-    s3://, restore in a new Checkpointer; the endpoint and credentials only in the environment."""
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "s3.py"), f"s3://{s3_bucket}/run"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^restored step (\d+) from s3://", done.stdout, re.MULTILINE), done.stdout
+    s3://, restore in a new Checkpointer; the endpoint and credentials only in the environment (``aws_env``'s,
+    given to the run)."""
+    rc, out, err = warm.run(ROOT / "examples" / "s3.py", Path.cwd(), f"s3://{s3_bucket}/run", env=dict(os.environ))
+    assert rc == 0, out + err
+    assert re.search(r"^restored step (\d+) from s3://", out, re.MULTILINE), out
 
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
