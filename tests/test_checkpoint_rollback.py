@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -105,24 +103,24 @@ KILLED = """
 """
 
 
-def kill_in_first_commit(where: str, at: str, tmp_path: Path, options: dict | None = None) -> None:
+def kill_in_first_commit(warm, where: str, at: str, tmp_path: Path, options: dict | None = None) -> None:
+    """``KILLED`` in another process (from conftest's warm interpreter: torch already imported)."""
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED))
-    proc = subprocess.run([sys.executable, str(script), where, at, json.dumps(options or {}),
-                           str(tmp_path / "staging-killed")], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 9, proc.stdout + proc.stderr
+    rc, out, err = warm.run(script, REPO, where, at, json.dumps(options or {}), str(tmp_path / "staging-killed"),
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert rc == 9, out + err
 
 
 @pytest.mark.parametrize("at", ["supersede", "commit"])
-def test_a_kill_inside_the_first_commit_after_a_rollback_resumes_the_rollback_point(tmp_path, at):
+def test_a_kill_inside_the_first_commit_after_a_rollback_resumes_the_rollback_point(tmp_path, at, warm):
     """Killed after the first step of the abandoned branch was superseded, or after all of them but before the
     new step was committed: a relaunch restored the abandoned step 4 (or 6, 5). Now it restores step 2, and
     finishes superseding the branch."""
     root = tmp_path / "ck"
     with Checkpointer(root, signals=()) as ckpt:
         save_branch(ckpt, range(1, 7))
-    kill_in_first_commit(str(root), at, tmp_path)
+    kill_in_first_commit(warm, str(root), at, tmp_path)
     assert states(root)[4] == "superseded"
     app = app_at(-1)
     with Checkpointer(root, signals=()) as ckpt:
@@ -188,14 +186,14 @@ def test_a_rollback_on_s3_supersedes_the_whole_abandoned_branch(moto_server, s3_
 
 @pytest.mark.parametrize("at", ["local", "commit"])
 def test_a_kill_inside_the_first_commit_after_a_rollback_on_s3_resumes_the_rollback_point(
-        moto_server, s3_bucket, tmp_path, at):
+        moto_server, s3_bucket, tmp_path, at, warm):
     """Killed with the store's rollback record written and nothing superseded yet, or with everything superseded
     and the new step not committed: a relaunch (on another node, and on the killed one) restores step 2."""
     url = f"s3://{s3_bucket}/ckpt"
     options = moto_server.options()
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
         save_branch(ckpt, range(1, 7))
-    kill_in_first_commit(url, at, tmp_path, options)
+    kill_in_first_commit(warm, url, at, tmp_path, options)
     assert {s: v for s, v in states(url, options).items() if v == "committed"} == {1: "committed", 2: "committed"}
     for staging in ("c", "staging-killed"):
         app = app_at(-1)
