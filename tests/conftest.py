@@ -31,33 +31,24 @@ def _cuda_available() -> bool:
 # one idling while the other runs a long file handed out last (xdist's default order puts files with few
 # tests, these ones, last).
 SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run on a busy 2-core machine (Dec 2026)
-    "test_docs.py",  # 114
-    "test_checkpoint_resume.py",  # 85
-    "test_newcomer.py",  # 56
-    "test_accelerate.py",  # 54
-    "test_checkpoint_fsdp.py",  # 41
-    "test_lightning.py",  # 41
-    "test_checkpoint.py",  # 38
-    "test_lightning_resume.py",  # 30
-    "test_cache.py",  # 28
-    "test_checkpoint_rollback.py",  # 27
-    "test_checkpoint_ranks.py",  # 27
-    "test_checkpoint_dist.py",  # 25
-    "test_review_round4_data.py",  # 24
-    "test_tokens_loader.py",  # 22
-    "test_checkpoint_s3_dist.py",  # 20
-    "test_storage_lease.py",  # 19
-    "test_checkpoint_readonly.py",  # 18
-    "test_checkpoint_integrity.py",  # 17
-    "test_checkpoint_compression.py",  # 17
-    "test_checkpoint_s3.py",  # 16
-    "test_checkpoint_agree.py",  # 14
-    "test_hostile_sources.py",  # 13
-    "test_architecture.py",  # 13
-    "test_mixture.py",  # 12
-    "test_media.py",  # 12
-    "test_kill.py",  # 11
-    "test_checkpoint_leftovers.py",  # 11
+    "test_docs.py",  # 143
+    "test_newcomer.py",  # 73
+    "test_checkpoint_resume.py",  # 62
+    "test_accelerate.py",  # 53
+    "test_lightning.py",  # 39
+    "test_checkpoint_fsdp.py",  # 33
+    "test_checkpoint.py",  # 29
+    "test_checkpoint_rollback.py",  # 28
+    "test_cache.py",  # 25
+    "test_lightning_resume.py",  # 24
+    "test_checkpoint_ranks.py",  # 20
+    "test_checkpoint_dist.py",  # 18
+    "test_review_round4_data.py",  # 18
+    "test_storage_lease.py",  # 14
+    "test_kill.py",  # 13
+    "test_tokens_loader.py",  # 12
+    "test_convert.py",  # 11
+    "test_checkpoint_s3_dist.py",  # 10
 )
 
 
