@@ -18,6 +18,7 @@ set's shard source, filled ahead in the order the coming sequences want them).
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +35,7 @@ from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
+from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, boundaries
 
 __all__ = ["TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits", "mixture_units",
            "open_tables", "packing_of", "source_packings"]
@@ -172,6 +173,21 @@ def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec:
     return packings
 
 
+def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (source, epoch) pairs of a batch's units, in order of first appearance."""
+    pairs = list(zip(src.tolist(), epochs.tolist()))
+    return list(dict.fromkeys(pairs))
+
+
+def _mapped_tokens(fd: int, dtype: np.dtype) -> np.ndarray:
+    """The ``.bin`` open at ``fd`` mapped read-only as tokens of ``dtype`` (the mapping lives as long as the array;
+    an empty file maps to no tokens)."""
+    size = os.fstat(fd).st_size // dtype.itemsize * dtype.itemsize
+    if not size:
+        return np.zeros(0, dtype)
+    return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), dtype)
+
+
 def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
     """The first two (name, value) pairs of ``values`` whose values differ."""
     items = list(values.items())
@@ -212,6 +228,7 @@ class TokenReader:
         self.total = sum(sizes)
         self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._fds: dict[tuple[int, int], int] = {}
+        self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
 
@@ -229,42 +246,92 @@ class TokenReader:
         return src, epochs, local - self.base[src]
 
     def read_batch(self, ids: np.ndarray) -> TokenBatch:
-        """The sequences ``ids`` name, padded with the end-of-document id."""
+        """The sequences ``ids`` name, padded with the end-of-document id: each source's (and epoch's) pieces
+        found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`), their tokens gathered with one
+        fancy index per shard from its mapped ``.bin``."""
         src, epochs, seqs = self.split(ids)
-        tokens = np.full((ids.size, self.width), self.eos_id, np.int64)
-        mask = np.zeros((ids.size, self.width), bool)
-        for row, (s, e, q) in enumerate(zip(src.tolist(), epochs.tolist(), seqs.tolist())):
-            got = self._read(s, self.sources[s].packing.pieces(e, q))
-            tokens[row, :got.size], mask[row, :got.size] = got, True
-        arrays = {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
-                  "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}
+        flat, lengths = np.full(ids.size * self.width, self.eos_id, np.int64), np.zeros(ids.size, np.int64)
+        for s, e in _groups(src, epochs):
+            rows = np.flatnonzero((src == s) & (epochs == e))
+            spans = self.sources[s].packing.spans(e, seqs[rows])
+            flat = self._gather(s, rows[spans.row], spans, flat)
+            lengths[rows] = np.bincount(spans.row, spans.count, rows.size).astype(np.int64)
+        tokens = flat.reshape(ids.size, self.width)
+        if (lengths == self.width).all():  # full rows (concat): no padding, no mask to apply
+            mask = np.ones(tokens.shape, bool)
+            pos, cu = boundaries(tokens, self.eos_id)
+        else:
+            mask = np.arange(self.width) < lengths[:, None]
+            pos, cu = boundaries(tokens, self.eos_id, mask)
+        arrays = {"tokens": tokens, "loss_mask": mask, "position_ids": pos, "cu_seqlens": cu}
         return TokenBatch(self.base[src] + seqs, arrays)
 
-    def _read(self, s: int, pieces: list[Piece]) -> np.ndarray:
+    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray) -> np.ndarray:
+        """``flat`` (the batch's rows of ``width`` tokens, end to end) with the pieces ``spans`` of source ``s``
+        written into rows ``rows`` (each row's pieces one after the other from its start)."""
+        count = spans.count
+        before = np.cumsum(count) - count  # the pieces' offsets in their concatenation
+        k = np.arange(int(before[-1] + count[-1]), dtype=np.int64)
+        at = k + np.repeat(spans.start - before, count)  # token offset in its shard of each token
+        shards = np.unique(spans.shard)
+        if shards.size == 1 and k.size == flat.size:  # the pieces fill every row in order (concat): no scatter
+            return self._tokens(s, int(shards[0]), at).astype(np.int64)
+        first = np.ones(rows.size, bool)
+        first[1:] = rows[1:] != rows[:-1]
+        within = before - np.maximum.accumulate(np.where(first, before, 0))  # offset in its row
+        to = k + np.repeat(rows * self.width + within - before, count)  # its place in flat
+        each = np.repeat(spans.shard, count) if shards.size > 1 else None
+        for shard in shards.tolist():
+            here = slice(None) if each is None else each == shard
+            flat[to[here]] = self._tokens(s, shard, at[here])
+        return flat
+
+    def _tokens(self, s: int, k: int, at: np.ndarray) -> np.ndarray:
+        """The tokens at offsets ``at`` of shard ``k`` of source ``s``: its ``.bin`` mapped for the reader's life
+        (a local dataset), or mapped while the cache holds it (``s3://``: acquired, read, released)."""
         source = self.sources[s]
-        dtype = np.dtype(source.ds.manifest.tokens.dtype).newbyteorder("<")
-        parts = []
-        for p in pieces:
-            fd = self._hold(s, p.shard)
-            try:
-                data = os.pread(fd, p.count * dtype.itemsize, p.start * dtype.itemsize)
-            finally:
-                if source.files is not None:
-                    source.files.release(p.shard)
-            if len(data) != p.count * dtype.itemsize:
-                shard = source.ds.shards[p.shard]
-                raise DatasetError(f"{source.ds.root}: shard {shard.name}: {len(data)} bytes at byte "
-                                   f"{p.start * dtype.itemsize}, the .idx says {p.count * dtype.itemsize}: truncated")
-            parts.append(np.frombuffer(data, dtype))
-        return np.concatenate(parts).astype(np.int64)
+        if source.files is None:
+            fd, tokens = self._mapped(s, k)
+            return self._checked(s, k, fd, tokens, at)[at]
+        fd = source.files.acquire(k)
+        try:  # the mapping (and its copy of fd) goes with the array, before the shard is released
+            return self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), at)[at]
+        finally:
+            source.files.release(k)
+
+    def _dtype(self, s: int) -> np.dtype:
+        return np.dtype(self.sources[s].ds.manifest.tokens.dtype).newbyteorder("<")
+
+    def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """``tokens`` (shard ``k``'s mapping), once the file still holds every offset in ``at`` (a file cut
+        short under a mapping would kill the process on reading): DatasetError naming the shard if not."""
+        source = self.sources[s]
+        shard = source.ds.shards[k]
+        itemsize = tokens.dtype.itemsize
+        need = (int(at.max()) + 1) * itemsize
+        size = os.fstat(fd).st_size
+        if need > min(size, tokens.size * itemsize):
+            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {size} bytes, the .idx says {shard.bytes} "
+                               f"(a sequence reads up to byte {need}): truncated")
+        return tokens
+
+    def _mapped(self, s: int, k: int) -> tuple[int, np.ndarray]:
+        """Shard ``k`` of local source ``s``: its open ``.bin`` and its tokens, mapped (once, on first use)."""
+        got = self._maps.get((s, k))
+        if got is not None:
+            return got
+        fd = self._hold(s, k)
+        with self._lock:
+            if (s, k) not in self._maps:
+                self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
+            return self._maps[(s, k)]
 
     def _hold(self, s: int, k: int) -> int:
-        source = self.sources[s]
-        if source.files is not None:
-            return source.files.acquire(k)
+        """The open ``.bin`` of shard ``k`` of local source ``s`` (its sha256 checked before its first use with
+        ``verify``)."""
         fd = self._fds.get((s, k))
         if fd is None:
-            ds = source.ds
+            ds = self.sources[s].ds
             shard = ds.shards[k]
             if ds.verify:  # a cache's fills are always checked; a local shard before its first use
                 _check_sha256(ds, shard.path, shard.sha256)
@@ -307,6 +374,7 @@ class TokenReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._maps = {}  # the mappings go with their arrays
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)

@@ -36,7 +36,7 @@ import numpy as np
 from fastio.order.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
-           "cu_seqlens", "position_ids"]
+           "Spans", "boundaries", "cu_seqlens", "position_ids"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
@@ -64,6 +64,24 @@ class Piece:
     shard: int
     start: int
     count: int
+
+
+@dataclass(frozen=True)
+class Spans:
+    """The pieces of several sequences as arrays, in order (each sequence's pieces together, in the order of the
+    sequences asked for, each sequence's in its own order): piece ``j`` is ``count[j]`` tokens of shard
+    ``shard[j]`` from its token offset ``start[j]``, part of the ``row[j]``-th sequence asked for."""
+
+    row: np.ndarray
+    shard: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+
+
+def _ramp(counts: np.ndarray) -> np.ndarray:
+    """``0..counts[i] - 1`` for each ``i``, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 class _BlockPacking:
@@ -221,6 +239,42 @@ class ConcatPacking(_BlockPacking):
             slot, off = slot + 1, 0
         return out
 
+    def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
+        """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
+        (vectorised: the document tables of the blocks the sequences touch laid end to end at their stream
+        positions, one search over them for every piece)."""
+        seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
+        perm, slot_start = self._slots(epoch, self._blk_tokens)
+        t0 = seqs * self.seq_len
+        t1 = t0 + self.seq_len + 1
+        lo = np.searchsorted(slot_start, t0, "right") - 1
+        per = np.searchsorted(slot_start, t1 - 1, "right") - lo  # slots each sequence spans
+        row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
+        slot = np.repeat(lo, per) + _ramp(per)
+        a = np.maximum(np.repeat(t0, per), slot_start[slot])  # each segment's stream range: within one slot
+        z = np.minimum(np.repeat(t1, per), slot_start[slot + 1])
+        starts, cum = self._stream_table(epoch, np.unique(slot), perm, slot_start)
+        first = np.searchsorted(cum, a, "right") - 1
+        docs = np.maximum(np.searchsorted(cum, z - 1, "right") - first, 0)  # an empty segment has none
+        doc = np.repeat(first, docs) + _ramp(docs)
+        begin = np.maximum(np.repeat(a, docs), cum[doc])
+        count = np.minimum(np.repeat(z, docs), cum[doc + 1]) - begin
+        keep = count > 0  # documents of no tokens
+        seg = np.repeat(np.arange(slot.size), docs)[keep]
+        return Spans(row[seg], self._blk_shard[perm[slot[seg]]], (starts[doc] + begin - cum[doc])[keep], count[keep])
+
+    def _stream_table(self, epoch: int, slots: np.ndarray, perm: np.ndarray, slot_start: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """(token offset in its shard, stream position) of each document of the blocks in ``slots`` (ascending)
+        in their shuffled order, end to end, and the end of the last: a sorted table in which a stream position
+        of those slots finds its document (a document's end is the next one's start, or past a gap between two
+        slots, which no segment reaches)."""
+        tables = [self._block(epoch, int(b)) for b in perm[slots].tolist()]
+        starts = np.concatenate([t[0] for t in tables])
+        cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots].tolist())]
+                             + [slot_start[slots[-1:] + 1]])
+        return starts, cum
+
 
 FITS = ("best", "first")
 
@@ -280,6 +334,45 @@ class BestFitPacking(_BlockPacking):
         slot = int(np.searchsorted(slot_start, sequence, "right")) - 1
         return list(self._pack(int(perm[slot]))[sequence - int(slot_start[slot])])
 
+    def _pack_arrays(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block ``b``'s sequences as arrays: (where each sequence's pieces begin + the end, their token
+        offsets, their counts), from :meth:`_pack` (cached: a few blocks)."""
+        def compute():
+            bins = self._pack(b)
+            ptr = np.concatenate([[0], np.cumsum([len(pieces) for pieces in bins])]).astype(np.int64)
+            start = np.array([p.start for pieces in bins for p in pieces], np.int64)
+            return ptr, start, np.array([p.count for pieces in bins for p in pieces], np.int64)
+        return self._cached(("bin-arrays", b), compute)
+
+    def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
+        """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
+        (vectorised: a few numpy operations per block the sequences touch)."""
+        seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
+        perm, slot_start = self._slots(epoch, self._bins)
+        slot = np.searchsorted(slot_start, seqs, "right") - 1
+        blocks, local = perm[slot], seqs - slot_start[slot]
+        first, per = np.empty(seqs.size, np.int64), np.empty(seqs.size, np.int64)
+        tables = {}
+        for b in np.unique(blocks).tolist():
+            at = blocks == b
+            ptr, _, _ = tables[b] = self._pack_arrays(b)
+            first[at], per[at] = ptr[local[at]], ptr[local[at] + 1] - ptr[local[at]]
+        row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
+        piece = np.repeat(first, per) + _ramp(per)
+        start, count = np.empty(piece.size, np.int64), np.empty(piece.size, np.int64)
+        for b, (_, starts, counts) in tables.items():
+            at = blocks[row] == b
+            start[at], count[at] = starts[piece[at]], counts[piece[at]]
+        return Spans(row, self._blk_shard[blocks[row]], start, count)
+
+
+def _checked(sequences: np.ndarray, n: int) -> np.ndarray:
+    """``sequences``, once each is in ``0..n - 1`` (IndexError naming the first that is not)."""
+    bad = (sequences < 0) | (sequences >= n)
+    if bad.any():
+        raise IndexError(f"sequence {int(sequences[bad][0])} out of range 0..{n - 1}")
+    return sequences
+
 
 def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
     """Each (size, start), in the given order, into the bin with the least room that holds it (ties: the
@@ -315,34 +408,43 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
 
 
 def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarray:
-    """Where a document begins in each row: the row's start, right after an ``eos_id``, and (with ``mask``, 0 on
-    padding) where padding begins; padding is one segment."""
-    starts = np.zeros(rows.shape, bool)
-    starts[:, 0] = True
-    starts[:, 1:] = rows[:, :-1] == eos_id
-    if mask is not None:
-        real = np.asarray(mask, bool).reshape(rows.shape)
-        starts[:, 1:] &= real[:, 1:]
-        starts[:, 1:] |= real[:, :-1] & ~real[:, 1:]
-    return starts
+    """Where a document begins in ``rows`` [B, L], as sorted indices into the flattened rows: each row's start,
+    right after an ``eos_id``, and (with ``mask``, 0 on padding) where padding begins; padding is one segment."""
+    n, width = rows.shape
+    flat = rows.reshape(-1)
+    after = np.flatnonzero(flat[:-1] == eos_id) + 1
+    parts = [np.arange(0, n * width, width, dtype=np.int64)]
+    if mask is None:
+        parts.append(after)
+    else:
+        real = np.asarray(mask, bool).reshape(-1)
+        parts += [after[real[after]], np.flatnonzero(real[:-1] & ~real[1:]) + 1]
+    return np.unique(np.concatenate(parts))  # sorted, once: a row's start may also follow an eos
+
+
+def boundaries(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(position_ids(tokens, eos_id, mask), cu_seqlens(tokens, eos_id, mask))`` from one search for the
+    documents' starts."""
+    tokens = np.asarray(tokens)
+    rows = tokens.reshape(-1, tokens.shape[-1])
+    n, width = rows.shape
+    starts = _starts(rows, eos_id, mask)
+    size = np.diff(np.append(starts, n * width))
+    pos = np.arange(n * width, dtype=np.int64) - np.repeat(starts, size)
+    row, col = np.divmod(starts, width)
+    inputs = col < width - 1  # the inputs tokens[:, :-1], flattened
+    cu = np.append(row[inputs] * (width - 1) + col[inputs], n * (width - 1)).astype(np.int32)
+    return pos.reshape(tokens.shape), cu
 
 
 def position_ids(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
     """int64 like ``tokens`` ([B, L] or [L]): 0 at each sequence's start and right after every ``eos_id``,
     else one more than the token before (with ``mask``: padding, where it is 0, counts as one segment)."""
-    tokens = np.asarray(tokens)
-    rows = tokens.reshape(-1, tokens.shape[-1])
-    j = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int64), rows.shape)
-    last_start = np.maximum.accumulate(np.where(_starts(rows, eos_id, mask), j, 0), axis=1)
-    return (j - last_start).reshape(tokens.shape)
+    return boundaries(tokens, eos_id, mask)[0]
 
 
 def cu_seqlens(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
     """int32 ``[n + 1]``: where each document of the flattened inputs ``tokens[:, :-1]`` begins, and their end
     (for variable-length attention): a boundary at every sequence start and after every ``eos_id`` (with ``mask``:
     padding is one segment)."""
-    tokens = np.asarray(tokens)
-    rows = tokens.reshape(-1, tokens.shape[-1])
-    inputs = rows[:, :-1]
-    starts = _starts(inputs, eos_id, None if mask is None else np.asarray(mask).reshape(rows.shape)[:, :-1])
-    return np.concatenate([np.flatnonzero(starts.reshape(-1)), [inputs.size]]).astype(np.int32)
+    return boundaries(tokens, eos_id, mask)[1]
