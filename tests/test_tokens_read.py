@@ -15,6 +15,7 @@ from tokens_helpers import word_corpus
 
 import fastio
 from fastio.errors import DatasetError
+from fastio.tokens import packing as packing_module
 from fastio.tokens.dataset import TokenDataset
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, boundaries, cu_seqlens, position_ids
 
@@ -35,8 +36,10 @@ def _tables(seed):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("kind", ["concat", "best", "first"])
-def test_spans_are_the_pieces_of_each_sequence(seed, kind):
+@pytest.mark.parametrize("kind,table", [("concat", "epoch"), ("concat", "blocks"), ("best", ""), ("first", "")])
+def test_spans_are_the_pieces_of_each_sequence(seed, kind, table, monkeypatch):
+    if table == "blocks":  # concat: a table of the blocks a batch touches, not of the whole epoch's stream
+        monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
     tables = _tables(seed)
     rng = np.random.default_rng(100 + seed)
     for seq_len, block_docs, shuffle in [(5, 1, "global"), (24, 3, "global"), (200, 7, "none"), (9, 4096, "global")]:
@@ -144,5 +147,5 @@ def test_a_bin_cut_short_under_a_running_loader_is_named(corpora, tmp_path):
         next(it)  # every shard's .bin mapped by now or soon: cut them all
         for shard in (bad / "shards").glob("*.bin"):
             os.truncate(shard, shard.stat().st_size // 2)
-        with pytest.raises(DatasetError, match=r"bad: shard shard-\d+\.bin: \d+ bytes, the \.idx says \d+ .*truncated"):
+        with pytest.raises(DatasetError, match=r"bad: shard shard-\d+\.bin: .*truncated"):
             list(it)

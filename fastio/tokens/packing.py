@@ -41,6 +41,9 @@ __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPac
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
 PACKINGS = ("concat", "best-fit")
+STREAM_TABLE_DOCS = 1 << 19
+"""Up to this many documents, :meth:`ConcatPacking.spans` searches a table of the whole epoch's stream (24 bytes a
+document, built once per epoch, two epochs kept); above it, one of the blocks a batch touches."""
 _SHUFFLES = ("global", "none")
 
 
@@ -200,22 +203,25 @@ class ConcatPacking(_BlockPacking):
             raise ValueError(f"seq_len {seq_len} needs more than {seq_len} tokens; the corpus holds "
                              f"{self.total_tokens}")
         self.sequences = (self.total_tokens - 1) // seq_len
+        self.documents = int(self._blk_n.sum())
+        self._stream: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
     def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._blk_tokens, sequences * self.seq_len  # stream tokens
 
     def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(token offset in its shard of each document of block ``b`` in its shuffled order, prefix sums of
-        their lengths) in ``epoch``."""
-        def compute():
-            n = int(self._blk_n[b])
-            local = np.arange(n, dtype=np.int64)
-            if self.spec.shuffle == "global" and n > 1:
-                local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
-                                 np.uint64(b * int(_GOLDEN) % (1 << 64)))
-            starts, lengths = self._documents(b, local)
-            return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        return self._cached((epoch, b), compute)
+        their lengths) in ``epoch`` (cached: a few blocks)."""
+        return self._cached((epoch, b), lambda: self._block_table(epoch, b))
+
+    def _block_table(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        n = int(self._blk_n[b])
+        local = np.arange(n, dtype=np.int64)
+        if self.spec.shuffle == "global" and n > 1:
+            local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
+                             np.uint64(b * int(_GOLDEN) % (1 << 64)))
+        starts, lengths = self._documents(b, local)
+        return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
     def pieces(self, epoch: int, sequence: int) -> list[Piece]:
         """The token ranges that make sequence ``sequence`` (``seq_len + 1`` tokens, in order) of ``epoch``."""
@@ -241,39 +247,56 @@ class ConcatPacking(_BlockPacking):
 
     def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
         """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
-        (vectorised: the document tables of the blocks the sequences touch laid end to end at their stream
-        positions, one search over them for every piece)."""
+        (vectorised: one search for every sequence's documents in the stream table of :meth:`_stream_table`)."""
         seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
-        perm, slot_start = self._slots(epoch, self._blk_tokens)
         t0 = seqs * self.seq_len
         t1 = t0 + self.seq_len + 1
-        lo = np.searchsorted(slot_start, t0, "right") - 1
-        per = np.searchsorted(slot_start, t1 - 1, "right") - lo  # slots each sequence spans
-        row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
-        slot = np.repeat(lo, per) + _ramp(per)
-        a = np.maximum(np.repeat(t0, per), slot_start[slot])  # each segment's stream range: within one slot
-        z = np.minimum(np.repeat(t1, per), slot_start[slot + 1])
-        starts, cum = self._stream_table(epoch, np.unique(slot), perm, slot_start)
-        first = np.searchsorted(cum, a, "right") - 1
-        docs = np.maximum(np.searchsorted(cum, z - 1, "right") - first, 0)  # an empty segment has none
+        starts, cum, shard = self._stream_table(epoch, t0, t1)
+        first = np.searchsorted(cum, t0, "right") - 1
+        docs = np.searchsorted(cum, t1 - 1, "right") - first
         doc = np.repeat(first, docs) + _ramp(docs)
-        begin = np.maximum(np.repeat(a, docs), cum[doc])
-        count = np.minimum(np.repeat(z, docs), cum[doc + 1]) - begin
+        at = cum[doc]
+        begin = np.maximum(np.repeat(t0, docs), at)
+        count = np.minimum(np.repeat(t1, docs), cum[doc + 1]) - begin
+        row, start = np.repeat(np.arange(seqs.size, dtype=np.int64), docs), starts[doc] + begin - at
         keep = count > 0  # documents of no tokens
-        seg = np.repeat(np.arange(slot.size), docs)[keep]
-        return Spans(row[seg], self._blk_shard[perm[slot[seg]]], (starts[doc] + begin - cum[doc])[keep], count[keep])
+        if not keep.all():
+            row, doc, start, count = row[keep], doc[keep], start[keep], count[keep]
+        return Spans(row, shard[doc], start, count)
 
-    def _stream_table(self, epoch: int, slots: np.ndarray, perm: np.ndarray, slot_start: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """(token offset in its shard, stream position) of each document of the blocks in ``slots`` (ascending)
-        in their shuffled order, end to end, and the end of the last: a sorted table in which a stream position
-        of those slots finds its document (a document's end is the next one's start, or past a gap between two
-        slots, which no segment reaches)."""
-        tables = [self._block(epoch, int(b)) for b in perm[slots].tolist()]
+    def _stream_table(self, epoch: int, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token offset in its shard, stream position, shard) of each document of ``epoch``'s stream, and the
+        end of the last: a sorted table in which each stream range ``[t0, t1)`` finds its documents. The whole
+        epoch's (built once per epoch) where the corpus has at most :data:`STREAM_TABLE_DOCS` documents, else
+        the blocks the ranges touch, end to end at their stream positions (a document before a gap between two
+        of them seems to run to the next one: no range reaches into the gap)."""
+        perm, slot_start = self._slots(epoch, self._blk_tokens)
+        if self.documents <= STREAM_TABLE_DOCS:
+            with self._lock:
+                table = self._stream.get(epoch)
+            if table is None:
+                table = self._table(epoch, np.arange(perm.size), perm, slot_start)
+                with self._lock:
+                    self._stream[epoch] = table
+                    while len(self._stream) > 2:
+                        self._stream.popitem(last=False)
+            return table
+        lo = np.searchsorted(slot_start, t0, "right") - 1
+        per = np.searchsorted(slot_start, t1 - 1, "right") - lo  # slots each range spans
+        slots = np.unique(np.repeat(lo, per) + _ramp(per))
+        return self._table(epoch, slots, perm, slot_start, cached=True)
+
+    def _table(self, epoch: int, slots: np.ndarray, perm: np.ndarray, slot_start: np.ndarray, cached: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The stream table of :meth:`_stream_table` over ``slots`` (ascending; ``cached``: their blocks' tables
+        through the block cache)."""
+        blocks = perm[slots]
+        get = self._block if cached else self._block_table
+        tables = [get(epoch, b) for b in blocks.tolist()]
         starts = np.concatenate([t[0] for t in tables])
         cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots].tolist())]
                              + [slot_start[slots[-1:] + 1]])
-        return starts, cum
+        return starts, cum, np.repeat(self._blk_shard[blocks], self._blk_n[blocks])
 
 
 FITS = ("best", "first")
