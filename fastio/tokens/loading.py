@@ -269,19 +269,20 @@ class TokenReader:
     def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray) -> np.ndarray:
         """``flat`` (the batch's rows of ``width`` tokens, end to end) with the pieces ``spans`` of source ``s``
         written into rows ``rows`` (each row's pieces one after the other from its start)."""
-        count = spans.count
-        before = np.cumsum(count) - count  # the pieces' offsets in their concatenation
-        k = np.arange(int(before[-1] + count[-1]), dtype=np.int64)
-        at = k + np.repeat(spans.start - before, count)  # token offset in its shard of each token
-        shards = np.unique(spans.shard)
-        if shards.size == 1 and k.size == flat.size:  # the pieces fill every row in order (concat): no scatter
-            return self._tokens(s, int(shards[0]), at).astype(np.int64)
+        count, start = spans.count, spans.start
+        ends = np.cumsum(count)
+        before = ends - count  # the pieces' offsets in their concatenation
+        k = np.arange(int(ends[-1]), dtype=np.int64)
+        at = k + np.repeat(start - before, count)  # token offset in its shard of each token
+        one = bool((spans.shard == spans.shard[0]).all())
+        if one and at.size == flat.size:  # the pieces fill every row in order (concat): no scatter
+            return self._tokens(s, int(spans.shard[0]), at).astype(np.int64)
         first = np.ones(rows.size, bool)
         first[1:] = rows[1:] != rows[:-1]
         within = before - np.maximum.accumulate(np.where(first, before, 0))  # offset in its row
         to = k + np.repeat(rows * self.width + within - before, count)  # its place in flat
-        each = np.repeat(spans.shard, count) if shards.size > 1 else None
-        for shard in shards.tolist():
+        each = None if one else np.repeat(spans.shard, count)
+        for shard in np.unique(spans.shard).tolist():
             here = slice(None) if each is None else each == shard
             flat[to[here]] = self._tokens(s, shard, at[here])
         return flat

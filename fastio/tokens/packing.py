@@ -435,14 +435,12 @@ def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarra
     right after an ``eos_id``, and (with ``mask``, 0 on padding) where padding begins; padding is one segment."""
     n, width = rows.shape
     flat = rows.reshape(-1)
-    after = np.flatnonzero(flat[:-1] == eos_id) + 1
-    parts = [np.arange(0, n * width, width, dtype=np.int64)]
-    if mask is None:
-        parts.append(after)
-    else:
+    at = np.flatnonzero(flat[:-1] == eos_id) + 1
+    if mask is not None:
         real = np.asarray(mask, bool).reshape(-1)
-        parts += [after[real[after]], np.flatnonzero(real[:-1] & ~real[1:]) + 1]
-    return np.unique(np.concatenate(parts))  # sorted, once: a row's start may also follow an eos
+        at = np.concatenate([at[real[at]], np.flatnonzero(real[:-1] & ~real[1:]) + 1])
+    at = at[at % width != 0]  # a row's start is one anyway
+    return np.sort(np.concatenate([np.arange(0, n * width, width, dtype=np.int64), at]))
 
 
 def boundaries(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -452,8 +450,7 @@ def boundaries(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) 
     rows = tokens.reshape(-1, tokens.shape[-1])
     n, width = rows.shape
     starts = _starts(rows, eos_id, mask)
-    size = np.diff(np.append(starts, n * width))
-    pos = np.arange(n * width, dtype=np.int64) - np.repeat(starts, size)
+    pos = np.arange(n * width, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, n * width)))
     row, col = np.divmod(starts, width)
     inputs = col < width - 1  # the inputs tokens[:, :-1], flattened
     cu = np.append(row[inputs] * (width - 1) + col[inputs], n * (width - 1)).astype(np.int32)
