@@ -149,3 +149,37 @@ def test_a_bin_cut_short_under_a_running_loader_is_named(corpora, tmp_path):
             os.truncate(shard, shard.stat().st_size // 2)
         with pytest.raises(DatasetError, match=r"bad: shard shard-\d+\.bin: .*truncated"):
             list(it)
+
+
+def test_batches_read_together_are_the_batches_read_alone(corpora):
+    pipeline = fastio.Tokens(seq_len=16, packing="best-fit", window=8)
+    with fastio.Loader(corpora[0], pipeline=pipeline, batch_size=5, device="cpu", seed=2) as ld:
+        reader = ld._reader
+        batches = [ids for ids, _ in ld._sampler.plan(0).iter_batches()][:4]
+        together = reader.read_batches(batches)
+        futures = [reader.submit(ids) for ids in batches]  # submitted at once: read in groups
+        for ids, got, future in zip(batches, together, futures, strict=True):
+            alone = reader.read_batch(ids)
+            for batch in (got, future.result(timeout=30)):
+                assert np.array_equal(batch.indices, alone.indices)
+                assert batch.arrays.keys() == alone.arrays.keys()
+                assert all(np.array_equal(batch.arrays[k], alone.arrays[k]) for k in alone.arrays)
+
+
+def test_a_failing_batch_of_a_group_fails_alone():
+    from concurrent.futures import Future
+
+    from fastio.tokens.loading import _settle
+
+    def read(batches):
+        if any(int(ids[0]) == 13 for ids in batches):
+            raise DatasetError("batch 13 is bad")
+        return [f"read {int(ids[0])}" for ids in batches]
+
+    group = [(np.array([i]), Future()) for i in (11, 13, 17)]
+    for _, future in group:
+        future.set_running_or_notify_cancel()
+    _settle(group, read)
+    assert group[0][1].result() == "read 11" and group[2][1].result() == "read 17"
+    with pytest.raises(DatasetError, match="batch 13 is bad"):
+        group[1][1].result()

@@ -35,10 +35,16 @@ from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, boundaries
+from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, cu_from, document_starts, positions_from, ramp_to
 
-__all__ = ["TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits", "mixture_units",
-           "open_tables", "packing_of", "source_packings"]
+__all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
+           "mixture_units", "open_tables", "packing_of", "source_packings"]
+
+GROUP = 8
+"""Most batches a reader thread reads together (those submitted while it was busy)."""
+ORDER_CHUNK = 256
+"""Batches of a plan looked up at once for the feeder (the order's fixed cost per lookup is most of its cost: 256
+batches of 8 cost about 2 us a batch where 32 cost 33)."""
 
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
@@ -98,7 +104,7 @@ class _EpochUnits:
         ids, padded = self._plan.batch(g)
         return ids + self._base, padded
 
-    def iter_batches(self, first: int = 0, chunk: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def iter_batches(self, first: int = 0, chunk: int = ORDER_CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for ids, padded in self._plan.iter_batches(first, chunk):
             yield ids + self._base, padded
 
@@ -173,6 +179,24 @@ def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec:
     return packings
 
 
+def _settle(group: list[tuple[np.ndarray, Future]], read: Callable[[list[np.ndarray]], list[TokenBatch]]) -> None:
+    """Each future of ``group`` with its batch, read together; where that fails, each batch read alone, so
+    that each future gets its own batch or its own error."""
+    try:
+        batches = read([ids for ids, _ in group]) if len(group) > 1 else None
+    except Exception:
+        batches = None
+    if batches is not None:
+        for (_, future), batch in zip(group, batches):
+            future.set_result(batch)
+        return
+    for ids, future in group:
+        try:
+            future.set_result(read([ids])[0])
+        except BaseException as err:
+            future.set_exception(err)
+
+
 def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
     """The distinct (source, epoch) pairs of a batch's units, in order of first appearance."""
     pairs = list(zip(src.tolist(), epochs.tolist()))
@@ -231,13 +255,37 @@ class TokenReader:
         self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
+        self._threads, self._draining = threads, 0
+        self._pending: list[tuple[np.ndarray, Future]] = []
 
     @property
     def width(self) -> int:
         return self.sources[0].packing.seq_len + 1
 
     def submit(self, ids: np.ndarray) -> Future:
-        return self._pool.submit(self.read_batch, np.asarray(ids, np.int64))
+        """Start reading a batch; the future's result is a :class:`TokenBatch`. Batches submitted while the
+        threads are busy are read together, up to :data:`GROUP` at a time (:meth:`read_batches`: the fixed cost
+        of a read, under the interpreter lock, shared)."""
+        future: Future = Future()
+        with self._lock:
+            self._pending.append((np.asarray(ids, np.int64), future))
+            start = self._draining < self._threads
+            self._draining += start
+        if start:
+            self._pool.submit(self._drain)
+        return future
+
+    def _drain(self) -> None:
+        """Read the pending batches, a group at a time, until none is left."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._draining -= 1
+                    return
+                group, self._pending = self._pending[:GROUP], self._pending[GROUP:]
+            group = [(ids, f) for ids, f in group if f.set_running_or_notify_cancel()]
+            if group:
+                _settle(group, self.read_batches)
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Unit ids -> ``(source, epoch, sequence)``."""
@@ -246,41 +294,55 @@ class TokenReader:
         return src, epochs, local - self.base[src]
 
     def read_batch(self, ids: np.ndarray) -> TokenBatch:
-        """The sequences ``ids`` name, padded with the end-of-document id: each source's (and epoch's) pieces
-        found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`), their tokens gathered with one
-        fancy index per shard from its mapped ``.bin``."""
+        """The sequences ``ids`` name (see :meth:`read_batches`)."""
+        return self.read_batches([np.asarray(ids, np.int64)])[0]
+
+    def read_batches(self, batches: list[np.ndarray]) -> list[TokenBatch]:
+        """The sequences each of ``batches`` names, padded with the end-of-document id, read together: each
+        source's (and epoch's) pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`), their
+        tokens gathered with one fancy index per shard from its mapped ``.bin``."""
+        ids = np.concatenate(batches)
         src, epochs, seqs = self.split(ids)
-        flat, lengths = np.full(ids.size * self.width, self.eos_id, np.int64), np.zeros(ids.size, np.int64)
+        flat, lengths = None, np.zeros(ids.size, np.int64)
         for s, e in _groups(src, epochs):
             rows = np.flatnonzero((src == s) & (epochs == e))
             spans = self.sources[s].packing.spans(e, seqs[rows])
-            flat = self._gather(s, rows[spans.row], spans, flat)
+            flat = self._gather(s, rows[spans.row], spans, flat, ids.size * self.width)
             lengths[rows] = np.bincount(spans.row, spans.count, rows.size).astype(np.int64)
         tokens = flat.reshape(ids.size, self.width)
-        if (lengths == self.width).all():  # full rows (concat): no padding, no mask to apply
-            mask = np.ones(tokens.shape, bool)
-            pos, cu = boundaries(tokens, self.eos_id)
-        else:
-            mask = np.arange(self.width) < lengths[:, None]
-            pos, cu = boundaries(tokens, self.eos_id, mask)
-        arrays = {"tokens": tokens, "loss_mask": mask, "position_ids": pos, "cu_seqlens": cu}
-        return TokenBatch(self.base[src] + seqs, arrays)
+        full = bool((lengths == self.width).all())  # concat: no padding, no mask to apply
+        mask = np.ones(tokens.shape, bool) if full else np.arange(self.width) < lengths[:, None]
+        starts = document_starts(tokens, self.eos_id, None if full else mask)
+        pos = positions_from(starts, tokens.size).reshape(tokens.shape)
+        indices, out, r0 = self.base[src] + seqs, [], 0
+        for r1 in np.cumsum([b.size for b in batches]).tolist():
+            lo, hi = np.searchsorted(starts, [r0 * self.width, r1 * self.width]).tolist()
+            arrays = {"tokens": tokens[r0:r1], "loss_mask": mask[r0:r1], "position_ids": pos[r0:r1],
+                      "cu_seqlens": cu_from(starts[lo:hi] - r0 * self.width, r1 - r0, self.width)}
+            out.append(TokenBatch(indices[r0:r1], arrays))
+            r0 = r1
+        return out
 
-    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray) -> np.ndarray:
-        """``flat`` (the batch's rows of ``width`` tokens, end to end) with the pieces ``spans`` of source ``s``
-        written into rows ``rows`` (each row's pieces one after the other from its start)."""
+    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray | None, size: int) -> np.ndarray:
+        """``flat`` (the batch's rows of ``width`` tokens end to end, ``size`` tokens; None: not made yet, filled
+        with the end-of-document id where needed) with the pieces ``spans`` of source ``s`` written into rows
+        ``rows`` (each row's pieces one after the other from its start)."""
         count, start = spans.count, spans.start
         ends = np.cumsum(count)
         before = ends - count  # the pieces' offsets in their concatenation
-        k = np.arange(int(ends[-1]), dtype=np.int64)
-        at = k + np.repeat(start - before, count)  # token offset in its shard of each token
+        k = ramp_to(int(ends[-1]))
+        at = np.repeat(start - before, count)
+        at += k  # token offset in its shard of each token (in place: fresh memory costs page faults)
         one = bool((spans.shard == spans.shard[0]).all())
-        if one and at.size == flat.size:  # the pieces fill every row in order (concat): no scatter
+        if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
             return self._tokens(s, int(spans.shard[0]), at).astype(np.int64)
+        if flat is None:
+            flat = np.full(size, self.eos_id, np.int64)
         first = np.ones(rows.size, bool)
         first[1:] = rows[1:] != rows[:-1]
         within = before - np.maximum.accumulate(np.where(first, before, 0))  # offset in its row
-        to = k + np.repeat(rows * self.width + within - before, count)  # its place in flat
+        to = np.repeat(rows * self.width + within - before, count)
+        to += k  # its place in flat
         each = None if one else np.repeat(spans.shard, count)
         for shard in np.unique(spans.shard).tolist():
             here = slice(None) if each is None else each == shard
@@ -374,6 +436,10 @@ class TokenReader:
                 return
 
     def close(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._maps = {}  # the mappings go with their arrays
         fds, self._fds = self._fds, {}

@@ -36,7 +36,8 @@ import numpy as np
 from fastio.order.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
-           "Spans", "boundaries", "cu_seqlens", "position_ids"]
+           "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts",
+           "position_ids", "positions_from", "ramp_to"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
@@ -430,11 +431,12 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
     return bins
 
 
-def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarray:
-    """Where a document begins in ``rows`` [B, L], as sorted indices into the flattened rows: each row's start,
+def document_starts(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
+    """Where a document begins in ``tokens`` [B, L], as sorted indices into the flattened rows: each row's start,
     right after an ``eos_id``, and (with ``mask``, 0 on padding) where padding begins; padding is one segment."""
-    n, width = rows.shape
-    flat = rows.reshape(-1)
+    tokens = np.asarray(tokens)
+    n, width = tokens.reshape(-1, tokens.shape[-1]).shape
+    flat = tokens.reshape(-1)
     at = np.flatnonzero(flat[:-1] == eos_id) + 1
     if mask is not None:
         real = np.asarray(mask, bool).reshape(-1)
@@ -443,18 +445,41 @@ def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarra
     return np.sort(np.concatenate([np.arange(0, n * width, width, dtype=np.int64), at]))
 
 
+def positions_from(starts: np.ndarray, size: int) -> np.ndarray:
+    """int64 [size]: each index's distance to the last of ``starts`` (sorted, the first 0) at or before it."""
+    out = np.repeat(starts, np.diff(np.append(starts, size)))
+    return np.subtract(ramp_to(size), out, out=out)  # one new array: fresh memory costs page faults
+
+
+_RAMP = np.zeros(0, np.int64)
+
+
+def ramp_to(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64), read-only, a view of one array kept and grown as needed (no new memory)."""
+    global _RAMP
+    ramp = _RAMP
+    if ramp.size < n:
+        ramp = np.arange(max(n, 2 * ramp.size), dtype=np.int64)
+        ramp.setflags(write=False)
+        _RAMP = ramp
+    return ramp[:n]
+
+
+def cu_from(starts: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """int32 ``[n + 1]``: ``starts`` (of :func:`document_starts`, in ``rows`` rows of ``width``) within the
+    flattened inputs (each row but its last token), and their end."""
+    row, col = np.divmod(starts, width)
+    inputs = col < width - 1
+    return np.append(row[inputs] * (width - 1) + col[inputs], rows * (width - 1)).astype(np.int32)
+
+
 def boundaries(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(position_ids(tokens, eos_id, mask), cu_seqlens(tokens, eos_id, mask))`` from one search for the
     documents' starts."""
     tokens = np.asarray(tokens)
-    rows = tokens.reshape(-1, tokens.shape[-1])
-    n, width = rows.shape
-    starts = _starts(rows, eos_id, mask)
-    pos = np.arange(n * width, dtype=np.int64) - np.repeat(starts, np.diff(np.append(starts, n * width)))
-    row, col = np.divmod(starts, width)
-    inputs = col < width - 1  # the inputs tokens[:, :-1], flattened
-    cu = np.append(row[inputs] * (width - 1) + col[inputs], n * (width - 1)).astype(np.int32)
-    return pos.reshape(tokens.shape), cu
+    rows, width = tokens.reshape(-1, tokens.shape[-1]).shape
+    starts = document_starts(tokens, eos_id, mask)
+    return positions_from(starts, rows * width).reshape(tokens.shape), cu_from(starts, rows, width)
 
 
 def position_ids(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
