@@ -240,10 +240,12 @@ class TokenSource:
 
 class TokenReader:
     """Reads batches of units (``submit(ids) -> Future[TokenBatch]``) from the ``.bin`` files of ``sources`` (one
-    dataset, or a mixture's token datasets in the mixture's order; all of one end-of-document id) with
-    ``threads`` threads. A unit id is ``epoch * total + base[s] + sequence`` (``total``: all sources'
-    sequences, ``base[s]``: source ``s``'s first; one dataset: ``epoch * sequences + sequence``); the batch's
-    ``indices`` are ``base[s] + sequence``."""
+    dataset, or a mixture's token datasets in the mixture's order; all of one end-of-document id), reading the
+    batches submitted meanwhile together (:meth:`submit`): with up to ``threads`` threads where a source is read
+    through the cache (a read may wait for a fill), else with one (a local read is numpy work under the
+    interpreter lock: a second thread only contends for it). A unit id is ``epoch * total + base[s] +
+    sequence`` (``total``: all sources' sequences, ``base[s]``: source ``s``'s first; one dataset: ``epoch *
+    sequences + sequence``); the batch's ``indices`` are ``base[s] + sequence``."""
 
     def __init__(self, sources: list[TokenSource], threads: int):
         self.sources = sources
@@ -255,7 +257,8 @@ class TokenReader:
         self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
-        self._threads, self._draining = threads, 0
+        cached = any(src.files is not None for src in sources)
+        self._threads, self._draining = (threads if cached else 1), 0  # local reads hold the interpreter lock
         self._pending: list[tuple[np.ndarray, Future]] = []
 
     @property
