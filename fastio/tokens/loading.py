@@ -35,7 +35,7 @@ from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, cu_from, document_starts, positions_from, ramp_to
+from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
 
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
            "mixture_units", "open_tables", "packing_of", "source_packings"]
@@ -197,6 +197,21 @@ def _settle(group: list[tuple[np.ndarray, Future]], read: Callable[[list[np.ndar
             future.set_exception(err)
 
 
+def _cu_per_batch(starts: np.ndarray, ends: np.ndarray, width: int) -> list[np.ndarray]:
+    """Each batch's ``cu_seqlens`` (int32): the document ``starts`` (sorted indices into the flattened rows of
+    ``width`` tokens of batches ending at rows ``ends``) within that batch's flattened inputs (each row but its
+    last token), then their end; one pass for all batches."""
+    row, col = np.divmod(starts, width)
+    inputs = col < width - 1
+    row, col = row[inputs], col[inputs]
+    cut = np.searchsorted(row, ends)  # where each batch's starts end
+    first = np.concatenate([[0], ends[:-1]])
+    batch = np.repeat(np.arange(ends.size), np.diff(np.concatenate([[0], cut])))
+    local = (row - first[batch]) * (width - 1) + col
+    whole = np.insert(local, cut, (ends - first) * (width - 1)).astype(np.int32)
+    return np.split(whole, cut + np.arange(1, ends.size + 1))[:-1]
+
+
 def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
     """The distinct (source, epoch) pairs of a batch's units, in order of first appearance."""
     pairs = list(zip(src.tolist(), epochs.tolist()))
@@ -317,11 +332,11 @@ class TokenReader:
         mask = np.ones(tokens.shape, bool) if full else np.arange(self.width) < lengths[:, None]
         starts = document_starts(tokens, self.eos_id, None if full else mask)
         pos = positions_from(starts, tokens.size).reshape(tokens.shape)
-        indices, out, r0 = self.base[src] + seqs, [], 0
-        for r1 in np.cumsum([b.size for b in batches]).tolist():
-            lo, hi = np.searchsorted(starts, [r0 * self.width, r1 * self.width]).tolist()
-            arrays = {"tokens": tokens[r0:r1], "loss_mask": mask[r0:r1], "position_ids": pos[r0:r1],
-                      "cu_seqlens": cu_from(starts[lo:hi] - r0 * self.width, r1 - r0, self.width)}
+        indices, ends = self.base[src] + seqs, np.cumsum([b.size for b in batches])
+        cus = _cu_per_batch(starts, ends, self.width)
+        out, r0 = [], 0
+        for r1, cu in zip(ends.tolist(), cus):
+            arrays = {"tokens": tokens[r0:r1], "loss_mask": mask[r0:r1], "position_ids": pos[r0:r1], "cu_seqlens": cu}
             out.append(TokenBatch(indices[r0:r1], arrays))
             r0 = r1
         return out
