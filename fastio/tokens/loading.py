@@ -13,7 +13,11 @@ sources' sequences; ``base[s] + sequence`` is the mixture id, ``source_epoch`` t
 draws its document order). A single dataset is the one-source case (``base`` 0, ``total`` its sequences).
 
 The shards are read in place (a local dataset) or through the node-local cache (an ``s3://`` dataset: the read
-set's shard source, filled ahead in the order the coming sequences want them).
+set's shard source, filled ahead in the order the coming sequences want them). A read is numpy work on whole
+batches: the batches submitted while the reader was busy are read together (:meth:`TokenReader.read_batches`),
+their pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`) and gathered with one fancy index
+per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, checked against
+the file's size on every read; a cached shard's mapped while the cache holds it for the read).
 """
 
 from __future__ import annotations

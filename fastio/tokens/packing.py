@@ -19,6 +19,13 @@ The order of the sequences themselves, each rank's slice and the resume arithmet
 :meth:`ConcatPacking.sampler` is a :class:`~fastio.order.sampler.Sampler` over the epoch's sequences (one "shard" of
 ``sequences`` units), so a plan started at ``consumed`` continues bitwise at the same world size and delivers
 each remaining sequence exactly once at another.
+
+``pieces(epoch, s)`` gives one sequence's token ranges (the reference); ``spans(epoch, seqs)`` gives a whole
+batch's at once as arrays (:class:`Spans`, what the reader uses; the tests hold the two equal): concat searches a
+table of the epoch's stream (every document's shard offset and stream position, 24 bytes a document, built once per
+epoch up to :data:`STREAM_TABLE_DOCS` documents; above, one of the blocks the batch touches), best-fit looks up
+each block's packed sequences as arrays. :func:`boundaries` gives ``position_ids`` and ``cu_seqlens`` from one
+search for the documents' starts.
 """
 
 from __future__ import annotations
