@@ -23,8 +23,9 @@ each remaining sequence exactly once at another.
 ``pieces(epoch, s)`` gives one sequence's token ranges (the reference); ``spans(epoch, seqs)`` gives a whole
 batch's at once as arrays (:class:`Spans`, what the reader uses; the tests hold the two equal): concat searches a
 table of the epoch's stream (every document's shard offset and stream position, 24 bytes a document, built once per
-epoch up to :data:`STREAM_TABLE_DOCS` documents; above, one of the blocks the batch touches), best-fit looks up
-each block's packed sequences as arrays. :func:`boundaries` gives ``position_ids`` and ``cu_seqlens`` from one
+epoch up to :data:`STREAM_TABLE_DOCS` documents; above, one of the blocks the batch touches), best-fit one of
+every block's packed sequences as arrays (made once: the packing is the same every epoch; above that size, the
+touched blocks'). :func:`boundaries` gives ``position_ids`` and ``cu_seqlens`` from one
 search for the documents' starts.
 """
 
@@ -51,7 +52,8 @@ PACKING_ALGORITHM = "concat-blocks-v1"
 PACKINGS = ("concat", "best-fit")
 STREAM_TABLE_DOCS = 1 << 19
 """Up to this many documents, :meth:`ConcatPacking.spans` searches a table of the whole epoch's stream (24 bytes a
-document, built once per epoch, two epochs kept); above it, one of the blocks a batch touches."""
+document, built once per epoch, two epochs kept) and :meth:`BestFitPacking.spans` one of every block's packed
+sequences (made once); above it, tables of the blocks a batch touches."""
 _SHUFFLES = ("global", "none")
 
 
@@ -334,6 +336,8 @@ class BestFitPacking(_BlockPacking):
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
+        self.documents = int(self._blk_n.sum())
+        self._whole: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def padding_fraction(self) -> float:
@@ -366,35 +370,59 @@ class BestFitPacking(_BlockPacking):
         return list(self._pack(int(perm[slot]))[sequence - int(slot_start[slot])])
 
     def _pack_arrays(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_pack_table` of block ``b``, cached (a few blocks)."""
+        return self._cached(("bin-arrays", b), lambda: self._pack_table(b))
+
+    def _pack_table(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Block ``b``'s sequences as arrays: (where each sequence's pieces begin + the end, their token
-        offsets, their counts), from :meth:`_pack` (cached: a few blocks)."""
-        def compute():
-            bins = self._pack(b)
-            ptr = np.concatenate([[0], np.cumsum([len(pieces) for pieces in bins])]).astype(np.int64)
-            start = np.array([p.start for pieces in bins for p in pieces], np.int64)
-            return ptr, start, np.array([p.count for pieces in bins for p in pieces], np.int64)
-        return self._cached(("bin-arrays", b), compute)
+        offsets, their counts), from :meth:`_pack`."""
+        bins = self._pack(b)
+        ptr = np.concatenate([[0], np.cumsum([len(pieces) for pieces in bins])]).astype(np.int64)
+        start = np.array([p.start for pieces in bins for p in pieces], np.int64)
+        return ptr, start, np.array([p.count for pieces in bins for p in pieces], np.int64)
 
     def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
         """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
-        (vectorised: a few numpy operations per block the sequences touch)."""
+        (vectorised: the packed sequences of the blocks, as arrays end to end, looked up at once)."""
         seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
         perm, slot_start = self._slots(epoch, self._bins)
         slot = np.searchsorted(slot_start, seqs, "right") - 1
-        blocks, local = perm[slot], seqs - slot_start[slot]
-        first, per = np.empty(seqs.size, np.int64), np.empty(seqs.size, np.int64)
-        tables = {}
-        for b in np.unique(blocks).tolist():
-            at = blocks == b
-            ptr, _, _ = tables[b] = self._pack_arrays(b)
-            first[at], per[at] = ptr[local[at]], ptr[local[at] + 1] - ptr[local[at]]
+        blocks = perm[slot]
+        base, ptr, start, count = self._bin_table(blocks)
+        first = ptr[base + seqs - slot_start[slot]]  # each sequence's first piece in the table
+        per = ptr[base + seqs - slot_start[slot] + 1] - first
         row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
         piece = np.repeat(first, per) + _ramp(per)
-        start, count = np.empty(piece.size, np.int64), np.empty(piece.size, np.int64)
-        for b, (_, starts, counts) in tables.items():
-            at = blocks[row] == b
-            start[at], count[at] = starts[piece[at]], counts[piece[at]]
-        return Spans(row, self._blk_shard[blocks[row]], start, count)
+        return Spans(row, np.repeat(self._blk_shard[blocks], per), start[piece], count[piece])
+
+    def _bin_table(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(where the sequences of each of ``blocks`` begin in the table, where each sequence's pieces begin +
+        the end, the pieces' token offsets, their counts): every block's packed sequences end to end (made once,
+        the packing being the same every epoch) where the corpus has at most :data:`STREAM_TABLE_DOCS`
+        documents, else the given blocks'."""
+        if self.documents <= STREAM_TABLE_DOCS:
+            with self._lock:
+                table = self._whole
+            if table is None:
+                table = self._bin_arrays(np.arange(self._blk_n.size))
+                with self._lock:
+                    self._whole = table
+            base, *rest = table
+            return (base[blocks], *rest)
+        touched, which = np.unique(blocks, return_inverse=True)
+        base, *rest = self._bin_arrays(touched, cached=True)
+        return (base[which], *rest)
+
+    def _bin_arrays(self, blocks: np.ndarray, cached: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_bin_table` over ``blocks`` (``cached``: their arrays through the block cache), ``base`` by
+        position in ``blocks``."""
+        tables = [self._pack_arrays(b) if cached else self._pack_table(b) for b in blocks.tolist()]
+        pieces = np.cumsum([0] + [t[0][-1] for t in tables])
+        ptr = np.concatenate([t[0][:-1] + off for t, off in zip(tables, pieces.tolist())] + [pieces[-1:]])
+        base = np.cumsum([0] + [t[0].size - 1 for t in tables])[:-1]
+        start = np.concatenate([t[1] for t in tables])
+        return base.astype(np.int64), ptr.astype(np.int64), start, np.concatenate([t[2] for t in tables])
 
 
 def _checked(sequences: np.ndarray, n: int) -> np.ndarray:
