@@ -356,8 +356,9 @@ class TokenReader:
         at = np.repeat(start - before, count)
         at += k  # token offset in its shard of each token (in place: fresh memory costs page faults)
         one = bool((spans.shard == spans.shard[0]).all())
+        stops = start + count
         if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
-            return self._tokens(s, int(spans.shard[0]), at).astype(np.int64)
+            return self._tokens(s, int(spans.shard[0]), at, int(stops.max())).astype(np.int64)
         if flat is None:
             flat = np.full(size, self.eos_id, np.int64)
         first = np.ones(rows.size, bool)
@@ -368,32 +369,34 @@ class TokenReader:
         each = None if one else np.repeat(spans.shard, count)
         for shard in np.unique(spans.shard).tolist():
             here = slice(None) if each is None else each == shard
-            flat[to[here]] = self._tokens(s, shard, at[here])
+            end = int(stops.max() if one else stops[spans.shard == shard].max())
+            flat[to[here]] = self._tokens(s, shard, at[here], end)
         return flat
 
-    def _tokens(self, s: int, k: int, at: np.ndarray) -> np.ndarray:
-        """The tokens at offsets ``at`` of shard ``k`` of source ``s``: its ``.bin`` mapped for the reader's life
-        (a local dataset), or mapped while the cache holds it (``s3://``: acquired, read, released)."""
+    def _tokens(self, s: int, k: int, at: np.ndarray, end: int) -> np.ndarray:
+        """The tokens at offsets ``at`` (all below ``end``) of shard ``k`` of source ``s``: its ``.bin`` mapped for
+        the reader's life (a local dataset), or mapped while the cache holds it (``s3://``: acquired, read,
+        released)."""
         source = self.sources[s]
         if source.files is None:
             fd, tokens = self._mapped(s, k)
-            return self._checked(s, k, fd, tokens, at)[at]
+            return np.take(self._checked(s, k, fd, tokens, end), at)
         fd = source.files.acquire(k)
         try:  # the mapping (and its copy of fd) goes with the array, before the shard is released
-            return self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), at)[at]
+            return np.take(self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), end), at)
         finally:
             source.files.release(k)
 
     def _dtype(self, s: int) -> np.dtype:
         return np.dtype(self.sources[s].ds.manifest.tokens.dtype).newbyteorder("<")
 
-    def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """``tokens`` (shard ``k``'s mapping), once the file still holds every offset in ``at`` (a file cut
+    def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, end: int) -> np.ndarray:
+        """``tokens`` (shard ``k``'s mapping), once the file still holds the offsets below ``end`` (a file cut
         short under a mapping would kill the process on reading): DatasetError naming the shard if not."""
         source = self.sources[s]
         shard = source.ds.shards[k]
         itemsize = tokens.dtype.itemsize
-        need = (int(at.max()) + 1) * itemsize
+        need = end * itemsize
         size = os.fstat(fd).st_size
         if need > min(size, tokens.size * itemsize):
             raise DatasetError(f"{source.ds.root}: shard {shard.name}: {size} bytes, the .idx says {shard.bytes} "
