@@ -44,8 +44,9 @@ from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
            "mixture_units", "open_tables", "packing_of", "source_packings"]
 
-GROUP = 8
-"""Most batches a reader thread reads together (those submitted while it was busy)."""
+GROUP = 4
+"""Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
+page faults cost more than the calls saved, here)."""
 ORDER_CHUNK = 256
 """Batches of a plan looked up at once for the feeder (the order's fixed cost per lookup is most of its cost: 256
 batches of 8 cost about 2 us a batch where 32 cost 33)."""
@@ -204,16 +205,17 @@ def _settle(group: list[tuple[np.ndarray, Future]], read: Callable[[list[np.ndar
 def _cu_per_batch(starts: np.ndarray, ends: np.ndarray, width: int) -> list[np.ndarray]:
     """Each batch's ``cu_seqlens`` (int32): the document ``starts`` (sorted indices into the flattened rows of
     ``width`` tokens of batches ending at rows ``ends``) within that batch's flattened inputs (each row but its
-    last token), then their end; one pass for all batches."""
+    last token), then their end."""
     row, col = np.divmod(starts, width)
     inputs = col < width - 1
     row, col = row[inputs], col[inputs]
-    cut = np.searchsorted(row, ends)  # where each batch's starts end
+    cut = np.searchsorted(row, ends).tolist()  # where each batch's starts end
     first = np.concatenate([[0], ends[:-1]])
-    batch = np.repeat(np.arange(ends.size), np.diff(np.concatenate([[0], cut])))
-    local = (row - first[batch]) * (width - 1) + col
-    whole = np.insert(local, cut, (ends - first) * (width - 1)).astype(np.int32)
-    return np.split(whole, cut + np.arange(1, ends.size + 1))[:-1]
+    if len(cut) > 1:
+        row -= np.repeat(first, np.diff(np.concatenate([[0], cut])))
+    local = (row * (width - 1) + col).astype(np.int32)
+    stops = ((ends - first) * (width - 1)).astype(np.int32)
+    return [np.concatenate([local[lo:hi], stops[j:j + 1]]) for j, (lo, hi) in enumerate(zip([0] + cut[:-1], cut))]
 
 
 def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
