@@ -16,9 +16,14 @@ Figures (medians over the repeats, runs interleaved on the same files):
   files of zeros, a manifest as ``fastio index --eos-id 0`` writes it; made once, then reused) read by
   ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len))`` as rank 0 of 1,024 in a fresh process: seconds from the
   process's start to its first batch, and the process's peak resident memory after the imports, the Loader and
-  the first batch (targets: under 2 s and under 1 GB; the issue's size is 10^8 documents of 10^11 tokens:
+  the first batch. fastio's modules are compiled to bytecode first, as installing a package does (pip writes the
+  ``.pyc`` files of a wheel), so that an editable checkout run with ``PYTHONDONTWRITEBYTECODE`` does not pay
+  compiling them in every process (about 0.2 s); torch's are installed compiled. (Targets: under 2 s and under 1
+  GB; the issue's size is 10^8 documents of 10^11 tokens:
   ``--scale-docs 100000000``, whose first run also hashes the 50 GB of zeros of one ``.bin`` for the manifest
-  (the eight are alike), about a minute).
+  (the eight are alike), about a minute; a folder made before manifests said ``one_sequence_per_document`` and
+  recorded a document-starts table gets both added, once its ``.idx`` files are checked to have one sequence per
+  document).
 
 ``python bench/tokens.py [--repeats N] [--docs N] [--seq-len N] [--scale-docs N]`` writes
 ``bench/out/tokens.json``.
@@ -211,6 +216,7 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
     from fastio.tokens.megatron import MAGIC
 
     if (folder / MANIFEST_NAME).exists():
+        _upgrade_manifest(folder)
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     per = docs // shards
@@ -231,11 +237,21 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
             shutil.copyfile(first, idx)
         with open(idx.with_suffix(".bin"), "wb") as f:
             f.truncate(total * 4)  # sparse: int32 tokens, zeros
-    _synthetic_manifest(folder, shards, per, total)
+    _synthetic_manifest(folder, shards, per, total, _write_starts(folder, shards))
     return folder
 
 
-def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int) -> None:
+def _write_starts(folder: Path, shards: int):
+    """The document-starts table of :func:`write_synthetic`'s ``shards`` pairs (each ``.idx`` a copy of the
+    first), written into ``folder``; its manifest record."""
+    from fastio.tokens.megatron import MegatronIndex
+    from fastio.tokens.starts import shard_starts, write_starts
+
+    one = shard_starts(MegatronIndex(folder / "s-000000.idx", one_per_document=True))
+    return write_starts(folder, [one] * shards)
+
+
+def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int, starts) -> None:
     """The manifest of :func:`write_synthetic`'s pairs, as ``fastio index --eos-id 0`` would write it, with the
     ``.bin`` checksums computed from their content (``tokens`` int32 zeros, hashed once from memory: the sparse
     files hold nothing else, and reading them would fill the page cache with zeros). Every ``.idx`` is a copy
@@ -253,9 +269,30 @@ def _synthetic_manifest(folder: Path, shards: int, per: int, tokens: int) -> Non
                            idx_sha256=idx_sha256, xxh3_128=hashes["xxh3_128"].hexdigest(),
                            location=f"s-{k:06d}.bin", idx_location=f"s-{k:06d}.idx", tokens=tokens)
                for k in range(shards)]
-    info = TokenInfo(dtype="int32", eos_id=0, total_tokens=tokens * shards)
+    info = TokenInfo(dtype="int32", eos_id=0, total_tokens=tokens * shards, one_sequence_per_document=True,
+                     starts=starts)
     write_manifest(folder, make_manifest(name="synthetic", shards=records, fields=[], kind="tokens", tokens=info,
                                          converted_from={"format": "synthetic", "path": str(folder)}))
+
+
+def _upgrade_manifest(folder: Path) -> None:
+    """Add ``one_sequence_per_document`` (its ``.idx`` files checked first) and the document-starts table to the
+    manifest of a folder :func:`write_synthetic` made before manifests had them, the records as they are: nothing
+    rehashed."""
+    from dataclasses import replace
+
+    from fastio.dataset.manifest import load_manifest, write_manifest
+    from fastio.tokens.megatron import MegatronIndex
+
+    manifest = load_manifest(folder)
+    info = manifest.tokens
+    if info.one_sequence_per_document and info.starts is not None:
+        return
+    if not info.one_sequence_per_document and not all(
+            MegatronIndex(folder / s.idx_location).is_one_per_document() for s in manifest.shards):
+        raise SystemExit(f"bench: {folder}: an .idx has not one sequence per document; remove the folder")
+    starts = _write_starts(folder, len(manifest.shards))
+    write_manifest(folder, replace(manifest, tokens=replace(info, one_sequence_per_document=True, starts=starts)))
 
 
 def _peak_rss() -> int:
@@ -298,9 +335,13 @@ def first_batch(folder: Path, seq_len: int) -> dict[str, Any]:
 def bench_first_batch(workdir: Path, scale_docs: int, seq_len: int) -> dict[str, Any]:
     """:func:`first_batch` over a synthetic corpus of ``scale_docs`` documents in a fresh process: ``seconds``
     from the process's start (``Popen``) to rank 0's first batch."""
+    import compileall
     import time
 
+    import fastio
+
     folder = write_synthetic(workdir / f"scale-{scale_docs}", scale_docs, shards=8)
+    compileall.compile_dir(Path(fastio.__file__).parent, quiet=1)  # as an install does (see the module docstring)
     code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
             f"from pathlib import Path; from bench.tokens import first_batch; "
             f"print(json.dumps(first_batch(Path({str(folder)!r}), {seq_len})))")

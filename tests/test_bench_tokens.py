@@ -27,3 +27,17 @@ def test_the_first_batch_row_reports_the_childs_own_peak_memory(tmp_path):
     assert steps["import_fastio"] <= steps["import_torch"] <= steps["first_batch"] == got["peak_rss_bytes"]
     assert got["peak_rss_bytes"] < 600 << 20  # the Loader and torch; not the 768 MiB held here
     assert 0 < got["seconds_after"]["first_batch"] < got["seconds"]
+
+
+def test_a_synthetic_folder_made_before_the_starts_table_gets_it(tmp_path):
+    from dataclasses import replace
+
+    from fastio.dataset.manifest import load_manifest, write_manifest
+    from fastio.tokens.starts import STARTS_NAME
+
+    folder = write_synthetic(tmp_path / "scale", 4_000, shards=4, mean_len=50)
+    m = load_manifest(folder)
+    write_manifest(folder, replace(m, tokens=replace(m.tokens, one_sequence_per_document=False, starts=None)))
+    (folder / STARTS_NAME).unlink()
+    write_synthetic(folder, 4_000, shards=4, mean_len=50)
+    assert load_manifest(folder) == m and verify(folder).ok

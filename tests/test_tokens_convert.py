@@ -64,11 +64,12 @@ def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
     m = load_manifest(tmp_path / "ds")
     assert m.kind == "tokens" and m.format_version == 3
     assert m.tokens.dtype == "uint16" and m.tokens.eos_id == eos and m.tokens.vocab_size == 300
+    assert m.tokens.one_sequence_per_document  # what MegatronWriter writes: readers skip doc_index
     assert m.tokens.total_tokens == sum(map(len, docs)) == sum(s.tokens for s in m.shards)
     assert [s.name for s in m.shards] == sorted(s.name for s in m.shards)
     assert m.converted_from["empty_documents"] == 3
-    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "manifest.json",
-                                                                     "shards"]
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [".fastio-lock", ".fastio-output", "doc-starts.fxs",
+                                                                     "manifest.json", "shards"]
 
 
 def test_non_ascii_round_trips(tmp_path, tokenizer):

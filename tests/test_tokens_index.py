@@ -11,7 +11,7 @@ import pytest
 from fastio.cli import main
 from fastio.dataset.manifest import load_manifest
 from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import MegatronWriter
+from fastio.tokens.megatron import MegatronIndex, MegatronWriter
 
 EOS = 2
 DOCS = [[5, 6, 7, EOS], [1, EOS], [9, 9, 9, 9, EOS]]
@@ -49,6 +49,7 @@ def test_index_in_place_then_verify_and_inspect(tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in data.iterdir() if p.name in before} == before  # nothing rewritten
     m = load_manifest(data)
     assert m.kind == "tokens" and m.tokens.eos_id == EOS and m.tokens.dtype == "uint16" and m.tokens.vocab_size is None
+    assert m.tokens.one_sequence_per_document  # one item per document, as preprocess_data.py writes
     assert [(s.name, s.samples, s.tokens) for s in m.shards] == [("code_text_document.bin", 2, 6),
                                                                  ("web_text_document.bin", 3, 11)]
     assert [s.location for s in m.shards] == ["code_text_document.bin", "web_text_document.bin"]
@@ -135,3 +136,128 @@ def test_fastio_writer_pairs_index_too_and_flags_checked(tmp_path, capsys):
     rc, out = run(capsys, "index", data, "--eos-id", -1)
     assert rc == 2 and "--eos-id must be a token id" in out
     assert json.loads((data / "manifest.json").read_text())["name"] == "megatron"
+
+
+def test_documents_of_several_sequences_are_indexed_and_read_whole(tmp_path):
+    """Megatron pairs with sentence splitting (a document of several sequences): the manifest does not claim one
+    sequence per document, and a reader takes each document whole through doc_index."""
+    import torch
+
+    from fastio.tokens.dataset import TokenDataset
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    data = tmp_path / "data"
+    data.mkdir()
+    builder = idx.IndexedDatasetBuilder(str(data / "s.bin"), dtype=np.uint16)
+    for doc in ([[5, 6], [7, EOS]], [[1, EOS]], [[9], [9, 9], [9, EOS]]):
+        for sentence in doc:
+            builder.add_item(torch.tensor(sentence))
+        builder.end_document()
+    builder.finalize(str(data / "s.idx"))
+    index_tokens(TokenIndexConfig(data, EOS))
+    assert not load_manifest(data).tokens.one_sequence_per_document
+    ds = TokenDataset(data)
+    assert [ds.shards[0].document(j).tolist() for j in range(3)] == DOCS
+    assert ds.shards[0].index.starts(np.array([0, 2, 3])).tolist() == [0, 6, 11]
+
+
+# -- s3:// ---------------------------------------------------------------------------------------------------------
+
+def _pairs_folder(folder, dtype="uint16", shards=2, docs=120):
+    """``shards`` pairs written by fastio's MegatronWriter: documents of 1..40 tokens, each ending with EOS."""
+    rng = np.random.default_rng(5)
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(shards):
+        w = MegatronWriter(folder / f"part-{k:03d}.bin", dtype)
+        for _ in range(docs):
+            w.add(np.r_[rng.integers(3, 500, int(rng.integers(0, 40))), EOS])
+        w.close()
+    return folder
+
+
+def _upload(store, folder, prefix):
+    for path in sorted(folder.iterdir()):
+        store.put_file(f"{prefix}/{path.name}", path)
+
+
+def _records(m):
+    return [(s.name, s.samples, s.bytes, s.sha256, s.xxh3_128, s.idx_sha256, s.tokens) for s in m.shards]
+
+
+def test_s3_pairs_indexed_in_place_and_elsewhere_read_through_the_cache(tmp_path, aws_env, moto_server, s3_bucket,
+                                                                       capsys, monkeypatch):
+    """fastio index s3://bucket/prefix --eos-id: the same records as the local folder's, the .idx fetched by ranged
+    GETs and the .bin streamed (never downloaded to a file), and a Loader through the cache reads the tokens a
+    local read gives."""
+    import torch
+
+    import fastio
+    from fastio.storage import open_storage
+    from fastio.storage.base import S3Storage
+
+    local = _pairs_folder(tmp_path / "local")
+    store = open_storage(f"s3://{s3_bucket}")
+    _upload(store, local, "mega")
+    store.put_bytes("mega/sub/x.bin", b"not a pair of this prefix")  # below the prefix: not listed
+    store.put_bytes("mega-other/y.bin", b"a neighbour prefix")
+    downloads, get_to_file = [], S3Storage.get_to_file
+    monkeypatch.setattr(S3Storage, "get_to_file", lambda self, key, *a, **k: downloads.append(key) or
+                        get_to_file(self, key, *a, **k))
+    assert run(capsys, "index", local, "--eos-id", EOS)[0] == 0
+    rc, out = run(capsys, "index", f"s3://{s3_bucket}/mega/", "--eos-id", EOS)
+    assert rc == 0 and "indexed 2 shards, 240 documents" in out, out
+    assert sorted(downloads) == ["part-000.idx", "part-001.idx"]  # the .bin files: streamed, not downloaded
+    remote = fastio.Dataset(f"s3://{s3_bucket}/mega", cache_dir=tmp_path / "c0").manifest
+    assert _records(remote) == _records(load_manifest(local)) and remote.tokens == load_manifest(local).tokens
+    assert [s.location for s in remote.shards] == ["part-000.bin", "part-001.bin"]
+    rc, out = run(capsys, "index", f"s3://{s3_bucket}/mega", "--eos-id", EOS, "--dest", f"s3://{s3_bucket}/meta")
+    assert rc == 0, out
+    meta = fastio.Dataset(f"s3://{s3_bucket}/meta", cache_dir=tmp_path / "c1").manifest
+    assert [s.location for s in meta.shards] == [f"s3://{s3_bucket}/mega/part-000.bin",
+                                                 f"s3://{s3_bucket}/mega/part-001.bin"]
+    options = {"pipeline": fastio.Tokens(seq_len=16, window=8), "batch_size": 4, "device": "cpu", "seed": 3}
+    for url in (f"s3://{s3_bucket}/mega", f"s3://{s3_bucket}/meta"):
+        with fastio.Loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB", **options) as ld, \
+                fastio.Loader(local, **options) as want:
+            got = list(ld)
+            assert len(got) == len(want) > 10
+            assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(got, want, strict=True))
+    rc, out = run(capsys, "index", f"s3://{s3_bucket}/mega", "--eos-id", EOS, "--dest", tmp_path / "here")
+    assert rc == 2 and "pairs on an object store are indexed into an s3:// DEST" in out, out
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("no-idx", r"s3://{b}/mega/part-000\.bin: has no partner part-000\.idx"),
+    ("truncate", r"s3://{b}/mega/part-001\.bin: 20 bytes, but part-001\.idx indexes \d+ .*truncated"),
+    ("other-dtype", r"s3://{b}/mega/part-001\.idx: holds int32 tokens, expected uint16"),
+    ("wrong-eos", r"s3://{b}/mega/part-000\.bin: document 0 ends with token \d+, not eos_id 2"),
+])
+def test_hostile_s3_pairs_refused_in_one_line_naming_the_url(tmp_path, aws_env, s3_bucket, capsys, damage, message):
+    from fastio.storage import open_storage
+
+    local = _pairs_folder(tmp_path / "local", docs=20)
+    if damage == "no-idx":
+        (local / "part-000.idx").unlink()
+    elif damage == "truncate":
+        with open(local / "part-001.bin", "r+b") as f:
+            f.truncate(20)
+    elif damage == "other-dtype":
+        other = _pairs_folder(tmp_path / "other", dtype="int32", docs=20)
+        for suffix in (".bin", ".idx"):
+            (local / f"part-001{suffix}").write_bytes((other / f"part-001{suffix}").read_bytes())
+    else:
+        raw = bytearray((local / "part-000.bin").read_bytes())
+        end = int(np.diff(np.r_[0, MegatronIndex(local / "part-000.idx").starts(np.array([1]))])[0])
+        raw[2 * end - 2] = 7  # document 0's last token (uint16): 7, not EOS
+        (local / "part-000.bin").write_bytes(bytes(raw))
+    store = open_storage(f"s3://{s3_bucket}")
+    _upload(store, local, "mega")
+    rc, out = run(capsys, "index", f"s3://{s3_bucket}/mega", "--eos-id", EOS)
+    assert rc == 2 and "Traceback" not in out and len(out.strip().splitlines()) == 1, out
+    assert out.startswith("fastio: error: ")
+    import re
+
+    assert re.search(message.format(b=s3_bucket), out), out
+    assert not store.exists("mega/manifest.json")

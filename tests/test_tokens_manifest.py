@@ -30,6 +30,10 @@ def test_round_trip(tmp_path):
     m = load_manifest(tmp_path)
     assert m.kind == "tokens" and m.format_version == 3
     assert m.tokens == TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, vocab_size=300)
+    assert "one_sequence_per_document" not in json.loads((tmp_path / "manifest.json").read_text())["tokens"]
+    one = TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, one_sequence_per_document=True)
+    write_manifest(tmp_path, make_manifest(name="t", shards=SHARDS, fields=[], kind="tokens", tokens=one))
+    assert load_manifest(tmp_path).tokens == one
     assert [(s.name, s.idx_name, s.tokens) for s in m.shards] == [("t-000000.bin", "t-000000.idx", 10),
                                                                   ("t-000001.bin", "t-000001.idx", 4)]
 
@@ -41,6 +45,8 @@ def test_round_trip(tmp_path):
     ({"tokens": {"dtype": "uint16", "eos_id": 300, "total_tokens": 14, "vocab_size": 300}},
      r"tokens\.vocab_size: 300 does not include eos_id 300"),
     ({"tokens": None}, r"tokens: is null, not an object"),
+    ({"tokens": {"dtype": "uint16", "eos_id": 0, "total_tokens": 14, "one_sequence_per_document": 1}},
+     r"tokens\.one_sequence_per_document: 1 is not true or false"),
     ({"kind": "video"}, r"kind: 'video' is not one of samples, tokens"),
     ({"kind": "samples"}, r"t-000000\.bin is not a \.tar shard, as a dataset of samples has"),
     ({"format_version": 2}, r"kind 'tokens' needs format_version 3"),

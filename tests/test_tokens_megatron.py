@@ -187,3 +187,51 @@ def test_a_block_of_documents_is_looked_up_in_one_read_per_column(tmp_path, monk
     calls.clear()
     edges = np.array([0, 4096, 4999, 5000, 17])  # far apart: entry by entry
     assert index.starts(edges).tolist() == dense[edges].tolist() and len(calls) == 2 * 5 - 1  # 5000: no pointer
+
+
+def test_one_per_document_skips_doc_index_reads(tmp_path, monkeypatch):
+    """With the manifest's one_sequence_per_document, a document's start is one read (its pointer), not two."""
+    import os
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(1, 100, int(rng.integers(1, 9))) for _ in range(5000)]
+    path = _write(tmp_path / "s.bin", docs).idx_path
+    dense = MegatronIndex(path).starts(np.arange(5001))
+    index = MegatronIndex(path, one_per_document=True)
+    assert index.is_one_per_document()
+    index.check_structure()
+    calls, pread = [], os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, at: calls.append(n) or pread(fd, n, at))
+    edges = np.array([0, 4096, 4999, 5000, 17])
+    assert index.starts(edges).tolist() == dense[edges].tolist() and len(calls) == 4  # 5000: the end, no read
+    assert index.starts(np.arange(5001)).tolist() == dense.tolist()
+
+
+def test_one_per_document_claim_is_checked(tmp_path):
+    """A manifest's one-sequence-per-document claim that the .idx breaks is refused naming the file: a count
+    that disagrees at open, a doc_index that is not 0, 1, ..., N in check_structure (fastio verify)."""
+    import struct
+
+    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+
+    # 2 documents of 2 sequences: document 0 has none, document 1 both (doc_index 0, 0, 2)
+    lengths, pointers = np.array([2, 2], "<i4"), np.array([0, 4], "<i8")
+    (tmp_path / "m.idx").write_bytes(MAGIC + struct.pack("<QBQQ", 1, 8, 2, 3) + lengths.tobytes()
+                                     + pointers.tobytes() + np.array([0, 0, 2], "<i8").tobytes())
+    (tmp_path / "m.bin").write_bytes(bytes(8))
+    assert len((tmp_path / "m.idx").read_bytes()) == HEADER_BYTES + 2 * 12 + 3 * 8
+    shard = MegatronShard(tmp_path / "m.bin")
+    assert shard.document(1).tolist() == [0, 0, 0, 0] and not shard.index.is_one_per_document()
+    claimed = MegatronIndex(tmp_path / "m.idx", one_per_document=True)
+    with pytest.raises(DatasetError, match=r"m\.idx: a document spans several sequences, and its manifest says one"):
+        claimed.check_structure()
+    w = MegatronWriter(tmp_path / "three.bin", "uint16")
+    for d in DOCS[:3]:
+        w.add(d)
+    w.close()
+    raw = bytearray((tmp_path / "three.idx").read_bytes())
+    raw[26:34] = (3).to_bytes(8, "little")  # 2 documents (3 entries) for 3 sequences
+    (tmp_path / "three.idx").write_bytes(bytes(raw[:HEADER_BYTES + 3 * 12 + 3 * 8]))
+    assert MegatronIndex(tmp_path / "three.idx").documents == 2
+    with pytest.raises(DatasetError, match=r"three\.idx: 3 sequences for 2 documents, and its manifest says one"):
+        MegatronIndex(tmp_path / "three.idx", one_per_document=True)

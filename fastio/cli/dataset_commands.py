@@ -202,8 +202,8 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary line.")
 @click.option("--eos-id", type=int, default=None,
-              help="SOURCE is a folder of Megatron .bin/.idx pairs: index them as a token dataset whose documents end "
-                   "with this end-of-document id (docs/tokens.md).")
+              help="SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs: index them as a token dataset "
+                   "whose documents end with this end-of-document id (docs/tokens.md).")
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
           threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
@@ -213,8 +213,8 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
-    manifest.json. With --eos-id, SOURCE is a folder of Megatron .bin/.idx pairs and only manifest.json is
-    written."""
+    manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
+    doc-starts.fxs (where documents start) and manifest.json are written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
@@ -239,7 +239,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
         click.echo(result.summary())
 
 
-_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet")
+_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet", "endpoint_url", "region", "profile")
 
 
 def _index_tokens(ctx: click.Context, quiet: bool) -> None:
@@ -257,7 +257,8 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
             raise DatasetError("--eos-id takes one folder or s3:// prefix of Megatron .bin/.idx pairs, not "
                                f"{len(params['source'])} paths")
         config = TokenIndexConfig(source=params["source"][0], eos_id=params["eos_id"], dest=params["dest"], name=name,
-                                  overwrite=params["overwrite"])
+                                  overwrite=params["overwrite"], storage_options=storage_options(
+                                      params["endpoint_url"], params["region"], params["profile"]))
         result = index_tokens(config)
     except (ValueError, DatasetError) as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None

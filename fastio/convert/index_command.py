@@ -77,8 +77,8 @@ from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.storage.options import StorageOptions
 
-__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts",
-           "paths_pattern"]
+__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "check_index_dest", "expand_braces", "index_shards",
+           "merge_index_parts", "paths_pattern", "publish_uploads"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -455,7 +455,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             elif config.label_field is not None:  # a part knows its label field only when it is named
                 _check_labels(config.label_field, done)
             guard()
-            _publish(dest_storage, done.uploads)
+            publish_uploads(dest_storage, done.uploads)
             if part is not None:
                 k, n, a, b, count, digest = part
                 write_part_record(lock_dir, PartRecord(part=k, of=n, plan=_plan(config, in_place, count, digest),
@@ -485,7 +485,7 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[_Shard]) ->
     if config.part is not None and dest_storage.remote:
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
     if not in_place:
-        _check_dest(dest_storage, config.overwrite)
+        check_index_dest(dest_storage, config.overwrite)
     if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
@@ -599,7 +599,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
         converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
-    _publish(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return manifest
 
 
@@ -657,9 +657,9 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
-def _check_dest(dest: Storage, overwrite: bool) -> None:
+def check_index_dest(dest: Storage, overwrite: bool) -> None:
     """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
-    ``fastio convert``'s; with ``overwrite`` any folder is written into."""
+    ``fastio convert``'s; with ``overwrite`` any folder is written into (``fastio index --eos-id`` too)."""
     if not dest.remote:
         path = dest.location.path
         if path.exists() and not path.is_dir():
@@ -726,8 +726,9 @@ def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], f
     return max(image_fields, key=lambda f: (counts[f], [-ord(c) for c in f])) if image_fields else None
 
 
-def _publish(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
-    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3."""
+def publish_uploads(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
+    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3
+    (``fastio index --eos-id``'s manifest too)."""
     for key, path in uploads:
         if dest.remote:
             dest.put_file(key, path)

@@ -236,11 +236,23 @@ class TokenInfo:
     """Tokens in all shards (the sum of the shard records' ``tokens``)."""
     vocab_size: int | None = None
     """Ids of the tokenizer (None: not known, e.g. shards indexed by ``fastio index``)."""
+    one_sequence_per_document: bool = False
+    """Every ``.idx`` has one sequence per document (``doc_index`` is 0, 1, ..., N: what ``fastio convert``
+    writes, and what ``fastio index`` found), so a reader finds a document without ``doc_index``; written
+    only when true."""
+    starts: IndexRecord | None = None
+    """The document-starts table (``doc-starts.fxs``, :mod:`fastio.tokens.starts`; None: none was written)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         if self.vocab_size is None:
             del out["vocab_size"]
+        if not self.one_sequence_per_document:
+            del out["one_sequence_per_document"]
+        if self.starts is None:
+            del out["starts"]
+        else:
+            out["starts"] = self.starts.as_dict()
         return out
 
     @classmethod
@@ -260,7 +272,13 @@ class TokenInfo:
         vocab = data.get("vocab_size")
         if vocab is not None and (_count(vocab, f"{where}.vocab_size") <= eos):
             raise DatasetError(f"{where}.vocab_size: {vocab} does not include eos_id {eos}")
-        return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab)
+        one = data.get("one_sequence_per_document", False)
+        if not isinstance(one, bool):
+            raise DatasetError(f"{where}.one_sequence_per_document: {one!r} is not true or false")
+        starts = data.get("starts")
+        return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab,
+                   one_sequence_per_document=one,
+                   starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"))
 
 
 _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}

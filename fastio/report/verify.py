@@ -39,6 +39,7 @@ from fastio.formats.wds import split_member_name
 from fastio.storage import is_remote, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.megatron import MegatronShard
+from fastio.tokens.starts import read_starts
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -103,16 +104,18 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
     return samples
 
 
-def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport):
+def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport,
+                    starts: tuple[int, np.ndarray] | None = None):
     """What is wrong with a token shard's ``.idx`` and documents: checksum, structure, counts, every document
-    ending with the end-of-document id, ids inside the vocabulary."""
+    ending with the end-of-document id, ids inside the vocabulary, its entries of the document-starts table
+    (``starts``: every how many documents, the entries)."""
     if not idx_path.is_file():
         return [f"index {idx_path.name} is missing"]
     problems = []
     if sha256_file(idx_path)[1] != shard.idx_sha256:
         problems.append(f"index {idx_path.name} sha256 does not match the manifest")
     try:
-        pair = MegatronShard(bin_path, info.dtype)
+        pair = MegatronShard(bin_path, info.dtype, one_per_document=info.one_sequence_per_document)
         pair.index.check_structure()
     except DatasetError as err:
         return [*problems, str(err)]
@@ -122,6 +125,9 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
     if shard.tokens is not None and pair.index.tokens != shard.tokens:
         problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
     edges = pair.index.starts(np.arange(pair.documents + 1))
+    if starts is not None and not np.array_equal(starts[1], edges[np.r_[np.arange(0, pair.documents, starts[0]),
+                                                                       pair.documents]]):
+        problems.append(f"its entries of the document starts table {info.starts.name} disagree with its .idx")
     docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
     tokens = pair.tokens(0, pair.index.tokens)
     bad = docs[tokens[edges[docs + 1] - 1] != info.eos_id]
@@ -153,8 +159,9 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     local = LocalFiles(root) if fetch is None else None
     _stray_files(root, prefix, manifest.shards, listed_files, report)
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
+    starts = _starts_table(root, prefix, manifest, report)
     for shard in _each_shard(manifest.shards, fetch):
-        checked = _verify_shard(root, prefix, shard, manifest, local, decode, report)
+        checked = _verify_shard(root, prefix, shard, manifest, local, decode, report, starts.get(shard.name))
         if checked is not None:
             parsed.append(checked)
     record = manifest.index
@@ -167,6 +174,25 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
                             for what in _probe_problems(root / manifest.probes.name, manifest)]
 
 
+def _starts_table(root: Path, prefix: str, manifest: Manifest, report: VerifyReport
+                  ) -> dict[str, tuple[int, np.ndarray]]:
+    """A token dataset's document-starts table checked against the manifest (size, checksums, layout), by shard
+    name, for each shard's check against its ``.idx``; empty where there is none (reported if it is missing)."""
+    record = manifest.tokens.starts if manifest.tokens is not None else None
+    if record is None:
+        return {}
+    path, label = root / record.name, f"{prefix}{record.name}"
+    problems = _file_problems(path, record) if path.is_file() else ["document starts table is missing"]
+    if not problems:
+        try:
+            every, values = read_starts(path, record, [s.samples for s in manifest.shards])
+            return {s.name: (every, v) for s, v in zip(manifest.shards, values)}
+        except DatasetError as err:
+            problems = [f"document starts table does not parse: {err}"]
+    report.problems += [Problem(label, None, what) for what in problems]
+    return {}
+
+
 def _probe_problems(path: Path, manifest: Manifest) -> list[str]:
     """The probe table (``fastio index``'s, of video and audio samples): size and checksums against the manifest's
     record, and its layout (a probe entry per sample)."""
@@ -176,8 +202,8 @@ def _probe_problems(path: Path, manifest: Manifest) -> list[str]:
     out = _file_problems(path, record)
     if not out:
         try:
-            ProbeTable(path.read_bytes(), path.name, manifest.total_samples)
-        except ValueError as err:
+            ProbeTable.open(path, path.name, manifest.total_samples).check()
+        except (OSError, ValueError) as err:
             out.append(f"probe table does not parse: {err}")
     return out
 
@@ -195,9 +221,10 @@ def _stray_files(root: Path, prefix: str, records: list[ShardRecord], listed_fil
 
 
 def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifest, local: LocalFiles | None,
-                  decode: bool, report: VerifyReport) -> tuple[ShardRecord, list | None] | None:
-    """Check one shard's files; its (record, .idx entries) for the consolidated index check (None: not checked
-    that far, or a token shard)."""
+                  decode: bool, report: VerifyReport, starts: tuple[int, np.ndarray] | None = None
+                  ) -> tuple[ShardRecord, list | None] | None:
+    """Check one shard's files (a token shard's: also against ``starts``, its entries of the document-starts table);
+    its (record, .idx entries) for the consolidated index check (None: not checked that far, or a token shard)."""
     label = f"{prefix}{shard.name}"
     tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
     if local is not None:
@@ -213,7 +240,7 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     report.problems += [Problem(label, None, what) for what in _file_problems(tar_path, shard)]
     if manifest.tokens is not None:
         report.problems += [Problem(label, None, what) for what in _token_problems(tar_path, idx_path, shard,
-                                                                                    manifest.tokens, report)]
+                                                                                    manifest.tokens, report, starts)]
         return None
     entries = _idx_entries(idx_path, shard, label, report)
     # entries None: a problem is reported, no index rebuild. An indexed dataset's fields are the suffixes
@@ -324,7 +351,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                 raise
             try:  # the sample index and probe table are small: fetched once, checked like local ones
                 loaded = load_manifest(sub)
-                for record in (loaded.index, loaded.probes):
+                for record in (loaded.index, loaded.probes, loaded.tokens.starts if loaded.tokens else None):
                     if record is not None:
                         storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
             except StorageError as err:

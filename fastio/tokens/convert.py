@@ -6,7 +6,8 @@ object or prefix read through :mod:`fastio.tokens.corpus`, in sorted key order) 
 (:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
 :mod:`fastio.tokens.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
-bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. The manifest
+bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. Then the
+document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); the manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
 :func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
@@ -38,7 +39,15 @@ from fastio.convert.run import (
     upload_dataset,
 )
 from fastio.convert.workers import OrderedPool
-from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, make_manifest, write_manifest
+from fastio.dataset.manifest import (
+    SHARDS_DIR,
+    IndexRecord,
+    Manifest,
+    ShardRecord,
+    TokenInfo,
+    make_manifest,
+    write_manifest,
+)
 from fastio.errors import ConvertError
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
@@ -46,7 +55,8 @@ from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
 from fastio.storage.lock import DirLock, LockedError
 from fastio.tokens.corpus import Corpus, open_corpus, part_span
-from fastio.tokens.megatron import MegatronWriter, WrittenShard, token_dtype
+from fastio.tokens.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
+from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
            "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest", "token_shard_cuts"]
@@ -321,9 +331,10 @@ def _options(config: TokenConvertConfig) -> dict[str, Any]:
             "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard}
 
 
-def _info(coder: _Coder, records: list[ShardRecord]) -> TokenInfo:
+def _info(coder: _Coder, records: list[ShardRecord], starts: IndexRecord) -> TokenInfo:
     return TokenInfo(dtype=coder.dtype, eos_id=coder.eos_id, total_tokens=sum(r.tokens or 0 for r in records),
-                     vocab_size=coder.vocab_size)
+                     vocab_size=coder.vocab_size, one_sequence_per_document=True,  # as MegatronWriter writes
+                     starts=starts)
 
 
 def _lock(lock: DirLock, where: Path) -> None:
@@ -361,7 +372,8 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
             raise ConvertError(f"{config.source}: holds no document with text ({count(empty, 'empty document')})")
         records = [shard_record(s) for s in shards]
         source = {**_source(config, corpus), "empty_documents": empty}
-        write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records), source,
+        starts = write_starts(config.dest, [shard_starts(MegatronIndex(s.idx_path)) for s in shards])
+        write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records, starts), source,
                                                    _options(config)))
     except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
         raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None

@@ -37,7 +37,8 @@ class TokenDataset:
         self.files.check(self.manifest.shards)
         self.shards: list[MegatronShard] = []
         for record in self.manifest.shards:
-            pair = MegatronShard(self.files.shard_path(record), info.dtype)
+            pair = MegatronShard(self.files.shard_path(record), info.dtype,
+                                 one_per_document=info.one_sequence_per_document)
             if (pair.documents, pair.index.bin_bytes) != (record.samples, record.bytes):
                 raise DatasetError(f"{pair.bin_path}: {pair.documents} documents in {pair.index.bin_bytes} bytes, the "
                                    f"manifest says {record.samples} in {record.bytes}")

@@ -1,22 +1,33 @@
-"""``fastio index DIR --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset, in place.
+"""``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset.
 
-Every ``*.bin`` and ``*.idx`` directly in DIR (sorted by name) is taken as one shard. Each pair is checked as it is
-(:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the ``.idx`` structure), every document
-must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document token; ``eos_id`` says which id it
-is), and both files are checksummed. Nothing is copied or rewritten: the manifest (``kind: "tokens"``) names the
-files where they are, relative to DEST (DEST = DIR) or by absolute path (``dest`` elsewhere, for read-only data),
-and is published last. Hostile input is refused in one :class:`~fastio.errors.DatasetError` naming the file.
+Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard.
+Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the
+``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document
+token; ``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the
+document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which names the
+files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for read-only
+data: pairs on ``s3://`` go to an ``s3://`` DEST), and is published last, under DEST's lock (a local folder) or
+lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's upload are
+:mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a temporary
+folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document check on
+the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError` naming the
+file or URL.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from fastio.convert.index_command import check_index_dest, publish_uploads
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
@@ -27,46 +38,53 @@ from fastio.dataset.manifest import (
     make_manifest,
     write_manifest,
 )
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, StorageError
 from fastio.progress import count
-from fastio.storage import is_remote
-from fastio.storage.atomic import atomic_write_bytes
-from fastio.storage.checksum import digests_file, sha256_file
+from fastio.storage import open_storage
+from fastio.storage.base import Storage
+from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import DirLock, LockedError
-from fastio.tokens.megatron import MegatronShard, partner_path
+from fastio.storage.options import StorageOptions
+from fastio.tokens.megatron import MegatronIndex, partner_path
+from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
 __all__ = ["TokenIndexConfig", "TokenIndexResult", "index_tokens"]
+
+_RANGE = 4 * CHUNK
+"""Bytes of a ``.bin`` read per ranged request (16 MiB)."""
+_AHEAD = 4
+"""Ranged requests of a ``.bin`` in flight at once."""
 
 
 @dataclass(frozen=True)
 class TokenIndexConfig:
     """Options of :func:`index_tokens`, checked at construction (a ``ValueError`` names the parameter)."""
 
-    source: Path
-    """The folder holding the ``.bin``/``.idx`` pairs."""
+    source: str | Path
+    """The folder or ``s3://`` prefix holding the ``.bin``/``.idx`` pairs."""
     eos_id: int
     """The end-of-document id every document ends with."""
-    dest: Path | None = None
-    """Where the manifest goes (default: ``source``); elsewhere, the manifest names the pairs by absolute path."""
+    dest: str | Path | None = None
+    """Where the manifest goes (default: ``source``); elsewhere, the manifest names the pairs by absolute path or
+    URL (pairs on ``s3://``: an ``s3://`` DEST)."""
     name: str = "megatron"
     """The dataset's name in the manifest."""
     overwrite: bool = False
     """Index again where a manifest exists."""
+    storage_options: StorageOptions | dict | None = None
+    """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
 
     def __post_init__(self) -> None:
-        for key in ("source", "dest"):
-            value = getattr(self, key)
-            if value is not None and is_remote(str(value)):
-                raise ValueError(f"{key}: {value} is a URL; token shards are indexed in a local folder this release")
-        object.__setattr__(self, "source", Path(self.source))
-        object.__setattr__(self, "dest", Path(self.dest) if self.dest is not None else None)
+        if not str(self.source).strip():
+            raise ValueError("source: empty")
         if isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0:
             raise ValueError(f"eos_id must be a token id (an integer >= 0), got {self.eos_id!r}")
 
 
 @dataclass(frozen=True)
 class TokenIndexResult:
-    dest: Path
+    dest: str | Path
     shards: int
     documents: int
     tokens: int
@@ -78,88 +96,202 @@ class TokenIndexResult:
                 f"{self.tokens} {self.dtype} tokens in {self.seconds:.1f}s (nothing copied)")
 
 
-def _pairs(source: Path) -> list[Path]:
-    """The ``.bin`` of every pair directly in ``source``, sorted; a file without its partner is refused."""
-    if not source.is_dir():
+@dataclass(frozen=True)
+class _Pair:
+    """One ``.bin``/``.idx`` pair of the listing: keys in SOURCE's storage and sizes."""
+
+    bin_key: str
+    bin_size: int
+    idx_key: str
+    idx_size: int
+
+
+def _display(storage: Storage, key: str) -> str:
+    """How messages and a manifest elsewhere name a file: its URL, or its absolute path."""
+    return storage.url_of(key) if storage.remote else os.path.abspath(storage.location.path / key)
+
+
+def _listing(storage: Storage, source: str) -> dict[str, int]:
+    """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``."""
+    if storage.remote:
+        return {o.key: o.size for o in storage.list("") if "/" not in o.key and o.key.endswith((".bin", ".idx"))}
+    root = storage.location.path
+    if not root.is_dir():
         raise DatasetError(f"{source}: no such folder")
-    names = sorted(e.name for e in os.scandir(source) if e.name.endswith((".bin", ".idx")) and e.is_file())
-    for name in names:
-        if partner_path(Path(name)).name not in names:
-            raise DatasetError(f"{source / name}: has no partner {partner_path(Path(name)).name} (a Megatron shard "
-                               "is a .bin and its .idx)")
-    bins = [source / n for n in names if n.endswith(".bin")]
+    return {e.name: e.stat().st_size for e in os.scandir(root) if e.name.endswith((".bin", ".idx")) and e.is_file()}
+
+
+def _pairs(storage: Storage, source: str) -> list[_Pair]:
+    """Every pair directly in SOURCE, sorted; a file without its partner is refused naming it."""
+    sizes = _listing(storage, source)
+    for name in sorted(sizes):
+        if partner_path(Path(name)).name not in sizes:
+            raise DatasetError(f"{_display(storage, name)}: has no partner {partner_path(Path(name)).name} (a "
+                               "Megatron shard is a .bin and its .idx)")
+    bins = sorted(n for n in sizes if n.endswith(".bin"))
     if not bins:
         raise DatasetError(f"{source}: holds no Megatron .bin/.idx pairs")
-    bad = next((b for b in bins if not is_shard_name(b.name)), None)
+    bad = next((b for b in bins if not is_shard_name(b)), None)
     if bad is not None:
-        raise DatasetError(f"{bad}: a shard name fastio cannot record (letters, digits, '_', '-', '.')")
-    return bins
+        raise DatasetError(f"{_display(storage, bad)}: a shard name fastio cannot record (letters, digits, '_', '-', "
+                           "'.')")
+    return [_Pair(b, sizes[b], partner_path(Path(b)).name, sizes[partner_path(Path(b)).name]) for b in bins]
 
 
-def _check_pair(bin_path: Path, dtype: str | None, eos_id: int) -> MegatronShard:
-    pair = MegatronShard(bin_path, dtype)
-    pair.index.check_structure()
-    if eos_id > np.iinfo(pair.dtype).max:
-        raise DatasetError(f"{pair.idx_path}: holds {pair.dtype} tokens, which cannot hold eos_id {eos_id}")
-    edges = pair.index.starts(np.arange(pair.documents + 1))
-    docs = np.flatnonzero(edges[1:] > edges[:-1])
-    last = pair.tokens(0, pair.index.tokens)[edges[docs + 1] - 1] if docs.size else docs
+@contextmanager
+def _local_idx(storage: Storage, pair: _Pair, tmp: Path) -> Iterator[Path]:
+    """The pair's ``.idx`` as a local file: the file itself, or a download (ranged GETs) removed afterwards."""
+    if not storage.remote:
+        yield storage.location.path / pair.idx_key
+        return
+    path = tmp / pair.idx_key
+    try:
+        storage.get_to_file(pair.idx_key, path, pair.idx_size)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tuple[dict[str, str], np.ndarray]:
+    """sha256 and xxh3-128 of the ``.bin`` and the tokens just before each of ``ends`` (token offsets): the
+    file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in flight), nothing written to disk."""
+    item = np.dtype(dtype).itemsize
+    hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}
+    last = np.empty(ends.size, np.int64)
+    at_byte = (ends - 1) * item  # where each document's last token starts
+    starts = list(range(0, pair.bin_size, _RANGE))
+
+    def fetch(start: int) -> bytes:
+        return storage.get(pair.bin_key, start, min(start + _RANGE, pair.bin_size))
+
+    with ThreadPoolExecutor(_AHEAD) as pool:
+        pending = [pool.submit(fetch, s) for s in starts[:_AHEAD]]
+        for i, start in enumerate(starts):
+            data = pending[i].result()
+            if i + _AHEAD < len(starts):
+                pending.append(pool.submit(fetch, starts[i + _AHEAD]))
+            pending[i] = None
+            if len(data) != min(_RANGE, pair.bin_size - start):
+                raise DatasetError(f"{_display(storage, pair.bin_key)}: shorter than listed ({pair.bin_size} bytes): "
+                                   "changed while it was indexed")
+            for h in hashes.values():
+                h.update(data)
+            lo, hi = np.searchsorted(at_byte, [start, start + len(data)])
+            last[lo:hi] = np.frombuffer(data, dtype)[(at_byte[lo:hi] - start) // item]
+    return {a: h.hexdigest() for a, h in hashes.items()}, last
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What :func:`_check_pair` found of a pair."""
+
+    index: MegatronIndex
+    digests: dict[str, str]
+    """The ``.bin``'s sha256 and xxh3-128."""
+    idx_sha256: str
+    one_per_document: bool
+    starts: np.ndarray
+    """Its entries of the document-starts table."""
+
+
+def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, tmp: Path) -> _Checked:
+    """The pair checked (see the module docstring), and what the manifest and the starts table need of it."""
+    bin_name = _display(storage, pair.bin_key)
+    with _local_idx(storage, pair, tmp) as idx_path:
+        index = MegatronIndex(idx_path, dtype, name=_display(storage, pair.idx_key))
+        index.check_bin(pair.bin_size, bin_name)
+        index.check_structure()
+        if eos_id > np.iinfo(index.dtype).max:
+            raise DatasetError(f"{index.name}: holds {index.dtype} tokens, which cannot hold eos_id {eos_id}")
+        docs, ends = index.document_ends()
+        one, starts = index.is_one_per_document(), shard_starts(index)
+        idx_sha256 = sha256_file(idx_path)[1]
+    digests, last = _scan_bin(storage, pair, ends, index.dtype)
     wrong = np.flatnonzero(last != eos_id)
     if wrong.size:
-        j = int(docs[wrong[0]])
-        raise DatasetError(f"{bin_path}: document {j} ends with token {int(last[wrong[0]])}, not eos_id {eos_id} "
-                           "(documents are taken as they are: each must end with its end-of-document token)")
-    return pair
+        raise DatasetError(f"{bin_name}: document {int(docs[wrong[0]])} ends with token {int(last[wrong[0]])}, not "
+                           f"eos_id {eos_id} (documents are taken as they are: each must end with its end-of-document "
+                           "token)")
+    return _Checked(index, digests, idx_sha256, one, starts)
 
 
-def _record(pair: MegatronShard, dest: Path, source: Path) -> ShardRecord:
-    size, digests = digests_file(pair.bin_path, ("sha256", "xxh3_128"))
-    if dest.resolve() == source.resolve():
-        location, idx_location = pair.bin_path.name, pair.idx_path.name
+def _record(storage: Storage, pair: _Pair, got: _Checked, in_place: bool) -> ShardRecord:
+    if in_place:
+        location, idx_location = pair.bin_key, pair.idx_key
     else:
-        location, idx_location = str(pair.bin_path.resolve()), str(pair.idx_path.resolve())
+        location, idx_location = _display(storage, pair.bin_key), _display(storage, pair.idx_key)
     if not (is_location(location) and is_location(idx_location)):
-        raise DatasetError(f"{pair.bin_path}: a path the manifest cannot hold (control characters)")
-    return ShardRecord(name=pair.bin_path.name, samples=pair.documents, bytes=size, sha256=digests["sha256"],
-                       idx_sha256=sha256_file(pair.idx_path)[1], xxh3_128=digests["xxh3_128"], location=location,
-                       idx_location=idx_location, tokens=pair.index.tokens)
+        raise DatasetError(f"{_display(storage, pair.bin_key)}: a path the manifest cannot hold (control characters)")
+    return ShardRecord(name=pair.bin_key, samples=got.index.documents, bytes=pair.bin_size,
+                       sha256=got.digests["sha256"], idx_sha256=got.idx_sha256, xxh3_128=got.digests["xxh3_128"],
+                       location=location, idx_location=idx_location, tokens=got.index.tokens)
 
 
-def _check_dest(config: TokenIndexConfig, dest: Path) -> None:
-    if (dest / MANIFEST_NAME).exists() and not config.overwrite:
-        raise DatasetError(f"{dest}: already holds a manifest; pass overwrite=True to index again")
-    if config.dest is not None and dest.is_dir() and not (dest / MARKER_NAME).exists() and any(
-            p.name != ".fastio-lock" for p in dest.iterdir()):
-        raise DatasetError(f"{dest}: dest is not empty and is not fastio's")
+def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
+    """SOURCE's storage, DEST's, and whether DEST is SOURCE; DatasetError for a DEST that cannot take the index."""
+    source = open_storage(str(config.source), config.storage_options)
+    dest = source if config.dest is None else open_storage(str(config.dest), config.storage_options)
+    in_place = dest.url == source.url
+    if not in_place and source.remote and not dest.remote:
+        raise DatasetError(f"{config.dest}: pairs on an object store are indexed into an s3:// DEST (or in place)")
+    return source, dest, in_place
+
+
+def _check_dest(config: TokenIndexConfig, dest: Storage, in_place: bool) -> None:
+    if dest.exists(MANIFEST_NAME) and not config.overwrite:
+        raise DatasetError(f"{dest.url}: already holds a manifest; pass overwrite=True to index again")
+    if not in_place:
+        check_index_dest(dest, config.overwrite)
 
 
 def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
     """Index the pairs of ``config.source`` (see the module docstring)."""
     started = time.perf_counter()
-    dest = config.dest or config.source
-    bins = _pairs(config.source)
-    _check_dest(config, dest)
-    lock = DirLock(dest, purpose="fastio index")
     try:
-        lock.acquire()
-    except LockedError as err:
+        source, dest, in_place = _open(config)
+        pairs = _pairs(source, str(config.source))
+        _check_dest(config, dest, in_place)
+        lock = writer_lease(dest, "fastio index") if dest.remote else DirLock(dest.location.path, "fastio index")
+        try:
+            if lock is not None:
+                lock.acquire()
+            _check_dest(config, dest, in_place)
+            info, records = _index_pairs(config, source, dest, pairs, in_place, lock)
+        except (LockedError, LeaseLostError) as err:
+            raise DatasetError(str(err)) from None
+        finally:
+            if lock is not None:
+                lock.release()
+    except StorageError as err:
         raise DatasetError(str(err)) from None
-    try:
-        _check_dest(config, dest)
-        dtype, records = None, []
-        for b in bins:
-            try:
-                pair = _check_pair(b, dtype, config.eos_id)
-                dtype = pair.dtype
-                records.append(_record(pair, dest, config.source))
-            except OSError as err:
-                raise DatasetError(f"{err.filename or b}: {err.strerror or err}") from None
-        if config.dest is not None:
-            atomic_write_bytes(dest / MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
-        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records))
-        write_manifest(dest, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
-                                           converted_from={"format": "megatron", "path": str(config.source.resolve())}))
-    finally:
-        lock.release()
-    return TokenIndexResult(dest=dest, shards=len(records), documents=sum(r.samples for r in records),
-                            tokens=info.total_tokens, dtype=dtype, seconds=time.perf_counter() - started)
+    except OSError as err:
+        raise DatasetError(f"{err.filename or config.source}: {err.strerror or err}") from None
+    return TokenIndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(records),
+                            documents=sum(r.samples for r in records), tokens=info.total_tokens, dtype=info.dtype,
+                            seconds=time.perf_counter() - started)
+
+
+def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs: list[_Pair], in_place: bool,
+                 lock: DirLock | Lease | None) -> tuple[TokenInfo, list[ShardRecord]]:
+    """Check and record every pair, then publish the document-starts table and the manifest (last) into DEST."""
+    dtype, records, one, starts = None, [], True, []
+    with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+        for pair in pairs:
+            got = _check_pair(source, pair, dtype, config.eos_id, Path(tmp))
+            dtype, one = got.index.dtype, one and got.one_per_document
+            records.append(_record(source, pair, got, in_place))
+            starts.append(got.starts)
+        staged = Path(tmp) / "out"
+        staged.mkdir()
+        info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
+                         one_sequence_per_document=one, starts=write_starts(staged, starts))
+        where = source.url if source.remote else str(source.location.path.resolve())
+        write_manifest(staged, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
+                                             converted_from={"format": "megatron", "path": where}))
+        confirm = lock.confirm if isinstance(lock, Lease) else (lambda: None)
+        if not in_place and not dest.exists(MARKER_NAME):
+            confirm()
+            dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+        confirm()
+        publish_uploads(dest, [(STARTS_NAME, staged / STARTS_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    return info, records

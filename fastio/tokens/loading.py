@@ -40,6 +40,7 @@ from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
+from fastio.tokens.starts import read_starts
 
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
            "mixture_units", "open_tables", "packing_of", "source_packings"]
@@ -55,17 +56,23 @@ batches of 8 cost about 2 us a batch where 32 cost 33)."""
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
     """Each shard's ``.idx`` of token dataset ``ds`` (local, or fetched and checked into the cache's metadata),
     its documents and ``.bin`` bytes checked against the manifest; with ``ds.verify`` a local ``.idx``'s sha256
-    too (a fetched one always is)."""
+    too (a fetched one always is). Where the manifest records a document-starts table (:mod:`fastio.tokens.starts`),
+    each index takes its block edges from it (checked: its xxh3-128, counts, first and last entries)."""
     info = ds.manifest.tokens
     tables = []
     for shard in ds.shards:
         if ds.verify and ds.files.cache_size is None:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
-        index = MegatronIndex(shard.idx_path, info.dtype)
+        index = MegatronIndex(shard.idx_path, info.dtype, one_per_document=info.one_sequence_per_document)
         if (index.documents, index.bin_bytes) != (shard.samples, shard.bytes):
             raise DatasetError(f"{ds.root}: shard {shard.name}: its .idx indexes {index.documents} documents in "
                                f"{index.bin_bytes} bytes, the manifest says {shard.samples} in {shard.bytes}")
         tables.append(index)
+    if info.starts is not None:
+        every, values = read_starts(ds.files.index_path(info.starts, "document starts table"), info.starts,
+                                    [t.documents for t in tables])
+        for index, own in zip(tables, values):
+            index.use_starts(every, own)
     return tables
 
 

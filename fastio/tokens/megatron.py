@@ -70,35 +70,45 @@ def partner_path(path: Path) -> Path:
 class MegatronIndex:
     """One ``.idx`` file, mapped: ``lengths``, ``pointers``, ``doc_index`` (read-only arrays on the file).
 
-    The header and the file size are checked at open; :meth:`check_structure` checks every entry (O(N): what
-    ``fastio verify`` and ``fastio index`` pay, not every open)."""
+    The header and the file size are checked at open (``name``, where given, is how messages name the file);
+    :meth:`check_structure` checks every entry (O(N): what ``fastio verify`` and ``fastio index`` pay, not every
+    open). ``one_per_document`` (what the manifest's ``tokens.one_sequence_per_document`` says) takes document
+    ``j`` as sequence ``j`` without reading ``doc_index``: the counts are checked to agree at open, ``doc_index``
+    itself by :meth:`check_structure`."""
 
-    def __init__(self, path: str | Path, dtype: str | None = None):
+    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False,
+                 name: str | None = None):
         self.path = Path(path)
+        self.name = name or str(self.path)
+        """How messages name the file (``name``: e.g. the URL of an object downloaded to ``path``)."""
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:
                 head = f.read(HEADER_BYTES)
         except FileNotFoundError:
-            raise DatasetError(f"{self.path}: no such Megatron .idx file (the partner of "
+            raise DatasetError(f"{self.name}: no such Megatron .idx file (the partner of "
                                f"{partner_path(self.path).name})") from None
         except OSError as err:
-            raise DatasetError(f"{self.path}: cannot read ({err.strerror or err})") from None
+            raise DatasetError(f"{self.name}: cannot read ({err.strerror or err})") from None
         code, self.sequences, entries = self._header(head)
         if code not in _CODE_NAMES or _CODE_NAMES[code] not in TOKEN_DTYPES:
-            raise DatasetError(f"{self.path}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
+            raise DatasetError(f"{self.name}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
                                f"reads ({', '.join(TOKEN_DTYPES)})")
         self.dtype = _CODE_NAMES[code]
         if dtype is not None and self.dtype != dtype:
-            raise DatasetError(f"{self.path}: holds {self.dtype} tokens, expected {dtype}")
+            raise DatasetError(f"{self.name}: holds {self.dtype} tokens, expected {dtype}")
         if entries < 1:
-            raise DatasetError(f"{self.path}: document count is 0 (a Megatron .idx lists at least the leading 0)")
+            raise DatasetError(f"{self.name}: document count is 0 (a Megatron .idx lists at least the leading 0)")
         n = self.sequences
         plain = HEADER_BYTES + n * 12 + entries * 8
         if size not in (plain, plain + n):  # + n: Megatron's multimodal sequence modes
-            raise DatasetError(f"{self.path}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
+            raise DatasetError(f"{self.name}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
                                f"needs {plain}: truncated or not a Megatron .idx")
         self.documents = entries - 1
+        self.one_per_document = one_per_document
+        if one_per_document and self.documents != n:
+            raise DatasetError(f"{self.name}: {n} sequences for {self.documents} documents, and its manifest says one "
+                               "sequence per document")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._map = getattr(mm, "_mmap", None)
         self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
@@ -106,6 +116,15 @@ class MegatronIndex:
         self.pointers = np.frombuffer(mm, np.int64, n, HEADER_BYTES + 4 * n)
         self.doc_index = np.frombuffer(mm, np.int64, entries, HEADER_BYTES + 12 * n)
         self.itemsize = np.dtype(self.dtype).itemsize
+        self._known: tuple[int, np.ndarray] | None = None
+
+    def use_starts(self, every: int, values: np.ndarray) -> None:
+        """Take the starts of documents 0, ``every``, 2 * ``every``, ..., and the end from ``values`` (a
+        dataset's document-starts table, :mod:`fastio.tokens.starts`) instead of reading the file; DatasetError
+        unless they begin at 0 and end at this index's token count."""
+        if values.size != -(-self.documents // every) + 1 or values[0] != 0 or values[-1] != self.tokens:
+            raise DatasetError(f"{self.name}: the document starts table disagrees with it (run fastio verify)")
+        self._known = (every, values)
 
     def _advise(self, name: str) -> None:
         """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
@@ -115,10 +134,10 @@ class MegatronIndex:
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
         if len(head) < HEADER_BYTES or head[:9] != MAGIC:
-            raise DatasetError(f"{self.path}: not a Megatron .idx (no MMIDIDX header)")
+            raise DatasetError(f"{self.name}: not a Megatron .idx (no MMIDIDX header)")
         version, code, sequences, entries = struct.unpack("<QBQQ", head[9:HEADER_BYTES])
         if version != VERSION:
-            raise DatasetError(f"{self.path}: Megatron .idx version {version}, fastio reads {VERSION}")
+            raise DatasetError(f"{self.name}: Megatron .idx version {version}, fastio reads {VERSION}")
         return code, sequences, entries
 
     @property
@@ -133,15 +152,38 @@ class MegatronIndex:
         """Tokens in all documents."""
         return self.bin_bytes // self.itemsize
 
+    def check_bin(self, size: int, name: str) -> None:
+        """DatasetError naming the ``.bin`` (``name``) unless its ``size`` is what this index says."""
+        if size != self.bin_bytes:
+            raise DatasetError(f"{name}: {size} bytes, but {partner_path(Path(name)).name} indexes {self.bin_bytes} "
+                               f"({self.tokens} {self.dtype} tokens): truncated, or indexed with another token type")
+
+    def document_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """(the documents that hold tokens, the token offset just past each one's end): where each document's
+        last token is, for the end-of-document check (O(N))."""
+        edges = self.starts(np.arange(self.documents + 1))
+        docs = np.flatnonzero(edges[1:] > edges[:-1])
+        return docs, edges[docs + 1]
+
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end).
 
         Few documents far apart (a packing's block edges) are read with ``pread``: through the mapping, each
         would map a page-cache window around it into this process (the kernel's fault-around), which shows as
-        resident memory in the hundreds of MB for 10^8 documents."""
+        resident memory in the hundreds of MB for 10^8 documents. With ``one_per_document`` the document is
+        its sequence: ``doc_index`` is not read (half the reads). Documents that are all in the table given to
+        :meth:`use_starts` (block edges) are looked up there: nothing is read."""
         docs = np.asarray(docs, dtype=np.int64)
+        if self._known is not None:
+            every, values = self._known
+            on = (docs % every == 0) | (docs == self.documents)
+            if on.all():
+                return values[np.where(docs == self.documents, values.size - 1, docs // every)].astype(np.int64)
         sparse = docs.size * _SPARSE < self.documents
-        seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
+        if self.one_per_document:
+            seq = docs
+        else:
+            seq = self._entries("doc_index", docs) if sparse else self.doc_index[docs]
         inside = seq < self.sequences
         out = np.full(seq.shape, self.tokens, dtype=np.int64)
         out[inside] = (self._entries("pointers", seq[inside]) if sparse else self.pointers[seq[inside]]) // self.itemsize
@@ -157,18 +199,18 @@ class MegatronIndex:
         if not flat.size:
             return np.zeros(at.shape, np.int64)
         lo, hi = int(flat.min()), int(flat.max())
-        fd = os.open(self.path, os.O_RDONLY)
+        fd, pread = os.open(self.path, os.O_RDONLY), os.pread
         try:
             if hi - lo < _SPAN * flat.size:
-                raw = os.pread(fd, 8 * (hi - lo + 1), base + 8 * lo)
+                raw = pread(fd, 8 * (hi - lo + 1), base + 8 * lo)
                 values = np.frombuffer(raw, "<i8")[flat - lo] if len(raw) == 8 * (hi - lo + 1) else None
-            else:
-                raw = b"".join(os.pread(fd, 8, base + 8 * int(i)) for i in flat)
+            else:  # a list of plain ints: the per-entry cost is the system call's, not numpy scalars'
+                raw = b"".join([pread(fd, 8, at) for at in (base + 8 * flat).tolist()])
                 values = np.frombuffer(raw, "<i8") if len(raw) == 8 * flat.size else None
         finally:
             os.close(fd)
         if values is None:
-            raise DatasetError(f"{self.path}: shorter than its header says (changed since it was opened)")
+            raise DatasetError(f"{self.name}: shorter than its header says (changed since it was opened)")
         return values.reshape(at.shape).astype(np.int64)
 
     def check_structure(self) -> None:
@@ -182,37 +224,43 @@ class MegatronIndex:
     def _check_structure(self) -> None:
         n, lengths, pointers, docs = self.sequences, self.lengths, self.pointers, self.doc_index
         if n and lengths.min() < 0:
-            raise DatasetError(f"{self.path}: sequence {int(np.argmax(lengths < 0))} has a negative length")
+            raise DatasetError(f"{self.name}: sequence {int(np.argmax(lengths < 0))} has a negative length")
         expected = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * self.itemsize]) if n else pointers
         bad = np.flatnonzero(pointers != expected)
         if bad.size:
-            raise DatasetError(f"{self.path}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
+            raise DatasetError(f"{self.name}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
                                f"of the sequences before it ({int(expected[bad[0]])})")
         if docs[0] != 0 or docs[-1] != n or (np.diff(docs) < 0).any():
-            raise DatasetError(f"{self.path}: document indices do not run from 0 up to the {n} sequences")
+            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
+        if self.one_per_document and not self.is_one_per_document():
+            raise DatasetError(f"{self.name}: a document spans several sequences, and its manifest says one sequence "
+                               "per document")
+
+    def is_one_per_document(self) -> bool:
+        """Whether document ``j`` is sequence ``j`` for every ``j`` (``doc_index`` is 0, 1, ..., N; O(N))."""
+        return self.documents == self.sequences and bool(
+            (self.doc_index == np.arange(self.documents + 1, dtype=np.int64)).all())
 
 
 class MegatronShard:
     """A ``.bin``/``.idx`` pair, mapped; ``document(j)`` and ``tokens(start, count)`` are O(1) lookups.
 
     ``path`` is either file of the pair (or the common prefix); ``dtype`` (optional) is the token type the
-    caller expects. The ``.bin``'s size is checked against the ``.idx`` at open."""
+    caller expects; ``one_per_document`` as :class:`MegatronIndex`'s. The ``.bin``'s size is checked against the
+    ``.idx`` at open."""
 
-    def __init__(self, path: str | Path, dtype: str | None = None):
+    def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False):
         path = Path(path)
         stem = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
         self.bin_path = Path(f"{stem}.bin")
         self.idx_path = partner_path(self.bin_path)
-        self.index = MegatronIndex(self.idx_path, dtype)
+        self.index = MegatronIndex(self.idx_path, dtype, one_per_document=one_per_document)
         try:
             size = self.bin_path.stat().st_size
         except FileNotFoundError:
             raise DatasetError(f"{self.bin_path}: no such Megatron .bin file (the partner of "
                                f"{self.idx_path.name})") from None
-        if size != self.index.bin_bytes:
-            raise DatasetError(f"{self.bin_path}: {size} bytes, but {self.idx_path.name} indexes "
-                               f"{self.index.bin_bytes} ({self.index.tokens} {self.index.dtype} tokens): truncated, "
-                               "or indexed with another token type")
+        self.index.check_bin(size, str(self.bin_path))
         self._tokens = (np.memmap(self.bin_path, dtype=self.index.dtype, mode="r") if size
                         else np.zeros(0, self.index.dtype))
 

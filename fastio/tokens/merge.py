@@ -1,15 +1,15 @@
 """``fastio merge DEST`` of a token conversion in parts: the dataset a single ``fastio convert --tokenizer`` writes.
 
-Each part (:func:`fastio.tokens.convert.convert_tokens` with ``part``) tokenized a contiguous run of the
-documents and cut its own shards from its first document on. The merge reads every part shard's ``.idx``
-(checked against the part record: sha256, ``.bin`` size, document count), lays the documents end to end in part
-order, and cuts them where the single conversion cuts (:func:`~fastio.tokens.convert.token_shard_cuts`
-on the documents' token counts). A result shard that is exactly a part's shard is **linked** into place (a hard
-link; a copy where links fail); any other is **re-packed**: its documents' tokens copied out of the part shards
-(no tokenizing) through :class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first.
-Shards after a part's first cut usually differ from the single run's (byte-size cuts that start elsewhere
-rarely meet again), so most are re-packed: a sequential copy. The manifest is the single run's, byte for byte
-(the empty documents of every part summed), published last; DEST's life cycle is :mod:`fastio.convert.merge`'s.
+Each part (:func:`fastio.tokens.convert.convert_tokens` with ``part``) tokenized a contiguous run of the documents
+and cut its own shards from its first document on. The merge reads every part shard's ``.idx`` (checked against the
+part record: sha256, ``.bin`` size, document count), lays the documents end to end in part order, and cuts them
+where the single conversion cuts (:func:`~fastio.tokens.convert.token_shard_cuts` on the documents' token counts). A
+result shard that is exactly a part's shard is **linked** into place (a hard link; a copy where links fail); any
+other is **re-packed**: its documents' tokens copied out of the part shards (no tokenizing) through
+:class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first. Shards after a part's first cut
+usually differ from the single run's (byte-size cuts that start elsewhere rarely meet again), so most are re-packed:
+a sequential copy. The document-starts table and the manifest are the single run's, byte for byte (the empty
+documents of every part summed), the manifest published last; DEST's life cycle is :mod:`fastio.convert.merge`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from fastio.storage import is_remote
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME
 from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
-from fastio.tokens.megatron import MegatronShard, MegatronWriter, partner_path
+from fastio.tokens.megatron import MegatronIndex, MegatronShard, MegatronWriter, partner_path
+from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
 __all__ = ["merge_token_parts", "part_command"]
 
@@ -87,10 +88,13 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
             written = _repack(shards, a, b, staging / name, plan["tokens"]["dtype"])
             placed.append((written.bin_path, shard_record(written), False))
     result = [r for _, r, _ in placed]
+    starts = write_starts(staging, [shard_starts(MegatronIndex(partner_path(src))) for src, _, _ in placed])
     info = TokenInfo(dtype=plan["tokens"]["dtype"], eos_id=plan["tokens"]["eos_id"],
-                     total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"])
+                     total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"],
+                     one_sequence_per_document=True,  # the parts' pairs and the repacked ones: MegatronWriter's
+                     starts=starts)
     manifest = token_manifest(plan["name"], result, info, {**plan["source"], "empty_documents": empty}, options)
-    _publish(dest, placed, manifest)
+    _publish(dest, placed, staging / STARTS_NAME, manifest)
     linked = sum(link for _, _, link in placed)
     return manifest, {"linked": linked, "repacked": len(placed) - linked}
 
@@ -143,12 +147,14 @@ def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str):
         return writer.close()
 
 
-def _publish(dest: Path, placed: list[tuple[Path, ShardRecord, bool]], manifest: Manifest) -> None:
-    """DEST's final files first out, then every pair in place (``.idx`` after its ``.bin``), the manifest last."""
+def _publish(dest: Path, placed: list[tuple[Path, ShardRecord, bool]], starts: Path, manifest: Manifest) -> None:
+    """DEST's final files first out, then every pair in place (``.idx`` after its ``.bin``), the document-starts
+    table, the manifest last."""
     reset_dest(dest, keep=(PARTS_DIR, LOCK_NAME))
     (dest / SHARDS_DIR).mkdir()
     for src, record, link in placed:
         place_file(src, dest / SHARDS_DIR / record.name, link=link)
         place_file(partner_path(src), dest / SHARDS_DIR / record.idx_name, link=link)
     fsync_dir(dest / SHARDS_DIR)
+    place_file(starts, dest / STARTS_NAME, link=False)
     write_manifest(dest, manifest)
