@@ -184,3 +184,22 @@ def test_a_failing_batch_of_a_group_fails_alone():
     assert group[0][1].result() == "read 11" and group[2][1].result() == "read 17"
     with pytest.raises(DatasetError, match="batch 13 is bad"):
         group[1][1].result()
+
+
+def test_a_local_dataset_is_read_in_one_thread_whatever_reader_threads_says(corpora, monkeypatch):
+    import threading
+
+    from fastio.tokens.loading import TokenReader
+
+    threads, read = set(), TokenReader.read_batches
+
+    def recording(self, batches):
+        threads.add(threading.current_thread().name)
+        return read(self, batches)
+
+    monkeypatch.setattr(TokenReader, "read_batches", recording)
+    pipeline = fastio.Tokens(seq_len=16, window=8)
+    with fastio.Loader(corpora[0], pipeline=pipeline, batch_size=2, device="cpu", seed=1, reader_threads=4,
+                       read_ahead=8) as ld:
+        assert len(list(ld)) == len(ld) > 8
+    assert len(threads) == 1 and next(iter(threads)).startswith("fastio-tokens")
