@@ -172,13 +172,25 @@ class MegatronIndex:
         would map a page-cache window around it into this process (the kernel's fault-around), which shows as
         resident memory in the hundreds of MB for 10^8 documents. With ``one_per_document`` the document is
         its sequence: ``doc_index`` is not read (half the reads). Documents that are all in the table given to
-        :meth:`use_starts` (block edges) are looked up there: nothing is read."""
+        :meth:`use_starts` (block edges) are looked up there: nothing is read; those of
+        them among documents read from the file (a block's) are checked against it: DatasetError if the table is
+        stale (the pair replaced after it was indexed)."""
         docs = np.asarray(docs, dtype=np.int64)
         if self._known is not None:
             every, values = self._known
             on = (docs % every == 0) | (docs == self.documents)
+            known = values[np.where(docs[on] == self.documents, values.size - 1, docs[on] // every)]
             if on.all():
-                return values[np.where(docs == self.documents, values.size - 1, docs // every)].astype(np.int64)
+                return known.astype(np.int64)
+            out = self._read_starts(docs)
+            if not np.array_equal(out[on], known):  # a block's edges: the table's must be the .idx's
+                raise DatasetError(f"{self.name}: the document starts table disagrees with it (changed since it was "
+                                   "indexed; run fastio verify)")
+            return out
+        return self._read_starts(docs)
+
+    def _read_starts(self, docs: np.ndarray) -> np.ndarray:
+        """:meth:`starts` from the file."""
         sparse = docs.size * _SPARSE < self.documents
         if self.one_per_document:
             seq = docs

@@ -1,0 +1,175 @@
+"""Hostile review of the token dataset's index paths (issue 30): fastio index (local and s3://), the
+document-starts table (doc-starts.fxs) and the manifest's tokens.one_sequence_per_document, with real files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import fastio
+from fastio.dataset.manifest import load_manifest, write_manifest
+from fastio.errors import DatasetError
+from fastio.report.verify import verify
+from fastio.tokens.index import TokenIndexConfig, index_tokens
+from fastio.tokens.megatron import MegatronWriter
+from fastio.tokens.starts import STARTS_EVERY, STARTS_NAME
+
+EOS = 0
+
+
+def _pair(path, lengths, seed=0):
+    """A pair of documents of ``lengths`` tokens (ids 1..299, each ending with EOS)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int64)
+    tokens = rng.integers(1, 300, int(lengths.sum()))
+    tokens[np.cumsum(lengths)[lengths > 0] - 1] = EOS
+    w = MegatronWriter(path, "uint16")
+    w.add_documents(tokens, lengths)
+    w.close()
+
+
+def _corpus(folder, shards=(2500, 1024, 700), seed=4):
+    rng = np.random.default_rng(seed)
+    folder.mkdir()
+    for k, docs in enumerate(shards):
+        _pair(folder / f"s-{k}.bin", rng.integers(1, 9, docs), seed + k)
+    index_tokens(TokenIndexConfig(folder, EOS))
+    return folder
+
+
+def _batches(folder, window=2 * STARTS_EVERY, **options):
+    with fastio.Loader(folder, pipeline=fastio.Tokens(seq_len=32, window=window), batch_size=4, device="cpu",
+                       seed=1, **options) as ld:
+        return [b["tokens"].tolist() for b in ld]
+
+
+def _bare(folder, dest, **fields):
+    """``folder``'s pairs (hard links) under a manifest whose tokens info has ``fields`` replaced."""
+    dest.mkdir()
+    for p in folder.iterdir():
+        if p.suffix in (".bin", ".idx"):
+            os.link(p, dest / p.name)
+    m = load_manifest(folder)
+    write_manifest(dest, replace(m, tokens=replace(m.tokens, **fields)))
+    return dest
+
+
+def test_a_stale_table_after_a_same_size_idx_is_replaced_is_refused_not_read(tmp_path):
+    """s-0's pair replaced by one of the same documents and tokens, other lengths: the table's block edges are
+    no longer the .idx's; reading must refuse (naming the .idx) rather than deliver batches that cut documents
+    at the table's edges while reading them at the .idx's."""
+    folder = _corpus(tmp_path / "c")
+    m = load_manifest(folder)
+    lengths = np.full(2500, 4)
+    lengths[:1024] = 3  # 2500 documents, the same 10,000 tokens as before? made equal below
+    total = m.shards[0].tokens
+    lengths[-1] += total - int(lengths.sum())
+    assert lengths.min() > 0
+    _pair(folder / "s-0.bin", lengths, seed=9)
+    with pytest.raises(DatasetError, match=r"s-0\.idx: the document starts table disagrees with it"):
+        _batches(folder)
+
+
+def test_an_old_manifest_without_the_new_fields_gives_bitwise_the_same_batches(tmp_path):
+    folder = _corpus(tmp_path / "c")
+    old = _bare(folder, tmp_path / "old", starts=None, one_sequence_per_document=False)
+    text = (old / "manifest.json").read_text()
+    assert "one_sequence_per_document" not in text and STARTS_NAME not in text
+    assert _batches(old) == _batches(folder)
+    assert verify(old).ok
+
+
+@pytest.mark.parametrize("window", [1000, 1536, 3 * STARTS_EVERY, 100])
+def test_a_window_off_the_tables_grid_gives_the_batches_of_no_table(tmp_path, window):
+    folder = _corpus(tmp_path / "c")
+    assert _batches(folder, window) == _batches(_bare(folder, tmp_path / "b", starts=None), window)
+
+
+def test_empty_bin_and_empty_documents_index_load_and_verify(tmp_path):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _pair(folder / "a.bin", [])  # no documents: an empty .bin
+    _pair(folder / "b.bin", [0] * 1500 + [5] * 600)  # empty documents on the table's grid, then some tokens
+    _pair(folder / "c.bin", [0, 0])  # documents, no tokens: an empty .bin
+    _pair(folder / "d.bin", [3] * 40)
+    index_tokens(TokenIndexConfig(folder, EOS))
+    m = load_manifest(folder)
+    assert [s.samples for s in m.shards] == [0, 2100, 2, 40] and m.tokens.total_tokens == 3120
+    assert verify(folder).ok
+    got = _batches(folder, shuffle="none", remainder="partial")
+    assert got == _batches(_bare(folder, tmp_path / "b", starts=None), shuffle="none", remainder="partial")
+    flat = [t for batch in got for row in batch for t in row[:-1]]
+    assert len(flat) == (3120 - 1) // 32 * 32 and 640 - 16 <= flat.count(EOS) <= 640
+
+
+def test_index_twice_is_refused_then_overwrite_rewrites_the_table_for_changed_pairs(tmp_path, capsys):
+    from fastio.cli import main
+
+    folder = _corpus(tmp_path / "c")
+    before = (folder / STARTS_NAME).read_bytes()
+    capsys.readouterr()
+    assert main(["index", str(folder), "--eos-id", str(EOS)]) == 2
+    out = capsys.readouterr().err
+    assert out.startswith("fastio: error: ") and "already holds a manifest" in out and len(out.splitlines()) == 1
+    _pair(folder / "s-1.bin", np.full(1024, 5), seed=2)  # another pair under the same name
+    assert main(["index", str(folder), "--eos-id", str(EOS), "--overwrite"]) == 0
+    assert (folder / STARTS_NAME).read_bytes() != before
+    assert verify(folder).ok
+    assert _batches(folder) == _batches(_bare(folder, tmp_path / "b", starts=None))
+
+
+def test_verify_finds_a_manifest_claiming_one_sequence_per_document_wrongly(tmp_path):
+    """Documents of several sequences, as many as the sequences (an empty document and a two-sequence one): the
+    counts agree, only doc_index says otherwise."""
+    import struct
+
+    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+
+    folder = _corpus(tmp_path / "c", shards=(40,))
+    idx = folder / "s-0.idx"
+    raw = bytearray(idx.read_bytes())
+    n = struct.unpack_from("<Q", raw, 18)[0]
+    docs = np.arange(n + 1, dtype="<i8")
+    docs[1] = 0  # document 0: no sequence; document 1: sequences 0 and 1
+    raw[HEADER_BYTES + 12 * n:] = docs.tobytes()
+    assert raw[:9] == MAGIC
+    idx.write_bytes(bytes(raw))
+    problems = [str(p) for p in verify(folder).problems]
+    assert any("s-0" in p and "spans several sequences" in p for p in problems), problems
+
+
+def _race(folder, overwrite, queue):
+    from fastio.errors import FastioError
+
+    try:
+        index_tokens(TokenIndexConfig(folder, EOS, overwrite=overwrite))
+        queue.put("ok")
+    except FastioError as err:
+        queue.put(f"refused: {err}")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_concurrent_index_into_one_dest(tmp_path, overwrite):
+    import multiprocessing
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for k in range(3):
+        _pair(folder / f"s-{k}.bin", rng.integers(1, 9, 3000), k)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(folder, overwrite, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got.count("ok") >= 1 and all(g == "ok" or "\n" not in g for g in got), got
+    if not overwrite:
+        assert all(g == "ok" or "already holds a manifest" in g or "lock" in g.lower() for g in got), got
+    assert verify(folder).ok
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".") and "lock" not in p.name]
