@@ -173,3 +173,85 @@ def test_concurrent_index_into_one_dest(tmp_path, overwrite):
         assert all(g == "ok" or "already holds a manifest" in g or "lock" in g.lower() for g in got), got
     assert verify(folder).ok
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".") and "lock" not in p.name]
+
+
+def _s3_corpus(tmp_path, bucket, prefix="mega"):
+    """Pairs (one of them empty) uploaded under ``prefix`` beside files that are not pairs; the local folder."""
+    from fastio.storage import open_storage
+
+    local = tmp_path / "local"
+    local.mkdir()
+    rng = np.random.default_rng(2)
+    _pair(local / "a.bin", [])
+    _pair(local / "b.bin", rng.integers(1, 9, 1500), 1)
+    _pair(local / "c.bin", rng.integers(1, 9, 300), 2)
+    store = open_storage(f"s3://{bucket}")
+    for path in sorted(local.iterdir()):
+        store.put_file(f"{prefix}/{path.name}", path)
+    store.put_bytes(f"{prefix}/README.md", b"# the web crawl, tokenized\n")
+    store.put_bytes(f"{prefix}/tokenizer.json", b"{}")
+    store.put_bytes(f"{prefix}/sub/z.bin", b"below the prefix")
+    index_tokens(TokenIndexConfig(local, EOS))
+    return store, local
+
+
+def test_s3_index_beside_foreign_files_and_an_interrupted_earlier_run(tmp_path, aws_env, s3_bucket, capsys):
+    """A prefix holding other files, an empty pair, and what an interrupted earlier index left (its table, its
+    marker, no manifest): indexed in place and elsewhere without --overwrite; verify on s3:// passes; a Loader
+    through the cache gives the local folder's batches."""
+    from fastio.cli import main
+
+    store, local = _s3_corpus(tmp_path, s3_bucket)
+    store.put_bytes(f"mega/{STARTS_NAME}", b"half a table")
+    store.put_bytes(f"meta/{STARTS_NAME}", b"half a table")
+    store.put_bytes("meta/.fastio-output", b"fastio index output; complete once manifest.json exists\n")
+    capsys.readouterr()
+    url = f"s3://{s3_bucket}/mega"
+    assert main(["index", url, "--eos-id", str(EOS)]) == 0, capsys.readouterr()
+    assert main(["index", url, "--eos-id", str(EOS), "--dest", f"s3://{s3_bucket}/meta"]) == 0, capsys.readouterr()
+    want = _batches(local)
+    for where in (url, f"s3://{s3_bucket}/meta"):
+        report = verify(where)
+        assert report.ok, report.problems
+        assert _batches(where, cache_dir=str(tmp_path / "cache"), cache_size="1GB") == want
+    assert main(["index", url, "--eos-id", str(EOS)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastio: error: {url}") and "already holds a manifest" in err and err.count("\n") == 1
+
+
+def test_s3_verify_and_loader_refuse_a_damaged_or_swapped_table(tmp_path, aws_env, s3_bucket, capsys):
+    from fastio.cli import main
+
+    store, local = _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    assert main(["index", url, "--eos-id", str(EOS)]) == 0
+    other = _corpus(tmp_path / "other", shards=(1500, 300, 2))  # another dataset's table, same shard count
+    store.put_file(f"mega/{STARTS_NAME}", other / STARTS_NAME)
+    problems = [str(p) for p in verify(url).problems]
+    assert problems and all(STARTS_NAME in p for p in problems), problems
+    with pytest.raises(DatasetError, match=r"doc-starts\.fxs: document starts table does not match the manifest"):
+        _batches(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB")
+    capsys.readouterr()
+    assert main(["verify", url]) != 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and STARTS_NAME in out.out + out.err
+
+
+def test_concurrent_s3_index_into_one_prefix(tmp_path, aws_env, s3_bucket):
+    """Three processes index one s3:// prefix in place at once: one publishes, the others are refused in one line
+    (the prefix's lease, or its manifest); the result verifies."""
+    import multiprocessing
+
+    _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(url, False, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got.count("ok") == 1 and all(g == "ok" or (url in g and "\n" not in g) for g in got), got
+    report = verify(url)
+    assert report.ok, report.problems
