@@ -255,3 +255,23 @@ def test_concurrent_s3_index_into_one_prefix(tmp_path, aws_env, s3_bucket):
     assert got.count("ok") == 1 and all(g == "ok" or (url in g and "\n" not in g) for g in got), got
     report = verify(url)
     assert report.ok, report.problems
+
+
+def test_a_dest_that_is_the_source_spelled_otherwise_indexes_in_place(tmp_path, monkeypatch):
+    """--dest data/, ./data, its absolute path or a link to it: the pairs are named relative to DEST (as without
+    --dest), not by absolute path (which would tie a moved or copied folder to the old one's files)."""
+    folder = _corpus(tmp_path / "data", shards=(30,))
+    want = load_manifest(folder)
+    (tmp_path / "link").symlink_to(folder)
+    monkeypatch.chdir(tmp_path)
+    for dest in ("data/", "./data", str(folder), "link"):
+        index_tokens(TokenIndexConfig("data", EOS, dest=dest, overwrite=True))
+        assert [s.location for s in load_manifest(folder).shards] == [s.location for s in want.shards] == ["s-0.bin"]
+
+
+def test_an_s3_dest_that_is_the_source_with_a_slash_indexes_in_place(tmp_path, aws_env, s3_bucket):
+    _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    index_tokens(TokenIndexConfig(url, EOS, dest=url + "/"))
+    assert [s.location for s in fastio.Dataset(url, cache_dir=tmp_path / "c").manifest.shards] == [
+        "a.bin", "b.bin", "c.bin"]

@@ -231,10 +231,15 @@ def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
     """SOURCE's storage, DEST's, and whether DEST is SOURCE; DatasetError for a DEST that cannot take the index."""
     source = open_storage(str(config.source), config.storage_options)
     dest = source if config.dest is None else open_storage(str(config.dest), config.storage_options)
-    in_place = dest.url == source.url
+    in_place = dest.url == source.url or not (source.remote or dest.remote) and _same_folder(source, dest)
     if not in_place and source.remote and not dest.remote:
         raise DatasetError(f"{config.dest}: pairs on an object store are indexed into an s3:// DEST (or in place)")
     return source, dest, in_place
+
+
+def _same_folder(a: Storage, b: Storage) -> bool:
+    """Whether two local storages are one folder however spelled (``data/``, ``./data``, a link to it)."""
+    return os.path.realpath(a.location.path) == os.path.realpath(b.location.path)
 
 
 def _check_dest(config: TokenIndexConfig, dest: Storage, in_place: bool) -> None:
