@@ -11,7 +11,7 @@ import pytest
 
 import fastio
 from fastio.dataset.manifest import load_manifest, write_manifest
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, FastioError
 from fastio.report.verify import verify
 from fastio.tokens.index import TokenIndexConfig, index_tokens
 from fastio.tokens.megatron import MegatronWriter
@@ -275,3 +275,24 @@ def test_an_s3_dest_that_is_the_source_with_a_slash_indexes_in_place(tmp_path, a
     index_tokens(TokenIndexConfig(url, EOS, dest=url + "/"))
     assert [s.location for s in fastio.Dataset(url, cache_dir=tmp_path / "c").manifest.shards] == [
         "a.bin", "b.bin", "c.bin"]
+
+
+def test_a_missing_table_is_one_line_naming_it_locally_and_on_s3(tmp_path, aws_env, s3_bucket, capsys):
+    from fastio.cli import main
+
+    folder = _corpus(tmp_path / "c", shards=(30, 40))
+    (folder / STARTS_NAME).unlink()
+    with pytest.raises(DatasetError, match=r"doc-starts\.fxs: document starts table cannot be read"):
+        _batches(folder)
+    assert [str(p) for p in verify(folder).problems] == [f"Problem(shard='{STARTS_NAME}', key=None, "
+                                                         "what='document starts table is missing')"]
+    store, _ = _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    index_tokens(TokenIndexConfig(url, EOS))
+    store.delete(f"mega/{STARTS_NAME}")
+    with pytest.raises(FastioError, match=rf"{url}/doc-starts\.fxs: GET failed: not found"):
+        _batches(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB")
+    capsys.readouterr()
+    rc = main(["verify", url])
+    out = capsys.readouterr()
+    assert rc != 0 and "Traceback" not in out.err and STARTS_NAME in out.out + out.err, out
