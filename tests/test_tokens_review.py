@@ -296,3 +296,18 @@ def test_a_missing_table_is_one_line_naming_it_locally_and_on_s3(tmp_path, aws_e
     rc = main(["verify", url])
     out = capsys.readouterr()
     assert rc != 0 and "Traceback" not in out.err and STARTS_NAME in out.out + out.err, out
+
+
+def test_local_pairs_into_an_s3_dest_are_refused_in_one_line(tmp_path, aws_env, s3_bucket, capsys):
+    """A manifest on s3:// cannot name files on this machine's disk: refused before anything is uploaded."""
+    from fastio.cli import main
+    from fastio.storage import open_storage
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _pair(folder / "a.bin", [3] * 20)
+    capsys.readouterr()
+    rc = main(["index", str(folder), "--eos-id", str(EOS), "--dest", f"s3://{s3_bucket}/meta"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"fastio: error: s3://{s3_bucket}/meta") and err.count("\n") == 1, err
+    assert not list(open_storage(f"s3://{s3_bucket}").list(""))

@@ -6,12 +6,12 @@ Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type
 token; ``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the
 document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which names the
 files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for read-only
-data: pairs on ``s3://`` go to an ``s3://`` DEST), and is published last, under DEST's lock (a local folder) or
-lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's upload are
-:mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a temporary
-folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document check on
-the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError` naming the
-file or URL.
+data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local one), and is published last, under DEST's
+lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's
+upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a
+temporary folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document
+check on the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError`
+naming the file or URL.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class TokenIndexConfig:
     """The end-of-document id every document ends with."""
     dest: str | Path | None = None
     """Where the manifest goes (default: ``source``); elsewhere, the manifest names the pairs by absolute path or
-    URL (pairs on ``s3://``: an ``s3://`` DEST)."""
+    URL (pairs on ``s3://``: an ``s3://`` DEST; local pairs: a local one; SOURCE's folder however spelled is
+    SOURCE)."""
     name: str = "megatron"
     """The dataset's name in the manifest."""
     overwrite: bool = False
@@ -234,6 +235,9 @@ def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
     in_place = dest.url == source.url or not (source.remote or dest.remote) and _same_folder(source, dest)
     if not in_place and source.remote and not dest.remote:
         raise DatasetError(f"{config.dest}: pairs on an object store are indexed into an s3:// DEST (or in place)")
+    if dest.remote and not source.remote:  # its readers refuse a local path (they read shards from the store)
+        raise DatasetError(f"{config.dest}: an s3:// DEST cannot name pairs on this machine's disk (upload them, then "
+                           "index the s3:// prefix)")
     return source, dest, in_place
 
 
