@@ -311,3 +311,21 @@ def test_local_pairs_into_an_s3_dest_are_refused_in_one_line(tmp_path, aws_env, 
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"fastio: error: s3://{s3_bucket}/meta") and err.count("\n") == 1, err
     assert not list(open_storage(f"s3://{s3_bucket}").list(""))
+
+
+@pytest.mark.parametrize("dest,message", [("afile", "afile: DEST exists and is not a directory"),
+                                          ("afile/sub", "afile/sub: DEST cannot be made: .*afile is not a directory")])
+def test_a_dest_that_cannot_be_a_folder_is_named_as_such(tmp_path, monkeypatch, capsys, dest, message):
+    import re
+
+    from fastio.cli import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _pair(folder / "a.bin", [3] * 20)
+    (tmp_path / "afile").write_text("a file")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["index", "data", "--eos-id", str(EOS), "--dest", dest]) == 2
+    err = capsys.readouterr().err
+    assert re.match(f"fastio: error: .*{message}", err) and err.count("\n") == 1, err

@@ -247,10 +247,10 @@ def _same_folder(a: Storage, b: Storage) -> bool:
 
 
 def _check_dest(config: TokenIndexConfig, dest: Storage, in_place: bool) -> None:
+    if not in_place:  # first: a DEST that cannot be a folder is named as such
+        check_index_dest(dest, config.overwrite)
     if dest.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest.url}: already holds a manifest; pass overwrite=True to index again")
-    if not in_place:
-        check_index_dest(dest, config.overwrite)
 
 
 def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
