@@ -329,3 +329,27 @@ def test_a_dest_that_cannot_be_a_folder_is_named_as_such(tmp_path, monkeypatch, 
     assert main(["index", "data", "--eos-id", str(EOS), "--dest", dest]) == 2
     err = capsys.readouterr().err
     assert re.match(f"fastio: error: .*{message}", err) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("cut", [22, 30, 40, 60])
+def test_a_short_table_that_its_record_matches_is_one_line(tmp_path, cut):
+    """A table cut inside its counts or entries, under a manifest record made for it: DatasetError naming it (at
+    open and in verify), never numpy's ValueError."""
+    import hashlib
+
+    import xxhash
+
+    from fastio.dataset.manifest import IndexRecord
+    from fastio.storage.atomic import atomic_write_bytes
+
+    folder = _corpus(tmp_path / "c", shards=(30, 40, 50))
+    m = load_manifest(folder)
+    data = (folder / STARTS_NAME).read_bytes()[:cut]
+    record = IndexRecord(name=STARTS_NAME, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                         xxh3_128=xxhash.xxh3_128_hexdigest(data))
+    atomic_write_bytes(folder / STARTS_NAME, data)
+    write_manifest(folder, replace(m, tokens=replace(m.tokens, starts=record)))
+    with pytest.raises(DatasetError, match=r"doc-starts\.fxs: "):
+        _batches(folder)
+    problems = [str(p) for p in verify(folder).problems]
+    assert problems and all(STARTS_NAME in p for p in problems), problems
