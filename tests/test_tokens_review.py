@@ -353,3 +353,29 @@ def test_a_short_table_that_its_record_matches_is_one_line(tmp_path, cut):
         _batches(folder)
     problems = [str(p) for p in verify(folder).problems]
     assert problems and all(STARTS_NAME in p for p in problems), problems
+
+
+def test_documents_of_several_sequences_and_none_read_the_same_through_the_table(tmp_path):
+    """A Megatron .idx whose documents are 0 to 3 sequences (sentence splitting): the table's entries are the
+    doc_index's, and a Loader gives the batches of no table; verify passes."""
+    import struct
+
+    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    rng = np.random.default_rng(6)
+    _pair(folder / "s-0.bin", rng.integers(1, 9, 6000), 3)  # 6,000 sequences, each ending with EOS
+    raw = (folder / "s-0.idx").read_bytes()
+    n = struct.unpack_from("<Q", raw, 18)[0]
+    per_doc = rng.integers(0, 4, 4000)
+    per_doc[-1] += n - int(per_doc.sum()) if per_doc.sum() < n else 0
+    docs = np.minimum(np.r_[0, np.cumsum(per_doc)], n).astype("<i8")
+    docs[-1] = n
+    head = MAGIC + struct.pack("<QBQQ", 1, 8, n, docs.size)
+    (folder / "s-0.idx").write_bytes(head + raw[HEADER_BYTES:HEADER_BYTES + 12 * n] + docs.tobytes())
+    index_tokens(TokenIndexConfig(folder, EOS))
+    m = load_manifest(folder)
+    assert not m.tokens.one_sequence_per_document and m.shards[0].samples == 4000 and m.tokens.starts
+    assert verify(folder).ok
+    assert _batches(folder) == _batches(_bare(folder, tmp_path / "b", starts=None))
