@@ -40,9 +40,9 @@ def _corpus(folder, shards=(2500, 1024, 700), seed=4):
     return folder
 
 
-def _batches(folder, window=2 * STARTS_EVERY, **options):
-    with fastio.Loader(folder, pipeline=fastio.Tokens(seq_len=32, window=window), batch_size=4, device="cpu",
-                       seed=1, **options) as ld:
+def _batches(folder, window=2 * STARTS_EVERY, packing="concat", **options):
+    with fastio.Loader(folder, pipeline=fastio.Tokens(seq_len=32, window=window, packing=packing), batch_size=4,
+                       device="cpu", seed=1, **options) as ld:
         return [b["tokens"].tolist() for b in ld]
 
 
@@ -57,7 +57,8 @@ def _bare(folder, dest, **fields):
     return dest
 
 
-def test_a_stale_table_after_a_same_size_idx_is_replaced_is_refused_not_read(tmp_path):
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_a_stale_table_after_a_same_size_idx_is_replaced_is_refused_not_read(tmp_path, packing):
     """s-0's pair replaced by one of the same documents and tokens, other lengths: the table's block edges are
     no longer the .idx's; reading must refuse (naming the .idx) rather than deliver batches that cut documents
     at the table's edges while reading them at the .idx's."""
@@ -70,7 +71,7 @@ def test_a_stale_table_after_a_same_size_idx_is_replaced_is_refused_not_read(tmp
     assert lengths.min() > 0
     _pair(folder / "s-0.bin", lengths, seed=9)
     with pytest.raises(DatasetError, match=r"s-0\.idx: the document starts table disagrees with it"):
-        _batches(folder)
+        _batches(folder, packing=packing)
 
 
 def test_an_old_manifest_without_the_new_fields_gives_bitwise_the_same_batches(tmp_path):
