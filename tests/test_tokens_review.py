@@ -380,3 +380,40 @@ def test_documents_of_several_sequences_and_none_read_the_same_through_the_table
     assert not m.tokens.one_sequence_per_document and m.shards[0].samples == 4000 and m.tokens.starts
     assert verify(folder).ok
     assert _batches(folder) == _batches(_bare(folder, tmp_path / "b", starts=None))
+
+
+def test_s3_index_through_faults_gives_the_clean_runs_manifest(tmp_path, aws_env, moto_server, s3_bucket,
+                                                                 fault_proxy):
+    """503s and GETs cut halfway (retried by fastio.storage): the same shard records and tokens info as without."""
+    from fastio.storage import open_storage
+
+    _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/clean"))
+    fault_proxy.slowdown, fault_proxy.cut, fault_proxy.max_faults = 0.4, 0.4, 2
+    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
+    index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/faulty", storage_options=options))
+    assert fault_proxy.counts["slowdown"] > 0 and fault_proxy.counts["cut"] > 0
+    store = open_storage(f"s3://{s3_bucket}")
+    for name in ("manifest.json", STARTS_NAME):
+        assert store.get(f"faulty/{name}") == store.get(f"clean/{name}")
+
+
+def test_s3_index_whose_manifest_upload_is_refused_publishes_nothing_readable_and_reruns(
+        tmp_path, aws_env, moto_server, s3_bucket, fault_proxy, capsys):
+    """The manifest's PUT refused (403): one line, no manifest under DEST (nothing a reader would take for a
+    dataset); the rerun without --overwrite publishes it."""
+    from fastio.cli import main
+    from fastio.storage import open_storage
+
+    _s3_corpus(tmp_path, s3_bucket)
+    url = f"s3://{s3_bucket}/mega"
+    fault_proxy.forbidden = {"meta/manifest.json"}
+    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
+    with pytest.raises(FastioError, match=rf"s3://{s3_bucket}/meta/manifest\.json"):
+        index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/meta", storage_options=options))
+    store = open_storage(f"s3://{s3_bucket}")
+    assert not store.exists("meta/manifest.json")
+    capsys.readouterr()
+    assert main(["index", url, "--eos-id", str(EOS), "--dest", f"s3://{s3_bucket}/meta"]) == 0, capsys.readouterr()
+    assert verify(f"s3://{s3_bucket}/meta").ok
