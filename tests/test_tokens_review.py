@@ -417,3 +417,24 @@ def test_s3_index_whose_manifest_upload_is_refused_publishes_nothing_readable_an
     capsys.readouterr()
     assert main(["index", url, "--eos-id", str(EOS), "--dest", f"s3://{s3_bucket}/meta"]) == 0, capsys.readouterr()
     assert verify(f"s3://{s3_bucket}/meta").ok
+
+
+def test_a_run_begun_on_an_old_manifest_resumes_bitwise_after_fastio_index_adds_the_new_fields(tmp_path):
+    """A checkpoint taken mid-epoch under a manifest without tokens.starts / one_sequence_per_document, resumed
+    after the folder is indexed again (both fields now there): the rest of the epoch, bitwise."""
+    folder = _corpus(tmp_path / "c")
+    old = _bare(folder, tmp_path / "old", starts=None, one_sequence_per_document=False)
+    options = {"pipeline": fastio.Tokens(seq_len=32, window=2 * STARTS_EVERY), "batch_size": 4, "device": "cpu",
+               "seed": 1}
+    with fastio.Loader(old, **options) as ld:
+        it = iter(ld)
+        head = [next(it)["tokens"].tolist() for _ in range(7)]
+        state = ld.state_dict()
+        rest = [b["tokens"].tolist() for b in it]
+    index_tokens(TokenIndexConfig(old, EOS, overwrite=True))
+    m = load_manifest(old)
+    assert m.tokens.starts is not None and m.tokens.one_sequence_per_document
+    with fastio.Loader(old, **options) as ld:
+        ld.load_state_dict(state)
+        assert [b["tokens"].tolist() for b in ld] == rest
+    assert len(head) == 7 and len(rest) > 10
