@@ -438,3 +438,44 @@ def test_a_run_begun_on_an_old_manifest_resumes_bitwise_after_fastio_index_adds_
         ld.load_state_dict(state)
         assert [b["tokens"].tolist() for b in ld] == rest
     assert len(head) == 7 and len(rest) > 10
+
+
+def _negative_id_pair(folder):
+    """An int32 pair whose document 3 holds token id -7 (a corrupted .bin: an embedding lookup's device assert)."""
+    folder.mkdir()
+    lengths = np.full(10, 5)
+    tokens = np.arange(1, 51, dtype=np.int64)
+    tokens[np.cumsum(lengths) - 1] = EOS
+    w = MegatronWriter(folder / "a.bin", "int32")
+    w.add_documents(tokens, lengths)
+    w.close()
+    raw = bytearray((folder / "a.bin").read_bytes())
+    raw[4 * 17:4 * 18] = np.int32(-7).tobytes()  # token 17: document 3's third
+    (folder / "a.bin").write_bytes(bytes(raw))
+    return folder
+
+
+def test_a_negative_token_id_is_refused_by_index_and_found_by_verify(tmp_path, aws_env, s3_bucket, capsys):
+    from fastio.cli import main
+    from fastio.storage import open_storage
+
+    folder = _negative_id_pair(tmp_path / "c")
+    capsys.readouterr()
+    assert main(["index", str(folder), "--eos-id", str(EOS)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastio: error: {folder / 'a.bin'}: document 3 holds token id -7") and err.count("\n") == 1
+    store = open_storage(f"s3://{s3_bucket}")
+    for name in ("a.bin", "a.idx"):
+        store.put_file(f"mega/{name}", folder / name)
+    with pytest.raises(DatasetError, match=rf"s3://{s3_bucket}/mega/a\.bin: document 3 holds token id -7"):
+        index_tokens(TokenIndexConfig(f"s3://{s3_bucket}/mega", EOS))
+    good = tmp_path / "good"
+    good.mkdir()
+    raw = bytearray((folder / "a.bin").read_bytes())
+    raw[4 * 17:4 * 18] = np.int32(18).tobytes()
+    (good / "a.bin").write_bytes(bytes(raw))
+    (good / "a.idx").write_bytes((folder / "a.idx").read_bytes())
+    index_tokens(TokenIndexConfig(good, EOS))
+    (good / "a.bin").write_bytes((folder / "a.bin").read_bytes())  # the negative id back, after indexing
+    problems = [str(p) for p in verify(good).problems]
+    assert any("a.bin" in p and "token id -7" in p for p in problems), problems

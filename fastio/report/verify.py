@@ -107,8 +107,8 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
 def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport,
                     starts: tuple[int, np.ndarray] | None = None):
     """What is wrong with a token shard's ``.idx`` and documents: checksum, structure, counts, every document
-    ending with the end-of-document id, ids inside the vocabulary, its entries of the document-starts table
-    (``starts``: every how many documents, the entries)."""
+    ending with the end-of-document id, ids inside the vocabulary (and not negative), its entries of the
+    document-starts table (``starts``: every how many documents, the entries)."""
     if not idx_path.is_file():
         return [f"index {idx_path.name} is missing"]
     problems = []
@@ -135,6 +135,8 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         problems.append(f"document {int(bad[0])} does not end with the end-of-document id {info.eos_id}")
     if info.vocab_size is not None and tokens.size and int(tokens.max()) >= info.vocab_size:
         problems.append(f"holds token id {int(tokens.max())}, outside the vocabulary of {info.vocab_size}")
+    if tokens.size and int(tokens.min()) < 0:  # int32 tokens only
+        problems.append(f"holds token id {int(tokens.min())}: token ids are never negative")
     return problems
 
 

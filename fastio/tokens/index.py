@@ -3,15 +3,15 @@
 Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard.
 Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the
 ``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document
-token; ``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the
-document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which names the
-files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for read-only
-data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local one), and is published last, under DEST's
-lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's
-upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a
-temporary folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document
-check on the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError`
-naming the file or URL.
+token; ``eos_id`` says which id it is), no id may be negative, and both files are checksummed. Nothing is copied or
+rewritten: the document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which
+names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for
+read-only data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local one), and is published last,
+under DEST's lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and
+the manifest's upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is
+downloaded into a temporary folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and
+the end-of-document check on the way; never written to disk). Hostile input is refused in one
+:class:`~fastio.errors.DatasetError` naming the file or URL.
 """
 
 from __future__ import annotations
@@ -153,12 +153,14 @@ def _local_idx(storage: Storage, pair: _Pair, tmp: Path) -> Iterator[Path]:
         path.unlink(missing_ok=True)
 
 
-def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tuple[dict[str, str], np.ndarray]:
-    """sha256 and xxh3-128 of the ``.bin`` and the tokens just before each of ``ends`` (token offsets): the
-    file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in flight), nothing written to disk."""
+def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str
+              ) -> tuple[dict[str, str], np.ndarray, tuple[int, int] | None]:
+    """sha256 and xxh3-128 of the ``.bin``, the tokens just before each of ``ends`` (token offsets) and the first
+    negative id's (token offset, id) (None: none): the file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in
+    flight), nothing written to disk."""
     item = np.dtype(dtype).itemsize
     hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}
-    last = np.empty(ends.size, np.int64)
+    last, negative = np.empty(ends.size, np.int64), None
     at_byte = (ends - 1) * item  # where each document's last token starts
     starts = list(range(0, pair.bin_size, _RANGE))
 
@@ -177,9 +179,13 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tu
                                    "changed while it was indexed")
             for h in hashes.values():
                 h.update(data)
+            tokens = np.frombuffer(data, dtype)
             lo, hi = np.searchsorted(at_byte, [start, start + len(data)])
-            last[lo:hi] = np.frombuffer(data, dtype)[(at_byte[lo:hi] - start) // item]
-    return {a: h.hexdigest() for a, h in hashes.items()}, last
+            last[lo:hi] = tokens[(at_byte[lo:hi] - start) // item]
+            if negative is None and tokens.size and tokens.min() < 0:  # int32 only: ids are never negative
+                at = int(np.argmax(tokens < 0))
+                negative = (start // item + at, int(tokens[at]))
+    return {a: h.hexdigest() for a, h in hashes.items()}, last, negative
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,11 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
         docs, ends = index.document_ends()
         one, starts = index.is_one_per_document(), shard_starts(index)
         idx_sha256 = sha256_file(idx_path)[1]
-    digests, last = _scan_bin(storage, pair, ends, index.dtype)
+    digests, last, negative = _scan_bin(storage, pair, ends, index.dtype)
+    if negative is not None:  # a negative id: an embedding lookup's device-side assert, far from its cause
+        doc = int(docs[np.searchsorted(ends, negative[0], "right")])
+        raise DatasetError(f"{bin_name}: document {doc} holds token id {negative[1]}: token ids are never negative "
+                           "(a damaged .bin)")
     wrong = np.flatnonzero(last != eos_id)
     if wrong.size:
         raise DatasetError(f"{bin_name}: document {int(docs[wrong[0]])} ends with token {int(last[wrong[0]])}, not "
