@@ -479,3 +479,19 @@ def test_a_negative_token_id_is_refused_by_index_and_found_by_verify(tmp_path, a
     (good / "a.bin").write_bytes((folder / "a.bin").read_bytes())  # the negative id back, after indexing
     problems = [str(p) for p in verify(good).problems]
     assert any("a.bin" in p and "token id -7" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("damage", ["truncated", "extended", "swapped"])
+def test_a_table_truncated_extended_or_swapped_in_is_refused_at_open_and_by_verify(tmp_path, damage):
+    folder = _corpus(tmp_path / "c")
+    table = folder / STARTS_NAME
+    if damage == "truncated":
+        table.write_bytes(table.read_bytes()[:-8])
+    elif damage == "extended":
+        table.write_bytes(table.read_bytes() + np.int64(99).tobytes())
+    else:  # another dataset's table, same shard count and document counts, other tokens
+        table.write_bytes((_corpus(tmp_path / "other", seed=8) / STARTS_NAME).read_bytes())
+    with pytest.raises(DatasetError, match=r"doc-starts\.fxs: document starts table does not match the manifest"):
+        _batches(folder)
+    problems = [str(p) for p in verify(folder).problems]
+    assert problems and all(STARTS_NAME in p for p in problems), problems
