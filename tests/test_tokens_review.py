@@ -495,3 +495,30 @@ def test_a_table_truncated_extended_or_swapped_in_is_refused_at_open_and_by_veri
         _batches(folder)
     problems = [str(p) for p in verify(folder).problems]
     assert problems and all(STARTS_NAME in p for p in problems), problems
+
+
+def test_a_manifest_falsely_claiming_one_sequence_per_document_is_caught_through_the_table(tmp_path):
+    """Documents as many as the sequences, but document 1,023 empty and 1,024 two sequences: the counts agree, so
+    the claim passes the open; the table (taken through doc_index) then disagrees with the .idx read as if each
+    document were its sequence: refused when the block is read, and by verify."""
+    import struct
+
+    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _pair(folder / "s-0.bin", np.random.default_rng(7).integers(1, 9, 3000), 3)
+    raw = (folder / "s-0.idx").read_bytes()
+    n = struct.unpack_from("<Q", raw, 18)[0]
+    per_doc = np.ones(n, np.int64)
+    per_doc[1023], per_doc[1024] = 0, 2
+    docs = np.r_[0, np.cumsum(per_doc)].astype("<i8")
+    (folder / "s-0.idx").write_bytes(MAGIC + struct.pack("<QBQQ", 1, 8, n, n + 1) + raw[HEADER_BYTES:HEADER_BYTES + 12 * n]
+                                     + docs.tobytes())
+    index_tokens(TokenIndexConfig(folder, EOS))
+    m = load_manifest(folder)
+    assert not m.tokens.one_sequence_per_document and m.shards[0].samples == n
+    write_manifest(folder, replace(m, tokens=replace(m.tokens, one_sequence_per_document=True)))
+    with pytest.raises(DatasetError, match=r"s-0\.idx: the document starts table disagrees with it"):
+        _batches(folder)
+    assert any("spans several sequences" in str(p) for p in verify(folder).problems)
