@@ -522,3 +522,30 @@ def test_a_manifest_falsely_claiming_one_sequence_per_document_is_caught_through
     with pytest.raises(DatasetError, match=r"s-0\.idx: the document starts table disagrees with it"):
         _batches(folder)
     assert any("spans several sequences" in str(p) for p in verify(folder).problems)
+
+
+def test_token_parts_merged_give_the_whole_runs_table_and_batches(tmp_path):
+    """fastio convert --part K/3 then fastio merge over 3,000 documents (shards of 1,300: table entries past 0,
+    shards re-packed across the parts' cuts): the table and every batch are the single conversion's."""
+    import json
+
+    from tokens_helpers import train_tokenizer
+
+    from fastio.convert.merge import merge
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    tok = train_tokenizer(tmp_path / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta".split()
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(1, 6))))}) + "\n"
+                           for _ in range(3000)))
+    options = {"workers": 1, "batch_size": 256, "max_samples_per_shard": 1300}
+    convert_tokens(TokenConvertConfig(src, tmp_path / "whole", tok, **options))
+    for k in (2, 0, 1):
+        convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tok, part=(k, 3), **options))
+    merge(tmp_path / "ds")
+    assert (tmp_path / "ds" / STARTS_NAME).read_bytes() == (tmp_path / "whole" / STARTS_NAME).read_bytes()
+    assert [s.samples for s in load_manifest(tmp_path / "ds").shards] == [1300, 1300, 400]
+    assert verify(tmp_path / "ds").ok
+    assert _batches(tmp_path / "ds") == _batches(tmp_path / "whole")
