@@ -549,3 +549,18 @@ def test_token_parts_merged_give_the_whole_runs_table_and_batches(tmp_path):
     assert [s.samples for s in load_manifest(tmp_path / "ds").shards] == [1300, 1300, 400]
     assert verify(tmp_path / "ds").ok
     assert _batches(tmp_path / "ds") == _batches(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("cut", [20, 40, -8])
+def test_a_partly_uploaded_idx_on_s3_is_refused_naming_its_url(tmp_path, aws_env, s3_bucket, capsys, cut):
+    """An .idx object that is the start of the file (an upload cut short, copied as it was): one line naming it."""
+    from fastio.cli import main
+
+    store, local = _s3_corpus(tmp_path, s3_bucket)
+    store.put_bytes("mega/b.idx", (local / "b.idx").read_bytes()[:cut])
+    url = f"s3://{s3_bucket}/mega"
+    capsys.readouterr()
+    assert main(["index", url, "--eos-id", str(EOS)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastio: error: {url}/b.idx: ") and err.count("\n") == 1, err
+    assert not store.exists("mega/manifest.json")
