@@ -564,3 +564,19 @@ def test_a_partly_uploaded_idx_on_s3_is_refused_naming_its_url(tmp_path, aws_env
     err = capsys.readouterr().err
     assert err.startswith(f"fastio: error: {url}/b.idx: ") and err.count("\n") == 1, err
     assert not store.exists("mega/manifest.json")
+
+
+def test_hidden_files_are_not_pairs_locally_or_on_s3(tmp_path, aws_env, s3_bucket):
+    """macOS's AppleDouble ``._a.bin``/``._a.idx`` and a hidden ``.old.bin`` beside the pairs: left out of the listing,
+    as fastio index of WebDataset shards leaves hidden files out (and verify does)."""
+    store, local = _s3_corpus(tmp_path, s3_bucket)
+    want = load_manifest(local)
+    for name, data in (("._b.bin", b"\x00\x05\x16\x07" * 8), ("._b.idx", b"\x00\x05\x16\x07" * 8),
+                       (".old.bin", b"\x01\x00" * 4)):
+        (local / name).write_bytes(data)
+        store.put_bytes(f"mega/{name}", data)
+    for where in (local, f"s3://{s3_bucket}/mega"):
+        index_tokens(TokenIndexConfig(where, EOS, overwrite=True))
+        m = fastio.Dataset(where, cache_dir=tmp_path / "cache").manifest
+        assert [(s.name, s.sha256) for s in m.shards] == [(s.name, s.sha256) for s in want.shards]
+    assert verify(local).ok

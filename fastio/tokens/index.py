@@ -1,17 +1,17 @@
 """``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset.
 
-Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard.
-Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the
-``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document
-token; ``eos_id`` says which id it is), no id may be negative, and both files are checksummed. Nothing is copied or
-rewritten: the document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which
-names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for
-read-only data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local one), and is published last,
-under DEST's lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and
-the manifest's upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is
-downloaded into a temporary folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and
-the end-of-document check on the way; never written to disk). Hostile input is refused in one
-:class:`~fastio.errors.DatasetError` naming the file or URL.
+Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name; hidden ones left out) is
+taken as one shard. Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for
+all, sizes, the ``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its
+end-of-document token; ``eos_id`` says which id it is), no id may be negative, and both files are checksummed.
+Nothing is copied or rewritten: the document-starts table (:mod:`fastio.tokens.starts`) and then the manifest
+(``kind: "tokens"``), which names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or
+URL (``dest`` elsewhere, for read-only data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local
+one), and is published last, under DEST's lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the
+listing, the ranged reads and the manifest's upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset
+shards does: each ``.idx`` is downloaded into a temporary folder (ranged GETs; removed after), each ``.bin`` is
+streamed in ranges (checksums and the end-of-document check on the way; never written to disk). Hostile input is
+refused in one :class:`~fastio.errors.DatasetError` naming the file or URL.
 """
 
 from __future__ import annotations
@@ -113,13 +113,18 @@ def _display(storage: Storage, key: str) -> str:
 
 
 def _listing(storage: Storage, source: str) -> dict[str, int]:
-    """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``."""
+    """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``, hidden ones left
+    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.index_command`'s listing does."""
     if storage.remote:
-        return {o.key: o.size for o in storage.list("") if "/" not in o.key and o.key.endswith((".bin", ".idx"))}
+        return {o.key: o.size for o in storage.list("") if "/" not in o.key and _pair_file(o.key)}
     root = storage.location.path
     if not root.is_dir():
         raise DatasetError(f"{source}: no such folder")
-    return {e.name: e.stat().st_size for e in os.scandir(root) if e.name.endswith((".bin", ".idx")) and e.is_file()}
+    return {e.name: e.stat().st_size for e in os.scandir(root) if _pair_file(e.name) and e.is_file()}
+
+
+def _pair_file(name: str) -> bool:
+    return name.endswith((".bin", ".idx")) and not name.startswith(".")
 
 
 def _pairs(storage: Storage, source: str) -> list[_Pair]:
