@@ -726,3 +726,77 @@ def test_index_of_media_shards_on_s3_and_clips_through_the_cache(aws_env, s3_buc
         for x, y in zip(remote, local, strict=True):
             assert same_batch(x, y)
     assert any((tmp_path / "cache").rglob("probes.fxp"))  # fetched into the cache, checked by its sha256
+
+
+def test_probe_table_is_mapped_and_a_damaged_one_is_refused_in_one_line(tmp_path):
+    import mmap
+
+    from fastio.formats.media import ProbeTable, write_probe_table
+
+    video = {"kind": "video", "frames": 30, "fps": 12.0, "width": 64, "height": 48, "codec": "vp9", "seconds": 2.5}
+    rows = [{"webm": json.dumps({**video, "frames": 30 + i}).encode()} for i in range(5)] + [{}]
+    path = tmp_path / "probes.fxp"
+    write_probe_table(path, rows)
+    table = ProbeTable.open(path, str(path), 6)
+    assert isinstance(table.data, mmap.mmap)  # mapped, not read whole: a rank reads only the entries it plans
+    assert json.loads(table.probe(3, "webm"))["frames"] == 33
+    table.check()
+    whole = path.read_bytes()
+    for name, damaged, match in (
+            ("cut.fxp", whole[:-7], "offsets do not fit the file"),  # truncated
+            ("long.fxp", whole + b"{}", "offsets do not fit the file"),  # extended
+            ("empty.fxp", b"", "not a probe table"),
+            ("head.fxp", whole[:20], "")):
+        (tmp_path / name).write_bytes(damaged)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / name}: {match}") as err:
+            ProbeTable.open(tmp_path / name, str(tmp_path / name), 6)
+        assert "\n" not in str(err.value)
+    # Two entries' bytes swapped with the same total length: the offsets still fit, the entry read is refused.
+    start = whole.index(b'{"webm"')
+    (tmp_path / "entry.fxp").write_bytes(whole[:start] + b"]" + whole[start + 1:])
+    bad = ProbeTable.open(tmp_path / "entry.fxp", "entry.fxp", 6)
+    with pytest.raises(ValueError, match=r"^entry.fxp: sample 0: damaged probe entry"):
+        bad.probe(0, "webm")
+    # Offsets running backwards (the last still at the end): check() names the table.
+    offsets_at = len(whole) - sum(len(json.dumps(json.loads(r["webm"]), sort_keys=True, separators=(",", ":"))
+                                      .join(['{"webm":', "}"])) for r in rows if r) - 8 * 7
+    back = bytearray(whole)
+    back[offsets_at + 8:offsets_at + 16] = (10 ** 6).to_bytes(8, "little")
+    (tmp_path / "back.fxp").write_bytes(bytes(back))
+    with pytest.raises(ValueError, match=r"^back.fxp: offsets do not fit the file \(they run backwards"):
+        ProbeTable.open(tmp_path / "back.fxp", "back.fxp", 6).check()
+
+
+def test_a_clip_late_in_a_video_is_decoded_from_the_keyframe_before_it(tmp_path):
+    """DALI's CPU decoder decodes from its input's first frame whatever the start, so VideoClips hands it each
+    video cut at the last keyframe before its clips (trim_video): the frames must stay the ones the start says."""
+    import av
+
+    import fastio
+    from fastio.formats.media import trim_video
+
+    for i in range(4):
+        synthetic.make_video(tmp_path / "src" / f"c{i % 2}" / f"v{i}.webm", frames=40 + 4 * i, fps=12,
+                             keyframe_every=8)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", progress=False))
+    data = (tmp_path / "src" / "c0" / "v0.webm").read_bytes()
+    info = probe(data, "webm")
+    assert info["keyframes"] == list(range(0, 40, 8))
+    for keyframes in (info["keyframes"], None):  # from the probe, or found by reading the packets
+        cut, k = trim_video(data, 20, 30, keyframes)
+        with av.open(__import__("io").BytesIO(cut)) as c:
+            levels = [f.to_ndarray(format="rgb24").mean() for f in c.decode(video=0)]
+        assert k == 16 and len(cut) < len(data)
+        assert synthetic.frame_of_level(np.array(levels)).tolist() == list(range(16, 31))
+        assert trim_video(data, 7, 30, keyframes) == (data, 0)  # before the second keyframe: the file as it is
+    late = 0
+    clips = fastio.VideoClips(frames=4, stride=3, size=16, dtype="uint8", layout="FHWC", clips_per_video=2)
+    with video_loader(tmp_path / "ds", clips, batch_size=2) as loader:
+        for _ in range(3):
+            for b in loader:
+                starts = b["start_frame"].numpy()
+                for j in range(len(starts)):
+                    for c in range(2):
+                        assert frames_shown(b["video"][j])[c].tolist() == (starts[j, c] + 3 * np.arange(4)).tolist()
+                late += int((starts >= 8).sum())
+    assert late > 4  # clips that start after the first keyframe were asked for, and held the right frames

@@ -123,10 +123,11 @@ def frame_of_level(red: np.ndarray) -> np.ndarray:
 
 
 def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int = 64, height: int = 48,
-               ) -> Path:
+               keyframe_every: int | None = None) -> Path:
     """A video whose frame k is uniform gray :func:`frame_level` (k). The codec follows the suffix
     (:data:`VIDEO_CODECS`: ``.webm`` VP9, ``.mp4`` H.264); flat gray pictures at a low crf keep the level within
-    1, so a decoded frame's mean tells its number (:func:`frame_of_level`), after any crop, resize or flip."""
+    1, so a decoded frame's mean tells its number (:func:`frame_of_level`), after any crop, resize or flip.
+    ``keyframe_every``: the encoder's keyframe interval (default: the encoder's, 128 frames for VP9)."""
     import av
 
     path = Path(path)
@@ -137,6 +138,8 @@ def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int 
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if keyframe_every is not None:
+            stream.codec_context.gop_size = keyframe_every
         stream.options = {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"} \
             if codec == "libvpx-vp9" else {"crf": "4", "preset": "ultrafast"}
         for k in range(frames):

@@ -21,7 +21,7 @@ import numpy as np
 
 from fastio.dataset.files import DatasetFiles, open_files
 from fastio.dataset.manifest import Manifest, ShardRecord
-from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex
+from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex, check_once
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, key_crcs, load_index
 from fastio.formats.labels import parse_label
@@ -212,25 +212,41 @@ class Dataset:
     @cached_property
     def probes(self) -> ProbeTable | None:
         """The probe table of the samples' video and audio files (``DEST/probes.fxp``, written by ``fastio
-        index``), checked against the manifest's record (size and xxh3-128; sha256 too with ``verify``); None
-        for a dataset without one (a converted dataset's probes are its ``probe.json`` fields)."""
+        index``), memory-mapped: a rank reads the entries of the samples it plans. Its size is checked against the
+        manifest's record, and its xxh3-128 (sha256 too with ``verify``) and offsets once per node and file
+        (:func:`~fastio.dataset.sample_table.check_once`); None for a dataset without one (a converted dataset's
+        probes are its ``probe.json`` fields)."""
         record = self.manifest.probes
         if record is None:
             return None
         where = f"{self.root}: {record.name}"
+        changed = DatasetError(f"{where}: does not match the manifest (size or checksum): the file changed after "
+                               "indexing; index the shards again (fastio index --overwrite)")
+        path = self.files.index_path(record, "probe table")
         try:
-            data = self.files.index_path(record, "probe table").read_bytes()
+            stat = path.stat()
+            if stat.st_size != record.bytes:
+                raise changed
+            table = ProbeTable.open(path, where, len(self))
         except OSError as err:
             raise DatasetError(f"{where}: {err.strerror or err}") from None
-        algos = ("xxh3_128", "sha256") if self.verify else ("xxh3_128",)
-        sums = {a: _digest(a, data) for a in algos}
-        if len(data) != record.bytes or any(sums[a] != getattr(record, a) for a in algos if getattr(record, a)):
-            raise DatasetError(f"{where}: does not match the manifest (size or checksum): the file changed after "
-                               "indexing; index the shards again (fastio index --overwrite)")
-        try:
-            return ProbeTable(data, where, len(self))
         except ValueError as err:
             raise DatasetError(str(err)) from None
+
+        def checks() -> None:
+            algos = ("xxh3_128", "sha256") if self.verify else ("xxh3_128",)
+            if any(getattr(record, a) and _digest(a, table.data) != getattr(record, a) for a in algos):
+                raise changed
+            try:
+                table.check()
+            except ValueError as err:
+                raise DatasetError(str(err)) from None
+
+        if self.verify:
+            checks()
+        else:
+            check_once(path, stat, record, checks)
+        return table
 
     def locate(self, indices: np.ndarray) -> Rows:
         """Where samples ``indices`` (dataset-wide) lie: shard, span and each field's offset and size."""
@@ -281,7 +297,7 @@ class Dataset:
                                "with batch['has'])")
 
 
-def _digest(algo: str, data: bytes) -> str:
+def _digest(algo: str, data) -> str:
     h = DIGESTS[algo]()
     h.update(data)
     return h.hexdigest()

@@ -37,7 +37,7 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -50,7 +50,8 @@ from fastio.formats.dali_idx import IndexEntry
 from fastio.storage.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.storage.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
 
-__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexBuilder", "Rows", "SampleIndex", "build_index", "check_index"]
+__all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexBuilder", "Rows", "SampleIndex", "build_index", "check_index",
+           "check_once"]
 
 INDEX_NAME = "samples.fxi"
 INDEX_VERSION = 1
@@ -214,6 +215,25 @@ def _checked_stamp(path: Path, stat: os.stat_result, record: IndexRecord | None,
     return Path(tempfile.gettempdir()) / f"fastio-checked-{os.getuid()}" / key.hexdigest()
 
 
+def check_once(path: Path, stat: os.stat_result, record: IndexRecord | None, checks: Callable[[], None],
+               shard_bytes: Sequence[int] | None = None) -> None:
+    """Run ``checks`` (which raise on a bad file) on the file at ``path`` (``stat``: as opened), unless it is at
+    least :data:`CHECKED_STAMP_MIN_BYTES` and passed them on this node already (:func:`_checked_stamp`); after they
+    pass on such a file, leave the stamp that says so. The one home of that rule, for ``samples.fxi`` and the probe
+    table ``probes.fxp``."""
+    stamp = _checked_stamp(path, stat, record, shard_bytes) if stat.st_size >= CHECKED_STAMP_MIN_BYTES else None
+    if stamp is not None and _own(stamp):
+        return
+    checks()
+    if stamp is not None:
+        try:
+            stamp.parent.mkdir(mode=0o700, exist_ok=True)
+            if _own(stamp.parent):
+                atomic_write_bytes(stamp, f"{path}\n".encode())
+        except OSError:
+            pass  # only a cost: the next process of this node checks again
+
+
 def _own(path: Path) -> bool:
     """Whether ``path`` and its folder exist and belong to this user (a stamp another user made means nothing)."""
     try:
@@ -322,24 +342,19 @@ class SampleIndex:
         except OSError as err:
             raise DatasetError(f"{path}: sample index cannot be read: {err.strerror}") from None
         index = cls(buffer, str(path), shard_samples, fields)  # the header: what the file claims to be
-        stamp = _checked_stamp(path, stat, record, shard_bytes) if check and size >= CHECKED_STAMP_MIN_BYTES else None
-        if not check or (stamp is not None and _own(stamp)):
-            return index
-        if record is not None and record.xxh3_128 is not None:
-            digest = DIGESTS["xxh3_128"]()
-            digest.update(memoryview(buffer))
-            if digest.hexdigest() != record.xxh3_128:
-                raise DatasetError(f"{path}: sample index xxh3_128 does not match the manifest (changed after it "
-                                   "was written: convert or index the dataset again)")
-        if shard_bytes is not None:
-            index.check_structure(shard_bytes)
-        if stamp is not None:
-            try:
-                stamp.parent.mkdir(mode=0o700, exist_ok=True)
-                if _own(stamp.parent):
-                    atomic_write_bytes(stamp, f"{path}\n".encode())
-            except OSError:
-                pass  # only a cost: the next process of this node checks again
+
+        def checks() -> None:
+            if record is not None and record.xxh3_128 is not None:
+                digest = DIGESTS["xxh3_128"]()
+                digest.update(memoryview(buffer))
+                if digest.hexdigest() != record.xxh3_128:
+                    raise DatasetError(f"{path}: sample index xxh3_128 does not match the manifest (changed after "
+                                       "it was written: convert or index the dataset again)")
+            if shard_bytes is not None:
+                index.check_structure(shard_bytes)
+
+        if check:
+            check_once(path, stat, record, checks, shard_bytes)
         return index
 
     def check_structure(self, shard_bytes: Sequence[int], *, chunk: int = 1 << 18) -> None:

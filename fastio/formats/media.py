@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from typing import Any
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
            "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
-           "probe"]
+           "probe", "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -79,12 +80,56 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    frames = sum(1 for p in container.demux(stream) if p.size and p.pts is not None)
-    fps = float(stream.average_rate or stream.guessed_rate or 0)
+    keys = [p.is_keyframe for p in container.demux(stream) if p.size and p.pts is not None]
+    frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
-            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height}
+            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height,
+            "keyframes": [k for k, key in enumerate(keys) if key]}
+
+
+def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None) -> tuple[bytes, int]:
+    """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
+    ``k`` the last keyframe at or before frame ``first``, remuxed (no frame decoded) into a Matroska stream of
+    their packets, so that a decoder that decodes from its input's first frame (DALI's CPU ``fn.decoders.video``
+    decodes from frame 0 whatever ``start_frame`` is) starts at ``k``: frame ``f`` of the video is frame
+    ``f - k`` of the stream. ``data`` itself and 0 when ``k`` is 0 (``keyframes``: the probe's, when known, spares
+    reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
+    it is)."""
+    if keyframes is not None and not any(0 < k <= first for k in keyframes):
+        return data, 0
+    try:
+        import av
+    except ImportError:  # PyAV (fastio[media]) not installed where the Loader runs: decoded from frame 0
+        return data, 0
+
+    try:
+        with av.open(io.BytesIO(data)) as src:
+            stream = src.streams.video[0]
+            packets, k = [], 0
+            for packet in src.demux(stream):
+                if not packet.size or packet.pts is None:
+                    continue
+                at = k + len(packets)  # this packet's frame
+                if at <= first and packet.is_keyframe:
+                    packets, k = [], at
+                if at > first and k == 0:  # no keyframe but frame 0 before the clip: the file as it is
+                    break
+                packets.append(packet)
+                if at >= last:
+                    break
+            if k == 0:
+                return data, 0
+            out = io.BytesIO()
+            with av.open(out, "w", format="matroska") as dst:
+                copy = dst.add_stream_from_template(stream)
+                for packet in packets:
+                    packet.stream = copy
+                    dst.mux(packet)
+    except (av.FFmpegError, IndexError, ValueError):
+        return data, 0
+    return out.getvalue(), k
 
 
 def _probe_audio(container, stream) -> dict[str, Any]:
@@ -212,36 +257,63 @@ def write_probe_table(path, rows: list[dict[str, bytes | str]]) -> None:
 
 
 class ProbeTable:
-    """A probe table (:func:`write_probe_table`) read from ``data`` (the file's bytes); ValueError naming
-    ``where`` when it is not one or holds another number of samples than ``samples``."""
+    """A probe table (:func:`write_probe_table`) over ``data``: the file's bytes or a read-only mapping of it
+    (:meth:`open`), of which a lookup reads only its own entry and two offsets. ValueError naming ``where`` when
+    its header is not one of ``samples`` samples or its offsets do not reach the end of the file (a truncated or
+    extended table); :meth:`check` checks every offset, :meth:`probe` the entry it reads."""
 
-    def __init__(self, data: bytes, where: str, samples: int):
+    def __init__(self, data, where: str, samples: int):
         import numpy as np
 
         try:
-            if data[:8] != _PROBES_MAGIC:
+            if bytes(data[:8]) != _PROBES_MAGIC:
                 raise ValueError("not a probe table (bad magic)")
             size = int.from_bytes(data[8:16], "little")
-            header = json.loads(data[16:16 + size])
+            header = json.loads(bytes(data[16:16 + size]))
             if header["version"] != _PROBES_VERSION or header["samples"] != samples:
                 raise ValueError(f"version {header['version']}, {header['samples']} samples; expected version "
                                  f"{_PROBES_VERSION}, {samples} samples")
             start = 16 + size + (-(16 + size) % 8)
             self._offsets = np.frombuffer(data, "<i8", samples + 1, start)
             self._blob = memoryview(data)[start + 8 * (samples + 1):]
-            if self._offsets[0] != 0 or (np.diff(self._offsets) < 0).any() or self._offsets[-1] != len(self._blob):
-                raise ValueError("offsets do not fit the file")
+            if self._offsets[0] != 0 or self._offsets[-1] != len(self._blob):
+                raise ValueError("offsets do not fit the file (truncated or extended)")
             self.unprobed: dict[str, dict[str, Any]] = header["unprobed"]
             """Per field: ``count`` of samples whose file could not be probed, ``first`` ``[sample, reason]``."""
+            self.data = data
+            """The bytes or mapping it reads."""
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise ValueError(f"{where}: {err}") from None
         self.where = where
 
+    @classmethod
+    def open(cls, path, where: str, samples: int) -> ProbeTable:
+        """The table in file ``path``, memory-mapped read-only (pages shared by a node's processes, read as
+        lookups touch them); OSError when it cannot be opened, ValueError as the constructor."""
+        import mmap
+
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return cls(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b"", where, samples)
+
+    def check(self, chunk: int = 1 << 20) -> None:
+        """ValueError naming the table when an offset runs backwards (every offset read, a chunk at a time)."""
+        import numpy as np
+
+        for a in range(0, len(self._offsets) - 1, chunk):
+            if (np.diff(self._offsets[a:a + chunk + 1]) < 0).any():
+                raise ValueError(f"{self.where}: offsets do not fit the file (they run backwards after sample {a})")
+
     def probe(self, index: int, field: str) -> bytes:
         """The ``probe.json`` bytes of sample ``index``'s ``field``; ValueError naming the sample when the table
-        has none (the reason it could not be probed, or no such field)."""
+        has none (the reason it could not be probed, or no such field) or its entry is damaged."""
         a, b = int(self._offsets[index]), int(self._offsets[index + 1])
-        entry = json.loads(self._blob[a:b].tobytes() or b"{}").get(field)
+        try:
+            if not 0 <= a <= b <= len(self._blob):
+                raise ValueError(f"entry at {a}..{b} outside the table's {len(self._blob)} bytes")
+            entry = json.loads(self._blob[a:b].tobytes() or b"{}").get(field)
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{self.where}: sample {index}: damaged probe entry ({err})") from None
         if entry is None or "error" in entry:
             why = entry["error"] if entry else f"no {field} field"
             raise ValueError(f"{self.where}: sample {index}: no probe of its {field} ({why})")

@@ -251,15 +251,15 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
               batch_size: int, num_threads: int, device: str, device_id: int | None, prefetch: int,
               seed: int, conditionals: bool = False) -> Any:
     """A built DALI pipeline: ``names`` from ``source`` through one batch-mode external source (fastio's
-    order, not DALI's; each input's dtype by its name, a numbered ``start0``, ``start1`` as ``start``), then
-    ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``); with ``conditionals``, ``body`` may
-    branch per sample with ``if`` on a boolean input (DALI's ``enable_conditionals``)."""
+    order, not DALI's; each input's dtype by its name, a numbered ``start0``, ``start1`` as ``start``, ``decode0``
+    as ``decode``), then ``body(inputs, decoder_device)`` (``"mixed"`` on cuda, else ``"cpu"``); with
+    ``conditionals``, ``body`` may branch per sample with ``if`` on a boolean input (DALI's ``enable_conditionals``)."""
     from nvidia.dali import fn, pipeline_def, types
 
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
-              "flip": types.INT32, "start": types.INT32, "roi_start": types.FLOAT, "roi_end": types.FLOAT,
-              "still": types.BOOL, "window_start": types.INT32, "window_length": types.INT32, "offset": types.INT32,
-              "rate": types.FLOAT}
+              "flip": types.INT32, "start": types.INT32, "decode": types.INT32, "roi_start": types.FLOAT,
+              "roi_end": types.FLOAT, "still": types.BOOL, "window_start": types.INT32, "window_length": types.INT32,
+              "offset": types.INT32, "rate": types.FLOAT}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,

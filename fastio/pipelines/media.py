@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.formats.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe
+from fastio.formats.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe, trim_video
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
@@ -260,7 +260,9 @@ class VideoClips(_Clips):
 
     def input_names(self) -> tuple[str, ...]:
         starts = tuple(f"start{c}" for c in range(self.clips_per_video))
-        return ("encoded", "index", "still", *starts, "roi_start", "roi_end", "flip")
+        decode = tuple(f"decode{c}" for c in range(self.clips_per_video))
+        streams = tuple(f"encoded{c}" for c in range(1, self.clips_per_video))
+        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip")
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
@@ -291,8 +293,25 @@ class VideoClips(_Clips):
         roi_start = np.ascontiguousarray(np.stack([y, x], 1), np.float32)
         roi_end = np.ascontiguousarray(np.stack([y + ch, x + cw], 1), np.float32)
         index = np.ascontiguousarray(batch.indices, dtype=np.int64)
-        return (batch.image, index, still, *(np.ascontiguousarray(starts[:, c]) for c in range(self.clips_per_video)),
-                roi_start, roi_end, np.ascontiguousarray(flip, np.int32))
+        encoded, decode = self._trimmed(batch.image, probes, starts)
+        clips = range(self.clips_per_video)
+        return (*encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
+                *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
+                np.ascontiguousarray(flip, np.int32))
+
+    def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
+        """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
+        still's image as it is), and the clip's start in its cut stream. DALI's CPU decoder decodes from its
+        input's first frame whatever the start (docs/media.md), so a clip late in a long video would cost every
+        frame before it."""
+        out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
+        for j, p in enumerate(probes):
+            for c in range(self.clips_per_video) if p is not None else ():
+                last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"))
+                if k:
+                    out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
+        return out, decode
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn, types
@@ -311,7 +330,8 @@ class VideoClips(_Clips):
 
         clips = []
         for c in range(self.clips_per_video):
-            clip = fn.decoders.video(inp["encoded"], device=decoder_device, start_frame=inp[f"start{c}"],
+            stream = inp["encoded" if c == 0 else f"encoded{c}"]
+            clip = fn.decoders.video(stream, device=decoder_device, start_frame=inp[f"decode{c}"],
                                      sequence_length=self.frames, stride=self.stride, pad_mode="edge")
             clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)

@@ -204,8 +204,8 @@ def _probe_problems(path: Path, manifest: Manifest) -> list[str]:
     out = _file_problems(path, record)
     if not out:
         try:
-            ProbeTable(path.read_bytes(), path.name, manifest.total_samples)
-        except ValueError as err:
+            ProbeTable.open(path, path.name, manifest.total_samples).check()
+        except (OSError, ValueError) as err:
             out.append(f"probe table does not parse: {err}")
     return out
 

@@ -13,11 +13,16 @@ sources' sequences; ``base[s] + sequence`` is the mixture id, ``source_epoch`` t
 draws its document order). A single dataset is the one-source case (``base`` 0, ``total`` its sequences).
 
 The shards are read in place (a local dataset) or through the node-local cache (an ``s3://`` dataset: the read
-set's shard source, filled ahead in the order the coming sequences want them).
+set's shard source, filled ahead in the order the coming sequences want them). A read is numpy work on whole
+batches: the batches submitted while the reader was busy are read together (:meth:`TokenReader.read_batches`),
+their pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`) and gathered with one fancy index
+per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, checked against
+the file's size on every read; a cached shard's mapped while the cache holds it for the read).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -34,11 +39,18 @@ from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
 from fastio.tokens.megatron import MegatronIndex
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
+from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
 from fastio.tokens.starts import read_starts
 
-__all__ = ["TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits", "mixture_units",
-           "open_tables", "packing_of", "source_packings"]
+__all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
+           "mixture_units", "open_tables", "packing_of", "source_packings"]
+
+GROUP = 4
+"""Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
+page faults cost more than the calls saved, here)."""
+ORDER_CHUNK = 256
+"""Batches of a plan looked up at once for the feeder (the order's fixed cost per lookup is most of its cost: 256
+batches of 8 cost about 2 us a batch where 32 cost 33)."""
 
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
@@ -104,7 +116,7 @@ class _EpochUnits:
         ids, padded = self._plan.batch(g)
         return ids + self._base, padded
 
-    def iter_batches(self, first: int = 0, chunk: int = 32) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def iter_batches(self, first: int = 0, chunk: int = ORDER_CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for ids, padded in self._plan.iter_batches(first, chunk):
             yield ids + self._base, padded
 
@@ -179,6 +191,55 @@ def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec:
     return packings
 
 
+def _settle(group: list[tuple[np.ndarray, Future]], read: Callable[[list[np.ndarray]], list[TokenBatch]]) -> None:
+    """Each future of ``group`` with its batch, read together; where that fails, each batch read alone, so
+    that each future gets its own batch or its own error."""
+    try:
+        batches = read([ids for ids, _ in group]) if len(group) > 1 else None
+    except Exception:
+        batches = None
+    if batches is not None:
+        for (_, future), batch in zip(group, batches):
+            future.set_result(batch)
+        return
+    for ids, future in group:
+        try:
+            future.set_result(read([ids])[0])
+        except BaseException as err:
+            future.set_exception(err)
+
+
+def _cu_per_batch(starts: np.ndarray, ends: np.ndarray, width: int) -> list[np.ndarray]:
+    """Each batch's ``cu_seqlens`` (int32): the document ``starts`` (sorted indices into the flattened rows of
+    ``width`` tokens of batches ending at rows ``ends``) within that batch's flattened inputs (each row but its
+    last token), then their end."""
+    row, col = np.divmod(starts, width)
+    inputs = col < width - 1
+    row, col = row[inputs], col[inputs]
+    cut = np.searchsorted(row, ends).tolist()  # where each batch's starts end
+    first = np.concatenate([[0], ends[:-1]])
+    if len(cut) > 1:
+        row -= np.repeat(first, np.diff(np.concatenate([[0], cut])))
+    local = (row * (width - 1) + col).astype(np.int32)
+    stops = ((ends - first) * (width - 1)).astype(np.int32)
+    return [np.concatenate([local[lo:hi], stops[j:j + 1]]) for j, (lo, hi) in enumerate(zip([0] + cut[:-1], cut))]
+
+
+def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (source, epoch) pairs of a batch's units, in order of first appearance."""
+    pairs = list(zip(src.tolist(), epochs.tolist()))
+    return list(dict.fromkeys(pairs))
+
+
+def _mapped_tokens(fd: int, dtype: np.dtype) -> np.ndarray:
+    """The ``.bin`` open at ``fd`` mapped read-only as tokens of ``dtype`` (the mapping lives as long as the array;
+    an empty file maps to no tokens)."""
+    size = os.fstat(fd).st_size // dtype.itemsize * dtype.itemsize
+    if not size:
+        return np.zeros(0, dtype)
+    return np.frombuffer(mmap.mmap(fd, size, access=mmap.ACCESS_READ), dtype)
+
+
 def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
     """The first two (name, value) pairs of ``values`` whose values differ."""
     items = list(values.items())
@@ -207,10 +268,12 @@ class TokenSource:
 
 class TokenReader:
     """Reads batches of units (``submit(ids) -> Future[TokenBatch]``) from the ``.bin`` files of ``sources`` (one
-    dataset, or a mixture's token datasets in the mixture's order; all of one end-of-document id) with
-    ``threads`` threads. A unit id is ``epoch * total + base[s] + sequence`` (``total``: all sources'
-    sequences, ``base[s]``: source ``s``'s first; one dataset: ``epoch * sequences + sequence``); the batch's
-    ``indices`` are ``base[s] + sequence``."""
+    dataset, or a mixture's token datasets in the mixture's order; all of one end-of-document id), reading the
+    batches submitted meanwhile together (:meth:`submit`): with up to ``threads`` threads where a source is read
+    through the cache (a read may wait for a fill), else with one (a local read is numpy work under the
+    interpreter lock: a second thread only contends for it). A unit id is ``epoch * total + base[s] +
+    sequence`` (``total``: all sources' sequences, ``base[s]``: source ``s``'s first; one dataset: ``epoch *
+    sequences + sequence``); the batch's ``indices`` are ``base[s] + sequence``."""
 
     def __init__(self, sources: list[TokenSource], threads: int):
         self.sources = sources
@@ -219,15 +282,41 @@ class TokenReader:
         self.total = sum(sizes)
         self.base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self._fds: dict[tuple[int, int], int] = {}
+        self._maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fastio-tokens")
+        cached = any(src.files is not None for src in sources)
+        self._threads, self._draining = (threads if cached else 1), 0  # local reads hold the interpreter lock
+        self._pending: list[tuple[np.ndarray, Future]] = []
 
     @property
     def width(self) -> int:
         return self.sources[0].packing.seq_len + 1
 
     def submit(self, ids: np.ndarray) -> Future:
-        return self._pool.submit(self.read_batch, np.asarray(ids, np.int64))
+        """Start reading a batch; the future's result is a :class:`TokenBatch`. Batches submitted while the
+        threads are busy are read together, up to :data:`GROUP` at a time (:meth:`read_batches`: the fixed cost
+        of a read, under the interpreter lock, shared)."""
+        future: Future = Future()
+        with self._lock:
+            self._pending.append((np.asarray(ids, np.int64), future))
+            start = self._draining < self._threads
+            self._draining += start
+        if start:
+            self._pool.submit(self._drain)
+        return future
+
+    def _drain(self) -> None:
+        """Read the pending batches, a group at a time, until none is left."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._draining -= 1
+                    return
+                group, self._pending = self._pending[:GROUP], self._pending[GROUP:]
+            group = [(ids, f) for ids, f in group if f.set_running_or_notify_cancel()]
+            if group:
+                _settle(group, self.read_batches)
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Unit ids -> ``(source, epoch, sequence)``."""
@@ -236,42 +325,110 @@ class TokenReader:
         return src, epochs, local - self.base[src]
 
     def read_batch(self, ids: np.ndarray) -> TokenBatch:
-        """The sequences ``ids`` name, padded with the end-of-document id."""
-        src, epochs, seqs = self.split(ids)
-        tokens = np.full((ids.size, self.width), self.eos_id, np.int64)
-        mask = np.zeros((ids.size, self.width), bool)
-        for row, (s, e, q) in enumerate(zip(src.tolist(), epochs.tolist(), seqs.tolist())):
-            got = self._read(s, self.sources[s].packing.pieces(e, q))
-            tokens[row, :got.size], mask[row, :got.size] = got, True
-        arrays = {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
-                  "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}
-        return TokenBatch(self.base[src] + seqs, arrays)
+        """The sequences ``ids`` name (see :meth:`read_batches`)."""
+        return self.read_batches([np.asarray(ids, np.int64)])[0]
 
-    def _read(self, s: int, pieces: list[Piece]) -> np.ndarray:
+    def read_batches(self, batches: list[np.ndarray]) -> list[TokenBatch]:
+        """The sequences each of ``batches`` names, padded with the end-of-document id, read together: each
+        source's (and epoch's) pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`), their
+        tokens gathered with one fancy index per shard from its mapped ``.bin``."""
+        ids = np.concatenate(batches)
+        src, epochs, seqs = self.split(ids)
+        flat, lengths = None, np.zeros(ids.size, np.int64)
+        for s, e in _groups(src, epochs):
+            rows = np.flatnonzero((src == s) & (epochs == e))
+            spans = self.sources[s].packing.spans(e, seqs[rows])
+            flat = self._gather(s, rows[spans.row], spans, flat, ids.size * self.width)
+            lengths[rows] = np.bincount(spans.row, spans.count, rows.size).astype(np.int64)
+        tokens = flat.reshape(ids.size, self.width)
+        full = bool((lengths == self.width).all())  # concat: no padding, no mask to apply
+        mask = np.ones(tokens.shape, bool) if full else np.arange(self.width) < lengths[:, None]
+        starts = document_starts(tokens, self.eos_id, None if full else mask)
+        pos = positions_from(starts, tokens.size).reshape(tokens.shape)
+        indices, ends = self.base[src] + seqs, np.cumsum([b.size for b in batches])
+        cus = _cu_per_batch(starts, ends, self.width)
+        out, r0 = [], 0
+        for r1, cu in zip(ends.tolist(), cus):
+            arrays = {"tokens": tokens[r0:r1], "loss_mask": mask[r0:r1], "position_ids": pos[r0:r1], "cu_seqlens": cu}
+            out.append(TokenBatch(indices[r0:r1], arrays))
+            r0 = r1
+        return out
+
+    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray | None, size: int) -> np.ndarray:
+        """``flat`` (the batch's rows of ``width`` tokens end to end, ``size`` tokens; None: not made yet, filled
+        with the end-of-document id where needed) with the pieces ``spans`` of source ``s`` written into rows
+        ``rows`` (each row's pieces one after the other from its start)."""
+        count, start = spans.count, spans.start
+        ends = np.cumsum(count)
+        before = ends - count  # the pieces' offsets in their concatenation
+        k = ramp_to(int(ends[-1]))
+        at = np.repeat(start - before, count)
+        at += k  # token offset in its shard of each token (in place: fresh memory costs page faults)
+        one = bool((spans.shard == spans.shard[0]).all())
+        stops = start + count
+        if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
+            return self._tokens(s, int(spans.shard[0]), at, int(stops.max())).astype(np.int64)
+        if flat is None:
+            flat = np.full(size, self.eos_id, np.int64)
+        first = np.ones(rows.size, bool)
+        first[1:] = rows[1:] != rows[:-1]
+        within = before - np.maximum.accumulate(np.where(first, before, 0))  # offset in its row
+        to = np.repeat(rows * self.width + within - before, count)
+        to += k  # its place in flat
+        each = None if one else np.repeat(spans.shard, count)
+        for shard in np.unique(spans.shard).tolist():
+            here = slice(None) if each is None else each == shard
+            end = int(stops.max() if one else stops[spans.shard == shard].max())
+            flat[to[here]] = self._tokens(s, shard, at[here], end)
+        return flat
+
+    def _tokens(self, s: int, k: int, at: np.ndarray, end: int) -> np.ndarray:
+        """The tokens at offsets ``at`` (all below ``end``) of shard ``k`` of source ``s``: its ``.bin`` mapped for
+        the reader's life (a local dataset), or mapped while the cache holds it (``s3://``: acquired, read,
+        released)."""
         source = self.sources[s]
-        dtype = np.dtype(source.ds.manifest.tokens.dtype).newbyteorder("<")
-        parts = []
-        for p in pieces:
-            fd = self._hold(s, p.shard)
-            try:
-                data = os.pread(fd, p.count * dtype.itemsize, p.start * dtype.itemsize)
-            finally:
-                if source.files is not None:
-                    source.files.release(p.shard)
-            if len(data) != p.count * dtype.itemsize:
-                shard = source.ds.shards[p.shard]
-                raise DatasetError(f"{source.ds.root}: shard {shard.name}: {len(data)} bytes at byte "
-                                   f"{p.start * dtype.itemsize}, the .idx says {p.count * dtype.itemsize}: truncated")
-            parts.append(np.frombuffer(data, dtype))
-        return np.concatenate(parts).astype(np.int64)
+        if source.files is None:
+            fd, tokens = self._mapped(s, k)
+            return np.take(self._checked(s, k, fd, tokens, end), at)
+        fd = source.files.acquire(k)
+        try:  # the mapping (and its copy of fd) goes with the array, before the shard is released
+            return np.take(self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), end), at)
+        finally:
+            source.files.release(k)
+
+    def _dtype(self, s: int) -> np.dtype:
+        return np.dtype(self.sources[s].ds.manifest.tokens.dtype).newbyteorder("<")
+
+    def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, end: int) -> np.ndarray:
+        """``tokens`` (shard ``k``'s mapping), once the file still holds the offsets below ``end`` (a file cut
+        short under a mapping would kill the process on reading): DatasetError naming the shard if not."""
+        source = self.sources[s]
+        shard = source.ds.shards[k]
+        itemsize = tokens.dtype.itemsize
+        need = end * itemsize
+        size = os.fstat(fd).st_size
+        if need > min(size, tokens.size * itemsize):
+            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {size} bytes, the .idx says {shard.bytes} "
+                               f"(a sequence reads up to byte {need}): truncated")
+        return tokens
+
+    def _mapped(self, s: int, k: int) -> tuple[int, np.ndarray]:
+        """Shard ``k`` of local source ``s``: its open ``.bin`` and its tokens, mapped (once, on first use)."""
+        got = self._maps.get((s, k))
+        if got is not None:
+            return got
+        fd = self._hold(s, k)
+        with self._lock:
+            if (s, k) not in self._maps:
+                self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
+            return self._maps[(s, k)]
 
     def _hold(self, s: int, k: int) -> int:
-        source = self.sources[s]
-        if source.files is not None:
-            return source.files.acquire(k)
+        """The open ``.bin`` of shard ``k`` of local source ``s`` (its sha256 checked before its first use with
+        ``verify``)."""
         fd = self._fds.get((s, k))
         if fd is None:
-            ds = source.ds
+            ds = self.sources[s].ds
             shard = ds.shards[k]
             if ds.verify:  # a cache's fills are always checked; a local shard before its first use
                 _check_sha256(ds, shard.path, shard.sha256)
@@ -313,7 +470,12 @@ class TokenReader:
                 return
 
     def close(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._maps = {}  # the mappings go with their arrays
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)

@@ -19,6 +19,14 @@ The order of the sequences themselves, each rank's slice and the resume arithmet
 :meth:`ConcatPacking.sampler` is a :class:`~fastio.order.sampler.Sampler` over the epoch's sequences (one "shard" of
 ``sequences`` units), so a plan started at ``consumed`` continues bitwise at the same world size and delivers
 each remaining sequence exactly once at another.
+
+``pieces(epoch, s)`` gives one sequence's token ranges (the reference); ``spans(epoch, seqs)`` gives a whole
+batch's at once as arrays (:class:`Spans`, what the reader uses; the tests hold the two equal): concat searches a
+table of the epoch's stream (every document's shard offset and stream position, 24 bytes a document, built once per
+epoch up to :data:`STREAM_TABLE_DOCS` documents; above, one of the blocks the batch touches), best-fit one of
+every block's packed sequences as arrays (made once: the packing is the same every epoch; above that size, the
+touched blocks'). :func:`boundaries` gives ``position_ids`` and ``cu_seqlens`` from one
+search for the documents' starts.
 """
 
 from __future__ import annotations
@@ -36,11 +44,16 @@ import numpy as np
 from fastio.order.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
-           "cu_seqlens", "position_ids"]
+           "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts",
+           "position_ids", "positions_from", "ramp_to"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
 PACKINGS = ("concat", "best-fit")
+STREAM_TABLE_DOCS = 1 << 19
+"""Up to this many documents, :meth:`ConcatPacking.spans` searches a table of the whole epoch's stream (24 bytes a
+document, built once per epoch, two epochs kept) and :meth:`BestFitPacking.spans` one of every block's packed
+sequences (made once); above it, tables of the blocks a batch touches."""
 _SHUFFLES = ("global", "none")
 
 
@@ -64,6 +77,24 @@ class Piece:
     shard: int
     start: int
     count: int
+
+
+@dataclass(frozen=True)
+class Spans:
+    """The pieces of several sequences as arrays, in order (each sequence's pieces together, in the order of the
+    sequences asked for, each sequence's in its own order): piece ``j`` is ``count[j]`` tokens of shard
+    ``shard[j]`` from its token offset ``start[j]``, part of the ``row[j]``-th sequence asked for."""
+
+    row: np.ndarray
+    shard: np.ndarray
+    start: np.ndarray
+    count: np.ndarray
+
+
+def _ramp(counts: np.ndarray) -> np.ndarray:
+    """``0..counts[i] - 1`` for each ``i``, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 class _BlockPacking:
@@ -182,22 +213,25 @@ class ConcatPacking(_BlockPacking):
             raise ValueError(f"seq_len {seq_len} needs more than {seq_len} tokens; the corpus holds "
                              f"{self.total_tokens}")
         self.sequences = (self.total_tokens - 1) // seq_len
+        self.documents = int(self._blk_n.sum())
+        self._stream: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
     def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._blk_tokens, sequences * self.seq_len  # stream tokens
 
     def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(token offset in its shard of each document of block ``b`` in its shuffled order, prefix sums of
-        their lengths) in ``epoch``."""
-        def compute():
-            n = int(self._blk_n[b])
-            local = np.arange(n, dtype=np.int64)
-            if self.spec.shuffle == "global" and n > 1:
-                local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
-                                 np.uint64(b * int(_GOLDEN) % (1 << 64)))
-            starts, lengths = self._documents(b, local)
-            return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        return self._cached((epoch, b), compute)
+        their lengths) in ``epoch`` (cached: a few blocks)."""
+        return self._cached((epoch, b), lambda: self._block_table(epoch, b))
+
+    def _block_table(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        n = int(self._blk_n[b])
+        local = np.arange(n, dtype=np.int64)
+        if self.spec.shuffle == "global" and n > 1:
+            local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
+                             np.uint64(b * int(_GOLDEN) % (1 << 64)))
+        starts, lengths = self._documents(b, local)
+        return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
     def pieces(self, epoch: int, sequence: int) -> list[Piece]:
         """The token ranges that make sequence ``sequence`` (``seq_len + 1`` tokens, in order) of ``epoch``."""
@@ -220,6 +254,59 @@ class ConcatPacking(_BlockPacking):
                 i += 1
             slot, off = slot + 1, 0
         return out
+
+    def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
+        """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
+        (vectorised: one search for every sequence's documents in the stream table of :meth:`_stream_table`)."""
+        seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
+        t0 = seqs * self.seq_len
+        t1 = t0 + self.seq_len + 1
+        starts, cum, shard = self._stream_table(epoch, t0, t1)
+        first = np.searchsorted(cum, t0, "right") - 1
+        docs = np.searchsorted(cum, t1 - 1, "right") - first
+        doc = np.repeat(first, docs) + _ramp(docs)
+        at = cum[doc]
+        begin = np.maximum(np.repeat(t0, docs), at)
+        count = np.minimum(np.repeat(t1, docs), cum[doc + 1]) - begin
+        row, start = np.repeat(np.arange(seqs.size, dtype=np.int64), docs), starts[doc] + begin - at
+        keep = count > 0  # documents of no tokens
+        if not keep.all():
+            row, doc, start, count = row[keep], doc[keep], start[keep], count[keep]
+        return Spans(row, shard[doc], start, count)
+
+    def _stream_table(self, epoch: int, t0: np.ndarray, t1: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token offset in its shard, stream position, shard) of each document of ``epoch``'s stream, and the
+        end of the last: a sorted table in which each stream range ``[t0, t1)`` finds its documents. The whole
+        epoch's (built once per epoch) where the corpus has at most :data:`STREAM_TABLE_DOCS` documents, else
+        the blocks the ranges touch, end to end at their stream positions (a document before a gap between two
+        of them seems to run to the next one: no range reaches into the gap)."""
+        perm, slot_start = self._slots(epoch, self._blk_tokens)
+        if self.documents <= STREAM_TABLE_DOCS:
+            with self._lock:
+                table = self._stream.get(epoch)
+            if table is None:
+                table = self._table(epoch, np.arange(perm.size), perm, slot_start)
+                with self._lock:
+                    self._stream[epoch] = table
+                    while len(self._stream) > 2:
+                        self._stream.popitem(last=False)
+            return table
+        lo = np.searchsorted(slot_start, t0, "right") - 1
+        per = np.searchsorted(slot_start, t1 - 1, "right") - lo  # slots each range spans
+        slots = np.unique(np.repeat(lo, per) + _ramp(per))
+        return self._table(epoch, slots, perm, slot_start, cached=True)
+
+    def _table(self, epoch: int, slots: np.ndarray, perm: np.ndarray, slot_start: np.ndarray, cached: bool = False
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The stream table of :meth:`_stream_table` over ``slots`` (ascending; ``cached``: their blocks' tables
+        through the block cache)."""
+        blocks = perm[slots]
+        get = self._block if cached else self._block_table
+        tables = [get(epoch, b) for b in blocks.tolist()]
+        starts = np.concatenate([t[0] for t in tables])
+        cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots].tolist())]
+                             + [slot_start[slots[-1:] + 1]])
+        return starts, cum, np.repeat(self._blk_shard[blocks], self._blk_n[blocks])
 
 
 FITS = ("best", "first")
@@ -249,6 +336,8 @@ class BestFitPacking(_BlockPacking):
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
+        self.documents = int(self._blk_n.sum())
+        self._whole: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def padding_fraction(self) -> float:
@@ -279,6 +368,69 @@ class BestFitPacking(_BlockPacking):
         perm, slot_start = self._slots(epoch, self._bins)
         slot = int(np.searchsorted(slot_start, sequence, "right")) - 1
         return list(self._pack(int(perm[slot]))[sequence - int(slot_start[slot])])
+
+    def _pack_arrays(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_pack_table` of block ``b``, cached (a few blocks)."""
+        return self._cached(("bin-arrays", b), lambda: self._pack_table(b))
+
+    def _pack_table(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block ``b``'s sequences as arrays: (where each sequence's pieces begin + the end, their token
+        offsets, their counts), from :meth:`_pack`."""
+        bins = self._pack(b)
+        ptr = np.concatenate([[0], np.cumsum([len(pieces) for pieces in bins])]).astype(np.int64)
+        start = np.array([p.start for pieces in bins for p in pieces], np.int64)
+        return ptr, start, np.array([p.count for pieces in bins for p in pieces], np.int64)
+
+    def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
+        """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
+        (vectorised: the packed sequences of the blocks, as arrays end to end, looked up at once)."""
+        seqs = _checked(np.asarray(sequences, np.int64).reshape(-1), self.sequences)
+        perm, slot_start = self._slots(epoch, self._bins)
+        slot = np.searchsorted(slot_start, seqs, "right") - 1
+        blocks = perm[slot]
+        base, ptr, start, count = self._bin_table(blocks)
+        first = ptr[base + seqs - slot_start[slot]]  # each sequence's first piece in the table
+        per = ptr[base + seqs - slot_start[slot] + 1] - first
+        row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
+        piece = np.repeat(first, per) + _ramp(per)
+        return Spans(row, np.repeat(self._blk_shard[blocks], per), start[piece], count[piece])
+
+    def _bin_table(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(where the sequences of each of ``blocks`` begin in the table, where each sequence's pieces begin +
+        the end, the pieces' token offsets, their counts): every block's packed sequences end to end (made once,
+        the packing being the same every epoch) where the corpus has at most :data:`STREAM_TABLE_DOCS`
+        documents, else the given blocks'."""
+        if self.documents <= STREAM_TABLE_DOCS:
+            with self._lock:
+                table = self._whole
+            if table is None:
+                table = self._bin_arrays(np.arange(self._blk_n.size))
+                with self._lock:
+                    self._whole = table
+            base, *rest = table
+            return (base[blocks], *rest)
+        touched, which = np.unique(blocks, return_inverse=True)
+        base, *rest = self._bin_arrays(touched, cached=True)
+        return (base[which], *rest)
+
+    def _bin_arrays(self, blocks: np.ndarray, cached: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_bin_table` over ``blocks`` (``cached``: their arrays through the block cache), ``base`` by
+        position in ``blocks``."""
+        tables = [self._pack_arrays(b) if cached else self._pack_table(b) for b in blocks.tolist()]
+        pieces = np.cumsum([0] + [t[0][-1] for t in tables])
+        ptr = np.concatenate([t[0][:-1] + off for t, off in zip(tables, pieces.tolist())] + [pieces[-1:]])
+        base = np.cumsum([0] + [t[0].size - 1 for t in tables])[:-1]
+        start = np.concatenate([t[1] for t in tables])
+        return base.astype(np.int64), ptr.astype(np.int64), start, np.concatenate([t[2] for t in tables])
+
+
+def _checked(sequences: np.ndarray, n: int) -> np.ndarray:
+    """``sequences``, once each is in ``0..n - 1`` (IndexError naming the first that is not)."""
+    bad = (sequences < 0) | (sequences >= n)
+    if bad.any():
+        raise IndexError(f"sequence {int(sequences[bad][0])} out of range 0..{n - 1}")
+    return sequences
 
 
 def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
@@ -314,35 +466,65 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
     return bins
 
 
-def _starts(rows: np.ndarray, eos_id: int, mask: np.ndarray | None) -> np.ndarray:
-    """Where a document begins in each row: the row's start, right after an ``eos_id``, and (with ``mask``, 0 on
-    padding) where padding begins; padding is one segment."""
-    starts = np.zeros(rows.shape, bool)
-    starts[:, 0] = True
-    starts[:, 1:] = rows[:, :-1] == eos_id
+def document_starts(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
+    """Where a document begins in ``tokens`` [B, L], as sorted indices into the flattened rows: each row's start,
+    right after an ``eos_id``, and (with ``mask``, 0 on padding) where padding begins; padding is one segment."""
+    tokens = np.asarray(tokens)
+    n, width = tokens.reshape(-1, tokens.shape[-1]).shape
+    flat = tokens.reshape(-1)
+    at = np.flatnonzero(flat[:-1] == eos_id) + 1
     if mask is not None:
-        real = np.asarray(mask, bool).reshape(rows.shape)
-        starts[:, 1:] &= real[:, 1:]
-        starts[:, 1:] |= real[:, :-1] & ~real[:, 1:]
-    return starts
+        real = np.asarray(mask, bool).reshape(-1)
+        at = np.concatenate([at[real[at]], np.flatnonzero(real[:-1] & ~real[1:]) + 1])
+    at = at[at % width != 0]  # a row's start is one anyway
+    return np.sort(np.concatenate([np.arange(0, n * width, width, dtype=np.int64), at]))
+
+
+def positions_from(starts: np.ndarray, size: int) -> np.ndarray:
+    """int64 [size]: each index's distance to the last of ``starts`` (sorted, the first 0) at or before it."""
+    out = np.repeat(starts, np.diff(np.append(starts, size)))
+    return np.subtract(ramp_to(size), out, out=out)  # one new array: fresh memory costs page faults
+
+
+_RAMP = np.zeros(0, np.int64)
+
+
+def ramp_to(n: int) -> np.ndarray:
+    """``np.arange(n)`` (int64), read-only, a view of one array kept and grown as needed (no new memory)."""
+    global _RAMP
+    ramp = _RAMP
+    if ramp.size < n:
+        ramp = np.arange(max(n, 2 * ramp.size), dtype=np.int64)
+        ramp.setflags(write=False)
+        _RAMP = ramp
+    return ramp[:n]
+
+
+def cu_from(starts: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """int32 ``[n + 1]``: ``starts`` (of :func:`document_starts`, in ``rows`` rows of ``width``) within the
+    flattened inputs (each row but its last token), and their end."""
+    row, col = np.divmod(starts, width)
+    inputs = col < width - 1
+    return np.append(row[inputs] * (width - 1) + col[inputs], rows * (width - 1)).astype(np.int32)
+
+
+def boundaries(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(position_ids(tokens, eos_id, mask), cu_seqlens(tokens, eos_id, mask))`` from one search for the
+    documents' starts."""
+    tokens = np.asarray(tokens)
+    rows, width = tokens.reshape(-1, tokens.shape[-1]).shape
+    starts = document_starts(tokens, eos_id, mask)
+    return positions_from(starts, rows * width).reshape(tokens.shape), cu_from(starts, rows, width)
 
 
 def position_ids(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
     """int64 like ``tokens`` ([B, L] or [L]): 0 at each sequence's start and right after every ``eos_id``,
     else one more than the token before (with ``mask``: padding, where it is 0, counts as one segment)."""
-    tokens = np.asarray(tokens)
-    rows = tokens.reshape(-1, tokens.shape[-1])
-    j = np.broadcast_to(np.arange(rows.shape[1], dtype=np.int64), rows.shape)
-    last_start = np.maximum.accumulate(np.where(_starts(rows, eos_id, mask), j, 0), axis=1)
-    return (j - last_start).reshape(tokens.shape)
+    return boundaries(tokens, eos_id, mask)[0]
 
 
 def cu_seqlens(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
     """int32 ``[n + 1]``: where each document of the flattened inputs ``tokens[:, :-1]`` begins, and their end
     (for variable-length attention): a boundary at every sequence start and after every ``eos_id`` (with ``mask``:
     padding is one segment)."""
-    tokens = np.asarray(tokens)
-    rows = tokens.reshape(-1, tokens.shape[-1])
-    inputs = rows[:, :-1]
-    starts = _starts(inputs, eos_id, None if mask is None else np.asarray(mask).reshape(rows.shape)[:, :-1])
-    return np.concatenate([np.flatnonzero(starts.reshape(-1)), [inputs.size]]).astype(np.int32)
+    return boundaries(tokens, eos_id, mask)[1]
