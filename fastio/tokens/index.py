@@ -158,15 +158,57 @@ def _local_idx(storage: Storage, pair: _Pair, tmp: Path) -> Iterator[Path]:
         path.unlink(missing_ok=True)
 
 
-def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str
-              ) -> tuple[dict[str, str], np.ndarray, tuple[int, int] | None]:
-    """sha256 and xxh3-128 of the ``.bin``, the tokens just before each of ``ends`` (token offsets) and the first
-    negative id's (token offset, id) (None: none): the file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in
+class _LastTokens:
+    """Each document's last token checked against ``eos_id`` as the ``.bin`` goes by (:meth:`see` its ranges in
+    order); the documents' ends come :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time (bounded memory).
+    ``wrong``: the first document that ends otherwise and its last token (None: none)."""
+
+    def __init__(self, index: MegatronIndex, eos_id: int):
+        self.eos_id, self.item = eos_id, index.itemsize
+        self.wrong: tuple[int, int] | None = None
+        self._chunks = self._ends(index)
+        self._docs = self._at = np.zeros(0, np.int64)  # documents pending, the byte offset of each one's last token
+
+    def _ends(self, index: MegatronIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for lo, edges in index.edge_chunks():
+            docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents that hold tokens
+            yield docs + lo, (edges[docs + 1] - 1) * self.item
+
+    def see(self, start: int, tokens: np.ndarray) -> None:
+        """Check the documents whose last token is in ``tokens`` (the ``.bin`` from byte ``start``)."""
+        stop = start + tokens.size * self.item
+        while True:
+            if not self._at.size:
+                self._docs, self._at = next(self._chunks, (None, None))
+                if self._at is None:
+                    self._docs = self._at = np.zeros(0, np.int64)
+                    return
+            k = int(np.searchsorted(self._at, stop))
+            last = tokens[(self._at[:k] - start) // self.item]
+            bad = np.flatnonzero(last != self.eos_id)
+            if bad.size and self.wrong is None:
+                self.wrong = (int(self._docs[bad[0]]), int(last[bad[0]]))
+            self._docs, self._at = self._docs[k:], self._at[k:]
+            if self._at.size:
+                return
+
+
+def _document_at(index: MegatronIndex, token: int) -> int:
+    """The document that holds token offset ``token`` of the ``.bin`` (documents read a chunk at a time)."""
+    for lo, edges in index.edge_chunks():
+        if edges[-1] > token:
+            return lo + int(np.searchsorted(edges, token, "right")) - 1
+    raise ValueError(f"token offset {token} is past the end of {index.name}")
+
+
+def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, dtype: str
+              ) -> tuple[dict[str, str], tuple[int, int] | None]:
+    """sha256 and xxh3-128 of the ``.bin`` and the first negative id's (token offset, id) (None: none), each range
+    shown to ``ends`` (the end-of-document check): the file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in
     flight), nothing written to disk."""
     item = np.dtype(dtype).itemsize
     hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}
-    last, negative = np.empty(ends.size, np.int64), None
-    at_byte = (ends - 1) * item  # where each document's last token starts
+    negative = None
     starts = list(range(0, pair.bin_size, _RANGE))
 
     def fetch(start: int) -> bytes:
@@ -185,12 +227,11 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str
             for h in hashes.values():
                 h.update(data)
             tokens = np.frombuffer(data, dtype)
-            lo, hi = np.searchsorted(at_byte, [start, start + len(data)])
-            last[lo:hi] = tokens[(at_byte[lo:hi] - start) // item]
+            ends.see(start, tokens)
             if negative is None and tokens.size and tokens.min() < 0:  # int32 only: ids are never negative
                 at = int(np.argmax(tokens < 0))
                 negative = (start // item + at, int(tokens[at]))
-    return {a: h.hexdigest() for a, h in hashes.items()}, last, negative
+    return {a: h.hexdigest() for a, h in hashes.items()}, negative
 
 
 @dataclass(frozen=True)
@@ -215,19 +256,16 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
         index.check_structure()
         if eos_id > np.iinfo(index.dtype).max:
             raise DatasetError(f"{index.name}: holds {index.dtype} tokens, which cannot hold eos_id {eos_id}")
-        docs, ends = index.document_ends()
         one, starts = index.is_one_per_document(), shard_starts(index)
         idx_sha256 = sha256_file(idx_path)[1]
-    digests, last, negative = _scan_bin(storage, pair, ends, index.dtype)
-    if negative is not None:  # a negative id: an embedding lookup's device-side assert, far from its cause
-        doc = int(docs[np.searchsorted(ends, negative[0], "right")])
-        raise DatasetError(f"{bin_name}: document {doc} holds token id {negative[1]}: token ids are never negative "
-                           "(a damaged .bin)")
-    wrong = np.flatnonzero(last != eos_id)
-    if wrong.size:
-        raise DatasetError(f"{bin_name}: document {int(docs[wrong[0]])} ends with token {int(last[wrong[0]])}, not "
-                           f"eos_id {eos_id} (documents are taken as they are: each must end with its end-of-document "
-                           "token)")
+        ends = _LastTokens(index, eos_id)
+        digests, negative = _scan_bin(storage, pair, ends, index.dtype)
+        if negative is not None:  # a negative id: an embedding lookup's device-side assert, far from its cause
+            raise DatasetError(f"{bin_name}: document {_document_at(index, negative[0])} holds token id {negative[1]}: "
+                               "token ids are never negative (a damaged .bin)")
+    if ends.wrong is not None:
+        raise DatasetError(f"{bin_name}: document {ends.wrong[0]} ends with token {ends.wrong[1]}, not eos_id {eos_id} "
+                           "(documents are taken as they are: each must end with its end-of-document token)")
     return _Checked(index, digests, idx_sha256, one, starts)
 
 
