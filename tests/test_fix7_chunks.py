@@ -4,6 +4,7 @@ memory stays a few chunks' worth whatever the shard's size."""
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 
 import numpy as np
@@ -141,3 +142,30 @@ def test_peak_memory_of_the_checks_is_a_few_chunks_whatever_the_shard(tmp_path, 
         tracemalloc.stop()
     assert ends.wrong is None and not ends._at.size
     assert peak < 12 * 8 * chunk, peak  # a dozen int64 chunks; one pass over the shard takes several times n * 8
+
+
+def mapped_kb(path) -> int:
+    """Resident KB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range, perms, ..., path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0] == "Rss:":
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps")
+def test_resident_pages_of_the_mapped_files_are_dropped_chunk_by_chunk(tmp_path, monkeypatch):
+    n = 1 << 21  # 4 MB of .bin, 40 MB of .idx (documents of one token)
+    w = MegatronWriter(tmp_path / "s.bin", "uint16")
+    w.add_documents(np.zeros(n, np.uint16), np.ones(n, np.int64))
+    written = w.close()
+    monkeypatch.setattr(megatron, "CHECK_CHUNK", 1 << 16)
+    pair = MegatronShard(written.bin_path)
+    pair.index.check_structure()
+    assert pair.index.is_one_per_document()
+    assert verify._document_problems(pair, TokenInfo(dtype="uint16", eos_id=0, total_tokens=n), None) == []
+    # one pass each, every page read; what stays resident is at most the last chunk's (512 KB of each column)
+    assert mapped_kb(written.idx_path) < 4096 and mapped_kb(written.bin_path) < 1024

@@ -143,6 +143,7 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
         bad = docs[tokens[edges[docs + 1] - 1 - edges[0]] != info.eos_id]
         end_bad = lo + int(bad[0]) if end_bad is None and bad.size else end_bad
         low, high = min(low, int(tokens.min())), max(high, int(tokens.max()))
+        pair.release_pages()
     if starts is not None and not np.array_equal(starts[1], np.concatenate([*table, [pair.index.tokens]])):
         problems.append(f"its entries of the document starts table {info.starts.name} disagree with its .idx")
     if end_bad is not None:

@@ -63,6 +63,12 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size < _UINT16_VOCAB else "int32"
 
 
+def _madvise(mapping: mmap.mmap | None, name: str) -> None:
+    advice = getattr(mmap, name, None)
+    if mapping is not None and advice is not None:
+        mapping.madvise(advice)
+
+
 def partner_path(path: Path) -> Path:
     """The other file of a pair: ``NAME.idx`` for ``NAME.bin`` and the reverse."""
     path = Path(path)
@@ -131,10 +137,10 @@ class MegatronIndex:
         self._known = (every, values)
 
     def _advise(self, name: str) -> None:
-        """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
-        advice = getattr(mmap, name, None)
-        if self._map is not None and advice is not None:
-            self._map.madvise(advice)
+        """``madvise`` the mapping (where the platform has it): random lookups, a sequential pass, or
+        ``MADV_DONTNEED`` (the pages a pass has read leave this process's resident set; the page cache keeps them,
+        the file is read-only and shared: nothing is lost)."""
+        _madvise(self._map, name)
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
         if len(head) < HEADER_BYTES or head[:9] != MAGIC:
@@ -177,6 +183,7 @@ class MegatronIndex:
                 edges = np.full(seq.shape, self.tokens, np.int64)
                 inside = seq < self.sequences
                 edges[inside] = self.pointers[seq[inside]] // item
+                self._advise("MADV_DONTNEED")  # resident memory bounded too, not only the arrays
                 yield lo, edges
         finally:
             self._advise("MADV_RANDOM")
@@ -255,6 +262,7 @@ class MegatronIndex:
             if self.lengths[lo:lo + step].min() < 0:
                 raise DatasetError(f"{self.name}: sequence {lo + int(np.argmax(self.lengths[lo:lo + step] < 0))} has "
                                    "a negative length")
+            self._advise("MADV_DONTNEED")
         end = 0  # byte offset just past the sequences before the chunk
         for lo in range(0, n, step):
             ends = end + np.cumsum(self.lengths[lo:lo + step], dtype=np.int64) * self.itemsize
@@ -264,6 +272,7 @@ class MegatronIndex:
                 raise DatasetError(f"{self.name}: sequence {lo + int(bad[0])}'s pointer {int(pointers[bad[0]])} is "
                                    f"not the end of the sequences before it ({int(expected[bad[0]])})")
             end = int(ends[-1])
+            self._advise("MADV_DONTNEED")
         self._check_doc_index()
         if self.one_per_document and not self.is_one_per_document():
             raise DatasetError(f"{self.name}: a document spans several sequences, and its manifest says one sequence "
@@ -278,6 +287,7 @@ class MegatronIndex:
             chunk = docs[lo:lo + step]
             ok = chunk[0] >= last and not (np.diff(chunk) < 0).any()
             last = int(chunk[-1])
+            self._advise("MADV_DONTNEED")
         if not ok:
             raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
 
@@ -287,8 +297,12 @@ class MegatronIndex:
         if self.documents != self.sequences:
             return False
         step = CHECK_CHUNK
-        return all(bool((self.doc_index[lo:lo + step] == np.arange(lo, min(lo + step, self.documents + 1))).all())
-                   for lo in range(0, self.documents + 1, step))
+        for lo in range(0, self.documents + 1, step):
+            same = bool((self.doc_index[lo:lo + step] == np.arange(lo, min(lo + step, self.documents + 1))).all())
+            self._advise("MADV_DONTNEED")
+            if not same:
+                return False
+        return True
 
 
 class MegatronShard:
@@ -330,6 +344,11 @@ class MegatronShard:
             raise IndexError(f"{self.bin_path.name}: document {j} out of range 0..{self.index.documents - 1}")
         start, end = self.index.starts(np.array([j, j + 1]))
         return self._tokens[start:end]
+
+    def release_pages(self) -> None:
+        """Drop the pages of the ``.bin`` read so far from this process's resident set (``MADV_DONTNEED``; the page
+        cache keeps them): a pass over every token in bounded resident memory."""
+        _madvise(getattr(self._tokens, "_mmap", None), "MADV_DONTNEED")
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """``count`` tokens from token offset ``start`` of ``.bin`` (a read-only view)."""
