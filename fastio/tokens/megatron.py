@@ -82,9 +82,10 @@ class MegatronIndex:
 
     The header and the file size are checked at open (``name``, where given, is how messages name the file);
     :meth:`check_structure` checks every entry (O(N): what ``fastio verify`` and ``fastio index`` pay, not every
-    open). ``one_per_document`` (what the manifest's ``tokens.one_sequence_per_document`` says) takes document
-    ``j`` as sequence ``j`` without reading ``doc_index``: the counts are checked to agree at open, ``doc_index``
-    itself by :meth:`check_structure`."""
+    open; :data:`CHECK_CHUNK` entries at a time, so its memory does not grow with the shard). ``one_per_document``
+    (what the manifest's ``tokens.one_sequence_per_document`` says) takes document ``j`` as sequence ``j`` without
+    reading ``doc_index``: the counts are checked to agree at open, ``doc_index`` itself by
+    :meth:`check_structure`."""
 
     def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False,
                  name: str | None = None):
