@@ -76,8 +76,10 @@ def serve() -> None:
 class WarmPython:
     """The warm interpreter, started by a test session; ``run(script, cwd, *args)`` runs one script."""
 
-    # What an interpreter, torch or DALI read at their start: a run's environment must not change them.
-    AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_", "CUDA_", "TORCH", "DALI_", "NVIDIA_")
+    # What the interpreter and the thread pools torch loads (OpenMP, MKL, OpenBLAS) read at their start, and the
+    # dynamic loader's: a run's environment must not change them. (Variables torch sets while it runs, such as
+    # TORCHINDUCTOR_CACHE_DIR, may differ: the child takes them as a fresh python would.)
+    AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_")
 
     def __init__(self) -> None:
         self.env = dict(os.environ)
