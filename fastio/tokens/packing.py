@@ -54,6 +54,11 @@ STREAM_TABLE_DOCS = 1 << 19
 """Up to this many documents, :meth:`ConcatPacking.spans` searches a table of the whole epoch's stream (24 bytes a
 document, built once per epoch, two epochs kept) and :meth:`BestFitPacking.spans` one of every block's packed
 sequences (made once); above it, tables of the blocks a batch touches."""
+BLOCK_CACHE_BYTES = 64 << 20
+"""Memory the per-block tables of a packing above :data:`STREAM_TABLE_DOCS` are kept in, at most (least recently
+used dropped first): a concat block of 4,096 documents takes 64 KB (its documents' offsets and prefix sums), so
+the blocks of 4 million documents' epoch stay built after their first touch."""
+_PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
 
@@ -122,7 +127,9 @@ class _BlockPacking:
         """Sequences in every epoch."""
         self._lock = threading.Lock()
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[object, int]] = OrderedDict()  # key: (value, bytes)
+        self._cache_bytes = 0
+        self._round: dict[tuple[int, str], tuple] = {}
 
     def _blocks(self, block_docs: int) -> None:
         shard, first, count, tokens = [], [], [], []
@@ -149,7 +156,14 @@ class _BlockPacking:
         return Sampler(spec, (self.sequences,), self.fingerprint, world_size=world_size, rank=rank)
 
     def _keys(self, epoch: int, purpose: str):
-        return _round_keys(self.spec, epoch, self.fingerprint, purpose)
+        keys = self._round.get((epoch, purpose))
+        if keys is None:
+            keys = _round_keys(self.spec, epoch, self.fingerprint, purpose)
+            with self._lock:
+                if len(self._round) > 8:
+                    self._round.clear()
+                self._round[epoch, purpose] = keys
+        return keys
 
     def _slots(self, epoch: int, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(block in each slot, where each slot starts in units of ``sizes`` + the end) of ``epoch``."""
@@ -168,15 +182,20 @@ class _BlockPacking:
         return perm, slot_start
 
     def _cached(self, key: tuple, compute):
+        """``compute()``, kept under ``key`` in a cache of at most :data:`BLOCK_CACHE_BYTES` (least recently used
+        dropped first)."""
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return self._cache[key][0]
         value = compute()
+        size = _nbytes(value)
         with self._lock:
-            self._cache[key] = value
-            while len(self._cache) > 16:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = (value, size)
+                self._cache_bytes += size
+            while self._cache_bytes > BLOCK_CACHE_BYTES and len(self._cache) > 1:
+                self._cache_bytes -= self._cache.popitem(last=False)[1][1]
         return value
 
     def shards_of(self, epoch: int, sequences: np.ndarray) -> np.ndarray:
@@ -191,11 +210,11 @@ class _BlockPacking:
         raise NotImplementedError
 
     def _documents(self, b: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(token offset in its shard, length) of block ``b``'s documents at local positions ``order``."""
-        docs = self._blk_first[b] + order
-        table = self.tables[int(self._blk_shard[b])]
-        starts = table.starts(docs)
-        return starts, table.starts(docs + 1) - starts
+        """(token offset in its shard, length) of block ``b``'s documents at local positions ``order`` (one lookup
+        of the block's contiguous starts and end)."""
+        first = int(self._blk_first[b])
+        edges = self.tables[int(self._blk_shard[b])].starts(np.arange(first, first + int(self._blk_n[b]) + 1))
+        return edges[order], np.diff(edges)[order]
 
 
 class ConcatPacking(_BlockPacking):
@@ -231,7 +250,9 @@ class ConcatPacking(_BlockPacking):
             local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
                              np.uint64(b * int(_GOLDEN) % (1 << 64)))
         starts, lengths = self._documents(b, local)
-        return starts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        cum = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=cum[1:])
+        return starts, cum
 
     def pieces(self, epoch: int, sequence: int) -> list[Piece]:
         """The token ranges that make sequence ``sequence`` (``seq_len + 1`` tokens, in order) of ``epoch``."""
@@ -332,7 +353,7 @@ class BestFitPacking(_BlockPacking):
         self.kind = f"{fit}-fit"
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
         self.fit = fit
-        self._bins = np.array([len(self._pack(b)) for b in range(self._blk_n.size)], dtype=np.int64)
+        self._bins = np.array([self._pack_arrays(b)[0].size - 1 for b in range(self._blk_n.size)], dtype=np.int64)
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
@@ -347,17 +368,21 @@ class BestFitPacking(_BlockPacking):
     def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._bins, sequences  # sequences
 
+    def _packed(self, b: int) -> list[list[tuple[int, int]]]:
+        """Block ``b``'s sequences: the (size, token offset) of each one's pieces, in placement order."""
+        n = int(self._blk_n[b])
+        starts, lengths = self._documents(b, np.arange(n, dtype=np.int64))
+        cap = self.seq_len + 1
+        items = [(min(cap, n_ - off), s + off) for s, n_ in zip(starts.tolist(), lengths.tolist())
+                 for off in range(0, n_, cap)]
+        items.sort(key=lambda it: (-it[0], it[1]))
+        return _best_fit(items, cap) if self.fit == "best" else _first_fit(items, cap)
+
     def _pack(self, b: int) -> list[list[Piece]]:
-        """Block ``b``'s sequences: the pieces of each, in placement order (cached: a few blocks)."""
+        """:meth:`_packed` of block ``b`` as :class:`Piece` lists (cached)."""
         def compute():
-            n = int(self._blk_n[b])
-            starts, lengths = self._documents(b, np.arange(n, dtype=np.int64))
-            cap, shard = self.seq_len + 1, int(self._blk_shard[b])
-            items = [(min(cap, int(n_) - off), int(s) + off) for s, n_ in zip(starts, lengths)
-                     for off in range(0, int(n_), cap)]
-            items.sort(key=lambda it: (-it[0], it[1]))
-            bins = _best_fit(items, cap) if self.fit == "best" else _first_fit(items, cap)
-            return [[Piece(shard, start, size) for size, start in pieces] for pieces in bins]
+            shard = int(self._blk_shard[b])
+            return [[Piece(shard, start, size) for size, start in pieces] for pieces in self._packed(b)]
         return self._cached(("bins", b), compute)
 
     def pieces(self, epoch: int, sequence: int) -> list[Piece]:
@@ -376,10 +401,11 @@ class BestFitPacking(_BlockPacking):
     def _pack_table(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Block ``b``'s sequences as arrays: (where each sequence's pieces begin + the end, their token
         offsets, their counts), from :meth:`_pack`."""
-        bins = self._pack(b)
-        ptr = np.concatenate([[0], np.cumsum([len(pieces) for pieces in bins])]).astype(np.int64)
-        start = np.array([p.start for pieces in bins for p in pieces], np.int64)
-        return ptr, start, np.array([p.count for pieces in bins for p in pieces], np.int64)
+        bins = self._packed(b)
+        ptr = np.zeros(len(bins) + 1, np.int64)
+        np.cumsum([len(pieces) for pieces in bins], out=ptr[1:])
+        flat = np.array([item for pieces in bins for item in pieces], np.int64).reshape(-1, 2)
+        return ptr, np.ascontiguousarray(flat[:, 1]), np.ascontiguousarray(flat[:, 0])
 
     def spans(self, epoch: int, sequences: np.ndarray) -> Spans:
         """The pieces of ``sequences`` of ``epoch`` at once, as :meth:`pieces` gives them one sequence at a time
@@ -423,6 +449,14 @@ class BestFitPacking(_BlockPacking):
         base = np.cumsum([0] + [t[0].size - 1 for t in tables])[:-1]
         start = np.concatenate([t[1] for t in tables])
         return base.astype(np.int64), ptr.astype(np.int64), start, np.concatenate([t[2] for t in tables])
+
+
+def _nbytes(value) -> int:
+    """The memory a cached block table holds: its arrays' bytes (a tuple of arrays), or :data:`_PIECE_BYTES` a
+    piece (a best-fit block's sequences as lists of pieces)."""
+    if isinstance(value, tuple):
+        return sum(a.nbytes for a in value)
+    return _PIECE_BYTES * sum(len(pieces) for pieces in value)
 
 
 def _checked(sequences: np.ndarray, n: int) -> np.ndarray:
