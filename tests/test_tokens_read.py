@@ -91,6 +91,8 @@ def test_block_tables_stay_built_within_the_cache_bytes(kind, monkeypatch):
     _Counting.looked_up = 0
     again = [packing.spans(0, b) for b in batches]
     assert _Counting.looked_up == 0
+    cached = [a for value, _ in packing._cache.values() for a in value]
+    assert cached and all(a.base is None for a in cached)  # no view keeps a bigger array than its bytes say
     assert all(np.array_equal(x.start, y.start) and np.array_equal(x.count, y.count) for x, y in zip(first, again))
     monkeypatch.setattr(packing_module, "BLOCK_CACHE_BYTES", 2000)
     packing = make()

@@ -56,8 +56,9 @@ document, built once per epoch, two epochs kept) and :meth:`BestFitPacking.spans
 sequences (made once); above it, tables of the blocks a batch touches."""
 BLOCK_CACHE_BYTES = 64 << 20
 """Memory the per-block tables of a packing above :data:`STREAM_TABLE_DOCS` are kept in, at most (least recently
-used dropped first): a concat block of 4,096 documents takes 64 KB (its documents' offsets and prefix sums), so
-the blocks of 4 million documents' epoch stay built after their first touch."""
+used dropped first): a concat block of 4,096 documents takes 32 KB (its documents' offsets and prefix sums, int32
+within the block), so the blocks of an epoch of 8 million documents stay built after their first touch; a
+best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
 _PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
@@ -209,11 +210,15 @@ class _BlockPacking:
         """(what each block holds, where each of ``sequences`` starts) in the same units."""
         raise NotImplementedError
 
-    def _documents(self, b: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(token offset in its shard, length) of block ``b``'s documents at local positions ``order`` (one lookup
-        of the block's contiguous starts and end)."""
+    def _edges(self, b: int) -> np.ndarray:
+        """Token offset in its shard of each document of block ``b`` and of the block's end (one lookup of a
+        contiguous range)."""
         first = int(self._blk_first[b])
-        edges = self.tables[int(self._blk_shard[b])].starts(np.arange(first, first + int(self._blk_n[b]) + 1))
+        return self.tables[int(self._blk_shard[b])].starts(np.arange(first, first + int(self._blk_n[b]) + 1))
+
+    def _documents(self, b: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token offset in its shard, length) of block ``b``'s documents at local positions ``order``."""
+        edges = self._edges(b)
         return edges[order], np.diff(edges)[order]
 
 
@@ -238,21 +243,26 @@ class ConcatPacking(_BlockPacking):
     def _units(self, sequences: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self._blk_tokens, sequences * self.seq_len  # stream tokens
 
-    def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token offset in its shard of each document of block ``b`` in its shuffled order, prefix sums of
-        their lengths) in ``epoch`` (cached: a few blocks)."""
+    def _block(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_block_table`, cached (in :data:`BLOCK_CACHE_BYTES`)."""
         return self._cached((epoch, b), lambda: self._block_table(epoch, b))
 
-    def _block_table(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _block_table(self, epoch: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token offset in its shard of each document of block ``b`` in ``epoch``'s shuffled order, less the
+        block's first, prefix sums of their lengths, the block's first offset [1]): int32 where the block's tokens
+        fit (32 KB for 4,096 documents), else int64."""
         n = int(self._blk_n[b])
         local = np.arange(n, dtype=np.int64)
         if self.spec.shuffle == "global" and n > 1:
             local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
                              np.uint64(b * int(_GOLDEN) % (1 << 64)))
-        starts, lengths = self._documents(b, local)
-        cum = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=cum[1:])
-        return starts, cum
+        edges = self._edges(b)
+        rel = edges - edges[0]
+        if int(rel[-1]) < 1 << 31:
+            rel = rel.astype(np.int32)
+        cum = np.zeros(n + 1, rel.dtype)
+        np.cumsum(np.diff(rel)[local], out=cum[1:])
+        return rel[local], cum, edges[:1].copy()  # a copy: a view would keep all the edges
 
     def pieces(self, epoch: int, sequence: int) -> list[Piece]:
         """The token ranges that make sequence ``sequence`` (``seq_len + 1`` tokens, in order) of ``epoch``."""
@@ -264,12 +274,13 @@ class ConcatPacking(_BlockPacking):
         off, need, out = t - int(slot_start[slot]), self.seq_len + 1, []
         while need:
             b = int(perm[slot])
-            starts, cum = self._block(epoch, b)
+            starts, cum, base = self._block(epoch, b)
             i = int(np.searchsorted(cum, off, "right")) - 1
             while need and i < starts.size:
                 take = min(need, int(cum[i + 1]) - off)
                 if take > 0:
-                    out.append(Piece(int(self._blk_shard[b]), int(starts[i]) + off - int(cum[i]), take))
+                    out.append(Piece(int(self._blk_shard[b]), int(base[0]) + int(starts[i]) + off - int(cum[i]),
+                                     take))
                     need -= take
                     off += take
                 i += 1
@@ -324,8 +335,8 @@ class ConcatPacking(_BlockPacking):
         blocks = perm[slots]
         get = self._block if cached else self._block_table
         tables = [get(epoch, b) for b in blocks.tolist()]
-        starts = np.concatenate([t[0] for t in tables])
-        cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots].tolist())]
+        starts = np.concatenate([t[0] + t[2] for t in tables])  # int64 (the base's type)
+        cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots])]  # off: an np.int64
                              + [slot_start[slots[-1:] + 1]])
         return starts, cum, np.repeat(self._blk_shard[blocks], self._blk_n[blocks])
 
