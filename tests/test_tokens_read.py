@@ -265,3 +265,27 @@ def test_a_local_dataset_is_read_in_one_thread_whatever_reader_threads_says(corp
                        read_ahead=8) as ld:
         assert len(list(ld)) == len(ld) > 8
     assert len(threads) == 1 and next(iter(threads)).startswith("fastio-tokens")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_a_bin_is_mapped_for_random_reads(corpora):
+    """A local shard's ``.bin`` is mapped advised random (``rr`` in its VmFlags): no read-around of 32 pages at
+    each first touch of a sequence's few pages."""
+    pipeline = fastio.Tokens(seq_len=16, window=8)
+    with fastio.Loader(corpora[0], pipeline=pipeline, batch_size=4, device="cpu", seed=1) as ld:
+        next(iter(ld))
+        flags = [f for path, f in _vm_flags(str(corpora[0])) if path.endswith(".bin")]
+    assert flags and all("rr" in f for f in flags)
+
+
+def _vm_flags(under: str) -> list[tuple[str, list[str]]]:
+    """(path, VmFlags) of this process's mappings of files under ``under``."""
+    out, path = [], ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                path = head[5] if len(head) > 5 else ""
+            elif head and head[0] == "VmFlags:" and path.startswith(under):
+                out.append((path, head[1:]))
+    return out
