@@ -27,6 +27,15 @@ epoch up to :data:`STREAM_TABLE_DOCS` documents; above, one of the blocks the ba
 every block's packed sequences as arrays (made once: the packing is the same every epoch; above that size, the
 touched blocks'). :func:`boundaries` gives ``position_ids`` and ``cu_seqlens`` from one
 search for the documents' starts.
+
+At scale (above :data:`STREAM_TABLE_DOCS` documents) a batch's sequences hit about nine random blocks; a block's
+table (its documents' order: the Feistel rounds looked up in tables; their offsets: one lookup of the block's
+contiguous range in the ``.idx``; prefix sums, int32 within the block) costs about 0.25 ms to build and is kept
+in a cache of :data:`BLOCK_CACHE_BYTES` (concat: 32 KB a block of 4,096 documents; best-fit: the arrays made at
+construction), so an epoch of up to about 8 million documents' blocks stays built after its first touches
+(best-fit: about 3 million). Measured on 2 busy cores, batches of 8 x 2,048 tokens, concat: at 10^6 documents
+:meth:`ConcatPacking.spans` costs 0.45 ms a batch (4 ms with the 16-block cache before: 5% hits), at 10^7
+0.7 ms (84% hits; 4.1 ms before); best-fit at 10^6 0.45 ms (219 ms before: every block repacked).
 """
 
 from __future__ import annotations
