@@ -107,8 +107,8 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
 def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport,
                     starts: tuple[int, np.ndarray] | None = None):
     """What is wrong with a token shard's ``.idx`` and documents: checksum, structure, counts, every document
-    ending with the end-of-document id, ids inside the vocabulary, its entries of the document-starts table
-    (``starts``: every how many documents, the entries)."""
+    ending with the end-of-document id, ids inside the vocabulary (and not negative), its entries of the
+    document-starts table (``starts``: every how many documents, the entries)."""
     if not idx_path.is_file():
         return [f"index {idx_path.name} is missing"]
     problems = []
@@ -124,17 +124,34 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         problems.append(f"holds {pair.documents} documents, manifest says {shard.samples}")
     if shard.tokens is not None and pair.index.tokens != shard.tokens:
         problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
-    edges = pair.index.starts(np.arange(pair.documents + 1))
-    if starts is not None and not np.array_equal(starts[1], edges[np.r_[np.arange(0, pair.documents, starts[0]),
-                                                                       pair.documents]]):
+    return problems + _document_problems(pair, info, starts)
+
+
+def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
+    """A token shard's documents (its structure checked), :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time
+    (bounded memory): each ends with the end-of-document id, ids inside the vocabulary and not negative, and its
+    entries of the document-starts table (``starts``) are its documents' starts."""
+    problems, table, low, high, end_bad = [], [], 0, 0, None
+    every = starts[0] if starts is not None else 0
+    for lo, edges in pair.index.edge_chunks():
+        if every:
+            table.append(edges[np.arange(-lo % every, edges.size - 1, every)])
+        docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
+        if not docs.size:
+            continue
+        tokens = pair.tokens(int(edges[0]), int(edges[-1] - edges[0]))
+        bad = docs[tokens[edges[docs + 1] - 1 - edges[0]] != info.eos_id]
+        end_bad = lo + int(bad[0]) if end_bad is None and bad.size else end_bad
+        low, high = min(low, int(tokens.min())), max(high, int(tokens.max()))
+        pair.release_pages()
+    if starts is not None and not np.array_equal(starts[1], np.concatenate([*table, [pair.index.tokens]])):
         problems.append(f"its entries of the document starts table {info.starts.name} disagree with its .idx")
-    docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
-    tokens = pair.tokens(0, pair.index.tokens)
-    bad = docs[tokens[edges[docs + 1] - 1] != info.eos_id]
-    if bad.size:
-        problems.append(f"document {int(bad[0])} does not end with the end-of-document id {info.eos_id}")
-    if info.vocab_size is not None and tokens.size and int(tokens.max()) >= info.vocab_size:
-        problems.append(f"holds token id {int(tokens.max())}, outside the vocabulary of {info.vocab_size}")
+    if end_bad is not None:
+        problems.append(f"document {end_bad} does not end with the end-of-document id {info.eos_id}")
+    if info.vocab_size is not None and high >= info.vocab_size:
+        problems.append(f"holds token id {high}, outside the vocabulary of {info.vocab_size}")
+    if low < 0:  # int32 tokens only
+        problems.append(f"holds token id {low}: token ids are never negative")
     return problems
 
 

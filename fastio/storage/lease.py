@@ -14,8 +14,11 @@ object store has no such thing, so a writer holds ``PREFIX/.fastio-lock`` as a *
   ``skew_s`` ago *and* the server last saw it renewed more than ``ttl_s + skew_s`` ago (so a clock that runs
   ahead on one host alone cannot steal a live lease); or it was written on this host by a process that is gone;
   or by an earlier run of this Slurm job (same ``SLURM_JOB_ID``, lower ``SLURM_RESTART_COUNT``: a requeue; two
-  steps of one allocation running at once are still refused). The take-over is itself conditional
-  (``If-Match`` on the entity tag that was judged), so of two contenders one wins. Otherwise
+  steps of one allocation running at once are still refused); or it is not a lease at all: a body without the
+  holder's token and expiry that every lease carries (a local directory's lock file, which
+  :class:`~fastio.storage.lock.DirLock` leaves behind, uploaded by ``aws s3 sync`` of a converted folder). The
+  take-over is itself conditional (``If-Match`` on the entity tag that was judged), so of two contenders one
+  wins. Otherwise
   :class:`~fastio.storage.lock.LockedError` names the URL and the holder.
 - **Release**: renew once more (which proves the lease is still ours and pushes its expiry ahead), then delete.
   A lease that was lost is never deleted.
@@ -83,6 +86,13 @@ def _parse(data: bytes) -> dict | None:
     except ValueError:
         return None
     return info if isinstance(info, dict) else None
+
+
+def _is_lease(info: dict | None) -> bool:
+    """Whether a lease object's parsed body is one this protocol wrote (:meth:`Lease._body`: a holder's token and
+    expiry); a DirLock's file (:func:`~fastio.storage.lock.holder_record` alone) or anything else is not."""
+    return isinstance(info, dict) and isinstance(info.get("token"), str) and bool(info["token"]) \
+        and "expires" in info
 
 
 class Lease:
@@ -177,8 +187,10 @@ class Lease:
 
     def _stale(self, info: dict | None, found: Versioned) -> str | None:
         """Why the lease ``found`` may be taken over, or None while its holder may still be writing."""
+        if not _is_lease(info):
+            return ("it is not a lease (no holder's token and expiry: a local directory's lock file copied here, e.g. "
+                    "by aws s3 sync)")
         me = holder_record(self.purpose)
-        info = info or {}
         job, host, pid = info.get("slurm_job"), info.get("host"), info.get("pid")
         try:
             restart = int(info.get("restart", 0))

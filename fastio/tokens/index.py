@@ -1,17 +1,17 @@
 """``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset.
 
-Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name) is taken as one shard.
-Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for all, sizes, the
-``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its end-of-document
-token; ``eos_id`` says which id it is), and both files are checksummed. Nothing is copied or rewritten: the
-document-starts table (:mod:`fastio.tokens.starts`) and then the manifest (``kind: "tokens"``), which names the
-files where they are, relative to DEST (DEST = SOURCE) or by absolute path or URL (``dest`` elsewhere, for read-only
-data: pairs on ``s3://`` go to an ``s3://`` DEST), and is published last, under DEST's lock (a local folder) or
-lease (an ``s3://`` prefix). On ``s3://`` the listing, the ranged reads and the manifest's upload are
-:mod:`fastio.storage`'s, as ``fastio index`` of WebDataset shards does: each ``.idx`` is downloaded into a temporary
-folder (ranged GETs; removed after), each ``.bin`` is streamed in ranges (checksums and the end-of-document check on
-the way; never written to disk). Hostile input is refused in one :class:`~fastio.errors.DatasetError` naming the
-file or URL.
+Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name; hidden ones left out) is
+taken as one shard. Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for
+all, sizes, the ``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its
+end-of-document token; ``eos_id`` says which id it is), no id may be negative, and both files are checksummed.
+Nothing is copied or rewritten: the document-starts table (:mod:`fastio.tokens.starts`) and then the manifest
+(``kind: "tokens"``), which names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or
+URL (``dest`` elsewhere, for read-only data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local
+one), and is published last, under DEST's lock (a local folder) or lease (an ``s3://`` prefix). On ``s3://`` the
+listing, the ranged reads and the manifest's upload are :mod:`fastio.storage`'s, as ``fastio index`` of WebDataset
+shards does: each ``.idx`` is downloaded into a temporary folder (ranged GETs; removed after), each ``.bin`` is
+streamed in ranges (checksums and the end-of-document check on the way; never written to disk). Hostile input is
+refused in one :class:`~fastio.errors.DatasetError` naming the file or URL.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class TokenIndexConfig:
     """The end-of-document id every document ends with."""
     dest: str | Path | None = None
     """Where the manifest goes (default: ``source``); elsewhere, the manifest names the pairs by absolute path or
-    URL (pairs on ``s3://``: an ``s3://`` DEST)."""
+    URL (pairs on ``s3://``: an ``s3://`` DEST; local pairs: a local one; SOURCE's folder however spelled is
+    SOURCE)."""
     name: str = "megatron"
     """The dataset's name in the manifest."""
     overwrite: bool = False
@@ -112,13 +113,18 @@ def _display(storage: Storage, key: str) -> str:
 
 
 def _listing(storage: Storage, source: str) -> dict[str, int]:
-    """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``."""
+    """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``, hidden ones left
+    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.index_command`'s listing does."""
     if storage.remote:
-        return {o.key: o.size for o in storage.list("") if "/" not in o.key and o.key.endswith((".bin", ".idx"))}
+        return {o.key: o.size for o in storage.list("") if "/" not in o.key and _pair_file(o.key)}
     root = storage.location.path
     if not root.is_dir():
         raise DatasetError(f"{source}: no such folder")
-    return {e.name: e.stat().st_size for e in os.scandir(root) if e.name.endswith((".bin", ".idx")) and e.is_file()}
+    return {e.name: e.stat().st_size for e in os.scandir(root) if _pair_file(e.name) and e.is_file()}
+
+
+def _pair_file(name: str) -> bool:
+    return name.endswith((".bin", ".idx")) and not name.startswith(".")
 
 
 def _pairs(storage: Storage, source: str) -> list[_Pair]:
@@ -152,13 +158,57 @@ def _local_idx(storage: Storage, pair: _Pair, tmp: Path) -> Iterator[Path]:
         path.unlink(missing_ok=True)
 
 
-def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tuple[dict[str, str], np.ndarray]:
-    """sha256 and xxh3-128 of the ``.bin`` and the tokens just before each of ``ends`` (token offsets): the
-    file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in flight), nothing written to disk."""
+class _LastTokens:
+    """Each document's last token checked against ``eos_id`` as the ``.bin`` goes by (:meth:`see` its ranges in
+    order); the documents' ends come :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time (bounded memory).
+    ``wrong``: the first document that ends otherwise and its last token (None: none)."""
+
+    def __init__(self, index: MegatronIndex, eos_id: int):
+        self.eos_id, self.item = eos_id, index.itemsize
+        self.wrong: tuple[int, int] | None = None
+        self._chunks = self._ends(index)
+        self._docs = self._at = np.zeros(0, np.int64)  # documents pending, the byte offset of each one's last token
+
+    def _ends(self, index: MegatronIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for lo, edges in index.edge_chunks():
+            docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents that hold tokens
+            yield docs + lo, (edges[docs + 1] - 1) * self.item
+
+    def see(self, start: int, tokens: np.ndarray) -> None:
+        """Check the documents whose last token is in ``tokens`` (the ``.bin`` from byte ``start``)."""
+        stop = start + tokens.size * self.item
+        while True:
+            if not self._at.size:
+                self._docs, self._at = next(self._chunks, (None, None))
+                if self._at is None:
+                    self._docs = self._at = np.zeros(0, np.int64)
+                    return
+            k = int(np.searchsorted(self._at, stop))
+            last = tokens[(self._at[:k] - start) // self.item]
+            bad = np.flatnonzero(last != self.eos_id)
+            if bad.size and self.wrong is None:
+                self.wrong = (int(self._docs[bad[0]]), int(last[bad[0]]))
+            self._docs, self._at = self._docs[k:], self._at[k:]
+            if self._at.size:
+                return
+
+
+def _document_at(index: MegatronIndex, token: int) -> int:
+    """The document that holds token offset ``token`` of the ``.bin`` (documents read a chunk at a time)."""
+    for lo, edges in index.edge_chunks():
+        if edges[-1] > token:
+            return lo + int(np.searchsorted(edges, token, "right")) - 1
+    raise ValueError(f"token offset {token} is past the end of {index.name}")
+
+
+def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, dtype: str
+              ) -> tuple[dict[str, str], tuple[int, int] | None]:
+    """sha256 and xxh3-128 of the ``.bin`` and the first negative id's (token offset, id) (None: none), each range
+    shown to ``ends`` (the end-of-document check): the file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in
+    flight), nothing written to disk."""
     item = np.dtype(dtype).itemsize
     hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}
-    last = np.empty(ends.size, np.int64)
-    at_byte = (ends - 1) * item  # where each document's last token starts
+    negative = None
     starts = list(range(0, pair.bin_size, _RANGE))
 
     def fetch(start: int) -> bytes:
@@ -176,9 +226,12 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: np.ndarray, dtype: str) -> tu
                                    "changed while it was indexed")
             for h in hashes.values():
                 h.update(data)
-            lo, hi = np.searchsorted(at_byte, [start, start + len(data)])
-            last[lo:hi] = np.frombuffer(data, dtype)[(at_byte[lo:hi] - start) // item]
-    return {a: h.hexdigest() for a, h in hashes.items()}, last
+            tokens = np.frombuffer(data, dtype)
+            ends.see(start, tokens)
+            if negative is None and tokens.size and tokens.min() < 0:  # int32 only: ids are never negative
+                at = int(np.argmax(tokens < 0))
+                negative = (start // item + at, int(tokens[at]))
+    return {a: h.hexdigest() for a, h in hashes.items()}, negative
 
 
 @dataclass(frozen=True)
@@ -203,15 +256,16 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
         index.check_structure()
         if eos_id > np.iinfo(index.dtype).max:
             raise DatasetError(f"{index.name}: holds {index.dtype} tokens, which cannot hold eos_id {eos_id}")
-        docs, ends = index.document_ends()
         one, starts = index.is_one_per_document(), shard_starts(index)
         idx_sha256 = sha256_file(idx_path)[1]
-    digests, last = _scan_bin(storage, pair, ends, index.dtype)
-    wrong = np.flatnonzero(last != eos_id)
-    if wrong.size:
-        raise DatasetError(f"{bin_name}: document {int(docs[wrong[0]])} ends with token {int(last[wrong[0]])}, not "
-                           f"eos_id {eos_id} (documents are taken as they are: each must end with its end-of-document "
-                           "token)")
+        ends = _LastTokens(index, eos_id)
+        digests, negative = _scan_bin(storage, pair, ends, index.dtype)
+        if negative is not None:  # a negative id: an embedding lookup's device-side assert, far from its cause
+            raise DatasetError(f"{bin_name}: document {_document_at(index, negative[0])} holds token id {negative[1]}: "
+                               "token ids are never negative (a damaged .bin)")
+    if ends.wrong is not None:
+        raise DatasetError(f"{bin_name}: document {ends.wrong[0]} ends with token {ends.wrong[1]}, not eos_id {eos_id} "
+                           "(documents are taken as they are: each must end with its end-of-document token)")
     return _Checked(index, digests, idx_sha256, one, starts)
 
 
@@ -231,17 +285,25 @@ def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
     """SOURCE's storage, DEST's, and whether DEST is SOURCE; DatasetError for a DEST that cannot take the index."""
     source = open_storage(str(config.source), config.storage_options)
     dest = source if config.dest is None else open_storage(str(config.dest), config.storage_options)
-    in_place = dest.url == source.url
+    in_place = dest.url == source.url or not (source.remote or dest.remote) and _same_folder(source, dest)
     if not in_place and source.remote and not dest.remote:
         raise DatasetError(f"{config.dest}: pairs on an object store are indexed into an s3:// DEST (or in place)")
+    if dest.remote and not source.remote:  # its readers refuse a local path (they read shards from the store)
+        raise DatasetError(f"{config.dest}: an s3:// DEST cannot name pairs on this machine's disk (upload them, then "
+                           "index the s3:// prefix)")
     return source, dest, in_place
 
 
+def _same_folder(a: Storage, b: Storage) -> bool:
+    """Whether two local storages are one folder however spelled (``data/``, ``./data``, a link to it)."""
+    return os.path.realpath(a.location.path) == os.path.realpath(b.location.path)
+
+
 def _check_dest(config: TokenIndexConfig, dest: Storage, in_place: bool) -> None:
+    if not in_place:  # first: a DEST that cannot be a folder is named as such
+        check_index_dest(dest, config.overwrite)
     if dest.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest.url}: already holds a manifest; pass overwrite=True to index again")
-    if not in_place:
-        check_index_dest(dest, config.overwrite)
 
 
 def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:

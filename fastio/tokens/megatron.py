@@ -28,6 +28,7 @@ import mmap
 import os
 import struct
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from fastio.errors import DatasetError
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
 
-__all__ = ["HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronIndex", "MegatronShard", "MegatronWriter",
+__all__ = ["CHECK_CHUNK", "HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronIndex", "MegatronShard", "MegatronWriter",
            "WrittenShard", "partner_path", "token_dtype"]
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -49,6 +50,9 @@ _CODE_NAMES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "fl
 _UINT16_VOCAB = 65500  # Megatron's DType.optimal_dtype: uint16 below this many ids
 _SPARSE = 512  # documents per looked-up one below which starts() reads entries with pread
 _SPAN = 16  # entries read per wanted one, at most, for the wanted ones to come in one pread of their span
+CHECK_CHUNK = 1 << 20
+"""Entries taken at a time by the O(N) passes (:meth:`MegatronIndex.check_structure`, :meth:`~MegatronIndex.edge_chunks`):
+their memory is a few times this many entries, whatever the shard's size."""
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -57,6 +61,12 @@ def token_dtype(vocab_size: int) -> str:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     return "uint16" if vocab_size < _UINT16_VOCAB else "int32"
+
+
+def _madvise(mapping: mmap.mmap | None, name: str) -> None:
+    advice = getattr(mmap, name, None)
+    if mapping is not None and advice is not None:
+        mapping.madvise(advice)
 
 
 def partner_path(path: Path) -> Path:
@@ -72,9 +82,10 @@ class MegatronIndex:
 
     The header and the file size are checked at open (``name``, where given, is how messages name the file);
     :meth:`check_structure` checks every entry (O(N): what ``fastio verify`` and ``fastio index`` pay, not every
-    open). ``one_per_document`` (what the manifest's ``tokens.one_sequence_per_document`` says) takes document
-    ``j`` as sequence ``j`` without reading ``doc_index``: the counts are checked to agree at open, ``doc_index``
-    itself by :meth:`check_structure`."""
+    open; :data:`CHECK_CHUNK` entries at a time, so its memory does not grow with the shard). ``one_per_document``
+    (what the manifest's ``tokens.one_sequence_per_document`` says) takes document ``j`` as sequence ``j`` without
+    reading ``doc_index``: the counts are checked to agree at open, ``doc_index`` itself by
+    :meth:`check_structure`."""
 
     def __init__(self, path: str | Path, dtype: str | None = None, *, one_per_document: bool = False,
                  name: str | None = None):
@@ -127,10 +138,10 @@ class MegatronIndex:
         self._known = (every, values)
 
     def _advise(self, name: str) -> None:
-        """``madvise`` the mapping (where the platform has it): random lookups, or a sequential pass."""
-        advice = getattr(mmap, name, None)
-        if self._map is not None and advice is not None:
-            self._map.madvise(advice)
+        """``madvise`` the mapping (where the platform has it): random lookups, a sequential pass, or
+        ``MADV_DONTNEED`` (the pages a pass has read leave this process's resident set; the page cache keeps them,
+        the file is read-only and shared: nothing is lost)."""
+        _madvise(self._map, name)
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
         if len(head) < HEADER_BYTES or head[:9] != MAGIC:
@@ -158,12 +169,25 @@ class MegatronIndex:
             raise DatasetError(f"{name}: {size} bytes, but {partner_path(Path(name)).name} indexes {self.bin_bytes} "
                                f"({self.tokens} {self.dtype} tokens): truncated, or indexed with another token type")
 
-    def document_ends(self) -> tuple[np.ndarray, np.ndarray]:
-        """(the documents that hold tokens, the token offset just past each one's end): where each document's
-        last token is, for the end-of-document check (O(N))."""
-        edges = self.starts(np.arange(self.documents + 1))
-        docs = np.flatnonzero(edges[1:] > edges[:-1])
-        return docs, edges[docs + 1]
+    def edge_chunks(self) -> Iterator[tuple[int, np.ndarray]]:
+        """The token offsets of every document's start and the end, :data:`CHECK_CHUNK` documents at a time, in
+        order: ``(lo, edges)`` with ``edges[k]`` the start of document ``lo + k`` and ``edges[-1]`` the start of the
+        chunk's next document (the end for the last): a sequential pass in bounded memory (O(N) in all). For an
+        index whose structure was checked (:meth:`check_structure`)."""
+        step, item = CHECK_CHUNK, self.itemsize
+        self._advise("MADV_SEQUENTIAL")
+        try:
+            for lo in range(0, self.documents, step):
+                hi = min(lo + step, self.documents)
+                seq = (np.arange(lo, hi + 1, dtype=np.int64) if self.one_per_document
+                       else np.asarray(self.doc_index[lo:hi + 1], np.int64))
+                edges = np.full(seq.shape, self.tokens, np.int64)
+                inside = seq < self.sequences
+                edges[inside] = self.pointers[seq[inside]] // item
+                self._advise("MADV_DONTNEED")  # resident memory bounded too, not only the arrays
+                yield lo, edges
+        finally:
+            self._advise("MADV_RANDOM")
 
     def starts(self, docs: np.ndarray) -> np.ndarray:
         """Token offset in ``.bin`` of each document of ``docs`` (int64 array; ``documents`` gives the end).
@@ -172,13 +196,25 @@ class MegatronIndex:
         would map a page-cache window around it into this process (the kernel's fault-around), which shows as
         resident memory in the hundreds of MB for 10^8 documents. With ``one_per_document`` the document is
         its sequence: ``doc_index`` is not read (half the reads). Documents that are all in the table given to
-        :meth:`use_starts` (block edges) are looked up there: nothing is read."""
+        :meth:`use_starts` (block edges) are looked up there: nothing is read; those of
+        them among documents read from the file (a block's) are checked against it: DatasetError if the table is
+        stale (the pair replaced after it was indexed)."""
         docs = np.asarray(docs, dtype=np.int64)
         if self._known is not None:
             every, values = self._known
             on = (docs % every == 0) | (docs == self.documents)
+            known = values[np.where(docs[on] == self.documents, values.size - 1, docs[on] // every)]
             if on.all():
-                return values[np.where(docs == self.documents, values.size - 1, docs // every)].astype(np.int64)
+                return known.astype(np.int64)
+            out = self._read_starts(docs)
+            if not np.array_equal(out[on], known):  # a block's edges: the table's must be the .idx's
+                raise DatasetError(f"{self.name}: the document starts table disagrees with it (changed since it was "
+                                   "indexed; run fastio verify)")
+            return out
+        return self._read_starts(docs)
+
+    def _read_starts(self, docs: np.ndarray) -> np.ndarray:
+        """:meth:`starts` from the file."""
         sparse = docs.size * _SPARSE < self.documents
         if self.one_per_document:
             seq = docs
@@ -222,24 +258,52 @@ class MegatronIndex:
             self._advise("MADV_RANDOM")
 
     def _check_structure(self) -> None:
-        n, lengths, pointers, docs = self.sequences, self.lengths, self.pointers, self.doc_index
-        if n and lengths.min() < 0:
-            raise DatasetError(f"{self.name}: sequence {int(np.argmax(lengths < 0))} has a negative length")
-        expected = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64) * self.itemsize]) if n else pointers
-        bad = np.flatnonzero(pointers != expected)
-        if bad.size:
-            raise DatasetError(f"{self.name}: sequence {int(bad[0])}'s pointer {int(pointers[bad[0]])} is not the end "
-                               f"of the sequences before it ({int(expected[bad[0]])})")
-        if docs[0] != 0 or docs[-1] != n or (np.diff(docs) < 0).any():
-            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
+        n, step = self.sequences, CHECK_CHUNK
+        for lo in range(0, n, step):  # every negative length first: the first one is named whatever else is wrong
+            if self.lengths[lo:lo + step].min() < 0:
+                raise DatasetError(f"{self.name}: sequence {lo + int(np.argmax(self.lengths[lo:lo + step] < 0))} has "
+                                   "a negative length")
+            self._advise("MADV_DONTNEED")
+        end = 0  # byte offset just past the sequences before the chunk
+        for lo in range(0, n, step):
+            ends = end + np.cumsum(self.lengths[lo:lo + step], dtype=np.int64) * self.itemsize
+            expected, pointers = np.r_[end, ends[:-1]], self.pointers[lo:lo + step]
+            bad = np.flatnonzero(pointers != expected)
+            if bad.size:
+                raise DatasetError(f"{self.name}: sequence {lo + int(bad[0])}'s pointer {int(pointers[bad[0]])} is "
+                                   f"not the end of the sequences before it ({int(expected[bad[0]])})")
+            end = int(ends[-1])
+            self._advise("MADV_DONTNEED")
+        self._check_doc_index()
         if self.one_per_document and not self.is_one_per_document():
             raise DatasetError(f"{self.name}: a document spans several sequences, and its manifest says one sequence "
                                "per document")
 
+    def _check_doc_index(self) -> None:
+        docs, n, step, last = self.doc_index, self.sequences, CHECK_CHUNK, 0
+        ok = docs[0] == 0 and docs[-1] == n
+        for lo in range(0, docs.size, step):
+            if not ok:
+                break
+            chunk = docs[lo:lo + step]
+            ok = chunk[0] >= last and not (np.diff(chunk) < 0).any()
+            last = int(chunk[-1])
+            self._advise("MADV_DONTNEED")
+        if not ok:
+            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
+
     def is_one_per_document(self) -> bool:
-        """Whether document ``j`` is sequence ``j`` for every ``j`` (``doc_index`` is 0, 1, ..., N; O(N))."""
-        return self.documents == self.sequences and bool(
-            (self.doc_index == np.arange(self.documents + 1, dtype=np.int64)).all())
+        """Whether document ``j`` is sequence ``j`` for every ``j`` (``doc_index`` is 0, 1, ..., N; O(N), in chunks
+        of :data:`CHECK_CHUNK`)."""
+        if self.documents != self.sequences:
+            return False
+        step = CHECK_CHUNK
+        for lo in range(0, self.documents + 1, step):
+            same = bool((self.doc_index[lo:lo + step] == np.arange(lo, min(lo + step, self.documents + 1))).all())
+            self._advise("MADV_DONTNEED")
+            if not same:
+                return False
+        return True
 
 
 class MegatronShard:
@@ -281,6 +345,11 @@ class MegatronShard:
             raise IndexError(f"{self.bin_path.name}: document {j} out of range 0..{self.index.documents - 1}")
         start, end = self.index.starts(np.array([j, j + 1]))
         return self._tokens[start:end]
+
+    def release_pages(self) -> None:
+        """Drop the pages of the ``.bin`` read so far from this process's resident set (``MADV_DONTNEED``; the page
+        cache keeps them): a pass over every token in bounded resident memory."""
+        _madvise(getattr(self._tokens, "_mmap", None), "MADV_DONTNEED")
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """``count`` tokens from token offset ``start`` of ``.bin`` (a read-only view)."""

@@ -81,7 +81,8 @@ def read_starts(path: Path, record: IndexRecord, documents: Sequence[int]) -> tu
         raise DatasetError(f"{path}: document starts table does not match the manifest ({len(data)} bytes, "
                            f"{record.bytes} recorded); run fastio verify")
     magic, version, every, shards = _HEAD.unpack_from(data) if len(data) >= _HEAD.size else (b"", 0, 0, 0)
-    if magic != _MAGIC or version != _VERSION or every < 1 or shards != len(documents):
+    if magic != _MAGIC or version != _VERSION or every < 1 or shards != len(documents) or \
+            len(data) < _HEAD.size + 8 * shards:
         raise DatasetError(f"{path}: not a version-{_VERSION} document starts table of {len(documents)} shards")
     counts = np.frombuffer(data, "<u8", shards, _HEAD.size).astype(np.int64)
     want = np.array([_entries(d, every) for d in documents], np.int64)
