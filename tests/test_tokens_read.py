@@ -268,13 +268,17 @@ def test_a_local_dataset_is_read_in_one_thread_whatever_reader_threads_says(corp
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
-def test_a_bin_is_mapped_for_random_reads(corpora):
+def test_a_bin_is_mapped_for_random_reads(corpora, tmp_path):
     """A local shard's ``.bin`` is mapped advised random (``rr`` in its VmFlags): no read-around of 32 pages at
     each first touch of a sequence's few pages."""
+    import shutil
+
+    own = tmp_path / "own"  # mapped by this Loader alone (other tests' readers map the fixture's)
+    shutil.copytree(corpora[0], own)
     pipeline = fastio.Tokens(seq_len=16, window=8)
-    with fastio.Loader(corpora[0], pipeline=pipeline, batch_size=4, device="cpu", seed=1) as ld:
+    with fastio.Loader(own, pipeline=pipeline, batch_size=4, device="cpu", seed=1) as ld:
         next(iter(ld))
-        flags = [f for path, f in _vm_flags(str(corpora[0])) if path.endswith(".bin")]
+        flags = [f for path, f in _vm_flags(str(own)) if path.endswith(".bin")]
     assert flags and all("rr" in f for f in flags)
 
 
