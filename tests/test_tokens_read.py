@@ -103,6 +103,30 @@ def test_block_tables_stay_built_within_the_cache_bytes(kind, monkeypatch):
         assert np.array_equal(got.shard, want.shard) and np.array_equal(got.count, want.count)
 
 
+class _Huge:
+    """Documents of 10^9 tokens (a fake shard: offsets only) starting past 2^33: block tables beyond int32."""
+
+    documents = 40
+
+    @property
+    def tokens(self):
+        return 40 * 10**9
+
+    def starts(self, docs):
+        return np.asarray(docs, np.int64) * 10**9 + (3 << 32)
+
+
+@pytest.mark.parametrize("block_docs", [2, 3])  # blocks of 2e9 tokens (int32 within), of 3e9 (int64)
+def test_spans_past_int32_are_the_pieces(block_docs, monkeypatch):
+    monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
+    packing = ConcatPacking([_Huge(), _Huge()], 10**9 + 7, seed=1, block_docs=block_docs)
+    seqs = np.arange(packing.sequences)
+    spans = packing.spans(1, seqs)
+    want = [(row, p.shard, p.start, p.count) for row in seqs.tolist() for p in packing.pieces(1, row)]
+    assert list(zip(*(a.tolist() for a in (spans.row, spans.shard, spans.start, spans.count)))) == want
+    assert spans.start.max() > 1 << 33 and spans.count.sum() == packing.sequences * (10**9 + 8)
+
+
 def test_the_tabled_feistel_is_the_per_element_one():
     """The block order's Feistel rounds looked up in tables (many values, scalar keys) equal the rounds computed
     for each value (a few values at a time), for every width and some tweaks."""

@@ -345,7 +345,7 @@ class ConcatPacking(_BlockPacking):
         get = self._block if cached else self._block_table
         tables = [get(epoch, b) for b in blocks.tolist()]
         starts = np.concatenate([t[0] + t[2] for t in tables])  # int64 (the base's type)
-        cum = np.concatenate([t[1][:-1] + off for t, off in zip(tables, slot_start[slots])]  # off: an np.int64
+        cum = np.concatenate([np.add(t[1][:-1], off, dtype=np.int64) for t, off in zip(tables, slot_start[slots])]
                              + [slot_start[slots[-1:] + 1]])
         return starts, cum, np.repeat(self._blk_shard[blocks], self._blk_n[blocks])
 
