@@ -24,6 +24,11 @@ Figures (medians over the repeats, runs interleaved on the same files):
   (the eight are alike), about a minute; a folder made before manifests said ``one_sequence_per_document`` and
   recorded a document-starts table gets both added, once its ``.idx`` files are checked to have one sequence per
   document).
+- ``packed read at scale``: the same synthetic corpus read by ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len))``
+  (rank 0 of 1, batches of 8, in this process): input tokens/s and CPU seconds a batch over ``SCALE_BATCHES``
+  batches after the first (one short timed run: blocks of documents touched for the first time included), and the
+  share of block-table lookups the packing's cache answered (reported, no target: above ``STREAM_TABLE_DOCS``
+  documents the packing builds the tables of the blocks a batch touches, kept in ``BLOCK_CACHE_BYTES``).
 
 ``python bench/tokens.py [--repeats N] [--docs N] [--seq-len N] [--scale-docs N]`` writes
 ``bench/out/tokens.json``.
@@ -54,6 +59,7 @@ __all__ = ["run"]
 READ_TARGET = 3.0
 FIRST_BATCH_TARGET_S = 2.0
 FIRST_BATCH_TARGET_GB = 1.0
+SCALE_BATCHES = 2000
 BATCH = 8
 WORDS = ("data loader token stream packed sequence epoch shard index resume elastic rank batch model train "
          "checkpoint mixture weight schedule document corpus megatron fastio throughput memory").split()
@@ -352,6 +358,39 @@ def bench_first_batch(workdir: Path, scale_docs: int, seq_len: int) -> dict[str,
             "target_s": FIRST_BATCH_TARGET_S}
 
 
+def bench_scale_read(folder: Path, seq_len: int, batches: int = SCALE_BATCHES) -> dict[str, Any]:
+    """Packed sequences of the synthetic corpus ``folder`` read by ``fastio.Loader`` (rank 0 of 1): input tokens/s
+    and CPU seconds a batch (this process's, its reader threads' included) over ``batches`` batches after the first,
+    and the share of the packing's block-table lookups its cache answered (None: no lookup, the corpus being small
+    enough for a whole-epoch table)."""
+    import time
+
+    import fastio
+
+    loader = fastio.Loader(str(folder), pipeline=fastio.Tokens(seq_len=seq_len), batch_size=BATCH, drop_last=True,
+                           device="cpu", seed=0)
+    packing = loader._reader.sources[0].packing
+    lookups = {"hit": 0, "all": 0}
+    cached = packing._cached
+
+    def counting(key, compute):
+        lookups["hit"] += key in packing._cache
+        lookups["all"] += 1
+        return cached(key, compute)
+
+    packing._cached = counting
+    it = iter(loader)
+    next(it)
+    tokens, cpu, wall = 0, time.process_time(), time.perf_counter()
+    for _, batch in zip(range(batches), it):
+        tokens += batch["tokens"][:, :-1].numel()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    loader.close()
+    return {"documents": packing.documents, "batches": batches, "tokens_per_s": tokens / wall,
+            "cpu_s_per_batch": cpu / batches,
+            "block_cache_hits": lookups["hit"] / lookups["all"] if lookups["all"] else None}
+
+
 def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048,
         scale_docs: int = 10_000_000) -> dict[str, Any]:
     warnings.simplefilter("ignore")
@@ -362,6 +401,7 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
     convert = bench_convert(workdir, corpus, tok_path, texts, repeats)
     read = bench_read(workdir, workdir / "tokens", seq_len, repeats)
     scale = bench_first_batch(workdir, scale_docs, seq_len)
+    scale_read = bench_scale_read(workdir / f"scale-{scale_docs}", seq_len)
     ratios = [{"name": f"tokens/s: fastio / {peer}", "value": read[f"speedup_vs_{peer}"], "target": READ_TARGET,
                "better": "higher"} for peer in ("megatron", "litdata") if f"speedup_vs_{peer}" in read]
     ratios.append({"name": f"first batch at {scale_docs} documents (s)", "value": scale["seconds"],
@@ -369,7 +409,7 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
     ratios.append({"name": "peak memory to that first batch (GB)", "value": scale["peak_rss_bytes"] / 1e9,
                    "target": FIRST_BATCH_TARGET_GB, "better": "lower"})
     result = {"benchmark": "tokens", "documents": docs, "seq_len": seq_len, "repeats": repeats, "convert": convert,
-              "read": read, "first_batch": scale, "ratios": ratios, "machine": machine_info()}
+              "read": read, "first_batch": scale, "scale_read": scale_read, "ratios": ratios, "machine": machine_info()}
     write_results("tokens", result)
     return result
 
@@ -388,6 +428,11 @@ def main() -> None:
     c = result["convert"]
     print(f"convert: {c['fastio_tokens_per_s']:.0f} tokens/s, tokenizers encode_batch {c['tokenizers_tokens_per_s']:.0f}"
           f" tokens/s ({c['fraction_of_limit']:.2f} of the limit)")
+    s = result["scale_read"]
+    hits = s["block_cache_hits"]
+    print(f"packed read at {s['documents']} documents: {s['tokens_per_s'] / 1e6:.1f} M tokens/s, "
+          f"{s['cpu_s_per_batch'] * 1e3:.2f} ms CPU a batch, "
+          + ("a whole-epoch stream table" if hits is None else f"{hits:.0%} block-table cache hits"))
 
 
 if __name__ == "__main__":

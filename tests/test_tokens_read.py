@@ -59,6 +59,90 @@ def test_spans_are_the_pieces_of_each_sequence(seed, kind, table, monkeypatch):
             assert got == want
 
 
+class _Counting(Table):
+    """A Table that counts the documents looked up (each block table built looks up its block's)."""
+
+    looked_up = 0
+
+    def starts(self, docs):
+        _Counting.looked_up += np.asarray(docs).size
+        return super().starts(docs)
+
+
+def _counting_corpus(shards=4, docs=300, seed=0):
+    rng = np.random.default_rng(seed)
+    return [_Counting([np.r_[rng.integers(1, 9, int(rng.integers(0, 20))), EOS] for _ in range(docs)])
+            for _ in range(shards)]
+
+
+@pytest.mark.parametrize("kind", ["concat", "best"])
+def test_block_tables_stay_built_within_the_cache_bytes(kind, monkeypatch):
+    """Above STREAM_TABLE_DOCS, every block of a corpus whose tables fit BLOCK_CACHE_BYTES is built once: a second
+    pass over the epoch looks nothing up (a cache of 16 blocks rebuilt them: 40 blocks here); a cache too small
+    for them stays within its bytes and the spans stay the pieces."""
+    monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
+    tables = _counting_corpus()
+    make = (lambda: ConcatPacking(tables, 16, seed=3, block_docs=30)) if kind == "concat" else (
+        lambda: BestFitPacking(tables, 16, seed=3, block_docs=30))
+    packing = make()
+    order = np.random.default_rng(1).permutation(packing.sequences)
+    batches = np.array_split(order, packing.sequences // 8)
+    first = [packing.spans(0, b) for b in batches]
+    _Counting.looked_up = 0
+    again = [packing.spans(0, b) for b in batches]
+    assert _Counting.looked_up == 0
+    cached = [a for value, _ in packing._cache.values() for a in value]
+    assert cached and all(a.base is None for a in cached)  # no view keeps a bigger array than its bytes say
+    assert all(np.array_equal(x.start, y.start) and np.array_equal(x.count, y.count) for x, y in zip(first, again))
+    monkeypatch.setattr(packing_module, "BLOCK_CACHE_BYTES", 2000)
+    packing = make()
+    for b, want in zip(batches, first):
+        got = packing.spans(0, b)
+        assert packing._cache_bytes <= 2000 or len(packing._cache) == 1
+        assert np.array_equal(got.row, want.row) and np.array_equal(got.start, want.start)
+        assert np.array_equal(got.shard, want.shard) and np.array_equal(got.count, want.count)
+
+
+class _Huge:
+    """Documents of 10^9 tokens (a fake shard: offsets only) starting past 2^33: block tables beyond int32."""
+
+    documents = 40
+
+    @property
+    def tokens(self):
+        return 40 * 10**9
+
+    def starts(self, docs):
+        return np.asarray(docs, np.int64) * 10**9 + (3 << 32)
+
+
+@pytest.mark.parametrize("block_docs", [2, 3])  # blocks of 2e9 tokens (int32 within), of 3e9 (int64)
+def test_spans_past_int32_are_the_pieces(block_docs, monkeypatch):
+    monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
+    packing = ConcatPacking([_Huge(), _Huge()], 10**9 + 7, seed=1, block_docs=block_docs)
+    seqs = np.arange(packing.sequences)
+    spans = packing.spans(1, seqs)
+    want = [(row, p.shard, p.start, p.count) for row in seqs.tolist() for p in packing.pieces(1, row)]
+    assert list(zip(*(a.tolist() for a in (spans.row, spans.shard, spans.start, spans.count)))) == want
+    assert spans.start.max() > 1 << 33 and spans.count.sum() == packing.sequences * (10**9 + 8)
+
+
+def test_the_tabled_feistel_is_the_per_element_one():
+    """The block order's Feistel rounds looked up in tables (many values, scalar keys) equal the rounds computed
+    for each value (a few values at a time), for every width and some tweaks."""
+    from fastio.order.sampler import SamplerSpec, _feistel, _round_keys
+
+    keys = _round_keys(SamplerSpec(seed=3), 1, "fingerprint", "token-docs")
+    for bits in range(2, 17):
+        x = np.arange(1 << bits, dtype=np.uint64)
+        for tweak in (0, 12345678901234567, 2**64 - 5):
+            whole = _feistel(x, np.uint64(bits), keys, np.uint64(tweak))
+            alone = np.concatenate([_feistel(x[i:i + 2], np.uint64(bits), keys, np.uint64(tweak))
+                                    for i in range(0, x.size, 2)])
+            assert whole.dtype == np.uint64 and np.array_equal(whole, alone)
+            assert np.array_equal(np.sort(whole), x)
+
+
 def test_spans_refuse_a_sequence_out_of_range():
     packing = ConcatPacking(_tables(0), 8)
     with pytest.raises(IndexError, match=rf"sequence {packing.sequences} out of range"):
@@ -114,8 +198,10 @@ def _reference(reader, ids):
 
 
 @pytest.mark.parametrize("packing", ["concat", "best-fit"])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_batches_are_bitwise_the_tokens_the_pieces_name(corpora, packing, mixed):
+@pytest.mark.parametrize(("mixed", "table"), [(False, "whole"), (True, "whole"), (False, "blocks")])
+def test_batches_are_bitwise_the_tokens_the_pieces_name(corpora, packing, mixed, table, monkeypatch):
+    if table == "blocks":  # the tables of the blocks a batch touches, as above STREAM_TABLE_DOCS documents
+        monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
     a, b = corpora
     data = fastio.Mixture({"a": a, "b": b}, weights={"a": 2, "b": 1}) if mixed else a
     seen = 0
@@ -203,3 +289,31 @@ def test_a_local_dataset_is_read_in_one_thread_whatever_reader_threads_says(corp
                        read_ahead=8) as ld:
         assert len(list(ld)) == len(ld) > 8
     assert len(threads) == 1 and next(iter(threads)).startswith("fastio-tokens")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_a_bin_is_mapped_for_random_reads(corpora, tmp_path):
+    """A local shard's ``.bin`` is mapped advised random (``rr`` in its VmFlags): no read-around of 32 pages at
+    each first touch of a sequence's few pages."""
+    import shutil
+
+    own = tmp_path / "own"  # mapped by this Loader alone (other tests' readers map the fixture's)
+    shutil.copytree(corpora[0], own)
+    pipeline = fastio.Tokens(seq_len=16, window=8)
+    with fastio.Loader(own, pipeline=pipeline, batch_size=4, device="cpu", seed=1) as ld:
+        next(iter(ld))
+        flags = [f for path, f in _vm_flags(str(own)) if path.endswith(".bin")]
+    assert flags and all("rr" in f for f in flags)
+
+
+def _vm_flags(under: str) -> list[tuple[str, list[str]]]:
+    """(path, VmFlags) of this process's mappings of files under ``under``."""
+    out, path = [], ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                path = head[5] if len(head) > 5 else ""
+            elif head and head[0] == "VmFlags:" and path.startswith(under):
+                out.append((path, head[1:]))
+    return out

@@ -190,6 +190,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def _feistel(x: np.ndarray, bits, keys, tweak) -> np.ndarray:
     """One encryption of ``x`` < 2**bits (uint64; ``bits`` and ``tweak`` scalars or per-element arrays)."""
+    if not any(isinstance(a, np.ndarray) for a in (bits, tweak, *keys)) and x.size >= 4 << ((int(bits) + 1) // 2):
+        return _feistel_tabled(x, int(bits), keys, tweak)
     wl = bits >> _U64(1)
     wr = bits - wl
     one = _U64(1)
@@ -199,6 +201,22 @@ def _feistel(x: np.ndarray, bits, keys, tweak) -> np.ndarray:
         left, right = right, (left ^ f) & ((one << wl) - one)
         wl, wr = wr, wl
     return (left << wr) | right
+
+
+def _feistel_tabled(x: np.ndarray, bits: int, keys, tweak) -> np.ndarray:
+    """:func:`_feistel` with scalar arguments over many values: each round's function of the right half, for
+    its every value (fewer than ``x.size / 4``), computed at once for all rounds into a table and looked up
+    instead of computed for each element."""
+    wl = bits >> 1
+    wr = bits - wl
+    widths = [(wl, wr) if r % 2 == 0 else (wr, wl) for r in range(len(keys))]  # (left, right) each round
+    values = np.arange(1 << max(wl, wr), dtype=_U64)
+    masks = np.array([(1 << w) - 1 for w, _ in widths], _U64)[:, None]
+    tables = (_mix((values[None, :] + np.array(keys, _U64)[:, None]) ^ _U64(tweak)) & masks).astype(np.intp)
+    left, right = (x >> _U64(wr)).astype(np.intp), (x & _U64((1 << wr) - 1)).astype(np.intp)
+    for table in tables:
+        left, right = right, left ^ table[right]
+    return ((left << widths[-1][0]) | right).astype(_U64)
 
 
 def _permute(x: np.ndarray, n, bits, keys, tweak) -> np.ndarray:
