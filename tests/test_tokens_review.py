@@ -384,19 +384,29 @@ def test_documents_of_several_sequences_and_none_read_the_same_through_the_table
 
 def test_s3_index_through_faults_gives_the_clean_runs_manifest(tmp_path, aws_env, moto_server, s3_bucket,
                                                                  fault_proxy):
-    """503s and GETs cut halfway (retried by fastio.storage): the same shard records and tokens info as without."""
+    """503s, then GETs cut halfway (retried by fastio.storage): the same shard records and tokens info as without.
+    Every request is faulted once (rate 1, one fault in a row), a proxy for each kind: which requests a seeded
+    rate hits depends on the bucket's random name."""
+    from s3server import FaultProxy
+
     from fastio.storage import open_storage
 
     _s3_corpus(tmp_path, s3_bucket)
     url = f"s3://{s3_bucket}/mega"
     index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/clean"))
-    fault_proxy.slowdown, fault_proxy.cut, fault_proxy.max_faults = 0.4, 0.4, 2
-    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
-    index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/faulty", storage_options=options))
-    assert fault_proxy.counts["slowdown"] > 0 and fault_proxy.counts["cut"] > 0
+    fault_proxy.slowdown, fault_proxy.max_faults = 1.0, 1
+    cutter = FaultProxy(moto_server.port, cut=1.0, max_faults=1)
+    try:
+        for proxy, dest in ((fault_proxy, "slowed"), (cutter, "cut")):
+            options = moto_server.options(proxy.endpoint, backoff_s=0.01)
+            index_tokens(TokenIndexConfig(url, EOS, dest=f"s3://{s3_bucket}/{dest}", storage_options=options))
+    finally:
+        cutter.stop()
+    assert fault_proxy.counts["slowdown"] > 0 and cutter.counts["cut"] > 0
     store = open_storage(f"s3://{s3_bucket}")
-    for name in ("manifest.json", STARTS_NAME):
-        assert store.get(f"faulty/{name}") == store.get(f"clean/{name}")
+    for dest in ("slowed", "cut"):
+        for name in ("manifest.json", STARTS_NAME):
+            assert store.get(f"{dest}/{name}") == store.get(f"clean/{name}"), (dest, name)
 
 
 def test_s3_index_whose_manifest_upload_is_refused_publishes_nothing_readable_and_reruns(
