@@ -214,3 +214,28 @@ def test_a_local_and_s3_mixture_with_a_schedule_resumes_as_the_local_one(corpus,
         for x, y in zip(islice(batches(ld), 20), islice(batches(local), 20), strict=True):
             assert same_batch(x, y)
     check_resume(make, n=4, k=10)
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_elastic_resume_through_grouped_reads_and_block_tables(corpus, packing, old, new, monkeypatch):
+    """An elastic resume (world size ``old`` -> ``new``) with reads grouped and block tables: every remaining
+    sequence once, each batch's tokens the ones its sequences' pieces name."""
+    from collections import Counter
+
+    from resume import run_ranks
+
+    monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
+
+    def ids(steps):
+        return [i for step in steps for b in step for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
+
+    before, states = run_ranks([_loader(corpus, packing, world_size=old, rank=r) for r in range(old)], n=3)
+    ranks = [_loader(corpus, packing, world_size=new, rank=r) for r in range(new)]
+    reader = ranks[0]._reader
+    after, _ = run_ranks(ranks, state=states[0])
+    whole, _ = run_ranks([_loader(corpus, packing)])
+    assert Counter(ids(before) + ids(after)) == Counter(ids(whole)) and len(set(ids(whole))) == len(ids(whole))
+    for batch in (b for step in after for b in step):
+        tokens, _ = _reference(reader, batch["index"].numpy())  # epoch 0: the unit ids are the sequence ids
+        assert np.array_equal(batch["tokens"].numpy(), tokens)
