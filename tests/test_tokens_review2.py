@@ -239,3 +239,34 @@ def test_elastic_resume_through_grouped_reads_and_block_tables(corpus, packing, 
     for batch in (b for step in after for b in step):
         tokens, _ = _reference(reader, batch["index"].numpy())  # epoch 0: the unit ids are the sequence ids
         assert np.array_equal(batch["tokens"].numpy(), tokens)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "int32"])
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_empty_shards_and_empty_documents_read_as_the_pieces(tmp_path, dtype, packing, monkeypatch):
+    """Indexed Megatron pairs: an empty shard first and between two others, empty documents, ids past 65535
+    (int32): every batch of two epochs (block tables) is the tokens its pieces name."""
+    from fastio.tokens.index import TokenIndexConfig, index_tokens
+    from fastio.tokens.megatron import MegatronWriter
+
+    monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    high = 70_000 if dtype == "int32" else 300
+    for k, docs in enumerate([0, 90, 0, 40]):
+        lengths = rng.integers(0, 12, docs)
+        tokens = rng.integers(1, high, int(lengths.sum()))
+        tokens[np.cumsum(lengths)[lengths > 0] - 1] = 0
+        writer = MegatronWriter(folder / f"s-{k}.bin", dtype)
+        writer.add_documents(tokens, lengths)
+        writer.close()
+    index_tokens(TokenIndexConfig(folder, 0))
+    with _loader(folder, packing, seq_len=8, window=5) as ld:
+        for epoch in (0, 1):
+            plan = [ids for ids, _ in ld._sampler.plan(epoch).iter_batches()]
+            for batch, ids in zip(ld, plan, strict=True):
+                tokens, mask = _reference(ld._reader, ids)
+                assert np.array_equal(batch["tokens"].numpy(), tokens)
+                assert np.array_equal(batch["loss_mask"].numpy() if "loss_mask" in batch else np.ones_like(mask),
+                                      mask)
