@@ -68,6 +68,8 @@ BLOCK_CACHE_BYTES = 64 << 20
 used dropped first): a concat block of 4,096 documents takes 32 KB (its documents' offsets and prefix sums, int32
 within the block), so the blocks of an epoch of 8 million documents stay built after their first touch; a
 best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
+_LENGTH_RUN = 1 << 20
+"""Documents whose lengths :class:`BestFitPacking` reads at once (whole blocks) to count its sequences."""
 _PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
@@ -361,8 +363,12 @@ class BestFitPacking(_BlockPacking):
     Each block of ``block_docs`` documents is a window packed on its own by best-fit decreasing (``fit="best"``:
     each piece, longest first, into the fullest sequence it fits) or first-fit decreasing (``fit="first"``: into the
     first sequence it fits). A block's packing does not depend on the document order, so the number of
-    sequences of every block is computed once, at construction (one pass over the documents' lengths, O(documents)
-    time, O(blocks) memory); an epoch shuffles the blocks and the sampler shuffles the sequences."""
+    sequences of every block is computed once, at construction, from the documents' lengths alone (read in runs of
+    whole blocks; no block is packed: a full piece is a sequence, a rest over ``(seq_len + 1) / 2`` opens one, the
+    shorter rests are placed on plain integer rooms), O(blocks) memory kept; a block is packed in full (its
+    pieces' offsets) only when a batch touches it. An epoch shuffles the blocks and the sampler shuffles the
+    sequences. Measured on 2 busy cores, 10^6 documents of 1..1,999 tokens, seq_len 2,048: construction 0.38 s
+    CPU best-fit, 1.7 s first-fit (3.5 s and 11.7 s when every block was packed in full)."""
 
     kind = "best-fit"
 
@@ -373,12 +379,25 @@ class BestFitPacking(_BlockPacking):
         self.kind = f"{fit}-fit"
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
         self.fit = fit
-        self._bins = np.array([self._pack_arrays(b)[0].size - 1 for b in range(self._blk_n.size)], dtype=np.int64)
+        self._bins = self._counts()
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
         self.documents = int(self._blk_n.sum())
         self._whole: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _counts(self) -> np.ndarray:
+        """The number of sequences of every block, in block order, from the documents' lengths alone (read in
+        contiguous runs of whole blocks, :data:`_LENGTH_RUN` documents at most a lookup)."""
+        count = _count_best if self.fit == "best" else _count_first
+        step = self.block_docs * max(1, _LENGTH_RUN // self.block_docs)
+        out = [np.zeros(0, np.int64)]
+        for table in self.tables:
+            d = int(table.documents)
+            for lo in range(0, d, step):
+                lengths = np.diff(table.starts(np.arange(lo, min(d, lo + step) + 1, dtype=np.int64)))
+                out.append(_run_counts(lengths, self.block_docs, self.seq_len + 1, count))
+        return np.concatenate(out)
 
     @property
     def padding_fraction(self) -> float:
@@ -518,6 +537,72 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
         bins[k].append((size, start))
         room[k] -= size
     return bins
+
+
+def _run_counts(lengths: np.ndarray, block_docs: int, cap: int, count) -> np.ndarray:
+    """The number of sequences of each block of ``block_docs`` consecutive documents of ``lengths`` (a shard's
+    run of whole blocks) as :meth:`BestFitPacking._packed` makes them, from the pieces' sizes alone: a document
+    is ``length // cap`` full pieces (a sequence each) and a rest; a rest over ``cap / 2`` opens a sequence of its
+    own (every earlier piece is at least as long, so no sequence has room for it); ``count`` places the others."""
+    n = lengths.size
+    heads = np.arange(0, n, block_docs)
+    block = np.arange(n, dtype=np.int64) // block_docs
+    full = np.add.reduceat(lengths // cap, heads)
+    rest = lengths % cap
+    rest = (cap - 1) - np.sort(block * cap + (cap - 1 - rest)) % cap  # each block's rests, longest first
+    big = np.add.reduceat((2 * rest > cap).astype(np.int64), heads)
+    small = np.add.reduceat(((2 * rest <= cap) & (rest > 0)).astype(np.int64), heads)
+    sizes, rooms = rest.tolist(), (cap - rest).tolist()
+    out = full + big
+    for b, (at, nb, ns) in enumerate(zip(heads.tolist(), big.tolist(), small.tolist())):
+        if ns:
+            out[b] += count(rooms[at:at + nb], sizes[at + nb:at + nb + ns], cap)
+    return out
+
+
+def _count_best(rooms: list[int], sizes: list[int], cap: int) -> int:
+    """The sequences :func:`_best_fit` adds to open ones with room ``rooms`` (ascending) placing pieces of
+    ``sizes`` (non-increasing): only the rooms matter, kept sorted as plain ints."""
+    opened = 0
+    for size in sizes:
+        i = bisect.bisect_left(rooms, size)
+        if i < len(rooms):
+            left = rooms.pop(i) - size
+        else:
+            left, opened = cap - size, opened + 1
+        if left:
+            bisect.insort(rooms, left)
+    return opened
+
+
+def _count_first(rooms: list[int], sizes: list[int], cap: int) -> int:
+    """The sequences :func:`_first_fit` adds to open ones with room ``rooms`` (in the order they were opened)
+    placing pieces of ``sizes`` (non-increasing): a tree of the largest room over the sequences (those not yet
+    opened have room ``cap``, after the open ones) finds the first that holds a piece in O(log pieces), and
+    that sequence takes as many of the equal pieces that follow as it has room for."""
+    size = 1 << max(0, (len(rooms) + len(sizes) - 1).bit_length())
+    tree = [0] * size + rooms + [cap] * (size - len(rooms))
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    used = len(rooms)
+    values, runs = np.unique(np.asarray(sizes, np.int64), return_counts=True)
+    for piece, left in zip(values[::-1].tolist(), runs[::-1].tolist()):
+        while left:
+            i = 1
+            while i < size:
+                i = 2 * i if tree[2 * i] >= piece else 2 * i + 1
+            used = max(used, i - size + 1)
+            take = min(left, tree[i] // piece)
+            tree[i] -= take * piece
+            left -= take
+            i >>= 1
+            while i:
+                top = max(tree[2 * i], tree[2 * i + 1])
+                if tree[i] == top:
+                    break
+                tree[i] = top
+                i >>= 1
+    return used - len(rooms)
 
 
 def document_starts(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
