@@ -79,9 +79,10 @@ def lengths(rng, n, seq_len):
     return np.select([kind == 0, kind == 1, kind == 2], [0, seq_len + 1, long], short).astype(np.int64)
 
 
-@pytest.mark.parametrize("fit", ["best", "first"])
+@pytest.mark.parametrize("fit, lockstep", [("best", 512), ("first", 512), ("first", 1)])
 @pytest.mark.parametrize("seq_len, block_docs", [(16, 7), (63, 64), (1, 5), (200, 50)])
-def test_counts_equal_the_reference_packing(fit, seq_len, block_docs):
+def test_counts_equal_the_reference_packing(fit, lockstep, seq_len, block_docs, monkeypatch):
+    monkeypatch.setattr(packing, "_LOCKSTEP_BLOCKS", lockstep, raising=False)  # 1: every run's blocks at once
     rng = np.random.default_rng(seq_len * 1000 + block_docs)
     tables = [Lengths(lengths(rng, n, seq_len)) for n in (0, 301, 1, 150, block_docs)]
     p = BestFitPacking(tables, seq_len, fit=fit, block_docs=block_docs, seed=3)

@@ -31,11 +31,12 @@ search for the documents' starts.
 At scale (above :data:`STREAM_TABLE_DOCS` documents) a batch's sequences hit about nine random blocks; a block's
 table (its documents' order: the Feistel rounds looked up in tables; their offsets: one lookup of the block's
 contiguous range in the ``.idx``; prefix sums, int32 within the block) costs about 0.25 ms to build and is kept
-in a cache of :data:`BLOCK_CACHE_BYTES` (concat: 32 KB a block of 4,096 documents; best-fit: the arrays made at
-construction), so an epoch of up to about 8 million documents' blocks stays built after its first touches
-(best-fit: about 3 million). Measured on 2 busy cores, batches of 8 x 2,048 tokens, concat: at 10^6 documents
-:meth:`ConcatPacking.spans` costs 0.45 ms a batch (4 ms with the 16-block cache before: 5% hits), at 10^7
-0.7 ms (84% hits; 4.1 ms before); best-fit at 10^6 0.45 ms (219 ms before: every block repacked).
+in a cache of :data:`BLOCK_CACHE_BYTES` (concat: 32 KB a block of 4,096 documents; best-fit: the block's packed
+sequences as arrays, packed on its first touch, about 14 ms), so an epoch of up to about 8 million documents'
+blocks stays built after its first touches (best-fit: about 3 million). Measured on 2 busy cores, batches of
+8 x 2,048 tokens, concat: at 10^6 documents :meth:`ConcatPacking.spans` costs 0.45 ms a batch (4 ms with the
+16-block cache before: 5% hits), at 10^7 0.7 ms (84% hits; 4.1 ms before); best-fit at 10^6 0.45 ms (219 ms
+before: every block repacked).
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ BLOCK_CACHE_BYTES = 64 << 20
 used dropped first): a concat block of 4,096 documents takes 32 KB (its documents' offsets and prefix sums, int32
 within the block), so the blocks of an epoch of 8 million documents stay built after their first touch; a
 best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
-_LENGTH_RUN = 1 << 20
+_LENGTH_RUN = 1 << 22
 """Documents whose lengths :class:`BestFitPacking` reads at once (whole blocks) to count its sequences."""
+_LOCKSTEP_BLOCKS = 256
+"""From this many blocks in a run, first-fit's counts place each block's ``j``-th piece at once in numpy (fewer:
+block by block, where the numpy calls would cost more than they save)."""
 _PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
@@ -365,10 +369,12 @@ class BestFitPacking(_BlockPacking):
     first sequence it fits). A block's packing does not depend on the document order, so the number of
     sequences of every block is computed once, at construction, from the documents' lengths alone (read in runs of
     whole blocks; no block is packed: a full piece is a sequence, a rest over ``(seq_len + 1) / 2`` opens one, the
-    shorter rests are placed on plain integer rooms), O(blocks) memory kept; a block is packed in full (its
-    pieces' offsets) only when a batch touches it. An epoch shuffles the blocks and the sampler shuffles the
-    sequences. Measured on 2 busy cores, 10^6 documents of 1..1,999 tokens, seq_len 2,048: construction 0.38 s
-    CPU best-fit, 1.7 s first-fit (3.5 s and 11.7 s when every block was packed in full)."""
+    shorter rests are placed on plain integer rooms; first-fit's of :data:`_LOCKSTEP_BLOCKS` blocks or more at
+    once in numpy), O(blocks) memory kept; a block is packed in full (its pieces' offsets) only when a batch
+    touches it. An epoch shuffles the blocks and the sampler shuffles the sequences. Construction's CPU time on 2
+    busy cores, documents of 1..1,999 tokens, seq_len 2,048: 10^6 in 10 shards 0.38 s best-fit, 1.7 s first-fit
+    (3.5 s and 11.7 s when every block was packed in full); 10^7 in 8 shards 4.1 s and 7.9 s (35 s best-fit
+    before), most of it the placing of the rests."""
 
     kind = "best-fit"
 
@@ -524,18 +530,27 @@ def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, in
 
 
 def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
-    """Each (size, start), in the given order, into the first bin that holds it, else a new bin."""
+    """Each (size, start), in the given order, into the first bin that holds it, else a new bin: the first found
+    by a walk down a tree of the largest room over the bins (those not yet opened have room ``cap``, after the
+    open ones), O(log items) an item."""
+    leaves = 1 << max(0, (len(items) - 1).bit_length())
+    tree = [cap] * (2 * leaves)
     bins: list[list[tuple[int, int]]] = []
-    room = np.zeros(0, np.int64)
     for size, start in items:
-        fits = np.flatnonzero(room >= size)
-        if fits.size:
-            k = int(fits[0])
-        else:
-            k, room = len(bins), np.r_[room, cap]
+        i = 1
+        while i < leaves:
+            i = 2 * i if tree[2 * i] >= size else 2 * i + 1
+        if i - leaves == len(bins):
             bins.append([])
-        bins[k].append((size, start))
-        room[k] -= size
+        bins[i - leaves].append((size, start))
+        tree[i] -= size
+        i >>= 1
+        while i:
+            top = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == top:
+                break
+            tree[i] = top
+            i >>= 1
     return bins
 
 
@@ -552,12 +567,50 @@ def _run_counts(lengths: np.ndarray, block_docs: int, cap: int, count) -> np.nda
     rest = (cap - 1) - np.sort(block * cap + (cap - 1 - rest)) % cap  # each block's rests, longest first
     big = np.add.reduceat((2 * rest > cap).astype(np.int64), heads)
     small = np.add.reduceat(((2 * rest <= cap) & (rest > 0)).astype(np.int64), heads)
-    sizes, rooms = rest.tolist(), (cap - rest).tolist()
     out = full + big
+    if count is _count_first and heads.size >= _LOCKSTEP_BLOCKS:
+        return out + _count_first_lockstep(rest, heads, big, small, cap)
+    sizes, rooms = rest.tolist(), (cap - rest).tolist()
     for b, (at, nb, ns) in enumerate(zip(heads.tolist(), big.tolist(), small.tolist())):
         if ns:
             out[b] += count(rooms[at:at + nb], sizes[at + nb:at + nb + ns], cap)
     return out
+
+
+def _count_first_lockstep(rest: np.ndarray, heads: np.ndarray, big: np.ndarray, small: np.ndarray, cap: int
+                          ) -> np.ndarray:
+    """:func:`_count_first` of many blocks at once (each block's rests in ``rest`` from ``heads``: ``big`` open
+    sequences, then ``small`` pieces to place): the blocks' trees side by side, the ``j``-th piece of every block
+    placed by one walk down and up them in numpy (blocks out of pieces place nothing)."""
+    g, width = heads.size, int(small.max())
+    if width == 0:
+        return np.zeros(g, np.int64)
+    leaves = 1 << max(0, int((big + small).max() - 1).bit_length())
+    depth = leaves.bit_length() - 1
+    col = np.arange(max(width, leaves))
+    last = rest.size - 1
+    sizes = np.where(col[:width] < small[:, None],
+                     rest[np.minimum((heads + big)[:, None] + col[:width], last)], 0)
+    tree = np.zeros((g, 2 * leaves), np.int32)  # rooms are at most cap
+    tree[:, leaves:] = np.where(col[:leaves] < big[:, None],
+                                cap - rest[np.minimum(heads[:, None] + col[:leaves], last)], cap)
+    at = leaves
+    while at > 1:
+        half = at // 2
+        tree[:, half:at] = np.maximum(tree[:, at:2 * at:2], tree[:, at + 1:2 * at:2])
+        at = half
+    flat, base = tree.reshape(-1), np.arange(g, dtype=np.int64) * (2 * leaves)
+    used = big.copy()
+    for piece in sizes.T:
+        i = np.ones(g, np.int64)
+        for _ in range(depth):
+            i = 2 * i + (flat[base + 2 * i] < piece)
+        used = np.maximum(used, np.where(piece > 0, i - leaves + 1, 0))
+        flat[base + i] -= piece
+        for _ in range(depth):
+            i >>= 1
+            flat[base + i] = np.maximum(flat[base + 2 * i], flat[base + 2 * i + 1])
+    return used - big
 
 
 def _count_best(rooms: list[int], sizes: list[int], cap: int) -> int:
