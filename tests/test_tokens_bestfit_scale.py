@@ -117,3 +117,15 @@ def test_a_piece_of_exactly_half_and_one_over_half():
             p = BestFitPacking([Lengths(np.array(docs))], cap - 1, fit=fit, block_docs=64)
             ref = reference_bins([Lengths(np.array(docs))], cap - 1, 64, fit)
             assert p._bins.tolist() == [len(ref[0])]
+
+
+def test_the_bench_row_times_both_fits_on_the_synthetic_corpus(tmp_path):
+    from bench.tokens import bench_bestfit_construction, write_synthetic
+    from fastio.tokens.dataset import TokenDataset
+
+    folder = write_synthetic(tmp_path / "scale", 4_000, shards=2, mean_len=300)
+    got = bench_bestfit_construction(folder, 256)
+    assert got["documents"] == 4_000
+    for fit in ("best", "first"):
+        packing = TokenDataset(folder).packing(256, packing="best-fit", fit=fit)
+        assert got[fit]["sequences"] == packing.sequences and got[fit]["cpu_s"] > 0
