@@ -372,9 +372,10 @@ class BestFitPacking(_BlockPacking):
     shorter rests are placed on plain integer rooms; first-fit's of :data:`_LOCKSTEP_BLOCKS` blocks or more at
     once in numpy), O(blocks) memory kept; a block is packed in full (its pieces' offsets) only when a batch
     touches it. An epoch shuffles the blocks and the sampler shuffles the sequences. Construction's CPU time on 2
-    busy cores, documents of 1..1,999 tokens, seq_len 2,048: 10^6 in 10 shards 0.38 s best-fit, 1.7 s first-fit
-    (3.5 s and 11.7 s when every block was packed in full); 10^7 in 8 shards 4.1 s and 7.9 s (35 s best-fit
-    before), most of it the placing of the rests."""
+    busy cores, seq_len 2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.43 s best-fit, 1.7 s first-fit
+    (3.5 s and 11.7 s when every block was packed in full), 10^7 in 8 shards 4.5 s and 7.1 s (35 s and 128 s);
+    10^6 documents of 1..299 tokens 0.22 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short
+    rests, one step a sequence a run of equal rests fills."""
 
     kind = "best-fit"
 
@@ -570,10 +571,15 @@ def _run_counts(lengths: np.ndarray, block_docs: int, cap: int, count) -> np.nda
     out = full + big
     if count is _count_first and heads.size >= _LOCKSTEP_BLOCKS:
         return out + _count_first_lockstep(rest, heads, big, small, cap)
-    sizes, rooms = rest.tolist(), (cap - rest).tolist()
-    for b, (at, nb, ns) in enumerate(zip(heads.tolist(), big.tolist(), small.tolist())):
-        if ns:
-            out[b] += count(rooms[at:at + nb], sizes[at + nb:at + nb + ns], cap)
+    edge = np.r_[True, rest[1:] != rest[:-1]]
+    edge[heads] = True
+    first = np.flatnonzero(edge)  # where each run of equal rests begins
+    values, runs = rest[first].tolist(), np.diff(np.r_[first, n]).tolist()
+    lo, hi = np.searchsorted(first, heads + big), np.searchsorted(first, heads + big + small)
+    rooms = (cap - rest).tolist()
+    for b, (at, nb, r0, r1) in enumerate(zip(heads.tolist(), big.tolist(), lo.tolist(), hi.tolist())):
+        if r1 > r0:
+            out[b] += count(rooms[at:at + nb], values[r0:r1], runs[r0:r1], cap)
     return out
 
 
@@ -613,41 +619,50 @@ def _count_first_lockstep(rest: np.ndarray, heads: np.ndarray, big: np.ndarray, 
     return used - big
 
 
-def _count_best(rooms: list[int], sizes: list[int], cap: int) -> int:
-    """The sequences :func:`_best_fit` adds to open ones with room ``rooms`` (ascending) placing pieces of
-    ``sizes`` (non-increasing): only the rooms matter, kept sorted as plain ints."""
+def _count_best(rooms: list[int], values: list[int], runs: list[int], cap: int) -> int:
+    """The sequences :func:`_best_fit` adds to open ones with room ``rooms`` (ascending) placing ``runs[k]`` pieces
+    of size ``values[k]`` (decreasing): only the rooms matter, kept sorted as plain ints. The sequence with the
+    least room that holds a piece also takes the equal pieces that follow while it holds them (what is left of its
+    room is then the least that holds one), so a run of equal pieces costs one step a sequence it fills."""
     opened = 0
-    for size in sizes:
-        i = bisect.bisect_left(rooms, size)
-        if i < len(rooms):
-            left = rooms.pop(i) - size
-        else:
-            left, opened = cap - size, opened + 1
-        if left:
-            bisect.insort(rooms, left)
+    for piece, left in zip(values, runs):
+        while left:
+            i = bisect.bisect_left(rooms, piece)
+            if i < len(rooms):
+                room = rooms.pop(i) - piece
+            else:
+                room, opened = cap - piece, opened + 1
+            left -= 1
+            if left and room >= piece:
+                take = min(left, room // piece)
+                room, left = room - take * piece, left - take
+            if room:
+                bisect.insort(rooms, room)
     return opened
 
 
-def _count_first(rooms: list[int], sizes: list[int], cap: int) -> int:
+def _count_first(rooms: list[int], values: list[int], runs: list[int], cap: int) -> int:
     """The sequences :func:`_first_fit` adds to open ones with room ``rooms`` (in the order they were opened)
-    placing pieces of ``sizes`` (non-increasing): a tree of the largest room over the sequences (those not yet
-    opened have room ``cap``, after the open ones) finds the first that holds a piece in O(log pieces), and
-    that sequence takes as many of the equal pieces that follow as it has room for."""
-    size = 1 << max(0, (len(rooms) + len(sizes) - 1).bit_length())
+    placing ``runs[k]`` pieces of size ``values[k]`` (decreasing): a tree of the largest room over the sequences
+    (those not yet opened have room ``cap``, after the open ones) finds the first that holds a piece in O(log
+    pieces), and that sequence takes as many of the equal pieces that follow as it has room for."""
+    size = 1 << max(0, (len(rooms) + sum(runs) - 1).bit_length())
     tree = [0] * size + rooms + [cap] * (size - len(rooms))
     for i in range(size - 1, 0, -1):
         tree[i] = max(tree[2 * i], tree[2 * i + 1])
     used = len(rooms)
-    values, runs = np.unique(np.asarray(sizes, np.int64), return_counts=True)
-    for piece, left in zip(values[::-1].tolist(), runs[::-1].tolist()):
+    for piece, left in zip(values, runs):
         while left:
             i = 1
             while i < size:
                 i = 2 * i if tree[2 * i] >= piece else 2 * i + 1
-            used = max(used, i - size + 1)
-            take = min(left, tree[i] // piece)
-            tree[i] -= take * piece
-            left -= take
+            if i - size >= used:
+                used = i - size + 1
+            tree[i] -= piece
+            left -= 1
+            if left and tree[i] >= piece:
+                take = min(left, tree[i] // piece)
+                tree[i], left = tree[i] - take * piece, left - take
             i >>= 1
             while i:
                 top = max(tree[2 * i], tree[2 * i + 1])
