@@ -69,7 +69,7 @@ BLOCK_CACHE_BYTES = 64 << 20
 used dropped first): a concat block of 4,096 documents takes 32 KB (its documents' offsets and prefix sums, int32
 within the block), so the blocks of an epoch of 8 million documents stay built after their first touch; a
 best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
-_LENGTH_RUN = 1 << 22
+_LENGTH_RUN = 1 << 21
 """Documents whose lengths :class:`BestFitPacking` reads at once (whole blocks) to count its sequences."""
 _LOCKSTEP_BLOCKS = 256
 """From this many blocks in a run, first-fit's counts place each block's ``j``-th piece at once in numpy (fewer:
@@ -574,12 +574,11 @@ def _run_counts(lengths: np.ndarray, block_docs: int, cap: int, count) -> np.nda
     edge = np.r_[True, rest[1:] != rest[:-1]]
     edge[heads] = True
     first = np.flatnonzero(edge)  # where each run of equal rests begins
-    values, runs = rest[first].tolist(), np.diff(np.r_[first, n]).tolist()
+    values, runs = rest[first], np.diff(np.r_[first, n])
     lo, hi = np.searchsorted(first, heads + big), np.searchsorted(first, heads + big + small)
-    rooms = (cap - rest).tolist()
     for b, (at, nb, r0, r1) in enumerate(zip(heads.tolist(), big.tolist(), lo.tolist(), hi.tolist())):
         if r1 > r0:
-            out[b] += count(rooms[at:at + nb], values[r0:r1], runs[r0:r1], cap)
+            out[b] += count((cap - rest[at:at + nb]).tolist(), values[r0:r1].tolist(), runs[r0:r1].tolist(), cap)
     return out
 
 
