@@ -79,10 +79,11 @@ def lengths(rng, n, seq_len):
     return np.select([kind == 0, kind == 1, kind == 2], [0, seq_len + 1, long], short).astype(np.int64)
 
 
-@pytest.mark.parametrize("fit, lockstep", [("best", 512), ("first", 512), ("first", 1)])
+@pytest.mark.parametrize("fit, lockstep", [("best", None), ("first", 10**9), ("first", 1)])
 @pytest.mark.parametrize("seq_len, block_docs", [(16, 7), (63, 64), (1, 5), (200, 50)])
 def test_counts_equal_the_reference_packing(fit, lockstep, seq_len, block_docs, monkeypatch):
-    monkeypatch.setattr(packing, "_LOCKSTEP_BLOCKS", lockstep, raising=False)  # 1: every run's blocks at once
+    monkeypatch.setattr(packing, "_LOCKSTEP_BLOCKS", lockstep, raising=False)  # 1: every run's blocks at once,
+    # 10**9: block by block
     rng = np.random.default_rng(seq_len * 1000 + block_docs)
     tables = [Lengths(lengths(rng, n, seq_len)) for n in (0, 301, 1, 150, block_docs)]
     p = BestFitPacking(tables, seq_len, fit=fit, block_docs=block_docs, seed=3)
@@ -95,9 +96,10 @@ def test_counts_equal_the_reference_packing(fit, lockstep, seq_len, block_docs, 
         assert all(x.shard == shard for seq in p._pack(b) for x in seq)
 
 
-@pytest.mark.parametrize("fit", ["best", "first"])
-def test_construction_reads_lengths_in_runs_and_packs_no_block(fit, monkeypatch):
+@pytest.mark.parametrize("fit, lockstep", [("best", None), ("first", 10**9), ("first", 1)])
+def test_construction_reads_lengths_in_runs_and_packs_no_block(fit, lockstep, monkeypatch):
     monkeypatch.setattr(packing, "_LENGTH_RUN", 20, raising=False)  # runs of 2 blocks of 8: 13 runs over 5 shards
+    monkeypatch.setattr(packing, "_LOCKSTEP_BLOCKS", lockstep, raising=False)  # (a small shard's with the next's)
     rng = np.random.default_rng(7)
     tables = [Lengths(lengths(rng, n, 32)) for n in (40, 33, 0, 16, 100)]
     ref = reference_bins(tables, 32, 8, fit)

@@ -71,9 +71,9 @@ within the block), so the blocks of an epoch of 8 million documents stay built a
 best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
 _LENGTH_RUN = 1 << 21
 """Documents whose lengths :class:`BestFitPacking` reads at once (whole blocks) to count its sequences."""
-_LOCKSTEP_BLOCKS = 256
-"""From this many blocks in a run, first-fit's counts place each block's ``j``-th piece at once in numpy (fewer:
-block by block, where the numpy calls would cost more than they save)."""
+_LOCKSTEP_BLOCKS: int | None = None
+"""None: first-fit's counts place each block's ``j``-th piece of a run's blocks at once in numpy where that should
+take less time than block by block (:func:`_lockstep_pays`); a number: from that many blocks in a run (tests)."""
 _PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
@@ -369,13 +369,13 @@ class BestFitPacking(_BlockPacking):
     first sequence it fits). A block's packing does not depend on the document order, so the number of
     sequences of every block is computed once, at construction, from the documents' lengths alone (read in runs of
     whole blocks; no block is packed: a full piece is a sequence, a rest over ``(seq_len + 1) / 2`` opens one, the
-    shorter rests are placed on plain integer rooms; first-fit's of :data:`_LOCKSTEP_BLOCKS` blocks or more at
-    once in numpy), O(blocks) memory kept; a block is packed in full (its pieces' offsets) only when a batch
-    touches it. An epoch shuffles the blocks and the sampler shuffles the sequences. Construction's CPU time on 2
-    busy cores, seq_len 2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.43 s best-fit, 1.7 s first-fit
-    (3.5 s and 11.7 s when every block was packed in full), 10^7 in 8 shards 4.5 s and 7.1 s (35 s and 128 s);
-    10^6 documents of 1..299 tokens 0.22 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short
-    rests, one step a sequence a run of equal rests fills."""
+    shorter rests are placed on plain integer rooms; first-fit's of many blocks at once in numpy where that pays),
+    O(blocks) memory kept; a block is packed in full (its pieces' offsets) only when a batch touches it. An epoch
+    shuffles the blocks and the sampler shuffles the sequences. Construction's CPU time on 2 busy cores, seq_len
+    2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.40 s best-fit, 0.74 s first-fit (3.5 s and 11.7 s
+    when every block was packed in full), 10^7 in 8 shards 4.1 s and 7.0 s (35 s and 128 s); 10^6 documents of
+    1..299 tokens 0.23 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short rests, one step a
+    sequence a run of equal rests fills."""
 
     kind = "best-fit"
 
@@ -395,15 +395,23 @@ class BestFitPacking(_BlockPacking):
 
     def _counts(self) -> np.ndarray:
         """The number of sequences of every block, in block order, from the documents' lengths alone (read in
-        contiguous runs of whole blocks, :data:`_LENGTH_RUN` documents at most a lookup)."""
+        contiguous runs of whole blocks of a shard, :data:`_LENGTH_RUN` documents at most a lookup; the runs of
+        small shards counted together, that many documents at most)."""
         count = _count_best if self.fit == "best" else _count_first
         step = self.block_docs * max(1, _LENGTH_RUN // self.block_docs)
-        out = [np.zeros(0, np.int64)]
+        out, lengths, heads, held = [np.zeros(0, np.int64)], [], [], 0
         for table in self.tables:
             d = int(table.documents)
             for lo in range(0, d, step):
-                lengths = np.diff(table.starts(np.arange(lo, min(d, lo + step) + 1, dtype=np.int64)))
-                out.append(_run_counts(lengths, self.block_docs, self.seq_len + 1, count))
+                hi = min(d, lo + step)
+                if held + hi - lo > step:
+                    out.append(_run_counts(np.concatenate(lengths), np.concatenate(heads), self.seq_len + 1, count))
+                    lengths, heads, held = [], [], 0
+                lengths.append(np.diff(table.starts(np.arange(lo, hi + 1, dtype=np.int64))))
+                heads.append(held + np.arange(0, hi - lo, self.block_docs))
+                held += hi - lo
+        if held:
+            out.append(_run_counts(np.concatenate(lengths), np.concatenate(heads), self.seq_len + 1, count))
         return np.concatenate(out)
 
     @property
@@ -555,31 +563,40 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
     return bins
 
 
-def _run_counts(lengths: np.ndarray, block_docs: int, cap: int, count) -> np.ndarray:
-    """The number of sequences of each block of ``block_docs`` consecutive documents of ``lengths`` (a shard's
-    run of whole blocks) as :meth:`BestFitPacking._packed` makes them, from the pieces' sizes alone: a document
-    is ``length // cap`` full pieces (a sequence each) and a rest; a rest over ``cap / 2`` opens a sequence of its
-    own (every earlier piece is at least as long, so no sequence has room for it); ``count`` places the others."""
+def _run_counts(lengths: np.ndarray, heads: np.ndarray, cap: int, count) -> np.ndarray:
+    """The number of sequences of each block of the documents ``lengths`` (blocks beginning at ``heads``) as
+    :meth:`BestFitPacking._packed` makes them, from the pieces' sizes alone: a document is ``length // cap`` full
+    pieces (a sequence each) and a rest; a rest over ``cap / 2`` opens a sequence of its own (every earlier piece
+    is at least as long, so no sequence has room for it); ``count`` places the others."""
     n = lengths.size
-    heads = np.arange(0, n, block_docs)
-    block = np.arange(n, dtype=np.int64) // block_docs
+    block = np.repeat(np.arange(heads.size, dtype=np.int64), np.diff(np.r_[heads, n]))
     full = np.add.reduceat(lengths // cap, heads)
     rest = lengths % cap
     rest = (cap - 1) - np.sort(block * cap + (cap - 1 - rest)) % cap  # each block's rests, longest first
     big = np.add.reduceat((2 * rest > cap).astype(np.int64), heads)
     small = np.add.reduceat(((2 * rest <= cap) & (rest > 0)).astype(np.int64), heads)
     out = full + big
-    if count is _count_first and heads.size >= _LOCKSTEP_BLOCKS:
-        return out + _count_first_lockstep(rest, heads, big, small, cap)
     edge = np.r_[True, rest[1:] != rest[:-1]]
     edge[heads] = True
     first = np.flatnonzero(edge)  # where each run of equal rests begins
     values, runs = rest[first], np.diff(np.r_[first, n])
     lo, hi = np.searchsorted(first, heads + big), np.searchsorted(first, heads + big + small)
+    if count is _count_first and _lockstep_pays(heads.size, int(small.max(initial=0)), int((hi - lo).sum())):
+        return out + _count_first_lockstep(rest, heads, big, small, cap)
     for b, (at, nb, r0, r1) in enumerate(zip(heads.tolist(), big.tolist(), lo.tolist(), hi.tolist())):
         if r1 > r0:
             out[b] += count((cap - rest[at:at + nb]).tolist(), values[r0:r1].tolist(), runs[r0:r1].tolist(), cap)
     return out
+
+
+def _lockstep_pays(blocks: int, width: int, runs: int) -> bool:
+    """Whether :func:`_count_first_lockstep` over ``blocks`` blocks of at most ``width`` pieces to place should
+    take less time than :func:`_count_first` block by block over ``runs`` runs of equal pieces in all (times
+    measured on 2 busy cores: a lockstep step about 60 us + 1.4 us a block, a run about 7 us; both count the
+    same). ``_LOCKSTEP_BLOCKS`` blocks or more, or fewer, decides where it is set (the tests take both ways)."""
+    if _LOCKSTEP_BLOCKS is not None:
+        return blocks >= _LOCKSTEP_BLOCKS
+    return width * (60 + 1.4 * blocks) < 7 * runs
 
 
 def _count_first_lockstep(rest: np.ndarray, heads: np.ndarray, big: np.ndarray, small: np.ndarray, cap: int
