@@ -29,6 +29,9 @@ Figures (medians over the repeats, runs interleaved on the same files):
   batches after the first (one short timed run: blocks of documents touched for the first time included), and the
   share of block-table lookups the packing's cache answered (reported, no target: above ``STREAM_TABLE_DOCS``
   documents the packing builds the tables of the blocks a batch touches, kept in ``BLOCK_CACHE_BYTES``).
+- ``best-fit construction``: CPU seconds to make ``packing="best-fit"`` (``fit="best"`` and ``"first"``) over the
+  same synthetic corpus, in this process (reported, no target: the sequence count of every block, before a first
+  batch).
 
 ``python bench/tokens.py [--repeats N] [--docs N] [--seq-len N] [--scale-docs N]`` writes
 ``bench/out/tokens.json``.
@@ -391,6 +394,21 @@ def bench_scale_read(folder: Path, seq_len: int, batches: int = SCALE_BATCHES) -
             "block_cache_hits": lookups["hit"] / lookups["all"] if lookups["all"] else None}
 
 
+def bench_bestfit_construction(folder: Path, seq_len: int) -> dict[str, Any]:
+    """CPU seconds (this process's) to make the best-fit packing, each fit, over the synthetic corpus ``folder``,
+    and the sequences it counts."""
+    import time
+
+    from fastio.tokens.dataset import TokenDataset
+
+    ds, out = TokenDataset(folder), {}
+    for fit in ("best", "first"):
+        cpu = time.process_time()
+        packing = ds.packing(seq_len, packing="best-fit", fit=fit)
+        out[fit] = {"cpu_s": time.process_time() - cpu, "sequences": packing.sequences}
+    return {"documents": packing.documents, **out}
+
+
 def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048,
         scale_docs: int = 10_000_000) -> dict[str, Any]:
     warnings.simplefilter("ignore")
@@ -402,6 +420,7 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
     read = bench_read(workdir, workdir / "tokens", seq_len, repeats)
     scale = bench_first_batch(workdir, scale_docs, seq_len)
     scale_read = bench_scale_read(workdir / f"scale-{scale_docs}", seq_len)
+    construction = bench_bestfit_construction(workdir / f"scale-{scale_docs}", seq_len)
     ratios = [{"name": f"tokens/s: fastio / {peer}", "value": read[f"speedup_vs_{peer}"], "target": READ_TARGET,
                "better": "higher"} for peer in ("megatron", "litdata") if f"speedup_vs_{peer}" in read]
     ratios.append({"name": f"first batch at {scale_docs} documents (s)", "value": scale["seconds"],
@@ -409,7 +428,8 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
     ratios.append({"name": "peak memory to that first batch (GB)", "value": scale["peak_rss_bytes"] / 1e9,
                    "target": FIRST_BATCH_TARGET_GB, "better": "lower"})
     result = {"benchmark": "tokens", "documents": docs, "seq_len": seq_len, "repeats": repeats, "convert": convert,
-              "read": read, "first_batch": scale, "scale_read": scale_read, "ratios": ratios, "machine": machine_info()}
+              "read": read, "first_batch": scale, "scale_read": scale_read,
+              "best_fit_construction": construction, "ratios": ratios, "machine": machine_info()}
     write_results("tokens", result)
     return result
 

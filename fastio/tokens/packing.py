@@ -31,11 +31,12 @@ search for the documents' starts.
 At scale (above :data:`STREAM_TABLE_DOCS` documents) a batch's sequences hit about nine random blocks; a block's
 table (its documents' order: the Feistel rounds looked up in tables; their offsets: one lookup of the block's
 contiguous range in the ``.idx``; prefix sums, int32 within the block) costs about 0.25 ms to build and is kept
-in a cache of :data:`BLOCK_CACHE_BYTES` (concat: 32 KB a block of 4,096 documents; best-fit: the arrays made at
-construction), so an epoch of up to about 8 million documents' blocks stays built after its first touches
-(best-fit: about 3 million). Measured on 2 busy cores, batches of 8 x 2,048 tokens, concat: at 10^6 documents
-:meth:`ConcatPacking.spans` costs 0.45 ms a batch (4 ms with the 16-block cache before: 5% hits), at 10^7
-0.7 ms (84% hits; 4.1 ms before); best-fit at 10^6 0.45 ms (219 ms before: every block repacked).
+in a cache of :data:`BLOCK_CACHE_BYTES` (concat: 32 KB a block of 4,096 documents; best-fit: the block's packed
+sequences as arrays, packed on its first touch, about 14 ms), so an epoch of up to about 8 million documents'
+blocks stays built after its first touches (best-fit: about 3 million). Measured on 2 busy cores, batches of
+8 x 2,048 tokens, concat: at 10^6 documents :meth:`ConcatPacking.spans` costs 0.45 ms a batch (4 ms with the
+16-block cache before: 5% hits), at 10^7 0.7 ms (84% hits; 4.1 ms before); best-fit at 10^6 0.45 ms (219 ms
+before: every block repacked).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ BLOCK_CACHE_BYTES = 64 << 20
 used dropped first): a concat block of 4,096 documents takes 32 KB (its documents' offsets and prefix sums, int32
 within the block), so the blocks of an epoch of 8 million documents stay built after their first touch; a
 best-fit block about 80 KB (the pieces of its sequences), 3 million documents."""
+_LENGTH_RUN = 1 << 21
+"""Documents whose lengths :class:`BestFitPacking` reads at once (whole blocks) to count its sequences."""
+_LOCKSTEP_BLOCKS: int | None = None
+"""None: first-fit's counts place each block's ``j``-th piece of a run's blocks at once in numpy where that should
+take less time than block by block (:func:`_lockstep_pays`); a number: from that many blocks in a run (tests)."""
 _PIECE_BYTES = 160  # a Piece of a cached best-fit block, counted as this many bytes (object, ints, list slot)
 _SHUFFLES = ("global", "none")
 
@@ -361,8 +367,15 @@ class BestFitPacking(_BlockPacking):
     Each block of ``block_docs`` documents is a window packed on its own by best-fit decreasing (``fit="best"``:
     each piece, longest first, into the fullest sequence it fits) or first-fit decreasing (``fit="first"``: into the
     first sequence it fits). A block's packing does not depend on the document order, so the number of
-    sequences of every block is computed once, at construction (one pass over the documents' lengths, O(documents)
-    time, O(blocks) memory); an epoch shuffles the blocks and the sampler shuffles the sequences."""
+    sequences of every block is computed once, at construction, from the documents' lengths alone (read in runs of
+    whole blocks; no block is packed: a full piece is a sequence, a rest over ``(seq_len + 1) / 2`` opens one, the
+    shorter rests are placed on plain integer rooms; first-fit's of many blocks at once in numpy where that pays),
+    O(blocks) memory kept; a block is packed in full (its pieces' offsets) only when a batch touches it. An epoch
+    shuffles the blocks and the sampler shuffles the sequences. Construction's CPU time on 2 busy cores, seq_len
+    2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.40 s best-fit, 0.74 s first-fit (3.5 s and 11.7 s
+    when every block was packed in full), 10^7 in 8 shards 4.1 s and 7.0 s (35 s and 128 s); 10^6 documents of
+    1..299 tokens 0.23 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short rests, one step a
+    sequence a run of equal rests fills."""
 
     kind = "best-fit"
 
@@ -373,12 +386,33 @@ class BestFitPacking(_BlockPacking):
         self.kind = f"{fit}-fit"
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
         self.fit = fit
-        self._bins = np.array([self._pack_arrays(b)[0].size - 1 for b in range(self._blk_n.size)], dtype=np.int64)
+        self._bins = self._counts()
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
         self.documents = int(self._blk_n.sum())
         self._whole: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _counts(self) -> np.ndarray:
+        """The number of sequences of every block, in block order, from the documents' lengths alone (read in
+        contiguous runs of whole blocks of a shard, :data:`_LENGTH_RUN` documents at most a lookup; the runs of
+        small shards counted together, that many documents at most)."""
+        count = _count_best if self.fit == "best" else _count_first
+        step = self.block_docs * max(1, _LENGTH_RUN // self.block_docs)
+        out, lengths, heads, held = [np.zeros(0, np.int64)], [], [], 0
+        for table in self.tables:
+            d = int(table.documents)
+            for lo in range(0, d, step):
+                hi = min(d, lo + step)
+                if held + hi - lo > step:
+                    out.append(_run_counts(np.concatenate(lengths), np.concatenate(heads), self.seq_len + 1, count))
+                    lengths, heads, held = [], [], 0
+                lengths.append(np.diff(table.starts(np.arange(lo, hi + 1, dtype=np.int64))))
+                heads.append(held + np.arange(0, hi - lo, self.block_docs))
+                held += hi - lo
+        if held:
+            out.append(_run_counts(np.concatenate(lengths), np.concatenate(heads), self.seq_len + 1, count))
+        return np.concatenate(out)
 
     @property
     def padding_fraction(self) -> float:
@@ -505,19 +539,154 @@ def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, in
 
 
 def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:
-    """Each (size, start), in the given order, into the first bin that holds it, else a new bin."""
+    """Each (size, start), in the given order, into the first bin that holds it, else a new bin: the first found
+    by a walk down a tree of the largest room over the bins (those not yet opened have room ``cap``, after the
+    open ones), O(log items) an item."""
+    leaves = 1 << max(0, (len(items) - 1).bit_length())
+    tree = [cap] * (2 * leaves)
     bins: list[list[tuple[int, int]]] = []
-    room = np.zeros(0, np.int64)
     for size, start in items:
-        fits = np.flatnonzero(room >= size)
-        if fits.size:
-            k = int(fits[0])
-        else:
-            k, room = len(bins), np.r_[room, cap]
+        i = 1
+        while i < leaves:
+            i = 2 * i if tree[2 * i] >= size else 2 * i + 1
+        if i - leaves == len(bins):
             bins.append([])
-        bins[k].append((size, start))
-        room[k] -= size
+        bins[i - leaves].append((size, start))
+        tree[i] -= size
+        i >>= 1
+        while i:
+            top = max(tree[2 * i], tree[2 * i + 1])
+            if tree[i] == top:
+                break
+            tree[i] = top
+            i >>= 1
     return bins
+
+
+def _run_counts(lengths: np.ndarray, heads: np.ndarray, cap: int, count) -> np.ndarray:
+    """The number of sequences of each block of the documents ``lengths`` (blocks beginning at ``heads``) as
+    :meth:`BestFitPacking._packed` makes them, from the pieces' sizes alone: a document is ``length // cap`` full
+    pieces (a sequence each) and a rest; a rest over ``cap / 2`` opens a sequence of its own (every earlier piece
+    is at least as long, so no sequence has room for it); ``count`` places the others."""
+    n = lengths.size
+    block = np.repeat(np.arange(heads.size, dtype=np.int64), np.diff(np.r_[heads, n]))
+    full = np.add.reduceat(lengths // cap, heads)
+    rest = lengths % cap
+    rest = (cap - 1) - np.sort(block * cap + (cap - 1 - rest)) % cap  # each block's rests, longest first
+    big = np.add.reduceat((2 * rest > cap).astype(np.int64), heads)
+    small = np.add.reduceat(((2 * rest <= cap) & (rest > 0)).astype(np.int64), heads)
+    out = full + big
+    edge = np.r_[True, rest[1:] != rest[:-1]]
+    edge[heads] = True
+    first = np.flatnonzero(edge)  # where each run of equal rests begins
+    values, runs = rest[first], np.diff(np.r_[first, n])
+    lo, hi = np.searchsorted(first, heads + big), np.searchsorted(first, heads + big + small)
+    if count is _count_first and _lockstep_pays(heads.size, int(small.max(initial=0)), int((hi - lo).sum())):
+        return out + _count_first_lockstep(rest, heads, big, small, cap)
+    for b, (at, nb, r0, r1) in enumerate(zip(heads.tolist(), big.tolist(), lo.tolist(), hi.tolist())):
+        if r1 > r0:
+            out[b] += count((cap - rest[at:at + nb]).tolist(), values[r0:r1].tolist(), runs[r0:r1].tolist(), cap)
+    return out
+
+
+def _lockstep_pays(blocks: int, width: int, runs: int) -> bool:
+    """Whether :func:`_count_first_lockstep` over ``blocks`` blocks of at most ``width`` pieces to place should
+    take less time than :func:`_count_first` block by block over ``runs`` runs of equal pieces in all (times
+    measured on 2 busy cores: a lockstep step about 60 us + 1.4 us a block, a run about 7 us; both count the
+    same). ``_LOCKSTEP_BLOCKS`` blocks or more, or fewer, decides where it is set (the tests take both ways)."""
+    if _LOCKSTEP_BLOCKS is not None:
+        return blocks >= _LOCKSTEP_BLOCKS
+    return width * (60 + 1.4 * blocks) < 7 * runs
+
+
+def _count_first_lockstep(rest: np.ndarray, heads: np.ndarray, big: np.ndarray, small: np.ndarray, cap: int
+                          ) -> np.ndarray:
+    """:func:`_count_first` of many blocks at once (each block's rests in ``rest`` from ``heads``: ``big`` open
+    sequences, then ``small`` pieces to place): the blocks' trees side by side, the ``j``-th piece of every block
+    placed by one walk down and up them in numpy (blocks out of pieces place nothing)."""
+    g, width = heads.size, int(small.max())
+    if width == 0:
+        return np.zeros(g, np.int64)
+    leaves = 1 << max(0, int((big + small).max() - 1).bit_length())
+    depth = leaves.bit_length() - 1
+    col = np.arange(max(width, leaves))
+    last = rest.size - 1
+    sizes = np.where(col[:width] < small[:, None],
+                     rest[np.minimum((heads + big)[:, None] + col[:width], last)], 0)
+    tree = np.zeros((g, 2 * leaves), np.int32)  # rooms are at most cap
+    tree[:, leaves:] = np.where(col[:leaves] < big[:, None],
+                                cap - rest[np.minimum(heads[:, None] + col[:leaves], last)], cap)
+    at = leaves
+    while at > 1:
+        half = at // 2
+        tree[:, half:at] = np.maximum(tree[:, at:2 * at:2], tree[:, at + 1:2 * at:2])
+        at = half
+    flat, base = tree.reshape(-1), np.arange(g, dtype=np.int64) * (2 * leaves)
+    used = big.copy()
+    for piece in sizes.T:
+        i = np.ones(g, np.int64)
+        for _ in range(depth):
+            i = 2 * i + (flat[base + 2 * i] < piece)
+        used = np.maximum(used, np.where(piece > 0, i - leaves + 1, 0))
+        flat[base + i] -= piece
+        for _ in range(depth):
+            i >>= 1
+            flat[base + i] = np.maximum(flat[base + 2 * i], flat[base + 2 * i + 1])
+    return used - big
+
+
+def _count_best(rooms: list[int], values: list[int], runs: list[int], cap: int) -> int:
+    """The sequences :func:`_best_fit` adds to open ones with room ``rooms`` (ascending) placing ``runs[k]`` pieces
+    of size ``values[k]`` (decreasing): only the rooms matter, kept sorted as plain ints. The sequence with the
+    least room that holds a piece also takes the equal pieces that follow while it holds them (what is left of its
+    room is then the least that holds one), so a run of equal pieces costs one step a sequence it fills."""
+    opened = 0
+    for piece, left in zip(values, runs):
+        while left:
+            i = bisect.bisect_left(rooms, piece)
+            if i < len(rooms):
+                room = rooms.pop(i) - piece
+            else:
+                room, opened = cap - piece, opened + 1
+            left -= 1
+            if left and room >= piece:
+                take = min(left, room // piece)
+                room, left = room - take * piece, left - take
+            if room:
+                bisect.insort(rooms, room)
+    return opened
+
+
+def _count_first(rooms: list[int], values: list[int], runs: list[int], cap: int) -> int:
+    """The sequences :func:`_first_fit` adds to open ones with room ``rooms`` (in the order they were opened)
+    placing ``runs[k]`` pieces of size ``values[k]`` (decreasing): a tree of the largest room over the sequences
+    (those not yet opened have room ``cap``, after the open ones) finds the first that holds a piece in O(log
+    pieces), and that sequence takes as many of the equal pieces that follow as it has room for."""
+    size = 1 << max(0, (len(rooms) + sum(runs) - 1).bit_length())
+    tree = [0] * size + rooms + [cap] * (size - len(rooms))
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    used = len(rooms)
+    for piece, left in zip(values, runs):
+        while left:
+            i = 1
+            while i < size:
+                i = 2 * i if tree[2 * i] >= piece else 2 * i + 1
+            if i - size >= used:
+                used = i - size + 1
+            tree[i] -= piece
+            left -= 1
+            if left and tree[i] >= piece:
+                take = min(left, tree[i] // piece)
+                tree[i], left = tree[i] - take * piece, left - take
+            i >>= 1
+            while i:
+                top = max(tree[2 * i], tree[2 * i + 1])
+                if tree[i] == top:
+                    break
+                tree[i] = top
+                i >>= 1
+    return used - len(rooms)
 
 
 def document_starts(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = None) -> np.ndarray:
