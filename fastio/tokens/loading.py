@@ -406,7 +406,9 @@ class TokenReader:
 
     def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, end: int) -> np.ndarray:
         """``tokens`` (shard ``k``'s mapping), once the file still holds the offsets below ``end`` (a file cut
-        short under a mapping would kill the process on reading): DatasetError naming the shard if not."""
+        short under a mapping would kill the process on reading): DatasetError naming the shard if not. A file
+        cut short during the gather itself, after this check, still kills the process with SIGBUS (a shard is
+        replaced by a rename, which the open mapping does not see, never rewritten in place)."""
         source = self.sources[s]
         shard = source.ds.shards[k]
         itemsize = tokens.dtype.itemsize
