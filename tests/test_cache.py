@@ -508,3 +508,45 @@ def test_fills_of_a_manifest_without_xxh3_are_checked_with_sha256(moto_server, s
     wrong = dataclasses.replace(entries[1], sha256="0" * 64)
     with pytest.raises(StorageError, match=r"does not match the manifest after 2 downloads \(manifest sha256 0000"):
         cache.fill(storage, wrong)
+
+
+def test_two_threads_opening_one_shard_while_the_other_releases_it_leak_no_descriptor(moto_server, s3_bucket,
+                                                                                     small_shards, tmp_path):
+    """Thread B opens shard 0 while thread A acquires and releases it (A's descriptor kept open idle): B's
+    acquire must not leave A's idle descriptor behind (a leaked one keeps its shared lock: the shard could never be
+    evicted, and a small cache waits for room until it gives up)."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    storage = open_storage(url, moto_server.options())
+    entries = _entries(small_shards)
+    cache = ShardCache(tmp_path / "cache", 10**9)
+    files = CachedShardFiles(cache, storage, entries, depth=0, keep_open_s=30)
+    opening, go = threading.Event(), threading.Event()
+    real_open = files._open_entry
+
+    def slow_open(i):  # B's open, held until A has acquired and released the same shard
+        fd = real_open(i)
+        opening.set()
+        go.wait(10)
+        return fd
+
+    files._open_entry = slow_open
+    b = threading.Thread(target=lambda: files.release(files.acquire(0) and 0))
+    b.start()
+    assert opening.wait(10)
+    files._open_entry = real_open
+    files.acquire(0)
+    files.release(0)  # A's descriptor is now kept open, idle
+    go.set()
+    b.join(10)
+    files.close()
+    path = str(cache.path(entries[0].sha256))
+    left = [fd for fd in os.listdir("/proc/self/fd") if _link(fd) == path]
+    assert not left, f"descriptors of shard 0 left open after close: {left}"
+
+
+def _link(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""

@@ -164,9 +164,11 @@ def test_a_bin_replaced_by_rename_under_a_running_loader_reads_the_file_it_opene
     assert all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(want, got, strict=True))
 
 
-def test_an_s3_dataset_read_through_a_small_cache_is_the_local_one(corpus, moto_server, s3_bucket, tmp_path):
-    """A cache that holds a few shards (sequential order, so shards are evicted while others are read): the
-    batches are the local dataset's, and no evicted shard stays mapped or open."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_s3_dataset_read_through_a_small_cache_is_the_local_one(corpus, moto_server, s3_bucket, tmp_path, threads):
+    """A cache that holds a few shards (sequential order, so shards are evicted while others are read), one or two
+    reader threads: the batches are the local dataset's, and no evicted shard stays mapped or open (two threads
+    once leaked a released shard's descriptor, whose lock then kept the cache from evicting it)."""
     from resume import same_batch
 
     from fastio.dataset.manifest import MANIFEST_NAME
@@ -177,7 +179,7 @@ def test_an_s3_dataset_read_through_a_small_cache_is_the_local_one(corpus, moto_
     biggest = max(s.stat().st_size for s in (corpus / "shards").glob("*.bin"))
     cache = tmp_path / "cache"
     opening = dict(cache_dir=str(cache), storage_options=moto_server.options(), cache_size=3 * biggest,
-                   shuffle="none", reader_threads=1)
+                   shuffle="none", reader_threads=threads)
     with _loader(url, **opening) as remote, _loader(corpus, shuffle="none", reader_threads=1) as local:
         for _ in range(2):
             for x, y in zip(remote, local, strict=True):

@@ -451,6 +451,9 @@ class CachedShardFiles:
                 os.close(fd)
                 held[1] += 1
             else:
+                idle = self._idle.pop(i, None)  # another thread opened, read and released it meanwhile
+                if idle is not None:
+                    os.close(idle[0])  # else its descriptor (and shared lock) would be lost, never closed
                 self._open[i] = [fd, 1]
                 self._in_use(i, +1)
             self._note(i)
