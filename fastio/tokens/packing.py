@@ -546,21 +546,33 @@ def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, i
     tree = [cap] * (2 * leaves)
     bins: list[list[tuple[int, int]]] = []
     for size, start in items:
-        i = 1
-        while i < leaves:
-            i = 2 * i if tree[2 * i] >= size else 2 * i + 1
+        i = _tree_first(tree, leaves, size)
         if i - leaves == len(bins):
             bins.append([])
         bins[i - leaves].append((size, start))
         tree[i] -= size
-        i >>= 1
-        while i:
-            top = max(tree[2 * i], tree[2 * i + 1])
-            if tree[i] == top:
-                break
-            tree[i] = top
-            i >>= 1
+        _tree_repair(tree, i)
     return bins
+
+
+def _tree_first(tree: list[int], leaves: int, size: int) -> int:
+    """The first leaf (as its node number) with room for ``size`` in ``tree``, a max tree over ``leaves`` leaves
+    (node ``i``'s children are ``2i`` and ``2i + 1``; the root, 1, has room for it)."""
+    i = 1
+    while i < leaves:
+        i = 2 * i if tree[2 * i] >= size else 2 * i + 1
+    return i
+
+
+def _tree_repair(tree: list[int], i: int) -> None:
+    """The maxima above leaf node ``i`` of ``tree`` once its room went down (up to the first one unchanged)."""
+    i >>= 1
+    while i:
+        top = max(tree[2 * i], tree[2 * i + 1])
+        if tree[i] == top:
+            break
+        tree[i] = top
+        i >>= 1
 
 
 def _run_counts(lengths: np.ndarray, heads: np.ndarray, cap: int, count) -> np.ndarray:
@@ -669,9 +681,7 @@ def _count_first(rooms: list[int], values: list[int], runs: list[int], cap: int)
     used = len(rooms)
     for piece, left in zip(values, runs):
         while left:
-            i = 1
-            while i < size:
-                i = 2 * i if tree[2 * i] >= piece else 2 * i + 1
+            i = _tree_first(tree, size, piece)
             if i - size >= used:
                 used = i - size + 1
             tree[i] -= piece
@@ -679,13 +689,7 @@ def _count_first(rooms: list[int], values: list[int], runs: list[int], cap: int)
             if left and tree[i] >= piece:
                 take = min(left, tree[i] // piece)
                 tree[i], left = tree[i] - take * piece, left - take
-            i >>= 1
-            while i:
-                top = max(tree[2 * i], tree[2 * i + 1])
-                if tree[i] == top:
-                    break
-                tree[i] = top
-                i >>= 1
+            _tree_repair(tree, i)
     return used - len(rooms)
 
 
