@@ -1,0 +1,256 @@
+"""``convert --video-decoder nvdec``: H.264 (and the other codecs only DALI's mixed decoder reads) kept as they are
+for decoding on a GPU; the manifest's count of videos per codec; a CPU Loader refusing such a dataset when it is
+made; parts + merge; the keyframe cut left to those codecs' decoder. Media made here with PyAV (frame numbers in
+the pixels); the clips by content on a GPU in the one ``gpu``-marked test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+
+from fastio.convert import synthetic  # noqa: E402
+from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+from fastio.errors import DatasetError  # noqa: E402
+from fastio.formats.media import MediaCheckError, check_media, probe, trim_video  # noqa: E402
+
+
+def make_ffv1(path: Path, frames: int = 6) -> Path:
+    """A video in a codec neither of DALI's decoders reads (FFV1 in Matroska)."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("ffv1", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for k in range(frames):
+            rgb = np.full((48, 64, 3), synthetic.frame_level(k), np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+@pytest.fixture(scope="module")
+def h264_folder(tmp_path_factory) -> Path:
+    """c0: two H.264 .mp4 (B-frames, a keyframe every 8 frames) and a VP9 .webm; c1: one H.264 .mp4 and an FFV1
+    .mkv that neither decoder reads."""
+    root = tmp_path_factory.mktemp("h264")
+    synthetic.make_video(root / "c0" / "a.mp4", frames=20, fps=12, keyframe_every=8, bframes=2)
+    synthetic.make_video(root / "c0" / "b.mp4", frames=28, fps=12, keyframe_every=8, bframes=2)
+    synthetic.make_video(root / "c0" / "c.webm", frames=16, fps=12)
+    synthetic.make_video(root / "c1" / "d.mp4", frames=36, fps=12, keyframe_every=8, bframes=2)
+    make_ffv1(root / "c1" / "odd.mkv")
+    return root
+
+
+@pytest.fixture(scope="module")
+def nvdec_ds(tmp_path_factory, h264_folder) -> Path:
+    dest = tmp_path_factory.mktemp("nvds") / "ds"
+    convert(ConvertConfig(source=h264_folder, dest=dest, workers=1, video_decoder="nvdec"))
+    return dest
+
+
+def clips_loader(dest, pipeline=None, **kw):
+    import fastio
+
+    pipeline = pipeline or fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC")
+    opts = dict(batch_size=2, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline, **{**opts, **kw})
+
+
+def test_check_media_keeps_what_the_chosen_decoder_reads(h264_folder):
+    h264 = (h264_folder / "c0" / "a.mp4").read_bytes()
+    info = json.loads(check_media(h264, "mp4", "nvdec"))
+    assert (info["codec"], info["frames"], info["keyframes"]) == ("h264", 20, [0, 8, 16])
+    with pytest.raises(MediaCheckError, match=r"^video codec h264 is not read by DALI's CPU decoder .* or keep it for "
+                                              r"decoding on a GPU with NVDEC .* --video-decoder nvdec"):
+        check_media(h264, "mp4")
+    odd = (h264_folder / "c1" / "odd.mkv").read_bytes()
+    for decoder in ("cpu", "nvdec"):
+        with pytest.raises(MediaCheckError, match="^video codec ffv1 is not read by DALI's CPU decoder") as got:
+            check_media(odd, "mkv", decoder)
+        assert "--transcode vp9" in str(got.value) and "--video-decoder nvdec" not in str(got.value)
+
+
+def test_convert_with_nvdec_keeps_h264_as_it_is_and_counts_codecs(nvdec_ds, h264_folder):
+    import fastio
+
+    ds = fastio.Dataset(nvdec_ds)
+    m = ds.manifest
+    assert set(m.fields) == {"cls", "mp4", "probe.json", "webm"} and m.total_samples == 4
+    assert [s["path"] for s in m.skipped] == ["c1/odd.mkv"]
+    assert "not read by DALI's CPU decoder nor by its NVDEC decoder" in m.skipped[0]["reason"]
+    assert m.convert_options["video_decoder"] == "nvdec" and "transcode" not in m.convert_options
+    keys = [ds.key(i) for i in range(4)]
+    assert keys == ["c0/a", "c0/b", "c0/c", "c1/d"]
+    assert m.video_codecs == {"h264": {"count": 3, "first": 0}, "vp9": {"count": 1, "first": 2}}
+    # the stored bytes are the files' own, their probes the probe of those bytes
+    import tarfile
+
+    with tarfile.open(nvdec_ds / "shards" / "shard-000000.tar") as tar:
+        stored = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert stored["c0/a.mp4"] == (h264_folder / "c0" / "a.mp4").read_bytes()
+    assert json.loads(stored["c1/d.probe.json"]) == probe(stored["c1/d.mp4"], "mp4")
+
+
+def test_convert_on_the_cpu_path_still_skips_h264_and_counts_vp9(tmp_path, h264_folder):
+    result = convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1))
+    m = result.manifests[""]
+    assert sorted(s["path"] for s in result.skipped) == ["c0/a.mp4", "c0/b.mp4", "c1/d.mp4", "c1/odd.mkv"]
+    assert "video_decoder" not in m.convert_options and m.video_codecs == {"vp9": {"count": 1, "first": 0}}
+    with clips_loader(tmp_path / "ds", batch_size=1) as loader:
+        assert next(iter(loader))["video"].shape == (1, 4, 24, 24, 3)
+
+
+def test_nvdec_with_transcode_reencodes_only_what_nvdec_cannot_read(tmp_path, h264_folder):
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                          transcode="vp9"))
+    import fastio
+
+    m = fastio.Dataset(tmp_path / "ds").manifest
+    assert m.skipped == [] and m.convert_options["transcode"] == "vp9"
+    assert m.video_codecs == {"h264": {"count": 3, "first": 0}, "vp9": {"count": 2, "first": 2}}
+    assert set(m.fields) == {"cls", "mp4", "probe.json", "webm"}  # odd.mkv became c1/odd.webm; the mp4s stay
+
+
+def test_a_cpu_loader_refuses_h264_when_it_is_made(nvdec_ds):
+    import fastio
+
+    expected = (f"{nvdec_ds}: holds 3 videos in codec h264, which DALI's CPU decoder does not read (the first: "
+                "shard shard-000000.tar key 'c0/a'): decode them on a GPU with device='cuda' (NVDEC), or convert the "
+                "files with --transcode vp9 (VP9 WebM)")
+    with pytest.raises(DatasetError) as got:
+        clips_loader(nvdec_ds)  # made, never iterated
+    assert str(got.value) == expected
+    mix = fastio.Mixture({"gpu": str(nvdec_ds), "also": str(nvdec_ds)})
+    with pytest.raises(DatasetError) as got:
+        clips_loader(mix)
+    assert str(got.value) == expected
+
+
+def test_the_first_non_cpu_video_is_named_by_its_shard(tmp_path, h264_folder):
+    """The count's first sample is dataset-wide: in a later shard it is named with that shard."""
+    src = tmp_path / "src"
+    synthetic.make_video(src / "c0" / "a.webm", frames=8, fps=12)
+    synthetic.make_video(src / "c0" / "b.webm", frames=8, fps=12)
+    (src / "c0" / "c.mp4").write_bytes((h264_folder / "c0" / "a.mp4").read_bytes())
+    convert(ConvertConfig(source=src, dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                          max_samples_per_shard=2))
+    with pytest.raises(DatasetError, match=r"holds 1 video in codec h264, .* \(the first: shard shard-000001.tar "
+                                           r"key 'c0/c'\)"):
+        clips_loader(tmp_path / "ds")
+
+
+def test_cli_video_decoder(tmp_path, h264_folder, capsys):
+    from helpers import run_cli
+
+    code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds"), "--video-decoder", "nvdec", "-q"],
+                             capsys)
+    assert code == 0, err
+    import fastio
+
+    assert fastio.Dataset(tmp_path / "ds").manifest.convert_options["video_decoder"] == "nvdec"
+    code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds2"), "--video-decoder", "gpu"], capsys)
+    assert code == 2 and err == "fastio: error: --video-decoder must be one of cpu, nvdec, got 'gpu'\n"
+    assert not (tmp_path / "ds2").exists()
+    code, out, err = run_cli(["convert", "--help"], capsys)
+    assert "--video-decoder" in out and "nvdec" in out
+    with pytest.raises(ValueError, match="video_decoder must be one of cpu, nvdec, got 'cuda'"):
+        ConvertConfig(source=h264_folder, dest=tmp_path / "x", video_decoder="cuda")
+
+
+def test_parts_then_merge_give_the_whole_conversion(tmp_path, h264_folder, nvdec_ds, capsys):
+    from helpers import run_cli
+
+    import fastio
+
+    for k in range(2):
+        convert(ConvertConfig(source=h264_folder, dest=tmp_path / "parted", workers=1, video_decoder="nvdec",
+                              max_samples_per_shard=1, part=(k, 2)))
+    assert run_cli(["merge", str(tmp_path / "parted"), "-q"], capsys)[0] == 0
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "one", workers=1, video_decoder="nvdec",
+                          max_samples_per_shard=1))
+    merged, one = fastio.Dataset(tmp_path / "parted").manifest, fastio.Dataset(tmp_path / "one").manifest
+    assert merged.video_codecs == one.video_codecs == {"h264": {"count": 3, "first": 0},
+                                                       "vp9": {"count": 1, "first": 2}}
+    assert merged.convert_options == one.convert_options and merged.shards == one.shards
+    # a part made for the other decoder is named by the merge
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "mixed", workers=1, video_decoder="nvdec",
+                          max_samples_per_shard=1, part=(0, 2)))
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "mixed", workers=1, max_samples_per_shard=1,
+                          part=(1, 2)))
+    code, out, err = run_cli(["merge", str(tmp_path / "mixed"), "-q"], capsys)
+    assert code == 2 and "part-1-of-2: video_decoder None (part 0: 'nvdec')" in err and err.count("\n") == 1
+
+
+def test_a_manifest_without_the_codec_count_still_loads(tmp_path, h264_folder):
+    """Manifests written before the count: a dataset of VP9 reads on the CPU as before; a bad count is named."""
+    import fastio
+
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1))
+    path = tmp_path / "ds" / "manifest.json"
+    data = json.loads(path.read_text())
+    del data["video_codecs"]
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    assert fastio.Dataset(tmp_path / "ds").manifest.video_codecs is None
+    with clips_loader(tmp_path / "ds", batch_size=1) as loader:
+        assert next(iter(loader))["video"].shape == (1, 4, 24, 24, 3)
+    data["video_codecs"] = {"vp9": {"count": 2, "first": 0}}  # more videos than samples
+    path.write_text(json.dumps(data))
+    with pytest.raises(DatasetError, match=r"manifest.json: video_codecs: .* is not an object of codec to "
+                                           r"\{count, first\} within the samples"):
+        fastio.Dataset(tmp_path / "ds")
+
+
+def test_h264_is_not_cut_at_a_keyframe(h264_folder):
+    """Cutting H.264 with B-frames at the keyframe before a clip keeps packets in decode order up to the clip's
+    last frame, which are not its frames (frame 10 missing, 11 in its place): the clip pipeline hands such videos
+    whole to the decoder, while VP9 is still cut."""
+    import av
+
+    import fastio
+
+    data = (h264_folder / "c0" / "a.mp4").read_bytes()
+    cut, k = trim_video(data, 9, 10, [0, 8, 16])
+    with av.open(__import__("io").BytesIO(cut)) as c:
+        shown = synthetic.frame_of_level([f.to_ndarray(format="rgb24").mean() for f in c.decode(video=0)])
+    assert k == 8 and shown.tolist() == [8, 9, 11]  # why: not frames 8..10
+    pipe = fastio.VideoClips(frames=2, stride=1, size=16)
+    encoded = [np.frombuffer(data, np.uint8)]
+    out, decode = pipe._trimmed(encoded, [probe(data, "mp4")], np.array([[9]], np.int32))
+    assert out[0][0] is encoded[0] and decode.tolist() == [[9]]
+    vp9 = synthetic.make_video(h264_folder.parent / "cut" / "v.webm", frames=24, keyframe_every=8).read_bytes()
+    out, decode = pipe._trimmed([np.frombuffer(vp9, np.uint8)], [probe(vp9, "webm")], np.array([[17]], np.int32))
+    assert decode.tolist() == [[1]] and len(out[0][0]) < len(vp9)
+
+
+@pytest.mark.gpu
+def test_h264_clips_on_cuda_hold_the_frames_their_start_says(nvdec_ds):
+    """device='cuda': fn.decoders.video on the mixed backend (NVDEC) decodes the kept H.264 (B-frames, keyframes
+    every 8 frames, clips starting after them) and the VP9 beside it: every clip shows the frames its
+    start_frame says, by content, two clips per video included."""
+    import fastio
+
+    for pipe in (fastio.VideoClips(frames=4, stride=3, size=24, dtype="uint8", layout="FHWC", crop="center"),
+                 fastio.VideoClips(frames=3, stride=2, size=16, dtype="uint8", layout="FHWC", clips_per_video=2)):
+        seen = 0
+        with clips_loader(nvdec_ds, pipe, device="cuda", batch_size=2) as loader:
+            for _epoch in range(3):
+                for b in loader:
+                    assert b["video"].is_cuda
+                    video, starts = b["video"].cpu(), b["start_frame"].cpu()
+                    if pipe.clips_per_video == 1:
+                        video, starts = video[:, None], starts[:, None]
+                    for j in range(video.shape[0]):
+                        for c in range(video.shape[1]):
+                            shown = synthetic.frame_of_level(video[j, c].float().mean(dim=(1, 2, 3)).numpy())
+                            start = int(starts[j, c])
+                            assert shown.tolist() == [start + pipe.stride * f for f in range(pipe.frames)]
+                            seen += 1
+        assert seen >= 12
