@@ -230,6 +230,83 @@ def test_h264_is_not_cut_at_a_keyframe(h264_folder):
     assert decode.tolist() == [[1]] and len(out[0][0]) < len(vp9)
 
 
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def h264_tars(tmp_path_factory, h264_folder) -> Path:
+    """Two existing shards: a VP9 and an H.264 video in the first, two H.264 videos in the second."""
+    root = tmp_path_factory.mktemp("wds")
+    files = {"k0.webm": "c0/c.webm", "k1.mp4": "c0/a.mp4", "k2.mp4": "c0/b.mp4", "k3.mp4": "c1/d.mp4"}
+    for s, keys in enumerate((("k0.webm", "k1.mp4"), ("k2.mp4", "k3.mp4"))):
+        members = {}
+        for name in keys:
+            members[name] = (h264_folder / files[name]).read_bytes()
+            members[name.split(".")[0] + ".cls"] = str(s).encode()
+        write_tar(root / f"v-00000{s}.tar", members)
+    return root
+
+
+def test_index_with_nvdec_probes_h264_and_a_cpu_loader_refuses_it(tmp_path, h264_folder, h264_tars, capsys):
+    from helpers import run_cli
+
+    import fastio
+
+    code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "cpu"), "-q"], capsys)
+    assert code == 0, err
+    cpu = fastio.Dataset(tmp_path / "cpu").manifest
+    assert [s["path"].rsplit("/", 1)[1] for s in cpu.skipped] == ["v-000000.tar:k1.mp4", "v-000001.tar:k2.mp4",
+                                                                    "v-000001.tar:k3.mp4"]
+    assert cpu.skipped[0]["reason"].startswith("not probed (kept in the shard): video codec h264 is not read by "
+                                               "DALI's CPU decoder") and "--video-decoder nvdec" in cpu.skipped[0]["reason"]
+    assert cpu.video_codecs == {"vp9": {"count": 1, "first": 0}}
+    code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "gpu"), "--video-decoder", "nvdec",
+                              "-q"], capsys)
+    assert code == 0, err
+    ds = fastio.Dataset(tmp_path / "gpu")
+    assert ds.manifest.skipped == []
+    assert ds.manifest.video_codecs == {"h264": {"count": 3, "first": 1}, "vp9": {"count": 1, "first": 0}}
+    assert json.loads(ds.probes.probe(3, "mp4")) == probe((h264_folder / "c1" / "d.mp4").read_bytes(), "mp4")
+    with pytest.raises(DatasetError) as got:
+        clips_loader(tmp_path / "gpu")
+    assert str(got.value) == (f"{tmp_path / 'gpu'}: holds 3 videos in codec h264, which DALI's CPU decoder does not "
+                              "read (the first: shard v-000000.tar key 'k1'): decode them on a GPU with "
+                              "device='cuda' (NVDEC), or convert the files with --transcode vp9 (VP9 WebM)")
+    code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "x"), "--video-decoder", "gpu"],
+                             capsys)
+    assert code == 2 and err == "fastio: error: --video-decoder: must be one of cpu, nvdec, got 'gpu'\n"
+
+
+def test_index_in_parts_with_nvdec_then_merge(tmp_path, h264_tars, capsys):
+    from helpers import run_cli
+
+    import fastio
+
+    for k in range(2):
+        assert run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "parted"), "--part", f"{k}/2",
+                        "--video-decoder", "nvdec", "-q"], capsys)[0] == 0
+    assert run_cli(["merge", str(tmp_path / "parted"), "-q"], capsys)[0] == 0
+    assert fastio.Dataset(tmp_path / "parted").manifest.video_codecs == {"h264": {"count": 3, "first": 1},
+                                                                         "vp9": {"count": 1, "first": 0}}
+    assert run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "mixed"), "--part", "0/2", "--video-decoder",
+                    "nvdec", "-q"], capsys)[0] == 0
+    assert run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "mixed"), "--part", "1/2", "-q"],
+                   capsys)[0] == 0
+    code, out, err = run_cli(["merge", str(tmp_path / "mixed"), "-q"], capsys)
+    assert code == 2 and "part-1-of-2: options" in err
+
+
 @pytest.mark.gpu
 def test_h264_clips_on_cuda_hold_the_frames_their_start_says(nvdec_ds):
     """device='cuda': fn.decoders.video on the mixed backend (NVDEC) decodes the kept H.264 (B-frames, keyframes

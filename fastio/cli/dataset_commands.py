@@ -199,6 +199,9 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--image-field", default=None, help="Main image field (default: the one most samples have).")
 @click.option("--name", default="webdataset", show_default=True, help="Dataset name in the manifest.")
 @click.option("--threads", type=int, default=4, show_default=True, help="Shards read at once.")
+@click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
+              help="Videos are probed for: cpu (VP8, VP9, MJPEG) or nvdec (a Loader with device='cuda': also H.264, "
+                   "HEVC, MPEG-4, AV1); a member the decoder cannot read stays in its shard, named, not probed.")
 @click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
                                                 "files are never written).")
 @click.option("--part", default=None, metavar="K/N",
@@ -211,7 +214,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
           threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
-          region: str | None, profile: str | None) -> None:
+          region: str | None, profile: str | None, video_decoder: str = "cpu") -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
@@ -228,7 +231,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     try:
         pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
         config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
-                             threads=threads, overwrite=overwrite, part=part,
+                             threads=threads, overwrite=overwrite, part=part, video_decoder=video_decoder,
                              storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None

@@ -310,9 +310,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         label_rule=plan.get("label_rule"), convert_options=options)
     if name:
         manifest_fields["split"] = {"name": name, "of": sorted(records[0].datasets)}
-    if codecs:
-        manifest_fields["video_codecs"] = codecs
-    return planned, manifest_fields
+    return planned, {**manifest_fields, **({"video_codecs": codecs} if codecs else {})}
 
 
 def _cuts(samples: list[_Sample], max_bytes: int, max_samples: int | None) -> list[tuple[int, int]]:

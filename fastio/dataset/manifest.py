@@ -639,14 +639,19 @@ def _validate(manifest: Any, path: str) -> None:
         "a list of {path, reason}")
     for key in ("source", "convert_options", "split"):
         _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")
-    _optional(manifest, "video_codecs", path, lambda v: isinstance(v, dict) and all(
-        isinstance(c, str) and isinstance(r, dict) and r.keys() == {"count", "first"} and type(r["count"]) is int
-        and type(r["first"]) is int and 0 < r["count"] <= total and 0 <= r["first"] < total for c, r in v.items()),
-        "an object of codec to {count, first} within the samples")
+    _optional(manifest, "video_codecs", path, lambda v: _codec_counts(v, total), "an object of codec to {count, "
+              "first} within the samples")
     for key in ("index", "probes"):
         if manifest.get(key) is not None:
             IndexRecord.from_dict(manifest[key], f"{path}: {key}")
     _validate_kind(manifest, path)
+
+
+def _codec_counts(value: Any, total: int) -> bool:
+    """Whether ``value`` is a ``video_codecs`` entry: codec -> ``{count, first}``, within ``total`` samples."""
+    return isinstance(value, dict) and all(
+        isinstance(c, str) and isinstance(r, dict) and r.keys() == {"count", "first"} and type(r["count"]) is int
+        and type(r["first"]) is int and 0 < r["count"] <= total and 0 <= r["first"] < total for c, r in value.items())
 
 
 def _validate_kind(manifest: dict[str, Any], path: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
            "VIDEO_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media",
-           "count_video_codec", "join_video_codecs", "write_probe_table",
+           "count_video_codec", "join_video_codecs", "video_codecs_of", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
            "probe", "trim_video"]
@@ -217,7 +217,7 @@ def _video_refusal(codec: str, video_decoder: str) -> str:
                 f"{', '.join(VIDEO_CODECS['nvdec'])}): {recode}")
     gpu = codec in VIDEO_CODECS["nvdec"]
     return (f"video codec {codec} is not read by DALI's CPU decoder (it reads {', '.join(CPU_VIDEO_CODECS)}): "
-            f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda'): convert with "
+            f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda') with "
                            "--video-decoder nvdec (video_decoder='nvdec')" if gpu else ""))
 
 
@@ -227,6 +227,16 @@ def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json:
     info = json.loads(probe_json)
     if info.get("kind") == "video":
         codecs.setdefault(info["codec"], {"count": 0, "first": index})["count"] += 1
+
+
+def video_codecs_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The ``video_codecs`` count of samples whose probes are ``rows`` (per sample: field -> probe dict, or the
+    reason it has none; as ``fastio index`` keeps them): a sample counts once per codec its videos have."""
+    codecs: dict[str, dict[str, int]] = {}
+    for i, row in enumerate(rows):
+        for codec in sorted({p["codec"] for p in row.values() if isinstance(p, dict) and p.get("kind") == "video"}):
+            codecs.setdefault(codec, {"count": 0, "first": i})["count"] += 1
+    return codecs
 
 
 def join_video_codecs(codecs: dict[str, dict[str, int]], more: dict[str, dict[str, int]] | None,
