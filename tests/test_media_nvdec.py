@@ -19,14 +19,14 @@ from fastio.errors import DatasetError  # noqa: E402
 from fastio.formats.media import MediaCheckError, check_media, probe, trim_video  # noqa: E402
 
 
-def make_ffv1(path: Path, frames: int = 6) -> Path:
-    """A video in a codec neither of DALI's decoders reads (FFV1 in Matroska)."""
+def make_ffv1(path: Path, frames: int = 6, encoder: str = "ffv1") -> Path:
+    """A video in a codec neither of DALI's decoders reads (FFV1 in Matroska), or of another ``encoder``."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
-        stream = out.add_stream("ffv1", rate=12)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream = out.add_stream(encoder, rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p" if encoder == "mjpeg" else "yuv420p"
         for k in range(frames):
             rgb = np.full((48, 64, 3), synthetic.frame_level(k), np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
@@ -76,6 +76,26 @@ def test_check_media_keeps_what_the_chosen_decoder_reads(h264_folder):
         with pytest.raises(MediaCheckError, match="^video codec ffv1 is not read by DALI's CPU decoder") as got:
             check_media(odd, "mkv", decoder)
         assert "--transcode vp9" in str(got.value) and "--video-decoder nvdec" not in str(got.value)
+
+
+@pytest.mark.parametrize("encoder, suffix, codec", [("libx265", "mp4", "hevc"), ("mpeg4", "mp4", "mpeg4"),
+                                                    ("libsvtav1", "mp4", "av1"), ("mjpeg", "avi", "mjpeg")])
+def test_each_codec_nvdec_reads_is_probed_by_its_own_name(tmp_path, encoder, suffix, codec):
+    """The probe names a codec as DALI's list does (PyAV opens AV1 with its libdav1d decoder: still ``av1``), so
+    nvdec keeps each; the CPU path keeps only MJPEG of them."""
+    import av
+
+    try:
+        data = make_ffv1(tmp_path / f"v.{suffix}", encoder=encoder).read_bytes()
+    except (av.FFmpegError, ValueError) as err:  # an encoder this PyAV build lacks
+        pytest.skip(f"{encoder}: {err}")
+    info = json.loads(check_media(data, suffix, "nvdec"))
+    assert (info["codec"], info["frames"]) == (codec, 6)
+    if codec == "mjpeg":
+        assert json.loads(check_media(data, suffix)) == info
+    else:
+        with pytest.raises(MediaCheckError, match=f"^video codec {codec} is not read by DALI's CPU decoder"):
+            check_media(data, suffix)
 
 
 def test_convert_with_nvdec_keeps_h264_as_it_is_and_counts_codecs(nvdec_ds, h264_folder):
