@@ -19,16 +19,20 @@ from fastio.errors import DatasetError  # noqa: E402
 from fastio.formats.media import MediaCheckError, check_media, probe, trim_video  # noqa: E402
 
 
-def make_ffv1(path: Path, frames: int = 6, encoder: str = "ffv1") -> Path:
-    """A video in a codec neither of DALI's decoders reads (FFV1 in Matroska), or of another ``encoder``."""
+def make_ffv1(path: Path, frames: int = 6, encoder: str = "ffv1", size: tuple[int, int] = (64, 48),
+              options: dict[str, str] | None = None) -> Path:
+    """A video in a codec neither of DALI's decoders reads (FFV1 in Matroska), or of another ``encoder``; frame k
+    a flat gray ``frame_level(k)`` as :func:`fastio.convert.synthetic.make_video` makes."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(encoder, rate=12)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p" if encoder == "mjpeg" else "yuv420p"
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuvj420p" if encoder == "mjpeg" else "yuv420p"
+        stream.options = options or {}
         for k in range(frames):
-            rgb = np.full((48, 64, 3), synthetic.frame_level(k), np.uint8)
+            rgb = np.full((size[1], size[0], 3), synthetic.frame_level(k), np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
                 out.mux(packet)
         for packet in stream.encode():
@@ -327,17 +331,64 @@ def test_index_in_parts_with_nvdec_then_merge(tmp_path, h264_tars, capsys):
     assert code == 2 and "part-1-of-2: options" in err
 
 
+def test_hevc_keyframes_in_decode_order_are_not_display_frames(tmp_path):
+    """x265 with B-frames and a keyframe every 8 frames: the keyframe shown as frame 8 is the 8th packet (position
+    7): the probe's ``keyframes`` count packets, so a cut at them would be wrong for HEVC; it is not cut."""
+    path = make_ffv1(tmp_path / "v.mp4", 20, "libx265", options=X265)
+    info = probe(path.read_bytes(), "mp4")
+    assert info["codec"] == "hevc" and info["keyframes"] == [0, 7, 15]
+
+
+X265 = {"crf": "4", "preset": "ultrafast", "x265-params": "keyint=8:min-keyint=8:bframes=2:b-adapt=0:log-level=error"}
+
+
+@pytest.fixture(scope="module")
+def gpu_ds(tmp_path_factory) -> Path:
+    """H.264 and HEVC with B-frames and a keyframe every 8 frames, and VP9, at 160 x 144 (NVDEC has minimum frame
+    sizes per codec), converted for NVDEC."""
+    root = tmp_path_factory.mktemp("gpu")
+    synthetic.make_video(root / "src" / "c0" / "a.mp4", frames=40, fps=12, width=160, height=144, keyframe_every=8,
+                         bframes=2)
+    synthetic.make_video(root / "src" / "c0" / "b.webm", frames=32, fps=12, width=160, height=144, keyframe_every=8)
+    make_ffv1(root / "src" / "c1" / "c.mp4", 36, "libx265", size=(160, 144), options=X265)
+    synthetic.make_video(root / "src" / "c1" / "d.mp4", frames=24, fps=12, width=160, height=144, bframes=2)
+    convert(ConvertConfig(source=root / "src", dest=root / "ds", workers=1, video_decoder="nvdec"))
+    return root / "ds"
+
+
+def test_the_gpu_dataset_holds_what_the_gpu_test_reads(gpu_ds):
+    """What the gpu test below decodes, checked here: H.264 and HEVC kept, nothing skipped, each stored video's
+    frames (decoded with PyAV) showing their numbers."""
+    import io
+    import tarfile
+
+    import av
+
+    import fastio
+
+    m = fastio.Dataset(gpu_ds).manifest
+    assert m.skipped == [] and m.video_codecs == {"h264": {"count": 2, "first": 0}, "hevc": {"count": 1, "first": 2},
+                                                  "vp9": {"count": 1, "first": 1}}
+    with tarfile.open(gpu_ds / "shards" / "shard-000000.tar") as tar:
+        videos = {t.name: tar.extractfile(t).read() for t in tar.getmembers() if t.name.endswith((".mp4", ".webm"))}
+    assert len(videos) == 4
+    for name, data in videos.items():
+        with av.open(io.BytesIO(data)) as c:
+            levels = [f.to_ndarray(format="rgb24").mean() for f in c.decode(video=0)]
+        assert synthetic.frame_of_level(levels).tolist() == list(range(probe(data, name)["frames"])), name
+
+
 @pytest.mark.gpu
-def test_h264_clips_on_cuda_hold_the_frames_their_start_says(nvdec_ds):
-    """device='cuda': fn.decoders.video on the mixed backend (NVDEC) decodes the kept H.264 (B-frames, keyframes
-    every 8 frames, clips starting after them) and the VP9 beside it: every clip shows the frames its
-    start_frame says, by content, two clips per video included."""
+def test_h264_and_hevc_clips_on_cuda_hold_the_frames_their_start_says(gpu_ds):
+    """device='cuda': fn.decoders.video on the mixed backend (NVDEC) decodes the kept H.264 and HEVC (B-frames,
+    keyframes every 8 frames, whole files: no keyframe cut) and the VP9 beside them (cut): every clip shows the
+    frames its start_frame says, by content, two clips per video included."""
     import fastio
 
     for pipe in (fastio.VideoClips(frames=4, stride=3, size=24, dtype="uint8", layout="FHWC", crop="center"),
                  fastio.VideoClips(frames=3, stride=2, size=16, dtype="uint8", layout="FHWC", clips_per_video=2)):
-        seen = 0
-        with clips_loader(nvdec_ds, pipe, device="cuda", batch_size=2) as loader:
+        seen, late = 0, 0
+        with clips_loader(gpu_ds, pipe, device="cuda", batch_size=2) as loader:
             for _epoch in range(3):
                 for b in loader:
                     assert b["video"].is_cuda
@@ -349,5 +400,5 @@ def test_h264_clips_on_cuda_hold_the_frames_their_start_says(nvdec_ds):
                             shown = synthetic.frame_of_level(video[j, c].float().mean(dim=(1, 2, 3)).numpy())
                             start = int(starts[j, c])
                             assert shown.tolist() == [start + pipe.stride * f for f in range(pipe.frames)]
-                            seen += 1
-        assert seen >= 12
+                            seen, late = seen + 1, late + (start > 8)  # past the second keyframe
+        assert seen >= 12 and late >= 1
