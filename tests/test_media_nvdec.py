@@ -183,6 +183,8 @@ def test_cli_video_decoder(tmp_path, h264_folder, capsys):
     code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds2"), "--video-decoder", "gpu"], capsys)
     assert code == 2 and err == "fastio: error: --video-decoder must be one of cpu, nvdec, got 'gpu'\n"
     assert not (tmp_path / "ds2").exists()
+    code, out, err = run_cli(["inspect", str(tmp_path / "ds")], capsys)
+    assert code == 0 and "videos:   h264 3 (NVDEC only: device='cuda'), vp9 1\n" in out
     code, out, err = run_cli(["convert", "--help"], capsys)
     assert "--video-decoder" in out and "nvdec" in out
     with pytest.raises(ValueError, match="video_decoder must be one of cpu, nvdec, got 'cuda'"):

@@ -417,6 +417,9 @@ def _print_info(info: dict[str, Any]) -> None:
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
+    if info.get("videos"):
+        click.echo("videos:   " + ", ".join(f"{v['codec']} {v['count']}" + ("" if v["cpu"] else " (NVDEC only: "
+                                                                             "device='cuda')") for v in info["videos"]))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
         named = any(c["name"] for c in info["classes"])  # indexed shards have labels without names
