@@ -491,7 +491,7 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
     manifest counts the videos of each codec (``video_codecs``) when there are any."""
     skipped: list[dict[str, str]] = []
     codecs: dict[str, dict[str, int]] = {}
-    nbytes = 0
+    nbytes, written = 0, 0
     with ShardWriter(out, name=config.name, max_bytes=config.shard_size,
                      max_samples=config.max_samples_per_shard) as writer:
         for entry, (fields, reason, where) in loaded:
@@ -506,11 +506,12 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             except OSError as err:
                 raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
             if PROBE_FIELD in fields:
-                count_video_codec(codecs, writer.total_samples, fields[PROBE_FIELD])
+                count_video_codec(codecs, written, fields[PROBE_FIELD])
             try:
                 writer.write({"__key__": entry.key, **fields})
             except ValueError as err:  # e.g. a column name too long for a tar member name
                 raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
+            written += 1
             size = sum(len(v) for v in fields.values())
             nbytes += size
             progress.update(1, size)

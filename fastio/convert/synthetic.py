@@ -135,6 +135,8 @@ def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int 
     if not 1 <= frames <= 56:
         raise ValueError(f"frames must be in 1..56, got {frames}")
     codec = VIDEO_CODECS[path.suffix.lstrip(".")]
+    if bframes and codec != "libx264":
+        raise ValueError(f"bframes: only for H.264 (.mp4), got {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=fps)

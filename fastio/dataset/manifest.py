@@ -355,7 +355,7 @@ class Manifest:
     video_codecs: dict[str, dict[str, int]] | None = None
     """Per codec of the samples' videos (``h264``, ``vp9``, as probed): ``{"count": samples, "first": the first
     one's sample index}``, so a Loader tells without reading a probe whether its decoder reads them all (written by
-    convert when a sample has a video; None: no video, or written before it was recorded)."""
+    convert and index when a sample has a video; None: no video, or written before it was recorded)."""
     nulls: frozenset[str] = frozenset()
     """Optional keys written as JSON ``null`` (a writer naming a key it has no value for, e.g. convert's
     ``label_map`` for a source without class names): kept, so that a manifest's bytes say what they said."""
