@@ -323,7 +323,7 @@ class VideoClips(_Clips):
                     raise DatasetError(
                         f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
                         f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
-                        "GPU with device='cuda' (NVDEC), or convert the files with --transcode vp9 (VP9 WebM)")
+                        "GPU with device='cuda' (NVDEC), or convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
         """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
