@@ -177,8 +177,8 @@ def test_the_first_non_cpu_video_is_named_by_its_shard(tmp_path, h264_folder):
 def test_cli_video_decoder(tmp_path, h264_folder, capsys):
     from helpers import run_cli
 
-    code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds"), "--video-decoder", "nvdec", "-q"],
-                             capsys)
+    code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds"), "--video-decoder", "nvdec",
+                              "--workers", "2", "-q"], capsys)  # the option reaches the worker processes
     assert code == 0, err
     import fastio
 
@@ -216,6 +216,23 @@ def test_parts_then_merge_give_the_whole_conversion(tmp_path, h264_folder, nvdec
                           part=(1, 2)))
     code, out, err = run_cli(["merge", str(tmp_path / "mixed"), "-q"], capsys)
     assert code == 2 and "part-1-of-2: video_decoder None (part 0: 'nvdec')" in err and err.count("\n") == 1
+
+
+def test_each_split_counts_its_own_videos(tmp_path, h264_folder):
+    """With a split, each split's manifest counts its videos and names its own first sample of each codec."""
+    import fastio
+
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                          split="val=0.5", split_by="random", seed=1))
+    codec_of = {"c0/a": "h264", "c0/b": "h264", "c0/c": "vp9", "c1/d": "h264"}
+    seen = []
+    for split in ("train", "val"):
+        ds = fastio.Dataset(tmp_path / "ds" / split)
+        codecs = [codec_of[ds.key(i)] for i in range(len(ds))]
+        seen += codecs
+        assert ds.manifest.video_codecs == {c: {"count": codecs.count(c), "first": codecs.index(c)}
+                                            for c in set(codecs)}
+    assert sorted(seen) == ["h264", "h264", "h264", "vp9"]
 
 
 def test_a_manifest_without_the_codec_count_still_loads(tmp_path, h264_folder):
