@@ -6,7 +6,7 @@ it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the 
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
 cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the chosen
 video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
-``"nvdec"``: DALI's mixed decoder on a GPU, :data:`VIDEO_CODECS`) or MP3 audio, with the way out in the message; with
+``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`) or MP3 audio, with the way out in the message; with
 ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
 
@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
-           "VIDEO_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media",
+           "DECODER_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media",
            "count_video_codec", "join_video_codecs", "video_codecs_of", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
@@ -36,10 +36,10 @@ PROBE_FIELD = "probe.json"
 """The field holding a media sample's probe (JSON: ``kind`` and the numbers of :func:`probe`)."""
 CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
 """Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); others need NVDEC (``device="cuda"``)."""
-VIDEO_CODECS = {"cpu": CPU_VIDEO_CODECS, "nvdec": ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")}
+DECODER_CODECS = {"cpu": CPU_VIDEO_CODECS, "nvdec": ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")}
 """The video codecs each decode path reads: ``cpu`` (``fn.decoders.video(device="cpu")``) and ``nvdec`` (its mixed
 backend, ``Loader(device="cuda")``; DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1 on the mixed backend only)."""
-VIDEO_DECODERS = tuple(VIDEO_CODECS)
+VIDEO_DECODERS = tuple(DECODER_CODECS)
 """What ``fastio convert --video-decoder`` takes: the decode path the stored videos are meant for."""
 CPU_AUDIO_REFUSED = ("mp3", "mp3float")
 """Audio codecs ``fn.decoders.audio`` fails on (DALI 2.4)."""
@@ -185,22 +185,22 @@ def transcode_vp9(data: bytes) -> bytes:
 def prepare_media(data: bytes, field: str, transcode: str | None = None,
                   video_decoder: str = "cpu") -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
-    ``transcode="vp9"`` a video that ``video_decoder`` (:data:`VIDEO_CODECS`) cannot read re-encoded (field
+    ``transcode="vp9"`` a video that ``video_decoder`` (:data:`DECODER_CODECS`) cannot read re-encoded (field
     ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
     if transcode is not None and is_video_field(field):
         info = probe(data, field)
-        if info["codec"] not in VIDEO_CODECS[video_decoder]:
+        if info["codec"] not in DECODER_CODECS[video_decoder]:
             data, field = transcode_vp9(data), "webm"
     return field, data, check_media(data, field, video_decoder)
 
 
 def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
     """The ``probe.json`` bytes of a video file ``video_decoder`` reads (``cpu``: DALI's CPU decoder; ``nvdec``:
-    its mixed decoder on a GPU; :data:`VIDEO_CODECS`) or of an audio file DALI's audio decoder reads;
+    its mixed decoder on a GPU; :data:`DECODER_CODECS`) or of an audio file DALI's audio decoder reads;
     MediaCheckError (its message: why, with the ways out for a codec) otherwise."""
     info = probe(data, field)
     codec = info["codec"]
-    if info["kind"] == "video" and codec not in VIDEO_CODECS[video_decoder]:
+    if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
         raise MediaCheckError(_video_refusal(codec, video_decoder))
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
@@ -214,8 +214,8 @@ def _video_refusal(codec: str, video_decoder: str) -> str:
               "--transcode vp9 (transcode='vp9')")
     if video_decoder == "nvdec":
         return (f"video codec {codec} is not read by DALI's CPU decoder nor by its NVDEC decoder (it reads "
-                f"{', '.join(VIDEO_CODECS['nvdec'])}): {recode}")
-    gpu = codec in VIDEO_CODECS["nvdec"]
+                f"{', '.join(DECODER_CODECS['nvdec'])}): {recode}")
+    gpu = codec in DECODER_CODECS["nvdec"]
     return (f"video codec {codec} is not read by DALI's CPU decoder (it reads {', '.join(CPU_VIDEO_CODECS)}): "
             f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda') with "
                            "--video-decoder nvdec (video_decoder='nvdec')" if gpu else ""))
