@@ -216,7 +216,8 @@ def test_crop_flip_and_start_are_those_of_a_vp9_copy_on_the_gpu_path(tmp_path):
                 (src / f"c{c}").mkdir(parents=True, exist_ok=True)
                 make_pattern(src / f"c{c}" / f"p{i}.{suffix}")
         datasets[suffix] = tmp_path / f"ds-{suffix}"
-        convert(ConvertConfig(source=src, dest=datasets[suffix], workers=1, video_decoder="nvdec", progress=False))
+        convert(ConvertConfig(source=src, dest=datasets[suffix], workers=1, video_decoder="nvdec",
+                              progress=False))
     pipe = fastio.VideoClips(frames=4, stride=2, size=32, dtype="uint8", layout="FHWC", scale=(0.2, 0.6),
                              cpu_fallback="pyav")
     batches = {}
@@ -233,3 +234,22 @@ def test_crop_flip_and_start_are_those_of_a_vp9_copy_on_the_gpu_path(tmp_path):
             red = a[j][..., 0].mean(dim=(0, 1))  # along the width: it rises, unless the clip is flipped
             flipped += int(red[-1] < red[0])
     assert 0 < flipped < 12, "every clip, or none, was flipped"
+
+
+def test_indexed_shards_read_through_the_probe_table(tmp_path):
+    from test_media_nvdec import write_tar
+
+    from fastio.convert.index_command import IndexConfig, index_shards
+
+    members = {}
+    for k, (frames, suffix) in enumerate(((20, "mp4"), (16, "webm"), (28, "mp4"))):
+        path = synthetic.make_video(tmp_path / f"v{k}.{suffix}", frames=frames, fps=12, keyframe_every=8,
+                                    **({"bframes": 2} if suffix == "mp4" else {}))
+        members[f"k{k}.{suffix}"], members[f"k{k}.cls"] = path.read_bytes(), b"0"
+    write_tar(tmp_path / "wds" / "v-000000.tar", members)
+    index_shards(IndexConfig(source=tmp_path / "wds", dest=tmp_path / "ds", video_decoder="nvdec"))
+    with clips_loader(tmp_path / "ds", batch_size=3) as loader:
+        b = next(iter(loader))
+    for j, i in enumerate(b["index"].tolist()):
+        n = (20, 16, 28)[int(loader.key(i)[1])]
+        assert frames_shown(b["video"])[j].tolist() == wanted(int(b["start_frame"][j]), n), loader.key(i)
