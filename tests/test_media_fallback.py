@@ -5,6 +5,7 @@ whose crop and flip show, encoded both as H.264 and as VP9 to compare the two pa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -184,16 +185,17 @@ def test_a_video_pyav_cannot_decode_is_named_by_shard_and_key(tmp_path):
     assert "field 'mp4' cannot be decoded by PyAV" in message, message
 
 
-def make_pattern(path: Path, frames: int = 12) -> Path:
+def make_pattern(path: Path, frames: int = 12, size: tuple[int, int] = (64, 48)) -> Path:
     """Frames whose red rises left to right, green top to bottom and blue with the frame number: a crop and a
     flip show. H.264 (B-frames) for .mp4, VP9 for .webm; near-lossless."""
     import av
 
     h264 = path.suffix == ".mp4"
-    y, x = np.mgrid[0:48, 0:64]
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    x, y = x * 64 // size[0], y * 48 // size[1]
     with av.open(str(path), "w") as out:
         stream = out.add_stream("libx264" if h264 else "libvpx-vp9", rate=12)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         stream.options = {"crf": "4", "preset": "ultrafast", "x264-params": "bframes=2:b-adapt=0"} if h264 else \
             {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}
         for k in range(frames):
@@ -253,3 +255,29 @@ def test_indexed_shards_read_through_the_probe_table(tmp_path):
     for j, i in enumerate(b["index"].tolist()):
         n = (20, 16, 28)[int(loader.key(i)[1])]
         assert frames_shown(b["video"])[j].tolist() == wanted(int(b["start_frame"][j]), n), loader.key(i)
+
+
+@pytest.mark.gpu
+def test_the_cpu_fallback_gives_the_clips_nvdec_gives(tmp_path):
+    """The same H.264 dataset (B-frames; 160 x 144, above NVDEC's minimum sizes) on a GPU with NVDEC and on the CPU
+    with the fallback: the same starts, crops and flips; the pixels two decoders' colour conversions apart."""
+    import torch
+
+    import fastio
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for c in range(2):
+        for i in range(3):
+            (tmp_path / "src" / f"c{c}").mkdir(parents=True, exist_ok=True)
+            make_pattern(tmp_path / "src" / f"c{c}" / f"p{i}.mp4", frames=20, size=(160, 144))
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                          progress=False))
+    pipe = fastio.VideoClips(frames=4, stride=2, size=32, dtype="uint8", layout="FHWC", scale=(0.2, 0.6))
+    with clips_loader(tmp_path / "ds", pipe, batch_size=6, device="cuda") as loader:
+        gpu = next(iter(loader))
+    with clips_loader(tmp_path / "ds", dataclasses.replace(pipe, cpu_fallback="pyav"), batch_size=6) as loader:
+        cpu = next(iter(loader))
+    assert gpu["index"].tolist() == cpu["index"].tolist()
+    assert gpu["start_frame"].cpu().tolist() == cpu["start_frame"].tolist()
+    assert (gpu["video"].cpu().float() - cpu["video"].float()).abs().mean(dim=(1, 2, 3, 4)).max() < 6
