@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
            "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
-           "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
+           "media_field_for_suffix", "parse_probe", "prepare_media", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
@@ -64,12 +64,16 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
     """What clip sampling needs of one file, read by demuxing (video: no frame decoded) or decoding (audio):
     video ``frames`` (packets of the first video stream), ``fps``, ``seconds``, ``codec``, ``width``,
     ``height``; audio ``rate``, ``channels``, ``samples`` (at ``rate``), ``seconds``, ``codec``.
-    MediaCheckError when PyAV cannot read it or it has no such stream."""
+    MediaCheckError when PyAV cannot read it, it has no such stream, or a video field holds a still picture
+    (a PNG named ``.webm``: FFmpeg would read it as a one-frame video)."""
     import av
 
     video = is_video_field(field)
     try:
         with av.open(io.BytesIO(data)) as container:
+            image = _image_format(container.format.name)
+            if video and image:  # FFmpeg reads a still picture as a one-frame video: not what the suffix says
+                raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
                 raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
@@ -77,6 +81,14 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _image_format(demuxer: str) -> str | None:
+    """The picture format an FFmpeg demuxer name says (``png_pipe`` -> ``png``, ``image2``), None for a
+    container (an animated GIF counts as a video)."""
+    if demuxer == "image2":
+        return "still"
+    return demuxer.removesuffix("_pipe") if demuxer.endswith("_pipe") else None
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
@@ -215,6 +227,26 @@ def media_field_for_suffix(suffix: str) -> str | None:
     """The field name of a video or audio file suffix such as ``.WebM`` (``webm``), or None."""
     field = suffix.lower().lstrip(".")
     return field if field in MEDIA_FIELDS else None
+
+
+def sniff_media_field(data: bytes) -> str | None:
+    """The video or audio field name for a file's bytes judged by their magic number (``webm`` or ``mkv``,
+    ``mp4``, ``mov``, ``avi``, ``wav``, ``flac``, ``opus`` or ``ogg``, ``mp3``), or None: how a Parquet
+    column of media bytes is named, as :func:`fastio.formats.images.sniff_image_field` names an image column."""
+    head = bytes(data[:64])
+    if head.startswith(b"\x1a\x45\xdf\xa3"):  # EBML: Matroska, or WebM by its doctype
+        return "webm" if b"webm" in head else "mkv"
+    if head[4:8] == b"ftyp":
+        return "mov" if head[8:12] == b"qt  " else "mp4"
+    if head[:4] == b"RIFF":
+        return {b"AVI ": "avi", b"WAVE": "wav"}.get(head[8:12])
+    if head.startswith(b"fLaC"):
+        return "flac"
+    if head.startswith(b"OggS"):
+        return "opus" if b"OpusHead" in head else "ogg"
+    if head.startswith(b"ID3") or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE6 == 0xE2):  # MPEG layer 3
+        return "mp3"
+    return None
 
 
 PROBES_NAME = "probes.fxp"

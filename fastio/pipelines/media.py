@@ -9,6 +9,7 @@ drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -238,6 +239,8 @@ class VideoClips(_Clips):
         object.__setattr__(self, "scale", tuple(self.scale))
         for name in ("frames", "stride", "size", "clips_per_video"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.flip, (bool, np.bool_)):
+            raise ValueError(f"flip must be True or False, got {self.flip!r}")
         if self.crop not in CROPS:
             raise ValueError(f"crop must be random or center, got {self.crop!r}")
         if self.dtype not in ("float32", "uint8"):
@@ -379,7 +382,8 @@ class AudioClips(_Clips):
     seconds: float = 1.0
     """Clip length in seconds."""
     n_mels: int | None = None
-    """Mel bands of a log-mel output; None delivers the waveform."""
+    """Mel bands of a log-mel output; None delivers the waveform. ValueError when a band would hold no FFT bin
+    of ``n_fft`` (:func:`empty_mel_bands`)."""
     n_fft: int = 400
     """FFT size and window length of the spectrogram (``n_mels`` only)."""
     hop: int = 160
@@ -390,8 +394,14 @@ class AudioClips(_Clips):
         _positive_int("sample_rate", self.sample_rate)
         for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) or self.length < 1:
-            raise ValueError(f"seconds must be a number giving at least one sample, got {self.seconds!r}")
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
+                or not math.isfinite(self.seconds) or self.length < 1:
+            raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
+        empty = [] if self.n_mels is None else empty_mel_bands(self.sample_rate, self.n_fft, self.n_mels)
+        if empty:
+            raise ValueError(f"n_mels={self.n_mels} is too many for n_fft={self.n_fft} at sample_rate="
+                             f"{self.sample_rate}: {len(empty)} mel bands (the first: {empty[0]}) hold no FFT bin, so "
+                             "they would always be silent; use fewer mels or a larger n_fft")
 
     @property
     def length(self) -> int:
@@ -430,6 +440,25 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (``fn.mel_filter_bank``'s default): linear below 1 kHz, logarithmic above."""
+    return np.where(hz < 1000, 3 * hz / 200, 15 + 27 * np.log(np.maximum(hz, 1e-9) / 1000) / np.log(6.4))
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    return np.where(mel < 15, 200 * mel / 3, 1000 * np.exp((mel - 15) * np.log(6.4) / 27))
+
+
+def empty_mel_bands(sample_rate: int, n_fft: int, n_mels: int) -> list[int]:
+    """The mel bands of ``fn.mel_filter_bank`` (``n_mels`` triangles, Slaney's scale, 0 Hz to ``sample_rate / 2``)
+    over a spectrogram of ``n_fft`` that hold no FFT bin (none strictly inside a triangle): always zero, -200 dB
+    after ``fn.to_decibels``, whatever the sound (librosa warns of "empty filters" in the same case)."""
+    edges = _mel_to_hz(np.linspace(0.0, float(_hz_to_mel(np.float64(sample_rate / 2))), n_mels + 2))
+    bins = np.arange(n_fft // 2 + 1) * sample_rate / n_fft
+    inside = (bins[None, :] > edges[:-2, None]) & (bins[None, :] < edges[2:, None])
+    return np.flatnonzero(~inside.any(axis=1)).tolist()
 
 
 RESAMPLE_MARGIN = 64

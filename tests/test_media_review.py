@@ -1,0 +1,524 @@
+"""Hostile review of video and audio clips (issue 31), written from the issue and docs/media.md: every container
+and codec the docs list, odd files, tables, index of foreign shards, and the Loader's clips checked by content
+(frame numbers in the pixels, tones of known pitch and envelope). Media are made here with PyAV, small."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+av = pytest.importorskip("av")
+
+from fastio.convert import synthetic  # noqa: E402
+from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+
+# -- making media ---------------------------------------------------------------------------------------------
+
+def make_video(path: Path, codec: str, fmt: str | None, *, frames: int = 8, fps: int = 12, width: int = 64,
+               height: int = 48, with_audio: bool = False, picture=None) -> Path:
+    """A video in container ``fmt`` with ``codec`` whose frame k shows :func:`synthetic.frame_level` (k) (or
+    ``picture(k)``, an HWC uint8 array); ``with_audio`` adds an Opus (AAC in mp4/mov) track beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pix = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+    with av.open(str(path), "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, pix
+        stream.options = {"qmin": "1", "qmax": "2"} if codec == "mjpeg" else \
+            {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}
+        sound = out.add_stream("libopus" if fmt in ("matroska", "webm") else "aac", rate=48000, layout="mono") \
+            if with_audio else None
+        for k in range(frames):
+            rgb = picture(k) if picture else np.full((height, width, 3), synthetic.frame_level(k), np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+        if sound is not None:
+            _encode_audio(out, sound, synthetic.tone(frames / fps, 48000, 440.0), 48000, "mono")
+    return path
+
+
+def _encode_audio(out, stream, wave: np.ndarray, rate: int, layout: str) -> None:
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave.T.reshape(1, -1)), format="flt", layout=layout)
+    frame.sample_rate, frame.pts = rate, None
+    resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout,
+                                  rate=stream.codec_context.sample_rate,
+                                  frame_size=stream.codec_context.frame_size or None)
+    for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+        for packet in stream.encode(chunk):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+
+
+def make_audio(path: Path, codec: str, fmt: str, *, rate: int, seconds: float = 1.0, channels: int = 1,
+               pitch: float = 440.0) -> Path:
+    """:func:`synthetic.tone` (pitch, amplitude rising 0.1 -> 0.9 over the file) in ``codec``/``fmt``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layout = {1: "mono", 2: "stereo", 6: "5.1"}[channels]
+    options = {"options": {"strict": "experimental"}} if codec == "vorbis" else {}
+    with av.open(str(path), "w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate, layout=layout, **options)
+        _encode_audio(out, stream, synthetic.tone(seconds, rate, pitch, channels), rate, layout)
+    return path
+
+
+def frames_shown(video) -> np.ndarray:
+    """[B, F] frame numbers of uint8 FHWC clips (each frame's mean gray level)."""
+    return synthetic.frame_of_level(video.float().mean(dim=(2, 3, 4)).numpy())
+
+
+def tone_pitch(wave: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(wave * np.hanning(len(wave))))
+    return float(np.fft.rfftfreq(len(wave), 1 / rate)[np.argmax(spectrum)])
+
+
+def loader(dest, pipeline, **kw):
+    import fastio
+
+    opts = dict(batch_size=4, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline, **{**opts, **kw})
+
+
+def uint8_clips(**kw):
+    import fastio
+
+    return fastio.VideoClips(**{**dict(frames=4, stride=2, size=16, dtype="uint8", layout="FHWC"), **kw})
+
+
+# -- every container and codec the docs list -----------------------------------------------------------------
+
+# name -> (codec, container, suffix, frames, extra): every suffix of the docs, the CPU codecs in them.
+ZOO = {
+    "vp9mkv": ("libvpx-vp9", "matroska", ".mkv", 10, {}),
+    "vp9mp4": ("libvpx-vp9", "mp4", ".mp4", 9, {}),
+    "mjpegavi": ("mjpeg", "avi", ".avi", 8, {}),
+    "mjpegmov": ("mjpeg", "mov", ".mov", 11, {}),
+    "mjpegmp4": ("mjpeg", "mp4", ".mp4", 7, {}),
+    "vp8": ("libvpx", "webm", ".webm", 9, {}),
+    "upper": ("libvpx-vp9", "webm", ".WEBM", 8, {}),
+    "talking": ("libvpx-vp9", "matroska", ".mkv", 20, {"with_audio": True}),
+    "odd": ("libvpx-vp9", "webm", ".webm", 8, {"width": 321, "height": 239}),
+    "span": ("libvpx-vp9", "webm", ".webm", 7, {}),  # exactly one clip of frames=4, stride=2
+    "one": ("libvpx-vp9", "webm", ".webm", 1, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("zoo")
+    for name, (codec, fmt, suffix, frames, extra) in ZOO.items():
+        make_video(root / "c0" / f"{name}{suffix}", codec, fmt, frames=frames, **extra)
+    return root
+
+
+@pytest.fixture(scope="module")
+def zoo_ds(tmp_path_factory, zoo) -> Path:
+    dest = tmp_path_factory.mktemp("zoo_ds") / "ds"
+    result = convert(ConvertConfig(source=zoo, dest=dest, workers=1, progress=False))
+    assert result.samples == len(ZOO) and not result.skipped, result.skipped
+    return dest
+
+
+def test_every_listed_container_keeps_its_cpu_codec_and_its_frames(zoo_ds):
+    """VP9 in .mkv/.mp4, MJPEG in .avi/.mov/.mp4, VP8, an upper-case suffix, a video with an audio track, odd
+    sizes in one batch, a video exactly one span long and one of one frame: each clip holds the frames its start
+    says, the last frame repeated past a short video's end."""
+    seen = {}
+    with loader(zoo_ds, uint8_clips(crop="center"), batch_size=3) as ld:
+        for _epoch in range(3):
+            for b in ld:
+                assert b["video"].shape == (3, 4, 16, 16, 3)
+                for j, i in enumerate(b["index"].tolist()):
+                    name = ld.key(i).split("/")[1]
+                    n, start = ZOO[name][3], int(b["start_frame"][j])
+                    assert 0 <= start <= max(n - 7, 0), (name, start)
+                    want = np.minimum(start + 2 * np.arange(4), n - 1)
+                    assert frames_shown(b["video"])[j].tolist() == want.tolist(), (name, start)
+                    seen.setdefault(name, set()).add(start)
+    assert seen.keys() == ZOO.keys()
+    assert seen["span"] == {0} and seen["one"] == {0}
+    assert len(seen["talking"]) > 1  # 14 possible starts, 3 epochs
+
+
+def test_probes_record_what_sampling_needs(zoo_ds):
+    import fastio
+
+    with fastio.Loader(zoo_ds, pipeline=fastio.Raw(fields=["probe.json"]), batch_size=1, device="cpu",
+                       shuffle="none") as ld:
+        probes = {ld.key(int(b["index"][0])).split("/")[1]: json.loads(b["probe.json"][0]) for b in ld}
+    for name, (codec, _, _, frames, extra) in ZOO.items():
+        p = probes[name]
+        assert (p["kind"], p["frames"], p["fps"]) == ("video", frames, 12.0), name
+        assert (p["width"], p["height"]) == (extra.get("width", 64), extra.get("height", 48)), name
+        assert p["codec"] == {"libvpx-vp9": "vp9", "libvpx": "vp8", "mjpeg": "mjpeg"}[codec]
+        assert abs(p["seconds"] - frames / 12) < 1e-3
+    ds = fastio.Dataset(zoo_ds)
+    assert {"mkv", "mp4", "avi", "mov", "webm"} <= set(ds.fields)  # one field per extension, lower case
+
+
+# -- audio: every format, rate and layout ---------------------------------------------------------------------
+
+VORBIS = Path(__file__).parent / "fixtures" / "tone1000_44k_stereo_vorbis.ogg"
+# name -> (codec, container, suffix, rate, channels, seconds, pitch)
+SOUNDS = {
+    "u8": ("pcm_u8", "wav", ".wav", 8000, 1, 1.0, 440.0),
+    "s24": ("pcm_s24le", "wav", ".wav", 48000, 2, 1.0, 1000.0),
+    "f32": ("pcm_f32le", "wav", ".wav", 22050, 1, 1.0, 440.0),
+    "surround": ("pcm_s16le", "wav", ".wav", 44100, 6, 1.0, 1000.0),
+    "flac": ("flac", "flac", ".FLAC", 44100, 2, 1.0, 440.0),
+    "vorbis": ("libvorbis", "ogg", ".ogg", 44100, 2, 1.0, 1000.0),  # fixtures/make_vorbis_fixture.py
+    "opus": ("libopus", "ogg", ".opus", 48000, 1, 1.0, 440.0),
+    "short": ("flac", "flac", ".flac", 22050, 1, 0.2, 1000.0),
+}
+
+
+@pytest.fixture(scope="module")
+def sounds_ds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sounds")
+    for name, (codec, fmt, suffix, rate, channels, seconds, pitch) in SOUNDS.items():
+        if codec == "libvorbis":
+            shutil.copy(VORBIS, root / "src" / "c0" / f"{name}{suffix}")
+            continue
+        make_audio(root / "src" / "c0" / f"{name}{suffix}", codec, fmt, rate=rate, channels=channels, seconds=seconds,
+                   pitch=pitch)
+    dest = root / "ds"
+    result = convert(ConvertConfig(source=root / "src", dest=dest, workers=1, progress=False))
+    assert result.samples == len(SOUNDS) and not result.skipped, result.skipped
+    return dest
+
+
+@pytest.mark.parametrize("out_rate", [16000, 8000])
+def test_every_audio_format_gives_its_pitch_and_envelope_at_the_clip_start(sounds_ds, out_rate):
+    import fastio
+
+    length = int(0.3 * out_rate)
+    with loader(sounds_ds, fastio.AudioClips(sample_rate=out_rate, seconds=0.3), batch_size=3) as ld:
+        seen = set()
+        for _epoch in range(2):
+            for b in ld:
+                assert b["audio"].shape == (3, length)
+                for j, i in enumerate(b["index"].tolist()):
+                    name, wave = ld.key(i).split("/")[1], b["audio"][j].numpy()
+                    _, _, _, rate, _, seconds, pitch = SOUNDS[name]
+                    start, inside = int(b["start_sample"][j]), min(length, int(seconds * out_rate))
+                    assert 0 <= start <= max(int(seconds * out_rate) - length, 0), name
+                    assert abs(tone_pitch(wave[:inside], out_rate) - pitch) < 25, name
+                    # the amplitude where the clip starts, and 20 ms later
+                    lo, hi = (0.1 + 0.8 * (start / out_rate + t) / seconds for t in (0.0, 0.02))
+                    assert lo - 0.04 < np.abs(wave[: out_rate // 50]).max() < hi + 0.04, (name, start)
+                    if name == "short":  # 0.2 s of a 0.3 s clip: zeros after it
+                        assert start == 0 and not wave[inside + out_rate // 100:].any()
+                    seen.add(name)
+    assert seen == SOUNDS.keys()
+
+
+def test_audio_seconds_not_a_whole_number_of_samples_and_log_mel_values(sounds_ds):
+    import fastio
+
+    with loader(sounds_ds, fastio.AudioClips(sample_rate=16000, seconds=0.123456), batch_size=2) as ld:
+        b = next(iter(ld))
+    assert b["audio"].shape == (2, 1975)  # round(16000 * 0.123456)
+    with loader(sounds_ds, fastio.AudioClips(sample_rate=8000, seconds=0.25, n_mels=20, n_fft=256, hop=80),
+                batch_size=4) as ld:
+        b = next(iter(ld))
+    mel = b["audio"].numpy()
+    assert mel.shape == (4, 20, 1 + 2000 // 80) and np.isfinite(mel).all() and mel.max() <= 0.0
+
+
+# -- what convert skips, and how it says so -------------------------------------------------------------------
+
+def png_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 12), (200, 30, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def bad_folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bad")
+    good = make_video(root / "c0" / "good.webm", "libvpx-vp9", "webm", frames=8)
+    (root / "c0" / "zero.webm").write_bytes(b"")
+    data = make_video(root / "tmp" / "whole.mkv", "libvpx-vp9", "matroska", frames=30).read_bytes()
+    (root / "c0" / "cut.mkv").write_bytes(data[: len(data) // 2])
+    shutil.rmtree(root / "tmp")
+    (root / "c0" / "picture.webm").write_bytes(png_bytes())  # the suffix lies
+    (root / "c0" / "silence.flac").write_bytes(good.read_bytes())  # a video named as audio
+    synthetic.make_audio(root / "c0" / "song.mp3", seconds=0.3)
+    synthetic.make_video(root / "c0" / "camera.mp4", frames=6)  # H.264
+    return root
+
+
+def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path):
+    result = convert(ConvertConfig(source=bad_folder, dest=tmp_path / "ds", workers=1, progress=False))
+    reasons = {s["path"]: s["reason"] for s in result.skipped}
+    kept = result.samples
+    assert "c0/good.webm" not in reasons
+    assert "cannot be probed" in reasons["c0/zero.webm"]
+    assert "c0/silence.flac" in reasons and "no audio stream" in reasons["c0/silence.flac"]
+    assert "mp3" in reasons["c0/song.mp3"] and "FLAC" in reasons["c0/song.mp3"]
+    assert "h264" in reasons["c0/camera.mp4"] and "--transcode vp9" in reasons["c0/camera.mp4"]
+    assert "png image" in reasons["c0/picture.webm"] and "not a video" in reasons["c0/picture.webm"]
+    # the cut file: either skipped, or kept with only the frames it holds (its probe counts them)
+    assert kept in (1, 2) and (kept == 1) == ("c0/cut.mkv" in reasons)
+
+
+def test_transcode_does_not_turn_a_picture_named_webm_into_a_video(bad_folder, tmp_path):
+    result = convert(ConvertConfig(source=bad_folder, dest=tmp_path / "ds", workers=1, progress=False,
+                                   transcode="vp9"))
+    reasons = {s["path"]: s["reason"] for s in result.skipped}
+    assert "c0/camera.mp4" not in reasons  # H.264 is transcoded
+    assert "png image" in reasons["c0/picture.webm"]
+
+
+def test_cli_on_error_fail_prints_one_line_and_exits_2(bad_folder, tmp_path, capsys):
+    from helpers import run_cli
+
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    shutil.copy(bad_folder / "c0" / "good.webm", src)
+    shutil.copy(bad_folder / "c0" / "zero.webm", src)
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds"), "--on-error", "fail"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastio: error:"), err
+    assert "zero.webm" in lines[0] and "cannot be probed" in lines[0] and "Traceback" not in out + err
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+# -- tables naming media ------------------------------------------------------------------------------------------
+
+def test_tables_name_video_and_audio_by_relative_and_absolute_paths(tmp_path):
+
+    files = tmp_path / "files"
+    make_video(files / "a.mkv", "libvpx-vp9", "matroska", frames=9)
+    make_video(files / "b.WEBM", "libvpx-vp9", "webm", frames=10)
+    make_audio(files / "c.flac", "flac", "flac", rate=16000)
+    rows = [("files/a.mkv", 0), (str(files / "b.WEBM"), 1)]
+    (tmp_path / "v.csv").write_text("path,label\n" + "".join(f"{p},{c}\n" for p, c in rows))
+    (tmp_path / "v.jsonl").write_text("".join(json.dumps({"path": p, "label": c}) + "\n" for p, c in rows))
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"path": [p for p, _ in rows], "label": [c for _, c in rows]}), tmp_path / "v.parquet")
+    for table in ("v.csv", "v.jsonl", "v.parquet"):
+        dest = tmp_path / f"ds_{table}"
+        result = convert(ConvertConfig(source=tmp_path / table, dest=dest, workers=1, progress=False,
+                                       path_column="path" if table.endswith("parquet") else None))
+        assert result.samples == 2 and not result.skipped, (table, result.skipped)
+        with loader(dest, uint8_clips(frames=3, stride=3, crop="center"), batch_size=2, shuffle="none") as ld:
+            b = next(iter(ld))
+        for j in range(2):
+            start = int(b["start_frame"][j])
+            assert frames_shown(b["video"])[j].tolist() == [start, start + 3, start + 6], table
+        assert sorted(b["label"].tolist()) == [0, 1]
+
+
+def test_a_table_mixing_images_video_and_audio_is_refused_by_sample(tmp_path):
+    """Each row is kept with its own field; a clip Loader then meets a sample without its kind of field and
+    names it (shard and key) in one line, not a DALI error."""
+    import fastio
+
+    files = tmp_path / "files"
+    make_video(files / "a.webm", "libvpx-vp9", "webm", frames=9)
+    make_audio(files / "b.flac", "flac", "flac", rate=16000)
+    (files / "c.png").write_bytes(png_bytes())
+    (tmp_path / "t.csv").write_text("path,label\nfiles/a.webm,0\nfiles/b.flac,1\nfiles/c.png,0\n")
+    result = convert(ConvertConfig(source=tmp_path / "t.csv", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 3
+    for pipe, what in ((uint8_clips(), "video"), (fastio.AudioClips(seconds=0.1), "audio")):
+        with pytest.raises(fastio.DatasetError, match=rf"shard .* key '[^']+': sample has no {what} field") as got:
+            with loader(tmp_path / "ds", pipe, batch_size=3, shuffle="none") as ld:
+                next(iter(ld))
+        assert "\n" not in str(got.value)
+
+
+# -- Loader: sampling, crop and flip, layouts --------------------------------------------------------------------
+
+def test_clip_starts_are_uniform_over_where_the_clip_fits():
+    """A few hundred draws of a 20-frame video's clip of span 7: the 14 starts equally likely (chi-square), the
+    first and the last among them."""
+    from fastio.pipelines.augment import clip_starts
+
+    starts = clip_starts(7, 2, np.arange(700), np.full(700, 20), 7)[:, 0]
+    counts = np.bincount(starts, minlength=14)
+    assert len(counts) == 14 and counts[0] > 0 and counts[13] > 0
+    chi2 = ((counts - 50) ** 2 / 50).sum()
+    assert chi2 < 34.5  # 13 degrees of freedom, p = 0.001
+
+
+def test_clip_starts_reach_the_last_position_through_the_loader(zoo_ds):
+    """Over epochs each video's clips start anywhere from 0 to frames - span, the last included."""
+    seen = {}
+    with loader(zoo_ds, uint8_clips(frames=2, stride=1, crop="center"), batch_size=4) as ld:
+        for epoch in range(40):
+            ld.set_epoch(epoch)
+            for b in ld:
+                for i, s in zip(b["index"].tolist(), b["start_frame"].tolist()):
+                    seen.setdefault(ld.key(i).split("/")[1], set()).add(s)
+    assert seen["mjpegavi"] == set(range(7)) and seen["vp9mp4"] == set(range(8))
+
+
+def stripes(k: int, width: int = 64, height: int = 48) -> np.ndarray:
+    """The same picture in every frame: a bright left third, a dim band, a dark right part."""
+    img = np.full((height, width, 3), 30, np.uint8)
+    img[:, : width // 3] = 220
+    img[:, width // 3: width // 2] = 120
+    return img
+
+
+@pytest.fixture(scope="module")
+def stripes_ds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("stripes")
+    for i in range(6):
+        make_video(root / "src" / "c0" / f"s{i}.webm", "libvpx-vp9", "webm", frames=10, picture=stripes)
+    dest = root / "ds"
+    convert(ConvertConfig(source=root / "src", dest=dest, workers=1, progress=False))
+    return dest
+
+
+def test_random_crop_and_flip_are_the_same_on_every_frame_of_a_clip(stripes_ds):
+    """Every frame of the video is one picture: a clip whose frames differ had a crop or flip of its own per
+    frame; the crops differ between videos and some clips are flipped (the bright side on the right)."""
+    flipped, crops = [], set()
+    with loader(stripes_ds, uint8_clips(frames=4, stride=2, size=24, clips_per_video=2), batch_size=3) as ld:
+        for _epoch in range(3):
+            for b in ld:
+                v = b["video"].float().numpy()  # [B, K, F, H, W, 3]
+                assert np.abs(v - v[:, :1, :1]).max() <= 3  # every frame of both clips alike
+                cols = v[:, 0, 0, :, :, 0].mean(axis=1)  # [B, W] column brightness
+                flipped += (cols[:, -1] > cols[:, 0]).tolist()
+                crops |= {tuple(np.rint(c / 10).astype(int)) for c in cols}
+    assert any(flipped) and not all(flipped) and len(crops) > 3
+
+
+def test_evaluation_is_the_center_crop_without_flip(stripes_ds):
+    import fastio
+
+    train = fastio.VideoClips(frames=2, size=24, dtype="uint8", layout="FHWC")
+    ev = train.evaluation()
+    assert ev.crop == "center"
+    with loader(stripes_ds, ev, batch_size=6) as a, loader(stripes_ds, uint8_clips(frames=2, size=24, crop="center"),
+                                                           batch_size=6) as c:
+        x, y = next(iter(a))["video"], next(iter(c))["video"]
+    assert (x == y).all()
+    cols = x[:, 0, :, :, 0].float().mean(dim=1).numpy()
+    assert (cols[:, 0] > cols[:, -1]).all()  # never flipped: bright on the left
+
+
+def test_layouts_and_float_normalisation_agree_with_uint8(zoo_ds):
+    import torch
+
+    import fastio
+
+    base = dict(frames=3, stride=2, size=16, crop="center")
+    got = {}
+    for layout in ("FHWC", "FCHW", "CFHW"):
+        for dtype in ("uint8", "float32"):
+            with loader(zoo_ds, fastio.VideoClips(layout=layout, dtype=dtype, **base), batch_size=4,
+                        shuffle="none") as ld:
+                got[layout, dtype] = next(iter(ld))["video"]
+    ref = got["FHWC", "uint8"]
+    assert ref.shape == (4, 3, 16, 16, 3)
+    assert (got["FCHW", "uint8"] == ref.permute(0, 1, 4, 2, 3)).all()
+    assert (got["CFHW", "uint8"] == ref.permute(0, 4, 1, 2, 3)).all()
+    mean = torch.tensor(fastio.VideoClips().mean) * 255
+    std = torch.tensor(fastio.VideoClips().std) * 255
+    want = (ref.float() - mean) / std
+    assert got["FHWC", "float32"].dtype == torch.float32
+    assert (got["FHWC", "float32"] - want).abs().max() < 1.01 / (255 * 0.224)
+    assert (got["FCHW", "float32"] == got["FHWC", "float32"].permute(0, 1, 4, 2, 3)).all()
+
+
+def test_fields_len_drop_last_and_batches_not_dividing_the_dataset(zoo_ds):
+    n = len(ZOO)  # 11
+    with loader(zoo_ds, uint8_clips(fields=["cls", "probe.json"]), batch_size=4, drop_last=False) as ld:
+        batches = list(ld)
+        assert len(ld) == len(batches) == 3
+    assert [len(b["index"]) for b in batches] == [4, 4, 4]
+    real = [i for b in batches for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
+    assert sorted(real) == list(range(n))
+    b = batches[0]
+    assert {"label", "probe.json", "video", "start_frame"} <= set(b)
+    assert all(json.loads(p)["kind"] == "video" for p in b["probe.json"])
+    with loader(zoo_ds, uint8_clips(), batch_size=4, drop_last=True) as ld:
+        assert len(ld) == len(list(ld)) == 2
+
+
+@pytest.mark.parametrize("shuffle", ["none", "block"])
+def test_several_clips_per_video_resume_exactly(zoo_ds, shuffle):
+    from resume import check_resume
+
+    check_resume(lambda: loader(zoo_ds, uint8_clips(clips_per_video=2), batch_size=2, shuffle=shuffle), n=2, k=3)
+
+
+# -- option values -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(seconds=float("inf")), "seconds must be .*got inf"),
+    (dict(seconds=float("nan")), "seconds must be .*got nan"),
+    (dict(seconds=-0.5), r"seconds must be .*got -0.5"),
+    (dict(sample_rate=0), "sample_rate must be an integer >= 1, got 0"),
+    (dict(n_mels=64, n_fft=64), r"n_mels=64 .*n_fft=64"),
+    (dict(n_mels=128, n_fft=128, sample_rate=8000), r"n_mels=128 .*n_fft=128 at sample_rate=8000: \d+ mel bands"),
+])
+def test_audio_clip_options_name_the_bad_value(bad, match):
+    import fastio
+
+    with pytest.raises(ValueError, match=match):
+        fastio.AudioClips(**bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(stride=-2), "stride must be an integer >= 1, got -2"),
+    (dict(size=0), "size must be an integer >= 1, got 0"),
+    (dict(clips_per_video=0), "clips_per_video must be an integer >= 1, got 0"),
+    (dict(flip="yes"), "flip must be True or False, got 'yes'"),
+])
+def test_video_clip_options_name_the_bad_value(bad, match):
+    import fastio
+
+    with pytest.raises(ValueError, match=match):
+        fastio.VideoClips(**bad)
+
+
+def test_usual_log_mel_settings_are_accepted():
+    import fastio
+
+    for rate, n_fft, n_mels in ((16000, 400, 80), (16000, 512, 128), (8000, 256, 40), (22050, 2048, 128)):
+        fastio.AudioClips(sample_rate=rate, n_fft=n_fft, n_mels=n_mels)
+
+
+def test_a_parquet_of_video_and_audio_bytes_names_each_field_by_its_type(tmp_path):
+    """A Parquet table holding the files' bytes (Hugging Face's struct of ``bytes`` and ``path``, or plain
+    binary): each column's field is named by the media type its bytes are, as an image column's is, so the
+    clips load."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    import fastio
+
+    videos = [make_video(tmp_path / "f" / f"v{i}.webm", "libvpx-vp9", "webm", frames=9 + i).read_bytes()
+              for i in range(2)]
+    sounds = [make_audio(tmp_path / "f" / f"a{i}.flac", "flac", "flac", rate=16000).read_bytes() for i in range(2)]
+    pq.write_table(pa.table({"video": [{"bytes": v, "path": f"v{i}.webm"} for i, v in enumerate(videos)],
+                             "label": [0, 1]}), tmp_path / "v.parquet")
+    pq.write_table(pa.table({"audio": sounds, "label": [0, 1]}), tmp_path / "a.parquet")
+    for table, field in (("v.parquet", "webm"), ("a.parquet", "flac")):
+        result = convert(ConvertConfig(source=tmp_path / table, dest=tmp_path / table[0], workers=1, progress=False))
+        assert result.samples == 2 and not result.skipped
+        assert set(fastio.Dataset(tmp_path / table[0]).fields) == {"cls", "probe.json", field}
+    with loader(tmp_path / "v", uint8_clips(frames=3, stride=3, crop="center"), batch_size=2) as ld:
+        b = next(iter(ld))
+    for j in range(2):
+        start = int(b["start_frame"][j])
+        assert frames_shown(b["video"])[j].tolist() == [start, start + 3, start + 6]
+    with loader(tmp_path / "a", fastio.AudioClips(seconds=0.5), batch_size=2) as ld:
+        assert next(iter(ld))["audio"].shape == (2, 8000)
