@@ -15,6 +15,7 @@ av = pytest.importorskip("av")
 
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+from fastio.formats.media import PROBE_FIELD, check_media  # noqa: E402
 
 # -- making media ---------------------------------------------------------------------------------------------
 
@@ -522,3 +523,48 @@ def test_a_parquet_of_video_and_audio_bytes_names_each_field_by_its_type(tmp_pat
         assert frames_shown(b["video"])[j].tolist() == [start, start + 3, start + 6]
     with loader(tmp_path / "a", fastio.AudioClips(seconds=0.5), batch_size=2) as ld:
         assert next(iter(ld))["audio"].shape == (2, 8000)
+
+
+# -- damage found at load time -----------------------------------------------------------------------------------
+
+def write_media(dest: Path, field: str, files: dict[str, bytes], probes: dict[str, bytes]) -> Path:
+    """A dataset as convert writes it, but of the bytes given (a file changed after its probe was taken)."""
+    from fastio.dataset.shards import ShardWriter
+
+    with ShardWriter(dest) as writer:
+        for key, data in files.items():
+            writer.write({"__key__": key, field: data, "cls": b"0", PROBE_FIELD: probes[key]})
+        writer.close(label_field="cls", label_map={"c": 0}, converted_from={"format": "test"}, skipped=[])
+    return dest
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage", "empty"])
+def test_audio_damaged_after_convert_is_named_by_shard_and_key(tmp_path, damage):
+    import fastio
+
+    good = make_audio(tmp_path / "a.flac", "flac", "flac", rate=16000).read_bytes()
+    bad = {"cut": good[: len(good) // 3], "garbage": good[:200] + bytes(len(good) - 200), "empty": b""}[damage]
+    files = {"k0": good, "k1": bad, "k2": good}
+    dest = write_media(tmp_path / "ds", "flac", files, {k: check_media(good, "flac") for k in files})
+    with pytest.raises(fastio.DatasetError, match=r"shard shard-000000.tar key 'k1': field 'flac' failed to decode") \
+            as got:
+        with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=3, shuffle="none") as ld:
+            next(iter(ld))
+    assert "\n" not in str(got.value)
+
+
+def test_audio_dali_decodes_shorter_than_its_probe_is_named(tmp_path):
+    """FFmpeg's own (experimental) Vorbis encoder writes files that PyAV probes in full but DALI's decoder stops
+    reading after a few thousand samples: the clip's window then lies past what DALI decoded. The error names
+    the file and says so, not only "DALI failed on a batch"."""
+    import fastio
+
+    data = make_audio(tmp_path / "v.ogg", "vorbis", "ogg", rate=44100, channels=2).read_bytes()
+    good = VORBIS.read_bytes()
+    files = {"k0": good, "k1": data}
+    dest = write_media(tmp_path / "ds", "ogg", files, {k: check_media(v, "ogg") for k, v in files.items()})
+    with pytest.raises(fastio.DatasetError, match=r"key 'k1': field 'ogg' failed to decode \(DALI's audio decoder "
+                                                  r"reads \d+ of its \d+ samples"):
+        with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
+            for _ in ld:
+                pass

@@ -167,7 +167,7 @@ class _Clips(Pipeline):
         count = "frames" if self.media == "video" else "samples"
         if found[count] != stored[count]:
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
-        return None
+        return None if self.media == "video" else _dali_reads_less(batch.image[j], stored["samples"])
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -440,6 +440,28 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
+    """Why DALI's audio decoder fails on a file PyAV reads in full: it reads fewer samples than the probe counted
+    (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
+    after the graph failed (one small pipeline per sample), None when DALI reads it all or fails to read it."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def decode():
+        data = fn.external_source(source=lambda: [encoded], batch=True, dtype=types.UINT8)
+        return fn.decoders.audio(data, downmix=True, dtype=types.FLOAT)[0]
+
+    try:
+        pipe = decode()
+        pipe.build()
+        read = int(pipe.run()[0][0].shape()[0])
+    except Exception:  # whatever DALI raises, it cannot read it at all: not this case
+        return None
+    if read >= samples:
+        return None
+    return f"DALI's audio decoder reads {read} of its {samples} samples; re-encode it (e.g. as FLAC)"
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
