@@ -20,14 +20,17 @@ from fastio.formats.media import PROBE_FIELD, check_media  # noqa: E402
 # -- making media ---------------------------------------------------------------------------------------------
 
 def make_video(path: Path, codec: str, fmt: str | None, *, frames: int = 8, fps: int = 12, width: int = 64,
-               height: int = 48, with_audio: bool = False, picture=None) -> Path:
+               height: int = 48, with_audio: bool = False, picture=None, gop: int | None = None) -> Path:
     """A video in container ``fmt`` with ``codec`` whose frame k shows :func:`synthetic.frame_level` (k) (or
-    ``picture(k)``, an HWC uint8 array); ``with_audio`` adds an Opus (AAC in mp4/mov) track beside it."""
+    ``picture(k)``, an HWC uint8 array); ``with_audio`` adds an Opus (AAC in mp4/mov) track beside it; ``gop``:
+    a keyframe every ``gop`` frames."""
     path.parent.mkdir(parents=True, exist_ok=True)
     pix = "yuvj420p" if codec == "mjpeg" else "yuv420p"
     with av.open(str(path), "w", format=fmt) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, pix
+        if gop is not None:
+            stream.codec_context.gop_size = gop
         stream.options = {"qmin": "1", "qmax": "2"} if codec == "mjpeg" else \
             {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}
         sound = out.add_stream("libopus" if fmt in ("matroska", "webm") else "aac", rate=48000, layout="mono") \
@@ -102,7 +105,8 @@ ZOO = {
     "mjpegmp4": ("mjpeg", "mp4", ".mp4", 7, {}),
     "vp8": ("libvpx", "webm", ".webm", 9, {}),
     "upper": ("libvpx-vp9", "webm", ".WEBM", 8, {}),
-    "talking": ("libvpx-vp9", "matroska", ".mkv", 20, {"with_audio": True}),
+    "talking": ("libvpx-vp9", "matroska", ".mkv", 20, {"with_audio": True, "gop": 4}),  # cut at keyframes
+    "talkingmp4": ("libvpx-vp9", "mp4", ".mp4", 18, {"with_audio": True, "gop": 5}),
     "odd": ("libvpx-vp9", "webm", ".webm", 8, {"width": 321, "height": 239}),
     "span": ("libvpx-vp9", "webm", ".webm", 7, {}),  # exactly one clip of frames=4, stride=2
     "one": ("libvpx-vp9", "webm", ".webm", 1, {}),
@@ -439,17 +443,17 @@ def test_layouts_and_float_normalisation_agree_with_uint8(zoo_ds):
 
 
 def test_fields_len_drop_last_and_batches_not_dividing_the_dataset(zoo_ds):
-    n = len(ZOO)  # 11
-    with loader(zoo_ds, uint8_clips(fields=["cls", "probe.json"]), batch_size=4, drop_last=False) as ld:
+    n = len(ZOO)  # 12
+    with loader(zoo_ds, uint8_clips(fields=["cls", "probe.json"]), batch_size=5, drop_last=False) as ld:
         batches = list(ld)
         assert len(ld) == len(batches) == 3
-    assert [len(b["index"]) for b in batches] == [4, 4, 4]
+    assert [len(b["index"]) for b in batches] == [5, 5, 5]
     real = [i for b in batches for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
     assert sorted(real) == list(range(n))
     b = batches[0]
     assert {"label", "probe.json", "video", "start_frame"} <= set(b)
     assert all(json.loads(p)["kind"] == "video" for p in b["probe.json"])
-    with loader(zoo_ds, uint8_clips(), batch_size=4, drop_last=True) as ld:
+    with loader(zoo_ds, uint8_clips(), batch_size=5, drop_last=True) as ld:
         assert len(ld) == len(list(ld)) == 2
 
 
