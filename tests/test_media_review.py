@@ -222,6 +222,27 @@ def test_every_audio_format_gives_its_pitch_and_envelope_at_the_clip_start(sound
     assert seen == SOUNDS.keys()
 
 
+@pytest.mark.parametrize("out_rate", [16000, 8000])
+def test_audio_clips_at_the_end_of_a_file_hold_its_last_samples(sounds_ds, out_rate):
+    """A clip nearly as long as its file, so some start at the last position: no silence at its end where the
+    file has sound, and the envelope there is the file's at that time."""
+    import fastio
+
+    length = int(0.98 * out_rate)
+    with loader(sounds_ds, fastio.AudioClips(sample_rate=out_rate, seconds=0.98), batch_size=4) as ld:
+        for _epoch in range(2):
+            for b in ld:
+                for j, i in enumerate(b["index"].tolist()):
+                    name, wave = ld.key(i).split("/")[1], b["audio"][j].numpy()
+                    seconds = SOUNDS[name][5]
+                    if name == "short":
+                        continue
+                    end = (int(b["start_sample"][j]) + length) / out_rate
+                    tail = np.abs(wave[-out_rate // 50:]).max()  # its last 20 ms
+                    want = 0.1 + 0.8 * end / seconds
+                    assert want - 0.08 < tail < want + 0.04, (name, int(b["start_sample"][j]), tail, want)
+
+
 def test_audio_seconds_not_a_whole_number_of_samples_and_log_mel_values(sounds_ds):
     import fastio
 
@@ -326,9 +347,10 @@ def test_tables_name_video_and_audio_by_relative_and_absolute_paths(tmp_path):
         assert sorted(b["label"].tolist()) == [0, 1]
 
 
-def test_a_table_mixing_images_video_and_audio_is_refused_by_sample(tmp_path):
-    """Each row is kept with its own field; a clip Loader then meets a sample without its kind of field and
-    names it (shard and key) in one line, not a DALI error."""
+def test_a_table_mixing_images_video_and_audio_is_refused_when_the_loader_is_made(tmp_path):
+    """Each row is kept with its own field; a clip Loader over a dataset whose samples are not all of its kind is
+    refused when it is made (not at the first batch that meets such a sample, maybe hours into an epoch), in one
+    line naming how many and the first (shard and key)."""
     import fastio
 
     files = tmp_path / "files"
@@ -338,11 +360,11 @@ def test_a_table_mixing_images_video_and_audio_is_refused_by_sample(tmp_path):
     (tmp_path / "t.csv").write_text("path,label\nfiles/a.webm,0\nfiles/b.flac,1\nfiles/c.png,0\n")
     result = convert(ConvertConfig(source=tmp_path / "t.csv", dest=tmp_path / "ds", workers=1, progress=False))
     assert result.samples == 3
-    for pipe, what in ((uint8_clips(), "video"), (fastio.AudioClips(seconds=0.1), "audio")):
-        with pytest.raises(fastio.DatasetError, match=rf"shard .* key '[^']+': sample has no {what} field") as got:
-            with loader(tmp_path / "ds", pipe, batch_size=3, shuffle="none") as ld:
-                next(iter(ld))
-        assert "\n" not in str(got.value)
+    for pipe, what, first in ((uint8_clips(), "video", "files/b"), (fastio.AudioClips(seconds=0.1), "audio", "files/a")):
+        with pytest.raises(fastio.DatasetError, match=rf"ds: 2 of 3 samples have no {what} field \(the first: "
+                                                      rf"shard shard-000000.tar key '{first}'") as got:
+            loader(tmp_path / "ds", pipe, batch_size=3, shuffle="none")
+        assert "\n" not in str(got.value) and "fastio.Mixture" in str(got.value)
 
 
 # -- Loader: sampling, crop and flip, layouts --------------------------------------------------------------------

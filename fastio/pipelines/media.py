@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
+from fastio.formats.images import is_image_field
 from fastio.formats.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe, trim_video
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
@@ -58,6 +59,7 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     if table is None and PROBE_FIELD not in ds.fields:
         raise DatasetError(f"{ds.root}: dataset has no {PROBE_FIELD} field (the probe fastio convert writes "
                            f"beside each {what} file); convert the {what} files with fastio convert")
+    _refuse_samples_without(ds, found, test, what)
     for f in found if table is not None else ():
         if f in table.unprobed:
             n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
@@ -65,6 +67,27 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
                                f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
                                "index again, or convert the files with fastio convert (which skips them)")
     return tuple(found)
+
+
+def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, chunk: int = 1 << 20) -> None:
+    """DatasetError naming how many samples have none of the ``found`` fields and the first (shard and key),
+    when the dataset may have such samples: it holds fields of another kind (a table naming images, video and
+    audio), or its ``field_counts`` say so; found by reading the sample table's sizes, a chunk at a time."""
+    counts = ds.manifest.field_counts
+    other = any(is_image_field(f) or (is_media_field(f) and not test(f)) for f in ds.fields)
+    if not other and (counts is None or sum(counts.get(f, 0) for f in found) >= len(ds)):
+        return
+    lacking, first = 0, None
+    for a in range(0, len(ds), chunk):
+        sizes = ds.index.locate(np.arange(a, min(a + chunk, len(ds)))).sizes
+        without = np.flatnonzero(~np.any([sizes[f] >= 0 for f in found], axis=0))
+        lacking += len(without)
+        first = a + int(without[0]) if first is None and len(without) else first
+    if lacking:
+        raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
+                           f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
+                           f"a {what} clip pipeline needs one in every sample: convert the {what} files into a "
+                           "dataset of their own (and mix it with others with fastio.Mixture)")
 
 
 class _ProbeReader:
