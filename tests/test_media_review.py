@@ -319,6 +319,19 @@ def test_cli_on_error_fail_prints_one_line_and_exits_2(bad_folder, tmp_path, cap
     assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
+def test_cli_names_the_way_out_for_h264_once(bad_folder, tmp_path, capsys):
+    from helpers import run_cli
+
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    shutil.copy(bad_folder / "c0" / "camera.mp4", src)
+    code, out, err = run_cli(["convert", str(tmp_path / "src"), str(tmp_path / "ds")], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "every sample was skipped" in lines[0], err
+    assert "video codec h264" in lines[0] and lines[0].count("--transcode vp9") == 1, lines[0]
+    assert "ffmpeg -i IN -c:v libvpx-vp9" in lines[0]
+
+
 # -- tables naming media ------------------------------------------------------------------------------------------
 
 def test_tables_name_video_and_audio_by_relative_and_absolute_paths(tmp_path):

@@ -202,8 +202,8 @@ def check_media(data: bytes, field: str) -> bytes:
         raise MediaCheckError(f"video codec {codec} is not read by DALI's CPU decoder (it reads "
                               f"{', '.join(CPU_VIDEO_CODECS)}): re-encode it as VP9 "
                               f"(e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); "
-                              f"or convert with --transcode vp9 (transcode='vp9'); decoding it with NVDEC on a GPU is "
-                              f"not supported yet")
+                              'or convert with --transcode vp9 (in Python: ConvertConfig(transcode="vp9")); decoding '
+                              "it with NVDEC on a GPU is not supported yet")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
                               f"WAV or Opus (e.g. ffmpeg -c:a flac)")
