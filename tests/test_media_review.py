@@ -607,3 +607,59 @@ def test_audio_dali_decodes_shorter_than_its_probe_is_named(tmp_path):
         with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
             for _ in ld:
                 pass
+
+
+# -- ranks and elastic resume ------------------------------------------------------------------------------------
+
+def test_elastic_resume_of_several_clips_and_of_audio_keeps_each_sample_once_with_its_clips(zoo_ds, sounds_ds):
+    """2 ranks, then 3 from the 2-rank state (mid-epoch): every sample once in the epoch, with the clip starts a
+    single-rank run of the same seed and epoch gives it."""
+    from resume import run_ranks
+
+    import fastio
+
+    for dest, pipe, start in ((zoo_ds, uint8_clips(clips_per_video=2), "start_frame"),
+                              (sounds_ds, fastio.AudioClips(sample_rate=8000, seconds=0.1), "start_sample")):
+        def starts(batches, start=start):
+            return [(int(i), tuple(np.atleast_1d(s.numpy()).tolist())) for b in batches
+                    for i, s, p in zip(b["index"], b[start], b["padded"]) if not p]
+
+        with loader(dest, pipe, batch_size=1) as ld:
+            single = dict(starts(ld))
+        before, states = run_ranks([loader(dest, pipe, batch_size=1, world_size=2, rank=r) for r in range(2)], n=2)
+        after, _ = run_ranks([loader(dest, pipe, batch_size=1, world_size=3, rank=r, drop_last=False)
+                              for r in range(3)], state=states[0])
+        got = starts(b for step in before + after for b in step)
+        assert sorted(i for i, _ in got) == list(range(len(single))), dest
+        assert all(single[i] == s for i, s in got), dest
+
+
+def test_index_of_audio_shards_with_json_delivers_the_json_beside_the_clips(tmp_path, capsys):
+    """WebDataset shards of ``key.flac`` + ``key.json`` (no ``cls``): indexed, verified, and the clips come with
+    each sample's json when ``fields`` asks for it."""
+    import io
+    import tarfile
+
+    from helpers import run_cli
+
+    import fastio
+
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "speech-000000.tar", "w") as tar:
+        for i in range(3):
+            data = make_audio(tmp_path / f"a{i}.flac", "flac", "flac", rate=22050, pitch=440.0 * (i + 1)).read_bytes()
+            for name, value in ((f"utt{i}.flac", data), (f"utt{i}.json", json.dumps({"text": f"u{i}"}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(value)
+                tar.addfile(info, io.BytesIO(value))
+    code, _, err = run_cli(["index", str(tmp_path / "wds"), "-q"], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["verify", str(tmp_path / "wds")], capsys)
+    assert code == 0, out + err
+    with loader(tmp_path / "wds", fastio.AudioClips(seconds=0.25, fields=["json"]), batch_size=3,
+                shuffle="none") as ld:
+        b = next(iter(ld))
+    assert b["audio"].shape == (3, 4000)
+    for j in range(3):
+        text = json.loads(b["json"][j])["text"]
+        assert abs(tone_pitch(b["audio"][j].numpy(), 16000) - 440.0 * (int(text[1]) + 1)) < 25
