@@ -360,6 +360,22 @@ def test_tables_name_video_and_audio_by_relative_and_absolute_paths(tmp_path):
         assert sorted(b["label"].tolist()) == [0, 1]
 
 
+def test_a_table_with_upper_case_column_and_suffix_fields_loads(tmp_path):
+    """Found beside the media suffixes: a CSV column named ``Caption`` (field ``Caption``) and a file ``.TXT``
+    (field ``TXT``) were stored, but the reader compared the member's suffix lowered with the field as it is, and
+    called every such sample "rewritten after it was indexed"."""
+    import fastio
+
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "a.TXT").write_text("alpha")
+    (tmp_path / "t.csv").write_text("path,label,Caption\nf/a.TXT,0,hello\n")
+    convert(ConvertConfig(source=tmp_path / "t.csv", dest=tmp_path / "ds", workers=1, progress=False))
+    fields = [f for f in fastio.Dataset(tmp_path / "ds").fields if f.lower() in ("caption", "txt")]
+    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=fields), batch_size=1, device="cpu") as ld:
+        b = next(iter(ld))
+    assert sorted(bytes(b[f][0]) for f in fields) == [b"alpha", b"hello"]
+
+
 def test_a_table_mixing_images_video_and_audio_is_refused_when_the_loader_is_made(tmp_path):
     """Each row is kept with its own field; a clip Loader over a dataset whose samples are not all of its kind is
     refused when it is made (not at the first batch that meets such a sample, maybe hours into an epoch), in one
