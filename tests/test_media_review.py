@@ -403,11 +403,14 @@ def test_clip_starts_are_uniform_over_where_the_clip_fits():
     first and the last among them."""
     from fastio.pipelines.augment import clip_starts
 
-    starts = clip_starts(7, 2, np.arange(700), np.full(700, 20), 7)[:, 0]
-    counts = np.bincount(starts, minlength=14)
-    assert len(counts) == 14 and counts[0] > 0 and counts[13] > 0
-    chi2 = ((counts - 50) ** 2 / 50).sum()
-    assert chi2 < 34.5  # 13 degrees of freedom, p = 0.001
+    across_samples = clip_starts(7, 2, np.arange(700), np.full(700, 20), 7)[:, 0]
+    across_epochs = np.array([clip_starts(7, e, np.array([5]), np.array([20]), 7)[0, 0] for e in range(700)])
+    several = clip_starts(7, 2, np.arange(350), np.full(350, 20), 7, clips=2).reshape(-1)
+    for starts in (across_samples, across_epochs, several):
+        counts = np.bincount(starts, minlength=14)
+        assert len(counts) == 14 and counts[0] > 0 and counts[13] > 0
+        chi2 = ((counts - 50) ** 2 / 50).sum()
+        assert chi2 < 34.5  # 13 degrees of freedom, p = 0.001
 
 
 def test_clip_starts_reach_the_last_position_through_the_loader(zoo_ds):
@@ -453,6 +456,14 @@ def test_random_crop_and_flip_are_the_same_on_every_frame_of_a_clip(stripes_ds):
                 flipped += (cols[:, -1] > cols[:, 0]).tolist()
                 crops |= {tuple(np.rint(c / 10).astype(int)) for c in cols}
     assert any(flipped) and not all(flipped) and len(crops) > 3
+
+
+def test_flip_false_never_flips_a_random_crop(stripes_ds):
+    with loader(stripes_ds, uint8_clips(frames=2, size=24, flip=False), batch_size=3) as ld:
+        for _epoch in range(3):
+            for b in ld:
+                cols = b["video"][:, 0, :, :, 0].float().mean(dim=1).numpy()
+                assert (cols[:, 0] >= cols[:, -1]).all()  # the bright side stays on the left
 
 
 def test_evaluation_is_the_center_crop_without_flip(stripes_ds):
