@@ -297,6 +297,34 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
     assert kept in (1, 2) and (kept == 1) == ("c0/cut.mkv" in reasons)
 
 
+def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
+    """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
+    named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): skipped at convert, named with the codec and
+    the way out, not stored to fail the Loader's batches later."""
+    src = tmp_path / "src" / "c0"
+    make_audio(src / "aac.wav", "aac", "wav", rate=48000)
+    make_audio(src / "mka.opus", "libopus", "matroska", rate=48000)
+    make_audio(src / "alac.flac", "alac", "ipod", rate=16000)
+    make_audio(src / "adts.ogg", "aac", "adts", rate=16000)
+    make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000)
+    make_audio(src / "alaw.wav", "pcm_alaw", "wav", rate=8000)
+    make_audio(src / "ima.wav", "adpcm_ima_wav", "wav", rate=16000)
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    reasons = {s["path"]: s["reason"] for s in result.skipped}
+    assert set(reasons) == {"c0/aac.wav", "c0/mka.opus", "c0/alac.flac", "c0/adts.ogg"}, reasons
+    assert result.samples == 3
+    assert "cannot be probed" in reasons["c0/aac.wav"] or "audio aac in wav" in reasons["c0/aac.wav"]
+    for path, what in (("c0/mka.opus", "opus in matroska"), ("c0/alac.flac", "alac in mov"),
+                       ("c0/adts.ogg", "aac in aac")):
+        assert f"audio {what}" in reasons[path] and "DALI's audio decoder" in reasons[path], reasons[path]
+        assert "FLAC" in reasons[path] and "ffmpeg" in reasons[path]
+    import fastio
+
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=8000, seconds=0.5), batch_size=3) as ld:
+        b = next(iter(ld))
+    assert all(abs(tone_pitch(w, 8000) - 440.0) < 25 for w in b["audio"].numpy())
+
+
 def test_transcode_does_not_turn_a_picture_named_webm_into_a_video(bad_folder, tmp_path):
     result = convert(ConvertConfig(source=bad_folder, dest=tmp_path / "ds", workers=1, progress=False,
                                    transcode="vp9"))
@@ -561,6 +589,18 @@ def test_usual_log_mel_settings_are_accepted():
 
     for rate, n_fft, n_mels in ((16000, 400, 80), (16000, 512, 128), (8000, 256, 40), (22050, 2048, 128)):
         fastio.AudioClips(sample_rate=rate, n_fft=n_fft, n_mels=n_mels)
+
+
+def test_a_table_naming_a_missing_video_stops_in_one_line(tmp_path, capsys):
+    from helpers import run_cli
+
+    make_video(tmp_path / "files" / "a.webm", "libvpx-vp9", "webm", frames=6)
+    (tmp_path / "t.jsonl").write_text('{"path": "files/a.webm", "label": 0}\n{"path": "files/gone.webm", "label": 1}\n')
+    code, out, err = run_cli(["convert", str(tmp_path / "t.jsonl"), str(tmp_path / "ds")], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fastio: error:"), err
+    assert "files/gone.webm" in lines[0] and "Traceback" not in out + err
+    assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
 def test_a_parquet_of_video_and_audio_bytes_names_each_field_by_its_type(tmp_path):

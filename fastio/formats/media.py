@@ -144,10 +144,28 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
     return out.getvalue(), k
 
 
+DALI_AUDIO_CONTAINERS = {"wav": "pcm", "w64": "pcm", "aiff": "pcm", "flac": ("flac",), "ogg": ("vorbis", "opus")}
+"""Containers (FFmpeg's demuxer names) ``fn.decoders.audio`` reads (DALI 2.4, libsndfile), with the codecs it reads
+in them (``pcm``: PCM of any sample format, A-law, mu-law, IMA and MS ADPCM); measured here: AAC (ADTS, in WAV),
+ALAC (MP4), AC-3 and Opus in Matroska fail."""
+
+
+def _dali_reads_audio(container: str, codec: str) -> bool:
+    codecs = DALI_AUDIO_CONTAINERS.get(container)
+    if codecs == "pcm":
+        return codec.startswith("pcm_") or codec in ("adpcm_ima_wav", "adpcm_ms")
+    return codecs is not None and codec in codecs
+
+
 def _probe_audio(container, stream) -> dict[str, Any]:
     codec, rate, channels = stream.codec_context.name, stream.sample_rate, stream.channels
     if codec in CPU_AUDIO_REFUSED:  # refused below before decoding it
         return {"kind": "audio", "rate": rate, "channels": channels, "samples": 0, "seconds": 0.0, "codec": codec}
+    form = container.format.name.split(",")[0]
+    if not _dali_reads_audio(form, codec):
+        raise MediaCheckError(f"audio {codec} in {form} is not read by DALI's audio decoder (it reads WAV, AIFF and "
+                              "W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): re-encode it as FLAC, WAV or Opus "
+                              "(e.g. ffmpeg -i IN -c:a flac OUT.flac)")
     samples = sum(f.samples for f in container.decode(stream))
     if samples == 0 or not rate:
         raise MediaCheckError("cannot be probed (no samples)")
