@@ -5,7 +5,8 @@ decode path reads.
 it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
 cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that DALI's CPU
-decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message; with
+decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio, and audio outside the containers and codecs of
+:data:`DALI_AUDIO_CONTAINERS`), and a still picture in a video field, with the way out in the message; with
 ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
 
