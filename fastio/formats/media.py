@@ -22,11 +22,11 @@ import json
 import os
 from typing import Any
 
-__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
-           "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
-           "is_audio_field", "is_media_field", "is_video_field",
-           "media_field_for_suffix", "parse_probe", "prepare_media", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video"]
+__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
+           "PROBES_NAME", "PROBE_FIELD", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable",
+           "check_media", "write_probe_table", "is_audio_field", "is_media_field", "is_video_field",
+           "media_field_for_suffix", "parse_probe", "prepare_media", "sniff_media_field", "transcode_vp9", "probe",
+           "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
