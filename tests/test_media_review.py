@@ -256,6 +256,49 @@ def test_audio_seconds_not_a_whole_number_of_samples_and_log_mel_values(sounds_d
     assert mel.shape == (4, 20, 1 + 2000 // 80) and np.isfinite(mel).all() and mel.max() <= 0.0
 
 
+def test_samples_holding_a_video_and_its_sound_give_both_kinds_of_clip(tmp_path):
+    """Loose files grouped by name (``a.webm`` + ``a.wav`` + ``a.cls``, as audio-visual WebDataset sets hold them):
+    each media field is probed, so the same dataset gives video clips and audio clips, each of its own file."""
+    import fastio
+
+    src = tmp_path / "src"
+    for i, (video, audio) in enumerate((("webm", "wav"), ("mkv", "flac"), ("mp4", "opus"))):
+        codec, fmt = "libvpx-vp9", {"webm": "webm", "mkv": "matroska", "mp4": "mp4"}[video]
+        make_video(src / f"s{i}.{video}", codec, fmt, frames=10 + 2 * i)
+        sound = {"wav": ("pcm_s16le", "wav"), "flac": ("flac", "flac"), "opus": ("libopus", "ogg")}[audio]
+        make_audio(src / f"s{i}.{audio}", *sound, rate=48000 if audio == "opus" else 16000, pitch=440.0 * (i + 1))
+        (src / f"s{i}.cls").write_text(str(i))
+    result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", format="files", workers=1, progress=False))
+    assert result.samples == 3 and not result.skipped, result.skipped
+    with loader(tmp_path / "ds", uint8_clips(frames=3, stride=2, crop="center"), batch_size=3) as ld:
+        b = next(iter(ld))
+    for j, label in enumerate(b["label"].tolist()):
+        start = int(b["start_frame"][j])
+        assert 0 <= start <= 10 + 2 * label - 5
+        assert frames_shown(b["video"])[j].tolist() == [start, start + 2, start + 4]
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=3) as ld:
+        b = next(iter(ld))
+    for j, label in enumerate(b["label"].tolist()):
+        assert abs(tone_pitch(b["audio"][j].numpy(), 16000) - 440.0 * (label + 1)) < 25
+
+
+def test_a_probe_of_the_other_kind_is_named_not_a_key_error(tmp_path):
+    """A sample of a video and its sound whose one ``probe.json`` is the sound's (as convert wrote them before it
+    probed every media field): video clips name the sample and the way out, not a bare KeyError."""
+    import fastio
+    from fastio.dataset.shards import ShardWriter
+
+    video = make_video(tmp_path / "a.webm", "libvpx-vp9", "webm", frames=8).read_bytes()
+    sound = make_audio(tmp_path / "a.flac", "flac", "flac", rate=16000).read_bytes()
+    with ShardWriter(tmp_path / "ds") as writer:
+        writer.write({"__key__": "a", "webm": video, "flac": sound, "cls": b"0", PROBE_FIELD: check_media(sound, "flac")})
+        writer.close(label_field="cls", label_map={"c": 0}, converted_from={"format": "test"}, skipped=[])
+    with pytest.raises(fastio.DatasetError, match=r"sample 0: bad probe.json \(it is a probe of audio, "
+                                                  r"not of its webm .*re-convert"):
+        with loader(tmp_path / "ds", uint8_clips(), batch_size=1) as ld:
+            next(iter(ld))
+
+
 # -- what convert skips, and how it says so -------------------------------------------------------------------
 
 def png_bytes() -> bytes:

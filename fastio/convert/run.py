@@ -62,7 +62,7 @@ from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
-from fastio.formats.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
+from fastio.formats.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media, probe_json
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
@@ -323,6 +323,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     max_side, quality, max_pixels, label_field, transcode = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
+    probes: dict[str, bytes] = {}  # of each media field (a video and its sound: both)
     for name, value in entry.fields:
         where = entry.origin
         if isinstance(value, FileRef):
@@ -340,7 +341,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 return None, f"field {name!r}: {err}", where
         if is_media_field(name):
             try:
-                name, value, out[PROBE_FIELD] = prepare_media(value, name, transcode)
+                name, value, probes[name] = prepare_media(value, name, transcode)
             except MediaCheckError as err:
                 return None, str(err), where
         if is_image_field(name):
@@ -355,6 +356,8 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
         # them again from the page cache, which costs less than sending them through the pool's pipe.
         ref = refs.get(name)
         out[name] = ref if _IN_WORKER and ref is not None and value is original else value
+    if probes:
+        out[PROBE_FIELD] = probe_json(probes)
     return out, None, None
 
 

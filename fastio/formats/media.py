@@ -25,8 +25,8 @@ from typing import Any
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
            "PROBES_NAME", "PROBE_FIELD", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable",
            "check_media", "write_probe_table", "is_audio_field", "is_media_field", "is_video_field",
-           "media_field_for_suffix", "parse_probe", "prepare_media", "sniff_media_field", "transcode_vp9", "probe",
-           "trim_video"]
+           "media_field_for_suffix", "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
+           "probe", "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -229,10 +229,25 @@ def check_media(data: bytes, field: str) -> bytes:
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 
-def parse_probe(data: bytes, where: str) -> dict[str, Any]:
-    """A stored ``probe.json`` as a dict; ValueError naming ``where`` when it is not one."""
+def probe_json(probes: dict[str, bytes]) -> bytes:
+    """A sample's ``probe.json`` bytes from its media fields' probes (field -> :func:`check_media` bytes): the
+    probe itself for one field; for several (a video and its sound: ``key.webm`` + ``key.flac``) an object of
+    field -> probe, from which :func:`parse_probe` takes the field a clip pipeline reads."""
+    if len(probes) == 1:
+        return next(iter(probes.values()))
+    return json.dumps({f: json.loads(p) for f, p in probes.items()}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_probe(data: bytes, where: str, field: str | None = None) -> dict[str, Any]:
+    """A stored ``probe.json`` as a dict: the probe of media field ``field`` in one of several fields' probes
+    (:func:`probe_json`); ValueError naming ``where`` when it is not one."""
     try:
         info = json.loads(data)
+        if "kind" not in info and field is not None:
+            info = info[field]
+        if field is not None and (info["kind"] == "video") != is_video_field(field):
+            raise ValueError(f"it is a probe of {info['kind']}, not of its {field} (a sample of several media "
+                             "fields converted before each was probed)")
         if info["kind"] == "video":
             int(info["frames"]), float(info["fps"]), int(info["width"]), int(info["height"])
         else:

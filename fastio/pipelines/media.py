@@ -164,7 +164,7 @@ class _Clips(Pipeline):
         a probe."""
         stored = batch.fields.get(PROBE_FIELD)
         try:
-            return [parse_probe(stored[j].tobytes(), f"sample {i}") if is_media_field(field) else None
+            return [parse_probe(stored[j].tobytes(), f"sample {i}", field) if is_media_field(field) else None
                     for j, (i, field) in enumerate(zip(batch.indices.tolist(), batch.image_field))]
         except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
             raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
@@ -183,7 +183,7 @@ class _Clips(Pipeline):
         if not is_media_field(batch.image_field[j]):
             return Pipeline.decode_problem(self, batch, j)
         try:
-            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
+            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD, batch.image_field[j])
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
         except ValueError as err:  # MediaCheckError too
             return str(err)
