@@ -270,6 +270,7 @@ def test_samples_holding_a_video_and_its_sound_give_both_kinds_of_clip(tmp_path)
         (src / f"s{i}.cls").write_text(str(i))
     result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", format="files", workers=1, progress=False))
     assert result.samples == 3 and not result.skipped, result.skipped
+    assert fastio.Dataset(tmp_path / "ds").manifest.video_codecs == {"vp9": {"count": 3, "first": 0}}
     with loader(tmp_path / "ds", uint8_clips(frames=3, stride=2, crop="center"), batch_size=3) as ld:
         b = next(iter(ld))
     for j, label in enumerate(b["label"].tolist()):
