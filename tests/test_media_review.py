@@ -150,6 +150,51 @@ def test_every_listed_container_keeps_its_cpu_codec_and_its_frames(zoo_ds):
     assert len(seen["talking"]) > 1  # 14 possible starts, 3 epochs
 
 
+def gappy_avi(path: Path, frames: int, gap_after: int) -> Path:
+    """An MJPEG AVI of :func:`synthetic.frame_level` frames whose timestamps skip one slot after frame
+    ``gap_after`` (a dropped frame, as a webcam's capture writes it): ``frames`` frames in ``frames + 1`` slots."""
+    from fractions import Fraction
+
+    enc = av.CodecContext.create("mjpeg", "w")
+    enc.width, enc.height, enc.pix_fmt, enc.time_base = 64, 48, "yuvj420p", Fraction(1, 12)
+    enc.options = {"qmin": "1", "qmax": "2"}
+    packets = []
+    for k in range(frames):
+        frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), synthetic.frame_level(k), np.uint8), format="rgb24")
+        frame = frame.reformat(format="yuvj420p")
+        frame.pts = k
+        packets += [bytes(p) for p in enc.encode(frame)]
+    packets += [bytes(p) for p in enc.encode(None)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format="avi") as out:
+        stream = out.add_stream("mjpeg", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p"
+        for k, data in enumerate(packets):
+            packet = av.Packet(data)
+            packet.pts = packet.dts = k + (k > gap_after)
+            packet.stream, packet.time_base = stream, Fraction(1, 12)
+            out.mux(packet)
+    return path
+
+
+def test_a_short_avi_with_a_dropped_frame_repeats_its_last_frame(tmp_path):
+    """DALI's decoder counts an AVI's frames by its time slots: asked past the end of one whose timestamps skip a
+    slot, it returned black frames and frames from before the clip ([5, 6, 7, 3, 4] for 5 from frame 5 of 8). A
+    clip that runs past a video's end is decoded from a stream of its packets, so the last frame repeats."""
+    for i in range(3):
+        gappy_avi(tmp_path / "src" / "c0" / f"cam{i}.avi", frames=8, gap_after=2 + i)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    with loader(tmp_path / "ds", uint8_clips(frames=6, stride=2, crop="center"), batch_size=3) as ld:
+        b = next(iter(ld))
+    assert b["start_frame"].tolist() == [0, 0, 0]
+    assert frames_shown(b["video"]).tolist() == [[0, 2, 4, 6, 7, 7]] * 3
+    with loader(tmp_path / "ds", uint8_clips(frames=4, stride=1, crop="center"), batch_size=3) as ld:
+        for _epoch in range(3):
+            for b in ld:
+                for j, start in enumerate(b["start_frame"].tolist()):
+                    assert frames_shown(b["video"])[j].tolist() == list(range(start, start + 4))
+
+
 def test_probes_record_what_sampling_needs(zoo_ds):
     import fastio
 

@@ -114,15 +114,18 @@ def _codec_name(context) -> str:
     return getattr(context.codec, "canonical_name", None) or context.name
 
 
-def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None) -> tuple[bytes, int]:
+def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
+               remux: bool = False) -> tuple[bytes, int]:
     """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
     ``k`` the last keyframe at or before frame ``first``, remuxed (no frame decoded) into a Matroska stream of
     their packets, so that a decoder that decodes from its input's first frame (DALI's CPU ``fn.decoders.video``
     decodes from frame 0 whatever ``start_frame`` is) starts at ``k``: frame ``f`` of the video is frame
     ``f - k`` of the stream. ``data`` itself and 0 when ``k`` is 0 (``keyframes``: the probe's, when known, spares
     reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
-    it is)."""
-    if keyframes is not None and not any(0 < k <= first for k in keyframes):
+    it is). ``remux``: the frames ``0 .. last`` remuxed even when ``k`` is 0, for a clip that runs past the video's
+    end: DALI counts an AVI's frames by its time slots, so past the end of one with a dropped frame it returned black
+    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it."""
+    if keyframes is not None and not remux and not any(0 < k <= first for k in keyframes):
         return data, 0
     try:
         import av
@@ -139,12 +142,12 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
                 at = k + len(packets)  # this packet's frame
                 if at <= first and packet.is_keyframe:
                     packets, k = [], at
-                if at > first and k == 0:  # no keyframe but frame 0 before the clip: the file as it is
+                if at > first and k == 0 and not remux:  # no keyframe but frame 0 before the clip: the file as it is
                     break
                 packets.append(packet)
                 if at >= last:
                     break
-            if k == 0:
+            if k == 0 and not remux:
                 return data, 0
             out = io.BytesIO()
             with av.open(out, "w", format="matroska") as dst:

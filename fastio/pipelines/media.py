@@ -358,14 +358,16 @@ class VideoClips(_Clips):
         frame before it. Only codecs the CPU decoder reads are cut (VP8, VP9, MJPEG: packets in display order):
         H.264's or HEVC's B-frames are stored in decode order, so the packets up to the clip's last frame are not
         its frames (and an open GOP's keyframe needs frames before it); those go whole to NVDEC (``device="cuda"``),
-        which finds the clip's frames in the file as DALI indexes it."""
+        which finds the clip's frames in the file as DALI indexes it. A clip that runs past its video's end is
+        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``)."""
         out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
             cut = p is not None and p.get("codec") in CPU_VIDEO_CODECS
             for c in range(self.clips_per_video) if cut else ():
+                past_end = int(starts[j, c]) + self.span > p["frames"]  # padded: a stream of its packets (trim_video)
                 last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
-                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"))
-                if k:
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=past_end)
+                if k or past_end:
                     out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
         return out, decode
 
