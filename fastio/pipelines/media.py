@@ -539,23 +539,28 @@ def empty_mel_bands(sample_rate: int, n_fft: int, n_mels: int) -> list[int]:
 
 
 RESAMPLE_MARGIN = 64
-"""Output samples resampled on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
+"""Output samples resampled at least on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
 default quality, at most 16 output samples when downsampling, 16 input samples when upsampling), so the clip's own
 samples see the file as they would if the whole file were resampled."""
+RESAMPLE_MARGIN_IN = 32
+"""Input samples the margin covers at least: upsampling more than 4 times, 64 output samples are fewer input samples
+than the filter's reach (8 kHz to 44.1 kHz: 11.6 of 16), and the clip's first and last samples were off by 2e-3."""
 
 
 def resample_windows(starts: np.ndarray, length: int, rates: np.ndarray, samples: np.ndarray,
                      out_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(window_start, window_length, offset)`` (int32 [B]) of the audio clips starting at ``starts`` (at
     ``out_rate``): the window of each file (``samples`` at ``rates``) that is resampled, and where the clip starts
-    in the resampled window. The window starts :data:`RESAMPLE_MARGIN` output samples before the clip or at the
+    in the resampled window. The window starts a margin (:data:`RESAMPLE_MARGIN` output samples, at least
+    :data:`RESAMPLE_MARGIN_IN` input samples) before the clip or at the
     file's start, at a sample where the input and output grids meet (a multiple of ``rate / gcd(rate, out_rate)``),
     so its output samples fall where the whole file's would; it ends the margin after the clip, or at the file's
     end (past it the clip is padded with zeros, as before)."""
     g = np.gcd(rates, out_rate)
     period_out, period_in = out_rate // g, rates // g
-    first = np.maximum(starts - RESAMPLE_MARGIN, 0) // period_out  # grid points before the window
+    margin = np.maximum(RESAMPLE_MARGIN, -(-RESAMPLE_MARGIN_IN * out_rate // rates))  # output samples
+    first = np.maximum(starts - margin, 0) // period_out  # grid points before the window
     window_start = first * period_in
-    end = np.minimum(-(-(starts + length + RESAMPLE_MARGIN) * rates // out_rate), samples)
+    end = np.minimum(-(-(starts + length + margin) * rates // out_rate), samples)
     return (window_start.astype(np.int32), np.maximum(end - window_start, 1).astype(np.int32),
             (starts - first * period_out).astype(np.int32))
