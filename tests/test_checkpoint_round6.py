@@ -1,20 +1,24 @@
 """Checkpoint hardening, round 6: an optimizer's parameter groups checked before anything loads (both engines,
-strict and not), an elastic restore's per-rank state checked before anything loads (real gloo ranks)."""
+strict and not), an elastic restore's per-rank state checked before anything loads (real gloo ranks), a rank
+stopped (SIGSTOP) inside a save named once by the ranks waiting for it, and a rank busy there not."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, start_ranks
+from helpers import free_port, spawn_ranks, start_ranks
 from torch import nn
 
-from fastio.checkpoint import Checkpointer
+from fastio.checkpoint import Checkpointer, group
 from fastio.errors import CheckpointError
 
 ENGINES = ["torchsnapshot", "dcp"]
@@ -231,3 +235,60 @@ def test_elastic_not_strict_loads_what_fits_per_rank(elastic_runs):
         assert dcp["error"] is None and dcp["model"] == pytest.approx(res["dcp-True"]["model"] + 64), (rank, dcp)
         assert any("app key optim: the checkpoint's optimizer has 2" in s for s in dcp["skipped"]) == (rank == 1), \
             (rank, dcp)
+
+
+# ---------------------------------------------------------------- 3. a rank stopped inside a save
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+CASES = (("stopped in stage", "checkpointer", "stage"), ("stopped in write", "checkpoint writer", "write"),
+         ("busy in stage", "checkpointer", "stage"))
+
+
+def stop_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Rank 1 stops itself (SIGSTOP, continued 4 s later) at the end of a save's phase, after the save was entered
+    (or, busy, sleeps 4 s there); rank 0 waits for it in the phase's agreement."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    app = {"model": nn.Linear(4, 2)}
+    seen: dict = {}
+    ckpt = Checkpointer(root, signals=())
+    for step, (label, name, phase) in enumerate(CASES, start=1):
+        def hook(group_name: str, at: str, name=name, phase=phase, label=label) -> None:
+            if (group_name, at) != (name, phase):
+                return
+            if label.startswith("busy"):
+                time.sleep(4)
+                return
+            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
+            time.sleep(1)  # stopped in here
+
+        group.fault_hook = hook if rank == 1 else None
+        lines.lines.clear()
+        ckpt.save(step, app, blocking=True)
+        seen[label] = list(lines.lines)
+    seen["steps"] = ckpt.steps()
+    ckpt.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_a_rank_stopped_inside_a_save_is_named_once_and_a_busy_one_not(tmp_path):
+    port = free_port()
+    spawn_ranks(stop_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert seen[0]["steps"] == seen[1]["steps"] == [1, 2, 3]  # each save went through once the rank came back
+    for label, name, phase in CASES[:2]:
+        warned = [line for line in seen[0][label] if "waiting" in line]
+        assert len(warned) == 1, (label, seen[0][label])
+        assert f"checkpoint {phase}: waiting" in warned[0] and "for rank 1 (pid" in warned[0], warned
+        assert f"{name} group" in warned[0], warned
+    assert not [line for line in seen[0]["busy in stage"] if "waiting" in line], seen[0]["busy in stage"]
