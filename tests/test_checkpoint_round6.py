@@ -292,3 +292,44 @@ def test_a_rank_stopped_inside_a_save_is_named_once_and_a_busy_one_not(tmp_path)
         assert f"checkpoint {phase}: waiting" in warned[0] and "for rank 1 (pid" in warned[0], warned
         assert f"{name} group" in warned[0], warned
     assert not [line for line in seen[0]["busy in stage"] if "waiting" in line], seen[0]["busy in stage"]
+
+
+# ---------------------------------------------------------------- 4. Lightning: a mixture whose weights changed
+def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_path, image_dataset, one_thread):
+    """Resuming a mid-epoch Lightning checkpoint with other mixture weights is refused with a hint Lightning can
+    follow (a checkpoint saved at an epoch's end), and resuming from such a checkpoint with the new weights works."""
+    import importlib.util
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from fastio import Mixture
+    from fastio.errors import LoaderStateError
+    from fastio.integrations.lightning import FastioDataModule
+
+    spec = importlib.util.spec_from_file_location("lightning_train", Path(__file__).parent.parent / "examples" /
+                                                  "lightning_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def data(weights: dict) -> FastioDataModule:
+        return FastioDataModule(Mixture({"a": image_dataset, "b": image_dataset}, weights=weights), batch_size=8,
+                                image_size=32, device="cpu", num_threads=1, reader_threads=1)
+
+    def trainer(**kw) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=2)
+    trainer(max_epochs=1, callbacks=[every]).fit(example.Classifier(4), datamodule=data({"a": 1, "b": 1}))
+    saved = sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt"))
+    last = max(int(name[5:-5]) for name in saved)  # the epoch's last step: its end
+    assert last > 2, saved
+    with pytest.raises(LoaderStateError) as err:
+        trainer(max_epochs=1).fit(example.Classifier(4), datamodule=data({"a": 3, "b": 1}),
+                                  ckpt_path=tmp_path / "ck" / "step=2.ckpt")
+    text = str(err.value)
+    assert "weights can change only from the next epoch" in text and "\n" not in text, text
+    assert "under Lightning" in text and "ModelCheckpoint(every_n_epochs=1)" in text, text
+    model = example.Classifier(4)
+    trainer(max_epochs=2).fit(model, datamodule=data({"a": 3, "b": 1}), ckpt_path=tmp_path / "ck" / f"step={last}.ckpt")
+    assert [epoch for epoch, _ in model.seen] and {epoch for epoch, _ in model.seen} == {1}

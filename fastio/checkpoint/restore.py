@@ -302,7 +302,8 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
 
     dropped: dict[str, str] = {}
     for key, obj in targets.items():
-        line = groups_mismatch(key, saved.param_groups(key, src), group_sizes(getattr(obj, "param_groups", None)))
+        own = group_sizes(getattr(obj, "param_groups", None))
+        line = groups_mismatch(key, saved.param_groups(key, src), own) if own is not None else None
         if line and strict:
             raise CheckpointError(f"{where}: checkpoint does not match the app: {line} (restore_latest(..., "
                                   "strict=False) leaves that optimizer as it is and loads the rest)")
