@@ -36,11 +36,11 @@ def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, ran
 
     Collective (the replicated part).
     """
+    from torch import nn
+
     src = rank % saved_world
     per_rank = [k for k in targets if not saved.is_replicated(k, src)]
     replicated = [k for k in targets if k not in per_rank]
-    from torch import nn
-
     skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict)
     for key in per_rank:  # another rank's state, read leaf by leaf; a module by the strict rule
         target = targets[key]

@@ -6,7 +6,8 @@ dir: into its staging directory), checks every file against the commit marker (t
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
-before anything loads (``loader_policy``), then loaded: the engine's keys, the loaders last, the RNG streams
+before anything loads (``loader_policy``), and so are the optimizers' parameter groups and, at another world size,
+the per-rank modules (from the engine's metadata), then loaded: the engine's keys, the loaders last, the RNG streams
 (or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
 thread's :class:`~fastio.checkpoint.group.RankGroup`, so one rank's failure is every rank's.
 
