@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import free_port, start_ranks
-from resume import same_batch
+from resume import batches, same_batch
 
 pytest.importorskip("av")
 
@@ -220,3 +220,181 @@ def test_a_mid_epoch_state_of_two_ranks_resumes_on_another_number_each_sample_on
     assert sorted(i for i, _, _ in before + after) == list(range(len(single)))
     for i, start, clip in before + after:
         assert start == single[i][0] and torch.equal(clip, single[i][1]), i
+
+
+# -- Lightning ------------------------------------------------------------------------------------------------
+
+def _lightning_fit(dest, pipeline, where: Path, *, epochs: int, save_every: int = 0, resume: str | None = None,
+                   validate: bool = False) -> dict:
+    """One Lightning fit (one process, CPU) of a tiny model on a clip dataset through FastioDataModule (the
+    dataset also validated on, with the pipeline's evaluation form, where ``validate``): the clips it trained and
+    validated on (``(epoch, index, start, clip)`` each) and its final weights."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fastio.integrations.lightning import FastioDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 2)
+            self.trained, self.validated = [], []
+
+        def _features(self, batch):
+            clip = batch["video"] if "video" in batch else batch["audio"]
+            return clip.float().flatten(1).std(dim=1, keepdim=True)
+
+        def training_step(self, batch, _):
+            self.trained += [(self.current_epoch, *c) for c in clips_of(batch)]
+            return torch.nn.functional.cross_entropy(self.head(self._features(batch)), batch["label"])
+
+        def validation_step(self, batch, _):
+            self.validated += [(self.current_epoch, *c) for c in clips_of(batch)]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callbacks = [ModelCheckpoint(dirpath=where, filename="{step}", save_top_k=-1,
+                                 every_n_train_steps=save_every)] if save_every else []
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
+                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=where)
+    data = FastioDataModule(str(dest), str(dest) if validate else None, pipeline=pipeline, **LOADER)
+    torch.manual_seed(0)
+    model = Model()
+    trainer.fit(model, datamodule=data, ckpt_path=resume)
+    return {"trained": model.trained, "validated": model.validated, "weights": model.head.state_dict()}
+
+
+def same_clips(a: list[tuple], b: list[tuple]) -> bool:
+    """Two lists of ``(epoch, index, start, clip)``, the clips compared bit for bit."""
+    return len(a) == len(b) and all(x[:3] == y[:3] and torch.equal(x[3], y[3]) for x, y in zip(a, b))
+
+
+def test_lightning_audio_clips_resumed_mid_epoch_train_what_the_whole_run_trained(audio_ds, tmp_path, one_thread):
+    """8 tones, 2 a batch: 4 steps an epoch, a checkpoint after step 3 (mid-epoch 0) and 6 (mid-epoch 1); resumed
+    from step 6: the same clips (bit for bit) in the same order as the run that went on, and the same weights."""
+    pytest.importorskip("lightning.pytorch")
+    whole = _lightning_fit(audio_ds, audio_pipeline(), tmp_path / "whole", epochs=3, save_every=3)
+    assert (tmp_path / "whole" / "step=6.ckpt").exists()
+    resumed = _lightning_fit(audio_ds, audio_pipeline(), tmp_path / "resumed", epochs=3,
+                             resume=str(tmp_path / "whole" / "step=6.ckpt"))
+    assert [t[0] for t in resumed["trained"]][:1] == [1] and len(resumed["trained"]) == 4 + 8
+    assert same_clips(resumed["trained"], whole["trained"][-len(resumed["trained"]):])
+    for epoch in range(3):
+        assert sorted(t[1] for t in whole["trained"] if t[0] == epoch) == list(range(8)), epoch
+    assert all(torch.equal(whole["weights"][k], resumed["weights"][k]) for k in whole["weights"])
+
+
+@pytest.mark.parametrize("kind", ["video", "audio"])
+def test_lightning_validation_gives_every_run_the_same_clips(video_ds, audio_ds, tmp_path, kind, one_thread):
+    """FastioDataModule's validation Loader (the pipeline's evaluation form: VideoClips center-cropped) gives
+    each sample the same clip on every validation run of a fit, and in another fit: validation losses of
+    different epochs and runs compare the same inputs."""
+    pytest.importorskip("lightning.pytorch")
+    dest = {"video": video_ds, "audio": audio_ds}[kind]
+    pipeline = video_pipeline() if kind == "video" else audio_pipeline()
+    runs = [_lightning_fit(dest, pipeline, tmp_path / f"run{k}", epochs=e, validate=True)
+            for k, e in enumerate((2, 1))]
+    first = [v for v in runs[0]["validated"] if v[0] == 0]
+    second = [v for v in runs[0]["validated"] if v[0] == 1]
+    assert sorted(v[1] for v in first) == list(range(len(VIDEO_FRAMES if kind == "video" else AUDIO_FILES) *
+                                                      (1 if kind == "video" else 2)))
+    assert same_clips([(0, *v[1:]) for v in second], first), "the second validation run saw other clips"
+    assert same_clips(runs[1]["validated"], first), "another fit validated on other clips"
+
+
+# -- Accelerate -------------------------------------------------------------------------------------------------
+
+def _accelerate_runs(rank: int, world: int, data: dict[str, str], out: str, runs: list[dict]) -> None:
+    """A rank of Accelerate runs, one after the other in this process, each a fresh process group on its own
+    port (``run["port"]``), Accelerate's process-wide state forgotten in between (as ``tests/accelerate_counts.py``
+    does)."""
+    import torch.distributed
+    from accelerate.state import AcceleratorState, GradientState
+
+    for run in runs:
+        _accelerate_run(rank, world, data, out, run)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _accelerate_run(rank: int, world: int, data: dict[str, str], out: str, run: dict) -> None:
+    """A rank of an Accelerate run started as torchrun starts one (``RANK``, ``WORLD_SIZE``, ``MASTER_*``): a
+    tiny model trained on a video and an audio loader (both registered for checkpointing) for ``run["steps"]``
+    steps; ``save_at``: ``save_state`` after that step; ``kill_at``: SIGKILLed after that step; ``resume``: the
+    state loaded first (the run then starts after step ``resume_step``). Each step's clips (index, start and a
+    checksum of each clip) go to ``NAME.rankR.pt``, and rank 0's final weights to ``NAME.weights.pt``."""
+    import os
+    import signal
+    import zlib
+
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(run["port"]))
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    loaders = [clip_loader(kind, data[kind], rank=accelerator.process_index, world_size=accelerator.num_processes)
+               for kind in ("video", "audio")]
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = accelerator.prepare(model, optimizer)  # not the loaders (docs/trainers.md)
+    accelerator.register_for_checkpointing(*loaders)
+    step = 0
+    if run.get("resume"):
+        accelerator.load_state(run["resume"])
+        step = run["resume_step"]
+    streams, log = [batches(loader) for loader in loaders], []
+    while step < run["steps"]:
+        video, audio = (next(s) for s in streams)
+        features = [torch.stack([video["video"].float().mean(dim=(1, 2, 3, 4)) / 255, torch.zeros(2)], 1),
+                    torch.stack([torch.zeros(2), audio["audio"].std(dim=1)], 1)]
+        loss = sum(F.cross_entropy(model(f), b["label"]) for f, b in zip(features, (video, audio)))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        log.append([(i, s, zlib.crc32(c.numpy().tobytes())) for b in (video, audio) for i, s, c in clips_of(b)])
+        if step == run.get("save_at"):
+            accelerator.save_state(str(Path(out, "state")))
+        if step == run.get("kill_at"):
+            Path(out, f"killed.rank{rank}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save(log, Path(out, f"{run['name']}.rank{rank}.pt"))
+    if accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), Path(out, f"{run['name']}.weights.pt"))
+    for loader in loaders:
+        loader.close()
+    accelerator.end_training()
+
+
+def test_accelerate_video_and_audio_loaders_killed_after_save_state_resume_exactly(video_ds, audio_ds, tmp_path):
+    """2 ranks (gloo), 2 a batch: the video loader (9 samples: 3 steps an epoch) and the audio loader (8: 2 steps)
+    saved with ``save_state`` after step 5 (both mid-epoch 1), the ranks SIGKILLed after step 6; new ranks
+    ``load_state`` and train to step 8: the steps after 5 get the same clips (hash of each) as the run never
+    interrupted, and the run ends with its weights bit for bit."""
+    pytest.importorskip("accelerate")
+    from helpers import spawn_ranks
+
+    data = {"video": str(video_ds), "audio": str(audio_ds)}
+    runs = [{"name": "whole", "steps": 8, "port": free_port()},  # then, in the same processes:
+            {"name": "killed", "steps": 8, "save_at": 5, "kill_at": 6, "port": free_port()}]
+    spawn_ranks(_accelerate_runs, lambda r: (r, 2, data, str(tmp_path), runs), 2, timeout=180)
+    assert sorted(p.name for p in tmp_path.glob("whole.*")) == ["whole.rank0.pt", "whole.rank1.pt",
+                                                                "whole.weights.pt"]
+    assert sorted(p.name for p in tmp_path.glob("killed*")) == ["killed.rank0", "killed.rank1"]
+    saved = [torch.load(tmp_path / "state" / f"custom_checkpoint_{k}.pkl", weights_only=False) for k in (0, 1)]
+    assert [(s["epoch"], s["consumed"]) for s in saved] == [(1, 8), (2, 4)]  # mid-epoch, both
+    resumed = {"name": "resumed", "steps": 8, "resume": str(tmp_path / "state"), "resume_step": 5,
+               "port": free_port()}
+    start_ranks(_accelerate_runs, (2, data, str(tmp_path), [resumed]), 2)
+    for rank in range(2):
+        whole, again = (torch.load(tmp_path / f"{n}.rank{rank}.pt") for n in ("whole", "resumed"))
+        assert len(again) == 3 and again == whole[5:], rank
+    whole, again = (torch.load(tmp_path / f"{n}.weights.pt") for n in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
