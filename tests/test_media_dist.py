@@ -398,3 +398,59 @@ def test_accelerate_video_and_audio_loaders_killed_after_save_state_resume_exact
         assert len(again) == 3 and again == whole[5:], rank
     whole, again = (torch.load(tmp_path / f"{n}.weights.pt") for n in ("whole", "resumed"))
     assert all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+# -- the Checkpointer ---------------------------------------------------------------------------------------------
+
+def test_a_clip_loaders_state_through_the_checkpointer_resumes_exactly(video_ds, tmp_path):
+    """``app={"loader": loader, "model": ...}`` saved after 3 batches of 2 (mid-epoch 0 of 9 videos), restored
+    into a fresh loader: the next 4 batches (into epoch 1) bit for bit."""
+    from fastio.checkpoint import Checkpointer
+
+    model = torch.nn.Linear(2, 2)
+    with clip_loader("video", video_ds, world_size=1, rank=0) as loader, Checkpointer(tmp_path / "ck") as ckpt:
+        stream = batches(loader)
+        for _ in range(3):
+            next(stream)
+        ckpt.save(3, {"loader": loader, "model": model}, blocking=True)
+        want = [next(stream) for _ in range(4)]
+    with clip_loader("video", video_ds, world_size=1, rank=0) as loader, Checkpointer(tmp_path / "ck") as ckpt:
+        state = ckpt.restore_latest({"loader": loader, "model": torch.nn.Linear(2, 2)})
+        assert state.step == 3 and (loader.epoch, loader.state_dict()["consumed"]) == (0, 6)
+        got = [b for b, _ in zip(batches(loader), range(4))]
+    assert len(got) == 4 and all(same_batch(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("changed", [dict(frames=2), dict(stride=1), dict(frames=4, stride=3)])
+def test_a_clip_loaders_state_restored_with_other_clip_options_continues_the_order_with_the_new_clips(
+        video_ds, tmp_path, changed):
+    """The loader's state is a position in the sample order, which the clip options do not change: a state saved
+    with ``VideoClips(frames=3, stride=2)`` restores into a loader of other frames or stride (docs/media.md says
+    why it is accepted): the same samples follow in the same order as in the run that was not interrupted, each
+    with the clip a run of the new options from the start gives it (its frames by content)."""
+    import fastio
+    from fastio.checkpoint import Checkpointer
+
+    with clip_loader("video", video_ds, world_size=1, rank=0) as loader, Checkpointer(tmp_path / "ck") as ckpt:
+        stream = batches(loader)
+        for _ in range(2):
+            next(stream)
+        ckpt.save(2, {"loader": loader}, blocking=True)
+        want = [b["index"].tolist() for b in loader]  # the rest of epoch 0
+    options = {"frames": 3, "stride": 2, **changed}
+    other = fastio.VideoClips(size=16, dtype="uint8", layout="FHWC", **options)
+    make = dict(pipeline=other, shuffle=SHUFFLE["video"], world_size=1, rank=0, **LOADER)
+    with fastio.Loader(video_ds, **make) as fresh:
+        starts = {i: s for b in fresh for i, s, _ in clips_of(b)}  # the new options' clips of epoch 0
+    with fastio.Loader(video_ds, **make) as loader, Checkpointer(tmp_path / "ck") as ckpt:
+        ckpt.restore_latest({"loader": loader})
+        got = list(loader)
+        keys = {i: loader.key(i) for i in range(9)}
+    assert [b["index"].tolist() for b in got] == want
+    for b in got:
+        assert b["video"].shape[1] == options["frames"]
+        for j, i in enumerate(b["index"].tolist()):
+            start, n = int(b["start_frame"][j]), VIDEO_FRAMES[keys[i]]
+            assert start == starts[i]
+            want_frames = np.minimum(start + options["stride"] * np.arange(options["frames"]), n - 1)
+            assert frames_shown(b["video"])[j].tolist() == want_frames.tolist(), (keys[i], start)
