@@ -1,9 +1,10 @@
 """fastio.VideoClips / fastio.AudioClips under real ranks and the trainers (issue 31): 2 gloo ranks (forked by
-``tests/helpers.py``'s ``start_ranks``) reading each sample once an epoch with the clip one process gives it
-(checked by frame content, and the audio bit for bit), their mid-epoch states resumed on 2 ranks exactly and on
-1 and 3 ranks elastically; Accelerate (2 ranks, a video and an audio loader registered, killed after
-``save_state`` and resumed: the same weights); Lightning with AudioClips resumed mid-epoch and validating
-VideoClips clips that are the same on every validation run; a clip loader's state through the Checkpointer."""
+``tests/helpers.py``'s ``start_ranks``) reading videos, audio and a mixture of videos and photos, each sample once
+an epoch with the clip one process gives it (by frame content, photo colour and pitch, and bit for bit), their
+mid-epoch states resumed on 2 ranks exactly and on 1 and 3 ranks elastically; Accelerate (2 ranks, a video and an
+audio loader registered, killed after ``save_state`` and resumed: the same weights); Lightning with AudioClips
+resumed mid-epoch, and validating on clips that are the same on every validation run; a clip loader's state
+through the Checkpointer, also into other clip options."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 VIDEO_FRAMES = {"c0/v0": 10, "c0/v1": 12, "c0/v2": 14, "c0/v3": 16, "c0/short": 4,
                 "c1/v0": 10, "c1/v1": 12, "c1/v2": 14, "c1/v3": 16}
 PITCH = {0: 440.0, 1: 1000.0}
+PHOTO_COLORS = [(200, 10, 50), (30, 180, 90), (250, 250, 0), (5, 60, 220), (120, 0, 140)]
 AUDIO_FILES = {"a.wav": (1.0, 22050, 2), "b.flac": (0.75, 16000, 1), "c.opus": (1.0, 48000, 1),
                "short.flac": (0.1, 16000, 1)}
 
@@ -64,15 +66,18 @@ def audio_pipeline():
 
 
 LOADER = dict(batch_size=2, device="cpu", seed=5, num_threads=1, reader_threads=1)
-SHUFFLE = {"video": "global", "audio": "block"}
+SHUFFLE = {"video": "global", "audio": "block", "mix": "global"}
 
 
 def clip_loader(kind: str, dest, **kw):
-    """The Loader of one kind (video: global shuffle; audio: block shuffle); rank and world size from
+    """The Loader of one kind (video: global shuffle; audio: block shuffle; mix: a Mixture of videos (weight 2)
+    and photos (1), ``dest`` their two datasets, read with VideoClips); rank and world size from
     torch.distributed unless given."""
     import fastio
 
-    pipeline = video_pipeline() if kind == "video" else audio_pipeline()
+    if kind == "mix":
+        dest = fastio.Mixture({"clips": dest[0], "photos": dest[1]}, weights={"clips": 2, "photos": 1})
+    pipeline = audio_pipeline() if kind == "audio" else video_pipeline()
     return fastio.Loader(dest, pipeline=pipeline, shuffle=SHUFFLE[kind], **{**LOADER, **kw})
 
 
@@ -86,11 +91,14 @@ def pitch_of(wave: np.ndarray, rate: int) -> float:
     return float(np.fft.rfftfreq(len(wave), 1 / rate)[np.argmax(spectrum)])
 
 
-def clips_of(batch: dict) -> list[tuple[int, int, object]]:
-    """``(index, start, clip)`` of each real (not padded) sample of a batch."""
+def clips_of(batch: dict) -> list[tuple[int | tuple[int, int], int, object]]:
+    """``(sample, start, clip)`` of each real (not padded) sample of a batch; the sample is its index, or in a
+    mixture ``(source, index)``."""
     name, start = ("video", "start_frame") if "video" in batch else ("audio", "start_sample")
-    return [(int(i), int(s), batch[name][j].clone()) for j, (i, s, p) in
-            enumerate(zip(batch["index"], batch[start], batch["padded"])) if not p]
+    ids = batch["index"].tolist() if "source" not in batch else list(zip(batch["source"].tolist(),
+                                                                         batch["index"].tolist()))
+    return [(i, int(s), batch[name][j].clone()) for j, (i, s, p) in
+            enumerate(zip(ids, batch[start], batch["padded"])) if not p]
 
 
 # -- 2 real gloo ranks ----------------------------------------------------------------------------------------
@@ -141,13 +149,31 @@ SAVE_AFTER = 1  # batches of 2 a rank: 4 of the epoch's samples consumed at the 
 
 
 @pytest.fixture(scope="module")
-def rank_runs(tmp_path_factory, video_ds, audio_ds) -> Path:
+def photo_ds(tmp_path_factory) -> Path:
+    """5 solid-colour PNGs of different sizes (c0/p0 .. c0/p4: PHOTO_COLORS[k]), converted."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("mdphotos")
+    (root / "src" / "c0").mkdir(parents=True)
+    for k, color in enumerate(PHOTO_COLORS):
+        Image.new("RGB", (40 + 13 * k, 30 + 7 * k), color).save(root / "src" / "c0" / f"p{k}.png")
+    convert(ConvertConfig(source=root / "src", dest=root / "ds", workers=1, progress=False))
+    return root / "ds"
+
+
+@pytest.fixture(scope="module")
+def rank_data(video_ds, audio_ds, photo_ds) -> dict:
+    """What ``clip_loader`` reads for each kind."""
+    return {"video": str(video_ds), "audio": str(audio_ds), "mix": [str(video_ds), str(photo_ds)]}
+
+
+@pytest.fixture(scope="module")
+def rank_runs(tmp_path_factory, rank_data) -> Path:
     """The first run (2 ranks) and its resumes on 2 and 3 ranks; their batches and states, per kind and rank."""
     out = tmp_path_factory.mktemp("ranks")
-    data = {"video": str(video_ds), "audio": str(audio_ds)}
-    start_ranks(_first_run, (2, free_port(), data, str(out), SAVE_AFTER), 2)
-    start_ranks(_resumed_run, (2, free_port(), data, str(out), "resume2"), 2)
-    start_ranks(_resumed_run, (3, free_port(), data, str(out), "resume3"), 3)
+    start_ranks(_first_run, (2, free_port(), rank_data, str(out), SAVE_AFTER), 2)
+    start_ranks(_resumed_run, (2, free_port(), rank_data, str(out), "resume2"), 2)
+    start_ranks(_resumed_run, (3, free_port(), rank_data, str(out), "resume3"), 3)
     return out
 
 
@@ -155,16 +181,21 @@ def _runs(out: Path, kind: str, name: str, world: int) -> list[dict]:
     return [torch.load(out / f"{kind}.{name}.rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def one_process_clips(kind: str, dest) -> dict[int, tuple[int, object]]:
-    """index -> (start, clip) of epoch 0 read by one process (world_size=1)."""
+def one_process_clips(kind: str, dest) -> tuple[list, dict]:
+    """Epoch 0 read by one process (world_size=1): its samples (a mixture's may repeat) and, for each, its start,
+    clip and key."""
     with clip_loader(kind, dest, world_size=1, rank=0) as loader:
-        return {i: (s, c) for b in loader for i, s, c in clips_of(b)}
+        got = [c for b in loader for c in clips_of(b)]
+        keys = {i: loader.key(*i) if isinstance(i, tuple) else loader.key(i) for i, _, _ in got}
+    return sorted(i for i, _, _ in got), {i: (s, c, keys[i]) for i, s, c in got}
 
 
-def check_clip(kind: str, dest, key: str, start: int, clip) -> None:
-    """A clip by content: the frames its start says (a short video repeating its last), or the tone of its
-    class."""
-    if kind == "video":
+def check_clip(kind: str, sample, key: str, start: int, clip) -> None:
+    """A clip by content: the frames its start says (a short video repeating its last), a photo's colour on
+    every frame of a still clip, or the tone of its class."""
+    if kind == "mix" and sample[0] == 1:
+        assert start == 0 and (clip.numpy() == np.array(PHOTO_COLORS[int(key[-1])], np.uint8)).all(), key
+    elif kind in ("video", "mix"):
         n = VIDEO_FRAMES[key]
         want = np.minimum(start + 2 * np.arange(3), n - 1)
         assert frames_shown(clip[None])[0].tolist() == want.tolist(), (key, start)
@@ -173,24 +204,35 @@ def check_clip(kind: str, dest, key: str, start: int, clip) -> None:
         assert abs(pitch_of(clip.numpy(), 8000) - PITCH[int(key[1])]) < 8, (key, start)
 
 
-@pytest.mark.parametrize("kind", ["video", "audio"])
-def test_two_ranks_read_each_sample_once_with_the_clip_one_process_gives_it(rank_runs, video_ds, audio_ds, kind):
-    dest = {"video": video_ds, "audio": audio_ds}[kind]
-    single = one_process_clips(kind, dest)
+def check_against_one_process(kind: str, got: list, single: tuple[list, dict]) -> None:
+    """``got`` (``clips_of`` over every rank of a run or runs) holds the samples of one process's epoch 0 (each
+    once; a mixture's repeats as often), each with its start and clip (bit for bit), checked by content."""
+    samples, clips = single
+    assert sorted(i for i, _, _ in got) == samples
+    for i, start, clip in got:
+        want, want_clip, key = clips[i]
+        assert (start, True) == (want, torch.equal(clip, want_clip)), (key, start, want)
+        check_clip(kind, i, key, start, clip)
+
+
+KINDS = ["video", "audio", "mix"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_read_each_sample_once_with_the_clip_one_process_gives_it(rank_runs, rank_data, kind):
+    """Video (global shuffle), audio (block shuffle), and a mixture of videos and photos (still clips) on 2
+    ranks: together the samples of one process's epoch, each with its clip."""
+    single = one_process_clips(kind, rank_data[kind])
+    if kind != "mix":
+        assert single[0] == list(range(len(single[0])))
     runs = _runs(rank_runs, kind, "first", 2)
     assert [(r["rank"], r["world"]) for r in runs] == [(0, 2), (1, 2)]
     assert len(runs[0]["batches"]) == len(runs[1]["batches"])
     assert runs[0]["state"] == runs[1]["state"] and runs[0]["state"]["consumed"] == 4 * SAVE_AFTER
-    got = [c for r in runs for b in r["batches"] for c in clips_of(b)]
-    assert sorted(i for i, _, _ in got) == sorted(single) == list(range(len(single)))
-    with clip_loader(kind, dest, world_size=1, rank=0) as loader:
-        keys = {i: loader.key(i) for i in single}
-    for i, start, clip in got:
-        assert (start, True) == (single[i][0], torch.equal(clip, single[i][1])), (keys[i], start, single[i][0])
-        check_clip(kind, dest, keys[i], start, clip)
+    check_against_one_process(kind, [c for r in runs for b in r["batches"] for c in clips_of(b)], single)
 
 
-@pytest.mark.parametrize("kind", ["video", "audio"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_mid_epoch_state_of_two_ranks_resumes_exactly_on_two(rank_runs, kind):
     first, resumed = _runs(rank_runs, kind, "first", 2), _runs(rank_runs, kind, "resume2", 2)
     for rank, (a, b) in enumerate(zip(first, resumed)):
@@ -201,25 +243,21 @@ def test_a_mid_epoch_state_of_two_ranks_resumes_exactly_on_two(rank_runs, kind):
         assert b["epoch"] == 1
 
 
-@pytest.mark.parametrize("kind", ["video", "audio"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world", [1, 3])
-def test_a_mid_epoch_state_of_two_ranks_resumes_on_another_number_each_sample_once(rank_runs, video_ds, audio_ds,
-                                                                                  kind, world):
+def test_a_mid_epoch_state_of_two_ranks_resumes_on_another_number_each_sample_once(rank_runs, rank_data, kind,
+                                                                                  world):
     """Elastic: the samples of the 2 ranks' first batches, then the rest of the epoch on 1 rank (here) or 3 (real
     ranks): every sample once, each with the clip one process gives it."""
-    dest = {"video": video_ds, "audio": audio_ds}[kind]
     first = _runs(rank_runs, kind, "first", 2)
     before = [c for r in first for b in r["batches"][:SAVE_AFTER] for c in clips_of(b)]
     if world == 3:
         after = [c for r in _runs(rank_runs, kind, "resume3", 3) for b in r["batches"] for c in clips_of(b)]
     else:
-        with clip_loader(kind, dest, world_size=1, rank=0) as loader:
+        with clip_loader(kind, rank_data[kind], world_size=1, rank=0) as loader:
             loader.load_state_dict(first[1]["state"])
             after = [c for b in loader for c in clips_of(b)]
-    single = one_process_clips(kind, dest)
-    assert sorted(i for i, _, _ in before + after) == list(range(len(single)))
-    for i, start, clip in before + after:
-        assert start == single[i][0] and torch.equal(clip, single[i][1]), i
+    check_against_one_process(kind, before + after, one_process_clips(kind, rank_data[kind]))
 
 
 # -- Lightning ------------------------------------------------------------------------------------------------
