@@ -77,8 +77,8 @@ def clip_loader(kind: str, dest, **kw):
 
     if kind == "mix":
         dest = fastio.Mixture({"clips": dest[0], "photos": dest[1]}, weights={"clips": 2, "photos": 1})
-    pipeline = audio_pipeline() if kind == "audio" else video_pipeline()
-    return fastio.Loader(dest, pipeline=pipeline, shuffle=SHUFFLE[kind], **{**LOADER, **kw})
+    options = {"pipeline": audio_pipeline() if kind == "audio" else video_pipeline(), "shuffle": SHUFFLE[kind]}
+    return fastio.Loader(dest, **{**options, **LOADER, **kw})
 
 
 def frames_shown(video: torch.Tensor) -> np.ndarray:
@@ -492,3 +492,17 @@ def test_a_clip_loaders_state_restored_with_other_clip_options_continues_the_ord
             assert start == starts[i]
             want_frames = np.minimum(start + options["stride"] * np.arange(options["frames"]), n - 1)
             assert frames_shown(b["video"])[j].tolist() == want_frames.tolist(), (keys[i], start)
+
+
+def test_a_validation_loop_of_ones_own_gets_the_same_clips_with_set_epoch_0(video_ds):
+    """docs/media.md's rule for validation outside Lightning: ``set_epoch(0)`` before each pass gives every pass
+    the same clips; without it the second pass draws other ones."""
+    pipeline = video_pipeline().evaluation()
+    with clip_loader("video", video_ds, pipeline=pipeline, world_size=1, rank=0, shuffle="none") as loader:
+        passes = []
+        for _ in range(3):
+            loader.set_epoch(0)
+            passes.append([c for b in loader for c in clips_of(b)])
+        drifting = [c for b in loader for c in clips_of(b)]  # epoch 1: no set_epoch(0)
+    assert all(same_clips([(0, *c) for c in p], [(0, *c) for c in passes[0]]) for p in passes[1:])
+    assert [s for _, s, _ in drifting] != [s for _, s, _ in passes[0]]
