@@ -506,3 +506,48 @@ def test_a_validation_loop_of_ones_own_gets_the_same_clips_with_set_epoch_0(vide
         drifting = [c for b in loader for c in clips_of(b)]  # epoch 1: no set_epoch(0)
     assert all(same_clips([(0, *c) for c in p], [(0, *c) for c in passes[0]]) for p in passes[1:])
     assert [s for _, s, _ in drifting] != [s for _, s, _ in passes[0]]
+
+
+# -- s3:// ------------------------------------------------------------------------------------------------------
+
+def _s3_run(rank: int, world: int, port: int, urls: dict[str, str], out: str, cache: dict) -> None:
+    """A rank reading each kind's epoch 0 from ``s3://`` through the node's one cache (``cache``: the Loader's
+    cache options), its batches to ``KIND.s3.rankR.pt``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for kind, url in urls.items():
+            with clip_loader(kind, url, **cache) as loader:
+                got = []
+                for batch in loader:
+                    got.append(batch)
+                    dist.all_reduce(torch.ones(1))
+            torch.save(got, Path(out, f"{kind}.s3.rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_read_clips_from_s3_through_one_small_cache_as_from_disk(moto_server, s3_bucket, rank_runs,
+                                                                          rank_data, tmp_path):
+    """The video and audio datasets (3 shards each) on a real S3 server (moto), read by 2 ranks sharing one node
+    cache that holds 3 of the largest (so it evicts): each rank's batches are those it read from the local
+    datasets, bit for bit."""
+    from fastio.dataset.manifest import MANIFEST_NAME
+    from fastio.storage import open_storage
+
+    urls, largest = {}, 0
+    for kind in ("video", "audio"):
+        urls[kind] = f"s3://{s3_bucket}/{kind}"
+        open_storage(urls[kind], moto_server.options()).publish_dir(Path(rank_data[kind]),
+                                                                    keys_last=(MANIFEST_NAME,))
+        largest = max([largest, *(p.stat().st_size for p in Path(rank_data[kind], "shards").glob("*.tar"))])
+    cache = {"cache_dir": str(tmp_path / "cache"), "cache_size": 3 * largest + 4096,
+             "storage_options": moto_server.options()}
+    start_ranks(_s3_run, (2, free_port(), urls, str(tmp_path), cache), 2)
+    for kind in urls:
+        for rank, local in enumerate(_runs(rank_runs, kind, "first", 2)):
+            remote = torch.load(tmp_path / f"{kind}.s3.rank{rank}.pt", weights_only=False)
+            assert len(remote) == len(local["batches"]), (kind, rank)
+            for k, (x, y) in enumerate(zip(remote, local["batches"])):
+                assert same_batch(x, y), f"{kind}, rank {rank}: batch {k} differs from the local dataset's"
