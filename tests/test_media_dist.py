@@ -263,10 +263,11 @@ def test_a_mid_epoch_state_of_two_ranks_resumes_on_another_number_each_sample_on
 # -- Lightning ------------------------------------------------------------------------------------------------
 
 def _lightning_fit(dest, pipeline, where: Path, *, epochs: int, save_every: int = 0, resume: str | None = None,
-                   validate: bool = False) -> dict:
-    """One Lightning fit (one process, CPU) of a tiny model on a clip dataset through FastioDataModule (the
-    dataset also validated on, with the pipeline's evaluation form, where ``validate``): the clips it trained and
-    validated on (``(epoch, index, start, clip)`` each) and its final weights."""
+                   validate: bool = False, devices: int = 1) -> dict:
+    """One Lightning fit (CPU; ``devices`` > 1: this process is a rank of ``strategy="ddp"`` on gloo) of a tiny
+    model on a clip dataset through FastioDataModule (the dataset also validated on, with the pipeline's
+    evaluation form, where ``validate``): the clips this rank trained and validated on (``(epoch, index, start,
+    clip)`` each) and the final weights."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -294,7 +295,8 @@ def _lightning_fit(dest, pipeline, where: Path, *, epochs: int, save_every: int 
 
     callbacks = [ModelCheckpoint(dirpath=where, filename="{step}", save_top_k=-1,
                                  every_n_train_steps=save_every)] if save_every else []
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=devices, logger=False, callbacks=callbacks,
+                         strategy="ddp" if devices > 1 else "auto",
                          enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, default_root_dir=where)
     data = FastioDataModule(str(dest), str(dest) if validate else None, pipeline=pipeline, **LOADER)
@@ -551,3 +553,76 @@ def test_two_ranks_read_clips_from_s3_through_one_small_cache_as_from_disk(moto_
             assert len(remote) == len(local["batches"]), (kind, rank)
             for k, (x, y) in enumerate(zip(remote, local["batches"])):
                 assert same_batch(x, y), f"{kind}, rank {rank}: batch {k} differs from the local dataset's"
+
+
+def _lightning_ddp_rank(rank: int, plan: str) -> None:
+    """A process of ``_lightning_ddp_runs``: the runs of ``plan`` (``plan_runs.run_plan``) as rank ``rank`` of
+    those it is in, started as ``plan_runs.launch`` starts its processes."""
+    import os
+
+    import torch.distributed
+    from plan_runs import run_plan
+
+    os.environ.update(LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", NODE_RANK="0")
+    torch.set_num_threads(1)
+    run_plan(plan, _lightning_ddp_run, torch.distributed.destroy_process_group)
+
+
+def _lightning_ddp_run(argv: list[str]) -> None:
+    """One run of the plan: ``argv[0]`` its options (JSON); the rank's result to ``OUT/NAME.rankR.pt``."""
+    import json
+    import os
+
+    run = json.loads(argv[0])
+    result = _lightning_fit(run["data"], audio_pipeline(), Path(run["where"]), epochs=run["epochs"],
+                            save_every=run.get("save_every", 0), resume=run.get("resume"), validate=True,
+                            devices=int(os.environ["WORLD_SIZE"]))
+    torch.save(result, Path(run["out"], f"{run['name']}.rank{os.environ['RANK']}.pt"))
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp_runs(tmp_path_factory, audio_ds) -> Path:
+    """AudioClips under Lightning DDP (gloo), in one set of 3 processes: a whole run of 3 epochs on 2 ranks
+    (2 steps an epoch, a checkpoint every step, validation each epoch), then resumes from its step 3 (mid-epoch
+    1) on 2 ranks and on 3."""
+    import json
+
+    out = tmp_path_factory.mktemp("lightning-ddp")
+    common = {"data": str(audio_ds), "out": str(out), "epochs": 3}
+    resume = {**common, "resume": str(out / "whole" / "step=3.ckpt")}
+    runs = [(2, {**common, "name": "whole", "where": str(out / "whole"), "save_every": 1}),
+            (2, {**resume, "name": "resume2", "where": str(out / "resume2")}),
+            (3, {**resume, "name": "resume3", "where": str(out / "resume3")})]
+    plan = out / "plan.json"
+    plan.write_text(json.dumps({"done": str(out), "runs": [
+        {"devices": n, "port": free_port(), "argv": [json.dumps(run)]} for n, run in runs]}))
+    start_ranks(_lightning_ddp_rank, (str(plan),), 3)
+    return out
+
+
+def test_lightning_ddp_audio_clips_resume_mid_epoch_on_two_ranks_and_three(lightning_ddp_runs, audio_ds):
+    """2 ranks resumed from step 3 train the clips the whole run trained after it (each rank its own, bit for bit)
+    and end with its weights; 3 ranks train the rest of epoch 1 and all of epoch 2, each sample once an epoch with
+    the clip one process gives it; every validation run of every rank gives each sample the same clip."""
+    pytest.importorskip("lightning.pytorch")
+    out = lightning_ddp_runs
+    whole = [torch.load(out / f"whole.rank{r}.pt", weights_only=False) for r in range(2)]
+    again = [torch.load(out / f"resume2.rank{r}.pt", weights_only=False) for r in range(2)]
+    three = [torch.load(out / f"resume3.rank{r}.pt", weights_only=False) for r in range(3)]
+    for w, a in zip(whole, again):
+        assert len(a["trained"]) == 6 and same_clips(a["trained"], w["trained"][6:])  # 3 steps of 2 clips
+        assert all(torch.equal(w["weights"][k], a["weights"][k]) for k in w["weights"])
+    epochs = {}
+    for e in (1, 2):
+        with clip_loader("audio", audio_ds, world_size=1, rank=0) as loader:
+            loader.set_epoch(e)
+            epochs[e] = {i: (s, c) for b in loader for i, s, c in clips_of(b)}
+    trained = [t for w in whole for t in w["trained"][:6] if t[0] == 1] + [t for r in three for t in r["trained"]]
+    for e in (1, 2):
+        mine = [t for t in trained if t[0] == e]
+        assert sorted(t[1] for t in mine) == list(range(8)), e
+        assert all(t[2] == epochs[e][t[1]][0] and torch.equal(t[3], epochs[e][t[1]][1]) for t in mine), e
+    clip_of = {}
+    for _, i, s, c in (v for r in whole + again + three for v in r["validated"]):
+        assert same_clips([(0, i, s, c)], [(0, i, *clip_of.setdefault(i, (s, c)))]), i
+    assert sorted(clip_of) == list(range(8))
