@@ -236,6 +236,7 @@ class Loader:
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
+        self.pipeline.check_device(rs, self.device)
 
     # -- order and position -------------------------------------------------------------------------
 

@@ -254,7 +254,7 @@ def check_still_clip(clip, color) -> None:
 def test_a_mixture_of_video_and_images_gives_still_clips(video_ds, photo_ds):
     import fastio
 
-    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    mix = fastio.Mixture({"clips": str(nvdec_video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
     pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
     with video_loader(mix, pipe, batch_size=4) as loader:
         batches = [b for _ in range(2) for b in loader]
@@ -297,7 +297,7 @@ def test_a_mixture_of_video_and_images_resumes_exactly(video_ds, photo_ds):
 
     import fastio
 
-    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
+    mix = fastio.Mixture({"clips": str(nvdec_video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
     check_resume(lambda: video_loader(mix, batch_size=3), n=2, k=3)
 
 
@@ -454,8 +454,21 @@ def torch_float32():
     return torch.float32
 
 
+@pytest.fixture(scope="module")
+def nvdec_video_ds(tmp_path_factory) -> Path:
+    """VP9 videos at 160 x 144: NVDEC takes VP9 from 128 x 128 up (``video_ds``' 64 x 48 is below it)."""
+    root = tmp_path_factory.mktemp("nvdec-videos")
+    for c in range(2):
+        for i in range(3):
+            synthetic.make_video(root / f"c{c}" / f"v{i}.webm", frames=12 + 4 * i, fps=12, width=160, height=144)
+    dest = tmp_path_factory.mktemp("nvdec-vds") / "ds"
+    convert(ConvertConfig(source=root, dest=dest, workers=1, progress=False))
+    return dest
+
+
 @pytest.mark.gpu
-def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
+def test_video_clips_decode_with_nvdec_on_cuda(nvdec_video_ds):
+    video_ds = nvdec_video_ds
     """device='cuda': fn.decoders.video on the mixed backend (NVDEC); the same frames as the CPU path shows."""
     cpu = video_loader(video_ds)
     gpu = video_loader(video_ds, device="cuda")
@@ -466,12 +479,12 @@ def test_video_clips_decode_with_nvdec_on_cuda(video_ds):
 
 
 @pytest.mark.gpu
-def test_still_clips_and_audio_on_cuda_match_the_cpu(video_ds, photo_ds, audio_ds):
+def test_still_clips_and_audio_on_cuda_match_the_cpu(nvdec_video_ds, photo_ds, audio_ds):
     """device='cuda': a video + image mixture (NVDEC for the videos, nvJPEG's mixed decoder for the images) shows
     the CPU path's frames and colours; audio decoded on the CPU arrives on the GPU with the CPU path's samples."""
     import fastio
 
-    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    mix = fastio.Mixture({"clips": str(nvdec_video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
     pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
     with video_loader(mix, pipe, batch_size=4) as cpu, video_loader(mix, pipe, batch_size=4, device="cuda") as gpu:
         for x, y in zip(cpu, gpu, strict=True):

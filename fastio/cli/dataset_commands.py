@@ -54,8 +54,12 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
 @click.option("--transcode", default=None, metavar="vp9",
-              help="Re-encode video DALI's CPU decoder cannot read (H.264, HEVC, MPEG-4) as VP9 WebM (default: "
-                   "such video is skipped and listed).")
+              help="Re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
+                   "WebM (default: such video is skipped and listed).")
+@click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
+              help="What the videos are kept for: cpu (DALI's CPU decoder: VP8, VP9, MJPEG) or nvdec (decoded on a "
+                   "GPU, Loader device='cuda': also H.264, HEVC, MPEG-4, AV1 kept as they are; a CPU Loader refuses "
+                   "them).")
 @click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
               help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
                    "one (see --on-error); 0: no limit of fastio's own.")
@@ -98,7 +102,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
             text_field: str | None, eos: str | None, endpoint_url: str | None, region: str | None,
-            profile: str | None, transcode: str | None = None) -> None:
+            profile: str | None, transcode: str | None = None, video_decoder: str = "cpu") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
@@ -122,7 +126,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
             key_column=key_column, labels=labels, root=root, part=part, progress=progress_wanted(quiet),
             progress_every_s=None if quiet or progress_wanted(quiet) else progress_every,
-            staging_dir=staging_dir,
+            staging_dir=staging_dir, video_decoder=video_decoder,
             storage_options=storage_options(endpoint_url, region, profile), **kwargs,
         )
     except ValueError as err:
@@ -195,6 +199,9 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--image-field", default=None, help="Main image field (default: the one most samples have).")
 @click.option("--name", default="webdataset", show_default=True, help="Dataset name in the manifest.")
 @click.option("--threads", type=int, default=4, show_default=True, help="Shards read at once.")
+@click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
+              help="Videos are probed for: cpu (VP8, VP9, MJPEG) or nvdec (a Loader with device='cuda': also H.264, "
+                   "HEVC, MPEG-4, AV1); a member the decoder cannot read stays in its shard, named, not probed.")
 @click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
                                                 "files are never written).")
 @click.option("--part", default=None, metavar="K/N",
@@ -207,7 +214,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
           threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
-          region: str | None, profile: str | None) -> None:
+          region: str | None, profile: str | None, video_decoder: str = "cpu") -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
@@ -224,7 +231,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     try:
         pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
         config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
-                             threads=threads, overwrite=overwrite, part=part,
+                             threads=threads, overwrite=overwrite, part=part, video_decoder=video_decoder,
                              storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
@@ -410,6 +417,9 @@ def _print_info(info: dict[str, Any]) -> None:
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
+    if info.get("videos"):
+        click.echo("videos:   " + ", ".join(f"{v['codec']} {v['count']}" + ("" if v["cpu"] else " (NVDEC only: "
+                                                                             "device='cuda')") for v in info["videos"]))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
         named = any(c["name"] for c in info["classes"])  # indexed shards have labels without names

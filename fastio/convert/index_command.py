@@ -66,7 +66,15 @@ from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
-from fastio.formats.media import PROBES_NAME, MediaCheckError, check_media, is_media_field, write_probe_table
+from fastio.formats.media import (
+    PROBES_NAME,
+    VIDEO_DECODERS,
+    MediaCheckError,
+    check_media,
+    is_media_field,
+    video_codecs_of,
+    write_probe_table,
+)
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
@@ -111,6 +119,9 @@ class IndexConfig:
     into ``DEST/.parts/``; ``fastio merge DEST`` then publishes the dataset. Local DEST only."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
+    video_decoder: str = "cpu"
+    """The decode path the videos are probed for (as ``fastio convert``'s): ``cpu``, or ``nvdec`` (H.264, HEVC,
+    MPEG-4, AV1 probed too, for a Loader with ``device="cuda"``); a member it cannot read is named, not probed."""
 
     def __post_init__(self):
         if not str(self.source).strip():
@@ -119,6 +130,8 @@ class IndexConfig:
             raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
         if self.part is not None:
             parse_part(self.part)  # ValueError naming part
+        if self.video_decoder not in VIDEO_DECODERS:
+            raise ValueError(f"video_decoder: must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
         for key in ("label_field", "image_field"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
@@ -361,16 +374,18 @@ def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...]) -> tuple[TarContents, list[dict[str, Any]]]:
+def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...],
+          video_decoder: str = "cpu") -> tuple[TarContents, list[dict[str, Any]]]:
     """The tar's contents and each sample's media members probed (:func:`_probe_members`)."""
     with _local_copy(shard, staging) as path:
         got = read_tar(path, shard.display, label_fields)
-        return got, _probe_members(path, got.entries, shard.display)
+        return got, _probe_members(path, got.entries, shard.display, video_decoder)
 
 
-def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[dict[str, Any]]:
+def _probe_members(path: Path, entries: list[IndexEntry], display: str,
+                   video_decoder: str = "cpu") -> list[dict[str, Any]]:
     """Per sample, each video or audio member's probe (a dict, as convert's ``probe.json``), or the reason it
-    could not be probed or the CPU decoders cannot read it (:func:`fastio.formats.media.check_media`): read once
+    could not be probed or ``video_decoder`` cannot read it (:func:`fastio.formats.media.check_media`): read once
     with PyAV while indexing, since the shards are never rewritten (the probes go to DEST's probe table)."""
     rows: list[dict[str, Any]] = [{} for _ in entries]
     media = [(j, field_of(ext), offset, size) for j, e in enumerate(entries) for ext, offset, size in e.members
@@ -379,7 +394,7 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str) -> list[
     try:
         for j, name, offset, size in media:
             try:
-                rows[j][name] = json.loads(check_media(os.pread(fd, size, offset), name))
+                rows[j][name] = json.loads(check_media(os.pread(fd, size, offset), name, video_decoder))
             except MediaCheckError as err:
                 rows[j][name] = str(err)
     except ImportError:  # PyAV, imported by the probe on use
@@ -500,7 +515,8 @@ def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
     """What every part of one index shares (compared by the merge)."""
     return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
             "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
-                        "in_place": in_place}}
+                        "in_place": in_place,
+                        **({"video_decoder": config.video_decoder} if config.video_decoder != "cpu" else {})}}
 
 
 def _listing_digest(shards: list[_Shard]) -> str:
@@ -545,7 +561,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
     with ThreadPoolExecutor(min(config.threads, len(shards)), thread_name_prefix="fastio-index") as pool:
         contents = []
         labels = (config.label_field,) if config.label_field is not None else LABEL_FIELDS
-        for i, got in enumerate(pool.map(lambda s: _read(s, tmp, labels), shards)):
+        for i, got in enumerate(pool.map(lambda s: _read(s, tmp, labels, config.video_decoder), shards)):
             contents.append(got)
             if progress is not None:
                 progress(i + 1, len(shards))
@@ -592,8 +608,10 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     staged.mkdir()
     index = builder.publish(staged / INDEX_NAME, fields)
     probes = _probe_table(staged / PROBES_NAME, done.probes)
+    codecs = video_codecs_of(done.probes)
     manifest = make_manifest(
         name=name, shards=done.records, fields=fields, index=index, **probes, image_field=image,
+        **({"video_codecs": codecs} if codecs else {}),
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
         label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
         converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})

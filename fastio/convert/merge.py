@@ -52,6 +52,7 @@ from fastio.dataset.shards import ShardWriter, sample_span, starts_new_shard
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.dali_idx import IndexEntry, parse_index
 from fastio.formats.images import is_image_field
+from fastio.formats.media import join_video_codecs
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.tokens.convert import TOKEN_PLAN
@@ -268,6 +269,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
     samples: list[_Sample] = []
     part_shards: dict[tuple[int, int], Path] = {}
     fields: set[str] = set()
+    codecs: dict[str, dict[str, int]] = {}
     skipped = list(plan["scan_skipped"])
     for record in records:
         out = part_dir(dest, record.part, record.of) / name
@@ -276,6 +278,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         except DatasetError as err:
             raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
         fields.update(manifest.fields)
+        join_video_codecs(codecs, manifest.video_codecs, len(samples))
         skipped += manifest.skipped or []
         for shard in manifest.shards:
             path = out / SHARDS_DIR / shard.name
@@ -307,7 +310,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         label_rule=plan.get("label_rule"), convert_options=options)
     if name:
         manifest_fields["split"] = {"name": name, "of": sorted(records[0].datasets)}
-    return planned, manifest_fields
+    return planned, {**manifest_fields, **({"video_codecs": codecs} if codecs else {})}
 
 
 def _cuts(samples: list[_Sample], max_bytes: int, max_samples: int | None) -> list[tuple[int, int]]:

@@ -62,7 +62,15 @@ from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
-from fastio.formats.media import PROBE_FIELD, TRANSCODES, MediaCheckError, is_media_field, prepare_media
+from fastio.formats.media import (
+    PROBE_FIELD,
+    TRANSCODES,
+    VIDEO_DECODERS,
+    MediaCheckError,
+    count_video_codec,
+    is_media_field,
+    prepare_media,
+)
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
 from fastio.storage import S3Storage, Storage, is_remote, open_storage
@@ -173,8 +181,12 @@ class ConvertConfig:
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
-    """``vp9``: re-encode video the CPU decoder cannot read (H.264, HEVC, ...) as VP9 WebM (field ``webm``);
-    None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
+    """``vp9``: re-encode video the ``video_decoder`` cannot read (the CPU's: H.264, HEVC, ...) as VP9 WebM
+    (field ``webm``); None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
+    video_decoder: str = "cpu"
+    """The decode path the stored videos are for: ``cpu`` (DALI's CPU decoder: VP8, VP9, MJPEG) or ``nvdec``
+    (DALI's mixed decoder on a GPU, ``Loader(device="cuda")``: also H.264, HEVC, MPEG-4, AV1, kept as they are;
+    a Loader on the CPU refuses a dataset holding them). Recorded as ``convert_options.video_decoder``."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -238,6 +250,8 @@ class ConvertConfig:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
         if self.transcode is not None and self.transcode not in TRANSCODES:
             raise ValueError(f"transcode must be vp9 (or None), got {self.transcode!r}")
+        if self.video_decoder not in VIDEO_DECODERS:
+            raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         if not is_plain_name(self.name):
@@ -252,7 +266,8 @@ class ConvertConfig:
         return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
-                "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {})}
+                "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {}),
+                **({"video_decoder": self.video_decoder} if self.video_decoder != "cpu" else {})}
 
 
 @dataclass
@@ -300,8 +315,8 @@ class ConvertResult:
 
 # -- loading, in worker processes -------------------------------------------------------------------
 
-# (max_side, quality, max_pixels, label field, transcode): set in each worker by _init_worker.
-_LOAD_OPTIONS: tuple = (None, 90, DEFAULT_MAX_PIXELS, None, None)
+# (max_side, quality, max_pixels, label field, transcode, video decoder): set in each worker by _init_worker.
+_LOAD_OPTIONS: tuple = (None, 90, DEFAULT_MAX_PIXELS, None, None, "cpu")
 
 
 _IN_WORKER = False
@@ -315,12 +330,12 @@ def _init_worker(options: tuple, in_worker: bool = False) -> None:
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
     and that they decode (and with ``max_side`` re-encode them); probe each video or audio field once and add
-    the probe as the ``probe.json`` field (:func:`fastio.formats.media.check_media`: a codec the CPU decoders cannot
-    read is a bad sample).
+    the probe as the ``probe.json`` field (:func:`fastio.formats.media.check_media`: a codec the video decoder
+    cannot read is a bad sample).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    max_side, quality, max_pixels, label_field, transcode = _LOAD_OPTIONS
+    max_side, quality, max_pixels, label_field, transcode, video_decoder = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
     for name, value in entry.fields:
@@ -340,7 +355,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 return None, f"field {name!r}: {err}", where
         if is_media_field(name):
             try:
-                name, value, out[PROBE_FIELD] = prepare_media(value, name, transcode)
+                name, value, out[PROBE_FIELD] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
         if is_image_field(name):
@@ -472,9 +487,11 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                    scan_skipped: list[dict[str, str]], allow_empty: bool = False, **manifest_fields: Any):
     """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes).
 
-    On any error the shard being written stays a hidden temporary and is dropped (the writer aborts)."""
+    On any error the shard being written stays a hidden temporary and is dropped (the writer aborts). The
+    manifest counts the videos of each codec (``video_codecs``) when there are any."""
     skipped: list[dict[str, str]] = []
-    nbytes = 0
+    codecs: dict[str, dict[str, int]] = {}
+    nbytes, written = 0, 0
     with ShardWriter(out, name=config.name, max_bytes=config.shard_size,
                      max_samples=config.max_samples_per_shard) as writer:
         for entry, (fields, reason, where) in loaded:
@@ -488,10 +505,13 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                 fields = resolve_fields(fields)
             except OSError as err:
                 raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
+            if PROBE_FIELD in fields:
+                count_video_codec(codecs, written, fields[PROBE_FIELD])
             try:
                 writer.write({"__key__": entry.key, **fields})
             except ValueError as err:  # e.g. a column name too long for a tar member name
                 raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
+            written += 1
             size = sum(len(v) for v in fields.values())
             nbytes += size
             progress.update(1, size)
@@ -499,6 +519,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
             of_split = f" of split {split_name}" if split_name else ""
             raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
+        if codecs:
+            manifest_fields["video_codecs"] = codecs
         manifest = writer.close(skipped=scan_skipped + skipped,
                                 image_fields=sorted(f for f in writer.fields if is_image_field(f)), **manifest_fields)
     return manifest, skipped, nbytes
@@ -659,7 +681,8 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
     all_skipped: list[dict[str, str]] = []
     bytes_in = 0
     pool = None
-    load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode)
+    load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode,
+                    config.video_decoder)
     if config.workers > 1:
         import multiprocessing as mp
 

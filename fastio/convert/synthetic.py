@@ -123,17 +123,20 @@ def frame_of_level(red: np.ndarray) -> np.ndarray:
 
 
 def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int = 64, height: int = 48,
-               keyframe_every: int | None = None) -> Path:
+               keyframe_every: int | None = None, bframes: int = 0) -> Path:
     """A video whose frame k is uniform gray :func:`frame_level` (k). The codec follows the suffix
     (:data:`VIDEO_CODECS`: ``.webm`` VP9, ``.mp4`` H.264); flat gray pictures at a low crf keep the level within
     1, so a decoded frame's mean tells its number (:func:`frame_of_level`), after any crop, resize or flip.
-    ``keyframe_every``: the encoder's keyframe interval (default: the encoder's, 128 frames for VP9)."""
+    ``keyframe_every``: the encoder's keyframe interval (default: the encoder's, 128 frames for VP9).
+    ``bframes`` (H.264): up to that many B-frames in a row, stored in decode order (not display order)."""
     import av
 
     path = Path(path)
     if not 1 <= frames <= 56:
         raise ValueError(f"frames must be in 1..56, got {frames}")
     codec = VIDEO_CODECS[path.suffix.lstrip(".")]
+    if bframes and codec != "libx264":
+        raise ValueError(f"bframes: only for H.264 (.mp4), got {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=fps)
@@ -141,7 +144,8 @@ def make_video(path: str | Path, *, frames: int = 24, fps: int = 24, width: int 
         if keyframe_every is not None:
             stream.codec_context.gop_size = keyframe_every
         stream.options = {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"} \
-            if codec == "libvpx-vp9" else {"crf": "4", "preset": "ultrafast"}
+            if codec == "libvpx-vp9" else {"crf": "4", "preset": "ultrafast",
+                                           **({"x264-params": f"bframes={bframes}:b-adapt=0"} if bframes else {})}
         for k in range(frames):
             rgb = np.full((height, width, 3), frame_level(k), np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):

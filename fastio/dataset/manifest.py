@@ -285,7 +285,7 @@ _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
 
 
 _OPTIONAL_KEYS = ("kind", "tokens", "index", "probes", "image_field", "image_fields", "field_counts", "label_field",
-                  "label_map", "label_rule", "skipped", "source", "convert_options", "split")
+                  "label_map", "label_rule", "skipped", "source", "convert_options", "split", "video_codecs")
 """The manifest's optional keys: written when set (or named in :attr:`Manifest.nulls`), absent otherwise."""
 
 _ATTRIBUTES = {"source": "converted_from"}
@@ -352,6 +352,10 @@ class Manifest:
     """The options of the conversion that wrote it."""
     split: dict[str, Any] | None = None
     """``{name, of}`` for one split of a ``split`` DEST."""
+    video_codecs: dict[str, dict[str, int]] | None = None
+    """Per codec of the samples' videos (``h264``, ``vp9``, as probed): ``{"count": samples, "first": the first
+    one's sample index}``, so a Loader tells without reading a probe whether its decoder reads them all (written by
+    convert and index when a sample has a video; None: no video, or written before it was recorded)."""
     nulls: frozenset[str] = frozenset()
     """Optional keys written as JSON ``null`` (a writer naming a key it has no value for, e.g. convert's
     ``label_map`` for a source without class names): kept, so that a manifest's bytes say what they said."""
@@ -635,10 +639,19 @@ def _validate(manifest: Any, path: str) -> None:
         "a list of {path, reason}")
     for key in ("source", "convert_options", "split"):
         _optional(manifest, key, path, lambda v: isinstance(v, dict), "an object")
+    _optional(manifest, "video_codecs", path, lambda v: _codec_counts(v, total), "an object of codec to {count, "
+              "first} within the samples")
     for key in ("index", "probes"):
         if manifest.get(key) is not None:
             IndexRecord.from_dict(manifest[key], f"{path}: {key}")
     _validate_kind(manifest, path)
+
+
+def _codec_counts(value: Any, total: int) -> bool:
+    """Whether ``value`` is a ``video_codecs`` entry: codec -> ``{count, first}``, within ``total`` samples."""
+    return isinstance(value, dict) and all(
+        isinstance(c, str) and isinstance(r, dict) and r.keys() == {"count", "first"} and type(r["count"]) is int
+        and type(r["first"]) is int and 0 < r["count"] <= total and 0 <= r["first"] < total for c, r in value.items())
 
 
 def _validate_kind(manifest: dict[str, Any], path: str) -> None:

@@ -4,8 +4,9 @@ decode path reads.
 ``fastio convert`` probes every video or audio file once (PyAV, :func:`probe`) and stores the result beside
 it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
-cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that DALI's CPU
-decoders cannot read (H.264, HEVC, MPEG-4, AV1 video; MP3 audio), with the way out in the message; with
+cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the chosen
+video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
+``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`) or MP3 audio, with the way out in the message; with
 ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
 
@@ -22,7 +23,8 @@ import os
 from typing import Any
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
-           "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media", "write_probe_table",
+           "DECODER_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media",
+           "count_video_codec", "join_video_codecs", "video_codecs_of", "write_probe_table",
            "is_audio_field", "is_media_field", "is_video_field",
            "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
            "probe", "trim_video"]
@@ -34,6 +36,11 @@ PROBE_FIELD = "probe.json"
 """The field holding a media sample's probe (JSON: ``kind`` and the numbers of :func:`probe`)."""
 CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
 """Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); others need NVDEC (``device="cuda"``)."""
+DECODER_CODECS = {"cpu": CPU_VIDEO_CODECS, "nvdec": ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")}
+"""The video codecs each decode path reads: ``cpu`` (``fn.decoders.video(device="cpu")``) and ``nvdec`` (its mixed
+backend, ``Loader(device="cuda")``; DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1 on the mixed backend only)."""
+VIDEO_DECODERS = tuple(DECODER_CODECS)
+"""What ``fastio convert --video-decoder`` takes: the decode path the stored videos are meant for."""
 CPU_AUDIO_REFUSED = ("mp3", "mp3float")
 """Audio codecs ``fn.decoders.audio`` fails on (DALI 2.4)."""
 
@@ -85,8 +92,13 @@ def _probe_video(container, stream) -> dict[str, Any]:
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
-            "codec": stream.codec_context.name, "width": stream.width, "height": stream.height,
+            "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key]}
+
+
+def _codec_name(context) -> str:
+    """The codec's own name (``av1``), not its decoder's (PyAV opens AV1 with ``libdav1d``)."""
+    return getattr(context.codec, "canonical_name", None) or context.name
 
 
 def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None) -> tuple[bytes, int]:
@@ -170,32 +182,68 @@ def transcode_vp9(data: bytes) -> bytes:
     return out_buf.getvalue()
 
 
-def prepare_media(data: bytes, field: str, transcode: str | None = None) -> tuple[str, bytes, bytes]:
+def prepare_media(data: bytes, field: str, transcode: str | None = None,
+                  video_decoder: str = "cpu") -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
-    ``transcode="vp9"`` a video the CPU decoder cannot read re-encoded (field ``webm``); MediaCheckError
-    otherwise (:func:`check_media`)."""
+    ``transcode="vp9"`` a video that ``video_decoder`` (:data:`DECODER_CODECS`) cannot read re-encoded (field
+    ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
     if transcode is not None and is_video_field(field):
         info = probe(data, field)
-        if info["codec"] not in CPU_VIDEO_CODECS:
+        if info["codec"] not in DECODER_CODECS[video_decoder]:
             data, field = transcode_vp9(data), "webm"
-    return field, data, check_media(data, field)
+    return field, data, check_media(data, field, video_decoder)
 
 
-def check_media(data: bytes, field: str) -> bytes:
-    """The ``probe.json`` bytes of a video or audio file the CPU decode path reads; MediaCheckError (its
-    message: why, with the way out for a codec) otherwise."""
+def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
+    """The ``probe.json`` bytes of a video file ``video_decoder`` reads (``cpu``: DALI's CPU decoder; ``nvdec``:
+    its mixed decoder on a GPU; :data:`DECODER_CODECS`) or of an audio file DALI's audio decoder reads;
+    MediaCheckError (its message: why, with the ways out for a codec) otherwise."""
     info = probe(data, field)
     codec = info["codec"]
-    if info["kind"] == "video" and codec not in CPU_VIDEO_CODECS:
-        raise MediaCheckError(f"video codec {codec} is not read by DALI's CPU decoder (it reads "
-                              f"{', '.join(CPU_VIDEO_CODECS)}): re-encode it as VP9 "
-                              f"(e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); "
-                              f"or convert with --transcode vp9 (transcode='vp9'); decoding it with NVDEC on a GPU is "
-                              f"not supported yet")
+    if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
+        raise MediaCheckError(_video_refusal(codec, video_decoder))
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
                               f"WAV or Opus (e.g. ffmpeg -c:a flac)")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _video_refusal(codec: str, video_decoder: str) -> str:
+    """Why a video of ``codec`` is not kept for ``video_decoder``, and the ways out."""
+    recode = ("re-encode it as VP9 (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); or convert with "
+              "--transcode vp9 (transcode='vp9')")
+    if video_decoder == "nvdec":
+        return (f"video codec {codec} is not read by DALI's CPU decoder nor by its NVDEC decoder (it reads "
+                f"{', '.join(DECODER_CODECS['nvdec'])}): {recode}")
+    gpu = codec in DECODER_CODECS["nvdec"]
+    return (f"video codec {codec} is not read by DALI's CPU decoder (it reads {', '.join(CPU_VIDEO_CODECS)}): "
+            f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda') with "
+                           "--video-decoder nvdec (video_decoder='nvdec')" if gpu else ""))
+
+
+def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json: bytes) -> None:
+    """Count sample ``index`` in ``codecs`` (a manifest's ``video_codecs``: per codec ``count`` and ``first``
+    sample) when its ``probe.json`` is a video's."""
+    info = json.loads(probe_json)
+    if info.get("kind") == "video":
+        codecs.setdefault(info["codec"], {"count": 0, "first": index})["count"] += 1
+
+
+def video_codecs_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """The ``video_codecs`` count of samples whose probes are ``rows`` (per sample: field -> probe dict, or the
+    reason it has none; as ``fastio index`` keeps them): a sample counts once per codec its videos have."""
+    codecs: dict[str, dict[str, int]] = {}
+    for i, row in enumerate(rows):
+        for codec in sorted({p["codec"] for p in row.values() if isinstance(p, dict) and p.get("kind") == "video"}):
+            codecs.setdefault(codec, {"count": 0, "first": i})["count"] += 1
+    return codecs
+
+
+def join_video_codecs(codecs: dict[str, dict[str, int]], more: dict[str, dict[str, int]] | None,
+                      offset: int) -> None:
+    """Add the counts ``more`` of samples that follow ``offset`` samples (a later part's) to ``codecs``."""
+    for codec, seen in (more or {}).items():
+        codecs.setdefault(codec, {"count": 0, "first": offset + seen["first"]})["count"] += seen["count"]
 
 
 def parse_probe(data: bytes, where: str) -> dict[str, Any]:

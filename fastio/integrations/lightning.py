@@ -10,11 +10,14 @@ Lightning as a :class:`LightningLoader`:
 - ``state_dict``/``load_state_dict`` make it stateful in Lightning's sense: the position is saved in every
   checkpoint (``loops.fit_loop.state_dict.combined_loader``) and restored by ``trainer.fit(ckpt_path=...)``,
   mid-epoch included; the state is global (samples consumed by all ranks), so rank 0's serves every rank;
-- ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the Loader to that epoch
-  (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
+- ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the training Loader to that
+  epoch (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
   also when ``limit_train_batches`` or a restore ends an epoch early. Lightning may call ``iter()`` before
   ``set_epoch`` (a resume from an end-of-epoch checkpoint does), so the Loader's iteration starts at the first
   batch asked for, not at ``iter()``;
+- the validation Loader has no ``sampler``: every validation run reads its epoch 0 from the start, so each
+  sample comes with the same clip (a clip kind draws its starts per epoch) on every run of a fit and of a
+  resumed or another fit, and validation losses compare the same inputs;
 - a mid-epoch position restored at another world size leaves the Loader fewer (or more) batches than
   Lightning's restored batch counter implies (it counts the batches of the old size and ends the epoch at
   ``len(loader)`` of the new one). The training loader sets that counter of the fit loop to
@@ -105,16 +108,17 @@ class LightningLoader:
 
     Iterating, ``len``, ``state_dict``/``load_state_dict`` and every other attribute are the Loader's own
     (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself). ``whole_epochs=True``
-    (validation): each iteration starts an epoch from its beginning, also when the last one was left unfinished
-    (Lightning's sanity check reads 2 batches; ``limit_val_batches``). ``trainer`` (the training loader's):
-    ``load_state_dict`` reconciles the trainer's batch counter with the restored position (module docstring).
+    (validation): each iteration reads epoch 0 from its beginning, also when the last one was left unfinished
+    (Lightning's sanity check reads 2 batches; ``limit_val_batches``), and there is no ``sampler`` for Lightning's
+    ``set_epoch``: the same batches every time. ``trainer`` (the training loader's): ``load_state_dict``
+    reconciles the trainer's batch counter with the restored position (module docstring).
     """
 
     batch_sampler = None  # Lightning looks for a sampler here too; there is none
 
     def __init__(self, loader: Loader, *, whole_epochs: bool = False, trainer: pl.Trainer | None = None):
         self.loader = loader
-        self.sampler = _EpochSetter(loader)
+        self.sampler = None if whole_epochs else _EpochSetter(loader)
         self.whole_epochs = whole_epochs
         self._trainer = trainer
 
@@ -124,8 +128,8 @@ class LightningLoader:
     def _batches(self) -> Iterator[dict[str, Any]]:
         # A generator: nothing runs until the first batch is asked for, so a set_epoch between iter() and it
         # (Lightning's order when it resumes from an end-of-epoch checkpoint) moves the Loader before it starts.
-        if self.whole_epochs and self.loader.state_dict()["consumed"]:
-            self.loader.set_epoch(self.loader.epoch + 1)
+        if self.whole_epochs:
+            _rewind(self.loader)
         yield from self.loader
 
     def __len__(self) -> int:
@@ -144,6 +148,13 @@ class LightningLoader:
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
         return getattr(self.__dict__["loader"], name)
+
+
+def _rewind(loader: Loader) -> None:
+    """Move ``loader`` to the start of its epoch 0 (``set_epoch`` would keep a position within the epoch)."""
+    state = loader.state_dict()
+    if (state["epoch"], state["consumed"]) != (0, 0):
+        loader.load_state_dict({**state, "epoch": 0, "consumed": 0})
 
 
 def _validation_pipeline(train: Pipeline, options: dict[str, Any], val_options: dict[str, Any]) -> str | Pipeline:
@@ -165,8 +176,9 @@ class FastioDataModule(pl.LightningDataModule):
     validation Loader takes the same options with the training pipeline's evaluation form (``ImageTrain``'s
     options in ``ImageEval``, ``VideoClips`` center-cropped, ``Tokens`` as it is; ``pipeline="image-eval"`` where
     the training one is spelled the old way), ``shuffle="none"`` and ``remainder="partial"`` (each sample once;
-    repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads a whole
-    epoch of it. ``rank`` and ``world_size`` come from the trainer and cannot be given.
+    repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the same
+    whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size`` come
+    from the trainer and cannot be given.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,

@@ -162,6 +162,10 @@ class Pipeline:
             raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {self.kind!r} "
                                "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
 
+    def check_device(self, read_set: Any, device: str) -> None:
+        """DatasetError naming a dataset of ``read_set`` that cannot be decoded on ``device`` (``cpu`` or
+        ``cuda``), asked when the Loader is made; every kind decodes everything on both, but :class:`VideoClips`."""
+
     # -- the graph ----------------------------------------------------------------------------------
 
     def input_names(self) -> tuple[str, ...]:

@@ -18,10 +18,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.formats.media import PROBE_FIELD, is_audio_field, is_media_field, is_video_field, parse_probe, probe, trim_video
+from fastio.formats.media import (
+    CPU_VIDEO_CODECS,
+    PROBE_FIELD,
+    is_audio_field,
+    is_media_field,
+    is_video_field,
+    parse_probe,
+    probe,
+    trim_video,
+)
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
+from fastio.progress import count
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
@@ -299,14 +309,34 @@ class VideoClips(_Clips):
                 *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
                 np.ascontiguousarray(flip, np.int32))
 
+    def check_device(self, read_set: Any, device: str) -> None:
+        """On the CPU, DatasetError naming the first dataset whose manifest counts videos of a codec DALI's CPU
+        decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many, the first
+        (shard, key) and the ways out. A manifest without the count (written before it) holds none."""
+        if device == "cuda":
+            return
+        for source in read_set.sources:
+            ds = source.dataset
+            for codec, seen in sorted((ds.manifest.video_codecs or {}).items()):
+                if codec not in CPU_VIDEO_CODECS:
+                    i = seen["first"]
+                    raise DatasetError(
+                        f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
+                        f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
+                        "GPU with device='cuda' (NVDEC), or convert the files with --transcode vp9 (transcode='vp9')")
+
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
         """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
         still's image as it is), and the clip's start in its cut stream. DALI's CPU decoder decodes from its
         input's first frame whatever the start (docs/media.md), so a clip late in a long video would cost every
-        frame before it."""
+        frame before it. Only codecs the CPU decoder reads are cut (VP8, VP9, MJPEG: packets in display order):
+        H.264's or HEVC's B-frames are stored in decode order, so the packets up to the clip's last frame are not
+        its frames (and an open GOP's keyframe needs frames before it); those go whole to NVDEC (``device="cuda"``),
+        which finds the clip's frames in the file as DALI indexes it."""
         out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
-            for c in range(self.clips_per_video) if p is not None else ():
+            cut = p is not None and p.get("codec") in CPU_VIDEO_CODECS
+            for c in range(self.clips_per_video) if cut else ():
                 last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
                 data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"))
                 if k:

@@ -20,6 +20,7 @@ from fastio.dataset.dataset import Dataset
 from fastio.dataset.files import dest_child, dest_split_names
 from fastio.errors import DatasetError
 from fastio.formats.images import image_size, is_image_field
+from fastio.formats.media import CPU_VIDEO_CODECS
 from fastio.order.sampler import SHUFFLE_MODES, epoch_order
 from fastio.read.reader import Reader
 from fastio.tokens.megatron import MegatronIndex
@@ -218,6 +219,14 @@ def _image_info(ds: Dataset, max_images: int) -> dict[str, Any]:
                 "bytes": _stats(nbytes) if nbytes else None}}
 
 
+def _videos(ds: Dataset) -> dict[str, Any]:
+    """``{"videos": [{codec, count, cpu}]}`` from the manifest's count (``cpu``: DALI's CPU decoder reads it, else
+    only NVDEC, ``device="cuda"``), or nothing when it has none."""
+    codecs = ds.manifest.video_codecs or {}
+    return {"videos": [{"codec": c, "count": r["count"], "cpu": c in CPU_VIDEO_CODECS}
+                       for c, r in sorted(codecs.items())]} if codecs else {}
+
+
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
                  block_shards: int, seq_len: int, window: int, opening: dict[str, Any]) -> dict[str, Any]:
     ds = Dataset(root, **opening)
@@ -231,6 +240,7 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
         "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
+        **_videos(ds),
     }
     label = ds.label_field
     values = _label_classes(ds, info)
