@@ -364,6 +364,22 @@ def test_samples_holding_a_video_and_its_sound_give_both_kinds_of_clip(tmp_path)
         assert abs(tone_pitch(b["audio"][j].numpy(), 16000) - 440.0 * (label + 1)) < 25
 
 
+def test_transcode_into_a_field_the_sample_has_skips_it_instead_of_losing_a_video(tmp_path):
+    """``cam.mp4`` (H.264) and ``cam.webm`` grouped as one sample: ``--transcode vp9`` would store the re-encoded
+    H.264 in the field ``webm`` the sample already has, one video silently lost; the sample is skipped and named."""
+    src = tmp_path / "src"
+    synthetic.make_video(src / "cam.mp4", frames=6)
+    make_video(src / "cam.webm", "libvpx-vp9", "webm", frames=9)
+    (src / "cam.cls").write_text("0")
+    make_video(src / "other.webm", "libvpx-vp9", "webm", frames=9)
+    (src / "other.cls").write_text("1")
+    result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", format="files", workers=1, progress=False,
+                                   transcode="vp9"))
+    assert result.samples == 1
+    (skipped,) = result.skipped
+    assert "cam" in skipped["path"] and skipped["reason"].startswith("field 'webm' twice: another video"), skipped
+
+
 def test_a_probe_of_the_other_kind_is_named_not_a_key_error(tmp_path):
     """A sample of a video and its sound whose one ``probe.json`` is the sound's (as convert wrote them before it
     probed every media field): video clips name the sample and the way out, not a bare KeyError."""

@@ -360,6 +360,8 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 name, value, probes[name] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
+            if name in out:  # transcoded into a field the sample already has: one video would be lost
+                return None, f"field {name!r} twice: another video of the sample was transcoded into it", where
         if is_image_field(name):
             try:
                 if max_side is not None:
