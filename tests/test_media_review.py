@@ -871,3 +871,13 @@ def test_index_of_audio_shards_with_json_delivers_the_json_beside_the_clips(tmp_
     for j in range(3):
         text = json.loads(b["json"][j])["text"]
         assert abs(tone_pitch(b["audio"][j].numpy(), 16000) - 440.0 * (int(text[1]) + 1)) < 25
+
+
+def test_verify_and_inspect_of_converted_video_and_audio(zoo_ds, sounds_ds, capsys):
+    from helpers import run_cli
+
+    for dest in (zoo_ds, sounds_ds):
+        code, out, err = run_cli(["verify", str(dest)], capsys)
+        assert code == 0 and "verified" in out, out + err
+    code, out, err = run_cli(["inspect", str(zoo_ds)], capsys)
+    assert code == 0 and "vp9" in out and "mjpeg" in out and "vp8" in out, out + err
