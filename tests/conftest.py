@@ -35,6 +35,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_newcomer.py",  # 73
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
+    "test_media_dist.py",  # 45 (alone, load 4)
     "test_lightning.py",  # 39
     "test_checkpoint_fsdp.py",  # 33
     "test_checkpoint.py",  # 29

@@ -10,11 +10,14 @@ Lightning as a :class:`LightningLoader`:
 - ``state_dict``/``load_state_dict`` make it stateful in Lightning's sense: the position is saved in every
   checkpoint (``loops.fit_loop.state_dict.combined_loader``) and restored by ``trainer.fit(ckpt_path=...)``,
   mid-epoch included; the state is global (samples consumed by all ranks), so rank 0's serves every rank;
-- ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the Loader to that epoch
-  (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
+- ``sampler.set_epoch`` is what Lightning calls at the start of each epoch: it moves the training Loader to that
+  epoch (a no-op when the Loader is already there, e.g. restored mid-epoch), so fastio's epochs follow Lightning's
   also when ``limit_train_batches`` or a restore ends an epoch early. Lightning may call ``iter()`` before
   ``set_epoch`` (a resume from an end-of-epoch checkpoint does), so the Loader's iteration starts at the first
   batch asked for, not at ``iter()``;
+- the validation Loader has no ``sampler``: every validation run reads its epoch 0 from the start, so each
+  sample comes with the same clip (a clip kind draws its starts per epoch) on every run of a fit and of a
+  resumed or another fit, and validation losses compare the same inputs;
 - a mid-epoch position restored at another world size leaves the Loader fewer (or more) batches than
   Lightning's restored batch counter implies (it counts the batches of the old size and ends the epoch at
   ``len(loader)`` of the new one). The training loader sets that counter of the fit loop to
@@ -24,6 +27,11 @@ Lightning as a :class:`LightningLoader`:
   Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
   the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
   resume.
+
+A position the Loader refuses is a :class:`~fastio.errors.LoaderStateError` raised from ``trainer.fit`` once
+Lightning has restored the model (it restores the loaders' positions last, and nothing of fastio runs before
+its model); a mixture whose weights changed mid-epoch says how to resume under Lightning (from a checkpoint saved
+at an epoch's end).
 
 Lightning's data fetcher reads one batch ahead only for iterables without a length; a Loader has one, so the
 position Lightning saves after batch ``k`` is the one after batch ``k`` and not ``k + 1``.
@@ -38,6 +46,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from fastio.errors import LoaderStateError
 from fastio.loader import Loader, LoaderConfig
 from fastio.pipelines import Pipeline, old_options, spell
 
@@ -81,21 +90,35 @@ def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
         setattr(counter, name, getattr(counter, name) + shift)
 
 
+def _lightning_hint(loader: Loader, state: dict[str, Any]) -> str:
+    """What a Lightning run can do about a position the Loader refuses but would take at the start of the next
+    epoch (a mixture whose weights changed): Lightning restores the position with the model, and has no
+    ``loader_policy``; empty for any other refusal."""
+    try:
+        loader.check_state_dict({**state, "epoch": int(state["epoch"]) + 1, "consumed": 0})
+    except (LoaderStateError, KeyError, TypeError, ValueError):
+        return ""
+    return ("; under Lightning (trainer.fit(ckpt_path=...)): resume from a checkpoint saved at the end of an epoch "
+            "(ModelCheckpoint(every_n_epochs=1), the default), from which the new weights apply, or resume this one "
+            "with the saved weights")
+
+
 class LightningLoader:
     """A :class:`fastio.Loader` as Lightning expects a stateful dataloader (see the module docstring).
 
     Iterating, ``len``, ``state_dict``/``load_state_dict`` and every other attribute are the Loader's own
     (``loader.stats()``, ``loader.key(i)``, ``loader.loader`` for the Loader itself). ``whole_epochs=True``
-    (validation): each iteration starts an epoch from its beginning, also when the last one was left unfinished
-    (Lightning's sanity check reads 2 batches; ``limit_val_batches``). ``trainer`` (the training loader's):
-    ``load_state_dict`` reconciles the trainer's batch counter with the restored position (module docstring).
+    (validation): each iteration reads epoch 0 from its beginning, also when the last one was left unfinished
+    (Lightning's sanity check reads 2 batches; ``limit_val_batches``), and there is no ``sampler`` for Lightning's
+    ``set_epoch``: the same batches every time. ``trainer`` (the training loader's): ``load_state_dict``
+    reconciles the trainer's batch counter with the restored position (module docstring).
     """
 
     batch_sampler = None  # Lightning looks for a sampler here too; there is none
 
     def __init__(self, loader: Loader, *, whole_epochs: bool = False, trainer: pl.Trainer | None = None):
         self.loader = loader
-        self.sampler = _EpochSetter(loader)
+        self.sampler = None if whole_epochs else _EpochSetter(loader)
         self.whole_epochs = whole_epochs
         self._trainer = trainer
 
@@ -105,8 +128,8 @@ class LightningLoader:
     def _batches(self) -> Iterator[dict[str, Any]]:
         # A generator: nothing runs until the first batch is asked for, so a set_epoch between iter() and it
         # (Lightning's order when it resumes from an end-of-epoch checkpoint) moves the Loader before it starts.
-        if self.whole_epochs and self.loader.state_dict()["consumed"]:
-            self.loader.set_epoch(self.loader.epoch + 1)
+        if self.whole_epochs:
+            _rewind(self.loader)
         yield from self.loader
 
     def __len__(self) -> int:
@@ -116,12 +139,22 @@ class LightningLoader:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        try:
+            self.loader.load_state_dict(state)
+        except LoaderStateError as err:
+            raise LoaderStateError(f"{err}{_lightning_hint(self.loader, state)}") from None
         if self._trainer is not None:
             _align_progress(self._trainer, self.loader)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
         return getattr(self.__dict__["loader"], name)
+
+
+def _rewind(loader: Loader) -> None:
+    """Move ``loader`` to the start of its epoch 0 (``set_epoch`` would keep a position within the epoch)."""
+    state = loader.state_dict()
+    if (state["epoch"], state["consumed"]) != (0, 0):
+        loader.load_state_dict({**state, "epoch": 0, "consumed": 0})
 
 
 def _validation_pipeline(train: Pipeline, options: dict[str, Any], val_options: dict[str, Any]) -> str | Pipeline:
@@ -143,8 +176,9 @@ class FastioDataModule(pl.LightningDataModule):
     validation Loader takes the same options with the training pipeline's evaluation form (``ImageTrain``'s
     options in ``ImageEval``, ``VideoClips`` center-cropped, ``Tokens`` as it is; ``pipeline="image-eval"`` where
     the training one is spelled the old way), ``shuffle="none"`` and ``remainder="partial"`` (each sample once;
-    repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads a whole
-    epoch of it. ``rank`` and ``world_size`` come from the trainer and cannot be given.
+    repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the same
+    whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size`` come
+    from the trainer and cannot be given.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
