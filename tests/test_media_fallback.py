@@ -111,6 +111,23 @@ def test_h264_clips_resume_exactly(h264_ds):
     check_resume(lambda: clips_loader(h264_ds), n=2, k=3)
 
 
+def test_h264_clips_elastic_resume_keeps_each_sample_once_and_its_clip(h264_ds):
+    from resume import run_ranks
+
+    def shown(batches):
+        return {(int(i), int(s)): frames_shown(b["video"][j]).tolist() for b in batches
+                for j, (i, s, p) in enumerate(zip(b["index"], b["start_frame"], b["padded"])) if not p}
+
+    with clips_loader(h264_ds, batch_size=1) as loader:
+        single = shown(loader)
+    before, states = run_ranks([clips_loader(h264_ds, batch_size=1, world_size=2, rank=r) for r in range(2)], n=1)
+    after, _ = run_ranks([clips_loader(h264_ds, batch_size=1, world_size=3, rank=r, drop_last=False)
+                          for r in range(3)], state=states[0])
+    got = shown(b for step in before + after for b in step)
+    assert sorted(i for i, _ in got) == list(range(5))
+    assert all(single[k] == frames for k, frames in got.items())
+
+
 def test_without_the_option_a_cpu_loader_refuses_h264_and_names_it(h264_ds):
     import fastio
 
