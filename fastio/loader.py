@@ -174,6 +174,10 @@ class LoaderConfig:
         return self.pipeline
 
 
+_DATALOADER_ONLY = ("sampler", "batch_sampler")
+"""torch DataLoader attributes a Loader does not have, named with the way out when asked for."""
+
+
 class Loader:
     """Iterate a fastio dataset (or a :class:`~fastio.Mixture`) as batches ``{"image", "label", "index", "padded",
     ...}`` of torch tensors (what a batch holds is the pipeline object's choice).
@@ -237,6 +241,16 @@ class Loader:
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
         self.pipeline.check_device(rs, self.device)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names normal lookup did not find: what code written for a torch DataLoader reaches for
+        # (accelerate's skip_first_batches takes .sampler / .batch_sampler) is named with the way out.
+        if name in _DATALOADER_ONLY:
+            raise AttributeError(f"fastio.Loader has no {name!r}: it is not a torch DataLoader and needs no "
+                                 "sampler; after accelerator.load_state or load_state_dict it continues from its "
+                                 "saved position itself, so accelerator.skip_first_batches is not needed "
+                                 "(iterate the Loader)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- order and position -------------------------------------------------------------------------
 

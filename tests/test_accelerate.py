@@ -97,3 +97,18 @@ def test_a_mid_epoch_state_loaded_by_another_number_of_processes_trains_each_sam
     assert sorted(counts) == [0, 1]
     assert_exactly_once(counts[0], f"epoch 0, {before} processes then {after}")
     assert_exactly_once(counts[1], f"epoch 1, on {after} processes")
+
+
+def test_skip_first_batches_on_a_loader_names_why_it_is_not_needed(image_dataset):
+    """Accelerate's skip_first_batches reaches for a DataLoader's sampler; the Loader's AttributeError says it
+    resumes by itself (was Python's bare "'Loader' object has no attribute 'sampler'")."""
+    from accelerate.data_loader import skip_first_batches
+
+    import fastio
+
+    with fastio.Loader(image_dataset, batch_size=4, device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(AttributeError, match="skip_first_batches is not needed"):
+            skip_first_batches(loader, 2)
+        assert not hasattr(loader, "batch_sampler") and hasattr(loader, "dataset")
+        with pytest.raises(AttributeError, match="'Loader' object has no attribute 'nope'"):
+            loader.nope  # noqa: B018

@@ -9,6 +9,9 @@ The rule, when the saving run had ``A`` ranks and this one has ``B != A``:
   commit marker's, rank 0's (:mod:`fastio.checkpoint.record`). The fastio Loader's state is global (the same on
   every rank) and its ``load_state_dict`` re-splits the rest of the epoch over the ``B`` ranks, so every
   remaining sample of the epoch is still seen exactly once;
+- a per-rank module and optimizer are checked against the app's before anything loads (the restore's pre-check:
+  state keys, shapes, parameter groups), and a module loads by the strict rule
+  (:mod:`fastio.checkpoint.engines.strict`): with ``strict=False`` what fits, the rest listed;
 - RNG streams are not restored: another rank's stream means nothing at another world size, and handing
   one stream to several ranks would make them draw the same numbers. The RNG stays as this run seeded it.
 
@@ -20,6 +23,7 @@ back as they were saved. The engine does the reading; this module only applies t
 from __future__ import annotations
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful
+from fastio.checkpoint.engines.strict import CheckedModule
 
 __all__ = ["restore_elastic"]
 
@@ -32,10 +36,15 @@ def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, ran
 
     Collective (the replicated part).
     """
+    from torch import nn
+
     src = rank % saved_world
     per_rank = [k for k in targets if not saved.is_replicated(k, src)]
     replicated = [k for k in targets if k not in per_rank]
     skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict)
-    for key in per_rank:  # another rank's state, read leaf by leaf
-        targets[key].load_state_dict(saved.read(key, src))
+    for key in per_rank:  # another rank's state, read leaf by leaf; a module by the strict rule
+        target = targets[key]
+        if isinstance(target, nn.Module):
+            target = CheckedModule(key, target, strict=strict, where=str(saved.path), skipped=skipped)
+        target.load_state_dict(saved.read(key, src))
     return replicated, per_rank, skipped

@@ -23,6 +23,13 @@ arrival in the default group's store, so the ranks that arrived can name the one
 CheckpointError on every rank that arrived, and the same on a rank that arrives after it (the first verdict
 noted in the store stands: the deadline's, or "ok" from a rank that saw everyone arrive).
 
+Inside an operation the same holds for every gather, broadcast, all-reduce and barrier of the group (not the
+engines' own collectives): a rank that has waited ``ARRIVED_AFTER_S`` in one notes its arrival, and after
+``ABSENT_WARN_S`` names once, in a warning, the ranks that have neither arrived nor shown that they are busy. A
+rank busy in a phase's local work (:meth:`RankGroup.run`, :meth:`RankGroup.collect`) for longer than
+``ARRIVED_AFTER_S`` counts a beat in the store every ``ARRIVED_AFTER_S``: a rank whose count stands still over two
+looks ``LOOKS_APART_S`` apart is stopped (SIGSTOP, a debugger) or busy outside the Checkpointer, and is named.
+
 ``fault_hook`` (module attribute) is a test hook: a callable ``fault_hook(group_name, phase)`` run on this rank at
 the end of each phase's local work (it raises to inject a failure of this rank in that phase, or ends the
 process to make the rank go away). Production code never sets it.
@@ -35,7 +42,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -61,7 +69,12 @@ ARRIVED_AFTER_S = 0.5
 """A rank that has waited this long to enter an operation notes its arrival in the store."""
 
 ABSENT_WARN_S = 5.0
-"""A rank that has waited this long to enter an operation names, once, the ranks that have not arrived."""
+"""A rank that has waited this long to enter an operation, or in one of its collectives, names, once, the ranks
+that have not arrived."""
+
+LOOKS_APART_S = 1.5
+"""Inside an operation, the waiting ranks look at an absent rank's beats (one each ``ARRIVED_AFTER_S`` while it is
+busy) this far apart: a count that stood still is a rank that does not run the Checkpointer's work."""
 
 ENTRY_FLAGS = 4
 """Flags an entry can OR over the ranks (a fixed number: every rank's all-reduce has the same size)."""
@@ -108,6 +121,8 @@ class RankGroup:
         if world > 1 and agree_timeout is not None:  # gloo gives up a little after the deadline: no op lingers
             self._entry_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=agree_timeout + 10))
         self._entries = 0
+        self._waits = 0
+        """Watched collectives so far: the same count on every rank (each is a collective), naming one in the store."""
         self._noted_entries: list[int] = []
         self._peers: list[tuple[str, int]] = [(socket.gethostname(), os.getpid())]
         self._key = self._gone_key = ""
@@ -128,9 +143,10 @@ class RankGroup:
         mine: str | None = None
         cause: BaseException | None = None
         try:
-            result = fn()
-            if fault_hook is not None:
-                fault_hook(self.name, phase)
+            with self._busy():
+                result = fn()
+                if fault_hook is not None:
+                    fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - reported to every rank below, re-raised with its cause
             cause = err
             if not getattr(err, "elsewhere", False):  # else another rank's failure, which that rank reports
@@ -142,9 +158,10 @@ class RankGroup:
         """Every rank's problems (one line each, rank order) from running ``fn`` here; an exception of ``fn``
         is this rank's problem. Nothing is raised: the caller decides (e.g. fall back to an older step)."""
         try:
-            mine = list(fn())
-            if fault_hook is not None:
-                fault_hook(self.name, phase)
+            with self._busy():
+                mine = list(fn())
+                if fault_hook is not None:
+                    fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - one line per rank, gathered
             mine = [str(err) if isinstance(err, FastioError) else f"rank {self.rank}: {first_line(err)}"]
         return [p for part in self.gather(phase, mine) for p in part]
@@ -204,7 +221,7 @@ class RankGroup:
         padded = [int(bool(f)) for f in flags] + [0] * (ENTRY_FLAGS - len(flags))
         t = torch.tensor([code, -code, ms, -ms, *padded], dtype=torch.int64)
         work = self._collective(operation, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._entry_pg,
-                                                                   async_op=True))
+                                                                   async_op=True), watch=False)
         waited = self._await_entry(work, n, operation, started)
         spread_s = (int(t[2]) + int(t[3])) / 1000
         if waited or spread_s >= ARRIVED_AFTER_S / 2:  # someone may have given up: the verdict that stands
@@ -343,12 +360,78 @@ class RankGroup:
             pass
         return found
 
-    def _collective(self, phase: str, call: Callable[[], T]) -> T:
+    def _collective(self, phase: str, call: Callable[[], T], *, watch: bool = True) -> T:
+        done = self._watch(phase) if watch and self.world > 1 and self._key else None
         try:
             return call()
         except RuntimeError as err:  # gloo: a peer's process ended (connection closed or reset) or timed out
             raise CheckpointError(f"checkpoint {phase}: {self.gone()} ({self.name} group, rank {self.rank} of "
                                   f"{self.world}: {first_line(err)})") from err
+        finally:
+            if done is not None:
+                done.set()
+
+    # ------------------------------------------------------------ naming a rank stopped inside an operation
+    def _watch(self, phase: str) -> threading.Event:
+        """Watch this rank's wait in the group's next collective (see the module docstring) on a thread of its
+        own, until the returned event is set."""
+        self._waits += 1
+        done = threading.Event()
+        threading.Thread(target=self._watch_wait, args=(self._waits, phase, done), daemon=True,
+                         name=f"fastio-watch-{self._waits}").start()
+        return done
+
+    def _watch_wait(self, n: int, phase: str, done: threading.Event) -> None:
+        """The watching thread: note this rank's arrival after ``ARRIVED_AFTER_S``; then looks at the absent ranks'
+        beats ``LOOKS_APART_S`` apart, the second at ``ABSENT_WARN_S``; one warning naming those whose beat stood
+        still between two looks."""
+        started = time.monotonic()
+        if done.wait(ARRIVED_AFTER_S):
+            return
+        key = f"{self._key}/wait/{n}"
+        try:
+            self._store_set(f"{key}/{self.rank}", phase)
+            before: dict[int, int] | None = None
+            first = max(ARRIVED_AFTER_S, ABSENT_WARN_S - LOOKS_APART_S)
+            while not done.wait(LOOKS_APART_S if before is not None else first - (time.monotonic() - started)):
+                beats = {r: self._beats(r) for r in self._absent(key)}
+                late = [r for r, b in beats.items() if before is not None and before.get(r) == b]
+                if late:
+                    log.warning("fastio: checkpoint %s: waiting %.0f s for %s (stopped, or busy outside the "
+                                "Checkpointer? %s group)", phase, time.monotonic() - started, self._ranks_text(late),
+                                self.name)
+                    break
+                before = beats
+            done.wait()
+            default_store().delete_key(f"{key}/{self.rank}")
+        except Exception:  # noqa: BLE001, S110 - the store went with its host: the collective's own error tells
+            pass
+
+    def _beats(self, rank: int) -> int:
+        """How many beats ``rank`` has counted while busy in a phase (see :meth:`_busy`)."""
+        return int(default_store().add(f"{self._key}/beat/{rank}", 0))
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        """This rank's local work of a phase: after ``ARRIVED_AFTER_S``, a beat in the store every
+        ``ARRIVED_AFTER_S`` (on a thread of its own) until it ends, so that the waiting ranks do not name it."""
+        if self.world == 1 or not self._key or default_store() is None:
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            try:
+                while not done.wait(ARRIVED_AFTER_S):
+                    default_store().add(f"{self._key}/beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001, S110 - the store went with its host: nothing to tell
+                pass
+
+        threading.Thread(target=beat, daemon=True, name="fastio-busy").start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _all_gather(self, obj: Any) -> list[Any]:
         every: list[Any] = [None] * self.world

@@ -6,7 +6,8 @@ dir: into its staging directory), checks every file against the commit marker (t
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
-before anything loads (``loader_policy``), then loaded: the engine's keys, the loaders last, the RNG streams
+before anything loads (``loader_policy``), and so are the optimizers' parameter groups and, at another world size,
+the per-rank modules (from the engine's metadata), then loaded: the engine's keys, the loaders last, the RNG streams
 (or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
 thread's :class:`~fastio.checkpoint.group.RankGroup`, so one rank's failure is every rank's.
 
@@ -27,6 +28,7 @@ from fastio.checkpoint import compress, layout
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
+from fastio.checkpoint.engines.strict import Mismatch, group_sizes, groups_mismatch, module_shapes
 from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen
@@ -253,6 +255,8 @@ class _Opened:
     """App keys the checkpoint holds and this app lacks (skipped with ``strict=False``)."""
     held: dict[str, Any]
     """The loaders' checked states, loaded last."""
+    dropped: dict[str, str]
+    """Optimizers whose parameter groups cannot load (``strict=False``): app key -> why, left as they are."""
 
 
 def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
@@ -282,7 +286,35 @@ def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: 
         raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
                               "app lacks (restore_latest(..., strict=False) skips them)")
     held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
-    return _Opened(prepared, saved, world, extra, held)
+    targets = {k: v for k, v in prepared.items() if k not in held}
+    whose = f" (rank {ck.rank} takes saved rank {src}'s state)" if world != ck.world_size else ""
+    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}")
+    return _Opened(prepared, saved, world, extra, held, dropped)
+
+
+def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool,
+              where: str) -> dict[str, str]:
+    """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
+    read) before anything loads: each optimizer's parameter groups (torch's own check), and at another world size
+    each per-rank module's state keys and shapes (the engine checks replicated ones). ``strict``: the first
+    difference is a CheckpointError; otherwise the optimizers that cannot load, each with its line (left as
+    they are; a module loads what matches, :func:`restore_elastic`)."""
+    from torch import nn
+
+    dropped: dict[str, str] = {}
+    for key, obj in targets.items():
+        own = group_sizes(getattr(obj, "param_groups", None))
+        line = groups_mismatch(key, saved.param_groups(key, src), own) if own is not None else None
+        if line and strict:
+            raise CheckpointError(f"{where}: checkpoint does not match the app: {line} (restore_latest(..., "
+                                  "strict=False) leaves that optimizer as it is and loads the rest)")
+        if line:
+            dropped[key] = f"{line} (optimizer left as it was)"
+        if elastic and strict and isinstance(obj, nn.Module) and not saved.is_replicated(key, src):
+            found = Mismatch(key, saved.shapes(key, src), module_shapes(obj))
+            if found:
+                raise found.refusal(where)
+    return dropped
 
 
 def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
@@ -313,12 +345,13 @@ def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecor
     so a rank that fails fails every rank's restore."""
     opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
     elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
-    targets = {k: v for k, v in opened.prepared.items() if k not in opened.held}  # loaders: checked, loaded last
+    targets = {k: v for k, v in opened.prepared.items()  # loaders: checked, loaded last
+               if k not in opened.held and k not in opened.dropped}
     has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)
     if has_rng:
         targets[RNG_KEY] = Frozen(capture_rng())
     replicated, per_rank, skipped = ck._ranks.run("load", lambda: _load(ck, path, opened, targets, app, strict))
-    skipped = [f"app key {k} (not in this app)" for k in opened.extra] + skipped
+    skipped = [f"app key {k} (not in this app)" for k in opened.extra] + list(opened.dropped.values()) + skipped
     if skipped and ck.rank == 0:
         log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
     if elastic:

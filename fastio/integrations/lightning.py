@@ -28,6 +28,11 @@ Lightning as a :class:`LightningLoader`:
   the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
   resume.
 
+A position the Loader refuses is a :class:`~fastio.errors.LoaderStateError` raised from ``trainer.fit`` once
+Lightning has restored the model (it restores the loaders' positions last, and nothing of fastio runs before
+its model); a mixture whose weights changed mid-epoch says how to resume under Lightning (from a checkpoint saved
+at an epoch's end).
+
 Lightning's data fetcher reads one batch ahead only for iterables without a length; a Loader has one, so the
 position Lightning saves after batch ``k`` is the one after batch ``k`` and not ``k + 1``.
 """
@@ -41,6 +46,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from fastio.errors import LoaderStateError
 from fastio.loader import Loader, LoaderConfig
 from fastio.pipelines import Pipeline, old_options, spell
 
@@ -84,6 +90,19 @@ def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
         setattr(counter, name, getattr(counter, name) + shift)
 
 
+def _lightning_hint(loader: Loader, state: dict[str, Any]) -> str:
+    """What a Lightning run can do about a position the Loader refuses but would take at the start of the next
+    epoch (a mixture whose weights changed): Lightning restores the position with the model, and has no
+    ``loader_policy``; empty for any other refusal."""
+    try:
+        loader.check_state_dict({**state, "epoch": int(state["epoch"]) + 1, "consumed": 0})
+    except (LoaderStateError, KeyError, TypeError, ValueError):
+        return ""
+    return ("; under Lightning (trainer.fit(ckpt_path=...)): resume from a checkpoint saved at the end of an epoch "
+            "(ModelCheckpoint(every_n_epochs=1), the default), from which the new weights apply, or resume this one "
+            "with the saved weights")
+
+
 class LightningLoader:
     """A :class:`fastio.Loader` as Lightning expects a stateful dataloader (see the module docstring).
 
@@ -120,7 +139,10 @@ class LightningLoader:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        try:
+            self.loader.load_state_dict(state)
+        except LoaderStateError as err:
+            raise LoaderStateError(f"{err}{_lightning_hint(self.loader, state)}") from None
         if self._trainer is not None:
             _align_progress(self._trainer, self.loader)
 

@@ -64,6 +64,17 @@ class SavedCheckpoint(Protocol):
         difference with a CheckpointError naming the keys; otherwise returns what was skipped, one line each."""
         ...
 
+    def shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
+        """The state keys saving rank ``rank`` wrote for ``key`` (a flat state dict, a module's), with the shape of
+        each plain tensor (None for anything else), from the engine's metadata: no tensor is read."""
+        ...
+
+    def param_groups(self, key: str, rank: int) -> list[int] | None:
+        """How many parameters each parameter group of the optimizer state saving rank ``rank`` wrote for
+        ``key`` holds, without reading a tensor; None when that state has no ``param_groups`` (not an optimizer's)
+        or is global state that the engine checks by its own rule (DCP)."""
+        ...
+
     def read(self, key: str, rank: int) -> Any:
         """The state dict that saving rank ``rank`` wrote for ``key``, rebuilt as it was saved (nested
         dicts, lists, tuples); not collective. :class:`~fastio.errors.CheckpointError` naming the key

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
-from fastio.checkpoint.engines.strict import Mismatch, shape_of
+from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
 
@@ -305,14 +305,31 @@ class DcpCheckpoint(SavedCheckpoint):
                 targets[k].load_state_dict(self.read(k, rank))
         return skipped
 
-    def read(self, key: str, rank: int) -> Any:
+    def shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
+        """A per-rank key's state keys and tensor shapes (its file mapped, no tensor read); a global key's are
+        checked by the load planner instead (empty here)."""
+        if key in self.global_keys:
+            return {}
+        state = self.read(key, rank, mmap=True)
+        return {str(k): shape_of(v) for k, v in state.items()} if isinstance(state, dict) else {}
+
+    def param_groups(self, key: str, rank: int) -> list[int] | None:
+        """A per-rank optimizer's parameters per group (its file mapped, no tensor read); None for a global key
+        (an optimizer of an app module: its state is keyed by parameter name, checked by the load planner)."""
+        if key in self.global_keys:
+            return None
+        state = self.read(key, rank, mmap=True)
+        return group_sizes(state.get("param_groups")) if isinstance(state, dict) else None
+
+    def read(self, key: str, rank: int, *, mmap: bool = False) -> Any:
+        """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched."""
         if key in self.global_keys:
             raise CheckpointError(f"{self.path}: app key {key} is global (DCP) state: restore it, it is not per rank")
         file = _rank_file(self.path, rank, key)
         if key not in self.rank_keys or not file.is_file():
             raise CheckpointError(f"{self.path}: checkpoint has no state for app key {key} on saving rank {rank}")
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError:
             raise CheckpointError(f"{file}: refused to load: not plain tensors and containers "
                                   "(torch.load weights_only)") from None

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastio.errors import CheckpointError
 
-__all__ = ["CheckedModule", "Mismatch", "shape_of"]
+__all__ = ["CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of"]
 
 _SHOWN = 8
 
@@ -27,6 +27,35 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
     """The (global) shape of a tensor-like value, None for anything else."""
     shape = getattr(value, "shape", None)
     return tuple(int(n) for n in shape) if shape is not None and hasattr(value, "dtype") else None
+
+
+def group_sizes(groups: Any) -> list[int] | None:
+    """How many parameters each of an optimizer's ``param_groups`` holds (a list of dicts with a ``params``
+    list: an optimizer's attribute or its state dict's entry); None for anything else."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        return None
+    return [len(g["params"]) for g in groups]
+
+
+def _groups(sizes: list[int]) -> str:
+    noun = "parameter group" if len(sizes) == 1 else "parameter groups"
+    return f"{len(sizes)} {noun} ({', '.join(map(str, sizes)) or 'none'} parameter{'' if sizes == [1] else 's'})"
+
+
+def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) -> str | None:
+    """One line when an optimizer's saved parameter groups (``saved``: parameters per group) cannot load into
+    the app's (``own``): another count of groups, or another count of parameters in a group (what torch's own
+    ``Optimizer.load_state_dict`` refuses, found here before anything loads); None when they fit or either
+    side is not an optimizer's."""
+    if saved is None or own is None or saved == own:
+        return None
+    return f"app key {key}: the checkpoint's optimizer has {_groups(saved)}, the app's {_groups(own)}"
+
+
+def module_shapes(module: Any) -> dict[str, tuple[int, ...] | None]:
+    """A module's state keys with the shape of each tensor (None for anything else)."""
+    return {k: shape_of(v) for k, v in module.state_dict().items()}
 
 
 def _names(keys: list[str]) -> str:

@@ -42,7 +42,7 @@ from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
-from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, shape_of
+from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 
@@ -277,7 +277,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         mine = None
         for key, obj in targets.items():
             if isinstance(obj, nn.Module):
-                found = Mismatch(key, self._shapes(key, rank), {k: shape_of(v) for k, v in obj.state_dict().items()})
+                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj))
                 if found:
                     mine = str(found.refusal(str(self.path)))
                     break
@@ -292,9 +292,9 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             err.elsewhere = first != rank
             raise err
 
-    def _shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
+    def shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
         """The state keys saving rank ``rank`` wrote for app key ``key`` (a flat state dict, a module's), with the
-        shape of each plain tensor (None for anything else)."""
+        shape of each plain tensor (None for anything else), from the manifest."""
         out: dict[str, tuple[int, ...] | None] = {}
         for path, entry in self._entries(key, rank).items():
             parts = path.split("/")
@@ -303,6 +303,19 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             shape = None if len(parts) > 2 or isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
             out.setdefault(_decode(parts[1]), tuple(int(n) for n in shape) if shape is not None else None)
         return out
+
+    def param_groups(self, key: str, rank: int) -> list[int] | None:
+        """Parameters per group from the manifest's ``KEY/param_groups/G/params/P`` entries (small ints live in
+        the manifest itself)."""
+        paths = [path.split("/")[1:] for path in self._entries(key, rank)]
+        if ["param_groups"] not in paths:
+            return None
+        groups = {int(p[1]) for p in paths if len(p) == 2 and p[0] == "param_groups" and p[1].isdigit()}
+        sizes = dict.fromkeys(sorted(groups), 0)
+        for p in paths:
+            if len(p) == 4 and p[0] == "param_groups" and p[2] == "params" and p[1].isdigit() and int(p[1]) in sizes:
+                sizes[int(p[1])] += 1
+        return list(sizes.values())
 
     def _unreadable(self, key: str, view: dict[str, Any], err: Exception) -> CheckpointError:
         """The one-line error for a read that failed inside ``Snapshot.restore``: the file the error names, else
