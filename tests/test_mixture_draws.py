@@ -177,3 +177,37 @@ def test_a_repeated_video_gets_new_clips_each_time(video_sources):
     assert len(starts) == 9 and sorted({len(v) for v in starts.values()}) == [3, 4]
     for i, got in starts.items():
         assert len(set(got)) > 1, f"video {i} shown {len(got)} times, every time from frame {got[0]}"
+
+
+# -- audio ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audio_sources(tmp_path_factory) -> dict[str, str]:
+    """9 WAV tones of 2 s (the small source) and 4 more, at 16 kHz; a tone's amplitude rises over time
+    (``0.1 + 0.8 * t / seconds``), so a clip's first samples tell where it starts."""
+    pytest.importorskip("av")
+    root = tmp_path_factory.mktemp("mixaudio")
+    for name, count in (("small", 9), ("other", 4)):
+        for k in range(count):
+            synthetic.make_audio(root / f"{name}-src" / f"c{k % 2}" / f"a{k}.wav", seconds=2.0, rate=16000,
+                                 pitch=(440.0, 1000.0)[k % 2])
+    return {name: str(_convert(root / f"{name}-src", root / name)) for name in ("small", "other")}
+
+
+def test_a_repeated_audio_file_gets_new_clips_each_time(audio_sources):
+    pipe = fastio.AudioClips(sample_rate=16000, seconds=0.25)
+    loader = fastio.Loader(_mixture(audio_sources), batch_size=8, pipeline=pipe, device="cpu", seed=5, num_threads=1,
+                           world_size=1, rank=0)
+    starts = defaultdict(list)
+    with loader:
+        for b in list(loader):
+            for j, (s, i, p) in enumerate(zip(b["source"].tolist(), b["index"].tolist(), b["padded"].tolist())):
+                start = int(b["start_sample"][j])
+                loud = float(np.abs(b["audio"][j].numpy()[:400]).max())
+                assert abs(loud - (0.1 + 0.8 * start / 32000)) < 0.05, (s, i, start)  # the clip is where it says
+                if s == 0 and not p:
+                    starts[i].append(start)
+    assert len(starts) == 9 and sorted({len(v) for v in starts.values()}) == [3, 4]
+    for i, got in starts.items():
+        assert len(set(got)) == len(got), f"audio file {i} clipped at the same sample twice in one epoch: {got}"
