@@ -1,8 +1,9 @@
 """Parquet tables (pyarrow): columns holding bytes become fields, other columns as in CSV/JSONL.
 
 A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` member as Hugging Face
-stores images) whose first value is an encoded image becomes a field named by the image type
-(``jpg``, ``png``, ...); any other bytes column keeps its (sanitised) name. A path column is optional.
+stores images) whose first value is an encoded image, video or audio file becomes a field named by its type
+(``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type;
+any other bytes column keeps its (sanitised) name. A path column is optional.
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.
 """
@@ -16,6 +17,7 @@ from fastio.converters.base import ScanOptions, ScanResult, safe_field_name
 from fastio.converters.table import rows_to_result
 from fastio.errors import ConvertError
 from fastio.formats.images import sniff_image_field
+from fastio.formats.media import sniff_media_field
 
 __all__ = ["NAME", "detect", "scan"]
 
@@ -67,7 +69,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         if not is_bytes(col):
             continue
         first = next((b for b in (_bytes_of(r[col]) for r in data) if b is not None), None)
-        field = sniff_image_field(first) if first is not None else None
+        field = (sniff_image_field(first) or sniff_media_field(first)) if first is not None else None
         name = field or safe_field_name(col)
         if name in bytes_columns.values():
             name = safe_field_name(col)

@@ -38,6 +38,7 @@ from fastio.converters.base import (
 )
 from fastio.errors import ConvertError
 from fastio.formats.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
+from fastio.formats.media import media_field_for_suffix
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 
@@ -206,7 +207,8 @@ def rows_to_result(
                 continue
             if not path.is_file():
                 raise ConvertError(f"{where}: path column {path_col!r} names a missing file: {value}")
-            field = image_field_for_suffix(path.suffix) or safe_field_name(path.suffix.lstrip(".") or "file")
+            field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
+                     or safe_field_name(path.suffix.lstrip(".") or "file"))
             fields[field] = FileRef(str(path))
             origin = value
             stem = _key_text(value)

@@ -254,7 +254,7 @@ def check_still_clip(clip, color) -> None:
 def test_a_mixture_of_video_and_images_gives_still_clips(video_ds, photo_ds):
     import fastio
 
-    mix = fastio.Mixture({"clips": str(nvdec_video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 1, "photos": 1})
     pipe = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", crop="center")
     with video_loader(mix, pipe, batch_size=4) as loader:
         batches = [b for _ in range(2) for b in loader]
@@ -297,7 +297,7 @@ def test_a_mixture_of_video_and_images_resumes_exactly(video_ds, photo_ds):
 
     import fastio
 
-    mix = fastio.Mixture({"clips": str(nvdec_video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
+    mix = fastio.Mixture({"clips": str(video_ds), "photos": str(photo_ds)}, weights={"clips": 2, "photos": 1})
     check_resume(lambda: video_loader(mix, batch_size=3), n=2, k=3)
 
 

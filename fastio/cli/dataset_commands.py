@@ -22,15 +22,17 @@ __all__ = ["convert", "index", "inspect", "merge", "verify"]
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
-    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``."""
+    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``; a flag the message already
+    names before its Python spelling (``--transcode vp9 (transcode='vp9')``) is named once."""
     ctx = click.get_current_context()
     flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
              for opt in p.opts if opt.startswith("--")}
     names = "|".join(sorted(flags, key=len, reverse=True))
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
-    return re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
+    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
+    return re.sub(r"(--[a-z][a-z-]*(?: [^\s()]+)?) \(\1\)", r"\1", text)
 
 
 @cli.command()

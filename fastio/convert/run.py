@@ -70,6 +70,7 @@ from fastio.formats.media import (
     count_video_codec,
     is_media_field,
     prepare_media,
+    probe_json,
 )
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
@@ -338,6 +339,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     max_side, quality, max_pixels, label_field, transcode, video_decoder = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
+    probes: dict[str, bytes] = {}  # of each media field (a video and its sound: both)
     for name, value in entry.fields:
         where = entry.origin
         if isinstance(value, FileRef):
@@ -355,9 +357,11 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 return None, f"field {name!r}: {err}", where
         if is_media_field(name):
             try:
-                name, value, out[PROBE_FIELD] = prepare_media(value, name, transcode, video_decoder)
+                name, value, probes[name] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
+            if name in out:  # transcoded into a field the sample already has: one video would be lost
+                return None, f"field {name!r} twice: another video of the sample was transcoded into it", where
         if is_image_field(name):
             try:
                 if max_side is not None:
@@ -370,6 +374,8 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
         # them again from the page cache, which costs less than sending them through the pool's pipe.
         ref = refs.get(name)
         out[name] = ref if _IN_WORKER and ref is not None and value is original else value
+    if probes:
+        out[PROBE_FIELD] = probe_json(probes)
     return out, None, None
 
 

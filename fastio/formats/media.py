@@ -6,7 +6,8 @@ it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the 
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
 cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the chosen
 video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
-``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`) or MP3 audio, with the way out in the message; with
+``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`), MP3 audio, audio outside the containers and
+codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in the message; with
 ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
 
@@ -22,11 +23,11 @@ import json
 import os
 from typing import Any
 
-__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "MEDIA_FIELDS", "PROBES_NAME", "PROBE_FIELD",
-           "DECODER_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES", "MediaCheckError", "ProbeTable", "check_media",
-           "count_video_codec", "join_video_codecs", "video_codecs_of", "write_probe_table",
-           "is_audio_field", "is_media_field", "is_video_field",
-           "media_field_for_suffix", "parse_probe", "prepare_media", "transcode_vp9",
+__all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
+           "PROBES_NAME", "PROBE_FIELD", "DECODER_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES",
+           "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
+           "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
+           "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
@@ -71,12 +72,16 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
     """What clip sampling needs of one file, read by demuxing (video: no frame decoded) or decoding (audio):
     video ``frames`` (packets of the first video stream), ``fps``, ``seconds``, ``codec``, ``width``,
     ``height``; audio ``rate``, ``channels``, ``samples`` (at ``rate``), ``seconds``, ``codec``.
-    MediaCheckError when PyAV cannot read it or it has no such stream."""
+    MediaCheckError when PyAV cannot read it, it has no such stream, or a video field holds a still picture
+    (a PNG named ``.webm``: FFmpeg would read it as a one-frame video)."""
     import av
 
     video = is_video_field(field)
     try:
         with av.open(io.BytesIO(data)) as container:
+            image = _image_format(container.format.name)
+            if video and image:  # FFmpeg reads a still picture as a one-frame video: not what the suffix says
+                raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
                 raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
@@ -84,6 +89,14 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _image_format(demuxer: str) -> str | None:
+    """The picture format an FFmpeg demuxer name says (``png_pipe`` -> ``png``, ``image2``), None for a
+    container (an animated GIF counts as a video)."""
+    if demuxer == "image2":
+        return "still"
+    return demuxer.removesuffix("_pipe") if demuxer.endswith("_pipe") else None
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
@@ -101,15 +114,18 @@ def _codec_name(context) -> str:
     return getattr(context.codec, "canonical_name", None) or context.name
 
 
-def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None) -> tuple[bytes, int]:
+def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
+               remux: bool = False) -> tuple[bytes, int]:
     """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
     ``k`` the last keyframe at or before frame ``first``, remuxed (no frame decoded) into a Matroska stream of
     their packets, so that a decoder that decodes from its input's first frame (DALI's CPU ``fn.decoders.video``
     decodes from frame 0 whatever ``start_frame`` is) starts at ``k``: frame ``f`` of the video is frame
     ``f - k`` of the stream. ``data`` itself and 0 when ``k`` is 0 (``keyframes``: the probe's, when known, spares
     reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
-    it is)."""
-    if keyframes is not None and not any(0 < k <= first for k in keyframes):
+    it is). ``remux``: the frames ``0 .. last`` remuxed even when ``k`` is 0, for a clip that runs past the video's
+    end: DALI counts an AVI's frames by its time slots, so past the end of one with a dropped frame it returned black
+    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it."""
+    if keyframes is not None and not remux and not any(0 < k <= first for k in keyframes):
         return data, 0
     try:
         import av
@@ -126,12 +142,12 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
                 at = k + len(packets)  # this packet's frame
                 if at <= first and packet.is_keyframe:
                     packets, k = [], at
-                if at > first and k == 0:  # no keyframe but frame 0 before the clip: the file as it is
+                if at > first and k == 0 and not remux:  # no keyframe but frame 0 before the clip: the file as it is
                     break
                 packets.append(packet)
                 if at >= last:
                     break
-            if k == 0:
+            if k == 0 and not remux:
                 return data, 0
             out = io.BytesIO()
             with av.open(out, "w", format="matroska") as dst:
@@ -144,10 +160,28 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
     return out.getvalue(), k
 
 
+DALI_AUDIO_CONTAINERS = {"wav": "pcm", "w64": "pcm", "aiff": "pcm", "flac": ("flac",), "ogg": ("vorbis", "opus")}
+"""Containers (FFmpeg's demuxer names) ``fn.decoders.audio`` reads (DALI 2.4, libsndfile), with the codecs it reads
+in them (``pcm``: PCM of any sample format, A-law, mu-law, IMA and MS ADPCM); measured here: AAC (ADTS, in WAV),
+ALAC (MP4), AC-3 and Opus in Matroska fail."""
+
+
+def _dali_reads_audio(container: str, codec: str) -> bool:
+    codecs = DALI_AUDIO_CONTAINERS.get(container)
+    if codecs == "pcm":
+        return codec.startswith("pcm_") or codec in ("adpcm_ima_wav", "adpcm_ms")
+    return codecs is not None and codec in codecs
+
+
 def _probe_audio(container, stream) -> dict[str, Any]:
     codec, rate, channels = stream.codec_context.name, stream.sample_rate, stream.channels
     if codec in CPU_AUDIO_REFUSED:  # refused below before decoding it
         return {"kind": "audio", "rate": rate, "channels": channels, "samples": 0, "seconds": 0.0, "codec": codec}
+    form = container.format.name.split(",")[0]
+    if not _dali_reads_audio(form, codec):
+        raise MediaCheckError(f"audio {codec} in {form} is not read by DALI's audio decoder (it reads WAV, AIFF and "
+                              "W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): re-encode it as FLAC, WAV or Opus "
+                              "(e.g. ffmpeg -i IN -c:a flac OUT.flac)")
     samples = sum(f.samples for f in container.decode(stream))
     if samples == 0 or not rate:
         raise MediaCheckError("cannot be probed (no samples)")
@@ -225,8 +259,9 @@ def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json:
     """Count sample ``index`` in ``codecs`` (a manifest's ``video_codecs``: per codec ``count`` and ``first``
     sample) when its ``probe.json`` is a video's."""
     info = json.loads(probe_json)
-    if info.get("kind") == "video":
-        codecs.setdefault(info["codec"], {"count": 0, "first": index})["count"] += 1
+    probes = [info] if "kind" in info else list(info.values())  # one field's, or several (:func:`probe_json`)
+    for codec in sorted({p["codec"] for p in probes if p.get("kind") == "video"}):
+        codecs.setdefault(codec, {"count": 0, "first": index})["count"] += 1
 
 
 def video_codecs_of(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -246,10 +281,25 @@ def join_video_codecs(codecs: dict[str, dict[str, int]], more: dict[str, dict[st
         codecs.setdefault(codec, {"count": 0, "first": offset + seen["first"]})["count"] += seen["count"]
 
 
-def parse_probe(data: bytes, where: str) -> dict[str, Any]:
-    """A stored ``probe.json`` as a dict; ValueError naming ``where`` when it is not one."""
+def probe_json(probes: dict[str, bytes]) -> bytes:
+    """A sample's ``probe.json`` bytes from its media fields' probes (field -> :func:`check_media` bytes): the
+    probe itself for one field; for several (a video and its sound: ``key.webm`` + ``key.flac``) an object of
+    field -> probe, from which :func:`parse_probe` takes the field a clip pipeline reads."""
+    if len(probes) == 1:
+        return next(iter(probes.values()))
+    return json.dumps({f: json.loads(p) for f, p in probes.items()}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_probe(data: bytes, where: str, field: str | None = None) -> dict[str, Any]:
+    """A stored ``probe.json`` as a dict: the probe of media field ``field`` in one of several fields' probes
+    (:func:`probe_json`); ValueError naming ``where`` when it is not one."""
     try:
         info = json.loads(data)
+        if "kind" not in info and field is not None:
+            info = info[field]
+        if field is not None and (info["kind"] == "video") != is_video_field(field):
+            raise ValueError(f"it is a probe of {info['kind']}, not of its {field} (a sample of several media "
+                             "fields converted before each was probed)")
         if info["kind"] == "video":
             int(info["frames"]), float(info["fps"]), int(info["width"]), int(info["height"])
         else:
@@ -263,6 +313,26 @@ def media_field_for_suffix(suffix: str) -> str | None:
     """The field name of a video or audio file suffix such as ``.WebM`` (``webm``), or None."""
     field = suffix.lower().lstrip(".")
     return field if field in MEDIA_FIELDS else None
+
+
+def sniff_media_field(data: bytes) -> str | None:
+    """The video or audio field name for a file's bytes judged by their magic number (``webm`` or ``mkv``,
+    ``mp4``, ``mov``, ``avi``, ``wav``, ``flac``, ``opus`` or ``ogg``, ``mp3``), or None: how a Parquet
+    column of media bytes is named, as :func:`fastio.formats.images.sniff_image_field` names an image column."""
+    head = bytes(data[:64])
+    if head.startswith(b"\x1a\x45\xdf\xa3"):  # EBML: Matroska, or WebM by its doctype
+        return "webm" if b"webm" in head else "mkv"
+    if head[4:8] == b"ftyp":
+        return "mov" if head[8:12] == b"qt  " else "mp4"
+    if head[:4] == b"RIFF":
+        return {b"AVI ": "avi", b"WAVE": "wav"}.get(head[8:12])
+    if head.startswith(b"fLaC"):
+        return "flac"
+    if head.startswith(b"OggS"):
+        return "opus" if b"OpusHead" in head else "ogg"
+    if head.startswith(b"ID3") or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE6 == 0xE2):  # MPEG layer 3
+        return "mp3"
+    return None
 
 
 PROBES_NAME = "probes.fxp"

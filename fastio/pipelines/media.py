@@ -9,6 +9,7 @@ drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
+from fastio.formats.images import is_image_field
 from fastio.formats.media import (
     CPU_VIDEO_CODECS,
     PROBE_FIELD,
@@ -67,6 +69,7 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     if table is None and PROBE_FIELD not in ds.fields:
         raise DatasetError(f"{ds.root}: dataset has no {PROBE_FIELD} field (the probe fastio convert writes "
                            f"beside each {what} file); convert the {what} files with fastio convert")
+    _refuse_samples_without(ds, found, test, what)
     for f in found if table is not None else ():
         if f in table.unprobed:
             n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
@@ -74,6 +77,27 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
                                f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
                                "index again, or convert the files with fastio convert (which skips them)")
     return tuple(found)
+
+
+def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, chunk: int = 1 << 20) -> None:
+    """DatasetError naming how many samples have none of the ``found`` fields and the first (shard and key),
+    when the dataset may have such samples: it holds fields of another kind (a table naming images, video and
+    audio), or its ``field_counts`` say so; found by reading the sample table's sizes, a chunk at a time."""
+    counts = ds.manifest.field_counts
+    other = any(is_image_field(f) or (is_media_field(f) and not test(f)) for f in ds.fields)
+    if not other and (counts is None or sum(counts.get(f, 0) for f in found) >= len(ds)):
+        return
+    lacking, first = 0, None
+    for a in range(0, len(ds), chunk):
+        sizes = ds.index.locate(np.arange(a, min(a + chunk, len(ds)))).sizes
+        without = np.flatnonzero(~np.any([sizes[f] >= 0 for f in found], axis=0))
+        lacking += len(without)
+        first = a + int(without[0]) if first is None and len(without) else first
+    if lacking:
+        raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
+                           f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
+                           f"a {what} clip pipeline needs one in every sample: convert the {what} files into a "
+                           "dataset of their own (and mix it with others with fastio.Mixture)")
 
 
 class _ProbeReader:
@@ -150,7 +174,7 @@ class _Clips(Pipeline):
         a probe."""
         stored = batch.fields.get(PROBE_FIELD)
         try:
-            return [parse_probe(stored[j].tobytes(), f"sample {i}") if is_media_field(field) else None
+            return [parse_probe(stored[j].tobytes(), f"sample {i}", field) if is_media_field(field) else None
                     for j, (i, field) in enumerate(zip(batch.indices.tolist(), batch.image_field))]
         except ValueError as err:  # the reader checked the shard's bytes: the dataset was written so
             raise DatasetError(f"{err}; re-convert the dataset with fastio convert") from None
@@ -169,14 +193,14 @@ class _Clips(Pipeline):
         if not is_media_field(batch.image_field[j]):
             return Pipeline.decode_problem(self, batch, j)
         try:
-            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD)
+            stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD, batch.image_field[j])
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
         except ValueError as err:  # MediaCheckError too
             return str(err)
         count = "frames" if self.media == "video" else "samples"
         if found[count] != stored[count]:
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
-        return None
+        return None if self.media == "video" else _dali_reads_less(batch.image[j], stored["samples"])
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -249,6 +273,8 @@ class VideoClips(_Clips):
         object.__setattr__(self, "scale", tuple(self.scale))
         for name in ("frames", "stride", "size", "clips_per_video"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.flip, (bool, np.bool_)):
+            raise ValueError(f"flip must be True or False, got {self.flip!r}")
         if self.crop not in CROPS:
             raise ValueError(f"crop must be random or center, got {self.crop!r}")
         if self.dtype not in ("float32", "uint8"):
@@ -333,14 +359,16 @@ class VideoClips(_Clips):
         frame before it. Only codecs the CPU decoder reads are cut (VP8, VP9, MJPEG: packets in display order):
         H.264's or HEVC's B-frames are stored in decode order, so the packets up to the clip's last frame are not
         its frames (and an open GOP's keyframe needs frames before it); those go whole to NVDEC (``device="cuda"``),
-        which finds the clip's frames in the file as DALI indexes it."""
+        which finds the clip's frames in the file as DALI indexes it. A clip that runs past its video's end is
+        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``)."""
         out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
             cut = p is not None and p.get("codec") in CPU_VIDEO_CODECS
             for c in range(self.clips_per_video) if cut else ():
+                past_end = int(starts[j, c]) + self.span > p["frames"]  # padded: a stream of its packets (trim_video)
                 last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
-                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"))
-                if k:
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=past_end)
+                if k or past_end:
                     out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
         return out, decode
 
@@ -410,7 +438,8 @@ class AudioClips(_Clips):
     seconds: float = 1.0
     """Clip length in seconds."""
     n_mels: int | None = None
-    """Mel bands of a log-mel output; None delivers the waveform."""
+    """Mel bands of a log-mel output; None delivers the waveform. ValueError when a band would hold no FFT bin
+    of ``n_fft`` (:func:`empty_mel_bands`)."""
     n_fft: int = 400
     """FFT size and window length of the spectrogram (``n_mels`` only)."""
     hop: int = 160
@@ -421,8 +450,14 @@ class AudioClips(_Clips):
         _positive_int("sample_rate", self.sample_rate)
         for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) or self.length < 1:
-            raise ValueError(f"seconds must be a number giving at least one sample, got {self.seconds!r}")
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
+                or not math.isfinite(self.seconds) or self.length < 1:
+            raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
+        empty = [] if self.n_mels is None else empty_mel_bands(self.sample_rate, self.n_fft, self.n_mels)
+        if empty:
+            raise ValueError(f"n_mels={self.n_mels} is too many for n_fft={self.n_fft} at sample_rate="
+                             f"{self.sample_rate}: {len(empty)} mel bands (the first: {empty[0]}) hold no FFT bin, so "
+                             "they would always be silent; use fewer mels or a larger n_fft")
 
     @property
     def length(self) -> int:
@@ -463,24 +498,70 @@ class AudioClips(_Clips):
         return clip, start, inp["index"]
 
 
+def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
+    """Why DALI's audio decoder fails on a file PyAV reads in full: it reads fewer samples than the probe counted
+    (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
+    after the graph failed (one small pipeline per sample), None when DALI reads it all or fails to read it."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
+    def decode():
+        data = fn.external_source(source=lambda: [encoded], batch=True, dtype=types.UINT8)
+        return fn.decoders.audio(data, downmix=True, dtype=types.FLOAT)[0]
+
+    try:
+        pipe = decode()
+        pipe.build()
+        read = int(pipe.run()[0][0].shape()[0])
+    except Exception:  # whatever DALI raises, it cannot read it at all: not this case
+        return None
+    if read >= samples:
+        return None
+    return f"DALI's audio decoder reads {read} of its {samples} samples; re-encode it (e.g. as FLAC)"
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (``fn.mel_filter_bank``'s default): linear below 1 kHz, logarithmic above."""
+    return np.where(hz < 1000, 3 * hz / 200, 15 + 27 * np.log(np.maximum(hz, 1e-9) / 1000) / np.log(6.4))
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    return np.where(mel < 15, 200 * mel / 3, 1000 * np.exp((mel - 15) * np.log(6.4) / 27))
+
+
+def empty_mel_bands(sample_rate: int, n_fft: int, n_mels: int) -> list[int]:
+    """The mel bands of ``fn.mel_filter_bank`` (``n_mels`` triangles, Slaney's scale, 0 Hz to ``sample_rate / 2``)
+    over a spectrogram of ``n_fft`` that hold no FFT bin (none strictly inside a triangle): always zero, -200 dB
+    after ``fn.to_decibels``, whatever the sound (librosa warns of "empty filters" in the same case)."""
+    edges = _mel_to_hz(np.linspace(0.0, float(_hz_to_mel(np.float64(sample_rate / 2))), n_mels + 2))
+    bins = np.arange(n_fft // 2 + 1) * sample_rate / n_fft
+    inside = (bins[None, :] > edges[:-2, None]) & (bins[None, :] < edges[2:, None])
+    return np.flatnonzero(~inside.any(axis=1)).tolist()
+
+
 RESAMPLE_MARGIN = 64
-"""Output samples resampled on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
+"""Output samples resampled at least on each side of an audio clip (more than the filter's reach: 16 lobes at DALI's
 default quality, at most 16 output samples when downsampling, 16 input samples when upsampling), so the clip's own
 samples see the file as they would if the whole file were resampled."""
+RESAMPLE_MARGIN_IN = 32
+"""Input samples the margin covers at least: upsampling more than 4 times, 64 output samples are fewer input samples
+than the filter's reach (8 kHz to 44.1 kHz: 11.6 of 16), and the clip's first and last samples were off by 2e-3."""
 
 
 def resample_windows(starts: np.ndarray, length: int, rates: np.ndarray, samples: np.ndarray,
                      out_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(window_start, window_length, offset)`` (int32 [B]) of the audio clips starting at ``starts`` (at
     ``out_rate``): the window of each file (``samples`` at ``rates``) that is resampled, and where the clip starts
-    in the resampled window. The window starts :data:`RESAMPLE_MARGIN` output samples before the clip or at the
+    in the resampled window. The window starts a margin (:data:`RESAMPLE_MARGIN` output samples, at least
+    :data:`RESAMPLE_MARGIN_IN` input samples) before the clip or at the
     file's start, at a sample where the input and output grids meet (a multiple of ``rate / gcd(rate, out_rate)``),
     so its output samples fall where the whole file's would; it ends the margin after the clip, or at the file's
     end (past it the clip is padded with zeros, as before)."""
     g = np.gcd(rates, out_rate)
     period_out, period_in = out_rate // g, rates // g
-    first = np.maximum(starts - RESAMPLE_MARGIN, 0) // period_out  # grid points before the window
+    margin = np.maximum(RESAMPLE_MARGIN, -(-RESAMPLE_MARGIN_IN * out_rate // rates))  # output samples
+    first = np.maximum(starts - margin, 0) // period_out  # grid points before the window
     window_start = first * period_in
-    end = np.minimum(-(-(starts + length + RESAMPLE_MARGIN) * rates // out_rate), samples)
+    end = np.minimum(-(-(starts + length + margin) * rates // out_rate), samples)
     return (window_start.astype(np.int32), np.maximum(end - window_start, 1).astype(np.int32),
             (starts - first * period_out).astype(np.int32))

@@ -144,7 +144,7 @@ def _member_matches(name: bytes, size: int | None, key_crc: int, field: str, wan
     if len(name) >= _LONG_NAME:
         return True
     cut = len(name) - len(field) - 1
-    return (cut >= 0 and name[cut:cut + 1] == b"." and name[cut + 1:].lower() == field.encode()
+    return (cut >= 0 and name[cut:cut + 1] == b"." and name[cut + 1:].lower() == field.lower().encode()
             and (key_crc == _NO_KEY or zlib.crc32(name[:cut]) == key_crc))
 
 
