@@ -334,7 +334,7 @@ class MixOrder:
         where they are the ids: ``id + c * total`` (``total``: every source's samples), where ``c`` counts how
         many of its own epochs the source began in this mixture epoch before this delivery. A sample a source
         delivers again in the same mixture epoch is in another of its own epochs, so its draws differ; ``c = 0``
-        (every delivery of a source that does not cycle here) keeps the draws the id gives."""
+        (a delivery in the own epoch the source was in when this mixture epoch began) keeps the id's draws."""
         if not self.repeats:
             return None
         src, k = self.sampler.schedule.sources(self.epoch, np.asarray(pos, np.int64))
