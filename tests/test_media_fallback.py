@@ -128,6 +128,22 @@ def test_h264_clips_elastic_resume_keeps_each_sample_once_and_its_clip(h264_ds):
     assert all(single[k] == frames for k, frames in got.items())
 
 
+def test_a_mixture_repeating_h264_videos_decodes_each_delivery_s_own_clip(h264_ds):
+    import fastio
+
+    # "h" (5 videos) fills 15 of the 20 positions of each mixture epoch: its repeats draw their own starts
+    mix = fastio.Mixture({"h": str(h264_ds), "o": str(h264_ds)}, weights={"h": 3, "o": 1}, samples_per_epoch=20)
+    starts: dict[int, set[int]] = {}
+    with clips_loader(mix, batch_size=4) as loader:
+        for b in loader:
+            for j, (s, i) in enumerate(zip(b["source"].tolist(), b["index"].tolist())):
+                key, start = loader.key(s, i), int(b["start_frame"][j])
+                assert frames_shown(b["video"])[j].tolist() == wanted(start, FRAMES[key.split("/")[1]]), key
+                if s == 0:
+                    starts.setdefault(i, set()).add(start)
+    assert any(len(v) > 1 for v in starts.values()), "no repeat drew a start of its own"
+
+
 def test_without_the_option_a_cpu_loader_refuses_h264_and_names_it(h264_ds):
     import fastio
 

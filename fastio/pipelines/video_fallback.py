@@ -40,7 +40,7 @@ def run_job(job: Job, frames: int, stride: int, field: str, where: str) -> np.nd
 
 
 class FallbackReader:
-    """Reads batches with ``inner``; :meth:`prepare` (called by the Feeder with each read, its seed and epoch)
+    """Reads batches with ``inner``; :meth:`prepare` (called by the Feeder with each read, its seed, epoch and draws)
     decodes the clips ``plan(batch, seed, epoch)`` names (:func:`decode_jobs`) in its own ``threads`` and puts
     them in ``ReadBatch.frames[(j, c)]``; ``where(i)`` names read-set id ``i``. :meth:`close` cancels what is
     queued and waits for the clips being decoded."""
@@ -53,8 +53,9 @@ class FallbackReader:
     def submit(self, ids: np.ndarray) -> Future:
         return self.inner.submit(ids)
 
-    def prepare(self, read: Future, *, seed: int, epoch: int) -> Future:
-        """A future of ``read``'s batch with its clips decoded: started in the thread that finishes the read."""
+    def prepare(self, read: Future, *, seed: int, epoch: int, draws: np.ndarray | None = None) -> Future:
+        """A future of ``read``'s batch with its clips decoded: started in the thread that finishes the read, its
+        ``draws`` (the Feeder's: the keys its clip starts are drawn by, None for its indices) set first."""
         out: Future = Future()
 
         def decode(done: Future) -> None:
@@ -62,6 +63,7 @@ class FallbackReader:
                 return
             try:
                 batch = done.result()
+                batch.draws = draws
                 jobs = self.plan(batch, seed, epoch)
                 futures = [self._pool.submit(run_job, job, self.frames, self.stride, batch.image_field[job[0]],
                                              self.where(int(batch.indices[job[0]]))) for job in jobs]

@@ -73,12 +73,14 @@ class Feeder:
     Args:
         reader: reads the bytes of each batch (``submit(ids) -> Future[ReadBatch]``: a :class:`Reader`, a mixture's
             ``MixReader`` or a pipeline's own reader of its units; its threads do the reading ahead). A reader with
-            ``prepare(read, seed=, epoch=) -> Future[ReadBatch]`` gets each read future as it is started, with its
-            batch's epoch, and the batch fed is the one it gives (``VideoClips(cpu_fallback=...)``'s decoding).
+            ``prepare(read, seed=, epoch=, draws=) -> Future[ReadBatch]`` gets each read future as it is started, with
+            its batch's epoch and draw keys (``ReadBatch.draws``), and the batch fed is the one it gives
+            (``VideoClips(cpu_fallback=...)``'s decoding).
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
         pipeline: the pipeline object whose graph is fed.
-        seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
+        seed: seeds the per-sample augmentation parameters (with the epoch and the sample's draw key: its index,
+            or for a sample a mixture delivers again in one epoch the plan's ``draw_keys``).
         read_ahead: batches whose reads are started ahead of the one being fed.
         epoch, start: where the stream starts.
         first: batches read until the graph's first output is taken (:meth:`delivered`): the graph's prefetch
@@ -117,8 +119,9 @@ class Feeder:
                 return
             read = self.reader.submit(indices)
             prepare = getattr(self.reader, "prepare", None)
-            if prepare is not None:  # work on the read batch that needs its epoch, done before it is fed
-                read = prepare(read, seed=self.seed, epoch=plan.epoch)
+            if prepare is not None:  # work on the read batch that needs its epoch and draws, done before it is fed
+                draws = plan.draw_keys(g, indices) if isinstance(plan, EpochPlan) else None
+                read = prepare(read, seed=self.seed, epoch=plan.epoch, draws=draws)
             self._slots.append(_Slot(plan, g, read, padded))
             self._started += 1
 
@@ -143,7 +146,10 @@ class Feeder:
         self.start()  # keep read_ahead batches being read while this one is waited for and used
         plan, g = slot.plan, slot.g
         start = plan.start if g == 0 else plan.consumed_after(g - 1)
-        return Fed(slot.read.result(), slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
+        batch = slot.read.result()
+        if isinstance(batch, ReadBatch) and isinstance(plan, EpochPlan):  # packed sequences draw nothing
+            batch.draws = plan.draw_keys(g, batch.indices)
+        return Fed(batch, slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
 
     def __call__(self) -> tuple:
         fed = self._take()

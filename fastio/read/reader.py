@@ -100,6 +100,15 @@ class ReadBatch:
         self.frames: dict[tuple[int, int], np.ndarray] = {}
         """Video clips decoded once read, off the training thread: (sample, clip) -> uint8 [F, H, W, 3]
         (:mod:`fastio.pipelines.video_fallback`)."""
+        self.draws: np.ndarray | None = None
+        """Each sample's key for its random draws where it is not its index (a sample a mixture delivers again in
+        one epoch: set by the :class:`~fastio.read.feeder.Feeder` from :meth:`~fastio.order.sampler.EpochPlan.draw_keys`)."""
+
+    @property
+    def draw_keys(self) -> np.ndarray:
+        """What a pipeline's random draws hash per sample (:mod:`fastio.pipelines.augment`): ``draws``, else the
+        indices."""
+        return self.indices if self.draws is None else self.draws
 
 
 # Neighbouring byte ranges of one shard are read with one pread when the gap between them is at most
