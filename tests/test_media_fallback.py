@@ -66,6 +66,25 @@ def test_decode_clip_gives_every_clip_of_a_b_frame_video_in_display_order(tmp_pa
             assert synthetic.frame_of_level(clip.reshape(5, -1).mean(1)).tolist() == want.tolist(), (first, stride)
 
 
+@pytest.mark.parametrize("encoder,options", [
+    ("libx265", {"crf": "4", "preset": "ultrafast",  # open GOPs: B-frames shown before a keyframe follow it
+                 "x265-params": "keyint=8:min-keyint=8:bframes=2:b-adapt=0:open-gop=1:log-level=error"}),
+    ("mpeg4", {"qscale": "1", "bf": "2", "g": "8"}),
+])
+def test_decode_clip_reads_hevc_and_mpeg4_with_b_frames(tmp_path, encoder, options):
+    """Every clip is, bit for bit, those frames of the whole file decoded from its start in display order."""
+    import av
+    from test_media_nvdec import make_ffv1
+
+    data = make_ffv1(tmp_path / "v.mp4", 20, encoder, options=options).read_bytes()
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        shown = sorted(((f.pts, f.to_ndarray(format="rgb24")) for f in c.decode(video=0)), key=lambda t: t[0])
+    assert len(shown) == 20
+    for first in range(20):
+        want = np.minimum(first + 2 * np.arange(4), 19)
+        assert np.array_equal(decode_clip(data, first, 4, 2), np.stack([shown[f][1] for f in want])), first
+
+
 def test_decode_clip_names_what_pyav_cannot_decode(tmp_path):
     with pytest.raises(MediaCheckError, match=r"^cannot be decoded by PyAV \("):
         decode_clip(b"\x00\x00\x00\x18ftypmp42 not a video", 0, 4, 1)
