@@ -124,6 +124,24 @@ def test_two_clips_per_video_and_a_vp9_video_in_the_same_batch(h264_ds):
                 assert frames_shown(b["video"][j, c]).tolist() == wanted(start, FRAMES[key.split("/")[1]]), key
 
 
+def test_a_mixture_of_h264_vp9_and_images_is_one_batch(h264_ds, tmp_path):
+    import fastio
+
+    synthetic.make_imagefolder(tmp_path / "img", classes=2, per_class=3)
+    convert(ConvertConfig(source=tmp_path / "img", dest=tmp_path / "ids", workers=1, progress=False))
+    mix = fastio.Mixture({"videos": str(h264_ds), "images": str(tmp_path / "ids")}, weights={"videos": 5, "images": 3})
+    with clips_loader(mix, batch_size=8) as loader:
+        b = next(iter(loader))
+    assert b["video"].shape == (8, 4, 24, 24, 3) and sorted(b["source"].tolist()) == [0] * 5 + [1] * 3
+    for j, (s, i) in enumerate(zip(b["source"].tolist(), b["index"].tolist())):
+        if s == 1:  # a still clip: one picture over the frames
+            assert (b["video"][j] == b["video"][j, :1]).all() and int(b["start_frame"][j]) == 0
+        else:
+            key = loader.key(s, i)
+            want = wanted(int(b["start_frame"][j]), FRAMES[key.split("/")[1]])
+            assert frames_shown(b["video"])[j].tolist() == want, key
+
+
 def test_h264_clips_resume_exactly(h264_ds):
     from resume import check_resume
 
