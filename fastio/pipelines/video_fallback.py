@@ -6,6 +6,7 @@ normalises them as it does DALI-decoded clips (:class:`fastio.pipelines.media.Vi
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -29,14 +30,14 @@ def decode_jobs(batch: Any, fallback: np.ndarray, starts: np.ndarray) -> list[Jo
             for j in np.flatnonzero(fallback).tolist() for c in range(starts.shape[1])]
 
 
-def run_job(job: Job, frames: int, stride: int, field: str, where: str) -> np.ndarray:
-    """The decoded clip of ``job``; DatasetError naming the sample (``where``: its shard and key) and its field
+def run_job(job: Job, frames: int, stride: int, field: str, where: Callable[[], str]) -> np.ndarray:
+    """The decoded clip of ``job``; DatasetError naming the sample (``where()``: its shard and key) and its field
     when PyAV cannot decode it."""
     j, c, data, first = job
     try:
         return decode_clip(data.tobytes(), first, frames, stride)
     except MediaCheckError as err:
-        raise DatasetError(f"{where}: field {field!r} {err}") from None
+        raise DatasetError(f"{where()}: field {field!r} {err}") from None
 
 
 class FallbackReader:
@@ -66,7 +67,8 @@ class FallbackReader:
                 batch.draws = draws
                 jobs = self.plan(batch, seed, epoch)
                 futures = [self._pool.submit(run_job, job, self.frames, self.stride, batch.image_field[job[0]],
-                                             self.where(int(batch.indices[job[0]]))) for job in jobs]
+                                             functools.partial(self.where, int(batch.indices[job[0]])))
+                           for job in jobs]
             except BaseException as err:  # a read error passes through; a closed pool too
                 out.set_exception(err)
                 return
