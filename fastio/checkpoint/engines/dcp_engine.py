@@ -202,6 +202,10 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
                                   f"{'; '.join(line for m in found for line in m.lines())} "
                                   "(restore_latest(..., strict=False) loads what matches and lists the rest)")
         for m in found:
+            groups = m.groups_line()
+            if groups:  # the checkpoint's groups over the app's would name other parameters: the app's stay
+                self.skipped.append(f"{groups} (the app's groups kept, each parameter's state loaded by name)")
+                m.keep_groups()
             self.skipped.extend(m.lines())
             for sub_key in m.skipped_keys:  # left as the app has them
                 self.state_dict.pop(f"{m.key}.{sub_key}", None)

@@ -8,12 +8,15 @@ Checkpointer logs them and hands them back in ``TrainState.skipped``).
 
 The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
 dict it rebuilt against the module's own), DCP in its load planner (the checkpoint's metadata against the
-flattened state dict it is asked to fill).
+flattened state dict it is asked to fill). An optimizer's parameter groups are part of the rule: torchsnapshot's
+state is positional, so an optimizer of other groups is skipped whole; DCP's is keyed by parameter name, so with
+another number of groups the app's groups stay and each parameter's state loads by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastio.errors import CheckpointError
@@ -41,6 +44,18 @@ def group_sizes(groups: Any) -> list[int] | None:
 def _groups(sizes: list[int]) -> str:
     noun = "parameter group" if len(sizes) == 1 else "parameter groups"
     return f"{len(sizes)} {noun} ({', '.join(map(str, sizes)) or 'none'} parameter{'' if sizes == [1] else 's'})"
+
+
+_GROUP = re.compile(r"param_groups\.(\d+)\.")
+"""A parameter group's state key as DCP flattens an optimizer's state (``param_groups.1.lr``)."""
+
+
+def _group_count(keys: Iterable[str]) -> int:
+    return len({m.group(1) for k in keys if (m := _GROUP.match(k))})
+
+
+def _count(n: int) -> str:
+    return f"{n} parameter group" + ("" if n == 1 else "s")
 
 
 def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) -> str | None:
@@ -71,7 +86,9 @@ class Mismatch:
     """The differences between one app key's state in a checkpoint and in the app."""
 
     def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None]):
-        self.key = key
+        self.key, self._saved, self._own = key, set(saved), set(own)
+        self.kept: set[str] = set()
+        """The app's parameter groups' keys, left as they are (:meth:`keep_groups`)."""
         self.unexpected = sorted(k for k in saved if k not in own)
         """In the checkpoint, not in the app."""
         self.missing = sorted(k for k in own if k not in saved)
@@ -86,7 +103,23 @@ class Mismatch:
     @property
     def skipped_keys(self) -> set[str]:
         """The app's state keys a non-strict restore leaves as they are."""
-        return set(self.missing) | {k for k, _, _ in self.shapes}
+        return set(self.missing) | {k for k, _, _ in self.shapes} | self.kept
+
+    def groups_line(self) -> str | None:
+        """One line when this is an optimizer's state as DCP names it (``param_groups.G.lr``) and the checkpoint
+        holds another number of parameter groups than the app; None otherwise."""
+        saved, own = _group_count(self._saved), _group_count(self._own)
+        if not saved or not own or saved == own:
+            return None
+        return f"app key {self.key}: the checkpoint's optimizer has {_count(saved)}, the app's {_count(own)}"
+
+    def keep_groups(self) -> None:
+        """Leave the app's parameter groups as they are (the checkpoint's would name other parameters): their
+        keys are skipped and no longer listed as differences."""
+        self.kept = {k for k in self._own if _GROUP.match(k)}
+        self.unexpected = [k for k in self.unexpected if not _GROUP.match(k)]
+        self.missing = [k for k in self.missing if not _GROUP.match(k)]
+        self.shapes = [s for s in self.shapes if not _GROUP.match(s[0])]
 
     def lines(self) -> list[str]:
         """One line per kind of difference, naming the app key and the state keys."""
