@@ -5,8 +5,15 @@ ranks that are slow but alive, no thread left behind, no beat after close)."""
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import threading
+import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from helpers import free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -57,3 +64,71 @@ def test_dcp_not_strict_optimizer_of_other_groups_keeps_the_apps_groups_and_trai
     assert "app key optim: the checkpoint's optimizer has 1 parameter group, the app's 2 parameter groups (the " \
            "app's groups kept, each parameter's state loaded by name)" in skipped, skipped
     trained(model2, optim2)  # and it trains on
+
+
+# ---------------------------------------------------------------- 3. the agreements' watching threads
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _burn(stop: threading.Event) -> None:
+    """A busy machine: a thread of the rank's own that holds the GIL most of the time."""
+    while not stop.is_set():
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+        time.sleep(0.002)
+
+
+def load_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Blocking and background saves and a restore on 2 ranks slowed by a GIL-holding thread each (alive, not
+    stopped); what the watching threads said, which threads are left, and whether beats go on after close."""
+    from fastio.checkpoint import group
+    from fastio.dist import default_store
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0  # the looks come sooner: a false line would show within the test's time
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    stop = threading.Event()
+    threading.Thread(target=_burn, args=(stop,), daemon=True).start()
+    model = nn.Linear(64, 64)
+    optim = torch.optim.Adam(model.parameters())
+    ckpt = Checkpointer(root, signals=(), keep=2)
+    for step in range(1, 11):
+        trained_linear(model, optim)
+        ckpt.save(step, {"model": model, "optim": optim}, blocking=step % 2 == 0)
+    ckpt.restore_latest({"model": model, "optim": optim})
+    keys = [ckpt._ranks._key, ckpt._writer_ranks._key]
+    ckpt.close()
+    stop.set()
+    time.sleep(1.0)  # a watching thread ends within a store request of its collective's end
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("fastio-"))
+    beats = [int(default_store().add(f"{k}/beat/{rank}", 0)) for k in keys]
+    time.sleep(1.2)
+    beats_later = [int(default_store().add(f"{k}/beat/{rank}", 0)) for k in keys]
+    dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"lines": lines.lines, "left": left, "beats": beats,
+                                                         "beats_later": beats_later}))
+    dist.destroy_process_group()
+
+
+def trained_linear(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    optim.zero_grad()
+    model(torch.randn(8, 64)).square().mean().backward()
+    optim.step()
+
+
+def test_slow_ranks_are_not_named_and_no_thread_or_beat_is_left(tmp_path):
+    port = free_port()
+    spawn_ranks(load_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=240)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, got in enumerate(seen):
+        assert not [line for line in got["lines"] if "waiting" in line], (rank, got["lines"])
+        assert got["left"] == [], (rank, got["left"])
+        assert got["beats"] == got["beats_later"], (rank, got)
