@@ -11,12 +11,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
+from fastio.errors import CheckpointError
 
 
 def net(seed: int = 0) -> nn.Sequential:
@@ -64,6 +66,72 @@ def test_dcp_not_strict_optimizer_of_other_groups_keeps_the_apps_groups_and_trai
     assert "app key optim: the checkpoint's optimizer has 1 parameter group, the app's 2 parameter groups (the " \
            "app's groups kept, each parameter's state loaded by name)" in skipped, skipped
     trained(model2, optim2)  # and it trains on
+
+
+def swapped(model: nn.Module, first: int) -> torch.optim.Optimizer:
+    """Adam of two groups of 2 parameters each: the model's layer ``first`` in group 0, the other in group 1."""
+    return torch.optim.Adam([{"params": model[first].parameters()}, {"params": model[1 - first].parameters()}])
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_positional_state_of_another_parameter_shape_refused_before_anything_loads(tmp_path, engine):
+    """An optimizer whose groups hold as many parameters as the checkpoint's, in another order (the layers'
+    groups swapped): its positional state (torchsnapshot; DCP's optimizer of no app module) has other shapes
+    than the app's parameters. strict: refused before anything loads, naming the app key, the state and both
+    shapes; strict=False: left as it was (listed), and it trains on. It was loaded, and its next step failed in
+    torch (RuntimeError: The size of tensor a (8) must match the size of tensor b (4))."""
+    model = net()
+    optim = swapped(model, 0)
+    trained(model, optim)
+    app = {"model": model, "optim": optim} if engine == "torchsnapshot" else {"optim": optim}
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, app, blocking=True)
+    for strict in (True, False):
+        model2 = net(1)
+        optim2 = swapped(model2, 1)
+        trained(model2, optim2)
+        app2 = {"model": model2, "optim": optim2} if engine == "torchsnapshot" else {"optim": optim2}
+        before = copy.deepcopy({"model": model2.state_dict(), "optim": optim2.state_dict()})
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            if strict:
+                with pytest.raises(CheckpointError) as err:
+                    ckpt.restore_latest(app2)
+                assert "app key optim: the checkpoint's optimizer state of parameter 0 (group 0) has exp_avg of " \
+                       "8x8, the app's parameter 4x8" in str(err.value), str(err.value)
+                assert "\n" not in str(err.value)
+                assert same({"model": model2.state_dict(), "optim": optim2.state_dict()}, before)
+                continue
+            skipped = ckpt.restore_latest(app2, strict=False).skipped
+        assert same(optim2.state_dict(), before["optim"])  # left as it was
+        assert any(s.startswith("app key optim: the checkpoint's optimizer state of parameter 0") and
+                   s.endswith("(optimizer left as it was)") for s in skipped), skipped
+        if engine == "torchsnapshot":
+            assert same(model2.state_dict(), model.state_dict())  # the model loads
+        trained(model2, optim2)
+
+
+TORCH_OPTIMIZERS = {
+    "Adam amsgrad": lambda ps: torch.optim.Adam(ps, amsgrad=True), "AdamW": torch.optim.AdamW,
+    "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "Adagrad": torch.optim.Adagrad,
+    "RMSprop centered": lambda ps: torch.optim.RMSprop(ps, centered=True, momentum=0.9), "Rprop": torch.optim.Rprop,
+    "ASGD": torch.optim.ASGD, "Adadelta": torch.optim.Adadelta, "NAdam": torch.optim.NAdam, "RAdam": torch.optim.RAdam,
+    "Adamax": torch.optim.Adamax, "Adafactor": torch.optim.Adafactor}
+
+
+def test_torch_optimizers_of_the_same_parameters_restore_with_their_state(tmp_path):
+    """No false refusal by the state-shape check: each of torch's optimizers (whose state is kept in the
+    parameter's shape, or not: Adafactor) restores its state as saved (torchsnapshot, positional)."""
+    for name, make in TORCH_OPTIMIZERS.items():
+        model = net()
+        optim = make(model.parameters())
+        trained(model, optim)
+        with Checkpointer(tmp_path / name, signals=(), engine="torchsnapshot") as ckpt:
+            ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+        model2 = net(1)
+        optim2 = make(model2.parameters())
+        with Checkpointer(tmp_path / name, signals=()) as ckpt:
+            assert ckpt.restore_latest({"model": model2, "optim": optim2}).skipped == [], name
+        assert same(optim2.state_dict(), optim.state_dict()), name
 
 
 # ---------------------------------------------------------------- 3. the agreements' watching threads

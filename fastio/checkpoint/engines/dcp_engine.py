@@ -325,6 +325,17 @@ class DcpCheckpoint(SavedCheckpoint):
         state = self.read(key, rank, mmap=True)
         return group_sizes(state.get("param_groups")) if isinstance(state, dict) else None
 
+    def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
+        """A per-rank optimizer's state shapes (its file mapped, no tensor read); empty for a global key."""
+        if key in self.global_keys:
+            return {}
+        state = self.read(key, rank, mmap=True)
+        per_param = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(per_param, dict):
+            return {}
+        return {(int(i), str(name)): shape for i, st in per_param.items() if isinstance(i, int) and isinstance(st, dict)
+                for name, v in st.items() if (shape := shape_of(v)) is not None}
+
     def read(self, key: str, rank: int, *, mmap: bool = False) -> Any:
         """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched."""
         if key in self.global_keys:

@@ -21,7 +21,8 @@ from typing import Any
 
 from fastio.errors import CheckpointError
 
-__all__ = ["CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of"]
+__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of",
+           "state_mismatch"]
 
 _SHOWN = 8
 
@@ -66,6 +67,26 @@ def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) ->
     if saved is None or own is None or saved == own:
         return None
     return f"app key {key}: the checkpoint's optimizer has {_groups(saved)}, the app's {_groups(own)}"
+
+
+PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
+                          "acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"})
+"""The per-parameter state torch's own optimizers (``torch.optim``) keep in their parameter's shape."""
+
+
+def state_mismatch(key: str, saved: Mapping[tuple[int, str], tuple[int, ...]], optim: Any) -> str | None:
+    """One line when a torch optimizer's positional state in a checkpoint (``saved``: (parameter position, state
+    name) -> shape) holds a tensor kept in the parameter's shape (:data:`PARAM_SHAPED`) of another shape than
+    the app's parameter at that position (groups of as many parameters, in another order): torch's
+    ``load_state_dict`` takes it, and its next step fails. None when they fit, or for another optimizer."""
+    if not type(optim).__module__.startswith("torch.optim."):
+        return None
+    params = [(g, p) for g, group in enumerate(optim.param_groups) for p in group["params"]]
+    for (i, name), shape in sorted(saved.items()):
+        if name in PARAM_SHAPED and i < len(params) and tuple(params[i][1].shape) != tuple(shape):
+            return (f"app key {key}: the checkpoint's optimizer state of parameter {i} (group {params[i][0]}) has "
+                    f"{name} of {_dims(tuple(shape))}, the app's parameter {_dims(tuple(params[i][1].shape))}")
+    return None
 
 
 def module_shapes(module: Any) -> dict[str, tuple[int, ...] | None]:

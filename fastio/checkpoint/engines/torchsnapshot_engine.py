@@ -317,6 +317,16 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 sizes[int(p[1])] += 1
         return list(sizes.values())
 
+    def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
+        """From the manifest's ``KEY/state/P/NAME`` tensor entries."""
+        out: dict[tuple[int, str], tuple[int, ...]] = {}
+        for path, entry in self._entries(key, rank).items():
+            p = path.split("/")[1:]
+            shape = None if isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
+            if len(p) == 3 and p[0] == "state" and p[1].isdigit() and shape is not None:
+                out[(int(p[1]), _decode(p[2]))] = tuple(int(n) for n in shape)
+        return out
+
     def _unreadable(self, key: str, view: dict[str, Any], err: Exception) -> CheckpointError:
         """The one-line error for a read that failed inside ``Snapshot.restore``: the file the error names, else
         the key's files (a short read fails later, in deserialising). Raised only after the key's collectives, so
