@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -200,3 +202,51 @@ def test_slow_ranks_are_not_named_and_no_thread_or_beat_is_left(tmp_path):
         assert not [line for line in got["lines"] if "waiting" in line], (rank, got["lines"])
         assert got["left"] == [], (rank, got["left"])
         assert got["beats"] == got["beats_later"], (rank, got)
+
+
+def kill_worker(rank: int, victim: int, port: int, root: str, out: str) -> None:
+    """Rank ``victim`` busy 3 s at the end of the write phase (beating), then SIGKILLed; the other waits for it
+    in the phase's agreement, its watching thread looking at the victim's beats, the store on rank 0."""
+    from fastio.checkpoint import group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    ckpt = Checkpointer(root, signals=())
+    app = {"model": nn.Linear(4, 2)}
+    ckpt.save(1, app, blocking=True)
+
+    def hook(group_name: str, phase: str) -> None:
+        if (group_name, phase) == ("checkpoint writer", "write") and rank == victim:
+            time.sleep(3)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    group.fault_hook = hook
+    started = time.monotonic()
+    try:
+        ckpt.save(2, app, blocking=True)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "error": error, "took": time.monotonic() - started, "lines": lines.lines,
+        "steps": sorted(p.name for p in Path(root).glob("step-*"))}))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_while_the_other_watches_its_beats_is_named_gone(tmp_path, victim):
+    """A rank SIGKILLed inside a save while another waits for it (watching thread on, the store maybe gone with
+    it): the waiting rank raises the usual one line naming the rank that went away, soon, and is not told it is
+    'waiting' for a rank that was busy; the previous checkpoint stays the only committed one."""
+    port = free_port()
+    spawn_ranks(kill_worker, lambda r: (r, victim, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    got = json.loads((tmp_path / f"rank{1 - victim}.json").read_text())
+    assert not (tmp_path / f"rank{victim}.json").exists()
+    assert got["error"] and "\n" not in got["error"], got
+    assert f"checkpoint write: rank {victim} (pid" in got["error"] and "went away" in got["error"], got["error"]
+    assert got["took"] < 60, got
+    assert not [line for line in got["lines"] if "waiting" in line], got["lines"]
+    assert [s for s in got["steps"] if not s.endswith(".tmp")] == ["step-1"], got["steps"]  # the killed leader's
+    # temporary directory is the next Checkpointer's to clean, as before
