@@ -136,6 +136,36 @@ def test_torch_optimizers_of_the_same_parameters_restore_with_their_state(tmp_pa
         assert same(optim2.state_dict(), optim.state_dict()), name
 
 
+@pytest.mark.parametrize("stepped", [False, True])
+def test_dcp_refuses_lbfgs_of_an_app_module_at_save_naming_the_key(tmp_path, stepped):
+    """DCP keys an app module's optimizer state by parameter name and needs it for every parameter; LBFGS keeps
+    state for its first parameter only. Saved before its first step, the save failed with 'TypeError: 'NoneType'
+    object is not callable' (DCP stepping it without a closure); after one, the save went through and every
+    restore failed ('Missing optimizer state for parameter '0.bias''). Now the save is refused at once, naming
+    the app key and the way out, and nothing is written; torchsnapshot saves and restores it."""
+    model = net()
+    optim = torch.optim.LBFGS(model.parameters())
+    if stepped:
+        def closure():
+            optim.zero_grad()
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            return loss
+        optim.step(closure)
+    with Checkpointer(tmp_path / "ck", signals=(), engine="dcp") as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    assert str(err.value).startswith("app key optim: LBFGS keeps state for its first parameter only, and DCP "
+                                     "needs it per parameter name: save with engine='torchsnapshot'"), str(err.value)
+    assert list((tmp_path / "ck").glob("step-*")) == []
+    with Checkpointer(tmp_path / "ts", signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+        model2 = net(1)
+        optim2 = torch.optim.LBFGS(model2.parameters())
+        ckpt.restore_latest({"model": model2, "optim": optim2})
+    assert same(optim2.state_dict(), optim.state_dict())
+
+
 # ---------------------------------------------------------------- 3. the agreements' watching threads
 class Lines(logging.Handler):
     def __init__(self):

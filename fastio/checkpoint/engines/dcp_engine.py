@@ -8,7 +8,8 @@ What goes where in a step directory:
 - *global* state, written once across ranks through ``dcp.save`` (``.metadata`` and ``__R_0.distcp``):
   every ``nn.Module`` of the app (``get_model_state_dict``: parameter names, DTensor shards or, for plain
   and DDP modules, tensors identical on every rank), and every optimizer whose parameters all belong to
-  one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too);
+  one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too; an LBFGS
+  there is refused at save, naming its app key: it keeps state for its first parameter only);
 - *per-rank* state (the loader position, RNG streams, any other object and an
   optimizer of no app module), one ``torch.save`` file per app key and rank, ``rank-R/<key>.pt``;
 - ``fastio-dcp.json``: world size and which keys are global, per rank (written by rank 0).
@@ -370,6 +371,9 @@ class DcpEngine:
             elif isinstance(obj, torch.optim.Optimizer):
                 ids = {id(p) for g in obj.param_groups for p in g["params"]}
                 owner = next((m for m in modules if ids <= {id(p) for p in m.parameters()}), None)
+                if owner is not None and isinstance(obj, torch.optim.LBFGS):  # DCP would fail, or write no restore
+                    raise CheckpointError(f"app key {key}: LBFGS keeps state for its first parameter only, and DCP "
+                                          "needs it per parameter name: save with engine='torchsnapshot'")
                 if owner is not None:
                     out[key], _ = OptimizerState(owner, obj), shared.add(key)
                 elif _has_dtensor(p for g in obj.param_groups for p in g["params"]):
