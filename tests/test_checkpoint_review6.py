@@ -136,6 +136,24 @@ def test_torch_optimizers_of_the_same_parameters_restore_with_their_state(tmp_pa
         assert same(optim2.state_dict(), optim.state_dict()), name
 
 
+def test_an_accelerate_wrapped_optimizer_of_swapped_groups_refused(tmp_path):
+    """The same check through Accelerate's AcceleratedOptimizer (accelerator.prepare's optimizer, a wrapper of
+    torch's): it was not looked into (not a torch.optim class), loaded, and its next step failed in torch."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(net())
+    optim = accelerator.prepare(swapped(model, 0))
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    model2 = net(1)
+    optim2 = accelerator.prepare(swapped(model2, 1))
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match="app key optim: the checkpoint's optimizer state of parameter 0"):
+            ckpt.restore_latest({"model": model2, "optim": optim2})
+
+
 @pytest.mark.parametrize("stepped", [False, True])
 def test_dcp_refuses_lbfgs_of_an_app_module_at_save_naming_the_key(tmp_path, stepped):
     """DCP keys an app module's optimizer state by parameter name and needs it for every parameter; LBFGS keeps

@@ -78,7 +78,12 @@ def state_mismatch(key: str, saved: Mapping[tuple[int, str], tuple[int, ...]], o
     """One line when a torch optimizer's positional state in a checkpoint (``saved``: (parameter position, state
     name) -> shape) holds a tensor kept in the parameter's shape (:data:`PARAM_SHAPED`) of another shape than
     the app's parameter at that position (groups of as many parameters, in another order): torch's
-    ``load_state_dict`` takes it, and its next step fails. None when they fit, or for another optimizer."""
+    ``load_state_dict`` takes it, and its next step fails. None when they fit, or for another optimizer. A
+    wrapper's optimizer (Accelerate's ``.optimizer``, Lightning's ``._optimizer``) is looked into."""
+    for _ in range(3):
+        if type(optim).__module__.startswith("torch.optim."):
+            break
+        optim = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
     if not type(optim).__module__.startswith("torch.optim."):
         return None
     params = [(g, p) for g, group in enumerate(optim.param_groups) for p in group["params"]]
