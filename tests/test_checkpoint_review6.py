@@ -136,6 +136,30 @@ def test_torch_optimizers_of_the_same_parameters_restore_with_their_state(tmp_pa
         assert same(optim2.state_dict(), optim.state_dict()), name
 
 
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_scheduler_made_after_the_restore_finds_its_initial_lr(tmp_path, engine):
+    """An lr scheduler writes initial_lr into the optimizer's groups; a run that builds its scheduler after the
+    restore (StepLR(optim, ..., last_epoch=N)) needs it from the checkpoint, as torch's load_state_dict gives it.
+    DCP refused the checkpoint ('in the checkpoint, not in the app: param_groups.0.initial_lr'), and with
+    strict=False left it out, so that the scheduler failed (KeyError: param 'initial_lr' is not specified)."""
+    model = net()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+    for _ in range(3):
+        trained(model, optim)
+        sched.step()
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim}, blocking=True)
+    for strict in (True, False):
+        model2 = net(1)
+        optim2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            assert ckpt.restore_latest({"model": model2, "optim": optim2}, strict=strict).skipped == []
+        assert optim2.param_groups[0]["lr"] == optim.param_groups[0]["lr"] == 0.0125
+        torch.optim.lr_scheduler.StepLR(optim2, 1, gamma=0.5, last_epoch=2)  # resumes: its first step on build
+        assert optim2.param_groups[0]["lr"] == 0.00625
+
+
 def test_an_accelerate_wrapped_optimizer_of_swapped_groups_refused(tmp_path):
     """The same check through Accelerate's AcceleratedOptimizer (accelerator.prepare's optimizer, a wrapper of
     torch's): it was not looked into (not a torch.optim class), loaded, and its next step failed in torch."""

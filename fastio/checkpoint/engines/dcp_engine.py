@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -185,6 +186,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             return str(path[0]) if path else fqn.split(".", 1)[0]
 
         keys = {top(fqn, self.mappings) for fqn in self.state_dict}
+        self._planned = self._take_group_settings(metadata, saved_paths)
         saved = {fqn: getattr(m, "size", None) for fqn, m in metadata.state_dict_metadata.items()
                  if top(fqn, saved_paths) in keys}
         found = []
@@ -211,6 +213,20 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             for sub_key in m.skipped_keys:  # left as the app has them
                 self.state_dict.pop(f"{m.key}.{sub_key}", None)
         self._planned = True
+
+    def _take_group_settings(self, metadata, saved_paths: dict) -> bool:
+        """A setting of a parameter group in the checkpoint that the app's group lacks (``initial_lr``, written by
+        an lr scheduler the app builds after the restore) is loaded into it, as torch's
+        ``Optimizer.load_state_dict`` does; True when there was one. A group the app lacks is the groups' rule."""
+        groups = {tuple(path[:3]) for path in self.mappings.values()
+                  if len(path) == 4 and path[1] == "param_groups"}
+        added = False
+        for fqn, md in metadata.state_dict_metadata.items():
+            path = tuple(saved_paths.get(fqn) or ())
+            if (fqn not in self.state_dict and isinstance(md, BytesStorageMetadata) and len(path) == 4
+                    and path[:3] in groups and path[3] != "params"):
+                self.state_dict[fqn], self.mappings[fqn], added = None, path, True
+        return added
 
     def create_local_plan(self):
         if getattr(self, "_planned", False):  # keys were left out on purpose: not a DCP 2.3 checkpoint's names
