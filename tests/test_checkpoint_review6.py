@@ -160,6 +160,26 @@ def test_a_scheduler_made_after_the_restore_finds_its_initial_lr(tmp_path, engin
         assert optim2.param_groups[0]["lr"] == 0.00625
 
 
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_scheduler_new_in_the_resumed_run_keeps_its_initial_lr(tmp_path, engine):
+    """The other way round: a run that saved without an lr scheduler, resumed by one that builds its scheduler
+    (initial_lr in the groups) before the restore. torch's load_state_dict takes the checkpoint's groups; DCP
+    refused ('in the app, not in the checkpoint: param_groups.0.initial_lr'). Now the app's setting stays."""
+    model = net()
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    model2 = net(1)
+    optim2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim2, 1, gamma=0.5)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest({"model": model2, "optim": optim2}).skipped == []
+    assert optim2.param_groups[0]["lr"] == 0.05  # the checkpoint's
+    sched.step()
+    assert optim2.param_groups[0]["lr"] == 0.025
+
+
 def test_an_accelerate_wrapped_optimizer_of_swapped_groups_refused(tmp_path):
     """The same check through Accelerate's AcceleratedOptimizer (accelerator.prepare's optimizer, a wrapper of
     torch's): it was not looked into (not a torch.optim class), loaded, and its next step failed in torch."""

@@ -186,7 +186,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             return str(path[0]) if path else fqn.split(".", 1)[0]
 
         keys = {top(fqn, self.mappings) for fqn in self.state_dict}
-        self._planned = self._take_group_settings(metadata, saved_paths)
+        self._planned = self._group_settings(metadata, saved_paths)
         saved = {fqn: getattr(m, "size", None) for fqn, m in metadata.state_dict_metadata.items()
                  if top(fqn, saved_paths) in keys}
         found = []
@@ -214,19 +214,27 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
                 self.state_dict.pop(f"{m.key}.{sub_key}", None)
         self._planned = True
 
-    def _take_group_settings(self, metadata, saved_paths: dict) -> bool:
-        """A setting of a parameter group in the checkpoint that the app's group lacks (``initial_lr``, written by
-        an lr scheduler the app builds after the restore) is loaded into it, as torch's
-        ``Optimizer.load_state_dict`` does; True when there was one. A group the app lacks is the groups' rule."""
-        groups = {tuple(path[:3]) for path in self.mappings.values()
-                  if len(path) == 4 and path[1] == "param_groups"}
-        added = False
+    def _group_settings(self, metadata, saved_paths: dict) -> bool:
+        """A parameter group's setting on one side only (``initial_lr``, written by an lr scheduler built before
+        the save or the restore, not both), as torch's ``Optimizer.load_state_dict`` takes it: the checkpoint's is
+        loaded into the app's group, the app's own stays; True when there was one. A group on one side only is
+        the groups' rule."""
+        def groups(paths) -> set[tuple]:
+            return {tuple(p[:3]) for p in paths if len(p) == 4 and p[1] == "param_groups"}
+
+        def setting(path: tuple, where: set[tuple]) -> bool:
+            return len(path) == 4 and path[:3] in where and path[3] != "params"
+
+        own, theirs, changed = groups(self.mappings.values()), groups(saved_paths.values()), False
         for fqn, md in metadata.state_dict_metadata.items():
             path = tuple(saved_paths.get(fqn) or ())
-            if (fqn not in self.state_dict and isinstance(md, BytesStorageMetadata) and len(path) == 4
-                    and path[:3] in groups and path[3] != "params"):
-                self.state_dict[fqn], self.mappings[fqn], added = None, path, True
-        return added
+            if fqn not in self.state_dict and isinstance(md, BytesStorageMetadata) and setting(path, own):
+                self.state_dict[fqn], self.mappings[fqn], changed = None, path, True
+        for fqn in [f for f in self.state_dict if f not in metadata.state_dict_metadata]:
+            if setting(tuple(self.mappings.get(fqn) or ()), theirs):
+                del self.state_dict[fqn]
+                changed = True
+        return changed
 
     def create_local_plan(self):
         if getattr(self, "_planned", False):  # keys were left out on purpose: not a DCP 2.3 checkpoint's names
