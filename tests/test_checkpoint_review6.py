@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -342,3 +343,52 @@ def test_a_rank_killed_while_the_other_watches_its_beats_is_named_gone(tmp_path,
     assert not [line for line in got["lines"] if "waiting" in line], got["lines"]
     assert [s for s in got["steps"] if not s.endswith(".tmp")] == ["step-1"], got["steps"]  # the killed leader's
     # temporary directory is the next Checkpointer's to clean, as before
+
+
+RESTORE_CASES = (("stopped in open", "open", True), ("stopped in load", "load", True), ("busy in load", "load", False))
+
+
+def stop_restore_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Rank 1 stopped (SIGSTOP, continued 4 s later) or busy 4 s at the end of a restore's phase; rank 0 waits
+    for it in the phase's agreement."""
+    from fastio.checkpoint import group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    app = {"model": nn.Linear(4, 2)}
+    ckpt = Checkpointer(root, signals=())
+    ckpt.save(1, app, blocking=True)
+    seen: dict = {}
+    for label, phase, stop in RESTORE_CASES:
+        def hook(group_name: str, at: str, phase=phase, stop=stop) -> None:
+            if (group_name, at) != ("checkpointer", phase):
+                return
+            if not stop:
+                time.sleep(4)
+                return
+            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
+            time.sleep(1)  # stopped in here
+
+        group.fault_hook = hook if rank == 1 else None
+        lines.lines.clear()
+        seen[label] = {"step": ckpt.restore_latest(app).step, "lines": list(lines.lines)}
+    group.fault_hook = None
+    ckpt.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_a_rank_stopped_inside_a_restore_is_named_once_and_a_busy_one_not(tmp_path):
+    port = free_port()
+    spawn_ranks(stop_restore_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for label, phase, stop in RESTORE_CASES:
+        assert seen[0][label]["step"] == seen[1][label]["step"] == 1, label
+        warned = [line for line in seen[0][label]["lines"] if "waiting" in line]
+        if stop:
+            assert len(warned) == 1 and f"checkpoint {phase}: waiting" in warned[0], (label, warned)
+            assert "for rank 1 (pid" in warned[0] and "checkpointer group" in warned[0], warned
+        else:
+            assert warned == [], (label, warned)
