@@ -392,3 +392,47 @@ def test_a_rank_stopped_inside_a_restore_is_named_once_and_a_busy_one_not(tmp_pa
             assert "for rank 1 (pid" in warned[0] and "checkpointer group" in warned[0], warned
         else:
             assert warned == [], (label, warned)
+
+
+def slow_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Ranks slow (4 s) in the Checkpointer's own work outside its phases' functions: rank 0 taking the
+    directory at construction (its lock; an s3:// dir's lease, requests that can retry), rank 1 making the
+    engine at its first save (importing torchsnapshot, seconds on a loaded node); the other waits for it."""
+    from fastio.checkpoint import group
+    from fastio.checkpoint.checkpointer import Checkpointer as Ck
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    take, make = Ck._take_dir, Ck._engine
+
+    def slow_take(self):
+        time.sleep(4 if rank == 0 else 0)
+        return take(self)
+
+    def slow_make(self, name):
+        time.sleep(4 if rank == 1 and name not in self._engines else 0)
+        return make(self, name)
+
+    Ck._take_dir, Ck._engine = slow_take, slow_make
+    seen = {}
+    ckpt = Checkpointer(root, signals=())
+    seen["construction"], lines.lines = lines.lines, []
+    ckpt.save(1, {"model": nn.Linear(4, 2)}, blocking=True)
+    seen["first save"] = lines.lines
+    ckpt.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_a_rank_slow_in_the_checkpointers_own_work_is_not_named(tmp_path):
+    """A rank slow in the Checkpointer's own work between agreements is busy, not stopped: the other is not told
+    it waits for it ('checkpoint open: waiting 5 s for rank 0 (...) (stopped, or busy outside the
+    Checkpointer?)' was logged at construction, 'checkpoint stage: waiting ... for rank 1' at the first save)."""
+    port = free_port()
+    spawn_ranks(slow_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, got in enumerate(seen):
+        for when, lines in got.items():
+            assert not [line for line in lines if "waiting" in line], (rank, when, lines)
