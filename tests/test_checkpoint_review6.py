@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -436,3 +437,41 @@ def test_a_rank_slow_in_the_checkpointers_own_work_is_not_named(tmp_path):
     for rank, got in enumerate(seen):
         for when, lines in got.items():
             assert not [line for line in lines if "waiting" in line], (rank, when, lines)
+
+
+def node_worker(rank: int, port: int, url: str, options: dict, root: str, out: str) -> None:
+    """2 simulated nodes of an s3:// dir (a staging directory each): rank 0, its node's leader, slow (4 s)
+    removing its node's temporary copy after the commit; rank 1 goes on to the blocking save's last agreement."""
+    from fastio.checkpoint import commit, group
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group.ABSENT_WARN_S = 2.0
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    remove = commit.layout.remove_step
+
+    def slow_remove(path):
+        time.sleep(4 if rank == 0 and str(path).endswith(".tmp") else 0)
+        return remove(path)
+
+    commit.layout.remove_step = slow_remove
+    with Checkpointer(url, storage_options=options, staging_dir=f"{root}/node{rank}", signals=()) as ckpt:
+        ckpt.save(1, {"model": nn.Linear(4, 2)}, blocking=True)
+        steps = ckpt.steps()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"lines": lines.lines, "steps": steps}))
+    dist.destroy_process_group()
+
+
+def test_a_node_leader_slow_removing_its_temporary_copy_is_not_named(moto_server, tmp_path):
+    """An s3:// dir staged per node: the node's leader removing its temporary copy after the commit is the
+    save's own work (a large step: seconds), not a stop; rank 1 logged 'checkpoint save: waiting ... for rank
+    0 (...) (stopped, or busy outside the Checkpointer?)'."""
+    bucket = f"review6-{uuid.uuid4().hex[:8]}"
+    moto_server.create_bucket(bucket)
+    port = free_port()
+    spawn_ranks(node_worker, lambda r: (r, port, f"s3://{bucket}/ck", moto_server.options(), str(tmp_path),
+                                        str(tmp_path)), 2, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, got in enumerate(seen):
+        assert got["steps"] == [1], (rank, got)
+        assert not [line for line in got["lines"] if "waiting" in line], (rank, got["lines"])
