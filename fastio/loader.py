@@ -29,6 +29,7 @@ from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline, spell
+from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture
 from fastio.read.readset import ReadSet, coming, open_read_set
@@ -466,7 +467,7 @@ class Loader:
                 problem = self.pipeline.decode_problem(fed.batch, j)
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
-        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+        first = dali_reason(err)
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
 

@@ -182,12 +182,15 @@ def _runs(out: Path, kind: str, name: str, world: int) -> list[dict]:
 
 
 def one_process_clips(kind: str, dest) -> tuple[list, dict]:
-    """Epoch 0 read by one process (world_size=1): its samples (a mixture's may repeat) and, for each, its start,
-    clip and key."""
+    """Epoch 0 read by one process (world_size=1): its samples (a mixture's may repeat) and, for each, the
+    ``(start, clip, key)`` of each of its deliveries (a repeat within the epoch draws its own clip)."""
     with clip_loader(kind, dest, world_size=1, rank=0) as loader:
         got = [c for b in loader for c in clips_of(b)]
         keys = {i: loader.key(*i) if isinstance(i, tuple) else loader.key(i) for i, _, _ in got}
-    return sorted(i for i, _, _ in got), {i: (s, c, keys[i]) for i, s, c in got}
+    clips: dict = {}
+    for i, s, c in got:
+        clips.setdefault(i, []).append((s, c, keys[i]))
+    return sorted(i for i, _, _ in got), clips
 
 
 def check_clip(kind: str, sample, key: str, start: int, clip) -> None:
@@ -206,12 +209,15 @@ def check_clip(kind: str, sample, key: str, start: int, clip) -> None:
 
 def check_against_one_process(kind: str, got: list, single: tuple[list, dict]) -> None:
     """``got`` (``clips_of`` over every rank of a run or runs) holds the samples of one process's epoch 0 (each
-    once; a mixture's repeats as often), each with its start and clip (bit for bit), checked by content."""
+    once; a mixture's repeats as often), each delivery with the start and clip (bit for bit) of one of that
+    sample's deliveries there, checked by content."""
     samples, clips = single
     assert sorted(i for i, _, _ in got) == samples
+    left = {i: list(v) for i, v in clips.items()}
     for i, start, clip in got:
-        want, want_clip, key = clips[i]
-        assert (start, True) == (want, torch.equal(clip, want_clip)), (key, start, want)
+        match = [k for k, (s, c, _) in enumerate(left[i]) if s == start and torch.equal(c, clip)]
+        assert match, (left[i][0][2] if left[i] else i, start, [s for s, _, _ in left[i]])
+        _, _, key = left[i].pop(match[0])
         check_clip(kind, i, key, start, clip)
 
 

@@ -214,3 +214,22 @@ def test_an_undecodable_image_in_a_mixture_is_named_by_source_shard_and_key(tmp_
             fastio.DatasetError, match=rf"^mixture source 'bad': {tmp_path / 'bad'}: shard shard-000001.tar "
                                        r"key 'img05': field 'jpg' failed to decode"):
         list(loader)
+
+
+def test_a_graph_failing_in_dali_is_named_by_its_operator_and_what_dali_said(image_dataset):
+    """A DALI error no pipeline object explains is one line with the batch's keys and DALI's own reason (the
+    operator and its message), not DALI's first line, ``Critical error in pipeline:``."""
+    from nvidia.dali import fn
+
+    from fastio.errors import DatasetError
+
+    def too_big(image, device):
+        return fn.crop(image, crop=(4000, 4000), out_of_bounds_policy="error")
+
+    with Loader(image_dataset, pipeline=fastio.Graph(too_big), batch_size=4, device="cpu", world_size=1,
+                rank=0, shuffle="none") as loader:
+        with pytest.raises(DatasetError) as err:
+            next(iter(loader))
+    line = str(err.value)
+    assert "DALI failed on a batch with keys" in line and "fn.crop: " in line and "\n" not in line
+    assert "Critical error" not in line

@@ -314,6 +314,33 @@ class MixOrder:
         """The source filling each of positions ``pos``."""
         return self.sampler.schedule.sources(self.epoch, pos)[0]
 
+    @cached_property
+    def _first_cycle(self) -> np.ndarray:
+        """Each source's own epoch at its first delivery in this mixture epoch (the count before it // size)."""
+        schedule = self.sampler.schedule
+        return schedule.delivered(self.epoch * schedule.samples_per_epoch) // np.asarray(self.sampler.sizes, np.int64)
+
+    @cached_property
+    def repeats(self) -> bool:
+        """Whether a source crosses one of its own epochs' ends within this mixture epoch, so that some of its
+        samples come twice (or more) in it: only then do :meth:`draw_keys` differ from the ids."""
+        schedule, n = self.sampler.schedule, self.sampler.schedule.samples_per_epoch
+        before, after = schedule.delivered(self.epoch * n), schedule.delivered((self.epoch + 1) * n)
+        sizes = np.asarray(self.sampler.sizes, np.int64)
+        return bool(((after > before) & ((after - 1) // sizes > before // sizes)).any())
+
+    def draw_keys(self, pos: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
+        """The keys the random draws of the samples at positions ``pos`` (delivered as ``ids``) hash, or None
+        where they are the ids: ``id + c * total`` (``total``: every source's samples), where ``c`` counts how
+        many of its own epochs the source began in this mixture epoch before this delivery. A sample a source
+        delivers again in the same mixture epoch is in another of its own epochs, so its draws differ; ``c = 0``
+        (a delivery in the own epoch the source was in when this mixture epoch began) keeps the id's draws."""
+        if not self.repeats:
+            return None
+        src, k = self.sampler.schedule.sources(self.epoch, np.asarray(pos, np.int64))
+        cycle = k // np.asarray(self.sampler.sizes, np.int64)[src] - self._first_cycle[src]
+        return np.asarray(ids, np.int64) + cycle * sum(self.sampler.sizes)
+
     def _at(self, pos: np.ndarray) -> np.ndarray:
         flat = pos.reshape(-1)
         src, k = self.sampler.schedule.sources(self.epoch, flat)

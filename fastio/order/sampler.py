@@ -267,6 +267,10 @@ class EpochOrder:
             self._win_bits = np.array([_bits(m) for m in win_size.tolist()], dtype=np.int64)
             self._win_size = win_size
 
+    repeats = False
+    """No sample comes twice in an epoch: its index is the key of its random draws (a mixture's order may
+    repeat samples: :meth:`fastio.order.mixorder.MixOrder.draw_keys`)."""
+
     def __len__(self) -> int:
         return self._n
 
@@ -394,6 +398,13 @@ class EpochPlan:
             offset = rank * (rest // w) + min(rank, rest % w)
             return first + offset + np.arange(size, dtype=np.int64)
         return first + rank * b + np.arange(b, dtype=np.int64)
+
+    def draw_keys(self, g: int, ids: np.ndarray) -> np.ndarray | None:
+        """The keys of the random draws of this rank's part of batch ``g`` (delivered as ``ids``): None where they
+        are the ids (a dataset: nothing looked up), else the order's ``draw_keys`` at the batch's positions."""
+        if not self.order.repeats:
+            return None
+        return self.order.draw_keys(self._positions(g) % len(self.order), ids)
 
     def consumed_after(self, g: int) -> int:
         """Global samples consumed once global batch ``g`` has been delivered (the state's ``consumed``)."""

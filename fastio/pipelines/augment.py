@@ -1,7 +1,9 @@
-"""Per-sample augmentation parameters as a pure function of (seed, epoch, global sample index): image crops and
-flips, and the starts of video and audio clips (:func:`clip_starts`).
+"""Per-sample augmentation parameters as a pure function of (seed, epoch, draw key): image crops and flips, and
+the starts of video and audio clips (:func:`clip_starts`). A sample's draw key is its global index, except where
+a mixture delivers a sample again within one epoch (``ReadBatch.draw_keys``, from
+:meth:`fastio.order.mixorder.MixOrder.draw_keys`): each such repeat has a key of its own, so draws anew.
 
-Random numbers come from a counter-based hash (splitmix64) of ``(seed, epoch, index, draw)``, so a
+Random numbers come from a counter-based hash (splitmix64) of ``(seed, epoch, key, draw)``, so a
 sample's crop and flip do not depend on which rank or thread handles it, nor on batch composition.
 The crop follows torchvision's ``RandomResizedCrop.get_params`` (10 attempts, then a center crop).
 """
@@ -30,7 +32,8 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 
 
 def uniforms(seed: int, epoch: int, indices: np.ndarray, draws: int) -> np.ndarray:
-    """``[len(indices), draws]`` float64 uniforms in [0, 1), one independent stream per sample."""
+    """``[len(indices), draws]`` float64 uniforms in [0, 1), one independent stream per sample (per draw key:
+    ``indices`` are the samples' draw keys)."""
     base = splitmix64(np.array([(seed * 0x1000003 + epoch) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
     idx = np.asarray(indices, dtype=np.uint64)
     with np.errstate(over="ignore"):
@@ -91,8 +94,8 @@ def clip_starts(seed: int, epoch: int, indices: np.ndarray, lengths: np.ndarray,
                 clips: int = 1) -> np.ndarray:
     """int64 ``[len(indices), clips]``: each clip's first position, uniform over the positions where a clip of
     ``span`` positions fits in its sample's ``lengths`` (``0 .. length - span``); 0 where it does not fit (the
-    clip is then padded past the end). A pure function of ``(seed, epoch, index)``; clip ``c`` of a sample
-    is its ``c``-th draw."""
+    clip is then padded past the end). A pure function of ``(seed, epoch, key)`` (``indices``: the draw keys);
+    clip ``c`` of a sample is its ``c``-th draw."""
     u = uniforms(seed ^ CLIP_STREAM, epoch, indices, clips)
     room = np.maximum(np.asarray(lengths, dtype=np.int64) - int(span) + 1, 1)[:, None]
     return np.minimum(np.floor(u * room).astype(np.int64), room - 1)

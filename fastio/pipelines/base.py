@@ -19,6 +19,7 @@ and nothing else of a kind's is known to the Loader:
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
     from fastio.read.reader import ReadBatch
 
-__all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "Pipeline", "ReadFields", "check_fields", "decodable", "field_value",
-           "run_graph"]
+__all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "Pipeline", "ReadFields", "check_fields", "dali_reason", "decodable",
+           "field_value", "run_graph"]
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,26 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
     pipe = graph()
     pipe.build()
     return pipe
+
+
+_DALI_OPERATOR = re.compile(r"Error in \w+ operator `(?:nvidia\.dali\.)?([\w.]+)`")
+
+
+def dali_reason(err: BaseException) -> str:
+    """One line of what a DALI pipeline error says, for a message naming the batch: the operator and the
+    first line after DALI's ``encountered:`` (``fn.decoders.video: Failed to create video decoder ...``; without
+    an ``Assert on "..." failed:`` prefix), not its ``Critical error in pipeline:`` header; else the first line."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    lines = [line.strip() for line in text.splitlines()]
+    op = _DALI_OPERATOR.search(text)
+    after = lines[lines.index("encountered:") + 1:] if "encountered:" in lines else []
+    said = next((line for line in after if line and not line.startswith("C++ context")), None)
+    if said is None:
+        return next(line for line in lines if line)[:160]
+    said = re.sub(r'^Assert on ".*?" failed: ', "", re.sub(r"^Error in thread \d+: (\[[^\]]*\] )?", "", said))
+    return f"{op.group(1) + ': ' if op else ''}{said}"[:200]
 
 
 def field_value(values: list[bytes]):

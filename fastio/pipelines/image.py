@@ -4,7 +4,8 @@ crop), decoded by DALI on CPU operators or with ``mixed`` (nvJPEG / hardware dec
 A sample's image is the first image field it has (a dataset may mix formats; DALI decodes by content, and GIF,
 which DALI lacks, becomes a BMP in the reader thread: :func:`decodable`). The global index of every sample goes
 through the graph and comes out beside its image, so the Loader can check that outputs line up with what it fed.
-Crop and flip parameters are a pure function of ``(seed, epoch, global index)`` (:mod:`fastio.pipelines.augment`).
+Crop and flip parameters are a pure function of ``(seed, epoch, draw key)``: the global index, or a mixture's key for
+a repeat within an epoch (:mod:`fastio.pipelines.augment`).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class _Image(Pipeline):
 class ImageTrain(_Image):
     """Training images: a random resized crop of each image (scale 0.08..1, ratio 3/4..4/3, decoded as that
     window only), resized to ``size`` x ``size``, flipped at random, normalised. The crop and the flip are a
-    pure function of ``(seed, epoch, global sample index)``: the same on every rank, run and world size.
+    pure function of ``(seed, epoch, global sample index)``: the same on every rank, run and world size (a sample
+    a mixture repeats within an epoch is cropped anew each time: ``ReadBatch.draw_keys``).
 
     ``fastio.ImageTrain(size=224)``; ``Loader(dest, pipeline=fastio.ImageTrain(size=160, dtype="float16"))``.
     """
@@ -147,7 +149,7 @@ class ImageTrain(_Image):
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
         index = np.ascontiguousarray(batch.indices, dtype=np.int64)
-        crop = random_resized_crop(seed, epoch, batch.indices, batch.sizes[:, 0], batch.sizes[:, 1])
+        crop = random_resized_crop(seed, epoch, batch.draw_keys, batch.sizes[:, 0], batch.sizes[:, 1])
         return batch.image, index, crop.anchor, crop.shape, crop.flip
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:

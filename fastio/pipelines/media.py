@@ -2,7 +2,7 @@
 
 The unit stays a stored sample: a video or audio field and its ``probe.json`` (written by ``fastio convert``,
 :mod:`fastio.formats.media`), read together, so planning a clip never opens a file. Where a clip starts, and a video
-clip's crop and flip, are a pure function of ``(seed, epoch, global sample index)`` (:mod:`fastio.pipelines.augment`),
+clip's crop and flip, are a pure function of ``(seed, epoch, draw key)`` (:mod:`fastio.pipelines.augment`),
 drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 """
 
@@ -227,7 +227,8 @@ class VideoClips(_Clips):
     frame in its video, ``batch["label"]``.
 
     A clip's start is drawn uniformly over the frames where it fits (``0 .. frames_in_video - span``, span =
-    ``(frames - 1) * stride + 1``), a pure function of ``(seed, epoch, global sample index)``. A video shorter
+    ``(frames - 1) * stride + 1``), a pure function of ``(seed, epoch, draw key)`` (the global sample index; a
+    mixture's own key for a sample it repeats within an epoch). A video shorter
     than the span starts at frame 0 and is padded by repeating its last frame. ``crop="random"``: a random
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
@@ -317,9 +318,9 @@ class VideoClips(_Clips):
         lengths = np.array([1 if p is None else p["frames"] for p in probes], np.int64)  # a still: start 0
         w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
         h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
-        starts = clip_starts(seed, epoch, batch.indices, lengths, self.span, self.clips_per_video).astype(np.int32)
+        starts = clip_starts(seed, epoch, batch.draw_keys, lengths, self.span, self.clips_per_video).astype(np.int32)
         if self.crop == "random":
-            crop = random_resized_crop(seed, epoch, batch.indices, w, h, scale=self.scale,
+            crop = random_resized_crop(seed, epoch, batch.draw_keys, w, h, scale=self.scale,
                                        flip_p=0.5 if self.flip else 0.0)
             (x, y), (cw, ch), flip = crop.anchor.T, crop.shape.T, crop.flip
         else:  # the center square of the shorter side
@@ -422,10 +423,10 @@ class AudioClips(_Clips):
     ``fn.mel_filter_bank``, ``fn.to_decibels``); ``batch["start_sample"]`` int64 [B]: the clip's first sample at
     ``sample_rate``; ``batch["label"]``.
 
-    A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, global
-    sample index)``. A file shorter than the clip starts at 0 and is padded with zeros (silence) at the end. Each
-    file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is resampled
-    (:func:`resample_windows`), not the whole file.
+    A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, draw
+    key)`` (as for :class:`VideoClips`). A file shorter than the clip starts at 0 and is padded with zeros (silence)
+    at the end. Each file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is
+    resampled (:func:`resample_windows`), not the whole file.
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -474,7 +475,7 @@ class AudioClips(_Clips):
         rates = np.array([p["rate"] for p in probes], np.int64)
         samples = np.array([p["samples"] for p in probes], np.int64)
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
-        starts = clip_starts(seed, epoch, batch.indices, samples * self.sample_rate // rates, self.length)[:, 0]
+        starts = clip_starts(seed, epoch, batch.draw_keys, samples * self.sample_rate // rates, self.length)[:, 0]
         window_start, window_length, offset = resample_windows(starts, self.length, rates, samples, self.sample_rate)
         return (batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), starts.astype(np.int32),
                 window_start, window_length, offset, rates.astype(np.float32))

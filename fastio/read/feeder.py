@@ -76,7 +76,8 @@ class Feeder:
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
         pipeline: the pipeline object whose graph is fed.
-        seed: seeds the per-sample augmentation parameters (with the epoch and the sample index).
+        seed: seeds the per-sample augmentation parameters (with the epoch and the sample's draw key: its index,
+            or for a sample a mixture delivers again in one epoch the plan's ``draw_keys``).
         read_ahead: batches whose reads are started ahead of the one being fed.
         epoch, start: where the stream starts.
         first: batches read until the graph's first output is taken (:meth:`delivered`): the graph's prefetch
@@ -137,7 +138,10 @@ class Feeder:
         self.start()  # keep read_ahead batches being read while this one is waited for and used
         plan, g = slot.plan, slot.g
         start = plan.start if g == 0 else plan.consumed_after(g - 1)
-        return Fed(slot.read.result(), slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
+        batch = slot.read.result()
+        if isinstance(batch, ReadBatch) and isinstance(plan, EpochPlan):  # packed sequences draw nothing
+            batch.draws = plan.draw_keys(g, batch.indices)
+        return Fed(batch, slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
 
     def __call__(self) -> tuple:
         fed = self._take()

@@ -97,6 +97,15 @@ class ReadBatch:
         self.present = present if present is not None else {f: np.ones(len(indices), bool) for f in fields}
         self.text: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         """Text fields tokenized once read, off the training thread: field -> (ids, mask) (:mod:`fastio.pipelines.text`)."""
+        self.draws: np.ndarray | None = None
+        """Each sample's key for its random draws where it is not its index (a sample a mixture delivers again in
+        one epoch: set by the :class:`~fastio.read.feeder.Feeder` from :meth:`~fastio.order.sampler.EpochPlan.draw_keys`)."""
+
+    @property
+    def draw_keys(self) -> np.ndarray:
+        """What a pipeline's random draws hash per sample (:mod:`fastio.pipelines.augment`): ``draws``, else the
+        indices."""
+        return self.indices if self.draws is None else self.draws
 
 
 # Neighbouring byte ranges of one shard are read with one pread when the gap between them is at most
