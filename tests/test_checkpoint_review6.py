@@ -182,6 +182,33 @@ def test_a_scheduler_new_in_the_resumed_run_keeps_its_initial_lr(tmp_path, engin
     assert optim2.param_groups[0]["lr"] == 0.025
 
 
+class TupleGroups(torch.optim.SGD):
+    """An optimizer whose state dict holds its parameter groups as a tuple (torchsnapshot pickles it whole)."""
+
+    def state_dict(self):
+        state = super().state_dict()
+        return {**state, "param_groups": tuple(state["param_groups"])}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict({**state_dict, "param_groups": list(state_dict["param_groups"])})
+
+
+def test_groups_the_manifest_does_not_show_are_not_refused(tmp_path):
+    """torchsnapshot stores parameter groups it cannot flatten (a tuple) as one object: the manifest shows no
+    group, which read as '0 parameter groups (none parameters)' and refused an optimizer that loads; the
+    groups are now left to torch's own check."""
+    model = net()
+    optim = TupleGroups(model.parameters(), lr=0.1, momentum=0.9)
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    model2 = net(1)
+    optim2 = TupleGroups(model2.parameters(), lr=0.1, momentum=0.9)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.restore_latest({"model": model2, "optim": optim2})
+    assert same(optim2.state_dict(), optim.state_dict())
+
+
 def test_an_accelerate_wrapped_optimizer_of_swapped_groups_refused(tmp_path):
     """The same check through Accelerate's AcceleratedOptimizer (accelerator.prepare's optimizer, a wrapper of
     torch's): it was not looked into (not a torch.optim class), loaded, and its next step failed in torch."""

@@ -306,11 +306,12 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:
         """Parameters per group from the manifest's ``KEY/param_groups/G/params/P`` entries (small ints live in
-        the manifest itself)."""
+        the manifest itself); None when the manifest does not show the groups as a list of groups, each with its
+        ``params`` list (groups pickled whole: torch's own check applies)."""
         paths = [path.split("/")[1:] for path in self._entries(key, rank)]
-        if ["param_groups"] not in paths:
-            return None
         groups = {int(p[1]) for p in paths if len(p) == 2 and p[0] == "param_groups" and p[1].isdigit()}
+        if not groups or any(["param_groups", str(g), "params"] not in paths for g in groups):
+            return None
         sizes = dict.fromkeys(sorted(groups), 0)
         for p in paths:
             if len(p) == 4 and p[0] == "param_groups" and p[2] == "params" and p[1].isdigit() and int(p[1]) in sizes:
