@@ -130,7 +130,7 @@ class Checkpointer:
             self._remote = RemoteCheckpoints(self.config.url, self.dir, self.config.storage_options)
         self._engines: dict[str, Engine] = {}
         self._lock = DirLock(self.dir, purpose="fastio checkpointer")
-        self._ranks.check("open", self._take_dir() if self.rank == 0 else None)  # every rank fails together
+        self._ranks.run("open", self._take_dir)  # every rank fails together; rank 0 busy, not waited for as stopped
         self._start_commit()
         self._start_state()
         self.preempted = False
@@ -153,9 +153,11 @@ class Checkpointer:
                                 else LocalCommit(self.dir, self._remote, self.world_size))
         self._leader = self._dir_ranks[0] == self.rank
 
-    def _take_dir(self) -> str | None:
+    def _take_dir(self) -> None:
         """Rank 0 at construction: refuse a dataset directory, create DIR and take its lock (and an ``s3://`` dir's
-        lease), unless read-only; the problem in one line, None when there is none."""
+        lease), unless read-only; the problem is one CheckpointError line. Nothing on the other ranks."""
+        if self.rank != 0:
+            return
         problem: str | None = None
         try:
             layout.refuse_dataset_dir(self.dir)
@@ -172,7 +174,7 @@ class Checkpointer:
             problem = str(err)
         if problem:
             self._lock.release()
-        return problem
+            raise CheckpointError(problem)
 
     def _start_state(self) -> None:
         """The scheduling state of a new Checkpointer: nothing in flight, no step saved, the clock started."""
@@ -392,11 +394,13 @@ class Checkpointer:
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
         tmp = self._commit.tmp_dir(step)
-        engine = self._engine(engine_name)
         made: list[Path] = []
 
-        def stage() -> tuple[dict[str, Any], frozenset[str], Progress]:
-            """This rank's part: the step's temporary directory (the directory's lowest rank), a private copy."""
+        def stage() -> tuple[Engine, dict[str, Any], frozenset[str], Progress]:
+            """This rank's part: the engine (its library imported at the first save: within the phase, so that a
+            rank slow there is seen busy), the step's temporary directory (the directory's lowest rank), a private
+            copy."""
+            engine = self._engine(engine_name)
             prepared, global_keys = engine.prepare(app)
             if self._leader:
                 made.append(self._commit.start(step))
@@ -405,11 +409,11 @@ class Checkpointer:
             progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
-            return self._stager.stage(states), global_keys, progress
+            return engine, self._stager.stage(states), global_keys, progress
 
         shapes: list[tuple[str, str, str]] = []
         try:  # every rank fails together, or the others would wait forever in the write's collectives
-            staged, global_keys, progress = self._ranks.run("stage", stage)
+            engine, staged, global_keys, progress = self._ranks.run("stage", stage)
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 self._agree_shapes(step, app, shapes)
         except CheckpointError:

@@ -206,21 +206,20 @@ class NodeLocalCommit(_Steps):
         every = ranks.gather("upload", records)
 
         def commit() -> None:
-            if rank != 0:
-                return
-            files: dict[str, Any] = {}
-            for part in every:
-                twice = sorted(set(files) & set(part))
-                if twice:  # two nodes wrote the same file: the engine assumed one directory
-                    raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on a "
-                                          "shared file system")
-                files.update(part)
-            remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
+            if rank == 0:
+                files: dict[str, Any] = {}
+                for part in every:
+                    twice = sorted(set(files) & set(part))
+                    if twice:  # two nodes wrote the same file: the engine assumed one directory
+                        raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on "
+                                              "a shared file system")
+                    files.update(part)
+                remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
+            if rank == self.ranks_here[0]:  # uploaded, and no node holds the whole step: the temporaries go, within
+                layout.remove_step(tmp)  # the phase (a large step takes seconds: this rank is seen busy)
 
         ranks.run("commit", commit)
         self.restored = None
-        if rank == self.ranks_here[0]:  # no node holds the whole step: the temporaries go
-            layout.remove_step(tmp)
 
     def steps(self) -> list[int]:
         return self._remote_steps()

@@ -28,7 +28,7 @@ from fastio.checkpoint import compress, layout
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
-from fastio.checkpoint.engines.strict import Mismatch, group_sizes, groups_mismatch, module_shapes
+from fastio.checkpoint.engines.strict import Mismatch, group_sizes, groups_mismatch, module_shapes, state_mismatch
 from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen
@@ -295,16 +295,19 @@ def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: 
 def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool,
               where: str) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
-    read) before anything loads: each optimizer's parameter groups (torch's own check), and at another world size
-    each per-rank module's state keys and shapes (the engine checks replicated ones). ``strict``: the first
-    difference is a CheckpointError; otherwise the optimizers that cannot load, each with its line (left as
-    they are; a module loads what matches, :func:`restore_elastic`)."""
+    read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
+    optimizers, the shapes of its positional state against the app's parameters (which torch does not check), and
+    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones).
+    ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
+    line (left as they are; a module loads what matches, :func:`restore_elastic`)."""
     from torch import nn
 
     dropped: dict[str, str] = {}
     for key, obj in targets.items():
         own = group_sizes(getattr(obj, "param_groups", None))
         line = groups_mismatch(key, saved.param_groups(key, src), own) if own is not None else None
+        if own is not None and not line:
+            line = state_mismatch(key, saved.state_shapes(key, src), obj)
         if line and strict:
             raise CheckpointError(f"{where}: checkpoint does not match the app: {line} (restore_latest(..., "
                                   "strict=False) leaves that optimizer as it is and loads the rest)")

@@ -75,6 +75,12 @@ class SavedCheckpoint(Protocol):
         or is global state that the engine checks by its own rule (DCP)."""
         ...
 
+    def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
+        """The shape of each tensor of the optimizer state saving rank ``rank`` wrote for ``key``, by (parameter
+        position, state name) (``state/0/exp_avg``), without reading a tensor; empty when that state has none or
+        is global state that the engine checks by its own rule (DCP)."""
+        ...
+
     def read(self, key: str, rank: int) -> Any:
         """The state dict that saving rank ``rank`` wrote for ``key``, rebuilt as it was saved (nested
         dicts, lists, tuples); not collective. :class:`~fastio.errors.CheckpointError` naming the key

@@ -8,7 +8,8 @@ What goes where in a step directory:
 - *global* state, written once across ranks through ``dcp.save`` (``.metadata`` and ``__R_0.distcp``):
   every ``nn.Module`` of the app (``get_model_state_dict``: parameter names, DTensor shards or, for plain
   and DDP modules, tensors identical on every rank), and every optimizer whose parameters all belong to
-  one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too);
+  one app module (``get_optimizer_state_dict``: state keyed by parameter name, so it reshards too; an LBFGS
+  there is refused at save, naming its app key: it keeps state for its first parameter only);
 - *per-rank* state (the loader position, RNG streams, any other object and an
   optimizer of no app module), one ``torch.save`` file per app key and rank, ``rank-R/<key>.pt``;
 - ``fastio-dcp.json``: world size and which keys are global, per rank (written by rank 0).
@@ -39,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -184,6 +186,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             return str(path[0]) if path else fqn.split(".", 1)[0]
 
         keys = {top(fqn, self.mappings) for fqn in self.state_dict}
+        self._planned = self._group_settings(metadata, saved_paths)
         saved = {fqn: getattr(m, "size", None) for fqn, m in metadata.state_dict_metadata.items()
                  if top(fqn, saved_paths) in keys}
         found = []
@@ -202,10 +205,36 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
                                   f"{'; '.join(line for m in found for line in m.lines())} "
                                   "(restore_latest(..., strict=False) loads what matches and lists the rest)")
         for m in found:
+            groups = m.groups_line()
+            if groups:  # the checkpoint's groups over the app's would name other parameters: the app's stay
+                self.skipped.append(f"{groups} (the app's groups kept, each parameter's state loaded by name)")
+                m.keep_groups()
             self.skipped.extend(m.lines())
             for sub_key in m.skipped_keys:  # left as the app has them
                 self.state_dict.pop(f"{m.key}.{sub_key}", None)
         self._planned = True
+
+    def _group_settings(self, metadata, saved_paths: dict) -> bool:
+        """A parameter group's setting on one side only (``initial_lr``, written by an lr scheduler built before
+        the save or the restore, not both), as torch's ``Optimizer.load_state_dict`` takes it: the checkpoint's is
+        loaded into the app's group, the app's own stays; True when there was one. A group on one side only is
+        the groups' rule."""
+        def groups(paths) -> set[tuple]:
+            return {tuple(p[:3]) for p in paths if len(p) == 4 and p[1] == "param_groups"}
+
+        def setting(path: tuple, where: set[tuple]) -> bool:
+            return len(path) == 4 and path[:3] in where and path[3] != "params"
+
+        own, theirs, changed = groups(self.mappings.values()), groups(saved_paths.values()), False
+        for fqn, md in metadata.state_dict_metadata.items():
+            path = tuple(saved_paths.get(fqn) or ())
+            if fqn not in self.state_dict and isinstance(md, BytesStorageMetadata) and setting(path, own):
+                self.state_dict[fqn], self.mappings[fqn], changed = None, path, True
+        for fqn in [f for f in self.state_dict if f not in metadata.state_dict_metadata]:
+            if setting(tuple(self.mappings.get(fqn) or ()), theirs):
+                del self.state_dict[fqn]
+                changed = True
+        return changed
 
     def create_local_plan(self):
         if getattr(self, "_planned", False):  # keys were left out on purpose: not a DCP 2.3 checkpoint's names
@@ -321,6 +350,17 @@ class DcpCheckpoint(SavedCheckpoint):
         state = self.read(key, rank, mmap=True)
         return group_sizes(state.get("param_groups")) if isinstance(state, dict) else None
 
+    def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
+        """A per-rank optimizer's state shapes (its file mapped, no tensor read); empty for a global key."""
+        if key in self.global_keys:
+            return {}
+        state = self.read(key, rank, mmap=True)
+        per_param = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(per_param, dict):
+            return {}
+        return {(int(i), str(name)): shape for i, st in per_param.items() if isinstance(i, int) and isinstance(st, dict)
+                for name, v in st.items() if (shape := shape_of(v)) is not None}
+
     def read(self, key: str, rank: int, *, mmap: bool = False) -> Any:
         """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched."""
         if key in self.global_keys:
@@ -355,6 +395,9 @@ class DcpEngine:
             elif isinstance(obj, torch.optim.Optimizer):
                 ids = {id(p) for g in obj.param_groups for p in g["params"]}
                 owner = next((m for m in modules if ids <= {id(p) for p in m.parameters()}), None)
+                if owner is not None and isinstance(obj, torch.optim.LBFGS):  # DCP would fail, or write no restore
+                    raise CheckpointError(f"app key {key}: LBFGS keeps state for its first parameter only, and DCP "
+                                          "needs it per parameter name: save with engine='torchsnapshot'")
                 if owner is not None:
                     out[key], _ = OptimizerState(owner, obj), shared.add(key)
                 elif _has_dtensor(p for g in obj.param_groups for p in g["params"]):

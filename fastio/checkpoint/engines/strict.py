@@ -8,17 +8,21 @@ Checkpointer logs them and hands them back in ``TrainState.skipped``).
 
 The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
 dict it rebuilt against the module's own), DCP in its load planner (the checkpoint's metadata against the
-flattened state dict it is asked to fill).
+flattened state dict it is asked to fill). An optimizer's parameter groups are part of the rule: torchsnapshot's
+state is positional, so an optimizer of other groups is skipped whole; DCP's is keyed by parameter name, so with
+another number of groups the app's groups stay and each parameter's state loads by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastio.errors import CheckpointError
 
-__all__ = ["CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of"]
+__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of",
+           "state_mismatch"]
 
 _SHOWN = 8
 
@@ -43,6 +47,18 @@ def _groups(sizes: list[int]) -> str:
     return f"{len(sizes)} {noun} ({', '.join(map(str, sizes)) or 'none'} parameter{'' if sizes == [1] else 's'})"
 
 
+_GROUP = re.compile(r"param_groups\.(\d+)\.")
+"""A parameter group's state key as DCP flattens an optimizer's state (``param_groups.1.lr``)."""
+
+
+def _group_count(keys: Iterable[str]) -> int:
+    return len({m.group(1) for k in keys if (m := _GROUP.match(k))})
+
+
+def _count(n: int) -> str:
+    return f"{n} parameter group" + ("" if n == 1 else "s")
+
+
 def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) -> str | None:
     """One line when an optimizer's saved parameter groups (``saved``: parameters per group) cannot load into
     the app's (``own``): another count of groups, or another count of parameters in a group (what torch's own
@@ -51,6 +67,31 @@ def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) ->
     if saved is None or own is None or saved == own:
         return None
     return f"app key {key}: the checkpoint's optimizer has {_groups(saved)}, the app's {_groups(own)}"
+
+
+PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
+                          "acc_delta", "sum", "exp_inf", "ax", "prev", "step_size"})
+"""The per-parameter state torch's own optimizers (``torch.optim``) keep in their parameter's shape."""
+
+
+def state_mismatch(key: str, saved: Mapping[tuple[int, str], tuple[int, ...]], optim: Any) -> str | None:
+    """One line when a torch optimizer's positional state in a checkpoint (``saved``: (parameter position, state
+    name) -> shape) holds a tensor kept in the parameter's shape (:data:`PARAM_SHAPED`) of another shape than
+    the app's parameter at that position (groups of as many parameters, in another order): torch's
+    ``load_state_dict`` takes it, and its next step fails. None when they fit, or for another optimizer. A
+    wrapper's optimizer (Accelerate's ``.optimizer``, Lightning's ``._optimizer``) is looked into."""
+    for _ in range(3):
+        if type(optim).__module__.startswith("torch.optim."):
+            break
+        optim = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
+    if not type(optim).__module__.startswith("torch.optim."):
+        return None
+    params = [(g, p) for g, group in enumerate(optim.param_groups) for p in group["params"]]
+    for (i, name), shape in sorted(saved.items()):
+        if name in PARAM_SHAPED and i < len(params) and tuple(params[i][1].shape) != tuple(shape):
+            return (f"app key {key}: the checkpoint's optimizer state of parameter {i} (group {params[i][0]}) has "
+                    f"{name} of {_dims(tuple(shape))}, the app's parameter {_dims(tuple(params[i][1].shape))}")
+    return None
 
 
 def module_shapes(module: Any) -> dict[str, tuple[int, ...] | None]:
@@ -71,7 +112,9 @@ class Mismatch:
     """The differences between one app key's state in a checkpoint and in the app."""
 
     def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None]):
-        self.key = key
+        self.key, self._saved, self._own = key, set(saved), set(own)
+        self.kept: set[str] = set()
+        """The app's parameter groups' keys, left as they are (:meth:`keep_groups`)."""
         self.unexpected = sorted(k for k in saved if k not in own)
         """In the checkpoint, not in the app."""
         self.missing = sorted(k for k in own if k not in saved)
@@ -86,7 +129,23 @@ class Mismatch:
     @property
     def skipped_keys(self) -> set[str]:
         """The app's state keys a non-strict restore leaves as they are."""
-        return set(self.missing) | {k for k, _, _ in self.shapes}
+        return set(self.missing) | {k for k, _, _ in self.shapes} | self.kept
+
+    def groups_line(self) -> str | None:
+        """One line when this is an optimizer's state as DCP names it (``param_groups.G.lr``) and the checkpoint
+        holds another number of parameter groups than the app; None otherwise."""
+        saved, own = _group_count(self._saved), _group_count(self._own)
+        if not saved or not own or saved == own:
+            return None
+        return f"app key {self.key}: the checkpoint's optimizer has {_count(saved)}, the app's {_count(own)}"
+
+    def keep_groups(self) -> None:
+        """Leave the app's parameter groups as they are (the checkpoint's would name other parameters): their
+        keys are skipped and no longer listed as differences."""
+        self.kept = {k for k in self._own if _GROUP.match(k)}
+        self.unexpected = [k for k in self.unexpected if not _GROUP.match(k)]
+        self.missing = [k for k in self.missing if not _GROUP.match(k)]
+        self.shapes = [s for s in self.shapes if not _GROUP.match(s[0])]
 
     def lines(self) -> list[str]:
         """One line per kind of difference, naming the app key and the state keys."""

@@ -306,16 +306,27 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:
         """Parameters per group from the manifest's ``KEY/param_groups/G/params/P`` entries (small ints live in
-        the manifest itself)."""
+        the manifest itself); None when the manifest does not show the groups as a list of groups, each with its
+        ``params`` list (groups pickled whole: torch's own check applies)."""
         paths = [path.split("/")[1:] for path in self._entries(key, rank)]
-        if ["param_groups"] not in paths:
-            return None
         groups = {int(p[1]) for p in paths if len(p) == 2 and p[0] == "param_groups" and p[1].isdigit()}
+        if not groups or any(["param_groups", str(g), "params"] not in paths for g in groups):
+            return None
         sizes = dict.fromkeys(sorted(groups), 0)
         for p in paths:
             if len(p) == 4 and p[0] == "param_groups" and p[2] == "params" and p[1].isdigit() and int(p[1]) in sizes:
                 sizes[int(p[1])] += 1
         return list(sizes.values())
+
+    def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
+        """From the manifest's ``KEY/state/P/NAME`` tensor entries."""
+        out: dict[tuple[int, str], tuple[int, ...]] = {}
+        for path, entry in self._entries(key, rank).items():
+            p = path.split("/")[1:]
+            shape = None if isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
+            if len(p) == 3 and p[0] == "state" and p[1].isdigit() and shape is not None:
+                out[(int(p[1]), _decode(p[2]))] = tuple(int(n) for n in shape)
+        return out
 
     def _unreadable(self, key: str, view: dict[str, Any], err: Exception) -> CheckpointError:
         """The one-line error for a read that failed inside ``Snapshot.restore``: the file the error names, else
