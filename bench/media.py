@@ -3,6 +3,11 @@
 (``fastio.pipelines.augment.clip_starts``), the same center crop and resize (video) and the same resampling and mixdown
 (audio).
 
+Rows: ``video`` (VP9, DALI's CPU decoder), ``h264`` (the same videos as H.264 ``.mp4``, x264's defaults: a keyframe
+every 250 frames, B-frames; converted with ``--video-decoder nvdec`` and read on the CPU with
+``VideoClips(cpu_fallback="pyav")``: PyAV decodes each clip from the keyframe before it, DALI crops and resizes;
+the peer as for VP9), ``audio``.
+
 Media: ``videos`` VP9 ``.webm`` of 10 s at 30 fps (300 frames, a Kinetics clip's length and rate), 320x240, a
 keyframe every 128 frames (libvpx's default: what ffmpeg and ``fastio convert --transcode vp9`` make), with moving
 noisy texture (so frames cost what real ones cost to decode), and ``audios`` FLAC files of 10 s at 44.1 kHz stereo.
@@ -14,12 +19,13 @@ interleaved; each figure is the median over rounds of fastio's clips/s over the 
 ms per clip of both sides (this process and its finished children). soundfile and torchaudio are not installed
 here: the audio peer decodes and resamples with PyAV.
 
-``python bench/media.py [--repeats N] [--videos N] [--audios N]`` writes ``bench/out/media.json``.
+``python bench/media.py [--repeats N] [--videos N] [--audios N] [--kinds video,h264,audio]`` writes ``bench/out/media.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import resource
@@ -41,6 +47,7 @@ BATCH = 8
 FRAMES, STRIDE, SIZE = 16, 2, 112
 RATE, SECONDS = 16000, 1.0
 SEED = 0
+KINDS = ("video", "h264", "audio")
 
 
 VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 300, 30, (320, 240)
@@ -50,15 +57,19 @@ VIDEO_FRAMES, VIDEO_FPS, VIDEO_SIZE = 300, 30, (320, 240)
 
 
 def _video(path: Path, seed: int, frames: int = VIDEO_FRAMES, size: tuple[int, int] = VIDEO_SIZE) -> None:
+    """The same frames for a seed, VP9 ``.webm`` or H.264 ``.mp4`` (x264's defaults but speed: keyframes every 250
+    frames, up to 3 B-frames), by ``path``'s suffix."""
     import av
 
     width, height = size
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
+    h264 = path.suffix == ".mp4"
     with av.open(str(path), "w") as out:
-        stream = out.add_stream("libvpx-vp9", rate=VIDEO_FPS)
+        stream = out.add_stream("libx264" if h264 else "libvpx-vp9", rate=VIDEO_FPS)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "32", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}  # keyframes: default
+        stream.options = {"crf": "23", "preset": "veryfast"} if h264 else \
+            {"crf": "32", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}  # keyframes: default
         for k in range(frames):
             frame = np.roll(base, (k * 3, k * 5), axis=(0, 1))
             frame = np.clip(frame.astype(np.int16) + rng.integers(-8, 9, frame.shape), 0, 255).astype(np.uint8)
@@ -68,40 +79,41 @@ def _video(path: Path, seed: int, frames: int = VIDEO_FRAMES, size: tuple[int, i
             out.mux(packet)
 
 
-def make_media(workdir: Path, videos: int, audios: int) -> tuple[Path, Path]:
-    """Folders ``videos/`` and ``audio/`` (class folders of files) under ``workdir``, reused when there."""
+def make_media(workdir: Path, videos: int, audios: int, kinds: tuple[str, ...] = KINDS) -> dict[str, Path]:
+    """Per kind, a folder of class folders of its files under ``workdir`` (``videos/``: VP9, ``h264/``: the same
+    videos as H.264, ``audio/``), reused when there."""
     from fastio.convert.synthetic import make_audio
 
     root = Path(workdir) / f"media-{videos}-{audios}-{VIDEO_FRAMES}f"
-    vdir, adir = root / "videos", root / "audio"
-    for i in range(videos):
-        path = vdir / f"c{i % 4}" / f"v{i:05d}.webm"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _video(path, i)
-    for i in range(audios):
-        path = adir / f"c{i % 4}" / f"a{i:05d}.flac"
+    dirs = {"video": root / "videos", "h264": root / "h264", "audio": root / "audio"}
+    for kind, suffix in (("video", "webm"), ("h264", "mp4")):
+        for i in range(videos if kind in kinds else 0):
+            path = dirs[kind] / f"c{i % 4}" / f"v{i:05d}.{suffix}"
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _video(path, i)
+    for i in range(audios if "audio" in kinds else 0):
+        path = dirs["audio"] / f"c{i % 4}" / f"a{i:05d}.flac"
         if not path.exists():
             make_audio(path, seconds=10.0, rate=44100, pitch=220.0 + 20 * (i % 40), channels=2)
-    return vdir, adir
+    return {k: dirs[k] for k in kinds}
 
 
-def _converted(src: Path) -> Path:
+def _converted(src: Path, video_decoder: str = "cpu") -> Path:
     from fastio.convert.run import ConvertConfig, convert
 
     dest = src.with_name(src.name + "-ds")
     if not (dest / "manifest.json").is_file():
-        convert(ConvertConfig(source=src, dest=dest, progress=False))
+        convert(ConvertConfig(source=src, dest=dest, progress=False, video_decoder=video_decoder))
     return dest
 
 
 class _Peer:
     """A map-style dataset: sample i decoded with PyAV as fastio would deliver it (same start, crop, size)."""
 
-    def __init__(self, dest: Path, video: bool):
+    def __init__(self, dest: Path, video: bool, field: str):
         from fastio import Loader, Raw
 
-        field = "webm" if video else "flac"
         self.video, self.files, self.probes, self.epoch = video, [], [], 0
         with Loader(dest, pipeline=Raw(fields=[field, "probe.json"]), batch_size=1, device="cpu",
                     shuffle="none", world_size=1, rank=0) as loader:
@@ -217,7 +229,7 @@ class _Epochs:
             self.loader.close()
 
 
-def _contenders(vds: Path, ads: Path, workers: int) -> dict:
+def _contenders(datasets: dict[str, Path], workers: int) -> dict:
     """Per kind: fastio's loader (:class:`_Epochs`), the peer's DataLoader of round ``r`` (epoch ``r``'s clips)."""
     from torch.utils.data import DataLoader
 
@@ -226,8 +238,9 @@ def _contenders(vds: Path, ads: Path, workers: int) -> dict:
     opts = dict(batch_size=BATCH, device="cpu", seed=SEED, shuffle="none", world_size=1, rank=0,
                 num_threads=workers)
     video = fastio.VideoClips(frames=FRAMES, stride=STRIDE, size=SIZE, crop="center", dtype="uint8", layout="FCHW")
-    audio = fastio.AudioClips(sample_rate=RATE, seconds=SECONDS)
-    vpeer, apeer = _Peer(vds, True), _Peer(ads, False)
+    pipes = {"video": video, "audio": fastio.AudioClips(sample_rate=RATE, seconds=SECONDS),
+             "h264": dataclasses.replace(video, cpu_fallback="pyav", fallback_threads=workers)}
+    fields = {"video": "webm", "h264": "mp4", "audio": "flac"}
 
     def peer(dataset):
         def make(epoch):
@@ -235,20 +248,18 @@ def _contenders(vds: Path, ads: Path, workers: int) -> dict:
             return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
         return make
 
-    return {
-        "video": (_Epochs(lambda: fastio.Loader(vds, pipeline=video, **opts)), peer(vpeer)),
-        "audio": (_Epochs(lambda: fastio.Loader(ads, pipeline=audio, **opts)), peer(apeer)),
-    }
+    return {kind: (_Epochs(lambda d=dest, p=pipes[kind]: fastio.Loader(d, pipeline=p, **opts)),
+                   peer(_Peer(dest, kind != "audio", fields[kind]))) for kind, dest in datasets.items()}
 
 
 def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
-        results_dir: Path | None = RESULTS_DIR) -> dict:
-    vsrc, asrc = make_media(workdir, videos, audios)
-    vds, ads = _converted(vsrc), _converted(asrc)
+        results_dir: Path | None = RESULTS_DIR, kinds: tuple[str, ...] = KINDS) -> dict:
+    sources = make_media(workdir, videos, audios, kinds)
+    datasets = {k: _converted(src, "nvdec" if k == "h264" else "cpu") for k, src in sources.items()}
     workers = machine_info()["cpus"]
     result: dict = {"videos": videos, "audios": audios, "workers": workers, "batch_size": BATCH, "ratios": [],
                     "machine": machine_info()}
-    for kind, (ours, peer) in _contenders(vds, ads, workers).items():
+    for kind, (ours, peer) in _contenders(datasets, workers).items():
         rounds = []
         for r in range(repeats):
             row = {}
@@ -262,7 +273,8 @@ def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
                   flush=True)
         ours.close()
         result[kind] = {"rounds": rounds, **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]}}
-        result["ratios"].append({"name": f"{kind} clips/s vs DataLoader({workers} workers) + PyAV",
+        what = "h264 (PyAV fallback) clips/s" if kind == "h264" else f"{kind} clips/s"
+        result["ratios"].append({"name": f"{what} vs DataLoader({workers} workers) + PyAV",
                                  "better": "higher", "target": 1.5,
                                  "value": statistics.median(r["fastio"] / r["peer"] for r in rounds)})
     if results_dir is not None:
@@ -275,6 +287,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--videos", type=int, default=128)
     parser.add_argument("--audios", type=int, default=256)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
     args = parser.parse_args()
     run(Path(__file__).resolve().parent / "work" / "media", repeats=args.repeats, videos=args.videos,
-        audios=args.audios)
+        audios=args.audios, kinds=tuple(args.kinds.split(",")))

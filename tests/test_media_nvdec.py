@@ -147,8 +147,9 @@ def test_a_cpu_loader_refuses_h264_when_it_is_made(nvdec_ds):
     import fastio
 
     expected = (f"{nvdec_ds}: holds 3 videos in codec h264, which DALI's CPU decoder does not read (the first: "
-                "shard shard-000000.tar key 'c0/a'): decode them on a GPU with device='cuda' (NVDEC), or convert the "
-                "files with --transcode vp9 (transcode='vp9')")
+                "shard shard-000000.tar key 'c0/a'): decode them on a GPU with device='cuda' (NVDEC), decode them on the "
+                "CPU with PyAV with VideoClips(cpu_fallback='pyav'), or convert the files with --transcode vp9 "
+                "(transcode='vp9')")
     import torch
 
     for device in ("cpu",) + (() if torch.cuda.is_available() else ("auto",)):  # auto: the CPU where no GPU is
@@ -328,7 +329,9 @@ def test_index_with_nvdec_probes_h264_and_a_cpu_loader_refuses_it(tmp_path, h264
         clips_loader(tmp_path / "gpu")
     assert str(got.value) == (f"{tmp_path / 'gpu'}: holds 3 videos in codec h264, which DALI's CPU decoder does not "
                               "read (the first: shard v-000000.tar key 'k1'): decode them on a GPU with "
-                              "device='cuda' (NVDEC), or convert the files with --transcode vp9 (transcode='vp9')")
+                              "device='cuda' (NVDEC), decode them on the CPU with PyAV with "
+                              "VideoClips(cpu_fallback='pyav'), or convert the files with --transcode vp9 "
+                              "(transcode='vp9')")
     code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "x"), "--video-decoder", "gpu"],
                              capsys)
     assert code == 2 and err == "fastio: error: --video-decoder: must be one of cpu, nvdec, got 'gpu'\n"

@@ -263,8 +263,8 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
 
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
               "flip": types.INT32, "start": types.INT32, "decode": types.INT32, "roi_start": types.FLOAT,
-              "roi_end": types.FLOAT, "still": types.BOOL, "window_start": types.INT32, "window_length": types.INT32,
-              "offset": types.INT32, "rate": types.FLOAT}
+              "roi_end": types.FLOAT, "still": types.BOOL, "fallback": types.BOOL, "window_start": types.INT32,
+              "window_length": types.INT32, "offset": types.INT32, "rate": types.FLOAT}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,

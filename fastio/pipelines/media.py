@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,9 +31,11 @@ from fastio.formats.media import (
     probe,
     trim_video,
 )
+from fastio.formats.pyav_clips import CPU_FALLBACKS
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
+from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
 from fastio.progress import count
 
 if TYPE_CHECKING:
@@ -233,6 +236,11 @@ class VideoClips(_Clips):
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
 
+    ``cpu_fallback="pyav"``: on a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1:
+    ``convert --video-decoder nvdec``) has its clips decoded with PyAV (from the keyframe before the clip, in
+    display order, in ``fallback_threads`` threads as soon as the batch is read), then cropped, flipped, resized
+    and normalised in the graph as the others: each sample gets the clip it gets on a GPU with NVDEC.
+
     An image dataset (alone, or in a :class:`fastio.Mixture` beside videos) gives **still clips**: each image
     decoded, cropped, flipped and resized by the same rules (its own crop from its width and height), repeated
     over the ``frames``; ``start_frame`` 0.
@@ -265,9 +273,15 @@ class VideoClips(_Clips):
     """Per-channel mean on the 0..1 scale (float32 only)."""
     std: tuple[float, float, float] = IMAGENET_STD
     """Per-channel standard deviation on the 0..1 scale (float32 only)."""
+    cpu_fallback: str | None = None
+    """``"pyav"``: on a CPU Loader, decode videos DALI's CPU decoder does not read with PyAV (H.264 ...); None: such
+    a dataset is refused when the Loader is made. A CUDA Loader refuses it (NVDEC reads them)."""
+    fallback_threads: int | None = None
+    """Threads decoding with ``cpu_fallback`` (default: the machine's cores)."""
 
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
+        self._check_fallback()
         object.__setattr__(self, "mean", tuple(self.mean))
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "scale", tuple(self.scale))
@@ -286,6 +300,17 @@ class VideoClips(_Clips):
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ValueError(f"mean and std need 3 values, std > 0; got {self.mean}, {self.std}")
 
+    def _check_fallback(self) -> None:
+        if self.cpu_fallback is not None and self.cpu_fallback not in CPU_FALLBACKS:
+            raise ValueError(f"cpu_fallback must be None or one of {', '.join(CPU_FALLBACKS)}, got {self.cpu_fallback!r}")
+        if self.fallback_threads is not None:
+            _positive_int("fallback_threads", self.fallback_threads)
+        if self.cpu_fallback == "pyav":
+            import importlib.util
+
+            if importlib.util.find_spec("av") is None:
+                raise ValueError("cpu_fallback='pyav' needs PyAV: pip install 'fastio[media]'")
+
     def evaluation(self) -> VideoClips:
         """The same clips with ``crop="center"`` (no random crop, no flip)."""
         return dataclasses.replace(self, crop="center")
@@ -299,7 +324,8 @@ class VideoClips(_Clips):
         starts = tuple(f"start{c}" for c in range(self.clips_per_video))
         decode = tuple(f"decode{c}" for c in range(self.clips_per_video))
         streams = tuple(f"encoded{c}" for c in range(1, self.clips_per_video))
-        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip")
+        decoded = ("fallback", *(f"frames{c}" for c in range(self.clips_per_video))) if self.cpu_fallback else ()
+        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip", *decoded)
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
@@ -311,14 +337,35 @@ class VideoClips(_Clips):
             return dataclasses.replace(Pipeline.read_fields(self, ds, fields), sizes=True)
         return super().read_fields(ds, fields)
 
+    def reader(self, read_set: Any) -> Any:
+        """The clip kinds' reader; with ``cpu_fallback``, a :class:`FallbackReader` around it, whose threads decode
+        the clips of the videos DALI's CPU decoder does not read."""
+        inner = super().reader(read_set)
+        if self.cpu_fallback is None:
+            return inner
+        return FallbackReader(inner, self._fallback_jobs, self.frames, self.stride, read_set.where,
+                              self.fallback_threads or os.cpu_count() or 1)
+
+    def _fallback(self, probes: list) -> np.ndarray:
+        """bool [B]: the samples whose clips ``cpu_fallback`` decodes (videos DALI's CPU decoder does not read)."""
+        return np.array([self.cpu_fallback is not None and p is not None and p.get("codec") not in CPU_VIDEO_CODECS
+                         for p in probes], bool)
+
+    def _clip_starts(self, batch: ReadBatch, probes: list, seed: int, epoch: int) -> np.ndarray:
+        lengths = np.array([1 if p is None else p["frames"] for p in probes], np.int64)  # a still: start 0
+        return clip_starts(seed, epoch, batch.draw_keys, lengths, self.span, self.clips_per_video).astype(np.int32)
+
+    def _fallback_jobs(self, batch: ReadBatch, seed: int, epoch: int) -> list:
+        probes = self._probes(batch)
+        return decode_jobs(batch, self._fallback(probes), self._clip_starts(batch, probes, seed, epoch))
+
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
         probes = self._probes(batch)
         still = np.array([p is None for p in probes], bool)
         sizes = batch.sizes if batch.sizes is not None else np.zeros((len(probes), 2), np.int64)
-        lengths = np.array([1 if p is None else p["frames"] for p in probes], np.int64)  # a still: start 0
         w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
         h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
-        starts = clip_starts(seed, epoch, batch.draw_keys, lengths, self.span, self.clips_per_video).astype(np.int32)
+        starts = self._clip_starts(batch, probes, seed, epoch)
         if self.crop == "random":
             crop = random_resized_crop(seed, epoch, batch.draw_keys, w, h, scale=self.scale,
                                        flip_p=0.5 if self.flip else 0.0)
@@ -334,13 +381,33 @@ class VideoClips(_Clips):
         clips = range(self.clips_per_video)
         return (*encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
                 *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
-                np.ascontiguousarray(flip, np.int32))
+                np.ascontiguousarray(flip, np.int32), *self._decoded(batch, probes))
+
+    def _decoded(self, batch: ReadBatch, probes: list) -> tuple:
+        """With ``cpu_fallback``: the ``fallback`` flags and, per clip, each flagged sample's decoded frames
+        (``ReadBatch.frames``, decoded by the :class:`FallbackReader`; a 1-pixel stand-in for the others, which
+        the graph's fallback branch never sees)."""
+        if self.cpu_fallback is None:
+            return ()
+        fallback = self._fallback(probes)
+        missing = [j for j in np.flatnonzero(fallback).tolist() if (j, 0) not in batch.frames]
+        if missing:  # a batch not read through the FallbackReader
+            raise RuntimeError(f"internal error: samples {missing} of the batch were not decoded ahead")
+        blank = np.zeros((1, 1, 1, 3), np.uint8)
+        return (fallback, *([batch.frames.get((j, c), blank) for j in range(len(probes))]
+                            for c in range(self.clips_per_video)))
 
     def check_device(self, read_set: Any, device: str) -> None:
-        """On the CPU, DatasetError naming the first dataset whose manifest counts videos of a codec DALI's CPU
-        decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many, the first
-        (shard, key) and the ways out. A manifest without the count (written before it) holds none."""
+        """On the CPU without ``cpu_fallback``, DatasetError naming the first dataset whose manifest counts videos of
+        a codec DALI's CPU decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many,
+        the first (shard, key) and the ways out. A manifest without the count (written before it) holds none.
+        ``cpu_fallback`` on CUDA: ValueError (NVDEC reads those codecs)."""
         if device == "cuda":
+            if self.cpu_fallback is not None:
+                raise ValueError(f"cpu_fallback={self.cpu_fallback!r} decodes on the CPU: a Loader on device='cuda' "
+                                 "decodes H.264/HEVC/MPEG-4/AV1 with NVDEC; leave cpu_fallback out")
+            return
+        if self.cpu_fallback is not None:
             return
         for source in read_set.sources:
             ds = source.dataset
@@ -350,7 +417,8 @@ class VideoClips(_Clips):
                     raise DatasetError(
                         f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
                         f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
-                        "GPU with device='cuda' (NVDEC), or convert the files with --transcode vp9 (transcode='vp9')")
+                        "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
+                        "VideoClips(cpu_fallback='pyav'), or convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
         """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
@@ -378,6 +446,8 @@ class VideoClips(_Clips):
         # DALI's conditionals: each branch runs on its samples only, the outputs merge back in batch order
         if inp["still"]:
             video = self._still_clips(fn, types, inp, decoder_device)
+        elif self.cpu_fallback is not None and inp["fallback"]:  # on the CPU only (check_device)
+            video = self._decoded_clips(fn, types, inp)
         else:
             video = self._video_clips(fn, inp, decoder_device)
         starts = [inp[f"start{c}"] for c in range(self.clips_per_video)]
@@ -393,6 +463,13 @@ class VideoClips(_Clips):
             clip = fn.decoders.video(stream, device=decoder_device, start_frame=inp[f"decode{c}"],
                                      sequence_length=self.frames, stride=self.stride, pad_mode="edge")
             clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
+        return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
+
+    def _decoded_clips(self, fn, types, inp: dict[str, Any]):
+        """The clips the :class:`FallbackReader` decoded (``frames{c}``: uint8 FHWC), resized and normalised as
+        :meth:`_video_clips` does DALI's."""
+        clips = [self._normalize(fn, types, self._resize(fn, fn.reshape(inp[f"frames{c}"], layout="FHWC"), inp),
+                                 inp["flip"]) for c in range(self.clips_per_video)]
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
 
     def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):

@@ -72,7 +72,10 @@ class Feeder:
 
     Args:
         reader: reads the bytes of each batch (``submit(ids) -> Future[ReadBatch]``: a :class:`Reader`, a mixture's
-            ``MixReader`` or a pipeline's own reader of its units; its threads do the reading ahead).
+            ``MixReader`` or a pipeline's own reader of its units; its threads do the reading ahead). A reader with
+            ``prepare(read, seed=, epoch=, draws=) -> Future[ReadBatch]`` gets each read future as it is started, with
+            its batch's epoch and draw keys (``ReadBatch.draws``), and the batch fed is the one it gives
+            (``VideoClips(cpu_fallback=...)``'s decoding).
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
         pipeline: the pipeline object whose graph is fed.
@@ -114,7 +117,12 @@ class Feeder:
                 plan, g, indices, padded = next(self._positions)
             except StopIteration:
                 return
-            self._slots.append(_Slot(plan, g, self.reader.submit(indices), padded))
+            read = self.reader.submit(indices)
+            prepare = getattr(self.reader, "prepare", None)
+            if prepare is not None:  # work on the read batch that needs its epoch and draws, done before it is fed
+                draws = plan.draw_keys(g, indices) if isinstance(plan, EpochPlan) else None
+                read = prepare(read, seed=self.seed, epoch=plan.epoch, draws=draws)
+            self._slots.append(_Slot(plan, g, read, padded))
             self._started += 1
 
     def take(self) -> Fed:

@@ -97,6 +97,9 @@ class ReadBatch:
         self.present = present if present is not None else {f: np.ones(len(indices), bool) for f in fields}
         self.text: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         """Text fields tokenized once read, off the training thread: field -> (ids, mask) (:mod:`fastio.pipelines.text`)."""
+        self.frames: dict[tuple[int, int], np.ndarray] = {}
+        """Video clips decoded once read, off the training thread: (sample, clip) -> uint8 [F, H, W, 3]
+        (:mod:`fastio.pipelines.video_fallback`)."""
         self.draws: np.ndarray | None = None
         """Each sample's key for its random draws where it is not its index (a sample a mixture delivers again in
         one epoch: set by the :class:`~fastio.read.feeder.Feeder` from :meth:`~fastio.order.sampler.EpochPlan.draw_keys`)."""
