@@ -85,6 +85,33 @@ def test_decode_clip_reads_hevc_and_mpeg4_with_b_frames(tmp_path, encoder, optio
         assert np.array_equal(decode_clip(data, first, 4, 2), np.stack([shown[f][1] for f in want])), first
 
 
+def test_decode_clip_skips_only_frames_nothing_needs(tmp_path):
+    """A textured, moving H.264 video with B-frames (x264's B-pyramid: some B-frames are references): frames
+    shown before the clip that nothing refers to are not decoded, and every clip is still, bit for bit, those
+    frames of the whole file decoded from its start (skipping a reference frame would change the texture)."""
+    import av
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)
+    path = tmp_path / "t.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        stream.options = {"crf": "20", "preset": "veryfast", "x264-params": "keyint=12:bframes=3:b-pyramid=normal"}
+        for k in range(36):
+            rgb = np.roll(base, (k, 2 * k), axis=(0, 1))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    with av.open(str(path)) as c:
+        shown = [f.to_ndarray(format="rgb24") for f in sorted(c.decode(video=0), key=lambda f: f.pts)]
+    data = path.read_bytes()
+    for first in range(36):
+        want = np.minimum(first + 2 * np.arange(4), 35)
+        assert np.array_equal(decode_clip(data, first, 4, 2), np.stack([shown[f] for f in want])), first
+
+
 def test_decode_clip_names_what_pyav_cannot_decode(tmp_path):
     with pytest.raises(MediaCheckError, match=r"^cannot be decoded by PyAV \("):
         decode_clip(b"\x00\x00\x00\x18ftypmp42 not a video", 0, 4, 1)

@@ -277,7 +277,8 @@ class VideoClips(_Clips):
     """``"pyav"``: on a CPU Loader, decode videos DALI's CPU decoder does not read with PyAV (H.264 ...); None: such
     a dataset is refused when the Loader is made. A CUDA Loader refuses it (NVDEC reads them)."""
     fallback_threads: int | None = None
-    """Threads decoding with ``cpu_fallback`` (default: the machine's cores)."""
+    """Threads decoding with ``cpu_fallback`` (default: twice the machine's cores: a thread also waits, holding
+    the GIL between frames, and DALI's threads crop and resize beside them)."""
 
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
@@ -344,7 +345,7 @@ class VideoClips(_Clips):
         if self.cpu_fallback is None:
             return inner
         return FallbackReader(inner, self._fallback_jobs, self.frames, self.stride, read_set.where,
-                              self.fallback_threads or os.cpu_count() or 1)
+                              self.fallback_threads or 2 * (os.cpu_count() or 1))
 
     def _fallback(self, probes: list) -> np.ndarray:
         """bool [B]: the samples whose clips ``cpu_fallback`` decodes (videos DALI's CPU decoder does not read)."""
