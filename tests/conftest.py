@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -188,3 +189,14 @@ def _keep_signal_handlers():
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+
+
+class Lines(logging.Handler):
+    """A logging handler keeping each record's message (tests reading what fastio logged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())

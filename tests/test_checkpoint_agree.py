@@ -20,20 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from conftest import Lines
 from helpers import Position, free_port, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
 from fastio.errors import CheckpointError
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def worker(rank: int, world: int, port: int, root: str, out: str) -> None:

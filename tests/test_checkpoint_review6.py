@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Lines
 from helpers import free_port, spawn_ranks
 from torch import nn
 
@@ -258,13 +259,6 @@ def test_dcp_refuses_lbfgs_of_an_app_module_at_save_naming_the_key(tmp_path, ste
 
 
 # ---------------------------------------------------------------- 3. the agreements' watching threads
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def _burn(stop: threading.Event) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Lines
 from helpers import free_port, spawn_ranks, start_ranks
 from torch import nn
 
@@ -239,13 +240,6 @@ def test_elastic_not_strict_loads_what_fits_per_rank(elastic_runs):
 
 
 # ---------------------------------------------------------------- 3. a rank stopped inside a save
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 CASES = (("stopped in stage", "checkpointer", "stage"), ("stopped in write", "checkpoint writer", "write"),

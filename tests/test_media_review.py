@@ -47,16 +47,7 @@ def make_video(path: Path, codec: str, fmt: str | None, *, frames: int = 8, fps:
 
 
 def _encode_audio(out, stream, wave: np.ndarray, rate: int, layout: str) -> None:
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave.T.reshape(1, -1)), format="flt", layout=layout)
-    frame.sample_rate, frame.pts = rate, None
-    resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout,
-                                  rate=stream.codec_context.sample_rate,
-                                  frame_size=stream.codec_context.frame_size or None)
-    for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
-        for packet in stream.encode(chunk):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
+    synthetic.encode_audio(out, stream, wave.T.reshape(1, -1), "flt", rate, layout)
 
 
 def make_audio(path: Path, codec: str, fmt: str, *, rate: int, seconds: float = 1.0, channels: int = 1,

@@ -179,15 +179,22 @@ def make_audio(path: str | Path, *, seconds: float = 2.0, rate: int = 16000, pit
         data = wave if sample_fmt == "fltp" else wave.T.reshape(1, -1)
         if sample_fmt == "s16":
             data = np.clip(data * 32767, -32768, 32767).astype(np.int16)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=sample_fmt, layout=layout)
-        frame.sample_rate = rate
-        frame.pts = None
-        resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout,
-                                      rate=stream.codec_context.sample_rate,
-                                      frame_size=stream.codec_context.frame_size or None)
-        for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
-            for packet in stream.encode(chunk):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+        encode_audio(out, stream, data, sample_fmt, rate, layout)
     return path
+
+
+def encode_audio(out, stream, data: np.ndarray, sample_fmt: str, rate: int, layout: str) -> None:
+    """Encode samples ``data`` (PyAV's array for ``sample_fmt``: planar [channels, n], packed [1, n * channels])
+    at ``rate`` into ``stream`` of container ``out``, converted to what its codec takes, and flush it."""
+    import av
+
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=sample_fmt, layout=layout)
+    frame.sample_rate, frame.pts = rate, None
+    resampler = av.AudioResampler(format=stream.codec_context.format.name, layout=layout,
+                                  rate=stream.codec_context.sample_rate,
+                                  frame_size=stream.codec_context.frame_size or None)
+    for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+        for packet in stream.encode(chunk):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
