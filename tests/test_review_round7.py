@@ -1,0 +1,98 @@
+"""Hostile review of three features merged in one day: ``--video-decoder nvdec``, ``VideoClips(cpu_fallback="pyav")``
+and fresh draws for samples a mixture repeats within one epoch. Real files (made with PyAV), real Loaders."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("av")
+
+from fastio.convert import synthetic  # noqa: E402
+from fastio.convert.run import ConvertConfig, convert  # noqa: E402
+from fastio.formats.media import MediaCheckError, check_media  # noqa: E402
+
+
+def cut_video(src: Path, dst: Path, drop: int) -> Path:
+    """``src`` remuxed without its first ``drop`` packets (decode order): a stream cut from a longer one (``ffmpeg
+    -c copy`` at a point that is not a keyframe), whose first packets refer to frames it no longer has."""
+    import av
+
+    with av.open(str(src)) as s, av.open(str(dst), "w") as d:
+        stream = d.add_stream_from_template(s.streams.video[0])
+        for packet in [p for p in s.demux(s.streams.video[0]) if p.size][drop:]:
+            packet.stream = stream
+            d.mux(packet)
+    return dst
+
+
+def test_a_video_whose_first_frame_is_not_a_keyframe_is_not_kept(tmp_path):
+    """Its frames before the first keyframe cannot be decoded: kept, the fallback failed on every clip starting
+    there ('frame 0 did not come out'), mid-training, at random; now convert skips it with the reason."""
+    src = tmp_path / "src" / "c0"
+    whole = synthetic.make_video(src / "whole.mp4", frames=30, fps=12, keyframe_every=8, bframes=2)
+    cut_video(whole, src / "cut.mp4", 3)
+    with pytest.raises(MediaCheckError, match="first frame is not a keyframe"):
+        check_media((src / "cut.mp4").read_bytes(), "mp4", "nvdec")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                                   progress=False))
+    (skipped,) = result.skipped
+    assert skipped["path"].endswith("cut.mp4") and "first frame is not a keyframe" in skipped["reason"], skipped
+    assert "\n" not in skipped["reason"] and result.samples == 1
+    converted = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "vp9", workers=1, transcode="vp9",
+                                      progress=False))  # the way out it names: decoded from its first keyframe
+    assert converted.samples == 2 and not converted.skipped, converted.skipped
+
+
+@pytest.fixture(scope="module")
+def h264_ds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("r7") / "src"
+    for i in range(10):
+        synthetic.make_video(root / "c0" / f"v{i}.mp4", frames=20 + 2 * i, fps=12, keyframe_every=8, bframes=2)
+    dest = root.parent / "ds"
+    convert(ConvertConfig(source=root, dest=dest, workers=1, video_decoder="nvdec", progress=False))
+    return dest
+
+
+def clips_loader(dest, threads=1, clips=1, **kw):
+    import fastio
+
+    pipeline = fastio.VideoClips(frames=4, stride=2, size=24, dtype="uint8", layout="FHWC", cpu_fallback="pyav",
+                                 fallback_threads=threads, clips_per_video=clips)
+    opts = dict(batch_size=2, device="cpu", seed=3, num_threads=1, world_size=1, rank=0)
+    return fastio.Loader(dest, pipeline=pipeline, **{**opts, **kw})
+
+
+@pytest.mark.parametrize("jump", ["load_state_dict", "set_epoch"])
+def test_a_jump_drops_the_clips_queued_for_the_old_position(h264_ds, monkeypatch, jump):
+    """The clips of batches read ahead for the old position were decoded anyway after a jump, one by one, before
+    the new position's: with read_ahead=4, 2 clips per video and a slow decode, its first batch waited for ~20
+    clips nobody would see. Now they are cancelled; the batch is bitwise a fresh Loader's at that position."""
+    from fastio.pipelines import video_fallback
+
+    real, calls = video_fallback.decode_clip, []
+
+    def slow(*args):
+        calls.append(time.monotonic())
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(video_fallback, "decode_clip", slow)
+    with clips_loader(h264_ds, clips=2, read_ahead=4) as loader:
+        next(iter(loader))
+        time.sleep(0.3)  # a training step: the batches ahead are read, their clips queued
+        state = {**loader.state_dict(), "epoch": 3, "consumed": 4}
+        jumped = time.monotonic()
+        loader.load_state_dict(state) if jump == "load_state_dict" else loader.set_epoch(3)
+        got = next(iter(loader))
+        started_after = sum(t >= jumped for t in calls)
+    # the new position's graph asks for its first 2 batches (prefetch) of 2 videos x 2 clips (8); one old clip may
+    # be being decoded when the jump comes, one of the new stream's reads ahead once they are done
+    assert started_after <= 8 + 2, started_after
+    with clips_loader(h264_ds, clips=2) as fresh:
+        fresh.load_state_dict(state) if jump == "load_state_dict" else fresh.set_epoch(3)
+        want = next(iter(fresh))
+    assert got["index"].tolist() == want["index"].tolist()
+    assert got["video"].equal(want["video"])
