@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("av")
@@ -13,6 +14,7 @@ pytest.importorskip("av")
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.formats.media import MediaCheckError, check_media  # noqa: E402
+from fastio.formats.pyav_clips import decode_clip  # noqa: E402
 
 
 def cut_video(src: Path, dst: Path, drop: int) -> Path:
@@ -96,3 +98,30 @@ def test_a_jump_drops_the_clips_queued_for_the_old_position(h264_ds, monkeypatch
         want = next(iter(fresh))
     assert got["index"].tolist() == want["index"].tolist()
     assert got["video"].equal(want["video"])
+
+
+def shifted_video(src: Path, dst: Path, frames: int) -> Path:
+    """``src`` remuxed with its times moved ``frames`` frames earlier: the mp4 muxer writes an edit list that hides
+    those first frames (what ``ffmpeg -ss ... -c copy`` makes); FFmpeg's demuxer flags their packets discard."""
+    import av
+
+    with av.open(str(src)) as s, av.open(str(dst), "w") as d:
+        stream = d.add_stream_from_template(s.streams.video[0])
+        step = int(1 / (s.streams.video[0].average_rate * s.streams.video[0].time_base))
+        for packet in [p for p in s.demux(s.streams.video[0]) if p.size]:
+            packet.pts, packet.dts, packet.stream = packet.pts - frames * step, packet.dts - frames * step, stream
+            d.mux(packet)
+    return dst
+
+
+def test_an_edit_list_hiding_the_first_frames_gives_every_frame_the_probe_counts(tmp_path):
+    """The probe counts every packet (30 frames) and draws clip starts over them; FFmpeg's decoder dropped the 3
+    frames the edit list hides, so a clip starting there failed ('frame 0 did not come out')."""
+    whole = synthetic.make_video(tmp_path / "w.mp4", frames=30, fps=12, keyframe_every=8, bframes=2)
+    data = shifted_video(whole, tmp_path / "edit.mp4", 3).read_bytes()
+    info = __import__("json").loads(check_media(data, "mp4", "nvdec"))
+    assert info["frames"] == 30 and info["keyframes"][0] == 0, info
+    for first in range(30):
+        clip = decode_clip(data, first, 4, 1)
+        want = np.minimum(first + np.arange(4), 29).tolist()
+        assert synthetic.frame_of_level(clip.reshape(4, -1).mean(1)).tolist() == want, first

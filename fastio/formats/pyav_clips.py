@@ -2,10 +2,10 @@
 HEVC, MPEG-4, AV1: ``fastio convert --video-decoder nvdec`` keeps them for NVDEC).
 
 :func:`decode_clip` counts frames as :func:`fastio.formats.media.probe` does (the packets of the first video
-stream) but numbers them in display order (by presentation time), as NVDEC does: H.264 with B-frames stores
-them in decode order. It demuxes the file (no frame decoded), starts decoding at the last keyframe shown at or
-before the clip's first frame, and stops once the clip's last frame is out, on one thread (the caller runs
-clips in parallel: PyAV releases the GIL while it decodes and converts).
+stream, those an mp4 edit list hides included) but numbers them in display order (by presentation time), as
+NVDEC does: H.264 with B-frames stores them in decode order. It demuxes the file (no frame decoded), starts
+decoding at the last keyframe shown at or before the clip's first frame, and stops once the clip's last frame
+is out, on one thread (the caller runs clips in parallel: PyAV releases the GIL while it decodes and converts).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
-            packets = [p for p in container.demux(stream) if p.size and p.pts is not None]
+            packets = [_kept(p) for p in container.demux(stream) if p.size and p.pts is not None]
             if not packets:
                 raise MediaCheckError("cannot be decoded (no frames)")
             shown = sorted(p.pts for p in packets)  # frame f of the video is shown at shown[f]
@@ -50,6 +50,19 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
     if missing:
         raise MediaCheckError(f"cannot be decoded by PyAV (frame {shown.index(missing[0])} did not come out)")
     return np.stack([got[shown[f]] for f in wanted.tolist()])
+
+
+def _kept(packet):
+    """``packet``, or for one an edit list hides (flagged discard: FFmpeg's decoder drops its frame) a copy
+    without the flag: the probe counts it as a frame of the video, and clip starts are drawn over those."""
+    if not packet.is_discard:
+        return packet
+    import av
+
+    copy = av.Packet(bytes(packet))
+    copy.pts, copy.dts, copy.time_base, copy.is_keyframe = packet.pts, packet.dts, packet.time_base, \
+        packet.is_keyframe
+    return copy
 
 
 def _decode_from_keyframe(stream, packets: list, first_pts: int, want: set[int]) -> dict[int, np.ndarray]:
