@@ -125,3 +125,19 @@ def test_an_edit_list_hiding_the_first_frames_gives_every_frame_the_probe_counts
         clip = decode_clip(data, first, 4, 1)
         want = np.minimum(first + np.arange(4), 29).tolist()
         assert synthetic.frame_of_level(clip.reshape(4, -1).mean(1)).tolist() == want, first
+
+
+def test_h264_with_b_frames_in_avi_gives_each_clip_s_frames(tmp_path):
+    """AVI keeps no presentation times: FFmpeg's demuxer numbers the packets in decode order, so with B-frames the
+    clip's frames came out in decode order, silently ([0, 3, 1] for frames 0, 1, 2). The decoder's output order
+    tells: frames it gives with falling times are decoded from the start and numbered as they come out."""
+    from test_media_nvdec import make_ffv1
+
+    options = {"crf": "4", "preset": "ultrafast", "x264-params": "bframes=2:b-adapt=0:keyint=8"}
+    data = make_ffv1(tmp_path / "v.avi", 20, "libx264", options=options).read_bytes()
+    assert __import__("json").loads(check_media(data, "avi", "nvdec"))["frames"] == 20
+    for stride in (1, 3):
+        for first in range(20):
+            clip = decode_clip(data, first, 3, stride)
+            want = np.minimum(first + stride * np.arange(3), 19).tolist()
+            assert synthetic.frame_of_level(clip.reshape(3, -1).mean(1)).tolist() == want, (first, stride)
