@@ -23,6 +23,10 @@ __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip"]
 CPU_FALLBACKS = ("pyav",)
 """What ``VideoClips(cpu_fallback=...)`` takes: the CPU decoder of videos DALI's CPU decoder does not read."""
 
+_SKIP_PER_PACKET = ("h264", "hevc", "mpeg4")
+"""Decoders that read ``skip_frame`` at each packet, so that frames shown before a clip can be skipped (FFmpeg's
+libdav1d wrapper, AV1's decoder, takes it once when it opens: it then dropped the clip's non-reference frames)."""
+
 
 def clip_frames(first: int, frames: int, stride: int, total: int) -> np.ndarray:
     """int64 [frames]: the frame numbers of a clip: ``first``, ``first + stride``, ...; a frame past the video's
@@ -80,7 +84,8 @@ def _decode_from_keyframe(stream, packets: list, first_pts: int, want: set[int])
     for packet in [*packets[start:], None]:
         # A frame shown before the clip that no other frame refers to (a non-reference B-frame) is not decoded:
         # nothing needs it, so the clip's frames are the same (tested bit for bit), and about a fifth less CPU.
-        skip = packet is not None and packet.pts < first_pts
+        # Only FFmpeg's own decoders read skip_frame per packet (libdav1d's wrapper takes it once, at open).
+        skip = packet is not None and packet.pts < first_pts and codec.name in _SKIP_PER_PACKET
         if skip is not skipping:
             codec.skip_frame, skipping = ("NONREF" if skip else "DEFAULT"), skip
         for frame in codec.decode(packet):
