@@ -36,13 +36,15 @@ def clip_frames(first: int, frames: int, stride: int, total: int) -> np.ndarray:
 
 def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray:
     """uint8 [frames, H, W, 3]: the RGB frames :func:`clip_frames` names of video ``data``, in display order.
-    MediaCheckError (why, one line) when PyAV cannot demux or decode them."""
+    MediaCheckError (why, one line) when PyAV cannot demux or decode them, or one is not of the video's size (its
+    first: the probe's)."""
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
+            size = (stream.height, stream.width)  # the probe's
             packets = [_kept(p) for p in container.demux(stream) if p.size and p.pts is not None]
             if not packets:
                 raise MediaCheckError("cannot be decoded (no frames)")
@@ -56,6 +58,11 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
     missing = [f for f in wanted if f not in got]
     if missing:
         raise MediaCheckError(f"cannot be decoded by PyAV (frame {missing[0]} did not come out)")
+    for f in wanted:
+        if got[f].shape[:2] != size:
+            raise MediaCheckError(f"its frame size changes mid-stream ({size[1]} x {size[0]}, then {got[f].shape[1]} x "
+                                  f"{got[f].shape[0]} at frame {f}): clips are cropped and resized by its first "
+                                  "size; re-encode it at one size")
     return np.stack([got[f] for f in wanted])
 
 
