@@ -241,8 +241,7 @@ def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
     if keyframes[0] != 0:  # cut from a longer stream (ffmpeg -c copy -ss at a frame that is not a keyframe)
         raise MediaCheckError(f"its first frame is not a keyframe: its {keyframes[0]} frames before the first keyframe "
                               "refer to frames it does not have and cannot be decoded; re-encode it (e.g. ffmpeg "
-                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm), or convert with --transcode vp9 "
-                              "(transcode='vp9')")
+                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
                               f"WAV or Opus (e.g. ffmpeg -c:a flac)")
