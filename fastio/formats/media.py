@@ -230,12 +230,18 @@ def prepare_media(data: bytes, field: str, transcode: str | None = None,
 
 def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
     """The ``probe.json`` bytes of a video file ``video_decoder`` reads (``cpu``: DALI's CPU decoder; ``nvdec``:
-    its mixed decoder on a GPU; :data:`DECODER_CODECS`) or of an audio file DALI's audio decoder reads;
-    MediaCheckError (its message: why, with the ways out for a codec) otherwise."""
+    its mixed decoder on a GPU; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
+    stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
+    message: why, with the ways out) otherwise."""
     info = probe(data, field)
     codec = info["codec"]
     if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
         raise MediaCheckError(_video_refusal(codec, video_decoder))
+    keyframes = info.get("keyframes") or [0]  # a container that flags none: decoded from its first frame
+    if keyframes[0] != 0:  # cut from a longer stream (ffmpeg -c copy -ss at a frame that is not a keyframe)
+        raise MediaCheckError(f"its first frame is not a keyframe: its {keyframes[0]} frames before the first keyframe "
+                              "refer to frames it does not have and cannot be decoded; re-encode it (e.g. ffmpeg "
+                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
                               f"WAV or Opus (e.g. ffmpeg -c:a flac)")

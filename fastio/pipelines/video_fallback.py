@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -56,11 +56,12 @@ class FallbackReader:
 
     def prepare(self, read: Future, *, seed: int, epoch: int, draws: np.ndarray | None = None) -> Future:
         """A future of ``read``'s batch with its clips decoded: started in the thread that finishes the read, its
-        ``draws`` (the Feeder's: the keys its clip starts are drawn by, None for its indices) set first."""
-        out: Future = Future()
+        ``draws`` (the Feeder's: the keys its clip starts are drawn by, None for its indices) set first. Cancelling
+        it (the Feeder's stream dropped: a jump, a close) cancels its clips not yet being decoded."""
+        out: Future = Future()  # left pending until settled, so that cancel() works while its clips decode
 
         def decode(done: Future) -> None:
-            if not out.set_running_or_notify_cancel():
+            if out.cancelled():
                 return
             try:
                 batch = done.result()
@@ -70,8 +71,9 @@ class FallbackReader:
                                              functools.partial(self.where, int(batch.indices[job[0]])))
                            for job in jobs]
             except BaseException as err:  # a read error passes through; a closed pool too
-                out.set_exception(err)
+                _settle(out, error=err)
                 return
+            out.add_done_callback(lambda f: f.cancelled() and [x.cancel() for x in futures])
             _gather(futures, jobs, batch, out)
 
         read.add_done_callback(decode)
@@ -85,11 +87,19 @@ class FallbackReader:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _settle(out: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set ``out``'s error or result, unless it was cancelled meanwhile (nobody waits for it then)."""
+    try:
+        out.set_result(result) if error is None else out.set_exception(error)
+    except InvalidStateError:
+        pass
+
+
 def _gather(futures: list[Future], jobs: list[Job], batch: Any, out: Future) -> None:
     """Set ``out`` to ``batch`` with each job's clip in ``batch.frames`` once all are done (the first error,
     in job order, instead); no thread waits for them."""
     if not futures:
-        out.set_result(batch)
+        _settle(out, batch)
         return
     left, lock = [len(futures)], threading.Lock()
 
@@ -100,13 +110,13 @@ def _gather(futures: list[Future], jobs: list[Job], batch: Any, out: Future) -> 
                 return
         for f, (j, c, _data, _first) in zip(futures, jobs):
             if f.cancelled():
-                out.set_exception(CancelledError("the loader was closed"))
+                _settle(out, error=CancelledError("the loader was closed"))
                 return
             if f.exception() is not None:
-                out.set_exception(f.exception())
+                _settle(out, error=f.exception())
                 return
             batch.frames[(j, c)] = f.result()
-        out.set_result(batch)
+        _settle(out, batch)
 
     for f in futures:
         f.add_done_callback(one_done)
