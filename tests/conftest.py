@@ -34,10 +34,13 @@ def _cuda_available() -> bool:
 SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run on a busy 2-core machine (Dec 2026)
     "test_docs.py",  # 143
     "test_newcomer.py",  # 73
+    "test_checkpoint_review6.py",  # 56 (quiet, Dec 2)
+    "test_tokens_read.py",  # 36 (quiet, Dec 2)
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
     "test_media_dist.py",  # 45 (alone, load 4)
     "test_lightning.py",  # 39
+    "test_checkpoint_round6.py",  # 26 (quiet, Dec 2)
     "test_checkpoint_fsdp.py",  # 33
     "test_checkpoint.py",  # 29
     "test_checkpoint_rollback.py",  # 28
