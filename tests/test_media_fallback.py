@@ -336,7 +336,7 @@ def test_crop_flip_and_start_are_those_of_a_vp9_copy_on_the_gpu_path(tmp_path):
 
 
 def test_indexed_shards_read_through_the_probe_table(tmp_path):
-    from test_media_nvdec import write_tar
+    from test_media import write_wds_tar
 
     from fastio.convert.index_command import IndexConfig, index_shards
 
@@ -345,7 +345,7 @@ def test_indexed_shards_read_through_the_probe_table(tmp_path):
         path = synthetic.make_video(tmp_path / f"v{k}.{suffix}", frames=frames, fps=12, keyframe_every=8,
                                     **({"bframes": 2} if suffix == "mp4" else {}))
         members[f"k{k}.{suffix}"], members[f"k{k}.cls"] = path.read_bytes(), b"0"
-    write_tar(tmp_path / "wds" / "v-000000.tar", members)
+    write_wds_tar(tmp_path / "wds" / "v-000000.tar", members)
     index_shards(IndexConfig(source=tmp_path / "wds", dest=tmp_path / "ds", video_decoder="nvdec"))
     with clips_loader(tmp_path / "ds", batch_size=3) as loader:
         b = next(iter(loader))

@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("av")
 
+from test_media import write_wds_tar  # noqa: E402
+
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.errors import DatasetError  # noqa: E402
@@ -277,20 +279,6 @@ def test_h264_is_not_cut_at_a_keyframe(h264_folder):
     assert decode.tolist() == [[1]] and len(out[0][0]) < len(vp9)
 
 
-def write_tar(path: Path, members: dict[str, bytes]) -> Path:
-    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
-    import io
-    import tarfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
 @pytest.fixture(scope="module")
 def h264_tars(tmp_path_factory, h264_folder) -> Path:
     """Two existing shards: a VP9 and an H.264 video in the first, two H.264 videos in the second."""
@@ -301,7 +289,7 @@ def h264_tars(tmp_path_factory, h264_folder) -> Path:
         for name in keys:
             members[name] = (h264_folder / files[name]).read_bytes()
             members[name.split(".")[0] + ".cls"] = str(s).encode()
-        write_tar(root / f"v-00000{s}.tar", members)
+        write_wds_tar(root / f"v-00000{s}.tar", members)
     return root
 
 
