@@ -37,7 +37,7 @@ from fastio.read.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
-# 2: the lazy keyed order of fastio.order.sampler (ORDER_ALGORITHM). A version 1 state was written for the
+# 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state was written for the
 # materialised numpy permutation, which is gone: it is refused (the position would mean other samples).
 STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"

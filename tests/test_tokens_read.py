@@ -130,14 +130,14 @@ def test_spans_past_int32_are_the_pieces(block_docs, monkeypatch):
 def test_the_tabled_feistel_is_the_per_element_one():
     """The block order's Feistel rounds looked up in tables (many values, scalar keys) equal the rounds computed
     for each value (a few values at a time), for every width and some tweaks."""
-    from fastio.order.sampler import SamplerSpec, _feistel, _round_keys
+    from fastio.order.feistel import feistel, round_keys
 
-    keys = _round_keys(SamplerSpec(seed=3), 1, "fingerprint", "token-docs")
+    keys = round_keys(3, "global", 1, "fingerprint", "token-docs")
     for bits in range(2, 17):
         x = np.arange(1 << bits, dtype=np.uint64)
         for tweak in (0, 12345678901234567, 2**64 - 5):
-            whole = _feistel(x, np.uint64(bits), keys, np.uint64(tweak))
-            alone = np.concatenate([_feistel(x[i:i + 2], np.uint64(bits), keys, np.uint64(tweak))
+            whole = feistel(x, np.uint64(bits), keys, np.uint64(tweak))
+            alone = np.concatenate([feistel(x[i:i + 2], np.uint64(bits), keys, np.uint64(tweak))
                                     for i in range(0, x.size, 2)])
             assert whole.dtype == np.uint64 and np.array_equal(whole, alone)
             assert np.array_equal(np.sort(whole), x)
