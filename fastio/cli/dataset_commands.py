@@ -96,14 +96,19 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--text-field", default=None, help="With --tokenizer: the JSONL field or Parquet column of the text "
                                                  "(default: text).")
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
-                                                            "each document (default: the tokenizer's end-of-text token).")
+                                                            "each document, one of the tokenizer's special tokens "
+                                                            "(default: its end-of-text token).")
+@click.option("--special-in-text", default=None, metavar="plain|refuse",
+              help="With --tokenizer: a special token's string in a document's text (<|endoftext|>) is encoded as "
+                   "plain text, the documents counted (plain, the default), or refused naming the document.")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
-            text_field: str | None, eos: str | None, endpoint_url: str | None, region: str | None,
+            text_field: str | None, eos: str | None, special_in_text: str | None, endpoint_url: str | None,
+            region: str | None,
             profile: str | None, transcode: str | None = None, video_decoder: str = "cpu") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
@@ -114,7 +119,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    if tokenizer is not None or text_field is not None or eos is not None:
+    if tokenizer is not None or text_field is not None or eos is not None or special_in_text is not None:
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
@@ -141,8 +146,9 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         click.echo(result.summary())
 
 
-_TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
-                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile", "staging_dir")
+_TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_text", "workers", "shard_size",
+                "max_samples_per_shard", "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile",
+                "staging_dir")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -153,12 +159,12 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
-        raise ConvertError("--text-field and --eos need --tokenizer (a token conversion)")
+        raise ConvertError("--text-field, --eos and --special-in-text need --tokenizer (a token conversion)")
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
                                       "name", "overwrite", "part", "staging_dir")}
-    options.update({"text_field": params["text_field"] or "text",
+    options.update({"text_field": params["text_field"] or "text", "special_in_text": params["special_in_text"] or "plain",
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:
