@@ -671,7 +671,7 @@ def test_index_of_video_shards_probes_them_into_a_table_and_clips_load(tmp_path,
 
 def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder):
     import fastio
-    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.wds_index import IndexConfig, index_shards
 
     members = {}
     for c in range(2):

@@ -338,7 +338,7 @@ def test_crop_flip_and_start_are_those_of_a_vp9_copy_on_the_gpu_path(tmp_path):
 def test_indexed_shards_read_through_the_probe_table(tmp_path):
     from test_media import write_wds_tar
 
-    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.wds_index import IndexConfig, index_shards
 
     members = {}
     for k, (frames, suffix) in enumerate(((20, "mp4"), (16, "webm"), (28, "mp4"))):

@@ -14,8 +14,8 @@ import fastio
 @pytest.fixture(scope="module")
 def token_ds(tmp_path_factory) -> Path:
     """A token dataset of 60 documents of 1..40 tokens (end-of-document id 0), indexed in place."""
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
-    from fastio.tokens.megatron import MegatronWriter
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+    from fastio.formats.megatron import MegatronWriter
 
     dest = tmp_path_factory.mktemp("tokens") / "ds"
     dest.mkdir()
@@ -112,8 +112,8 @@ def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_
 
     from PIL import Image
 
-    from fastio.convert.index_command import IndexConfig, index_shards
     from fastio.convert.synthetic import make_video
+    from fastio.convert.wds_index import IndexConfig, index_shards
 
     make_video(tmp_path / "v.webm", frames=6, fps=12)
     png = io.BytesIO()

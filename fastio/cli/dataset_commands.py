@@ -153,7 +153,7 @@ _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     params = ctx.params
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
@@ -230,7 +230,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
     doc-starts.fxs (where documents start) and manifest.json are written."""
-    from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
+    from fastio.convert.wds_index import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
     if eos_id is not None:
@@ -259,7 +259,7 @@ _TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet", 
 
 def _index_tokens(ctx: click.Context, quiet: bool) -> None:
     """``fastio index --eos-id``: Megatron pairs indexed in place; WebDataset-only flags refused by name."""
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
 
     params = ctx.params
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_INDEX_FLAGS and

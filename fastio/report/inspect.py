@@ -21,9 +21,9 @@ from fastio.dataset.files import dest_child, dest_split_names
 from fastio.errors import DatasetError
 from fastio.formats.images import image_size, is_image_field
 from fastio.formats.media import CPU_VIDEO_CODECS
+from fastio.formats.megatron import MegatronIndex
 from fastio.order.sampler import SHUFFLE_MODES, epoch_order
 from fastio.read.reader import Reader
-from fastio.tokens.megatron import MegatronIndex
 
 __all__ = ["inspect", "order_quality", "packing_report"]
 

@@ -35,10 +35,10 @@ from fastio.errors import DatasetError, StorageError
 from fastio.formats.dali_idx import check_index, parse_index
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
 from fastio.formats.media import ProbeTable
+from fastio.formats.megatron import MegatronShard
 from fastio.formats.wds import split_member_name
 from fastio.storage import is_remote, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
-from fastio.tokens.megatron import MegatronShard
 from fastio.tokens.starts import read_starts
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -128,7 +128,7 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
 
 
 def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
-    """A token shard's documents (its structure checked), :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time
+    """A token shard's documents (its structure checked), :data:`~fastio.formats.megatron.CHECK_CHUNK` at a time
     (bounded memory): each ends with the end-of-document id, ids inside the vocabulary and not negative, and its
     entries of the document-starts table (``starts``) are its documents' starts."""
     problems, table, low, high, end_bad = [], [], 0, 0, None

@@ -1,11 +1,11 @@
 """``fastio convert SOURCE DEST --tokenizer tokenizer.json``: text documents into a token dataset.
 
 Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text; a local file or folder, or an ``s3://``
-object or prefix read through :mod:`fastio.tokens.corpus`, in sorted key order) are tokenized in batches with the
+object or prefix read through :mod:`fastio.convert.corpus`, in sorted key order) are tokenized in batches with the
 ``tokenizers`` library (the file's own tokenizer, no special tokens added), in worker processes
 (:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
-:mod:`fastio.tokens.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
+:mod:`fastio.formats.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
 bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. Then the
 document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); the manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
@@ -19,10 +19,10 @@ encoded again with ``encode_special_tokens`` (the string as plain text; counted)
 ``special_in_text="refuse"`` (naming the document). The token type fits the largest id the tokenizer has (a
 vocabulary with a hole up to id 70,000 is ``int32``); the manifest's vocabulary size is that id + 1.
 
-With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.tokens.corpus.part_span`)
+With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.convert.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
 records and the plan every part must share: source listing, options, tokenizer checksum, end-of-document id);
-``fastio merge DEST`` (:mod:`fastio.tokens.merge`) then publishes the dataset a single conversion writes.
+``fastio merge DEST`` (:mod:`fastio.convert.token_merge`) then publishes the dataset a single conversion writes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.parts import (
     PartRecord,
     clear_part_dir,
@@ -63,13 +64,12 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.errors import ConvertError
+from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
-from fastio.tokens.corpus import Corpus, open_corpus, part_span
-from fastio.tokens.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
@@ -77,7 +77,7 @@ __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "
            "token_shard_cuts"]
 
 TOKEN_PLAN = "tokens"
-"""``plan["kind"]`` of a token conversion's part records (:mod:`fastio.tokens.merge` merges them)."""
+"""``plan["kind"]`` of a token conversion's part records (:mod:`fastio.convert.token_merge` merges them)."""
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 """Special tokens taken as the end-of-document token when ``eos`` is not given, in this order of preference."""
@@ -535,7 +535,7 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
 
 
 def _plan(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> dict[str, Any]:
-    """What every part of a conversion shares (:func:`fastio.tokens.merge.comparable_plan`: how it is compared)."""
+    """What every part of a conversion shares (:func:`fastio.convert.token_merge.comparable_plan`: how it is compared)."""
     return {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
             "name": config.name,
             "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
