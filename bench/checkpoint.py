@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.common import interleaved, machine_info, time_call, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, time_call, write_results
 from bench.model import build, state_mib, train_step
 
 __all__ = ["run"]
@@ -445,8 +445,9 @@ def measure_checkpointer_compression(work: Path, state: dict[str, torch.Tensor],
 
 
 def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, every: int = 10,
-        cadence_mib: int = 512) -> dict:
-    """All three measurements; returns the JSON-able result (``ratios`` for bench.run's summary)."""
+        cadence_mib: int = 512, results_dir: Path | None = RESULTS_DIR) -> dict:
+    """All the measurements; writes ``checkpoint.json`` under ``results_dir`` (None: nothing written) and returns
+    the JSON-able result (``ratios`` for bench.run's summary)."""
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -494,6 +495,20 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
           f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
           f"{fsdp['restore_ratio']:.2f} (targets <= 1.25)", flush=True)
+    compression = _compression(workdir, repeats)
+    shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
+        "blocked": blocked, "steady": steady, "cadence": cadence, "every10": every10, "resume": resume,
+        "integrity": integrity, "fsdp2": fsdp, "compression": compression, "ratios": _ratios(blocked, ours, fsdp,
+                                                                                              resume, cadence)}
+    if results_dir is not None:
+        print(f"wrote {write_results('checkpoint', result, results_dir)}")
+    return result
+
+
+def _compression(workdir: Path, repeats: int) -> dict:
+    """zstd on trained state, and the Checkpointer with each compression (printed as measured)."""
     trained = trained_state()
     compression = measure_compression(trained)
     for name, row in compression["codecs"].items():
@@ -504,25 +519,25 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     for name, row in compression["checkpointer"].items():
         print(f"compression Checkpointer {name:<20} {row['bytes'] / 2**20:.2f} MiB written, save to commit "
               f"{row['save_median_s']:.3f}s, restore {row['restore_median_s']:.3f}s", flush=True)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return {
-        "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
-        "blocked": blocked, "steady": steady, "cadence": cadence, "every10": every10, "resume": resume,
-        "integrity": integrity, "fsdp2": fsdp, "compression": compression,
-        "ratios": [
-            {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
-            {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
-             "better": "lower"},
-            {"name": f"overhead, one torch thread, a checkpoint every {cadence['every']} steps (fraction)",
-             "value": ours["overhead"], "target": 0.03, "better": "lower"},
-            {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
-            {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
-            {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
-        ],
-    }
+    return compression
 
 
-def main(argv: list[str] | None = None) -> int:
+def _ratios(blocked: dict, ours: dict, fsdp: dict, resume: dict, cadence: dict) -> list[dict]:
+    """The section's ratios against their targets (bench.run's summary)."""
+    return [
+        {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
+        {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
+         "better": "lower"},
+        {"name": f"overhead, one torch thread, a checkpoint every {cadence['every']} steps (fraction)",
+         "value": ours["overhead"], "target": 0.03, "better": "lower"},
+        {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
+        {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
+        {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
+    ]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.checkpoint``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=1024, help="model + Adam state size (MiB)")
     p.add_argument("--repeats", type=int, default=3)
@@ -533,13 +548,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", choices=("fresh", "resume"), help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.child:
         child(args.child, args.ckpt_dir, args.data, args.size_mib)
         return 0
-    result = run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
-                 cadence_mib=args.cadence_mib)
-    print(f"wrote {write_results('checkpoint', result)}")
+    run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
+        cadence_mib=args.cadence_mib, results_dir=args.out)
     return 0
 
 

@@ -11,7 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "time_call", "write_results"]
+from bench.quiet import Quiet
+
+__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "met", "time_call", "verdict",
+           "write_results"]
 
 # Where a run writes its results: bench/out/ (not tracked by git). bench/results/ holds the reference results
 # someone chose to commit (copy them there from bench/out/ by hand).
@@ -44,6 +47,20 @@ def median_ratio(ours: list[float], peer: list[float]) -> dict[str, float]:
     """Median seconds of each side and ``speedup`` = peer median / our median (> 1: we are faster)."""
     ours_s, peer_s = statistics.median(ours), statistics.median(peer)
     return {"ours_median_s": ours_s, "peer_median_s": peer_s, "speedup": peer_s / ours_s}
+
+
+def met(ratio: dict[str, Any]) -> bool:
+    """Whether a ratio ``{"value", "target", "better": "higher"|"lower"}`` meets its target."""
+    higher = ratio.get("better", "higher") == "higher"
+    return ratio["value"] >= ratio["target"] if higher else ratio["value"] <= ratio["target"]
+
+
+def verdict(ratio: dict[str, Any], *conditions: Quiet | dict | None) -> str:
+    """``met`` or ``MISSED``; where one of ``conditions`` (:class:`bench.quiet.Quiet`, or its dict from a JSON
+    result) found the machine busy, no verdict but what kept it busy, and what the figure would say."""
+    word = "met" if met(ratio) else "MISSED"
+    notes = [c.note() for c in (Quiet(**c) if isinstance(c, dict) else c for c in conditions if c) if c.busy]
+    return f"not judged, {'; '.join(notes)}; as measured: {word}" if notes else word
 
 
 def machine_info() -> dict[str, Any]:

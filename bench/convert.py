@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import interleaved, machine_info, median_ratio, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
 from fastio.convert.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
@@ -78,9 +78,10 @@ def run_peer(src: Path, out: Path) -> None:
                 sink.write({"__key__": f"{name}/{path.stem}", "jpg": data, "cls": str(label).encode()})
 
 
-def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
+def run(workdir: Path, repeats: int = 3, images: int = 1500,
+        results_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
     """Generate the photos under ``workdir`` (once), time both sides ``repeats`` times, interleaved;
-    write ``bench/out/convert.json``, print the one-line result and return it."""
+    write ``convert.json`` under ``results_dir`` (None: nothing written), print the one-line result and return it."""
     import webdataset  # noqa: F401  (imported before timing so the peer's import cost is not counted)
 
     workdir = Path(workdir)
@@ -126,7 +127,7 @@ def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
         "ratios": [{"name": "convert samples/s: fastio --workers 2 / webdataset loop", "value": ratio["speedup"],
                     "target": TARGET, "better": "higher"}],
     }
-    path = write_results("convert", result)
+    path = write_results("convert", result, results_dir) if results_dir is not None else None
     print(_line(result, path), flush=True)
     return result
 
@@ -137,7 +138,7 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _line(result: dict[str, Any], path: Path) -> str:
+def _line(result: dict[str, Any], path: Path | None) -> str:
     f, p = result["fastio"], result["peer"]
     return (f"convert: fastio {f['samples_per_s']:.0f} samples/s {f['mb_per_s']:.1f} MB/s vs "
             f"webdataset loop {p['samples_per_s']:.0f} samples/s {p['mb_per_s']:.1f} MB/s: "
@@ -146,13 +147,19 @@ def _line(result: dict[str, Any], path: Path) -> str:
             f" / peer {p['cpu_s_per_1000_images']:.2f}) -> {path}")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.convert``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "convert")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "convert")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--images", type=int, default=1500)
-    args = parser.parse_args(argv)
-    run(args.workdir, args.repeats, args.images)
+    args = parser().parse_args(argv)
+    run(args.workdir, args.repeats, args.images, args.out)
     return 0
 
 

@@ -282,12 +282,27 @@ def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
     return result
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--videos", type=int, default=128)
-    parser.add_argument("--audios", type=int, default=256)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.media``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--videos", type=int, default=128)
+    p.add_argument("--audios", type=int, default=256)
+    p.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    kinds = tuple(args.kinds.split(","))
+    if set(kinds) - set(KINDS):
+        p.error(f"--kinds {args.kinds}: the kinds are {', '.join(KINDS)}")
     run(Path(__file__).resolve().parent / "work" / "media", repeats=args.repeats, videos=args.videos,
-        audios=args.audios, kinds=tuple(args.kinds.split(",")))
+        audios=args.audios, results_dir=args.out, kinds=kinds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -115,11 +115,22 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
     return result
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=1200)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.mixture``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     run(Path(__file__).resolve().parent / "work" / "mixture", repeats=args.repeats, samples=args.samples,
-        device=args.device)
+        device=args.device, results_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

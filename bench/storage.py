@@ -227,9 +227,21 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.storage``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--samples", type=int, default=2400)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    run(Path(__file__).resolve().parent / "work" / "storage", repeats=args.repeats, samples=args.samples,
+        results_dir=args.out)
+    return 0
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=2400)
-    args = parser.parse_args()
-    run(Path(__file__).resolve().parent / "work" / "storage", repeats=args.repeats, samples=args.samples)
+    sys.exit(main())
