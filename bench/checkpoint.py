@@ -42,6 +42,7 @@ from torch import nn
 
 from bench.common import RESULTS_DIR, interleaved, machine_info, time_call, write_results
 from bench.model import build, state_mib, train_step
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["run"]
 
@@ -549,6 +550,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
@@ -557,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.ckpt_dir, args.data, args.size_mib)
         return 0
+    before_section(args.quiet_wait)
     run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
         cadence_mib=args.cadence_mib, results_dir=args.out)
     return 0

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
+from bench.quiet import add_wait_option, before_section
 from fastio.convert.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
@@ -154,11 +155,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, args.images, args.out)
     return 0
 

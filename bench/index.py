@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 import numpy as np
 
 from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["run"]
 
@@ -99,11 +100,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=32)
     p.add_argument("--samples-per-shard", type=int, default=100)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, args.shards, args.samples_per_shard, args.out)
     return 0
 

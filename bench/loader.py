@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, verdict, write_results
-from bench.quiet import during, read_sample
+from bench.quiet import add_wait_option, before_section, during, read_sample
 
 __all__ = ["make_shards", "run", "table"]
 
@@ -548,11 +548,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "loader")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, args.device, args.samples, args.out)
     return 0
 

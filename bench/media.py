@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["make_media", "run"]
 
@@ -290,6 +291,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--audios", type=int, default=256)
     p.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
@@ -299,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(args.kinds.split(","))
     if set(kinds) - set(KINDS):
         p.error(f"--kinds {args.kinds}: the kinds are {', '.join(KINDS)}")
+    before_section(args.quiet_wait)
     run(Path(__file__).resolve().parent / "work" / "media", repeats=args.repeats, videos=args.videos,
         audios=args.audios, results_dir=args.out, kinds=kinds)
     return 0

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["make_datasets", "run"]
 
@@ -122,11 +123,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(Path(__file__).resolve().parent / "work" / "mixture", repeats=args.repeats, samples=args.samples,
         device=args.device, results_dir=args.out)
     return 0

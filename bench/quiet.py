@@ -12,6 +12,7 @@ went on while busy. ``during(start, end)`` judges a span that was measured (a se
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections import deque
@@ -19,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["MAX_WAIT_S", "QUIET_FOR_S", "THRESHOLD", "Quiet", "Sample", "during", "others_cores",
-           "parse_proc_stat", "read_sample", "tree_ticks", "wait_quiet"]
+__all__ = ["MAX_WAIT_S", "QUIET_FOR_S", "THRESHOLD", "Quiet", "Sample", "add_wait_option", "before_section", "during",
+           "others_cores", "parse_proc_stat", "read_sample", "tree_ticks", "wait_quiet"]
 
 THRESHOLD = 0.25   # cores the other processes may use on a quiet machine
 QUIET_FOR_S = 3.0  # for this long
@@ -154,3 +155,19 @@ def wait_quiet(threshold: float = THRESHOLD, quiet_for: float = QUIET_FOR_S, max
             return Quiet(False, others_cores(calm, now), now.cores, load(), waited)
         if waited >= max_wait:  # busy if any interval was; quiet where max_wait < quiet_for and none was
             return Quiet(calm is not first, others_cores(recent[0], now), now.cores, load(), waited)
+
+
+def add_wait_option(parser: argparse.ArgumentParser) -> None:
+    """``--quiet-wait SECONDS`` on a bench command line (``args.quiet_wait``)."""
+    parser.add_argument("--quiet-wait", type=float, default=MAX_WAIT_S, metavar="SECONDS",
+                        help=f"before timing, wait at most this long for the other processes to use less than "
+                             f"{THRESHOLD} cores for {QUIET_FOR_S:.0f} s, then go on, saying so (default "
+                             f"{MAX_WAIT_S:.0f}; 0: measure and go on)")
+
+
+def before_section(max_wait: float = MAX_WAIT_S) -> Quiet:
+    """:func:`wait_quiet`, then one line saying how quiet the machine was (or that it went on while busy)."""
+    quiet = wait_quiet(max_wait=max_wait)
+    said = quiet.note() or f"other processes used {quiet.others:.2f} of {quiet.cores} cores"
+    print(f"quiet machine: {said}", flush=True)
+    return quiet

@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["make_dataset", "run"]
 
@@ -321,6 +322,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    add_wait_option(p)
     return p
 
 
@@ -330,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child, args.workdir, args.data, args.size_mib)
         return 0
     samples, size_mib = (2000, 48) if args.tiny else (args.samples, args.size_mib)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, samples, size_mib, args.out)
     return 0
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR as RESULTS
 from bench.common import met, verdict
-from bench.quiet import MAX_WAIT_S, QUIET_FOR_S, THRESHOLD, during, read_sample, wait_quiet
+from bench.quiet import add_wait_option, before_section, during, read_sample
 from fastio.storage.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -89,10 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians are reported)")
     p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
                    help=f"where the results go (default: {RESULTS.relative_to(ROOT.parent)})")
-    p.add_argument("--quiet-wait", type=float, default=MAX_WAIT_S, metavar="SECONDS",
-                   help="before each section, wait at most this long for the other processes to use less than "
-                        f"{THRESHOLD} cores for {QUIET_FOR_S:.0f} s; then go on, saying so beside its figures "
-                        f"(default {MAX_WAIT_S:.0f}; 0: measure and go on)")
+    add_wait_option(p)
     return p
 
 
@@ -127,9 +124,7 @@ def _run_section(name: str, args: argparse.Namespace, summary: dict) -> bool:
     cores before and during it); False if it failed."""
     print(f"\n=== {name} ===", flush=True)
     module = importlib.import_module(f"bench.{name}")
-    before = wait_quiet(max_wait=args.quiet_wait)
-    print(f"quiet machine: {before.note() or f'other processes used {before.others:.2f} of {before.cores} cores'}",
-          flush=True)
+    before = before_section(args.quiet_wait)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     start = read_sample()
     try:

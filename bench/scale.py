@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["legacy_order", "run"]
 
@@ -341,11 +342,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--idx-samples", type=int, default=20_000)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "scale")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, samples=args.samples, shards=args.shards, ranks=args.ranks, batch=args.batch,
         block_shards=args.block_shards, legacy_samples=args.legacy_samples, stats_samples=args.stats_samples,
         startup_shards=args.startup_shards, startup_per_shard=args.startup_per_shard, idx_samples=args.idx_samples,

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 from bench.common import RESULTS_DIR, machine_info, write_results
 from bench.loader import make_shards
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["run"]
 
@@ -233,11 +234,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=2400)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(Path(__file__).resolve().parent / "work" / "storage", repeats=args.repeats, samples=args.samples,
         results_dir=args.out)
     return 0

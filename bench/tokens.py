@@ -56,6 +56,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 import numpy as np
 
 from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
+from bench.quiet import add_wait_option, before_section
 
 __all__ = ["run"]
 
@@ -444,11 +445,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-docs", type=int, default=10_000_000)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "tokens")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     result = run(args.workdir, args.repeats, args.docs, args.seq_len, args.scale_docs, args.out)
     for r in result["ratios"]:
         print(f"{r['name']}: {r['value']:.3g} (target {'>=' if r['better'] == 'higher' else '<='} {r['target']})")
