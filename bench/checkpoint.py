@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.common import RESULTS_DIR, interleaved, machine_info, time_call, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
 from bench.model import build, state_mib, train_step
-from bench.quiet import add_wait_option, before_section
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -539,9 +539,8 @@ def _ratios(blocked: dict, ours: dict, fsdp: dict, resume: dict, cadence: dict) 
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.checkpoint``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = section_parser(__doc__)
     p.add_argument("--size-mib", type=int, default=1024, help="model + Adam state size (MiB)")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps per steady-throughput run")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the steady run")
     p.add_argument("--cadence-mib", type=int, default=512, help="state size (MiB) of the one-thread cadence rows")
@@ -549,8 +548,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--child", choices=("fresh", "resume"), help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

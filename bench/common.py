@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -11,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.quiet import Quiet
+from bench.quiet import Quiet, add_wait_option
 
-__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "met", "time_call", "verdict",
-           "write_results"]
+__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "met", "section_parser", "time_call",
+           "verdict", "write_results"]
 
 # Where a run writes its results: bench/out/ (not tracked by git). bench/results/ holds the reference results
 # someone chose to commit (copy them there from bench/out/ by hand).
@@ -80,3 +81,15 @@ def write_results(name: str, data: dict[str, Any], results_dir: Path = RESULTS_D
     path = results_dir / f"{name}.json"
     atomic_write_bytes(path, json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
     return path
+
+
+def section_parser(doc: str, repeats: int | None = 3) -> argparse.ArgumentParser:
+    """The command line every section's module shares: its description (``doc``'s first line), ``--repeats``
+    (unless None), ``--out DIR`` (where the results go) and ``--quiet-wait`` (:mod:`bench.quiet`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats, help=f"rounds per measurement (default {repeats})")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
+                   help="where the results go (default: bench/out)")
+    add_wait_option(p)
+    return p

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 from fastio.convert.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
@@ -150,12 +150,9 @@ def _line(result: dict[str, Any], path: Path | None) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.convert``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = section_parser(__doc__)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "convert")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

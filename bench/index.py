@@ -23,8 +23,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 import numpy as np
 
-from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -94,13 +94,10 @@ def run(workdir: Path, repeats: int = 3, shards: int = 32, per_shard: int = 100,
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.index``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = section_parser(__doc__)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "index")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shards", type=int, default=32)
     p.add_argument("--samples-per-shard", type=int, default=100)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

@@ -50,8 +50,8 @@ from PIL import Image
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, verdict, write_results
-from bench.quiet import add_wait_option, before_section, during, read_sample
+from bench.common import RESULTS_DIR, machine_info, section_parser, verdict, write_results
+from bench.quiet import before_section, during, read_sample
 
 __all__ = ["make_shards", "run", "table"]
 
@@ -542,13 +542,10 @@ def _chart(result: dict, path: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.loader``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = section_parser(__doc__)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "loader")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    add_wait_option(p)
     return p
 
 

@@ -39,8 +39,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["make_media", "run"]
 
@@ -285,13 +285,10 @@ def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.media``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p = section_parser(__doc__)
     p.add_argument("--videos", type=int, default=128)
     p.add_argument("--audios", type=int, default=256)
     p.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

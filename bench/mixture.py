@@ -26,8 +26,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["make_datasets", "run"]
 
@@ -118,12 +118,9 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.mixture``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p = section_parser(__doc__)
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

@@ -21,9 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import RESULTS_DIR as RESULTS
-from bench.common import met, verdict
-from bench.quiet import add_wait_option, before_section, during, read_sample
+from bench.common import met, section_parser, verdict
+from bench.quiet import before_section, during, read_sample
 from fastio.storage.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -82,14 +81,11 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m bench.run``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command line of ``python -m bench.run``: the sections' (``--repeats``, ``--out``, ``--quiet-wait``) and
+    ``--only``."""
+    p = section_parser(__doc__)
     p.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
                    help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians are reported)")
-    p.add_argument("--out", type=Path, default=RESULTS, metavar="DIR",
-                   help=f"where the results go (default: {RESULTS.relative_to(ROOT.parent)})")
-    add_wait_option(p)
     return p
 
 

@@ -34,8 +34,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["legacy_order", "run"]
 
@@ -329,7 +329,7 @@ def table(r: dict) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.scale``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = section_parser(__doc__, None)
     p.add_argument("--samples", type=int, default=10**9)
     p.add_argument("--shards", type=int, default=10**5)
     p.add_argument("--ranks", type=int, default=8192)
@@ -341,8 +341,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-per-shard", type=int, default=100)
     p.add_argument("--idx-samples", type=int, default=20_000)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "scale")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.loader import make_shards
-from bench.quiet import add_wait_option, before_section
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -230,11 +230,8 @@ def table(result: dict) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.storage``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p = section_parser(__doc__)
     p.add_argument("--samples", type=int, default=2400)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 

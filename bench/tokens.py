@@ -55,8 +55,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 import numpy as np
 
-from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, write_results
-from bench.quiet import add_wait_option, before_section
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -438,14 +438,11 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.tokens``."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p = section_parser(__doc__)
     p.add_argument("--docs", type=int, default=20_000)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--scale-docs", type=int, default=10_000_000)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "tokens")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR", help="where the results go (default: bench/out)")
-    add_wait_option(p)
     return p
 
 
