@@ -84,3 +84,21 @@ def test_bench_run_out_dir_gets_the_results_and_how_quiet_the_machine_was(tmp_pa
     printed = capsys.readouterr().out
     assert "quiet machine: " in printed and "index shards/s: fastio index / wds2idx" in printed
     assert f"wrote {out / 'summary.json'}" in printed
+
+
+def test_the_chart_draws_a_busy_sections_ratios_gray(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratio = {"name": "x", "value": 2.0, "target": 1.0, "better": "higher"}
+    def section(during: Quiet) -> dict:
+        return {"repeats": 1, "ratios": [ratio], "machine_quiet": {"before": QUIET.as_dict(), "during": during.as_dict()}}
+
+    summary = {"host": {"cpus": 2}, "sections": {"index": section(BUSY), "convert": section(QUIET)}}
+    shown = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: shown.update(ax=fig.axes[0]))
+    bench.run.plot(summary, tmp_path / "summary.png")
+    colors = [matplotlib.colors.to_hex(bar.get_facecolor()) for bar in shown["ax"].patches]
+    assert colors == [matplotlib.colors.to_hex("tab:gray"), matplotlib.colors.to_hex("tab:green")]
