@@ -467,21 +467,8 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     print(f"steady, all {cores} cores busy: {steady['step_s_with']:.3f}s/step with a checkpoint every {every} steps"
           f" vs {steady['step_s_without']:.3f}s/step without = {100 * steady['overhead']:+.1f}%; one background "
           f"write took {steady['write_s_median'] or 0:.2f}s", flush=True)
-    # On a GPU node the host cores mostly wait on the device; training on one torch thread is the CPU-only
-    # stand-in for that (the writer gets the other core). K from the cadence rule: K x step >= 4 x write.
-    from bench.checkpoint_overhead import measure as measure_cadence
-
-    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
-    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
-    every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
-    ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
-    print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
-          f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
-          f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
-          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
-          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
-          f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
-          flush=True)
+    cadence, every10 = _cadence(workdir, cadence_mib, repeats)
+    ours = cadence["savers"]["fastio"]
     torch.set_num_threads(cores)
     resume = measure_resume(workdir, size_mib, repeats)
     print(f"resume: first batch {resume['resume_median_s']:.2f}s after start vs fresh {resume['fresh_median_s']:.2f}s"
@@ -506,6 +493,26 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     if results_dir is not None:
         print(f"wrote {write_results('checkpoint', result, results_dir)}")
     return result
+
+
+def _cadence(workdir: Path, cadence_mib: int, repeats: int) -> tuple[dict, dict]:
+    """The cadence rows (printed as measured): on a GPU node the host cores mostly wait on the device; training on
+    one torch thread is the CPU-only stand-in for that (the writer gets the other core). K from the cadence rule:
+    K x step >= 4 x write; and a checkpoint every 10 steps."""
+    from bench.checkpoint_overhead import measure as measure_cadence
+
+    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
+    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
+    every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
+    ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
+    print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
+          f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
+          f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
+          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
+          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
+          f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
+          flush=True)
+    return cadence, every10
 
 
 def _compression(workdir: Path, repeats: int) -> dict:

@@ -107,10 +107,18 @@ def run(workdir: Path, repeats: int = 3, images: int = 1500,
         repeats, before=lambda name: shutil.rmtree(outs[name], ignore_errors=True),
     )
     startup = interleaved({"startup": cli_startup}, repeats)["startup"]
+    result = _result(times, cpu, startup, len(files), total_bytes, repeats)
+    path = write_results("convert", result, results_dir) if results_dir is not None else None
+    print(_line(result, path), flush=True)
+    return result
+
+
+def _result(times: dict[str, list[float]], cpu: dict[str, list[float]], startup: list[float], n: int,
+            total_bytes: int, repeats: int) -> dict[str, Any]:
+    """The section's result from both sides' times, CPU seconds and the CLI's start-up times over ``n`` images."""
     ratio = median_ratio(times["fastio"], times["peer"])
-    n = len(files)
     cpu_per_1000 = {k: 1000 * statistics.median(v) / n for k, v in cpu.items()}
-    result = {
+    return {
         "benchmark": "convert",
         "images": n, "bytes": total_bytes, "repeats": repeats,
         "fastio": {"command": "fastio convert --workers 2", "seconds": times["fastio"],
@@ -128,9 +136,6 @@ def run(workdir: Path, repeats: int = 3, images: int = 1500,
         "ratios": [{"name": "convert samples/s: fastio --workers 2 / webdataset loop", "value": ratio["speedup"],
                     "target": TARGET, "better": "higher"}],
     }
-    path = write_results("convert", result, results_dir) if results_dir is not None else None
-    print(_line(result, path), flush=True)
-    return result
 
 
 def _cpu_seconds() -> float:
@@ -145,7 +150,7 @@ def _line(result: dict[str, Any], path: Path | None) -> str:
             f"webdataset loop {p['samples_per_s']:.0f} samples/s {p['mb_per_s']:.1f} MB/s: "
             f"{result['speedup']:.2f}x (target >= {TARGET}x; CLI start-up {f['cli_startup_median_s']:.2f}s"
             f" of fastio's {f['median_s']:.2f}s; CPU s per 1,000 images fastio {f['cpu_s_per_1000_images']:.2f}"
-            f" / peer {p['cpu_s_per_1000_images']:.2f}) -> {path}")
+            f" / peer {p['cpu_s_per_1000_images']:.2f})" + (f" -> {path}" if path else ""))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -97,8 +97,9 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
             n, s, cpu = _epoch(make)
             pair[name], pair[f"{name}_cpu_ms_per_sample"] = n / s, 1000 * cpu / n
         rounds.append(pair)
-        print(f"round {r + 1}/{repeats}: single {pair['single']:.1f} samples/s ({pair['single_cpu_ms_per_sample']:.2f} CPU ms/sample), "
-              f"mixture {pair['mixture']:.1f} samples/s ({pair['mixture_cpu_ms_per_sample']:.2f} CPU ms/sample), "
+        print(f"round {r + 1}/{repeats}: single {pair['single']:.1f} samples/s "
+              f"({pair['single_cpu_ms_per_sample']:.2f} CPU ms/sample), mixture {pair['mixture']:.1f} samples/s "
+              f"({pair['mixture_cpu_ms_per_sample']:.2f} CPU ms/sample), "
               f"ratio {pair['mixture'] / pair['single']:.3f}", flush=True)
     ratio = statistics.median(p["mixture"] / p["single"] for p in rounds)
     cpu_ratio = statistics.median(p["single_cpu_ms_per_sample"] / p["mixture_cpu_ms_per_sample"] for p in rounds)
