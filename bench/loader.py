@@ -25,7 +25,7 @@ Python threads): where each spends it.
 
 Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the first batch of a fresh
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
-build to the first batch), medians of the same rounds; and the steady RSS of a process that runs
+build to the first batch) in the same rounds, its ratios paired too; and the steady RSS of a process that runs
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
 second and third epochs, each in its own fresh process). And the cost of the tar-header check every read
 makes (``fastio.read.reader``: each member's header, read with its data, against the index): raw reads of every
