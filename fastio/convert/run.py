@@ -55,7 +55,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool
+from fastio.convert.workers import OrderedPool, default_workers
 from fastio.converters.base import FileRef, ScanOptions
 from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
@@ -141,13 +141,6 @@ def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
     return split
 
 
-def _default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 @dataclass
 class ConvertConfig:
     """Everything ``fastio convert`` needs; the output depends on all fields but ``workers`` and ``progress``."""
@@ -162,7 +155,7 @@ class ConvertConfig:
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
     max_samples_per_shard: int | None = None
     """At most this many samples per shard; None: no limit."""
-    workers: int = field(default_factory=_default_workers)
+    workers: int = field(default_factory=default_workers)
     """Processes that read, check and re-encode samples; does not change the output."""
     shuffle: bool = False
     """Permute the sample order (with ``seed``) before sharding."""

@@ -47,13 +47,12 @@ from fastio.convert.parts import (
 )
 from fastio.convert.run import (
     DEFAULT_SHARD_SIZE,
-    _default_workers,
     check_dest,
     lock_parts,
     reset_dest,
     upload_dataset,
 )
-from fastio.convert.workers import OrderedPool
+from fastio.convert.workers import OrderedPool, default_workers
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     IndexRecord,
@@ -102,7 +101,7 @@ class TokenConvertConfig:
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = field(default_factory=_default_workers)
+    workers: int = field(default_factory=default_workers)
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
