@@ -12,7 +12,8 @@ import time
 from helpers import ctrl_c_default
 from test_kill import OPTIONS, alive, children, cli, kill_at
 
-from fastio.convert.run import ConvertConfig, convert, staging_path
+from fastio.convert.dest import staging_path
+from fastio.convert.run import ConvertConfig, convert
 from fastio.convert.synthetic import make_imagefolder
 from fastio.dataset.dataset import Dataset
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
-from fastio.convert.run import check_dest, reset_dest
 from fastio.convert.token_convert import TOKEN_PLAN
 from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
 from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts

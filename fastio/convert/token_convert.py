@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from fastio.convert.corpus import Corpus, open_corpus, part_span
+from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
     clear_part_dir,
@@ -45,13 +46,7 @@ from fastio.convert.parts import (
     start_part_dir,
     write_part_record,
 )
-from fastio.convert.run import (
-    DEFAULT_SHARD_SIZE,
-    check_dest,
-    lock_parts,
-    reset_dest,
-    upload_dataset,
-)
+from fastio.convert.run import DEFAULT_SHARD_SIZE
 from fastio.convert.workers import OrderedPool, default_workers
 from fastio.dataset.manifest import (
     SHARDS_DIR,
@@ -68,7 +63,7 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+from fastio.storage.lock import LOCK_NAME, DirLock
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
@@ -120,7 +115,7 @@ class TokenConvertConfig:
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): tokenize only part K of N into
     ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
     staging_dir: Path | None = None
-    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.run.staging_path`;
+    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.dest.staging_path`;
     default: the system's temporary directory)."""
     special_in_text: str = "plain"
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
@@ -422,15 +417,6 @@ def _info(coder: _Coder, records: list[ShardRecord], starts: IndexRecord) -> Tok
                      starts=starts)
 
 
-def _lock(lock: DirLock, where: Path) -> None:
-    try:
-        lock.acquire()
-    except LockedError as err:
-        raise ConvertError(str(err)) from None
-    except OSError as err:
-        raise ConvertError(f"{err.filename or where}: {err.strerror or err}") from None
-
-
 class _Claim:
     """``folder`` (DEST, or a part's directory ``outer`` folders down) locked for a run, and taken back if the run
     fails with an exception (a refusal, a full disk; not an interruption, which a rerun redoes): once the run has
@@ -444,7 +430,7 @@ class _Claim:
         self.lock = DirLock(folder, purpose)
 
     def __enter__(self) -> _Claim:
-        _lock(self.lock, self.folder)
+        lock_dest(self.lock, self.folder)
         return self
 
     def __exit__(self, kind, err, tb) -> None:

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.convert.wds_index import check_index_dest, publish_uploads
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
-    MARKER_NAME,
     ShardRecord,
     TokenInfo,
     is_location,
@@ -44,7 +43,7 @@ from fastio.progress import count
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
-from fastio.storage.lease import Lease, LeaseLostError, writer_lease
+from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
@@ -313,7 +312,7 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
         source, dest, in_place = _open(config)
         pairs = _pairs(source, str(config.source))
         _check_dest(config, dest, in_place)
-        lock = writer_lease(dest, "fastio index") if dest.remote else DirLock(dest.location.path, "fastio index")
+        lock = writer_lock(dest, "fastio index")
         try:
             if lock is not None:
                 lock.acquire()
@@ -351,9 +350,9 @@ def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs
         write_manifest(staged, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
                                              converted_from={"format": "megatron", "path": where}))
         confirm = lock.confirm if isinstance(lock, Lease) else (lambda: None)
-        if not in_place and not dest.exists(MARKER_NAME):
+        if not in_place:
             confirm()
-            dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+            mark_index_dest(dest)
         confirm()
         publish_uploads(dest, [(STARTS_NAME, staged / STARTS_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return info, records

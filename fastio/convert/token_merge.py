@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
-from fastio.convert.run import DEFAULT_SHARD_SIZE, check_dest, reset_dest
+from fastio.convert.run import DEFAULT_SHARD_SIZE
 from fastio.convert.token_convert import shard_record, token_manifest, token_shard_cuts
 from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
 from fastio.errors import ConvertError, DatasetError

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
 from fastio.convert.foreign_tar import COMPRESSED, TarContents, as_fields, read_tar
 from fastio.convert.parts import (
     PART_RECORD,
-    PARTS_DIR,
     PartRecord,
     parse_part,
     part_dir,
@@ -53,7 +53,6 @@ from fastio.convert.parts import (
 from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
-    MARKER_NAME,
     SHARDS_DIR,
     IndexRecord,
     Manifest,
@@ -78,15 +77,14 @@ from fastio.formats.media import (
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
-from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
 from fastio.storage.checksum import digests_file
-from fastio.storage.lease import Lease, LeaseLostError, writer_lease
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+from fastio.storage.lease import Lease, LeaseLostError
+from fastio.storage.lock import LockedError
 from fastio.storage.options import StorageOptions
 
-__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "check_index_dest", "expand_braces", "index_shards",
-           "merge_index_parts", "paths_pattern", "publish_uploads"]
+__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "expand_braces", "index_shards", "merge_index_parts",
+           "paths_pattern"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -453,13 +451,13 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     lock_dir = None if dest_storage.remote else (
         part_dir(dest_storage.location.path, part[0], part[1]) if part else dest_storage.location.path)
     # one writer per DEST: a DirLock on a local one, the lease object on an s3:// prefix
-    lock = DirLock(lock_dir, "fastio index") if lock_dir is not None else writer_lease(dest_storage, "fastio index")
+    lock = writer_lock(dest_storage, "fastio index", lock_dir)
     guard = lock.confirm if isinstance(lock, Lease) else (lambda: None)
     try:
         if lock is not None:
             lock.acquire()
-        if not in_place and not dest_storage.exists(MARKER_NAME):  # a rerun after a failure finds DEST its own
-            dest_storage.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+        if not in_place:
+            mark_index_dest(dest_storage)
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
@@ -675,28 +673,6 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
-def check_index_dest(dest: Storage, overwrite: bool) -> None:
-    """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
-    ``fastio convert``'s; with ``overwrite`` any folder is written into (``fastio index --eos-id`` too)."""
-    if not dest.remote:
-        path = dest.location.path
-        if path.exists() and not path.is_dir():
-            raise DatasetError(f"{path}: DEST exists and is not a directory")
-        above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
-        if above is not None and not above.is_dir():
-            raise DatasetError(f"{path}: DEST cannot be made: {above} is not a directory")
-    if overwrite:
-        return
-    if dest.remote:
-        names = {o.key.split("/")[0] for o in dest.list("")}
-    else:
-        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    names.discard(LOCK_NAME)
-    if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
-        raise DatasetError(f"{dest.url}: DEST is not empty and is not fastio output (no {MARKER_NAME}); give a new "
-                           "or empty folder, or pass overwrite (--overwrite) to write into it")
-
-
 def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
     """The bytes of an ``.idx`` already at ``key``, or None; DatasetError if something else is there."""
     if not storage.remote:
@@ -742,16 +718,4 @@ def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], f
             raise DatasetError(f"image_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         return wanted
     return max(image_fields, key=lambda f: (counts[f], [-ord(c) for c in f])) if image_fields else None
-
-
-def publish_uploads(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
-    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3
-    (``fastio index --eos-id``'s manifest too)."""
-    for key, path in uploads:
-        if dest.remote:
-            dest.put_file(key, path)
-        else:
-            final = dest.location.path / key
-            final.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(final, path.read_bytes())
 
