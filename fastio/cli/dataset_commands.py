@@ -220,8 +220,8 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
               help="SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs: index them as a token dataset "
                    "whose documents end with this end-of-document id (docs/tokens.md).")
 @click.option("--vocab-size", type=int, default=None,
-              help="With --eos-id: the tokenizer's number of ids, recorded in the manifest; an id at or above it is "
-                   "refused (the largest id is recorded either way).")
+              help="With --eos-id: the tokenizer's size (its largest id + 1), recorded in the manifest; an id at or "
+                   "above it is refused (the largest id is recorded either way).")
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
           threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, vocab_size: int | None,

@@ -80,8 +80,8 @@ class TokenIndexConfig:
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
     vocab_size: int | None = None
-    """The tokenizer's number of ids, where known: recorded in the manifest, and an id at or above it is refused
-    (None: not known; the manifest records the largest id seen either way)."""
+    """The tokenizer's size (its largest id + 1), where known: recorded in the manifest, and an id at or above it is
+    refused (None: not known; the manifest records the largest id seen either way)."""
 
     def __post_init__(self) -> None:
         if not str(self.source).strip():
