@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("av")
 
+import fastio
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.formats.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
@@ -813,3 +814,34 @@ def test_a_clip_late_in_a_video_is_decoded_from_the_keyframe_before_it(tmp_path)
                         assert frames_shown(b["video"][j])[c].tolist() == (starts[j, c] + 3 * np.arange(4)).tolist()
                 late += int((starts >= 8).sum())
     assert late > 4  # clips that start after the first keyframe were asked for, and held the right frames
+
+
+def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_path):
+    """A tar holding one video sample and one image sample, indexed: VideoClips named the image sample as having
+    'no image field (webm)'; what it lacks is its video."""
+    pytest.importorskip("av")
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from fastio.convert.synthetic import make_video
+    from fastio.convert.wds_index import IndexConfig, index_shards
+
+    make_video(tmp_path / "v.webm", frames=6, fps=12)
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20), (1, 2, 3)).save(png, "PNG")
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "s-000000.tar", "w") as tar:
+        for name, data in (("k0.webm", (tmp_path / "v.webm").read_bytes()), ("k0.cls", b"0"),
+                           ("k1.png", png.getvalue()), ("k1.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    index_shards(IndexConfig(tmp_path / "wds"))
+    clips = fastio.VideoClips(frames=2, size=8, dtype="uint8", crop="center")
+    # refused when the Loader is made (since the media review), naming the sample and what it lacks
+    with pytest.raises(fastio.DatasetError, match=r"1 of 2 samples have no video field \(the first: shard "
+                                                  r"s-000000.tar key 'k1'; fields: cls, png, webm\)"):
+        fastio.Loader(tmp_path / "wds", pipeline=clips, batch_size=2, device="cpu", shuffle="none",
+                      num_threads=1, world_size=1, rank=0)

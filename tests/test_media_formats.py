@@ -1,6 +1,8 @@
-"""Hostile review of video and audio clips (issue 31), written from the issue and docs/media.md: every container
-and codec the docs list, odd files, tables, index of foreign shards, and the Loader's clips checked by content
-(frame numbers in the pixels, tones of known pitch and envelope). Media are made here with PyAV, small."""
+"""Every container, codec and audio format docs/media.md lists, checked by content (frame numbers in the pixels,
+tones of known pitch and envelope; media made here with PyAV, small): VP9/MJPEG in .mkv .mp4 .mov .avi, VP8, upper
+case, a video with sound, odd sizes, one frame; WAV u8/s24/f32, 5.1, FLAC, Vorbis, Opus at 8-48 kHz; what convert
+skips and how it says so; tables and Parquet bytes of media; clip starts, crop/flip per clip, layouts, option
+values; damage found at load time; elastic resume; index, verify and inspect of media shards."""
 
 from __future__ import annotations
 
