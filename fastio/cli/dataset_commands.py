@@ -233,7 +233,8 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
     doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
-    from fastio.convert.wds_index import IndexConfig, index_shards, paths_pattern
+    from fastio.convert.listing import paths_pattern
+    from fastio.convert.wds_index import IndexConfig, index_shards
     from fastio.progress import progress_wanted
 
     if eos_id is not None:

@@ -129,7 +129,7 @@ def _display(storage: Storage, key: str) -> str:
 
 def _listing(storage: Storage, source: str) -> dict[str, int]:
     """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``, hidden ones left
-    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.wds_index`'s listing does."""
+    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.listing` does."""
     if storage.remote:
         return {o.key: o.size for o in storage.list("") if "/" not in o.key and _pair_file(o.key)}
     root = storage.location.path
