@@ -64,11 +64,11 @@ from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_ima
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
     PROBE_FIELD,
-    TRANSCODES,
     VIDEO_DECODERS,
     MediaCheckError,
     count_video_codec,
     is_media_field,
+    parse_transcode,
     prepare_media,
     probe_json,
 )
@@ -183,7 +183,8 @@ class ConvertConfig:
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
     """``vp9``: re-encode video the ``video_decoder`` cannot read (the CPU's: H.264, HEVC, ...) as VP9 WebM
-    (field ``webm``); None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
+    (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded by PyAV as FLAC
+    (field ``flac``); ``vp9,flac``: both; None: such files are skipped and listed (:mod:`fastio.formats.media`)."""
     video_decoder: str = "cpu"
     """The decode path the stored videos are for: ``cpu`` (DALI's CPU decoder: VP8, VP9, MJPEG) or ``nvdec``
     (DALI's mixed decoder on a GPU, ``Loader(device="cuda")``: also H.264, HEVC, MPEG-4, AV1, kept as they are;
@@ -249,8 +250,7 @@ class ConvertConfig:
             self.root = Path(self.root)
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
-        if self.transcode is not None and self.transcode not in TRANSCODES:
-            raise ValueError(f"transcode must be vp9 (or None), got {self.transcode!r}")
+        self.transcode = parse_transcode(self.transcode)
         if self.video_decoder not in VIDEO_DECODERS:
             raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
         if self.on_error not in ON_ERROR:
@@ -360,8 +360,9 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 name, value, probes[name] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
-            if name in out:  # transcoded into a field the sample already has: one video would be lost
-                return None, f"field {name!r} twice: another video of the sample was transcoded into it", where
+            if name in out:  # transcoded into a field the sample already has: one file would be lost
+                what = "video" if name == "webm" else "audio file"  # transcode_vp9's, transcode_flac's
+                return None, f"field {name!r} twice: another {what} of the sample was transcoded into it", where
         if is_image_field(name):
             try:
                 if max_side is not None:
