@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from fastio.formats.images import image_field_for_suffix, is_image_field
+from fastio.formats.images import image_field_for_suffix, is_image_field, sniff_image_field
+from fastio.formats.media import sniff_media_field
 from fastio.formats.wds import safe_field_name, sanitize_key
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "main_image_field",
     "rel",
     "safe_field_name",
+    "sniff_field",
     "unique_key",
     "walk_files",
 ]
@@ -109,6 +111,12 @@ def main_image_field(entries: list[Entry]) -> str | None:
             if is_image_field(name):
                 counts[name] = counts.get(name, 0) + 1
     return max(sorted(counts), key=lambda f: counts[f]) if counts else None
+
+
+def sniff_field(data: bytes) -> str | None:
+    """The field an encoded image, video or audio file's bytes are named by (``jpg``, ``webm``, ``flac``, ...: by
+    magic number), or None."""
+    return sniff_image_field(data) or sniff_media_field(data)
 
 
 def unique_key(text: str, taken: set[str]) -> str:

@@ -34,6 +34,7 @@ from fastio.converters.base import (
     main_image_field,
     resolve_inside,
     safe_field_name,
+    sniff_field,
     unique_key,
 )
 from fastio.errors import ConvertError
@@ -143,9 +144,12 @@ def rows_to_result(
     options: ScanOptions,
     require_path: bool,
     bytes_columns: dict[str, str] | None = None,
+    typed: Iterable[str] = (),
 ) -> ScanResult:
-    """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name."""
-    bytes_columns = bytes_columns or {}
+    """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name; in a
+    ``typed`` one (of encoded files) each row's field is its own value's type (:func:`sniff_field`), the column's
+    name for a value of no known type."""
+    bytes_columns, typed = bytes_columns or {}, frozenset(typed)
     base = source.parent
     root = Path(options.root) if options.root is not None else base
     path_col = _pick(source, columns, options.path_column, PATH_COLUMNS if require_path else (), "path")
@@ -215,7 +219,7 @@ def rows_to_result(
         for col, field in bytes_columns.items():
             value = row.get(col)
             if value is not None:
-                _put(fields, field, bytes(value), where)
+                _put(fields, (col in typed and sniff_field(value)) or field, bytes(value), where)
         for col, field in text_cols.items():
             value = row.get(col)
             if value is not None:
