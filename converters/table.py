@@ -27,6 +27,7 @@ from fastio.converters.base import (
     Entry,
     FieldValue,
     FileRef,
+    Keys,
     ScanOptions,
     ScanResult,
     Skip,
@@ -35,7 +36,6 @@ from fastio.converters.base import (
     resolve_inside,
     safe_field_name,
     sniff_field,
-    unique_key,
 )
 from fastio.errors import ConvertError
 from fastio.formats.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
@@ -180,7 +180,7 @@ def rows_to_result(
 
     entries: list[Entry] = []
     skipped: list[Skip] = []
-    taken: set[str] = set()
+    keys = Keys()
     for index, (lineno, row) in enumerate(rows):
         where = f"{source.name}:{lineno}"
         fields: dict[str, FieldValue] = {}
@@ -227,9 +227,9 @@ def rows_to_result(
         if not fields:
             raise ConvertError(f"{where}: row has no values")
         if key_col is not None and row.get(key_col) not in (None, ""):
-            key = unique_key(str(row[key_col]), taken)
+            key = keys.key(str(row[key_col]), origin)
         else:
-            key = unique_key(stem if stem is not None else f"{index:08d}", taken)
+            key = keys.key(stem if stem is not None else f"{index:08d}", origin)
         entries.append(Entry(key=key, fields=tuple(sorted(fields.items())), origin=origin))
 
     options_desc = {k: v for k, v in (("path_column", path_col), ("label_column", label_col),
@@ -246,6 +246,7 @@ def rows_to_result(
         image_field=main_image_field(entries),
         label_field="cls" if labels else None,
         label_rule=rule,
+        renamed=keys.renamed,
     )
 
 

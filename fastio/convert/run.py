@@ -283,6 +283,9 @@ class ConvertResult:
     bytes_in: int
     part: tuple[int, int] | None = None
     """(K, N) when this was one part of a conversion in parts."""
+    renamed: list[tuple[str, str, str]] = field(default_factory=list)
+    """Inputs whose key an earlier input had (``a/tone.wav`` and ``a/tone.flac``): ``(input, key it got, the
+    earlier input)``; see :class:`fastio.converters.base.Keys`."""
 
     @property
     def samples(self) -> int:
@@ -311,7 +314,17 @@ class ConvertResult:
         labels = f"; labels: {rule}" if rule else ""
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}" + skipped_lines(self.skipped, more))
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                + skipped_lines(self.skipped, more))
+
+
+def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
+    """The summary's note of inputs renamed because an earlier one had their key: how many, and the first pair."""
+    if not renamed:
+        return ""
+    origin, key, first = renamed[0]
+    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
+            f"has the key it would have had)")
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -642,7 +655,8 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
     if config.split:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
+                         renamed=scan.renamed)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -678,7 +692,8 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     finally:
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
+                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
+                         renamed=scan.renamed)
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
