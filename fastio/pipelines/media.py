@@ -497,7 +497,8 @@ class VideoClips(_Clips):
 
 @dataclass(frozen=True)
 class AudioClips(_Clips):
-    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg/Opus), decoded, resampled to
+    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg Vorbis, Ogg Opus; MP3 and others stored
+    as FLAC by ``convert --transcode flac``), decoded, resampled to
     ``sample_rate`` and mixed down to mono: ``batch["audio"]`` float32 [B, round(sample_rate * seconds)], or with
     ``n_mels`` the clip's log-mel spectrogram [B, n_mels, T] in dB (``fn.spectrogram`` with ``n_fft`` and ``hop``,
     ``fn.mel_filter_bank``, ``fn.to_decibels``); ``batch["start_sample"]`` int64 [B]: the clip's first sample at
@@ -506,7 +507,8 @@ class AudioClips(_Clips):
     A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, draw
     key)`` (as for :class:`VideoClips`). A file shorter than the clip starts at 0 and is padded with zeros (silence)
     at the end. Each file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is
-    resampled (:func:`resample_windows`), not the whole file.
+    resampled (:func:`resample_windows`), not the whole file. A sound starts where PyAV's decode puts it: the samples
+    DALI's decoder delivers before it (an Ogg Opus pre-skip) are dropped (:func:`decoded_layouts`).
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
