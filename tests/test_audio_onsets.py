@@ -108,6 +108,11 @@ def test_ogg_opus_layouts_as_dali_decodes_them(onset_files):
                                                                                               "opusenc")}
     assert layout == {"opus": (48000, 312), "opus16k": (16000, 104), "opusenc": (48000, 0)}
     assert dali_opus_layout((onset_files / "c0" / "vorbis.ogg").read_bytes()) is None
+    opus = (onset_files / "c0" / "opus.opus").read_bytes()
+    assert dali_opus_layout(np.frombuffer(opus, np.uint8)) == (48000, 312)  # a batch's bytes, read in place
+    for cut in (0, 4, 30, 60):  # cut before an audio page: no layout (and no exception)
+        assert dali_opus_layout(opus[:cut]) is None, cut
+    assert dali_opus_layout(opus[:200]) == (48000, 312)  # its first audio page's header is there
 
 
 def clip_onsets(source: Path, dest: Path, **options) -> dict[str, float]:

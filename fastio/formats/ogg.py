@@ -23,18 +23,18 @@ _FRAME_SIZES = {0: (480, 960, 1920, 2880), 1: (480, 960), 2: (120, 240, 480, 960
 def _pages(data: bytes):
     """``(granule, flags, packets completed on the page)`` of each Ogg page, from the start; stops at bytes that
     are not a page."""
-    at, pending = 0, b""
-    while data[at:at + 4] == b"OggS" and at + 27 <= len(data):
+    at, pending = 0, []
+    while bytes(data[at:at + 4]) == b"OggS" and at + 27 <= len(data):
         granule, flags, count = int.from_bytes(data[at + 6:at + 14], "little", signed=True), data[at + 5], data[at + 26]
         lacing = data[at + 27:at + 27 + count]
         at += 27 + count
         packets = []
         for size in lacing:
-            pending += data[at:at + size]
+            pending.append(data[at:at + size])
             at += size
             if size < 255:
-                packets.append(pending)
-                pending = b""
+                packets.append(b"".join(pending))
+                pending = []
         yield granule, flags, packets
 
 
@@ -54,7 +54,7 @@ def dali_opus_layout(data: bytes) -> tuple[int, int] | None:
     rate) it delivers before the first sample FFmpeg delivers (module docstring); None when ``data`` is not Ogg Opus
     with an audio page."""
     head, seen = None, 0
-    for granule, flags, packets in _pages(bytes(data)):
+    for granule, flags, packets in _pages(memoryview(data)):  # read in place (a batch's bytes)
         for packet in packets:
             seen += 1
             if seen == 1 and packet[:8] == b"OpusHead" and len(packet) >= 16:
