@@ -10,7 +10,7 @@ import pytest
 
 av = pytest.importorskip("av")
 
-from test_audio_onsets import check_onsets, clip_onsets, encode  # noqa: E402
+from audio_onsets import check_onsets, clip_onsets, encode  # noqa: E402
 
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.formats.media import MediaCheckError, transcode_flac  # noqa: E402
