@@ -151,10 +151,11 @@ def writer_lock(dest: Storage, purpose: str, folder: Path | None = None) -> DirL
     return DirLock(folder if folder is not None else dest.location.path, purpose)
 
 
-def mark_index_dest(dest: Storage) -> None:
+def mark_index_dest(dest: Storage, confirm: Callable[[], None] = lambda: None) -> None:
     """Write ``fastio index``'s marker into a DEST other than SOURCE's folder (a rerun after a failure then finds
-    DEST its own), unless it is there."""
+    DEST its own), unless it is there; ``confirm()`` (the lease's) just before it is written."""
     if not dest.exists(MARKER_NAME):
+        confirm()
         dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
 
 

@@ -359,8 +359,7 @@ def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs
                                              converted_from={"format": "megatron", "path": where}))
         confirm = lock.confirm if isinstance(lock, Lease) else (lambda: None)
         if not in_place:
-            confirm()
-            mark_index_dest(dest)
+            mark_index_dest(dest, confirm)
         confirm()
         publish_uploads(dest, [(STARTS_NAME, staged / STARTS_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return info, records
