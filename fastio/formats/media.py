@@ -4,11 +4,11 @@ decode path reads.
 ``fastio convert`` probes every video or audio file once (PyAV, :func:`probe`) and stores the result beside
 it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
-cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the chosen
-video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
-``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`), MP3 audio, audio outside the containers and
-codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in the message; with
-``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
+cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the Loader does
+not decode (``video_decoder="auto"``, the default: NVDEC's codecs, decoded on a GPU by NVDEC and on a CPU by
+DALI's CPU decoder or PyAV; ``"cpu"``: DALI's CPU decoder's only, :data:`DECODER_CODECS`), MP3 audio, audio outside
+the containers and codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in
+the message; with ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
 (:func:`prepare_media`).
 
 ``fastio index`` cannot add fields to shards it indexes: it probes each media member once and writes the probes
@@ -36,12 +36,19 @@ MEDIA_FIELDS = VIDEO_FIELDS + AUDIO_FIELDS
 PROBE_FIELD = "probe.json"
 """The field holding a media sample's probe (JSON: ``kind`` and the numbers of :func:`probe`)."""
 CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
-"""Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); others need NVDEC (``device="cuda"``)."""
-DECODER_CODECS = {"cpu": CPU_VIDEO_CODECS, "nvdec": ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")}
-"""The video codecs each decode path reads: ``cpu`` (``fn.decoders.video(device="cpu")``) and ``nvdec`` (its mixed
-backend, ``Loader(device="cuda")``; DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1 on the mixed backend only)."""
+"""Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); a CPU Loader decodes the others with PyAV."""
+NVDEC_CODECS = ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")
+"""Video codecs ``fn.decoders.video(device="mixed")`` reads (DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1
+on the mixed backend only)."""
+DECODER_CODECS = {"auto": NVDEC_CODECS, "cpu": CPU_VIDEO_CODECS, "nvdec": NVDEC_CODECS}
+"""The video codecs convert keeps for each ``video_decoder``: ``auto`` (the default) those a Loader decodes on either
+device (a GPU's: NVDEC; a CPU's: DALI's CPU decoder, PyAV for the rest, ``VideoClips(cpu_fallback="auto")``),
+``cpu`` those DALI's CPU decoder reads (a CPU Loader needs no PyAV), ``nvdec`` the same as ``auto`` (its older
+name)."""
 VIDEO_DECODERS = tuple(DECODER_CODECS)
 """What ``fastio convert --video-decoder`` takes: the decode path the stored videos are meant for."""
+DEFAULT_VIDEO_DECODER = "auto"
+"""``video_decoder``'s default (not recorded in a manifest's ``convert_options``)."""
 CPU_AUDIO_REFUSED = ("mp3", "mp3float")
 """Audio codecs ``fn.decoders.audio`` fails on (DALI 2.4)."""
 
@@ -217,20 +224,20 @@ def transcode_vp9(data: bytes) -> bytes:
 
 
 def prepare_media(data: bytes, field: str, transcode: str | None = None,
-                  video_decoder: str = "cpu") -> tuple[str, bytes, bytes]:
+                  video_decoder: str = DEFAULT_VIDEO_DECODER) -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
-    ``transcode="vp9"`` a video that ``video_decoder`` (:data:`DECODER_CODECS`) cannot read re-encoded (field
-    ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
+    ``transcode="vp9"`` a video of a codec ``video_decoder`` does not keep (:data:`DECODER_CODECS`), or whose first
+    frame is not a keyframe, re-encoded (field ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
     if transcode is not None and is_video_field(field):
         info = probe(data, field)
-        if info["codec"] not in DECODER_CODECS[video_decoder]:
+        if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field = transcode_vp9(data), "webm"
     return field, data, check_media(data, field, video_decoder)
 
 
-def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
-    """The ``probe.json`` bytes of a video file ``video_decoder`` reads (``cpu``: DALI's CPU decoder; ``nvdec``:
-    its mixed decoder on a GPU; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
+def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER) -> bytes:
+    """The ``probe.json`` bytes of a video file of a codec ``video_decoder`` keeps (``auto``: every codec a Loader
+    decodes; ``cpu``: DALI's CPU decoder's; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
     stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
     message: why, with the ways out) otherwise."""
     info = probe(data, field)
@@ -249,16 +256,16 @@ def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
 
 
 def _video_refusal(codec: str, video_decoder: str) -> str:
-    """Why a video of ``codec`` is not kept for ``video_decoder``, and the ways out."""
-    recode = ("re-encode it as VP9 (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); or convert with "
-              "--transcode vp9 (transcode='vp9')")
-    if video_decoder == "nvdec":
-        return (f"video codec {codec} is not read by DALI's CPU decoder nor by its NVDEC decoder (it reads "
-                f"{', '.join(DECODER_CODECS['nvdec'])}): {recode}")
-    gpu = codec in DECODER_CODECS["nvdec"]
-    return (f"video codec {codec} is not read by DALI's CPU decoder (it reads {', '.join(CPU_VIDEO_CODECS)}): "
-            f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda') with "
-                           "--video-decoder nvdec (video_decoder='nvdec')" if gpu else ""))
+    """Why a video of ``codec`` is not kept for ``video_decoder``, and the ways out: first the one that needs no
+    other program (``--transcode vp9``: PyAV re-encodes it)."""
+    transcode = "convert with --transcode vp9 (PyAV re-encodes it, no ffmpeg needed)"
+    if video_decoder == "cpu" and codec in NVDEC_CODECS:
+        return (f"video codec {codec} is not read by DALI's CPU decoder (video_decoder='cpu' keeps "
+                f"{', '.join(CPU_VIDEO_CODECS)}): {transcode}, or leave out --video-decoder cpu (NVDEC decodes it "
+                "on a GPU, PyAV on a CPU)")
+    return (f"video codec {codec} is not decoded by a Loader (video_decoder={video_decoder!r} keeps "
+            f"{', '.join(DECODER_CODECS[video_decoder])}): {transcode}, or re-encode it (e.g. ffmpeg -i IN -c:v "
+            "libx264 OUT.mp4)")
 
 
 def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json: bytes) -> None:

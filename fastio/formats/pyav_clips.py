@@ -20,8 +20,9 @@ from fastio.formats.media import MediaCheckError
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip"]
 
-CPU_FALLBACKS = ("pyav",)
-"""What ``VideoClips(cpu_fallback=...)`` takes: the CPU decoder of videos DALI's CPU decoder does not read."""
+CPU_FALLBACKS = ("auto", "pyav")
+"""What ``VideoClips(cpu_fallback=...)`` takes besides None: the CPU decoder of videos DALI's CPU decoder does not
+read (``auto``: PyAV on a CPU Loader where a dataset holds such videos, nothing on a GPU)."""
 
 _SKIP_PER_PACKET = ("h264", "hevc", "mpeg4")
 """Decoders that read ``skip_frame`` at each packet, so that frames shown before a clip can be skipped (FFmpeg's

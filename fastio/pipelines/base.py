@@ -163,6 +163,12 @@ class Pipeline:
             raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {self.kind!r} "
                                "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
 
+    def for_device(self, read_set: Any, device: str) -> Pipeline:
+        """This pipeline as a Loader on ``device`` runs it (a choice it leaves to the device made: ``VideoClips``'
+        ``cpu_fallback="auto"``), after :meth:`check_device`."""
+        self.check_device(read_set, device)
+        return self
+
     def check_device(self, read_set: Any, device: str) -> None:
         """DatasetError naming a dataset of ``read_set`` that cannot be decoded on ``device`` (``cpu`` or
         ``cuda``), asked when the Loader is made; every kind decodes everything on both, but :class:`VideoClips`."""

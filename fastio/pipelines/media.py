@@ -9,6 +9,7 @@ drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -222,6 +223,39 @@ class _Clips(Pipeline):
         raise NotImplementedError
 
 
+def _have_pyav() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
+def _not_cpu_codecs(read_set: Any) -> list[tuple[Dataset, str, dict[str, int]]]:
+    """``(dataset, codec, {count, first})`` of each codec DALI's CPU decoder does not read that a dataset of
+    ``read_set`` counts in its manifest (one written before the count holds none)."""
+    return [(source.dataset, codec, seen) for source in read_set.sources
+            for codec, seen in sorted((source.dataset.manifest.video_codecs or {}).items())
+            if codec not in CPU_VIDEO_CODECS]
+
+
+_SAID: set[tuple[str, str]] = set()
+"""(dataset, codec) pairs :func:`_say_fallback` has said in this process."""
+
+
+def _say_fallback(found: list[tuple[Dataset, str, dict[str, int]]]) -> None:
+    """One log line (logger ``fastio``, a warning) per dataset whose videos ``found`` a CPU Loader decodes with
+    PyAV, once per process."""
+    by_root: dict[str, list[tuple[str, int]]] = {}
+    for ds, codec, seen in found:
+        if (str(ds.root), codec) not in _SAID:
+            _SAID.add((str(ds.root), codec))
+            by_root.setdefault(str(ds.root), []).append((codec, seen["count"]))
+    for root, codecs in by_root.items():
+        logging.getLogger("fastio").warning(
+            f"{root}: {', '.join(count(n, 'video') + f' in codec {c}' for c, n in codecs)} are decoded on the CPU "
+            f"with PyAV (DALI's CPU decoder does not read {', '.join(c for c, _ in codecs)}; a Loader on a GPU "
+            "decodes them with NVDEC)")
+
+
 @dataclass(frozen=True)
 class VideoClips(_Clips):
     """Clips of ``frames`` frames, ``stride`` apart, from each sample's video (VP9, VP8 or MJPEG on the CPU),
@@ -236,8 +270,9 @@ class VideoClips(_Clips):
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
 
-    ``cpu_fallback="pyav"``: on a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1:
-    ``convert --video-decoder nvdec``) has its clips decoded with PyAV (from the keyframe before the clip, in
+    On a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1) has its clips decoded with
+    PyAV (``cpu_fallback="auto"``, the default: where a dataset's manifest counts such videos, said once in a log
+    line; ``"pyav"``: always) (from the keyframe before the clip, in
     display order, in ``fallback_threads`` threads as soon as the batch is read), then cropped, flipped, resized
     and normalised in the graph as the others: each sample gets the clip it gets on a GPU with NVDEC.
 
@@ -273,9 +308,10 @@ class VideoClips(_Clips):
     """Per-channel mean on the 0..1 scale (float32 only)."""
     std: tuple[float, float, float] = IMAGENET_STD
     """Per-channel standard deviation on the 0..1 scale (float32 only)."""
-    cpu_fallback: str | None = None
-    """``"pyav"``: on a CPU Loader, decode videos DALI's CPU decoder does not read with PyAV (H.264 ...); None: such
-    a dataset is refused when the Loader is made. A CUDA Loader refuses it (NVDEC reads them)."""
+    cpu_fallback: str | None = "auto"
+    """``"auto"``: a CPU Loader decodes videos DALI's CPU decoder does not read (H.264 ...) with PyAV when a dataset
+    holds some (said once), a CUDA Loader with NVDEC; ``"pyav"``: with PyAV on a CPU Loader (a CUDA Loader refuses
+    it: NVDEC reads them); None: a CPU Loader refuses such a dataset when it is made."""
     fallback_threads: int | None = None
     """Threads decoding with ``cpu_fallback`` (default: twice the machine's cores: a thread also waits, holding
     the GIL between frames, and DALI's threads crop and resize beside them)."""
@@ -307,9 +343,7 @@ class VideoClips(_Clips):
         if self.fallback_threads is not None:
             _positive_int("fallback_threads", self.fallback_threads)
         if self.cpu_fallback == "pyav":
-            import importlib.util
-
-            if importlib.util.find_spec("av") is None:
+            if not _have_pyav():
                 raise ValueError("cpu_fallback='pyav' needs PyAV: pip install 'fastio[media]'")
 
     def evaluation(self) -> VideoClips:
@@ -398,28 +432,39 @@ class VideoClips(_Clips):
         return (fallback, *([batch.frames.get((j, c), blank) for j in range(len(probes))]
                             for c in range(self.clips_per_video)))
 
+    def for_device(self, read_set: Any, device: str) -> VideoClips:
+        """These clips as a Loader on ``device`` decodes them: ``cpu_fallback="auto"`` made ``"pyav"`` on a CPU where
+        a dataset counts videos DALI's CPU decoder does not read (said once per dataset, :func:`_say_fallback`) and
+        PyAV is installed, else None; then :meth:`check_device`."""
+        if self.cpu_fallback == "auto":
+            found = [] if device == "cuda" else _not_cpu_codecs(read_set)
+            pyav = "pyav" if found and _have_pyav() else None
+            if pyav:
+                _say_fallback(found)
+            return dataclasses.replace(self, cpu_fallback=pyav).for_device(read_set, device)
+        self.check_device(read_set, device)
+        return self
+
     def check_device(self, read_set: Any, device: str) -> None:
         """On the CPU without ``cpu_fallback``, DatasetError naming the first dataset whose manifest counts videos of
         a codec DALI's CPU decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many,
         the first (shard, key) and the ways out. A manifest without the count (written before it) holds none.
         ``cpu_fallback`` on CUDA: ValueError (NVDEC reads those codecs)."""
         if device == "cuda":
-            if self.cpu_fallback is not None:
+            if self.cpu_fallback == "pyav":
                 raise ValueError(f"cpu_fallback={self.cpu_fallback!r} decodes on the CPU: a Loader on device='cuda' "
                                  "decodes H.264/HEVC/MPEG-4/AV1 with NVDEC; leave cpu_fallback out")
             return
         if self.cpu_fallback is not None:
             return
-        for source in read_set.sources:
-            ds = source.dataset
-            for codec, seen in sorted((ds.manifest.video_codecs or {}).items()):
-                if codec not in CPU_VIDEO_CODECS:
-                    i = seen["first"]
-                    raise DatasetError(
-                        f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
-                        f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
-                        "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
-                        "VideoClips(cpu_fallback='pyav'), or convert the files with --transcode vp9 (transcode='vp9')")
+        for ds, codec, seen in _not_cpu_codecs(read_set)[:1]:
+            i = seen["first"]
+            raise DatasetError(
+                f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
+                f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
+                "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
+                f"VideoClips(cpu_fallback='pyav'){'' if _have_pyav() else ' (pip install fastio[media])'}, or "
+                "convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
         """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
