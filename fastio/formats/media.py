@@ -107,13 +107,39 @@ def _image_format(demuxer: str) -> str | None:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    keys = [p.is_keyframe for p in container.demux(stream) if p.size and p.pts is not None]
+    keys, first = [], []  # each packet's keyframe flag; the first packets, for the rotation
+    for p in container.demux(stream):
+        if p.size and p.pts is not None:
+            keys.append(p.is_keyframe)
+            first += [p] if len(first) < ROTATION_PACKETS else []
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
+    turn = _rotation(stream, first)
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
-            "keyframes": [k for k, key in enumerate(keys) if key]}
+            "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+ROTATION_PACKETS = 32
+"""Packets :func:`_rotation` decodes at most until a frame comes out (a decoder holds back a few: B-frames)."""
+
+
+def _rotation(stream, packets: list) -> int:
+    """The rotation of the video's display matrix (what players turn its frames by before showing them), in
+    counterclockwise degrees: 0, 90, 180 or 270 (a rotation that is not a quarter turn: the nearest; the matrix's
+    flips are not read). FFmpeg gives it with a decoded frame (``VideoFrame.rotation``): the first frame of
+    ``packets`` is decoded; 0 when none comes out (the frames are judged when a clip is decoded)."""
+    import av
+
+    codec = stream.codec_context
+    try:
+        for packet in [*packets, None]:
+            for frame in codec.decode(packet):
+                return round(getattr(frame, "rotation", 0) / 90) % 4 * 90
+    except av.FFmpegError:
+        pass
+    return 0
 
 
 def _codec_name(context) -> str:
@@ -201,8 +227,8 @@ TRANSCODES = ("vp9",)
 
 
 def transcode_vp9(data: bytes) -> bytes:
-    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate
-    and size; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
+    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate,
+    size and display rotation; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
     import av
 
     out_buf = io.BytesIO()
@@ -212,7 +238,9 @@ def transcode_vp9(data: bytes) -> bytes:
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
             stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
             stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
-            for frame in src.decode(stream_in):
+            for k, frame in enumerate(src.decode(stream_in)):
+                if k == 0 and getattr(frame, "rotation", 0):  # the display matrix's turn, kept for players and clips
+                    stream.set_display_rotation(frame.rotation)
                 frame.pts = None
                 for packet in stream.encode(frame.reformat(format="yuv420p")):
                     out.mux(packet)

@@ -270,7 +270,8 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
               "flip": types.INT32, "start": types.INT32, "decode": types.INT32, "roi_start": types.FLOAT,
               "roi_end": types.FLOAT, "still": types.BOOL, "fallback": types.BOOL, "window_start": types.INT32,
-              "window_length": types.INT32, "offset": types.INT32, "rate": types.FLOAT}
+              "window_length": types.INT32, "offset": types.INT32, "rate": types.FLOAT, "turned": types.BOOL,
+              "transpose": types.BOOL, "turn_h": types.INT32, "turn_v": types.INT32}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,

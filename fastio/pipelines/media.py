@@ -269,6 +269,8 @@ class VideoClips(_Clips):
     than the span starts at frame 0 and is padded by repeating its last frame. ``crop="random"``: a random
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
+    A video whose display matrix turns it (its probe's ``rotation``: a phone's 90°) is turned first, on every decode
+    path, as players show it; the crop is drawn on the frame as shown.
 
     On a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1) has its clips decoded with
     PyAV (``cpu_fallback="auto"``, the default: where a dataset's manifest counts such videos, said once in a log
@@ -360,7 +362,8 @@ class VideoClips(_Clips):
         decode = tuple(f"decode{c}" for c in range(self.clips_per_video))
         streams = tuple(f"encoded{c}" for c in range(1, self.clips_per_video))
         decoded = ("fallback", *(f"frames{c}" for c in range(self.clips_per_video))) if self.cpu_fallback else ()
-        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip", *decoded)
+        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip", *TURN_INPUTS,
+                *decoded)
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
@@ -400,6 +403,8 @@ class VideoClips(_Clips):
         sizes = batch.sizes if batch.sizes is not None else np.zeros((len(probes), 2), np.int64)
         w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
         h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
+        turns = quarter_turns(probes)
+        w, h = np.where(turns % 2, h, w), np.where(turns % 2, w, h)  # the frame as shown: the crop is drawn on it
         starts = self._clip_starts(batch, probes, seed, epoch)
         if self.crop == "random":
             crop = random_resized_crop(seed, epoch, batch.draw_keys, w, h, scale=self.scale,
@@ -416,7 +421,7 @@ class VideoClips(_Clips):
         clips = range(self.clips_per_video)
         return (*encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
                 *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
-                np.ascontiguousarray(flip, np.int32), *self._decoded(batch, probes))
+                np.ascontiguousarray(flip, np.int32), *turn_inputs(turns), *self._decoded(batch, probes))
 
     def _decoded(self, batch: ReadBatch, probes: list) -> tuple:
         """With ``cpu_fallback``: the ``fallback`` flags and, per clip, each flagged sample's decoded frames
@@ -508,14 +513,15 @@ class VideoClips(_Clips):
             stream = inp["encoded" if c == 0 else f"encoded{c}"]
             clip = fn.decoders.video(stream, device=decoder_device, start_frame=inp[f"decode{c}"],
                                      sequence_length=self.frames, stride=self.stride, pad_mode="edge")
-            clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
+            clips.append(self._normalize(fn, types, self._resize(fn, _turned(fn, clip, inp), inp), inp["flip"]))
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
 
     def _decoded_clips(self, fn, types, inp: dict[str, Any]):
         """The clips the :class:`FallbackReader` decoded (``frames{c}``: uint8 FHWC), resized and normalised as
         :meth:`_video_clips` does DALI's."""
-        clips = [self._normalize(fn, types, self._resize(fn, fn.reshape(inp[f"frames{c}"], layout="FHWC"), inp),
-                                 inp["flip"]) for c in range(self.clips_per_video)]
+        clips = [self._normalize(fn, types, self._resize(fn, _turned(fn, fn.reshape(inp[f"frames{c}"], layout="FHWC"),
+                                                                     inp), inp), inp["flip"])
+                 for c in range(self.clips_per_video)]
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
 
     def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):
@@ -536,6 +542,34 @@ class VideoClips(_Clips):
         std = [1.0] * 3 if uint8 else [s * 255 for s in self.std]
         return fn.crop_mirror_normalize(clip, mirror=flip, mean=mean, std=std, output_layout=self.layout,
                                         dtype=types.UINT8 if uint8 else types.FLOAT)
+
+
+TURN_INPUTS = ("turned", "transpose", "turn_h", "turn_v")
+"""The graph's inputs that turn a video's frames as players show them (:func:`turn_inputs`, :func:`_turned`)."""
+
+
+def quarter_turns(probes: list) -> np.ndarray:
+    """int64 [B]: counterclockwise quarter turns players give each sample's frames (its probe's ``rotation``, the
+    display matrix's; 0 for a still or a probe without one)."""
+    return np.array([(int(p.get("rotation", 0)) // 90) % 4 if p is not None else 0 for p in probes], np.int64)
+
+
+def turn_inputs(turns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """:data:`TURN_INPUTS` for ``turns`` quarter turns: whether a sample is turned, then (FHWC) a transpose of H
+    and W for an odd number, then a horizontal and a vertical flip (1 turn: transpose, vertical flip; 2: both
+    flips; 3: transpose, horizontal flip; as ``np.rot90``)."""
+    return (turns > 0, turns % 2 == 1, np.isin(turns, (2, 3)).astype(np.int32),
+            np.isin(turns, (1, 2)).astype(np.int32))
+
+
+def _turned(fn, clip, inp: dict[str, Any]):
+    """``clip`` (FHWC) turned as players show it (:func:`turn_inputs`), before it is cropped and resized; a sample
+    without a rotation is left as it is (DALI's conditionals: the branch runs on the turned samples only)."""
+    if inp["turned"]:
+        if inp["transpose"]:
+            clip = fn.transpose(clip, perm=[0, 2, 1, 3], transpose_layout=False)
+        clip = fn.flip(clip, horizontal=inp["turn_h"], vertical=inp["turn_v"])
+    return clip
 
 
 @dataclass(frozen=True)
