@@ -119,3 +119,17 @@ def test_inspect_skipped_of_a_clean_dataset_says_so(image_dataset, capsys):
 def test_the_tar_fixture_is_a_plain_webdataset_tar(shards):
     with tarfile.open(shards / "shard-000000.tar") as tar:
         assert sorted({Path(m.name).suffix for m in tar.getmembers()}) == [".cls", ".jpg"]
+
+
+def test_skipped_lines_say_each_reason_once_then_how_many_more():
+    """Each reason once with its count and first three inputs; past the first five reasons, how many inputs are
+    left and the command that lists them."""
+    from fastio.progress import skipped_lines
+
+    skipped = [{"path": f"a{i}.mp4", "reason": "same reason"} for i in range(3)]
+    skipped += [{"path": f"b{i}.jpg", "reason": f"reason {i}"} for i in range(6)]
+    skipped += [{"path": "c.jpg", "reason": "reason 5"}]
+    lines = skipped_lines(skipped, "fastio inspect DEST --skipped").splitlines()
+    assert lines == ["", "  3 inputs (a0.mp4, a1.mp4, a2.mp4): same reason", "  b0.jpg: reason 0", "  b1.jpg: reason 1",
+                     "  b2.jpg: reason 2", "  b3.jpg: reason 3", "  ... and 3 more: fastio inspect DEST --skipped"]
+    assert skipped_lines([], "x") == ""
