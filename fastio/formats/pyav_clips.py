@@ -1,5 +1,5 @@
 """A video clip decoded on the CPU with PyAV: the fallback for codecs DALI's CPU decoder does not read (H.264,
-HEVC, MPEG-4, AV1: ``fastio convert --video-decoder nvdec`` keeps them for NVDEC).
+HEVC, MPEG-4, AV1: ``fastio convert`` keeps them as they are, for NVDEC on a GPU and this on a CPU).
 
 :func:`decode_clip` counts frames as :func:`fastio.formats.media.probe` does (the packets of the first video
 stream, those an mp4 edit list hides included) but numbers them in display order (by presentation time), as

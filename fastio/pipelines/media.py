@@ -452,7 +452,7 @@ class VideoClips(_Clips):
 
     def check_device(self, read_set: Any, device: str) -> None:
         """On the CPU without ``cpu_fallback``, DatasetError naming the first dataset whose manifest counts videos of
-        a codec DALI's CPU decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many,
+        a codec DALI's CPU decoder does not read (convert keeps them by default): the codec, how many,
         the first (shard, key) and the ways out. A manifest without the count (written before it) holds none.
         ``cpu_fallback`` on CUDA: ValueError (NVDEC reads those codecs)."""
         if device == "cuda":
