@@ -17,16 +17,27 @@ install: $(STAMP)
 # QUIET_EDITABLE: setuptools' "Editable installation" banner (a warning about same-named folders) is not shown.
 QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 
+# STEP: one line before each step of an install, as `pip -q` prints nothing while it works (about a minute with a
+# wheel cache; without one, torch alone downloads for minutes).
+STEP = @echo "$(1) [$(2)] $(3)"
+
+# megatron-core (the token interop tests only: it needs none of its dependencies to read .idx) and torchdata
+# (StatefulDataLoader, a peer of the restart benchmark only) come without their dependencies: torch stays the pinned one.
 $(STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	# megatron-core for the token interop tests only, without its dependencies (it needs none to read .idx)
-	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
-	# torchdata (StatefulDataLoader), a peer of the restart benchmark only, without its dependencies (torch stays the pinned one)
-	$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
-	touch $(STAMP)
+	$(call STEP,make install,1/6,a virtual environment in $(VENV))
+	@$(PYTHON) -m venv $(VENV)
+	$(call STEP,make install,2/6,pip itself)
+	@$(BIN)/pip install -q --upgrade pip
+	$(call STEP,make install,3/6,$(TORCH): the largest download; minutes without a wheel cache)
+	@$(BIN)/pip install -q "$(TORCH)"
+	$(call STEP,make install,4/6,fastio (editable) with the extras $(EXTRAS) and their dependencies)
+	@$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(call STEP,make install,5/6,megatron-core without its dependencies: the token interop tests read .idx with it)
+	@$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
+	$(call STEP,make install,6/6,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
+	@$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
+	@touch $(STAMP)
+	@echo "make install: done ($(VENV))"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py demo-out
@@ -41,7 +52,9 @@ docs: $(DOCS_STAMP)
 	@echo "docs: open site/index.html (file://$(CURDIR)/site/index.html)"
 
 $(DOCS_STAMP): $(STAMP)
+	$(call STEP,make docs,1/2,the docs extra (mkdocs))
 	$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS),docs]"
+	$(call STEP,make docs,2/2,Debian's chromium for the docs browser test where it is missing (as root))
 	command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 	touch $(DOCS_STAMP)
@@ -69,6 +82,7 @@ bench: $(STAMP) $(LITDATA_STAMP)
 # litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
 # what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
 $(LITDATA_STAMP): $(STAMP)
+	$(call STEP,make bench,1/1,litdata 0.2.76 without its dependencies: the tokens section's peer)
 	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
 	touch $(LITDATA_STAMP)
 

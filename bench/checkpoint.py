@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.common import interleaved, machine_info, time_call, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
 from bench.model import build, state_mib, train_step
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -445,8 +446,9 @@ def measure_checkpointer_compression(work: Path, state: dict[str, torch.Tensor],
 
 
 def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, every: int = 10,
-        cadence_mib: int = 512) -> dict:
-    """All three measurements; returns the JSON-able result (``ratios`` for bench.run's summary)."""
+        cadence_mib: int = 512, results_dir: Path | None = RESULTS_DIR) -> dict:
+    """All the measurements; writes ``checkpoint.json`` under ``results_dir`` (None: nothing written) and returns
+    the JSON-able result (``ratios`` for bench.run's summary)."""
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -465,21 +467,8 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     print(f"steady, all {cores} cores busy: {steady['step_s_with']:.3f}s/step with a checkpoint every {every} steps"
           f" vs {steady['step_s_without']:.3f}s/step without = {100 * steady['overhead']:+.1f}%; one background "
           f"write took {steady['write_s_median'] or 0:.2f}s", flush=True)
-    # On a GPU node the host cores mostly wait on the device; training on one torch thread is the CPU-only
-    # stand-in for that (the writer gets the other core). K from the cadence rule: K x step >= 4 x write.
-    from bench.checkpoint_overhead import measure as measure_cadence
-
-    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
-    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
-    every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
-    ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
-    print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
-          f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
-          f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
-          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
-          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
-          f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
-          flush=True)
+    cadence, every10 = _cadence(workdir, cadence_mib, repeats)
+    ours = cadence["savers"]["fastio"]
     torch.set_num_threads(cores)
     resume = measure_resume(workdir, size_mib, repeats)
     print(f"resume: first batch {resume['resume_median_s']:.2f}s after start vs fresh {resume['fresh_median_s']:.2f}s"
@@ -494,6 +483,40 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
           f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
           f"{fsdp['restore_ratio']:.2f} (targets <= 1.25)", flush=True)
+    compression = _compression(workdir, repeats)
+    shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
+        "blocked": blocked, "steady": steady, "cadence": cadence, "every10": every10, "resume": resume,
+        "integrity": integrity, "fsdp2": fsdp, "compression": compression, "ratios": _ratios(blocked, ours, fsdp,
+                                                                                              resume, cadence)}
+    if results_dir is not None:
+        print(f"wrote {write_results('checkpoint', result, results_dir)}")
+    return result
+
+
+def _cadence(workdir: Path, cadence_mib: int, repeats: int) -> tuple[dict, dict]:
+    """The cadence rows (printed as measured): on a GPU node the host cores mostly wait on the device; training on
+    one torch thread is the CPU-only stand-in for that (the writer gets the other core). K from the cadence rule:
+    K x step >= 4 x write; and a checkpoint every 10 steps."""
+    from bench.checkpoint_overhead import measure as measure_cadence
+
+    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
+    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
+    every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
+    ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
+    print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
+          f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
+          f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
+          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
+          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
+          f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
+          flush=True)
+    return cadence, every10
+
+
+def _compression(workdir: Path, repeats: int) -> dict:
+    """zstd on trained state, and the Checkpointer with each compression (printed as measured)."""
     trained = trained_state()
     compression = measure_compression(trained)
     for name, row in compression["codecs"].items():
@@ -504,28 +527,27 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     for name, row in compression["checkpointer"].items():
         print(f"compression Checkpointer {name:<20} {row['bytes'] / 2**20:.2f} MiB written, save to commit "
               f"{row['save_median_s']:.3f}s, restore {row['restore_median_s']:.3f}s", flush=True)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return {
-        "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
-        "blocked": blocked, "steady": steady, "cadence": cadence, "every10": every10, "resume": resume,
-        "integrity": integrity, "fsdp2": fsdp, "compression": compression,
-        "ratios": [
-            {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
-            {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
-             "better": "lower"},
-            {"name": f"overhead, one torch thread, a checkpoint every {cadence['every']} steps (fraction)",
-             "value": ours["overhead"], "target": 0.03, "better": "lower"},
-            {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
-            {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
-            {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
-        ],
-    }
+    return compression
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _ratios(blocked: dict, ours: dict, fsdp: dict, resume: dict, cadence: dict) -> list[dict]:
+    """The section's ratios against their targets (bench.run's summary)."""
+    return [
+        {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
+        {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
+         "better": "lower"},
+        {"name": f"overhead, one torch thread, a checkpoint every {cadence['every']} steps (fraction)",
+         "value": ours["overhead"], "target": 0.03, "better": "lower"},
+        {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
+        {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
+        {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
+    ]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.checkpoint``."""
+    p = section_parser(__doc__)
     p.add_argument("--size-mib", type=int, default=1024, help="model + Adam state size (MiB)")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="steps per steady-throughput run")
     p.add_argument("--every", type=int, default=10, help="checkpoint every N steps in the steady run")
     p.add_argument("--cadence-mib", type=int, default=512, help="state size (MiB) of the one-thread cadence rows")
@@ -533,13 +555,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", choices=("fresh", "resume"), help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.child:
         child(args.child, args.ckpt_dir, args.data, args.size_mib)
         return 0
-    result = run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
-                 cadence_mib=args.cadence_mib)
-    print(f"wrote {write_results('checkpoint', result)}")
+    before_section(args.quiet_wait)
+    run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
+        cadence_mib=args.cadence_mib, results_dir=args.out)
     return 0
 
 

@@ -195,7 +195,8 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
         torch.set_num_threads(threads)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.checkpoint_overhead``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
@@ -203,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=None, help="fixed K instead of the cadence rule")
     p.add_argument("--saver", action="append", default=None, help="fastio, fastio:KEY=JSON,..., dcp_process")
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "overhead")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     res = measure(args.workdir, args.size_mib, args.rounds, tuple(args.saver or ["fastio"]), args.saves_per_round,
                   args.every)
     shutil.rmtree(args.workdir, ignore_errors=True)

@@ -146,7 +146,8 @@ def probe(work: Path, size_mib: int, saves: int, every: int, streams: int | None
             "writer_runnable_threads_max": max(busy) if busy else None}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.checkpoint_probe``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--saves", type=int, default=4)
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "probe")
     p.add_argument("--streams", type=int, default=None, help="the torchsnapshot engine's WRITE_STREAMS")
     p.add_argument("--option", action="append", default=[], help="CheckpointConfig KEY=JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     print(json.dumps(probe(args.workdir, args.size_mib, args.saves, args.every, args.streams, **options), indent=1))
     return 0

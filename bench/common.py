@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -11,7 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "time_call", "write_results"]
+from bench.quiet import Quiet, add_wait_option
+
+__all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "met", "section_parser", "time_call",
+           "verdict", "write_results"]
 
 # Where a run writes its results: bench/out/ (not tracked by git). bench/results/ holds the reference results
 # someone chose to commit (copy them there from bench/out/ by hand).
@@ -46,6 +50,20 @@ def median_ratio(ours: list[float], peer: list[float]) -> dict[str, float]:
     return {"ours_median_s": ours_s, "peer_median_s": peer_s, "speedup": peer_s / ours_s}
 
 
+def met(ratio: dict[str, Any]) -> bool:
+    """Whether a ratio ``{"value", "target", "better": "higher"|"lower"}`` meets its target."""
+    higher = ratio.get("better", "higher") == "higher"
+    return ratio["value"] >= ratio["target"] if higher else ratio["value"] <= ratio["target"]
+
+
+def verdict(ratio: dict[str, Any], *conditions: Quiet | dict | None) -> str:
+    """``met`` or ``MISSED``; where one of ``conditions`` (:class:`bench.quiet.Quiet`, or its dict from a JSON
+    result) found the machine busy, no verdict but what kept it busy, and what the figure would say."""
+    word = "met" if met(ratio) else "MISSED"
+    notes = [c.note() for c in (Quiet(**c) if isinstance(c, dict) else c for c in conditions if c) if c.busy]
+    return f"not judged, {'; '.join(notes)}; as measured: {word}" if notes else word
+
+
 def machine_info() -> dict[str, Any]:
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -63,3 +81,15 @@ def write_results(name: str, data: dict[str, Any], results_dir: Path = RESULTS_D
     path = results_dir / f"{name}.json"
     atomic_write_bytes(path, json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
     return path
+
+
+def section_parser(doc: str, repeats: int | None = 3) -> argparse.ArgumentParser:
+    """The command line every section's module shares: its description (``doc``'s first line), ``--repeats``
+    (unless None), ``--out DIR`` (where the results go) and ``--quiet-wait`` (:mod:`bench.quiet`)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if repeats is not None:
+        p.add_argument("--repeats", type=int, default=repeats, help=f"rounds per measurement (default {repeats})")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",
+                   help="where the results go (default: bench/out)")
+    add_wait_option(p)
+    return p

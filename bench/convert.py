@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import interleaved, machine_info, median_ratio, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 from fastio.convert.synthetic import photo_jpeg
 
 __all__ = ["make_photos", "run", "run_fastio", "run_peer"]
@@ -78,9 +79,10 @@ def run_peer(src: Path, out: Path) -> None:
                 sink.write({"__key__": f"{name}/{path.stem}", "jpg": data, "cls": str(label).encode()})
 
 
-def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
+def run(workdir: Path, repeats: int = 3, images: int = 1500,
+        results_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
     """Generate the photos under ``workdir`` (once), time both sides ``repeats`` times, interleaved;
-    write ``bench/out/convert.json``, print the one-line result and return it."""
+    write ``convert.json`` under ``results_dir`` (None: nothing written), print the one-line result and return it."""
     import webdataset  # noqa: F401  (imported before timing so the peer's import cost is not counted)
 
     workdir = Path(workdir)
@@ -105,10 +107,18 @@ def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
         repeats, before=lambda name: shutil.rmtree(outs[name], ignore_errors=True),
     )
     startup = interleaved({"startup": cli_startup}, repeats)["startup"]
+    result = _result(times, cpu, startup, len(files), total_bytes, repeats)
+    path = write_results("convert", result, results_dir) if results_dir is not None else None
+    print(_line(result, path), flush=True)
+    return result
+
+
+def _result(times: dict[str, list[float]], cpu: dict[str, list[float]], startup: list[float], n: int,
+            total_bytes: int, repeats: int) -> dict[str, Any]:
+    """The section's result from both sides' times, CPU seconds and the CLI's start-up times over ``n`` images."""
     ratio = median_ratio(times["fastio"], times["peer"])
-    n = len(files)
     cpu_per_1000 = {k: 1000 * statistics.median(v) / n for k, v in cpu.items()}
-    result = {
+    return {
         "benchmark": "convert",
         "images": n, "bytes": total_bytes, "repeats": repeats,
         "fastio": {"command": "fastio convert --workers 2", "seconds": times["fastio"],
@@ -126,9 +136,6 @@ def run(workdir: Path, repeats: int = 3, images: int = 1500) -> dict[str, Any]:
         "ratios": [{"name": "convert samples/s: fastio --workers 2 / webdataset loop", "value": ratio["speedup"],
                     "target": TARGET, "better": "higher"}],
     }
-    path = write_results("convert", result)
-    print(_line(result, path), flush=True)
-    return result
 
 
 def _cpu_seconds() -> float:
@@ -137,22 +144,27 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _line(result: dict[str, Any], path: Path) -> str:
+def _line(result: dict[str, Any], path: Path | None) -> str:
     f, p = result["fastio"], result["peer"]
     return (f"convert: fastio {f['samples_per_s']:.0f} samples/s {f['mb_per_s']:.1f} MB/s vs "
             f"webdataset loop {p['samples_per_s']:.0f} samples/s {p['mb_per_s']:.1f} MB/s: "
             f"{result['speedup']:.2f}x (target >= {TARGET}x; CLI start-up {f['cli_startup_median_s']:.2f}s"
             f" of fastio's {f['median_s']:.2f}s; CPU s per 1,000 images fastio {f['cpu_s_per_1000_images']:.2f}"
-            f" / peer {p['cpu_s_per_1000_images']:.2f}) -> {path}")
+            f" / peer {p['cpu_s_per_1000_images']:.2f})" + (f" -> {path}" if path else ""))
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.convert``."""
+    p = section_parser(__doc__)
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "convert")
+    p.add_argument("--images", type=int, default=1500)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "convert")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--images", type=int, default=1500)
-    args = parser.parse_args(argv)
-    run(args.workdir, args.repeats, args.images)
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
+    run(args.workdir, args.repeats, args.images, args.out)
     return 0
 
 

@@ -23,7 +23,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 import numpy as np
 
-from bench.common import interleaved, machine_info, median_ratio, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -49,7 +50,10 @@ def make_shards(workdir: Path, shards: int, per_shard: int) -> Path:
     return folder
 
 
-def run(workdir: Path, repeats: int = 3, shards: int = 32, per_shard: int = 100) -> dict[str, Any]:
+def run(workdir: Path, repeats: int = 3, shards: int = 32, per_shard: int = 100,
+        results_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
+    """Time ``fastio index`` against ``wds2idx`` on the same shards, interleaved; write ``index.json`` under
+    ``results_dir`` (None: nothing written), print one line and return the result."""
     workdir = Path(workdir)
     folder = make_shards(workdir, shards, per_shard)
     tars = sorted(folder.glob("*.tar"))
@@ -80,7 +84,7 @@ def run(workdir: Path, repeats: int = 3, shards: int = 32, per_shard: int = 100)
         "ratios": [{"name": "index shards/s: fastio index / wds2idx", "value": ratio["speedup"], "target": TARGET,
                     "better": "higher"}],
     }
-    path = write_results("index", result)
+    path = write_results("index", result, results_dir) if results_dir is not None else None
     f, w = side["fastio"], side["wds2idx"]
     print(f"index: fastio {f['shards_per_s']:.1f} shards/s {f['mb_per_s']:.0f} MB/s vs wds2idx "
           f"{w['shards_per_s']:.1f} shards/s {w['mb_per_s']:.0f} MB/s: {ratio['speedup']:.2f}x "
@@ -88,14 +92,19 @@ def run(workdir: Path, repeats: int = 3, shards: int = 32, per_shard: int = 100)
     return result
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.index``."""
+    p = section_parser(__doc__)
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "index")
+    p.add_argument("--shards", type=int, default=32)
+    p.add_argument("--samples-per-shard", type=int, default=100)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "index")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shards", type=int, default=32)
-    parser.add_argument("--samples-per-shard", type=int, default=100)
-    args = parser.parse_args(argv)
-    run(args.workdir, args.repeats, args.shards, args.samples_per_shard)
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
+    run(args.workdir, args.repeats, args.shards, args.samples_per_shard, args.out)
     return 0
 
 

@@ -13,16 +13,19 @@ horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..6
   executor), as fastio's do;
 - ``ceiling``: a tight single-process PIL decode + resize loop, multiplied by the core count.
 
-Runs are interleaved and rotated (A B C D, B C D A, ...); each figure is the median samples/s, next
-to the median CPU time per sample (this process, all its threads, and its reaped children), which is far
-less sensitive than wall time to other load on a shared machine. The ratios against DataLoader and DALI are
-paired: the median over the rounds of fastio's samples/s over the peer's in the same round. For fastio and
-DALI the CPU time is also split by thread group (DALI's worker threads, its other threads, the Python
-threads): where each spends it.
+Runs are interleaved in paired rounds: fastio runs between its two peers, each peer on the other side of it
+every round (DALI fastio DataLoader, then DataLoader fastio DALI, ...), then the ceiling; each figure is the
+median samples/s, next to the median CPU time per sample (this process, all its threads, and its reaped
+children), which is far less sensitive than wall time to other load on a shared machine. The verdicts come
+from paired ratios: the median over the rounds of fastio's figure over the peer's in the same round. Each line
+a round prints names its round; each round also records what the other processes used of the cores
+(``bench.quiet``), and where a round found the machine busy the verdicts say so instead of met or MISSED. For
+fastio and DALI the CPU time is also split by thread group (DALI's worker threads, its other threads, the
+Python threads): where each spends it.
 
 Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the first batch of a fresh
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
-build to the first batch), medians of the same rounds; and the steady RSS of a process that runs
+build to the first batch) in the same rounds, its ratios paired too; and the steady RSS of a process that runs
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
 second and third epochs, each in its own fresh process). And the cost of the tar-header check every read
 makes (``fastio.read.reader``: each member's header, read with its data, against the index): raw reads of every
@@ -47,7 +50,8 @@ from PIL import Image
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, verdict, write_results
+from bench.quiet import before_section, during, read_sample
 
 __all__ = ["make_shards", "run", "table"]
 
@@ -377,7 +381,29 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
     (None: write nothing) and return the result dict."""
     cores = os.cpu_count() or 1
     dest = make_shards(Path(workdir), samples, shards=max(8, 2 * cores))  # every DataLoader worker gets shards
-    by_thread: dict[str, dict[str, list[float]]] = {"fastio": {}, "dali": {}}
+    _fastio(dest, device)  # warm the page cache and DALI's lazy initialisation before timing
+    rounds = _rounds(dest, device, cores, repeats)
+    result = _result(rounds, device, cores, samples, repeats)
+    result["steady_rss_mib"] = {name: _steady_rss_in_child(name, dest, device) for name in ("fastio", "dali")}
+    result["member_check"] = _member_check(dest, repeats)
+    print(table(result))
+    if results_dir is not None:
+        stem = "loader" if device == "cpu" else f"loader-{device}"
+        write_results(stem, result, results_dir)
+        _chart(result, results_dir / f"{stem}.png")
+    return result
+
+
+def _round_order(r: int) -> list[str]:
+    """The contenders of round ``r``: fastio between its two peers, so that each pair runs back to back, with each
+    peer on the other side of fastio every round (neither always first nor always second), then the ceiling."""
+    return (["dali", "fastio", "dataloader"] if r % 2 == 0 else ["dataloader", "fastio", "dali"]) + ["ceiling"]
+
+
+def _rounds(dest: Path, device: str, cores: int, repeats: int) -> dict:
+    """``repeats`` interleaved rounds of every contender's epoch and of the first batches: per contender, each
+    round's samples/s (``runs``), CPU ms per sample (``cpu``, and ``by_thread``), first-batch seconds
+    (``first``), and each round's :class:`bench.quiet.Quiet` (``quiet``: what the other processes used)."""
     last: dict[str, dict[str, float]] = {"fastio": {}, "dali": {}}
     contenders = {
         "fastio": lambda: _fastio(dest, device, last["fastio"]),
@@ -386,63 +412,73 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         "ceiling": lambda: _ceiling(dest),
     }
     scale = {"ceiling": cores}  # the ceiling is one core's loop; `cores` of them run side by side
-    _fastio(dest, device)  # warm the page cache and DALI's lazy initialisation before timing
     state = _resume_state(dest, device)
     firsts = {
         "fastio": lambda: _first_fastio(dest, device),
         "fastio_resumed": lambda: _first_fastio(dest, device, state),
         "dali": lambda: _first_dali(dest, device, cores),
     }
-    runs: dict[str, list[float]] = {k: [] for k in contenders}
-    cpu: dict[str, list[float]] = {k: [] for k in contenders}
-    first: dict[str, list[float]] = {k: [] for k in firsts}
-    names = list(contenders)
-    for r in range(repeats):  # interleaved and rotated, so that drift in load and run order hit all alike
-        for name in names[r % len(names):] + names[: r % len(names)]:
+    out: dict = {"runs": {k: [] for k in contenders}, "cpu": {k: [] for k in contenders},
+                 "first": {k: [] for k in firsts}, "by_thread": {"fastio": {}, "dali": {}}, "quiet": []}
+    for r in range(repeats):
+        start = read_sample()
+        for name in _round_order(r):
             before = _cpu_seconds()
             n, seconds = contenders[name]()
-            cpu[name].append(1000 * (_cpu_seconds() - before) / n)
-            runs[name].append(scale.get(name, 1) * n / seconds)
+            out["cpu"][name].append(1000 * (_cpu_seconds() - before) / n)
+            out["runs"][name].append(scale.get(name, 1) * n / seconds)
             for group, secs in last.get(name, {}).items():  # where that CPU went, by thread group
-                by_thread[name].setdefault(group, []).append(1000 * secs / n)
-            print(f"  {name:<11} {runs[name][-1]:9.1f} samples/s  {cpu[name][-1]:6.2f} CPU ms/sample",
-                  file=sys.stderr, flush=True)
+                out["by_thread"][name].setdefault(group, []).append(1000 * secs / n)
+            print(f"  round {r + 1}/{repeats}  {name:<11} {out['runs'][name][-1]:9.1f} samples/s  "
+                  f"{out['cpu'][name][-1]:6.2f} CPU ms/sample", file=sys.stderr, flush=True)
         for name, f in firsts.items():
-            first[name].append(f())
-        print("  first batch " + "  ".join(f"{k} {v[-1]:.3f}s" for k, v in first.items()), file=sys.stderr,
-              flush=True)
-    rss = {name: _steady_rss_in_child(name, dest, device) for name in ("fastio", "dali")}
-    member_check = _member_check(dest, repeats)
+            out["first"][name].append(f())
+        out["quiet"].append(during(start, read_sample()))
+        print(_round_line(out, r, repeats), file=sys.stderr, flush=True)
+    return out
+
+
+def _round_line(out: dict, r: int, repeats: int) -> str:
+    """Round ``r``'s paired ratios, first batches and what the other processes used, on one line."""
+    runs, first, quiet = out["runs"], out["first"], out["quiet"][r]
+    return (f"  round {r + 1}/{repeats}  fastio / DataLoader {runs['fastio'][r] / runs['dataloader'][r]:.3f}, "
+            f"fastio / DALI {runs['fastio'][r] / runs['dali'][r]:.3f}; first batch "
+            + " ".join(f"{k} {v[r]:.3f}s" for k, v in first.items())
+            + f"; other processes used {quiet.others:.2f} of {quiet.cores} cores")
+
+
+def _result(rounds: dict, device: str, cores: int, samples: int, repeats: int) -> dict:
+    """The result dict of :func:`run` from :func:`_rounds`'s figures: medians, and paired ratios (the median over
+    the rounds of fastio's figure over the peer's in the same round)."""
+    runs, first = rounds["runs"], rounds["first"]
     median = {k: statistics.median(v) for k, v in runs.items()}
-    first_s = {k: statistics.median(v) for k, v in first.items()}
-    result = {
+    quiet = rounds["quiet"]
+    busy = [q for q in quiet if q.busy]
+    return {
         "benchmark": "loader", "device": device, "machine": machine_info(), "cores": cores, "samples": samples,
         "batch_size": BATCH, "image_size": SIZE, "repeats": repeats, "samples_per_s": median, "runs": runs,
         # CPU time (this process and its reaped children) per delivered sample: the efficiency figure,
         # much less sensitive than wall time to other load on a shared machine.
-        "cpu_ms_per_sample": {k: statistics.median(v) for k, v in cpu.items()},
+        "cpu_ms_per_sample": {k: statistics.median(v) for k, v in rounds["cpu"].items()},
         # the same, split by thread group (see _thread_cpu), up to the end of the epoch
         "cpu_ms_per_sample_by_thread": {k: {g: statistics.median(v) for g, v in groups.items()}
-                                        for k, groups in by_thread.items()},
-        "first_batch_s": first_s, "first_batch_runs": first, "steady_rss_mib": rss, "member_check": member_check,
+                                        for k, groups in rounds["by_thread"].items()},
+        "first_batch_s": {k: statistics.median(v) for k, v in first.items()}, "first_batch_runs": first,
+        # each round's figure of the other processes; the verdicts are withheld if any round was busy
+        "quiet_rounds": [q.as_dict() for q in quiet],
+        "quiet": max(busy or quiet, key=lambda q: q.others).as_dict(),
         "ratios": [
             {"name": f"loader {device} samples/s vs DataLoader+WebDataset", "better": "higher", "target": 1.3,
              "value": _paired(runs, "fastio", "dataloader")},
             {"name": f"loader {device} samples/s vs DALI webdataset reader", "better": "higher", "target": 1.0,
              "value": _paired(runs, "fastio", "dali")},
             {"name": f"loader {device} first batch vs DALI's", "better": "lower", "target": 1.0,
-             "value": first_s["fastio"] / first_s["dali"]},
+             "value": _paired(first, "fastio", "dali")},
             {"name": f"loader {device} first batch of a resumed epoch vs DALI's", "better": "lower",
-             "target": 1.0, "value": first_s["fastio_resumed"] / first_s["dali"]},
+             "target": 1.0, "value": _paired(first, "fastio_resumed", "dali")},
         ],
         "fastio_vs_ceiling": median["fastio"] / median["ceiling"],
     }
-    print(table(result))
-    if results_dir is not None:
-        stem = "loader" if device == "cpu" else f"loader-{device}"
-        write_results(stem, result, results_dir)
-        _chart(result, results_dir / f"{stem}.png")
-    return result
 
 
 def _paired(runs: dict[str, list[float]], a: str, b: str) -> float:
@@ -478,10 +514,9 @@ def table(result: dict) -> str:
         lines.append(f"tar header check: {check['check_us_per_sample']:.2f} CPU us/sample of a raw read's "
                      f"{check['raw_read_us_per_sample']:.1f} ({100 * check['check_share_of_read']:.1f}%)")
     for r in result["ratios"]:
-        higher = r.get("better", "higher") == "higher"
-        met = r["value"] >= r["target"] if higher else r["value"] <= r["target"]
-        lines.append(f"{r['name']}: {r['value']:.3f}x (target {'>=' if higher else '<='} {r['target']}: "
-                     f"{'met' if met else 'MISSED'})")
+        sign = ">=" if r.get("better", "higher") == "higher" else "<="
+        lines.append(f"{r['name']}: {r['value']:.3f}x, paired over {result['repeats']} rounds (target {sign} "
+                     f"{r['target']}: {verdict(r, result.get('quiet'))})")
     return "\n".join(lines)
 
 
@@ -505,14 +540,18 @@ def _chart(result: dict, path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.loader``."""
+    p = section_parser(__doc__)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=1200)
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "loader")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, args.device, args.samples, args.out)
     return 0
 

@@ -39,7 +39,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["make_media", "run"]
 
@@ -282,12 +283,26 @@ def run(workdir: Path, repeats: int = 3, videos: int = 128, audios: int = 256,
     return result
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--videos", type=int, default=128)
-    parser.add_argument("--audios", type=int, default=256)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.media``."""
+    p = section_parser(__doc__)
+    p.add_argument("--videos", type=int, default=128)
+    p.add_argument("--audios", type=int, default=256)
+    p.add_argument("--kinds", default=",".join(KINDS), help="rows to run, of " + ", ".join(KINDS))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    kinds = tuple(args.kinds.split(","))
+    if set(kinds) - set(KINDS):
+        p.error(f"--kinds {args.kinds}: the kinds are {', '.join(KINDS)}")
+    before_section(args.quiet_wait)
     run(Path(__file__).resolve().parent / "work" / "media", repeats=args.repeats, videos=args.videos,
-        audios=args.audios, kinds=tuple(args.kinds.split(",")))
+        audios=args.audios, results_dir=args.out, kinds=kinds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["make_datasets", "run"]
 
@@ -96,8 +97,9 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
             n, s, cpu = _epoch(make)
             pair[name], pair[f"{name}_cpu_ms_per_sample"] = n / s, 1000 * cpu / n
         rounds.append(pair)
-        print(f"round {r}: single {pair['single']:.1f} samples/s ({pair['single_cpu_ms_per_sample']:.2f} CPU ms/sample), "
-              f"mixture {pair['mixture']:.1f} samples/s ({pair['mixture_cpu_ms_per_sample']:.2f} CPU ms/sample), "
+        print(f"round {r + 1}/{repeats}: single {pair['single']:.1f} samples/s "
+              f"({pair['single_cpu_ms_per_sample']:.2f} CPU ms/sample), mixture {pair['mixture']:.1f} samples/s "
+              f"({pair['mixture_cpu_ms_per_sample']:.2f} CPU ms/sample), "
               f"ratio {pair['mixture'] / pair['single']:.3f}", flush=True)
     ratio = statistics.median(p["mixture"] / p["single"] for p in rounds)
     cpu_ratio = statistics.median(p["single_cpu_ms_per_sample"] / p["mixture_cpu_ms_per_sample"] for p in rounds)
@@ -115,11 +117,21 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
     return result
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=1200)
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.mixture``."""
+    p = section_parser(__doc__)
+    p.add_argument("--samples", type=int, default=1200)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(Path(__file__).resolve().parent / "work" / "mixture", repeats=args.repeats, samples=args.samples,
-        device=args.device)
+        device=args.device, results_dir=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

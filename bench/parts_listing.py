@@ -30,12 +30,17 @@ def make_tree(root: Path, files: int, per_class: int) -> None:
             (folder / f"img{i:07d}.jpg").touch()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=100_000)
-    parser.add_argument("--per-class", type=int, default=1000)
-    parser.add_argument("--work", type=Path, default=None, help="where to create the tree (default: a temp dir)")
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.parts_listing``."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=100_000)
+    p.add_argument("--per-class", type=int, default=1000)
+    p.add_argument("--work", type=Path, default=None, help="where to create the tree (default: a temp dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="fastio-listing-", dir=args.work))
     try:
         t0 = time.perf_counter()

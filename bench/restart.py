@@ -39,7 +39,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["make_dataset", "run"]
 
@@ -310,21 +311,25 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3)
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.restart``."""
+    p = section_parser(__doc__)
     p.add_argument("--samples", type=int, default=100_000)
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--tiny", action="store_true", help="2,000 samples and 48 MiB of state: checks that it runs")
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "restart")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.child:
         child(args.child, args.workdir, args.data, args.size_mib)
         return 0
     samples, size_mib = (2000, 48) if args.tiny else (args.samples, args.size_mib)
+    before_section(args.quiet_wait)
     run(args.workdir, args.repeats, samples, size_mib, args.out)
     return 0
 

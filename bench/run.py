@@ -1,9 +1,12 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only SECTION,...] [--repeats N]
-Writes bench/out/ (not tracked by git): each section's SECTION.json (written by the section as it ends),
-summary.json (this run's sections, plus the last results of sections not run this time, each with its start
-time) and summary.png. bench/results/ holds reference results that someone chose to commit.
+Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS]
+Writes bench/out/ (not tracked by git; --out DIR elsewhere): each section's SECTION.json (written by the section
+as it ends), summary.json (this run's sections, plus the last results of sections not run this time, each with
+its start time and what the other processes used of the cores before and during it) and summary.png.
+bench/results/ holds reference results that someone chose to commit. Before each section it waits for a quiet
+machine (bench/quiet.py); a ratio measured while other processes kept the cores busy gets no verdict, only
+that note.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.common import RESULTS_DIR as RESULTS
+from bench.common import met, section_parser, verdict
+from bench.quiet import before_section, during, read_sample
 from fastio.storage.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -38,11 +42,6 @@ SECTIONS = (
 )
 
 
-def _met(r: dict) -> bool:
-    """Whether a ratio ``{"value", "target", "better": "higher"|"lower"}`` meets its target."""
-    return r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
-
-
 def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
@@ -55,7 +54,9 @@ def plot(summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 0.55 * len(rows) + 1.8))
     names = [f"{sec}: {r['name']}" for sec, r in rows]
     values = [max(r["value"], 1e-3) for _, r in rows]  # a log axis: a ratio of 0 is drawn at 0.001
-    colors = ["tab:green" if _met(r) else "tab:red" for _, r in rows]
+    busy = {sec for sec, res in summary["sections"].items()
+            if any(q and q["busy"] for q in res.get("machine_quiet", {}).values())}
+    colors = ["tab:gray" if sec in busy else "tab:green" if met(r) else "tab:red" for sec, r in rows]
     y = range(len(rows))
     # Bars grow from 1 (parity) on a log axis, so 0.16 and 31x are both visible and symmetric about parity.
     ax.set_xscale("log")
@@ -70,7 +71,8 @@ def plot(summary: dict, path: Path) -> None:
     ax.invert_yaxis()
     lo, hi = min(values + [r["target"] for _, r in rows]), max(values + [r["target"] for _, r in rows])
     ax.set_xlim(min(lo, 1) / 2, max(hi, 1) * 40)  # room on the right for the labels
-    ax.set_xlabel("ratio, log scale (fastio vs peer; 1 = parity)\nblack bar = target; green = met, red = missed")
+    ax.set_xlabel("ratio, log scale (fastio vs peer; 1 = parity)\n"
+                  "black bar = target; green = met, red = missed, gray = not judged (machine busy)")
     runs = sorted({res.get("repeats", "?") for res in summary["sections"].values()}, key=str)
     ax.set_title(f"fastio bench, {summary['host']['cpus']} CPUs, medians of {'/'.join(map(str, runs))} runs")
     fig.tight_layout()
@@ -78,51 +80,71 @@ def plot(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.run``: the sections' (``--repeats``, ``--out``, ``--quiet-wait``) and
+    ``--only``."""
+    p = section_parser(__doc__)
+    p.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
+                   help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
-                        help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians are reported)")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     wanted = [s for s in args.only.split(",") if s]
     unknown = set(wanted) - set(SECTIONS)
     if unknown:
-        parser.error(f"unknown section(s): {', '.join(sorted(unknown))}; the sections are: {', '.join(SECTIONS)}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    summary_path = RESULTS / "summary.json"
+        p.error(f"unknown section(s): {', '.join(sorted(unknown))}; the sections are: {', '.join(SECTIONS)}")
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "summary.json"
     # Sections not run now keep their last results (each records when it ran and how many repeats).
     previous = json.loads(summary_path.read_text()).get("sections", {}) if summary_path.exists() else {}
     summary = {"host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "machine": platform.machine()},
                "sections": {k: v for k, v in previous.items() if k in SECTIONS and k not in wanted}}
-    failed = []
-    for name in wanted:
-        print(f"\n=== {name} ===", flush=True)
-        module = importlib.import_module(f"bench.{name}")
-        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            result = module.run(WORK / name, repeats=args.repeats)
-        except Exception:
-            traceback.print_exc()
-            failed.append(name)
-            continue
-        summary["sections"][name] = {**result, "started": started, "repeats": args.repeats}
-    print("\n=== summary (fastio vs peer, medians) ===")
-    for name in (s for s in SECTIONS if s in summary["sections"]):
-        result = summary["sections"][name]
-        when = f"(ran {result.get('started', '?')}, {result.get('repeats', '?')} repeats)"
-        for r in result.get("ratios", []):
-            ok = _met(r)
-            sign = ">=" if r["better"] == "higher" else "<="
-            print(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
-                  f"{'met' if ok else 'MISSED':<6} {when}")
+    failed = [name for name in wanted if not _run_section(name, args, summary)]
+    print(f"\n=== summary (fastio vs peer, medians) ===\n{summary_lines(summary)}")
     atomic_write_bytes(summary_path, json.dumps(summary, indent=2, sort_keys=True).encode() + b"\n")
-    plot(summary, RESULTS / "summary.png")
-    print(f"\nwrote {RESULTS / 'summary.json'} and {RESULTS / 'summary.png'}")
+    plot(summary, out / "summary.png")
+    print(f"\nwrote {summary_path} and {out / 'summary.png'}")
     if failed:
         print(f"sections that failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_section(name: str, args: argparse.Namespace, summary: dict) -> bool:
+    """Wait for a quiet machine, run section ``name`` into ``summary`` (with what the other processes used of the
+    cores before and during it); False if it failed."""
+    print(f"\n=== {name} ===", flush=True)
+    module = importlib.import_module(f"bench.{name}")
+    before = before_section(args.quiet_wait)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    start = read_sample()
+    try:
+        result = module.run(WORK / name, repeats=args.repeats, results_dir=args.out)
+    except Exception:
+        traceback.print_exc()
+        return False
+    quiet = {"before": before.as_dict(), "during": during(start, read_sample()).as_dict()}
+    summary["sections"][name] = {**result, "started": started, "repeats": args.repeats, "machine_quiet": quiet}
+    return True
+
+
+def summary_lines(summary: dict) -> str:
+    """One line per ratio of every section: its value, target and verdict (none where the machine was busy)."""
+    lines = []
+    for name in (s for s in SECTIONS if s in summary["sections"]):
+        result = summary["sections"][name]
+        when = f"(ran {result.get('started', '?')}, {result.get('repeats', '?')} repeats)"
+        quiet = result.get("machine_quiet", {})
+        for r in result.get("ratios", []):
+            sign = ">=" if r["better"] == "higher" else "<="
+            lines.append(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
+                         f"{verdict(r, quiet.get('before'), quiet.get('during'))} {when}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

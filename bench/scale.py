@@ -34,7 +34,8 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["legacy_order", "run"]
 
@@ -326,23 +327,30 @@ def table(r: dict) -> None:
         print(f"  {ratio['name']}: {ratio['value']:.3g} (target >= {ratio['target']})")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.scale``."""
+    p = section_parser(__doc__, None)
+    p.add_argument("--samples", type=int, default=10**9)
+    p.add_argument("--shards", type=int, default=10**5)
+    p.add_argument("--ranks", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per batch")
+    p.add_argument("--block-shards", type=int, default=16)
+    p.add_argument("--legacy-samples", type=int, default=10**7, help="size for the materialised order")
+    p.add_argument("--stats-samples", type=int, default=10**6)
+    p.add_argument("--startup-shards", type=int, default=10**5)
+    p.add_argument("--startup-per-shard", type=int, default=100)
+    p.add_argument("--idx-samples", type=int, default=20_000)
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "scale")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=10**9)
-    parser.add_argument("--shards", type=int, default=10**5)
-    parser.add_argument("--ranks", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per batch")
-    parser.add_argument("--block-shards", type=int, default=16)
-    parser.add_argument("--legacy-samples", type=int, default=10**7, help="size for the materialised order")
-    parser.add_argument("--stats-samples", type=int, default=10**6)
-    parser.add_argument("--startup-shards", type=int, default=10**5)
-    parser.add_argument("--startup-per-shard", type=int, default=100)
-    parser.add_argument("--idx-samples", type=int, default=20_000)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "scale")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
     run(args.workdir, samples=args.samples, shards=args.shards, ranks=args.ranks, batch=args.batch,
         block_shards=args.block_shards, legacy_samples=args.legacy_samples, stats_samples=args.stats_samples,
-        startup_shards=args.startup_shards, startup_per_shard=args.startup_per_shard, idx_samples=args.idx_samples)
+        startup_shards=args.startup_shards, startup_per_shard=args.startup_per_shard, idx_samples=args.idx_samples,
+        results_dir=args.out)
     return 0
 
 

@@ -35,8 +35,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.loader import make_shards
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -227,9 +228,20 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.storage``."""
+    p = section_parser(__doc__)
+    p.add_argument("--samples", type=int, default=2400)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
+    run(Path(__file__).resolve().parent / "work" / "storage", repeats=args.repeats, samples=args.samples,
+        results_dir=args.out)
+    return 0
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=2400)
-    args = parser.parse_args()
-    run(Path(__file__).resolve().parent / "work" / "storage", repeats=args.repeats, samples=args.samples)
+    sys.exit(main())

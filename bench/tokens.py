@@ -55,7 +55,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 import numpy as np
 
-from bench.common import interleaved, machine_info, median_ratio, write_results
+from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.quiet import before_section
 
 __all__ = ["run"]
 
@@ -410,7 +411,7 @@ def bench_bestfit_construction(folder: Path, seq_len: int) -> dict[str, Any]:
 
 
 def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048,
-        scale_docs: int = 10_000_000) -> dict[str, Any]:
+        scale_docs: int = 10_000_000, results_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)  # megatron-core and litdata log every index they build
     workdir = Path(workdir)
@@ -430,19 +431,25 @@ def run(workdir: Path, repeats: int = 3, docs: int = 20_000, seq_len: int = 2048
     result = {"benchmark": "tokens", "documents": docs, "seq_len": seq_len, "repeats": repeats, "convert": convert,
               "read": read, "first_batch": scale, "scale_read": scale_read,
               "best_fit_construction": construction, "ratios": ratios, "machine": machine_info()}
-    write_results("tokens", result)
+    if results_dir is not None:
+        write_results("tokens", result, results_dir)
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--docs", type=int, default=20_000)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--scale-docs", type=int, default=10_000_000)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "tokens")
-    args = parser.parse_args()
-    result = run(args.workdir, args.repeats, args.docs, args.seq_len, args.scale_docs)
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.tokens``."""
+    p = section_parser(__doc__)
+    p.add_argument("--docs", type=int, default=20_000)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--scale-docs", type=int, default=10_000_000)
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "tokens")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
+    result = run(args.workdir, args.repeats, args.docs, args.seq_len, args.scale_docs, args.out)
     for r in result["ratios"]:
         print(f"{r['name']}: {r['value']:.3g} (target {'>=' if r['better'] == 'higher' else '<='} {r['target']})")
     c = result["convert"]

@@ -20,9 +20,9 @@ torch.manual_seed(0)
 
 ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)  # SIGTERM/SIGUSR1 make the next save blocking
 with fastio.exit_cleanly(ckpt):  # Ctrl-C or a fastio error: one line (what is saved, how to resume), no traceback
-    train = fastio.Loader(f"{data}/train", batch_size=16, device="cpu", pipeline="image-train",
-                          image_size=32, seed=0)       # device="cuda" on a GPU: batches are decoded there
-    val = fastio.Loader(f"{data}/val", batch_size=16, device="cpu", pipeline="image-eval", image_size=32,
+    train = fastio.Loader(f"{data}/train", batch_size=16, device="cpu", pipeline=fastio.ImageTrain(size=32),
+                          seed=0)                      # device="cuda" on a GPU: batches are decoded there
+    val = fastio.Loader(f"{data}/val", batch_size=16, device="cpu", pipeline=fastio.ImageEval(size=32),
                         shuffle="none", remainder="partial")   # every sample once, in order
     classes = train.dataset.num_classes                        # the largest label + 1
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(),
@@ -32,7 +32,7 @@ with fastio.exit_cleanly(ckpt):  # Ctrl-C or a fastio error: one line (what is s
 
     start = ckpt.restore_latest(app)                             # None on a fresh start
     step = start.step if start else 0
-    print(f"resumed at step {step}, epoch {train.epoch}" if start else "fresh start", flush=True)
+    print(f"resumed at step {step}, {train.epoch} of {epochs} epochs done" if start else "fresh start", flush=True)
 
     def evaluate() -> float:
         correct = seen = 0
@@ -57,7 +57,7 @@ with fastio.exit_cleanly(ckpt):  # Ctrl-C or a fastio error: one line (what is s
                 ckpt.close()
                 print(f"preempted: saved step {step}; run the same command to resume", flush=True)
                 sys.exit(ckpt.exit_code)         # preempted_exit_code (default 0): the same command resumes
-        print(f"epoch {train.epoch} done: val accuracy {evaluate():.2f}", flush=True)
+        print(f"epoch {train.epoch} of {epochs} done: val accuracy {evaluate():.2f}", flush=True)
 
     if not start or step > start.step:           # the final state, so that a relaunch trains nothing more
         ckpt.save(step, app, blocking=True)

@@ -10,6 +10,7 @@ import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fastio.convert.synthetic import CLASS_NAMES, make_imagefolder
@@ -34,13 +35,13 @@ def _cuda_available() -> bool:
 SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run on a busy 2-core machine (Dec 2026)
     "test_docs.py",  # 143
     "test_newcomer.py",  # 73
-    "test_checkpoint_review6.py",  # 56 (quiet, Dec 2)
-    "test_tokens_read.py",  # 36 (quiet, Dec 2)
+    "test_checkpoint_waiting.py",  # 56 + 8 (quiet, Dec 2: the rank runs of test_checkpoint_review6.py and round6)
+    "test_tokens_read.py",  # 36 (quiet, Dec 2) + test_tokens_review2.py's (62 with them, Dec 6, busy, 2 workers)
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
     "test_media_dist.py",  # 45 (alone, load 4)
     "test_lightning.py",  # 39
-    "test_checkpoint_round6.py",  # 26 (quiet, Dec 2)
+    "test_checkpoint_strict.py",  # 20 (test_checkpoint_round6.py's elastic ranks; 47 on Dec 6, busy, 2 workers)
     "test_checkpoint_fsdp.py",  # 33
     "test_checkpoint.py",  # 29
     "test_checkpoint_rollback.py",  # 28
@@ -48,7 +49,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_lightning_resume.py",  # 24
     "test_checkpoint_ranks.py",  # 20
     "test_checkpoint_dist.py",  # 18
-    "test_review_round4_data.py",  # 18
+    "test_storage_stall.py",  # 15 (test_review_round4_data.py's 10 s outage; 21 on Dec 6, busy, 2 workers)
     "test_storage_lease.py",  # 14
     "test_kill.py",  # 13
     "test_tokens_loader.py",  # 12
@@ -203,3 +204,35 @@ class Lines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def token_ds(tmp_path_factory) -> Path:
+    """A token dataset of 60 documents of 1..40 tokens (end-of-document id 0), indexed in place."""
+    from fastio.tokens.index import TokenIndexConfig, index_tokens
+    from fastio.tokens.megatron import MegatronWriter
+
+    dest = tmp_path_factory.mktemp("tokens") / "ds"
+    dest.mkdir()
+    rng = np.random.default_rng(0)
+    writer = MegatronWriter(str(dest / "part-000.bin"), "uint16")
+    for _ in range(60):
+        writer.add(np.r_[rng.integers(1, 1000, int(rng.integers(0, 40))), 0])
+    writer.close()
+    index_tokens(TokenIndexConfig(dest, eos_id=0))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def image_ds(tmp_path_factory) -> Path:
+    """6 solid-colour PNGs of 40 x 30 in two classes, converted."""
+    from PIL import Image
+
+    from fastio.convert.run import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("images")
+    for k in range(6):
+        (root / "src" / f"c{k % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (40, 30), (40 * k, 90, 200)).save(root / "src" / f"c{k % 2}" / f"p{k}.png")
+    convert(ConvertConfig(source=root / "src", dest=root / "ds", workers=1, progress=False))
+    return root / "ds"

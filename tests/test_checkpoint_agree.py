@@ -6,7 +6,7 @@ gloo's timeout); one rank restoring while the other saves (``TypeError`` on one 
 rank saving while the other is in an all-reduce of the training's own (both hung): the saving rank gives up after
 ``agree_timeout``, naming the other, which gets the same error when it comes late; and a rank stopped with
 SIGSTOP for a few seconds: the other names it once in the log while it waits, and the save goes through when it
-resumes.
+resumes. Ranks with other ``compression=`` are refused on every rank (a run of their own).
 """
 
 from __future__ import annotations
@@ -112,3 +112,30 @@ def test_agree_timeout_is_checked_where_it_enters(tmp_path):
         else:
             raise AssertionError(f"agree_timeout={bad!r} was accepted")
     assert CheckpointConfig(dir=tmp_path / "ck").agree_timeout == 300
+
+
+def _compression_worker(rank: int, port: int, root: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ckpt = Checkpointer(root, signals=(), compression="zstd" if rank == 0 else None, agree_timeout=20)
+        ckpt.save(1, {"m": nn.Linear(4, 2)}, blocking=True)
+        ckpt.close()
+        seen = None
+    except CheckpointError as err:
+        seen = str(err)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    os._exit(0)
+
+
+def test_ranks_with_other_compression_are_refused_on_every_rank(tmp_path):
+    """Point 8, ranks that disagree: rank 0 with compression="zstd", rank 1 without. Both hung (rank 0 in the
+    writer's "compress" barrier, rank 1 already in the commit's gather); codecs that differ would commit files
+    that the marker's codec cannot read."""
+    port = free_port()
+    spawn_ranks(_compression_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=120)
+    seen = {json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+    assert len(seen) == 1, seen
+    text = seen.pop()
+    assert text and "ranks disagree on the compression: rank 0 zstd, rank 1 none" in text, text
+    assert not (tmp_path / "ck").exists()  # refused before anything was created

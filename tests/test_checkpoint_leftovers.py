@@ -1,16 +1,19 @@
-"""What kills and a concurrent retention leave in a checkpoint directory: a temporary holding only a
-half-written writer's mark is reclaimed (also once quarantined by an older fastio), never anything that may hold
-data; ``fastio ckpt verify`` skips a step that retention deletes while it checks it (on disk and on s3://)."""
+"""What kills and a concurrent retention leave in a checkpoint directory: a temporary holding only a half-written
+writer's mark is reclaimed (also once quarantined by an older fastio), never anything that may hold data; ``fastio
+ckpt verify`` skips a step that retention deletes while it checks it (on disk and on s3://); a live reader's restore
+directory is not a leftover when a writer restores."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
 import torch
 from helpers import StateHolder, run_cli
+from torch import nn
 
 from fastio.checkpoint import Checkpointer, catalog, layout
 from fastio.storage import open_storage
@@ -122,3 +125,28 @@ def test_verify_on_s3_skips_a_step_that_retention_deletes_while_it_is_checked(mo
     store.put_bytes(key, b"damaged")
     _, report = catalog.verify_steps(url, storage_options=options)
     assert report.steps == [2] and len(report.problems) == 1 and key in report.problems[0]
+
+
+def test_a_restore_of_another_live_process_keeps_its_directory_when_a_writer_restores(tmp_path):
+    """Point 14: an evaluation restoring a compressed checkpoint (read-only) decompresses into its
+    ``.step-N.restore-PID``; the trainer's own restore (a relaunch) deleted every such directory as abandoned,
+    the live reader's too, under its feet. Only a dead process's is abandoned."""
+    root = tmp_path / "ck"
+    model = nn.Linear(4, 2)
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        ckpt.save(1, {"m": model}, blocking=True)
+    reader = subprocess.Popen(["sleep", "60"])  # a live process of this host, as the reader
+    try:
+        live = layout.start_restore_dir(root, 1).rename(root / f".step-1.restore-{reader.pid}")
+        (live / "m.bin").write_bytes(b"being read")
+        dead = layout.start_restore_dir(root, 1).rename(root / ".step-1.restore-999999")
+        with Checkpointer(root, signals=()) as ckpt:  # the trainer, relaunched
+            assert ckpt.restore_latest({"m": nn.Linear(4, 2)}).step == 1
+        assert (live / "m.bin").read_bytes() == b"being read"
+        assert not dead.exists()
+    finally:
+        reader.kill()
+        reader.wait()
+    with Checkpointer(root, signals=()) as ckpt:  # once it has ended, its directory is a leftover
+        ckpt.restore_latest({"m": nn.Linear(4, 2)})
+    assert not live.exists()

@@ -1,11 +1,13 @@
 """A restore is all or nothing (issue 28, point 10): a loader state that cannot be loaded (a mixture whose
 weights changed mid-epoch) is found before anything is loaded, so the model keeps its weights; the message names
 what a Checkpointer user can do, ``restore_latest(..., loader_policy="next-epoch")``, which restores everything
-else and starts the loader at the next epoch."""
+else and starts the loader at the next epoch. An app module of another shape leaves every other app key as it
+was; under Lightning the refusal names a Lightning way (a checkpoint saved at an epoch's end)."""
 
 from __future__ import annotations
 
 from itertools import islice
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,3 +57,67 @@ def test_a_loader_that_refuses_its_state_leaves_the_app_untouched(tmp_path):
         ckpt.restore_latest({"model": model}, loader_policy="next-epoch")
     ckpt.close()
     new.close()
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_module_of_another_shape_leaves_every_other_app_key_as_it_was(tmp_path, engine):
+    """Point 10, all or nothing: app key ``b`` changed shape. The restore refused it, but with torchsnapshot only
+    once it reached ``b``: the model ``a`` and the optimizer before it were already loaded (keys load one by one,
+    in place)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    a(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"a": a, "opt": opt, "b": b}, blocking=True)
+    a2, b2 = nn.Linear(4, 2), nn.Linear(4, 3)
+    with torch.no_grad():
+        a2.weight.zero_()
+        a2.bias.zero_()
+    opt2 = torch.optim.SGD(a2.parameters(), lr=0.5, momentum=0.9)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError, match=r"app key b: other shape: bias \(checkpoint 2, app 3\)"):
+            ckpt.restore_latest({"a": a2, "opt": opt2, "b": b2})
+    assert torch.count_nonzero(a2.weight) == 0 and torch.count_nonzero(a2.bias) == 0, "model a was loaded"
+    assert opt2.param_groups[0]["lr"] == 0.5, "the optimizer was loaded"
+
+
+def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_path, image_dataset, one_thread):
+    """Resuming a mid-epoch Lightning checkpoint with other mixture weights is refused with a hint Lightning can
+    follow (a checkpoint saved at an epoch's end), and resuming from such a checkpoint with the new weights works."""
+    import importlib.util
+
+    pl = pytest.importorskip("lightning.pytorch")
+    from fastio import Mixture
+    from fastio.errors import LoaderStateError
+    from fastio.integrations.lightning import FastioDataModule
+
+    spec = importlib.util.spec_from_file_location("lightning_train", Path(__file__).parent.parent / "examples" /
+                                                  "lightning_train.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    def data(weights: dict) -> FastioDataModule:
+        return FastioDataModule(Mixture({"a": image_dataset, "b": image_dataset}, weights=weights), batch_size=8,
+                                image_size=32, device="cpu", num_threads=1, reader_threads=1)
+
+    def trainer(**kw) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=2)
+    trainer(max_epochs=1, callbacks=[every]).fit(example.Classifier(4), datamodule=data({"a": 1, "b": 1}))
+    saved = sorted(p.name for p in (tmp_path / "ck").glob("*.ckpt"))
+    last = max(int(name[5:-5]) for name in saved)  # the epoch's last step: its end
+    assert last > 2, saved
+    with pytest.raises(LoaderStateError) as err:
+        trainer(max_epochs=1).fit(example.Classifier(4), datamodule=data({"a": 3, "b": 1}),
+                                  ckpt_path=tmp_path / "ck" / "step=2.ckpt")
+    text = str(err.value)
+    assert "weights can change only from the next epoch" in text and "\n" not in text, text
+    assert "under Lightning" in text and "ModelCheckpoint(every_n_epochs=1)" in text, text
+    model = example.Classifier(4)
+    trainer(max_epochs=2).fit(model, datamodule=data({"a": 3, "b": 1}), ckpt_path=tmp_path / "ck" / f"step={last}.ckpt")
+    assert [epoch for epoch, _ in model.seen] and {epoch for epoch, _ in model.seen} == {1}

@@ -1,12 +1,18 @@
-"""Strict restores (issue 19.5): a checkpoint and an app that differ in keys or shapes are refused on both
-engines, naming the keys; ``strict=False`` loads what matches and lists what it skipped."""
+"""Strict restores (issue 19.5): a checkpoint and an app that differ in keys or shapes are refused on both engines,
+naming the keys; ``strict=False`` loads what matches and lists what it skipped. An optimizer of other parameter groups
+and an elastic restore's per-rank state of another shape (real gloo ranks) are refused before anything loads."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from helpers import free_port, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -72,3 +78,215 @@ def test_not_strict_loads_what_matches_and_lists_the_rest(tmp_path, engine, capl
     assert "not in the app: 2.bias, 2.weight" in text
     assert "other shape: 1.bias (checkpoint 8, app 4), 1.weight (checkpoint 8x8, app 4x8)" in text
     assert "strict=False" in caplog.text and "2.weight" in caplog.text
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+
+def two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.01}])
+
+
+def trained(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 8)).square().mean().backward()
+    optim.step()
+
+
+def snapshot(app: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of every module and optimizer in ``app``, copied (a bitwise 'before')."""
+    out = {}
+    for key, obj in app.items():
+        if isinstance(obj, nn.Module):
+            out.update({f"{key}.{k}": v.clone() for k, v in obj.state_dict().items()})
+        else:
+            for i, st in obj.state_dict()["state"].items():
+                out.update({f"{key}.{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+def unchanged(app: dict, before: dict[str, torch.Tensor]) -> bool:
+    now = snapshot(app)
+    return now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in now)
+
+
+def saved_two_groups(tmp_path: Path, engine: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = net()
+    optim = two_groups(model)
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    return model, optim
+
+
+def other_app() -> dict:
+    torch.manual_seed(1)  # weights unlike the saved ones
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optim = torch.optim.Adam(model.parameters())  # one group of 4 parameters, the checkpoint's two of 2
+    trained(model, optim)
+    return {"model": model, "optim": optim}
+
+
+GROUPS = ("app key optim: the checkpoint's optimizer has 2 parameter groups (2, 2 parameters), the app's 1 parameter "
+          "group (4 parameters)")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_other_parameter_groups_refused_before_the_model_loads(tmp_path, engine):
+    saved_two_groups(tmp_path, engine)
+    app = other_app()
+    before = snapshot(app)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest(app)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(str(tmp_path / "ck" / "step-1")), text
+    if engine == "torchsnapshot":
+        assert GROUPS in text, text
+    else:  # DCP keys optimizer state by parameter name: its planner names the saved group the app lacks
+        assert "app key optim: in the checkpoint, not in the app: param_groups.1." in text, text
+    assert unchanged(app, before)  # the model (and the optimizer) bitwise as they were
+
+
+def test_dcp_optimizer_of_no_app_module_refused_naming_its_groups(tmp_path):
+    """DCP writes an optimizer over parameters of no app module per rank (positional state): the same check."""
+    model, other = net(), net()
+    optim = two_groups(other)
+    trained(other, optim)
+    with Checkpointer(tmp_path / "ck", signals=(), engine="dcp") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    app = other_app()
+    app["optim"] = torch.optim.Adam(net().parameters())
+    before = snapshot(app)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match=re.escape(GROUPS)):
+            ckpt.restore_latest(app)
+    assert unchanged(app, before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_not_strict_loads_the_model_and_skips_what_cannot_load(tmp_path, engine, caplog):
+    """torchsnapshot: the optimizer's state is positional, so one of other groups is left as it was (listed);
+    DCP: its state is keyed by parameter name: each parameter's loads, the app's groups stay (listed)."""
+    model, optim = saved_two_groups(tmp_path, engine)
+    app = other_app()
+    optim_before = {k: v for k, v in snapshot(app).items() if k.startswith("optim.")}
+    with caplog.at_level(logging.WARNING, logger="fastio"):
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            state = ckpt.restore_latest(app, strict=False)
+    assert all(torch.equal(a, b) for a, b in zip(app["model"].state_dict().values(), model.state_dict().values()))
+    assert [len(g["params"]) for g in app["optim"].param_groups] == [4]
+    optim_now = {k: v for k, v in snapshot(app).items() if k.startswith("optim.")}
+    assert optim_now.keys() == optim_before.keys()
+    if engine == "torchsnapshot":
+        assert all(torch.equal(optim_now[k], optim_before[k]) for k in optim_now)  # left as it was
+        assert state.skipped == [f"{GROUPS} (optimizer left as it was)"], state.skipped
+    else:
+        saved, now = optim.state_dict()["state"], app["optim"].state_dict()["state"]
+        assert all(torch.equal(now[i][k], saved[i][k]) for i in range(4) for k in ("exp_avg", "exp_avg_sq"))
+        assert state.skipped == ["app key optim: the checkpoint's optimizer has 2 parameter groups, the app's 1 "
+                                 "parameter group (the app's groups kept, each parameter's state loaded by name)"]
+        assert app["optim"].param_groups[0]["lr"] == 0.001  # the app's group
+    assert "skipped: app key optim" in caplog.text
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_parameter_groups_still_restore(tmp_path, engine):
+    model, optim = saved_two_groups(tmp_path, engine)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    mine = two_groups(fresh)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.restore_latest({"model": fresh, "optim": mine})
+    assert [g["lr"] for g in mine.param_groups] == [0.001, 0.01]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(mine.state.values(), optim.state.values()))
+
+
+def ranked_app(rank: int, engine: str) -> dict:
+    """2 saving ranks: a DDP model (replicated, global with DCP) and per-rank state of the rank's own shape:
+    torchsnapshot a head module (rank 1's 4x3, rank 0's 4x2), DCP an optimizer of no app module (rank 1's of
+    two parameter groups, rank 0's of one). Restoring at 3 ranks, rank 1 gets saved rank 1's, which does not fit
+    the app built as rank 0's."""
+    torch.manual_seed(0)
+    app = {"model": nn.parallel.DistributedDataParallel(nn.Linear(16, 4))}
+    if engine == "torchsnapshot":
+        app["head"] = nn.Linear(4, 2 + rank)
+    else:
+        other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        app["optim"] = two_groups(other) if rank == 1 else torch.optim.Adam(other.parameters())
+    return app
+
+
+def elastic_worker(rank: int, ports: list[int], base: str) -> None:
+    def group(port: int, world: int) -> None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    if rank < 2:
+        group(ports[0], 2)
+        try:
+            for engine in ENGINES:
+                app = ranked_app(rank, engine)
+                with torch.no_grad():  # saved weights: the fresh ones + 1
+                    for obj in app.values():
+                        for p in obj.parameters() if isinstance(obj, nn.Module) else ():
+                            p.add_(1.0)
+                with Checkpointer(Path(base, engine), signals=(), engine=engine) as ckpt:
+                    ckpt.save(1, app, blocking=True)
+        finally:
+            dist.destroy_process_group()
+    group(ports[1], 3)
+    try:
+        out: dict = {}
+        for engine in ENGINES:
+            for strict in (True, False):
+                app = ranked_app(0, engine)  # every rank builds rank 0's app
+                before = snapshot(app)
+                try:
+                    with Checkpointer(Path(base, engine), signals=()) as ckpt:
+                        skipped = ckpt.restore_latest(app, strict=strict).skipped
+                    error = None
+                except CheckpointError as err:
+                    error, skipped = str(err), []
+                head = app.get("head")
+                out[f"{engine}-{strict}"] = {
+                    "error": error, "skipped": skipped, "unchanged": unchanged(app, before),
+                    "model": app["model"].module.weight.sum().item(),
+                    "head": head.weight.sum().item() if head is not None else None}
+        Path(base, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory) -> list[dict]:
+    base = tmp_path_factory.mktemp("elastic6")
+    start_ranks(elastic_worker, ([free_port(), free_port()], str(base)), 3)
+    return [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(3)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_elastic_per_rank_state_of_another_shape_refused_before_anything_loads(elastic_runs, engine):
+    key = "head" if engine == "torchsnapshot" else "optim"
+    for rank, res in enumerate(elastic_runs):
+        got = res[f"{engine}-True"]
+        assert got["error"] and "\n" not in got["error"], (rank, got)
+        assert "rank 1 takes saved rank 1's state" in got["error"], (rank, got["error"])
+        assert f"app key {key}" in got["error"], (rank, got["error"])
+        assert got["unchanged"], rank  # the replicated model too: nothing loaded on any rank
+
+
+def test_elastic_not_strict_loads_what_fits_per_rank(elastic_runs):
+    """torchsnapshot: the head that does not fit (rank 1's) is left as it was and listed; the other ranks' heads
+    and every rank's model load. DCP: rank 1's optimizer is left as it was and listed."""
+    for rank, res in enumerate(elastic_runs):
+        got, fresh = res["torchsnapshot-False"], res["torchsnapshot-True"]  # the refused restore left it fresh
+        assert got["error"] is None, (rank, got)
+        assert got["model"] == pytest.approx(fresh["model"] + 64), rank  # the saved weight (+1 each)
+        assert got["head"] == pytest.approx(fresh["head"] + (0 if rank == 1 else 8)), rank
+        assert any("app key head: other shape" in s for s in got["skipped"]) == (rank == 1), (rank, got)
+        dcp = res["dcp-False"]
+        assert dcp["error"] is None and dcp["model"] == pytest.approx(res["dcp-True"]["model"] + 64), (rank, dcp)
+        assert any("app key optim: the checkpoint's optimizer has 2" in s for s in dcp["skipped"]) == (rank == 1), \
+            (rank, dcp)

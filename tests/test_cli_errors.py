@@ -115,3 +115,12 @@ def test_field_name_too_long_for_tar(tmp_path, image_folder, capsys):
     table.write_text("path," + "c" * 120 + "\nsrc/circle/circle_0000.jpg,x\n")
     code, _, err = run_cli(["convert", str(table), str(tmp_path / "out")], capsys)
     assert_one_line_error(code, err, "src/circle/circle_0000.jpg: cannot be stored", "over 100 characters")
+
+
+def test_inspect_names_a_missing_mixture_file_and_refuses_a_negative_epoch(tmp_path, capsys):
+    from helpers import run_cli
+
+    code, _, err = run_cli(["inspect", str(tmp_path / "mix.json")], capsys)
+    assert code == 2 and f"{tmp_path / 'mix.json'}: cannot read the mixture file" in err
+    code, _, err = run_cli(["inspect", str(tmp_path), "--order", "--epoch", "-1"], capsys)
+    assert code == 2 and "--epoch" in err and "-1" in err

@@ -1,20 +1,26 @@
-"""A converted dataset that was damaged or tampered with after conversion: the index is checked whenever it
-is read, a shard replaced while it is read is noticed, `fastio verify` sees stray files, labels that do not
-fit int64 name their shard and key, and bare `fastio` is not an error."""
+"""A converted dataset that was damaged or tampered with after conversion: the index is checked whenever it is read, a
+shard replaced while it is read is noticed, `fastio verify` sees stray files, labels that do not fit int64 name their
+shard and key, and bare `fastio` is not an error; a shard rewritten in place after `fastio index` (two samples of the
+same sizes swapped) is refused by its tar headers, and a damaged .idx says what is no longer checked."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from fastio.cli import main
+from fastio.convert.synthetic import photo_jpeg
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.sample_table import INDEX_NAME, build_index
 from fastio.dataset.shards import ShardWriter
@@ -281,3 +287,62 @@ def test_bare_fastio_prints_usage_on_stdout_and_exits_0(capsys):
     assert main(["ckpt"]) == 0  # a group without its command: the same rule
     out, err = capsys.readouterr()
     assert out.startswith("Usage: fastio ckpt") and "error" not in err
+
+
+def _write_tar(path: Path, samples: dict[str, dict[str, bytes]], fmt=tarfile.GNU_FORMAT) -> None:
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for key, fields in samples.items():
+            for field, data in fields.items():
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys, fmt):
+    """Two samples of the same sizes swapped in a shard after `fastio index` (same size, so the size check at open
+    passes): before, each was delivered under the other's key; now every read checks each member's tar header."""
+    jpeg = photo_jpeg(np.random.default_rng(0), 32, 24)  # one image for all: only the names tell them apart
+    samples = {f"s{i:02d}": {"cls": b"%d" % (i % 2), "jpg": jpeg, "txt": b"text of sample %02d" % i}
+               for i in range(8)}
+    folder = tmp_path / "web"
+    folder.mkdir()
+    _write_tar(folder / "0.tar", samples, fmt)
+    code, _, err = run_cli(["index", str(folder), "-q"], capsys)
+    assert code == 0, err
+    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+        assert next(iter(loader))["txt"] == [samples[f"s{i:02d}"]["txt"] for i in range(8)]  # the check passes
+    size = (folder / "0.tar").stat().st_size
+    order = ["s00", "s01", "s03", "s02", *[f"s{i:02d}" for i in range(4, 8)]]
+    _write_tar(folder / "0.tar", {k: samples[k] for k in order}, fmt)  # in place, s02 and s03 swapped
+    assert (folder / "0.tar").stat().st_size == size
+    refused = (rf"^{folder}: shard 0\.tar key 's02': field 'txt': the index says member 's02\.txt' of 17 bytes at "
+               r"offset \d+, the shard holds member 's03\.txt' of 17 bytes there: it was rewritten after it was "
+               r"indexed; re-run `fastio index` \(or the conversion\)$")
+    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+        with pytest.raises(DatasetError, match=refused):
+            next(iter(loader))
+    with Loader(folder, batch_size=8, pipeline="image-eval", image_size=16, device="cpu", num_threads=1,
+                shuffle="none") as loader:  # a decoding pipeline: the image's member (and the label's)
+        with pytest.raises(DatasetError, match=r"key 's02': field '(jpg|cls)': .* holds member 's03\.(jpg|cls)'"):
+            next(iter(loader))
+    with Reader(Dataset(folder), ["cls"]) as reader:  # the label members too (same sizes)
+        assert reader.read(np.arange(2))["cls"][1].tobytes() == b"1"  # samples before the swap still read
+        with pytest.raises(DatasetError, match=r"key 's02': field 'cls': .* holds member 's03\.cls' of 1 bytes"):
+            reader.read(np.arange(8))
+
+
+def test_a_damaged_idx_leaves_member_names_checked_by_field_and_size_and_says_so(image_dataset, caplog):
+    """The Loader reads samples.fxi, not the .idx files; the tar-header check wants their keys. A damaged .idx
+    does not stop training (as before the check), but the warning names it and what is no longer checked."""
+    for idx in (image_dataset / "shards").glob("*.idx"):
+        idx.chmod(0o644)
+        idx.write_text("garbage that no parser accepts\n")
+    with caplog.at_level(logging.WARNING, logger="fastio"):
+        loader = Loader(image_dataset, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0,
+                        num_threads=1)
+        n = sum(len(b["label"]) for b in loader)
+        loader.close()
+    assert n == len(Dataset(image_dataset))
+    said = [r.getMessage() for r in caplog.records if "checked by field and size only" in r.getMessage()]
+    assert said and "shard-000000.idx" in said[0] and "sha256" in said[0]

@@ -1,6 +1,8 @@
 """A killed run never blocks the next: SIGKILL or SIGTERM of `fastio convert`, `convert --part` and `fastio merge`
-(real CLI processes) at several moments leaves no fastio process behind within seconds, the caller's stdout
-pipe reaches EOF (a `| tail` ends), and the same command run again succeeds."""
+(real CLI processes) at several moments leaves no fastio process behind within seconds, the caller's stdout pipe
+reaches EOF (a `| tail` ends), and the same command run again succeeds. Ctrl-C (SIGINT to the foreground group) ends a
+convert and its workers with one line; a killed s3:// convert's staging copy is found by a rerun that spells DEST
+otherwise."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ctrl_c_default
 
 from fastio.convert.merge import merge
 from fastio.convert.parts import PARTS_DIR
@@ -138,3 +141,42 @@ def test_killed_convert_to_s3_leaves_its_staging_copy_for_the_rerun_only(aws_env
                                    quality=80, staging_dir=stage))
     assert result.samples == 80 and list(stage.iterdir()) == []
     assert len(Dataset(url, cache_dir=tmp_path / "cache")) == 80
+
+
+def test_ctrl_c_stops_convert_and_its_workers_with_one_line(tmp_path):
+    source = make_imagefolder(tmp_path / "src", classes=2, per_class=30, min_side=64, max_side=96)
+    dest = tmp_path / "d"
+    cmd = cli("convert", str(source), str(dest), "--workers", "2", *OPTIONS)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=ctrl_c_default)
+    deadline = time.monotonic() + 60
+    while not (dest / "shards" / "shard-000003.tar").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    kids = children(proc.pid)
+    assert proc.poll() is None and kids, "finished before the moment"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    assert proc.wait(timeout=30) == 130
+    err = proc.stderr.read().decode()
+    assert err.strip() in ("fastio: aborted", "fastio: interrupted"), err
+    gone_by = time.monotonic() + 5
+    while any(alive(k) for k in kids) and time.monotonic() < gone_by:
+        time.sleep(0.05)
+    assert not [k for k in kids if alive(k)]
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr
+    assert len(Dataset(dest)) == 60
+
+
+def test_a_killed_s3_convert_leaves_no_copy_when_rerun_with_another_spelling_of_dest(aws_env, s3_bucket, tmp_path):
+    """Issue 19.8: the staging copy is named after DEST; `s3://b/ds/` and `s3://b/ds` are the same DEST, so the
+    rerun must find (and remove) the copy the killed run left, not leave it behind for good."""
+    source = make_imagefolder(tmp_path / "src", classes=2, per_class=8, seed=2)
+    stage = tmp_path / "stage"
+    assert staging_path(f"s3://{s3_bucket}/ds/", stage) == staging_path(f"s3://{s3_bucket}//ds", stage) \
+        == staging_path(f"s3://{s3_bucket}/ds", stage)
+    kill_at(cli("convert", str(source), f"s3://{s3_bucket}/ds/", "--workers", "1", "--staging-dir", str(stage),
+                *OPTIONS), lambda: any(stage.glob("*/dest/shards/shard-000002.tar")), signal.SIGKILL)
+    assert len(list(stage.iterdir())) == 1
+    result = convert(ConvertConfig(source=source, dest=f"s3://{s3_bucket}/ds", workers=1, max_samples_per_shard=2,
+                                   staging_dir=stage))
+    assert result.samples == 16 and list(stage.iterdir()) == []

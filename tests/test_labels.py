@@ -1,25 +1,29 @@
 """The label rule of table sources (fastio.formats.labels): integral values are integers whatever their spelling, a mix
 of integral and other values is refused naming rows of each kind (unless labels="names"), and the rule applied
-is in the manifest and the convert summary."""
+is in the manifest and the convert summary; decimal and date columns of a parquet table too."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers import run_cli
 
-from fastio import converters
+from fastio import Loader, converters
 from fastio.cli import main
 from fastio.convert.run import ConvertConfig, convert
 from fastio.converters.base import ScanOptions
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.manifest import MANIFEST_NAME, load_manifest
 from fastio.errors import ConvertError, DatasetError
-from fastio.formats.labels import choose_label_rule, integral_text, label_name
+from fastio.formats.labels import choose_label_rule, integral_text, is_empty_label, label_name
 
 
 def labels_of(result) -> list[int]:
@@ -105,3 +109,39 @@ def test_manifest_label_rule_is_validated(tmp_path, image_folder):
     (tmp_path / "d" / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match="label_rule: 'sorted' is not one of integers, names"):
         load_manifest(tmp_path / "d")
+
+
+def _parquet(tmp_path, image_folder, labels: pa.Array):
+    files = sorted(image_folder.rglob("*.jpg"))[: len(labels)]
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"path": [str(f) for f in files], "label": labels}), path)
+    return path
+
+
+def test_a_decimal_label_column_gives_its_integral_values(tmp_path, image_folder, capsys):
+    cells = [decimal.Decimal(v) for v in ("1.00", "10", "2.0", "0")] + [None]
+    path = _parquet(tmp_path, image_folder, pa.array(cells, pa.decimal128(6, 2)))
+    code, out, err = run_cli(["convert", str(path), str(tmp_path / "ds"), "--workers", "1"], capsys)
+    assert code == 0, err
+    ds = Dataset(tmp_path / "ds")
+    assert ds.manifest.label_rule == "integers" and ds.label_map is None
+    loader = Loader(ds, batch_size=4, pipeline="raw", shuffle="none", device="cpu", world_size=1, rank=0)
+    assert next(iter(loader))["label"].tolist() == [1, 10, 2, 0]  # path order = row order
+    loader.close()
+    assert "skipped 1" in out  # the null cell
+
+
+def test_a_date_label_column_is_class_names(tmp_path, image_folder, capsys):
+    days = [datetime.date(2024, 1, d) for d in (3, 1, 2, 1)]
+    path = _parquet(tmp_path, image_folder, pa.array(days, pa.date32()))
+    code, out, err = run_cli(["convert", str(path), str(tmp_path / "ds"), "--workers", "1"], capsys)
+    assert code == 0 and "Traceback" not in err, err
+    assert Dataset(tmp_path / "ds").label_map == {'"2024-01-01"': 0, '"2024-01-02"': 1, '"2024-01-03"': 2}
+
+
+def test_numpy_and_decimal_cells():
+    assert [integral_text(v) for v in (np.int64(3), np.uint8(4), np.float32(2.0), decimal.Decimal("2.00"))] == \
+        ["3", "4", "2", "2"]
+    assert [integral_text(v) for v in (np.bool_(True), decimal.Decimal("2.5"), decimal.Decimal("Infinity"))] == \
+        [None] * 3
+    assert is_empty_label(decimal.Decimal("NaN")) and is_empty_label(np.float32("nan")) and not is_empty_label(0)

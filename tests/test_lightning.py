@@ -1,7 +1,8 @@
 """fastio inside Lightning (``fastio[lightning]``), on the CPU: mid-epoch checkpoints resume bit for bit, on one
 process (a plain Loader given to ``trainer.fit``) and on two (``strategy="ddp"`` on gloo, through
 ``examples/lightning_train.py`` and ``FastioDataModule``); Lightning neither wraps nor re-shards the Loaders and
-their epochs follow Lightning's."""
+their epochs follow Lightning's; ``FastioDataModule``'s validation Loader takes the training pipeline object's
+kind and options."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from resume import same_batch
 
 pl = pytest.importorskip("lightning.pytorch")
+
 
 import fastio  # noqa: E402
 from fastio import Loader  # noqa: E402
@@ -150,3 +152,33 @@ def test_the_datamodule_maps_the_old_image_options_to_both_pipeline_objects(imag
     assert (data.val_config.shuffle, data.val_config.remainder, data.val_config.batch_size) == ("none", "partial", 8)
     raw = FastioDataModule(image_dataset, image_dataset, val_options={"pipeline": "raw"}, fields=("cls",), **OPTIONS)
     assert raw.val_config.pipeline == fastio.Raw(fields=("cls",))
+
+
+def _datamodule(train, val, **options):
+    pytest.importorskip("lightning")
+    from fastio.integrations.lightning import FastioDataModule
+
+    return FastioDataModule(train, val, batch_size=4, device="cpu", num_threads=1, **options)
+
+
+def test_datamodule_validates_a_token_dataset_with_the_training_tokens_pipeline(token_ds):
+    """docs/tokens.md: FastioDataModule(DEST, pipeline=fastio.Tokens(...)); with a validation dataset its Loader
+    read it as images ('image-eval') and was refused: a token dataset ..."""
+    pipe = fastio.Tokens(seq_len=8)
+    data = _datamodule(token_ds, token_ds, pipeline=pipe)
+    assert data.val_config.pipeline == pipe
+    assert (data.val_config.shuffle, data.val_config.remainder) == ("none", "partial")
+    with fastio.Loader(token_ds, data.val_config, rank=0, world_size=1) as val:
+        assert next(iter(val))["tokens"].shape == (4, 9)
+
+
+def test_datamodule_validates_images_at_the_training_pipelines_size(image_ds):
+    """ImageTrain(size=32, dtype='uint8') for training gave a validation Loader of ImageEval(size=224, float32):
+    the object's options were lost, where the old spelling's image_size=32 carried over."""
+    data = _datamodule(image_ds, image_ds, pipeline=fastio.ImageTrain(size=32, dtype="uint8"))
+    assert data.val_config.pipeline == fastio.ImageEval(size=32, dtype="uint8")
+    with fastio.Loader(image_ds, data.val_config, rank=0, world_size=1) as val:
+        image = next(iter(val))["image"]
+    assert image.shape == (4, 3, 32, 32) and str(image.dtype) == "torch.uint8"
+    old = _datamodule(image_ds, image_ds, pipeline="image-train", image_size=32, eval_crop_ratio=0.5)
+    assert old.val_config.pipeline == fastio.ImageEval(size=32, crop_ratio=0.5)  # the old spelling as before

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import fastio
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.loader import Loader
@@ -132,3 +133,54 @@ def test_bad_arguments(image_dataset, kw, match):
 
 def test_errors_are_fastio_errors():
     assert issubclass(DatasetError, FastioError) and issubclass(LoaderStateError, FastioError)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(seed=1.5), r"seed must be an integer, got 1\.5"),
+                                      (dict(seed=True), r"seed must be an integer, got True"),
+                                      (dict(seed="7"), r"seed must be an integer, got '7'"),
+                                      (dict(block_shards=2.5), r"block_shards must be an integer >= 1, got 2\.5")])
+def test_order_parameters_that_a_resume_cannot_read_are_refused_at_once(image_dataset, kw, match):
+    with pytest.raises(ValueError, match=match):
+        Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", **kw)
+
+
+@pytest.mark.parametrize("epoch", [1.5, True, "1", -1])
+def test_set_epoch_takes_only_a_non_negative_integer(image_dataset, epoch):
+    """A float or bool epoch was accepted and stored in the state (another order); a string failed with a bare
+    TypeError."""
+    with Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(ValueError, match=rf"epoch must be an integer >= 0, got {epoch!r}"):
+            loader.set_epoch(epoch)
+        loader.set_epoch(np.int64(2))
+        assert loader.state_dict()["epoch"] == 2 and type(loader.state_dict()["epoch"]) is int
+
+
+def test_a_mixture_state_into_a_one_dataset_loader_says_so(image_dataset):
+    from fastio import Mixture
+    from fastio.errors import LoaderStateError
+
+    def make(data):
+        return Loader(data, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0)
+
+    with make(Mixture({"a": image_dataset})) as mixed:
+        next(iter(mixed))
+        state = mixed.state_dict()
+    with make(image_dataset) as plain, pytest.raises(LoaderStateError, match=r"loader state is of a mixture "
+                                                                             r"\(sources 'a'\)"):
+        plain.load_state_dict(state)
+
+
+def test_an_image_pipeline_on_a_video_dataset_points_to_the_clip_kinds(tmp_path):
+    """An image pipeline on a video dataset said 'dataset has no image field; use pipeline='raw'', a way out that
+    delivers bytes, not frames: it names the media field and the clip kind that reads it."""
+    pytest.importorskip("av")
+    from fastio.convert.run import ConvertConfig, convert
+    from fastio.convert.synthetic import make_audio, make_video
+
+    for i in range(2):
+        make_video(tmp_path / "v" / "c0" / f"v{i}.webm", frames=4, fps=12)
+        make_audio(tmp_path / "a" / "c0" / f"a{i}.flac", seconds=0.2, rate=16000, pitch=440.0)
+    for kind, clips in (("v", r"webm: read it with fastio\.VideoClips"), ("a", r"flac: read it with fastio\.AudioClips")):
+        convert(ConvertConfig(source=tmp_path / kind, dest=tmp_path / f"{kind}ds", workers=1, progress=False))
+        with pytest.raises(fastio.DatasetError, match=rf"{kind}ds: dataset has no image field; it holds {clips}"):
+            fastio.Loader(tmp_path / f"{kind}ds", pipeline=fastio.ImageTrain(size=8), batch_size=2, device="cpu")

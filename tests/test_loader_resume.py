@@ -133,3 +133,9 @@ def test_partial_remainder_resume_and_elastic(image_dataset):
     steps, _ = _run_ranks(image_dataset, 3, batch_size=5, remainder="partial", pipeline="raw")
     assert [len(b["index"]) for b in steps[-1]] == [1, 1, 1]
     assert sorted(_delivered(steps)) == list(range(48))
+
+
+def test_a_numpy_seed_resumes(image_dataset):
+    state = check_resume(lambda: Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", seed=np.int64(3),
+                                        world_size=1, rank=0, num_threads=1), n=3, k=3)
+    assert state["seed"] == 3  # a guard: numpy integers (a config read with numpy) stay accepted

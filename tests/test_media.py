@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("av")
 
+import fastio
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.formats.media import PROBE_FIELD, MediaCheckError, check_media, probe  # noqa: E402
@@ -392,9 +393,12 @@ def test_audio_clips_log_mel(audio_ds):
 
 
 def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length: int):
-    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end), and how many
-    of each clip's samples lie inside the file."""
+    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end; an Ogg Opus
+    file's pre-skip samples DALI delivers dropped: fastio.formats.ogg), and how many of each clip's samples lie inside
+    the file."""
     from nvidia.dali import fn, pipeline_def, types
+
+    from fastio.formats.ogg import dali_opus_layout
 
     @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None)
     def whole():
@@ -406,8 +410,10 @@ def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length:
     pipe = whole()
     pipe.build()
     clips, inside = [], []
-    for wave, start in zip(pipe.run()[0], starts):
-        wave = np.array(wave)[start:start + length]
+    for wave, start, data in zip(pipe.run()[0], starts, encoded):
+        decoded_at, lead = dali_opus_layout(data) or (rate, 0)
+        lead = round(lead * rate / decoded_at)
+        wave = np.array(wave)[lead + start:lead + start + length]
         clips.append(np.pad(wave, (0, length - len(wave))))
         inside.append(len(wave))
     return np.stack(clips), inside
@@ -813,3 +819,34 @@ def test_a_clip_late_in_a_video_is_decoded_from_the_keyframe_before_it(tmp_path)
                         assert frames_shown(b["video"][j])[c].tolist() == (starts[j, c] + 3 * np.arange(4)).tolist()
                 late += int((starts >= 8).sum())
     assert late > 4  # clips that start after the first keyframe were asked for, and held the right frames
+
+
+def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_path):
+    """A tar holding one video sample and one image sample, indexed: VideoClips named the image sample as having
+    'no image field (webm)'; what it lacks is its video."""
+    pytest.importorskip("av")
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.synthetic import make_video
+
+    make_video(tmp_path / "v.webm", frames=6, fps=12)
+    png = io.BytesIO()
+    Image.new("RGB", (20, 20), (1, 2, 3)).save(png, "PNG")
+    (tmp_path / "wds").mkdir()
+    with tarfile.open(tmp_path / "wds" / "s-000000.tar", "w") as tar:
+        for name, data in (("k0.webm", (tmp_path / "v.webm").read_bytes()), ("k0.cls", b"0"),
+                           ("k1.png", png.getvalue()), ("k1.cls", b"1")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    index_shards(IndexConfig(tmp_path / "wds"))
+    clips = fastio.VideoClips(frames=2, size=8, dtype="uint8", crop="center")
+    # refused when the Loader is made (since the media review), naming the sample and what it lacks
+    with pytest.raises(fastio.DatasetError, match=r"1 of 2 samples have no video field \(the first: shard "
+                                                  r"s-000000.tar key 'k1'; fields: cls, png, webm\)"):
+        fastio.Loader(tmp_path / "wds", pipeline=clips, batch_size=2, device="cpu", shuffle="none",
+                      num_threads=1, world_size=1, rank=0)

@@ -1,6 +1,7 @@
 """``convert --video-decoder nvdec``: H.264 (and the other codecs only DALI's mixed decoder reads) kept as they are
 for decoding on a GPU; the manifest's count of videos per codec; a CPU Loader refusing such a dataset when it is
-made; parts + merge; the keyframe cut left to those codecs' decoder. Media made here with PyAV (frame numbers in
+made; parts + merge; the keyframe cut left to those codecs' decoder; a video whose first frame is not a
+keyframe skipped. Media made here with PyAV (frame numbers in
 the pixels); the clips by content on a GPU in the one ``gpu``-marked test."""
 
 from __future__ import annotations
@@ -422,3 +423,34 @@ def test_h264_and_hevc_clips_on_cuda_hold_the_frames_their_start_says(gpu_ds):
                             assert shown.tolist() == [start + pipe.stride * f for f in range(pipe.frames)]
                             seen, late = seen + 1, late + (start > 8)  # past the second keyframe
         assert seen >= 12 and late >= 1
+
+
+def cut_video(src: Path, dst: Path, drop: int) -> Path:
+    """``src`` remuxed without its first ``drop`` packets (decode order): a stream cut from a longer one (``ffmpeg
+    -c copy`` at a point that is not a keyframe), whose first packets refer to frames it no longer has."""
+    import av
+
+    with av.open(str(src)) as s, av.open(str(dst), "w") as d:
+        stream = d.add_stream_from_template(s.streams.video[0])
+        for packet in [p for p in s.demux(s.streams.video[0]) if p.size][drop:]:
+            packet.stream = stream
+            d.mux(packet)
+    return dst
+
+
+def test_a_video_whose_first_frame_is_not_a_keyframe_is_not_kept(tmp_path):
+    """Its frames before the first keyframe cannot be decoded: kept, the fallback failed on every clip starting
+    there ('frame 0 did not come out'), mid-training, at random; now convert skips it with the reason."""
+    src = tmp_path / "src" / "c0"
+    whole = synthetic.make_video(src / "whole.mp4", frames=30, fps=12, keyframe_every=8, bframes=2)
+    cut_video(whole, src / "cut.mp4", 3)
+    with pytest.raises(MediaCheckError, match="first frame is not a keyframe"):
+        check_media((src / "cut.mp4").read_bytes(), "mp4", "nvdec")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, video_decoder="nvdec",
+                                   progress=False))
+    (skipped,) = result.skipped
+    assert skipped["path"].endswith("cut.mp4") and "first frame is not a keyframe" in skipped["reason"], skipped
+    assert "\n" not in skipped["reason"] and "transcode" not in skipped["reason"] and result.samples == 1
+    converted = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "vp9", workers=1, transcode="vp9",
+                                      progress=False))  # H.264 for the CPU decoder: re-encoded from its keyframe
+    assert converted.samples == 2 and not converted.skipped, converted.skipped

@@ -100,7 +100,7 @@ def test_quickstart_trains_on_indexed_shards(data, tmp_path, warm):
     crashed on ``len(label_map)``, None for indexed shards)."""
     done = quickstart(warm, data, "wds", str(tmp_path / "ckpt"), "1")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "done: 12 steps" in done.stdout and "epoch 1 done: val accuracy" in done.stdout
+    assert "done: 12 steps" in done.stdout and "epoch 1 of 1 done: val accuracy" in done.stdout
 
 
 def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, tmp_path, warm):
@@ -115,7 +115,7 @@ def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, 
     saved = one_interrupted_line(err, "quickstart.py", tmp_path / "ckpt")
     resumed = quickstart(warm, data, "ds", str(tmp_path / "ckpt"), "1")
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed at step {saved}, epoch 0" in resumed.stdout
+    assert f"resumed at step {saved}, 0 of 1 epochs done" in resumed.stdout
     after = losses(resumed.stdout)
     assert sorted(after) == list(range(saved + 1, 13))
     assert after == {k: v for k, v in losses(straight.stdout).items() if k > saved}

@@ -1,12 +1,16 @@
 """Conversion in parts (`fastio convert --part K/N`) and `fastio merge`: the merged dataset is byte-identical
-to a single conversion; missing, incomplete and mismatched parts are named."""
+to a single conversion; missing, incomplete and mismatched parts are named;
+``convert --overwrite`` is refused while a part runs, and a part does not start under a whole conversion."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from fastio.cli import main
 from fastio.convert.merge import merge
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part, part_dir, part_range
 from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder
 from fastio.dataset.dataset import Dataset
 from fastio.errors import ConvertError
 from fastio.report.verify import verify
@@ -204,3 +209,65 @@ def test_more_parts_than_shards_leaves_empty_parts_that_merge_cleanly(tmp_path, 
     assert single == merged and result.linked == 6 and result.repacked == 0
     assert main(["convert", str(image_folder), str(tmp_path / "x"), "--part", "12/12"]) == 2
     assert capsys.readouterr().err == "fastio: error: --part: K must be in 0..11 for 12 parts, got 12\n"
+
+
+def _files(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_is_refused_while_a_part_runs_and_the_parts_still_merge(tmp_path):
+    """Before: `convert --overwrite` deleted the running part 0's early shards and part 1's shards/; the part
+    then failed (or the overwrite did) and the merge found a damaged part."""
+    src = make_imagefolder(tmp_path / "src", classes=4, per_class=40, min_side=96, max_side=160, seed=1)
+    dest = tmp_path / "dest"
+    cmd = [sys.executable, "-m", "fastio.cli", "convert", str(src), str(dest), "--workers", "1", "-q",
+           "--max-side", "64", "--max-samples-per-shard", "5"]
+    subprocess.run([*cmd, "--part", "1/2"], check=True, timeout=120)
+    part1 = dest / PARTS_DIR / "part-1-of-2"
+    before = _files(part1)
+    a = subprocess.Popen([*cmd, "--part", "0/2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = dest / PARTS_DIR / "part-0-of-2" / "shards" / "shard-000000.tar"
+        deadline = time.monotonic() + 60
+        while not first.exists():  # part 0 is writing
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()
+            time.sleep(0.002)
+        os.kill(a.pid, signal.SIGSTOP)  # keep it mid-run, deterministically
+        try:
+            c = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=120)
+            assert first.exists() and _files(part1) == before  # nothing deleted
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        _, err_a = a.communicate(timeout=300)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    assert c.returncode == 2 and c.stderr.count("\n") == 1, c.stderr
+    assert c.stderr.startswith(f"fastio: error: {dest}: part 0/2 of a conversion in parts is running (fastio "
+                               f"convert --part 0/2 pid {a.pid} on "), c.stderr
+    assert a.returncode == 0, err_a
+    merged = subprocess.run([sys.executable, "-m", "fastio.cli", "merge", str(dest), "-q"], capture_output=True,
+                            text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    assert json.loads((dest / "manifest.json").read_text())["total_samples"] == 160 and verify(dest).ok
+
+
+def test_a_part_does_not_start_under_a_whole_conversion(tmp_path):
+    """The other order: DEST's lock is held (a whole conversion resetting DEST); a part started then is refused
+    before it writes anything (it would be deleted under it)."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4, seed=1)
+    dest = tmp_path / "dest"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fastio.storage.lock import DirLock; "
+                               "lock = DirLock(sys.argv[1], 'fastio convert').acquire(); print('held', flush=True); "
+                               "time.sleep(60)", str(dest)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConvertError, match=rf"^{dest}: in use by fastio convert pid {holder.pid} on .*; part "
+                                               r"0/2 was not started"):
+            convert(ConvertConfig(source=src, dest=dest, workers=1, part=(0, 2)))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (dest / PARTS_DIR / "part-0-of-2" / "shards").exists()
+    convert(ConvertConfig(source=src, dest=dest, workers=1, part=(0, 2)))
+    assert (dest / PARTS_DIR / "part-0-of-2" / "part.json").is_file()

@@ -233,3 +233,27 @@ def test_a_graph_failing_in_dali_is_named_by_its_operator_and_what_dali_said(ima
     line = str(err.value)
     assert "DALI failed on a batch with keys" in line and "fn.crop: " in line and "\n" not in line
     assert "Critical error" not in line
+
+
+def test_old_options_over_a_config_change_its_image_pipeline(image_ds):
+    """Before the pipeline objects, ``Loader(dest, LoaderConfig(batch_size=4), image_size=16)`` changed the config's
+    image size; it was refused as an option 'beside pipeline=ImageTrain(...)', an object the user never gave.
+    The old options change the config's pipeline of an old kind, the rest of its options kept."""
+    from fastio.loader import LoaderConfig
+
+    config = LoaderConfig(batch_size=4, device="cpu", num_threads=1, world_size=1, rank=0, shuffle="none")
+    with fastio.Loader(image_ds, config, image_size=16, dtype="uint8") as loader:
+        assert loader.config.pipeline == fastio.ImageTrain(size=16, dtype="uint8")
+        assert next(iter(loader))["image"].shape == (4, 3, 16, 16)
+    evaluating = LoaderConfig(batch_size=4, pipeline=fastio.ImageEval(size=24, layout="HWC"), device="cpu")
+    changed = fastio.Loader(image_ds, evaluating, eval_crop_ratio=0.5, num_threads=1, world_size=1, rank=0)
+    with changed:
+        assert changed.config.pipeline == fastio.ImageEval(size=24, layout="HWC", crop_ratio=0.5)
+    raw = LoaderConfig(batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0)
+    with fastio.Loader(image_ds, raw, fields=["cls"]) as loader:
+        assert loader.config.pipeline == fastio.Raw(fields=("cls",)) and "png" not in next(iter(loader))
+    with pytest.raises(ValueError, match=r"^image_size must be an integer >= 1, got 0"):  # still checked
+        fastio.Loader(image_ds, config, image_size=0)
+    tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
+    with pytest.raises(ValueError, match=r"^image_size=16 is an option of the pipeline object now"):
+        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused as before

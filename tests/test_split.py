@@ -1,5 +1,6 @@
 """convert --split: stratified by label by default (every class with >= 1/fraction samples is in each split),
---split-by random as before; and progress lines on a stderr that is not a terminal (Slurm logs)."""
+--split-by random as before; train may be named with the remainder (``train=0.9,val=0.1``), another train fraction is
+one line; and progress lines on a stderr that is not a terminal (Slurm logs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import collections
 import re
 
 import pytest
+from helpers import run_cli
 
 from fastio.cli import main
 from fastio.convert.run import ConvertConfig, convert
@@ -76,3 +78,18 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     assert out.startswith("converted 60 samples")
     assert main(["convert", str(src), str(tmp_path / "q"), "--workers", "1", "--progress-every", "0.01", "-q"]) == 0
     assert capsys.readouterr() == ("", "")
+
+
+def test_train_may_be_named_with_the_remainder(tmp_path, capsys):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=5, seed=3)
+    prints = []
+    for name, split in (("a", "train=0.8,val=0.2"), ("b", "val=0.2,train=0.8"), ("c", "val=0.2")):
+        code, out, err = run_cli(["convert", str(src), str(tmp_path / name), "--workers", "1", "--split", split], capsys)
+        assert code == 0, err
+        prints.append([Dataset(tmp_path / name / s).fingerprint for s in ("train", "val")])
+        assert len(Dataset(tmp_path / name / "train")) == 8 and len(Dataset(tmp_path / name / "val")) == 2
+    assert prints[0] == prints[1] == prints[2]
+    code, _, err = run_cli(["convert", str(src), str(tmp_path / "d"), "--split", "train=0.7,val=0.2"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--split: train=0.7 and the other fractions add up to 0.9" in err
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())

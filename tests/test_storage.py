@@ -1,4 +1,5 @@
-"""fastio.storage against a real S3 server (moto on loopback), through the real client, with injected faults."""
+"""fastio.storage against a real S3 server (moto on loopback), through the real client, with injected faults;
+StorageOptions of the wrong type (a number written as text, a bool) named when they are made."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from fastio import Dataset
 from fastio.errors import FastioError, StorageError
 from fastio.storage import LocalStorage, StorageOptions, open_storage, parse_location
 
@@ -130,3 +132,16 @@ def test_local_storage_same_interface(tmp_path):
     assert [o.key for o in st.list()] == ["d/f.bin", "g.bin"]
     with pytest.raises(StorageError, match="nope.bin: cannot read"):
         st.get("nope.bin")
+
+
+@pytest.mark.parametrize("kw,match", [({"deadline_s": "120"}, r"deadline_s must be a number, got '120'"),
+                                      ({"retries": 2.5}, r"retries must be None \(until deadline_s\) or an integer >= 0, "
+                                                         r"got 2\.5"),
+                                      ({"part_size": "16MB"}, r"part_size must be an integer, got '16MB'"),
+                                      ({"concurrency": True}, r"concurrency must be an integer, got True")])
+def test_a_number_of_the_wrong_type_is_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StorageOptions(**kw)
+    with pytest.raises(ValueError, match=match):  # as a user passes them
+        Dataset("s3://some-bucket/ds", storage_options={"endpoint": "http://127.0.0.1:9", **kw})
+    assert StorageOptions(deadline_s=30, retries=3).deadline_s == 30

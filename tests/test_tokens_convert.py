@@ -108,18 +108,19 @@ def test_megatron_core_opens_converted_shards(tmp_path, tokenizer):
 
 def test_eos_default_given_and_refused(tmp_path, tokenizer, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
-    bare = train_tokenizer(tmp_path / "bare.json", eos=None)
-    with pytest.raises(ConvertError, match=r"bare\.json: no end-of-text token .* eos=TOKEN"):
+    bare = train_tokenizer(tmp_path / "bare.json", eos=None, specials=("<sep>",))
+    with pytest.raises(ConvertError, match=r"bare\.json: no end-of-text token among its special tokens \(<sep>\).* "
+                                           r"eos=TOKEN"):
         convert_tokens(TokenConvertConfig(src, tmp_path / "ds", bare, workers=1))
     assert not (tmp_path / "ds").exists()  # refused before DEST was touched
     r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare)])
     assert r.exit_code == 2 and "--eos TOKEN" in r.output and "Traceback" not in r.output
     r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare), "--eos", "<nope>"])
-    assert r.exit_code == 2 and "has no token '<nope>' (--eos <nope>)" in r.output
+    assert r.exit_code == 2 and "'<nope>' is not a special token (--eos <nope>); its special tokens: <sep>" in r.output
     tok = load_tokenizer(bare)
-    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare), "--eos", "x"])
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(bare), "--eos", "<sep>"])
     assert r.exit_code == 0, r.output
-    assert load_manifest(tmp_path / "ds").tokens.eos_id == tok.token_to_id("x")
+    assert load_manifest(tmp_path / "ds").tokens.eos_id == tok.token_to_id("<sep>")
 
 
 def test_hostile_inputs_named(tmp_path, tokenizer):
@@ -215,6 +216,53 @@ def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, t
     assert result.documents == len(expected_docs(tokenizer, TEXTS * 4 + ["fine"])[0])
     with pytest.raises(ConvertError, match="already holds a converted dataset; pass overwrite=True"):
         convert_tokens(config)
+
+
+def hole_tokenizer(path, tokenizer, top=70_000):
+    """``tokenizer`` with the byte ``a`` moved to id ``top``: ids 300..top - 1 are a hole (300 tokens in all)."""
+    data = json.loads(tokenizer.read_text())
+    data["model"]["vocab"]["a"] = top
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_the_token_type_fits_the_largest_id_of_a_vocabulary_with_a_hole(tmp_path, tokenizer, capsys):
+    hole = hole_tokenizer(tmp_path / "hole.json", tokenizer)
+    tok = load_tokenizer(hole)
+    assert tok.get_vocab_size(with_added_tokens=True) == 300  # fewer ids than the largest one
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(hole), "--workers", "2"])
+    assert r.exit_code == 0 and "int32 tokens" in r.output, r.output
+    m = load_manifest(tmp_path / "ds")
+    assert m.tokens.dtype == "int32" and m.tokens.vocab_size == 70_001  # ids 0 .. 70,000
+    docs = all_documents(tmp_path / "ds")
+    assert docs == expected_docs(hole, TEXTS)[0] and any(70_000 in d for d in docs)
+    r = fastio(capsys, *["verify", str(tmp_path / "ds")])
+    assert r.exit_code == 0, r.output
+
+
+def test_a_refused_conversion_leaves_nothing_in_dest(tmp_path, tokenizer):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", TEXTS * 4)
+    (src / "b.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    convert = lambda dest, **kw: convert_tokens(TokenConvertConfig(src, dest, tokenizer, workers=1,  # noqa: E731
+                                                                   max_samples_per_shard=3, **kw))
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2: not a JSON object"):
+        convert(tmp_path / "new")
+    assert not (tmp_path / "new").exists()  # made by the run: gone with it
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2"):
+        convert(tmp_path / "mine")
+    assert list((tmp_path / "mine").iterdir()) == []  # the user's folder stays, empty as it was
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2"):
+        convert(tmp_path / "parts", part=(1, 2))
+    assert not (tmp_path / "parts").exists()
+    convert(tmp_path / "half", part=(0, 2))
+    with pytest.raises(ConvertError, match=r"b\.jsonl:2"):
+        convert(tmp_path / "half", part=(1, 2))
+    assert sorted(p.name for p in (tmp_path / "half" / ".parts").iterdir()) == ["part-0-of-2"]  # the other kept
+    assert (tmp_path / "half" / ".parts" / "part-0-of-2" / "part.json").is_file()
 
 
 def test_a_second_writer_is_refused(tmp_path, tokenizer):

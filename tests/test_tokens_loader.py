@@ -320,3 +320,29 @@ def test_inspect_order_reports_the_packing(corpus, capsys):
     code, _, err = run_cli(["inspect", str(corpus), "--order", "--seq-len", "100000"], capsys)
     assert code == 2 and err.strip().startswith("fastio: error: --seq-len 100000 needs more than 100000 tokens")
     assert "packing" not in json.loads(run_cli(["inspect", str(corpus), "--json"], capsys)[1])
+
+
+NO_KEYS = r"ds: a token dataset .*, not as samples: it has no sample keys$"
+
+
+def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the_idx_damaged(token_ds):
+    """``loader.key(i)`` of a Tokens Loader parsed Megatron's .idx as DALI's and said 'part-000.idx: not an index
+    (non-ASCII byte ...)': a healthy dataset called damaged."""
+    pipe = fastio.Tokens(seq_len=8)
+    with fastio.Loader(token_ds, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(fastio.DatasetError, match=NO_KEYS) as err:
+            loader.key(0)
+    assert "not an index" not in str(err.value) and "\n" not in str(err.value)
+    mix = fastio.Mixture({"a": token_ds, "b": token_ds})
+    with fastio.Loader(mix, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
+        with pytest.raises(fastio.DatasetError, match=NO_KEYS):
+            loader.key("b", 0)
+
+
+def test_clip_pipelines_refuse_a_token_dataset_as_one(token_ds):
+    """docs/tokens.md: a token dataset given to a pipeline of stored samples is refused in one line saying so; the
+    clip kinds said 'dataset has no video field (its fields: )'."""
+    for pipe in (fastio.VideoClips(frames=2, size=8), fastio.AudioClips()):
+        with pytest.raises(fastio.DatasetError, match=rf"ds: a token dataset .*pipeline '{pipe.kind}' reads stored "
+                                                      r"samples: read it with fastio.Tokens"):
+            fastio.Loader(token_ds, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0)

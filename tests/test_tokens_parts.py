@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -105,8 +106,10 @@ def test_a_missing_part_is_named_with_the_command_that_makes_it(tmp_path, corpus
 def test_parts_of_another_tokenizer_eos_or_options_are_refused(tmp_path, corpus, capsys):
     src, tok = corpus
     other = train_tokenizer(tmp_path / "other.json", eos="</s>")
-    cases = [({"tokenizer": other}, "tokenizer_sha256"), ({"eos": "a"}, "eos 'a' (part 0: None)"),
-             ({"max_samples_per_shard": 5}, "max_samples_per_shard 5 (part 0: None)")]
+    cases = [({"tokenizer": other}, "tokenizer_sha256"),
+             ({"eos": "<|endoftext|>"}, "eos '<|endoftext|>' (part 0: None)"),
+             ({"max_samples_per_shard": 5}, "max_samples_per_shard 5 (part 0: None)"),
+             ({"special_in_text": "refuse"}, "special_in_text 'refuse' (part 0: 'plain')")]
     for i, (change, named) in enumerate(cases):
         dest = tmp_path / f"ds{i}"
         convert(src, dest, tok, part=(0, 2))
@@ -114,6 +117,18 @@ def test_parts_of_another_tokenizer_eos_or_options_are_refused(tmp_path, corpus,
         code, _, err = run_cli(["merge", str(dest)], capsys)
         assert code == 2 and err.count("\n") == 1 and "part-1-of-2:" in err and named in err, err
         assert not (dest / "manifest.json").exists() and (dest / ".parts").is_dir()
+
+
+def test_one_tokenizer_named_relatively_absolutely_or_copied_merges(tmp_path, corpus, monkeypatch):
+    src, tok = corpus
+    convert(src, tmp_path / "whole", tok, max_samples_per_shard=9)
+    convert(src, tmp_path / "ds", tok, part=(0, 3), max_samples_per_shard=9)  # as the whole run names it
+    shutil.copy(tok, tmp_path / "copy.json")
+    convert(src, tmp_path / "ds", tmp_path / "copy.json", part=(2, 3), max_samples_per_shard=9)
+    monkeypatch.chdir(tok.parent)
+    convert(src, tmp_path / "ds", Path(tok.name), part=(1, 3), max_samples_per_shard=9)
+    merge(tmp_path / "ds")  # the same tokenizer by content (sha256), however named
+    assert_same_dataset(tmp_path / "whole", tmp_path / "ds")
 
 
 def test_a_damaged_part_is_named(tmp_path, corpus):

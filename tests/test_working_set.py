@@ -1,8 +1,10 @@
 """The cache room an s3:// Loader needs (fastio/read/working_set.py), against a real S3 server (moto): the shard
-read-ahead shrinks to the room the cache has; only a cache that cannot hold a batch's own shards is refused."""
+read-ahead shrinks to the room the cache has; only a cache that cannot hold a batch's own shards is refused;
+two Loaders of one process on one cache are checked together."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 
@@ -91,3 +93,37 @@ def test_the_read_ahead_that_fits_is_returned_and_only_the_batches_own_shards_ar
     with pytest.raises(StorageError, match=r"cache_size 199 B cannot hold .* 200 B .*; raise cache_size to at least 200 B$"):
         check_working_set(sizes, "block", 1, 2, 199, "s3://b/ds")
     assert check_working_set(sizes, "none", 1, 10**9, 10**9, "s3://b/ds") == 10**9  # a deep read-ahead: no loop over it
+
+
+def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_server, s3_bucket, image_folder,
+                                                                      tmp_path):
+    """Each Loader's working set fits the cache alone, not both: the second is refused when it is made, naming
+    the first (before: both were made, and their fills waited 2 x 120 s for room 'held by other processes').
+    A closed (or dropped) Loader frees its claim."""
+    opts = moto_server.options()
+    urls = []
+    for name in ("a", "b"):
+        url = f"s3://{s3_bucket}/{name}"
+        local = write_image_dataset(tmp_path / name, image_folder, max_samples=8)  # 6 shards of 8
+        open_storage(url, opts).publish_dir(local, keys_last=(MANIFEST_NAME,))
+        urls.append(url)
+    largest = max(p.stat().st_size for p in (tmp_path / "a" / "shards").glob("*.tar"))
+    cache = dict(cache_dir=str(tmp_path / "cache"), cache_size=3 * largest)  # one working set: 2 shards
+    kw = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", shard_read_ahead=0,
+              storage_options=opts, **cache)
+    first = Loader(urls[0], **kw)
+    with pytest.raises(StorageError, match=rf"^{urls[1]}: cache_size .* of {tmp_path / 'cache'} cannot hold this "
+                                           rf"Loader's working set \(.*\) beside those of the other Loaders in this "
+                                           rf"process reading through it \({urls[0]} .*\): close them first"):
+        Loader(urls[1], **kw)
+    first.close()
+    with Loader(urls[1], **kw) as second:
+        assert sum(len(b["jpg"]) for b in second) == 48
+    dropped = Loader(urls[0], **kw)
+    del dropped
+    gc.collect()
+    with Loader(urls[1], **kw) as second:
+        assert sum(len(b["jpg"]) for b in second) == 48
+    other = dict(kw, cache_dir=str(tmp_path / "cache2"))
+    with Loader(urls[0], **kw) as one, Loader(urls[1], **other) as two:  # separate caches: no claim between them
+        assert sum(len(a["jpg"]) + len(b["jpg"]) for a, b in zip(one, two)) == 96

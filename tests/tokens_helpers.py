@@ -16,17 +16,18 @@ CORPUS = [
 ] * 4
 
 
-def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: int = 300) -> Path:
-    """Train a byte-level BPE on :data:`CORPUS` and save it as ``tokenizer.json`` at ``path``."""
+def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: int = 300,
+                    specials: tuple[str, ...] = (), texts: list[str] = CORPUS) -> Path:
+    """Train a byte-level BPE on ``texts`` and save it as ``tokenizer.json`` at ``path`` (its special tokens:
+    ``eos``, then ``specials``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [eos] if eos else []
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos, *specials] if eos else [*specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     tok.save(str(path))
     return path
 

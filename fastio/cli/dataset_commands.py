@@ -55,9 +55,10 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
-@click.option("--transcode", default=None, metavar="vp9",
-              help="Re-encode video of a codec --video-decoder does not keep (FFV1, ProRes, ...) as VP9 WebM, with "
-                   "PyAV (no ffmpeg needed; default: such video is skipped and listed).")
+@click.option("--transcode", default=None, metavar="vp9|flac|vp9,flac",
+              help="vp9: re-encode video of a codec --video-decoder does not keep (FFV1, ProRes, ...) as VP9 WebM; "
+                   "flac: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded as FLAC; vp9,flac: "
+                   "both; with PyAV, no ffmpeg needed (default: such files are skipped and listed).")
 @click.option("--video-decoder", default="auto", show_default=True, metavar="auto|cpu|nvdec",
               help="Which videos are kept as they are: auto (VP8, VP9, MJPEG, H.264, HEVC, MPEG-4, AV1: a Loader "
                    "decodes them with NVDEC on a GPU, with DALI's CPU decoder or PyAV on a CPU), cpu (only what "
@@ -96,14 +97,19 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--text-field", default=None, help="With --tokenizer: the JSONL field or Parquet column of the text "
                                                  "(default: text).")
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
-                                                            "each document (default: the tokenizer's end-of-text token).")
+                                                            "each document, one of the tokenizer's special tokens "
+                                                            "(default: its end-of-text token).")
+@click.option("--special-in-text", default=None, metavar="plain|refuse",
+              help="With --tokenizer: a special token's string in a document's text (<|endoftext|>) is encoded as "
+                   "plain text, the documents counted (plain, the default), or refused naming the document.")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
-            text_field: str | None, eos: str | None, endpoint_url: str | None, region: str | None,
+            text_field: str | None, eos: str | None, special_in_text: str | None, endpoint_url: str | None,
+            region: str | None,
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
@@ -114,7 +120,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    if tokenizer is not None or text_field is not None or eos is not None:
+    if tokenizer is not None or text_field is not None or eos is not None or special_in_text is not None:
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
@@ -141,8 +147,9 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         click.echo(result.summary())
 
 
-_TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "workers", "shard_size", "max_samples_per_shard",
-                "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile", "staging_dir")
+_TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_text", "workers", "shard_size",
+                "max_samples_per_shard", "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile",
+                "staging_dir")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -153,12 +160,12 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
-        raise ConvertError("--text-field and --eos need --tokenizer (a token conversion)")
+        raise ConvertError("--text-field, --eos and --special-in-text need --tokenizer (a token conversion)")
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
                                       "name", "overwrite", "part", "staging_dir")}
-    options.update({"text_field": params["text_field"] or "text",
+    options.update({"text_field": params["text_field"] or "text", "special_in_text": params["special_in_text"] or "plain",
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:
@@ -213,23 +220,28 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--eos-id", type=int, default=None,
               help="SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs: index them as a token dataset "
                    "whose documents end with this end-of-document id (docs/tokens.md).")
+@click.option("--vocab-size", type=int, default=None,
+              help="With --eos-id: the tokenizer's size (its largest id + 1), recorded in the manifest; an id at or "
+                   "above it is refused (the largest id is recorded either way).")
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
-          threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
-          region: str | None, profile: str | None, video_decoder: str = "auto") -> None:
+          threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, vocab_size: int | None,
+          endpoint_url: str | None, region: str | None, profile: str | None, video_decoder: str = "auto") -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
-    doc-starts.fxs (where documents start) and manifest.json are written."""
+    doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
     if eos_id is not None:
         _index_tokens(click.get_current_context(), quiet)
         return
+    if vocab_size is not None:
+        raise DatasetError("--vocab-size: an option of a Megatron index (with --eos-id)")
     try:
         pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
         config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
@@ -248,7 +260,8 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
         click.echo(result.summary())
 
 
-_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet", "endpoint_url", "region", "profile")
+_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "vocab_size", "name", "overwrite", "quiet", "endpoint_url", "region",
+                      "profile")
 
 
 def _index_tokens(ctx: click.Context, quiet: bool) -> None:
@@ -266,8 +279,9 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
             raise DatasetError("--eos-id takes one folder or s3:// prefix of Megatron .bin/.idx pairs, not "
                                f"{len(params['source'])} paths")
         config = TokenIndexConfig(source=params["source"][0], eos_id=params["eos_id"], dest=params["dest"], name=name,
-                                  overwrite=params["overwrite"], storage_options=storage_options(
-                                      params["endpoint_url"], params["region"], params["profile"]))
+                                  overwrite=params["overwrite"], vocab_size=params["vocab_size"],
+                                  storage_options=storage_options(params["endpoint_url"], params["region"],
+                                                                  params["profile"]))
         result = index_tokens(config)
     except (ValueError, DatasetError) as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
@@ -401,6 +415,12 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
                                f"deviation {b['max_deviation']:g})")
 
 
+def _vocabulary(tokens: dict[str, Any]) -> str:
+    """A token dataset's vocabulary as ``fastio inspect`` prints it: its size, and the largest id where recorded."""
+    largest = "" if tokens.get("max_id") is None else f", largest id {tokens['max_id']}"
+    return f"{tokens.get('vocab_size') or 'not recorded'}{largest}"
+
+
 def _print_info(info: dict[str, Any]) -> None:
     from fastio.progress import count, human_bytes, skipped_lines
 
@@ -415,8 +435,8 @@ def _print_info(info: dict[str, Any]) -> None:
     if tokens:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
-                   f"(end of document: id {tokens['eos_id']}; vocabulary: {tokens.get('vocab_size') or 'not recorded'}"
-                   f"); tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
+                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
+                   f"document min {d['min']}  median {d['median']}  max {d['max']}")
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))

@@ -56,7 +56,7 @@ from fastio.formats.media import join_video_codecs
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.tokens.convert import TOKEN_PLAN
-from fastio.tokens.merge import merge_token_parts, part_command
+from fastio.tokens.merge import comparable_plan, merge_token_parts, part_command
 
 __all__ = ["MergeResult", "merge", "publish_dataset"]
 
@@ -228,14 +228,15 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
     ref = records[0]
     problems = []
     for record in records[1:]:
-        diff = [key for key in sorted(set(ref.plan) | set(record.plan)) if ref.plan.get(key) != record.plan.get(key)]
+        plans = [comparable_plan(r.plan) if r.plan.get("kind") == TOKEN_PLAN else r.plan for r in (ref, record)]
+        diff = [key for key in sorted(set(plans[0]) | set(plans[1])) if plans[0].get(key) != plans[1].get(key)]
         if sorted(record.datasets) != sorted(ref.datasets):
             diff.append("splits")
         if diff:
             detail = []
             for key in diff:
-                if key in ("convert_options", "tokens"):  # the options (a token conversion's: tokenizer, eos)
-                    a, b = ref.plan.get(key) or {}, record.plan.get(key) or {}
+                if key in ("convert_options", "tokens"):  # the options (a token conversion's: eos, tokenizer_sha256)
+                    a, b = plans[0].get(key) or {}, plans[1].get(key) or {}
                     detail += [f"{o} {b.get(o)!r} (part 0: {a.get(o)!r})" for o in sorted(set(a) | set(b))
                                if a.get(o) != b.get(o)]
                 elif key == "listing":

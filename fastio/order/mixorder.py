@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec, _bits, _permute, _round_keys
+from fastio.order.feistel import domain_bits, permute, round_keys
+from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec
 
 __all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_positions", "check_shares",
            "integer_weights", "window_spread"]
@@ -409,8 +410,8 @@ class MixSampler(Sampler):
     def cycling_order(self, s: int, epochs: np.ndarray, which: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """``source_order(s, epochs[which[j]])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle)."""
         spec, fp, size = self._source_spec(s), self.schedule.fingerprints[s], self.sizes[s]
-        keys = np.array([_round_keys(spec, e, fp, "samples") for e in epochs.tolist()], np.uint64)
-        return _permute(offsets, size, _bits(size), tuple(keys[which, r] for r in range(keys.shape[1])), 0)
+        keys = np.array([round_keys(spec.seed, spec.shuffle, e, fp, "samples") for e in epochs.tolist()], np.uint64)
+        return permute(offsets, size, domain_bits(size), tuple(keys[which, r] for r in range(keys.shape[1])), 0)
 
     def source_order(self, s: int, epoch: int) -> EpochOrder:
         """Source ``s``'s own order in its epoch ``epoch`` (its seed derived from the loader's and its name)."""

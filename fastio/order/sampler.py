@@ -16,7 +16,6 @@ bytes, files or tensors.
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 import threading
 from collections import OrderedDict
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
+from fastio.order.feistel import GOLDEN, ORDER_ALGORITHM, domain_bits, permute, round_keys
 
 __all__ = ["ORDER_ALGORITHM", "REMAINDER_MODES", "SHUFFLE_MODES", "EpochOrder", "EpochPlan", "Sampler",
            "SamplerSpec", "epoch_order"]
@@ -153,86 +154,8 @@ class _ChunkCache:
         return value
 
 
-# -- the lazy order -----------------------------------------------------------------------------------
-# A keyed pseudo-random permutation of [0, n): a Feistel network over the smallest power of two >= n
-# (halves of floor(bits/2) and ceil(bits/2) bits, their widths swapping each round), with cycle
-# walking (re-encrypt until the value falls below n), which keeps it a permutation of [0, n). Round
-# keys come from sha256 of (seed, epoch, fingerprint, shuffle); the round function is the splitmix64
-# finaliser. Everything is vectorised over arrays of positions; nothing of size n is ever built.
-
-ORDER_ALGORITHM = "feistel-v2"
-"""Names the order :class:`EpochOrder` computes (the loader state's version changes with it)."""
-_ROUNDS = 6  # even, so that the halves end at their starting widths
+# -- the lazy order: the keyed permutation of order/feistel.py over positions ----------------------------
 _CHUNK = 1 << 20  # positions evaluated at once (bounds the temporaries of a big request)
-_U64 = np.uint64
-_GOLDEN = _U64(0x9E3779B97F4A7C15)
-
-
-def _round_keys(spec: SamplerSpec, epoch: int, fingerprint: str, purpose: str) -> tuple[np.uint64, ...]:
-    base = f"fastio-order:{ORDER_ALGORITHM}:{spec.seed}:{epoch}:{fingerprint}:{spec.shuffle}:{purpose}"
-    return tuple(_U64(int.from_bytes(hashlib.sha256(f"{base}:{r}".encode()).digest()[:8], "little"))
-                 for r in range(_ROUNDS))
-
-
-def _bits(n: int) -> int:
-    """Width of the Feistel domain for n values (at least 2 bits, so that both halves are non-empty)."""
-    return max(2, (int(n) - 1).bit_length())
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (uint64, wrapping): every output bit depends on every input bit."""
-    x = x ^ (x >> _U64(30))
-    x = x * _U64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> _U64(27))
-    x = x * _U64(0x94D049BB133111EB)
-    return x ^ (x >> _U64(31))
-
-
-def _feistel(x: np.ndarray, bits, keys, tweak) -> np.ndarray:
-    """One encryption of ``x`` < 2**bits (uint64; ``bits`` and ``tweak`` scalars or per-element arrays)."""
-    if not any(isinstance(a, np.ndarray) for a in (bits, tweak, *keys)) and x.size >= 4 << ((int(bits) + 1) // 2):
-        return _feistel_tabled(x, int(bits), keys, tweak)
-    wl = bits >> _U64(1)
-    wr = bits - wl
-    one = _U64(1)
-    left, right = x >> wr, x & ((one << wr) - one)
-    for key in keys:
-        f = _mix((right + key) ^ tweak)
-        left, right = right, (left ^ f) & ((one << wl) - one)
-        wl, wr = wr, wl
-    return (left << wr) | right
-
-
-def _feistel_tabled(x: np.ndarray, bits: int, keys, tweak) -> np.ndarray:
-    """:func:`_feistel` with scalar arguments over many values: each round's function of the right half, for
-    its every value (fewer than ``x.size / 4``), computed at once for all rounds into a table and looked up
-    instead of computed for each element."""
-    wl = bits >> 1
-    wr = bits - wl
-    widths = [(wl, wr) if r % 2 == 0 else (wr, wl) for r in range(len(keys))]  # (left, right) each round
-    values = np.arange(1 << max(wl, wr), dtype=_U64)
-    masks = np.array([(1 << w) - 1 for w, _ in widths], _U64)[:, None]
-    tables = (_mix((values[None, :] + np.array(keys, _U64)[:, None]) ^ _U64(tweak)) & masks).astype(np.intp)
-    left, right = (x >> _U64(wr)).astype(np.intp), (x & _U64((1 << wr) - 1)).astype(np.intp)
-    for table in tables:
-        left, right = right, left ^ table[right]
-    return ((left << widths[-1][0]) | right).astype(_U64)
-
-
-def _permute(x: np.ndarray, n, bits, keys, tweak) -> np.ndarray:
-    """The keyed permutation of [0, n) at ``x`` (int64 < n), by cycle walking; per-element or scalar
-    ``n``/``bits``/``tweak`` and round keys (``keys``: a tuple of scalars, or of per-element arrays)."""
-    def pick(a, i):
-        return a[i] if isinstance(a, np.ndarray) else a
-
-    n, bits, tweak = (a.astype(_U64) if isinstance(a, np.ndarray) else _U64(a) for a in (n, bits, tweak))
-    out = _feistel(x.astype(_U64), bits, keys, tweak)
-    todo = np.flatnonzero(out >= n)
-    while todo.size:
-        y = _feistel(out[todo], pick(bits, todo), tuple(pick(k, todo) for k in keys), pick(tweak, todo))
-        out[todo] = y
-        todo = todo[y >= pick(n, todo)]
-    return out.astype(np.int64)
 
 
 class EpochOrder:
@@ -252,19 +175,20 @@ class EpochOrder:
         self.shuffle = spec.shuffle
         self._n = int(sizes.sum())
         if spec.shuffle == "global":
-            self._keys = _round_keys(spec, epoch, fingerprint, "samples")
-            self._nbits = _bits(self._n)
+            self._keys = round_keys(spec.seed, spec.shuffle, epoch, fingerprint, "samples")
+            self._nbits = domain_bits(self._n)
         elif spec.shuffle == "block":
-            self._keys = _round_keys(spec, epoch, fingerprint, "windows")
+            self._keys = round_keys(spec.seed, spec.shuffle, epoch, fingerprint, "windows")
             s = len(sizes)
-            perm = (_permute(np.arange(s, dtype=np.int64), s, _bits(s), _round_keys(spec, epoch, fingerprint, "shards"),
-                             0) if s else np.empty(0, np.int64))
+            shard_keys = round_keys(spec.seed, spec.shuffle, epoch, fingerprint, "shards")
+            perm = (permute(np.arange(s, dtype=np.int64), s, domain_bits(s), shard_keys, 0) if s
+                    else np.empty(0, np.int64))
             firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if s else sizes
             self._slot_first = firsts[perm]  # dataset-wide first index of the shard in each (permuted) slot
             self._slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)  # S + 1
             edges = self._slot_start[np.r_[np.arange(0, s, spec.block_shards), s]] if s else np.zeros(1, np.int64)
             self._win_start, win_size = edges[:-1], np.diff(edges)
-            self._win_bits = np.array([_bits(m) for m in win_size.tolist()], dtype=np.int64)
+            self._win_bits = np.array([domain_bits(m) for m in win_size.tolist()], dtype=np.int64)
             self._win_size = win_size
 
     repeats = False
@@ -314,10 +238,10 @@ class EpochOrder:
         if self.shuffle == "none" or not pos.size:
             return pos.astype(np.int64, copy=True)
         if self.shuffle == "global":
-            return _permute(pos, self._n, self._nbits, self._keys, 0)
+            return permute(pos, self._n, self._nbits, self._keys, 0)
         w = np.searchsorted(self._win_start, pos, "right") - 1
         start = self._win_start[w]
-        t = start + _permute(pos - start, self._win_size[w], self._win_bits[w], self._keys, w.astype(_U64) * _GOLDEN)
+        t = start + permute(pos - start, self._win_size[w], self._win_bits[w], self._keys, w.astype(np.uint64) * GOLDEN)
         j = np.searchsorted(self._slot_start, t, "right") - 1
         return self._slot_first[j] + (t - self._slot_start[j])
 

@@ -10,7 +10,14 @@ bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipp
 document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); the manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
-:func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST).
+:func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST); a
+refused run (bad input, a full disk) takes back what it made in DEST (:class:`_Claim`).
+
+Special tokens. The end-of-document token must be one of the tokenizer's special tokens, and no document holds a
+special token's id: a document whose text holds a special token's string (``<|endoftext|>`` in web text) is
+encoded again with ``encode_special_tokens`` (the string as plain text; counted), or refused with
+``special_in_text="refuse"`` (naming the document). The token type fits the largest id the tokenizer has (a
+vocabulary with a hole up to id 70,000 is ``int32``); the manifest's vocabulary size is that id + 1.
 
 With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.tokens.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
@@ -29,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from fastio.convert.parts import PartRecord, parse_part, part_dir, start_part_dir, write_part_record
+from fastio.convert.parts import (
+    PartRecord,
+    clear_part_dir,
+    parse_part,
+    part_dir,
+    start_part_dir,
+    write_part_record,
+)
 from fastio.convert.run import (
     DEFAULT_SHARD_SIZE,
     _default_workers,
@@ -53,19 +67,23 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import DirLock, LockedError
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 from fastio.tokens.corpus import Corpus, open_corpus, part_span
 from fastio.tokens.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.tokens.starts import shard_starts, write_starts
 
-__all__ = ["EOS_NAMES", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens", "eos_token_id",
-           "load_tokenizer", "shard_record", "starts_new_token_shard", "token_manifest", "token_shard_cuts"]
+__all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
+           "eos_token_id", "load_tokenizer", "shard_record", "special_tokens", "starts_new_token_shard", "token_manifest",
+           "token_shard_cuts"]
 
 TOKEN_PLAN = "tokens"
 """``plan["kind"]`` of a token conversion's part records (:mod:`fastio.tokens.merge` merges them)."""
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 """Special tokens taken as the end-of-document token when ``eos`` is not given, in this order of preference."""
+
+SPECIAL_IN_TEXT = ("plain", "refuse")
+"""What a special token's string in document text becomes: plain text (the default), or a refusal."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,8 @@ class TokenConvertConfig:
     text_field: str = "text"
     """JSONL field / Parquet column holding each document's text."""
     eos: str | None = None
-    """End-of-document token (default: the tokenizer's end-of-text token, :data:`EOS_NAMES`)."""
+    """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
+    :data:`EOS_NAMES`)."""
     workers: int = field(default_factory=_default_workers)
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
@@ -104,6 +123,9 @@ class TokenConvertConfig:
     staging_dir: Path | None = None
     """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.run.staging_path`;
     default: the system's temporary directory)."""
+    special_in_text: str = "plain"
+    """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
+    documents counted), ``"refuse"`` is a ConvertError naming the document."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
@@ -126,6 +148,8 @@ class TokenConvertConfig:
             raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ValueError(f"text_field must be a field name, got {self.text_field!r}")
+        if self.special_in_text not in SPECIAL_IN_TEXT:
+            raise ValueError(f"special_in_text must be 'plain' or 'refuse', got {self.special_in_text!r}")
 
 
 @dataclass(frozen=True)
@@ -144,13 +168,17 @@ class TokenConvertResult:
     eos_id: int
     part: tuple[int, int] | None = None
     """(K, N) when this was one part of a conversion in parts."""
+    special_text: int = 0
+    """Documents whose text held a special token's string, encoded as plain text."""
 
     def summary(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
         where = f"part {self.part[0]}/{self.part[1]} of {self.dest} (merge with fastio merge)" if self.part else self.dest
+        special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
+                   if self.special_text else "")
         return (f"{where}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
-                f" skipped; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
+                f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
 
 
 # -- the tokenizer ------------------------------------------------------------------------------------
@@ -169,17 +197,22 @@ def load_tokenizer(path: Path):
         raise ConvertError(f"{path}: not a tokenizer.json ({str(err).splitlines()[0][:200]})") from None
 
 
+def special_tokens(tokenizer) -> dict[str, int]:
+    """The tokenizer's special tokens: content -> id."""
+    return {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
 def eos_token_id(tokenizer, eos: str | None, path: Path) -> int:
-    """The id of ``eos``, or of the tokenizer's end-of-text token (:data:`EOS_NAMES`) when ``eos`` is None."""
+    """The id of ``eos``, or of the tokenizer's end-of-text token (:data:`EOS_NAMES`) when ``eos`` is None; either
+    one of its special tokens (an ordinary word as ``eos`` would end every document that holds it)."""
+    specials = special_tokens(tokenizer)
+    have = ", ".join(sorted(specials)) or "none"
     if eos is not None:
-        token_id = tokenizer.token_to_id(eos)
-        if token_id is None:
-            raise ConvertError(f"{path}: has no token {eos!r} (eos={eos!r})")
-        return token_id
-    specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        if eos not in specials:
+            raise ConvertError(f"{path}: {eos!r} is not a special token (eos={eos!r}); its special tokens: {have}")
+        return specials[eos]
     found = next((specials[n] for n in EOS_NAMES if n in specials), None)
     if found is None:
-        have = ", ".join(sorted(specials)) or "none"
         raise ConvertError(f"{path}: no end-of-text token among its special tokens ({have}); name the "
                            "end-of-document token with eos=TOKEN")
     return found
@@ -188,18 +221,56 @@ def eos_token_id(tokenizer, eos: str | None, path: Path) -> int:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Path, eos_id: int, dtype: str) -> None:
-    _WORKER.update(tokenizer=load_tokenizer(tokenizer), eos_id=eos_id, dtype=np.dtype(dtype))
+def _init_worker(tokenizer: Path, eos_id: int, dtype: str, special_in_text: str, text_field: str) -> None:
+    tok, plain = load_tokenizer(tokenizer), load_tokenizer(tokenizer)
+    plain.encode_special_tokens = True  # a special token's string is split as any text (tokenizers >= 0.15.1)
+    _WORKER.update(tokenizer=tok, plain=plain, specials=np.array(sorted(special_tokens(tok).values()), np.int64),
+                   eos_id=eos_id, dtype=np.dtype(dtype), refuse=special_in_text == "refuse", field=text_field)
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens per document, all tokens): each non-empty document's ids + the end-of-document id; an empty
-    document has length 0."""
-    encodings = _WORKER["tokenizer"].encode_batch(texts, add_special_tokens=False)
-    eos, dtype = _WORKER["eos_id"], _WORKER["dtype"]
-    docs = [e.ids + [eos] if e.ids else [] for e in encodings]
+def _concat(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter(map(len, docs), np.int64, len(docs))
-    return lengths, np.fromiter(chain.from_iterable(docs), dtype, int(lengths.sum()))
+    return lengths, np.fromiter(chain.from_iterable(docs), np.int64, int(lengths.sum()))
+
+
+def _documents_with(lengths: np.ndarray, flat: np.ndarray, ids: np.ndarray) -> list[int]:
+    """The documents (positions in ``lengths``) holding one of ``ids``."""
+    hits = np.flatnonzero(np.isin(flat, ids, kind="table"))
+    return np.unique(np.searchsorted(np.cumsum(lengths), hits, side="right")).tolist()
+
+
+def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens per document, all tokens, documents with special-token text) of ``(wheres, texts)``: each non-empty
+    document's ids + the end-of-document id (an empty document has length 0). A document whose ids hold a special
+    token is refused or encoded again with its special-token strings as plain text (:func:`_as_plain_text`)."""
+    wheres, texts = batch
+    w = _WORKER
+    docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
+    lengths, flat = _concat(docs)
+    held = _documents_with(lengths, flat, w["specials"])
+    if held:
+        _as_plain_text(docs, held, wheres, texts)
+        lengths, flat = _concat(docs)
+    ends = np.cumsum(lengths)[lengths > 0]
+    flat = np.insert(flat, ends, w["eos_id"])  # after every non-empty document
+    return lengths + (lengths > 0), flat.astype(w["dtype"]), len(held)
+
+
+def _as_plain_text(docs: list[list[int]], held: list[int], wheres: list[str], texts: list[str]) -> None:
+    """``docs[i]`` for ``i`` in ``held`` encoded with special-token strings as text; a ConvertError naming the first
+    document with ``special_in_text="refuse"``, or if a document still holds the end-of-document id."""
+    w = _WORKER
+    if w["refuse"]:
+        specials = set(w["specials"].tolist())
+        token = w["tokenizer"].id_to_token(next(t for t in docs[held[0]] if t in specials))
+        raise ConvertError(f"{wheres[held[0]]}: field {w['field']!r} holds the special token {token!r} "
+                           "(special_in_text='refuse'; 'plain' encodes it as text)")
+    encodings = w["plain"].encode_batch([texts[i] for i in held], add_special_tokens=False)
+    for i, e in zip(held, encodings):
+        if w["eos_id"] in e.ids:  # the model itself (not the added-token split) makes the id: a broken tokenizer
+            raise ConvertError(f"{wheres[i]}: the tokenizer encodes this text with the end-of-document id "
+                               f"{w['eos_id']} inside it, as text; choose another eos")
+        docs[i] = e.ids
 
 
 # -- writing ------------------------------------------------------------------------------------------
@@ -258,7 +329,8 @@ class _ShardSeries:
 
 @dataclass(frozen=True)
 class _Coder:
-    """What the tokenizer decides: the end-of-document id, the vocabulary and token type, the file's checksum."""
+    """What the tokenizer decides: the end-of-document id, the vocabulary (its largest id + 1, holes counted) and
+    token type, the file's checksum."""
 
     eos_id: int
     vocab_size: int
@@ -269,19 +341,30 @@ class _Coder:
 def _coder(config: TokenConvertConfig) -> _Coder:
     tokenizer = load_tokenizer(config.tokenizer)
     eos_id = eos_token_id(tokenizer, config.eos, config.tokenizer)
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0) + 1  # ids 0 .. the largest
     return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer))
 
 
-def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None]) -> Iterator[list[str]]:
-    docs = (text for _, text in corpus.documents(config.text_field, span))
+@dataclass
+class _Written:
+    """What :func:`_write` wrote: the shards, and the documents skipped (empty) or with special-token text."""
+
+    shards: list[WrittenShard]
+    empty: int = 0
+    special: int = 0
+
+
+def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None]
+             ) -> Iterator[tuple[list[str], list[str]]]:
+    """``(wheres, texts)`` of ``batch_size`` documents at a time."""
+    docs = corpus.documents(config.text_field, span)
     while batch := list(islice(docs, config.batch_size)):
-        yield batch
+        yield [where for where, _ in batch], [text for _, text in batch]
 
 
-def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[list[str]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    args = (config.tokenizer, coder.eos_id, coder.dtype)
+def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[tuple[list[str], list[str]]]
+             ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    args = (config.tokenizer, coder.eos_id, coder.dtype, config.special_in_text, config.text_field)
     if config.workers == 1:
         _init_worker(*args)
         yield from map(_encode, batches)
@@ -291,19 +374,21 @@ def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[list[s
 
 
 def _write(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, out: Path,
-           span: tuple[int, int | None] = (0, None)) -> tuple[list[WrittenShard], int]:
-    """The documents of ``span`` into shards in ``out/shards``, in input order; (the shards, empty documents)."""
-    series, empty = _ShardSeries(config, coder.dtype, out / SHARDS_DIR), 0
+           span: tuple[int, int | None] = (0, None)) -> _Written:
+    """The documents of ``span`` into shards in ``out/shards``, in input order."""
+    series, written = _ShardSeries(config, coder.dtype, out / SHARDS_DIR), _Written([])
     (out / SHARDS_DIR).mkdir()
     try:
-        for lengths, flat in _encoded(config, coder, _batches(config, corpus, span)):
+        for lengths, flat, special in _encoded(config, coder, _batches(config, corpus, span)):
+            written.special += special
             ends = np.cumsum(lengths)
             for end, n in zip(ends.tolist(), lengths.tolist()):
                 if n == 0:
-                    empty += 1
+                    written.empty += 1
                 else:
                     series.add(flat[end - n:end])
-        return series.close(), empty
+        written.shards = series.close()
+        return written
     except BaseException:
         series.abort()
         raise
@@ -328,7 +413,8 @@ def _source(config: TokenConvertConfig, corpus: Corpus) -> dict[str, Any]:
 
 def _options(config: TokenConvertConfig) -> dict[str, Any]:
     return {"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
-            "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard}
+            "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard,
+            "special_in_text": config.special_in_text}
 
 
 def _info(coder: _Coder, records: list[ShardRecord], starts: IndexRecord) -> TokenInfo:
@@ -346,6 +432,41 @@ def _lock(lock: DirLock, where: Path) -> None:
         raise ConvertError(f"{err.filename or where}: {err.strerror or err}") from None
 
 
+class _Claim:
+    """``folder`` (DEST, or a part's directory ``outer`` folders down) locked for a run, and taken back if the run
+    fails with an exception (a refusal, a full disk; not an interruption, which a rerun redoes): once the run has
+    :attr:`emptied` it, its files (all the run's) go, then the lock file if the run made it, then the folders the
+    run made, innermost first (one that holds another process's files stays). A ``with`` block."""
+
+    def __init__(self, folder: Path, purpose: str, *outer: Path):
+        self.folder, self.emptied = folder, False
+        self.made = [d for d in (*outer, folder) if not d.exists()]
+        self.had_lock = (folder / LOCK_NAME).exists()
+        self.lock = DirLock(folder, purpose)
+
+    def __enter__(self) -> _Claim:
+        _lock(self.lock, self.folder)
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        try:
+            if kind is not None and issubclass(kind, Exception):
+                self._withdraw()
+        finally:
+            self.lock.release()
+
+    def _withdraw(self) -> None:
+        try:
+            if self.emptied:
+                clear_part_dir(self.folder)  # everything but the lock (a part's directory or DEST alike)
+            if not self.had_lock:
+                (self.folder / LOCK_NAME).unlink(missing_ok=True)
+            for folder in reversed(self.made):
+                folder.rmdir()
+        except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
+            pass
+
+
 def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     """Tokenize ``config.source`` into a token dataset in ``config.dest``, or with ``config.part`` one part of it
     into ``DEST/.parts/`` (see the module docstring)."""
@@ -360,59 +481,70 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     check_dest(config.dest, local_source, config.overwrite)
     if config.part is not None:
         return _convert_part(config, corpus, coder, started)
-    lock = DirLock(config.dest, purpose="fastio convert")
-    _lock(lock, config.dest)
-    parts = []
-    try:
+    with _Claim(config.dest, "fastio convert") as claim:
         check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
         parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
-        reset_dest(config.dest)
-        shards, empty = _write(config, corpus, coder, config.dest)
-        if not shards:
-            raise ConvertError(f"{config.source}: holds no document with text ({count(empty, 'empty document')})")
-        records = [shard_record(s) for s in shards]
-        source = {**_source(config, corpus), "empty_documents": empty}
-        starts = write_starts(config.dest, [shard_starts(MegatronIndex(s.idx_path)) for s in shards])
-        write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records, starts), source,
-                                                   _options(config)))
-    except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
-        raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
-    finally:
-        for part in parts:
-            part.release()
-        lock.release()
-    return _result(config, coder, shards, empty, started)
+        try:
+            reset_dest(config.dest)
+            claim.emptied = True
+            written = _write_dataset(config, corpus, coder)
+        except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
+            raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
+        finally:
+            for part in parts:
+                part.release()
+    return _result(config, coder, written, started)
 
 
-def _result(config: TokenConvertConfig, coder: _Coder, shards: list[WrittenShard], empty: int,
-            started: float) -> TokenConvertResult:
+def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> _Written:
+    """The shards, the document-starts table and the manifest (last) into DEST, emptied and locked."""
+    written = _write(config, corpus, coder, config.dest)
+    if not written.shards:
+        raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
+    records = [shard_record(s) for s in written.shards]
+    source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special}
+    starts = write_starts(config.dest, [shard_starts(MegatronIndex(s.idx_path)) for s in written.shards])
+    write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records, starts), source,
+                                               _options(config)))
+    return written
+
+
+def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, started: float) -> TokenConvertResult:
+    shards = written.shards
     return TokenConvertResult(dest=config.dest, shards=len(shards), documents=sum(s.documents for s in shards),
-                              tokens=sum(s.tokens for s in shards), empty=empty,
+                              tokens=sum(s.tokens for s in shards), empty=written.empty,
                               bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
-                              dtype=coder.dtype, eos_id=coder.eos_id, part=config.part)
+                              dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special)
 
 
 def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
     """Part K of N into ``DEST/.parts/part-K-of-N/`` (its lock only: parts run side by side); ``part.json`` last."""
     k, n = config.part
     directory = part_dir(config.dest, k, n)
-    lock = DirLock(directory, f"fastio convert --part {k}/{n}")
-    _lock(lock, directory)
-    try:
-        start_part_dir(config.dest, k, n, directory)
-        span = part_span(corpus.total, k, n)
-        shards, empty = _write(config, corpus, coder, directory, span)
-        plan = {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
-                "name": config.name,
-                "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
-                "tokens": {"tokenizer_sha256": coder.sha256, "eos_id": coder.eos_id, "dtype": coder.dtype,
-                           "vocab_size": coder.vocab_size}}
-        end = corpus.total if span[1] is None else span[1]
-        datasets = {"": {"range": [span[0], end], "count": corpus.total, "empty_documents": empty,
-                         "shards": [shard_record(s).as_dict() for s in shards]}}
-        write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=datasets))
-    except OSError as err:
-        raise ConvertError(f"{err.filename or directory}: {err.strerror or err}") from None
-    finally:
-        lock.release()
-    return _result(config, coder, shards, empty, started)
+    with _Claim(directory, f"fastio convert --part {k}/{n}", config.dest, directory.parent) as claim:
+        try:
+            start_part_dir(config.dest, k, n, directory)
+            claim.emptied = True
+            span = part_span(corpus.total, k, n)
+            written = _write(config, corpus, coder, directory, span)
+            write_part_record(directory, PartRecord(part=k, of=n, plan=_plan(config, corpus, coder),
+                                                    datasets={"": _part_dataset(corpus, span, written)}))
+        except OSError as err:
+            raise ConvertError(f"{err.filename or directory}: {err.strerror or err}") from None
+    return _result(config, coder, written, started)
+
+
+def _plan(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> dict[str, Any]:
+    """What every part of a conversion shares (:func:`fastio.tokens.merge.comparable_plan`: how it is compared)."""
+    return {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
+            "name": config.name,
+            "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
+            "tokens": {"tokenizer_sha256": coder.sha256, "eos_id": coder.eos_id, "dtype": coder.dtype,
+                       "vocab_size": coder.vocab_size}}
+
+
+def _part_dataset(corpus: Corpus, span: tuple[int, int | None], written: _Written) -> dict[str, Any]:
+    end = corpus.total if span[1] is None else span[1]
+    return {"range": [span[0], end], "count": corpus.total, "empty_documents": written.empty,
+            "special_text_documents": written.special,
+            "shards": [shard_record(s).as_dict() for s in written.shards]}

@@ -9,7 +9,11 @@ other is **re-packed**: its documents' tokens copied out of the part shards (no 
 :class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first. Shards after a part's first cut
 usually differ from the single run's (byte-size cuts that start elsewhere rarely meet again), so most are re-packed:
 a sequential copy. The document-starts table and the manifest are the single run's, byte for byte (the empty
-documents of every part summed), the manifest published last; DEST's life cycle is :mod:`fastio.convert.merge`'s.
+documents and those with special-token text of every part summed), the manifest published last; DEST's life cycle
+is :mod:`fastio.convert.merge`'s.
+
+Parts agree on a tokenizer by its content (``tokens.tokenizer_sha256`` of the plan), not by how they name its file
+(:func:`comparable_plan`): the manifest names it as part 0 does.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
 from fastio.tokens.megatron import MegatronIndex, MegatronShard, MegatronWriter, partner_path
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
-__all__ = ["merge_token_parts", "part_command"]
+__all__ = ["comparable_plan", "merge_token_parts", "part_command"]
 
 
 @dataclass
@@ -47,6 +51,13 @@ class _PartShard:
     first: int
 
 
+def comparable_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """A token part's plan as parts are compared: its tokenizer by content (``tokens.tokenizer_sha256``), not by
+    the path its file was named by (relative in one part, absolute or a copy in another)."""
+    options = {k: v for k, v in plan.get("convert_options", {}).items() if k != "tokenizer"}
+    return {**plan, "convert_options": options}
+
+
 def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:
     """The command that converts a missing part (K for the part's number): the other parts' options."""
     options = plan.get("convert_options", {})
@@ -54,7 +65,7 @@ def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:
     for flag, key, default in (("--text-field", "text_field", "text"), ("--eos", "eos", None),
                                ("--shard-size", "shard_size", parse_size(DEFAULT_SHARD_SIZE, "shard_size")),
                                ("--max-samples-per-shard", "max_samples_per_shard", None),
-                               ("--name", "name", "shard")):
+                               ("--name", "name", "shard"), ("--special-in-text", "special_in_text", "plain")):
         value = plan.get(key) if key == "name" else options.get(key)
         if value is not None and value != default:
             words += [flag, str(value)]
@@ -70,6 +81,7 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
     shards = _part_shards(dest, records, plan["tokens"]["dtype"])
     lengths = np.concatenate([np.asarray(s.pair.index.lengths, np.int64) for s in shards] or [np.zeros(0, np.int64)])
     empty = sum(r.datasets[""]["empty_documents"] for r in records)
+    special = sum(r.datasets[""].get("special_text_documents", 0) for r in records)
     if not lengths.size:
         raise ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
     options = plan["convert_options"]
@@ -93,7 +105,8 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
                      total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"],
                      one_sequence_per_document=True,  # the parts' pairs and the repacked ones: MegatronWriter's
                      starts=starts)
-    manifest = token_manifest(plan["name"], result, info, {**plan["source"], "empty_documents": empty}, options)
+    source = {**plan["source"], "empty_documents": empty, "special_text_documents": special}
+    manifest = token_manifest(plan["name"], result, info, source, options)
     _publish(dest, placed, staging / STARTS_NAME, manifest)
     linked = sum(link for _, _, link in placed)
     return manifest, {"linked": linked, "repacked": len(placed) - linked}

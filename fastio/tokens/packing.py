@@ -51,7 +51,8 @@ from typing import Protocol
 
 import numpy as np
 
-from fastio.order.sampler import _GOLDEN, Sampler, SamplerSpec, _bits, _permute, _round_keys
+from fastio.order.feistel import GOLDEN, domain_bits, permute, round_keys
+from fastio.order.sampler import Sampler, SamplerSpec
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
            "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts",
@@ -174,7 +175,7 @@ class _BlockPacking:
     def _keys(self, epoch: int, purpose: str):
         keys = self._round.get((epoch, purpose))
         if keys is None:
-            keys = _round_keys(self.spec, epoch, self.fingerprint, purpose)
+            keys = round_keys(self.spec.seed, self.spec.shuffle, epoch, self.fingerprint, purpose)
             with self._lock:
                 if len(self._round) > 8:
                     self._round.clear()
@@ -189,7 +190,7 @@ class _BlockPacking:
         b = self._blk_n.size
         perm = np.arange(b, dtype=np.int64)
         if self.spec.shuffle == "global" and b > 1:
-            perm = _permute(perm, b, _bits(b), self._keys(epoch, "token-blocks"), 0)
+            perm = permute(perm, b, domain_bits(b), self._keys(epoch, "token-blocks"), 0)
         slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)
         with self._lock:
             self._epochs[epoch] = (perm, slot_start)
@@ -269,8 +270,8 @@ class ConcatPacking(_BlockPacking):
         n = int(self._blk_n[b])
         local = np.arange(n, dtype=np.int64)
         if self.spec.shuffle == "global" and n > 1:
-            local = _permute(local, n, _bits(n), self._keys(epoch, "token-docs"),
-                             np.uint64(b * int(_GOLDEN) % (1 << 64)))
+            local = permute(local, n, domain_bits(n), self._keys(epoch, "token-docs"),
+                             np.uint64(b * int(GOLDEN) % (1 << 64)))
         edges = self._edges(b)
         rel = edges - edges[0]
         if int(rel[-1]) < 1 << 31:

@@ -1,7 +1,7 @@
-"""Review (issues 19-21 together): a fastio.Mixture of an indexed dataset (``fastio index`` over shards
-written by ``webdataset.ShardWriter`` and by GNU tar, nested keys, scrambled member order, a long name) and a
-converted one (``fastio convert``): every sample once per source cycle with its own bytes and label, exact and
-elastic resume, and the mixture loader's state through ``fastio.Checkpointer`` and back, bitwise."""
+"""A fastio.Mixture of an indexed dataset (``fastio index`` over shards written by ``webdataset.ShardWriter``
+and by GNU tar, nested keys, scrambled member order, a long name) and a converted one (``fastio convert``): every
+sample once per source cycle with its own bytes and label, exact and elastic resume, and the mixture loader's
+state through ``fastio.Checkpointer`` and back, bitwise."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Hostile review of the token dataset's index paths (issue 30): fastio index (local and s3://), the
-document-starts table (doc-starts.fxs) and the manifest's tokens.one_sequence_per_document, with real files."""
+"""A token dataset's index kept true (issue 30): ``fastio index`` of Megatron pairs (local and s3://: reruns,
+races, faults, interrupted runs, foreign and hidden files, DEST spellings, hostile pairs), the document-starts table
+(doc-starts.fxs: stale, short, truncated, extended or swapped tables refused at open and by verify) and the
+manifest's ``tokens.one_sequence_per_document`` (old manifests, false claims), with real files."""
 
 from __future__ import annotations
 
