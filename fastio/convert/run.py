@@ -53,6 +53,7 @@ from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
+    DEFAULT_VIDEO_DECODER,
     PROBE_FIELD,
     VIDEO_DECODERS,
     MediaCheckError,
@@ -155,13 +156,15 @@ class ConvertConfig:
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
-    """``vp9``: re-encode video the ``video_decoder`` cannot read (the CPU's: H.264, HEVC, ...) as VP9 WebM
-    (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded by PyAV as FLAC
-    (field ``flac``); ``vp9,flac``: both; None: such files are skipped and listed (:mod:`fastio.formats.media`)."""
-    video_decoder: str = "cpu"
-    """The decode path the stored videos are for: ``cpu`` (DALI's CPU decoder: VP8, VP9, MJPEG) or ``nvdec``
-    (DALI's mixed decoder on a GPU, ``Loader(device="cuda")``: also H.264, HEVC, MPEG-4, AV1, kept as they are;
-    a Loader on the CPU refuses a dataset holding them). Recorded as ``convert_options.video_decoder``."""
+    """``vp9``: re-encode video of a codec ``video_decoder`` does not keep (FFV1, ProRes, ...; with ``cpu`` also
+    H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read
+    (MP3, AAC, ...) decoded by PyAV as FLAC (field ``flac``); ``vp9,flac``: both; None: such files are skipped and
+    listed (:mod:`fastio.formats.media`)."""
+    video_decoder: str = DEFAULT_VIDEO_DECODER
+    """Which videos are kept as they are: ``auto`` (every codec a Loader decodes: VP8, VP9, MJPEG, H.264, HEVC,
+    MPEG-4, AV1; on a GPU with NVDEC, on a CPU with DALI's CPU decoder or, for the rest, PyAV), ``cpu`` (only those
+    DALI's CPU decoder reads: VP8, VP9, MJPEG) or ``nvdec`` (the same as ``auto``). Recorded as
+    ``convert_options.video_decoder`` unless ``auto``."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -241,7 +244,7 @@ class ConvertConfig:
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
                 "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {}),
-                **({"video_decoder": self.video_decoder} if self.video_decoder != "cpu" else {})}
+                **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {})}
 
 
 @dataclass

@@ -66,6 +66,7 @@ from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
+    DEFAULT_VIDEO_DECODER,
     PROBES_NAME,
     VIDEO_DECODERS,
     MediaCheckError,
@@ -113,9 +114,9 @@ class IndexConfig:
     into ``DEST/.parts/``; ``fastio merge DEST`` then publishes the dataset. Local DEST only."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
-    video_decoder: str = "cpu"
-    """The decode path the videos are probed for (as ``fastio convert``'s): ``cpu``, or ``nvdec`` (H.264, HEVC,
-    MPEG-4, AV1 probed too, for a Loader with ``device="cuda"``); a member it cannot read is named, not probed."""
+    video_decoder: str = DEFAULT_VIDEO_DECODER
+    """Which videos are probed (as ``fastio convert``'s): ``auto`` (every codec a Loader decodes, H.264 too), ``cpu``
+    (DALI's CPU decoder's) or ``nvdec`` (as ``auto``); a member of another codec is named, not probed."""
 
     def __post_init__(self):
         if not str(self.source).strip():
@@ -189,7 +190,7 @@ def _local_copy(shard: ListedShard, staging: Path) -> Iterator[Path]:
 
 
 def _read(shard: ListedShard, staging: Path, label_fields: tuple[str, ...],
-          video_decoder: str = "cpu") -> tuple[TarContents, list[dict[str, Any]]]:
+          video_decoder: str = DEFAULT_VIDEO_DECODER) -> tuple[TarContents, list[dict[str, Any]]]:
     """The tar's contents and each sample's media members probed (:func:`_probe_members`)."""
     with _local_copy(shard, staging) as path:
         got = read_tar(path, shard.display, label_fields)
@@ -197,7 +198,7 @@ def _read(shard: ListedShard, staging: Path, label_fields: tuple[str, ...],
 
 
 def _probe_members(path: Path, entries: list[IndexEntry], display: str,
-                   video_decoder: str = "cpu") -> list[dict[str, Any]]:
+                   video_decoder: str = DEFAULT_VIDEO_DECODER) -> list[dict[str, Any]]:
     """Per sample, each video or audio member's probe (a dict, as convert's ``probe.json``), or the reason it
     could not be probed or ``video_decoder`` cannot read it (:func:`fastio.formats.media.check_media`): read once
     with PyAV while indexing, since the shards are never rewritten (the probes go to DEST's probe table)."""
@@ -329,8 +330,8 @@ def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
     """What every part of one index shares (compared by the merge)."""
     return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
             "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
-                        "in_place": in_place,
-                        **({"video_decoder": config.video_decoder} if config.video_decoder != "cpu" else {})}}
+                        "in_place": in_place, **({"video_decoder": config.video_decoder}
+                                                 if config.video_decoder != DEFAULT_VIDEO_DECODER else {})}}
 
 
 def _listing_digest(shards: list[ListedShard]) -> str:
