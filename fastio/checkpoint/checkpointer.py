@@ -417,8 +417,8 @@ class Checkpointer:
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 self._agree_shapes(step, app, shapes)
         except CheckpointError:
-            for path in made:
-                layout.remove_step(path)
+            if made:
+                self._commit.discard(step)
             raise
         replicated = list(self.config.replicated)
         if self.world_size > 1 and not global_keys:
@@ -469,7 +469,7 @@ class Checkpointer:
 
             ranks.run("write", write)
             if self._compression is not None:
-                files = layout.data_files(tmp)[self._share[0]::self._share[1]]
+                files = self._commit.data_files(step)[self._share[0]::self._share[1]]
                 ranks.barrier("compress")  # every rank has listed the files before any replaces one
                 ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
             self._commit.publish(ranks, self.rank, step, info, self.config.keep)
@@ -477,7 +477,7 @@ class Checkpointer:
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:
                 try:
-                    layout.remove_step(tmp)
+                    self._commit.discard(step)
                 except OSError:
                     pass
             # Published only after the clean-up: a caller that sees it may exit at once (this is a daemon thread).

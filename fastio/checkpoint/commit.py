@@ -1,10 +1,10 @@
 """Where a Checkpointer's steps are committed and found again: one interface, two implementations.
 
 :class:`Commit` owns a checkpoint directory's steps as the Checkpointer sees them: the temporary a save is
-written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.layout`), publishing it with its commit marker
-last, retention, which steps exist, and making a step readable locally before a restore checks it. The
-Checkpointer keeps the scheduling and decides what to restore; it runs one restore flow over either
-implementation (plan, fetch, check, fall back).
+written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.layout`), its files (and deleting it when a save
+fails), publishing it with its commit marker last, retention, which steps exist, and making a step readable
+locally before a restore checks it. The Checkpointer keeps the scheduling and decides what to restore; it runs
+one restore flow over either implementation (plan, fetch, check, fall back).
 
 - :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
   directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`layout.commit`) and applies retention; for
@@ -57,6 +57,14 @@ class Commit(Protocol):
 
     def start(self, step: int) -> Path:
         """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own."""
+        ...
+
+    def data_files(self, step: int) -> list[Path]:
+        """The files in ``step``'s temporary that its commit marker will list (the engine's, as written)."""
+        ...
+
+    def discard(self, step: int) -> None:
+        """The lowest rank of ``ranks_here``: delete ``step``'s temporary (a save that failed)."""
         ...
 
     def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
@@ -113,6 +121,12 @@ class _Steps:
         except OSError as err:
             raise CheckpointError(f"{self.tmp_dir(step)}: cannot create checkpoint directory: "
                                   f"{err.strerror or err}") from None
+
+    def data_files(self, step: int) -> list[Path]:
+        return layout.data_files(self.tmp_dir(step))
+
+    def discard(self, step: int) -> None:
+        layout.remove_step(self.tmp_dir(step))
 
     def clean(self) -> None:
         _, left = layout.remove_abandoned(self.root)
@@ -202,7 +216,7 @@ class NodeLocalCommit(_Steps):
 
         ranks.run("confirm", confirm)
         i, n = self.ranks_here.index(rank), len(self.ranks_here)
-        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, layout.data_files(tmp)[i::n]))
+        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, self.data_files(step)[i::n]))
         every = ranks.gather("upload", records)
 
         def commit() -> None:
@@ -216,7 +230,7 @@ class NodeLocalCommit(_Steps):
                     files.update(part)
                 remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
             if rank == self.ranks_here[0]:  # uploaded, and no node holds the whole step: the temporaries go, within
-                layout.remove_step(tmp)  # the phase (a large step takes seconds: this rank is seen busy)
+                self.discard(step)  # the phase (a large step takes seconds: this rank is seen busy)
 
         ranks.run("commit", commit)
         self.restored = None
