@@ -116,7 +116,7 @@ def _child_fastio(stamp, work: Path, data: Path, size_mib: int) -> None:
 
 
 def _timing_checksums():
-    """Time spent in the Checkpointer's check of every file (``layout.verify_files``), as a callable; it
+    """Time spent in the Checkpointer's check of every file (``catalog.verify_files``), as a callable; it
     returns None when this fastio checks elsewhere (e.g. while reading)."""
     from fastio.checkpoint import layout
 

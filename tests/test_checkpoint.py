@@ -18,7 +18,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, slurm_job_id
+from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, naming, record, slurm_job_id
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -280,7 +280,7 @@ def test_restore_uses_the_engine_named_in_the_commit_marker(tmp_path):
     app = make_app()
     with Checkpointer(root, signals=()) as ckpt:
         ckpt.save(1, app, blocking=True)
-    marker = root / "step-1" / layout.COMMIT_FILE
+    marker = root / "step-1" / naming.COMMIT_FILE
     data = json.loads(marker.read_text())
     assert data["engine"] == "torchsnapshot"
     marker.write_text(json.dumps({**data, "engine": "from-the-future"}))
@@ -331,8 +331,8 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(relaunched["model"].state_dict().values(),
                                                  branch["model"].state_dict().values()))
     kept = root / "step-30"
-    assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / layout.COMMIT_FILE).exists()
-    marker = layout.parse_commit((kept / layout.SUPERSEDED_FILE).read_bytes(), str(kept / layout.SUPERSEDED_FILE))
+    assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
+    marker = record.parse_commit((kept / layout.SUPERSEDED_FILE).read_bytes(), str(kept / layout.SUPERSEDED_FILE))
     assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
         f"{kept / layout.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
@@ -351,7 +351,7 @@ def test_what_a_kill_leaves_in_the_middle_of_a_commit_or_a_deletion_is_removed(t
     import shutil
 
     shutil.copytree(root / "step-5", root / "step-6.tmp")  # its marker written, the rename not done
-    (root / "step-6.tmp" / layout.WRITING_FILE).write_text("{}")
+    (root / "step-6.tmp" / naming.WRITING_FILE).write_text("{}")
     shutil.copytree(root / "step-5", root / ".step-4.deleting-123")  # renamed for deletion, then killed
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 5  # a restore cleans the directory first
@@ -387,7 +387,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, layout, naming, record
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))
@@ -446,7 +446,7 @@ def test_unusable_directory_is_named(tmp_path, engine):
 
 KILL_WORKER = """
     import os, signal, sys, torch
-    from fastio.checkpoint import Checkpointer
+    from fastio.checkpoint import Checkpointer, layout
     torch.manual_seed(0)
     model = torch.nn.Linear(2048, 2048)  # 16 MiB: the kill below lands while step 2 is being written
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))
@@ -476,7 +476,7 @@ def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine,
 # ---------------------------------------------------------------- preemption
 SIGNAL_WORKER = """
     import sys, time, torch
-    from fastio.checkpoint import Checkpointer
+    from fastio.checkpoint import Checkpointer, layout
     model = torch.nn.Linear(8, 8)
     ckpt = Checkpointer(sys.argv[1], every_steps=1000, requeue=True)
     for step in range(1, 100000):
@@ -558,7 +558,7 @@ def test_cli_ls_and_verify(tmp_path, engine, capsys):
     assert "2 committed checkpoint(s) verified" in capsys.readouterr().out
 
     victim = next(p for p in sorted((root / "step-2").rglob("*")) if p.is_file() and p.stat().st_size > 100
-                  and p.name != layout.COMMIT_FILE)
+                  and p.name != naming.COMMIT_FILE)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import start_ranks
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout
+from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -76,7 +76,7 @@ def entries(root: Path) -> list[str]:
 def save(root: Path, app, step: int, **options) -> dict:
     with Checkpointer(root, signals=(), **options) as ckpt:
         ckpt.save(step, app, blocking=True)
-    return layout.read_commit(layout.step_dir(root, step))
+    return layout.read_commit(naming.step_dir(root, step))
 
 
 @pytest.mark.parametrize("value", [None, "zstd", "zstd:1", "zstd:19", "zstd+shuffle", "zstd+shuffle:3"])
@@ -99,7 +99,7 @@ def test_round_trip_is_exact_and_needs_no_flag(tmp_path, engine, codec):
     train(app, 3)
     commit = save(root, app, 3, compression=codec)
     want = tensors(app)
-    assert commit.compression == codec and commit.version == layout.COMPRESSED_VERSION
+    assert commit.compression == codec and commit.version == record.COMPRESSED_VERSION
     assert commit.engine == engine
     step = root / "step-3"
     stored = sorted(p.relative_to(step).as_posix() for p in layout.data_files(step))
@@ -124,7 +124,7 @@ def test_compressible_state_is_stored_smaller(tmp_path, engine):
             p.copy_(torch.round(p * 8) / 8)
     plain = save(tmp_path / "plain", app, 1)
     packed = save(tmp_path / "zstd", app, 1, compression="zstd:3")
-    assert plain.compression is None and plain.version == layout.COMMIT_VERSION
+    assert plain.compression is None and plain.version == record.COMMIT_VERSION
     assert packed.bytes < 0.5 * plain.bytes, (packed.bytes, plain.bytes)
     on_disk = sum(p.stat().st_size for p in layout.data_files(tmp_path / "zstd" / "step-1"))
     assert on_disk == packed.bytes
@@ -220,7 +220,7 @@ def test_unknown_codec_in_marker_is_skipped(tmp_path, caplog):
     app = make_app()
     save(root, app, 1, compression="zstd")
     save(root, app, 2, compression="zstd")
-    marker = root / "step-2" / layout.COMMIT_FILE
+    marker = root / "step-2" / naming.COMMIT_FILE
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "compression": "lz4"}))
     with caplog.at_level(logging.WARNING, logger="fastio"), Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 1

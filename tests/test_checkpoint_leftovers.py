@@ -15,7 +15,7 @@ import torch
 from helpers import StateHolder, run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, catalog, layout
+from fastio.checkpoint import Checkpointer, catalog, layout, naming
 from fastio.storage import open_storage
 from fastio.storage.mirror import DirMirror
 
@@ -27,7 +27,7 @@ KILLED_IN_START_TMP = """
     sys.path.insert(0, "tests")
     from helpers import StateHolder
     import fastio.storage.atomic
-    from fastio.checkpoint import Checkpointer
+    from fastio.checkpoint import Checkpointer, layout
 
     real = fastio.storage.atomic.publish
 
@@ -115,7 +115,7 @@ def test_verify_on_s3_skips_a_step_that_retention_deletes_while_it_is_checked(mo
 
     def pull(self, name, dest):
         if name == "step-1":  # retention (DirMirror.remove) runs between the listing and the download
-            DirMirror(store, layout.COMMIT_FILE).remove(name)
+            DirMirror(store, naming.COMMIT_FILE).remove(name)
         return real_pull(self, name, dest)
 
     monkeypatch.setattr(DirMirror, "pull", pull)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint import Checkpointer, layout, naming
 from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 
@@ -25,7 +25,7 @@ TRAINER = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    from fastio.checkpoint import Checkpointer
+    from fastio.checkpoint import Checkpointer, layout
 
     where, options, staging = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     kw = {"storage_options": options, "staging_dir": staging} if options else {}
@@ -78,7 +78,7 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
             Checkpointer(root, signals=())
         abandoned = root / "step-3.tmp"
         abandoned.mkdir()
-        (abandoned / layout.WRITING_FILE).write_text("{}")  # the writer's own temporary: the writer's to clean
+        (abandoned / naming.WRITING_FILE).write_text("{}")  # the writer's own temporary: the writer's to clean
         before = tree(root)
         reader = Checkpointer(root, read_only=True, signals=())
         restored = app()

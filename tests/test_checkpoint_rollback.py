@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, catalog, layout
+from fastio.checkpoint import Checkpointer, catalog, layout, naming
 from fastio.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def states(where, options=None) -> dict[int, str]:
 
 def damage(path: Path) -> None:
     """Flip a byte of the biggest file of a committed step directory."""
-    victim = max((p for p in path.rglob("*") if p.is_file() and p.name != layout.COMMIT_FILE),
+    victim = max((p for p in path.rglob("*") if p.is_file() and p.name != naming.COMMIT_FILE),
                  key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -139,7 +139,7 @@ def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
     root = tmp_path / "ck"
     with Checkpointer(root, signals=()) as ckpt:
         save_branch(ckpt, range(1, 4))
-    assert layout.start_rollback(root, 1) == [2, 3]
+    assert layout.start_rollback(root, 1, [e.step for e in layout.committed(root)]) == [2, 3]
     assert states(root) == {1: "committed", 2: "superseded", 3: "superseded"}
     assert layout.verify_report(root).steps == [1]
     (root / layout.ROLLBACK_FILE).write_text("{}")

@@ -1,7 +1,7 @@
 """Checkpoints for an exact continuation: async saves through an engine (torchsnapshot, or DCP for DTensor
 state), atomic publish, retention, verified restore with fallback, one writer per directory.
 
-Names are imported lazily: ``fastio ckpt ls`` and ``verify`` read the layout without importing torch.
+Names are imported lazily: ``fastio ckpt ls`` and ``verify`` read a checkpoint directory without importing torch.
 """
 
 from __future__ import annotations

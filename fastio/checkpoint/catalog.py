@@ -9,52 +9,67 @@ committed step downloads it into a temporary directory, one step at a time, and 
 marker exactly as on disk; nothing on the store is changed.
 """
 
+
 from __future__ import annotations
 
 import shutil
 import tempfile
 from pathlib import Path
 
-from fastio.checkpoint import layout
+from fastio.checkpoint.layout import (
+    SUPERSEDED,
+    SUPERSEDED_FILE,
+    StepEntry,
+    VerifyReport,
+    list_checkpoints,
+    listing_row,
+    pending_remote_rollback,
+    read_commit,
+    remote_steps,
+    verify_report,
+    verify_step,
+)
+from fastio.checkpoint.naming import COMMIT_FILE, parse_quarantined_name, step_name
+from fastio.checkpoint.record import parse_commit
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["list_steps", "pending_rollback", "remote_steps", "verify_steps"]
+__all__ = ["list_steps", "verify_steps"]
 
 
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
-    """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
+    """``(where, rows)``: one row per step (see :func:`list_checkpoints`) of a checkpoint
     directory or ``s3://`` prefix, oldest first."""
     loc = parse_location(str(where))
     if not loc.remote:
-        return str(loc.path), layout.list_checkpoints(loc.path)
+        return str(loc.path), list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
     rows = []
-    doomed = pending_rollback(storage)
+    doomed = pending_remote_rollback(storage)
     for step, sizes in remote_steps(storage).items():
-        name = layout.step_name(step)
+        name = step_name(step)
         commit, problem = None, None
         if step in doomed:
-            problem = layout.SUPERSEDED
-        elif layout.COMMIT_FILE in sizes:
+            problem = SUPERSEDED
+        elif COMMIT_FILE in sizes:
             try:
-                commit = layout.parse_commit(_get(storage, f"{name}/{layout.COMMIT_FILE}"),
-                                             storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
+                commit = parse_commit(_get(storage, f"{name}/{COMMIT_FILE}"),
+                                      storage.url_of(f"{name}/{COMMIT_FILE}"))
             except CheckpointError as err:
                 problem = str(err)
-        elif layout.SUPERSEDED_FILE in sizes:
-            problem = layout.SUPERSEDED
+        elif SUPERSEDED_FILE in sizes:
+            problem = SUPERSEDED
         else:
-            problem = f"{storage.url_of(name)}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)"
+            problem = f"{storage.url_of(name)}: no {COMMIT_FILE} (an upload in progress, or one that failed)"
         size = commit.bytes if commit else None
-        rows.append(layout.listing_row(step, storage.url_of(name), commit,
-                                       sum(sizes.values()) if size is None else size, problem))
+        rows.append(listing_row(step, storage.url_of(name), commit,
+                                sum(sizes.values()) if size is None else size, problem))
     for name, (step, size) in _quarantined(storage).items():
-        rows.append(layout.listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
-                                       "(a superseded step of the number a new one took)"))
+        rows.append(listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
+                                "(a superseded step of the number a new one took)"))
     return storage.url, sorted(rows, key=lambda r: (r["step"], r["path"]))
 
 
@@ -67,41 +82,41 @@ def _quarantined(storage: Storage) -> dict[str, tuple[int, int]]:
     found: dict[str, tuple[int, int]] = {}
     for o in objects:
         top = o.key.partition("/")[0]
-        step = layout.parse_quarantined_name(top)
+        step = parse_quarantined_name(top)
         if step is not None:
             found[top] = (step, found.get(top, (step, 0))[1] + o.size)
     return found
 
 
 def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
-                 storage_options: dict | None = None) -> tuple[str, layout.VerifyReport]:
+                 storage_options: dict | None = None) -> tuple[str, VerifyReport]:
     """``(where, report)``: every committed checkpoint of a directory or ``s3://`` prefix checked against its
-    commit marker (see :func:`fastio.checkpoint.layout.verify_report`). CheckpointError when ``where`` holds no
+    commit marker (see :func:`verify_report`). CheckpointError when ``where`` holds no
     checkpoints at all (no step, no lock)."""
     loc = parse_location(str(where))
     if not loc.remote:
-        return str(loc.path), layout.verify_report(loc.path, include_uncommitted=include_uncommitted)
+        return str(loc.path), verify_report(loc.path, include_uncommitted=include_uncommitted)
     storage = open_storage(loc, storage_options)
     steps = remote_steps(storage)
     if not steps and storage.head(LOCK_NAME) is None:
         raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
-    mirror = DirMirror(storage, layout.COMMIT_FILE)
+    mirror = DirMirror(storage, COMMIT_FILE)
     problems, verified, vanished = [], [], []
-    doomed = pending_rollback(storage)
+    doomed = pending_remote_rollback(storage)
     with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
         for step, sizes in steps.items():
-            name = layout.step_name(step)
+            name = step_name(step)
             url = storage.url_of(name)
-            if step in doomed or layout.COMMIT_FILE not in sizes and layout.SUPERSEDED_FILE in sizes:
+            if step in doomed or COMMIT_FILE not in sizes and SUPERSEDED_FILE in sizes:
                 continue  # superseded: no checkpoint any more, and not damaged either
-            if layout.COMMIT_FILE not in sizes:
+            if COMMIT_FILE not in sizes:
                 if include_uncommitted:
-                    problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
+                    problems.append(f"{url}: no {COMMIT_FILE} (an upload in progress, or one that failed)")
                 continue
             local = Path(tmp) / name
             try:
                 mirror.pull(name, local)
-                found = layout.verify_step(layout.StepEntry(step, local, layout.read_commit(local)))
+                found = verify_step(StepEntry(step, local, read_commit(local)))
             except (StorageError, CheckpointError) as err:
                 found = [str(err)]
             shutil.rmtree(local, ignore_errors=True)
@@ -110,41 +125,15 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
                 continue
             problems += [p.replace(str(local), url) for p in found]
             verified.append(step)
-    return storage.url, layout.VerifyReport(problems, verified, vanished)
+    return storage.url, VerifyReport(problems, verified, vanished)
 
 
 def _marked(storage: Storage, name: str) -> bool:
     """True when ``name/`` still holds its commit marker (an unreachable store counts as marked: not skipped)."""
     try:
-        return storage.head(f"{name}/{layout.COMMIT_FILE}") is not None
+        return storage.head(f"{name}/{COMMIT_FILE}") is not None
     except StorageError:
         return True
-
-
-def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
-    """``{step: {key under step-N/: size}}`` of every ``step-N/`` prefix, oldest step first."""
-    try:
-        objects = storage.list()
-    except StorageError as err:
-        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
-    steps: dict[int, dict[str, int]] = {}
-    for o in objects:
-        top, _, rest = o.key.partition("/")
-        step = layout.parse_step_name(top)
-        if step is not None and rest:
-            steps.setdefault(step, {})[rest] = o.size
-    return dict(sorted(steps.items()))
-
-
-def pending_rollback(storage: Storage) -> frozenset[int]:
-    """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``, see
-    :func:`fastio.checkpoint.layout.start_rollback`): superseded, whatever their marker is still called."""
-    try:
-        if storage.head(layout.ROLLBACK_FILE) is None:
-            return frozenset()
-    except StorageError as err:
-        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
-    return layout.parse_rollback(_get(storage, layout.ROLLBACK_FILE), storage.url_of(layout.ROLLBACK_FILE))
 
 
 def _get(storage: Storage, key: str) -> bytes:

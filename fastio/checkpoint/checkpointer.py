@@ -16,7 +16,7 @@ prefix's lease, and with node-local staging the lowest rank of each node locks i
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
 of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
 file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.removal` for what may be deleted. A save's
 progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
 (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, layout, restore
+from fastio.checkpoint import agree, compress, layout, naming, restore
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -380,7 +380,7 @@ class Checkpointer:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
             why = str(err) if isinstance(err, CheckpointError) else first_line(err)
-            raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
+            raise CheckpointError(f"{naming.step_dir(self.dir, step)}: checkpoint write failed: "
                                   f"{why} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,

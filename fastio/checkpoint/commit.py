@@ -1,13 +1,14 @@
 """Where a Checkpointer's steps are committed and found again: one interface, two implementations.
 
 :class:`Commit` owns a checkpoint directory's steps as the Checkpointer sees them: the temporary a save is
-written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.layout`), its files (and deleting it when a save
-fails), publishing it with its commit marker last, retention, which steps exist, and making a step readable
-locally before a restore checks it. The Checkpointer keeps the scheduling and decides what to restore; it runs
-one restore flow over either implementation (plan, fetch, check, fall back).
+written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.naming`), its files (and deleting it when a save
+fails), publishing it with its commit marker last (:mod:`fastio.checkpoint.publish`), retention, which steps
+exist, and making a step readable locally before a restore checks it. The Checkpointer keeps the scheduling
+and decides what to restore; it runs one restore flow over either implementation (plan, fetch, check, fall
+back).
 
 - :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
-  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`layout.commit`) and applies retention; for
+  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`publish.commit`) and applies retention; for
   ``s3://`` it then uploads every committed step the store lacks and applies retention there
   (:meth:`RemoteCheckpoints.after_commit`). Restore candidates: local committed steps, and the store's.
 - :class:`NodeLocalCommit`: an ``s3://`` dir staged in one directory per node. Each node's ranks upload their
@@ -23,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout
+from fastio.checkpoint import layout, naming
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Commit(Protocol):
     restored: int | None
     """Set by the Checkpointer to the step a restore loaded: the next :meth:`publish` first supersedes every
     committed step above it (the abandoned branch of a rollback, crash-safely: see
-    :func:`fastio.checkpoint.layout.start_rollback`), then forgets it."""
+    :mod:`fastio.checkpoint.rollback`), then forgets it."""
 
     def tmp_dir(self, step: int) -> Path: ...
 
@@ -110,10 +111,10 @@ class _Steps:
         return step if self.restored is None else min(step, self.restored)
 
     def tmp_dir(self, step: int) -> Path:
-        return layout.tmp_dir(self.root, step)
+        return naming.tmp_dir(self.root, step)
 
     def step_dir(self, step: int) -> Path:
-        return layout.step_dir(self.root, step)
+        return naming.step_dir(self.root, step)
 
     def start(self, step: int) -> Path:
         try:
@@ -163,7 +164,7 @@ class LocalCommit(_Steps):
                 floor, remote = self._floor(step), self.remote
                 if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
                     remote.start_rollback(floor)
-                layout.start_rollback(self.root, floor)
+                layout.start_rollback(self.root, floor, [e.step for e in layout.committed(self.root)])
                 _warn_superseded(self.root, step, floor, layout.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import compress, layout
+from fastio.checkpoint import compress, layout, naming
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
@@ -198,11 +198,11 @@ def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
     def check() -> list[str]:
         entry = layout.StepEntry(step, path, layout.read_commit(path))
         if entry.commit.engine not in ENGINES:
-            return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
+            return [f"{path / naming.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
                     f"fastio has {', '.join(sorted(ENGINES))}"]
         why = compress.check_marker(entry.commit)
         if why:
-            return [f"{path / layout.COMMIT_FILE}: {why}"]
+            return [f"{path / naming.COMMIT_FILE}: {why}"]
         return layout.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
 
     return ck._ranks.collect("check", check)
@@ -241,7 +241,7 @@ def _start_restore_dir(ck: Checkpointer, step: int) -> str | None:
     try:
         return str(layout.start_restore_dir(ck.dir, step))
     except OSError as err:
-        raise CheckpointError(f"{layout.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
+        raise CheckpointError(f"{naming.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
 
 
 @dataclass
