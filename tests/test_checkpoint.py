@@ -18,7 +18,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, naming, record, slurm_job_id
+from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, naming, record, rollback, slurm_job_id
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -331,10 +331,10 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(relaunched["model"].state_dict().values(),
                                                  branch["model"].state_dict().values()))
     kept = root / "step-30"
-    assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
-    marker = record.parse_commit((kept / layout.SUPERSEDED_FILE).read_bytes(), str(kept / layout.SUPERSEDED_FILE))
+    assert (kept / rollback.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
+    marker = record.parse_commit((kept / rollback.SUPERSEDED_FILE).read_bytes(), str(kept / rollback.SUPERSEDED_FILE))
     assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
-        f"{kept / layout.SUPERSEDED_FILE}: not listed in the commit marker"]
+        f"{kept / rollback.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
     assert "superseded" in capsys.readouterr().out
 
@@ -387,7 +387,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout, naming, record
+    from fastio.checkpoint import Checkpointer, layout, naming, record, rollback
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))

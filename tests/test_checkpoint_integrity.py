@@ -16,7 +16,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, checkpointer, layout, naming, record
+from fastio.checkpoint import Checkpointer, checkpointer, layout, naming, record, rollback
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 from fastio.storage.checksum import digest_file, sha256_file
@@ -152,7 +152,7 @@ def test_an_explicit_older_step_keeps_newer_steps_when_saving_over_them(tmp_path
         assert ckpt.restore_latest(app, step=1).step == 1
         ckpt.save(2, app, blocking=True)  # the run goes on from step 1 and reaches step 2 again
     # the abandoned step 2: superseded (its marker renamed), then moved aside; every file kept
-    assert (root / "step-2.quarantined" / layout.SUPERSEDED_FILE).read_text() == first
+    assert (root / "step-2.quarantined" / rollback.SUPERSEDED_FILE).read_text() == first
 
 
 def test_damaged_explicit_step_or_no_intact_step_is_an_error_and_moves_nothing(tmp_path, caplog):

@@ -17,13 +17,10 @@ import tempfile
 from pathlib import Path
 
 from fastio.checkpoint.layout import (
-    SUPERSEDED,
-    SUPERSEDED_FILE,
     StepEntry,
     VerifyReport,
     list_checkpoints,
     listing_row,
-    pending_remote_rollback,
     read_commit,
     remote_steps,
     verify_report,
@@ -31,6 +28,7 @@ from fastio.checkpoint.layout import (
 )
 from fastio.checkpoint.naming import COMMIT_FILE, parse_quarantined_name, step_name
 from fastio.checkpoint.record import parse_commit
+from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout, naming
+from fastio.checkpoint import layout, naming, rollback
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -164,8 +164,8 @@ class LocalCommit(_Steps):
                 floor, remote = self._floor(step), self.remote
                 if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
                     remote.start_rollback(floor)
-                layout.start_rollback(self.root, floor, [e.step for e in layout.committed(self.root)])
-                _warn_superseded(self.root, step, floor, layout.finish_rollback(self.root))
+                rollback.start_rollback(self.root, floor, [e.step for e in layout.committed(self.root)])
+                _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
                 layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)

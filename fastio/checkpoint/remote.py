@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from fastio.checkpoint import layout, naming
+from fastio.checkpoint import layout, naming, rollback
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.layout import expired
 from fastio.checkpoint.record import CommitRecord
@@ -180,19 +180,19 @@ class RemoteCheckpoints:
     def pending_rollback(self) -> frozenset[int]:
         """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``); none are
         checkpoints."""
-        return layout.pending_remote_rollback(self.mirror.storage)
+        return rollback.pending_remote_rollback(self.mirror.storage)
 
     def start_rollback(self, floor: int) -> list[int]:
         """Before the first commit after a restore of step ``floor``: record on the store every committed step
         above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
         a checkpoint. Only while the lease (if held) is confirmed."""
-        return self._superseding(lambda: layout.start_remote_rollback(
+        return self._superseding(lambda: rollback.start_remote_rollback(
             self.mirror.storage, floor, self.committed_steps, self._confirm), floor)
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
         deleted; every other object kept), then delete the record; returns the steps it listed."""
-        return self._superseding(lambda: layout.finish_remote_rollback(self.mirror.storage, self._confirm), None)
+        return self._superseding(lambda: rollback.finish_remote_rollback(self.mirror.storage, self._confirm), None)
 
     def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
         """``fn()``, its store and lease errors as one CheckpointError."""
@@ -211,7 +211,7 @@ class RemoteCheckpoints:
         storage, name = self.mirror.storage, naming.step_name(step)
         try:
             objects = storage.child(name).list()
-            if not any(o.key == layout.SUPERSEDED_FILE for o in objects):
+            if not any(o.key == rollback.SUPERSEDED_FILE for o in objects):
                 return None
             self._confirm()
             taken = {o.key.split("/")[0] for o in storage.list()}  # a store lists by whole path segments
@@ -256,7 +256,7 @@ class RemoteCheckpoints:
             return
         old = expired(done, keep)
         leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see finish_rollback)
-                     if not marked and s < done[-1] and layout.SUPERSEDED_FILE not in listed[s]]
+                     if not marked and s < done[-1] and rollback.SUPERSEDED_FILE not in listed[s]]
         if old or leftovers:
             self._confirm()
         for step in old + sorted(leftovers):
