@@ -226,7 +226,7 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
 # ------------------------------------------------------------------ integrity: what restore's check costs
 def measure_integrity(work: Path, size_mib: int) -> dict:
     """Seconds per GiB to check every file of a committed checkpoint (warm page cache), both checksums."""
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, layout, scan
     from fastio.storage.checksum import digest_file
 
     model, optim = build(size_mib)
@@ -234,7 +234,7 @@ def measure_integrity(work: Path, size_mib: int) -> dict:
     with Checkpointer(work / "integrity", signals=()) as ckpt:
         ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
     del model, optim
-    entry = layout.committed(work / "integrity")[0]
+    entry = scan.committed(work / "integrity")[0]
     gib = entry.commit.bytes / 2**30
     files = [entry.path / rel for rel in entry.commit.files]
     for f in files:  # warm the page cache: the figure is the checksum's, not the disk's

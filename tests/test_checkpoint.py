@@ -18,7 +18,17 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, naming, record, rollback, slurm_job_id
+from fastio.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    checkpointer,
+    layout,
+    naming,
+    record,
+    rollback,
+    scan,
+    slurm_job_id,
+)
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -240,8 +250,8 @@ def test_loader_is_found_by_its_state_not_by_its_app_key(image_dataset, tmp_path
         ckpt.save(7, {"model": nn.Linear(4, 4), "train_data": data}, blocking=True)  # no epoch= given
         ckpt.save(8, {"model": nn.Linear(4, 4)}, blocking=True)  # no loader: epoch unknown
     data.close()
-    assert layout.read_commit(root / "step-7").progress.epoch == 2
-    assert layout.read_commit(root / "step-8").progress.epoch == -1
+    assert scan.read_commit(root / "step-7").progress.epoch == 2
+    assert scan.read_commit(root / "step-8").progress.epoch == -1
     fresh = make()
     state = Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(4, 4), "train_data": fresh}, step=7)
     assert state.epoch == 2 and (fresh.epoch, fresh.consumed) == (2, 8)
@@ -333,7 +343,7 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
     kept = root / "step-30"
     assert (kept / rollback.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
     marker = record.parse_commit((kept / rollback.SUPERSEDED_FILE).read_bytes(), str(kept / rollback.SUPERSEDED_FILE))
-    assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
+    assert layout.verify_step(scan.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
         f"{kept / rollback.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
     assert "superseded" in capsys.readouterr().out
@@ -387,7 +397,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout, naming, record, rollback
+    from fastio.checkpoint import Checkpointer, layout, naming, record, rollback, scan
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))

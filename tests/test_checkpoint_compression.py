@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import start_ranks
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record
+from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record, scan
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -76,7 +76,7 @@ def entries(root: Path) -> list[str]:
 def save(root: Path, app, step: int, **options) -> dict:
     with Checkpointer(root, signals=(), **options) as ckpt:
         ckpt.save(step, app, blocking=True)
-    return layout.read_commit(naming.step_dir(root, step))
+    return scan.read_commit(naming.step_dir(root, step))
 
 
 @pytest.mark.parametrize("value", [None, "zstd", "zstd:1", "zstd:19", "zstd+shuffle", "zstd+shuffle:3"])
@@ -206,7 +206,7 @@ def test_uncompressed_checkpoints_still_restore(tmp_path, engine):
         assert_equal(tensors(fresh), want1)
         train(fresh, 1)
         ckpt.save(2, fresh, blocking=True)  # the same directory now gets a compressed step
-    assert layout.read_commit(root / "step-2").compression == "zstd"
+    assert scan.read_commit(root / "step-2").compression == "zstd"
     again = make_app(seed=2)
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(again, step=1).step == 1
@@ -239,7 +239,7 @@ def test_only_fastio_restore_leftovers_are_removed(tmp_path):
     foreign = root / ".step-1.restore-5"  # same shape, no fastio mark: not ours
     foreign.mkdir()
     (foreign / "keep").write_text("mine")
-    assert [e.step for e in layout.scan(root)] == [1] and layout.verify(root) == []
+    assert [e.step for e in scan.scan(root)] == [1] and layout.verify(root) == []
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 1
     assert entries(root) == [".step-1.restore-5", "step-1"]
@@ -331,7 +331,7 @@ def test_two_ranks_compress_and_restore_exactly(two_rank_runs, engine_name):
         assert res["step"] == 3 and res["got"] == res["want"], r
         assert len(res["want"]["state"]) >= 5  # weight, bias, Adam step/exp_avg/exp_avg_sq
     assert results[0]["got"]["consumed"] == 24 and results[1]["got"]["consumed"] == 48
-    commit = layout.read_commit(root / "step-3")
+    commit = scan.read_commit(root / "step-3")
     assert commit.compression == "zstd+shuffle" and commit.progress.world_size == WORLD
     assert all(f.endswith(".zst") for f in commit.files), sorted(commit.files)
     assert layout.verify(root) == [] and entries(root) == ["step-3"]

@@ -16,7 +16,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, checkpointer, layout, naming, record, rollback
+from fastio.checkpoint import Checkpointer, checkpointer, layout, naming, record, rollback, scan
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 from fastio.storage.checksum import digest_file, sha256_file
@@ -218,7 +218,7 @@ def test_second_job_is_refused_and_a_dead_jobs_lock_does_not_block(tmp_path):
     app = make_app()
     with Checkpointer(root, signals=()) as ckpt:  # the killed job's lock went with it (a Slurm requeue)
         ckpt.save(1, app, blocking=True)
-    assert [e.step for e in layout.committed(root)] == [1]
+    assert [e.step for e in scan.committed(root)] == [1]
 
 
 def test_a_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from helpers import StateHolder, run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, catalog, layout, naming
+from fastio.checkpoint import Checkpointer, catalog, layout, naming, scan
 from fastio.storage import open_storage
 from fastio.storage.mirror import DirMirror
 
@@ -94,7 +94,7 @@ def test_verify_skips_a_step_that_retention_deletes_while_it_is_checked(tmp_path
     assert renamed and code == 0, out
     assert "1 committed checkpoint(s) verified (step 2); skipped step(s) 1: being deleted" in out
     monkeypatch.setattr(layout, "_check_file", real)  # a missing file in a step that keeps its marker: damage
-    victim = root / "step-2" / sorted(layout.read_commit(root / "step-2").files)[0]
+    victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
     victim.unlink()
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)
     assert code == 1 and f"{victim}: missing" in out

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, layout, naming
+from fastio.checkpoint import Checkpointer, naming, scan
 from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 
@@ -25,7 +25,7 @@ TRAINER = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer
 
     where, options, staging = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     kw = {"storage_options": options, "staging_dir": staging} if options else {}
@@ -88,7 +88,7 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
             reader.save(3, restored)
         with pytest.raises(CheckpointError, match="read-only"):
             reader.maybe_save(3, restored, force=True)
-        victim = root / "step-2" / sorted(layout.read_commit(root / "step-2").files)[0]
+        victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
         victim.write_bytes(victim.read_bytes()[:-1])  # damaged: skipped, left where it is
         before = tree(root)
         assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0

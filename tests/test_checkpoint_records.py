@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout, naming
+from fastio.checkpoint import Checkpointer, layout, naming, scan
 from fastio.checkpoint.record import (
     CHECKSUM,
     COMMIT_FORMAT,
@@ -81,7 +81,7 @@ def test_a_save_writes_its_progress_once_into_the_marker(tmp_path):
     app["loader"].epoch = 2
     with Checkpointer(root, signals=(), hparams={"seed": 7}) as ckpt:
         ckpt.save(5, app, metrics={"loss": 1.5}, blocking=True)
-    record = layout.read_commit(root / "step-5")
+    record = scan.read_commit(root / "step-5")
     assert record.progress.epoch == 2 and record.progress.metrics == {"loss": 1.5}
     assert record.progress.hparams == {"seed": 7} and record.progress.world_size == 1
     assert not any("_fastio_progress" in str(p) for p in (root / "step-5").rglob("*"))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, catalog, layout, naming, rollback
+from fastio.checkpoint import Checkpointer, catalog, layout, naming, rollback, scan
 from fastio.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,12 +139,12 @@ def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
     root = tmp_path / "ck"
     with Checkpointer(root, signals=()) as ckpt:
         save_branch(ckpt, range(1, 4))
-    assert rollback.start_rollback(root, 1, [e.step for e in layout.committed(root)]) == [2, 3]
+    assert rollback.start_rollback(root, 1, [e.step for e in scan.committed(root)]) == [2, 3]
     assert states(root) == {1: "committed", 2: "superseded", 3: "superseded"}
     assert layout.verify_report(root).steps == [1]
     (root / rollback.ROLLBACK_FILE).write_text("{}")
     with pytest.raises(Exception, match="fastio-rollback.json: not a fastio rollback record"):
-        layout.scan(root)
+        scan.scan(root)
 
 
 # ---------------------------------------------------------------- s3://

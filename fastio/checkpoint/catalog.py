@@ -16,19 +16,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fastio.checkpoint.layout import (
-    StepEntry,
-    VerifyReport,
-    list_checkpoints,
-    listing_row,
-    read_commit,
-    remote_steps,
-    verify_report,
-    verify_step,
-)
+from fastio.checkpoint.layout import VerifyReport, list_checkpoints, listing_row, verify_report, verify_step
 from fastio.checkpoint.naming import COMMIT_FILE, parse_quarantined_name, step_name
 from fastio.checkpoint.record import parse_commit
 from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
+from fastio.checkpoint.scan import StepEntry, read_commit, remote_steps
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage

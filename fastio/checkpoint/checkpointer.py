@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, layout, naming, restore
+from fastio.checkpoint import agree, compress, naming, restore, scan
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -160,7 +160,7 @@ class Checkpointer:
             return
         problem: str | None = None
         try:
-            layout.refuse_dataset_dir(self.dir)
+            scan.refuse_dataset_dir(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout, naming, rollback
+from fastio.checkpoint import layout, naming, rollback, scan
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class LocalCommit(_Steps):
                 floor, remote = self._floor(step), self.remote
                 if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
                     remote.start_rollback(floor)
-                rollback.start_rollback(self.root, floor, [e.step for e in layout.committed(self.root)])
+                rollback.start_rollback(self.root, floor, [e.step for e in scan.committed(self.root)])
                 _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
@@ -179,11 +179,11 @@ class LocalCommit(_Steps):
     def steps(self) -> list[int]:
         if self.remote is not None:
             return self._remote_steps()
-        return [e.step for e in layout.committed(self.root)]
+        return [e.step for e in scan.committed(self.root)]
 
     def plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]]:
         try:
-            entries = layout.scan(self.root)
+            entries = scan.scan(self.root)
         except OSError as err:
             raise CheckpointError(f"{self.root}: cannot read checkpoint directory: {err}") from None
         done = {e.step for e in entries if e.committed}

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from fastio.checkpoint import layout, naming, rollback
+from fastio.checkpoint import layout, naming, rollback, scan
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.layout import expired
 from fastio.checkpoint.record import CommitRecord
@@ -230,7 +230,7 @@ class RemoteCheckpoints:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
         the caller checks every node's copy)."""
         dest = naming.step_dir(self.root, step)
-        if any(e.step == step for e in layout.committed(self.root)):
+        if any(e.step == step for e in scan.committed(self.root)):
             return
         if dest.exists():
             layout.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
@@ -249,7 +249,7 @@ class RemoteCheckpoints:
         steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
         during an earlier retention (or upload) left behind. While the lease is held no other writer is
         uploading, and such a step was never, or is no longer, a checkpoint."""
-        listed = layout.remote_steps(self.mirror.storage)
+        listed = scan.remote_steps(self.mirror.storage)
         steps = {step: naming.COMMIT_FILE in keys for step, keys in listed.items()}
         done = sorted(s for s, marked in steps.items() if marked)
         if not done:
@@ -271,7 +271,7 @@ class RemoteCheckpoints:
         try:
             self._confirm()
             remote = set(self.committed_steps())
-            for entry in layout.committed(self.root):
+            for entry in scan.committed(self.root):
                 if entry.step not in remote:
                     self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)

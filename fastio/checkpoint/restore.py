@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import compress, layout, naming
+from fastio.checkpoint import compress, layout, naming, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
@@ -148,7 +148,7 @@ def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, stri
     if ck._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
         _set_aside(newer, read_only=ck.read_only)
     path = commit.step_dir(chosen)
-    state = _restore(ck, path, layout.read_commit(path), app, strict, loader_policy)
+    state = _restore(ck, path, scan.read_commit(path), app, strict, loader_policy)
     commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
     return state
 
@@ -196,7 +196,7 @@ def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
     """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
     against its recorded size and checksum, the ranks sharing the files); empty when intact."""
     def check() -> list[str]:
-        entry = layout.StepEntry(step, path, layout.read_commit(path))
+        entry = scan.StepEntry(step, path, scan.read_commit(path))
         if entry.commit.engine not in ENGINES:
             return [f"{path / naming.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
                     f"fastio has {', '.join(sorted(ENGINES))}"]
