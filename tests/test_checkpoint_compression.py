@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import start_ranks
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record, scan
+from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record, removal, scan
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -233,7 +233,7 @@ def test_unknown_codec_in_marker_is_skipped(tmp_path, caplog):
 def test_only_fastio_restore_leftovers_are_removed(tmp_path):
     root = tmp_path / "ck"
     save(root, make_app(), 1, compression="zstd")
-    killed = layout.start_restore_dir(root, 1)  # what a restore killed mid-way leaves
+    killed = removal.start_restore_dir(root, 1)  # what a restore killed mid-way leaves
     (killed / "model.pt").write_bytes(b"x" * 100)
     killed.rename(root / ".step-1.restore-99999")
     foreign = root / ".step-1.restore-5"  # same shape, no fastio mark: not ours

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout, naming, rollback, scan
+from fastio.checkpoint import layout, naming, removal, rollback, scan
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -127,10 +127,10 @@ class _Steps:
         return layout.data_files(self.tmp_dir(step))
 
     def discard(self, step: int) -> None:
-        layout.remove_step(self.tmp_dir(step))
+        removal.remove_step(self.tmp_dir(step))
 
     def clean(self) -> None:
-        _, left = layout.remove_abandoned(self.root)
+        _, left = removal.remove_abandoned(self.root)
         for entry in left:
             if entry.temporary:
                 log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)

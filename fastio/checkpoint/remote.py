@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from fastio.checkpoint import layout, naming, rollback, scan
+from fastio.checkpoint import layout, naming, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.layout import expired
 from fastio.checkpoint.record import CommitRecord
@@ -233,7 +233,7 @@ class RemoteCheckpoints:
         if any(e.step == step for e in scan.committed(self.root)):
             return
         if dest.exists():
-            layout.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+            removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
         try:
             self.mirror.pull(dest.name, dest)
         except StorageError as err:

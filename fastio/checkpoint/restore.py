@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import compress, layout, naming, scan
+from fastio.checkpoint import compress, layout, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
@@ -185,7 +185,7 @@ def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
             continue
         try:
             moved = ("; left in place (read_only)" if read_only else
-                     f"; moved aside to {layout.quarantine(Path(path_)).name}")
+                     f"; moved aside to {removal.quarantine(Path(path_)).name}")
         except OSError as err:
             moved = f"; left in place ({err.strerror or err})"
         reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
@@ -239,7 +239,7 @@ def _start_restore_dir(ck: Checkpointer, step: int) -> str | None:
     if not ck._leader:
         return None
     try:
-        return str(layout.start_restore_dir(ck.dir, step))
+        return str(removal.start_restore_dir(ck.dir, step))
     except OSError as err:
         raise CheckpointError(f"{naming.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
 
