@@ -24,6 +24,7 @@ from fastio.checkpoint import (
     checkpointer,
     layout,
     naming,
+    publish,
     record,
     rollback,
     scan,
@@ -176,7 +177,7 @@ def test_restore_deletes_only_its_own_abandoned_temporaries(tmp_path, caplog):
     app = make_app()
     with Checkpointer(root, every_steps=1) as ckpt:
         ckpt.maybe_save(1, app)
-    layout.start_tmp(root, 4)  # what a killed writer leaves: step-4.tmp with fastio's mark
+    publish.start_tmp(root, 4)  # what a killed writer leaves: step-4.tmp with fastio's mark
     (root / "step-4.tmp" / "0").mkdir()
     # not fastio's: a step-5.tmp without the mark, and a newer step-7 without a commit marker
     (root / "step-5.tmp" / "0").mkdir(parents=True)
@@ -397,7 +398,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout, naming, record, rollback, scan
+    from fastio.checkpoint import Checkpointer, layout, naming, publish, record, rollback, scan
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))

@@ -13,7 +13,18 @@ import torch.distributed as dist
 from helpers import start_ranks
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout, naming, record, removal, scan
+from fastio.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    checkpointer,
+    compress,
+    layout,
+    naming,
+    publish,
+    record,
+    removal,
+    scan,
+)
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -102,7 +113,7 @@ def test_round_trip_is_exact_and_needs_no_flag(tmp_path, engine, codec):
     assert commit.compression == codec and commit.version == record.COMPRESSED_VERSION
     assert commit.engine == engine
     step = root / "step-3"
-    stored = sorted(p.relative_to(step).as_posix() for p in layout.data_files(step))
+    stored = sorted(p.relative_to(step).as_posix() for p in publish.data_files(step))
     assert stored == sorted(commit.files) and all(f.endswith(".zst") for f in stored), stored
     assert layout.verify(root) == []
     draw = torch.rand(3)  # what the RNG gives right after the save
@@ -126,7 +137,7 @@ def test_compressible_state_is_stored_smaller(tmp_path, engine):
     packed = save(tmp_path / "zstd", app, 1, compression="zstd:3")
     assert plain.compression is None and plain.version == record.COMMIT_VERSION
     assert packed.bytes < 0.5 * plain.bytes, (packed.bytes, plain.bytes)
-    on_disk = sum(p.stat().st_size for p in layout.data_files(tmp_path / "zstd" / "step-1"))
+    on_disk = sum(p.stat().st_size for p in publish.data_files(tmp_path / "zstd" / "step-1"))
     assert on_disk == packed.bytes
     assert {f.removesuffix(".zst") for f in packed.files} == set(plain.files)
     rows = layout.list_checkpoints(tmp_path / "zstd")
@@ -173,7 +184,7 @@ def test_flipped_byte_is_caught_and_restore_falls_back(tmp_path, caplog, capsys,
     want = tensors(app)
     train(app, 2)
     save(root, app, 4, compression="zstd")
-    victim = max(layout.data_files(root / "step-4"), key=lambda p: p.stat().st_size)
+    victim = max(publish.data_files(root / "step-4"), key=lambda p: p.stat().st_size)
     assert victim.name.endswith(".zst")
     flip_byte(victim)
     problems = layout.verify(root)

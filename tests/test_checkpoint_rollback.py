@@ -74,7 +74,7 @@ KILLED = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    from fastio.checkpoint import Checkpointer, layout, rollback
+    from fastio.checkpoint import Checkpointer, layout, publish, rollback
 
     where, at, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     kw = {"storage_options": options, "staging_dir": sys.argv[4]} if options else {}
@@ -94,7 +94,7 @@ KILLED = """
 
     rollback.supersede = supersede
     if at == "commit":
-        layout.commit = commit
+        publish.commit = commit
     if at == "local":  # s3://: the store's record written, the local supersede not begun
         rollback.finish_rollback = commit
     app["model"].state = {"w": torch.full((4,), 105.0)}

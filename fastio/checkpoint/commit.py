@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout, naming, removal, rollback, scan
+from fastio.checkpoint import layout, naming, publish, removal, rollback, scan
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -118,13 +118,13 @@ class _Steps:
 
     def start(self, step: int) -> Path:
         try:
-            return layout.start_tmp(self.root, step)
+            return publish.start_tmp(self.root, step)
         except OSError as err:
             raise CheckpointError(f"{self.tmp_dir(step)}: cannot create checkpoint directory: "
                                   f"{err.strerror or err}") from None
 
     def data_files(self, step: int) -> list[Path]:
-        return layout.data_files(self.tmp_dir(step))
+        return publish.data_files(self.tmp_dir(step))
 
     def discard(self, step: int) -> None:
         removal.remove_step(self.tmp_dir(step))
@@ -168,7 +168,7 @@ class LocalCommit(_Steps):
                 _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
-                layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
+                publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
                 layout.apply_retention(self.root, keep)
                 if self.remote is not None:
                     self.remote.after_commit(keep)
@@ -229,7 +229,7 @@ class NodeLocalCommit(_Steps):
                         raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on "
                                               "a shared file system")
                     files.update(part)
-                remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
+                remote.publish_commit(step, publish.commit_data(files, step=step, info=info), keep)
             if rank == self.ranks_here[0]:  # uploaded, and no node holds the whole step: the temporaries go, within
                 self.discard(step)  # the phase (a large step takes seconds: this rank is seen busy)
 

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from fastio.checkpoint import layout, naming, removal, rollback, scan
+from fastio.checkpoint import naming, publish, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.layout import expired
 from fastio.checkpoint.record import CommitRecord
@@ -153,7 +153,7 @@ class RemoteCheckpoints:
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(tmp).as_posix()
-            record = layout.file_record(path)
+            record = publish.file_record(path)
             sub.put_file(rel, path)
             return rel, record
 
