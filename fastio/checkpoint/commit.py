@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout, naming, publish, removal, rollback, scan
+from fastio.checkpoint import naming, publish, removal, retention, rollback, scan
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class LocalCommit(_Steps):
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
                 publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
-                layout.apply_retention(self.root, keep)
+                retention.apply_retention(self.root, keep)
                 if self.remote is not None:
                     self.remote.after_commit(keep)
 

@@ -1,4 +1,4 @@
-"""What has not moved out of the on-disk layout module yet: retention (the names and rules that the final
+"""What has not moved out of the on-disk layout module yet:  (the names and rules that the final
 ``fastio.checkpoint`` modules of those names hold), and checking and listing a directory."""
 
 from __future__ import annotations
@@ -10,29 +10,11 @@ from typing import Any
 from fastio.checkpoint.naming import QUARANTINE_SUFFIX, parse_quarantined_name
 from fastio.checkpoint.publish import data_files
 from fastio.checkpoint.record import CommitRecord
-from fastio.checkpoint.removal import remove_step
 from fastio.checkpoint.rollback import SUPERSEDED
-from fastio.checkpoint.scan import StepEntry, committed, is_checkpoint_dir, read_commit, scan
+from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, scan
 from fastio.errors import CheckpointError
 from fastio.storage.checksum import DIGESTS, digest_file
 from fastio.storage.lock import LOCK_NAME
-
-
-def expired(steps: list, keep: int) -> list:
-    """The committed ``steps`` (oldest first) that retention keeping ``keep`` deletes: all but the newest ``keep``
-    (none when ``keep`` is 0)."""
-    return steps[:-keep] if keep > 0 else []
-
-
-def apply_retention(root: Path, keep: int) -> list[Path]:
-    """Delete committed checkpoints older than the newest ``keep`` (0 keeps all; the newest always stays)."""
-    if keep <= 0:
-        return []
-    old = expired(committed(root), keep)
-    for entry in old:
-        remove_step(entry.path)
-    return [e.path for e in old]
-
 
 # ---------------------------------------------------------------- checking a step's files
 

@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 from fastio.checkpoint import naming, publish, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
-from fastio.checkpoint.layout import expired
 from fastio.checkpoint.record import CommitRecord
+from fastio.checkpoint.retention import expired
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
