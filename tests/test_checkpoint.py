@@ -21,8 +21,8 @@ from torch import nn
 from fastio.checkpoint import (
     CheckpointConfig,
     Checkpointer,
+    catalog,
     checkpointer,
-    layout,
     naming,
     publish,
     record,
@@ -314,7 +314,7 @@ def test_retention_keeps_newest_k_after_commit(tmp_path, engine):
             ckpt.maybe_save(step, app)
             ckpt.wait()
             assert step_dirs(root) == [f"step-{s}" for s in range(max(1, step - 1), step + 1)]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 @pytest.mark.parametrize("keep", [1, 2])
@@ -344,7 +344,7 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
     kept = root / "step-30"
     assert (kept / rollback.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
     marker = record.parse_commit((kept / rollback.SUPERSEDED_FILE).read_bytes(), str(kept / rollback.SUPERSEDED_FILE))
-    assert layout.verify_step(scan.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
+    assert catalog.verify_step(scan.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
         f"{kept / rollback.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
     assert "superseded" in capsys.readouterr().out
@@ -382,7 +382,7 @@ def test_policy_skip_and_wait_never_interleave(tmp_path, engine):
         assert ckpt.maybe_save(3, app)
         ckpt.close()
         assert ckpt.steps() == expect
-        assert layout.verify(root) == []
+        assert catalog.verify(root) == []
 
 
 def test_every_seconds_schedule(tmp_path):
@@ -398,7 +398,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout, naming, publish, record, rollback, scan
+    from fastio.checkpoint import Checkpointer, catalog, naming, publish, record, rollback, scan
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))
@@ -428,7 +428,7 @@ def test_write_error_in_background_surfaces_at_next_call_and_keeps_previous(tmp_
     assert f"{root}/step-2: checkpoint write failed" in out and "File too large" in out
     assert "previous checkpoint is intact" in out
     assert step_dirs(root) == ["step-1"]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     model = torch.nn.Linear(256, 256)
     assert Checkpointer(root).restore_latest({"model": model}).step == 1
 
@@ -457,7 +457,7 @@ def test_unusable_directory_is_named(tmp_path, engine):
 
 KILL_WORKER = """
     import os, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer
     torch.manual_seed(0)
     model = torch.nn.Linear(2048, 2048)  # 16 MiB: the kill below lands while step 2 is being written
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))
@@ -476,7 +476,7 @@ def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine,
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = step_dirs(root)
     assert "step-1" in names and "step-2" not in names and "step-2.tmp" in names, names
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     model = torch.nn.Linear(2048, 2048)
     assert Checkpointer(root).restore_latest({"model": model}).step == 1
     ref = torch.load(tmp_path / "ref.pt")
@@ -487,7 +487,7 @@ def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine,
 # ---------------------------------------------------------------- preemption
 SIGNAL_WORKER = """
     import sys, time, torch
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer
     model = torch.nn.Linear(8, 8)
     ckpt = Checkpointer(sys.argv[1], every_steps=1000, requeue=True)
     for step in range(1, 100000):

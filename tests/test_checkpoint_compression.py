@@ -16,9 +16,9 @@ from torch import nn
 from fastio.checkpoint import (
     CheckpointConfig,
     Checkpointer,
+    catalog,
     checkpointer,
     compress,
-    layout,
     naming,
     publish,
     record,
@@ -115,7 +115,7 @@ def test_round_trip_is_exact_and_needs_no_flag(tmp_path, engine, codec):
     step = root / "step-3"
     stored = sorted(p.relative_to(step).as_posix() for p in publish.data_files(step))
     assert stored == sorted(commit.files) and all(f.endswith(".zst") for f in stored), stored
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     draw = torch.rand(3)  # what the RNG gives right after the save
     fresh = make_app(seed=1)
     torch.manual_seed(123)
@@ -140,7 +140,7 @@ def test_compressible_state_is_stored_smaller(tmp_path, engine):
     on_disk = sum(p.stat().st_size for p in publish.data_files(tmp_path / "zstd" / "step-1"))
     assert on_disk == packed.bytes
     assert {f.removesuffix(".zst") for f in packed.files} == set(plain.files)
-    rows = layout.list_checkpoints(tmp_path / "zstd")
+    rows = catalog.list_checkpoints(tmp_path / "zstd")
     assert rows[0]["compression"] == "zstd" and rows[0]["bytes"] == packed.bytes
 
 
@@ -187,7 +187,7 @@ def test_flipped_byte_is_caught_and_restore_falls_back(tmp_path, caplog, capsys,
     victim = max(publish.data_files(root / "step-4"), key=lambda p: p.stat().st_size)
     assert victim.name.endswith(".zst")
     flip_byte(victim)
-    problems = layout.verify(root)
+    problems = catalog.verify(root)
     assert len(problems) == 1 and problems[0].startswith(f"{victim}: xxh3_128"), problems
     assert fastio_main(["ckpt", "verify", str(root)]) == 1
     assert capsys.readouterr().out.startswith(f"{victim}: xxh3_128")
@@ -250,7 +250,7 @@ def test_only_fastio_restore_leftovers_are_removed(tmp_path):
     foreign = root / ".step-1.restore-5"  # same shape, no fastio mark: not ours
     foreign.mkdir()
     (foreign / "keep").write_text("mine")
-    assert [e.step for e in scan.scan(root)] == [1] and layout.verify(root) == []
+    assert [e.step for e in scan.scan(root)] == [1] and catalog.verify(root) == []
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 1
     assert entries(root) == [".step-1.restore-5", "step-1"]
@@ -345,4 +345,4 @@ def test_two_ranks_compress_and_restore_exactly(two_rank_runs, engine_name):
     commit = scan.read_commit(root / "step-3")
     assert commit.compression == "zstd+shuffle" and commit.progress.world_size == WORLD
     assert all(f.endswith(".zst") for f in commit.files), sorted(commit.files)
-    assert layout.verify(root) == [] and entries(root) == ["step-3"]
+    assert catalog.verify(root) == [] and entries(root) == ["step-3"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers import Position, StateHolder, start_ranks
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout, scan
+from fastio.checkpoint import Checkpointer, catalog, scan
 from fastio.errors import CheckpointError
 
 WORLD = 2
@@ -96,7 +96,7 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(preemption_runs, engine)
     assert results[0]["got"]["consumed"] == 40 and results[1]["got"]["consumed"] == 80
     assert results[0]["got"]["draw"] != results[1]["got"]["draw"]
     assert [e.step for e in scan.committed(root)] == [2, 4, 5]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     files = scan.read_commit(root / "step-5").files
     if engine == "dcp":  # the DDP model and its optimizer are global DCP state; loader and RNG one file per rank
         side = json.loads((root / "step-5" / "fastio-dcp.json").read_text())

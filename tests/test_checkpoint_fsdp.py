@@ -19,7 +19,7 @@ import torch.distributed as dist
 from helpers import rank_process
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout, scan
+from fastio.checkpoint import Checkpointer, catalog, scan
 from fastio.errors import CheckpointError
 
 STEPS, SAVE_AT = 6, 3
@@ -183,7 +183,7 @@ def test_fsdp2_exact_resume_after_kill_and_resharding(tmp_path):
     resumed = torch.load(out / "resumed.pt")
     assert resumed["step"] == SAVE_AT and resumed["consumed"] == 8 * STEPS
     assert_same(resumed["got"], ref, "2-rank resume")  # bitwise equal to the uninterrupted run
-    assert [e.step for e in scan.committed(root)] == [SAVE_AT, STEPS] and layout.verify(root) == []
+    assert [e.step for e in scan.committed(root)] == [SAVE_AT, STEPS] and catalog.verify(root) == []
 
     shutil.copytree(root, f"{root}-copy", ignore=shutil.ignore_patterns(".fastio-lock"))
     launch(reshard, 4, [free_port()], str(root), str(out))

@@ -16,7 +16,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, checkpointer, layout, naming, record, rollback, scan
+from fastio.checkpoint import Checkpointer, catalog, checkpointer, naming, record, rollback, scan
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 from fastio.storage.checksum import digest_file, sha256_file
@@ -106,8 +106,8 @@ def test_damaged_newest_step_is_skipped_and_kept(tmp_path, caplog, engine, damag
     assert f": {reason} " in warned[0] and warned[0].endswith("moved aside to step-2.quarantined")
     moved = root / "step-2.quarantined" / victim.relative_to(root / "step-2")
     assert moved.is_file()  # kept, not deleted
-    assert layout.verify(root) == []  # the quarantined copy is no longer a step directory
-    rows = layout.list_checkpoints(root)  # but `fastio ckpt ls` shows it
+    assert catalog.verify(root) == []  # the quarantined copy is no longer a step directory
+    rows = catalog.list_checkpoints(root)  # but `fastio ckpt ls` shows it
     assert [(r["step"], r["committed"], Path(r["path"]).name) for r in rows] == [
         (1, True, "step-1"), (2, False, "step-2.quarantined")]
     assert rows[1]["problem"].startswith("quarantined: moved aside by fastio")
@@ -140,7 +140,7 @@ def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
         ckpt.save(2, app, blocking=True)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [
         "step-1", "step-2", "step-2.quarantined"]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_an_explicit_older_step_keeps_newer_steps_when_saving_over_them(tmp_path):
@@ -180,19 +180,19 @@ def test_restore_reads_old_sha256_commits(tmp_path, caplog):
         rec.pop("xxh3_128")
         rec["sha256"] = sha256_file(root / "step-1" / rel)[1]
     marker.write_text(json.dumps(data))
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     state, app, warned = restore(root, caplog)
     assert state.step == 1 and warned == []
     assert all(torch.equal(app["model"].state_dict()[k], v) for k, v in weights[1].items())
     victim = biggest_file(root / "step-1")
     flip(victim)
-    assert [p.split(": ")[1].split()[0] for p in layout.verify(root)] == ["sha256"]
+    assert [p.split(": ")[1].split()[0] for p in catalog.verify(root)] == ["sha256"]
 
 
 # ---------------------------------------------------------------- one writer per directory
 HOLDER = """
     import sys, time
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer
     ckpt = Checkpointer(sys.argv[1], signals=())
     print("holding", flush=True)
     time.sleep(600)

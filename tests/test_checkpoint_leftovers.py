@@ -15,7 +15,7 @@ import torch
 from helpers import StateHolder, run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, catalog, layout, naming, removal, scan
+from fastio.checkpoint import Checkpointer, catalog, naming, removal, scan
 from fastio.storage import open_storage
 from fastio.storage.mirror import DirMirror
 
@@ -27,7 +27,7 @@ KILLED_IN_START_TMP = """
     sys.path.insert(0, "tests")
     from helpers import StateHolder
     import fastio.storage.atomic
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer
 
     real = fastio.storage.atomic.publish
 
@@ -81,7 +81,7 @@ def test_verify_skips_a_step_that_retention_deletes_while_it_is_checked(tmp_path
     with Checkpointer(root, signals=()) as ckpt:
         for step in (1, 2):
             ckpt.save(step, app_at(step), blocking=True)
-    real, renamed = layout._check_file, []
+    real, renamed = catalog._check_file, []
 
     def check_file(path, want):
         if not renamed:  # retention's rename, exactly as removal.remove_step does it, between listing and checking
@@ -89,11 +89,11 @@ def test_verify_skips_a_step_that_retention_deletes_while_it_is_checked(tmp_path
             renamed.append(step1.rename(step1.with_name(f".step-1.deleting-{os.getpid()}")))
         return real(path, want)
 
-    monkeypatch.setattr(layout, "_check_file", check_file)
+    monkeypatch.setattr(catalog, "_check_file", check_file)
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)
     assert renamed and code == 0, out
     assert "1 committed checkpoint(s) verified (step 2); skipped step(s) 1: being deleted" in out
-    monkeypatch.setattr(layout, "_check_file", real)  # a missing file in a step that keeps its marker: damage
+    monkeypatch.setattr(catalog, "_check_file", real)  # a missing file in a step that keeps its marker: damage
     victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
     victim.unlink()
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)

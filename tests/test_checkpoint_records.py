@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout, naming, scan
+from fastio.checkpoint import Checkpointer, catalog, naming, scan
 from fastio.checkpoint.record import (
     CHECKSUM,
     COMMIT_FORMAT,
@@ -60,7 +60,7 @@ def test_a_checkpoint_written_before_the_typed_record_restores(tmp_path):
     saved = nn.Linear(2, 2)  # the model the fixture's writer saved
     assert all(torch.equal(a, b) for a, b in zip(app["model"].state_dict().values(), saved.state_dict().values()))
     assert (app["loader"].epoch, app["loader"].consumed) == (1, 12)
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_the_markers_progress_wins_over_an_old_progress_record(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from s3server import free_port
 
-from fastio.checkpoint import layout, scan
+from fastio.checkpoint import catalog, scan
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -83,7 +83,7 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
     ref_out = reference.communicate(timeout=180)[0]
     assert reference.returncode == 0, ref_out
     assert digest(result.stdout) == digest(ref_out), why
-    assert layout.verify(ckpt) == [] and [e.step for e in scan.committed(ckpt)] == [STEPS - 2, STEPS]
+    assert catalog.verify(ckpt) == [] and [e.step for e in scan.committed(ckpt)] == [STEPS - 2, STEPS]
 
 
 def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, tmp_path):

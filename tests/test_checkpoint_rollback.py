@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, catalog, layout, naming, rollback, scan
+from fastio.checkpoint import Checkpointer, catalog, naming, rollback, scan
 from fastio.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ KILLED = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    from fastio.checkpoint import Checkpointer, layout, publish, rollback
+    from fastio.checkpoint import Checkpointer, publish, rollback
 
     where, at, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     kw = {"storage_options": options, "staging_dir": sys.argv[4]} if options else {}
@@ -130,7 +130,7 @@ def test_a_kill_inside_the_first_commit_after_a_rollback_resumes_the_rollback_po
         save_branch(ckpt, [3], offset=200)
     assert {s: v for s, v in states(root).items() if v == "committed"} == {1: "committed", 2: "committed",
                                                                            3: "committed"}
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
@@ -141,7 +141,7 @@ def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
         save_branch(ckpt, range(1, 4))
     assert rollback.start_rollback(root, 1, [e.step for e in scan.committed(root)]) == [2, 3]
     assert states(root) == {1: "committed", 2: "superseded", 3: "superseded"}
-    assert layout.verify_report(root).steps == [1]
+    assert catalog.verify_report(root).steps == [1]
     (root / rollback.ROLLBACK_FILE).write_text("{}")
     with pytest.raises(Exception, match="fastio-rollback.json: not a fastio rollback record"):
         scan.scan(root)

@@ -12,7 +12,7 @@ _LAZY = {
     "Checkpointer": "fastio.checkpoint.checkpointer",
     "TrainState": "fastio.checkpoint.restore",
     "CheckpointConfig": "fastio.checkpoint.config",
-    "verify": "fastio.checkpoint.layout",
+    "verify": "fastio.checkpoint.catalog",
     "requeue_slurm_job": "fastio.checkpoint.preemption",
     "slurm_job_id": "fastio.checkpoint.preemption",
 }

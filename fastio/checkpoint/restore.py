@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import compress, layout, naming, removal, scan
+from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
@@ -203,7 +203,7 @@ def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
         why = compress.check_marker(entry.commit)
         if why:
             return [f"{path / naming.COMMIT_FILE}: {why}"]
-        return layout.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
+        return catalog.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
 
     return ck._ranks.collect("check", check)
 
