@@ -55,3 +55,50 @@ def test_a_loader_that_refuses_its_state_leaves_the_app_untouched(tmp_path):
         ckpt.restore_latest({"model": model}, loader_policy="next-epoch")
     ckpt.close()
     new.close()
+
+
+class Refusing:
+    """An app object of the app's own whose load_state_dict refuses what was saved (a changed format)."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        raise ValueError(f"counter state {state!r} is of another format")
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_an_app_object_that_refuses_its_state_leaves_the_model_optimizer_loader_and_rng_untouched(tmp_path, engine):
+    """Issue 40, 11: an app object raising in its own load_state_dict failed the restore after the model (and
+    optimizer) had loaded. The app's own objects load first, so the refusal leaves the rest as it was."""
+    sources = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+    torch.manual_seed(0)
+    saved_model = nn.Linear(4, 2)
+    saved_optim = torch.optim.SGD(saved_model.parameters(), lr=0.1, momentum=0.9)
+    saved_model(torch.ones(3, 4)).sum().backward()
+    saved_optim.step()
+    old = _loader(sources, {"a": 1, "b": 1})
+    list(islice(iter(old), 2))
+    app = {"model": saved_model, "optim": saved_optim, "counter": Refusing(3), "loader": old}
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(7, app, blocking=True)
+    old.close()
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    new = _loader(sources, {"a": 1, "b": 1})
+    rng = torch.get_rng_state()
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "optim": optim, "counter": Refusing(0), "loader": new})
+    assert torch.count_nonzero(model.weight) == 0  # the model was not loaded
+    assert optim.param_groups[0]["lr"] == 0.5 and not optim.state  # nor the optimizer
+    assert (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (0, 0)  # nor the loader
+    assert torch.equal(torch.get_rng_state(), rng)  # nor the RNG
+    text = str(err.value)
+    assert "counter state" in text and "another format" in text and "left as they were" in text, text
+    new.close()

@@ -292,10 +292,11 @@ class Checkpointer:
         the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
 
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
-        read and checked before anything is loaded, and loaded last. ``loader_policy="next-epoch"`` replaces it
-        by the start of the epoch after the saved one (everything else is restored as saved): for a loader that
-        cannot continue the saved epoch, such as a mixture whose weights changed; ``TrainState.epoch`` is then the
-        epoch the loader starts (the saved one + 1).
+        read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
+        and optimizers nor loaders) load first, so that one refusing its state leaves the rest as it was.
+        ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one
+        (everything else is restored as saved): for a loader that cannot continue the saved epoch, such as a
+        mixture whose weights changed; ``TrainState.epoch`` is then the epoch the loader starts (the saved one + 1).
         """
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:

@@ -7,8 +7,9 @@ and falls back past a damaged or unrecognised step, which it moves aside (``step
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
 before anything loads (``loader_policy``), and so are the optimizers' parameter groups and, at another world size,
-the per-rank modules (from the engine's metadata), then loaded: the engine's keys, the loaders last, the RNG streams
-(or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
+the per-rank modules (from the engine's metadata), then loaded: the app's own objects first (which no check can
+vouch for: one that refuses its state leaves the rest as it was), the engine's other keys, the loaders, the RNG
+streams last (or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
 thread's :class:`~fastio.checkpoint.group.RankGroup`, so one rank's failure is every rank's.
 
 The progress handed back (:class:`TrainState`) is the commit marker's (:class:`~fastio.checkpoint.record.Progress`,
@@ -59,7 +60,7 @@ class Checkpointer(Protocol):
     def _engine(self, name: str) -> Engine: ...
 
 __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "TrainState", "check_state_dicts", "loader_epoch",
-           "loader_keys", "restore_latest"]
+           "loader_keys", "own_keys", "restore_latest"]
 
 log = logging.getLogger(__name__)
 
@@ -320,31 +321,67 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
     return dropped
 
 
-def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+def own_keys(app: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+    """Keys of ``targets`` whose ``load_state_dict`` is the app's own code, which no check before the load can
+    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata) and
+    the loaders (checked by their ``check_state_dict``, not among ``targets``). Loaded first, so that one that
+    refuses its state leaves the modules, optimizers, loaders and RNG as they were."""
+    from torch import nn, optim
+
+    return [k for k in targets if k in app and not isinstance(app[k], (nn.Module, optim.Optimizer))]
+
+
+def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any],
           strict: bool) -> tuple[list[str], list[str], list[str]]:
-    """The engine's load of ``targets``, then the loaders' checked states: ``(replicated, per_rank, skipped)``."""
-    replicated: list[str] = []
-    per_rank: list[str] = []
-    elastic = opened.saved_world != ck.world_size
+    """The engine's load of ``targets``: ``(replicated, per_rank, skipped)``."""
     try:
-        if elastic:
+        if opened.saved_world != ck.world_size:
             replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=ck.rank,
                                                             saved_world=opened.saved_world, strict=strict)
-        else:
-            skipped = opened.saved.restore(targets, strict=strict)
+            return replicated, per_rank, list(skipped or [])
+        return [], [], list(opened.saved.restore(targets, strict=strict) or [])
+    except CheckpointError:
+        raise
+    except Exception as err:  # a mismatched model or an app object refusing its state lands here
+        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+
+
+def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+              strict: bool) -> tuple[list[str], list[str], list[str]]:
+    """Load in agreed phases: the app's own objects (:func:`own_keys`: one that refuses its state fails the restore
+    on every rank before anything else loads), then the engine's other keys, then the loaders' checked states.
+    ``(replicated, per_rank, skipped)`` of them all."""
+    first = own_keys(app, targets)
+    parts = []
+    if first:
+        try:
+            parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened, {k: targets[k] for k in first},
+                                                             strict)))
+        except CheckpointError as err:
+            raise CheckpointError(f"{err} (the app's modules, optimizers, loaders and RNG are left as they "
+                                  "were)") from err.__cause__
+    parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened,
+                                                     {k: v for k, v in targets.items() if k not in first}, strict)))
+    ck._ranks.run("load", lambda: _load_loaders(path, opened, app))
+    replicated, per_rank, skipped = ([k for part in parts for k in part[i]] for i in range(3))
+    return replicated, per_rank + (list(opened.held) if opened.saved_world != ck.world_size else []), skipped
+
+
+def _load_loaders(path: Path, opened: _Opened, app: dict[str, Any]) -> None:
+    """The loaders' states, checked by their ``check_state_dict`` before anything loaded."""
+    try:
         for key, state in opened.held.items():
             app[key].load_state_dict(state)
     except CheckpointError:
         raise
-    except Exception as err:  # a mismatched model or a loader refusing its state lands here
-        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
-    return replicated, per_rank + (list(opened.held) if elastic else []), list(skipped or [])
+    except Exception as err:  # noqa: BLE001 - its own check passed it: said as the engine's errors are
+        raise CheckpointError(f"{path}: restore failed: app key {key!r}: {first_line(err)}") from err
 
 
 def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
                   strict: bool, loader_policy: str) -> TrainState:
     """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
-    makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
+    makes (the loaders' states read and checked too), then the loads (:func:`_load_all`); each agreed,
     so a rank that fails fails every rank's restore."""
     opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
     elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
@@ -353,7 +390,7 @@ def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecor
     has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)
     if has_rng:
         targets[RNG_KEY] = Frozen(capture_rng())
-    replicated, per_rank, skipped = ck._ranks.run("load", lambda: _load(ck, path, opened, targets, app, strict))
+    replicated, per_rank, skipped = _load_all(ck, path, opened, targets, app, strict)
     skipped = [f"app key {k} (not in this app)" for k in opened.extra] + list(opened.dropped.values()) + skipped
     if skipped and ck.rank == 0:
         log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
