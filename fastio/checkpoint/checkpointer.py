@@ -295,8 +295,10 @@ class Checkpointer:
         read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
         and optimizers nor loaders) load first, so that one refusing its state leaves the rest as it was.
         ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one
-        (everything else is restored as saved): for a loader that cannot continue the saved epoch, such as a
-        mixture whose weights changed; ``TrainState.epoch`` is then the epoch the loader starts (the saved one + 1).
+        (everything else is restored as saved; an object with ``next_epoch_state``, as the fastio Loader, makes
+        that state itself): for a loader that cannot continue the saved epoch, such as a mixture whose weights
+        changed or a dataset converted again with more samples; ``TrainState.epoch`` is then the epoch the loader
+        starts (the saved one + 1).
         """
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:

@@ -115,17 +115,22 @@ def loader_keys(app: dict[str, Any]) -> list[str]:
 def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
                       policy: str) -> dict[str, Any]:
     """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
-    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one."""
+    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one (by the object's
+    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since)."""
     held: dict[str, Any] = {}
     for key in keys:
-        state = saved.read(key, src)
-        if policy == "next-epoch":
+        state, obj = saved.read(key, src), app[key]
+        move = getattr(obj, "next_epoch_state", None) if policy == "next-epoch" else None
+        if policy == "next-epoch" and not callable(move):
             if not isinstance(state, dict) or loader_epoch({key: state}) is None:
                 raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
                                       "with integer 'epoch' and 'consumed'")
             state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
         try:
-            app[key].check_state_dict(state)
+            if callable(move):
+                state = move(state)
+            else:
+                obj.check_state_dict(state)
         except FastioError as err:
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
         held[key] = state
