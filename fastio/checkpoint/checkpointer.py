@@ -219,7 +219,8 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy))
+        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy),
+                                               label=f"maybe_save at step {step}")
         if step == self._last_step and not preempt:
             return False
         if preempt:
@@ -254,6 +255,7 @@ class Checkpointer:
         try:
             self._raise_if_failed(wait=True)
         finally:
+            self._ranks.close()
             self._flag.uninstall()
             self._stager.release()
             if self._remote is not None:
@@ -451,7 +453,8 @@ class Checkpointer:
         (and, with several ranks, the same step and app keys); returns the engine's name."""
         self._check_app(app)
         engine_name = choose_engine(self.config.engine, app)
-        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
+        # before any collective: the operation and the engine
+        self._ranks.enter("save", {"engine": engine_name}, label=f"save at step {step}")
         if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
             why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
             if why:  # (not "at step N": that may be what differs)
