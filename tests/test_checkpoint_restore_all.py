@@ -102,3 +102,25 @@ def test_an_app_object_that_refuses_its_state_leaves_the_model_optimizer_loader_
     text = str(err.value)
     assert "counter state" in text and "another format" in text and "left as they were" in text, text
     new.close()
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_model_that_does_not_match_leaves_the_apps_own_objects_untouched_though_they_load_first(tmp_path, engine):
+    """The app's own objects load before the model (above), so the model's strict check (state keys, shapes)
+    is made before them: a model of another shape still leaves every object as it was."""
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(3, {"model": nn.Linear(4, 2), "counter": Counter(5)}, blocking=True)
+    counter = Counter(0)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError, match=r"app key model: other shape: bias \(checkpoint 2, app 3\), weight \(checkpoint 2x4"):
+            ckpt.restore_latest({"model": nn.Linear(4, 3), "counter": counter})
+        assert counter.value == 0
+        ckpt.restore_latest({"model": nn.Linear(4, 2), "counter": counter})
+    assert counter.value == 5
+
+
+class Counter(Refusing):
+    """An app object of the app's own that loads what was saved."""
+
+    def load_state_dict(self, state):
+        self.value = int(state["value"])

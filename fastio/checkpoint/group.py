@@ -254,6 +254,7 @@ class RankGroup:
             if verdict != "ok":
                 raise CheckpointError(verdict)
         self._forget_entries(n)
+        self.gave_up = None  # every rank entered this one: an earlier verdict explains no later failure
         if int(t[0]) != -int(t[1]):  # some rank brought other terms: all exchange them to name the difference
             why = agree.first_disagreement(self.gather(operation, terms))
             raise CheckpointError(f"Checkpointer: {why} (every rank must make the same Checkpointer "

@@ -294,16 +294,18 @@ def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: 
     held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
     targets = {k: v for k, v in prepared.items() if k not in held}
     whose = f" (rank {ck.rank} takes saved rank {src}'s state)" if world != ck.world_size else ""
-    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}")
+    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}",
+                        modules=app if own_keys(app, targets) else None)
     return _Opened(prepared, saved, world, extra, held, dropped)
 
 
-def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool,
-              where: str) -> dict[str, str]:
+def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool, where: str,
+              modules: dict[str, Any] | None = None) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
     read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
     optimizers, the shapes of its positional state against the app's parameters (which torch does not check), and
-    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones).
+    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones), and
+    with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check).
     ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
     line (left as they are; a module loads what matches, :func:`restore_elastic`)."""
     from torch import nn
@@ -319,7 +321,8 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
                                   "strict=False) leaves that optimizer as it is and loads the rest)")
         if line:
             dropped[key] = f"{line} (optimizer left as it was)"
-        if elastic and strict and isinstance(obj, nn.Module) and not saved.is_replicated(key, src):
+        module = (modules or {}).get(key, obj)  # the app's module; its state as the engine loads it: ``obj``'s
+        if strict and isinstance(module, nn.Module) and (modules or elastic and not saved.is_replicated(key, src)):
             found = Mismatch(key, saved.shapes(key, src), module_shapes(obj))
             if found:
                 raise found.refusal(where)
@@ -353,9 +356,9 @@ def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any]
 
 def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
               strict: bool) -> tuple[list[str], list[str], list[str]]:
-    """Load in agreed phases: the app's own objects (:func:`own_keys`: one that refuses its state fails the restore
-    on every rank before anything else loads), then the engine's other keys, then the loaders' checked states.
-    ``(replicated, per_rank, skipped)`` of them all."""
+    """Load in two agreed ``load`` phases: the app's own objects (:func:`own_keys`: one that refuses its state
+    fails the restore on every rank before anything else loads), then the engine's other keys and the loaders'
+    checked states. ``(replicated, per_rank, skipped)`` of them all."""
     first = own_keys(app, targets)
     parts = []
     if first:
@@ -365,9 +368,13 @@ def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, 
         except CheckpointError as err:
             raise CheckpointError(f"{err} (the app's modules, optimizers, loaders and RNG are left as they "
                                   "were)") from err.__cause__
-    parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened,
-                                                     {k: v for k, v in targets.items() if k not in first}, strict)))
-    ck._ranks.run("load", lambda: _load_loaders(path, opened, app))
+
+    def load() -> tuple[list[str], list[str], list[str]]:
+        done = _load(ck, path, opened, {k: v for k, v in targets.items() if k not in first}, strict)
+        _load_loaders(path, opened, app)
+        return done
+
+    parts.append(ck._ranks.run("load", load))
     replicated, per_rank, skipped = ([k for part in parts for k in part[i]] for i in range(3))
     return replicated, per_rank + (list(opened.held) if opened.saved_world != ck.world_size else []), skipped
 
