@@ -112,7 +112,7 @@ def test_a_model_that_does_not_match_leaves_the_apps_own_objects_untouched_thoug
         ckpt.save(3, {"model": nn.Linear(4, 2), "counter": Counter(5)}, blocking=True)
     counter = Counter(0)
     with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
-        with pytest.raises(CheckpointError, match=r"app key model: other shape: bias \(checkpoint 2, app 3\), weight \(checkpoint 2x4"):
+        with pytest.raises(CheckpointError, match=r"app key model: other shape: bias \(checkpoint 2, app 3\)"):
             ckpt.restore_latest({"model": nn.Linear(4, 3), "counter": counter})
         assert counter.value == 0
         ckpt.restore_latest({"model": nn.Linear(4, 2), "counter": counter})
