@@ -322,11 +322,11 @@ def test_the_page_is_short_with_short_cells():
     assert not long, long
 
 
-def pipeline_hooks_called_in_read() -> set[str]:
-    """The attributes read/ takes of a pipeline object (a name or attribute called ``pipeline``)."""
-    return {node.attr for m, p in MODULES.items() if floor_key(m) == "read/" for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, ast.Attribute) and (getattr(node.value, "id", None) == "pipeline"
-                                                     or getattr(node.value, "attr", None) == "pipeline")}
+def pipeline_hooks_called_in(floor: str) -> set[str]:
+    """The attributes a floor takes of a pipeline object (a name or attribute called ``pipeline``)."""
+    return {node.attr for m, p in MODULES.items() if floor_key(m) == floor for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Attribute) and "pipeline" in (getattr(node.value, "id", None),
+                                                                  getattr(node.value, "attr", None))}
 
 
 def test_what_goes_back_up_is_what_the_code_does():
@@ -334,11 +334,13 @@ def test_what_goes_back_up_is_what_the_code_does():
     from fastio.pipelines import Pipeline
 
     picture = section("The path of one unit of data")
-    state, calls = re.split(r"\n\d\. ", picture)[1:3]
+    state, calls, down = re.split(r"\n\d\. |\n\nEverything else", picture)[1:4]
     assert callable(Loader.state_dict) and callable(Loader.load_state_dict)
     assert "`Loader.state_dict()`" in state and "`Loader.load_state_dict()`" in state
     hooks = {t for t in re.findall(r"`(\w+)`", calls) if hasattr(Pipeline, t)}
-    assert hooks == pipeline_hooks_called_in_read(), (hooks, pipeline_hooks_called_in_read())
+    assert hooks == pipeline_hooks_called_in("read/"), (hooks, pipeline_hooks_called_in("read/"))
+    asked = {t for t in re.findall(r"`(\w+)`", down) if hasattr(Pipeline, t)}
+    assert len(asked) >= 2 and asked <= pipeline_hooks_called_in("loader.py"), asked
     named = {(module_name(p), f) for p in re.findall(r"`(\w+/\w+\.py)`", calls) if p.split("/")[0] + "/" in ROW
              for f in re.findall(r"import `(\w+/)`", calls)}
     assert named == KNOWN_UPWARD, (named, KNOWN_UPWARD)
