@@ -30,7 +30,7 @@ def _tokens(ds):
 
 def _grow(root, more: int) -> None:
     """Convert ``root``'s corpus again into the same DEST (overwrite) with ``more`` documents appended."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     rng = np.random.default_rng(1)
     words = "alpha beta gamma delta".split()

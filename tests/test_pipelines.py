@@ -290,5 +290,5 @@ def test_old_options_over_a_config_change_its_image_pipeline(image_ds):
     with pytest.raises(ValueError, match=r"^image_size must be an integer >= 1, got 0"):  # still checked
         fastio.Loader(image_ds, config, image_size=0)
     tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
-    with pytest.raises(ValueError, match=r"^image_size=16 is an option of the pipeline object now"):
-        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused as before
+    with pytest.raises(ValueError, match=r"^image_size=16 is not an option of Tokens \(its options: seq_len, packing, "):
+        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused, naming its own
