@@ -1,4 +1,10 @@
-"""Exceptions that reach users as one line naming the offending file, shard, key or field."""
+"""Exceptions that reach users as one line naming the offending file, shard, key or field.
+
+:class:`FastioError` and its kinds: :class:`DatasetError`, :class:`ConvertError`, :class:`LoaderStateError`,
+:class:`LoaderArgumentError` (also a ``TypeError``: another loader's argument, with fastio's equivalent),
+:class:`CheckpointError`, :class:`StorageError` (``url``, ``transient``, ``missing``) and
+:class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used). Imports nothing of
+fastio."""
 
 __all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "LoaderArgumentError", "CheckpointError",
            "StorageError", "StorageOptionsError"]

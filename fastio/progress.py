@@ -1,5 +1,9 @@
 """Progress on stderr (a tqdm bar when stderr is a terminal; else, for logs such as Slurm's, one line every few
-seconds; nothing with --quiet) and summary lines."""
+seconds; nothing with --quiet) and summary lines.
+
+The lines every command shares: :func:`human_bytes`, :func:`count` ("1 shard", "2 shards"), :func:`skipped_lines`
+(skipped inputs by reason, each reason once with its count and first inputs), :func:`parse_size`,
+:func:`rate_line`. Imports nothing of fastio; ``tqdm`` only when a bar is shown."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""What a :class:`~fastio.checkpoint.Checkpointer` does and when: one validated dataclass."""
+"""What a :class:`~fastio.checkpoint.Checkpointer` does and when: one validated dataclass.
+
+:class:`CheckpointConfig` checks every field when made (``engine="auto"``, ``compression``, ``writer_nice``,
+``preempted_exit_code``, ``read_only``: restore only, no lock or lease; ``agree_timeout``); an ``s3://`` ``dir``
+becomes ``url``, and ``dir`` the local staging directory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Publishing files so that nothing half-written is ever visible: write a temporary name, fsync, rename."""
+"""Publishing files so that nothing half-written is ever visible: write a temporary name, fsync, rename.
+
+The temporary name is hidden (``.NAME.tmp``) and removed when the write or the rename fails; a rename is followed
+by an fsync of the directory. :func:`place_file` puts a file in place for a merge by a link, a rename or a copy.
+Imports nothing of fastio."""
 
 from __future__ import annotations
 

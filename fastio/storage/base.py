@@ -3,6 +3,7 @@
 Keys are ``/``-separated paths relative to the storage's root (a DEST). Every failure is a
 :class:`~fastio.errors.StorageError` naming the full URL of the object. Remote calls are retried on
 transient faults (:mod:`fastio.storage.retry`); missing objects and refusals fail at once.
+:mod:`fastio.storage._obstore` (and with it ``obstore``) is imported only when an S3 storage is opened.
 """
 
 from __future__ import annotations
