@@ -357,7 +357,7 @@ def test_each_contract_names_test_files_that_exist():
 
 def test_paths_the_doc_names_exist():
     paths = set(re.findall(r"`((?:tests|bench|examples|docs)/[\w./-]+)`", DOC))
-    modules = {p for p in re.findall(r"`(\w+/[\w/]+\.py)`", DOC) if p.split("/")[0] + "/" in ROW}
+    modules = {p for p in re.findall(r"\b(\w+/[\w/]+\.py)\b", DOC) if p.split("/")[0] + "/" in ROW}
     assert len(paths) >= 20 and len(modules) >= 8
     missing = [p for p in paths if not (ROOT / p).exists()] + [p for p in modules if module_name(p) not in MODULES]
     assert not missing, missing
