@@ -361,6 +361,8 @@ def test_paths_the_doc_names_exist():
     assert len(paths) >= 20 and len(modules) >= 8
     missing = [p for p in paths if not (ROOT / p).exists()] + [p for p in modules if module_name(p) not in MODULES]
     assert not missing, missing
+    named_tests = re.findall(r"`(tests/test_\w+\.py)::(\w+)`", DOC)
+    assert named_tests and all(f"\ndef {name}(" in (ROOT / f).read_text() for f, name in named_tests), named_tests
 
 
 def test_constants_the_doc_states_hold():
