@@ -379,6 +379,15 @@ def test_constants_the_doc_states_hold():
         assert ast.literal_eval(value) in defined.get(name, set()), (name, value, defined.get(name))
 
 
+def test_the_names_on_disk_are_the_codes_constants():
+    block = section("Contracts").split("### On disk")[1].split("```")[1]
+    names = set(re.findall(r"(?<![\w.-])(\.?[\w-]+\.(?:json|fxi|fxp|fxs)|\.fastio-\w+|\.parts|\.merge|shards)(?![\w.-])",
+                           block))
+    constants = {node.value.value for p in MODULES.values() for node in ast.parse(p.read_text()).body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
+    assert len(names) >= 14 and not names - constants, sorted(names - constants)
+
+
 def test_the_picture_shows_index_mixtures_every_pipeline_object_and_every_folder():
     import fastio
     from fastio.pipelines import Pipeline
