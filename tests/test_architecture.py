@@ -103,6 +103,11 @@ ROW = floor_of()
 
 
 @functools.cache
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@functools.cache
 def import_statements(path: Path) -> tuple[tuple[str, bool], ...]:
     """(target, inside a function?) of every import statement (``a.b`` and ``a.b.name`` for ``from a.b import
     name``), also in ``if TYPE_CHECKING:`` blocks."""
@@ -117,7 +122,7 @@ def import_statements(path: Path) -> tuple[tuple[str, bool], ...]:
                 found.extend((a.name, inner) for a in child.names)
             walk(child, inner)
 
-    walk(ast.parse(path.read_text()), False)
+    walk(tree(path), False)
     return tuple(found)
 
 
@@ -296,20 +301,20 @@ def test_only_the_manifest_module_spells_the_manifests_keys():
     home = module_name(re.search(r"are spelled in `([\w/.]+)` only", rule).group(1))
     assert len(keys) >= 5 and home in MODULES
     spelled = {(m, node.value) for m, p in MODULES.items() if m != home
-               for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Constant) and node.value in keys}
+               for node in ast.walk(tree(p)) if isinstance(node, ast.Constant) and node.value in keys}
     assert not spelled, spelled
 
 
 def test_every_module_has_a_docstring():
     assert "Every module has a docstring" in RULES
-    missing = [m for m, p in MODULES.items() if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    missing = [m for m, p in MODULES.items() if not (ast.get_docstring(tree(p)) or "").strip()]
     assert not missing, missing
 
 
 def test_few_functions_are_longer_than_50_lines():
     most = int(re.search(r"At most (\d+) functions in `fastio/` are longer than 50 lines", RULES).group(1))
     long = [f"{p.relative_to(ROOT)}:{n.name}" for p in (ROOT / "fastio").rglob("*.py")
-            for n in ast.walk(ast.parse(p.read_text()))
+            for n in ast.walk(tree(p))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50]
     assert most <= 5 and len(long) <= most, long
 
@@ -324,7 +329,7 @@ def test_the_page_is_short_with_short_cells():
 
 def pipeline_hooks_called_in(floor: str) -> set[str]:
     """The attributes a floor takes of a pipeline object (a name or attribute called ``pipeline``)."""
-    return {node.attr for m, p in MODULES.items() if floor_key(m) == floor for node in ast.walk(ast.parse(p.read_text()))
+    return {node.attr for m, p in MODULES.items() if floor_key(m) == floor for node in ast.walk(tree(p))
             if isinstance(node, ast.Attribute) and "pipeline" in (getattr(node.value, "id", None),
                                                                   getattr(node.value, "attr", None))}
 
@@ -370,7 +375,7 @@ def test_constants_the_doc_states_hold():
     assert len(stated) >= 2
     defined: dict[str, set] = {}
     for p in MODULES.values():
-        for node in ast.parse(p.read_text()).body:
+        for node in tree(p).body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
                 for target in node.targets:
                     if isinstance(target, ast.Name):
@@ -383,7 +388,7 @@ def test_the_names_on_disk_are_the_codes_constants():
     block = section("Contracts").split("### On disk")[1].split("```")[1]
     names = set(re.findall(r"(?<![\w.-])(\.?[\w-]+\.(?:json|fxi|fxp|fxs)|\.fastio-\w+|\.parts|\.merge|shards)(?![\w.-])",
                            block))
-    constants = {node.value.value for p in MODULES.values() for node in ast.parse(p.read_text()).body
+    constants = {node.value.value for p in MODULES.values() for node in tree(p).body
                  if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)}
     assert len(names) >= 14 and not names - constants, sorted(names - constants)
 
