@@ -406,6 +406,27 @@ def test_the_picture_shows_index_mixtures_every_pipeline_object_and_every_folder
         assert name in diagram, name
 
 
+def defined(modules: set[str]) -> set[str]:
+    """The classes and functions the modules define at their top level."""
+    return {n.name for m in modules for n in tree(MODULES[m]).body
+            if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_the_classes_each_floor_owns_are_defined_on_it():
+    checked = [(i, name) for i, row in enumerate(FLOORS) for name in re.findall(r"`([A-Z][a-z]\w*)`", row[1])]
+    assert len(checked) >= 12
+    missing = [(FLOORS[i][0], name) for i, name in checked if name not in defined(floor_modules(i))]
+    assert not missing, missing
+
+
+def test_the_classes_the_picture_names_are_defined():
+    diagram = section("The path of one unit of data").split("```")[1]
+    names = set(re.findall(r"\b[A-Z]\w*[a-z]\w*\b", diagram))  # capitalised words, not DEST or DALI
+    outside = {"WebDataset", "Megatron", "Parquet", "DTensor", "Lightning", "Accelerate"}
+    assert len(names - outside) >= 12
+    assert not names - outside - defined(set(MODULES)), sorted(names - outside - defined(set(MODULES)))
+
+
 def floors_report() -> list[str]:
     """Each floor, bottom first, with the floors it imports (an upward one marked)."""
     def label(i: int) -> str:
