@@ -102,6 +102,13 @@ def floor_of() -> dict[str, int]:
 ROW = floor_of()
 
 
+def floor(module: str) -> int:
+    """A module's row in the floors table."""
+    key = floor_key(module)
+    assert key in ROW, f"{module}: {key} has no row in the floors table of docs/architecture.md"
+    return ROW[key]
+
+
 @functools.cache
 def tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
@@ -160,7 +167,7 @@ def test_every_module_has_one_floor_and_every_floor_has_modules():
 
 def upward() -> set[tuple[str, str]]:
     """(module, imported floor) of every import that goes to a floor above the importer's."""
-    return {(m, floor_key(t)) for m, t in edges() if ROW[floor_key(t)] > ROW[floor_key(m)]}
+    return {(m, floor_key(t)) for m, t in edges() if floor(t) > floor(m)}
 
 
 def test_no_floor_imports_one_above_it_but_the_known_edges():
@@ -221,7 +228,7 @@ def test_imports_no_claims_hold():
     assert len(checked) >= 20
     for i, text in checked:
         if text.startswith("other floor"):
-            found = {(m, t) for m in floor_modules(i) for t in fastio_imports(m) if ROW[floor_key(t)] != i}
+            found = {(m, t) for m in floor_modules(i) for t in fastio_imports(m) if floor(t) != i}
             assert not found, (FLOORS[i][0], found)
             continue
         assert targets(text), (FLOORS[i][0], text)
@@ -235,7 +242,7 @@ def test_imports_only_claims_hold():
     assert len(checked) >= 5
     for i, text in checked:
         allowed = {i} | {ROW[t] for t in targets(text)} | ({0} if "the bottom floor" in text else set())
-        found = {(m, t) for m in floor_modules(i) for t in fastio_imports(m) if ROW[floor_key(t)] not in allowed}
+        found = {(m, t) for m in floor_modules(i) for t in fastio_imports(m) if floor(t) not in allowed}
         assert not found, (FLOORS[i][0], found)
 
 
@@ -282,7 +289,7 @@ def test_leaves_import_nothing_of_fastio():
 
 def test_torch_free_modules_in_floors_that_use_torch():
     modules = set(rule("Torch-free in floors that use torch"))
-    assert len(modules) >= 10 and all(floor_modules(ROW[floor_key(m)]) & importers("torch") for m in modules)
+    assert len(modules) >= 10 and all(floor_modules(floor(m)) & importers("torch") for m in modules)
     assert not modules & importers("torch"), modules & importers("torch")
 
 
@@ -434,7 +441,7 @@ def floors_report() -> list[str]:
 
     lines = []
     for i in range(len(FLOORS)):
-        imported = sorted({ROW[floor_key(t)] for m in floor_modules(i) for t in fastio_imports(m)} - {i})
+        imported = sorted({floor(t) for m in floor_modules(i) for t in fastio_imports(m)} - {i})
         names = [label(j) + (" (UP)" if j > i else "") for j in imported]
         lines.append(f"{i:2} {label(i):14} imports: {', '.join(names) or '-'}")
     return lines
