@@ -17,8 +17,8 @@ MAX_LINES = 200
 CELL_CAP = 400
 
 # Imports that go up the floors today, each (importing module, imported floor). Issue 41 §1 (the pipeline
-# protocol) removes them: delete this list then. Any other upward import fails, and so does an entry here that
-# the code no longer has.
+# protocol) removes them: then empty this list and reword item 2 of docs/architecture.md's "what goes back up".
+# Any other upward import fails, and so does an entry here that the code no longer has.
 KNOWN_UPWARD = {
     ("fastio.read.readset", "pipelines/"),
     ("fastio.read.feeder", "pipelines/"),
