@@ -44,3 +44,87 @@ def word_corpus(root: Path) -> Path:
     (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
     return root / "ds"
+
+
+# -- chat data ----------------------------------------------------------------------------------------
+
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>", "<s>")
+"""A chat tokenizer's special tokens besides its end of text: ChatML's turn markers and a beginning of text."""
+
+CHATML = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+)
+"""A ChatML template with generation spans around each assistant reply and its end-of-turn token."""
+
+GLUED = (
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}{{ 'Q' + message.content + '\\n' }}"
+    "{% else %}{{ 'a' }}{% generation %}{{ message.content }}{% endgeneration %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+"""A template whose generation spans begin inside a word ('a' then the reply, no space): tokens that straddle the
+span's first edge."""
+
+CHAT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa quick brown fox jumps lazy dog".split()
+
+
+def chat_tokenizer(path: Path) -> Path:
+    """A tiny byte-level BPE with ChatML specials (end of text ``<|endoftext|>``), trained offline on chat text."""
+    texts = [*CORPUS, *(" ".join(CHAT_WORDS[i:] + CHAT_WORDS[:i]) for i in range(len(CHAT_WORDS)))] * 2
+    return train_tokenizer(path, vocab_size=400, specials=CHAT_SPECIALS, texts=texts)
+
+
+def chat_config(path: Path, template: str = CHATML) -> Path:
+    """A ``tokenizer_config.json`` holding ``template`` and its special tokens (as Hugging Face writes one)."""
+    path.write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                "eos_token": {"content": "<|endoftext|>", "special": True}}))
+    return path
+
+
+def conversations(n: int, seed: int = 0, turns: tuple[int, int] = (1, 4), words: tuple[int, int] = (1, 12),
+                  system: bool = True) -> list[list[dict]]:
+    """``n`` conversations of seeded random words: an optional system message, then user/assistant turns."""
+    rng = np.random.default_rng(seed)
+
+    def text() -> str:
+        return " ".join(rng.choice(CHAT_WORDS, int(rng.integers(*words))))
+
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": text()}] if system and rng.random() < 0.5 else []
+        for _ in range(int(rng.integers(*turns))):
+            messages += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        out.append(messages)
+    return out
+
+
+def write_chats(path: Path, chats: list[list[dict]], field: str = "messages") -> Path:
+    """``chats`` as a JSONL file, one conversation a line under ``field``."""
+    path.write_text("".join(json.dumps({field: c}) + "\n" for c in chats))
+    return path
+
+
+def hf_tokenizer(tokenizer: Path, config: Path):
+    """transformers' fast tokenizer of ``tokenizer`` with ``config``'s special tokens (the tests' reference)."""
+    from transformers import PreTrainedTokenizerFast
+
+    data = json.loads(config.read_text())
+    eos = data["eos_token"]["content"] if isinstance(data["eos_token"], dict) else data["eos_token"]
+    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer), bos_token=data["bos_token"], eos_token=eos)
+
+
+def hf_ids_and_mask(hf, template: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """transformers' ids and assistant mask of one conversation."""
+    out = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
