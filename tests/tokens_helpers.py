@@ -128,3 +128,35 @@ def hf_ids_and_mask(hf, template: str, messages: list[dict]) -> tuple[list[int],
     out = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                  return_assistant_tokens_mask=True)
     return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def chat_dataset(root: Path, n: int = 60, seed: int = 0, template: str = CHATML, **options) -> Path:
+    """A converted chat dataset of ``n`` conversations (:func:`conversations`) under ``root`` (``chats.jsonl``,
+    ``tokenizer.json``, ``tokenizer_config.json`` beside it; ``options`` for the conversion); returns its folder."""
+    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+
+    tok = root / "tokenizer.json"
+    if not tok.exists():
+        chat_tokenizer(tok)
+    config = chat_config(root / "tokenizer_config.json", template)
+    write_chats(root / "chats.jsonl", conversations(n, seed))
+    options = {"workers": 1, "max_samples_per_shard": 20, **options}
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", root / "chat", tok, chat_template=config, **options))
+    return root / "chat"
+
+
+def stored_conversations(dest: Path) -> list[tuple[list[int], list[int]]]:
+    """Each stored conversation's ids and loss mask bits, in order, read from the shards' files directly."""
+    from fastio.dataset.manifest import load_manifest
+    from fastio.formats.token_mask import MaskFile
+    from fastio.tokens.megatron import MegatronShard
+
+    manifest = load_manifest(dest)
+    out = []
+    for record in manifest.shards:
+        pair = MegatronShard(dest / "shards" / record.name, manifest.tokens.dtype, one_per_document=True)
+        bits = MaskFile(dest / "shards" / record.mask_name, pair.index.tokens).all()
+        edges = pair.index.starts(np.arange(pair.documents + 1))
+        tokens = pair.tokens(0, pair.index.tokens)
+        out += [(tokens[a:b].tolist(), bits[a:b].astype(int).tolist()) for a, b in zip(edges[:-1], edges[1:])]
+    return out
