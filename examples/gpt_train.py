@@ -1,10 +1,12 @@
 """examples/gpt_train.py: a small GPT-style language model trained on a token dataset, resuming exactly.
 
-    fastio convert corpus.jsonl tokens --tokenizer tokenizer.json        # or fastio index DIR --eos-id N
+    fastio convert corpus.jsonl tokens --tokenizer tokenizer.json  # or fastio index DIR --eos-id N [--vocab-size V]
     python examples/gpt_train.py tokens ckpt [--steps 200] [--seq-len 64] [--batch-size 8]
 
 A tiny causal transformer on the CPU reads packed sequences (``fastio.Tokens``): inputs ``tokens[:, :-1]``,
-targets ``tokens[:, 1:]``, positions from ``position_ids`` (they restart after every end-of-document token).
+targets ``tokens[:, 1:]``, positions from ``position_ids`` (they restart after every end-of-document token). Its
+embedding has the manifest's ``tokens.embedding_size`` rows: the tokenizer's vocabulary size (a conversion, or
+``fastio index --vocab-size``), else the largest id + 1 that ``fastio index`` read.
 The Checkpointer saves the model, the optimizer and the Loader's position every 5 steps; run the same command
 after a kill (SIGKILL included) and it continues from the last committed step with the same sequences and the
 same per-step losses as a run that was never stopped. tests/test_tokens_loader.py kills it and compares.
@@ -59,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     with fastio.exit_cleanly(ckpt):
         train = fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len), batch_size=args.batch_size,
                               device="cpu", seed=0)
-        model = TinyGPT(train.dataset.manifest.tokens.vocab_size, args.seq_len + 1)
+        vocab = train.dataset.manifest.tokens.embedding_size
+        if vocab is None:  # indexed by a fastio that did not record the largest id
+            parser.error(f"{args.data}: the manifest records no vocabulary size: run fastio index again with "
+                         "--overwrite (and --vocab-size N)")
+        model = TinyGPT(vocab, args.seq_len + 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         app = {"model": model, "optim": optimizer, "loader": train}  # the Loader's position is saved too
 

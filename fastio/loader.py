@@ -37,8 +37,9 @@ from fastio.read.stats import Stats
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
 
-# 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state was written for the
-# materialised numpy permutation, which is gone: it is refused (the position would mean other samples).
+# 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state
+# was written for the materialised numpy permutation, which is gone: it is refused (the position would mean
+# other samples).
 STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (

@@ -38,6 +38,15 @@ def test_round_trip(tmp_path):
                                                                   ("t-000001.bin", "t-000001.idx", 4)]
 
 
+def test_the_largest_id_is_written_only_where_recorded_and_sizes_the_embedding(tmp_path):
+    indexed = TokenInfo(dtype="uint16", eos_id=0, total_tokens=14, max_id=299)
+    write_manifest(tmp_path, make_manifest(name="t", shards=SHARDS, fields=[], kind="tokens", tokens=indexed))
+    assert json.loads((tmp_path / "manifest.json").read_text())["tokens"]["max_id"] == 299
+    assert load_manifest(tmp_path).tokens == indexed and indexed.embedding_size == 300
+    assert "max_id" not in INFO.as_dict() and INFO.embedding_size == 300  # the vocabulary where known
+    assert TokenInfo(dtype="uint16", eos_id=0, total_tokens=14).embedding_size is None
+
+
 @pytest.mark.parametrize("change,message", [
     ({"tokens": {"dtype": "float32", "eos_id": 0, "total_tokens": 14}}, r"tokens\.dtype: 'float32' is not one of"),
     ({"tokens": {"dtype": "uint16", "eos_id": 70000, "total_tokens": 14}}, r"tokens\.eos_id: 70000 does not fit uint16"),
@@ -50,6 +59,14 @@ def test_round_trip(tmp_path):
     ({"kind": "video"}, r"kind: 'video' is not one of samples, tokens"),
     ({"kind": "samples"}, r"t-000000\.bin is not a \.tar shard, as a dataset of samples has"),
     ({"format_version": 2}, r"kind 'tokens' needs format_version 3"),
+    ({"tokens": {"dtype": "uint16", "eos_id": 5, "total_tokens": 14, "max_id": 4}},
+     r"tokens\.max_id: 4 is below eos_id 5, which ends every document"),
+    ({"tokens": {"dtype": "uint16", "eos_id": 0, "total_tokens": 14, "max_id": 300, "vocab_size": 300}},
+     r"tokens\.max_id: 300 is outside the vocabulary of 300 ids"),
+    ({"tokens": {"dtype": "uint16", "eos_id": 0, "total_tokens": 14, "max_id": 70000}},
+     r"tokens\.max_id: 70000 does not fit uint16"),
+    ({"tokens": {"dtype": "uint16", "eos_id": 0, "total_tokens": 14, "max_id": "9"}},
+     r"tokens\.max_id: '9' is not an integer"),
 ])
 def test_validated_on_read(tmp_path, change, message):
     (tmp_path / "manifest.json").write_text(json.dumps(token_manifest(**change)))

@@ -55,9 +55,10 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
-@click.option("--transcode", default=None, metavar="vp9",
-              help="Re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
-                   "WebM (default: such video is skipped and listed).")
+@click.option("--transcode", default=None, metavar="vp9|flac|vp9,flac",
+              help="vp9: re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
+                   "WebM; flac: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded as FLAC; "
+                   "vp9,flac: both (default: such files are skipped and listed).")
 @click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
               help="What the videos are kept for: cpu (DALI's CPU decoder: VP8, VP9, MJPEG) or nvdec (decoded on a "
                    "GPU, Loader device='cuda': also H.264, HEVC, MPEG-4, AV1 kept as they are; a CPU Loader refuses "
@@ -236,23 +237,28 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--eos-id", type=int, default=None,
               help="SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs: index them as a token dataset "
                    "whose documents end with this end-of-document id (docs/tokens.md).")
+@click.option("--vocab-size", type=int, default=None,
+              help="With --eos-id: the tokenizer's size (its largest id + 1), recorded in the manifest; an id at or "
+                   "above it is refused (the largest id is recorded either way).")
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
-          threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, endpoint_url: str | None,
-          region: str | None, profile: str | None, video_decoder: str = "cpu") -> None:
+          threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, vocab_size: int | None,
+          endpoint_url: str | None, region: str | None, profile: str | None, video_decoder: str = "cpu") -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
     several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
-    doc-starts.fxs (where documents start) and manifest.json are written."""
+    doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
     from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
     from fastio.progress import progress_wanted
 
     if eos_id is not None:
         _index_tokens(click.get_current_context(), quiet)
         return
+    if vocab_size is not None:
+        raise DatasetError("--vocab-size: an option of a Megatron index (with --eos-id)")
     try:
         pattern = source[0] if len(source) == 1 else paths_pattern(list(source))
         config = IndexConfig(source=pattern, dest=dest, label_field=label_field, image_field=image_field, name=name,
@@ -271,7 +277,8 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
         click.echo(result.summary())
 
 
-_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "name", "overwrite", "quiet", "endpoint_url", "region", "profile")
+_TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "vocab_size", "name", "overwrite", "quiet", "endpoint_url", "region",
+                      "profile")
 
 
 def _index_tokens(ctx: click.Context, quiet: bool) -> None:
@@ -289,8 +296,9 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
             raise DatasetError("--eos-id takes one folder or s3:// prefix of Megatron .bin/.idx pairs, not "
                                f"{len(params['source'])} paths")
         config = TokenIndexConfig(source=params["source"][0], eos_id=params["eos_id"], dest=params["dest"], name=name,
-                                  overwrite=params["overwrite"], storage_options=storage_options(
-                                      params["endpoint_url"], params["region"], params["profile"]))
+                                  overwrite=params["overwrite"], vocab_size=params["vocab_size"],
+                                  storage_options=storage_options(params["endpoint_url"], params["region"],
+                                                                  params["profile"]))
         result = index_tokens(config)
     except (ValueError, DatasetError) as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
@@ -423,6 +431,12 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
                                f"deviation {b['max_deviation']:g})")
 
 
+def _vocabulary(tokens: dict[str, Any]) -> str:
+    """A token dataset's vocabulary as ``fastio inspect`` prints it: its size, and the largest id where recorded."""
+    largest = "" if tokens.get("max_id") is None else f", largest id {tokens['max_id']}"
+    return f"{tokens.get('vocab_size') or 'not recorded'}{largest}"
+
+
 def _print_info(info: dict[str, Any]) -> None:
     from fastio.progress import count, human_bytes, skipped_lines
 
@@ -437,8 +451,8 @@ def _print_info(info: dict[str, Any]) -> None:
     if tokens:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
-                   f"(end of document: id {tokens['eos_id']}; vocabulary: {tokens.get('vocab_size') or 'not recorded'}"
-                   f"); tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
+                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
+                   f"document min {d['min']}  median {d['median']}  max {d['max']}")
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))

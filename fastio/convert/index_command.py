@@ -258,8 +258,19 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[_Shard], list[d
         if key.endswith(".tar"):
             shards.append(s)
     if not shards:
-        raise DatasetError(f"{source}: holds no .tar files")
+        raise _no_tars(source, [key for key, _ in found])
     return storage, shards, skipped
+
+
+def _no_tars(source: str, keys: list[str]) -> DatasetError:
+    """The refusal of a SOURCE without tars: one of Megatron pairs (directly in it) is named as such, with the
+    option that indexes them."""
+    names = {k for k in keys if "/" not in k}
+    pairs = sum(1 for k in names if k.endswith(".bin") and k[:-len(".bin")] + ".idx" in names)
+    if pairs:
+        return DatasetError(f"{source}: holds Megatron .bin/.idx pairs ({pairs}), not .tar shards: index them as a "
+                            "token dataset with eos_id=N, the id that ends every document (docs/tokens.md)")
+    return DatasetError(f"{source}: holds no .tar files")
 
 
 def _listed(key: str) -> bool:

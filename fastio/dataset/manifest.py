@@ -252,23 +252,31 @@ class TokenInfo:
     total_tokens: int
     """Tokens in all shards (the sum of the shard records' ``tokens``)."""
     vocab_size: int | None = None
-    """Ids of the tokenizer (None: not known, e.g. shards indexed by ``fastio index``)."""
+    """Ids of the tokenizer (None: not known, e.g. shards indexed by ``fastio index`` without ``vocab_size``)."""
     one_sequence_per_document: bool = False
     """Every ``.idx`` has one sequence per document (``doc_index`` is 0, 1, ..., N: what ``fastio convert``
     writes, and what ``fastio index`` found), so a reader finds a document without ``doc_index``; written
     only when true."""
     starts: IndexRecord | None = None
     """The document-starts table (``doc-starts.fxs``, :mod:`fastio.tokens.starts`; None: none was written)."""
+    max_id: int | None = None
+    """The largest id in the shards, read by ``fastio index`` (None: not recorded: a conversion, which records
+    ``vocab_size``, or an index by a fastio before it read the ids)."""
     chat: ChatInfo | None = None
     """A chat dataset's conversations (``fastio convert --chat-template``): each document is one conversation,
     each shard has a loss mask; None: plain documents, every token trained."""
 
+    @property
+    def embedding_size(self) -> int | None:
+        """Rows a model's token embedding needs: ``vocab_size`` where known, else the largest id + 1 (None:
+        neither is recorded)."""
+        return self.vocab_size if self.vocab_size is not None else None if self.max_id is None else self.max_id + 1
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if self.chat is None:
-            del out["chat"]
-        if self.vocab_size is None:
-            del out["vocab_size"]
+        for key in ("vocab_size", "max_id", "chat"):
+            if out[key] is None:
+                del out[key]
         if not self.one_sequence_per_document:
             del out["one_sequence_per_document"]
         if self.starts is None:
@@ -299,7 +307,7 @@ class TokenInfo:
             raise DatasetError(f"{where}.one_sequence_per_document: {one!r} is not true or false")
         starts, chat = data.get("starts"), data.get("chat")
         return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab,
-                   one_sequence_per_document=one,
+                   one_sequence_per_document=one, max_id=_max_id(data, eos, vocab, f"{where}.max_id"),
                    starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"),
                    chat=None if chat is None else ChatInfo.from_dict(chat, f"{where}.chat"))
 
@@ -339,6 +347,21 @@ class ChatInfo:
         for key in ("trained_tokens", "longest"):
             _count(data[key], f"{where}.{key}")
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def _max_id(data: dict[str, Any], eos: int, vocab: int | None, where: str) -> int | None:
+    """The ``tokens`` entry's largest id (None: absent): a count that fits the token type, at least ``eos`` (every
+    document ends with it), inside the vocabulary; DatasetError naming ``where``."""
+    value = data.get("max_id")
+    if value is None:
+        return None
+    if _count(value, where) > _TOKEN_LIMITS[data["dtype"]]:
+        raise DatasetError(f"{where}: {value} does not fit {data['dtype']}")
+    if value < eos:
+        raise DatasetError(f"{where}: {value} is below eos_id {eos}, which ends every document")
+    if vocab is not None and value >= vocab:
+        raise DatasetError(f"{where}: {value} is outside the vocabulary of {vocab} ids")
+    return value
 
 
 _TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}

@@ -5,9 +5,10 @@ conversion, is reported: a reader would never see it, but it is not this dataset
 Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.json``), in which
 case each split is checked and shard names are prefixed with the split name. A token dataset's shards (Megatron
 ``.bin``/``.idx``) are checked for their checksums, the ``.idx`` structure, document and token counts, every document
-ending with the end-of-document id and every id inside the vocabulary; a chat dataset's (``tokens.chat``) also for
-each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and not for
-the end-of-document id (a conversation ends as its template ends it).
+ending with the end-of-document id, every id inside the vocabulary (and not above the largest the manifest records)
+and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`); a chat dataset's (``tokens.chat``)
+also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and
+not for the end-of-document id (a conversation ends as its template ends it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
 from fastio.storage import is_remote, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
+from fastio.tokens.ids import IdScan
 from fastio.tokens.megatron import MegatronShard
 from fastio.tokens.starts import read_starts
 
@@ -151,9 +153,10 @@ def _mask_problems(bin_path: Path, shard: ShardRecord, tokens: int) -> list[str]
 
 def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
     """A token shard's documents (its structure checked), :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time
-    (bounded memory): each ends with the end-of-document id, ids inside the vocabulary and not negative, and its
-    entries of the document-starts table (``starts``) are its documents' starts."""
-    problems, table, low, high, end_bad = [], [], 0, 0, None
+    (bounded memory): each ends with the end-of-document id, the ids as :class:`~fastio.tokens.ids.IdScan` checks
+    them and not above the manifest's largest, and its entries of the document-starts table (``starts``) are its
+    documents' starts."""
+    problems, table, ids, end_bad = [], [], IdScan(info.vocab_size), None
     every = starts[0] if starts is not None else 0
     for lo, edges in pair.index.edge_chunks():
         if every:
@@ -164,16 +167,15 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
         tokens = pair.tokens(int(edges[0]), int(edges[-1] - edges[0]))
         bad = docs[tokens[edges[docs + 1] - 1 - edges[0]] != info.eos_id] if info.chat is None else docs[:0]
         end_bad = lo + int(bad[0]) if end_bad is None and bad.size else end_bad
-        low, high = min(low, int(tokens.min())), max(high, int(tokens.max()))
+        ids.see(int(edges[0]), tokens)
         pair.release_pages()
     if starts is not None and not np.array_equal(starts[1], np.concatenate([*table, [pair.index.tokens]])):
         problems.append(f"its entries of the document starts table {info.starts.name} disagree with its .idx")
     if end_bad is not None:
         problems.append(f"document {end_bad} does not end with the end-of-document id {info.eos_id}")
-    if info.vocab_size is not None and high >= info.vocab_size:
-        problems.append(f"holds token id {high}, outside the vocabulary of {info.vocab_size}")
-    if low < 0:  # int32 tokens only
-        problems.append(f"holds token id {low}: token ids are never negative")
+    problems += ids.problems(pair.index)
+    if info.max_id is not None and ids.high is not None and ids.high > info.max_id:
+        problems.append(f"holds token id {ids.high}, above the largest the manifest records ({info.max_id})")
     return problems
 
 

@@ -3,7 +3,10 @@
 Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name; hidden ones left out) is
 taken as one shard. Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for
 all, sizes, the ``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its
-end-of-document token; ``eos_id`` says which id it is), no id may be negative, and both files are checksummed.
+end-of-document token; ``eos_id`` says which id it is), no id may be negative or, where ``vocab_size`` is given, at
+least ``vocab_size``, the ids must not be int32 tokens read as uint16 (:mod:`fastio.tokens.ids`), and both files are
+checksummed. The manifest records the largest id (``tokens.max_id``: what a model's embedding needs where
+``vocab_size`` is not given) and ``vocab_size``.
 Nothing is copied or rewritten: the document-starts table (:mod:`fastio.tokens.starts`) and then the manifest
 (``kind: "tokens"``), which names the files where they are, relative to DEST (DEST = SOURCE) or by absolute path or
 URL (``dest`` elsewhere, for read-only data: pairs on ``s3://`` go to an ``s3://`` DEST, local pairs to a local
@@ -46,6 +49,7 @@ from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
+from fastio.tokens.ids import IdScan
 from fastio.tokens.megatron import MegatronIndex, partner_path
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
@@ -75,12 +79,21 @@ class TokenIndexConfig:
     """Index again where a manifest exists."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
+    vocab_size: int | None = None
+    """The tokenizer's size (its largest id + 1), where known: recorded in the manifest, and an id at or above it is
+    refused (None: not known; the manifest records the largest id seen either way)."""
 
     def __post_init__(self) -> None:
         if not str(self.source).strip():
             raise ValueError("source: empty")
         if isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0:
             raise ValueError(f"eos_id must be a token id (an integer >= 0), got {self.eos_id!r}")
+        vocab = self.vocab_size
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+            raise ValueError(f"vocab_size must be a number of ids (an integer >= 1), got {vocab!r}")
+        if vocab is not None and vocab <= self.eos_id:
+            raise ValueError(f"vocab_size {vocab} does not include the end-of-document id {self.eos_id} (ids run "
+                             f"from 0 to {vocab - 1})")
 
 
 @dataclass(frozen=True)
@@ -91,10 +104,13 @@ class TokenIndexResult:
     tokens: int
     dtype: str
     seconds: float
+    max_id: int | None = None
+    """The largest id (None: no tokens)."""
 
     def summary(self) -> str:
+        largest = "" if self.max_id is None else f" (largest id {self.max_id})"
         return (f"{self.dest}: indexed {count(self.shards, 'shard')}, {count(self.documents, 'document')}, "
-                f"{self.tokens} {self.dtype} tokens in {self.seconds:.1f}s (nothing copied)")
+                f"{self.tokens} {self.dtype} tokens{largest} in {self.seconds:.1f}s (nothing copied)")
 
 
 @dataclass(frozen=True)
@@ -193,22 +209,11 @@ class _LastTokens:
                 return
 
 
-def _document_at(index: MegatronIndex, token: int) -> int:
-    """The document that holds token offset ``token`` of the ``.bin`` (documents read a chunk at a time)."""
-    for lo, edges in index.edge_chunks():
-        if edges[-1] > token:
-            return lo + int(np.searchsorted(edges, token, "right")) - 1
-    raise ValueError(f"token offset {token} is past the end of {index.name}")
-
-
-def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, dtype: str
-              ) -> tuple[dict[str, str], tuple[int, int] | None]:
-    """sha256 and xxh3-128 of the ``.bin`` and the first negative id's (token offset, id) (None: none), each range
-    shown to ``ends`` (the end-of-document check): the file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in
-    flight), nothing written to disk."""
+def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, ids: IdScan, dtype: str) -> dict[str, str]:
+    """sha256 and xxh3-128 of the ``.bin``, each range shown to ``ends`` (the end-of-document check) and ``ids``: the
+    file read once, in ranges of ``_RANGE`` bytes (``_AHEAD`` in flight), nothing written to disk."""
     item = np.dtype(dtype).itemsize
     hashes = {a: DIGESTS[a]() for a in ("sha256", "xxh3_128")}
-    negative = None
     starts = list(range(0, pair.bin_size, _RANGE))
 
     def fetch(start: int) -> bytes:
@@ -228,10 +233,8 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, dtype: str
                 h.update(data)
             tokens = np.frombuffer(data, dtype)
             ends.see(start, tokens)
-            if negative is None and tokens.size and tokens.min() < 0:  # int32 only: ids are never negative
-                at = int(np.argmax(tokens < 0))
-                negative = (start // item + at, int(tokens[at]))
-    return {a: h.hexdigest() for a, h in hashes.items()}, negative
+            ids.see(start // item, tokens)
+    return {a: h.hexdigest() for a, h in hashes.items()}
 
 
 @dataclass(frozen=True)
@@ -245,10 +248,13 @@ class _Checked:
     one_per_document: bool
     starts: np.ndarray
     """Its entries of the document-starts table."""
+    max_id: int | None
+    """Its largest id (None: no tokens)."""
 
 
-def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, tmp: Path) -> _Checked:
+def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, config: TokenIndexConfig, tmp: Path) -> _Checked:
     """The pair checked (see the module docstring), and what the manifest and the starts table need of it."""
+    eos_id = config.eos_id
     bin_name = _display(storage, pair.bin_key)
     with _local_idx(storage, pair, tmp) as idx_path:
         index = MegatronIndex(idx_path, dtype, name=_display(storage, pair.idx_key))
@@ -258,15 +264,15 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, eos_id: int, t
             raise DatasetError(f"{index.name}: holds {index.dtype} tokens, which cannot hold eos_id {eos_id}")
         one, starts = index.is_one_per_document(), shard_starts(index)
         idx_sha256 = sha256_file(idx_path)[1]
-        ends = _LastTokens(index, eos_id)
-        digests, negative = _scan_bin(storage, pair, ends, index.dtype)
-        if negative is not None:  # a negative id: an embedding lookup's device-side assert, far from its cause
-            raise DatasetError(f"{bin_name}: document {_document_at(index, negative[0])} holds token id {negative[1]}: "
-                               "token ids are never negative (a damaged .bin)")
+        ends, ids = _LastTokens(index, eos_id), IdScan(config.vocab_size)
+        digests = _scan_bin(storage, pair, ends, ids, index.dtype)
+        problem = next(ids.problems(index), None)  # an id out of range: an embedding lookup's assert, far away
+        if problem is not None:
+            raise DatasetError(f"{bin_name}: {problem}")
     if ends.wrong is not None:
         raise DatasetError(f"{bin_name}: document {ends.wrong[0]} ends with token {ends.wrong[1]}, not eos_id {eos_id} "
                            "(documents are taken as they are: each must end with its end-of-document token)")
-    return _Checked(index, digests, idx_sha256, one, starts)
+    return _Checked(index, digests, idx_sha256, one, starts, ids.high)
 
 
 def _record(storage: Storage, pair: _Pair, got: _Checked, in_place: bool) -> ShardRecord:
@@ -330,23 +336,25 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
         raise DatasetError(f"{err.filename or config.source}: {err.strerror or err}") from None
     return TokenIndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(records),
                             documents=sum(r.samples for r in records), tokens=info.total_tokens, dtype=info.dtype,
-                            seconds=time.perf_counter() - started)
+                            seconds=time.perf_counter() - started, max_id=info.max_id)
 
 
 def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs: list[_Pair], in_place: bool,
                  lock: DirLock | Lease | None) -> tuple[TokenInfo, list[ShardRecord]]:
     """Check and record every pair, then publish the document-starts table and the manifest (last) into DEST."""
-    dtype, records, one, starts = None, [], True, []
+    dtype, records, one, starts, highs = None, [], True, [], []
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         for pair in pairs:
-            got = _check_pair(source, pair, dtype, config.eos_id, Path(tmp))
+            got = _check_pair(source, pair, dtype, config, Path(tmp))
             dtype, one = got.index.dtype, one and got.one_per_document
             records.append(_record(source, pair, got, in_place))
             starts.append(got.starts)
+            highs += [] if got.max_id is None else [got.max_id]
         staged = Path(tmp) / "out"
         staged.mkdir()
         info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
-                         one_sequence_per_document=one, starts=write_starts(staged, starts))
+                         vocab_size=config.vocab_size, one_sequence_per_document=one,
+                         starts=write_starts(staged, starts), max_id=max(highs, default=None))
         where = source.url if source.remote else str(source.location.path.resolve())
         write_manifest(staged, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
                                              converted_from={"format": "megatron", "path": where}))
