@@ -43,7 +43,7 @@ def test_concat_batches_cover_the_corpus_once_on_two_ranks(corpus):
     stream = []
     for step in steps:
         for b in step:
-            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "index", "padded"}
+            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "segment_ids", "max_seqlen", "index", "padded"}
             t, pos, cu = b["tokens"].numpy(), b["position_ids"].numpy(), b["cu_seqlens"].numpy()
             assert t.dtype == np.int64 and t.shape == (4, SEQ + 1) and pos.dtype == np.int64 and cu.dtype == np.int32
             for row, s in zip(t, b["index"].tolist()):
