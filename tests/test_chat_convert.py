@@ -149,3 +149,43 @@ def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, option
     assert result.linked > 0 and result.repacked > 0
     assert_same_dataset(whole, tmp_path / "ds")
     assert verify(tmp_path / "ds").ok and len(list((tmp_path / "ds" / "shards").glob("*.mask"))) > 1
+
+
+def _first_turns_that_fit(hf, chat, limit):
+    """The reference for overlong='truncate': transformers' ids and mask of the longest run of first messages that
+    ends with an assistant reply and fits ``limit`` tokens (None: none does)."""
+    for k in range(len(chat), 0, -1):
+        if chat[k - 1]["role"] == "assistant":
+            got = hf_ids_and_mask(hf, CHATML, chat[:k])
+            if len(got[0]) <= limit:
+                return got
+    return None
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_conversations_over_max_tokens_are_dropped_or_keep_their_first_turns_whole(tmp_path, overlong):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit = 80
+    dest = chat_dataset(tmp_path, n=60, max_tokens=limit, overlong=overlong)
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    want, dropped, truncated = [], 0, 0
+    for chat in conversations(60, 0):
+        full = hf_ids_and_mask(hf, CHATML, chat)
+        if len(full[0]) <= limit:
+            want.append(full)
+            continue
+        cut = _first_turns_that_fit(hf, chat, limit) if overlong == "truncate" else None
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None)
+        if cut is not None:
+            want.append(cut)
+    assert dropped + truncated > 0 and (truncated > 0) == (overlong == "truncate")
+    assert stored_conversations(dest) == want
+    source = load_manifest(dest).converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+    assert load_manifest(dest).tokens.chat.longest <= limit
+
+
+def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path):
+    with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
+                                           r"than max_tokens=40 \(overlong='drop' or 'truncate'"):
+        chat_dataset(tmp_path, n=20, max_tokens=40)

@@ -28,7 +28,7 @@ def _encoder(tok, config, train_on="generation"):
 
 
 def _each(encoder, chats):
-    lengths, ids, mask = encoder.encode([f"c.jsonl:{i + 1}" for i in range(len(chats))], chats)
+    lengths, ids, mask, _ = encoder.encode([f"c.jsonl:{i + 1}" for i in range(len(chats))], chats)
     ends = np.cumsum(lengths)
     return [(ids[e - n:e].tolist(), mask[e - n:e].astype(int).tolist()) for e, n in zip(ends, lengths)]
 

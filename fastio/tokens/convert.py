@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.convert.chat_encode import TRAIN_ON, ChatEncoder
+from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder
 from fastio.convert.parts import (
     PartRecord,
     clear_part_dir,
@@ -149,6 +149,13 @@ class TokenConvertConfig:
     train_on: str = "generation"
     """With ``chat_template``: ``generation`` (the tokens of the template's ``{% generation %}`` blocks: the
     assistant's replies) or ``all`` (every token)."""
+    max_tokens: int | None = None
+    """With ``chat_template``: the most tokens a conversation may have (None: no limit here; a Loader refuses a
+    ``seq_len + 1`` below the longest). Set it to the training ``seq_len + 1``."""
+    overlong: str = "refuse"
+    """With ``max_tokens``: a longer conversation is refused (``refuse``), left out and counted (``drop``), or cut
+    to its first turns that fit, whole, ending with an assistant message (``truncate``; counted; dropped when even
+    the first exchange is too long). Never cut mid-turn (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
@@ -177,6 +184,11 @@ class TokenConvertConfig:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
         if self.train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be 'generation' or 'all', got {self.train_on!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        limit = self.max_tokens
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {limit!r}")
         if not isinstance(self.messages_field, str) or not self.messages_field:
             raise ValueError(f"messages_field must be a field name, got {self.messages_field!r}")
 
@@ -206,6 +218,10 @@ class TokenConvertResult:
     """Documents whose text held a special token's string, encoded as plain text."""
     trained: int | None = None
     """A chat conversion's trained tokens (their loss mask set); None: plain documents."""
+    dropped: int = 0
+    """Conversations over ``max_tokens`` left out (``overlong="drop"``, or ``"truncate"`` where nothing fit)."""
+    truncated: int = 0
+    """Conversations over ``max_tokens`` cut to their first turns (``overlong="truncate"``)."""
 
     def summary(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
@@ -214,6 +230,9 @@ class TokenConvertResult:
                    if self.special_text else "")
         if self.trained is not None:
             special += f"; {self.trained} tokens trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
+        if self.dropped or self.truncated:
+            special += (f"; over max_tokens: {count(self.dropped, 'conversation')} dropped, {self.truncated} cut to "
+                        "their first turns")
         return (f"{where}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
@@ -260,12 +279,13 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer: Path, eos_id: int, dtype: str, special_in_text: str, text_field: str,
-                 template: ChatTemplate | None = None, train_on: str = "generation") -> None:
+                 template: ChatTemplate | None = None, chat: tuple = ()) -> None:
     tok, plain = load_tokenizer(tokenizer), load_tokenizer(tokenizer)
     plain.encode_special_tokens = True  # a special token's string is split as any text (tokenizers >= 0.15.1)
     _WORKER.update(tokenizer=tok, plain=plain, specials=np.array(sorted(special_tokens(tok).values()), np.int64),
                    eos_id=eos_id, dtype=np.dtype(dtype), refuse=special_in_text == "refuse", field=text_field,
-                   chat=None if template is None else ChatEncoder(tok, template, train_on, text_field, np.dtype(dtype)))
+                   chat=None if template is None else ChatEncoder(tok, template, *chat[:1], text_field, np.dtype(dtype),
+                                                                  *chat[1:]))
 
 
 def _concat(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -279,16 +299,17 @@ def _documents_with(lengths: np.ndarray, flat: np.ndarray, ids: np.ndarray) -> l
     return np.unique(np.searchsorted(np.cumsum(lengths), hits, side="right")).tolist()
 
 
-def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, int, np.ndarray | None]:
-    """(tokens per document, all tokens, documents with special-token text, all mask bits or None) of ``(wheres,
-    texts)``: each non-empty document's ids + the end-of-document id (an empty document has length 0). A document
-    whose ids hold a special token is refused or encoded again with its special-token strings as plain text
-    (:func:`_as_plain_text`). A chat conversion's: :meth:`~fastio.convert.chat_encode.ChatEncoder.encode`."""
+def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, dict[str, int], np.ndarray | None]:
+    """(tokens per document, all tokens, counts (``special``: documents with special-token text; a chat
+    conversion's ``dropped`` and ``truncated``), all mask bits or None) of ``(wheres, texts)``: each non-empty
+    document's ids + the end-of-document id (an empty document has length 0). A document whose ids hold a special
+    token is refused or encoded again with its special-token strings as plain text (:func:`_as_plain_text`). A chat
+    conversion's: :meth:`~fastio.convert.chat_encode.ChatEncoder.encode`."""
     wheres, texts = batch
     w = _WORKER
     if w["chat"] is not None:
-        lengths, ids, mask = w["chat"].encode(wheres, texts)
-        return lengths, ids, 0, mask
+        lengths, ids, mask, counts = w["chat"].encode(wheres, texts)
+        return lengths, ids, counts, mask
     docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
     lengths, flat = _concat(docs)
     held = _documents_with(lengths, flat, w["specials"])
@@ -297,7 +318,7 @@ def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray,
         lengths, flat = _concat(docs)
     ends = np.cumsum(lengths)[lengths > 0]
     flat = np.insert(flat, ends, w["eos_id"])  # after every non-empty document
-    return lengths + (lengths > 0), flat.astype(w["dtype"]), len(held), None
+    return lengths + (lengths > 0), flat.astype(w["dtype"]), {"special": len(held)}, None
 
 
 def _as_plain_text(docs: list[list[int]], held: list[int], wheres: list[str], texts: list[str]) -> None:
@@ -445,6 +466,10 @@ class _Written:
     special: int = 0
     masks: list[WrittenMask] = field(default_factory=list)
     longest: int = 0
+    dropped: int = 0
+    """Conversations longer than ``max_tokens`` left out."""
+    truncated: int = 0
+    """Conversations longer than ``max_tokens`` cut to their first turns."""
 
 
 def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None]
@@ -456,9 +481,9 @@ def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | 
 
 
 def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[tuple[list[str], list[str]]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray, int, np.ndarray | None]]:
+             ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[str, int], np.ndarray | None]]:
     args = (config.tokenizer, coder.eos_id, coder.dtype, config.special_in_text, config.field, coder.template,
-            config.train_on)
+            (config.train_on, config.max_tokens, config.overlong))
     if config.workers == 1:
         _init_worker(*args)
         yield from map(_encode, batches)
@@ -473,8 +498,9 @@ def _write(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, out: Path,
     series, written = _ShardSeries(config, coder.dtype, out / SHARDS_DIR), _Written([])
     (out / SHARDS_DIR).mkdir()
     try:
-        for lengths, flat, special, mask in _encoded(config, coder, _batches(config, corpus, span)):
-            written.special += special
+        for lengths, flat, counts, mask in _encoded(config, coder, _batches(config, corpus, span)):
+            for key, n in counts.items():
+                setattr(written, key, getattr(written, key) + n)
             written.longest = max(written.longest, int(lengths.max(initial=0)))
             ends = np.cumsum(lengths)
             for end, n in zip(ends.tolist(), lengths.tolist()):
@@ -519,7 +545,7 @@ def _options(config: TokenConvertConfig) -> dict[str, Any]:
            "special_in_text": config.special_in_text}
     if config.chat_template is not None:
         out.update(chat_template=str(config.chat_template), messages_field=config.messages_field,
-                   train_on=config.train_on)
+                   train_on=config.train_on, max_tokens=config.max_tokens, overlong=config.overlong)
     return out
 
 
@@ -613,11 +639,19 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     if not written.shards:
         raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
     records = _records(written)
-    source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special}
+    source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,
+              **_overlong(config, written)}
     starts = write_starts(config.dest, [shard_starts(MegatronIndex(s.idx_path)) for s in written.shards])
     write_manifest(config.dest, token_manifest(config.name, records, _info(config, coder, records, starts, written), source,
                                                _options(config)))
     return written
+
+
+def _overlong(config: TokenConvertConfig, written: _Written) -> dict[str, int]:
+    """The conversations over ``max_tokens`` left out or cut (a chat conversion with ``max_tokens`` only)."""
+    if config.chat_template is None or config.max_tokens is None:
+        return {}
+    return {"overlong_dropped": written.dropped, "overlong_truncated": written.truncated}
 
 
 def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, started: float) -> TokenConvertResult:
@@ -626,7 +660,8 @@ def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, starte
                               tokens=sum(s.tokens for s in shards), empty=written.empty,
                               bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
                               dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special,
-                              trained=sum(m.trained for m in written.masks) if coder.template is not None else None)
+                              trained=sum(m.trained for m in written.masks) if coder.template is not None else None,
+                              dropped=written.dropped, truncated=written.truncated)
 
 
 def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
@@ -640,7 +675,7 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
             span = part_span(corpus.total, k, n)
             written = _write(config, corpus, coder, directory, span)
             write_part_record(directory, PartRecord(part=k, of=n, plan=_plan(config, corpus, coder),
-                                                    datasets={"": _part_dataset(corpus, span, written)}))
+                                                    datasets={"": _part_dataset(config, corpus, span, written)}))
         except OSError as err:
             raise ConvertError(f"{err.filename or directory}: {err.strerror or err}") from None
     return _result(config, coder, written, started)
@@ -662,10 +697,12 @@ def _chat_plan(config: TokenConvertConfig, coder: _Coder) -> dict[str, Any]:
     return {"chat": {"template_sha256": coder.template.sha256, "train_on": config.train_on}}
 
 
-def _part_dataset(corpus: Corpus, span: tuple[int, int | None], written: _Written) -> dict[str, Any]:
+def _part_dataset(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None], written: _Written
+                  ) -> dict[str, Any]:
     end = corpus.total if span[1] is None else span[1]
     chat = {"trained_tokens": sum(m.trained for m in written.masks), "longest": written.longest} if written.masks \
         else {}
+    chat.update(_overlong(config, written))
     return {"range": [span[0], end], "count": corpus.total, "empty_documents": written.empty,
             "special_text_documents": written.special, **chat,
             "shards": [r.as_dict() for r in _records(written)]}

@@ -80,7 +80,8 @@ def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:
                                ("--name", "name", "shard"), ("--special-in-text", "special_in_text", "plain"),
                                ("--chat-template", "chat_template", None), ("--messages-field", "messages_field",
                                                                            "messages"),
-                               ("--train-on", "train_on", "generation")):
+                               ("--train-on", "train_on", "generation"), ("--max-tokens", "max_tokens", None),
+                               ("--overlong", "overlong", "refuse")):
         value = plan.get(key) if key == "name" else options.get(key)
         if value is not None and value != default:
             words += [flag, str(value)]
@@ -122,6 +123,9 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
                      one_sequence_per_document=True,  # the parts' pairs and the repacked ones: MegatronWriter's
                      starts=starts, chat=None if chat is None else _chat_info(chat, records))
     source = {**plan["source"], "empty_documents": empty, "special_text_documents": special}
+    for key in ("overlong_dropped", "overlong_truncated"):  # a chat conversion with max_tokens
+        if key in records[0].datasets[""]:
+            source[key] = sum(r.datasets[""][key] for r in records)
     manifest = token_manifest(plan["name"], result, info, source, options)
     _publish(dest, placed, staging / STARTS_NAME, manifest)
     linked = sum(link for _, _, link in placed)
