@@ -227,6 +227,7 @@ class Loader:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
+        self._place_device()
         self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, world, rank)
         self._reader = self.pipeline.reader(rs)
         self.rank, self.world_size = rank, world
@@ -236,13 +237,17 @@ class Loader:
         if cfg.drop_last and cfg.batch_size * self.world_size > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * self.world_size} is larger than the "
                                f"dataset ({n} samples) and drop_last leaves no batch")
+
+    def _place_device(self) -> None:
+        """The device, and the pipeline as it runs there (:meth:`Pipeline.for_device`)."""
+        cfg = self.config
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
-        self.pipeline.check_device(rs, self.device)
+        self.pipeline = self.pipeline.for_device(self.read_set, self.device)
 
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find: what code written for a torch DataLoader reaches for

@@ -7,13 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from fastio.dataset.manifest import load_manifest
-from fastio.errors import ConvertError
-from fastio.report.verify import verify
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens
-from tests.helpers import run_cli
-from tests.tokens_helpers import (
+from helpers import run_cli
+from tokens_helpers import (
     CHATML,
     chat_config,
     chat_dataset,
@@ -24,6 +19,11 @@ from tests.tokens_helpers import (
     stored_conversations,
     write_chats,
 )
+
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+from fastio.dataset.manifest import load_manifest
+from fastio.errors import ConvertError
+from fastio.report.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +136,9 @@ def test_two_workers_write_the_same_bytes(tmp_path):
 
 @pytest.mark.parametrize("options", [{"shard_size": 1500}, {"max_samples_per_shard": 7}], ids=["bytes", "documents"])
 def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, options):
+    from test_tokens_parts import assert_same_dataset
+
     from fastio.convert.merge import merge
-    from tests.test_tokens_parts import assert_same_dataset
 
     options = {"max_samples_per_shard": None, **options}
     whole = chat_dataset(tmp_path, n=45, **options)

@@ -14,9 +14,9 @@ from resume import check_resume, run_ranks
 from tokens_helpers import GLUED, chat_dataset, conversations, hf_ids_and_mask, hf_tokenizer, stored_conversations
 
 import fastio
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 from fastio.dataset.manifest import load_manifest
 from fastio.errors import DatasetError
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens
 
 SEQ = 160
 N = 80

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tokens_helpers import CHATML, GLUED, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
 
 from fastio.convert.chat_encode import ChatEncoder
+from fastio.convert.token_convert import load_tokenizer
 from fastio.errors import ConvertError
 from fastio.formats.chat_template import ChatTemplateError, load_chat_template
-from fastio.tokens.convert import load_tokenizer
-from tests.tokens_helpers import CHATML, GLUED, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
 

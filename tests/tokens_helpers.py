@@ -35,7 +35,7 @@ def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: i
 def word_corpus(root: Path) -> Path:
     """A converted token dataset of 120 documents of 1..29 random words (seeded), 25 documents per shard, with
     its tokenizer, under ``root``; returns the dataset's folder."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     tok = train_tokenizer(root / "tokenizer.json")
     rng = np.random.default_rng(0)
@@ -133,7 +133,7 @@ def hf_ids_and_mask(hf, template: str, messages: list[dict]) -> tuple[list[int],
 def chat_dataset(root: Path, n: int = 60, seed: int = 0, template: str = CHATML, **options) -> Path:
     """A converted chat dataset of ``n`` conversations (:func:`conversations`) under ``root`` (``chats.jsonl``,
     ``tokenizer.json``, ``tokenizer_config.json`` beside it; ``options`` for the conversion); returns its folder."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     tok = root / "tokenizer.json"
     if not tok.exists():
@@ -148,8 +148,8 @@ def chat_dataset(root: Path, n: int = 60, seed: int = 0, template: str = CHATML,
 def stored_conversations(dest: Path) -> list[tuple[list[int], list[int]]]:
     """Each stored conversation's ids and loss mask bits, in order, read from the shards' files directly."""
     from fastio.dataset.manifest import load_manifest
+    from fastio.formats.megatron import MegatronShard
     from fastio.formats.token_mask import MaskFile
-    from fastio.tokens.megatron import MegatronShard
 
     manifest = load_manifest(dest)
     out = []
