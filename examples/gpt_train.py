@@ -33,10 +33,19 @@ class TinyGPT(nn.Module):
         block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
+        self.heads = heads
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits of ``tokens`` [B, L]; with ``segments`` (the batch's ``segment_ids``) a token attends only to
+        the tokens before it in its own packed document (block-causal), else to every token before it."""
         causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.head(self.blocks(self.tok(tokens) + self.pos(positions), mask=causal, is_causal=True))
+        x = self.tok(tokens) + self.pos(positions)
+        if segments is None:
+            return self.head(self.blocks(x, mask=causal, is_causal=True))
+        apart = segments[:, :, None] != segments[:, None, :]
+        mask = causal.masked_fill(apart, float("-inf")).repeat_interleave(self.heads, dim=0)
+        return self.head(self.blocks(x, mask=mask))
 
 
 def weights_digest(model: nn.Module) -> str:
