@@ -152,3 +152,33 @@ def test_sft_example_trains_on_the_mask_and_resumes_exactly_after_sigkill(chat, 
     assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)
     trained = [int(line.split(" trained ")[1].split()[0]) for line in after.values()]
     assert all(0 < t < 4 * SEQ for t in trained)  # the replies only: some targets of every batch, never all
+
+
+def test_an_s3_chat_dataset_is_written_verified_and_read_through_the_cache(chat, moto_server, s3_bucket, tmp_path):
+    """A chat conversion into s3:// (masks uploaded), fastio verify of it (masks fetched and checked), and a Loader
+    through the node cache (masks fetched into its metadata) giving the local dataset's batches bit for bit."""
+    from resume import same_batch
+
+    from fastio.report.verify import verify
+    from fastio.storage import open_storage
+
+    root, url = chat.parent, f"s3://{s3_bucket}/chat"
+    options = moto_server.options()
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", url, root / "tokenizer.json", workers=1,
+                                      chat_template=root / "tokenizer_config.json", max_samples_per_shard=20,
+                                      storage_options=options, staging_dir=tmp_path / "staging"))
+    keys = {o.key for o in open_storage(url, options).list()}
+    assert {f"shards/{p.name}" for p in (chat / "shards").glob("*.mask")} <= keys
+    report = verify(url, storage_options=options)
+    assert report.ok, [str(p) for p in report.problems]
+    remote = _loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=options)
+    with remote, _loader(chat) as local:
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+    assert list((tmp_path / "cache").rglob("*.mask"))  # fetched into the cache's metadata, checked
+    store = open_storage(url, options)
+    changed = bytearray(store.get("shards/shard-000000.mask"))
+    changed[-1] ^= 1
+    (tmp_path / "changed").write_bytes(bytes(changed))
+    store.put_file("shards/shard-000000.mask", tmp_path / "changed")
+    assert "loss mask shard-000000.mask sha256 does not match" in str(verify(url, storage_options=options).problems)
