@@ -18,10 +18,9 @@ per-step losses as a run that was never stopped. tests/test_chat_loader.py kills
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
-from gpt_train import TinyGPT, weights_digest
+from gpt_train import TinyGPT, train_loop
 from torch import nn
 
 import fastio
@@ -44,42 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    torch.set_num_threads(1)  # the same float sums in every run: per-step losses compare bit for bit
-
-    ckpt = fastio.Checkpointer(args.ckpt_dir, every_steps=5, keep=2)
-    with fastio.exit_cleanly(ckpt):
-        train = fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len, packing="best-fit"),
-                              batch_size=args.batch_size, device="cpu", seed=0)
-        model = TinyGPT(train.dataset.manifest.tokens.embedding_size, args.seq_len + 1)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        app = {"model": model, "optim": optimizer, "loader": train}  # the Loader's position is saved too
-
-        start = ckpt.restore_latest(app)
-        step = start.step if start else 0
-        print(f"resumed at step {step}" if start else "fresh start", flush=True)
-        while step < args.steps:
-            for batch in train:  # the rest of the current epoch, then the next one
-                loss = masked_loss(model, batch)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                step += 1
-                trained = int(batch["loss_mask"][:, 1:].sum())
-                print(f"step {step} loss {loss.item()!r} trained {trained} sequences {batch['index'].tolist()}",
-                      flush=True)
-                ckpt.maybe_save(step, app, metrics={"loss": loss.item()})
-                if ckpt.preempted or step >= args.steps:
-                    break
-            if ckpt.preempted:
-                ckpt.close()
-                print(f"preempted: saved step {step}; run the same command to resume", flush=True)
-                sys.exit(ckpt.exit_code)
-        if not start or step > start.step:
-            ckpt.save(step, app, blocking=True)
-        ckpt.close()
-        train.close()
-    print(f"done: {step} steps, weights {weights_digest(model)}", flush=True)
+    train_loop(args.ckpt_dir, args.steps,
+               lambda: fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len, packing="best-fit"),
+                                     batch_size=args.batch_size, device="cpu", seed=0),
+               lambda train: TinyGPT(train.dataset.manifest.tokens.embedding_size, args.seq_len + 1), masked_loss,
+               note=lambda batch: f" trained {int(batch['loss_mask'][:, 1:].sum())}")
 
 
 if __name__ == "__main__":
