@@ -77,7 +77,11 @@ def test_cli_converts_conversations_and_says_what_it_trains(tmp_path, capsys):
                               "--workers", "1"], capsys)
     assert code == 0, err
     assert "10 documents" in out and "tokens trained" in out
-    assert load_manifest(tmp_path / "d").tokens.chat.trained_tokens > 0
+    chat = load_manifest(tmp_path / "d").tokens.chat
+    assert chat.trained_tokens > 0
+    code, out, err = run_cli(["inspect", str(tmp_path / "d")], capsys)
+    assert code == 0 and f"chat:     conversations, {chat.trained_tokens} tokens trained" in out, out + err
+    assert f"seq_len at least {chat.longest - 1} with packing='best-fit'" in out
 
 
 def test_a_template_without_generation_blocks_is_refused_naming_the_way_out(tmp_path, capsys):

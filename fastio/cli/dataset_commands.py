@@ -465,6 +465,12 @@ def _print_info(info: dict[str, Any]) -> None:
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
                    f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
                    f"document min {d['min']}  median {d['median']}  max {d['max']}")
+        chat = tokens.get("chat")
+        if chat:
+            click.echo(f"chat:     conversations, {chat['trained_tokens']} tokens trained "
+                       f"({100 * chat['trained_tokens'] / max(tokens['total_tokens'], 1):.1f}%, "
+                       f"train_on {chat['train_on']}); the longest {chat['longest']} tokens: seq_len at least "
+                       f"{max(chat['longest'] - 1, 1)} with packing='best-fit'")
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
