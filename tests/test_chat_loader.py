@@ -182,3 +182,17 @@ def test_an_s3_chat_dataset_is_written_verified_and_read_through_the_cache(chat,
     (tmp_path / "changed").write_bytes(bytes(changed))
     store.put_file("shards/shard-000000.mask", tmp_path / "changed")
     assert "loss mask shard-000000.mask sha256 does not match" in str(verify(url, storage_options=options).problems)
+
+
+def test_token_dataset_batches_are_the_loaders(chat):
+    """TokenDataset.batch (the numpy reference) gives a chat dataset's Loader batches: the stored mask, the
+    conversations' boundaries."""
+    from fastio.tokens.dataset import TokenDataset
+
+    ds = TokenDataset(chat)
+    packing = ds.packing(SEQ, packing="best-fit", seed=5, block_docs=16)
+    with _loader(chat) as ld:
+        for b in ld:
+            want = ds.batch(packing, 0, b["index"].numpy())
+            for key in ("tokens", "loss_mask", "position_ids", "cu_seqlens"):
+                assert np.array_equal(want[key], b[key].numpy()), key

@@ -49,11 +49,21 @@ from fastio.formats.token_mask import MaskFile
 from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
+from fastio.tokens.packing import (
+    BestFitPacking,
+    ConcatPacking,
+    Spans,
+    document_starts,
+    piece_bounds,
+    piece_starts,
+    positions_from,
+    ramp_to,
+    segment_ids,
+)
 from fastio.tokens.starts import read_starts
 
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
-           "check_chat_packing", "mixture_units", "open_tables", "packing_of", "piece_starts", "source_packings"]
+           "check_chat_packing", "mixture_units", "open_tables", "packing_of", "source_packings"]
 
 GROUP = 4
 """Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
@@ -252,35 +262,6 @@ def _cu_per_batch(starts: np.ndarray, ends: np.ndarray, width: int) -> list[np.n
     return [np.concatenate([local[lo:hi], stops[j:j + 1]]) for j, (lo, hi) in enumerate(zip([0] + cut[:-1], cut))]
 
 
-def piece_starts(rows: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
-    """Where each piece (``count[j]`` tokens in row ``rows[j]``, each row's pieces together and in order) begins
-    in the flattened rows of ``width`` tokens: its row's start + the pieces before it in the row."""
-    ends = np.cumsum(count)
-    before = ends - count
-    first = np.ones(rows.size, bool)
-    first[1:] = rows[1:] != rows[:-1]
-    return rows * width + before - np.maximum.accumulate(np.where(first, before, 0))
-
-
-def _piece_bounds(pieces: list[np.ndarray], lengths: np.ndarray, width: int) -> np.ndarray:
-    """A batch's document starts from its pieces' starts (each piece one document, or part of a long one starting
-    its row): each row's start, each piece's, and where a row's padding begins (one segment)."""
-    short = np.flatnonzero(lengths < width)
-    rows = np.arange(0, lengths.size * width, width, dtype=np.int64)
-    return np.unique(np.concatenate([rows, *pieces, short * width + lengths[short]]))
-
-
-def _segment_ids(starts: np.ndarray, mask: np.ndarray, full: bool) -> np.ndarray:
-    """int32 like ``mask`` [B, L]: 1, 2, ... for each row's documents (``starts``: sorted flat indices, each row's
-    start among them), 0 on padding (Grain's ``segment_ids``)."""
-    marks = np.zeros(mask.size, np.int32)
-    marks[starts] = 1
-    segments = marks.reshape(mask.shape).cumsum(axis=1, dtype=np.int32)
-    if not full:
-        segments[~mask] = 0
-    return segments
-
-
 def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int]]:
     """The distinct (source, epoch) pairs of a batch's units, in order of first appearance."""
     pairs = list(zip(src.tolist(), epochs.tolist()))
@@ -410,10 +391,10 @@ class TokenReader:
         tokens = flat.reshape(ids.size, self.width)
         full = bool((lengths == self.width).all())  # concat: no padding, no mask to apply
         mask = np.ones(tokens.shape, bool) if full else np.arange(self.width) < lengths[:, None]
-        starts = _piece_bounds(pieces, lengths, self.width) if chat else \
+        starts = piece_bounds(pieces, lengths, self.width) if chat else \
             document_starts(tokens, self.eos_id, None if full else mask)
         pos = positions_from(starts, tokens.size).reshape(tokens.shape)
-        segments = _segment_ids(starts, mask, full)
+        segments = segment_ids(starts, mask, full)
         loss = mask if bits is None else mask & bits.reshape(tokens.shape)
         indices, ends = self.base[src] + seqs, np.cumsum([b.size for b in batches])
         cus = _cu_per_batch(starts, ends, self.width)
