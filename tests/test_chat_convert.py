@@ -194,3 +194,24 @@ def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path
     with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
                                            r"than max_tokens=40 \(overlong='drop' or 'truncate'"):
         chat_dataset(tmp_path, n=20, max_tokens=40)
+
+
+def test_parquet_conversations_convert_as_jsonl_and_a_txt_file_is_refused(tmp_path, capsys):
+    import filecmp
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = chat_dataset(tmp_path, n=30)
+    pq.write_table(pa.table({"messages": conversations(30, 0)}), tmp_path / "chats.parquet", row_group_size=7)
+    convert_tokens(TokenConvertConfig(tmp_path / "chats.parquet", tmp_path / "pq", tmp_path / "tokenizer.json",
+                                      chat_template=tmp_path / "tokenizer_config.json", workers=1,
+                                      max_samples_per_shard=20))
+    names = sorted(p.name for p in (jsonl / "shards").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "pq" / "shards").iterdir())
+    assert all(filecmp.cmp(jsonl / "shards" / n, tmp_path / "pq" / "shards" / n, shallow=False) for n in names)
+    (tmp_path / "c.txt").write_text("hello")
+    code, _, err = run_cli(["convert", str(tmp_path / "c.txt"), str(tmp_path / "t"), "--tokenizer",
+                            str(tmp_path / "tokenizer.json"), "--chat-template", str(tmp_path / "tokenizer_config.json"),
+                            "--workers", "1"], capsys)
+    assert code != 0 and err.startswith("fastio: error: ") and "c.txt: a .txt file holds no conversations" in err
