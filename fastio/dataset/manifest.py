@@ -21,6 +21,7 @@ from fastio import __version__
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
+from fastio.formats.token_mask import MASK_FORMAT
 from fastio.formats.wds import is_field_name, is_plain_name
 from fastio.storage.atomic import atomic_write_bytes
 
@@ -324,8 +325,8 @@ class ChatInfo:
     """Tokens whose loss mask is set, in all shards."""
     longest: int
     """Tokens of the longest conversation (a Loader refuses a ``seq_len`` it does not fit: never cut)."""
-    mask: str = "bits-v1"
-    """The loss mask files' format (:data:`fastio.formats.token_mask.MASK_FORMAT`)."""
+    mask: str = MASK_FORMAT
+    """The loss mask files' format (:data:`fastio.formats.token_mask.MASK_FORMAT`, the one this fastio reads)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -342,8 +343,8 @@ class ChatInfo:
             raise DatasetError(f"{where}.template_sha256: {data['template_sha256']!r} is not a hex sha256")
         if data["train_on"] not in ("generation", "all"):
             raise DatasetError(f"{where}.train_on: {data['train_on']!r} is not 'generation' or 'all'")
-        if data["mask"] != "bits-v1":
-            raise DatasetError(f"{where}.mask: {data['mask']!r}: this fastio reads loss masks 'bits-v1'")
+        if data["mask"] != MASK_FORMAT:
+            raise DatasetError(f"{where}.mask: {data['mask']!r}: this fastio reads loss masks {MASK_FORMAT!r}")
         for key in ("trained_tokens", "longest"):
             _count(data[key], f"{where}.{key}")
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
