@@ -132,8 +132,10 @@ def test_a_template_failing_to_render_is_named(tmp_path):
 
 
 def test_two_workers_write_the_same_bytes(tmp_path):
-    one = chat_dataset(tmp_path / "a", n=50) if (tmp_path / "a").mkdir() is None else None
-    two = chat_dataset(tmp_path / "b", n=50, workers=2, batch_size=7) if (tmp_path / "b").mkdir() is None else None
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = chat_dataset(tmp_path / "a", n=50)
+    two = chat_dataset(tmp_path / "b", n=50, workers=2, batch_size=7)
     for a in sorted((one / "shards").iterdir()):
         assert a.read_bytes() == (two / "shards" / a.name).read_bytes(), a.name
 
