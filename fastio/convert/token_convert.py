@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fastio.checks import check_fields, checked, config_error, positive_integer, rule
 from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
@@ -91,22 +92,22 @@ class TokenConvertConfig:
     uploaded, the manifest last, as :func:`fastio.convert.run.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
-    text_field: str = "text"
+    text_field: str = checked(rule(lambda v: isinstance(v, str) and v != "", "must be a field name"), default="text")
     """JSONL field / Parquet column holding each document's text."""
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = field(default_factory=default_workers)
+    workers: int = checked(positive_integer, default_factory=default_workers)
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
-    max_samples_per_shard: int | None = None
+    max_samples_per_shard: int | None = checked(positive_integer, default=None)
     """At most this many documents per shard."""
-    name: str = "shard"
+    name: str = checked(rule(is_plain_name, "must be letters, digits, '_' or '-'"), default="shard")
     """Shard file prefix: ``shards/NAME-000000.bin``."""
     overwrite: bool = False
     """Replace a dataset or other files in DEST."""
-    batch_size: int = 256
+    batch_size: int = checked(positive_integer, default=256)
     """Documents per ``encode_batch`` call (and per message to a worker)."""
     storage_options: dict | None = None
     """For an ``s3://`` source: endpoint, region, credentials over the environment's
@@ -117,7 +118,7 @@ class TokenConvertConfig:
     staging_dir: Path | None = None
     """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.dest.staging_path`;
     default: the system's temporary directory)."""
-    special_in_text: str = "plain"
+    special_in_text: str = checked(rule(lambda v: v in SPECIAL_IN_TEXT, "must be 'plain' or 'refuse'"), default="plain")
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
     documents counted), ``"refuse"`` is a ConvertError naming the document."""
 
@@ -132,18 +133,7 @@ class TokenConvertConfig:
                 raise ValueError(f"part: needs a DEST on a (shared) file system, not {self.dest}; convert the "
                                  "parts there, merge, then upload")
         object.__setattr__(self, "shard_size", parse_size(self.shard_size, "shard_size"))
-        for key in ("workers", "batch_size"):
-            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
-        limit = self.max_samples_per_shard
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_samples_per_shard must be a positive integer, got {limit!r}")
-        if not is_plain_name(self.name):
-            raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
-        if not isinstance(self.text_field, str) or not self.text_field:
-            raise ValueError(f"text_field must be a field name, got {self.text_field!r}")
-        if self.special_in_text not in SPECIAL_IN_TEXT:
-            raise ValueError(f"special_in_text must be 'plain' or 'refuse', got {self.special_in_text!r}")
+        check_fields(self, config_error)
 
 
 @dataclass(frozen=True)
