@@ -15,15 +15,18 @@ from fastio.convert.run import ConvertConfig
 from fastio.convert.token_convert import TokenConvertConfig
 from fastio.convert.token_index import TokenIndexConfig
 from fastio.convert.wds_index import IndexConfig
-from fastio.dataset.manifest import IndexRecord, ShardRecord, TokenInfo
+from fastio.dataset.manifest import ChatInfo, IndexRecord, ShardRecord, TokenInfo
 from fastio.errors import CheckpointError, DatasetError
+from fastio.formats.token_mask import MASK_FORMAT
 
 SHARD = {"name": "s-000000.tar", "samples": 3, "bytes": 10, "sha256": "a" * 64, "idx_sha256": "b" * 64}
 INDEX = {"name": "samples.fxi", "bytes": 10, "sha256": "c" * 64}
 TOKENS = {"dtype": "uint16", "eos_id": 0, "total_tokens": 5}
+CHAT = {"template_sha256": "d" * 64, "train_on": "all", "trained_tokens": 4, "longest": 9, "mask": MASK_FORMAT}
 BAD = {"name": "../x.tar", "samples": -1, "bytes": "10", "sha256": "A" * 64, "idx_sha256": 7, "xxh3_128": "f" * 31,
        "location": "a/../b", "idx_location": "", "tokens": 1.5, "dtype": "int8", "eos_id": True, "total_tokens": -2,
-       "vocab_size": "1", "one_sequence_per_document": "yes", "max_id": -3}
+       "vocab_size": "1", "one_sequence_per_document": "yes", "max_id": -3, "mask_sha256": "0" * 63,
+       "template_sha256": None, "train_on": "assistant", "trained_tokens": "7", "longest": -1}
 
 
 def checked_names(cls: type) -> set[str]:
@@ -31,10 +34,11 @@ def checked_names(cls: type) -> set[str]:
 
 
 @pytest.mark.parametrize("cls,entry,unchecked", [(ShardRecord, SHARD, set()), (IndexRecord, INDEX, set()),
-                                                 (TokenInfo, TOKENS, {"starts"})])
+                                                 (TokenInfo, TOKENS, {"starts", "chat"}),
+                                                 (ChatInfo, CHAT, {"mask"})])
 def test_a_manifest_record_names_each_declared_field_and_its_value(cls, entry, unchecked):
     fields = {f.name for f in dataclasses.fields(cls)}
-    assert checked_names(cls) == fields - unchecked  # every field's rule declared on it (starts: a record itself)
+    assert checked_names(cls) == fields - unchecked  # each field's rule on it (starts, chat: records of their own)
     for key in sorted(checked_names(cls)):
         bad = {**entry, key: BAD[key if key != "name" or cls is ShardRecord else "location"]}
         with pytest.raises(DatasetError) as err:
