@@ -127,7 +127,7 @@ def bench_convert(workdir: Path, source: Path, tok_path: Path, config: Path, cha
 def bench_packing(dest: Path, seq_len: int) -> dict[str, Any]:
     """Padding fractions of the Loader's windowed best-fit, and of first-fit decreasing and best-fit over the
     whole epoch at once."""
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds = TokenDataset(dest)
     whole = ds.documents

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio import converters
+from fastio.checks import check_fields, checked, config_error, one_of, rule
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -134,9 +135,9 @@ class ConvertConfig:
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
-    max_samples_per_shard: int | None = None
+    max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
     """At most this many samples per shard; None: no limit."""
-    workers: int = field(default_factory=default_workers)
+    workers: int = checked(rule(lambda v: v >= 1, "must be at least 1"), default_factory=default_workers)
     """Processes that read, check and re-encode samples; does not change the output."""
     shuffle: bool = False
     """Permute the sample order (with ``seed``) before sharding."""
@@ -144,15 +145,16 @@ class ConvertConfig:
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
     """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
-    split_by: str | None = None
+    split_by: str | None = checked(one_of(SPLIT_BY, " (or None)"), default=None)
     """How ``split`` is drawn (:mod:`fastio.convert.split`): ``label`` (each split takes its fraction of every class)
     or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
     ``convert_options.split_by``."""
-    max_side: int | None = None
+    max_side: int | None = checked(rule(lambda v: v >= 1, "must be positive"), default=None)
     """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
-    quality: int = 90
+    quality: int = checked(rule(lambda v: 1 <= v <= 100, "must be in 1..100"), default=90)
     """JPEG/WebP quality for re-encoded images (only with ``max_side``)."""
-    max_pixels: int | None = DEFAULT_MAX_PIXELS
+    max_pixels: int | None = checked(rule(lambda v: v is None or (not isinstance(v, bool) and v >= 1),
+                                          "must be positive (or None for no limit)"), default=DEFAULT_MAX_PIXELS)
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
@@ -160,16 +162,16 @@ class ConvertConfig:
     H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read
     (MP3, AAC, ...) decoded by PyAV as FLAC (field ``flac``); ``vp9,flac``: both; None: such files are skipped and
     listed (:mod:`fastio.formats.media`)."""
-    video_decoder: str = DEFAULT_VIDEO_DECODER
+    video_decoder: str = checked(one_of(VIDEO_DECODERS), default=DEFAULT_VIDEO_DECODER)
     """Which videos are kept as they are: ``auto`` (every codec a Loader decodes: VP8, VP9, MJPEG, H.264, HEVC,
     MPEG-4, AV1; on a GPU with NVDEC, on a CPU with DALI's CPU decoder or, for the rest, PyAV), ``cpu`` (only those
     DALI's CPU decoder reads: VP8, VP9, MJPEG) or ``nvdec`` (the same as ``auto``). Recorded as
     ``convert_options.video_decoder`` unless ``auto``."""
-    on_error: str = "skip"
+    on_error: str = checked(one_of(ON_ERROR), default="skip")
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
     """Replace a DEST that already holds a dataset or other files."""
-    name: str = "shard"
+    name: str = checked(rule(is_plain_name, "must be letters, digits, '_' or '-'"), default="shard")
     """Shard file name prefix: ``shards/NAME-000000.tar``."""
     path_column: str | None = None
     """Tables: the column with file paths (default: detected)."""
@@ -177,7 +179,7 @@ class ConvertConfig:
     """Tables: the column with labels (default: ``label`` when present)."""
     key_column: str | None = None
     """Tables: the column with sample keys (default: derived from the path or row number)."""
-    labels: str = "auto"
+    labels: str = checked(one_of(LABEL_CHOICES), default="auto")
     """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (the values themselves when every label is
     integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
     error naming rows of each kind), ``integers`` or ``names``. The rule applied is in the manifest
@@ -187,7 +189,7 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
     progress: bool = False
     """Draw a progress bar on stderr."""
-    progress_every_s: float | None = None
+    progress_every_s: float | None = checked(rule(lambda v: v > 0, "must be > 0 (or None)"), default=None)
     """Without ``progress``: print a progress line to stderr every this many seconds (for logs, e.g. Slurm's,
     where a bar cannot be drawn; the CLI gives 5 when stderr is not a terminal); None: no lines."""
     staging_dir: Path | None = None
@@ -202,7 +204,8 @@ class ConvertConfig:
     parts into ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
 
     def __post_init__(self) -> None:
-        """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``)."""
+        """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
+        here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
         # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
         self.source = Path(self.source)
         self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
@@ -210,33 +213,12 @@ class ConvertConfig:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
         self.split = parse_split(self.split)
-        if self.max_samples_per_shard is not None and self.max_samples_per_shard <= 0:
-            raise ValueError(f"max_samples_per_shard must be positive, got {self.max_samples_per_shard}")
-        if self.split_by is not None and self.split_by not in SPLIT_BY:
-            raise ValueError(f"split_by must be one of {', '.join(SPLIT_BY)} (or None), got {self.split_by!r}")
-        if self.progress_every_s is not None and not self.progress_every_s > 0:
-            raise ValueError(f"progress_every_s must be > 0 (or None), got {self.progress_every_s}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.max_side is not None and self.max_side < 1:
-            raise ValueError(f"max_side must be positive, got {self.max_side}")
-        if self.max_pixels is not None and (isinstance(self.max_pixels, bool) or self.max_pixels < 1):
-            raise ValueError(f"max_pixels must be positive (or None for no limit), got {self.max_pixels}")
         if self.root is not None:
             self.root = Path(self.root)
-        if not 1 <= self.quality <= 100:
-            raise ValueError(f"quality must be in 1..100, got {self.quality}")
         self.transcode = parse_transcode(self.transcode)
-        if self.video_decoder not in VIDEO_DECODERS:
-            raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
-        if not is_plain_name(self.name):
-            raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
         if self.part is not None:
             self.part = parse_part(self.part)
-        if self.labels not in LABEL_CHOICES:
-            raise ValueError(f"labels must be one of {', '.join(LABEL_CHOICES)}, got {self.labels!r}")
+        check_fields(self, config_error)
 
     def output_options(self) -> dict[str, Any]:
         """The options that shape the output, as recorded in each manifest."""
