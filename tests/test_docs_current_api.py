@@ -1,6 +1,6 @@
-"""What a newcomer reads first shows the current API: the README's code uses the pipeline objects (not the old
-`pipeline="image-train", image_size=` spelling docs/loader.md keeps for old code), and every synthetic-data
-helper the docs and examples use is in the API reference (docs/reference.md)."""
+"""What a newcomer reads first shows the current API: the README's code, every example and every doc snippet use the
+pipeline objects (not the old `pipeline="image-train", image_size=` spelling docs/loader.md keeps for old code), and
+every synthetic-data helper the docs and examples use is in the API reference (docs/reference.md)."""
 
 from __future__ import annotations
 
