@@ -22,20 +22,24 @@ QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 STEP = @echo "$(1) [$(2)] $(3)"
 
 # megatron-core (the token interop tests only: it needs none of its dependencies to read .idx) and torchdata
-# (StatefulDataLoader, a peer of the restart benchmark only) come without their dependencies: torch stays the pinned one.
+# (StatefulDataLoader, a peer of the restart benchmark only) come without their dependencies: torch stays the pinned one;
+# so does torchft-nightly (the torchft tests and bench; the wheel runs on CPU torch), whose import needs opentelemetry.
 $(STAMP): pyproject.toml Makefile
-	$(call STEP,make install,1/6,a virtual environment in $(VENV))
+	$(call STEP,make install,1/7,a virtual environment in $(VENV))
 	@$(PYTHON) -m venv $(VENV)
-	$(call STEP,make install,2/6,pip itself)
+	$(call STEP,make install,2/7,pip itself)
 	@$(BIN)/pip install -q --upgrade pip
-	$(call STEP,make install,3/6,$(TORCH): the largest download; minutes without a wheel cache)
+	$(call STEP,make install,3/7,$(TORCH): the largest download; minutes without a wheel cache)
 	@$(BIN)/pip install -q "$(TORCH)"
-	$(call STEP,make install,4/6,fastio (editable) with the extras $(EXTRAS) and their dependencies)
+	$(call STEP,make install,4/7,fastio (editable) with the extras $(EXTRAS) and their dependencies)
 	@$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	$(call STEP,make install,5/6,megatron-core without its dependencies: the token interop tests read .idx with it)
+	$(call STEP,make install,5/7,megatron-core without its dependencies: the token interop tests read .idx with it)
 	@$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
-	$(call STEP,make install,6/6,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
+	$(call STEP,make install,6/7,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
 	@$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
+	$(call STEP,make install,7/7,torchft-nightly without its dependencies and the opentelemetry it imports: the torchft tests)
+	@$(BIN)/pip install -q --no-deps "torchft-nightly==2026.10.26"
+	@$(BIN)/pip install -q "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	@touch $(STAMP)
 	@echo "make install: done ($(VENV))"
 

@@ -1,0 +1,175 @@
+"""fastio.Loader(..., replicas=manager) under a real torchft lighthouse and Managers on ProcessGroupGloo: every
+committed step takes exactly the global batch a one-process Loader gives at that batch, split over the replica groups
+of that step's quorum, through a group SIGKILLed and started again (it heals its data position from a peer).
+
+All on loopback: the lighthouse binds 127.0.0.1, each group's TCPStore is on 127.0.0.1, gloo on ``lo``."""
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+from torchft._torchft import LighthouseServer
+
+import fastio
+from fastio.errors import LoaderArgumentError, LoaderStateError
+from tests.helpers import rank_process
+
+GLOBAL_BATCH = 6
+STEPS = 22  # 48 samples: 8 global batches an epoch, so the run crosses two epoch boundaries
+KILL_AT, GATE = 5, 8
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "TORCHFT_LIGHTHOUSE": ""}
+
+
+def _manager(store_port: int, lighthouse: str, group: int, rank: int = 0, world: int = 1, **kw) -> Manager:
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), load_state_dict=None, state_dict=None,
+                   min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
+                   lighthouse_addr=lighthouse, replica_id=f"group{group}", hostname="127.0.0.1",
+                   timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=30),
+                   connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
+
+
+def _one_process(dest, steps: int, **options) -> list[list[int]]:
+    """The one-process run's batches 0 .. steps-1, through the epochs."""
+    with fastio.Loader(dest, batch_size=GLOBAL_BATCH, seed=0, drop_last=True, device="cpu", rank=0, world_size=1,
+                       **options) as loader:
+        batches = []
+        while len(batches) < steps:
+            batches += [b["index"].tolist() for b in loader]
+        return batches[:steps]
+
+
+def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse: str, dest: str, log: str,
+                gate: str, restarted: bool) -> None:
+    """One rank of one replica group: the issue's loop, a line per batch and per commit. From step ``GATE`` on the
+    first groups wait for the restarted one to be up (``gate``), so that it comes back before the run ends."""
+    os.environ.update(LOOPBACK)
+    manager = _manager(store_port, lighthouse, group, rank, world)
+    if restarted:
+        Path(gate).touch()
+    loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=manager,
+                           rank=rank, world_size=world)
+    it = iter(loader)
+    with open(log, "a") as out:
+        def write(**record):
+            out.write(json.dumps({"group": group, "rank": rank, "pid": os.getpid(), **record}) + "\n")
+            out.flush()
+
+        while manager.current_step() < STEPS:
+            while manager.current_step() >= GATE and not os.path.exists(gate):
+                time.sleep(0.02)
+            manager.start_quorum()
+            batch = next(it)
+            write(event="batch", step=manager.current_step(), participating=manager.is_participating(),
+                  participants=manager.num_participants(), prank=manager.participating_rank(),
+                  index=batch["index"].tolist(), padded=batch["padded"].tolist())
+            manager.allreduce(torch.tensor([float(len(batch["index"]))])).wait()
+            step = manager.current_step()
+            write(event="commit", step=step, committed=manager.should_commit())
+            time.sleep(0.05)
+    loader.close()
+    manager.shutdown(wait=False)
+
+
+def _records(logs: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(logs.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+
+
+def _wait_for(what, deadline: float, procs) -> None:
+    while not what():
+        assert time.monotonic() < deadline, "the torchft run did not get there in time"
+        assert all(p.is_alive() or p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        time.sleep(0.05)
+
+
+def _run(dest: Path, logs: Path, groups: int, world: int, kill: int, kill_at: int = KILL_AT) -> None:
+    """``groups`` replica groups of ``world`` ranks; group ``kill`` SIGKILLed once it took step ``kill_at``'s batch,
+    started again once the others committed a step without it."""
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=groups - 1, join_timeout_ms=1000,
+                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(groups)]
+
+    def start(g: int, store: TCPStore, restarted: bool = False) -> list:
+        procs = [rank_process(_group_main, (g, r, world, store.port, lighthouse.address(), str(dest),
+                                            str(logs / f"g{g}-r{r}.jsonl"), str(logs / "gate"), restarted))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        return procs
+
+    procs = {g: start(g, stores[g]) for g in range(groups)}
+    everyone = [p for ps in procs.values() for p in ps]
+    deadline = time.monotonic() + 90
+    try:
+        _wait_for(lambda: any(r["group"] == kill and r["event"] == "batch" and r["step"] >= kill_at
+                              for r in _records(logs)), deadline, everyone)
+        for p in procs[kill]:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+        _wait_for(lambda: any(r["event"] == "commit" and r["committed"] and r["step"] > kill_at
+                              and _participants(r, _records(logs)) == groups - 1 for r in _records(logs)),
+                  deadline, [p for g, ps in procs.items() if g != kill for p in ps])
+        stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        procs[kill] = start(kill, stores[-1], restarted=True)
+        for p in (p for ps in procs.values() for p in ps):
+            p.join(max(0.0, deadline - time.monotonic()))
+            assert p.exitcode == 0, f"a rank ended with {p.exitcode}"
+    finally:
+        for p in (p for ps in procs.values() for p in ps):
+            if p.is_alive():
+                p.kill()
+                p.join()
+        lighthouse.shutdown()
+
+
+def _participants(commit: dict, records: list[dict]) -> int | None:
+    batch = _batch_of(commit, records)
+    return batch["participants"] if batch else None
+
+
+def _batch_of(commit: dict, records: list[dict]) -> dict | None:
+    """The batch record a commit record is of: the same process's last batch line before it."""
+    same = [r for r in records if r["pid"] == commit["pid"] and r["rank"] == commit["rank"]]
+    before = same[:same.index(commit)]
+    return next((r for r in reversed(before) if r["event"] == "batch"), None)
+
+
+def _check(records: list[dict], want: list[list[int]], groups: int, world: int, kill: int) -> None:
+    committed = [_batch_of(r, records) for r in records if r["event"] == "commit" and r["committed"]]
+    steps = sorted({b["step"] for b in committed})
+    assert steps == list(range(STEPS))
+    shrunk = 0
+    for step in steps:
+        taking = sorted((b for b in committed if b["step"] == step and b["participating"]),
+                        key=lambda b: (b["prank"], b["rank"]))
+        participants = {b["participants"] for b in taking}
+        assert len(participants) == 1 and len({b["prank"] for b in taking}) == participants.pop()
+        assert [i for b in taking for i in b["index"]] == want[step], step  # exactly the one-process batch
+        per_group = [sum(len(b["index"]) for b in taking if b["prank"] == p) for p in {b["prank"] for b in taking}]
+        assert max(per_group) - min(per_group) <= 1
+        shrunk += len(per_group) == groups - 1
+    assert shrunk >= 1, "no step was committed by the groups left after the kill"
+    lives = sorted({r["pid"] for r in records if r["group"] == kill and r["rank"] == 0}, key=lambda pid: next(
+        i for i, r in enumerate(records) if r["pid"] == pid))
+    again = [r for r in records if r["pid"] == lives[-1] and r["event"] == "batch"]
+    assert len(lives) == 2 and not again[0]["participating"] and again[0]["index"] == []  # healing: an empty batch
+    back = next(b for b in again if b["participating"])
+    assert back["step"] - again[0]["step"] <= 3 and back in committed
+
+
+@pytest.mark.parametrize("groups,world", [(3, 1), (2, 2)])
+def test_every_committed_step_is_the_one_process_batch_through_a_killed_group(tmp_path, image_dataset, groups,
+                                                                                world, monkeypatch):
+    for key, value in LOOPBACK.items():
+        monkeypatch.setenv(key, value)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    _run(image_dataset, logs, groups, world, kill=groups - 1)
+    want = _one_process(image_dataset, STEPS, pipeline="raw")
+    _check(_records(logs), want, groups, world, kill=groups - 1)
