@@ -393,9 +393,12 @@ def test_audio_clips_log_mel(audio_ds):
 
 
 def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length: int):
-    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end), and how many
-    of each clip's samples lie inside the file."""
+    """Clips as resampling the whole file with DALI's audio decoder gives them (zeros past its end; an Ogg Opus
+    file's pre-skip samples DALI delivers dropped: fastio.formats.ogg), and how many of each clip's samples lie inside
+    the file."""
     from nvidia.dali import fn, pipeline_def, types
+
+    from fastio.formats.ogg import dali_opus_layout
 
     @pipeline_def(batch_size=len(encoded), num_threads=1, device_id=None)
     def whole():
@@ -407,8 +410,10 @@ def whole_file_clips(encoded: list[bytes], starts: list[int], rate: int, length:
     pipe = whole()
     pipe.build()
     clips, inside = [], []
-    for wave, start in zip(pipe.run()[0], starts):
-        wave = np.array(wave)[start:start + length]
+    for wave, start, data in zip(pipe.run()[0], starts, encoded):
+        decoded_at, lead = dali_opus_layout(data) or (rate, 0)
+        lead = round(lead * rate / decoded_at)
+        wave = np.array(wave)[lead + start:lead + start + length]
         clips.append(np.pad(wave, (0, length - len(wave))))
         inside.append(len(wave))
     return np.stack(clips), inside

@@ -55,9 +55,10 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
-@click.option("--transcode", default=None, metavar="vp9",
-              help="Re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
-                   "WebM (default: such video is skipped and listed).")
+@click.option("--transcode", default=None, metavar="vp9|flac|vp9,flac",
+              help="vp9: re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
+                   "WebM; flac: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded as FLAC; "
+                   "vp9,flac: both (default: such files are skipped and listed).")
 @click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
               help="What the videos are kept for: cpu (DALI's CPU decoder: VP8, VP9, MJPEG) or nvdec (decoded on a "
                    "GPU, Loader device='cuda': also H.264, HEVC, MPEG-4, AV1 kept as they are; a CPU Loader refuses "

@@ -64,11 +64,11 @@ from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_ima
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
     PROBE_FIELD,
-    TRANSCODES,
     VIDEO_DECODERS,
     MediaCheckError,
     count_video_codec,
     is_media_field,
+    parse_transcode,
     prepare_media,
     probe_json,
 )
@@ -183,7 +183,8 @@ class ConvertConfig:
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
     """``vp9``: re-encode video the ``video_decoder`` cannot read (the CPU's: H.264, HEVC, ...) as VP9 WebM
-    (field ``webm``); None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
+    (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded by PyAV as FLAC
+    (field ``flac``); ``vp9,flac``: both; None: such files are skipped and listed (:mod:`fastio.formats.media`)."""
     video_decoder: str = "cpu"
     """The decode path the stored videos are for: ``cpu`` (DALI's CPU decoder: VP8, VP9, MJPEG) or ``nvdec``
     (DALI's mixed decoder on a GPU, ``Loader(device="cuda")``: also H.264, HEVC, MPEG-4, AV1, kept as they are;
@@ -249,8 +250,7 @@ class ConvertConfig:
             self.root = Path(self.root)
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
-        if self.transcode is not None and self.transcode not in TRANSCODES:
-            raise ValueError(f"transcode must be vp9 (or None), got {self.transcode!r}")
+        self.transcode = parse_transcode(self.transcode)
         if self.video_decoder not in VIDEO_DECODERS:
             raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
         if self.on_error not in ON_ERROR:
@@ -283,6 +283,9 @@ class ConvertResult:
     bytes_in: int
     part: tuple[int, int] | None = None
     """(K, N) when this was one part of a conversion in parts."""
+    renamed: list[tuple[str, str, str]] = field(default_factory=list)
+    """Inputs whose key an earlier input had (``a/tone.wav`` and ``a/tone.flac``): ``(input, key it got, the
+    earlier input)``; see :class:`fastio.converters.base.Keys`."""
 
     @property
     def samples(self) -> int:
@@ -311,7 +314,17 @@ class ConvertResult:
         labels = f"; labels: {rule}" if rule else ""
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}" + skipped_lines(self.skipped, more))
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                + skipped_lines(self.skipped, more))
+
+
+def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
+    """The summary's note of inputs renamed because an earlier one had their key: how many, and the first pair."""
+    if not renamed:
+        return ""
+    origin, key, first = renamed[0]
+    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
+            f"has the key it would have had)")
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -360,8 +373,9 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 name, value, probes[name] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
-            if name in out:  # transcoded into a field the sample already has: one video would be lost
-                return None, f"field {name!r} twice: another video of the sample was transcoded into it", where
+            if name in out:  # transcoded into a field the sample already has: one file would be lost
+                what = "video" if name == "webm" else "audio file"  # transcode_vp9's, transcode_flac's
+                return None, f"field {name!r} twice: another {what} of the sample was transcoded into it", where
         if is_image_field(name):
             try:
                 if max_side is not None:
@@ -641,7 +655,8 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
     if config.split:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
+                         renamed=scan.renamed)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -677,7 +692,8 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     finally:
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
+                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
+                         renamed=scan.renamed)
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):

@@ -8,8 +8,8 @@ cannot open is skipped and named in the report (:class:`MediaCheckError`), and s
 video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
 ``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`), MP3 audio, audio outside the containers and
 codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in the message; with
-``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
-(:func:`prepare_media`).
+``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead, and with
+``transcode="flac"`` such audio is decoded with PyAV and stored as FLAC (:func:`prepare_media`).
 
 ``fastio index`` cannot add fields to shards it indexes: it probes each media member once and writes the probes
 into DEST's probe table (:data:`PROBES_NAME`, :func:`write_probe_table`, :class:`ProbeTable`), recorded in the
@@ -28,7 +28,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video"]
+           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -173,6 +173,10 @@ def _dali_reads_audio(container: str, codec: str) -> bool:
     return codecs is not None and codec in codecs
 
 
+_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), which stores it decoded by PyAV as FLAC; "
+                   "or re-encode it as FLAC, WAV or Opus (e.g. ffmpeg -i IN -c:a flac OUT.flac)")
+
+
 def _probe_audio(container, stream) -> dict[str, Any]:
     codec, rate, channels = stream.codec_context.name, stream.sample_rate, stream.channels
     if codec in CPU_AUDIO_REFUSED:  # refused below before decoding it
@@ -180,8 +184,7 @@ def _probe_audio(container, stream) -> dict[str, Any]:
     form = container.format.name.split(",")[0]
     if not _dali_reads_audio(form, codec):
         raise MediaCheckError(f"audio {codec} in {form} is not read by DALI's audio decoder (it reads WAV, AIFF and "
-                              "W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): re-encode it as FLAC, WAV or Opus "
-                              "(e.g. ffmpeg -i IN -c:a flac OUT.flac)")
+                              f"W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): {_AUDIO_WAYS_OUT}")
     samples = sum(f.samples for f in container.decode(stream))
     if samples == 0 or not rate:
         raise MediaCheckError("cannot be probed (no samples)")
@@ -189,8 +192,20 @@ def _probe_audio(container, stream) -> dict[str, Any]:
             "seconds": round(samples / rate, 6), "codec": codec}
 
 
-TRANSCODES = ("vp9",)
-"""What ``fastio convert --transcode`` re-encodes video the CPU decoder cannot read into."""
+TRANSCODES = ("vp9", "flac")
+"""What ``fastio convert --transcode`` re-encodes into: ``vp9``, video the video decoder cannot read; ``flac``, audio
+DALI's audio decoder cannot read (MP3, AAC, ...); both: ``vp9,flac``."""
+
+
+def parse_transcode(text: str | None) -> str | None:
+    """``transcode`` as convert records it: None, or the names of :data:`TRANSCODES` it holds (comma-separated, in
+    that order); ValueError naming the value otherwise."""
+    if text is None:
+        return None
+    names = [t.strip().lower() for t in str(text).split(",")]
+    if not all(n in TRANSCODES for n in names):
+        raise ValueError(f"transcode must be vp9, flac or vp9,flac (or None), got {text!r}")
+    return ",".join(t for t in TRANSCODES if t in names)
 
 
 def transcode_vp9(data: bytes) -> bytes:
@@ -216,15 +231,58 @@ def transcode_vp9(data: bytes) -> bytes:
     return out_buf.getvalue()
 
 
+def dali_reads_audio(data: bytes) -> bool:
+    """Whether DALI's audio decoder reads the first audio stream of ``data`` (:data:`DALI_AUDIO_CONTAINERS`); True
+    when PyAV cannot open it or it has no audio stream (:func:`check_media` names that)."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.audio[0]
+            return _dali_reads_audio(container.format.name.split(",")[0], stream.codec_context.name)
+    except (av.FFmpegError, IndexError):
+        return True
+
+
+def transcode_flac(data: bytes) -> bytes:
+    """The first audio stream of ``data`` (MP3, AAC, ...: what DALI's audio decoder does not read) decoded with PyAV
+    and stored as 16-bit FLAC at its own rate and channels: the samples FFmpeg decodes (an MP3's encoder delay and
+    padding dropped, as its LAME header says). MediaCheckError when PyAV cannot decode it or FLAC cannot hold it."""
+    import av
+
+    out_buf = io.BytesIO()
+    try:
+        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="flac") as out:
+            stream_in = src.streams.audio[0]
+            layout, rate = stream_in.layout.name, stream_in.sample_rate
+            stream = out.add_stream("flac", rate=rate, layout=layout)
+            resampler = av.AudioResampler(format="s16", layout=layout, rate=rate,
+                                          frame_size=stream.codec_context.frame_size or None)
+            for frame in [*src.decode(stream_in), None]:
+                for chunk in resampler.resample(frame):
+                    chunk.pts = None
+                    for packet in stream.encode(chunk):
+                        out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+    except (av.FFmpegError, IndexError, ValueError) as err:
+        raise MediaCheckError(f"cannot be transcoded to FLAC ({getattr(err, 'strerror', None) or err})") from None
+    return out_buf.getvalue()
+
+
 def prepare_media(data: bytes, field: str, transcode: str | None = None,
                   video_decoder: str = "cpu") -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
     ``transcode="vp9"`` a video that ``video_decoder`` (:data:`DECODER_CODECS`) cannot read re-encoded (field
-    ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
-    if transcode is not None and is_video_field(field):
+    ``webm``), with ``transcode="flac"`` audio DALI's audio decoder cannot read (field ``flac``,
+    :func:`transcode_flac`); MediaCheckError otherwise (:func:`check_media`)."""
+    wanted = (transcode or "").split(",")
+    if "vp9" in wanted and is_video_field(field):
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder]:
             data, field = transcode_vp9(data), "webm"
+    if "flac" in wanted and is_audio_field(field) and not dali_reads_audio(data):
+        data, field = transcode_flac(data), "flac"
     return field, data, check_media(data, field, video_decoder)
 
 
@@ -243,8 +301,7 @@ def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
                               "refer to frames it does not have and cannot be decoded; re-encode it (e.g. ffmpeg "
                               "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
-        raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
-                              f"WAV or Opus (e.g. ffmpeg -c:a flac)")
+        raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 

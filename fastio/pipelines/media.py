@@ -31,6 +31,7 @@ from fastio.formats.media import (
     probe,
     trim_video,
 )
+from fastio.formats.ogg import dali_opus_layout, last_granule
 from fastio.formats.pyav_clips import CPU_FALLBACKS
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
@@ -203,7 +204,8 @@ class _Clips(Pipeline):
         count = "frames" if self.media == "video" else "samples"
         if found[count] != stored[count]:
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
-        return None if self.media == "video" else _dali_reads_less(batch.image[j], stored["samples"])
+        return None if self.media == "video" else _dali_reads_less(
+            batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -495,7 +497,8 @@ class VideoClips(_Clips):
 
 @dataclass(frozen=True)
 class AudioClips(_Clips):
-    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg/Opus), decoded, resampled to
+    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg Vorbis, Ogg Opus; MP3 and others stored
+    as FLAC by ``convert --transcode flac``), decoded, resampled to
     ``sample_rate`` and mixed down to mono: ``batch["audio"]`` float32 [B, round(sample_rate * seconds)], or with
     ``n_mels`` the clip's log-mel spectrogram [B, n_mels, T] in dB (``fn.spectrogram`` with ``n_fft`` and ``hop``,
     ``fn.mel_filter_bank``, ``fn.to_decibels``); ``batch["start_sample"]`` int64 [B]: the clip's first sample at
@@ -504,7 +507,8 @@ class AudioClips(_Clips):
     A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, draw
     key)`` (as for :class:`VideoClips`). A file shorter than the clip starts at 0 and is padded with zeros (silence)
     at the end. Each file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is
-    resampled (:func:`resample_windows`), not the whole file.
+    resampled (:func:`resample_windows`), not the whole file. A sound starts where PyAV's decode puts it: the samples
+    DALI's decoder delivers before it (an Ogg Opus pre-skip) are dropped (:func:`decoded_layouts`).
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -549,12 +553,12 @@ class AudioClips(_Clips):
         return ("audio", "start_sample", "index")
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        probes = self._probes(batch)
-        rates = np.array([p["rate"] for p in probes], np.int64)
-        samples = np.array([p["samples"] for p in probes], np.int64)
+        rates, samples, leads = decoded_layouts(batch.image, self._probes(batch))
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
         starts = clip_starts(seed, epoch, batch.draw_keys, samples * self.sample_rate // rates, self.length)[:, 0]
-        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples, self.sample_rate)
+        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples - leads,
+                                                               self.sample_rate)
+        window_start += leads.astype(np.int32)  # the decoder's samples before the sound (an Opus pre-skip)
         return (batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), starts.astype(np.int32),
                 window_start, window_length, offset, rates.astype(np.float32))
 
@@ -574,6 +578,28 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+VORBIS_MAX_BLOCK = 8192
+"""Vorbis' largest block: FFmpeg counts up to one more than an Ogg Vorbis file's last granule position."""
+
+
+def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:
+    """``(rates, samples, leads)`` (int64 [B]) of audio files as DALI's audio decoder delivers them: the rate it
+    decodes at, the samples it delivers (at that rate), and how many of them come before the first sample FFmpeg
+    (the probe) delivers. The probe's, with no lead, but for Ogg (:mod:`fastio.formats.ogg`): Opus decoded at the
+    header's input rate, its pre-skip partly delivered; Vorbis ending at its last granule position (within
+    :data:`VORBIS_MAX_BLOCK` of the probe's count)."""
+    out = np.array([[p["rate"], p["samples"], 0] for p in probes], np.int64).reshape(-1, 3)
+    for j, p in enumerate(probes):
+        layout = dali_opus_layout(encoded[j]) if p.get("codec") == "opus" else None
+        if layout is not None:
+            rate, lead = layout
+            out[j] = rate, p["samples"] * rate // p["rate"], lead
+        end = last_granule(encoded[j]) if p.get("codec") == "vorbis" else None
+        if end is not None and 0 < out[j, 1] - end <= VORBIS_MAX_BLOCK:  # more: a damaged file, named on failure
+            out[j, 1] = end
+    return out[:, 0], out[:, 1], out[:, 2]
 
 
 def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
