@@ -4,7 +4,7 @@ one-process plan, no processes."""
 import numpy as np
 import pytest
 
-from fastio.order.mixorder import MixSchedule, MixSampler
+from fastio.order.mixorder import MixSampler, MixSchedule
 from fastio.order.replicas import Share, split, step_position
 from fastio.order.sampler import Sampler, SamplerSpec
 

@@ -8,31 +8,19 @@ import json
 import os
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed import TCPStore
-from torchft import Manager, ProcessGroupGloo
-from torchft._torchft import LighthouseServer
 
 import fastio
-from fastio.errors import LoaderArgumentError, LoaderStateError
 from tests.helpers import rank_process
+from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager
 
 GLOBAL_BATCH = 6
 STEPS = 22  # 48 samples: 8 global batches an epoch, so the run crosses two epoch boundaries
 KILL_AT, GATE = 5, 8
-LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "TORCHFT_LIGHTHOUSE": ""}
-
-
-def _manager(store_port: int, lighthouse: str, group: int, rank: int = 0, world: int = 1, **kw) -> Manager:
-    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), load_state_dict=None, state_dict=None,
-                   min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
-                   lighthouse_addr=lighthouse, replica_id=f"group{group}", hostname="127.0.0.1",
-                   timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=30),
-                   connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
 
 
 def _one_process(dest, steps: int, **options) -> list[list[int]]:
@@ -45,15 +33,15 @@ def _one_process(dest, steps: int, **options) -> list[list[int]]:
         return batches[:steps]
 
 
-def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse: str, dest: str, log: str,
+def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse_addr: str, dest: str, log: str,
                 gate: str, restarted: bool) -> None:
     """One rank of one replica group: the issue's loop, a line per batch and per commit. From step ``GATE`` on the
     first groups wait for the restarted one to be up (``gate``), so that it comes back before the run ends."""
     os.environ.update(LOOPBACK)
-    manager = _manager(store_port, lighthouse, group, rank, world)
+    mgr = manager(store_port, lighthouse_addr, group, rank, world)
     if restarted:
         Path(gate).touch()
-    loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=manager,
+    loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
                            rank=rank, world_size=world)
     it = iter(loader)
     with open(log, "a") as out:
@@ -61,20 +49,20 @@ def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse: 
             out.write(json.dumps({"group": group, "rank": rank, "pid": os.getpid(), **record}) + "\n")
             out.flush()
 
-        while manager.current_step() < STEPS:
-            while manager.current_step() >= GATE and not os.path.exists(gate):
+        while mgr.current_step() < STEPS:
+            while mgr.current_step() >= GATE and not os.path.exists(gate):
                 time.sleep(0.02)
-            manager.start_quorum()
+            mgr.start_quorum()
             batch = next(it)
-            write(event="batch", step=manager.current_step(), participating=manager.is_participating(),
-                  participants=manager.num_participants(), prank=manager.participating_rank(),
+            write(event="batch", step=mgr.current_step(), participating=mgr.is_participating(),
+                  participants=mgr.num_participants(), prank=mgr.participating_rank(),
                   index=batch["index"].tolist(), padded=batch["padded"].tolist())
-            manager.allreduce(torch.tensor([float(len(batch["index"]))])).wait()
-            step = manager.current_step()
-            write(event="commit", step=step, committed=manager.should_commit())
+            mgr.allreduce(torch.tensor([float(len(batch["index"]))])).wait()
+            step = mgr.current_step()
+            write(event="commit", step=step, committed=mgr.should_commit())
             time.sleep(0.05)
     loader.close()
-    manager.shutdown(wait=False)
+    mgr.shutdown(wait=False)
 
 
 def _records(logs: Path) -> list[dict]:
@@ -91,12 +79,11 @@ def _wait_for(what, deadline: float, procs) -> None:
 def _run(dest: Path, logs: Path, groups: int, world: int, kill: int, kill_at: int = KILL_AT) -> None:
     """``groups`` replica groups of ``world`` ranks; group ``kill`` SIGKILLed once it took step ``kill_at``'s batch,
     started again once the others committed a step without it."""
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=groups - 1, join_timeout_ms=1000,
-                                  quorum_tick_ms=50, heartbeat_timeout_ms=1000)
-    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(groups)]
+    house = lighthouse(min_replicas=groups - 1, join_ms=1000)
+    stores = [group_store() for _ in range(groups)]
 
     def start(g: int, store: TCPStore, restarted: bool = False) -> list:
-        procs = [rank_process(_group_main, (g, r, world, store.port, lighthouse.address(), str(dest),
+        procs = [rank_process(_group_main, (g, r, world, store.port, house.address(), str(dest),
                                             str(logs / f"g{g}-r{r}.jsonl"), str(logs / "gate"), restarted))
                  for r in range(world)]
         for p in procs:
@@ -115,7 +102,7 @@ def _run(dest: Path, logs: Path, groups: int, world: int, kill: int, kill_at: in
         _wait_for(lambda: any(r["event"] == "commit" and r["committed"] and r["step"] > kill_at
                               and _participants(r, _records(logs)) == groups - 1 for r in _records(logs)),
                   deadline, [p for g, ps in procs.items() if g != kill for p in ps])
-        stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+        stores.append(group_store())
         procs[kill] = start(kill, stores[-1], restarted=True)
         for p in (p for ps in procs.values() for p in ps):
             p.join(max(0.0, deadline - time.monotonic()))
@@ -125,7 +112,7 @@ def _run(dest: Path, logs: Path, groups: int, world: int, kill: int, kill_at: in
             if p.is_alive():
                 p.kill()
                 p.join()
-        lighthouse.shutdown()
+        house.shutdown()
 
 
 def _participants(commit: dict, records: list[dict]) -> int | None:
