@@ -190,6 +190,11 @@ class Loader:
     :meth:`key`; for a mixture also ``source``) and ``padded`` (bool) stay on the CPU. ``len(loader)`` is the
     number of batches of a full epoch on every rank. Iterating yields the rest of the current epoch, then the
     epoch advances.
+
+    ``replicas=`` a ``torchft.Manager`` (fault-tolerant training, docs/trainers.md): ``batch_size`` is then the global
+    batch of one step, and each batch is this rank's share of global batch ``manager.current_step()`` (the samples a
+    one-process Loader gives at that batch), split over the replica groups of the step's quorum and the group's ranks;
+    iterating runs on through the epochs; the Loader's state travels in the Manager's state dict.
     """
 
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, *,
@@ -453,7 +458,10 @@ class Loader:
         try:
             while True:
                 step, share = self._replicas.share(self.rank, self.world_size)
-                self.epoch, self.consumed = step_position(step, len(self._sampler), self.config.batch_size)
+                epoch, self.consumed = step_position(step, len(self._sampler), self.config.batch_size)
+                if epoch != self.epoch:
+                    self._stats.end_epoch()
+                self.epoch = epoch
                 if share is None and self._empty is not None:
                     yield dict(self._empty)
                     continue

@@ -23,9 +23,9 @@ STEPS = 22  # 48 samples: 8 global batches an epoch, so the run crosses two epoc
 KILL_AT, GATE = 5, 8
 
 
-def _one_process(dest, steps: int, **options) -> list[list[int]]:
+def _one_process(dest, steps: int, batch_size: int = GLOBAL_BATCH, **options) -> list[list[int]]:
     """The one-process run's batches 0 .. steps-1, through the epochs."""
-    with fastio.Loader(dest, batch_size=GLOBAL_BATCH, seed=0, drop_last=True, device="cpu", rank=0, world_size=1,
+    with fastio.Loader(dest, batch_size=batch_size, seed=0, drop_last=True, device="cpu", rank=0, world_size=1,
                        **options) as loader:
         batches = []
         while len(batches) < steps:
@@ -160,3 +160,49 @@ def test_every_committed_step_is_the_one_process_batch_through_a_killed_group(tm
     _run(image_dataset, logs, groups, world, kill=groups - 1)
     want = _one_process(image_dataset, STEPS, pipeline="raw")
     _check(_records(logs), want, groups, world, kill=groups - 1)
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchft_train.py"
+
+
+def _example_main(argv: list[str]) -> None:
+    """``python examples/torchft_train.py ARGV`` in a rank process (its environment from the test's), every address
+    it advertises 127.0.0.1 (torchft takes the host name for its manager and checkpoint servers)."""
+    import runpy
+    import socket
+    import sys
+
+    socket.gethostname = lambda: "127.0.0.1"
+    sys.argv = [str(EXAMPLE), *argv]
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+
+
+def test_the_example_trains_each_step_on_its_global_batch(tmp_path, image_dataset, monkeypatch):
+    house = lighthouse(min_replicas=2, join_ms=1000)
+    stores = [group_store() for _ in range(2)]
+    log = tmp_path / "samples.jsonl"
+    procs = []
+    for g, store in enumerate(stores):
+        env = {**LOOPBACK, "TORCHFT_LIGHTHOUSE": house.address(), "REPLICA_GROUP_ID": str(g), "RANK": "0",
+               "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        procs.append(rank_process(_example_main, (["--data", str(image_dataset), "--steps", "8", "--batch-size", "8",
+                                                   "--image-size", "16", "--timeout", "10",
+                                                   "--sample-log", str(log)],)))
+        procs[-1].start()
+    try:
+        for p in procs:
+            p.join(90)
+            assert p.exitcode == 0, p.exitcode
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        house.shutdown()
+    want = _one_process(image_dataset, 8, batch_size=8, pipeline="raw")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for step in range(8):
+        shares = sorted((r for r in lines if r["step"] == step), key=lambda r: r["group"])
+        assert sorted(i for r in shares for i in r["index"]) == sorted(want[step]), step
