@@ -39,6 +39,7 @@ SECTIONS = (
     "tokens",
     "media",
     "restart",
+    "torchft_steps",
 )
 
 
