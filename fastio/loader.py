@@ -32,7 +32,7 @@ from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline, spell
 from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
-from fastio.read.mixture import Mixture
+from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.readset import ReadSet, coming, open_read_set
 from fastio.read.stats import Stats
 
@@ -240,6 +240,7 @@ class Loader:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
+        self._place_device()
         if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
             self._replicas.check_world(rank, world)
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
@@ -252,13 +253,17 @@ class Loader:
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
                                f"dataset ({n} samples) and drop_last leaves no batch")
+
+    def _place_device(self) -> None:
+        """The device, and the pipeline as it runs there (:meth:`Pipeline.for_device`)."""
+        cfg = self.config
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
-        self.pipeline.check_device(rs, self.device)
+        self.pipeline = self.pipeline.for_device(self.read_set, self.device)
 
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find: what code written for a torch DataLoader reaches for
@@ -335,8 +340,10 @@ class Loader:
         self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
         if state[K_FINGERPRINT] != rs.fingerprint:
-            raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint "
-                                   f"{state[K_FINGERPRINT]}, this dataset is {rs.fingerprint}")
+            raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint {state[K_FINGERPRINT]}, "
+                                   f"this dataset is {rs.fingerprint} (another dataset, or this one converted "
+                                   "again): the saved position names samples of that one; start the next epoch "
+                                   f"{next_epoch_way(state[K_EPOCH])}")
         mine = self.state_dict()
         for k in _ORDER_KEYS:
             if state[k] != mine[k]:
@@ -347,6 +354,19 @@ class Loader:
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {self._sampler.samples} samples)")
         return state
+
+    def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state that starts the epoch after ``state``'s with this Loader's data: what
+        ``Checkpointer.restore_latest(..., loader_policy="next-epoch")`` loads (``load_state_dict`` takes it too).
+        Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
+        mixture's source) converted again since the save, with more or other samples, is taken. The rest is checked
+        as :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, a mixture's sources
+        and schedule); changes nothing."""
+        state = _checked_state(state)
+        rs = self.read_set
+        moved = {**state, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0, K_FINGERPRINT: rs.fingerprint,
+                 **rs.renewed_state(state)}
+        return self.check_state_dict(moved)
 
     # -- iteration ----------------------------------------------------------------------------------
 
@@ -471,7 +491,7 @@ class Loader:
                 batch, fed = self._next_batch(feeder)
                 if (fed.epoch, fed.start) != (self.epoch, self.consumed):
                     raise RuntimeError(f"internal error: fed epoch {fed.epoch} from {fed.start} for step {step}")
-                self._empty = {k: v[:0] if isinstance(v, (torch.Tensor, np.ndarray, list)) else v for k, v in batch.items()}
+                self._empty = _no_samples(batch)
                 if share is None:
                     yield dict(self._empty)
                     continue
@@ -530,6 +550,12 @@ class Loader:
         first = dali_reason(err)
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+def _no_samples(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with none of its samples: every tensor, array and list cut to length 0 (the same keys, dtypes and
+    trailing dimensions), other values as they are."""
+    return {k: v[:0] if isinstance(v, (torch.Tensor, np.ndarray, list)) else v for k, v in batch.items()}
 
 
 def _replicas_of(manager: Any) -> Any:

@@ -16,7 +16,7 @@ prefix's lease, and with node-local staging the lowest rank of each node locks i
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
 of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
 file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.removal` for what may be deleted. A save's
 progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
 (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, layout, restore
+from fastio.checkpoint import agree, compress, naming, restore, scan
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -160,7 +160,7 @@ class Checkpointer:
             return
         problem: str | None = None
         try:
-            layout.refuse_dataset_dir(self.dir)
+            scan.refuse_dataset_dir(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
@@ -219,7 +219,8 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy))
+        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy),
+                                               label=f"maybe_save at step {step}")
         if step == self._last_step and not preempt:
             return False
         if preempt:
@@ -254,6 +255,7 @@ class Checkpointer:
         try:
             self._raise_if_failed(wait=True)
         finally:
+            self._ranks.close()
             self._flag.uninstall()
             self._stager.release()
             if self._remote is not None:
@@ -292,10 +294,13 @@ class Checkpointer:
         the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
 
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
-        read and checked before anything is loaded, and loaded last. ``loader_policy="next-epoch"`` replaces it
-        by the start of the epoch after the saved one (everything else is restored as saved): for a loader that
-        cannot continue the saved epoch, such as a mixture whose weights changed; ``TrainState.epoch`` is then the
-        epoch the loader starts (the saved one + 1).
+        read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
+        and optimizers nor loaders) load first, so that one refusing its state leaves the rest as it was.
+        ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one
+        (everything else is restored as saved; an object with ``next_epoch_state``, as the fastio Loader, makes
+        that state itself): for a loader that cannot continue the saved epoch, such as a mixture whose weights
+        changed or a dataset converted again with more samples; ``TrainState.epoch`` is then the epoch the loader
+        starts (the saved one + 1).
         """
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:
@@ -380,7 +385,7 @@ class Checkpointer:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
             why = str(err) if isinstance(err, CheckpointError) else first_line(err)
-            raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
+            raise CheckpointError(f"{naming.step_dir(self.dir, step)}: checkpoint write failed: "
                                   f"{why} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
@@ -417,8 +422,8 @@ class Checkpointer:
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 self._agree_shapes(step, app, shapes)
         except CheckpointError:
-            for path in made:
-                layout.remove_step(path)
+            if made:
+                self._commit.discard(step)
             raise
         replicated = list(self.config.replicated)
         if self.world_size > 1 and not global_keys:
@@ -448,7 +453,8 @@ class Checkpointer:
         (and, with several ranks, the same step and app keys); returns the engine's name."""
         self._check_app(app)
         engine_name = choose_engine(self.config.engine, app)
-        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
+        # before any collective: the operation and the engine
+        self._ranks.enter("save", {"engine": engine_name}, label=f"save at step {step}")
         if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
             why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
             if why:  # (not "at step N": that may be what differs)
@@ -469,7 +475,7 @@ class Checkpointer:
 
             ranks.run("write", write)
             if self._compression is not None:
-                files = layout.data_files(tmp)[self._share[0]::self._share[1]]
+                files = self._commit.data_files(step)[self._share[0]::self._share[1]]
                 ranks.barrier("compress")  # every rank has listed the files before any replaces one
                 ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
             self._commit.publish(ranks, self.rank, step, info, self.config.keep)
@@ -477,7 +483,7 @@ class Checkpointer:
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:
                 try:
-                    layout.remove_step(tmp)
+                    self._commit.discard(step)
                 except OSError:
                     pass
             # Published only after the clean-up: a caller that sees it may exit at once (this is a daemon thread).

@@ -163,6 +163,12 @@ class Pipeline:
             raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {self.kind!r} "
                                "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
 
+    def for_device(self, read_set: Any, device: str) -> Pipeline:
+        """This pipeline as a Loader on ``device`` runs it (a choice it leaves to the device made: ``VideoClips``'
+        ``cpu_fallback="auto"``), after :meth:`check_device`."""
+        self.check_device(read_set, device)
+        return self
+
     def check_device(self, read_set: Any, device: str) -> None:
         """DatasetError naming a dataset of ``read_set`` that cannot be decoded on ``device`` (``cpu`` or
         ``cuda``), asked when the Loader is made; every kind decodes everything on both, but :class:`VideoClips`."""
@@ -264,7 +270,8 @@ def run_graph(body: Callable[[dict[str, Any], str], tuple], names: tuple[str, ..
     dtypes = {"encoded": types.UINT8, "index": types.INT64, "anchor": types.FLOAT, "shape": types.FLOAT,
               "flip": types.INT32, "start": types.INT32, "decode": types.INT32, "roi_start": types.FLOAT,
               "roi_end": types.FLOAT, "still": types.BOOL, "fallback": types.BOOL, "window_start": types.INT32,
-              "window_length": types.INT32, "offset": types.INT32, "rate": types.FLOAT}
+              "window_length": types.INT32, "offset": types.INT32, "rate": types.FLOAT, "turned": types.BOOL,
+              "transpose": types.BOOL, "turn_h": types.INT32, "turn_v": types.INT32}
     decoder_device = "mixed" if device == "cuda" else "cpu"
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,

@@ -23,7 +23,7 @@ from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
 from fastio.pipelines import Delivery, Pipeline
-from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state
+from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state, renewed_mixture_state
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
 from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
 
@@ -180,6 +180,11 @@ class ReadSet:
         """LoaderStateError unless ``state`` (a whole Loader state) can continue with this read set."""
         raise NotImplementedError
 
+    def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Its entries of ``state`` (a whole Loader state) naming its datasets as they are now, for a state moved
+        to the start of an epoch (see :meth:`fastio.Loader.next_epoch_state`)."""
+        return {}
+
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
         """Count a delivered batch's samples (padding repeats left out) for :meth:`stats`."""
 
@@ -279,6 +284,9 @@ class MixtureReadSet(ReadSet):
 
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         check_mixture_state(self.target, state.get(K_MIXTURE), epoch, consumed)
+
+    def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {K_MIXTURE: renewed_mixture_state(self.target, state.get(K_MIXTURE))} if K_MIXTURE in state else {}
 
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
         src = positions["source"].numpy()[~padded]
