@@ -18,14 +18,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.common import RESULTS_DIR, machine_info, section_parser, time_call, write_results
 from bench.quiet import before_section
 from bench.restart import make_dataset
 
@@ -63,10 +62,7 @@ def _torchft_round(dest: Path, steps: int, warmup: int) -> list[float]:
                 m.start_quorum()
             for m in managers:
                 m.wait_quorum()
-            start = time.perf_counter()
-            for it in its:
-                next(it)
-            times.append(time.perf_counter() - start)
+            times.append(time_call(lambda: [next(it) for it in its]))
             for m in managers:
                 m.should_commit()
     finally:
@@ -84,10 +80,7 @@ def _plain_round(dest: Path, steps: int, warmup: int) -> list[float]:
     loaders = [Loader(dest, batch_size=BATCH // 2, rank=r, world_size=2, **OPTIONS) for r in range(2)]
     its, times = [_forever(loader) for loader in loaders], []
     for _ in range(steps):
-        start = time.perf_counter()
-        for it in its:
-            next(it)
-        times.append(time.perf_counter() - start)
+        times.append(time_call(lambda: [next(it) for it in its]))
     for loader in loaders:
         loader.close()
     return times[warmup:]

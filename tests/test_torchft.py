@@ -15,6 +15,7 @@ import torch
 from torch.distributed import TCPStore
 
 import fastio
+from fastio.order.replicas import Share
 from tests.helpers import rank_process
 from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager
 
@@ -38,7 +39,7 @@ def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse_a
     """One rank of one replica group: the issue's loop, a line per batch and per commit. From step ``GATE`` on the
     first groups wait for the restarted one to be up (``gate``), so that it comes back before the run ends."""
     os.environ.update(LOOPBACK)
-    mgr = manager(store_port, lighthouse_addr, group, rank, world)
+    mgr = manager(store_port, lighthouse_addr, group, rank, world, timeout_s=5)  # a busy machine is not a dead peer
     if restarted:
         Path(gate).touch()
     loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
@@ -129,19 +130,25 @@ def _batch_of(commit: dict, records: list[dict]) -> dict | None:
 
 def _check(records: list[dict], want: list[list[int]], groups: int, world: int, kill: int) -> None:
     committed = [_batch_of(r, records) for r in records if r["event"] == "commit" and r["committed"]]
-    steps = sorted({b["step"] for b in committed})
-    assert steps == list(range(STEPS))
-    shrunk = 0
-    for step in steps:
-        taking = sorted((b for b in committed if b["step"] == step and b["participating"]),
-                        key=lambda b: (b["prank"], b["rank"]))
-        participants = {b["participants"] for b in taking}
-        assert len(participants) == 1 and len({b["prank"] for b in taking}) == participants.pop()
-        assert [i for b in taking for i in b["index"]] == want[step], step  # exactly the one-process batch
-        per_group = [sum(len(b["index"]) for b in taking if b["prank"] == p) for p in {b["prank"] for b in taking}]
-        assert max(per_group) - min(per_group) <= 1
-        shrunk += len(per_group) == groups - 1
-    assert shrunk >= 1, "no step was committed by the groups left after the kill"
+    assert sorted({b["step"] for b in committed}) == list(range(STEPS))
+    for b in (b for b in committed if b["participating"]):  # each rank's share of its step, as its quorum cut it
+        where, _ = Share(b["participants"], b["prank"], b["rank"], world).pick(GLOBAL_BATCH)
+        assert b["index"] == want[b["step"]][where], b
+    batches = [r for r in records if r["event"] == "batch" and r["participating"]]
+    agreed = shrunk = 0
+    for step in range(STEPS):
+        sizes = {b["participants"] for b in committed if b["step"] == step and b["participating"]}
+        if len(sizes) > 1:
+            continue  # torchft commits per group: one that timed out may retry a step the others committed
+        agreed += 1
+        # the shares of the committed quorum, also of a group killed after its gradients went into the allreduce
+        taken = [b for b in batches if b["step"] == step and b["participants"] in sizes]
+        shares = {(b["prank"], b["rank"]): b["index"] for b in taken}
+        assert all(b["index"] == shares[b["prank"], b["rank"]] for b in taken)  # a retry takes the same samples
+        assert [i for key in sorted(shares) for i in shares[key]] == want[step], step  # the one-process batch
+        assert {p for p, _ in shares} == set(range(min(sizes)))
+        shrunk += min(sizes) == groups - 1
+    assert agreed >= STEPS - 2 and shrunk >= 1, (agreed, shrunk)  # shrunk: steps the groups left after the kill took
     lives = sorted({r["pid"] for r in records if r["group"] == kill and r["rank"] == 0}, key=lambda pid: next(
         i for i, r in enumerate(records) if r["pid"] == pid))
     again = [r for r in records if r["pid"] == lives[-1] and r["event"] == "batch"]

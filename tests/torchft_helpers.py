@@ -30,14 +30,15 @@ def group_store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, world: int = 1, **kw: Any) -> Manager:
+def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, world: int = 1, timeout_s: float = 3,
+            **kw: Any) -> Manager:
     """Rank ``rank`` of replica group ``group``'s Manager, with short timeouts (a dead peer is seen in seconds); the
     process's environment has ``LOOPBACK``."""
     assert all(os.environ.get(k) == v for k, v in LOOPBACK.items()), "gloo not on loopback"
-    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=3)), load_state_dict=None, state_dict=None,
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
                    min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
                    lighthouse_addr=lighthouse_addr, replica_id=f"group{group}", hostname="127.0.0.1",
-                   timeout=timedelta(seconds=3), quorum_timeout=timedelta(seconds=30),
+                   timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=30),
                    connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
 
 
