@@ -142,6 +142,20 @@ def test_a_step_that_does_not_commit_is_taken_again_with_the_same_samples(house,
     m.shutdown(wait=False)
 
 
+def test_a_steady_quorum_keeps_one_stream_through_the_epochs(house, image_dataset):
+    """The next steps' shares are read and decoded ahead while a step trains: one feeder and DALI pipeline serve
+    every step of an unchanged quorum (8 steps an epoch here), and a retried step starts another."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": "image-eval", "image_size": 16, "batch_size": 6}, m) as loader:
+        streams = []
+        steps([(m, loader)], 10, commit=lambda s: streams.append(loader._feeder) or s != 9)
+        assert len(streams) == 10 and len({id(f) for f in streams}) == 1
+        steps([(m, loader)], 1)  # step 9 again
+        assert loader._feeder is not streams[0]
+    m.shutdown(wait=False)
+
+
 def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(house, image_dataset):
     options = {"pipeline": "raw", "batch_size": 6}
     stores = group_store(), group_store()
