@@ -91,11 +91,31 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
-                raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
+                raise MediaCheckError(_no_stream(container, video))
             stream = streams[0]
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _no_stream(container, video: bool) -> str:
+    """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
+    recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container)."""
+    if not video or not container.streams.audio:
+        return f"no {'video' if video else 'audio'} stream"
+    audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    return f"no video stream, only audio ({audio}), which DALI's audio decoder does not read: {_AUDIO_WAYS_OUT}"
+
+
+def _audio_only(data: bytes) -> bool:
+    """Whether PyAV reads ``data`` as audio without a video stream."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            return bool(container.streams.audio) and not container.streams.video
+    except av.FFmpegError:
+        return False
 
 
 def _image_format(demuxer: str) -> str | None:
@@ -310,13 +330,15 @@ def prepare_media(data: bytes, field: str, transcode: str | None = None,
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
     ``transcode="vp9"`` a video of a codec ``video_decoder`` does not keep (:data:`DECODER_CODECS`), or whose first
     frame is not a keyframe, re-encoded (field ``webm``), with ``transcode="flac"`` audio DALI's audio decoder cannot
-    read (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise (:func:`check_media`)."""
+    read, or a video file holding only audio (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise
+    (:func:`check_media`)."""
     wanted = (transcode or "").split(",")
     if "vp9" in wanted and is_video_field(field):
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field = transcode_vp9(data), "webm"
-    if "flac" in wanted and is_audio_field(field) and not dali_reads_audio(data):
+    if "flac" in wanted and (is_audio_field(field) and not dali_reads_audio(data)
+                             or is_video_field(field) and _audio_only(data)):  # a video field of only audio too
         data, field = transcode_flac(data), "flac"
     return field, data, check_media(data, field, video_decoder)
 
