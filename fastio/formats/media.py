@@ -333,12 +333,12 @@ def prepare_media(data: bytes, field: str, transcode: str | None = None,
     read, or a video file holding only audio (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise
     (:func:`check_media`)."""
     wanted = (transcode or "").split(",")
-    if "vp9" in wanted and is_video_field(field):
+    audio_only = "flac" in wanted and is_video_field(field) and _audio_only(data)
+    if "vp9" in wanted and is_video_field(field) and not audio_only:
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field = transcode_vp9(data), "webm"
-    if "flac" in wanted and (is_audio_field(field) and not dali_reads_audio(data)
-                             or is_video_field(field) and _audio_only(data)):  # a video field of only audio too
+    if "flac" in wanted and (audio_only or is_audio_field(field) and not dali_reads_audio(data)):
         data, field = transcode_flac(data), "flac"
     return field, data, check_media(data, field, video_decoder)
 
