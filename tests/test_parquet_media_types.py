@@ -28,16 +28,16 @@ def mixed_table(tmp_path):
     return tmp_path / "m.parquet"
 
 
-def stored(dest) -> dict[str, tuple[str, str]]:
-    """key -> (its media field, the codec its probe says)."""
+def stored(dest, media: tuple[str, ...] = MEDIA) -> dict[str, tuple[str, str]]:
+    """key -> (its media field, the codec its probe says), of a dataset whose media fields are ``media``."""
     import fastio
 
     ds = fastio.Dataset(dest)
     out = {}
-    with fastio.Loader(dest, pipeline=fastio.Raw(fields=[PROBE, *MEDIA]), batch_size=1, device="cpu",
+    with fastio.Loader(dest, pipeline=fastio.Raw(fields=[PROBE, *media]), batch_size=1, device="cpu",
                        shuffle="none") as loader:
         for b in loader:
-            field = next(f for f in MEDIA if f in b and b[f][0] is not None and len(b[f][0]))
+            field = next(f for f in media if f in b and b[f][0] is not None and len(b[f][0]))
             out[ds.key(int(b["index"][0]))] = field, json.loads(b[PROBE][0])["codec"]
     return out
 
@@ -63,3 +63,46 @@ def test_a_column_of_one_type_keeps_its_field_name_in_the_manifest(tmp_path):
     convert(ConvertConfig(source=tmp_path / "a.parquet", dest=tmp_path / "ds", workers=1, progress=False))
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["source"]["options"]["bytes_columns"] == {"audio": "flac"}
+
+
+def _webm_audio(path):
+    """Opus in WebM with no video stream (a browser's MediaRecorder or a downloaded soundtrack), made with PyAV."""
+    wave = synthetic.tone(0.5, 48000, 440.0, 1).reshape(1, -1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format="webm") as out:
+        stream = out.add_stream("libopus", rate=48000, layout="mono")
+        synthetic.encode_audio(out, stream, wave, "flt", 48000, "mono")
+    return path
+
+
+def test_a_column_whose_first_value_is_of_no_known_type_still_stores_each_row_as_its_own(tmp_path):
+    """The column was named after its first value only: one of no known type made every row an opaque field
+    ``media``, the WAV and FLAC rows stored unprobed and converted 'fine'. Now the first value of a known type
+    names the column, the others their own; the unknown value is probed as that type and skipped, named."""
+    import pyarrow as pa
+
+    files = [b"not a media file" * 4] + [synthetic.make_audio(tmp_path / "f" / f"a.{t}", seconds=0.3).read_bytes()
+                                         for t in ("wav", "flac")]
+    pq.write_table(pa.table({"key": ["junk", "wav", "flac"], "media": files, "label": [0, 1, 0]}),
+                   tmp_path / "m.parquet")
+    result = convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "ds", workers=1, progress=False))
+    assert [(s["path"], s["reason"].split(" (")[0]) for s in result.skipped] == [("m.parquet:1", "cannot be probed")]
+    assert stored(tmp_path / "ds", ("wav", "flac")) == {"wav": ("wav", "pcm_s16le"), "flac": ("flac", "flac")}
+
+
+def test_a_webm_holding_only_audio_is_named_as_audio_and_transcoded_to_flac(tmp_path):
+    """A WebM row of a sound column was skipped as 'no video stream' (after 'no audio stream' before): it is
+    Opus in Matroska, which DALI's audio decoder does not read; the reason says so with the way out, and
+    ``--transcode flac`` stores it as FLAC, as it does MP3."""
+    import pyarrow as pa
+
+    files = [synthetic.make_audio(tmp_path / "f" / "a.wav", seconds=0.3).read_bytes(),
+             _webm_audio(tmp_path / "f" / "b.webm").read_bytes()]
+    pq.write_table(pa.table({"key": ["wav", "webm"], "media": files, "label": [0, 1]}), tmp_path / "m.parquet")
+    result = convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "ds", workers=1, progress=False))
+    [skip] = result.skipped
+    assert skip["path"] == "m.parquet:2" and "only audio (opus in matroska)" in skip["reason"], skip
+    assert "--transcode flac" in skip["reason"], skip
+    convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "flac", workers=1, progress=False,
+                          transcode="vp9,flac"))  # vp9 too: a video field, but only audio
+    assert stored(tmp_path / "flac", ("wav", "flac")) == {"wav": ("wav", "pcm_s16le"), "webm": ("flac", "flac")}

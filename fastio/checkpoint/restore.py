@@ -331,12 +331,16 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
 
 def own_keys(app: dict[str, Any], targets: dict[str, Any]) -> list[str]:
     """Keys of ``targets`` whose ``load_state_dict`` is the app's own code, which no check before the load can
-    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata) and
-    the loaders (checked by their ``check_state_dict``, not among ``targets``). Loaded first, so that one that
-    refuses its state leaves the modules, optimizers, loaders and RNG as they were."""
+    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata), an
+    optimizer wrapper (an object with an optimizer's ``param_groups``, checked as one: accelerate's, Lightning's),
+    torch's LR schedulers (whose state goes with the optimizer's) and the loaders (checked by their
+    ``check_state_dict``, not among ``targets``). Loaded first, so that one that refuses its state leaves the
+    modules, optimizers, schedulers, loaders and RNG as they were."""
     from torch import nn, optim
 
-    return [k for k in targets if k in app and not isinstance(app[k], (nn.Module, optim.Optimizer))]
+    torch_own = (nn.Module, optim.Optimizer, optim.lr_scheduler.LRScheduler, optim.lr_scheduler.ReduceLROnPlateau)
+    return [k for k in targets if k in app and not isinstance(app[k], torch_own)
+            and group_sizes(getattr(app[k], "param_groups", None)) is None]
 
 
 def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any],
@@ -366,8 +370,8 @@ def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, 
             parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened, {k: targets[k] for k in first},
                                                              strict)))
         except CheckpointError as err:
-            raise CheckpointError(f"{err} (the app's modules, optimizers, loaders and RNG are left as they "
-                                  "were)") from err.__cause__
+            raise CheckpointError(f"{err} (the app's modules, optimizers, schedulers, loaders and RNG are left "
+                                  "as they were)") from err.__cause__
 
     def load() -> tuple[list[str], list[str], list[str]]:
         done = _load(ck, path, opened, {k: v for k, v in targets.items() if k not in first}, strict)

@@ -93,11 +93,31 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
-                raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
+                raise MediaCheckError(_no_stream(container, video))
             stream = streams[0]
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _no_stream(container, video: bool) -> str:
+    """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
+    recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container)."""
+    if not video or not container.streams.audio:
+        return f"no {'video' if video else 'audio'} stream"
+    audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    return f"no video stream, only audio ({audio}), which DALI's audio decoder does not read: {_AUDIO_WAYS_OUT}"
+
+
+def _audio_only(data: bytes) -> bool:
+    """Whether PyAV reads ``data`` as audio without a video stream."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            return bool(container.streams.audio) and not container.streams.video
+    except av.FFmpegError:
+        return False
 
 
 def _image_format(demuxer: str) -> str | None:
@@ -327,17 +347,19 @@ def prepare_media(data: bytes, field: str, transcode: str | None = DEFAULT_TRANS
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
     ``transcode="vp9"`` a video of a codec ``video_decoder`` does not keep (:data:`DECODER_CODECS`), or whose first
     frame is not a keyframe, re-encoded (field ``webm``), with ``transcode="flac"`` (the default) audio DALI's audio
-    decoder cannot read (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise (:func:`check_media`).
-    A transcoded file's probe names the codec it was transcoded from (``transcoded_from``)."""
+    decoder cannot read, or a video file holding only audio (field ``flac``, :func:`transcode_flac`);
+    MediaCheckError otherwise (:func:`check_media`). A transcoded file's probe names the codec it was transcoded
+    from (``transcoded_from``)."""
     wanted, source = (transcode or "").split(","), None
-    if "vp9" in wanted and is_video_field(field):
+    audio_only = "flac" in wanted and is_video_field(field) and _audio_only(data)
+    if "vp9" in wanted and is_video_field(field) and not audio_only:
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field, source = transcode_vp9(data), "webm", info["codec"]
-    if "flac" in wanted and is_audio_field(field):
+    if "flac" in wanted and (audio_only or is_audio_field(field)):
         lacking = audio_codec_dali_lacks(data)
-        if lacking is not None:
-            data, field, source = transcode_flac(data), "flac", lacking
+        if audio_only or lacking is not None:
+            data, field, source = transcode_flac(data), "flac", lacking or "audio in a video file"
     return field, data, check_media(data, field, video_decoder, transcoded_from=source)
 
 
