@@ -92,17 +92,19 @@ def test_a_column_whose_first_value_is_of_no_known_type_still_stores_each_row_as
 
 def test_a_webm_holding_only_audio_is_named_as_audio_and_transcoded_to_flac(tmp_path):
     """A WebM row of a sound column was skipped as 'no video stream' (after 'no audio stream' before): it is
-    Opus in Matroska, which DALI's audio decoder does not read; the reason says so with the way out, and
-    ``--transcode flac`` stores it as FLAC, as it does MP3."""
+    Opus in Matroska, which DALI's audio decoder does not read. By default (``transcode="flac"``) it is stored as
+    FLAC, as MP3 is, also with ``vp9,flac``; with ``--transcode none`` the reason says what it is, with the way out."""
     import pyarrow as pa
 
     files = [synthetic.make_audio(tmp_path / "f" / "a.wav", seconds=0.3).read_bytes(),
              _webm_audio(tmp_path / "f" / "b.webm").read_bytes()]
     pq.write_table(pa.table({"key": ["wav", "webm"], "media": files, "label": [0, 1]}), tmp_path / "m.parquet")
-    result = convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "ds", workers=1, progress=False))
+    result = convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "ds", workers=1, progress=False,
+                                   transcode="none"))
     [skip] = result.skipped
     assert skip["path"] == "m.parquet:2" and "only audio (opus in matroska)" in skip["reason"], skip
     assert "--transcode flac" in skip["reason"], skip
-    convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / "flac", workers=1, progress=False,
-                          transcode="vp9,flac"))  # vp9 too: a video field, but only audio
-    assert stored(tmp_path / "flac", ("wav", "flac")) == {"wav": ("wav", "pcm_s16le"), "webm": ("flac", "flac")}
+    for name, transcode in (("flac", None), ("both", "vp9,flac")):  # vp9 too: a video field, but only audio
+        convert(ConvertConfig(source=tmp_path / "m.parquet", dest=tmp_path / name, workers=1, progress=False,
+                              transcode=transcode))
+        assert stored(tmp_path / name, ("wav", "flac")) == {"wav": ("wav", "pcm_s16le"), "webm": ("flac", "flac")}
