@@ -44,10 +44,13 @@ def stored(dest) -> dict[str, tuple[str, str]]:
 
 def test_each_row_of_a_mixed_bytes_column_is_stored_as_its_own_type(mixed_table, tmp_path):
     result = convert(ConvertConfig(source=mixed_table, dest=tmp_path / "ds", workers=1, progress=False))
-    assert [(s["path"], s["reason"].split(":")[0]) for s in result.skipped] == [
-        ("m.parquet:4", "audio codec mp3float is not read by DALI's audio decoder")]
+    assert result.skipped == [] and result.transcoded == {"flac": {"mp3float": 1}}  # the MP3 as FLAC: the default
     assert stored(tmp_path / "ds") == {"wav": ("wav", "pcm_s16le"), "flac": ("flac", "flac"),
-                                       "opus": ("opus", "opus"), "webm": ("webm", "vp9")}
+                                       "opus": ("opus", "opus"), "mp3": ("flac", "flac"), "webm": ("webm", "vp9")}
+    none = convert(ConvertConfig(source=mixed_table, dest=tmp_path / "none", workers=1, progress=False,
+                                 transcode="none"))
+    assert [(s["path"], s["reason"].split(":")[0]) for s in none.skipped] == [
+        ("m.parquet:4", "audio codec mp3float is not read by DALI's audio decoder")]
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     assert manifest["source"]["options"]["bytes_columns"] == {"media": ["flac", "mp3", "opus", "wav", "webm"]}
 
