@@ -216,7 +216,7 @@ def padding_fractions(lengths: np.ndarray, seq_len: int) -> dict[str, float | st
 def bench_packing(dest: Path, seq_len: int, n: int = PACKING_CONVERSATIONS) -> dict[str, Any]:
     """Padding fractions (:func:`padding_fractions`) over the converted conversations at ``seq_len``, and over
     ``n`` conversations of each of :data:`DISTRIBUTIONS` at each of :data:`PACKING_SEQ_LENS`."""
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds = TokenDataset(dest)
     converted = np.concatenate([np.diff(s.index.starts(np.arange(s.documents + 1))) for s in ds.shards])

@@ -197,7 +197,7 @@ def test_an_s3_chat_dataset_is_written_verified_and_read_through_the_cache(chat,
 def test_token_dataset_batches_are_the_loaders(chat):
     """TokenDataset.batch (the numpy reference) gives a chat dataset's Loader batches: the stored mask, the
     conversations' boundaries."""
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds = TokenDataset(chat)
     packing = ds.packing(SEQ, packing="best-fit", seed=5, block_docs=16)
