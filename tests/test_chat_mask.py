@@ -118,6 +118,8 @@ def test_an_assistant_tool_call_without_content_renders_as_transformers(chat_fil
         with pytest.raises(ConvertError) as err:
             encoder.encode(["c.jsonl:7"], [[{"role": "user", "content": "hi"}, bad]])
         assert str(err.value).startswith("c.jsonl:7: messages[1] has no 'content' and no 'tool_calls'"), err.value
+    with pytest.raises(ConvertError, match=r"^c.jsonl:7: messages\[1\].tool_calls is str, not a list of tool calls"):
+        encoder.encode(["c.jsonl:7"], [[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": "fox"}]])
 
 
 def test_template_files_jinja_and_config(chat_files, tmp_path):
