@@ -9,6 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 LITDATA_STAMP := $(VENV)/.litdata-installed
+TRL_STAMP := $(VENV)/.trl-installed
 
 .PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
@@ -84,15 +85,24 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP) $(LITDATA_STAMP)
+bench: $(STAMP) $(LITDATA_STAMP) $(TRL_STAMP)
 	$(BIN)/python -m bench.run
 
 # litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
 # what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
 $(LITDATA_STAMP): $(STAMP)
-	$(call STEP,make bench,1/1,litdata 0.2.76 without its dependencies: the tokens section's peer)
+	$(call STEP,make bench,1/2,litdata 0.2.76 without its dependencies: the tokens section's peer)
 	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
 	touch $(LITDATA_STAMP)
+
+# TRL for the chat section's packing peer only (pack_dataset(strategy="bfd")), without its dependencies (torch,
+# transformers and accelerate stay the pinned ones). What trl.data_utils imports beyond the dev extra: datasets (pyarrow), which imports dill,
+# multiprocess and pandas (pandas' python-dateutil comes with the dev extra's botocore); each --no-deps too.
+$(TRL_STAMP): $(STAMP)
+	$(call STEP,make bench,2/2,trl 1.16.0 and datasets 5.2.0 without their dependencies: the chat section's bfd peer)
+	$(BIN)/pip install -q --no-deps "trl==1.16.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" \
+		"pandas==3.1.1"
+	touch $(TRL_STAMP)
 
 bench-gpu: $(STAMP)
 	bash bench/gpu.sh
