@@ -16,12 +16,16 @@ DOC = (ROOT / "docs" / "architecture.md").read_text()
 MAX_LINES = 200
 CELL_CAP = 400
 
-# Imports that go up the floors today, each (importing module, imported floor). Issue 41 §1 (the pipeline
-# protocol) removes them: then empty this list and reword item 2 of docs/architecture.md's "what goes back up".
+# Imports that go up the floors today, each (importing module, imported floor), each named in docs/architecture.md.
 # Any other upward import fails, and so does an entry here that the code no longer has.
 KNOWN_UPWARD = {
+    # Issue 41 §1 (the pipeline protocol) removes these two: then delete them and reword item 2 of the page's
+    # "what goes back up".
     ("fastio.read.readset", "pipelines/"),
     ("fastio.read.feeder", "pipelines/"),
+    # The torchft merge: the Loader wraps a replicas= Manager in integrations/torchft.py's TorchftReplicas (an
+    # import inside a function); integrations/lightning.py imports the Loader, so the two floors form a cycle.
+    ("fastio.loader", "integrations/"),
 }
 
 
@@ -318,12 +322,31 @@ def test_every_module_has_a_docstring():
     assert not missing, missing
 
 
+def test_checkpoint_modules_read_no_other_objects_private_attributes():
+    """The Checkpointer's parts are given what they use (the restore: a ``Restorer`` given the Commit, the rank
+    group, the engine getter), not the Checkpointer to reach into: ``x._name`` only on ``self``, ``cls`` or a
+    module, but in the engine adapters the rule names."""
+    rule = next(line for line in RULES.split("\n- ") if "reads no other object's private attributes" in line)
+    adapters = set(re.findall(r"`(\w+\.py)`", rule.split("engine adapters")[1]))
+    assert adapters and all(any(p.name == a for p in MODULES.values()) for a in adapters), adapters
+    found = []
+    for m, p in MODULES.items():
+        if floor_key(m) != "checkpoint/" or p.name in adapters:
+            continue
+        modules = {a.asname or a.name.split(".")[0] for n in ast.walk(tree(p)) if isinstance(n, (ast.Import, ast.ImportFrom))
+                   for a in n.names}
+        found += [f"{p.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree(p))
+                  if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                  and not (isinstance(n.value, ast.Name) and (n.value.id in ("self", "cls") or n.value.id in modules))]
+    assert not found, found
+
+
 def test_few_functions_are_longer_than_50_lines():
     most = int(re.search(r"At most (\d+) functions in `fastio/` are longer than 50 lines", RULES).group(1))
     long = [f"{p.relative_to(ROOT)}:{n.name}" for p in (ROOT / "fastio").rglob("*.py")
             for n in ast.walk(tree(p))
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50]
-    assert most <= 5 and len(long) <= most, long
+    assert most <= 4 and len(long) <= most, long
 
 
 def test_the_page_is_short_with_short_cells():
@@ -353,8 +376,13 @@ def test_what_goes_back_up_is_what_the_code_does():
     assert hooks == pipeline_hooks_called_in("read/"), (hooks, pipeline_hooks_called_in("read/"))
     asked = {t for t in re.findall(r"`(\w+)`", down) if hasattr(Pipeline, t)}
     assert len(asked) >= 2 and asked <= pipeline_hooks_called_in("loader.py"), asked
-    named = {(module_name(p), f) for p in re.findall(r"`(\w+/\w+\.py)`", calls) if p.split("/")[0] + "/" in ROW
-             for f in re.findall(r"import `(\w+/)`", calls)}
+    assert bool(hooks) == any(floor == "pipelines/" for _, floor in KNOWN_UPWARD)
+
+
+def test_the_page_names_each_known_upward_import():
+    text = " ".join(section("Floors").split("\n\n")[1].split())
+    claims = re.findall(r"((?:`[\w/]+\.py`,? (?:and )?)+)imports? `(\w+/)`", text)
+    named = {(module_name(m), floor) for modules, floor in claims for m in re.findall(r"`([\w/]+\.py)`", modules)}
     assert named == KNOWN_UPWARD, (named, KNOWN_UPWARD)
 
 

@@ -54,10 +54,12 @@ from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
+    DEFAULT_TRANSCODE,
     DEFAULT_VIDEO_DECODER,
     PROBE_FIELD,
     VIDEO_DECODERS,
     MediaCheckError,
+    count_transcoded,
     count_video_codec,
     is_media_field,
     parse_transcode,
@@ -157,11 +159,12 @@ class ConvertConfig:
                                           "must be positive (or None for no limit)"), default=DEFAULT_MAX_PIXELS)
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
-    transcode: str | None = None
-    """``vp9``: re-encode video of a codec ``video_decoder`` does not keep (FFV1, ProRes, ...; with ``cpu`` also
-    H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read
-    (MP3, AAC, ...) decoded by PyAV as FLAC (field ``flac``); ``vp9,flac``: both; None: such files are skipped and
-    listed (:mod:`fastio.formats.media`)."""
+    transcode: str | None = DEFAULT_TRANSCODE
+    """``flac`` (the default; None is the same): store audio DALI's audio decoder cannot read (MP3, AAC, ALAC, ...)
+    decoded by PyAV as FLAC (field ``flac``); ``vp9``: re-encode video of a codec ``video_decoder`` does not keep
+    (FFV1, ProRes, ...; with ``cpu`` also H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``), and skip such
+    audio; ``vp9,flac``: both; ``none``: such files are skipped and listed (:mod:`fastio.formats.media`). The summary
+    counts the files transcoded. Recorded as ``convert_options.transcode`` unless ``flac``."""
     video_decoder: str = checked(one_of(VIDEO_DECODERS), default=DEFAULT_VIDEO_DECODER)
     """Which videos are kept as they are: ``auto`` (every codec a Loader decodes: VP8, VP9, MJPEG, H.264, HEVC,
     MPEG-4, AV1; on a GPU with NVDEC, on a CPU with DALI's CPU decoder or, for the rest, PyAV), ``cpu`` (only those
@@ -225,7 +228,8 @@ class ConvertConfig:
         return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
-                "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {}),
+                "max_pixels": self.max_pixels,
+                **({"transcode": self.transcode} if self.transcode != DEFAULT_TRANSCODE else {}),
                 **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {})}
 
 
@@ -244,6 +248,9 @@ class ConvertResult:
     renamed: list[tuple[str, str, str]] = field(default_factory=list)
     """Inputs whose key an earlier input had (``a/tone.wav`` and ``a/tone.flac``): ``(input, key it got, the
     earlier input)``; see :class:`fastio.converters.base.Keys`."""
+    transcoded: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Files stored transcoded (``transcode``): per field they went into (``flac``, ``webm``), how many from each
+    codec (``{"flac": {"mp3float": 6}}``)."""
 
     @property
     def samples(self) -> int:
@@ -273,6 +280,7 @@ class ConvertResult:
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                f"{transcoded_line(self.transcoded)}"
                 + skipped_lines(self.skipped, more))
 
 
@@ -283,6 +291,22 @@ def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
     origin, key, first = renamed[0]
     return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
             f"has the key it would have had)")
+
+
+_TRANSCODED_INTO = {"flac": ("audio file", "DALI's audio decoder does not read into FLAC", "flac"),
+                    "webm": ("video", "the video decoder does not keep into VP9 WebM", "vp9")}
+
+
+def transcoded_line(transcoded: dict[str, dict[str, int]]) -> str:
+    """The summary's note of the files stored transcoded: per kind, how many, from which codecs, and the way to skip
+    them instead (``--transcode none``; ``vp9`` is only ever asked for)."""
+    notes = []
+    for into, codecs in sorted(transcoded.items()):
+        what, why, name = _TRANSCODED_INTO[into]
+        each = ", ".join(f"{codec} {n}" for codec, n in sorted(codecs.items()))
+        skip = "; --transcode none skips them" if name == DEFAULT_TRANSCODE else ""
+        notes.append(f"; transcoded {count(sum(codecs.values()), what)} {why} with PyAV ({each}{skip})")
+    return "".join(notes)
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -421,11 +445,13 @@ def _assign(scan, config: ConvertConfig) -> dict[str, list[int]]:
 
 
 def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, progress: Progress,
-                   scan_skipped: list[dict[str, str]], allow_empty: bool = False, **manifest_fields: Any):
+                   scan_skipped: list[dict[str, str]], transcoded: dict[str, dict[str, int]],
+                   allow_empty: bool = False, **manifest_fields: Any):
     """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes).
 
     On any error the shard being written stays a hidden temporary and is dropped (the writer aborts). The
-    manifest counts the videos of each codec (``video_codecs``) when there are any."""
+    manifest counts the videos of each codec (``video_codecs``) when there are any; ``transcoded`` counts the files
+    stored transcoded (:attr:`ConvertResult.transcoded`)."""
     skipped: list[dict[str, str]] = []
     codecs: dict[str, dict[str, int]] = {}
     nbytes, written = 0, 0
@@ -444,6 +470,7 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                 raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
             if PROBE_FIELD in fields:
                 count_video_codec(codecs, written, fields[PROBE_FIELD])
+                count_transcoded(transcoded, fields[PROBE_FIELD])
             try:
                 writer.write({"__key__": entry.key, **fields})
             except ValueError as err:  # e.g. a column name too long for a tar member name
@@ -534,12 +561,13 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
                           label_field=scan.label_field, label_rule=scan.label_rule,
                           convert_options=_options(config, scan),
                           scan_skipped=scan_skipped, **extra)))
-    manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field)
+    transcoded: dict[str, dict[str, int]] = {}
+    manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded)
     if config.split:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
-                         renamed=scan.renamed)
+                         renamed=scan.renamed, transcoded=transcoded)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -565,7 +593,8 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
             ranges[split_name] = {"range": [start, end], "count": len(indices)}
             jobs.append((split_name, entries[start:end],
                          directory / split_name if split_name else directory, {"scan_skipped": []}))
-        manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, allow_empty=True)
+        transcoded: dict[str, dict[str, int]] = {}
+        manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded, allow_empty=True)
         plan = {"source": scan.description, "convert_options": _options(config, scan), "name": config.name,
                 "listing": {"sha256": listing_digest(scan), "entries": len(scan.entries)},
                 "label_map": scan.label_map, "image_field": scan.image_field, "label_field": scan.label_field,
@@ -576,12 +605,14 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
-                         renamed=scan.renamed)
+                         renamed=scan.renamed, transcoded=transcoded)
 
 
-def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
+def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcoded: dict[str, dict[str, int]],
+                  allow_empty: bool = False):
     """Load and write each job ``(split name, entries, output dir, manifest fields)`` in order, through one
-    worker pool; return (manifests by split name, samples skipped while loading, bytes written)."""
+    worker pool, counting the files stored transcoded in ``transcoded``; return (manifests by split name, samples
+    skipped while loading, bytes written)."""
     manifests: dict[str, dict[str, Any]] = {}
     all_skipped: list[dict[str, str]] = []
     bytes_in = 0
@@ -605,7 +636,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
                 else:
                     results = pool.map(entries, chunksize=max(1, min(16, len(entries) // (config.workers * 8))))
                 manifest, skipped, nbytes = _write_dataset(config, out, split_name, zip(entries, results), progress,
-                                                           allow_empty=allow_empty, **fields)
+                                                           allow_empty=allow_empty, transcoded=transcoded, **fields)
                 manifests[split_name] = manifest
                 all_skipped.extend(skipped)
                 bytes_in += nbytes
