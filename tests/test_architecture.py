@@ -369,11 +369,18 @@ def test_what_goes_back_up_is_what_the_code_does():
     from fastio.pipelines import Pipeline
 
     picture = section("The path of one unit of data")
-    state, calls, down = re.split(r"\n\d\. |\n\nEverything else", picture)[1:4]
+    items = re.split(r"\n\d\. |\n\nEverything else", picture)
+    state, calls, down = items[1], items[2], items[-1]
     assert callable(Loader.state_dict) and callable(Loader.load_state_dict)
     assert "`Loader.state_dict()`" in state and "`Loader.load_state_dict()`" in state
     hooks = {t for t in re.findall(r"`(\w+)`", calls) if hasattr(Pipeline, t)}
     assert hooks == pipeline_hooks_called_in("read/"), (hooks, pipeline_hooks_called_in("read/"))
+    torchft = next((item for item in items if "`TorchftReplicas`" in item), None)
+    if torchft:
+        from fastio.integrations.torchft import TorchftReplicas
+        methods = [n for n in re.findall(r"`(\w+)`", torchft) if n != "TorchftReplicas"]
+        assert len(methods) >= 3 and all(callable(getattr(TorchftReplicas, n, None)) for n in methods), methods
+        assert ("fastio.loader", "integrations/") in KNOWN_UPWARD
     asked = {t for t in re.findall(r"`(\w+)`", down) if hasattr(Pipeline, t)}
     assert len(asked) >= 2 and asked <= pipeline_hooks_called_in("loader.py"), asked
 
