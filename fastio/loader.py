@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +27,16 @@ from fastio.dataset.dataset import Dataset
 from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.sampler import SamplerSpec
-from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline, spell
+from fastio.pipelines import BuiltPipeline, GraphDef, Pipeline, Placement, as_pipeline, build_graph, spell
 from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture
+from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
 from fastio.read.readset import ReadSet, coming, open_read_set
 from fastio.read.stats import Stats
 
-__all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
+__all__ = ["STATE_VERSION", "Loader", "LoaderConfig", "OrderOptions", "PerformanceOptions", "RankOptions",
+           "ShardOptions"]
 
 # 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state
 # was written for the materialised numpy permutation, which is gone: it is refused (the position would mean
@@ -83,6 +84,8 @@ class LoaderConfig:
     and the pipeline object that owns the rest; checked when made, then read-only.
 
     ``dataclasses.replace(config, **changes)`` (or ``Loader(dest, config, **changes)``) makes a changed copy.
+    The flat options are grouped once, typed, in :attr:`options` (:mod:`fastio.read.options`: order, performance,
+    shards, ranks), which the Loader's parts take; :meth:`grouped` makes a config from such groups.
     The Loader's old flat image options (``image_size``, ``mean``, ``std``, ``dtype``, ``layout``,
     ``eval_crop_ratio``, ``fields``) are no fields of it: ``Loader(dest, pipeline="image-train", image_size=224)``
     maps them to the pipeline object before the config is made, in one place (:mod:`fastio.pipelines.spellings`),
@@ -147,6 +150,9 @@ class LoaderConfig:
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
     order the sampler will want them (0: fetch on demand only); fewer, with one warning line, where the cache
     has no room for them on top of what the batches read at once."""
+    options: Options = field(init=False, repr=False, compare=False)
+    """The options above but ``batch_size``, ``pipeline`` and ``device`` in their typed groups (built and checked
+    once, here; the defaults filled in)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
     """The order and batching these options describe (built and checked once, here)."""
 
@@ -154,21 +160,25 @@ class LoaderConfig:
         def put(name: str, value: Any) -> None:  # frozen: __post_init__ fills in defaults this way
             object.__setattr__(self, name, value)
 
-        cores = os.cpu_count() or 1
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        put("num_threads", self.num_threads or cores)
-        put("read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
-        put("reader_threads", self.reader_threads or min(4, cores))
-        if self.shard_read_ahead < 0:
-            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
-        if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
-            raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
-        put("sampling", SamplerSpec(seed=self.seed, shuffle=self.shuffle, block_shards=self.block_shards,
-                                    batch_size=self.batch_size, drop_last=self.drop_last, remainder=self.remainder))
+        options = Options.from_flat({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
+        for name in ("num_threads", "read_ahead", "reader_threads"):  # the defaults, filled in
+            put(name, getattr(options.performance, name))
+        put("options", options)
+        order = options.order
+        put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
+                                    batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
         put("pipeline", as_pipeline(self.pipeline))
+
+    @classmethod
+    def grouped(cls, *, order: OrderOptions | None = None, performance: PerformanceOptions | None = None,
+                shards: ShardOptions | None = None, ranks: RankOptions | None = None, **shared: Any) -> LoaderConfig:
+        """A config from typed groups (each left out: its defaults) and ``shared`` (``batch_size``, ``pipeline``,
+        ``device``): ``LoaderConfig.grouped(batch_size=8, order=OrderOptions(seed=1, shuffle="block"))``."""
+        groups = Options(order or OrderOptions(), performance or PerformanceOptions(), shards or ShardOptions(),
+                         ranks or RankOptions())
+        return cls(**groups.flat(), **shared)
 
     @property
     def graph(self) -> Pipeline:
@@ -198,7 +208,7 @@ class Loader:
             config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.pipeline
-        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)
+        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg.options)
         try:
             self._place()
         except BaseException:
@@ -219,16 +229,18 @@ class Loader:
         self._built: BuiltPipeline | None = None
 
     def _place(self) -> None:
-        """Rank and world size, this rank's order of units and their reader, and the device; checked against
-        the read set's size."""
+        """Rank and world size, the device, then the pipeline's source there (this rank's order of units and
+        their reader) and its graph; checked against the read set's size."""
         cfg, rs = self.config, self.read_set
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
-        self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, world, rank)
-        self._reader = self.pipeline.reader(rs)
+        self._place_device()
+        source = self.pipeline.source(rs, cfg.sampling, Placement(rank, world, self.device))
+        self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
+        self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         if cfg.batch_size > n:
@@ -236,13 +248,16 @@ class Loader:
         if cfg.drop_last and cfg.batch_size * self.world_size > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * self.world_size} is larger than the "
                                f"dataset ({n} samples) and drop_last leaves no batch")
+
+    def _place_device(self) -> None:
+        """The device the Loader decodes on (and torch's device of its batches)."""
+        cfg = self.config
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device")
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
-        self.pipeline.check_device(rs, self.device)
 
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find: what code written for a torch DataLoader reaches for
@@ -366,13 +381,15 @@ class Loader:
             return feeder
         self._drop_stream()
         cfg = self.config
-        self._feeder = feeder = Feeder(self._reader, self._sampler.plan, self.pipeline, seed=cfg.seed,
+        graph = self._graph
+        self._feeder = feeder = Feeder(self._reader, self._sampler.plan, graph.feed if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
-        self._built = self.pipeline.build(feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
-                                          device=self.device, device_id=self.torch_device.index,
-                                          prefetch=cfg.prefetch, seed=cfg.seed)
+        if graph is not None:
+            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
+                                      device=self.device, device_id=self.torch_device.index,
+                                      prefetch=cfg.prefetch, seed=cfg.seed)
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
@@ -460,12 +477,12 @@ class Loader:
         return dst
 
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
-        """Map a DALI failure back to the sample: the first one the pipeline object finds undecodable too
-        (:meth:`fastio.Pipeline.decode_problem`), in feed order."""
+        """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
+        (:attr:`fastio.pipelines.GraphDef.problem`), in feed order."""
         rs = self.read_set
         for fed in in_flight:
             for j, (i, name) in enumerate(zip(fed.indices.tolist(), fed.batch.image_field or [])):
-                problem = self.pipeline.decode_problem(fed.batch, j)
+                problem = self._graph.problem(fed.batch, j)
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastio.pipelines import IMAGENET_MEAN, IMAGENET_STD, KINDS, BuiltPipeline, Pipeline, as_pipeline, decodable
+from fastio.pipelines import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    KINDS,
+    BuiltPipeline,
+    Pipeline,
+    as_pipeline,
+    build_graph,
+    decodable,
+)
 
 if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
@@ -32,16 +41,19 @@ def GraphSpec(kind: str | Callable, image_size: int = 224, mean: tuple[float, ..
 
 def input_names(spec: Pipeline) -> tuple[str, ...]:
     """What the external source callback returns for a decoding pipeline, in order."""
-    if not spec.decodes:
+    graph = spec.graph()
+    if graph is None:
         raise ValueError("the raw pipeline has no DALI graph: the Loader hands the read bytes through")
-    return spec.input_names()
+    return graph.names
 
 
 def graph_inputs(spec: Pipeline, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-    """The external source's return value for one read batch (:meth:`Pipeline.inputs`)."""
-    return spec.inputs(batch, seed=seed, epoch=epoch)
+    """The external source's return value for one read batch (the ``feed`` of :meth:`Pipeline.graph`)."""
+    return spec.graph().feed(batch, seed=seed, epoch=epoch)
 
 
 def build_pipeline(spec: Pipeline, source: Callable, **options: Any) -> BuiltPipeline | None:
-    """``spec.build(source, batch_size=, num_threads=, device=, device_id=, prefetch=, seed=)``."""
-    return spec.build(source, **options)
+    """``spec``'s graph built (:func:`fastio.pipelines.build_graph`: ``batch_size=, num_threads=, device=,
+    device_id=, prefetch=, seed=``) fed by ``source``; None for a kind without a graph."""
+    graph = spec.graph()
+    return None if graph is None else build_graph(graph, source, **options)

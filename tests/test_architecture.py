@@ -153,6 +153,15 @@ def test_the_import_check_of_the_doc_passes_over_the_package_bench_and_examples(
     assert f"Result: {counts[0]} package modules and {counts[1]} of `bench/` and `examples/`" in DOC
 
 
+def test_pipelines_import_read_never_the_reverse():
+    """The read set, the feeder and the typed messages between a kind and the read set (read/protocol.py) import
+    no pipeline: the folders depend one way (issue 41)."""
+    read = {m for m in MODULES if m.startswith("fastio.read.") or m == "fastio.read"}
+    pipelines = {m for m in MODULES if m.startswith("fastio.pipelines.") or m == "fastio.pipelines"}
+    assert not importers("fastio.pipelines") & read, sorted(importers("fastio.pipelines") & read)
+    assert importers("fastio.read") & pipelines  # they do use read/ (its protocol, ReadBatch)
+
+
 def test_at_most_five_functions_in_the_package_are_longer_than_50_lines():
     long = [f"{p.relative_to(ROOT)}:{n.name}" for p in (ROOT / "fastio").rglob("*.py")
             for n in ast.walk(ast.parse(p.read_text()))

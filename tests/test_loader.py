@@ -194,7 +194,7 @@ def test_feeder_feeds_a_pipeline_the_plan_in_order_across_epochs(image_dataset, 
     spec = GraphSpec(kind, image_size=16)
     sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
     with Reader(ds, [], threads=2, image=("jpg",), sizes=spec.needs_image_size) as reader:
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=1, epoch=1, start=16)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=1, epoch=1, start=16)
         built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
         assert built.outputs == ("image", "index")
         want = [(1, sampler.plan(1, 16), g) for g in range(4)] + [(2, sampler.plan(2), g) for g in range(6)]
@@ -228,7 +228,7 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
             return super().submit(indices)
 
     with Counting(ds, [], threads=2, image=("jpg",), sizes=True) as reader:
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=2)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=2)
         feeder.start()
         assert reader.submitted == 2
         built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
@@ -245,7 +245,7 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
         feeder.cancel()
         del built
     with Reader(ds, [], threads=1, image=("jpg",), sizes=True) as reader:  # more than `first` asked for: read
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=1)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=1)
         assert [feeder().__len__() for _ in range(3)] == [5, 5, 5] and len(feeder.in_flight()) == 3
         feeder.cancel()
 

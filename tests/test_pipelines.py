@@ -123,16 +123,12 @@ class ImageSizes(fastio.Pipeline):
     """A kind of one's own: each image's (width, height) from its header, no graph; it keeps a state entry."""
 
     kind: ClassVar[str] = "image-sizes"
-    decodes: ClassVar[bool] = False
     fields: tuple[str, ...] | None = None
     version: int = 1
 
     def read_fields(self, ds, fields):
         ds.require_fields(list(fields), in_every_sample=True)
         return ReadFields(tuple(fields), image=(ds.image_field,), sizes=True)
-
-    def build(self, source, **options):
-        return None
 
     def assemble(self, outputs, delivery):
         return {"size": torch.from_numpy(delivery.read.sizes.copy()), "label": delivery.labels()}
@@ -166,6 +162,29 @@ def test_a_kind_of_ones_own_plugs_in_with_its_state_on_a_dataset_and_a_mixture(t
         with Loader(target, batch_size=8, pipeline=ImageSizes(version=2), device="cpu", world_size=1,
                     rank=0) as other, pytest.raises(LoaderStateError, match="image_sizes=1, this pipeline 2"):
             other.load_state_dict(state)
+
+
+def test_the_pipeline_protocol_is_six_hooks_with_nothing_of_a_kind_in_its_base():
+    """The base declares six hooks and the Loader calls no other method of a pipeline object; the base imports
+    nothing of images or media (the image defaults are ImageKind's), and every kind with a graph declares its
+    inputs' dtypes itself (issue 41)."""
+    from fastio.pipelines import Pipeline, base
+
+    hooks = sorted(n for n, v in vars(Pipeline).items() if callable(v) and not n.startswith("_"))
+    assert hooks == ["assemble", "check_state", "graph", "read_fields", "source", "state_dict"]
+    loader = ast.parse((Path(fastio.__file__).parent / "loader.py").read_text())
+    called = {n.attr for n in ast.walk(loader) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+              and n.value.attr == "pipeline" and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    assert called <= set(hooks), called
+    imported = {n.module for n in ast.walk(ast.parse(Path(base.__file__).read_text())) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m and (m.startswith("fastio.formats") or m == "PIL")}, imported
+    kinds = [fastio.ImageTrain(), fastio.ImageEval(), fastio.Graph(lambda image, device: image), fastio.VideoClips(),
+             fastio.VideoClips(cpu_fallback="pyav", clips_per_video=2), fastio.AudioClips()]
+    for kind in kinds:
+        graph = kind.graph()
+        assert graph.names[:1] == ("encoded",) and dict(graph.inputs)["index"] == "int64", kind
+        assert {d for _, d in graph.inputs} <= set(base.DTYPES), graph.inputs
+    assert fastio.Raw().graph() is None and fastio.Tokens().graph() is None
 
 
 def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():

@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 
 from fastio.errors import LoaderStateError
 from fastio.loader import Loader, LoaderConfig
-from fastio.pipelines import Pipeline, old_options, spell
+from fastio.pipelines import Pipeline, evaluation_of, old_options, spell
 
 __all__ = ["FastioDataModule", "LightningLoader"]
 
@@ -160,12 +160,12 @@ def _rewind(loader: Loader) -> None:
 def _validation_pipeline(train: Pipeline, options: dict[str, Any], val_options: dict[str, Any]) -> str | Pipeline:
     """The validation Loader's pipeline: ``"image-eval"`` (with the old flat options) where the training one is
     spelled the old way (a kind's name or a graph function, or old flat options given); else the training
-    pipeline object's :meth:`~fastio.pipelines.Pipeline.evaluation` (``ImageTrain``'s options in ``ImageEval``,
+    pipeline object's evaluation form (:func:`~fastio.pipelines.evaluation_of`: ``ImageTrain``'s options in ``ImageEval``,
     ``VideoClips`` center-cropped, ``Tokens`` and the other kinds as they are)."""
     given = options.get("pipeline")
     if old_options(options) or old_options(val_options) or (given is not None and not isinstance(given, Pipeline)):
         return "image-eval"
-    return train.evaluation()
+    return evaluation_of(train)
 
 
 class FastioDataModule(pl.LightningDataModule):
