@@ -170,7 +170,7 @@ class _Clips(Pipeline):
         refuse_tokens(ds, self.kind)
         test = is_video_field if self.media == "video" else is_audio_field
         media = _media_fields(ds, test, self.media)
-        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by reader()
+        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by source()
         ds.require_fields([*probes, *fields], in_every_sample=True)
         # A sample's clip comes from the first media field it has (a dataset may mix formats), read as the
         # reader's "image" (no header parsed, nothing transcoded).
