@@ -226,7 +226,7 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
 # ------------------------------------------------------------------ integrity: what restore's check costs
 def measure_integrity(work: Path, size_mib: int) -> dict:
     """Seconds per GiB to check every file of a committed checkpoint (warm page cache), both checksums."""
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, catalog, scan
     from fastio.storage.checksum import digest_file
 
     model, optim = build(size_mib)
@@ -234,12 +234,12 @@ def measure_integrity(work: Path, size_mib: int) -> dict:
     with Checkpointer(work / "integrity", signals=()) as ckpt:
         ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
     del model, optim
-    entry = layout.committed(work / "integrity")[0]
+    entry = scan.committed(work / "integrity")[0]
     gib = entry.commit.bytes / 2**30
     files = [entry.path / rel for rel in entry.commit.files]
     for f in files:  # warm the page cache: the figure is the checksum's, not the disk's
         digest_file(f, "xxh3_128")
-    xxh3 = time_call(lambda: layout.verify_files(entry))  # what restore_latest runs
+    xxh3 = time_call(lambda: catalog.verify_files(entry))  # what restore_latest runs
     with ThreadPoolExecutor(4) as pool:
         xxh3_four = time_call(lambda: list(pool.map(lambda f: digest_file(f, "xxh3_128"), files)))
         sha = time_call(lambda: list(pool.map(lambda f: digest_file(f, "sha256"), files)))

@@ -47,7 +47,7 @@ def probe(work: Path, size_mib: int, saves: int, every: int, streams: int | None
     import resource
     import threading
 
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, publish
     from fastio.checkpoint.engines import torchsnapshot_engine
 
     if streams is not None:
@@ -70,9 +70,9 @@ def probe(work: Path, size_mib: int, saves: int, every: int, streams: int | None
                 phases.append((name, t, time.perf_counter()))
         return wrapper
 
-    orig_save, orig_commit = torchsnapshot_engine.TorchSnapshotEngine.save, layout.commit
+    orig_save, orig_commit = torchsnapshot_engine.TorchSnapshotEngine.save, publish.commit
     torchsnapshot_engine.TorchSnapshotEngine.save = timed("engine", orig_save)
-    layout.commit = timed("commit", orig_commit)
+    publish.commit = timed("commit", orig_commit)
     ckpt = Checkpointer(work, keep=1, signals=(), **options)
     samples: list[tuple[float, int]] = []  # (time, the writer's threads running or runnable)
     done = threading.Event()
@@ -112,7 +112,7 @@ def probe(work: Path, size_mib: int, saves: int, every: int, streams: int | None
         sampler.join()
     finally:
         ckpt.close()
-        torchsnapshot_engine.TorchSnapshotEngine.save, layout.commit = orig_save, orig_commit
+        torchsnapshot_engine.TorchSnapshotEngine.save, publish.commit = orig_save, orig_commit
     # classify each step by the phase overlapping its middle (staging steps separately)
     def phase_of(a, b):
         best, share = "idle", 0.0

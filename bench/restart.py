@@ -116,11 +116,11 @@ def _child_fastio(stamp, work: Path, data: Path, size_mib: int) -> None:
 
 
 def _timing_checksums():
-    """Time spent in the Checkpointer's check of every file (``layout.verify_files``), as a callable; it
+    """Time spent in the Checkpointer's check of every file (``catalog.verify_files``), as a callable; it
     returns None when this fastio checks elsewhere (e.g. while reading)."""
-    from fastio.checkpoint import layout
+    from fastio.checkpoint import catalog
 
-    original = getattr(layout, "verify_files", None)
+    original = getattr(catalog, "verify_files", None)
     if original is None:
         return lambda: None
     spent = [0.0]
@@ -132,7 +132,7 @@ def _timing_checksums():
         finally:
             spent[0] += time.perf_counter() - t
 
-    layout.verify_files = timed
+    catalog.verify_files = timed
     return lambda: spent[0]
 
 

@@ -91,7 +91,7 @@ def make_corpus(workdir: Path, docs: int) -> tuple[Path, Path, list[str]]:
 def bench_convert(workdir: Path, corpus: Path, tok_path: Path, texts: list[str], repeats: int) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     tok = Tokenizer.from_file(str(tok_path))
     dest = workdir / "tokens"
@@ -223,7 +223,7 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
     import struct
 
     from fastio.dataset.manifest import MANIFEST_NAME
-    from fastio.tokens.megatron import MAGIC
+    from fastio.formats.megatron import MAGIC
 
     if (folder / MANIFEST_NAME).exists():
         _upgrade_manifest(folder)
@@ -254,7 +254,7 @@ def write_synthetic(folder: Path, docs: int, shards: int, mean_len: int = 1000) 
 def _write_starts(folder: Path, shards: int):
     """The document-starts table of :func:`write_synthetic`'s ``shards`` pairs (each ``.idx`` a copy of the
     first), written into ``folder``; its manifest record."""
-    from fastio.tokens.megatron import MegatronIndex
+    from fastio.formats.megatron import MegatronIndex
     from fastio.tokens.starts import shard_starts, write_starts
 
     one = shard_starts(MegatronIndex(folder / "s-000000.idx", one_per_document=True))
@@ -292,7 +292,7 @@ def _upgrade_manifest(folder: Path) -> None:
     from dataclasses import replace
 
     from fastio.dataset.manifest import load_manifest, write_manifest
-    from fastio.tokens.megatron import MegatronIndex
+    from fastio.formats.megatron import MegatronIndex
 
     manifest = load_manifest(folder)
     info = manifest.tokens

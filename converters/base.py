@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from fastio.formats.images import image_field_for_suffix, is_image_field
+from fastio.formats.images import image_field_for_suffix, is_image_field, sniff_image_field
+from fastio.formats.media import sniff_media_field
 from fastio.formats.wds import safe_field_name, sanitize_key
 
 __all__ = [
     "Entry",
+    "Keys",
     "FieldValue",
     "FileRef",
     "ScanOptions",
@@ -28,6 +30,7 @@ __all__ = [
     "main_image_field",
     "rel",
     "safe_field_name",
+    "sniff_field",
     "unique_key",
     "walk_files",
 ]
@@ -80,6 +83,8 @@ class ScanResult:
     label_field: str | None = None
     label_rule: str | None = None
     """How labels were made (a key of :data:`fastio.formats.labels.LABEL_RULES`); None: no labels."""
+    renamed: list[tuple[str, str, str]] = field(default_factory=list)
+    """Inputs whose key another input had taken first (:class:`Keys`): ``(origin, key given, origin of the first)``."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,12 @@ def main_image_field(entries: list[Entry]) -> str | None:
     return max(sorted(counts), key=lambda f: counts[f]) if counts else None
 
 
+def sniff_field(data: bytes) -> str | None:
+    """The field an encoded image, video or audio file's bytes are named by (``jpg``, ``webm``, ``flac``, ...: by
+    magic number), or None."""
+    return sniff_image_field(data) or sniff_media_field(data)
+
+
 def unique_key(text: str, taken: set[str]) -> str:
     """``sanitize_key(text)``, made unique against ``taken`` with a hash of ``text``; adds it to ``taken``."""
     key = sanitize_key(text)
@@ -123,6 +134,25 @@ def unique_key(text: str, taken: set[str]) -> str:
             key = f"{base}_{n}"
     taken.add(key)
     return key
+
+
+class Keys:
+    """The keys of one scan's inputs (:func:`unique_key`), and the inputs renamed because an earlier one had their
+    key (``a/tone.wav`` and ``a/tone.flac`` are ``a/tone`` and ``a/tone_3622fdf0c139``): :attr:`renamed`."""
+
+    def __init__(self):
+        self.taken: set[str] = set()
+        self._holders: dict[str, str] = {}
+        self.renamed: list[tuple[str, str, str]] = []
+        """``(origin, key given, origin of the input holding the key it would have had)``, in scan order."""
+
+    def key(self, text: str, origin: str) -> str:
+        """The key of the input ``origin`` whose key would be ``sanitize_key(text)``."""
+        key, wanted = unique_key(text, self.taken), sanitize_key(text)
+        if key != wanted:
+            self.renamed.append((origin, key, self._holders[wanted]))
+        self._holders[key] = origin
+        return key
 
 
 def rel(path: Path, root: Path) -> str:

@@ -6,7 +6,7 @@ Yields ``(where, text)``: ``where`` names the file (and the line or row) for mes
 caller skips and counts empty documents). :func:`file_documents` reads one file under a name of the caller's (a URL
 for a downloaded object) and, with ``span``, only the documents whose *position* lies in it: the byte offset of a
 JSONL line, the file's start for a ``.txt``, ``size * row // rows`` for a Parquet row (positions grow with the
-input order, so a span is a contiguous run of documents: :mod:`fastio.tokens.corpus` cuts parts by them).
+input order, so a span is a contiguous run of documents: :mod:`fastio.convert.corpus` cuts parts by them).
 
 Refusals are one :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is
 not JSON, a missing or non-text field, text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes,

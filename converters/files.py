@@ -13,12 +13,12 @@ from pathlib import Path
 from fastio.converters.base import (
     Entry,
     FileRef,
+    Keys,
     ScanOptions,
     ScanResult,
     Skip,
     main_image_field,
     rel,
-    unique_key,
     walk_files,
 )
 from fastio.formats.wds import is_field_name, split_member_name
@@ -45,7 +45,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             continue
         groups.setdefault(stem, {})[ext] = path  # one file per (stem, ext): no duplicates possible
     entries: list[Entry] = []
-    taken: set[str] = set()
+    keys = Keys()
     has_cls = any("cls" in fields for fields in groups.values())
     for stem in sorted(groups):
         fields = groups[stem]
@@ -53,7 +53,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             skipped.append(Skip(stem, "no label (other samples have a .cls file, this one has none)", error=True))
             continue
         entries.append(Entry(
-            key=unique_key(stem, taken),
+            key=keys.key(stem, stem),
             fields=tuple((ext, FileRef(str(fields[ext]))) for ext in sorted(fields)),
             origin=stem,
         ))
@@ -64,4 +64,5 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         image_field=main_image_field(entries),
         label_field="cls" if has_cls else None,
         label_rule="integers" if has_cls else None,
+        renamed=keys.renamed,
     )

@@ -16,13 +16,13 @@ from pathlib import Path
 from fastio.converters.base import (
     Entry,
     FileRef,
+    Keys,
     ScanOptions,
     ScanResult,
     Skip,
     image_field_for_suffix,
     main_image_field,
     rel,
-    unique_key,
     walk_files,
 )
 from fastio.formats.media import media_field_for_suffix
@@ -61,7 +61,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
     classes = [d.name for d in _visible_dirs(source) if d.name not in refused]
     label_map = {name: i for i, name in enumerate(classes)}
     entries: list[Entry] = []
-    taken: set[str] = set()
+    keys = Keys()
     for path in files:
         relpath = rel(path, source)
         name = relpath.split("/", 1)[0]
@@ -72,7 +72,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         if field is None:
             skipped.append(Skip(relpath, f"not an image, video or audio file (suffix {path.suffix or 'none'!r})"))
             continue
-        key = unique_key(relpath[: len(relpath) - len(path.suffix)], taken)
+        key = keys.key(relpath[: len(relpath) - len(path.suffix)], relpath)
         entries.append(Entry(
             key=key,
             fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
@@ -87,5 +87,6 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         image_field=main_image_field(entries),
         label_field="cls",
         label_rule="names",
+        renamed=keys.renamed,
     )
 

@@ -1,9 +1,10 @@
 """Parquet tables (pyarrow): columns holding bytes become fields, other columns as in CSV/JSONL.
 
 A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` member as Hugging Face
-stores images) whose first value is an encoded image, video or audio file becomes a field named by its type
-(``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type;
-any other bytes column keeps its (sanitised) name. A path column is optional.
+stores images) whose first value is an encoded image, video or audio file holds a field named by each row's type
+(``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type: a
+column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first's.
+Any other bytes column keeps its (sanitised) name. A path column is optional.
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.
 """
@@ -13,11 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastio.converters.base import ScanOptions, ScanResult, safe_field_name
+from fastio.converters.base import ScanOptions, ScanResult, safe_field_name, sniff_field
 from fastio.converters.table import rows_to_result
 from fastio.errors import ConvertError
-from fastio.formats.images import sniff_image_field
-from fastio.formats.media import sniff_media_field
 
 __all__ = ["NAME", "detect", "scan"]
 
@@ -65,11 +64,14 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         return pa.types.is_struct(t) and any(t.field(i).name == "bytes" for i in range(t.num_fields))
 
     bytes_columns: dict[str, str] = {}
+    typed: dict[str, list[str]] = {}  # a column of encoded files -> the types its rows hold
     for col in columns:
         if not is_bytes(col):
             continue
         first = next((b for b in (_bytes_of(r[col]) for r in data) if b is not None), None)
-        field = (sniff_image_field(first) or sniff_media_field(first)) if first is not None else None
+        field = sniff_field(first) if first is not None else None
+        if field is not None:
+            typed[col] = sorted({sniff_field(b) or field for b in (_bytes_of(r[col]) for r in data) if b is not None})
         name = field or safe_field_name(col)
         if name in bytes_columns.values():
             name = safe_field_name(col)
@@ -84,6 +86,8 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             row["__key__"] = name
         columns = [*columns, "__key__"]
     result = rows_to_result(rows, columns, source=source, fmt=NAME, options=options, require_path=False,
-                            bytes_columns=bytes_columns)
-    result.description["options"]["bytes_columns"] = dict(sorted(bytes_columns.items()))
+                            bytes_columns=bytes_columns, typed=typed)
+    # the field of each bytes column; of one holding several types, their list
+    result.description["options"]["bytes_columns"] = {
+        col: typed[col] if len(typed.get(col, ())) > 1 else name for col, name in sorted(bytes_columns.items())}
     return result

@@ -20,6 +20,7 @@ import csv
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from fastio.converters.base import (
     Entry,
     FieldValue,
     FileRef,
+    Keys,
     ScanOptions,
     ScanResult,
     Skip,
@@ -34,7 +36,7 @@ from fastio.converters.base import (
     main_image_field,
     resolve_inside,
     safe_field_name,
-    unique_key,
+    sniff_field,
 )
 from fastio.errors import ConvertError
 from fastio.formats.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
@@ -134,20 +136,26 @@ def _text(value: Any) -> bytes:
     return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
 
 
-def rows_to_result(
-    rows: list[tuple[int, Row]],
-    columns: list[str],
-    *,
-    source: Path,
-    fmt: str,
-    options: ScanOptions,
-    require_path: bool,
-    bytes_columns: dict[str, str] | None = None,
-) -> ScanResult:
-    """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name."""
-    bytes_columns = bytes_columns or {}
-    base = source.parent
-    root = Path(options.root) if options.root is not None else base
+@dataclass(frozen=True)
+class _Layout:
+    """How a table's rows become samples: its special columns, the root of its paths and its label rule."""
+
+    source: Path
+    root: Path
+    path_col: str | None
+    label_col: str | None
+    key_col: str | None
+    bytes_columns: dict[str, str]
+    typed: frozenset[str]
+    text_cols: dict[str, str]
+    labels: bool
+    rule: str | None
+    label_map: dict[str, int] | None
+
+
+def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, options: ScanOptions, require_path: bool,
+            bytes_columns: dict[str, str], typed: frozenset[str]) -> _Layout:
+    root = Path(options.root) if options.root is not None else source.parent
     path_col = _pick(source, columns, options.path_column, PATH_COLUMNS if require_path else (), "path")
     if require_path and path_col is None:
         raise ConvertError(
@@ -164,7 +172,6 @@ def rows_to_result(
         label_col = None  # a column named like a label column but empty throughout: an ordinary text column
     special = {path_col, label_col, key_col, *bytes_columns}
     text_cols = {c: safe_field_name(c) for c in columns if c not in special}
-
     label_map = rule = None
     if labels:
         try:
@@ -173,76 +180,107 @@ def rows_to_result(
             raise ConvertError(f"{source}: column {label_col!r}: {err}") from None
         if rule == "names":
             label_map = {name: i for i, name in enumerate(sorted({label_name(v) for _, v in labels}))}
+    return _Layout(source, root, path_col, label_col, key_col, bytes_columns, typed, text_cols, bool(labels), rule,
+                   label_map)
 
+
+def _row_label(t: _Layout, row: Row, where: str) -> bytes | Skip:
+    """A row's ``cls`` bytes, or the Skip of a row with an empty or bad label."""
+    cell = row.get(t.label_col)
+    if is_empty_label(cell):
+        return Skip(where, f"empty label in column {t.label_col!r}", error=True)
+    if t.label_map is not None:
+        return str(t.label_map[label_name(cell)]).encode()
+    try:
+        return str(check_label(integral_text(cell))).encode()
+    except ValueError as err:
+        return Skip(where, f"column {t.label_col!r}: {err}", error=True)
+
+
+def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Skip:
+    """``(field, FileRef, path value)`` of the file a row's path column names, or the Skip of one outside the root;
+    ConvertError for an empty cell or a missing file."""
+    value = row.get(t.path_col)
+    if value in (None, "") or not isinstance(value, str):
+        raise ConvertError(f"{where}: path column {t.path_col!r} is empty or not text ({value!r})")
+    path = Path(value) if os.path.isabs(value) else t.root / value
+    outside = resolve_inside(path, t.root)
+    if outside is not None:
+        return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
+    if not path.is_file():
+        raise ConvertError(f"{where}: path column {t.path_col!r} names a missing file: {value}")
+    field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
+             or safe_field_name(path.suffix.lstrip(".") or "file"))
+    return field, FileRef(str(path)), value
+
+
+def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue], str, str | None] | Skip:
+    """``(fields, origin, key seed from its path)`` of one row, or the Skip of a rejected row."""
+    fields: dict[str, FieldValue] = {}
+    origin, stem = where, None
+    if t.label_col is not None:
+        cls = _row_label(t, row, where)
+        if isinstance(cls, Skip):
+            return cls
+        fields["cls"] = cls
+    if t.path_col is not None:
+        got = _row_file(t, row, where)
+        if isinstance(got, Skip):
+            return got
+        field, ref, origin = got
+        fields[field], stem = ref, _key_text(origin)
+    for col, field in t.bytes_columns.items():
+        value = row.get(col)
+        if value is not None:
+            _put(fields, (col in t.typed and sniff_field(value)) or field, bytes(value), where)
+    for col, field in t.text_cols.items():
+        value = row.get(col)
+        if value is not None:
+            _put(fields, field, _text(value), where)
+    if not fields:
+        raise ConvertError(f"{where}: row has no values")
+    return fields, origin, stem
+
+
+def rows_to_result(
+    rows: list[tuple[int, Row]],
+    columns: list[str],
+    *,
+    source: Path,
+    fmt: str,
+    options: ScanOptions,
+    require_path: bool,
+    bytes_columns: dict[str, str] | None = None,
+    typed: Iterable[str] = (),
+) -> ScanResult:
+    """Turn table rows into entries. ``bytes_columns`` maps a column holding bytes to its field name; in a
+    ``typed`` one (of encoded files) each row's field is its own value's type (:func:`sniff_field`), the column's
+    name for a value of no known type."""
+    t = _layout(rows, columns, source, options, require_path, bytes_columns or {}, frozenset(typed))
     entries: list[Entry] = []
     skipped: list[Skip] = []
-    taken: set[str] = set()
+    keys = Keys()
     for index, (lineno, row) in enumerate(rows):
-        where = f"{source.name}:{lineno}"
-        fields: dict[str, FieldValue] = {}
-        origin = where
-        stem = None
-        if label_col is not None:
-            cell = row.get(label_col)
-            if is_empty_label(cell):
-                skipped.append(Skip(where, f"empty label in column {label_col!r}", error=True))
-                continue
-            if label_map is None:
-                try:
-                    cls = check_label(integral_text(cell))
-                except ValueError as err:
-                    skipped.append(Skip(where, f"column {label_col!r}: {err}", error=True))
-                    continue
-            else:
-                cls = label_map[label_name(cell)]
-            fields["cls"] = str(cls).encode()
-        if path_col is not None:
-            value = row.get(path_col)
-            if value in (None, "") or not isinstance(value, str):
-                raise ConvertError(f"{where}: path column {path_col!r} is empty or not text ({value!r})")
-            path = Path(value) if os.path.isabs(value) else root / value
-            outside = resolve_inside(path, root)
-            if outside is not None:
-                skipped.append(Skip(where, f"path column {path_col!r}: {value} {outside}", error=True))
-                continue
-            if not path.is_file():
-                raise ConvertError(f"{where}: path column {path_col!r} names a missing file: {value}")
-            field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
-                     or safe_field_name(path.suffix.lstrip(".") or "file"))
-            fields[field] = FileRef(str(path))
-            origin = value
-            stem = _key_text(value)
-        for col, field in bytes_columns.items():
-            value = row.get(col)
-            if value is not None:
-                _put(fields, field, bytes(value), where)
-        for col, field in text_cols.items():
-            value = row.get(col)
-            if value is not None:
-                _put(fields, field, _text(value), where)
-        if not fields:
-            raise ConvertError(f"{where}: row has no values")
-        if key_col is not None and row.get(key_col) not in (None, ""):
-            key = unique_key(str(row[key_col]), taken)
+        got = _row_sample(t, row, f"{source.name}:{lineno}")
+        if isinstance(got, Skip):
+            skipped.append(got)
+            continue
+        fields, origin, stem = got
+        if t.key_col is not None and row.get(t.key_col) not in (None, ""):
+            key = keys.key(str(row[t.key_col]), origin)
         else:
-            key = unique_key(stem if stem is not None else f"{index:08d}", taken)
+            key = keys.key(stem if stem is not None else f"{index:08d}", origin)
         entries.append(Entry(key=key, fields=tuple(sorted(fields.items())), origin=origin))
-
-    options_desc = {k: v for k, v in (("path_column", path_col), ("label_column", label_col),
-                                       ("key_column", key_col)) if v is not None}
+    options_desc = {k: v for k, v in (("path_column", t.path_col), ("label_column", t.label_col),
+                                       ("key_column", t.key_col)) if v is not None}
     if options.labels != "auto":
         options_desc["labels"] = options.labels
     if options.root is not None:
         options_desc["root"] = str(Path(options.root).resolve())
-    return ScanResult(
-        entries=entries,
-        description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
-        label_map=label_map,
-        skipped=skipped,
-        image_field=main_image_field(entries),
-        label_field="cls" if labels else None,
-        label_rule=rule,
-    )
+    return ScanResult(entries=entries, skipped=skipped, image_field=main_image_field(entries),
+                      description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
+                      label_map=t.label_map, label_field="cls" if t.labels else None, label_rule=t.rule,
+                      renamed=keys.renamed)
 
 
 def _key_text(value: str) -> str:

@@ -58,12 +58,25 @@ SKIPPED_SHOWN = 5
 
 
 def skipped_lines(skipped: list[dict[str, str]], more: str, shown: int = SKIPPED_SHOWN) -> str:
-    """The first ``shown`` skipped inputs, one ``  PATH: REASON`` line each, each line after a newline; then,
-    when there are more, a line saying how many and ``more`` (the command that lists them all)."""
-    lines = [f"  {s.get('path')}: {s.get('reason')}" for s in skipped[:shown]]
-    if len(skipped) > shown:
-        lines.append(f"  ... and {len(skipped) - shown} more: {more}")
+    """The skipped inputs by reason, each reason once, its first ``shown`` reasons one line each after a newline:
+    ``  PATH: REASON`` for a reason of one input, ``  N inputs (PATH, PATH, PATH, and K more): REASON`` for one of
+    several; then, when there are more reasons, a line saying how many inputs they hold and ``more`` (the command
+    that lists them all)."""
+    paths: dict[str, list[str]] = {}
+    for s in skipped:
+        paths.setdefault(str(s.get("reason")), []).append(str(s.get("path")))
+    lines = [_skipped_line(reason, found) for reason, found in list(paths.items())[:shown]]
+    rest = sum(len(found) for found in list(paths.values())[shown:])
+    if rest:
+        lines.append(f"  ... and {rest} more: {more}")
     return "".join(f"\n{line}" for line in lines)
+
+
+def _skipped_line(reason: str, paths: list[str], named: int = 3) -> str:
+    if len(paths) == 1:
+        return f"  {paths[0]}: {reason}"
+    later = f", and {len(paths) - named} more" if len(paths) > named else ""
+    return f"  {len(paths)} inputs ({', '.join(paths[:named])}{later}): {reason}"
 
 
 def rate_line(samples: int, nbytes: int, seconds: float) -> str:

@@ -209,8 +209,8 @@ class Lines(logging.Handler):
 @pytest.fixture(scope="module")
 def token_ds(tmp_path_factory) -> Path:
     """A token dataset of 60 documents of 1..40 tokens (end-of-document id 0), indexed in place."""
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
-    from fastio.tokens.megatron import MegatronWriter
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+    from fastio.formats.megatron import MegatronWriter
 
     dest = tmp_path_factory.mktemp("tokens") / "ds"
     dest.mkdir()

@@ -87,7 +87,7 @@ def _wds(folder: Path) -> None:
 
 
 def _index_cases(tmp: Path) -> None:
-    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.wds_index import IndexConfig, index_shards
 
     _wds(tmp / "out" / "wds")
     index_shards(IndexConfig(source=tmp / "out" / "wds", threads=1))
@@ -98,8 +98,8 @@ def _index_cases(tmp: Path) -> None:
 def _token_cases(tmp: Path) -> None:
     from tokens_helpers import CORPUS, train_tokenizer
 
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
 
     docs = tmp / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*CORPUS, ""]))

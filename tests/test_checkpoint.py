@@ -18,7 +18,18 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, layout, slurm_job_id
+from fastio.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    catalog,
+    checkpointer,
+    naming,
+    publish,
+    record,
+    rollback,
+    scan,
+    slurm_job_id,
+)
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -166,7 +177,7 @@ def test_restore_deletes_only_its_own_abandoned_temporaries(tmp_path, caplog):
     app = make_app()
     with Checkpointer(root, every_steps=1) as ckpt:
         ckpt.maybe_save(1, app)
-    layout.start_tmp(root, 4)  # what a killed writer leaves: step-4.tmp with fastio's mark
+    publish.start_tmp(root, 4)  # what a killed writer leaves: step-4.tmp with fastio's mark
     (root / "step-4.tmp" / "0").mkdir()
     # not fastio's: a step-5.tmp without the mark, and a newer step-7 without a commit marker
     (root / "step-5.tmp" / "0").mkdir(parents=True)
@@ -240,8 +251,8 @@ def test_loader_is_found_by_its_state_not_by_its_app_key(image_dataset, tmp_path
         ckpt.save(7, {"model": nn.Linear(4, 4), "train_data": data}, blocking=True)  # no epoch= given
         ckpt.save(8, {"model": nn.Linear(4, 4)}, blocking=True)  # no loader: epoch unknown
     data.close()
-    assert layout.read_commit(root / "step-7").progress.epoch == 2
-    assert layout.read_commit(root / "step-8").progress.epoch == -1
+    assert scan.read_commit(root / "step-7").progress.epoch == 2
+    assert scan.read_commit(root / "step-8").progress.epoch == -1
     fresh = make()
     state = Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(4, 4), "train_data": fresh}, step=7)
     assert state.epoch == 2 and (fresh.epoch, fresh.consumed) == (2, 8)
@@ -280,7 +291,7 @@ def test_restore_uses_the_engine_named_in_the_commit_marker(tmp_path):
     app = make_app()
     with Checkpointer(root, signals=()) as ckpt:
         ckpt.save(1, app, blocking=True)
-    marker = root / "step-1" / layout.COMMIT_FILE
+    marker = root / "step-1" / naming.COMMIT_FILE
     data = json.loads(marker.read_text())
     assert data["engine"] == "torchsnapshot"
     marker.write_text(json.dumps({**data, "engine": "from-the-future"}))
@@ -303,7 +314,7 @@ def test_retention_keeps_newest_k_after_commit(tmp_path, engine):
             ckpt.maybe_save(step, app)
             ckpt.wait()
             assert step_dirs(root) == [f"step-{s}" for s in range(max(1, step - 1), step + 1)]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 @pytest.mark.parametrize("keep", [1, 2])
@@ -331,10 +342,10 @@ def test_a_rollback_supersedes_the_abandoned_branch_keeping_its_files(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(relaunched["model"].state_dict().values(),
                                                  branch["model"].state_dict().values()))
     kept = root / "step-30"
-    assert (kept / layout.SUPERSEDED_FILE).is_file() and not (kept / layout.COMMIT_FILE).exists()
-    marker = layout.parse_commit((kept / layout.SUPERSEDED_FILE).read_bytes(), str(kept / layout.SUPERSEDED_FILE))
-    assert layout.verify_step(layout.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
-        f"{kept / layout.SUPERSEDED_FILE}: not listed in the commit marker"]
+    assert (kept / rollback.SUPERSEDED_FILE).is_file() and not (kept / naming.COMMIT_FILE).exists()
+    marker = record.parse_commit((kept / rollback.SUPERSEDED_FILE).read_bytes(), str(kept / rollback.SUPERSEDED_FILE))
+    assert catalog.verify_step(scan.StepEntry(30, kept, marker)) == [  # every file of it kept, intact
+        f"{kept / rollback.SUPERSEDED_FILE}: not listed in the commit marker"]
     assert fastio_main(["ckpt", "ls", str(root)]) in (0, None)
     assert "superseded" in capsys.readouterr().out
 
@@ -351,7 +362,7 @@ def test_what_a_kill_leaves_in_the_middle_of_a_commit_or_a_deletion_is_removed(t
     import shutil
 
     shutil.copytree(root / "step-5", root / "step-6.tmp")  # its marker written, the rename not done
-    (root / "step-6.tmp" / layout.WRITING_FILE).write_text("{}")
+    (root / "step-6.tmp" / naming.WRITING_FILE).write_text("{}")
     shutil.copytree(root / "step-5", root / ".step-4.deleting-123")  # renamed for deletion, then killed
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 5  # a restore cleans the directory first
@@ -371,7 +382,7 @@ def test_policy_skip_and_wait_never_interleave(tmp_path, engine):
         assert ckpt.maybe_save(3, app)
         ckpt.close()
         assert ckpt.steps() == expect
-        assert layout.verify(root) == []
+        assert catalog.verify(root) == []
 
 
 def test_every_seconds_schedule(tmp_path):
@@ -387,7 +398,7 @@ def test_every_seconds_schedule(tmp_path):
 # ---------------------------------------------------------------- failures
 FSIZE_WORKER = """
     import os, resource, signal, sys, torch
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, catalog, naming, publish, record, rollback, scan
     from fastio.errors import CheckpointError
     model = torch.nn.Linear(256, 256)
     ckpt = Checkpointer(sys.argv[1], every_steps=1, engine=os.environ.get("FASTIO_TEST_ENGINE", "auto"))
@@ -417,7 +428,7 @@ def test_write_error_in_background_surfaces_at_next_call_and_keeps_previous(tmp_
     assert f"{root}/step-2: checkpoint write failed" in out and "File too large" in out
     assert "previous checkpoint is intact" in out
     assert step_dirs(root) == ["step-1"]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     model = torch.nn.Linear(256, 256)
     assert Checkpointer(root).restore_latest({"model": model}).step == 1
 
@@ -465,7 +476,7 @@ def test_kill_during_write_leaves_previous_checkpoint_loadable(tmp_path, engine,
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = step_dirs(root)
     assert "step-1" in names and "step-2" not in names and "step-2.tmp" in names, names
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     model = torch.nn.Linear(2048, 2048)
     assert Checkpointer(root).restore_latest({"model": model}).step == 1
     ref = torch.load(tmp_path / "ref.pt")
@@ -558,7 +569,7 @@ def test_cli_ls_and_verify(tmp_path, engine, capsys):
     assert "2 committed checkpoint(s) verified" in capsys.readouterr().out
 
     victim = next(p for p in sorted((root / "step-2").rglob("*")) if p.is_file() and p.stat().st_size > 100
-                  and p.name != layout.COMMIT_FILE)
+                  and p.name != naming.COMMIT_FILE)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))

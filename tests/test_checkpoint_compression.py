@@ -13,7 +13,18 @@ import torch.distributed as dist
 from helpers import start_ranks
 from torch import nn
 
-from fastio.checkpoint import CheckpointConfig, Checkpointer, checkpointer, compress, layout
+from fastio.checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    catalog,
+    checkpointer,
+    compress,
+    naming,
+    publish,
+    record,
+    removal,
+    scan,
+)
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 
@@ -76,7 +87,7 @@ def entries(root: Path) -> list[str]:
 def save(root: Path, app, step: int, **options) -> dict:
     with Checkpointer(root, signals=(), **options) as ckpt:
         ckpt.save(step, app, blocking=True)
-    return layout.read_commit(layout.step_dir(root, step))
+    return scan.read_commit(naming.step_dir(root, step))
 
 
 @pytest.mark.parametrize("value", [None, "zstd", "zstd:1", "zstd:19", "zstd+shuffle", "zstd+shuffle:3"])
@@ -99,12 +110,12 @@ def test_round_trip_is_exact_and_needs_no_flag(tmp_path, engine, codec):
     train(app, 3)
     commit = save(root, app, 3, compression=codec)
     want = tensors(app)
-    assert commit.compression == codec and commit.version == layout.COMPRESSED_VERSION
+    assert commit.compression == codec and commit.version == record.COMPRESSED_VERSION
     assert commit.engine == engine
     step = root / "step-3"
-    stored = sorted(p.relative_to(step).as_posix() for p in layout.data_files(step))
+    stored = sorted(p.relative_to(step).as_posix() for p in publish.data_files(step))
     assert stored == sorted(commit.files) and all(f.endswith(".zst") for f in stored), stored
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     draw = torch.rand(3)  # what the RNG gives right after the save
     fresh = make_app(seed=1)
     torch.manual_seed(123)
@@ -124,12 +135,12 @@ def test_compressible_state_is_stored_smaller(tmp_path, engine):
             p.copy_(torch.round(p * 8) / 8)
     plain = save(tmp_path / "plain", app, 1)
     packed = save(tmp_path / "zstd", app, 1, compression="zstd:3")
-    assert plain.compression is None and plain.version == layout.COMMIT_VERSION
+    assert plain.compression is None and plain.version == record.COMMIT_VERSION
     assert packed.bytes < 0.5 * plain.bytes, (packed.bytes, plain.bytes)
-    on_disk = sum(p.stat().st_size for p in layout.data_files(tmp_path / "zstd" / "step-1"))
+    on_disk = sum(p.stat().st_size for p in publish.data_files(tmp_path / "zstd" / "step-1"))
     assert on_disk == packed.bytes
     assert {f.removesuffix(".zst") for f in packed.files} == set(plain.files)
-    rows = layout.list_checkpoints(tmp_path / "zstd")
+    rows = catalog.list_checkpoints(tmp_path / "zstd")
     assert rows[0]["compression"] == "zstd" and rows[0]["bytes"] == packed.bytes
 
 
@@ -173,10 +184,10 @@ def test_flipped_byte_is_caught_and_restore_falls_back(tmp_path, caplog, capsys,
     want = tensors(app)
     train(app, 2)
     save(root, app, 4, compression="zstd")
-    victim = max(layout.data_files(root / "step-4"), key=lambda p: p.stat().st_size)
+    victim = max(publish.data_files(root / "step-4"), key=lambda p: p.stat().st_size)
     assert victim.name.endswith(".zst")
     flip_byte(victim)
-    problems = layout.verify(root)
+    problems = catalog.verify(root)
     assert len(problems) == 1 and problems[0].startswith(f"{victim}: xxh3_128"), problems
     assert fastio_main(["ckpt", "verify", str(root)]) == 1
     assert capsys.readouterr().out.startswith(f"{victim}: xxh3_128")
@@ -206,7 +217,7 @@ def test_uncompressed_checkpoints_still_restore(tmp_path, engine):
         assert_equal(tensors(fresh), want1)
         train(fresh, 1)
         ckpt.save(2, fresh, blocking=True)  # the same directory now gets a compressed step
-    assert layout.read_commit(root / "step-2").compression == "zstd"
+    assert scan.read_commit(root / "step-2").compression == "zstd"
     again = make_app(seed=2)
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(again, step=1).step == 1
@@ -220,7 +231,7 @@ def test_unknown_codec_in_marker_is_skipped(tmp_path, caplog):
     app = make_app()
     save(root, app, 1, compression="zstd")
     save(root, app, 2, compression="zstd")
-    marker = root / "step-2" / layout.COMMIT_FILE
+    marker = root / "step-2" / naming.COMMIT_FILE
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "compression": "lz4"}))
     with caplog.at_level(logging.WARNING, logger="fastio"), Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 1
@@ -233,13 +244,13 @@ def test_unknown_codec_in_marker_is_skipped(tmp_path, caplog):
 def test_only_fastio_restore_leftovers_are_removed(tmp_path):
     root = tmp_path / "ck"
     save(root, make_app(), 1, compression="zstd")
-    killed = layout.start_restore_dir(root, 1)  # what a restore killed mid-way leaves
+    killed = removal.start_restore_dir(root, 1)  # what a restore killed mid-way leaves
     (killed / "model.pt").write_bytes(b"x" * 100)
     killed.rename(root / ".step-1.restore-99999")
     foreign = root / ".step-1.restore-5"  # same shape, no fastio mark: not ours
     foreign.mkdir()
     (foreign / "keep").write_text("mine")
-    assert [e.step for e in layout.scan(root)] == [1] and layout.verify(root) == []
+    assert [e.step for e in scan.scan(root)] == [1] and catalog.verify(root) == []
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app()).step == 1
     assert entries(root) == [".step-1.restore-5", "step-1"]
@@ -331,7 +342,7 @@ def test_two_ranks_compress_and_restore_exactly(two_rank_runs, engine_name):
         assert res["step"] == 3 and res["got"] == res["want"], r
         assert len(res["want"]["state"]) >= 5  # weight, bias, Adam step/exp_avg/exp_avg_sq
     assert results[0]["got"]["consumed"] == 24 and results[1]["got"]["consumed"] == 48
-    commit = layout.read_commit(root / "step-3")
+    commit = scan.read_commit(root / "step-3")
     assert commit.compression == "zstd+shuffle" and commit.progress.world_size == WORLD
     assert all(f.endswith(".zst") for f in commit.files), sorted(commit.files)
-    assert layout.verify(root) == [] and entries(root) == ["step-3"]
+    assert catalog.verify(root) == [] and entries(root) == ["step-3"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers import Position, StateHolder, start_ranks
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint import Checkpointer, catalog, scan
 from fastio.errors import CheckpointError
 
 WORLD = 2
@@ -95,9 +95,9 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(preemption_runs, engine)
         assert res["got"]["step"] == 5
     assert results[0]["got"]["consumed"] == 40 and results[1]["got"]["consumed"] == 80
     assert results[0]["got"]["draw"] != results[1]["got"]["draw"]
-    assert [e.step for e in layout.committed(root)] == [2, 4, 5]
-    assert layout.verify(root) == []
-    files = layout.read_commit(root / "step-5").files
+    assert [e.step for e in scan.committed(root)] == [2, 4, 5]
+    assert catalog.verify(root) == []
+    files = scan.read_commit(root / "step-5").files
     if engine == "dcp":  # the DDP model and its optimizer are global DCP state; loader and RNG one file per rank
         side = json.loads((root / "step-5" / "fastio-dcp.json").read_text())
         assert side["global_keys"] == ["model", "optim"] and side["world_size"] == WORLD
@@ -206,7 +206,7 @@ def test_elastic_restore_at_three_and_one_ranks_sees_every_remaining_sample_once
     tmp_path = elastic_runs / engine
     root = tmp_path / "ck"
     saved = [json.loads((tmp_path / f"w2-rank{r}.json").read_text()) for r in range(SAVED_WORLD)]
-    commit = layout.read_commit(root / f"step-{SAVE_AFTER}")
+    commit = scan.read_commit(root / f"step-{SAVE_AFTER}")
     assert commit.progress.world_size == SAVED_WORLD and commit.engine == engine
     before = Counter(i for s in saved for i in s["before"])
     remaining = Counter(i for s in saved for i in s["after"])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from helpers import rank_process
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint import Checkpointer, catalog, scan
 from fastio.errors import CheckpointError
 
 STEPS, SAVE_AT = 6, 3
@@ -174,16 +174,16 @@ def assert_same(got: dict, ref: dict, what: str) -> None:
 def test_fsdp2_exact_resume_after_kill_and_resharding(tmp_path):
     root, out = tmp_path / "ck", tmp_path
     launch(run_and_kill, 2, free_port(), str(root), str(out))
-    commit = layout.read_commit(root / f"step-{SAVE_AT}")
+    commit = scan.read_commit(root / f"step-{SAVE_AT}")
     assert commit.engine == "dcp" and commit.progress.world_size == 2  # engine="auto" chose DCP for DTensor state
-    assert [e.step for e in layout.committed(root)] == [SAVE_AT]  # killed before the next save
+    assert [e.step for e in scan.committed(root)] == [SAVE_AT]  # killed before the next save
     ref = torch.load(out / "ref.pt")
 
     launch(resume, 2, free_port(), str(root), str(out))
     resumed = torch.load(out / "resumed.pt")
     assert resumed["step"] == SAVE_AT and resumed["consumed"] == 8 * STEPS
     assert_same(resumed["got"], ref, "2-rank resume")  # bitwise equal to the uninterrupted run
-    assert [e.step for e in layout.committed(root)] == [SAVE_AT, STEPS] and layout.verify(root) == []
+    assert [e.step for e in scan.committed(root)] == [SAVE_AT, STEPS] and catalog.verify(root) == []
 
     shutil.copytree(root, f"{root}-copy", ignore=shutil.ignore_patterns(".fastio-lock"))
     launch(reshard, 4, [free_port()], str(root), str(out))

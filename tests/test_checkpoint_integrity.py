@@ -16,7 +16,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, checkpointer, layout
+from fastio.checkpoint import Checkpointer, catalog, checkpointer, naming, record, rollback, scan
 from fastio.cli import main as fastio_main
 from fastio.errors import CheckpointError
 from fastio.storage.checksum import digest_file, sha256_file
@@ -55,7 +55,7 @@ def save_steps(root: Path, steps=(1, 2)) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def biggest_file(step: Path) -> Path:
-    return max((p for p in step.rglob("*") if p.is_file() and p.name != layout.COMMIT_FILE), key=lambda p: p.stat().st_size)
+    return max((p for p in step.rglob("*") if p.is_file() and p.name != naming.COMMIT_FILE), key=lambda p: p.stat().st_size)
 
 
 def restore(root: Path, caplog, **kw):
@@ -78,16 +78,16 @@ def truncate(p: Path) -> None:
 
 
 def marker_missing(step: Path) -> None:
-    (step / layout.COMMIT_FILE).unlink()
+    (step / naming.COMMIT_FILE).unlink()
 
 
 def marker_truncated(step: Path) -> None:
-    truncate(step / layout.COMMIT_FILE)
+    truncate(step / naming.COMMIT_FILE)
 
 
 def marker_newer(step: Path) -> None:
-    m = step / layout.COMMIT_FILE
-    m.write_text(json.dumps({**json.loads(m.read_text()), "version": max(layout.READ_VERSIONS) + 1}))
+    m = step / naming.COMMIT_FILE
+    m.write_text(json.dumps({**json.loads(m.read_text()), "version": max(record.READ_VERSIONS) + 1}))
 
 
 # ---------------------------------------------------------------- damaged newest step: skip, warn, fall back
@@ -106,8 +106,8 @@ def test_damaged_newest_step_is_skipped_and_kept(tmp_path, caplog, engine, damag
     assert f": {reason} " in warned[0] and warned[0].endswith("moved aside to step-2.quarantined")
     moved = root / "step-2.quarantined" / victim.relative_to(root / "step-2")
     assert moved.is_file()  # kept, not deleted
-    assert layout.verify(root) == []  # the quarantined copy is no longer a step directory
-    rows = layout.list_checkpoints(root)  # but `fastio ckpt ls` shows it
+    assert catalog.verify(root) == []  # the quarantined copy is no longer a step directory
+    rows = catalog.list_checkpoints(root)  # but `fastio ckpt ls` shows it
     assert [(r["step"], r["committed"], Path(r["path"]).name) for r in rows] == [
         (1, True, "step-1"), (2, False, "step-2.quarantined")]
     assert rows[1]["problem"].startswith("quarantined: moved aside by fastio")
@@ -123,10 +123,10 @@ def test_unrecognised_commit_marker_is_skipped_not_deleted(tmp_path, caplog, dam
     assert state.step == 1
     assert len(warned) == 1 and warned[0].startswith(f"fastio: skipping checkpoint {root}/step-2: ")
     expect = {marker_missing: "no commit marker", marker_truncated: "unreadable commit marker",
-              marker_newer: f"commit marker version {max(layout.READ_VERSIONS) + 1}, this fastio reads"}[damage]
+              marker_newer: f"commit marker version {max(record.READ_VERSIONS) + 1}, this fastio reads"}[damage]
     assert expect in warned[0], warned[0]
     kept = sorted(p.relative_to(root / "step-2.quarantined") for p in (root / "step-2.quarantined").rglob("*"))
-    assert [f for f in files if f.name != layout.COMMIT_FILE] == [f for f in kept if f.name != layout.COMMIT_FILE]
+    assert [f for f in files if f.name != naming.COMMIT_FILE] == [f for f in kept if f.name != naming.COMMIT_FILE]
 
 
 def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
@@ -140,19 +140,19 @@ def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
         ckpt.save(2, app, blocking=True)
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step")) == [
         "step-1", "step-2", "step-2.quarantined"]
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_an_explicit_older_step_keeps_newer_steps_when_saving_over_them(tmp_path):
     root = tmp_path / "ck"
     save_steps(root, (1, 2))
-    first = (root / "step-2" / layout.COMMIT_FILE).read_text()
+    first = (root / "step-2" / naming.COMMIT_FILE).read_text()
     app = make_app()
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(app, step=1).step == 1
         ckpt.save(2, app, blocking=True)  # the run goes on from step 1 and reaches step 2 again
     # the abandoned step 2: superseded (its marker renamed), then moved aside; every file kept
-    assert (root / "step-2.quarantined" / layout.SUPERSEDED_FILE).read_text() == first
+    assert (root / "step-2.quarantined" / rollback.SUPERSEDED_FILE).read_text() == first
 
 
 def test_damaged_explicit_step_or_no_intact_step_is_an_error_and_moves_nothing(tmp_path, caplog):
@@ -172,7 +172,7 @@ def test_restore_reads_old_sha256_commits(tmp_path, caplog):
     """Commit markers of version 1 (sha256 per file) still verify and restore; a flipped byte is still caught."""
     root = tmp_path / "ck"
     weights = save_steps(root, (1,))
-    marker = root / "step-1" / layout.COMMIT_FILE
+    marker = root / "step-1" / naming.COMMIT_FILE
     data = json.loads(marker.read_text())
     data["version"] = 1
     data.pop("checksum")
@@ -180,13 +180,13 @@ def test_restore_reads_old_sha256_commits(tmp_path, caplog):
         rec.pop("xxh3_128")
         rec["sha256"] = sha256_file(root / "step-1" / rel)[1]
     marker.write_text(json.dumps(data))
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
     state, app, warned = restore(root, caplog)
     assert state.step == 1 and warned == []
     assert all(torch.equal(app["model"].state_dict()[k], v) for k, v in weights[1].items())
     victim = biggest_file(root / "step-1")
     flip(victim)
-    assert [p.split(": ")[1].split()[0] for p in layout.verify(root)] == ["sha256"]
+    assert [p.split(": ")[1].split()[0] for p in catalog.verify(root)] == ["sha256"]
 
 
 # ---------------------------------------------------------------- one writer per directory
@@ -218,7 +218,7 @@ def test_second_job_is_refused_and_a_dead_jobs_lock_does_not_block(tmp_path):
     app = make_app()
     with Checkpointer(root, signals=()) as ckpt:  # the killed job's lock went with it (a Slurm requeue)
         ckpt.save(1, app, blocking=True)
-    assert [e.step for e in layout.committed(root)] == [1]
+    assert [e.step for e in scan.committed(root)] == [1]
 
 
 def test_a_second_checkpointer_in_one_process_is_refused_until_the_first_closes(tmp_path):
@@ -243,11 +243,11 @@ class Payload:
 
 def _reseal(step: Path) -> None:
     """Recompute the commit marker's checksums, as a consistent (but malicious) checkpoint would have them."""
-    marker = step / layout.COMMIT_FILE
+    marker = step / naming.COMMIT_FILE
     data = json.loads(marker.read_text())
     for rel in data["files"]:
-        size, digest = digest_file(step / rel, layout.CHECKSUM)
-        data["files"][rel] = {"bytes": size, layout.CHECKSUM: digest}
+        size, digest = digest_file(step / rel, record.CHECKSUM)
+        data["files"][rel] = {"bytes": size, record.CHECKSUM: digest}
     marker.write_text(json.dumps(data))
 
 

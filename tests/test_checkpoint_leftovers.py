@@ -15,7 +15,7 @@ import torch
 from helpers import StateHolder, run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, catalog, layout
+from fastio.checkpoint import Checkpointer, catalog, naming, removal, scan
 from fastio.storage import open_storage
 from fastio.storage.mirror import DirMirror
 
@@ -59,9 +59,9 @@ def test_a_temporary_holding_only_a_half_written_writers_mark_is_reclaimed(tmp_p
     left = root / "step-30.tmp"
     assert [p.name for p in left.iterdir()] == [".fastio-writing.json.tmp"]
     shutil.copytree(left, root / "step-31.tmp")  # what an older fastio's next save of step 31 moved aside
-    old = layout.quarantine(root / "step-31.tmp")
+    old = removal.quarantine(root / "step-31.tmp")
     assert old.name == "step-31.tmp.quarantined"
-    data = layout.quarantine(Path(shutil.copytree(left, root / "step-32.tmp")))
+    data = removal.quarantine(Path(shutil.copytree(left, root / "step-32.tmp")))
     (data / "model.bin").write_bytes(b"maybe the only copy")  # not only marks: kept
     foreign = root / "step-33.tmp"
     foreign.mkdir()
@@ -81,20 +81,20 @@ def test_verify_skips_a_step_that_retention_deletes_while_it_is_checked(tmp_path
     with Checkpointer(root, signals=()) as ckpt:
         for step in (1, 2):
             ckpt.save(step, app_at(step), blocking=True)
-    real, renamed = layout._check_file, []
+    real, renamed = catalog._check_file, []
 
     def check_file(path, want):
-        if not renamed:  # retention's rename, exactly as layout.remove_step does it, between listing and checking
+        if not renamed:  # retention's rename, exactly as removal.remove_step does it, between listing and checking
             step1 = root / "step-1"
             renamed.append(step1.rename(step1.with_name(f".step-1.deleting-{os.getpid()}")))
         return real(path, want)
 
-    monkeypatch.setattr(layout, "_check_file", check_file)
+    monkeypatch.setattr(catalog, "_check_file", check_file)
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)
     assert renamed and code == 0, out
     assert "1 committed checkpoint(s) verified (step 2); skipped step(s) 1: being deleted" in out
-    monkeypatch.setattr(layout, "_check_file", real)  # a missing file in a step that keeps its marker: damage
-    victim = root / "step-2" / sorted(layout.read_commit(root / "step-2").files)[0]
+    monkeypatch.setattr(catalog, "_check_file", real)  # a missing file in a step that keeps its marker: damage
+    victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
     victim.unlink()
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)
     assert code == 1 and f"{victim}: missing" in out
@@ -115,7 +115,7 @@ def test_verify_on_s3_skips_a_step_that_retention_deletes_while_it_is_checked(mo
 
     def pull(self, name, dest):
         if name == "step-1":  # retention (DirMirror.remove) runs between the listing and the download
-            DirMirror(store, layout.COMMIT_FILE).remove(name)
+            DirMirror(store, naming.COMMIT_FILE).remove(name)
         return real_pull(self, name, dest)
 
     monkeypatch.setattr(DirMirror, "pull", pull)
@@ -137,9 +137,9 @@ def test_a_restore_of_another_live_process_keeps_its_directory_when_a_writer_res
         ckpt.save(1, {"m": model}, blocking=True)
     reader = subprocess.Popen(["sleep", "60"])  # a live process of this host, as the reader
     try:
-        live = layout.start_restore_dir(root, 1).rename(root / f".step-1.restore-{reader.pid}")
+        live = removal.start_restore_dir(root, 1).rename(root / f".step-1.restore-{reader.pid}")
         (live / "m.bin").write_bytes(b"being read")
-        dead = layout.start_restore_dir(root, 1).rename(root / ".step-1.restore-999999")
+        dead = removal.start_restore_dir(root, 1).rename(root / ".step-1.restore-999999")
         with Checkpointer(root, signals=()) as ckpt:  # the trainer, relaunched
             assert ckpt.restore_latest({"m": nn.Linear(4, 2)}).step == 1
         assert (live / "m.bin").read_bytes() == b"being read"

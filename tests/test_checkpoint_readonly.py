@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, layout
+from fastio.checkpoint import Checkpointer, naming, scan
 from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 
@@ -78,7 +78,7 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
             Checkpointer(root, signals=())
         abandoned = root / "step-3.tmp"
         abandoned.mkdir()
-        (abandoned / layout.WRITING_FILE).write_text("{}")  # the writer's own temporary: the writer's to clean
+        (abandoned / naming.WRITING_FILE).write_text("{}")  # the writer's own temporary: the writer's to clean
         before = tree(root)
         reader = Checkpointer(root, read_only=True, signals=())
         restored = app()
@@ -88,7 +88,7 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
             reader.save(3, restored)
         with pytest.raises(CheckpointError, match="read-only"):
             reader.maybe_save(3, restored, force=True)
-        victim = root / "step-2" / sorted(layout.read_commit(root / "step-2").files)[0]
+        victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
         victim.write_bytes(victim.read_bytes()[:-1])  # damaged: skipped, left where it is
         before = tree(root)
         assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0

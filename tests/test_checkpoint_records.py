@@ -10,8 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, layout
-from fastio.checkpoint.record import CommitInfo, CommitRecord, Progress, parse_commit
+from fastio.checkpoint import Checkpointer, catalog, naming, scan
+from fastio.checkpoint.record import (
+    CHECKSUM,
+    COMMIT_FORMAT,
+    COMMIT_VERSION,
+    COMPRESSED_VERSION,
+    CommitInfo,
+    CommitRecord,
+    Progress,
+    parse_commit,
+)
 from fastio.errors import CheckpointError
 
 BEFORE = Path(__file__).parent / "fixtures" / "checkpoint_before_records"
@@ -51,14 +60,14 @@ def test_a_checkpoint_written_before_the_typed_record_restores(tmp_path):
     saved = nn.Linear(2, 2)  # the model the fixture's writer saved
     assert all(torch.equal(a, b) for a, b in zip(app["model"].state_dict().values(), saved.state_dict().values()))
     assert (app["loader"].epoch, app["loader"].consumed) == (1, 12)
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_the_markers_progress_wins_over_an_old_progress_record(tmp_path):
     """Old checkpoints hold the progress twice; the restore reads the marker's only (the engine's per-rank record
     still says loss 0.25, epoch 1)."""
     root = old_checkpoint(tmp_path)
-    marker = root / "step-3" / layout.COMMIT_FILE
+    marker = root / "step-3" / naming.COMMIT_FILE
     data = json.loads(marker.read_text())
     marker.write_text(json.dumps({**data, "metrics": {"loss": 9.0}, "epoch": 4, "hparams": {"lr": 0.125},
                                   "elapsed": 77.0}))
@@ -72,7 +81,7 @@ def test_a_save_writes_its_progress_once_into_the_marker(tmp_path):
     app["loader"].epoch = 2
     with Checkpointer(root, signals=(), hparams={"seed": 7}) as ckpt:
         ckpt.save(5, app, metrics={"loss": 1.5}, blocking=True)
-    record = layout.read_commit(root / "step-5")
+    record = scan.read_commit(root / "step-5")
     assert record.progress.epoch == 2 and record.progress.metrics == {"loss": 1.5}
     assert record.progress.hparams == {"seed": 7} and record.progress.world_size == 1
     assert not any("_fastio_progress" in str(p) for p in (root / "step-5").rglob("*"))
@@ -82,16 +91,16 @@ def test_a_save_writes_its_progress_once_into_the_marker(tmp_path):
 def test_a_record_round_trips_through_its_bytes():
     info = CommitInfo(engine="dcp", progress=Progress(epoch=3, metrics={"loss": 0.5}, elapsed=1.25,
                                                       hparams={"lr": 0.1}, world_size=4), compression="zstd")
-    record = CommitRecord.new({"a.pt": {"bytes": 4, layout.CHECKSUM: "00"}}, step=9, info=info)
-    assert record.version == layout.COMPRESSED_VERSION and record.bytes == 4
+    record = CommitRecord.new({"a.pt": {"bytes": 4, CHECKSUM: "00"}}, step=9, info=info)
+    assert record.version == COMPRESSED_VERSION and record.bytes == 4
     assert parse_commit(record.encode(), "m") == record
     plain = CommitRecord.new({}, step=1, info=CommitInfo(engine="torchsnapshot", progress=Progress()))
-    assert plain.version == layout.COMMIT_VERSION and "compression" not in json.loads(plain.encode())
+    assert plain.version == COMMIT_VERSION and "compression" not in json.loads(plain.encode())
 
 
 def test_a_version_1_marker_reads_with_that_versions_meaning():
     """Version 1: sha256 per file, no ``checksum`` or ``engine`` field (torchsnapshot)."""
-    text = json.dumps({"format": layout.COMMIT_FORMAT, "version": 1, "step": 2, "time": 5.0, "bytes": 3,
+    text = json.dumps({"format": COMMIT_FORMAT, "version": 1, "step": 2, "time": 5.0, "bytes": 3,
                        "epoch": 0, "metrics": {}, "world_size": 2, "elapsed": 1.0, "hparams": {},
                        "files": {"x": {"bytes": 3, "sha256": "ab"}}}).encode()
     record = parse_commit(text, "m")

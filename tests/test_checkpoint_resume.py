@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from s3server import free_port
 
-from fastio.checkpoint import layout
+from fastio.checkpoint import catalog, scan
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -65,7 +65,7 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
     # The child may print a step or two more before the signal lands (a loaded machine); nothing it had
     # not reached can be committed, and the newest write may not have committed yet.
     reached = max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
-    before = [e.step for e in layout.committed(ckpt)]
+    before = [e.step for e in scan.committed(ckpt)]
     assert not before or max(before) <= reached, why + out
 
     rc, out = run_until(cmd, usr1_at, signal.SIGUSR1)
@@ -75,7 +75,7 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
     assert len(preempted) == 1 and "final weights" not in out, why + out
     saved = int(preempted[0].split()[3])
     assert saved in (usr1_at, usr1_at + 1), why + out
-    assert max(e.step for e in layout.committed(ckpt)) == saved
+    assert max(e.step for e in scan.committed(ckpt)) == saved
 
     result = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env(), timeout=180)
     assert result.returncode == 0, why + result.stdout + result.stderr
@@ -83,7 +83,7 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path)
     ref_out = reference.communicate(timeout=180)[0]
     assert reference.returncode == 0, ref_out
     assert digest(result.stdout) == digest(ref_out), why
-    assert layout.verify(ckpt) == [] and [e.step for e in layout.committed(ckpt)] == [STEPS - 2, STEPS]
+    assert catalog.verify(ckpt) == [] and [e.step for e in scan.committed(ckpt)] == [STEPS - 2, STEPS]
 
 
 def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, tmp_path):
@@ -115,7 +115,7 @@ def test_sbatch_script_forwards_usr1_saves_requeues_and_resumes(image_dataset, t
     text = "".join(out)
     assert proc.wait(timeout=180) == 0, text
     assert "SIGUSR1: asking ranks to checkpoint" in text and "preempted: saved step" in text, text
-    saved = max(e.step for e in layout.committed(ckpt))
+    saved = max(e.step for e in scan.committed(ckpt))
     assert 4 <= saved < STEPS
     assert "requeue 777" in record.read_text()
     again = subprocess.run(["bash", str(script)], check=False, capture_output=True, text=True, env=run_env, timeout=180)

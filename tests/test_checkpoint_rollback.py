@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import StateHolder
 
-from fastio.checkpoint import Checkpointer, catalog, layout
+from fastio.checkpoint import Checkpointer, catalog, naming, rollback, scan
 from fastio.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def states(where, options=None) -> dict[int, str]:
 
 def damage(path: Path) -> None:
     """Flip a byte of the biggest file of a committed step directory."""
-    victim = max((p for p in path.rglob("*") if p.is_file() and p.name != layout.COMMIT_FILE),
+    victim = max((p for p in path.rglob("*") if p.is_file() and p.name != naming.COMMIT_FILE),
                  key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -62,8 +62,8 @@ def test_a_fallback_after_a_rollback_never_reaches_the_abandoned_branch(tmp_path
         save_branch(ckpt, [5], offset=100)
         assert ckpt.steps() == [1, 2, 5]
     assert states(root) == {1: "committed", 2: "committed", 3: "superseded", 4: "superseded", 5: "committed",
-                            6: "superseded"} and not (root / layout.ROLLBACK_FILE).exists()
-    assert (root / "step-5.quarantined" / layout.SUPERSEDED_FILE).is_file()  # the old step 5: moved aside, kept
+                            6: "superseded"} and not (root / rollback.ROLLBACK_FILE).exists()
+    assert (root / "step-5.quarantined" / rollback.SUPERSEDED_FILE).is_file()  # the old step 5: moved aside, kept
     damage(root / "step-5")
     app = app_at(-1)
     assert Checkpointer(root, signals=()).restore_latest(app).step == 2 and tag_of(app) == 2
@@ -74,14 +74,14 @@ KILLED = """
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
-    from fastio.checkpoint import Checkpointer, layout
+    from fastio.checkpoint import Checkpointer, publish, rollback
 
     where, at, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     kw = {"storage_options": options, "staging_dir": sys.argv[4]} if options else {}
     app = {"model": StateHolder({"w": torch.zeros(4)})}
     ckpt = Checkpointer(where, signals=(), **kw)
     assert ckpt.restore_latest(app, step=2).step == 2
-    real, calls = layout.supersede, []
+    real, calls = rollback.supersede, []
 
     def supersede(path):  # the first one done, then killed: a rollback cut short
         real(path)
@@ -92,11 +92,11 @@ KILLED = """
     def commit(*args, **kwargs):  # every abandoned step superseded, the new step not yet published
         os._exit(9)
 
-    layout.supersede = supersede
+    rollback.supersede = supersede
     if at == "commit":
-        layout.commit = commit
+        publish.commit = commit
     if at == "local":  # s3://: the store's record written, the local supersede not begun
-        layout.finish_rollback = commit
+        rollback.finish_rollback = commit
     app["model"].state = {"w": torch.full((4,), 105.0)}
     ckpt.save(5, app, blocking=True)
     print("not killed")
@@ -125,12 +125,12 @@ def test_a_kill_inside_the_first_commit_after_a_rollback_resumes_the_rollback_po
     app = app_at(-1)
     with Checkpointer(root, signals=()) as ckpt:
         assert ckpt.restore_latest(app).step == 2 and tag_of(app) == 2
-        assert not (root / layout.ROLLBACK_FILE).exists()  # the relaunch finished the rollback
-        assert all((root / f"step-{s}" / layout.SUPERSEDED_FILE).is_file() for s in (3, 4, 5, 6))
+        assert not (root / rollback.ROLLBACK_FILE).exists()  # the relaunch finished the rollback
+        assert all((root / f"step-{s}" / rollback.SUPERSEDED_FILE).is_file() for s in (3, 4, 5, 6))
         save_branch(ckpt, [3], offset=200)
     assert {s: v for s, v in states(root).items() if v == "committed"} == {1: "committed", 2: "committed",
                                                                            3: "committed"}
-    assert layout.verify(root) == []
+    assert catalog.verify(root) == []
 
 
 def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
@@ -139,12 +139,12 @@ def test_a_rollback_record_hides_its_steps_from_every_reader(tmp_path):
     root = tmp_path / "ck"
     with Checkpointer(root, signals=()) as ckpt:
         save_branch(ckpt, range(1, 4))
-    assert layout.start_rollback(root, 1) == [2, 3]
+    assert rollback.start_rollback(root, 1, [e.step for e in scan.committed(root)]) == [2, 3]
     assert states(root) == {1: "committed", 2: "superseded", 3: "superseded"}
-    assert layout.verify_report(root).steps == [1]
-    (root / layout.ROLLBACK_FILE).write_text("{}")
+    assert catalog.verify_report(root).steps == [1]
+    (root / rollback.ROLLBACK_FILE).write_text("{}")
     with pytest.raises(Exception, match="fastio-rollback.json: not a fastio rollback record"):
-        layout.scan(root)
+        scan.scan(root)
 
 
 # ---------------------------------------------------------------- s3://
@@ -165,10 +165,10 @@ def test_a_rollback_on_s3_supersedes_the_whole_abandoned_branch(moto_server, s3_
     assert states(url, options) == {1: "committed", 2: "committed", 3: "superseded", 4: "superseded",
                                     5: "committed", 6: "superseded"}
     store = open_storage(url, options)
-    assert store.head(layout.ROLLBACK_FILE) is None
+    assert store.head(rollback.ROLLBACK_FILE) is None
     # the old step 5 was moved aside, not written over (its marker stayed beside the new one: verify failed)
-    assert store.head(f"step-5.quarantined/{layout.SUPERSEDED_FILE}") is not None
-    assert store.head(f"step-5/{layout.SUPERSEDED_FILE}") is None
+    assert store.head(f"step-5.quarantined/{rollback.SUPERSEDED_FILE}") is not None
+    assert store.head(f"step-5/{rollback.SUPERSEDED_FILE}") is None
     assert "quarantined" in {r["state"] for r in catalog.list_steps(url, options)[1] if r["step"] == 5}
     assert catalog.verify_steps(url, storage_options=options)[1].problems == []
     key = next(o.key for o in store.list("step-5/") if not o.key.endswith(".json") and o.size > 0)
@@ -179,8 +179,8 @@ def test_a_rollback_on_s3_supersedes_the_whole_abandoned_branch(moto_server, s3_
     with checkpointer("c") as ckpt:
         assert ckpt.restore_latest(app).step == 2 and tag_of(app) == 2
         save_branch(ckpt, [5], offset=300)  # the damaged step 5 superseded, and moved aside beside the first one
-    assert store.head(f"step-5.quarantined-2/{layout.SUPERSEDED_FILE}") is not None
-    assert store.head(f"step-5.quarantined/{layout.SUPERSEDED_FILE}") is not None
+    assert store.head(f"step-5.quarantined-2/{rollback.SUPERSEDED_FILE}") is not None
+    assert store.head(f"step-5.quarantined/{rollback.SUPERSEDED_FILE}") is not None
     assert catalog.verify_steps(url, storage_options=options)[1].problems == []
 
 

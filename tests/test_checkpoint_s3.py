@@ -8,7 +8,7 @@ import torch
 from helpers import run_cli
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, catalog, layout
+from fastio.checkpoint import Checkpointer, catalog, naming
 from fastio.storage import open_storage
 
 
@@ -68,7 +68,7 @@ def test_restore_falls_back_when_the_newest_remote_step_does_not_verify(moto_ser
             ckpt.wait()
             states[step] = {k: v.clone() for k, v in app["model"].state_dict().items()}
     store = open_storage(url, options)
-    victim = next(o for o in store.list("step-2/") if not o.key.endswith(layout.COMMIT_FILE) and o.size > 100)
+    victim = next(o for o in store.list("step-2/") if not o.key.endswith(naming.COMMIT_FILE) and o.size > 100)
     data = bytearray(store.get(victim.key))
     data[len(data) // 2] ^= 0xFF
     store.put_bytes(victim.key, bytes(data))
@@ -109,7 +109,7 @@ def test_ckpt_ls_and_verify_read_an_s3_prefix_without_changing_it(moto_server, s
     code, out, _ = run_cli(["ckpt", "verify", url, "--all"], capsys)
     assert code == 1 and out == f"{url}/step-3: no fastio-commit.json (an upload in progress, or one that failed)\n"
     victim = next(k for k, n in before.items() if k.startswith("step-2/") and n > 100
-                  and not k.endswith(layout.COMMIT_FILE))
+                  and not k.endswith(naming.COMMIT_FILE))
     data = bytearray(store.get(victim))
     data[len(data) // 2] ^= 0xFF
     store.put_bytes(victim, bytes(data))

@@ -234,13 +234,13 @@ def node_worker(rank: int, port: int, url: str, options: dict, root: str, out: s
     group.ABSENT_WARN_S = 2.0
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
-    remove = commit.layout.remove_step
+    remove = commit.removal.remove_step
 
     def slow_remove(path):
         time.sleep(4 if rank == 0 and str(path).endswith(".tmp") else 0)
         return remove(path)
 
-    commit.layout.remove_step = slow_remove
+    commit.removal.remove_step = slow_remove
     with Checkpointer(url, storage_options=options, staging_dir=f"{root}/node{rank}", signals=()) as ckpt:
         ckpt.save(1, {"model": nn.Linear(4, 2)}, blocking=True)
         steps = ckpt.steps()

@@ -347,7 +347,7 @@ def test_index_in_parts_then_merge_equals_one_run(shards, tmp_path, capsys, monk
 
 
 def test_expand_braces():
-    from fastio.convert.index_command import expand_braces
+    from fastio.convert.listing import expand_braces
 
     assert expand_braces("d/{000..002}.tar") == ["d/000.tar", "d/001.tar", "d/002.tar"]
     assert expand_braces("s3://b/{a,b}-{8..10}.tar") == [

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 from helpers import ctrl_c_default
 
+from fastio.convert.dest import staging_path
 from fastio.convert.merge import merge
 from fastio.convert.parts import PARTS_DIR
-from fastio.convert.run import ConvertConfig, convert, staging_path
+from fastio.convert.run import ConvertConfig, convert
 from fastio.convert.synthetic import make_imagefolder
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.manifest import MANIFEST_NAME

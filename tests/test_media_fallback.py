@@ -214,13 +214,13 @@ def test_without_the_option_a_cpu_loader_refuses_h264_and_names_it(h264_ds):
     import fastio
 
     with pytest.raises(DatasetError, match=r"codec h264.*cpu_fallback='pyav'"):
-        clips_loader(h264_ds, fastio.VideoClips(frames=4, size=24))
+        clips_loader(h264_ds, fastio.VideoClips(frames=4, size=24, cpu_fallback=None))
 
 
 def test_the_option_is_checked_where_it_enters():
     import fastio
 
-    with pytest.raises(ValueError, match="cpu_fallback must be None or one of pyav, got 'ffmpeg'"):
+    with pytest.raises(ValueError, match="cpu_fallback must be None or one of auto, pyav, got 'ffmpeg'"):
         fastio.VideoClips(cpu_fallback="ffmpeg")
     with pytest.raises(ValueError, match="fallback_threads must be an integer >= 1, got 0"):
         fastio.VideoClips(cpu_fallback="pyav", fallback_threads=0)
@@ -340,7 +340,7 @@ def test_crop_flip_and_start_are_those_of_a_vp9_copy_on_the_gpu_path(tmp_path):
 def test_indexed_shards_read_through_the_probe_table(tmp_path):
     from test_media import write_wds_tar
 
-    from fastio.convert.index_command import IndexConfig, index_shards
+    from fastio.convert.wds_index import IndexConfig, index_shards
 
     members = {}
     for k, (frames, suffix) in enumerate(((20, "mp4"), (16, "webm"), (28, "mp4"))):

@@ -75,14 +75,15 @@ def test_check_media_keeps_what_the_chosen_decoder_reads(h264_folder):
     h264 = (h264_folder / "c0" / "a.mp4").read_bytes()
     info = json.loads(check_media(h264, "mp4", "nvdec"))
     assert (info["codec"], info["frames"], info["keyframes"]) == ("h264", 20, [0, 8, 16])
-    with pytest.raises(MediaCheckError, match=r"^video codec h264 is not read by DALI's CPU decoder .* or keep it for "
-                                              r"decoding on a GPU with NVDEC .* --video-decoder nvdec"):
-        check_media(h264, "mp4")
+    assert json.loads(check_media(h264, "mp4")) == info  # the default (auto) keeps it too
+    with pytest.raises(MediaCheckError, match=r"^video codec h264 is not read by DALI's CPU decoder .*: convert with "
+                                              r"--transcode vp9 .* or leave out --video-decoder cpu"):
+        check_media(h264, "mp4", "cpu")
     odd = (h264_folder / "c1" / "odd.mkv").read_bytes()
-    for decoder in ("cpu", "nvdec"):
-        with pytest.raises(MediaCheckError, match="^video codec ffv1 is not read by DALI's CPU decoder") as got:
+    for decoder in ("auto", "cpu", "nvdec"):
+        with pytest.raises(MediaCheckError, match="^video codec ffv1 is not decoded by a Loader") as got:
             check_media(odd, "mkv", decoder)
-        assert "--transcode vp9" in str(got.value) and "--video-decoder nvdec" not in str(got.value)
+        assert "--transcode vp9" in str(got.value) and "--video-decoder" not in str(got.value)
 
 
 @pytest.mark.parametrize("encoder, suffix, codec", [("libx265", "mp4", "hevc"), ("mpeg4", "mp4", "mpeg4"),
@@ -98,11 +99,12 @@ def test_each_codec_nvdec_reads_is_probed_by_its_own_name(tmp_path, encoder, suf
         pytest.skip(f"{encoder}: {err}")
     info = json.loads(check_media(data, suffix, "nvdec"))
     assert (info["codec"], info["frames"]) == (codec, 6)
+    assert json.loads(check_media(data, suffix)) == info  # the default (auto) keeps each
     if codec == "mjpeg":
-        assert json.loads(check_media(data, suffix)) == info
+        assert json.loads(check_media(data, suffix, "cpu")) == info
     else:
         with pytest.raises(MediaCheckError, match=f"^video codec {codec} is not read by DALI's CPU decoder"):
-            check_media(data, suffix)
+            check_media(data, suffix, "cpu")
 
 
 def test_convert_with_nvdec_keeps_h264_as_it_is_and_counts_codecs(nvdec_ds, h264_folder):
@@ -112,7 +114,7 @@ def test_convert_with_nvdec_keeps_h264_as_it_is_and_counts_codecs(nvdec_ds, h264
     m = ds.manifest
     assert set(m.fields) == {"cls", "mp4", "probe.json", "webm"} and m.total_samples == 4
     assert [s["path"] for s in m.skipped] == ["c1/odd.mkv"]
-    assert "not read by DALI's CPU decoder nor by its NVDEC decoder" in m.skipped[0]["reason"]
+    assert m.skipped[0]["reason"].startswith("video codec ffv1 is not decoded by a Loader")
     assert m.convert_options["video_decoder"] == "nvdec" and "transcode" not in m.convert_options
     keys = [ds.key(i) for i in range(4)]
     assert keys == ["c0/a", "c0/b", "c0/c", "c1/d"]
@@ -127,10 +129,10 @@ def test_convert_with_nvdec_keeps_h264_as_it_is_and_counts_codecs(nvdec_ds, h264
 
 
 def test_convert_on_the_cpu_path_still_skips_h264_and_counts_vp9(tmp_path, h264_folder):
-    result = convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1))
+    result = convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1, video_decoder="cpu"))
     m = result.manifests[""]
     assert sorted(s["path"] for s in result.skipped) == ["c0/a.mp4", "c0/b.mp4", "c1/d.mp4", "c1/odd.mkv"]
-    assert "video_decoder" not in m.convert_options and m.video_codecs == {"vp9": {"count": 1, "first": 0}}
+    assert m.convert_options["video_decoder"] == "cpu" and m.video_codecs == {"vp9": {"count": 1, "first": 0}}
     with clips_loader(tmp_path / "ds", batch_size=1) as loader:
         assert next(iter(loader))["video"].shape == (1, 4, 24, 24, 3)
 
@@ -146,8 +148,10 @@ def test_nvdec_with_transcode_reencodes_only_what_nvdec_cannot_read(tmp_path, h2
     assert set(m.fields) == {"cls", "mp4", "probe.json", "webm"}  # odd.mkv became c1/odd.webm; the mp4s stay
 
 
-def test_a_cpu_loader_refuses_h264_when_it_is_made(nvdec_ds):
+def test_a_cpu_loader_without_cpu_fallback_refuses_h264_when_it_is_made(nvdec_ds):
     import fastio
+
+    clips = fastio.VideoClips(frames=4, stride=2, size=24, cpu_fallback=None)
 
     expected = (f"{nvdec_ds}: holds 3 videos in codec h264, which DALI's CPU decoder does not read (the first: "
                 "shard shard-000000.tar key 'c0/a'): decode them on a GPU with device='cuda' (NVDEC), decode them on the "
@@ -157,16 +161,18 @@ def test_a_cpu_loader_refuses_h264_when_it_is_made(nvdec_ds):
 
     for device in ("cpu",) + (() if torch.cuda.is_available() else ("auto",)):  # auto: the CPU where no GPU is
         with pytest.raises(DatasetError) as got:
-            clips_loader(nvdec_ds, device=device)  # made, never iterated
+            clips_loader(nvdec_ds, clips, device=device)  # made, never iterated
         assert str(got.value) == expected
     mix = fastio.Mixture({"gpu": str(nvdec_ds), "also": str(nvdec_ds)})
     with pytest.raises(DatasetError) as got:
-        clips_loader(mix)
+        clips_loader(mix, clips)
     assert str(got.value) == expected
 
 
 def test_the_first_non_cpu_video_is_named_by_its_shard(tmp_path, h264_folder):
     """The count's first sample is dataset-wide: in a later shard it is named with that shard."""
+    import fastio
+
     src = tmp_path / "src"
     synthetic.make_video(src / "c0" / "a.webm", frames=8, fps=12)
     synthetic.make_video(src / "c0" / "b.webm", frames=8, fps=12)
@@ -175,7 +181,7 @@ def test_the_first_non_cpu_video_is_named_by_its_shard(tmp_path, h264_folder):
                           max_samples_per_shard=2))
     with pytest.raises(DatasetError, match=r"holds 1 video in codec h264, .* \(the first: shard shard-000001.tar "
                                            r"key 'c0/c'\)"):
-        clips_loader(tmp_path / "ds")
+        clips_loader(tmp_path / "ds", fastio.VideoClips(frames=4, size=24, cpu_fallback=None))
 
 
 def test_cli_video_decoder(tmp_path, h264_folder, capsys):
@@ -188,13 +194,13 @@ def test_cli_video_decoder(tmp_path, h264_folder, capsys):
 
     assert fastio.Dataset(tmp_path / "ds").manifest.convert_options["video_decoder"] == "nvdec"
     code, out, err = run_cli(["convert", str(h264_folder), str(tmp_path / "ds2"), "--video-decoder", "gpu"], capsys)
-    assert code == 2 and err == "fastio: error: --video-decoder must be one of cpu, nvdec, got 'gpu'\n"
+    assert code == 2 and err == "fastio: error: --video-decoder must be one of auto, cpu, nvdec, got 'gpu'\n"
     assert not (tmp_path / "ds2").exists()
     code, out, err = run_cli(["inspect", str(tmp_path / "ds")], capsys)
-    assert code == 0 and "videos:   h264 3 (NVDEC only: device='cuda'), vp9 1\n" in out
+    assert code == 0 and "videos:   h264 3 (NVDEC on a GPU, PyAV on a CPU), vp9 1\n" in out
     code, out, err = run_cli(["convert", "--help"], capsys)
     assert "--video-decoder" in out and "nvdec" in out
-    with pytest.raises(ValueError, match="video_decoder must be one of cpu, nvdec, got 'cuda'"):
+    with pytest.raises(ValueError, match="video_decoder must be one of auto, cpu, nvdec, got 'cuda'"):
         ConvertConfig(source=h264_folder, dest=tmp_path / "x", video_decoder="cuda")
 
 
@@ -243,7 +249,7 @@ def test_a_manifest_without_the_codec_count_still_loads(tmp_path, h264_folder):
     """Manifests written before the count: a dataset of VP9 reads on the CPU as before; a bad count is named."""
     import fastio
 
-    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1))
+    convert(ConvertConfig(source=h264_folder, dest=tmp_path / "ds", workers=1, video_decoder="cpu"))
     path = tmp_path / "ds" / "manifest.json"
     data = json.loads(path.read_text())
     del data["video_codecs"]
@@ -299,13 +305,14 @@ def test_index_with_nvdec_probes_h264_and_a_cpu_loader_refuses_it(tmp_path, h264
 
     import fastio
 
-    code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "cpu"), "-q"], capsys)
+    code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "cpu"), "--video-decoder", "cpu",
+                              "-q"], capsys)
     assert code == 0, err
     cpu = fastio.Dataset(tmp_path / "cpu").manifest
     assert [s["path"].rsplit("/", 1)[1] for s in cpu.skipped] == ["v-000000.tar:k1.mp4", "v-000001.tar:k2.mp4",
                                                                     "v-000001.tar:k3.mp4"]
     assert cpu.skipped[0]["reason"].startswith("not probed (kept in the shard): video codec h264 is not read by "
-                                               "DALI's CPU decoder") and "--video-decoder nvdec" in cpu.skipped[0]["reason"]
+                                               "DALI's CPU decoder") and "--video-decoder cpu" in cpu.skipped[0]["reason"]
     assert cpu.video_codecs == {"vp9": {"count": 1, "first": 0}}
     code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "gpu"), "--video-decoder", "nvdec",
                               "-q"], capsys)
@@ -315,7 +322,7 @@ def test_index_with_nvdec_probes_h264_and_a_cpu_loader_refuses_it(tmp_path, h264
     assert ds.manifest.video_codecs == {"h264": {"count": 3, "first": 1}, "vp9": {"count": 1, "first": 0}}
     assert json.loads(ds.probes.probe(3, "mp4")) == probe((h264_folder / "c1" / "d.mp4").read_bytes(), "mp4")
     with pytest.raises(DatasetError) as got:
-        clips_loader(tmp_path / "gpu")
+        clips_loader(tmp_path / "gpu", fastio.VideoClips(frames=4, size=24, cpu_fallback=None))
     assert str(got.value) == (f"{tmp_path / 'gpu'}: holds 3 videos in codec h264, which DALI's CPU decoder does not "
                               "read (the first: shard v-000000.tar key 'k1'): decode them on a GPU with "
                               "device='cuda' (NVDEC), decode them on the CPU with PyAV with "
@@ -323,7 +330,7 @@ def test_index_with_nvdec_probes_h264_and_a_cpu_loader_refuses_it(tmp_path, h264
                               "(transcode='vp9')")
     code, out, err = run_cli(["index", str(h264_tars), "--dest", str(tmp_path / "x"), "--video-decoder", "gpu"],
                              capsys)
-    assert code == 2 and err == "fastio: error: --video-decoder: must be one of cpu, nvdec, got 'gpu'\n"
+    assert code == 2 and err == "fastio: error: --video-decoder: must be one of auto, cpu, nvdec, got 'gpu'\n"
 
 
 def test_index_in_parts_with_nvdec_then_merge(tmp_path, h264_tars, capsys):

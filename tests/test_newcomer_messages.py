@@ -97,17 +97,18 @@ def test_convert_names_the_first_skipped_inputs_and_inspect_lists_all(tmp_path, 
     code, out, err = run_cli(["convert", str(broken_folder), str(dest)], capsys)
     assert code == 0, err
     lines = out.splitlines()
-    assert "skipped 7" in lines[0]
-    assert [line.split(":")[0].strip() for line in lines[1:6]] == [f"circle/bad{i}.jpg" for i in range(5)]
-    assert all("not a readable image" in line for line in lines[1:6])
-    assert lines[6] == f"  ... and 2 more: fastio inspect {dest} --skipped" and len(lines) == 7
+    assert "skipped 7" in lines[0] and len(lines) == 3, out  # each reason once, with its count
+    assert lines[1].startswith("  6 inputs (circle/bad0.jpg, circle/bad1.jpg, circle/bad2.jpg, and 3 more): not a "
+                               "readable image"), lines[1]
+    assert lines[2].startswith("  circle/notes.jpg: not a readable image"), lines[2]
     code, out, _ = run_cli(["inspect", str(dest), "--skipped"], capsys)
     assert code == 0
     listed = out.splitlines()
     assert [line.split(":")[0] for line in listed] == [f"circle/bad{i}.jpg" for i in range(6)] + ["circle/notes.jpg"]
     assert all(": not a readable image" in line for line in listed)
     code, out, _ = run_cli(["inspect", str(dest)], capsys)
-    assert "(skipped at conversion: 7)\n  circle/bad0.jpg: not a readable image" in out
+    assert "(skipped at conversion: 7)\n  6 inputs (circle/bad0.jpg, circle/bad1.jpg, circle/bad2.jpg, and 3 more): " \
+        "not a readable image" in out
 
 
 def test_inspect_skipped_of_a_clean_dataset_says_so(image_dataset, capsys):
@@ -118,3 +119,17 @@ def test_inspect_skipped_of_a_clean_dataset_says_so(image_dataset, capsys):
 def test_the_tar_fixture_is_a_plain_webdataset_tar(shards):
     with tarfile.open(shards / "shard-000000.tar") as tar:
         assert sorted({Path(m.name).suffix for m in tar.getmembers()}) == [".cls", ".jpg"]
+
+
+def test_skipped_lines_say_each_reason_once_then_how_many_more():
+    """Each reason once with its count and first three inputs; past the first five reasons, how many inputs are
+    left and the command that lists them."""
+    from fastio.progress import skipped_lines
+
+    skipped = [{"path": f"a{i}.mp4", "reason": "same reason"} for i in range(3)]
+    skipped += [{"path": f"b{i}.jpg", "reason": f"reason {i}"} for i in range(6)]
+    skipped += [{"path": "c.jpg", "reason": "reason 5"}]
+    lines = skipped_lines(skipped, "fastio inspect DEST --skipped").splitlines()
+    assert lines == ["", "  3 inputs (a0.mp4, a1.mp4, a2.mp4): same reason", "  b0.jpg: reason 0", "  b1.jpg: reason 1",
+                     "  b2.jpg: reason 2", "  b3.jpg: reason 3", "  ... and 3 more: fastio inspect DEST --skipped"]
+    assert skipped_lines([], "x") == ""

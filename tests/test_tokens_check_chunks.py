@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from fastio.cli import main
+from fastio.convert import token_index
+from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import TokenInfo
 from fastio.errors import DatasetError
+from fastio.formats import megatron
+from fastio.formats.megatron import HEADER_BYTES, MegatronIndex, MegatronShard, MegatronWriter
 from fastio.report import verify
-from fastio.tokens import index as token_index
-from fastio.tokens import megatron
-from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import HEADER_BYTES, MegatronIndex, MegatronShard, MegatronWriter
 
 N = 3000  # documents: several chunks of 256 (or 300: not aligned with the starts table's 1024)
 

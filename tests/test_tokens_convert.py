@@ -10,10 +10,10 @@ import pytest
 from tokens_helpers import train_tokenizer
 
 from fastio.cli import main
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens, load_tokenizer
 from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens, load_tokenizer
-from fastio.tokens.megatron import MegatronShard
+from fastio.formats.megatron import MegatronShard
 
 TEXTS = ["the quick brown fox", "", "héllo wörld — 日本語", "   ", "packing documents into sequences",
          "a stream of tokens", "megatron indexed datasets"]

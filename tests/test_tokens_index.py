@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from fastio.cli import main
+from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import load_manifest
-from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import MegatronIndex, MegatronWriter
+from fastio.formats.megatron import MegatronIndex, MegatronWriter
 
 EOS = 2
 DOCS = [[5, 6, 7, EOS], [1, EOS], [9, 9, 9, 9, EOS]]

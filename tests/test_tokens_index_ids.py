@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 from helpers import run_cli
 
+from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import load_manifest
+from fastio.formats.megatron import MegatronWriter
 from fastio.storage.checksum import digests_file
-from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import MegatronWriter
 
 EOS = 0
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gpt_train.py"

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import fastio
+from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import load_manifest, write_manifest
 from fastio.errors import DatasetError, FastioError
+from fastio.formats.megatron import MegatronWriter
 from fastio.report.verify import verify
-from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import MegatronWriter
 from fastio.tokens.starts import STARTS_EVERY, STARTS_NAME
 
 EOS = 0
@@ -129,7 +129,7 @@ def test_verify_finds_a_manifest_claiming_one_sequence_per_document_wrongly(tmp_
     counts agree, only doc_index says otherwise."""
     import struct
 
-    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+    from fastio.formats.megatron import HEADER_BYTES, MAGIC
 
     folder = _corpus(tmp_path / "c", shards=(40,))
     idx = folder / "s-0.idx"
@@ -363,7 +363,7 @@ def test_documents_of_several_sequences_and_none_read_the_same_through_the_table
     doc_index's, and a Loader gives the batches of no table; verify passes."""
     import struct
 
-    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+    from fastio.formats.megatron import HEADER_BYTES, MAGIC
 
     folder = tmp_path / "c"
     folder.mkdir()
@@ -515,7 +515,7 @@ def test_a_manifest_falsely_claiming_one_sequence_per_document_is_caught_through
     document were its sequence: refused when the block is read, and by verify."""
     import struct
 
-    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+    from fastio.formats.megatron import HEADER_BYTES, MAGIC
 
     folder = tmp_path / "c"
     folder.mkdir()
@@ -544,7 +544,7 @@ def test_token_parts_merged_give_the_whole_runs_table_and_batches(tmp_path):
     from tokens_helpers import train_tokenizer
 
     from fastio.convert.merge import merge
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     tok = train_tokenizer(tmp_path / "tokenizer.json")
     rng = np.random.default_rng(0)

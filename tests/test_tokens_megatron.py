@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fastio.errors import DatasetError
-from fastio.tokens.megatron import MegatronIndex, MegatronShard, MegatronWriter, token_dtype
+from fastio.formats.megatron import MegatronIndex, MegatronShard, MegatronWriter, token_dtype
 
 DOCS = [np.array([5, 6, 7, 0]), np.array([1, 0]), np.array([9, 9, 9, 9, 9, 0]), np.array([0])]
 
@@ -212,7 +212,7 @@ def test_one_per_document_claim_is_checked(tmp_path):
     that disagrees at open, a doc_index that is not 0, 1, ..., N in check_structure (fastio verify)."""
     import struct
 
-    from fastio.tokens.megatron import HEADER_BYTES, MAGIC
+    from fastio.formats.megatron import HEADER_BYTES, MAGIC
 
     # 2 documents of 2 sequences: document 0 has none, document 1 both (doc_index 0, 0, 2)
     lengths, pointers = np.array([2, 2], "<i4"), np.array([0, 4], "<i8")

@@ -29,7 +29,7 @@ def corpora(tmp_path_factory):
     web = word_corpus(root / "web")
     code = root / "code"
     shutil.copytree(web.parent, code)
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     lines = (code / "c.jsonl").read_text().splitlines(keepends=True)[40:]
     (code / "c.jsonl").write_text("".join(lines))

@@ -16,9 +16,9 @@ from tokens_helpers import train_tokenizer
 
 from fastio.convert.merge import merge
 from fastio.convert.parts import part_dir
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 from fastio.errors import ConvertError
 from fastio.storage.lock import DirLock
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
@@ -187,7 +187,7 @@ def test_spans_cut_a_file_into_contiguous_runs_with_their_line_and_row_names(tmp
 
 
 def test_the_merge_cuts_where_the_writer_cuts():
-    from fastio.tokens.convert import starts_new_token_shard, token_shard_cuts
+    from fastio.convert.token_convert import starts_new_token_shard, token_shard_cuts
 
     rng = np.random.default_rng(9)
     for _ in range(200):

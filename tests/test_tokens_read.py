@@ -373,7 +373,7 @@ def _vocab_corpus(root, vocab=70_000, docs=60, long=0):
     of 1..20 words (``long``: one more of that many words), 20 documents per shard."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     words = {f"w{i}": i for i in range(vocab)}
     words["<|endoftext|>"] = vocab
@@ -552,8 +552,8 @@ def test_elastic_resume_through_grouped_reads_and_block_tables(corpus, packing, 
 def test_empty_shards_and_empty_documents_read_as_the_pieces(tmp_path, dtype, packing, monkeypatch):
     """Indexed Megatron pairs: an empty shard first and between two others, empty documents, ids past 65535
     (int32): every batch of two epochs (block tables) is the tokens its pieces name."""
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
-    from fastio.tokens.megatron import MegatronWriter
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+    from fastio.formats.megatron import MegatronWriter
 
     monkeypatch.setattr(packing_module, "STREAM_TABLE_DOCS", 0)
     rng = np.random.default_rng(3)

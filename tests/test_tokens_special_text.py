@@ -11,11 +11,11 @@ import pytest
 from helpers import run_cli
 from tokens_helpers import CORPUS, train_tokenizer
 
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens, load_tokenizer
 from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError
+from fastio.formats.megatron import MegatronShard
 from fastio.report.verify import verify
-from fastio.tokens.convert import TokenConvertConfig, convert_tokens, load_tokenizer
-from fastio.tokens.megatron import MegatronShard
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 TEXTS = ["the quick brown fox", f"alpha {EOS} beta", "a stream of tokens", f"x{PAD}y{EOS}", EOS, "",

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import fastio
+from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import load_manifest, write_manifest
 from fastio.errors import DatasetError
+from fastio.formats.megatron import MegatronIndex, MegatronWriter
 from fastio.report.verify import verify
-from fastio.tokens.index import TokenIndexConfig, index_tokens
-from fastio.tokens.megatron import MegatronIndex, MegatronWriter
 from fastio.tokens.starts import STARTS_EVERY, STARTS_NAME, read_starts
 
 EOS = 0

@@ -35,7 +35,7 @@ def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: i
 def word_corpus(root: Path) -> Path:
     """A converted token dataset of 120 documents of 1..29 random words (seeded), 25 documents per shard, with
     its tokenizer, under ``root``; returns the dataset's folder."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     tok = train_tokenizer(root / "tokenizer.json")
     rng = np.random.default_rng(0)

@@ -1,60 +1,217 @@
-"""What ``fastio ckpt ls`` and ``fastio ckpt verify`` show: the checkpoints of a directory or of an ``s3://`` prefix.
+"""What ``fastio ckpt ls`` and ``fastio ckpt verify`` show, and the check of a step's files against its marker: the
+checkpoints of a directory or of an ``s3://`` prefix.
 
-A directory is read by :mod:`fastio.checkpoint.layout`. On an object store a step is committed when
-``step-N/fastio-commit.json`` exists (the Checkpointer uploads it last); a ``step-N/`` without it is an upload in
-progress or one that failed (shown as incomplete, and verified only with ``include_uncommitted``); a
-``step-N.quarantined/`` prefix (a superseded step moved aside by a new step of its number) is listed as
-quarantined. Verifying a
-committed step downloads it into a temporary directory, one step at a time, and checks every file against its
-marker exactly as on disk; nothing on the store is changed.
+A directory is read by :func:`fastio.checkpoint.scan.scan`; every committed step's files are checked against its
+commit marker (:func:`verify_step`; a restore checks the step it loads with :func:`verify_files`). On an object
+store a step is committed when ``step-N/fastio-commit.json`` exists (the Checkpointer uploads it last); a
+``step-N/`` without it is an upload in progress or one that failed (shown as incomplete, and verified only with
+``include_uncommitted``); a ``step-N.quarantined/`` prefix (a superseded step moved aside by a new step of its
+number) is listed as quarantined. Verifying a committed step on a store downloads it into a temporary directory,
+one step at a time, and checks every file against its marker exactly as on disk; nothing on the store is
+changed. Superseded steps (:mod:`fastio.checkpoint.rollback`) are listed as such and not verified.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from fastio.checkpoint import layout
+from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quarantined_name, step_name
+from fastio.checkpoint.publish import data_files
+from fastio.checkpoint.record import CommitRecord, parse_commit
+from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
+from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, remote_steps, scan
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
+from fastio.storage.checksum import DIGESTS, digest_file
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
 
-__all__ = ["list_steps", "pending_rollback", "remote_steps", "verify_steps"]
+__all__ = [
+    "VerifyReport",
+    "list_checkpoints",
+    "list_steps",
+    "listing_row",
+    "still_committed",
+    "verify",
+    "verify_files",
+    "verify_report",
+    "verify_step",
+    "verify_steps",
+]
 
 
+# ---------------------------------------------------------------- checking a step's files
+
+
+def _check_file(p: Path, want: dict[str, Any]) -> str | None:
+    algo = next((a for a in DIGESTS if a in want), None)
+    if algo is None:
+        return f"{p}: the commit marker records no known checksum ({', '.join(sorted(want))})"
+    try:
+        size, digest = digest_file(p, algo)
+    except FileNotFoundError:
+        return f"{p}: missing"
+    except OSError as err:
+        return f"{p}: unreadable: {err.strerror or err}"
+    if size != want.get("bytes"):
+        return f"{p}: size {size}, commit marker says {want.get('bytes')}"
+    if digest != want[algo]:
+        return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
+    return None
+
+
+def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks every
+    n-th file from the i-th (so n ranks can share the reading)."""
+    i, n = part
+    listed = sorted(entry.commit.files.items())[i::n]
+    # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
+    found = (_check_file(entry.path / rel, want) for rel, want in listed)
+    return [p for p in found if p]
+
+
+def verify_step(entry: StepEntry) -> list[str]:
+    """Problems with one step directory, one line each (empty when every checksum matches)."""
+    if not entry.committed:
+        return [f"{entry.path}: {entry.problem}" if not entry.problem.startswith(str(entry.path))
+                else entry.problem]
+    problems = verify_files(entry)
+    listed = entry.commit.files
+    for p in data_files(entry.path):
+        if p.relative_to(entry.path).as_posix() not in listed:
+            problems.append(f"{p}: not listed in the commit marker")
+    return problems
+
+
+def still_committed(entry: StepEntry) -> bool:
+    """True when committed ``entry``'s directory still holds the commit marker it was listed with (False once
+    retention has renamed it away to delete it, or a rollback superseded it, after :func:`scan` listed it)."""
+    try:
+        return read_commit(entry.path) == entry.commit
+    except CheckpointError:
+        return False
+
+
+# ---------------------------------------------------------------- a directory
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_report` found."""
+
+    problems: list[str]
+    """One line per problem, naming the file or directory; empty when everything checked out."""
+    steps: list[int]
+    """The committed steps that were checked, oldest first."""
+    vanished: list[int] = field(default_factory=list)
+    """Committed steps that retention deleted (or a rollback superseded) while they were being checked: skipped,
+    not damaged."""
+
+
+def _check_root(root: Path) -> Path:
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    if not is_checkpoint_dir(root):
+        raise CheckpointError(f"{root}: not a checkpoint directory (no step-N directories, no {LOCK_NAME})")
+    return root
+
+
+def verify_report(root: Path, *, include_uncommitted: bool = False) -> VerifyReport:
+    """Check every committed checkpoint under ``root`` against its commit marker (and report step
+    directories that are not committed: always a ``step-N`` without a valid marker, ``step-N.tmp``
+    ones too when ``include_uncommitted``). Superseded steps are skipped, and so is a committed step that is
+    deleted while it is checked (``vanished``). CheckpointError when ``root`` is not a checkpoint directory."""
+    root = _check_root(root)
+    report = VerifyReport([], [])
+    for entry in scan(root):
+        if entry.superseded:  # no checkpoint any more, and not damaged either
+            continue
+        found = verify_step(entry) if entry.committed or include_uncommitted or not entry.temporary else []
+        if found and entry.committed and not still_committed(entry):
+            report.vanished.append(entry.step)  # being deleted by retention (renamed away first), not damaged
+            continue
+        report.problems += found
+        if entry.committed:
+            report.steps.append(entry.step)
+    return report
+
+
+def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
+    """Problems found in every committed checkpoint under ``root`` (and in-progress ones when asked)."""
+    return verify_report(root, include_uncommitted=include_uncommitted).problems
+
+
+def list_checkpoints(root: Path) -> list[dict]:
+    """One row per step directory (quarantined ones too): step, committed, bytes (as stored), engine, checksum,
+    compression, time, epoch, metrics, problem."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    rows = []
+    entries = scan(root)
+    for child in sorted(root.iterdir()):
+        step = parse_quarantined_name(child.name)
+        if step is not None and child.is_dir():
+            entries.append(StepEntry(step, child, None, "quarantined: moved aside by fastio (damaged, "
+                                     "unrecognised or replaced); inspect it, then delete it or rename it back"))
+    entries.sort(key=lambda e: (e.step, e.path.name))
+    for e in entries:
+        size = e.commit.bytes if e.commit else None
+        if size is None:
+            size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
+        rows.append(listing_row(e.step, str(e.path), e.commit, size, e.problem))
+    return rows
+
+
+def listing_row(step: int, where: str, commit: CommitRecord | None, size: int, problem: str | None) -> dict:
+    """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None)."""
+    c = commit
+    state = ("committed" if c else "superseded" if problem == SUPERSEDED else
+             "quarantined" if QUARANTINE_SUFFIX in where else "incomplete")
+    return {"step": step, "path": where, "committed": c is not None, "state": state, "bytes": size,
+            "engine": c.engine if c else None, "checksum": c.checksum if c else None,
+            "compression": c.compression if c else None, "time_utc": c.time_utc if c else None,
+            "epoch": c.progress.epoch if c else None, "metrics": dict(c.progress.metrics) if c else {},
+            "files": len(c.files) if c else 0, "problem": problem}
+
+
+# ---------------------------------------------------------------- a directory or an s3:// prefix
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
-    """``(where, rows)``: one row per step (see :func:`fastio.checkpoint.layout.list_checkpoints`) of a checkpoint
+    """``(where, rows)``: one row per step (see :func:`list_checkpoints`) of a checkpoint
     directory or ``s3://`` prefix, oldest first."""
     loc = parse_location(str(where))
     if not loc.remote:
-        return str(loc.path), layout.list_checkpoints(loc.path)
+        return str(loc.path), list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
     rows = []
-    doomed = pending_rollback(storage)
+    doomed = pending_remote_rollback(storage)
     for step, sizes in remote_steps(storage).items():
-        name = layout.step_name(step)
+        name = step_name(step)
         commit, problem = None, None
         if step in doomed:
-            problem = layout.SUPERSEDED
-        elif layout.COMMIT_FILE in sizes:
+            problem = SUPERSEDED
+        elif COMMIT_FILE in sizes:
             try:
-                commit = layout.parse_commit(_get(storage, f"{name}/{layout.COMMIT_FILE}"),
-                                             storage.url_of(f"{name}/{layout.COMMIT_FILE}"))
+                commit = parse_commit(_get(storage, f"{name}/{COMMIT_FILE}"),
+                                      storage.url_of(f"{name}/{COMMIT_FILE}"))
             except CheckpointError as err:
                 problem = str(err)
-        elif layout.SUPERSEDED_FILE in sizes:
-            problem = layout.SUPERSEDED
+        elif SUPERSEDED_FILE in sizes:
+            problem = SUPERSEDED
         else:
-            problem = f"{storage.url_of(name)}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)"
+            problem = f"{storage.url_of(name)}: no {COMMIT_FILE} (an upload in progress, or one that failed)"
         size = commit.bytes if commit else None
-        rows.append(layout.listing_row(step, storage.url_of(name), commit,
-                                       sum(sizes.values()) if size is None else size, problem))
+        rows.append(listing_row(step, storage.url_of(name), commit,
+                                sum(sizes.values()) if size is None else size, problem))
     for name, (step, size) in _quarantined(storage).items():
-        rows.append(layout.listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
-                                       "(a superseded step of the number a new one took)"))
+        rows.append(listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
+                                "(a superseded step of the number a new one took)"))
     return storage.url, sorted(rows, key=lambda r: (r["step"], r["path"]))
 
 
@@ -67,41 +224,41 @@ def _quarantined(storage: Storage) -> dict[str, tuple[int, int]]:
     found: dict[str, tuple[int, int]] = {}
     for o in objects:
         top = o.key.partition("/")[0]
-        step = layout.parse_quarantined_name(top)
+        step = parse_quarantined_name(top)
         if step is not None:
             found[top] = (step, found.get(top, (step, 0))[1] + o.size)
     return found
 
 
 def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
-                 storage_options: dict | None = None) -> tuple[str, layout.VerifyReport]:
+                 storage_options: dict | None = None) -> tuple[str, VerifyReport]:
     """``(where, report)``: every committed checkpoint of a directory or ``s3://`` prefix checked against its
-    commit marker (see :func:`fastio.checkpoint.layout.verify_report`). CheckpointError when ``where`` holds no
+    commit marker (see :func:`verify_report`). CheckpointError when ``where`` holds no
     checkpoints at all (no step, no lock)."""
     loc = parse_location(str(where))
     if not loc.remote:
-        return str(loc.path), layout.verify_report(loc.path, include_uncommitted=include_uncommitted)
+        return str(loc.path), verify_report(loc.path, include_uncommitted=include_uncommitted)
     storage = open_storage(loc, storage_options)
     steps = remote_steps(storage)
     if not steps and storage.head(LOCK_NAME) is None:
         raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
-    mirror = DirMirror(storage, layout.COMMIT_FILE)
+    mirror = DirMirror(storage, COMMIT_FILE)
     problems, verified, vanished = [], [], []
-    doomed = pending_rollback(storage)
+    doomed = pending_remote_rollback(storage)
     with tempfile.TemporaryDirectory(prefix="fastio-ckpt-verify-") as tmp:
         for step, sizes in steps.items():
-            name = layout.step_name(step)
+            name = step_name(step)
             url = storage.url_of(name)
-            if step in doomed or layout.COMMIT_FILE not in sizes and layout.SUPERSEDED_FILE in sizes:
+            if step in doomed or COMMIT_FILE not in sizes and SUPERSEDED_FILE in sizes:
                 continue  # superseded: no checkpoint any more, and not damaged either
-            if layout.COMMIT_FILE not in sizes:
+            if COMMIT_FILE not in sizes:
                 if include_uncommitted:
-                    problems.append(f"{url}: no {layout.COMMIT_FILE} (an upload in progress, or one that failed)")
+                    problems.append(f"{url}: no {COMMIT_FILE} (an upload in progress, or one that failed)")
                 continue
             local = Path(tmp) / name
             try:
                 mirror.pull(name, local)
-                found = layout.verify_step(layout.StepEntry(step, local, layout.read_commit(local)))
+                found = verify_step(StepEntry(step, local, read_commit(local)))
             except (StorageError, CheckpointError) as err:
                 found = [str(err)]
             shutil.rmtree(local, ignore_errors=True)
@@ -110,41 +267,15 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
                 continue
             problems += [p.replace(str(local), url) for p in found]
             verified.append(step)
-    return storage.url, layout.VerifyReport(problems, verified, vanished)
+    return storage.url, VerifyReport(problems, verified, vanished)
 
 
 def _marked(storage: Storage, name: str) -> bool:
     """True when ``name/`` still holds its commit marker (an unreachable store counts as marked: not skipped)."""
     try:
-        return storage.head(f"{name}/{layout.COMMIT_FILE}") is not None
+        return storage.head(f"{name}/{COMMIT_FILE}") is not None
     except StorageError:
         return True
-
-
-def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
-    """``{step: {key under step-N/: size}}`` of every ``step-N/`` prefix, oldest step first."""
-    try:
-        objects = storage.list()
-    except StorageError as err:
-        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
-    steps: dict[int, dict[str, int]] = {}
-    for o in objects:
-        top, _, rest = o.key.partition("/")
-        step = layout.parse_step_name(top)
-        if step is not None and rest:
-            steps.setdefault(step, {})[rest] = o.size
-    return dict(sorted(steps.items()))
-
-
-def pending_rollback(storage: Storage) -> frozenset[int]:
-    """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``, see
-    :func:`fastio.checkpoint.layout.start_rollback`): superseded, whatever their marker is still called."""
-    try:
-        if storage.head(layout.ROLLBACK_FILE) is None:
-            return frozenset()
-    except StorageError as err:
-        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
-    return layout.parse_rollback(_get(storage, layout.ROLLBACK_FILE), storage.url_of(layout.ROLLBACK_FILE))
 
 
 def _get(storage: Storage, key: str) -> bytes:

@@ -16,7 +16,7 @@ prefix's lease, and with node-local staging the lowest rank of each node locks i
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
 of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
 file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.layout` for what may be deleted. A save's
+back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.removal` for what may be deleted. A save's
 progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
 (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, layout, restore
+from fastio.checkpoint import agree, compress, naming, restore, scan
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -160,7 +160,7 @@ class Checkpointer:
             return
         problem: str | None = None
         try:
-            layout.refuse_dataset_dir(self.dir)
+            scan.refuse_dataset_dir(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
@@ -380,7 +380,7 @@ class Checkpointer:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
             why = str(err) if isinstance(err, CheckpointError) else first_line(err)
-            raise CheckpointError(f"{layout.step_dir(self.dir, step)}: checkpoint write failed: "
+            raise CheckpointError(f"{naming.step_dir(self.dir, step)}: checkpoint write failed: "
                                   f"{why} (the previous checkpoint is intact)") from err
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
@@ -417,8 +417,8 @@ class Checkpointer:
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 self._agree_shapes(step, app, shapes)
         except CheckpointError:
-            for path in made:
-                layout.remove_step(path)
+            if made:
+                self._commit.discard(step)
             raise
         replicated = list(self.config.replicated)
         if self.world_size > 1 and not global_keys:
@@ -469,7 +469,7 @@ class Checkpointer:
 
             ranks.run("write", write)
             if self._compression is not None:
-                files = layout.data_files(tmp)[self._share[0]::self._share[1]]
+                files = self._commit.data_files(step)[self._share[0]::self._share[1]]
                 ranks.barrier("compress")  # every rank has listed the files before any replaces one
                 ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
             self._commit.publish(ranks, self.rank, step, info, self.config.keep)
@@ -477,7 +477,7 @@ class Checkpointer:
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:
                 try:
-                    layout.remove_step(tmp)
+                    self._commit.discard(step)
                 except OSError:
                     pass
             # Published only after the clean-up: a caller that sees it may exit at once (this is a daemon thread).

@@ -1,13 +1,14 @@
 """Where a Checkpointer's steps are committed and found again: one interface, two implementations.
 
 :class:`Commit` owns a checkpoint directory's steps as the Checkpointer sees them: the temporary a save is
-written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.layout`), publishing it with its commit marker
-last, retention, which steps exist, and making a step readable locally before a restore checks it. The
-Checkpointer keeps the scheduling and decides what to restore; it runs one restore flow over either
-implementation (plan, fetch, check, fall back).
+written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.naming`), its files (and deleting it when a save
+fails), publishing it with its commit marker last (:mod:`fastio.checkpoint.publish`), retention, which steps
+exist, and making a step readable locally before a restore checks it. The Checkpointer keeps the scheduling
+and decides what to restore; it runs one restore flow over either implementation (plan, fetch, check, fall
+back).
 
 - :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
-  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`layout.commit`) and applies retention; for
+  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`publish.commit`) and applies retention; for
   ``s3://`` it then uploads every committed step the store lacks and applies retention there
   (:meth:`RemoteCheckpoints.after_commit`). Restore candidates: local committed steps, and the store's.
 - :class:`NodeLocalCommit`: an ``s3://`` dir staged in one directory per node. Each node's ranks upload their
@@ -23,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import layout
+from fastio.checkpoint import naming, publish, removal, retention, rollback, scan
 from fastio.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Commit(Protocol):
     restored: int | None
     """Set by the Checkpointer to the step a restore loaded: the next :meth:`publish` first supersedes every
     committed step above it (the abandoned branch of a rollback, crash-safely: see
-    :func:`fastio.checkpoint.layout.start_rollback`), then forgets it."""
+    :mod:`fastio.checkpoint.rollback`), then forgets it."""
 
     def tmp_dir(self, step: int) -> Path: ...
 
@@ -57,6 +58,14 @@ class Commit(Protocol):
 
     def start(self, step: int) -> Path:
         """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own."""
+        ...
+
+    def data_files(self, step: int) -> list[Path]:
+        """The files in ``step``'s temporary that its commit marker will list (the engine's, as written)."""
+        ...
+
+    def discard(self, step: int) -> None:
+        """The lowest rank of ``ranks_here``: delete ``step``'s temporary (a save that failed)."""
         ...
 
     def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
@@ -102,20 +111,26 @@ class _Steps:
         return step if self.restored is None else min(step, self.restored)
 
     def tmp_dir(self, step: int) -> Path:
-        return layout.tmp_dir(self.root, step)
+        return naming.tmp_dir(self.root, step)
 
     def step_dir(self, step: int) -> Path:
-        return layout.step_dir(self.root, step)
+        return naming.step_dir(self.root, step)
 
     def start(self, step: int) -> Path:
         try:
-            return layout.start_tmp(self.root, step)
+            return publish.start_tmp(self.root, step)
         except OSError as err:
             raise CheckpointError(f"{self.tmp_dir(step)}: cannot create checkpoint directory: "
                                   f"{err.strerror or err}") from None
 
+    def data_files(self, step: int) -> list[Path]:
+        return publish.data_files(self.tmp_dir(step))
+
+    def discard(self, step: int) -> None:
+        removal.remove_step(self.tmp_dir(step))
+
     def clean(self) -> None:
-        _, left = layout.remove_abandoned(self.root)
+        _, left = removal.remove_abandoned(self.root)
         for entry in left:
             if entry.temporary:
                 log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
@@ -149,12 +164,12 @@ class LocalCommit(_Steps):
                 floor, remote = self._floor(step), self.remote
                 if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
                     remote.start_rollback(floor)
-                layout.start_rollback(self.root, floor)
-                _warn_superseded(self.root, step, floor, layout.finish_rollback(self.root))
+                rollback.start_rollback(self.root, floor, [e.step for e in scan.committed(self.root)])
+                _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
-                layout.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
-                layout.apply_retention(self.root, keep)
+                publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
+                retention.apply_retention(self.root, keep)
                 if self.remote is not None:
                     self.remote.after_commit(keep)
 
@@ -164,11 +179,11 @@ class LocalCommit(_Steps):
     def steps(self) -> list[int]:
         if self.remote is not None:
             return self._remote_steps()
-        return [e.step for e in layout.committed(self.root)]
+        return [e.step for e in scan.committed(self.root)]
 
     def plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]]:
         try:
-            entries = layout.scan(self.root)
+            entries = scan.scan(self.root)
         except OSError as err:
             raise CheckpointError(f"{self.root}: cannot read checkpoint directory: {err}") from None
         done = {e.step for e in entries if e.committed}
@@ -202,7 +217,7 @@ class NodeLocalCommit(_Steps):
 
         ranks.run("confirm", confirm)
         i, n = self.ranks_here.index(rank), len(self.ranks_here)
-        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, layout.data_files(tmp)[i::n]))
+        records = ranks.run("upload", lambda: remote.upload_files(step, tmp, self.data_files(step)[i::n]))
         every = ranks.gather("upload", records)
 
         def commit() -> None:
@@ -214,9 +229,9 @@ class NodeLocalCommit(_Steps):
                         raise CheckpointError(f"{tmp}: {twice[0]} was written on two nodes; give staging_dir= on "
                                               "a shared file system")
                     files.update(part)
-                remote.publish_commit(step, layout.commit_data(files, step=step, info=info), keep)
+                remote.publish_commit(step, publish.commit_data(files, step=step, info=info), keep)
             if rank == self.ranks_here[0]:  # uploaded, and no node holds the whole step: the temporaries go, within
-                layout.remove_step(tmp)  # the phase (a large step takes seconds: this rank is seen busy)
+                self.discard(step)  # the phase (a large step takes seconds: this rank is seen busy)
 
         ranks.run("commit", commit)
         self.restored = None

@@ -5,7 +5,7 @@ so compression works on files: after the engine has written ``step-N.tmp``, ever
 replaced by ``NAME.zst`` (one zstd frame with its own content checksum; written as ``NAME.zst.tmp``, then
 renamed, then ``NAME`` removed) and the commit marker lists the stored files with ``"compression": "zstd"``.
 ``ckpt verify`` checks the stored bytes. A restore verifies them too, then decompresses into a private
-directory next to the step (:func:`fastio.checkpoint.layout.start_restore_dir`) and the engine reads that.
+directory next to the step (:func:`fastio.checkpoint.removal.start_restore_dir`) and the engine reads that.
 
 ``"zstd+shuffle"`` byte-shuffles before compressing: each 1 MiB block of the file (the last one shorter) is
 rearranged as all first bytes of its 4-byte words, then all second bytes, ... (the tail that is not a whole

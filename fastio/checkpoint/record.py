@@ -1,6 +1,6 @@
 """The commit marker ``fastio-commit.json`` as a typed record: parsed and checked here, serialised here.
 
-A marker says that a step directory is a checkpoint (see :mod:`fastio.checkpoint.layout`). It holds the step, the
+A marker says that a step directory is a checkpoint (see :mod:`fastio.checkpoint.scan`). It holds the step, the
 commit time, the engine that wrote the files, the codec of a compressed checkpoint, the size and checksum of every
 file, and the save's progress (:class:`Progress`: epoch, metrics, elapsed time, hparams, world size): the one
 progress record of a checkpoint, written once by rank 0 and read back on every rank by a restore.

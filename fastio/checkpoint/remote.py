@@ -24,7 +24,7 @@ marker of steps older than the newest committed one (what a retention cut short 
 prefix: rank 0 holds the prefix's lease (``PREFIX/.fastio-lock``, :mod:`fastio.storage.lease`) from construction
 to ``close``, beside the staging directory's DirLock (held by the lowest rank of each node-local directory), and
 confirms it before a step's upload, before its commit marker, before a rollback supersedes the abandoned steps
-(``PREFIX/fastio-rollback.json`` lists them first, as on disk: :func:`fastio.checkpoint.layout.start_rollback`) and
+(``PREFIX/fastio-rollback.json`` lists them first, as on disk: :mod:`fastio.checkpoint.rollback`) and
 before retention; a lost lease fails that save
 (nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
@@ -41,10 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from fastio.checkpoint import layout
-from fastio.checkpoint.catalog import pending_rollback, remote_steps
+from fastio.checkpoint import naming, publish, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.record import CommitRecord
+from fastio.checkpoint.retention import expired
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
@@ -120,7 +120,7 @@ class RemoteCheckpoints:
 
     def __init__(self, url: str, root: Path, storage_options: dict | None = None):
         self.url, self.root = url, Path(root)
-        self.mirror = DirMirror(open_storage(url, storage_options), layout.COMMIT_FILE)
+        self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
@@ -149,11 +149,11 @@ class RemoteCheckpoints:
 
     def upload_files(self, step: int, tmp: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
         """Checksum and upload files of ``step-N.tmp`` to ``step-N/`` (no marker); their commit-marker records."""
-        sub = self.mirror.storage.child(layout.step_name(step))
+        sub = self.mirror.storage.child(naming.step_name(step))
 
         def one(path: Path) -> tuple[str, dict[str, Any]]:
             rel = path.relative_to(tmp).as_posix()
-            record = layout.file_record(path)
+            record = publish.file_record(path)
             sub.put_file(rel, path)
             return rel, record
 
@@ -170,8 +170,7 @@ class RemoteCheckpoints:
         only while the lease (if held) is confirmed."""
         try:
             self._confirm()
-            self.mirror.storage.child(layout.step_name(step)).put_bytes(layout.COMMIT_FILE,
-                                                                        data.encode())
+            self.mirror.storage.child(naming.step_name(step)).put_bytes(naming.COMMIT_FILE, data.encode())
             self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
@@ -181,39 +180,19 @@ class RemoteCheckpoints:
     def pending_rollback(self) -> frozenset[int]:
         """The steps of a rollback in progress on the store (``PREFIX/fastio-rollback.json``); none are
         checkpoints."""
-        return pending_rollback(self.mirror.storage)
+        return rollback.pending_remote_rollback(self.mirror.storage)
 
     def start_rollback(self, floor: int) -> list[int]:
         """Before the first commit after a restore of step ``floor``: record on the store every committed step
         above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
         a checkpoint. Only while the lease (if held) is confirmed."""
-        def start() -> list[int]:
-            doomed = sorted(self.pending_rollback() | {s for s in self.committed_steps() if s > floor})
-            if doomed:
-                self._confirm()
-                self.mirror.storage.put_bytes(layout.ROLLBACK_FILE, layout.encode_rollback(floor, doomed))
-            return doomed
-
-        return self._superseding(start, floor)
+        return self._superseding(lambda: rollback.start_remote_rollback(
+            self.mirror.storage, floor, self.committed_steps, self._confirm), floor)
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
         deleted; every other object kept), then delete the record; returns the steps it listed."""
-        def finish() -> list[int]:
-            storage = self.mirror.storage
-            doomed = sorted(self.pending_rollback())
-            if doomed:
-                self._confirm()
-            for s in doomed:
-                sub = storage.child(layout.step_name(s))
-                if sub.head(layout.COMMIT_FILE) is not None:
-                    sub.put_bytes(layout.SUPERSEDED_FILE, sub.get(layout.COMMIT_FILE))
-                    sub.delete(layout.COMMIT_FILE)
-            if doomed:
-                storage.delete(layout.ROLLBACK_FILE)
-            return doomed
-
-        return self._superseding(finish, None)
+        return self._superseding(lambda: rollback.finish_remote_rollback(self.mirror.storage, self._confirm), None)
 
     def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
         """``fn()``, its store and lease errors as one CheckpointError."""
@@ -229,14 +208,14 @@ class RemoteCheckpoints:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
         ``step-N.quarantined/`` (``-2``...: each object copied through a temporary file, then deleted), not written
         over; returns the new name (None when there was nothing to move). Only while the lease is confirmed."""
-        storage, name = self.mirror.storage, layout.step_name(step)
+        storage, name = self.mirror.storage, naming.step_name(step)
         try:
             objects = storage.child(name).list()
-            if not any(o.key == layout.SUPERSEDED_FILE for o in objects):
+            if not any(o.key == rollback.SUPERSEDED_FILE for o in objects):
                 return None
             self._confirm()
             taken = {o.key.split("/")[0] for o in storage.list()}  # a store lists by whole path segments
-            target = next(n for n in layout.quarantine_names(name) if n not in taken)
+            target = next(n for n in naming.quarantine_names(name) if n not in taken)
             _copy_objects(storage.child(name), storage.child(target), objects)
             for o in objects:
                 storage.child(name).delete(o.key)
@@ -250,11 +229,11 @@ class RemoteCheckpoints:
     def fetch(self, step: int) -> None:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
         the caller checks every node's copy)."""
-        dest = layout.step_dir(self.root, step)
-        if any(e.step == step for e in layout.committed(self.root)):
+        dest = naming.step_dir(self.root, step)
+        if any(e.step == step for e in scan.committed(self.root)):
             return
         if dest.exists():
-            layout.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+            removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
         try:
             self.mirror.pull(dest.name, dest)
         except StorageError as err:
@@ -263,25 +242,25 @@ class RemoteCheckpoints:
     def committed_steps(self) -> list[int]:
         """The store's committed steps, oldest first (less those of a rollback in progress)."""
         doomed = self.pending_rollback()
-        return sorted(s for s in map(layout.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        return sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
         steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
         during an earlier retention (or upload) left behind. While the lease is held no other writer is
         uploading, and such a step was never, or is no longer, a checkpoint."""
-        listed = remote_steps(self.mirror.storage)
-        steps = {step: layout.COMMIT_FILE in keys for step, keys in listed.items()}
+        listed = scan.remote_steps(self.mirror.storage)
+        steps = {step: naming.COMMIT_FILE in keys for step, keys in listed.items()}
         done = sorted(s for s, marked in steps.items() if marked)
         if not done:
             return
-        old = done[:-keep] if keep > 0 else []
+        old = expired(done, keep)
         leftovers = [s for s, marked in steps.items()  # a superseded step is kept (see finish_rollback)
-                     if not marked and s < done[-1] and layout.SUPERSEDED_FILE not in listed[s]]
+                     if not marked and s < done[-1] and rollback.SUPERSEDED_FILE not in listed[s]]
         if old or leftovers:
             self._confirm()
         for step in old + sorted(leftovers):
-            self.mirror.remove(layout.step_name(step))
+            self.mirror.remove(naming.step_name(step))
         if leftovers:
             log.info("fastio: %s: removed leftovers of uncommitted step(s) %s (older than committed step %d)",
                      self.url, ", ".join(map(str, sorted(leftovers))), done[-1])
@@ -292,7 +271,7 @@ class RemoteCheckpoints:
         try:
             self._confirm()
             remote = set(self.committed_steps())
-            for entry in layout.committed(self.root):
+            for entry in scan.committed(self.root):
                 if entry.step not in remote:
                     self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)

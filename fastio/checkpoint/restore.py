@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fastio.checkpoint import compress, layout
+from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import first_line
@@ -148,7 +148,7 @@ def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, stri
     if ck._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
         _set_aside(newer, read_only=ck.read_only)
     path = commit.step_dir(chosen)
-    state = _restore(ck, path, layout.read_commit(path), app, strict, loader_policy)
+    state = _restore(ck, path, scan.read_commit(path), app, strict, loader_policy)
     commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
     return state
 
@@ -185,7 +185,7 @@ def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
             continue
         try:
             moved = ("; left in place (read_only)" if read_only else
-                     f"; moved aside to {layout.quarantine(Path(path_)).name}")
+                     f"; moved aside to {removal.quarantine(Path(path_)).name}")
         except OSError as err:
             moved = f"; left in place ({err.strerror or err})"
         reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
@@ -196,14 +196,14 @@ def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
     """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
     against its recorded size and checksum, the ranks sharing the files); empty when intact."""
     def check() -> list[str]:
-        entry = layout.StepEntry(step, path, layout.read_commit(path))
+        entry = scan.StepEntry(step, path, scan.read_commit(path))
         if entry.commit.engine not in ENGINES:
-            return [f"{path / layout.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
+            return [f"{path / naming.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
                     f"fastio has {', '.join(sorted(ENGINES))}"]
         why = compress.check_marker(entry.commit)
         if why:
-            return [f"{path / layout.COMMIT_FILE}: {why}"]
-        return layout.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
+            return [f"{path / naming.COMMIT_FILE}: {why}"]
+        return catalog.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
 
     return ck._ranks.collect("check", check)
 
@@ -239,9 +239,9 @@ def _start_restore_dir(ck: Checkpointer, step: int) -> str | None:
     if not ck._leader:
         return None
     try:
-        return str(layout.start_restore_dir(ck.dir, step))
+        return str(removal.start_restore_dir(ck.dir, step))
     except OSError as err:
-        raise CheckpointError(f"{layout.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
+        raise CheckpointError(f"{naming.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
 
 
 @dataclass

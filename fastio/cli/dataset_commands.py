@@ -55,13 +55,14 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
-@click.option("--transcode", default=None, metavar="vp9",
-              help="Re-encode video the --video-decoder cannot read (the CPU's: H.264, HEVC, MPEG-4, AV1) as VP9 "
-                   "WebM (default: such video is skipped and listed).")
-@click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
-              help="What the videos are kept for: cpu (DALI's CPU decoder: VP8, VP9, MJPEG) or nvdec (decoded on a "
-                   "GPU, Loader device='cuda': also H.264, HEVC, MPEG-4, AV1 kept as they are; a CPU Loader refuses "
-                   "them).")
+@click.option("--transcode", default=None, metavar="vp9|flac|vp9,flac",
+              help="vp9: re-encode video of a codec --video-decoder does not keep (FFV1, ProRes, ...) as VP9 WebM; "
+                   "flac: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded as FLAC; vp9,flac: "
+                   "both; with PyAV, no ffmpeg needed (default: such files are skipped and listed).")
+@click.option("--video-decoder", default="auto", show_default=True, metavar="auto|cpu|nvdec",
+              help="Which videos are kept as they are: auto (VP8, VP9, MJPEG, H.264, HEVC, MPEG-4, AV1: a Loader "
+                   "decodes them with NVDEC on a GPU, with DALI's CPU decoder or PyAV on a CPU), cpu (only what "
+                   "DALI's CPU decoder reads: VP8, VP9, MJPEG) or nvdec (as auto).")
 @click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
               help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
                    "one (see --on-error); 0: no limit of fastio's own.")
@@ -109,7 +110,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
             text_field: str | None, eos: str | None, special_in_text: str | None, endpoint_url: str | None,
             region: str | None,
-            profile: str | None, transcode: str | None = None, video_decoder: str = "cpu") -> None:
+            profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
@@ -153,7 +154,7 @@ _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
-    from fastio.tokens.convert import TokenConvertConfig, convert_tokens
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     params = ctx.params
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
@@ -207,9 +208,9 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--image-field", default=None, help="Main image field (default: the one most samples have).")
 @click.option("--name", default="webdataset", show_default=True, help="Dataset name in the manifest.")
 @click.option("--threads", type=int, default=4, show_default=True, help="Shards read at once.")
-@click.option("--video-decoder", default="cpu", show_default=True, metavar="cpu|nvdec",
-              help="Videos are probed for: cpu (VP8, VP9, MJPEG) or nvdec (a Loader with device='cuda': also H.264, "
-                   "HEVC, MPEG-4, AV1); a member the decoder cannot read stays in its shard, named, not probed.")
+@click.option("--video-decoder", default="auto", show_default=True, metavar="auto|cpu|nvdec",
+              help="Which videos are probed: auto (every codec a Loader decodes, H.264 too), cpu (VP8, VP9, MJPEG) "
+                   "or nvdec (as auto); a member of another codec stays in its shard, named, not probed.")
 @click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
                                                 "files are never written).")
 @click.option("--part", default=None, metavar="K/N",
@@ -225,7 +226,7 @@ def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @storage_flags()
 def index(source: tuple[str, ...], dest: str | None, label_field: str | None, image_field: str | None, name: str,
           threads: int, overwrite: bool, part: str | None, quiet: bool, eos_id: int | None, vocab_size: int | None,
-          endpoint_url: str | None, region: str | None, profile: str | None, video_decoder: str = "cpu") -> None:
+          endpoint_url: str | None, region: str | None, profile: str | None, video_decoder: str = "auto") -> None:
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
@@ -233,7 +234,8 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
     doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
-    from fastio.convert.index_command import IndexConfig, index_shards, paths_pattern
+    from fastio.convert.listing import paths_pattern
+    from fastio.convert.wds_index import IndexConfig, index_shards
     from fastio.progress import progress_wanted
 
     if eos_id is not None:
@@ -265,7 +267,7 @@ _TOKEN_INDEX_FLAGS = ("source", "dest", "eos_id", "vocab_size", "name", "overwri
 
 def _index_tokens(ctx: click.Context, quiet: bool) -> None:
     """``fastio index --eos-id``: Megatron pairs indexed in place; WebDataset-only flags refused by name."""
-    from fastio.tokens.index import TokenIndexConfig, index_tokens
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
 
     params = ctx.params
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_INDEX_FLAGS and
@@ -290,7 +292,8 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 
 @cli.command()
 @click.argument("dest")
-@click.option("--decode", is_flag=True, help="Also decode every image.")
+@click.option("--decode", is_flag=True,
+              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file.")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
 @storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,
@@ -307,7 +310,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
         click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
         raise click.exceptions.Exit(1)
     if not quiet:
-        decoded = f", {report.decoded} images decoded" if decode else ""
+        decoded = f", {report.decoded_line()}" if decode else ""
         click.echo(f"ok: {dest}: {report.shards} shards, {report.samples} samples verified{decoded}")
 
 
@@ -439,8 +442,8 @@ def _print_info(info: dict[str, Any]) -> None:
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
     if info.get("videos"):
-        click.echo("videos:   " + ", ".join(f"{v['codec']} {v['count']}" + ("" if v["cpu"] else " (NVDEC only: "
-                                                                             "device='cuda')") for v in info["videos"]))
+        click.echo("videos:   " + ", ".join(f"{v['codec']} {v['count']}" + ("" if v["cpu"] else " (NVDEC on a GPU, "
+                                                                             "PyAV on a CPU)") for v in info["videos"]))
     if info.get("classes"):
         click.echo(f"classes:  {len(info['classes'])}")
         named = any(c["name"] for c in info["classes"])  # indexed shards have labels without names

@@ -1,5 +1,6 @@
 """Making datasets: ``convert`` (:mod:`fastio.convert.run`), ``merge``, parts, ``--split``, ``fastio index``
-(:mod:`fastio.convert.index_command`) and the synthetic inputs of demo, tests and bench.
+(:mod:`fastio.convert.wds_index`), token datasets (``--tokenizer``: :mod:`fastio.convert.token_convert`;
+``fastio index --eos-id``: :mod:`fastio.convert.token_index`) and the synthetic inputs of demo, tests and bench.
 
 ``from fastio.convert import ConvertConfig, convert`` (the documented import) is resolved lazily from
 :mod:`fastio.convert.run`, so importing the package imports nothing else.

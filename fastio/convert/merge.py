@@ -35,9 +35,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fastio.convert.index_command import INDEX_PLAN, merge_index_parts
+from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
-from fastio.convert.run import check_dest, reset_dest
+from fastio.convert.token_convert import TOKEN_PLAN
+from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
+from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     Manifest,
@@ -55,8 +57,6 @@ from fastio.formats.images import is_image_field
 from fastio.formats.media import join_video_codecs
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
-from fastio.tokens.convert import TOKEN_PLAN
-from fastio.tokens.merge import comparable_plan, merge_token_parts, part_command
 
 __all__ = ["MergeResult", "merge", "publish_dataset"]
 

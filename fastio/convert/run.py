@@ -8,14 +8,9 @@ DEST life cycle: the marker file is written first, shards are published one by o
 (or, with ``split``, ``splits.json`` after every split's manifest) is written last. A DEST holding the
 marker but no final file is an interrupted run, which the same command redoes from scratch.
 
-One writer per DEST: a conversion holds DEST's :class:`~fastio.storage.lock.DirLock` (``DEST/.fastio-lock``) from
-before it checks DEST until its last file is published; a second conversion into the same DEST is
-refused at once with a :class:`~fastio.errors.ConvertError` naming DEST and the holder; so is one into a DEST
-whose parts (``DEST/.parts/part-K-of-N/``, each locked by its writer) are still being converted, before
-anything is deleted, and a part started while DEST's lock is held. The kernel drops
-the lock when the holder dies, so a killed run never blocks the next. An ``s3://`` DEST is guarded the same way
-by a lease object (:mod:`fastio.storage.lease`), which a killed run leaves until it expires (at once for a
-rerun on the same host or a requeue of the same Slurm job).
+One writer per DEST: a conversion holds DEST's lock from before it checks DEST until its last file is published
+(checks, locks, reset, staging and upload: :mod:`fastio.convert.dest`, every writer's); a part started while DEST's
+lock is held is refused.
 
 Rejected inputs: the scan's refusals (bad labels, paths outside the root, symlinks against the policy,
 see :mod:`fastio.converters`) and samples that fail to load (unreadable, undecodable, over ``max_pixels``,
@@ -30,24 +25,19 @@ is, and ``fastio merge`` (:mod:`fastio.convert.merge`) publishes the dataset onc
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import os
 import random
-import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastio import converters
+from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PARTS_DIR,
     PartRecord,
     listing_digest,
     parse_part,
-    parse_part_dir,
     part_dir,
     part_range,
     predicted_shard_starts,
@@ -55,46 +45,37 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool
+from fastio.convert.workers import OrderedPool, default_workers
 from fastio.converters.base import FileRef, ScanOptions
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME, Manifest, write_splits
+from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
+    DEFAULT_VIDEO_DECODER,
     PROBE_FIELD,
-    TRANSCODES,
     VIDEO_DECODERS,
     MediaCheckError,
     count_video_codec,
     is_media_field,
+    parse_transcode,
     prepare_media,
     probe_json,
 )
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
-from fastio.storage import S3Storage, Storage, is_remote, open_storage
-from fastio.storage.atomic import atomic_write_bytes
-from fastio.storage.lease import LeaseLostError, writer_lease
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
-from fastio.storage.url import parse_location
-
-T = TypeVar("T")
+from fastio.storage import is_remote
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
     "ConvertConfig",
     "ConvertResult",
-    "check_dest",
     "convert",
     "load_entry",
-    "lock_parts",
     "parse_size",
     "parse_split",
-    "reset_dest",
-    "staging_path",
-    "upload_dataset",
 ]
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
@@ -141,13 +122,6 @@ def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
     return split
 
 
-def _default_workers() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
 @dataclass
 class ConvertConfig:
     """Everything ``fastio convert`` needs; the output depends on all fields but ``workers`` and ``progress``."""
@@ -162,7 +136,7 @@ class ConvertConfig:
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
     max_samples_per_shard: int | None = None
     """At most this many samples per shard; None: no limit."""
-    workers: int = field(default_factory=_default_workers)
+    workers: int = field(default_factory=default_workers)
     """Processes that read, check and re-encode samples; does not change the output."""
     shuffle: bool = False
     """Permute the sample order (with ``seed``) before sharding."""
@@ -182,12 +156,15 @@ class ConvertConfig:
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
     transcode: str | None = None
-    """``vp9``: re-encode video the ``video_decoder`` cannot read (the CPU's: H.264, HEVC, ...) as VP9 WebM
-    (field ``webm``); None: such video is skipped and listed (:mod:`fastio.formats.media`)."""
-    video_decoder: str = "cpu"
-    """The decode path the stored videos are for: ``cpu`` (DALI's CPU decoder: VP8, VP9, MJPEG) or ``nvdec``
-    (DALI's mixed decoder on a GPU, ``Loader(device="cuda")``: also H.264, HEVC, MPEG-4, AV1, kept as they are;
-    a Loader on the CPU refuses a dataset holding them). Recorded as ``convert_options.video_decoder``."""
+    """``vp9``: re-encode video of a codec ``video_decoder`` does not keep (FFV1, ProRes, ...; with ``cpu`` also
+    H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read
+    (MP3, AAC, ...) decoded by PyAV as FLAC (field ``flac``); ``vp9,flac``: both; None: such files are skipped and
+    listed (:mod:`fastio.formats.media`)."""
+    video_decoder: str = DEFAULT_VIDEO_DECODER
+    """Which videos are kept as they are: ``auto`` (every codec a Loader decodes: VP8, VP9, MJPEG, H.264, HEVC,
+    MPEG-4, AV1; on a GPU with NVDEC, on a CPU with DALI's CPU decoder or, for the rest, PyAV), ``cpu`` (only those
+    DALI's CPU decoder reads: VP8, VP9, MJPEG) or ``nvdec`` (the same as ``auto``). Recorded as
+    ``convert_options.video_decoder`` unless ``auto``."""
     on_error: str = "skip"
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
@@ -215,8 +192,8 @@ class ConvertConfig:
     where a bar cannot be drawn; the CLI gives 5 when stderr is not a terminal); None: no lines."""
     staging_dir: Path | None = None
     """For a URL ``dest`` (``s3://bucket/prefix``): where the dataset is written before it is uploaded, in a
-    folder named after DEST (:func:`staging_path`: a killed run's copy is reused and replaced by the rerun;
-    removed after the upload; as big as the whole converted dataset). Default: the system's temporary
+    folder named after DEST (:func:`fastio.convert.dest.staging_path`: a killed run's copy is reused and replaced by
+    the rerun; removed after the upload; as big as the whole converted dataset). Default: the system's temporary
     directory (``$TMPDIR``, else ``/tmp``)."""
     storage_options: dict | None = None
     """For a URL ``dest``: endpoint, region, credentials over the environment's (:class:`fastio.storage.StorageOptions`)."""
@@ -249,8 +226,7 @@ class ConvertConfig:
             self.root = Path(self.root)
         if not 1 <= self.quality <= 100:
             raise ValueError(f"quality must be in 1..100, got {self.quality}")
-        if self.transcode is not None and self.transcode not in TRANSCODES:
-            raise ValueError(f"transcode must be vp9 (or None), got {self.transcode!r}")
+        self.transcode = parse_transcode(self.transcode)
         if self.video_decoder not in VIDEO_DECODERS:
             raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
         if self.on_error not in ON_ERROR:
@@ -268,7 +244,7 @@ class ConvertConfig:
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
                 "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {}),
-                **({"video_decoder": self.video_decoder} if self.video_decoder != "cpu" else {})}
+                **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {})}
 
 
 @dataclass
@@ -283,6 +259,9 @@ class ConvertResult:
     bytes_in: int
     part: tuple[int, int] | None = None
     """(K, N) when this was one part of a conversion in parts."""
+    renamed: list[tuple[str, str, str]] = field(default_factory=list)
+    """Inputs whose key an earlier input had (``a/tone.wav`` and ``a/tone.flac``): ``(input, key it got, the
+    earlier input)``; see :class:`fastio.converters.base.Keys`."""
 
     @property
     def samples(self) -> int:
@@ -311,7 +290,17 @@ class ConvertResult:
         labels = f"; labels: {rule}" if rule else ""
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}" + skipped_lines(self.skipped, more))
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                + skipped_lines(self.skipped, more))
+
+
+def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
+    """The summary's note of inputs renamed because an earlier one had their key: how many, and the first pair."""
+    if not renamed:
+        return ""
+    origin, key, first = renamed[0]
+    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
+            f"has the key it would have had)")
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -360,8 +349,9 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
                 name, value, probes[name] = prepare_media(value, name, transcode, video_decoder)
             except MediaCheckError as err:
                 return None, str(err), where
-            if name in out:  # transcoded into a field the sample already has: one video would be lost
-                return None, f"field {name!r} twice: another video of the sample was transcoded into it", where
+            if name in out:  # transcoded into a field the sample already has: one file would be lost
+                what = "video" if name == "webm" else "audio file"  # transcode_vp9's, transcode_flac's
+                return None, f"field {name!r} twice: another {what} of the sample was transcoded into it", where
         if is_image_field(name):
             try:
                 if max_side is not None:
@@ -397,47 +387,6 @@ def _display_path(where: str, source: Path) -> str:
         return Path(where).relative_to(base).as_posix()
     except ValueError:
         return where
-
-
-# -- DEST --------------------------------------------------------------------------------------------
-
-def _is_complete(dest: Path) -> bool:
-    return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
-
-
-def check_dest(dest: Path, source: Path | None, overwrite: bool) -> None:
-    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None: a SOURCE that is
-    no local path, which DEST cannot contain)."""
-    if dest.exists() and not dest.is_dir():
-        raise ConvertError(f"{dest}: exists and is not a directory")
-    src, dst = (None if source is None else source.resolve()), dest.resolve()
-    if src is not None and (src == dst or src in dst.parents or dst in src.parents):
-        raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
-    if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
-        complete = _is_complete(dest)
-        ours = complete or (dest / MARKER_NAME).is_file() or (dest / PARTS_DIR).is_dir()
-        if complete and not overwrite:
-            raise ConvertError(f"{dest}: already holds a converted dataset; pass overwrite=True to replace it")
-        if not ours and not overwrite:
-            raise ConvertError(f"{dest}: directory is not empty and is not fastio output; "
-                               "pass overwrite=True to replace its contents")
-
-
-def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
-    """Make DEST an empty directory holding only the marker and the entries named in ``keep`` (call
-    :func:`check_dest` first)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(dest / MARKER_NAME, b"fastio convert output; complete once manifest.json or splits.json exists\n")
-    # The final files go first so that DEST stops being a dataset before anything else changes.
-    for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
-        final.unlink(missing_ok=True)
-    for child in dest.iterdir():
-        if child.name in (MARKER_NAME, LOCK_NAME) or child.name in keep:  # the holder's lock is on the lock file
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
 
 
 # -- orchestration -----------------------------------------------------------------------------------
@@ -550,27 +499,18 @@ def convert(config: ConvertConfig) -> ConvertResult:
         return _guard_os(config, lambda: _write_part(config, scan, groups, started))
     lock = DirLock(config.dest, purpose="fastio convert")
     if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
-        _lock(lock, config.dest)
+        lock_dest(lock, config.dest)
     try:
         return _convert_locked(config, lock, started)
     finally:
         lock.release()
 
 
-def _lock(lock: DirLock, dest: Path) -> None:
-    try:
-        lock.acquire()
-    except LockedError as err:
-        raise ConvertError(str(err)) from None  # names DEST and the holder
-    except OSError as err:  # DEST cannot be created
-        raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
-
-
 def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> ConvertResult:
     check_dest(config.dest, config.source, config.overwrite)
     scan, groups = _scan(config)
     if not lock.held:
-        _lock(lock, config.dest)
+        lock_dest(lock, config.dest)
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
     parts = lock_parts(config.dest)
     try:
@@ -578,31 +518,6 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
     finally:
         for part in parts:
             part.release()
-
-
-def lock_parts(dest: Path) -> list[DirLock]:
-    """Lock every part directory under ``DEST/.parts/`` (DEST's own lock is held), so that resetting DEST
-    deletes no running part's files; a running part is a ConvertError naming it and its holder, before
-    anything is deleted. (A part started later sees DEST's lock and refuses: :func:`_write_part`.)"""
-    root, locks = dest / PARTS_DIR, []
-    children = sorted(root.iterdir()) if root.is_dir() else []
-    try:
-        for child in children:
-            kn = parse_part_dir(child.name)
-            if kn is None or not child.is_dir() or child.is_symlink():
-                continue
-            try:
-                locks.append(DirLock(child, "fastio convert").acquire())
-            except LockedError:
-                raise ConvertError(
-                    f"{dest}: part {kn[0]}/{kn[1]} of a conversion in parts is running ({holder_of(child)}); "
-                    f"nothing was deleted: let it finish and run `fastio merge {dest}`, or stop it, before "
-                    "converting into DEST again") from None
-    except BaseException:
-        for lock in locks:
-            lock.release()
-        raise
-    return locks
 
 
 def _scan(config: ConvertConfig):
@@ -641,7 +556,8 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
     if config.split:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in)
+                         skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
+                         renamed=scan.renamed)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -677,7 +593,8 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     finally:
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
-                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n))
+                         skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
+                         renamed=scan.renamed)
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
@@ -716,102 +633,11 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
     return manifests, all_skipped, bytes_in
 
 
-# -- object-store DEST ------------------------------------------------------------------------------
-
-_FINAL_NAMES = (MANIFEST_NAME, SPLITS_NAME)
-
-
-def _is_dataset_key(key: str) -> bool:
-    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards (a token
-    conversion's ``.bin``), indexes."""
-    parts = key.split("/")
-    return (parts[-1] in (*_FINAL_NAMES, MARKER_NAME) and len(parts) <= 2) or (
-        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".bin", ".idx")))
-
-
-def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
-    """The keys of a previous conversion under DEST (to delete after an ``overwrite``); ConvertError if
-    DEST holds a dataset (without ``overwrite``) or objects fastio did not write. The lease object
-    (``.fastio-lock``) is neither: it is the writer's, never listed for deletion."""
-    keys = [o.key for o in storage.list() if o.key != LOCK_NAME]
-    if not keys:
-        return []
-    ours = any(k in (MARKER_NAME, *_FINAL_NAMES) for k in keys)
-    if not ours:
-        raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
-    if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:
-        raise ConvertError(f"{storage.url}: already holds a converted dataset; pass overwrite=True to replace it")
-    return [k for k in keys if _is_dataset_key(k)]
-
-
 def _convert_to_url(config: ConvertConfig) -> ConvertResult:
-    """Convert into a local staging folder, then upload it to ``config.dest`` (:func:`upload_dataset`)."""
+    """Convert into a local staging folder, then upload it to ``config.dest``
+    (:func:`fastio.convert.dest.upload_dataset`)."""
     result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
                             lambda local: convert(dataclasses.replace(config, dest=local, overwrite=True)))
     result.dest = config.dest
     return result
 
-
-def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | None, overwrite: bool,
-                   write: Callable[[Path], T]) -> T:
-    """Write a dataset with ``write(local)`` into DEST's local staging folder (:func:`staging_path`), then upload
-    it to the URL ``dest``, final files last; returns what ``write`` returned.
-
-    With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
-    upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
-    deleted. One writer per DEST: the conversion holds DEST's lease (``DEST/.fastio-lock``,
-    :mod:`fastio.storage.lease`) from before it checks DEST until the last upload, and confirms it before it
-    deletes anything and before the final files; a second conversion is refused at once naming the holder."""
-    storage = open_storage(dest, storage_options)
-    lease = writer_lease(storage, "fastio convert") if isinstance(storage, S3Storage) else None
-    if lease is not None:
-        try:
-            lease.acquire()
-        except LockedError as err:
-            raise ConvertError(str(err)) from None  # names DEST and the holder
-    guard = lease.confirm if lease is not None else (lambda: None)
-    try:
-        return _upload_converted(dest, storage, staging_dir, overwrite, write, guard)
-    except LeaseLostError as err:
-        raise ConvertError(f"{err} (nothing more was uploaded)") from None
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
-    """The local folder a conversion into the URL ``dest`` is written in before its upload:
-    ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
-    temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
-    left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
-    url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
-
-
-def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
-                      write: Callable[[Path], T], guard: Callable[[], None]) -> T:
-    old = _check_remote_dest(storage, overwrite)
-    staging = staging_path(str(dest), staging_dir)
-    lock = DirLock(staging, f"fastio convert to {dest}")
-    _lock(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
-    try:
-        # the folder is this DEST's own staging copy: what a killed run left there is replaced
-        local = staging / "dest"
-        result = write(local)
-        (local / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
-        guard()
-        for key in old:
-            if key.split("/")[-1] in _FINAL_NAMES:
-                storage.delete(key)
-        splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
-        last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
-        uploaded = storage.publish_dir(local, keys_last=last, before_last=guard)
-        guard()
-        for key in sorted(set(old) - set(uploaded)):
-            storage.delete(key)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
-        lock.release()
-    return result

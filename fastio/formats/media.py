@@ -4,12 +4,12 @@ decode path reads.
 ``fastio convert`` probes every video or audio file once (PyAV, :func:`probe`) and stores the result beside
 it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the same shard as the media and
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
-cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the chosen
-video decoder cannot read (``video_decoder="cpu"``, the default: DALI's CPU decoder, not H.264, HEVC, MPEG-4 or AV1;
-``"nvdec"``: DALI's mixed decoder on a GPU, :data:`DECODER_CODECS`), MP3 audio, audio outside the containers and
-codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in the message; with
-``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead
-(:func:`prepare_media`).
+cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the Loader does
+not decode (``video_decoder="auto"``, the default: NVDEC's codecs, decoded on a GPU by NVDEC and on a CPU by
+DALI's CPU decoder or PyAV; ``"cpu"``: DALI's CPU decoder's only, :data:`DECODER_CODECS`), MP3 audio, audio outside
+the containers and codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in
+the message; with ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead,
+and with ``transcode="flac"`` such audio is decoded with PyAV and stored as FLAC (:func:`prepare_media`).
 
 ``fastio index`` cannot add fields to shards it indexes: it probes each media member once and writes the probes
 into DEST's probe table (:data:`PROBES_NAME`, :func:`write_probe_table`, :class:`ProbeTable`), recorded in the
@@ -28,7 +28,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video"]
+           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -36,12 +36,19 @@ MEDIA_FIELDS = VIDEO_FIELDS + AUDIO_FIELDS
 PROBE_FIELD = "probe.json"
 """The field holding a media sample's probe (JSON: ``kind`` and the numbers of :func:`probe`)."""
 CPU_VIDEO_CODECS = ("vp8", "vp9", "mjpeg")
-"""Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); others need NVDEC (``device="cuda"``)."""
-DECODER_CODECS = {"cpu": CPU_VIDEO_CODECS, "nvdec": ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")}
-"""The video codecs each decode path reads: ``cpu`` (``fn.decoders.video(device="cpu")``) and ``nvdec`` (its mixed
-backend, ``Loader(device="cuda")``; DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1 on the mixed backend only)."""
+"""Video codecs ``fn.decoders.video(device="cpu")`` reads (DALI 2.4); a CPU Loader decodes the others with PyAV."""
+NVDEC_CODECS = ("vp8", "vp9", "mjpeg", "h264", "hevc", "mpeg4", "av1")
+"""Video codecs ``fn.decoders.video(device="mixed")`` reads (DALI 2.4's documentation: H.264, HEVC, MPEG-4 and AV1
+on the mixed backend only)."""
+DECODER_CODECS = {"auto": NVDEC_CODECS, "cpu": CPU_VIDEO_CODECS, "nvdec": NVDEC_CODECS}
+"""The video codecs convert keeps for each ``video_decoder``: ``auto`` (the default) those a Loader decodes on either
+device (a GPU's: NVDEC; a CPU's: DALI's CPU decoder, PyAV for the rest, ``VideoClips(cpu_fallback="auto")``),
+``cpu`` those DALI's CPU decoder reads (a CPU Loader needs no PyAV), ``nvdec`` the same as ``auto`` (its older
+name)."""
 VIDEO_DECODERS = tuple(DECODER_CODECS)
 """What ``fastio convert --video-decoder`` takes: the decode path the stored videos are meant for."""
+DEFAULT_VIDEO_DECODER = "auto"
+"""``video_decoder``'s default (not recorded in a manifest's ``convert_options``)."""
 CPU_AUDIO_REFUSED = ("mp3", "mp3float")
 """Audio codecs ``fn.decoders.audio`` fails on (DALI 2.4)."""
 
@@ -100,13 +107,39 @@ def _image_format(demuxer: str) -> str | None:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    keys = [p.is_keyframe for p in container.demux(stream) if p.size and p.pts is not None]
+    keys, first = [], []  # each packet's keyframe flag; the first packets, for the rotation
+    for p in container.demux(stream):
+        if p.size and p.pts is not None:
+            keys.append(p.is_keyframe)
+            first += [p] if len(first) < ROTATION_PACKETS else []
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
+    turn = _rotation(stream, first)
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
-            "keyframes": [k for k, key in enumerate(keys) if key]}
+            "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+ROTATION_PACKETS = 32
+"""Packets :func:`_rotation` decodes at most until a frame comes out (a decoder holds back a few: B-frames)."""
+
+
+def _rotation(stream, packets: list) -> int:
+    """The rotation of the video's display matrix (what players turn its frames by before showing them), in
+    counterclockwise degrees: 0, 90, 180 or 270 (a rotation that is not a quarter turn: the nearest; the matrix's
+    flips are not read). FFmpeg gives it with a decoded frame (``VideoFrame.rotation``): the first frame of
+    ``packets`` is decoded; 0 when none comes out (the frames are judged when a clip is decoded)."""
+    import av
+
+    codec = stream.codec_context
+    try:
+        for packet in [*packets, None]:
+            for frame in codec.decode(packet):
+                return round(getattr(frame, "rotation", 0) / 90) % 4 * 90
+    except av.FFmpegError:
+        pass
+    return 0
 
 
 def _codec_name(context) -> str:
@@ -173,6 +206,10 @@ def _dali_reads_audio(container: str, codec: str) -> bool:
     return codecs is not None and codec in codecs
 
 
+_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), which stores it decoded by PyAV as FLAC; "
+                   "or re-encode it as FLAC, WAV or Opus (e.g. ffmpeg -i IN -c:a flac OUT.flac)")
+
+
 def _probe_audio(container, stream) -> dict[str, Any]:
     codec, rate, channels = stream.codec_context.name, stream.sample_rate, stream.channels
     if codec in CPU_AUDIO_REFUSED:  # refused below before decoding it
@@ -180,8 +217,7 @@ def _probe_audio(container, stream) -> dict[str, Any]:
     form = container.format.name.split(",")[0]
     if not _dali_reads_audio(form, codec):
         raise MediaCheckError(f"audio {codec} in {form} is not read by DALI's audio decoder (it reads WAV, AIFF and "
-                              "W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): re-encode it as FLAC, WAV or Opus "
-                              "(e.g. ffmpeg -i IN -c:a flac OUT.flac)")
+                              f"W64 PCM or ADPCM, FLAC, Ogg Vorbis and Ogg Opus): {_AUDIO_WAYS_OUT}")
     samples = sum(f.samples for f in container.decode(stream))
     if samples == 0 or not rate:
         raise MediaCheckError("cannot be probed (no samples)")
@@ -189,13 +225,25 @@ def _probe_audio(container, stream) -> dict[str, Any]:
             "seconds": round(samples / rate, 6), "codec": codec}
 
 
-TRANSCODES = ("vp9",)
-"""What ``fastio convert --transcode`` re-encodes video the CPU decoder cannot read into."""
+TRANSCODES = ("vp9", "flac")
+"""What ``fastio convert --transcode`` re-encodes into: ``vp9``, video the video decoder cannot read; ``flac``, audio
+DALI's audio decoder cannot read (MP3, AAC, ...); both: ``vp9,flac``."""
+
+
+def parse_transcode(text: str | None) -> str | None:
+    """``transcode`` as convert records it: None, or the names of :data:`TRANSCODES` it holds (comma-separated, in
+    that order); ValueError naming the value otherwise."""
+    if text is None:
+        return None
+    names = [t.strip().lower() for t in str(text).split(",")]
+    if not all(n in TRANSCODES for n in names):
+        raise ValueError(f"transcode must be vp9, flac or vp9,flac (or None), got {text!r}")
+    return ",".join(t for t in TRANSCODES if t in names)
 
 
 def transcode_vp9(data: bytes) -> bytes:
-    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate
-    and size; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
+    """The first video stream of ``data`` re-encoded as VP9 in WebM (crf 30, every frame, the same frame rate,
+    size and display rotation; audio and other streams dropped). MediaCheckError when PyAV cannot decode it."""
     import av
 
     out_buf = io.BytesIO()
@@ -205,7 +253,9 @@ def transcode_vp9(data: bytes) -> bytes:
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
             stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
             stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
-            for frame in src.decode(stream_in):
+            for k, frame in enumerate(src.decode(stream_in)):
+                if k == 0 and getattr(frame, "rotation", 0):  # the display matrix's turn, kept for players and clips
+                    stream.set_display_rotation(frame.rotation)
                 frame.pts = None
                 for packet in stream.encode(frame.reformat(format="yuv420p")):
                     out.mux(packet)
@@ -216,21 +266,64 @@ def transcode_vp9(data: bytes) -> bytes:
     return out_buf.getvalue()
 
 
+def dali_reads_audio(data: bytes) -> bool:
+    """Whether DALI's audio decoder reads the first audio stream of ``data`` (:data:`DALI_AUDIO_CONTAINERS`); True
+    when PyAV cannot open it or it has no audio stream (:func:`check_media` names that)."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.audio[0]
+            return _dali_reads_audio(container.format.name.split(",")[0], stream.codec_context.name)
+    except (av.FFmpegError, IndexError):
+        return True
+
+
+def transcode_flac(data: bytes) -> bytes:
+    """The first audio stream of ``data`` (MP3, AAC, ...: what DALI's audio decoder does not read) decoded with PyAV
+    and stored as 16-bit FLAC at its own rate and channels: the samples FFmpeg decodes (an MP3's encoder delay and
+    padding dropped, as its LAME header says). MediaCheckError when PyAV cannot decode it or FLAC cannot hold it."""
+    import av
+
+    out_buf = io.BytesIO()
+    try:
+        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="flac") as out:
+            stream_in = src.streams.audio[0]
+            layout, rate = stream_in.layout.name, stream_in.sample_rate
+            stream = out.add_stream("flac", rate=rate, layout=layout)
+            resampler = av.AudioResampler(format="s16", layout=layout, rate=rate,
+                                          frame_size=stream.codec_context.frame_size or None)
+            for frame in [*src.decode(stream_in), None]:
+                for chunk in resampler.resample(frame):
+                    chunk.pts = None
+                    for packet in stream.encode(chunk):
+                        out.mux(packet)
+            for packet in stream.encode():
+                out.mux(packet)
+    except (av.FFmpegError, IndexError, ValueError) as err:
+        raise MediaCheckError(f"cannot be transcoded to FLAC ({getattr(err, 'strerror', None) or err})") from None
+    return out_buf.getvalue()
+
+
 def prepare_media(data: bytes, field: str, transcode: str | None = None,
-                  video_decoder: str = "cpu") -> tuple[str, bytes, bytes]:
+                  video_decoder: str = DEFAULT_VIDEO_DECODER) -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
-    ``transcode="vp9"`` a video that ``video_decoder`` (:data:`DECODER_CODECS`) cannot read re-encoded (field
-    ``webm``); MediaCheckError otherwise (:func:`check_media`)."""
-    if transcode is not None and is_video_field(field):
+    ``transcode="vp9"`` a video of a codec ``video_decoder`` does not keep (:data:`DECODER_CODECS`), or whose first
+    frame is not a keyframe, re-encoded (field ``webm``), with ``transcode="flac"`` audio DALI's audio decoder cannot
+    read (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise (:func:`check_media`)."""
+    wanted = (transcode or "").split(",")
+    if "vp9" in wanted and is_video_field(field):
         info = probe(data, field)
-        if info["codec"] not in DECODER_CODECS[video_decoder]:
+        if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field = transcode_vp9(data), "webm"
+    if "flac" in wanted and is_audio_field(field) and not dali_reads_audio(data):
+        data, field = transcode_flac(data), "flac"
     return field, data, check_media(data, field, video_decoder)
 
 
-def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
-    """The ``probe.json`` bytes of a video file ``video_decoder`` reads (``cpu``: DALI's CPU decoder; ``nvdec``:
-    its mixed decoder on a GPU; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
+def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER) -> bytes:
+    """The ``probe.json`` bytes of a video file of a codec ``video_decoder`` keeps (``auto``: every codec a Loader
+    decodes; ``cpu``: DALI's CPU decoder's; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
     stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
     message: why, with the ways out) otherwise."""
     info = probe(data, field)
@@ -243,22 +336,21 @@ def check_media(data: bytes, field: str, video_decoder: str = "cpu") -> bytes:
                               "refer to frames it does not have and cannot be decoded; re-encode it (e.g. ffmpeg "
                               "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
-        raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: re-encode it as FLAC, "
-                              f"WAV or Opus (e.g. ffmpeg -c:a flac)")
+        raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _video_refusal(codec: str, video_decoder: str) -> str:
-    """Why a video of ``codec`` is not kept for ``video_decoder``, and the ways out."""
-    recode = ("re-encode it as VP9 (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm); or convert with "
-              "--transcode vp9 (transcode='vp9')")
-    if video_decoder == "nvdec":
-        return (f"video codec {codec} is not read by DALI's CPU decoder nor by its NVDEC decoder (it reads "
-                f"{', '.join(DECODER_CODECS['nvdec'])}): {recode}")
-    gpu = codec in DECODER_CODECS["nvdec"]
-    return (f"video codec {codec} is not read by DALI's CPU decoder (it reads {', '.join(CPU_VIDEO_CODECS)}): "
-            f"{recode}" + ("; or keep it for decoding on a GPU with NVDEC (Loader device='cuda') with "
-                           "--video-decoder nvdec (video_decoder='nvdec')" if gpu else ""))
+    """Why a video of ``codec`` is not kept for ``video_decoder``, and the ways out: first the one that needs no
+    other program (``--transcode vp9``: PyAV re-encodes it)."""
+    transcode = "convert with --transcode vp9 (PyAV re-encodes it, no ffmpeg needed)"
+    if video_decoder == "cpu" and codec in NVDEC_CODECS:
+        return (f"video codec {codec} is not read by DALI's CPU decoder (video_decoder='cpu' keeps "
+                f"{', '.join(CPU_VIDEO_CODECS)}): {transcode}, or leave out --video-decoder cpu (NVDEC decodes it "
+                "on a GPU, PyAV on a CPU)")
+    return (f"video codec {codec} is not decoded by a Loader (video_decoder={video_decoder!r} keeps "
+            f"{', '.join(DECODER_CODECS[video_decoder])}): {transcode}, or re-encode it (e.g. ffmpeg -i IN -c:v "
+            "libx264 OUT.mp4)")
 
 
 def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json: bytes) -> None:

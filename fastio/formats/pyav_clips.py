@@ -1,5 +1,5 @@
 """A video clip decoded on the CPU with PyAV: the fallback for codecs DALI's CPU decoder does not read (H.264,
-HEVC, MPEG-4, AV1: ``fastio convert --video-decoder nvdec`` keeps them for NVDEC).
+HEVC, MPEG-4, AV1: ``fastio convert`` keeps them as they are, for NVDEC on a GPU and this on a CPU).
 
 :func:`decode_clip` counts frames as :func:`fastio.formats.media.probe` does (the packets of the first video
 stream, those an mp4 edit list hides included) but numbers them in display order (by presentation time), as
@@ -20,8 +20,9 @@ from fastio.formats.media import MediaCheckError
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip"]
 
-CPU_FALLBACKS = ("pyav",)
-"""What ``VideoClips(cpu_fallback=...)`` takes: the CPU decoder of videos DALI's CPU decoder does not read."""
+CPU_FALLBACKS = ("auto", "pyav")
+"""What ``VideoClips(cpu_fallback=...)`` takes besides None: the CPU decoder of videos DALI's CPU decoder does not
+read (``auto``: PyAV on a CPU Loader where a dataset holds such videos, nothing on a GPU)."""
 
 _SKIP_PER_PACKET = ("h264", "hevc", "mpeg4")
 """Decoders that read ``skip_frame`` at each packet, so that frames shown before a clip can be skipped (FFmpeg's

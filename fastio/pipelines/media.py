@@ -9,6 +9,7 @@ drawn in :meth:`inputs` and fed to the graph as per-sample arguments.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import os
@@ -31,6 +32,7 @@ from fastio.formats.media import (
     probe,
     trim_video,
 )
+from fastio.formats.ogg import dali_opus_layout, last_granule
 from fastio.formats.pyav_clips import CPU_FALLBACKS
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import (
@@ -216,7 +218,8 @@ class _Clips(Pipeline):
         count = "frames" if self.media == "video" else "samples"
         if found[count] != stored[count]:
             return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
-        return None if self.media == "video" else _dali_reads_less(batch.image[j], stored["samples"])
+        return None if self.media == "video" else _dali_reads_less(
+            batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -235,6 +238,39 @@ class _Clips(Pipeline):
         raise NotImplementedError
 
 
+def _have_pyav() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
+def _not_cpu_codecs(read_set: Any) -> list[tuple[Dataset, str, dict[str, int]]]:
+    """``(dataset, codec, {count, first})`` of each codec DALI's CPU decoder does not read that a dataset of
+    ``read_set`` counts in its manifest (one written before the count holds none)."""
+    return [(source.dataset, codec, seen) for source in read_set.sources
+            for codec, seen in sorted((source.dataset.manifest.video_codecs or {}).items())
+            if codec not in CPU_VIDEO_CODECS]
+
+
+_SAID: set[tuple[str, str]] = set()
+"""(dataset, codec) pairs :func:`_say_fallback` has said in this process."""
+
+
+def _say_fallback(found: list[tuple[Dataset, str, dict[str, int]]]) -> None:
+    """One log line (logger ``fastio``, a warning) per dataset whose videos ``found`` a CPU Loader decodes with
+    PyAV, once per process."""
+    by_root: dict[str, list[tuple[str, int]]] = {}
+    for ds, codec, seen in found:
+        if (str(ds.root), codec) not in _SAID:
+            _SAID.add((str(ds.root), codec))
+            by_root.setdefault(str(ds.root), []).append((codec, seen["count"]))
+    for root, codecs in by_root.items():
+        logging.getLogger("fastio").warning(
+            f"{root}: {', '.join(count(n, 'video') + f' in codec {c}' for c, n in codecs)} are decoded on the CPU "
+            f"with PyAV (DALI's CPU decoder does not read {', '.join(c for c, _ in codecs)}; a Loader on a GPU "
+            "decodes them with NVDEC)")
+
+
 @dataclass(frozen=True)
 class VideoClips(_Clips):
     """Clips of ``frames`` frames, ``stride`` apart, from each sample's video (VP9, VP8 or MJPEG on the CPU),
@@ -248,9 +284,12 @@ class VideoClips(_Clips):
     than the span starts at frame 0 and is padded by repeating its last frame. ``crop="random"``: a random
     resized crop (``scale``, ratio 3/4..4/3, as ``ImageTrain``) and, with ``flip``, a horizontal flip, the same on
     every frame of a video's clips; ``crop="center"``: the shorter side resized to ``size``, the center cropped.
+    A video whose display matrix turns it (its probe's ``rotation``: a phone's 90°) is turned first, on every decode
+    path, as players show it; the crop is drawn on the frame as shown.
 
-    ``cpu_fallback="pyav"``: on a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1:
-    ``convert --video-decoder nvdec``) has its clips decoded with PyAV (from the keyframe before the clip, in
+    On a CPU Loader, a video DALI's CPU decoder does not read (H.264, HEVC, MPEG-4, AV1) has its clips decoded with
+    PyAV (``cpu_fallback="auto"``, the default: where a dataset's manifest counts such videos, said once in a log
+    line; ``"pyav"``: always) (from the keyframe before the clip, in
     display order, in ``fallback_threads`` threads as soon as the batch is read), then cropped, flipped, resized
     and normalised in the graph as the others: each sample gets the clip it gets on a GPU with NVDEC.
 
@@ -266,7 +305,8 @@ class VideoClips(_Clips):
     conditionals: ClassVar[bool] = True
     input_dtypes: ClassVar[dict[str, str]] = {
         "encoded": "uint8", "index": "int64", "still": "bool", "start": "int32", "decode": "int32",
-        "roi_start": "float32", "roi_end": "float32", "flip": "int32", "fallback": "bool", "frames": "uint8"}
+        "roi_start": "float32", "roi_end": "float32", "flip": "int32", "turned": "bool", "transpose": "bool",
+        "turn_h": "int32", "turn_v": "int32", "fallback": "bool", "frames": "uint8"}
     frames: int = 16
     """Frames per clip."""
     stride: int = 1
@@ -289,9 +329,10 @@ class VideoClips(_Clips):
     """Per-channel mean on the 0..1 scale (float32 only)."""
     std: tuple[float, float, float] = IMAGENET_STD
     """Per-channel standard deviation on the 0..1 scale (float32 only)."""
-    cpu_fallback: str | None = None
-    """``"pyav"``: on a CPU Loader, decode videos DALI's CPU decoder does not read with PyAV (H.264 ...); None: such
-    a dataset is refused when the Loader is made. A CUDA Loader refuses it (NVDEC reads them)."""
+    cpu_fallback: str | None = "auto"
+    """``"auto"``: a CPU Loader decodes videos DALI's CPU decoder does not read (H.264 ...) with PyAV when a dataset
+    holds some (said once), a CUDA Loader with NVDEC; ``"pyav"``: with PyAV on a CPU Loader (a CUDA Loader refuses
+    it: NVDEC reads them); None: a CPU Loader refuses such a dataset when it is made."""
     fallback_threads: int | None = None
     """Threads decoding with ``cpu_fallback`` (default: twice the machine's cores: a thread also waits, holding
     the GIL between frames, and DALI's threads crop and resize beside them)."""
@@ -323,9 +364,7 @@ class VideoClips(_Clips):
         if self.fallback_threads is not None:
             _positive_int("fallback_threads", self.fallback_threads)
         if self.cpu_fallback == "pyav":
-            import importlib.util
-
-            if importlib.util.find_spec("av") is None:
+            if not _have_pyav():
                 raise ValueError("cpu_fallback='pyav' needs PyAV: pip install 'fastio[media]'")
 
     def evaluation(self) -> VideoClips:
@@ -342,7 +381,8 @@ class VideoClips(_Clips):
         decode = tuple(f"decode{c}" for c in range(self.clips_per_video))
         streams = tuple(f"encoded{c}" for c in range(1, self.clips_per_video))
         decoded = ("fallback", *(f"frames{c}" for c in range(self.clips_per_video))) if self.cpu_fallback else ()
-        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip", *decoded)
+        return ("encoded", *streams, "index", "still", *starts, *decode, "roi_start", "roi_end", "flip", *TURN_INPUTS,
+                *decoded)
 
     def output_names(self) -> tuple[str, ...]:
         return ("video", "start_frame", "index")
@@ -355,16 +395,16 @@ class VideoClips(_Clips):
         return super().read_fields(ds, fields)
 
     def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
-        """The clip kinds' source, once the device can decode every dataset (:meth:`check_device`); with
-        ``cpu_fallback``, a :class:`FallbackReader` around its reader, whose threads decode the clips of the videos
-        DALI's CPU decoder does not read."""
-        self.check_device(read_set, place.device)
-        source = super().source(read_set, sampling, place)
-        if self.cpu_fallback is None:
+        """The clip kinds' source, of these clips as ``place.device`` decodes them (:meth:`for_device`: the
+        ``Source``'s pipeline); with ``cpu_fallback``, a :class:`FallbackReader` around its reader, whose threads
+        decode the clips of the videos DALI's CPU decoder does not read."""
+        clips = self.for_device(read_set, place.device)
+        source = _Clips.source(clips, read_set, sampling, place)
+        if clips.cpu_fallback is None:
             return source
         return dataclasses.replace(source, reader=FallbackReader(
-            source.reader, self._fallback_jobs, self.frames, self.stride, read_set.where,
-            self.fallback_threads or 2 * (os.cpu_count() or 1)))
+            source.reader, clips._fallback_jobs, clips.frames, clips.stride, read_set.where,
+            clips.fallback_threads or 2 * (os.cpu_count() or 1)))
 
     def _fallback(self, probes: list) -> np.ndarray:
         """bool [B]: the samples whose clips ``cpu_fallback`` decodes (videos DALI's CPU decoder does not read)."""
@@ -385,6 +425,8 @@ class VideoClips(_Clips):
         sizes = batch.sizes if batch.sizes is not None else np.zeros((len(probes), 2), np.int64)
         w = np.array([s[0] if p is None else p["width"] for p, s in zip(probes, sizes.tolist())], np.float64)
         h = np.array([s[1] if p is None else p["height"] for p, s in zip(probes, sizes.tolist())], np.float64)
+        turns = quarter_turns(probes)
+        w, h = np.where(turns % 2, h, w), np.where(turns % 2, w, h)  # the frame as shown: the crop is drawn on it
         starts = self._clip_starts(batch, probes, seed, epoch)
         if self.crop == "random":
             crop = random_resized_crop(seed, epoch, batch.draw_keys, w, h, scale=self.scale,
@@ -401,7 +443,7 @@ class VideoClips(_Clips):
         clips = range(self.clips_per_video)
         return (*encoded, index, still, *(np.ascontiguousarray(starts[:, c]) for c in clips),
                 *(np.ascontiguousarray(decode[:, c]) for c in clips), roi_start, roi_end,
-                np.ascontiguousarray(flip, np.int32), *self._decoded(batch, probes))
+                np.ascontiguousarray(flip, np.int32), *turn_inputs(turns), *self._decoded(batch, probes))
 
     def _decoded(self, batch: ReadBatch, probes: list) -> tuple:
         """With ``cpu_fallback``: the ``fallback`` flags and, per clip, each flagged sample's decoded frames
@@ -417,28 +459,39 @@ class VideoClips(_Clips):
         return (fallback, *([batch.frames.get((j, c), blank) for j in range(len(probes))]
                             for c in range(self.clips_per_video)))
 
+    def for_device(self, read_set: ReadSet, device: str) -> VideoClips:
+        """These clips as a Loader on ``device`` decodes them (asked by :meth:`source`): ``cpu_fallback="auto"``
+        made ``"pyav"`` on a CPU where a dataset counts videos DALI's CPU decoder does not read (said once per
+        dataset, :func:`_say_fallback`) and PyAV is installed, else None; then :meth:`check_device`."""
+        if self.cpu_fallback == "auto":
+            found = [] if device == "cuda" else _not_cpu_codecs(read_set)
+            pyav = "pyav" if found and _have_pyav() else None
+            if pyav:
+                _say_fallback(found)
+            return dataclasses.replace(self, cpu_fallback=pyav).for_device(read_set, device)
+        self.check_device(read_set, device)
+        return self
+
     def check_device(self, read_set: Any, device: str) -> None:
         """On the CPU without ``cpu_fallback``, DatasetError naming the first dataset whose manifest counts videos of
-        a codec DALI's CPU decoder does not read (``convert --video-decoder nvdec`` keeps them): the codec, how many,
+        a codec DALI's CPU decoder does not read (convert keeps them by default): the codec, how many,
         the first (shard, key) and the ways out. A manifest without the count (written before it) holds none.
         ``cpu_fallback`` on CUDA: ValueError (NVDEC reads those codecs)."""
         if device == "cuda":
-            if self.cpu_fallback is not None:
+            if self.cpu_fallback == "pyav":
                 raise ValueError(f"cpu_fallback={self.cpu_fallback!r} decodes on the CPU: a Loader on device='cuda' "
                                  "decodes H.264/HEVC/MPEG-4/AV1 with NVDEC; leave cpu_fallback out")
             return
         if self.cpu_fallback is not None:
             return
-        for source in read_set.sources:
-            ds = source.dataset
-            for codec, seen in sorted((ds.manifest.video_codecs or {}).items()):
-                if codec not in CPU_VIDEO_CODECS:
-                    i = seen["first"]
-                    raise DatasetError(
-                        f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
-                        f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
-                        "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
-                        "VideoClips(cpu_fallback='pyav'), or convert the files with --transcode vp9 (transcode='vp9')")
+        for ds, codec, seen in _not_cpu_codecs(read_set)[:1]:
+            i = seen["first"]
+            raise DatasetError(
+                f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
+                f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
+                "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
+                f"VideoClips(cpu_fallback='pyav'){'' if _have_pyav() else ' (pip install fastio[media])'}, or "
+                "convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
         """Per clip ``c``: each video cut to start at the last keyframe before that clip (:func:`trim_video`; a
@@ -482,14 +535,15 @@ class VideoClips(_Clips):
             stream = inp["encoded" if c == 0 else f"encoded{c}"]
             clip = fn.decoders.video(stream, device=decoder_device, start_frame=inp[f"decode{c}"],
                                      sequence_length=self.frames, stride=self.stride, pad_mode="edge")
-            clips.append(self._normalize(fn, types, self._resize(fn, clip, inp), inp["flip"]))
+            clips.append(self._normalize(fn, types, self._resize(fn, _turned(fn, clip, inp), inp), inp["flip"]))
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
 
     def _decoded_clips(self, fn, types, inp: dict[str, Any]):
         """The clips the :class:`FallbackReader` decoded (``frames{c}``: uint8 FHWC), resized and normalised as
         :meth:`_video_clips` does DALI's."""
-        clips = [self._normalize(fn, types, self._resize(fn, fn.reshape(inp[f"frames{c}"], layout="FHWC"), inp),
-                                 inp["flip"]) for c in range(self.clips_per_video)]
+        clips = [self._normalize(fn, types, self._resize(fn, _turned(fn, fn.reshape(inp[f"frames{c}"], layout="FHWC"),
+                                                                     inp), inp), inp["flip"])
+                 for c in range(self.clips_per_video)]
         return clips[0] if self.clips_per_video == 1 else fn.stack(*clips)
 
     def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):
@@ -512,9 +566,38 @@ class VideoClips(_Clips):
                                         dtype=types.UINT8 if uint8 else types.FLOAT)
 
 
+TURN_INPUTS = ("turned", "transpose", "turn_h", "turn_v")
+"""The graph's inputs that turn a video's frames as players show them (:func:`turn_inputs`, :func:`_turned`)."""
+
+
+def quarter_turns(probes: list) -> np.ndarray:
+    """int64 [B]: counterclockwise quarter turns players give each sample's frames (its probe's ``rotation``, the
+    display matrix's; 0 for a still or a probe without one)."""
+    return np.array([(int(p.get("rotation", 0)) // 90) % 4 if p is not None else 0 for p in probes], np.int64)
+
+
+def turn_inputs(turns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """:data:`TURN_INPUTS` for ``turns`` quarter turns: whether a sample is turned, then (FHWC) a transpose of H
+    and W for an odd number, then a horizontal and a vertical flip (1 turn: transpose, vertical flip; 2: both
+    flips; 3: transpose, horizontal flip; as ``np.rot90``)."""
+    return (turns > 0, turns % 2 == 1, np.isin(turns, (2, 3)).astype(np.int32),
+            np.isin(turns, (1, 2)).astype(np.int32))
+
+
+def _turned(fn, clip, inp: dict[str, Any]):
+    """``clip`` (FHWC) turned as players show it (:func:`turn_inputs`), before it is cropped and resized; a sample
+    without a rotation is left as it is (DALI's conditionals: the branch runs on the turned samples only)."""
+    if inp["turned"]:
+        if inp["transpose"]:
+            clip = fn.transpose(clip, perm=[0, 2, 1, 3], transpose_layout=False)
+        clip = fn.flip(clip, horizontal=inp["turn_h"], vertical=inp["turn_v"])
+    return clip
+
+
 @dataclass(frozen=True)
 class AudioClips(_Clips):
-    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg/Opus), decoded, resampled to
+    """Clips of ``seconds`` seconds of each sample's audio (WAV, FLAC, Ogg Vorbis, Ogg Opus; MP3 and others stored
+    as FLAC by ``convert --transcode flac``), decoded, resampled to
     ``sample_rate`` and mixed down to mono: ``batch["audio"]`` float32 [B, round(sample_rate * seconds)], or with
     ``n_mels`` the clip's log-mel spectrogram [B, n_mels, T] in dB (``fn.spectrogram`` with ``n_fft`` and ``hop``,
     ``fn.mel_filter_bank``, ``fn.to_decibels``); ``batch["start_sample"]`` int64 [B]: the clip's first sample at
@@ -523,7 +606,8 @@ class AudioClips(_Clips):
     A clip's start is drawn uniformly over the samples where it fits, a pure function of ``(seed, epoch, draw
     key)`` (as for :class:`VideoClips`). A file shorter than the clip starts at 0 and is padded with zeros (silence)
     at the end. Each file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is
-    resampled (:func:`resample_windows`), not the whole file.
+    resampled (:func:`resample_windows`), not the whole file. A sound starts where PyAV's decode puts it: the samples
+    DALI's decoder delivers before it (an Ogg Opus pre-skip) are dropped (:func:`decoded_layouts`).
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -571,12 +655,12 @@ class AudioClips(_Clips):
         return ("audio", "start_sample", "index")
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-        probes = self._probes(batch)
-        rates = np.array([p["rate"] for p in probes], np.int64)
-        samples = np.array([p["samples"] for p in probes], np.int64)
+        rates, samples, leads = decoded_layouts(batch.image, self._probes(batch))
         # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
         starts = clip_starts(seed, epoch, batch.draw_keys, samples * self.sample_rate // rates, self.length)[:, 0]
-        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples, self.sample_rate)
+        window_start, window_length, offset = resample_windows(starts, self.length, rates, samples - leads,
+                                                               self.sample_rate)
+        window_start += leads.astype(np.int32)  # the decoder's samples before the sound (an Opus pre-skip)
         return (batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64), starts.astype(np.int32),
                 window_start, window_length, offset, rates.astype(np.float32))
 
@@ -596,6 +680,28 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
+
+
+VORBIS_MAX_BLOCK = 8192
+"""Vorbis' largest block: FFmpeg counts up to one more than an Ogg Vorbis file's last granule position."""
+
+
+def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:
+    """``(rates, samples, leads)`` (int64 [B]) of audio files as DALI's audio decoder delivers them: the rate it
+    decodes at, the samples it delivers (at that rate), and how many of them come before the first sample FFmpeg
+    (the probe) delivers. The probe's, with no lead, but for Ogg (:mod:`fastio.formats.ogg`): Opus decoded at the
+    header's input rate, its pre-skip partly delivered; Vorbis ending at its last granule position (within
+    :data:`VORBIS_MAX_BLOCK` of the probe's count)."""
+    out = np.array([[p["rate"], p["samples"], 0] for p in probes], np.int64).reshape(-1, 3)
+    for j, p in enumerate(probes):
+        layout = dali_opus_layout(encoded[j]) if p.get("codec") == "opus" else None
+        if layout is not None:
+            rate, lead = layout
+            out[j] = rate, p["samples"] * rate // p["rate"], lead
+        end = last_granule(encoded[j]) if p.get("codec") == "vorbis" else None
+        if end is not None and 0 < out[j, 1] - end <= VORBIS_MAX_BLOCK:  # more: a damaged file, named on failure
+            out[j, 1] = end
+    return out[:, 0], out[:, 1], out[:, 2]
 
 
 def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:

@@ -50,7 +50,7 @@ class Tokenize:
         """The loaded tokenizer (once per process and file; DatasetError naming the file otherwise)."""
         with _TOKENIZERS_LOCK:
             if self.path not in _TOKENIZERS:
-                from fastio.tokens.convert import load_tokenizer
+                from fastio.convert.token_convert import load_tokenizer
 
                 try:
                     _TOKENIZERS[self.path] = load_tokenizer(Path(self.path))

@@ -21,9 +21,9 @@ from fastio.dataset.files import dest_child, dest_split_names
 from fastio.errors import DatasetError
 from fastio.formats.images import image_size, is_image_field
 from fastio.formats.media import CPU_VIDEO_CODECS
+from fastio.formats.megatron import MegatronIndex
 from fastio.order.sampler import SHUFFLE_MODES, epoch_order
 from fastio.read.reader import Reader
-from fastio.tokens.megatron import MegatronIndex
 
 __all__ = ["inspect", "order_quality", "packing_report"]
 
@@ -221,7 +221,7 @@ def _image_info(ds: Dataset, max_images: int) -> dict[str, Any]:
 
 def _videos(ds: Dataset) -> dict[str, Any]:
     """``{"videos": [{codec, count, cpu}]}`` from the manifest's count (``cpu``: DALI's CPU decoder reads it, else
-    only NVDEC, ``device="cuda"``), or nothing when it has none."""
+    NVDEC on a GPU and PyAV on a CPU, ``VideoClips(cpu_fallback="auto")``), or nothing when it has none."""
     codecs = ds.manifest.video_codecs or {}
     return {"videos": [{"codec": c, "count": r["count"], "cpu": c in CPU_VIDEO_CODECS}
                        for c, r in sorted(codecs.items())]} if codecs else {}

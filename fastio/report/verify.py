@@ -11,6 +11,7 @@ and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids
 
 from __future__ import annotations
 
+import importlib.util
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
@@ -35,12 +36,14 @@ from fastio.dataset.sample_table import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError
 from fastio.formats.dali_idx import check_index, parse_index
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
-from fastio.formats.media import ProbeTable
+from fastio.formats.media import MediaCheckError, ProbeTable, is_media_field, is_video_field, probe
+from fastio.formats.megatron import MegatronShard
+from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.wds import split_member_name
+from fastio.progress import count
 from fastio.storage import is_remote, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.ids import IdScan
-from fastio.tokens.megatron import MegatronShard
 from fastio.tokens.starts import read_starts
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -60,17 +63,47 @@ class Problem:
 
 @dataclass
 class VerifyReport:
-    """What :func:`verify` checked (shards, samples, images decoded) and every problem it found."""
+    """What :func:`verify` checked (shards, samples, images, videos and audio files decoded) and every problem it
+    found."""
 
     dest: Path | str
     shards: int = 0
     samples: int = 0
     decoded: int = 0
+    """Images decoded (``decode=True``)."""
+    videos_decoded: int = 0
+    """Videos of which a clip (:data:`VERIFY_CLIP_FRAMES` frames from the first) was decoded with PyAV."""
+    audio_decoded: int = 0
+    """Audio files decoded whole with PyAV."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def decoded_line(self) -> str:
+        """``48 images decoded``; with media ``0 images and 4 videos (a clip each) decoded``."""
+        done = [count(self.decoded, "image")]
+        done += [count(self.videos_decoded, "video") + " (a clip each)"] if self.videos_decoded else []
+        done += [count(self.audio_decoded, "audio file")] if self.audio_decoded else []
+        return f"{', '.join(done[:-1])} and {done[-1]} decoded" if len(done) > 1 else f"{done[0]} decoded"
+
+
+VERIFY_CLIP_FRAMES = 16
+"""Frames of each video ``verify(decode=True)`` decodes: one clip, from its first frame."""
+
+
+def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
+    """Decode video or audio field ``ext`` (a video: its first clip; audio: whole) and count it; MediaCheckError
+    when PyAV cannot, or is not installed."""
+    if importlib.util.find_spec("av") is None:
+        raise MediaCheckError("not decoded: PyAV is not installed (pip install 'fastio[media]')")
+    if is_video_field(ext):
+        decode_clip(data, 0, VERIFY_CLIP_FRAMES, 1)
+        report.videos_decoded += 1
+    else:
+        probe(data, ext)  # decodes every audio frame
+        report.audio_decoded += 1
 
 
 def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool = False):
@@ -103,6 +136,11 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
                     report.decoded += 1
                 except ImageCheckError as err:
                     report.problems.append(Problem(label, key, f"field {ext}: {err}"))
+            elif decode and is_media_field(ext):
+                try:
+                    _decode_media(tar.extractfile(member).read(), ext, report)
+                except MediaCheckError as err:
+                    report.problems.append(Problem(label, key, f"field {ext}: {err}"))
     return samples
 
 
@@ -130,7 +168,7 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
 
 
 def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
-    """A token shard's documents (its structure checked), :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time
+    """A token shard's documents (its structure checked), :data:`~fastio.formats.megatron.CHECK_CHUNK` at a time
     (bounded memory): each ends with the end-of-document id, the ids as :class:`~fastio.tokens.ids.IdScan` checks
     them and not above the manifest's largest, and its entries of the document-starts table (``starts``) are its
     documents' starts."""
@@ -330,7 +368,8 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
 
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Recompute every shard's sha256 (and xxh3-128, when recorded) and every index's sha256, parse every tar
-    member, compare counts and the index with the manifest; with ``decode`` also decode every image.
+    member, compare counts and the index with the manifest; with ``decode`` also decode every image, a clip of each
+    video (:data:`VERIFY_CLIP_FRAMES` frames from the first) and every audio file (PyAV).
     DatasetError if DEST is not a dataset at all; every other finding is a :class:`Problem` in the report.
 
     An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary

@@ -16,7 +16,7 @@ import numpy as np
 from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import Manifest
 from fastio.errors import DatasetError
-from fastio.tokens.megatron import MegatronShard
+from fastio.formats.megatron import MegatronShard
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
 
 __all__ = ["TokenDataset"]

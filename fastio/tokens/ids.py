@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from fastio.tokens.megatron import MegatronIndex
+from fastio.formats.megatron import MegatronIndex
 
 __all__ = ["IdScan", "document_at"]
 

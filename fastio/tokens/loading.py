@@ -35,10 +35,10 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
+from fastio.formats.megatron import MegatronIndex
 from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
-from fastio.tokens.megatron import MegatronIndex
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
 from fastio.tokens.starts import read_starts
 

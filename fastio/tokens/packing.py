@@ -81,7 +81,7 @@ _SHUFFLES = ("global", "none")
 
 class DocumentTable(Protocol):
     """What the packing needs of a shard: its document count, token count, and where documents start
-    (:class:`fastio.tokens.megatron.MegatronIndex` is one)."""
+    (:class:`fastio.formats.megatron.MegatronIndex` is one)."""
 
     documents: int
 

@@ -23,9 +23,9 @@ import numpy as np
 
 from fastio.dataset.manifest import IndexRecord
 from fastio.errors import DatasetError
+from fastio.formats.megatron import MegatronIndex
 from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.checksum import DIGESTS
-from fastio.tokens.megatron import MegatronIndex
 
 __all__ = ["STARTS_EVERY", "STARTS_NAME", "read_starts", "shard_starts", "starts_bytes", "write_starts"]
 

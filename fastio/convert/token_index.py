@@ -1,7 +1,7 @@
 """``fastio index DIR_OR_S3_PREFIX --eos-id N``: existing Megatron ``.bin``/``.idx`` pairs become a token dataset.
 
 Every ``*.bin`` and ``*.idx`` directly in the folder or ``s3://`` prefix (sorted by name; hidden ones left out) is
-taken as one shard. Each pair is checked as it is (:mod:`fastio.tokens.megatron`: header, token type the same for
+taken as one shard. Each pair is checked as it is (:mod:`fastio.formats.megatron`: header, token type the same for
 all, sizes, the ``.idx`` structure), every document must end with ``eos_id`` (Megatron's preprocessing appends its
 end-of-document token; ``eos_id`` says which id it is), no id may be negative or, where ``vocab_size`` is given, at
 least ``vocab_size``, the ids must not be int32 tokens read as uint16 (:mod:`fastio.tokens.ids`), and both files are
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.convert.index_command import check_index_dest, publish_uploads
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
-    MARKER_NAME,
     ShardRecord,
     TokenInfo,
     is_location,
@@ -42,15 +41,15 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.errors import DatasetError, StorageError
+from fastio.formats.megatron import MegatronIndex, partner_path
 from fastio.progress import count
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
-from fastio.storage.lease import Lease, LeaseLostError, writer_lease
+from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
 from fastio.tokens.ids import IdScan
-from fastio.tokens.megatron import MegatronIndex, partner_path
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
 __all__ = ["TokenIndexConfig", "TokenIndexResult", "index_tokens"]
@@ -130,7 +129,7 @@ def _display(storage: Storage, key: str) -> str:
 
 def _listing(storage: Storage, source: str) -> dict[str, int]:
     """Size of every file (object) directly in SOURCE whose name ends with ``.bin`` or ``.idx``, hidden ones left
-    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.index_command`'s listing does."""
+    out (temporaries, macOS's ``._NAME``), as :mod:`fastio.convert.listing` does."""
     if storage.remote:
         return {o.key: o.size for o in storage.list("") if "/" not in o.key and _pair_file(o.key)}
     root = storage.location.path
@@ -176,7 +175,7 @@ def _local_idx(storage: Storage, pair: _Pair, tmp: Path) -> Iterator[Path]:
 
 class _LastTokens:
     """Each document's last token checked against ``eos_id`` as the ``.bin`` goes by (:meth:`see` its ranges in
-    order); the documents' ends come :data:`~fastio.tokens.megatron.CHECK_CHUNK` at a time (bounded memory).
+    order); the documents' ends come :data:`~fastio.formats.megatron.CHECK_CHUNK` at a time (bounded memory).
     ``wrong``: the first document that ends otherwise and its last token (None: none)."""
 
     def __init__(self, index: MegatronIndex, eos_id: int):
@@ -319,7 +318,7 @@ def index_tokens(config: TokenIndexConfig) -> TokenIndexResult:
         source, dest, in_place = _open(config)
         pairs = _pairs(source, str(config.source))
         _check_dest(config, dest, in_place)
-        lock = writer_lease(dest, "fastio index") if dest.remote else DirLock(dest.location.path, "fastio index")
+        lock = writer_lock(dest, "fastio index")
         try:
             if lock is not None:
                 lock.acquire()
@@ -359,9 +358,8 @@ def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs
         write_manifest(staged, make_manifest(name=config.name, shards=records, fields=[], kind="tokens", tokens=info,
                                              converted_from={"format": "megatron", "path": where}))
         confirm = lock.confirm if isinstance(lock, Lease) else (lambda: None)
-        if not in_place and not dest.exists(MARKER_NAME):
-            confirm()
-            dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+        if not in_place:
+            mark_index_dest(dest, confirm)
         confirm()
         publish_uploads(dest, [(STARTS_NAME, staged / STARTS_NAME), (MANIFEST_NAME, staged / MANIFEST_NAME)])
     return info, records

@@ -1,11 +1,11 @@
 """``fastio convert SOURCE DEST --tokenizer tokenizer.json``: text documents into a token dataset.
 
 Documents (:mod:`fastio.converters.documents`: JSONL, Parquet, plain text; a local file or folder, or an ``s3://``
-object or prefix read through :mod:`fastio.tokens.corpus`, in sorted key order) are tokenized in batches with the
+object or prefix read through :mod:`fastio.convert.corpus`, in sorted key order) are tokenized in batches with the
 ``tokenizers`` library (the file's own tokenizer, no special tokens added), in worker processes
 (:class:`~fastio.convert.workers.OrderedPool`: results in input order), and each non-empty one is written with the
 end-of-document token appended, in input order, into ``DEST/shards/NAME-NNNNNN.bin`` + ``.idx`` (Megatron's format,
-:mod:`fastio.tokens.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
+:mod:`fastio.formats.megatron`). A shard is cut when the next document would take its ``.bin`` past ``shard_size``
 bytes or it holds ``max_samples_per_shard`` documents. Empty documents are skipped and counted. Then the
 document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); the manifest
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
@@ -19,10 +19,10 @@ encoded again with ``encode_special_tokens`` (the string as plain text; counted)
 ``special_in_text="refuse"`` (naming the document). The token type fits the largest id the tokenizer has (a
 vocabulary with a hole up to id 70,000 is ``int32``); the manifest's vocabulary size is that id + 1.
 
-With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.tokens.corpus.part_span`)
+With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.convert.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
 records and the plan every part must share: source listing, options, tokenizer checksum, end-of-document id);
-``fastio merge DEST`` (:mod:`fastio.tokens.merge`) then publishes the dataset a single conversion writes.
+``fastio merge DEST`` (:mod:`fastio.convert.token_merge`) then publishes the dataset a single conversion writes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from fastio.convert.corpus import Corpus, open_corpus, part_span
+from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
     clear_part_dir,
@@ -44,15 +46,8 @@ from fastio.convert.parts import (
     start_part_dir,
     write_part_record,
 )
-from fastio.convert.run import (
-    DEFAULT_SHARD_SIZE,
-    _default_workers,
-    check_dest,
-    lock_parts,
-    reset_dest,
-    upload_dataset,
-)
-from fastio.convert.workers import OrderedPool
+from fastio.convert.run import DEFAULT_SHARD_SIZE
+from fastio.convert.workers import OrderedPool, default_workers
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     IndexRecord,
@@ -63,13 +58,12 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.errors import ConvertError
+from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
-from fastio.tokens.corpus import Corpus, open_corpus, part_span
-from fastio.tokens.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
+from fastio.storage.lock import LOCK_NAME, DirLock
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
@@ -77,7 +71,7 @@ __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "
            "token_shard_cuts"]
 
 TOKEN_PLAN = "tokens"
-"""``plan["kind"]`` of a token conversion's part records (:mod:`fastio.tokens.merge` merges them)."""
+"""``plan["kind"]`` of a token conversion's part records (:mod:`fastio.convert.token_merge` merges them)."""
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 """Special tokens taken as the end-of-document token when ``eos`` is not given, in this order of preference."""
@@ -102,7 +96,7 @@ class TokenConvertConfig:
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = field(default_factory=_default_workers)
+    workers: int = field(default_factory=default_workers)
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
@@ -121,7 +115,7 @@ class TokenConvertConfig:
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): tokenize only part K of N into
     ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
     staging_dir: Path | None = None
-    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.run.staging_path`;
+    """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.dest.staging_path`;
     default: the system's temporary directory)."""
     special_in_text: str = "plain"
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
@@ -423,15 +417,6 @@ def _info(coder: _Coder, records: list[ShardRecord], starts: IndexRecord) -> Tok
                      starts=starts)
 
 
-def _lock(lock: DirLock, where: Path) -> None:
-    try:
-        lock.acquire()
-    except LockedError as err:
-        raise ConvertError(str(err)) from None
-    except OSError as err:
-        raise ConvertError(f"{err.filename or where}: {err.strerror or err}") from None
-
-
 class _Claim:
     """``folder`` (DEST, or a part's directory ``outer`` folders down) locked for a run, and taken back if the run
     fails with an exception (a refusal, a full disk; not an interruption, which a rerun redoes): once the run has
@@ -445,7 +430,7 @@ class _Claim:
         self.lock = DirLock(folder, purpose)
 
     def __enter__(self) -> _Claim:
-        _lock(self.lock, self.folder)
+        lock_dest(self.lock, self.folder)
         return self
 
     def __exit__(self, kind, err, tb) -> None:
@@ -535,7 +520,7 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
 
 
 def _plan(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> dict[str, Any]:
-    """What every part of a conversion shares (:func:`fastio.tokens.merge.comparable_plan`: how it is compared)."""
+    """What every part of a conversion shares (:func:`fastio.convert.token_merge.comparable_plan`: how it is compared)."""
     return {"kind": TOKEN_PLAN, "source": _source(config, corpus), "convert_options": _options(config),
             "name": config.name,
             "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},

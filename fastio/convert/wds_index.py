@@ -1,8 +1,9 @@
 """``fastio index``: make existing WebDataset shards a fastio dataset without writing a byte of them.
 
 SOURCE is a folder (every ``*.tar`` below it, in sorted order; links to files followed, links to folders
-listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a brace pattern of
-shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused.
+listed in ``skipped``, not followed), an ``s3://bucket/prefix/``, or a brace pattern of shards
+(``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused (the listing:
+:mod:`fastio.convert.listing`).
 Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an object store downloaded by parallel ranged
 GETs into a temporary file, removed after). What is written, all of it metadata:
 
@@ -23,12 +24,10 @@ left out with reasons (``skipped``: empty tars, members without a field name).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
-import stat
 import tempfile
 import time
 from collections import Counter
@@ -39,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.convert.foreign_tar import COMPRESSED, TarContents, as_fields, read_tar
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
+from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
+from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
     PART_RECORD,
-    PARTS_DIR,
     PartRecord,
     parse_part,
     part_dir,
@@ -53,7 +53,6 @@ from fastio.convert.parts import (
 from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
-    MARKER_NAME,
     SHARDS_DIR,
     IndexRecord,
     Manifest,
@@ -67,6 +66,7 @@ from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
+    DEFAULT_VIDEO_DECODER,
     PROBES_NAME,
     VIDEO_DECODERS,
     MediaCheckError,
@@ -78,21 +78,16 @@ from fastio.formats.media import (
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
-from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
 from fastio.storage.checksum import digests_file
-from fastio.storage.lease import Lease, LeaseLostError, writer_lease
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+from fastio.storage.lease import Lease, LeaseLostError
+from fastio.storage.lock import LockedError
 from fastio.storage.options import StorageOptions
 
-__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "check_index_dest", "expand_braces", "index_shards",
-           "merge_index_parts", "paths_pattern", "publish_uploads"]
+__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "index_shards", "merge_index_parts"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
-_COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
-_BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-.]")
 
 
@@ -119,9 +114,9 @@ class IndexConfig:
     into ``DEST/.parts/``; ``fastio merge DEST`` then publishes the dataset. Local DEST only."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
-    video_decoder: str = "cpu"
-    """The decode path the videos are probed for (as ``fastio convert``'s): ``cpu``, or ``nvdec`` (H.264, HEVC,
-    MPEG-4, AV1 probed too, for a Loader with ``device="cuda"``); a member it cannot read is named, not probed."""
+    video_decoder: str = DEFAULT_VIDEO_DECODER
+    """Which videos are probed (as ``fastio convert``'s): ``auto`` (every codec a Loader decodes, H.264 too), ``cpu``
+    (DALI's CPU decoder's) or ``nvdec`` (as ``auto``); a member of another codec is named, not probed."""
 
     def __post_init__(self):
         if not str(self.source).strip():
@@ -161,191 +156,12 @@ class IndexResult:
                 + skipped_lines(self.skipped, f"fastio inspect {self.dest} --skipped"))
 
 
-@dataclass
-class _Shard:
-    """One source tar: how messages name it, where its bytes are, and where the manifest will say it is."""
-
-    display: str
-    storage: Storage
-    key: str
-    size: int | None = None
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """``{a,b}`` alternatives and ``{000..099}`` ranges (zero-padded like their bounds), as WebDataset does."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[:m.start()], m[1], pattern[m.end():]
-    r = _RANGE.match(body)
-    if r:
-        a, b = int(r[1]), int(r[2])
-        width = len(r[1]) if r[1].startswith("0") and len(r[1]) > 1 else 0
-        options = [str(i).zfill(width) for i in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
-    else:
-        options = body.split(",")
-    return [x for o in options for x in expand_braces(head + o + tail)]
-
-
-def paths_pattern(paths: list[str]) -> str:
-    """The brace pattern naming several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
-    expanded): ``COMMON/{a.tar,b/c.tar}``, with COMMON their deepest common folder (the default DEST).
-    DatasetError naming a path that is not a local ``.tar`` file or that a brace pattern cannot hold."""
-    for path in paths:
-        if "://" in path or not path.lower().endswith(".tar"):
-            raise DatasetError(f"{path}: not a .tar file: fastio index takes one SOURCE (a folder, prefix or brace "
-                               "pattern) or several local .tar files (quote a glob for s3://)")
-        if any(c in path for c in "{},"):
-            raise DatasetError(f"{path}: a name with a brace or comma cannot be listed with others: give the folder")
-    try:
-        common = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
-    except ValueError:  # absolute and relative paths mixed
-        common = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
-        paths = [os.path.abspath(p) for p in paths]
-    inside = [os.path.relpath(p, common) for p in paths]
-    return f"{common}/{{{','.join(inside)}}}"
-
-
-def _listing(source: str, options: StorageOptions | dict | None) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
-    """The storage of SOURCE's folder (the default DEST), the shards SOURCE names, in order, and what a folder's
-    listing passed over with reasons (``skipped``). A shard named twice is refused."""
-    storage, shards, skipped = (_pattern_listing if "{" in source else _folder_listing)(source, options)
-    _refuse_repeats(shards)
-    return storage, shards, skipped
-
-
-def _pattern_listing(source: str, options) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
-    prefix = source[:source.index("{")]
-    folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-    storage = open_storage(folder or ".", options)
-    shards = [_Shard(_display(storage, key), storage, key)
-              for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
-    listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
-    for s in shards:
-        _refuse_compressed(s.key, s.display)
-        if listed is None:
-            s.size = _local_tar(s.display, f" (named by {source})")
-        elif (size := listed.get(s.key)) is not None:
-            s.size = size
-        else:
-            raise DatasetError(f"{s.display}: no such shard (named by {source})")
-    return storage, shards, []
-
-
-def _folder_listing(source: str, options) -> tuple[Storage, list[_Shard], list[dict[str, str]]]:
-    storage = open_storage(source, options)
-    glob = (f"{source}: fastio does not expand globs (the shell matched nothing, or the pattern was quoted): give "
-            "the folder, or a brace pattern such as '/data/{000..009}.tar'")
-    if not storage.remote and not storage.location.path.is_dir():
-        if storage.location.path.is_file():
-            raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
-        if any(c in source for c in "*?["):
-            raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
-        raise DatasetError(f"{source}: no such folder")
-    if storage.remote:
-        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
-        if not found and any(c in source for c in "*?["):
-            raise DatasetError(glob)
-        if not found and source.endswith(".tar"):
-            raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
-                               "pattern")
-    else:
-        found, skipped = _walk_local(storage.location.path)
-    shards = []
-    for key, size in found:
-        s = _Shard(_display(storage, key), storage, key, size)
-        _refuse_compressed(s.key, s.display)
-        if key.endswith(".tar"):
-            shards.append(s)
-    if not shards:
-        raise _no_tars(source, [key for key, _ in found])
-    return storage, shards, skipped
-
-
-def _no_tars(source: str, keys: list[str]) -> DatasetError:
-    """The refusal of a SOURCE without tars: one of Megatron pairs (directly in it) is named as such, with the
-    option that indexes them."""
-    names = {k for k in keys if "/" not in k}
-    pairs = sum(1 for k in names if k.endswith(".bin") and k[:-len(".bin")] + ".idx" in names)
-    if pairs:
-        return DatasetError(f"{source}: holds Megatron .bin/.idx pairs ({pairs}), not .tar shards: index them as a "
-                            "token dataset with eos_id=N, the id that ends every document (docs/tokens.md)")
-    return DatasetError(f"{source}: holds no .tar files")
-
-
-def _listed(key: str) -> bool:
-    """Whether a folder's listing looks at ``key``: not hidden, not in fastio's own ``shards/``."""
-    return not any(p.startswith(".") for p in key.split("/")) and key.split("/")[0] != SHARDS_DIR
-
-
-def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
-    """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
-    it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
-    are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
-    is not followed (no loops, nothing reached twice), nor is a broken link of another name: both are listed."""
-    found: list[tuple[str, int | None]] = []
-    skipped: list[dict[str, str]] = []
-
-    def visit(folder: str, prefix: str) -> None:
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            key, display = prefix + entry.name, os.path.abspath(entry.path)
-            if not _listed(key):
-                continue
-            if key.endswith(".tar"):
-                found.append((key, _local_tar(display)))
-            elif entry.is_dir(follow_symlinks=False):
-                visit(entry.path, key + "/")
-            elif entry.is_symlink() and not os.path.isfile(entry.path):
-                what = "a link to a folder" if os.path.isdir(entry.path) else "a broken link"
-                skipped.append({"path": display, "reason": f"{what} (-> {os.readlink(entry.path)}): not followed"})
-            elif entry.is_file():
-                found.append((key, None))  # looked at for its name only (a compressed tar is refused)
-
-    visit(str(root), "")
-    return sorted(found), skipped
-
-
-def _local_tar(path: str, named_by: str = "") -> int:
-    """The size of the local shard ``path``; DatasetError naming it unless it is a regular file once links are
-    followed (a broken link names its target: a mount that is missing must not lose a shard unsaid)."""
-    try:
-        st = os.stat(path)
-    except OSError as err:
-        if os.path.islink(path):
-            raise DatasetError(f"{path}: a broken link (-> {os.readlink(path)}: {err.strerror}){named_by}") from None
-        raise DatasetError(f"{path}: no such shard{named_by}" if err.errno in (errno.ENOENT, errno.ENOTDIR)
-                           else f"{path}: {err.strerror}{named_by}") from None
-    if not stat.S_ISREG(st.st_mode):
-        what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        if os.path.islink(path):
-            what = f"a link (-> {os.readlink(path)}) to {what}"
-        raise DatasetError(f"{path}: {what}, not a tar file{named_by}")
-    return st.st_size
-
-
-_FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
-               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
-
-
-def _refuse_repeats(shards: list[_Shard]) -> None:
-    """DatasetError naming a shard listed twice (the same resolved path, or URL): its samples would come twice an
-    epoch."""
-    first: dict[str, str] = {}
-    for s in shards:
-        ident = s.display if s.storage.remote else os.path.realpath(s.display)
-        if ident in first:
-            also = "" if first[ident] == s.display else f" (the same file as {first[ident]})"
-            raise DatasetError(f"{s.display}: named twice{also}: each of its samples would come twice an epoch; "
-                               "name each shard once")
-        first[ident] = s.display
-
-
-def _location(shard: _Shard, in_place: bool) -> str:
+def _location(shard: ListedShard, in_place: bool) -> str:
     """Where the manifest says the shard is: relative to DEST in place, else its absolute path or URL."""
     return shard.key if in_place else shard.display
 
 
-def _check_locations(shards: list[_Shard], in_place: bool, dest: str) -> None:
+def _check_locations(shards: list[ListedShard], in_place: bool, dest: str) -> None:
     """DatasetError, before anything is written, naming a shard the manifest could not record
     (:func:`fastio.dataset.manifest.is_location`)."""
     for s in shards:
@@ -358,20 +174,8 @@ def _check_locations(shards: list[_Shard], in_place: bool, dest: str) -> None:
         raise DatasetError(f"{s.display}: cannot be named relative to {dest} ({where!r}); index it with --dest")
 
 
-def _display(storage: Storage, key: str) -> str:
-    """How messages and a manifest with ``--dest`` name a file: its URL, or its absolute path."""
-    return storage.url_of(key) if storage.remote else os.path.abspath(storage.location.path / key)
-
-
-def _refuse_compressed(key: str, display: str) -> None:
-    if key.lower().endswith(_COMPRESSED_SUFFIXES):
-        kinds = "/".join(sorted(set(COMPRESSED.values())))
-        raise DatasetError(f"{display}: a compressed tar ({kinds} tars cannot be read at offsets): "
-                           "`fastio convert` it into a dataset (or decompress it) instead")
-
-
 @contextmanager
-def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
+def _local_copy(shard: ListedShard, staging: Path) -> Iterator[Path]:
     """A local file with the shard's bytes: the file itself, or a download removed afterwards."""
     if not shard.storage.remote:
         yield shard.storage.location.path / shard.key
@@ -385,8 +189,8 @@ def _local_copy(shard: _Shard, staging: Path) -> Iterator[Path]:
         os.unlink(tmp)
 
 
-def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...],
-          video_decoder: str = "cpu") -> tuple[TarContents, list[dict[str, Any]]]:
+def _read(shard: ListedShard, staging: Path, label_fields: tuple[str, ...],
+          video_decoder: str = DEFAULT_VIDEO_DECODER) -> tuple[TarContents, list[dict[str, Any]]]:
     """The tar's contents and each sample's media members probed (:func:`_probe_members`)."""
     with _local_copy(shard, staging) as path:
         got = read_tar(path, shard.display, label_fields)
@@ -394,7 +198,7 @@ def _read(shard: _Shard, staging: Path, label_fields: tuple[str, ...],
 
 
 def _probe_members(path: Path, entries: list[IndexEntry], display: str,
-                   video_decoder: str = "cpu") -> list[dict[str, Any]]:
+                   video_decoder: str = DEFAULT_VIDEO_DECODER) -> list[dict[str, Any]]:
     """Per sample, each video or audio member's probe (a dict, as convert's ``probe.json``), or the reason it
     could not be probed or ``video_decoder`` cannot read it (:func:`fastio.formats.media.check_media`): read once
     with PyAV while indexing, since the shards are never rewritten (the probes go to DEST's probe table)."""
@@ -416,7 +220,7 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str,
     return rows
 
 
-def _record_names(shards: list[_Shard]) -> list[str]:
+def _record_names(shards: list[ListedShard]) -> list[str]:
     """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE."""
     taken: set[str] = set()
     names = []
@@ -452,7 +256,7 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
 def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
     started = time.perf_counter()
     source = str(config.source)
-    src_root, shards, listing_skipped = _listing(source, config.storage_options)
+    src_root, shards, listing_skipped = list_shards(source, config.storage_options)
     dest_storage, in_place = _index_dest(config, src_root, shards)
     names = _record_names(shards)
     part = None
@@ -464,13 +268,13 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     lock_dir = None if dest_storage.remote else (
         part_dir(dest_storage.location.path, part[0], part[1]) if part else dest_storage.location.path)
     # one writer per DEST: a DirLock on a local one, the lease object on an s3:// prefix
-    lock = DirLock(lock_dir, "fastio index") if lock_dir is not None else writer_lease(dest_storage, "fastio index")
+    lock = writer_lock(dest_storage, "fastio index", lock_dir)
     guard = lock.confirm if isinstance(lock, Lease) else (lambda: None)
     try:
         if lock is not None:
             lock.acquire()
-        if not in_place and not dest_storage.exists(MARKER_NAME):  # a rerun after a failure finds DEST its own
-            dest_storage.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+        if not in_place:
+            mark_index_dest(dest_storage)
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
@@ -501,7 +305,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
                        written_idx=done.written, skipped=done.skipped)
 
 
-def _index_dest(config: IndexConfig, src_root: Storage, shards: list[_Shard]) -> tuple[Storage, bool]:
+def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard]) -> tuple[Storage, bool]:
     """Where the index goes and whether that is in place; DatasetError for a DEST that cannot take it."""
     dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
     in_place = dest_storage.url == src_root.url
@@ -526,11 +330,11 @@ def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
     """What every part of one index shares (compared by the merge)."""
     return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
             "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
-                        "in_place": in_place,
-                        **({"video_decoder": config.video_decoder} if config.video_decoder != "cpu" else {})}}
+                        "in_place": in_place, **({"video_decoder": config.video_decoder}
+                                                 if config.video_decoder != DEFAULT_VIDEO_DECODER else {})}}
 
 
-def _listing_digest(shards: list[_Shard]) -> str:
+def _listing_digest(shards: list[ListedShard]) -> str:
     """sha256 of the listing (keys and sizes): parts that disagree saw different sources."""
     return hashlib.sha256("".join(f"{s.key}\t{s.size}\n" for s in shards).encode()).hexdigest()
 
@@ -563,7 +367,7 @@ class _Indexed:
             self.bad_labels.setdefault(f, where)
 
 
-def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], dest: Storage, in_place: bool,
+def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str], dest: Storage, in_place: bool,
                  tmp: Path, progress) -> _Indexed:
     """Read ``shards`` and publish each missing ``.idx`` (in place: beside its tar; else ``DEST/shards/``)."""
     out = _Indexed()
@@ -589,7 +393,7 @@ def _index_range(config: IndexConfig, shards: list[_Shard], names: list[str], de
         idx_key = _idx_key(shard.key) if in_place else f"{SHARDS_DIR}/{name[:-len('.tar')]}.idx"
         existing = _existing(dest, idx_key, shard.display) if in_place else None  # DEST/shards/ is fastio's own
         if existing is not None and existing != text:
-            raise DatasetError(f"{_display(dest, idx_key)}: exists and differs from the index of "
+            raise DatasetError(f"{display_of(dest, idx_key)}: exists and differs from the index of "
                                f"{shard.display} ({_first_difference(existing, text)}); an existing .idx is never "
                                "overwritten: remove it, or index with --dest elsewhere")
         if existing is None:
@@ -686,28 +490,6 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
-def check_index_dest(dest: Storage, overwrite: bool) -> None:
-    """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
-    ``fastio convert``'s; with ``overwrite`` any folder is written into (``fastio index --eos-id`` too)."""
-    if not dest.remote:
-        path = dest.location.path
-        if path.exists() and not path.is_dir():
-            raise DatasetError(f"{path}: DEST exists and is not a directory")
-        above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
-        if above is not None and not above.is_dir():
-            raise DatasetError(f"{path}: DEST cannot be made: {above} is not a directory")
-    if overwrite:
-        return
-    if dest.remote:
-        names = {o.key.split("/")[0] for o in dest.list("")}
-    else:
-        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
-    names.discard(LOCK_NAME)
-    if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
-        raise DatasetError(f"{dest.url}: DEST is not empty and is not fastio output (no {MARKER_NAME}); give a new "
-                           "or empty folder, or pass overwrite (--overwrite) to write into it")
-
-
 def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
     """The bytes of an ``.idx`` already at ``key``, or None; DatasetError if something else is there."""
     if not storage.remote:
@@ -715,7 +497,7 @@ def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
         if not path.exists() and not path.is_symlink():
             return None
         if not path.is_file():
-            raise DatasetError(f"{_display(storage, key)}: the .idx of {tar} goes there, but it exists and is not a "
+            raise DatasetError(f"{display_of(storage, key)}: the .idx of {tar} goes there, but it exists and is not a "
                                "file; move it away")
         return path.read_bytes()
     return storage.get(key) if storage.exists(key) else None
@@ -753,16 +535,4 @@ def _image_field(wanted: str | None, counts: Counter, image_fields: list[str], f
             raise DatasetError(f"image_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         return wanted
     return max(image_fields, key=lambda f: (counts[f], [-ord(c) for c in f])) if image_fields else None
-
-
-def publish_uploads(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
-    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3
-    (``fastio index --eos-id``'s manifest too)."""
-    for key, path in uploads:
-        if dest.remote:
-            dest.put_file(key, path)
-        else:
-            final = dest.location.path / key
-            final.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(final, path.read_bytes())
 

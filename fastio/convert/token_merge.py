@@ -1,12 +1,12 @@
 """``fastio merge DEST`` of a token conversion in parts: the dataset a single ``fastio convert --tokenizer`` writes.
 
-Each part (:func:`fastio.tokens.convert.convert_tokens` with ``part``) tokenized a contiguous run of the documents
+Each part (:func:`fastio.convert.token_convert.convert_tokens` with ``part``) tokenized a contiguous run of the documents
 and cut its own shards from its first document on. The merge reads every part shard's ``.idx`` (checked against the
 part record: sha256, ``.bin`` size, document count), lays the documents end to end in part order, and cuts them
-where the single conversion cuts (:func:`~fastio.tokens.convert.token_shard_cuts` on the documents' token counts). A
+where the single conversion cuts (:func:`~fastio.convert.token_convert.token_shard_cuts` on the documents' token counts). A
 result shard that is exactly a part's shard is **linked** into place (a hard link; a copy where links fail); any
 other is **re-packed**: its documents' tokens copied out of the part shards (no tokenizing) through
-:class:`~fastio.tokens.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first. Shards after a part's first cut
+:class:`~fastio.formats.megatron.MegatronWriter`, into ``DEST/.parts/.merge/`` first. Shards after a part's first cut
 usually differ from the single run's (byte-size cuts that start elsewhere rarely meet again), so most are re-packed:
 a sequential copy. The document-starts table and the manifest are the single run's, byte for byte (the empty
 documents and those with special-token text of every part summed), the manifest published last; DEST's life cycle
@@ -27,16 +27,17 @@ from typing import Any
 
 import numpy as np
 
+from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
-from fastio.convert.run import DEFAULT_SHARD_SIZE, check_dest, reset_dest
+from fastio.convert.run import DEFAULT_SHARD_SIZE
+from fastio.convert.token_convert import shard_record, token_manifest, token_shard_cuts
 from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
 from fastio.errors import ConvertError, DatasetError
+from fastio.formats.megatron import MegatronIndex, MegatronShard, MegatronWriter, partner_path
 from fastio.progress import count, parse_size
 from fastio.storage import is_remote
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME
-from fastio.tokens.convert import shard_record, token_manifest, token_shard_cuts
-from fastio.tokens.megatron import MegatronIndex, MegatronShard, MegatronWriter, partner_path
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
 __all__ = ["comparable_plan", "merge_token_parts", "part_command"]

@@ -1,0 +1,168 @@
+"""What fastio may delete or move aside in a checkpoint directory (the rules in one place), and the deletions.
+
+- a ``step-N.tmp`` holding the writer's mark ``fastio-writing.json`` (with or without a commit marker: a
+  kill can come between writing the marker and the rename) is this fastio's own abandoned temporary (a
+  Checkpointer only looks while it holds the directory's lock, so no other writer is alive):
+  :func:`remove_abandoned` deletes it;
+- committed checkpoints older than the newest ``keep`` (:mod:`fastio.checkpoint.retention`), each renamed to a
+  hidden ``.step-N.deleting-PID`` first and then deleted (:func:`remove_step`); :func:`remove_abandoned` finishes
+  such a deletion a kill cut short;
+- with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
+  commit marker is on the store (:mod:`fastio.checkpoint.commit`; no node holds the whole step);
+- on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
+  first), and ``step-N/`` objects without a commit marker older than the newest committed step (a deletion
+  cut short), :mod:`fastio.checkpoint.remote`;
+- a ``step-N.tmp``, or one moved aside as ``step-N.tmp.quarantined``, that holds nothing at all but the writer's
+  mark or its half-written ``.fastio-writing.json.tmp`` (a kill between creating the temporary and publishing
+  its mark): :func:`remove_abandoned` deletes it (no data can be in it);
+- a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
+  step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_abandoned` deletes it once
+  process PID of the host its mark names has ended (another host's: a day after its mark was written), never
+  under a restore still reading it (a read-only one beside training);
+- nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
+  match it, and a ``step-N.tmp`` without the writer's mark holding anything else are left alone or moved aside by
+  rename to ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be
+  replaced by a new commit of the same step is moved aside too. A rollback supersedes steps, deleting nothing
+  (:mod:`fastio.checkpoint.rollback`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from fastio.checkpoint.naming import (
+    COMMIT_FILE,
+    RESTORING_FILE,
+    deleting_name,
+    is_deleting_name,
+    is_quarantined_tmp_name,
+    parse_restore_name,
+    quarantine_names,
+    restore_dir,
+)
+from fastio.checkpoint.rollback import finish_rollback
+from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
+from fastio.storage.atomic import fsync_dir
+
+__all__ = ["OTHER_HOST_RESTORE_S", "quarantine", "remove_abandoned", "remove_step", "start_restore_dir"]
+
+OTHER_HOST_RESTORE_S = 24 * 3600.0
+"""A restore directory marked by another host (whose processes this one cannot see) is abandoned this long after
+its mark was written."""
+
+
+def remove_step(path: Path) -> None:
+    """Delete a step directory: first renamed to a hidden ``.step-N.deleting-PID`` (atomic: it is no step from
+    then on), then deleted; a deletion a kill cut short is finished by :func:`remove_abandoned`."""
+    path = Path(path)
+    doomed = path.with_name(deleting_name(path.name))
+    try:
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+        fsync_dir(path.parent)
+    except FileNotFoundError:
+        return
+    except OSError:  # cannot rename (e.g. busy): its marker first, so a half-deleted one reads as uncommitted
+        doomed = path
+        try:
+            (path / COMMIT_FILE).unlink()
+            fsync_dir(path)
+        except FileNotFoundError:
+            pass
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def quarantine(path: Path) -> Path:
+    """Move a step directory aside as ``<name>.quarantined`` (``-2``, ``-3``... when taken); returns the new path.
+    Nothing is deleted: what was there may be the only copy."""
+    path = Path(path)
+    target = next(path.with_name(n) for n in quarantine_names(path.name) if not path.with_name(n).exists())
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def start_restore_dir(root: Path, step: int) -> Path:
+    """Create (empty, marked) this process's restore directory for ``step``: the mark is what
+    :func:`remove_abandoned` recognises."""
+    path = restore_dir(root, step)
+    if path.exists():  # this pid's own, from an earlier restore that could not clean up
+        shutil.rmtree(path)
+    path.mkdir()
+    (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                   "time": time.time()}))
+    return path
+
+
+def _restore_abandoned(child: Path) -> bool:
+    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) gone from the host
+    its mark names, or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
+    pid = parse_restore_name(child.name)
+    if pid is None or not child.is_dir() or not (child / RESTORING_FILE).is_file():
+        return False
+    try:
+        mark = json.loads((child / RESTORING_FILE).read_text())
+        host, started = mark.get("host"), float(mark.get("time", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return True  # a mark cut short by a kill
+    if host != socket.gethostname():
+        return time.time() - started > OTHER_HOST_RESTORE_S
+    if pid == os.getpid():
+        return True  # this process's own, from a restore that could not clean up
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    try:  # a zombie has ended
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _is_empty_quarantined_tmp(path: Path) -> bool:
+    """A ``step-N.tmp`` moved aside (``step-N.tmp.quarantined``) that holds nothing but writer's marks: what a kill
+    inside :func:`~fastio.checkpoint.publish.start_tmp` left, quarantined by an older fastio; nothing of it can be
+    data."""
+    return (is_quarantined_tmp_name(path.name) and path.is_dir() and not path.is_symlink()
+            and holds_only_writer_marks(path))
+
+
+def _remove_hidden_leftovers(root: Path) -> list[Path]:
+    """Delete the ended restores' directories, the deletions a kill cut short and the empty quarantined
+    temporaries under ``root``; returns them."""
+    removed = []
+    for child in sorted(Path(root).iterdir()):
+        if (_restore_abandoned(child)
+                or is_deleting_name(child.name) and child.is_dir()  # also a deletion a kill cut short
+                or _is_empty_quarantined_tmp(child)):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def remove_abandoned(root: Path) -> tuple[list[Path], list[StepEntry]]:
+    """Delete this fastio's abandoned temporaries under ``root`` (see the module docstring): marked
+    ``step-N.tmp``, a ``step-N.tmp`` or ``step-N.tmp.quarantined`` holding nothing but writer's marks, and marked
+    ``.step-N.restore-PID`` (after finishing a rollback a kill cut short); returns ``(deleted, left)``: ``left``
+    are the other uncommitted step directories, untouched."""
+    removed, left = [], []
+    if Path(root).is_dir():
+        finish_rollback(root)  # one a kill cut short
+        removed += _remove_hidden_leftovers(root)
+    for entry in scan(root):
+        if entry.committed:
+            continue
+        if entry.abandoned:
+            remove_step(entry.path)
+            removed.append(entry.path)
+        else:
+            left.append(entry)
+    return removed, left

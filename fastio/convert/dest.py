@@ -1,0 +1,264 @@
+"""DEST's life cycle, for every writer of a dataset (``convert``, ``--tokenizer``, ``fastio index``, ``merge``):
+check it, lock it, reset it, stage an ``s3://`` one locally and upload it, final files last.
+
+Local DEST: :func:`check_dest` (a conversion's: new, empty or fastio's own output) or :func:`check_index_dest`
+(``fastio index`` with a DEST other than SOURCE's folder); :func:`reset_dest` empties it but for the marker
+(written first: fastio output, without a final file an interrupted run) before it is written again.
+
+One writer per DEST: a writer holds DEST's :class:`~fastio.storage.lock.DirLock` (``DEST/.fastio-lock``,
+:func:`lock_dest`; :func:`writer_lock` for a DEST that may be on an object store) from before it checks DEST until
+its last file is published; a second writer into the same DEST is refused at once naming DEST and the holder; so
+is a whole conversion into a DEST whose parts (``DEST/.parts/part-K-of-N/``, each locked by its writer) are still
+being converted, before anything is deleted (:func:`lock_parts`). The kernel drops the lock when the holder dies,
+so a killed run never blocks the next. An ``s3://`` DEST is guarded the same way by a lease object
+(:mod:`fastio.storage.lease`), which a killed run leaves until it expires (at once for a rerun on the same host or a
+requeue of the same Slurm job).
+
+Object-store DEST: a dataset is written into a local staging folder named after DEST (:func:`staging_path`), then
+uploaded, final files last (:func:`upload_dataset`); ``fastio index`` puts its few files with
+:func:`publish_uploads`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from fastio.convert.parts import PARTS_DIR, parse_part_dir
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
+from fastio.errors import ConvertError, DatasetError
+from fastio.storage import S3Storage, Storage, open_storage
+from fastio.storage.atomic import atomic_write_bytes
+from fastio.storage.lease import Lease, LeaseLostError, writer_lease
+from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
+from fastio.storage.url import parse_location
+
+T = TypeVar("T")
+
+__all__ = ["check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest", "publish_uploads",
+           "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
+
+
+# -- a local DEST ------------------------------------------------------------------------------------
+
+def _is_complete(dest: Path) -> bool:
+    return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
+
+
+def check_dest(dest: Path, source: Path | None, overwrite: bool) -> None:
+    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None: a SOURCE that is
+    no local path, which DEST cannot contain)."""
+    if dest.exists() and not dest.is_dir():
+        raise ConvertError(f"{dest}: exists and is not a directory")
+    src, dst = (None if source is None else source.resolve()), dest.resolve()
+    if src is not None and (src == dst or src in dst.parents or dst in src.parents):
+        raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
+    if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
+        complete = _is_complete(dest)
+        ours = complete or (dest / MARKER_NAME).is_file() or (dest / PARTS_DIR).is_dir()
+        if complete and not overwrite:
+            raise ConvertError(f"{dest}: already holds a converted dataset; pass overwrite=True to replace it")
+        if not ours and not overwrite:
+            raise ConvertError(f"{dest}: directory is not empty and is not fastio output; "
+                               "pass overwrite=True to replace its contents")
+
+
+def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
+    """Make DEST an empty directory holding only the marker and the entries named in ``keep`` (call
+    :func:`check_dest` first)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(dest / MARKER_NAME, b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    # The final files go first so that DEST stops being a dataset before anything else changes.
+    for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
+        final.unlink(missing_ok=True)
+    for child in dest.iterdir():
+        if child.name in (MARKER_NAME, LOCK_NAME) or child.name in keep:  # the holder's lock is on the lock file
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def lock_dest(lock: DirLock, dest: Path) -> None:
+    """Take ``lock`` (DEST's, a part's or a staging folder's); ConvertError naming the holder, or the folder that
+    cannot be made."""
+    try:
+        lock.acquire()
+    except LockedError as err:
+        raise ConvertError(str(err)) from None  # names DEST and the holder
+    except OSError as err:  # DEST cannot be created
+        raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
+
+
+def lock_parts(dest: Path) -> list[DirLock]:
+    """Lock every part directory under ``DEST/.parts/`` (DEST's own lock is held), so that resetting DEST
+    deletes no running part's files; a running part is a ConvertError naming it and its holder, before
+    anything is deleted. (A part started later sees DEST's lock and refuses: :func:`fastio.convert.parts.start_part_dir`.)"""
+    root, locks = dest / PARTS_DIR, []
+    children = sorted(root.iterdir()) if root.is_dir() else []
+    try:
+        for child in children:
+            kn = parse_part_dir(child.name)
+            if kn is None or not child.is_dir() or child.is_symlink():
+                continue
+            try:
+                locks.append(DirLock(child, "fastio convert").acquire())
+            except LockedError:
+                raise ConvertError(
+                    f"{dest}: part {kn[0]}/{kn[1]} of a conversion in parts is running ({holder_of(child)}); "
+                    f"nothing was deleted: let it finish and run `fastio merge {dest}`, or stop it, before "
+                    "converting into DEST again") from None
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+def check_index_dest(dest: Storage, overwrite: bool) -> None:
+    """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
+    ``fastio convert``'s; with ``overwrite`` any folder is written into (``fastio index --eos-id`` too)."""
+    if not dest.remote:
+        path = dest.location.path
+        if path.exists() and not path.is_dir():
+            raise DatasetError(f"{path}: DEST exists and is not a directory")
+        above = next((p for p in path.parents if p.exists() or p.is_symlink()), None)
+        if above is not None and not above.is_dir():
+            raise DatasetError(f"{path}: DEST cannot be made: {above} is not a directory")
+    if overwrite:
+        return
+    if dest.remote:
+        names = {o.key.split("/")[0] for o in dest.list("")}
+    else:
+        names = {p.name for p in path.iterdir()} if path.is_dir() else set()
+    names.discard(LOCK_NAME)
+    if names and not names & {MARKER_NAME, MANIFEST_NAME, PARTS_DIR}:
+        raise DatasetError(f"{dest.url}: DEST is not empty and is not fastio output (no {MARKER_NAME}); give a new "
+                           "or empty folder, or pass overwrite (--overwrite) to write into it")
+
+
+def writer_lock(dest: Storage, purpose: str, folder: Path | None = None) -> DirLock | Lease | None:
+    """The one-writer guard of DEST, not yet taken: the :class:`DirLock` of ``folder`` (default: DEST's own folder;
+    a part's directory) on a local DEST, the lease object of an ``s3://`` prefix (None where leases are off)."""
+    if dest.remote:
+        return writer_lease(dest, purpose)
+    return DirLock(folder if folder is not None else dest.location.path, purpose)
+
+
+def mark_index_dest(dest: Storage, confirm: Callable[[], None] = lambda: None) -> None:
+    """Write ``fastio index``'s marker into a DEST other than SOURCE's folder (a rerun after a failure then finds
+    DEST its own), unless it is there; ``confirm()`` (the lease's) just before it is written."""
+    if not dest.exists(MARKER_NAME):
+        confirm()
+        dest.put_bytes(MARKER_NAME, b"fastio index output; complete once manifest.json exists\n")
+
+
+# -- an object-store DEST -----------------------------------------------------------------------------
+
+_FINAL_NAMES = (MANIFEST_NAME, SPLITS_NAME)
+
+
+def _is_dataset_key(key: str) -> bool:
+    """A key that a conversion writes (and so may replace or delete): marker, manifests, shards (a token
+    conversion's ``.bin``), indexes."""
+    parts = key.split("/")
+    return (parts[-1] in (*_FINAL_NAMES, MARKER_NAME) and len(parts) <= 2) or (
+        len(parts) in (2, 3) and parts[-2] == "shards" and parts[-1].endswith((".tar", ".bin", ".idx")))
+
+
+def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
+    """The keys of a previous conversion under DEST (to delete after an ``overwrite``); ConvertError if
+    DEST holds a dataset (without ``overwrite``) or objects fastio did not write. The lease object
+    (``.fastio-lock``) is neither: it is the writer's, never listed for deletion."""
+    keys = [o.key for o in storage.list() if o.key != LOCK_NAME]
+    if not keys:
+        return []
+    ours = any(k in (MARKER_NAME, *_FINAL_NAMES) for k in keys)
+    if not ours:
+        raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
+    if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:
+        raise ConvertError(f"{storage.url}: already holds a converted dataset; pass overwrite=True to replace it")
+    return [k for k in keys if _is_dataset_key(k)]
+
+
+def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | None, overwrite: bool,
+                   write: Callable[[Path], T]) -> T:
+    """Write a dataset with ``write(local)`` into DEST's local staging folder (:func:`staging_path`), then upload
+    it to the URL ``dest``, final files last; returns what ``write`` returned.
+
+    With ``overwrite`` the old manifests are deleted first (the old dataset stops being readable), and after the
+    upload the old dataset's shards and indexes that the new one did not replace. Nothing else under DEST is
+    deleted. One writer per DEST: the conversion holds DEST's lease (``DEST/.fastio-lock``,
+    :mod:`fastio.storage.lease`) from before it checks DEST until the last upload, and confirms it before it
+    deletes anything and before the final files; a second conversion is refused at once naming the holder."""
+    storage = open_storage(dest, storage_options)
+    lease = writer_lease(storage, "fastio convert") if isinstance(storage, S3Storage) else None
+    if lease is not None:
+        try:
+            lease.acquire()
+        except LockedError as err:
+            raise ConvertError(str(err)) from None  # names DEST and the holder
+    guard = lease.confirm if lease is not None else (lambda: None)
+    try:
+        return _upload_converted(dest, storage, staging_dir, overwrite, write, guard)
+    except LeaseLostError as err:
+        raise ConvertError(f"{err} (nothing more was uploaded)") from None
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
+    """The local folder a conversion into the URL ``dest`` is written in before its upload:
+    ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
+    temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
+    left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
+    url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
+
+
+def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
+                      write: Callable[[Path], T], guard: Callable[[], None]) -> T:
+    old = _check_remote_dest(storage, overwrite)
+    staging = staging_path(str(dest), staging_dir)
+    lock = DirLock(staging, f"fastio convert to {dest}")
+    lock_dest(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
+    try:
+        # the folder is this DEST's own staging copy: what a killed run left there is replaced
+        local = staging / "dest"
+        result = write(local)
+        (local / LOCK_NAME).unlink(missing_ok=True)  # the staging folder's own lock (released): not data
+        guard()
+        for key in old:
+            if key.split("/")[-1] in _FINAL_NAMES:
+                storage.delete(key)
+        splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
+        last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
+        uploaded = storage.publish_dir(local, keys_last=last, before_last=guard)
+        guard()
+        for key in sorted(set(old) - set(uploaded)):
+            storage.delete(key)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
+        lock.release()
+    return result
+
+
+def publish_uploads(dest: Storage, uploads: list[tuple[str, Path]]) -> None:
+    """Put each staged file at its key in DEST, in order (the manifest is last): rename locally, upload on S3
+    (``fastio index --eos-id``'s manifest too)."""
+    for key, path in uploads:
+        if dest.remote:
+            dest.put_file(key, path)
+        else:
+            final = dest.location.path / key
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(final, path.read_bytes())

@@ -1,0 +1,219 @@
+"""What ``fastio index`` SOURCE names, in order: a folder (every ``*.tar`` below it, in sorted order; links to files
+followed, links to folders listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a
+brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; several local paths become
+one: :func:`paths_pattern`). A shard named twice, a compressed tar, a path that is no regular file: one
+:class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastio.convert.foreign_tar import COMPRESSED
+from fastio.dataset.manifest import SHARDS_DIR
+from fastio.errors import DatasetError
+from fastio.storage import open_storage
+from fastio.storage.base import Storage
+from fastio.storage.options import StorageOptions
+
+__all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "paths_pattern"]
+
+_COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+@dataclass
+class ListedShard:
+    """One source tar: how messages name it, where its bytes are, and where the manifest will say it is."""
+
+    display: str
+    storage: Storage
+    key: str
+    size: int | None = None
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``{a,b}`` alternatives and ``{000..099}`` ranges (zero-padded like their bounds), as WebDataset does."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[:m.start()], m[1], pattern[m.end():]
+    r = _RANGE.match(body)
+    if r:
+        a, b = int(r[1]), int(r[2])
+        width = len(r[1]) if r[1].startswith("0") and len(r[1]) > 1 else 0
+        options = [str(i).zfill(width) for i in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
+    else:
+        options = body.split(",")
+    return [x for o in options for x in expand_braces(head + o + tail)]
+
+
+def paths_pattern(paths: list[str]) -> str:
+    """The brace pattern naming several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
+    expanded): ``COMMON/{a.tar,b/c.tar}``, with COMMON their deepest common folder (the default DEST).
+    DatasetError naming a path that is not a local ``.tar`` file or that a brace pattern cannot hold."""
+    for path in paths:
+        if "://" in path or not path.lower().endswith(".tar"):
+            raise DatasetError(f"{path}: not a .tar file: fastio index takes one SOURCE (a folder, prefix or brace "
+                               "pattern) or several local .tar files (quote a glob for s3://)")
+        if any(c in path for c in "{},"):
+            raise DatasetError(f"{path}: a name with a brace or comma cannot be listed with others: give the folder")
+    try:
+        common = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
+    except ValueError:  # absolute and relative paths mixed
+        common = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+        paths = [os.path.abspath(p) for p in paths]
+    inside = [os.path.relpath(p, common) for p in paths]
+    return f"{common}/{{{','.join(inside)}}}"
+
+
+def list_shards(source: str, options: StorageOptions | dict | None
+                ) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
+    """The storage of SOURCE's folder (the default DEST), the shards SOURCE names, in order, and what a folder's
+    listing passed over with reasons (``skipped``). A shard named twice is refused."""
+    storage, shards, skipped = (_pattern_listing if "{" in source else _folder_listing)(source, options)
+    _refuse_repeats(shards)
+    return storage, shards, skipped
+
+
+def _pattern_listing(source: str, options) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
+    prefix = source[:source.index("{")]
+    folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    storage = open_storage(folder or ".", options)
+    shards = [ListedShard(display_of(storage, key), storage, key)
+              for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
+    listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
+    for s in shards:
+        _refuse_compressed(s.key, s.display)
+        if listed is None:
+            s.size = _local_tar(s.display, f" (named by {source})")
+        elif (size := listed.get(s.key)) is not None:
+            s.size = size
+        else:
+            raise DatasetError(f"{s.display}: no such shard (named by {source})")
+    return storage, shards, []
+
+
+def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
+    storage = open_storage(source, options)
+    glob = (f"{source}: fastio does not expand globs (the shell matched nothing, or the pattern was quoted): give "
+            "the folder, or a brace pattern such as '/data/{000..009}.tar'")
+    if not storage.remote and not storage.location.path.is_dir():
+        if storage.location.path.is_file():
+            raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
+        if any(c in source for c in "*?["):
+            raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
+        raise DatasetError(f"{source}: no such folder")
+    if storage.remote:
+        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
+        if not found and any(c in source for c in "*?["):
+            raise DatasetError(glob)
+        if not found and source.endswith(".tar"):
+            raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
+                               "pattern")
+    else:
+        found, skipped = _walk_local(storage.location.path)
+    shards = []
+    for key, size in found:
+        s = ListedShard(display_of(storage, key), storage, key, size)
+        _refuse_compressed(s.key, s.display)
+        if key.endswith(".tar"):
+            shards.append(s)
+    if not shards:
+        raise _no_tars(source, [key for key, _ in found])
+    return storage, shards, skipped
+
+
+def _no_tars(source: str, keys: list[str]) -> DatasetError:
+    """The refusal of a SOURCE without tars: one of Megatron pairs (directly in it) is named as such, with the
+    option that indexes them."""
+    names = {k for k in keys if "/" not in k}
+    pairs = sum(1 for k in names if k.endswith(".bin") and k[:-len(".bin")] + ".idx" in names)
+    if pairs:
+        return DatasetError(f"{source}: holds Megatron .bin/.idx pairs ({pairs}), not .tar shards: index them as a "
+                            "token dataset with eos_id=N, the id that ends every document (docs/tokens.md)")
+    return DatasetError(f"{source}: holds no .tar files")
+
+
+def _listed(key: str) -> bool:
+    """Whether a folder's listing looks at ``key``: not hidden, not in fastio's own ``shards/``."""
+    return not any(p.startswith(".") for p in key.split("/")) and key.split("/")[0] != SHARDS_DIR
+
+
+def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
+    """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
+    it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
+    are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
+    is not followed (no loops, nothing reached twice), nor is a broken link of another name: both are listed."""
+    found: list[tuple[str, int | None]] = []
+    skipped: list[dict[str, str]] = []
+
+    def visit(folder: str, prefix: str) -> None:
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            key, display = prefix + entry.name, os.path.abspath(entry.path)
+            if not _listed(key):
+                continue
+            if key.endswith(".tar"):
+                found.append((key, _local_tar(display)))
+            elif entry.is_dir(follow_symlinks=False):
+                visit(entry.path, key + "/")
+            elif entry.is_symlink() and not os.path.isfile(entry.path):
+                what = "a link to a folder" if os.path.isdir(entry.path) else "a broken link"
+                skipped.append({"path": display, "reason": f"{what} (-> {os.readlink(entry.path)}): not followed"})
+            elif entry.is_file():
+                found.append((key, None))  # looked at for its name only (a compressed tar is refused)
+
+    visit(str(root), "")
+    return sorted(found), skipped
+
+
+def _local_tar(path: str, named_by: str = "") -> int:
+    """The size of the local shard ``path``; DatasetError naming it unless it is a regular file once links are
+    followed (a broken link names its target: a mount that is missing must not lose a shard unsaid)."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if os.path.islink(path):
+            raise DatasetError(f"{path}: a broken link (-> {os.readlink(path)}: {err.strerror}){named_by}") from None
+        raise DatasetError(f"{path}: no such shard{named_by}" if err.errno in (errno.ENOENT, errno.ENOTDIR)
+                           else f"{path}: {err.strerror}{named_by}") from None
+    if not stat.S_ISREG(st.st_mode):
+        what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        if os.path.islink(path):
+            what = f"a link (-> {os.readlink(path)}) to {what}"
+        raise DatasetError(f"{path}: {what}, not a tar file{named_by}")
+    return st.st_size
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def _refuse_repeats(shards: list[ListedShard]) -> None:
+    """DatasetError naming a shard listed twice (the same resolved path, or URL): its samples would come twice an
+    epoch."""
+    first: dict[str, str] = {}
+    for s in shards:
+        ident = s.display if s.storage.remote else os.path.realpath(s.display)
+        if ident in first:
+            also = "" if first[ident] == s.display else f" (the same file as {first[ident]})"
+            raise DatasetError(f"{s.display}: named twice{also}: each of its samples would come twice an epoch; "
+                               "name each shard once")
+        first[ident] = s.display
+
+
+def display_of(storage: Storage, key: str) -> str:
+    """How messages and a manifest with ``--dest`` name a file: its URL, or its absolute path."""
+    return storage.url_of(key) if storage.remote else os.path.abspath(storage.location.path / key)
+
+
+def _refuse_compressed(key: str, display: str) -> None:
+    if key.lower().endswith(_COMPRESSED_SUFFIXES):
+        kinds = "/".join(sorted(set(COMPRESSED.values())))
+        raise DatasetError(f"{display}: a compressed tar ({kinds} tars cannot be read at offsets): "
+                           "`fastio convert` it into a dataset (or decompress it) instead")

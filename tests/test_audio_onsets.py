@@ -1,0 +1,85 @@
+"""Where a sound starts: for every audio codec fastio accepts, a tone that starts at 0.5 s is at the sample of
+``AudioClips``' clip that PyAV's (FFmpeg's) decode of the same file puts it at, within 1 sample. Files are made here
+with PyAV (``synthetic.encode_audio``); Ogg Vorbis, which PyAV cannot write well, is a libvorbis fixture."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+
+from audio_onsets import check_onsets, clip_onsets, encode  # noqa: E402
+
+from fastio.formats.ogg import dali_opus_layout  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# name -> (suffix, container, codec, sample format, the rate given to the encoder)
+CODECS = {
+    "wav": (".wav", "wav", "pcm_s16le", "s16", 16000),
+    "flac": (".flac", "flac", "flac", "s16", 22050),
+    "opus": (".opus", "ogg", "libopus", "flt", 48000),  # FFmpeg's Ogg: the first page starts at 312 (its pre-skip)
+    "opus16k": (".opus", "ogg", "libopus", "flt", 16000),  # OpusHead input rate 16 kHz: DALI decodes at 16 kHz
+}
+
+
+def ogg_crc(page: bytes) -> int:
+    """Ogg's page checksum (CRC-32, polynomial 0x04C11DB7, not reflected)."""
+    crc = 0
+    for byte in page:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
+            crc &= 0xFFFFFFFF
+    return crc
+
+
+def granules_from_zero(data: bytes, shift: int) -> bytes:
+    """Ogg ``data`` with every audio page's granule position lowered by ``shift`` (checksums redone): FFmpeg's Ogg
+    Opus, whose first page starts at its pre-skip, as opusenc writes it (starting at 0)."""
+    out, at = bytearray(data), 0
+    while at < len(out):
+        count = out[at + 26]
+        end = at + 27 + count + sum(out[at + 27:at + 27 + count])
+        granule = int.from_bytes(out[at + 6:at + 14], "little", signed=True)
+        if granule > 0:
+            out[at + 6:at + 14] = (granule - shift).to_bytes(8, "little", signed=True)
+        out[at + 22:at + 26] = bytes(4)
+        out[at + 22:at + 26] = ogg_crc(bytes(out[at:end])).to_bytes(4, "little")
+        at = end
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def onset_files(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("onsets")
+    (root / "c0").mkdir()
+    for name, (suffix, container, codec, sample_fmt, rate) in CODECS.items():
+        encode(root / "c0" / f"{name}{suffix}", container, codec, sample_fmt, rate)
+    opus = (root / "c0" / "opus.opus").read_bytes()
+    (root / "c0" / "opusenc.opus").write_bytes(granules_from_zero(opus, 312))
+    shutil.copy(FIXTURES / "onset_44k_vorbis.ogg", root / "c0" / "vorbis.ogg")
+    return root
+
+
+def test_ogg_opus_layouts_as_dali_decodes_them(onset_files):
+    """FFmpeg's Ogg Opus starts its first page at the pre-skip, so DALI delivers the 312 pre-skip samples; one
+    starting at 0 (opusenc's) and a 16 kHz input rate are read as the header says."""
+    layout = {n: dali_opus_layout((onset_files / "c0" / f"{n}.opus").read_bytes()) for n in ("opus", "opus16k",
+                                                                                              "opusenc")}
+    assert layout == {"opus": (48000, 312), "opus16k": (16000, 104), "opusenc": (48000, 0)}
+    assert dali_opus_layout((onset_files / "c0" / "vorbis.ogg").read_bytes()) is None
+    opus = (onset_files / "c0" / "opus.opus").read_bytes()
+    assert dali_opus_layout(np.frombuffer(opus, np.uint8)) == (48000, 312)  # a batch's bytes, read in place
+    for cut in (0, 4, 30, 60):  # cut before an audio page: no layout (and no exception)
+        assert dali_opus_layout(opus[:cut]) is None, cut
+    assert dali_opus_layout(opus[:200]) == (48000, 312)  # its first audio page's header is there
+
+
+def test_every_codec_dali_reads_puts_the_onset_where_pyav_does(onset_files, tmp_path):
+    got = clip_onsets(onset_files, tmp_path / "ds")
+    assert set(got) == {*CODECS, "opusenc", "vorbis"}
+    check_onsets(got, onset_files / "c0")
