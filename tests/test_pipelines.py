@@ -187,6 +187,24 @@ def test_the_pipeline_protocol_is_six_hooks_with_nothing_of_a_kind_in_its_base()
     assert fastio.Raw().graph() is None and fastio.Tokens().graph() is None
 
 
+def test_a_kind_written_for_the_wider_interface_is_told_what_replaces_its_hook(image_dataset):
+    """A hook of the earlier interface would be ignored now: the class is refused when made, naming what replaces
+    it; a kind that does not say what it reads is named when the Loader asks."""
+    with pytest.raises(TypeError, match=r"Old.build: the pipeline protocol has no 'build' hook now; declare the "
+                                        r"graph with graph\(\) -> GraphDef"):
+        @dataclass(frozen=True)
+        class Old(fastio.Pipeline):
+            def build(self, source, **options):
+                return None
+
+    @dataclass(frozen=True)
+    class Silent(fastio.Pipeline):
+        pass
+
+    with pytest.raises(TypeError, match="Silent does not say what it reads: define read_fields"):
+        Loader(image_dataset, batch_size=4, pipeline=Silent(), device="cpu", world_size=1, rank=0)
+
+
 def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
     source = (Path(fastio.__file__).parent / "loader.py").read_text()
     tree = ast.parse(source)

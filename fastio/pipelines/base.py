@@ -111,6 +111,16 @@ def refuse_tokens(ds: Dataset, kind: str) -> None:
                            "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
 
 
+_OLD_HOOKS = {
+    "build": "declare the graph with graph() -> GraphDef(inputs, feed, body, outputs, problem)",
+    "unit_plan": "return the plan and the reader together from source(read_set, sampling, place) -> Source",
+    "reader": "return the plan and the reader together from source(read_set, sampling, place) -> Source",
+    "choose_fields": "set fields, or the class's default_fields ('label', 'shared' or 'none')",
+}
+"""Hooks of the earlier, wider interface, with what replaces each: a kind defining one is refused when its class
+is made (it would be ignored)."""
+
+
 class Pipeline:
     """The base of pipeline objects (see the module docstring): six hooks. Subclasses are frozen dataclasses whose
     fields are their options; each checks them when made (``ValueError`` naming the value)."""
@@ -121,12 +131,20 @@ class Pipeline:
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
     fields: tuple[str, ...] | None = None
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        old = sorted(set(vars(cls)) & set(_OLD_HOOKS))
+        if old:
+            raise TypeError(f"{cls.__name__}.{old[0]}: the pipeline protocol has no {old[0]!r} hook now; "
+                            f"{_OLD_HOOKS[old[0]]} (docs/adding-a-kind.md)")
+
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
         """What to read of ``ds`` to deliver ``fields`` (DatasetError naming what it lacks); None for a kind
         that reads no stored sample (its :meth:`source` reads the shards)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not say what it reads: define read_fields(ds, fields), or "
+                        "subclass fastio.pipelines.ImageKind for the image kinds' (docs/adding-a-kind.md)")
 
-    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The order of this kind's units on ``place``'s rank and what reads them (DatasetError, asked when the
         Loader is made, for a dataset that cannot be read there): the read set's order and reader of stored
         samples. A kind whose unit is not a stored sample (a packed token sequence) makes both here, together."""

@@ -194,7 +194,7 @@ class _Image(ImageKind):
         text = [f for f, _ in self.text or () if f not in fields]
         return super().read_fields(ds, [*fields, *text])
 
-    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The read set's samples; with ``text``, read through a :class:`TextReader` that tokenizes them."""
         source = super().source(read_set, sampling, place)
         if not self.text:

@@ -178,7 +178,7 @@ class _Clips(Pipeline):
         # reader's "image" (no header parsed, nothing transcoded).
         return ReadFields(tuple(dict.fromkeys([*probes, *fields])), image=media)
 
-    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The read set's samples; with the probes of datasets that have a probe table put in (:func:`probe_source`)."""
         source = super().source(read_set, sampling, place)
         tables = [probe_source(s.dataset) for s in read_set.sources]
@@ -394,7 +394,7 @@ class VideoClips(_Clips):
             return image_read_fields(ds, fields, self.kind, sizes=True)
         return super().read_fields(ds, fields)
 
-    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The clip kinds' source, of these clips as ``place.device`` decodes them (:meth:`for_device`: the
         ``Source``'s pipeline); with ``cpu_fallback``, a :class:`FallbackReader` around its reader, whose threads
         decode the clips of the videos DALI's CPU decoder does not read."""

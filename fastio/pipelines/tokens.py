@@ -70,7 +70,7 @@ class Tokens(Pipeline):
                                "--eos-id); read it with fastio.ImageTrain, fastio.Raw, ...")
         return None
 
-    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """Each dataset packed (:meth:`_packed`), the order of the sequences on ``place``'s rank and a
         :class:`~fastio.tokens.loading.TokenReader` of those packings: made together."""
         from fastio.tokens.loading import TokenReader, TokenSource

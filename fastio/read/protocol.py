@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from fastio.read.mixture import Mixture
     from fastio.read.reader import ReadBatch
 
-__all__ = ["DEFAULT_FIELDS", "Delivery", "FieldChoice", "Placement", "ReadFields", "ReadSet", "Reads", "Source",
-           "UnitPlan", "UnitReader"]
+__all__ = ["DEFAULT_FIELDS", "DatasetSource", "Delivery", "FieldChoice", "Placement", "ReadFields", "ReadSet", "Reads",
+           "Source", "UnitPlan", "UnitReader"]
 
 DEFAULT_FIELDS = ("label", "shared", "none")
 """What a kind delivers when its ``fields`` is None: the label, every field the datasets share, or nothing."""
@@ -119,8 +119,11 @@ class UnitReader(Protocol):
     def close(self) -> None: ...
 
 
+K = TypeVar("K")
+
+
 @dataclass(frozen=True)
-class Source:
+class Source(Generic[K]):
     """A kind's units on one rank: their order (``plan``) and what reads them (``reader``), made together so that
     whatever the plan decided (a token packing) reaches the reader without a side table; ``pipeline``: the
     pipeline object as it runs there (a device may settle one of its options), whose graph and batch the Loader
@@ -128,7 +131,16 @@ class Source:
 
     plan: UnitPlan
     reader: UnitReader
-    pipeline: Any
+    pipeline: K
+
+
+class DatasetSource(Protocol):
+    """One dataset of a read set: its ``reader`` (None where the kind reads no stored sample) and ``files`` (an
+    ``s3://`` dataset's shard source, else None: files read in place)."""
+
+    dataset: Dataset
+    reader: UnitReader | None
+    files: Any
 
 
 class ReadSet(Protocol):
@@ -136,9 +148,7 @@ class ReadSet(Protocol):
 
     target: Dataset | Mixture
     mixture: Mixture | None
-    sources: Sequence[Any]
-    """Per dataset: ``dataset``, ``reader`` (None where the kind reads no stored sample), ``files`` (an ``s3://``
-    dataset's shard source, else None)."""
+    sources: Sequence[DatasetSource]
     reader: UnitReader
     """Reads stored samples by read-set id (None where the kind reads none)."""
     reader_threads: int
