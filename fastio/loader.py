@@ -30,7 +30,7 @@ from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, Pipeline, Placement, as_pipeline, build_graph, spell
 from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
-from fastio.read.mixture import Mixture
+from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
 from fastio.read.readset import ReadSet, coming, open_read_set
 from fastio.read.stats import Stats
@@ -323,8 +323,10 @@ class Loader:
         self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
         rs.check_state(state, state[K_EPOCH], state[K_CONSUMED])
         if state[K_FINGERPRINT] != rs.fingerprint:
-            raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint "
-                                   f"{state[K_FINGERPRINT]}, this dataset is {rs.fingerprint}")
+            raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint {state[K_FINGERPRINT]}, "
+                                   f"this dataset is {rs.fingerprint} (another dataset, or this one converted "
+                                   "again): the saved position names samples of that one; start the next epoch "
+                                   f"{next_epoch_way(state[K_EPOCH])}")
         mine = self.state_dict()
         for k in _ORDER_KEYS:
             if state[k] != mine[k]:
@@ -335,6 +337,19 @@ class Loader:
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {self._sampler.samples} samples)")
         return state
+
+    def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state that starts the epoch after ``state``'s with this Loader's data: what
+        ``Checkpointer.restore_latest(..., loader_policy="next-epoch")`` loads (``load_state_dict`` takes it too).
+        Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
+        mixture's source) converted again since the save, with more or other samples, is taken. The rest is checked
+        as :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, a mixture's sources
+        and schedule); changes nothing."""
+        state = _checked_state(state)
+        rs = self.read_set
+        moved = {**state, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0, K_FINGERPRINT: rs.fingerprint,
+                 **rs.renewed_state(state)}
+        return self.check_state_dict(moved)
 
     # -- iteration ----------------------------------------------------------------------------------
 

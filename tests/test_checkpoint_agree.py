@@ -6,7 +6,10 @@ gloo's timeout); one rank restoring while the other saves (``TypeError`` on one 
 rank saving while the other is in an all-reduce of the training's own (both hung): the saving rank gives up after
 ``agree_timeout``, naming the other, which gets the same error when it comes late; and a rank stopped with
 SIGSTOP for a few seconds: the other names it once in the log while it waits, and the save goes through when it
-resumes. Ranks with other ``compression=`` are refused on every rank (a run of their own).
+resumes. Ranks with other ``compression=`` are refused on every rank (a run of their own). The rank that was in
+its own all-reduce is told too, in one logged line while it is still there, also when the rank that gave up then
+stops (its all-reduce then ends in gloo's own error, and its next Checkpointer call raises the verdict, not "rank 0
+went away").
 """
 
 from __future__ import annotations
@@ -57,9 +60,11 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     attempt("ops:after", lambda: ops.restore_latest(app))  # the refusal left both ranks in step
     ops.close()
     absent = Checkpointer(Path(root) / "absent", signals=(), agree_timeout=3)
+    lines.lines.clear()
     if rank == 0:
         attempt("absent", lambda: absent.save(1, app, blocking=True))
     dist.all_reduce(torch.ones(1))  # rank 1 is here all along; rank 0 comes once it has given up
+    seen["absent:told"] = [line for line in lines.lines if "gave up" in line]
     if rank == 1:  # comes late: the verdict of the ranks that gave up stands
         attempt("absent", lambda: absent.save(1, app, blocking=True))
     stopped = Checkpointer(Path(root) / "stopped", signals=(), agree_timeout=60)
@@ -70,6 +75,17 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     attempt("stopped", lambda: stopped.save(1, app, blocking=True))
     seen["stopped:log"] = list(lines.lines)
     seen["stopped:steps"] = stopped.steps()
+    gone = Checkpointer(Path(root) / "gone", signals=(), agree_timeout=2)
+    lines.lines.clear()
+    if rank == 0:  # gives up on rank 1, then stops (and the store it hosts with it)
+        attempt("gone", lambda: gone.save(1, app, blocking=True))
+    else:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as err:
+            seen["gone:all_reduce"] = str(err)
+        seen["gone:told"] = [line for line in lines.lines if "gave up" in line]
+        attempt("gone", lambda: gone.save(2, app, blocking=True))
     seen["total"] = time.monotonic() - t0
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     os._exit(0)
@@ -99,6 +115,14 @@ def test_ranks_that_disagree_or_do_not_arrive_are_refused_on_every_rank(tmp_path
     warned = [line for line in seen[0]["stopped:log"] if "waiting" in line]
     assert len(warned) == 1 and "rank 1 (pid" in warned[0] and "checkpoint save" in warned[0], seen[0]["stopped:log"]
     assert seen[0]["stopped:steps"] == [1]
+    for label in ("absent", "gone"):  # the rank in its own all-reduce was told, in one line, while it was there
+        told = seen[1][f"{label}:told"]
+        assert len(told) == 1 and told[0].startswith(f"fastio: {seen[0][label]}; rank 1 (this process) was not "
+                                                     "in that operation"), (label, told, seen[0][label])
+    assert "checkpoint save at step 1 gave up on agreement: rank 1 (pid" in text, text
+    assert seen[0]["absent:told"] == [] and "gave up on agreement" in seen[0]["gone"]
+    assert "gone:all_reduce" in seen[1], seen[1]  # its own all-reduce: gloo's error, after the line above
+    assert seen[1]["gone"] == seen[0]["gone"], seen[1]  # its next call: the verdict, not "rank 0 went away"
 
 
 def test_agree_timeout_is_checked_where_it_enters(tmp_path):

@@ -121,3 +121,72 @@ def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_p
     model = example.Classifier(4)
     trainer(max_epochs=2).fit(model, datamodule=data({"a": 3, "b": 1}), ckpt_path=tmp_path / "ck" / f"step={last}.ckpt")
     assert [epoch for epoch, _ in model.seen] and {epoch for epoch, _ in model.seen} == {1}
+
+
+class Refusing:
+    """An app object of the app's own whose load_state_dict refuses what was saved (a changed format)."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        raise ValueError(f"counter state {state!r} is of another format")
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_an_app_object_that_refuses_its_state_leaves_the_model_optimizer_loader_and_rng_untouched(tmp_path, engine):
+    """Issue 40, 11: an app object raising in its own load_state_dict failed the restore after the model (and
+    optimizer) had loaded. The app's own objects load first, so the refusal leaves the rest as it was."""
+    sources = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+    torch.manual_seed(0)
+    saved_model = nn.Linear(4, 2)
+    saved_optim = torch.optim.SGD(saved_model.parameters(), lr=0.1, momentum=0.9)
+    saved_model(torch.ones(3, 4)).sum().backward()
+    saved_optim.step()
+    old = _loader(sources, {"a": 1, "b": 1})
+    list(islice(iter(old), 2))
+    app = {"model": saved_model, "optim": saved_optim, "counter": Refusing(3), "loader": old}
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(7, app, blocking=True)
+    old.close()
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    new = _loader(sources, {"a": 1, "b": 1})
+    rng = torch.get_rng_state()
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "optim": optim, "counter": Refusing(0), "loader": new})
+    assert torch.count_nonzero(model.weight) == 0  # the model was not loaded
+    assert optim.param_groups[0]["lr"] == 0.5 and not optim.state  # nor the optimizer
+    assert (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (0, 0)  # nor the loader
+    assert torch.equal(torch.get_rng_state(), rng)  # nor the RNG
+    text = str(err.value)
+    assert "counter state" in text and "another format" in text and "left as they were" in text, text
+    new.close()
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_a_model_that_does_not_match_leaves_the_apps_own_objects_untouched_though_they_load_first(tmp_path, engine):
+    """The app's own objects load before the model (above), so the model's strict check (state keys, shapes)
+    is made before them: a model of another shape still leaves every object as it was."""
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(3, {"model": nn.Linear(4, 2), "counter": Counter(5)}, blocking=True)
+    counter = Counter(0)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError, match=r"app key model: other shape: bias \(checkpoint 2, app 3\)"):
+            ckpt.restore_latest({"model": nn.Linear(4, 3), "counter": counter})
+        assert counter.value == 0
+        ckpt.restore_latest({"model": nn.Linear(4, 2), "counter": counter})
+    assert counter.value == 5
+
+
+class Counter(Refusing):
+    """An app object of the app's own that loads what was saved."""
+
+    def load_state_dict(self, state):
+        self.value = int(state["value"])

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -58,12 +59,46 @@ def test_a_config_keeps_the_shared_options_and_its_pipeline_object():
     assert LoaderConfig(pipeline="raw").pipeline == fastio.Raw() and LoaderConfig().pipeline == fastio.ImageTrain()
 
 
-@pytest.mark.parametrize("option", [{"image_size": 32}, {"mean": (0.5, 0.5, 0.5)}, {"fields": ["cls"]},
-                                    {"eval_crop_ratio": 0.5}])
+@pytest.mark.parametrize("option", [{"image_size": 32}, {"mean": (0.5, 0.5, 0.5)}, {"fields": ["cls"]}])
 def test_an_old_option_beside_a_pipeline_object_is_refused_by_name(option):
     name, value = next(iter(option.items()))
     with pytest.raises(ValueError, match=rf"^{name}=.* is an option of the pipeline object now: give it there"):
         LoaderConfig(**spell({"pipeline": fastio.ImageTrain(size=16), **option}))
+
+
+OLD_VALUES = {"image_size": 32, "mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2, 0.2), "dtype": "uint8", "layout": "HWC",
+              "eval_crop_ratio": 0.5, "fields": ["cls"]}
+EVERY_KIND = [fastio.ImageTrain(size=16), fastio.ImageEval(size=16), fastio.Raw(), fastio.Graph(lambda image, d: image),
+              fastio.VideoClips(), fastio.AudioClips(), fastio.Tokens(seq_len=8)]
+
+
+@pytest.mark.parametrize("pipeline", EVERY_KIND, ids=lambda p: type(p).__name__)
+def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_options_it_has(pipeline):
+    """Issue 40, 10: image_size=32 beside fastio.Tokens said 'give it there (pipeline=Tokens(...))', and Tokens
+    has no such option. For every old option beside every built-in kind, the option the message tells to give
+    exists on that object (and takes the value, for the image kinds), or the message says it is none of its
+    options and lists exactly the options it has."""
+    from fastio.pipelines.spellings import OLD_OPTIONS
+
+    assert set(OLD_VALUES) == set(OLD_OPTIONS)
+    kind = type(pipeline).__name__
+    own = [f.name for f in dataclasses.fields(pipeline) if f.init]
+    for name, value in OLD_VALUES.items():
+        with pytest.raises(ValueError) as err:
+            LoaderConfig(**spell({"pipeline": pipeline, name: value}))
+        text = str(err.value)
+        given = re.search(rf"give it there \(pipeline={kind}\(\.\.\., (\w+)=", text)
+        if given:
+            assert given.group(1) in own, (name, text)
+            if kind.startswith("Image"):
+                dataclasses.replace(pipeline, **{given.group(1): value})  # the spelling the message gives works
+        else:
+            assert text.startswith(f"{name}={value!r} is not an option of {kind} (its options: {', '.join(own)})"), text
+            assert name not in own and not (name == "image_size" and "size" in own), text
+    tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
+    with pytest.raises(ValueError, match=r"^image_size=32 is not an option of Tokens \(its options: seq_len, "
+                                         r"packing, window\): leave it out"):
+        LoaderConfig(**spell({"image_size": 32}, base=tokens.pipeline))
 
 
 @pytest.mark.parametrize("make,match", [
@@ -292,5 +327,5 @@ def test_old_options_over_a_config_change_its_image_pipeline(image_ds):
     with pytest.raises(ValueError, match=r"^image_size must be an integer >= 1, got 0"):  # still checked
         fastio.Loader(image_ds, config, image_size=0)
     tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
-    with pytest.raises(ValueError, match=r"^image_size=16 is an option of the pipeline object now"):
-        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused as before
+    with pytest.raises(ValueError, match=r"^image_size=16 is not an option of Tokens \(its options: seq_len, packing, "):
+        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused, naming its own

@@ -219,7 +219,8 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy))
+        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy),
+                                               label=f"maybe_save at step {step}")
         if step == self._last_step and not preempt:
             return False
         if preempt:
@@ -254,6 +255,7 @@ class Checkpointer:
         try:
             self._raise_if_failed(wait=True)
         finally:
+            self._ranks.close()
             self._flag.uninstall()
             self._stager.release()
             if self._remote is not None:
@@ -292,10 +294,13 @@ class Checkpointer:
         the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
 
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
-        read and checked before anything is loaded, and loaded last. ``loader_policy="next-epoch"`` replaces it
-        by the start of the epoch after the saved one (everything else is restored as saved): for a loader that
-        cannot continue the saved epoch, such as a mixture whose weights changed; ``TrainState.epoch`` is then the
-        epoch the loader starts (the saved one + 1).
+        read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
+        and optimizers nor loaders) load first, so that one refusing its state leaves the rest as it was.
+        ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one
+        (everything else is restored as saved; an object with ``next_epoch_state``, as the fastio Loader, makes
+        that state itself): for a loader that cannot continue the saved epoch, such as a mixture whose weights
+        changed or a dataset converted again with more samples; ``TrainState.epoch`` is then the epoch the loader
+        starts (the saved one + 1).
         """
         self._check_app(app)
         if loader_policy not in LOADER_POLICIES:
@@ -448,7 +453,8 @@ class Checkpointer:
         (and, with several ranks, the same step and app keys); returns the engine's name."""
         self._check_app(app)
         engine_name = choose_engine(self.config.engine, app)
-        self._ranks.enter("save", {"engine": engine_name})  # before any collective: the operation and the engine
+        # before any collective: the operation and the engine
+        self._ranks.enter("save", {"engine": engine_name}, label=f"save at step {step}")
         if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
             why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
             if why:  # (not "at step N": that may be what differs)

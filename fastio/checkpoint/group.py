@@ -23,6 +23,15 @@ arrival in the default group's store, so the ranks that arrived can name the one
 CheckpointError on every rank that arrived, and the same on a rank that arrives after it (the first verdict
 noted in the store stands: the deadline's, or "ok" from a rank that saw everyone arrive).
 
+A rank that did not arrive is told too, although it runs no fastio code then (it may be in a collective of the
+training's own, which fails with gloo's ``Connection closed by peer`` once the ranks that gave up stop): each rank
+of a group with ``agree_timeout`` watches the group's ``gave-up`` key on a thread of its own, through a connection of
+its own to the store (``Store.clone``; the store's wait: no polling). The ranks that give up note their verdict
+there; the watcher logs it as one error line, saying that this rank was not in the operation, and keeps it
+(:attr:`RankGroup.gave_up`) for this rank's next call, which raises it also when the ranks that gave up have gone.
+The ranks that gave up wait up to ``GONE_WAIT_S`` for the absent ranks' watchers to have seen it before they raise.
+:meth:`RankGroup.close` (and the end of the process) ends every rank's watch.
+
 Inside an operation the same holds for every gather, broadcast, all-reduce and barrier of the group (not the
 engines' own collectives): a rank that has waited ``ARRIVED_AFTER_S`` in one notes its arrival, and after
 ``ABSENT_WARN_S`` names once, in a warning, the ranks that have neither arrived nor shown that they are busy. A
@@ -37,6 +46,7 @@ process to make the rank go away). Production code never sets it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -75,6 +85,9 @@ that have not arrived."""
 LOOKS_APART_S = 1.5
 """Inside an operation, the waiting ranks look at an absent rank's beats (one each ``ARRIVED_AFTER_S`` while it is
 busy) this far apart: a count that stood still is a rank that does not run the Checkpointer's work."""
+
+GAVE_UP_CLOSED = "closed"
+"""The ``gave-up`` key's value once a rank closed its group: the watchers end."""
 
 ENTRY_FLAGS = 4
 """Flags an entry can OR over the ranks (a fixed number: every rank's all-reduce has the same size)."""
@@ -133,6 +146,12 @@ class RankGroup:
             host0, pid0 = self._peers[0]
             self._key = f"fastio/rank-group/{host0}/{pid0}/{_created}"
             self._gone_key = f"{self._key}/gone"
+        self.gave_up: str | None = None
+        """The verdict of ranks that gave up waiting for this one to enter an operation (module docstring)."""
+        self._entering = False
+        self._store = None
+        if world > 1 and agree_timeout is not None:
+            self._watch_give_ups()
 
     # ------------------------------------------------------------ the helpers callers use
     def run(self, phase: str, fn: Callable[[], T], *, fail: type[BaseException] | None = None) -> T:
@@ -204,11 +223,12 @@ class RankGroup:
             self._collective(phase, lambda: dist.barrier(group=self.pg))
 
     # ------------------------------------------------------------ entering an operation together
-    def enter(self, operation: str, terms: dict[str, Any] | None = None, flags: tuple[bool, ...] = ()
-              ) -> tuple[bool, ...]:
+    def enter(self, operation: str, terms: dict[str, Any] | None = None, flags: tuple[bool, ...] = (), *,
+              label: str | None = None) -> tuple[bool, ...]:
         """Every rank starts ``operation`` with the same ``terms`` (``{"engine": "dcp"}``), or every rank raises
         one CheckpointError naming the first difference; ``flags`` OR-ed over the ranks. See the module docstring
-        for the deadline (``agree_timeout``) and the warning about ranks that do not arrive."""
+        for the deadline (``agree_timeout``) and the warning about ranks that do not arrive; ``label`` names the
+        operation in them (``"save at step 300"``; default ``operation``)."""
         terms = {"operation": operation, **(terms or {})}
         if self.world == 1:
             return tuple(bool(f) for f in flags)
@@ -222,7 +242,11 @@ class RankGroup:
         t = torch.tensor([code, -code, ms, -ms, *padded], dtype=torch.int64)
         work = self._collective(operation, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._entry_pg,
                                                                    async_op=True), watch=False)
-        waited = self._await_entry(work, n, operation, started)
+        self._entering = True
+        try:
+            waited = self._await_entry(work, n, label or operation, started)
+        finally:
+            self._entering = False
         spread_s = (int(t[2]) + int(t[3])) / 1000
         if waited or spread_s >= ARRIVED_AFTER_S / 2:  # someone may have given up: the verdict that stands
             self._noted_entries.append(n)
@@ -230,6 +254,7 @@ class RankGroup:
             if verdict != "ok":
                 raise CheckpointError(verdict)
         self._forget_entries(n)
+        self.gave_up = None  # every rank entered this one: an earlier verdict explains no later failure
         if int(t[0]) != -int(t[1]):  # some rank brought other terms: all exchange them to name the difference
             why = agree.first_disagreement(self.gather(operation, terms))
             raise CheckpointError(f"Checkpointer: {why} (every rank must make the same Checkpointer "
@@ -250,13 +275,7 @@ class RankGroup:
             while not done.wait(0.5):
                 waited_s = time.monotonic() - started
                 if waited_s >= timeout:
-                    absent = self._absent(key)
-                    text = (f"checkpoint {operation}: {self._ranks_text(absent) or 'a rank'} did not arrive within "
-                            f"agree_timeout={timeout:g} s ({self.name} group, rank {self.rank} of {self.world} "
-                            "waited; is it stopped, in another collective, or making other Checkpointer calls?)")
-                    verdict = self._store_compare_set(f"{key}/verdict", text)
-                    if verdict != "ok":
-                        raise CheckpointError(verdict)
+                    self._give_up(key, operation, timeout)
                     done.wait()  # a rank saw everyone arrive: this rank's all-reduce is completing too
                     break
                 if not warned and waited_s >= ABSENT_WARN_S:  # absent in two looks 0.5 s apart: not just late
@@ -268,13 +287,30 @@ class RankGroup:
                     warned, before = before is not None, absent
         try:
             work.wait()
-        except RuntimeError as err:  # gloo's own timeout, or a peer went away
-            verdict = self._store_get(f"{self._key}/entry/{n}/verdict")
+        except RuntimeError as err:  # gloo's own timeout, or a peer went away (after giving up on this rank?)
+            verdict = self._store_get(f"{self._key}/entry/{n}/verdict") or self.gave_up
             if verdict and verdict != "ok":
                 raise CheckpointError(verdict) from err
             raise CheckpointError(f"checkpoint {operation}: {self.gone()} ({self.name} group, rank {self.rank} of "
                                   f"{self.world}: {first_line(err)})") from err
         return waited
+
+    def _give_up(self, key: str, operation: str, timeout: float) -> None:
+        """At the deadline: raise the verdict that stands (this rank's, unless a rank noted one first), after the
+        absent ranks' watchers have seen it (at most ``GONE_WAIT_S``); returns when a rank saw everyone arrive."""
+        absent = self._absent(key)
+        text = (f"checkpoint {operation} gave up on agreement: {self._ranks_text(absent) or 'a rank'} did not "
+                f"arrive within agree_timeout={timeout:g} s ({self.name} group, rank {self.rank} of {self.world} "
+                "waited; is it stopped, in another collective, or making other Checkpointer calls?)")
+        verdict = self._store_compare_set(f"{key}/verdict", text)
+        if verdict == "ok":
+            return
+        if self._store_compare_set(f"{self._key}/gave-up", verdict) == verdict:
+            deadline = time.monotonic() + GONE_WAIT_S
+            seen = [f"{self._key}/gave-up/seen/{r}" for r in absent]
+            while seen and not self._store_has_all(seen) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        raise CheckpointError(verdict)
 
     def _absent(self, key: str) -> list[int]:
         """The other ranks that have not noted their arrival under ``key`` (one store request each)."""
@@ -303,6 +339,13 @@ class RankGroup:
         store = default_store()
         return store is not None and store.check([key])
 
+    def _store_has_all(self, keys: list[str]) -> bool:
+        try:
+            store = default_store()
+            return store is None or store.check(keys)
+        except Exception:  # noqa: BLE001 - the store went with its host: nobody is left to tell
+            return True
+
     def _store_get(self, key: str) -> str | None:
         try:
             return default_store().get(key).decode() if self._store_has(key) else None
@@ -313,6 +356,57 @@ class RankGroup:
         """The value of ``key`` that stands: ``value`` when this rank set it first."""
         store = default_store()
         return value if store is None else store.compare_set(key, "", value).decode()
+
+    # ------------------------------------------------------------ telling a rank the others gave up on
+    def _watch_give_ups(self) -> None:
+        """Start this rank's watch of the group's ``gave-up`` key (module docstring); none where the store cannot
+        give the thread a connection of its own."""
+        self._store = default_store()
+        try:
+            own = self._store.clone() if self._store is not None else None
+        except Exception:  # noqa: BLE001 - a store without clone: the next Checkpointer call still raises it
+            own = None
+        if own is None:
+            return
+        atexit.register(self.close)
+        threading.Thread(target=self._watch_gave_up, args=(own,), daemon=True, name="fastio-gave-up").start()
+
+    def _watch_gave_up(self, store: Any) -> None:
+        """The watching thread: wait for the ``gave-up`` key; a verdict is kept, logged (unless this rank is
+        entering the operation itself: it raises it) and acknowledged."""
+        key = f"{self._key}/gave-up"
+        try:
+            while True:
+                try:
+                    store.wait([key], timedelta(days=20))
+                    break
+                except dist.DistNetworkError:  # the store went with its host
+                    return
+                except dist.DistStoreError:  # the wait timed out: wait on
+                    continue
+            verdict = store.get(key).decode()
+            if verdict == GAVE_UP_CLOSED:
+                return
+            self.gave_up = verdict
+            if not self._entering:
+                log.error("fastio: %s; rank %d (this process) was not in that operation: a collective of its own "
+                          "that those ranks do not join fails once they stop (gloo: Connection closed by peer)",
+                          verdict, self.rank)
+            store.set(f"{key}/seen/{self.rank}", "1")
+        except Exception:  # noqa: BLE001, S110 - the store went with its host: nothing to tell
+            pass
+
+    def close(self) -> None:
+        """End the watch of every rank of this group (module docstring): a group a rank closed makes no more
+        operations."""
+        store, self._store = self._store, None
+        if store is None:
+            return
+        atexit.unregister(self.close)
+        try:
+            store.compare_set(f"{self._key}/gave-up", "", GAVE_UP_CLOSED)
+        except Exception:  # noqa: BLE001, S110 - the store went with its host: the watchers ended with it
+            pass
 
     # ------------------------------------------------------------ peers going away
     def gone(self) -> str:

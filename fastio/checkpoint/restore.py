@@ -7,8 +7,9 @@ and falls back past a damaged or unrecognised step, which it moves aside (``step
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
 before anything loads (``loader_policy``), and so are the optimizers' parameter groups and, at another world size,
-the per-rank modules (from the engine's metadata), then loaded: the engine's keys, the loaders last, the RNG streams
-(or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
+the per-rank modules (from the engine's metadata), then loaded: the app's own objects first (which no check can
+vouch for: one that refuses its state leaves the rest as it was), the engine's other keys, the loaders, the RNG
+streams last (or, at another world size, :mod:`fastio.checkpoint.elastic`'s rule). Each phase is agreed over the training
 thread's :class:`~fastio.checkpoint.group.RankGroup`, so one rank's failure is every rank's.
 
 The progress handed back (:class:`TrainState`) is the commit marker's (:class:`~fastio.checkpoint.record.Progress`,
@@ -59,7 +60,7 @@ class Checkpointer(Protocol):
     def _engine(self, name: str) -> Engine: ...
 
 __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "TrainState", "check_state_dicts", "loader_epoch",
-           "loader_keys", "restore_latest"]
+           "loader_keys", "own_keys", "restore_latest"]
 
 log = logging.getLogger(__name__)
 
@@ -114,17 +115,22 @@ def loader_keys(app: dict[str, Any]) -> list[str]:
 def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
                       policy: str) -> dict[str, Any]:
     """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
-    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one."""
+    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one (by the object's
+    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since)."""
     held: dict[str, Any] = {}
     for key in keys:
-        state = saved.read(key, src)
-        if policy == "next-epoch":
+        state, obj = saved.read(key, src), app[key]
+        move = getattr(obj, "next_epoch_state", None) if policy == "next-epoch" else None
+        if policy == "next-epoch" and not callable(move):
             if not isinstance(state, dict) or loader_epoch({key: state}) is None:
                 raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
                                       "with integer 'epoch' and 'consumed'")
             state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
         try:
-            app[key].check_state_dict(state)
+            if callable(move):
+                state = move(state)
+            else:
+                obj.check_state_dict(state)
         except FastioError as err:
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
         held[key] = state
@@ -288,16 +294,18 @@ def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: 
     held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
     targets = {k: v for k, v in prepared.items() if k not in held}
     whose = f" (rank {ck.rank} takes saved rank {src}'s state)" if world != ck.world_size else ""
-    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}")
+    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}",
+                        modules=app if own_keys(app, targets) else None)
     return _Opened(prepared, saved, world, extra, held, dropped)
 
 
-def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool,
-              where: str) -> dict[str, str]:
+def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool, where: str,
+              modules: dict[str, Any] | None = None) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
     read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
     optimizers, the shapes of its positional state against the app's parameters (which torch does not check), and
-    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones).
+    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones), and
+    with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check).
     ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
     line (left as they are; a module loads what matches, :func:`restore_elastic`)."""
     from torch import nn
@@ -313,38 +321,79 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
                                   "strict=False) leaves that optimizer as it is and loads the rest)")
         if line:
             dropped[key] = f"{line} (optimizer left as it was)"
-        if elastic and strict and isinstance(obj, nn.Module) and not saved.is_replicated(key, src):
+        module = (modules or {}).get(key, obj)  # the app's module; its state as the engine loads it: ``obj``'s
+        if strict and isinstance(module, nn.Module) and (modules or elastic and not saved.is_replicated(key, src)):
             found = Mismatch(key, saved.shapes(key, src), module_shapes(obj))
             if found:
                 raise found.refusal(where)
     return dropped
 
 
-def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+def own_keys(app: dict[str, Any], targets: dict[str, Any]) -> list[str]:
+    """Keys of ``targets`` whose ``load_state_dict`` is the app's own code, which no check before the load can
+    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata) and
+    the loaders (checked by their ``check_state_dict``, not among ``targets``). Loaded first, so that one that
+    refuses its state leaves the modules, optimizers, loaders and RNG as they were."""
+    from torch import nn, optim
+
+    return [k for k in targets if k in app and not isinstance(app[k], (nn.Module, optim.Optimizer))]
+
+
+def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any],
           strict: bool) -> tuple[list[str], list[str], list[str]]:
-    """The engine's load of ``targets``, then the loaders' checked states: ``(replicated, per_rank, skipped)``."""
-    replicated: list[str] = []
-    per_rank: list[str] = []
-    elastic = opened.saved_world != ck.world_size
+    """The engine's load of ``targets``: ``(replicated, per_rank, skipped)``."""
     try:
-        if elastic:
+        if opened.saved_world != ck.world_size:
             replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=ck.rank,
                                                             saved_world=opened.saved_world, strict=strict)
-        else:
-            skipped = opened.saved.restore(targets, strict=strict)
+            return replicated, per_rank, list(skipped or [])
+        return [], [], list(opened.saved.restore(targets, strict=strict) or [])
+    except CheckpointError:
+        raise
+    except Exception as err:  # a mismatched model or an app object refusing its state lands here
+        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+
+
+def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+              strict: bool) -> tuple[list[str], list[str], list[str]]:
+    """Load in two agreed ``load`` phases: the app's own objects (:func:`own_keys`: one that refuses its state
+    fails the restore on every rank before anything else loads), then the engine's other keys and the loaders'
+    checked states. ``(replicated, per_rank, skipped)`` of them all."""
+    first = own_keys(app, targets)
+    parts = []
+    if first:
+        try:
+            parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened, {k: targets[k] for k in first},
+                                                             strict)))
+        except CheckpointError as err:
+            raise CheckpointError(f"{err} (the app's modules, optimizers, loaders and RNG are left as they "
+                                  "were)") from err.__cause__
+
+    def load() -> tuple[list[str], list[str], list[str]]:
+        done = _load(ck, path, opened, {k: v for k, v in targets.items() if k not in first}, strict)
+        _load_loaders(path, opened, app)
+        return done
+
+    parts.append(ck._ranks.run("load", load))
+    replicated, per_rank, skipped = ([k for part in parts for k in part[i]] for i in range(3))
+    return replicated, per_rank + (list(opened.held) if opened.saved_world != ck.world_size else []), skipped
+
+
+def _load_loaders(path: Path, opened: _Opened, app: dict[str, Any]) -> None:
+    """The loaders' states, checked by their ``check_state_dict`` before anything loaded."""
+    try:
         for key, state in opened.held.items():
             app[key].load_state_dict(state)
     except CheckpointError:
         raise
-    except Exception as err:  # a mismatched model or a loader refusing its state lands here
-        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
-    return replicated, per_rank + (list(opened.held) if elastic else []), list(skipped or [])
+    except Exception as err:  # noqa: BLE001 - its own check passed it: said as the engine's errors are
+        raise CheckpointError(f"{path}: restore failed: app key {key!r}: {first_line(err)}") from err
 
 
 def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
                   strict: bool, loader_policy: str) -> TrainState:
     """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
-    makes (the loaders' states read and checked too), then the engine's load, then the loaders'; each agreed,
+    makes (the loaders' states read and checked too), then the loads (:func:`_load_all`); each agreed,
     so a rank that fails fails every rank's restore."""
     opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
     elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
@@ -353,7 +402,7 @@ def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecor
     has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)
     if has_rng:
         targets[RNG_KEY] = Frozen(capture_rng())
-    replicated, per_rank, skipped = ck._ranks.run("load", lambda: _load(ck, path, opened, targets, app, strict))
+    replicated, per_rank, skipped = _load_all(ck, path, opened, targets, app, strict)
     skipped = [f"app key {k} (not in this app)" for k in opened.extra] + list(opened.dropped.values()) + skipped
     if skipped and ck.rank == 0:
         log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))

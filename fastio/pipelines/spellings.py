@@ -13,7 +13,7 @@ from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageTrain, check_crop_ratio, check_image_options
 from fastio.pipelines.raw import Raw
 
-__all__ = ["IMAGE_OPTIONS", "KINDS", "OLD_OPTIONS", "as_pipeline", "old_options", "spell"]
+__all__ = ["IMAGE_OPTIONS", "KINDS", "OBJECT_NAMES", "OLD_OPTIONS", "as_pipeline", "old_options", "spell"]
 
 KINDS = ("image-train", "image-eval", "raw")
 """The built-in kinds by their old names."""
@@ -34,9 +34,7 @@ def as_pipeline(pipeline: str | Callable | Pipeline, fields: Any = None, **old: 
     if isinstance(pipeline, Pipeline):
         extra = {**given, **({"fields": fields} if fields is not None else {})}
         if extra:
-            name, value = next(iter(extra.items()))
-            raise ValueError(f"{name}={value!r} is an option of the pipeline object now: give it there "
-                             f"(pipeline={type(pipeline).__name__}(...)), not beside pipeline={pipeline!r}")
+            raise _beside(pipeline, *next(iter(extra.items())))
         return pipeline
     if not callable(pipeline) and pipeline not in KINDS:
         raise ValueError(f"pipeline must be one of {', '.join(KINDS)}, a pipeline object or a callable, "
@@ -55,6 +53,24 @@ def as_pipeline(pipeline: str | Callable | Pipeline, fields: Any = None, **old: 
         return ImageEval(**image, crop_ratio=o["eval_crop_ratio"])
     return ImageTrain(**image)
 
+
+def _beside(pipeline: Pipeline, name: str, value: Any) -> ValueError:
+    """The refusal of the old option ``name=value`` beside the pipeline object ``pipeline``: naming the object's
+    own option it became (:data:`OBJECT_NAMES`) where the object has it, else the options the object has."""
+    kind = type(pipeline).__name__
+    own = [f.name for f in dataclasses.fields(pipeline) if f.init] if dataclasses.is_dataclass(pipeline) else []
+    option = OBJECT_NAMES.get(name, name)
+    if option in own:
+        return ValueError(f"{name}={value!r} is an option of the pipeline object now: give it there "
+                          f"(pipeline={kind}(..., {option}={value!r})), not beside pipeline={pipeline!r}")
+    has = f"its options: {', '.join(own)}" if own else "it has no options of the old flat spelling"
+    return ValueError(f"{name}={value!r} is not an option of {kind} ({has}): leave it out beside "
+                      f"pipeline={pipeline!r}")
+
+
+OBJECT_NAMES = {"image_size": "size", "eval_crop_ratio": "crop_ratio"}
+"""An old option's name as a pipeline object's option (``ImageTrain(size=)``, ``ImageEval(crop_ratio=)``); the others
+keep their names."""
 
 OLD_OPTIONS = (*IMAGE_OPTIONS, "fields")
 """Every old flat option of the Loader: none is a :class:`~fastio.LoaderConfig` field; :func:`spell` maps them."""

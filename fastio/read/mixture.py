@@ -31,7 +31,8 @@ from fastio.storage.url import is_remote
 
 _EMPTY = np.empty(0, np.uint8)
 
-__all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state"]
+__all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state", "next_epoch_way",
+           "renewed_mixture_state"]
 
 
 class Mixture:
@@ -226,7 +227,7 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
             or not {"weights", "schedule"} & saved.keys():
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
-    _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]))
+    _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
     old, samples = _saved_phases(mixture, saved), int(saved["samples_per_epoch"])
     if samples == mixture.samples_per_epoch and _same_phases(old, mixture.phases):
         return
@@ -241,14 +242,16 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
 
 
-def _check_sources(mixture: Mixture, names: list, fps: list) -> None:
+def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
     if names != list(mixture.names):
         raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
                                f"{list(mixture.names)}")
     for name, old, new in zip(names, fps, mixture.fingerprints):
         if old != new:
             raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
-                                   f"state was saved with {old} (another dataset)")
+                                   f"state was saved with {old} (another dataset, or this one converted again): "
+                                   f"the saved position names samples of that one; start the next epoch "
+                                   f"{next_epoch_way(epoch)}")
 
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
@@ -311,9 +314,23 @@ def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: in
         f"{mixture.root}: loader state is {consumed} samples into mixture epoch {epoch} with weights {old} and "
         f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
         f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
-        f"epoch: continue from the start of epoch {epoch + 1} (a Checkpointer: restore_latest(..., "
-        f"loader_policy='next-epoch'); a Loader alone: loader.set_epoch({epoch + 1}) instead of load_state_dict)"
-        f"{schedule}")
+        f"epoch: continue from the start of epoch {epoch + 1} {next_epoch_way(epoch)}{schedule}")
+
+
+def next_epoch_way(epoch: int) -> str:
+    """How a loader state saved in ``epoch`` is left for the start of the next epoch, for the messages of a state
+    that cannot continue its own epoch."""
+    return (f"(a Checkpointer: restore_latest(..., loader_policy='next-epoch'); a Loader alone: "
+            f"loader.set_epoch({epoch + 1}) instead of load_state_dict)")
+
+
+def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
+    """``saved`` (a loader state's mixture entry) naming the datasets of ``mixture``'s sources as they are now,
+    where it names the same sources: for a state moved to the start of an epoch, whose order is drawn from the
+    sources as they are (a source converted again since)."""
+    if isinstance(saved, dict) and saved.get("names") == list(mixture.names):
+        return {**saved, "fingerprints": list(mixture.fingerprints)}
+    return saved
 
 
 def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:

@@ -24,7 +24,7 @@ import torch
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
-from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state
+from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state, renewed_mixture_state
 from fastio.read.options import Options
 from fastio.read.protocol import Delivery, FieldChoice, Reads
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
@@ -184,6 +184,11 @@ class ReadSet:
         """LoaderStateError unless ``state`` (a whole Loader state) can continue with this read set."""
         raise NotImplementedError
 
+    def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Its entries of ``state`` (a whole Loader state) naming its datasets as they are now, for a state moved
+        to the start of an epoch (see :meth:`fastio.Loader.next_epoch_state`)."""
+        return {}
+
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
         """Count a delivered batch's samples (padding repeats left out) for :meth:`stats`."""
 
@@ -283,6 +288,9 @@ class MixtureReadSet(ReadSet):
 
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         check_mixture_state(self.target, state.get(K_MIXTURE), epoch, consumed)
+
+    def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {K_MIXTURE: renewed_mixture_state(self.target, state.get(K_MIXTURE))} if K_MIXTURE in state else {}
 
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
         src = positions["source"].numpy()[~padded]

@@ -153,12 +153,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not DCP metadata")
 
 
-def check_metadata(path: Path) -> None:
-    """Refuse a ``.metadata`` that would run code when DCP unpickles it (one line naming the file)."""
+def check_metadata(path: Path) -> Any:
+    """Refuse a ``.metadata`` that would run code when DCP unpickles it (one line naming the file); else the
+    metadata, unpickled by the checked rule."""
     meta = Path(path) / _METADATA
     try:
         with open(meta, "rb") as f:
-            _MetadataUnpickler(f).load()
+            return _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{meta}: missing (DCP metadata)") from None
     except Exception as err:  # noqa: BLE001 - any unpickling failure means: do not hand it to pickle.load
@@ -335,10 +336,16 @@ class DcpCheckpoint(SavedCheckpoint):
         return skipped
 
     def shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
-        """A per-rank key's state keys and tensor shapes (its file mapped, no tensor read); a global key's are
-        checked by the load planner instead (empty here)."""
+        """A per-rank key's state keys and tensor shapes (its file mapped, no tensor read); a global key's from
+        DCP's metadata (named inside the key as the load planner names them)."""
         if key in self.global_keys:
-            return {}
+            meta = check_metadata(self.path)
+            paths = meta.planner_data or {}
+
+            def top(fqn: str) -> str:
+                return str(paths[fqn][0]) if paths.get(fqn) else fqn.split(".", 1)[0]
+            return {fqn[len(key) + 1:]: tuple(m.size) if getattr(m, "size", None) is not None else None
+                    for fqn, m in meta.state_dict_metadata.items() if top(fqn) == key}
         state = self.read(key, rank, mmap=True)
         return {str(k): shape_of(v) for k, v in state.items()} if isinstance(state, dict) else {}
 

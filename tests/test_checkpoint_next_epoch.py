@@ -1,0 +1,112 @@
+"""A checkpoint restored after its data was converted again (issue 40, 8): the loader's saved position names
+samples of the old dataset, so the exact restore refuses it, naming the way forward; ``loader_policy="next-epoch"``
+restores everything else and starts the new dataset's next epoch (it refused with the same line before), and
+``Loader.next_epoch_state`` does the same for a Loader alone. Also for a mixture whose source was converted again."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+from test_mixture import _small
+from tokens_helpers import word_corpus
+from torch import nn
+
+import fastio
+from fastio import Checkpointer, Loader, Mixture
+from fastio.errors import CheckpointError, LoaderStateError
+
+WAY = "restore_latest(..., loader_policy='next-epoch'); a Loader alone: loader.set_epoch(1) instead of load_state_dict"
+
+
+def _tokens(ds):
+    return Loader(ds, pipeline=fastio.Tokens(seq_len=16, window=8), batch_size=4, device="cpu", seed=3,
+                  world_size=1, rank=0, reader_threads=1)
+
+
+def _grow(root, more: int) -> None:
+    """Convert ``root``'s corpus again into the same DEST (overwrite) with ``more`` documents appended."""
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+
+    rng = np.random.default_rng(1)
+    words = "alpha beta gamma delta".split()
+    with open(root / "c.jsonl", "a") as f:
+        f.writelines(json.dumps({"text": " ".join(rng.choice(words, 12))}) + "\n" for _ in range(more))
+    convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", root / "tokenizer.json", workers=1,
+                                      max_samples_per_shard=25, overwrite=True))
+
+
+def _zeroed() -> nn.Linear:
+    model = nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model
+
+
+def test_a_token_corpus_converted_again_restores_at_its_next_epoch(tmp_path):
+    ds = word_corpus(tmp_path)
+    old = _tokens(ds)
+    list(islice(iter(old), 3))
+    saved_state = old.state_dict()
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(5, {"model": saved_model, "loader": old}, blocking=True)
+    old.close()
+    _grow(tmp_path, 40)  # the corpus gained documents: another fingerprint, more sequences
+
+    model, new = _zeroed(), _tokens(ds)
+    assert new.state_dict()["fingerprint"] != saved_state["fingerprint"]
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        assert torch.count_nonzero(model.weight) == 0
+        text = str(err.value)
+        assert "app key 'loader'" in text and "converted again" in text and WAY in text, text
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert (state.step, state.epoch) == (5, 1)
+    assert torch.equal(model.weight, saved_model.weight)
+    assert (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (1, 0)
+    fresh = _tokens(ds)
+    fresh.set_epoch(1)
+    want = next(iter(fresh))
+    assert torch.equal(next(iter(new))["tokens"], want["tokens"])  # the new corpus's epoch 1
+    new.close()
+
+    with pytest.raises(LoaderStateError, match="converted again") as err:  # a Loader alone
+        fresh.load_state_dict(saved_state)
+    assert WAY in str(err.value), err.value
+    fresh.load_state_dict(fresh.next_epoch_state(saved_state))
+    assert torch.equal(next(iter(fresh))["tokens"], want["tokens"])
+    with pytest.raises(LoaderStateError, match="seed=4, this loader seed=3"):  # the rest is still checked
+        fresh.next_epoch_state({**saved_state, "seed": 4})
+    fresh.close()
+
+
+def test_a_mixture_whose_source_was_converted_again_restores_at_its_next_epoch(tmp_path):
+    sources = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+
+    def loader():
+        return Loader(Mixture(sources, weights={"a": 1, "b": 1}), batch_size=6, pipeline="raw", device="cpu", seed=5,
+                      world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    old = loader()
+    list(islice(iter(old), 2))
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(7, {"model": nn.Linear(4, 2), "loader": old}, blocking=True)
+    old.close()
+    shutil.rmtree(sources["b"])
+    _small(sources["b"], 11, 1, extra=b"y")  # source b converted again, with more samples
+    new = loader()
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": _zeroed(), "loader": new})
+        text = str(err.value)
+        assert "source 'b' is dataset fingerprint" in text and "converted again" in text and WAY in text, text
+        state = ckpt.restore_latest({"model": _zeroed(), "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 1 and (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (1, 0)
+    assert len(next(iter(new))["source"]) == 6
+    new.close()
