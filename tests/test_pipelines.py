@@ -232,6 +232,10 @@ def test_a_kind_written_for_the_wider_interface_is_told_what_replaces_its_hook(i
             def build(self, source, **options):
                 return None
 
+    with pytest.raises(TypeError, match="Odd.default_fields must be one of label, shared, none, got 'all'"):
+        class Odd(fastio.Pipeline):
+            default_fields = "all"
+
     @dataclass(frozen=True)
     class Silent(fastio.Pipeline):
         pass

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError
-from fastio.read.protocol import Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
+from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -137,6 +137,9 @@ class Pipeline:
         if old:
             raise TypeError(f"{cls.__name__}.{old[0]}: the pipeline protocol has no {old[0]!r} hook now; "
                             f"{_OLD_HOOKS[old[0]]} (docs/adding-a-kind.md)")
+        if cls.default_fields not in DEFAULT_FIELDS:
+            raise TypeError(f"{cls.__name__}.default_fields must be one of {', '.join(DEFAULT_FIELDS)}, got "
+                            f"{cls.default_fields!r}")
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
         """What to read of ``ds`` to deliver ``fields`` (DatasetError naming what it lacks); None for a kind
