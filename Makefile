@@ -21,21 +21,25 @@ QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # wheel cache; without one, torch alone downloads for minutes).
 STEP = @echo "$(1) [$(2)] $(3)"
 
-# megatron-core (the token interop tests only: it needs none of its dependencies to read .idx) and torchdata
-# (StatefulDataLoader, a peer of the restart benchmark only) come without their dependencies: torch stays the pinned one.
+# megatron-core (the token interop tests only: it needs none of its dependencies to read .idx), torchdata
+# (StatefulDataLoader, a peer of the restart benchmark only) and transformers (the chat tests' reference for ids and
+# assistant masks, and the chat benchmark's peer: what it imports, huggingface_hub, safetensors, regex, pyyaml,
+# packaging, tqdm, comes with the dev extra's packages) come without their dependencies: torch stays the pinned one.
 $(STAMP): pyproject.toml Makefile
-	$(call STEP,make install,1/6,a virtual environment in $(VENV))
+	$(call STEP,make install,1/7,a virtual environment in $(VENV))
 	@$(PYTHON) -m venv $(VENV)
-	$(call STEP,make install,2/6,pip itself)
+	$(call STEP,make install,2/7,pip itself)
 	@$(BIN)/pip install -q --upgrade pip
-	$(call STEP,make install,3/6,$(TORCH): the largest download; minutes without a wheel cache)
+	$(call STEP,make install,3/7,$(TORCH): the largest download; minutes without a wheel cache)
 	@$(BIN)/pip install -q "$(TORCH)"
-	$(call STEP,make install,4/6,fastio (editable) with the extras $(EXTRAS) and their dependencies)
+	$(call STEP,make install,4/7,fastio (editable) with the extras $(EXTRAS) and their dependencies)
 	@$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	$(call STEP,make install,5/6,megatron-core without its dependencies: the token interop tests read .idx with it)
+	$(call STEP,make install,5/7,megatron-core without its dependencies: the token interop tests read .idx with it)
 	@$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
-	$(call STEP,make install,6/6,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
+	$(call STEP,make install,6/7,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
 	@$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
+	$(call STEP,make install,7/7,transformers 5.23.0 without its dependencies: the chat tests' apply_chat_template reference)
+	@$(BIN)/pip install -q --no-deps "transformers==5.23.0"
 	@touch $(STAMP)
 	@echo "make install: done ($(VENV))"
 

@@ -37,6 +37,7 @@ SECTIONS = (
     "mixture",
     "index",
     "tokens",
+    "chat",
     "media",
     "restart",
 )

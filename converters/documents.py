@@ -8,6 +8,9 @@ for a downloaded object) and, with ``span``, only the documents whose *position*
 JSONL line, the file's start for a ``.txt``, ``size * row // rows`` for a Parquet row (positions grow with the
 input order, so a span is a contiguous run of documents: :mod:`fastio.convert.corpus` cuts parts by them).
 
+With ``messages=True`` (a chat conversion) each document is the field's JSON value as it is (a conversation: its
+messages are checked by :mod:`fastio.convert.chat_encode`), and a ``.txt`` file is refused (it holds no messages).
+
 Refusals are one :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is
 not JSON, a missing or non-text field, text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes,
 writes shards or knows shard sizes.
@@ -57,13 +60,18 @@ def iter_documents(source: Path, text_field: str = "text") -> Iterator[tuple[str
 
 
 def file_documents(path: Path, text_field: str = "text", name: str | None = None,
-                   span: tuple[int, int | None] = (0, None)) -> Iterator[tuple[str, str]]:
+                   span: tuple[int, int | None] = (0, None), messages: bool = False) -> Iterator[tuple[str, str]]:
     """``(where, text)`` of the documents of one file whose position is in ``span`` = ``[start, end)`` (``end``
-    None: to the end; see the module docstring); messages name the file ``name`` (default: ``path``)."""
+    None: to the end; see the module docstring); messages name the file ``name`` (default: ``path``). With
+    ``messages``, ``(where, value)``: the field's value as it is (a chat conversion's conversations)."""
     name = str(path) if name is None else name
     kind = DOCUMENT_SUFFIXES[Path(name).suffix.lower()]
+    if messages and kind == "text":
+        raise ConvertError(f"{name}: a .txt file holds no conversations (JSONL or Parquet with field {text_field!r})")
     try:
-        if kind == "text":
+        if messages:
+            yield from (_jsonl if kind == "jsonl" else _parquet)(path, text_field, name, span, messages=True)
+        elif kind == "text":
             if span[0] <= 0 and (span[1] is None or span[1] > 0):
                 yield name, _text_file(path, name)
         elif kind == "jsonl":
@@ -95,7 +103,8 @@ def _skip_to(f, start: int) -> int:
     return lines + f.readline().count(b"\n")  # the rest of the line that holds byte start - 1
 
 
-def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None]) -> Iterator[tuple[str, str]]:
+def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], messages: bool = False
+           ) -> Iterator[tuple[str, str]]:
     end = span[1]
     with open(path, "rb") as f:
         before = _skip_to(f, span[0])
@@ -116,12 +125,13 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None]) -> I
             if not isinstance(row, dict) or field not in row:
                 raise ConvertError(f"{where}: has no field {field!r} (text_field={field!r})")
             text = row[field]
-            if not isinstance(text, str):
+            if not messages and not isinstance(text, str):
                 raise ConvertError(f"{where}: field {field!r} is {type(text).__name__}, not text")
             yield where, text
 
 
-def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None]) -> Iterator[tuple[str, str]]:
+def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None], messages: bool = False
+             ) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -133,7 +143,7 @@ def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None]) ->
     if field not in names:
         raise ConvertError(f"{name}: has no column {field!r} (text_field={field!r}; columns: {', '.join(names)})")
     kind = pf.schema_arrow.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not messages and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConvertError(f"{name}: column {field!r} is {kind}, not text")
     rows, size = pf.metadata.num_rows, path.stat().st_size
     first, stop = _rows_in(span, rows, size)
@@ -144,7 +154,7 @@ def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None]) ->
             continue
         for text in batch.column(0).to_pylist():
             if first <= row < stop:
-                yield f"{name}: row {row}", text or ""  # a null is an empty document
+                yield f"{name}: row {row}", text if messages else text or ""  # a null is an empty document
             row += 1
         if row >= stop:
             return

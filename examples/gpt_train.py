@@ -33,10 +33,19 @@ class TinyGPT(nn.Module):
         block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
+        self.heads = heads
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits of ``tokens`` [B, L]; with ``segments`` (the batch's ``segment_ids``) a token attends only to
+        the tokens before it in its own packed document (block-causal), else to every token before it."""
         causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.head(self.blocks(self.tok(tokens) + self.pos(positions), mask=causal, is_causal=True))
+        x = self.tok(tokens) + self.pos(positions)
+        if segments is None:
+            return self.head(self.blocks(x, mask=causal, is_causal=True))
+        apart = segments[:, :, None] != segments[:, None, :]
+        mask = causal.masked_fill(apart, float("-inf")).repeat_interleave(self.heads, dim=0)
+        return self.head(self.blocks(x, mask=mask))
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -46,44 +55,39 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", help="a token dataset (fastio convert --tokenizer, fastio index --eos-id)")
-    parser.add_argument("ckpt_dir")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    args = parser.parse_args(argv)
+def next_token_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Cross-entropy of every target ``tokens[:, 1:]``."""
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    logits = model(inputs, batch["position_ids"][:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train_loop(ckpt_dir: str, steps: int, make_loader, make_model, loss_of, note=lambda batch: "") -> None:
+    """The loop both token examples share: ``make_loader()``, ``make_model(loader)``, AdamW, ``loss_of(model,
+    batch)`` a step, a ``step N loss ...`` line each (``note(batch)`` added), the Checkpointer every 5 steps (the
+    model, the optimizer and the Loader's position), resumed from the last committed step, preemption obeyed."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same float sums in every run: per-step losses compare bit for bit
-
-    ckpt = fastio.Checkpointer(args.ckpt_dir, every_steps=5, keep=2)
+    ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)
     with fastio.exit_cleanly(ckpt):
-        train = fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len), batch_size=args.batch_size,
-                              device="cpu", seed=0)
-        vocab = train.dataset.manifest.tokens.embedding_size
-        if vocab is None:  # indexed by a fastio that did not record the largest id
-            parser.error(f"{args.data}: the manifest records no vocabulary size: run fastio index again with "
-                         "--overwrite (and --vocab-size N)")
-        model = TinyGPT(vocab, args.seq_len + 1)
+        train = make_loader()
+        model = make_model(train)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         app = {"model": model, "optim": optimizer, "loader": train}  # the Loader's position is saved too
 
         start = ckpt.restore_latest(app)
         step = start.step if start else 0
         print(f"resumed at step {step}" if start else "fresh start", flush=True)
-        while step < args.steps:
+        while step < steps:
             for batch in train:  # the rest of the current epoch, then the next one
-                inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-                logits = model(inputs, batch["position_ids"][:, :-1])
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss = loss_of(model, batch)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 step += 1
-                print(f"step {step} loss {loss.item()!r} sequences {batch['index'].tolist()}", flush=True)
+                print(f"step {step} loss {loss.item()!r}{note(batch)} sequences {batch['index'].tolist()}", flush=True)
                 ckpt.maybe_save(step, app, metrics={"loss": loss.item()})
-                if ckpt.preempted or step >= args.steps:
+                if ckpt.preempted or step >= steps:
                     break
             if ckpt.preempted:
                 ckpt.close()
@@ -94,6 +98,28 @@ def main(argv: list[str] | None = None) -> None:
         ckpt.close()
         train.close()
     print(f"done: {step} steps, weights {weights_digest(model)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", help="a token dataset (fastio convert --tokenizer, fastio index --eos-id)")
+    parser.add_argument("ckpt_dir")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    args = parser.parse_args(argv)
+
+    def make_model(train: fastio.Loader) -> TinyGPT:
+        vocab = train.dataset.manifest.tokens.embedding_size
+        if vocab is None:  # indexed by a fastio that did not record the largest id
+            parser.error(f"{args.data}: the manifest records no vocabulary size: run fastio index again with "
+                         "--overwrite (and --vocab-size N)")
+        return TinyGPT(vocab, args.seq_len + 1)
+
+    train_loop(args.ckpt_dir, args.steps,
+               lambda: fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len),
+                                     batch_size=args.batch_size, device="cpu", seed=0),
+               make_model, next_token_loss)
 
 
 if __name__ == "__main__":

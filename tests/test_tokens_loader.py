@@ -43,7 +43,7 @@ def test_concat_batches_cover_the_corpus_once_on_two_ranks(corpus):
     stream = []
     for step in steps:
         for b in step:
-            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "index", "padded"}
+            assert set(b) == {"tokens", "position_ids", "cu_seqlens", "segment_ids", "max_seqlen", "index", "padded"}
             t, pos, cu = b["tokens"].numpy(), b["position_ids"].numpy(), b["cu_seqlens"].numpy()
             assert t.dtype == np.int64 and t.shape == (4, SEQ + 1) and pos.dtype == np.int64 and cu.dtype == np.int32
             for row, s in zip(t, b["index"].tolist()):
@@ -263,40 +263,15 @@ def test_verify_checks_each_shard_before_its_first_use(corpus, tmp_path):
 def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path):
     """examples/gpt_train.py killed with SIGKILL mid-run: the same command continues from its last committed
     step with the same sequences and bit-identical losses."""
-    import os
-    import re
-    import signal
-    import subprocess
     import sys
-    import time
     from pathlib import Path
+
+    from resume import killed_and_resumed
 
     example = Path(__file__).resolve().parent.parent / "examples" / "gpt_train.py"
     command = [sys.executable, str(example), str(corpus), str(tmp_path / "ckpt"), "--seq-len", "32",
                "--batch-size", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = subprocess.Popen([*command, "--steps", "500"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
-    lines = []
-    for line in killed.stdout:
-        lines.append(line)
-        if line.startswith("step 13 "):
-            break
-    deadline = time.monotonic() + 60
-    while not list((tmp_path / "ckpt").glob("step-*[0-9]")) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    lines += killed.stdout.readlines()
-    killed.wait()
-    assert killed.returncode == -signal.SIGKILL
-    done = subprocess.run([*command, "--steps", "18"], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-    def steps(text):
-        return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) (loss .*)$", text, re.M)}
-
-    before, after = steps("".join(lines)), steps(done.stdout)
-    start = int(re.search(r"^resumed at step (\d+)$", done.stdout, re.M)[1])
+    before, after, start = killed_and_resumed(command, tmp_path / "ckpt")
     assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
     overlap = [s for s in after if s in before]
     assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)

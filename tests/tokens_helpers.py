@@ -44,3 +44,119 @@ def word_corpus(root: Path) -> Path:
     (root / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     convert_tokens(TokenConvertConfig(root / "c.jsonl", root / "ds", tok, workers=1, max_samples_per_shard=25))
     return root / "ds"
+
+
+# -- chat data ----------------------------------------------------------------------------------------
+
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>", "<s>")
+"""A chat tokenizer's special tokens besides its end of text: ChatML's turn markers and a beginning of text."""
+
+CHATML = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+)
+"""A ChatML template with generation spans around each assistant reply and its end-of-turn token."""
+
+GLUED = (
+    "{% for message in messages %}"
+    "{% if message.role == 'user' %}{{ 'Q' + message.content + '\\n' }}"
+    "{% else %}{{ 'a' }}{% generation %}{{ message.content }}{% endgeneration %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+"""A template whose generation spans begin inside a word ('a' then the reply, no space): tokens that straddle the
+span's first edge."""
+
+CHAT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa quick brown fox jumps lazy dog".split()
+
+
+def chat_tokenizer(path: Path) -> Path:
+    """A tiny byte-level BPE with ChatML specials (end of text ``<|endoftext|>``), trained offline on chat text."""
+    texts = [*CORPUS, *(" ".join(CHAT_WORDS[i:] + CHAT_WORDS[:i]) for i in range(len(CHAT_WORDS)))] * 2
+    return train_tokenizer(path, vocab_size=400, specials=CHAT_SPECIALS, texts=texts)
+
+
+def chat_config(path: Path, template: str = CHATML) -> Path:
+    """A ``tokenizer_config.json`` holding ``template`` and its special tokens (as Hugging Face writes one)."""
+    path.write_text(json.dumps({"chat_template": template, "bos_token": "<s>",
+                                "eos_token": {"content": "<|endoftext|>", "special": True}}))
+    return path
+
+
+def conversations(n: int, seed: int = 0, turns: tuple[int, int] = (1, 4), words: tuple[int, int] = (1, 12),
+                  system: bool = True) -> list[list[dict]]:
+    """``n`` conversations of seeded random words: an optional system message, then user/assistant turns."""
+    rng = np.random.default_rng(seed)
+
+    def text() -> str:
+        return " ".join(rng.choice(CHAT_WORDS, int(rng.integers(*words))))
+
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": text()}] if system and rng.random() < 0.5 else []
+        for _ in range(int(rng.integers(*turns))):
+            messages += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        out.append(messages)
+    return out
+
+
+def write_chats(path: Path, chats: list[list[dict]], field: str = "messages") -> Path:
+    """``chats`` as a JSONL file, one conversation a line under ``field``."""
+    path.write_text("".join(json.dumps({field: c}) + "\n" for c in chats))
+    return path
+
+
+def hf_tokenizer(tokenizer: Path, config: Path):
+    """transformers' fast tokenizer of ``tokenizer`` with ``config``'s special tokens (the tests' reference)."""
+    from transformers import PreTrainedTokenizerFast
+
+    data = json.loads(config.read_text())
+    eos = data["eos_token"]["content"] if isinstance(data["eos_token"], dict) else data["eos_token"]
+    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer), bos_token=data["bos_token"], eos_token=eos)
+
+
+def hf_ids_and_mask(hf, template: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """transformers' ids and assistant mask of one conversation."""
+    out = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def chat_dataset(root: Path, n: int = 60, seed: int = 0, template: str = CHATML, **options) -> Path:
+    """A converted chat dataset of ``n`` conversations (:func:`conversations`) under ``root`` (``chats.jsonl``,
+    ``tokenizer.json``, ``tokenizer_config.json`` beside it; ``options`` for the conversion); returns its folder."""
+    from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+
+    tok = root / "tokenizer.json"
+    if not tok.exists():
+        chat_tokenizer(tok)
+    config = chat_config(root / "tokenizer_config.json", template)
+    write_chats(root / "chats.jsonl", conversations(n, seed))
+    options = {"workers": 1, "max_samples_per_shard": 20, **options}
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", root / "chat", tok, chat_template=config, **options))
+    return root / "chat"
+
+
+def stored_conversations(dest: Path) -> list[tuple[list[int], list[int]]]:
+    """Each stored conversation's ids and loss mask bits, in order, read from the shards' files directly."""
+    from fastio.dataset.manifest import load_manifest
+    from fastio.formats.megatron import MegatronShard
+    from fastio.formats.token_mask import MaskFile
+
+    manifest = load_manifest(dest)
+    out = []
+    for record in manifest.shards:
+        pair = MegatronShard(dest / "shards" / record.name, manifest.tokens.dtype, one_per_document=True)
+        bits = MaskFile(dest / "shards" / record.mask_name, pair.index.tokens).all()
+        edges = pair.index.starts(np.arange(pair.documents + 1))
+        tokens = pair.tokens(0, pair.index.tokens)
+        out += [(tokens[a:b].tolist(), bits[a:b].astype(int).tolist()) for a, b in zip(edges[:-1], edges[1:])]
+    return out

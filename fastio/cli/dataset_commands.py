@@ -102,25 +102,45 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--special-in-text", default=None, metavar="plain|refuse",
               help="With --tokenizer: a special token's string in a document's text (<|endoftext|>) is encoded as "
                    "plain text, the documents counted (plain, the default), or refused naming the document.")
+@click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="With --tokenizer: each document is a conversation (a list of {role, content} messages in "
+                   "--messages-field) rendered with this Hugging Face chat template (a .jinja file or a "
+                   "tokenizer_config.json); the tokens of its {% generation %} blocks are trained (a loss mask "
+                   "beside each shard; docs/tokens.md).")
+@click.option("--messages-field", default=None, help="With --chat-template: the JSONL field or Parquet column of "
+                                                     "each conversation's messages (default: messages).")
+@click.option("--train-on", default=None, metavar="generation|all",
+              help="With --chat-template: the tokens of the template's {% generation %} blocks (the assistant's "
+                   "replies; the default) or every token.")
+@click.option("--max-tokens", type=int, default=None, metavar="N",
+              help="With --chat-template: the most tokens a conversation may have (the training seq_len + 1); a "
+                   "longer one is handled by --overlong, never cut mid-turn (default: no limit; the Loader refuses a "
+                   "seq_len shorter than the longest).")
+@click.option("--overlong", default=None, metavar="refuse|drop|truncate",
+              help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
+                   "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted).")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
             quality: int, max_pixels: int, on_error: str, overwrite: bool, name: str, path_column: str | None,
             label_column: str | None, key_column: str | None, labels: str, root: Path | None, part: str | None,
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
-            text_field: str | None, eos: str | None, special_in_text: str | None, endpoint_url: str | None,
-            region: str | None,
+            text_field: str | None, eos: str | None, special_in_text: str | None, chat_template: Path | None,
+            messages_field: str | None, train_on: str | None, max_tokens: int | None, overlong: str | None,
+            endpoint_url: str | None, region: str | None,
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
-    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset."""
+    With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
+    --chat-template too, conversations, trained on the assistant's tokens."""
     from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    if tokenizer is not None or text_field is not None or eos is not None or special_in_text is not None:
+    if any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template, messages_field,
+                                   train_on, max_tokens, overlong)):
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
@@ -149,7 +169,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
 
 _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_text", "workers", "shard_size",
                 "max_samples_per_shard", "name", "overwrite", "quiet", "part", "endpoint_url", "region", "profile",
-                "staging_dir")
+                "staging_dir", "chat_template", "messages_field", "train_on", "max_tokens", "overlong")
 
 
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
@@ -160,11 +180,18 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
-        raise ConvertError("--text-field, --eos and --special-in-text need --tokenizer (a token conversion)")
+        raise ConvertError("--text-field, --eos, --special-in-text and the chat options (--chat-template, ...) need "
+                           "--tokenizer (a token conversion)")
     if other:
         raise ConvertError(f"{', '.join(other)}: not an option of a token conversion (--tokenizer)")
     options = {k: params[k] for k in ("source", "dest", "tokenizer", "eos", "shard_size", "max_samples_per_shard",
-                                      "name", "overwrite", "part", "staging_dir")}
+                                      "name", "overwrite", "part", "staging_dir", "chat_template")}
+    chat = ("messages_field", "train_on", "max_tokens", "overlong")
+    if params["chat_template"] is None and any(params[k] is not None for k in chat):
+        raise ConvertError("--messages-field, --train-on, --max-tokens and --overlong need --chat-template (a "
+                           "conversion of conversations)")
+    options.update({"messages_field": params["messages_field"] or "messages", "train_on": params["train_on"] or
+                    "generation", "max_tokens": params["max_tokens"], "overlong": params["overlong"] or "refuse"})
     options.update({"text_field": params["text_field"] or "text", "special_in_text": params["special_in_text"] or "plain",
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
@@ -438,6 +465,12 @@ def _print_info(info: dict[str, Any]) -> None:
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
                    f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
                    f"document min {d['min']}  median {d['median']}  max {d['max']}")
+        chat = tokens.get("chat")
+        if chat:
+            click.echo(f"chat:     conversations, {chat['trained_tokens']} tokens trained "
+                       f"({100 * chat['trained_tokens'] / max(tokens['total_tokens'], 1):.1f}%, "
+                       f"train_on {chat['train_on']}); the longest {chat['longest']} tokens: seq_len at least "
+                       f"{max(chat['longest'] - 1, 1)} with packing='best-fit'")
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))

@@ -61,13 +61,15 @@ class Corpus:
         text = json.dumps([[f.key, f.size] for f in self.files])
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def documents(self, text_field: str, span: tuple[int, int | None] = (0, None)) -> Iterator[tuple[str, str]]:
-        """``(where, text)`` of every document whose position is in ``span``, in input order. An object is
-        downloaded while the one before it is read (two at most in the temporary folder, each removed once read)."""
+    def documents(self, text_field: str, span: tuple[int, int | None] = (0, None), messages: bool = False
+                  ) -> Iterator[tuple[str, str]]:
+        """``(where, text)`` of every document whose position is in ``span``, in input order (``messages``: the
+        field's value as it is, :func:`~fastio.converters.documents.file_documents`). An object is downloaded
+        while the one before it is read (two at most in the temporary folder, each removed once read)."""
         wanted = list(self._files_in(span))
         if self.storage is None:
             for f, inside in wanted:
-                yield from file_documents(Path(f.name), text_field, f.name, inside)
+                yield from file_documents(Path(f.name), text_field, f.name, inside, messages)
             return
         with tempfile.TemporaryDirectory(prefix="fastio-doc-") as tmp, \
                 ThreadPoolExecutor(1, thread_name_prefix="fastio-doc") as pool:
@@ -81,7 +83,7 @@ class Corpus:
             for i, (f, inside) in enumerate(wanted):
                 path = coming.result()
                 coming = pool.submit(fetch, i + 1) if i + 1 < len(wanted) else None
-                yield from file_documents(path, text_field, f.name, inside)
+                yield from file_documents(path, text_field, f.name, inside, messages)
                 path.unlink()
 
     def _files_in(self, span: tuple[int, int | None]) -> Iterator[tuple[DocumentFile, tuple[int, int | None]]]:

@@ -19,6 +19,14 @@ encoded again with ``encode_special_tokens`` (the string as plain text; counted)
 ``special_in_text="refuse"`` (naming the document). The token type fits the largest id the tokenizer has (a
 vocabulary with a hole up to id 70,000 is ``int32``); the manifest's vocabulary size is that id + 1.
 
+Conversations (``chat_template``): each document is a conversation, the list of
+messages in ``messages_field``, rendered with a Hugging Face chat template and tokenized as a whole as transformers'
+``apply_chat_template`` does (:mod:`fastio.convert.chat_encode`; no end-of-document token appended: the stored ids
+are the template's), and each shard gets a loss mask ``NAME.mask`` beside its ``.bin``
+(:mod:`fastio.formats.token_mask`) marking the tokens of the template's ``{% generation %}`` blocks (``train_on=
+"all"``: every token); the manifest's ``tokens.chat`` records the template's checksum, the trained tokens and the
+longest conversation, each shard record its mask's sha256.
+
 With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.convert.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
 records and the plan every part must share: source listing, options, tokenizer checksum, end-of-document id);
@@ -36,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder
 from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
@@ -50,6 +59,7 @@ from fastio.convert.run import DEFAULT_SHARD_SIZE
 from fastio.convert.workers import OrderedPool, default_workers
 from fastio.dataset.manifest import (
     SHARDS_DIR,
+    ChatInfo,
     IndexRecord,
     Manifest,
     ShardRecord,
@@ -58,7 +68,9 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.errors import ConvertError
+from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
+from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import is_remote
@@ -75,6 +87,9 @@ TOKEN_PLAN = "tokens"
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 """Special tokens taken as the end-of-document token when ``eos`` is not given, in this order of preference."""
+
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
+"""Special tokens taken as a chat template's ``bos_token`` when its ``tokenizer_config.json`` names none."""
 
 SPECIAL_IN_TEXT = ("plain", "refuse")
 """What a special token's string in document text becomes: plain text (the default), or a refusal."""
@@ -120,6 +135,21 @@ class TokenConvertConfig:
     special_in_text: str = "plain"
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
     documents counted), ``"refuse"`` is a ConvertError naming the document."""
+    chat_template: Path | None = None
+    """Conversations: a Hugging Face chat template (a ``.jinja`` file, or a ``tokenizer_config.json`` holding
+    ``chat_template`` and its special tokens); each document is the list of messages in ``messages_field``."""
+    messages_field: str = "messages"
+    """With ``chat_template``: the JSONL field / Parquet column holding each conversation's messages."""
+    train_on: str = "generation"
+    """With ``chat_template``: ``generation`` (the tokens of the template's ``{% generation %}`` blocks: the
+    assistant's replies) or ``all`` (every token)."""
+    max_tokens: int | None = None
+    """With ``chat_template``: the most tokens a conversation may have (None: no limit here; a Loader refuses a
+    ``seq_len + 1`` below the longest). Set it to the training ``seq_len + 1``."""
+    overlong: str = "refuse"
+    """With ``max_tokens``: a longer conversation is refused (``refuse``), left out and counted (``drop``), or cut
+    to its first turns that fit, whole, ending with an assistant message (``truncate``; counted; dropped when even
+    the first exchange is too long). Never cut mid-turn (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
@@ -144,6 +174,22 @@ class TokenConvertConfig:
             raise ValueError(f"text_field must be a field name, got {self.text_field!r}")
         if self.special_in_text not in SPECIAL_IN_TEXT:
             raise ValueError(f"special_in_text must be 'plain' or 'refuse', got {self.special_in_text!r}")
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", Path(self.chat_template))
+        if self.train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be 'generation' or 'all', got {self.train_on!r}")
+        if self.overlong not in OVERLONG:
+            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
+        limit = self.max_tokens
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {limit!r}")
+        if not isinstance(self.messages_field, str) or not self.messages_field:
+            raise ValueError(f"messages_field must be a field name, got {self.messages_field!r}")
+
+    @property
+    def field(self) -> str:
+        """The field each document is read from: the messages (a chat conversion) or the text."""
+        return self.text_field if self.chat_template is None else self.messages_field
 
 
 @dataclass(frozen=True)
@@ -164,12 +210,23 @@ class TokenConvertResult:
     """(K, N) when this was one part of a conversion in parts."""
     special_text: int = 0
     """Documents whose text held a special token's string, encoded as plain text."""
+    trained: int | None = None
+    """A chat conversion's trained tokens (their loss mask set); None: plain documents."""
+    dropped: int = 0
+    """Conversations over ``max_tokens`` left out (``overlong="drop"``, or ``"truncate"`` where nothing fit)."""
+    truncated: int = 0
+    """Conversations over ``max_tokens`` cut to their first turns (``overlong="truncate"``)."""
 
     def summary(self) -> str:
         rate = self.tokens / max(self.seconds, 1e-9)
         where = f"part {self.part[0]}/{self.part[1]} of {self.dest} (merge with fastio merge)" if self.part else self.dest
         special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
                    if self.special_text else "")
+        if self.trained is not None:
+            special += f"; {self.trained} tokens trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
+        if self.dropped or self.truncated:
+            special += (f"; over max_tokens: {count(self.dropped, 'conversation')} dropped, {self.truncated} cut to "
+                        "their first turns")
         return (f"{where}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
@@ -215,11 +272,14 @@ def eos_token_id(tokenizer, eos: str | None, path: Path) -> int:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Path, eos_id: int, dtype: str, special_in_text: str, text_field: str) -> None:
+def _init_worker(tokenizer: Path, eos_id: int, dtype: str, special_in_text: str, text_field: str,
+                 template: ChatTemplate | None = None, chat: tuple = ()) -> None:
     tok, plain = load_tokenizer(tokenizer), load_tokenizer(tokenizer)
     plain.encode_special_tokens = True  # a special token's string is split as any text (tokenizers >= 0.15.1)
     _WORKER.update(tokenizer=tok, plain=plain, specials=np.array(sorted(special_tokens(tok).values()), np.int64),
-                   eos_id=eos_id, dtype=np.dtype(dtype), refuse=special_in_text == "refuse", field=text_field)
+                   eos_id=eos_id, dtype=np.dtype(dtype), refuse=special_in_text == "refuse", field=text_field,
+                   chat=None if template is None else ChatEncoder(tok, template, *chat[:1], text_field, np.dtype(dtype),
+                                                                  *chat[1:]))
 
 
 def _concat(docs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -233,12 +293,17 @@ def _documents_with(lengths: np.ndarray, flat: np.ndarray, ids: np.ndarray) -> l
     return np.unique(np.searchsorted(np.cumsum(lengths), hits, side="right")).tolist()
 
 
-def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens per document, all tokens, documents with special-token text) of ``(wheres, texts)``: each non-empty
+def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray, dict[str, int], np.ndarray | None]:
+    """(tokens per document, all tokens, counts (``special``: documents with special-token text; a chat
+    conversion's ``dropped`` and ``truncated``), all mask bits or None) of ``(wheres, texts)``: each non-empty
     document's ids + the end-of-document id (an empty document has length 0). A document whose ids hold a special
-    token is refused or encoded again with its special-token strings as plain text (:func:`_as_plain_text`)."""
+    token is refused or encoded again with its special-token strings as plain text (:func:`_as_plain_text`). A chat
+    conversion's: :meth:`~fastio.convert.chat_encode.ChatEncoder.encode`."""
     wheres, texts = batch
     w = _WORKER
+    if w["chat"] is not None:
+        lengths, ids, mask, counts = w["chat"].encode(wheres, texts)
+        return lengths, ids, counts, mask
     docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
     lengths, flat = _concat(docs)
     held = _documents_with(lengths, flat, w["specials"])
@@ -247,7 +312,7 @@ def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray,
         lengths, flat = _concat(docs)
     ends = np.cumsum(lengths)[lengths > 0]
     flat = np.insert(flat, ends, w["eos_id"])  # after every non-empty document
-    return lengths + (lengths > 0), flat.astype(w["dtype"]), len(held)
+    return lengths + (lengths > 0), flat.astype(w["dtype"]), {"special": len(held)}, None
 
 
 def _as_plain_text(docs: list[list[int]], held: list[int], wheres: list[str], texts: list[str]) -> None:
@@ -297,68 +362,122 @@ class _ShardSeries:
     def __init__(self, config: TokenConvertConfig, dtype: str, folder: Path):
         self.config, self.dtype, self.itemsize, self.folder = config, dtype, np.dtype(dtype).itemsize, folder
         self.written: list[WrittenShard] = []
+        self.masks: list[WrittenMask] = []
         self.writer: MegatronWriter | None = None
+        self.mask: MaskWriter | None = None
 
-    def add(self, tokens: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append one document (and, in a chat conversion, its loss mask bits)."""
         w = self.writer
         if w is not None and starts_new_token_shard(w.documents, w.bytes, tokens.size * self.itemsize,
                                                     self.config.shard_size, self.config.max_samples_per_shard):
-            self.written.append(w.close())
+            self._close_shard()
             w = None
         if w is None:
-            name = f"{self.config.name}-{len(self.written):06d}.bin"
-            w = self.writer = MegatronWriter(self.folder / name, self.dtype)
+            path = self.folder / f"{self.config.name}-{len(self.written):06d}.bin"
+            w = self.writer = MegatronWriter(path, self.dtype)
+            self.mask = None if mask is None else MaskWriter(mask_path(path))
         w.add(tokens)
+        if self.mask is not None:
+            self.mask.add(mask)
+
+    def _close_shard(self) -> None:
+        """The mask first: the pair's ``.idx``, published last, marks a complete shard."""
+        if self.mask is not None:
+            self.masks.append(self.mask.close())
+            self.mask = None
+        self.written.append(self.writer.close())
+        self.writer = None
 
     def close(self) -> list[WrittenShard]:
         if self.writer is not None:
-            self.written.append(self.writer.close())
-            self.writer = None
+            self._close_shard()
         return self.written
 
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
+        if self.mask is not None:
+            self.mask.abort()
 
 
 @dataclass(frozen=True)
 class _Coder:
     """What the tokenizer decides: the end-of-document id, the vocabulary (its largest id + 1, holes counted) and
-    token type, the file's checksum."""
+    token type, the file's checksum; a chat conversion's template (its special tokens filled in)."""
 
     eos_id: int
     vocab_size: int
     dtype: str
     sha256: str
+    template: ChatTemplate | None = None
 
 
 def _coder(config: TokenConvertConfig) -> _Coder:
     tokenizer = load_tokenizer(config.tokenizer)
-    eos_id = eos_token_id(tokenizer, config.eos, config.tokenizer)
+    template = None if config.chat_template is None else _chat_template(config)
+    eos = config.eos if template is None or config.eos else template.variables.get("eos_token")
+    eos_id = eos_token_id(tokenizer, eos, config.tokenizer)
     vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0) + 1  # ids 0 .. the largest
-    return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer))
+    if template is not None:
+        template = _with_specials(template, tokenizer, eos_id)
+    return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer), template)
+
+
+def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
+    """The template (ConvertError naming the file), refused without a ``{% generation %}`` block unless every token
+    is trained: nothing would be."""
+    try:
+        template = load_chat_template(config.chat_template)
+    except ChatTemplateError as err:
+        raise ConvertError(str(err)) from None
+    if config.train_on == "generation" and not template.has_generation:
+        raise ConvertError(f"{config.chat_template}: the chat template marks no {{% generation %}} block, so no "
+                           "token would be trained: wrap each assistant reply in {% generation %}...{% endgeneration "
+                           "%} (docs/tokens.md), or train on every token with --train-on all")
+    return template
+
+
+def _with_specials(template: ChatTemplate, tokenizer, eos_id: int) -> ChatTemplate:
+    """``template`` with ``eos_token`` (the end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`) where its
+    file names none."""
+    specials = special_tokens(tokenizer)
+    names = {i: t for t, i in specials.items()}
+    filled = {"eos_token": names[eos_id]}
+    bos = next((n for n in BOS_NAMES if n in specials), None)
+    if bos is not None:
+        filled["bos_token"] = bos
+    return replace(template, variables={**filled, **template.variables})
 
 
 @dataclass
 class _Written:
-    """What :func:`_write` wrote: the shards, and the documents skipped (empty) or with special-token text."""
+    """What :func:`_write` wrote: the shards (and a chat conversion's masks), the documents skipped (empty) or
+    with special-token text, the longest document's tokens."""
 
     shards: list[WrittenShard]
     empty: int = 0
     special: int = 0
+    masks: list[WrittenMask] = field(default_factory=list)
+    longest: int = 0
+    dropped: int = 0
+    """Conversations longer than ``max_tokens`` left out."""
+    truncated: int = 0
+    """Conversations longer than ``max_tokens`` cut to their first turns."""
 
 
 def _batches(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None]
              ) -> Iterator[tuple[list[str], list[str]]]:
     """``(wheres, texts)`` of ``batch_size`` documents at a time."""
-    docs = corpus.documents(config.text_field, span)
+    docs = corpus.documents(config.field, span, messages=config.chat_template is not None)
     while batch := list(islice(docs, config.batch_size)):
         yield [where for where, _ in batch], [text for _, text in batch]
 
 
 def _encoded(config: TokenConvertConfig, coder: _Coder, batches: Iterator[tuple[list[str], list[str]]]
-             ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    args = (config.tokenizer, coder.eos_id, coder.dtype, config.special_in_text, config.text_field)
+             ) -> Iterator[tuple[np.ndarray, np.ndarray, dict[str, int], np.ndarray | None]]:
+    args = (config.tokenizer, coder.eos_id, coder.dtype, config.special_in_text, config.field, coder.template,
+            (config.train_on, config.max_tokens, config.overlong))
     if config.workers == 1:
         _init_worker(*args)
         yield from map(_encode, batches)
@@ -373,25 +492,33 @@ def _write(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, out: Path,
     series, written = _ShardSeries(config, coder.dtype, out / SHARDS_DIR), _Written([])
     (out / SHARDS_DIR).mkdir()
     try:
-        for lengths, flat, special in _encoded(config, coder, _batches(config, corpus, span)):
-            written.special += special
+        for lengths, flat, counts, mask in _encoded(config, coder, _batches(config, corpus, span)):
+            for key, n in counts.items():
+                setattr(written, key, getattr(written, key) + n)
+            written.longest = max(written.longest, int(lengths.max(initial=0)))
             ends = np.cumsum(lengths)
             for end, n in zip(ends.tolist(), lengths.tolist()):
                 if n == 0:
                     written.empty += 1
                 else:
-                    series.add(flat[end - n:end])
-        written.shards = series.close()
+                    series.add(flat[end - n:end], None if mask is None else mask[end - n:end])
+        written.shards, written.masks = series.close(), series.masks
         return written
     except BaseException:
         series.abort()
         raise
 
 
-def shard_record(s: WrittenShard) -> ShardRecord:
-    """The manifest's record of a written pair."""
+def shard_record(s: WrittenShard, mask: WrittenMask | None = None) -> ShardRecord:
+    """The manifest's record of a written pair (and its loss mask)."""
     return ShardRecord(name=s.bin_path.name, samples=s.documents, bytes=s.bin_bytes, sha256=s.bin_sha256,
-                       idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens)
+                       idx_sha256=s.idx_sha256, xxh3_128=s.bin_xxh3_128, tokens=s.tokens,
+                       mask_sha256=None if mask is None else mask.sha256)
+
+
+def _records(written: _Written) -> list[ShardRecord]:
+    masks = written.masks or [None] * len(written.shards)
+    return [shard_record(s, m) for s, m in zip(written.shards, masks)]
 
 
 def token_manifest(name: str, records: list[ShardRecord], info: TokenInfo, source: dict[str, Any],
@@ -402,19 +529,29 @@ def token_manifest(name: str, records: list[ShardRecord], info: TokenInfo, sourc
 
 
 def _source(config: TokenConvertConfig, corpus: Corpus) -> dict[str, Any]:
-    return {"format": "documents", "path": str(config.source), "files": len(corpus.files)}
+    kind = "documents" if config.chat_template is None else "conversations"
+    return {"format": kind, "path": str(config.source), "files": len(corpus.files)}
 
 
 def _options(config: TokenConvertConfig) -> dict[str, Any]:
-    return {"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
-            "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard,
-            "special_in_text": config.special_in_text}
+    out = {"tokenizer": str(config.tokenizer), "text_field": config.text_field, "eos": config.eos,
+           "shard_size": config.shard_size, "max_samples_per_shard": config.max_samples_per_shard,
+           "special_in_text": config.special_in_text}
+    if config.chat_template is not None:
+        out.update(chat_template=str(config.chat_template), messages_field=config.messages_field,
+                   train_on=config.train_on, max_tokens=config.max_tokens, overlong=config.overlong)
+    return out
 
 
-def _info(coder: _Coder, records: list[ShardRecord], starts: IndexRecord) -> TokenInfo:
+def _info(config: TokenConvertConfig, coder: _Coder, records: list[ShardRecord], starts: IndexRecord,
+          written: _Written) -> TokenInfo:
+    chat = None
+    if coder.template is not None:
+        chat = ChatInfo(template_sha256=coder.template.sha256, train_on=config.train_on,
+                        trained_tokens=sum(m.trained for m in written.masks), longest=written.longest, mask=MASK_FORMAT)
     return TokenInfo(dtype=coder.dtype, eos_id=coder.eos_id, total_tokens=sum(r.tokens or 0 for r in records),
                      vocab_size=coder.vocab_size, one_sequence_per_document=True,  # as MegatronWriter writes
-                     starts=starts)
+                     starts=starts, chat=chat)
 
 
 class _Claim:
@@ -486,12 +623,20 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     written = _write(config, corpus, coder, config.dest)
     if not written.shards:
         raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
-    records = [shard_record(s) for s in written.shards]
-    source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special}
+    records = _records(written)
+    source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,
+              **_overlong(config, written)}
     starts = write_starts(config.dest, [shard_starts(MegatronIndex(s.idx_path)) for s in written.shards])
-    write_manifest(config.dest, token_manifest(config.name, records, _info(coder, records, starts), source,
+    write_manifest(config.dest, token_manifest(config.name, records, _info(config, coder, records, starts, written), source,
                                                _options(config)))
     return written
+
+
+def _overlong(config: TokenConvertConfig, written: _Written) -> dict[str, int]:
+    """The conversations over ``max_tokens`` left out or cut (a chat conversion with ``max_tokens`` only)."""
+    if config.chat_template is None or config.max_tokens is None:
+        return {}
+    return {"overlong_dropped": written.dropped, "overlong_truncated": written.truncated}
 
 
 def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, started: float) -> TokenConvertResult:
@@ -499,7 +644,9 @@ def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, starte
     return TokenConvertResult(dest=config.dest, shards=len(shards), documents=sum(s.documents for s in shards),
                               tokens=sum(s.tokens for s in shards), empty=written.empty,
                               bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
-                              dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special)
+                              dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special,
+                              trained=sum(m.trained for m in written.masks) if coder.template is not None else None,
+                              dropped=written.dropped, truncated=written.truncated)
 
 
 def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
@@ -513,7 +660,7 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
             span = part_span(corpus.total, k, n)
             written = _write(config, corpus, coder, directory, span)
             write_part_record(directory, PartRecord(part=k, of=n, plan=_plan(config, corpus, coder),
-                                                    datasets={"": _part_dataset(corpus, span, written)}))
+                                                    datasets={"": _part_dataset(config, corpus, span, written)}))
         except OSError as err:
             raise ConvertError(f"{err.filename or directory}: {err.strerror or err}") from None
     return _result(config, coder, written, started)
@@ -525,11 +672,22 @@ def _plan(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> dict[str
             "name": config.name,
             "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
             "tokens": {"tokenizer_sha256": coder.sha256, "eos_id": coder.eos_id, "dtype": coder.dtype,
-                       "vocab_size": coder.vocab_size}}
+                       "vocab_size": coder.vocab_size, **_chat_plan(config, coder)}}
 
 
-def _part_dataset(corpus: Corpus, span: tuple[int, int | None], written: _Written) -> dict[str, Any]:
+def _chat_plan(config: TokenConvertConfig, coder: _Coder) -> dict[str, Any]:
+    """A chat conversion's parts share the template (by content) and what they train on."""
+    if coder.template is None:
+        return {}
+    return {"chat": {"template_sha256": coder.template.sha256, "train_on": config.train_on}}
+
+
+def _part_dataset(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None], written: _Written
+                  ) -> dict[str, Any]:
     end = corpus.total if span[1] is None else span[1]
+    chat = {"trained_tokens": sum(m.trained for m in written.masks), "longest": written.longest} if written.masks \
+        else {}
+    chat.update(_overlong(config, written))
     return {"range": [span[0], end], "count": corpus.total, "empty_documents": written.empty,
-            "special_text_documents": written.special,
-            "shards": [shard_record(s).as_dict() for s in written.shards]}
+            "special_text_documents": written.special, **chat,
+            "shards": [r.as_dict() for r in _records(written)]}

@@ -10,7 +10,9 @@ other is **re-packed**: its documents' tokens copied out of the part shards (no 
 usually differ from the single run's (byte-size cuts that start elsewhere rarely meet again), so most are re-packed:
 a sequential copy. The document-starts table and the manifest are the single run's, byte for byte (the empty
 documents and those with special-token text of every part summed), the manifest published last; DEST's life cycle
-is :mod:`fastio.convert.merge`'s.
+is :mod:`fastio.convert.merge`'s. A chat conversion's loss masks (``NAME.mask``) go with their shards: linked with
+a linked shard, their bits copied with a re-packed one's documents; the trained tokens and longest conversation of
+every part make the manifest's ``tokens.chat``.
 
 Parts agree on a tokenizer by its content (``tokens.tokenizer_sha256`` of the plan), not by how they name its file
 (:func:`comparable_plan`): the manifest names it as part 0 does.
@@ -31,9 +33,18 @@ from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
 from fastio.convert.run import DEFAULT_SHARD_SIZE
 from fastio.convert.token_convert import shard_record, token_manifest, token_shard_cuts
-from fastio.dataset.manifest import SHARDS_DIR, Manifest, ShardRecord, TokenInfo, is_shard_name, write_manifest
+from fastio.dataset.manifest import (
+    SHARDS_DIR,
+    ChatInfo,
+    Manifest,
+    ShardRecord,
+    TokenInfo,
+    is_shard_name,
+    write_manifest,
+)
 from fastio.errors import ConvertError, DatasetError
-from fastio.formats.megatron import MegatronIndex, MegatronShard, MegatronWriter, partner_path
+from fastio.formats.megatron import MegatronIndex, MegatronShard, MegatronWriter, WrittenShard, partner_path
+from fastio.formats.token_mask import MASK_FORMAT, MaskFile, MaskWriter, WrittenMask, mask_path
 from fastio.progress import count, parse_size
 from fastio.storage import is_remote
 from fastio.storage.atomic import fsync_dir, place_file
@@ -54,8 +65,9 @@ class _PartShard:
 
 def comparable_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """A token part's plan as parts are compared: its tokenizer by content (``tokens.tokenizer_sha256``), not by
-    the path its file was named by (relative in one part, absolute or a copy in another)."""
-    options = {k: v for k, v in plan.get("convert_options", {}).items() if k != "tokenizer"}
+    the path its file was named by (relative in one part, absolute or a copy in another); a chat template likewise
+    (``tokens.chat.template_sha256``)."""
+    options = {k: v for k, v in plan.get("convert_options", {}).items() if k not in ("tokenizer", "chat_template")}
     return {**plan, "convert_options": options}
 
 
@@ -66,7 +78,11 @@ def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:
     for flag, key, default in (("--text-field", "text_field", "text"), ("--eos", "eos", None),
                                ("--shard-size", "shard_size", parse_size(DEFAULT_SHARD_SIZE, "shard_size")),
                                ("--max-samples-per-shard", "max_samples_per_shard", None),
-                               ("--name", "name", "shard"), ("--special-in-text", "special_in_text", "plain")):
+                               ("--name", "name", "shard"), ("--special-in-text", "special_in_text", "plain"),
+                               ("--chat-template", "chat_template", None), ("--messages-field", "messages_field",
+                                                                           "messages"),
+                               ("--train-on", "train_on", "generation"), ("--max-tokens", "max_tokens", None),
+                               ("--overlong", "overlong", "refuse")):
         value = plan.get(key) if key == "name" else options.get(key)
         if value is not None and value != default:
             words += [flag, str(value)]
@@ -93,24 +109,37 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     placed: list[tuple[Path, ShardRecord, bool]] = []  # (file to place, its record, a link?)
+    chat = plan["tokens"].get("chat")
     for i, (a, b) in enumerate(cuts):
         name = f"{plan['name']}-{i:06d}.bin"
         if (a, b) in whole:
             placed.append((whole[(a, b)].pair.bin_path, replace(whole[(a, b)].record, name=name), True))
         else:
-            written = _repack(shards, a, b, staging / name, plan["tokens"]["dtype"])
-            placed.append((written.bin_path, shard_record(written), False))
+            written, mask = _repack(shards, a, b, staging / name, plan["tokens"]["dtype"], chat is not None)
+            placed.append((written.bin_path, shard_record(written, mask), False))
     result = [r for _, r, _ in placed]
     starts = write_starts(staging, [shard_starts(MegatronIndex(partner_path(src))) for src, _, _ in placed])
     info = TokenInfo(dtype=plan["tokens"]["dtype"], eos_id=plan["tokens"]["eos_id"],
                      total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"],
                      one_sequence_per_document=True,  # the parts' pairs and the repacked ones: MegatronWriter's
-                     starts=starts)
+                     starts=starts, chat=None if chat is None else _chat_info(chat, records))
     source = {**plan["source"], "empty_documents": empty, "special_text_documents": special}
+    for key in ("overlong_dropped", "overlong_truncated"):  # a chat conversion with max_tokens
+        if key in records[0].datasets[""]:
+            source[key] = sum(r.datasets[""][key] for r in records)
     manifest = token_manifest(plan["name"], result, info, source, options)
     _publish(dest, placed, staging / STARTS_NAME, manifest)
     linked = sum(link for _, _, link in placed)
     return manifest, {"linked": linked, "repacked": len(placed) - linked}
+
+
+def _chat_info(chat: dict[str, Any], records: list[PartRecord]) -> ChatInfo:
+    """The merged dataset's ``tokens.chat``: the plan's template and rule, every part's trained tokens and longest
+    conversation."""
+    parts = [r.datasets[""] for r in records]
+    return ChatInfo(template_sha256=chat["template_sha256"], train_on=chat["train_on"], mask=MASK_FORMAT,
+                    trained_tokens=sum(p.get("trained_tokens", 0) for p in parts),
+                    longest=max(p.get("longest", 0) for p in parts))
 
 
 def _part_shards(dest: Path, records: list[PartRecord], dtype: str) -> list[_PartShard]:
@@ -149,16 +178,34 @@ def _open_pair(path: Path, shard: ShardRecord, dtype: str) -> MegatronShard:
     return pair
 
 
-def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str):
-    """Documents ``[a, b)`` of the merged order, copied out of the part shards into one new pair at ``path``."""
-    with MegatronWriter(path, dtype) as writer:
-        for s in shards:
-            lo, hi = max(a, s.first) - s.first, min(b, s.first + s.record.samples) - s.first
-            if lo >= hi:
-                continue
-            starts = s.pair.index.starts(np.arange(lo, hi + 1))
-            writer.add_documents(s.pair.tokens(int(starts[0]), int(starts[-1] - starts[0])), np.diff(starts))
-        return writer.close()
+def _repack(shards: list[_PartShard], a: int, b: int, path: Path, dtype: str, masked: bool
+            ) -> tuple[WrittenShard, WrittenMask | None]:
+    """Documents ``[a, b)`` of the merged order, copied out of the part shards into one new pair at ``path`` (and,
+    ``masked``, their loss mask bits into its mask)."""
+    mask = MaskWriter(mask_path(path)) if masked else None
+    try:
+        with MegatronWriter(path, dtype) as writer:
+            for s in shards:
+                lo, hi = max(a, s.first) - s.first, min(b, s.first + s.record.samples) - s.first
+                if lo >= hi:
+                    continue
+                starts = s.pair.index.starts(np.arange(lo, hi + 1))
+                writer.add_documents(s.pair.tokens(int(starts[0]), int(starts[-1] - starts[0])), np.diff(starts))
+                if mask is not None:
+                    mask.add(_part_mask(s).bits(np.arange(starts[0], starts[-1])))
+            return writer.close(), None if mask is None else mask.close()
+    except BaseException:
+        if mask is not None:
+            mask.abort()
+        raise
+
+
+def _part_mask(s: _PartShard) -> MaskFile:
+    """A part shard's loss mask (its size checked against the shard's tokens: ConvertError naming it otherwise)."""
+    try:
+        return MaskFile(mask_path(s.pair.bin_path), s.pair.index.tokens)
+    except DatasetError as err:
+        raise ConvertError(f"{err} (a damaged part: convert it again)") from None
 
 
 def _publish(dest: Path, placed: list[tuple[Path, ShardRecord, bool]], starts: Path, manifest: Manifest) -> None:
@@ -169,6 +216,8 @@ def _publish(dest: Path, placed: list[tuple[Path, ShardRecord, bool]], starts: P
     for src, record, link in placed:
         place_file(src, dest / SHARDS_DIR / record.name, link=link)
         place_file(partner_path(src), dest / SHARDS_DIR / record.idx_name, link=link)
+        if record.mask_sha256 is not None:
+            place_file(mask_path(src), dest / SHARDS_DIR / record.mask_name, link=link)
     fsync_dir(dest / SHARDS_DIR)
     place_file(starts, dest / STARTS_NAME, link=False)
     write_manifest(dest, manifest)

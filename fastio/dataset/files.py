@@ -54,6 +54,11 @@ class DatasetFiles:
     def idx_path(self, record: ShardRecord) -> Path:
         raise NotImplementedError
 
+    def mask_path(self, record: ShardRecord) -> Path:
+        """The local file of a chat shard's loss mask (``NAME.mask`` beside its ``.bin``; a remote DEST's fetched
+        into the metadata folder, sha256-checked, the first time it is asked for)."""
+        raise NotImplementedError
+
     def index_path(self, record: IndexRecord, what: str = "sample index") -> Path:
         """The local file of the dataset's sample index (``samples.fxi``), or of another file its manifest
         records the same way (``what``: the probe table)."""
@@ -94,6 +99,9 @@ class LocalFiles(DatasetFiles):
 
     def index_path(self, record: IndexRecord, what: str = "sample index") -> Path:
         return self.root / record.name
+
+    def mask_path(self, record: ShardRecord) -> Path:
+        return self.shard_path(record).with_name(record.mask_name)
 
     def _local(self, key: str) -> Path:
         """A record's location as a local path (relative ones below DEST)."""
@@ -197,6 +205,14 @@ class RemoteFiles(DatasetFiles):
         if record.name not in self._fetched:
             self._fetch(self.storage, record.name, path, record.sha256, what)
             self._fetched.add(record.name)
+        return path
+
+    def mask_path(self, record: ShardRecord) -> Path:
+        path = self.meta / SHARDS_DIR / record.mask_name
+        if record.mask_name not in self._fetched:
+            self._fetch(self.storage, f"{SHARDS_DIR}/{record.mask_name}", path, record.mask_sha256,
+                        f"loss mask {record.mask_name}")
+            self._fetched.add(record.mask_name)
         return path
 
     def check(self, records: list[ShardRecord]) -> None:

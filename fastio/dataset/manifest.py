@@ -21,11 +21,13 @@ from fastio import __version__
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
+from fastio.formats.token_mask import MASK_FORMAT
 from fastio.formats.wds import is_field_name, is_plain_name
 from fastio.storage.atomic import atomic_write_bytes
 
 __all__ = [
     "FORMAT",
+    "ChatInfo",
     "FORMAT_VERSION",
     "READ_VERSIONS",
     "format_version",
@@ -102,11 +104,19 @@ class ShardRecord:
     """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
     tokens: int | None = None
     """Tokens the shard holds (a token dataset's shards only)."""
+    mask_sha256: str | None = None
+    """Hex sha256 of the shard's loss mask ``NAME.mask`` beside its ``.bin`` (a chat dataset's shards only:
+    :mod:`fastio.formats.token_mask`)."""
 
     @property
     def idx_name(self) -> str:
         """File name of the shard's index next to it: DALI's for a tar, Megatron's for a ``.bin``."""
         return self.name[: -len(".tar")] + ".idx"  # both suffixes have four characters
+
+    @property
+    def mask_name(self) -> str:
+        """File name of a chat shard's loss mask next to its ``.bin`` (:mod:`fastio.formats.token_mask`)."""
+        return self.name[: -len(".bin")] + ".mask"
 
     @property
     def tar_key(self) -> str:
@@ -152,7 +162,14 @@ class ShardRecord:
                                    "absolute path or an s3:// URL")
         return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
                    idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
-                   idx_location=data.get("idx_location"), tokens=data.get("tokens"))
+                   idx_location=data.get("idx_location"), tokens=data.get("tokens"),
+                   mask_sha256=_mask_sha256(data.get("mask_sha256"), where))
+
+
+def _mask_sha256(value: Any, where: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not _SHA256.fullmatch(value)):
+        raise DatasetError(f"{where}.mask_sha256: {value!r} is not a hex sha256")
+    return value
 
 
 def is_shard_name(name: object) -> bool:
@@ -173,7 +190,8 @@ def is_location(value: object) -> bool:
     return all(p and p not in (".", "..") for p in parts)
 
 
-_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location", "tokens")  # keys a manifest shard entry may have
+# keys a manifest shard entry may have
+_OPTIONAL_RECORD_KEYS = ("xxh3_128", "location", "idx_location", "tokens", "mask_sha256")
 _RECORD_KEYS = tuple(f.name for f in dataclasses.fields(ShardRecord)
                      if f.name not in _OPTIONAL_RECORD_KEYS)  # keys it must have
 _RECORD_KEYSET = frozenset(_RECORD_KEYS)
@@ -245,6 +263,9 @@ class TokenInfo:
     max_id: int | None = None
     """The largest id in the shards, read by ``fastio index`` (None: not recorded: a conversion, which records
     ``vocab_size``, or an index by a fastio before it read the ids)."""
+    chat: ChatInfo | None = None
+    """A chat dataset's conversations (``fastio convert --chat-template``): each document is one conversation,
+    each shard has a loss mask; None: plain documents, every token trained."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -254,7 +275,7 @@ class TokenInfo:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("vocab_size", "max_id"):
+        for key in ("vocab_size", "max_id", "chat"):
             if out[key] is None:
                 del out[key]
         if not self.one_sequence_per_document:
@@ -285,10 +306,48 @@ class TokenInfo:
         one = data.get("one_sequence_per_document", False)
         if not isinstance(one, bool):
             raise DatasetError(f"{where}.one_sequence_per_document: {one!r} is not true or false")
-        starts = data.get("starts")
+        starts, chat = data.get("starts"), data.get("chat")
         return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab,
                    one_sequence_per_document=one, max_id=_max_id(data, eos, vocab, f"{where}.max_id"),
-                   starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"))
+                   starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"),
+                   chat=None if chat is None else ChatInfo.from_dict(chat, f"{where}.chat"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatInfo:
+    """The manifest's ``tokens.chat`` entry: how a chat dataset's conversations were rendered and masked."""
+
+    template_sha256: str
+    """Hex sha256 of the chat template's text."""
+    train_on: str
+    """``generation`` (the tokens of the template's ``{% generation %}`` blocks) or ``all``."""
+    trained_tokens: int
+    """Tokens whose loss mask is set, in all shards."""
+    longest: int
+    """Tokens of the longest conversation (a Loader refuses a ``seq_len`` it does not fit: never cut)."""
+    mask: str = MASK_FORMAT
+    """The loss mask files' format (:data:`fastio.formats.token_mask.MASK_FORMAT`, the one this fastio reads)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ChatInfo:
+        """The ``chat`` entry; DatasetError naming ``where`` and the field."""
+        if not isinstance(data, dict):
+            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+        if missing:
+            raise DatasetError(f"{where} lacks {', '.join(missing)}")
+        if not isinstance(data["template_sha256"], str) or not _SHA256.fullmatch(data["template_sha256"]):
+            raise DatasetError(f"{where}.template_sha256: {data['template_sha256']!r} is not a hex sha256")
+        if data["train_on"] not in ("generation", "all"):
+            raise DatasetError(f"{where}.train_on: {data['train_on']!r} is not 'generation' or 'all'")
+        if data["mask"] != MASK_FORMAT:
+            raise DatasetError(f"{where}.mask: {data['mask']!r}: this fastio reads loss masks {MASK_FORMAT!r}")
+        for key in ("trained_tokens", "longest"):
+            _count(data[key], f"{where}.{key}")
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
 def _max_id(data: dict[str, Any], eos: int, vocab: int | None, where: str) -> int | None:
@@ -529,7 +588,8 @@ def shard_records(data: Mapping[str, Any]) -> list[ShardRecord]:
     """The shard records of a manifest's JSON object that :func:`load_manifest` has validated (not checked again:
     at 10^5 shards every rank would pay for it twice)."""
     return [ShardRecord(*(s[k] for k in _RECORD_KEYS), xxh3_128=s.get("xxh3_128"), location=s.get("location"),
-                        idx_location=s.get("idx_location"), tokens=s.get("tokens")) for s in data["shards"]]
+                        idx_location=s.get("idx_location"), tokens=s.get("tokens"), mask_sha256=s.get("mask_sha256"))
+            for s in data["shards"]]
 
 
 def fingerprint(shards: Sequence[ShardRecord]) -> str:
@@ -616,6 +676,9 @@ def _records_valid(shards: list) -> bool:
         return False
     tokens = [s["tokens"] for s in shards if s.get("tokens") is not None]
     if not {type(v) for v in tokens} <= {int} or (tokens and min(tokens) < 0):
+        return False
+    masks = [s["mask_sha256"] for s in shards if s.get("mask_sha256") is not None]
+    if not (all(isinstance(v, str) for v in masks) and _SHA256S.fullmatch("".join(v + "\n" for v in masks))):
         return False
     return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
 

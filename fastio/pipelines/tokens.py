@@ -29,10 +29,17 @@ class Tokens(Pipeline):
     """Packed sequences of ``seq_len + 1`` tokens: ``batch["tokens"]`` int64 [B, seq_len + 1] (inputs
     ``tokens[:, :-1]``, targets ``tokens[:, 1:]``), ``batch["position_ids"]`` int64 [B, seq_len + 1] (0 at each
     sequence start and right after every end-of-document token), ``batch["cu_seqlens"]`` int32 [n + 1] (document
-    boundaries in the flattened inputs ``tokens[:, :-1]``, for variable-length attention); with
-    ``packing="best-fit"`` also ``batch["loss_mask"]`` bool [B, seq_len + 1] (False on padding: a target
-    ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``). ``batch["index"]`` holds the sequence ids. Tensors stay
-    on the CPU.
+    boundaries in the flattened inputs ``tokens[:, :-1]``, for variable-length attention; padding is one segment),
+    ``batch["max_seqlen"]`` (an int: the longest of them, for varlen kernels), ``batch["segment_ids"]`` int32
+    [B, seq_len + 1] (1, 2, ... for each row's documents, 0 on padding: Grain's convention, for a block-causal
+    FlexAttention mask); with ``packing="best-fit"`` also ``batch["loss_mask"]`` bool [B, seq_len + 1] (False on
+    padding: a target ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``). ``batch["index"]`` holds the sequence
+    ids. Tensors stay on the CPU.
+
+    A chat dataset (``fastio convert --chat-template``) packs whole conversations (``packing="best-fit"``; a
+    ``seq_len`` shorter than its longest conversation is refused): ``loss_mask`` is True exactly on the trained
+    tokens (the template's ``{% generation %}`` blocks), ``position_ids`` restart and ``cu_seqlens`` cut at each
+    conversation. In a mixture of chat and plain token datasets a plain document trains every token.
 
     ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=2048), batch_size=8)``, or a ``fastio.Mixture`` of token
     datasets in place of DEST (its units are packed sequences: weights, ``samples_per_epoch`` and a schedule count
@@ -98,8 +105,9 @@ class Tokens(Pipeline):
         import torch
 
         arrays = delivery.read.arrays
-        names = ("tokens", "position_ids", "cu_seqlens") + (("loss_mask",) if self.packing == "best-fit" else ())
-        return {name: torch.from_numpy(arrays[name]) for name in names}
+        names = ("tokens", "position_ids", "cu_seqlens", "segment_ids") + (("loss_mask",) if self.packing == "best-fit"
+                                                                           else ())
+        return {**{name: torch.from_numpy(arrays[name]) for name in names}, "max_seqlen": int(arrays["max_seqlen"])}
 
     def state_dict(self) -> dict[str, Any]:
         return {K_TOKENS: {"seq_len": self.seq_len, "packing": self.packing, "window": self.window}}

@@ -6,7 +6,9 @@ Accepts a dataset directory or a DEST written with ``split`` (holding ``splits.j
 case each split is checked and shard names are prefixed with the split name. A token dataset's shards (Megatron
 ``.bin``/``.idx``) are checked for their checksums, the ``.idx`` structure, document and token counts, every document
 ending with the end-of-document id, every id inside the vocabulary (and not above the largest the manifest records)
-and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`).
+and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`); a chat dataset's (``tokens.chat``)
+also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and
+not for the end-of-document id (a conversation ends as its template ends it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fastio.formats.images import ImageCheckError, check_image, is_image_field
 from fastio.formats.media import MediaCheckError, ProbeTable, is_media_field, is_video_field, probe
 from fastio.formats.megatron import MegatronShard
 from fastio.formats.pyav_clips import decode_clip
+from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
 from fastio.progress import count
 from fastio.storage import is_remote, open_storage
@@ -164,7 +167,26 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         problems.append(f"holds {pair.documents} documents, manifest says {shard.samples}")
     if shard.tokens is not None and pair.index.tokens != shard.tokens:
         problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
+    if info.chat is not None:
+        problems += _mask_problems(bin_path, shard, pair.index.tokens)
     return problems + _document_problems(pair, info, starts)
+
+
+def _mask_problems(bin_path: Path, shard: ShardRecord, tokens: int) -> list[str]:
+    """What is wrong with a chat shard's loss mask: not listed, missing, its sha256, its size for the shard's
+    tokens (:class:`~fastio.formats.token_mask.MaskFile`)."""
+    path = bin_path.with_name(shard.mask_name)
+    if shard.mask_sha256 is None:
+        return [f"the manifest lists no loss mask ({shard.mask_name}) for this chat shard"]
+    if not path.is_file():
+        return [f"loss mask {shard.mask_name} is missing"]
+    if sha256_file(path)[1] != shard.mask_sha256:
+        return [f"loss mask {shard.mask_name} sha256 does not match the manifest"]
+    try:
+        MaskFile(path, tokens).close()
+    except DatasetError as err:
+        return [str(err)]
+    return []
 
 
 def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
@@ -181,7 +203,7 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
         if not docs.size:
             continue
         tokens = pair.tokens(int(edges[0]), int(edges[-1] - edges[0]))
-        bad = docs[tokens[edges[docs + 1] - 1 - edges[0]] != info.eos_id]
+        bad = docs[tokens[edges[docs + 1] - 1 - edges[0]] != info.eos_id] if info.chat is None else docs[:0]
         end_bad = lo + int(bad[0]) if end_bad is None and bad.size else end_bad
         ids.see(int(edges[0]), tokens)
         pair.release_pages()
@@ -269,6 +291,7 @@ def _stray_files(root: Path, prefix: str, records: list[ShardRecord], listed_fil
                  report: VerifyReport) -> None:
     """A problem for each file in ``shards/`` (``listed_files``, else the folder listed) the manifest does not list."""
     listed = {name for shard in records for name in (shard.name, shard.idx_name)}
+    listed |= {shard.mask_name for shard in records if shard.mask_sha256 is not None}
     folder = root / SHARDS_DIR
     if listed_files is None:
         listed_files = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
@@ -421,7 +444,8 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
 
             def fetch(shard: ShardRecord, sub: Path = sub, prefix: str = prefix) -> list[Path]:
                 paths = []
-                for file, location in ((shard.name, shard.tar_key), (shard.idx_name, shard.idx_key)):
+                mask = ((shard.mask_name, f"{SHARDS_DIR}/{shard.mask_name}"),) if shard.mask_sha256 else ()
+                for file, location in ((shard.name, shard.tar_key), (shard.idx_name, shard.idx_key), *mask):
                     path = sub / SHARDS_DIR / file
                     where, key = _remote_file(storage, prefix, location)
                     try:

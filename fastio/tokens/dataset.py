@@ -4,7 +4,9 @@
 manifest and against each other); :meth:`TokenDataset.packing` gives the pure order of packed sequences
 (:class:`~fastio.tokens.packing.ConcatPacking` or :class:`~fastio.tokens.packing.BestFitPacking`) over its
 documents, and :meth:`TokenDataset.batch` reads the sequences a plan names, with their ``position_ids``,
-``cu_seqlens`` and ``loss_mask``. Local datasets only this release.
+``cu_seqlens`` and ``loss_mask``; a chat dataset's ``loss_mask`` is its stored mask
+(:mod:`fastio.formats.token_mask`) and its boundaries are the conversations' (the pieces'), as the Loader's.
+Local datasets only this release.
 """
 
 from __future__ import annotations
@@ -17,7 +19,18 @@ from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import Manifest
 from fastio.errors import DatasetError
 from fastio.formats.megatron import MegatronShard
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Piece, cu_seqlens, position_ids
+from fastio.formats.token_mask import MaskFile
+from fastio.tokens.packing import (
+    BestFitPacking,
+    ConcatPacking,
+    Piece,
+    cu_from,
+    cu_seqlens,
+    piece_bounds,
+    piece_starts,
+    position_ids,
+    positions_from,
+)
 
 __all__ = ["TokenDataset"]
 
@@ -43,6 +56,8 @@ class TokenDataset:
                 raise DatasetError(f"{pair.bin_path}: {pair.documents} documents in {pair.index.bin_bytes} bytes, the "
                                    f"manifest says {record.samples} in {record.bytes}")
             self.shards.append(pair)
+        self.masks = [MaskFile(self.files.mask_path(r), pair.index.tokens) for r, pair in
+                      zip(self.manifest.shards, self.shards)] if info.chat is not None else None
 
     @property
     def eos_id(self) -> int:
@@ -72,17 +87,33 @@ class TokenDataset:
         """The tokens ``pieces`` name, concatenated (int64)."""
         return np.concatenate([self.shards[p.shard].tokens(p.start, p.count) for p in pieces]).astype(np.int64)
 
+    def read_mask(self, pieces: list[Piece]) -> np.ndarray:
+        """A chat dataset's loss mask bits of the tokens ``pieces`` name, concatenated."""
+        return np.concatenate([self.masks[p.shard].bits(np.arange(p.start, p.start + p.count)) for p in pieces])
+
     def batch(self, packing: ConcatPacking | BestFitPacking, epoch: int, sequences: np.ndarray
               ) -> dict[str, np.ndarray]:
         """``tokens`` int64 [B, seq_len + 1] (padding: the end-of-document id), ``loss_mask`` bool (same shape, False
-        on padding: a target ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``), ``position_ids`` (same shape) and
-        ``cu_seqlens`` int32 [n + 1] (padding one segment) of sequences ``sequences`` of ``epoch``."""
+        on padding, and a chat dataset's stored mask: a target ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``),
+        ``position_ids`` (same shape) and ``cu_seqlens`` int32 [n + 1] (padding one segment) of sequences
+        ``sequences`` of ``epoch``."""
         width = packing.seq_len + 1
         ids = np.asarray(sequences).reshape(-1)
         tokens = np.full((ids.size, width), self.eos_id, np.int64)
         mask = np.zeros((ids.size, width), bool)
+        rows, counts = [], []
         for row, s in enumerate(ids.tolist()):
-            got = self.read(packing.pieces(epoch, s))
-            tokens[row, :got.size], mask[row, :got.size] = got, True
-        return {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
-                "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}
+            pieces = packing.pieces(epoch, s)
+            got = self.read(pieces)
+            tokens[row, :got.size] = got
+            mask[row, :got.size] = True if self.masks is None else self.read_mask(pieces)
+            rows += [row] * len(pieces)
+            counts += [p.count for p in pieces]
+        if self.masks is None:
+            return {"tokens": tokens, "loss_mask": mask, "position_ids": position_ids(tokens, self.eos_id, mask),
+                    "cu_seqlens": cu_seqlens(tokens, self.eos_id, mask)}
+        lengths = np.bincount(rows, counts, ids.size).astype(np.int64)
+        starts = piece_bounds([piece_starts(np.asarray(rows, np.int64), np.asarray(counts, np.int64), width)],
+                              lengths, width)
+        return {"tokens": tokens, "loss_mask": mask, "position_ids": positions_from(starts, tokens.size).reshape(
+            tokens.shape), "cu_seqlens": cu_from(starts, ids.size, width)}

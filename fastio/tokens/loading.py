@@ -18,6 +18,15 @@ batches: the batches submitted while the reader was busy are read together (:met
 their pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`) and gathered with one fancy index
 per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, checked against
 the file's size on every read; a cached shard's mapped while the cache holds it for the read).
+
+A chat dataset (``tokens.chat``: conversations with a loss mask per shard, :mod:`fastio.formats.token_mask`) packs
+whole conversations: ``packing="best-fit"`` only, and a ``seq_len`` its longest conversation fits (refused
+otherwise, never cut). Its tokens' mask bits are gathered with the tokens (``loss_mask``: the stored bit and not
+padding; a plain source of a mixture: every token but padding), and where a reader has a chat source a batch's
+document boundaries are its pieces' starts (each piece one whole conversation or plain document), not the
+end-of-document ids (a template may write that token inside a conversation). Every batch also has
+``segment_ids`` (int32 like ``tokens``: 1, 2, ... for each row's documents, 0 on padding, Grain's convention) and
+``max_seqlen`` (the longest segment ``cu_seqlens`` holds).
 """
 
 from __future__ import annotations
@@ -36,14 +45,25 @@ import numpy as np
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.formats.megatron import MegatronIndex
+from fastio.formats.token_mask import MaskFile
 from fastio.order.mixorder import MixSampler, source_seed
 from fastio.order.sampler import EpochPlan, Sampler, SamplerSpec
 from fastio.storage.checksum import sha256_file
-from fastio.tokens.packing import BestFitPacking, ConcatPacking, Spans, document_starts, positions_from, ramp_to
+from fastio.tokens.packing import (
+    BestFitPacking,
+    ConcatPacking,
+    Spans,
+    document_starts,
+    piece_bounds,
+    piece_starts,
+    positions_from,
+    ramp_to,
+    segment_ids,
+)
 from fastio.tokens.starts import read_starts
 
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
-           "mixture_units", "open_tables", "packing_of", "source_packings"]
+           "check_chat_packing", "mixture_units", "open_tables", "packing_of", "source_packings"]
 
 GROUP = 4
 """Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
@@ -89,7 +109,9 @@ def _check_sha256(ds: Dataset, path: Path, want: str) -> None:
 
 def packing_of(ds: Dataset, tables: list[MegatronIndex], seq_len: int, packing: str, window: int, spec: SamplerSpec
                ) -> ConcatPacking | BestFitPacking:
-    """The packing of ``ds``'s documents that ``spec``'s seed and shuffle draw (``window``: documents per block)."""
+    """The packing of ``ds``'s documents that ``spec``'s seed and shuffle draw (``window``: documents per block); a
+    chat dataset's refused unless whole conversations fit (:func:`check_chat_packing`)."""
+    check_chat_packing(ds, seq_len, packing)
     common = {"seed": spec.seed, "shuffle": spec.shuffle, "fingerprint": ds.fingerprint, "block_docs": window}
     try:
         if packing == "concat":
@@ -97,6 +119,21 @@ def packing_of(ds: Dataset, tables: list[MegatronIndex], seq_len: int, packing: 
         return BestFitPacking(tables, seq_len, **common)
     except ValueError as err:
         raise DatasetError(f"{ds.root}: {err}") from None
+
+
+def check_chat_packing(ds: Dataset, seq_len: int, packing: str) -> None:
+    """DatasetError naming ``ds`` when it is a chat dataset and ``packing``/``seq_len`` would cut a conversation."""
+    chat = ds.manifest.tokens.chat
+    if chat is None:
+        return
+    if packing != "best-fit":
+        raise DatasetError(f"{ds.root}: a chat dataset (conversations with a loss mask) is packed whole: "
+                           f"fastio.Tokens(packing='best-fit'), not {packing!r}")
+    if chat.longest > seq_len + 1:
+        raise DatasetError(f"{ds.root}: its longest conversation has {chat.longest} tokens, more than seq_len + 1 = "
+                           f"{seq_len + 1}: a conversation is never cut; raise seq_len to at least "
+                           f"{chat.longest - 1}, or convert again with --max-tokens {seq_len + 1} (--overlong drop "
+                           "or truncate)")
 
 
 class _EpochUnits:
@@ -255,7 +292,7 @@ def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
 @dataclass(frozen=True)
 class TokenBatch:
     """One batch of packed sequences as numpy arrays (``arrays``: ``tokens``, ``loss_mask``, ``position_ids``,
-    ``cu_seqlens``); ``indices``: the sequence ids."""
+    ``cu_seqlens``, ``segment_ids``, ``max_seqlen`` (0-d)); ``indices``: the sequence ids."""
 
     indices: np.ndarray
     arrays: dict[str, np.ndarray]
@@ -293,6 +330,8 @@ class TokenReader:
         cached = any(src.files is not None for src in sources)
         self._threads, self._draining = (threads if cached else 1), 0  # local reads hold the interpreter lock
         self._pending: list[tuple[np.ndarray, Future]] = []
+        self._chat = [src.ds.manifest.tokens.chat is not None for src in sources]
+        self._masks: dict[tuple[int, int], MaskFile] = {}
 
     @property
     def width(self) -> int:
@@ -339,30 +378,40 @@ class TokenReader:
         tokens gathered with one fancy index per shard from its mapped ``.bin``."""
         ids = np.concatenate(batches)
         src, epochs, seqs = self.split(ids)
-        flat, lengths = None, np.zeros(ids.size, np.int64)
+        size, chat = ids.size * self.width, any(self._chat)
+        flat, lengths, pieces = None, np.zeros(ids.size, np.int64), []
+        bits = np.ones(size, bool) if chat else None  # the stored mask bits (a plain source's: all set)
         for s, e in _groups(src, epochs):
             rows = np.flatnonzero((src == s) & (epochs == e))
             spans = self.sources[s].packing.spans(e, seqs[rows])
-            flat = self._gather(s, rows[spans.row], spans, flat, ids.size * self.width)
+            flat = self._gather(s, rows[spans.row], spans, flat, size, bits)
             lengths[rows] = np.bincount(spans.row, spans.count, rows.size).astype(np.int64)
+            if chat:
+                pieces.append(piece_starts(rows[spans.row], spans.count, self.width))
         tokens = flat.reshape(ids.size, self.width)
         full = bool((lengths == self.width).all())  # concat: no padding, no mask to apply
         mask = np.ones(tokens.shape, bool) if full else np.arange(self.width) < lengths[:, None]
-        starts = document_starts(tokens, self.eos_id, None if full else mask)
+        starts = piece_bounds(pieces, lengths, self.width) if chat else \
+            document_starts(tokens, self.eos_id, None if full else mask)
         pos = positions_from(starts, tokens.size).reshape(tokens.shape)
+        segments = segment_ids(starts, mask, full)
+        loss = mask if bits is None else mask & bits.reshape(tokens.shape)
         indices, ends = self.base[src] + seqs, np.cumsum([b.size for b in batches])
         cus = _cu_per_batch(starts, ends, self.width)
         out, r0 = [], 0
         for r1, cu in zip(ends.tolist(), cus):
-            arrays = {"tokens": tokens[r0:r1], "loss_mask": mask[r0:r1], "position_ids": pos[r0:r1], "cu_seqlens": cu}
+            arrays = {"tokens": tokens[r0:r1], "loss_mask": loss[r0:r1], "position_ids": pos[r0:r1], "cu_seqlens": cu,
+                      "segment_ids": segments[r0:r1], "max_seqlen": np.asarray(int(np.diff(cu).max()))}
             out.append(TokenBatch(indices[r0:r1], arrays))
             r0 = r1
         return out
 
-    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray | None, size: int) -> np.ndarray:
+    def _gather(self, s: int, rows: np.ndarray, spans: Spans, flat: np.ndarray | None, size: int,
+                bits: np.ndarray | None = None) -> np.ndarray:
         """``flat`` (the batch's rows of ``width`` tokens end to end, ``size`` tokens; None: not made yet, filled
         with the end-of-document id where needed) with the pieces ``spans`` of source ``s`` written into rows
-        ``rows`` (each row's pieces one after the other from its start)."""
+        ``rows`` (each row's pieces one after the other from its start); a chat source's mask bits into ``bits``
+        at the same places."""
         count, start = spans.count, spans.start
         ends = np.cumsum(count)
         before = ends - count  # the pieces' offsets in their concatenation
@@ -371,21 +420,38 @@ class TokenReader:
         at += k  # token offset in its shard of each token (in place: fresh memory costs page faults)
         one = bool((spans.shard == spans.shard[0]).all())
         stops = start + count
+        masked = bits is not None and self._chat[s]
         if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
+            if masked:
+                bits[:] = self._mask(s, int(spans.shard[0])).bits(at)
             return self._tokens(s, int(spans.shard[0]), at, int(stops.max())).astype(np.int64)
         if flat is None:
             flat = np.full(size, self.eos_id, np.int64)
-        first = np.ones(rows.size, bool)
-        first[1:] = rows[1:] != rows[:-1]
-        within = before - np.maximum.accumulate(np.where(first, before, 0))  # offset in its row
-        to = np.repeat(rows * self.width + within - before, count)
+        to = np.repeat(piece_starts(rows, count, self.width) - before, count)
         to += k  # its place in flat
         each = None if one else np.repeat(spans.shard, count)
         for shard in np.unique(spans.shard).tolist():
             here = slice(None) if each is None else each == shard
             end = int(stops.max() if one else stops[spans.shard == shard].max())
             flat[to[here]] = self._tokens(s, shard, at[here], end)
+            if masked:
+                bits[to[here]] = self._mask(s, shard).bits(at[here])
         return flat
+
+    def _mask(self, s: int, k: int) -> MaskFile:
+        """The loss mask of shard ``k`` of chat source ``s``, mapped once (a remote dataset's fetched into the
+        cache's metadata and checked; a local one's sha256 checked before its first use with ``verify``)."""
+        got = self._masks.get((s, k))
+        if got is None:
+            ds = self.sources[s].ds
+            shard = ds.shards[k]
+            path = ds.files.mask_path(shard)
+            if ds.verify and ds.files.cache_size is None:
+                _check_sha256(ds, path, shard.mask_sha256)
+            got = MaskFile(path, shard.tokens)
+            with self._lock:
+                got = self._masks.setdefault((s, k), got)
+        return got
 
     def _tokens(self, s: int, k: int, at: np.ndarray, end: int) -> np.ndarray:
         """The tokens at offsets ``at`` (all below ``end``) of shard ``k`` of source ``s``: its ``.bin`` mapped for
@@ -483,6 +549,9 @@ class TokenReader:
             future.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._maps = {}  # the mappings go with their arrays
+        masks, self._masks = self._masks, {}
+        for m in masks.values():
+            m.close()
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)

@@ -55,8 +55,8 @@ from fastio.order.feistel import GOLDEN, domain_bits, permute, round_keys
 from fastio.order.sampler import Sampler, SamplerSpec
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
-           "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts",
-           "position_ids", "positions_from", "ramp_to"]
+           "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts", "piece_bounds", "piece_starts",
+           "position_ids", "positions_from", "ramp_to", "segment_ids"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
@@ -706,6 +706,35 @@ def document_starts(tokens: np.ndarray, eos_id: int, mask: np.ndarray | None = N
         at = np.concatenate([at[real[at]], np.flatnonzero(real[:-1] & ~real[1:]) + 1])
     at = at[at % width != 0]  # a row's start is one anyway
     return np.sort(np.concatenate([np.arange(0, n * width, width, dtype=np.int64), at]))
+
+
+def piece_starts(rows: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
+    """Where each piece (``count[j]`` tokens in row ``rows[j]``, each row's pieces together and in order) begins
+    in the flattened rows of ``width`` tokens: its row's start + the pieces before it in the row."""
+    ends = np.cumsum(count)
+    before = ends - count
+    first = np.ones(rows.size, bool)
+    first[1:] = rows[1:] != rows[:-1]
+    return rows * width + before - np.maximum.accumulate(np.where(first, before, 0))
+
+
+def piece_bounds(pieces: list[np.ndarray], lengths: np.ndarray, width: int) -> np.ndarray:
+    """A batch's document starts from its pieces' starts (each piece one document, or part of a long one starting
+    its row): each row's start, each piece's, and where a row's padding begins (one segment)."""
+    short = np.flatnonzero(lengths < width)
+    rows = np.arange(0, lengths.size * width, width, dtype=np.int64)
+    return np.unique(np.concatenate([rows, *pieces, short * width + lengths[short]]))
+
+
+def segment_ids(starts: np.ndarray, mask: np.ndarray, full: bool) -> np.ndarray:
+    """int32 like ``mask`` [B, L]: 1, 2, ... for each row's documents (``starts``: sorted flat indices, each row's
+    start among them), 0 on padding (Grain's ``segment_ids``)."""
+    marks = np.zeros(mask.size, np.int32)
+    marks[starts] = 1
+    segments = marks.reshape(mask.shape).cumsum(axis=1, dtype=np.int32)
+    if not full:
+        segments[~mask] = 0
+    return segments
 
 
 def positions_from(starts: np.ndarray, size: int) -> np.ndarray:

@@ -1,0 +1,119 @@
+"""Conversations into token ids and loss masks, a batch at a time (a chat conversion's worker step,
+``fastio convert --chat-template``).
+
+Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is checked, rendered with the chat
+template (:func:`fastio.formats.chat_template.render`: as transformers renders it), the rendered texts tokenized
+together (``encode_batch``, no special tokens added: the template writes them; a special token's string in a
+message is that special token, as in transformers), and each one's mask made from its generation spans
+(:func:`fastio.formats.assistant_mask.assistant_mask`; ``train_on="all"``: every token). A bad conversation is a
+ConvertError naming its file and line (``where``), the field and what is wrong.
+
+A conversation longer than ``max_tokens`` (None: no limit here; the Loader refuses a ``seq_len`` that would cut
+one) is never cut mid-turn: ``overlong="refuse"`` is a ConvertError naming it, ``"drop"`` leaves it out (counted),
+``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with an assistant
+message and renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops
+it when none does (counted as dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from fastio.errors import ConvertError
+from fastio.formats.assistant_mask import assistant_mask
+from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
+
+__all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages"]
+
+TRAIN_ON = ("generation", "all")
+"""What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
+OVERLONG = ("refuse", "drop", "truncate")
+"""What becomes of a conversation longer than ``max_tokens``."""
+
+
+def check_messages(messages: Any, where: str, field: str) -> None:
+    """ConvertError naming ``where`` and ``field[i]`` unless ``messages`` is a non-empty list of messages, each an
+    object with a text ``role`` and a ``content`` (text, or a list of content parts)."""
+    if not isinstance(messages, list) or not messages:
+        what = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        raise ConvertError(f"{where}: field {field!r} is {what}, not a list of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ConvertError(f"{where}: {field}[{i}] is {type(m).__name__}, not a message object")
+        for key in ("role", "content"):
+            if m.get(key) is None:
+                raise ConvertError(f"{where}: {field}[{i}] has no {key!r} (a message is "
+                                   '{"role": ..., "content": ...})')
+        if not isinstance(m["role"], str):
+            raise ConvertError(f"{where}: {field}[{i}].role is {type(m['role']).__name__}, not text")
+        if not isinstance(m["content"], (str, list)):
+            raise ConvertError(f"{where}: {field}[{i}].content is {type(m['content']).__name__}, not text or a "
+                               "list of content parts")
+
+
+class ChatEncoder:
+    """Conversations -> ``(lengths, ids, mask)`` with ``tokenizer`` (a ``tokenizers.Tokenizer``) and ``template``."""
+
+    def __init__(self, tokenizer: Any, template: ChatTemplate, train_on: str, field: str, dtype: np.dtype,
+                 max_tokens: int | None = None, overlong: str = "refuse"):
+        self.tokenizer, self.template, self.train_on, self.field, self.dtype = (tokenizer, template, train_on, field,
+                                                                               dtype)
+        self.max_tokens, self.overlong = max_tokens, overlong
+
+    def rendered(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+        """One conversation's text and generation spans (ConvertError naming ``where`` and the template)."""
+        check_messages(messages, where, self.field)
+        try:
+            return render(self.template, messages)
+        except ChatTemplateError as err:
+            raise ConvertError(f"{where}: field {self.field!r}: chat template {self.template.path}: {err}") from None
+
+    def encode(self, wheres: Sequence[str], conversations: Sequence[Any]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+        """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
+        order (a dropped conversation left out)."""
+        texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        counts = {"dropped": 0, "truncated": 0}
+        if self.max_tokens is not None and any(len(e.ids) > self.max_tokens for e in encodings):
+            encodings, spans = self._fitted(wheres, conversations, encodings, list(spans), counts)
+        lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+        ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        if self.train_on == "all":
+            mask = np.ones(ids.size, bool)
+        else:
+            mask = np.concatenate([assistant_mask(e, s, len(e.ids)) for e, s in zip(encodings, spans)] or
+                                  [np.zeros(0, bool)])
+        return lengths, ids.astype(self.dtype), mask, counts
+
+    def _fitted(self, wheres, conversations, encodings, spans, counts) -> tuple[list, list]:
+        """The batch's encodings and spans with each overlong conversation refused, dropped or truncated."""
+        kept_e, kept_s = [], []
+        for where, messages, e, s in zip(wheres, conversations, encodings, spans):
+            if len(e.ids) > self.max_tokens:
+                if self.overlong == "refuse":
+                    raise ConvertError(f"{where}: field {self.field!r}: the conversation has {len(e.ids)} tokens, "
+                                       f"more than max_tokens={self.max_tokens} (overlong='drop' or 'truncate' "
+                                       "handles such conversations)")
+                e, s = self._truncated(messages, where) if self.overlong == "truncate" else (None, None)
+                counts["dropped" if e is None else "truncated"] += 1
+            if e is not None:
+                kept_e.append(e)
+                kept_s.append(s)
+        return kept_e, kept_s
+
+    def _truncated(self, messages: list, where: str) -> tuple[Any, list[tuple[int, int]]] | tuple[None, None]:
+        """The encoding and spans of the longest run of the first messages ending with an assistant message that
+        fits ``max_tokens``; (None, None) when none does."""
+        for k in range(len(messages) - 1, 0, -1):
+            if messages[k - 1].get("role") != "assistant":
+                continue
+            text, spans = self.rendered(messages[:k], where)
+            e = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(e.ids) <= self.max_tokens:
+                return e, spans
+        return None, None

@@ -1,0 +1,219 @@
+"""``fastio convert chats.jsonl DEST --tokenizer ... --chat-template ...``: conversations stored as Megatron pairs
+with a loss mask beside each shard, equal to transformers' apply_chat_template ids and assistant masks; the mask
+checksummed in the manifest and checked by verify; refusals as one line naming the file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+from tokens_helpers import (
+    CHATML,
+    chat_config,
+    chat_dataset,
+    chat_tokenizer,
+    conversations,
+    hf_ids_and_mask,
+    hf_tokenizer,
+    stored_conversations,
+    write_chats,
+)
+
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+from fastio.dataset.manifest import load_manifest
+from fastio.errors import ConvertError
+from fastio.report.verify import verify
+
+
+@pytest.fixture(scope="module")
+def chat_ds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chatds")
+    return chat_dataset(root, n=60)
+
+
+def test_stored_ids_and_masks_equal_transformers_conversation_by_conversation(chat_ds):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    root = chat_ds.parent
+    hf = hf_tokenizer(root / "tokenizer.json", root / "tokenizer_config.json")
+    stored = stored_conversations(chat_ds)
+    chats = conversations(60, 0)
+    assert len(stored) == len(chats)
+    for i, (chat, got) in enumerate(zip(chats, stored)):
+        assert got == hf_ids_and_mask(hf, CHATML, chat), f"conversation {i}"
+
+
+def test_manifest_records_masks_and_chat_info(chat_ds):
+    manifest = load_manifest(chat_ds)
+    chat = manifest.tokens.chat
+    stored = stored_conversations(chat_ds)
+    assert len(manifest.shards) == 3 and all(r.mask_sha256 for r in manifest.shards)
+    assert chat.trained_tokens == sum(sum(m) for _, m in stored) > 0
+    assert chat.longest == max(len(ids) for ids, _ in stored)
+    assert chat.train_on == "generation" and chat.mask == "bits-v1"
+    assert sorted(p.name for p in (chat_ds / "shards").glob("*.mask")) == [r.mask_name for r in manifest.shards]
+    assert verify(chat_ds).ok
+
+
+def test_verify_names_a_changed_missing_or_cut_mask(tmp_path):
+    dest = chat_dataset(tmp_path, n=30)
+    mask = dest / "shards" / "shard-000001.mask"
+    data = bytearray(mask.read_bytes())
+    data[9] ^= 1
+    mask.write_bytes(bytes(data))
+    assert "loss mask shard-000001.mask sha256 does not match" in str(verify(dest).problems)
+    mask.write_bytes(bytes(data[:-1]))
+    assert "loss mask shard-000001.mask sha256 does not match" in str(verify(dest).problems)
+    mask.unlink()
+    assert "loss mask shard-000001.mask is missing" in str(verify(dest).problems)
+
+
+def test_cli_converts_conversations_and_says_what_it_trains(tmp_path, capsys):
+    tok = chat_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "t.jinja").write_text(CHATML)
+    write_chats(tmp_path / "c.jsonl", conversations(10), field="conv")
+    code, out, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(tok),
+                              "--chat-template", str(tmp_path / "t.jinja"), "--messages-field", "conv",
+                              "--workers", "1"], capsys)
+    assert code == 0, err
+    assert "10 documents" in out and "tokens trained" in out
+    chat = load_manifest(tmp_path / "d").tokens.chat
+    assert chat.trained_tokens > 0
+    code, out, err = run_cli(["inspect", str(tmp_path / "d")], capsys)
+    assert code == 0 and f"chat:     conversations, {chat.trained_tokens} tokens trained" in out, out + err
+    assert f"seq_len at least {chat.longest - 1} with packing='best-fit'" in out
+
+
+def test_a_template_without_generation_blocks_is_refused_naming_the_way_out(tmp_path, capsys):
+    tok = chat_tokenizer(tmp_path / "tokenizer.json")
+    plain = CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    (tmp_path / "t.jinja").write_text(plain)
+    write_chats(tmp_path / "c.jsonl", conversations(5))
+    args = ["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(tok), "--chat-template",
+            str(tmp_path / "t.jinja"), "--workers", "1"]
+    code, _, err = run_cli(args, capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert err.startswith("fastio: error: ") and "t.jinja" in err and "{% generation %}" in err
+    assert "--train-on all" in err and not (tmp_path / "d").exists()
+    code, out, err = run_cli(args + ["--train-on", "all"], capsys)
+    assert code == 0, err
+    stored = stored_conversations(tmp_path / "d")
+    assert all(mask == [1] * len(ids) for ids, mask in stored)
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"messages": [{"role": "user"}]}, "c.jsonl:3: messages[0] has no 'content'"),
+    ({"messages": [{"content": "hi"}]}, "c.jsonl:3: messages[0] has no 'role'"),
+    ({"messages": [{"role": "robot", "content": "hi"}]},
+     "c.jsonl:3: field 'messages': chat template {config}: the template refused it: unknown role robot"),
+    ({"text": "hi"}, "c.jsonl:3: has no field 'messages'"),
+    ({"messages": "hi"}, "c.jsonl:3: field 'messages' is str, not a list of messages"),
+])
+def test_bad_conversations_are_one_line_naming_file_line_and_field(tmp_path, capsys, line, message):
+    tok = chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    chats = conversations(4)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [{"messages": chats[0]},
+                                                                             {"messages": chats[1]}, line]))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(tok),
+                            "--chat-template", str(config), "--workers", "1"], capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("fastio: error: ") and message.format(config=config) in err, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_template_failing_to_render_is_named(tmp_path):
+    tok = chat_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "t.jinja").write_text("{% generation %}{{ messages[0].content.missing.deeper }}{% endgeneration %}")
+    write_chats(tmp_path / "c.jsonl", conversations(2))
+    with pytest.raises(ConvertError, match=r"c.jsonl:1: field 'messages': chat template .*t.jinja: the template"):
+        convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", tok,
+                                          chat_template=tmp_path / "t.jinja", workers=1))
+
+
+def test_two_workers_write_the_same_bytes(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = chat_dataset(tmp_path / "a", n=50)
+    two = chat_dataset(tmp_path / "b", n=50, workers=2, batch_size=7)
+    for a in sorted((one / "shards").iterdir()):
+        assert a.read_bytes() == (two / "shards" / a.name).read_bytes(), a.name
+
+
+@pytest.mark.parametrize("options", [{"shard_size": 1500}, {"max_samples_per_shard": 7}], ids=["bytes", "documents"])
+def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, options):
+    from test_tokens_parts import assert_same_dataset
+
+    from fastio.convert.merge import merge
+
+    options = {"max_samples_per_shard": None, **options}
+    whole = chat_dataset(tmp_path, n=45, **options)
+    for k in (2, 0, 1):  # any order
+        convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "ds", tmp_path / "tokenizer.json",
+                                          chat_template=tmp_path / "tokenizer_config.json", workers=1, part=(k, 3),
+                                          **options))
+    result = merge(tmp_path / "ds")
+    assert result.linked > 0 and result.repacked > 0
+    assert_same_dataset(whole, tmp_path / "ds")
+    assert verify(tmp_path / "ds").ok and len(list((tmp_path / "ds" / "shards").glob("*.mask"))) > 1
+
+
+def _first_turns_that_fit(hf, chat, limit):
+    """The reference for overlong='truncate': transformers' ids and mask of the longest run of first messages that
+    ends with an assistant reply and fits ``limit`` tokens (None: none does)."""
+    for k in range(len(chat), 0, -1):
+        if chat[k - 1]["role"] == "assistant":
+            got = hf_ids_and_mask(hf, CHATML, chat[:k])
+            if len(got[0]) <= limit:
+                return got
+    return None
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_conversations_over_max_tokens_are_dropped_or_keep_their_first_turns_whole(tmp_path, overlong):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit = 80
+    dest = chat_dataset(tmp_path, n=60, max_tokens=limit, overlong=overlong)
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")
+    want, dropped, truncated = [], 0, 0
+    for chat in conversations(60, 0):
+        full = hf_ids_and_mask(hf, CHATML, chat)
+        if len(full[0]) <= limit:
+            want.append(full)
+            continue
+        cut = _first_turns_that_fit(hf, chat, limit) if overlong == "truncate" else None
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None)
+        if cut is not None:
+            want.append(cut)
+    assert dropped + truncated > 0 and (truncated > 0) == (overlong == "truncate")
+    assert stored_conversations(dest) == want
+    source = load_manifest(dest).converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+    assert load_manifest(dest).tokens.chat.longest <= limit
+
+
+def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path):
+    with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
+                                           r"than max_tokens=40 \(overlong='drop' or 'truncate'"):
+        chat_dataset(tmp_path, n=20, max_tokens=40)
+
+
+def test_parquet_conversations_convert_as_jsonl_and_a_txt_file_is_refused(tmp_path, capsys):
+    import filecmp
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = chat_dataset(tmp_path, n=30)
+    pq.write_table(pa.table({"messages": conversations(30, 0)}), tmp_path / "chats.parquet", row_group_size=7)
+    convert_tokens(TokenConvertConfig(tmp_path / "chats.parquet", tmp_path / "pq", tmp_path / "tokenizer.json",
+                                      chat_template=tmp_path / "tokenizer_config.json", workers=1,
+                                      max_samples_per_shard=20))
+    names = sorted(p.name for p in (jsonl / "shards").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "pq" / "shards").iterdir())
+    assert all(filecmp.cmp(jsonl / "shards" / n, tmp_path / "pq" / "shards" / n, shallow=False) for n in names)
+    (tmp_path / "c.txt").write_text("hello")
+    code, _, err = run_cli(["convert", str(tmp_path / "c.txt"), str(tmp_path / "t"), "--tokenizer",
+                            str(tmp_path / "tokenizer.json"), "--chat-template", str(tmp_path / "tokenizer_config.json"),
+                            "--workers", "1"], capsys)
+    assert code != 0 and err.startswith("fastio: error: ") and "c.txt: a .txt file holds no conversations" in err

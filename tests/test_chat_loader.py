@@ -1,0 +1,198 @@
+"""A chat dataset in the Loader (fastio.Tokens, best-fit): whole conversations packed, loss_mask True exactly on
+the trained tokens (transformers' assistant mask), position_ids / cu_seqlens / segment_ids / max_seqlen cut at each
+conversation (not at the end-of-text id the template writes inside one), refusals, a mixture with plain text, exact
+and elastic resume."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from resume import check_resume, run_ranks
+from tokens_helpers import GLUED, chat_dataset, conversations, hf_ids_and_mask, hf_tokenizer, stored_conversations
+
+import fastio
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
+from fastio.dataset.manifest import load_manifest
+from fastio.errors import DatasetError
+
+SEQ = 160
+N = 80
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A chat dataset of GLUED conversations: an end-of-text token after every reply, so inside a multi-turn one."""
+    return chat_dataset(tmp_path_factory.mktemp("chat-loader"), n=N, template=GLUED)
+
+
+def _loader(dest, **options):
+    options = {"batch_size": 4, "device": "cpu", "seed": 5, "reader_threads": 2, **options}
+    return fastio.Loader(dest, pipeline=fastio.Tokens(seq_len=SEQ, packing="best-fit", window=16), **options)
+
+
+def _segments(b):
+    """Each (row, segment) of a batch as (tokens, loss_mask, position_ids), padding left out."""
+    t, m, pos, seg = (b[k].numpy() for k in ("tokens", "loss_mask", "position_ids", "segment_ids"))
+    out = []
+    for r in range(t.shape[0]):
+        for s in np.unique(seg[r][seg[r] > 0]).tolist():
+            at = seg[r] == s
+            out.append((tuple(t[r][at].tolist()), tuple(m[r][at].astype(int).tolist()), pos[r][at]))
+    return out
+
+
+def _check_layouts(b):
+    """cu_seqlens from segment_ids (a boundary where a row starts or its segment id changes, over the inputs
+    tokens[:, :-1]), max_seqlen its longest segment, no trained padding."""
+    seg, cu, mask = b["segment_ids"].numpy(), b["cu_seqlens"].numpy(), b["loss_mask"].numpy()
+    inputs = seg[:, :-1]
+    change = np.ones(inputs.shape, bool)
+    change[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
+    assert np.array_equal(cu, np.r_[np.flatnonzero(change.reshape(-1)), inputs.size])
+    assert b["max_seqlen"] == int(np.diff(cu).max()) and isinstance(b["max_seqlen"], int)
+    assert not mask[seg == 0].any() and seg.dtype == np.int32
+
+
+def test_every_conversation_once_whole_with_transformers_mask(chat):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    root = chat.parent
+    hf = hf_tokenizer(root / "tokenizer.json", root / "tokenizer_config.json")
+    want = Counter(tuple(map(tuple, hf_ids_and_mask(hf, GLUED, c))) for c in conversations(N, 0))
+    eos = load_manifest(chat).tokens.eos_id
+    assert any(eos in ids[:-1] for ids, _ in want)  # an end-of-text id inside a conversation: not a boundary
+    got = Counter()
+    with _loader(chat) as ld:
+        for b in ld:
+            _check_layouts(b)
+            keep = ~b["padded"].numpy()
+            rows = {"tokens", "loss_mask", "position_ids", "segment_ids"}
+            for ids, mask, pos in _segments({k: (v[keep] if k in rows else v) for k, v in b.items()}):
+                assert np.array_equal(pos, np.arange(len(ids)))  # position_ids restart at each conversation
+                got[(ids, mask)] += 1
+    assert got == want  # each conversation once, whole, its mask transformers' assistant mask
+
+
+def test_refusals_concat_and_a_seq_len_a_conversation_does_not_fit(chat):
+    with pytest.raises(DatasetError, match=r"chat: a chat dataset .* is packed whole: .*packing='best-fit'"):
+        fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=SEQ), batch_size=2, device="cpu")
+    longest = load_manifest(chat).tokens.chat.longest
+    with pytest.raises(DatasetError, match=rf"its longest conversation has {longest} tokens, more than seq_len \+ 1 "
+                                           rf"= 64: a conversation is never cut; raise seq_len to at least "
+                                           rf"{longest - 1}"):
+        fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
+
+
+def test_exact_resume_is_bitwise(chat):
+    check_resume(lambda: _loader(chat), n=3, k=4)
+
+
+def _ids(steps):
+    return [i for step in steps for b in step for i, p in zip(b["index"].tolist(), b["padded"].tolist()) if not p]
+
+
+@pytest.mark.parametrize("old, new", [(2, 3), (3, 2)])
+def test_elastic_resume_delivers_each_remaining_sequence_once(chat, old, new):
+    before, states = run_ranks([_loader(chat, world_size=old, rank=r, batch_size=2) for r in range(old)], n=2)
+    assert len({json.dumps(s, sort_keys=True) for s in states}) == 1
+    after, _ = run_ranks([_loader(chat, world_size=new, rank=r, batch_size=2) for r in range(new)], state=states[0])
+    whole, _ = run_ranks([_loader(chat, batch_size=2)])
+    assert _ids(after)  # mid-epoch
+    assert Counter(_ids(before) + _ids(after)) == Counter(_ids(whole))
+    assert len(set(_ids(whole))) == len(_ids(whole))
+
+
+@pytest.fixture(scope="module")
+def plain(chat):
+    """A plain-text token dataset of the chat dataset's tokenizer."""
+    root = chat.parent
+    texts = [" ".join(m["content"] for m in c) for c in conversations(30, 9)]
+    (root / "plain.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    convert_tokens(TokenConvertConfig(root / "plain.jsonl", root / "plain", root / "tokenizer.json", workers=1))
+    return root / "plain"
+
+
+def test_a_mixture_keeps_each_conversations_mask_and_trains_every_plain_token(chat, plain):
+    stored = {tuple(ids): tuple(mask) for ids, mask in stored_conversations(chat)}
+    mix = fastio.Mixture({"chat": chat, "plain": plain}, weights={"chat": 0.5, "plain": 0.5})
+    seen = Counter()
+    with _loader(mix, batch_size=8) as ld:
+        for b in ld:
+            _check_layouts(b)
+            sources = b["source"].tolist()
+            for r, source in enumerate(sources):
+                row = {k: (v[r:r + 1] if k in ("tokens", "loss_mask", "position_ids", "segment_ids") else v)
+                       for k, v in b.items()}
+                for ids, mask, pos in _segments(row):
+                    assert np.array_equal(pos, np.arange(len(ids)))
+                    if source == 0:
+                        assert stored[ids] == mask
+                    else:
+                        assert all(mask)  # plain text: every token trained
+                    seen[source] += 1
+    assert seen[0] > 0 and seen[1] > 0
+
+
+def test_sft_example_trains_on_the_mask_and_resumes_exactly_after_sigkill(chat, tmp_path):
+    """examples/sft_train.py killed with SIGKILL mid-run: the same command continues from its last committed step
+    with the same sequences and bit-identical losses; each step trains on the replies' tokens only."""
+    import sys
+    from pathlib import Path
+
+    from resume import killed_and_resumed
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "sft_train.py"
+    command = [sys.executable, str(example), str(chat), str(tmp_path / "ckpt"), "--seq-len", str(SEQ),
+               "--batch-size", "4"]
+    before, after, start = killed_and_resumed(command, tmp_path / "ckpt")
+    assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
+    overlap = [s for s in after if s in before]
+    assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)
+    trained = [int(line.split(" trained ")[1].split()[0]) for line in after.values()]
+    assert all(0 < t < 4 * SEQ for t in trained)  # the replies only: some targets of every batch, never all
+
+
+def test_an_s3_chat_dataset_is_written_verified_and_read_through_the_cache(chat, moto_server, s3_bucket, tmp_path):
+    """A chat conversion into s3:// (masks uploaded), fastio verify of it (masks fetched and checked), and a Loader
+    through the node cache (masks fetched into its metadata) giving the local dataset's batches bit for bit."""
+    from resume import same_batch
+
+    from fastio.report.verify import verify
+    from fastio.storage import open_storage
+
+    root, url = chat.parent, f"s3://{s3_bucket}/chat"
+    options = moto_server.options()
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", url, root / "tokenizer.json", workers=1,
+                                      chat_template=root / "tokenizer_config.json", max_samples_per_shard=20,
+                                      storage_options=options, staging_dir=tmp_path / "staging"))
+    keys = {o.key for o in open_storage(url, options).list()}
+    assert {f"shards/{p.name}" for p in (chat / "shards").glob("*.mask")} <= keys
+    report = verify(url, storage_options=options)
+    assert report.ok, [str(p) for p in report.problems]
+    remote = _loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=options)
+    with remote, _loader(chat) as local:
+        for x, y in zip(remote, local, strict=True):
+            assert same_batch(x, y)
+    assert list((tmp_path / "cache").rglob("*.mask"))  # fetched into the cache's metadata, checked
+    store = open_storage(url, options)
+    changed = bytearray(store.get("shards/shard-000000.mask"))
+    changed[-1] ^= 1
+    (tmp_path / "changed").write_bytes(bytes(changed))
+    store.put_file("shards/shard-000000.mask", tmp_path / "changed")
+    assert "loss mask shard-000000.mask sha256 does not match" in str(verify(url, storage_options=options).problems)
+
+
+def test_token_dataset_batches_are_the_loaders(chat):
+    """TokenDataset.batch (the numpy reference) gives a chat dataset's Loader batches: the stored mask, the
+    conversations' boundaries."""
+    from fastio.tokens.dataset import TokenDataset
+
+    ds = TokenDataset(chat)
+    packing = ds.packing(SEQ, packing="best-fit", seed=5, block_docs=16)
+    with _loader(chat) as ld:
+        for b in ld:
+            want = ds.batch(packing, 0, b["index"].numpy())
+            for key in ("tokens", "loss_mask", "position_ids", "cu_seqlens"):
+                assert np.array_equal(want[key], b[key].numpy()), key

@@ -1,0 +1,105 @@
+"""A chat conversation's ids and loss mask (rendering: fastio/formats/chat_template.py; the span -> token rule:
+fastio/formats/assistant_mask.py) against transformers' apply_chat_template(..., return_assistant_tokens_mask=True),
+conversation by conversation, on a tokenizer and templates built here (tests/tokens_helpers.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokens_helpers import CHATML, GLUED, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
+
+from fastio.convert.chat_encode import ChatEncoder
+from fastio.convert.token_convert import load_tokenizer
+from fastio.errors import ConvertError
+from fastio.formats.chat_template import ChatTemplateError, load_chat_template
+
+transformers = pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    return chat_tokenizer(root / "tokenizer.json"), root
+
+
+def _encoder(tok, config, train_on="generation"):
+    template = load_chat_template(config)
+    return ChatEncoder(load_tokenizer(tok), template, train_on, "messages", np.dtype("uint16")), template
+
+
+def _each(encoder, chats):
+    lengths, ids, mask, _ = encoder.encode([f"c.jsonl:{i + 1}" for i in range(len(chats))], chats)
+    ends = np.cumsum(lengths)
+    return [(ids[e - n:e].tolist(), mask[e - n:e].astype(int).tolist()) for e, n in zip(ends, lengths)]
+
+
+@pytest.mark.parametrize("template", [CHATML, GLUED], ids=["chatml", "glued"])
+def test_ids_and_mask_equal_transformers_conversation_by_conversation(chat_files, template):
+    tok, root = chat_files
+    config = chat_config(root / f"tokenizer_config_{len(template)}.json", template)
+    encoder, _ = _encoder(tok, config)
+    hf = hf_tokenizer(tok, config)
+    chats = conversations(40, seed=len(template))
+    got = _each(encoder, chats)
+    for i, (chat, (ids, mask)) in enumerate(zip(chats, got)):
+        want_ids, want_mask = hf_ids_and_mask(hf, template, chat)
+        assert ids == want_ids, f"conversation {i}: ids differ"
+        assert mask == want_mask, f"conversation {i}: mask differs"
+    trained = sum(sum(m) for _, m in got)
+    assert 0 < trained < sum(len(m) for _, m in got)  # prompts untrained, replies trained
+
+
+def test_a_token_straddling_a_span_edge_is_trained(chat_files):
+    """GLUED renders 'a' + reply with no space: the first token of a reply holds the 'a' of the template and the
+    reply's first letters; it is trained, as transformers trains it."""
+    tok, root = chat_files
+    config = chat_config(root / "glued.json", GLUED)
+    encoder, template = _encoder(tok, config)
+    chat = [{"role": "user", "content": "gamma"}, {"role": "assistant", "content": "lpha beta"}]
+    from fastio.formats.chat_template import render
+
+    text, spans = render(template, chat)
+    enc = load_tokenizer(tok).encode(text, add_special_tokens=False)
+    (start, _), = spans
+    straddler = enc.char_to_token(start)
+    assert enc.offsets[straddler][0] < start  # the token begins before the span: it straddles the edge
+    (ids, mask), = _each(encoder, [chat])
+    assert mask[straddler] == 1 and mask[straddler - 1] == 0
+    assert (ids, mask) == tuple(map(list, hf_ids_and_mask(hf_tokenizer(tok, config), GLUED, chat)))
+
+
+def test_train_on_all_marks_every_token(chat_files):
+    tok, root = chat_files
+    encoder, _ = _encoder(tok, chat_config(root / "all.json"), "all")
+    for ids, mask in _each(encoder, conversations(5)):
+        assert mask == [1] * len(ids)
+
+
+def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
+    tok, root = chat_files
+    encoder, _ = _encoder(tok, chat_config(root / "bad.json"))
+    cases = [
+        ([{"content": "hi"}], "c.jsonl:1: messages[0] has no 'role'"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "c.jsonl:1: messages[1] has no 'content'"),
+        ([{"role": "tool", "content": "hi"}], "c.jsonl:1: field 'messages': chat template "),
+        ("hello", "c.jsonl:1: field 'messages' is str, not a list of messages"),
+    ]
+    for chat, message in cases:
+        with pytest.raises(ConvertError) as err:
+            encoder.encode(["c.jsonl:1"], [chat])
+        assert str(err.value).startswith(message), str(err.value)
+    with pytest.raises(ConvertError, match="the template refused it: unknown role tool"):
+        encoder.encode(["c.jsonl:1"], [[{"role": "tool", "content": "hi"}]])
+
+
+def test_template_files_jinja_and_config(chat_files, tmp_path):
+    (tmp_path / "t.jinja").write_text(CHATML)
+    assert load_chat_template(tmp_path / "t.jinja").variables == {}
+    config = load_chat_template(chat_config(tmp_path / "tokenizer_config.json"))
+    assert config.text == CHATML and config.variables == {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ChatTemplateError, match="broken.jinja: not a jinja template"):
+        load_chat_template(tmp_path / "broken.jinja")
+    (tmp_path / "none.json").write_text("{}")
+    with pytest.raises(ChatTemplateError, match="none.json: holds no chat_template"):
+        load_chat_template(tmp_path / "none.json")
