@@ -9,6 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 LITDATA_STAMP := $(VENV)/.litdata-installed
+TRL_STAMP := $(VENV)/.trl-installed
 
 .PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
@@ -24,22 +25,26 @@ STEP = @echo "$(1) [$(2)] $(3)"
 # megatron-core (the token interop tests only: it needs none of its dependencies to read .idx), torchdata
 # (StatefulDataLoader, a peer of the restart benchmark only) and transformers (the chat tests' reference for ids and
 # assistant masks, and the chat benchmark's peer: what it imports, huggingface_hub, safetensors, regex, pyyaml,
-# packaging, tqdm, comes with the dev extra's packages) come without their dependencies: torch stays the pinned one.
+# packaging, tqdm, comes with the dev extra's packages) come without their dependencies: torch stays the pinned one;
+# so does torchft-nightly (the torchft tests and bench; the wheel runs on CPU torch), whose import needs opentelemetry.
 $(STAMP): pyproject.toml Makefile
-	$(call STEP,make install,1/7,a virtual environment in $(VENV))
+	$(call STEP,make install,1/8,a virtual environment in $(VENV))
 	@$(PYTHON) -m venv $(VENV)
-	$(call STEP,make install,2/7,pip itself)
+	$(call STEP,make install,2/8,pip itself)
 	@$(BIN)/pip install -q --upgrade pip
-	$(call STEP,make install,3/7,$(TORCH): the largest download; minutes without a wheel cache)
+	$(call STEP,make install,3/8,$(TORCH): the largest download; minutes without a wheel cache)
 	@$(BIN)/pip install -q "$(TORCH)"
-	$(call STEP,make install,4/7,fastio (editable) with the extras $(EXTRAS) and their dependencies)
+	$(call STEP,make install,4/8,fastio (editable) with the extras $(EXTRAS) and their dependencies)
 	@$(QUIET_EDITABLE) $(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	$(call STEP,make install,5/7,megatron-core without its dependencies: the token interop tests read .idx with it)
+	$(call STEP,make install,5/8,megatron-core without its dependencies: the token interop tests read .idx with it)
 	@$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
-	$(call STEP,make install,6/7,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
+	$(call STEP,make install,6/8,torchdata 0.11.0 without its dependencies: the restart benchmark's StatefulDataLoader peer)
 	@$(BIN)/pip install -q --no-deps "torchdata==0.11.0"
-	$(call STEP,make install,7/7,transformers 5.23.0 without its dependencies: the chat tests' apply_chat_template reference)
+	$(call STEP,make install,7/8,transformers 5.23.0 without its dependencies: the chat tests' apply_chat_template reference)
 	@$(BIN)/pip install -q --no-deps "transformers==5.23.0"
+	$(call STEP,make install,8/8,torchft-nightly without its dependencies and the opentelemetry it imports: the torchft tests)
+	@$(BIN)/pip install -q --no-deps "torchft-nightly==2026.10.26"
+	@$(BIN)/pip install -q "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	@touch $(STAMP)
 	@echo "make install: done ($(VENV))"
 
@@ -80,15 +85,24 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP) $(LITDATA_STAMP)
+bench: $(STAMP) $(LITDATA_STAMP) $(TRL_STAMP)
 	$(BIN)/python -m bench.run
 
 # litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
 # what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
 $(LITDATA_STAMP): $(STAMP)
-	$(call STEP,make bench,1/1,litdata 0.2.76 without its dependencies: the tokens section's peer)
+	$(call STEP,make bench,1/2,litdata 0.2.76 without its dependencies: the tokens section's peer)
 	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
 	touch $(LITDATA_STAMP)
+
+# TRL for the chat section's packing peer only (pack_dataset(strategy="bfd")), without its dependencies (torch,
+# transformers and accelerate stay the pinned ones). What trl.data_utils imports beyond the dev extra: datasets (pyarrow), which imports dill,
+# multiprocess and pandas (pandas' python-dateutil comes with the dev extra's botocore); each --no-deps too.
+$(TRL_STAMP): $(STAMP)
+	$(call STEP,make bench,2/2,trl 1.16.0 and datasets 5.2.0 without their dependencies: the chat section's bfd peer)
+	$(BIN)/pip install -q --no-deps "trl==1.16.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" \
+		"pandas==3.1.1"
+	touch $(TRL_STAMP)
 
 bench-gpu: $(STAMP)
 	bash bench/gpu.sh

@@ -84,9 +84,9 @@ def write_results(name: str, data: dict[str, Any], results_dir: Path = RESULTS_D
 
 
 def section_parser(doc: str, repeats: int | None = 3) -> argparse.ArgumentParser:
-    """The command line every section's module shares: its description (``doc``'s first line), ``--repeats``
+    """The command line every section's module shares: its description (``doc``'s first paragraph), ``--repeats``
     (unless None), ``--out DIR`` (where the results go) and ``--quiet-wait`` (:mod:`bench.quiet`)."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(doc.strip().split("\n\n")[0].split()))
     if repeats is not None:
         p.add_argument("--repeats", type=int, default=repeats, help=f"rounds per measurement (default {repeats})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, metavar="DIR",

@@ -40,6 +40,7 @@ SECTIONS = (
     "chat",
     "media",
     "restart",
+    "torchft_steps",
 )
 
 

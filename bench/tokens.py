@@ -152,7 +152,7 @@ def litdata_setup(workdir: Path, dest: Path, seq_len: int) -> Path | None:
         from litdata import TokensLoader, optimize
     except ImportError:
         return None
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     out = workdir / "litdata"
     shutil.rmtree(out, ignore_errors=True)
@@ -170,7 +170,7 @@ def _lit_document(dest: str, item: tuple[int, int]):
     """One document's tokens, for ``litdata.optimize`` (module level: its workers are spawned)."""
     import torch
 
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds = _OPEN.get(dest)
     if ds is None:
@@ -400,7 +400,7 @@ def bench_bestfit_construction(folder: Path, seq_len: int) -> dict[str, Any]:
     and the sequences it counts."""
     import time
 
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds, out = TokenDataset(folder), {}
     for fit in ("best", "first"):

@@ -1,9 +1,10 @@
 """Parquet tables (pyarrow): columns holding bytes become fields, other columns as in CSV/JSONL.
 
 A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` member as Hugging Face
-stores images) whose first value is an encoded image, video or audio file holds a field named by each row's type
+stores images) holding an encoded image, video or audio file holds a field named by each row's type
 (``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type: a
-column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first's.
+column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first known
+one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column.
 Any other bytes column keeps its (sanitised) name. A path column is optional.
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.
@@ -68,10 +69,10 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
     for col in columns:
         if not is_bytes(col):
             continue
-        first = next((b for b in (_bytes_of(r[col]) for r in data) if b is not None), None)
-        field = sniff_field(first) if first is not None else None
+        values = [b for b in (_bytes_of(r[col]) for r in data) if b is not None]
+        field = next((f for f in map(sniff_field, values) if f is not None), None)  # the first of a known type
         if field is not None:
-            typed[col] = sorted({sniff_field(b) or field for b in (_bytes_of(r[col]) for r in data) if b is not None})
+            typed[col] = sorted({sniff_field(b) or field for b in values})
         name = field or safe_field_name(col)
         if name in bytes_columns.values():
             name = safe_field_name(col)

@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.nn import functional as F
 
-from fastio import FastioError, Loader
+from fastio import FastioError, ImageTrain, Loader
 
 
 def make_model(classes: int) -> nn.Module:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(args.seed)
-    loader = Loader(args.data, batch_size=args.batch_size, image_size=args.image_size, seed=args.seed,
+    loader = Loader(args.data, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size), seed=args.seed,
                     device=accelerator.device.type, num_threads=1,
                     rank=accelerator.process_index, world_size=accelerator.num_processes)
     model = make_model(loader.dataset.num_classes)

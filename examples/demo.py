@@ -34,10 +34,10 @@ def fastio(*args: str) -> None:
 
 
 def load(dest: Path) -> None:
-    from fastio import Loader
+    from fastio import ImageTrain, Loader
 
-    print(f"\n# one epoch of {dest} through the Loader (image-train, 64 px)", flush=True)
-    with Loader(dest, batch_size=32, image_size=64, device="auto", seed=0) as loader:
+    print(f"\n# one epoch of {dest} through the Loader (ImageTrain, 64 px)", flush=True)
+    with Loader(dest, batch_size=32, pipeline=ImageTrain(size=64), device="auto", seed=0) as loader:
         shape = None
         for batch in loader:
             shape = tuple(batch["image"].shape)

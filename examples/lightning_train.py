@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 
-from fastio import Dataset, FastioError
+from fastio import Dataset, FastioError, ImageTrain
 from fastio.integrations.lightning import FastioDataModule
 
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
     pl.seed_everything(args.seed, workers=False, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    data = FastioDataModule(args.data, args.val, batch_size=args.batch_size, image_size=args.image_size,
+    data = FastioDataModule(args.data, args.val, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size),
                             seed=args.seed, device="cuda" if accelerator == "gpu" else "cpu", num_threads=1)
     if args.classes is None:
         args.classes = Dataset(args.data).num_classes

@@ -32,8 +32,8 @@ with tempfile.TemporaryDirectory() as tmp:
 # Ctrl-C or a fastio error (a bucket that does not exist, ...): one line, no traceback. The Checkpointer's exit
 # waits for a write in flight first.
 with fastio.exit_cleanly(resume="run it again: it converts and trains afresh"):
-    loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0,
-                           cache_size="1GB")                 # shards are fetched into the node-local cache
+    loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", pipeline=fastio.ImageTrain(size=32),
+                           seed=0, cache_size="1GB")                 # shards are fetched into the node-local cache
     classes = loader.dataset.num_classes
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -55,7 +55,8 @@ with fastio.exit_cleanly(resume="run it again: it converts and trains afresh"):
     # A new run (another node, a requeued job) restores the newest checkpoint from the store.
     model2 = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
     fresh = {"model": model2, "optim": torch.optim.SGD(model2.parameters(), lr=0.01),
-             "loader": fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", image_size=32, seed=0)}
+             "loader": fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu",
+                                     pipeline=fastio.ImageTrain(size=32), seed=0)}
     with fastio.Checkpointer(f"{prefix}/ckpt") as ckpt:
         state = ckpt.restore_latest(fresh)
     fresh["loader"].close()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastio import Checkpointer, FastioError, Loader, exit_cleanly
+from fastio import Checkpointer, FastioError, ImageTrain, Loader, exit_cleanly
 
 
 class SmallCNN(nn.Module):
@@ -129,8 +129,8 @@ def train(args: argparse.Namespace) -> int:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
-    loader = Loader(args.data, batch_size=args.batch_size, device=device.type, pipeline="image-train",
-                    image_size=args.image_size, seed=args.seed, rank=rank, world_size=world, shuffle="global",
+    loader = Loader(args.data, batch_size=args.batch_size, device=device.type, pipeline=ImageTrain(size=args.image_size),
+                    seed=args.seed, rank=rank, world_size=world, shuffle="global",
                     num_threads=args.loader_threads)
     classes = loader.dataset.num_classes or 4
     model = SmallCNN(classes).to(device)

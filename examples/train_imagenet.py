@@ -153,14 +153,14 @@ class FastioBatches:
 
 
 def fastio_loaders(args, rank: int, world: int, device: str):
-    from fastio import Loader
+    from fastio import ImageEval, ImageTrain, Loader
 
-    common = dict(batch_size=args.batch_size // world, image_size=args.crop, seed=args.seed, rank=rank,
-                  world_size=world, device=device, num_threads=max(1, args.workers), eval_crop_ratio=EVAL_CROP_RATIO)
-    train = Loader(os.path.join(args.data, "train"), pipeline="image-train", shuffle="global", **common)
+    common = dict(batch_size=args.batch_size // world, seed=args.seed, rank=rank, world_size=world, device=device,
+                  num_threads=max(1, args.workers))
+    train = Loader(os.path.join(args.data, "train"), pipeline=ImageTrain(size=args.crop), shuffle="global", **common)
     # remainder="partial": every validation sample once over all ranks (repeats, if any, flagged as padded)
-    val = Loader(os.path.join(args.data, "val"), pipeline="image-eval", shuffle="none", remainder="partial",
-                 **common)
+    val = Loader(os.path.join(args.data, "val"), pipeline=ImageEval(size=args.crop, crop_ratio=EVAL_CROP_RATIO),
+                 shuffle="none", remainder="partial", **common)
     return FastioBatches(train), FastioBatches(val), train.dataset.num_classes
 
 

@@ -26,6 +26,7 @@ import torch
 from fastio.dataset.dataset import Dataset
 from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
+from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, Pipeline, Placement, as_pipeline, build_graph, spell
 from fastio.pipelines.base import dali_reason
@@ -45,8 +46,9 @@ STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
     "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
+K_STEP = "step"  # with replicas=: the torchft Manager's step the position is
 _ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
-_INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS)
+_INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS, K_STEP)
 
 
 def _as_int(key: str, value: Any) -> int:
@@ -198,9 +200,15 @@ class Loader:
     :meth:`key`; for a mixture also ``source``) and ``padded`` (bool) stay on the CPU. ``len(loader)`` is the
     number of batches of a full epoch on every rank. Iterating yields the rest of the current epoch, then the
     epoch advances.
+
+    ``replicas=`` a ``torchft.Manager`` (fault-tolerant training, docs/trainers.md): ``batch_size`` is then the global
+    batch of one step, and each batch is this rank's share of global batch ``manager.current_step()`` (the samples a
+    one-process Loader gives at that batch), split over the replica groups of the step's quorum and the group's ranks;
+    iterating runs on through the epochs; the Loader's state travels in the Manager's state dict.
     """
 
-    def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, **overrides: Any):
+    def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, *,
+                 replicas: Any = None, **overrides: Any):
         _check_habits(overrides)
         if config is None:
             config = LoaderConfig(**spell(overrides))
@@ -208,6 +216,7 @@ class Loader:
             config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.pipeline
+        self._replicas = None if replicas is None else _replicas_of(replicas)
         self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg.options)
         try:
             self._place()
@@ -227,6 +236,10 @@ class Loader:
         # load_state_dict) or after a failure.
         self._feeder: Feeder | None = None
         self._built: BuiltPipeline | None = None
+        self._share: Share | None = None  # with replicas=: the share the feeder's plans are cut to
+        self._empty: dict[str, Any] | None = None  # with replicas=: a batch of no samples (a group not taking part)
+        if self._replicas is not None:
+            self._replicas.register(self.state_dict, self.load_state_dict)
 
     def _place(self) -> None:
         """Rank and world size, the device, then the pipeline's source there (this rank's order of units and
@@ -238,15 +251,18 @@ class Loader:
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
         self._place_device()
-        source = self.pipeline.source(rs, cfg.sampling, Placement(rank, world, self.device))
+        if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
+            self._replicas.check_world(rank, world)
+        plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
+        source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
         self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         if cfg.batch_size > n:
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
-        if cfg.drop_last and cfg.batch_size * self.world_size > n:
-            raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * self.world_size} is larger than the "
+        if cfg.drop_last and cfg.batch_size * plan_world > n:
+            raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
                                f"dataset ({n} samples) and drop_last leaves no batch")
 
     def _place_device(self) -> None:
@@ -292,6 +308,9 @@ class Loader:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         epoch = int(epoch)
+        if self._replicas is not None:
+            raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
+                                      "the batches run on through the epochs by themselves; do not call set_epoch")
         if epoch != self.epoch:
             self._close_active()
             self.epoch, self.consumed = epoch, 0
@@ -299,17 +318,25 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed to the training loop (prefetched batches do not count)."""
         cfg = self.config
+        if self._replicas is not None:  # the position of the Manager's step (a retried step is not counted)
+            step = self._replicas.step()
+            self.epoch, self.consumed = step_position(step, len(self._sampler), cfg.batch_size)
         state = {K_VERSION: STATE_VERSION, K_SEED: cfg.seed, K_EPOCH: self.epoch, K_CONSUMED: self.consumed,
                  K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
                  K_FINGERPRINT: self.read_set.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
         state.update(self.read_set.state())
         state.update(self.pipeline.state_dict())
+        if self._replicas is not None:
+            state[K_STEP] = step
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. With another world size the rest of that epoch is re-split into
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
         state = self.check_state_dict(state)
+        if self._replicas is not None:  # the position is the Manager's step; the stream follows it by itself
+            self._replicas.check_state(state, self.config.batch_size, K_STEP)
+            return
         self._close_active()
         self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
         if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
@@ -363,7 +390,7 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._close_active()
-        self._active = self._iterate()
+        self._active = self._iterate() if self._replicas is None else self._steps()
         return self._active
 
     def close(self) -> None:
@@ -389,15 +416,18 @@ class Loader:
             self._feeder.cancel()
         self._feeder = self._built = None  # DALI's threads and buffers go now
 
-    def _stream_at(self, epoch: int, consumed: int) -> Feeder:
-        """The feeder (and pipeline) whose next batch is the one at ``(epoch, consumed)``."""
+    def _stream_at(self, epoch: int, consumed: int, share: Share | None = None) -> Feeder:
+        """The feeder (and pipeline) whose next batch is the one at ``(epoch, consumed)`` (with replicas=: cut to
+        ``share``)."""
         feeder = self._feeder
-        if feeder is not None and feeder.next_position() == (epoch, consumed):
+        if feeder is not None and feeder.next_position() == (epoch, consumed) and self._share == share:
             return feeder
         self._drop_stream()
         cfg = self.config
         graph = self._graph
-        self._feeder = feeder = Feeder(self._reader, self._sampler.plan, graph.feed if graph else None, seed=cfg.seed,
+        self._share = share
+        plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
+        self._feeder = feeder = Feeder(self._reader, plans, graph.feed if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
@@ -454,6 +484,35 @@ class Loader:
         finally:
             self._stats.pause()
 
+    def _steps(self) -> Iterator[dict[str, Any]]:
+        """With replicas=: batch after batch, each this rank's share of global batch ``manager.current_step()``
+        (:mod:`fastio.order.replicas`), through the epochs; a group not taking part in the step gets no samples."""
+        try:
+            while True:
+                step, share = self._replicas.share(self.rank, self.world_size)
+                epoch, self.consumed = step_position(step, len(self._sampler), self.config.batch_size)
+                if epoch != self.epoch:
+                    self._stats.end_epoch()
+                self.epoch = epoch
+                if share is None and self._empty is not None:
+                    yield dict(self._empty)
+                    continue
+                started = self._stats.begin_wait()
+                # not taking part: one sample, for the structure of an empty batch
+                feeder = self._stream_at(self.epoch, self.consumed, share or Share(self.config.batch_size, 0))
+                batch, fed = self._next_batch(feeder)
+                if (fed.epoch, fed.start) != (self.epoch, self.consumed):
+                    raise RuntimeError(f"internal error: fed epoch {fed.epoch} from {fed.start} for step {step}")
+                self._empty = _no_samples(batch)
+                if share is None:
+                    yield dict(self._empty)
+                    continue
+                self._stats.end_wait(started, len(fed.padded) - int(np.count_nonzero(fed.padded)))
+                self.read_set.count(batch, fed.padded)
+                yield batch
+        finally:
+            self._stats.pause()
+
     def _batch(self, outputs: dict[str, Any], fed: Fed) -> dict[str, Any]:
         """The pipeline's batch of ``fed``, then ``index`` (``source``) and ``padded``."""
         batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
@@ -503,6 +562,19 @@ class Loader:
         first = dali_reason(err)
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+def _no_samples(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with none of its samples: every tensor, array and list cut to length 0 (the same keys, dtypes and
+    trailing dimensions), other values as they are."""
+    return {k: v[:0] if isinstance(v, (torch.Tensor, np.ndarray, list)) else v for k, v in batch.items()}
+
+
+def _replicas_of(manager: Any) -> Any:
+    """What the Loader asks a ``replicas=`` torchft Manager (:mod:`fastio.integrations.torchft`, imported only then)."""
+    from fastio.integrations.torchft import TorchftReplicas
+
+    return TorchftReplicas(manager)
 
 
 def _checked_state(state: Any) -> dict[str, Any]:

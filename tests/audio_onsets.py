@@ -41,13 +41,18 @@ def half_height(wave: np.ndarray) -> float:
     return k - 1 + (0.25 - a) / (b - a)
 
 
-def pyav_onset(data: bytes) -> float:
-    """The onset of PyAV's decode of ``data``, in samples at ``OUT_RATE`` (FFmpeg's resampler)."""
+def pyav_decode(data: bytes) -> np.ndarray:
+    """PyAV's decode of ``data``, mono float32 at ``OUT_RATE`` (FFmpeg's resampler)."""
     resampler = av.AudioResampler(format="flt", layout="mono", rate=OUT_RATE)
     with av.open(io.BytesIO(data)) as container:
         frames = [f for frame in container.decode(audio=0) for f in resampler.resample(frame)]
     frames += resampler.resample(None)
-    return half_height(np.concatenate([f.to_ndarray().reshape(-1) for f in frames]))
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in frames])
+
+
+def pyav_onset(data: bytes) -> float:
+    """The onset of PyAV's decode of ``data``, in samples at ``OUT_RATE``."""
+    return half_height(pyav_decode(data))
 
 
 def clip_onsets(source: Path, dest: Path, **options) -> dict[str, float]:

@@ -40,6 +40,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
     "test_media_dist.py",  # 45 (alone, load 4)
+    "test_torchft.py",  # 41 (alone, load 16-20, Dec 6: 3 torchft runs of separate processes)
     "test_lightning.py",  # 39
     "test_checkpoint_strict.py",  # 20 (test_checkpoint_round6.py's elastic ranks; 47 on Dec 6, busy, 2 workers)
     "test_checkpoint_fsdp.py",  # 33
@@ -51,6 +52,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_checkpoint_dist.py",  # 18
     "test_storage_stall.py",  # 15 (test_review_round4_data.py's 10 s outage; 21 on Dec 6, busy, 2 workers)
     "test_storage_lease.py",  # 14
+    "test_torchft_loader.py",  # 17 (alone, load 16-20, Dec 6)
     "test_kill.py",  # 13
     "test_tokens_loader.py",  # 12
     "test_convert.py",  # 11

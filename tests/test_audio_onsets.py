@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("av")
 
-from audio_onsets import check_onsets, clip_onsets, encode  # noqa: E402
+from audio_onsets import OUT_RATE, check_onsets, clip_onsets, encode, pyav_decode  # noqa: E402
 
 from fastio.formats.ogg import dali_opus_layout  # noqa: E402
 
@@ -83,3 +83,30 @@ def test_every_codec_dali_reads_puts_the_onset_where_pyav_does(onset_files, tmp_
     got = clip_onsets(onset_files, tmp_path / "ds")
     assert set(got) == {*CODECS, "opusenc", "vorbis"}
     check_onsets(got, onset_files / "c0")
+
+
+def test_a_clip_at_the_end_of_an_ogg_opus_file_holds_its_sound_to_the_last_sample(onset_files, tmp_path):
+    """DALI does not deliver the last pre-skip samples of FFmpeg's Ogg Opus (312 at 48 kHz: module
+    fastio.formats.ogg), so a clip drawn to the file's end held 104 zeros (at 16 kHz) where PyAV's decode has
+    sound. A clip is drawn over the samples DALI delivers: each clip's end is PyAV's decode there, to its last
+    sample, at either rate, also for the clips nearest the end."""
+    import fastio
+
+    src = tmp_path / "src"
+    (src / "c0").mkdir(parents=True)
+    for name in ("opus", "opus16k"):
+        shutil.copy(onset_files / "c0" / f"{name}.opus", src / "c0")
+    clip_onsets(src, tmp_path / "ds")  # converts
+    want = {n: pyav_decode((src / "c0" / f"{n}.opus").read_bytes()) for n in ("opus", "opus16k")}
+    ends = []
+    for seed in range(8):
+        with fastio.Loader(tmp_path / "ds", pipeline=fastio.AudioClips(sample_rate=OUT_RATE, seconds=0.99),
+                           batch_size=2, device="cpu", seed=seed, shuffle="none", world_size=1, rank=0) as loader:
+            batch = next(iter(loader))
+            for j, i in enumerate(batch["index"].tolist()):
+                name, start = loader.key(i).split("/")[-1], int(batch["start_sample"][j])
+                clip = batch["audio"][j].numpy()
+                tail = want[name][start + len(clip) - 300:start + len(clip)]  # the onset: the test above
+                assert np.abs(clip[-300:] - tail).max() < 0.02, (name, start)
+                ends.append(start + len(clip))
+    assert max(ends) >= len(want["opus"]) - 104 - 30, max(ends)  # clips reached near the delivered end

@@ -1,5 +1,6 @@
-"""Audio DALI's audio decoder does not read (MP3, AAC, ...): skipped at convert naming ``--transcode flac``, or with
-it stored decoded by PyAV as FLAC (no ffmpeg binary needed), its sound where PyAV's decode of the original puts it."""
+"""Audio DALI's audio decoder does not read (MP3, AAC, ALAC, ...): stored decoded by PyAV as FLAC by default (no flag,
+no ffmpeg binary needed; said once in convert's summary with a count), its sound where PyAV's decode of the original
+puts it; ``--transcode none`` skips such files naming ``--transcode flac``, as before."""
 
 from __future__ import annotations
 
@@ -25,23 +26,50 @@ def lossy_folder(tmp_path):
     return tmp_path / "src"
 
 
-def test_mp3_and_alac_are_skipped_naming_transcode_flac(lossy_folder, tmp_path):
+def test_mp3_and_alac_are_stored_as_flac_by_default_and_said_once(lossy_folder, tmp_path, capsys):
+    """No flag: the MP3 and the ALAC become FLAC, the convert summary says so in one clause with a count per codec,
+    the probes name what each was transcoded from, and the default is not recorded in the manifest."""
+    from helpers import run_cli
+
+    import fastio
+
     encode(lossy_folder / "c0" / "pcm.wav", "wav", "pcm_s16le", "s16", 16000)
-    result = convert(ConvertConfig(source=lossy_folder, dest=tmp_path / "ds", workers=1, progress=False))
+    code, out, err = run_cli(["convert", str(lossy_folder), str(tmp_path / "ds"), "--workers", "1"], capsys)
+    assert code == 0, err
+    assert "skipped 0" in out and out.count("transcoded") == 1, out
+    assert ("; transcoded 2 audio files DALI's audio decoder does not read into FLAC with PyAV (alac 1, mp3float 1; "
+            "--transcode none skips them)") in out, out
+    ds = fastio.Dataset(tmp_path / "ds")
+    assert len(ds) == 3 and set(ds.fields) == {"cls", "flac", "probe.json", "wav"}
+    assert "transcode" not in ds.manifest.convert_options
+    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=3, device="cpu",
+                       shuffle="none") as loader:
+        probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
+    assert sorted((p["codec"], p.get("transcoded_from")) for p in probes) == [
+        ("flac", "alac"), ("flac", "mp3float"), ("pcm_s16le", None)]
+
+
+def test_transcode_none_skips_them_naming_transcode_flac(lossy_folder, tmp_path):
+    import fastio
+
+    encode(lossy_folder / "c0" / "pcm.wav", "wav", "pcm_s16le", "s16", 16000)
+    result = convert(ConvertConfig(source=lossy_folder, dest=tmp_path / "ds", workers=1, progress=False,
+                                   transcode="none"))
     reasons = {s["path"]: s["reason"] for s in result.skipped}
     assert set(reasons) == {"c0/mp3.mp3", "c0/alac.flac"} and result.samples == 1
     assert all("--transcode flac (transcode='flac')" in r for r in reasons.values()), reasons
+    assert "transcoded" not in result.summary()
+    assert fastio.Dataset(tmp_path / "ds").manifest.convert_options["transcode"] == "none"
 
 
-def test_transcode_flac_stores_them_as_flac_with_their_onset(lossy_folder, tmp_path):
+def test_by_default_they_are_stored_as_flac_with_their_onset(lossy_folder, tmp_path):
     import fastio
 
-    got = clip_onsets(lossy_folder, tmp_path / "ds", transcode="flac")
+    got = clip_onsets(lossy_folder, tmp_path / "ds")  # no transcode option: the default
     assert set(got) == {"mp3", "alac"}
     check_onsets(got, lossy_folder / "c0")  # against PyAV's decode of the MP3 and ALAC files themselves
     ds = fastio.Dataset(tmp_path / "ds")
     assert set(ds.fields) == {"cls", "flac", "probe.json"}
-    assert ds.manifest.convert_options["transcode"] == "flac"
     with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=2, device="cpu",
                        shuffle="none") as loader:
         probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
@@ -67,15 +95,15 @@ def test_transcode_flac_keeps_the_decoded_samples(lossy_folder):
 
 
 @pytest.mark.parametrize("value, recorded", [("flac", "flac"), ("vp9", "vp9"), ("flac,vp9", "vp9,flac"),
-                                             ("VP9, FLAC", "vp9,flac")])
-def test_transcode_takes_vp9_flac_or_both(tmp_path, value, recorded):
+                                             ("VP9, FLAC", "vp9,flac"), ("none", "none"), (None, "flac")])
+def test_transcode_takes_vp9_flac_both_or_none(tmp_path, value, recorded):
     assert ConvertConfig(source=tmp_path, dest=tmp_path / "ds", transcode=value).transcode == recorded
 
 
 def test_an_unknown_transcode_is_refused_by_name(tmp_path, capsys):
     from helpers import run_cli
 
-    with pytest.raises(ValueError, match=r"transcode must be vp9, flac or vp9,flac \(or None\), got 'mp3'"):
+    with pytest.raises(ValueError, match=r"transcode must be flac, vp9, vp9,flac or none, got 'mp3'"):
         ConvertConfig(source=tmp_path, dest=tmp_path / "ds", transcode="mp3")
     code, _, err = run_cli(["convert", str(tmp_path), str(tmp_path / "ds"), "--transcode", "opus"], capsys)
-    assert code != 0 and err.count("\n") == 1 and "--transcode must be vp9, flac or vp9,flac" in err, err
+    assert code != 0 and err.count("\n") == 1 and "--transcode must be flac, vp9, vp9,flac or none" in err, err

@@ -85,6 +85,16 @@ def test_refusals_concat_and_a_seq_len_a_conversation_does_not_fit(chat):
         fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
 
 
+def test_the_seq_len_refusal_names_the_cli_flags_and_the_library_fields(chat):
+    """A library user converts with TokenConvertConfig, not the CLI: the one line names both spellings."""
+    with pytest.raises(DatasetError) as err:
+        fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
+    line = str(err.value)
+    assert "\n" not in line
+    assert "--max-tokens 64 (--overlong drop or truncate" in line
+    assert "TokenConvertConfig(max_tokens=64, overlong='drop' or 'truncate')" in line
+
+
 def test_exact_resume_is_bitwise(chat):
     check_resume(lambda: _loader(chat), n=3, k=4)
 
@@ -187,7 +197,7 @@ def test_an_s3_chat_dataset_is_written_verified_and_read_through_the_cache(chat,
 def test_token_dataset_batches_are_the_loaders(chat):
     """TokenDataset.batch (the numpy reference) gives a chat dataset's Loader batches: the stored mask, the
     conversations' boundaries."""
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     ds = TokenDataset(chat)
     packing = ds.packing(SEQ, packing="best-fit", seed=5, block_docs=16)

@@ -92,6 +92,36 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
         encoder.encode(["c.jsonl:1"], [[{"role": "tool", "content": "hi"}]])
 
 
+TOOLS = (
+    "{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
+    "{% if message.role == 'assistant' %}{% generation %}"
+    "{% if message.content is defined %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls | default([]) %}{{ 'call ' + call.function.name + ' '"
+    " + call.function.arguments | tojson }}{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ message.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+)
+"""A template that renders an assistant's tool calls (the content may be absent: transformers drops a None one)."""
+
+
+def test_an_assistant_tool_call_without_content_renders_as_transformers(chat_files):
+    tok, root = chat_files
+    config = chat_config(root / "tools.json", TOOLS)
+    encoder, _ = _encoder(tok, config)
+    call = {"type": "function", "function": {"name": "fox", "arguments": {"dog": "lazy"}}}
+    chat = [{"role": "user", "content": "alpha beta"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "gamma"}, {"role": "assistant", "content": "delta"}]
+    (ids, mask), = _each(encoder, [chat])
+    assert (ids, mask) == tuple(map(list, hf_ids_and_mask(hf_tokenizer(tok, config), TOOLS, chat)))
+    assert 0 < sum(mask) < len(mask)
+    for bad in ({"role": "assistant", "content": None, "tool_calls": None}, {"role": "assistant"}):
+        with pytest.raises(ConvertError) as err:
+            encoder.encode(["c.jsonl:7"], [[{"role": "user", "content": "hi"}, bad]])
+        assert str(err.value).startswith("c.jsonl:7: messages[1] has no 'content' and no 'tool_calls'"), err.value
+    with pytest.raises(ConvertError, match=r"^c.jsonl:7: messages\[1\].tool_calls is str, not a list of tool calls"):
+        encoder.encode(["c.jsonl:7"], [[{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": "fox"}]])
+
+
 def test_template_files_jinja_and_config(chat_files, tmp_path):
     (tmp_path / "t.jinja").write_text(CHATML)
     assert load_chat_template(tmp_path / "t.jinja").variables == {}

@@ -163,3 +163,39 @@ def test_ranks_with_other_compression_are_refused_on_every_rank(tmp_path):
     text = seen.pop()
     assert text and "ranks disagree on the compression: rank 0 zstd, rank 1 none" in text, text
     assert not (tmp_path / "ck").exists()  # refused before anything was created
+
+
+def _three_worker(rank: int, port: int, root: str, out: str) -> None:
+    """Ranks 0 and 1 save (rank 1 half a second later: its deadline comes after rank 0 has stopped), rank 2 is in
+    an all-reduce of its own; the savers give up on rank 2 and stop, as a training script whose save raised does."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    lines = Lines()
+    logging.getLogger("fastio.checkpoint.group").addHandler(lines)
+    ckpt = Checkpointer(Path(root), signals=(), agree_timeout=3)
+    seen: dict[str, object] = {}
+    if rank == 2:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError:
+            seen["told"] = [line for line in lines.lines if "gave up" in line]
+    else:
+        time.sleep(rank / 2)
+    try:
+        ckpt.save(1 + (rank == 2), {"model": nn.Linear(4, 2)}, blocking=True)
+    except Exception as err:  # noqa: BLE001 - which error each rank gets is what is checked
+        seen["save"] = f"{type(err).__name__}: {err}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_every_rank_of_three_is_told_when_two_give_up_and_stop(tmp_path):
+    """Two ranks saving, one in its own all-reduce: the saver that arrived later ended in torch's raw
+    'DistNetworkError: Failed to recv' (it read the store after the first saver, its host, had stopped). Every
+    rank now gets the verdict: the savers raise it, the third is told in its line and at its next call."""
+    port = free_port()
+    spawn_ranks(_three_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 3, timeout=90)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    verdict = seen[0]["save"]
+    assert verdict.startswith("CheckpointError: checkpoint save at step 1 gave up on agreement: rank 2"), verdict
+    assert seen[1]["save"] == verdict and seen[2]["save"] == verdict, seen
+    assert len(seen[2]["told"]) == 1 and verdict.split(": ", 1)[1] in seen[2]["told"][0], seen[2]

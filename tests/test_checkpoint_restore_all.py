@@ -190,3 +190,55 @@ class Counter(Refusing):
 
     def load_state_dict(self, state):
         self.value = int(state["value"])
+
+
+class WrappedOptimizer:
+    """An optimizer wrapper that is no ``torch.optim.Optimizer`` (as accelerate's ``AcceleratedOptimizer`` and
+    Lightning's ``LightningOptimizer`` are): its groups and state are the wrapped optimizer's."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_an_app_object_that_refuses_its_state_leaves_a_wrapped_optimizer_and_its_scheduler_untouched(tmp_path,
+                                                                                                    engine):
+    """The refusal says the optimizers are left as they were: so they are when the optimizer is wrapped (not an
+    ``Optimizer`` itself) and for torch's LR scheduler, whose state goes with the optimizer's; they loaded in the
+    first phase, with the app's own objects, before."""
+    torch.manual_seed(0)
+    saved_model = nn.Linear(4, 2)
+    saved_optim = torch.optim.Adam(saved_model.parameters(), lr=0.1)
+    saved_sched = torch.optim.lr_scheduler.StepLR(saved_optim, step_size=1, gamma=0.5)
+    saved_model(torch.ones(3, 4)).sum().backward()
+    saved_optim.step()
+    saved_sched.step()
+    app = {"model": saved_model, "optim": WrappedOptimizer(saved_optim), "sched": saved_sched,
+           "counter": Refusing(3)}
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(7, app, blocking=True)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError, match="left as they were"):
+            ckpt.restore_latest({"model": model, "optim": WrappedOptimizer(optim), "sched": sched,
+                                 "counter": Refusing(0)})
+    assert not optim.state and sched.last_epoch == 0  # neither was loaded
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:  # without the refusing object: both load
+        ckpt.restore_latest({"model": model, "optim": WrappedOptimizer(optim), "sched": sched}, strict=False)
+    assert optim.state and sched.last_epoch == 1 and torch.equal(model.weight, saved_model.weight)

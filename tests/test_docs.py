@@ -238,4 +238,5 @@ def test_site_browses_from_disk_in_a_headless_browser(site):
     assert not broken, "\n".join(broken)
     assert not raw, "\n".join(raw)
     signature = re.sub(r"<[^>]+>|\s+", "", doms[site / "reference.html"])
-    assert "Loader(dest:str|Path|Dataset|Mixture,config:LoaderConfig|None=None,**overrides:Any" in unescape(signature)
+    assert ("Loader(dest:str|Path|Dataset|Mixture,config:LoaderConfig|None=None,*,replicas:Any=None,**overrides:Any"
+            in unescape(signature))

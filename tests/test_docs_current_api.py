@@ -1,6 +1,6 @@
-"""What a newcomer reads first shows the current API: the README's code uses the pipeline objects (not the old
-`pipeline="image-train", image_size=` spelling docs/loader.md keeps for old code), and every synthetic-data
-helper the docs and examples use is in the API reference (docs/reference.md)."""
+"""What a newcomer reads first shows the current API: the README's code, every example and every doc snippet use the
+pipeline objects (not the old `pipeline="image-train", image_size=` spelling docs/loader.md keeps for old code), and
+every synthetic-data helper the docs and examples use is in the API reference (docs/reference.md)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,17 @@ def test_the_synthetic_helpers_the_docs_show_are_in_the_api_reference():
     documented = set(re.findall(r"^::: fastio\.convert\.synthetic\.(\w+)$", (ROOT / "docs" / "reference.md").read_text(),
                                 re.M))
     assert shown <= documented, sorted(shown - documented)
+
+
+def old_spellings(root: Path) -> list[str]:
+    """``file: line`` of each old-spelling line in the examples and the docs' code (docs/loader.md shows the old
+    spelling on purpose, to explain it)."""
+    code = [(path, path.read_text()) for path in sorted((root / "examples").glob("*.py"))]
+    code += [(path, block) for path in sorted((root / "docs").glob("*.md")) if path.name != "loader.md"
+             for block in python_blocks(path.read_text())]
+    return [f"{path.relative_to(root)}: {line.strip()}" for path, text in code for line in text.splitlines()
+            if OLD_SPELLING.search(line)]
+
+
+def test_every_example_and_doc_snippet_uses_the_pipeline_objects():
+    assert old_spellings(ROOT) == []

@@ -546,14 +546,15 @@ def test_a_table_naming_videos_and_audio_converts_with_probes(tmp_path):
     table = tmp_path / "files.csv"
     table.write_text("path,label\nfiles/a.webm,0\nfiles/b.flac,1\nfiles/c.mp3,1\n")
     result = convert(ConvertConfig(source=table, dest=tmp_path / "ds", workers=1, progress=False))
-    assert result.samples == 2 and [s["path"] for s in result.skipped] == ["files/c.mp3"]
+    # the MP3 is stored as FLAC (transcode="flac", the default)
+    assert result.samples == 3 and result.skipped == [] and result.transcoded == {"flac": {"mp3float": 1}}
     ds = fastio.Dataset(tmp_path / "ds")
     assert set(ds.fields) == {"cls", "flac", "probe.json", "webm"}
-    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=2, device="cpu",
+    with fastio.Loader(tmp_path / "ds", pipeline=fastio.Raw(fields=["probe.json"]), batch_size=3, device="cpu",
                        shuffle="none") as loader:
         probes = [json.loads(p) for p in next(iter(loader))["probe.json"]]
-    assert {p["kind"]: p["frames" if p["kind"] == "video" else "samples"] for p in probes} == {"video": 6,
-                                                                                                "audio": 8000}
+    assert sorted((p["kind"], p["frames" if p["kind"] == "video" else "samples"], p.get("transcoded_from", ""))
+                  for p in probes) == [("audio", 8000, ""), ("audio", 8000, "mp3float"), ("video", 6, "")]
 
 
 def test_transcode_vp9_turns_h264_into_clips_with_the_same_frames(tmp_path, capsys):

@@ -419,7 +419,8 @@ def bad_folder(tmp_path_factory) -> Path:
 
 def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path):
     result = convert(ConvertConfig(source=bad_folder, dest=tmp_path / "ds", workers=1, progress=False,
-                                   video_decoder="cpu"))  # cpu: H.264 is skipped too (the default keeps it)
+                                   video_decoder="cpu",  # cpu: H.264 is skipped too (the default keeps it)
+                                   transcode="none"))  # none: the MP3 is skipped too (the default stores it as FLAC)
     reasons = {s["path"]: s["reason"] for s in result.skipped}
     kept = result.samples
     assert "c0/good.webm" not in reasons
@@ -434,8 +435,9 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
 
 def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
     """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
-    named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): skipped at convert, named with the codec and
-    the way out, not stored to fail the Loader's batches later."""
+    named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): with ``transcode="none"`` skipped at convert,
+    named with the codec and the way out, not stored to fail the Loader's batches later; by default stored as
+    FLAC (tests/test_audio_transcode.py)."""
     src = tmp_path / "src" / "c0"
     make_audio(src / "aac.wav", "aac", "wav", rate=48000)
     make_audio(src / "mka.opus", "libopus", "matroska", rate=48000)
@@ -444,7 +446,8 @@ def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path)
     make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000)
     make_audio(src / "alaw.wav", "pcm_alaw", "wav", rate=8000)
     make_audio(src / "ima.wav", "adpcm_ima_wav", "wav", rate=16000)
-    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False,
+                                   transcode="none"))
     reasons = {s["path"]: s["reason"] for s in result.skipped}
     assert set(reasons) == {"c0/aac.wav", "c0/mka.opus", "c0/alac.flac", "c0/adts.ogg"}, reasons
     assert result.samples == 3

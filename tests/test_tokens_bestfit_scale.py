@@ -122,8 +122,8 @@ def test_a_piece_of_exactly_half_and_one_over_half():
 
 
 def test_the_bench_row_times_both_fits_on_the_synthetic_corpus(tmp_path):
+    from bench.token_dataset import TokenDataset
     from bench.tokens import bench_bestfit_construction, write_synthetic
-    from fastio.tokens.dataset import TokenDataset
 
     folder = write_synthetic(tmp_path / "scale", 4_000, shards=2, mean_len=300)
     got = bench_bestfit_construction(folder, 256)

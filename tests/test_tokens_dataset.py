@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tokens_helpers import word_corpus
 
+from bench.token_dataset import TokenDataset
 from fastio.errors import DatasetError
-from fastio.tokens.dataset import TokenDataset
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ def test_documents_of_several_sequences_are_indexed_and_read_whole(tmp_path):
     sequence per document, and a reader takes each document whole through doc_index."""
     import torch
 
-    from fastio.tokens.dataset import TokenDataset
+    from bench.token_dataset import TokenDataset
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

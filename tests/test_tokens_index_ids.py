@@ -82,10 +82,26 @@ def test_int32_tokens_under_a_uint16_idx_are_refused_by_index(tmp_path, capsys):
     assert run_cli(["index", str(ones), "--eos-id", str(EOS)], capsys)[0] == 0
 
 
+def test_int32_tokens_of_a_vocabulary_above_65536_under_a_uint16_idx_are_refused(tmp_path, capsys):
+    """The vocabularies that need int32: an id above 65,535 has a high half of 1 (or 2, ...), not 0, so 'every
+    second token is 0' missed them and, with an end-of-document id 0, index and verify passed the widened pair (the
+    Loader then delivered ids below 65,536 and a 0 or 1 between them). Every token at an odd offset is a small high
+    half while the others reach far above it: refused too."""
+    docs = widened(documents(top=100_000))
+    assert {int(t) for d in docs for t in d[1::2]} == {0, 1}  # the high halves: 0 and 1
+    data = pair(tmp_path / "data", "a", docs)
+    code, out, err = run_cli(["index", str(data), "--eos-id", str(EOS), "--vocab-size", "100000"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+    assert err.startswith(f"fastio: error: {data / 'a.bin'}: every second token is at most 1"), err
+    assert "int32 tokens under an .idx that says uint16" in err and not (data / "manifest.json").exists()
+    small = pair(tmp_path / "small", "a", documents(top=16))  # a vocabulary of 16 ids: every token small, taken
+    assert run_cli(["index", str(small), "--eos-id", str(EOS)], capsys)[0] == 0
+
+
 def test_verify_finds_int32_tokens_under_a_uint16_idx_in_a_dataset_indexed_before(tmp_path, capsys):
     """A manifest as an older fastio index wrote it (no largest id) over the widened pair: verify names the fault."""
     docs = widened(documents())
-    data = pair(tmp_path / "data", "a", [np.r_[np.where(np.arange(d.size - 1) % 2, 1, d[:-1]), EOS] for d in docs])
+    data = pair(tmp_path / "data", "a", [np.r_[np.arange(d.size - 1) % 400 + 1, EOS] for d in docs])
     index_tokens(TokenIndexConfig(data, eos_id=EOS))
     pair(data, "a", docs)  # the widened tokens, in place of the indexed ones
     _, digests = digests_file(data / "a.bin", ("sha256", "xxh3_128"))

@@ -14,8 +14,8 @@ from resume import batches, check_resume, run_ranks, same_batch
 from tokens_helpers import word_corpus
 
 import fastio
+from bench.token_dataset import TokenDataset
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.tokens.dataset import TokenDataset
 
 SEQ = 16
 

@@ -14,9 +14,9 @@ from resume import batches, check_resume, run_ranks
 from tokens_helpers import word_corpus
 
 import fastio
+from bench.token_dataset import TokenDataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.mixorder import source_seed
-from fastio.tokens.dataset import TokenDataset
 
 SEQ, WINDOW, SEED = 16, 8, 3
 

@@ -21,9 +21,9 @@ from test_tokens_packing import Table
 from tokens_helpers import word_corpus
 
 import fastio
+from bench.token_dataset import TokenDataset
 from fastio.errors import DatasetError
 from fastio.tokens import packing as packing_module
-from fastio.tokens.dataset import TokenDataset
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, boundaries, cu_seqlens, position_ids
 
 EOS = 0

@@ -14,11 +14,12 @@ One writer per directory: rank 0 holds :class:`fastio.storage.lock.DirLock` on D
 ``close`` (a second job is refused; the kernel drops the lock of a dead job); for an ``s3://`` DIR also the
 prefix's lease, and with node-local staging the lowest rank of each node locks its node's staging directory
 (:mod:`fastio.checkpoint.remote`). ``read_only=True`` (restore only, e.g. evaluation beside training) takes none
-of them and changes nothing in DIR; ``save`` is refused. A restore (:mod:`fastio.checkpoint.restore`) checks every
-file of the checkpoint it loads against the commit marker's checksums (the ranks share the reading) and falls
-back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.removal` for what may be deleted. A save's
-progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in the commit marker
-(:class:`~fastio.checkpoint.record.CommitRecord`).
+of them and changes nothing in DIR; ``save`` is refused. A restore (the Checkpointer's
+:class:`~fastio.checkpoint.restore.Restorer`, given the :class:`Commit`, the training thread's rank group and
+the engines) checks every file of the checkpoint it loads against the commit marker's checksums (the ranks
+share the reading) and falls back past damaged or unrecognised steps; see :mod:`fastio.checkpoint.removal` for
+what may be deleted. A save's progress (epoch, metrics, elapsed time, hparams, world size) is recorded once, in
+the commit marker (:class:`~fastio.checkpoint.record.CommitRecord`).
 With ``compression=`` the writer compresses the engine's files before the commit, the ranks sharing them,
 and a restore decompresses into a private directory the engine reads (:mod:`fastio.checkpoint.compress`).
 """
@@ -31,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, naming, restore, scan
+from fastio.checkpoint import agree, compress, naming, scan
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -46,7 +48,15 @@ from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.record import CommitInfo, Progress
-from fastio.checkpoint.restore import LOADER_POLICIES, RESERVED_PREFIX, RNG_KEY, TrainState, loader_epoch, loader_keys
+from fastio.checkpoint.restore import (
+    LOADER_POLICIES,
+    RESERVED_PREFIX,
+    RNG_KEY,
+    Restorer,
+    TrainState,
+    loader_epoch,
+    loader_keys,
+)
 from fastio.checkpoint.rng import capture_rng
 from fastio.checkpoint.staging import Stager
 from fastio.checkpoint.writer import start_writer
@@ -70,6 +80,13 @@ def _rank_world() -> tuple[int, int]:
         raise CheckpointError(f"WORLD_SIZE={world} (rank {rank}) but torch.distributed is not initialised: "
                               "call torch.distributed.init_process_group before creating the Checkpointer")
     return rank, world
+
+
+def _engine_of(engines: dict[str, Engine], name: str) -> Engine:
+    """The engine ``name`` from a Checkpointer's ``engines``, made at its first use (its library imported then)."""
+    if name not in engines:
+        engines[name] = get_engine(name)
+    return engines[name]
 
 
 def _replicated_keys(app: dict[str, Any]) -> list[str]:
@@ -144,7 +161,7 @@ class Checkpointer:
     def _start_commit(self) -> None:
         """The ranks that see this rank's directory (all, except for an ``s3://`` dir staged node-locally: a
         collective finds them), which share hashing, compressing and checking its files, the lowest of them
-        creating and cleaning its step dirs; and the :class:`Commit` over them."""
+        creating and cleaning its step dirs; the :class:`Commit` over them, and the :class:`Restorer` given them."""
         self._dir_ranks: tuple[int, ...] = tuple(range(self.world_size))
         if self._remote is not None and self.world_size > 1:
             self._group_staging()
@@ -152,6 +169,10 @@ class Checkpointer:
                                 if len(self._dir_ranks) < self.world_size
                                 else LocalCommit(self.dir, self._remote, self.world_size))
         self._leader = self._dir_ranks[0] == self.rank
+        # Given the engine cache, not a bound method: no cycle keeps an unclosed Checkpointer (its lock) alive.
+        self._restorer = Restorer(commit=self._commit, ranks=self._ranks, engine=partial(_engine_of, self._engines),
+                                  rank=self.rank, world_size=self.world_size, leader=self._leader, share=self._share,
+                                  read_only=self.read_only, where=str(self.config.url or self.dir))
 
     def _take_dir(self) -> None:
         """Rank 0 at construction: refuse a dataset directory, create DIR and take its lock (and an ``s3://`` dir's
@@ -286,7 +307,8 @@ class Checkpointer:
         temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside.
         RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
         (see :mod:`fastio.checkpoint.elastic`). The progress returned (epoch, metrics, elapsed, hparams) is the
-        commit marker's, rank 0's at the save, on every rank. The restore itself is :mod:`fastio.checkpoint.restore`.
+        commit marker's, rank 0's at the save, on every rank. The restore itself is the Checkpointer's
+        :class:`~fastio.checkpoint.restore.Restorer`.
 
         Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
@@ -310,7 +332,7 @@ class Checkpointer:
                              "Loader)")
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
         self._raise_if_failed(wait=True)
-        state = restore.restore_latest(self, app, step, strict, loader_policy)
+        state = self._restorer.restore_latest(app, step, strict, loader_policy)
         if state is not None:  # the next save continues the restored run's clock
             self._last_step = state.step
             self._last_time = self._started = time.monotonic()
@@ -349,9 +371,7 @@ class Checkpointer:
             raise
 
     def _engine(self, name: str) -> Engine:
-        if name not in self._engines:
-            self._engines[name] = get_engine(name)
-        return self._engines[name]
+        return _engine_of(self._engines, name)
 
     @property
     def _share(self) -> tuple[int, int]:
@@ -398,8 +418,30 @@ class Checkpointer:
             return
         self._raise_if_failed(wait=True)  # one save in flight: staging buffers are free again after this
         t0 = time.perf_counter()
+        engine, staged, global_keys, progress = self._stage(step, app, engine_name, metrics, epoch)
+        replicated = list(self.config.replicated)
+        if self.world_size > 1 and not global_keys:
+            replicated += _replicated_keys(app)
+        info = CommitInfo(engine=engine.name, progress=progress,
+                          compression=self._compression.codec if self._compression is not None else None)
+        self._inflight_step = step
+        self._last_step = step
+        self._last_time = time.monotonic()
         tmp = self._commit.tmp_dir(step)
+        self._thread = start_writer(self._write, (engine, staged, replicated, global_keys, step, tmp, info),
+                                    name=f"fastio-ckpt-{step}", nice=self.config.writer_nice)
+        self.last_blocked_s = time.perf_counter() - t0
+        if blocking:
+            self._raise_if_failed(wait=True)
+            self._ranks.barrier("save")
+
+    def _stage(self, step: int, app: dict[str, Any], engine_name: str, metrics: dict[str, float] | None,
+               epoch: int | None) -> tuple[Engine, dict[str, Any], frozenset[str], Progress]:
+        """Collective: every rank's private copy of ``app`` for the save of ``step`` (the step's temporary
+        directory made first), with the same shapes of global state everywhere; every rank fails together (or
+        the others would wait forever in the write's collectives), the temporary deleted."""
         made: list[Path] = []
+        shapes: list[tuple[str, str, str]] = []
 
         def stage() -> tuple[Engine, dict[str, Any], frozenset[str], Progress]:
             """This rank's part: the engine (its library imported at the first save: within the phase, so that a
@@ -416,8 +458,7 @@ class Checkpointer:
             shapes.extend(agree.global_shapes(states, global_keys))
             return engine, self._stager.stage(states), global_keys, progress
 
-        shapes: list[tuple[str, str, str]] = []
-        try:  # every rank fails together, or the others would wait forever in the write's collectives
+        try:
             engine, staged, global_keys, progress = self._ranks.run("stage", stage)
             if self.world_size > 1 and global_keys:  # written once from all ranks: the same shapes everywhere
                 self._agree_shapes(step, app, shapes)
@@ -425,20 +466,7 @@ class Checkpointer:
             if made:
                 self._commit.discard(step)
             raise
-        replicated = list(self.config.replicated)
-        if self.world_size > 1 and not global_keys:
-            replicated += _replicated_keys(app)
-        info = CommitInfo(engine=engine.name, progress=progress,
-                          compression=self._compression.codec if self._compression is not None else None)
-        self._inflight_step = step
-        self._last_step = step
-        self._last_time = time.monotonic()
-        self._thread = start_writer(self._write, (engine, staged, replicated, global_keys, step, tmp, info),
-                                    name=f"fastio-ckpt-{step}", nice=self.config.writer_nice)
-        self.last_blocked_s = time.perf_counter() - t0
-        if blocking:
-            self._raise_if_failed(wait=True)
-            self._ranks.barrier("save")
+        return engine, staged, global_keys, progress
 
     def _agree_shapes(self, step: int, app: dict[str, Any], shapes: list[tuple[str, str, str]]) -> None:
         """Collective: every rank stages global state of the same shapes, or every rank raises, naming the first

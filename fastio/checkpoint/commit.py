@@ -4,8 +4,8 @@
 written into (``step-N.tmp``, names from :mod:`fastio.checkpoint.naming`), its files (and deleting it when a save
 fails), publishing it with its commit marker last (:mod:`fastio.checkpoint.publish`), retention, which steps
 exist, and making a step readable locally before a restore checks it. The Checkpointer keeps the scheduling
-and decides what to restore; it runs one restore flow over either implementation (plan, fetch, check, fall
-back).
+and its :class:`~fastio.checkpoint.restore.Restorer` decides what to restore, one restore flow over either
+implementation (plan, fetch, check, fall back).
 
 - :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
   directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`publish.commit`) and applies retention; for
@@ -48,9 +48,9 @@ class Commit(Protocol):
     ranks_here: tuple[int, ...]
     """The ranks that see ``root`` (they share its files' work), lowest first; the lowest creates and cleans."""
     restored: int | None
-    """Set by the Checkpointer to the step a restore loaded: the next :meth:`publish` first supersedes every
-    committed step above it (the abandoned branch of a rollback, crash-safely: see
-    :mod:`fastio.checkpoint.rollback`), then forgets it."""
+    """Set by the restore (:class:`~fastio.checkpoint.restore.Restorer`) to the step it loaded: the next
+    :meth:`publish` first supersedes every committed step above it (the abandoned branch of a rollback,
+    crash-safely: see :mod:`fastio.checkpoint.rollback`), then forgets it."""
 
     def tmp_dir(self, step: int) -> Path: ...
 

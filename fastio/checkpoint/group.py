@@ -274,6 +274,8 @@ class RankGroup:
             warned, before = False, None
             while not done.wait(0.5):
                 waited_s = time.monotonic() - started
+                if self.gave_up:  # another rank gave up on this entry (this rank's watch heard it): it stands
+                    raise CheckpointError(self.gave_up)
                 if waited_s >= timeout:
                     self._give_up(key, operation, timeout)
                     done.wait()  # a rank saw everyone arrive: this rank's all-reduce is completing too
@@ -297,7 +299,9 @@ class RankGroup:
 
     def _give_up(self, key: str, operation: str, timeout: float) -> None:
         """At the deadline: raise the verdict that stands (this rank's, unless a rank noted one first), after the
-        absent ranks' watchers have seen it (at most ``GONE_WAIT_S``); returns when a rank saw everyone arrive."""
+        other ranks' watchers have seen it (at most ``GONE_WAIT_S``: the absent ones, and those that wait too but
+        would read the verdict after this rank, their store's host, stopped); returns when a rank saw everyone
+        arrive."""
         absent = self._absent(key)
         text = (f"checkpoint {operation} gave up on agreement: {self._ranks_text(absent) or 'a rank'} did not "
                 f"arrive within agree_timeout={timeout:g} s ({self.name} group, rank {self.rank} of {self.world} "
@@ -307,7 +311,7 @@ class RankGroup:
             return
         if self._store_compare_set(f"{self._key}/gave-up", verdict) == verdict:
             deadline = time.monotonic() + GONE_WAIT_S
-            seen = [f"{self._key}/gave-up/seen/{r}" for r in absent]
+            seen = [f"{self._key}/gave-up/seen/{r}" for r in range(self.world) if r != self.rank]
             while seen and not self._store_has_all(seen) and time.monotonic() < deadline:
                 time.sleep(0.05)
         raise CheckpointError(verdict)

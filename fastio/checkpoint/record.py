@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastio.checkpoint.engines import DEFAULT_ENGINE
+from fastio.checks import checked, is_type, read_checked
 from fastio.errors import CheckpointError
 
 __all__ = ["CHECKSUM", "COMMIT_FORMAT", "COMMIT_VERSION", "COMPRESSED_VERSION", "READ_VERSIONS", "CommitInfo",
@@ -40,13 +41,13 @@ CHECKSUM = "xxh3_128"
 class Progress:
     """A save's progress, as rank 0 saw it: what ``restore_latest`` hands back in its ``TrainState``."""
 
-    epoch: int = -1
+    epoch: int = checked(is_type(int), default=-1)
     """The epoch given to (or found by) ``maybe_save``; -1 when unknown."""
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    elapsed: float = 0.0
+    metrics: Mapping[str, float] = checked(is_type(dict), default_factory=dict)
+    elapsed: float = checked(is_type(int, float), default=0.0)
     """Seconds of training (summed over restarts) up to the save."""
-    hparams: Mapping[str, Any] = field(default_factory=dict)
-    world_size: int = 0
+    hparams: Mapping[str, Any] = checked(is_type(dict), default_factory=dict)
+    world_size: int = checked(is_type(int), default=0)
     """The number of ranks that saved; 0 when unknown (the engine's files then say)."""
 
 
@@ -68,14 +69,14 @@ class CommitRecord:
     step: int
     files: Mapping[str, Mapping[str, Any]]
     """Relative path -> ``{"bytes": size, CHECKSUM: digest}`` (``sha256`` in version 1)."""
-    time: float = 0.0
+    time: float = checked(is_type(int, float), default=0.0)
     """Unix time of the commit."""
-    time_utc: str | None = None
-    checksum: str = "sha256"
-    bytes: int | None = None
+    time_utc: str | None = checked(is_type(str), default=None)
+    checksum: str = checked(is_type(str), default="sha256")
+    bytes: int | None = checked(is_type(int), default=None)
     """The listed files' bytes, as stored."""
-    engine: str = DEFAULT_ENGINE
-    compression: str | None = None
+    engine: str = checked(is_type(str), default=DEFAULT_ENGINE)
+    compression: str | None = checked(is_type(str), default=None)
     progress: Progress = field(default_factory=Progress)
 
     @classmethod
@@ -103,21 +104,19 @@ class CommitRecord:
         return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
 
 
-def _field(data: dict, name: str, kinds: tuple[type, ...], default: Any, where: str) -> Any:
-    """``data[name]`` when it is one of ``kinds`` (never a bool for a number), ``default`` when absent."""
-    value = data.get(name, default)
-    if value is default or (isinstance(value, kinds) and not isinstance(value, bool)):
-        return value
-    raise CheckpointError(f"{where}: commit marker field {name!r} is {value!r}, expected "
-                          f"{' or '.join(k.__name__ for k in kinds)}")
+def _read(cls: type, data: dict, where: str) -> dict[str, Any]:
+    """``cls``'s checked fields in marker ``data`` (:func:`fastio.checks.read_checked`: an absent one takes its
+    default, a number is never a bool); CheckpointError naming ``where``, the field and its value."""
+    return read_checked(cls, data, complain=lambda key, value, problem: CheckpointError(
+        f"{where}: commit marker field {key!r} is {value!r}, {problem}"),
+        lacks=lambda keys: CheckpointError(f"{where}: commit marker lacks {', '.join(map(repr, keys))}"))
 
 
 def _progress(data: dict, where: str) -> Progress:
-    metrics = _field(data, "metrics", (dict,), {}, where)
-    hparams = _field(data, "hparams", (dict,), {}, where)
-    return Progress(epoch=_field(data, "epoch", (int,), -1, where), metrics=metrics,
-                    elapsed=float(_field(data, "elapsed", (int, float), 0.0, where)), hparams=hparams,
-                    world_size=_field(data, "world_size", (int,), 0, where) or 0)
+    values = _read(Progress, data, where)
+    if "elapsed" in values:
+        values["elapsed"] = float(values["elapsed"])
+    return Progress(**values)
 
 
 def _files(data: dict, where: str) -> dict[str, dict[str, Any]]:
@@ -144,11 +143,10 @@ def parse_commit(text: bytes, where: str) -> CommitRecord:
         raise CheckpointError(f"{where}: commit marker version {data.get('version')!r}, this fastio reads "
                               f"{', '.join(map(str, READ_VERSIONS))}")
     files = _files(data, where)
-    return CommitRecord(version=data["version"], step=data["step"], files=files,
-                        time=float(_field(data, "time", (int, float), 0.0, where)),
-                        time_utc=_field(data, "time_utc", (str,), None, where),
-                        checksum=_field(data, "checksum", (str,), "sha256", where),
-                        bytes=_field(data, "bytes", (int,), None, where),
-                        engine=_field(data, "engine", (str,), DEFAULT_ENGINE, where),
-                        compression=_field(data, "compression", (str,), None, where) or None,
-                        progress=_progress(data, where))
+    values = _read(CommitRecord, data, where)
+    if "time" in values:
+        values["time"] = float(values["time"])
+    if not values.get("compression"):
+        values.pop("compression", None)
+    return CommitRecord(version=data["version"], step=data["step"], files=files, progress=_progress(data, where),
+                        **values)

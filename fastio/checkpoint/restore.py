@@ -1,8 +1,11 @@
 """The Checkpointer's restore path, beside its save path (:mod:`fastio.checkpoint.checkpointer`).
 
-``restore_latest`` plans the candidates (rank 0: the newest committed steps first, or the one asked for; every
-directory's own abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://``
-dir: into its staging directory), checks every file against the commit marker (the ranks sharing the files)
+The Checkpointer makes and owns one :class:`Restorer`, given what a restore uses: the directory's
+:class:`~fastio.checkpoint.commit.Commit`, the training thread's :class:`~fastio.checkpoint.group.RankGroup`, the
+engine getter, this rank's place among the ranks sharing the directory, ``read_only``. Its ``restore_latest``
+plans the candidates (rank 0: the newest committed steps first, or the one asked for; every directory's own
+abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://`` dir: into its staging
+directory), checks every file against the commit marker (the ranks sharing the files)
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
@@ -23,7 +26,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
@@ -36,31 +39,15 @@ from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError, FastioError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fastio.checkpoint.commit import Commit, Unrecognised
-    from fastio.checkpoint.config import CheckpointConfig
     from fastio.checkpoint.engines.base import Engine
     from fastio.checkpoint.group import RankGroup
 
 
-class Checkpointer(Protocol):
-    """What the restore path uses of :class:`fastio.checkpoint.checkpointer.Checkpointer` (a protocol, so this
-    module does not import the one that imports it)."""
-
-    config: CheckpointConfig
-    dir: Path
-    rank: int
-    world_size: int
-    read_only: bool
-    _commit: Commit
-    _ranks: RankGroup
-    _dir_ranks: list[int]
-    _leader: bool
-    _share: tuple[int, int]
-
-    def _engine(self, name: str) -> Engine: ...
-
-__all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "TrainState", "check_state_dicts", "loader_epoch",
-           "loader_keys", "own_keys", "restore_latest"]
+__all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "Restorer", "TrainState", "check_state_dicts",
+           "loader_epoch", "loader_keys", "own_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -137,50 +124,6 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
     return held
 
 
-# ----------------------------------------------------------------- choosing the step
-def restore_latest(ck: Checkpointer, app: dict[str, Any], step: int | None, strict: bool,
-                   loader_policy: str) -> TrainState | None:
-    """The restore behind :meth:`Checkpointer.restore_latest` (which checks the arguments and enters the
-    operation on every rank first); collective over ``ck``'s rank group."""
-    commit = ck._commit
-    candidates, unrecognised = ck._ranks.broadcast("plan", ck._ranks.run("plan", lambda: _plan(ck, step)))
-    chosen, skipped = _choose(ck, candidates, step)
-    newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
-    if chosen is None:
-        if newer:  # nothing to fall back to: leave everything where it is and say so
-            raise CheckpointError(f"{ck.config.url or ck.dir}: no intact checkpoint: {len(newer)} step director(ies) "
-                                  f"damaged or unrecognised, newest {newer[0][1]}: {newer[0][2]}")
-        return None
-    if ck._leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
-        _set_aside(newer, read_only=ck.read_only)
-    path = commit.step_dir(chosen)
-    state = _restore(ck, path, scan.read_commit(path), app, strict, loader_policy)
-    commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
-    return state
-
-
-def _plan(ck: Checkpointer, step: int | None) -> tuple[list[int], list[Unrecognised]] | None:
-    """Rank 0's candidates, newest first (after every directory's abandoned temporaries are cleaned)."""
-    if ck._leader and not ck.read_only:
-        ck._commit.clean()
-    return ck._commit.plan(step) if ck.rank == 0 else None
-
-
-def _choose(ck: Checkpointer, candidates: list[int], step: int | None) -> tuple[int | None, list[Unrecognised]]:
-    """The first intact candidate (fetched and checked on every rank), and the damaged ones before it."""
-    commit = ck._commit
-    skipped: list[Unrecognised] = []
-    for cand in candidates:
-        path = commit.step_dir(cand)
-        problems = ck._ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if ck._leader else [])
-        problems = problems or _check_step(ck, cand, path)
-        if not problems:
-            return cand, skipped
-        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        skipped.append((cand, str(path), problems[0] + more))
-        if step is not None:
-            raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
-    return None, skipped
 
 
 def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
@@ -198,58 +141,6 @@ def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
         log.warning("fastio: skipping checkpoint %s: %s%s", path_, reason, moved)
 
 
-def _check_step(ck: Checkpointer, step: int, path: Path) -> list[str]:
-    """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
-    against its recorded size and checksum, the ranks sharing the files); empty when intact."""
-    def check() -> list[str]:
-        entry = scan.StepEntry(step, path, scan.read_commit(path))
-        if entry.commit.engine not in ENGINES:
-            return [f"{path / naming.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
-                    f"fastio has {', '.join(sorted(ENGINES))}"]
-        why = compress.check_marker(entry.commit)
-        if why:
-            return [f"{path / naming.COMMIT_FILE}: {why}"]
-        return catalog.verify_files(entry, part=ck._share)  # every directory's copy, by the ranks seeing it
-
-    return ck._ranks.collect("check", check)
-
-
-# ----------------------------------------------------------------- loading the chosen step
-def _restore(ck: Checkpointer, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-             loader_policy: str) -> TrainState:
-    if not commit.compression:
-        return _restore_from(ck, path, path, commit, app, strict, loader_policy)
-    # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
-    # the work; the engine reads there; the directory goes when every rank is done with it.
-    where = ck._ranks.gather("decompress", ck._ranks.run("decompress", lambda: _start_restore_dir(ck, commit.step)))
-    work = Path(where[ck._dir_ranks[0]])
-    try:
-        i, n = ck._share
-        mine = sorted(commit.files)[i::n]
-        ck._ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
-                                                                   commit.compression) for rel in mine])
-        try:
-            return _restore_from(ck, path, work, commit, app, strict, loader_policy)
-        except CheckpointError as err:  # name the checkpoint, not the directory about to go
-            raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
-    finally:
-        try:
-            ck._ranks.barrier("restore")  # every rank is done reading
-        finally:
-            if ck._leader:
-                shutil.rmtree(work, ignore_errors=True)
-
-
-def _start_restore_dir(ck: Checkpointer, step: int) -> str | None:
-    """One private directory per staging directory, made by the lowest rank seeing it."""
-    if not ck._leader:
-        return None
-    try:
-        return str(removal.start_restore_dir(ck.dir, step))
-    except OSError as err:
-        raise CheckpointError(f"{naming.restore_dir(ck.dir, step)}: cannot create: {err.strerror or err}") from None
-
-
 @dataclass
 class _Opened:
     """A checkpoint opened for this rank: the app's targets, what was saved, and what was checked."""
@@ -263,40 +154,6 @@ class _Opened:
     """The loaders' checked states, loaded last."""
     dropped: dict[str, str]
     """Optimizers whose parameter groups cannot load (``strict=False``): app key -> why, left as they are."""
-
-
-def _open(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-          loader_policy: str) -> _Opened:
-    """This rank's checks before anything loads: the engine can restore this app, the checkpoint has state for
-    every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
-    name = commit.engine
-    sharded = holds_dtensor(app)
-    if sharded and name != "dcp":
-        raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
-                              f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
-                              "into the unsharded model and save again with engine='dcp'")
-    engine = ck._engine(name)
-    prepared, _ = engine.prepare(app)
-    saved = engine.open(files, pg=ck._ranks.pg)
-    world = commit.progress.world_size or saved.world_size
-    src = ck.rank % world  # the saving rank whose per-rank state this rank takes
-    have = saved.keys(src)
-    missing = sorted(k for k in prepared if k not in have)
-    if missing:
-        holds = ", ".join(sorted(k for k in have if not k.startswith(RESERVED_PREFIX))) or "nothing"
-        raise CheckpointError(
-            f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
-            f"(it holds: {holds}; written by {world} rank(s), this run has {ck.world_size})")
-    extra = sorted(k for k in have if k not in prepared and not k.startswith(RESERVED_PREFIX))
-    if extra and strict:
-        raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
-                              "app lacks (restore_latest(..., strict=False) skips them)")
-    held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
-    targets = {k: v for k, v in prepared.items() if k not in held}
-    whose = f" (rank {ck.rank} takes saved rank {src}'s state)" if world != ck.world_size else ""
-    dropped = _precheck(saved, targets, src, strict, elastic=world != ck.world_size, where=f"{path}{whose}",
-                        modules=app if own_keys(app, targets) else None)
-    return _Opened(prepared, saved, world, extra, held, dropped)
 
 
 def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool, where: str,
@@ -331,52 +188,16 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
 
 def own_keys(app: dict[str, Any], targets: dict[str, Any]) -> list[str]:
     """Keys of ``targets`` whose ``load_state_dict`` is the app's own code, which no check before the load can
-    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata) and
-    the loaders (checked by their ``check_state_dict``, not among ``targets``). Loaded first, so that one that
-    refuses its state leaves the modules, optimizers, loaders and RNG as they were."""
+    vouch for: every app object but torch modules and optimizers (checked from the checkpoint's metadata), an
+    optimizer wrapper (an object with an optimizer's ``param_groups``, checked as one: accelerate's, Lightning's),
+    torch's LR schedulers (whose state goes with the optimizer's) and the loaders (checked by their
+    ``check_state_dict``, not among ``targets``). Loaded first, so that one that refuses its state leaves the
+    modules, optimizers, schedulers, loaders and RNG as they were."""
     from torch import nn, optim
 
-    return [k for k in targets if k in app and not isinstance(app[k], (nn.Module, optim.Optimizer))]
-
-
-def _load(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any],
-          strict: bool) -> tuple[list[str], list[str], list[str]]:
-    """The engine's load of ``targets``: ``(replicated, per_rank, skipped)``."""
-    try:
-        if opened.saved_world != ck.world_size:
-            replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=ck.rank,
-                                                            saved_world=opened.saved_world, strict=strict)
-            return replicated, per_rank, list(skipped or [])
-        return [], [], list(opened.saved.restore(targets, strict=strict) or [])
-    except CheckpointError:
-        raise
-    except Exception as err:  # a mismatched model or an app object refusing its state lands here
-        raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
-
-
-def _load_all(ck: Checkpointer, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
-              strict: bool) -> tuple[list[str], list[str], list[str]]:
-    """Load in two agreed ``load`` phases: the app's own objects (:func:`own_keys`: one that refuses its state
-    fails the restore on every rank before anything else loads), then the engine's other keys and the loaders'
-    checked states. ``(replicated, per_rank, skipped)`` of them all."""
-    first = own_keys(app, targets)
-    parts = []
-    if first:
-        try:
-            parts.append(ck._ranks.run("load", lambda: _load(ck, path, opened, {k: targets[k] for k in first},
-                                                             strict)))
-        except CheckpointError as err:
-            raise CheckpointError(f"{err} (the app's modules, optimizers, loaders and RNG are left as they "
-                                  "were)") from err.__cause__
-
-    def load() -> tuple[list[str], list[str], list[str]]:
-        done = _load(ck, path, opened, {k: v for k, v in targets.items() if k not in first}, strict)
-        _load_loaders(path, opened, app)
-        return done
-
-    parts.append(ck._ranks.run("load", load))
-    replicated, per_rank, skipped = ([k for part in parts for k in part[i]] for i in range(3))
-    return replicated, per_rank + (list(opened.held) if opened.saved_world != ck.world_size else []), skipped
+    torch_own = (nn.Module, optim.Optimizer, optim.lr_scheduler.LRScheduler, optim.lr_scheduler.ReduceLROnPlateau)
+    return [k for k in targets if k in app and not isinstance(app[k], torch_own)
+            and group_sizes(getattr(app[k], "param_groups", None)) is None]
 
 
 def _load_loaders(path: Path, opened: _Opened, app: dict[str, Any]) -> None:
@@ -390,35 +211,6 @@ def _load_loaders(path: Path, opened: _Opened, app: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: restore failed: app key {key!r}: {first_line(err)}") from err
 
 
-def _restore_from(ck: Checkpointer, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
-                  strict: bool, loader_policy: str) -> TrainState:
-    """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
-    makes (the loaders' states read and checked too), then the loads (:func:`_load_all`); each agreed,
-    so a rank that fails fails every rank's restore."""
-    opened = ck._ranks.run("open", lambda: _open(ck, path, files, commit, app, strict, loader_policy))
-    elastic = opened.saved_world != ck.world_size  # see fastio.checkpoint.elastic for the rule
-    targets = {k: v for k, v in opened.prepared.items()  # loaders: checked, loaded last
-               if k not in opened.held and k not in opened.dropped}
-    has_rng = not elastic and RNG_KEY in opened.saved.keys(ck.rank)
-    if has_rng:
-        targets[RNG_KEY] = Frozen(capture_rng())
-    replicated, per_rank, skipped = _load_all(ck, path, opened, targets, app, strict)
-    skipped = [f"app key {k} (not in this app)" for k in opened.extra] + list(opened.dropped.values()) + skipped
-    if skipped and ck.rank == 0:
-        log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
-    if elastic:
-        if ck.rank == 0:
-            log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
-                        "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
-                        "restored (left as this run seeded it)", path, opened.saved_world, ck.world_size,
-                        ", ".join(replicated) or "nothing", ", ".join(per_rank) or "nothing", opened.saved_world)
-    elif has_rng:
-        restore_rng(targets[RNG_KEY].state)
-    else:
-        log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, ck.rank)
-    return _train_state(path, commit, loader_policy, skipped)
-
-
 def _train_state(path: Path, commit: CommitRecord, loader_policy: str, skipped: list[str]) -> TrainState:
     """What the restore hands back: the marker's step and progress (the epoch the loader now starts)."""
     p = commit.progress
@@ -427,3 +219,221 @@ def _train_state(path: Path, commit: CommitRecord, loader_policy: str, skipped: 
         epoch += 1  # where the loader now starts
     return TrainState(step=commit.step, epoch=None if epoch < 0 else int(epoch), metrics=dict(p.metrics),
                       elapsed=p.elapsed, time=commit.time, hparams=dict(p.hparams), path=path, skipped=skipped)
+
+
+@dataclass(frozen=True)
+class Restorer:
+    """The restore behind :meth:`Checkpointer.restore_latest <fastio.checkpoint.checkpointer.Checkpointer>`: made by
+    the Checkpointer once the ranks that see its directory are known, and given what a restore uses (not the
+    Checkpointer itself). :meth:`restore_latest` is collective over ``ranks``."""
+
+    commit: Commit
+    """The checkpoint directory's steps: the candidates (``plan``), making one readable here (``fetch``), its
+    directory; ``restored`` is set to the step loaded (the next commit supersedes every step above it)."""
+    ranks: RankGroup
+    """The training thread's rank group: every phase is agreed over it, and the engine reads over its ``pg``."""
+    engine: Callable[[str], Engine]
+    """The checkpoint engine of a name (the one a step's marker names), as the Checkpointer's saves get it."""
+    rank: int
+    world_size: int
+    leader: bool
+    """This rank is the lowest of ``commit.ranks_here``: it cleans, fetches, moves aside and decompresses into
+    its directory."""
+    share: tuple[int, int]
+    """This rank's place among ``commit.ranks_here`` and their number: they share checking and decompressing."""
+    read_only: bool
+    """Delete and move aside nothing (``Checkpointer(read_only=True)``)."""
+    where: str
+    """The checkpoint directory as the user named it (an ``s3://`` URL, else the directory), in messages."""
+
+    def restore_latest(self, app: dict[str, Any], step: int | None, strict: bool,
+                       loader_policy: str) -> TrainState | None:
+        """The newest intact committed step (or ``step``) loaded into ``app``, None when there is none; the
+        Checkpointer has checked the arguments and entered the operation on every rank."""
+        commit = self.commit
+        candidates, unrecognised = self.ranks.broadcast("plan", self.ranks.run("plan", lambda: self._plan(step)))
+        chosen, skipped = self._choose(candidates, step)
+        newer = sorted((s for s in skipped + list(unrecognised) if chosen is None or s[0] > chosen), reverse=True)
+        if chosen is None:
+            if newer:  # nothing to fall back to: leave everything where it is and say so
+                raise CheckpointError(f"{self.where}: no intact checkpoint: {len(newer)} step director(ies) "
+                                      f"damaged or unrecognised, newest {newer[0][1]}: {newer[0][2]}")
+            return None
+        if self.leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
+            _set_aside(newer, read_only=self.read_only)
+        path = commit.step_dir(chosen)
+        state = self._restore(path, scan.read_commit(path), app, strict, loader_policy)
+        commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
+        return state
+
+    def _plan(self, step: int | None) -> tuple[list[int], list[Unrecognised]] | None:
+        """Rank 0's candidates, newest first (after every directory's abandoned temporaries are cleaned)."""
+        if self.leader and not self.read_only:
+            self.commit.clean()
+        return self.commit.plan(step) if self.rank == 0 else None
+
+    def _choose(self, candidates: list[int], step: int | None) -> tuple[int | None, list[Unrecognised]]:
+        """The first intact candidate (fetched and checked on every rank), and the damaged ones before it."""
+        commit = self.commit
+        skipped: list[Unrecognised] = []
+        for cand in candidates:
+            path = commit.step_dir(cand)
+            problems = self.ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if self.leader else [])
+            problems = problems or self._check_step(cand, path)
+            if not problems:
+                return cand, skipped
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            skipped.append((cand, str(path), problems[0] + more))
+            if step is not None:
+                raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
+        return None, skipped
+
+    def _check_step(self, step: int, path: Path) -> list[str]:
+        """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
+        against its recorded size and checksum, the ranks sharing the files); empty when intact."""
+        def check() -> list[str]:
+            entry = scan.StepEntry(step, path, scan.read_commit(path))
+            if entry.commit.engine not in ENGINES:
+                return [f"{path / naming.COMMIT_FILE}: written by checkpoint engine {entry.commit.engine!r}, this "
+                        f"fastio has {', '.join(sorted(ENGINES))}"]
+            why = compress.check_marker(entry.commit)
+            if why:
+                return [f"{path / naming.COMMIT_FILE}: {why}"]
+            return catalog.verify_files(entry, part=self.share)  # every directory's copy, by the ranks seeing it
+
+        return self.ranks.collect("check", check)
+
+    def _restore(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+                 loader_policy: str) -> TrainState:
+        """Restore the verified step ``path`` (its marker ``commit``): from its own files, or, compressed, from
+        their plain copies decompressed into a private directory next to it."""
+        if not commit.compression:
+            return self._restore_from(path, path, commit, app, strict, loader_policy)
+        # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
+        # the work; the engine reads there; the directory goes when every rank is done with it.
+        made = self.ranks.run("decompress", lambda: self._start_restore_dir(commit.step))
+        work = Path(self.ranks.gather("decompress", made)[self.commit.ranks_here[0]])  # this directory's lowest rank's
+        try:
+            i, n = self.share
+            mine = sorted(commit.files)[i::n]
+            self.ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
+                                                                        commit.compression) for rel in mine])
+            try:
+                return self._restore_from(path, work, commit, app, strict, loader_policy)
+            except CheckpointError as err:  # name the checkpoint, not the directory about to go
+                raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
+        finally:
+            try:
+                self.ranks.barrier("restore")  # every rank is done reading
+            finally:
+                if self.leader:
+                    shutil.rmtree(work, ignore_errors=True)
+
+    def _start_restore_dir(self, step: int) -> str | None:
+        """One private directory per staging directory, made by the lowest rank seeing it."""
+        if not self.leader:
+            return None
+        try:
+            return str(removal.start_restore_dir(self.commit.root, step))
+        except OSError as err:
+            raise CheckpointError(f"{naming.restore_dir(self.commit.root, step)}: cannot create: "
+                                  f"{err.strerror or err}") from None
+
+    def _open(self, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+              loader_policy: str) -> _Opened:
+        """This rank's checks before anything loads: the engine can restore this app, the checkpoint has state for
+        every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
+        name = commit.engine
+        sharded = holds_dtensor(app)
+        if sharded and name != "dcp":
+            raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
+                                  f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
+                                  "into the unsharded model and save again with engine='dcp'")
+        engine = self.engine(name)
+        prepared, _ = engine.prepare(app)
+        saved = engine.open(files, pg=self.ranks.pg)
+        world = commit.progress.world_size or saved.world_size
+        src = self.rank % world  # the saving rank whose per-rank state this rank takes
+        have = saved.keys(src)
+        missing = sorted(k for k in prepared if k not in have)
+        if missing:
+            holds = ", ".join(sorted(k for k in have if not k.startswith(RESERVED_PREFIX))) or "nothing"
+            raise CheckpointError(
+                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
+                f"(it holds: {holds}; written by {world} rank(s), this run has {self.world_size})")
+        extra = sorted(k for k in have if k not in prepared and not k.startswith(RESERVED_PREFIX))
+        if extra and strict:
+            raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
+                                  "app lacks (restore_latest(..., strict=False) skips them)")
+        held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
+        targets = {k: v for k, v in prepared.items() if k not in held}
+        whose = f" (rank {self.rank} takes saved rank {src}'s state)" if world != self.world_size else ""
+        dropped = _precheck(saved, targets, src, strict, elastic=world != self.world_size, where=f"{path}{whose}",
+                            modules=app if own_keys(app, targets) else None)
+        return _Opened(prepared, saved, world, extra, held, dropped)
+
+    def _load(self, path: Path, opened: _Opened, targets: dict[str, Any],
+              strict: bool) -> tuple[list[str], list[str], list[str]]:
+        """The engine's load of ``targets``: ``(replicated, per_rank, skipped)``."""
+        try:
+            if opened.saved_world != self.world_size:
+                replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=self.rank,
+                                                                saved_world=opened.saved_world, strict=strict)
+                return replicated, per_rank, list(skipped or [])
+            return [], [], list(opened.saved.restore(targets, strict=strict) or [])
+        except CheckpointError:
+            raise
+        except Exception as err:  # a mismatched model or an app object refusing its state lands here
+            raise CheckpointError(f"{path}: restore failed: {first_line(err)}") from err
+
+    def _load_all(self, path: Path, opened: _Opened, targets: dict[str, Any], app: dict[str, Any],
+                  strict: bool) -> tuple[list[str], list[str], list[str]]:
+        """Load in two agreed ``load`` phases: the app's own objects (:func:`own_keys`: one that refuses its state
+        fails the restore on every rank before anything else loads), then the engine's other keys and the loaders'
+        checked states. ``(replicated, per_rank, skipped)`` of them all."""
+        first = own_keys(app, targets)
+        parts = []
+        if first:
+            try:
+                parts.append(self.ranks.run("load", lambda: self._load(path, opened, {k: targets[k] for k in first},
+                                                                       strict)))
+            except CheckpointError as err:
+                raise CheckpointError(f"{err} (the app's modules, optimizers, schedulers, loaders and RNG are "
+                                      "left as they were)") from err.__cause__
+
+        def load() -> tuple[list[str], list[str], list[str]]:
+            done = self._load(path, opened, {k: v for k, v in targets.items() if k not in first}, strict)
+            _load_loaders(path, opened, app)
+            return done
+
+        parts.append(self.ranks.run("load", load))
+        replicated, per_rank, skipped = ([k for part in parts for k in part[i]] for i in range(3))
+        return replicated, per_rank + (list(opened.held) if opened.saved_world != self.world_size else []), skipped
+
+    def _restore_from(self, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
+                      strict: bool, loader_policy: str) -> TrainState:
+        """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
+        makes (the loaders' states read and checked too), then the loads (:func:`_load_all`); each agreed,
+        so a rank that fails fails every rank's restore."""
+        opened = self.ranks.run("open", lambda: self._open(path, files, commit, app, strict, loader_policy))
+        elastic = opened.saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
+        targets = {k: v for k, v in opened.prepared.items()  # loaders: checked, loaded last
+                   if k not in opened.held and k not in opened.dropped}
+        has_rng = not elastic and RNG_KEY in opened.saved.keys(self.rank)
+        if has_rng:
+            targets[RNG_KEY] = Frozen(capture_rng())
+        replicated, per_rank, skipped = self._load_all(path, opened, targets, app, strict)
+        skipped = [f"app key {k} (not in this app)" for k in opened.extra] + list(opened.dropped.values()) + skipped
+        if skipped and self.rank == 0:
+            log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
+        if elastic:
+            if self.rank == 0:
+                log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
+                            "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
+                            "restored (left as this run seeded it)", path, opened.saved_world, self.world_size,
+                            ", ".join(replicated) or "nothing", ", ".join(per_rank) or "nothing", opened.saved_world)
+        elif has_rng:
+            restore_rng(targets[RNG_KEY].state)
+        else:
+            log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
+        return _train_state(path, commit, loader_policy, skipped)

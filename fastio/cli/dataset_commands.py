@@ -55,10 +55,11 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
-@click.option("--transcode", default=None, metavar="vp9|flac|vp9,flac",
-              help="vp9: re-encode video of a codec --video-decoder does not keep (FFV1, ProRes, ...) as VP9 WebM; "
-                   "flac: store audio DALI's audio decoder cannot read (MP3, AAC, ...) decoded as FLAC; vp9,flac: "
-                   "both; with PyAV, no ffmpeg needed (default: such files are skipped and listed).")
+@click.option("--transcode", default=None, metavar="flac|vp9|vp9,flac|none",
+              help="flac (the default): store audio DALI's audio decoder cannot read (MP3, AAC, ALAC, ...) decoded "
+                   "as FLAC, counted in the summary; vp9: re-encode video of a codec --video-decoder does not keep "
+                   "(FFV1, ProRes, ...) as VP9 WebM (and skip such audio); vp9,flac: both; with PyAV, no ffmpeg "
+                   "needed; none: such files are skipped and listed.")
 @click.option("--video-decoder", default="auto", show_default=True, metavar="auto|cpu|nvdec",
               help="Which videos are kept as they are: auto (VP8, VP9, MJPEG, H.264, HEVC, MPEG-4, AV1: a Loader "
                    "decodes them with NVDEC on a GPU, with DALI's CPU decoder or PyAV on a CPU), cpu (only what "

@@ -37,22 +37,33 @@ OVERLONG = ("refuse", "drop", "truncate")
 
 def check_messages(messages: Any, where: str, field: str) -> None:
     """ConvertError naming ``where`` and ``field[i]`` unless ``messages`` is a non-empty list of messages, each an
-    object with a text ``role`` and a ``content`` (text, or a list of content parts)."""
+    object with a text ``role`` and a ``content`` (text, or a list of content parts) or ``tool_calls`` (a list: an
+    assistant's calls, its content None or absent; a None value is dropped before rendering, as transformers
+    drops it)."""
     if not isinstance(messages, list) or not messages:
         what = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise ConvertError(f"{where}: field {field!r} is {what}, not a list of messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ConvertError(f"{where}: {field}[{i}] is {type(m).__name__}, not a message object")
-        for key in ("role", "content"):
-            if m.get(key) is None:
-                raise ConvertError(f"{where}: {field}[{i}] has no {key!r} (a message is "
-                                   '{"role": ..., "content": ...})')
-        if not isinstance(m["role"], str):
-            raise ConvertError(f"{where}: {field}[{i}].role is {type(m['role']).__name__}, not text")
-        if not isinstance(m["content"], (str, list)):
-            raise ConvertError(f"{where}: {field}[{i}].content is {type(m['content']).__name__}, not text or a "
-                               "list of content parts")
+        _check_message(m, f"{where}: {field}[{i}]")
+
+
+def _check_message(m: Any, at: str) -> None:
+    """ConvertError starting with ``at`` unless ``m`` is one message (see :func:`check_messages`)."""
+    if not isinstance(m, dict):
+        raise ConvertError(f"{at} is {type(m).__name__}, not a message object")
+    if m.get("role") is None:
+        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})')
+    if not isinstance(m["role"], str):
+        raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
+    content, calls = m.get("content"), m.get("tool_calls")
+    if content is None and calls is None:
+        raise ConvertError(f"{at} has no 'content' and no 'tool_calls' (a message is "
+                           '{"role": ..., "content": ...}, or an assistant\'s {"role": "assistant", "tool_calls": '
+                           "[...]})")
+    if content is not None and not isinstance(content, (str, list)):
+        raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
+    if calls is not None and not isinstance(calls, list):
+        raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
 
 
 class ChatEncoder:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio import converters
+from fastio.checks import check_fields, checked, config_error, one_of, rule
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -53,10 +54,12 @@ from fastio.errors import ConvertError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
+    DEFAULT_TRANSCODE,
     DEFAULT_VIDEO_DECODER,
     PROBE_FIELD,
     VIDEO_DECODERS,
     MediaCheckError,
+    count_transcoded,
     count_video_codec,
     is_media_field,
     parse_transcode,
@@ -134,9 +137,9 @@ class ConvertConfig:
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
-    max_samples_per_shard: int | None = None
+    max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
     """At most this many samples per shard; None: no limit."""
-    workers: int = field(default_factory=default_workers)
+    workers: int = checked(rule(lambda v: v >= 1, "must be at least 1"), default_factory=default_workers)
     """Processes that read, check and re-encode samples; does not change the output."""
     shuffle: bool = False
     """Permute the sample order (with ``seed``) before sharding."""
@@ -144,32 +147,34 @@ class ConvertConfig:
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
     """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
-    split_by: str | None = None
+    split_by: str | None = checked(one_of(SPLIT_BY, " (or None)"), default=None)
     """How ``split`` is drawn (:mod:`fastio.convert.split`): ``label`` (each split takes its fraction of every class)
     or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
     ``convert_options.split_by``."""
-    max_side: int | None = None
+    max_side: int | None = checked(rule(lambda v: v >= 1, "must be positive"), default=None)
     """Downscale images whose longer side exceeds this and re-encode them; None keeps original bytes."""
-    quality: int = 90
+    quality: int = checked(rule(lambda v: 1 <= v <= 100, "must be in 1..100"), default=90)
     """JPEG/WebP quality for re-encoded images (only with ``max_side``)."""
-    max_pixels: int | None = DEFAULT_MAX_PIXELS
+    max_pixels: int | None = checked(rule(lambda v: v is None or (not isinstance(v, bool) and v >= 1),
+                                          "must be positive (or None for no limit)"), default=DEFAULT_MAX_PIXELS)
     """An image with more pixels (read from its header, before decoding) is skipped and listed, or stops
     the run with ``on_error="fail"``; None: no limit of fastio's own (PIL's hard limit, ~179 M, remains)."""
-    transcode: str | None = None
-    """``vp9``: re-encode video of a codec ``video_decoder`` does not keep (FFV1, ProRes, ...; with ``cpu`` also
-    H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``); ``flac``: store audio DALI's audio decoder cannot read
-    (MP3, AAC, ...) decoded by PyAV as FLAC (field ``flac``); ``vp9,flac``: both; None: such files are skipped and
-    listed (:mod:`fastio.formats.media`)."""
-    video_decoder: str = DEFAULT_VIDEO_DECODER
+    transcode: str | None = DEFAULT_TRANSCODE
+    """``flac`` (the default; None is the same): store audio DALI's audio decoder cannot read (MP3, AAC, ALAC, ...)
+    decoded by PyAV as FLAC (field ``flac``); ``vp9``: re-encode video of a codec ``video_decoder`` does not keep
+    (FFV1, ProRes, ...; with ``cpu`` also H.264, HEVC, ...) as VP9 WebM with PyAV (field ``webm``), and skip such
+    audio; ``vp9,flac``: both; ``none``: such files are skipped and listed (:mod:`fastio.formats.media`). The summary
+    counts the files transcoded. Recorded as ``convert_options.transcode`` unless ``flac``."""
+    video_decoder: str = checked(one_of(VIDEO_DECODERS), default=DEFAULT_VIDEO_DECODER)
     """Which videos are kept as they are: ``auto`` (every codec a Loader decodes: VP8, VP9, MJPEG, H.264, HEVC,
     MPEG-4, AV1; on a GPU with NVDEC, on a CPU with DALI's CPU decoder or, for the rest, PyAV), ``cpu`` (only those
     DALI's CPU decoder reads: VP8, VP9, MJPEG) or ``nvdec`` (the same as ``auto``). Recorded as
     ``convert_options.video_decoder`` unless ``auto``."""
-    on_error: str = "skip"
+    on_error: str = checked(one_of(ON_ERROR), default="skip")
     """What a corrupt or unreadable sample does: ``skip`` (listed in the manifest) or ``fail``."""
     overwrite: bool = False
     """Replace a DEST that already holds a dataset or other files."""
-    name: str = "shard"
+    name: str = checked(rule(is_plain_name, "must be letters, digits, '_' or '-'"), default="shard")
     """Shard file name prefix: ``shards/NAME-000000.tar``."""
     path_column: str | None = None
     """Tables: the column with file paths (default: detected)."""
@@ -177,7 +182,7 @@ class ConvertConfig:
     """Tables: the column with labels (default: ``label`` when present)."""
     key_column: str | None = None
     """Tables: the column with sample keys (default: derived from the path or row number)."""
-    labels: str = "auto"
+    labels: str = checked(one_of(LABEL_CHOICES), default="auto")
     """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (the values themselves when every label is
     integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
     error naming rows of each kind), ``integers`` or ``names``. The rule applied is in the manifest
@@ -187,7 +192,7 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
     progress: bool = False
     """Draw a progress bar on stderr."""
-    progress_every_s: float | None = None
+    progress_every_s: float | None = checked(rule(lambda v: v > 0, "must be > 0 (or None)"), default=None)
     """Without ``progress``: print a progress line to stderr every this many seconds (for logs, e.g. Slurm's,
     where a bar cannot be drawn; the CLI gives 5 when stderr is not a terminal); None: no lines."""
     staging_dir: Path | None = None
@@ -202,7 +207,8 @@ class ConvertConfig:
     parts into ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
 
     def __post_init__(self) -> None:
-        """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``)."""
+        """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
+        here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
         # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
         self.source = Path(self.source)
         self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
@@ -210,40 +216,20 @@ class ConvertConfig:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
         self.split = parse_split(self.split)
-        if self.max_samples_per_shard is not None and self.max_samples_per_shard <= 0:
-            raise ValueError(f"max_samples_per_shard must be positive, got {self.max_samples_per_shard}")
-        if self.split_by is not None and self.split_by not in SPLIT_BY:
-            raise ValueError(f"split_by must be one of {', '.join(SPLIT_BY)} (or None), got {self.split_by!r}")
-        if self.progress_every_s is not None and not self.progress_every_s > 0:
-            raise ValueError(f"progress_every_s must be > 0 (or None), got {self.progress_every_s}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers}")
-        if self.max_side is not None and self.max_side < 1:
-            raise ValueError(f"max_side must be positive, got {self.max_side}")
-        if self.max_pixels is not None and (isinstance(self.max_pixels, bool) or self.max_pixels < 1):
-            raise ValueError(f"max_pixels must be positive (or None for no limit), got {self.max_pixels}")
         if self.root is not None:
             self.root = Path(self.root)
-        if not 1 <= self.quality <= 100:
-            raise ValueError(f"quality must be in 1..100, got {self.quality}")
         self.transcode = parse_transcode(self.transcode)
-        if self.video_decoder not in VIDEO_DECODERS:
-            raise ValueError(f"video_decoder must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
-        if not is_plain_name(self.name):
-            raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
         if self.part is not None:
             self.part = parse_part(self.part)
-        if self.labels not in LABEL_CHOICES:
-            raise ValueError(f"labels must be one of {', '.join(LABEL_CHOICES)}, got {self.labels!r}")
+        check_fields(self, config_error)
 
     def output_options(self) -> dict[str, Any]:
         """The options that shape the output, as recorded in each manifest."""
         return {"shard_size": self.shard_size, "max_samples_per_shard": self.max_samples_per_shard,
                 "shuffle": self.shuffle, "seed": self.seed, "split": self.split, "max_side": self.max_side,
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
-                "max_pixels": self.max_pixels, **({"transcode": self.transcode} if self.transcode else {}),
+                "max_pixels": self.max_pixels,
+                **({"transcode": self.transcode} if self.transcode != DEFAULT_TRANSCODE else {}),
                 **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {})}
 
 
@@ -262,6 +248,9 @@ class ConvertResult:
     renamed: list[tuple[str, str, str]] = field(default_factory=list)
     """Inputs whose key an earlier input had (``a/tone.wav`` and ``a/tone.flac``): ``(input, key it got, the
     earlier input)``; see :class:`fastio.converters.base.Keys`."""
+    transcoded: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Files stored transcoded (``transcode``): per field they went into (``flac``, ``webm``), how many from each
+    codec (``{"flac": {"mp3float": 6}}``)."""
 
     @property
     def samples(self) -> int:
@@ -291,6 +280,7 @@ class ConvertResult:
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                f"{transcoded_line(self.transcoded)}"
                 + skipped_lines(self.skipped, more))
 
 
@@ -301,6 +291,22 @@ def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
     origin, key, first = renamed[0]
     return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
             f"has the key it would have had)")
+
+
+_TRANSCODED_INTO = {"flac": ("audio file", "DALI's audio decoder does not read into FLAC", "flac"),
+                    "webm": ("video", "the video decoder does not keep into VP9 WebM", "vp9")}
+
+
+def transcoded_line(transcoded: dict[str, dict[str, int]]) -> str:
+    """The summary's note of the files stored transcoded: per kind, how many, from which codecs, and the way to skip
+    them instead (``--transcode none``; ``vp9`` is only ever asked for)."""
+    notes = []
+    for into, codecs in sorted(transcoded.items()):
+        what, why, name = _TRANSCODED_INTO[into]
+        each = ", ".join(f"{codec} {n}" for codec, n in sorted(codecs.items()))
+        skip = "; --transcode none skips them" if name == DEFAULT_TRANSCODE else ""
+        notes.append(f"; transcoded {count(sum(codecs.values()), what)} {why} with PyAV ({each}{skip})")
+    return "".join(notes)
 
 
 # -- loading, in worker processes -------------------------------------------------------------------
@@ -439,11 +445,13 @@ def _assign(scan, config: ConvertConfig) -> dict[str, list[int]]:
 
 
 def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, progress: Progress,
-                   scan_skipped: list[dict[str, str]], allow_empty: bool = False, **manifest_fields: Any):
+                   scan_skipped: list[dict[str, str]], transcoded: dict[str, dict[str, int]],
+                   allow_empty: bool = False, **manifest_fields: Any):
     """Write one dataset from (entry, load result) pairs in order; return (manifest, skipped, bytes).
 
     On any error the shard being written stays a hidden temporary and is dropped (the writer aborts). The
-    manifest counts the videos of each codec (``video_codecs``) when there are any."""
+    manifest counts the videos of each codec (``video_codecs``) when there are any; ``transcoded`` counts the files
+    stored transcoded (:attr:`ConvertResult.transcoded`)."""
     skipped: list[dict[str, str]] = []
     codecs: dict[str, dict[str, int]] = {}
     nbytes, written = 0, 0
@@ -462,6 +470,7 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                 raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
             if PROBE_FIELD in fields:
                 count_video_codec(codecs, written, fields[PROBE_FIELD])
+                count_transcoded(transcoded, fields[PROBE_FIELD])
             try:
                 writer.write({"__key__": entry.key, **fields})
             except ValueError as err:  # e.g. a column name too long for a tar member name
@@ -552,12 +561,13 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
                           label_field=scan.label_field, label_rule=scan.label_rule,
                           convert_options=_options(config, scan),
                           scan_skipped=scan_skipped, **extra)))
-    manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field)
+    transcoded: dict[str, dict[str, int]] = {}
+    manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded)
     if config.split:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
-                         renamed=scan.renamed)
+                         renamed=scan.renamed, transcoded=transcoded)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -583,7 +593,8 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
             ranges[split_name] = {"range": [start, end], "count": len(indices)}
             jobs.append((split_name, entries[start:end],
                          directory / split_name if split_name else directory, {"scan_skipped": []}))
-        manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, allow_empty=True)
+        transcoded: dict[str, dict[str, int]] = {}
+        manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded, allow_empty=True)
         plan = {"source": scan.description, "convert_options": _options(config, scan), "name": config.name,
                 "listing": {"sha256": listing_digest(scan), "entries": len(scan.entries)},
                 "label_map": scan.label_map, "image_field": scan.image_field, "label_field": scan.label_field,
@@ -594,12 +605,14 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
-                         renamed=scan.renamed)
+                         renamed=scan.renamed, transcoded=transcoded)
 
 
-def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_empty: bool = False):
+def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcoded: dict[str, dict[str, int]],
+                  allow_empty: bool = False):
     """Load and write each job ``(split name, entries, output dir, manifest fields)`` in order, through one
-    worker pool; return (manifests by split name, samples skipped while loading, bytes written)."""
+    worker pool, counting the files stored transcoded in ``transcoded``; return (manifests by split name, samples
+    skipped while loading, bytes written)."""
     manifests: dict[str, dict[str, Any]] = {}
     all_skipped: list[dict[str, str]] = []
     bytes_in = 0
@@ -623,7 +636,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, allow_em
                 else:
                     results = pool.map(entries, chunksize=max(1, min(16, len(entries) // (config.workers * 8))))
                 manifest, skipped, nbytes = _write_dataset(config, out, split_name, zip(entries, results), progress,
-                                                           allow_empty=allow_empty, **fields)
+                                                           allow_empty=allow_empty, transcoded=transcoded, **fields)
                 manifests[split_name] = manifest
                 all_skipped.extend(skipped)
                 bytes_in += nbytes

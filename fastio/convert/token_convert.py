@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder
 from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
@@ -95,6 +96,10 @@ SPECIAL_IN_TEXT = ("plain", "refuse")
 """What a special token's string in document text becomes: plain text (the default), or a refusal."""
 
 
+_FIELD = rule(lambda v: isinstance(v, str) and v != "", "must be a field name")
+"""A JSONL field or Parquet column: a non-empty str."""
+
+
 @dataclass(frozen=True)
 class TokenConvertConfig:
     """A token conversion's options, checked at construction (a ``ValueError`` names the parameter)."""
@@ -106,22 +111,22 @@ class TokenConvertConfig:
     uploaded, the manifest last, as :func:`fastio.convert.run.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
-    text_field: str = "text"
+    text_field: str = checked(_FIELD, default="text")
     """JSONL field / Parquet column holding each document's text."""
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = field(default_factory=default_workers)
+    workers: int = checked(positive_integer, default_factory=default_workers)
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
-    max_samples_per_shard: int | None = None
+    max_samples_per_shard: int | None = checked(positive_integer, default=None)
     """At most this many documents per shard."""
-    name: str = "shard"
+    name: str = checked(rule(is_plain_name, "must be letters, digits, '_' or '-'"), default="shard")
     """Shard file prefix: ``shards/NAME-000000.bin``."""
     overwrite: bool = False
     """Replace a dataset or other files in DEST."""
-    batch_size: int = 256
+    batch_size: int = checked(positive_integer, default=256)
     """Documents per ``encode_batch`` call (and per message to a worker)."""
     storage_options: dict | None = None
     """For an ``s3://`` source: endpoint, region, credentials over the environment's
@@ -132,21 +137,21 @@ class TokenConvertConfig:
     staging_dir: Path | None = None
     """For an ``s3://`` DEST: where the dataset is written before its upload (:func:`fastio.convert.dest.staging_path`;
     default: the system's temporary directory)."""
-    special_in_text: str = "plain"
+    special_in_text: str = checked(rule(lambda v: v in SPECIAL_IN_TEXT, "must be 'plain' or 'refuse'"), default="plain")
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
     documents counted), ``"refuse"`` is a ConvertError naming the document."""
     chat_template: Path | None = None
     """Conversations: a Hugging Face chat template (a ``.jinja`` file, or a ``tokenizer_config.json`` holding
     ``chat_template`` and its special tokens); each document is the list of messages in ``messages_field``."""
-    messages_field: str = "messages"
+    messages_field: str = checked(_FIELD, default="messages")
     """With ``chat_template``: the JSONL field / Parquet column holding each conversation's messages."""
-    train_on: str = "generation"
+    train_on: str = checked(rule(lambda v: v in TRAIN_ON, "must be 'generation' or 'all'"), default="generation")
     """With ``chat_template``: ``generation`` (the tokens of the template's ``{% generation %}`` blocks: the
     assistant's replies) or ``all`` (every token)."""
-    max_tokens: int | None = None
+    max_tokens: int | None = checked(positive_integer, default=None)
     """With ``chat_template``: the most tokens a conversation may have (None: no limit here; a Loader refuses a
     ``seq_len + 1`` below the longest). Set it to the training ``seq_len + 1``."""
-    overlong: str = "refuse"
+    overlong: str = checked(one_of(OVERLONG), default="refuse")
     """With ``max_tokens``: a longer conversation is refused (``refuse``), left out and counted (``drop``), or cut
     to its first turns that fit, whole, ending with an assistant message (``truncate``; counted; dropped when even
     the first exchange is too long). Never cut mid-turn (:mod:`fastio.convert.chat_encode`)."""
@@ -162,29 +167,9 @@ class TokenConvertConfig:
                 raise ValueError(f"part: needs a DEST on a (shared) file system, not {self.dest}; convert the "
                                  "parts there, merge, then upload")
         object.__setattr__(self, "shard_size", parse_size(self.shard_size, "shard_size"))
-        for key in ("workers", "batch_size"):
-            if isinstance(getattr(self, key), bool) or not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"{key} must be a positive integer, got {getattr(self, key)!r}")
-        limit = self.max_samples_per_shard
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_samples_per_shard must be a positive integer, got {limit!r}")
-        if not is_plain_name(self.name):
-            raise ValueError(f"name must be letters, digits, '_' or '-', got {self.name!r}")
-        if not isinstance(self.text_field, str) or not self.text_field:
-            raise ValueError(f"text_field must be a field name, got {self.text_field!r}")
-        if self.special_in_text not in SPECIAL_IN_TEXT:
-            raise ValueError(f"special_in_text must be 'plain' or 'refuse', got {self.special_in_text!r}")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
-        if self.train_on not in TRAIN_ON:
-            raise ValueError(f"train_on must be 'generation' or 'all', got {self.train_on!r}")
-        if self.overlong not in OVERLONG:
-            raise ValueError(f"overlong must be one of {', '.join(OVERLONG)}, got {self.overlong!r}")
-        limit = self.max_tokens
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {limit!r}")
-        if not isinstance(self.messages_field, str) or not self.messages_field:
-            raise ValueError(f"messages_field must be a field name, got {self.messages_field!r}")
+        check_fields(self, config_error)
 
     @property
     def field(self) -> str:

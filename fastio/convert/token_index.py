@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fastio.checks import check_fields, checked, config_error, positive_integer, rule
+from fastio.checks import count as count_problem
 from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
@@ -66,7 +68,7 @@ class TokenIndexConfig:
 
     source: str | Path
     """The folder or ``s3://`` prefix holding the ``.bin``/``.idx`` pairs."""
-    eos_id: int
+    eos_id: int = checked(rule(lambda v: count_problem(v) is None, "must be a token id (an integer >= 0)"))
     """The end-of-document id every document ends with."""
     dest: str | Path | None = None
     """Where the manifest goes (default: ``source``); elsewhere, the manifest names the pairs by absolute path or
@@ -78,18 +80,16 @@ class TokenIndexConfig:
     """Index again where a manifest exists."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = checked(rule(lambda v: positive_integer(v) is None, "must be a number of ids (an integer "
+                                          ">= 1)"), default=None)
     """The tokenizer's size (its largest id + 1), where known: recorded in the manifest, and an id at or above it is
     refused (None: not known; the manifest records the largest id seen either way)."""
 
     def __post_init__(self) -> None:
         if not str(self.source).strip():
             raise ValueError("source: empty")
-        if isinstance(self.eos_id, bool) or not isinstance(self.eos_id, int) or self.eos_id < 0:
-            raise ValueError(f"eos_id must be a token id (an integer >= 0), got {self.eos_id!r}")
+        check_fields(self, config_error)
         vocab = self.vocab_size
-        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
-            raise ValueError(f"vocab_size must be a number of ids (an integer >= 1), got {vocab!r}")
         if vocab is not None and vocab <= self.eos_id:
             raise ValueError(f"vocab_size {vocab} does not include the end-of-document id {self.eos_id} (ids run "
                              f"from 0 to {vocab - 1})")

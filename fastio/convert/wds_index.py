@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastio.checks import check_fields, checked, one_of, positive_integer, rule
 from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
@@ -89,6 +90,8 @@ __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "index_shards", "merge_in
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-.]")
+_FIELD_NAME = rule(lambda v: isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9_\-.]+", v) is not None,
+                   "must be a field name (letters, digits, '_', '-', '.')")
 
 
 @dataclass(frozen=True)
@@ -99,40 +102,34 @@ class IndexConfig:
     """A folder of tars, an ``s3://bucket/prefix/``, or a brace pattern of tar paths or URLs."""
     dest: str | Path | None = None
     """Where the metadata goes; None: SOURCE's folder (the ``.idx`` files beside the tars)."""
-    label_field: str | None = None
+    label_field: str | None = checked(_FIELD_NAME, default=None)
     """The field holding integer labels; None: ``cls`` or ``label``, when every sample has it."""
-    image_field: str | None = None
+    image_field: str | None = checked(_FIELD_NAME, default=None)
     """The main image field; None: the image field most samples have."""
     name: str = "webdataset"
     """The dataset's name in the manifest."""
     overwrite: bool = False
     """Index again where a manifest exists (shards and existing ``.idx`` files are never written)."""
-    threads: int = 4
+    threads: int = checked(positive_integer, default=4)
     """Shards read at once (each is read sequentially)."""
     part: str | tuple[int, int] | None = None
     """``K/N`` (or ``auto/N``: K from ``SLURM_ARRAY_TASK_ID``): index only the K-th of N runs of the listing
     into ``DEST/.parts/``; ``fastio merge DEST`` then publishes the dataset. Local DEST only."""
     storage_options: StorageOptions | dict | None = None
     """Endpoint, region and credentials for ``s3://`` (see :class:`fastio.storage.StorageOptions`)."""
-    video_decoder: str = DEFAULT_VIDEO_DECODER
+    video_decoder: str = checked(one_of(VIDEO_DECODERS), default=DEFAULT_VIDEO_DECODER)
     """Which videos are probed (as ``fastio convert``'s): ``auto`` (every codec a Loader decodes, H.264 too), ``cpu``
     (DALI's CPU decoder's) or ``nvdec`` (as ``auto``); a member of another codec is named, not probed."""
 
     def __post_init__(self):
         if not str(self.source).strip():
             raise ValueError("source: empty")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
-            raise ValueError(f"threads: must be a positive integer, got {self.threads!r}")
         if self.part is not None:
             parse_part(self.part)  # ValueError naming part
-        if self.video_decoder not in VIDEO_DECODERS:
-            raise ValueError(f"video_decoder: must be one of {', '.join(VIDEO_DECODERS)}, got {self.video_decoder!r}")
-        for key in ("label_field", "image_field"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_\-.]+", value)):
-                raise ValueError(f"{key}: {value!r} is not a field name")
-            if value is not None:  # a field is a lowercased suffix (fastio.formats.wds.field_of)
-                object.__setattr__(self, key, field_of(value))
+        check_fields(self, lambda key, value, problem: ValueError(f"{key}: {problem}, got {value!r}"))
+        for key in ("label_field", "image_field"):  # a field is a lowercased suffix (fastio.formats.wds.field_of)
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, field_of(getattr(self, key)))
 
 
 @dataclass

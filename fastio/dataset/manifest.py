@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio import __version__
+from fastio.checks import checked, count, read_checked, rule
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
@@ -76,6 +77,16 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3 = re.compile(r"[0-9a-f]{32}")
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 _INDEX_NAME = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_\-.]*")
+_TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
+
+
+def _matches(pattern: re.Pattern, what: str):
+    """A check (:mod:`fastio.checks`): a str that ``pattern`` matches in full, else ``is not WHAT``."""
+    return rule(lambda v: isinstance(v, str) and pattern.fullmatch(v) is not None, f"is not {what}")
+
+
+_shard_name = rule(lambda v: is_shard_name(v), "is not a shard file name (NAME.tar or NAME.bin, no directory part)")
+_location = rule(lambda v: is_location(v), "is not a path relative to DEST (no '..'), an absolute path or an s3:// URL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,28 +94,28 @@ class ShardRecord:
     """One shard as the manifest lists it: ``DEST/shards/NAME`` and its index ``NAME`` with ``.idx`` (or, for
     shards indexed where they are by ``fastio index``, ``location`` and ``idx_location``)."""
 
-    name: str
+    name: str = checked(_shard_name)
     """File name of the tar (a token dataset: the ``.bin``) inside ``DEST/shards/`` (no directory part)."""
-    samples: int
+    samples: int = checked(count)
     """Samples the shard holds (a token dataset: documents)."""
-    bytes: int
+    bytes: int = checked(count)
     """Size of the tar (``.bin``) file."""
-    sha256: str
+    sha256: str = checked(_matches(_SHA256, "a hex sha256"))
     """Hex sha256 of the tar (``.bin``) file."""
-    idx_sha256: str
+    idx_sha256: str = checked(_matches(_SHA256, "a hex sha256"))
     """Hex sha256 of the ``.idx`` file."""
-    xxh3_128: str | None = None
+    xxh3_128: str | None = checked(_matches(_XXH3, "a hex xxh3-128"), default=None)
     """Hex xxh3-128 of the tar file (optional: written since fastio records it; older manifests lack it).
     What an object-store cache checks its fills against: it runs at memory speed where sha256 takes a core
     per ~1 GB/s; ``fastio verify`` checks both."""
-    location: str | None = None
+    location: str | None = checked(_location, default=None)
     """Where the tar is when not at ``shards/NAME`` (``fastio index``): relative to DEST (``/``-separated, no
     ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
-    idx_location: str | None = None
+    idx_location: str | None = checked(_location, default=None)
     """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
-    tokens: int | None = None
+    tokens: int | None = checked(count, default=None)
     """Tokens the shard holds (a token dataset's shards only)."""
-    mask_sha256: str | None = None
+    mask_sha256: str | None = checked(_matches(_SHA256, "a hex sha256"), default=None)
     """Hex sha256 of the shard's loss mask ``NAME.mask`` beside its ``.bin`` (a chat dataset's shards only:
     :mod:`fastio.formats.token_mask`)."""
 
@@ -137,39 +148,7 @@ class ShardRecord:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ShardRecord:
         """A record from its manifest entry; DatasetError naming ``where`` (e.g. ``FILE: shards[3]``) and the field."""
-        if not isinstance(data, dict):
-            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
-        missing = [k for k in _RECORD_KEYS if k not in data]
-        if missing:
-            raise DatasetError(f"{where} lacks {', '.join(missing)}")
-        name = data["name"]
-        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
-            raise DatasetError(f"{where}.name: {name!r} is not a shard file name (NAME.tar or NAME.bin, no directory "
-                               "part)")
-        for key in ("samples", "bytes"):
-            _count(data[key], f"{where}.{key}")
-        if data.get("tokens") is not None:
-            _count(data["tokens"], f"{where}.tokens")
-        for key in ("sha256", "idx_sha256"):
-            if not isinstance(data[key], str) or not _SHA256.fullmatch(data[key]):
-                raise DatasetError(f"{where}.{key}: {data[key]!r} is not a hex sha256")
-        xxh3 = data.get("xxh3_128")
-        if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
-            raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
-        for key in ("location", "idx_location"):
-            if data.get(key) is not None and not is_location(data[key]):
-                raise DatasetError(f"{where}.{key}: {data[key]!r} is not a path relative to DEST (no '..'), an "
-                                   "absolute path or an s3:// URL")
-        return cls(name=name, samples=data["samples"], bytes=data["bytes"], sha256=data["sha256"],
-                   idx_sha256=data["idx_sha256"], xxh3_128=xxh3, location=data.get("location"),
-                   idx_location=data.get("idx_location"), tokens=data.get("tokens"),
-                   mask_sha256=_mask_sha256(data.get("mask_sha256"), where))
-
-
-def _mask_sha256(value: Any, where: str) -> str | None:
-    if value is not None and (not isinstance(value, str) or not _SHA256.fullmatch(value)):
-        raise DatasetError(f"{where}.mask_sha256: {value!r} is not a hex sha256")
-    return value
+        return cls(**_read(cls, data, where))
 
 
 def is_shard_name(name: object) -> bool:
@@ -208,13 +187,13 @@ class IndexRecord:
     from its per-shard ``.idx`` files.
     """
 
-    name: str
+    name: str = checked(_matches(_INDEX_NAME, "an index file name (no directory part)"))
     """File name inside DEST (no directory part)."""
-    bytes: int
+    bytes: int = checked(count)
     """Size of the file."""
-    sha256: str
+    sha256: str = checked(_matches(_SHA256, "a hex sha256"))
     """Hex sha256 of the file."""
-    xxh3_128: str | None = None
+    xxh3_128: str | None = checked(_matches(_XXH3, "a hex xxh3-128"), default=None)
     """Hex xxh3-128 of the file, checked on every open (optional: manifests written before it lack it)."""
 
     def as_dict(self) -> dict[str, Any]:
@@ -226,41 +205,28 @@ class IndexRecord:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> IndexRecord:
         """A record from the manifest's ``index`` entry; DatasetError naming ``where`` and the field."""
-        if not isinstance(data, dict):
-            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
-        missing = [k for k in ("name", "bytes", "sha256") if k not in data]
-        if missing:
-            raise DatasetError(f"{where} lacks {', '.join(missing)}")
-        if not isinstance(data["name"], str) or not _INDEX_NAME.fullmatch(data["name"]):
-            raise DatasetError(f"{where}.name: {data['name']!r} is not an index file name (no directory part)")
-        _count(data["bytes"], f"{where}.bytes")
-        if not isinstance(data["sha256"], str) or not _SHA256.fullmatch(data["sha256"]):
-            raise DatasetError(f"{where}.sha256: {data['sha256']!r} is not a hex sha256")
-        xxh3 = data.get("xxh3_128")
-        if xxh3 is not None and (not isinstance(xxh3, str) or not _XXH3.fullmatch(xxh3)):
-            raise DatasetError(f"{where}.xxh3_128: {xxh3!r} is not a hex xxh3-128")
-        return cls(name=data["name"], bytes=data["bytes"], sha256=data["sha256"], xxh3_128=xxh3)
+        return cls(**_read(cls, data, where))
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenInfo:
     """The manifest's ``tokens`` entry of a token dataset (``kind: "tokens"``)."""
 
-    dtype: str
+    dtype: str = checked(rule(lambda v: v in _TOKEN_LIMITS, f"is not one of {', '.join(_TOKEN_LIMITS)}"))
     """Token type of every ``.bin``: ``uint16`` or ``int32``."""
-    eos_id: int
+    eos_id: int = checked(count)
     """The end-of-document token id that ends every document."""
-    total_tokens: int
+    total_tokens: int = checked(count)
     """Tokens in all shards (the sum of the shard records' ``tokens``)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = checked(count, default=None)
     """Ids of the tokenizer (None: not known, e.g. shards indexed by ``fastio index`` without ``vocab_size``)."""
-    one_sequence_per_document: bool = False
+    one_sequence_per_document: bool = checked(rule(lambda v: isinstance(v, bool), "is not true or false"), default=False)
     """Every ``.idx`` has one sequence per document (``doc_index`` is 0, 1, ..., N: what ``fastio convert``
     writes, and what ``fastio index`` found), so a reader finds a document without ``doc_index``; written
     only when true."""
     starts: IndexRecord | None = None
     """The document-starts table (``doc-starts.fxs``, :mod:`fastio.tokens.starts`; None: none was written)."""
-    max_id: int | None = None
+    max_id: int | None = checked(count, default=None)
     """The largest id in the shards, read by ``fastio index`` (None: not recorded: a conversion, which records
     ``vocab_size``, or an index by a fastio before it read the ids)."""
     chat: ChatInfo | None = None
@@ -288,28 +254,17 @@ class TokenInfo:
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> TokenInfo:
-        """The ``tokens`` entry; DatasetError naming ``where`` and the field."""
-        if not isinstance(data, dict):
-            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
-        missing = [k for k in ("dtype", "eos_id", "total_tokens") if k not in data]
-        if missing:
-            raise DatasetError(f"{where} lacks {', '.join(missing)}")
-        if data["dtype"] not in _TOKEN_LIMITS:
-            raise DatasetError(f"{where}.dtype: {data['dtype']!r} is not one of {', '.join(_TOKEN_LIMITS)}")
-        eos = _count(data["eos_id"], f"{where}.eos_id")
-        if eos > _TOKEN_LIMITS[data["dtype"]]:
-            raise DatasetError(f"{where}.eos_id: {eos} does not fit {data['dtype']}")
-        _count(data["total_tokens"], f"{where}.total_tokens")
-        vocab = data.get("vocab_size")
-        if vocab is not None and (_count(vocab, f"{where}.vocab_size") <= eos):
+        """The ``tokens`` entry; DatasetError naming ``where`` and the field (its own, then the rules between them:
+        ``eos_id`` and ``max_id`` fit ``dtype``, the vocabulary holds both, ``max_id`` is at least ``eos_id``)."""
+        values = _read(cls, data, where)
+        limit, eos, vocab = _TOKEN_LIMITS[values["dtype"]], values["eos_id"], values.get("vocab_size")
+        if eos > limit:
+            raise DatasetError(f"{where}.eos_id: {eos} does not fit {values['dtype']}")
+        if vocab is not None and vocab <= eos:
             raise DatasetError(f"{where}.vocab_size: {vocab} does not include eos_id {eos}")
-        one = data.get("one_sequence_per_document", False)
-        if not isinstance(one, bool):
-            raise DatasetError(f"{where}.one_sequence_per_document: {one!r} is not true or false")
+        _check_max_id(values.get("max_id"), values["dtype"], eos, vocab, f"{where}.max_id")
         starts, chat = data.get("starts"), data.get("chat")
-        return cls(dtype=data["dtype"], eos_id=eos, total_tokens=data["total_tokens"], vocab_size=vocab,
-                   one_sequence_per_document=one, max_id=_max_id(data, eos, vocab, f"{where}.max_id"),
-                   starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"),
+        return cls(**values, starts=None if starts is None else IndexRecord.from_dict(starts, f"{where}.starts"),
                    chat=None if chat is None else ChatInfo.from_dict(chat, f"{where}.chat"))
 
 
@@ -317,13 +272,13 @@ class TokenInfo:
 class ChatInfo:
     """The manifest's ``tokens.chat`` entry: how a chat dataset's conversations were rendered and masked."""
 
-    template_sha256: str
+    template_sha256: str = checked(_matches(_SHA256, "a hex sha256"))
     """Hex sha256 of the chat template's text."""
-    train_on: str
+    train_on: str = checked(rule(lambda v: v in ("generation", "all"), "is not 'generation' or 'all'"))
     """``generation`` (the tokens of the template's ``{% generation %}`` blocks) or ``all``."""
-    trained_tokens: int
+    trained_tokens: int = checked(count)
     """Tokens whose loss mask is set, in all shards."""
-    longest: int
+    longest: int = checked(count)
     """Tokens of the longest conversation (a Loader refuses a ``seq_len`` it does not fit: never cut)."""
     mask: str = MASK_FORMAT
     """The loss mask files' format (:data:`fastio.formats.token_mask.MASK_FORMAT`, the one this fastio reads)."""
@@ -333,39 +288,36 @@ class ChatInfo:
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ChatInfo:
-        """The ``chat`` entry; DatasetError naming ``where`` and the field."""
-        if not isinstance(data, dict):
-            raise DatasetError(f"{where}: is {_kind(data)}, not an object")
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
-        if missing:
-            raise DatasetError(f"{where} lacks {', '.join(missing)}")
-        if not isinstance(data["template_sha256"], str) or not _SHA256.fullmatch(data["template_sha256"]):
-            raise DatasetError(f"{where}.template_sha256: {data['template_sha256']!r} is not a hex sha256")
-        if data["train_on"] not in ("generation", "all"):
-            raise DatasetError(f"{where}.train_on: {data['train_on']!r} is not 'generation' or 'all'")
+        """The ``chat`` entry; DatasetError naming ``where`` and the field (``mask``: required, this fastio's)."""
+        values = _read(cls, data, where)
+        if "mask" not in data:
+            raise DatasetError(f"{where} lacks mask")
         if data["mask"] != MASK_FORMAT:
             raise DatasetError(f"{where}.mask: {data['mask']!r}: this fastio reads loss masks {MASK_FORMAT!r}")
-        for key in ("trained_tokens", "longest"):
-            _count(data[key], f"{where}.{key}")
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**values, mask=data["mask"])
 
 
-def _max_id(data: dict[str, Any], eos: int, vocab: int | None, where: str) -> int | None:
-    """The ``tokens`` entry's largest id (None: absent): a count that fits the token type, at least ``eos`` (every
-    document ends with it), inside the vocabulary; DatasetError naming ``where``."""
-    value = data.get("max_id")
+def _check_max_id(value: int | None, dtype: str, eos: int, vocab: int | None, where: str) -> None:
+    """The ``tokens`` entry's largest id (None: absent) fits the token type, is at least ``eos`` (every document ends
+    with it) and inside the vocabulary; DatasetError naming ``where``."""
     if value is None:
-        return None
-    if _count(value, where) > _TOKEN_LIMITS[data["dtype"]]:
-        raise DatasetError(f"{where}: {value} does not fit {data['dtype']}")
+        return
+    if value > _TOKEN_LIMITS[dtype]:
+        raise DatasetError(f"{where}: {value} does not fit {dtype}")
     if value < eos:
         raise DatasetError(f"{where}: {value} is below eos_id {eos}, which ends every document")
     if vocab is not None and value >= vocab:
         raise DatasetError(f"{where}: {value} is outside the vocabulary of {vocab} ids")
-    return value
 
 
-_TOKEN_LIMITS = {"uint16": 2**16 - 1, "int32": 2**31 - 1}
+def _read(cls: type, data: Any, where: str) -> dict[str, Any]:
+    """``cls``'s checked fields of manifest entry ``data`` (:func:`fastio.checks.read_checked`); DatasetError naming
+    ``where`` and the field: ``FILE: shards[3].samples: -1 is negative``, ``FILE: index lacks sha256``."""
+    if not isinstance(data, dict):
+        raise DatasetError(f"{where}: is {_kind(data)}, not an object")
+    return read_checked(cls, data, complain=lambda key, value, problem: DatasetError(f"{where}.{key}: {value!r} "
+                                                                                    f"{problem}"),
+                        lacks=lambda keys: DatasetError(f"{where} lacks {', '.join(keys)}"))
 
 
 _OPTIONAL_KEYS = ("kind", "tokens", "index", "probes", "image_field", "image_fields", "field_counts", "label_field",
@@ -642,10 +594,9 @@ def _kind(value: Any) -> str:
 
 
 def _count(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DatasetError(f"{where}: {value!r} is not an integer")
-    if value < 0:
-        raise DatasetError(f"{where}: {value} is negative")
+    problem = count(value)
+    if problem is not None:
+        raise DatasetError(f"{where}: {value!r} {problem}")
     return value
 
 

@@ -6,10 +6,11 @@ it as the sample's ``probe.json`` field (:data:`PROBE_FIELD`), published in the 
 checked with it: the Loader reads it with the media bytes and never opens a file to plan a clip. A file PyAV
 cannot open is skipped and named in the report (:class:`MediaCheckError`), and so is a codec that the Loader does
 not decode (``video_decoder="auto"``, the default: NVDEC's codecs, decoded on a GPU by NVDEC and on a CPU by
-DALI's CPU decoder or PyAV; ``"cpu"``: DALI's CPU decoder's only, :data:`DECODER_CODECS`), MP3 audio, audio outside
-the containers and codecs of :data:`DALI_AUDIO_CONTAINERS`, and a still picture in a video field, with the way out in
-the message; with ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video is re-encoded as VP9 instead,
-and with ``transcode="flac"`` such audio is decoded with PyAV and stored as FLAC (:func:`prepare_media`).
+DALI's CPU decoder or PyAV; ``"cpu"``: DALI's CPU decoder's only, :data:`DECODER_CODECS`), and a still picture in a
+video field, with the way out in the message; with ``transcode="vp9"`` (``fastio convert --transcode vp9``) such video
+is re-encoded as VP9 instead. Audio DALI's audio decoder does not read (MP3, audio outside the containers and codecs
+of :data:`DALI_AUDIO_CONTAINERS`) is decoded with PyAV and stored as FLAC (``transcode="flac"``, the default,
+:func:`prepare_media`), or with ``transcode="none"`` skipped and named like the rest.
 
 ``fastio index`` cannot add fields to shards it indexes: it probes each media member once and writes the probes
 into DEST's probe table (:data:`PROBES_NAME`, :func:`write_probe_table`, :class:`ProbeTable`), recorded in the
@@ -28,7 +29,8 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac"]
+           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac",
+           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -91,11 +93,31 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
-                raise MediaCheckError(f"no {'video' if video else 'audio'} stream")
+                raise MediaCheckError(_no_stream(container, video))
             stream = streams[0]
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def _no_stream(container, video: bool) -> str:
+    """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
+    recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container)."""
+    if not video or not container.streams.audio:
+        return f"no {'video' if video else 'audio'} stream"
+    audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    return f"no video stream, only audio ({audio}), which DALI's audio decoder does not read: {_AUDIO_WAYS_OUT}"
+
+
+def _audio_only(data: bytes) -> bool:
+    """Whether PyAV reads ``data`` as audio without a video stream."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            return bool(container.streams.audio) and not container.streams.video
+    except av.FFmpegError:
+        return False
 
 
 def _image_format(demuxer: str) -> str | None:
@@ -206,7 +228,8 @@ def _dali_reads_audio(container: str, codec: str) -> bool:
     return codecs is not None and codec in codecs
 
 
-_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), which stores it decoded by PyAV as FLAC; "
+_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), the default, which stores it decoded by PyAV "
+                   "as FLAC; "
                    "or re-encode it as FLAC, WAV or Opus (e.g. ffmpeg -i IN -c:a flac OUT.flac)")
 
 
@@ -227,17 +250,24 @@ def _probe_audio(container, stream) -> dict[str, Any]:
 
 TRANSCODES = ("vp9", "flac")
 """What ``fastio convert --transcode`` re-encodes into: ``vp9``, video the video decoder cannot read; ``flac``, audio
-DALI's audio decoder cannot read (MP3, AAC, ...); both: ``vp9,flac``."""
+DALI's audio decoder cannot read (MP3, AAC, ALAC, ...); both: ``vp9,flac``; ``none``: nothing (such files are
+skipped and listed)."""
+
+DEFAULT_TRANSCODE = "flac"
+"""``transcode``'s default (not recorded in a manifest's ``convert_options``): audio DALI cannot read is stored as
+FLAC, as ``video_decoder="auto"`` keeps every video a Loader decodes."""
 
 
-def parse_transcode(text: str | None) -> str | None:
-    """``transcode`` as convert records it: None, or the names of :data:`TRANSCODES` it holds (comma-separated, in
-    that order); ValueError naming the value otherwise."""
+def parse_transcode(text: str | None) -> str:
+    """``transcode`` as convert records it: ``none``, or the names of :data:`TRANSCODES` it holds (comma-separated,
+    in that order); None is :data:`DEFAULT_TRANSCODE`; ValueError naming the value otherwise."""
     if text is None:
-        return None
+        return DEFAULT_TRANSCODE
     names = [t.strip().lower() for t in str(text).split(",")]
+    if names == ["none"]:
+        return "none"
     if not all(n in TRANSCODES for n in names):
-        raise ValueError(f"transcode must be vp9, flac or vp9,flac (or None), got {text!r}")
+        raise ValueError(f"transcode must be flac, vp9, vp9,flac or none, got {text!r}")
     return ",".join(t for t in TRANSCODES if t in names)
 
 
@@ -269,14 +299,21 @@ def transcode_vp9(data: bytes) -> bytes:
 def dali_reads_audio(data: bytes) -> bool:
     """Whether DALI's audio decoder reads the first audio stream of ``data`` (:data:`DALI_AUDIO_CONTAINERS`); True
     when PyAV cannot open it or it has no audio stream (:func:`check_media` names that)."""
+    return audio_codec_dali_lacks(data) is None
+
+
+def audio_codec_dali_lacks(data: bytes) -> str | None:
+    """The codec (PyAV's name: ``mp3float``, ``aac``, ``alac``, ...) of the first audio stream of ``data`` when DALI's
+    audio decoder does not read it (:data:`DALI_AUDIO_CONTAINERS`); None when it does, or when PyAV cannot open
+    ``data`` or it has no audio stream (:func:`check_media` names that)."""
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.audio[0]
-            return _dali_reads_audio(container.format.name.split(",")[0], stream.codec_context.name)
+            codec = container.streams.audio[0].codec_context.name
+            return None if _dali_reads_audio(container.format.name.split(",")[0], codec) else codec
     except (av.FFmpegError, IndexError):
-        return True
+        return None
 
 
 def transcode_flac(data: bytes) -> bytes:
@@ -305,28 +342,36 @@ def transcode_flac(data: bytes) -> bytes:
     return out_buf.getvalue()
 
 
-def prepare_media(data: bytes, field: str, transcode: str | None = None,
+def prepare_media(data: bytes, field: str, transcode: str | None = DEFAULT_TRANSCODE,
                   video_decoder: str = DEFAULT_VIDEO_DECODER) -> tuple[str, bytes, bytes]:
     """``(field, bytes, probe.json bytes)`` of one video or audio file as convert stores it: as it is, or with
     ``transcode="vp9"`` a video of a codec ``video_decoder`` does not keep (:data:`DECODER_CODECS`), or whose first
-    frame is not a keyframe, re-encoded (field ``webm``), with ``transcode="flac"`` audio DALI's audio decoder cannot
-    read (field ``flac``, :func:`transcode_flac`); MediaCheckError otherwise (:func:`check_media`)."""
-    wanted = (transcode or "").split(",")
-    if "vp9" in wanted and is_video_field(field):
+    frame is not a keyframe, re-encoded (field ``webm``), with ``transcode="flac"`` (the default) audio DALI's audio
+    decoder cannot read, or a video file holding only audio (field ``flac``, :func:`transcode_flac`);
+    MediaCheckError otherwise (:func:`check_media`). A transcoded file's probe names the codec it was transcoded
+    from (``transcoded_from``)."""
+    wanted, source = (transcode or "").split(","), None
+    audio_only = "flac" in wanted and is_video_field(field) and _audio_only(data)
+    if "vp9" in wanted and is_video_field(field) and not audio_only:
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
-            data, field = transcode_vp9(data), "webm"
-    if "flac" in wanted and is_audio_field(field) and not dali_reads_audio(data):
-        data, field = transcode_flac(data), "flac"
-    return field, data, check_media(data, field, video_decoder)
+            data, field, source = transcode_vp9(data), "webm", info["codec"]
+    if "flac" in wanted and (audio_only or is_audio_field(field)):
+        lacking = audio_codec_dali_lacks(data)
+        if audio_only or lacking is not None:
+            data, field, source = transcode_flac(data), "flac", lacking or "audio in a video file"
+    return field, data, check_media(data, field, video_decoder, transcoded_from=source)
 
 
-def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER) -> bytes:
+def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER,
+                transcoded_from: str | None = None) -> bytes:
     """The ``probe.json`` bytes of a video file of a codec ``video_decoder`` keeps (``auto``: every codec a Loader
     decodes; ``cpu``: DALI's CPU decoder's; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
     stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
-    message: why, with the ways out) otherwise."""
+    message: why, with the ways out) otherwise. ``transcoded_from``: recorded in the probe (the original's codec)."""
     info = probe(data, field)
+    if transcoded_from is not None:
+        info["transcoded_from"] = transcoded_from
     codec = info["codec"]
     if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
         raise MediaCheckError(_video_refusal(codec, video_decoder))
@@ -351,6 +396,16 @@ def _video_refusal(codec: str, video_decoder: str) -> str:
     return (f"video codec {codec} is not decoded by a Loader (video_decoder={video_decoder!r} keeps "
             f"{', '.join(DECODER_CODECS[video_decoder])}): {transcode}, or re-encode it (e.g. ffmpeg -i IN -c:v "
             "libx264 OUT.mp4)")
+
+
+def count_transcoded(counts: dict[str, dict[str, int]], probe_json: bytes) -> None:
+    """Count in ``counts`` (per field transcoded into, ``flac`` or ``webm``: per codec transcoded from) each media
+    field of a sample's ``probe.json`` that convert stored transcoded (:func:`prepare_media`)."""
+    info = json.loads(probe_json)
+    for p in [info] if "kind" in info else info.values():
+        if "transcoded_from" in p:
+            into = counts.setdefault("flac" if p["kind"] == "audio" else "webm", {})
+            into[p["transcoded_from"]] = into.get(p["transcoded_from"], 0) + 1
 
 
 def count_video_codec(codecs: dict[str, dict[str, int]], index: int, probe_json: bytes) -> None:

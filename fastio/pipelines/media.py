@@ -607,7 +607,8 @@ class AudioClips(_Clips):
     key)`` (as for :class:`VideoClips`). A file shorter than the clip starts at 0 and is padded with zeros (silence)
     at the end. Each file is decoded at its own rate and mixed down, and only the clip's window (with a margin) is
     resampled (:func:`resample_windows`), not the whole file. A sound starts where PyAV's decode puts it: the samples
-    DALI's decoder delivers before it (an Ogg Opus pre-skip) are dropped (:func:`decoded_layouts`).
+    DALI's decoder delivers before it (an Ogg Opus pre-skip) are dropped (:func:`decoded_layouts`), and the starts
+    are drawn over the sound it delivers (not the Opus file's last pre-skip samples, which it does not).
 
     ``Loader(dest, pipeline=fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=8)``.
     """
@@ -656,8 +657,10 @@ class AudioClips(_Clips):
 
     def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
         rates, samples, leads = decoded_layouts(batch.image, self._probes(batch))
-        # Samples at the output rate (the resampler's count, rounded down: a start never runs past the end).
-        starts = clip_starts(seed, epoch, batch.draw_keys, samples * self.sample_rate // rates, self.length)[:, 0]
+        # Samples of sound DALI delivers (an Opus pre-skip's lead is not sound, and as many at the end are not
+        # delivered) at the output rate (the resampler's count, rounded down: a start never runs past the end).
+        sound = (samples - leads) * self.sample_rate // rates
+        starts = clip_starts(seed, epoch, batch.draw_keys, sound, self.length)[:, 0]
         window_start, window_length, offset = resample_windows(starts, self.length, rates, samples - leads,
                                                                self.sample_rate)
         window_start += leads.astype(np.int32)  # the decoder's samples before the sound (an Opus pre-skip)

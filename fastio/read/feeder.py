@@ -120,7 +120,7 @@ class Feeder:
             read = self.reader.submit(indices)
             prepare = getattr(self.reader, "prepare", None)
             if prepare is not None:  # work on the read batch that needs its epoch and draws, done before it is fed
-                draws = plan.draw_keys(g, indices) if isinstance(plan, EpochPlan) else None
+                draws = _draws(plan, g, indices)
                 read = prepare(read, seed=self.seed, epoch=plan.epoch, draws=draws)
             self._slots.append(_Slot(plan, g, read, padded))
             self._started += 1
@@ -147,8 +147,8 @@ class Feeder:
         plan, g = slot.plan, slot.g
         start = plan.start if g == 0 else plan.consumed_after(g - 1)
         batch = slot.read.result()
-        if isinstance(batch, ReadBatch) and isinstance(plan, EpochPlan):  # packed sequences draw nothing
-            batch.draws = plan.draw_keys(g, batch.indices)
+        if isinstance(batch, ReadBatch):
+            batch.draws = _draws(plan, g, batch.indices)
         return Fed(batch, slot.padded, plan.epoch, start, plan.consumed_after(g), g == len(plan) - 1)
 
     def __call__(self) -> tuple:
@@ -185,3 +185,10 @@ class Feeder:
         for slot in self._slots:
             slot.read.cancel()
         self._slots.clear()
+
+
+def _draws(plan: EpochPlan | Any, g: int, indices: np.ndarray) -> np.ndarray | None:
+    """The draw keys of batch ``g`` of ``plan`` (delivered as ``indices``): its ``draw_keys``, None for a plan without
+    them (packed sequences draw nothing)."""
+    draw_keys = getattr(plan, "draw_keys", None)
+    return None if draw_keys is None else draw_keys(g, indices)

@@ -3,9 +3,11 @@ once): the largest, the first one outside ``[0, vocab_size)``, and the tell of i
 that says uint16.
 
 Such an ``.idx`` (made by hand, or by a tool told the wrong type) counts each int32 token as two uint16 ones, so its
-sizes agree with the ``.bin``; read that way, every token at an odd offset is the high half of an id below 65,536:
-0. Real uint16 data has no such run: :meth:`IdScan.problems` names it where every odd-offset token is 0 and some
-document is longer than two tokens (data of one-token documents and their end-of-document id 0 is taken as it is).
+sizes agree with the ``.bin``; read that way, every token at an odd offset is the high half of an id: 0 below
+65,536, at most 15 below 2**20, while the low halves at even offsets spread up to 65,535. Real uint16 data has no
+such run: :meth:`IdScan.problems` names it where every odd-offset token is 0, or at most 15 while the even-offset ones
+reach 256, and some document is longer than two tokens (data of one-token documents and their end-of-document id 0
+is taken as it is).
 Not caught: the reverse (uint16 tokens under an ``.idx`` that says int32: ids of two tokens each, most of them
 above any vocabulary), unless ``vocab_size`` is known or the documents' ends betray it; ids of another tokenizer
 inside the vocabulary.
@@ -19,7 +21,13 @@ import numpy as np
 
 from fastio.formats.megatron import MegatronIndex
 
-__all__ = ["IdScan", "document_at"]
+__all__ = ["HIGH_HALF", "LOW_SPREAD", "IdScan", "document_at"]
+
+HIGH_HALF = 15
+"""The largest high half of an int32 id below 2**20 (every vocabulary in use): 15."""
+LOW_SPREAD = 256
+"""Low halves reaching this while every high half is at most :data:`HIGH_HALF`: no real uint16 data (a vocabulary
+of 16 ids or fewer keeps every token small, and is taken as it is)."""
 
 
 def document_at(index: MegatronIndex, token: int) -> int:
@@ -41,7 +49,7 @@ class IdScan:
         self.bad: tuple[int, int] | None = None
         self.seen = 0
         """Tokens seen."""
-        self._odd_nonzero, self._uint16 = False, False
+        self._odd_high, self._even_high, self._uint16 = 0, 0, False  # the largest id at odd and even offsets
 
     def see(self, first: int, tokens: np.ndarray) -> None:
         """Take ``tokens``, the ids from token offset ``first`` on."""
@@ -54,7 +62,9 @@ class IdScan:
         if self.bad is None and (low < 0 or high >= top):
             at = int(np.argmax((tokens < 0) | (tokens >= top)))
             self.bad = (first + at, int(tokens[at]))
-        self._odd_nonzero = self._odd_nonzero or bool(tokens[(first + 1) % 2::2].any())
+        odd, even = tokens[(first + 1) % 2::2], tokens[first % 2::2]
+        self._odd_high = max(self._odd_high, int(odd.max()) if odd.size else 0)
+        self._even_high = max(self._even_high, int(even.max()) if even.size else 0)
 
     def problems(self, index: MegatronIndex) -> Iterator[str]:
         """What is wrong with the ids seen (the whole shard's, indexed by ``index``; read only to name the document
@@ -64,6 +74,12 @@ class IdScan:
             why = (": token ids are never negative (a damaged .bin)" if value < 0
                    else f", outside the vocabulary of {self.vocab_size} ids")
             yield f"document {document_at(index, at)} holds token id {value}{why}"
-        if self._uint16 and self.seen > 2 * index.documents and not self._odd_nonzero:
-            yield ("every second token is 0 (each one at an odd offset): int32 tokens under an .idx that says uint16? "
-                   "(it counts each int32 token as two)")
+        if self._uint16 and self.seen > 2 * index.documents and self._high_halves():
+            small = "0" if self._odd_high == 0 else f"at most {self._odd_high}"
+            yield (f"every second token is {small} (each one at an odd offset): int32 tokens under an .idx that says "
+                   "uint16? (it counts each int32 token as two)")
+
+    def _high_halves(self) -> bool:
+        """Whether the tokens at odd offsets look like int32 ids' high halves: all 0, or all at most
+        :data:`HIGH_HALF` (ids below 2**20) while those at even offsets, the low halves, reach :data:`LOW_SPREAD`."""
+        return self._odd_high == 0 or self._odd_high <= HIGH_HALF and self._even_high >= LOW_SPREAD

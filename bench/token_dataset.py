@@ -1,4 +1,6 @@
-"""A token dataset opened for reading: its manifest, its Megatron shards mapped, and packed sequences read from them.
+"""A token dataset read as packed sequences without the Loader: the reference reader of the token benchmark
+(``bench/tokens.py``) and of the token tests, kept out of the package (users read token datasets with
+``fastio.Loader(DEST, pipeline=fastio.Tokens(...))``).
 
 ``TokenDataset(dest)`` checks the manifest (``kind: "tokens"``) and every shard pair (present, sizes against the
 manifest and against each other); :meth:`TokenDataset.packing` gives the pure order of packed sequences
@@ -6,7 +8,7 @@ manifest and against each other); :meth:`TokenDataset.packing` gives the pure or
 documents, and :meth:`TokenDataset.batch` reads the sequences a plan names, with their ``position_ids``,
 ``cu_seqlens`` and ``loss_mask``; a chat dataset's ``loss_mask`` is its stored mask
 (:mod:`fastio.formats.token_mask`) and its boundaries are the conversations' (the pieces'), as the Loader's.
-Local datasets only this release.
+Local datasets only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""Fault-tolerant training with torchft: one replica group of a job whose groups come and go, on a fastio dataset.
+
+Start a lighthouse once, then each replica group with its own id (a group may be several ranks: torchrun):
+
+    torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000
+    TORCHFT_LIGHTHOUSE=http://HOST:29510 REPLICA_GROUP_ID=0 torchrun --nproc-per-node 2 --master-port 29600 \\
+        examples/torchft_train.py --data ds/train --steps 1000
+    TORCHFT_LIGHTHOUSE=http://HOST:29510 REPLICA_GROUP_ID=1 torchrun --nproc-per-node 2 --master-port 29601 \\
+        examples/torchft_train.py --data ds/train --steps 1000
+
+Each step trains on global batch ``manager.current_step()`` of fastio's order (``--batch-size`` samples: what a
+one-process Loader gives at that batch), split over the groups in that step's quorum and over each group's ranks.
+A group that dies and is started again heals from a peer: the weights, the optimizer and the Loader's position
+(its state is in the Manager's state dict) come with the step, and the group takes part again from the next step.
+The loss is the sum over this rank's samples times ``num_participants() / batch_size``: torchft's allreduce
+averages over the participating groups, so the gradient is that of the global batch's mean, whatever the shares.
+``--sample-log FILE`` appends one JSON line per committed step: the step, the group and rank, and the dataset
+indices it trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+from torchft.optim import OptimizerWrapper
+
+from fastio import FastioError, Loader
+
+
+def make_model(classes: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, classes))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="training dataset (a directory made by `fastio convert`)")
+    parser.add_argument("--steps", type=int, default=100, help="committed steps to train")
+    parser.add_argument("--batch-size", type=int, default=32, help="the global batch of one step")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=30, help="seconds before a peer is taken for dead")
+    parser.add_argument("--sample-log", help="append a JSON line per committed step (step, group, rank, indices)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    model = optimizer = None
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)), min_replica_size=1,
+        load_state_dict=lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        replica_id=f"group{os.environ.get('REPLICA_GROUP_ID', '0')}", init_sync=False,
+        timeout=timedelta(seconds=args.timeout))
+    loader = Loader(args.data, pipeline="image-train", image_size=args.image_size, batch_size=args.batch_size,
+                    seed=0, drop_last=True, replicas=manager, device="cpu")
+    torch.manual_seed(0)  # every group builds the same weights, so step 0 needs no sync (init_sync=False)
+    model = make_model(loader.dataset.num_classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    ddp = DistributedDataParallel(manager, model)
+    opt = OptimizerWrapper(manager, optimizer)
+    it = iter(loader)
+    while manager.current_step() < args.steps:
+        opt.zero_grad()  # starts this step's quorum
+        batch = next(it)  # this rank's share of global batch manager.current_step()
+        out = ddp(batch["image"].float())
+        loss = F.cross_entropy(out, batch["label"], reduction="sum") * manager.num_participants() / args.batch_size
+        loss.backward()
+        step = manager.current_step()
+        opt.step()  # commits, or not: a step that does not commit is taken again, with the same samples
+        if manager.current_step() > step and args.sample_log and manager.is_participating():
+            with open(args.sample_log, "a") as log:
+                log.write(json.dumps({"step": step, "group": os.environ.get("REPLICA_GROUP_ID", "0"),
+                                      "rank": loader.rank, "index": batch["index"].tolist()}) + "\n")
+    loader.close()
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except FastioError as err:
+        sys.exit(f"torchft_train: {err}")

@@ -1,0 +1,88 @@
+"""torchft: a Loader's replica groups and step from a ``torchft.Manager`` (``fastio.Loader(..., replicas=manager)``).
+
+The Loader asks :class:`TorchftReplicas` at each batch for the step and this rank's :class:`~fastio.order.replicas.Share`
+of it (after the step's quorum), and registers its state with the Manager, so that a group that heals from a peer
+gets the data position with the weights. The order arithmetic is in :mod:`fastio.order.replicas`; this module only
+reads the Manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastio.errors import LoaderArgumentError, LoaderStateError
+from fastio.order.replicas import Share
+
+__all__ = ["STATE_KEY", "TorchftReplicas"]
+
+STATE_KEY = "fastio_loader"
+"""The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders)."""
+
+
+class TorchftReplicas:
+    """The replica groups of a ``torchft.Manager`` as a Loader sees them."""
+
+    def __init__(self, manager: Any):
+        import torchft
+
+        if not isinstance(manager, torchft.Manager):
+            raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
+                                      "Manager of this replica group")
+        self.manager = manager
+
+    @property
+    def group_world_size(self) -> int:
+        """The ranks of this replica group (the Manager's ``world_size``, its env ``WORLD_SIZE`` by default)."""
+        return int(self.manager._group_world_size)
+
+    def check_world(self, rank: int, world_size: int) -> None:
+        """LoaderArgumentError when the Loader's ranks are not those of one replica group."""
+        group = self.group_world_size
+        if world_size != group:
+            raise LoaderArgumentError(
+                f"Loader got world_size={world_size} with replicas=: it counts the ranks of one replica group "
+                f"({group} for this Manager), not of all groups; leave world_size= (and rank=) out, or pass the "
+                "group's")
+
+    def step(self) -> int:
+        """The Manager's step: the global batch the next batch is a share of."""
+        return int(self.manager.current_step())
+
+    def share(self, rank: int, world_size: int) -> tuple[int, Share | None]:
+        """``(step, share)`` once the step's quorum is known; the share is None when this group does not take part
+        (it is healing, or a spare)."""
+        participants = self.manager.num_participants()  # waits for the quorum (and a healing group's step)
+        if participants < 1:
+            raise LoaderArgumentError("no torchft quorum yet: start the step (optimizer.zero_grad() of "
+                                      "torchft.optim.OptimizerWrapper, or manager.start_quorum()) before taking its "
+                                      "batch")
+        participant = self.manager.participating_rank()
+        step = self.step()
+        if participant is None or not self.manager.is_participating():
+            return step, None
+        return step, Share(participants, participant, rank, world_size)
+
+    def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
+        """Put a Loader's state into the Manager's state dict (sent to a healing group with the weights); returns
+        its key."""
+        taken, key, n = self.manager._user_state_dicts, STATE_KEY, 0
+        while key in taken:
+            n += 1
+            key = f"{STATE_KEY}_{n}"
+        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+        return key
+
+    def check_state(self, state: dict[str, Any], batch_size: int, step_key: str) -> None:
+        """LoaderStateError unless ``state`` is of the same global batch and at the Manager's step (a restore must
+        restore the Manager's state too: the step is the position)."""
+        saved = state.get("batch_size")
+        if saved is not None and saved != batch_size:
+            raise LoaderStateError(f"loader state has batch_size={saved!r}, this Loader's global batch is "
+                                   f"{batch_size} (with replicas= batch_size is the global batch of one step)")
+        step = state.get(step_key)
+        if step is not None and step != self.step():
+            raise LoaderStateError(
+                f"loader state is at torchft step {step}, the Manager at step {self.step()}: with replicas= the "
+                "position is the Manager's step; restore the Manager's state_dict() with the Loader's (put the "
+                "Manager into the Checkpointer's app state)")

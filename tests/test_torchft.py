@@ -1,0 +1,215 @@
+"""fastio.Loader(..., replicas=manager) under a real torchft lighthouse and Managers on ProcessGroupGloo: every
+committed step takes exactly the global batch a one-process Loader gives at that batch, split over the replica groups
+of that step's quorum, through a group SIGKILLed and started again (it heals its data position from a peer).
+
+All on loopback: the lighthouse binds 127.0.0.1, each group's TCPStore is on 127.0.0.1, gloo on ``lo``."""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+import fastio
+from fastio.order.replicas import Share
+from tests.helpers import rank_process
+from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager
+
+GLOBAL_BATCH = 6
+STEPS = 22  # 48 samples: 8 global batches an epoch, so the run crosses two epoch boundaries
+KILL_AT, GATE = 5, 8
+
+
+def _one_process(dest, steps: int, batch_size: int = GLOBAL_BATCH, **options) -> list[list[int]]:
+    """The one-process run's batches 0 .. steps-1, through the epochs."""
+    with fastio.Loader(dest, batch_size=batch_size, seed=0, drop_last=True, device="cpu", rank=0, world_size=1,
+                       **options) as loader:
+        batches = []
+        while len(batches) < steps:
+            batches += [b["index"].tolist() for b in loader]
+        return batches[:steps]
+
+
+def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse_addr: str, dest: str, log: str,
+                gate: str, restarted: bool) -> None:
+    """One rank of one replica group: the issue's loop, a line per batch and per commit. From step ``GATE`` on the
+    first groups wait for the restarted one to be up (``gate``), so that it comes back before the run ends."""
+    os.environ.update(LOOPBACK)
+    mgr = manager(store_port, lighthouse_addr, group, rank, world, timeout_s=5)  # a busy machine is not a dead peer
+    if restarted:
+        Path(gate).touch()
+    loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
+                           rank=rank, world_size=world)
+    it = iter(loader)
+    with open(log, "a") as out:
+        def write(**record):
+            out.write(json.dumps({"group": group, "rank": rank, "pid": os.getpid(), **record}) + "\n")
+            out.flush()
+
+        while mgr.current_step() < STEPS:
+            while mgr.current_step() >= GATE and not os.path.exists(gate):
+                time.sleep(0.02)
+            mgr.start_quorum()
+            batch = next(it)
+            write(event="batch", step=mgr.current_step(), participating=mgr.is_participating(),
+                  participants=mgr.num_participants(), prank=mgr.participating_rank(),
+                  index=batch["index"].tolist(), padded=batch["padded"].tolist())
+            mgr.allreduce(torch.tensor([float(len(batch["index"]))])).wait()
+            step = mgr.current_step()
+            write(event="commit", step=step, committed=mgr.should_commit())
+            time.sleep(0.05)
+    loader.close()
+    mgr.shutdown(wait=False)
+
+
+def _records(logs: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(logs.glob("*.jsonl")) for line in f.read_text().splitlines() if line]
+
+
+def _wait_for(what, deadline: float, procs) -> None:
+    while not what():
+        assert time.monotonic() < deadline, "the torchft run did not get there in time"
+        assert all(p.is_alive() or p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        time.sleep(0.05)
+
+
+def _run(dest: Path, logs: Path, groups: int, world: int, kill: int, kill_at: int = KILL_AT) -> None:
+    """``groups`` replica groups of ``world`` ranks; group ``kill`` SIGKILLed once it took step ``kill_at``'s batch,
+    started again once the others committed a step without it."""
+    house = lighthouse(min_replicas=groups - 1, join_ms=1000)
+    stores = [group_store() for _ in range(groups)]
+
+    def start(g: int, store: TCPStore, restarted: bool = False) -> list:
+        procs = [rank_process(_group_main, (g, r, world, store.port, house.address(), str(dest),
+                                            str(logs / f"g{g}-r{r}.jsonl"), str(logs / "gate"), restarted))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        return procs
+
+    procs = {g: start(g, stores[g]) for g in range(groups)}
+    everyone = [p for ps in procs.values() for p in ps]
+    deadline = time.monotonic() + 90
+    try:
+        _wait_for(lambda: any(r["group"] == kill and r["event"] == "batch" and r["step"] >= kill_at
+                              for r in _records(logs)), deadline, everyone)
+        for p in procs[kill]:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+        _wait_for(lambda: any(r["event"] == "commit" and r["committed"] and r["step"] > kill_at
+                              and _participants(r, _records(logs)) == groups - 1 for r in _records(logs)),
+                  deadline, [p for g, ps in procs.items() if g != kill for p in ps])
+        stores.append(group_store())
+        procs[kill] = start(kill, stores[-1], restarted=True)
+        for p in (p for ps in procs.values() for p in ps):
+            p.join(max(0.0, deadline - time.monotonic()))
+            assert p.exitcode == 0, f"a rank ended with {p.exitcode}"
+    finally:
+        for p in (p for ps in procs.values() for p in ps):
+            if p.is_alive():
+                p.kill()
+                p.join()
+        house.shutdown()
+
+
+def _participants(commit: dict, records: list[dict]) -> int | None:
+    batch = _batch_of(commit, records)
+    return batch["participants"] if batch else None
+
+
+def _batch_of(commit: dict, records: list[dict]) -> dict | None:
+    """The batch record a commit record is of: the same process's last batch line before it."""
+    same = [r for r in records if r["pid"] == commit["pid"] and r["rank"] == commit["rank"]]
+    before = same[:same.index(commit)]
+    return next((r for r in reversed(before) if r["event"] == "batch"), None)
+
+
+def _check(records: list[dict], want: list[list[int]], groups: int, world: int, kill: int) -> None:
+    committed = [_batch_of(r, records) for r in records if r["event"] == "commit" and r["committed"]]
+    assert sorted({b["step"] for b in committed}) == list(range(STEPS))
+    for b in (b for b in committed if b["participating"]):  # each rank's share of its step, as its quorum cut it
+        where, _ = Share(b["participants"], b["prank"], b["rank"], world).pick(GLOBAL_BATCH)
+        assert b["index"] == want[b["step"]][where], b
+    batches = [r for r in records if r["event"] == "batch" and r["participating"]]
+    agreed = shrunk = 0
+    for step in range(STEPS):
+        sizes = {b["participants"] for b in committed if b["step"] == step and b["participating"]}
+        if len(sizes) > 1:
+            continue  # torchft commits per group: one that timed out may retry a step the others committed
+        agreed += 1
+        # the shares of the committed quorum, also of a group killed after its gradients went into the allreduce
+        taken = [b for b in batches if b["step"] == step and b["participants"] in sizes]
+        shares = {(b["prank"], b["rank"]): b["index"] for b in taken}
+        assert all(b["index"] == shares[b["prank"], b["rank"]] for b in taken)  # a retry takes the same samples
+        assert [i for key in sorted(shares) for i in shares[key]] == want[step], step  # the one-process batch
+        assert {p for p, _ in shares} == set(range(min(sizes)))
+        shrunk += min(sizes) == groups - 1
+    assert agreed >= STEPS - 2 and shrunk >= 1, (agreed, shrunk)  # shrunk: steps the groups left after the kill took
+    lives = sorted({r["pid"] for r in records if r["group"] == kill and r["rank"] == 0}, key=lambda pid: next(
+        i for i, r in enumerate(records) if r["pid"] == pid))
+    again = [r for r in records if r["pid"] == lives[-1] and r["event"] == "batch"]
+    assert len(lives) == 2 and not again[0]["participating"] and again[0]["index"] == []  # healing: an empty batch
+    back = next(b for b in again if b["participating"])
+    assert back["step"] - again[0]["step"] <= 3 and back in committed
+
+
+@pytest.mark.parametrize("groups,world", [(3, 1), (2, 2)])
+def test_every_committed_step_is_the_one_process_batch_through_a_killed_group(tmp_path, image_dataset, groups,
+                                                                                world, monkeypatch):
+    for key, value in LOOPBACK.items():
+        monkeypatch.setenv(key, value)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    _run(image_dataset, logs, groups, world, kill=groups - 1)
+    want = _one_process(image_dataset, STEPS, pipeline="raw")
+    _check(_records(logs), want, groups, world, kill=groups - 1)
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchft_train.py"
+
+
+def _example_main(argv: list[str]) -> None:
+    """``python examples/torchft_train.py ARGV`` in a rank process (its environment from the test's), every address
+    it advertises 127.0.0.1 (torchft takes the host name for its manager and checkpoint servers)."""
+    import runpy
+    import socket
+    import sys
+
+    socket.gethostname = lambda: "127.0.0.1"
+    sys.argv = [str(EXAMPLE), *argv]
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+
+
+def test_the_example_trains_each_step_on_its_global_batch(tmp_path, image_dataset, monkeypatch):
+    house = lighthouse(min_replicas=2, join_ms=1000)
+    stores = [group_store() for _ in range(2)]
+    log = tmp_path / "samples.jsonl"
+    procs = []
+    for g, store in enumerate(stores):
+        env = {**LOOPBACK, "TORCHFT_LIGHTHOUSE": house.address(), "REPLICA_GROUP_ID": str(g), "RANK": "0",
+               "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        procs.append(rank_process(_example_main, (["--data", str(image_dataset), "--steps", "8", "--batch-size", "8",
+                                                   "--image-size", "16", "--timeout", "10",
+                                                   "--sample-log", str(log)],)))
+        procs[-1].start()
+    try:
+        for p in procs:
+            p.join(90)
+            assert p.exitcode == 0, p.exitcode
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        house.shutdown()
+    want = _one_process(image_dataset, 8, batch_size=8, pipeline="raw")
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    for step in range(8):
+        shares = sorted((r for r in lines if r["step"] == step), key=lambda r: r["group"])
+        assert sorted(i for r in shares for i in r["index"]) == sorted(want[step]), step

@@ -1,0 +1,207 @@
+"""fastio.Loader(..., replicas=manager) with real torchft Managers in this process (a real lighthouse, single-rank
+groups): every kind of pipeline across epochs, a retried step, a group healing with an empty batch, the Loader's
+state in the Manager's state dict, Checkpointer restores and the refusals. The run across processes with a SIGKILLed
+group is tests/test_torchft.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastio
+from fastio.convert import synthetic
+from fastio.convert.run import ConvertConfig, convert
+from fastio.dataset.shards import ShardWriter
+from fastio.errors import CheckpointError, LoaderArgumentError, LoaderStateError
+from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager, steps
+
+
+@pytest.fixture
+def house(monkeypatch):
+    for key, value in LOOPBACK.items():
+        monkeypatch.setenv(key, value)
+    server = lighthouse()
+    yield server.address()
+    server.shutdown()
+
+
+def _txt(dest: Path, n: int, label: int) -> Path:
+    with ShardWriter(dest, max_samples=4) as writer:
+        for i in range(n):
+            writer.write({"__key__": f"s{i:03d}", "txt": f"{label}-{i}".encode(), "cls": str(label).encode()})
+        writer.close(label_field="cls", converted_from={"format": "test"}, skipped=[])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def video_ds(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("torchft-videos")
+    for c in range(2):
+        for i in range(2):
+            synthetic.make_video(root / "src" / f"c{c}" / f"v{i}.webm", frames=8, fps=8)
+    convert(ConvertConfig(source=root / "src", dest=root / "ds", workers=1, progress=False))
+    return root / "ds"
+
+
+def _kinds(request, tmp_path, image_dataset):
+    """(what the Loader reads, its options, the batch keys compared with the one-process run)."""
+    kind = request.param
+    if kind == "image":
+        return image_dataset, {"pipeline": "image-eval", "image_size": 32, "batch_size": 8}, ("index", "image", "label")
+    if kind == "tokens":
+        return request.getfixturevalue("token_ds"), {"pipeline": fastio.Tokens(seq_len=8), "batch_size": 4}, (
+            "index", "tokens", "position_ids")
+    if kind == "mixture":
+        sources = {"a": _txt(tmp_path / "a", 10, 0), "b": _txt(tmp_path / "b", 7, 1)}
+        mix = fastio.Mixture(sources, weights=[(0, {"a": 3, "b": 1}), (9, {"a": 1, "b": 3})])
+        return mix, {"pipeline": "raw", "batch_size": 4}, ("index", "source", "label", "txt")
+    return request.getfixturevalue("video_ds"), {
+        "pipeline": fastio.VideoClips(frames=2, size=16, dtype="uint8", layout="FHWC"), "batch_size": 2}, (
+        "index", "video", "label")
+
+
+@pytest.fixture(params=["image", "tokens", "mixture", "video"])
+def kind(request, tmp_path, image_dataset):
+    return _kinds(request, tmp_path, image_dataset)
+
+
+def _loader(target, options, mgr=None, **more):
+    opts = {"seed": 0, "drop_last": True, "device": "cpu", "num_threads": 1, **options, **more}
+    if mgr is None:
+        return fastio.Loader(target, rank=0, world_size=1, **opts)
+    return fastio.Loader(target, replicas=mgr, **opts)
+
+
+def _one_process(target, options, count: int) -> list[dict]:
+    out = []
+    with _loader(target, options) as loader:
+        while len(out) < count:
+            out += list(loader)
+    return out[:count]
+
+
+def _joined(parts: list, like):
+    if isinstance(like, torch.Tensor):
+        return torch.cat(parts)
+    return [x for p in parts for x in p]
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else list(a) == list(b)
+
+
+def _empty_like(empty: dict, full: dict) -> bool:
+    """A batch of no samples with ``full``'s keys, dtypes and trailing dimensions."""
+    if empty.keys() != full.keys():
+        return False
+    return all(len(e) == 0 and (not isinstance(f, torch.Tensor) or (e.dtype, e.shape[1:]) == (f.dtype, f.shape[1:]))
+               for e, f in ((empty[k], full[k]) for k in full if isinstance(full[k], (torch.Tensor, list))))
+
+
+def test_every_pipeline_takes_the_global_batch_of_each_step_across_epochs_and_a_joining_group(house, kind):
+    target, options, keys = kind
+    want = _one_process(target, options, 9)
+    first = group_store(), group_store()
+    m0 = manager(first[0].port, house, 0)
+    l0 = _loader(target, options, m0)
+    before = steps([(m0, l0)], 3)  # group 0 alone: the whole global batch
+    m1 = manager(first[1].port, house, 1)
+    l1 = _loader(target, options, m1)
+    after = steps([(m0, l0), (m1, l1)], 6)
+    for s, (b,) in enumerate(before):
+        assert b["step"] == s and all(_same(b[k], want[s][k]) for k in keys)
+    (full, healing), *shared = after
+    assert full["step"] == healing["step"] == 3 and not healing["participating"]
+    assert all(_same(full[k], want[3][k]) for k in keys)
+    assert _empty_like({k: healing[k] for k in want[3]}, want[3])  # healing: no samples, the batch's structure
+    for b0, b1 in shared:  # both take part: halves of the one-process batch, through an epoch boundary
+        s = b0["step"]
+        assert b1["step"] == s and b0["participating"] and b1["participating"]
+        assert all(_same(_joined([b0[k], b1[k]], want[s][k]), want[s][k]) for k in keys), s
+        assert abs(len(b0["index"]) - len(b1["index"])) <= 1
+    assert [b0["step"] for b0, _ in shared] == [4, 5, 6, 7, 8]
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_a_step_that_does_not_commit_is_taken_again_with_the_same_samples(house, image_dataset):
+    options = {"pipeline": "raw", "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader:
+        failed = []
+        got = steps([(m, loader)], 6, commit=lambda s: s != 2 or bool(failed) or failed.append(s))
+        assert [b["step"] for (b,) in got] == [0, 1, 2, 2, 3, 4]
+        assert [b["index"].tolist() for (b,) in got] == [want[s] for s in (0, 1, 2, 2, 3, 4)]
+        state = m._manager_state_dict()["user"]["fastio_loader"]
+        assert state == loader.state_dict() and state["step"] == 5 and (state["epoch"], state["consumed"]) == (0, 30)
+        assert len(json.dumps(state)) < 400  # what a healing group receives besides the weights
+    m.shutdown(wait=False)
+
+
+def test_a_steady_quorum_keeps_one_stream_through_the_epochs(house, image_dataset):
+    """The next steps' shares are read and decoded ahead while a step trains: one feeder and DALI pipeline serve
+    every step of an unchanged quorum (8 steps an epoch here), and a retried step starts another."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": "image-eval", "image_size": 16, "batch_size": 6}, m) as loader:
+        streams = []
+        steps([(m, loader)], 10, commit=lambda s: streams.append(loader._feeder) or s != 9)
+        assert len(streams) == 10 and len({id(f) for f in streams}) == 1
+        steps([(m, loader)], 1)  # step 9 again
+        assert loader._feeder is not streams[0]
+    m.shutdown(wait=False)
+
+
+def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(house, image_dataset):
+    options = {"pipeline": "raw", "batch_size": 6}
+    stores = group_store(), group_store()
+    m0 = manager(stores[0].port, house, 0)
+    l0 = _loader(image_dataset, options, m0)
+    steps([(m0, l0)], 2)
+    m1 = manager(stores[1].port, house, 1)
+    l1 = _loader(image_dataset, options, m1, seed=1)
+    with pytest.raises(LoaderStateError, match="loader state has seed=0, this loader seed=1"):
+        steps([(m0, l0), (m1, l1)], 1)
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_a_checkpointer_restore_continues_at_the_managers_step(house, image_dataset, tmp_path):
+    options = {"pipeline": "raw", "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        steps([(m, loader)], 3)
+        ck.save(3, {"loader": loader, "torchft": m}, blocking=True)
+    m.shutdown(wait=False)
+    second = group_store()
+    again = manager(second.port, house, 0)
+    with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        with pytest.raises(CheckpointError, match="loader state is at torchft step 3, the Manager at step 0: .*put the "
+                           "Manager into the Checkpointer's app state"):
+            ck.restore_latest({"loader": loader}, strict=False)
+        ck.restore_latest({"loader": loader, "torchft": again})
+        got = steps([(again, loader)], 2)
+    assert [b["index"].tolist() for (b,) in got] == want[3:5]
+    again.shutdown(wait=False)
+
+
+def test_misuse_is_refused_in_one_line_naming_the_fix(house, image_dataset):
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with pytest.raises(LoaderArgumentError, match=r"world_size=4 with replicas=: .* one replica group \(1 "):
+        fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas=m, rank=0, world_size=4)
+    with pytest.raises(LoaderArgumentError, match="replicas= takes a torchft.Manager, got dict"):
+        fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas={})
+    with fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas=m) as loader:
+        with pytest.raises(LoaderArgumentError, match=r"no torchft quorum yet: start the step \(optimizer.zero_grad"):
+            next(iter(loader))
+        with pytest.raises(LoaderArgumentError, match="set_epoch with replicas="):
+            loader.set_epoch(1)
+    m.shutdown(wait=False)

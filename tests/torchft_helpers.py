@@ -1,0 +1,65 @@
+"""A real torchft lighthouse and Managers on loopback for the tests (tests/test_torchft*.py).
+
+The lighthouse binds 127.0.0.1; each replica group's TCPStore is on 127.0.0.1 (hosted by the test process); gloo
+uses ``lo``; the Managers advertise 127.0.0.1. ``init_sync=False``: torchft would otherwise heal every group but one
+at step 0 and zero their gradients (docs/trainers.md)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+from torchft._torchft import LighthouseServer
+
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
+_ASKED: set[int] = set()  # the Managers (by id) that started a quorum in steps()
+
+
+def lighthouse(min_replicas: int = 1, join_ms: int = 100) -> LighthouseServer:
+    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_ms, quorum_tick_ms=20,
+                            heartbeat_timeout_ms=1000)
+
+
+def group_store() -> TCPStore:
+    """A replica group's store (torchft's Managers find their group's manager server there)."""
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, world: int = 1, timeout_s: float = 3,
+            **kw: Any) -> Manager:
+    """Rank ``rank`` of replica group ``group``'s Manager, with short timeouts (a dead peer is seen in seconds); the
+    process's environment has ``LOOPBACK``."""
+    assert all(os.environ.get(k) == v for k, v in LOOPBACK.items()), "gloo not on loopback"
+    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
+                   min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
+                   lighthouse_addr=lighthouse_addr, replica_id=f"group{group}", hostname="127.0.0.1",
+                   timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=30),
+                   connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
+
+
+def steps(loaders: list[tuple[Manager, Any]], count: int, commit: Callable[[int], bool] = lambda s: True
+          ) -> list[list[dict]]:
+    """``count`` steps of single-rank groups in this process: every Manager starts its quorum, then each group takes
+    its batch and commits (``commit(step)`` False: an error is reported first, so the step is not committed). The
+    group that has not asked before asks first, and is waited for, so that the quorum of its first step takes it in
+    (the lighthouse forms a quorum at once when the groups of the last one have asked)."""
+    out = []
+    its = [iter(loader) for _, loader in loaders]
+    for _ in range(count):
+        for m, _ in sorted(loaders, key=lambda ml: id(ml[0]) in _ASKED):
+            m.start_quorum()
+            if id(m) not in _ASKED and len(loaders) > 1:
+                time.sleep(0.3)  # its request reaches the lighthouse first
+            _ASKED.add(id(m))
+        out.append([dict(next(it), step=m.current_step(), participating=m.is_participating())
+                    for (m, _), it in zip(loaders, its)])
+        for m, _ in loaders:
+            if not commit(m.current_step()):
+                m.report_error(RuntimeError("this step fails on purpose"))
+            m.should_commit()
+    return out
