@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from fastio import Loader, LoaderConfig
+from fastio import ImageEval, Loader, LoaderConfig
 from fastio.loader import OrderOptions, PerformanceOptions, RankOptions, ShardOptions
 from fastio.read import readset
 from fastio.read.options import Options
@@ -36,8 +36,8 @@ def test_a_config_made_from_groups_is_the_flat_one_and_gives_the_same_batches(im
                                    performance=PerformanceOptions(prefetch=1, reader_threads=2),
                                    shards=ShardOptions(cache_size="1GB"), ranks=RankOptions(0, 1))
     assert grouped == LoaderConfig(**FLAT)
-    with Loader(image_dataset, grouped, pipeline="image-eval", image_size=16) as a, \
-            Loader(image_dataset, **FLAT, pipeline="image-eval", image_size=16) as b:
+    with Loader(image_dataset, grouped, pipeline=ImageEval(size=16)) as a, \
+            Loader(image_dataset, **FLAT, pipeline=ImageEval(size=16)) as b:
         for x, y in zip(a, b):
             assert torch.equal(x["index"], y["index"]) and torch.equal(x["image"], y["image"])
 
