@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
-from fastio.pipelines import BuiltPipeline, GraphDef, Pipeline, Placement, as_pipeline, build_graph, spell
+from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
 from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
@@ -65,7 +65,8 @@ _HABITS = {
                    "on reader_threads=",
     "pin_memory": "not needed: with device='cuda' batches are decoded straight into GPU memory",
     "sampler": "the order is built in (shuffle=, seed=; rank and world size from torch.distributed)",
-    "collate_fn": "batches come as a dict of tensors; for other outputs pass pipeline= a DALI graph function",
+    "collate_fn": "batches come as a dict of tensors; for other outputs pass pipeline=fastio.Graph(fn), a DALI graph "
+                  "function",
 }
 
 
@@ -80,6 +81,49 @@ def _check_habits(arguments: dict[str, Any]) -> None:
                                   f"use shuffle={use}")
 
 
+# The Loader's old spellings (before 0.1), each refused with the pipeline object to give instead.
+_OLD_KINDS = {"image-train": "ImageTrain", "image-eval": "ImageEval", "raw": "Raw"}
+_OLD_OPTIONS = {"image_size": "size", "mean": "mean", "std": "std", "dtype": "dtype", "layout": "layout",
+                "eval_crop_ratio": "crop_ratio", "fields": "fields"}
+"""An old flat option and its name as an option of the pipeline object (``ImageTrain(size=)``,
+``ImageEval(crop_ratio=)``)."""
+
+
+def _refuse_old_spellings(arguments: dict[str, Any]) -> None:
+    """Refuse the old spellings among a config's arguments (``image_size=32``, ``eval_crop_ratio=``,
+    ``fields=``, ..., ``graph=``, ``pipeline="image-train"`` or a graph function) in one line naming the pipeline
+    object to give (``pipeline=fastio.ImageTrain(size=32)``)."""
+    old = [name for name in (*_OLD_OPTIONS, "graph") if name in arguments]
+    pipeline = arguments.get("graph", arguments.get("pipeline"))
+    if not old and not (isinstance(pipeline, str) and pipeline in _OLD_KINDS) and not _graph_function(pipeline):
+        return
+    given = ", ".join(f"{name}={arguments[name]!r}" for name in (*old, "pipeline") if name in arguments)
+    raise LoaderArgumentError(f"{given}: the old spelling; give the pipeline object: "
+                              f"pipeline={_object_for(pipeline, arguments)}")
+
+
+def _graph_function(pipeline: Any) -> bool:
+    """Whether ``pipeline`` is a bare DALI graph function (the old spelling of ``fastio.Graph(fn)``)."""
+    return callable(pipeline) and not isinstance(pipeline, Pipeline) and not isinstance(pipeline, type)
+
+
+def _object_for(pipeline: Any, arguments: dict[str, Any]) -> str:
+    """The pipeline object an old spelling describes, as code (``fastio.ImageEval(size=160, crop_ratio=0.5)``;
+    beside an object, that object with those of the old options it has, the others named as not its own)."""
+    if _graph_function(pipeline):
+        return f"fastio.Graph({getattr(pipeline, '__name__', 'fn')})"
+    given = [(old, new) for old, new in _OLD_OPTIONS.items() if old in arguments]
+    if isinstance(pipeline, Pipeline):
+        own = {f.name for f in dataclasses.fields(pipeline) if f.init} if dataclasses.is_dataclass(pipeline) else set()
+        options = ", ".join(["...", *(f"{new}={arguments[old]!r}" for old, new in given if new in own)])
+        foreign = [old for old, new in given if new not in own]
+        unused = f" ({', '.join(foreign)}: not options of {type(pipeline).__name__})" if foreign else ""
+        return f"fastio.{type(pipeline).__name__}({options}){unused}"
+    kind = _OLD_KINDS.get(pipeline, "ImageEval" if "eval_crop_ratio" in arguments else "ImageTrain") \
+        if isinstance(pipeline, str) or pipeline is None else "ImageTrain"
+    return f"fastio.{kind}({', '.join(f'{new}={arguments[old]!r}' for old, new in given)})"
+
+
 @dataclass(frozen=True)
 class LoaderConfig:
     """What every kind of data shares in a :class:`Loader` (batch, order, ranks, device, prefetch, storage, cache)
@@ -88,20 +132,21 @@ class LoaderConfig:
     ``dataclasses.replace(config, **changes)`` (or ``Loader(dest, config, **changes)``) makes a changed copy.
     The flat options are grouped once, typed, in :attr:`options` (:mod:`fastio.read.options`: order, performance,
     shards, ranks), which the Loader's parts take; :meth:`grouped` makes a config from such groups.
-    The Loader's old flat image options (``image_size``, ``mean``, ``std``, ``dtype``, ``layout``,
-    ``eval_crop_ratio``, ``fields``) are no fields of it: ``Loader(dest, pipeline="image-train", image_size=224)``
-    maps them to the pipeline object before the config is made, in one place (:mod:`fastio.pipelines.spellings`),
-    the same batches bit for bit; beside a pipeline object they are refused.
+    The old spellings (the flat image options ``image_size=``, ``mean=``, ``std=``, ``dtype=``, ``layout=``,
+    ``eval_crop_ratio=``, ``fields=``; ``graph=``; ``pipeline=`` a kind's name or a graph function) are refused in
+    one line naming the pipeline object to give (``pipeline=fastio.ImageTrain(size=32)``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
+        _refuse_old_spellings(kwargs)  # before the dataclass's __init__, which would name none of the objects
+        return super().__new__(cls)
 
     batch_size: int = 64
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
-    pipeline: str | Callable | Pipeline = "image-train"
+    pipeline: Pipeline = ImageTrain()
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
-    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function
-    ``f(image, device) -> DataNode | dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is
-    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw``; the config holds the
-    object (a name or function given is made one by :func:`fastio.pipelines.as_pipeline`)."""
+    :class:`fastio.Raw`, :class:`fastio.Graph` (a DALI graph function ``f(image, device)`` on the decoded image),
+    :class:`fastio.Tokens`, :class:`fastio.VideoClips`, :class:`fastio.AudioClips`, or a kind of your own)."""
     device: str = "auto"
     """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
     ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
@@ -171,7 +216,9 @@ class LoaderConfig:
         order = options.order
         put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
                                     batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
-        put("pipeline", as_pipeline(self.pipeline))
+        if not isinstance(self.pipeline, Pipeline):
+            raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
+                             f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
 
     @classmethod
     def grouped(cls, *, order: OrderOptions | None = None, performance: PerformanceOptions | None = None,
@@ -181,11 +228,6 @@ class LoaderConfig:
         groups = Options(order or OrderOptions(), performance or PerformanceOptions(), shards or ShardOptions(),
                          ranks or RankOptions())
         return cls(**groups.flat(), **shared)
-
-    @property
-    def graph(self) -> Pipeline:
-        """The pipeline object (:attr:`pipeline`; its older name)."""
-        return self.pipeline
 
 
 _DATALOADER_ONLY = ("sampler", "batch_sampler")
@@ -211,9 +253,9 @@ class Loader:
                  replicas: Any = None, **overrides: Any):
         _check_habits(overrides)
         if config is None:
-            config = LoaderConfig(**spell(overrides))
+            config = LoaderConfig(**overrides)
         elif overrides:
-            config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
+            config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.pipeline
         self._replicas = None if replicas is None else _replicas_of(replicas)

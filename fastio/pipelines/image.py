@@ -76,7 +76,7 @@ def _no_image_way_out(fields: Sequence[str]) -> str:
     if video or audio:
         kind = "VideoClips" if video else "AudioClips"
         return f"it holds {(video or audio)[0]}: read it with fastio.{kind} (docs/media.md)"
-    return "use pipeline='raw'"
+    return "use pipeline=fastio.Raw()"
 
 
 def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool) -> ReadFields:
@@ -183,11 +183,6 @@ class _Image(ImageKind):
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "fields", check_fields(self.fields))
         check_image_options(self.size, self.mean, self.std, self.dtype, self.layout)
-
-    @property
-    def image_size(self) -> int:
-        """The old name of ``size`` (``LoaderConfig(image_size=...)``)."""
-        return self.size
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
         """The image kinds' fields, and the ``text`` fields (every sample must have them)."""

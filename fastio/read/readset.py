@@ -91,7 +91,7 @@ class ReadSet:
                         ds.require_fields([*choice.others, choice.asked])  # lacking it altogether: named by field
                         raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels "
                                            f"({choice.asked!r} of the others) are wanted; index it with "
-                                           "--label-field, or leave labels out with pipeline='raw' and fields=")
+                                           "--label-field, or leave labels out with pipeline=fastio.Raw(fields=...)")
                     fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
                     sources.append(_open_source(ds, self.pipeline, fields, threads, options,
                                                 ds.label_field if choice.label else None, depth.get(name)))
