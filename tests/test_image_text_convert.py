@@ -130,6 +130,14 @@ def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(t
     _rewrite(src, 3, images=src["rows"][2]["images"][:1])
     with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3: 1 image\(s\) in 'images' but 2 '<image>' placeholder"):
         _convert(src, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_split_and_shuffle_are_refused_naming_the_source(tmp_path):
+    src = image_text_source(tmp_path, n=2)
+    for option in ({"split": "val=0.5"}, {"shuffle": True}):
+        with pytest.raises(ConvertError, match="vlm.jsonl: split and shuffle are not options of an image-text"):
+            _convert(src, tmp_path / "ds", **option)
 
 
 def test_a_missing_image_is_refused_naming_the_line(tmp_path):
