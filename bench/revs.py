@@ -91,7 +91,7 @@ def child(rev: Revision, workload: str, data: Path, seq_len: int, out: Path | No
           check: bool = False) -> dict[str, Any]:
     """One run of ``workload`` in a fresh process importing ``rev``'s fastio; its JSON figures."""
     env = {**os.environ, "PYTHONPATH": str(rev.tree)}
-    cmd = [sys.executable, "-P", str(CHILD), workload, str(data), str(rev.tree), "--seq-len", str(seq_len)]
+    cmd = [sys.executable, str(CHILD), workload, str(data), str(rev.tree), "--seq-len", str(seq_len)]
     cmd += ["--out", str(out)] if out is not None else []
     cmd += ["--check"] if check else []
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=rev.tree, check=False)
@@ -143,7 +143,7 @@ def _videos(root: Path, count: int, frames: int) -> Path:
 def make_dataset(rev: Revision, src: dict[str, Path], workload: str, dest: Path) -> Path:
     """``workload``'s dataset made by ``rev``'s ``fastio convert`` into ``dest``."""
     source = {"loader": src.get("photos"), "tokens": src.get("corpus"), "video": src.get("videos")}[workload]
-    cmd = [sys.executable, "-P", "-m", "fastio.cli", "convert", str(source), str(dest), "--quiet", "--overwrite"]
+    cmd = [sys.executable, "-m", "fastio.cli", "convert", str(source), str(dest), "--quiet", "--overwrite"]
     cmd += ["--tokenizer", str(src["tokenizer"])] if workload == "tokens" else []
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=rev.tree, check=False,
                           env={**os.environ, "PYTHONPATH": str(rev.tree)})

@@ -1,11 +1,11 @@
 """One workload of ``bench.revs`` in a fresh process, against the fastio that ``PYTHONPATH`` names.
 
-``python -P bench/revs_child.py WORKLOAD DATA EXPECT [--seq-len N] [--out DIR] [--check]`` imports fastio, refuses
+``python bench/revs_child.py WORKLOAD DATA EXPECT [--seq-len N] [--out DIR] [--check]`` imports fastio, refuses
 (exit 3, one line) when ``fastio.__file__`` is not under ``EXPECT`` (the revision's tree), runs ``WORKLOAD`` once on
 ``DATA`` and prints one JSON line: ``items`` delivered, wall ``seconds``, process ``cpu_s`` (all threads, and
 reaped children: the convert CLI's workers), the ``spelling`` of the options that worked. ``--check`` reads one
-batch only (can this revision read that dataset?). It imports nothing from ``bench`` and is run with ``-P`` (no
-script folder on ``sys.path``), so every fastio it touches is the revision's own.
+batch only (can this revision read that dataset?). It imports nothing from ``bench`` and takes its own folder off
+``sys.path`` before any import, so every fastio it touches is the revision's own.
 
 The options a revision takes may be spelled differently (``pipeline=fastio.ImageTrain(size=224)`` now,
 ``pipeline="image-train", image_size=224`` before): each workload tries the spellings in order and keeps the first
@@ -131,4 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # bench/ (its tokens.py, convert.py, ...) must not shadow what the revision imports
     sys.exit(main())

@@ -37,7 +37,7 @@ def test_an_unknown_revision_is_one_line_naming_it(capsys):
 def _child_fastio(tree: Path, expect: Path) -> subprocess.CompletedProcess:
     """The child's import check alone: an unknown workload's data is never read before it."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.run([sys.executable, "-P", str(CHILD), "tokens", "/nonexistent", str(expect)],
+    return subprocess.run([sys.executable, str(CHILD), "tokens", "/nonexistent", str(expect)],
                           capture_output=True, text=True, env=env, cwd=tree, check=False)
 
 
@@ -82,3 +82,24 @@ def test_the_verdict_is_not_judged_when_a_round_found_the_machine_busy():
     busy = summarise([_round(100, 99, QUIET), _round(100, 98, BUSY)], "old", "new")["loader"]["verdict"]
     assert busy.startswith("not judged, machine busy: other processes used 1.40 of 2 cores")
     assert busy.endswith("as measured: met")
+
+
+class _OldSpellingFastio:
+    """A revision whose Loader takes only the flat options (``pipeline="image-train", image_size=224``) and that has
+    no ``ImageTrain``: what the child must detect, by trying, not by a version number."""
+
+    class Loader:
+        def __init__(self, dest, *, pipeline, batch_size, image_size=None, **common):
+            if pipeline != "image-train":
+                raise ValueError(f"unknown pipeline {pipeline!r}")
+            self.options = dict(pipeline=pipeline, image_size=image_size, batch_size=batch_size, **common)
+
+
+def test_the_child_uses_the_option_spelling_the_revision_accepts():
+    from bench import revs_child
+
+    (loader, spelling), _ = revs_child._image(_OldSpellingFastio, "/data", 0)
+    assert spelling == "pipeline='image-train', image_size=224"
+    assert loader.options["pipeline"] == "image-train" and loader.options["image_size"] == 224
+    with pytest.raises(SystemExit, match="no option spelling works on this revision: pipeline=fastio.VideoClips"):
+        revs_child._video(_OldSpellingFastio, "/data", 0)  # neither VideoClips nor pipeline="video-clips" here
