@@ -43,6 +43,7 @@ from torch import nn
 from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
 from bench.model import build, state_mib, train_step
 from bench.quiet import before_section
+from fastio import ImageTrain
 
 __all__ = ["run"]
 
@@ -173,7 +174,7 @@ def child(mode: str, ckpt_dir: str, data: str, size_mib: int) -> None:
     from fastio.loader import Loader
 
     model, optim = build(size_mib, seed=1)
-    loader = Loader(data, batch_size=8, device="cpu", pipeline="image-train", image_size=32, seed=0,
+    loader = Loader(data, batch_size=8, device="cpu", pipeline=ImageTrain(size=32), seed=0,
                     rank=0, world_size=1)
     app = {"model": model, "optim": optim, "loader": loader}
     ckpt = Checkpointer(ckpt_dir, signals=())
@@ -205,7 +206,7 @@ def measure_resume(work: Path, size_mib: int, repeats: int) -> dict:
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     empty.mkdir(parents=True, exist_ok=True)
     model, optim = build(size_mib, seed=1)
-    loader = Loader(data, batch_size=8, device="cpu", pipeline="image-train", image_size=32, seed=0,
+    loader = Loader(data, batch_size=8, device="cpu", pipeline=ImageTrain(size=32), seed=0,
                     rank=0, world_size=1)
     it = iter(loader)
     for _ in range(3):  # a mid-epoch position, so the resumed loader must skip what was consumed

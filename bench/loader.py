@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 from bench.common import RESULTS_DIR, machine_info, section_parser, verdict, write_results
 from bench.quiet import before_section, during, read_sample
+from fastio import ImageTrain
 
 __all__ = ["make_shards", "run", "table"]
 
@@ -115,7 +116,7 @@ def _fastio(dest: Path, device: str, threads: dict | None = None) -> tuple[int, 
 
     before = _thread_cpu()
     t = time.perf_counter()
-    loader = Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0)
+    loader = Loader(dest, batch_size=BATCH, pipeline=ImageTrain(size=SIZE), device=device, world_size=1, rank=0)
     n = 0
     for batch in loader:
         n += int((~batch["padded"]).sum())
@@ -132,7 +133,7 @@ def _resume_state(dest: Path, device: str) -> dict:
     """A mid-epoch state (half an epoch consumed) of the loader ``_first_fastio`` makes."""
     from fastio import Loader
 
-    with Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0) as loader:
+    with Loader(dest, batch_size=BATCH, pipeline=ImageTrain(size=SIZE), device=device, world_size=1, rank=0) as loader:
         it = iter(loader)
         for _ in range(len(loader) // 2):
             next(it)
@@ -148,7 +149,7 @@ def _first_fastio(dest: Path, device: str, state: dict | None = None) -> float:
     from fastio import Loader
 
     t = time.perf_counter()
-    loader = Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0)
+    loader = Loader(dest, batch_size=BATCH, pipeline=ImageTrain(size=SIZE), device=device, world_size=1, rank=0)
     if state is not None:
         loader.load_state_dict(state)
     next(iter(loader))
@@ -278,7 +279,7 @@ def _steady_rss(name: str, dest: Path, device: str, epochs: int = 3) -> float:
     if name == "fastio":
         from fastio import Loader
 
-        with Loader(dest, batch_size=BATCH, image_size=SIZE, device=device, world_size=1, rank=0) as loader:
+        with Loader(dest, batch_size=BATCH, pipeline=ImageTrain(size=SIZE), device=device, world_size=1, rank=0) as loader:
             for epoch in range(epochs):
                 for _ in loader:
                     if epoch:

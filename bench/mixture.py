@@ -28,6 +28,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.quiet import before_section
+from fastio import ImageTrain
 
 __all__ = ["make_datasets", "run"]
 
@@ -80,7 +81,7 @@ def run(workdir: Path, repeats: int = 3, samples: int = 1200, device: str = "cpu
     from fastio import Loader, Mixture
 
     single, a, b = make_datasets(workdir, samples)
-    opts = dict(batch_size=BATCH, device=device, pipeline="image-train", seed=0, world_size=1, rank=0)
+    opts = dict(batch_size=BATCH, device=device, pipeline=ImageTrain(), seed=0, world_size=1, rank=0)
 
     def one():
         return Loader(single, **opts)

@@ -1,6 +1,6 @@
 """Storage benchmark: a dataset on S3 (a moto server on loopback), read through fastio's node-local cache.
 
-Figures (medians over the repeats), all on the same shards, the raw sample bytes (``pipeline="raw"``, no
+Figures (medians over the repeats), all on the same shards, the raw sample bytes (``pipeline=fastio.Raw()``, no
 decode, so that the storage tier is what is measured):
 
 - ``fastio cold`` / ``fastio warm``: epoch 1 (empty cache: downloads, verifies, reads) and epoch 2 (cached)
@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.loader import make_shards
 from bench.quiet import before_section
+from fastio import Raw
 
 __all__ = ["run"]
 
@@ -66,7 +67,7 @@ def _loader(dest, cache: Path | None, options: dict | None, read_ahead: bool = T
                                       "shard_read_ahead": 4 if read_ahead else 0}
     if not read_ahead:
         extra.update(read_ahead=0, prefetch=1)
-    return Loader(dest, batch_size=BATCH, device="cpu", pipeline="raw", fields=("jpg", "cls"), shuffle="block",
+    return Loader(dest, batch_size=BATCH, device="cpu", pipeline=Raw(fields=("jpg", "cls")), shuffle="block",
                   world_size=1, rank=0, **extra)
 
 

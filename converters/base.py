@@ -53,6 +53,9 @@ class Entry:
     key: str
     fields: tuple[tuple[str, FieldValue], ...]
     origin: str  # the file or table row named in errors and in the manifest's "skipped"
+    sample: str | None = None
+    """The sample a refusal of one of its files names too (an image-text line, ``vlm.jsonl:3``); None: the file
+    alone."""
 
 
 @dataclass(frozen=True)

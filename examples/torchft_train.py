@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
-from fastio import FastioError, Loader
+from fastio import FastioError, ImageTrain, Loader
 
 
 def make_model(classes: int) -> nn.Module:
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         replica_id=f"group{os.environ.get('REPLICA_GROUP_ID', '0')}", init_sync=False,
         timeout=timedelta(seconds=args.timeout))
-    loader = Loader(args.data, pipeline="image-train", image_size=args.image_size, batch_size=args.batch_size,
-                    seed=0, drop_last=True, replicas=manager, device="cpu")
+    loader = Loader(args.data, pipeline=ImageTrain(size=args.image_size), batch_size=args.batch_size, seed=0,
+                    drop_last=True, replicas=manager, device="cpu")
     torch.manual_seed(0)  # every group builds the same weights, so step 0 needs no sync (init_sync=False)
     model = make_model(loader.dataset.num_classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,14 +28,16 @@ from fastio.dist import rank_and_world
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
-from fastio.pipelines import BuiltPipeline, Pipeline, as_pipeline, spell
+from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
 from fastio.pipelines.base import dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
+from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
 from fastio.read.readset import ReadSet, coming, open_read_set
 from fastio.read.stats import Stats
 
-__all__ = ["STATE_VERSION", "Loader", "LoaderConfig"]
+__all__ = ["STATE_VERSION", "Loader", "LoaderConfig", "OrderOptions", "PerformanceOptions", "RankOptions",
+           "ShardOptions"]
 
 # 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state
 # was written for the materialised numpy permutation, which is gone: it is refused (the position would mean
@@ -64,7 +65,8 @@ _HABITS = {
                    "on reader_threads=",
     "pin_memory": "not needed: with device='cuda' batches are decoded straight into GPU memory",
     "sampler": "the order is built in (shuffle=, seed=; rank and world size from torch.distributed)",
-    "collate_fn": "batches come as a dict of tensors; for other outputs pass pipeline= a DALI graph function",
+    "collate_fn": "batches come as a dict of tensors; for other outputs pass pipeline=fastio.Graph(fn), a DALI graph "
+                  "function",
 }
 
 
@@ -79,26 +81,72 @@ def _check_habits(arguments: dict[str, Any]) -> None:
                                   f"use shuffle={use}")
 
 
+# The Loader's old spellings (before 0.1), each refused with the pipeline object to give instead.
+_OLD_KINDS = {"image-train": "ImageTrain", "image-eval": "ImageEval", "raw": "Raw"}
+_OLD_OPTIONS = {"image_size": "size", "mean": "mean", "std": "std", "dtype": "dtype", "layout": "layout",
+                "eval_crop_ratio": "crop_ratio", "fields": "fields"}
+"""An old flat option and its name as an option of the pipeline object (``ImageTrain(size=)``,
+``ImageEval(crop_ratio=)``)."""
+
+
+def _refuse_old_spellings(arguments: dict[str, Any]) -> None:
+    """Refuse the old spellings among a config's arguments (``image_size=32``, ``eval_crop_ratio=``,
+    ``fields=``, ..., ``graph=``, ``pipeline="image-train"`` or a graph function) in one line naming the pipeline
+    object to give (``pipeline=fastio.ImageTrain(size=32)``)."""
+    old = [name for name in (*_OLD_OPTIONS, "graph") if name in arguments]
+    pipeline = arguments.get("graph", arguments.get("pipeline"))
+    if not old and not (isinstance(pipeline, str) and pipeline in _OLD_KINDS) and not _graph_function(pipeline):
+        return
+    given = ", ".join(f"{name}={arguments[name]!r}" for name in (*old, "pipeline") if name in arguments)
+    raise LoaderArgumentError(f"{given}: the old spelling; give the pipeline object: "
+                              f"pipeline={_object_for(pipeline, arguments)}")
+
+
+def _graph_function(pipeline: Any) -> bool:
+    """Whether ``pipeline`` is a bare DALI graph function (the old spelling of ``fastio.Graph(fn)``)."""
+    return callable(pipeline) and not isinstance(pipeline, Pipeline) and not isinstance(pipeline, type)
+
+
+def _object_for(pipeline: Any, arguments: dict[str, Any]) -> str:
+    """The pipeline object an old spelling describes, as code (``fastio.ImageEval(size=160, crop_ratio=0.5)``;
+    beside an object, that object with those of the old options it has, the others named as not its own)."""
+    if _graph_function(pipeline):
+        return f"fastio.Graph({getattr(pipeline, '__name__', 'fn')})"
+    given = [(old, new) for old, new in _OLD_OPTIONS.items() if old in arguments]
+    if isinstance(pipeline, Pipeline):
+        own = {f.name for f in dataclasses.fields(pipeline) if f.init} if dataclasses.is_dataclass(pipeline) else set()
+        options = ", ".join(["...", *(f"{new}={arguments[old]!r}" for old, new in given if new in own)])
+        foreign = [old for old, new in given if new not in own]
+        unused = f" ({', '.join(foreign)}: not options of {type(pipeline).__name__})" if foreign else ""
+        return f"fastio.{type(pipeline).__name__}({options}){unused}"
+    kind = _OLD_KINDS.get(pipeline, "ImageEval" if "eval_crop_ratio" in arguments else "ImageTrain") \
+        if isinstance(pipeline, str) or pipeline is None else "ImageTrain"
+    return f"fastio.{kind}({', '.join(f'{new}={arguments[old]!r}' for old, new in given)})"
+
+
 @dataclass(frozen=True)
 class LoaderConfig:
     """What every kind of data shares in a :class:`Loader` (batch, order, ranks, device, prefetch, storage, cache)
     and the pipeline object that owns the rest; checked when made, then read-only.
 
     ``dataclasses.replace(config, **changes)`` (or ``Loader(dest, config, **changes)``) makes a changed copy.
-    The Loader's old flat image options (``image_size``, ``mean``, ``std``, ``dtype``, ``layout``,
-    ``eval_crop_ratio``, ``fields``) are no fields of it: ``Loader(dest, pipeline="image-train", image_size=224)``
-    maps them to the pipeline object before the config is made, in one place (:mod:`fastio.pipelines.spellings`),
-    the same batches bit for bit; beside a pipeline object they are refused.
+    The flat options are grouped once, typed, in :attr:`options` (:mod:`fastio.read.options`: order, performance,
+    shards, ranks), which the Loader's parts take; :meth:`grouped` makes a config from such groups.
+    The old spellings (the flat image options ``image_size=``, ``mean=``, ``std=``, ``dtype=``, ``layout=``,
+    ``eval_crop_ratio=``, ``fields=``; ``graph=``; ``pipeline=`` a kind's name or a graph function) are refused in
+    one line naming the pipeline object to give (``pipeline=fastio.ImageTrain(size=32)``).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
+        _refuse_old_spellings(kwargs)  # before the dataclass's __init__, which would name none of the objects
+        return super().__new__(cls)
 
     batch_size: int = 64
     """Samples per batch on each rank (the global batch is ``batch_size * world_size``)."""
-    pipeline: str | Callable | Pipeline = "image-train"
+    pipeline: Pipeline = ImageTrain()
     """What a batch is: a pipeline object (:class:`fastio.ImageTrain`, :class:`fastio.ImageEval`,
-    :class:`fastio.Raw`, :class:`fastio.Graph`, :class:`fastio.Tokens`), a DALI graph function
-    ``f(image, device) -> DataNode | dict[str, DataNode]`` on the decoded HWC RGB uint8 image (``device`` is
-    ``"cpu"`` or ``"mixed"``), or the old names ``image-train``, ``image-eval``, ``raw``; the config holds the
-    object (a name or function given is made one by :func:`fastio.pipelines.as_pipeline`)."""
+    :class:`fastio.Raw`, :class:`fastio.Graph` (a DALI graph function ``f(image, device)`` on the decoded image),
+    :class:`fastio.Tokens`, :class:`fastio.VideoClips`, :class:`fastio.AudioClips`, or a kind of your own)."""
     device: str = "auto"
     """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
     ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
@@ -149,6 +197,9 @@ class LoaderConfig:
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read, in the
     order the sampler will want them (0: fetch on demand only); fewer, with one warning line, where the cache
     has no room for them on top of what the batches read at once."""
+    options: Options = field(init=False, repr=False, compare=False)
+    """The options above but ``batch_size``, ``pipeline`` and ``device`` in their typed groups (built and checked
+    once, here; the defaults filled in)."""
     sampling: SamplerSpec = field(init=False, repr=False, compare=False)
     """The order and batching these options describe (built and checked once, here)."""
 
@@ -156,26 +207,27 @@ class LoaderConfig:
         def put(name: str, value: Any) -> None:  # frozen: __post_init__ fills in defaults this way
             object.__setattr__(self, name, value)
 
-        cores = os.cpu_count() or 1
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        put("num_threads", self.num_threads or cores)
-        put("read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
-        put("reader_threads", self.reader_threads or min(4, cores))
-        if self.shard_read_ahead < 0:
-            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
-        if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
-            raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
-        put("sampling", SamplerSpec(seed=self.seed, shuffle=self.shuffle, block_shards=self.block_shards,
-                                    batch_size=self.batch_size, drop_last=self.drop_last, remainder=self.remainder))
-        put("pipeline", as_pipeline(self.pipeline))
+        options = Options.from_flat({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
+        for name in ("num_threads", "read_ahead", "reader_threads"):  # the defaults, filled in
+            put(name, getattr(options.performance, name))
+        put("options", options)
+        order = options.order
+        put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
+                                    batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
+        if not isinstance(self.pipeline, Pipeline):
+            raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
+                             f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
 
-    @property
-    def graph(self) -> Pipeline:
-        """The pipeline object (:attr:`pipeline`; its older name)."""
-        return self.pipeline
+    @classmethod
+    def grouped(cls, *, order: OrderOptions | None = None, performance: PerformanceOptions | None = None,
+                shards: ShardOptions | None = None, ranks: RankOptions | None = None, **shared: Any) -> LoaderConfig:
+        """A config from typed groups (each left out: its defaults) and ``shared`` (``batch_size``, ``pipeline``,
+        ``device``): ``LoaderConfig.grouped(batch_size=8, order=OrderOptions(seed=1, shuffle="block"))``."""
+        groups = Options(order or OrderOptions(), performance or PerformanceOptions(), shards or ShardOptions(),
+                         ranks or RankOptions())
+        return cls(**groups.flat(), **shared)
 
 
 _DATALOADER_ONLY = ("sampler", "batch_sampler")
@@ -201,13 +253,13 @@ class Loader:
                  replicas: Any = None, **overrides: Any):
         _check_habits(overrides)
         if config is None:
-            config = LoaderConfig(**spell(overrides))
+            config = LoaderConfig(**overrides)
         elif overrides:
-            config = dataclasses.replace(config, **spell(overrides, base=config.pipeline))
+            config = dataclasses.replace(config, **overrides)
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.pipeline
         self._replicas = None if replicas is None else _replicas_of(replicas)
-        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg)
+        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg.options)
         try:
             self._place()
         except BaseException:
@@ -232,8 +284,8 @@ class Loader:
             self._replicas.register(self.state_dict, self.load_state_dict)
 
     def _place(self) -> None:
-        """Rank and world size, this rank's order of units and their reader, and the device; checked against
-        the read set's size."""
+        """Rank and world size, the device, then the pipeline's source there (this rank's order of units and
+        their reader) and its graph; checked against the read set's size."""
         cfg, rs = self.config, self.read_set
         rank, world = cfg.rank, cfg.world_size
         if rank is None or world is None:
@@ -244,8 +296,9 @@ class Loader:
         if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
             self._replicas.check_world(rank, world)
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
-        self._sampler = self.pipeline.unit_plan(rs, cfg.sampling, plan_world, plan_rank)
-        self._reader = self.pipeline.reader(rs)
+        source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
+        self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
+        self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         if cfg.batch_size > n:
@@ -255,7 +308,7 @@ class Loader:
                                f"dataset ({n} samples) and drop_last leaves no batch")
 
     def _place_device(self) -> None:
-        """The device, and the pipeline as it runs there (:meth:`Pipeline.for_device`)."""
+        """The device the Loader decodes on (and torch's device of its batches)."""
         cfg = self.config
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -263,7 +316,6 @@ class Loader:
         # The GPU is torch's current device when the Loader is made (call torch.cuda.set_device first).
         self.torch_device = torch.device("cuda", torch.cuda.current_device()) if self.device == "cuda" \
             else torch.device("cpu")
-        self.pipeline = self.pipeline.for_device(self.read_set, self.device)
 
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find: what code written for a torch DataLoader reaches for
@@ -414,15 +466,17 @@ class Loader:
             return feeder
         self._drop_stream()
         cfg = self.config
+        graph = self._graph
         self._share = share
         plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
-        self._feeder = feeder = Feeder(self._reader, plans, self.pipeline, seed=cfg.seed,
+        self._feeder = feeder = Feeder(self._reader, plans, graph.feed if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
-        self._built = self.pipeline.build(feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
-                                          device=self.device, device_id=self.torch_device.index,
-                                          prefetch=cfg.prefetch, seed=cfg.seed)
+        if graph is not None:
+            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
+                                      device=self.device, device_id=self.torch_device.index,
+                                      prefetch=cfg.prefetch, seed=cfg.seed)
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
@@ -539,12 +593,12 @@ class Loader:
         return dst
 
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
-        """Map a DALI failure back to the sample: the first one the pipeline object finds undecodable too
-        (:meth:`fastio.Pipeline.decode_problem`), in feed order."""
+        """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
+        (:attr:`fastio.pipelines.GraphDef.problem`), in feed order."""
         rs = self.read_set
         for fed in in_flight:
             for j, (i, name) in enumerate(zip(fed.indices.tolist(), fed.batch.image_field or [])):
-                problem = self.pipeline.decode_problem(fed.batch, j)
+                problem = self._graph.problem(fed.batch, j)
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)

@@ -1,47 +1,6 @@
-"""The old import path of the pipelines, kept for code written against it: the pipeline objects live in
-:mod:`fastio.pipelines` (``ImageTrain``, ``ImageEval``, ``Raw``, ``Graph``), which is where new code looks.
+"""The old import path of the pipelines (before 0.1): importing it is refused in one line naming where the pipeline
+objects are now."""
 
-``GraphSpec(kind, image_size=..., ...)`` returns the pipeline object those old options describe
-(:func:`fastio.pipelines.as_pipeline`); the functions below call that object's methods.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-from fastio.pipelines import IMAGENET_MEAN, IMAGENET_STD, KINDS, BuiltPipeline, Pipeline, as_pipeline, decodable
-
-if TYPE_CHECKING:
-    from fastio.read.reader import ReadBatch
-
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PIPELINES", "BuiltPipeline", "GraphSpec", "build_pipeline",
-           "decodable", "graph_inputs", "input_names"]
-
-PIPELINES = KINDS
-
-
-def GraphSpec(kind: str | Callable, image_size: int = 224, mean: tuple[float, ...] = IMAGENET_MEAN,  # noqa: N802
-              std: tuple[float, ...] = IMAGENET_STD, dtype: str = "float32", layout: str = "CHW",
-              eval_crop_ratio: float = 0.875) -> Pipeline:
-    """The pipeline object of the old options (``GraphSpec("image-eval", image_size=160)`` is
-    ``ImageEval(size=160)``)."""
-    return as_pipeline(kind, image_size=image_size, mean=mean, std=std, dtype=dtype, layout=layout,
-                       eval_crop_ratio=eval_crop_ratio)
-
-
-def input_names(spec: Pipeline) -> tuple[str, ...]:
-    """What the external source callback returns for a decoding pipeline, in order."""
-    if not spec.decodes:
-        raise ValueError("the raw pipeline has no DALI graph: the Loader hands the read bytes through")
-    return spec.input_names()
-
-
-def graph_inputs(spec: Pipeline, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
-    """The external source's return value for one read batch (:meth:`Pipeline.inputs`)."""
-    return spec.inputs(batch, seed=seed, epoch=epoch)
-
-
-def build_pipeline(spec: Pipeline, source: Callable, **options: Any) -> BuiltPipeline | None:
-    """``spec.build(source, batch_size=, num_threads=, device=, device_id=, prefetch=, seed=)``."""
-    return spec.build(source, **options)
+raise ImportError("fastio.pipeline is the old spelling (GraphSpec, build_pipeline, ...); give the pipeline object: "
+                  "pipeline=fastio.ImageTrain(size=224) (also fastio.ImageEval, fastio.Raw, fastio.Graph(fn), "
+                  "from fastio.pipelines)")

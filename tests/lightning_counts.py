@@ -27,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from fastio import Raw
 from fastio.integrations.lightning import FastioDataModule
 
 
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, list[int]]]:
                          max_epochs=args.max_epochs, max_steps=args.max_steps, callbacks=callbacks, logger=False,
                          enable_checkpointing=bool(callbacks), enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
-    data = FastioDataModule(args.data, args.data if args.validate else None, val_options={"pipeline": "raw"},
-                            batch_size=args.batch_size, pipeline="raw", fields=(), device="cpu",
+    data = FastioDataModule(args.data, args.data if args.validate else None, val_options={"pipeline": Raw()},
+                            batch_size=args.batch_size, pipeline=Raw(fields=()), device="cpu",
                             num_threads=1, reader_threads=1)
     model = Counting()
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)

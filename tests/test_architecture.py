@@ -19,10 +19,6 @@ CELL_CAP = 400
 # Imports that go up the floors today, each (importing module, imported floor), each named in docs/architecture.md.
 # Any other upward import fails, and so does an entry here that the code no longer has.
 KNOWN_UPWARD = {
-    # Issue 41 §1 (the pipeline protocol) removes these two: then delete them and reword item 2 of the page's
-    # "what goes back up".
-    ("fastio.read.readset", "pipelines/"),
-    ("fastio.read.feeder", "pipelines/"),
     # The torchft merge: the Loader wraps a replicas= Manager in integrations/torchft.py's TorchftReplicas (an
     # import inside a function); integrations/lightning.py imports the Loader, so the two floors form a cycle.
     ("fastio.loader", "integrations/"),

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import write_image_dataset
 
-from fastio import Loader
+from fastio import ImageEval, Loader, Raw
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import DatasetError, StorageError
@@ -61,10 +61,10 @@ def test_epoch_through_a_cache_smaller_than_the_dataset_with_faults(moto_server,
     fault_proxy.slowdown, fault_proxy.cut, fault_proxy.max_faults = 0.5, 0.5, 2
     sizes = shard_sizes(small_shards)
     bound = sum(sorted(sizes)[-3:])  # room for 3 of the 6 shards
-    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", shard_read_ahead=1,
+    opts = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", shard_read_ahead=1,
                 cache_dir=str(tmp_path / "cache"), cache_size=bound,
                 storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
-    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none"))
+    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none"))
     cache = ShardCache(tmp_path / "cache", bound)
     peak, stop = [0], threading.Event()
 
@@ -93,7 +93,7 @@ def test_global_shuffle_matches_the_local_dataset_and_second_epoch_is_warm(moto_
                                                                           tmp_path):
     url = f"s3://{s3_bucket}/ds"
     upload(small_shards, url, moto_server.options())
-    common = dict(batch_size=6, device="cpu", pipeline="image-eval", image_size=32, seed=3)
+    common = dict(batch_size=6, device="cpu", pipeline=ImageEval(size=32), seed=3)
     remote = Loader(url, cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=moto_server.options(),
                     **common)
     local = Loader(small_shards, **common)
@@ -111,9 +111,9 @@ def test_global_shuffle_matches_the_local_dataset_and_second_epoch_is_warm(moto_
 
 _CHILD = textwrap.dedent("""
     import json, sys
-    from fastio import Loader
+    from fastio import Loader, Raw
     url, cache, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    with Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), cache_dir=cache,
+    with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=cache,
                 cache_size="1GB", storage_options=options, num_threads=1) as loader:
         n = sum(int((~b["padded"]).sum()) for b in loader)
         s = loader.stats()["storage"]
@@ -148,7 +148,7 @@ def test_a_corrupted_object_is_detected_and_named(moto_server, s3_bucket, fault_
     data = bytearray((small_shards / SHARDS_DIR / name).read_bytes())
     data[700] ^= 0xFF  # same size, other bytes
     open_storage(url, moto_server.options()).put_bytes(f"{SHARDS_DIR}/{name}", bytes(data))  # behind fastio's back
-    loader = Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none",
+    loader = Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
                     cache_dir=str(tmp_path / "cache"),
                     storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
     with pytest.raises(StorageError, match=rf"{url}/shards/{name}: shard {name} does not match the manifest after 2 "
@@ -173,7 +173,7 @@ def test_verify_checks_a_cached_copy_damaged_on_the_nodes_disk(moto_server, s3_b
     upload(small_shards, url, moto_server.options())
 
     def make(verify: bool) -> Loader:
-        return Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", verify=verify,
+        return Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", verify=verify,
                       cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options())
 
     with make(False) as loader:
@@ -286,7 +286,7 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
     upload(small_shards, url, moto_server.options())
     sizes = shard_sizes(small_shards)
     bound = int(sum(sizes) * 0.6)
-    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), cache_dir=str(tmp_path / "cache"),
+    opts = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=str(tmp_path / "cache"),
                 cache_size=bound, storage_options=moto_server.options(), shard_read_ahead=1)
     started = time.monotonic()
     assert sum(sorted(sizes)[::-1][:3]) <= bound < sum(sorted(sizes)[::-1][:4])  # 3 of the 6 shards fit, not 4
@@ -301,7 +301,7 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
     with pytest.raises(StorageError, match=r"two windows of the 2 largest shards"):  # one window + read-ahead fit: it
         Loader(url, shuffle="block", block_shards=2, **opts)  # passed, then failed where a batch crossed windows
     assert time.monotonic() - started < 10
-    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",)))
+    local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",))))
     with Loader(url, shuffle="block", block_shards=1, **opts) as loader:
         assert raw_epoch(loader) == local
 
@@ -321,8 +321,8 @@ def test_mixture_sources_sharing_a_cache_are_checked_together(moto_server, s3_bu
 
     with pytest.raises(StorageError, match=r"mixture sources 'a', 'b' read through one cache .* at the same time: "
                                            r"cache_size .* cannot hold their working sets together"):
-        Loader(mixture(total + total // 2), batch_size=8, device="cpu", pipeline="raw", fields=("jpg",))
-    with Loader(mixture(2 * total), batch_size=8, device="cpu", pipeline="raw", fields=("jpg",)) as loader:
+        Loader(mixture(total + total // 2), batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)))
+    with Loader(mixture(2 * total), batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",))) as loader:
         seen = [(int(s), int(i)) for b in loader for s, i in zip(b["source"], b["index"])]
         assert len(seen) == len(set(seen)) == len(loader) * 8 - int(loader.stats().get("padded", 0))
         by_source = loader.stats()["storage_by_source"]

@@ -18,6 +18,7 @@ import torch
 from helpers import StateHolder
 from torch import nn
 
+from fastio import ImageTrain
 from fastio.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -239,7 +240,7 @@ def test_loader_is_found_by_its_state_not_by_its_app_key(image_dataset, tmp_path
     from fastio import Loader
 
     def make():
-        return Loader(image_dataset, batch_size=4, image_size=32, device="cpu", seed=3, num_threads=1,
+        return Loader(image_dataset, batch_size=4, pipeline=ImageTrain(size=32), device="cpu", seed=3, num_threads=1,
                       reader_threads=1, prefetch=1)
 
     data = make()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from helpers import Position, StateHolder, start_ranks
 from torch import nn
 
+from fastio import ImageTrain
 from fastio.checkpoint import Checkpointer, catalog, scan
 from fastio.errors import CheckpointError
 
@@ -123,7 +124,7 @@ def elastic_app(data: str):
 
     model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loader = Loader(data, batch_size=BATCH, image_size=32, device="cpu", seed=3, num_threads=1,
+    loader = Loader(data, batch_size=BATCH, pipeline=ImageTrain(size=32), device="cpu", seed=3, num_threads=1,
                     reader_threads=1, prefetch=1)
     return {"model": model, "optim": optim, "loader": loader}
 

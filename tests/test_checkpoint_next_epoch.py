@@ -17,7 +17,7 @@ from tokens_helpers import word_corpus
 from torch import nn
 
 import fastio
-from fastio import Checkpointer, Loader, Mixture
+from fastio import Checkpointer, Loader, Mixture, Raw
 from fastio.errors import CheckpointError, LoaderStateError
 
 WAY = "restore_latest(..., loader_policy='next-epoch'); a Loader alone: loader.set_epoch(1) instead of load_state_dict"
@@ -90,7 +90,7 @@ def test_a_mixture_whose_source_was_converted_again_restores_at_its_next_epoch(t
     sources = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
 
     def loader():
-        return Loader(Mixture(sources, weights={"a": 1, "b": 1}), batch_size=6, pipeline="raw", device="cpu", seed=5,
+        return Loader(Mixture(sources, weights={"a": 1, "b": 1}), batch_size=6, pipeline=Raw(), device="cpu", seed=5,
                       world_size=1, rank=0, num_threads=1, prefetch=2)
 
     old = loader()

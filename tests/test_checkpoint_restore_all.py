@@ -14,12 +14,12 @@ import torch
 from test_mixture import _small
 from torch import nn
 
-from fastio import Checkpointer, Loader, Mixture
+from fastio import Checkpointer, ImageTrain, Loader, Mixture, Raw
 from fastio.errors import CheckpointError
 
 
 def _loader(sources, weights):
-    return Loader(Mixture(sources, weights=weights), batch_size=6, pipeline="raw", device="cpu", seed=5,
+    return Loader(Mixture(sources, weights=weights), batch_size=6, pipeline=Raw(), device="cpu", seed=5,
                   world_size=1, rank=0, num_threads=1, prefetch=2)
 
 
@@ -100,7 +100,7 @@ def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_p
 
     def data(weights: dict) -> FastioDataModule:
         return FastioDataModule(Mixture({"a": image_dataset, "b": image_dataset}, weights=weights), batch_size=8,
-                                image_size=32, device="cpu", num_threads=1, reader_threads=1)
+                                pipeline=ImageTrain(size=32), device="cpu", num_threads=1, reader_threads=1)
 
     def trainer(**kw) -> pl.Trainer:
         return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,

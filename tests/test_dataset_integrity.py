@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
+from fastio import ImageEval, ImageTrain, Raw
 from fastio.cli import main
 from fastio.convert.synthetic import photo_jpeg
 from fastio.dataset.dataset import Dataset
@@ -34,7 +35,7 @@ IDX = "shard-000001.idx"
 
 
 def _loader(dest, **kw):
-    opts = dict(batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1, pipeline="raw")
+    opts = dict(batch_size=8, pipeline=Raw(), device="cpu", world_size=1, rank=0, num_threads=1)
     opts.update(kw)
     return Loader(dest, **opts)
 
@@ -255,7 +256,7 @@ def test_label_outside_int64_names_shard_and_key(tmp_path, image_folder, label):
     for k, path in enumerate(sorted(image_folder.rglob("*.jpg"))[:8]):
         writer.write({"__key__": f"k{k}", "jpg": path.read_bytes(), "cls": label if k == 6 else b"1"})
     writer.close(image_field="jpg", label_field="cls")
-    loader = Loader(tmp_path / "lbl", batch_size=4, image_size=32, device="cpu", world_size=1, rank=0,
+    loader = Loader(tmp_path / "lbl", batch_size=4, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0,
                     num_threads=1, shuffle="none")
     with pytest.raises(DatasetError, match=r"lbl: shard shard-000001.tar key 'k6': field 'cls' is not an integer "
                                            r"label"):
@@ -310,7 +311,7 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys,
     _write_tar(folder / "0.tar", samples, fmt)
     code, _, err = run_cli(["index", str(folder), "-q"], capsys)
     assert code == 0, err
-    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+    with Loader(folder, batch_size=8, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
         assert next(iter(loader))["txt"] == [samples[f"s{i:02d}"]["txt"] for i in range(8)]  # the check passes
     size = (folder / "0.tar").stat().st_size
     order = ["s00", "s01", "s03", "s02", *[f"s{i:02d}" for i in range(4, 8)]]
@@ -319,10 +320,10 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys,
     refused = (rf"^{folder}: shard 0\.tar key 's02': field 'txt': the index says member 's02\.txt' of 17 bytes at "
                r"offset \d+, the shard holds member 's03\.txt' of 17 bytes there: it was rewritten after it was "
                r"indexed; re-run `fastio index` \(or the conversion\)$")
-    with Loader(folder, batch_size=8, pipeline="raw", device="cpu", shuffle="none", fields=("txt",)) as loader:
+    with Loader(folder, batch_size=8, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
         with pytest.raises(DatasetError, match=refused):
             next(iter(loader))
-    with Loader(folder, batch_size=8, pipeline="image-eval", image_size=16, device="cpu", num_threads=1,
+    with Loader(folder, batch_size=8, pipeline=ImageEval(size=16), device="cpu", num_threads=1,
                 shuffle="none") as loader:  # a decoding pipeline: the image's member (and the label's)
         with pytest.raises(DatasetError, match=r"key 's02': field '(jpg|cls)': .* holds member 's03\.(jpg|cls)'"):
             next(iter(loader))
@@ -339,7 +340,7 @@ def test_a_damaged_idx_leaves_member_names_checked_by_field_and_size_and_says_so
         idx.chmod(0o644)
         idx.write_text("garbage that no parser accepts\n")
     with caplog.at_level(logging.WARNING, logger="fastio"):
-        loader = Loader(image_dataset, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0,
+        loader = Loader(image_dataset, batch_size=8, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0,
                         num_threads=1)
         n = sum(len(b["label"]) for b in loader)
         loader.close()

@@ -10,7 +10,7 @@ import torch
 from conftest import write_image_dataset
 from torch import nn
 
-from fastio import Loader
+from fastio import Loader, Raw
 from fastio.checkpoint import Checkpointer
 from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.storage import open_storage
@@ -29,7 +29,7 @@ def save_and_restore(url: str) -> None:
 
 
 def read_all(url: str) -> int:
-    with Loader(url, batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none") as loader:
+    with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none") as loader:
         return sum(int((~b["padded"]).sum()) for b in loader)
 
 

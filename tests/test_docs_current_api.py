@@ -1,5 +1,5 @@
 """What a newcomer reads first shows the current API: the README's code, every example and every doc snippet use the
-pipeline objects (not the old `pipeline="image-train", image_size=` spelling docs/loader.md keeps for old code), and
+pipeline objects (not the old `pipeline="image-train", image_size=` spelling, refused since 0.1), and
 every synthetic-data helper the docs and examples use is in the API reference (docs/reference.md)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def test_the_readme_and_the_quickstart_use_the_pipeline_objects():
     assert "pipeline=fastio.ImageTrain(size=32)" in code[-1] and "pipeline=fastio.ImageEval(size=32)" in code[-1]
 
 
+
 def test_the_synthetic_helpers_the_docs_show_are_in_the_api_reference():
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py")]
     shown = set()
@@ -37,11 +38,10 @@ def test_the_synthetic_helpers_the_docs_show_are_in_the_api_reference():
 
 
 def old_spellings(root: Path) -> list[str]:
-    """``file: line`` of each old-spelling line in the examples and the docs' code (docs/loader.md shows the old
-    spelling on purpose, to explain it)."""
+    """``file: line`` of each old-spelling line in the examples and the docs' code (refused since 0.1: no page
+    shows one as code, docs/loader.md included)."""
     code = [(path, path.read_text()) for path in sorted((root / "examples").glob("*.py"))]
-    code += [(path, block) for path in sorted((root / "docs").glob("*.md")) if path.name != "loader.md"
-             for block in python_blocks(path.read_text())]
+    code += [(path, block) for path in sorted((root / "docs").glob("*.md")) for block in python_blocks(path.read_text())]
     return [f"{path.relative_to(root)}: {line.strip()}" for path, text in code for line in text.splitlines()
             if OLD_SPELLING.search(line)]
 

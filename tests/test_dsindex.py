@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from fastio import Loader
+from fastio import ImageTrain, Loader
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.manifest import MANIFEST_NAME, IndexRecord, ShardRecord, load_manifest
 from fastio.dataset.sample_table import INDEX_NAME, SampleIndex, build_index
@@ -74,14 +74,15 @@ def test_locate_gives_every_field_of_every_sample_as_the_idx_files_do(tmp_path):
 
 
 def test_a_dataset_opens_and_loads_from_manifest_and_index_without_reading_any_idx(image_dataset):
-    ref = Loader(image_dataset, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1)
+    ref = Loader(image_dataset, batch_size=8, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0,
+                 num_threads=1)
     want = [b["image"] for b in ref]
     ref.close()
     for idx in (image_dataset / "shards").glob("*.idx"):
         idx.chmod(0o644)
         idx.write_text("garbage that no parser accepts\n")  # same names: only the content is gone
     ds = Dataset(image_dataset)
-    loader = Loader(ds, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1)
+    loader = Loader(ds, batch_size=8, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0, num_threads=1)
     got = [b["image"] for b in loader]
     loader.close()
     assert len(got) == len(want) and all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(want, got))

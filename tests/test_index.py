@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
+from fastio import ImageEval, ImageTrain, Raw
 from fastio.convert.synthetic import photo_jpeg
 from fastio.dataset.dataset import Dataset
 from fastio.loader import Loader
@@ -115,7 +116,7 @@ def _read_all(dest, expected: dict[str, dict[str, bytes]], batch_size: int = 5, 
     ds = Dataset(dest, **{k: v for k, v in kw.items() if k in ("cache_dir", "cache_size")})
     fields = [f for f in ds.fields if f != "json"]
     seen = []
-    with Loader(dest, batch_size=batch_size, device="cpu", pipeline="raw", num_threads=1, fields=fields, **kw) as loader:
+    with Loader(dest, batch_size=batch_size, device="cpu", pipeline=Raw(fields=fields), num_threads=1, **kw) as loader:
         for batch in loader:
             for j, index in enumerate(batch["index"].tolist()):
                 if batch["padded"][j]:
@@ -283,8 +284,8 @@ def test_exact_resume_over_indexed_shards(shards, capsys):
     folder, _ = shards
     assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
     for shuffle in ("global", "block"):
-        check_resume(lambda mode=shuffle: Loader(folder, batch_size=4, device="cpu", pipeline="raw", num_threads=1,
-                                                 shuffle=mode, block_shards=2, seed=3, fields=["cls", "jpg"]), n=3, k=4)
+        check_resume(lambda mode=shuffle: Loader(folder, batch_size=4, device="cpu", pipeline=Raw(fields=["cls", "jpg"]),
+                                                 num_threads=1, shuffle=mode, block_shards=2, seed=3), n=3, k=4)
 
 
 def test_elastic_resume_over_indexed_shards(shards, capsys):
@@ -294,8 +295,8 @@ def test_elastic_resume_over_indexed_shards(shards, capsys):
     assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
 
     def make(world, rank):
-        return Loader(folder, batch_size=4, device="cpu", pipeline="raw", num_threads=1, shuffle="block",
-                      block_shards=2, seed=5, world_size=world, rank=rank, fields=["cls"], drop_last=False)
+        return Loader(folder, batch_size=4, device="cpu", pipeline=Raw(fields=["cls"]), num_threads=1, shuffle="block",
+                      block_shards=2, seed=5, world_size=world, rank=rank, drop_last=False)
 
     first, states = [], []
     for rank in range(2):
@@ -320,7 +321,7 @@ def test_elastic_resume_over_indexed_shards(shards, capsys):
 def test_the_image_pipeline_decodes_indexed_shards(shards, capsys):
     folder, _ = shards
     assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
-    with Loader(folder, batch_size=8, device="cpu", image_size=16, num_threads=1) as loader:
+    with Loader(folder, batch_size=8, device="cpu", pipeline=ImageTrain(size=16), num_threads=1) as loader:
         batches = list(loader)
     assert sum(b["image"].shape[0] for b in batches) >= 31 and batches[0]["image"].shape[1:] == (3, 16, 16)
 
@@ -616,7 +617,7 @@ def test_jpeg_and_tif_members_are_image_fields(tmp_path, capsys):
     for ext, data in (("jpeg", photo_jpeg(np.random.default_rng(0), 32, 24)), ("tif", tif.getvalue())):
         dest = indexed_tar(tmp_path / ext, {f"k{i}": {ext: data, "cls": b"%d" % i} for i in range(3)}, capsys)
         assert json.loads((dest / "manifest.json").read_text())["image_field"] == ext
-        with Loader(dest, batch_size=3, pipeline="image-eval", image_size=16, device="cpu", shuffle="none",
+        with Loader(dest, batch_size=3, pipeline=ImageEval(size=16), device="cpu", shuffle="none",
                     world_size=1, rank=0) as loader:
             batch = next(iter(loader))
         assert batch["image"].shape[0] == 3 and batch["label"].tolist() == [0, 1, 2]

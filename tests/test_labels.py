@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import run_cli
 
-from fastio import Loader, converters
+from fastio import Loader, Raw, converters
 from fastio.cli import main
 from fastio.convert.run import ConvertConfig, convert
 from fastio.converters.base import ScanOptions
@@ -125,7 +125,7 @@ def test_a_decimal_label_column_gives_its_integral_values(tmp_path, image_folder
     assert code == 0, err
     ds = Dataset(tmp_path / "ds")
     assert ds.manifest.label_rule == "integers" and ds.label_map is None
-    loader = Loader(ds, batch_size=4, pipeline="raw", shuffle="none", device="cpu", world_size=1, rank=0)
+    loader = Loader(ds, batch_size=4, pipeline=Raw(), shuffle="none", device="cpu", world_size=1, rank=0)
     assert next(iter(loader))["label"].tolist() == [1, 10, 2, 0]  # path order = row order
     loader.close()
     assert "skipped 1" in out  # the null cell

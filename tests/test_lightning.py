@@ -21,12 +21,12 @@ pl = pytest.importorskip("lightning.pytorch")
 
 
 import fastio  # noqa: E402
-from fastio import Loader  # noqa: E402
+from fastio import ImageTrain, Loader, Raw  # noqa: E402
 from fastio.integrations.lightning import FastioDataModule, LightningLoader  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "lightning_train.py"
-OPTIONS = dict(batch_size=8, image_size=32, device="cpu", num_threads=1, reader_threads=1)
+OPTIONS = dict(batch_size=8, pipeline=ImageTrain(size=32), device="cpu", num_threads=1, reader_threads=1)
 
 
 def _example():
@@ -138,19 +138,24 @@ def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp
         assert len(ranks[0]) == len(ranks[1]) == 24
         assert sorted(ranks[0] + ranks[1]) == list(range(48)), f"epoch {epoch}: the ranks' slices"
         for r in (0, 1):  # exactly what a Loader of that rank delivers: Lightning did not re-shard it
-            with Loader(image_dataset, rank=r, world_size=2, pipeline="raw", fields=(), **{
-                    k: v for k, v in OPTIONS.items() if k != "image_size"}) as ref:
+            with Loader(image_dataset, rank=r, world_size=2, **{**OPTIONS, "pipeline": Raw(fields=())}) as ref:
                 ref.set_epoch(epoch)
                 assert ranks[r] == [i for b in ref for i in b["index"].tolist()]
 
 
-def test_the_datamodule_maps_the_old_image_options_to_both_pipeline_objects(image_dataset):
-    """``image_size=`` beside the options reaches the training ``ImageTrain`` and the validation ``ImageEval``."""
-    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS, eval_crop_ratio=0.5)
-    assert data.config.pipeline == fastio.ImageTrain(size=32)
-    assert data.val_config.pipeline == fastio.ImageEval(size=32, crop_ratio=0.5)
+def test_the_datamodule_refuses_the_old_image_options_naming_the_pipeline_object(image_dataset):
+    """The old flat options (``image_size=``, ``eval_crop_ratio=``, ``pipeline="raw"`` in ``val_options``) are
+    refused in one line naming the object; the object's options reach the validation ``ImageEval``."""
+    options = {k: v for k, v in OPTIONS.items() if k != "pipeline"}
+    with pytest.raises(fastio.LoaderArgumentError, match=r"^image_size=32, eval_crop_ratio=0\.5: the old spelling; "
+                       r"give the pipeline object: pipeline=fastio\.ImageEval\(size=32, crop_ratio=0\.5\)$"):
+        FastioDataModule(image_dataset, image_dataset, **options, image_size=32, eval_crop_ratio=0.5)
+    with pytest.raises(fastio.LoaderArgumentError, match=r"^pipeline='raw': .*pipeline=fastio\.Raw\(\)$"):
+        FastioDataModule(image_dataset, image_dataset, val_options={"pipeline": "raw"}, **OPTIONS)
+    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS)
+    assert data.val_config.pipeline == fastio.ImageEval(size=32)
     assert (data.val_config.shuffle, data.val_config.remainder, data.val_config.batch_size) == ("none", "partial", 8)
-    raw = FastioDataModule(image_dataset, image_dataset, val_options={"pipeline": "raw"}, fields=("cls",), **OPTIONS)
+    raw = FastioDataModule(image_dataset, image_dataset, val_options={"pipeline": Raw(fields=("cls",))}, **OPTIONS)
     assert raw.val_config.pipeline == fastio.Raw(fields=("cls",))
 
 
@@ -180,5 +185,5 @@ def test_datamodule_validates_images_at_the_training_pipelines_size(image_ds):
     with fastio.Loader(image_ds, data.val_config, rank=0, world_size=1) as val:
         image = next(iter(val))["image"]
     assert image.shape == (4, 3, 32, 32) and str(image.dtype) == "torch.uint8"
-    old = _datamodule(image_ds, image_ds, pipeline="image-train", image_size=32, eval_crop_ratio=0.5)
-    assert old.val_config.pipeline == fastio.ImageEval(size=32, crop_ratio=0.5)  # the old spelling as before
+    with pytest.raises(fastio.LoaderArgumentError, match=r"pipeline=fastio\.ImageTrain\(size=32\)$"):
+        _datamodule(image_ds, image_ds, pipeline="image-train", image_size=32)  # the old spelling: refused

@@ -14,6 +14,8 @@ pytest.importorskip("lightning.pytorch")
 from plan_runs import launch  # noqa: E402
 from trainer_counts import assert_exactly_once, dataset80, per_epoch, read_logs  # noqa: E402
 
+from fastio import Raw
+
 SCRIPT = Path(__file__).resolve().parent / "lightning_counts.py"
 SAMPLES = 80
 
@@ -100,7 +102,7 @@ def test_batches_left_is_what_a_restored_loader_delivers(tmp_path):
     from fastio import Loader
 
     data = dataset80(tmp_path)
-    options = dict(batch_size=4, pipeline="raw", fields=(), device="cpu", num_threads=1, reader_threads=1)
+    options = dict(batch_size=4, pipeline=Raw(fields=()), device="cpu", num_threads=1, reader_threads=1)
     with Loader(data, rank=0, world_size=2, **options) as two:
         state = {**two.state_dict(), "consumed": 48}
     with Loader(data, rank=1, world_size=3, **options) as three:

@@ -13,10 +13,11 @@ from PIL import Image
 from resume import batches, same_batch
 
 import fastio
+from fastio import Graph, ImageEval, ImageTrain, Raw
 from fastio.dataset.dataset import Dataset
 from fastio.loader import Loader, LoaderConfig
 from fastio.order.sampler import Sampler, SamplerSpec
-from fastio.pipeline import GraphSpec, build_pipeline
+from fastio.pipelines import build_graph
 from fastio.pipelines.augment import random_resized_crop
 from fastio.read.feeder import Feeder
 from fastio.read.reader import Reader
@@ -24,7 +25,7 @@ from fastio.read.stats import Stats
 
 
 def _loader(dest, **kw):
-    opts = dict(batch_size=8, image_size=32, device="cpu", seed=0, world_size=1, rank=0, num_threads=1)
+    opts = dict(batch_size=8, pipeline=ImageTrain(size=32), device="cpu", seed=0, world_size=1, rank=0, num_threads=1)
     opts.update(kw)
     return Loader(dest, **opts)
 
@@ -50,7 +51,7 @@ def test_image_train_batch_and_labels(image_dataset):
 def test_train_pixels_match_a_pil_reference_of_the_computed_crop(image_dataset):
     """DALI decodes exactly the window fastio computed: PIL crop + resize + flip + normalize agrees."""
     b = next(iter(_loader(image_dataset, seed=3)))
-    raw = next(iter(_loader(image_dataset, seed=3, pipeline="raw")))
+    raw = next(iter(_loader(image_dataset, seed=3, pipeline=Raw())))
     assert torch.equal(raw["index"], b["index"])
     mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
     for j, i in enumerate(b["index"].tolist()):
@@ -80,8 +81,8 @@ def test_order_and_pixels_do_not_depend_on_threads_or_prefetch(image_dataset):
 
 
 def test_rank_slices_concatenate_to_the_single_rank_order(image_dataset):
-    one = list(_loader(image_dataset, pipeline="raw", batch_size=8))
-    two = [list(_loader(image_dataset, pipeline="raw", batch_size=4, world_size=2, rank=r)) for r in range(2)]
+    one = list(_loader(image_dataset, pipeline=Raw(), batch_size=8))
+    two = [list(_loader(image_dataset, pipeline=Raw(), batch_size=4, world_size=2, rank=r)) for r in range(2)]
     assert len(two[0]) == len(two[1]) == len(one)
     for g, b in enumerate(one):
         joined = torch.cat([two[0][g]["index"], two[1][g]["index"]])
@@ -95,7 +96,7 @@ def test_eval_is_deterministic_and_train_varies_by_epoch(image_dataset):
             out.append({int(i): b["image"][j] for b in loader for j, i in enumerate(b["index"])})
         return out
 
-    ev = images(_loader(image_dataset, pipeline="image-eval"), 2)
+    ev = images(_loader(image_dataset, pipeline=ImageEval(size=32)), 2)
     assert all(torch.equal(ev[0][i], ev[1][i]) for i in range(48))
     tr = images(_loader(image_dataset), 2)
     differ = sum(not torch.equal(tr[0][i], tr[1][i]) for i in range(48))
@@ -103,7 +104,7 @@ def test_eval_is_deterministic_and_train_varies_by_epoch(image_dataset):
 
 
 def test_raw_pipeline_returns_the_stored_bytes(image_dataset, image_folder):
-    loader = _loader(image_dataset, pipeline="raw")
+    loader = _loader(image_dataset, pipeline=Raw())
     b = next(iter(loader))
     assert set(b) == {"jpg", "cls", "label", "index", "padded", "has"}
     assert set(b["has"]) == {"jpg", "cls"} and all(bool(m.all()) for m in b["has"].values())
@@ -119,17 +120,17 @@ def test_user_pipeline_and_output_options(image_dataset):
     def graph(image, device):
         return {"small": fn.resize(image, resize_x=16, resize_y=12), "big": fn.resize(image, resize_x=20, resize_y=20)}
 
-    b = next(iter(_loader(image_dataset, pipeline=graph)))
+    b = next(iter(_loader(image_dataset, pipeline=Graph(graph))))
     assert b["small"].shape == (8, 12, 16, 3) and b["small"].dtype == torch.uint8
     assert b["big"].shape == (8, 20, 20, 3) and "label" in b
-    u8 = next(iter(_loader(image_dataset, dtype="uint8", layout="HWC", image_size=24)))
+    u8 = next(iter(_loader(image_dataset, pipeline=ImageTrain(dtype="uint8", layout="HWC", size=24))))
     assert u8["image"].shape == (8, 24, 24, 3) and u8["image"].dtype == torch.uint8
-    h = next(iter(_loader(image_dataset, dtype="float16")))
+    h = next(iter(_loader(image_dataset, pipeline=ImageTrain(size=32, dtype="float16"))))
     assert h["image"].dtype == torch.float16
 
 
 def test_extra_fields_and_padding(image_dataset):
-    loader = _loader(image_dataset, fields=("cls",), batch_size=5, pipeline="image-eval")
+    loader = _loader(image_dataset, pipeline=ImageEval(fields=("cls",)), batch_size=5)
     assert len(loader) == 10
     epoch = list(loader)
     assert int(epoch[-1]["padded"].sum()) == 2 and not epoch[0]["padded"].any()
@@ -153,7 +154,7 @@ def test_stats_and_progress_line(image_dataset, capsys):
 def test_rank_defaults_from_environment(image_dataset, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    loader = Loader(image_dataset, batch_size=4, device="cpu", image_size=32)
+    loader = Loader(image_dataset, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
     assert (loader.rank, loader.world_size) == (1, 3) and len(loader) == 4
     assert Loader(image_dataset, batch_size=4, device="cpu", rank=0, world_size=1).world_size == 1
 
@@ -168,15 +169,15 @@ def test_config_object_and_overrides(image_dataset):
 def test_config_builds_its_graph_and_sampling_specs_once_and_is_read_only(image_dataset):
     cfg = LoaderConfig(batch_size=4, pipeline=fastio.ImageTrain(size=40), device="cpu", world_size=1, rank=0,
                        shuffle="block", seed=9)
-    assert cfg.graph == GraphSpec("image-train", image_size=40)
+    assert cfg.pipeline == fastio.ImageTrain(size=40)
     assert cfg.sampling == SamplerSpec(seed=9, shuffle="block", batch_size=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.batch_size = 64  # would leave cfg.sampling describing another batching
     loader = Loader(image_dataset, cfg)
-    assert loader.config is cfg and loader.config.graph is cfg.graph
+    assert loader.config is cfg and loader.config.pipeline is cfg.pipeline
     assert next(iter(loader))["image"].shape == (4, 3, 40, 40)
     changed = dataclasses.replace(cfg, pipeline=fastio.ImageTrain(size=24))
-    assert changed.graph.image_size == 24 and cfg.graph.image_size == 40
+    assert changed.pipeline.size == 24 and cfg.pipeline.size == 40
 
 
 def test_rank_is_checked_against_a_world_size_from_the_environment(image_dataset, monkeypatch):
@@ -186,16 +187,16 @@ def test_rank_is_checked_against_a_world_size_from_the_environment(image_dataset
     assert Loader(image_dataset, batch_size=4, device="cpu", rank=1).world_size == 2
 
 
-@pytest.mark.parametrize("kind", ["image-train", "image-eval"])
+@pytest.mark.parametrize("kind", [ImageTrain, ImageEval])
 def test_feeder_feeds_a_pipeline_the_plan_in_order_across_epochs(image_dataset, kind):
     """The parts the Loader wires together, used on their own: sampler plans -> reader -> feeder -> DALI graph.
     One pipeline runs from a mid-epoch position through the end of that epoch into the next one."""
     ds = Dataset(image_dataset)
-    spec = GraphSpec(kind, image_size=16)
+    spec = kind(size=16)
     sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
     with Reader(ds, [], threads=2, image=("jpg",), sizes=spec.needs_image_size) as reader:
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=1, epoch=1, start=16)
-        built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=1, epoch=1, start=16)
+        built = build_graph(spec.graph(), feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
         assert built.outputs == ("image", "index")
         want = [(1, sampler.plan(1, 16), g) for g in range(4)] + [(2, sampler.plan(2), g) for g in range(6)]
         for epoch, plan, g in want:
@@ -217,7 +218,7 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
     from the first batch's build, read and decode (issue 32 point 3): ``first=prefetch`` batches are read; the
     rest of the read-ahead starts when the first output is taken, and the batches are those of the plan."""
     ds = Dataset(image_dataset)
-    spec = GraphSpec("image-train", image_size=16)
+    spec = ImageTrain(size=16)
     sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
 
     class Counting(Reader):
@@ -228,10 +229,10 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
             return super().submit(indices)
 
     with Counting(ds, [], threads=2, image=("jpg",), sizes=True) as reader:
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=2)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=2)
         feeder.start()
         assert reader.submitted == 2
-        built = build_pipeline(spec, feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        built = build_graph(spec.graph(), feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
         outputs = [dict(zip(built.outputs, built.pipe.run()))]
         assert reader.submitted == 2  # the first run fed batches 0 and 1, nothing further was read
         fed = [feeder.delivered()]
@@ -245,7 +246,7 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
         feeder.cancel()
         del built
     with Reader(ds, [], threads=1, image=("jpg",), sizes=True) as reader:  # more than `first` asked for: read
-        feeder = Feeder(reader, sampler.plan, spec, seed=2, read_ahead=3, first=1)
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=1)
         assert [feeder().__len__() for _ in range(3)] == [5, 5, 5] and len(feeder.in_flight()) == 3
         feeder.cancel()
 

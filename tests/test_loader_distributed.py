@@ -8,6 +8,8 @@ from pathlib import Path
 
 from helpers import start_ranks
 
+from fastio import ImageTrain
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -27,7 +29,7 @@ def _worker(rank: int, world: int, port: int, dest: str, out: str) -> None:
         os.environ.pop(k, None)  # the defaults must come from torch.distributed itself
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        loader = Loader(dest, batch_size=5, image_size=32, device="cpu", num_threads=1, pipeline="image-train")
+        loader = Loader(dest, batch_size=5, pipeline=ImageTrain(size=32), device="cpu", num_threads=1)
         indices, padded, steps = [], [], 0
         for batch in loader:
             indices += batch["index"].tolist()

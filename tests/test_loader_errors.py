@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import fastio
+from fastio import ImageEval, ImageTrain, Raw
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, FastioError, LoaderStateError
 from fastio.loader import Loader
 
 
 def _loader(dest, **kw):
-    opts = dict(batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1)
+    opts = dict(batch_size=8, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0, num_threads=1)
     opts.update(kw)
     return Loader(dest, **opts)
 
@@ -51,14 +52,14 @@ def test_sha256_mismatch_is_caught_with_verify(image_dataset):
     data[-1] ^= 0xFF  # the zero trailer: readers do not notice, the checksum does
     shard.chmod(0o644)
     shard.write_bytes(bytes(data))
-    assert len(list(_loader(image_dataset, pipeline="raw"))) == 6
+    assert len(list(_loader(image_dataset, pipeline=Raw()))) == 6
     with pytest.raises(DatasetError, match=r"shard shard-000002.tar sha256 mismatch"):
-        list(_loader(image_dataset, pipeline="raw", verify=True))
+        list(_loader(image_dataset, pipeline=Raw(), verify=True))
 
 
 def test_missing_field(image_dataset):
     with pytest.raises(DatasetError, match=r"ds: dataset has no field 'json'"):
-        _loader(image_dataset, fields=("cls", "json"))
+        _loader(image_dataset, pipeline=ImageTrain(size=32, fields=("cls", "json")))
 
 
 def test_batch_larger_than_dataset(image_dataset):
@@ -74,7 +75,7 @@ def _bad_image_dataset(tmp_path, image_folder, bad: dict[int, bytes]):
     return tmp_path / "bad"
 
 
-@pytest.mark.parametrize("pipeline", ["image-train", "image-eval"])
+@pytest.mark.parametrize("pipeline", [ImageTrain(size=32), ImageEval(size=32)])
 def test_undecodable_image_names_key_and_shard(tmp_path, image_folder, pipeline):
     good = sorted(image_folder.rglob("*.jpg"))[11].read_bytes()
     # Sample 11 has a valid JPEG header but a truncated body: only the decoder can tell.
@@ -122,13 +123,20 @@ def test_bad_label_text(tmp_path, image_folder):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(batch_size=0), "batch_size"), (dict(pipeline="video"), "pipeline"), (dict(device="tpu"), "device"),
-    (dict(shuffle="random"), "shuffle"), (dict(remainder="keep"), "remainder"), (dict(dtype="int8"), "dtype"),
+    (dict(shuffle="random"), "shuffle"), (dict(remainder="keep"), "remainder"),
     (dict(rank=2, world_size=2), "rank"), (dict(prefetch=0), "prefetch"), (dict(world_size=0), "world_size"),
-    (dict(block_shards=0), "block_shards"), (dict(layout="NCHW"), "layout"), (dict(image_size=0), "image_size"),
+    (dict(block_shards=0), "block_shards"),
 ])
 def test_bad_arguments(image_dataset, kw, match):
     with pytest.raises(ValueError, match=match):
         _loader(image_dataset, **kw)
+
+
+@pytest.mark.parametrize("options,match", [(dict(dtype="int8"), "dtype"), (dict(layout="NCHW"), "layout"),
+                                           (dict(size=0), "size")])
+def test_bad_image_options(image_dataset, options, match):
+    with pytest.raises(ValueError, match=match):
+        _loader(image_dataset, pipeline=ImageTrain(**options))
 
 
 def test_errors_are_fastio_errors():
@@ -141,14 +149,14 @@ def test_errors_are_fastio_errors():
                                       (dict(block_shards=2.5), r"block_shards must be an integer >= 1, got 2\.5")])
 def test_order_parameters_that_a_resume_cannot_read_are_refused_at_once(image_dataset, kw, match):
     with pytest.raises(ValueError, match=match):
-        Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", **kw)
+        Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", **kw)
 
 
 @pytest.mark.parametrize("epoch", [1.5, True, "1", -1])
 def test_set_epoch_takes_only_a_non_negative_integer(image_dataset, epoch):
     """A float or bool epoch was accepted and stored in the state (another order); a string failed with a bare
     TypeError."""
-    with Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0) as loader:
+    with Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", world_size=1, rank=0) as loader:
         with pytest.raises(ValueError, match=rf"epoch must be an integer >= 0, got {epoch!r}"):
             loader.set_epoch(epoch)
         loader.set_epoch(np.int64(2))
@@ -160,7 +168,7 @@ def test_a_mixture_state_into_a_one_dataset_loader_says_so(image_dataset):
     from fastio.errors import LoaderStateError
 
     def make(data):
-        return Loader(data, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0)
+        return Loader(data, batch_size=4, pipeline=Raw(), device="cpu", world_size=1, rank=0)
 
     with make(Mixture({"a": image_dataset})) as mixed:
         next(iter(mixed))

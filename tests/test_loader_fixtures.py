@@ -29,7 +29,7 @@ def test_the_recording_is_of_the_datasets_and_options_the_script_makes():
 
 
 @pytest.mark.parametrize("case", fixtures.cases(), ids=lambda c: fixtures.case_id(*c))
-def test_old_spellings_deliver_the_recorded_batches_and_states(datasets, case):
+def test_the_pipeline_objects_deliver_the_recorded_batches_and_states(datasets, case):
     got = fixtures.run_case(case, datasets)
     want = RECORDED["cases"][fixtures.case_id(*case)]
     assert len(got) == len(want)

@@ -11,6 +11,7 @@ import pytest
 from nvidia.dali import fn
 from PIL import Image
 
+from fastio import Graph, ImageEval, ImageTrain, Raw
 from fastio.dataset.shards import ShardWriter
 from fastio.loader import Loader
 
@@ -63,15 +64,16 @@ def mixed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
 
 def _epoch(dest: Path, **kw) -> list[dict]:
     """One epoch; the order of the two datasets (their fingerprints differ) is compared with shuffle none."""
-    kw = {"shuffle": "none", "batch_size": 4, **kw}
-    with Loader(dest, image_size=24, device="cpu", seed=5, world_size=1, rank=0, **kw) as loader:
+    kw = {"shuffle": "none", "batch_size": 4, "pipeline": ImageTrain(size=24), **kw}
+    with Loader(dest, device="cpu", seed=5, world_size=1, rank=0, **kw) as loader:
         return list(loader)
 
 
-@pytest.mark.parametrize("pipeline", ["image-train", "image-eval"])
-def test_image_pipelines_decode_every_format_like_its_png(mixed, pipeline):
+@pytest.mark.parametrize("kind", [ImageTrain, ImageEval])
+def test_image_pipelines_decode_every_format_like_its_png(mixed, kind):
     dest, png, field_of = mixed
-    got, want = _epoch(dest, pipeline=pipeline, dtype="uint8"), _epoch(png, pipeline=pipeline, dtype="uint8")
+    pipeline = kind(size=24, dtype="uint8")
+    got, want = _epoch(dest, pipeline=pipeline), _epoch(png, pipeline=pipeline)
     assert len(got) == len(want) == -(-len(field_of) // 4)
     for a, b in zip(got, want):
         assert a["index"].tolist() == b["index"].tolist()
@@ -84,7 +86,7 @@ def test_image_pipelines_decode_every_format_like_its_png(mixed, pipeline):
 
 def test_raw_hands_each_sample_its_own_image_field(mixed):
     dest, _, field_of = mixed
-    batches = _epoch(dest, pipeline="raw", shuffle="global")
+    batches = _epoch(dest, pipeline=Raw(), shuffle="global")
     seen = set()
     for batch in batches:
         assert set(FORMATS) | {"cls", "label", "index", "padded", "has"} == set(batch)
@@ -103,7 +105,7 @@ def test_user_graph_gets_every_format_decoded(mixed):
     def graph(image, device):
         return {"image": fn.resize(image, resize_x=10, resize_y=12), "shape": image.shape()}
 
-    got, want = _epoch(dest, pipeline=graph), _epoch(png, pipeline=graph)
+    got, want = _epoch(dest, pipeline=Graph(graph)), _epoch(png, pipeline=Graph(graph))
     for a, b in zip(got, want):
         assert np.array_equal(a["shape"].numpy(), b["shape"].numpy())
         assert np.array_equal(a["image"].numpy(), b["image"].numpy())
@@ -117,4 +119,4 @@ def test_a_sample_without_any_image_field_is_named(tmp_path):
     from fastio.errors import DatasetError
 
     with pytest.raises(DatasetError, match=r"key 'b': sample has no image field \(png\)"):
-        _epoch(tmp_path / "ds", batch_size=2, pipeline="image-eval", shuffle="none")
+        _epoch(tmp_path / "ds", batch_size=2, pipeline=ImageEval(size=24), shuffle="none")

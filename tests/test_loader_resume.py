@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 from resume import batches, check_resume, run_ranks, same_batch
 
+from fastio import ImageEval, ImageTrain, Raw
 from fastio.loader import Loader
 
 
 def _factory(dest, **kw):
-    opts = dict(batch_size=4, image_size=32, device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
+    opts = dict(batch_size=4, pipeline=ImageTrain(size=32), device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
                 prefetch=2, block_shards=2)
     opts.update(kw)
     return lambda: Loader(dest, **opts)
 
 
-@pytest.mark.parametrize("pipeline", ["image-train", "image-eval", "raw"])
+@pytest.mark.parametrize("pipeline", [ImageTrain(size=32), ImageEval(size=32), Raw()])
 @pytest.mark.parametrize("shuffle", ["global", "block", "none"])
 def test_same_world_size_resume_is_bitwise(image_dataset, pipeline, shuffle):
     # 48 samples / batch 4 = 12 batches per epoch: save mid-epoch, continue across the epoch boundary.
@@ -38,7 +39,7 @@ def test_resume_with_drop_last(image_dataset):
 
 @pytest.mark.gpu
 def test_same_world_size_resume_is_bitwise_cuda(image_dataset):
-    check_resume(_factory(image_dataset, device="cuda", pipeline="image-train"), n=5, k=9)
+    check_resume(_factory(image_dataset, device="cuda", pipeline=ImageTrain(size=32)), n=5, k=9)
 
 
 def _run_ranks(dest, world, n_batches=None, state=None, epoch=None, **kw):
@@ -57,7 +58,7 @@ def _delivered(steps):
 @pytest.mark.parametrize("old,new,n", [(2, 3, 2), (4, 1, 1), (3, 2, 2)])
 @pytest.mark.parametrize("shuffle", ["global", "block"])
 def test_elastic_resume_delivers_rest_of_epoch_once(image_dataset, old, new, n, shuffle):
-    kw = dict(pipeline="image-train", shuffle=shuffle)
+    kw = dict(pipeline=ImageTrain(size=32), shuffle=shuffle)
     before, states = _run_ranks(image_dataset, old, n_batches=n, **kw)
     assert len({tuple(sorted(s.items())) for s in states}) == 1, "ranks disagree on the state"
     state = states[0]
@@ -84,8 +85,8 @@ def test_elastic_resume_delivers_rest_of_epoch_once(image_dataset, old, new, n, 
 
 
 def test_elastic_then_next_epoch_continues_in_same_loaders(image_dataset):
-    _, states = _run_ranks(image_dataset, 2, n_batches=3, pipeline="raw")
-    loaders = [_factory(image_dataset, pipeline="raw", world_size=3, rank=r)() for r in range(3)]
+    _, states = _run_ranks(image_dataset, 2, n_batches=3, pipeline=Raw())
+    loaders = [_factory(image_dataset, pipeline=Raw(), world_size=3, rank=r)() for r in range(3)]
     for ld in loaders:
         ld.load_state_dict(states[0])
     streams = [batches(ld) for ld in loaders]
@@ -94,14 +95,14 @@ def test_elastic_then_next_epoch_continues_in_same_loaders(image_dataset):
         for s in streams:
             next(s)
     assert all(ld.state_dict()["epoch"] == 1 and ld.state_dict()["consumed"] == 0 for ld in loaders)
-    fresh, _ = _run_ranks(image_dataset, 3, n_batches=2, epoch=1, pipeline="raw")
+    fresh, _ = _run_ranks(image_dataset, 3, n_batches=2, epoch=1, pipeline=Raw())
     for step in fresh:
         got = [next(s) for s in streams]
         assert all(same_batch(a, b) for a, b in zip(step, got))
 
 
 def test_set_epoch_keeps_restored_position(image_dataset):
-    make = _factory(image_dataset, pipeline="raw")
+    make = _factory(image_dataset, pipeline=Raw())
     a = make()
     list(islice(iter(a), 3))
     state = a.state_dict()
@@ -115,27 +116,27 @@ def test_set_epoch_keeps_restored_position(image_dataset):
 
 
 def test_drop_last_epoch_ends_at_its_last_full_batch(image_dataset):
-    make = _factory(image_dataset, batch_size=5, drop_last=True, pipeline="raw")  # 9 batches, 3 samples dropped
+    make = _factory(image_dataset, batch_size=5, drop_last=True, pipeline=Raw())  # 9 batches, 3 samples dropped
     loader = make()
     assert len(list(islice(iter(loader), 9))) == 9
     assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
     check_resume(make, n=9, k=3)
     # An elastic restore whose rest of the epoch is smaller than one new global batch goes to the next epoch.
-    resumed = _factory(image_dataset, batch_size=5, drop_last=True, pipeline="raw", world_size=2, rank=0)()
+    resumed = _factory(image_dataset, batch_size=5, drop_last=True, pipeline=Raw(), world_size=2, rank=0)()
     resumed.load_state_dict({**loader.state_dict(), "epoch": 0, "consumed": 40})
     assert (resumed.state_dict()["epoch"], resumed.state_dict()["consumed"]) == (1, 0)
 
 
 def test_partial_remainder_resume_and_elastic(image_dataset):
     # world 3 x batch 5 = 15 per step; 48 = 3 x 15 + 3: the last step has one sample on each rank.
-    make = _factory(image_dataset, batch_size=5, world_size=3, rank=2, remainder="partial", pipeline="image-eval")
+    make = _factory(image_dataset, batch_size=5, world_size=3, rank=2, remainder="partial", pipeline=ImageEval(size=32))
     check_resume(make, n=2, k=4)
-    steps, _ = _run_ranks(image_dataset, 3, batch_size=5, remainder="partial", pipeline="raw")
+    steps, _ = _run_ranks(image_dataset, 3, batch_size=5, remainder="partial", pipeline=Raw())
     assert [len(b["index"]) for b in steps[-1]] == [1, 1, 1]
     assert sorted(_delivered(steps)) == list(range(48))
 
 
 def test_a_numpy_seed_resumes(image_dataset):
-    state = check_resume(lambda: Loader(image_dataset, batch_size=4, pipeline="raw", device="cpu", seed=np.int64(3),
+    state = check_resume(lambda: Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", seed=np.int64(3),
                                         world_size=1, rank=0, num_threads=1), n=3, k=3)
     assert state["seed"] == 3  # a guard: numpy integers (a config read with numpy) stay accepted

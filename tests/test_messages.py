@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import write_image_dataset
 
-from fastio import FastioError, Loader, LoaderArgumentError
+from fastio import FastioError, Loader, LoaderArgumentError, Raw
 from fastio.cli import main
 from fastio.progress import count
 
@@ -40,7 +40,7 @@ def test_other_loaders_arguments_get_a_one_line_hint(image_dataset, arguments, n
 
 def test_progress_prints_at_least_once_per_epoch(image_dataset, capsys):
     """48 samples, batch 16: an epoch takes far less than the 5 s interval, yet each epoch prints a line."""
-    with Loader(image_dataset, batch_size=16, device="cpu", pipeline="raw", progress=True) as loader:
+    with Loader(image_dataset, batch_size=16, device="cpu", pipeline=Raw(), progress=True) as loader:
         for _ in range(2):
             assert len(list(loader)) == 3
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fastio: epoch done")]

@@ -12,7 +12,7 @@ import pytest
 from conftest import write_image_dataset
 from resume import batches, check_resume, run_ranks, same_batch
 
-from fastio import Loader, Mixture
+from fastio import ImageEval, ImageTrain, Loader, Mixture, Raw
 from fastio.convert.synthetic import make_imagefolder
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, LoaderStateError
@@ -121,7 +121,7 @@ def raw_sources(tmp_path):
 
 
 def _raw_loader(sources, weights, **kw):
-    opts = dict(batch_size=6, pipeline="raw", device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
+    opts = dict(batch_size=6, pipeline=Raw(), device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
     opts.update(kw)
     return Loader(Mixture(sources, weights=weights), **opts)
 
@@ -148,8 +148,8 @@ def test_loader_batches_carry_source_and_index_in_the_mixture_order(raw_sources)
     loader.close()
 
 
-@pytest.mark.parametrize("pipeline,shuffle", [("raw", "global"), ("raw", "none"), ("image-train", "block"),
-                                              ("image-eval", "global")])
+@pytest.mark.parametrize("pipeline,shuffle", [(Raw(), "global"), (Raw(), "none"), (ImageTrain(size=32), "block"),
+                                              (ImageEval(size=32), "global")])
 def test_exact_resume_is_bitwise(tmp_path, image_folder, pipeline, shuffle):
     tiny_folder = make_imagefolder(tmp_path / "tiny-src", classes=2, per_class=3, seed=9)
     sources = {"big": write_image_dataset(tmp_path / "big", image_folder, max_samples=16),
@@ -157,7 +157,7 @@ def test_exact_resume_is_bitwise(tmp_path, image_folder, pipeline, shuffle):
 
     def make():
         mix = Mixture(sources, weights={"big": 1, "tiny": 1}, samples_per_epoch=40)
-        return Loader(mix, batch_size=4, image_size=32, device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
+        return Loader(mix, batch_size=4, device="cpu", seed=7, world_size=1, rank=0, num_threads=1,
                       prefetch=2, block_shards=2, pipeline=pipeline, shuffle=shuffle)
 
     state = check_resume(make, n=7, k=8)  # 10 batches per epoch: across the boundary
@@ -203,7 +203,7 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
     assert same_batch(next(iter(again)), b)
     other = Mixture({"a": raw_sources["a"], "b": raw_sources["c"], "c": raw_sources["b"]})
     with pytest.raises(LoaderStateError, match="source 'b' is dataset fingerprint"):
-        Loader(other, batch_size=6, pipeline="raw", device="cpu", seed=5).load_state_dict(mid)
+        Loader(other, batch_size=6, pipeline=Raw(), device="cpu", seed=5).load_state_dict(mid)
     for ld in (old, new, again):
         ld.close()
 
@@ -211,7 +211,7 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
 def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):
-        _raw_loader(sources, None, fields=("txt", "cls"))
+        _raw_loader(sources, None, pipeline=Raw(fields=("txt", "cls")))
     loader = _raw_loader(sources, None)  # raw without fields=: the fields every source has
     assert set(next(iter(loader))) == {"txt", "has", "source", "index", "padded"}
     loader.close()
@@ -236,7 +236,7 @@ def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path
     open_storage(url, moto_server.options()).publish_dir(raw_sources["b"], keys_last=(MANIFEST_NAME,))
     remote = {**raw_sources, "b": url}
     opening = dict(cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=moto_server.options())
-    mixed = Loader(Mixture(remote, weights={"a": 3, "b": 2, "c": 1}, **opening), batch_size=6, pipeline="raw",
+    mixed = Loader(Mixture(remote, weights={"a": 3, "b": 2, "c": 1}, **opening), batch_size=6, pipeline=Raw(),
                    device="cpu", seed=5, world_size=1, rank=0)
     local = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
     for _ in range(2):  # two epochs: the second from the warm cache
@@ -420,7 +420,7 @@ def test_a_resume_may_change_the_future_of_a_schedule_not_its_past(raw_sources):
     assert Counter(got[0]["source"].tolist()) == {0: 1, 1: 4, 2: 1}  # from 24: 1:4:1
     with pytest.raises(LoaderStateError, match="samples_per_epoch 50, this mixture 60: a schedule's positions"):
         loader = Loader(Mixture(raw_sources, weights=[(0, {"a": 3, "b": 2, "c": 1}), (36, {"a": 1, "b": 1, "c": 4})],
-                                samples_per_epoch=60), batch_size=6, pipeline="raw", device="cpu", seed=5)
+                                samples_per_epoch=60), batch_size=6, pipeline=Raw(), device="cpu", seed=5)
         loader.load_state_dict(state)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from resume import batches, check_resume, same_batch
 
-from fastio import Loader, Mixture
+from fastio import ImageEval, Loader, Mixture, Raw
 from fastio.convert.synthetic import make_imagefolder
 
 LONG = "very-long-folder-name-" * 5  # > 100 bytes with the rest: a GNU long name
@@ -74,8 +74,8 @@ def sources(tmp_path_factory):
 def _loader(sources, world=1, rank=0, **kw):
     mix = Mixture({name: path for name, (path, _) in sources.items()}, weights={"wds": 2, "conv": 1},
                   samples_per_epoch=30)
-    opts = dict(batch_size=3, pipeline="raw", device="cpu", seed=3, world_size=world, rank=rank, num_threads=1,
-                prefetch=2, fields=("jpg", "cls"))
+    opts = dict(batch_size=3, pipeline=Raw(fields=("jpg", "cls")), device="cpu", seed=3, world_size=world,
+                rank=rank, num_threads=1, prefetch=2)
     opts.update(kw)
     return Loader(mix, **opts)
 
@@ -102,9 +102,9 @@ def test_each_source_cycles_through_its_own_samples_with_their_bytes_and_labels(
             assert Counter(keys[start:start + n]) == Counter(list(sources[name][1])), (name, start)
 
 
-@pytest.mark.parametrize("pipeline", ["raw", "image-eval"])
+@pytest.mark.parametrize("pipeline", [None, ImageEval(size=32)])
 def test_exact_resume_of_the_mixture(sources, pipeline):
-    kw = {} if pipeline == "raw" else dict(pipeline=pipeline, fields=None, image_size=32)
+    kw = {} if pipeline is None else dict(pipeline=pipeline)
     check_resume(lambda: _loader(sources, **kw), n=7, k=6)  # 10 batches an epoch: across the boundary
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import indexed_tar
 
-from fastio import Loader, Mixture
+from fastio import ImageEval, Loader, Mixture, Raw
 from fastio.convert.synthetic import photo_jpeg
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError
@@ -43,7 +43,7 @@ def test_a_source_that_cannot_be_opened_is_named(tmp_path):
 
 def test_each_source_delivers_its_own_label_field(tmp_path):
     mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls"), "web": _small(tmp_path / "b", 6, "label")})
-    loader = Loader(mix, batch_size=4, pipeline="raw", device="cpu", seed=1, world_size=1, rank=0)
+    loader = Loader(mix, batch_size=4, pipeline=Raw(), device="cpu", seed=1, world_size=1, rank=0)
     batch = next(iter(loader))
     loader.close()
     assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
@@ -53,7 +53,7 @@ def test_each_source_delivers_its_own_label_field(tmp_path):
 def test_the_image_pipelines_deliver_each_sources_label_field(tmp_path):
     mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls", image=True),
                    "web": _small(tmp_path / "b", 6, "label", image=True)})
-    with Loader(mix, batch_size=12, pipeline="image-eval", image_size=16, device="cpu", num_threads=1, seed=1,
+    with Loader(mix, batch_size=12, pipeline=ImageEval(size=16), device="cpu", num_threads=1, seed=1,
                 world_size=1, rank=0) as loader:
         batch = next(iter(loader))
     assert sorted(batch["source"].tolist()) == [0] * 6 + [1] * 6
@@ -63,7 +63,7 @@ def test_the_image_pipelines_deliver_each_sources_label_field(tmp_path):
 
 def test_fields_naming_one_sources_label_field_deliver_every_sources_label(tmp_path):
     mix = Mixture({"conv": _small(tmp_path / "a", 6, "cls"), "web": _small(tmp_path / "b", 6, "label")})
-    with Loader(mix, batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0, fields=["label"]) as loader:
+    with Loader(mix, batch_size=4, pipeline=Raw(fields=["label"]), device="cpu", world_size=1, rank=0) as loader:
         batch = next(iter(loader))
     assert batch["label"].tolist() == [i % 2 for i in batch["index"].tolist()]
     assert "txt" not in batch
@@ -82,8 +82,8 @@ def test_a_source_without_a_label_field_is_refused_though_some_samples_have_a_fi
     assert json.loads((b / "manifest.json").read_text())["label_field"] is None
     for sources in ({"a": a, "b": b}, {"b": b, "a": a}):
         with pytest.raises(DatasetError, match=rf"^mixture source 'b': {b}: dataset has no label field"):
-            Loader(Mixture(sources), batch_size=2, pipeline="image-eval", image_size=16, device="cpu",
+            Loader(Mixture(sources), batch_size=2, pipeline=ImageEval(size=16), device="cpu",
                    world_size=1, rank=0)
-        with Loader(Mixture(sources), batch_size=2, pipeline="raw", device="cpu", world_size=1, rank=0) as loader:
+        with Loader(Mixture(sources), batch_size=2, pipeline=Raw(), device="cpu", world_size=1, rank=0) as loader:
             batches = list(loader)  # raw without fields=: the label only when every source has one
         assert sum(len(x["index"]) for x in batches) == len(loader) * 2 and "label" not in batches[0]

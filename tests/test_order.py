@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fastio import ImageTrain
 from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec, epoch_order
 from fastio.report.inspect import order_quality
 
@@ -149,7 +150,8 @@ def test_a_version_1_loader_state_is_refused_with_the_reason(image_dataset):
     from fastio import Loader
     from fastio.errors import LoaderStateError
 
-    loader = Loader(image_dataset, batch_size=8, image_size=32, device="cpu", world_size=1, rank=0, num_threads=1)
+    loader = Loader(image_dataset, batch_size=8, pipeline=ImageTrain(size=32), device="cpu", world_size=1, rank=0,
+                    num_threads=1)
     state = loader.state_dict()
     assert state["version"] == 2
     with pytest.raises(LoaderStateError, match="loader state version 1 is from a fastio whose sample order differs"):

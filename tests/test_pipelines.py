@@ -1,13 +1,11 @@
-"""Pipeline objects (fastio.ImageTrain, ImageEval, Raw, Graph, a kind of one's own) and the one read set: the
-new spellings deliver the recorded batches, options belong to the objects, a mixture's label fields keep
+"""Pipeline objects (fastio.ImageTrain, ImageEval, Raw, Graph, a kind of one's own) and the one read set: options
+belong to the objects (the old flat spellings are refused naming the object), a mixture's label fields keep
 their names, and the Loader holds no kind's options and no mixture branch."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,48 +20,24 @@ import fastio
 from fastio import Loader, LoaderConfig, Mixture
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import LoaderStateError
-from fastio.pipelines import ReadFields, spell
-
-_FIXTURES = Path(__file__).with_name("fixtures")
-_spec = importlib.util.spec_from_file_location("make_loader_fixtures", _FIXTURES / "make_loader_fixtures.py")
-fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fixtures)
-RECORDED = json.loads(fixtures.FIXTURE.read_text())["cases"]
-SIZE = fixtures.LOADER["image_size"]
-OBJECTS = {"image-train": fastio.ImageTrain(size=SIZE), "image-eval": fastio.ImageEval(size=SIZE),
-           "raw": fastio.Raw()}
-
-
-@pytest.fixture(scope="module")
-def datasets(tmp_path_factory):
-    return fixtures.make_datasets(tmp_path_factory.mktemp("pipeline-objects"))
-
-
-@pytest.mark.parametrize("case", fixtures.cases(), ids=lambda c: fixtures.case_id(*c))
-def test_pipeline_objects_deliver_the_batches_and_states_recorded_with_the_old_spellings(datasets, case):
-    got = fixtures.run_case(case, datasets, pipeline=OBJECTS[case[0]], image_size=None)
-    want = RECORDED[fixtures.case_id(*case)]
-    assert [g["batch"] for g in got] == [w["batch"] for w in want]
-    assert [g["state"] for g in got] == [w["state"] for w in want]
+from fastio.pipelines import ReadFields
 
 
 def test_a_config_keeps_the_shared_options_and_its_pipeline_object():
     cfg = LoaderConfig(batch_size=4, pipeline=fastio.ImageEval(size=40, crop_ratio=0.5), device="cpu")
-    assert cfg.graph == fastio.ImageEval(size=40, crop_ratio=0.5) and cfg.graph.image_size == 40
+    assert cfg.pipeline == fastio.ImageEval(size=40, crop_ratio=0.5) and cfg.pipeline.size == 40
     changed = dataclasses.replace(cfg, batch_size=8, seed=3)
-    assert changed.graph is cfg.graph and changed.sampling.batch_size == 8
-    old = LoaderConfig(**spell(dict(pipeline="image-eval", image_size=40, eval_crop_ratio=0.5, dtype="uint8",
-                                    fields=["cls"])))
-    assert old.graph == fastio.ImageEval(size=40, crop_ratio=0.5, dtype="uint8", fields=("cls",))
-    assert LoaderConfig(**spell(dict(pipeline="raw", fields=["txt"]))).graph == fastio.Raw(fields=("txt",))
-    assert LoaderConfig(pipeline="raw").pipeline == fastio.Raw() and LoaderConfig().pipeline == fastio.ImageTrain()
+    assert changed.pipeline is cfg.pipeline and changed.sampling.batch_size == 8
+    assert LoaderConfig().pipeline == fastio.ImageTrain()
 
 
 @pytest.mark.parametrize("option", [{"image_size": 32}, {"mean": (0.5, 0.5, 0.5)}, {"fields": ["cls"]}])
 def test_an_old_option_beside_a_pipeline_object_is_refused_by_name(option):
     name, value = next(iter(option.items()))
-    with pytest.raises(ValueError, match=rf"^{name}=.* is an option of the pipeline object now: give it there"):
-        LoaderConfig(**spell({"pipeline": fastio.ImageTrain(size=16), **option}))
+    new = {"image_size": "size"}.get(name, name)
+    with pytest.raises(fastio.LoaderArgumentError, match=rf"^{name}=.*: the old spelling; give the pipeline object: "
+                                                         rf"pipeline=fastio\.ImageTrain\(\.\.\., {new}="):
+        LoaderConfig(pipeline=fastio.ImageTrain(size=16), **option)
 
 
 OLD_VALUES = {"image_size": 32, "mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2, 0.2), "dtype": "uint8", "layout": "HWC",
@@ -75,30 +49,28 @@ EVERY_KIND = [fastio.ImageTrain(size=16), fastio.ImageEval(size=16), fastio.Raw(
 @pytest.mark.parametrize("pipeline", EVERY_KIND, ids=lambda p: type(p).__name__)
 def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_options_it_has(pipeline):
     """Issue 40, 10: image_size=32 beside fastio.Tokens said 'give it there (pipeline=Tokens(...))', and Tokens
-    has no such option. For every old option beside every built-in kind, the option the message tells to give
-    exists on that object (and takes the value, for the image kinds), or the message says it is none of its
-    options and lists exactly the options it has."""
-    from fastio.pipelines.spellings import OLD_OPTIONS
-
-    assert set(OLD_VALUES) == set(OLD_OPTIONS)
+    has no such option. For every old option beside every built-in kind (the old spellings are refused now), the
+    option the message tells to give exists on that object (and takes the value, for the image kinds), or the
+    message says it is not an option of that kind."""
     kind = type(pipeline).__name__
     own = [f.name for f in dataclasses.fields(pipeline) if f.init]
     for name, value in OLD_VALUES.items():
-        with pytest.raises(ValueError) as err:
-            LoaderConfig(**spell({"pipeline": pipeline, name: value}))
+        with pytest.raises(fastio.LoaderArgumentError) as err:
+            LoaderConfig(pipeline=pipeline, **{name: value})
         text = str(err.value)
-        given = re.search(rf"give it there \(pipeline={kind}\(\.\.\., (\w+)=", text)
+        assert "\n" not in text and text.startswith(f"{name}={value!r}, pipeline="), text
+        given = re.search(rf"give the pipeline object: pipeline=fastio\.{kind}\(\.\.\., (\w+)=", text)
         if given:
             assert given.group(1) in own, (name, text)
             if kind.startswith("Image"):
                 dataclasses.replace(pipeline, **{given.group(1): value})  # the spelling the message gives works
         else:
-            assert text.startswith(f"{name}={value!r} is not an option of {kind} (its options: {', '.join(own)})"), text
+            assert text.endswith(f"pipeline=fastio.{kind}(...) ({name}: not options of {kind})"), text
             assert name not in own and not (name == "image_size" and "size" in own), text
     tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
-    with pytest.raises(ValueError, match=r"^image_size=32 is not an option of Tokens \(its options: seq_len, "
-                                         r"packing, window\): leave it out"):
-        LoaderConfig(**spell({"image_size": 32}, base=tokens.pipeline))
+    with pytest.raises(fastio.LoaderArgumentError, match=r"pipeline=fastio\.Tokens\(\.\.\.\) \(image_size: not "
+                                                         r"options of Tokens\)$"):
+        dataclasses.replace(tokens, image_size=32)
 
 
 @pytest.mark.parametrize("make,match", [
@@ -122,11 +94,12 @@ def test_a_graph_object_is_the_graph_function(image_dataset):
         return {"image": fn.flip(fn.resize(image, resize_x=16, resize_y=16), horizontal=1)}
 
     opts = dict(batch_size=8, device="cpu", seed=0, world_size=1, rank=0, num_threads=1, shuffle="none")
-    with Loader(image_dataset, pipeline=flip, **opts) as a, Loader(image_dataset, pipeline=fastio.Graph(flip),
-                                                                     **opts) as b:
-        x, y = next(iter(a)), next(iter(b))
-    assert torch.equal(x["image"], y["image"]) and torch.equal(x["label"], y["label"])
-    assert x["image"].shape == (8, 16, 16, 3)
+    with pytest.raises(fastio.LoaderArgumentError, match=r"^pipeline=<function .*flip.*>: the old spelling; give the "
+                                                         r"pipeline object: pipeline=fastio\.Graph\(flip\)$"):
+        Loader(image_dataset, pipeline=flip, **opts)  # the bare function: the old spelling
+    with Loader(image_dataset, pipeline=fastio.Graph(flip), **opts) as b:
+        x = next(iter(b))
+    assert x["image"].shape == (8, 16, 16, 3) and x["label"].shape == (8,)
 
 
 def _tagged(dest: Path, n: int, label_field: str) -> Path:
@@ -158,16 +131,12 @@ class ImageSizes(fastio.Pipeline):
     """A kind of one's own: each image's (width, height) from its header, no graph; it keeps a state entry."""
 
     kind: ClassVar[str] = "image-sizes"
-    decodes: ClassVar[bool] = False
     fields: tuple[str, ...] | None = None
     version: int = 1
 
     def read_fields(self, ds, fields):
         ds.require_fields(list(fields), in_every_sample=True)
         return ReadFields(tuple(fields), image=(ds.image_field,), sizes=True)
-
-    def build(self, source, **options):
-        return None
 
     def assemble(self, outputs, delivery):
         return {"size": torch.from_numpy(delivery.read.sizes.copy()), "label": delivery.labels()}
@@ -203,6 +172,51 @@ def test_a_kind_of_ones_own_plugs_in_with_its_state_on_a_dataset_and_a_mixture(t
             other.load_state_dict(state)
 
 
+def test_the_pipeline_protocol_is_six_hooks_with_nothing_of_a_kind_in_its_base():
+    """The base declares six hooks and the Loader calls no other method of a pipeline object; the base imports
+    nothing of images or media (the image defaults are ImageKind's), and every kind with a graph declares its
+    inputs' dtypes itself (issue 41)."""
+    from fastio.pipelines import Pipeline, base
+
+    hooks = sorted(n for n, v in vars(Pipeline).items() if callable(v) and not n.startswith("_"))
+    assert hooks == ["assemble", "check_state", "graph", "read_fields", "source", "state_dict"]
+    loader = ast.parse((Path(fastio.__file__).parent / "loader.py").read_text())
+    called = {n.attr for n in ast.walk(loader) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+              and n.value.attr == "pipeline" and isinstance(n.value.value, ast.Name) and n.value.value.id == "self"}
+    assert called <= set(hooks), called
+    imported = {n.module for n in ast.walk(ast.parse(Path(base.__file__).read_text())) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m and (m.startswith("fastio.formats") or m == "PIL")}, imported
+    kinds = [fastio.ImageTrain(), fastio.ImageEval(), fastio.Graph(lambda image, device: image), fastio.VideoClips(),
+             fastio.VideoClips(cpu_fallback="pyav", clips_per_video=2), fastio.AudioClips()]
+    for kind in kinds:
+        graph = kind.graph()
+        assert graph.names[:1] == ("encoded",) and dict(graph.inputs)["index"] == "int64", kind
+        assert {d for _, d in graph.inputs} <= set(base.DTYPES), graph.inputs
+    assert fastio.Raw().graph() is None and fastio.Tokens().graph() is None
+
+
+def test_a_kind_written_for_the_wider_interface_is_told_what_replaces_its_hook(image_dataset):
+    """A hook of the earlier interface would be ignored now: the class is refused when made, naming what replaces
+    it; a kind that does not say what it reads is named when the Loader asks."""
+    with pytest.raises(TypeError, match=r"Old.build: the pipeline protocol has no 'build' hook now; declare the "
+                                        r"graph with graph\(\) -> GraphDef"):
+        @dataclass(frozen=True)
+        class Old(fastio.Pipeline):
+            def build(self, source, **options):
+                return None
+
+    with pytest.raises(TypeError, match="Odd.default_fields must be one of label, shared, none, got 'all'"):
+        class Odd(fastio.Pipeline):
+            default_fields = "all"
+
+    @dataclass(frozen=True)
+    class Silent(fastio.Pipeline):
+        pass
+
+    with pytest.raises(TypeError, match="Silent does not say what it reads: define read_fields"):
+        Loader(image_dataset, batch_size=4, pipeline=Silent(), device="cpu", world_size=1, rank=0)
+
+
 def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
     source = (Path(fastio.__file__).parent / "loader.py").read_text()
     tree = ast.parse(source)
@@ -210,7 +224,7 @@ def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
     assert not [b for b in branches if "mixture" in b.lower()], branches
     shared = {f.name for f in dataclasses.fields(LoaderConfig) if f.init}
     old = {"image_size", "mean", "std", "dtype", "layout", "eval_crop_ratio", "fields"}
-    assert not old & shared  # the old spellings are mapped by fastio/pipelines/spellings.py before the config
+    assert not old & shared  # the old spellings are refused before the config is made
     loader = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Loader")
     uses = {n.attr for n in ast.walk(loader) if isinstance(n, ast.Attribute)}
     assert not (old - {"dtype"}) & uses, uses  # (a DALI tensor's dtype is read when copying to the GPU)
@@ -270,25 +284,22 @@ def test_a_graph_failing_in_dali_is_named_by_its_operator_and_what_dali_said(ima
     assert "Critical error" not in line
 
 
-def test_old_options_over_a_config_change_its_image_pipeline(image_ds):
-    """Before the pipeline objects, ``Loader(dest, LoaderConfig(batch_size=4), image_size=16)`` changed the config's
-    image size; it was refused as an option 'beside pipeline=ImageTrain(...)', an object the user never gave.
-    The old options change the config's pipeline of an old kind, the rest of its options kept."""
+def test_old_options_over_a_config_are_refused_naming_its_pipeline_object_changed(image_ds):
+    """Before 0.1, ``Loader(dest, LoaderConfig(batch_size=4), image_size=16)`` changed the config's image size; the
+    old options are refused now, the message naming the config's pipeline object with the options to give it."""
     from fastio.loader import LoaderConfig
 
     config = LoaderConfig(batch_size=4, device="cpu", num_threads=1, world_size=1, rank=0, shuffle="none")
-    with fastio.Loader(image_ds, config, image_size=16, dtype="uint8") as loader:
-        assert loader.config.pipeline == fastio.ImageTrain(size=16, dtype="uint8")
+    with pytest.raises(fastio.LoaderArgumentError, match=r"^image_size=16, dtype='uint8', pipeline=ImageTrain\(.*\): the "
+                       r"old spelling; give the pipeline object: pipeline=fastio\.ImageTrain\(\.\.\., size=16, "
+                       r"dtype='uint8'\)$"):
+        fastio.Loader(image_ds, config, image_size=16, dtype="uint8")
+    with fastio.Loader(image_ds, config, pipeline=fastio.ImageTrain(size=16, dtype="uint8")) as loader:
         assert next(iter(loader))["image"].shape == (4, 3, 16, 16)
     evaluating = LoaderConfig(batch_size=4, pipeline=fastio.ImageEval(size=24, layout="HWC"), device="cpu")
-    changed = fastio.Loader(image_ds, evaluating, eval_crop_ratio=0.5, num_threads=1, world_size=1, rank=0)
-    with changed:
-        assert changed.config.pipeline == fastio.ImageEval(size=24, layout="HWC", crop_ratio=0.5)
-    raw = LoaderConfig(batch_size=4, pipeline="raw", device="cpu", world_size=1, rank=0)
-    with fastio.Loader(image_ds, raw, fields=["cls"]) as loader:
-        assert loader.config.pipeline == fastio.Raw(fields=("cls",)) and "png" not in next(iter(loader))
-    with pytest.raises(ValueError, match=r"^image_size must be an integer >= 1, got 0"):  # still checked
-        fastio.Loader(image_ds, config, image_size=0)
+    with pytest.raises(fastio.LoaderArgumentError, match=r"pipeline=fastio\.ImageEval\(\.\.\., crop_ratio=0\.5\)$"):
+        fastio.Loader(image_ds, evaluating, eval_crop_ratio=0.5)
     tokens = LoaderConfig(pipeline=fastio.Tokens(seq_len=8), device="cpu")
-    with pytest.raises(ValueError, match=r"^image_size=16 is not an option of Tokens \(its options: seq_len, packing, "):
-        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: refused, naming its own
+    with pytest.raises(fastio.LoaderArgumentError, match=r"pipeline=fastio\.Tokens\(\.\.\.\) \(image_size: not options "
+                                                         r"of Tokens\)$"):
+        fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: naming none of its own

@@ -1,4 +1,4 @@
-"""pipeline="raw" on a dataset whose non-image fields are optional (loose files, half of them with a .json):
+"""fastio.Raw() on a dataset whose non-image fields are optional (loose files, half of them with a .json):
 absent fields come as empty bytes and batch["has"][field] says which samples have them; a
 pipeline that needs a field some samples lack is refused when the Loader is made."""
 
@@ -11,7 +11,7 @@ import torch
 from helpers import indexed_tar
 from test_mixture_sources import _img
 
-from fastio import Loader
+from fastio import ImageEval, Loader, Raw
 from fastio.convert.run import ConvertConfig, convert
 from fastio.convert.synthetic import make_imagefolder
 from fastio.errors import DatasetError
@@ -34,7 +34,7 @@ def half_with_json(tmp_path):
 
 
 def test_raw_delivers_absent_fields_as_empty_with_a_presence_mask(half_with_json):
-    with Loader(half_with_json, batch_size=4, device="cpu", pipeline="raw", shuffle="none") as loader:
+    with Loader(half_with_json, batch_size=4, device="cpu", pipeline=Raw(), shuffle="none") as loader:
         batches = list(loader)
     seen = {}
     for b in batches:
@@ -56,8 +56,8 @@ def test_a_field_some_samples_lack_is_refused_at_open_where_every_sample_needs_i
     b = indexed_tar(tmp_path / "b", {f"p{i}": {"jpg": _img(i), **({"txt": b"t%d" % i} if i < 4 else {})}
                                   for i in range(5)}, capsys)
     with pytest.raises(DatasetError, match=rf"^{b}: field 'txt' is in 4 of 5 samples, and this pipeline needs it"):
-        Loader(b, batch_size=2, pipeline="image-eval", image_size=16, fields=["txt"], device="cpu",
+        Loader(b, batch_size=2, pipeline=ImageEval(size=16, fields=["txt"]), device="cpu",
                world_size=1, rank=0)
-    with Loader(b, batch_size=5, pipeline="raw", fields=["txt"], device="cpu", world_size=1, rank=0) as loader:
+    with Loader(b, batch_size=5, pipeline=Raw(fields=["txt"]), device="cpu", world_size=1, rank=0) as loader:
         batch = next(iter(loader))
     assert sorted(batch["has"]["txt"].tolist()) == [False, True, True, True, True]

@@ -8,7 +8,7 @@ import json
 import pytest
 from helpers import run_cli
 
-from fastio import Loader
+from fastio import ImageTrain, Loader
 from fastio.errors import DatasetError
 from fastio.storage import open_storage
 from fastio.storage.options import StorageOptions
@@ -29,7 +29,7 @@ def test_convert_verify_inspect_load_on_s3(aws_env, s3_bucket, image_folder, tmp
     code, out, err = run_cli(["inspect", url, "--json"], capsys)
     info = json.loads(out)
     assert code == 0 and info["path"] == url and info["samples"] == 48 and len(info["classes"]) == 4
-    with Loader(url, batch_size=16, device="cpu", image_size=32) as loader:
+    with Loader(url, batch_size=16, device="cpu", pipeline=ImageTrain(size=32)) as loader:
         assert sorted(i for b in loader for i in b["index"].tolist()) == list(range(48))
     # the same DEST again: refused without --overwrite, replaced with it
     code, _, err = run_cli(["convert", str(image_folder), url, "-q"], capsys)
@@ -64,11 +64,11 @@ def test_split_dest_on_s3(aws_env, s3_bucket, image_folder, capsys):
     code, out, err = run_cli(["inspect", url, "--json"], capsys)
     assert code == 0 and sorted(json.loads(out)["splits"]) == ["train", "val"], err
     assert run_cli(["verify", url], capsys)[0] == 0
-    with Loader(f"{url}/val", batch_size=4, device="cpu", image_size=32) as loader:
+    with Loader(f"{url}/val", batch_size=4, device="cpu", pipeline=ImageTrain(size=32)) as loader:
         assert len(loader) == 3
     with pytest.raises(DatasetError, match=rf"{url}: holds the splits train, val, not one dataset: open {url}/train "
                                            rf"or {url}/val$"):
-        Loader(url, batch_size=4, device="cpu", image_size=32)
+        Loader(url, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
 
 
 def test_an_endpoint_without_a_scheme_is_one_line_in_every_command(s3_bucket, capsys, monkeypatch):

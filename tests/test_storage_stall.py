@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import write_image_dataset
 
-from fastio import Loader
+from fastio import Loader, Raw
 from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.errors import StorageError
 from fastio.storage import StorageOptions, open_storage
@@ -67,7 +67,7 @@ def test_loader_on_a_paused_server_fails_in_time_and_reports_its_wait(moto_serve
     url = f"s3://{s3_bucket}/ds"
     local = write_image_dataset(tmp_path / "local", image_folder, max_samples=8)
     open_storage(url, moto_server.options()).publish_dir(local, keys_last=(MANIFEST_NAME,))
-    opts = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", progress=True,
+    opts = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", progress=True,
                 cache_dir=str(tmp_path / "cache"), cache_size="1GB", shard_read_ahead=0)
     loader = Loader(url, storage_options=moto_server.options(timeout_s=1, deadline_s=2.5, backoff_s=0.05), **opts)
     loader._stats.every_s = 0  # a progress line after every batch
@@ -101,7 +101,7 @@ def test_a_ten_second_outage_mid_epoch_costs_time_not_the_run(moto_server, s3_bu
     local = write_image_dataset(tmp_path / "local", image_folder, max_samples=4)  # 12 shards of 4
     open_storage(url, moto_server.options()).publish_dir(local, keys_last=(MANIFEST_NAME,))
     options = moto_server.options(timeout_s=0.5, deadline_s=60, backoff_s=0.05)  # attempts time out quickly
-    loader = Loader(url, batch_size=4, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none",
+    loader = Loader(url, batch_size=4, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
                     cache_dir=str(tmp_path / "cache"), cache_size="1GB", shard_read_ahead=0, storage_options=options)
     pid = moto_server.proc.pid
     with caplog.at_level(logging.DEBUG, logger="fastio.storage"):

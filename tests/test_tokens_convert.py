@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from tokens_helpers import train_tokenizer
 
+from fastio import Raw
 from fastio.cli import main
 from fastio.convert.token_convert import TokenConvertConfig, convert_tokens, load_tokenizer
 from fastio.dataset.manifest import load_manifest
@@ -198,7 +199,7 @@ def test_dataset_refuses_a_token_dataset_as_samples(tmp_path, tokenizer):
 
     with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline 'raw' reads stored samples: read it with "
                                            r"fastio\.Tokens"):
-        next(iter(fastio.Loader(tmp_path / "ds", batch_size=2, device="cpu", pipeline="raw")))
+        next(iter(fastio.Loader(tmp_path / "ds", batch_size=2, device="cpu", pipeline=Raw())))
 
 
 def test_failed_run_leaves_no_dataset_and_the_same_command_redoes_it(tmp_path, tokenizer):

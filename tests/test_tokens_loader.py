@@ -15,6 +15,7 @@ from tokens_helpers import word_corpus
 
 import fastio
 from bench.token_dataset import TokenDataset
+from fastio import Raw
 from fastio.errors import DatasetError, LoaderStateError
 
 SEQ = 16
@@ -102,7 +103,7 @@ def test_drop_last_and_partial_remainder(corpus):
 def test_refusals_name_the_dataset_and_the_pipeline(corpus, image_dataset):
     with pytest.raises(DatasetError, match=r"ds: a dataset of stored samples .*fastio\.Tokens reads token datasets"):
         fastio.Loader(image_dataset, pipeline=fastio.Tokens(seq_len=8), batch_size=2, device="cpu")
-    for pipeline in ("raw", "image-train", fastio.ImageEval()):
+    for pipeline in (fastio.Raw(), fastio.ImageTrain(), fastio.ImageEval()):
         with pytest.raises(DatasetError, match=r"ds: a token dataset .*pipeline '(raw|image-train|image-eval)' reads "
                                                r"stored samples: read it with fastio\.Tokens"):
             fastio.Loader(corpus, pipeline=pipeline, batch_size=2, device="cpu")
@@ -126,7 +127,7 @@ def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
     with pytest.raises(LoaderStateError, match=r"tokens seq_len=16, this Loader's fastio\.Tokens seq_len=17"):
         other.load_state_dict(state)
     other.close()
-    with fastio.Loader(image_dataset, pipeline="raw", batch_size=4, device="cpu", seed=3) as images:
+    with fastio.Loader(image_dataset, pipeline=Raw(), batch_size=4, device="cpu", seed=3) as images:
         image_state = images.state_dict()
     with _loader(corpus) as ld, pytest.raises(LoaderStateError, match="not of packed token sequences"):
         ld.load_state_dict(image_state)

@@ -42,7 +42,7 @@ def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse_a
     mgr = manager(store_port, lighthouse_addr, group, rank, world, timeout_s=5)  # a busy machine is not a dead peer
     if restarted:
         Path(gate).touch()
-    loader = fastio.Loader(dest, pipeline="raw", batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
+    loader = fastio.Loader(dest, pipeline=fastio.Raw(), batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
                            rank=rank, world_size=world)
     it = iter(loader)
     with open(log, "a") as out:
@@ -165,7 +165,7 @@ def test_every_committed_step_is_the_one_process_batch_through_a_killed_group(tm
     logs = tmp_path / "logs"
     logs.mkdir()
     _run(image_dataset, logs, groups, world, kill=groups - 1)
-    want = _one_process(image_dataset, STEPS, pipeline="raw")
+    want = _one_process(image_dataset, STEPS, pipeline=fastio.Raw())
     _check(_records(logs), want, groups, world, kill=groups - 1)
 
 
@@ -208,7 +208,7 @@ def test_the_example_trains_each_step_on_its_global_batch(tmp_path, image_datase
                 p.kill()
                 p.join()
         house.shutdown()
-    want = _one_process(image_dataset, 8, batch_size=8, pipeline="raw")
+    want = _one_process(image_dataset, 8, batch_size=8, pipeline=fastio.Raw())
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     for step in range(8):
         shares = sorted((r for r in lines if r["step"] == step), key=lambda r: r["group"])

@@ -48,14 +48,14 @@ def _kinds(request, tmp_path, image_dataset):
     """(what the Loader reads, its options, the batch keys compared with the one-process run)."""
     kind = request.param
     if kind == "image":
-        return image_dataset, {"pipeline": "image-eval", "image_size": 32, "batch_size": 8}, ("index", "image", "label")
+        return image_dataset, {"pipeline": fastio.ImageEval(size=32), "batch_size": 8}, ("index", "image", "label")
     if kind == "tokens":
         return request.getfixturevalue("token_ds"), {"pipeline": fastio.Tokens(seq_len=8), "batch_size": 4}, (
             "index", "tokens", "position_ids")
     if kind == "mixture":
         sources = {"a": _txt(tmp_path / "a", 10, 0), "b": _txt(tmp_path / "b", 7, 1)}
         mix = fastio.Mixture(sources, weights=[(0, {"a": 3, "b": 1}), (9, {"a": 1, "b": 3})])
-        return mix, {"pipeline": "raw", "batch_size": 4}, ("index", "source", "label", "txt")
+        return mix, {"pipeline": fastio.Raw(), "batch_size": 4}, ("index", "source", "label", "txt")
     return request.getfixturevalue("video_ds"), {
         "pipeline": fastio.VideoClips(frames=2, size=16, dtype="uint8", layout="FHWC"), "batch_size": 2}, (
         "index", "video", "label")
@@ -127,7 +127,7 @@ def test_every_pipeline_takes_the_global_batch_of_each_step_across_epochs_and_a_
 
 
 def test_a_step_that_does_not_commit_is_taken_again_with_the_same_samples(house, image_dataset):
-    options = {"pipeline": "raw", "batch_size": 6}
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
     want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
     store = group_store()
     m = manager(store.port, house, 0)
@@ -147,7 +147,7 @@ def test_a_steady_quorum_keeps_one_stream_through_the_epochs(house, image_datase
     every step of an unchanged quorum (8 steps an epoch here), and a retried step starts another."""
     store = group_store()
     m = manager(store.port, house, 0)
-    with _loader(image_dataset, {"pipeline": "image-eval", "image_size": 16, "batch_size": 6}, m) as loader:
+    with _loader(image_dataset, {"pipeline": fastio.ImageEval(size=16), "batch_size": 6}, m) as loader:
         streams = []
         steps([(m, loader)], 10, commit=lambda s: streams.append(loader._feeder) or s != 9)
         assert len(streams) == 10 and len({id(f) for f in streams}) == 1
@@ -157,7 +157,7 @@ def test_a_steady_quorum_keeps_one_stream_through_the_epochs(house, image_datase
 
 
 def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(house, image_dataset):
-    options = {"pipeline": "raw", "batch_size": 6}
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
     stores = group_store(), group_store()
     m0 = manager(stores[0].port, house, 0)
     l0 = _loader(image_dataset, options, m0)
@@ -172,7 +172,7 @@ def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(hous
 
 
 def test_a_checkpointer_restore_continues_at_the_managers_step(house, image_dataset, tmp_path):
-    options = {"pipeline": "raw", "batch_size": 6}
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
     want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
     store = group_store()
     m = manager(store.port, house, 0)
@@ -196,10 +196,10 @@ def test_misuse_is_refused_in_one_line_naming_the_fix(house, image_dataset):
     store = group_store()
     m = manager(store.port, house, 0)
     with pytest.raises(LoaderArgumentError, match=r"world_size=4 with replicas=: .* one replica group \(1 "):
-        fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas=m, rank=0, world_size=4)
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m, rank=0, world_size=4)
     with pytest.raises(LoaderArgumentError, match="replicas= takes a torchft.Manager, got dict"):
-        fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas={})
-    with fastio.Loader(image_dataset, pipeline="raw", batch_size=6, replicas=m) as loader:
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas={})
+    with fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m) as loader:
         with pytest.raises(LoaderArgumentError, match=r"no torchft quorum yet: start the step \(optimizer.zero_grad"):
             next(iter(loader))
         with pytest.raises(LoaderArgumentError, match="set_epoch with replicas="):

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from conftest import write_image_dataset
 
-from fastio import Loader, Mixture
+from fastio import Loader, Mixture, Raw
 from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import StorageError
 from fastio.progress import human_bytes
 from fastio.read.working_set import check_working_set
 from fastio.storage import open_storage
 
-OPTS = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="block", block_shards=2)
+OPTS = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="block", block_shards=2)
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_serve
         urls.append(url)
     largest = max(p.stat().st_size for p in (tmp_path / "a" / "shards").glob("*.tar"))
     cache = dict(cache_dir=str(tmp_path / "cache"), cache_size=3 * largest)  # one working set: 2 shards
-    kw = dict(batch_size=8, device="cpu", pipeline="raw", fields=("jpg",), shuffle="none", shard_read_ahead=0,
+    kw = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", shard_read_ahead=0,
               storage_options=opts, **cache)
     first = Loader(urls[0], **kw)
     with pytest.raises(StorageError, match=rf"^{urls[1]}: cache_size .* of {tmp_path / 'cache'} cannot hold this "

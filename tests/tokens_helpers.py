@@ -160,3 +160,51 @@ def stored_conversations(dest: Path) -> list[tuple[list[int], list[int]]]:
         tokens = pair.tokens(0, pair.index.tokens)
         out += [(tokens[a:b].tolist(), bits[a:b].astype(int).tolist()) for a, b in zip(edges[:-1], edges[1:])]
     return out
+
+
+# -- image-text data ----------------------------------------------------------------------------------
+
+def image_colour(sample: int, image: int) -> tuple[int, int, int]:
+    """The solid colour of image ``image`` of sample ``sample`` in :func:`image_text_source` (each pair its own)."""
+    return (sample * 19 % 256, 40 + image * 60, 255 - sample * 7 % 200)
+
+
+def image_text_source(root: Path, n: int = 12, seed: int = 0, size: tuple[int, int] = (20, 14)) -> dict:
+    """An image-text source under ``root``: ``tokenizer.json`` (the chat tokenizer plus an ``<image>`` special
+    token), ``tokenizer_config.json`` (:data:`CHATML`), ``vlm.jsonl`` of ``n`` conversations whose first user turn
+    holds sample i's ``i % 4`` images, each a solid :func:`image_colour` (PNG, JPEG every third), in ``img/``.
+    Returns the paths and each line (``rows``)."""
+    from PIL import Image
+
+    texts = [*CORPUS, *(" ".join(CHAT_WORDS[i:] + CHAT_WORDS[:i]) for i in range(len(CHAT_WORDS)))] * 2
+    tok = train_tokenizer(root / "tokenizer.json", vocab_size=400, specials=(*CHAT_SPECIALS, "<image>"), texts=texts)
+    config = chat_config(root / "tokenizer_config.json")
+    (root / "img").mkdir(exist_ok=True)
+    rows = []
+    for i, messages in enumerate(conversations(n, seed, system=False)):
+        images = []
+        for k in range(i % 4):
+            ext = "jpg" if (i + k) % 3 == 0 else "png"
+            Image.new("RGB", size, image_colour(i, k)).save(root / "img" / f"s{i}-{k}.{ext}")
+            images.append(f"img/s{i}-{k}.{ext}")
+        messages[0] = {**messages[0], "content": "<image>" * len(images) + " " + messages[0]["content"]}
+        rows.append({"images": images, "messages": messages})
+    (root / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"source": root / "vlm.jsonl", "tokenizer": tok, "config": config, "rows": rows}
+
+
+def stored_image_text(dest: Path) -> list[dict[str, bytes]]:
+    """Each stored sample's members (field -> bytes, with ``__key__``), in dataset order, read from the tars."""
+    import tarfile
+
+    from fastio.dataset.manifest import load_manifest
+
+    out: list[dict[str, bytes]] = []
+    for record in load_manifest(dest).shards:
+        with tarfile.open(dest / "shards" / record.name) as tar:
+            for member in tar:
+                key, field = member.name.split(".", 1)
+                if not out or out[-1]["__key__"] != key:
+                    out.append({"__key__": key})
+                out[-1][field] = tar.extractfile(member).read()
+    return out

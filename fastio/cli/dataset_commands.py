@@ -120,6 +120,13 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
                    "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted).")
+@click.option("--image-field", default=None, metavar="FIELD",
+              help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "
+                   "line's FIELD lists its images (paths relative to the JSONL's folder), stored as images beside the "
+                   "conversation's tokens and loss mask.")
+@click.option("--image-token", default=None, metavar="TOKEN",
+              help="With --image-field: the placeholder of one image in the messages' text, one token of the "
+                   "tokenizer (default: <image>).")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
@@ -128,20 +135,23 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
             text_field: str | None, eos: str | None, special_in_text: str | None, chat_template: Path | None,
             messages_field: str | None, train_on: str | None, max_tokens: int | None, overlong: str | None,
-            endpoint_url: str | None, region: str | None,
+            image_field: str | None, image_token: str | None, endpoint_url: str | None, region: str | None,
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
-    --chat-template too, conversations, trained on the assistant's tokens."""
+    --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
+    conversations (images beside tokens and mask)."""
     from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    if any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template, messages_field,
-                                   train_on, max_tokens, overlong)):
+    image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
+                                     (text_field, eos, special_in_text, train_on, max_tokens, overlong))
+    if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
+                                                          messages_field, train_on, max_tokens, overlong)):
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
     kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
@@ -161,11 +171,38 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
     try:
-        result = run_convert(config)
+        result = run_convert(config) if image_text is None else _run_image_text(config, image_text)
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
         click.echo(result.summary())
+
+
+def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
+                        image_token: str | None, messages_field: str | None, others: tuple):
+    """An image-text conversion's options (``--image-field`` given), refusing the token-only flags; None without."""
+    if image_field is None:
+        if image_token is not None:
+            raise ConvertError("--image-token needs --image-field (an image-text conversion)")
+        return None
+    if tokenizer is None or chat_template is None:
+        raise ConvertError("--image-field needs --tokenizer and --chat-template (an image-text conversion)")
+    if any(v is not None for v in others):
+        raise ConvertError("--text-field, --eos, --special-in-text, --train-on, --max-tokens and --overlong are not "
+                           "options of an image-text conversion (--image-field)")
+    from fastio.convert.image_text import ImageTextOptions
+
+    try:
+        return ImageTextOptions(tokenizer, chat_template, image_field=image_field,
+                                image_token=image_token or "<image>", messages_field=messages_field or "messages")
+    except ValueError as err:
+        raise ConvertError(_in_flags(str(err), leading=True)) from None
+
+
+def _run_image_text(config, options):
+    from fastio.convert.image_text import convert_image_text
+
+    return convert_image_text(config, options)
 
 
 _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_text", "workers", "shard_size",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from fastio.convert.parts import (
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
 from fastio.convert.workers import OrderedPool, default_workers
-from fastio.converters.base import FileRef, ScanOptions
+from fastio.converters.base import FileRef, ScanOptions, ScanResult
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError
@@ -82,6 +83,8 @@ __all__ = [
 ]
 
 DEFAULT_SHARD_SIZE = 256 * 10**6
+Scanner = Callable[[Path], ScanResult]
+"""What scans a conversion's source into entries (:func:`fastio.converters.scan` by default)."""
 ON_ERROR = ("skip", "fail")
 
 
@@ -206,6 +209,10 @@ class ConvertConfig:
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): convert only the K-th of N
     parts into ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
 
+    extra_options: dict[str, Any] | None = None
+    """Options of a conversion built on this one, recorded in each manifest's ``convert_options`` (an image-text
+    conversion's ``image_text``, :mod:`fastio.convert.image_text`)."""
+
     def __post_init__(self) -> None:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
         here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
@@ -230,7 +237,8 @@ class ConvertConfig:
                 "quality": self.quality if self.max_side else None, "on_error": self.on_error,
                 "max_pixels": self.max_pixels,
                 **({"transcode": self.transcode} if self.transcode != DEFAULT_TRANSCODE else {}),
-                **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {})}
+                **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {}),
+                **(self.extra_options or {})}
 
 
 @dataclass
@@ -458,6 +466,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
     with ShardWriter(out, name=config.name, max_bytes=config.shard_size,
                      max_samples=config.max_samples_per_shard) as writer:
         for entry, (fields, reason, where) in loaded:
+            if fields is None and entry.sample is not None:
+                where = f"{entry.sample} ({_display_path(where, config.source)})"
             if fields is None:
                 if config.on_error == "fail":
                     raise ConvertError(f"{where}: {reason} (on_error='fail')")
@@ -490,9 +500,11 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
     return manifest, skipped, nbytes
 
 
-def convert(config: ConvertConfig) -> ConvertResult:
+def convert(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:
     """Convert ``config.source`` into ``config.dest`` (or, with ``config.part``, one part of it into
-    ``DEST/.parts/``); see the module docstring for the guarantees.
+    ``DEST/.parts/``); see the module docstring for the guarantees. ``scanner``: what scans the source (``source ->
+    ScanResult``) in place of :func:`fastio.converters.scan` (an image-text conversion's,
+    :mod:`fastio.convert.image_text`).
 
     A URL ``dest`` is written to a local staging folder first, then uploaded: shards and indexes, then each
     manifest, ``splits.json`` last, so readers never see a partial dataset (see :func:`_convert_to_url`)."""
@@ -500,24 +512,24 @@ def convert(config: ConvertConfig) -> ConvertResult:
         if config.part is not None:
             raise ConvertError(f"{config.dest}: part=... needs a DEST on a (shared) file system; convert the parts "
                                "there, merge, then upload")
-        return _convert_to_url(config)
+        return _convert_to_url(config, scanner)
     started = time.perf_counter()
     if config.part is not None:  # parts run side by side: each locks only its own part directory
         check_dest(config.dest, config.source, config.overwrite)
-        scan, groups = _scan(config)
+        scan, groups = _scan(config, scanner)
         return _guard_os(config, lambda: _write_part(config, scan, groups, started))
     lock = DirLock(config.dest, purpose="fastio convert")
     if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
         lock_dest(lock, config.dest)
     try:
-        return _convert_locked(config, lock, started)
+        return _convert_locked(config, lock, started, scanner)
     finally:
         lock.release()
 
 
-def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> ConvertResult:
+def _convert_locked(config: ConvertConfig, lock: DirLock, started: float, scanner: Scanner | None) -> ConvertResult:
     check_dest(config.dest, config.source, config.overwrite)
-    scan, groups = _scan(config)
+    scan, groups = _scan(config, scanner)
     if not lock.held:
         lock_dest(lock, config.dest)
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
@@ -529,9 +541,9 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float) -> Con
             part.release()
 
 
-def _scan(config: ConvertConfig):
+def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     """The source's entries and their assignment to output datasets (splits), in writing order."""
-    scan = converters.scan(config.source, config.format, ScanOptions(
+    scan = scanner(config.source) if scanner is not None else converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
         root=config.root, labels=config.labels))
     if config.on_error == "fail":
@@ -646,11 +658,11 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     return manifests, all_skipped, bytes_in
 
 
-def _convert_to_url(config: ConvertConfig) -> ConvertResult:
+def _convert_to_url(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:
     """Convert into a local staging folder, then upload it to ``config.dest``
     (:func:`fastio.convert.dest.upload_dataset`)."""
     result = upload_dataset(config.dest, config.storage_options, config.staging_dir, config.overwrite,
-                            lambda local: convert(dataclasses.replace(config, dest=local, overwrite=True)))
+                            lambda local: convert(dataclasses.replace(config, dest=local, overwrite=True), scanner))
     result.dest = config.dest
     return result
 

@@ -81,7 +81,7 @@ from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
            "eos_token_id", "load_tokenizer", "shard_record", "special_tokens", "starts_new_token_shard", "token_manifest",
-           "token_shard_cuts"]
+           "token_shard_cuts", "with_specials"]
 
 TOKEN_PLAN = "tokens"
 """``plan["kind"]`` of a token conversion's part records (:mod:`fastio.convert.token_merge` merges them)."""
@@ -405,7 +405,7 @@ def _coder(config: TokenConvertConfig) -> _Coder:
     eos_id = eos_token_id(tokenizer, eos, config.tokenizer)
     vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0) + 1  # ids 0 .. the largest
     if template is not None:
-        template = _with_specials(template, tokenizer, eos_id)
+        template = with_specials(template, tokenizer, eos_id)
     return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer), template)
 
 
@@ -423,7 +423,7 @@ def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
     return template
 
 
-def _with_specials(template: ChatTemplate, tokenizer, eos_id: int) -> ChatTemplate:
+def with_specials(template: ChatTemplate, tokenizer, eos_id: int) -> ChatTemplate:
     """``template`` with ``eos_token`` (the end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`) where its
     file names none."""
     specials = special_tokens(tokenizer)

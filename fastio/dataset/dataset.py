@@ -293,7 +293,7 @@ class Dataset:
         if short:
             f = short[0]
             raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
-                               "pipeline needs it in every sample (pipeline='raw' delivers the samples lacking it, "
+                               "pipeline needs it in every sample (pipeline=fastio.Raw() delivers the samples lacking it, "
                                "with batch['has'])")
 
 

@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 
 from fastio.errors import LoaderStateError
 from fastio.loader import Loader, LoaderConfig
-from fastio.pipelines import Pipeline, old_options, spell
+from fastio.pipelines import evaluation_of
 
 __all__ = ["FastioDataModule", "LightningLoader"]
 
@@ -157,28 +157,16 @@ def _rewind(loader: Loader) -> None:
         loader.load_state_dict({**state, "epoch": 0, "consumed": 0})
 
 
-def _validation_pipeline(train: Pipeline, options: dict[str, Any], val_options: dict[str, Any]) -> str | Pipeline:
-    """The validation Loader's pipeline: ``"image-eval"`` (with the old flat options) where the training one is
-    spelled the old way (a kind's name or a graph function, or old flat options given); else the training
-    pipeline object's :meth:`~fastio.pipelines.Pipeline.evaluation` (``ImageTrain``'s options in ``ImageEval``,
-    ``VideoClips`` center-cropped, ``Tokens`` and the other kinds as they are)."""
-    given = options.get("pipeline")
-    if old_options(options) or old_options(val_options) or (given is not None and not isinstance(given, Pipeline)):
-        return "image-eval"
-    return train.evaluation()
-
-
 class FastioDataModule(pl.LightningDataModule):
     """Training (and optionally validation) Loaders for ``trainer.fit(model, datamodule=...)``.
 
-    ``train``/``val``: dataset directories or URLs (``val`` may be None). ``config`` and ``**options``: the
-    training Loader's :class:`~fastio.LoaderConfig` and overrides (``batch_size=``, ``device=``, ...). The
-    validation Loader takes the same options with the training pipeline's evaluation form (``ImageTrain``'s
-    options in ``ImageEval``, ``VideoClips`` center-cropped, ``Tokens`` as it is; ``pipeline="image-eval"`` where
-    the training one is spelled the old way), ``shuffle="none"`` and ``remainder="partial"`` (each sample once;
-    repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the same
-    whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size`` come
-    from the trainer and cannot be given.
+    ``train``/``val``: dataset directories or URLs (``val`` may be None). ``config`` and ``**options``: the training
+    Loader's :class:`~fastio.LoaderConfig` and overrides (``batch_size=``, ``device=``, ...). The validation Loader
+    takes the same options with the training pipeline's evaluation form (``ImageTrain``'s options in ``ImageEval``,
+    ``VideoClips`` center-cropped, ``Tokens`` as it is), ``shuffle="none"`` and ``remainder="partial"`` (each sample
+    once; repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the
+    same whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size``
+    come from the trainer and cannot be given.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
@@ -188,11 +176,10 @@ class FastioDataModule(pl.LightningDataModule):
             if name in options or name in (val_options or {}):
                 raise ValueError(f"{name}= is taken from the Lightning trainer; do not pass it")
         self.train, self.val = train, val
-        fit = spell(options, base=None if config is None else config.pipeline)  # old spellings -> objects
-        self.config = dataclasses.replace(config, **fit) if config is not None else LoaderConfig(**fit)
-        validate = {"pipeline": _validation_pipeline(self.config.pipeline, options, val_options or {}),
-                    "shuffle": "none", "remainder": "partial", **old_options(options), **(val_options or {})}
-        self.val_config = dataclasses.replace(self.config, **spell(validate))
+        self.config = dataclasses.replace(config, **options) if config is not None else LoaderConfig(**options)
+        validate = {"pipeline": evaluation_of(self.config.pipeline), "shuffle": "none", "remainder": "partial",
+                    **(val_options or {})}
+        self.val_config = dataclasses.replace(self.config, **validate)
         self._loaders: list[Loader] = []
         if val is None:  # Lightning runs no validation loop for a datamodule without this method
             self.val_dataloader = None

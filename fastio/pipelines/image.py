@@ -11,6 +11,7 @@ a repeat within an epoch (:mod:`fastio.pipelines.augment`).
 from __future__ import annotations
 
 import dataclasses
+import io
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,14 +19,31 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from fastio.errors import DatasetError
+from fastio.formats.images import is_image_field
+from fastio.formats.media import is_audio_field, is_video_field
 from fastio.pipelines.augment import random_resized_crop
-from fastio.pipelines.base import BuiltPipeline, Delivery, FieldChoice, Pipeline, check_fields, decodable, run_graph
+from fastio.pipelines.base import (
+    Delivery,
+    GraphDef,
+    Pipeline,
+    Placement,
+    ReadFields,
+    Source,
+    check_fields,
+    declared,
+    refuse_tokens,
+)
 from fastio.pipelines.text import TextReader, Tokenize, check_text, mask_name
 
 if TYPE_CHECKING:
+    from fastio.dataset.dataset import Dataset
+    from fastio.order.sampler import SamplerSpec
+    from fastio.read.protocol import ReadSet
     from fastio.read.reader import ReadBatch
 
-__all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "ImageEval", "ImageTrain", "decodable"]
+__all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "ImageEval", "ImageKind", "ImageTrain", "decodable",
+           "image_problem", "image_read_fields"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -50,8 +68,95 @@ def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
         raise ValueError(f"{name} must be in (0, 1], got {ratio}")
 
 
+def _no_image_way_out(fields: Sequence[str]) -> str:
+    """What to read a dataset without an image field with: the clip kind of its first video or audio field, else
+    ``Raw``."""
+    video = [f for f in fields if is_video_field(f)]
+    audio = [f for f in fields if is_audio_field(f)]
+    if video or audio:
+        kind = "VideoClips" if video else "AudioClips"
+        return f"it holds {(video or audio)[0]}: read it with fastio.{kind} (docs/media.md)"
+    return "use pipeline=fastio.Raw()"
+
+
+def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool) -> ReadFields:
+    """What a kind of ``kind`` decoding each sample's image reads of ``ds`` to deliver ``fields`` beside it (with each
+    image's (width, height) where ``sizes``); DatasetError naming what ``ds`` lacks."""
+    refuse_tokens(ds, kind)
+    if ds.image_field is None:
+        raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
+    # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
+    # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
+    others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
+    image = (ds.image_field, *[f for f in others if f != ds.image_field])
+    ds.require_fields(list(fields), in_every_sample=True)
+    return ReadFields(tuple(f for f in fields if f != ds.image_field), image, sizes, image, decodable)
+
+
+def image_problem(batch: ReadBatch, j: int) -> str | None:
+    """Why image ``j`` of ``batch`` cannot be decoded, or None: whatever PIL raises opening ``batch.image[j]``."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(batch.image[j].tobytes())) as img:
+            img.load()
+    except Exception as bad:  # whatever PIL raises, the image is undecodable
+        return f"{type(bad).__name__}: {str(bad)[:80]}"
+    return None
+
+
+def decodable(data: np.ndarray) -> np.ndarray:
+    """Encoded image bytes DALI's decoders take (they decode by content: JPEG, PNG, WebP, BMP, TIFF, PNM,
+    JPEG 2000). GIF, which they lack, becomes a BMP of its first frame in RGB: lossless, no compression
+    to undo. Other bytes are returned as they are (the reader thread calls this for every image)."""
+    if bytes(data[:4]) != b"GIF8":
+        return data
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data.tobytes())) as img:
+            buf = io.BytesIO()
+            img.convert("RGB").save(buf, "BMP")
+    except (OSError, UnidentifiedImageError, SyntaxError) as err:
+        raise ValueError(f"GIF: {err}") from None
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+class ImageKind(Pipeline):
+    """The base of the kinds that decode each sample's image in a DALI graph (:class:`ImageTrain`,
+    :class:`ImageEval`, :class:`fastio.Graph`): the image fields read (a token dataset or one without an image field
+    refused, naming the kind to read it with), the encoded images and indices fed, PIL naming an undecodable
+    image."""
+
+    needs_image_size: ClassVar[bool] = False
+    """Whether :meth:`inputs` needs each image's (width, height) (``ReadBatch.sizes``)."""
+    input_dtypes: ClassVar[dict[str, str]] = {"encoded": "uint8", "index": "int64"}
+    """The dtype of each graph input (:meth:`input_names`)."""
+    output_names: ClassVar[tuple[str, ...] | None] = ("image", "index")
+    """The graph's outputs (None: named by the graph itself)."""
+
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        return image_read_fields(ds, fields, self.kind, self.needs_image_size)
+
+    def graph(self) -> GraphDef:
+        return GraphDef(declared(self.input_names(), self.input_dtypes), self.inputs, self._graph, self.output_names,
+                        image_problem)
+
+    def input_names(self) -> tuple[str, ...]:
+        """What :meth:`inputs` returns for one batch, in order."""
+        return ("encoded", "index")
+
+    def inputs(self, batch: ReadBatch, *, seed: int, epoch: int) -> tuple:
+        """The graph's inputs of one read batch, in :meth:`input_names` order: the encoded images as a list (one
+        array per sample; DALI decodes by content), the rest whole-batch arrays."""
+        return batch.image, np.ascontiguousarray(batch.indices, dtype=np.int64)
+
+    def _graph(self, inp: dict[str, Any], decoder_device: str) -> Any:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class _Image(Pipeline):
+class _Image(ImageKind):
     """Options both image kinds share."""
 
     size: int = 224
@@ -79,20 +184,18 @@ class _Image(Pipeline):
         object.__setattr__(self, "fields", check_fields(self.fields))
         check_image_options(self.size, self.mean, self.std, self.dtype, self.layout)
 
-    @property
-    def image_size(self) -> int:
-        """The old name of ``size`` (``LoaderConfig(image_size=...)``)."""
-        return self.size
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
+        """The image kinds' fields, and the ``text`` fields (every sample must have them)."""
+        text = [f for f, _ in self.text or () if f not in fields]
+        return super().read_fields(ds, [*fields, *text])
 
-    def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:
-        choice = super().choose_fields(label_fields, shared)
-        text = [f for f, _ in self.text or () if f not in choice.others]
-        return dataclasses.replace(choice, others=(*choice.others, *text)) if text else choice
-
-    def reader(self, read_set: Any) -> Any:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
+        """The read set's samples; with ``text``, read through a :class:`TextReader` that tokenizes them."""
+        source = super().source(read_set, sampling, place)
         if not self.text:
-            return read_set.reader
-        return TextReader(read_set.reader, self.text, read_set.where, read_set.reader_threads)
+            return source
+        return dataclasses.replace(source, reader=TextReader(source.reader, self.text, read_set.where,
+                                                             read_set.reader_threads))
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         if not self.text:
@@ -116,15 +219,6 @@ class _Image(Pipeline):
         dtypes = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}
         return {"mean": mean, "std": std, "dtype": dtypes[self.dtype], "output_layout": self.layout}
 
-    def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
-              prefetch: int, seed: int = 0) -> BuiltPipeline:
-        pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
-                         device=device, device_id=device_id, prefetch=prefetch, seed=seed)
-        return BuiltPipeline(pipe, ("image", "index"))
-
-    def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
-        raise NotImplementedError
-
 
 @dataclass(frozen=True)
 class ImageTrain(_Image):
@@ -138,6 +232,8 @@ class ImageTrain(_Image):
 
     kind: ClassVar[str] = "image-train"
     needs_image_size: ClassVar[bool] = True
+    input_dtypes: ClassVar[dict[str, str]] = {**ImageKind.input_dtypes, "anchor": "float32", "shape": "float32",
+                                              "flip": "int32"}
 
     def evaluation(self) -> ImageEval:
         """:class:`ImageEval` with this object's size, normalisation, dtype, layout and fields."""

@@ -35,14 +35,26 @@ from fastio.formats.media import (
 from fastio.formats.ogg import dali_opus_layout, last_granule
 from fastio.formats.pyav_clips import CPU_FALLBACKS
 from fastio.pipelines.augment import clip_starts, random_resized_crop
-from fastio.pipelines.base import BuiltPipeline, Delivery, Pipeline, ReadFields, check_fields, run_graph
-from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD
+from fastio.pipelines.base import (
+    Delivery,
+    GraphDef,
+    Pipeline,
+    Placement,
+    ReadFields,
+    Source,
+    check_fields,
+    declared,
+    refuse_tokens,
+)
+from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, image_problem, image_read_fields
 from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
 from fastio.progress import count
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
     from fastio.formats.media import ProbeTable
+    from fastio.order.sampler import SamplerSpec
+    from fastio.read.protocol import ReadSet
     from fastio.read.reader import ReadBatch
 
 __all__ = ["AudioClips", "VideoClips"]
@@ -157,21 +169,22 @@ class _Clips(Pipeline):
     """Fields delivered besides the clip (default: the label field, as ``batch["label"]``)."""
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
-        self.refuse_tokens(ds)
+        refuse_tokens(ds, self.kind)
         test = is_video_field if self.media == "video" else is_audio_field
         media = _media_fields(ds, test, self.media)
-        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by reader()
+        probes = [PROBE_FIELD] if probe_source(ds) is None else []  # else the probe table's, filled in by source()
         ds.require_fields([*probes, *fields], in_every_sample=True)
         # A sample's clip comes from the first media field it has (a dataset may mix formats), read as the
         # reader's "image" (no header parsed, nothing transcoded).
         return ReadFields(tuple(dict.fromkeys([*probes, *fields])), image=media)
 
-    def reader(self, read_set: Any) -> Any:
-        """The read set's reader; with the probes of datasets that have a probe table put in (:func:`probe_source`)."""
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
+        """The read set's samples; with the probes of datasets that have a probe table put in (:func:`probe_source`)."""
+        source = super().source(read_set, sampling, place)
         tables = [probe_source(s.dataset) for s in read_set.sources]
         if all(t is None for t in tables):
-            return read_set.reader
-        return _ProbeReader(read_set.reader, tables, read_set.split, read_set.where)
+            return source
+        return dataclasses.replace(source, reader=_ProbeReader(source.reader, tables, read_set.split, read_set.where))
 
     def _probes(self, batch: ReadBatch) -> list[dict[str, Any] | None]:
         """Each sample's probe, None for a sample whose clip is a still image (:class:`VideoClips` of an image
@@ -196,7 +209,7 @@ class _Clips(Pipeline):
         is not what its ``probe.json`` says (frames or samples: a file changed after convert, cut short, ...); a
         still image's: as an image's."""
         if not is_media_field(batch.image_field[j]):
-            return Pipeline.decode_problem(self, batch, j)
+            return image_problem(batch, j)
         try:
             stored = parse_probe(batch.fields[PROBE_FIELD][j].tobytes(), PROBE_FIELD, batch.image_field[j])
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
@@ -211,12 +224,12 @@ class _Clips(Pipeline):
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
 
-    def build(self, source, *, batch_size: int, num_threads: int, device: str, device_id: int | None,
-              prefetch: int, seed: int = 0) -> BuiltPipeline:
-        pipe = run_graph(self._graph, self.input_names(), source, batch_size=batch_size, num_threads=num_threads,
-                         device=device, device_id=device_id, prefetch=prefetch, seed=seed,
-                         conditionals=self.conditionals)
-        return BuiltPipeline(pipe, self.output_names())
+    input_dtypes: ClassVar[dict[str, str]] = {}
+    """The dtype of each graph input (:meth:`input_names`; a numbered one by its stem)."""
+
+    def graph(self) -> GraphDef:
+        return GraphDef(declared(self.input_names(), self.input_dtypes), self.inputs, self._graph, self.output_names(),
+                        self.decode_problem, self.conditionals)
 
     def output_names(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -290,6 +303,10 @@ class VideoClips(_Clips):
     kind: ClassVar[str] = "video-clips"
     media: ClassVar[str] = "video"
     conditionals: ClassVar[bool] = True
+    input_dtypes: ClassVar[dict[str, str]] = {
+        "encoded": "uint8", "index": "int64", "still": "bool", "start": "int32", "decode": "int32",
+        "roi_start": "float32", "roi_end": "float32", "flip": "int32", "turned": "bool", "transpose": "bool",
+        "turn_h": "int32", "turn_v": "int32", "fallback": "bool", "frames": "uint8"}
     frames: int = 16
     """Frames per clip."""
     stride: int = 1
@@ -374,17 +391,20 @@ class VideoClips(_Clips):
         """A video dataset's video field with its probe; an image dataset's images (with their sizes), whose
         clips are stills."""
         if ds.manifest.tokens is None and ds.image_field is not None and not any(map(is_video_field, ds.fields)):
-            return dataclasses.replace(Pipeline.read_fields(self, ds, fields), sizes=True)
+            return image_read_fields(ds, fields, self.kind, sizes=True)
         return super().read_fields(ds, fields)
 
-    def reader(self, read_set: Any) -> Any:
-        """The clip kinds' reader; with ``cpu_fallback``, a :class:`FallbackReader` around it, whose threads decode
-        the clips of the videos DALI's CPU decoder does not read."""
-        inner = super().reader(read_set)
-        if self.cpu_fallback is None:
-            return inner
-        return FallbackReader(inner, self._fallback_jobs, self.frames, self.stride, read_set.where,
-                              self.fallback_threads or 2 * (os.cpu_count() or 1))
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
+        """The clip kinds' source, of these clips as ``place.device`` decodes them (:meth:`for_device`: the
+        ``Source``'s pipeline); with ``cpu_fallback``, a :class:`FallbackReader` around its reader, whose threads
+        decode the clips of the videos DALI's CPU decoder does not read."""
+        clips = self.for_device(read_set, place.device)
+        source = _Clips.source(clips, read_set, sampling, place)
+        if clips.cpu_fallback is None:
+            return source
+        return dataclasses.replace(source, reader=FallbackReader(
+            source.reader, clips._fallback_jobs, clips.frames, clips.stride, read_set.where,
+            clips.fallback_threads or 2 * (os.cpu_count() or 1)))
 
     def _fallback(self, probes: list) -> np.ndarray:
         """bool [B]: the samples whose clips ``cpu_fallback`` decodes (videos DALI's CPU decoder does not read)."""
@@ -439,10 +459,10 @@ class VideoClips(_Clips):
         return (fallback, *([batch.frames.get((j, c), blank) for j in range(len(probes))]
                             for c in range(self.clips_per_video)))
 
-    def for_device(self, read_set: Any, device: str) -> VideoClips:
-        """These clips as a Loader on ``device`` decodes them: ``cpu_fallback="auto"`` made ``"pyav"`` on a CPU where
-        a dataset counts videos DALI's CPU decoder does not read (said once per dataset, :func:`_say_fallback`) and
-        PyAV is installed, else None; then :meth:`check_device`."""
+    def for_device(self, read_set: ReadSet, device: str) -> VideoClips:
+        """These clips as a Loader on ``device`` decodes them (asked by :meth:`source`): ``cpu_fallback="auto"``
+        made ``"pyav"`` on a CPU where a dataset counts videos DALI's CPU decoder does not read (said once per
+        dataset, :func:`_say_fallback`) and PyAV is installed, else None; then :meth:`check_device`."""
         if self.cpu_fallback == "auto":
             found = [] if device == "cuda" else _not_cpu_codecs(read_set)
             pyav = "pyav" if found and _have_pyav() else None
@@ -595,6 +615,9 @@ class AudioClips(_Clips):
 
     kind: ClassVar[str] = "audio-clips"
     media: ClassVar[str] = "audio"
+    input_dtypes: ClassVar[dict[str, str]] = {
+        "encoded": "uint8", "index": "int64", "start": "int32", "window_start": "int32", "window_length": "int32",
+        "offset": "int32", "rate": "float32"}
     sample_rate: int = 16000
     """Output rate in Hz: every file is resampled to it."""
     seconds: float = 1.0

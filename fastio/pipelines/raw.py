@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fastio.pipelines.base import Delivery, FieldChoice, Pipeline, ReadFields, check_fields
+from fastio.pipelines.base import Delivery, Pipeline, ReadFields, check_fields, refuse_tokens
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
@@ -23,7 +23,7 @@ class Raw(Pipeline):
     """
 
     kind: ClassVar[str] = "raw"
-    decodes: ClassVar[bool] = False
+    default_fields: ClassVar[str] = "shared"
     fields: tuple[str, ...] | None = None
     """Fields delivered (default: every field; of a mixture, those every source has, and the label when every
     source has a label field). Every field but the label field is optional: a sample that lacks one gets
@@ -32,20 +32,10 @@ class Raw(Pipeline):
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
 
-    def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:
-        if self.fields is not None:
-            return super().choose_fields(label_fields, shared)
-        label = all(label_fields)
-        others = [f for f in shared if not label or f not in label_fields]
-        return FieldChoice(tuple(others), label, next((f for f in label_fields if f), None))
-
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
-        self.refuse_tokens(ds)
+        refuse_tokens(ds, self.kind)
         ds.require_fields(list(fields))
         return ReadFields(tuple(fields), optional=tuple(f for f in fields if f != ds.label_field))
-
-    def build(self, source, **_options: Any) -> None:
-        return None
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         import torch

@@ -1,28 +1,27 @@
 """:class:`Tokens`: packed sequences of a token dataset (``fastio convert --tokenizer``, ``fastio index --eos-id``),
-no DALI graph. Its unit is a packed sequence, not a stored sample: it brings its own unit plan and reader
-(:mod:`fastio.tokens.loading`)."""
+no DALI graph. Its unit is a packed sequence, not a stored sample: its source is its own, the unit plan and the
+reader made together from one packing per dataset (:mod:`fastio.tokens.loading`)."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import Delivery, FieldChoice, Pipeline
+from fastio.pipelines.base import Delivery, Pipeline, Placement, Source
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
+    from fastio.order.sampler import SamplerSpec
+    from fastio.read.protocol import ReadSet, UnitPlan
+    from fastio.tokens.packing import BestFitPacking, ConcatPacking
 
 __all__ = ["Tokens"]
 
 K_TOKENS = "tokens"
 """The Loader state's entry of a :class:`Tokens` pipeline."""
-_PACKINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Read set -> the packing :meth:`Tokens.unit_plan` made for it, which :meth:`Tokens.reader` reads (a pipeline
-object is frozen and may serve several Loaders)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Tokens(Pipeline):
     """
 
     kind: ClassVar[str] = "tokens"
-    decodes: ClassVar[bool] = False
+    default_fields: ClassVar[str] = "none"
     seq_len: int = 2048
     """Tokens of input per sequence (each sequence holds ``seq_len + 1``: one of overlap with the next)."""
     packing: str = "concat"
@@ -69,9 +68,6 @@ class Tokens(Pipeline):
         if self.packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
 
-    def choose_fields(self, label_fields: Sequence[str | None], shared: Sequence[str]) -> FieldChoice:
-        return FieldChoice((), False)
-
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> None:
         """None: no stored sample is read (the read set opens only the shard source); refuses a dataset of
         stored samples."""
@@ -81,30 +77,29 @@ class Tokens(Pipeline):
                                "--eos-id); read it with fastio.ImageTrain, fastio.Raw, ...")
         return None
 
-    def unit_plan(self, read_set: Any, sampling: Any, world_size: int, rank: int) -> Any:
-        from fastio.tokens.loading import TokenUnits, mixture_units, open_tables, packing_of
-
-        if read_set.mixture is not None:  # sources sized in sequences; the mixture's order over them
-            sampler, packings = mixture_units(read_set, self.seq_len, self.packing, self.window, sampling,
-                                              world_size, rank)
-            _PACKINGS[read_set] = packings
-            return sampler
-        ds = read_set.target
-        packing = packing_of(ds, open_tables(ds), self.seq_len, self.packing, self.window, sampling)
-        sampler = packing.sampler(batch_size=sampling.batch_size, world_size=world_size, rank=rank,
-                                  drop_last=sampling.drop_last, remainder=sampling.remainder)
-        _PACKINGS[read_set] = [packing]
-        return TokenUnits(packing, sampler)
-
-    def reader(self, read_set: Any) -> Any:
+    def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
+        """Each dataset packed (:meth:`_packed`), the order of the sequences on ``place``'s rank and a
+        :class:`~fastio.tokens.loading.TokenReader` of those packings: made together."""
         from fastio.tokens.loading import TokenReader, TokenSource
 
-        sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources,
-                                                                                  _PACKINGS[read_set])]
-        return TokenReader(sources, read_set.reader_threads)
+        plan, packings = self._packed(read_set, sampling, place)
+        sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources, packings)]
+        return Source(plan, TokenReader(sources, read_set.reader_threads), self)
 
-    def build(self, source, **_options: Any) -> None:
-        return None
+    def _packed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement
+                ) -> tuple[UnitPlan, list[ConcatPacking | BestFitPacking]]:
+        """The unit plan of packed sequences on ``place``'s rank and each dataset's packing (a mixture's sources
+        sized in sequences, the mixture's order over them)."""
+        from fastio.tokens.loading import TokenUnits, mixture_units, open_tables, packing_of
+
+        if read_set.mixture is not None:
+            return mixture_units(read_set, self.seq_len, self.packing, self.window, sampling, place.world_size,
+                                 place.rank)
+        ds = read_set.target
+        packing = packing_of(ds, open_tables(ds), self.seq_len, self.packing, self.window, sampling)
+        sampler = packing.sampler(batch_size=sampling.batch_size, world_size=place.world_size, rank=place.rank,
+                                  drop_last=sampling.drop_last, remainder=sampling.remainder)
+        return TokenUnits(packing, sampler), [packing]
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         import torch

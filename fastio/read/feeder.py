@@ -5,7 +5,7 @@ through the following epochs by itself (the plan of epoch ``e + 1`` follows the 
 ``e``), so that one DALI pipeline serves the Loader's whole life and the first batches of the next
 epoch are read and decoded while the training loop finishes the current one. Each call takes the
 stream's next batch, waits for its bytes (read in the reader's threads, ``read_ahead`` batches ahead)
-and returns the pipeline's graph inputs (:meth:`fastio.pipelines.Pipeline.inputs`). It keeps what it
+and returns the graph's inputs (the ``feed`` of the kind's graph, :class:`fastio.pipelines.GraphDef`). It keeps what it
 fed, with the arrays it handed over (the graph reads them in place, without a copy), oldest first, until
 the Loader takes it
 (:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from fastio.order.sampler import EpochPlan
-from fastio.pipelines import Pipeline
 from fastio.read.reader import ReadBatch, Reader
 
 __all__ = ["Fed", "Feeder"]
@@ -67,7 +66,7 @@ class _InGraph:
 
 
 class Feeder:
-    """The ``source`` of a pipeline's DALI graph (:meth:`fastio.pipelines.Pipeline.build`): the batches from
+    """The ``source`` of a pipeline's DALI graph (:func:`fastio.pipelines.build_graph`): the batches from
     ``(epoch, start)`` on.
 
     Args:
@@ -78,7 +77,8 @@ class Feeder:
             (``VideoClips(cpu_fallback=...)``'s decoding).
         plans: ``plans(epoch, start)`` gives the plan of an epoch from a position (``Sampler.plan``); its
             batches are looked up a chunk at a time (``EpochPlan.iter_batches``).
-        pipeline: the pipeline object whose graph is fed.
+        feed: ``feed(read_batch, seed=, epoch=)`` gives the graph's inputs of one batch (a kind's
+            ``GraphDef.feed``); None for a kind without a graph (its batches are taken with :meth:`take`).
         seed: seeds the per-sample augmentation parameters (with the epoch and the sample's draw key: its index,
             or for a sample a mixture delivers again in one epoch the plan's ``draw_keys``).
         read_ahead: batches whose reads are started ahead of the one being fed.
@@ -89,9 +89,9 @@ class Feeder:
             None: ``read_ahead`` ahead from the start. :meth:`take` called directly (no graph) lifts it.
     """
 
-    def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], pipeline: Pipeline, *, seed: int,
-                 read_ahead: int, epoch: int = 0, start: int = 0, first: int | None = None):
-        self.reader, self.plans, self.pipeline = reader, plans, pipeline
+    def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], feed: Callable[..., tuple] | None,
+                 *, seed: int, read_ahead: int, epoch: int = 0, start: int = 0, first: int | None = None):
+        self.reader, self.plans, self.feed = reader, plans, feed
         self.seed, self.read_ahead = seed, read_ahead
         self._cap = first  # reads started before the first output is taken (None: no cap)
         self._started = 0
@@ -153,7 +153,7 @@ class Feeder:
 
     def __call__(self) -> tuple:
         fed = self._take()
-        inputs = self.pipeline.inputs(fed.batch, seed=self.seed, epoch=fed.epoch)
+        inputs = self.feed(fed.batch, seed=self.seed, epoch=fed.epoch)
         self._fed.append(_InGraph(fed, inputs))
         return inputs
 

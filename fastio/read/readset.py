@@ -4,8 +4,10 @@ A read set owns the readers (one :class:`~fastio.read.reader.Reader` per dataset
 :class:`~fastio.read.mixture.MixReader`), the order of its samples (:class:`~fastio.order.sampler.Sampler` for a dataset,
 the mixture's :class:`~fastio.order.mixorder.MixSampler`), the label field of each dataset, the keys, and its share of
 the Loader's state (nothing for a dataset, so its states stay as they were; the ``mixture`` entry for a mixture).
-Which fields are read is the pipeline object's choice (:meth:`fastio.pipelines.Pipeline.choose_fields`,
-:meth:`~fastio.pipelines.Pipeline.read_fields`); each dataset reads its own label field under its own name.
+Which fields are read is the pipeline object's choice (its ``fields``, else its ``default_fields``:
+:meth:`fastio.read.protocol.FieldChoice.of`; what of each dataset: its ``read_fields``), asked through
+:class:`fastio.read.protocol.Reads`, so the read set imports no pipeline; each dataset reads its own label field
+under its own name.
 
 :func:`open_read_set` makes one from what the Loader was given.
 """
@@ -22,8 +24,9 @@ import torch
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
-from fastio.pipelines import Delivery, Pipeline
 from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state, renewed_mixture_state
+from fastio.read.options import Options
+from fastio.read.protocol import Delivery, FieldChoice, Reads
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
 from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
 
@@ -48,18 +51,19 @@ class _Source:
 
 class ReadSet:
     """What the Loader reads (see the module docstring). ``target`` is the :class:`Dataset` or :class:`Mixture`;
-    ``options``: a :class:`fastio.LoaderConfig` (reader threads, verify, shuffle and cache read-ahead)."""
+    ``options``: the Loader's :class:`~fastio.read.options.Options` (reader threads, the shuffle, the shards' cache,
+    checks and read-ahead)."""
 
     def __init__(self, target: Dataset | Mixture, names: Sequence[str], datasets: Sequence[Dataset],
-                 pipeline: Pipeline, options: Any):
+                 pipeline: Reads, options: Options):
         self.target, self.names, self.pipeline = target, tuple(names), pipeline
         self.mixture: Mixture | None = target if isinstance(target, Mixture) else None
         """The :class:`Mixture` read, else None (for those who want to know; the Loader does not ask)."""
         labels = [ds.label_field for ds in datasets]
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
-        choice = pipeline.choose_fields(labels, shared)
+        choice = FieldChoice.of(pipeline.fields, pipeline.default_fields, labels, shared)
         depth = _check_shared_caches(self.names, datasets, options)
-        self.reader_threads: int = options.reader_threads
+        self.reader_threads: int = options.performance.reader_threads
         self.sources = self._open(datasets, choice, options, depth)
         first = self.sources[0]
         named = {s.label_field for s in self.sources}
@@ -74,11 +78,11 @@ class ReadSet:
 
     # -- opening --------------------------------------------------------------------------------------
 
-    def _open(self, datasets: Sequence[Dataset], choice, options: Any, depth: dict[str, int]) -> list[_Source]:
+    def _open(self, datasets: Sequence[Dataset], choice, options: Options, depth: dict[str, int]) -> list[_Source]:
         """One source per dataset, each reading ``choice``'s fields and its own label field; the datasets share
-        ``options.reader_threads`` (each reads its part of every batch, in parallel with the others); ``depth``:
+        ``options.performance.reader_threads`` (each reads its part of every batch, in parallel with the others); ``depth``:
         the shard read-ahead that sources sharing a cache have room for, by name."""
-        threads = -(-options.reader_threads // len(datasets))
+        threads = -(-options.performance.reader_threads // len(datasets))
         sources: list[_Source] = []
         try:
             for name, ds in zip(self.names, datasets):
@@ -87,7 +91,7 @@ class ReadSet:
                         ds.require_fields([*choice.others, choice.asked])  # lacking it altogether: named by field
                         raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels "
                                            f"({choice.asked!r} of the others) are wanted; index it with "
-                                           "--label-field, or leave labels out with pipeline='raw' and fields=")
+                                           "--label-field, or leave labels out with pipeline=fastio.Raw(fields=...)")
                     fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
                     sources.append(_open_source(ds, self.pipeline, fields, threads, options,
                                                 ds.label_field if choice.label else None, depth.get(name)))
@@ -207,7 +211,7 @@ class ReadSet:
 class DatasetReadSet(ReadSet):
     """One dataset: ids are its dataset-wide indices; today's :class:`~fastio.order.sampler.Sampler` orders them."""
 
-    def __init__(self, ds: Dataset, pipeline: Pipeline, options: Any):
+    def __init__(self, ds: Dataset, pipeline: Reads, options: Options):
         super().__init__(ds, [str(ds.root)], [ds], pipeline, options)
 
     def sampler(self, spec: SamplerSpec, world_size: int, rank: int) -> Sampler:
@@ -245,7 +249,7 @@ class MixtureReadSet(ReadSet):
     """A :class:`~fastio.Mixture`: ids are mixture ids (source ``s``'s sample ``i`` is ``base[s] + i``), in the
     mixture's order; batches carry ``source`` and ``index``; its state entry names sources, weights, length."""
 
-    def __init__(self, mixture: Mixture, pipeline: Pipeline, options: Any):
+    def __init__(self, mixture: Mixture, pipeline: Reads, options: Options):
         super().__init__(mixture, mixture.names, mixture.datasets, pipeline, options)
         self.delivered = np.zeros(len(self.sources), np.int64)
 
@@ -302,35 +306,37 @@ class MixtureReadSet(ReadSet):
         return out
 
 
-def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Pipeline, options: Any) -> ReadSet:
+def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Reads, options: Options) -> ReadSet:
     """The read set of a :class:`Mixture`, a :class:`Dataset`, or a DEST (a path or URL, opened with
-    ``options``' verify, cache_dir, cache_size and storage_options)."""
+    ``options.shards``' verify, cache_dir, cache_size and storage_options)."""
     if isinstance(target, Mixture):
         return MixtureReadSet(target, pipeline, options)
     if not isinstance(target, Dataset):
-        target = Dataset(target, verify=options.verify, cache_dir=options.cache_dir, cache_size=options.cache_size,
-                         storage_options=options.storage_options)
+        shards = options.shards
+        target = Dataset(target, verify=shards.verify, cache_dir=shards.cache_dir, cache_size=shards.cache_size,
+                         storage_options=shards.storage_options)
     return DatasetReadSet(target, pipeline, options)
 
 
-def _open_source(ds: Dataset, pipeline: Pipeline, fields: list[str], threads: int, options: Any,
+def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, options: Options,
                  label_field: str | None, read_ahead: int | None = None) -> _Source:
     """The reader of ``ds`` for ``pipeline`` delivering ``fields`` (none where the pipeline reads no stored
     sample: then only its shard source), with at most ``read_ahead`` shards read ahead (default
-    ``options.shard_read_ahead``; fewer where the cache has no room for them)."""
+    ``options.shards.shard_read_ahead``; fewer where the cache has no room for them)."""
     wanted = pipeline.read_fields(ds, fields)
     need = None
-    depth = options.shard_read_ahead if read_ahead is None else read_ahead
+    order, shards = options.order, options.shards
+    depth = shards.shard_read_ahead if read_ahead is None else read_ahead
     if ds.files.cache_size is not None:  # refused now, not after a fill waited for room that never comes
         sizes = [s.bytes for s in ds.shards]
-        depth = check_working_set(sizes, options.shuffle, options.block_shards, depth, ds.files.cache_size,
+        depth = check_working_set(sizes, order.shuffle, order.block_shards, depth, ds.files.cache_size,
                                   str(ds.root))
-        need = working_set_bytes(sizes, options.shuffle, options.block_shards, depth)
+        need = working_set_bytes(sizes, order.shuffle, order.block_shards, depth)
     # None: local files; a cache's files claim their working set beside this process's other Loaders' there
     files = ds.files.shard_files(ds.shards, read_ahead=depth, working_set=need)
     if wanted is None:
         return _Source(ds, None, files, label_field)
-    reader = Reader(ds, wanted.fields, threads=threads, verify=options.verify, image=wanted.image,
+    reader = Reader(ds, wanted.fields, threads=threads, verify=shards.verify, image=wanted.image,
                     sizes=wanted.sizes, optional=wanted.optional, transcode=wanted.transcode, files=files)
     return _Source(ds, reader, files, label_field)
 
@@ -342,7 +348,7 @@ def _close_source(s: _Source) -> None:
         s.files.close()
 
 
-def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Any) -> dict[str, int]:
+def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Options) -> dict[str, int]:
     """Remote datasets reading through one cache read their working sets at once: checked together; returns
     the shard read-ahead that those sharing a cache have room for, by name."""
     shared: dict[Any, dict[str, list[int]]] = {}
@@ -352,8 +358,8 @@ def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], opti
     depth: dict[str, int] = {}
     for (where, size), sources in shared.items():
         if len(sources) > 1:
-            fits = check_shared_working_set(sources, options.shuffle, options.block_shards,
-                                            options.shard_read_ahead, size, where)
+            fits = check_shared_working_set(sources, options.order.shuffle, options.order.block_shards,
+                                            options.shards.shard_read_ahead, size, where)
             depth.update(dict.fromkeys(sources, fits))
     return depth
 

@@ -37,6 +37,7 @@ from fastio.dataset.manifest import (
 from fastio.dataset.sample_table import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError
 from fastio.formats.dali_idx import check_index, parse_index
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, member_problems
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
 from fastio.formats.media import MediaCheckError, ProbeTable, is_media_field, is_video_field, probe
 from fastio.formats.megatron import MegatronShard
@@ -373,10 +374,11 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
     if len(samples) != shard.samples:
         report.problems.append(Problem(label, None, f"holds {len(samples)} samples, manifest says {shard.samples}"))
     seen: set[str] = set()
-    for key, _ in samples:
+    for key, members in samples:
         if key in seen:
             report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
         seen.add(key)
+        report.problems.extend(Problem(label, key, what) for what in _image_text_problems(members))
     if entries is None:
         return
     for i, (key, members) in enumerate(samples):
@@ -387,6 +389,13 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
             report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
     if len(entries) > len(samples):
         report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
+
+
+def _image_text_problems(members: list[tuple[str, int, int]]) -> list[str]:
+    """An image-text sample's members (:mod:`fastio.formats.image_text`) checked by their sizes: tokens and mask
+    agreeing, images numbered 0, 1, ...; [] for any other sample."""
+    sizes = {ext: size for ext, _, size in members}
+    return member_problems(sizes) if TOKENS_FIELD in sizes or MASK_FIELD in sizes else []
 
 
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:

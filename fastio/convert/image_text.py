@@ -1,0 +1,158 @@
+"""``fastio convert vlm.jsonl DEST --tokenizer tokenizer.json --chat-template T --image-field images``: image-text
+conversations (LLaVA-style) into an image dataset whose samples also hold tokens and a loss mask.
+
+Each JSONL line holds ``image_field`` (a list of 0..n image paths, relative to the JSONL's folder; a path resolving
+outside it is refused) and ``messages_field`` (a conversation, as a chat conversion reads one), whose text holds one
+``image_token`` per image, in order. The scan (this module, in the converting process) renders and tokenizes every
+conversation as a chat conversion does (:class:`fastio.convert.chat_encode.ChatEncoder`: the template, its
+``{% generation %}`` spans, transformers' mask rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a
+line whose image-token count differs from its image count, a missing image, or a path that is not an image. Every
+sample becomes an :class:`~fastio.converters.base.Entry` with its images (``0.jpg``, ``1.png``, ...) and its
+``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.image_text`), and :func:`fastio.convert.run.convert`
+does the rest as for any image dataset: each image's decode check, ``max_side``, ``max_pixels``, ``on_error`` (an
+undecodable image skips its sample, listed naming the line, or stops the run naming it), shards, ``.idx``,
+``samples.fxi``, manifest, parts and merge. The manifest's ``convert_options.image_text`` records the tokenizer's
+and template's checksums and the image token and its id.
+
+The image token must be one token of the tokenizer (one of its added tokens, encoding to itself alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastio.checks import check_fields, checked, config_error, rule
+from fastio.convert.chat_encode import ChatEncoder
+from fastio.convert.run import ConvertConfig, ConvertResult, convert
+from fastio.convert.token_convert import eos_token_id, load_tokenizer, with_specials
+from fastio.converters.base import Entry, FileRef, ScanResult, image_field_for_suffix, resolve_inside
+from fastio.converters.table import read_rows
+from fastio.errors import ConvertError
+from fastio.formats.chat_template import ChatTemplateError, load_chat_template
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, encode_mask, encode_tokens, image_field_name
+from fastio.storage import is_remote
+from fastio.storage.checksum import sha256_file
+
+__all__ = ["ImageTextOptions", "convert_image_text", "scan_image_text"]
+
+_FIELD = rule(lambda v: isinstance(v, str) and v != "", "must be a field name")
+
+
+@dataclass(frozen=True)
+class ImageTextOptions:
+    """What turns a JSONL line into an image-text sample (a ``ValueError`` names a bad parameter)."""
+
+    tokenizer: Path
+    """A Hugging Face ``tokenizer.json``."""
+    chat_template: Path
+    """A chat template with ``{% generation %}`` blocks (a ``.jinja`` file or a ``tokenizer_config.json``)."""
+    image_field: str = checked(_FIELD, default="images")
+    """The JSONL field holding each line's list of image paths."""
+    image_token: str = checked(_FIELD, default="<image>")
+    """The placeholder of one image in the messages' text: one token of the tokenizer."""
+    messages_field: str = checked(_FIELD, default="messages")
+    """The JSONL field holding each line's conversation."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        object.__setattr__(self, "chat_template", Path(self.chat_template))
+        check_fields(self, config_error)
+
+
+def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> ConvertResult:
+    """Convert the JSONL ``config.source`` of image-text conversations into ``config.dest`` (or one part of it), as
+    :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
+    if config.split or config.shuffle:
+        raise ConvertError(f"{config.source}: split and shuffle are not options of an image-text conversion yet")
+    coder = _Coder(options)
+    config = replace(config, extra_options={"image_text": coder.recorded()})
+    return convert(config, scanner=lambda source: scan_image_text(source, options, coder))
+
+
+class _Coder:
+    """The tokenizer, the template (special tokens filled in as a chat conversion fills them) and the image token."""
+
+    def __init__(self, options: ImageTextOptions):
+        self.options = options
+        self.tokenizer = load_tokenizer(options.tokenizer)
+        try:
+            template = load_chat_template(options.chat_template)
+        except ChatTemplateError as err:
+            raise ConvertError(str(err)) from None
+        if not template.has_generation:
+            raise ConvertError(f"{options.chat_template}: the chat template marks no {{% generation %}} block, so no "
+                               "token would be trained (docs/tokens.md)")
+        eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer)
+        self.template = with_specials(template, self.tokenizer, eos)
+        self.image_id = self._image_id()
+        self.encoder = ChatEncoder(self.tokenizer, self.template, "generation", options.messages_field, np.int32)
+
+    def _image_id(self) -> int:
+        token, path = self.options.image_token, self.options.tokenizer
+        image_id = self.tokenizer.token_to_id(token)
+        if image_id is None or self.tokenizer.encode(token, add_special_tokens=False).ids != [image_id]:
+            raise ConvertError(f"{path}: image token {token!r} is not one token of the tokenizer (add it as a "
+                               "special token, or name one it has with --image-token)")
+        return image_id
+
+    def recorded(self) -> dict[str, Any]:
+        """What the manifest's ``convert_options.image_text`` records (a part's plan too: parts must agree)."""
+        o = self.options
+        return {"tokenizer_sha256": sha256_file(o.tokenizer), "template_sha256": self.template.sha256,
+                "image_token": o.image_token, "image_token_id": self.image_id, "image_field": o.image_field,
+                "messages_field": o.messages_field, "train_on": "generation", "tokens_field": TOKENS_FIELD,
+                "mask_field": MASK_FIELD}
+
+
+def scan_image_text(source: Path, options: ImageTextOptions, coder: _Coder | None = None) -> ScanResult:
+    """The entries of every line of ``source`` (see the module docstring); ConvertError naming a refused line."""
+    coder = coder or _Coder(options)
+    if source.suffix.lower() not in (".jsonl", ".ndjson") or not source.is_file():
+        raise ConvertError(f"{source}: an image-text conversion reads one JSONL file")
+    _, rows = read_rows(source, "jsonl")
+    wheres = [f"{source.name}:{lineno}" for lineno, _ in rows]
+    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
+    ends = np.cumsum(lengths)
+    entries = []
+    for i, ((_, row), where) in enumerate(zip(rows, wheres)):
+        tokens = ids[ends[i] - lengths[i]:ends[i]]
+        fields = _images(row, where, source.parent, options, int(np.count_nonzero(tokens == coder.image_id)))
+        fields[TOKENS_FIELD] = encode_tokens(tokens)
+        fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
+        entries.append(Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where))
+    description = {"format": "image-text", "path": str(source.resolve()),
+                   "options": {"image_field": options.image_field, "messages_field": options.messages_field,
+                               "image_token": options.image_token}}
+    return ScanResult(entries=entries, description=description, image_field=None)
+
+
+def _images(row: dict, where: str, root: Path, options: ImageTextOptions, placeholders: int) -> dict[str, Any]:
+    """``{"0.jpg": FileRef, ...}`` of a line's images; ConvertError naming the line for a bad list, a count that
+    differs from the placeholders', a path outside ``root``, a missing file or one that is not an image."""
+    paths = row.get(options.image_field, [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise ConvertError(f"{where}: field {options.image_field!r} is not a list of image paths")
+    if len(paths) != placeholders:
+        raise ConvertError(f"{where}: {len(paths)} image(s) in {options.image_field!r} but {placeholders} "
+                           f"{options.image_token!r} placeholder(s) in {options.messages_field!r}")
+    fields: dict[str, Any] = {}
+    for n, value in enumerate(paths):
+        if is_remote(value):
+            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value}: images at URLs are not read yet "
+                               "(copy them beside the JSONL)")
+        path = root / value
+        outside = resolve_inside(path, root)
+        if outside is not None:
+            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value} {outside}")
+        if not path.is_file():
+            raise ConvertError(f"{where}: {options.image_field}[{n}]: no such image: {value}")
+        ext = image_field_for_suffix(path.suffix)
+        if ext is None:
+            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value} is not an image (suffix "
+                               f"{path.suffix!r})")
+        fields[image_field_name(n, ext)] = FileRef(str(path))
+    return fields

@@ -1,0 +1,87 @@
+"""The members of an image-text sample (``fastio convert --image-field``, :mod:`fastio.convert.image_text`).
+
+A sample of an image-text dataset holds, beside its key:
+
+- ``0.jpg``, ``1.png``, ...: its images in the order of their placeholders in the text, each field named
+  ``N.EXT`` (N from 0, EXT the image's own type: ``jpg``, ``png``, ``webp``, ...), stored as fastio stores images;
+- ``tokens.i32``: the conversation's token ids, raw little-endian int32 (so the member's size / 4 is its token
+  count); each image is one placeholder token (the image token's id), not yet expanded;
+- ``mask.bits``: the loss mask, one bit a token (``numpy.packbits``, little bit order: token i is bit ``i % 8`` of
+  byte ``i // 8``), ``ceil(tokens / 8)`` bytes.
+
+So ``samples.fxi`` (its ``size:FIELD`` columns) already holds what a packer plans with, without reading a shard:
+a sample's token count is ``size:tokens.i32 / 4`` and its image count the number of ``N.EXT`` fields it has.
+
+Imports nothing of fastio but :mod:`fastio.formats.images`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+from fastio.formats.images import is_image_field
+
+__all__ = ["MASK_FIELD", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens", "image_field_name",
+           "image_number", "member_problems"]
+
+TOKENS_FIELD = "tokens.i32"
+"""The member holding a sample's token ids (little-endian int32)."""
+MASK_FIELD = "mask.bits"
+"""The member holding a sample's loss mask (one bit a token, little bit order)."""
+_IMAGE = re.compile(r"(0|[1-9][0-9]*)\.[A-Za-z0-9]+")
+
+
+def image_field_name(number: int, ext: str) -> str:
+    """The field of a sample's image ``number`` of type ``ext`` (``0.jpg``)."""
+    return f"{number}.{ext}"
+
+
+def image_number(field: str) -> int | None:
+    """N of an image field ``N.EXT``; None for any other field."""
+    return int(field.split(".", 1)[0]) if _IMAGE.fullmatch(field) and is_image_field(field) else None
+
+
+def encode_tokens(ids: np.ndarray) -> bytes:
+    """``tokens.i32``'s bytes of ``ids`` (ValueError naming an id outside int32)."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"tokens.i32: id {int(ids.max() if ids.max() > 0 else ids.min())} does not fit int32")
+    return ids.astype("<i4").tobytes()
+
+
+def encode_mask(mask: np.ndarray) -> bytes:
+    """``mask.bits``'s bytes of bool ``mask``."""
+    return np.packbits(np.asarray(mask, bool), bitorder="little").tobytes()
+
+
+def decode_sample(tokens: bytes, mask: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids int32, mask bool)`` of a sample's two members (ValueError when their sizes disagree)."""
+    problems = list(_size_problems(len(tokens), len(mask)))
+    if problems:
+        raise ValueError(problems[0])
+    ids = np.frombuffer(tokens, "<i4").astype(np.int32)
+    bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:ids.size].astype(bool)
+    return ids, bits
+
+
+def _size_problems(tokens: int, mask: int) -> Iterable[str]:
+    if tokens % 4:
+        yield f"{TOKENS_FIELD} holds {tokens} bytes, not a whole number of int32 ids"
+    elif mask != -(-(tokens // 4) // 8):
+        yield f"{MASK_FIELD} holds {mask} bytes, not one bit for each of the {tokens // 4} tokens"
+
+
+def member_problems(sizes: dict[str, int]) -> list[str]:
+    """What is wrong with an image-text sample given its members' sizes (field -> bytes): a missing token or mask
+    member, sizes that disagree, images not numbered 0, 1, ... ; [] for a good one."""
+    if TOKENS_FIELD not in sizes or MASK_FIELD not in sizes:
+        missing = TOKENS_FIELD if TOKENS_FIELD not in sizes else MASK_FIELD
+        return [f"an image-text sample without {missing}"]
+    problems = list(_size_problems(sizes[TOKENS_FIELD], sizes[MASK_FIELD]))
+    numbers = sorted(n for f in sizes if (n := image_number(f)) is not None)
+    if numbers != list(range(len(numbers))):
+        problems.append(f"its images are numbered {numbers}, not 0..{len(numbers) - 1} once each")
+    return problems

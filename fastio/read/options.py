@@ -1,0 +1,114 @@
+"""A Loader's options in typed groups, as Grain groups its ``DatasetOptions`` and ``MultiprocessingOptions``: the order
+(:class:`OrderOptions`), the performance knobs (:class:`PerformanceOptions`), where and how shards are read
+(:class:`ShardOptions`) and the ranks (:class:`RankOptions`), together :class:`Options`.
+
+:class:`fastio.LoaderConfig` keeps its flat keyword arguments (``Loader(dest, batch_size=..., seed=...)``, as
+documented) and builds these groups from them once (``config.options``); the read set and the Loader's parts take
+the groups they need, never an untyped bag. ``LoaderConfig.grouped(order=OrderOptions(seed=1), ...)`` makes a
+config from groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions"]
+
+
+@dataclass(frozen=True)
+class OrderOptions:
+    """Which samples come when: the order of every epoch and every sample's augmentation."""
+
+    seed: int = 0
+    """Seeds the order of every epoch and every sample's augmentation."""
+    shuffle: str = "global"
+    """``global`` (full permutation), ``block`` (shuffled shards, samples shuffled in windows) or ``none``."""
+    block_shards: int = 4
+    """Shards per window in ``block`` mode."""
+    drop_last: bool = False
+    """Drop the last incomplete global batch of each epoch."""
+    remainder: str = "pad"
+    """Without drop_last: ``pad`` (wrap to the epoch's start) or ``partial`` (smaller batches)."""
+
+
+@dataclass(frozen=True)
+class PerformanceOptions:
+    """Threads and depths: how fast, never what. Defaults are filled in when made (checked: ValueError)."""
+
+    num_threads: int | None = None
+    """DALI worker threads (default: the core count)."""
+    prefetch: int = 2
+    """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
+    read_ahead: int | None = None
+    """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``)."""
+    reader_threads: int | None = None
+    """Threads reading shard bytes (default: min(4, cores))."""
+    progress: bool = False
+    """Print a throughput/stall line to stderr every 5 seconds while batches come."""
+
+    def __post_init__(self):
+        cores = os.cpu_count() or 1
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        object.__setattr__(self, "num_threads", self.num_threads or cores)
+        object.__setattr__(self, "read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
+        object.__setattr__(self, "reader_threads", self.reader_threads or min(4, cores))
+        if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
+            raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """Where a dataset's shards come from and how they are checked: the node cache of an ``s3://`` dataset, its
+    object-store settings, shard read-ahead, sha256 checks."""
+
+    verify: bool = False
+    """Check each shard's sha256 against the manifest before its first use (and the sample index's)."""
+    cache_dir: str | None = None
+    """For an ``s3://`` dataset: the node-local cache directory its shards are read through."""
+    cache_size: int | str | None = None
+    """Bound of the cache's shard bytes, e.g. ``"500GB"`` (default: half the free space of its file system)."""
+    storage_options: dict | None = field(default=None, compare=False)
+    """Object-store settings over those found in the environment (:class:`fastio.storage.StorageOptions`)."""
+    shard_read_ahead: int = 2
+    """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read."""
+
+    def __post_init__(self):
+        if self.shard_read_ahead < 0:
+            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """This rank and the number of ranks (None: :func:`fastio.dist.rank_and_world` finds them)."""
+
+    rank: int | None = None
+    world_size: int | None = None
+
+
+GROUPS = {"order": OrderOptions, "performance": PerformanceOptions, "shards": ShardOptions, "ranks": RankOptions}
+"""Each group of :class:`Options` by its name."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every group of a Loader's shared options (:class:`fastio.LoaderConfig` holds them as ``options``)."""
+
+    order: OrderOptions = field(default_factory=OrderOptions)
+    performance: PerformanceOptions = field(default_factory=PerformanceOptions)
+    shards: ShardOptions = field(default_factory=ShardOptions)
+    ranks: RankOptions = field(default_factory=RankOptions)
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> Options:
+        """The groups of the flat options ``flat`` (each group takes its own names; the others are left)."""
+        return cls(**{name: group(**{f.name: flat[f.name] for f in dataclasses.fields(group) if f.name in flat})
+                      for name, group in GROUPS.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every group's options as one flat mapping (``LoaderConfig``'s keyword arguments)."""
+        return {f.name: getattr(group, f.name) for group in (self.order, self.performance, self.shards, self.ranks)
+                for f in dataclasses.fields(group)}

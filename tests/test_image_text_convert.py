@@ -1,0 +1,178 @@
+"""``fastio convert vlm.jsonl DEST --tokenizer ... --chat-template ... --image-field images``: image-text
+conversations stored as image samples holding their images, token ids and loss mask (docs/image-text.md)."""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fastio.convert.image_text import ImageTextOptions, convert_image_text
+from fastio.convert.merge import merge
+from fastio.convert.run import ConvertConfig
+from fastio.dataset.manifest import load_manifest
+from fastio.dataset.sample_table import SampleIndex
+from fastio.dataset.shards import ShardWriter
+from fastio.errors import ConvertError
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample, image_number
+from fastio.report.verify import verify
+from tests.helpers import run_cli
+from tests.tokens_helpers import (
+    CHATML,
+    hf_ids_and_mask,
+    hf_tokenizer,
+    image_colour,
+    image_text_source,
+    stored_image_text,
+)
+
+
+def _convert(src: dict, dest: Path, **config) -> object:
+    options = ImageTextOptions(src["tokenizer"], src["config"])
+    return convert_image_text(ConvertConfig(src["source"], dest, workers=1, **config), options)
+
+
+def _images(sample: dict[str, bytes]) -> list[bytes]:
+    found = sorted((image_number(f), v) for f, v in sample.items() if image_number(f) is not None)
+    return [v for _, v in found]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    src = image_text_source(root)
+    result = _convert(src, root / "ds", max_samples_per_shard=5)
+    return src, root / "ds", result
+
+
+def test_each_sample_holds_transformers_tokens_and_mask_and_its_images_byte_equal(converted):
+    src, dest, result = converted
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    image_id = hf.convert_tokens_to_ids("<image>")
+    stored = stored_image_text(dest)
+    assert len(stored) == len(src["rows"]) == result.samples and result.shards == 3
+    for row, sample in zip(src["rows"], stored):
+        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+        want_ids, want_mask = hf_ids_and_mask(hf, CHATML, row["messages"])
+        assert ids.tolist() == want_ids and mask.astype(int).tolist() == want_mask
+        assert mask.any() and not mask[ids == image_id].any()
+        assert int(np.count_nonzero(ids == image_id)) == len(row["images"])
+        assert _images(sample) == [(src["source"].parent / p).read_bytes() for p in row["images"]]
+    options = load_manifest(dest).convert_options["image_text"]
+    assert options["image_token"] == "<image>" and options["image_token_id"] == image_id
+
+
+def test_samples_fxi_gives_each_samples_token_and_image_count_without_reading_a_shard(converted):
+    src, dest, _ = converted
+    manifest = load_manifest(dest)
+    index = SampleIndex.open(dest / "samples.fxi", [s.samples for s in manifest.shards], manifest.fields)
+    rows = index.locate(np.arange(len(src["rows"])))
+    tokens = rows.sizes[TOKENS_FIELD] // 4
+    images = sum((rows.sizes[f] >= 0).astype(int) for f in manifest.fields if image_number(f) is not None)
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    assert tokens.tolist() == [len(hf_ids_and_mask(hf, CHATML, r["messages"])[0]) for r in src["rows"]]
+    assert images.tolist() == [len(r["images"]) for r in src["rows"]]
+
+
+def test_verify_passes_the_dataset_and_names_a_sample_whose_mask_does_not_fit_its_tokens(converted, tmp_path):
+    _, dest, _ = converted
+    assert verify(dest, decode=True).ok
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (1, 2, 3)).save(png, "png")
+    with ShardWriter(tmp_path / "bad") as writer:
+        writer.write({"__key__": "a", "0.png": png.getvalue(), TOKENS_FIELD: bytes(4 * 9), MASK_FIELD: b"\0"})
+        writer.write({"__key__": "b", "1.png": png.getvalue(), TOKENS_FIELD: bytes(4), MASK_FIELD: b"\0"})
+        writer.close()
+    report = verify(tmp_path / "bad")
+    assert [(p.key, p.what) for p in report.problems] == [
+        ("a", f"{MASK_FIELD} holds 1 bytes, not one bit for each of the 9 tokens"),
+        ("b", "its images are numbered [1], not 0..0 once each")]
+
+
+def test_max_side_stores_each_image_downscaled_in_its_own_colour(tmp_path):
+    src = image_text_source(tmp_path, n=6, size=(40, 30))
+    _convert(src, tmp_path / "ds", max_side=16)
+    for i, sample in enumerate(stored_image_text(tmp_path / "ds")):
+        images = _images(sample)
+        assert len(images) == i % 4
+        for k, data in enumerate(images):
+            pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+            assert pixels.shape == (12, 16, 3)
+            assert np.abs(pixels.astype(int) - image_colour(i, k)).max() <= 3
+
+
+def test_parts_then_merge_are_byte_equal_to_one_conversion(tmp_path):
+    src = image_text_source(tmp_path)
+    _convert(src, tmp_path / "whole", max_samples_per_shard=4)
+    for k in range(2):
+        _convert(src, tmp_path / "merged", max_samples_per_shard=4, part=(k, 2))
+    merge(tmp_path / "merged")
+    whole, merged = (sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+                     for d in (tmp_path / "whole", tmp_path / "merged"))
+    assert whole == merged and any(p.suffix == ".tar" for p in whole)
+    for rel in whole:
+        assert filecmp.cmp(tmp_path / "whole" / rel, tmp_path / "merged" / rel, shallow=False), rel
+
+
+def _rewrite(src: dict, line: int, **changes) -> None:
+    rows = [dict(r) for r in src["rows"]]
+    rows[line - 1].update(changes)
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    _rewrite(src, 3, images=src["rows"][2]["images"][:1])
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3: 1 image\(s\) in 'images' but 2 '<image>' placeholder"):
+        _convert(src, tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_split_and_shuffle_are_refused_naming_the_source(tmp_path):
+    src = image_text_source(tmp_path, n=2)
+    for option in ({"split": "val=0.5"}, {"shuffle": True}):
+        with pytest.raises(ConvertError, match="vlm.jsonl: split and shuffle are not options of an image-text"):
+            _convert(src, tmp_path / "ds", **option)
+
+
+def test_a_missing_image_is_refused_naming_the_line(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    (tmp_path / src["rows"][1]["images"][0]).unlink()
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: no such image: img/s1-0"):
+        _convert(src, tmp_path / "ds")
+
+
+def test_an_undecodable_image_skips_its_sample_naming_the_line_or_stops_the_run(tmp_path):
+    src = image_text_source(tmp_path, n=6)
+    (tmp_path / src["rows"][2]["images"][1]).write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 5 and len(result.skipped) == 1
+    assert result.skipped[0]["path"] == "vlm.jsonl:3 (img/s2-1.jpg)"
+    assert "skipped 1" in result.summary()
+    assert [len(_images(s)) for s in stored_image_text(tmp_path / "ds")] == [0, 1, 3, 0, 1]
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3 \(img/s2-1\.jpg\): .*on_error='fail'"):
+        _convert(src, tmp_path / "ds2", on_error="fail")
+
+
+def test_an_image_token_the_tokenizer_lacks_is_refused_in_one_line(tmp_path, capsys):
+    src = image_text_source(tmp_path, n=2)
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "ds"), "--tokenizer", str(src["tokenizer"]),
+                            "--chat-template", str(src["config"]), "--image-field", "images",
+                            "--image-token", "<img>"], capsys)
+    assert code != 0 and err.count("\n") == 1
+    assert err.startswith("fastio: error: ") and "image token '<img>' is not one token of the tokenizer" in err
+    assert not (tmp_path / "ds").exists()
+
+
+def test_the_cli_converts_an_image_text_jsonl(tmp_path, capsys):
+    src = image_text_source(tmp_path, n=3)
+    code, out, err = run_cli(["convert", str(src["source"]), str(tmp_path / "ds"), "--tokenizer",
+                              str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+                              "--image-token", "<image>", "--workers", "1"], capsys)
+    assert code == 0, err
+    assert "converted 3 samples" in out and [len(_images(s)) for s in stored_image_text(tmp_path / "ds")] == [0, 1, 2]
