@@ -110,6 +110,26 @@ class CheckpointConfig:
         self.dir = Path(self.dir)
         if str(self.dir) == "":
             raise ValueError("CheckpointConfig.dir must not be empty")
+        self._check_numbers()
+        if self.policy not in POLICIES:
+            raise ValueError(f"CheckpointConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if isinstance(self.signals, str):
+            self.signals = (self.signals,)
+        self.signals = _signal_names(self.signals)
+        try:
+            check_engine_name(self.engine, allow_auto=True)
+        except ValueError as err:
+            raise ValueError(f"CheckpointConfig.engine: {err}") from None
+        try:
+            parse_compression(self.compression)
+        except ValueError as err:
+            raise ValueError(f"CheckpointConfig.{err}") from None
+        if isinstance(self.replicated, str):
+            self.replicated = (self.replicated,)
+        self.replicated = tuple(self.replicated)
+
+    def _check_numbers(self) -> None:
+        """ValueError naming the number field that is not of its kind or range."""
         if isinstance(self.writer_nice, bool) or not isinstance(self.writer_nice, int) \
                 or not 0 <= self.writer_nice <= 19:
             raise ValueError(f"CheckpointConfig.writer_nice must be an int in 0..19, got {self.writer_nice!r}")
@@ -130,25 +150,14 @@ class CheckpointConfig:
                 or not 0 < self.agree_timeout < float("inf"):
             raise ValueError(f"CheckpointConfig.agree_timeout must be a number of seconds > 0, "
                              f"got {self.agree_timeout!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"CheckpointConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if isinstance(self.signals, str):
-            self.signals = (self.signals,)
-        names = []
-        for sig in self.signals:
-            try:
-                names.append(signal.Signals[sig].name if isinstance(sig, str) else signal.Signals(sig).name)
-            except (KeyError, ValueError):
-                raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
-        self.signals = tuple(names)
+
+
+def _signal_names(signals) -> tuple[str, ...]:
+    """The names of ``signals`` (names or numbers); ValueError naming one that is no signal."""
+    names = []
+    for sig in signals:
         try:
-            check_engine_name(self.engine, allow_auto=True)
-        except ValueError as err:
-            raise ValueError(f"CheckpointConfig.engine: {err}") from None
-        try:
-            parse_compression(self.compression)
-        except ValueError as err:
-            raise ValueError(f"CheckpointConfig.{err}") from None
-        if isinstance(self.replicated, str):
-            self.replicated = (self.replicated,)
-        self.replicated = tuple(self.replicated)
+            names.append(signal.Signals[sig].name if isinstance(sig, str) else signal.Signals(sig).name)
+        except (KeyError, ValueError):
+            raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
+    return tuple(names)

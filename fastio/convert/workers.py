@@ -170,18 +170,23 @@ class OrderedPool:
                 if not order:
                     break
                 w = order.popleft()
-            try:
-                kind, payload = self._conns[w].recv()
-            except (EOFError, OSError):
-                code = self._procs[w].exitcode
-                raise RuntimeError(f"a worker process died (exit code {code})") from None
+            payload = self._receive(w)
             slots.release()
-            if kind == "error":
-                raise payload
             yield from payload
         feeder.join()
         if failure and not self._closed:
             raise failure[0]
+
+    def _receive(self, w: int) -> list[Any]:
+        """The results of worker ``w``'s next chunk; its error raised, or RuntimeError when it died."""
+        try:
+            kind, payload = self._conns[w].recv()
+        except (EOFError, OSError):
+            code = self._procs[w].exitcode
+            raise RuntimeError(f"a worker process died (exit code {code})") from None
+        if kind == "error":
+            raise payload
+        return payload
 
     def close(self) -> None:
         """Stop every worker at once (SIGKILL: no lock is shared, so none can be left held) and reap it."""

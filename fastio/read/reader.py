@@ -236,12 +236,7 @@ class Reader:
 
     def read_batch(self, indices: np.ndarray) -> ReadBatch:
         t, n = self.ds.locate(indices), len(indices)  # row j: sample indices[j]
-        outside = np.flatnonzero(t.span_offset + t.span_size > self._shard_bytes[t.shard])
-        if outside.size:  # a damaged or tampered index: never hand pread an absurd range
-            j = int(outside[0])
-            raise DatasetError(f"{self.index.source}: {sample_where(self.ds, int(indices[j]))}: byte range "
-                               f"{int(t.span_offset[j])}+{int(t.span_size[j])} lies outside the shard's "
-                               f"{int(self._shard_bytes[t.shard[j]])} bytes")
+        self._check_inside(indices, t)
         # Every wanted (sample j, column c) range: the fields, then the image (column len(fields)).
         columns = list(self.fields)
         offsets = [t.offsets[f] for f in columns]
@@ -261,14 +256,8 @@ class Reader:
             columns.append(None)
         off = np.stack(offsets, 1) if offsets else np.empty((n, 0), np.int64)
         size = np.stack(sizes, 1) if sizes else np.empty((n, 0), np.int64)
-        missing = size < 0
-        if missing.any():
-            for j, c in zip(*np.nonzero(missing)):
-                f = columns[c]
-                if f is not None and f in self.optional:
-                    continue
-                wanted = f"field {f!r}" if f is not None else f"{_decoded_kind(self.image)} field ({', '.join(self.image)})"
-                raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
+        if (size < 0).any():
+            self._refuse_missing(indices, columns, size)
         held = self._hold(np.unique(t.shard).tolist())
         try:
             got = self._read_ranges(indices, t.shard, off, size, held, names)
@@ -283,23 +272,45 @@ class Reader:
         if self.image:
             image = got[:, -1].tolist()
             image_field = [self.image[k] for k in which.tolist()]
-            if self.transcode is not None:
-                for j, (i, data) in enumerate(zip(indices.tolist(), image)):
-                    try:
-                        image[j] = self.transcode(data)
-                    except ValueError as err:
-                        raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
-                                           f"decode: {err}") from None
-            if self.sizes:
-                dims = np.empty((n, 2), np.int64)
-                for j, (i, data) in enumerate(zip(indices.tolist(), image)):
-                    try:
-                        dims[j] = image_size(data)
-                    except (ValueError, IndexError, struct_error) as err:
-                        raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
-                                           f"decode: {err}") from None
+            dims = self._image_bytes(indices, image, image_field)
         present = {f: size[:, c] >= 0 for c, f in enumerate(self.fields)}
         return ReadBatch(indices, out, dims, image, image_field, present)
+
+    def _check_inside(self, indices: np.ndarray, t: Rows) -> None:
+        """DatasetError naming the first sample whose byte range lies outside its shard (a damaged or tampered
+        index: never hand pread an absurd range)."""
+        outside = np.flatnonzero(t.span_offset + t.span_size > self._shard_bytes[t.shard])
+        if outside.size:
+            j = int(outside[0])
+            raise DatasetError(f"{self.index.source}: {sample_where(self.ds, int(indices[j]))}: byte range "
+                               f"{int(t.span_offset[j])}+{int(t.span_size[j])} lies outside the shard's "
+                               f"{int(self._shard_bytes[t.shard[j]])} bytes")
+
+    def _refuse_missing(self, indices: np.ndarray, columns: list, size: np.ndarray) -> None:
+        """DatasetError naming the first sample that lacks a wanted field (``size`` < 0) it may not lack."""
+        for j, c in zip(*np.nonzero(size < 0)):
+            f = columns[c]
+            if f is not None and f in self.optional:
+                continue
+            wanted = f"field {f!r}" if f is not None else f"{_decoded_kind(self.image)} field ({', '.join(self.image)})"
+            raise DatasetError(f"{sample_where(self.ds, int(indices[j]))}: sample has no {wanted}")
+
+    def _image_bytes(self, indices: np.ndarray, image: list, image_field: list[str]) -> np.ndarray | None:
+        """Each image as the graph decodes it (``transcode``, in place in ``image``) and, with ``sizes``, its
+        (w, h) from its header; DatasetError naming the sample and field of one that does not decode."""
+        dims = np.empty((len(image), 2), np.int64) if self.sizes else None
+        if self.transcode is None and dims is None:
+            return None
+        for j, (i, data) in enumerate(zip(indices.tolist(), image)):
+            try:
+                if self.transcode is not None:
+                    image[j] = data = self.transcode(data)
+                if dims is not None:
+                    dims[j] = image_size(data)
+            except (ValueError, IndexError, struct_error) as err:
+                raise DatasetError(f"{sample_where(self.ds, i)}: field {image_field[j]!r} failed to "
+                                   f"decode: {err}") from None
+        return dims
 
     def _read_ranges(self, indices: np.ndarray, shards: np.ndarray, off: np.ndarray, size: np.ndarray,
                      fds: dict[int, int], names: np.ndarray) -> np.ndarray:

@@ -35,12 +35,7 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     - ``repeat_distance``: per source, the positions between two deliveries of the same sample (``min``,
       ``median``; ``repeats`` = how many deliveries were repeats; all None without a repeat).
     """
-    if shuffle not in SHUFFLE_MODES:
-        raise ValueError(f"shuffle must be one of {', '.join(SHUFFLE_MODES)}, got {shuffle!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
-    if epochs < 1:
-        raise ValueError(f"epochs must be positive, got {epochs}")
+    _check_arguments(shuffle, batch_size, epochs)
     unit = "samples"
     if mixture.datasets[0].manifest.tokens is not None:  # a token mixture (Mixture() refuses mixed kinds)
         from fastio.tokens.loading import source_packings
@@ -55,12 +50,7 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     counts, expected, phase = _full_batches(mixture, seed, src, epoch, epochs, batch_size)
     schedule = mixture.schedule(seed)
     first, last = schedule.phase_of(np.array([epoch * n, (epoch + epochs) * n - 1])).tolist()
-    phases = []
-    for i in range(first, last + 1):
-        pos, shares = mixture.phases[i]
-        mine = (phase == i).all(axis=1)  # the full batches wholly inside phase i
-        phases.append({"position": pos, "shares": {k: round(w, 6) for k, w in zip(mixture.names, shares)},
-                       "batches": int(mine.sum()), "per_batch": _per_batch(mixture.names, counts[mine], expected[mine])})
+    phases = [_phase(mixture, i, phase, counts, expected) for i in range(first, last + 1)]
     sources = [{"name": name, "path": str(ds.root), "samples": size, "share": round(w, 6), "per_epoch": int(m),
                 "cycles": round(int(m) / size, 3)}
                for name, ds, size, w, m in zip(mixture.names, mixture.datasets, mixture.sizes,
@@ -69,6 +59,25 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
             "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
             "per_batch": _per_batch(mixture.names, counts, expected), "phases": phases,
             "repeat_distance": _repeat_distance(mixture, ids, src)}
+
+
+def _check_arguments(shuffle: str, batch_size: int, epochs: int) -> None:
+    """ValueError naming the argument of :func:`mixture_order_report` out of its range."""
+    if shuffle not in SHUFFLE_MODES:
+        raise ValueError(f"shuffle must be one of {', '.join(SHUFFLE_MODES)}, got {shuffle!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if epochs < 1:
+        raise ValueError(f"epochs must be positive, got {epochs}")
+
+
+def _phase(mixture: Mixture, i: int, phase: np.ndarray, counts: np.ndarray, expected: np.ndarray) -> dict[str, Any]:
+    """The report of the schedule's phase ``i`` over the full batches wholly inside it (``phase``: the phase of
+    each batch's positions)."""
+    pos, shares = mixture.phases[i]
+    mine = (phase == i).all(axis=1)
+    return {"position": pos, "shares": {k: round(w, 6) for k, w in zip(mixture.names, shares)},
+            "batches": int(mine.sum()), "per_batch": _per_batch(mixture.names, counts[mine], expected[mine])}
 
 
 def _full_batches(mixture: Mixture, seed: int, src: np.ndarray, epoch: int, epochs: int,
