@@ -613,8 +613,8 @@ def _no_samples(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replicas_of(manager: Any) -> Any:
-    """What the Loader asks a ``replicas=`` torchft Manager (:mod:`fastio.integrations.torchft`, imported only then)."""
-    from fastio.integrations.torchft import TorchftReplicas
+    """What the Loader asks a ``replicas=`` torchft Manager (:mod:`fastio.read.replicas`, imported only then)."""
+    from fastio.read.replicas import TorchftReplicas
 
     return TorchftReplicas(manager)
 

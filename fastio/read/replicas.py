@@ -1,9 +1,10 @@
-"""torchft: a Loader's replica groups and step from a ``torchft.Manager`` (``fastio.Loader(..., replicas=manager)``).
+"""A Loader's replica groups and step from a ``torchft.Manager`` (``fastio.Loader(..., replicas=manager)``).
 
 The Loader asks :class:`TorchftReplicas` at each batch for the step and this rank's :class:`~fastio.order.replicas.Share`
 of it (after the step's quorum), and registers its state with the Manager, so that a group that heals from a peer
 gets the data position with the weights. The order arithmetic is in :mod:`fastio.order.replicas`; this module only
-reads the Manager.
+reads the Manager. It sits in ``read/``, below the Loader that uses it (not in ``integrations/``, which imports
+the Loader), and is the only importer of ``torchft``, imported only when a Manager is given.
 """
 
 from __future__ import annotations
