@@ -296,3 +296,37 @@ def test_batches_kept_across_later_batches_and_epochs_stay_intact(image_dataset)
     assert len({t.data_ptr() for t in kept}) == len(kept)  # a buffer of its own for every kept batch
     loader.close()
     assert all(torch.equal(a, b) for a, b in zip(kept, snapshots))
+
+
+def test_the_read_ahead_stops_at_the_end_of_the_consumers_epoch(image_dataset):
+    """A loop that stops after an epoch must not have paid for reads it never gets: past the end of the epoch the
+    consumer is in, only the batches the graph asks for (its prefetch) are read, with one started ahead of the one
+    fed; once the consumer takes a batch of the next epoch, the read-ahead goes on into it."""
+    ds = Dataset(image_dataset)
+    spec = ImageTrain(size=16)
+    sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
+    batches_of_epoch = len(sampler.plan(0))
+
+    class Counting(Reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.epochs: list[int] = []
+
+        def submit(self, indices):
+            self.epochs.append(len(self.epochs) // batches_of_epoch)  # the plan's batches, in order
+            return super().submit(indices)
+
+    with Counting(ds, [], threads=2, image=("jpg",), sizes=True) as reader:
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=2)
+        feeder.start()
+        built = build_graph(spec.graph(), feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        for _ in range(batches_of_epoch):
+            built.pipe.run()
+            assert feeder.delivered().epoch == 0
+        # the graph was fed one batch of epoch 1 (its prefetch); one more is being read, not read_ahead + 1
+        assert reader.epochs.count(1) == 1 + 1 and reader.epochs.count(0) == batches_of_epoch
+        built.pipe.run()
+        assert feeder.delivered().epoch == 1
+        assert reader.epochs.count(1) == 2 + 3 + 1  # in epoch 1 now: two fed, read_ahead + 1 ahead of them
+        feeder.cancel()
+        del built

@@ -87,6 +87,10 @@ class Feeder:
             depth, what its first run asks for, so that reads further ahead do not take the cores and the
             interpreter from the first batch's build, read and decode; then ``read_ahead`` ahead at once.
             None: ``read_ahead`` ahead from the start. :meth:`take` called directly (no graph) lifts it.
+
+    The read-ahead stops at the end of the epoch the consumer is in: a batch of a following epoch is read when it
+    is asked for (the graph's prefetch runs on into the next epoch) or once the consumer has taken a batch of that
+    epoch, so that a loop that stops after an epoch has not read batches it never gets.
     """
 
     def __init__(self, reader: Reader | Any, plans: Callable[[int, int], EpochPlan], feed: Callable[..., tuple] | None,
@@ -95,7 +99,9 @@ class Feeder:
         self.seed, self.read_ahead = seed, read_ahead
         self._cap = first  # reads started before the first output is taken (None: no cap)
         self._started = 0
+        self._epoch = epoch  # the consumer's epoch: reads of later ones start only when asked for
         self._positions = self._walk(epoch, start)
+        self._next: tuple[EpochPlan, int, np.ndarray, np.ndarray] | None = None  # taken from _positions, not started
         self._slots: deque[_Slot] = deque()
         self._fed: deque[_InGraph] = deque()
 
@@ -111,12 +117,13 @@ class Feeder:
 
     def start(self) -> None:
         """Make sure the reads of the next ``read_ahead + 1`` batches have started (until the first output is
-        taken: of the first ``first`` only)."""
+        taken: of the first ``first`` only; of a later epoch than the consumer's: only the one asked for next)."""
         while len(self._slots) <= self.read_ahead and (self._cap is None or self._started < self._cap):
-            try:
-                plan, g, indices, padded = next(self._positions)
-            except StopIteration:
+            if self._next is None:
+                self._next = next(self._positions, None)
+            if self._next is None or (self._slots and self._next[0].epoch > self._epoch):
                 return
+            (plan, g, indices, padded), self._next = self._next, None
             read = self.reader.submit(indices)
             prepare = getattr(self.reader, "prepare", None)
             if prepare is not None:  # work on the read batch that needs its epoch and draws, done before it is fed
@@ -128,7 +135,14 @@ class Feeder:
     def take(self) -> Fed:
         """The stream's next batch, once its bytes are read (not recorded as fed: see ``__call__``)."""
         self._cap = None
-        return self._take()
+        return self._reached(self._take())
+
+    def _reached(self, fed: Fed) -> Fed:
+        """``fed``, taken by the consumer: in a later epoch, the read-ahead goes on into it."""
+        if fed.epoch > self._epoch:
+            self._epoch = fed.epoch
+            self.start()
+        return fed
 
     def _ready(self) -> bool:
         """Whether the stream has a next batch, its read started (asked for more than ``first`` before the first
@@ -174,7 +188,7 @@ class Feeder:
         if self._cap is not None:
             self._cap = None
             self.start()
-        return self._fed.popleft().fed
+        return self._reached(self._fed.popleft().fed)
 
     def in_flight(self) -> list[Fed]:
         """Batches fed to the graph and not yet taken, oldest first."""
