@@ -25,6 +25,7 @@ import numpy as np
 
 from fastio.errors import ConvertError
 from fastio.formats.assistant_mask import assistant_mask
+from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
 
 __all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages"]
@@ -74,6 +75,7 @@ class ChatEncoder:
         self.tokenizer, self.template, self.train_on, self.field, self.dtype = (tokenizer, template, train_on, field,
                                                                                dtype)
         self.max_tokens, self.overlong = max_tokens, overlong
+        self.fast = ByteLevelBPE.of(tokenizer)
 
     def rendered(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
         """One conversation's text and generation spans (ConvertError naming ``where`` and the template)."""
@@ -88,18 +90,26 @@ class ChatEncoder:
         """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
         order (a dropped conversation left out)."""
         texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
-        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tokenized(list(texts))
         counts = {"dropped": 0, "truncated": 0}
         if self.max_tokens is not None and any(len(e.ids) > self.max_tokens for e in encodings):
             encodings, spans = self._fitted(wheres, conversations, encodings, list(spans), counts)
-        lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
-        ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        id_lists = [e.ids for e in encodings]  # a tokenizers.Encoding makes a new list at each .ids
+        lengths = np.fromiter(map(len, id_lists), np.int64, len(id_lists))
+        ids = np.fromiter(chain.from_iterable(id_lists), np.int64, int(lengths.sum()))
         if self.train_on == "all":
             mask = np.ones(ids.size, bool)
         else:
-            mask = np.concatenate([assistant_mask(e, s, len(e.ids)) for e, s in zip(encodings, spans)] or
+            mask = np.concatenate([assistant_mask(e, s, int(n)) for e, s, n in zip(encodings, spans, lengths)] or
                                   [np.zeros(0, bool)])
         return lengths, ids.astype(self.dtype), mask, counts
+
+    def _tokenized(self, texts: list[str]) -> list[Any]:
+        """Each text's encoding (ids, ``char_to_token``): :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE`'s
+        where the tokenizer is of its shape, ``tokenizers``' ``encode_batch`` otherwise (the same ids and offsets)."""
+        if self.fast is not None:
+            return self.fast.encode_batch(texts)
+        return self.tokenizer.encode_batch(texts, add_special_tokens=False)
 
     def _fitted(self, wheres, conversations, encodings, spans, counts) -> tuple[list, list]:
         """The batch's encodings and spans with each overlong conversation refused, dropped or truncated."""
