@@ -3,8 +3,10 @@
 
 Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is checked, rendered with the chat
 template (:func:`fastio.formats.chat_template.render`: as transformers renders it), the rendered texts tokenized
-together (``encode_batch``, no special tokens added: the template writes them; a special token's string in a
-message is that special token, as in transformers), and each one's mask made from its generation spans
+together (no special tokens added: the template writes them; a special token's string in a message is that
+special token, as in transformers: by :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE` where the tokenizer is
+a byte-level BPE of its shape, the same ids and offsets without ``tokenizers``' per-byte bookkeeping, by
+``encode_batch`` otherwise), and each one's mask made from its generation spans
 (:func:`fastio.formats.assistant_mask.assistant_mask`; ``train_on="all"``: every token). A bad conversation is a
 ConvertError naming its file and line (``where``), the field and what is wrong.
 
