@@ -18,7 +18,8 @@ from fastio.formats.chat_template import load_chat_template
 
 PIECES = ["x  y", "a\n\n\nb", "it's  'tis 'S", "they'll've'd", "123456 7.5", " \t \r\n", "end   ", "!!!  ???",
           "(x+y)*z=[1]", "<|im_end|>x", "  <|im_start|>", "alpha<|endoftext|>beta", "héllo wörld", "日本語",
-          "a\x0bb", "a\x1cb", "\u00a0nbsp", "emoji 😀 ok", "gamma  delta\t\tzeta"]
+          "a\x0bb", "a\x1cb", "\u00a0nbsp", "emoji 😀 ok", "gamma  delta\t\tzeta", "IT'S WE'LL", "?!\n\n",
+          "1234567", " \n\n x", "x \r\n\r\n  y"]
 """Text at the pattern's edges: whitespace runs before words and at the end, contractions, digits, punctuation,
 added tokens inside text, and characters left to tokenizers (non-ASCII, vertical tab, a separator control)."""
 
@@ -61,6 +62,41 @@ def test_added_tokens_split_raw_first_then_normalized(chat_files):
     assert isinstance(got[0], FastEncoding) and tok.token_to_id("<|im_end|>") in got[0].ids
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Llama 3's pre-tokenizer pattern (Qwen 2's differs only in ``\\p{N}`` one at a time)."""
+
+
+def split_shaped(path, texts):
+    """A byte-level BPE shaped as Llama 3's and Qwen 2's ``tokenizer.json`` (an NFC normalizer, a Split regex then
+    ``ByteLevel(use_regex=False)``, ``ignore_merges``, a ``ByteLevel`` then ``TemplateProcessing`` post-processor
+    adding a begin token), with the chat specials, trained here on ``texts``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)])])
+    tok.save(str(path))
+    return path
+
+
+def test_a_split_pattern_tokenizer_encodes_as_tokenizers(tmp_path):
+    """Llama 3's and Qwen 2's shape: the Split pattern is translated for ASCII, and equal to tokenizers' onig."""
+    tok = load_tokenizer(split_shaped(tmp_path / "tokenizer.json", _texts(200, 5)))
+    got = _assert_encodes_as_tokenizers(tok, _texts(300, 6))
+    assert 0 < sum(isinstance(g, FastEncoding) for g in got) < len(got)
+
+
 def _reshaped(path, change) -> object:
     spec = json.loads(path.read_text())
     change(spec)
@@ -75,6 +111,9 @@ OTHER_SHAPES = {
     "trimmed offsets": lambda s: s.update(post_processor={"type": "ByteLevel", "add_prefix_space": False,
                                                           "trim_offsets": True, "use_regex": True}),
     "lstrip": lambda s: s["added_tokens"][-1].update(lstrip=True),
+    "another property": lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{Lu}+|[^\p{Lu}]+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}),
 }
 
 
@@ -112,6 +151,15 @@ def test_conversations_equal_transformers_on_the_fast_path(chat_files, template)
     encoder = _encoder(load_tokenizer(tok), config)
     assert encoder.fast is not None
     _assert_equal_transformers(encoder, hf_tokenizer(tok, config), template, _conversations(60, len(template)))
+
+
+def test_conversations_of_a_split_pattern_tokenizer_equal_transformers(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    tok = split_shaped(tmp_path / "tokenizer.json", _texts(200, 7))
+    config = chat_config(tmp_path / "config.json", GLUED)
+    encoder = _encoder(load_tokenizer(tok), config)
+    assert encoder.fast is not None
+    _assert_equal_transformers(encoder, hf_tokenizer(tok, config), GLUED, _conversations(40, 8))
 
 
 @pytest.mark.parametrize("shape", ["normalizer", "trimmed offsets"])

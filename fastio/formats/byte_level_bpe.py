@@ -44,7 +44,7 @@ _GPT2_ASCII = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-
 ``\\p{L}`` is ``[A-Za-z]``, ``\\p{N}`` is ``[0-9]`` and ``\\s`` is tab, newline, carriage return and space."""
 _OUTSIDE = re.compile(r"[^\t\n\r\x20-\x7e]")
 """A character this module leaves to ``tokenizers``."""
-_CACHE_WORDS = 1 << 20
+_CACHE_WORDS = 1 << 18
 """Words whose ids are kept (the cache starts again when it holds more)."""
 
 
@@ -55,6 +55,15 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
 
 
+_ONIG_TOKEN = re.compile(r"\\p\{[LN]\}|\\[sSdDwWrnt]|\\[^\w\s]|\[\^?\]?|\(\?(?:i:|:|!|=|<=|<!|>)|[^\\[(]|\((?!\?)")
+"""One piece of an Oniguruma pattern :func:`_ascii_pattern` takes: ``\\p{L}``, ``\\p{N}``, a class escape that
+means the same on ASCII, an escaped punctuation mark, a class's opening, a group that sets no flag but ``i``,
+or any other character but a backslash."""
+_ASCII_CLASSES = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9"}
+_SAME_ON_ASCII = (None, "NFC", "NFKC", "NFD", "NFKD")
+"""Normalizers that leave ASCII text as it is."""
+_POST_PROCESSORS = (None, "ByteLevel", "TemplateProcessing")
+"""Post-processors kept (a ``Sequence`` of them too): the probe checks they change nothing without special tokens."""
 _ASCII_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _bytes_to_unicode().items() if b < 128})
 _PROBE = ("Hello, world! It's 2024: we'll see; they've 3 cats & 12,345.67 dogs?\n\n  indented\tline\r\n"
           "don't  STOP   me--now... (x+y)*z=[1]{2}<3>|~`^_\\/@#$%\"' end  \n \t" + string.printable[:95])
@@ -77,28 +86,29 @@ class FastEncoding:
 class ByteLevelBPE:
     """``encode_batch(texts)`` as ``tokenizer.encode_batch(texts, add_special_tokens=False)`` (see the module)."""
 
-    def __init__(self, tokenizer: Any, raw: list[str], normalized: list[str], added: dict[str, int]):
-        self.tokenizer, self._added = tokenizer, added
-        self._raw, self._normalized = _alternation(raw), _alternation(normalized)
-        self._cache: dict[str, list[int]] = {}
-        vocab = tokenizer.get_vocab(with_added_tokens=True)
-        self._chars = np.zeros(max(vocab.values(), default=0) + 1, np.int64)
+    def __init__(self, tokenizer: Any, words: re.Pattern, tokens: list[dict]):
+        self.tokenizer, self._pattern, self._cache = tokenizer, words, {}
+        self._added = {t["content"]: t["id"] for t in tokens}
+        self._raw = _alternation([t["content"] for t in tokens if not t["normalized"]])
+        self._normalized = _alternation([t["content"] for t in tokens if t["normalized"]])
+        vocab = tokenizer.get_vocab(with_added_tokens=False)
+        self._chars = np.zeros(max([*vocab.values(), *self._added.values()], default=0) + 1, np.int64)
         self._chars[list(vocab.values())] = [len(t) for t in vocab]  # an ASCII word's token: a character a byte
+        self._chars[list(self._added.values())] = [len(t) for t in self._added]  # as id_to_token: the added one
 
     @classmethod
     def of(cls, tokenizer: Any) -> ByteLevelBPE | None:
         """The fast encoder of ``tokenizer`` (a ``tokenizers.Tokenizer``), or None where it is not of the shape the
         module names, or does not encode the probe text as ``tokenizers`` does."""
         spec = json.loads(tokenizer.to_str())
-        if getattr(tokenizer, "encode_special_tokens", False) or not _shape_holds(spec):
-            return None
+        words = _word_pattern(spec.get("pre_tokenizer") or {})
         tokens = spec.get("added_tokens") or []
-        if any(t["lstrip"] or t["rstrip"] or t["single_word"] for t in tokens):
+        if (words is None or getattr(tokenizer, "encode_special_tokens", False) or not _pipeline_holds(spec)
+                or any(t["lstrip"] or t["rstrip"] or t["single_word"] for t in tokens)):
             return None
-        raw = [t["content"] for t in tokens if not t["normalized"]]
-        fast = cls(tokenizer, raw, [t["content"] for t in tokens if t["normalized"]],
-                   {t["content"]: t["id"] for t in tokens})
-        return fast if fast._agrees(_PROBE + "".join(raw[:8])) else None
+        fast = cls(tokenizer, words, tokens)
+        specials = "".join(t["content"] for t in tokens[:8])
+        return fast if fast._agrees(_PROBE + specials + _PROBE[::-1]) else None
 
     def encode_batch(self, texts: list[str]) -> list[Any]:
         """Each text's :class:`FastEncoding`, or its ``tokenizers.Encoding`` where it holds a character left to
@@ -139,7 +149,7 @@ class ByteLevelBPE:
 
     def _words(self, piece: str) -> list[int]:
         cache, out = self._cache, []
-        for word in _GPT2_ASCII.findall(piece):
+        for word in _split(self._pattern, piece):
             ids = cache.get(word)
             if ids is None:
                 if len(cache) >= _CACHE_WORDS:
@@ -157,15 +167,70 @@ class ByteLevelBPE:
         return all(got.char_to_token(p) == want.char_to_token(p) for p in range(len(probe) + 1))
 
 
-def _shape_holds(spec: dict) -> bool:
-    """Whether a ``tokenizer.json``'s pipeline is the one this module reproduces (see the module)."""
-    pre, model, post = spec.get("pre_tokenizer") or {}, spec.get("model") or {}, spec.get("post_processor")
-    return (spec.get("normalizer") is None and spec.get("truncation") is None and spec.get("padding") is None
-            and pre.get("type") == "ByteLevel" and pre.get("add_prefix_space") is False
-            and pre.get("use_regex", True) is True
+def _split(pattern: re.Pattern, piece: str) -> list[str]:
+    """``piece`` cut into its matches of ``pattern`` and the text between them, none empty (``tokenizers``' Split
+    with the ``Isolated`` behaviour)."""
+    if not pattern.groups:
+        words = pattern.findall(piece)
+        if sum(map(len, words)) == len(piece):  # the matches cover it: nothing between them
+            return words
+    out, at = [], 0
+    for m in pattern.finditer(piece):
+        out += [w for w in (piece[at:m.start()], m.group()) if w]
+        at = m.end()
+    return out + ([piece[at:]] if at < len(piece) else [])
+
+
+def _pipeline_holds(spec: dict) -> bool:
+    """Whether a ``tokenizer.json``'s normalizer, model, post-processor, truncation and padding are those this
+    module reproduces (see the module); the pre-tokenizer: :func:`_word_pattern`."""
+    model, post = spec.get("model") or {}, spec.get("post_processor") or {"type": None}
+    posts = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    return ((spec.get("normalizer") or {}).get("type") in _SAME_ON_ASCII
+            and spec.get("truncation") is None and spec.get("padding") is None
             and model.get("type") == "BPE" and model.get("dropout") is None
             and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
-            and (post is None or post.get("type") == "ByteLevel"))
+            and all(p.get("type") in _POST_PROCESSORS for p in posts))
+
+
+def _word_pattern(pre: dict) -> re.Pattern | None:
+    """The words a pre-tokenizer cuts ASCII text into, as a pattern: GPT-2's for ``ByteLevel(use_regex=True)``, a
+    ``Split`` regex (:func:`_ascii_pattern`) for ``Sequence([Split(Isolated), ByteLevel(use_regex=False)])``;
+    None for any other (or a prefix space)."""
+    if pre.get("type") == "ByteLevel":
+        return _GPT2_ASCII if pre.get("add_prefix_space") is False and pre.get("use_regex", True) else None
+    steps = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else []
+    if len(steps) != 2:
+        return None
+    split, byte_level = steps
+    if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
+            or byte_level != {**byte_level, "type": "ByteLevel", "add_prefix_space": False, "use_regex": False}):
+        return None
+    onig = (split.get("pattern") or {}).get("Regex")
+    return _ascii_pattern(onig) if isinstance(onig, str) else None
+
+
+def _ascii_pattern(onig: str) -> re.Pattern | None:
+    """An Oniguruma pattern (``tokenizers``' ``Regex``) as a Python pattern that matches the same on the characters
+    :data:`_OUTSIDE` admits: ``\\p{L}`` as ``A-Za-z``, ``\\p{N}`` as ``0-9``; None where it uses anything else whose
+    meaning could differ (another property or escape, an anchor, a nested class, a flag group but ``(?i:``), or can
+    match nothing."""
+    out, i = [], 0
+    in_class = False
+    while i < len(onig):
+        token = _ONIG_TOKEN.match(onig, i)
+        if token is None or token[0] in ("^", "$") and not in_class or token[0] == "[" and in_class:
+            return None
+        text = token[0]
+        out.append(text if text not in _ASCII_CLASSES else
+                   _ASCII_CLASSES[text] if in_class else f"[{_ASCII_CLASSES[text]}]")
+        in_class = (in_class or text.startswith("[")) and text != "]"
+        i = token.end()
+    try:
+        pattern = re.compile("".join(out))
+    except re.error:
+        return None
+    return None if pattern.search("") else pattern
 
 
 def _alternation(tokens: list[str]) -> re.Pattern | None:
