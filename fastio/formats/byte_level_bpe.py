@@ -1,26 +1,31 @@
-"""A GPT-2-style byte-level BPE ``tokenizer.json`` encoding text token for token as ``tokenizers`` encodes it
-(``encode(text, add_special_tokens=False)``: the same ids, and the same character offsets for ``char_to_token``),
-without its per-character bookkeeping, for the texts whose encoding is provably the same; every other text is
-handed to ``tokenizers`` itself.
+"""A byte-level BPE ``tokenizer.json`` (GPT-2's shape, or Llama 3's and Qwen 2's) encoding text token for token as
+``tokenizers`` encodes it (``encode(text, add_special_tokens=False)``: the same ids, and the same character
+offsets for ``char_to_token``), without its per-byte bookkeeping, for the texts whose encoding is provably the
+same; every other text is handed to ``tokenizers`` itself.
 
 ``tokenizers`` keeps an alignment for every byte of the text through normalizing, pre-tokenizing and the model,
 and maps byte offsets to characters through a table of every byte; a chat conversion needs the ids, and the
 characters only at a few span edges. Here, for a tokenizer of this shape only (:meth:`ByteLevelBPE.of`; any
 other: None, and the caller uses ``tokenizers``):
 
-- no normalizer; the pre-tokenizer is ``ByteLevel(add_prefix_space=False, use_regex=True)`` (GPT-2's pattern);
-  the model a ``BPE`` without dropout, subword prefix or word suffix; no post-processor, or a ``ByteLevel`` one;
-  no truncation or padding; no added token with ``lstrip``, ``rstrip`` or ``single_word``;
+- no normalizer, or one that leaves ASCII as it is (NFC, NFKC, NFD, NFKD);
+- the pre-tokenizer ``ByteLevel(add_prefix_space=False, use_regex=True)`` (GPT-2's pattern), or a ``Split`` by a
+  regex (``Isolated``) then ``ByteLevel(add_prefix_space=False, use_regex=False)`` (Llama 3, Qwen 2), the regex
+  one :func:`_ascii_pattern` can translate;
+- the model a ``BPE`` without dropout, subword prefix or word suffix; no post-processor, or ``ByteLevel`` and
+  ``TemplateProcessing`` ones (they add nothing without special tokens); no truncation or padding; no added
+  token with ``lstrip``, ``rstrip`` or ``single_word``;
 
 a text is split where an added token occurs as ``tokenizers`` splits it (leftmost-longest, the tokens matched
-on the raw text first, then those it matches on normalized text), each piece between added tokens is split by
-GPT-2's pattern, and each of those words, its bytes written in the byte-level alphabet, is tokenized by the
-tokenizer's own model (``Tokenizer.model.tokenize``: what the pipeline calls on each word), its ids kept in a
-cache. The pattern's classes are written for ASCII, so a text is done here only when every piece between added
-tokens holds printable ASCII, tab, newline or carriage return (where ``\\s``, ``\\p{L}`` and ``\\p{N}`` mean the
-same in every regex engine, and each token covers as many characters as its string has); any other text goes to
-``tokenizers``' ``encode_batch``. The shape is also checked against ``tokenizers`` once, on a probe text of every
-such character, contractions, whitespace runs and the added tokens: ids and offsets must be equal, or
+on the raw text first, then those it matches on normalized text), each piece between added tokens is cut into
+words by the pre-tokenizer's pattern (the matches and the text between them), and each word, its bytes written
+in the byte-level alphabet, is tokenized by the tokenizer's own model (``Tokenizer.model.tokenize``: what the
+pipeline calls on each word), its ids kept in a cache. The patterns' classes are written for ASCII, so a text is
+done here only when every piece between added tokens holds printable ASCII, tab, newline or carriage return
+(where ``\\s``, ``\\p{L}`` and ``\\p{N}`` mean the same in every regex engine, the normalizers change nothing,
+and each token covers as many characters as its string has); any other text goes to ``tokenizers``'
+``encode_batch``. The shape is also checked against ``tokenizers`` once, on a probe text of every such
+character, contractions, digit and whitespace runs and the added tokens: ids and offsets must be equal, or
 :meth:`ByteLevelBPE.of` says None.
 
 Imports nothing of fastio.
