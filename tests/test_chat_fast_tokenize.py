@@ -111,6 +111,11 @@ OTHER_SHAPES = {
     "trimmed offsets": lambda s: s.update(post_processor={"type": "ByteLevel", "add_prefix_space": False,
                                                           "trim_offsets": True, "use_regex": True}),
     "lstrip": lambda s: s["added_tokens"][-1].update(lstrip=True),
+    "a normalized non-ASCII added token under NFKC": lambda s: (
+        s.update(normalizer={"type": "NFKC"}),
+        s["added_tokens"].append({"id": max(t["id"] for t in s["added_tokens"]) + 1000, "content": "\ufb01x",
+                                  "single_word": False, "lstrip": False, "rstrip": False, "normalized": True,
+                                  "special": False})),
     "another property": lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": r"\p{Lu}+|[^\p{Lu}]+"}, "behavior": "Isolated", "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}),

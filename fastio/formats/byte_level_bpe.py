@@ -109,7 +109,7 @@ class ByteLevelBPE:
         words = _word_pattern(spec.get("pre_tokenizer") or {})
         tokens = spec.get("added_tokens") or []
         if (words is None or getattr(tokenizer, "encode_special_tokens", False) or not _pipeline_holds(spec)
-                or any(t["lstrip"] or t["rstrip"] or t["single_word"] for t in tokens)):
+                or not all(_added_token_holds(t, spec.get("normalizer")) for t in tokens)):
             return None
         fast = cls(tokenizer, words, tokens)
         specials = "".join(t["content"] for t in tokens[:8])
@@ -196,6 +196,15 @@ def _pipeline_holds(spec: dict) -> bool:
             and model.get("type") == "BPE" and model.get("dropout") is None
             and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
             and all(p.get("type") in _POST_PROCESSORS for p in posts))
+
+
+def _added_token_holds(token: dict, normalizer: dict | None) -> bool:
+    """Whether an added token is split out as this module splits: no ``lstrip``, ``rstrip`` or ``single_word``,
+    and, matched on normalized text under a normalizer, ASCII (which the normalizer leaves as it is: ``tokenizers``
+    matches the token's normalized form, and NFKC makes ASCII of some other characters)."""
+    if token["lstrip"] or token["rstrip"] or token["single_word"]:
+        return False
+    return not (token["normalized"] and normalizer is not None and not token["content"].isascii())
 
 
 def _word_pattern(pre: dict) -> re.Pattern | None:
