@@ -20,13 +20,16 @@ a text is split where an added token occurs as ``tokenizers`` splits it (leftmos
 on the raw text first, then those it matches on normalized text), each piece between added tokens is cut into
 words by the pre-tokenizer's pattern (the matches and the text between them), and each word, its bytes written
 in the byte-level alphabet, is tokenized by the tokenizer's own model (``Tokenizer.model.tokenize``: what the
-pipeline calls on each word), its ids kept in a cache. The patterns' classes are written for ASCII, so a text is
-done here only when every piece between added tokens holds printable ASCII, tab, newline or carriage return
+pipeline calls on each word), its ids kept in a cache. The patterns' classes are written for ASCII, so a piece
+between added tokens is done here only when it holds printable ASCII, tab, newline or carriage return alone
 (where ``\\s``, ``\\p{L}`` and ``\\p{N}`` mean the same in every regex engine, the normalizers change nothing,
-and each token covers as many characters as its string has); any other text goes to ``tokenizers``'
-``encode_batch``. The shape is also checked against ``tokenizers`` once, on a probe text of every such
-character, contractions, digit and whitespace runs and the added tokens: ids and offsets must be equal, or
-:meth:`ByteLevelBPE.of` says None.
+and each token covers as many characters as its string has); any other piece is encoded by ``tokenizers``
+(``encode_batch``, the batch's such pieces at once: ``tokenizers`` too encodes each piece between added tokens on
+its own), its offsets taken as it gives them, and a text whose offsets would then not be gap-free and in order
+(a normalizer joining characters) is encoded by ``tokenizers`` whole. The shape is also checked against
+``tokenizers`` once, on a probe text of every such character, contractions, digit and whitespace runs and the
+added tokens, and on one of other characters: ids and offsets must be equal, or :meth:`ByteLevelBPE.of` says
+None.
 
 Imports nothing of fastio.
 """
@@ -37,6 +40,7 @@ import json
 import re
 import string
 from bisect import bisect_right
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
@@ -72,6 +76,10 @@ _POST_PROCESSORS = (None, "ByteLevel", "TemplateProcessing")
 _ASCII_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _bytes_to_unicode().items() if b < 128})
 _PROBE = ("Hello, world! It's 2024: we'll see; they've 3 cats & 12,345.67 dogs?\n\n  indented\tline\r\n"
           "don't  STOP   me--now... (x+y)*z=[1]{2}<3>|~`^_\\/@#$%\"' end  \n \t" + string.printable[:95])
+
+
+_MIXED_PROBE = "naïve café ’quoted’ — 日本語 😀 x\u00a0y e\u0301 Ⅻ ﬁ "
+"""Pieces ``tokenizers`` encodes for :class:`ByteLevelBPE`: their offsets are taken as it gives them."""
 
 
 class FastEncoding:
@@ -113,44 +121,82 @@ class ByteLevelBPE:
             return None
         fast = cls(tokenizer, words, tokens)
         specials = "".join(t["content"] for t in tokens[:8])
-        return fast if fast._agrees(_PROBE + specials + _PROBE[::-1]) else None
+        return fast if fast._agrees(_PROBE + specials + _PROBE[::-1], _MIXED_PROBE + specials) else None
 
     def encode_batch(self, texts: list[str]) -> list[Any]:
-        """Each text's :class:`FastEncoding`, or its ``tokenizers.Encoding`` where it holds a character left to
-        ``tokenizers``; in order."""
-        ids = [self._ids(t) for t in texts]
-        rest = [i for i, x in enumerate(ids) if x is None]
-        done = [x for x in ids if x is not None]
-        flat = np.fromiter(chain.from_iterable(done), np.int64, sum(map(len, done)))
-        ends = np.cumsum(self._chars[flat])
-        out, at = [], 0
-        for x in ids:
-            out.append(x if x is None else FastEncoding(x, ends[at:at + len(x)] - (ends[at - 1] if at else 0)))
-            at += 0 if x is None else len(x)
-        for i, e in zip(rest, self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
-                        if rest else []):
-            out[i] = e
+        """Each text's :class:`FastEncoding` (a ``tokenizers.Encoding`` where its offsets would not be gap-free), in
+        order; the pieces holding characters left to ``tokenizers`` encoded by it, in one call."""
+        parts = [self._parts(t) for t in texts]
+        pieces = [p for ps in parts for p in ps[1::2]]
+        slow = iter(self.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else ())
+        out = self._ascii_encodings([ps[0] if len(ps) == 1 else None for ps in parts])
+        for i, ps in enumerate(parts):
+            if len(ps) > 1:
+                out[i] = self._mixed(texts[i], ps, slow)
         return out
 
-    def _ids(self, text: str) -> list[int] | None:
-        """The ids of ``text``, None where a piece between added tokens holds a character left to ``tokenizers``."""
+    def _ascii_encodings(self, id_lists: list[list[int] | None]) -> list[FastEncoding | None]:
+        """A :class:`FastEncoding` of each text done here whole (its ids), None for the others."""
+        done = [x for x in id_lists if x is not None]
+        ends = np.cumsum(self._chars[np.fromiter(chain.from_iterable(done), np.int64, sum(map(len, done)))])
+        out, at = [], 0
+        for x in id_lists:
+            out.append(None if x is None else FastEncoding(x, ends[at:at + len(x)] - (ends[at - 1] if at else 0)))
+            at += 0 if x is None else len(x)
+        return out
+
+    def _mixed(self, text: str, parts: list, slow: Iterator[Any]) -> Any:
+        """The encoding of a text some of whose pieces ``tokenizers`` encoded (``parts``: ids, piece, ids, ...;
+        ``slow``: the pieces' encodings): a :class:`FastEncoding` where the offsets are gap-free and in order (then
+        the token holding a character is the first that ends after it), ``tokenizers``' own encoding otherwise."""
         ids: list[int] = []
-        for k, piece in enumerate(self._pieces(text)):
+        starts, ends, at = [], [], 0
+        for k, part in enumerate(parts):
+            if k % 2:
+                e = next(slow)
+                ids += e.ids
+                offsets = np.array(e.offsets, np.int64).reshape(-1, 2) + at
+                at += len(part)
+            else:
+                ids += part
+                stop = at + np.cumsum(self._chars[np.array(part, np.int64)])
+                offsets = np.stack([np.concatenate([[at], stop[:-1]])[:len(part)], stop], axis=1)
+                at = int(stop[-1]) if len(part) else at
+            starts.append(offsets[:, 0])
+            ends.append(offsets[:, 1])
+        starts, stops = np.concatenate(starts), np.concatenate(ends)
+        if len(ids) and starts[0] == 0 and stops[-1] == len(text) and (starts[1:] <= stops[:-1]).all() \
+                and (np.diff(stops) >= 0).all():
+            return FastEncoding(ids, stops)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _parts(self, text: str) -> list:
+        """``text`` as ids, piece, ids, piece, ..., ids: the ids of what is done here, and each piece between added
+        tokens (as ``tokenizers`` first splits, on the raw text) holding a character left to ``tokenizers``."""
+        parts, ids = [], []
+        for k, piece in enumerate(self._raw.split(text) if self._raw else [text]):
             if k % 2:
                 ids.append(self._added[piece])
+            elif _OUTSIDE.search(piece):
+                parts += [ids, piece]
+                ids = []
             elif piece:
-                if _OUTSIDE.search(piece):
-                    return None
-                ids += self._words(piece)
-        return ids
+                ids += self._ascii_ids(piece)
+        parts.append(ids)
+        return parts
 
-    def _pieces(self, text: str) -> list[str]:
-        """``text`` split at added tokens: text, token, text, ... (the raw-text tokens first, then the others in
-        each piece between them, as ``tokenizers`` splits)."""
-        pieces = self._raw.split(text) if self._raw else [text]
-        if not self._normalized:
-            return pieces
-        return [p for k, piece in enumerate(pieces) for p in ((piece,) if k % 2 else self._normalized.split(piece))]
+    def _ascii_ids(self, piece: str) -> list[int]:
+        """The ids of an ASCII piece between raw-text added tokens: split at the others (matched on the normalized
+        text, which is this text), then into words."""
+        if self._normalized is None:
+            return self._words(piece)
+        out: list[int] = []
+        for k, sub in enumerate(self._normalized.split(piece)):
+            if k % 2:
+                out.append(self._added[sub])
+            elif sub:
+                out += self._words(sub)
+        return out
 
     def _words(self, piece: str) -> list[int]:
         cache, out = self._cache, []
@@ -163,13 +209,17 @@ class ByteLevelBPE:
             out += ids
         return out
 
-    def _agrees(self, probe: str) -> bool:
-        """Whether ``probe`` gets the ids and character offsets ``tokenizers`` gives it."""
-        want = self.tokenizer.encode(probe, add_special_tokens=False)
-        got = self.encode_batch([probe])[0]
-        if not isinstance(got, FastEncoding) or got.ids != want.ids:
+    def _agrees(self, ascii_probe: str, mixed_probe: str) -> bool:
+        """Whether the probes get the ids and character offsets ``tokenizers`` gives them (the ASCII one done
+        here)."""
+        got = self.encode_batch([ascii_probe, mixed_probe])
+        if not isinstance(got[0], FastEncoding):
             return False
-        return all(got.char_to_token(p) == want.char_to_token(p) for p in range(len(probe) + 1))
+        for probe, g in zip((ascii_probe, mixed_probe), got):
+            want = self.tokenizer.encode(probe, add_special_tokens=False)
+            if g.ids != want.ids or any(g.char_to_token(p) != want.char_to_token(p) for p in range(len(probe) + 1)):
+                return False
+        return True
 
 
 def _split(pattern: re.Pattern, piece: str) -> list[str]:
