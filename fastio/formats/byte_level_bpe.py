@@ -25,8 +25,9 @@ between added tokens is done here only when it holds printable ASCII, tab, newli
 (where ``\\s``, ``\\p{L}`` and ``\\p{N}`` mean the same in every regex engine, the normalizers change nothing,
 and each token covers as many characters as its string has); any other piece is encoded by ``tokenizers``
 (``encode_batch``, the batch's such pieces at once: ``tokenizers`` too encodes each piece between added tokens on
-its own), its offsets taken as it gives them, and a text whose offsets would then not be gap-free and in order
-(a normalizer joining characters) is encoded by ``tokenizers`` whole. The shape is also checked against
+its own), its offsets taken as it gives them; a text whose offsets would then not be gap-free and in order (a
+normalizer joining characters), or more than half of whose characters are in such pieces (piece by piece would
+cost more than whole), is encoded by ``tokenizers`` whole. The shape is also checked against
 ``tokenizers`` once, on a probe text of every such character, contractions, digit and whitespace runs and the
 added tokens, and on one of other characters: ids and offsets must be equal, or :meth:`ByteLevelBPE.of` says
 None.
@@ -124,14 +125,18 @@ class ByteLevelBPE:
         return fast if fast._agrees(_PROBE + specials + _PROBE[::-1], _MIXED_PROBE + specials) else None
 
     def encode_batch(self, texts: list[str]) -> list[Any]:
-        """Each text's :class:`FastEncoding` (a ``tokenizers.Encoding`` where its offsets would not be gap-free), in
-        order; the pieces holding characters left to ``tokenizers`` encoded by it, in one call."""
+        """Each text's :class:`FastEncoding` (a ``tokenizers.Encoding`` where its offsets would not be gap-free, or
+        where most of it is left to ``tokenizers``), in order; what is left to ``tokenizers`` encoded in one call."""
         parts = [self._parts(t) for t in texts]
-        pieces = [p for ps in parts for p in ps[1::2]]
-        slow = iter(self.tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else ())
-        out = self._ascii_encodings([ps[0] if len(ps) == 1 else None for ps in parts])
+        whole = [t for t, ps in zip(texts, parts) if ps is None]
+        pieces = [p for ps in parts if ps is not None for p in ps[1::2]]
+        encoded = self.tokenizer.encode_batch(whole + pieces, add_special_tokens=False) if whole or pieces else []
+        whole_encoded, slow = iter(encoded[:len(whole)]), iter(encoded[len(whole):])
+        out = self._ascii_encodings([ps[0] if ps is not None and len(ps) == 1 else None for ps in parts])
         for i, ps in enumerate(parts):
-            if len(ps) > 1:
+            if ps is None:
+                out[i] = next(whole_encoded)
+            elif len(ps) > 1:
                 out[i] = self._mixed(texts[i], ps, slow)
         return out
 
@@ -170,14 +175,19 @@ class ByteLevelBPE:
             return FastEncoding(ids, stops)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _parts(self, text: str) -> list:
+    def _parts(self, text: str) -> list | None:
         """``text`` as ids, piece, ids, piece, ..., ids: the ids of what is done here, and each piece between added
-        tokens (as ``tokenizers`` first splits, on the raw text) holding a character left to ``tokenizers``."""
+        tokens (as ``tokenizers`` first splits, on the raw text) holding a character left to ``tokenizers``; None
+        where such pieces are most of the text (``tokenizers`` encodes it whole: faster than piece by piece)."""
+        pieces = self._raw.split(text) if self._raw else [text]
+        outside = {k for k in range(0, len(pieces), 2) if _OUTSIDE.search(pieces[k])}
+        if 2 * sum(len(pieces[k]) for k in outside) > len(text):
+            return None
         parts, ids = [], []
-        for k, piece in enumerate(self._raw.split(text) if self._raw else [text]):
+        for k, piece in enumerate(pieces):
             if k % 2:
                 ids.append(self._added[piece])
-            elif _OUTSIDE.search(piece):
+            elif k in outside:
                 parts += [ids, piece]
                 ids = []
             elif piece:
