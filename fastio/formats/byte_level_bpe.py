@@ -77,8 +77,6 @@ _POST_PROCESSORS = (None, "ByteLevel", "TemplateProcessing")
 _ASCII_TO_BYTE_LEVEL = str.maketrans({chr(b): c for b, c in _bytes_to_unicode().items() if b < 128})
 _PROBE = ("Hello, world! It's 2024: we'll see; they've 3 cats & 12,345.67 dogs?\n\n  indented\tline\r\n"
           "don't  STOP   me--now... (x+y)*z=[1]{2}<3>|~`^_\\/@#$%\"' end  \n \t" + string.printable[:95])
-
-
 _MIXED_PROBE = "naïve café ’quoted’ — 日本語 😀 x\u00a0y e\u0301 Ⅻ ﬁ "
 """Pieces ``tokenizers`` encodes for :class:`ByteLevelBPE`: their offsets are taken as it gives them."""
 
@@ -92,7 +90,8 @@ class FastEncoding:
         self.ids, self._ends = ids, ends
 
     def char_to_token(self, pos: int) -> int | None:
-        """The token whose characters hold ``pos`` (tokens cover the text one after another), None past the end."""
+        """The token whose characters hold ``pos``, None past the end: the first token ending after it (the
+        offsets are gap-free and in order, so it is ``tokenizers``' first token holding it)."""
         i = bisect_right(self._ends, pos)
         return i if i < len(self.ids) else None
 
