@@ -18,9 +18,11 @@ from helpers import free_port, start_ranks
 from PIL import Image
 from resume import check_resume, run_ranks
 from tokens_helpers import (
+    chat_dataset,
     conversations,
     image_colour,
     image_text_source,
+    stored_conversations,
     stored_image_text,
     word_corpus,
     write_chats,
@@ -98,15 +100,18 @@ def _nearest(colour: np.ndarray, n: int) -> tuple[int, int]:
     return min(pairs, key=lambda p: np.abs(np.array(image_colour(*p)) - colour).sum())
 
 
-def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int) -> list[tuple[int, int]]:
-    """Every segment of ``batch`` against the stored sample it holds (found by its tokens): tokens, mask, position
-    ids, image runs and each image's colour; (row, sample) of each segment, in order."""
+def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int, only: np.ndarray | None = None
+                 ) -> list[tuple[int, int]]:
+    """Every segment of ``batch`` (in rows ``only``, None: all) against the stored sample it holds (found by its
+    tokens): tokens, mask, position ids, image runs and each image's colour; (row, sample) of each segment."""
     tokens, mask, pos = batch["tokens"].numpy(), batch["loss_mask"].numpy(), batch["position_ids"].numpy()
     rows, starts, images = batch["image_rows"].numpy(), batch["image_starts"].numpy(), batch["images"].numpy()
     assert images.shape == (len(rows), 3, SIZE, SIZE) and images.dtype == np.uint8
     assert not mask[batch["segment_ids"].numpy() == 0].any() and not mask[tokens == image_id].any()
     found, m = [], 0
     for r, a, b in _segments(batch):
+        if only is not None and r not in only:
+            continue
         sample = by_tokens[tokens[r, a:b].tobytes()].pop()
         ids, want_mask, runs = ref[sample]
         assert np.array_equal(mask[r, a:b], want_mask) and np.array_equal(pos[r, a:b], np.arange(b - a))
@@ -118,7 +123,8 @@ def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int) -> list
             m += 1
         found.append((r, sample))
     assert m == len(rows)
-    cu = batch["cu_seqlens"].numpy()
+    cu, starts = batch["cu_seqlens"].numpy(), [r * (SEQ + 1) + a for r, a, _ in _segments(batch)]
+    assert set(cu[:-1].tolist()) >= {r * SEQ + a for r, a, _ in _segments(batch) if a < SEQ} and len(starts)
     assert cu[-1] == tokens.shape[0] * SEQ and batch["max_seqlen"] == int(np.diff(cu).max())
     return found
 
@@ -165,6 +171,7 @@ def test_a_batch_without_images_has_images_of_shape_0(vlm):
         got = list(ld)
     assert got and all(b["images"].shape == (0, 3, SIZE, SIZE) and b["images"].dtype == torch.float32 for b in got)
     assert all(b["image_rows"].shape == (0,) and b["loss_mask"].any() for b in got)
+    assert all(b[k].view(torch.uint8).numel() == 0 for b in got for k in ("image_rows", "image_starts"))
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +297,62 @@ def test_a_state_of_other_options_or_another_kind_is_refused(vlm):
     tokens.close()
     with _loader(vlm["ds"]) as ld, pytest.raises(LoaderStateError, match="not of packed image-text sequences"):
         ld.load_state_dict(raw_state)
+
+
+# -- a mixture with chat and plain token datasets ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed(vlm, tmp_path_factory):
+    """The image-text dataset, a chat token dataset (30 conversations) and a plain token dataset (120 documents)."""
+    root = tmp_path_factory.mktemp("vlm-mix")
+    (root / "plain").mkdir()
+    (root / "c").mkdir()
+    return {"vlm": vlm["ds"], "chat": chat_dataset(root / "c", n=30), "plain": word_corpus(root / "plain")}
+
+
+def _mix_loader(mixed, image=None, **options):
+    return _loader(fastio.Mixture(mixed, weights={"vlm": 2, "chat": 1, "plain": 1}), image=image, **options)
+
+
+def test_a_mixture_packs_image_text_chat_and_plain_sources_each_row_as_its_source_wants(vlm, mixed):
+    ref = _reference(vlm["ds"], vlm["image_id"])
+    chats = {np.asarray(ids, np.int64).tobytes(): np.asarray(mask, bool) for ids, mask in
+             stored_conversations(mixed["chat"])}
+    rows_of = Counter()
+    with _mix_loader(mixed, batch_size=4) as ld:
+        for batch in ld:
+            source = batch["source"].numpy()
+            rows_of.update(source.tolist())
+            assert set(batch["image_rows"].tolist()) <= set(np.flatnonzero(source == 0).tolist())
+            _check_batch(batch, ref, _by_tokens(ref), vlm["image_id"], only=np.flatnonzero(source == 0))
+            tokens, mask = batch["tokens"].numpy(), batch["loss_mask"].numpy()
+            for r, a, b in _segments(batch):
+                if source[r] == 1:  # a whole conversation, its stored mask
+                    assert np.array_equal(mask[r, a:b], chats[tokens[r, a:b].tobytes()])
+                elif source[r] == 2:  # a plain document trains every token
+                    assert mask[r, a:b].all()
+            assert not mask[batch["segment_ids"].numpy() == 0].any()
+    assert rows_of[0] > rows_of[1] > 0 and rows_of[2] > 0
+
+
+def test_a_mixture_resumes_exactly_and_on_another_number_of_ranks(mixed):
+    check_resume(lambda: _mix_loader(mixed, image=fastio.ImageTrain(size=SIZE)), n=3, k=3)
+
+    def ids(steps):
+        return [(int(s), int(i)) for step in steps for b in step
+                for s, i, p in zip(b["source"], b["index"], b["padded"]) if not p]
+    make = lambda world, rank: _mix_loader(mixed, world_size=world, rank=rank)  # noqa: E731
+    before, states = run_ranks([make(2, r) for r in range(2)], n=2)
+    after, _ = run_ranks([make(3, r) for r in range(3)], state=states[0])
+    whole, _ = run_ranks([make(1, 0)])
+    assert Counter(ids(before) + ids(after)) == Counter(ids(whole))
+
+
+def test_a_mixture_of_other_kinds_is_refused_naming_the_source(mixed, image_dataset):
+    with pytest.raises(DatasetError, match=r"mixture source 'vlm': \S+: a dataset of stored samples .*fastio\.Tokens "
+                                           "reads token datasets"):
+        fastio.Loader(fastio.Mixture(mixed), pipeline=fastio.Tokens(seq_len=SEQ, packing="best-fit"), batch_size=2,
+                      device="cpu")
+    with pytest.raises(DatasetError, match=r"mixture source 'img': \S+: a dataset of kind 'samples', not an "
+                                           "image-text dataset"):
+        _loader(fastio.Mixture({"vlm": mixed["vlm"], "img": image_dataset}))

@@ -24,6 +24,7 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
+from fastio.formats.image_text import is_image_text
 from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
 from fastio.order.sampler import SamplerSpec
 from fastio.read.reader import ReadBatch, Reader
@@ -335,14 +336,17 @@ def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
 
 def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
     """DatasetError naming a token source and a source of stored samples when the mixture holds both (a batch
-    holds packed sequences or stored samples, not both)."""
+    holds packed sequences or stored samples, not both); an image-text dataset's samples are packed into sequences
+    (``fastio.ImageText``), so it mixes with token datasets."""
     tokens = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is not None]
-    samples = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is None]
+    samples = [(n, ds) for n, ds in zip(names, datasets)
+               if ds.manifest.tokens is None and not is_image_text(ds.manifest.convert_options)]
     if tokens and samples:
         (t, tds), (o, ods) = tokens[0], samples[0]
         raise DatasetError(f"mixture sources {t!r} ({tds.root}) and {o!r} ({ods.root}): {t!r} is a token dataset and "
                            f"{o!r} holds stored samples (kind {ods.manifest.kind!r}); a mixture mixes one kind: "
-                           "token datasets (read with fastio.Tokens) or datasets of samples")
+                           "token datasets (read with fastio.Tokens; with image-text datasets, fastio.ImageText) or "
+                           "datasets of samples")
 
 
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
