@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import numbers
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.formats.image_text import is_image_text
+from fastio.futures import gathered
 from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
 from fastio.order.sampler import SamplerSpec
 from fastio.read.reader import ReadBatch, Reader
@@ -403,25 +403,7 @@ class MixReader:
         src, local = self.mixture.split(ids)
         parts = [(np.flatnonzero(src == s), s) for s in np.unique(src).tolist()]
         futures = [self.readers[s].submit(local[sel]) for sel, s in parts]
-        out: Future = Future()
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def done(_f: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(_merge(ids, [(sel, f.result()) for (sel, _), f in zip(parts, futures)]))
-            except BaseException as err:  # a source's read error (DatasetError, StorageError) passes through
-                out.set_exception(err)
-
-        for f in futures:
-            f.add_done_callback(done)
-        return out
+        return gathered(futures, lambda batches: _merge(ids, [(sel, b) for (sel, _), b in zip(parts, batches)]))
 
     def read_batch(self, ids: np.ndarray) -> ReadBatch:
         return self.submit(ids).result()

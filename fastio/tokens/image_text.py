@@ -21,7 +21,6 @@ header's (width, height) and its draw key (:func:`draw_keys`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.formats.image_text import MASK_FIELD, OPTIONS_KEY, TOKENS_FIELD, image_number, is_image_text
 from fastio.formats.images import image_size
+from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
 from fastio.tokens.packing import (
     BestFitPacking,
@@ -215,7 +215,6 @@ class ImageTextReader:
         self.width = source.packing.seq_len + 1
         self.image_id = source.image_token_id
         self.fields = image_members(source.ds)
-        self._lock = threading.Lock()
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit ids -> ``(epoch, sequence)``."""
@@ -245,19 +244,7 @@ class ImageTextReader:
         reader's thread that read it)."""
         ids = np.asarray(ids, np.int64)
         laid = self.place(ids)
-        out: Future = Future()
-        read = self.source.reader.submit(laid.samples)
-
-        def done(f: Future) -> None:
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(self.lay_out(ids, laid, f.result()))
-            except BaseException as err:  # the read's own error, or one naming the sample
-                out.set_exception(err)
-
-        read.add_done_callback(done)
-        return out
+        return gathered([self.source.reader.submit(laid.samples)], lambda reads: self.lay_out(ids, laid, reads[0]))
 
     def lay_out(self, ids: np.ndarray, laid: _Laid, read: Any) -> ImageTextBatch:
         """The batch of sequences ``ids`` from the read samples (``read``: a ``ReadBatch`` of ``laid.samples``)."""
@@ -386,25 +373,8 @@ class MixedReader:
         ids = np.asarray(ids, np.int64)
         parts = self.parts(ids)
         futures = [reader.submit(unit_ids) for _, reader, unit_ids in parts]
-        out: Future = Future()
-        left, lock = [len(futures)], threading.Lock()
         indices = ids % self.total
-
-        def done(_f: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(merged(indices, [(rows, f.result()) for (rows, _, _), f in zip(parts, futures)]))
-            except BaseException as err:  # a source's read error passes through
-                out.set_exception(err)
-
-        for f in futures:
-            f.add_done_callback(done)
-        return out
+        return gathered(futures, lambda batches: merged(indices, [(rows, b) for (rows, _, _), b in zip(parts, batches)]))
 
     def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
         """Each reader told the coming units that are its own."""
