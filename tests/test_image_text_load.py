@@ -356,3 +356,59 @@ def test_a_mixture_of_other_kinds_is_refused_naming_the_source(mixed, image_data
     with pytest.raises(DatasetError, match=r"mixture source 'img': \S+: a dataset of kind 'samples', not an "
                                            "image-text dataset"):
         _loader(fastio.Mixture({"vlm": mixed["vlm"], "img": image_dataset}))
+
+
+class _TinyVLM(torch.nn.Module):
+    """A vision encoder (one linear map of each image) whose output replaces its run's token embeddings, and a
+    bigram head trained on the loss mask: enough to train on the batches and compare weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision, self.emb, self.out = torch.nn.Linear(3 * SIZE * SIZE, 8), torch.nn.Embedding(400, 8), \
+            torch.nn.Linear(8, 400)
+
+    def loss(self, batch):
+        x = self.emb(batch["tokens"])
+        feats = self.vision(batch["images"].flatten(1))
+        for m, (r, s) in enumerate(zip(batch["image_rows"].tolist(), batch["image_starts"].tolist())):
+            x[r, s:s + IMAGE_SEQ] = feats[m]
+        logits = self.out(x[:, :-1]).flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(logits, batch["tokens"][:, 1:].flatten(), reduction="none")
+        mask = batch["loss_mask"][:, 1:].flatten()
+        return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def test_lightning_resumes_an_image_text_run_mid_epoch(vlm, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.vlm, self.seen = _TinyVLM(), []
+
+        def training_step(self, batch, i):
+            self.seen.append(batch["index"].tolist())
+            return self.vlm.loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(model, ckpt=None, **kwargs):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=9, **kwargs)
+        with _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3) as loader:  # 7 batches an epoch
+            trainer.fit(model, loader, ckpt_path=ckpt)
+
+    torch.manual_seed(0)
+    model = Module()
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=4)
+    fit(model, callbacks=[every])  # 9 steps: into epoch 1
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
+    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert (state["epoch"], state["consumed"]) == (0, 12) and state["image_text"]["image_seq_len"] == IMAGE_SEQ
+    torch.manual_seed(1)
+    resumed = Module()
+    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
+    assert resumed.seen == model.seen[4:] and len(resumed.seen) == 5
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
