@@ -166,6 +166,13 @@ def test_max_images_bounds_every_sequence_and_the_batch(vlm):
         _loader(vlm["ds"], max_images=2)
 
 
+def test_the_graph_is_built_for_the_most_images_a_batch_can_hold():
+    def per_unit(**options):
+        return fastio.ImageText(seq_len=SEQ, image_seq_len=IMAGE_SEQ, **options).graph().per_unit
+    assert per_unit() == (SEQ + 1) // IMAGE_SEQ == 16  # an image costs IMAGE_SEQ tokens at least
+    assert per_unit(max_images=3) == 3 and per_unit(max_images=100) == 16
+
+
 def test_a_batch_without_images_has_images_of_shape_0(vlm):
     with _loader(vlm["text"], image=fastio.ImageTrain(size=SIZE)) as ld:
         got = list(ld)

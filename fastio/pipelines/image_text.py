@@ -93,8 +93,10 @@ class ImageText(Pipeline):
 
     @property
     def images_per_sequence(self) -> int:
-        """The most images a sequence holds: ``max_images``, else as many image runs as fit in ``seq_len + 1``."""
-        return self.max_images or max(1, (self.seq_len + 1) // self.image_seq_len)
+        """The most images a sequence can hold: as many image runs as fit in ``seq_len + 1`` (an image costs at least
+        ``image_seq_len`` tokens), or ``max_images`` where that is fewer."""
+        fit = max(1, (self.seq_len + 1) // self.image_seq_len)
+        return fit if self.max_images is None else min(self.max_images, fit)
 
     def evaluation(self) -> ImageText:
         """This object with the ``image`` object's evaluation (no random augmentation)."""
