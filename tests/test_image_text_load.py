@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import free_port, start_ranks
 from PIL import Image
-from resume import check_resume, run_ranks
+from resume import batches, check_resume, run_ranks
 from tokens_helpers import (
     chat_dataset,
     conversations,
@@ -171,6 +171,8 @@ def test_the_graph_is_built_for_the_most_images_a_batch_can_hold():
         return fastio.ImageText(seq_len=SEQ, image_seq_len=IMAGE_SEQ, **options).graph().per_unit
     assert per_unit() == (SEQ + 1) // IMAGE_SEQ == 16  # an image costs IMAGE_SEQ tokens at least
     assert per_unit(max_images=3) == 3 and per_unit(max_images=100) == 16
+    train = fastio.ImageText(image=fastio.ImageTrain(size=SIZE, dtype="float16"), max_images=3)
+    assert train.evaluation() == fastio.ImageText(image=fastio.ImageEval(size=SIZE, dtype="float16"), max_images=3)
 
 
 def test_a_batch_without_images_has_images_of_shape_0(vlm):
@@ -419,3 +421,36 @@ def test_lightning_resumes_an_image_text_run_mid_epoch(vlm, tmp_path):
     fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
     assert resumed.seen == model.seen[4:] and len(resumed.seen) == 5
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+
+
+def test_accelerate_save_state_then_load_state_continues_the_sequences(vlm, tmp_path, monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+
+    def run(steps, resume=None):
+        acc = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = _TinyVLM()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        loader = _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3)
+        acc.register_for_checkpointing(loader)
+        if resume:
+            acc.load_state(resume)
+        seen = []
+        for batch in islice(batches(loader), steps):
+            seen.append(batch["index"].tolist())
+            optimizer.zero_grad()
+            acc.backward(acc.unwrap_model(model).loss(batch))
+            optimizer.step()
+            if resume is None and len(seen) == 5:
+                acc.save_state("state")
+        loader.close()
+        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+        acc.end_training()
+        return seen, weights
+
+    seen, want = run(10)  # 7 batches an epoch: into epoch 1
+    again, got = run(5, resume="state")
+    assert again == seen[5:]
+    assert all(torch.equal(want[k], got[k]) for k in want)
