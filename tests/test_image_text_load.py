@@ -2,7 +2,8 @@
 ``convert_image_text`` (the tests' own tokenizer, template and colour-coded images: each image a flat colour naming
 its sample and image number), packed whole by best-fit on their expanded cost, each packed segment's tokens, mask
 and images checked against the stored sample; max_images; a batch without images; crops a pure function of (seed,
-epoch, sample, image number); exact and elastic resume; two gloo ranks; refusals in one line."""
+epoch, sample, image number); exact and elastic resume; two gloo ranks, Lightning and Accelerate; an s3:// dataset
+through the cache; a mixture with chat and plain token datasets; refusals in one line."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from helpers import free_port, start_ranks
 from PIL import Image
-from resume import batches, check_resume, run_ranks
+from resume import batches, check_resume, run_ranks, same_batch
 from tokens_helpers import (
     chat_dataset,
     conversations,
@@ -31,8 +32,10 @@ from tokens_helpers import (
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
+from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
+from fastio.storage import open_storage
 
 SEQ, IMAGE_SEQ, SIZE = 191, 12, 8
 N = 36
@@ -454,3 +457,16 @@ def test_accelerate_save_state_then_load_state_continues_the_sequences(vlm, tmp_
     again, got = run(5, resume="state")
     assert again == seen[5:]
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_s3_dataset_through_the_cache_gives_the_local_batches(vlm, moto_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/vlm"
+    open_storage(url, moto_server.options()).publish_dir(vlm["ds"], keys_last=(MANIFEST_NAME,))
+    remote = _loader(url, image=fastio.ImageTrain(size=SIZE), cache_dir=str(tmp_path / "cache"), cache_size="1GB",
+                     storage_options=moto_server.options())
+    local = _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE))
+    with remote, local:
+        got = list(zip(remote, local, strict=True))
+        stats = remote.stats()["storage"]
+    assert got and all(same_batch(a, b) for a, b in got)
+    assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in (vlm["ds"] / "shards").glob("*.tar"))
