@@ -118,24 +118,27 @@ class ImageText(Pipeline):
     def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The dataset's samples packed, the order of the sequences on ``place``'s rank and an
         :class:`~fastio.tokens.image_text.ImageTextReader` reading them through the read set's stored-sample reader."""
-        from fastio.tokens.image_text import ImageTextReader, ImageTextSource, image_text_packing
+        from fastio.tokens.image_text import ImageTextReader, ImageTextSource
         from fastio.tokens.loading import TokenUnits
 
         if read_set.mixture is not None:
             return self._mixed(read_set, sampling, place)
         ds, reader = read_set.target, read_set.sources[0].reader
-        packing = image_text_packing(ds, self.seq_len, self.image_seq_len, self.max_images, self.window, sampling)
+        packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
                       self)
 
-    def _pack(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking | None:
-        """An image-text dataset's packing; None for a token dataset (packed as fastio.Tokens packs it)."""
+    def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
+        """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
         from fastio.tokens.image_text import image_text_packing
 
-        if ds.manifest.tokens is not None:
-            return None
         return image_text_packing(ds, self.seq_len, self.image_seq_len, self.max_images, self.window, spec)
+
+    def _pack(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking | None:
+        """A mixture source's packing: an image-text dataset's; None for a token dataset (packed as fastio.Tokens
+        packs it)."""
+        return None if ds.manifest.tokens is not None else self._packing(ds, spec)
 
     def _mixed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """A mixture of image-text and token datasets: each source packed by best-fit on its own (a token
