@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import free_port, start_ranks
 from PIL import Image
-from resume import batches, check_resume, run_ranks, same_batch
+from resume import check_resume, run_ranks, same_batch
 from tokens_helpers import (
     chat_dataset,
     conversations,
@@ -28,6 +28,7 @@ from tokens_helpers import (
     word_corpus,
     write_chats,
 )
+from trainer_runs import accelerate_run, lightning_runs
 
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
@@ -391,70 +392,18 @@ class _TinyVLM(torch.nn.Module):
 
 
 def test_lightning_resumes_an_image_text_run_mid_epoch(vlm, tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.vlm, self.seen = _TinyVLM(), []
-
-        def training_step(self, batch, i):
-            self.seen.append(batch["index"].tolist())
-            return self.vlm.loss(batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def fit(model, ckpt=None, **kwargs):
-        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=9, **kwargs)
-        with _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3) as loader:  # 7 batches an epoch
-            trainer.fit(model, loader, ckpt_path=ckpt)
-
-    torch.manual_seed(0)
-    model = Module()
-    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=4)
-    fit(model, callbacks=[every])  # 9 steps: into epoch 1
-    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
-    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    full, resumed, state = lightning_runs(  # 7 batches an epoch: 9 steps run into epoch 1
+        tmp_path, lambda: _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3), _TinyVLM, 9, 4)
     assert (state["epoch"], state["consumed"]) == (0, 12) and state["image_text"]["image_seq_len"] == IMAGE_SEQ
-    torch.manual_seed(1)
-    resumed = Module()
-    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
-    assert resumed.seen == model.seen[4:] and len(resumed.seen) == 5
-    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+    assert resumed.seen == full.seen[4:] and len(resumed.seen) == 5
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), full.state_dict().values()))
 
 
 def test_accelerate_save_state_then_load_state_continues_the_sequences(vlm, tmp_path, monkeypatch):
-    accelerate = pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-
-    def run(steps, resume=None):
-        acc = accelerate.Accelerator(cpu=True)
-        torch.manual_seed(0)
-        model = _TinyVLM()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, optimizer = acc.prepare(model, optimizer)
-        loader = _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3)
-        acc.register_for_checkpointing(loader)
-        if resume:
-            acc.load_state(resume)
-        seen = []
-        for batch in islice(batches(loader), steps):
-            seen.append(batch["index"].tolist())
-            optimizer.zero_grad()
-            acc.backward(acc.unwrap_model(model).loss(batch))
-            optimizer.step()
-            if resume is None and len(seen) == 5:
-                acc.save_state("state")
-        loader.close()
-        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-        acc.end_training()
-        return seen, weights
-
-    seen, want = run(10)  # 7 batches an epoch: into epoch 1
-    again, got = run(5, resume="state")
+    make = lambda: _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3)  # noqa: E731
+    seen, want = accelerate_run(make, _TinyVLM, 10, save_at=5)  # 7 batches an epoch: into epoch 1
+    again, got = accelerate_run(make, _TinyVLM, 5, resume="state")
     assert again == seen[5:]
     assert all(torch.equal(want[k], got[k]) for k in want)
 
