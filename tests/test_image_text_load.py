@@ -419,3 +419,29 @@ def test_an_s3_dataset_through_the_cache_gives_the_local_batches(vlm, moto_serve
         stats = remote.stats()["storage"]
     assert got and all(same_batch(a, b) for a, b in got)
     assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in (vlm["ds"] / "shards").glob("*.tar"))
+
+
+def test_each_images_crop_is_drawn_from_its_own_sequences_epoch_and_its_draw_key():
+    from fastio.pipelines.augment import random_resized_crop
+    from fastio.tokens.image_text import ImageTextBatch, draw_keys
+
+    png = np.frombuffer(_png((30, 20)), np.uint8)
+    keys = draw_keys(np.array([7, 7, 3, 9, 3]), np.array([0, 1, 0, 0, 1]))
+    assert len(set(keys.tolist())) == 5 and keys[1] == (7 << 16) | 1
+    sizes, epochs = np.array([[30, 20]] * 5), np.array([2, 5, 2, 5, 2])  # a mixture's batch: two source epochs
+    batch = ImageTextBatch(np.arange(2), {}, [png] * 5, sizes, keys, epochs)
+    pipe = fastio.ImageText(image=fastio.ImageTrain(size=SIZE))
+    encoded, index, anchor, shape, flip = pipe.graph().feed(batch, seed=11, epoch=0)
+    assert len(encoded) == 5 and index.tolist() == keys.tolist()
+    for m in range(5):
+        want = random_resized_crop(11, int(epochs[m]), keys[m:m + 1], sizes[m:m + 1, 0], sizes[m:m + 1, 1])
+        assert np.array_equal(anchor[m], want.anchor[0]) and np.array_equal(shape[m], want.shape[0])
+        assert flip[m] == want.flip[0]
+
+
+def _png(size: tuple[int, int]) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, (1, 2, 3)).save(buf, "PNG")
+    return buf.getvalue()
