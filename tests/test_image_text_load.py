@@ -445,3 +445,31 @@ def _png(size: tuple[int, int]) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", size, (1, 2, 3)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def _handmade(dest: Path, samples: list[dict]) -> Path:
+    """A dataset of ``samples`` written by the shard writer, its manifest saying image-text (image token id 5)."""
+    from fastio.dataset.shards import ShardWriter
+
+    with ShardWriter(dest) as writer:
+        for sample in samples:
+            writer.write(sample)
+        writer.close()
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    manifest["convert_options"] = {"image_text": {"image_token_id": 5}}
+    (dest / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return dest
+
+
+def test_a_sample_whose_image_tokens_are_not_its_images_or_without_tokens_is_named(tmp_path):
+    png = _png((4, 4))
+    ids = np.array([1, 5, 5, 2], np.int32).tobytes()  # two image tokens
+    bad = _handmade(tmp_path / "bad", [{"__key__": "a", "0.png": png, TOKENS_FIELD: ids, MASK_FIELD: b"\x0f"}])
+    with _loader(bad, batch_size=1) as ld, pytest.raises(
+            DatasetError, match=r"bad: shard \S+ key 'a': 2 image tokens \(id 5\) but a different number of image "
+                                "members"):
+        next(iter(ld))
+    lacking = _handmade(tmp_path / "lacking", [{"__key__": "a", "0.png": png, TOKENS_FIELD: ids, MASK_FIELD: b"\0"},
+                                               {"__key__": "b", "0.png": png, MASK_FIELD: b"\0"}])
+    with pytest.raises(DatasetError, match=r"lacking: shard \S+ key 'b': an image-text sample without tokens.i32"):
+        _loader(lacking, batch_size=1)
