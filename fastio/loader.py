@@ -597,13 +597,21 @@ class Loader:
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
         """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
         (:attr:`fastio.pipelines.GraphDef.problem`), in feed order."""
-        rs = self.read_set
+        rs, where = self.read_set, self._graph.where
         for fed in in_flight:
+            if where is not None:  # the kind names its graph's samples (fastio.ImageText: each image)
+                bad = next(((name, p) for j, name in enumerate(where(fed.batch))
+                            if (p := self._graph.problem(fed.batch, j)) is not None), None)
+                if bad is not None:
+                    return DatasetError(f"{bad[0]} failed to decode ({bad[1]})")
+                continue
             for j, (i, name) in enumerate(zip(fed.indices.tolist(), fed.batch.image_field or [])):
                 problem = self._graph.problem(fed.batch, j)
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)
+        if in_flight and where is not None:
+            return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
 

@@ -473,3 +473,13 @@ def test_a_sample_whose_image_tokens_are_not_its_images_or_without_tokens_is_nam
                                                {"__key__": "b", "0.png": png, MASK_FIELD: b"\0"}])
     with pytest.raises(DatasetError, match=r"lacking: shard \S+ key 'b': an image-text sample without tokens.i32"):
         _loader(lacking, batch_size=1)
+
+
+def test_an_image_dali_cannot_decode_is_named_by_its_sample_and_field(tmp_path):
+    good, broken = _png((6, 5)), _png((6, 5))[:45]  # the header is whole (its size reads), the pixels are not
+    ids = np.array([1, 5, 2], np.int32).tobytes()
+    bad = _handmade(tmp_path / "bad", [{"__key__": k, "0.png": png, TOKENS_FIELD: ids, MASK_FIELD: b"\x01"}
+                                       for k, png in (("a", good), ("b", broken), ("c", good))])
+    with _loader(bad, batch_size=1) as ld, pytest.raises(  # one sequence holds the three
+            DatasetError, match=r"^\S+/bad: shard \S+ key 'b': field '0.png' failed to decode \(\w+: .*\)$"):
+        next(iter(ld))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.pipelines.base import Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
-from fastio.pipelines.image import ImageEval, ImageTrain, decodable
+from fastio.pipelines.image import ImageEval, ImageTrain, decodable, image_problem
 from fastio.pipelines.tokens import check_entry
 from fastio.read.reader import ReadBatch
 
@@ -164,7 +164,7 @@ class ImageText(Pipeline):
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:
         DALI takes no empty batch), built for ``batch_size * images_per_sequence`` images."""
-        return dataclasses.replace(self.image.graph(), feed=self._feed, problem=_no_problem,
+        return dataclasses.replace(self.image.graph(), feed=self._feed, problem=_problem, where=_where,
                                    per_unit=self.images_per_sequence, fed_index=_fed_index)
 
     def _feed(self, batch: ImageTextBatch, *, seed: int, epoch: int) -> tuple:
@@ -244,6 +244,11 @@ def _fed_index(batch: ImageTextBatch) -> np.ndarray:
     return batch.keys if batch.image_count else np.array([-1], np.int64)
 
 
-def _no_problem(batch: Any, j: int) -> None:
-    """No stored sample's image field to name (the batch's keys name its sequences)."""
-    return None
+def _problem(batch: ImageTextBatch, j: int) -> str | None:
+    """Why image ``j`` (in run order) of ``batch`` cannot be decoded (PIL's word), or None."""
+    return image_problem(_image_batch(batch), j)
+
+
+def _where(batch: ImageTextBatch) -> list[str]:
+    """What names each image of ``batch`` (its dataset, shard, key and field), in run order."""
+    return batch.where()

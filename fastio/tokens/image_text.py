@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -117,10 +117,6 @@ def _shard_costs(ds: Dataset, image_seq_len: int) -> tuple[list[SampleCosts], li
     return tables, bad
 
 
-def _where(ds: Dataset, i: int) -> str:
-    return f"{ds.root}: shard {ds.shard_of(i).name} key {ds.key(i)!r}"
-
-
 def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, image_seq_len: int,
                        max_images: int | None) -> None:
     """DatasetError naming the first sample that cannot be packed whole: longer than ``seq_len + 1`` with its
@@ -130,14 +126,14 @@ def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, ima
     long = np.flatnonzero(costs > seq_len + 1)
     if long.size:
         i = int(long[0])
-        raise DatasetError(f"{_where(ds, i)}: {int(costs[i])} tokens with its {int(images[i])} images expanded "
+        raise DatasetError(f"{ds.where(i)}: {int(costs[i])} tokens with its {int(images[i])} images expanded "
                            f"to image_seq_len {image_seq_len}, more than seq_len + 1 = {seq_len + 1}: a sample is "
                            f"never cut; raise seq_len to at least {int(costs.max()) - 1}")
     limit = (1 << IMAGE_KEY_BITS) if max_images is None else max_images
     many = np.flatnonzero(images > limit)
     if many.size:
         i = int(many[0])
-        raise DatasetError(f"{_where(ds, i)}: {int(images[i])} images, more than max_images = {limit} a "
+        raise DatasetError(f"{ds.where(i)}: {int(images[i])} images, more than max_images = {limit} a "
                            f"sequence: a sample is never cut; raise max_images to at least {int(images.max())}")
 
 
@@ -148,7 +144,7 @@ def image_text_packing(ds: Dataset, seq_len: int, image_seq_len: int, max_images
     image_token_id(ds)
     tables, bad = _shard_costs(ds, image_seq_len)
     if bad:
-        raise DatasetError(f"{_where(ds, bad[0][0])}: an image-text sample without {bad[0][1]}")
+        raise DatasetError(f"{ds.where(bad[0][0])}: an image-text sample without {bad[0][1]}")
     _refuse_unpackable(ds, tables, seq_len, image_seq_len, max_images)
     fingerprint = f"{ds.fingerprint}:image-text:{image_seq_len}:{max_images}"
     try:
@@ -176,8 +172,9 @@ class ImageTextSource:
 class ImageTextBatch:
     """One batch of packed image-text sequences: ``indices`` (the sequence ids), ``arrays`` (numpy, as
     :class:`~fastio.tokens.loading.TokenBatch`'s, and ``image_rows``, ``image_starts``), the batch's encoded
-    ``images`` in the order of their runs with their ``sizes`` [M, 2] (w, h), ``keys`` (their draw keys) and
-    ``epochs`` (the epoch each one's sequence belongs to)."""
+    ``images`` in the order of their runs with their ``sizes`` [M, 2] (w, h), ``keys`` (their draw keys),
+    ``epochs`` (the epoch each one's sequence belongs to) and ``origins`` (each one's dataset, sample index there and
+    field: :meth:`where`)."""
 
     indices: np.ndarray
     arrays: dict[str, np.ndarray]
@@ -185,11 +182,15 @@ class ImageTextBatch:
     sizes: np.ndarray
     keys: np.ndarray
     epochs: np.ndarray
-    image_field = None  # no stored sample's image field: a decode error names the batch
+    origins: list[tuple[Dataset, int, str]] = field(default_factory=list)
 
     @property
     def image_count(self) -> int:
         return len(self.images)
+
+    def where(self) -> list[str]:
+        """What names each image (``DEST: shard S key 'K': field 'F'``), in run order."""
+        return [f"{ds.where(i)}: field {name!r}" for ds, i, name in self.origins]
 
 
 @dataclass(frozen=True)
@@ -269,9 +270,9 @@ class ImageTextReader:
                       image_rows=first // width, image_starts=first % width)
         numbers = ramp(np.bincount(which[image], minlength=ntok.size))
         owner = which[image]
-        images, sizes = self._images(read, laid, owner, numbers)
+        images, sizes, origins = self._images(read, laid, owner, numbers)
         return ImageTextBatch(ids % self.source.packing.sequences, arrays, images, sizes,
-                              draw_keys(laid.samples[owner] + self.key_base, numbers), laid.epochs[owner])
+                              draw_keys(laid.samples[owner] + self.key_base, numbers), laid.epochs[owner], origins)
 
     def _boundaries(self, laid: _Laid, rows: int, real: np.ndarray) -> dict[str, np.ndarray]:
         """``position_ids``, ``segment_ids``, ``cu_seqlens`` and ``max_seqlen``: a segment per sample, padding one."""
@@ -291,31 +292,33 @@ class ImageTextReader:
         if bad.size:
             j = int(bad[0])
             tokens = int(np.count_nonzero(which[image] == j))
-            raise DatasetError(f"{_where(self.source.ds, int(laid.samples[j]))}: {tokens} image tokens (id "
+            raise DatasetError(f"{self.source.ds.where(int(laid.samples[j]))}: {tokens} image tokens (id "
                                f"{self.image_id}) but a different number of image members: the sample does not "
                                "match its samples.fxi; run fastio verify")
 
     def _images(self, read: Any, laid: _Laid, owner: np.ndarray, numbers: np.ndarray
-                ) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each image run's encoded bytes (transcoded) and (w, h), in run order: image ``numbers[m]`` of the
-        read batch's sample ``owner[m]``."""
+                ) -> tuple[list[np.ndarray], np.ndarray, list[tuple[Dataset, int, str]]]:
+        """Each image run's encoded bytes (transcoded), (w, h) and origin, in run order: image ``numbers[m]`` of
+        the read batch's sample ``owner[m]``."""
         by_number: dict[int, list[str]] = {}
         for f in self.fields:
             by_number.setdefault(image_number(f), []).append(f)
-        images, sizes = [], np.zeros((owner.size, 2), np.int64)
+        images, sizes, origins = [], np.zeros((owner.size, 2), np.int64), []
+        ds = self.source.ds
         for m, (j, k) in enumerate(zip(owner.tolist(), numbers.tolist())):
-            field = next((f for f in by_number.get(k, ()) if read.present[f][j]), None)
-            if field is None:
-                raise DatasetError(f"{_where(self.source.ds, int(laid.samples[j]))}: no image {k} for its image "
-                                   "token; run fastio verify")
+            name = next((f for f in by_number.get(k, ()) if read.present[f][j]), None)
+            if name is None:
+                raise DatasetError(f"{ds.where(int(laid.samples[j]))}: no image {k} for its image token; run "
+                                   "fastio verify")
             try:
-                data = self.transcode(read.fields[field][j])
+                data = self.transcode(read.fields[name][j])
                 sizes[m] = image_size(data)
             except (ValueError, IndexError) as err:
-                raise DatasetError(f"{_where(self.source.ds, int(laid.samples[j]))}: field {field!r} failed to "
-                                   f"decode: {err}") from None
+                raise DatasetError(f"{ds.where(int(laid.samples[j]))}: field {name!r} failed to decode: "
+                                   f"{err}") from None
             images.append(data)
-        return images, sizes
+            origins.append((ds, int(laid.samples[j]), name))
+        return images, sizes, origins
 
     def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
         """The stored-sample reader's read-ahead, told the samples of the coming sequences."""
@@ -405,13 +408,16 @@ def merged(indices: np.ndarray, parts: list[tuple[np.ndarray, Any]]) -> ImageTex
     row = np.concatenate([r for r, _, _ in runs] or [np.zeros(0, np.int64)])
     start = np.concatenate([s for _, s, _ in runs] or [np.zeros(0, np.int64)])
     order = np.lexsort((start, row))
+    origins: list[tuple[Dataset, int, str]] = []
     for _, _, batch in runs:
         images += batch.images
+        origins += batch.origins
     keys, sizes, epochs = (np.concatenate([getattr(b, a) for _, _, b in runs] or [np.zeros(shape, np.int64)])
                            for a, shape in (("keys", 0), ("sizes", (0, 2)), ("epochs", 0)))
     starts = np.flatnonzero(arrays["position_ids"].reshape(-1) == 0)  # each segment's (padding's too)
     cu = cu_from(starts, n, width)
     arrays.update(image_rows=row[order], image_starts=start[order], cu_seqlens=cu,
                   max_seqlen=np.asarray(int(np.diff(cu).max())))
-    return ImageTextBatch(indices, arrays, [images[m] for m in order.tolist()], sizes[order], keys[order],
-                          epochs[order])
+    back = order.tolist()
+    return ImageTextBatch(indices, arrays, [images[m] for m in back], sizes[order], keys[order], epochs[order],
+                          [origins[m] for m in back])
