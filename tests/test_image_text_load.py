@@ -483,3 +483,12 @@ def test_an_image_dali_cannot_decode_is_named_by_its_sample_and_field(tmp_path):
     with _loader(bad, batch_size=1) as ld, pytest.raises(  # one sequence holds the three
             DatasetError, match=r"^\S+/bad: shard \S+ key 'b': field '0.png' failed to decode \(\w+: .*\)$"):
         next(iter(ld))
+
+
+def test_drop_last_and_partial_remainder_on_three_ranks(vlm):
+    n = len(_ids(run_ranks([_loader(vlm["ds"], batch_size=1)])[0]))  # the sequences of an epoch
+    steps, _ = run_ranks([_loader(vlm["ds"], batch_size=2, world_size=3, rank=r, drop_last=True) for r in range(3)])
+    assert len(steps) == n // 6 and len(_ids(steps)) == len(steps) * 6
+    steps, _ = run_ranks([_loader(vlm["ds"], batch_size=2, world_size=3, rank=r, remainder="partial")
+                          for r in range(3)])
+    assert sorted(_ids(steps)) == list(range(n))
