@@ -1,0 +1,400 @@
+"""Image-text benchmark: packed vision-language batches, samples/s, fastio (``fastio.ImageText``: images decoded and
+augmented by DALI, tokens packed best-fit) against ``torch.utils.data.DataLoader`` (2 workers) over
+``webdataset.WebDataset`` reading the same shards, with PIL decoding and augmenting the same images (the same crop
+size, dtype and layout: ``bench.loader.PeerTransform``), the same tokens and loss masks (the shards' ``tokens.i32``
+and ``mask.bits``) and the same best-fit packing done in Python (:func:`best_fit`), delivering the same batch dict
+(:func:`structure` checks it before timing).
+
+Data (made once under the work folder, offline): ``--conversations`` LLaVA-like conversations (``bench.chat``'s
+generator: an optional system message, 1..8 turns, fewer more often), each holding 0, 1 or 2 images (20 %, 60 %,
+20 %) as ``<image>`` placeholders in its first user turn; the images are photo-like JPEGs of 300..500 px a side
+(``fastio.convert.synthetic.photo_jpeg``); a byte-level BPE of 1,000 ids with ChatML's specials and ``<image>``;
+converted with ``fastio convert --image-field images --chat-template`` into 8 shards. Batches: 4 sequences of
+``seq_len`` 4,096 (+1), each image 576 tokens (``image_seq_len``, LLaVA-1.5 at 336 px), at most 8 images a
+sequence, images 336 x 336 float32 CHW normalised (``ImageTrain``'s random resized crop and flip).
+
+fastio's side is one Loader for all rounds (round r: its epoch r; ``bench.media.Epochs``), the peer's DataLoader
+ends each epoch. Rounds are interleaved, each records what the other processes used of the cores; the figure is
+the median over the rounds of fastio's samples/s (conversations delivered, the segments of the packed rows) over
+the peer's in the same round (target >= 1.5), with CPU ms per sample of each side.
+
+``python -m bench.image_text [--repeats N] [--conversations N]`` writes ``bench/out/image_text.json``;
+``--conversations 120`` checks that it runs (``python -m bench.run --only image_text --tiny`` does the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.quiet import before_section, during, read_sample
+
+__all__ = ["Packing", "best_fit", "make_dataset", "peer_loader", "run", "structure"]
+
+WORKERS = 2
+TARGET = 1.5
+CONVERSATIONS, TINY = 2000, 120
+SHARDS = 8
+IMAGE_SIDES = (300, 500)
+IMAGES_PER_SAMPLE = ((0, 1, 2), (0.2, 0.6, 0.2))
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What both sides pack with: rows of ``seq_len + 1`` tokens, ``image_seq_len`` tokens an image, at most
+    ``max_images`` images a row, ``batch_size`` rows a batch, images ``size`` x ``size``; ``train``: ImageTrain's
+    augmentation (else ImageEval's center crop)."""
+
+    seq_len: int = 4096
+    image_seq_len: int = 576
+    max_images: int = 8
+    batch_size: int = 4
+    size: int = 336
+    train: bool = True
+
+
+def make_dataset(workdir: Path, n: int, seed: int = 0) -> Path:
+    """The converted image-text dataset of ``n`` conversations under ``workdir`` (made once, reused)."""
+    from fastio.convert.image_text import ImageTextOptions, convert_image_text
+    from fastio.convert.run import ConvertConfig
+
+    root = Path(workdir) / f"vlm-{n}"
+    dest = root / "ds"
+    if (dest / "manifest.json").is_file():
+        return dest
+    source, tok, config = _source(root, n, seed)
+    convert_image_text(ConvertConfig(source, dest, progress=False, overwrite=True,
+                                     max_samples_per_shard=-(-n // SHARDS)), ImageTextOptions(tok, config))
+    return dest
+
+
+def _source(root: Path, n: int, seed: int) -> tuple[Path, Path, Path]:
+    """``vlm.jsonl`` of ``n`` conversations with their JPEGs in ``img/``, the tokenizer and its template."""
+    from bench.chat import chat_tokenizer, conversations
+    from fastio.convert.synthetic import photo_jpeg
+
+    rng = np.random.default_rng(seed)
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    chats, rows = conversations(n, seed), []
+    for i, messages in enumerate(chats):
+        images = []
+        for k in range(int(rng.choice(IMAGES_PER_SAMPLE[0], p=IMAGES_PER_SAMPLE[1]))):
+            w, h = (int(v) for v in rng.integers(IMAGE_SIDES[0], IMAGE_SIDES[1] + 1, 2))
+            (root / "img" / f"{i}-{k}.jpg").write_bytes(photo_jpeg(rng, w, h))
+            images.append(f"img/{i}-{k}.jpg")
+        user = next(j for j, m in enumerate(messages) if m["role"] == "user")
+        messages[user] = {**messages[user], "content": "<image>\n" * len(images) + messages[user]["content"]}
+        rows.append({"images": images, "messages": messages})
+    source = root / "vlm.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok, config = chat_tokenizer(root, chats, specials=("<image>",))
+    return source, tok, config
+
+
+# -- the peer: DataLoader + WebDataset + PIL + best-fit in Python --------------------------------------------------
+
+def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -> list[list[int]]:
+    """Best-fit decreasing in plain Python: each sample, longest first (ties: the earlier), into the fullest row
+    it fits (``cap`` tokens, ``max_images`` images), else a new row; the rows' samples in placement order."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    left: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        best = -1
+        for r in range(len(rows)):
+            if lengths[i] <= room[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
+                best = r
+        if best < 0:
+            rows.append([])
+            room.append(cap)
+            left.append(max_images)
+        rows[best].append(i)
+        room[best] -= lengths[i]
+        left[best] -= images[i]
+    return rows
+
+
+def _image_fields(sample: dict) -> list[str]:
+    from fastio.formats.image_text import image_number
+
+    return sorted((f for f in sample if image_number(f) is not None), key=image_number)
+
+
+class _Rows:
+    """The peer's packing stage: the samples of each shard (a window), packed by :func:`best_fit`, as rows."""
+
+    def __init__(self, packing: Packing, image_id: int):
+        self.packing, self.image_id = packing, image_id
+
+    def __call__(self, samples):
+        window: list[dict] = []
+        for sample in samples:
+            if window and sample["__url__"] != window[-1]["__url__"]:
+                yield from self._rows(window)
+                window = []
+            window.append(sample)
+        if window:
+            yield from self._rows(window)
+
+    def _rows(self, window: list[dict]):
+        from fastio.formats.image_text import TOKENS_FIELD
+
+        p = self.packing
+        images = [len(_image_fields(s)) for s in window]
+        lengths = [len(s[TOKENS_FIELD]) // 4 + k * (p.image_seq_len - 1) for s, k in zip(window, images)]
+        for row in best_fit(lengths, images, p.seq_len + 1, p.max_images):
+            yield [window[i] for i in row]
+
+
+class _Assemble:
+    """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained), positions and
+    segments per sample, padding after (position ramp, segment 0, untrained); its images decoded by PIL."""
+
+    def __init__(self, packing: Packing, image_id: int, pad_id: int):
+        from bench.loader import PeerTransform
+
+        self.packing, self.image_id, self.pad_id = packing, image_id, pad_id
+        self.transform = PeerTransform(packing.size) if packing.train else _EvalTransform(packing.size)
+
+    def __call__(self, samples: list[dict]) -> dict[str, Any]:
+        from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
+
+        width = self.packing.seq_len + 1
+        tokens = np.full(width, self.pad_id, np.int64)
+        mask, segments = np.zeros(width, bool), np.zeros(width, np.int32)
+        positions = np.zeros(width, np.int64)
+        images, starts, at = [], [], 0
+        for k, sample in enumerate(samples, 1):
+            ids, bits = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+            image = ids == self.image_id
+            reps = np.where(image, self.packing.image_seq_len, 1)
+            n = int(reps.sum())
+            tokens[at:at + n] = np.repeat(ids, reps)
+            mask[at:at + n] = np.repeat(bits & ~image, reps)
+            segments[at:at + n], positions[at:at + n] = k, np.arange(n)
+            starts += (at + (np.cumsum(reps) - reps)[image]).tolist()
+            images += [self._image(sample[f]) for f in _image_fields(sample)]
+            at += n
+        positions[at:] = np.arange(width - at)
+        return {"tokens": tokens, "loss_mask": mask, "position_ids": positions, "segment_ids": segments,
+                "images": images, "image_starts": starts}
+
+    def _image(self, data: bytes):
+        from PIL import Image
+
+        return self.transform((Image.open(io.BytesIO(data)).convert("RGB"), 0))[0]
+
+
+class _EvalTransform:
+    """ImageEval's image with PIL: the shorter side resized to ``size / 0.875``, the center square of ``size``,
+    normalised, float32 CHW."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, sample):
+        import torch
+        from PIL import Image
+
+        from bench.loader import MEAN, STD
+
+        img, label = sample
+        w, h = img.size
+        short = round(self.size / 0.875)
+        w, h = (short, max(1, round(h * short / w))) if w <= h else (max(1, round(w * short / h)), short)
+        img = img.resize((w, h), Image.BILINEAR)
+        x, y = (w - self.size) // 2, (h - self.size) // 2
+        img = img.crop((x, y, x + self.size, y + self.size))
+        arr = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
+        return torch.from_numpy(arr.transpose(2, 0, 1).copy()), label
+
+
+def collate(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    """The batch dict fastio's ImageText delivers, of the peer's rows: ``cu_seqlens`` cut where a row starts or its
+    segment changes in the inputs ``tokens[:, :-1]``, ``max_seqlen`` the longest piece."""
+    import torch
+
+    batch = {k: torch.from_numpy(np.stack([r[k] for r in rows]))
+             for k in ("tokens", "loss_mask", "position_ids", "segment_ids")}
+    inputs = batch["segment_ids"][:, :-1].numpy()
+    change = np.ones(inputs.shape, bool)
+    change[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
+    cu = np.r_[np.flatnonzero(change.reshape(-1)), inputs.size].astype(np.int32)
+    images = [im for r in rows for im in r["images"]]
+    batch.update(cu_seqlens=torch.from_numpy(cu), max_seqlen=int(np.diff(cu).max()),
+                 images=torch.stack(images) if images else torch.zeros((0, 3, size, size)),
+                 image_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r["images"]], dtype=torch.int64),
+                 image_starts=torch.tensor([s for r in rows for s in r["image_starts"]], dtype=torch.int64),
+                 index=torch.tensor([r["index"] for r in rows], dtype=torch.int64))
+    return batch
+
+
+def _numbered(rows):
+    """Each row with ``index``: worker w's k-th row is ``k * workers + w`` (distinct across the workers)."""
+    import torch
+
+    info = torch.utils.data.get_worker_info()
+    w, n = (info.id, info.num_workers) if info else (0, 1)
+    for k, row in enumerate(rows):
+        yield {**row, "index": k * n + w}
+
+
+def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
+    """The peer: ``DataLoader(workers)`` over ``webdataset.WebDataset`` of ``dest``'s shards (each worker its own
+    shards), packed per shard by :func:`best_fit`, images by PIL, batches as :func:`collate` makes them."""
+    import torch
+    import webdataset as wds
+
+    from fastio.dataset.manifest import load_manifest
+
+    manifest = load_manifest(dest)
+    options = manifest.convert_options["image_text"]
+    image_id, pad_id = int(options["image_token_id"]), _pad_id(manifest)
+    urls = [str(dest / "shards" / s.name) for s in manifest.shards]
+    ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
+                         empty_check=False)
+          .compose(_Rows(packing, image_id)).map(_Assemble(packing, image_id, pad_id)).compose(_numbered)
+          .batched(packing.batch_size, collation_fn=lambda rows: collate(rows, packing.size), partial=True))
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+
+
+def _pad_id(manifest) -> int:
+    """The id fastio pads a row with: the dataset's end-of-document id where it records one, else 0."""
+    tokens = getattr(manifest, "tokens", None)
+    eos = getattr(tokens, "eos_id", None) if tokens is not None else None
+    return int(eos) if eos is not None else 0
+
+
+# -- fastio's side, the check and the rounds ----------------------------------------------------------------------
+
+def fastio_loader(dest: Path, packing: Packing, workers: int = WORKERS, **options):
+    """fastio's side: ``Loader(dest, pipeline=ImageText(...))`` on the CPU with ``workers`` threads."""
+    import fastio
+
+    image = (fastio.ImageTrain if packing.train else fastio.ImageEval)(size=packing.size)
+    pipe = fastio.ImageText(image=image, seq_len=packing.seq_len, image_seq_len=packing.image_seq_len,
+                            packing="best-fit", max_images=packing.max_images)
+    options = {"batch_size": packing.batch_size, "device": "cpu", "seed": 0, "num_threads": workers, **options}
+    return fastio.Loader(dest, pipeline=pipe, **options)
+
+
+def structure(batch: dict[str, Any]) -> dict[str, tuple]:
+    """Each entry of a batch as (type or dtype, shape with the batch's image count M and cu_seqlens' length n as
+    letters): what must be the same on both sides."""
+    m = len(batch["images"])
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, int):
+            out[key] = ("int",)
+            continue
+        shape = tuple("M" if key.startswith("image") and i == 0 and d == m else d for i, d in enumerate(value.shape))
+        out[key] = (str(value.dtype), ("n+1",) if key == "cu_seqlens" else shape)
+    return out
+
+
+def samples_in(batch: dict[str, Any]) -> int:
+    """The conversations a batch holds: its rows' segments."""
+    return int(batch["segment_ids"].amax(dim=1).sum())
+
+
+def _epoch(make) -> tuple[int, float, float]:
+    """Samples, wall seconds and CPU seconds of one epoch of the loader ``make()`` returns (see
+    ``bench.media.Epochs``: fastio's waits inside its timing for the batches it decodes ahead)."""
+    from bench.media import Epochs, cpu_seconds
+
+    start, cpu, n = time.perf_counter(), cpu_seconds(), 0
+    loader = make()
+    for batch in loader:
+        n += samples_in(batch)
+    if isinstance(loader, Epochs):
+        loader.settle()
+    del loader
+    return n, time.perf_counter() - start, cpu_seconds() - cpu
+
+
+def _rounds(dest: Path, packing: Packing, repeats: int) -> list[dict[str, Any]]:
+    from bench.media import Epochs
+
+    ours, rounds = Epochs(lambda: fastio_loader(dest, packing)), []
+    makers = (("fastio", lambda: ours), ("peer", lambda: peer_loader(dest, packing)))
+    try:
+        for r in range(repeats):
+            row, start = {}, read_sample()
+            for name, make in makers[:: 1 if r % 2 == 0 else -1]:
+                n, s, cpu = _epoch(make)
+                row[name], row[f"{name}_cpu_ms_per_sample"], row[f"{name}_samples"] = n / s, 1000 * cpu / n, n
+            row["quiet"] = during(start, read_sample()).as_dict()
+            rounds.append(row)
+            print(f"round {r + 1}/{repeats}: fastio {row['fastio']:.1f} samples/s "
+                  f"({row['fastio_cpu_ms_per_sample']:.1f} CPU ms/sample), peer {row['peer']:.1f} samples/s "
+                  f"({row['peer_cpu_ms_per_sample']:.1f} CPU ms/sample)", flush=True)
+    finally:
+        ours.close()
+    return rounds
+
+
+def check_structure(dest: Path, packing: Packing) -> dict[str, tuple]:
+    """Both sides' first batches have the same :func:`structure` (ValueError naming the entries that differ)."""
+    with fastio_loader(dest, packing) as ld:
+        ours = structure(next(iter(ld)))
+    theirs = structure(next(iter(peer_loader(dest, packing, workers=0))))
+    if ours != theirs:
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        raise ValueError(f"the peer's batch differs from fastio's in {differ}: fastio "
+                         f"{ {k: ours.get(k) for k in differ} }, peer { {k: theirs.get(k) for k in differ} }")
+    return ours
+
+
+def run(workdir: Path, repeats: int = 3, conversations: int = CONVERSATIONS, results_dir: Path | None = RESULTS_DIR,
+        tiny: bool = False) -> dict[str, Any]:
+    """The section (``tiny``: :data:`TINY` conversations, a check that it runs)."""
+    conversations = TINY if tiny else conversations
+    dest, packing = make_dataset(Path(workdir), conversations), Packing()
+    shape = check_structure(dest, packing)
+    rounds = _rounds(dest, packing, repeats)
+    result: dict[str, Any] = {
+        "benchmark": "image_text", "conversations": conversations, "workers": WORKERS, "repeats": repeats,
+        "packing": packing.__dict__, "structure": {k: list(v) for k, v in shape.items()}, "rounds": rounds,
+        **{k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "quiet"},
+        "ratios": [{"name": f"image-text samples/s vs DataLoader({WORKERS} workers) + PIL + Python best-fit",
+                    "better": "higher", "target": TARGET,
+                    "value": statistics.median(r["fastio"] / r["peer"] for r in rounds)}],
+        "machine": machine_info()}
+    if results_dir is not None:
+        write_results("image_text", result, results_dir)
+    return result
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.image_text``."""
+    p = section_parser(__doc__)
+    p.add_argument("--conversations", type=int, default=CONVERSATIONS,
+                   help=f"conversations in the dataset (default {CONVERSATIONS}; {TINY}: a check that it runs)")
+    p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "image_text")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    before_section(args.quiet_wait)
+    result = run(args.workdir, args.repeats, args.conversations, args.out)
+    for r in result["ratios"]:
+        print(f"{r['name']}: {r['value']:.3g} (target >= {r['target']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
