@@ -42,7 +42,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.quiet import before_section, during, read_sample
 
-__all__ = ["Packing", "best_fit", "make_dataset", "peer_loader", "run", "structure"]
+__all__ = ["Packing", "best_fit", "check_structure", "collate", "fastio_loader", "make_dataset", "peer_loader", "run",
+           "samples_in", "structure"]
 
 WORKERS = 2
 TARGET = 1.5
@@ -50,6 +51,10 @@ CONVERSATIONS, TINY = 2000, 120
 SHARDS = 8
 IMAGE_SIDES = (300, 500)
 IMAGES_PER_SAMPLE = ((0, 1, 2), (0.2, 0.6, 0.2))
+WINDOW = 4096
+"""Samples packed together (``fastio.ImageText``'s ``window``: its blocks of a shard)."""
+PAD_ID = 0
+"""The id a row is padded with (``fastio.ImageText``'s)."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,15 @@ def _source(root: Path, n: int, seed: int) -> tuple[Path, Path, Path]:
 
 def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -> list[list[int]]:
     """Best-fit decreasing in plain Python: each sample, longest first (ties: the earlier), into the fullest row
-    it fits (``cap`` tokens, ``max_images`` images), else a new row; the rows' samples in placement order."""
+    it fits (``cap`` tokens, ``max_images`` images; ties: the earlier row; a row whose images are spent takes no
+    more), else a new row; the rows' samples in placement order."""
     rows: list[list[int]] = []
     room: list[int] = []
     left: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         best = -1
         for r in range(len(rows)):
-            if lengths[i] <= room[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
+            if lengths[i] <= room[r] and left[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
                 best = r
         if best < 0:
             rows.append([])
@@ -134,7 +140,8 @@ def _image_fields(sample: dict) -> list[str]:
 
 
 class _Rows:
-    """The peer's packing stage: the samples of each shard (a window), packed by :func:`best_fit`, as rows."""
+    """The peer's packing stage: the samples of each shard in windows of :data:`WINDOW` (as fastio's blocks),
+    each packed by :func:`best_fit`, as rows."""
 
     def __init__(self, packing: Packing, image_id: int):
         self.packing, self.image_id = packing, image_id
@@ -142,7 +149,7 @@ class _Rows:
     def __call__(self, samples):
         window: list[dict] = []
         for sample in samples:
-            if window and sample["__url__"] != window[-1]["__url__"]:
+            if window and (sample["__url__"] != window[-1]["__url__"] or len(window) == WINDOW):
                 yield from self._rows(window)
                 window = []
             window.append(sample)
@@ -163,17 +170,17 @@ class _Assemble:
     """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained), positions and
     segments per sample, padding after (position ramp, segment 0, untrained); its images decoded by PIL."""
 
-    def __init__(self, packing: Packing, image_id: int, pad_id: int):
+    def __init__(self, packing: Packing, image_id: int):
         from bench.loader import PeerTransform
 
-        self.packing, self.image_id, self.pad_id = packing, image_id, pad_id
+        self.packing, self.image_id = packing, image_id
         self.transform = PeerTransform(packing.size) if packing.train else _EvalTransform(packing.size)
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
 
         width = self.packing.seq_len + 1
-        tokens = np.full(width, self.pad_id, np.int64)
+        tokens = np.full(width, PAD_ID, np.int64)
         mask, segments = np.zeros(width, bool), np.zeros(width, np.int32)
         positions = np.zeros(width, np.int64)
         images, starts, at = [], [], 0
@@ -238,7 +245,8 @@ def collate(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
                  images=torch.stack(images) if images else torch.zeros((0, 3, size, size)),
                  image_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r["images"]], dtype=torch.int64),
                  image_starts=torch.tensor([s for r in rows for s in r["image_starts"]], dtype=torch.int64),
-                 index=torch.tensor([r["index"] for r in rows], dtype=torch.int64))
+                 index=torch.tensor([r["index"] for r in rows], dtype=torch.int64),
+                 padded=torch.zeros(len(rows), dtype=torch.bool))  # the last batch is short, never padded
     return batch
 
 
@@ -262,20 +270,13 @@ def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
 
     manifest = load_manifest(dest)
     options = manifest.convert_options["image_text"]
-    image_id, pad_id = int(options["image_token_id"]), _pad_id(manifest)
+    image_id = int(options["image_token_id"])
     urls = [str(dest / "shards" / s.name) for s in manifest.shards]
     ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
                          empty_check=False)
-          .compose(_Rows(packing, image_id)).map(_Assemble(packing, image_id, pad_id)).compose(_numbered)
+          .compose(_Rows(packing, image_id)).map(_Assemble(packing, image_id)).compose(_numbered)
           .batched(packing.batch_size, collation_fn=lambda rows: collate(rows, packing.size), partial=True))
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
-
-
-def _pad_id(manifest) -> int:
-    """The id fastio pads a row with: the dataset's end-of-document id where it records one, else 0."""
-    tokens = getattr(manifest, "tokens", None)
-    eos = getattr(tokens, "eos_id", None) if tokens is not None else None
-    return int(eos) if eos is not None else 0
 
 
 # -- fastio's side, the check and the rounds ----------------------------------------------------------------------
@@ -306,8 +307,9 @@ def structure(batch: dict[str, Any]) -> dict[str, tuple]:
 
 
 def samples_in(batch: dict[str, Any]) -> int:
-    """The conversations a batch holds: its rows' segments."""
-    return int(batch["segment_ids"].amax(dim=1).sum())
+    """The conversations a batch holds: its rows' segments (rows that repeat others to fill the last batch left
+    out)."""
+    return int(batch["segment_ids"].amax(dim=1)[~batch["padded"]].sum())
 
 
 def _epoch(make) -> tuple[int, float, float]:

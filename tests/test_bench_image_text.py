@@ -1,0 +1,84 @@
+"""bench/image_text.py's peer (DataLoader + WebDataset + PIL + best-fit in Python) delivers what fastio.ImageText
+delivers over the same shards: the same batch entries (dtype and shape), the same rows (each sample's tokens with
+its images expanded, loss mask and positions, packed with the same samples together) and, with ImageEval, the same
+images at the same places."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+pytest.importorskip("webdataset", reason="the peer reads the shards with webdataset (make install)")
+
+from bench.image_text import (  # noqa: E402
+    Packing,
+    best_fit,
+    check_structure,
+    fastio_loader,
+    make_dataset,
+    peer_loader,
+    samples_in,
+)
+
+PACKING = Packing(seq_len=2048, image_seq_len=24, max_images=3, batch_size=4, size=32, train=False)
+N = 40
+
+
+@pytest.fixture(scope="module")
+def dest(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("bench-image-text"), N)
+
+
+def _rows(batch) -> list[tuple]:
+    """Each real row of a batch as its samples (each: tokens, mask, positions, its images' starts within it and
+    their per-channel means), sorted: what must match between the two sides, whatever the row order."""
+    t, m, pos, seg = (batch[k].numpy() for k in ("tokens", "loss_mask", "position_ids", "segment_ids"))
+    rows_of, starts = batch["image_rows"].numpy(), batch["image_starts"].numpy()
+    means = batch["images"].float().mean(dim=(2, 3)).numpy()
+    out = []
+    for r in np.flatnonzero(~batch["padded"].numpy()):
+        samples = []
+        for s in range(1, int(seg[r].max()) + 1):
+            at = np.flatnonzero(seg[r] == s)
+            mine = np.flatnonzero((rows_of == r) & (starts >= at[0]) & (starts <= at[-1]))
+            samples.append((tuple(t[r][at]), tuple(m[r][at]), tuple(pos[r][at]), tuple(starts[mine] - at[0]),
+                            means[mine]))
+        out.append(samples)
+    return out
+
+
+def _key(sample: tuple) -> tuple:
+    return sample[:4]
+
+
+def _epoch(loader) -> list[list[tuple]]:
+    return [row for batch in loader for row in _rows(batch)]
+
+
+def test_best_fit_fills_the_fullest_row_and_keeps_the_image_budget():
+    rows = best_fit([6, 5, 4, 3, 2, 1], [0, 1, 1, 1, 0, 0], cap=10, max_images=2)
+    assert rows == [[0, 2], [1, 3], [4, 5]]  # 4 beside 6 (the fullest); 2 fits beside 5+3 but their images are spent
+    assert best_fit([3, 3, 3], [0, 0, 0], cap=9, max_images=1) == [[0, 1, 2]]
+
+
+def test_the_peer_delivers_fastio_s_batches_rows_and_images(dest):
+    shape = check_structure(dest, PACKING)
+    assert shape["images"] == ("torch.float32", ("M", 3, 32, 32)) and shape["tokens"][1] == (4, 2049)
+    with fastio_loader(dest, PACKING) as ld:
+        ours = _epoch(ld)
+    theirs = _epoch(peer_loader(dest, PACKING, workers=2))
+    assert sum(len(r) for r in ours) == sum(len(r) for r in theirs) == N
+    assert Counter(tuple(map(_key, r)) for r in ours) == Counter(tuple(map(_key, r)) for r in theirs)
+    peer = {_key(s): s[4] for r in theirs for s in r}
+    images = [(s[4], peer[_key(s)]) for r in ours for s in r if len(s[3])]
+    assert len(images) > 10
+    for fastio_means, peer_means in images:  # the same picture (DALI's and PIL's resize differ a little)
+        assert np.abs(fastio_means - peer_means).max() < 0.1
+
+
+def test_samples_in_counts_each_conversation_once(dest):
+    with fastio_loader(dest, PACKING) as ld:
+        assert sum(samples_in(b) for b in ld) == N
+    assert sum(samples_in(b) for b in peer_loader(dest, PACKING, workers=0)) == N
