@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.quiet import before_section, during, read_sample
 
-__all__ = ["Packing", "best_fit", "check_structure", "collate", "fastio_loader", "make_dataset", "peer_loader", "run",
-           "samples_in", "structure"]
+__all__ = ["Assemble", "Packing", "best_fit", "check_structure", "collate", "fastio_loader", "image_fields",
+           "image_token_id", "make_dataset", "peer_loader", "peers", "run", "samples_in", "structure"]
 
 WORKERS = 2
 TARGET = 1.5
@@ -133,7 +134,7 @@ def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -
     return rows
 
 
-def _image_fields(sample: dict) -> list[str]:
+def image_fields(sample: dict) -> list[str]:
     from fastio.formats.image_text import image_number
 
     return sorted((f for f in sample if image_number(f) is not None), key=image_number)
@@ -160,13 +161,13 @@ class _Rows:
         from fastio.formats.image_text import TOKENS_FIELD
 
         p = self.packing
-        images = [len(_image_fields(s)) for s in window]
+        images = [len(image_fields(s)) for s in window]
         lengths = [len(s[TOKENS_FIELD]) // 4 + k * (p.image_seq_len - 1) for s, k in zip(window, images)]
         for row in best_fit(lengths, images, p.seq_len + 1, p.max_images):
             yield [window[i] for i in row]
 
 
-class _Assemble:
+class Assemble:
     """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained), positions and
     segments per sample, padding after (position ramp, segment 0, untrained); its images decoded by PIL."""
 
@@ -193,7 +194,7 @@ class _Assemble:
             mask[at:at + n] = np.repeat(bits & ~image, reps)
             segments[at:at + n], positions[at:at + n] = k, np.arange(n)
             starts += (at + (np.cumsum(reps) - reps)[image]).tolist()
-            images += [self._image(sample[f]) for f in _image_fields(sample)]
+            images += [self._image(sample[f]) for f in image_fields(sample)]
             at += n
         positions[at:] = np.arange(width - at)
         return {"tokens": tokens, "loss_mask": mask, "position_ids": positions, "segment_ids": segments,
@@ -260,6 +261,13 @@ def _numbered(rows):
         yield {**row, "index": k * n + w}
 
 
+def image_token_id(dest: Path) -> int:
+    """The image token's id that image-text dataset ``dest`` records."""
+    from fastio.dataset.manifest import load_manifest
+
+    return int(load_manifest(dest).convert_options["image_text"]["image_token_id"])
+
+
 def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
     """The peer: ``DataLoader(workers)`` over ``webdataset.WebDataset`` of ``dest``'s shards (each worker its own
     shards), packed per shard by :func:`best_fit`, images by PIL, batches as :func:`collate` makes them."""
@@ -268,13 +276,11 @@ def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
 
     from fastio.dataset.manifest import load_manifest
 
-    manifest = load_manifest(dest)
-    options = manifest.convert_options["image_text"]
-    image_id = int(options["image_token_id"])
-    urls = [str(dest / "shards" / s.name) for s in manifest.shards]
+    image_id = image_token_id(dest)
+    urls = [str(dest / "shards" / s.name) for s in load_manifest(dest).shards]
     ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
                          empty_check=False)
-          .compose(_Rows(packing, image_id)).map(_Assemble(packing, image_id)).compose(_numbered)
+          .compose(_Rows(packing, image_id)).map(Assemble(packing, image_id)).compose(_numbered)
           .batched(packing.batch_size, collation_fn=lambda rows: collate(rows, packing.size), partial=True))
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
 
@@ -327,37 +333,57 @@ def _epoch(make) -> tuple[int, float, float]:
     return n, time.perf_counter() - start, cpu_seconds() - cpu
 
 
-def _rounds(dest: Path, packing: Packing, repeats: int) -> list[dict[str, Any]]:
+def peers(dest: Path, packing: Packing, conversations: int) -> tuple[dict[str, Callable], dict[str, str]]:
+    """Each peer's loader of one epoch (name -> make it) and why any peer is left out (Energon not importable)."""
+    makers: dict[str, Callable] = {"dataloader": lambda: peer_loader(dest, packing)}
+    try:
+        from bench.image_text_energon import energon_loader
+    except ImportError as err:
+        return makers, {"energon": f"Megatron-Energon is not importable ({err}; make bench installs it)"}
+    window = min(WINDOW, -(-conversations // SHARDS))  # a shard's samples: fastio's blocks
+    makers["energon"] = lambda: energon_loader(dest, packing, WORKERS, window)
+    return makers, {}
+
+
+def _rounds(dest: Path, packing: Packing, repeats: int, makers: dict[str, Callable]) -> list[dict[str, Any]]:
+    """``repeats`` rounds of an epoch of fastio's Loader and of each peer, in turn (the order reversed every other
+    round): each side's samples/s, CPU ms per sample and samples, and what the other processes used."""
     from bench.media import Epochs
 
     ours, rounds = Epochs(lambda: fastio_loader(dest, packing)), []
-    makers = (("fastio", lambda: ours), ("peer", lambda: peer_loader(dest, packing)))
+    sides = [("fastio", lambda: ours), *makers.items()]
     try:
         for r in range(repeats):
             row, start = {}, read_sample()
-            for name, make in makers[:: 1 if r % 2 == 0 else -1]:
+            for name, make in sides[:: 1 if r % 2 == 0 else -1]:
                 n, s, cpu = _epoch(make)
                 row[name], row[f"{name}_cpu_ms_per_sample"], row[f"{name}_samples"] = n / s, 1000 * cpu / n, n
             row["quiet"] = during(start, read_sample()).as_dict()
             rounds.append(row)
-            print(f"round {r + 1}/{repeats}: fastio {row['fastio']:.1f} samples/s "
-                  f"({row['fastio_cpu_ms_per_sample']:.1f} CPU ms/sample), peer {row['peer']:.1f} samples/s "
-                  f"({row['peer_cpu_ms_per_sample']:.1f} CPU ms/sample)", flush=True)
+            print(f"round {r + 1}/{repeats}: " + ", ".join(
+                f"{name} {row[name]:.1f} samples/s ({row[f'{name}_cpu_ms_per_sample']:.1f} CPU ms/sample)"
+                for name, _ in sides), flush=True)
     finally:
         ours.close()
     return rounds
 
 
-def check_structure(dest: Path, packing: Packing) -> dict[str, tuple]:
-    """Both sides' first batches have the same :func:`structure` (ValueError naming the entries that differ)."""
+def check_structure(dest: Path, packing: Packing, makers: dict[str, Callable] | None = None) -> dict[str, tuple]:
+    """Each peer's first batch has fastio's :func:`structure` (ValueError naming the peer and the entries that
+    differ); ``makers``: :func:`peers`' (default: the DataLoader peer, no worker processes)."""
     with fastio_loader(dest, packing) as ld:
         ours = structure(next(iter(ld)))
-    theirs = structure(next(iter(peer_loader(dest, packing, workers=0))))
-    if ours != theirs:
-        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        raise ValueError(f"the peer's batch differs from fastio's in {differ}: fastio "
-                         f"{ {k: ours.get(k) for k in differ} }, peer { {k: theirs.get(k) for k in differ} }")
+    for name, make in (makers or {"dataloader": lambda: peer_loader(dest, packing, workers=0)}).items():
+        theirs = structure(next(iter(make())))
+        if ours != theirs:
+            differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            raise ValueError(f"{name}'s batch differs from fastio's in {differ}: fastio "
+                             f"{ {k: ours.get(k) for k in differ} }, {name} { {k: theirs.get(k) for k in differ} }")
     return ours
+
+
+PEER_NAMES = {"dataloader": f"DataLoader({WORKERS} workers) + WebDataset + PIL + Python best-fit",
+              "energon": f"Megatron-Energon 7.4 ({WORKERS} workers) + PIL + the same best-fit"}
 
 
 def run(workdir: Path, repeats: int = 3, conversations: int = CONVERSATIONS, results_dir: Path | None = RESULTS_DIR,
@@ -365,15 +391,15 @@ def run(workdir: Path, repeats: int = 3, conversations: int = CONVERSATIONS, res
     """The section (``tiny``: :data:`TINY` conversations, a check that it runs)."""
     conversations = TINY if tiny else conversations
     dest, packing = make_dataset(Path(workdir), conversations), Packing()
-    shape = check_structure(dest, packing)
-    rounds = _rounds(dest, packing, repeats)
+    makers, skipped = peers(dest, packing, conversations)
+    shape = check_structure(dest, packing, makers)
+    rounds = _rounds(dest, packing, repeats, makers)
     result: dict[str, Any] = {
         "benchmark": "image_text", "conversations": conversations, "workers": WORKERS, "repeats": repeats,
         "packing": packing.__dict__, "structure": {k: list(v) for k, v in shape.items()}, "rounds": rounds,
-        **{k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "quiet"},
-        "ratios": [{"name": f"image-text samples/s vs DataLoader({WORKERS} workers) + PIL + Python best-fit",
-                    "better": "higher", "target": TARGET,
-                    "value": statistics.median(r["fastio"] / r["peer"] for r in rounds)}],
+        **{k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "quiet"}, "skipped": skipped,
+        "ratios": [{"name": f"image-text samples/s vs {PEER_NAMES[name]}", "better": "higher", "target": TARGET,
+                    "value": statistics.median(r["fastio"] / r[name] for r in rounds)} for name in makers],
         "machine": machine_info()}
     if results_dir is not None:
         write_results("image_text", result, results_dir)
@@ -395,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.workdir, args.repeats, args.conversations, args.out)
     for r in result["ratios"]:
         print(f"{r['name']}: {r['value']:.3g} (target >= {r['target']})")
+    for name, why in result["skipped"].items():
+        print(f"{name}: left out, {why}")
     return 0
 
 
