@@ -474,7 +474,8 @@ class Loader:
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         if graph is not None:
-            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
+            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size * graph.per_unit,
+                                      num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
         return feeder
@@ -570,8 +571,9 @@ class Loader:
         """The graph's outputs but ``index`` (checked against what was fed) as torch values."""
         out = dict(zip(names, outputs))
         index = out.pop("index").as_array().reshape(-1)
-        if not np.array_equal(index, fed.indices):
-            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
+        want = fed.indices if self._graph.fed_index is None else self._graph.fed_index(fed.batch)
+        if not np.array_equal(index, want):
+            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {want[:8]}")
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):

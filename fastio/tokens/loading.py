@@ -171,6 +171,13 @@ class TokenUnits:
     packing: ConcatPacking | BestFitPacking
     sampler: Sampler
 
+    @classmethod
+    def of(cls, packing: ConcatPacking | BestFitPacking, spec: SamplerSpec, world_size: int, rank: int) -> TokenUnits:
+        """The plan of ``packing``'s sequences on rank ``rank`` of ``world_size`` (``spec``: the batch size, drop_last
+        and remainder)."""
+        return cls(packing, packing.sampler(batch_size=spec.batch_size, world_size=world_size, rank=rank,
+                                            drop_last=spec.drop_last, remainder=spec.remainder))
+
     @property
     def samples(self) -> int:
         return self.sampler.samples
