@@ -2,8 +2,9 @@
 augmented by DALI, tokens packed best-fit) against ``torch.utils.data.DataLoader`` (2 workers) over
 ``webdataset.WebDataset`` reading the same shards, with PIL decoding and augmenting the same images (the same crop
 size, dtype and layout: ``bench.loader.PeerTransform``), the same tokens and loss masks (the shards' ``tokens.i32``
-and ``mask.bits``) and the same best-fit packing done in Python (:func:`best_fit`), delivering the same batch dict
-(:func:`structure` checks it before timing).
+and ``mask.bits``) and the same best-fit packing done in Python (``bench/image_text_peer.py``), delivering the same
+batch dict (:func:`structure` checks it before timing); and against Megatron-Energon 7.4 packing by the same rule
+(``bench/image_text_energon.py``; left out, saying why, where it is not installed).
 
 Data (made once under the work folder, offline): ``--conversations`` LLaVA-like conversations (``bench.chat``'s
 generator: an optional system message, 1..8 turns, fewer more often), each holding 0, 1 or 2 images (20 %, 60 %,
@@ -13,10 +14,10 @@ converted with ``fastio convert --image-field images --chat-template`` into 8 sh
 ``seq_len`` 4,096 (+1), each image 576 tokens (``image_seq_len``, LLaVA-1.5 at 336 px), at most 8 images a
 sequence, images 336 x 336 float32 CHW normalised (``ImageTrain``'s random resized crop and flip).
 
-fastio's side is one Loader for all rounds (round r: its epoch r; ``bench.media.Epochs``), the peer's DataLoader
-ends each epoch. Rounds are interleaved, each records what the other processes used of the cores; the figure is
+fastio's side is one Loader for all rounds (round r: its epoch r; ``bench.media.Epochs``), each peer's loader
+ends each epoch. Rounds are interleaved, each records what the other processes used of the cores; each figure is
 the median over the rounds of fastio's samples/s (conversations delivered, the segments of the packed rows) over
-the peer's in the same round (target >= 1.5), with CPU ms per sample of each side.
+a peer's in the same round (target >= 1.5), with CPU ms per sample of each side.
 
 ``python -m bench.image_text [--repeats N] [--conversations N]`` writes ``bench/out/image_text.json``;
 ``--conversations 120`` checks that it runs (``python -m bench.run --only image_text --tiny`` does the same).
@@ -25,13 +26,11 @@ the peer's in the same round (target >= 1.5), with CPU ms per sample of each sid
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,35 +40,17 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.image_text_peer import WINDOW, WORKERS, Packing, peer_loader
 from bench.quiet import before_section, during, read_sample
 
-__all__ = ["Assemble", "Packing", "best_fit", "check_structure", "collate", "fastio_loader", "image_fields",
-           "image_token_id", "make_dataset", "peer_loader", "peers", "run", "samples_in", "structure"]
+__all__ = ["Packing", "check_structure", "fastio_loader", "make_dataset", "peer_loader", "peers", "run", "samples_in",
+           "structure"]
 
-WORKERS = 2
 TARGET = 1.5
 CONVERSATIONS, TINY = 2000, 120
 SHARDS = 8
 IMAGE_SIDES = (300, 500)
 IMAGES_PER_SAMPLE = ((0, 1, 2), (0.2, 0.6, 0.2))
-WINDOW = 4096
-"""Samples packed together (``fastio.ImageText``'s ``window``: its blocks of a shard)."""
-PAD_ID = 0
-"""The id a row is padded with (``fastio.ImageText``'s)."""
-
-
-@dataclass(frozen=True)
-class Packing:
-    """What both sides pack with: rows of ``seq_len + 1`` tokens, ``image_seq_len`` tokens an image, at most
-    ``max_images`` images a row, ``batch_size`` rows a batch, images ``size`` x ``size``; ``train``: ImageTrain's
-    augmentation (else ImageEval's center crop)."""
-
-    seq_len: int = 4096
-    image_seq_len: int = 576
-    max_images: int = 8
-    batch_size: int = 4
-    size: int = 336
-    train: bool = True
 
 
 def make_dataset(workdir: Path, n: int, seed: int = 0) -> Path:
@@ -108,181 +89,6 @@ def _source(root: Path, n: int, seed: int) -> tuple[Path, Path, Path]:
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok, config = chat_tokenizer(root, chats, specials=("<image>",))
     return source, tok, config
-
-
-# -- the peer: DataLoader + WebDataset + PIL + best-fit in Python --------------------------------------------------
-
-def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -> list[list[int]]:
-    """Best-fit decreasing in plain Python: each sample, longest first (ties: the earlier), into the fullest row
-    it fits (``cap`` tokens, ``max_images`` images; ties: the earlier row; a row whose images are spent takes no
-    more), else a new row; the rows' samples in placement order."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    left: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        best = -1
-        for r in range(len(rows)):
-            if lengths[i] <= room[r] and left[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
-                best = r
-        if best < 0:
-            rows.append([])
-            room.append(cap)
-            left.append(max_images)
-        rows[best].append(i)
-        room[best] -= lengths[i]
-        left[best] -= images[i]
-    return rows
-
-
-def image_fields(sample: dict) -> list[str]:
-    from fastio.formats.image_text import image_number
-
-    return sorted((f for f in sample if image_number(f) is not None), key=image_number)
-
-
-class _Rows:
-    """The peer's packing stage: the samples of each shard in windows of :data:`WINDOW` (as fastio's blocks),
-    each packed by :func:`best_fit`, as rows."""
-
-    def __init__(self, packing: Packing, image_id: int):
-        self.packing, self.image_id = packing, image_id
-
-    def __call__(self, samples):
-        window: list[dict] = []
-        for sample in samples:
-            if window and (sample["__url__"] != window[-1]["__url__"] or len(window) == WINDOW):
-                yield from self._rows(window)
-                window = []
-            window.append(sample)
-        if window:
-            yield from self._rows(window)
-
-    def _rows(self, window: list[dict]):
-        from fastio.formats.image_text import TOKENS_FIELD
-
-        p = self.packing
-        images = [len(image_fields(s)) for s in window]
-        lengths = [len(s[TOKENS_FIELD]) // 4 + k * (p.image_seq_len - 1) for s, k in zip(window, images)]
-        for row in best_fit(lengths, images, p.seq_len + 1, p.max_images):
-            yield [window[i] for i in row]
-
-
-class Assemble:
-    """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained), positions and
-    segments per sample, padding after (position ramp, segment 0, untrained); its images decoded by PIL."""
-
-    def __init__(self, packing: Packing, image_id: int):
-        from bench.loader import PeerTransform
-
-        self.packing, self.image_id = packing, image_id
-        self.transform = PeerTransform(packing.size) if packing.train else _EvalTransform(packing.size)
-
-    def __call__(self, samples: list[dict]) -> dict[str, Any]:
-        from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
-
-        width = self.packing.seq_len + 1
-        tokens = np.full(width, PAD_ID, np.int64)
-        mask, segments = np.zeros(width, bool), np.zeros(width, np.int32)
-        positions = np.zeros(width, np.int64)
-        images, starts, at = [], [], 0
-        for k, sample in enumerate(samples, 1):
-            ids, bits = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
-            image = ids == self.image_id
-            reps = np.where(image, self.packing.image_seq_len, 1)
-            n = int(reps.sum())
-            tokens[at:at + n] = np.repeat(ids, reps)
-            mask[at:at + n] = np.repeat(bits & ~image, reps)
-            segments[at:at + n], positions[at:at + n] = k, np.arange(n)
-            starts += (at + (np.cumsum(reps) - reps)[image]).tolist()
-            images += [self._image(sample[f]) for f in image_fields(sample)]
-            at += n
-        positions[at:] = np.arange(width - at)
-        return {"tokens": tokens, "loss_mask": mask, "position_ids": positions, "segment_ids": segments,
-                "images": images, "image_starts": starts}
-
-    def _image(self, data: bytes):
-        from PIL import Image
-
-        return self.transform((Image.open(io.BytesIO(data)).convert("RGB"), 0))[0]
-
-
-class _EvalTransform:
-    """ImageEval's image with PIL: the shorter side resized to ``size / 0.875``, the center square of ``size``,
-    normalised, float32 CHW."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def __call__(self, sample):
-        import torch
-        from PIL import Image
-
-        from bench.loader import MEAN, STD
-
-        img, label = sample
-        w, h = img.size
-        short = round(self.size / 0.875)
-        w, h = (short, max(1, round(h * short / w))) if w <= h else (max(1, round(w * short / h)), short)
-        img = img.resize((w, h), Image.BILINEAR)
-        x, y = (w - self.size) // 2, (h - self.size) // 2
-        img = img.crop((x, y, x + self.size, y + self.size))
-        arr = (np.asarray(img, np.float32) / 255.0 - MEAN) / STD
-        return torch.from_numpy(arr.transpose(2, 0, 1).copy()), label
-
-
-def collate(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
-    """The batch dict fastio's ImageText delivers, of the peer's rows: ``cu_seqlens`` cut where a row starts or its
-    segment changes in the inputs ``tokens[:, :-1]``, ``max_seqlen`` the longest piece."""
-    import torch
-
-    batch = {k: torch.from_numpy(np.stack([r[k] for r in rows]))
-             for k in ("tokens", "loss_mask", "position_ids", "segment_ids")}
-    inputs = batch["segment_ids"][:, :-1].numpy()
-    change = np.ones(inputs.shape, bool)
-    change[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
-    cu = np.r_[np.flatnonzero(change.reshape(-1)), inputs.size].astype(np.int32)
-    images = [im for r in rows for im in r["images"]]
-    batch.update(cu_seqlens=torch.from_numpy(cu), max_seqlen=int(np.diff(cu).max()),
-                 images=torch.stack(images) if images else torch.zeros((0, 3, size, size)),
-                 image_rows=torch.tensor([i for i, r in enumerate(rows) for _ in r["images"]], dtype=torch.int64),
-                 image_starts=torch.tensor([s for r in rows for s in r["image_starts"]], dtype=torch.int64),
-                 index=torch.tensor([r["index"] for r in rows], dtype=torch.int64),
-                 padded=torch.zeros(len(rows), dtype=torch.bool))  # the last batch is short, never padded
-    return batch
-
-
-def _numbered(rows):
-    """Each row with ``index``: worker w's k-th row is ``k * workers + w`` (distinct across the workers)."""
-    import torch
-
-    info = torch.utils.data.get_worker_info()
-    w, n = (info.id, info.num_workers) if info else (0, 1)
-    for k, row in enumerate(rows):
-        yield {**row, "index": k * n + w}
-
-
-def image_token_id(dest: Path) -> int:
-    """The image token's id that image-text dataset ``dest`` records."""
-    from fastio.dataset.manifest import load_manifest
-
-    return int(load_manifest(dest).convert_options["image_text"]["image_token_id"])
-
-
-def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
-    """The peer: ``DataLoader(workers)`` over ``webdataset.WebDataset`` of ``dest``'s shards (each worker its own
-    shards), packed per shard by :func:`best_fit`, images by PIL, batches as :func:`collate` makes them."""
-    import torch
-    import webdataset as wds
-
-    from fastio.dataset.manifest import load_manifest
-
-    image_id = image_token_id(dest)
-    urls = [str(dest / "shards" / s.name) for s in load_manifest(dest).shards]
-    ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
-                         empty_check=False)
-          .compose(_Rows(packing, image_id)).map(Assemble(packing, image_id)).compose(_numbered)
-          .batched(packing.batch_size, collation_fn=lambda rows: collate(rows, packing.size), partial=True))
-    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
 
 
 # -- fastio's side, the check and the rounds ----------------------------------------------------------------------

@@ -6,9 +6,9 @@ Energon reads a WebDataset folder that ``energon prepare`` described (``.nv-meta
 the fastio dataset), as a ``CrudeWebdataset``: each sample a dict of its members' bytes, cooked into a
 :class:`Members` sample. :class:`Encoder` (a ``TaskEncoder``) packs with Energon's packing stage: each buffer of
 samples (``packing_buffer_size``: a shard's samples, as fastio's blocks) split into rows by
-:func:`bench.image_text.best_fit` (``select_samples_to_pack``), each row laid out and its images decoded by PIL as
-the DataLoader peer does (``pack_selected_samples``: ``bench.image_text.Assemble``), batched into the same dict
-(``batch``: ``bench.image_text.collate``). One epoch: ``get_train_dataset(..., repeat=False)`` through Energon's
+:func:`bench.image_text_peer.best_fit` (``select_samples_to_pack``), each row laid out and its images decoded by PIL as
+the DataLoader peer does (``pack_selected_samples``: ``bench.image_text_peer.Assemble``), batched into the same dict
+(``batch``: ``bench.image_text_peer.collate``). One epoch: ``get_train_dataset(..., repeat=False)`` through Energon's
 ``get_loader`` with ``WorkerConfig(num_workers=2)``.
 
 Imports Energon at import time: ``bench.image_text`` imports this module only when it runs this peer.
@@ -32,7 +32,7 @@ from megatron.energon import (
 )
 from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
 
-from bench.image_text import Assemble, Packing, best_fit, collate, image_fields, image_token_id
+from bench.image_text_peer import Assemble, Packing, best_fit, collate, image_fields, image_token_id
 from fastio.formats.image_text import TOKENS_FIELD
 
 __all__ = ["energon_loader", "prepared"]

@@ -12,16 +12,8 @@ import pytest
 
 pytest.importorskip("webdataset", reason="the peer reads the shards with webdataset (make install)")
 
-from bench.image_text import (  # noqa: E402
-    SHARDS,
-    Packing,
-    best_fit,
-    check_structure,
-    fastio_loader,
-    make_dataset,
-    peer_loader,
-    samples_in,
-)
+from bench.image_text import SHARDS, check_structure, fastio_loader, make_dataset, samples_in  # noqa: E402
+from bench.image_text_peer import Packing, best_fit, peer_loader  # noqa: E402
 
 PACKING = Packing(seq_len=2048, image_seq_len=24, max_images=3, batch_size=4, size=32, train=False)
 N = 40
