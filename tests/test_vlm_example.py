@@ -4,9 +4,7 @@ resumed: the same sequences, bit-identical losses and final weights as a run nev
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,40 +28,39 @@ def vlm(tmp_path_factory):
     return root / "ds", src["tokenizer"]
 
 
-def _command(vlm, ckpt: Path) -> list[str]:
+def _args(vlm, ckpt: Path) -> list[str]:
     dest, tokenizer = vlm
-    return [sys.executable, str(EXAMPLE), str(dest), str(ckpt), "--tokenizer", str(tokenizer), "--seq-len", "256",
-            "--image-seq-len", "16", "--image-size", "16", "--batch-size", "2"]
+    return [str(dest), str(ckpt), "--tokenizer", str(tokenizer), "--seq-len", "256", "--image-seq-len", "16",
+            "--image-size", "16", "--batch-size", "2"]
 
 
-def _run(command: list[str]) -> str:
-    done = subprocess.run([*command, "--steps", str(STEPS)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def _warm(warm, vlm, ckpt: Path, *more: str) -> tuple[int, str, str]:
+    """``python examples/vlm_train.py ...`` from the warm interpreter (torch and DALI imported once)."""
+    return warm.run(EXAMPLE, ckpt.parent, *_args(vlm, ckpt), *more)
 
 
 def _weights(stdout: str) -> str:
     return re.search(rf"^done: {STEPS} steps, weights (\w+)$", stdout, re.M)[1]
 
 
-def test_vlm_example_trains_on_images_and_the_mask_and_resumes_exactly_after_sigkill(vlm, tmp_path):
-    straight = _run(_command(vlm, tmp_path / "straight"))
+def test_vlm_example_trains_on_images_and_the_mask_and_resumes_exactly_after_sigkill(vlm, warm, tmp_path):
+    rc, straight, err = _warm(warm, vlm, tmp_path / "straight", "--steps", str(STEPS))
+    assert rc == 0, straight + err
     steps = {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) (loss .*)$", straight, re.M)}
     assert sorted(steps) == list(range(1, STEPS + 1))
-    before, after, start = killed_and_resumed(_command(vlm, tmp_path / "ckpt"), tmp_path / "ckpt")
+    command = [sys.executable, str(EXAMPLE), *_args(vlm, tmp_path / "ckpt")]
+    before, after, start = killed_and_resumed(command, tmp_path / "ckpt", steps=STEPS)
     assert start in (5, 10) and sorted(after) == list(range(start + 1, STEPS + 1))
     assert all(after[s] == steps[s] for s in after) and all(before[s] == steps[s] for s in before)
-    resumed = _run(_command(vlm, tmp_path / "ckpt"))  # at its last step: restores, prints the weights
-    assert "resumed at step 18" in resumed and _weights(resumed) == _weights(straight)
+    rc, resumed, err = _warm(warm, vlm, tmp_path / "ckpt", "--steps", str(STEPS))  # restores the last step
+    assert rc == 0 and f"resumed at step {STEPS}" in resumed, resumed + err
+    assert _weights(resumed) == _weights(straight)
     trained = [int(re.search(r" trained (\d+)", line)[1]) for line in steps.values()]
     images = [int(re.search(r" images (\d+)", line)[1]) for line in steps.values()]
     assert all(0 < t < 2 * 256 for t in trained) and sum(images) > 0  # the replies only; images in the batches
 
 
-def test_an_image_seq_len_that_cuts_no_square_patches_is_refused_naming_it(vlm, tmp_path):
-    command = _command(vlm, tmp_path / "ckpt")
-    command[command.index("--image-seq-len") + 1] = "12"
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--image-seq-len 12 must be a square" in done.stderr
-    assert "Traceback" not in done.stderr and not (tmp_path / "ckpt").exists()
+def test_an_image_seq_len_that_cuts_no_square_patches_is_refused_naming_it(vlm, warm, tmp_path):
+    rc, out, err = _warm(warm, vlm, tmp_path / "ckpt", "--image-seq-len", "12")
+    assert rc == 2 and "--image-seq-len 12 must be a square" in err
+    assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
