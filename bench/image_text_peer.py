@@ -60,6 +60,7 @@ def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -
 
 
 def image_fields(sample: dict) -> list[str]:
+    """A sample's image fields (``N.EXT``), by N."""
     from fastio.formats.image_text import image_number
 
     return sorted((f for f in sample if image_number(f) is not None), key=image_number)
@@ -69,8 +70,8 @@ class _Rows:
     """The peer's packing stage: the samples of each shard in windows of :data:`WINDOW` (as fastio's blocks),
     each packed by :func:`best_fit`, as rows."""
 
-    def __init__(self, packing: Packing, image_id: int):
-        self.packing, self.image_id = packing, image_id
+    def __init__(self, packing: Packing):
+        self.packing = packing
 
     def __call__(self, samples):
         window: list[dict] = []
@@ -205,6 +206,6 @@ def peer_loader(dest: Path, packing: Packing, workers: int = WORKERS):
     urls = [str(dest / "shards" / s.name) for s in load_manifest(dest).shards]
     ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker,
                          empty_check=False)
-          .compose(_Rows(packing, image_id)).map(Assemble(packing, image_id)).compose(_numbered)
+          .compose(_Rows(packing)).map(Assemble(packing, image_id)).compose(_numbered)
           .batched(packing.batch_size, collation_fn=lambda rows: collate(rows, packing.size), partial=True))
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
