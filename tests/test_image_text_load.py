@@ -2,7 +2,8 @@
 ``convert_image_text`` (the tests' own tokenizer, template and colour-coded images: each image a flat colour naming
 its sample and image number), packed whole by best-fit on their expanded cost, each packed segment's tokens, mask
 and images checked against the stored sample; max_images; a batch without images; crops a pure function of (seed,
-epoch, sample, image number); exact and elastic resume; two gloo ranks; refusals in one line."""
+epoch, sample, image number); exact and elastic resume; two gloo ranks, Lightning and Accelerate; an s3:// dataset
+through the cache; a mixture with chat and plain token datasets; refusals in one line."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import pytest
 import torch
 from helpers import free_port, start_ranks
 from PIL import Image
-from resume import check_resume, run_ranks
+from resume import batches, check_resume, run_ranks, same_batch
 from tokens_helpers import (
+    chat_dataset,
     conversations,
     image_colour,
     image_text_source,
+    stored_conversations,
     stored_image_text,
     word_corpus,
     write_chats,
@@ -29,8 +32,10 @@ from tokens_helpers import (
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
+from fastio.dataset.manifest import MANIFEST_NAME
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
+from fastio.storage import open_storage
 
 SEQ, IMAGE_SEQ, SIZE = 191, 12, 8
 N = 36
@@ -98,15 +103,18 @@ def _nearest(colour: np.ndarray, n: int) -> tuple[int, int]:
     return min(pairs, key=lambda p: np.abs(np.array(image_colour(*p)) - colour).sum())
 
 
-def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int) -> list[tuple[int, int]]:
-    """Every segment of ``batch`` against the stored sample it holds (found by its tokens): tokens, mask, position
-    ids, image runs and each image's colour; (row, sample) of each segment, in order."""
+def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int, only: np.ndarray | None = None
+                 ) -> list[tuple[int, int]]:
+    """Every segment of ``batch`` (in rows ``only``, None: all) against the stored sample it holds (found by its
+    tokens): tokens, mask, position ids, image runs and each image's colour; (row, sample) of each segment."""
     tokens, mask, pos = batch["tokens"].numpy(), batch["loss_mask"].numpy(), batch["position_ids"].numpy()
     rows, starts, images = batch["image_rows"].numpy(), batch["image_starts"].numpy(), batch["images"].numpy()
     assert images.shape == (len(rows), 3, SIZE, SIZE) and images.dtype == np.uint8
     assert not mask[batch["segment_ids"].numpy() == 0].any() and not mask[tokens == image_id].any()
     found, m = [], 0
     for r, a, b in _segments(batch):
+        if only is not None and r not in only:
+            continue
         sample = by_tokens[tokens[r, a:b].tobytes()].pop()
         ids, want_mask, runs = ref[sample]
         assert np.array_equal(mask[r, a:b], want_mask) and np.array_equal(pos[r, a:b], np.arange(b - a))
@@ -118,7 +126,8 @@ def _check_batch(batch: dict, ref: list, by_tokens: dict, image_id: int) -> list
             m += 1
         found.append((r, sample))
     assert m == len(rows)
-    cu = batch["cu_seqlens"].numpy()
+    cu, starts = batch["cu_seqlens"].numpy(), [r * (SEQ + 1) + a for r, a, _ in _segments(batch)]
+    assert set(cu[:-1].tolist()) >= {r * SEQ + a for r, a, _ in _segments(batch) if a < SEQ} and len(starts)
     assert cu[-1] == tokens.shape[0] * SEQ and batch["max_seqlen"] == int(np.diff(cu).max())
     return found
 
@@ -160,11 +169,21 @@ def test_max_images_bounds_every_sequence_and_the_batch(vlm):
         _loader(vlm["ds"], max_images=2)
 
 
+def test_the_graph_is_built_for_the_most_images_a_batch_can_hold():
+    def per_unit(**options):
+        return fastio.ImageText(seq_len=SEQ, image_seq_len=IMAGE_SEQ, **options).graph().per_unit
+    assert per_unit() == (SEQ + 1) // IMAGE_SEQ == 16  # an image costs IMAGE_SEQ tokens at least
+    assert per_unit(max_images=3) == 3 and per_unit(max_images=100) == 16
+    train = fastio.ImageText(image=fastio.ImageTrain(size=SIZE, dtype="float16"), max_images=3)
+    assert train.evaluation() == fastio.ImageText(image=fastio.ImageEval(size=SIZE, dtype="float16"), max_images=3)
+
+
 def test_a_batch_without_images_has_images_of_shape_0(vlm):
     with _loader(vlm["text"], image=fastio.ImageTrain(size=SIZE)) as ld:
         got = list(ld)
     assert got and all(b["images"].shape == (0, 3, SIZE, SIZE) and b["images"].dtype == torch.float32 for b in got)
     assert all(b["image_rows"].shape == (0,) and b["loss_mask"].any() for b in got)
+    assert all(b[k].view(torch.uint8).numel() == 0 for b in got for k in ("image_rows", "image_starts"))
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +309,164 @@ def test_a_state_of_other_options_or_another_kind_is_refused(vlm):
     tokens.close()
     with _loader(vlm["ds"]) as ld, pytest.raises(LoaderStateError, match="not of packed image-text sequences"):
         ld.load_state_dict(raw_state)
+
+
+# -- a mixture with chat and plain token datasets ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mixed(vlm, tmp_path_factory):
+    """The image-text dataset, a chat token dataset (30 conversations) and a plain token dataset (120 documents)."""
+    root = tmp_path_factory.mktemp("vlm-mix")
+    (root / "plain").mkdir()
+    (root / "c").mkdir()
+    return {"vlm": vlm["ds"], "chat": chat_dataset(root / "c", n=30), "plain": word_corpus(root / "plain")}
+
+
+def _mix_loader(mixed, image=None, **options):
+    return _loader(fastio.Mixture(mixed, weights={"vlm": 2, "chat": 1, "plain": 1}), image=image, **options)
+
+
+def test_a_mixture_packs_image_text_chat_and_plain_sources_each_row_as_its_source_wants(vlm, mixed):
+    ref = _reference(vlm["ds"], vlm["image_id"])
+    chats = {np.asarray(ids, np.int64).tobytes(): np.asarray(mask, bool) for ids, mask in
+             stored_conversations(mixed["chat"])}
+    rows_of = Counter()
+    with _mix_loader(mixed, batch_size=4) as ld:
+        for batch in ld:
+            source = batch["source"].numpy()
+            rows_of.update(source.tolist())
+            assert set(batch["image_rows"].tolist()) <= set(np.flatnonzero(source == 0).tolist())
+            _check_batch(batch, ref, _by_tokens(ref), vlm["image_id"], only=np.flatnonzero(source == 0))
+            tokens, mask = batch["tokens"].numpy(), batch["loss_mask"].numpy()
+            for r, a, b in _segments(batch):
+                if source[r] == 1:  # a whole conversation, its stored mask
+                    assert np.array_equal(mask[r, a:b], chats[tokens[r, a:b].tobytes()])
+                elif source[r] == 2:  # a plain document trains every token
+                    assert mask[r, a:b].all()
+            assert not mask[batch["segment_ids"].numpy() == 0].any()
+    assert rows_of[0] > rows_of[1] > 0 and rows_of[2] > 0
+
+
+def test_a_mixture_resumes_exactly_and_on_another_number_of_ranks(mixed):
+    check_resume(lambda: _mix_loader(mixed, image=fastio.ImageTrain(size=SIZE)), n=3, k=3)
+
+    def ids(steps):
+        return [(int(s), int(i)) for step in steps for b in step
+                for s, i, p in zip(b["source"], b["index"], b["padded"]) if not p]
+    make = lambda world, rank: _mix_loader(mixed, world_size=world, rank=rank)  # noqa: E731
+    before, states = run_ranks([make(2, r) for r in range(2)], n=2)
+    after, _ = run_ranks([make(3, r) for r in range(3)], state=states[0])
+    whole, _ = run_ranks([make(1, 0)])
+    assert Counter(ids(before) + ids(after)) == Counter(ids(whole))
+
+
+def test_a_mixture_of_other_kinds_is_refused_naming_the_source(mixed, image_dataset):
+    with pytest.raises(DatasetError, match=r"mixture source 'vlm': \S+: a dataset of stored samples .*fastio\.Tokens "
+                                           "reads token datasets"):
+        fastio.Loader(fastio.Mixture(mixed), pipeline=fastio.Tokens(seq_len=SEQ, packing="best-fit"), batch_size=2,
+                      device="cpu")
+    with pytest.raises(DatasetError, match=r"mixture source 'img': \S+: a dataset of kind 'samples', not an "
+                                           "image-text dataset"):
+        _loader(fastio.Mixture({"vlm": mixed["vlm"], "img": image_dataset}))
+
+
+class _TinyVLM(torch.nn.Module):
+    """A vision encoder (one linear map of each image) whose output replaces its run's token embeddings, and a
+    bigram head trained on the loss mask: enough to train on the batches and compare weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision, self.emb, self.out = torch.nn.Linear(3 * SIZE * SIZE, 8), torch.nn.Embedding(400, 8), \
+            torch.nn.Linear(8, 400)
+
+    def loss(self, batch):
+        x = self.emb(batch["tokens"])
+        feats = self.vision(batch["images"].flatten(1))
+        for m, (r, s) in enumerate(zip(batch["image_rows"].tolist(), batch["image_starts"].tolist())):
+            x[r, s:s + IMAGE_SEQ] = feats[m]
+        logits = self.out(x[:, :-1]).flatten(0, 1)
+        loss = torch.nn.functional.cross_entropy(logits, batch["tokens"][:, 1:].flatten(), reduction="none")
+        mask = batch["loss_mask"][:, 1:].flatten()
+        return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def test_lightning_resumes_an_image_text_run_mid_epoch(vlm, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.vlm, self.seen = _TinyVLM(), []
+
+        def training_step(self, batch, i):
+            self.seen.append(batch["index"].tolist())
+            return self.vlm.loss(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(model, ckpt=None, **kwargs):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=9, **kwargs)
+        with _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3) as loader:  # 7 batches an epoch
+            trainer.fit(model, loader, ckpt_path=ckpt)
+
+    torch.manual_seed(0)
+    model = Module()
+    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
+                                         every_n_train_steps=4)
+    fit(model, callbacks=[every])  # 9 steps: into epoch 1
+    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
+    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert (state["epoch"], state["consumed"]) == (0, 12) and state["image_text"]["image_seq_len"] == IMAGE_SEQ
+    torch.manual_seed(1)
+    resumed = Module()
+    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
+    assert resumed.seen == model.seen[4:] and len(resumed.seen) == 5
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+
+
+def test_accelerate_save_state_then_load_state_continues_the_sequences(vlm, tmp_path, monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    monkeypatch.chdir(tmp_path)
+
+    def run(steps, resume=None):
+        acc = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = _TinyVLM()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = acc.prepare(model, optimizer)
+        loader = _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE), batch_size=3)
+        acc.register_for_checkpointing(loader)
+        if resume:
+            acc.load_state(resume)
+        seen = []
+        for batch in islice(batches(loader), steps):
+            seen.append(batch["index"].tolist())
+            optimizer.zero_grad()
+            acc.backward(acc.unwrap_model(model).loss(batch))
+            optimizer.step()
+            if resume is None and len(seen) == 5:
+                acc.save_state("state")
+        loader.close()
+        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+        acc.end_training()
+        return seen, weights
+
+    seen, want = run(10)  # 7 batches an epoch: into epoch 1
+    again, got = run(5, resume="state")
+    assert again == seen[5:]
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_s3_dataset_through_the_cache_gives_the_local_batches(vlm, moto_server, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/vlm"
+    open_storage(url, moto_server.options()).publish_dir(vlm["ds"], keys_last=(MANIFEST_NAME,))
+    remote = _loader(url, image=fastio.ImageTrain(size=SIZE), cache_dir=str(tmp_path / "cache"), cache_size="1GB",
+                     storage_options=moto_server.options())
+    local = _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE))
+    with remote, local:
+        got = list(zip(remote, local, strict=True))
+        stats = remote.stats()["storage"]
+    assert got and all(same_batch(a, b) for a, b in got)
+    assert stats["bytes_downloaded"] == sum(p.stat().st_size for p in (vlm["ds"] / "shards").glob("*.tar"))

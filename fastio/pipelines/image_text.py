@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.errors import DatasetError
 from fastio.pipelines.base import Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
 from fastio.pipelines.image import ImageEval, ImageTrain, decodable
 from fastio.pipelines.tokens import check_entry
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
     from fastio.order.sampler import SamplerSpec
     from fastio.read.protocol import ReadSet
     from fastio.tokens.image_text import ImageTextBatch
+    from fastio.tokens.packing import BestFitPacking
 
 __all__ = ["ImageText"]
 
@@ -56,7 +56,9 @@ class ImageText(Pipeline):
     an image's draw key being ``(sample << 16) | image number`` (the sample's global index in its dataset).
 
     ``fastio.Loader(DEST, pipeline=fastio.ImageText(image=fastio.ImageTrain(size=336), seq_len=4096,
-    image_seq_len=576), batch_size=4)``.
+    image_seq_len=576), batch_size=4)``, or a ``fastio.Mixture`` of image-text datasets with chat and plain token
+    datasets in place of DEST (each source packed on its own; a token row holds no image; in a mixture the draw
+    key counts the sample among all image-text sources' samples, in source order).
     """
 
     kind: ClassVar[str] = "image-text"
@@ -91,19 +93,24 @@ class ImageText(Pipeline):
 
     @property
     def images_per_sequence(self) -> int:
-        """The most images a sequence holds: ``max_images``, else as many image runs as fit in ``seq_len + 1``."""
-        return self.max_images or max(1, (self.seq_len + 1) // self.image_seq_len)
+        """The most images a sequence can hold: as many image runs as fit in ``seq_len + 1`` (an image costs at least
+        ``image_seq_len`` tokens), or ``max_images`` where that is fewer."""
+        fit = max(1, (self.seq_len + 1) // self.image_seq_len)
+        return fit if self.max_images is None else min(self.max_images, fit)
 
     def evaluation(self) -> ImageText:
         """This object with the ``image`` object's evaluation (no random augmentation)."""
         return dataclasses.replace(self, image=evaluation_of(self.image))
 
-    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
-        """Each sample's ``tokens.i32``, ``mask.bits`` and images (optional fields: a sample has 0..n); DatasetError
-        naming ``ds`` when it is not an image-text dataset."""
+    def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
+        """Each sample's ``tokens.i32``, ``mask.bits`` and images (optional fields: a sample has 0..n); None for a
+        token dataset (a mixture's source: its shards are read by a token reader; alone, :meth:`source` refuses it);
+        DatasetError naming ``ds`` for any other dataset."""
         from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD
         from fastio.tokens.image_text import image_members, image_token_id
 
+        if ds.manifest.tokens is not None:
+            return None
         image_token_id(ds)
         images = image_members(ds)
         return ReadFields((TOKENS_FIELD, MASK_FIELD, *images), optional=images)
@@ -111,17 +118,48 @@ class ImageText(Pipeline):
     def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The dataset's samples packed, the order of the sequences on ``place``'s rank and an
         :class:`~fastio.tokens.image_text.ImageTextReader` reading them through the read set's stored-sample reader."""
-        from fastio.tokens.image_text import ImageTextReader, ImageTextSource, image_text_packing
+        from fastio.tokens.image_text import ImageTextReader, ImageTextSource
         from fastio.tokens.loading import TokenUnits
 
         if read_set.mixture is not None:
-            raise DatasetError(f"{read_set.root}: fastio.ImageText reads one image-text dataset; a fastio.Mixture "
-                               "of image-text and token datasets is not supported yet")
+            return self._mixed(read_set, sampling, place)
         ds, reader = read_set.target, read_set.sources[0].reader
-        packing = image_text_packing(ds, self.seq_len, self.image_seq_len, self.max_images, self.window, sampling)
+        packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
                       self)
+
+    def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
+        """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
+        from fastio.tokens.image_text import image_text_packing
+
+        return image_text_packing(ds, self.seq_len, self.image_seq_len, self.max_images, self.window, spec)
+
+    def _pack(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking | None:
+        """A mixture source's packing: an image-text dataset's; None for a token dataset (packed as fastio.Tokens
+        packs it)."""
+        return None if ds.manifest.tokens is not None else self._packing(ds, spec)
+
+    def _mixed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
+        """A mixture of image-text and token datasets: each source packed by best-fit on its own (a token
+        dataset's as ``fastio.Tokens(packing="best-fit")`` packs it: a chat dataset's conversations whole, a plain
+        one's documents, every token trained), the mixture's order over their sequences, a
+        :class:`~fastio.tokens.image_text.MixedReader` of them."""
+        from fastio.tokens.image_text import ImageTextReader, ImageTextSource, MixedReader
+        from fastio.tokens.loading import TokenReader, TokenSource, mixture_units
+
+        sampler, packings = mixture_units(read_set, self.seq_len, "best-fit", self.window, sampling,
+                                          place.world_size, place.rank, self._pack)
+        readers, tokens, key_base = {}, [], 0
+        for s, (src, packing) in enumerate(zip(read_set.sources, packings)):
+            if src.reader is None:
+                tokens.append(TokenSource(src.dataset, packing, src.files))
+                continue
+            readers[s] = ImageTextReader(ImageTextSource(src.dataset, packing, src.reader), self.image_seq_len,
+                                         decodable, key_base)
+            key_base += len(src.dataset)
+        token_reader = TokenReader(tokens, read_set.reader_threads) if tokens else None
+        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self)
 
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:
@@ -130,13 +168,19 @@ class ImageText(Pipeline):
                                    per_unit=self.images_per_sequence, fed_index=_fed_index)
 
     def _feed(self, batch: ImageTextBatch, *, seed: int, epoch: int) -> tuple:
-        return self.image.inputs(_image_batch(batch), seed=seed, epoch=epoch)
+        """The ``image`` object's inputs of the batch's images, each drawn in its own sequence's epoch (a mixture's
+        source epoch: a sequence a mixture repeats within its epoch is cropped anew)."""
+        epochs = np.unique(batch.epochs).tolist()
+        if len(epochs) <= 1:
+            return self.image.inputs(_image_batch(batch), seed=seed, epoch=epochs[0] if epochs else epoch)
+        groups = [np.flatnonzero(batch.epochs == e) for e in epochs]
+        parts = [self.image.inputs(_image_batch(batch, at), seed=seed, epoch=e) for e, at in zip(epochs, groups)]
+        return _in_order(parts, np.argsort(np.concatenate(groups), kind="stable"))
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
-        import torch
 
         read = delivery.read
-        batch = {name: torch.from_numpy(read.arrays[name]) for name in _ARRAYS}
+        batch = {name: _tensor(read.arrays[name]) for name in _ARRAYS}
         batch["max_seqlen"] = int(read.arrays["max_seqlen"])
         batch["images"] = outputs["image"][:read.image_count]
         return batch
@@ -147,6 +191,15 @@ class ImageText(Pipeline):
 
     def check_state(self, state: dict[str, Any]) -> None:
         check_entry(state, K_IMAGE_TEXT, self.state_dict()[K_IMAGE_TEXT], "packed image-text sequences", "ImageText")
+
+
+def _tensor(a: np.ndarray):
+    """``a`` as a torch tensor; an empty one (a batch without images) fresh: numpy gives it stride 0, which torch
+    would keep (and ``view`` refuses)."""
+    import torch
+
+    t = torch.from_numpy(a)
+    return t if a.size else torch.empty(a.shape, dtype=t.dtype)
 
 
 _PLACEHOLDER: list[np.ndarray] = []
@@ -163,12 +216,27 @@ def _placeholder() -> np.ndarray:
     return _PLACEHOLDER[0]
 
 
-def _image_batch(batch: ImageTextBatch) -> ReadBatch:
-    """The batch's images as the image kinds' feed reads them (``image``, ``sizes``, draw keys as ``indices``);
-    the placeholder alone, index -1, for a batch without images."""
+def _image_batch(batch: ImageTextBatch, at: np.ndarray | None = None) -> ReadBatch:
+    """The batch's images (those at ``at``; None: all) as the image kinds' feed reads them (``image``, ``sizes``,
+    draw keys as ``indices``); the placeholder alone, index -1, for a batch without images."""
     if not batch.image_count:
         return ReadBatch(np.array([-1], np.int64), {}, np.ones((1, 2), np.int64), [_placeholder()])
-    return ReadBatch(batch.keys, {}, batch.sizes, list(batch.images))
+    if at is None:
+        return ReadBatch(batch.keys, {}, batch.sizes, list(batch.images))
+    return ReadBatch(batch.keys[at], {}, batch.sizes[at], [batch.images[m] for m in at.tolist()])
+
+
+def _in_order(parts: list[tuple], back: np.ndarray) -> tuple:
+    """The feeds ``parts`` (of groups of images) as one, its images put back in order ``back`` (a position in the
+    groups' concatenation for each image): lists (the encoded images) and arrays alike."""
+    out = []
+    for i in range(len(parts[0])):
+        if isinstance(parts[0][i], list):
+            flat = [v for p in parts for v in p[i]]
+            out.append([flat[j] for j in back.tolist()])
+        else:
+            out.append(np.ascontiguousarray(np.concatenate([p[i] for p in parts])[back]))
+    return tuple(out)
 
 
 def _fed_index(batch: ImageTextBatch) -> np.ndarray:

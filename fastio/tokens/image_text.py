@@ -21,7 +21,6 @@ header's (width, height) and its draw key (:func:`draw_keys`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,8 +30,9 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, image_number
+from fastio.formats.image_text import MASK_FIELD, OPTIONS_KEY, TOKENS_FIELD, image_number, is_image_text
 from fastio.formats.images import image_size
+from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
 from fastio.tokens.packing import (
     BestFitPacking,
@@ -44,8 +44,8 @@ from fastio.tokens.packing import (
     segment_ids,
 )
 
-__all__ = ["IMAGE_KEY_BITS", "ImageTextBatch", "ImageTextReader", "ImageTextSource", "SampleCosts", "draw_keys",
-           "image_members", "image_text_packing", "image_token_id"]
+__all__ = ["IMAGE_KEY_BITS", "ImageTextBatch", "ImageTextReader", "ImageTextSource", "MixedReader", "SampleCosts",
+           "draw_keys", "image_members", "image_text_packing", "image_token_id", "merged"]
 
 IMAGE_KEY_BITS = 16
 """An image's draw key is ``(sample << IMAGE_KEY_BITS) | image number`` (:func:`draw_keys`): a sample holds at most
@@ -57,13 +57,12 @@ PAD_ID = 0
 def image_token_id(ds: Dataset) -> int:
     """The image token's id an image-text dataset records (``convert_options.image_text.image_token_id``);
     DatasetError naming ``ds`` for any other dataset."""
-    options = (ds.manifest.convert_options or {}).get("image_text")
-    if ds.manifest.tokens is not None or not isinstance(options, dict) or "image_token_id" not in options:
+    if ds.manifest.tokens is not None or not is_image_text(ds.manifest.convert_options):
         what = "a token dataset" if ds.manifest.tokens is not None else f"a dataset of kind {ds.manifest.kind!r}"
         raise DatasetError(f"{ds.root}: {what}, not an image-text dataset (its manifest records no "
                            "convert_options.image_text): fastio.ImageText reads datasets of fastio convert "
                            "--image-field (docs/image-text.md)")
-    return int(options["image_token_id"])
+    return int(ds.manifest.convert_options[OPTIONS_KEY]["image_token_id"])
 
 
 def image_members(ds: Dataset) -> tuple[str, ...]:
@@ -209,12 +208,13 @@ class ImageTextReader:
     turns each image's bytes into what the graph decodes (GIF to BMP); ``image_seq_len`` tokens stand for an
     image."""
 
-    def __init__(self, source: ImageTextSource, image_seq_len: int, transcode: Callable[[np.ndarray], np.ndarray]):
+    def __init__(self, source: ImageTextSource, image_seq_len: int, transcode: Callable[[np.ndarray], np.ndarray],
+                 key_base: int = 0):
         self.source, self.image_seq_len, self.transcode = source, image_seq_len, transcode
+        self.key_base = key_base  # added to the sample's index in its draw keys (a mixture's earlier samples)
         self.width = source.packing.seq_len + 1
         self.image_id = source.image_token_id
         self.fields = image_members(source.ds)
-        self._lock = threading.Lock()
 
     def split(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit ids -> ``(epoch, sequence)``."""
@@ -244,19 +244,7 @@ class ImageTextReader:
         reader's thread that read it)."""
         ids = np.asarray(ids, np.int64)
         laid = self.place(ids)
-        out: Future = Future()
-        read = self.source.reader.submit(laid.samples)
-
-        def done(f: Future) -> None:
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(self.lay_out(ids, laid, f.result()))
-            except BaseException as err:  # the read's own error, or one naming the sample
-                out.set_exception(err)
-
-        read.add_done_callback(done)
-        return out
+        return gathered([self.source.reader.submit(laid.samples)], lambda reads: self.lay_out(ids, laid, reads[0]))
 
     def lay_out(self, ids: np.ndarray, laid: _Laid, read: Any) -> ImageTextBatch:
         """The batch of sequences ``ids`` from the read samples (``read``: a ``ReadBatch`` of ``laid.samples``)."""
@@ -283,7 +271,7 @@ class ImageTextReader:
         owner = which[image]
         images, sizes = self._images(read, laid, owner, numbers)
         return ImageTextBatch(ids % self.source.packing.sequences, arrays, images, sizes,
-                              draw_keys(laid.samples[owner], numbers), laid.epochs[owner])
+                              draw_keys(laid.samples[owner] + self.key_base, numbers), laid.epochs[owner])
 
     def _boundaries(self, laid: _Laid, rows: int, real: np.ndarray) -> dict[str, np.ndarray]:
         """``position_ids``, ``segment_ids``, ``cu_seqlens`` and ``max_seqlen``: a segment per sample, padding one."""
@@ -347,3 +335,83 @@ def _decoded(read: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     unpacked = np.unpackbits(np.concatenate(bits), bitorder="little") if bits else np.zeros(0, np.uint8)
     at = np.repeat((np.cumsum(nbytes) - nbytes) * 8, ntok) + ramp(ntok)
     return tokens, unpacked[at].astype(bool), ntok
+
+
+class MixedReader:
+    """Reads batches of a :class:`~fastio.Mixture` of image-text and token datasets (``submit(ids) ->
+    Future[ImageTextBatch]``): a unit id is ``source_epoch * total + base[s] + sequence`` (as
+    :class:`~fastio.tokens.loading.TokenMixSampler` hands them out); each image-text source's rows are read by its
+    :class:`ImageTextReader`, the token sources' by one :class:`~fastio.tokens.loading.TokenReader`, in parallel,
+    and merged back into the batch's order (:func:`merged`): a token row has no image."""
+
+    def __init__(self, readers: dict[int, ImageTextReader], tokens: Any, sizes: list[int]):
+        self.readers, self.tokens = readers, tokens
+        self.sizes = np.asarray(sizes, np.int64)
+        self.total = int(self.sizes.sum())
+        self.base = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        token_sources = [s for s in range(len(sizes)) if s not in readers]
+        self._token_of = np.full(len(sizes), -1, np.int64)
+        self._token_of[token_sources] = np.arange(len(token_sources))
+
+    def parts(self, ids: np.ndarray) -> list[tuple[np.ndarray, Any, np.ndarray]]:
+        """(rows, reader, that reader's unit ids) of each reader the batch ``ids`` reads from."""
+        epochs, local = np.divmod(np.asarray(ids, np.int64), self.total)
+        src = np.searchsorted(self.base, local, "right") - 1
+        seqs = local - self.base[src]
+        out = []
+        for s, reader in self.readers.items():
+            rows = np.flatnonzero(src == s)
+            if rows.size:
+                out.append((rows, reader, epochs[rows] * self.sizes[s] + seqs[rows]))
+        rows = np.flatnonzero(self._token_of[src] >= 0)
+        if rows.size:
+            t = self._token_of[src[rows]]
+            out.append((rows, self.tokens, epochs[rows] * self.tokens.total + self.tokens.base[t] + seqs[rows]))
+        return out
+
+    def submit(self, ids: np.ndarray) -> Future:
+        ids = np.asarray(ids, np.int64)
+        parts = self.parts(ids)
+        futures = [reader.submit(unit_ids) for _, reader, unit_ids in parts]
+        indices = ids % self.total
+        return gathered(futures, lambda batches: merged(indices, [(rows, b) for (rows, _, _), b in zip(parts, batches)]))
+
+    def read_ahead_shards(self, batches: Callable[[], Iterable[np.ndarray]]) -> None:
+        """Each reader told the coming units that are its own."""
+        readers = [*self.readers.values(), *([self.tokens] if self.tokens is not None else [])]
+        for reader in readers:
+            reader.read_ahead_shards(lambda reader=reader: (u for ids in batches()
+                                                            for _, r, u in self.parts(ids) if r is reader))
+
+    def close(self) -> None:
+        if self.tokens is not None:
+            self.tokens.close()
+
+
+def merged(indices: np.ndarray, parts: list[tuple[np.ndarray, Any]]) -> ImageTextBatch:
+    """One batch of the sequences ``indices`` from its readers' batches (``rows``: the rows each fills; an
+    :class:`ImageTextBatch` or a token reader's batch, which has no image): rows put back, the images in the order
+    of their runs, ``cu_seqlens`` and ``max_seqlen`` over the whole batch."""
+    first = parts[0][1].arrays["tokens"]
+    n, width = indices.size, first.shape[1]
+    arrays = {name: np.zeros((n, width), parts[0][1].arrays[name].dtype)
+              for name in ("tokens", "loss_mask", "position_ids", "segment_ids")}
+    runs, images = [], []
+    for rows, batch in parts:
+        for name, out in arrays.items():
+            out[rows] = batch.arrays[name]
+        if isinstance(batch, ImageTextBatch):
+            runs.append((rows[batch.arrays["image_rows"]], batch.arrays["image_starts"], batch))
+    row = np.concatenate([r for r, _, _ in runs] or [np.zeros(0, np.int64)])
+    start = np.concatenate([s for _, s, _ in runs] or [np.zeros(0, np.int64)])
+    order = np.lexsort((start, row))
+    for _, _, batch in runs:
+        images += batch.images
+    keys, sizes, epochs = (np.concatenate([getattr(b, a) for _, _, b in runs] or [np.zeros(shape, np.int64)])
+                           for a, shape in (("keys", 0), ("sizes", (0, 2)), ("epochs", 0)))
+    starts = np.flatnonzero(arrays["position_ids"].reshape(-1) == 0)  # each segment's (padding's too)
+    cu = cu_from(starts, n, width)
+    arrays.update(image_rows=row[order], image_starts=start[order], cu_seqlens=cu,
+                  max_seqlen=np.asarray(int(np.diff(cu).max())))
+    return ImageTextBatch(indices, arrays, [images[m] for m in order.tolist()], sizes[order], keys[order],
+                          epochs[order])

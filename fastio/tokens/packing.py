@@ -81,7 +81,8 @@ _SHUFFLES = ("global", "none")
 
 class DocumentTable(Protocol):
     """What the packing needs of a shard: its document count, token count, and where documents start
-    (:class:`fastio.formats.megatron.MegatronIndex` is one)."""
+    (:class:`fastio.formats.megatron.MegatronIndex` is one); a best-fit packing with a ``budget`` also asks each
+    document's weight, ``weights(docs)`` (:class:`fastio.tokens.image_text.SampleCosts`: a sample's images)."""
 
     documents: int
 
@@ -376,7 +377,12 @@ class BestFitPacking(_BlockPacking):
     2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.40 s best-fit, 0.74 s first-fit (3.5 s and 11.7 s
     when every block was packed in full), 10^7 in 8 shards 4.1 s and 7.0 s (35 s and 128 s); 10^6 documents of
     1..299 tokens 0.23 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short rests, one step a
-    sequence a run of equal rests fills."""
+    sequence a run of equal rests fills.
+
+    With ``budget`` (an image-text packing's ``max_images``), each document also has a weight (``table.weights``)
+    and a sequence holds at most ``budget`` of them: documents (none longer than ``seq_len + 1``: the caller refuses
+    them) are placed by the same rule among the sequences with room for both (:func:`_fit_within`), and each
+    block's sequences are counted by packing it at construction."""
 
     kind = "best-fit"
 
