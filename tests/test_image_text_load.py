@@ -19,6 +19,8 @@ from helpers import free_port, start_ranks
 from PIL import Image
 from resume import check_resume, run_ranks, same_batch
 from tokens_helpers import (
+    CHATML,
+    chat_config,
     chat_dataset,
     conversations,
     image_colour,
@@ -492,3 +494,20 @@ def test_drop_last_and_partial_remainder_on_three_ranks(vlm):
     steps, _ = run_ranks([_loader(vlm["ds"], batch_size=2, world_size=3, rank=r, remainder="partial")
                           for r in range(3)])
     assert sorted(_ids(steps)) == list(range(n))
+
+
+TRAIN_ALL = CHATML.replace("{% if message['role'] == 'assistant' %}", "{% if true %}")
+"""ChatML with every turn (the user's, with its image tokens, too) inside a generation span."""
+
+
+def test_image_tokens_are_never_trained_even_where_the_template_trains_the_turn_holding_them(vlm, tmp_path):
+    src = {**vlm["src"], "config": chat_config(tmp_path / "tokenizer_config.json", TRAIN_ALL)}
+    dest = _convert(src, tmp_path / "all")
+    stored = [decode_sample(s[TOKENS_FIELD], s[MASK_FIELD]) for s in stored_image_text(dest)]
+    assert any(m[ids == vlm["image_id"]].any() for ids, m in stored)  # the stored mask covers image tokens
+    ref = _reference(dest, vlm["image_id"])  # the stored mask, False on image tokens
+    with _loader(dest) as ld:
+        for batch in islice(ld, 6):
+            _check_batch(batch, ref, _by_tokens(ref), vlm["image_id"])
+            image = batch["tokens"].numpy() == vlm["image_id"]
+            assert image.any() and not batch["loss_mask"].numpy()[image].any()
