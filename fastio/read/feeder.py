@@ -86,8 +86,7 @@ class Feeder:
         first: batches read until the graph's first output is taken (:meth:`delivered`): the graph's prefetch
             depth, what its first run asks for, so that reads further ahead do not take the cores and the
             interpreter from the first batch's build, read and decode; then ``read_ahead`` ahead at once.
-            None: ``read_ahead`` ahead from the start. :meth:`take` called directly (no graph) lifts it;
-            :meth:`read_first` changes it.
+            None: ``read_ahead`` ahead from the start. :meth:`take` called directly (no graph) lifts it.
 
     The read-ahead stops at the end of the epoch the consumer is in: a batch of a following epoch is read when it
     is asked for (the graph's prefetch runs on into the next epoch) or once the consumer has taken a batch of that
@@ -135,9 +134,8 @@ class Feeder:
 
     def read_first(self, batches: int) -> None:
         """Until the first output is taken, read the first ``batches`` batches (the graph's first run asks for its
-        prefetch depth). Made with ``first=1``, a feeder's first read can overlap the graph's build alone (both are
-        Python under one interpreter lock, and a second read would slow both); this then starts the rest of the first
-        run's reads."""
+        prefetch depth): the Loader starts the first batch's read alone, so that the graph's build and that read
+        share the interpreter with nothing else, then lets the rest of the first run's reads start."""
         if self._cap is not None:
             self._cap = batches
         self.start()
