@@ -168,8 +168,7 @@ class LoaderConfig:
     """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
     read_ahead: int | None = None
     """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``); until the first batch of a
-    start or a resume comes out, only the ``prefetch`` batches the pipeline's first run asks for (the first of them
-    alone while the pipeline is built)."""
+    start or a resume comes out, only the ``prefetch`` batches the pipeline's first run asks for."""
     reader_threads: int | None = None
     """Threads reading shard bytes (default: min(4, cores))."""
     verify: bool = False
@@ -471,14 +470,14 @@ class Loader:
         self._share = share
         plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
         self._feeder = feeder = Feeder(self._reader, plans, graph.feed if graph else None, seed=cfg.seed,
-                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed, first=1)
-        feeder.start()  # the first batch's read overlaps the pipeline build, alone: the others would slow both
+                                       read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
+                                       first=cfg.prefetch)
+        feeder.start()  # the first reads overlap the pipeline build
         if graph is not None:
             self._built = build_graph(graph, feeder, batch_size=cfg.batch_size * graph.per_unit,
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
-        feeder.read_first(cfg.prefetch)  # what the graph's first run asks for
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:

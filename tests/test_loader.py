@@ -330,27 +330,3 @@ def test_the_read_ahead_stops_at_the_end_of_the_consumers_epoch(image_dataset):
         assert reader.epochs.count(1) == 2 + 3 + 1  # in epoch 1 now: two fed, read_ahead + 1 ahead of them
         feeder.cancel()
         del built
-
-
-@pytest.mark.parametrize("resumed", [False, True])
-def test_the_graph_is_built_beside_the_first_batchs_read_alone(image_dataset, monkeypatch, resumed):
-    """The first batch's read and the graph's build are both Python under one interpreter lock: a second read started
-    beside them slows both, and only the first batch's decode waits for them (issue 45 §3). The build sees one read
-    started; the graph's first run gets the prefetch batches it asks for, and a fresh start and a resume deliver what
-    they did."""
-    import fastio.loader as loader_module
-
-    with _loader(image_dataset, prefetch=3) as fresh:
-        want = [b["index"].tolist() for b in islice(batches(fresh), 5)]
-    loader = _loader(image_dataset, prefetch=3)
-    submitted, at_build = [], []
-    submit, build = loader._reader.submit, loader_module.build_graph
-    monkeypatch.setattr(loader._reader, "submit", lambda ids: submitted.append(ids) or submit(ids))
-    monkeypatch.setattr(loader_module, "build_graph", lambda *a, **k: at_build.append(len(submitted)) or build(*a, **k))
-    if resumed:
-        loader.load_state_dict({**loader.state_dict(), "consumed": 16})
-    got = [b["index"].tolist() for b in islice(loader, 3)]
-    assert at_build == [1]
-    assert got == want[2:5] if resumed else want[:3]
-    assert [ids.tolist() for ids in submitted[:3]] == (want[2:5] if resumed else want[:3])
-    loader.close()

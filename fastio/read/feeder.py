@@ -132,14 +132,6 @@ class Feeder:
             self._slots.append(_Slot(plan, g, read, padded))
             self._started += 1
 
-    def read_first(self, batches: int) -> None:
-        """Until the first output is taken, read the first ``batches`` batches (the graph's first run asks for its
-        prefetch depth): the Loader starts the first batch's read alone, so that the graph's build and that read
-        share the interpreter with nothing else, then lets the rest of the first run's reads start."""
-        if self._cap is not None:
-            self._cap = batches
-        self.start()
-
     def take(self) -> Fed:
         """The stream's next batch, once its bytes are read (not recorded as fed: see ``__call__``)."""
         self._cap = None
