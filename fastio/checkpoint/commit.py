@@ -92,6 +92,12 @@ class Commit(Protocol):
         is only on the store; not verified here, the caller checks every copy)."""
         ...
 
+    @property
+    def fetches(self) -> bool:
+        """:meth:`fetch` may download (an ``s3://`` dir): the other ranks wait for it before they read the step.
+        False when every step is already in ``root``."""
+        ...
+
 
 def _warn_superseded(where: object, step: int, floor: int, steps: list[int]) -> None:
     if steps:
@@ -138,6 +144,10 @@ class _Steps:
     def fetch(self, step: int) -> None:
         if self.remote is not None:
             self.remote.fetch(step)
+
+    @property
+    def fetches(self) -> bool:
+        return self.remote is not None
 
     def _remote_steps(self) -> list[int]:
         try:
