@@ -199,3 +199,34 @@ def test_a_kill_inside_the_first_commit_after_a_rollback_on_s3_resumes_the_rollb
         app = app_at(-1)
         with Checkpointer(url, storage_options=options, staging_dir=tmp_path / staging, signals=()) as ckpt:
             assert ckpt.restore_latest(app).step == 2 and tag_of(app) == 2
+
+
+def test_a_step_committed_here_whose_upload_failed_stays_on_the_branch_and_reaches_the_store(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """A run restores step 5 and commits step 6 here, but the store refuses the upload: the save fails. Step 6 is
+    on the run's own branch, yet the next commit (step 8) took it for the abandoned branch of a rollback to step 5
+    and superseded it: the store then held step-5 and step-8 and no step-6, although retention (keep=2) keeps
+    steps 6 and 8. Now the first commit after the restore ends the rollback, failed upload or not."""
+    from fastio.errors import CheckpointError
+
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
+
+    def checkpointer(staging: str) -> Checkpointer:
+        return Checkpointer(url, keep=2, storage_options=options, staging_dir=tmp_path / staging, signals=())
+
+    with checkpointer("a") as ckpt:
+        save_branch(ckpt, [4, 5])
+    with checkpointer("b") as ckpt:
+        app = app_at(-1)
+        assert ckpt.restore_latest(app).step == 5 and tag_of(app) == 5
+        fault_proxy.forbidden.add("step-6")  # the store refuses step 6's objects
+        with pytest.raises(CheckpointError, match="step-6: .*403"):
+            save_branch(ckpt, [6])
+        fault_proxy.forbidden.clear()
+        save_branch(ckpt, [8])
+        assert ckpt.steps() == [6, 8]
+    assert states(url, options) == {6: "committed", 8: "committed"}
+    with checkpointer("c") as ckpt:  # another node: from the store
+        app = app_at(-1)
+        assert ckpt.restore_latest(app, step=6).step == 6 and tag_of(app) == 6
