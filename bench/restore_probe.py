@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.model import build, train_step
+from bench.model import build_fsdp
 
 __all__ = ["PHASES", "probe"]
 
@@ -125,18 +125,12 @@ def _worker(rank: int, port: int, work: str, size_mib: int, rounds: int) -> None
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     from fastio.checkpoint import Checkpointer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    model, _ = build(size_mib)
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
-    train_step(model, optim)
+    model, optim = build_fsdp(size_mib)
     app = {"model": model, "optim": optim}
     ckpt = Checkpointer(Path(work) / "fastio", keep=1, signals=())
     ckpt.save(1, app, blocking=True)
