@@ -66,8 +66,6 @@ class ImageTextOptions:
 def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> ConvertResult:
     """Convert the JSONL ``config.source`` of image-text conversations into ``config.dest`` (or one part of it), as
     :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
-    if config.split or config.shuffle:
-        raise ConvertError(f"{config.source}: split and shuffle are not options of an image-text conversion yet")
     coder = _Coder(options)
     config = replace(config, extra_options={"image_text": coder.recorded()})
     return convert(config, scanner=lambda source: scan_image_text(source, options, coder))
