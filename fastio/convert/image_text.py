@@ -25,6 +25,8 @@ The image token must be one token of the tokenizer (one of its added tokens, enc
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -227,13 +229,17 @@ def _ask_sizes(lines: list[dict[str, Any]], wheres: list[str], field: str, stora
     :func:`fastio.convert.objects.object_sizes`); ConvertError naming the line and the URL of a missing object or
     one the store does not answer for."""
     at = [(i, name, value) for i, fields in enumerate(lines) for name, value in fields.items() if isinstance(value, str)]
-    sizes = object_sizes((url for _, _, url in at), storage_options)
-    for i, name, url in at:
-        where = f"{wheres[i]}: {field}[{image_number(name)}]"
-        try:
-            size = next(sizes)
-        except StorageError as err:
-            raise ConvertError(f"{where}: {err}") from None
-        if size is None:
-            raise ConvertError(f"{where}: no such image: {url}")
-        lines[i][name] = UrlRef(url, size)
+    with closing(object_sizes((url for _, _, url in at), storage_options)) as sizes:
+        for i, name, url in at:
+            _sized(lines[i], name, url, f"{wheres[i]}: {field}[{image_number(name)}]", sizes)
+
+
+def _sized(fields: dict[str, Any], name: str, url: str, where: str, sizes: Iterator[int | None]) -> None:
+    """``fields[name]``: the UrlRef of ``url``, its size the next of ``sizes``; ConvertError naming ``where``."""
+    try:
+        size = next(sizes)
+    except StorageError as err:
+        raise ConvertError(f"{where}: {err}") from None
+    if size is None:
+        raise ConvertError(f"{where}: no such image: {url}")
+    fields[name] = UrlRef(url, size)
