@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -57,17 +58,20 @@ def test_images_at_s3_urls_are_stored_as_the_same_images_on_disk(tmp_path, vlm, 
     assert filecmp.cmp(tmp_path / "local-ds" / "samples.fxi", tmp_path / "ds" / "samples.fxi", shallow=False)
 
 
-def test_a_jsonl_at_an_s3_url_reads_its_images_beside_it_whole_or_in_parts(tmp_path, vlm, capsys):
+def test_a_jsonl_at_an_s3_url_reads_its_images_beside_it_whole_or_in_parts(tmp_path, vlm, capsys, monkeypatch):
     _convert(vlm, vlm["source"], tmp_path / "local-ds", max_samples_per_shard=4)
     url = f"s3://{vlm['bucket']}/vlm/vlm.jsonl"
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the endpoint only on the command line: the workers get it too
     flags = ["--tokenizer", str(vlm["tokenizer"]), "--chat-template", str(vlm["config"]), "--image-field", "images",
-             "--max-samples-per-shard", "4", "--workers", "1", "-q"]
-    code, _, err = run_cli(["convert", url, str(tmp_path / "ds"), *flags], capsys)
+             "--max-samples-per-shard", "4", "--endpoint-url", endpoint, "-q"]
+    code, _, err = run_cli(["convert", url, str(tmp_path / "ds"), *flags, "--workers", "2"], capsys)
     assert code == 0, err
     assert _same_files(tmp_path / "local-ds", tmp_path / "ds", "shards")
     assert load_manifest(tmp_path / "ds").converted_from["path"] == url
     for k in range(2):
-        code, _, err = run_cli(["convert", url, str(tmp_path / "parts"), *flags, "--part", f"{k}/2"], capsys)
+        code, _, err = run_cli(["convert", url, str(tmp_path / "parts"), *flags, "--part", f"{k}/2", "--workers", "1"],
+                               capsys)
         assert code == 0, err
     assert run_cli(["merge", str(tmp_path / "parts")], capsys)[0] == 0
     assert _same_files(tmp_path / "ds", tmp_path / "parts", "shards")
