@@ -1,18 +1,20 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS]
+Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS] [--tiny]
 Writes bench/out/ (not tracked by git; --out DIR elsewhere): each section's SECTION.json (written by the section
 as it ends), summary.json (this run's sections, plus the last results of sections not run this time, each with
 its start time and what the other processes used of the cores before and during it) and summary.png.
 bench/results/ holds reference results that someone chose to commit. Before each section it waits for a quiet
 machine (bench/quiet.py); a ratio measured while other processes kept the cores busy gets no verdict, only
-that note.
+that note. ``--tiny``: the sections whose ``run`` takes ``tiny`` (image_text) run at their smallest size, a check
+that they run, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -38,6 +40,7 @@ SECTIONS = (
     "index",
     "tokens",
     "chat",
+    "image_text",
     "media",
     "restart",
     "torchft_steps",
@@ -88,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p = section_parser(__doc__)
     p.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
                    help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--tiny", action="store_true",
+                   help="sections that have a smallest size (image_text) run at it: checks that they run")
     return p
 
 
@@ -126,7 +131,8 @@ def _run_section(name: str, args: argparse.Namespace, summary: dict) -> bool:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     start = read_sample()
     try:
-        result = module.run(WORK / name, repeats=args.repeats, results_dir=args.out)
+        tiny = {"tiny": True} if args.tiny and "tiny" in inspect.signature(module.run).parameters else {}
+        result = module.run(WORK / name, repeats=args.repeats, results_dir=args.out, **tiny)
     except Exception:
         traceback.print_exc()
         return False
