@@ -140,3 +140,25 @@ def test_an_object_gone_after_the_scan_leaves_its_sample_unreadable_naming_its_u
     fields, reason, where = load_entry(entry)
     assert fields is None and where == url and reason.startswith("unreadable object (GET failed"), reason
     assert "\n" not in reason and url not in reason
+
+
+def test_parts_cut_by_bytes_predict_their_shards_from_the_objects_sizes_so_the_merge_links_them(tmp_path, vlm):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from fastio.convert.merge import merge
+
+    noise = np.random.default_rng(0)
+    for obj in vlm["store"].list("img/"):  # noisy images of a few kB: their sizes decide where shards are cut
+        out = io.BytesIO()
+        Image.fromarray(noise.integers(0, 256, (30, 40, 3), np.uint8)).save(
+            out, "JPEG" if obj.key.endswith(".jpg") else "PNG")
+        vlm["store"].put_bytes(obj.key, out.getvalue())
+    _convert(vlm, vlm["remote"], tmp_path / "whole", shard_size=34000)
+    for k in range(3):
+        _convert(vlm, vlm["remote"], tmp_path / "parts", shard_size=34000, part=(k, 3))
+    result = merge(tmp_path / "parts")
+    assert result.repacked == 0 and result.linked == len(load_manifest(tmp_path / "whole").shards) > 3
+    assert _same_files(tmp_path / "whole", tmp_path / "parts", "shards")
