@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError
+from fastio.formats.image_text import is_image_text
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -120,6 +121,15 @@ def refuse_tokens(ds: Dataset, kind: str) -> None:
     if ds.manifest.tokens is not None:
         raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {kind!r} "
                            "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
+
+
+def refuse_image_text(ds: Dataset, kind: str) -> None:
+    """DatasetError naming ``ds`` and the kind ``kind`` when ``ds`` is an image-text dataset (``fastio convert
+    --image-field``: its samples' images belong to their token runs, which only ``fastio.ImageText`` reads)."""
+    if is_image_text(ds.manifest.convert_options):
+        raise DatasetError(f"{ds.root}: an image-text dataset (fastio convert --image-field: images with their "
+                           f"token runs), and pipeline {kind!r} does not read it: read it with "
+                           "fastio.ImageText(image=..., seq_len=..., image_seq_len=...) (docs/image-text.md)")
 
 
 _OLD_HOOKS = {

@@ -32,6 +32,7 @@ from fastio.pipelines.base import (
     Source,
     check_fields,
     declared,
+    refuse_image_text,
     refuse_tokens,
 )
 from fastio.pipelines.text import TextReader, Tokenize, check_text, mask_name
@@ -83,6 +84,7 @@ def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool
     """What a kind of ``kind`` decoding each sample's image reads of ``ds`` to deliver ``fields`` beside it (with each
     image's (width, height) where ``sizes``); DatasetError naming what ``ds`` lacks."""
     refuse_tokens(ds, kind)
+    refuse_image_text(ds, kind)
     if ds.image_field is None:
         raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
     # A sample's image is the first of the image fields it has: the main one, then the others (a dataset

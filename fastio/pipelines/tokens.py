@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import Delivery, Pipeline, Placement, Source
+from fastio.pipelines.base import Delivery, Pipeline, Placement, Source, refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class Tokens(Pipeline):
         """None: no stored sample is read (the read set opens only the shard source); refuses a dataset of
         stored samples."""
         if ds.manifest.tokens is None:
+            refuse_image_text(ds, self.kind)
             raise DatasetError(f"{ds.root}: a dataset of stored samples (kind {ds.manifest.kind!r}), and "
                                f"fastio.Tokens reads token datasets (fastio convert --tokenizer, fastio index "
                                "--eos-id); read it with fastio.ImageTrain, fastio.Raw, ...")
