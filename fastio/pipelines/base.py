@@ -150,6 +150,9 @@ class Pipeline:
     """How messages name the kind (``image-train``, ``raw``, ...)."""
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
+    units: ClassVar[str] = "samples"
+    """What messages call the units of an epoch (a batch's rows): ``samples``, or a kind's own (``packed
+    sequences``)."""
     fields: tuple[str, ...] | None = None
 
     def __init_subclass__(cls, **kwargs: Any):

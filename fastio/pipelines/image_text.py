@@ -63,6 +63,7 @@ class ImageText(Pipeline):
 
     kind: ClassVar[str] = "image-text"
     default_fields: ClassVar[str] = "none"
+    units: ClassVar[str] = "packed sequences"
     image: ImageTrain | ImageEval = ImageTrain(size=336)
     """What decodes and augments each image (:class:`fastio.ImageTrain` or :class:`fastio.ImageEval`, any size,
     dtype, layout, mean and std; its ``fields`` and ``text`` are not used)."""
