@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.pipelines.base import Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
+from fastio.pipelines.base import K_IMAGE_TEXT, Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
 from fastio.pipelines.image import ImageEval, ImageTrain, decodable, image_problem
 from fastio.pipelines.tokens import check_entry
 from fastio.read.reader import ReadBatch
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ImageText"]
 
-K_IMAGE_TEXT = "image_text"
-"""The Loader state's entry of an :class:`ImageText` pipeline."""
 STATE_VERSION = 1
 """The version of that entry (the packing's rule and the draw keys): a state of another version is refused."""
 _ARRAYS = ("tokens", "loss_mask", "position_ids", "cu_seqlens", "segment_ids", "image_rows", "image_starts")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import Delivery, Pipeline, Placement, Source, refuse_image_text
+from fastio.pipelines.base import K_TOKENS, Delivery, Pipeline, Placement, Source, refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
@@ -20,8 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Tokens", "check_entry"]
 
-K_TOKENS = "tokens"
-"""The Loader state's entry of a :class:`Tokens` pipeline."""
 
 
 @dataclass(frozen=True)
