@@ -301,7 +301,7 @@ class Loader:
         self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
-        units = self.pipeline.units
+        units = source.units
         if cfg.batch_size > n:
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} {units})")
         if cfg.drop_last and cfg.batch_size * plan_world > n:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.formats.image_text import is_image_text
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -119,6 +118,8 @@ K_TOKENS = "tokens"
 """The Loader state's entry of a :class:`fastio.Tokens` pipeline."""
 K_IMAGE_TEXT = "image_text"
 """The Loader state's entry of a :class:`fastio.ImageText` pipeline."""
+PACKED_UNITS = "packed sequences"
+"""What the Loader's messages call the units of the packed kinds (their :class:`Source`'s ``units``)."""
 PACKED_ENTRIES = {K_TOKENS: "Tokens", K_IMAGE_TEXT: "ImageText"}
 """The state entries of the kinds whose units are packed sequences (their ``consumed`` counts sequences): a state
 holding one does not continue a kind of samples."""
@@ -130,15 +131,6 @@ def refuse_tokens(ds: Dataset, kind: str) -> None:
     if ds.manifest.tokens is not None:
         raise DatasetError(f"{ds.root}: a token dataset (Megatron .bin/.idx shards), and pipeline {kind!r} "
                            "reads stored samples: read it with fastio.Tokens(seq_len=...) (docs/tokens.md)")
-
-
-def refuse_image_text(ds: Dataset, kind: str) -> None:
-    """DatasetError naming ``ds`` and the kind ``kind`` when ``ds`` is an image-text dataset (``fastio convert
-    --image-field``: its samples' images belong to their token runs, which only ``fastio.ImageText`` reads)."""
-    if is_image_text(ds.manifest.convert_options):
-        raise DatasetError(f"{ds.root}: an image-text dataset (fastio convert --image-field: images with their "
-                           f"token runs), and pipeline {kind!r} does not read it: read it with "
-                           "fastio.ImageText(image=..., seq_len=..., image_seq_len=...) (docs/image-text.md)")
 
 
 _OLD_HOOKS = {
@@ -159,9 +151,6 @@ class Pipeline:
     """How messages name the kind (``image-train``, ``raw``, ...)."""
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
-    units: ClassVar[str] = "samples"
-    """What messages call the units of an epoch (a batch's rows): ``samples``, or a kind's own (``packed
-    sequences``)."""
     fields: tuple[str, ...] | None = None
 
     def __init_subclass__(cls, **kwargs: Any):

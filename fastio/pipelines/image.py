@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
+from fastio.formats.image_text import is_image_text
 from fastio.formats.images import is_image_field
 from fastio.formats.media import is_audio_field, is_video_field
 from fastio.pipelines.augment import random_resized_crop
@@ -32,7 +33,6 @@ from fastio.pipelines.base import (
     Source,
     check_fields,
     declared,
-    refuse_image_text,
     refuse_tokens,
 )
 from fastio.pipelines.text import TextReader, Tokenize, check_text, mask_name
@@ -67,6 +67,15 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
 def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
     if not 0 < ratio <= 1:
         raise ValueError(f"{name} must be in (0, 1], got {ratio}")
+
+
+def refuse_image_text(ds: Dataset, kind: str) -> None:
+    """DatasetError naming ``ds`` and the kind ``kind`` when ``ds`` is an image-text dataset (``fastio convert
+    --image-field``: its samples' images belong to their token runs, which only ``fastio.ImageText`` reads)."""
+    if is_image_text(ds.manifest.convert_options):
+        raise DatasetError(f"{ds.root}: an image-text dataset (fastio convert --image-field: images with their "
+                           f"token runs), and pipeline {kind!r} does not read it: read it with "
+                           "fastio.ImageText(image=..., seq_len=..., image_seq_len=...) (docs/image-text.md)")
 
 
 def _no_image_way_out(fields: Sequence[str]) -> str:

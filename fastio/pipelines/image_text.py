@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.pipelines.base import K_IMAGE_TEXT, Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
+from fastio.pipelines.base import (
+    K_IMAGE_TEXT,
+    PACKED_UNITS,
+    Delivery,
+    GraphDef,
+    Pipeline,
+    Placement,
+    ReadFields,
+    Source,
+    evaluation_of,
+)
 from fastio.pipelines.image import ImageEval, ImageTrain, decodable, image_problem
 from fastio.pipelines.tokens import check_entry
 from fastio.read.reader import ReadBatch
@@ -61,7 +71,6 @@ class ImageText(Pipeline):
 
     kind: ClassVar[str] = "image-text"
     default_fields: ClassVar[str] = "none"
-    units: ClassVar[str] = "packed sequences"
     image: ImageTrain | ImageEval = ImageTrain(size=336)
     """What decodes and augments each image (:class:`fastio.ImageTrain` or :class:`fastio.ImageEval`, any size,
     dtype, layout, mean and std; its ``fields`` and ``text`` are not used)."""
@@ -126,7 +135,7 @@ class ImageText(Pipeline):
         packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
-                      self)
+                      self, PACKED_UNITS)
 
     def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
         """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
@@ -158,7 +167,8 @@ class ImageText(Pipeline):
                                          decodable, key_base)
             key_base += len(src.dataset)
         token_reader = TokenReader(tokens, read_set.reader_threads) if tokens else None
-        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self)
+        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self,
+                      PACKED_UNITS)
 
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:

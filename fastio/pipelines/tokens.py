@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import K_TOKENS, Delivery, Pipeline, Placement, Source, refuse_image_text
+from fastio.pipelines.base import K_TOKENS, PACKED_UNITS, Delivery, Pipeline, Placement, Source
+from fastio.pipelines.image import refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ class Tokens(Pipeline):
 
     kind: ClassVar[str] = "tokens"
     default_fields: ClassVar[str] = "none"
-    units: ClassVar[str] = "packed sequences"
     seq_len: int = 2048
     """Tokens of input per sequence (each sequence holds ``seq_len + 1``: one of overlap with the next)."""
     packing: str = "concat"
@@ -84,7 +84,7 @@ class Tokens(Pipeline):
 
         plan, packings = self._packed(read_set, sampling, place)
         sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources, packings)]
-        return Source(plan, TokenReader(sources, read_set.reader_threads), self)
+        return Source(plan, TokenReader(sources, read_set.reader_threads), self, PACKED_UNITS)
 
     def _packed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement
                 ) -> tuple[UnitPlan, list[ConcatPacking | BestFitPacking]]:
