@@ -31,7 +31,7 @@ from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, with_specials
 from fastio.converters.base import Entry, FileRef, ScanResult, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, StorageError
 from fastio.formats.chat_template import ChatTemplateError, load_chat_template
 from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, encode_mask, encode_tokens, image_field_name
 from fastio.storage import is_remote
@@ -130,6 +130,14 @@ def scan_image_text(source: Path, options: ImageTextOptions, coder: _Coder | Non
     return ScanResult(entries=entries, description=description, image_field=None)
 
 
+def _is_url(value: str) -> bool:
+    """Whether an image path is a URL: an ``s3://`` one, or one of a scheme (or shape) fastio's storage refuses."""
+    try:
+        return is_remote(value)
+    except StorageError:
+        return True
+
+
 def _images(row: dict, where: str, root: Path, options: ImageTextOptions, placeholders: int) -> dict[str, Any]:
     """``{"0.jpg": FileRef, ...}`` of a line's images; ConvertError naming the line for a bad list, a count that
     differs from the placeholders', a path outside ``root``, a missing file or one that is not an image."""
@@ -141,7 +149,7 @@ def _images(row: dict, where: str, root: Path, options: ImageTextOptions, placeh
                            f"{options.image_token!r} placeholder(s) in {options.messages_field!r}")
     fields: dict[str, Any] = {}
     for n, value in enumerate(paths):
-        if is_remote(value):
+        if _is_url(value):
             raise ConvertError(f"{where}: {options.image_field}[{n}]: {value}: images at URLs are not read yet "
                                "(copy them beside the JSONL)")
         path = root / value
