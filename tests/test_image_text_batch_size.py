@@ -5,21 +5,16 @@ them samples (20 samples packed into 1 sequence were "1 samples")."""
 from __future__ import annotations
 
 import pytest
-from tokens_helpers import image_text_source
+from tokens_helpers import image_text_dataset
 
 import fastio
-from fastio.convert.image_text import ImageTextOptions, convert_image_text
-from fastio.convert.run import ConvertConfig
 from fastio.errors import DatasetError
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm-batch")
-    src = image_text_source(root, n=8)
-    convert_image_text(ConvertConfig(src["source"], root / "ds", workers=1),
-                       ImageTextOptions(src["tokenizer"], src["config"]))
-    return root / "ds"
+    return image_text_dataset(root, n=8)
 
 
 def _loader(vlm, **options):
