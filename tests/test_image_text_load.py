@@ -364,8 +364,8 @@ def test_a_mixture_resumes_exactly_and_on_another_number_of_ranks(mixed):
 
 
 def test_a_mixture_of_other_kinds_is_refused_naming_the_source(mixed, image_dataset):
-    with pytest.raises(DatasetError, match=r"mixture source 'vlm': \S+: a dataset of stored samples .*fastio\.Tokens "
-                                           "reads token datasets"):
+    with pytest.raises(DatasetError, match=r"mixture source 'vlm': \S+: an image-text dataset .*read it with "
+                                           r"fastio\.ImageText"):
         fastio.Loader(fastio.Mixture(mixed), pipeline=fastio.Tokens(seq_len=SEQ, packing="best-fit"), batch_size=2,
                       device="cpu")
     with pytest.raises(DatasetError, match=r"mixture source 'img': \S+: a dataset of kind 'samples', not an "

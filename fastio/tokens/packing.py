@@ -449,10 +449,12 @@ class BestFitPacking(_BlockPacking):
                        ) -> list[list[tuple[int, int]]]:
         """:meth:`_packed` with a ``budget``: whole documents (each at most ``seq_len + 1`` long: the caller
         refuses longer ones) by the same rule, a sequence also holding at most ``budget`` of the documents'
-        weights (``table.weights``: a sample's images); a sequence whose weight is spent takes no more."""
+        weights (``table.weights``: a sample's images); a sequence whose weight is spent takes no more. A document
+        of no tokens is left out, as without a budget (a piece of size 0 would name the next document)."""
         first = int(self._blk_first[b])
         weights = self.tables[int(self._blk_shard[b])].weights(local + first)
-        items = sorted(zip(lengths.tolist(), starts.tolist(), weights.tolist()), key=lambda it: (-it[0], it[1]))
+        items = sorted(((n, s, w) for n, s, w in zip(lengths.tolist(), starts.tolist(), weights.tolist()) if n),
+                       key=lambda it: (-it[0], it[1]))
         return _fit_within(items, self.seq_len + 1, self.budget, self.fit)
 
     def _pack(self, b: int) -> list[list[Piece]]:
