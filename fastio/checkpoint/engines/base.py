@@ -101,12 +101,14 @@ class Engine(Protocol):
         ...
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]] | None:
         """Collective: write ``states`` (app key -> a private, already staged state dict) into the
         existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
         every rank (written once). ``global_keys``: what :meth:`prepare` said is global. Runs on the
         Checkpointer's writer thread; must leave no process-wide setting changed when it returns or
-        raises. The Checkpointer commits afterwards."""
+        raises. The Checkpointer commits afterwards. May return the files this rank wrote, by path relative
+        to ``path``, with their ``"bytes"`` and a checksum taken from the bytes written (``"xxh3_128"``): the
+        commit then records those instead of reading the files back (None: it reads them all)."""
         ...
 
     def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:
