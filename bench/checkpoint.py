@@ -532,7 +532,8 @@ def _print_steady(steady: dict, cores: int) -> None:
 def _print_cpu(cpu: dict) -> None:
     for name, row in cpu["savers"].items():
         print(f"CPU per GiB written, steady, {cpu['gib'] * 1024:.0f} MiB, whole process: {name:<21} "
-              f"{row['user_s_per_gib']:.3f} s user + {row['sys_s_per_gib']:.3f} s sys{busy_note(cpu['quiet'])}",
+              f"{row['user_s_per_gib']:.3f} s user + {row['sys_s_per_gib']:.3f} s sys; read back "
+              f"{row['read_gib_per_gib']:.2f} GiB, wrote {row['written_gib_per_gib']:.2f} GiB{busy_note(cpu['quiet'])}",
               flush=True)
 
 

@@ -7,7 +7,8 @@ spends beyond it (in blocked time, in the training loop's overhead, in CPU) is t
 
 :func:`cpu_per_gib` measures user and system CPU seconds per GiB written, of the whole process (every thread: the
 caller's staging, the writer, the engine's executors, the kernel's work for them), over steady saves (buffers
-allocated and the files written once before), for the Checkpointer with each engine, the minimal writer, and
+allocated and the files written once before), with the bytes read and written through system calls, for the
+Checkpointer with each engine, the minimal writer, and
 torch.distributed.checkpoint used directly (``dcp.save``, ``dcp.async_save`` on its thread): where the Checkpointer's
 DCP engine costs what plain ``dcp.save`` costs, the cost is DCP's own.
 
@@ -130,6 +131,12 @@ class MinimalWriter:
 
 
 # ------------------------------------------------------------------ CPU per GiB written
+def _io_chars() -> tuple[int, int]:
+    """(bytes read, bytes written) through system calls by this process so far (``/proc/self/io``)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["rchar"]), int(fields["wchar"])
+
+
 def _fastio(engine: str) -> Callable[[Path, dict], tuple[Callable[[], None], Callable[[], None]]]:
     def make(root: Path, app: dict) -> tuple[Callable[[], None], Callable[[], None]]:
         from fastio.checkpoint import Checkpointer
@@ -178,8 +185,8 @@ def _dcp(mode: str) -> Callable[[Path, dict], tuple[Callable[[], None], Callable
 
 
 CPU_SAVERS: dict[str, Callable[[Path, dict], tuple[Callable[[], None], Callable[[], None]]]] = {
-    "fastio torchsnapshot": _fastio("torchsnapshot"),
-    "fastio dcp": _fastio("dcp"),
+    "fastio:torchsnapshot": _fastio("torchsnapshot"),
+    "fastio:dcp": _fastio("dcp"),
     "minimal": _minimal,
     "dcp.save": _dcp("save"),
     "dcp.async_save": _dcp("async_save"),
@@ -189,7 +196,8 @@ CPU_SAVERS: dict[str, Callable[[Path, dict], tuple[Callable[[], None], Callable[
 
 def cpu_per_gib(work: Path, size_mib: int = 512, saves: int = 3, savers: tuple[str, ...] = tuple(CPU_SAVERS)) -> dict:
     """Per saver: user and system CPU seconds of the whole process per GiB of state, medians over ``saves`` steady
-    saves (each a blocking save: staging, write, fsync, commit), after one untimed save."""
+    saves (each a blocking save: staging, write, fsync, commit), after one untimed save; and the GiB it read and
+    wrote through system calls per GiB of state (``/proc/self/io``: a commit that reads its files back shows here)."""
     model, optim = build(size_mib)
     train_step(model, optim)
     app = {"model": model, "optim": optim}
@@ -197,23 +205,26 @@ def cpu_per_gib(work: Path, size_mib: int = 512, saves: int = 3, savers: tuple[s
     gib /= 2**30
     rows = {}
     for name in savers:
-        root = work / name.replace(" ", "_")
+        root = work / name.replace(":", "_")
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         save, close = CPU_SAVERS[name](root, app)
         save()  # warm: buffers allocated, libraries imported, files written once
-        user, system, wall = [], [], []
+        user, system, wall, read, written = [], [], [], [], []
         for _ in range(saves):
-            t0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            t0, w0, io0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), _io_chars()
             save()
-            t1 = resource.getrusage(resource.RUSAGE_SELF)
+            t1, io1 = resource.getrusage(resource.RUSAGE_SELF), _io_chars()
             wall.append(time.perf_counter() - w0)
             user.append((t1.ru_utime - t0.ru_utime) / gib)
             system.append((t1.ru_stime - t0.ru_stime) / gib)
+            read.append((io1[0] - io0[0]) / 2**30 / gib)
+            written.append((io1[1] - io0[1]) / 2**30 / gib)
         close()
         shutil.rmtree(root, ignore_errors=True)
         rows[name] = {"user_s_per_gib": statistics.median(user), "sys_s_per_gib": statistics.median(system),
-                      "user": user, "sys": system, "save_s": statistics.median(wall)}
+                      "user": user, "sys": system, "save_s": statistics.median(wall),
+                      "read_gib_per_gib": statistics.median(read), "written_gib_per_gib": statistics.median(written)}
     return {"gib": gib, "saves": saves, "savers": rows}
 
 
