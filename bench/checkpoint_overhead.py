@@ -217,8 +217,9 @@ def compare(with_save: Window, before: Window, after: Window) -> dict[str, float
     the wait at the end) and ``slowed`` (the steps' time over that many steps at the neighbours' median step)."""
     base_wall, base_cpu, base_wait = ((getattr(before, f) + getattr(after, f)) / 2 for f in ("wall", "cpu", "wait"))
     step = statistics.median(before.steps + after.steps)
+    off_cpu = with_save.wall - with_save.cpu - with_save.wait - (base_wall - base_cpu - base_wait)
     return {"ratio": with_save.wall / base_wall, "cpu": with_save.cpu - base_cpu, "wait": with_save.wait - base_wait,
-            "blocked": with_save.save_s + with_save.finish_s, "save_call": with_save.save_s,
+            "off_cpu": off_cpu, "blocked": with_save.save_s + with_save.finish_s, "save_call": with_save.save_s,
             "finish": with_save.finish_s, "slowed": sum(with_save.steps) - step * len(with_save.steps)}
 
 
@@ -264,7 +265,8 @@ def _summary(rows: list[dict[str, float]], saves: int, writes: list[float]) -> d
             "write_s": statistics.median(writes) if writes else None,
             "blocked_per_save_s": med["blocked"] / saves, "save_call_s": med["save_call"] / saves,
             "finish_wait_s": med["finish"], "slowed_per_save_s": med["slowed"] / saves,
-            "extra_cpu_per_save_s": med["cpu"] / saves, "extra_wait_per_save_s": med["wait"] / saves}
+            "extra_cpu_per_save_s": med["cpu"] / saves, "extra_wait_per_save_s": med["wait"] / saves,
+            "off_cpu_per_save_s": med["off_cpu"] / saves}
 
 
 def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str, ...] = ("fastio",),

@@ -59,6 +59,7 @@ def test_a_window_is_compared_with_the_mean_of_its_neighbours():
     assert got["ratio"] == pytest.approx(11.55 / 11.0)  # a drift from 10 to 12 s cancels: +5%, not +15% or -4%
     assert got["blocked"] == pytest.approx(0.25) and got["save_call"] == pytest.approx(0.05)
     assert got["cpu"] == pytest.approx(0.25) and got["wait"] == pytest.approx(0.5)
+    assert got["off_cpu"] == pytest.approx((11.55 - 9.5 - 1.5) - (11.0 - 9.25 - 1.0))
     assert got["slowed"] == pytest.approx(11.3 - 10 * 1.1)  # the median step of the neighbours: 1.1
 
 
@@ -113,3 +114,14 @@ def test_a_figure_measured_while_busy_carries_the_note():
     rounds = [{"before": quiet, "during": quiet}, {"before": busy, "during": quiet}]
     assert busy_note(rounds) == " [machine busy: other processes used 1.40 of 2 cores, load 3.0, went on after " \
                                 "waiting 60 s]"
+
+
+def test_bench_run_hands_the_checkpoint_section_its_quiet_wait_and_a_small_size():
+    import bench.checkpoint
+    import bench.index
+    from bench.run import parser, section_options
+
+    args = parser().parse_args(["--only", "checkpoint", "--quiet-wait", "0", "--checkpoint-mib", "48"])
+    assert section_options(bench.checkpoint, args) == {"quiet_wait": 0.0, "size_mib": 48, "cadence_mib": 48}
+    assert section_options(bench.checkpoint, parser().parse_args([])) == {"quiet_wait": 60.0}
+    assert section_options(bench.index, args) == {}  # its run() takes neither
