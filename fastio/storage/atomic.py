@@ -21,6 +21,7 @@ def tmp_path_for(path: Path) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (or any file: it is opened read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -56,11 +57,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
 
 def sync_file(path: Path) -> None:
     """Make a file written with ``atomic_write_bytes(..., sync=False)`` durable: the file, then its directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)
     fsync_dir(Path(path).parent)
 
 
