@@ -3,8 +3,10 @@
 
 Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is checked, rendered with the chat
 template (:func:`fastio.formats.chat_template.render`: as transformers renders it), the rendered texts tokenized
-together (``encode_batch``, no special tokens added: the template writes them; a special token's string in a
-message is that special token, as in transformers), and each one's mask made from its generation spans
+together (no special tokens added: the template writes them; a special token's string in a message is that
+special token, as in transformers: by :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE` where the tokenizer is
+a byte-level BPE of its shape, the same ids and offsets without ``tokenizers``' per-byte bookkeeping, by
+``encode_batch`` otherwise), and each one's mask made from its generation spans
 (:func:`fastio.formats.assistant_mask.assistant_mask`; ``train_on="all"``: every token). A bad conversation is a
 ConvertError naming its file and line (``where``), the field and what is wrong.
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from fastio.errors import ConvertError
 from fastio.formats.assistant_mask import assistant_mask
+from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
 
 __all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages"]
@@ -74,6 +77,7 @@ class ChatEncoder:
         self.tokenizer, self.template, self.train_on, self.field, self.dtype = (tokenizer, template, train_on, field,
                                                                                dtype)
         self.max_tokens, self.overlong = max_tokens, overlong
+        self.fast = ByteLevelBPE.of(tokenizer)
 
     def rendered(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
         """One conversation's text and generation spans (ConvertError naming ``where`` and the template)."""
@@ -88,18 +92,26 @@ class ChatEncoder:
         """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
         order (a dropped conversation left out)."""
         texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
-        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        encodings = self._tokenized(list(texts))
         counts = {"dropped": 0, "truncated": 0}
         if self.max_tokens is not None and any(len(e.ids) > self.max_tokens for e in encodings):
             encodings, spans = self._fitted(wheres, conversations, encodings, list(spans), counts)
-        lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
-        ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, int(lengths.sum()))
+        id_lists = [e.ids for e in encodings]  # a tokenizers.Encoding makes a new list at each .ids
+        lengths = np.fromiter(map(len, id_lists), np.int64, len(id_lists))
+        ids = np.fromiter(chain.from_iterable(id_lists), np.int64, int(lengths.sum()))
         if self.train_on == "all":
             mask = np.ones(ids.size, bool)
         else:
-            mask = np.concatenate([assistant_mask(e, s, len(e.ids)) for e, s in zip(encodings, spans)] or
+            mask = np.concatenate([assistant_mask(e, s, int(n)) for e, s, n in zip(encodings, spans, lengths)] or
                                   [np.zeros(0, bool)])
         return lengths, ids.astype(self.dtype), mask, counts
+
+    def _tokenized(self, texts: list[str]) -> list[Any]:
+        """Each text's encoding (ids, ``char_to_token``): :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE`'s
+        where the tokenizer is of its shape, ``tokenizers``' ``encode_batch`` otherwise (the same ids and offsets)."""
+        if self.fast is not None:
+            return self.fast.encode_batch(texts)
+        return self.tokenizer.encode_batch(texts, add_special_tokens=False)
 
     def _fitted(self, wheres, conversations, encodings, spans, counts) -> tuple[list, list]:
         """The batch's encodings and spans with each overlong conversation refused, dropped or truncated."""
