@@ -17,7 +17,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Engine", "SavedCheckpoint", "Stateful", "first_line"]
+__all__ = ["WRITE_CHECKSUM", "Engine", "SavedCheckpoint", "Stateful", "first_line", "written_record"]
+
+WRITE_CHECKSUM = "xxh3_128"
+"""The checksum an engine takes of each file from the bytes it writes (:meth:`Engine.save`'s records): the commit's,
+so that the commit need not read the file back."""
+
+
+def written_record(data: Any, size: int | None = None, digest: str | None = None) -> dict[str, Any]:
+    """What :meth:`Engine.save` returns for one file: ``{"bytes": size, "xxh3_128": digest}`` of the bytes-like
+    ``data`` it wrote (or of the ``size`` and ``digest`` already taken)."""
+    if data is not None:
+        from fastio.storage.checksum import digest_bytes
+
+        size, digest = digest_bytes(data, WRITE_CHECKSUM)
+    return {"bytes": size, WRITE_CHECKSUM: digest}
 
 
 def first_line(err: BaseException) -> str:

@@ -41,11 +41,10 @@ from torchsnapshot.manifest import (
 from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
-from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
-from fastio.storage.checksum import digest_bytes
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 
@@ -97,11 +96,6 @@ def _write_settings() -> Iterator[None]:
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
 
 
-WRITE_CHECKSUM = "xxh3_128"
-"""The checksum :class:`_LaterErrors` takes of every file from the bytes it writes (the commit's, so that the
-commit need not read the files back)."""
-
-
 class _LaterErrors(FSStoragePlugin):
     """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it, and
     recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the
@@ -121,8 +115,7 @@ class _LaterErrors(FSStoragePlugin):
             return  # this step is lost already: write nothing more
         try:
             await super().write(write_io)
-            size, digest = digest_bytes(write_io.buf, WRITE_CHECKSUM)
-            self.written[write_io.path] = {"bytes": size, WRITE_CHECKSUM: digest}
+            self.written[write_io.path] = written_record(write_io.buf)
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
 
