@@ -10,6 +10,7 @@ STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 LITDATA_STAMP := $(VENV)/.litdata-installed
 TRL_STAMP := $(VENV)/.trl-installed
+ENERGON_STAMP := $(VENV)/.energon-installed
 
 .PHONY: install demo test test-slurm bench bench-gpu lint docs clean
 
@@ -85,13 +86,13 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP) $(LITDATA_STAMP) $(TRL_STAMP)
+bench: $(STAMP) $(LITDATA_STAMP) $(TRL_STAMP) $(ENERGON_STAMP)
 	$(BIN)/python -m bench.run
 
 # litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
 # what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)
 $(LITDATA_STAMP): $(STAMP)
-	$(call STEP,make bench,1/2,litdata 0.2.76 without its dependencies: the tokens section's peer)
+	$(call STEP,make bench,1/3,litdata 0.2.76 without its dependencies: the tokens section's peer)
 	$(BIN)/pip install -q --no-deps "litdata==0.2.76"
 	touch $(LITDATA_STAMP)
 
@@ -99,10 +100,20 @@ $(LITDATA_STAMP): $(STAMP)
 # transformers and accelerate stay the pinned ones). What trl.data_utils imports beyond the dev extra: datasets (pyarrow), which imports dill,
 # multiprocess and pandas (pandas' python-dateutil comes with the dev extra's botocore); each --no-deps too.
 $(TRL_STAMP): $(STAMP)
-	$(call STEP,make bench,2/2,trl 1.16.0 and datasets 5.2.0 without their dependencies: the chat section's bfd peer)
+	$(call STEP,make bench,2/3,trl 1.16.0 and datasets 5.2.0 without their dependencies: the chat section's bfd peer)
 	$(BIN)/pip install -q --no-deps "trl==1.16.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" \
 		"pandas==3.1.1"
 	touch $(TRL_STAMP)
+
+# Megatron-Energon for the image_text section's second peer, without its dependencies (its s3fs -> aiobotocore pin
+# would replace the dev extra's botocore, which boto3 and moto need); what it imports beyond the dev extra, each
+# --no-deps too: multi-storage-client and the packages that imports.
+$(ENERGON_STAMP): $(STAMP)
+	$(call STEP,make bench,3/3,megatron-energon 7.4.1 without its dependencies: the image_text section's peer)
+	$(BIN)/pip install -q --no-deps "megatron-energon==7.4.1" "multi-storage-client==1.3.1" "xattr==1.3.1" \
+		"wcmatch==10.2.1" "bracex==3.2.4" "lark==1.3.1" "prettytable==3.19.0" "wcwidth==0.9.5" "pyroute2==0.9.7" \
+		"tzdata==2025.3" "deprecation==2.1.0" "filetype==1.2.0" "rapidyaml==0.15.2" "mfusepy==3.1.1"
+	touch $(ENERGON_STAMP)
 
 bench-gpu: $(STAMP)
 	bash bench/gpu.sh

@@ -85,22 +85,30 @@ def conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
 def make_inputs(workdir: Path, n: int) -> tuple[Path, Path, Path, list]:
     """``chats-N.jsonl``, a byte-level BPE with ChatML's specials and a ``tokenizer_config.json`` holding the
     template, under ``workdir``; and the conversations."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     chats = conversations(n)
     source = workdir / f"chats-{n}.jsonl"
     source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    tok_path, config = chat_tokenizer(workdir, chats)
+    return source, tok_path, config, chats
+
+
+def chat_tokenizer(workdir: Path, chats: list, specials: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """A byte-level BPE (1,000 ids) trained on ``chats``' text with ChatML's specials and ``specials``, and a
+    ``tokenizer_config.json`` holding :data:`CHATML`, under ``workdir``: their paths."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                   *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([m["content"] for c in chats[:2000] for m in c], trainer=trainer)
     tok_path = workdir / "tokenizer.json"
     tok.save(str(tok_path))
     config = workdir / "tokenizer_config.json"
     config.write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|endoftext|>"}))
-    return source, tok_path, config, chats
+    return tok_path, config
 
 
 def transformers_loop(tok_path: Path, chats: list):

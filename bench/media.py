@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
 from bench.quiet import before_section
 
-__all__ = ["make_media", "run"]
+__all__ = ["Epochs", "cpu_seconds", "make_media", "run"]
 
 BATCH = 8
 FRAMES, STRIDE, SIZE = 16, 2, 112
@@ -181,7 +181,7 @@ def _peer_audio(data: bytes, start: int, length: int):
     return torch.from_numpy(np.pad(wave, (0, length - len(wave))))
 
 
-def _cpu() -> float:
+def cpu_seconds() -> float:
     """CPU seconds of this process and its finished children."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
@@ -190,18 +190,18 @@ def _cpu() -> float:
 def _epoch(make) -> tuple[int, float, float]:
     """Clips, wall seconds and CPU seconds of one epoch of the loader ``make()`` returns; one that ends with
     the epoch (the peer's DataLoader: its workers end with it, so their CPU counts) is closed inside the timing."""
-    start, cpu, n = time.perf_counter(), _cpu(), 0
+    start, cpu, n = time.perf_counter(), cpu_seconds(), 0
     loader = make()
     for batch in loader:
         n += len(batch["video"] if isinstance(batch, dict) and "video" in batch else
                  batch["audio"] if isinstance(batch, dict) else batch)
-    if isinstance(loader, _Epochs):
+    if isinstance(loader, Epochs):
         loader.settle()
     del loader
-    return n, time.perf_counter() - start, _cpu() - cpu
+    return n, time.perf_counter() - start, cpu_seconds() - cpu
 
 
-class _Epochs:
+class Epochs:
     """fastio's side: one Loader for all rounds (made in the first round's timing), as training iterates one over
     its epochs; round ``r`` is its epoch ``r``. (A Loader closed after each epoch would count the next epoch's
     first batches, which it decodes ahead, in every round: 1-2 of the 8 batches of 64 videos.) Each round ends
@@ -216,9 +216,9 @@ class _Epochs:
         """Wait until this process is idle (DALI's threads done with the batches they decode ahead): under 5 % of
         a core over one ``poll``."""
         while True:
-            before = _cpu()
+            before = cpu_seconds()
             time.sleep(poll)
-            if _cpu() - before < 0.05 * poll:
+            if cpu_seconds() - before < 0.05 * poll:
                 return
 
     def __iter__(self):
@@ -231,7 +231,7 @@ class _Epochs:
 
 
 def _contenders(datasets: dict[str, Path], workers: int) -> dict:
-    """Per kind: fastio's loader (:class:`_Epochs`), the peer's DataLoader of round ``r`` (epoch ``r``'s clips)."""
+    """Per kind: fastio's loader (:class:`Epochs`), the peer's DataLoader of round ``r`` (epoch ``r``'s clips)."""
     from torch.utils.data import DataLoader
 
     import fastio
@@ -249,7 +249,7 @@ def _contenders(datasets: dict[str, Path], workers: int) -> dict:
             return DataLoader(dataset, batch_size=BATCH, num_workers=workers)
         return make
 
-    return {kind: (_Epochs(lambda d=dest, p=pipes[kind]: fastio.Loader(d, pipeline=p, **opts)),
+    return {kind: (Epochs(lambda d=dest, p=pipes[kind]: fastio.Loader(d, pipeline=p, **opts)),
                    peer(_Peer(dest, kind != "audio", fields[kind]))) for kind, dest in datasets.items()}
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LAYER_MIB", "WIDTH", "build", "state_mib", "train_step"]
+__all__ = ["LAYER_MIB", "WIDTH", "build", "build_fsdp", "state_mib", "train_step"]
 
 WIDTH = 2048  # one Linear(WIDTH, WIDTH) layer: 16 MiB of fp32 weights; Adam adds 32 MiB
 LAYER_MIB = WIDTH * WIDTH * 4 / 2**20
@@ -19,6 +19,20 @@ def build(size_mib: int, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimize
     layers = max(1, round(size_mib / (3 * LAYER_MIB)))
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def build_fsdp(size_mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """:func:`build`'s model as FSDP2 (every layer and the whole ``fully_shard``; the process group is the
+    caller's), Adam over the sharded parameters, after one training step (its moments exist)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = build(size_mib)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    train_step(model, optim)
+    return model, optim
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor | None = None) -> float:

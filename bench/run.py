@@ -1,12 +1,14 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
-Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS] [--checkpoint-mib MIB]
+Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS] [--tiny]
+                           [--checkpoint-mib MIB]
 Writes bench/out/ (not tracked by git; --out DIR elsewhere): each section's SECTION.json (written by the section
 as it ends), summary.json (this run's sections, plus the last results of sections not run this time, each with
 its start time and what the other processes used of the cores before and during it) and summary.png.
 bench/results/ holds reference results that someone chose to commit. Before each section it waits for a quiet
 machine (bench/quiet.py); a ratio measured while other processes kept the cores busy gets no verdict, only
-that note.
+that note. ``--tiny``: the sections whose ``run`` takes ``tiny`` (image_text) run at their smallest size, a check
+that they run, not a measurement.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ SECTIONS = (
     "index",
     "tokens",
     "chat",
+    "image_text",
     "media",
     "restart",
     "torchft_steps",
@@ -90,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     p = section_parser(__doc__)
     p.add_argument("--only", default=",".join(SECTIONS), metavar="SECTION,...",
                    help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--tiny", action="store_true",
+                   help="sections that have a smallest size (image_text) run at it: checks that they run")
     p.add_argument("--checkpoint-mib", type=int, default=None, metavar="MIB",
                    help="the checkpoint section's state size (MiB; default its own: 1024, and 512 for the cadence "
                         "and CPU rows); a small one makes a quick run")
@@ -98,9 +103,10 @@ def parser() -> argparse.ArgumentParser:
 
 def section_options(module: object, args: argparse.Namespace) -> dict:
     """The options beyond ``repeats`` and ``results_dir`` that section ``module``'s ``run`` accepts: ``quiet_wait``
-    (a section that waits before each of its measurements) and, for the checkpoint section, its state size."""
+    (a section that waits before each of its measurements), ``tiny`` when asked for, and, for the checkpoint
+    section, its state size."""
     accepted = inspect.signature(module.run).parameters
-    options = {"quiet_wait": args.quiet_wait}
+    options = {"quiet_wait": args.quiet_wait, **({"tiny": True} if args.tiny else {})}
     if args.checkpoint_mib is not None and module.__name__ == "bench.checkpoint":
         options.update(size_mib=args.checkpoint_mib, cadence_mib=args.checkpoint_mib)
     return {k: v for k, v in options.items() if k in accepted}

@@ -39,8 +39,14 @@ class TinyGPT(nn.Module):
                 ) -> torch.Tensor:
         """Logits of ``tokens`` [B, L]; with ``segments`` (the batch's ``segment_ids``) a token attends only to
         the tokens before it in its own packed document (block-causal), else to every token before it."""
-        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        x = self.tok(tokens) + self.pos(positions)
+        return self.decode(self.tok(tokens), positions, segments)
+
+    def decode(self, embedded: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Logits of input embeddings ``embedded`` [B, L, width] (:meth:`forward`'s, or a vision model's
+        placed among them), as :meth:`forward` computes them."""
+        causal = nn.Transformer.generate_square_subsequent_mask(embedded.shape[1])
+        x = embedded + self.pos(positions)
         if segments is None:
             return self.head(self.blocks(x, mask=causal, is_causal=True))
         apart = segments[:, :, None] != segments[:, None, :]

@@ -28,8 +28,14 @@ import fastio
 
 def masked_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     """Mean cross-entropy over the trained targets of ``batch`` (``loss_mask[:, 1:]``)."""
-    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-    logits = model(inputs, batch["position_ids"][:, :-1], batch["segment_ids"][:, :-1])
+    inputs = batch["tokens"][:, :-1]
+    return trained_loss(model(inputs, batch["position_ids"][:, :-1], batch["segment_ids"][:, :-1]), batch)
+
+
+def trained_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` [B, L, vocab] (of the inputs ``tokens[:, :-1]``) against the targets
+    ``tokens[:, 1:]``, counting only the trained ones (``loss_mask[:, 1:]``)."""
+    targets = batch["tokens"][:, 1:]
     each = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     trained = batch["loss_mask"][:, 1:].flatten()
     return (each * trained).sum() / trained.sum().clamp(min=1)

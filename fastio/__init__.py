@@ -25,6 +25,7 @@ _LAZY = {
     "VideoClips": "fastio.pipelines",
     "AudioClips": "fastio.pipelines",
     "Tokens": "fastio.pipelines",
+    "ImageText": "fastio.pipelines",
     "Tokenize": "fastio.pipelines",
     "Pipeline": "fastio.pipelines",
     "order_quality": "fastio.report.inspect",

@@ -474,7 +474,8 @@ class Loader:
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         if graph is not None:
-            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size, num_threads=cfg.num_threads,
+            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size * graph.per_unit,
+                                      num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
         return feeder
@@ -570,8 +571,9 @@ class Loader:
         """The graph's outputs but ``index`` (checked against what was fed) as torch values."""
         out = dict(zip(names, outputs))
         index = out.pop("index").as_array().reshape(-1)
-        if not np.array_equal(index, fed.indices):
-            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {fed.indices[:8]}")
+        want = fed.indices if self._graph.fed_index is None else self._graph.fed_index(fed.batch)
+        if not np.array_equal(index, want):
+            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {want[:8]}")
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):
@@ -595,13 +597,21 @@ class Loader:
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
         """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
         (:attr:`fastio.pipelines.GraphDef.problem`), in feed order."""
-        rs = self.read_set
+        rs, where = self.read_set, self._graph.where
         for fed in in_flight:
+            if where is not None:  # the kind names its graph's samples (fastio.ImageText: each image)
+                bad = next(((name, p) for j, name in enumerate(where(fed.batch))
+                            if (p := self._graph.problem(fed.batch, j)) is not None), None)
+                if bad is not None:
+                    return DatasetError(f"{bad[0]} failed to decode ({bad[1]})")
+                continue
             for j, (i, name) in enumerate(zip(fed.indices.tolist(), fed.batch.image_field or [])):
                 problem = self._graph.problem(fed.batch, j)
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)
+        if in_flight and where is not None:
+            return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
 

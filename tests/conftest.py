@@ -40,6 +40,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
     "test_media_dist.py",  # 45 (alone, load 4)
+    "test_vlm_example.py",  # 44 (alone, busy: load 8, Dec 6; the example straight, killed, resumed, restored)
     "test_torchft.py",  # 41 (alone, load 16-20, Dec 6: 3 torchft runs of separate processes)
     "test_lightning.py",  # 39
     "test_checkpoint_strict.py",  # 20 (test_checkpoint_round6.py's elastic ranks; 47 on Dec 6, busy, 2 workers)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StateHolder
+from helpers import StateHolder, free_port, spawn_ranks
 
-from fastio.checkpoint import Checkpointer, catalog, naming, rollback, scan
+from fastio.checkpoint import Checkpointer, catalog, group, naming, rollback, scan
+from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,3 +200,71 @@ def test_a_kill_inside_the_first_commit_after_a_rollback_on_s3_resumes_the_rollb
         app = app_at(-1)
         with Checkpointer(url, storage_options=options, staging_dir=tmp_path / staging, signals=()) as ckpt:
             assert ckpt.restore_latest(app).step == 2 and tag_of(app) == 2
+
+
+def test_a_step_committed_here_whose_upload_failed_stays_on_the_branch_and_reaches_the_store(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """A run restores step 5 and commits step 6 here, but the store refuses the upload: the save fails. Step 6 is
+    on the run's own branch, yet the next commit (step 8) took it for the abandoned branch of a rollback to step 5
+    and superseded it: the store then held step-5 and step-8 and no step-6, although retention (keep=2) keeps
+    steps 6 and 8. Now the first commit after the restore ends the rollback, failed upload or not."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
+
+    def checkpointer(staging: str) -> Checkpointer:
+        return Checkpointer(url, keep=2, storage_options=options, staging_dir=tmp_path / staging, signals=())
+
+    with checkpointer("a") as ckpt:
+        save_branch(ckpt, [4, 5])
+    with checkpointer("b") as ckpt:
+        app = app_at(-1)
+        assert ckpt.restore_latest(app).step == 5 and tag_of(app) == 5
+        fault_proxy.forbidden.add("step-6")  # the store refuses step 6's objects
+        with pytest.raises(CheckpointError, match="step-6: .*403"):
+            save_branch(ckpt, [6])
+        fault_proxy.forbidden.clear()
+        save_branch(ckpt, [8])
+        assert ckpt.steps() == [6, 8]
+    assert states(url, options) == {6: "committed", 8: "committed"}
+    with checkpointer("c") as ckpt:  # another node: from the store
+        app = app_at(-1)
+        assert ckpt.restore_latest(app, step=6).step == 6 and tag_of(app) == 6
+
+
+def _commit_fails_elsewhere(rank: int, port: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    seen = {}
+    with Checkpointer(root, keep=2, signals=()) as ckpt:
+        save_branch(ckpt, [4, 5])
+        seen["restored"] = ckpt.restore_latest(app_at(-1)).step
+
+        def hook(_group: str, phase: str) -> None:
+            if phase == "commit" and rank == 1:  # after rank 0 has published step 6
+                raise RuntimeError("injected fault in commit")
+        group.fault_hook = hook
+        try:
+            save_branch(ckpt, [6])
+        except CheckpointError as err:
+            seen["failed"] = str(err)
+        group.fault_hook = None
+        save_branch(ckpt, [8])
+        seen["steps"] = ckpt.steps()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # torch's gloo teardown can abort at interpreter exit; the result is in the file
+
+
+def test_a_step_published_in_a_commit_another_rank_failed_stays_on_the_branch(tmp_path):
+    """The same on disk with 2 ranks: rank 0 publishes step 6 after a restore of step 5, rank 1 fails in that
+    commit phase, so the save fails on both; step 8's commit then superseded step 6 (step-5 and step-8 left)."""
+    port, root = free_port(), tmp_path / "ck"
+    spawn_ranks(_commit_fails_elsewhere, lambda r: (r, port, str(root), str(tmp_path)), 2, timeout=120)
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["restored"] == 5 and "injected fault in commit" in seen["failed"]
+        assert seen["steps"] == [6, 8], seen
+    assert states(root) == {6: "committed", 8: "committed"}
+

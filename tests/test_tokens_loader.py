@@ -10,8 +10,9 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from resume import batches, check_resume, run_ranks, same_batch
+from resume import check_resume, run_ranks, same_batch
 from tokens_helpers import word_corpus
+from trainer_runs import accelerate_run, lightning_runs
 
 import fastio
 from bench.token_dataset import TokenDataset
@@ -147,70 +148,17 @@ class _TinyLM(torch.nn.Module):
 
 
 def test_lightning_resumes_a_token_run_mid_epoch(corpus, tmp_path):
-    pl = pytest.importorskip("lightning.pytorch")
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lm, self.seen = _TinyLM(), []
-
-        def training_step(self, batch, i):
-            self.seen.append(batch["index"].tolist())
-            return self.lm.loss(batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def fit(model, ckpt=None, **kwargs):
-        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=tmp_path, max_steps=12, **kwargs)
-        with _loader(corpus, batch_size=16) as loader:  # 139 sequences: 9 batches an epoch
-            trainer.fit(model, loader, ckpt_path=ckpt)
-
-    torch.manual_seed(0)
-    model = Module()
-    every = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", save_top_k=-1,
-                                         every_n_train_steps=4)
-    fit(model, callbacks=[every])  # 12 steps: into epoch 1
-    saved = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
-    state = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    full, resumed, state = lightning_runs(  # 139 sequences: 9 batches an epoch; 12 steps run into epoch 1
+        tmp_path, lambda: _loader(corpus, batch_size=16), _TinyLM, 12, 4)
     assert (state["epoch"], state["consumed"]) == (0, 64) and state["tokens"]["seq_len"] == SEQ
-    torch.manual_seed(1)
-    resumed = Module()
-    fit(resumed, tmp_path / "ckpt" / "step=4.ckpt", enable_checkpointing=False)
-    assert resumed.seen == model.seen[4:]
-    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), model.state_dict().values()))
+    assert resumed.seen == full.seen[4:]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), full.state_dict().values()))
 
 
 def test_accelerate_save_state_then_load_state_continues_the_sequences(corpus, tmp_path, monkeypatch):
-    accelerate = pytest.importorskip("accelerate")
     monkeypatch.chdir(tmp_path)
-
-    def run(steps, resume=None):
-        acc = accelerate.Accelerator(cpu=True)
-        torch.manual_seed(0)
-        model = _TinyLM()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, optimizer = acc.prepare(model, optimizer)
-        loader = _loader(corpus, batch_size=8)
-        acc.register_for_checkpointing(loader)
-        if resume:
-            acc.load_state(resume)
-        seen = []
-        for batch in islice(batches(loader), steps):
-            seen.append(batch["index"].tolist())
-            optimizer.zero_grad()
-            acc.backward(model.loss(batch))
-            optimizer.step()
-            if resume is None and len(seen) == 5:
-                acc.save_state("state")
-        loader.close()
-        weights = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
-        acc.end_training()
-        return seen, weights
-
-    seen, want = run(12)
-    again, got = run(7, resume="state")
+    seen, want = accelerate_run(lambda: _loader(corpus, batch_size=8), _TinyLM, 12, save_at=5)
+    again, got = accelerate_run(lambda: _loader(corpus, batch_size=8), _TinyLM, 7, resume="state")
     assert again == seen[5:]
     assert all(torch.equal(want[k], got[k]) for k in want)
 

@@ -270,3 +270,30 @@ def test_shards_of_is_the_shard_each_sequence_starts_in(shuffle):
             seqs = np.arange(p.sequences)
             want = [p.pieces(epoch, int(s))[0].shard for s in seqs]
             assert p.shards_of(epoch, seqs[::-1]).tolist() == want[::-1]
+
+
+@pytest.mark.parametrize("fit", ["best", "first"])
+def test_a_budget_packs_whole_documents_by_the_same_rule_and_keeps_each_sequence_within_it(fit):
+    from fastio.tokens.packing import BestFitPacking, _best_fit, _first_fit, _fit_within
+
+    rng = np.random.default_rng(4)
+    items = sorted(((int(rng.integers(1, 33)), s) for s in range(0, 4000, 40)), key=lambda it: (-it[0], it[1]))
+    plain = (_best_fit if fit == "best" else _first_fit)(items, 33)
+    assert _fit_within([(n, s, 0) for n, s in items], 33, 1, fit) == plain  # no weight: the same sequences
+    weights = {s: int(rng.integers(0, 3)) for _, s in items}
+    capped = _fit_within([(n, s, weights[s]) for n, s in items], 33, 2, fit)
+    assert sorted(x for b in capped for x in b) == sorted(items)  # every document once, whole
+    assert all(sum(weights[s] for _, s in b) <= 2 and sum(n for n, _ in b) <= 33 for b in capped)
+    assert max(sum(weights[s] for _, s in b) for b in plain) > 2 and len(capped) > len(plain)
+
+    class Weighted(Table):
+        def weights(self, docs):
+            return np.array([len(self.docs[d]) % 3 for d in np.asarray(docs).tolist()], np.int64)
+
+    tables = [Weighted([d for d in t.docs if d.size <= 17]) for t in best_fit_corpus()]
+    p = BestFitPacking(tables, 16, seed=2, fingerprint="f", block_docs=10, fit=fit, budget=2)
+    spent = [sum(len(tables[x.shard].docs[int(np.searchsorted(tables[x.shard].offsets, x.start))]) % 3
+                 for x in p.pieces(1, s)) for s in range(p.sequences)]
+    assert max(spent) == 2 and p.total_tokens == sum(t.tokens for t in tables)
+    with pytest.raises(ValueError, match="budget must be a positive integer or None, got 0"):
+        BestFitPacking(tables, 16, budget=0)

@@ -50,7 +50,9 @@ class Commit(Protocol):
     restored: int | None
     """Set by the restore (:class:`~fastio.checkpoint.restore.Restorer`) to the step it loaded: the next
     :meth:`publish` first supersedes every committed step above it (the abandoned branch of a rollback,
-    crash-safely: see :mod:`fastio.checkpoint.rollback`), then forgets it."""
+    crash-safely: see :mod:`fastio.checkpoint.rollback`), then forgets it as soon as the new step is published,
+    also when what follows in that commit fails (retention, the upload to the store): that step is on the
+    run's branch, and a later commit must not take it for the abandoned one."""
 
     def tmp_dir(self, step: int) -> Path: ...
 
@@ -99,6 +101,12 @@ class Commit(Protocol):
     def fetch(self, step: int) -> None:
         """The lowest rank of ``ranks_here``: make committed ``step`` readable in ``root`` (downloaded when it
         is only on the store; not verified here, the caller checks every copy)."""
+        ...
+
+    @property
+    def fetches(self) -> bool:
+        """:meth:`fetch` may download (an ``s3://`` dir): the other ranks wait for it before they read the step.
+        False when every step is already in ``root``."""
         ...
 
 
@@ -155,6 +163,10 @@ class _Steps:
         if self.remote is not None:
             self.remote.fetch(step)
 
+    @property
+    def fetches(self) -> bool:
+        return self.remote is not None
+
     def _remote_steps(self) -> list[int]:
         try:
             return self.remote.committed_steps()
@@ -186,6 +198,7 @@ class LocalCommit(_Steps):
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
                 publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info, known=written)
+                self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
                 retention.apply_retention(self.root, keep)
                 if self.remote is not None:
                     self.remote.after_commit(keep)
@@ -248,6 +261,7 @@ class NodeLocalCommit(_Steps):
                                               "a shared file system")
                     files.update(part)
                 remote.publish_commit(step, publish.commit_data(files, step=step, info=info), keep)
+                self.restored = None  # the rollback is done, whatever fails after it
             if rank == self.ranks_here[0]:  # uploaded, and no node holds the whole step: the temporaries go, within
                 self.discard(step)  # the phase (a large step takes seconds: this rank is seen busy)
 

@@ -183,11 +183,16 @@ class RankGroup:
                     fault_hook(self.name, phase)
         except Exception as err:  # noqa: BLE001 - one line per rank, gathered
             mine = [str(err) if isinstance(err, FastioError) else f"rank {self.rank}: {first_line(err)}"]
+        if not self.any(phase, bool(mine))[0]:  # the usual case: one all-reduce, no gather
+            return []
         return [p for part in self.gather(phase, mine) for p in part]
 
     def check(self, phase: str, problem: str | None, *, cause: BaseException | None = None, blame: bool = True) -> None:
         """Agree on this rank's ``problem`` (None: none): every rank raises the first rank's, or none does.
-        ``blame=False`` leaves out which rank failed (for problems that already name what is wrong)."""
+        ``blame=False`` leaves out which rank failed (for problems that already name what is wrong). Without a
+        problem on any rank this is one all-reduce; the problems are gathered only when there is one."""
+        if not self.any(phase, bool(problem))[0]:
+            return
         every = self.gather(phase, problem)
         failed = [(r, p) for r, p in enumerate(every) if p]
         if failed:

@@ -278,8 +278,7 @@ class Restorer:
         skipped: list[Unrecognised] = []
         for cand in candidates:
             path = commit.step_dir(cand)
-            problems = self.ranks.collect("fetch", lambda c=cand: commit.fetch(c) or [] if self.leader else [])
-            problems = problems or self._check_step(cand, path)
+            problems = self._fetch(cand) or self._check_step(cand, path)
             if not problems:
                 return cand, skipped
             more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
@@ -287,6 +286,13 @@ class Restorer:
             if step is not None:
                 raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
         return None, skipped
+
+    def _fetch(self, step: int) -> list[str]:
+        """Collective where the commit fetches (an ``s3://`` dir): ``step`` made readable here by each directory's
+        lowest rank, the others waiting for it; every rank's problems. Nothing to do (no agreement) otherwise."""
+        if not self.commit.fetches:
+            return []
+        return self.ranks.collect("fetch", lambda: self.commit.fetch(step) or [] if self.leader else [])
 
     def _check_step(self, step: int, path: Path) -> list[str]:
         """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file

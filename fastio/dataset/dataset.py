@@ -271,6 +271,10 @@ class Dataset:
                 self._keys[shard.first] = keys
         return keys[int(index) - shard.first]
 
+    def where(self, index: int) -> str:
+        """``"DEST: shard NAME key KEY"`` of sample ``index``, for messages."""
+        return f"{self.root}: shard {self.shard_of(int(index)).name} key {self.key(int(index))!r}"
+
     @cached_property
     def table(self) -> SampleTable:
         """Every sample's location and key as flat arrays: O(samples) memory, for tools that scan a whole

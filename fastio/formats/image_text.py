@@ -24,14 +24,22 @@ import numpy as np
 
 from fastio.formats.images import is_image_field
 
-__all__ = ["MASK_FIELD", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens", "image_field_name",
-           "image_number", "member_problems"]
+__all__ = ["MASK_FIELD", "OPTIONS_KEY", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens",
+           "image_field_name", "image_number", "is_image_text", "member_problems"]
 
 TOKENS_FIELD = "tokens.i32"
 """The member holding a sample's token ids (little-endian int32)."""
 MASK_FIELD = "mask.bits"
 """The member holding a sample's loss mask (one bit a token, little bit order)."""
+OPTIONS_KEY = "image_text"
+"""The key of the manifest's ``convert_options`` that an image-text conversion records (its image token id, ...)."""
 _IMAGE = re.compile(r"(0|[1-9][0-9]*)\.[A-Za-z0-9]+")
+
+
+def is_image_text(convert_options: dict | None) -> bool:
+    """Whether a manifest's ``convert_options`` are an image-text conversion's (they record ``image_token_id``)."""
+    options = (convert_options or {}).get(OPTIONS_KEY)
+    return isinstance(options, dict) and "image_token_id" in options
 
 
 def image_field_name(number: int, ext: str) -> str:

@@ -3,7 +3,8 @@ none) and how its batch is assembled (:mod:`fastio.pipelines.base` describes the
 hooks; the image kinds' defaults are :class:`ImageKind`'s).
 
 Built in: :class:`ImageTrain`, :class:`ImageEval`, :class:`Raw`, :class:`Graph` (a user's DALI graph),
-:class:`Tokens` (packed token sequences), and the clip kinds :class:`VideoClips` and :class:`AudioClips`
+:class:`Tokens` (packed token sequences), :class:`ImageText` (packed image-text sequences), and the clip kinds
+:class:`VideoClips` and :class:`AudioClips`
 (``media.py``).
 """
 
@@ -23,11 +24,12 @@ from fastio.pipelines.base import (
 )
 from fastio.pipelines.graph import Graph
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, ImageEval, ImageKind, ImageTrain, decodable
+from fastio.pipelines.image_text import ImageText
 from fastio.pipelines.media import AudioClips, VideoClips
 from fastio.pipelines.raw import Raw
 from fastio.pipelines.text import Tokenize
 from fastio.pipelines.tokens import Tokens
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "AudioClips", "BuiltPipeline", "Delivery", "FieldChoice", "Graph",
-           "GraphDef", "ImageEval", "ImageKind", "ImageTrain", "Pipeline", "Placement", "Raw", "ReadFields", "Source",
-           "Tokenize", "Tokens", "VideoClips", "build_graph", "decodable", "evaluation_of"]
+           "GraphDef", "ImageEval", "ImageKind", "ImageText", "ImageTrain", "Pipeline", "Placement", "Raw", "ReadFields",
+           "Source", "Tokenize", "Tokens", "VideoClips", "build_graph", "decodable", "evaluation_of"]

@@ -32,6 +32,8 @@ from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placemen
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import numpy as np
+
     from fastio.dataset.dataset import Dataset
     from fastio.order.sampler import SamplerSpec
     from fastio.read.reader import ReadBatch
@@ -81,6 +83,15 @@ class GraphDef:
     """Why sample ``j`` of a read batch cannot be decoded, or None: asked after the graph failed, to name it."""
     conditionals: bool = False
     """Whether ``body`` branches per sample with ``if`` on a boolean input (DALI's ``enable_conditionals``)."""
+    per_unit: int = 1
+    """The most graph samples one unit feeds (the graph is built for ``batch_size * per_unit``; a batch may feed
+    any number from 1 up to that: :class:`fastio.ImageText` feeds each sequence's images)."""
+    where: Callable[[Any], list[str]] | None = None
+    """``where(read_batch)``: what names each graph sample a read batch fed (``DEST: shard S key 'K': field
+    'F'``), for a decode error; None: the read set names the batch's units and their image fields."""
+    fed_index: Callable[[Any], np.ndarray] | None = None
+    """``fed_index(read_batch)``: the ``"index"`` values ``feed`` gave the graph for a read batch, which the Loader
+    checks its output against; None: the batch's ``indices`` (one graph sample a unit)."""
 
     @property
     def names(self) -> tuple[str, ...]:

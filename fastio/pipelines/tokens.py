@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fastio.read.protocol import ReadSet, UnitPlan
     from fastio.tokens.packing import BestFitPacking, ConcatPacking
 
-__all__ = ["Tokens"]
+__all__ = ["Tokens", "check_entry"]
 
 K_TOKENS = "tokens"
 """The Loader state's entry of a :class:`Tokens` pipeline."""
@@ -97,9 +97,7 @@ class Tokens(Pipeline):
                                  place.rank)
         ds = read_set.target
         packing = packing_of(ds, open_tables(ds), self.seq_len, self.packing, self.window, sampling)
-        sampler = packing.sampler(batch_size=sampling.batch_size, world_size=place.world_size, rank=place.rank,
-                                  drop_last=sampling.drop_last, remainder=sampling.remainder)
-        return TokenUnits(packing, sampler), [packing]
+        return TokenUnits.of(packing, sampling, place.world_size, place.rank), [packing]
 
     def assemble(self, outputs: dict[str, Any], delivery: Delivery) -> dict[str, Any]:
         import torch
@@ -113,11 +111,16 @@ class Tokens(Pipeline):
         return {K_TOKENS: {"seq_len": self.seq_len, "packing": self.packing, "window": self.window}}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        mine, saved = self.state_dict()[K_TOKENS], state.get(K_TOKENS)
-        if saved is None:
-            raise LoaderStateError("loader state is not of packed token sequences (no 'tokens' entry), this Loader "
-                                   "reads fastio.Tokens")
-        for key, value in mine.items():
-            if saved.get(key) != value:
-                raise LoaderStateError(f"loader state has tokens {key}={saved.get(key)!r}, this Loader's "
-                                       f"fastio.Tokens {key}={value!r} (the sequences would differ)")
+        check_entry(state, K_TOKENS, self.state_dict()[K_TOKENS], "packed token sequences", "Tokens")
+
+
+def check_entry(state: dict[str, Any], entry: str, mine: dict[str, Any], what: str, name: str) -> None:
+    """LoaderStateError unless ``state`` (a whole Loader state) has an entry ``entry`` equal to ``mine`` (the options
+    of a ``fastio.NAME`` pipeline whose units are ``what``), naming the first option that differs."""
+    saved = state.get(entry)
+    if saved is None:
+        raise LoaderStateError(f"loader state is not of {what} (no {entry!r} entry), this Loader reads fastio.{name}")
+    for key, value in mine.items():
+        if saved.get(key) != value:
+            raise LoaderStateError(f"loader state has {entry} {key}={saved.get(key)!r}, this Loader's "
+                                   f"fastio.{name} {key}={value!r} (the sequences would differ)")

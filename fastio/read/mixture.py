@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import numbers
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,6 +23,8 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
+from fastio.formats.image_text import is_image_text
+from fastio.futures import gathered
 from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
 from fastio.order.sampler import SamplerSpec
 from fastio.read.reader import ReadBatch, Reader
@@ -335,14 +336,17 @@ def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
 
 def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
     """DatasetError naming a token source and a source of stored samples when the mixture holds both (a batch
-    holds packed sequences or stored samples, not both)."""
+    holds packed sequences or stored samples, not both); an image-text dataset's samples are packed into sequences
+    (``fastio.ImageText``), so it mixes with token datasets."""
     tokens = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is not None]
-    samples = [(n, ds) for n, ds in zip(names, datasets) if ds.manifest.tokens is None]
+    samples = [(n, ds) for n, ds in zip(names, datasets)
+               if ds.manifest.tokens is None and not is_image_text(ds.manifest.convert_options)]
     if tokens and samples:
         (t, tds), (o, ods) = tokens[0], samples[0]
         raise DatasetError(f"mixture sources {t!r} ({tds.root}) and {o!r} ({ods.root}): {t!r} is a token dataset and "
                            f"{o!r} holds stored samples (kind {ods.manifest.kind!r}); a mixture mixes one kind: "
-                           "token datasets (read with fastio.Tokens) or datasets of samples")
+                           "token datasets (read with fastio.Tokens; with image-text datasets, fastio.ImageText) or "
+                           "datasets of samples")
 
 
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
@@ -399,25 +403,7 @@ class MixReader:
         src, local = self.mixture.split(ids)
         parts = [(np.flatnonzero(src == s), s) for s in np.unique(src).tolist()]
         futures = [self.readers[s].submit(local[sel]) for sel, s in parts]
-        out: Future = Future()
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def done(_f: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            if not out.set_running_or_notify_cancel():
-                return
-            try:
-                out.set_result(_merge(ids, [(sel, f.result()) for (sel, _), f in zip(parts, futures)]))
-            except BaseException as err:  # a source's read error (DatasetError, StorageError) passes through
-                out.set_exception(err)
-
-        for f in futures:
-            f.add_done_callback(done)
-        return out
+        return gathered(futures, lambda batches: _merge(ids, [(sel, b) for (sel, _), b in zip(parts, batches)]))
 
     def read_batch(self, ids: np.ndarray) -> ReadBatch:
         return self.submit(ids).result()

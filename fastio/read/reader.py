@@ -60,7 +60,7 @@ class ShardFiles(Protocol):
 
 def sample_where(ds: Dataset, index: int) -> str:
     """``"DEST: shard NAME key KEY"`` for error messages."""
-    return f"{ds.root}: shard {ds.shard_of(int(index)).name} key {ds.key(int(index))!r}"
+    return ds.where(index)
 
 
 def parse_label(ds: Dataset, field: str, index: int, data: np.ndarray | bytes) -> int:

@@ -201,9 +201,9 @@ class ReadSet:
         return None
 
     def close(self) -> None:
-        if self.sources[0].reader is not None:
+        if all(s.reader is not None for s in self.sources):
             self.reader.close()
-        else:  # no reader of stored samples: the shard sources are closed here
+        else:  # sources without a reader of stored samples: each source closed here (its reader or shard source)
             for s in self.sources:
                 _close_source(s)
 

@@ -171,6 +171,13 @@ class TokenUnits:
     packing: ConcatPacking | BestFitPacking
     sampler: Sampler
 
+    @classmethod
+    def of(cls, packing: ConcatPacking | BestFitPacking, spec: SamplerSpec, world_size: int, rank: int) -> TokenUnits:
+        """The plan of ``packing``'s sequences on rank ``rank`` of ``world_size`` (``spec``: the batch size, drop_last
+        and remainder)."""
+        return cls(packing, packing.sampler(batch_size=spec.batch_size, world_size=world_size, rank=rank,
+                                            drop_last=spec.drop_last, remainder=spec.remainder))
+
     @property
     def samples(self) -> int:
         return self.sampler.samples
@@ -197,23 +204,27 @@ class TokenMixSampler(MixSampler):
 
 
 def mixture_units(read_set: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec, world_size: int,
-                  rank: int) -> tuple[TokenMixSampler, list[ConcatPacking | BestFitPacking]]:
-    """A token mixture's unit plan and each source's packing (:func:`source_packings`): the read set's mixture
-    sized in sequences (:meth:`fastio.Mixture.in_units`: weights, a schedule's positions and
+                  rank: int, pack: Callable[[Dataset, SamplerSpec], BestFitPacking | None] | None = None
+                  ) -> tuple[TokenMixSampler, list[ConcatPacking | BestFitPacking]]:
+    """A token mixture's unit plan and each source's packing (:func:`source_packings`, ``pack`` there): the read
+    set's mixture sized in sequences (:meth:`fastio.Mixture.in_units`: weights, a schedule's positions and
     ``samples_per_epoch`` count sequences), its order over them."""
-    packings = source_packings(read_set.mixture, seq_len, packing, window, spec)
+    packings = source_packings(read_set.mixture, seq_len, packing, window, spec, pack)
     read_set.in_units([p.sequences for p in packings])
     sampler = TokenMixSampler.make(spec, read_set.mixture.schedule(spec.seed), [(p.sequences,) for p in packings],
                                    world_size, rank)
     return sampler, packings
 
 
-def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec
+def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec,
+                    pack: Callable[[Dataset, SamplerSpec], BestFitPacking | None] | None = None
                     ) -> list[ConcatPacking | BestFitPacking]:
-    """Each token source of ``mixture`` packed on its own, with its own seed (drawn from ``spec``'s and its
-    name); DatasetError naming two sources that end documents with different ids, or the source a packing
+    """Each source of ``mixture`` packed on its own, with its own seed (drawn from ``spec``'s and its name): by
+    ``pack(dataset, its spec)`` where that gives a packing (an image-text source's), else as a token dataset;
+    DatasetError naming two token sources that end documents with different ids, or the source a packing
     refuses."""
-    eos = {name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)}
+    eos = {name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)
+           if ds.manifest.tokens is not None}
     if len(set(eos.values())) > 1:
         (a, x), (b, y) = _two_differing(eos)
         raise DatasetError(f"{mixture.root}: sources {a!r} (end-of-document id {x}) and {b!r} ({y}) end documents "
@@ -223,7 +234,9 @@ def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec:
     for name, ds in zip(mixture.names, mixture.datasets):
         own = SamplerSpec(seed=source_seed(spec.seed, name), shuffle=spec.shuffle)
         try:
-            packings.append(packing_of(ds, open_tables(ds), seq_len, packing, window, own))
+            packed = None if pack is None else pack(ds, own)
+            packings.append(packed if packed is not None else packing_of(ds, open_tables(ds), seq_len, packing,
+                                                                         window, own))
         except DatasetError as err:
             raise DatasetError(f"mixture source {name!r}: {err}") from None
     return packings

@@ -56,7 +56,7 @@ from fastio.order.sampler import Sampler, SamplerSpec
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
            "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts", "piece_bounds", "piece_starts",
-           "position_ids", "positions_from", "ramp_to", "segment_ids"]
+           "position_ids", "positions_from", "ramp", "ramp_to", "segment_ids"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
@@ -81,7 +81,8 @@ _SHUFFLES = ("global", "none")
 
 class DocumentTable(Protocol):
     """What the packing needs of a shard: its document count, token count, and where documents start
-    (:class:`fastio.formats.megatron.MegatronIndex` is one)."""
+    (:class:`fastio.formats.megatron.MegatronIndex` is one); a best-fit packing with a ``budget`` also asks each
+    document's weight, ``weights(docs)`` (:class:`fastio.tokens.image_text.SampleCosts`: a sample's images)."""
 
     documents: int
 
@@ -113,7 +114,7 @@ class Spans:
     count: np.ndarray
 
 
-def _ramp(counts: np.ndarray) -> np.ndarray:
+def ramp(counts: np.ndarray) -> np.ndarray:
     """``0..counts[i] - 1`` for each ``i``, concatenated."""
     total = int(counts.sum())
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -312,7 +313,7 @@ class ConcatPacking(_BlockPacking):
         starts, cum, shard = self._stream_table(epoch, t0, t1)
         first = np.searchsorted(cum, t0, "right") - 1
         docs = np.searchsorted(cum, t1 - 1, "right") - first
-        doc = np.repeat(first, docs) + _ramp(docs)
+        doc = np.repeat(first, docs) + ramp(docs)
         at = cum[doc]
         begin = np.maximum(np.repeat(t0, docs), at)
         count = np.minimum(np.repeat(t1, docs), cum[doc + 1]) - begin
@@ -341,7 +342,7 @@ class ConcatPacking(_BlockPacking):
             return table
         lo = np.searchsorted(slot_start, t0, "right") - 1
         per = np.searchsorted(slot_start, t1 - 1, "right") - lo  # slots each range spans
-        slots = np.unique(np.repeat(lo, per) + _ramp(per))
+        slots = np.unique(np.repeat(lo, per) + ramp(per))
         return self._table(epoch, slots, perm, slot_start, cached=True)
 
     def _table(self, epoch: int, slots: np.ndarray, perm: np.ndarray, slot_start: np.ndarray, cached: bool = False
@@ -376,18 +377,26 @@ class BestFitPacking(_BlockPacking):
     2,048, documents of 1..1,999 tokens: 10^6 in 10 shards 0.40 s best-fit, 0.74 s first-fit (3.5 s and 11.7 s
     when every block was packed in full), 10^7 in 8 shards 4.1 s and 7.0 s (35 s and 128 s); 10^6 documents of
     1..299 tokens 0.23 s and 1.0 s (2.7 s and 7.5 s). Most of it is the placing of the short rests, one step a
-    sequence a run of equal rests fills."""
+    sequence a run of equal rests fills.
+
+    With ``budget`` (an image-text packing's ``max_images``), each document also has a weight (``table.weights``)
+    and a sequence holds at most ``budget`` of them: documents (none longer than ``seq_len + 1``: the caller refuses
+    them) are placed by the same rule among the sequences with room for both (:func:`_fit_within`), and each
+    block's sequences are counted by packing it at construction."""
 
     kind = "best-fit"
 
     def __init__(self, tables: Sequence[DocumentTable], seq_len: int, *, seed: int = 0, shuffle: str = "global",
-                 fingerprint: str = "", block_docs: int = 4096, fit: str = "best"):
+                 fingerprint: str = "", block_docs: int = 4096, fit: str = "best", budget: int | None = None):
         if fit not in FITS:
             raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive integer or None, got {budget!r}")
         self.kind = f"{fit}-fit"
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
-        self.fit = fit
-        self._bins = self._counts()
+        self.fit, self.budget = fit, budget
+        self._bins = self._counts() if budget is None else np.array(
+            [len(self._packed(b)) for b in range(self._blk_n.size)], np.int64)
         self.sequences = int(self._bins.sum())
         if not self.sequences:
             raise ValueError("the corpus holds no tokens to pack")
@@ -426,12 +435,25 @@ class BestFitPacking(_BlockPacking):
     def _packed(self, b: int) -> list[list[tuple[int, int]]]:
         """Block ``b``'s sequences: the (size, token offset) of each one's pieces, in placement order."""
         n = int(self._blk_n[b])
-        starts, lengths = self._documents(b, np.arange(n, dtype=np.int64))
+        local = np.arange(n, dtype=np.int64)
+        starts, lengths = self._documents(b, local)
         cap = self.seq_len + 1
+        if self.budget is not None:
+            return self._packed_within(b, local, starts, lengths)
         items = [(min(cap, n_ - off), s + off) for s, n_ in zip(starts.tolist(), lengths.tolist())
                  for off in range(0, n_, cap)]
         items.sort(key=lambda it: (-it[0], it[1]))
         return _best_fit(items, cap) if self.fit == "best" else _first_fit(items, cap)
+
+    def _packed_within(self, b: int, local: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+                       ) -> list[list[tuple[int, int]]]:
+        """:meth:`_packed` with a ``budget``: whole documents (each at most ``seq_len + 1`` long: the caller
+        refuses longer ones) by the same rule, a sequence also holding at most ``budget`` of the documents'
+        weights (``table.weights``: a sample's images); a sequence whose weight is spent takes no more."""
+        first = int(self._blk_first[b])
+        weights = self.tables[int(self._blk_shard[b])].weights(local + first)
+        items = sorted(zip(lengths.tolist(), starts.tolist(), weights.tolist()), key=lambda it: (-it[0], it[1]))
+        return _fit_within(items, self.seq_len + 1, self.budget, self.fit)
 
     def _pack(self, b: int) -> list[list[Piece]]:
         """:meth:`_packed` of block ``b`` as :class:`Piece` lists (cached)."""
@@ -473,7 +495,7 @@ class BestFitPacking(_BlockPacking):
         first = ptr[base + seqs - slot_start[slot]]  # each sequence's first piece in the table
         per = ptr[base + seqs - slot_start[slot] + 1] - first
         row = np.repeat(np.arange(seqs.size, dtype=np.int64), per)
-        piece = np.repeat(first, per) + _ramp(per)
+        piece = np.repeat(first, per) + ramp(per)
         return Spans(row, np.repeat(self._blk_shard[blocks], per), start[piece], count[piece])
 
     def _bin_table(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -537,6 +559,44 @@ def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, in
         bins[k].append((size, start))
         bisect.insort(room, (left - size, k))
     return bins
+
+
+def _fit_within(items: list[tuple[int, int, int]], cap: int, budget: int, fit: str) -> list[list[tuple[int, int]]]:
+    """Each (size, start, weight), in the given order, into a sequence with room for its size and its weight
+    (at most ``budget`` a sequence): the one with the least room that holds it (``fit="best"``; ties: the oldest)
+    or the first opened (``"first"``), else a new one; a sequence whose room or weight is spent leaves the
+    candidates. With weights 0 it places as :func:`_best_fit` and :func:`_first_fit` do (the tests hold them
+    equal)."""
+    bins: list[list[tuple[int, int]]] = []
+    spent: list[int] = []
+    best = fit == "best"
+    candidates: list[tuple[int, int]] = []  # best: (room, sequence) ascending; first: (sequence, room)
+    for size, start, weight in items:
+        at = _candidate(candidates, spent, size, budget - weight, best)
+        if at is None:
+            k, room = len(bins), cap
+            bins.append([])
+            spent.append(0)
+        else:
+            x, y = candidates.pop(at)
+            k, room = (y, x) if best else (x, y)
+        bins[k].append((size, start))
+        spent[k] += weight
+        room -= size
+        if room > 0 and spent[k] < budget:
+            bisect.insort(candidates, (room, k) if best else (k, room))
+    return bins
+
+
+def _candidate(candidates: list[tuple[int, int]], spent: list[int], size: int, left: int, best: bool) -> int | None:
+    """Where in ``candidates`` (of :func:`_fit_within`) the sequence is that takes an item of ``size`` tokens
+    whose weight leaves ``left`` of the budget for what the sequence already holds; None: a new one."""
+    first = bisect.bisect_left(candidates, (size, -1)) if best else 0
+    for i in range(first, len(candidates)):
+        room, k = candidates[i] if best else candidates[i][::-1]
+        if room >= size and spent[k] <= left:
+            return i
+    return None
 
 
 def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from fastio.checkpoint.agree import terms_code
 from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
 from fastio.errors import CheckpointError
@@ -73,32 +74,47 @@ def _rank() -> tuple[int, int]:
 
 
 def _agreed(pg: Any, fn: Any, same: Any = None, what: str = "") -> Any:
-    """``fn()`` on this rank, then every rank's outcome (and its ``same``, ``what`` it saw) gathered over ``pg``,
+    """``fn()`` on this rank, then every rank's outcome (and its ``same``, ``what`` it saw) agreed over ``pg``,
     so that no rank enters the next collective alone: a rank where ``fn`` raised, or whose ``same`` is not rank
     0's, raises its error; the others raise a CheckpointError marked ``elsewhere`` (the first failing rank's,
-    naming it), which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report."""
+    naming it), which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to that rank to report. One all-reduce
+    when every rank succeeded with the same ``same``; the outcomes themselves are gathered only otherwise."""
     mine: BaseException | None = None
     result = None
     try:
         result = fn()
-    except Exception as err:  # noqa: BLE001 - gathered, then raised
+    except Exception as err:  # noqa: BLE001 - agreed, then raised
         mine = err
-    world = _rank()[1]
-    if world > 1:
-        every: list[Any] = [None] * world
-        text = None if mine is None else str(mine) if isinstance(mine, CheckpointError) else first_line(mine)
-        dist.all_gather_object(every, (text, same), group=pg)
-        failed = [(r, t) for r, (t, _) in enumerate(every) if t]
-        failed = failed or [(r, f"ranks see different {what}: rank 0 {every[0][1]}, rank {r} {seen} (a node that "
-                                "sees other files?)") for r, (_, seen) in enumerate(every) if seen != every[0][1]][:1]
-        if failed and mine is None:
-            first, why = failed[0]
-            other = CheckpointError(why if first == _rank()[0] else f"{why} (on rank {first})")
-            other.elsewhere = first != _rank()[0]
-            raise other
+    if _rank()[1] > 1 and _differs(pg, mine is not None, same):
+        _raise_first_failure(pg, mine, same, what)
     if mine is not None:
         raise mine
     return result
+
+
+def _differs(pg: Any, failed: bool, same: Any) -> bool:
+    """Collective: True when some rank's ``failed`` is set or its ``same`` differs from another rank's (one
+    all-reduce of the flag and of a digest of ``same``, as its maximum and minus its minimum)."""
+    code = terms_code({"same": same})
+    t = torch.tensor([int(failed), code, -code], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return bool(t[0]) or int(t[1]) != -int(t[2])
+
+
+def _raise_first_failure(pg: Any, mine: BaseException | None, same: Any, what: str) -> None:
+    """Collective: every rank's outcome gathered; a rank that succeeded raises the first failing rank's error
+    (marked ``elsewhere`` unless it is this rank's: a ``same`` other than rank 0's)."""
+    every: list[Any] = [None] * _rank()[1]
+    text = None if mine is None else str(mine) if isinstance(mine, CheckpointError) else first_line(mine)
+    dist.all_gather_object(every, (text, same), group=pg)
+    failed = [(r, t) for r, (t, _) in enumerate(every) if t]
+    failed = failed or [(r, f"ranks see different {what}: rank 0 {every[0][1]}, rank {r} {seen} (a node that "
+                            "sees other files?)") for r, (_, seen) in enumerate(every) if seen != every[0][1]][:1]
+    if failed and mine is None:
+        first, why = failed[0]
+        other = CheckpointError(why if first == _rank()[0] else f"{why} (on rank {first})")
+        other.elsewhere = first != _rank()[0]
+        raise other
 
 
 def _rank_file(path: Path, rank: int, key: str) -> Path:
