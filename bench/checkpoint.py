@@ -7,9 +7,16 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   before it returns (target <= 1.0); the first save of a new Checkpointer (staging buffers allocated)
   vs ``torch.save``;
 - overhead: steady steps/s with a checkpoint every ``every`` steps vs none, training on every core; and
-  (:mod:`bench.checkpoint_overhead`) training on one torch thread with ``cadence_mib`` of state and a
-  checkpoint every K steps, K x step time >= 4 x the write time (target <= 3%), at every 10 steps
-  (reported), and DCP's ``async_save`` with its process checkpointer at the same K;
+  (:mod:`bench.checkpoint_overhead`) training on one torch thread with ``cadence_mib`` of state, in adjacent
+  windows of K steps (one save at the first step of a saver's window, between two windows without; the median
+  of the ratios over rounds), K from the cadence rule K x step time >= 1x and 4x the write time, for the
+  Checkpointer (target <= 3% at 4x), DCP's ``async_save`` with its process checkpointer and the minimal writer
+  (:class:`bench.checkpoint_peers.MinimalWriter`); targets: fastio's overhead <= the minimal writer's + 2
+  points and <= DCP's, at both cadences; with the seconds the training thread was blocked (save call, wait for
+  an unfinished write) and slowed (its steps over the neighbouring windows');
+- CPU: user and system seconds per GiB written, whole process, steady saves of ``cadence_mib``
+  (:func:`bench.checkpoint_peers.cpu_per_gib`): the Checkpointer with each engine, the minimal writer, and
+  ``dcp.save``/``dcp.async_save`` used directly;
 - resume: process start to the first batch after ``restore_latest`` vs to the first batch of a fresh
   start (target <= 1.5x); both are fresh interpreters, the page cache is warm in both;
 - integrity: seconds per GiB to check a checkpoint's files against their recorded checksums (what
@@ -20,6 +27,9 @@ Medians of ``repeats`` interleaved runs, for a model + Adam state of ``size_mib`
   and Adam moments of a small model trained a few hundred steps; then the Checkpointer on that same state
   with ``compression=None``, ``"zstd"`` and ``"zstd+shuffle"`` (both engines): bytes written, blocking save
   to commit, restore.
+
+Each measurement first waits for a quiet machine (:mod:`bench.quiet`, ``--quiet-wait`` seconds at most); a figure
+measured while other processes kept the cores busy is printed with that note, and its ratios carry it.
 
     python -m bench.checkpoint [--size-mib 1024] [--repeats 3] [--cadence-mib 512]   # writes bench/out/checkpoint.json
 """
@@ -34,15 +44,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from bench.checkpoint_peers import cpu_per_gib
 from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
 from bench.model import build, state_mib, train_step
-from bench.quiet import before_section
+from bench.quiet import MAX_WAIT_S, Quiet, before_section, during, read_sample, readings, wait_quiet
 from fastio import ImageTrain
 
 __all__ = ["run"]
@@ -447,73 +460,124 @@ def measure_checkpointer_compression(work: Path, state: dict[str, torch.Tensor],
 
 
 def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, every: int = 10,
-        cadence_mib: int = 512, results_dir: Path | None = RESULTS_DIR) -> dict:
-    """All the measurements; writes ``checkpoint.json`` under ``results_dir`` (None: nothing written) and returns
-    the JSON-able result (``ratios`` for bench.run's summary)."""
+        cadence_mib: int = 512, results_dir: Path | None = RESULTS_DIR, quiet_wait: float = MAX_WAIT_S) -> dict:
+    """All the measurements, each after a wait of at most ``quiet_wait`` seconds for a quiet machine (what the other
+    processes used before and during it is recorded as its ``quiet`` and printed beside its figure); writes
+    ``checkpoint.json`` under ``results_dir`` (None: nothing written) and returns the JSON-able result (``ratios``
+    for bench.run's summary)."""
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     torch.set_num_threads(cores)
     t0 = time.perf_counter()
-    blocked = measure_blocked(workdir, size_mib, repeats)
-    print(f"blocked: maybe_save {blocked['fastio_median_s']:.3f}s vs torch.save {blocked['torch_save_median_s']:.3f}s"
-          f" = {blocked['ratio']:.3f} (target <= 0.15) for {blocked['state_mib']:.0f} MiB; torch.save + fsync "
-          f"{blocked['torch_save_fsync_median_s']:.3f}s = {blocked['ratio_vs_fsync']:.3f}; DCP async_save "
-          f"{blocked['dcp_async_save_median_s']:.3f}s = {blocked['ratio_vs_dcp_async']:.3f} (target <= 1.0)",
-          flush=True)
-    print(f"first save of a new Checkpointer: {blocked['first_save_s']:.3f}s = {blocked['first_ratio']:.3f} x "
-          "torch.save", flush=True)
-    steady = measure_overhead(workdir, size_mib, repeats, steps, every, threads=cores)
-    print(f"steady, all {cores} cores busy: {steady['step_s_with']:.3f}s/step with a checkpoint every {every} steps"
-          f" vs {steady['step_s_without']:.3f}s/step without = {100 * steady['overhead']:+.1f}%; one background "
-          f"write took {steady['write_s_median'] or 0:.2f}s", flush=True)
-    cadence, every10 = _cadence(workdir, cadence_mib, repeats)
-    ours = cadence["savers"]["fastio"]
+    result = {"size_mib": size_mib, "repeats": repeats, "machine": machine_info()}
+    result["blocked"] = _quietly(quiet_wait, measure_blocked, workdir, size_mib, repeats)
+    _print_blocked(result["blocked"])
+    result["steady"] = _quietly(quiet_wait, measure_overhead, workdir, size_mib, repeats, steps, every, threads=cores)
+    _print_steady(result["steady"], cores)
+    result["cadence"] = _cadence(workdir, cadence_mib, repeats, quiet_wait)
+    result["cpu"] = _quietly(quiet_wait, cpu_per_gib, workdir / "cpu", cadence_mib, max(2, repeats))
+    _print_cpu(result["cpu"])
     torch.set_num_threads(cores)
-    resume = measure_resume(workdir, size_mib, repeats)
-    print(f"resume: first batch {resume['resume_median_s']:.2f}s after start vs fresh {resume['fresh_median_s']:.2f}s"
-          f" = {resume['ratio']:.2f}x (target <= 1.5)", flush=True)
-    integrity = measure_integrity(workdir, size_mib)
-    print(f"integrity: restore checks {integrity['xxh3_s_per_gib']:.3f}s/GiB (xxh3-128, one thread; "
-          f"{integrity['xxh3_four_threads_s_per_gib']:.3f}s/GiB on four) vs sha256 {integrity['sha256_s_per_gib']:.3f}"
-          f"s/GiB (four threads); {100 * integrity['restore_check_share']:.0f}% of a {integrity['restore_s']:.2f}s restore",
-          flush=True)
-    fsdp = measure_fsdp(workdir, size_mib, repeats)
-    m = fsdp["median_s"]
-    print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
-          f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
-          f"{fsdp['restore_ratio']:.2f} (targets <= 1.25)", flush=True)
-    compression = _compression(workdir, repeats)
+    result["resume"] = _quietly(quiet_wait, measure_resume, workdir, size_mib, repeats)
+    _print_resume(result["resume"])
+    result["integrity"] = _quietly(quiet_wait, measure_integrity, workdir, size_mib)
+    _print_integrity(result["integrity"])
+    result["fsdp2"] = _quietly(quiet_wait, measure_fsdp, workdir, size_mib, repeats)
+    _print_fsdp(result["fsdp2"])
+    result["compression"] = _quietly(quiet_wait, _compression, workdir, repeats)
     shutil.rmtree(workdir, ignore_errors=True)
-    result = {
-        "size_mib": size_mib, "repeats": repeats, "machine": machine_info(), "seconds": time.perf_counter() - t0,
-        "blocked": blocked, "steady": steady, "cadence": cadence, "every10": every10, "resume": resume,
-        "integrity": integrity, "fsdp2": fsdp, "compression": compression, "ratios": _ratios(blocked, ours, fsdp,
-                                                                                              resume, cadence)}
+    result["seconds"] = time.perf_counter() - t0
+    result["ratios"] = _ratios(result)
     if results_dir is not None:
         print(f"wrote {write_results('checkpoint', result, results_dir)}")
     return result
 
 
-def _cadence(workdir: Path, cadence_mib: int, repeats: int) -> tuple[dict, dict]:
+def _quietly(quiet_wait: float, measure: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
+    """``measure(*args, **kwargs)`` after waiting for a quiet machine (at most ``quiet_wait`` s), with ``quiet``:
+    what the other processes used of the cores before and during it."""
+    before = wait_quiet(max_wait=quiet_wait)
+    start = read_sample()
+    result = measure(*args, **kwargs)
+    result["quiet"] = {"before": before.as_dict(), "during": during(start, read_sample()).as_dict()}
+    return result
+
+
+def busy_note(*quiets: Any) -> str:
+    """`` [machine busy: ...]`` for beside a figure when any reading in ``quiets`` (see
+    :func:`bench.quiet.readings`) found the machine busy; empty when all were quiet."""
+    found = [Quiet(**q).note() for one in quiets for q in readings(one) if q["busy"]]
+    return f" [{'; '.join(dict.fromkeys(found))}]" if found else ""
+
+
+def _print_blocked(blocked: dict) -> None:
+    print(f"blocked: maybe_save {blocked['fastio_median_s']:.3f}s vs torch.save {blocked['torch_save_median_s']:.3f}s"
+          f" = {blocked['ratio']:.3f} (target <= 0.15) for {blocked['state_mib']:.0f} MiB; torch.save + fsync "
+          f"{blocked['torch_save_fsync_median_s']:.3f}s = {blocked['ratio_vs_fsync']:.3f}; DCP async_save "
+          f"{blocked['dcp_async_save_median_s']:.3f}s = {blocked['ratio_vs_dcp_async']:.3f} (target <= 1.0)"
+          f"{busy_note(blocked['quiet'])}", flush=True)
+    print(f"first save of a new Checkpointer: {blocked['first_save_s']:.3f}s = {blocked['first_ratio']:.3f} x "
+          "torch.save", flush=True)
+
+
+def _print_steady(steady: dict, cores: int) -> None:
+    print(f"steady, all {cores} cores busy: {steady['step_s_with']:.3f}s/step with a checkpoint every "
+          f"{steady['every_steps']} steps vs {steady['step_s_without']:.3f}s/step without = "
+          f"{100 * steady['overhead']:+.1f}%; one background write took {steady['write_s_median'] or 0:.2f}s"
+          f"{busy_note(steady['quiet'])}", flush=True)
+
+
+def _print_cpu(cpu: dict) -> None:
+    for name, row in cpu["savers"].items():
+        print(f"CPU per GiB written, steady, {cpu['gib'] * 1024:.0f} MiB, whole process: {name:<21} "
+              f"{row['user_s_per_gib']:.3f} s user + {row['sys_s_per_gib']:.3f} s sys; read back "
+              f"{row['read_gib_per_gib']:.2f} GiB, wrote {row['written_gib_per_gib']:.2f} GiB{busy_note(cpu['quiet'])}",
+              flush=True)
+
+
+def _print_resume(resume: dict) -> None:
+    print(f"resume: first batch {resume['resume_median_s']:.2f}s after start vs fresh {resume['fresh_median_s']:.2f}s"
+          f" = {resume['ratio']:.2f}x (target <= 1.5){busy_note(resume['quiet'])}", flush=True)
+
+
+def _print_integrity(integrity: dict) -> None:
+    print(f"integrity: restore checks {integrity['xxh3_s_per_gib']:.3f}s/GiB (xxh3-128, one thread; "
+          f"{integrity['xxh3_four_threads_s_per_gib']:.3f}s/GiB on four) vs sha256 {integrity['sha256_s_per_gib']:.3f}"
+          f"s/GiB (four threads); {100 * integrity['restore_check_share']:.0f}% of a {integrity['restore_s']:.2f}s "
+          f"restore{busy_note(integrity['quiet'])}", flush=True)
+
+
+def _print_fsdp(fsdp: dict) -> None:
+    m = fsdp["median_s"]
+    print(f"fsdp2, 2 gloo ranks: save to commit {m['fastio_save']:.3f}s vs dcp.save {m['dcp_save']:.3f}s = "
+          f"{fsdp['save_ratio']:.2f}; restore {m['fastio_restore']:.3f}s vs dcp.load {m['dcp_load']:.3f}s = "
+          f"{fsdp['restore_ratio']:.2f} (targets <= 1.25){busy_note(fsdp['quiet'])}", flush=True)
+
+
+CADENCE_SAVERS = ("fastio", "dcp_process", "minimal")
+"""The cadence rows' savers: the Checkpointer, DCP's ``async_save`` (process checkpointer), the minimal writer."""
+
+
+def _cadence(workdir: Path, cadence_mib: int, repeats: int, quiet_wait: float) -> dict:
     """The cadence rows (printed as measured): on a GPU node the host cores mostly wait on the device; training on
-    one torch thread is the CPU-only stand-in for that (the writer gets the other core). K from the cadence rule:
-    K x step >= 4 x write; and a checkpoint every 10 steps."""
+    one torch thread is the CPU-only stand-in for that (the writer gets the other core). Adjacent windows of K
+    steps, K from the cadence rule K x step >= factor x write, at 1x (the writer always busy) and 4x; each round
+    waits for a quiet machine."""
     from bench.checkpoint_overhead import measure as measure_cadence
 
-    # fastio:streams=16: torchsnapshot's own write concurrency, the A/B for WRITE_STREAMS (docs/performance.md)
-    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, ("fastio", "fastio:streams=16", "dcp_process"))
-    every10 = measure_cadence(workdir / "every10", cadence_mib, repeats, ("fastio",), every=10)
-    ours, dcp_proc = cadence["savers"]["fastio"], cadence["savers"]["dcp_process"]
-    print(f"cadence, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
-          f"{cadence['write_s']:.2f}s -> a checkpoint every {cadence['every']} steps: overhead "
-          f"{100 * ours['overhead']:+.1f}% (target <= 3%), DCP async_save (process) {100 * dcp_proc['overhead']:+.1f}%"
-          f" (its write {dcp_proc['write_s'] or 0:.2f}s); 16 write streams "
-          f"{100 * cadence['savers']['fastio:streams=16']['overhead']:+.1f}%; every 10 steps "
-          f"{100 * every10['savers']['fastio']['overhead']:+.1f}%",
-          flush=True)
-    return cadence, every10
+    cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, CADENCE_SAVERS, factors=(1.0, 4.0),
+                              quiet_wait=quiet_wait)
+    for name, c in cadence["cadences"].items():
+        rows = c["savers"]
+        print(f"cadence {name}, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
+              f"{cadence['write_s']:.2f}s -> a checkpoint every {c['every']} steps, adjacent windows, median of "
+              f"{cadence['rounds']}: " + "; ".join(
+                  f"{n} {100 * r['overhead']:+.1f}% (blocked {r['blocked_per_save_s']:.3f}s, steps slowed "
+                  f"{r['slowed_per_save_s']:+.3f}s per save)" for n, r in rows.items()) + busy_note(c["quiet"]),
+              flush=True)
+    return cadence
 
 
 def _compression(workdir: Path, repeats: int) -> dict:
@@ -531,17 +595,27 @@ def _compression(workdir: Path, repeats: int) -> dict:
     return compression
 
 
-def _ratios(blocked: dict, ours: dict, fsdp: dict, resume: dict, cadence: dict) -> list[dict]:
-    """The section's ratios against their targets (bench.run's summary)."""
-    return [
-        {"name": "maybe_save blocked / torch.save", "value": blocked["ratio"], "target": 0.15, "better": "lower"},
-        {"name": "maybe_save blocked / DCP async_save", "value": blocked["ratio_vs_dcp_async"], "target": 1.0,
-         "better": "lower"},
-        {"name": f"overhead, one torch thread, a checkpoint every {cadence['every']} steps (fraction)",
-         "value": ours["overhead"], "target": 0.03, "better": "lower"},
-        {"name": "fsdp2 save to commit / dcp.save", "value": fsdp["save_ratio"], "target": 1.25, "better": "lower"},
-        {"name": "fsdp2 restore / dcp.load", "value": fsdp["restore_ratio"], "target": 1.25, "better": "lower"},
-        {"name": "first batch: resume / fresh start", "value": resume["ratio"], "target": 1.5, "better": "lower"},
+def _ratios(result: dict) -> list[dict]:
+    """The section's ratios against their targets (bench.run's summary), each with the ``quiet`` of what it was
+    measured in."""
+    blocked, fsdp, resume = result["blocked"], result["fsdp2"], result["resume"]
+
+    def row(name: str, value: float, target: float, quiet: Any) -> dict:
+        return {"name": name, "value": value, "target": target, "better": "lower", "quiet": quiet}
+
+    rows = [row("maybe_save blocked / torch.save", blocked["ratio"], 0.15, blocked["quiet"]),
+            row("maybe_save blocked / DCP async_save", blocked["ratio_vs_dcp_async"], 1.0, blocked["quiet"])]
+    for name, c in result["cadence"]["cadences"].items():
+        ours, dcp, minimal = (c["savers"][n]["overhead"] for n in CADENCE_SAVERS)
+        where = f"one torch thread, a checkpoint every {c['every']} steps ({name} its write)"
+        if c["factor"] >= 4:
+            rows.append(row(f"overhead, {where} (fraction)", ours, 0.03, c["quiet"]))
+        rows += [row(f"overhead - the minimal writer's, {where}", ours - minimal, 0.02, c["quiet"]),
+                 row(f"overhead - DCP async_save's, {where}", ours - dcp, 0.0, c["quiet"])]
+    return rows + [
+        row("fsdp2 save to commit / dcp.save", fsdp["save_ratio"], 1.25, fsdp["quiet"]),
+        row("fsdp2 restore / dcp.load", fsdp["restore_ratio"], 1.25, fsdp["quiet"]),
+        row("first batch: resume / fresh start", resume["ratio"], 1.5, resume["quiet"]),
     ]
 
 
@@ -566,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     before_section(args.quiet_wait)
     run(args.workdir, repeats=args.repeats, size_mib=args.size_mib, steps=args.steps, every=args.every,
-        cadence_mib=args.cadence_mib, results_dir=args.out)
+        cadence_mib=args.cadence_mib, results_dir=args.out, quiet_wait=args.quiet_wait)
     return 0
 
 

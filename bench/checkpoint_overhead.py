@@ -1,20 +1,25 @@
 """Checkpoint overhead as a user sees it: training on one torch thread, a checkpoint every K steps.
 
-The cadence rule (from the issue): K is the smallest number of steps with K x step time >= 4 x the
-background write time, both measured here first, so the writer is idle three quarters of the time and
-only what the write takes from the training loop shows. Savers are compared in paired, interleaved
-rounds against rounds without checkpoints (the machine may be busy: a ratio is taken per round against
-the neighbouring round without, and the median of those ratios is reported). Each round also records
-the training thread's CPU time and its run-queue wait (``/proc/self/task/TID/schedstat``): extra wait
-means the writer (or the kernel working for it) took the training thread's core, extra CPU means the
-training thread itself ran slower (memory bandwidth, caches).
+The cadence rule (from the issue): K is the smallest number of steps with K x step time >= ``factor`` x the
+background write time, both measured here first: at 4x the writer is idle three quarters of the time, at 1x it is
+always busy. Savers are measured in adjacent windows of K steps: a window without saves, a window with one save
+at its first step (and the wait for that write, if it is not done by the window's end), a window without, the
+next saver's window, ... (savers in a rotating order). Each saver's ratio is its window's time over the mean of
+the two windows beside it, so slow drifts of the host cancel; the median over rounds is reported. Each window
+also records the training thread's CPU time and its run-queue wait (``/proc/self/task/TID/schedstat``: extra wait
+means the writer, or the kernel working for it, took the training thread's core; extra CPU, that the training
+thread itself ran slower), and what blocked it directly, measured with ``perf_counter``: the save call, the wait
+for an unfinished write at the window's end, and the steps' excess over the neighbouring windows' median step.
+Before each round it waits for a quiet machine (:mod:`bench.quiet`, ``quiet_wait`` seconds at most) and records
+what the other processes used during it.
 
-Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants, and
-``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
-``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used directly; waits for the previous save
-before the next, as the Checkpointer does).
+Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants (CheckpointConfig
+options, and ``streams``), ``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
+``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used directly; waits for the previous save before the
+next, as the Checkpointer does) and ``minimal`` (:class:`bench.checkpoint_peers.MinimalWriter`: stage, then hash,
+one file, fsync, rename).
 
-    python -m bench.checkpoint_overhead [--size-mib 512] [--rounds 3] [--saver fastio --saver dcp_process]
+    python -m bench.checkpoint_overhead [--size-mib 512] [--rounds 3] [--factor 1 --factor 4] [--saver minimal]
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +41,7 @@ import torch
 
 from bench.model import build, state_mib, train_step
 
-__all__ = ["cadence", "measure"]
+__all__ = ["SAVERS", "Window", "cadence", "compare", "measure", "window"]
 
 
 def cadence(step_s: float, write_s: float, factor: float = 4.0) -> int:
@@ -65,6 +72,10 @@ class _Fastio:
 
         torchsnapshot_engine.WRITE_STREAMS = self.streams
         self.ckpt.save(step, self.app)
+
+    def busy(self) -> bool:
+        thread = self.ckpt._thread  # the Checkpointer's writer thread (a bench may look)
+        return thread is not None and thread.is_alive()
 
     def finish(self) -> None:
         self.ckpt.wait()
@@ -100,14 +111,25 @@ class _DcpProcess:
         self.n += 1
         self.started = time.perf_counter()
         sd = {"model": self.app["model"].state_dict(), "optim": self.app["optim"].state_dict()}
-        self.pending = dcp.async_save(sd, checkpoint_id=str(self.root / str(self.n % 2)),
+        self.pending = dcp.async_save(sd, checkpoint_id=str(self.root / str(self.n)),
                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 
+    def _future(self) -> Any:
+        fut = self.pending
+        return fut.upload_completion if hasattr(fut, "upload_completion") else fut
+
+    def busy(self) -> bool:
+        return self.pending is not None and not self._future().done()
+
     def finish(self) -> None:
+        """Wait for the write in flight; then the checkpoint before it goes (keep=1, as the Checkpointer), removed
+        on a thread of its own: each save writes new files, as the Checkpointer's do."""
         if self.pending is not None:
-            fut, self.pending = self.pending, None
-            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            self._future().result()
+            self.pending = None
             self.writes.append(time.perf_counter() - self.started)
+            old = self.root / str(self.n - 1)
+            threading.Thread(target=shutil.rmtree, args=(old,), kwargs={"ignore_errors": True}, daemon=True).start()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -117,16 +139,142 @@ class _DcpProcess:
             dist.destroy_process_group()
 
 
+class _Minimal:
+    """:class:`bench.checkpoint_peers.MinimalWriter` over the app's state_dicts."""
+
+    def __init__(self, root: Path, app: dict, options: dict[str, Any]):
+        from bench.checkpoint_peers import MinimalWriter
+
+        self.writer, self.app = MinimalWriter(root / "state.bin"), app
+        self.writes = self.writer.writes
+
+    def save(self, step: int) -> None:
+        self.writer.save({k: v.state_dict() for k, v in self.app.items()})
+
+    def busy(self) -> bool:
+        return self.writer.busy()
+
+    def finish(self) -> None:
+        self.writer.wait()
+
+    def close(self) -> None:
+        self.writer.wait()
+
+
+SAVERS = {"fastio": _Fastio, "dcp_process": _DcpProcess, "minimal": _Minimal}
+"""Saver kinds by name (``fastio:KEY=JSON,...`` passes options to the kind)."""
+
+
 def _saver(name: str, root: Path, app: dict) -> Any:
     kind, _, rest = name.partition(":")
+    if kind not in SAVERS:
+        raise ValueError(f"unknown saver {name!r} (kinds: {', '.join(SAVERS)})")
     options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in rest.split(",") if kv)}
-    return {"fastio": _Fastio, "dcp_process": _DcpProcess}[kind](root / name.replace(":", "_"), app, options)
+    return SAVERS[kind](root / name.replace(":", "_"), app, options)
+
+
+@dataclass
+class Window:
+    """One window of training steps: its ``wall`` time, the training thread's ``cpu`` and run-queue ``wait``,
+    the seconds in save calls (``save_s``) and waiting for an unfinished write at its end (``finish_s``), and
+    each step's time (``steps``, save calls excluded)."""
+
+    wall: float
+    cpu: float
+    wait: float
+    save_s: float
+    finish_s: float
+    steps: list[float]
+
+
+def window(model: Any, optim: Any, steps: int, saver: Any = None, every: int = 0, step_no: list[int] | None = None,
+           step: Any = train_step) -> Window:
+    """``steps`` training steps; with a ``saver``, a save after the first step and after every ``every``-th after
+    it, and a wait for the last write at the end (an unfinished write counts in the window)."""
+    times, save_s, finish_s = [], 0.0, 0.0
+    t, (c, w) = time.perf_counter(), _schedstat()
+    for i in range(steps):
+        s = time.perf_counter()
+        step(model, optim)
+        times.append(time.perf_counter() - s)
+        if saver is not None and i % max(every, 1) == 0:
+            if step_no is not None:
+                step_no[0] += 1
+            s = time.perf_counter()
+            saver.save(step_no[0] if step_no is not None else i + 1)
+            save_s += time.perf_counter() - s
+    if saver is not None:
+        s = time.perf_counter()
+        saver.finish()
+        finish_s = time.perf_counter() - s
+    c1, w1 = _schedstat()
+    return Window(time.perf_counter() - t, c1 - c, w1 - w, save_s, finish_s, times)
+
+
+def compare(with_save: Window, before: Window, after: Window) -> dict[str, float]:
+    """A saver's window against the mean of the windows without saves on either side of it: ``ratio`` of the
+    wall times, the extra ``cpu`` and run-queue ``wait`` of the training thread, ``blocked`` (save calls plus
+    the wait at the end) and ``slowed`` (the steps' time over that many steps at the neighbours' median step)."""
+    base_wall, base_cpu, base_wait = ((getattr(before, f) + getattr(after, f)) / 2 for f in ("wall", "cpu", "wait"))
+    step = statistics.median(before.steps + after.steps)
+    off_cpu = with_save.wall - with_save.cpu - with_save.wait - (base_wall - base_cpu - base_wait)
+    return {"ratio": with_save.wall / base_wall, "cpu": with_save.cpu - base_cpu, "wait": with_save.wait - base_wait,
+            "off_cpu": off_cpu, "blocked": with_save.save_s + with_save.finish_s, "save_call": with_save.save_s,
+            "finish": with_save.finish_s, "slowed": sum(with_save.steps) - step * len(with_save.steps)}
+
+
+def _calibrate(model: Any, optim: Any, first: Any) -> tuple[float, float]:
+    """The step time without saves, and ``first``'s background write time while training (median of two)."""
+    t = time.perf_counter()
+    for _ in range(5):
+        train_step(model, optim)
+    step_s = (time.perf_counter() - t) / 5
+    for i in range(2):
+        first.save(i + 1)
+        while first.busy():
+            train_step(model, optim)
+        first.finish()
+    return step_s, statistics.median(first.writes[-2:])
+
+
+def _rounds(model: Any, optim: Any, objs: dict[str, Any], k: int, rounds: int, saves: int,
+            quiet_wait: float) -> dict:
+    """Adjacent windows of ``k * saves`` steps, savers in a rotating order; per saver the :func:`compare` rows,
+    and per round what the other processes used of the cores before and during it."""
+    from bench.quiet import during, read_sample, wait_quiet
+
+    names, rows, quiet, step_no = list(objs), {n: [] for n in objs}, [], [1000]
+    for r in range(rounds):
+        before = wait_quiet(max_wait=quiet_wait)
+        start = read_sample()
+        prev = window(model, optim, k * saves)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            ours = window(model, optim, k * saves, objs[name], k, step_no)
+            nxt = window(model, optim, k * saves)
+            rows[name].append(compare(ours, prev, nxt))
+            prev = nxt
+        quiet.append({"before": before.as_dict(), "during": during(start, read_sample()).as_dict()})
+    return {"rows": rows, "quiet": quiet}
+
+
+def _summary(rows: list[dict[str, float]], saves: int, writes: list[float]) -> dict:
+    """A saver's figures over the rounds: the median ratio - 1 as ``overhead``, and per save the medians of the
+    blocked and slowed seconds and of the training thread's extra CPU and run-queue wait."""
+    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    return {"overhead": med["ratio"] - 1.0, "ratios": [r["ratio"] for r in rows],
+            "write_s": statistics.median(writes) if writes else None,
+            "blocked_per_save_s": med["blocked"] / saves, "save_call_s": med["save_call"] / saves,
+            "finish_wait_s": med["finish"], "slowed_per_save_s": med["slowed"] / saves,
+            "extra_cpu_per_save_s": med["cpu"] / saves, "extra_wait_per_save_s": med["wait"] / saves,
+            "off_cpu_per_save_s": med["off_cpu"] / saves}
 
 
 def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str, ...] = ("fastio",),
-            saves_per_round: int = 1, every: int | None = None, factor: float = 4.0) -> dict:
-    """Per saver: the median over paired rounds of (round time with checkpoints / round time without) - 1,
-    with K from the cadence rule (or ``every``), training on one torch thread."""
+            saves_per_round: int = 1, every: int | None = None, factors: tuple[float, ...] = (4.0,),
+            quiet_wait: float = 0.0) -> dict:
+    """Per cadence (``factors``: K x step >= factor x write, or K = ``every``) and saver: the median over rounds of
+    (window with saves / its neighbours without) - 1 and what blocked the training thread, on one torch thread.
+    ``savers[0]``'s write time sets K for all."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     threads = torch.get_num_threads()
@@ -137,58 +285,21 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
         for _ in range(3):
             train_step(model, optim)
         objs = {name: _saver(name, work, app) for name in savers}
-        # calibration: step time without saves, then the first saver's background write time while training
-        t = time.perf_counter()
-        for _ in range(5):
-            train_step(model, optim)
-        step_s = (time.perf_counter() - t) / 5
-        first = objs[savers[0]]
         for obj in objs.values():  # warm every saver: buffers, files, the DCP process
             obj.save(0)
             obj.finish()
-        for i in range(2):
-            first.save(i + 1)
-            while (first.ckpt._thread.is_alive() if isinstance(first, _Fastio) else not first.pending.done()):
-                train_step(model, optim)
-            first.finish()
-        write_s = statistics.median(first.writes[-2:])
-        k = every or cadence(step_s, write_s, factor)
-        steps = k * saves_per_round
-        base = [1000]
-
-        def run(obj: Any) -> tuple[float, float, float]:
-            t, (c, w) = time.perf_counter(), _schedstat()
-            for i in range(steps):
-                train_step(model, optim)
-                if obj is not None and i % k == k // 2:
-                    base[0] += 1
-                    obj.save(base[0])
-            if obj is not None:
-                obj.finish()  # by the rule the write is long done; an unfinished one counts here
-            c1, w1 = _schedstat()
-            return time.perf_counter() - t, c1 - c, w1 - w
-
-        rows: dict[str, dict[str, list[float]]] = {n: {"ratio": [], "cpu": [], "wait": []} for n in savers}
-        without: list[tuple[float, float, float]] = []
-        for _ in range(rounds):
-            for name in savers:
-                base_run = run(None)
-                without.append(base_run)
-                ours = run(objs[name])
-                rows[name]["ratio"].append(ours[0] / base_run[0])
-                rows[name]["cpu"].append((ours[1] - base_run[1]) / saves_per_round)
-                rows[name]["wait"].append((ours[2] - base_run[2]) / saves_per_round)
-        out = {"size_mib": round(state_mib(model, optim)), "step_s": step_s, "write_s": write_s, "every": k,
-               "factor": factor, "rounds": rounds, "saves_per_round": saves_per_round,
-               "without_round_s": [w for w, _, _ in without], "savers": {}}
-        for name, obj in objs.items():
-            r = rows[name]
-            out["savers"][name] = {
-                "overhead": statistics.median(r["ratio"]) - 1.0, "ratios": r["ratio"],
-                "write_s": statistics.median(obj.writes) if obj.writes else None,
-                "extra_cpu_per_save_s": statistics.median(r["cpu"]), "extra_wait_per_save_s": statistics.median(r["wait"]),
-                "lost_per_save_s": (statistics.median(r["ratio"]) - 1.0) * statistics.median(w for w, _, _ in without)
-                / saves_per_round}
+        step_s, write_s = _calibrate(model, optim, objs[savers[0]])
+        out = {"size_mib": round(state_mib(model, optim)), "step_s": step_s, "write_s": write_s, "rounds": rounds,
+               "saves_per_round": saves_per_round, "cadences": {}}
+        for factor in factors:
+            k = every or cadence(step_s, write_s, factor)
+            for obj in objs.values():
+                obj.writes.clear()
+            got = _rounds(model, optim, objs, k, rounds, saves_per_round, quiet_wait)
+            out["cadences"][f"{factor:g}x"] = {
+                "factor": factor, "every": k, "quiet": got["quiet"],
+                "savers": {n: _summary(got["rows"][n], saves_per_round, objs[n].writes) for n in savers}}
+        for obj in objs.values():
             obj.close()
         return out
     finally:
@@ -197,20 +308,25 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m bench.checkpoint_overhead``."""
+    from bench.quiet import add_wait_option
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--saves-per-round", type=int, default=1)
+    p.add_argument("--saves-per-round", type=int, default=1, help="saves in a saver's window, K steps apart")
     p.add_argument("--every", type=int, default=None, help="fixed K instead of the cadence rule")
-    p.add_argument("--saver", action="append", default=None, help="fastio, fastio:KEY=JSON,..., dcp_process")
+    p.add_argument("--factor", type=float, action="append", default=None,
+                   help="cadence: K x step >= FACTOR x write (repeatable; default 4)")
+    p.add_argument("--saver", action="append", default=None, help="fastio, fastio:KEY=JSON,..., dcp_process, minimal")
     p.add_argument("--workdir", type=Path, default=Path(__file__).resolve().parent / "work" / "overhead")
+    add_wait_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     res = measure(args.workdir, args.size_mib, args.rounds, tuple(args.saver or ["fastio"]), args.saves_per_round,
-                  args.every)
+                  args.every, tuple(args.factor or [4.0]), args.quiet_wait)
     shutil.rmtree(args.workdir, ignore_errors=True)
     print(json.dumps(res, indent=1))
     return 0

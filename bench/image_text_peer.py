@@ -39,15 +39,15 @@ class Packing:
 
 def best_fit(lengths: list[int], images: list[int], cap: int, max_images: int) -> list[list[int]]:
     """Best-fit decreasing in plain Python: each sample, longest first (ties: the earlier), into the fullest row
-    it fits (``cap`` tokens, ``max_images`` images; ties: the earlier row; a row whose images are spent takes no
-    more), else a new row; the rows' samples in placement order."""
+    it fits (``cap`` tokens, ``max_images`` images; ties: the earlier row; a row whose images are spent still takes
+    image-less samples), else a new row; the rows' samples in placement order."""
     rows: list[list[int]] = []
     room: list[int] = []
     left: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         best = -1
         for r in range(len(rows)):
-            if lengths[i] <= room[r] and left[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
+            if lengths[i] <= room[r] and images[i] <= left[r] and (best < 0 or room[r] < room[best]):
                 best = r
         if best < 0:
             rows.append([])

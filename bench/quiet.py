@@ -19,9 +19,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["MAX_WAIT_S", "QUIET_FOR_S", "THRESHOLD", "Quiet", "Sample", "add_wait_option", "before_section", "during",
-           "others_cores", "parse_proc_stat", "read_sample", "tree_ticks", "wait_quiet"]
+           "others_cores", "parse_proc_stat", "read_sample", "readings", "tree_ticks", "wait_quiet"]
 
 THRESHOLD = 0.25   # cores the other processes may use on a quiet machine
 QUIET_FOR_S = 3.0  # for this long
@@ -155,6 +156,18 @@ def wait_quiet(threshold: float = THRESHOLD, quiet_for: float = QUIET_FOR_S, max
             return Quiet(False, others_cores(calm, now), now.cores, load(), waited)
         if waited >= max_wait:  # busy if any interval was; quiet where max_wait < quiet_for and none was
             return Quiet(calm is not first, others_cores(recent[0], now), now.cores, load(), waited)
+
+
+def readings(quiet: Any) -> list[dict]:
+    """Every :class:`Quiet` (as its dict) in ``quiet``: one such dict, a dict of them (``{"before": ...,
+    "during": ...}``), or a list of either (one per round); None gives none."""
+    if not quiet:
+        return []
+    if isinstance(quiet, list):
+        return [q for one in quiet for q in readings(one)]
+    if "busy" in quiet:
+        return [quiet]
+    return [q for one in quiet.values() for q in readings(one)]
 
 
 def add_wait_option(parser: argparse.ArgumentParser) -> None:

@@ -211,12 +211,16 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mib", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--size-mib", type=int, default=256, help="the model's state, MiB")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (fastio and dcp.load, order alternating)")
     ap.add_argument("--out", type=Path, default=None, help="also write the rounds and medians here as JSON")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     result = probe(args.size_mib, args.rounds)
     for name in ("fastio", "dcp"):
         r = result[name]

@@ -1,6 +1,7 @@
 """`make bench`: every section in one run, each comparing fastio with its peer; ratios, JSON and a plot.
 
 Usage: python -m bench.run [--only SECTION,...] [--repeats N] [--out DIR] [--quiet-wait SECONDS] [--tiny]
+                           [--checkpoint-mib MIB]
 Writes bench/out/ (not tracked by git; --out DIR elsewhere): each section's SECTION.json (written by the section
 as it ends), summary.json (this run's sections, plus the last results of sections not run this time, each with
 its start time and what the other processes used of the cores before and during it) and summary.png.
@@ -24,7 +25,7 @@ import traceback
 from pathlib import Path
 
 from bench.common import met, section_parser, verdict
-from bench.quiet import before_section, during, read_sample
+from bench.quiet import before_section, during, read_sample, readings
 from fastio.storage.atomic import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -61,7 +62,8 @@ def plot(summary: dict, path: Path) -> None:
     values = [max(r["value"], 1e-3) for _, r in rows]  # a log axis: a ratio of 0 is drawn at 0.001
     busy = {sec for sec, res in summary["sections"].items()
             if any(q and q["busy"] for q in res.get("machine_quiet", {}).values())}
-    colors = ["tab:gray" if sec in busy else "tab:green" if met(r) else "tab:red" for sec, r in rows]
+    colors = ["tab:gray" if sec in busy or any(q["busy"] for q in readings(r.get("quiet")))
+              else "tab:green" if met(r) else "tab:red" for sec, r in rows]
     y = range(len(rows))
     # Bars grow from 1 (parity) on a log axis, so 0.16 and 31x are both visible and symmetric about parity.
     ax.set_xscale("log")
@@ -93,7 +95,21 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated sections to run, of: {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--tiny", action="store_true",
                    help="sections that have a smallest size (image_text) run at it: checks that they run")
+    p.add_argument("--checkpoint-mib", type=int, default=None, metavar="MIB",
+                   help="the checkpoint section's state size (MiB; default its own: 1024, and 512 for the cadence "
+                        "and CPU rows); a small one makes a quick run")
     return p
+
+
+def section_options(module: object, args: argparse.Namespace) -> dict:
+    """The options beyond ``repeats`` and ``results_dir`` that section ``module``'s ``run`` accepts: ``quiet_wait``
+    (a section that waits before each of its measurements), ``tiny`` when asked for, and, for the checkpoint
+    section, its state size."""
+    accepted = inspect.signature(module.run).parameters
+    options = {"quiet_wait": args.quiet_wait, **({"tiny": True} if args.tiny else {})}
+    if args.checkpoint_mib is not None and module.__name__ == "bench.checkpoint":
+        options.update(size_mib=args.checkpoint_mib, cadence_mib=args.checkpoint_mib)
+    return {k: v for k, v in options.items() if k in accepted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +147,7 @@ def _run_section(name: str, args: argparse.Namespace, summary: dict) -> bool:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     start = read_sample()
     try:
-        tiny = {"tiny": True} if args.tiny and "tiny" in inspect.signature(module.run).parameters else {}
-        result = module.run(WORK / name, repeats=args.repeats, results_dir=args.out, **tiny)
+        result = module.run(WORK / name, repeats=args.repeats, results_dir=args.out, **section_options(module, args))
     except Exception:
         traceback.print_exc()
         return False
@@ -150,8 +165,9 @@ def summary_lines(summary: dict) -> str:
         quiet = result.get("machine_quiet", {})
         for r in result.get("ratios", []):
             sign = ">=" if r["better"] == "higher" else "<="
+            conditions = (quiet.get("before"), quiet.get("during"), *readings(r.get("quiet")))
             lines.append(f"{name:>10}  {r['name']:<48} {r['value']:7.3f}   target {sign} {r['target']:<5} "
-                         f"{verdict(r, quiet.get('before'), quiet.get('during'))} {when}")
+                         f"{verdict(r, *conditions)} {when}")
     return "\n".join(lines)
 
 

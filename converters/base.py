@@ -1,8 +1,9 @@
 """What every converter returns: cheap, picklable sample records and a scan result.
 
-A converter turns a source into :class:`Entry` records. A field value is either the bytes
-themselves (table text, parquet cells) or a :class:`FileRef` naming a file that the conversion's
-worker processes read. Converters never read image files, write tars, hash or know shard sizes.
+A converter turns a source into :class:`Entry` records. A field value is the bytes themselves (table text,
+parquet cells), a :class:`FileRef` naming a file, or a :class:`UrlRef` naming an object (an image-text line's
+image at an ``s3://`` URL), which the conversion's worker processes read. Converters never read image files,
+write tars, hash or know shard sizes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "ScanOptions",
     "ScanResult",
     "Skip",
+    "UrlRef",
     "image_field_for_suffix",
     "main_image_field",
     "rel",
@@ -43,7 +45,16 @@ class FileRef:
     path: str
 
 
-FieldValue = Union[bytes, FileRef]  # noqa: UP007 (a runtime alias: `|` needs Python 3.10 classes)
+@dataclass(frozen=True)
+class UrlRef:
+    """A field whose bytes are the object at ``url`` (``s3://bucket/key``, ``size`` bytes when the scan asked), read
+    by the conversion's worker process that checks it (:mod:`fastio.convert.objects`)."""
+
+    url: str
+    size: int
+
+
+FieldValue = Union[bytes, FileRef, UrlRef]  # noqa: UP007 (a runtime alias: `|` needs Python 3.10 classes)
 
 
 @dataclass(frozen=True)

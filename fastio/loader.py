@@ -301,11 +301,12 @@ class Loader:
         self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
+        units = source.units
         if cfg.batch_size > n:
-            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} samples)")
+            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} {units})")
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
-                               f"dataset ({n} samples) and drop_last leaves no batch")
+                               f"dataset ({n} {units}) and drop_last leaves no batch")
 
     def _place_device(self) -> None:
         """The device the Loader decodes on (and torch's device of its batches)."""

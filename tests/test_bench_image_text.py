@@ -52,7 +52,8 @@ def _epoch(loader) -> list[list[tuple]]:
 
 def test_best_fit_fills_the_fullest_row_and_keeps_the_image_budget():
     rows = best_fit([6, 5, 4, 3, 2, 1], [0, 1, 1, 1, 0, 0], cap=10, max_images=2)
-    assert rows == [[0, 2], [1, 3], [4, 5]]  # 4 beside 6 (the fullest); 2 fits beside 5+3 but their images are spent
+    assert rows == [[0, 2], [1, 3, 4], [5]]  # 4 beside 6 (the fullest); 2 (no image) beside 5+3, whose images are spent
+    assert best_fit([5, 5], [1, 1], cap=10, max_images=1) == [[0], [1]]  # the budget binds
     assert best_fit([3, 3, 3], [0, 0, 0], cap=9, max_images=1) == [[0, 1, 2]]
 
 

@@ -31,10 +31,10 @@ KILLED_IN_START_TMP = """
 
     real = fastio.storage.atomic.publish
 
-    def publish(tmp, final):  # the writer's mark written to its temporary name, then killed before the rename
+    def publish(tmp, final, **how):  # the writer's mark written to its temporary name, then killed before the rename
         if final.name == "fastio-writing.json":
             os._exit(9)
-        real(tmp, final)
+        real(tmp, final, **how)
 
     fastio.storage.atomic.publish = publish
     Checkpointer(sys.argv[1], signals=()).save(30, {"model": StateHolder({"w": torch.ones(4)})}, blocking=True)

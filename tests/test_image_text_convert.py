@@ -50,19 +50,27 @@ def converted(tmp_path_factory):
     return src, root / "ds", result
 
 
+def assert_sample_is_its_line(sample: dict[str, bytes], src: dict, hf) -> None:
+    """The stored sample (keyed by its line) holds its line's transformers tokens and mask and its images."""
+    row = src["rows"][int(sample["__key__"])]
+    image_id = hf.convert_tokens_to_ids("<image>")
+    ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+    want_ids, want_mask = hf_ids_and_mask(hf, CHATML, row["messages"])
+    assert ids.tolist() == want_ids and mask.astype(int).tolist() == want_mask
+    assert mask.any() and not mask[ids == image_id].any()
+    assert int(np.count_nonzero(ids == image_id)) == len(row["images"])
+    assert _images(sample) == [(src["source"].parent / p).read_bytes() for p in row["images"]]
+
+
 def test_each_sample_holds_transformers_tokens_and_mask_and_its_images_byte_equal(converted):
     src, dest, result = converted
     hf = hf_tokenizer(src["tokenizer"], src["config"])
     image_id = hf.convert_tokens_to_ids("<image>")
     stored = stored_image_text(dest)
     assert len(stored) == len(src["rows"]) == result.samples and result.shards == 3
-    for row, sample in zip(src["rows"], stored):
-        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
-        want_ids, want_mask = hf_ids_and_mask(hf, CHATML, row["messages"])
-        assert ids.tolist() == want_ids and mask.astype(int).tolist() == want_mask
-        assert mask.any() and not mask[ids == image_id].any()
-        assert int(np.count_nonzero(ids == image_id)) == len(row["images"])
-        assert _images(sample) == [(src["source"].parent / p).read_bytes() for p in row["images"]]
+    assert [s["__key__"] for s in stored] == [f"{i:08d}" for i in range(len(src["rows"]))]
+    for sample in stored:
+        assert_sample_is_its_line(sample, src, hf)
     options = load_manifest(dest).convert_options["image_text"]
     assert options["image_token"] == "<image>" and options["image_token_id"] == image_id
 
@@ -133,11 +141,66 @@ def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(t
     assert not (tmp_path / "ds").exists()
 
 
-def test_split_and_shuffle_are_refused_naming_the_source(tmp_path):
-    src = image_text_source(tmp_path, n=2)
-    for option in ({"split": "val=0.5"}, {"shuffle": True}):
-        with pytest.raises(ConvertError, match="vlm.jsonl: split and shuffle are not options of an image-text"):
-            _convert(src, tmp_path / "ds", **option)
+def _keys(dest: Path) -> list[str]:
+    return [s["__key__"] for s in stored_image_text(dest)]
+
+
+def test_split_writes_each_line_once_into_datasets_of_the_asked_sizes(tmp_path):
+    src = image_text_source(tmp_path, n=20)
+    result = _convert(src, tmp_path / "ds", split="val=0.25,test=0.1", seed=5, max_samples_per_shard=4)
+    assert sorted(result.manifests) == ["test", "train", "val"]
+    assert {n: m.total_samples for n, m in result.manifests.items()} == {"train": 13, "val": 5, "test": 2}
+    splits = json.loads((tmp_path / "ds" / "splits.json").read_text())["splits"]
+    assert {name: s["samples"] for name, s in splits.items()} == {"train": 13, "val": 5, "test": 2}
+    keys = {name: _keys(tmp_path / "ds" / name) for name in result.manifests}
+    assert all(k == sorted(k) for k in keys.values())  # without --shuffle each split keeps the lines' order
+    assert sorted(sum(keys.values(), [])) == [f"{i:08d}" for i in range(20)]  # each line once
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    for name in result.manifests:
+        assert verify(tmp_path / "ds" / name, decode=True).ok
+        for sample in stored_image_text(tmp_path / "ds" / name):
+            assert_sample_is_its_line(sample, src, hf)
+    again = _convert(src, tmp_path / "again", split="val=0.25,test=0.1", seed=5)
+    assert {n: _keys(tmp_path / "again" / n) for n in again.manifests} == keys  # a pure function of the seed
+    other = _convert(src, tmp_path / "other", split="val=0.25,test=0.1", seed=6)
+    assert {n: _keys(tmp_path / "other" / n) for n in other.manifests} != keys
+
+
+def test_shuffle_permutes_the_lines_as_a_pure_function_of_the_seed(tmp_path):
+    src = image_text_source(tmp_path, n=16)
+    _convert(src, tmp_path / "a", shuffle=True, seed=3, max_samples_per_shard=5)
+    _convert(src, tmp_path / "b", shuffle=True, seed=3, max_samples_per_shard=5)
+    _convert(src, tmp_path / "c", shuffle=True, seed=4, max_samples_per_shard=5)
+    order = _keys(tmp_path / "a")
+    assert sorted(order) == [f"{i:08d}" for i in range(16)] and order != sorted(order)  # a permutation
+    assert _keys(tmp_path / "c") != order
+    shards = sorted((tmp_path / "a" / "shards").iterdir())
+    assert [p.name for p in shards] == [p.name for p in sorted((tmp_path / "b" / "shards").iterdir())]
+    assert all(filecmp.cmp(p, tmp_path / "b" / "shards" / p.name, shallow=False) for p in shards)
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    for sample in stored_image_text(tmp_path / "a"):
+        assert_sample_is_its_line(sample, src, hf)
+    assert load_manifest(tmp_path / "a").convert_options["shuffle"] is True
+
+
+def test_split_and_shuffle_in_parts_then_merge_are_byte_equal_to_one_conversion(tmp_path, capsys):
+    src = image_text_source(tmp_path, n=16)
+    common = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+              "--split", "val=0.25", "--shuffle", "--seed", "9", "--max-samples-per-shard", "3", "--workers", "1",
+              "-q"]
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "whole"), *common], capsys)
+    assert code == 0, err
+    for k in range(3):
+        code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "merged"), *common, "--part",
+                                f"{k}/3"], capsys)
+        assert code == 0, err
+    assert run_cli(["merge", str(tmp_path / "merged")], capsys)[0] == 0
+    whole, merged = (sorted(p.relative_to(d) for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+                     for d in (tmp_path / "whole", tmp_path / "merged"))
+    assert whole == merged and {p.parts[0] for p in whole} == {"train", "val", "splits.json"}
+    for rel in whole:
+        assert filecmp.cmp(tmp_path / "whole" / rel, tmp_path / "merged" / rel, shallow=False), rel
+    assert _keys(tmp_path / "whole" / "train") != sorted(_keys(tmp_path / "whole" / "train"))
 
 
 def test_a_missing_image_is_refused_naming_the_line(tmp_path):

@@ -297,3 +297,18 @@ def test_a_budget_packs_whole_documents_by_the_same_rule_and_keeps_each_sequence
     assert max(spent) == 2 and p.total_tokens == sum(t.tokens for t in tables)
     with pytest.raises(ValueError, match="budget must be a positive integer or None, got 0"):
         BestFitPacking(tables, 16, budget=0)
+
+
+@pytest.mark.parametrize("fit", ["best", "first"])
+def test_a_sequence_whose_budget_is_spent_still_takes_documents_of_no_weight(fit):
+    from fastio.tokens.packing import _fit_within
+
+    items = [(20, 0, 1), (20, 100, 1), (10, 200, 0), (10, 300, 0)]  # two samples of one image, two text-only
+    assert _fit_within(items, 33, 1, fit) == [[(20, 0), (10, 200)], [(20, 100), (10, 300)]]
+    rng = np.random.default_rng(7)
+    items = sorted(((int(rng.integers(1, 600)), s, int(rng.random() < 0.8)) for s in range(0, 40000, 40)),
+                   key=lambda it: (-it[0], it[1]))
+    packed = _fit_within(items, 4097, 1, fit)
+    weight = {s: w for _, s, w in items}
+    assert all(sum(weight[s] for _, s in b) <= 1 and sum(n for n, _ in b) <= 4097 for b in packed)
+    assert len(packed) == sum(w for _, _, w in items)  # as few as the budget allows: one a weighted document

@@ -67,3 +67,19 @@ def test_workers_hold_no_descriptor_of_their_parent(tmp_path):
         assert str(tmp_path / LOCK_NAME) not in held.values()
         assert held[1] == "/dev/null" and held[0] == "/dev/null"
         assert len([fd for fd in held if fd > 2]) == 1, held  # its own pipe end only
+
+
+def _seen(_):
+    return _STATE.get("parent_only"), os.getpid()
+
+
+def test_a_spawned_pool_inherits_nothing_of_its_parent_but_its_initializer():
+    _STATE["parent_only"] = "set in the parent"  # a forked worker would see it (as it would an object-store client)
+    try:
+        with OrderedPool(_seen, 2, method="spawn") as spawned, OrderedPool(_seen, 1, method="fork") as forked:
+            assert [v for v, _ in spawned.map(range(4))] == [None] * 4
+            assert [v for v, _ in forked.map(range(2))] == ["set in the parent"] * 2
+    finally:
+        del _STATE["parent_only"]
+    with pytest.raises(ValueError, match="method must be 'fork', 'spawn' or None, got 'thread'"):
+        OrderedPool(_seen, 1, method="thread")

@@ -193,6 +193,17 @@ def image_text_source(root: Path, n: int = 12, seed: int = 0, size: tuple[int, i
     return {"source": root / "vlm.jsonl", "tokenizer": tok, "config": config, "rows": rows}
 
 
+def image_text_dataset(root: Path, n: int = 8) -> Path:
+    """:func:`image_text_source`'s ``n`` conversations converted (one worker) to ``root / "ds"``; returns it."""
+    from fastio.convert.image_text import ImageTextOptions, convert_image_text
+    from fastio.convert.run import ConvertConfig
+
+    src = image_text_source(root, n=n)
+    convert_image_text(ConvertConfig(src["source"], root / "ds", workers=1),
+                       ImageTextOptions(src["tokenizer"], src["config"]))
+    return root / "ds"
+
+
 def stored_image_text(dest: Path) -> list[dict[str, bytes]]:
     """Each stored sample's members (field -> bytes, with ``__key__``), in dataset order, read from the tars."""
     import tarfile

@@ -498,15 +498,18 @@ class Checkpointer:
         ranks = self._writer_ranks
         try:
             def write() -> None:
+                if self._leader:  # the temporary staging made, durable before the engine writes into it
+                    self._commit.ready(step)
                 self._stager.wait_copies()
-                engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
+                return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
 
-            ranks.run("write", write)
+            written = ranks.run("write", write)
             if self._compression is not None:
+                written = None  # the files are replaced: the commit hashes what is there
                 files = self._commit.data_files(step)[self._share[0]::self._share[1]]
                 ranks.barrier("compress")  # every rank has listed the files before any replaces one
                 ranks.run("compress", lambda: [compress.compress_file(p, self._compression) for p in files])
-            self._commit.publish(ranks, self.rank, step, info, self.config.keep)
+            self._commit.publish(ranks, self.rank, step, info, self.config.keep, written=written)
             self.last_write_s = time.perf_counter() - started
         except BaseException as err:  # noqa: BLE001 - raised at the caller's next maybe_save/wait/close
             if self._leader:

@@ -59,7 +59,13 @@ class Commit(Protocol):
     def step_dir(self, step: int) -> Path: ...
 
     def start(self, step: int) -> Path:
-        """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own."""
+        """The lowest rank of ``ranks_here``: create ``step``'s temporary, marked as fastio's own (on the training
+        thread: nothing waits on the disk)."""
+        ...
+
+    def ready(self, step: int) -> None:
+        """The lowest rank of ``ranks_here``, on the writer thread before the engine writes: make what
+        :meth:`start` made durable."""
         ...
 
     def data_files(self, step: int) -> list[Path]:
@@ -70,10 +76,13 @@ class Commit(Protocol):
         """The lowest rank of ``ranks_here``: delete ``step``'s temporary (a save that failed)."""
         ...
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int,
+                written: dict[str, dict[str, Any]] | None = None) -> None:
         """Writer thread, collective: supersede the committed steps above ``step`` (above ``restored`` after a
         rollback), commit the fully written temporary of ``step`` (marker last), then retention keeping ``keep``
-        (0: all); any rank's failure raises on every rank, nothing half-published is visible."""
+        (0: all); any rank's failure raises on every rank, nothing half-published is visible. ``written``: the
+        files this rank's engine wrote with their checksums taken while writing (see
+        :meth:`~fastio.checkpoint.engines.base.Engine.save`), which the commit need not read back."""
         ...
 
     def steps(self) -> list[int]:
@@ -131,6 +140,13 @@ class _Steps:
             raise CheckpointError(f"{self.tmp_dir(step)}: cannot create checkpoint directory: "
                                   f"{err.strerror or err}") from None
 
+    def ready(self, step: int) -> None:
+        try:
+            publish.sync_tmp(self.tmp_dir(step))
+        except OSError as err:
+            raise CheckpointError(f"{self.tmp_dir(step)}: cannot flush checkpoint directory to disk: "
+                                  f"{err.strerror or err}") from None
+
     def data_files(self, step: int) -> list[Path]:
         return publish.data_files(self.tmp_dir(step))
 
@@ -170,7 +186,8 @@ class LocalCommit(_Steps):
     def __init__(self, root: Path, remote: RemoteCheckpoints | None, world: int):
         super().__init__(root, remote, tuple(range(world)))
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int,
+                written: dict[str, dict[str, Any]] | None = None) -> None:
         def commit() -> None:
             if rank == 0:
                 floor, remote = self._floor(step), self.remote
@@ -180,7 +197,7 @@ class LocalCommit(_Steps):
                 _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
-                publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info)
+                publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info, known=written)
                 self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
                 retention.apply_retention(self.root, keep)
                 if self.remote is not None:
@@ -217,7 +234,8 @@ class NodeLocalCommit(_Steps):
 
     remote: RemoteCheckpoints
 
-    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int) -> None:
+    def publish(self, ranks: RankGroup, rank: int, step: int, info: CommitInfo, keep: int,
+                written: dict[str, dict[str, Any]] | None = None) -> None:
         remote, tmp = self.remote, self.tmp_dir(step)
         floor = self._floor(step)
 

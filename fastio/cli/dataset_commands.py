@@ -122,8 +122,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
                    "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted).")
 @click.option("--image-field", default=None, metavar="FIELD",
               help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "
-                   "line's FIELD lists its images (paths relative to the JSONL's folder), stored as images beside the "
-                   "conversation's tokens and loss mask.")
+                   "line's FIELD lists its images (paths relative to the JSONL's folder, or s3:// URLs; the JSONL may "
+                   "be an s3:// URL too), stored as images beside the conversation's tokens and loss mask.")
 @click.option("--image-token", default=None, metavar="TOKEN",
               help="With --image-field: the placeholder of one image in the messages' text, one token of the "
                    "tokenizer (default: <image>).")
@@ -143,7 +143,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
     --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
-    conversations (images beside tokens and mask)."""
+    conversations (images beside tokens and mask; the JSONL and its images local or on s3://)."""
     from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
@@ -159,7 +159,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         kwargs["transcode"] = transcode
     try:
         config = ConvertConfig(
-            source=Path(source), dest=dest, format=fmt, shard_size=shard_size,
+            source=source, dest=dest, format=fmt, shard_size=shard_size,
             max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split, split_by=split_by,
             max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
             overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,

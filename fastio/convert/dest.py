@@ -50,12 +50,12 @@ def _is_complete(dest: Path) -> bool:
     return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
 
 
-def check_dest(dest: Path, source: Path | None, overwrite: bool) -> None:
-    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None: a SOURCE that is
-    no local path, which DEST cannot contain)."""
+def check_dest(dest: Path, source: Path | str | None, overwrite: bool) -> None:
+    """Raise ConvertError if DEST may not be (re)written by this conversion (``source`` None or a str: a SOURCE
+    that is no local path, which DEST cannot contain)."""
     if dest.exists() and not dest.is_dir():
         raise ConvertError(f"{dest}: exists and is not a directory")
-    src, dst = (None if source is None else source.resolve()), dest.resolve()
+    src, dst = (source.resolve() if isinstance(source, Path) else None), dest.resolve()
     if src is not None and (src == dst or src in dst.parents or dst in src.parents):
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
     if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):

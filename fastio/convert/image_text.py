@@ -1,40 +1,56 @@
 """``fastio convert vlm.jsonl DEST --tokenizer tokenizer.json --chat-template T --image-field images``: image-text
 conversations (LLaVA-style) into an image dataset whose samples also hold tokens and a loss mask.
 
-Each JSONL line holds ``image_field`` (a list of 0..n image paths, relative to the JSONL's folder; a path resolving
-outside it is refused) and ``messages_field`` (a conversation, as a chat conversion reads one), whose text holds one
-``image_token`` per image, in order. The scan (this module, in the converting process) renders and tokenizes every
-conversation as a chat conversion does (:class:`fastio.convert.chat_encode.ChatEncoder`: the template, its
-``{% generation %}`` spans, transformers' mask rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a
-line whose image-token count differs from its image count, a missing image, or a path that is not an image. Every
-sample becomes an :class:`~fastio.converters.base.Entry` with its images (``0.jpg``, ``1.png``, ...) and its
-``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.image_text`), and :func:`fastio.convert.run.convert`
-does the rest as for any image dataset: each image's decode check, ``max_side``, ``max_pixels``, ``on_error`` (an
-undecodable image skips its sample, listed naming the line, or stops the run naming it), shards, ``.idx``,
-``samples.fxi``, manifest, parts and merge. The manifest's ``convert_options.image_text`` records the tokenizer's
-and template's checksums and the image token and its id.
+Each JSONL line holds ``image_field`` (a list of 0..n images: paths relative to the JSONL's folder, a path
+resolving outside it refused, or ``s3://`` URLs) and ``messages_field`` (a conversation, as a chat conversion reads
+one), whose text holds one ``image_token`` per image, in order. The JSONL itself may be an ``s3://`` URL
+(downloaded to be read; its relative paths name objects under its prefix). The scan (this module, in the
+converting process) renders and tokenizes every conversation as a chat conversion does
+(:class:`fastio.convert.chat_encode.ChatEncoder`: the template, its ``{% generation %}`` spans, transformers' mask
+rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a line whose image-token count differs from its
+image count, a missing image (a file, or an object: each object's size is asked in the scan, many at once,
+:mod:`fastio.convert.objects`), an object the store does not answer for, or a path that is not an image. Every
+sample becomes an :class:`~fastio.converters.base.Entry` with its images (``0.jpg``, ``1.png``, ...: a
+:class:`~fastio.converters.base.FileRef`, or a :class:`~fastio.converters.base.UrlRef` that the worker checking it
+fetches) and its ``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.image_text`), and
+:func:`fastio.convert.run.convert` does the rest as for any image dataset: each image's decode check,
+``max_side``, ``max_pixels``, ``on_error`` (an undecodable image skips its sample, listed naming the line and the
+file or URL, or stops the run naming it), ``split`` and ``shuffle``, shards, ``.idx``, ``samples.fxi``, manifest,
+parts and merge. The manifest's ``convert_options.image_text`` records the tokenizer's and template's checksums and
+the image token and its id.
 
 The image token must be one token of the tokenizer (one of its added tokens, encoding to itself alone).
 """
 
 from __future__ import annotations
 
+import posixpath
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
 from fastio.checks import check_fields, checked, config_error, rule
 from fastio.convert.chat_encode import ChatEncoder
+from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, with_specials
-from fastio.converters.base import Entry, FileRef, ScanResult, image_field_for_suffix, resolve_inside
+from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, StorageError
 from fastio.formats.chat_template import ChatTemplateError, load_chat_template
-from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, encode_mask, encode_tokens, image_field_name
-from fastio.storage import is_remote
+from fastio.formats.image_text import (
+    MASK_FIELD,
+    TOKENS_FIELD,
+    encode_mask,
+    encode_tokens,
+    image_field_name,
+    image_number,
+)
+from fastio.storage import is_remote, parse_location
 from fastio.storage.checksum import sha256_file
 
 __all__ = ["ImageTextOptions", "convert_image_text", "scan_image_text"]
@@ -66,11 +82,9 @@ class ImageTextOptions:
 def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> ConvertResult:
     """Convert the JSONL ``config.source`` of image-text conversations into ``config.dest`` (or one part of it), as
     :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
-    if config.split or config.shuffle:
-        raise ConvertError(f"{config.source}: split and shuffle are not options of an image-text conversion yet")
     coder = _Coder(options)
     config = replace(config, extra_options={"image_text": coder.recorded()})
-    return convert(config, scanner=lambda source: scan_image_text(source, options, coder))
+    return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options))
 
 
 class _Coder:
@@ -108,31 +122,53 @@ class _Coder:
                 "mask_field": MASK_FIELD}
 
 
-def scan_image_text(source: Path, options: ImageTextOptions, coder: _Coder | None = None) -> ScanResult:
-    """The entries of every line of ``source`` (see the module docstring); ConvertError naming a refused line."""
+def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder | None = None,
+                    storage_options: dict | None = None) -> ScanResult:
+    """The entries of every line of ``source`` (a JSONL file, or its ``s3://`` URL; see the module docstring);
+    ConvertError naming a refused line."""
     coder = coder or _Coder(options)
-    if source.suffix.lower() not in (".jsonl", ".ndjson") or not source.is_file():
-        raise ConvertError(f"{source}: an image-text conversion reads one JSONL file")
-    _, rows = read_rows(source, "jsonl")
-    wheres = [f"{source.name}:{lineno}" for lineno, _ in rows]
+    rows = _rows(source, storage_options)
+    wheres = [f"{PurePosixPath(str(source)).name}:{lineno}" for lineno, _ in rows]
     lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
     ends = np.cumsum(lengths)
-    entries = []
+    root = source.parent if isinstance(source, Path) else source.rpartition("/")[0]
+    lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
         tokens = ids[ends[i] - lengths[i]:ends[i]]
-        fields = _images(row, where, source.parent, options, int(np.count_nonzero(tokens == coder.image_id)))
+        fields = _images(row, where, root, options, int(np.count_nonzero(tokens == coder.image_id)))
         fields[TOKENS_FIELD] = encode_tokens(tokens)
         fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
-        entries.append(Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where))
-    description = {"format": "image-text", "path": str(source.resolve()),
+        lines.append(fields)
+    _ask_sizes(lines, wheres, options.image_field, storage_options)
+    entries = [Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
+               for i, (fields, where) in enumerate(zip(lines, wheres))]
+    description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
                    "options": {"image_field": options.image_field, "messages_field": options.messages_field,
                                "image_token": options.image_token}}
     return ScanResult(entries=entries, description=description, image_field=None)
 
 
-def _images(row: dict, where: str, root: Path, options: ImageTextOptions, placeholders: int) -> dict[str, Any]:
-    """``{"0.jpg": FileRef, ...}`` of a line's images; ConvertError naming the line for a bad list, a count that
-    differs from the placeholders', a path outside ``root``, a missing file or one that is not an image."""
+def _rows(source: Path | str, storage_options: dict | None) -> list[tuple[int, dict]]:
+    """``(line number, row)`` of the JSONL ``source``; one at an ``s3://`` URL is downloaded to be read (messages
+    name the URL)."""
+    if PurePosixPath(str(source)).suffix.lower() not in (".jsonl", ".ndjson") or (
+            isinstance(source, Path) and not source.is_file()):
+        raise ConvertError(f"{source}: an image-text conversion reads one JSONL file")
+    if isinstance(source, Path):
+        return read_rows(source, "jsonl")[1]
+    with downloaded(source, storage_options) as path:
+        try:
+            return read_rows(path, "jsonl")[1]
+        except ConvertError as err:
+            raise ConvertError(str(err).replace(str(path), source, 1)) from None
+
+
+def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, placeholders: int
+            ) -> dict[str, Any]:
+    """``{"0.jpg": FileRef or URL, ...}`` of a line's images (``root``: the JSONL's folder, or its URL's prefix);
+    ConvertError naming the line for a bad list, a count that differs from the placeholders', a path outside
+    ``root``, a missing file or one that is not an image. An image at a URL is left as its URL (str), its object
+    asked for by :func:`_ask_sizes`."""
     paths = row.get(options.image_field, [])
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
         raise ConvertError(f"{where}: field {options.image_field!r} is not a list of image paths")
@@ -141,18 +177,69 @@ def _images(row: dict, where: str, root: Path, options: ImageTextOptions, placeh
                            f"{options.image_token!r} placeholder(s) in {options.messages_field!r}")
     fields: dict[str, Any] = {}
     for n, value in enumerate(paths):
-        if is_remote(value):
-            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value}: images at URLs are not read yet "
-                               "(copy them beside the JSONL)")
-        path = root / value
-        outside = resolve_inside(path, root)
-        if outside is not None:
-            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value} {outside}")
-        if not path.is_file():
-            raise ConvertError(f"{where}: {options.image_field}[{n}]: no such image: {value}")
-        ext = image_field_for_suffix(path.suffix)
+        at = f"{where}: {options.image_field}[{n}]"
+        image = _image_url(value, root, at) if _is_url(value, at) or isinstance(root, str) else \
+            _image_file(value, root, at)
+        suffix = PurePosixPath(image if isinstance(image, str) else image.path).suffix
+        ext = image_field_for_suffix(suffix)
         if ext is None:
-            raise ConvertError(f"{where}: {options.image_field}[{n}]: {value} is not an image (suffix "
-                               f"{path.suffix!r})")
-        fields[image_field_name(n, ext)] = FileRef(str(path))
+            raise ConvertError(f"{at}: {value} is not an image (suffix {suffix!r})")
+        fields[image_field_name(n, ext)] = image
     return fields
+
+
+def _is_url(value: str, at: str) -> bool:
+    try:
+        return is_remote(value)
+    except StorageError as err:  # another scheme (http://...)
+        raise ConvertError(f"{at}: {err}") from None
+
+
+def _image_file(value: str, root: Path, at: str) -> FileRef:
+    """The image file ``value`` names below ``root``; ConvertError for one outside it or missing."""
+    path = root / value
+    outside = resolve_inside(path, root)
+    if outside is not None:
+        raise ConvertError(f"{at}: {value} {outside}")
+    if not path.is_file():
+        raise ConvertError(f"{at}: no such image: {value}")
+    return FileRef(str(path))
+
+
+def _image_url(value: str, root: str, at: str) -> str:
+    """The URL of the image ``value`` names: a URL as it is (checked), or a path relative to the URL ``root`` (that of
+    a JSONL at a URL), which must stay below it."""
+    if not _is_url(value, at):
+        folder = parse_location(root)
+        key = posixpath.normpath(posixpath.join(folder.prefix, value))
+        if value.startswith("/") or key == ".." or key.startswith("../") or not key.startswith(
+                folder.prefix + "/" if folder.prefix else ""):
+            raise ConvertError(f"{at}: {value} resolves outside {root}")
+        value = f"s3://{folder.bucket}/{key}"
+    try:
+        if not parse_location(value).prefix:
+            raise ConvertError(f"{at}: {value} names a bucket, not an image")
+    except StorageError as err:
+        raise ConvertError(f"{at}: {err}") from None
+    return value
+
+
+def _ask_sizes(lines: list[dict[str, Any]], wheres: list[str], field: str, storage_options: dict | None) -> None:
+    """Replace each image URL of ``lines`` by its :class:`UrlRef` (its object's size asked once, many at once:
+    :func:`fastio.convert.objects.object_sizes`); ConvertError naming the line and the URL of a missing object or
+    one the store does not answer for."""
+    at = [(i, name, value) for i, fields in enumerate(lines) for name, value in fields.items() if isinstance(value, str)]
+    with closing(object_sizes((url for _, _, url in at), storage_options)) as sizes:
+        for i, name, url in at:
+            _sized(lines[i], name, url, f"{wheres[i]}: {field}[{image_number(name)}]", sizes)
+
+
+def _sized(fields: dict[str, Any], name: str, url: str, where: str, sizes: Iterator[int | None]) -> None:
+    """``fields[name]``: the UrlRef of ``url``, its size the next of ``sizes``; ConvertError naming ``where``."""
+    try:
+        size = next(sizes)
+    except StorageError as err:
+        raise ConvertError(f"{where}: {err}") from None
+    if size is None:
+        raise ConvertError(f"{where}: no such image: {url}")
+    fields[name] = UrlRef(url, size)

@@ -55,6 +55,7 @@ from fastio.errors import ConvertError, DatasetError
 from fastio.formats.dali_idx import IndexEntry, parse_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import join_video_codecs
+from fastio.storage import is_remote
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
@@ -137,7 +138,8 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
             manifest, counts = merge_token_parts(dest, records, plan, root / STAGING, overwrite=overwrite)
             manifests = {"": manifest}
         else:
-            check_dest(dest, Path(plan["source"]["path"]), overwrite)
+            source = plan["source"]["path"]  # a URL (an image-text JSONL on s3://) stays a str
+            check_dest(dest, source if is_remote(source) else Path(source), overwrite)
             staging = root / STAGING
             if staging.exists():
                 shutil.rmtree(staging)

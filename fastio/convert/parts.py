@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastio.converters.base import Entry, FileRef, ScanResult
+from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
 from fastio.storage.atomic import atomic_write_bytes
@@ -139,9 +139,9 @@ def part_range(count: int, k: int, n: int, starts: Sequence[int] | None = None) 
 
 def predicted_shard_starts(entries: Sequence[Entry], max_bytes: int, max_samples: int | None) -> list[int]:
     """Where a single conversion of ``entries`` (in writing order) starts each shard, if every sample is
-    written as it is: fields named by :class:`FileRef` count with their file's size (one ``stat``), bytes
-    with their length; the cut rule is the writer's own. A file that cannot be stat-ed counts as empty (its
-    sample will be skipped, and the merge re-cuts)."""
+    written as it is: fields named by :class:`FileRef` count with their file's size (one ``stat``), by
+    :class:`UrlRef` with the size the scan asked, bytes with their length; the cut rule is the writer's own. A
+    file that cannot be stat-ed counts as empty (its sample will be skipped, and the merge re-cuts)."""
     starts: list[int] = []
     members_end = begun = 0
     for i, entry in enumerate(entries):
@@ -152,6 +152,8 @@ def predicted_shard_starts(entries: Sequence[Entry], max_bytes: int, max_samples
                     sizes.append(os.stat(value.path).st_size)
                 except OSError:
                     sizes.append(0)
+            elif isinstance(value, UrlRef):
+                sizes.append(value.size)
             else:
                 sizes.append(len(value))
         span = sample_span(sizes)
@@ -178,9 +180,18 @@ def listing_digest(scan: ScanResult) -> str:
     for entry in scan.entries:
         put(entry.key, entry.origin, len(entry.fields))
         for name, value in entry.fields:
-            put(name, ("ref:" + value.path).encode() if isinstance(value, FileRef) else b"bytes:" + value)
+            put(name, _listed(value))
     put(json.dumps([s.as_dict() for s in scan.skipped]))
     return h.hexdigest()
+
+
+def _listed(value: Any) -> bytes:
+    """A field's value as the listing digest takes it: a file's path, an object's URL and size, or the bytes."""
+    if isinstance(value, FileRef):
+        return ("ref:" + value.path).encode()
+    if isinstance(value, UrlRef):
+        return f"url:{value.size}:{value.url}".encode()
+    return b"bytes:" + value
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Any
 from fastio import converters
 from fastio.checks import check_fields, checked, config_error, one_of, rule
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
+from fastio.convert.objects import read_object
 from fastio.convert.parts import (
     PARTS_DIR,
     PartRecord,
@@ -48,10 +49,10 @@ from fastio.convert.parts import (
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
 from fastio.convert.workers import OrderedPool, default_workers
-from fastio.converters.base import FileRef, ScanOptions, ScanResult
+from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, StorageError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
 from fastio.formats.media import (
@@ -132,8 +133,9 @@ def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
 class ConvertConfig:
     """Everything ``fastio convert`` needs; the output depends on all fields but ``workers`` and ``progress``."""
 
-    source: Path
-    """The raw dataset: a directory (imagefolder, files) or a table file (csv, jsonl, parquet)."""
+    source: Path | str
+    """The raw dataset: a directory (imagefolder, files) or a table file (csv, jsonl, parquet); an image-text
+    conversion's JSONL may be an ``s3://`` URL (kept as a str; :mod:`fastio.convert.image_text`)."""
     dest: Path
     """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split)."""
     format: str | None = None
@@ -204,7 +206,8 @@ class ConvertConfig:
     the rerun; removed after the upload; as big as the whole converted dataset). Default: the system's temporary
     directory (``$TMPDIR``, else ``/tmp``)."""
     storage_options: dict | None = None
-    """For a URL ``dest``: endpoint, region, credentials over the environment's (:class:`fastio.storage.StorageOptions`)."""
+    """For a URL ``dest``, and an image-text conversion's ``s3://`` JSONL and images: endpoint, region,
+    credentials, retries over the environment's (:class:`fastio.storage.StorageOptions`)."""
     part: tuple[int, int] | str | None = None
     """``(K, N)``, ``"K/N"`` or ``"auto/N"`` (K from ``SLURM_ARRAY_TASK_ID``): convert only the K-th of N
     parts into ``DEST/.parts/`` for a later ``fastio merge``; None: the whole dataset."""
@@ -217,7 +220,7 @@ class ConvertConfig:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
         here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
         # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
-        self.source = Path(self.source)
+        self.source = self.source if isinstance(self.source, str) and is_remote(self.source) else Path(self.source)
         self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
         if self.format is not None and self.format not in converters.FORMATS:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
@@ -319,8 +322,9 @@ def transcoded_line(transcoded: dict[str, dict[str, int]]) -> str:
 
 # -- loading, in worker processes -------------------------------------------------------------------
 
-# (max_side, quality, max_pixels, label field, transcode, video decoder): set in each worker by _init_worker.
-_LOAD_OPTIONS: tuple = (None, 90, DEFAULT_MAX_PIXELS, None, None, "cpu")
+# (max_side, quality, max_pixels, label field, transcode, video decoder, storage options): set in each worker by
+# _init_worker.
+_LOAD_OPTIONS: tuple = (None, 90, DEFAULT_MAX_PIXELS, None, None, "cpu", None)
 
 
 _IN_WORKER = False
@@ -332,26 +336,21 @@ def _init_worker(options: tuple, in_worker: bool = False) -> None:
 
 
 def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
-    """Read an entry's file fields, check its label and its images' size (``max_pixels``, from the header)
-    and that they decode (and with ``max_side`` re-encode them); probe each video or audio field once and add
-    the probe as the ``probe.json`` field (:func:`fastio.formats.media.check_media`: a codec the video decoder
-    cannot read is a bad sample).
+    """Read an entry's file fields (:func:`_field_bytes`), check its label and its images' size
+    (``max_pixels``, from the header) and that they decode (and with ``max_side`` re-encode them); probe each
+    video or audio field once and add the probe as the ``probe.json`` field
+    (:func:`fastio.formats.media.check_media`: a codec the video decoder cannot read is a bad sample).
 
     Returns (fields, None, None) or, for a bad sample, (None, reason, the offending file or origin).
     """
-    max_side, quality, max_pixels, label_field, transcode, video_decoder = _LOAD_OPTIONS
+    max_side, quality, max_pixels, label_field, transcode, video_decoder, _ = _LOAD_OPTIONS
     refs = {name: value for name, value in entry.fields if isinstance(value, FileRef)}
     out: dict[str, bytes] = {}
     probes: dict[str, bytes] = {}  # of each media field (a video and its sound: both)
     for name, value in entry.fields:
-        where = entry.origin
-        if isinstance(value, FileRef):
-            where = value.path
-            try:
-                with open(value.path, "rb") as f:
-                    value = f.read()
-            except OSError as err:
-                return None, f"unreadable file ({err.strerror or err})", where
+        value, reason, where = _field_bytes(value, entry.origin)
+        if value is None:
+            return None, reason, where
         original = value
         if name == label_field:
             try:
@@ -383,6 +382,24 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
     return out, None, None
 
 
+def _field_bytes(value, origin: str) -> tuple[bytes | None, str | None, str]:
+    """``(bytes, None, where)`` of a field: a FileRef's file read, a UrlRef's object fetched here (in the worker
+    that checks it) with the conversion's storage options; ``(None, reason, where)`` when it cannot be read. ``where``
+    names the file, the URL, or else ``origin``."""
+    if isinstance(value, FileRef):
+        try:
+            with open(value.path, "rb") as f:
+                return f.read(), None, value.path
+        except OSError as err:
+            return None, f"unreadable file ({err.strerror or err})", value.path
+    if isinstance(value, UrlRef):
+        try:
+            return read_object(value.url, _LOAD_OPTIONS[6]), None, value.url
+        except StorageError as err:
+            return None, f"unreadable object ({str(err).removeprefix(value.url + ': ')})", value.url
+    return value, None, origin
+
+
 def resolve_fields(fields: dict) -> dict[str, bytes]:
     """Read the FileRefs a worker handed back in place of unchanged file bytes."""
     out = {}
@@ -394,8 +411,10 @@ def resolve_fields(fields: dict) -> dict[str, bytes]:
     return out
 
 
-def _display_path(where: str, source: Path) -> str:
-    """A skipped input as the manifest lists it: relative to the source folder when inside it."""
+def _display_path(where: str, source: Path | str) -> str:
+    """A skipped input as the manifest lists it: relative to the source folder when inside it (a URL as it is)."""
+    if isinstance(source, str):
+        return where
     base = source if source.is_dir() else source.parent
     try:
         return Path(where).relative_to(base).as_posix()
@@ -508,6 +527,9 @@ def convert(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertRes
 
     A URL ``dest`` is written to a local staging folder first, then uploaded: shards and indexes, then each
     manifest, ``splits.json`` last, so readers never see a partial dataset (see :func:`_convert_to_url`)."""
+    if scanner is None and isinstance(config.source, str):
+        raise ConvertError(f"{config.source}: only token conversions (--tokenizer) and image-text conversions "
+                           "(--image-field) read a SOURCE at a URL; copy it to a local folder first")
     if not isinstance(config.dest, Path):
         if config.part is not None:
             raise ConvertError(f"{config.dest}: part=... needs a DEST on a (shared) file system; convert the parts "
@@ -628,17 +650,9 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     manifests: dict[str, dict[str, Any]] = {}
     all_skipped: list[dict[str, str]] = []
     bytes_in = 0
-    pool = None
     load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode,
-                    config.video_decoder)
-    if config.workers > 1:
-        import multiprocessing as mp
-
-        if "fork" in mp.get_all_start_methods():
-            import PIL.Image  # noqa: F401  (forked workers inherit it: one import instead of one per worker)
-        pool = OrderedPool(load_entry, config.workers, initializer=_init_worker, initargs=(load_options, True))
-    else:
-        _init_worker(load_options)
+                    config.video_decoder, config.storage_options)
+    pool = _start_pool(config.workers, [entry for job in jobs for entry in job[1]], load_options)
     try:
         with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert",
                       every_s=config.progress_every_s) as progress:
@@ -656,6 +670,23 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
         if pool is not None:
             pool.close()  # at once, also after an error: the workers share no lock that could hang it
     return manifests, all_skipped, bytes_in
+
+
+def _start_pool(workers: int, entries, load_options: tuple) -> OrderedPool | None:
+    """The pool of ``workers`` processes that load ``entries`` (None for one: they load in this process). Its
+    workers are forked where the platform forks, but spawned when an entry names an object by URL
+    (:class:`UrlRef`): the scan asked for those objects with an object-store client in this process, and such a
+    client does not work in a forked child (its runtime's threads stay behind in the parent)."""
+    if workers == 1:
+        _init_worker(load_options)
+        return None
+    import multiprocessing as mp
+
+    objects = any(isinstance(value, UrlRef) for entry in entries for _, value in entry.fields)
+    method = "fork" if "fork" in mp.get_all_start_methods() and not objects else "spawn"
+    if method == "fork":
+        import PIL.Image  # noqa: F401  (forked workers inherit it: one import instead of one per worker)
+    return OrderedPool(load_entry, workers, initializer=_init_worker, initargs=(load_options, True), method=method)
 
 
 def _convert_to_url(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:

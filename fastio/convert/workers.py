@@ -108,13 +108,17 @@ class OrderedPool:
         initializer, initargs: run once in each worker before its first item.
         chunksize: items per message.
         window: chunks in flight per worker (bounds memory and how far the workers run ahead).
+        method: ``"fork"`` or ``"spawn"``; None: fork where available, else spawn. Spawn where this process holds
+            something a forked child cannot use (an object-store client's runtime threads).
     """
 
     def __init__(self, fn: Callable[[Any], Any], workers: int, *, initializer: Callable | None = None,
-                 initargs: tuple = (), chunksize: int = 1, window: int = 4):
+                 initargs: tuple = (), chunksize: int = 1, window: int = 4, method: str | None = None):
         if workers < 1 or chunksize < 1 or window < 1:
             raise ValueError(f"workers, chunksize and window must be >= 1, got {workers}, {chunksize}, {window}")
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        if method not in (None, "fork", "spawn"):
+            raise ValueError(f"method must be 'fork', 'spawn' or None, got {method!r}")
+        method = method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         ctx = mp.get_context(method)
         self.chunksize, self.window = chunksize, window
         self._conns, self._procs = [], []

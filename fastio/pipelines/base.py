@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, LoaderStateError
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -114,6 +114,17 @@ def check_fields(fields: Any) -> tuple[str, ...] | None:
     return tuple(fields)
 
 
+K_TOKENS = "tokens"
+"""The Loader state's entry of a :class:`fastio.Tokens` pipeline."""
+K_IMAGE_TEXT = "image_text"
+"""The Loader state's entry of a :class:`fastio.ImageText` pipeline."""
+PACKED_UNITS = "packed sequences"
+"""What the Loader's messages call the units of the packed kinds (their :class:`Source`'s ``units``)."""
+PACKED_ENTRIES = {K_TOKENS: "Tokens", K_IMAGE_TEXT: "ImageText"}
+"""The state entries of the kinds whose units are packed sequences (their ``consumed`` counts sequences): a state
+holding one does not continue a kind of samples."""
+
+
 def refuse_tokens(ds: Dataset, kind: str) -> None:
     """DatasetError naming ``ds`` and the kind ``kind`` (which reads stored samples) when ``ds`` is a token dataset
     (its shards hold no samples)."""
@@ -187,7 +198,12 @@ class Pipeline:
         return {}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """LoaderStateError when ``state`` (a whole Loader state) cannot continue with this pipeline."""
+        """LoaderStateError when ``state`` (a whole Loader state) cannot continue with this pipeline: by default, one
+        whose position counts the packed sequences of :data:`PACKED_ENTRIES`' kinds, not samples."""
+        for entry, name in PACKED_ENTRIES.items():
+            if entry in state:
+                raise LoaderStateError(f"loader state has a {entry!r} entry: it is a position among the packed "
+                                       f"sequences of fastio.{name}, and pipeline {self.kind!r} counts samples")
 
 
 def evaluation_of(pipeline: Pipeline) -> Pipeline:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.errors import DatasetError
+from fastio.formats.image_text import is_image_text
 from fastio.formats.images import is_image_field
 from fastio.formats.media import is_audio_field, is_video_field
 from fastio.pipelines.augment import random_resized_crop
@@ -68,6 +69,15 @@ def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
         raise ValueError(f"{name} must be in (0, 1], got {ratio}")
 
 
+def refuse_image_text(ds: Dataset, kind: str) -> None:
+    """DatasetError naming ``ds`` and the kind ``kind`` when ``ds`` is an image-text dataset (``fastio convert
+    --image-field``: its samples' images belong to their token runs, which only ``fastio.ImageText`` reads)."""
+    if is_image_text(ds.manifest.convert_options):
+        raise DatasetError(f"{ds.root}: an image-text dataset (fastio convert --image-field: images with their "
+                           f"token runs), and pipeline {kind!r} does not read it: read it with "
+                           "fastio.ImageText(image=..., seq_len=..., image_seq_len=...) (docs/image-text.md)")
+
+
 def _no_image_way_out(fields: Sequence[str]) -> str:
     """What to read a dataset without an image field with: the clip kind of its first video or audio field, else
     ``Raw``."""
@@ -83,6 +93,7 @@ def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool
     """What a kind of ``kind`` decoding each sample's image reads of ``ds`` to deliver ``fields`` beside it (with each
     image's (width, height) where ``sizes``); DatasetError naming what ``ds`` lacks."""
     refuse_tokens(ds, kind)
+    refuse_image_text(ds, kind)
     if ds.image_field is None:
         raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
     # A sample's image is the first of the image fields it has: the main one, then the others (a dataset

@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.pipelines.base import Delivery, GraphDef, Pipeline, Placement, ReadFields, Source, evaluation_of
+from fastio.pipelines.base import (
+    K_IMAGE_TEXT,
+    PACKED_UNITS,
+    Delivery,
+    GraphDef,
+    Pipeline,
+    Placement,
+    ReadFields,
+    Source,
+    evaluation_of,
+)
 from fastio.pipelines.image import ImageEval, ImageTrain, decodable, image_problem
 from fastio.pipelines.tokens import check_entry
 from fastio.read.reader import ReadBatch
@@ -28,8 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ImageText"]
 
-K_IMAGE_TEXT = "image_text"
-"""The Loader state's entry of an :class:`ImageText` pipeline."""
 STATE_VERSION = 1
 """The version of that entry (the packing's rule and the draw keys): a state of another version is refused."""
 _ARRAYS = ("tokens", "loss_mask", "position_ids", "cu_seqlens", "segment_ids", "image_rows", "image_starts")
@@ -127,7 +135,7 @@ class ImageText(Pipeline):
         packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
-                      self)
+                      self, PACKED_UNITS)
 
     def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
         """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
@@ -159,7 +167,8 @@ class ImageText(Pipeline):
                                          decodable, key_base)
             key_base += len(src.dataset)
         token_reader = TokenReader(tokens, read_set.reader_threads) if tokens else None
-        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self)
+        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self,
+                      PACKED_UNITS)
 
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:

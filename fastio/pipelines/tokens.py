@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import Delivery, Pipeline, Placement, Source
+from fastio.pipelines.base import K_TOKENS, PACKED_UNITS, Delivery, Pipeline, Placement, Source
+from fastio.pipelines.image import refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
 if TYPE_CHECKING:
@@ -20,8 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Tokens", "check_entry"]
 
-K_TOKENS = "tokens"
-"""The Loader state's entry of a :class:`Tokens` pipeline."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,7 @@ class Tokens(Pipeline):
         """None: no stored sample is read (the read set opens only the shard source); refuses a dataset of
         stored samples."""
         if ds.manifest.tokens is None:
+            refuse_image_text(ds, self.kind)
             raise DatasetError(f"{ds.root}: a dataset of stored samples (kind {ds.manifest.kind!r}), and "
                                f"fastio.Tokens reads token datasets (fastio convert --tokenizer, fastio index "
                                "--eos-id); read it with fastio.ImageTrain, fastio.Raw, ...")
@@ -84,7 +84,7 @@ class Tokens(Pipeline):
 
         plan, packings = self._packed(read_set, sampling, place)
         sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources, packings)]
-        return Source(plan, TokenReader(sources, read_set.reader_threads), self)
+        return Source(plan, TokenReader(sources, read_set.reader_threads), self, PACKED_UNITS)
 
     def _packed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement
                 ) -> tuple[UnitPlan, list[ConcatPacking | BestFitPacking]]:

@@ -132,6 +132,9 @@ class Source(Generic[K]):
     plan: UnitPlan
     reader: UnitReader
     pipeline: K
+    units: str = "samples"
+    """What the Loader's messages call the plan's units (a batch's rows): ``samples``, or a kind's own (``packed
+    sequences``)."""
 
 
 class DatasetSource(Protocol):

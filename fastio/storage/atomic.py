@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["TMP_SUFFIX", "tmp_path_for", "atomic_write_bytes", "publish", "fsync_dir", "place_file"]
+__all__ = ["TMP_SUFFIX", "tmp_path_for", "atomic_write_bytes", "publish", "fsync_dir", "place_file", "sync_file"]
 
 TMP_SUFFIX = ".tmp"
 
@@ -21,6 +21,7 @@ def tmp_path_for(path: Path) -> Path:
 
 
 def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (or any file: it is opened read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -28,24 +29,36 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename a fully written and fsynced ``tmp`` to ``final`` and make the rename durable."""
+def publish(tmp: Path, final: Path, *, sync: bool = True) -> None:
+    """Rename a fully written and fsynced ``tmp`` to ``final`` and make the rename durable (``sync=False``: the rename
+    alone, made durable later by the caller)."""
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    if sync:
+        fsync_dir(final.parent)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` under its hidden temporary name, fsync it, rename it into place and fsync the
+    directory. ``sync=False``: the same write and rename without the fsyncs (never half-written, but not yet
+    durable: for a caller that must not wait on the disk now and calls :func:`sync_file` later)."""
     path = Path(path)
     tmp = tmp_path_for(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        publish(tmp, path)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        publish(tmp, path, sync=sync)
     except BaseException:  # nothing half-written left behind (a full disk, a folder in the way)
         tmp.unlink(missing_ok=True)
         raise
+
+
+def sync_file(path: Path) -> None:
+    """Make a file written with ``atomic_write_bytes(..., sync=False)`` durable: the file, then its directory."""
+    fsync_dir(path)
+    fsync_dir(Path(path).parent)
 
 
 def place_file(src: Path, dst: Path, *, link: bool) -> None:

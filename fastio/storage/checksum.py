@@ -11,8 +11,8 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file", "sha256_fd",
-           "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file",
+           "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -25,6 +25,14 @@ def _xxh3_128():
 
 DIGESTS = {"sha256": hashlib.sha256, "xxh3_128": _xxh3_128}
 """Checksum name (as recorded next to a file's size) -> a new hash object with ``update``/``hexdigest``."""
+
+
+def digest_bytes(data: bytes | memoryview, algo: str = "sha256") -> tuple[int, str]:
+    """``(size, hex digest)`` of a bytes-like object in memory (``algo`` as in :func:`digest_fd`): hashing what is
+    about to be, or was just, written, instead of reading the file back."""
+    h = DIGESTS[algo]()
+    h.update(data)
+    return memoryview(data).nbytes, h.hexdigest()
 
 
 def digests_fd(fd: int, algos: tuple[str, ...], *, chunk: int = CHUNK) -> tuple[int, dict[str, str]]:

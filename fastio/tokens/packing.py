@@ -449,10 +449,13 @@ class BestFitPacking(_BlockPacking):
                        ) -> list[list[tuple[int, int]]]:
         """:meth:`_packed` with a ``budget``: whole documents (each at most ``seq_len + 1`` long: the caller
         refuses longer ones) by the same rule, a sequence also holding at most ``budget`` of the documents'
-        weights (``table.weights``: a sample's images); a sequence whose weight is spent takes no more."""
+        weights (``table.weights``: a sample's images); a sequence whose weight is spent still takes documents of
+        weight 0. A document
+        of no tokens is left out, as without a budget (a piece of size 0 would name the next document)."""
         first = int(self._blk_first[b])
         weights = self.tables[int(self._blk_shard[b])].weights(local + first)
-        items = sorted(zip(lengths.tolist(), starts.tolist(), weights.tolist()), key=lambda it: (-it[0], it[1]))
+        items = sorted(((n, s, w) for n, s, w in zip(lengths.tolist(), starts.tolist(), weights.tolist()) if n),
+                       key=lambda it: (-it[0], it[1]))
         return _fit_within(items, self.seq_len + 1, self.budget, self.fit)
 
     def _pack(self, b: int) -> list[list[Piece]]:
@@ -564,39 +567,46 @@ def _best_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, in
 def _fit_within(items: list[tuple[int, int, int]], cap: int, budget: int, fit: str) -> list[list[tuple[int, int]]]:
     """Each (size, start, weight), in the given order, into a sequence with room for its size and its weight
     (at most ``budget`` a sequence): the one with the least room that holds it (``fit="best"``; ties: the oldest)
-    or the first opened (``"first"``), else a new one; a sequence whose room or weight is spent leaves the
-    candidates. With weights 0 it places as :func:`_best_fit` and :func:`_first_fit` do (the tests hold them
-    equal)."""
+    or the first opened (``"first"``), else a new one. A sequence whose weight is spent still takes documents of
+    weight 0 while it has room. With weights 0 it places as :func:`_best_fit` and :func:`_first_fit` do (the
+    tests hold them equal)."""
     bins: list[list[tuple[int, int]]] = []
-    spent: list[int] = []
+    open_: dict[int, list[tuple[int, int]]] = {}  # budget left -> its sequences with room, by the fit's order
     best = fit == "best"
-    candidates: list[tuple[int, int]] = []  # best: (room, sequence) ascending; first: (sequence, room)
     for size, start, weight in items:
-        at = _candidate(candidates, spent, size, budget - weight, best)
-        if at is None:
-            k, room = len(bins), cap
+        found = _candidate(open_, size, weight, best)
+        if found is None:
+            k, room, left = len(bins), cap, budget
             bins.append([])
-            spent.append(0)
         else:
-            x, y = candidates.pop(at)
+            left, at = found
+            x, y = open_[left].pop(at)
             k, room = (y, x) if best else (x, y)
         bins[k].append((size, start))
-        spent[k] += weight
-        room -= size
-        if room > 0 and spent[k] < budget:
-            bisect.insort(candidates, (room, k) if best else (k, room))
+        room, left = room - size, left - weight
+        if room > 0:
+            bisect.insort(open_.setdefault(left, []), (room, k) if best else (k, room))
     return bins
 
 
-def _candidate(candidates: list[tuple[int, int]], spent: list[int], size: int, left: int, best: bool) -> int | None:
-    """Where in ``candidates`` (of :func:`_fit_within`) the sequence is that takes an item of ``size`` tokens
-    whose weight leaves ``left`` of the budget for what the sequence already holds; None: a new one."""
-    first = bisect.bisect_left(candidates, (size, -1)) if best else 0
-    for i in range(first, len(candidates)):
-        room, k = candidates[i] if best else candidates[i][::-1]
-        if room >= size and spent[k] <= left:
-            return i
-    return None
+def _candidate(open_: dict[int, list[tuple[int, int]]], size: int, weight: int, best: bool
+               ) -> tuple[int, int] | None:
+    """``(budget left, position in its list)`` of the sequence of :func:`_fit_within`'s ``open_`` that takes an
+    item of ``size`` tokens and ``weight``: the least room that holds it, ties the oldest (best), or the oldest
+    with room (first); None: a new one."""
+    pick: tuple[tuple[int, int], int, int] | None = None
+    for left, seqs in open_.items():
+        if left < weight:
+            continue
+        if best:
+            i = bisect.bisect_left(seqs, (size, -1))
+            if i < len(seqs) and (pick is None or seqs[i] < pick[0]):
+                pick = (seqs[i], left, i)
+            continue
+        i = next((j for j, (_, room) in enumerate(seqs) if room >= size), None)
+        if i is not None and (pick is None or seqs[i] < pick[0]):
+            pick = (seqs[i], left, i)
+    return None if pick is None else (pick[1], pick[2])
 
 
 def _first_fit(items: list[tuple[int, int]], cap: int) -> list[list[tuple[int, int]]]:

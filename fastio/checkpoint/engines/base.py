@@ -17,7 +17,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Engine", "SavedCheckpoint", "Stateful", "first_line"]
+__all__ = ["WRITE_CHECKSUM", "Engine", "SavedCheckpoint", "Stateful", "first_line", "written_record"]
+
+WRITE_CHECKSUM = "xxh3_128"
+"""The checksum an engine takes of each file from the bytes it writes (:meth:`Engine.save`'s records): the commit's,
+so that the commit need not read the file back."""
+
+
+def written_record(data: Any, size: int | None = None, digest: str | None = None) -> dict[str, Any]:
+    """What :meth:`Engine.save` returns for one file: ``{"bytes": size, "xxh3_128": digest}`` of the bytes-like
+    ``data`` it wrote (or of the ``size`` and ``digest`` already taken)."""
+    if data is not None:
+        from fastio.storage.checksum import digest_bytes
+
+        size, digest = digest_bytes(data, WRITE_CHECKSUM)
+    return {"bytes": size, WRITE_CHECKSUM: digest}
 
 
 def first_line(err: BaseException) -> str:
@@ -101,12 +115,14 @@ class Engine(Protocol):
         ...
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]] | None:
         """Collective: write ``states`` (app key -> a private, already staged state dict) into the
         existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
         every rank (written once). ``global_keys``: what :meth:`prepare` said is global. Runs on the
         Checkpointer's writer thread; must leave no process-wide setting changed when it returns or
-        raises. The Checkpointer commits afterwards."""
+        raises. The Checkpointer commits afterwards. May return the files this rank wrote, by path relative
+        to ``path``, with their ``"bytes"`` and a checksum taken from the bytes written (``"xxh3_128"``): the
+        commit then records those instead of reading the files back (None: it reads them all)."""
         ...
 
     def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:

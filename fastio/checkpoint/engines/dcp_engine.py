@@ -15,7 +15,9 @@ What goes where in a step directory:
 - ``fastio-dcp.json``: world size and which keys are global, per rank (written by rank 0).
 
 The Checkpointer stages a private copy before ``save`` is called on its writer thread; ``dcp.save``
-writes from that copy (DCP's own ``async_save`` is not used, so both engines keep one staging rule).
+writes from that copy (DCP's own ``async_save`` is not used, so both engines keep one staging rule), through
+:class:`_HashingFileSystem`: each file's xxh3-128 is taken from the bytes written, so the commit does not read
+the files back.
 
 Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
 ``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
@@ -28,7 +30,9 @@ import io
 import json
 import pickle
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from os import PathLike
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -40,6 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -50,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fastio.checkpoint.agree import terms_code
-from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
@@ -401,6 +406,77 @@ class DcpCheckpoint(SavedCheckpoint):
 
 
 # ---------------------------------------------------------------- the engine
+class _HashedStream:
+    """A file DCP writes through: hashes (xxh3-128) and counts every byte on its way to the file, and records
+    ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed."""
+
+    def __init__(self, f: Any, path: Path, records: dict[Path, dict[str, Any]]):
+        from fastio.storage.checksum import DIGESTS
+
+        self.f, self.path, self.records = f, path, records
+        self.hash, self.size = DIGESTS[WRITE_CHECKSUM](), 0
+
+    def write(self, data: Any) -> int:
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+            self.records[self.path] = written_record(None, self.size, self.hash.hexdigest())
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...: the file's
+        return getattr(self.f, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording each file it writes (:class:`_HashedStream`) under its final name (its
+    metadata is written to a temporary and renamed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[Path, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = _HashedStream(open(path, mode), Path(path), self.records)  # noqa: SIM115 - closed below
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def rename(self, path: str | PathLike, new_path: str | PathLike) -> None:
+        super().rename(path, new_path)
+        if Path(path) in self.records:
+            self.records[Path(new_path)] = self.records.pop(Path(path))
+
+
+def _save_rank_files(path: Path, rank: int, per_rank: dict[str, Any], written: dict[Path, dict[str, Any]]) -> None:
+    """This rank's per-rank state, one ``torch.save`` file per app key (small: serialised in memory, so a disk error
+    reads as one), each recorded in ``written``."""
+    if per_rank:
+        _rank_file(path, rank, "x").parent.mkdir(parents=True, exist_ok=True)
+    for key, state in per_rank.items():
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        _rank_file(path, rank, key).write_bytes(buf.getbuffer())
+        written[_rank_file(path, rank, key)] = written_record(buf.getbuffer())
+
+
+def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int) -> dict[Path, dict[str, Any]]:
+    """Collective ``dcp.save`` of the global state into ``path``; the files this rank wrote, with their records."""
+    # sync_files off: the commit fsyncs every file anyway
+    writer = FileSystemWriter(str(path), sync_files=False)
+    writer.fs = _HashingFileSystem()
+    dcp.save(shared, storage_writer=writer, process_group=pg, no_dist=world == 1)
+    return writer.fs.records
+
+
 class DcpEngine:
     """Writes and reads checkpoints with ``torch.distributed.checkpoint`` (see
     :class:`~fastio.checkpoint.engines.base.Engine`)."""
@@ -433,9 +509,11 @@ class DcpEngine:
         return out, frozenset(shared)
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
-        """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar.
-        ``replicated`` is not used: global state is written once by DCP's own deduplication.
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+        """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar; the
+        files this rank wrote, each with its size and xxh3-128 taken from the bytes written (DCP's through
+        :class:`_HashingFileSystem`). ``replicated`` is not used: global state is written once by DCP's own
+        deduplication.
 
         Only this rank's own failure raises here, and only after the collective (the other ranks are in it):
         another rank's failure, which DCP reports on every rank, is left to the caller's agreement, which
@@ -444,21 +522,15 @@ class DcpEngine:
         path = Path(path)
         shared = {k: v for k, v in states.items() if k in global_keys}
         per_rank = {k: v for k, v in states.items() if k not in global_keys}
+        written: dict[Path, dict[str, Any]] = {}
         mine: Exception | None = None
         try:
-            if per_rank:
-                _rank_file(path, rank, "x").parent.mkdir(parents=True, exist_ok=True)
-            for key, state in per_rank.items():  # small: serialised in memory, so a disk error reads as one
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                _rank_file(path, rank, key).write_bytes(buf.getbuffer())
+            _save_rank_files(path, rank, per_rank, written)
         except Exception as err:  # noqa: BLE001 - raised after the collective below, which every rank must reach
             mine = err
         if shared:
             try:
-                # sync_files off: the commit fsyncs every file anyway, through the descriptor it hashes with
-                dcp.save(shared, storage_writer=FileSystemWriter(str(path), sync_files=False), process_group=pg,
-                         no_dist=world == 1)
+                written.update(_dcp_save(path, shared, pg, world))
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
                 me = rank if pg is None else dist.get_rank(group=pg)
                 if mine is None and (world == 1 or me in err.failures):
@@ -468,9 +540,11 @@ class DcpEngine:
         if mine is not None:
             raise mine
         if rank == 0:
-            (path / SIDECAR).write_text(json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION,
-                                                    "world_size": world, "global_keys": sorted(shared),
-                                                    "rank_keys": sorted(per_rank)}))
+            sidecar = json.dumps({"format": SIDECAR_FORMAT, "version": SIDECAR_VERSION, "world_size": world,
+                                  "global_keys": sorted(shared), "rank_keys": sorted(per_rank)}).encode()
+            (path / SIDECAR).write_bytes(sidecar)
+            written[path / SIDECAR] = written_record(sidecar)
+        return {p.relative_to(path).as_posix(): rec for p, rec in written.items()}
 
     def open(self, path: Path, *, pg: Any = None) -> DcpCheckpoint:
         return DcpCheckpoint(path, pg)

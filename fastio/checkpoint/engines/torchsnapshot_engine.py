@@ -41,7 +41,7 @@ from torchsnapshot.manifest import (
 from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
-from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
+from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
@@ -97,7 +97,9 @@ def _write_settings() -> Iterator[None]:
 
 
 class _LaterErrors(FSStoragePlugin):
-    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it.
+    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it, and
+    recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the
+    bytes written, which are the Checkpointer's staged copy).
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -106,20 +108,23 @@ class _LaterErrors(FSStoragePlugin):
     def __init__(self, root: str):
         super().__init__(root=root)
         self.error: Exception | None = None
+        self.written: dict[str, dict[str, Any]] = {}
 
     async def write(self, write_io: WriteIO) -> None:
         if self.error is not None:
             return  # this step is lost already: write nothing more
         try:
             await super().write(write_io)
+            self.written[write_io.path] = written_record(write_io.buf)
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
 
 
-def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> None:
+def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> dict[str, dict[str, Any]]:
     """``Snapshot.take(path, app, pg=pg, replicated=replicated)``, step for step as torchsnapshot 0.1.0 does it,
     but through :class:`_LaterErrors`: a write error on this rank is raised after the take's last collective
-    (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway)."""
+    (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway).
+    Returns the files this rank wrote (:attr:`_LaterErrors.written`)."""
     event_loop = asyncio.new_event_loop()
     try:
         ranks = PGWrapper(pg=pg)
@@ -138,6 +143,7 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> Non
         event_loop.close()
     if storage.error is not None:
         raise storage.error
+    return storage.written
 
 
 class _LaterLoadError:
@@ -404,16 +410,17 @@ class TorchSnapshotEngine:
         return dict(app), frozenset()
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
         """``Snapshot.take`` of the staged ``states`` (:func:`_take`: a write error raises on its rank only
-        after the take's collectives), without batching.
+        after the take's collectives), without batching; the files this rank wrote, each with its size and
+        xxh3-128 taken from the bytes written.
 
         The staged buffers are a private copy already: torchsnapshot writes straight from them (one file
         per tensor) instead of packing small tensors into slabs it would allocate and fill.
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
-            _take(str(path), app, pg, list(replicated))
+            return _take(str(path), app, pg, list(replicated))
 
     def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
         return TorchSnapshotCheckpoint(path, pg)
