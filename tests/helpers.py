@@ -1,11 +1,13 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
 WebDataset tar indexed by ``fastio index``, real ranks in processes forked from a server that imported torch once
-(``free_port``, ``spawn_ranks``, ``start_ranks``, ``rank_process``), and Ctrl-C's default action for a child a
-test interrupts (``ctrl_c_default``)."""
+(``free_port``, ``join_group``, ``spawn_ranks``, ``start_ranks``, ``rank_process``), a rank stopping itself for a
+while (``stop_for``), and Ctrl-C's default action for a child a test interrupts (``ctrl_c_default``)."""
 
 import io
+import os
 import signal
 import socket
+import subprocess
 import tarfile
 import time
 from collections.abc import Callable
@@ -68,10 +70,49 @@ def indexed_tar(folder: Path, samples: dict[str, dict[str, bytes]], capsys) -> P
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous that starts at once: any other
+    process may bind it later, see :func:`join_group`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_group(rank: int, world: int, meeting: str | Path, *, timeout: float = 300) -> None:
+    """In a rank process: ``dist.init_process_group("gloo")`` of ``world`` ranks on 127.0.0.1, through a TCPStore that
+    rank 0 hosts on a port the kernel picks as it binds, published in the file ``meeting`` (new for each group),
+    which the other ranks wait for (at most ``timeout`` seconds).
+
+    For a group that starts well after the test did (a second run of the same ranks): a port ``free_port`` picked
+    when the test started is free only then, and another process (a gloo listener, another test's server) can bind
+    it meanwhile; rank 0 then failed with EADDRINUSE in full-suite runs."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    meeting, minutes = Path(meeting), timedelta(minutes=30)  # torch's own default for a gloo group
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=minutes, wait_for_workers=False)
+        part = meeting.with_name(meeting.name + ".part")
+        part.write_text(str(store.port))
+        os.replace(part, meeting)
+    else:
+        deadline = time.monotonic() + timeout
+        while not meeting.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{meeting}: rank 0 published no port within {timeout} s")
+            time.sleep(0.05)
+        store = dist.TCPStore("127.0.0.1", int(meeting.read_text()), world, is_master=False, timeout=minutes)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def stop_for(seconds: float) -> None:
+    """Stop this process (SIGSTOP) here and now, for at least ``seconds``: a shell continues it (SIGCONT) that long
+    after it has seen it stopped. The stop lands here however slowly the shell starts on a loaded machine (a shell
+    that sent SIGSTOP itself, with the rank sleeping meanwhile, stopped it wherever it had got to by then)."""
+    pid = os.getpid()
+    subprocess.Popen(["sh", "-c", f"while [ -e /proc/{pid} ] && ! grep -q '^State:[[:space:]]*T' /proc/{pid}/status; "
+                                  f"do sleep 0.05; done; sleep {seconds}; kill -CONT {pid}"])
+    os.kill(pid, signal.SIGSTOP)
 
 
 # Rank processes are forked from one server process per test process that imported torch once

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from conftest import Lines
-from helpers import Position, free_port, spawn_ranks
+from helpers import Position, free_port, spawn_ranks, stop_for
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -70,8 +69,7 @@ def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     stopped = Checkpointer(Path(root) / "stopped", signals=(), agree_timeout=60)
     lines.lines.clear()
     if rank == 1:  # stopped before it arrives, for 3 s
-        subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 3; kill -CONT {os.getpid()}"])
-        time.sleep(1)
+        stop_for(3)
     attempt("stopped", lambda: stopped.save(1, app, blocking=True))
     seen["stopped:log"] = list(lines.lines)
     seen["stopped:steps"] = stopped.steps()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import start_ranks
+from helpers import join_group, start_ranks
 from torch import nn
 
 from fastio.checkpoint import (
@@ -278,8 +277,8 @@ def build():
     return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=1e-2), "loader": Position()}
 
 
-def worker(rank: int, port: int, root: str, out: str, engine: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def worker(rank: int, root: str, out: str, engine: str) -> None:
+    join_group(rank, WORLD, Path(out, "group.port"))
     try:
         app = build()
         torch.manual_seed(100 + rank)
@@ -311,16 +310,10 @@ def tensors_of(app) -> list[torch.Tensor]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def engines_worker(rank: int, ports: list[int], base: str) -> None:
+def engines_worker(rank: int, base: str) -> None:
     """``worker`` for each engine in turn (a fresh group each), into ``base/ENGINE``."""
-    for engine, port in zip(ENGINE_NAMES, ports):
-        worker(rank, port, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
+    for engine in ENGINE_NAMES:
+        worker(rank, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +322,7 @@ def two_rank_runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("two-ranks")
     for engine in ENGINE_NAMES:
         (base / engine).mkdir()
-    start_ranks(engines_worker, ([free_port() for _ in ENGINE_NAMES], str(base)), WORLD)
+    start_ranks(engines_worker, (str(base),), WORLD)
     return base
 
 

@@ -1,18 +1,17 @@
 """Two real ranks (gloo on 127.0.0.1, processes of helpers.start_ranks): DDP state written once, per-rank state per rank.
-Each spawn runs both engines in turn (a fresh group each), once for the file: the tests of each engine read its
-results (``preemption_runs``, ``elastic_runs``)."""
+Each spawn runs both engines in turn (a fresh group each, helpers.join_group: its port picked when rank 0 binds it),
+once for the file: the tests of each engine read its results (``preemption_runs``, ``elastic_runs``)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Position, StateHolder, start_ranks
+from helpers import Position, StateHolder, join_group, start_ranks
 from torch import nn
 
 from fastio import ImageTrain
@@ -30,8 +29,8 @@ def build():
     return {"model": model, "optim": optim, "loader": Position()}
 
 
-def worker(rank: int, port: int, root: str, out: str, engine: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def worker(rank: int, root: str, out: str, engine: str) -> None:
+    join_group(rank, WORLD, Path(out, "group.port"))
     try:
         app = build()
         torch.manual_seed(100 + rank)  # per-rank RNG streams
@@ -63,16 +62,10 @@ def worker(rank: int, port: int, root: str, out: str, engine: str) -> None:
         dist.destroy_process_group()
 
 
-def engines_worker(rank: int, ports: list[int], base: str) -> None:
+def engines_worker(rank: int, base: str) -> None:
     """``worker`` for each engine in turn, into ``base/ENGINE``."""
-    for engine, port in zip(ENGINES, ports):
-        worker(rank, port, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for engine in ENGINES:
+        worker(rank, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +74,7 @@ def preemption_runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("preemption")
     for engine in ENGINES:
         (base / engine).mkdir()
-    start_ranks(engines_worker, ([free_port() for _ in ENGINES], str(base)), WORLD)
+    start_ranks(engines_worker, (str(base),), WORLD)
     return base
 
 
@@ -133,12 +126,12 @@ def delivered(batch) -> list[int]:
     return batch["index"][~batch["padded"]].tolist()
 
 
-def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str, engine: str) -> None:
-    def group(port: int, world: int) -> None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def elastic_worker(rank: int, data: str, root: str, out: str, engine: str) -> None:
+    def group(world: int) -> None:
+        join_group(rank, world, Path(out, f"w{world}.port"))
 
     def restore_rest(world: int) -> None:  # restore at `world` ranks, then take the rest of the epoch
-        group(ports[1 if world == 3 else 2], world)
+        group(world)
         try:
             torch.manual_seed(1000)  # weights unlike the saved ones: the restore has to bring those
             app = elastic_app(data)
@@ -153,7 +146,7 @@ def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str, 
             dist.destroy_process_group()
 
     if rank < SAVED_WORLD:
-        group(ports[0], SAVED_WORLD)
+        group(SAVED_WORLD)
         try:
             torch.manual_seed(0)  # same initial weights on both ranks, as DDP requires
             app = elastic_app(data)
@@ -181,10 +174,10 @@ def elastic_worker(rank: int, ports: list[int], data: str, root: str, out: str, 
         restore_rest(1)
 
 
-def elastic_engines_worker(rank: int, ports: list[list[int]], data: str, base: str) -> None:
+def elastic_engines_worker(rank: int, data: str, base: str) -> None:
     """``elastic_worker`` for each engine in turn, into ``base/ENGINE``."""
-    for engine, three in zip(ENGINES, ports):
-        elastic_worker(rank, three, data, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
+    for engine in ENGINES:
+        elastic_worker(rank, data, str(Path(base, engine, "ck")), str(Path(base, engine)), engine)
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +188,7 @@ def elastic_runs(tmp_path_factory, _image_originals) -> Path:
     data = shutil.copytree(_image_originals[1], base / "ds")
     for engine in ENGINES:
         (base / engine).mkdir()
-    ports = [[free_port() for _ in range(3)] for _ in ENGINES]
-    start_ranks(elastic_engines_worker, (ports, str(data), str(base)), 3)
+    start_ranks(elastic_engines_worker, (str(data), str(base)), 3)
     return base
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, start_ranks
+from helpers import join_group, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -219,12 +219,12 @@ def ranked_app(rank: int, engine: str) -> dict:
     return app
 
 
-def elastic_worker(rank: int, ports: list[int], base: str) -> None:
-    def group(port: int, world: int) -> None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def elastic_worker(rank: int, base: str) -> None:
+    def group(world: int) -> None:
+        join_group(rank, world, Path(base, f"w{world}.port"))
 
     if rank < 2:
-        group(ports[0], 2)
+        group(2)
         try:
             for engine in ENGINES:
                 app = ranked_app(rank, engine)
@@ -236,7 +236,7 @@ def elastic_worker(rank: int, ports: list[int], base: str) -> None:
                     ckpt.save(1, app, blocking=True)
         finally:
             dist.destroy_process_group()
-    group(ports[1], 3)
+    group(3)
     try:
         out: dict = {}
         for engine in ENGINES:
@@ -262,7 +262,7 @@ def elastic_worker(rank: int, ports: list[int], base: str) -> None:
 @pytest.fixture(scope="module")
 def elastic_runs(tmp_path_factory) -> list[dict]:
     base = tmp_path_factory.mktemp("elastic6")
-    start_ranks(elastic_worker, ([free_port(), free_port()], str(base)), 3)
+    start_ranks(elastic_worker, (str(base),), 3)
     return [json.loads(Path(base, f"rank{r}.json").read_text()) for r in range(3)]
 
 

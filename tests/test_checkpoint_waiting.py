@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import Lines
-from helpers import free_port, spawn_ranks
+from helpers import free_port, spawn_ranks, stop_for
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -155,8 +154,7 @@ def stop_restore_worker(rank: int, port: int, root: str, out: str) -> None:
             if not stop:
                 time.sleep(4)
                 return
-            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
-            time.sleep(1)  # stopped in here
+            stop_for(4)  # stopped in here
 
         group.fault_hook = hook if rank == 1 else None
         lines.lines.clear()
@@ -284,8 +282,7 @@ def stop_worker(rank: int, port: int, root: str, out: str) -> None:
             if label.startswith("busy"):
                 time.sleep(4)
                 return
-            subprocess.Popen(["sh", "-c", f"kill -STOP {os.getpid()}; sleep 4; kill -CONT {os.getpid()}"])
-            time.sleep(1)  # stopped in here
+            stop_for(4)  # stopped in here
 
         group.fault_hook = hook if rank == 1 else None
         lines.lines.clear()
