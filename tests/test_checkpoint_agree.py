@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from conftest import Lines
-from helpers import Position, free_port, spawn_ranks, stop_for
+from helpers import Position, free_port, join_group, spawn_ranks, stop_for
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, group
@@ -197,3 +197,34 @@ def test_every_rank_of_three_is_told_when_two_give_up_and_stop(tmp_path):
     assert verdict.startswith("CheckpointError: checkpoint save at step 1 gave up on agreement: rank 2"), verdict
     assert seen[1]["save"] == verdict and seen[2]["save"] == verdict, seen
     assert len(seen[2]["told"]) == 1 and verdict.split(": ", 1)[1] in seen[2]["told"][0], seen[2]
+
+
+def _joined_worker(rank: int, base: str) -> None:
+    """Ranks 0 and 1 run a Checkpointer of their own first (as the saving run of an elastic resume, in the same
+    processes), then all three ranks form a group: ranks 0 and 1 save, rank 2 arrives after they gave up on it."""
+    if rank < 2:
+        join_group(rank, 2, Path(base, "w2.port"))
+        Checkpointer(Path(base, "two"), signals=()).close()
+        dist.destroy_process_group()
+    join_group(rank, 3, Path(base, "w3.port"))
+    ckpt = Checkpointer(Path(base, "ck"), signals=(), agree_timeout=2)
+    if rank == 2:
+        time.sleep(3)
+    try:
+        ckpt.save(1, {"model": nn.Linear(4, 2)}, blocking=True)
+        seen = None
+    except CheckpointError as err:
+        seen = str(err)
+    Path(base, f"rank{rank}.json").write_text(json.dumps(seen))
+    os._exit(0)
+
+
+def test_a_rank_new_to_the_processes_groups_gets_the_verdict_of_the_ranks_that_gave_up(tmp_path):
+    """Ranks 0 and 1 had made rank groups before, rank 2 none: each rank counted its own groups to name the new
+    group's keys in the store, so rank 2 looked for the verdict (and its watch for the give-up) under another key
+    than the ranks that gave up on it, and ended in 'rank 0 went away' (or went on into the save alone). Every rank
+    now names the group by rank 0's count, and rank 2 raises the same verdict."""
+    spawn_ranks(_joined_worker, lambda r: (r, str(tmp_path)), 3, timeout=90)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert seen[0] and "gave up on agreement: rank 2 (pid" in seen[0], seen
+    assert seen[1] == seen[0] and seen[2] == seen[0], seen

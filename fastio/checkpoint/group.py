@@ -93,8 +93,9 @@ ENTRY_FLAGS = 4
 """Flags an entry can OR over the ranks (a fixed number: every rank's all-reduce has the same size)."""
 
 _created = 0
-"""Rank groups this process created with more than one rank: the same count on every rank (creation is a
-collective), so it names one group in the store's keys."""
+"""Rank groups this process created with more than one rank. Rank 0's count names one group in the store's keys, on
+every rank: another rank's count may differ (ranks that made groups before without it, as the saving ranks of an
+elastic resume in the same processes)."""
 
 fault_hook: Callable[[str, str], None] | None = None
 """Test hook, see the module docstring."""
@@ -142,9 +143,10 @@ class RankGroup:
         if world > 1:
             global _created
             _created += 1
-            self._peers = self._collective("start", lambda: self._all_gather((socket.gethostname(), os.getpid())))
-            host0, pid0 = self._peers[0]
-            self._key = f"fastio/rank-group/{host0}/{pid0}/{_created}"
+            every = self._collective("start", lambda: self._all_gather((socket.gethostname(), os.getpid(), _created)))
+            self._peers = [(host, pid) for host, pid, _ in every]
+            host0, pid0, made0 = every[0]
+            self._key = f"fastio/rank-group/{host0}/{pid0}/{made0}"
             self._gone_key = f"{self._key}/gone"
         self.gave_up: str | None = None
         """The verdict of ranks that gave up waiting for this one to enter an operation (module docstring)."""
