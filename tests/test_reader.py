@@ -5,8 +5,6 @@ from __future__ import annotations
 import gc
 import io
 import os
-import time
-from collections import Counter
 from concurrent.futures import wait
 
 import numpy as np
@@ -51,25 +49,6 @@ def test_concurrent_first_opens_keep_one_descriptor_per_shard_and_close_all(imag
     with pytest.raises(RuntimeError, match="reader is closed"):
         reader.read(np.array([0]))
     assert _open_fds() == before
-
-
-def test_reads_at_once_read_each_shards_keys_once(image_dataset):
-    """A fresh Reader's first reads run at once (a Loader's first batches, beside its pipeline's build): each shard's
-    ``.idx`` keys are read by one of them; the others wait for that shard instead of reading them again."""
-    read = Counter()
-
-    class Slow(Dataset):
-        def key_crcs(self, shard):
-            read[shard.name] += 1
-            time.sleep(0.05)  # every read reaches the shard before its keys are in
-            return super().key_crcs(shard)
-
-    ds = Slow(image_dataset)
-    with Reader(ds, ["jpg"], threads=4) as reader:
-        futures = [reader.submit(np.arange(len(ds))) for _ in range(4)]
-        wait(futures)
-        assert all(f.result().fields["jpg"][0].size > 0 for f in futures)
-    assert read == Counter({s.name: 1 for s in ds.shards})
 
 
 def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):

@@ -196,6 +196,7 @@ class Reader:
         self._files = files
         self._verified: set[int] = set()  # shards of a shard source (cache) whose bytes verify=True has checked
         self._key_crcs: dict[int, np.ndarray | None] = {}  # shard -> CRC-32 of each sample's key (from its .idx)
+        self._key_lock = threading.Lock()
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -355,23 +356,19 @@ class Reader:
         return got
 
     def _shard_key_crcs(self, shard_index: int) -> np.ndarray | None:
-        """CRC-32 of the key of each sample of a shard (uint32), from its ``.idx`` (read on the shard's first use,
-        by one thread: reads running at once, a Loader's first ones, wait for it rather than read it again); None
-        when it cannot be read."""
-        if shard_index not in self._key_crcs:
-            with self._fds.opening(shard_index):
-                if shard_index not in self._key_crcs:
-                    self._key_crcs[shard_index] = self._read_key_crcs(shard_index)
-        return self._key_crcs[shard_index]
-
-    def _read_key_crcs(self, shard_index: int) -> np.ndarray | None:
+        """CRC-32 of the key of each sample of a shard (uint32), from its ``.idx`` (read on the shard's first use);
+        None when it cannot be read."""
+        if shard_index in self._key_crcs:
+            return self._key_crcs[shard_index]
         shard = self.ds.shards[shard_index]
         try:
-            return self.ds.key_crcs(shard)
+            crcs = self.ds.key_crcs(shard)
         except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
             log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
                         "(fastio verify names the damage)", err, shard.name)
-            return None
+            crcs = None
+        with self._key_lock:
+            return self._key_crcs.setdefault(shard_index, crcs)
 
     def _recheck_member(self, index: int, field: str, size: int, offset: int, name: bytes, got: int | None) -> None:
         """DatasetError: the tar header before a field's bytes is not the one the index describes; but a key
@@ -483,7 +480,7 @@ class _Descriptors:
         return self._fds.get(shard_index)
 
     def opening(self, shard_index: int) -> threading.Lock:
-        """The lock a thread holds while it opens this shard or reads its keys (others wait for that shard only)."""
+        """The lock a thread holds while it opens this shard."""
         with self._lock:
             return self._opening.setdefault(shard_index, threading.Lock())
 
