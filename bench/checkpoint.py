@@ -54,7 +54,7 @@ from torch import nn
 
 from bench.checkpoint_peers import cpu_per_gib
 from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
-from bench.model import build, state_mib, train_step
+from bench.model import build, end_rank, state_mib, train_step
 from bench.quiet import MAX_WAIT_S, Quiet, before_section, during, read_sample, readings, wait_quiet
 from fastio import ImageTrain
 
@@ -337,11 +337,7 @@ def _fsdp_worker(rank: int, port: int, work: str, size_mib: int, repeats: int) -
         times["fastio_restore"].append(timed(lambda: ckpt.restore_latest(app)))
         times["dcp_load"].append(timed(dcp_load))
     ckpt.close()
-    if rank == 0:
-        Path(work, "fsdp.json").write_text(json.dumps(times))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # torch's gloo teardown can abort at interpreter exit; the result is in the file
+    end_rank(rank, Path(work, "fsdp.json"), times)
 
 
 def measure_fsdp(work: Path, size_mib: int, repeats: int) -> dict:

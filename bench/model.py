@@ -52,3 +52,21 @@ def state_mib(model: nn.Module, optim: torch.optim.Optimizer) -> float:
     n += sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
              if isinstance(t, torch.Tensor))
     return n / 2**20
+
+
+def end_rank(rank: int, path, result) -> None:
+    """The end of a benchmark's rank process: rank 0 writes ``result`` as JSON to ``path``, every rank meets the
+    others and leaves the group, then exits at once (torch's gloo teardown can abort at interpreter exit; the
+    result is in the file)."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(path).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import importlib
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -30,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.model import build_fsdp
+from bench.model import build_fsdp, end_rank
 
 __all__ = ["PHASES", "probe"]
 
@@ -168,11 +167,7 @@ def _worker(rank: int, port: int, work: str, size_mib: int, rounds: int) -> None
                                                row[name]["cpu"] - sum(clock.cpu[k] for k in tops)]
         rows.append(row)
     ckpt.close()
-    if rank == 0:
-        Path(work, "rounds.json").write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # torch's gloo teardown can abort at interpreter exit; the result is in the file
+    end_rank(rank, Path(work, "rounds.json"), rows)
 
 
 def probe(size_mib: int, rounds: int) -> dict:
