@@ -8,11 +8,12 @@ xxh3-128 (the maintained ``xxhash`` binding) is a non-cryptographic checksum tha
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file",
-           "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "read_hashed",
+           "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -53,6 +54,32 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
         return digests_fd(fd, algos, chunk=chunk)
     finally:
         os.close(fd)
+
+
+def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, mmap.mmap | None]:
+    """``(size, hex digest, bytes)`` of the file at ``path``, read once into memory of its own (anonymous pages,
+    huge where the kernel allows): each chunk hashed as soon as it is read, while it is still in the CPU's cache.
+    ``size`` is what the file should hold; a file of another size is hashed without being kept (``bytes`` None),
+    so that a damaged file never costs its whole size in memory, and so is one there is no memory for."""
+    with open(path, "rb", buffering=0) as f:
+        try:
+            buf = mmap.mmap(-1, size) if os.fstat(f.fileno()).st_size == size and size else None
+        except OSError:  # no memory for it now: hashed as it is read, not kept
+            buf = None
+        if buf is None:
+            found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
+            return found, digests[algo], None
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        h, view, pos = DIGESTS[algo](), memoryview(buf), 0
+        while pos < size and (n := f.readinto(view[pos:pos + chunk])):
+            h.update(view[pos:pos + n])
+            pos += n
+        view.release()
+        if pos < size or f.read(1):  # shrank or grew while read: its size tells, nothing kept
+            buf.close()
+            return (pos if pos < size else os.fstat(f.fileno()).st_size), h.hexdigest(), None
+        return size, h.hexdigest(), buf
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
