@@ -51,7 +51,7 @@ __all__ = [
 
 def _check_file(p: Path, want: dict[str, Any], held: dict[str, Any] | None = None, name: str = "") -> str | None:
     """The problem with file ``p`` against its marker entry ``want``, None when intact. With ``held`` (a dict),
-    the file is read once into memory and hashed there, and its bytes are put in ``held`` under ``name`` when
+    the file is mapped into memory and hashed there, and the mapping is put in ``held`` under ``name`` when
     intact (:func:`fastio.storage.checksum.read_hashed`)."""
     algo = next((a for a in DIGESTS if a in want), None)
     if algo is None:
@@ -89,8 +89,8 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), owners: di
                  held: dict[str, Any] | None = None) -> list[str]:
     """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks its share of
     the files (:func:`share_files`: n ranks share the reading). With ``held``, the files ``owners`` gives this
-    part are read once into memory, and kept in ``held`` (by path relative to the step) when intact: the
-    restore loads them from there instead of reading them again."""
+    part are mapped into memory and hashed there, and kept in ``held`` (by path relative to the step) when
+    intact: the restore loads them from there instead of reading them again."""
     listed = entry.commit.files
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
     mine = (owners or {}) if held is not None else {}

@@ -1,7 +1,8 @@
 """The DCP engine: the only module that imports ``torch.distributed.checkpoint`` (its public API, and the one
 private helper :class:`_SafeLoadPlanner` uses, ``_traverse.set_element``, with a fallback when torch moves it).
-It also reads ``torch.save`` bytes in place (:func:`_stored_tensor`: a ``map_location="meta"`` load's storage
-``_checkpoint_offset``, and torch's zip reader for the byte order), falling back to ``torch.load``.
+It also reads ``torch.save`` bytes in place (:func:`_stored_tensor`: torch's zip reader ``torch._C.PyTorchFileReader``
+for a record's offset, the pickle read by an allow-list of torch's storage types and its tensor rebuild function),
+falling back to ``torch.load``.
 
 For DTensor state (FSDP2 ``fully_shard``, tensor parallel) and for resharding: a checkpoint written by N
 ranks restores on M ranks, sharded or not.
@@ -27,15 +28,16 @@ Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor
 ``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
 ``dcp.load`` is handed that object (:class:`_HeldReader`), never the file.
 
-A restore reads each data file once where it can: the Checkpointer's check reads the files :meth:`DcpEngine.reads`
-foresees for a rank into memory, hashes them there and, once every rank has agreed that every file of the step is
-intact, ``dcp.load`` takes those files' items from that memory (a tensor's stored bytes viewed in place and copied
-once, into the app's tensor) instead of reading them again.
+A restore reads each data file once where it can: the Checkpointer's check maps the files :meth:`DcpEngine.reads`
+foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
+has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from the mappings (a
+tensor's stored bytes viewed in place and copied once, into the app's tensor) instead of reading them again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import pickle
@@ -329,34 +331,72 @@ class _BlobFile(io.RawIOBase):
         return n
 
 
-def _stored_tensor(blob: memoryview, native: bool | None = None) -> torch.Tensor:
-    """The tensor of one DCP item's ``torch.save`` bytes ``blob``: for a plain strided tensor in this machine's byte
-    order (``native``, :func:`_native_order` when not given), a view of ``blob`` itself (its layout loaded with
-    ``map_location="meta"``, which also gives its storage record's offset: no data read); anything else as
-    ``torch.load`` reads it."""
-    def loaded() -> torch.Tensor:
+class _Layout(pickle.Unpickler):
+    """Unpickles a ``torch.save`` pickle of one plain tensor to its layout only, allowing nothing but torch's
+    storage types (each read as its dtype) and its tensor rebuild function (returning ``(dtype, key, numel,
+    storage offset, size, stride)``); anything else (a parameter, a sparse or quantized tensor, a container) is
+    refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuilt
+        if (module, name) == ("collections", "OrderedDict"):  # the tensor's (empty) backward hooks
+            return dict
+        dtype = _storage_dtypes().get(name) if module == "torch" else None
+        if dtype is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return dtype
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, dtype, key, _, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        return dtype, str(key), int(numel)
+
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """torch's storage type names in a ``torch.save`` pickle (``FloatStorage``, ...) -> their dtypes."""
+    names = getattr(torch.storage, "_storage_type_to_dtype_map", dict)()
+    return {**names, "UntypedStorage": torch.uint8}
+
+
+def _rebuilt(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+    return (*storage, int(offset), tuple(size), tuple(stride))
+
+
+def _stored_tensor(blob: memoryview) -> torch.Tensor:
+    """The tensor of one DCP item's ``torch.save`` bytes ``blob``: for a plain tensor stored in this machine's byte
+    order, a view of ``blob`` itself (its layout from the pickle, :class:`_Layout`, its bytes at the storage
+    record's offset: no copy); anything else as ``torch.load`` reads it."""
+    found = _layout(blob)
+    if found is None:
         return torch.load(_BlobFile(blob), map_location="cpu", weights_only=True)
-
-    if not (_native_order(blob) if native is None else native):  # torch's meta load would swap a meta storage
-        return loaded()
-    meta = torch.load(_BlobFile(blob), map_location="meta", weights_only=True)
-    storage = meta.untyped_storage() if type(meta) is torch.Tensor else None
-    offset = getattr(storage, "_checkpoint_offset", None)
-    if (storage is None or not isinstance(offset, int) or meta.layout != torch.strided or meta.is_quantized
-            or offset + storage.nbytes() > len(blob)):
-        return loaded()
-    n = storage.nbytes()
-    flat = torch.frombuffer(blob, dtype=torch.uint8, count=n, offset=offset) if n else torch.empty(0, dtype=torch.uint8)
-    return flat.view(meta.dtype).as_strided(meta.size(), meta.stride(), meta.storage_offset())
+    dtype, at, nbytes, offset, size, stride = found
+    flat = (torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=at) if nbytes
+            else torch.empty(0, dtype=torch.uint8))
+    return flat.view(dtype).as_strided(size, stride, offset)
 
 
-def _native_order(blob: memoryview) -> bool:
-    """True unless the ``torch.save`` bytes ``blob`` record a byte order other than this machine's."""
+def _layout(blob: memoryview) -> tuple | None:
+    """``(dtype, record offset, bytes, storage offset, size, stride)`` of the one plain tensor the ``torch.save``
+    bytes ``blob`` hold in this machine's byte order, read through torch's zip reader; None otherwise."""
     import sys
 
     reader = torch._C.PyTorchFileReader(_BlobFile(blob))
-    name = next((r for r in reader.get_all_records() if r.rsplit("/", 1)[-1] == "byteorder"), None)
-    return name is None or bytes(reader.get_record(name)).decode() == sys.byteorder
+    records = reader.get_all_records()
+    prefix = next((r[:-len("data.pkl")] for r in records if r.endswith("data.pkl")), None)
+    if prefix is None or (f"{prefix}byteorder" in records
+                          and bytes(reader.get_record(f"{prefix}byteorder")).decode() != sys.byteorder):
+        return None
+    try:
+        dtype, key, numel, offset, size, stride = _Layout(io.BytesIO(reader.get_record(f"{prefix}data.pkl"))).load()
+    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError):
+        return None
+    name = f"{prefix}data/{key}"
+    at = reader.get_record_offset(name) if name in records else -1
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return (dtype, at, nbytes, offset, size, stride) if 0 <= at and at + nbytes <= len(blob) else None
 
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
@@ -367,13 +407,12 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
-def _load_item(req: Any, blob: memoryview, planner: Any, where: Path, native: bool) -> None:
-    """One read item of ``dcp.load``'s plan from its stored bytes ``blob`` (in this machine's byte order:
-    ``native``), as DCP's file reader loads it."""
+def _load_item(req: Any, blob: memoryview, planner: Any, where: Path) -> None:
+    """One read item of ``dcp.load``'s plan from its stored bytes ``blob``, as DCP's file reader loads it."""
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(blob))
         return
-    tensor = _narrow(_stored_tensor(blob, native), req.storage_offsets, req.lengths)
+    tensor = _narrow(_stored_tensor(blob), req.storage_offsets, req.lengths)
     target = planner.resolve_tensor(req).detach()
     if target.size() != tensor.size():
         raise CheckpointError(f"{where}: item {req.storage_index.fqn}: stored as {tuple(tensor.size())}, the app's "
@@ -401,17 +440,14 @@ class _HeldReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        rest, native = [], {}
+        rest = []
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             data = self.held.get(info.relative_path)
             if data is None or getattr(info, "transform_descriptors", None):
                 rest.append(req)
-                continue
-            blob = memoryview(data)[info.offset:info.offset + info.length]
-            if info.relative_path not in native:  # one writer per file: one byte order
-                native[info.relative_path] = _native_order(blob)
-            _load_item(req, blob, planner, self.where, native[info.relative_path])
+            else:
+                _load_item(req, memoryview(data)[info.offset:info.offset + info.length], planner, self.where)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
 
