@@ -94,9 +94,13 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), owners: di
     listed = entry.commit.files
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
     mine = (owners or {}) if held is not None else {}
-    found = (_check_file(entry.path / rel, listed[rel], held if mine.get(rel) == part[0] else None, rel)
-             for rel in share_files(list(listed), part, owners))
-    return [p for p in found if p]
+
+    def check(rel: str) -> str | None:
+        if mine.get(rel) == part[0]:
+            return _check_file(entry.path / rel, listed[rel], held, rel)
+        return _check_file(entry.path / rel, listed[rel])
+
+    return [p for p in map(check, share_files(list(listed), part, owners)) if p]
 
 
 def verify_step(entry: StepEntry) -> list[str]:
