@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, spawn_ranks
+from helpers import free_port, fsdp2_adam, restore_flipped_shard, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
 from fastio.checkpoint.catalog import share_files
-from fastio.errors import CheckpointError
 
 
 def _rchar() -> int:
@@ -62,15 +61,7 @@ def _spy_pickle_load(seen: list[str]) -> None:
 
 
 def _worker(rank: int, port: int, root: str, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optim = fsdp2_adam(rank, port, (512, 1024, 512))
     app = {"model": model, "optim": optim}
     seen: dict = {}
     with Checkpointer(root, signals=()) as ckpt:
@@ -92,18 +83,8 @@ def _worker(rank: int, port: int, root: str, out: str) -> None:
         seen["intact_loaded"] = _same(_local_state(model, optim), step2)
         _train(model, optim)
         now = _local_state(model, optim)
-        dist.barrier()
-        if rank == 0:  # one byte in the middle of rank 0's shard (inside a tensor's data) flipped, same size
-            shard = Path(root, "step-2", "__0_0.distcp")
-            data = bytearray(shard.read_bytes())
-            data[len(data) // 2] ^= 0x01
-            shard.write_bytes(data)
-        dist.barrier()
-        try:
-            ckpt.restore_latest(app, step=2)
-            seen["damaged"] = None
-        except CheckpointError as err:
-            seen["damaged"] = str(err)
+        # one bit in the middle of rank 0's shard (inside a tensor's data) flipped
+        seen["damaged"] = restore_flipped_shard(ckpt, app, rank, Path(root, "step-2"), 0x01)
         seen["unchanged"] = _same(_local_state(model, optim), now)
         seen["fallback"] = ckpt.restore_latest(app).step
         seen["fallback_loaded"] = _same(_local_state(model, optim), step1)
