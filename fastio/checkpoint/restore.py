@@ -253,7 +253,7 @@ class Restorer:
     """Delete and move aside nothing (``Checkpointer(read_only=True)``)."""
     where: str
     """The checkpoint directory as the user named it (an ``s3://`` URL, else the directory), in messages."""
-    held: dict[str, Any] = field(default_factory=dict)
+    held: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The files of the step being restored that this rank checked in memory and will load (path relative to the
     step -> its bytes), from the check to the end of the restore (:meth:`_owners`)."""
 
