@@ -20,6 +20,8 @@ __all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "dige
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 """``madvise``'s prefault that reports a read error instead of raising SIGBUS later (Linux 5.14; Python 3.12 names it)."""
+_READ_ERRORS = {errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", errno.EIO)}
+"""What ``MADV_POPULATE_READ`` answers for a page that cannot be read (where a touch would raise SIGBUS)."""
 
 
 def _xxh3_128():
@@ -70,20 +72,33 @@ def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -
     A mapped file that another process truncates while it is mapped is a SIGBUS at the next touch of a page past
     its new end: callers keep the mapping only while they need it."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == size and size and _POPULATE_READ is not None:
-            mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-            try:
-                mapping.madvise(_POPULATE_READ)
-            except OSError as err:
-                mapping.close()
-                if err.errno != errno.EINVAL:  # EINVAL: this kernel cannot; anything else: the file's read error
-                    raise
-            else:
-                h = DIGESTS[algo]()
-                h.update(mapping)
-                return size, h.hexdigest(), mapping
-        found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
-        return found, digests[algo], None
+        mapping = _populated(f, size) if os.fstat(f.fileno()).st_size == size and size else None
+        if mapping is None:
+            found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
+            return found, digests[algo], None
+        h = DIGESTS[algo]()
+        h.update(mapping)
+        return size, h.hexdigest(), mapping
+
+
+def _populated(f, size: int) -> mmap.mmap | None:
+    """The open file ``f`` of ``size`` bytes mapped copy-on-write with every page read in; None where it cannot
+    be (no ``MADV_POPULATE_READ``, a file system without mappings, no memory now); OSError (EIO) naming the file
+    where a page cannot be read."""
+    if _POPULATE_READ is None:
+        return None
+    try:
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    except OSError:
+        return None
+    try:
+        mapping.madvise(_POPULATE_READ)
+    except OSError as err:
+        mapping.close()
+        if err.errno in _READ_ERRORS:  # where a touch would be a SIGBUS: the file's read error, as a read's
+            raise OSError(errno.EIO, os.strerror(errno.EIO), f.name) from None
+        return None
+    return mapping
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
