@@ -361,7 +361,10 @@ def _storage_dtypes() -> dict[str, torch.dtype]:
     return {**names, "UntypedStorage": torch.uint8}
 
 
-def _rebuilt(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+def _rebuilt(storage: Any, offset: int, size: Any, stride: Any, _grad: Any = False, _hooks: Any = None,
+             metadata: Any = None) -> tuple:
+    if metadata:  # a conj or neg bit, which a view of the bytes would leave out: torch.load's rebuild
+        raise pickle.UnpicklingError(f"tensor metadata {metadata!r}")
     return (*storage, int(offset), tuple(size), tuple(stride))
 
 
@@ -407,8 +410,24 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
+def _copy_stored(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``target.copy_(tensor)`` for a stored ``tensor`` at any address: a record lies 64-byte aligned within its item,
+    the item anywhere in its file, and torch's typed kernels assume an element's alignment (a complex128 copy from
+    an address that is not a multiple of 16 dies of SIGSEGV). Such bytes are copied as bytes (the same dtype), or
+    first into aligned memory (another dtype, or a conj or neg view as the target)."""
+    if tensor.data_ptr() % tensor.element_size() == 0:
+        target.copy_(tensor)
+        return
+    raw = tensor.unsqueeze(-1).view(torch.uint8)  # each element's bytes along a last dimension: no typed read
+    if target.dtype == tensor.dtype and not (target.is_conj() or target.is_neg()):
+        target.unsqueeze(-1).view(torch.uint8).copy_(raw)
+    else:
+        target.copy_(raw.clone(memory_format=torch.contiguous_format).view(tensor.dtype).squeeze(-1))
+
+
 def _load_item(req: Any, blob: memoryview, planner: Any, where: Path) -> None:
-    """One read item of ``dcp.load``'s plan from its stored bytes ``blob``, as DCP's file reader loads it."""
+    """One read item of ``dcp.load``'s plan from its stored bytes ``blob`` in the data file ``where``, as DCP's file
+    reader loads it."""
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(blob))
         return
@@ -417,7 +436,7 @@ def _load_item(req: Any, blob: memoryview, planner: Any, where: Path) -> None:
     if target.size() != tensor.size():
         raise CheckpointError(f"{where}: item {req.storage_index.fqn}: stored as {tuple(tensor.size())}, the app's "
                               f"is {tuple(target.size())}")
-    target.copy_(tensor)
+    _copy_stored(target, tensor)
     planner.commit_tensor(req, target)
 
 
@@ -440,15 +459,30 @@ class _HeldReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        rest = []
+        """Each data file's items: from its mapping where held, else as DCP reads them; an item whose pickle
+        ``torch.load(weights_only=True)`` refuses is a CheckpointError naming its file."""
+        per_file: dict[str, list[Any]] = {}
         for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            try:
+                self._read_file(rel, reqs, plan, planner)
+            except pickle.UnpicklingError:
+                raise CheckpointError(f"{self.where / rel}: refused to load an item: not a plain tensor "
+                                      "(torch.load weights_only)") from None
+        return super().read_data(dataclasses.replace(plan, items=[]), planner)
+
+    def _read_file(self, rel: str, reqs: list[Any], plan: Any, planner: Any) -> None:
+        data = self.held.get(rel)
+        rest = []
+        for req in reqs:
             info = self.storage_data[req.storage_index]
-            data = self.held.get(info.relative_path)
             if data is None or getattr(info, "transform_descriptors", None):
                 rest.append(req)
             else:
-                _load_item(req, memoryview(data)[info.offset:info.offset + info.length], planner, self.where)
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+                _load_item(req, memoryview(data)[info.offset:info.offset + info.length], planner, self.where / rel)
+        if rest:
+            super().read_data(dataclasses.replace(plan, items=rest), planner)
 
 
 def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> CheckpointError:
