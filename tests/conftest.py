@@ -59,6 +59,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_tokens_loader.py",  # 12
     "test_convert.py",  # 11
     "test_checkpoint_s3_dist.py",  # 10
+    "test_checkpoint_restore_exact.py",  # 6 (Dec 6: one 2-rank FSDP2 run, one child process)
 )
 
 

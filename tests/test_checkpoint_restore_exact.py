@@ -142,3 +142,58 @@ def test_every_layout_restores_bitwise_twice_and_leaves_no_mapping(tmp_path):
             into.view.add_(1)  # the second restore overwrites it again
         ckpt.save(2, app, blocking=True)  # retention (keep=1) deletes the restored step
     assert not (tmp_path / "ck" / "step-1").exists()
+
+
+def _fsdp_worker(rank: int, port: int, root: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from helpers import fsdp2_adam
+
+    model, _ = fsdp2_adam(rank, port, (64, 96, 64))
+    g = torch.Generator().manual_seed(3)
+    model.register_buffer("bf", torch.randn(3, 5, generator=g).to(torch.bfloat16).t())  # replicated, not sharded
+    model.register_buffer("z", torch.randn(5, 7, generator=g, dtype=torch.complex128))
+    model.register_buffer("i64", torch.randint(-2**62, 2**62, (9,), generator=g))
+    optim = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 0.1},
+                               {"params": model[1].parameters(), "lr": 0.2, "betas": (0.8, 0.9)}])
+    app = {"model": model, "optim": optim}
+
+    def state() -> list:
+        local = [(t.to_local() if hasattr(t, "to_local") else t).detach().clone() for t in model.state_dict().values()]
+        return local + [v.to_local() if hasattr(v, "to_local") else v for s in optim.state.values() for v in s.values()]
+
+    def train() -> None:
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    seen: dict = {"same": [], "maps": []}
+    with Checkpointer(root, signals=(), keep=1) as ckpt:
+        train()
+        ckpt.save(1, app, blocking=True)
+        want, groups, rand = state(), optim.state_dict()["param_groups"], torch.rand(4)
+        for _ in range(2):
+            train()
+            ckpt.restore_latest(app)
+            seen["same"].append(all(torch.equal(a, b) for a, b in zip(want, state())) and len(want) == len(state())
+                                and optim.state_dict()["param_groups"] == groups and torch.equal(torch.rand(4), rand))
+            seen["maps"] += _mapped_files(Path(root, "step-1"))
+        ckpt.save(2, app, blocking=True)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # torch's gloo teardown can abort at interpreter exit; the result is in the file
+
+
+def test_fsdp2_restores_bitwise_twice_with_its_groups_and_rng_and_no_mapping_left(tmp_path):
+    """2 gloo ranks, FSDP2: each rank's own shard loaded from its mapping, the replicated buffers (which DCP writes
+    once, into either rank's file) from the mapping or the file, the optimizer's two groups and the RNG as saved."""
+    from helpers import free_port, spawn_ranks
+
+    port = free_port()
+    spawn_ranks(_fsdp_worker, lambda r: (r, port, str(tmp_path / "ck"), str(tmp_path)), 2, timeout=180)
+    for r in range(2):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen == {"same": [True, True], "maps": []}, (r, seen)
+    assert not (tmp_path / "ck" / "step-1").exists()  # keep=1: the restored step deleted by the next save
