@@ -23,15 +23,17 @@ writes from that copy (DCP's own ``async_save`` is not used, so both engines kee
 :class:`_HashingFileSystem`: each file's xxh3-128 is taken from the bytes written, so the commit does not read
 the files back.
 
-Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
-``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP's own reader reads with
-``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
+Loading never runs code from the checkpoint: per-rank files and DCP's items are read with
+``torch.load(weights_only=True)`` (a plain tensor's layout by a narrower allow-list: :func:`_stored_tensor`; an item
+torch.load refuses is a CheckpointError naming its data file); DCP's ``.metadata`` (a pickle, which DCP's own reader
+reads with ``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
 ``dcp.load`` is handed that object (:class:`_HeldReader`), never the file.
 
 A restore reads each data file once where it can: the Checkpointer's check maps the files :meth:`DcpEngine.reads`
 foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
 has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from the mappings (a
-tensor's stored bytes viewed in place and copied once, into the app's tensor) instead of reading them again.
+tensor's stored bytes viewed in place and copied once, into the app's tensor, as bytes where they lie at an address
+its dtype's kernels may not read: :func:`_copy_stored`) instead of reading them again.
 """
 
 from __future__ import annotations
