@@ -29,7 +29,7 @@ from fastio.errors import DatasetError, FastioError, LoaderArgumentError, Loader
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import dali_reason
+from fastio.pipelines.base import dali_inputs, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -470,7 +470,7 @@ class Loader:
         graph = self._graph
         self._share = share
         plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
-        self._feeder = feeder = Feeder(self._reader, plans, graph.feed if graph else None, seed=cfg.seed,
+        self._feeder = feeder = Feeder(self._reader, plans, dali_inputs(graph.feed) if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
