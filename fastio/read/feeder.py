@@ -181,6 +181,10 @@ class Feeder:
         plan, g = self._slots[0].plan, self._slots[0].g
         return plan.epoch, plan.start if g == 0 else plan.consumed_after(g - 1)
 
+    def next_is_read(self) -> bool:
+        """Whether the next batch to feed has its bytes (a call now would wait for no read)."""
+        return self._ready() and self._slots[0].read.done()
+
     def delivered(self) -> Fed:
         """The oldest batch fed to the graph and not yet taken: the one its next output belongs to (its
         inputs are let go: the graph is done with them once it returned that output); from then on
