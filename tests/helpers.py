@@ -77,6 +77,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def fsdp2_adam(rank: int, port: int, widths: tuple[int, ...]):
+    """In a rank process: join a 2-rank gloo group on 127.0.0.1:``port``, then ``(model, optim)``: a Sequential of
+    Linear layers of ``widths`` (seeded), every layer and the whole ``fully_shard``, and Adam over it."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def restore_flipped_shard(ckpt, app: dict, rank: int, step_dir: Path, flip: int) -> str | None:
+    """In a rank process of :func:`fsdp2_adam`'s group: rank 0 XORs ``flip`` into the middle byte of ``step_dir``'s
+    ``__0_0.distcp`` (rank 0's DCP shard, the same size), then every rank asks to restore that step: the error's
+    text, None when it restored."""
+    import torch.distributed as dist
+
+    from fastio.errors import CheckpointError
+
+    dist.barrier()
+    if rank == 0:
+        shard = Path(step_dir, "__0_0.distcp")
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= flip
+        shard.write_bytes(data)
+    dist.barrier()
+    try:
+        ckpt.restore_latest(app, step=int(Path(step_dir).name.split("-")[1]))
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
 def join_group(rank: int, world: int, meeting: str | Path, *, timeout: float = 300) -> None:
     """In a rank process: ``dist.init_process_group("gloo")`` of ``world`` ranks on 127.0.0.1, through a TCPStore that
     rank 0 hosts on a port the kernel picks as it binds, published in the file ``meeting`` (new for each group),

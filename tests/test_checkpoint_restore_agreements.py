@@ -12,11 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import free_port, spawn_ranks
-from torch import nn
+from helpers import free_port, fsdp2_adam, restore_flipped_shard, spawn_ranks
 
 from fastio.checkpoint import Checkpointer
-from fastio.errors import CheckpointError
 
 COLLECTIVES = ("all_gather_object", "broadcast_object_list", "all_reduce", "barrier", "all_gather", "broadcast",
                "gather_object", "scatter_object_list")
@@ -47,15 +45,7 @@ def _count_outside_dcp_load(counts: Counter) -> None:
 
 
 def _worker(rank: int, port: int, root: str, out: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, optim = fsdp2_adam(rank, port, (16, 32, 8))
     model(torch.randn(4, 16)).sum().backward()
     optim.step()
     app = {"model": model, "optim": optim}
@@ -67,18 +57,7 @@ def _worker(rank: int, port: int, root: str, out: str) -> None:
         _count_outside_dcp_load(counts)
         seen["intact"] = ckpt.restore_latest(app).step
         seen["collectives"] = dict(counts)
-        dist.barrier()
-        if rank == 0:  # one byte of rank 0's shard flipped, same size
-            shard = Path(root, "step-2", "__0_0.distcp")
-            data = bytearray(shard.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            shard.write_bytes(data)
-        dist.barrier()
-        try:
-            ckpt.restore_latest(app, step=2)
-            seen["damaged"] = None
-        except CheckpointError as err:
-            seen["damaged"] = str(err)
+        seen["damaged"] = restore_flipped_shard(ckpt, app, rank, Path(root, "step-2"), 0xFF)
         seen["fallback"] = ckpt.restore_latest(app).step
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     dist.barrier()

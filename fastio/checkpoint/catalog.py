@@ -27,7 +27,7 @@ from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, re
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
-from fastio.storage.checksum import DIGESTS, digest_file
+from fastio.storage.checksum import DIGESTS, digest_file, read_hashed
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
 
@@ -36,6 +36,7 @@ __all__ = [
     "list_checkpoints",
     "list_steps",
     "listing_row",
+    "share_files",
     "still_committed",
     "verify",
     "verify_files",
@@ -48,12 +49,19 @@ __all__ = [
 # ---------------------------------------------------------------- checking a step's files
 
 
-def _check_file(p: Path, want: dict[str, Any]) -> str | None:
+def _check_file(p: Path, want: dict[str, Any], held: dict[str, Any] | None = None, name: str = "") -> str | None:
+    """The problem with file ``p`` against its marker entry ``want``, None when intact. With ``held`` (a dict),
+    the file is mapped into memory and hashed there, and the mapping is put in ``held`` under ``name`` when
+    intact (:func:`fastio.storage.checksum.read_hashed`)."""
     algo = next((a for a in DIGESTS if a in want), None)
     if algo is None:
         return f"{p}: the commit marker records no known checksum ({', '.join(sorted(want))})"
+    data = None
     try:
-        size, digest = digest_file(p, algo)
+        if held is None:
+            size, digest = digest_file(p, algo)
+        else:
+            size, digest, data = read_hashed(p, algo, int(want.get("bytes") or 0))
     except FileNotFoundError:
         return f"{p}: missing"
     except OSError as err:
@@ -62,17 +70,37 @@ def _check_file(p: Path, want: dict[str, Any]) -> str | None:
         return f"{p}: size {size}, commit marker says {want.get('bytes')}"
     if digest != want[algo]:
         return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
+    if held is not None and data is not None:
+        held[name] = data
     return None
 
 
-def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1)) -> list[str]:
-    """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks every
-    n-th file from the i-th (so n ranks can share the reading)."""
+def share_files(files: list[str], part: tuple[int, int], owners: dict[str, int] | None = None) -> list[str]:
+    """Part ``i`` of ``n``'s files (``part=(i, n)``), sorted: each file ``owners`` gives a part to (the part that
+    will read it anyway) goes to that part, the others are dealt out every n-th from the i-th. Every file goes to
+    exactly one part."""
     i, n = part
-    listed = sorted(entry.commit.files.items())[i::n]
+    owner = {f: o for f, o in (owners or {}).items() if 0 <= o < n}
+    rest = sorted(f for f in files if f not in owner)
+    return sorted([f for f in files if owner.get(f) == i] + rest[i::n])
+
+
+def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), owners: dict[str, int] | None = None,
+                 held: dict[str, Any] | None = None) -> list[str]:
+    """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks its share of
+    the files (:func:`share_files`: n ranks share the reading). With ``held``, the files ``owners`` gives this
+    part are mapped into memory and hashed there, and kept in ``held`` (by path relative to the step) when
+    intact: the restore loads them from there instead of reading them again."""
+    listed = entry.commit.files
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
-    found = (_check_file(entry.path / rel, want) for rel, want in listed)
-    return [p for p in found if p]
+    mine = (owners or {}) if held is not None else {}
+
+    def check(rel: str) -> str | None:
+        if mine.get(rel) == part[0]:
+            return _check_file(entry.path / rel, listed[rel], held, rel)
+        return _check_file(entry.path / rel, listed[rel])
+
+    return [p for p in map(check, share_files(list(listed), part, owners)) if p]
 
 
 def verify_step(entry: StepEntry) -> list[str]:

@@ -7,14 +7,21 @@ xxh3-128 (the maintained ``xxhash`` binding) is a non-cryptographic checksum tha
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import mmap
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "sha256_file",
-           "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "read_hashed",
+           "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
+"""``madvise``'s prefault that reports a read error instead of raising SIGBUS later (Linux 5.14; Python 3.12 names it)."""
+_READ_ERRORS = {errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", errno.EIO)}
+"""What ``MADV_POPULATE_READ`` answers for a page that cannot be read (where a touch would raise SIGBUS)."""
 
 
 def _xxh3_128():
@@ -53,6 +60,45 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
         return digests_fd(fd, algos, chunk=chunk)
     finally:
         os.close(fd)
+
+
+def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, mmap.mmap | None]:
+    """``(size, hex digest, mapping)``: the file at ``path`` mapped into memory (copy-on-write, never written: its
+    page-cache pages themselves), its pages read in at once (``MADV_POPULATE_READ``, so that a read error is an
+    OSError here rather than a SIGBUS at a later touch) and hashed there, with no copy out of the page cache.
+    ``size`` is what the file should hold: a file of another size, or one the kernel cannot populate a mapping of
+    (before Linux 5.14), is hashed by reading it (``mapping`` None), as :func:`digests_fd`.
+
+    A mapped file that another process truncates while it is mapped is a SIGBUS at the next touch of a page past
+    its new end: callers keep the mapping only while they need it."""
+    with open(path, "rb") as f:
+        mapping = _populated(f, size) if os.fstat(f.fileno()).st_size == size and size else None
+        if mapping is None:
+            found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
+            return found, digests[algo], None
+        h = DIGESTS[algo]()
+        h.update(mapping)
+        return size, h.hexdigest(), mapping
+
+
+def _populated(f, size: int) -> mmap.mmap | None:
+    """The open file ``f`` of ``size`` bytes mapped copy-on-write with every page read in; None where it cannot
+    be (no ``MADV_POPULATE_READ``, a file system without mappings, no memory now); OSError (EIO) naming the file
+    where a page cannot be read."""
+    if _POPULATE_READ is None:
+        return None
+    try:
+        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    except OSError:
+        return None
+    try:
+        mapping.madvise(_POPULATE_READ)
+    except OSError as err:
+        mapping.close()
+        if err.errno in _READ_ERRORS:  # where a touch would be a SIGBUS: the file's read error, as a read's
+            raise OSError(errno.EIO, os.strerror(errno.EIO), f.name) from None
+        return None
+    return mapping
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:

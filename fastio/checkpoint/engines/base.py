@@ -13,7 +13,7 @@ called by all ranks of ``pg`` together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,7 +125,16 @@ class Engine(Protocol):
         commit then records those instead of reading the files back (None: it reads them all)."""
         ...
 
-    def open(self, path: Path, *, pg: Any = None) -> SavedCheckpoint:
+    def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
+        """Of a step's ``files`` (paths relative to it, written by ``saved_world`` ranks), those a restore on
+        ``world`` ranks will have rank R read, as ``{file: R}``, as far as the engine can tell before the load
+        plans anything: the restore's check then has R check them, kept in memory for its load (see
+        :meth:`open`). A guess (only ever which rank checks what, and what is read twice); empty when none."""
+        ...
+
+    def open(self, path: Path, *, pg: Any = None, held: Mapping[str, Any] | None = None) -> SavedCheckpoint:
         """Open the checkpoint in ``path`` for reading; :class:`~fastio.errors.CheckpointError` naming
-        ``path`` when the engine's own metadata is missing or unreadable."""
+        ``path`` when the engine's own metadata is missing or unreadable. ``held``: files of ``path`` already
+        read and checked, by path relative to it -> their bytes (a buffer), which the restore reads from there
+        rather than from the file."""
         ...

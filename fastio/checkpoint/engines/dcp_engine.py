@@ -1,4 +1,8 @@
-"""The DCP engine: the only module that imports ``torch.distributed.checkpoint`` (public API only).
+"""The DCP engine: the only module that imports ``torch.distributed.checkpoint`` (its public API, and the one
+private helper :class:`_SafeLoadPlanner` uses, ``_traverse.set_element``, with a fallback when torch moves it).
+It also reads ``torch.save`` bytes in place (:func:`_stored_tensor`: torch's zip reader ``torch._C.PyTorchFileReader``
+for a record's offset, the pickle read by an allow-list of torch's storage types and its tensor rebuild function),
+falling back to ``torch.load``.
 
 For DTensor state (FSDP2 ``fully_shard``, tensor parallel) and for resharding: a checkpoint written by N
 ranks restores on M ranks, sharded or not.
@@ -20,17 +24,26 @@ writes from that copy (DCP's own ``async_save`` is not used, so both engines kee
 the files back.
 
 Loading never runs code from the checkpoint: per-rank files and DCP's non-tensor items are read with
-``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP reads with ``pickle.load``)
-is first unpickled here with an allow-list of DCP's metadata classes and refused otherwise.
+``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle, which DCP's own reader reads with
+``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
+``dcp.load`` is handed that object (:class:`_HeldReader`), never the file.
+
+A restore reads each data file once where it can: the Checkpointer's check maps the files :meth:`DcpEngine.reads`
+foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
+has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from the mappings (a
+tensor's stored bytes viewed in place and copied once, into the app's tensor) instead of reading them again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import json
 import pickle
+import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from os import PathLike
 from pathlib import Path
@@ -45,7 +58,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -65,6 +79,13 @@ __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
 SIDECAR = "fastio-dcp.json"
 SIDECAR_FORMAT, SIDECAR_VERSION = "fastio-dcp", 1
 _METADATA = ".metadata"
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+"""DCP's data files (one writer per file, ``single_file_per_rank``): ``__R_N.distcp`` written by rank R."""
+
+try:  # how DCP's default planner puts a non-tensor item into the state dict; re-serialised for it otherwise
+    from torch.distributed.checkpoint._traverse import set_element as _set_element
+except ImportError:  # pragma: no cover - a torch that moved it
+    _set_element = None
 
 
 def _rank() -> tuple[int, int]:
@@ -269,10 +290,165 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError:
             raise CheckpointError(f"{self.where}: item {read_item.dest_index.fqn}: refused to load: not plain "
                                   "tensors and containers (torch.load weights_only)") from None
-        safe = io.BytesIO()
-        torch.save(obj, safe)  # the vetted value, re-serialised: what the default planner then loads
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
+        fqn = read_item.dest_index.fqn
+        if _set_element is None:
+            safe = io.BytesIO()
+            torch.save(obj, safe)  # the vetted value, re-serialised: what the default planner then loads
+            safe.seek(0)
+            super().load_bytes(read_item, safe)
+        elif self.flatten_state_dict:  # the vetted value, put where the default planner puts what it loads
+            _set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+# ---------------------------------------------------------------- reading what the restore's check holds
+class _BlobFile(io.RawIOBase):
+    """A read-only file over a memoryview, for ``torch.load`` (which reads a zip's records through ``readinto``):
+    no copy of the whole."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence] + pos
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(memoryview(b).nbytes, len(self.view) - self.pos))
+        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+class _Layout(pickle.Unpickler):
+    """Unpickles a ``torch.save`` pickle of one plain tensor to its layout only, allowing nothing but torch's
+    storage types (each read as its dtype) and its tensor rebuild function (returning ``(dtype, key, numel,
+    storage offset, size, stride)``); anything else (a parameter, a sparse or quantized tensor, a container) is
+    refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuilt
+        if (module, name) == ("collections", "OrderedDict"):  # the tensor's (empty) backward hooks
+            return dict
+        dtype = _storage_dtypes().get(name) if module == "torch" else None
+        if dtype is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return dtype
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, dtype, key, _, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        return dtype, str(key), int(numel)
+
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """torch's storage type names in a ``torch.save`` pickle (``FloatStorage``, ...) -> their dtypes."""
+    names = getattr(torch.storage, "_storage_type_to_dtype_map", dict)()
+    return {**names, "UntypedStorage": torch.uint8}
+
+
+def _rebuilt(storage: Any, offset: int, size: Any, stride: Any, *_: Any) -> tuple:
+    return (*storage, int(offset), tuple(size), tuple(stride))
+
+
+def _stored_tensor(blob: memoryview) -> torch.Tensor:
+    """The tensor of one DCP item's ``torch.save`` bytes ``blob``: for a plain tensor stored in this machine's byte
+    order, a view of ``blob`` itself (its layout from the pickle, :class:`_Layout`, its bytes at the storage
+    record's offset: no copy); anything else as ``torch.load`` reads it."""
+    found = _layout(blob)
+    if found is None:
+        return torch.load(_BlobFile(blob), map_location="cpu", weights_only=True)
+    dtype, at, nbytes, offset, size, stride = found
+    flat = (torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=at) if nbytes
+            else torch.empty(0, dtype=torch.uint8))
+    return flat.view(dtype).as_strided(size, stride, offset)
+
+
+def _layout(blob: memoryview) -> tuple | None:
+    """``(dtype, record offset, bytes, storage offset, size, stride)`` of the one plain tensor the ``torch.save``
+    bytes ``blob`` hold in this machine's byte order, read through torch's zip reader; None otherwise."""
+    import sys
+
+    reader = torch._C.PyTorchFileReader(_BlobFile(blob))
+    records = reader.get_all_records()
+    prefix = next((r[:-len("data.pkl")] for r in records if r.endswith("data.pkl")), None)
+    if prefix is None or (f"{prefix}byteorder" in records
+                          and bytes(reader.get_record(f"{prefix}byteorder")).decode() != sys.byteorder):
+        return None
+    try:
+        dtype, key, numel, offset, size, stride = _Layout(io.BytesIO(reader.get_record(f"{prefix}data.pkl"))).load()
+    except (pickle.UnpicklingError, TypeError, ValueError, AttributeError, EOFError):
+        return None
+    name = f"{prefix}data/{key}"
+    at = reader.get_record_offset(name) if name in records else -1
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return (dtype, at, nbytes, offset, size, stride) if 0 <= at and at + nbytes <= len(blob) else None
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The part of a stored chunk ``tensor`` a read item asks for."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _load_item(req: Any, blob: memoryview, planner: Any, where: Path) -> None:
+    """One read item of ``dcp.load``'s plan from its stored bytes ``blob``, as DCP's file reader loads it."""
+    if req.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(req, io.BytesIO(blob))
+        return
+    tensor = _narrow(_stored_tensor(blob), req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise CheckpointError(f"{where}: item {req.storage_index.fqn}: stored as {tuple(tensor.size())}, the app's "
+                              f"is {tuple(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
+class _HeldReader(FileSystemReader):
+    """DCP's file reader, given what the restore has already read and checked: DCP's metadata (unpickled by the
+    allow-list, :func:`check_metadata`: DCP does not read the file again), and ``held``, the data files this rank
+    checked in memory (path relative to the checkpoint -> bytes), whose items it loads from there; the others
+    from their files, as DCP does."""
+
+    def __init__(self, path: Path, metadata: Any, held: Mapping[str, Any]):
+        super().__init__(str(path))
+        self.where, self.metadata, self.held = Path(path), metadata, held
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None or self.metadata is None:
+            return super().read_metadata(*args, **kwargs)
+        if getattr(self.metadata, "storage_meta", None) is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        rest = []
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            data = self.held.get(info.relative_path)
+            if data is None or getattr(info, "transform_descriptors", None):
+                rest.append(req)
+            else:
+                _load_item(req, memoryview(data)[info.offset:info.offset + info.length], planner, self.where)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
 
 def _unwrap(err: BaseException, path: Path, rank: int | None = None) -> CheckpointError:
@@ -308,8 +484,9 @@ def _with_free_space(err: CheckpointError, path: Path) -> CheckpointError:
 class DcpCheckpoint(SavedCheckpoint):
     """A DCP step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
 
-    def __init__(self, path: Path, pg: Any = None):
-        self.path, self.pg = Path(path), pg
+    def __init__(self, path: Path, pg: Any = None, held: Mapping[str, Any] | None = None):
+        self.path, self.pg, self.held = Path(path), pg, dict(held or {})
+        self._metadata: Any = None
         side = self.path / SIDECAR
         try:
             info = json.loads(side.read_text())
@@ -322,6 +499,12 @@ class DcpCheckpoint(SavedCheckpoint):
             raise CheckpointError(f"{side}: missing (the DCP engine's record of the checkpoint)") from None
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CheckpointError(f"{side}: unreadable: {first_line(err)}") from None
+
+    def metadata(self) -> Any:
+        """DCP's metadata, unpickled by the allow-list (:func:`check_metadata`), once."""
+        if self._metadata is None:
+            self._metadata = check_metadata(self.path)
+        return self._metadata
 
     def keys(self, rank: int) -> set[str]:
         return self.global_keys | (self.rank_keys if 0 <= rank < self.world_size else set())
@@ -337,12 +520,12 @@ class DcpCheckpoint(SavedCheckpoint):
         shared = [k for k in targets if k in self.global_keys]
         # Before dcp.load's collectives: every rank has the same global keys and can read the metadata, or every
         # rank raises.
-        template = _agreed(self.pg, lambda: (check_metadata(self.path) if shared else None,
+        template = _agreed(self.pg, lambda: (self.metadata() if shared else None,
                                              {k: targets[k].state_dict() for k in shared})[1],
                            sorted(shared), f"global (DCP) keys in {self.path / SIDECAR}")
         if shared:
             try:
-                dcp.load(template, storage_reader=FileSystemReader(str(self.path)),
+                dcp.load(template, storage_reader=_HeldReader(self.path, self.metadata(), self.held),
                          planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
                          no_dist=_rank()[1] == 1)
             except CheckpointError:
@@ -360,7 +543,7 @@ class DcpCheckpoint(SavedCheckpoint):
         """A per-rank key's state keys and tensor shapes (its file mapped, no tensor read); a global key's from
         DCP's metadata (named inside the key as the load planner names them)."""
         if key in self.global_keys:
-            meta = check_metadata(self.path)
+            meta = self.metadata()
             paths = meta.planner_data or {}
 
             def top(fqn: str) -> str:
@@ -546,5 +729,13 @@ class DcpEngine:
             written[path / SIDECAR] = written_record(sidecar)
         return {p.relative_to(path).as_posix(): rec for p, rec in written.items()}
 
-    def open(self, path: Path, *, pg: Any = None) -> DcpCheckpoint:
-        return DcpCheckpoint(path, pg)
+    def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
+        """At the world size it was saved at, rank R reads its own shards from the data files it wrote,
+        ``__R_N.distcp`` (state stored once for every rank, unsharded, is read by each rank, from rank 0's file:
+        from disk, not foreseen); at another, resharded, nothing is foreseen."""
+        if not saved_world or saved_world != world:
+            return {}
+        return {f: int(m.group(1)) for f in files if (m := _DATA_FILE.fullmatch(f))}
+
+    def open(self, path: Path, *, pg: Any = None, held: Mapping[str, Any] | None = None) -> DcpCheckpoint:
+        return DcpCheckpoint(path, pg, held)

@@ -20,7 +20,7 @@ import logging
 import os
 import pickle
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -422,5 +422,10 @@ class TorchSnapshotEngine:
         with _write_settings():
             return _take(str(path), app, pg, list(replicated))
 
-    def open(self, path: Path, *, pg: Any = None) -> TorchSnapshotCheckpoint:
+    def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
+        """None foreseen: torchsnapshot reads its files itself."""
+        return {}
+
+    def open(self, path: Path, *, pg: Any = None, held: Mapping[str, Any] | None = None) -> TorchSnapshotCheckpoint:
+        """``held`` is not used (:meth:`reads` foresees none)."""
         return TorchSnapshotCheckpoint(path, pg)
