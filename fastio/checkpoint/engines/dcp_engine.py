@@ -59,6 +59,7 @@ from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stat
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
+from fastio.storage.atomic import start_writeback
 
 __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
 
@@ -408,7 +409,8 @@ class DcpCheckpoint(SavedCheckpoint):
 # ---------------------------------------------------------------- the engine
 class _HashedStream:
     """A file DCP writes through: hashes (xxh3-128) and counts every byte on its way to the file, and records
-    ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed."""
+    ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed, having started its writeback to the disk
+    (:func:`~fastio.storage.atomic.start_writeback`)."""
 
     def __init__(self, f: Any, path: Path, records: dict[Path, dict[str, Any]]):
         from fastio.storage.checksum import DIGESTS
@@ -423,6 +425,8 @@ class _HashedStream:
 
     def close(self) -> None:
         if not self.f.closed:
+            self.f.flush()
+            start_writeback(self.f.fileno())  # on its way to the disk now, not all at once in the commit's fsyncs
             self.f.close()
             self.records[self.path] = written_record(None, self.size, self.hash.hexdigest())
 

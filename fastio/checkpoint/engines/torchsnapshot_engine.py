@@ -45,6 +45,7 @@ from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
+from fastio.storage.atomic import start_writeback
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 
@@ -96,10 +97,21 @@ def _write_settings() -> Iterator[None]:
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
 
 
+def _start_writeback(path: str) -> None:
+    """:func:`~fastio.storage.atomic.start_writeback` of the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+
+
 class _LaterErrors(FSStoragePlugin):
-    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it, and
+    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it,
     recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the
-    bytes written, which are the Checkpointer's staged copy).
+    bytes written, which are the Checkpointer's staged copy), and starting each file's writeback to the disk as
+    soon as it is written (:func:`~fastio.storage.atomic.start_writeback`: the commit's fsyncs then find the bytes
+    written or on their way, instead of writing all of them at once).
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -116,6 +128,8 @@ class _LaterErrors(FSStoragePlugin):
         try:
             await super().write(write_io)
             self.written[write_io.path] = written_record(write_io.buf)
+            await asyncio.get_running_loop().run_in_executor(None, _start_writeback, os.path.join(self.root,
+                                                                                                  write_io.path))
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
 
