@@ -120,6 +120,9 @@ def measure_blocked(work: Path, size_mib: int, repeats: int) -> dict:
             fut = pending.pop()
             (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
         shutil.rmtree(dcp_dir, ignore_errors=True)
+        # The previous contender's file is still being written back by the kernel (torch.save's and DCP's are
+        # never fsynced); that writeback would land on whichever call comes next. Every timed call starts clean.
+        os.sync()
 
     first_s = time_call(fastio_save)  # the first save allocates the staging buffers; steady state reuses them
     times = interleaved({"fastio_maybe_save": fastio_save, "torch_save": torch_save,
