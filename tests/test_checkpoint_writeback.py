@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastio.checkpoint import Checkpointer, publish
+from fastio.checkpoint import Checkpointer, compress, publish
 
 _CACHESTAT = 451  # cachestat(2), Linux >= 6.5, the same number on every architecture
 
@@ -65,3 +65,35 @@ def test_the_engines_files_are_on_their_way_to_the_disk_when_the_commit_starts(t
         pytest.skip("this kernel has no cachestat(2) (Linux < 6.5)")
     assert seen and sum(cached for cached, _ in seen.values()) > 0, seen  # the files were in the page cache
     assert {name: dirty for name, (_, dirty) in seen.items() if dirty} == {}, seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the page cache is read through Linux's cachestat(2)")
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_with_compression_only_the_compressed_files_go_to_the_disk_before_the_commit(tmp_path, monkeypatch, engine):
+    """With ``compression=`` the engine's files are replaced by their compressed copies before the commit: starting
+    their writeback would write every raw byte to the disk for nothing. The engine leaves them in the page cache;
+    each compressed file starts on its way to the disk as it is written."""
+    raw: dict[str, tuple[int, int] | None] = {}
+    stored: dict[str, tuple[int, int] | None] = {}
+    real_compress, real_commit = compress.compress_file, publish.commit
+
+    def compressing(path, comp):  # the engine's file, as compression finds it
+        if Path(path).stat().st_size >= 1 << 20:
+            raw[Path(path).name] = page_cache(Path(path))
+        return real_compress(path, comp)
+
+    def looking(tmp, final, **kwargs):
+        stored.update({p.name: page_cache(p) for p in publish.data_files(tmp) if p.stat().st_size >= 1 << 20})
+        return real_commit(tmp, final, **kwargs)
+
+    monkeypatch.setattr(compress, "compress_file", compressing)
+    monkeypatch.setattr(publish, "commit", looking)
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 1024)
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine, compression="zstd") as ckpt:
+        ckpt.save(1, {"model": model}, blocking=True)
+    if any(v is None for v in [*raw.values(), *stored.values()]):
+        pytest.skip("this kernel has no cachestat(2) (Linux < 6.5)")
+    assert raw and all(dirty == cached > 0 for cached, dirty in raw.values()), raw  # never started to the disk
+    assert stored and all(name.endswith(".zst") for name in stored), stored
+    assert {name: dirty for name, (_, dirty) in stored.items() if dirty} == {}, stored

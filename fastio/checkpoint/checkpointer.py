@@ -515,7 +515,8 @@ class Checkpointer:
                 if self._leader:  # the temporary staging made, durable before the engine writes into it
                     self._commit.ready(step)
                 self._stager.wait_copies()
-                return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
+                return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys,
+                                   writeback=self._compression is None)  # compressed: replaced before the commit
 
             written = ranks.run("write", write)
             if self._compression is not None:
