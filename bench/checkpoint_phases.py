@@ -89,11 +89,12 @@ def _fastio_targets() -> list[tuple[Any, str, str, bool]]:
     from fastio.checkpoint import publish, removal, retention
     from fastio.checkpoint.engines import torchsnapshot_engine
 
+    # apply_retention: the name before retention's deletion left the save's path (to time older revisions too)
     return [(torchsnapshot_engine.TorchSnapshotEngine, "save", "engine", True), (publish, "commit", "commit", True),
-            (publish, "_hash_and_sync", "files", False), (publish, "_sync_files", "files", False),
-            (publish, "fsync_dir", "dirs", False), (publish, "atomic_write_bytes", "marker", False),
-            (retention, "apply_retention", "retention", True), (retention, "expire", "retention", True),
-            (removal, "finish_removal", "delete", True), (shutil, "rmtree", "delete", False)]
+            (publish, "_hash_and_sync", "files", False), (publish, "fsync_dir", "dirs", False),
+            (publish, "atomic_write_bytes", "marker", False), (retention, "apply_retention", "retention", True),
+            (retention, "expire", "retention", True), (removal, "finish_removal", "delete", True),
+            (shutil, "rmtree", "delete", False)]
 
 
 def _minimal_targets(peers: types.ModuleType) -> tuple[list, Callable[[], None]]:
