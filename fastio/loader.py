@@ -29,7 +29,7 @@ from fastio.errors import DatasetError, FastioError, LoaderArgumentError, Loader
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import dali_reason
+from fastio.pipelines.base import dali_inputs, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -278,6 +278,8 @@ class Loader:
         # load_state_dict) or after a failure.
         self._feeder: Feeder | None = None
         self._built: BuiltPipeline | None = None
+        self._ahead_fed = False  # whether the pipeline's next batch was fed ahead (Loader._feed_ahead)
+        self._ahead: Exception | None = None  # what feeding it ahead raised, for the next batch to raise
         self._share: Share | None = None  # with replicas=: the share the feeder's plans are cut to
         self._empty: dict[str, Any] | None = None  # with replicas=: a batch of no samples (a group not taking part)
         if self._replicas is not None:
@@ -458,6 +460,7 @@ class Loader:
         if self._feeder is not None:
             self._feeder.cancel()
         self._feeder = self._built = None  # DALI's threads and buffers go now
+        self._ahead_fed, self._ahead = False, None
 
     def _stream_at(self, epoch: int, consumed: int, share: Share | None = None) -> Feeder:
         """The feeder (and pipeline) whose next batch is the one at ``(epoch, consumed)`` (with replicas=: cut to
@@ -470,7 +473,7 @@ class Loader:
         graph = self._graph
         self._share = share
         plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
-        self._feeder = feeder = Feeder(self._reader, plans, graph.feed if graph else None, seed=cfg.seed,
+        self._feeder = feeder = Feeder(self._reader, plans, dali_inputs(graph.feed) if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
@@ -486,8 +489,15 @@ class Loader:
             fed = feeder.take()
             return self._batch({}, fed), fed
         pipe = self._built.pipe
-        try:  # on cuda, outputs are made ready on torch's current stream
-            outputs = pipe.run(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda" else pipe.run()
+        try:
+            if self._ahead is not None:  # feeding the next batch ahead failed: its error is this call's
+                raise self._ahead
+            if not self._ahead_fed:  # the first output, or after an epoch's last batch: what run() schedules
+                pipe.schedule_run()
+            self._ahead_fed = False
+            # on cuda, outputs are made ready on torch's current stream
+            outputs = pipe.outputs(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda" \
+                else pipe.outputs()
         except FastioError:  # the reader's own errors (a bad shard, a storage fault) pass through
             self._drop_stream()
             raise
@@ -496,7 +506,24 @@ class Loader:
             self._drop_stream()
             raise self._decode_error(in_flight, err) from None
         fed = feeder.delivered()
+        self._feed_ahead(pipe, feeder, fed)
         return self._batch(self._to_torch(self._built.outputs, outputs, fed), fed), fed
+
+    def _feed_ahead(self, pipe: Any, feeder: Feeder, fed: Fed) -> None:
+        """Feed and start the batch after the next one now, before ``fed``'s batch is made and while the training loop
+        uses it, as DALI's own iterator does: DALI's workers then always have ``prefetch`` batches to decode, where
+        ``run()`` would start one only when the next batch is asked for. Not after an epoch's last batch (a loop
+        that stops there would never get it), nor while its bytes are still being read (the loop would wait for
+        them); the next call feeds it then, as ``run()`` does. A failure is raised by the next call, the one that
+        would have fed the batch."""
+        if fed.last or not feeder.next_is_read():
+            return
+        try:
+            pipe.schedule_run()
+        except Exception as err:  # noqa: BLE001 - raised where run() would have raised it
+            self._ahead = err
+        else:
+            self._ahead_fed = True
 
     def _iterate(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch

@@ -1,6 +1,7 @@
 """The checkpoint section's peers and windows (bench/checkpoint_peers.py, bench/checkpoint_overhead.py): the minimal
 writer is a consistent asynchronous checkpoint, adjacent windows compare a saver's window with its neighbours,
-CPU per GiB is user and system time apart, and busy readings travel with the figures they qualify."""
+CPU per GiB is user and system time apart, and busy readings travel with the figures they qualify; the phase probe
+(bench/checkpoint_phases.py) times each phase of both writers and leaves the library as it found it."""
 
 from __future__ import annotations
 
@@ -125,3 +126,20 @@ def test_bench_run_hands_the_checkpoint_section_its_quiet_wait_and_a_small_size(
     assert section_options(bench.checkpoint, args) == {"quiet_wait": 0.0, "size_mib": 48, "cadence_mib": 48}
     assert section_options(bench.checkpoint, parser().parse_args([])) == {"quiet_wait": 60.0}
     assert section_options(bench.index, args) == {}  # its run() takes neither
+
+
+def test_the_phase_probe_times_both_writers_phases_and_unwraps_what_it_wrapped(tmp_path):
+    import bench.checkpoint_peers as peers
+    from bench.checkpoint_phases import phases
+    from fastio.checkpoint import publish, retention
+
+    before = (publish.commit, retention.expire, peers.os)
+    got = phases(tmp_path / "work", size_mib=48, rounds=1)
+    fastio, minimal = got["fastio"], got["minimal"]
+    for key in ("stage_wall", "engine_wall", "engine_cpu", "commit_wall", "files_wall", "marker_wall",
+                "retention_wall", "total_wall", "total_cpu"):
+        assert fastio[key] > 0, (key, fastio)
+    assert fastio["total_wall"] >= fastio["engine_wall"] + fastio["commit_wall"]
+    assert minimal["fsync_wall"] > 0 and minimal["rename_wall"] > 0 and minimal["total_wall"] >= minimal["fsync_wall"]
+    assert (publish.commit, retention.expire, peers.os) == before
+    assert not (tmp_path / "work").exists()

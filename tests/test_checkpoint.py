@@ -307,6 +307,8 @@ def test_restore_uses_the_engine_named_in_the_commit_marker(tmp_path):
 
 # ---------------------------------------------------------------- retention and in-flight policy
 def test_retention_keeps_newest_k_after_commit(tmp_path, engine):
+    """After wait() the expired steps are gone as steps (renamed away, their files deleted in the background: see
+    tests/test_checkpoint_retention.py); after close() nothing of them is left."""
     root = tmp_path / "ck"
     app = make_app()
     with Checkpointer(root, every_steps=1, keep=2) as ckpt:
@@ -314,7 +316,10 @@ def test_retention_keeps_newest_k_after_commit(tmp_path, engine):
             train_step(app)
             ckpt.maybe_save(step, app)
             ckpt.wait()
-            assert step_dirs(root) == [f"step-{s}" for s in range(max(1, step - 1), step + 1)]
+            kept = [f"step-{s}" for s in range(max(1, step - 1), step + 1)]
+            assert [n for n in step_dirs(root) if not n.startswith(".")] == kept
+            assert ckpt.steps() == [int(n.split("-")[1]) for n in kept]
+    assert step_dirs(root) == ["step-4", "step-5"]
     assert catalog.verify(root) == []
 
 

@@ -3,15 +3,17 @@ the write needs happens on the writer thread, in the order a crash needs (the wr
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import StateHolder
 
 from fastio.checkpoint import Checkpointer
-from fastio.checkpoint.naming import WRITING_FILE
+from fastio.checkpoint.naming import COMMIT_FILE, WRITING_FILE
 
 
 def _fsyncs(monkeypatch) -> list[tuple[int, str]]:
@@ -48,3 +50,34 @@ def test_a_save_does_not_wait_on_the_disk_on_the_training_thread(tmp_path, monke
     assert synced.index(str(tmp)) > mark  # then the temporary's directory entry, then its parent's
     data = [i for i, path in enumerate(synced) if path.startswith(f"{tmp}/") and not path.endswith(WRITING_FILE)]
     assert data and min(data) > mark
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_every_file_is_durable_before_the_marker_and_the_marker_before_the_rename(tmp_path, monkeypatch, engine):
+    """The engines now start each file's writeback as they write it (``storage.atomic.start_writeback``), which makes
+    nothing durable: the commit still fsyncs every data file and its directories before the commit marker, the
+    marker before the rename to ``step-N``, and the checkpoint directory after it."""
+    app = {"state": StateHolder({f"t{i}": torch.full((1 << 16,), float(i)) for i in range(4)})}
+    calls = _fsyncs(monkeypatch)
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        calls.append((threading.get_ident(), f"rename {src} -> {dst}"))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    root = tmp_path / "ck"
+    with Checkpointer(root, engine=engine, signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+    seen = [what for _, what in calls]
+    tmp, final = root / "step-1.tmp", root / "step-1"
+    files = json.loads((final / COMMIT_FILE).read_text())["files"]
+    marker = seen.index(str(tmp / f".{COMMIT_FILE}.tmp"))
+    renamed = seen.index(f"rename {tmp} -> {final}")
+    for rel in files:
+        assert seen.index(str(tmp / rel)) < marker, rel
+        for parent in Path(rel).parents:  # each directory holding it, up to the temporary itself
+            assert str(tmp / parent).rstrip("/.") in seen[:marker], (rel, parent)
+    assert marker < seen.index(f"rename {tmp / f'.{COMMIT_FILE}.tmp'} -> {tmp / COMMIT_FILE}") < renamed
+    assert str(tmp) in seen[marker + 1:renamed]  # the marker's name in the temporary, durable before the rename
+    assert str(root) in seen[renamed + 1:]  # and the rename itself

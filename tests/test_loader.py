@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 from itertools import islice
 
 import numpy as np
@@ -249,6 +250,36 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
         feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=1)
         assert [feeder().__len__() for _ in range(3)] == [5, 5, 5] and len(feeder.in_flight()) == 3
         feeder.cancel()
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingFeeds(ImageTrain):
+    """ImageTrain that counts the batches fed to its graph (``feed`` runs once per batch fed)."""
+
+    fed: list = dataclasses.field(default_factory=list, compare=False)
+
+    def inputs(self, batch, *, seed, epoch):
+        self.fed.append(batch.indices.tolist())
+        return super().inputs(batch, seed=seed, epoch=epoch)
+
+
+def test_while_the_loop_uses_a_batch_prefetch_batches_are_in_the_graph(image_dataset):
+    """DALI's ``run()`` feeds a batch only when the next output is asked for, so while the training loop used a batch
+    only ``prefetch - 1`` were in DALI's hands (issue 45: its workers waited for the loop's next call). The Loader
+    feeds the batch after the next as soon as it has a batch's outputs, as DALI's own iterator does; but not after
+    an epoch's last batch (a loop that stops there never gets it), and the batches are the same ones."""
+    pipeline = _CountingFeeds(size=16)
+    loader = _loader(image_dataset, batch_size=8, prefetch=2, pipeline=pipeline)
+    held, got = [], []
+    for batch in loader:
+        time.sleep(0.05)  # the training step: the read of the batch after the next one ends meanwhile
+        held.append(len(pipeline.fed))
+        got.append(batch["index"].tolist())
+    # batch k held: k + 1 and k + 2 fed (k + 1 alone with run()); with the epoch's last batch, nothing more: one
+    # batch of the next epoch fed, as before
+    assert held[0] in (2, 3) and held[1:] == [4, 5, 6, 7, 7], held
+    assert pipeline.fed[:6] == got and got == [b["index"].tolist() for b in _loader(image_dataset, batch_size=8)]
+    loader.close()
 
 
 @pytest.mark.gpu

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -192,3 +194,22 @@ def test_an_image_pipeline_on_a_video_dataset_points_to_the_clip_kinds(tmp_path)
         convert(ConvertConfig(source=tmp_path / kind, dest=tmp_path / f"{kind}ds", workers=1, progress=False))
         with pytest.raises(fastio.DatasetError, match=rf"{kind}ds: dataset has no image field; it holds {clips}"):
             fastio.Loader(tmp_path / f"{kind}ds", pipeline=fastio.ImageTrain(size=8), batch_size=2, device="cpu")
+
+
+def test_a_shard_rewritten_before_its_first_read_stops_the_loop_where_it_did_before_the_feed_ahead(image_dataset):
+    """The Loader feeds a batch ahead while the loop uses the one before (issue 45); a read failing there is raised
+    by the call that asks for the next batch, the one ``run()`` would have raised it in: with ``shuffle="none"``,
+    batches 0-2 come, then the error naming the shard (batch 4 is its first; the call for batch 3 would feed it)."""
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    data = bytearray(shard.read_bytes())
+    data[:4] = b"xxxx"  # the first member's name in its tar header: the same size, another key
+    shard.chmod(0o644)
+    shard.write_bytes(bytes(data))
+    loader = _loader(image_dataset, shuffle="none")
+    got = []
+    with pytest.raises(DatasetError, match="shard-000002.tar.*rewritten after it was indexed"):
+        for batch in loader:
+            time.sleep(0.05)  # the training step: the next reads end meanwhile, so batches are fed ahead
+            got.append(batch["index"].tolist())
+    assert got == [list(range(8 * b, 8 * b + 8)) for b in range(3)]
+    loader.close()

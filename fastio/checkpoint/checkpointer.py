@@ -201,6 +201,7 @@ class Checkpointer:
         """The scheduling state of a new Checkpointer: nothing in flight, no step saved, the clock started."""
         self._stager = Stager()
         self._thread: threading.Thread | None = None
+        self._pruner: threading.Thread | None = None
         self._inflight_step: int | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
@@ -268,13 +269,17 @@ class Checkpointer:
         self._save(step, app, metrics, epoch, blocking=blocking)
 
     def wait(self) -> None:
-        """Wait for the write in flight to be committed; raise its error as a CheckpointError."""
+        """Wait for the write in flight to be committed; raise its error as a CheckpointError. The steps its
+        retention (``keep``) expired are renamed away by then (no checkpoints any more); their files are deleted in
+        the background, before the next save's engine writes and by ``close`` at the latest."""
         self._raise_if_failed(wait=True)
 
     def close(self) -> None:
-        """Wait for the last write, remove the signal handlers, free staging memory and release DIR's lock."""
+        """Wait for the last write and for retention's deletions, remove the signal handlers, free staging memory and
+        release DIR's lock."""
         try:
             self._raise_if_failed(wait=True)
+            self._finish_pruning()
         finally:
             self._ranks.close()
             self._flag.uninstall()
@@ -332,6 +337,7 @@ class Checkpointer:
                              "Loader)")
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
         self._raise_if_failed(wait=True)
+        self._finish_pruning()  # the restore's clean-up deletes hidden leftovers too
         state = self._restorer.restore_latest(app, step, strict, loader_policy)
         if state is not None:  # the next save continues the restored run's clock
             self._last_step = state.step
@@ -407,6 +413,12 @@ class Checkpointer:
             why = str(err) if isinstance(err, CheckpointError) else first_line(err)
             raise CheckpointError(f"{naming.step_dir(self.dir, step)}: checkpoint write failed: "
                                   f"{why} (the previous checkpoint is intact)") from err
+
+    def _finish_pruning(self) -> None:
+        """Wait for the deletion of the steps the last save's retention expired (see :meth:`Commit.prune`)."""
+        pruner = self._pruner
+        if pruner is not None:
+            pruner.join()
 
     def _save(self, step: int, app: dict[str, Any], metrics: dict[str, float] | None, epoch: int | None,
               *, blocking: bool) -> None:
@@ -492,16 +504,19 @@ class Checkpointer:
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],
                step: int, tmp: Path, info: CommitInfo) -> None:
         """Background thread (the seam where a staged save runs): the engine writes the staged copy, the ranks
-        compress (if asked), then the step is committed and pruned; each phase is agreed over the writer's rank
-        group, so any rank's failure fails every rank's save."""
+        compress (if asked), then the step is committed and retention renames the expired steps away; each phase is
+        agreed over the writer's rank group, so any rank's failure fails every rank's save. The save is done when
+        this thread ends; the expired steps' files are deleted on a thread of their own after it."""
         started = time.perf_counter()
         ranks = self._writer_ranks
         try:
             def write() -> None:
+                self._finish_pruning()  # the last save's expired steps leave the disk before this one fills it
                 if self._leader:  # the temporary staging made, durable before the engine writes into it
                     self._commit.ready(step)
                 self._stager.wait_copies()
-                return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys)
+                return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys,
+                                   writeback=self._compression is None)  # compressed: replaced before the commit
 
             written = ranks.run("write", write)
             if self._compression is not None:
@@ -521,3 +536,6 @@ class Checkpointer:
             self._error, self._error_step = err, step
         finally:
             self._inflight_step = None
+            if self._commit.expired:  # deleted after the save counts as done: nobody waits for it but close()
+                self._pruner = start_writer(self._commit.prune, (), name=f"fastio-ckpt-prune-{step}",
+                                            nice=self.config.writer_nice)

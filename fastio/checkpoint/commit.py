@@ -8,7 +8,8 @@ and its :class:`~fastio.checkpoint.restore.Restorer` decides what to restore, on
 implementation (plan, fetch, check, fall back).
 
 - :class:`LocalCommit`: a directory every rank sees (a file system, or an ``s3://`` dir staged in one shared
-  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`publish.commit`) and applies retention; for
+  directory). Rank 0 commits ``step-N.tmp`` to ``step-N/`` (:func:`publish.commit`) and applies retention (the
+  expired steps renamed away, their files deleted by :meth:`Commit.prune` after the save counts as done); for
   ``s3://`` it then uploads every committed step the store lacks and applies retention there
   (:meth:`RemoteCheckpoints.after_commit`). Restore candidates: local committed steps, and the store's.
 - :class:`NodeLocalCommit`: an ``s3://`` dir staged in one directory per node. Each node's ranks upload their
@@ -80,9 +81,20 @@ class Commit(Protocol):
                 written: dict[str, dict[str, Any]] | None = None) -> None:
         """Writer thread, collective: supersede the committed steps above ``step`` (above ``restored`` after a
         rollback), commit the fully written temporary of ``step`` (marker last), then retention keeping ``keep``
-        (0: all); any rank's failure raises on every rank, nothing half-published is visible. ``written``: the
-        files this rank's engine wrote with their checksums taken while writing (see
+        (0: all): the expired steps are renamed away (no checkpoints from then on) and their files left for
+        :meth:`prune`; any rank's failure raises on every rank, nothing half-published is visible. ``written``:
+        the files this rank's engine wrote with their checksums taken while writing (see
         :meth:`~fastio.checkpoint.engines.base.Engine.save`), which the commit need not read back."""
+        ...
+
+    @property
+    def expired(self) -> list[Path]:
+        """The renamed-away steps retention expired whose files are not deleted yet (:meth:`prune` deletes them)."""
+        ...
+
+    def prune(self) -> None:
+        """Delete the files of the :attr:`expired` steps: after the save that expired them counts as done (its
+        caller does not wait for it)."""
         ...
 
     def steps(self) -> list[int]:
@@ -122,6 +134,15 @@ class _Steps:
         self.restored: int | None = None
         """The step the last restore loaded, until the next commit: every committed step above it is the
         abandoned branch of a rollback, superseded before that commit."""
+        self._expired: list[Path] = []
+
+    @property
+    def expired(self) -> list[Path]:
+        return list(self._expired)
+
+    def prune(self) -> None:
+        doomed, self._expired = self._expired, []
+        removal.finish_removal(doomed)
 
     def _floor(self, step: int) -> int:
         """The step above which a commit of ``step`` supersedes every committed step."""
@@ -199,7 +220,7 @@ class LocalCommit(_Steps):
                     _warn_superseded(remote.url, step, floor, remote.finish_rollback())
                 publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info, known=written)
                 self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
-                retention.apply_retention(self.root, keep)
+                self._expired += retention.expire(self.root, keep)  # the files go in prune()
                 if self.remote is not None:
                     self.remote.after_commit(keep)
 

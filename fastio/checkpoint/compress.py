@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastio.errors import CheckpointError
+from fastio.storage.atomic import start_writeback
 
 if TYPE_CHECKING:
     from fastio.checkpoint.record import CommitRecord
@@ -116,7 +117,8 @@ def _read_block(f) -> bytes:
 
 def compress_file(path: Path, comp: Compression) -> Path:
     """Replace the file ``path`` by ``path.zst`` (via ``path.zst.tmp``); returns the new path.
-    Not fsynced here: the commit flushes every stored file."""
+    Not fsynced here: the commit flushes every stored file (its writeback started here,
+    :func:`~fastio.storage.atomic.start_writeback`)."""
     zstd = _zstd()
     path = Path(path)
     out = path.with_name(path.name + SUFFIX)
@@ -131,6 +133,8 @@ def compress_file(path: Path, comp: Compression) -> Path:
                         w.write(_shuffle(block))
             else:
                 cctx.copy_stream(src, dst, size=size, read_size=_CHUNK, write_size=_CHUNK)
+            dst.flush()
+            start_writeback(dst.fileno())
         os.replace(part, out)
     except OSError as err:
         part.unlink(missing_ok=True)

@@ -2,8 +2,10 @@
 
 :func:`start_tmp` creates the temporary with the writer's mark (made durable by :func:`sync_tmp` on the writer thread
 before the engine writes into it); the engine writes into it; :func:`commit` checksums
-every file it holds (:func:`data_files`: xxh3-128, flushed to disk through the same descriptor), writes the commit
-marker last (:class:`~fastio.checkpoint.record.CommitRecord`, fsync) and renames the temporary to ``step-N``.
+every file it holds (:func:`data_files`: xxh3-128, flushed to disk through the same descriptor; the engines started
+their writeback as they wrote them, :func:`~fastio.storage.atomic.start_writeback`, so little is left to flush),
+fsyncs every directory down to them, writes the commit marker last (:class:`~fastio.checkpoint.record.CommitRecord`,
+fsync) and renames the temporary to ``step-N``.
 :func:`file_record` and :func:`commit_data` make the same records for a step committed on a store.
 """
 
@@ -76,6 +78,15 @@ def _hash_and_sync(path: Path, known: dict[str, Any] | None = None) -> tuple[int
     return result
 
 
+def _directories(tmp: Path, paths: list[Path]) -> list[Path]:
+    """Every directory from ``tmp`` down to each of ``paths``, deepest first: also those holding only directories
+    (torchsnapshot's ``0/``), whose entries an fsync of the files' own directories does not make durable."""
+    found = {tmp}
+    for path in paths:
+        found.update(p for p in path.parents if p.is_relative_to(tmp))
+    return sorted(found, key=lambda p: -len(p.parts))
+
+
 def file_record(path: Path) -> dict[str, Any]:
     """What a commit marker lists for one file: ``{"bytes": size, CHECKSUM: digest}``."""
     size, digest = digest_file(path, CHECKSUM)
@@ -99,7 +110,7 @@ def commit(tmp: Path, final: Path, *, step: int, info: CommitInfo,
         sums = list(pool.map(lambda p: _hash_and_sync(p, known.get(p.relative_to(tmp).as_posix())), paths))
     files = {p.relative_to(tmp).as_posix(): {"bytes": size, CHECKSUM: digest}
              for p, (size, digest) in zip(paths, sums)}
-    for d in sorted({p.parent for p in paths} | {tmp}, key=lambda p: -len(p.parts)):
+    for d in _directories(tmp, paths):
         fsync_dir(d)
     data = commit_data(files, step=step, info=info)
     atomic_write_bytes(tmp / COMMIT_FILE, data.encode())

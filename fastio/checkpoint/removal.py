@@ -5,8 +5,9 @@
   Checkpointer only looks while it holds the directory's lock, so no other writer is alive):
   :func:`remove_abandoned` deletes it;
 - committed checkpoints older than the newest ``keep`` (:mod:`fastio.checkpoint.retention`), each renamed to a
-  hidden ``.step-N.deleting-PID`` first and then deleted (:func:`remove_step`); :func:`remove_abandoned` finishes
-  such a deletion a kill cut short;
+  hidden ``.step-N.deleting-PID`` first (:func:`hide_step`, on the save's path) and then deleted
+  (:func:`finish_removal`, after the save counts as done; both: :func:`remove_step`); :func:`remove_abandoned`
+  finishes such a deletion a kill cut short;
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.commit`; no node holds the whole step);
 - on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
@@ -49,7 +50,8 @@ from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
 from fastio.storage.atomic import fsync_dir
 
-__all__ = ["OTHER_HOST_RESTORE_S", "quarantine", "remove_abandoned", "remove_step", "start_restore_dir"]
+__all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
+           "start_restore_dir"]
 
 OTHER_HOST_RESTORE_S = 24 * 3600.0
 """A restore directory marked by another host (whose processes this one cannot see) is abandoned this long after
@@ -59,22 +61,44 @@ its mark was written."""
 def remove_step(path: Path) -> None:
     """Delete a step directory: first renamed to a hidden ``.step-N.deleting-PID`` (atomic: it is no step from
     then on), then deleted; a deletion a kill cut short is finished by :func:`remove_abandoned`."""
+    doomed = hide_step(path)
+    if doomed is not None:
+        finish_removal([doomed])
+
+
+def hide_step(path: Path) -> Path | None:
+    """:func:`remove_step`'s first half, nothing waiting on the disk: ``path`` renamed to a hidden
+    ``.step-N.deleting-PID`` (no step from then on; where it cannot be renamed, e.g. busy, its commit marker is
+    deleted first and that made durable, so a half-deleted one reads as uncommitted). Returns what
+    :func:`finish_removal` deletes, None when ``path`` is gone already."""
     path = Path(path)
     doomed = path.with_name(deleting_name(path.name))
     try:
         shutil.rmtree(doomed, ignore_errors=True)
         os.replace(path, doomed)
-        fsync_dir(path.parent)
+        return doomed
     except FileNotFoundError:
-        return
-    except OSError:  # cannot rename (e.g. busy): its marker first, so a half-deleted one reads as uncommitted
-        doomed = path
+        return None
+    except OSError:  # cannot rename
         try:
             (path / COMMIT_FILE).unlink()
             fsync_dir(path)
         except FileNotFoundError:
             pass
-    shutil.rmtree(doomed, ignore_errors=True)
+        return path
+
+
+def finish_removal(doomed: list[Path]) -> None:
+    """:func:`remove_step`'s second half for what :func:`hide_step` returned: the renames made durable (one fsync of
+    each directory holding them: a crash then cannot bring back a step whose files are half deleted), then the
+    files deleted. Where that fsync fails, the hidden directories are left for :func:`remove_abandoned`."""
+    try:
+        for parent in sorted({Path(d).parent for d in doomed}):
+            fsync_dir(parent)
+    except OSError:
+        return
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def quarantine(path: Path) -> Path:

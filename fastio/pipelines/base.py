@@ -26,20 +26,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    import numpy as np
-
     from fastio.dataset.dataset import Dataset
     from fastio.order.sampler import SamplerSpec
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "dali_inputs", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,8 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
                   prefetch_queue_depth=prefetch, seed=seed, enable_conditionals=graph.conditionals)
     def dali_graph():
         # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
-        # batch's outputs are returned (fastio.read.feeder.Feeder does), which is what DALI requires.
+        # batch's outputs are returned (fastio.read.feeder.Feeder does), which is what DALI requires. Given as
+        # DALI's own tensors (dali_inputs), DALI's threads never take the interpreter lock to let go of them.
         nodes = fn.external_source(source=source, num_outputs=len(names), batch=True, no_copy=True,
                                    dtype=[dtypes[d] for _, d in graph.inputs])
         out = graph.body(dict(zip(names, nodes)), decoder_device)
@@ -244,6 +245,30 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
     pipe = dali_graph()
     pipe.build()
     return BuiltPipeline(pipe, tuple(outputs))
+
+
+def dali_inputs(feed: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``feed`` (a :attr:`GraphDef.feed`) giving its arrays as DALI tensors that share their memory: a whole-batch
+    array as one ``TensorListCPU``, a list of per-sample arrays as a list of ``TensorCPU``.
+
+    What the graph is fed with ``no_copy`` must stay alive until the batch's outputs come back; DALI's own wrapper of
+    a numpy array lets go of it under the interpreter lock, in whichever of DALI's threads drops the last reference.
+    Where DALI made the wrapper (a numpy array fed as it is), that is one of its threads, which then waits for the
+    lock while the training loop or a reader thread runs Python (issue 45: DALI's workers idle). Fed these wrappers,
+    kept by the :class:`~fastio.read.feeder.Feeder` until the batch's outputs come back, the last reference is the
+    feeder's, dropped in the Loader's thread; DALI's threads never take the lock. DALI's per-sample checks of a
+    list of arrays are skipped too (a list of its own tensors passes as it is)."""
+    from nvidia.dali.tensors import TensorCPU, TensorListCPU
+
+    def tensor_list(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return [TensorCPU(np.ascontiguousarray(a)) for a in value]
+        return TensorListCPU(np.ascontiguousarray(value))
+
+    def fed(*args: Any, **kwargs: Any) -> tuple:
+        return tuple(tensor_list(value) for value in feed(*args, **kwargs))
+
+    return fed
 
 
 _DALI_OPERATOR = re.compile(r"Error in \w+ operator `(?:nvidia\.dali\.)?([\w.]+)`")

@@ -5,9 +5,10 @@ through the following epochs by itself (the plan of epoch ``e + 1`` follows the 
 ``e``), so that one DALI pipeline serves the Loader's whole life and the first batches of the next
 epoch are read and decoded while the training loop finishes the current one. Each call takes the
 stream's next batch, waits for its bytes (read in the reader's threads, ``read_ahead`` batches ahead)
-and returns the graph's inputs (the ``feed`` of the kind's graph, :class:`fastio.pipelines.GraphDef`). It keeps what it
-fed, with the arrays it handed over (the graph reads them in place, without a copy), oldest first, until
-the Loader takes it
+and returns the graph's inputs (the ``feed`` of the kind's graph, :class:`fastio.pipelines.GraphDef`; the Loader gives
+DALI's tensors of them, :func:`fastio.pipelines.base.dali_inputs`). It keeps what it fed, with the inputs it handed
+over (the graph reads them in place, without a copy; the feeder's is the last reference, so DALI's threads never take
+the interpreter lock to let go of them), oldest first, until the Loader takes it
 (:meth:`Feeder.delivered`) to pair it with the graph's outputs. It gets everything it needs as
 arguments and knows nothing of the Loader.
 """
@@ -180,6 +181,10 @@ class Feeder:
             return None
         plan, g = self._slots[0].plan, self._slots[0].g
         return plan.epoch, plan.start if g == 0 else plan.consumed_after(g - 1)
+
+    def next_is_read(self) -> bool:
+        """Whether the next batch to feed has its bytes (a call now would wait for no read)."""
+        return self._ready() and self._slots[0].read.done()
 
     def delivered(self) -> Fed:
         """The oldest batch fed to the graph and not yet taken: the one its next output belongs to (its

@@ -115,14 +115,18 @@ class Engine(Protocol):
         ...
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]] | None:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
+             writeback: bool = True) -> dict[str, dict[str, Any]] | None:
         """Collective: write ``states`` (app key -> a private, already staged state dict) into the
         existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
         every rank (written once). ``global_keys``: what :meth:`prepare` said is global. Runs on the
         Checkpointer's writer thread; must leave no process-wide setting changed when it returns or
         raises. The Checkpointer commits afterwards. May return the files this rank wrote, by path relative
         to ``path``, with their ``"bytes"`` and a checksum taken from the bytes written (``"xxh3_128"``): the
-        commit then records those instead of reading the files back (None: it reads them all)."""
+        commit then records those instead of reading the files back (None: it reads them all). ``writeback``:
+        start each file's writeback to the disk as it is written (:func:`~fastio.storage.atomic.start_writeback`),
+        so that the commit's fsyncs find it done; False when the files are replaced before the commit (compressed),
+        whose bytes would go to the disk for nothing."""
         ...
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:

@@ -75,6 +75,7 @@ from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stat
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
+from fastio.storage.atomic import start_writeback
 
 __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
 
@@ -627,12 +628,13 @@ class DcpCheckpoint(SavedCheckpoint):
 # ---------------------------------------------------------------- the engine
 class _HashedStream:
     """A file DCP writes through: hashes (xxh3-128) and counts every byte on its way to the file, and records
-    ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed."""
+    ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed, having started its writeback to the disk
+    (with ``writeback``: :func:`~fastio.storage.atomic.start_writeback`)."""
 
-    def __init__(self, f: Any, path: Path, records: dict[Path, dict[str, Any]]):
+    def __init__(self, f: Any, path: Path, records: dict[Path, dict[str, Any]], writeback: bool):
         from fastio.storage.checksum import DIGESTS
 
-        self.f, self.path, self.records = f, path, records
+        self.f, self.path, self.records, self.writeback = f, path, records, writeback
         self.hash, self.size = DIGESTS[WRITE_CHECKSUM](), 0
 
     def write(self, data: Any) -> int:
@@ -642,6 +644,9 @@ class _HashedStream:
 
     def close(self) -> None:
         if not self.f.closed:
+            if self.writeback:  # on its way to the disk now, not all at once in the commit's fsyncs
+                self.f.flush()
+                start_writeback(self.f.fileno())
             self.f.close()
             self.records[self.path] = written_record(None, self.size, self.hash.hexdigest())
 
@@ -653,9 +658,10 @@ class _HashingFileSystem(FileSystem):
     """DCP's local file system, recording each file it writes (:class:`_HashedStream`) under its final name (its
     metadata is written to a temporary and renamed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writeback: bool) -> None:
         super().__init__()
         self.records: dict[Path, dict[str, Any]] = {}
+        self.writeback = writeback
 
     @contextmanager
     def create_stream(self, path: str | PathLike, mode: str) -> Iterator[Any]:
@@ -663,7 +669,7 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        stream = _HashedStream(open(path, mode), Path(path), self.records)  # noqa: SIM115 - closed below
+        stream = _HashedStream(open(path, mode), Path(path), self.records, self.writeback)  # noqa: SIM115 - closed below
         try:
             yield stream
         finally:
@@ -687,11 +693,12 @@ def _save_rank_files(path: Path, rank: int, per_rank: dict[str, Any], written: d
         written[_rank_file(path, rank, key)] = written_record(buf.getbuffer())
 
 
-def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int) -> dict[Path, dict[str, Any]]:
+def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int,
+              writeback: bool) -> dict[Path, dict[str, Any]]:
     """Collective ``dcp.save`` of the global state into ``path``; the files this rank wrote, with their records."""
     # sync_files off: the commit fsyncs every file anyway
     writer = FileSystemWriter(str(path), sync_files=False)
-    writer.fs = _HashingFileSystem()
+    writer.fs = _HashingFileSystem(writeback)
     dcp.save(shared, storage_writer=writer, process_group=pg, no_dist=world == 1)
     return writer.fs.records
 
@@ -728,7 +735,8 @@ class DcpEngine:
         return out, frozenset(shared)
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
+             writeback: bool = True) -> dict[str, dict[str, Any]]:
         """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar; the
         files this rank wrote, each with its size and xxh3-128 taken from the bytes written (DCP's through
         :class:`_HashingFileSystem`). ``replicated`` is not used: global state is written once by DCP's own
@@ -749,7 +757,7 @@ class DcpEngine:
             mine = err
         if shared:
             try:
-                written.update(_dcp_save(path, shared, pg, world))
+                written.update(_dcp_save(path, shared, pg, world, writeback))
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
                 me = rank if pg is None else dist.get_rank(group=pg)
                 if mine is None and (world == 1 or me in err.failures):

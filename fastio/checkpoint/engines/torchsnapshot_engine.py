@@ -45,6 +45,7 @@ from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
+from fastio.storage.atomic import start_writeback
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 
@@ -96,17 +97,29 @@ def _write_settings() -> Iterator[None]:
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
 
 
+def _start_writeback(path: str) -> None:
+    """:func:`~fastio.storage.atomic.start_writeback` of the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        start_writeback(fd)
+    finally:
+        os.close(fd)
+
+
 class _LaterErrors(FSStoragePlugin):
-    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it, and
+    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it,
     recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the
-    bytes written, which are the Checkpointer's staged copy).
+    bytes written, which are the Checkpointer's staged copy), and starting each file's writeback to the disk as
+    soon as it is written (``writeback``, :func:`~fastio.storage.atomic.start_writeback`: the commit's fsyncs then
+    find the bytes written or on their way, instead of writing all of them at once).
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
     collective of it, and the Checkpointer's agreement on the ``write`` phase then fails every rank with it."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, writeback: bool = True):
         super().__init__(root=root)
+        self.writeback = writeback
         self.error: Exception | None = None
         self.written: dict[str, dict[str, Any]] = {}
 
@@ -116,11 +129,15 @@ class _LaterErrors(FSStoragePlugin):
         try:
             await super().write(write_io)
             self.written[write_io.path] = written_record(write_io.buf)
+            if self.writeback:
+                await asyncio.get_running_loop().run_in_executor(None, _start_writeback,
+                                                                 os.path.join(self.root, write_io.path))
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
 
 
-def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> dict[str, dict[str, Any]]:
+def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
+          writeback: bool = True) -> dict[str, dict[str, Any]]:
     """``Snapshot.take(path, app, pg=pg, replicated=replicated)``, step for step as torchsnapshot 0.1.0 does it,
     but through :class:`_LaterErrors`: a write error on this rank is raised after the take's last collective
     (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway).
@@ -130,7 +147,7 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str]) -> dic
         ranks = PGWrapper(pg=pg)
         path, coalesced = Snapshot._coalesce_path_and_replicated(path=path, pg_wrapper=ranks, app_state=app,
                                                                  replicated=replicated)
-        storage = _LaterErrors(path)
+        storage = _LaterErrors(path, writeback)
         pending, metadata = Snapshot._take_impl(path=path, app_state=app, replicated=coalesced,
                                                 pg_wrapper=PGWrapper(pg), storage=storage, event_loop=event_loop,
                                                 is_async_snapshot=False)
@@ -410,7 +427,8 @@ class TorchSnapshotEngine:
         return dict(app), frozenset()
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
-             replicated: Sequence[str] = (), global_keys: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+             replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
+             writeback: bool = True) -> dict[str, dict[str, Any]]:
         """``Snapshot.take`` of the staged ``states`` (:func:`_take`: a write error raises on its rank only
         after the take's collectives), without batching; the files this rank wrote, each with its size and
         xxh3-128 taken from the bytes written.
@@ -420,7 +438,7 @@ class TorchSnapshotEngine:
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
-            return _take(str(path), app, pg, list(replicated))
+            return _take(str(path), app, pg, list(replicated), writeback)
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
         """None foreseen: torchsnapshot reads its files itself."""
