@@ -84,6 +84,7 @@ def test_an_item_that_is_not_a_plain_tensor_is_refused_naming_its_file(tmp_path,
                 DcpEngine().open(tmp_path / "ck" / "step-1").restore(DcpEngine().prepare({"m": _Refused()})[0])
     assert str(tmp_path / "ck" / "step-1" / "__0_0.distcp") in str(err.value), err.value
     assert "refused" in str(err.value) and "\n" not in str(err.value)
+    assert _mapped_files(tmp_path / "ck" / "step-1") == []  # not kept by the error's frames (held here)
 
 
 class _Odd(nn.Module):

@@ -45,6 +45,7 @@ import json
 import pickle
 import re
 import shutil
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from os import PathLike
@@ -470,10 +471,17 @@ class _HeldReader(FileSystemReader):
         for rel, reqs in per_file.items():
             try:
                 self._read_file(rel, reqs, plan, planner)
-            except pickle.UnpicklingError:
-                raise CheckpointError(f"{self.where / rel}: refused to load an item: not a plain tensor "
-                                      "(torch.load weights_only)") from None
-        return super().read_data(dataclasses.replace(plan, items=[]), planner)
+            except pickle.UnpicklingError as err:
+                traceback.clear_frames(err.__traceback__)  # views of the mappings: not kept by the error
+                refused = rel
+                break
+            except BaseException as err:
+                traceback.clear_frames(err.__traceback__)
+                raise
+        else:
+            return super().read_data(dataclasses.replace(plan, items=[]), planner)
+        raise CheckpointError(f"{self.where / refused}: refused to load an item: not a plain tensor "
+                              "(torch.load weights_only)")
 
     def _read_file(self, rel: str, reqs: list[Any], plan: Any, planner: Any) -> None:
         data = self.held.get(rel)
@@ -569,6 +577,8 @@ class DcpCheckpoint(SavedCheckpoint):
                 raise
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
                 raise _unwrap(err, self.path) from None
+            finally:
+                self.held.clear()  # the mappings go with the load, whatever an error keeps of the reader
             for k in shared:
                 targets[k].load_state_dict(template[k])
         for k in targets:
