@@ -61,6 +61,25 @@ def test_a_stored_tensor_with_a_conj_or_neg_bit_reads_as_saved(view):
     assert torch.equal(got.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg())
 
 
+@pytest.mark.parametrize("layout", [(-1, 0, (3, 4), (4, 1)), (12, 0, (4, 4), (4, 1)), (12, -1, (3, 4), (4, 1)),
+                                    (12, 0, (3, 4), (-4, 1))], ids=["negative-numel", "past-the-storage",
+                                                                    "negative-offset", "negative-stride"])
+def test_a_stored_layout_outside_its_storage_is_left_to_torch_load(monkeypatch, layout):
+    """A record whose layout reaches outside its storage (a crafted checkpoint: torch.save never writes one) is not
+    viewed in place, where it would read other bytes of the file; torch.load reads the record as it is."""
+    from fastio.checkpoint.engines import dcp_engine
+
+    want = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buf = io.BytesIO()
+    torch.save(want, buf)
+    numel, offset, size, stride = layout
+    real = dcp_engine._Layout.load
+    monkeypatch.setattr(dcp_engine._Layout, "load",
+                        lambda self: (*real(self)[:2], numel, offset, size, stride))
+    got = _stored_tensor(memoryview(bytearray(buf.getvalue())))
+    assert torch.equal(got, want)
+
+
 class _Subclass(torch.Tensor):
     """Not a plain tensor: ``torch.load(weights_only=True)`` refuses its pickle."""
 

@@ -403,7 +403,16 @@ def _layout(blob: memoryview) -> tuple | None:
     name = f"{prefix}data/{key}"
     at = reader.get_record_offset(name) if name in records else -1
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    return (dtype, at, nbytes, offset, size, stride) if 0 <= at and at + nbytes <= len(blob) else None
+    if not (0 <= at and 0 <= nbytes and at + nbytes <= len(blob) and _within(numel, offset, size, stride)):
+        return None  # not what torch.save writes: torch.load decides
+    return dtype, at, nbytes, offset, size, stride
+
+
+def _within(numel: int, offset: int, size: tuple, stride: tuple) -> bool:
+    """Whether a view of ``size`` and ``stride`` at ``offset`` stays inside a storage of ``numel`` elements."""
+    if offset < 0 or len(size) != len(stride) or any(n < 0 for n in size) or any(st < 0 for st in stride):
+        return False
+    return 0 in size or offset + sum((n - 1) * st for n, st in zip(size, stride)) < numel
 
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
