@@ -432,8 +432,9 @@ def _rounds(dest: Path, device: str, cores: int, repeats: int) -> dict:
                 out["by_thread"][name].setdefault(group, []).append(1000 * secs / n)
             print(f"  round {r + 1}/{repeats}  {name:<11} {out['runs'][name][-1]:9.1f} samples/s  "
                   f"{out['cpu'][name][-1]:6.2f} CPU ms/sample", file=sys.stderr, flush=True)
-        for name, f in firsts.items():
-            out["first"][name].append(f())
+        names = list(firsts)  # rotated each round: the first of them always came right after the ceiling's epoch
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out["first"][name].append(firsts[name]())
         out["quiet"].append(during(start, read_sample()))
         print(_round_line(out, r, repeats), file=sys.stderr, flush=True)
     return out
