@@ -11,6 +11,11 @@ re-checking this module, and nothing else.
 
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
+
+A restore reads each file once where it can: the Checkpointer's check maps the files :meth:`TorchSnapshotEngine.reads`
+foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
+has agreed that every file of the step is intact, torchsnapshot's reads of those files are served from the mappings
+(:class:`_HeldReads`: no second read, no fresh buffer per file), copied once into the app's tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 from torchsnapshot import Snapshot
 from torchsnapshot import scheduler as _scheduler
 from torchsnapshot.flatten import _decode, _encode, inflate
-from torchsnapshot.io_types import WriteIO
+from torchsnapshot.io_types import ReadIO, WriteIO
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
     ObjectEntry,
@@ -163,6 +168,61 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
     return storage.written
 
 
+class _HeldView:
+    """``ReadIO.buf`` for a read served from a held file: ``getvalue()`` (all torchsnapshot asks of it) is the read's
+    bytes viewed in the mapping, not copied."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+
+    def getvalue(self) -> memoryview:
+        return self.view
+
+
+class _HeldReads(FSStoragePlugin):
+    """torchsnapshot's file system plugin, reading the files in ``held`` (path relative to the step -> their bytes,
+    checked by the restore) from there: ``read_io.buf.getvalue()`` is a view of the file's bytes (its byte range).
+
+    torchsnapshot 0.1.0's consumers never keep that buffer: a tensor's bytes are viewed (``torch.frombuffer``) or
+    unpickled from a ``BytesIO`` copy and copied into the target tensor, or into one it makes when the target has
+    none that fits (``empty_tensor_from_entry``: a fresh optimizer's moments); an object is unpickled from a
+    ``BytesIO`` copy. So nothing restored refers to the mapping once the read is consumed."""
+
+    def __init__(self, root: str, held: Mapping[str, Any]):
+        super().__init__(root=root)
+        self.held = held
+
+    async def read(self, read_io: ReadIO) -> None:
+        data = self.held.get(read_io.path)
+        if data is None:
+            return await super().read(read_io)
+        view = memoryview(data)
+        if read_io.byte_range is not None:
+            view = view[read_io.byte_range[0]:read_io.byte_range[1]]
+        read_io.buf = _HeldView(view)
+
+
+def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> None:
+    """``snap.restore(app)``, step for step as torchsnapshot 0.1.0 does it, but reading through :class:`_HeldReads`."""
+    event_loop = asyncio.new_event_loop()
+    try:
+        ranks = PGWrapper(snap.pg)
+        storage = _HeldReads(snap.path, held)
+        snap._validate_app_state(app)
+        app = dict(app)
+        rng = snap._pop_rng_state(app_state=app)
+        for key in snap._gather_keys(keys=list(app), pg_wrapper=ranks):
+            snap._load_stateful(stateful_key=key, stateful=app.get(key), storage=storage, pg=ranks,
+                                event_loop=event_loop)
+            ranks.barrier()
+        if rng is not None:  # the RNG state last, as torchsnapshot restores it
+            snap._load_stateful(stateful_key=rng[0], stateful=rng[1], storage=storage, pg=ranks,
+                                event_loop=event_loop)
+        storage.sync_close(event_loop=event_loop)
+    finally:
+        event_loop.close()
+
+
 class _LaterLoadError:
     """An app object for ``Snapshot.restore`` whose ``state_dict``/``load_state_dict`` keep their first error for
     later instead of raising it: raised inside the restore on one rank, it would leave that rank's restore while
@@ -223,8 +283,11 @@ def _locations(entry: Any) -> list[str]:
 class TorchSnapshotCheckpoint(SavedCheckpoint):
     """A torchsnapshot step directory opened for reading (see :class:`~fastio.checkpoint.engines.base.SavedCheckpoint`)."""
 
-    def __init__(self, path: Path, pg: Any = None):
+    def __init__(self, path: Path, pg: Any = None, held: Mapping[str, Any] | None = None):
         self.path = Path(path)
+        self.held: Mapping[str, Any] = {} if held is None else held
+        """Files of the step this rank checked in memory (see :meth:`TorchSnapshotEngine.open`): :meth:`restore`
+        reads them from there."""
         self._snap = Snapshot(str(path), pg=pg)
         try:
             self._manifest = self._snap.get_manifest()
@@ -254,7 +317,8 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
 
         torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``),
         so restoring model, optimizer, loader and RNG would read every tensor once per key; with a
-        view per key each byte is read once. The restored state is the same.
+        view per key each byte is read once. The restored state is the same. Files in :attr:`held` are read
+        from there (:func:`_restore`), the others from disk.
         """
         from torch import nn
 
@@ -272,7 +336,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 snap._metadata = replace(full, manifest=view)
                 later = _LaterLoadError(obj)
                 try:
-                    snap.restore({key: later})
+                    _restore(snap, {key: later}, self.held)
                 except pickle.UnpicklingError:  # torch.load refused (weights_only, torch >= 2.6): name the file
                     error = error or self._refused(view)
                     PGWrapper(snap.pg).barrier()  # the key's last collective, which the raise skipped
@@ -441,9 +505,21 @@ class TorchSnapshotEngine:
             return _take(str(path), app, pg, list(replicated), writeback)
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
-        """None foreseen: torchsnapshot reads its files itself."""
-        return {}
+        """At the world size it was saved at, rank R reads its own state from the files under ``R/``; the files
+        under ``replicated/`` every rank reads: foreseen for rank 0 (the others read them from disk). At another,
+        elastic (``restore_elastic`` reads what it needs key by key), nothing is foreseen."""
+        if not saved_world or saved_world != world:
+            return {}
+        out: dict[str, int] = {}
+        for f in files:
+            top = f.split("/", 1)[0]
+            if top == "replicated":
+                out[f] = 0
+            elif top.isdigit() and int(top) < saved_world:
+                out[f] = int(top)
+        return out
 
     def open(self, path: Path, *, pg: Any = None, held: Mapping[str, Any] | None = None) -> TorchSnapshotCheckpoint:
-        """``held`` is not used (:meth:`reads` foresees none)."""
-        return TorchSnapshotCheckpoint(path, pg)
+        """``held``: files of ``path`` this rank checked in memory, which :meth:`TorchSnapshotCheckpoint.restore`
+        reads from there."""
+        return TorchSnapshotCheckpoint(path, pg, held)
