@@ -5,7 +5,8 @@ One run of 2 gloo ranks on 127.0.0.1. The files are intact (the restore's check 
 load, rank 1's view of one file fails: torchsnapshot's read of a tensor file gives EIO (an NFS client losing its
 server) or half its bytes (a truncated view), or DCP's ``.metadata`` is missing on rank 1 only (a node that sees
 other files). Each hung before: the rank that failed left the engine's collectives while the other waited inside
-them.
+them. For the torchsnapshot cases rank 1 reads its files from disk (as when they do not fit in half the memory
+available): files it checked in memory are loaded from there, with no read left to fail.
 """
 
 from __future__ import annotations
@@ -25,18 +26,28 @@ from fastio.checkpoint import Checkpointer
 from fastio.errors import CheckpointError
 
 
+def _from_disk():
+    """This rank keeps none of the files it checks in memory (too little available): the engine reads them all."""
+    from fastio.checkpoint import restore
+
+    original = restore._memory_available
+    restore._memory_available = lambda: 0
+    return lambda: setattr(restore, "_memory_available", original)
+
+
 def eio_on_data_files():
     """torchsnapshot's file reads fail on this rank for tensor files (not the metadata), as an I/O error."""
     from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
     original = FSStoragePlugin.read
+    undo_disk = _from_disk()
 
     async def read(self, read_io):
         if "model" in read_io.path:
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(self.root, read_io.path))
         return await original(self, read_io)
     FSStoragePlugin.read = read
-    return lambda: setattr(FSStoragePlugin, "read", original)
+    return lambda: (setattr(FSStoragePlugin, "read", original), undo_disk())
 
 
 def short_reads():
@@ -44,6 +55,7 @@ def short_reads():
     from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
     original = FSStoragePlugin.read
+    undo_disk = _from_disk()
 
     async def read(self, read_io):
         await original(self, read_io)
@@ -51,7 +63,7 @@ def short_reads():
             data = read_io.buf.getvalue()
             read_io.buf = io.BytesIO(data[:len(data) // 2])
     FSStoragePlugin.read = read
-    return lambda: setattr(FSStoragePlugin, "read", original)
+    return lambda: (setattr(FSStoragePlugin, "read", original), undo_disk())
 
 
 def no_dcp_metadata():

@@ -1,0 +1,146 @@
+"""What a torchsnapshot restore reads: the files the check mapped into memory for this rank are loaded from those
+mappings (one read of each file, not two), copied into the app's tensors (in place where the target has them, new
+ones where it has none: a fresh optimizer's moments), with nothing left referring to the mappings afterwards; a
+byte flipped in a file is still refused with nothing loaded. One process, real torchsnapshot steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastio.checkpoint import Checkpointer
+from fastio.checkpoint.engines import get_engine
+from fastio.errors import CheckpointError
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read(2) and its kin (page cache included), all threads."""
+    text = Path("/proc/self/io").read_text()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar:")))
+
+
+class _Counter:
+    """A Stateful that is not a module: a tensor and plain objects (torchsnapshot reads it with no target)."""
+
+    def __init__(self, seed: int):
+        self.seen = torch.arange(5) * seed
+        self.names = [f"n{seed}", {"k": seed}]
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "names": self.names}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.names = state["seen"], state["names"]
+
+
+def _app(seed: int, trained: bool) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if trained:
+        model(torch.randn(4, 512)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return {"model": model, "optim": optim, "counter": _Counter(seed)}
+
+
+def _tensors(app: dict) -> list[torch.Tensor]:
+    model, optim = app["model"], app["optim"]
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.clone() for _, v in sorted(optim.state[p].items())]
+    return out + [app["counter"].seen.clone()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _mapped(step: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(step) in line]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict, torch.Tensor, int]:
+    """A torchsnapshot step of a trained model + Adam + a counter: (root, app, the RNG draw after the save, the
+    bytes of its data files)."""
+    root = tmp_path_factory.mktemp("ts") / "ck"
+    app = _app(1, trained=True)
+    with Checkpointer(root, signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, app, blocking=True)
+    data = sum(f.stat().st_size for f in (root / "step-1" / "0").rglob("*") if f.is_file())
+    return root, app, torch.rand(3), data
+
+
+def test_a_restore_into_a_fresh_app_reads_each_file_once_and_loads_it_bitwise(saved):
+    """Before: the check read every file (a 4 MiB model and its 2 Adam moments here) and torchsnapshot read each again:
+    2x the data. Now the check maps this rank's files and torchsnapshot's reads are served from the mappings."""
+    root, app, draw, data = saved
+    into = _app(2, trained=False)  # no optimizer state at all: torchsnapshot makes the moments
+    assert data > 10 << 20
+    torch.manual_seed(99)
+    with Checkpointer(root, signals=()) as ckpt:
+        before = _rchar()
+        assert ckpt.restore_latest(into).step == 1
+        read = _rchar() - before
+        assert _mapped(root / "step-1") == []  # nothing refers to the mappings once the restore returns
+    assert read < 0.5 * data, (read, data)
+    assert _same(_tensors(into), _tensors(app))
+    assert into["counter"].names == app["counter"].names
+    assert torch.equal(torch.rand(3), draw)  # the RNG as it was at the save
+
+
+def test_restored_tensors_are_writable_and_independent_of_the_files(saved):
+    root, app, _, _ = saved
+    into = _app(3, trained=False)
+    with Checkpointer(root, signals=()) as ckpt:
+        ckpt.restore_latest(into)
+        for t in [*into["model"].parameters(), *(v for s in into["optim"].state.values() for v in s.values())]:
+            with torch.no_grad():
+                t.add_(1)  # a read-only view of a file's bytes would refuse; a shared one would change the next
+        again = _app(4, trained=False)
+        ckpt.restore_latest(again)
+    assert _same(_tensors(again), _tensors(app))
+
+
+def test_an_existing_optimizer_state_is_loaded_in_place(saved):
+    root, app, _, _ = saved
+    into = _app(5, trained=True)
+    moments = {id(v): v.data_ptr() for s in into["optim"].state.values() for v in s.values()}
+    params = [p.data_ptr() for p in into["model"].parameters()]
+    with Checkpointer(root, signals=()) as ckpt:
+        ckpt.restore_latest(into)
+    assert [p.data_ptr() for p in into["model"].parameters()] == params
+    after = {v.data_ptr() for s in into["optim"].state.values() for v in s.values() if v.dim()}
+    assert after <= set(moments.values())
+    assert _same(_tensors(into), _tensors(app))
+
+
+def test_a_flipped_byte_is_refused_and_nothing_loads(tmp_path):
+    app = _app(6, trained=True)
+    with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, app, blocking=True)
+    weight = max((f for f in (tmp_path / "ck" / "step-1" / "0" / "model").rglob("*") if f.is_file()),
+                 key=lambda f: f.stat().st_size)
+    data = bytearray(weight.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    weight.write_bytes(data)
+    into = _app(7, trained=False)
+    before = _tensors(into)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError) as err:
+        ckpt.restore_latest(into, step=1)
+    assert weight.name in str(err.value) and "xxh3_128" in str(err.value)
+    assert _same(_tensors(into), before)
+    assert _mapped(tmp_path / "ck" / "step-1") == []
+
+
+def test_reads_foresees_each_ranks_files_and_the_replicated_ones_at_the_saved_world_size():
+    files = [".snapshot_metadata", "0/model/w", "1/model/w", "1/optim/state/0/exp_avg", "replicated/model/b",
+             "fastio-commit.json"]
+    engine = get_engine("torchsnapshot")
+    assert engine.reads(files, 2, 2) == {"0/model/w": 0, "1/model/w": 1, "1/optim/state/0/exp_avg": 1,
+                                         "replicated/model/b": 0}
+    assert engine.reads(files, 2, 3) == {}  # elastic: read key by key, nothing foreseen
