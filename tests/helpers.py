@@ -69,6 +69,12 @@ def indexed_tar(folder: Path, samples: dict[str, dict[str, bytes]], capsys) -> P
     return folder
 
 
+def rchar() -> int:
+    """Bytes this process has read through read(2) and its kin (page cache included), all threads."""
+    text = Path("/proc/self/io").read_text()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar:")))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous that starts at once: any other
     process may bind it later, see :func:`join_group`)."""

@@ -16,17 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, fsdp2_adam, restore_flipped_shard, spawn_ranks
+from helpers import free_port, fsdp2_adam, rchar, restore_flipped_shard, spawn_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
 from fastio.checkpoint.catalog import share_files
-
-
-def _rchar() -> int:
-    """Bytes this process has read through read(2) and its kin (page cache included), all threads."""
-    text = Path("/proc/self/io").read_text()
-    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar:")))
 
 
 def _local_state(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -76,9 +70,9 @@ def _worker(rank: int, port: int, root: str, out: str) -> None:
         unpickled: list[str] = []
         _spy_pickle_load(unpickled)
         dist.barrier()
-        before = _rchar()
+        before = rchar()
         seen["intact"] = ckpt.restore_latest(app).step
-        seen["read"] = _rchar() - before
+        seen["read"] = rchar() - before
         seen["own_shard"] = Path(root, "step-2", f"__{rank}_0.distcp").stat().st_size
         seen["unpickled"] = unpickled
         seen["intact_loaded"] = _same(_local_state(model, optim), step2)

@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import rchar
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
 from fastio.checkpoint.engines import get_engine
 from fastio.errors import CheckpointError
-
-
-def _rchar() -> int:
-    """Bytes this process has read through read(2) and its kin (page cache included), all threads."""
-    text = Path("/proc/self/io").read_text()
-    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar:")))
 
 
 class _Counter:
@@ -83,9 +78,9 @@ def test_a_restore_into_a_fresh_app_reads_each_file_once_and_loads_it_bitwise(sa
     assert data > 10 << 20
     torch.manual_seed(99)
     with Checkpointer(root, signals=()) as ckpt:
-        before = _rchar()
+        before = rchar()
         assert ckpt.restore_latest(into).step == 1
-        read = _rchar() - before
+        read = rchar() - before
         assert _mapped(root / "step-1") == []  # nothing refers to the mappings once the restore returns
     assert read < 0.5 * data, (read, data)
     assert _same(_tensors(into), _tensors(app))
