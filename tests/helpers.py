@@ -75,6 +75,21 @@ def rchar() -> int:
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("rchar:")))
 
 
+def reseal(step: Path) -> None:
+    """Recompute the commit marker's checksums, as a consistent (but malicious) checkpoint would have them."""
+    import json
+
+    from fastio.checkpoint import naming, record
+    from fastio.storage.checksum import digest_file
+
+    marker = step / naming.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    for rel in data["files"]:
+        size, digest = digest_file(step / rel, record.CHECKSUM)
+        data["files"][rel] = {"bytes": size, record.CHECKSUM: digest}
+    marker.write_text(json.dumps(data))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous that starts at once: any other
     process may bind it later, see :func:`join_group`)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StateHolder
+from helpers import StateHolder, reseal
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, catalog, checkpointer, naming, record, rollback, scan
@@ -241,14 +241,6 @@ class Payload:
         return (os.system, (f"touch {SENTINEL}",))
 
 
-def _reseal(step: Path) -> None:
-    """Recompute the commit marker's checksums, as a consistent (but malicious) checkpoint would have them."""
-    marker = step / naming.COMMIT_FILE
-    data = json.loads(marker.read_text())
-    for rel in data["files"]:
-        size, digest = digest_file(step / rel, record.CHECKSUM)
-        data["files"][rel] = {"bytes": size, record.CHECKSUM: digest}
-    marker.write_text(json.dumps(data))
 
 
 
@@ -273,7 +265,7 @@ def test_untrusted_checkpoint_is_refused_in_one_line_naming_the_file(tmp_path, w
         victim = step / ".metadata"
         victim.write_bytes(pickle.dumps(Payload()))
     assert victim.is_file()
-    _reseal(step)
+    reseal(step)
     with pytest.raises(CheckpointError) as err:
         Checkpointer(root, signals=()).restore_latest({"model": nn.Linear(2, 2), "extra": StateHolder({})})
     msg = str(err.value)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import rchar
+from helpers import rchar, reseal
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -22,7 +22,7 @@ class _Counter:
 
     def __init__(self, seed: int):
         self.seen = torch.arange(5) * seed
-        self.names = [f"n{seed}", {"k": seed}]
+        self.names = [f"n{seed}", {"k": seed}, None]
 
     def state_dict(self) -> dict:
         return {"seen": self.seen, "names": self.names}
@@ -139,3 +139,24 @@ def test_reads_foresees_each_ranks_files_and_the_replicated_ones_at_the_saved_wo
     assert engine.reads(files, 2, 2) == {"0/model/w": 0, "1/model/w": 1, "1/optim/state/0/exp_avg": 1,
                                          "replicated/model/b": 0}
     assert engine.reads(files, 2, 3) == {}  # elastic: read key by key, nothing foreseen
+
+
+class _NotPlain:
+    """An object ``torch.load(weights_only=True)`` refuses to unpickle."""
+
+
+def test_an_object_refused_while_loading_from_the_mappings_leaves_none_mapped(tmp_path):
+    """The counter's ``None`` (an object file torchsnapshot reads through the held mapping) replaced by an object
+    torch.load refuses, the marker resealed: the restore's error names the file and no mapping outlives it."""
+    app = _app(8, trained=True)
+    with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, app, blocking=True)
+    step = tmp_path / "ck" / "step-1"
+    victim = step / "0" / "counter" / "names" / "2"
+    assert victim.is_file()
+    torch.save(_NotPlain(), victim)
+    reseal(step)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError) as err:
+        ckpt.restore_latest(_app(9, trained=False))
+    assert str(err.value).startswith(f"{victim}: refused to load"), str(err.value)
+    assert _mapped(step) == []

@@ -21,10 +21,12 @@ has agreed that every file of the step is intact, torchsnapshot's reads of those
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import pickle
 import threading
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -219,8 +221,22 @@ def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> No
             snap._load_stateful(stateful_key=rng[0], stateful=rng[1], storage=storage, pg=ranks,
                                 event_loop=event_loop)
         storage.sync_close(event_loop=event_loop)
+    except BaseException as err:
+        _settle(event_loop, err)
+        raise
     finally:
         event_loop.close()
+
+
+def _settle(event_loop: asyncio.AbstractEventLoop, err: BaseException) -> None:
+    """After an error inside :func:`_restore`: the reads and copies torchsnapshot left running (its executor's copies
+    from views of the mappings, reads already under way) finish, the error's frames are cleared and the cycles they
+    leave are collected, so that nothing refers to a mapping once the restore has failed."""
+    pending = asyncio.all_tasks(event_loop)
+    if pending:
+        event_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    traceback.clear_frames(err.__traceback__)
+    gc.collect()
 
 
 class _LaterLoadError:
