@@ -4,8 +4,9 @@ torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that 
 the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), manifest entry types and
 paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
 paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
-``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, and the steps
-of ``Snapshot.take`` (:func:`_take` runs them with a storage plugin of its own, see there). Those
+``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, its bfloat16 byte view
+(``serialization._tensor_as_memoryview_via_untyped_storage``, replaced while writing: see :func:`_storage_bytes`),
+and the steps of ``Snapshot.take`` (:func:`_take` runs them with a storage plugin of its own, see there). Those
 internals are the contract, hence the exact pin in ``pyproject.toml``; a new torchsnapshot release means
 re-checking this module, and nothing else.
 
@@ -35,6 +36,7 @@ from typing import Any
 
 from torchsnapshot import Snapshot
 from torchsnapshot import scheduler as _scheduler
+from torchsnapshot import serialization as _serialization
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.io_types import ReadIO, WriteIO
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
@@ -69,14 +71,26 @@ stream too: the settings are process-wide)."""
 
 _settings_lock = threading.Lock()
 _settings_users = 0
-_settings_previous: tuple[str | None, int, int] | None = None
+_settings_previous: tuple[Any, ...] | None = None
+
+
+def _storage_bytes(tensor: Any) -> memoryview:
+    """The bytes of a contiguous tensor (torchsnapshot's view of a bfloat16 tensor, which numpy cannot hold), all of
+    them: torchsnapshot 0.1.0's own views the storage as float32, dropping the last 2 bytes of a bfloat16 tensor with
+    an odd number of elements (its file then one element short, and the restore refused)."""
+    import torch
+
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(_serialization.contiguous_view_as_untyped_storage(tensor))
+    return memoryview(whole.numpy()).cast("b")
 
 
 @contextmanager
 def _write_settings() -> Iterator[None]:
     """For the duration of a write: torchsnapshot's batching off (an environment switch it reads on every
-    take) and its write concurrency at :data:`WRITE_STREAMS` (two module globals of ``torchsnapshot.scheduler``
-    it reads when it schedules); the previous values come back afterwards, also when the write raises.
+    take), its write concurrency at :data:`WRITE_STREAMS` (two module globals of ``torchsnapshot.scheduler``
+    it reads when it schedules) and its bfloat16 bytes whole (:func:`_storage_bytes`); the previous values come back
+    afterwards, also when the write raises.
 
     Counted, so that writes of several Checkpointers in one process overlapping in any order leave
     the settings as they were before the first of them.
@@ -85,8 +99,10 @@ def _write_settings() -> Iterator[None]:
     with _settings_lock:
         if _settings_users == 0:
             _settings_previous = (os.environ.get(_DISABLE_BATCHING_ENV_VAR), _scheduler._MAX_PER_RANK_IO_CONCURRENCY,
-                                  _scheduler._MAX_PER_RANK_CPU_CONCURRENCY)
+                                  _scheduler._MAX_PER_RANK_CPU_CONCURRENCY,
+                                  _serialization._tensor_as_memoryview_via_untyped_storage)
             os.environ[_DISABLE_BATCHING_ENV_VAR] = "True"
+            _serialization._tensor_as_memoryview_via_untyped_storage = _storage_bytes
             _scheduler._MAX_PER_RANK_IO_CONCURRENCY = WRITE_STREAMS
             _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = WRITE_STREAMS
         _settings_users += 1
@@ -96,7 +112,8 @@ def _write_settings() -> Iterator[None]:
         with _settings_lock:
             _settings_users -= 1
             if _settings_users == 0:
-                batching, io, cpu = _settings_previous
+                batching, io, cpu, as_bytes = _settings_previous
+                _serialization._tensor_as_memoryview_via_untyped_storage = as_bytes
                 if batching is None:
                     os.environ.pop(_DISABLE_BATCHING_ENV_VAR, None)
                 else:
