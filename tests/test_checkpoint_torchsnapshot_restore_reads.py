@@ -165,7 +165,7 @@ def test_an_object_refused_while_loading_from_the_mappings_leaves_none_mapped(tm
 # ---------------------------------------------------------------- every layout torchsnapshot stores differently
 def _layouts() -> dict[str, torch.Tensor]:
     """Tensors torchsnapshot reads through each of its paths: viewed in place from the file (its buffer-protocol
-    dtypes, at odd sizes, 0-dim, NaN payloads and -0.0), torch.save'd (complex, a conj view, quantized), and
+    dtypes, at odd sizes, 0-dim, empty, NaN payloads and -0.0), torch.save'd (complex, a conj view, quantized), and
     split into chunk files (``chunked``, with the chunk size lowered)."""
     g = torch.Generator().manual_seed(5)
     specials = torch.tensor([0x7FF8000000000123, -(1 << 63), 0x7FF0000000000000, 1], dtype=torch.int64)
@@ -175,7 +175,7 @@ def _layouts() -> dict[str, torch.Tensor]:
         "bool": torch.rand(17, generator=g) > 0.5, "i64": torch.arange(-5, 6), "i8": torch.tensor([-3, 0, 7],
                                                                                                   dtype=torch.int8),
         "u8": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(3.5, dtype=torch.float64),
-        "noncontig": torch.randn(4, 6, generator=g).t(),
+        "empty": torch.empty(0, 4), "noncontig": torch.randn(4, 6, generator=g).t(),
         "c128": torch.randn(7, dtype=torch.complex128, generator=g),
         "conj": torch.randn(5, dtype=torch.complex128, generator=g).conj(),
         "c64": torch.randn(3, dtype=torch.complex64, generator=g),

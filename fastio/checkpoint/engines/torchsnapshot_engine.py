@@ -6,7 +6,9 @@ paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escap
 paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
 ``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, its bfloat16 byte view
 (``serialization._tensor_as_memoryview_via_untyped_storage``, replaced while writing: see :func:`_storage_bytes`),
-and the steps of ``Snapshot.take`` (:func:`_take` runs them with a storage plugin of its own, see there). Those
+its byte view of a tensor and its inverse as ``io_preparers.tensor`` calls them (wrapped for tensors with no
+elements: see :func:`_empty_as_bytes`), and the steps of ``Snapshot.take`` (:func:`_take` runs them with a storage
+plugin of its own, see there). Those
 internals are the contract, hence the exact pin in ``pyproject.toml``; a new torchsnapshot release means
 re-checking this module, and nothing else.
 
@@ -38,6 +40,7 @@ from torchsnapshot import Snapshot
 from torchsnapshot import scheduler as _scheduler
 from torchsnapshot import serialization as _serialization
 from torchsnapshot.flatten import _decode, _encode, inflate
+from torchsnapshot.io_preparers import tensor as _tensor_io
 from torchsnapshot.io_types import ReadIO, WriteIO
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
@@ -119,6 +122,29 @@ def _write_settings() -> Iterator[None]:
                 else:
                     os.environ[_DISABLE_BATCHING_ENV_VAR] = batching
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
+
+
+_as_bytes, _from_bytes = _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview
+
+
+def _empty_as_bytes(tensor: Any) -> memoryview:
+    """torchsnapshot's byte view of a tensor, also of one with no elements (its own raises for those: ``cannot cast
+    view with zeros in shape``, failing every save of a state holding one)."""
+    return memoryview(b"") if tensor.numel() == 0 else _as_bytes(tensor)
+
+
+def _empty_from_bytes(mv: memoryview, dtype: Any, shape: list[int]) -> Any:
+    """torchsnapshot's tensor viewing a file's bytes, also for a tensor with no elements (an empty file, which
+    ``torch.frombuffer`` refuses)."""
+    import torch
+
+    if len(mv) == 0 and 0 in shape:
+        return torch.empty(shape, dtype=dtype)
+    return _from_bytes(mv, dtype, shape)
+
+
+# Process-wide and for good: both only replace what raised before.
+_tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview = _empty_as_bytes, _empty_from_bytes
 
 
 def _start_writeback(path: str) -> None:
