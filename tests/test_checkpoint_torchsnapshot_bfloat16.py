@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import StateHolder
 from torchsnapshot import serialization
 
 from fastio.checkpoint import Checkpointer
-
-
-class _Holder:
-    def __init__(self, state: dict):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = dict(state)
 
 
 @pytest.mark.parametrize("shape", [(33,), (), (3, 5)])
@@ -27,10 +17,10 @@ def test_a_bfloat16_tensor_is_written_whole_and_restored_bitwise(tmp_path, shape
     saved = torch.randn(shape).bfloat16()
     theirs = serialization._tensor_as_memoryview_via_untyped_storage
     with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
-        ckpt.save(1, {"h": _Holder({"w": saved})}, blocking=True)
+        ckpt.save(1, {"h": StateHolder({"w": saved})}, blocking=True)
     assert serialization._tensor_as_memoryview_via_untyped_storage is theirs  # put back after the write
     assert (tmp_path / "ck" / "step-1" / "0" / "h" / "w").stat().st_size == 2 * saved.numel()
-    into = _Holder({})
+    into = StateHolder({})
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
         ckpt.restore_latest({"h": into})
     got = into.state["w"]

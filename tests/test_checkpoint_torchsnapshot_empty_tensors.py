@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import StateHolder
 
 from fastio.checkpoint import Checkpointer
-
-
-class _Holder:
-    def __init__(self, state: dict):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return dict(self.state)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = dict(state)
 
 
 @pytest.mark.parametrize("into", ["fresh", "in_place"])
 def test_an_empty_tensor_is_saved_and_restored(tmp_path, into):
     saved = {"empty": torch.empty(0, 4), "bf16": torch.empty(3, 0).bfloat16(), "kept": torch.arange(3)}
     with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
-        ckpt.save(1, {"h": _Holder(saved)}, blocking=True)
-    target = _Holder({} if into == "fresh" else {k: torch.ones_like(v) for k, v in saved.items()})
+        ckpt.save(1, {"h": StateHolder(saved)}, blocking=True)
+    target = StateHolder({} if into == "fresh" else {k: torch.ones_like(v) for k, v in saved.items()})
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
         assert ckpt.restore_latest({"h": target}).step == 1
     got = target.state

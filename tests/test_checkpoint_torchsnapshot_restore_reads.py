@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import rchar, reseal
+from helpers import StateHolder, rchar, reseal
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -185,19 +185,6 @@ def _layouts() -> dict[str, torch.Tensor]:
     }
 
 
-class _Tensors:
-    """A Stateful (not a module) of named tensors; ``None``: its state_dict offers none, so torchsnapshot makes every
-    tensor it restores (as for a fresh optimizer's moments)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor] | None):
-        self.tensors = tensors
-
-    def state_dict(self) -> dict:
-        return dict(self.tensors or {})
-
-    def load_state_dict(self, state: dict) -> None:
-        self.tensors = dict(state)
-
 
 def _bits(t: torch.Tensor) -> tuple:
     """Everything a tensor holds, bit for bit (a conj view by its values)."""
@@ -222,28 +209,28 @@ def test_every_layout_restores_bitwise_writable_and_unmapped(tmp_path, monkeypat
     monkeypatch.setenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE", "4096")  # chunked: 5 files; bf16 alone: 1
     root = tmp_path / "ck"
     with Checkpointer(root, signals=(), engine="torchsnapshot") as ckpt:
-        ckpt.save(1, {"t": _Tensors(saved)}, blocking=True)
+        ckpt.save(1, {"t": StateHolder(saved)}, blocking=True)
     step = root / "step-1"
     assert sum(1 for f in (step / "0" / "t").iterdir() if f.name.startswith("chunked_")) > 1
     files = _step_bytes(step)
 
-    def target() -> _Tensors:
+    def target() -> StateHolder:  # fresh: it offers no tensor, torchsnapshot makes each one (a fresh optimizer's moments)
         if into == "fresh":
-            return _Tensors(None)
-        return _Tensors({k: (v.clone() if v.is_quantized else torch.zeros_like(v.resolve_conj()))
+            return StateHolder({})
+        return StateHolder({k: (v.clone() if v.is_quantized else torch.zeros_like(v.resolve_conj()))
                          for k, v in saved.items()})
 
     with Checkpointer(root, signals=()) as ckpt:
         got = target()
         ckpt.restore_latest({"t": got})
         assert _mapped(step) == []
-        assert {k: _bits(v) for k, v in got.tensors.items()} == {k: _bits(v) for k, v in saved.items()}
-        for t in got.tensors.values():
+        assert {k: _bits(v) for k, v in got.state.items()} == {k: _bits(v) for k, v in saved.items()}
+        for t in got.state.values():
             if not t.is_quantized:
                 t.fill_(1)
         again = target()
         ckpt.restore_latest({"t": again})
-    assert {k: _bits(v) for k, v in again.tensors.items()} == {k: _bits(v) for k, v in saved.items()}
+    assert {k: _bits(v) for k, v in again.state.items()} == {k: _bits(v) for k, v in saved.items()}
     assert _step_bytes(step) == files
     assert _mapped(step) == []
 
