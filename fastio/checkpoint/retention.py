@@ -32,4 +32,3 @@ def expire(root: Path, keep: int) -> list[Path]:
         return []
     hidden = (hide_step(entry.path) for entry in expired(committed(root), keep))
     return [path for path in hidden if path is not None]
-

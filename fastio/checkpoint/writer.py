@@ -1,8 +1,8 @@
 """The background writer thread: where a staged save is handed off, and at what priority it runs.
 
 The Checkpointer stages a private copy of the state on the training thread, then calls :func:`start_writer`
-with the function that writes and commits; the writer thread, once the save is done, calls it again with
-retention's deletion of the expired steps (:meth:`~fastio.checkpoint.commit.Commit.prune`). Measured on a 2-core
+with the function that writes and commits; once the save is done, it starts another such thread for retention's
+deletion of the expired steps (:meth:`~fastio.checkpoint.commit.Commit.prune`). Measured on a 2-core
 machine (training on one torch thread, 512 MiB of state; see the checkpoint section of ``docs/performance.md``):
 the training thread did not lose its time to the GIL (the writer's threads held it in ~15% of samples) nor to
 memory bandwidth (its CPU time per step did not rise during a write) but to the run queue: the write's threads,
