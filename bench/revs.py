@@ -217,7 +217,8 @@ def summarise(rounds: list[dict[str, Any]], old: str, new: str, tolerance: float
     for w in rounds[0]["runs"]:
         pairs = [(figures(w, r["runs"][w][old]), figures(w, r["runs"][w][new])) for r in rounds]
         ratio = statistics.median(b["per_s"] / a["per_s"] for a, b in pairs)
-        cpu = statistics.median(b["cpu_per_item"] / a["cpu_per_item"] for a, b in pairs)
+        cpu_pairs = [b["cpu_per_item"] / a["cpu_per_item"] for a, b in pairs if a["cpu_per_item"] > 0]
+        cpu = statistics.median(cpu_pairs) if cpu_pairs else None  # None: OLD's CPU time was too small to count
         out[w] = {"unit": UNITS[w], "ratio_new_over_old": ratio, "cpu_ratio_new_over_old": cpu,
                   "old_median": statistics.median(a["per_s"] for a, _ in pairs),
                   "new_median": statistics.median(b["per_s"] for _, b in pairs),
@@ -225,9 +226,13 @@ def summarise(rounds: list[dict[str, Any]], old: str, new: str, tolerance: float
     return out
 
 
+def _ratio(value: float | None) -> str:
+    return "not measurable" if value is None else f"{value:.3f}"
+
+
 def summary_lines(summary: dict[str, Any], made: dict[str, str]) -> list[str]:
     return [f"{w}: NEW/OLD {s['ratio_new_over_old']:.3f} (median of paired rounds; OLD {s['old_median']:,.1f}, NEW "
-            f"{s['new_median']:,.1f} {s['unit']}), CPU per item NEW/OLD {s['cpu_ratio_new_over_old']:.3f}: "
+            f"{s['new_median']:,.1f} {s['unit']}), CPU per item NEW/OLD {_ratio(s['cpu_ratio_new_over_old'])}: "
             f"{s['verdict']}; data {made[w]}" for w, s in summary.items()]
 
 

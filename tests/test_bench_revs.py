@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import revs
-from bench.revs import CHILD, REPO, compare, export, parser, summarise, working_tree
+from bench.revs import CHILD, REPO, compare, export, parser, summarise, summary_lines, working_tree
 
 QUIET = {"busy": False, "others": 0.01, "cores": 2, "load": 0.1, "waited_s": 0.0}
 BUSY = {"busy": True, "others": 1.4, "cores": 2, "load": 3.0, "waited_s": 60.0}
@@ -68,10 +68,18 @@ def test_head_against_the_working_tree_runs_both_and_pairs_the_ratio(tmp_path, c
     assert result["data"]["tokens"].startswith("made by NEW (working tree), read by both")
 
 
-def _round(old_rate: float, new_rate: float, during: dict) -> dict:
-    run = lambda rate: {"items": rate * 2, "seconds": 2.0, "cpu_s": 1.0}  # noqa: E731
-    return {"order": ["old", "new"], "runs": {"loader": {"old": run(old_rate), "new": run(new_rate)}},
+def _round(old_rate: float, new_rate: float, during: dict, old_cpu: float = 1.0) -> dict:
+    run = lambda rate, cpu=1.0: {"items": rate * 2, "seconds": 2.0, "cpu_s": cpu}  # noqa: E731
+    return {"order": ["old", "new"], "runs": {"loader": {"old": run(old_rate, old_cpu), "new": run(new_rate)}},
             "quiet_before": QUIET, "quiet_during": during}
+
+
+def test_a_cpu_time_too_small_to_count_leaves_its_round_out_of_the_cpu_ratio():
+    one_zero = summarise([_round(100, 100, QUIET, old_cpu=0.0), _round(100, 100, QUIET, old_cpu=2.0)], "old", "new")
+    assert one_zero["loader"]["cpu_ratio_new_over_old"] == pytest.approx(0.5)
+    all_zero = summarise([_round(100, 99, QUIET, old_cpu=0.0)], "old", "new")
+    assert all_zero["loader"]["cpu_ratio_new_over_old"] is None
+    assert "CPU per item NEW/OLD not measurable: met" in summary_lines(all_zero, {"loader": "x"})[0]
 
 
 def test_the_verdict_is_not_judged_when_a_round_found_the_machine_busy():
