@@ -3,14 +3,15 @@
 ``torch.distributed`` when a process group is initialised; otherwise the launcher's ``RANK`` and
 ``WORLD_SIZE`` (torchrun, or ``srun`` with them exported); otherwise a single process (0, 1).
 
-Also the one place that reaches into ``torch.distributed``'s internals: :func:`default_store`.
+Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), and the rule for
+the CPUs a process may use (:func:`usable_cpus`) and when it has its node to itself (:func:`alone_on_node`).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["default_store", "rank_and_world"]
+__all__ = ["alone_on_node", "default_store", "rank_and_world", "usable_cpus"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -39,3 +40,21 @@ def default_store():
         return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no group, or a torch without it: callers do without a store
         return None
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: what Slurm's CPU binding, ``taskset`` or a cgroup's cpuset
+    leave it), ascending; where the platform cannot say, every CPU of the machine."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return list(range(os.cpu_count() or 1))
+
+
+def alone_on_node(world_size: int) -> bool:
+    """Whether this process is its job's only one on this node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) is
+    1, or, where no launcher says, the job has one process (``world_size``)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.strip().isdigit():
+        return int(local) == 1
+    return world_size == 1

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from fastio.dataset.dataset import Dataset
-from fastio.dist import rank_and_world
+from fastio.dist import alone_on_node, rank_and_world, usable_cpus
 from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
@@ -163,14 +163,17 @@ class LoaderConfig:
     ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
     one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
     num_threads: int | None = None
-    """DALI worker threads (default: the core count)."""
+    """DALI worker threads (default: the CPUs this process may run on)."""
+    pin_threads: bool | None = None
+    """Pin DALI's worker threads one to a CPU, in turn over those this process may run on (default None: when it
+    is its job's only process on the node; True for a process bound to its own CPUs; False: never)."""
     prefetch: int = 2
     """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
     read_ahead: int | None = None
     """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``); until the first batch of a
     start or a resume comes out, only the ``prefetch`` batches the pipeline's first run asks for."""
     reader_threads: int | None = None
-    """Threads reading shard bytes (default: min(4, cores))."""
+    """Threads reading shard bytes (default: min(4, the CPUs this process may run on))."""
     verify: bool = False
     """Check each shard's sha256 against the manifest before its first use, and the sample index's when the
     Loader opens the dataset (an ``s3://`` dataset's shards are always checked, when the cache fills them)."""
@@ -302,6 +305,9 @@ class Loader:
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
         self._graph: GraphDef | None = self.pipeline.graph()
         self.rank, self.world_size = rank, world
+        pin = cfg.options.performance.pin_threads
+        self._pins = alone_on_node(world) if pin is None else pin
+        self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to, after its first batch
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = source.units
         if cfg.batch_size > n:
@@ -482,6 +488,7 @@ class Loader:
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
+            self._pin_to = usable_cpus() if self._pins else None  # once its first batch is out
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
@@ -505,6 +512,9 @@ class Loader:
             in_flight = feeder.in_flight()
             self._drop_stream()
             raise self._decode_error(in_flight, err) from None
+        if self._pin_to is not None:  # its workers have all started (and named themselves) by now
+            self._built.pin_workers(self._pin_to)
+            self._pin_to = None
         fed = feeder.delivered()
         self._feed_ahead(pipe, feeder, fed)
         return self._batch(self._to_torch(self._built.outputs, outputs, fed), fed), fed

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
+from fastio.dist import usable_cpus
+
 __all__ = ["OrderedPool", "default_workers", "detach_child"]
 
 _PR_SET_PDEATHSIG = 1
@@ -34,10 +36,7 @@ _PR_SET_PDEATHSIG = 1
 
 def default_workers() -> int:
     """How many worker processes a conversion starts by default: the CPUs this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no sched_getaffinity (macOS)
-        return max(1, os.cpu_count() or 1)
+    return len(usable_cpus())
 
 
 def _die_with_parent() -> None:

@@ -21,6 +21,7 @@ never the reverse. ``docs/adding-a-kind.md`` walks through adding a kind.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,12 +43,60 @@ __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "
            "build_graph", "check_fields", "dali_inputs", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
+DALI_WORKER = "[DALI][TP"
+"""How DALI names its thread pool's worker threads (``[DALI][TP<i>]<name>``, set by each thread as it starts)."""
+
+
+def _thread_ids() -> frozenset[int]:
+    """The ids of this process's threads (Linux; empty where ``/proc`` has none)."""
+    try:
+        return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+    except OSError:
+        return frozenset()
+
+
+def _thread_name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread ended meanwhile
+        return ""
+
+
+def _worker_number(named: tuple[str, int]) -> tuple[int, int]:
+    number = re.match(r"\[DALI\]\[TP(\d+)", named[0])
+    return (int(number.group(1)) if number else 1 << 30), named[1]
+
+
 @dataclass(frozen=True)
 class BuiltPipeline:
     """A built DALI pipeline and the names of its outputs, in the order ``pipe.run()`` returns them."""
 
     pipe: Any  # nvidia.dali.Pipeline
     outputs: tuple[str, ...]
+    threads_before: frozenset[int] = frozenset()
+    """The process's threads before the pipeline was built: those it started are the others."""
+
+    def workers(self) -> list[int]:
+        """The ids of the worker threads this pipeline started, in DALI's order (``TP0``, ``TP1``, ...); complete
+        once a batch has come out (each names itself as it starts)."""
+        named = [(_thread_name(t), t) for t in _thread_ids() - self.threads_before]
+        found = [(name, t) for name, t in named if name.startswith(DALI_WORKER)]
+        return [t for _, t in sorted(found, key=_worker_number)]
+
+    def pin_workers(self, cpus: Sequence[int]) -> list[tuple[int, int]]:
+        """Pin each worker thread to one CPU of ``cpus``, in turn; ``(thread id, cpu)`` of each pinned (none with
+        fewer than two CPUs, or where the platform cannot pin)."""
+        if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
+            return []
+        pinned = []
+        for k, tid in enumerate(self.workers()):
+            try:
+                os.sched_setaffinity(tid, {cpus[k % len(cpus)]})
+            except OSError:  # the thread ended meanwhile, or a cpuset forbids it: leave it to the scheduler
+                continue
+            pinned.append((tid, cpus[k % len(cpus)]))
+        return pinned
 
     @property
     def owned_outputs(self) -> bool:
@@ -242,9 +291,10 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
             out = tuple(out.values())
         return out
 
+    before = _thread_ids()
     pipe = dali_graph()
     pipe.build()
-    return BuiltPipeline(pipe, tuple(outputs))
+    return BuiltPipeline(pipe, tuple(outputs), before)
 
 
 def dali_inputs(feed: Callable[..., tuple]) -> Callable[..., tuple]:

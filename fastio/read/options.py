@@ -11,9 +11,10 @@ config from groups.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from fastio.dist import usable_cpus
 
 __all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions"]
 
@@ -39,18 +40,26 @@ class PerformanceOptions:
     """Threads and depths: how fast, never what. Defaults are filled in when made (checked: ValueError)."""
 
     num_threads: int | None = None
-    """DALI worker threads (default: the core count)."""
+    """DALI worker threads (default: the CPUs this process may run on, :func:`fastio.dist.usable_cpus`)."""
+    pin_threads: bool | None = None
+    """Pin DALI's worker threads one to a CPU, in turn over those this process may run on, once its pipeline's first
+    batch is out. None (default): pin when this process is its job's only one on the node
+    (:func:`fastio.dist.alone_on_node`); a process bound to its own CPUs (Slurm's ``--cpu-bind``, ``taskset``) may
+    pass True; False never pins. Unpinned, a 2-CPU VM's scheduler was seen to stack both workers on one CPU while
+    the other idled, a tenth of the time (docs/performance.md, Loader, fifth pass)."""
     prefetch: int = 2
     """DALI prefetch queue depth (batches decoded ahead of the training loop)."""
     read_ahead: int | None = None
     """Batches whose bytes are read ahead of the DALI feed (default: ``prefetch + 1``)."""
     reader_threads: int | None = None
-    """Threads reading shard bytes (default: min(4, cores))."""
+    """Threads reading shard bytes (default: min(4, the CPUs this process may run on))."""
     progress: bool = False
     """Print a throughput/stall line to stderr every 5 seconds while batches come."""
 
     def __post_init__(self):
-        cores = os.cpu_count() or 1
+        cores = len(usable_cpus())
+        if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
+            raise ValueError(f"pin_threads must be True, False or None, got {self.pin_threads!r}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
         object.__setattr__(self, "num_threads", self.num_threads or cores)
