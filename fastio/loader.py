@@ -307,7 +307,8 @@ class Loader:
         self.rank, self.world_size = rank, world
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
-        self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to, after its first batch
+        self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to (_pin_workers)
+        self._pin_ready = False  # its first batch is out: pin at the next call
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = source.units
         if cfg.batch_size > n:
@@ -488,7 +489,7 @@ class Loader:
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
-            self._pin_to = usable_cpus() if self._pins else None  # once its first batch is out
+            self._pin_to, self._pin_ready = (usable_cpus() if self._pins else None), False
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
@@ -496,6 +497,7 @@ class Loader:
             fed = feeder.take()
             return self._batch({}, fed), fed
         pipe = self._built.pipe
+        self._pin_workers()
         try:
             if self._ahead is not None:  # feeding the next batch ahead failed: its error is this call's
                 raise self._ahead
@@ -512,12 +514,17 @@ class Loader:
             in_flight = feeder.in_flight()
             self._drop_stream()
             raise self._decode_error(in_flight, err) from None
-        if self._pin_to is not None:  # its workers have all started (and named themselves) by now
-            self._built.pin_workers(self._pin_to)
-            self._pin_to = None
+        self._pin_ready = True
         fed = feeder.delivered()
         self._feed_ahead(pipe, feeder, fed)
         return self._batch(self._to_torch(self._built.outputs, outputs, fed), fed), fed
+
+    def _pin_workers(self) -> None:
+        """Pin the pipeline's worker threads (``pin_threads``) once its first batch has been handed out: by then
+        every worker has started and named itself, and the first batch did not wait for it."""
+        if self._pin_to is not None and self._pin_ready:
+            self._built.pin_workers(self._pin_to)
+            self._pin_to = None
 
     def _feed_ahead(self, pipe: Any, feeder: Feeder, fed: Fed) -> None:
         """Feed and start the batch after the next one now, before ``fed``'s batch is made and while the training loop
