@@ -308,7 +308,8 @@ class Loader:
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
         self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to (_pin_workers)
-        self._pin_ready = False  # its first batch is out: pin at the next call
+        self._pinned: list[int] = []  # the numbers of its workers pinned so far
+        self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = source.units
         if cfg.batch_size > n:
@@ -489,7 +490,7 @@ class Loader:
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
-            self._pin_to, self._pin_ready = (usable_cpus() if self._pins else None), False
+            self._pin_to, self._pinned, self._came_out = (usable_cpus() if self._pins else None), [], False
         return feeder
 
     def _next_batch(self, feeder: Feeder) -> tuple[dict[str, Any], Fed]:
@@ -497,13 +498,13 @@ class Loader:
             fed = feeder.take()
             return self._batch({}, fed), fed
         pipe = self._built.pipe
-        self._pin_workers()
         try:
             if self._ahead is not None:  # feeding the next batch ahead failed: its error is this call's
                 raise self._ahead
             if not self._ahead_fed:  # the first output, or after an epoch's last batch: what run() schedules
                 pipe.schedule_run()
             self._ahead_fed = False
+            self._pin_workers()
             # on cuda, outputs are made ready on torch's current stream
             outputs = pipe.outputs(torch.cuda.current_stream(self.torch_device)) if self.device == "cuda" \
                 else pipe.outputs()
@@ -514,16 +515,19 @@ class Loader:
             in_flight = feeder.in_flight()
             self._drop_stream()
             raise self._decode_error(in_flight, err) from None
-        self._pin_ready = True
+        self._came_out = True
         fed = feeder.delivered()
         self._feed_ahead(pipe, feeder, fed)
         return self._batch(self._to_torch(self._built.outputs, outputs, fed), fed), fed
 
     def _pin_workers(self) -> None:
-        """Pin the pipeline's worker threads (``pin_threads``) once its first batch has been handed out: by then
-        every worker has started and named itself, and the first batch did not wait for it."""
-        if self._pin_to is not None and self._pin_ready:
-            self._built.pin_workers(self._pin_to)
+        """Pin the pipeline's worker threads (``pin_threads``) once a batch is scheduled, before waiting for it: those
+        found named (each names itself as it starts), the rest at the next calls, the last try once a batch has
+        come out (by then every worker has started)."""
+        if self._pin_to is None:
+            return
+        self._pinned += self._built.pin_workers(self._pin_to, skip=self._pinned)
+        if self._came_out or len(self._pinned) >= self.config.num_threads:
             self._pin_to = None
 
     def _feed_ahead(self, pipe: Any, feeder: Feeder, fed: Fed) -> None:

@@ -33,7 +33,7 @@ from fastio.errors import DatasetError, LoaderStateError
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Collection, Sequence
 
     from fastio.dataset.dataset import Dataset
     from fastio.order.sampler import SamplerSpec
@@ -63,9 +63,7 @@ def _thread_name(tid: int) -> str:
         return ""
 
 
-def _worker_number(named: tuple[str, int]) -> tuple[int, int]:
-    number = re.match(r"\[DALI\]\[TP(\d+)", named[0])
-    return (int(number.group(1)) if number else 1 << 30), named[1]
+_WORKER_NUMBER = re.compile(r"\[DALI\]\[TP(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -77,25 +75,30 @@ class BuiltPipeline:
     threads_before: frozenset[int] = frozenset()
     """The process's threads before the pipeline was built: those it started are the others."""
 
-    def workers(self) -> list[int]:
-        """The ids of the worker threads this pipeline started, in DALI's order (``TP0``, ``TP1``, ...); complete
-        once a batch has come out (each names itself as it starts)."""
-        named = [(_thread_name(t), t) for t in _thread_ids() - self.threads_before]
-        found = [(name, t) for name, t in named if name.startswith(DALI_WORKER)]
-        return [t for _, t in sorted(found, key=_worker_number)]
+    def workers(self) -> dict[int, int]:
+        """The worker threads this pipeline started, by DALI's number for each (``TP0``, ``TP1``, ...): those that
+        have named themselves so far (each does as it starts; all of them once a batch has come out)."""
+        found = {}
+        for tid in _thread_ids() - self.threads_before:
+            number = _WORKER_NUMBER.match(_thread_name(tid))
+            if number:
+                found[int(number.group(1))] = tid
+        return found
 
-    def pin_workers(self, cpus: Sequence[int]) -> list[tuple[int, int]]:
-        """Pin each worker thread to one CPU of ``cpus``, in turn; ``(thread id, cpu)`` of each pinned (none with
-        fewer than two CPUs, or where the platform cannot pin)."""
+    def pin_workers(self, cpus: Sequence[int], skip: Collection[int] = ()) -> list[int]:
+        """Pin worker ``k`` to ``cpus[k % len(cpus)]``, each found but those in ``skip``; the numbers of those pinned
+        (none with fewer than two CPUs, or where the platform cannot pin)."""
         if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
             return []
         pinned = []
-        for k, tid in enumerate(self.workers()):
+        for number, tid in sorted(self.workers().items()):
+            if number in skip:
+                continue
             try:
-                os.sched_setaffinity(tid, {cpus[k % len(cpus)]})
+                os.sched_setaffinity(tid, {cpus[number % len(cpus)]})
             except OSError:  # the thread ended meanwhile, or a cpuset forbids it: leave it to the scheduler
                 continue
-            pinned.append((tid, cpus[k % len(cpus)]))
+            pinned.append(number)
         return pinned
 
     @property
