@@ -55,6 +55,6 @@ def alone_on_node(world_size: int) -> bool:
     """Whether this process is its job's only one on this node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) is
     1, or, where no launcher says, the job has one process (``world_size``)."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None and local.strip().isdigit():
+    if local is not None and local.strip().isdecimal():  # what int() reads ("²" is a digit, not a number)
         return int(local) == 1
     return world_size == 1

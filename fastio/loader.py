@@ -308,7 +308,7 @@ class Loader:
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
         self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to (_pin_workers)
-        self._pinned: list[int] = []  # the numbers of its workers pinned so far
+        self._pinned: list[int] = []  # the thread ids of its workers pinned so far
         self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = source.units
@@ -522,12 +522,12 @@ class Loader:
 
     def _pin_workers(self) -> None:
         """Pin the pipeline's worker threads (``pin_threads``) once a batch is scheduled, before waiting for it: those
-        found named (each names itself as it starts), the rest at the next calls, the last try once a batch has
-        come out (by then every worker has started)."""
+        found named (each names itself as it starts), the rest at the next call, the last try once a batch has
+        come out (by then every worker has started; on cuda the image decoder's pool too)."""
         if self._pin_to is None:
             return
         self._pinned += self._built.pin_workers(self._pin_to, skip=self._pinned)
-        if self._came_out or len(self._pinned) >= self.config.num_threads:
+        if self._came_out:
             self._pin_to = None
 
     def _feed_ahead(self, pipe: Any, feeder: Feeder, fed: Fed) -> None:

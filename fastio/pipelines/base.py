@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -55,15 +56,18 @@ def _thread_ids() -> frozenset[int]:
         return frozenset()
 
 
-def _thread_name(tid: int) -> str:
+def _thread_name(tid: int) -> bytes:
+    """What thread ``tid`` named itself (bytes: a thread may set any), or b"" once it has ended."""
     try:
-        with open(f"/proc/self/task/{tid}/comm") as f:
+        with open(f"/proc/self/task/{tid}/comm", "rb") as f:
             return f.read().strip()
     except OSError:  # the thread ended meanwhile
-        return ""
+        return b""
 
 
-_WORKER_NUMBER = re.compile(r"\[DALI\]\[TP(\d+)\]")
+_BUILDING = threading.Lock()
+"""Held while :func:`build_graph` builds a pipeline."""
+_WORKER_NUMBER = re.compile(rb"\[DALI\]\[TP(\d+)\]")
 
 
 @dataclass(frozen=True)
@@ -72,33 +76,36 @@ class BuiltPipeline:
 
     pipe: Any  # nvidia.dali.Pipeline
     outputs: tuple[str, ...]
-    threads_before: frozenset[int] = frozenset()
-    """The process's threads before the pipeline was built: those it started are the others."""
+    threads_started: frozenset[int] = frozenset()
+    """The ids of the threads its build started (its workers among them): a pipeline built later, or a thread
+    started later, is not this one's."""
 
     def workers(self) -> dict[int, int]:
-        """The worker threads this pipeline started, by DALI's number for each (``TP0``, ``TP1``, ...): those that
-        have named themselves so far (each does as it starts; all of them once a batch has come out)."""
+        """The worker threads this pipeline started, each with DALI's number for it within its pool (``TP0``,
+        ``TP1``, ...; the executor's pool, and on cuda the image decoder's): those that have named themselves so far
+        (each does as it starts; all of them once a batch has come out)."""
         found = {}
-        for tid in _thread_ids() - self.threads_before:
+        for tid in self.threads_started:
             number = _WORKER_NUMBER.match(_thread_name(tid))
             if number:
-                found[int(number.group(1))] = tid
+                found[tid] = int(number.group(1))
         return found
 
     def pin_workers(self, cpus: Sequence[int], skip: Collection[int] = ()) -> list[int]:
-        """Pin worker ``k`` to ``cpus[k % len(cpus)]``, each found but those in ``skip``; the numbers of those pinned
-        (none with fewer than two CPUs, or where the platform cannot pin)."""
+        """Pin worker ``k`` of each pool to ``cpus[k % len(cpus)]``, each found but the thread ids in ``skip`` (as
+        DALI's own ``set_affinity`` places each pool); the ids of those pinned (none with fewer than two CPUs, or
+        where the platform cannot pin)."""
         if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
             return []
         pinned = []
-        for number, tid in sorted(self.workers().items()):
-            if number in skip:
+        for tid, number in sorted(self.workers().items()):
+            if tid in skip:
                 continue
             try:
                 os.sched_setaffinity(tid, {cpus[number % len(cpus)]})
             except OSError:  # the thread ended meanwhile, or a cpuset forbids it: leave it to the scheduler
                 continue
-            pinned.append(number)
+            pinned.append(tid)
         return pinned
 
     @property
@@ -294,10 +301,12 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
             out = tuple(out.values())
         return out
 
-    before = _thread_ids()
-    pipe = dali_graph()
-    pipe.build()
-    return BuiltPipeline(pipe, tuple(outputs), before)
+    with _BUILDING:  # one build at a time in this process: the threads started meanwhile are this build's
+        before = _thread_ids()
+        pipe = dali_graph()
+        pipe.build()  # starts DALI's threads (each names itself as it starts, maybe later)
+        started = _thread_ids() - before
+    return BuiltPipeline(pipe, tuple(outputs), started)
 
 
 def dali_inputs(feed: Callable[..., tuple]) -> Callable[..., tuple]:
