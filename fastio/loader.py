@@ -523,7 +523,7 @@ class Loader:
     def _pin_workers(self) -> None:
         """Pin the pipeline's worker threads (``pin_threads``) once a batch is scheduled, before waiting for it: those
         found named (each names itself as it starts), the rest at the next call, the last try once a batch has
-        come out (by then every worker has started; on cuda the image decoder's pool too)."""
+        come out (by then every worker has started)."""
         if self._pin_to is None:
             return
         self._pinned += self._built.pin_workers(self._pin_to, skip=self._pinned)

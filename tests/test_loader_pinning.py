@@ -114,10 +114,13 @@ def _index_pipeline(num_threads: int, meanwhile=lambda: None):
                        device="cpu", device_id=None, prefetch=1)
 
 
-def _named(name: bytes, stop: threading.Event) -> threading.Thread:
-    """A thread of this process that names itself ``name`` (any bytes, as C code may) and waits for ``stop``."""
+def _named(name: bytes, stop: threading.Event, cpus: set[int] | None = None) -> threading.Thread:
+    """A thread of this process that names itself ``name`` (any bytes, as C code may), runs on ``cpus`` if given,
+    and waits for ``stop``."""
     def run():
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         named.set()
         stop.wait()
 
@@ -176,3 +179,22 @@ def test_a_pipeline_built_in_another_thread_during_a_build_keeps_its_workers_unp
     assert sorted(workers.values()) == [0, 0, 1, 1, 2]
     pinned = sorted(k for tid, k in workers.items() if len(os.sched_getaffinity(tid)) == 1)
     assert pinned == [0, 1]  # its two, not one of the other's
+
+
+@needs_two_cpus
+def test_a_dali_pool_other_than_the_executor_keeps_the_placement_dali_gave_it():
+    """On cuda the image decoder starts a pool of its own, numbered like the executor's (``[DALI][TP0]MixedDecoder``)
+    and placed by DALI near the GPU (its ``affine`` default): only the executor's workers are pinned. Here a thread
+    that the build starts stands in for that pool's worker 0 (no GPU), on the CPU DALI would have chosen."""
+    stop = threading.Event()
+    decoder = []
+    before = set(_threads())
+    built = _index_pipeline(2, lambda: decoder.append(_named(b"[DALI][TP0]MixedDecoder", stop, {CPUS[-1]})))
+    try:
+        executor = _named_workers(set(_threads()) - before - {decoder[0].native_id}, 2)
+        built.pin_workers(CPUS)
+        assert os.sched_getaffinity(decoder[0].native_id) == {CPUS[-1]}
+        assert {tid: os.sched_getaffinity(tid) for tid in executor} == {tid: {CPUS[k]} for tid, k in executor.items()}
+    finally:
+        stop.set()
+        decoder[0].join()

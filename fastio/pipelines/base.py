@@ -68,6 +68,17 @@ def _thread_name(tid: int) -> bytes:
 _BUILDING = threading.Lock()
 """Held while :func:`build_graph` builds a pipeline."""
 _WORKER_NUMBER = re.compile(rb"\[DALI\]\[TP(\d+)\]")
+_EXECUTOR_POOL = b"Exec"
+"""The name DALI gives its executor's thread pool (a worker: ``[DALI][TP<k>]Exec``, cut to 15 bytes by Linux)."""
+
+
+def _executor_worker(name: bytes) -> int | None:
+    """DALI's number for the executor's worker thread named ``name``, or None for any other thread (another of
+    DALI's pools, as the cuda image decoder's ``[DALI][TP<k>]MixedDecoder``, which DALI places itself)."""
+    number = _WORKER_NUMBER.match(name)
+    if number is None or name != (number.group(0) + _EXECUTOR_POOL)[:15]:
+        return None
+    return int(number.group(1))
 
 
 @dataclass(frozen=True)
@@ -81,20 +92,19 @@ class BuiltPipeline:
     started later, is not this one's."""
 
     def workers(self) -> dict[int, int]:
-        """The worker threads this pipeline started, each with DALI's number for it within its pool (``TP0``,
-        ``TP1``, ...; the executor's pool, and on cuda the image decoder's): those that have named themselves so far
-        (each does as it starts; all of them once a batch has come out)."""
+        """The executor's worker threads this pipeline started, each with DALI's number for it (``TP0``, ``TP1``,
+        ...): those that have named themselves so far (each does as it starts; all of them once a batch has come
+        out). The pool the cuda image decoder starts is not among them: DALI places it (``affine``)."""
         found = {}
         for tid in self.threads_started:
-            number = _WORKER_NUMBER.match(_thread_name(tid))
-            if number:
-                found[tid] = int(number.group(1))
+            number = _executor_worker(_thread_name(tid))
+            if number is not None:
+                found[tid] = number
         return found
 
     def pin_workers(self, cpus: Sequence[int], skip: Collection[int] = ()) -> list[int]:
-        """Pin worker ``k`` of each pool to ``cpus[k % len(cpus)]``, each found but the thread ids in ``skip`` (as
-        DALI's own ``set_affinity`` places each pool); the ids of those pinned (none with fewer than two CPUs, or
-        where the platform cannot pin)."""
+        """Pin worker ``k`` to ``cpus[k % len(cpus)]``, each found but the thread ids in ``skip``; the ids of those
+        pinned (none with fewer than two CPUs, or where the platform cannot pin)."""
         if len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
             return []
         pinned = []
