@@ -528,12 +528,12 @@ class Loader:
 
     def _pin_workers(self) -> None:
         """Pin the pipeline's worker threads (``pin_threads``) once a batch is scheduled, before waiting for it: those
-        found named (each names itself as it starts), the rest at the next call, the last try once a batch has
+        found named (each names itself as it starts), the rest at the next calls, the last try once a batch has
         come out (by then every worker has started)."""
         if self._pin_to is None:
             return
         self._pinned += self._built.pin_workers(self._pin_to, skip=self._pinned)
-        if self._came_out:
+        if self._came_out or len(self._pinned) >= self.config.num_threads:
             self._pin_to = None
 
     def _feed_ahead(self, pipe: Any, feeder: Feeder, fed: Fed) -> None:
