@@ -1,6 +1,7 @@
 """DALI's worker threads pinned one to a CPU (``pin_threads``): by default when the process is its job's only one on
 the node, never with ``pin_threads=False``, and when asked in a process among others. The threads are found the way
-the Loader finds them: started by its pipeline, named by DALI."""
+the Loader finds them: started by its pipeline's build, named by DALI as its executor's workers; never another
+pipeline's, another thread's, or another of DALI's pools."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _threads() -> dict[int, str]:
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
+            with open(f"/proc/self/task/{tid}/comm", errors="replace") as f:
                 out[int(tid)] = f.read().strip()
         except OSError:
             continue
