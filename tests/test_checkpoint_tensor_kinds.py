@@ -1,15 +1,67 @@
-"""Tensor kinds beyond plain ones, on both engines, by a real save and restore: a quantized tensor restores as saved
-also where the app has no tensor for it (its key missing from the app's state, or a plain tensor there)."""
+"""Tensor kinds beyond plain ones, on both engines, by a real save and restore: a tensor subclass is refused at save
+(naming its key path and type: no checkpoint that cannot be restored is committed), a parameter of a subclass type
+is saved by its data and restores bitwise, and a quantized tensor restores as saved also where the app has no
+tensor for it (its key missing from the app's state, or a plain tensor there)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import StateHolder
+from torch import nn
 
 from fastio.checkpoint import Checkpointer
+from fastio.errors import CheckpointError
 
 ENGINES = ["torchsnapshot", "dcp"]
+
+
+class _Scaled(torch.Tensor):
+    """A tensor subclass: ``torch.load(weights_only=True)`` refuses its pickle, torchsnapshot keeps only its data."""
+
+
+class _Tagged(nn.Parameter):
+    """A parameter of a subclass type."""
+
+
+def _with_buffer() -> nn.Module:
+    m = nn.Linear(2, 2)
+    m.register_buffer("odd", torch.Tensor._make_subclass(_Scaled, torch.randn(3)))
+    return m
+
+
+SUBCLASSED = {
+    "holder": (lambda: {"t": StateHolder({"x": {"y": torch.arange(4.0).as_subclass(_Scaled)}})}, "t/x/y"),
+    "buffer": (lambda: {"m": _with_buffer()}, "m/odd"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(SUBCLASSED))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_tensor_subclass_is_refused_at_save_naming_its_key_and_type(tmp_path, engine, where):
+    """Before: the save was committed and its restore failed (DCP: ``refused to load``) or lost the class and its
+    attributes (torchsnapshot: a plain tensor). Now the save itself is refused and no step is written."""
+    app, key = SUBCLASSED[where]
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(1, app(), blocking=True)
+        assert ckpt.steps() == []
+    text = str(err.value)
+    assert f"state key {key!r}" in text and "_Scaled" in text and "\n" not in text, text
+    assert not list((tmp_path / "ck").glob("step-*"))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_parameter_of_a_subclass_type_restores_bitwise_by_its_data(tmp_path, engine):
+    saved, into = nn.Linear(3, 2), nn.Linear(3, 2)
+    saved.weight, into.weight = _Tagged(torch.randn(2, 3)), _Tagged(torch.zeros(2, 3))
+    holder = StateHolder({"p": _Tagged(torch.randn(5))})
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"m": saved, "h": holder}, blocking=True)
+        back = StateHolder({})
+        ckpt.restore_latest({"m": into, "h": back})
+    assert type(into.weight) is _Tagged and torch.equal(into.weight, saved.weight)
+    assert torch.equal(back.state["p"], holder.state["p"])
 
 
 def _quantized() -> dict[str, torch.Tensor]:
