@@ -6,7 +6,8 @@ horizontal flip, normalize, float32 CHW) over the same ~1200 JPEGs of 400x300..6
 - ``fastio``: ``fastio.Loader(device=...)``;
 - ``dataloader``: ``torch.utils.data.DataLoader(num_workers=cores)`` over ``webdataset.WebDataset`` with PIL
   decode and the same transforms written with PIL + numpy + torch (no torchvision);
-- ``dali``: DALI's own ``fn.readers.webdataset`` with the same graph. The crop is
+- ``dali``: DALI's own ``fn.readers.webdataset`` with the same graph (its worker threads unpinned, DALI's default;
+  fastio's Loader pins its own, one to a CPU, as it does by default in a process alone on its node). The crop is
   ``fn.decoders.image_random_crop`` (DALI's fused decode + random-resized-crop, the ROI decode its own
   ResNet example uses), because fastio's graph also decodes only the crop window; its outputs become torch
   tensors the way ``DALIGenericIterator`` makes them (``torch.from_dlpack``, no copy, with DALI's dynamic

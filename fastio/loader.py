@@ -249,7 +249,8 @@ class Loader:
     ``replicas=`` a ``torchft.Manager`` (fault-tolerant training, docs/trainers.md): ``batch_size`` is then the global
     batch of one step, and each batch is this rank's share of global batch ``manager.current_step()`` (the samples a
     one-process Loader gives at that batch), split over the replica groups of the step's quorum and the group's ranks;
-    iterating runs on through the epochs; the Loader's state travels in the Manager's state dict.
+    iterating runs on through the epochs; the Loader's state travels in the Manager's state dict until
+    :meth:`close`.
     """
 
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, *,
@@ -447,6 +448,11 @@ class Loader:
         return self._active
 
     def close(self) -> None:
+        """Stop the stream and close the reader and read set; with ``replicas=``, first take the Loader's state out
+        of the Manager's state dict (:meth:`fastio.read.replicas.TorchftReplicas.unregister`), so the Manager no
+        longer calls the closed Loader and a Loader made next with it takes its place. Closing again is harmless."""
+        if self._replicas is not None:
+            self._replicas.unregister()
         self._close_active()
         self._drop_stream()
         if self._reader is not self.read_set.reader:

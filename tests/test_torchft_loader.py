@@ -205,3 +205,44 @@ def test_misuse_is_refused_in_one_line_naming_the_fix(house, image_dataset):
         with pytest.raises(LoaderArgumentError, match="set_epoch with replicas="):
             loader.set_epoch(1)
     m.shutdown(wait=False)
+
+
+def test_a_closed_loader_leaves_the_managers_state_and_the_next_loader_takes_its_place(house, image_dataset):
+    """close() takes the Loader's state out of the Manager's state dict (the Manager no longer calls the closed
+    Loader, nor keeps it alive); closing twice is harmless; a Loader made after it with the same Manager is the one
+    whose state the Manager sends and checkpoints, under the same key as a peer's only Loader."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, {**options, "batch_size": 12}, 4)]
+    store = group_store()
+    m = manager(store.port, house, 0)
+    first = _loader(image_dataset, options, m)
+    steps([(m, first)], 2)
+    first.close()
+    first.close()
+    with _loader(image_dataset, {**options, "batch_size": 12}, m) as second:
+        first.close()  # a third time, after the next Loader registered: it stays registered
+        got = steps([(m, second)], 2)
+        assert m._manager_state_dict()["user"] == {"fastio_loader": second.state_dict()}
+    assert [b["index"].tolist() for (b,) in got] == want[2:4]
+    m.shutdown(wait=False)
+
+
+def test_a_group_heals_into_the_loader_made_after_it_closed_one(house, image_dataset):
+    """A group that closed a Loader (another global batch) and made the next one heals from a peer into the next
+    one: the Manager does not hand the peer's position to the closed Loader."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 12}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
+    stores = group_store(), group_store()
+    m0 = manager(stores[0].port, house, 0)
+    l0 = _loader(image_dataset, options, m0)
+    steps([(m0, l0)], 2)
+    m1 = manager(stores[1].port, house, 1)
+    _loader(image_dataset, {**options, "batch_size": 6}, m1).close()
+    l1 = _loader(image_dataset, options, m1)
+    (_, healing), *shared = steps([(m0, l0), (m1, l1)], 3)
+    assert healing["step"] == 2 and not healing["participating"]
+    assert [b0["index"].tolist() + b1["index"].tolist() for b0, b1 in shared] == want[3:5]
+    assert l1.state_dict() == l0.state_dict()
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)

@@ -42,8 +42,8 @@ class PerformanceOptions:
     num_threads: int | None = None
     """DALI worker threads (default: the CPUs this process may run on, :func:`fastio.dist.usable_cpus`)."""
     pin_threads: bool | None = None
-    """Pin DALI's worker threads one to a CPU, in turn over those this process may run on, once its pipeline's first
-    batch is out. None (default): pin when this process is its job's only one on the node
+    """Pin DALI's worker threads one to a CPU, in turn over those this process may run on, as soon as its pipeline's
+    first batch is scheduled. None (default): pin when this process is its job's only one on the node
     (:func:`fastio.dist.alone_on_node`); a process bound to its own CPUs (Slurm's ``--cpu-bind``, ``taskset``) may
     pass True; False never pins. Unpinned, a 2-CPU VM's scheduler was seen to stack both workers on one CPU while
     the other idled, a tenth of the time (docs/performance.md, Loader, fifth pass)."""

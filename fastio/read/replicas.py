@@ -2,9 +2,10 @@
 
 The Loader asks :class:`TorchftReplicas` at each batch for the step and this rank's :class:`~fastio.order.replicas.Share`
 of it (after the step's quorum), and registers its state with the Manager, so that a group that heals from a peer
-gets the data position with the weights. The order arithmetic is in :mod:`fastio.order.replicas`; this module only
-reads the Manager. It sits in ``read/``, below the Loader that uses it (not in ``integrations/``, which imports
-the Loader), and is the only importer of ``torchft``, imported only when a Manager is given.
+gets the data position with the weights (until the Loader is closed: then it takes it out again). The order
+arithmetic is in :mod:`fastio.order.replicas`; this module only reads the Manager. It sits in ``read/``, below the
+Loader that uses it (not in ``integrations/``, which imports the Loader), and is the only importer of ``torchft``,
+imported only when a Manager is given.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastio.order.replicas import Share
 __all__ = ["STATE_KEY", "TorchftReplicas"]
 
 STATE_KEY = "fastio_loader"
-"""The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders)."""
+"""The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders open at once)."""
 
 
 class TorchftReplicas:
@@ -31,6 +32,7 @@ class TorchftReplicas:
             raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
                                       "Manager of this replica group")
         self.manager = manager
+        self._key: str | None = None  # the key registered in the Manager's state dict, until unregister
 
     @property
     def group_world_size(self) -> int:
@@ -72,7 +74,19 @@ class TorchftReplicas:
             n += 1
             key = f"{STATE_KEY}_{n}"
         self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+        self._key = key
         return key
+
+    def unregister(self) -> None:
+        """Take the registered state out of the Manager's state dict: the Manager no longer asks the Loader for it
+        (a checkpoint sent to a healing peer) nor hands it a peer's (healing), and a Loader made next takes the key.
+        Does nothing once done. torchft has no call for it, so its two dicts are replaced by copies without the
+        key (a checkpoint being sent from the Manager's quorum thread goes on with the dict it is reading)."""
+        key, self._key = self._key, None
+        if key is not None:
+            m = self.manager
+            m._user_state_dicts = {k: f for k, f in m._user_state_dicts.items() if k != key}
+            m._load_state_dict_fns = {k: f for k, f in m._load_state_dict_fns.items() if k != key}
 
     def check_state(self, state: dict[str, Any], batch_size: int, step_key: str) -> None:
         """LoaderStateError unless ``state`` is of the same global batch and at the Manager's step (a restore must
