@@ -91,3 +91,30 @@ def test_a_quantized_tensor_restores_as_saved_without_a_quantized_target(tmp_pat
         back = StateHolder({} if target == "missing" else {k: torch.zeros(v.shape) for k, v in saved.items()})
         ckpt.restore_latest({"t": back})
     assert {k: _bits(v) for k, v in back.state.items()} == {k: _bits(v) for k, v in saved.items()}
+
+
+def _quantized_buffer(quantized: bool) -> nn.Module:
+    m = nn.Linear(2, 2)
+    m.register_buffer("b", _quantized()["q8"] if quantized else torch.full((6,), 7.0))
+    return m
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_quantized_tensor_into_a_module_s_plain_one_is_refused_naming_the_keys(tmp_path, engine):
+    """Before: DCP ``step-1: RuntimeError: Copying from quantized Tensor to non-quantized Tensor is not allowed ...``
+    (no key); torchsnapshot ``While copying the parameter named "b", whose dimensions in the model are torch.Size([6])
+    and whose dimensions in the checkpoint are torch.Size([6]) ...`` (no app key, the shapes the same). Now one line
+    naming both, nothing loaded; ``strict=False`` loads the rest and lists it."""
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"m": _quantized_buffer(True)}, blocking=True)
+        into = _quantized_buffer(False)
+        before = {k: v.clone() for k, v in into.state_dict().items()}
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"m": into})
+        assert all(torch.equal(v, into.state_dict()[k]) for k, v in before.items())
+        state = ckpt.restore_latest({"m": into}, strict=False)
+    text = str(err.value)
+    assert "app key m: quantized in the checkpoint, not in the app: b (torch.qint8, app torch.float32)" in text, text
+    assert "\n" not in text
+    assert torch.equal(into.b, before["b"]) and not torch.equal(into.weight, before["weight"])
+    assert any("b (torch.qint8" in line for line in state.skipped), state.skipped

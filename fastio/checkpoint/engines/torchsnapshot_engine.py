@@ -55,7 +55,7 @@ from torchsnapshot.serialization import Serializer
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
-from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
+from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_keys
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
@@ -452,7 +452,8 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         mine = None
         for key, obj in targets.items():
             if isinstance(obj, nn.Module):
-                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj))
+                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj),
+                                 quantized_keys(self._dtypes(key, rank), obj.state_dict()))
                 if found:
                     mine = str(found.refusal(str(self.path)))
                     break
@@ -478,6 +479,11 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             shape = None if len(parts) > 2 or isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
             out.setdefault(_decode(parts[1]), tuple(int(n) for n in shape) if shape is not None else None)
         return out
+
+    def _dtypes(self, key: str, rank: int) -> dict[str, str]:
+        """The dtype (its name) of each tensor the manifest holds directly under a state key of ``key`` (a module's)."""
+        return {_decode(parts[1]): entry.dtype for path, entry in self._entries(key, rank).items()
+                if len(parts := path.split("/")) == 2 and isinstance(getattr(entry, "dtype", None), str)}
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:
         """Parameters per group from the manifest's ``KEY/param_groups/G/params/P`` entries (small ints live in
