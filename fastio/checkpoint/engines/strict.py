@@ -24,7 +24,7 @@ from typing import Any
 from fastio.errors import CheckpointError
 
 __all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes",
-           "quantized_keys", "shape_of", "state_mismatch"]
+           "quantized_dtype", "quantized_keys", "shape_of", "state_mismatch"]
 
 _SHOWN = 8
 
@@ -35,12 +35,17 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
     return tuple(int(n) for n in shape) if shape is not None and hasattr(value, "dtype") else None
 
 
+def quantized_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` (a torch dtype or its name, ``torch.qint8``) is a quantized tensor's."""
+    return str(dtype).startswith(("torch.qint", "torch.quint"))
+
+
 def quantized_keys(saved: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
     """The state keys whose tensor the checkpoint holds quantized (``saved``: state key -> its dtype, a torch dtype or
     its name) where the app holds a tensor that is not (``own``: state key -> the app's value), which torch cannot
     copy it into: state key -> (the checkpoint's dtype, the app's)."""
     return {k: (str(d), str(own[k].dtype)) for k, d in saved.items()
-            if str(d).startswith(("torch.qint", "torch.quint")) and getattr(own.get(k), "is_quantized", True) is False}
+            if quantized_dtype(d) and getattr(own.get(k), "is_quantized", True) is False}
 
 
 def group_sizes(groups: Any) -> list[int] | None:

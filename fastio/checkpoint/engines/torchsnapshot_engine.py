@@ -55,7 +55,7 @@ from torchsnapshot.serialization import Serializer
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
-from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_keys
+from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_dtype, quantized_keys
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
@@ -162,8 +162,8 @@ def _read_quantized(cls: Any, entry: Any, tensor_out: Any = None, buffer_size_li
     """torchsnapshot's read of a tensor entry; a quantized one the app has no quantized tensor of that dtype and
     shape for is read as the tensor stored (torchsnapshot 0.1.0 made an empty quantized tensor to copy it into, which
     has no quantizer: ``cannot call qscheme on UnknownQuantizer``)."""
-    quantized = entry.serializer == Serializer.TORCH_SAVE.value and entry.dtype.startswith(("torch.qint", "torch.quint"))
-    if not quantized or cls.can_load_inplace(entry=entry, obj=tensor_out):
+    if entry.serializer != Serializer.TORCH_SAVE.value or not quantized_dtype(entry.dtype) \
+            or cls.can_load_inplace(entry=entry, obj=tensor_out):
         return _prepare_read.__func__(cls, entry, tensor_out, buffer_size_limit_bytes)
     future: Future = Future()
     read = ReadReq(path=entry.location, byte_range=entry.byte_range_tuple,
