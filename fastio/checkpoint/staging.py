@@ -37,6 +37,18 @@ def _dtensor_type() -> type | None:
     return DTensor
 
 
+def _refuse_subclass(t: torch.Tensor, path: str) -> None:
+    """A CheckpointError naming the key path and the type of a tensor subclass (other than a parameter's, which is
+    saved by its data, as ``torch.save`` pickles a parameter without attributes): neither engine can restore one.
+    DCP's ``torch.load(weights_only=True)`` refuses its pickle, torchsnapshot stores its bytes only (its class and
+    attributes lost; a wrapper subclass fails to write)."""
+    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+        return
+    raise CheckpointError(
+        f"state key {path!r}: cannot checkpoint a tensor subclass {type(t).__module__}.{type(t).__qualname__} "
+        "(no engine restores it as its class; save its plain data, t.as_subclass(torch.Tensor), or its parts)")
+
+
 class Frozen:
     """A torchsnapshot Stateful whose state_dict is a fixed, already staged dict."""
 
@@ -117,6 +129,7 @@ class Stager:
             pairs.append((buf.to_local(), obj.to_local().detach()))
             return buf
         if isinstance(obj, torch.Tensor):
+            _refuse_subclass(obj, path)
             if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
                     and not isinstance(obj, torch.nn.Parameter):
                 return obj.detach().to("cpu", copy=True)

@@ -73,7 +73,7 @@ from torch.distributed.tensor import DTensor
 
 from fastio.checkpoint.agree import terms_code
 from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
-from fastio.checkpoint.engines.strict import Mismatch, group_sizes, shape_of
+from fastio.checkpoint.engines.strict import Mismatch, group_sizes, quantized_keys, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
 from fastio.storage.atomic import start_writeback
@@ -212,6 +212,13 @@ def check_metadata(path: Path) -> Any:
         raise CheckpointError(f"{meta}: refused to load: {first_line(err)}") from None
 
 
+def _top(fqn: str, paths: dict) -> str:
+    """The app key of a state dict's flattened key ``fqn``, by DCP's ``paths`` (its planner's mappings or the
+    checkpoint's planner data), else its first part."""
+    path = paths.get(fqn)
+    return str(path[0]) if path else fqn.split(".", 1)[0]
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, reading non-tensor items with ``torch.load(weights_only=True)``, and applying
     the strict rule (:mod:`fastio.checkpoint.engines.strict`) to the checkpoint's keys against the app's: DCP
@@ -227,24 +234,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         if metadata is None:
             return
         saved_paths = metadata.planner_data or {}
-
-        def top(fqn: str, paths: dict) -> str:
-            path = paths.get(fqn)
-            return str(path[0]) if path else fqn.split(".", 1)[0]
-
-        keys = {top(fqn, self.mappings) for fqn in self.state_dict}
         self._planned = self._group_settings(metadata, saved_paths)
-        saved = {fqn: getattr(m, "size", None) for fqn, m in metadata.state_dict_metadata.items()
-                 if top(fqn, saved_paths) in keys}
-        found = []
-        for key in sorted(keys):
-            sub = len(key) + 1  # state keys named inside their app key
-            theirs = {fqn[sub:]: (tuple(size) if size is not None else None)
-                      for fqn, size in saved.items() if top(fqn, saved_paths) == key}
-            ours = {fqn[sub:]: shape_of(v) for fqn, v in self.state_dict.items() if top(fqn, self.mappings) == key}
-            mismatch = Mismatch(key, theirs, ours)
-            if mismatch:
-                found.append(mismatch)
+        found = self._mismatches(metadata, saved_paths)
         if not found:
             return
         if self.strict:
@@ -260,6 +251,24 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             for sub_key in m.skipped_keys:  # left as the app has them
                 self.state_dict.pop(f"{m.key}.{sub_key}", None)
         self._planned = True
+
+    def _mismatches(self, metadata, saved_paths: dict) -> list[Mismatch]:
+        """Per app key of the state dict, what differs between the checkpoint's metadata and the app's state: keys,
+        shapes, and tensors quantized in the checkpoint, not in the app."""
+        keys = {_top(fqn, self.mappings) for fqn in self.state_dict}
+        saved = {fqn: m for fqn, m in metadata.state_dict_metadata.items() if _top(fqn, saved_paths) in keys}
+        found = []
+        for key in sorted(keys):
+            sub = len(key) + 1  # state keys named inside their app key
+            mine = {fqn: m for fqn, m in saved.items() if _top(fqn, saved_paths) == key}
+            theirs = {fqn[sub:]: tuple(m.size) if getattr(m, "size", None) is not None else None
+                      for fqn, m in mine.items()}
+            ours = {fqn[sub:]: v for fqn, v in self.state_dict.items() if _top(fqn, self.mappings) == key}
+            dtypes = {fqn[sub:]: m.properties.dtype for fqn, m in mine.items() if hasattr(m, "properties")}
+            mismatch = Mismatch(key, theirs, {k: shape_of(v) for k, v in ours.items()}, quantized_keys(dtypes, ours))
+            if mismatch:
+                found.append(mismatch)
+        return found
 
     def _group_settings(self, metadata, saved_paths: dict) -> bool:
         """A parameter group's setting on one side only (``initial_lr``, written by an lr scheduler built before
@@ -601,11 +610,8 @@ class DcpCheckpoint(SavedCheckpoint):
         if key in self.global_keys:
             meta = self.metadata()
             paths = meta.planner_data or {}
-
-            def top(fqn: str) -> str:
-                return str(paths[fqn][0]) if paths.get(fqn) else fqn.split(".", 1)[0]
             return {fqn[len(key) + 1:]: tuple(m.size) if getattr(m, "size", None) is not None else None
-                    for fqn, m in meta.state_dict_metadata.items() if top(fqn) == key}
+                    for fqn, m in meta.state_dict_metadata.items() if _top(fqn, paths) == key}
         state = self.read(key, rank, mmap=True)
         return {str(k): shape_of(v) for k, v in state.items()} if isinstance(state, dict) else {}
 

@@ -1,16 +1,18 @@
 """Strict restores: what a checkpoint holds against what the app has room for, one rule for both engines.
 
 A restore compares, per app key, the state keys the checkpoint holds with the state keys the app object has
-(and the shapes of tensors present in both). By default any difference is a
+(and, of tensors present in both, their shapes and whether the checkpoint's is quantized where the app's is
+not). By default any difference is a
 :class:`~fastio.errors.CheckpointError` naming the app key and the state keys. With ``strict=False`` what
 matches is loaded, the rest of the app's state is left as it is, and every skipped key is listed (the
 Checkpointer logs them and hands them back in ``TrainState.skipped``).
 
 The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
-dict it rebuilt against the module's own), DCP in its load planner (the checkpoint's metadata against the
-flattened state dict it is asked to fill). An optimizer's parameter groups are part of the rule: torchsnapshot's
-state is positional, so an optimizer of other groups is skipped whole; DCP's is keyed by parameter name, so with
-another number of groups the app's groups stay and each parameter's state loads by name.
+dict it rebuilt against the module's own; with ``strict``, its manifest against every module first), DCP in its
+load planner (the checkpoint's metadata against the flattened state dict it is asked to fill). An optimizer's
+parameter groups are part of the rule: torchsnapshot's state is positional, so an optimizer of other groups is
+skipped whole; DCP's is keyed by parameter name, so with another number of groups the app's groups stay and each
+parameter's state loads by name.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Any
 
 from fastio.errors import CheckpointError
 
-__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes", "shape_of",
-           "state_mismatch"]
+__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes",
+           "quantized_dtype", "quantized_keys", "shape_of", "state_mismatch"]
 
 _SHOWN = 8
 
@@ -31,6 +33,19 @@ def shape_of(value: Any) -> tuple[int, ...] | None:
     """The (global) shape of a tensor-like value, None for anything else."""
     shape = getattr(value, "shape", None)
     return tuple(int(n) for n in shape) if shape is not None and hasattr(value, "dtype") else None
+
+
+def quantized_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` (a torch dtype or its name, ``torch.qint8``) is a quantized tensor's."""
+    return str(dtype).startswith(("torch.qint", "torch.quint"))
+
+
+def quantized_keys(saved: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The state keys whose tensor the checkpoint holds quantized (``saved``: state key -> its dtype, a torch dtype or
+    its name) where the app holds a tensor that is not (``own``: state key -> the app's value), which torch cannot
+    copy it into: state key -> (the checkpoint's dtype, the app's)."""
+    return {k: (str(d), str(own[k].dtype)) for k, d in saved.items()
+            if quantized_dtype(d) and getattr(own.get(k), "is_quantized", True) is False}
 
 
 def group_sizes(groups: Any) -> list[int] | None:
@@ -111,8 +126,12 @@ def _dims(shape: tuple[int, ...] | None) -> str:
 class Mismatch:
     """The differences between one app key's state in a checkpoint and in the app."""
 
-    def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None]):
+    def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None],
+                 quantized: Mapping[str, tuple[str, str]] | None = None):
         self.key, self._saved, self._own = key, set(saved), set(own)
+        self.quantized = sorted((k, a, b) for k, (a, b) in (quantized or {}).items())
+        """Tensors quantized in the checkpoint, not in the app (:func:`quantized_keys`): (state key, checkpoint's
+        dtype, app's dtype)."""
         self.kept: set[str] = set()
         """The app's parameter groups' keys, left as they are (:meth:`keep_groups`)."""
         self.unexpected = sorted(k for k in saved if k not in own)
@@ -124,12 +143,12 @@ class Mismatch:
         """Tensors in both, of other shapes: (state key, checkpoint's shape, app's shape)."""
 
     def __bool__(self) -> bool:
-        return bool(self.unexpected or self.missing or self.shapes)
+        return bool(self.unexpected or self.missing or self.shapes or self.quantized)
 
     @property
     def skipped_keys(self) -> set[str]:
         """The app's state keys a non-strict restore leaves as they are."""
-        return set(self.missing) | {k for k, _, _ in self.shapes} | self.kept
+        return set(self.missing) | {k for k, _, _ in self.shapes + self.quantized} | self.kept
 
     def groups_line(self) -> str | None:
         """One line when this is an optimizer's state as DCP names it (``param_groups.G.lr``) and the checkpoint
@@ -157,6 +176,9 @@ class Mismatch:
         if self.shapes:
             shown = [f"{k} (checkpoint {_dims(a)}, app {_dims(b)})" for k, a, b in self.shapes]
             out.append(f"app key {self.key}: other shape: {_names(shown)}")
+        if self.quantized:
+            shown = [f"{k} ({a}, app {b})" for k, a, b in self.quantized]
+            out.append(f"app key {self.key}: quantized in the checkpoint, not in the app: {_names(shown)}")
         return out
 
     def refusal(self, where: str) -> CheckpointError:
@@ -176,7 +198,8 @@ class CheckedModule:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         own = self.module.state_dict()
         found = Mismatch(self.key, {k: shape_of(v) for k, v in state_dict.items()},
-                         {k: shape_of(v) for k, v in own.items()})
+                         {k: shape_of(v) for k, v in own.items()},
+                         quantized_keys({k: v.dtype for k, v in state_dict.items() if shape_of(v) is not None}, own))
         if not found:
             self.module.load_state_dict(state_dict)
             return

@@ -7,10 +7,10 @@ paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), it
 ``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, its bfloat16 byte view
 (``serialization._tensor_as_memoryview_via_untyped_storage``, replaced while writing: see :func:`_storage_bytes`),
 its byte view of a tensor and its inverse as ``io_preparers.tensor`` calls them (wrapped for tensors with no
-elements: see :func:`_empty_as_bytes`), and the steps of ``Snapshot.take`` (:func:`_take` runs them with a storage
-plugin of its own, see there). Those
-internals are the contract, hence the exact pin in ``pyproject.toml``; a new torchsnapshot release means
-re-checking this module, and nothing else.
+elements: see :func:`_empty_as_bytes`), its read of a tensor entry (``TensorIOPreparer.prepare_read``, wrapped for a
+quantized tensor the app has no tensor for: see :func:`_read_quantized`), and the steps of ``Snapshot.take``
+(:func:`_take` runs them with a storage plugin of its own, see there). Those internals are the contract, hence the
+exact pin in ``pyproject.toml``; a new torchsnapshot release means re-checking this module, and nothing else.
 
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
@@ -41,7 +41,7 @@ from torchsnapshot import scheduler as _scheduler
 from torchsnapshot import serialization as _serialization
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.io_preparers import tensor as _tensor_io
-from torchsnapshot.io_types import ReadIO, WriteIO
+from torchsnapshot.io_types import Future, ReadIO, ReadReq, WriteIO
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
     ObjectEntry,
@@ -51,10 +51,11 @@ from torchsnapshot.manifest import (
     is_replicated,
 )
 from torchsnapshot.pg_wrapper import PGWrapper
+from torchsnapshot.serialization import Serializer
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
 from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
-from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes
+from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_dtype, quantized_keys
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
@@ -143,8 +144,36 @@ def _empty_from_bytes(mv: memoryview, dtype: Any, shape: list[int]) -> Any:
     return _from_bytes(mv, dtype, shape)
 
 
-# Process-wide and for good: both only replace what raised before.
+_prepare_read = _tensor_io.TensorIOPreparer.prepare_read
+
+
+class _StoredQuantized(_tensor_io.TensorBufferConsumer):
+    """Reads a quantized tensor's ``torch.save`` bytes into a future as the tensor they hold."""
+
+    def __init__(self, entry: Any, future: Future):
+        super().__init__(tensor=None, entry=entry)
+        self.future = future
+
+    async def consume_buffer(self, buf: bytes, executor: Any = None) -> None:
+        self.future.obj = self.deserialize_tensor(buf=buf, entry=self.entry)
+
+
+def _read_quantized(cls: Any, entry: Any, tensor_out: Any = None, buffer_size_limit_bytes: int | None = None) -> Any:
+    """torchsnapshot's read of a tensor entry; a quantized one the app has no quantized tensor of that dtype and
+    shape for is read as the tensor stored (torchsnapshot 0.1.0 made an empty quantized tensor to copy it into, which
+    has no quantizer: ``cannot call qscheme on UnknownQuantizer``)."""
+    if entry.serializer != Serializer.TORCH_SAVE.value or not quantized_dtype(entry.dtype) \
+            or cls.can_load_inplace(entry=entry, obj=tensor_out):
+        return _prepare_read.__func__(cls, entry, tensor_out, buffer_size_limit_bytes)
+    future: Future = Future()
+    read = ReadReq(path=entry.location, byte_range=entry.byte_range_tuple,
+                   buffer_consumer=_StoredQuantized(entry, future))
+    return [read], future
+
+
+# Process-wide and for good: each only replaces what raised before.
 _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview = _empty_as_bytes, _empty_from_bytes
+_tensor_io.TensorIOPreparer.prepare_read = classmethod(_read_quantized)
 
 
 def _start_writeback(path: str) -> None:
@@ -423,7 +452,8 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         mine = None
         for key, obj in targets.items():
             if isinstance(obj, nn.Module):
-                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj))
+                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj),
+                                 quantized_keys(self._dtypes(key, rank), obj.state_dict()))
                 if found:
                     mine = str(found.refusal(str(self.path)))
                     break
@@ -449,6 +479,11 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             shape = None if len(parts) > 2 or isinstance(entry, ShardedTensorEntry) else getattr(entry, "shape", None)
             out.setdefault(_decode(parts[1]), tuple(int(n) for n in shape) if shape is not None else None)
         return out
+
+    def _dtypes(self, key: str, rank: int) -> dict[str, str]:
+        """The dtype (its name) of each tensor the manifest holds directly under a state key of ``key`` (a module's)."""
+        return {_decode(parts[1]): entry.dtype for path, entry in self._entries(key, rank).items()
+                if len(parts := path.split("/")) == 2 and isinstance(getattr(entry, "dtype", None), str)}
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:
         """Parameters per group from the manifest's ``KEY/param_groups/G/params/P`` entries (small ints live in
