@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import numbers
-import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from fastio.dist import usable_cpus
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
@@ -334,8 +334,8 @@ class VideoClips(_Clips):
     holds some (said once), a CUDA Loader with NVDEC; ``"pyav"``: with PyAV on a CPU Loader (a CUDA Loader refuses
     it: NVDEC reads them); None: a CPU Loader refuses such a dataset when it is made."""
     fallback_threads: int | None = None
-    """Threads decoding with ``cpu_fallback`` (default: twice the machine's cores: a thread also waits, holding
-    the GIL between frames, and DALI's threads crop and resize beside them)."""
+    """Threads decoding with ``cpu_fallback`` (default: twice the CPUs this process may run on: a thread also waits,
+    holding the GIL between frames, and DALI's threads crop and resize beside them)."""
 
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
@@ -404,7 +404,7 @@ class VideoClips(_Clips):
             return source
         return dataclasses.replace(source, reader=FallbackReader(
             source.reader, clips._fallback_jobs, clips.frames, clips.stride, read_set.where,
-            clips.fallback_threads or 2 * (os.cpu_count() or 1)))
+            clips.fallback_threads or 2 * len(usable_cpus())))
 
     def _fallback(self, probes: list) -> np.ndarray:
         """bool [B]: the samples whose clips ``cpu_fallback`` decodes (videos DALI's CPU decoder does not read)."""
