@@ -67,7 +67,7 @@ def _thread_name(tid: int) -> bytes:
 
 _BUILDING = threading.Lock()
 """Held while :func:`build_graph` builds a pipeline."""
-_WORKER_NUMBER = re.compile(rb"\[DALI\]\[TP(\d+)\]")
+_WORKER_NUMBER = re.compile(re.escape(DALI_WORKER.encode()) + rb"(\d+)\]")
 _EXECUTOR_POOL = b"Exec"
 """The name DALI gives its executor's thread pool (a worker: ``[DALI][TP<k>]Exec``, cut to 15 bytes by Linux)."""
 
