@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokens_helpers import image_text_dataset
 
 import fastio
 from fastio import ImageEval, ImageTrain, Loader
-from tokens_helpers import image_text_dataset
 
 HOST = ("index", "source", "padded")
 
@@ -68,4 +68,5 @@ def test_cuda_token_batches_are_the_cpu_ones_in_gpu_memory(token_ds):
 def test_cuda_image_text_batches_put_images_and_token_runs_in_gpu_memory(tmp_path):
     dest = image_text_dataset(tmp_path)
     pipe = fastio.ImageText(image=ImageEval(size=16), seq_len=256, image_seq_len=4)
-    _same_on_the_gpu(_batches(dest, "cpu", pipe, n=1, batch_size=2), _batches(dest, "cuda", pipe, n=1, batch_size=2), close=("images",))
+    one = dict(n=1, batch_size=2)
+    _same_on_the_gpu(_batches(dest, "cpu", pipe, **one), _batches(dest, "cuda", pipe, **one), close=("images",))
