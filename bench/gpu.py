@@ -279,7 +279,8 @@ def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     rounds = _rounds(_loader_contenders(dest, device), repeats)
     result = _summary(rounds, "fastio hw=0.65", ("dali reader", "dataloader", "fastio hw=0.0", "fastio hw=1.0"))
     if device == "cuda":
-        result["gpu_memory_mib"] = {name: _in_child("memory", work, name) for name in rounds}
+        result["gpu_memory_mib"] = {name: _in_child("memory", work, name)
+                                    for name in ("fastio hw=0.65", "dali reader", "dataloader")}
     return {"samples": UNIQUE * COPIES, "batch": BATCH, "size": SIZE, **result}
 
 
