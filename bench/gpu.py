@@ -267,11 +267,13 @@ def _fastio_epoch(dest: Path, device: str, load: float | None) -> Callable[[], i
     return run
 
 
-def _loader_contenders(dest: Path, device: str) -> dict[str, Callable[[], int]]:
-    out: dict[str, Callable[[], int]] = {f"fastio hw={load}": _fastio_epoch(dest, device, load) for load in LOADS}
-    out["dali reader"] = lambda: _dali(dest, device, cores())[0]
-    out["dataloader"] = lambda: _dataloader(dest, cores(), device)[0]
-    return out
+def _loader_contenders(dest: Path, device: str, names: tuple[str, ...] | None = None) -> dict[str, Callable[[], int]]:
+    """Each contender's epoch by name (``names``: only those, nothing else made)."""
+    makers: dict[str, Callable[[], Callable[[], int]]] = {
+        f"fastio hw={load}": (lambda load=load: _fastio_epoch(dest, device, load)) for load in LOADS}
+    makers["dali reader"] = lambda: lambda: _dali(dest, device, cores())[0]
+    makers["dataloader"] = lambda: lambda: _dataloader(dest, cores(), device)[0]
+    return {name: make() for name, make in makers.items() if names is None or name in names}
 
 
 def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
@@ -300,7 +302,7 @@ def memory(work: Path, name: str) -> float:
     torch.zeros(1, device="cuda")
     base, peak = _gpu_used_mib(), 0.0
     dest = image_shards(work)
-    run = _loader_contenders(dest, "cuda")[name]
+    run = _loader_contenders(dest, "cuda", (name,))[name]
     import threading
 
     done = threading.Event()
