@@ -59,6 +59,8 @@ VIDEOS, FRAMES, STRIDE, CLIP_SIZE, CLIP_BATCH = 8 if TINY else 32, 16, 2, 112, 8
 LOADS = (0.0, 0.65, 1.0)
 TOKEN_DOCS, SEQ_LEN = (2000, 256) if TINY else (10_000, 2048)
 CONVERSATIONS = 64 if TINY else 600
+MODEL = "tiny conv" if TINY else "resnet50"
+"""The train section's model: ResNet-50 (torchvision), or a small conv net where the check runs on the CPU."""
 SECTIONS = ("prepare", "decode", "loader", "train", "video", "tokens", "image_text")
 
 
@@ -334,11 +336,11 @@ def _in_child(section: str, work: Path, name: str) -> Any:
         return f"failed: {type(err).__name__}: {str(err)[:200]}"
 
 
-def _model(device: str, tiny: bool):
+def _model(device: str):
     import torch
 
     torch.backends.cudnn.benchmark = True
-    if tiny:  # a check that the section runs (no torchvision needed)
+    if MODEL == "tiny conv":  # a check that the section runs (no torchvision needed)
         model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, stride=8), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
                                     torch.nn.Flatten(), torch.nn.Linear(8, 1000))
     else:
@@ -394,13 +396,13 @@ def _batches_of(name: str, dest: Path, device: str):
     return iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=cores(), pin_memory=device == "cuda"))
 
 
-def train(work: Path, repeats: int, device: str = "cuda", tiny: bool = False) -> dict[str, Any]:
+def train(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     """The stall fraction of a ResNet-50 bf16 epoch fed by each contender (see the module docstring)."""
     import torch
 
     dest = image_shards(work)
-    tiny = tiny or TINY
-    step = _model(device, tiny)
+    tiny = MODEL == "tiny conv"
+    step = _model(device)
     x = torch.randn(BATCH, 3, SIZE, SIZE, device=device)
     y = torch.randint(0, 1000, (BATCH,), device=device)
     for _ in range(20):
@@ -411,7 +413,7 @@ def train(work: Path, repeats: int, device: str = "cuda", tiny: bool = False) ->
         step(x, y)
     _sync()
     step_s = (time.perf_counter() - t) / n
-    out: dict[str, Any] = {"model": "tiny conv" if tiny else "resnet50", "dtype": "bfloat16", "batch": BATCH,
+    out: dict[str, Any] = {"model": MODEL, "dtype": "bfloat16", "batch": BATCH,
                            "step_s_on_resident_batch": step_s, "compute_images_per_s": BATCH / step_s, "runs": {}}
     names = ["fastio hw=0.65", "fastio hw=1.0", "dali reader", "dataloader"]
     for r in range(repeats):
