@@ -6,7 +6,7 @@ engine getter, this rank's place among the ranks sharing the directory, ``read_o
 plans the candidates (rank 0: the newest committed steps first, or the one asked for; every directory's own
 abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://`` dir: into its staging
 directory), checks every file against the commit marker (the ranks sharing the files; each rank the files the
-engine foresees it will load, mapped into memory, hashed there and loaded from there: ``Restorer.held``)
+engine foresees it will load, read into memory of its own, hashed there and loaded from there: ``Restorer.held``)
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked

@@ -11,17 +11,13 @@ import errno
 import hashlib
 import mmap
 import os
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "read_hashed",
-           "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "ShortRead", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file",
+           "read_chunks", "read_hashed", "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
-"""``madvise``'s prefault that reports a read error instead of raising SIGBUS later (Linux 5.14; Python 3.12 names it)."""
-_READ_ERRORS = {errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", errno.EIO)}
-"""What ``MADV_POPULATE_READ`` answers for a page that cannot be read (where a touch would raise SIGBUS)."""
 
 
 def _xxh3_128():
@@ -63,42 +59,64 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
 
 
 def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, mmap.mmap | None]:
-    """``(size, hex digest, mapping)``: the file at ``path`` mapped into memory (copy-on-write, never written: its
-    page-cache pages themselves), its pages read in at once (``MADV_POPULATE_READ``, so that a read error is an
-    OSError here rather than a SIGBUS at a later touch) and hashed there, with no copy out of the page cache.
-    ``size`` is what the file should hold: a file of another size, or one the kernel cannot populate a mapping of
-    (before Linux 5.14), is hashed by reading it (``mapping`` None), as :func:`digests_fd`.
-
-    A mapped file that another process truncates while it is mapped is a SIGBUS at the next touch of a page past
-    its new end: callers keep the mapping only while they need it."""
+    """``(size, hex digest, buffer)``: the file at ``path`` read into memory of its own (an anonymous mapping,
+    huge pages where the kernel has them) and hashed chunk by chunk as it arrives, so that the bytes hashed are the
+    bytes the caller then loads, whatever happens to the file afterwards. Never a mapping of the file itself: a
+    mapped file that another process truncates (a cleanup, a full disk, a network file system) is a SIGBUS at the
+    next touch of a page past its new end, which kills the process with no message. ``size`` is what the file should
+    hold: a file of another size (or one no memory can be had for now) is hashed by reading it (``buffer`` None),
+    as :func:`digests_fd`; one that holds less than ``size`` by the time it is read is a :class:`ShortRead`."""
     with open(path, "rb") as f:
-        mapping = _populated(f, size) if os.fstat(f.fileno()).st_size == size and size else None
-        if mapping is None:
+        buffer = _fresh(size) if os.fstat(f.fileno()).st_size == size else None
+        if buffer is None:
             found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
             return found, digests[algo], None
-        h = DIGESTS[algo]()
-        h.update(mapping)
-        return size, h.hexdigest(), mapping
+        try:
+            h = DIGESTS[algo]()
+            for part in read_chunks(f.fileno(), buffer, str(path), chunk=chunk):
+                h.update(part)
+        except BaseException:
+            buffer.close()
+            raise
+        return size, h.hexdigest(), buffer
 
 
-def _populated(f, size: int) -> mmap.mmap | None:
-    """The open file ``f`` of ``size`` bytes mapped copy-on-write with every page read in; None where it cannot
-    be (no ``MADV_POPULATE_READ``, a file system without mappings, no memory now); OSError (EIO) naming the file
-    where a page cannot be read."""
-    if _POPULATE_READ is None:
+def _fresh(size: int) -> mmap.mmap | None:
+    """``size`` bytes of fresh anonymous memory (huge pages asked for: on this KVM guest a 4 KiB page's first touch
+    is what fresh memory costs, three times the read and hash of it); None when empty or none can be had now."""
+    if not size:
         return None
     try:
-        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:
         return None
-    try:
-        mapping.madvise(_POPULATE_READ)
-    except OSError as err:
-        mapping.close()
-        if err.errno in _READ_ERRORS:  # where a touch would be a SIGBUS: the file's read error, as a read's
-            raise OSError(errno.EIO, os.strerror(errno.EIO), f.name) from None
-        return None
-    return mapping
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
+
+
+class ShortRead(OSError):
+    """A file that held less than it should while it was read (truncated by another process meanwhile)."""
+
+    def __init__(self, path: str, offset: int, size: int):
+        super().__init__(errno.EIO, f"ended at offset {offset} of the {size} bytes expected (truncated while read?)",
+                         path)
+        self.offset, self.size = offset, size
+
+
+def read_chunks(fd: int, buffer: mmap.mmap, path: str, *, chunk: int = CHUNK) -> Iterator[memoryview]:
+    """Read the open descriptor ``fd`` into ``buffer`` (all of it: ``len(buffer)`` bytes from offset 0, ``pread``
+    into place, no copy but the read's), yielding each part as it lands (to hash it while it is in the cache);
+    :class:`ShortRead` naming ``path``, the offset reached and the size expected when the file ends before."""
+    size, pos = len(buffer), 0
+    with memoryview(buffer) as view:
+        while pos < size:
+            n = os.preadv(fd, [view[pos:pos + chunk]], pos)
+            if n <= 0:
+                raise ShortRead(path, pos, size)
+            with view[pos:pos + n] as part:
+                yield part
+            pos += n
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:

@@ -29,9 +29,10 @@ torch.load refuses is a CheckpointError naming its data file); DCP's ``.metadata
 reads with ``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
 ``dcp.load`` is handed that object (:class:`_HeldReader`), never the file.
 
-A restore reads each data file once where it can: the Checkpointer's check maps the files :meth:`DcpEngine.reads`
-foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
-has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from the mappings (a
+A restore reads each data file once where it can: the Checkpointer's check reads the files :meth:`DcpEngine.reads`
+foresees for a rank into memory of its own (:func:`fastio.storage.checksum.read_hashed`: an anonymous mapping, never
+one of the file, whose truncation by another process would be a SIGBUS), hashes them there and, once every rank
+has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from that memory (a
 tensor's stored bytes viewed in place and copied once, into the app's tensor, as bytes where they lie at an address
 its dtype's kernels may not read: :func:`_copy_stored`) instead of reading them again.
 """
@@ -635,7 +636,8 @@ class DcpCheckpoint(SavedCheckpoint):
                 for name, v in st.items() if (shape := shape_of(v)) is not None}
 
     def read(self, key: str, rank: int, *, mmap: bool = False) -> Any:
-        """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched."""
+        """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched (for the
+        checks of shapes and groups, which touch none: a file truncated meanwhile cannot be a SIGBUS there)."""
         if key in self.global_keys:
             raise CheckpointError(f"{self.path}: app key {key} is global (DCP) state: restore it, it is not per rank")
         file = _rank_file(self.path, rank, key)

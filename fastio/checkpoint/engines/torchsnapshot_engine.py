@@ -15,10 +15,11 @@ exact pin in ``pyproject.toml``; a new torchsnapshot release means re-checking t
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
 
-A restore reads each file once where it can: the Checkpointer's check maps the files :meth:`TorchSnapshotEngine.reads`
-foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
-has agreed that every file of the step is intact, torchsnapshot's reads of those files are served from the mappings
-(:class:`_HeldReads`: no second read, no fresh buffer per file), copied once into the app's tensors.
+A restore reads each file once where it can: the Checkpointer's check reads the files
+:meth:`TorchSnapshotEngine.reads` foresees for a rank into memory of its own (:func:`fastio.storage.checksum.read_hashed`:
+an anonymous mapping, never one of the file, whose truncation by another process would be a SIGBUS), hashes them there
+and, once every rank has agreed that every file of the step is intact, torchsnapshot's reads of those files are served
+from that memory (:class:`_HeldReads`: no second read, no fresh buffer per file), copied once into the app's tensors.
 """
 
 from __future__ import annotations
