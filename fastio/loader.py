@@ -25,7 +25,7 @@ import torch
 
 from fastio.dataset.dataset import Dataset
 from fastio.dist import alone_on_node, rank_and_world, usable_cpus
-from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
+from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderClosedError, LoaderStateError
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
@@ -276,6 +276,7 @@ class Loader:
         self.mixture: Mixture | None = self.read_set.mixture
         """The :class:`Mixture` read, else None."""
         self.epoch, self.consumed = 0, 0
+        self._closed = False
         self._stats = Stats(progress=cfg.progress, detail=self.read_set.progress_detail())
         self._active: Iterator | None = None
         # One feeder and (for decoding graphs) one DALI pipeline for the Loader's life: the stream runs on
@@ -363,6 +364,7 @@ class Loader:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         epoch = int(epoch)
+        self._refuse_closed("set_epoch")
         if self._replicas is not None:
             raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
                                       "the batches run on through the epochs by themselves; do not call set_epoch")
@@ -371,7 +373,8 @@ class Loader:
             self.epoch, self.consumed = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed to the training loop (prefetched batches do not count)."""
+        """The position after the last batch handed to the training loop (prefetched batches do not count); after
+        :meth:`close` still the last one (a trainer may close the Loader, then save)."""
         cfg = self.config
         if self._replicas is not None:  # the position of the Manager's step (a retried step is not counted)
             step = self._replicas.step()
@@ -399,7 +402,9 @@ class Loader:
 
     def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
-        checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
+        checkpoint restore checks first, then loads). Returns the state with its integers as ``int``.
+        :class:`~fastio.errors.LoaderClosedError` after :meth:`close`, as :meth:`load_state_dict`."""
+        self._refuse_closed("load_state_dict")
         state = _checked_state(state)
         rs = self.read_set
         self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
@@ -444,6 +449,7 @@ class Loader:
         return {**self._stats.as_dict(), **self.read_set.stats()}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._refuse_closed("iteration")
         self._close_active()
         self._active = self._iterate() if self._replicas is None else self._steps()
         return self._active
@@ -451,7 +457,12 @@ class Loader:
     def close(self) -> None:
         """Stop the stream and close the reader and read set; with ``replicas=``, first take the Loader's state out
         of the Manager's state dict (:meth:`fastio.read.replicas.TorchftReplicas.unregister`), so the Manager no
-        longer calls the closed Loader and a Loader made next with it takes its place. Closing again is harmless."""
+        longer calls the closed Loader and a Loader made next with it takes its place. Closing again is harmless.
+        Afterwards :meth:`state_dict` still answers the last position; iteration, :meth:`load_state_dict` and
+        :meth:`set_epoch` raise :class:`~fastio.errors.LoaderClosedError` (make a new Loader)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._replicas is not None:
             self._replicas.unregister()
         self._close_active()
@@ -465,6 +476,11 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise LoaderClosedError(f"{self.read_set.root}: {what} on a closed fastio.Loader: make a new Loader "
+                                    "(its load_state_dict takes this one's state_dict(), which still answers)")
 
     def _close_active(self) -> None:
         if self._active is not None:
