@@ -126,12 +126,39 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
 
 
 def _memory_available() -> int:
-    """Bytes of memory available without swapping (Linux's ``MemAvailable``); 0 where it cannot be read."""
+    """Bytes of memory available without swapping: Linux's ``MemAvailable``, or less where this process's memory
+    cgroup leaves less (:func:`cgroup_headroom`: a container's limit, which ``MemAvailable`` does not see); 0 where
+    ``/proc/meminfo`` cannot be read."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return 0
+    headroom = cgroup_headroom(Path("/sys/fs/cgroup"))
+    return available if headroom is None else min(available, headroom)
+
+
+_CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"),  # cgroup v2
+                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+                  "total_inactive_file"))  # cgroup v1
+
+
+def cgroup_headroom(root: Path) -> int | None:
+    """Bytes this process's memory cgroup (mounted at ``root``, as a container sees its own) can still take: its
+    limit less its usage, plus its inactive file pages (reclaimable); None where it has no limit or none is found.
+    The restore's held files are memory of the process's own (anonymous): past the limit, the OOM killer."""
+    for limit_name, usage_name, stat_name, inactive in _CGROUP_FILES:
+        try:
+            limit = (root / limit_name).read_text().strip()
+            usage = int((root / usage_name).read_text())
+            stat = (root / stat_name).read_text()
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
+            return None
+        free = next((int(line.split()[1]) for line in stat.splitlines() if line.startswith(f"{inactive} ")), 0)
+        return max(0, int(limit) - usage + free)
+    return None
 
 
 def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
