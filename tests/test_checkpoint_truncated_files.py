@@ -1,13 +1,13 @@
 """A checkpoint file cut short by another process (a cleanup, a full disk, a network file system) never kills the
 restoring process: a file already shorter than its commit marker says is refused naming it and both sizes before
-any of it is read; one cut short while the check reads it is refused naming it, the offset reached and the size
-expected; one cut after the check is restored from the bytes the check read and hashed (before: from a mapping of
-the file, where the truncation was a SIGBUS: the process gone, with no message)."""
+any of it is read; one cut after the check, while the engine loads it, is a CheckpointError naming it, the offset
+reached and the size expected (before: the load read a mapping of the file, and the truncation was a SIGBUS: the
+process gone, with no message, exit code -7). The files the check keeps are read again by ``pread``
+(``CheckedFile``), never mapped, and a file replaced since the check is refused too."""
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from fastio.checkpoint import Checkpointer
 from fastio.errors import CheckpointError
-from fastio.storage.checksum import ShortRead, read_chunks
+from fastio.storage.checksum import ShortRead, open_hashed
 
 
 def _largest(step: Path) -> Path:
@@ -48,25 +48,30 @@ def _restore_after_a_cut(root: str, engine: str, out: str) -> None:
     cutter = _Cutter(Path(root, "step-1"))
     with Checkpointer(root, signals=(), engine=engine) as ckpt:
         ckpt.save(1, {"m": saved, "cut": cutter}, blocking=True)
-        step = ckpt.restore_latest({"m": into, "cut": cutter}).step
-    same = all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), into.state_dict().values()))
-    Path(out).write_text(json.dumps({"step": step, "same": same, "cut": cutter.cut,
-                                     "size": os.path.getsize(cutter.cut)}))
+        size = _largest(Path(root, "step-1")).stat().st_size
+        try:
+            ckpt.restore_latest({"m": into, "cut": cutter})
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+    Path(out).write_text(json.dumps({"error": error, "cut": cutter.cut, "size": size,
+                                     "now": os.path.getsize(cutter.cut)}))
 
 
 @pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
-def test_a_file_truncated_between_the_check_and_the_load_does_not_kill_the_restore(tmp_path, engine):
+def test_a_file_truncated_between_the_check_and_the_load_is_named_and_the_process_lives(tmp_path, engine):
     """Before: the check mapped the file and the load read the mapping; the truncation in between unmapped its pages
-    and the load's first touch was a SIGBUS (exit code -7, no message, no traceback). Now the load takes the bytes the
-    check read into memory of its own and hashed: the restore completes, exactly as saved."""
+    and the load's first touch was a SIGBUS (exit code -7, no message, no traceback). Now the load reads the file by
+    ``pread``: one CheckpointError naming the file, the offset it ended at and the size expected."""
     out = tmp_path / "seen.json"
     p = rank_process(_restore_after_a_cut, (str(tmp_path / "ck"), engine, str(out)))
     p.start()
     p.join(120)
     assert p.exitcode == 0, f"the restoring process ended with {p.exitcode}"
     seen = json.loads(out.read_text())
-    assert seen["size"] == 0 and seen["cut"]  # the data file really was cut before the load
-    assert seen == {**seen, "step": 1, "same": True}
+    assert seen["now"] == 0 and seen["cut"]  # the data file really was cut before the load
+    assert seen["error"] and "\n" not in seen["error"], seen
+    assert f"{seen['cut']}: unreadable: ended at offset 0, {seen['size']} bytes expected" in seen["error"], seen
 
 
 def test_a_shard_already_shorter_than_its_marker_is_refused_naming_it_and_both_sizes_unread(tmp_path):
@@ -90,21 +95,25 @@ def test_a_shard_already_shorter_than_its_marker_is_refused_naming_it_and_both_s
     assert all(torch.equal(v, into.state_dict()[k]) for k, v in before_state.items())
 
 
-def test_a_file_cut_short_while_read_is_a_short_read_naming_it_the_offset_and_the_size(tmp_path):
-    """The check's read loop itself (what ``read_hashed`` runs), the file truncated between two of its chunks."""
+def test_a_checked_file_cut_short_or_replaced_is_a_short_read_naming_it(tmp_path):
+    """What the engines read a checked file with: a truncation after the check is a ShortRead naming the file, the
+    offset reached and the size expected; a file replaced since (another inode) is refused before any read."""
     path = tmp_path / "shard"
-    path.write_bytes(os.urandom(3 * 4096))
-    buffer = mmap.mmap(-1, 3 * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = read_chunks(fd, buffer, str(path), chunk=4096)
-        assert len(next(chunks)) == 4096
-        os.truncate(path, 4096 + 100)  # another process's cleanup, after the first chunk
-        assert len(next(chunks)) == 100
-        with pytest.raises(ShortRead) as err:
-            next(chunks)
-    finally:
-        os.close(fd)
-        buffer.close()  # no view of it left by the loop
+    data = os.urandom(3 * 4096)
+    path.write_bytes(data)
+    size, _, checked = open_hashed(path, "xxh3_128", 3 * 4096)
+    assert size == 3 * 4096 and checked.read(4096, 100) == data[4096:4196]
+    checked.close()
+    os.truncate(path, 4096 + 100)  # another process's cleanup
+    with pytest.raises(ShortRead) as err:
+        checked.read(0, 3 * 4096)
     assert (err.value.offset, err.value.size, err.value.filename) == (4196, 3 * 4096, str(path))
-    assert "4196" in str(err.value) and str(3 * 4096) in str(err.value) and str(path) in str(err.value)
+    assert "ended at offset 4196, 12288 bytes expected" in str(err.value)
+    checked.close()
+    path.write_bytes(b"x" * (3 * 4096))  # the same size again, rewritten
+    replaced = tmp_path / "new"
+    replaced.write_bytes(data)
+    os.replace(replaced, path)
+    with pytest.raises(ShortRead, match="changed since it was checked"):
+        checked.read(0, 10)
+    assert open_hashed(path, "xxh3_128", 5)[2] is None  # not the size the marker says: nothing to read again

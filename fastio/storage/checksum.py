@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "ShortRead", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file",
-           "read_chunks", "read_hashed", "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "CheckedFile", "ShortRead", "digest_bytes", "digest_fd", "digest_file", "digests_fd",
+           "digests_file", "open_hashed", "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
 
@@ -58,65 +56,88 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
         os.close(fd)
 
 
-def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, mmap.mmap | None]:
-    """``(size, hex digest, buffer)``: the file at ``path`` read into memory of its own (an anonymous mapping,
-    huge pages where the kernel has them) and hashed chunk by chunk as it arrives, so that the bytes hashed are the
-    bytes the caller then loads, whatever happens to the file afterwards. Never a mapping of the file itself: a
-    mapped file that another process truncates (a cleanup, a full disk, a network file system) is a SIGBUS at the
-    next touch of a page past its new end, which kills the process with no message. ``size`` is what the file should
-    hold: a file of another size (or one no memory can be had for now) is hashed by reading it (``buffer`` None),
-    as :func:`digests_fd`; one that holds less than ``size`` by the time it is read is a :class:`ShortRead`."""
-    with open(path, "rb") as f:
-        buffer = _fresh(size) if os.fstat(f.fileno()).st_size == size else None
-        if buffer is None:
-            found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
-            return found, digests[algo], None
-        try:
-            h = DIGESTS[algo]()
-            for part in read_chunks(f.fileno(), buffer, str(path), chunk=chunk):
-                h.update(part)
-        except BaseException:
-            buffer.close()
-            raise
-        return size, h.hexdigest(), buffer
-
-
-def _fresh(size: int) -> mmap.mmap | None:
-    """``size`` bytes of fresh anonymous memory (huge pages asked for: on this KVM guest a 4 KiB page's first touch
-    is what fresh memory costs, three times the read and hash of it); None when empty or none can be had now."""
-    if not size:
-        return None
-    try:
-        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError:
-        return None
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return buffer
-
-
 class ShortRead(OSError):
-    """A file that held less than it should while it was read (truncated by another process meanwhile)."""
+    """A file that held less than it should when it was read (truncated by another process meanwhile), or that is no
+    longer the file that was checked (replaced meanwhile)."""
 
-    def __init__(self, path: str, offset: int, size: int):
-        super().__init__(errno.EIO, f"ended at offset {offset} of the {size} bytes expected (truncated while read?)",
+    def __init__(self, path: str, offset: int, size: int, why: str = ""):
+        super().__init__(errno.EIO, why or f"ended at offset {offset}, {size} bytes expected (truncated meanwhile?)",
                          path)
         self.offset, self.size = offset, size
 
 
-def read_chunks(fd: int, buffer: mmap.mmap, path: str, *, chunk: int = CHUNK) -> Iterator[memoryview]:
-    """Read the open descriptor ``fd`` into ``buffer`` (all of it: ``len(buffer)`` bytes from offset 0, ``pread``
-    into place, no copy but the read's), yielding each part as it lands (to hash it while it is in the cache);
-    :class:`ShortRead` naming ``path``, the offset reached and the size expected when the file ends before."""
-    size, pos = len(buffer), 0
-    with memoryview(buffer) as view:
-        while pos < size:
-            n = os.preadv(fd, [view[pos:pos + chunk]], pos)
+class CheckedFile:
+    """A file :func:`open_hashed` hashed, to read its bytes again where they are needed: with ``pread`` (never a
+    mapping of the file, which another process's truncation would turn into a SIGBUS at the next touch of a page
+    past its new end: the process gone, with no message). Opened at the first read and kept open until
+    :meth:`close` (so that holding many costs no descriptors); a file shorter than checked or a read it cannot fill
+    is a :class:`ShortRead` naming it, the offset it ends at and the size expected; a file that is no longer the one
+    checked (another inode, or written to since) is one too."""
+
+    def __init__(self, path: str, size: int, identity: tuple[int, ...]):
+        self.path, self.size, self.identity, self.fd = path, size, identity, -1
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fill the writable bytes ``view`` from ``offset`` of the file."""
+        fd, done, want = self._open(), 0, view.nbytes
+        while done < want:
+            n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise ShortRead(path, pos, size)
-            with view[pos:pos + n] as part:
-                yield part
-            pos += n
+                raise ShortRead(self.path, offset + done, self.size)
+            done += n
+
+    def read(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes from ``offset``, in a new buffer."""
+        data = bytearray(length)
+        self.readinto(memoryview(data), offset)
+        return data
+
+    def _open(self) -> int:
+        if self.fd < 0:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._same(os.fstat(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+        return self.fd
+
+    def _same(self, st: os.stat_result) -> None:
+        """ShortRead unless ``st`` is the file checked: its inode, its size (else it ends at its size now), its
+        modification time."""
+        found = _identity(st)
+        if found[:2] != self.identity[:2]:
+            raise ShortRead(self.path, 0, self.size, "changed since it was checked (replaced by another file)")
+        if st.st_size != self.size:
+            raise ShortRead(self.path, min(st.st_size, self.size), self.size)
+        if found != self.identity:
+            raise ShortRead(self.path, 0, self.size, "changed since it was checked (written to)")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def open_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, CheckedFile | None]:
+    """``(size, hex digest, file)``: the file at ``path`` hashed by reading it (:func:`digests_fd`) and, when it held
+    ``size`` bytes, a :class:`CheckedFile` to read it again (None otherwise)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        identity = _identity(os.fstat(fd))
+        found, digests = digests_fd(fd, (algo,), chunk=chunk)
+    finally:
+        os.close(fd)
+    checked = CheckedFile(str(path), size, identity) if found == size == identity[2] else None
+    return found, digests[algo], checked
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:
