@@ -13,10 +13,10 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
   the hardware JPEG decoder).
 - ``loader``: one epoch each, rounds interleaved: fastio ``Loader(device="cuda", pipeline=ImageTrain(size=224,
   hw_decoder_load=L))`` for each L of ``LOADS``; DALI's own ``fn.readers.webdataset`` with the same mixed graph
-  (``bench.loader``'s); ``torch.utils.data.DataLoader`` + WebDataset + PIL with ``num_workers`` = CPU cores,
-  ``pin_memory`` and ``non_blocking`` copies. images/s, CPU cores busy (process and reaped children), and each
-  contender's GPU memory in a process of its own (``memory``: the most in use over the epoch, less what torch's
-  context held before).
+  (``bench.loader``'s; like fastio's Loaders, its pipeline is made once and each run is its next epoch);
+  ``torch.utils.data.DataLoader`` + WebDataset + PIL with ``num_workers`` = CPU cores, ``pin_memory`` and
+  ``non_blocking`` copies. images/s, CPU cores busy (process and reaped children), and each contender's GPU memory
+  in a process of its own (``memory``: the most in use over the epoch, less what torch's context held before).
 - ``train``: ResNet-50 (torchvision), bf16 autocast, channels-last, SGD, batches of 64 at 224 px: the stall
   fraction of an epoch fed by each contender: 1 - (steps x the step time on one batch kept in GPU memory) / the
   epoch's time, and the host time spent waiting in ``next()``.
@@ -28,7 +28,8 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
 - ``image_text``: ``fastio.ImageText`` (bench.image_text's packing) with ``device="cuda"`` against the same Loader on
   the CPU; conversations/s.
 
-``bench/gpu.sh`` runs the ``gpu`` tests and every section; ``bench/results/gpu/`` holds a run's output.
+``bench/gpu.sh`` runs the ``gpu`` tests and every section; ``bench/results/gpu/`` holds a run's output. A section
+stopped by SIGTERM (``timeout`` at its cap) writes what it measured so far (:data:`PARTIAL`), marked ``cut_off``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -49,7 +51,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loader import BATCH, SIZE, _dali, _dataloader
+from bench.loader import BATCH, SIZE, _dataloader
 from bench.media import cpu_seconds
 
 TINY = bool(os.environ.get("FASTIO_GPU_BENCH_TINY"))
@@ -62,6 +64,9 @@ CONVERSATIONS = 64 if TINY else 600
 MODEL = "tiny conv" if TINY else "resnet50"
 """The train section's model: ResNet-50 (torchvision), or a small conv net where the check runs on the CPU."""
 SECTIONS = ("prepare", "decode", "loader", "train", "video", "tokens", "image_text")
+PARTIAL: dict[str, Any] = {}
+"""What the running section has measured so far (its rounds, its train runs, GPU memory), written out by :func:`main`
+if the section is stopped (``bench/gpu.sh`` caps each section with ``timeout``) instead of being lost with it."""
 
 
 def cores() -> int:
@@ -187,6 +192,7 @@ def _rounds(contenders: dict[str, Callable[[], int]], repeats: int) -> dict[str,
         run()
         print(f"  warm {name}", flush=True)
     out: dict[str, list[dict[str, float]]] = {k: [] for k in contenders}
+    PARTIAL["rounds"] = out
     names = list(contenders)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -269,11 +275,28 @@ def _fastio_epoch(dest: Path, device: str, load: float | None) -> Callable[[], i
     return run
 
 
+def _dali_epoch(dest: Path, device: str) -> Callable[[], int]:
+    """A call running the next epoch of one DALI reader pipeline (built once, as fastio's Loader is made once: a
+    pipeline built per epoch would time DALI's build, its index reads and its shuffle buffer's fill each round)."""
+    from bench.loader import _dali_pipe, _to_torch
+
+    pipe = _dali_pipe(dest, device, cores())
+    total = pipe.epoch_size("reader")
+
+    def run() -> int:
+        for _ in range(-(-total // BATCH)):
+            img, _ = pipe.run()
+            _to_torch(img, device, pipe, sync=False)
+        _sync()
+        return total
+    return run
+
+
 def _loader_contenders(dest: Path, device: str, names: tuple[str, ...] | None = None) -> dict[str, Callable[[], int]]:
     """Each contender's epoch by name (``names``: only those, nothing else made)."""
     makers: dict[str, Callable[[], Callable[[], int]]] = {
         f"fastio hw={load}": (lambda load=load: _fastio_epoch(dest, device, load)) for load in LOADS}
-    makers["dali reader"] = lambda: lambda: _dali(dest, device, cores())[0]
+    makers["dali reader"] = lambda: _dali_epoch(dest, device)
     makers["dataloader"] = lambda: lambda: _dataloader(dest, cores(), device)[0]
     return {name: make() for name, make in makers.items() if names is None or name in names}
 
@@ -283,8 +306,9 @@ def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     rounds = _rounds(_loader_contenders(dest, device), repeats)
     result = _summary(rounds, "fastio hw=0.65", ("dali reader", "dataloader", "fastio hw=0.0", "fastio hw=1.0"))
     if device == "cuda":
-        result["gpu_memory_mib"] = {name: _in_child("memory", work, name)
-                                    for name in ("fastio hw=0.65", "dali reader", "dataloader")}
+        result["gpu_memory_mib"] = PARTIAL["gpu_memory_mib"] = {}
+        for name in ("fastio hw=0.65", "dali reader", "dataloader"):
+            result["gpu_memory_mib"][name] = _in_child("memory", work, name)
     return {"samples": UNIQUE * COPIES, "batch": BATCH, "size": SIZE, **result}
 
 
@@ -384,7 +408,8 @@ def _batches_of(name: str, dest: Path, device: str):
             for _ in range(total):
                 img, cls = pipe.run()
                 labels = torch.tensor([int(bytes(np.array(cls[j])).decode()) for j in range(len(cls))])
-                yield _to_torch(img, device, pipe), labels
+                # as DALIGenericIterator: no synchronize, which would wait for the model's queued steps each batch
+                yield _to_torch(img, device, pipe, sync=False), labels.pin_memory() if device == "cuda" else labels
         return gen()
     import webdataset as wds
 
@@ -416,6 +441,7 @@ def train(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     out: dict[str, Any] = {"model": MODEL, "dtype": "bfloat16", "batch": BATCH,
                            "step_s_on_resident_batch": step_s, "compute_images_per_s": BATCH / step_s, "runs": {}}
     names = ["fastio hw=0.65", "fastio hw=1.0", "dali reader", "dataloader"]
+    PARTIAL.update(runs=out["runs"], step_s_on_resident_batch=step_s)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             out["runs"].setdefault(name, []).append(_train_epoch(name, dest, device, step, step_s))
@@ -546,14 +572,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: the same code on the CPU, a check that it runs (no GPU figures)")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    kw = {} if args.section == "prepare" else {"device": args.device}
-    result = {"section": args.section, "machine": machine(), **RUN[args.section](args.workdir, args.repeats, **kw)}
-    result["section_seconds"] = round(time.perf_counter() - t, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gpu-{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+    t = time.perf_counter()
+    head = {"section": args.section, "machine": machine()}
+    PARTIAL.clear()
+    previous = _keep_partial_on_term(args.out, head, t)
+    kw = {} if args.section == "prepare" else {"device": args.device}
+    try:
+        result = {**head, **RUN[args.section](args.workdir, args.repeats, **kw)}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result["section_seconds"] = round(time.perf_counter() - t, 1)
+    _write(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "runs")}, indent=1, default=str))
     return 0
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
+    (out / f"gpu-{result['section']}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def _keep_partial_on_term(out: Path, head: dict[str, Any], started: float) -> Any:
+    """On SIGTERM (``timeout`` in bench/gpu.sh, at the section's cap): write what the section measured so far
+    (:data:`PARTIAL`, marked ``cut_off``) and exit 124, as ``timeout`` does, instead of losing it. Returns the
+    handler it replaced."""
+
+    def cut_off(signum: int, frame: Any) -> None:
+        _write(out, {**head, "cut_off": f"stopped by signal {signum} after {time.perf_counter() - started:.0f} s",
+                     **PARTIAL})
+        print(f"bench.gpu {head['section']}: cut off; what it measured is in gpu-{head['section']}.json", flush=True)
+        os._exit(124)
+
+    return signal.signal(signal.SIGTERM, cut_off)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,11 @@ prep=$!
   tests/test_media_rotation.py >>"$LOG" 2>&1 &
 tests=$!
 ( sleep "${GPU_TESTS_S:-180}"; kill "$tests" 2>/dev/null ) &
+watch=$!
 wait "$tests"
-step_done "gpu tests" $?
+rc=$?
+kill "$watch" 2>/dev/null  # the tests ended first: no kill of a pid that may be reused later
+step_done "gpu tests" $rc
 wait "$prep"
 step_done prepare $?
 for s in ${SECTIONS:-loader train decode video tokens image_text}; do
@@ -42,6 +45,7 @@ for s in ${SECTIONS:-loader train decode video tokens image_text}; do
   cap=${SECTION_S:-${caps[$s]:-60}}
   [ "$cap" -gt "$left" ] && cap=$left
   echo "== $s (at most ${cap}s) at ${SECONDS}s" >>"$LOG"
-  timeout "$cap" "$PY" -m bench.gpu "$s" --repeats "$REPEATS" --out "$OUT" >>"$LOG" 2>&1
+  # TERM at the cap (bench.gpu then writes what the section measured so far), KILL 10 s later if it is stuck
+  timeout -k 10 "$cap" "$PY" -m bench.gpu "$s" --repeats "$REPEATS" --out "$OUT" >>"$LOG" 2>&1
   step_done "$s" $?
 done

@@ -57,3 +57,45 @@ def test_train_section_reports_a_stall_fraction_for_each_feeder(work):
                                                ("image_text", {"fastio ImageText cpu"})])
 def test_the_other_sections_run(work, name, contenders):
     assert set(_section(work, name)["median"]) == contenders
+
+
+def test_the_dali_reader_contender_is_built_once_as_fastios_loader_is(work, monkeypatch):
+    """Each timed run of the loader section is an epoch of a pipeline made before the rounds, for DALI's reader as for
+    fastio's Loader: a pipeline built inside each run would time DALI's build and its shuffle buffer's fill too."""
+    import bench.loader
+
+    root, _ = work
+    built, real = [], bench.loader._dali_pipe
+    monkeypatch.setattr(bench.loader, "_dali_pipe", lambda *a: built.append(a) or real(*a))
+    run = gpu._loader_contenders(gpu.image_shards(root), "cpu", ("dali reader",))["dali reader"]
+    assert [run(), run()] == [gpu.UNIQUE * gpu.COPIES] * 2
+    assert len(built) == 1
+
+
+def test_a_section_stopped_at_its_cap_leaves_what_it_measured(work, tmp_path):
+    """bench/gpu.sh stops a section with SIGTERM at its cap: the rounds measured by then are written, marked cut off,
+    and the exit status is timeout's 124."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root, _ = work
+    sizes = "; ".join(f"g.{k} = {v!r}" for k, v in TINY.items())
+    args = ["loader", "--repeats", "50", "--device", "cpu", "--workdir", str(root), "--out", str(tmp_path)]
+    code = f"import sys, bench.gpu as g; {sizes}; sys.exit(g.main({args!r}))"
+    repo = Path(gpu.__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:
+            if "round 1/50" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    result = json.loads((tmp_path / "gpu-loader.json").read_text())
+    assert rc == 124 and "cut_off" in result and result["section"] == "loader"
+    timed = [r for runs in result["rounds"].values() for r in runs]
+    assert timed and all(r["per_s"] > 0 for r in timed)
