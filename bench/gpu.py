@@ -29,7 +29,8 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
   the CPU; conversations/s.
 
 ``bench/gpu.sh`` runs the ``gpu`` tests and every section; ``bench/results/gpu/`` holds a run's output. A section
-stopped by SIGTERM (``timeout`` at its cap) writes what it measured so far (:data:`PARTIAL`), marked ``cut_off``.
+stopped by SIGTERM (``timeout`` at its cap) writes what it measured so far (:data:`PARTIAL`), marked ``cut_off``; one
+that fails writes it marked ``failed``; a peer that cannot be made is left out (``left_out``, with why).
 """
 
 from __future__ import annotations
@@ -202,6 +203,18 @@ def _rounds(contenders: dict[str, Callable[[], int]], repeats: int) -> dict[str,
     return out
 
 
+def _add_peer(contenders: dict[str, Callable[[], int]], name: str, make: Callable[[], Callable[[], int]]) -> None:
+    """``make()`` added to ``contenders`` as ``name``; a peer that cannot be made here (megatron-core missing or its
+    helpers not built, a reader refusing the files) is left out, said and recorded in the section's ``left_out``,
+    so that the section still measures fastio."""
+    try:
+        contenders[name] = make()
+    except Exception as err:  # noqa: BLE001 - any failure of a peer's set-up
+        why = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        PARTIAL.setdefault("left_out", {})[name] = why
+        print(f"  {name} left out: {why}", flush=True)
+
+
 def _summary(rounds: dict[str, list[dict[str, float]]], ours: str, peers: tuple[str, ...]) -> dict[str, Any]:
     """Medians, and paired ratios of ``ours`` over each peer (median over the rounds of the same round's ratio)."""
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("per_s", "cpu_cores_busy")} for k, v in rounds.items()}
@@ -353,11 +366,13 @@ def _in_child(section: str, work: Path, name: str) -> Any:
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
             f"from pathlib import Path; from bench.gpu import {section}; "
             f"print(json.dumps({section}(Path({str(work)!r}), {name!r})))")
+    out = None
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         return json.loads(out.stdout.strip().splitlines()[-1])
     except Exception as err:  # a figure missing is reported, not fatal to the section
-        return f"failed: {type(err).__name__}: {str(err)[:200]}"
+        said = (out.stderr.strip().splitlines() or [""])[-1] if out is not None else ""  # the child's own error
+        return f"failed: {type(err).__name__}: {str(err)[:200]}" + (f" ({said[:300]})" if said else "")
 
 
 def _model(device: str):
@@ -517,7 +532,7 @@ def video(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     dest, paths = videos(work)
     contenders = {"fastio VideoClips": _video_fastio(dest, device)}
     if device == "cuda":
-        contenders["dali readers.video"] = _video_dali(paths, device)
+        _add_peer(contenders, "dali readers.video", lambda: _video_dali(paths, device))
     rounds = _rounds(contenders, repeats)
     return {"videos": VIDEOS, "clip": [FRAMES, STRIDE, CLIP_SIZE], "unit": "frames",
             **_summary(rounds, "fastio VideoClips", ("dali readers.video",))}
@@ -530,10 +545,7 @@ def tokens_section(work: Path, repeats: int, device: str = "cuda") -> dict[str, 
     dest = tokens(work)
     prefix = str(dest / "shards" / load_manifest(dest).shards[0].name[:-len(".bin")])
     contenders = {"fastio Tokens": fastio_reader(dest, SEQ_LEN, device)}
-    try:
-        contenders["megatron GPTDataset"] = megatron_reader(prefix, SEQ_LEN, work / "megatron-cache", device)
-    except ImportError as err:
-        print(f"  megatron-core missing: {err}", flush=True)
+    _add_peer(contenders, "megatron GPTDataset", lambda: megatron_reader(prefix, SEQ_LEN, work / "megatron-cache", device))
     rounds = _rounds(contenders, repeats)
     return {"seq_len": SEQ_LEN, "unit": "tokens", **_summary(rounds, "fastio Tokens", ("megatron GPTDataset",))}
 
@@ -580,8 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     kw = {} if args.section == "prepare" else {"device": args.device}
     try:
         result = {**head, **RUN[args.section](args.workdir, args.repeats, **kw)}
+    except BaseException as err:  # what the section measured before it failed is kept, then the error raised
+        _write(args.out, {**head, "failed": f"{type(err).__name__}: {str(err)[:500]}", **PARTIAL})
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if "left_out" in PARTIAL:
+        result["left_out"] = PARTIAL["left_out"]
     result["section_seconds"] = round(time.perf_counter() - t, 1)
     _write(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "runs")}, indent=1, default=str))

@@ -99,3 +99,31 @@ def test_a_section_stopped_at_its_cap_leaves_what_it_measured(work, tmp_path):
     assert rc == 124 and "cut_off" in result and result["section"] == "loader"
     timed = [r for runs in result["rounds"].values() for r in runs]
     assert timed and all(r["per_s"] > 0 for r in timed)
+
+
+def test_a_peer_that_cannot_be_made_is_left_out_and_fastio_still_measured(work, monkeypatch):
+    """megatron-core's dataset helpers not built on the GPU machine, say: the tokens section still measures fastio and
+    names the peer it left out, with why."""
+    import bench.tokens
+
+    def unbuilt(*args, **kwargs):
+        raise RuntimeError("helpers_cpp not built")
+
+    monkeypatch.setattr(bench.tokens, "megatron_reader", unbuilt)
+    result = _section(work, "tokens")
+    assert set(result["median"]) == {"fastio Tokens"} and result["median"]["fastio Tokens"]["per_s"] > 0
+    assert result["left_out"] == {"megatron GPTDataset": "RuntimeError: helpers_cpp not built"}
+
+
+def test_a_section_that_fails_leaves_what_it_measured_and_raises(work, monkeypatch, tmp_path):
+    def fails(work_dir, repeats, device):
+        gpu._rounds({"fastio": lambda: 5}, 1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(gpu.RUN, "decode", fails)
+    root, _ = work
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        gpu.main(["decode", "--repeats", "1", "--device", "cpu", "--workdir", str(root), "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "gpu-decode.json").read_text())
+    assert result["failed"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert [r["items"] for r in result["rounds"]["fastio"]] == [5]
