@@ -2,7 +2,8 @@
 # For whoever has a GPU (issue 47): every `gpu` test, then each section of bench/gpu.py (its docstring says what each
 # measures), the data made beside the tests. Needs torch with CUDA, nvidia-dali-cuda12x/13x, torchvision (the train
 # section's ResNet-50), PyAV (the tests' and the video section's media), pytest-timeout and megatron-core (the tokens
-# peer). Stops starting sections DEADLINE_S seconds after its start (default 560: one 10-minute slot).
+# peer). Stops starting sections DEADLINE_S seconds after its start (default 560: one 10-minute slot); the tests are
+# stopped at GPU_TESTS_S (180), the data's preparation at PREPARE_S (300), each section at its cap (SECTION_S).
 # Usage: bench/gpu.sh [OUT] [REPEATS]   (OUT: bench/out/gpu; writes OUT/log.txt, OUT/gpu-SECTION.json and
 # OUT/results.tgz; with COPY_TO set, copies log.txt and results.tgz there after each step)
 set -uo pipefail
@@ -23,7 +24,7 @@ step_done() {
 }
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "bench/gpu.sh: torch sees no CUDA GPU")' || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$LOG" 2>&1
-"$PY" -m bench.gpu prepare --out "$OUT" >"$OUT/prepare.txt" 2>&1 &
+timeout -k 10 "${PREPARE_S:-300}" "$PY" -m bench.gpu prepare --out "$OUT" >"$OUT/prepare.txt" 2>&1 &
 prep=$!
 # At GPU_TESTS_S, SIGINT: pytest stops and prints what ran (a Checkpointer a test leaves open keeps a SIGTERM handler
 # that only sets a flag, so TERM would not stop it); KILL 15 s later if it is stuck.
