@@ -10,7 +10,9 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
   ``bench.image_text``.
 - ``decode``: the card's decode ceiling: ``fn.decoders.image(device="mixed")`` of the same JPEGs fed from memory,
   nothing else in the graph, for each ``hw_decoder_load`` of ``LOADS`` (0: all on nvJPEG's CUDA decoder, 1: all on
-  the hardware JPEG decoder).
+  the hardware JPEG decoder); and ``crop decode``: ``fn.decoders.image_slice`` of only the window fastio's
+  ``ImageTrain`` crops from each image (what its graph decodes), the ceiling fastio's ``loader`` figure at the same
+  load is a fraction of (the whole-image figure is not: a crop decodes less).
 - ``loader``: one epoch each, rounds interleaved: fastio ``Loader(device="cuda", pipeline=ImageTrain(size=224,
   hw_decoder_load=L))`` for each L of ``LOADS``; DALI's own ``fn.readers.webdataset`` with the same mixed graph
   (``bench.loader``'s; like fastio's Loaders, its pipeline is made once and each run is its next epoch);
@@ -235,11 +237,29 @@ def _blobs(dest: Path, limit: int | None = None) -> list[np.ndarray]:
         return [np.array(b) for b in reader.read(np.arange(n))["jpg"]]
 
 
-def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[], int]:
-    """One pass of mixed decode over ``blobs`` (batches of BATCH fed from memory), nothing else in the graph."""
+def _crops(blobs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(anchor, shape)`` of fastio ``ImageTrain``'s crop window of each blob (seed 0, epoch 0, its position as its
+    index): what its graph decodes of each image (``fn.decoders.image_slice``)."""
+    import io
+
+    from PIL import Image
+
+    from fastio.pipelines.augment import random_resized_crop
+
+    sizes = np.array([Image.open(io.BytesIO(b.tobytes())).size for b in blobs], np.int64).reshape(-1, 2)
+    crop = random_resized_crop(0, 0, np.arange(len(blobs)), sizes[:, 0], sizes[:, 1])
+    return crop.anchor, crop.shape
+
+
+def _decode_run(blobs: list[np.ndarray], load: float, device: str,
+                crops: tuple[np.ndarray, np.ndarray] | None = None) -> Callable[[], int]:
+    """One pass of mixed decode over ``blobs`` (batches of BATCH fed from memory), nothing else in the graph: each
+    whole image, or with ``crops`` only its window, as fastio's ``ImageTrain`` decodes it."""
     from nvidia.dali import fn, pipeline_def, types
 
-    batches = [blobs[i:i + BATCH] for i in range(0, len(blobs) - BATCH + 1, BATCH)]
+    starts = range(0, len(blobs) - BATCH + 1, BATCH)
+    batches = [(blobs[i:i + BATCH],) if crops is None else (blobs[i:i + BATCH], crops[0][i:i + BATCH],
+                                                             crops[1][i:i + BATCH]) for i in starts]
     state = {"i": 0}
 
     def feed():
@@ -250,9 +270,14 @@ def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[
     @pipeline_def(batch_size=BATCH, num_threads=cores(), device_id=0 if device == "cuda" else None,
                   prefetch_queue_depth=2)
     def graph():
-        enc = fn.external_source(source=feed, batch=True, dtype=types.UINT8)
-        extra = {"hw_decoder_load": load} if device == "cuda" else {}
-        return fn.decoders.image(enc, device="mixed" if device == "cuda" else "cpu", output_type=types.RGB, **extra)
+        inputs = fn.external_source(source=feed, batch=True, num_outputs=len(batches[0]),
+                                    dtype=[types.UINT8, types.FLOAT, types.FLOAT][:len(batches[0])])
+        args = {"device": "mixed" if device == "cuda" else "cpu", "output_type": types.RGB,
+                "adjust_orientation": False, **({"hw_decoder_load": load} if device == "cuda" else {})}
+        if crops is None:
+            return fn.decoders.image(inputs[0], **args)
+        return fn.decoders.image_slice(*inputs, normalized_anchor=False, normalized_shape=False, axis_names="WH",
+                                       **args)
 
     pipe = graph()
     pipe.build()
@@ -269,7 +294,9 @@ def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[
 
 def decode(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     blobs = _blobs(image_shards(work))
+    crops = _crops(blobs)
     contenders = {f"decode hw={load}": _decode_run(blobs, load, device) for load in LOADS}
+    contenders.update({f"crop decode hw={load}": _decode_run(blobs, load, device, crops) for load in LOADS})
     rounds = _rounds(contenders, repeats)
     return {"images": len(blobs), "batch": BATCH, "threads": cores(), **_summary(rounds, next(iter(rounds)), ())}
 

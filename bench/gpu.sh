@@ -40,7 +40,7 @@ step_done prepare $?
 for s in ${SECTIONS:-loader train decode video tokens image_text}; do
   left=$((DEADLINE_S - SECONDS))
   [ "$left" -lt 25 ] && { echo "== $s not started: ${left}s left of DEADLINE_S" >>"$LOG"; continue; }
-  declare -A caps=([loader]=120 [train]=90 [decode]=45 [video]=60 [tokens]=45 [image_text]=60)
+  declare -A caps=([loader]=120 [train]=90 [decode]=60 [video]=60 [tokens]=45 [image_text]=60)
   cap=${SECTION_S:-${caps[$s]:-60}}
   [ "$cap" -gt "$left" ] && cap=$left
   echo "== $s (at most ${cap}s) at ${SECONDS}s" >>"$LOG"

@@ -38,7 +38,7 @@ def test_prepare_makes_every_sections_data(work):
 
 def test_decode_and_loader_sections_report_each_contender(work):
     decode = _section(work, "decode")
-    assert set(decode["median"]) == {f"decode hw={load}" for load in gpu.LOADS}
+    assert set(decode["median"]) == {f"{kind} hw={load}" for kind in ("decode", "crop decode") for load in gpu.LOADS}
     loader = _section(work, "loader")
     assert set(loader["median"]) == {*(f"fastio hw={load}" for load in gpu.LOADS), "dali reader", "dataloader"}
     assert set(loader["ratios_vs"]) == {"dali reader", "dataloader", "fastio hw=0.0", "fastio hw=1.0"}
