@@ -333,12 +333,16 @@ def _dali_epoch(dest: Path, device: str) -> Callable[[], int]:
 
 
 def _loader_contenders(dest: Path, device: str, names: tuple[str, ...] | None = None) -> dict[str, Callable[[], int]]:
-    """Each contender's epoch by name (``names``: only those, nothing else made)."""
-    makers: dict[str, Callable[[], Callable[[], int]]] = {
-        f"fastio hw={load}": (lambda load=load: _fastio_epoch(dest, device, load)) for load in LOADS}
-    makers["dali reader"] = lambda: _dali_epoch(dest, device)
-    makers["dataloader"] = lambda: lambda: _dataloader(dest, cores(), device)[0]
-    return {name: make() for name, make in makers.items() if names is None or name in names}
+    """Each contender's epoch by name (``names``: only those, nothing else made; a peer that cannot be made is left
+    out, :func:`_add_peer`)."""
+    out = {f"fastio hw={load}": _fastio_epoch(dest, device, load) for load in LOADS
+           if names is None or f"fastio hw={load}" in names}
+    peers = {"dali reader": lambda: _dali_epoch(dest, device),
+             "dataloader": lambda: lambda: _dataloader(dest, cores(), device)[0]}
+    for name, make in peers.items():
+        if names is None or name in names:
+            _add_peer(out, name, make)
+    return out
 
 
 def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:

@@ -127,3 +127,17 @@ def test_a_section_that_fails_leaves_what_it_measured_and_raises(work, monkeypat
     result = json.loads((tmp_path / "gpu-decode.json").read_text())
     assert result["failed"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
     assert [r["items"] for r in result["rounds"]["fastio"]] == [5]
+
+
+def test_the_loader_section_leaves_out_a_dali_reader_that_cannot_be_made(work, monkeypatch):
+    import bench.loader
+
+    def refuses(*args):
+        raise RuntimeError("[/opt/dali/dali/operators/reader/loader/webdataset_loader.cc:110] index mismatch")
+
+    root, _ = work
+    monkeypatch.setattr(bench.loader, "_dali_pipe", refuses)
+    gpu.PARTIAL.clear()
+    made = gpu._loader_contenders(gpu.image_shards(root), "cpu")
+    assert set(made) == {*(f"fastio hw={load}" for load in gpu.LOADS), "dataloader"}
+    assert gpu.PARTIAL["left_out"]["dali reader"].startswith("RuntimeError: [/opt/dali")
