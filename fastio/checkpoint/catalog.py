@@ -70,8 +70,9 @@ def _check_file(p: Path, want: dict[str, Any], held: dict[str, Any] | None = Non
         return f"{p}: missing"
     except OSError as err:
         return f"{p}: unreadable: {err.strerror or err}"
-    if found != size:
-        return f"{p}: cut short while read: it ended at offset {found}, commit marker says {size} bytes"
+    if found != size:  # another process's truncation or append meanwhile
+        how = f"cut short while read: it ended at offset {found}" if found < size else f"grew to {found} bytes"
+        return f"{p}: {how}, commit marker says {size} bytes"
     if digest != want[algo]:
         return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
     if held is not None:
