@@ -9,7 +9,9 @@ this build's own (``<tempdir>/fastio-autograph-<pid>-<random>``, Python's ``temp
 only, every build holding :data:`fastio.pipelines.base._BUILDING`), deletes the ones the build loaded once it is
 done (the graph is defined by then: nothing reads them again), and first deletes the directories of processes that
 no longer exist (what a kill during a build left). Nothing of DALI's is touched: only the standard library's
-temporary directory, and only files this process's builds wrote.
+temporary directory, and only files this process's builds wrote. Another thread of the process that makes a temporary
+file during a build gets it in that directory too: it is left there (the directory stays while it is not empty) until
+the process has ended, when the next build anywhere deletes it with the directory.
 """
 
 from __future__ import annotations
