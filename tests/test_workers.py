@@ -1,6 +1,9 @@
 """fastio.convert.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
 
+import gc
 import os
+import tempfile
+import threading
 import time
 
 import pytest
@@ -73,13 +76,75 @@ def _seen(_):
     return _STATE.get("parent_only"), os.getpid()
 
 
-def test_a_spawned_pool_inherits_nothing_of_its_parent_but_its_initializer():
-    _STATE["parent_only"] = "set in the parent"  # a forked worker would see it (as it would an object-store client)
+def test_a_pool_inherits_nothing_of_its_parent_but_its_initializer_unless_it_forks():
+    _STATE["parent_only"] = "set in the parent"  # a forked worker sees it (as it would an object-store client)
     try:
-        with OrderedPool(_seen, 2, method="spawn") as spawned, OrderedPool(_seen, 1, method="fork") as forked:
+        with OrderedPool(_seen, 2) as served, OrderedPool(_seen, 2, method="spawn") as spawned, \
+                OrderedPool(_seen, 1, method="fork") as forked:
+            assert [v for v, _ in served.map(range(4))] == [None] * 4
             assert [v for v, _ in spawned.map(range(4))] == [None] * 4
             assert [v for v, _ in forked.map(range(2))] == ["set in the parent"] * 2
     finally:
         del _STATE["parent_only"]
-    with pytest.raises(ValueError, match="method must be 'fork', 'spawn' or None, got 'thread'"):
+    with pytest.raises(ValueError, match="method must be one of 'forkserver', 'spawn', 'fork' or None, got 'thread'"):
         OrderedPool(_seen, 1, method="thread")
+
+def _collect_garbage(_):
+    """A full collection in the worker: it frees whatever garbage the worker holds."""
+    gc.collect()
+    return os.getpid()
+
+
+def _within(seconds: float, pool: OrderedPool, items) -> list:
+    """``list(pool.map(items))``, or a failure after ``seconds`` (a worker hangs: the pool is closed)."""
+    out: list = []
+
+    def read() -> None:
+        try:
+            out.append(list(pool.map(items)))
+        except BaseException as err:
+            out.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if reader.is_alive():
+        pool.close()
+        pytest.fail(f"the workers did not answer in {seconds} s")
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+def _in_a_cycle(obj) -> None:
+    """Drop ``obj`` into a reference cycle: only the garbage collector frees it, later."""
+    holder = {"obj": obj}
+    holder["self"] = holder
+
+
+def test_a_worker_never_runs_the_finalizers_of_its_callers_garbage(tmp_path):
+    """The caller's garbage (objects in reference cycles its collector has not freed yet) is the caller's to free: a
+    worker that was a copy of the caller would free its copy and run the finalizers there. A TemporaryDirectory
+    freed in a worker deletes the caller's directory."""
+    gc.collect()
+    folder = tempfile.TemporaryDirectory(dir=tmp_path)
+    name = folder.name
+    _in_a_cycle(folder)
+    del folder
+    with OrderedPool(_collect_garbage, 2) as pool:
+        assert len(set(_within(30, pool, range(4)))) == 2
+    assert os.path.isdir(name), "a worker ran the finalizer of its caller's TemporaryDirectory"
+    gc.collect()  # here, in the caller, it is freed
+    assert not os.path.isdir(name)
+
+
+def test_a_worker_outlives_its_callers_garbage_process_group():
+    """What failed a conversion run in a process that had run torchft: a torch gloo process group (what a torchft
+    Manager holds) left in the caller's garbage joins its threads as it is freed; in a copy of the caller, which
+    has none of them, that crashed the worker (SIGSEGV or SIGABRT) or hung it."""
+    import torch.distributed as dist
+
+    gc.collect()
+    _in_a_cycle(dist.ProcessGroupGloo(dist.HashStore(), 0, 1))
+    with OrderedPool(_collect_garbage, 2) as pool:
+        assert len(set(_within(30, pool, range(4)))) == 2
+    gc.collect()
