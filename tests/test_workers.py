@@ -148,3 +148,29 @@ def test_a_worker_outlives_its_callers_garbage_process_group():
     with OrderedPool(_collect_garbage, 2) as pool:
         assert len(set(_within(30, pool, range(4)))) == 2
     gc.collect()
+
+
+SCRIPT = """\
+from pathlib import Path
+
+import torch
+
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder
+
+print("the script ran", flush=True)
+torch.ones(256, 256) @ torch.ones(256, 256)  # torch's threads, at work
+src = make_imagefolder(Path("src"), classes=2, per_class=4, min_side=32, max_side=48)
+print("samples", convert(ConvertConfig(source=src, dest=Path("ds"), workers=2, progress=False)).samples)
+"""
+
+
+def test_a_script_without_a_main_guard_converts_once_with_workers(warm, tmp_path):
+    """A training script that converts at its top level, torch imported and at work: the workers run fastio's
+    functions only, never the script again (as multiprocessing's forkserver and spawn workers would, converting
+    again in each worker)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    rc, out, err = warm.run(script, tmp_path, timeout=120)
+    assert rc == 0, err
+    assert out.splitlines() == ["the script ran", "samples 8"], out
