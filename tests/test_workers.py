@@ -89,6 +89,25 @@ def test_a_pool_inherits_nothing_of_its_parent_but_its_initializer_unless_it_for
     with pytest.raises(ValueError, match="method must be one of 'forkserver', 'spawn', 'fork' or None, got 'thread'"):
         OrderedPool(_seen, 1, method="thread")
 
+
+def test_a_function_of_main_is_refused_in_one_line():
+    def main_fn(x):
+        return x
+
+    main_fn.__module__ = "__main__"  # as a script's function is
+    with pytest.raises(ValueError, match=r"main_fn, None: a worker of the fork server cannot import a function "
+                                         r"defined in __main__; define it in a module"):
+        OrderedPool(main_fn, 1)
+
+
+def _abort(_):
+    os.abort()
+
+
+def test_a_worker_that_dies_is_reported_with_the_signal_that_ended_it():
+    with OrderedPool(_abort, 1) as pool, pytest.raises(RuntimeError, match=r"a worker process died \(exit code -6\)"):
+        list(pool.map([0]))
+
 def _collect_garbage(_):
     """A full collection in the worker: it frees whatever garbage the worker holds."""
     gc.collect()

@@ -21,7 +21,7 @@ from multiprocessing import context, popen_forkserver, reduction, spawn, util
 from multiprocessing.forkserver import ForkServer, read_signed
 from typing import Any
 
-__all__ = ["server_process"]
+__all__ = ["server_process", "start"]
 
 _SERVER = ForkServer()  # started at the first worker's start
 
@@ -58,8 +58,15 @@ class ServerProcess(context.ForkServerProcess):
         return _Popen(process_obj)
 
 
+def start(preload: list[str]) -> None:
+    """Start the server now (if it is not running), to import ``preload`` while this process does something else
+    (a conversion's scan); its first worker waits for those imports otherwise."""
+    _SERVER.set_forkserver_preload(sorted(set(preload)))
+    _SERVER.ensure_running()
+
+
 def server_process(preload: list[str], **kwargs: Any) -> ServerProcess:
     """A process (``multiprocessing.Process``'s arguments, not started) forked by fastio's fork server, which
-    imports ``preload`` (module names) when it starts; they are imported in the worker otherwise."""
+    imports ``preload`` (module names) if it starts now; a worker imports what its server has not."""
     _SERVER.set_forkserver_preload(sorted(set(preload)))
     return ServerProcess(**kwargs)

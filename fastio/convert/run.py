@@ -48,7 +48,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool, default_workers
+from fastio.convert.workers import OrderedPool, default_workers, start_server
 from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
@@ -564,7 +564,10 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float, scanne
 
 
 def _scan(config: ConvertConfig, scanner: Scanner | None = None):
-    """The source's entries and their assignment to output datasets (splits), in writing order."""
+    """The source's entries and their assignment to output datasets (splits), in writing order. The workers' fork
+    server starts first, to import their modules while the scan runs."""
+    if config.workers > 1:
+        start_server(load_entry, _init_worker, _WORKER_IMPORTS)
     scan = scanner(config.source) if scanner is not None else converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
         root=config.root, labels=config.labels))
@@ -672,6 +675,9 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     return manifests, all_skipped, bytes_in
 
 
+_WORKER_IMPORTS = ("PIL.Image",)  # what the fork server imports once for the workers (with load_entry's module)
+
+
 def _start_pool(workers: int, load_options: tuple) -> OrderedPool | None:
     """The pool of ``workers`` processes that load entries (None for one: they load in this process). Its
     workers start from fastio's fork server (:mod:`fastio.convert.forkserver`), never as a copy of this process:
@@ -682,7 +688,7 @@ def _start_pool(workers: int, load_options: tuple) -> OrderedPool | None:
         _init_worker(load_options)
         return None
     return OrderedPool(load_entry, workers, initializer=_init_worker, initargs=(load_options, True),
-                       preload=("PIL.Image",))
+                       preload=_WORKER_IMPORTS)
 
 
 def _convert_to_url(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:

@@ -38,7 +38,7 @@ from typing import Any
 
 from fastio.dist import usable_cpus
 
-__all__ = ["OrderedPool", "default_workers", "detach_child"]
+__all__ = ["OrderedPool", "default_workers", "detach_child", "start_server"]
 
 _PR_SET_PDEATHSIG = 1
 _METHODS = ("forkserver", "spawn", "fork")
@@ -105,6 +105,25 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = Tru
 
 
 
+def _default_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _modules(fn: Callable, initializer: Callable | None, preload: tuple[str, ...]) -> list[str]:
+    """What a fork server imports ahead for a pool of ``fn``: ``preload``, this module, ``fn``'s and
+    ``initializer``'s."""
+    return [*preload, __name__, *(f.__module__ for f in (fn, initializer) if f is not None)]
+
+
+def start_server(fn: Callable, initializer: Callable | None = None, preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server that an ``OrderedPool(fn, initializer=initializer, preload=preload)`` would start
+    from (where it is the default), so that it imports those modules while the caller does something else."""
+    if _default_method() == "forkserver":
+        from fastio.convert.forkserver import start
+
+        start(_modules(fn, initializer, preload))
+
+
 def _process(method: str, preload: list[str], **kwargs: Any) -> mp.Process:
     """A worker process (not started) of start ``method``; a fork server's imports ``preload`` at its start."""
     if method == "forkserver":
@@ -156,8 +175,11 @@ class OrderedPool:
             raise ValueError(f"workers, chunksize and window must be >= 1, got {workers}, {chunksize}, {window}")
         if method not in (None, *_METHODS):
             raise ValueError(f"method must be one of {', '.join(map(repr, _METHODS))} or None, got {method!r}")
-        method = method or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-        modules = [*preload, *(f.__module__ for f in (fn, initializer) if f is not None)]
+        method = method or _default_method()
+        modules = _modules(fn, initializer, preload)
+        if method == "forkserver" and "__main__" in modules:
+            raise ValueError(f"{fn.__qualname__}, {getattr(initializer, '__qualname__', None)}: a worker of the fork "
+                             "server cannot import a function defined in __main__; define it in a module")
         self.chunksize, self.window = chunksize, window
         self._conns, self._procs = [], []
         self._closed = False
@@ -224,6 +246,7 @@ class OrderedPool:
         try:
             kind, payload = self._conns[w].recv()
         except (EOFError, OSError):
+            self._procs[w].join(5)  # reaped, so that its exit code (the signal that ended it) is known
             code = self._procs[w].exitcode
             raise RuntimeError(f"a worker process died (exit code {code})") from None
         if kind == "error":
