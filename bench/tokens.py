@@ -111,17 +111,27 @@ def bench_convert(workdir: Path, corpus: Path, tok_path: Path, texts: list[str],
             "seconds": times}
 
 
-def fastio_reader(dest: Path, seq_len: int):
+def fastio_reader(dest: Path, seq_len: int, device: str = "cpu"):
     """A call iterating one epoch of a ``fastio.Loader`` with ``fastio.Tokens`` (the next epoch each call, as a
-    trainer takes them: sequences read ahead in the reader threads), returning the input tokens delivered."""
+    trainer takes them: sequences read ahead in the reader threads), returning the input tokens delivered (on cuda:
+    in GPU memory, the copies done)."""
     import fastio
 
     loader = fastio.Loader(dest, pipeline=fastio.Tokens(seq_len=seq_len), batch_size=BATCH, drop_last=True,
-                           device="cpu", seed=0)
+                           device=device, seed=0)
 
     def epoch() -> int:
-        return sum(b["tokens"][:, :-1].numel() for b in loader)
+        n = sum(b["tokens"][:, :-1].numel() for b in loader)
+        _synchronize(device)
+        return n
     return epoch
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 class _MegatronTokenizer:
@@ -130,8 +140,9 @@ class _MegatronTokenizer:
     vocab_size, eod, pad, unique_identifiers = 2000, 0, 0, {"class": "bench"}
 
 
-def megatron_reader(prefix: str, seq_len: int, cache: Path):
-    """Megatron-Core's GPTDataset over the same pair, in a DataLoader with one (persistent) worker."""
+def megatron_reader(prefix: str, seq_len: int, cache: Path, device: str = "cpu"):
+    """Megatron-Core's GPTDataset over the same pair, in a DataLoader with one (persistent) worker (on cuda: pinned
+    batches copied without blocking, as Megatron's training loop does)."""
     import torch
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -142,8 +153,14 @@ def megatron_reader(prefix: str, seq_len: int, cache: Path):
                               reset_position_ids=True, reset_attention_mask=False, eod_mask_loss=False,
                               create_attention_mask=False, path_to_cache=str(cache))
     ds = GPTDataset(ids, prefix, np.arange(len(ids), dtype=np.int32), None, Split.train, config)
-    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=1, drop_last=True, persistent_workers=True)
-    return lambda: sum(b["tokens"].numel() for b in loader)
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=1, drop_last=True, persistent_workers=True,
+                                         pin_memory=device == "cuda")
+
+    def epoch() -> int:
+        n = sum(b["tokens"].to(device, non_blocking=True).numel() for b in loader)
+        _synchronize(device)
+        return n
+    return epoch
 
 
 def litdata_setup(workdir: Path, dest: Path, seq_len: int) -> Path | None:

@@ -148,8 +148,9 @@ class LoaderConfig:
     :class:`fastio.Raw`, :class:`fastio.Graph` (a DALI graph function ``f(image, device)`` on the decoded image),
     :class:`fastio.Tokens`, :class:`fastio.VideoClips`, :class:`fastio.AudioClips`, or a kind of your own)."""
     device: str = "auto"
-    """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first),
-    ``cpu`` (DALI CPU operators) or ``auto`` (cuda when available)."""
+    """``cuda`` (mixed decode into the memory of torch's current GPU: call ``torch.cuda.set_device`` first; the
+    batch's host tensors follow through pinned memory, ``index``/``source``/``padded`` stay on the host), ``cpu``
+    (DALI CPU operators) or ``auto`` (cuda when available)."""
     seed: int = 0
     """Seeds the order of every epoch and every sample's augmentation."""
     shuffle: str = "global"
@@ -612,15 +613,25 @@ class Loader:
             self._stats.pause()
 
     def _batch(self, outputs: dict[str, Any], fed: Fed) -> dict[str, Any]:
-        """The pipeline's batch of ``fed``, then ``index`` (``source``) and ``padded``."""
+        """The pipeline's batch of ``fed`` (its host tensors moved onto the GPU on cuda), then ``index``
+        (``source``) and ``padded``, which stay on the host."""
         batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
+        if self.device == "cuda":
+            batch = {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         batch.update(self.read_set.positions(fed.indices))
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
 
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
         labels = torch.from_numpy(values)
-        return labels if self.device == "cpu" else labels.to(self.torch_device)
+        return labels if self.device == "cpu" else self._to_device(labels)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the Loader's GPU: a host tensor staged in pinned memory and copied without blocking, on torch's
+        current stream (the pinned buffer is not reused before the copy ends: torch's host allocator records it)."""
+        if t.device.type != "cpu":
+            return t
+        return t.pin_memory().to(self.torch_device, non_blocking=True)
 
     def _to_torch(self, names: tuple[str, ...], outputs, fed: Fed) -> dict[str, Any]:
         """The graph's outputs but ``index`` (checked against what was fed) as torch values."""

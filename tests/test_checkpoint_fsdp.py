@@ -60,9 +60,9 @@ def build(seed: int, rank: int, *, sharded: bool = True):
     return {"model": model, "optim": optim, "loader": Position(rank)}
 
 
-def step(app, n: int, rank: int) -> None:
+def step(app, n: int, rank: int, device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(1000 * n + rank)  # each rank its own batch of step n
-    loss = app["model"](torch.randn(8, 16, generator=g)).square().mean()
+    loss = app["model"](torch.randn(8, 16, generator=g).to(device)).square().mean()
     app["optim"].zero_grad()
     loss.backward()
     app["optim"].step()
@@ -209,6 +209,35 @@ def test_plain_checkpoint_into_fsdp2_dcp_restores_and_torchsnapshot_refuses(tmp_
     root = tmp_path / "torchsnapshot"
     assert msg.startswith(f"{root}/step-1: written by the torchsnapshot engine, which cannot restore into DTensor")
     assert "model, optim" in msg and "\n" not in msg
+
+
+@pytest.mark.gpu
+def test_fsdp2_cuda_dtensors_round_trip_through_dcp(tmp_path):
+    """FSDP2 on the GPU (nccl, one rank in this process): DCP stages the CUDA DTensors in host memory while the
+    save is written, and a restore into other weights brings back the saved ones, on the GPU."""
+    def app_on_gpu(seed: int) -> dict:
+        model = shard(make_model(seed).cuda())
+        return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2), "loader": Position(0)}
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        app = app_on_gpu(0)
+        for n in (1, 2):
+            step(app, n, 0, "cuda")
+        with Checkpointer(tmp_path / "ck", every_steps=2, signals=()) as ckpt:
+            ckpt.maybe_save(2, app)  # returns once staged: the next step changes the weights while they are written
+            step(app, 3, 0, "cuda")
+        assert scan.read_commit(tmp_path / "ck" / "step-2").engine == "dcp"
+        fresh = app_on_gpu(7)
+        state = Checkpointer(tmp_path / "ck", signals=()).restore_latest(fresh)
+        assert state.step == 2 and all(p.is_cuda for p in fresh["model"].parameters())
+        again = app_on_gpu(0)
+        for n in (1, 2):
+            step(again, n, 0, "cuda")
+        assert_same(full(fresh), full(again), "FSDP2 on cuda, restored")
+    finally:
+        dist.destroy_process_group()
 
 
 def _restore_plain_into_fsdp(rank: int, port: int, out: str) -> None:

@@ -64,6 +64,14 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
         raise ValueError(f"mean and std need 3 values, std > 0; got {mean}, {std}")
 
 
+def check_hw_decoder_load(load: Any) -> None:
+    """ValueError naming ``load`` unless it is None or a number in [0, 1]."""
+    if load is None:
+        return
+    if isinstance(load, bool) or not isinstance(load, numbers.Real) or not 0 <= load <= 1:
+        raise ValueError(f"hw_decoder_load must be None or a number in [0, 1], got {load!r}")
+
+
 def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
     if not 0 < ratio <= 1:
         raise ValueError(f"{name} must be in (0, 1], got {ratio}")
@@ -187,9 +195,14 @@ class _Image(ImageKind):
     """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), off the
     training thread: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
     must have them. Kept as sorted (field, Tokenize) pairs."""
+    hw_decoder_load: float | None = None
+    """With ``device="cuda"``: the share of the images DALI's ``mixed`` decoder gives the GPU's hardware JPEG decoder
+    (A100, H100 and later; the rest go to nvJPEG's CUDA decoder), in [0, 1]. None: DALI's default (0.65). Unused
+    on the CPU. ``bench/gpu.py`` measures the choices on the GPU at hand."""
 
     def __post_init__(self):
         object.__setattr__(self, "text", check_text(self.text))
+        check_hw_decoder_load(self.hw_decoder_load)
         object.__setattr__(self, "mean", tuple(self.mean))
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "fields", check_fields(self.fields))
@@ -230,6 +243,15 @@ class _Image(ImageKind):
         dtypes = {"float32": types.FLOAT, "float16": types.FLOAT16, "uint8": types.UINT8}
         return {"mean": mean, "std": std, "dtype": dtypes[self.dtype], "output_layout": self.layout}
 
+    def _decoder(self, decoder_device: str) -> dict[str, Any]:
+        """The image decoder's arguments but its inputs: RGB, no EXIF turn, ``hw_decoder_load`` on the GPU."""
+        from nvidia.dali import types
+
+        args: dict[str, Any] = {"device": decoder_device, "output_type": types.RGB, "adjust_orientation": False}
+        if decoder_device == "mixed" and self.hw_decoder_load is not None:
+            args["hw_decoder_load"] = float(self.hw_decoder_load)
+        return args
+
 
 @dataclass(frozen=True)
 class ImageTrain(_Image):
@@ -249,7 +271,7 @@ class ImageTrain(_Image):
     def evaluation(self) -> ImageEval:
         """:class:`ImageEval` with this object's size, normalisation, dtype, layout and fields."""
         return ImageEval(size=self.size, mean=self.mean, std=self.std, dtype=self.dtype, layout=self.layout,
-                         fields=self.fields, text=self.text)
+                         fields=self.fields, text=self.text, hw_decoder_load=self.hw_decoder_load)
 
     def input_names(self) -> tuple[str, ...]:
         return ("encoded", "index", "anchor", "shape", "flip")
@@ -260,11 +282,10 @@ class ImageTrain(_Image):
         return batch.image, index, crop.anchor, crop.shape, crop.flip
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
-        from nvidia.dali import fn, types
+        from nvidia.dali import fn
 
-        img = fn.decoders.image_slice(inp["encoded"], inp["anchor"], inp["shape"], device=decoder_device,
-                                      output_type=types.RGB, normalized_anchor=False,
-                                      normalized_shape=False, axis_names="WH", adjust_orientation=False)
+        img = fn.decoders.image_slice(inp["encoded"], inp["anchor"], inp["shape"], normalized_anchor=False,
+                                      normalized_shape=False, axis_names="WH", **self._decoder(decoder_device))
         img = fn.resize(img, resize_x=self.size, resize_y=self.size, antialias=True)
         img = fn.crop_mirror_normalize(img, mirror=inp["flip"], **self._normalize())
         return img, inp["index"]
@@ -287,10 +308,9 @@ class ImageEval(_Image):
         check_crop_ratio(self.crop_ratio)
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
-        from nvidia.dali import fn, types
+        from nvidia.dali import fn
 
-        img = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
-                                adjust_orientation=False)
+        img = fn.decoders.image(inp["encoded"], **self._decoder(decoder_device))
         img = fn.resize(img, resize_shorter=self.size / self.crop_ratio, antialias=True)
         img = fn.crop_mirror_normalize(img, crop=(self.size, self.size), **self._normalize())
         return img, inp["index"]
