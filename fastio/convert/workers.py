@@ -7,8 +7,9 @@ own and shares no lock with anyone: chunk k goes to worker ``k % N`` and results
 same order, a feeder thread sends while the caller reads (so neither side can block the other), and
 :meth:`OrderedPool.close` simply kills the workers.
 
-Workers start from a fork server (``multiprocessing``'s ``forkserver``, where the platform forks): a fresh
-interpreter that imported the workers' modules once and forks each worker, never from the caller. A copy of the
+Workers start from fastio's fork server (:mod:`fastio.convert.forkserver`, where the platform has one; spawned
+elsewhere): a fresh interpreter that imported the workers' modules once and forks each worker, which so is never
+a copy of the caller. The server stays, idle, for the next pool until the caller ends. A copy of the
 caller, which may be a training script or a notebook with torch, DALI and their threads, would hold the caller's
 state as it was at that instant: locks that other threads held (never to be released: a worker that takes one
 hangs) and the caller's garbage (objects in reference cycles not yet freed), which the worker's collector frees
@@ -102,7 +103,6 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = Tru
     os.closerange(lowest, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
     if null > 2 and null not in keep:
         os.close(null)
-
 
 
 def _default_method() -> str:
