@@ -617,7 +617,7 @@ class Loader:
         (``source``) and ``padded``, which stay on the host."""
         batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
         if self.device == "cuda":
-            batch = {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = {k: self._on_gpu(v) for k, v in batch.items()}
         batch.update(self.read_set.positions(fed.indices))
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
@@ -625,6 +625,15 @@ class Loader:
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
         labels = torch.from_numpy(values)
         return labels if self.device == "cpu" else self._to_device(labels)
+
+    def _on_gpu(self, value: Any) -> Any:
+        """A batch entry on the Loader's GPU: a tensor, or each tensor of a list of them (a graph's output of
+        samples of different shapes); anything else (bytes, numbers) as it is."""
+        if isinstance(value, torch.Tensor):
+            return self._to_device(value)
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return [self._to_device(v) for v in value]
+        return value
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the Loader's GPU: a host tensor staged in pinned memory and copied without blocking, on torch's
@@ -643,22 +652,8 @@ class Loader:
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):
-        if self.device == "cuda":
-            if not value.is_dense_tensor():
-                return [self._tensor_one(value[j]) for j in range(len(value))]
-            return self._tensor_one(value.as_tensor())
-        if value.is_dense_tensor():
-            if self._built is not None and self._built.owned_outputs:
-                return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
-            return torch.from_numpy(value.as_array())
-        return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
-
-    def _tensor_one(self, t):
-        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-        dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.torch_device)
-        feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
-        return dst
+        owned = self._built is not None and self._built.owned_outputs
+        return torch_value(value, self.torch_device if self.device == "cuda" else None, owned)
 
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
         """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
@@ -680,6 +675,36 @@ class Loader:
             return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:
+    """A DALI graph output as torch: a ``TensorListGPU`` copied into a tensor on ``device`` on torch's current stream
+    there (the stream its outputs were made ready on: ``pipe.outputs(stream)``); a ``TensorListCPU`` as a host
+    tensor (sharing DALI's buffer where the outputs are ``owned``, DALI's dynamic executor), which the Loader moves
+    to the GPU on cuda like the batch's other host tensors. Samples of different shapes: a list of tensors.
+
+    A graph on cuda may output CPU nodes (a user's :class:`fastio.Graph` returning a node of CPU operators): DALI's
+    ``feed_ndarray`` would copy those with a host ``memcpy`` into the GPU tensor's address."""
+    from nvidia.dali.tensors import TensorListGPU
+
+    if isinstance(value, TensorListGPU):
+        if not value.is_dense_tensor():
+            return [_gpu_tensor(value[j], device) for j in range(len(value))]
+        return _gpu_tensor(value.as_tensor(), device)
+    if value.is_dense_tensor():
+        if owned:
+            return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
+        return torch.from_numpy(value.as_array())
+    return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
+
+
+def _gpu_tensor(t: Any, device: torch.device) -> torch.Tensor:
+    """DALI's ``TensorGPU`` ``t`` copied into a new tensor on ``device``, on torch's current stream there."""
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+    dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=device)
+    feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(device))
+    return dst
 
 
 def _no_samples(batch: dict[str, Any]) -> dict[str, Any]:
