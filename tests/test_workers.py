@@ -1,4 +1,5 @@
-"""fastio.convert.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
+"""fastio.convert.workers.OrderedPool: ordered results, errors handed back, a stop that cannot hang, and workers that
+are never a copy of their caller (its garbage, its threads, its main module)."""
 
 import gc
 import os
