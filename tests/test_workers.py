@@ -109,6 +109,16 @@ def test_a_worker_that_dies_is_reported_with_the_signal_that_ended_it():
     with OrderedPool(_abort, 1) as pool, pytest.raises(RuntimeError, match=r"a worker process died \(exit code -6\)"):
         list(pool.map([0]))
 
+def test_a_worker_dead_before_its_first_chunk_is_named_not_a_broken_pipe():
+    """The send to a worker that already died fails (EPIPE): the error names the worker's death and its signal,
+    as a death found while reading does (it was the caller's "Broken pipe")."""
+    with OrderedPool(_add, 2, initializer=_init, initargs=(0,)) as pool:
+        pool._procs[1].kill()
+        pool._procs[1].join()
+        with pytest.raises(RuntimeError, match=r"a worker process died \(exit code -9\)"):
+            list(pool.map(range(8)))
+
+
 def _collect_garbage(_):
     """A full collection in the worker: it frees whatever garbage the worker holds."""
     gc.collect()

@@ -213,7 +213,10 @@ class OrderedPool:
                     if self._closed:
                         break
                     w = k % n
-                    self._conns[w].send(chunk)
+                    try:
+                        self._conns[w].send(chunk)
+                    except (BrokenPipeError, ConnectionResetError):  # its end closed: the worker is gone
+                        raise self._died(w) from None
                     with sent:
                         order.append(w)
                         sent.notify()
@@ -246,12 +249,16 @@ class OrderedPool:
         try:
             kind, payload = self._conns[w].recv()
         except (EOFError, OSError):
-            self._procs[w].join(5)  # reaped, so that its exit code (the signal that ended it) is known
-            code = self._procs[w].exitcode
-            raise RuntimeError(f"a worker process died (exit code {code})") from None
+            raise self._died(w) from None
         if kind == "error":
             raise payload
         return payload
+
+    def _died(self, w: int) -> RuntimeError:
+        """The error of worker ``w`` found dead (reaped first, so that its exit code, the signal that ended it, is
+        known)."""
+        self._procs[w].join(5)
+        return RuntimeError(f"a worker process died (exit code {self._procs[w].exitcode})")
 
     def close(self) -> None:
         """Stop every worker at once (SIGKILL: no lock is shared, so none can be left held) and reap it."""
