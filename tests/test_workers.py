@@ -119,6 +119,20 @@ def test_a_worker_dead_before_its_first_chunk_is_named_not_a_broken_pipe():
             list(pool.map(range(8)))
 
 
+def _environ(name):
+    return os.environ.get(name)
+
+
+def test_a_worker_sees_its_callers_environment_of_now_not_the_fork_servers(monkeypatch):
+    """The fork server outlives a pool: a later pool's workers get the caller's environment as it is when they
+    start (credentials or an endpoint a script sets between two conversions), not the server's from its start."""
+    with OrderedPool(_environ, 1) as pool:
+        assert list(pool.map(["FASTIO_TEST_LATER"])) == [None]
+    monkeypatch.setenv("FASTIO_TEST_LATER", "set since")
+    with OrderedPool(_environ, 2) as pool:
+        assert list(pool.map(["FASTIO_TEST_LATER"] * 4)) == ["set since"] * 4
+
+
 def _collect_garbage(_):
     """A full collection in the worker: it frees whatever garbage the worker holds."""
     gc.collect()

@@ -134,8 +134,10 @@ def _process(method: str, preload: list[str], **kwargs: Any) -> mp.Process:
 
 
 def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, parent_pid: int,
-           forked: bool) -> None:
+           forked: bool, environ: dict[str, str]) -> None:
     detach_child(parent_pid, keep=(conn.fileno(),), forked=forked)
+    os.environ.clear()  # the caller's environment now, not the fork server's from its start (credentials, endpoints)
+    os.environ.update(environ)
     if initializer is not None:
         initializer(*initargs)
     while True:
@@ -186,7 +188,8 @@ class OrderedPool:
         for _ in range(workers):
             parent, child = mp.Pipe()
             proc = _process(method, modules, target=_serve, daemon=True,
-                            args=(child, fn, initializer, initargs, os.getpid(), method != "spawn"))
+                            args=(child, fn, initializer, initargs, os.getpid(), method != "spawn",
+                                  dict(os.environ)))
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -213,10 +216,7 @@ class OrderedPool:
                     if self._closed:
                         break
                     w = k % n
-                    try:
-                        self._conns[w].send(chunk)
-                    except (BrokenPipeError, ConnectionResetError):  # its end closed: the worker is gone
-                        raise self._died(w) from None
+                    self._send(w, chunk)
                     with sent:
                         order.append(w)
                         sent.notify()
@@ -253,6 +253,13 @@ class OrderedPool:
         if kind == "error":
             raise payload
         return payload
+
+    def _send(self, w: int, chunk: list[Any]) -> None:
+        """Send ``chunk`` to worker ``w``; RuntimeError naming its death when its end is closed."""
+        try:
+            self._conns[w].send(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(w) from None
 
     def _died(self, w: int) -> RuntimeError:
         """The error of worker ``w`` found dead (reaped first, so that its exit code, the signal that ended it, is
