@@ -9,7 +9,8 @@ same order, a feeder thread sends while the caller reads (so neither side can bl
 
 Workers start from fastio's fork server (:mod:`fastio.convert.forkserver`, where the platform has one; spawned
 elsewhere): a fresh interpreter that imported the workers' modules once and forks each worker, which so is never
-a copy of the caller. The server stays, idle, for the next pool until the caller ends. A copy of the
+a copy of the caller. The server stays, idle, for the next pool until the caller ends; a worker takes the
+caller's environment as it is when the pool starts (the server's is the caller's of earlier). A copy of the
 caller, which may be a training script or a notebook with torch, DALI and their threads, would hold the caller's
 state as it was at that instant: locks that other threads held (never to be released: a worker that takes one
 hangs) and the caller's garbage (objects in reference cycles not yet freed), which the worker's collector frees
