@@ -10,13 +10,15 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
   ``bench.image_text``.
 - ``decode``: the card's decode ceiling: ``fn.decoders.image(device="mixed")`` of the same JPEGs fed from memory,
   nothing else in the graph, for each ``hw_decoder_load`` of ``LOADS`` (0: all on nvJPEG's CUDA decoder, 1: all on
-  the hardware JPEG decoder).
+  the hardware JPEG decoder); and ``crop decode``: ``fn.decoders.image_slice`` of only the window fastio's
+  ``ImageTrain`` crops from each image (what its graph decodes), the ceiling fastio's ``loader`` figure at the same
+  load is a fraction of (the whole-image figure is not: a crop decodes less).
 - ``loader``: one epoch each, rounds interleaved: fastio ``Loader(device="cuda", pipeline=ImageTrain(size=224,
   hw_decoder_load=L))`` for each L of ``LOADS``; DALI's own ``fn.readers.webdataset`` with the same mixed graph
-  (``bench.loader``'s); ``torch.utils.data.DataLoader`` + WebDataset + PIL with ``num_workers`` = CPU cores,
-  ``pin_memory`` and ``non_blocking`` copies. images/s, CPU cores busy (process and reaped children), and each
-  contender's GPU memory in a process of its own (``memory``: the most in use over the epoch, less what torch's
-  context held before).
+  (``bench.loader``'s; like fastio's Loaders, its pipeline is made once and each run is its next epoch);
+  ``torch.utils.data.DataLoader`` + WebDataset + PIL with ``num_workers`` = CPU cores, ``pin_memory`` and
+  ``non_blocking`` copies. images/s, CPU cores busy (process and reaped children), and each contender's GPU memory
+  in a process of its own (``memory``: the most in use over the epoch, less what torch's context held before).
 - ``train``: ResNet-50 (torchvision), bf16 autocast, channels-last, SGD, batches of 64 at 224 px: the stall
   fraction of an epoch fed by each contender: 1 - (steps x the step time on one batch kept in GPU memory) / the
   epoch's time, and the host time spent waiting in ``next()``.
@@ -28,7 +30,9 @@ Sections (``python -m bench.gpu SECTION [--out DIR] [--repeats N]``; each writes
 - ``image_text``: ``fastio.ImageText`` (bench.image_text's packing) with ``device="cuda"`` against the same Loader on
   the CPU; conversations/s.
 
-``bench/gpu.sh`` runs the ``gpu`` tests and every section; ``bench/results/gpu/`` holds a run's output.
+``bench/gpu.sh`` runs the ``gpu`` tests and every section; ``bench/results/gpu/`` holds a run's output. A section
+stopped by SIGTERM (``timeout`` at its cap) writes what it measured so far (:data:`PARTIAL`), marked ``cut_off``; one
+that fails writes it marked ``failed``; a peer that cannot be made is left out (``left_out``, with why).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -49,7 +54,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loader import BATCH, SIZE, _dali, _dataloader
+from bench.loader import BATCH, SIZE, _dataloader
 from bench.media import cpu_seconds
 
 TINY = bool(os.environ.get("FASTIO_GPU_BENCH_TINY"))
@@ -62,6 +67,9 @@ CONVERSATIONS = 64 if TINY else 600
 MODEL = "tiny conv" if TINY else "resnet50"
 """The train section's model: ResNet-50 (torchvision), or a small conv net where the check runs on the CPU."""
 SECTIONS = ("prepare", "decode", "loader", "train", "video", "tokens", "image_text")
+PARTIAL: dict[str, Any] = {}
+"""What the running section has measured so far (its rounds, its train runs, GPU memory), written out by :func:`main`
+if the section is stopped (``bench/gpu.sh`` caps each section with ``timeout``) instead of being lost with it."""
 
 
 def cores() -> int:
@@ -187,6 +195,7 @@ def _rounds(contenders: dict[str, Callable[[], int]], repeats: int) -> dict[str,
         run()
         print(f"  warm {name}", flush=True)
     out: dict[str, list[dict[str, float]]] = {k: [] for k in contenders}
+    PARTIAL["rounds"] = out
     names = list(contenders)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -194,6 +203,18 @@ def _rounds(contenders: dict[str, Callable[[], int]], repeats: int) -> dict[str,
             print(f"  round {r + 1}/{repeats} {name:<16} {out[name][-1]['per_s']:10.1f}/s  "
                   f"{out[name][-1]['cpu_cores_busy']:.2f} cores busy", flush=True)
     return out
+
+
+def _add_peer(contenders: dict[str, Callable[[], int]], name: str, make: Callable[[], Callable[[], int]]) -> None:
+    """``make()`` added to ``contenders`` as ``name``; a peer that cannot be made here (megatron-core missing or its
+    helpers not built, a reader refusing the files) is left out, said and recorded in the section's ``left_out``,
+    so that the section still measures fastio."""
+    try:
+        contenders[name] = make()
+    except Exception as err:  # noqa: BLE001 - any failure of a peer's set-up
+        why = f"{type(err).__name__}: {str(err).strip()[:300]}"
+        PARTIAL.setdefault("left_out", {})[name] = why
+        print(f"  {name} left out: {why}", flush=True)
 
 
 def _summary(rounds: dict[str, list[dict[str, float]]], ours: str, peers: tuple[str, ...]) -> dict[str, Any]:
@@ -216,11 +237,29 @@ def _blobs(dest: Path, limit: int | None = None) -> list[np.ndarray]:
         return [np.array(b) for b in reader.read(np.arange(n))["jpg"]]
 
 
-def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[], int]:
-    """One pass of mixed decode over ``blobs`` (batches of BATCH fed from memory), nothing else in the graph."""
+def _crops(blobs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(anchor, shape)`` of fastio ``ImageTrain``'s crop window of each blob (seed 0, epoch 0, its position as its
+    index): what its graph decodes of each image (``fn.decoders.image_slice``)."""
+    import io
+
+    from PIL import Image
+
+    from fastio.pipelines.augment import random_resized_crop
+
+    sizes = np.array([Image.open(io.BytesIO(b.tobytes())).size for b in blobs], np.int64).reshape(-1, 2)
+    crop = random_resized_crop(0, 0, np.arange(len(blobs)), sizes[:, 0], sizes[:, 1])
+    return crop.anchor, crop.shape
+
+
+def _decode_run(blobs: list[np.ndarray], load: float, device: str,
+                crops: tuple[np.ndarray, np.ndarray] | None = None) -> Callable[[], int]:
+    """One pass of mixed decode over ``blobs`` (batches of BATCH fed from memory), nothing else in the graph: each
+    whole image, or with ``crops`` only its window, as fastio's ``ImageTrain`` decodes it."""
     from nvidia.dali import fn, pipeline_def, types
 
-    batches = [blobs[i:i + BATCH] for i in range(0, len(blobs) - BATCH + 1, BATCH)]
+    starts = range(0, len(blobs) - BATCH + 1, BATCH)
+    batches = [(blobs[i:i + BATCH],) if crops is None else (blobs[i:i + BATCH], crops[0][i:i + BATCH],
+                                                             crops[1][i:i + BATCH]) for i in starts]
     state = {"i": 0}
 
     def feed():
@@ -231,9 +270,14 @@ def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[
     @pipeline_def(batch_size=BATCH, num_threads=cores(), device_id=0 if device == "cuda" else None,
                   prefetch_queue_depth=2)
     def graph():
-        enc = fn.external_source(source=feed, batch=True, dtype=types.UINT8)
-        extra = {"hw_decoder_load": load} if device == "cuda" else {}
-        return fn.decoders.image(enc, device="mixed" if device == "cuda" else "cpu", output_type=types.RGB, **extra)
+        inputs = fn.external_source(source=feed, batch=True, num_outputs=len(batches[0]),
+                                    dtype=[types.UINT8, types.FLOAT, types.FLOAT][:len(batches[0])])
+        args = {"device": "mixed" if device == "cuda" else "cpu", "output_type": types.RGB,
+                "adjust_orientation": False, **({"hw_decoder_load": load} if device == "cuda" else {})}
+        if crops is None:
+            return fn.decoders.image(inputs[0], **args)
+        return fn.decoders.image_slice(*inputs, normalized_anchor=False, normalized_shape=False, axis_names="WH",
+                                       **args)
 
     pipe = graph()
     pipe.build()
@@ -250,7 +294,9 @@ def _decode_run(blobs: list[np.ndarray], load: float, device: str) -> Callable[[
 
 def decode(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     blobs = _blobs(image_shards(work))
+    crops = _crops(blobs)
     contenders = {f"decode hw={load}": _decode_run(blobs, load, device) for load in LOADS}
+    contenders.update({f"crop decode hw={load}": _decode_run(blobs, load, device, crops) for load in LOADS})
     rounds = _rounds(contenders, repeats)
     return {"images": len(blobs), "batch": BATCH, "threads": cores(), **_summary(rounds, next(iter(rounds)), ())}
 
@@ -269,13 +315,34 @@ def _fastio_epoch(dest: Path, device: str, load: float | None) -> Callable[[], i
     return run
 
 
+def _dali_epoch(dest: Path, device: str) -> Callable[[], int]:
+    """A call running the next epoch of one DALI reader pipeline (built once, as fastio's Loader is made once: a
+    pipeline built per epoch would time DALI's build, its index reads and its shuffle buffer's fill each round)."""
+    from bench.loader import _dali_pipe, _to_torch
+
+    pipe = _dali_pipe(dest, device, cores())
+    total = pipe.epoch_size("reader")
+
+    def run() -> int:
+        for _ in range(-(-total // BATCH)):
+            img, _ = pipe.run()
+            _to_torch(img, device, pipe, sync=False)
+        _sync()
+        return total
+    return run
+
+
 def _loader_contenders(dest: Path, device: str, names: tuple[str, ...] | None = None) -> dict[str, Callable[[], int]]:
-    """Each contender's epoch by name (``names``: only those, nothing else made)."""
-    makers: dict[str, Callable[[], Callable[[], int]]] = {
-        f"fastio hw={load}": (lambda load=load: _fastio_epoch(dest, device, load)) for load in LOADS}
-    makers["dali reader"] = lambda: lambda: _dali(dest, device, cores())[0]
-    makers["dataloader"] = lambda: lambda: _dataloader(dest, cores(), device)[0]
-    return {name: make() for name, make in makers.items() if names is None or name in names}
+    """Each contender's epoch by name (``names``: only those, nothing else made; a peer that cannot be made is left
+    out, :func:`_add_peer`)."""
+    out = {f"fastio hw={load}": _fastio_epoch(dest, device, load) for load in LOADS
+           if names is None or f"fastio hw={load}" in names}
+    peers = {"dali reader": lambda: _dali_epoch(dest, device),
+             "dataloader": lambda: lambda: _dataloader(dest, cores(), device)[0]}
+    for name, make in peers.items():
+        if names is None or name in names:
+            _add_peer(out, name, make)
+    return out
 
 
 def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
@@ -283,8 +350,9 @@ def loader(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     rounds = _rounds(_loader_contenders(dest, device), repeats)
     result = _summary(rounds, "fastio hw=0.65", ("dali reader", "dataloader", "fastio hw=0.0", "fastio hw=1.0"))
     if device == "cuda":
-        result["gpu_memory_mib"] = {name: _in_child("memory", work, name)
-                                    for name in ("fastio hw=0.65", "dali reader", "dataloader")}
+        result["gpu_memory_mib"] = PARTIAL["gpu_memory_mib"] = {}
+        for name in ("fastio hw=0.65", "dali reader", "dataloader"):
+            result["gpu_memory_mib"][name] = _in_child("memory", work, name)
     return {"samples": UNIQUE * COPIES, "batch": BATCH, "size": SIZE, **result}
 
 
@@ -329,11 +397,13 @@ def _in_child(section: str, work: Path, name: str) -> Any:
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r}); "
             f"from pathlib import Path; from bench.gpu import {section}; "
             f"print(json.dumps({section}(Path({str(work)!r}), {name!r})))")
+    out = None
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         return json.loads(out.stdout.strip().splitlines()[-1])
     except Exception as err:  # a figure missing is reported, not fatal to the section
-        return f"failed: {type(err).__name__}: {str(err)[:200]}"
+        said = (out.stderr.strip().splitlines() or [""])[-1] if out is not None else ""  # the child's own error
+        return f"failed: {type(err).__name__}: {str(err)[:200]}" + (f" ({said[:300]})" if said else "")
 
 
 def _model(device: str):
@@ -384,7 +454,8 @@ def _batches_of(name: str, dest: Path, device: str):
             for _ in range(total):
                 img, cls = pipe.run()
                 labels = torch.tensor([int(bytes(np.array(cls[j])).decode()) for j in range(len(cls))])
-                yield _to_torch(img, device, pipe), labels
+                # as DALIGenericIterator: no synchronize, which would wait for the model's queued steps each batch
+                yield _to_torch(img, device, pipe, sync=False), labels.pin_memory() if device == "cuda" else labels
         return gen()
     import webdataset as wds
 
@@ -416,6 +487,7 @@ def train(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     out: dict[str, Any] = {"model": MODEL, "dtype": "bfloat16", "batch": BATCH,
                            "step_s_on_resident_batch": step_s, "compute_images_per_s": BATCH / step_s, "runs": {}}
     names = ["fastio hw=0.65", "fastio hw=1.0", "dali reader", "dataloader"]
+    PARTIAL.update(runs=out["runs"], step_s_on_resident_batch=step_s)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             out["runs"].setdefault(name, []).append(_train_epoch(name, dest, device, step, step_s))
@@ -491,7 +563,7 @@ def video(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     dest, paths = videos(work)
     contenders = {"fastio VideoClips": _video_fastio(dest, device)}
     if device == "cuda":
-        contenders["dali readers.video"] = _video_dali(paths, device)
+        _add_peer(contenders, "dali readers.video", lambda: _video_dali(paths, device))
     rounds = _rounds(contenders, repeats)
     return {"videos": VIDEOS, "clip": [FRAMES, STRIDE, CLIP_SIZE], "unit": "frames",
             **_summary(rounds, "fastio VideoClips", ("dali readers.video",))}
@@ -504,10 +576,7 @@ def tokens_section(work: Path, repeats: int, device: str = "cuda") -> dict[str, 
     dest = tokens(work)
     prefix = str(dest / "shards" / load_manifest(dest).shards[0].name[:-len(".bin")])
     contenders = {"fastio Tokens": fastio_reader(dest, SEQ_LEN, device)}
-    try:
-        contenders["megatron GPTDataset"] = megatron_reader(prefix, SEQ_LEN, work / "megatron-cache", device)
-    except ImportError as err:
-        print(f"  megatron-core missing: {err}", flush=True)
+    _add_peer(contenders, "megatron GPTDataset", lambda: megatron_reader(prefix, SEQ_LEN, work / "megatron-cache", device))
     rounds = _rounds(contenders, repeats)
     return {"seq_len": SEQ_LEN, "unit": "tokens", **_summary(rounds, "fastio Tokens", ("megatron GPTDataset",))}
 
@@ -546,14 +615,43 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: the same code on the CPU, a check that it runs (no GPU figures)")
     args = p.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    kw = {} if args.section == "prepare" else {"device": args.device}
-    result = {"section": args.section, "machine": machine(), **RUN[args.section](args.workdir, args.repeats, **kw)}
-    result["section_seconds"] = round(time.perf_counter() - t, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gpu-{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+    t = time.perf_counter()
+    head = {"section": args.section, "machine": machine()}
+    PARTIAL.clear()
+    previous = _keep_partial_on_term(args.out, head, t)
+    kw = {} if args.section == "prepare" else {"device": args.device}
+    try:
+        result = {**head, **RUN[args.section](args.workdir, args.repeats, **kw)}
+    except BaseException as err:  # what the section measured before it failed is kept, then the error raised
+        _write(args.out, {**head, "failed": f"{type(err).__name__}: {str(err)[:500]}", **PARTIAL})
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if "left_out" in PARTIAL:
+        result["left_out"] = PARTIAL["left_out"]
+    result["section_seconds"] = round(time.perf_counter() - t, 1)
+    _write(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rounds", "runs")}, indent=1, default=str))
     return 0
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
+    (out / f"gpu-{result['section']}.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def _keep_partial_on_term(out: Path, head: dict[str, Any], started: float) -> Any:
+    """On SIGTERM (``timeout`` in bench/gpu.sh, at the section's cap): write what the section measured so far
+    (:data:`PARTIAL`, marked ``cut_off``) and exit 124, as ``timeout`` does, instead of losing it. Returns the
+    handler it replaced."""
+
+    def cut_off(signum: int, frame: Any) -> None:
+        _write(out, {**head, "cut_off": f"stopped by signal {signum} after {time.perf_counter() - started:.0f} s",
+                     **PARTIAL})
+        print(f"bench.gpu {head['section']}: cut off; what it measured is in gpu-{head['section']}.json", flush=True)
+        os._exit(124)
+
+    return signal.signal(signal.SIGTERM, cut_off)
 
 
 if __name__ == "__main__":

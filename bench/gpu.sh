@@ -2,7 +2,8 @@
 # For whoever has a GPU (issue 47): every `gpu` test, then each section of bench/gpu.py (its docstring says what each
 # measures), the data made beside the tests. Needs torch with CUDA, nvidia-dali-cuda12x/13x, torchvision (the train
 # section's ResNet-50), PyAV (the tests' and the video section's media), pytest-timeout and megatron-core (the tokens
-# peer). Stops starting sections DEADLINE_S seconds after its start (default 560: one 10-minute slot).
+# peer). Stops starting sections DEADLINE_S seconds after its start (default 560: one 10-minute slot); the tests are
+# stopped at GPU_TESTS_S (180), the data's preparation at PREPARE_S (300), each section at its cap (SECTION_S).
 # Usage: bench/gpu.sh [OUT] [REPEATS]   (OUT: bench/out/gpu; writes OUT/log.txt, OUT/gpu-SECTION.json and
 # OUT/results.tgz; with COPY_TO set, copies log.txt and results.tgz there after each step)
 set -uo pipefail
@@ -23,14 +24,15 @@ step_done() {
 }
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "bench/gpu.sh: torch sees no CUDA GPU")' || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$LOG" 2>&1
-"$PY" -m bench.gpu prepare --out "$OUT" >"$OUT/prepare.txt" 2>&1 &
+timeout -k 10 "${PREPARE_S:-300}" "$PY" -m bench.gpu prepare --out "$OUT" >"$OUT/prepare.txt" 2>&1 &
 prep=$!
-"$PY" -m pytest -q -p no:cacheprovider -m gpu -rA --timeout 120 \
+# At GPU_TESTS_S, SIGINT: pytest stops and prints what ran (a Checkpointer a test leaves open keeps a SIGTERM handler
+# that only sets a flag, so TERM would not stop it); KILL 15 s later if it is stuck.
+timeout -s INT -k 15 "${GPU_TESTS_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA --timeout 120 \
   tests/test_loader.py tests/test_loader_resume.py tests/test_cuda_delivery.py tests/test_checkpoint.py \
   tests/test_checkpoint_fsdp.py tests/test_media.py tests/test_media_nvdec.py tests/test_media_fallback.py \
   tests/test_media_rotation.py >>"$LOG" 2>&1 &
 tests=$!
-( sleep "${GPU_TESTS_S:-180}"; kill "$tests" 2>/dev/null ) &
 wait "$tests"
 step_done "gpu tests" $?
 wait "$prep"
@@ -38,10 +40,11 @@ step_done prepare $?
 for s in ${SECTIONS:-loader train decode video tokens image_text}; do
   left=$((DEADLINE_S - SECONDS))
   [ "$left" -lt 25 ] && { echo "== $s not started: ${left}s left of DEADLINE_S" >>"$LOG"; continue; }
-  declare -A caps=([loader]=120 [train]=90 [decode]=45 [video]=60 [tokens]=45 [image_text]=60)
+  declare -A caps=([loader]=120 [train]=90 [decode]=60 [video]=60 [tokens]=45 [image_text]=60)
   cap=${SECTION_S:-${caps[$s]:-60}}
   [ "$cap" -gt "$left" ] && cap=$left
   echo "== $s (at most ${cap}s) at ${SECONDS}s" >>"$LOG"
-  timeout "$cap" "$PY" -m bench.gpu "$s" --repeats "$REPEATS" --out "$OUT" >>"$LOG" 2>&1
+  # TERM at the cap (bench.gpu then writes what the section measured so far), KILL 10 s later if it is stuck
+  timeout -k 10 "$cap" "$PY" -m bench.gpu "$s" --repeats "$REPEATS" --out "$OUT" >>"$LOG" 2>&1
   step_done "$s" $?
 done

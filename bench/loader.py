@@ -308,9 +308,11 @@ def _steady_rss_in_child(name: str, dest: Path, device: str) -> float:
     return float(out.strip().splitlines()[-1])
 
 
-def _to_torch(tl, device: str, pipe):
+def _to_torch(tl, device: str, pipe, sync: bool = True):
     """What ``DALIGenericIterator`` does with an output: ``torch.from_dlpack`` (no copy) when the pipeline's
-    outputs own their memory (the dynamic executor), else a copy into a torch tensor."""
+    outputs own their memory (the dynamic executor), else a copy into a torch tensor; then, on cuda and with
+    ``sync``, waits for the whole GPU (``DALIGenericIterator`` does not: a training loop passes ``sync=False``, as
+    a synchronize per batch would wait for the model's queued steps too)."""
     import torch
 
     t = tl.as_tensor()
@@ -324,7 +326,7 @@ def _to_torch(tl, device: str, pipe):
 
         out = torch.empty(t.shape(), dtype=torch.float32, device="cuda")
         feed_ndarray(t, out, cuda_stream=torch.cuda.current_stream())
-    if device == "cuda":
+    if device == "cuda" and sync:
         torch.cuda.synchronize()
     return out
 

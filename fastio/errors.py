@@ -31,6 +31,11 @@ class LoaderArgumentError(FastioError, TypeError):
     message names fastio's equivalent. Also a ``TypeError``, as for any unexpected argument."""
 
 
+class LoaderClosedError(FastioError, ValueError):
+    """A closed Loader asked to move or deliver (iteration, ``load_state_dict``, ``set_epoch``): only its
+    ``state_dict`` (the last position) and ``close`` still answer."""
+
+
 class CheckpointError(FastioError):
     """A checkpoint cannot be written, found or restored."""
 

@@ -25,7 +25,7 @@ import torch
 
 from fastio.dataset.dataset import Dataset
 from fastio.dist import alone_on_node, rank_and_world, usable_cpus
-from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderStateError
+from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderClosedError, LoaderStateError
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
@@ -276,6 +276,7 @@ class Loader:
         self.mixture: Mixture | None = self.read_set.mixture
         """The :class:`Mixture` read, else None."""
         self.epoch, self.consumed = 0, 0
+        self._closed = False
         self._stats = Stats(progress=cfg.progress, detail=self.read_set.progress_detail())
         self._active: Iterator | None = None
         # One feeder and (for decoding graphs) one DALI pipeline for the Loader's life: the stream runs on
@@ -363,6 +364,7 @@ class Loader:
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         epoch = int(epoch)
+        self._refuse_closed("set_epoch")
         if self._replicas is not None:
             raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
                                       "the batches run on through the epochs by themselves; do not call set_epoch")
@@ -371,7 +373,8 @@ class Loader:
             self.epoch, self.consumed = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed to the training loop (prefetched batches do not count)."""
+        """The position after the last batch handed to the training loop (prefetched batches do not count); after
+        :meth:`close` still the last one (a trainer may close the Loader, then save)."""
         cfg = self.config
         if self._replicas is not None:  # the position of the Manager's step (a retried step is not counted)
             step = self._replicas.step()
@@ -399,7 +402,9 @@ class Loader:
 
     def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
-        checkpoint restore checks first, then loads). Returns the state with its integers as ``int``."""
+        checkpoint restore checks first, then loads). Returns the state with its integers as ``int``.
+        :class:`~fastio.errors.LoaderClosedError` after :meth:`close`, as :meth:`load_state_dict`."""
+        self._refuse_closed("load_state_dict")
         state = _checked_state(state)
         rs = self.read_set
         self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)
@@ -444,6 +449,7 @@ class Loader:
         return {**self._stats.as_dict(), **self.read_set.stats()}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._refuse_closed("iteration")
         self._close_active()
         self._active = self._iterate() if self._replicas is None else self._steps()
         return self._active
@@ -451,7 +457,12 @@ class Loader:
     def close(self) -> None:
         """Stop the stream and close the reader and read set; with ``replicas=``, first take the Loader's state out
         of the Manager's state dict (:meth:`fastio.read.replicas.TorchftReplicas.unregister`), so the Manager no
-        longer calls the closed Loader and a Loader made next with it takes its place. Closing again is harmless."""
+        longer calls the closed Loader and a Loader made next with it takes its place. Closing again is harmless.
+        Afterwards :meth:`state_dict` still answers the last position; iteration, :meth:`load_state_dict` and
+        :meth:`set_epoch` raise :class:`~fastio.errors.LoaderClosedError` (make a new Loader)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._replicas is not None:
             self._replicas.unregister()
         self._close_active()
@@ -465,6 +476,11 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise LoaderClosedError(f"{self.read_set.root}: {what} on a closed fastio.Loader: make a new Loader "
+                                    "(its load_state_dict takes this one's state_dict(), which still answers)")
 
     def _close_active(self) -> None:
         if self._active is not None:
@@ -617,7 +633,7 @@ class Loader:
         (``source``) and ``padded``, which stay on the host."""
         batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
         if self.device == "cuda":
-            batch = {k: self._to_device(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = {k: self._on_gpu(v) for k, v in batch.items()}
         batch.update(self.read_set.positions(fed.indices))
         batch["padded"] = torch.from_numpy(fed.padded.copy())
         return batch
@@ -625,6 +641,15 @@ class Loader:
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
         labels = torch.from_numpy(values)
         return labels if self.device == "cpu" else self._to_device(labels)
+
+    def _on_gpu(self, value: Any) -> Any:
+        """A batch entry on the Loader's GPU: a tensor, or each tensor of a list of them (a graph's output of
+        samples of different shapes); anything else (bytes, numbers) as it is."""
+        if isinstance(value, torch.Tensor):
+            return self._to_device(value)
+        if isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+            return [self._to_device(v) for v in value]
+        return value
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the Loader's GPU: a host tensor staged in pinned memory and copied without blocking, on torch's
@@ -643,22 +668,8 @@ class Loader:
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):
-        if self.device == "cuda":
-            if not value.is_dense_tensor():
-                return [self._tensor_one(value[j]) for j in range(len(value))]
-            return self._tensor_one(value.as_tensor())
-        if value.is_dense_tensor():
-            if self._built is not None and self._built.owned_outputs:
-                return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
-            return torch.from_numpy(value.as_array())
-        return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
-
-    def _tensor_one(self, t):
-        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
-
-        dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=self.torch_device)
-        feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(self.torch_device))
-        return dst
+        owned = self._built is not None and self._built.owned_outputs
+        return torch_value(value, self.torch_device if self.device == "cuda" else None, owned)
 
     def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
         """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
@@ -680,6 +691,36 @@ class Loader:
             return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:
+    """A DALI graph output as torch: a ``TensorListGPU`` copied into a tensor on ``device`` on torch's current stream
+    there (the stream its outputs were made ready on: ``pipe.outputs(stream)``); a ``TensorListCPU`` as a host
+    tensor (sharing DALI's buffer where the outputs are ``owned``, DALI's dynamic executor), which the Loader moves
+    to the GPU on cuda like the batch's other host tensors. Samples of different shapes: a list of tensors.
+
+    A graph on cuda may output CPU nodes (a user's :class:`fastio.Graph` returning a node of CPU operators): DALI's
+    ``feed_ndarray`` would copy those with a host ``memcpy`` into the GPU tensor's address."""
+    from nvidia.dali.tensors import TensorListGPU
+
+    if isinstance(value, TensorListGPU):
+        if not value.is_dense_tensor():
+            return [_gpu_tensor(value[j], device) for j in range(len(value))]
+        return _gpu_tensor(value.as_tensor(), device)
+    if value.is_dense_tensor():
+        if owned:
+            return torch.from_dlpack(value.as_tensor())  # the batch keeps DALI's buffer: no copy
+        return torch.from_numpy(value.as_array())
+    return [torch.from_numpy(np.array(value.at(j))) for j in range(len(value))]
+
+
+def _gpu_tensor(t: Any, device: torch.device) -> torch.Tensor:
+    """DALI's ``TensorGPU`` ``t`` copied into a new tensor on ``device``, on torch's current stream there."""
+    from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+    dst = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=device)
+    feed_ndarray(t, dst, cuda_stream=torch.cuda.current_stream(device))
+    return dst
 
 
 def _no_samples(batch: dict[str, Any]) -> dict[str, Any]:

@@ -602,7 +602,8 @@ def test_cuda_state_is_staged_and_restored(tmp_path):
     torch.cuda.manual_seed(5)
     ckpt.close()
     fresh = nn.Linear(512, 512).cuda()
-    Checkpointer(tmp_path / "ck").restore_latest({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())})
+    with Checkpointer(tmp_path / "ck") as restorer:  # closed: its SIGTERM handler must not outlive the test
+        restorer.restore_latest({"model": fresh, "optim": torch.optim.Adam(fresh.parameters())})
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
     assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
 

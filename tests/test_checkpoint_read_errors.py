@@ -5,8 +5,8 @@ One run of 2 gloo ranks on 127.0.0.1. The files are intact (the restore's check 
 load, rank 1's view of one file fails: torchsnapshot's read of a tensor file gives EIO (an NFS client losing its
 server) or half its bytes (a truncated view), or DCP's ``.metadata`` is missing on rank 1 only (a node that sees
 other files). Each hung before: the rank that failed left the engine's collectives while the other waited inside
-them. For the torchsnapshot cases rank 1 reads its files from disk (as when they do not fit in half the memory
-available): files it checked in memory are loaded from there, with no read left to fail.
+them. For the torchsnapshot cases rank 1 reads its files through torchsnapshot's own reader (as for a compressed
+step), where these faults are put (tests/test_checkpoint_truncated_files.py: the files the check keeps).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from fastio.errors import CheckpointError
 
 
 def _from_disk():
-    """This rank keeps none of the files it checks in memory (too little available): the engine reads them all."""
+    """This rank keeps none of the files it checks (as for a compressed step): the engine reads them all itself."""
     from fastio.checkpoint import restore
 
-    original = restore._memory_available
-    restore._memory_available = lambda: 0
-    return lambda: setattr(restore, "_memory_available", original)
+    original = restore.Restorer._owners
+    restore.Restorer._owners = lambda self, commit: ({}, False)
+    return lambda: setattr(restore.Restorer, "_owners", original)
 
 
 def eio_on_data_files():

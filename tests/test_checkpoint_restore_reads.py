@@ -1,5 +1,5 @@
-"""What a DCP restore reads: each rank checks the data files it will load itself, mapped into memory, and loads
-them from there (no copy out of the page cache but the one into the app's tensors); DCP's ``.metadata`` is
+"""What a DCP restore reads: each rank checks the data files it will load itself and loads their tensors by ``pread``
+straight into the app's; DCP's ``.metadata`` is
 unpickled only by the allow-list; a byte flipped inside a tensor's data is still refused on every rank, naming the
 file, with nothing of that step loaded. FSDP2 on 2 real gloo ranks, and plain modules of unusual layouts in one
 process."""
@@ -98,14 +98,16 @@ def fsdp_restores(tmp_path_factory) -> list[dict]:
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_no_rank_copies_a_shard_out_of_the_page_cache(fsdp_restores):
-    """Before: each rank read (read(2): ``/proc/self/io`` rchar) another rank's shard for the check (every n-th
-    file) and DCP then read its own: 2.1x its shard's bytes a restore. Now it maps its own shard for the check
-    (Linux 5.14 and later) and DCP loads from the mapping: its reads carry the small files only (5-6 % here)."""
+def test_each_rank_reads_its_own_shard_for_the_check_and_the_load(fsdp_restores):
+    """``/proc/self/io`` rchar (bytes through read(2) and pread): the check reads the rank's own shard (foreseen by
+    ``DcpEngine.reads``) and the load reads each of its tensors by ``pread`` straight into the app's tensor: 2x the
+    shard with the small files (2.06x here), and no more. (For a while the check mapped the shard and the load copied
+    out of the mapping, which read(2) does not count, 5-6 %; a truncation of the file by another process meanwhile
+    was a SIGBUS: tests/test_checkpoint_truncated_files.py.)"""
     for seen in fsdp_restores:
         assert seen["intact"] == 2 and seen["intact_loaded"]
         assert seen["own_shard"] > 4 << 20
-        assert seen["read"] < 0.5 * seen["own_shard"], seen
+        assert seen["read"] < 2.25 * seen["own_shard"], seen
 
 
 def test_dcp_metadata_is_unpickled_only_by_the_allow_list(fsdp_restores):

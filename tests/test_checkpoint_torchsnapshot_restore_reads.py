@@ -1,7 +1,7 @@
-"""What a torchsnapshot restore reads: the files the check mapped into memory for this rank are loaded from those
-mappings (one read of each file, not two), copied into the app's tensors (in place where the target has them, new
-ones where it has none: a fresh optimizer's moments), with nothing left referring to the mappings afterwards; a
-byte flipped in a file is still refused with nothing loaded. One process, real torchsnapshot steps."""
+"""What a torchsnapshot restore reads: the files the check hashed for this rank are read again by ``pread`` (never
+mapped), copied into the app's tensors (in place where the target has them, new ones where it has none: a fresh
+optimizer's moments), with no mapping of the step left afterwards; a byte flipped in a file is still refused with
+nothing loaded. One process, real torchsnapshot steps."""
 
 from __future__ import annotations
 
@@ -70,9 +70,10 @@ def saved(tmp_path_factory) -> tuple[Path, dict, torch.Tensor, int]:
     return root, app, torch.rand(3), data
 
 
-def test_a_restore_into_a_fresh_app_reads_each_file_once_and_loads_it_bitwise(saved):
-    """Before: the check read every file (a 4 MiB model and its 2 Adam moments here) and torchsnapshot read each again:
-    2x the data. Now the check maps this rank's files and torchsnapshot's reads are served from the mappings."""
+def test_a_restore_into_a_fresh_app_reads_each_file_twice_at_most_and_loads_it_bitwise(saved):
+    """The check hashes this rank's files (a 4 MiB model and its 2 Adam moments here) and torchsnapshot's reads of
+    them are served by ``pread`` (``CheckedFile``): each byte read twice, no more. (For a while they were served from
+    a mapping the check made, which read(2) does not count, but which a truncation turned into a SIGBUS.)"""
     root, app, draw, data = saved
     into = _app(2, trained=False)  # no optimizer state at all: torchsnapshot makes the moments
     assert data > 10 << 20
@@ -82,7 +83,7 @@ def test_a_restore_into_a_fresh_app_reads_each_file_once_and_loads_it_bitwise(sa
         assert ckpt.restore_latest(into).step == 1
         read = rchar() - before
         assert _mapped(root / "step-1") == []  # nothing refers to the mappings once the restore returns
-    assert read < 0.5 * data, (read, data)
+    assert read < 2.25 * data, (read, data)  # (a mapping read none, but died of a truncation: SIGBUS)
     assert _same(_tensors(into), _tensors(app))
     assert into["counter"].names == app["counter"].names
     assert torch.equal(torch.rand(3), draw)  # the RNG as it was at the save

@@ -197,6 +197,26 @@ def test_interrupted_dest_is_redone_without_overwrite(tmp_path, image_folder):
     assert tree(dest) == clean
 
 
+def test_a_run_killed_while_writing_the_marker_leaves_a_dest_the_rerun_takes(tmp_path, image_folder):
+    """The marker is DEST's first file; a run killed while writing it leaves only the marker's temporary file,
+    which is fastio's: the rerun converts without overwrite=True. Beside anything else, it proves nothing."""
+    from fastio.storage.atomic import tmp_path_for
+
+    dest, clean = tmp_path / "d", tmp_path / "clean"
+    convert(ConvertConfig(source=image_folder, dest=clean, workers=1))
+    dest.mkdir()
+    tmp_path_for(dest / MARKER_NAME).write_bytes(b"fastio conv")
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    assert tree(dest) == tree(clean)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    tmp_path_for(foreign / MARKER_NAME).write_bytes(b"fastio conv")
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(ConvertError, match=r"foreign: directory is not empty and is not fastio output"):
+        convert(ConvertConfig(source=image_folder, dest=foreign, workers=1))
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
 def test_kill_and_rerun_gives_identical_output(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=4, per_class=60, min_side=160, max_side=240)
     args = ["convert", str(src), "DEST", "--max-samples-per-shard", "2", "--max-side", "96",

@@ -70,3 +70,38 @@ def test_cuda_image_text_batches_put_images_and_token_runs_in_gpu_memory(tmp_pat
     pipe = fastio.ImageText(image=ImageEval(size=16), seq_len=256, image_seq_len=4)
     one = dict(n=1, batch_size=2)
     _same_on_the_gpu(_batches(dest, "cpu", pipe, **one), _batches(dest, "cuda", pipe, **one), close=("images",))
+
+
+def test_a_cpu_output_of_a_cuda_graph_becomes_a_host_tensor_not_a_copy_into_gpu_memory():
+    """On cuda a graph may output a node of CPU operators (a user's fastio.Graph): it becomes a host tensor, which the
+    Loader then copies to the GPU through pinned memory, never DALI's GPU copy (feed_ndarray of a CPU tensor
+    ``memcpy``s to the GPU tensor's address)."""
+    import numpy as np
+    from nvidia.dali.tensors import TensorCPU, TensorListCPU
+
+    from fastio.loader import torch_value
+
+    gpu = torch.device("cuda", 0)
+    dense = np.arange(6, dtype=np.int32).reshape(2, 3)
+    out = torch_value(TensorListCPU(dense), gpu, owned=False)
+    assert out.device.type == "cpu" and torch.equal(out, torch.from_numpy(dense))
+    owned = torch_value(TensorListCPU(dense), gpu, owned=True)
+    assert owned.device.type == "cpu" and torch.equal(owned, torch.from_numpy(dense))
+    ragged = torch_value(TensorListCPU([TensorCPU(np.arange(2)), TensorCPU(np.arange(3))]), gpu, owned=False)
+    assert [t.tolist() for t in ragged] == [[0, 1], [0, 1, 2]] and all(t.device.type == "cpu" for t in ragged)
+
+
+def _with_a_cpu_node(image, device):
+    from nvidia.dali import fn, types
+
+    sides = fn.cast(fn.random.uniform(range=[1, 9], shape=[2]), dtype=types.INT32)  # CPU operators only
+    return {"image": fn.resize(image, size=[16, 16]), "sides": sides}
+
+
+@pytest.mark.gpu
+def test_a_cuda_graphs_cpu_output_arrives_in_gpu_memory(image_dataset):
+    batches = _batches(image_dataset, "cuda", fastio.Graph(_with_a_cpu_node))
+    for b in batches:
+        assert b["image"].is_cuda and b["sides"].is_cuda and not b["index"].is_cuda
+        assert b["sides"].dtype == torch.int32 and b["sides"].shape == (4, 2)
+        assert int(b["sides"].min()) >= 1 and int(b["sides"].max()) <= 9

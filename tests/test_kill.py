@@ -90,12 +90,18 @@ def exists(path: Path):
     return path.exists
 
 
+def workers_started(me: int):
+    """Whether the workers of the run that ``me`` started have: processes three levels below ``me`` (the run, its
+    fork server, the workers it forks; the server starts before the scan)."""
+    return lambda: any(children(s) for c in children(me) for s in children(c))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
 @pytest.mark.parametrize("moment", ["workers started", "shards written"])
 def test_killed_convert_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig, moment):
     dest = tmp_path / "d"
     me = os.getpid()
-    when = {"workers started": lambda: any(children(p) for p in children(me)),
+    when = {"workers started": workers_started(me),
             "shards written": exists(dest / "shards" / "shard-000003.tar")}[moment]
     kill_at(cli("convert", str(source), str(dest), "--workers", "2", *OPTIONS), when, sig)
     assert not (dest / MANIFEST_NAME).exists()
@@ -109,7 +115,7 @@ def test_killed_part_leaves_nothing_and_the_rerun_succeeds(tmp_path, source, sig
     dest = tmp_path / "d"
     part = dest / PARTS_DIR / "part-1-of-2"
     me = os.getpid()
-    when = {"workers started": lambda: any(children(p) for p in children(me)),
+    when = {"workers started": workers_started(me),
             "shards written": exists(part / "shards" / "shard-000004.tar")}[moment]
     kill_at(cli("convert", str(source), str(dest), "--workers", "2", "--part", "1/2", *OPTIONS), when, sig)
     for k in (0, 1):

@@ -18,32 +18,35 @@ from fastio.convert.run import ConvertConfig, convert  # noqa: E402
 from fastio.formats.media import check_media, probe  # noqa: E402
 
 W, H = 64, 48
+NVDEC_SIZE = (160, 144)
+"""The NVDEC test's frames: NVDEC decodes VP9 from 128 x 128 and H.264 from 48 x 16 up, so 64 x 48 VP9 is below it."""
+NVDEC_MIN = {"vp9": (128, 128), "h264": (48, 16)}
 RED, BLUE, GREEN, WHITE = (255, 0, 0), (0, 0, 255), (0, 255, 0), (255, 255, 255)
 
 
-def quadrants() -> np.ndarray:
-    """[H, W, 3]: red top left, blue top right, green bottom left, white bottom right."""
-    rgb = np.zeros((H, W, 3), np.uint8)
-    rgb[:H // 2, :W // 2], rgb[:H // 2, W // 2:] = RED, BLUE
-    rgb[H // 2:, :W // 2], rgb[H // 2:, W // 2:] = GREEN, WHITE
+def quadrants(w: int = W, h: int = H) -> np.ndarray:
+    """[h, w, 3]: red top left, blue top right, green bottom left, white bottom right."""
+    rgb = np.zeros((h, w, 3), np.uint8)
+    rgb[:h // 2, :w // 2], rgb[:h // 2, w // 2:] = RED, BLUE
+    rgb[h // 2:, :w // 2], rgb[h // 2:, w // 2:] = GREEN, WHITE
     return rgb
 
 
-def make_rotated(path: Path, degrees: int, frames: int = 6) -> Path:
-    """A video of ``frames`` quadrant frames whose display matrix turns them ``degrees`` counterclockwise
-    (VP9 for ``.webm``, H.264 for ``.mp4``)."""
+def make_rotated(path: Path, degrees: int, frames: int = 6, size: tuple[int, int] = (W, H)) -> Path:
+    """A video of ``frames`` quadrant frames of ``size`` (width, height) whose display matrix turns them ``degrees``
+    counterclockwise (VP9 for ``.webm``, H.264 for ``.mp4``)."""
     import av
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
         stream = out.add_stream("libvpx-vp9" if path.suffix == ".webm" else "libx264", rate=12)
-        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
         stream.options = {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"} \
             if path.suffix == ".webm" else {"crf": "4", "preset": "ultrafast"}
         if degrees:
             stream.set_display_rotation(degrees)
         for _ in range(frames):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(quadrants(), format="rgb24")):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(quadrants(*size), format="rgb24")):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
@@ -82,16 +85,27 @@ def test_the_probe_records_the_rotation_players_apply(tmp_path, degrees):
     assert corner_colours(shown(path)) == SHOWN[degrees]  # the reference is what a player shows
 
 
-@pytest.fixture(scope="module")
-def rotated_ds(tmp_path_factory) -> tuple[Path, Path]:
-    """Each rotation as VP9 .webm (DALI's CPU decoder) and H.264 .mp4 (the PyAV fallback), one class per rotation."""
-    src = tmp_path_factory.mktemp("rot") / "src"
+def rotated_dataset(root: Path, size: tuple[int, int] = (W, H)) -> tuple[Path, Path]:
+    """Each rotation as VP9 .webm (DALI's CPU decoder) and H.264 .mp4 (the PyAV fallback), one class per rotation,
+    frames of ``size``: the source folder and the dataset."""
+    src = root / "src"
     for degrees in ROTATIONS:
-        for suffix in ("webm", "mp4"):
-            make_rotated(src / f"r{degrees % 360:03d}" / f"{suffix[0]}.{suffix}", degrees)  # keys r090/w, r090/m
-    dest = src.parent / "ds"
+        for suffix in ("webm", "mp4"):  # keys r090/w, r090/m
+            make_rotated(src / f"r{degrees % 360:03d}" / f"{suffix[0]}.{suffix}", degrees, size=size)
+    dest = root / "ds"
     convert(ConvertConfig(source=src, dest=dest, workers=1, progress=False))
     return src, dest
+
+
+@pytest.fixture(scope="module")
+def rotated_ds(tmp_path_factory) -> tuple[Path, Path]:
+    return rotated_dataset(tmp_path_factory.mktemp("rot"))
+
+
+@pytest.fixture(scope="module")
+def nvdec_rotated_ds(tmp_path_factory) -> tuple[Path, Path]:
+    """:func:`rotated_dataset` at :data:`NVDEC_SIZE`, which NVDEC decodes."""
+    return rotated_dataset(tmp_path_factory.mktemp("rot-nvdec"), NVDEC_SIZE)
 
 
 def test_both_decode_paths_deliver_the_clip_as_players_show_it(rotated_ds):
@@ -102,12 +116,12 @@ def test_both_decode_paths_deliver_the_clip_as_players_show_it(rotated_ds):
     assert pipeline.cpu_fallback == "pyav"  # the .mp4 through PyAV, the .webm through DALI
 
 
-def check_center_clips(src: Path, dest: Path, device: str):
-    """Each rotation's clips, both codecs, against the center square of the first frame as shown; the Loader's
-    pipeline."""
+def check_center_clips(src: Path, dest: Path, device: str, side: int = H):
+    """Each rotation's clips, both codecs, against the center square of the first frame as shown (``side``: its
+    frames' shorter side); the Loader's pipeline."""
     import fastio
 
-    clips = fastio.VideoClips(frames=2, size=H, crop="center", dtype="uint8", layout="FHWC")
+    clips = fastio.VideoClips(frames=2, size=side, crop="center", dtype="uint8", layout="FHWC")
     with fastio.Loader(dest, pipeline=clips, batch_size=8, device=device, shuffle="none", num_threads=1) as loader:
         batch = next(iter(loader))
         keys = [loader.key(int(i)) for i in batch["index"]]
@@ -143,11 +157,23 @@ def test_a_random_crop_is_drawn_on_the_frame_as_shown(rotated_ds):
 
 
 
+def test_the_nvdec_rotation_dataset_is_one_nvdec_decodes(nvdec_rotated_ds):
+    """The gpu test's videos are at least NVDEC's smallest frame for their codec (a 64 x 48 VP9 is not: NVDEC
+    refuses it, and the test would fail on its data, not on the turn), and the CPU paths pass the same check on
+    them."""
+    src, dest = nvdec_rotated_ds
+    probes = [probe(path.read_bytes(), path.suffix[1:]) for path in sorted(src.rglob("*.*"))]
+    assert len(probes) == 2 * len(ROTATIONS) and {p["codec"] for p in probes} == set(NVDEC_MIN)
+    assert all(p["width"] >= NVDEC_MIN[p["codec"]][0] and p["height"] >= NVDEC_MIN[p["codec"]][1] for p in probes)
+    check_center_clips(src, dest, "cpu", min(NVDEC_SIZE))
+
+
 @pytest.mark.gpu
-def test_nvdec_delivers_the_clip_as_players_show_it(rotated_ds):
-    """device='cuda': the same turn after NVDEC (fn.decoders.video on the mixed backend), VP9 and H.264."""
-    src, dest = rotated_ds
-    check_center_clips(src, dest, "cuda")
+def test_nvdec_delivers_the_clip_as_players_show_it(nvdec_rotated_ds):
+    """device='cuda': the same turn after NVDEC (fn.decoders.video on the mixed backend), VP9 and H.264, at a size
+    NVDEC decodes."""
+    src, dest = nvdec_rotated_ds
+    check_center_clips(src, dest, "cuda", min(NVDEC_SIZE))
 
 
 def test_transcode_keeps_the_rotation(tmp_path):

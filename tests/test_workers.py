@@ -1,6 +1,10 @@
-"""fastio.convert.workers.OrderedPool: ordered results, errors handed back, and a stop that cannot hang."""
+"""fastio.convert.workers.OrderedPool: ordered results, errors handed back, a stop that cannot hang, and workers that
+are never a copy of their caller (its garbage, its threads, its main module)."""
 
+import gc
 import os
+import tempfile
+import threading
 import time
 
 import pytest
@@ -73,13 +77,130 @@ def _seen(_):
     return _STATE.get("parent_only"), os.getpid()
 
 
-def test_a_spawned_pool_inherits_nothing_of_its_parent_but_its_initializer():
-    _STATE["parent_only"] = "set in the parent"  # a forked worker would see it (as it would an object-store client)
+def test_a_pool_inherits_nothing_of_its_parent_but_its_initializer_unless_it_forks():
+    _STATE["parent_only"] = "set in the parent"  # a forked worker sees it (as it would an object-store client)
     try:
-        with OrderedPool(_seen, 2, method="spawn") as spawned, OrderedPool(_seen, 1, method="fork") as forked:
+        with OrderedPool(_seen, 2) as served, OrderedPool(_seen, 2, method="spawn") as spawned, \
+                OrderedPool(_seen, 1, method="fork") as forked:
+            assert [v for v, _ in served.map(range(4))] == [None] * 4
             assert [v for v, _ in spawned.map(range(4))] == [None] * 4
             assert [v for v, _ in forked.map(range(2))] == ["set in the parent"] * 2
     finally:
         del _STATE["parent_only"]
-    with pytest.raises(ValueError, match="method must be 'fork', 'spawn' or None, got 'thread'"):
+    with pytest.raises(ValueError, match="method must be one of 'forkserver', 'spawn', 'fork' or None, got 'thread'"):
         OrderedPool(_seen, 1, method="thread")
+
+
+def test_a_function_of_main_is_refused_in_one_line():
+    def main_fn(x):
+        return x
+
+    main_fn.__module__ = "__main__"  # as a script's function is
+    with pytest.raises(ValueError, match=r"main_fn, None: a worker of the fork server cannot import a function "
+                                         r"defined in __main__; define it in a module"):
+        OrderedPool(main_fn, 1)
+
+
+def _abort(_):
+    os.abort()
+
+
+def test_a_worker_that_dies_is_reported_with_the_signal_that_ended_it():
+    with OrderedPool(_abort, 1) as pool, pytest.raises(RuntimeError, match=r"a worker process died \(exit code -6\)"):
+        list(pool.map([0]))
+
+def test_a_worker_dead_before_its_first_chunk_is_named_not_a_broken_pipe():
+    """The send to a worker that already died fails (EPIPE): the error names the worker's death and its signal,
+    as a death found while reading does (it was the caller's "Broken pipe")."""
+    with OrderedPool(_add, 2, initializer=_init, initargs=(0,)) as pool:
+        pool._procs[1].kill()
+        pool._procs[1].join()
+        with pytest.raises(RuntimeError, match=r"a worker process died \(exit code -9\)"):
+            list(pool.map(range(8)))
+
+
+def _collect_garbage(_):
+    """A full collection in the worker: it frees whatever garbage the worker holds."""
+    gc.collect()
+    return os.getpid()
+
+
+def _within(seconds: float, pool: OrderedPool, items) -> list:
+    """``list(pool.map(items))``, or a failure after ``seconds`` (a worker hangs: the pool is closed)."""
+    out: list = []
+
+    def read() -> None:
+        try:
+            out.append(list(pool.map(items)))
+        except BaseException as err:
+            out.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if reader.is_alive():
+        pool.close()
+        pytest.fail(f"the workers did not answer in {seconds} s")
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+def _in_a_cycle(obj) -> None:
+    """Drop ``obj`` into a reference cycle: only the garbage collector frees it, later."""
+    holder = {"obj": obj}
+    holder["self"] = holder
+
+
+def test_a_worker_never_runs_the_finalizers_of_its_callers_garbage(tmp_path):
+    """The caller's garbage (objects in reference cycles its collector has not freed yet) is the caller's to free: a
+    worker that was a copy of the caller would free its copy and run the finalizers there. A TemporaryDirectory
+    freed in a worker deletes the caller's directory."""
+    gc.collect()
+    folder = tempfile.TemporaryDirectory(dir=tmp_path)
+    name = folder.name
+    _in_a_cycle(folder)
+    del folder
+    with OrderedPool(_collect_garbage, 2) as pool:
+        assert len(set(_within(30, pool, range(4)))) == 2
+    assert os.path.isdir(name), "a worker ran the finalizer of its caller's TemporaryDirectory"
+    gc.collect()  # here, in the caller, it is freed
+    assert not os.path.isdir(name)
+
+
+def test_a_worker_outlives_its_callers_garbage_process_group():
+    """What failed a conversion run in a process that had run torchft: a torch gloo process group (what a torchft
+    Manager holds) left in the caller's garbage joins its threads as it is freed; in a copy of the caller, which
+    has none of them, that crashed the worker (SIGSEGV or SIGABRT) or hung it."""
+    import torch.distributed as dist
+
+    gc.collect()
+    _in_a_cycle(dist.ProcessGroupGloo(dist.HashStore(), 0, 1))
+    with OrderedPool(_collect_garbage, 2) as pool:
+        assert len(set(_within(30, pool, range(4)))) == 2
+    gc.collect()
+
+
+SCRIPT = """\
+from pathlib import Path
+
+import torch
+
+from fastio.convert.run import ConvertConfig, convert
+from fastio.convert.synthetic import make_imagefolder
+
+print("the script ran", flush=True)
+torch.ones(256, 256) @ torch.ones(256, 256)  # torch's threads, at work
+src = make_imagefolder(Path("src"), classes=2, per_class=4, min_side=32, max_side=48)
+print("samples", convert(ConvertConfig(source=src, dest=Path("ds"), workers=2, progress=False)).samples)
+"""
+
+
+def test_a_script_without_a_main_guard_converts_once_with_workers(warm, tmp_path):
+    """A training script that converts at its top level, torch imported and at work: the workers run fastio's
+    functions only, never the script again (as multiprocessing's forkserver and spawn workers would, converting
+    again in each worker)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    rc, out, err = warm.run(script, tmp_path, timeout=120)
+    assert rc == 0, err
+    assert out.splitlines() == ["the script ran", "samples 8"], out

@@ -27,7 +27,7 @@ from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, re
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
-from fastio.storage.checksum import DIGESTS, digest_file, read_hashed
+from fastio.storage.checksum import DIGESTS, digest_file, open_hashed
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
 
@@ -50,28 +50,33 @@ __all__ = [
 
 
 def _check_file(p: Path, want: dict[str, Any], held: dict[str, Any] | None = None, name: str = "") -> str | None:
-    """The problem with file ``p`` against its marker entry ``want``, None when intact. With ``held`` (a dict),
-    the file is mapped into memory and hashed there, and the mapping is put in ``held`` under ``name`` when
-    intact (:func:`fastio.storage.checksum.read_hashed`)."""
+    """The problem with file ``p`` against its marker entry ``want``, None when intact: its size first (a file of
+    another size is named with both sizes, nothing of it read), then its checksum (a file cut short while it is read
+    is named with the offset reached). With ``held`` (a dict), the file is kept open when intact, under ``name``, for
+    the restore to read again (:func:`fastio.storage.checksum.open_hashed`: by ``pread``, never mapped)."""
     algo = next((a for a in DIGESTS if a in want), None)
     if algo is None:
         return f"{p}: the commit marker records no known checksum ({', '.join(sorted(want))})"
-    data = None
+    opened = None
     try:
+        size = p.stat().st_size
+        if size != want.get("bytes"):
+            return f"{p}: size {size}, commit marker says {want.get('bytes')}"
         if held is None:
-            size, digest = digest_file(p, algo)
+            found, digest = digest_file(p, algo)
         else:
-            size, digest, data = read_hashed(p, algo, int(want.get("bytes") or 0))
+            found, digest, opened = open_hashed(p, algo, size)
     except FileNotFoundError:
         return f"{p}: missing"
     except OSError as err:
         return f"{p}: unreadable: {err.strerror or err}"
-    if size != want.get("bytes"):
-        return f"{p}: size {size}, commit marker says {want.get('bytes')}"
+    if found != size:  # another process's truncation or append meanwhile
+        how = f"cut short while read: it ended at offset {found}" if found < size else f"grew to {found} bytes"
+        return f"{p}: {how}, commit marker says {size} bytes"
     if digest != want[algo]:
         return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
-    if held is not None and data is not None:
-        held[name] = data
+    if held is not None:
+        held[name] = opened
     return None
 
 
@@ -89,8 +94,7 @@ def verify_files(entry: StepEntry, *, part: tuple[int, int] = (0, 1), owners: di
                  held: dict[str, Any] | None = None) -> list[str]:
     """Problems with the listed files of a committed step, one line each: ``part=(i, n)`` checks its share of
     the files (:func:`share_files`: n ranks share the reading). With ``held``, the files ``owners`` gives this
-    part are mapped into memory and hashed there, and kept in ``held`` (by path relative to the step) when
-    intact: the restore loads them from there instead of reading them again."""
+    part are kept open in ``held`` (by path relative to the step) when intact: the restore reads them there."""
     listed = entry.commit.files
     # One thread: xxh3 runs at memory speed, and threads measured slower (bench/checkpoint.py, integrity).
     mine = (owners or {}) if held is not None else {}

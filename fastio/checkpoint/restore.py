@@ -6,7 +6,7 @@ engine getter, this rank's place among the ranks sharing the directory, ``read_o
 plans the candidates (rank 0: the newest committed steps first, or the one asked for; every directory's own
 abandoned temporaries deleted first unless read-only), fetches each candidate (an ``s3://`` dir: into its staging
 directory), checks every file against the commit marker (the ranks sharing the files; each rank the files the
-engine foresees it will load, mapped into memory, hashed there and loaded from there: ``Restorer.held``)
+engine foresees it will load, kept for the engine to read by ``pread``, never mapped: ``Restorer.held``)
 and falls back past a damaged or unrecognised step, which it moves aside (``step-N.quarantined``) along the run's
 current branch (none of it with ``read_only=True``). The chosen step is decompressed when compressed
 (:mod:`fastio.checkpoint.compress`), opened by the engine its marker names, the loaders' states read and checked
@@ -123,15 +123,6 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
         held[key] = state
     return held
-
-
-def _memory_available() -> int:
-    """Bytes of memory available without swapping (Linux's ``MemAvailable``); 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0
 
 
 def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
@@ -254,8 +245,8 @@ class Restorer:
     where: str
     """The checkpoint directory as the user named it (an ``s3://`` URL, else the directory), in messages."""
     held: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    """The files of the step being restored that this rank checked in memory and will load (path relative to the
-    step -> its bytes), from the check to the end of the restore (:meth:`_owners`)."""
+    """The files of the step being restored that this rank checked and will load (path relative to the step -> its
+    ``fastio.storage.checksum.CheckedFile``), from the check to the end of the restore (:meth:`_owners`)."""
 
     def restore_latest(self, app: dict[str, Any], step: int | None, strict: bool,
                        loader_policy: str) -> TrainState | None:
@@ -264,7 +255,7 @@ class Restorer:
         try:
             return self._restore_latest(app, step, strict, loader_policy)
         finally:
-            self.held.clear()  # the files checked in memory go with the restore
+            self.held.clear()  # the files checked go with the restore
 
     def _restore_latest(self, app: dict[str, Any], step: int | None, strict: bool,
                         loader_policy: str) -> TrainState | None:
@@ -332,16 +323,15 @@ class Restorer:
     def _owners(self, commit: CommitRecord) -> tuple[dict[str, int], bool]:
         """``(owners, keep)``: the files each rank sharing this directory will read while loading (as the engine
         that wrote ``commit`` foresees them), by its place among them, so that it checks them itself (every rank
-        the same); ``keep``: this rank checks its own in memory and loads them from there (:attr:`held`), one
-        read of each instead of two, when they fit in half the memory available (not for a compressed step, whose
-        engine reads the decompressed copies)."""
+        the same); ``keep``: the engine reads this rank's own through the check's ``CheckedFile`` objects
+        (:attr:`held`: by ``pread``, a DCP tensor straight into the app's tensor, a file changed or cut short since
+        the check named; not for a compressed step, whose engine reads the decompressed copies)."""
         if commit.compression:
             return {}, False
         here = self.commit.ranks_here
         reads = self.engine(commit.engine).reads(sorted(commit.files), commit.progress.world_size, self.world_size)
         owners = {rel: here.index(r) for rel, r in reads.items() if r in here}
-        mine = sum(int(commit.files[rel].get("bytes") or 0) for rel, i in owners.items() if i == self.share[0])
-        return owners, 0 < mine <= _memory_available() // 2
+        return owners, self.share[0] in owners.values()
 
     def _restore(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
                  loader_policy: str) -> TrainState:

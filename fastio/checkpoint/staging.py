@@ -89,7 +89,7 @@ class Stager:
         # (the next optimizer step) run after them, so the caller need not wait; the writer does.
         self._events = []
         for device in devices:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the writer's wait sleeps; a plain event's spins a CPU
             event.record(torch.cuda.current_stream(device))
             self._events.append(event)
         return out

@@ -33,7 +33,7 @@ from fastio.convert.parts import PARTS_DIR, parse_part_dir
 from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.storage import S3Storage, Storage, open_storage
-from fastio.storage.atomic import atomic_write_bytes
+from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
 from fastio.storage.url import parse_location
@@ -58,9 +58,12 @@ def check_dest(dest: Path, source: Path | str | None, overwrite: bool) -> None:
     src, dst = (source.resolve() if isinstance(source, Path) else None), dest.resolve()
     if src is not None and (src == dst or src in dst.parents or dst in src.parents):
         raise ConvertError(f"{dest}: DEST and SOURCE {source} must not contain one another")
-    if dest.is_dir() and any(p.name != LOCK_NAME for p in dest.iterdir()):
+    entries = {p.name for p in dest.iterdir()} - {LOCK_NAME} if dest.is_dir() else set()
+    if entries:
         complete = _is_complete(dest)
-        ours = complete or (dest / MARKER_NAME).is_file() or (dest / PARTS_DIR).is_dir()
+        # the marker is written first: a run killed while writing it leaves only the marker's temporary file
+        ours = (complete or (dest / MARKER_NAME).is_file() or (dest / PARTS_DIR).is_dir()
+                or entries == {tmp_path_for(dest / MARKER_NAME).name})
         if complete and not overwrite:
             raise ConvertError(f"{dest}: already holds a converted dataset; pass overwrite=True to replace it")
         if not ours and not overwrite:

@@ -48,7 +48,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool, default_workers
+from fastio.convert.workers import OrderedPool, default_workers, start_server
 from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
@@ -564,7 +564,10 @@ def _convert_locked(config: ConvertConfig, lock: DirLock, started: float, scanne
 
 
 def _scan(config: ConvertConfig, scanner: Scanner | None = None):
-    """The source's entries and their assignment to output datasets (splits), in writing order."""
+    """The source's entries and their assignment to output datasets (splits), in writing order. The workers' fork
+    server starts first, to import their modules while the scan runs."""
+    if config.workers > 1:
+        start_server(load_entry, _init_worker, _WORKER_IMPORTS)
     scan = scanner(config.source) if scanner is not None else converters.scan(config.source, config.format, ScanOptions(
         path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
         root=config.root, labels=config.labels))
@@ -652,7 +655,7 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     bytes_in = 0
     load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode,
                     config.video_decoder, config.storage_options)
-    pool = _start_pool(config.workers, [entry for job in jobs for entry in job[1]], load_options)
+    pool = _start_pool(config.workers, load_options)
     try:
         with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert",
                       every_s=config.progress_every_s) as progress:
@@ -672,21 +675,20 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     return manifests, all_skipped, bytes_in
 
 
-def _start_pool(workers: int, entries, load_options: tuple) -> OrderedPool | None:
-    """The pool of ``workers`` processes that load ``entries`` (None for one: they load in this process). Its
-    workers are forked where the platform forks, but spawned when an entry names an object by URL
-    (:class:`UrlRef`): the scan asked for those objects with an object-store client in this process, and such a
-    client does not work in a forked child (its runtime's threads stay behind in the parent)."""
+_WORKER_IMPORTS = ("PIL.Image",)  # what the fork server imports once for the workers (with load_entry's module)
+
+
+def _start_pool(workers: int, load_options: tuple) -> OrderedPool | None:
+    """The pool of ``workers`` processes that load entries (None for one: they load in this process). Its
+    workers start from fastio's fork server (:mod:`fastio.convert.forkserver`), never as a copy of this process:
+    one that read objects by URL (:class:`UrlRef`) holds an object-store client, which does not work in a copy
+    (its runtime's threads stay behind), and one that runs a training script holds torch's and DALI's threads
+    and garbage (see :mod:`fastio.convert.workers`). The server imports PIL once for all of them."""
     if workers == 1:
         _init_worker(load_options)
         return None
-    import multiprocessing as mp
-
-    objects = any(isinstance(value, UrlRef) for entry in entries for _, value in entry.fields)
-    method = "fork" if "fork" in mp.get_all_start_methods() and not objects else "spawn"
-    if method == "fork":
-        import PIL.Image  # noqa: F401  (forked workers inherit it: one import instead of one per worker)
-    return OrderedPool(load_entry, workers, initializer=_init_worker, initargs=(load_options, True), method=method)
+    return OrderedPool(load_entry, workers, initializer=_init_worker, initargs=(load_options, True),
+                       preload=_WORKER_IMPORTS)
 
 
 def _convert_to_url(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:

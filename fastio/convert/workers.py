@@ -7,10 +7,20 @@ own and shares no lock with anyone: chunk k goes to worker ``k % N`` and results
 same order, a feeder thread sends while the caller reads (so neither side can block the other), and
 :meth:`OrderedPool.close` simply kills the workers.
 
+Workers start from fastio's fork server (:mod:`fastio.convert.forkserver`, where the platform has one; spawned
+elsewhere): a fresh interpreter that imported the workers' modules once and forks each worker, which so is never
+a copy of the caller. The server stays, idle, for the next pool until the caller ends. A copy of the
+caller, which may be a training script or a notebook with torch, DALI and their threads, would hold the caller's
+state as it was at that instant: locks that other threads held (never to be released: a worker that takes one
+hangs) and the caller's garbage (objects in reference cycles not yet freed), which the worker's collector frees
+by running their finalizers there: a torch gloo process group joins threads the copy does not have (the worker
+crashed, SIGSEGV or SIGABRT), a ``TemporaryDirectory`` deletes the caller's directory.
+
 Workers never outlive their parent, however it ends (exit, exception, SIGTERM, SIGKILL): each one asks
-the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG`` on Linux), closes every descriptor it
-inherited but its own pipe end (so it holds no lock of its parent's, such as DEST's ``.fastio-lock``, no
-other worker's pipe and not the caller's stdout: a ``| tail`` sees EOF), and returns at EOF on its pipe.
+the kernel for SIGKILL when the process that forked it dies (``PR_SET_PDEATHSIG`` on Linux; the fork server
+ends when the caller does), closes every descriptor it inherited but its own pipe end (so it holds no lock of
+its parent's, such as DEST's ``.fastio-lock``, no other worker's pipe and not the caller's stdout: a ``| tail``
+sees EOF once the caller and its fork server have ended), and returns at EOF on its pipe.
 :func:`detach_child` is that set-up, for any process fastio forks.
 """
 
@@ -29,9 +39,10 @@ from typing import Any
 
 from fastio.dist import usable_cpus
 
-__all__ = ["OrderedPool", "default_workers", "detach_child"]
+__all__ = ["OrderedPool", "default_workers", "detach_child", "start_server"]
 
 _PR_SET_PDEATHSIG = 1
+_METHODS = ("forkserver", "spawn", "fork")
 
 
 def default_workers() -> int:
@@ -50,18 +61,32 @@ def _die_with_parent() -> None:
         pass
 
 
+def _alive(pid: int) -> bool:
+    """Whether the process ``pid`` that started this one (itself, or through a fork server) still runs."""
+    if os.getppid() == pid:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = True) -> None:
     """Run first in a child process: die with the parent, and (``forked``) hold none of its descriptors.
 
-    SIGKILL when the parent dies (and exit at once if it already has: the start raced its death; Linux sends
-    it when the *thread* that started the child ends, so start children from a thread that outlives them);
-    after a fork, stdin and stdout become ``/dev/null`` (stderr stays, for a crash's last words) and every
-    other inherited descriptor but ``keep`` is closed: the parent's locks, other children's pipe ends, sockets
-    and files. A spawned child inherits none of those (Python's descriptors are not inheritable). SIGINT is
-    ignored: a Ctrl-C reaches every process of the terminal's group, and the parent, which stops its children,
-    is the one to report it (not each child with a traceback)."""
+    SIGKILL when the process that forked it dies, and exit at once if ``parent_pid`` (the parent, or the caller of a
+    fork server, which ends when its caller does) has already: the start raced its death. Linux sends it when the
+    *thread* that forked the child ends, so fork children from a thread that outlives them. After a fork, stdin and
+    stdout become ``/dev/null`` (stderr stays, for a crash's last words) and every other inherited descriptor but
+    ``keep`` is closed: the parent's locks, other children's pipe ends, sockets and files. A spawned child inherits
+    none of those (Python's descriptors are not inheritable). SIGINT is ignored: a Ctrl-C reaches every process of
+    the terminal's group, and the parent, which stops its children, is the one to report it (not each child with
+    a traceback)."""
     _die_with_parent()
-    if os.getppid() != parent_pid:
+    if not _alive(parent_pid):
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops its children
     if not forked:
@@ -78,6 +103,34 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = Tru
     os.closerange(lowest, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
     if null > 2 and null not in keep:
         os.close(null)
+
+
+def _default_method() -> str:
+    return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _modules(fn: Callable, initializer: Callable | None, preload: tuple[str, ...]) -> list[str]:
+    """What a fork server imports ahead for a pool of ``fn``: ``preload``, this module, ``fn``'s and
+    ``initializer``'s."""
+    return [*preload, __name__, *(f.__module__ for f in (fn, initializer) if f is not None)]
+
+
+def start_server(fn: Callable, initializer: Callable | None = None, preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server that an ``OrderedPool(fn, initializer=initializer, preload=preload)`` would start
+    from (where it is the default), so that it imports those modules while the caller does something else."""
+    if _default_method() == "forkserver":
+        from fastio.convert.forkserver import start
+
+        start(_modules(fn, initializer, preload))
+
+
+def _process(method: str, preload: list[str], **kwargs: Any) -> mp.Process:
+    """A worker process (not started) of start ``method``; a fork server's imports ``preload`` at its start."""
+    if method == "forkserver":
+        from fastio.convert.forkserver import server_process
+
+        return server_process(preload, **kwargs)
+    return mp.get_context(method).Process(**kwargs)
 
 
 def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, parent_pid: int,
@@ -99,33 +152,41 @@ def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, pa
 
 
 class OrderedPool:
-    """``workers`` processes running ``fn`` (after ``initializer(*initargs)``), fork where available.
+    """``workers`` processes running ``fn`` (after ``initializer(*initargs)``), from fastio's fork server.
 
     Args:
-        fn: a picklable function of one item.
+        fn: a function of one item, importable (not defined in ``__main__``), as ``initializer`` is.
         workers: number of processes (>= 1).
         initializer, initargs: run once in each worker before its first item.
         chunksize: items per message.
         window: chunks in flight per worker (bounds memory and how far the workers run ahead).
-        method: ``"fork"`` or ``"spawn"``; None: fork where available, else spawn. Spawn where this process holds
-            something a forked child cannot use (an object-store client's runtime threads).
+        preload: modules the fork server imports when it starts (with the modules of ``fn`` and ``initializer``),
+            so that each worker starts with them imported.
+        method: ``"forkserver"`` (:mod:`fastio.convert.forkserver`), ``"spawn"`` (a fresh interpreter a worker)
+            or ``"fork"`` (a copy of this process: only where it holds no other thread and no garbage whose
+            finalizers a copy must not run, see the module's docstring); None: forkserver where available, else
+            spawn.
     """
 
     def __init__(self, fn: Callable[[Any], Any], workers: int, *, initializer: Callable | None = None,
-                 initargs: tuple = (), chunksize: int = 1, window: int = 4, method: str | None = None):
+                 initargs: tuple = (), chunksize: int = 1, window: int = 4, preload: tuple[str, ...] = (),
+                 method: str | None = None):
         if workers < 1 or chunksize < 1 or window < 1:
             raise ValueError(f"workers, chunksize and window must be >= 1, got {workers}, {chunksize}, {window}")
-        if method not in (None, "fork", "spawn"):
-            raise ValueError(f"method must be 'fork', 'spawn' or None, got {method!r}")
-        method = method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        ctx = mp.get_context(method)
+        if method not in (None, *_METHODS):
+            raise ValueError(f"method must be one of {', '.join(map(repr, _METHODS))} or None, got {method!r}")
+        method = method or _default_method()
+        modules = _modules(fn, initializer, preload)
+        if method == "forkserver" and "__main__" in modules:
+            raise ValueError(f"{fn.__qualname__}, {getattr(initializer, '__qualname__', None)}: a worker of the fork "
+                             "server cannot import a function defined in __main__; define it in a module")
         self.chunksize, self.window = chunksize, window
         self._conns, self._procs = [], []
         self._closed = False
         for _ in range(workers):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, fn, initializer, initargs, os.getpid(), method == "fork"),
-                              daemon=True)
+            parent, child = mp.Pipe()
+            proc = _process(method, modules, target=_serve, daemon=True,
+                            args=(child, fn, initializer, initargs, os.getpid(), method != "spawn"))
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -152,7 +213,10 @@ class OrderedPool:
                     if self._closed:
                         break
                     w = k % n
-                    self._conns[w].send(chunk)
+                    try:
+                        self._conns[w].send(chunk)
+                    except (BrokenPipeError, ConnectionResetError):  # its end closed: the worker is gone
+                        raise self._died(w) from None
                     with sent:
                         order.append(w)
                         sent.notify()
@@ -185,11 +249,16 @@ class OrderedPool:
         try:
             kind, payload = self._conns[w].recv()
         except (EOFError, OSError):
-            code = self._procs[w].exitcode
-            raise RuntimeError(f"a worker process died (exit code {code})") from None
+            raise self._died(w) from None
         if kind == "error":
             raise payload
         return payload
+
+    def _died(self, w: int) -> RuntimeError:
+        """The error of worker ``w`` found dead (reaped first, so that its exit code, the signal that ended it, is
+        known)."""
+        self._procs[w].join(5)
+        return RuntimeError(f"a worker process died (exit code {self._procs[w].exitcode})")
 
     def close(self) -> None:
         """Stop every worker at once (SIGKILL: no lock is shared, so none can be left held) and reap it."""

@@ -25,6 +25,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -283,6 +284,16 @@ def evaluation_of(pipeline: Pipeline) -> Pipeline:
     return evaluation() if evaluation is not None else pipeline
 
 
+def _sources_kept(conditionals: bool) -> AbstractContextManager:
+    """Where DALI's conditionals write their converted sources during a build: a directory of the build's own,
+    emptied after it (:mod:`fastio.pipelines.autograph`); nothing to do without conditionals."""
+    if not conditionals:
+        return nullcontext()
+    from fastio.pipelines.autograph import generated_sources_kept_private
+
+    return generated_sources_kept_private()
+
+
 def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threads: int, device: str,
                 device_id: int | None, prefetch: int, seed: int = 0) -> BuiltPipeline:
     """``graph`` built as a DALI pipeline: its inputs from ``source`` (returning ``graph.feed``'s arrays; called
@@ -311,8 +322,8 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
             out = tuple(out.values())
         return out
 
-    with _BUILDING:  # one build at a time in this process: the threads started meanwhile are this build's
-        before = _thread_ids()
+    with _BUILDING, _sources_kept(graph.conditionals):  # one build at a time in this process: the threads
+        before = _thread_ids()  # started meanwhile are this build's
         pipe = dali_graph()
         pipe.build()  # starts DALI's threads (each names itself as it starts, maybe later)
         started = _thread_ids() - before

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
-import sys
 from pathlib import Path
 
-__all__ = ["CHUNK", "DIGESTS", "digest_bytes", "digest_fd", "digest_file", "digests_fd", "digests_file", "read_hashed",
-           "sha256_file", "sha256_fd", "HashingWriter"]
+__all__ = ["CHUNK", "DIGESTS", "CheckedFile", "ShortRead", "digest_bytes", "digest_fd", "digest_file", "digests_fd",
+           "digests_file", "open_hashed", "sha256_file", "sha256_fd", "HashingWriter"]
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough for parallel file systems, small enough to stay in cache
-_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
-"""``madvise``'s prefault that reports a read error instead of raising SIGBUS later (Linux 5.14; Python 3.12 names it)."""
-_READ_ERRORS = {errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", errno.EIO)}
-"""What ``MADV_POPULATE_READ`` answers for a page that cannot be read (where a touch would raise SIGBUS)."""
 
 
 def _xxh3_128():
@@ -62,43 +56,88 @@ def digests_file(path: str | Path, algos: tuple[str, ...], *, chunk: int = CHUNK
         os.close(fd)
 
 
-def read_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, mmap.mmap | None]:
-    """``(size, hex digest, mapping)``: the file at ``path`` mapped into memory (copy-on-write, never written: its
-    page-cache pages themselves), its pages read in at once (``MADV_POPULATE_READ``, so that a read error is an
-    OSError here rather than a SIGBUS at a later touch) and hashed there, with no copy out of the page cache.
-    ``size`` is what the file should hold: a file of another size, or one the kernel cannot populate a mapping of
-    (before Linux 5.14), is hashed by reading it (``mapping`` None), as :func:`digests_fd`.
+class ShortRead(OSError):
+    """A file that held less than it should when it was read (truncated by another process meanwhile), or that is no
+    longer the file that was checked (replaced meanwhile)."""
 
-    A mapped file that another process truncates while it is mapped is a SIGBUS at the next touch of a page past
-    its new end: callers keep the mapping only while they need it."""
-    with open(path, "rb") as f:
-        mapping = _populated(f, size) if os.fstat(f.fileno()).st_size == size and size else None
-        if mapping is None:
-            found, digests = digests_fd(f.fileno(), (algo,), chunk=chunk)
-            return found, digests[algo], None
-        h = DIGESTS[algo]()
-        h.update(mapping)
-        return size, h.hexdigest(), mapping
+    def __init__(self, path: str, offset: int, size: int, why: str = ""):
+        super().__init__(errno.EIO, why or f"ended at offset {offset}, {size} bytes expected (truncated meanwhile?)",
+                         path)
+        self.offset, self.size = offset, size
 
 
-def _populated(f, size: int) -> mmap.mmap | None:
-    """The open file ``f`` of ``size`` bytes mapped copy-on-write with every page read in; None where it cannot
-    be (no ``MADV_POPULATE_READ``, a file system without mappings, no memory now); OSError (EIO) naming the file
-    where a page cannot be read."""
-    if _POPULATE_READ is None:
-        return None
+class CheckedFile:
+    """A file :func:`open_hashed` hashed, to read its bytes again where they are needed: with ``pread`` (never a
+    mapping of the file, which another process's truncation would turn into a SIGBUS at the next touch of a page
+    past its new end: the process gone, with no message). Opened at the first read and kept open until
+    :meth:`close` (so that holding many costs no descriptors); a file shorter than checked or a read it cannot fill
+    is a :class:`ShortRead` naming it, the offset it ends at and the size expected; a file that is no longer the one
+    checked (another inode, or written to since) is one too."""
+
+    def __init__(self, path: str, size: int, identity: tuple[int, ...]):
+        self.path, self.size, self.identity, self.fd = path, size, identity, -1
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fill the writable bytes ``view`` from ``offset`` of the file."""
+        fd, done, want = self._open(), 0, view.nbytes
+        while done < want:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise ShortRead(self.path, offset + done, self.size)
+            done += n
+
+    def read(self, offset: int, length: int) -> bytearray:
+        """``length`` bytes from ``offset``, in a new buffer."""
+        data = bytearray(length)
+        self.readinto(memoryview(data), offset)
+        return data
+
+    def _open(self) -> int:
+        if self.fd < 0:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                self._same(os.fstat(fd))
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd = fd
+        return self.fd
+
+    def _same(self, st: os.stat_result) -> None:
+        """ShortRead unless ``st`` is the file checked: its inode, its size (else it ends at its size now), its
+        modification time."""
+        found = _identity(st)
+        if found[:2] != self.identity[:2]:
+            raise ShortRead(self.path, 0, self.size, "changed since it was checked (replaced by another file)")
+        if st.st_size != self.size:
+            raise ShortRead(self.path, min(st.st_size, self.size), self.size)
+        if found != self.identity:
+            raise ShortRead(self.path, 0, self.size, "changed since it was checked (written to)")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def open_hashed(path: str | Path, algo: str, size: int, *, chunk: int = CHUNK) -> tuple[int, str, CheckedFile | None]:
+    """``(size, hex digest, file)``: the file at ``path`` hashed by reading it (:func:`digests_fd`) and, when it held
+    ``size`` bytes, a :class:`CheckedFile` to read it again (None otherwise)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-    except OSError:
-        return None
-    try:
-        mapping.madvise(_POPULATE_READ)
-    except OSError as err:
-        mapping.close()
-        if err.errno in _READ_ERRORS:  # where a touch would be a SIGBUS: the file's read error, as a read's
-            raise OSError(errno.EIO, os.strerror(errno.EIO), f.name) from None
-        return None
-    return mapping
+        identity = _identity(os.fstat(fd))
+        found, digests = digests_fd(fd, (algo,), chunk=chunk)
+    finally:
+        os.close(fd)
+    checked = CheckedFile(str(path), size, identity) if found == size == identity[2] else None
+    return found, digests[algo], checked
 
 
 def digest_fd(fd: int, algo: str = "sha256", *, chunk: int = CHUNK) -> tuple[int, str]:

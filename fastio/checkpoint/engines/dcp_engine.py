@@ -29,11 +29,14 @@ torch.load refuses is a CheckpointError naming its data file); DCP's ``.metadata
 reads with ``pickle.load``) is unpickled here with an allow-list of DCP's metadata classes and refused otherwise, and
 ``dcp.load`` is handed that object (:class:`_HeldReader`), never the file.
 
-A restore reads each data file once where it can: the Checkpointer's check maps the files :meth:`DcpEngine.reads`
-foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
-has agreed that every file of the step is intact, ``dcp.load`` takes those files' items from the mappings (a
-tensor's stored bytes viewed in place and copied once, into the app's tensor, as bytes where they lie at an address
-its dtype's kernels may not read: :func:`_copy_stored`) instead of reading them again.
+A restore loads a rank's own data files without a copy of its own: the Checkpointer's check hashes the files
+:meth:`DcpEngine.reads` foresees for a rank (:func:`fastio.storage.checksum.open_hashed`) and, once every rank has
+agreed that every file of the step is intact, ``dcp.load`` reads those files' items through the check's
+:class:`~fastio.storage.checksum.CheckedFile` (``pread``; never a mapping of the file, whose truncation by another
+process would be a SIGBUS: a file cut short is a CheckpointError naming it, the offset and the size): a plain tensor
+stored as the app's tensor lies is read straight into it (:func:`_load_held`), anything else read into memory first
+and loaded from there (a tensor's stored bytes viewed in place and copied into the app's tensor, as bytes where they
+lie at an address its dtype's kernels may not read: :func:`_copy_stored`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from fastio.checkpoint.engines.strict import Mismatch, group_sizes, quantized_ke
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
 from fastio.storage.atomic import start_writeback
+from fastio.storage.checksum import CheckedFile, ShortRead
 
 __all__ = ["DcpCheckpoint", "DcpEngine", "SIDECAR"]
 
@@ -316,13 +320,13 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------- reading what the restore's check holds
-class _BlobFile(io.RawIOBase):
-    """A read-only file over a memoryview, for ``torch.load`` (which reads a zip's records through ``readinto``):
-    no copy of the whole."""
+class _Window(io.RawIOBase):
+    """A read-only file of ``size`` bytes whose ``readinto`` has ``fill(dest, pos)`` copy them, for torch's zip reader
+    (which reads a ``torch.save`` item's records through ``readinto``): no copy of the whole."""
 
-    def __init__(self, view: memoryview):
+    def __init__(self, size: int, fill: Any):
         super().__init__()
-        self.view, self.pos = view, 0
+        self.size, self.fill, self.pos = size, fill, 0
 
     def readable(self) -> bool:
         return True
@@ -334,14 +338,26 @@ class _BlobFile(io.RawIOBase):
         return self.pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence] + pos
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + pos
         return self.pos
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(memoryview(b).nbytes, len(self.view) - self.pos))
-        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
+        n = max(0, min(memoryview(b).nbytes, self.size - self.pos))
+        self.fill(memoryview(b).cast("B")[:n], self.pos)
         self.pos += n
         return n
+
+
+def _blob_file(view: memoryview) -> _Window:
+    """The bytes ``view`` as a file."""
+    def fill(dest: memoryview, pos: int) -> None:
+        dest[:] = view[pos:pos + dest.nbytes]
+    return _Window(len(view), fill)
+
+
+def _held_file(held: CheckedFile, offset: int, length: int) -> _Window:
+    """Bytes ``offset`` to ``offset + length`` of the checked file ``held`` as a file, read by ``pread`` as asked."""
+    return _Window(length, lambda dest, pos: held.readinto(dest, offset + pos))
 
 
 class _Layout(pickle.Unpickler):
@@ -385,21 +401,22 @@ def _stored_tensor(blob: memoryview) -> torch.Tensor:
     """The tensor of one DCP item's ``torch.save`` bytes ``blob``: for a plain tensor stored in this machine's byte
     order, a view of ``blob`` itself (its layout from the pickle, :class:`_Layout`, its bytes at the storage
     record's offset: no copy); anything else as ``torch.load`` reads it."""
-    found = _layout(blob)
+    found = _layout(_blob_file(blob), len(blob))
     if found is None:
-        return torch.load(_BlobFile(blob), map_location="cpu", weights_only=True)
+        return torch.load(_blob_file(blob), map_location="cpu", weights_only=True)
     dtype, at, nbytes, offset, size, stride = found
     flat = (torch.frombuffer(blob, dtype=torch.uint8, count=nbytes, offset=at) if nbytes
             else torch.empty(0, dtype=torch.uint8))
     return flat.view(dtype).as_strided(size, stride, offset)
 
 
-def _layout(blob: memoryview) -> tuple | None:
+def _layout(file: _Window, total: int) -> tuple | None:
     """``(dtype, record offset, bytes, storage offset, size, stride)`` of the one plain tensor the ``torch.save``
-    bytes ``blob`` hold in this machine's byte order, read through torch's zip reader; None otherwise."""
+    bytes of ``file`` (``total`` bytes) hold in this machine's byte order, read through torch's zip reader (its
+    directory, pickle and byte order: not the tensor's bytes); None otherwise."""
     import sys
 
-    reader = torch._C.PyTorchFileReader(_BlobFile(blob))
+    reader = torch._C.PyTorchFileReader(file)
     records = reader.get_all_records()
     prefix = next((r[:-len("data.pkl")] for r in records if r.endswith("data.pkl")), None)
     if prefix is None or (f"{prefix}byteorder" in records
@@ -412,7 +429,7 @@ def _layout(blob: memoryview) -> tuple | None:
     name = f"{prefix}data/{key}"
     at = reader.get_record_offset(name) if name in records else -1
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if not (0 <= at and 0 <= nbytes and at + nbytes <= len(blob) and _within(numel, offset, size, stride)):
+    if not (0 <= at and 0 <= nbytes and at + nbytes <= total and _within(numel, offset, size, stride)):
         return None  # not what torch.save writes: torch.load decides
     return dtype, at, nbytes, offset, size, stride
 
@@ -462,6 +479,41 @@ def _load_item(req: Any, blob: memoryview, planner: Any, where: Path) -> None:
     planner.commit_tensor(req, target)
 
 
+def _load_held(req: Any, held: CheckedFile, offset: int, length: int, planner: Any, where: Path) -> None:
+    """One read item of ``dcp.load``'s plan from bytes ``offset`` to ``offset + length`` of the checked data file
+    ``held`` (``where``): a plain tensor read by ``pread`` straight into the app's tensor where their layouts agree
+    (the one copy), anything else read into memory first and loaded as :func:`_load_item`. A file cut short
+    meanwhile is a CheckpointError naming it, the offset and the size (never a SIGBUS: nothing is mapped)."""
+    try:
+        if req.type == LoadItemType.BYTE_IO or not _read_in_place(req, held, offset, length, planner):
+            _load_item(req, memoryview(held.read(offset, length)), planner, where)
+    except ShortRead as err:
+        raise CheckpointError(f"{where}: unreadable: {err.strerror}") from None
+
+
+def _read_in_place(req: Any, held: CheckedFile, offset: int, length: int, planner: Any) -> bool:
+    """Whether the item was a plain tensor stored as the app's tensor lies (dtype, shape, contiguous, whole) and was
+    read by ``pread`` into it and committed; False leaves the app's tensor as it was."""
+    try:
+        found = _layout(_held_file(held, offset, length), length)
+    except Exception:  # noqa: BLE001 - torch's zip reader over a file cut short (its own error, not ours): the read
+        return False  # of the whole item that follows names it
+    if found is None:
+        return False
+    dtype, at, _, start, size, stride = found
+    target = planner.resolve_tensor(req).detach()
+    lies = torch.empty_strided(size, stride, device="meta").is_contiguous() if size else True
+    if not (lies and target.device.type == "cpu" and target.dtype == dtype and tuple(target.size()) == size
+            and target.is_contiguous() and not (target.is_conj() or target.is_neg())
+            and not any(req.storage_offsets) and tuple(req.lengths) == size):
+        return False
+    if target.numel():
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        held.readinto(view, offset + at + start * target.element_size())
+    planner.commit_tensor(req, target)
+    return True
+
+
 class _HeldReader(FileSystemReader):
     """DCP's file reader, given what the restore has already read and checked: DCP's metadata (unpickled by the
     allow-list, :func:`check_metadata`: DCP does not read the file again), and ``held``, the data files this rank
@@ -481,7 +533,7 @@ class _HeldReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """Each data file's items: from its mapping where held, else as DCP reads them; an item whose pickle
+        """Each data file's items: through the check's file where held, else as DCP reads them; an item whose pickle
         ``torch.load(weights_only=True)`` refuses is a CheckpointError naming its file."""
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
@@ -490,7 +542,7 @@ class _HeldReader(FileSystemReader):
             try:
                 self._read_file(rel, reqs, plan, planner)
             except pickle.UnpicklingError as err:
-                traceback.clear_frames(err.__traceback__)  # views of the mappings: not kept by the error
+                traceback.clear_frames(err.__traceback__)  # views of the items' bytes: not kept by the error
                 refused = rel
                 break
             except BaseException as err:
@@ -504,12 +556,16 @@ class _HeldReader(FileSystemReader):
     def _read_file(self, rel: str, reqs: list[Any], plan: Any, planner: Any) -> None:
         data = self.held.get(rel)
         rest = []
-        for req in reqs:
-            info = self.storage_data[req.storage_index]
-            if data is None or getattr(info, "transform_descriptors", None):
-                rest.append(req)
-            else:
-                _load_item(req, memoryview(data)[info.offset:info.offset + info.length], planner, self.where / rel)
+        try:
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if data is None or getattr(info, "transform_descriptors", None):
+                    rest.append(req)
+                else:
+                    _load_held(req, data, info.offset, info.length, planner, self.where / rel)
+        finally:
+            if data is not None:
+                data.close()
         if rest:
             super().read_data(dataclasses.replace(plan, items=rest), planner)
 
@@ -596,7 +652,7 @@ class DcpCheckpoint(SavedCheckpoint):
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - CheckpointException is a BaseException
                 raise _unwrap(err, self.path) from None
             finally:
-                self.held.clear()  # the mappings go with the load, whatever an error keeps of the reader
+                self.held.clear()  # the checked files go with the load, whatever an error keeps of the reader
             for k in shared:
                 targets[k].load_state_dict(template[k])
         for k in targets:
@@ -635,7 +691,8 @@ class DcpCheckpoint(SavedCheckpoint):
                 for name, v in st.items() if (shape := shape_of(v)) is not None}
 
     def read(self, key: str, rank: int, *, mmap: bool = False) -> Any:
-        """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched."""
+        """See :meth:`SavedCheckpoint.read`; ``mmap``: the file mapped, its tensors read only when touched (for the
+        checks of shapes and groups, which touch none: a file truncated meanwhile cannot be a SIGBUS there)."""
         if key in self.global_keys:
             raise CheckpointError(f"{self.path}: app key {key} is global (DCP) state: restore it, it is not per rank")
         file = _rank_file(self.path, rank, key)

@@ -15,10 +15,11 @@ exact pin in ``pyproject.toml``; a new torchsnapshot release means re-checking t
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
 
-A restore reads each file once where it can: the Checkpointer's check maps the files :meth:`TorchSnapshotEngine.reads`
-foresees for a rank into memory (:func:`fastio.storage.checksum.read_hashed`), hashes them there and, once every rank
-has agreed that every file of the step is intact, torchsnapshot's reads of those files are served from the mappings
-(:class:`_HeldReads`: no second read, no fresh buffer per file), copied once into the app's tensors.
+A restore reads a rank's own files through the check: the Checkpointer's check hashes the files
+:meth:`TorchSnapshotEngine.reads` foresees for a rank (:func:`fastio.storage.checksum.open_hashed`) and, once every
+rank has agreed that every file of the step is intact, torchsnapshot's reads of those files are served by ``pread``
+through the check's :class:`~fastio.storage.checksum.CheckedFile` (:class:`_HeldReads`: never a mapping of the file,
+whose truncation by another process would be a SIGBUS; a file cut short, or replaced, since the check is named).
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
 
 
 class _HeldView:
-    """``ReadIO.buf`` for a read served from a held file: ``getvalue()`` (all torchsnapshot asks of it) is the read's
-    bytes viewed in the mapping, not copied."""
+    """``ReadIO.buf`` for a read served from a held file: ``getvalue()`` (all torchsnapshot asks of it) is a view of the
+    read's bytes, not copied again."""
 
     def __init__(self, view: memoryview):
         self.view = view
@@ -254,13 +255,14 @@ class _HeldView:
 
 
 class _HeldReads(FSStoragePlugin):
-    """torchsnapshot's file system plugin, reading the files in ``held`` (path relative to the step -> their bytes,
-    checked by the restore) from there: ``read_io.buf.getvalue()`` is a view of the file's bytes (its byte range).
+    """torchsnapshot's file system plugin, reading the files in ``held`` (path relative to the step -> its
+    ``CheckedFile``, checked by the restore) through them: ``read_io.buf.getvalue()`` is a view of the bytes read (the
+    read's byte range), the file closed again after each read (no descriptor held per file).
 
     torchsnapshot 0.1.0's consumers never keep that buffer: a tensor's bytes are viewed (``torch.frombuffer``) or
     unpickled from a ``BytesIO`` copy and copied into the target tensor, or into one it makes when the target has
     none that fits (``empty_tensor_from_entry``: a fresh optimizer's moments); an object is unpickled from a
-    ``BytesIO`` copy. So nothing restored refers to the mapping once the read is consumed."""
+    ``BytesIO`` copy. So nothing restored refers to the read's buffer once the read is consumed."""
 
     def __init__(self, root: str, held: Mapping[str, Any]):
         super().__init__(root=root)
@@ -270,10 +272,11 @@ class _HeldReads(FSStoragePlugin):
         data = self.held.get(read_io.path)
         if data is None:
             return await super().read(read_io)
-        view = memoryview(data)
-        if read_io.byte_range is not None:
-            view = view[read_io.byte_range[0]:read_io.byte_range[1]]
-        read_io.buf = _HeldView(view)
+        start, end = read_io.byte_range if read_io.byte_range is not None else (0, data.size)
+        try:  # ShortRead (an OSError) names the file
+            read_io.buf = _HeldView(memoryview(data.read(start, end - start)))
+        finally:
+            data.close()  # reopened for another range of it: no descriptor held per file
 
 
 def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> None:
@@ -302,8 +305,8 @@ def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> No
 
 def _settle(event_loop: asyncio.AbstractEventLoop, err: BaseException) -> None:
     """After an error inside :func:`_restore`: the reads and copies torchsnapshot left running (its executor's copies
-    from views of the mappings, reads already under way) finish, the error's frames are cleared and the cycles they
-    leave are collected, so that nothing refers to a mapping once the restore has failed."""
+    from views of the read buffers, reads already under way) finish, the error's frames are cleared and the cycles
+    they leave are collected, so that nothing refers to those buffers once the restore has failed."""
     pending = asyncio.all_tasks(event_loop)
     if pending:
         event_loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
