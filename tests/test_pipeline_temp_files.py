@@ -65,15 +65,21 @@ def test_the_next_build_deletes_what_a_kill_during_a_build_left_and_nothing_else
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)  # a process that has ended
     left = {name: tmpdir / name for name in (f"fastio-autograph-{dead}-a1", f"fastio-autograph-{dead}-b2",
-                                             f"fastio-autograph-{os.getpid()}-c3", "other-dir")}
+                                             f"fastio-autograph-{dead}-d4", f"fastio-autograph-{os.getpid()}-c3",
+                                             "other-dir")}
     for path in left.values():
         path.mkdir(parents=True)
         (path / "__autograph_generated_filexyz.py").write_text("x = 1\n")
+    kept = left[f"fastio-autograph-{dead}-d4"] / "tmpq8x.bin"  # another thread's temporary file, made in a build
+    kept.write_bytes(b"maybe the only copy")
     old = time.time() - 600
-    for name in (f"fastio-autograph-{dead}-a1", f"fastio-autograph-{os.getpid()}-c3", "other-dir"):
+    for name in (f"fastio-autograph-{dead}-a1", f"fastio-autograph-{dead}-d4", f"fastio-autograph-{os.getpid()}-c3",
+                 "other-dir"):
         os.utime(left[name], (old, old))  # the -b2 one just changed: maybe another pid namespace's build
     child = _child(tmp_path, tmpdir)
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0 and out.startswith("built [[1, 2, 3], [-1, 0, 1]]"), out
     assert sorted(p.name for p in tmpdir.iterdir()) == sorted(
-        [f"fastio-autograph-{dead}-b2", f"fastio-autograph-{os.getpid()}-c3", "other-dir"])
+        [f"fastio-autograph-{dead}-b2", f"fastio-autograph-{dead}-d4", f"fastio-autograph-{os.getpid()}-c3",
+         "other-dir"])
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name] and kept.read_bytes() == b"maybe the only copy"

@@ -10,14 +10,13 @@ only, every build holding :data:`fastio.pipelines.base._BUILDING`), deletes the 
 done (the graph is defined by then: nothing reads them again), and first deletes the directories of processes that
 no longer exist (what a kill during a build left). Nothing of DALI's is touched: only the standard library's
 temporary directory, and only files this process's builds wrote. Another thread of the process that makes a temporary
-file during a build gets it in that directory too: it is left there (the directory stays while it is not empty) until
-the process has ended, when the next build anywhere deletes it with the directory.
+file during a build gets it in that directory too: it is never deleted (only DALI's generated sources are; the
+directory stays while anything else is in it).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -64,9 +63,14 @@ def _delete_loaded(mine: Path, before: set[str]) -> None:
         pass
 
 
+GENERATED = "__autograph_generated_file*"
+"""How DALI's autograph names the sources it writes (and their ``__pycache__`` entries)."""
+
+
 def clean_dead(root: Path) -> None:
-    """Delete ``root``'s ``fastio-autograph-<pid>-*`` directories whose process no longer exists and which have not
-    changed for a minute: what a kill during a build left."""
+    """In ``root``'s ``fastio-autograph-<pid>-*`` directories whose process no longer exists and which have not
+    changed for a minute (what a kill during a build left), delete DALI's generated sources, then the directory if
+    nothing else is in it: a file another thread of that process made there is kept."""
     now = time.time()
     for path in root.glob(f"{PREFIX}*"):
         pid = path.name[len(PREFIX):].split("-")[0]
@@ -74,8 +78,18 @@ def clean_dead(root: Path) -> None:
             settled = now - path.lstat().st_mtime > _SETTLED_S
         except OSError:
             continue
-        if pid.isdigit() and settled and not path.is_symlink() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+        if pid.isdigit() and settled and path.is_dir() and not path.is_symlink() and not _alive(int(pid)):
+            _delete_generated(path)
+
+
+def _delete_generated(path: Path) -> None:
+    for generated in [*path.glob(GENERATED), *path.glob(f"__pycache__/{GENERATED}")]:
+        generated.unlink(missing_ok=True)
+    for folder in (path / "__pycache__", path):
+        try:
+            folder.rmdir()
+        except OSError:  # not there, or something else is in it: kept
+            pass
 
 
 def _alive(pid: int) -> bool:
