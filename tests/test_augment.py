@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from fastio.formats.images import image_size
+from fastio.pipelines import augment
 from fastio.pipelines.augment import random_resized_crop, uniforms
 
 
@@ -81,3 +82,33 @@ def test_image_size_rejects_garbage():
         image_size(b"definitely not an image")
     with pytest.raises(ValueError):
         image_size(b"\xff\xd8\xff\xe0\x00")
+
+
+def test_crop_and_draws_are_those_of_earlier_releases():
+    """The draws are a pure function of (seed, epoch, key) across releases too: a run resumed on a newer fastio crops
+    as it did. Values from fastio f05b189 (before the crop took fewer numpy calls), the third window the center
+    fallback (a 3000 x 90 panorama)."""
+    keys = np.array([0, 7, 123456789, 2**40 + 3])
+    p = random_resized_crop(11, 3, keys, np.array([500, 64, 3000, 40]), np.array([375, 48, 90, 41]))
+    assert p.anchor.tolist() == [[175.0, 111.0], [10.0, 8.0], [1440.0, 0.0], [5.0, 12.0]]
+    assert p.shape.tolist() == [[182.0, 186.0], [32.0, 39.0], [120.0, 90.0], [31.0, 29.0]]
+    assert p.flip.tolist() == [0, 0, 1, 1] and p.anchor.dtype == p.shape.dtype == np.float32
+    assert uniforms(11, 3, keys, 3).tolist() == [
+        [0.10938537418770511, 0.45607776747226725, 0.5872861310135555],
+        [0.3532830124180658, 0.12943925001104717, 0.8236228626603502],
+        [0.3323488827907256, 0.3572227507208705, 0.5889361085394998],
+        [0.5033244198728457, 0.6149652809457872, 0.9593684915846986]]
+
+
+def test_the_center_fallback_is_worked_out_only_for_a_batch_that_needs_it(monkeypatch):
+    """The fallback costs a dozen numpy calls, each a few microseconds beside the decoders (issue 45): a batch whose
+    samples all found a window in their 10 attempts skips it; one with a panorama takes it, for that sample."""
+    calls = []
+    real = augment._center_fallback
+    monkeypatch.setattr(augment, "_center_fallback", lambda *a: calls.append(a[0].copy()) or real(*a))
+    keys = np.arange(64)
+    random_resized_crop(0, 0, keys, np.full(64, 500), np.full(64, 400))
+    assert calls == []
+    p = random_resized_crop(0, 0, keys, np.r_[np.full(63, 500), 3000], np.r_[np.full(63, 400), 90])
+    assert len(calls) == 1 and calls[0].tolist() == [True] * 63 + [False]
+    assert p.shape[-1].tolist() == [120.0, 90.0] and p.anchor[-1].tolist() == [1440.0, 0.0]

@@ -161,3 +161,43 @@ def test_key_crcs_are_those_of_the_whole_parse_and_refusals_name_the_file_and_li
         key_crcs(bad, samples=shard.samples, sha256=hashlib.sha256(bad).hexdigest(), source="x.idx")
     with pytest.raises(ValueError, match=r"^x\.idx: header b'v1\.2 16' is not 'v1\.2 17'"):
         key_crcs(data, samples=17, sha256=shard.idx_sha256, source="x.idx")
+
+
+def test_a_batch_of_repeats_mixed_image_fields_and_absent_optional_fields_reads_every_range(tmp_path):
+    """Each (sample, field) range of a batch is its own stored bytes, in the batch's order: samples repeated (a padded
+    batch), neighbours coalesced into one read and samples of other shards between them, each sample's image from
+    the field it has, an optional field a sample lacks read as an empty array (``present`` False)."""
+    from fastio.convert.synthetic import photo_jpeg
+    from fastio.dataset.shards import ShardWriter
+
+    rng, stored = np.random.default_rng(5), {}
+    with ShardWriter(tmp_path / "ds", max_samples=5) as writer:
+        for i in range(12):
+            field = "png" if i % 3 == 1 else "jpg"
+            sample = {field: photo_jpeg(rng, 40 + i, 30 + i) if field == "jpg" else _png(30 + i, 20 + i),
+                      "cls": str(i % 4).encode()}
+            if i % 2:
+                sample["txt"] = f"caption {i}".encode()
+            writer.write({"__key__": f"k{i:02d}", **sample})
+            stored[i] = (field, sample)
+        writer.close(image_field="jpg", label_field="cls", image_fields=["jpg", "png"])
+    batch = np.array([3, 4, 5, 11, 0, 4, 4, 10, 1, 2, 9, 3])
+    with Reader(Dataset(tmp_path / "ds"), ["cls", "txt"], threads=1, image=("jpg", "png"), sizes=True,
+                optional=["txt"]) as reader:
+        rb = reader.read_batch(batch)
+    assert isinstance(rb.image, list) and all(isinstance(rb.fields[f], list) for f in ("cls", "txt"))
+    for j, i in enumerate(batch.tolist()):
+        field, sample = stored[i]
+        assert rb.image_field[j] == field and rb.image[j].tobytes() == sample[field]
+        assert rb.fields["cls"][j].tobytes() == sample["cls"]
+        assert rb.fields["txt"][j].tobytes() == sample.get("txt", b"") and rb.present["txt"][j] == ("txt" in sample)
+        assert rb.sizes[j].tolist() == ([40 + i, 30 + i] if field == "jpg" else [30 + i, 20 + i])
+        assert not rb.image[j].flags.writeable  # as read: one consumer cannot change what another reads
+
+
+def _png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (w, h), (w, h, 7)).save(out, "PNG")
+    return out.getvalue()

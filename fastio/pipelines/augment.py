@@ -21,26 +21,49 @@ _DRAWS = 4 * ATTEMPTS + 1  # scale, log-ratio, top, left per attempt, then the f
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
+_M = 0xFFFFFFFFFFFFFFFF
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_STEP = 0xD1B54A32D192ED03  # between one draw's counter and the next
+_STEPS: dict[int, np.ndarray] = {}  # draws -> the counters' offsets, uint64 [1, draws]
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser applied elementwise to a uint64 array (wrapping arithmetic)."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = x + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    return _mix(np.add(np.asarray(x, dtype=np.uint64), np.uint64(_GOLDEN)))
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64 of ``z - golden`` (``z``: uint64, overwritten, returned): in place, one temporary (numpy's array
+    arithmetic wraps without a warning)."""
+    t = np.right_shift(z, np.uint64(30))
+    np.bitwise_xor(z, t, out=z)
+    np.multiply(z, np.uint64(_MIX1), out=z)
+    np.right_shift(z, np.uint64(27), out=t)
+    np.bitwise_xor(z, t, out=z)
+    np.multiply(z, np.uint64(_MIX2), out=z)
+    np.right_shift(z, np.uint64(31), out=t)
+    return np.bitwise_xor(z, t, out=z)
+
+
+def _mix_int(x: int) -> int:
+    """splitmix64 of one value, in Python integers (what :func:`splitmix64` gives for a one-element array)."""
+    z = (x + _GOLDEN) & _M
+    z = ((z ^ (z >> 30)) * _MIX1) & _M
+    z = ((z ^ (z >> 27)) * _MIX2) & _M
+    return z ^ (z >> 31)
 
 
 def uniforms(seed: int, epoch: int, indices: np.ndarray, draws: int) -> np.ndarray:
     """``[len(indices), draws]`` float64 uniforms in [0, 1), one independent stream per sample (per draw key:
     ``indices`` are the samples' draw keys)."""
-    base = splitmix64(np.array([(seed * 0x1000003 + epoch) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
-    idx = np.asarray(indices, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        stream = splitmix64(idx ^ base)
-        counters = stream[:, None] + np.arange(draws, dtype=np.uint64)[None, :] * np.uint64(0xD1B54A32D192ED03)
-    bits = splitmix64(counters) >> np.uint64(11)
-    return bits.astype(np.float64) * (1.0 / (1 << 53))
+    base = _mix_int((seed * 0x1000003 + epoch) & _M)
+    stream = splitmix64(np.bitwise_xor(np.asarray(indices, dtype=np.uint64), np.uint64(base)))
+    steps = _STEPS.get(draws)
+    if steps is None:
+        steps = _STEPS[draws] = np.array([[k * _STEP & _M for k in range(draws)]], np.uint64)
+    counters = _mix(np.add(stream[:, None], steps + np.uint64(_GOLDEN)))
+    np.right_shift(counters, np.uint64(11), out=counters)
+    return np.multiply(counters, 1.0 / (1 << 53))
 
 
 class CropParams:
@@ -53,37 +76,42 @@ class CropParams:
 def random_resized_crop(seed: int, epoch: int, indices: np.ndarray, widths: np.ndarray, heights: np.ndarray,
                         scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
                         flip_p: float = 0.5) -> CropParams:
-    """torchvision ``RandomResizedCrop`` + ``RandomHorizontalFlip`` parameters for each sample, vectorised."""
+    """torchvision ``RandomResizedCrop`` + ``RandomHorizontalFlip`` parameters for each sample, vectorised (with few
+    numpy calls: each costs microseconds beside the decoders, issue 45; the same windows as attempt by attempt)."""
     width = np.asarray(widths, dtype=np.float64)[:, None]
     height = np.asarray(heights, dtype=np.float64)[:, None]
     u = uniforms(seed, epoch, indices, _DRAWS)
     att = u[:, : 4 * ATTEMPTS].reshape(-1, ATTEMPTS, 4)
-    area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    target = area * (scale[0] + (scale[1] - scale[0]) * att[..., 0])
+    target = (width * height) * (scale[0] + (scale[1] - scale[0]) * att[..., 0])
     aspect = np.exp(log_lo + (log_hi - log_lo) * att[..., 1])
     w = np.round(np.sqrt(target * aspect))
     h = np.round(np.sqrt(target / aspect))
     ok = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-    top = np.floor(att[..., 2] * (height - h + 1))
-    left = np.floor(att[..., 3] * (width - w + 1))
-    first = np.argmax(ok, axis=1)
-    rows = np.arange(len(first))
+    rows, first = np.arange(len(u)), np.argmax(ok, axis=1)
+    cw, ch = w[rows, first], h[rows, first]  # the first attempt that fits
+    cy = np.floor(att[rows, first, 2] * (height[:, 0] - ch + 1))
+    cx = np.floor(att[rows, first, 3] * (width[:, 0] - cw + 1))
     found = ok[rows, first]
-    # Center-crop fallback, with the aspect ratio clamped into `ratio`.
-    wf, hf = width[:, 0].copy(), height[:, 0].copy()
+    if not found.all():
+        cx, cy, cw, ch = _center_fallback(found, width[:, 0], height[:, 0], ratio, (cx, cy, cw, ch))
+    anchor, shape = np.empty((len(u), 2), np.float32), np.empty((len(u), 2), np.float32)
+    anchor[:, 0], anchor[:, 1], shape[:, 0], shape[:, 1] = cx, cy, cw, ch
+    return CropParams(anchor, shape, (u[:, -1] < flip_p).astype(np.int32))
+
+
+def _center_fallback(found: np.ndarray, width: np.ndarray, height: np.ndarray, ratio: tuple[float, float],
+                     window: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """``window`` (x, y, w, h) where ``found``, elsewhere torchvision's fallback: the center crop, its aspect ratio
+    clamped into ``ratio``."""
+    wf, hf = width.copy(), height.copy()
     in_ratio = wf / hf
     narrow, wide = in_ratio < min(ratio), in_ratio > max(ratio)
     hf[narrow] = np.round(wf[narrow] / min(ratio))
     wf[wide] = np.round(hf[wide] * max(ratio))
-    tf = np.floor((height[:, 0] - hf) / 2)
-    lf = np.floor((width[:, 0] - wf) / 2)
-    cw = np.where(found, w[rows, first], wf)
-    ch = np.where(found, h[rows, first], hf)
-    cy = np.where(found, top[rows, first], tf)
-    cx = np.where(found, left[rows, first], lf)
-    flip = (u[:, -1] < flip_p).astype(np.int32)
-    return CropParams(np.stack([cx, cy], 1).astype(np.float32), np.stack([cw, ch], 1).astype(np.float32), flip)
+    tf = np.floor((height - hf) / 2)
+    lf = np.floor((width - wf) / 2)
+    return tuple(np.where(found, got, fallback) for got, fallback in zip(window, (lf, tf, wf, hf)))
 
 
 CLIP_STREAM = 0x434C4950  # "CLIP": clip starts draw from their own streams, apart from the crop's
