@@ -91,9 +91,9 @@ def exists(path: Path):
 
 
 def workers_started(me: int):
-    """Whether the workers of the run that ``me`` started have: processes three levels below ``me`` (the run, its
-    fork server, the workers it forks; the server starts before the scan)."""
-    return lambda: any(children(s) for c in children(me) for s in children(c))
+    """Whether the workers of the run that ``me`` started have: processes two levels below ``me`` (the command
+    forks its workers: it runs nothing else)."""
+    return lambda: any(children(c) for c in children(me))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])

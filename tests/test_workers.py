@@ -3,6 +3,8 @@ are never a copy of their caller (its garbage, its threads, its main module)."""
 
 import gc
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -179,6 +181,35 @@ def test_a_worker_never_runs_the_finalizers_of_its_callers_garbage(tmp_path):
     assert os.path.isdir(name), "a worker ran the finalizer of its caller's TemporaryDirectory"
     gc.collect()  # here, in the caller, it is freed
     assert not os.path.isdir(name)
+
+
+def test_a_forked_worker_never_frees_its_callers_garbage_either(tmp_path):
+    """Forked (the CLI's workers), the caller's objects are frozen while the workers start: a worker's collector
+    never frees the copy of the caller's garbage, so never runs its finalizers."""
+    gc.collect()
+    folder = tempfile.TemporaryDirectory(dir=tmp_path)
+    name = folder.name
+    _in_a_cycle(folder)
+    del folder
+    with OrderedPool(_collect_garbage, 2, method="fork") as pool:
+        assert len(set(_within(30, pool, range(4)))) == 2
+    assert os.path.isdir(name), "a forked worker ran the finalizer of its caller's TemporaryDirectory"
+    gc.collect()
+    assert not os.path.isdir(name)
+
+
+def test_workers_are_forked_only_from_a_process_nothing_else_runs_in():
+    """The command's process (one thread, no torch, no DALI) forks its workers; one with another thread or with
+    torch imported (a training script, a notebook) starts them from the fork server."""
+    probe = ("import sys, threading, time; import fastio.convert.workers as w; print(w._default_method()); "
+             "{}; print(w._default_method())")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}  # as the command sets it: numpy starts no thread pool
+    for then in ("import torch", "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()",
+                 "import obstore, obstore.store as s, tempfile; obstore.put(s.LocalStore(tempfile.mkdtemp()), 'a', b'x')"):
+        # the last: an object-store client's native runtime (obstore's threads)
+        out = subprocess.run([sys.executable, "-c", probe.format(then)], capture_output=True, text=True, check=True,
+                             env=env)
+        assert out.stdout.split() == ["fork", "forkserver"], (then, out.stdout, out.stderr)
 
 
 def test_a_worker_outlives_its_callers_garbage_process_group():

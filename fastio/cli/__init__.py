@@ -7,6 +7,7 @@ asking for nothing is not an error.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -25,6 +26,9 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # No BLAS thread pool (numpy's OpenBLAS starts one a CPU at import; no command multiplies matrices): the
+    # command stays a single-threaded process, whose convert workers can be forks of it (fastio.convert.workers).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     _register()
     try:
         rc = cli.main(args=argv, prog_name="fastio", standalone_mode=False)

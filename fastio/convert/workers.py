@@ -7,15 +7,18 @@ own and shares no lock with anyone: chunk k goes to worker ``k % N`` and results
 same order, a feeder thread sends while the caller reads (so neither side can block the other), and
 :meth:`OrderedPool.close` simply kills the workers.
 
-Workers start from fastio's fork server (:mod:`fastio.convert.forkserver`, where the platform has one; spawned
-elsewhere): a fresh interpreter that imported the workers' modules once and forks each worker, which so is never
-a copy of the caller. The server stays, idle, for the next pool until the caller ends; a worker takes the
-caller's environment as it is when the pool starts (the server's is the caller's of earlier). A copy of the
-caller, which may be a training script or a notebook with torch, DALI and their threads, would hold the caller's
-state as it was at that instant: locks that other threads held (never to be released: a worker that takes one
-hangs) and the caller's garbage (objects in reference cycles not yet freed), which the worker's collector frees
-by running their finalizers there: a torch gloo process group joins threads the copy does not have (the worker
-crashed, SIGSEGV or SIGABRT), a ``TemporaryDirectory`` deletes the caller's directory.
+Workers are forked from the caller where it is a process nothing else runs in (Linux, a single thread, neither
+torch nor DALI imported: the ``fastio convert`` command; its objects frozen meanwhile, ``gc.freeze``, so a
+worker's collector never frees the caller's garbage). Elsewhere they start from fastio's fork server
+(:mod:`fastio.convert.forkserver`, where the platform has one; spawned elsewhere): a fresh interpreter that
+imported the workers' modules once and forks each worker, which so is never a copy of the caller. The server
+stays, idle, for the next pool until the caller ends; a worker takes the caller's environment as it is when the
+pool starts (the server's is the caller's of earlier). A copy of the caller, which may be a training script or a
+notebook with torch, DALI and their threads, would hold the caller's state as it was at that instant: locks that
+other threads held (never to be released: a worker that takes one hangs) and the caller's garbage (objects in
+reference cycles not yet freed), which the worker's collector frees by running their finalizers there: a torch
+gloo process group joins threads the copy does not have (the worker crashed, SIGSEGV or SIGABRT), a
+``TemporaryDirectory`` deletes the caller's directory.
 
 Workers never outlive their parent, however it ends (exit, exception, SIGTERM, SIGKILL): each one asks
 the kernel for SIGKILL when the process that forked it dies (``PR_SET_PDEATHSIG`` on Linux; the fork server
@@ -28,6 +31,7 @@ sees EOF once the caller and its fork server have ended), and returns at EOF on 
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -106,8 +110,39 @@ def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = Tru
         os.close(null)
 
 
+_THREADED = ("torch", "nvidia.dali")
+"""Modules whose import starts threads of their own (thread pools, a process group's), some holding locks."""
+
+
 def _default_method() -> str:
+    """``fork`` where this process is one that nothing else runs in (Linux, a single thread: no other of Python's,
+    no library's, such as an object-store client's runtime or a BLAS pool; none of :data:`_THREADED` imported: the
+    ``fastio convert`` command), so that workers start at once with its imports; else fastio's fork server (a
+    training script, a notebook), else spawn."""
+    if sys.platform.startswith("linux") and _threads() == 1 and not any(m in sys.modules for m in _THREADED):
+        return "fork"
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _threads() -> int:
+    """The threads of this process, Python's and native ones (Linux)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count() + 1  # unknown: not one
+
+
+def _start(procs: list[mp.Process], method: str) -> None:
+    """Start ``procs``; forked ones with the caller's objects frozen (``gc.freeze``), so that a worker's collector
+    never frees the caller's garbage (objects in reference cycles not freed yet) and runs its finalizers there."""
+    if method == "fork":
+        gc.freeze()
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if method == "fork":
+            gc.unfreeze()
 
 
 def _modules(fn: Callable, initializer: Callable | None, preload: tuple[str, ...]) -> list[str]:
@@ -166,9 +201,9 @@ class OrderedPool:
         preload: modules the fork server imports when it starts (with the modules of ``fn`` and ``initializer``),
             so that each worker starts with them imported.
         method: ``"forkserver"`` (:mod:`fastio.convert.forkserver`), ``"spawn"`` (a fresh interpreter a worker)
-            or ``"fork"`` (a copy of this process: only where it holds no other thread and no garbage whose
-            finalizers a copy must not run, see the module's docstring); None: forkserver where available, else
-            spawn.
+            or ``"fork"`` (a copy of this process, its objects frozen: only where it holds no other thread, see the
+            module's docstring); None: fork where this process is one nothing else runs in, else forkserver where
+            available, else spawn.
     """
 
     def __init__(self, fn: Callable[[Any], Any], workers: int, *, initializer: Callable | None = None,
@@ -186,15 +221,17 @@ class OrderedPool:
         self.chunksize, self.window = chunksize, window
         self._conns, self._procs = [], []
         self._closed = False
+        children = []
         for _ in range(workers):
             parent, child = mp.Pipe()
-            proc = _process(method, modules, target=_serve, daemon=True,
-                            args=(child, fn, initializer, initargs, os.getpid(), method != "spawn",
-                                  dict(os.environ)))
-            proc.start()
-            child.close()
+            self._procs.append(_process(method, modules, target=_serve, daemon=True,
+                                        args=(child, fn, initializer, initargs, os.getpid(), method != "spawn",
+                                              dict(os.environ))))
             self._conns.append(parent)
-            self._procs.append(proc)
+            children.append(child)
+        _start(self._procs, method)
+        for child in children:
+            child.close()
 
     def map(self, items: Iterable[Any], chunksize: int | None = None) -> Iterator[Any]:
         """Results of ``fn`` for ``items``, in order (``chunksize`` items per message, default the pool's).
