@@ -15,7 +15,7 @@ import click
 from fastio.cli.group import cli
 from fastio.errors import FastioError
 
-__all__ = ["cli", "main"]
+__all__ = ["cli", "entry", "main"]
 
 # click >= 8.2 raises this for a group called without a command; older click prints the help and exits 0.
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())
@@ -25,10 +25,17 @@ def _register() -> None:
     from fastio.cli import commands  # noqa: F401  (subcommand modules attach themselves to `cli`)
 
 
-def main(argv: list[str] | None = None) -> int:
-    # No BLAS thread pool (numpy's OpenBLAS starts one a CPU at import; no command multiplies matrices): the
-    # command stays a single-threaded process, whose convert workers can be forks of it (fastio.convert.workers).
+def entry() -> int:
+    """The ``fastio`` command's own process (the console script, ``python -m fastio.cli``): no BLAS thread pool
+    (numpy's OpenBLAS starts one a CPU at import, and no command multiplies matrices; ``OPENBLAS_NUM_THREADS`` set to 1
+    unless it is set), so the process stays single-threaded and its convert workers can be forks of it
+    (:mod:`fastio.convert.workers`); then :func:`main`. (:func:`main` itself, called in a process of yours, changes
+    nothing of its environment.)"""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return main()
+
+
+def main(argv: list[str] | None = None) -> int:
     _register()
     try:
         rc = cli.main(args=argv, prog_name="fastio", standalone_mode=False)
@@ -57,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

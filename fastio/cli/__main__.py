@@ -2,6 +2,6 @@
 
 import sys
 
-from fastio.cli import main
+from fastio.cli import entry
 
-sys.exit(main())
+sys.exit(entry())
