@@ -4,14 +4,15 @@
 ``WORLD_SIZE`` (torchrun, or ``srun`` with them exported); otherwise a single process (0, 1).
 
 Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), and the rule for
-the CPUs a process may use (:func:`usable_cpus`) and when it has its node to itself (:func:`alone_on_node`).
+the CPUs a process may use (:func:`usable_cpus`), when it has its node to itself (:func:`alone_on_node`) and
+whether a process of this host has ended (:func:`process_gone`).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["alone_on_node", "default_store", "rank_and_world", "usable_cpus"]
+__all__ = ["alone_on_node", "default_store", "process_gone", "rank_and_world", "usable_cpus"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -58,3 +59,19 @@ def alone_on_node(world_size: int) -> bool:
     if local is not None and local.strip().isdecimal():  # what int() reads ("²" is a digit, not a number)
         return int(local) == 1
     return world_size == 1
+
+
+def process_gone(pid: int) -> bool:
+    """True when process ``pid`` of this host has ended: it does not exist, or it is a zombie; another user's live
+    process has not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False

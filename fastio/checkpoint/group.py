@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from fastio.checkpoint import agree
 from fastio.checkpoint.engines.base import first_line
-from fastio.dist import default_store
+from fastio.dist import default_store, process_gone
 from fastio.errors import CheckpointError, FastioError
 
 __all__ = ["RankGroup"]
@@ -99,23 +99,6 @@ elastic resume in the same processes)."""
 
 fault_hook: Callable[[str, str], None] | None = None
 """Test hook, see the module docstring."""
-
-
-def _alive(pid: int) -> bool:
-    """True when process ``pid`` (on this host) exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-        return True
 
 
 class RankGroup:
@@ -430,7 +413,7 @@ class RankGroup:
         deadline = time.monotonic() + GONE_WAIT_S
         while True:
             noted = self._noted()
-            dead = [r for r in local if not _alive(self._peers[r][1])]
+            dead = [r for r in local if process_gone(self._peers[r][1])]
             if noted or dead or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)

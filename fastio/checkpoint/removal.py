@@ -48,6 +48,7 @@ from fastio.checkpoint.naming import (
 )
 from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
+from fastio.dist import process_gone
 from fastio.storage.atomic import fsync_dir
 
 __all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
@@ -138,17 +139,7 @@ def _restore_abandoned(child: Path) -> bool:
         return time.time() - started > OTHER_HOST_RESTORE_S
     if pid == os.getpid():
         return True  # this process's own, from a restore that could not clean up
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's live process
-        return False
-    try:  # a zombie has ended
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
+    return process_gone(pid)
 
 
 def _is_empty_quarantined_tmp(path: Path) -> bool:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
-from fastio.dist import usable_cpus
+from fastio.dist import process_gone, usable_cpus
 
 __all__ = ["OrderedPool", "default_workers", "detach_child", "start_server"]
 
@@ -68,15 +68,7 @@ def _die_with_parent() -> None:
 
 def _alive(pid: int) -> bool:
     """Whether the process ``pid`` that started this one (itself, or through a fork server) still runs."""
-    if os.getppid() == pid:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return os.getppid() == pid or not process_gone(pid)
 
 
 def detach_child(parent_pid: int, keep: tuple[int, ...] = (), forked: bool = True) -> None:

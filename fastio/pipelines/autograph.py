@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from fastio.dist import process_gone
+
 __all__ = ["PREFIX", "generated_sources_kept_private"]
 
 PREFIX = "fastio-autograph-"
@@ -78,7 +80,7 @@ def clean_dead(root: Path) -> None:
             settled = now - path.lstat().st_mtime > _SETTLED_S
         except OSError:
             continue
-        if pid.isdigit() and settled and path.is_dir() and not path.is_symlink() and not _alive(int(pid)):
+        if pid.isdigit() and settled and path.is_dir() and not path.is_symlink() and process_gone(int(pid)):
             _delete_generated(path)
 
 
@@ -90,14 +92,3 @@ def _delete_generated(path: Path) -> None:
             folder.rmdir()
         except OSError:  # not there, or something else is in it: kept
             pass
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

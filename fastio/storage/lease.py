@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 
+from fastio.dist import process_gone
 from fastio.errors import FastioError, StorageError
 from fastio.storage.base import S3Storage, Versioned
 from fastio.storage.lock import LOCK_NAME, LockedError, describe_holder, holder_record
@@ -64,20 +65,9 @@ def _restart_count() -> int:
 
 
 def _pid_gone(pid: object) -> bool:
-    """True when ``pid`` names no live process on this host (a zombie counts as gone)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
+    """True when ``pid`` (a lease's, read from a store) names no live process on this host (a zombie counts as
+    gone); a value that is no pid never does."""
+    return isinstance(pid, int) and pid > 0 and process_gone(pid)
 
 
 def _parse(data: bytes) -> dict | None:
