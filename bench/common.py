@@ -22,6 +22,14 @@ __all__ = ["RESULTS_DIR", "interleaved", "machine_info", "median_ratio", "met", 
 RESULTS_DIR = Path(__file__).resolve().parent / "out"
 
 
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued work when ``device`` is ``"cuda"`` (a timing of GPU work ends there)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def time_call(fn: Callable[[], Any]) -> float:
     """Wall-clock seconds one call of ``fn`` takes."""
     start = time.perf_counter()

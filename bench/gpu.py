@@ -54,6 +54,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import synchronize
 from bench.loader import BATCH, SIZE, _dataloader
 from bench.media import cpu_seconds
 
@@ -173,13 +174,6 @@ def prepare(work: Path, repeats: int) -> dict[str, Any]:
 
 
 # -- timing helpers ----------------------------------------------------------------------------------------------
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
 
 def _timed(run: Callable[[], int]) -> dict[str, float]:
     """``run()`` (returning the items it delivered, its GPU work done) timed: items/s and CPU cores busy."""
@@ -310,7 +304,7 @@ def _fastio_epoch(dest: Path, device: str, load: float | None) -> Callable[[], i
 
     def run() -> int:
         n = sum(int((~b["padded"]).sum()) for b in loader)
-        _sync()
+        synchronize(device)
         return n
     return run
 
@@ -327,7 +321,7 @@ def _dali_epoch(dest: Path, device: str) -> Callable[[], int]:
         for _ in range(-(-total // BATCH)):
             img, _ = pipe.run()
             _to_torch(img, device, pipe, sync=False)
-        _sync()
+        synchronize(device)
         return total
     return run
 
@@ -478,11 +472,11 @@ def train(work: Path, repeats: int, device: str = "cuda") -> dict[str, Any]:
     y = torch.randint(0, 1000, (BATCH,), device=device)
     for _ in range(20):
         step(x, y)
-    _sync()
+    synchronize(device)
     t, n = time.perf_counter(), 60 if not tiny else 3
     for _ in range(n):
         step(x, y)
-    _sync()
+    synchronize(device)
     step_s = (time.perf_counter() - t) / n
     out: dict[str, Any] = {"model": MODEL, "dtype": "bfloat16", "batch": BATCH,
                            "step_s_on_resident_batch": step_s, "compute_images_per_s": BATCH / step_s, "runs": {}}
@@ -503,7 +497,7 @@ def _train_epoch(name: str, dest: Path, device: str, step, step_s: float) -> dic
     it = _batches_of(name, dest, device)
     first = next(it)  # the loader started: its start-up is not a stall of the steady state
     step(*first)
-    _sync()
+    synchronize(device)
     steps, waited, t = 0, 0.0, time.perf_counter()
     while True:
         w = time.perf_counter()
@@ -514,7 +508,7 @@ def _train_epoch(name: str, dest: Path, device: str, step, step_s: float) -> dic
         waited += time.perf_counter() - w
         step(images, labels)
         steps += 1
-    _sync()
+    synchronize(device)
     wall = time.perf_counter() - t
     return {"steps": steps, "seconds": wall, "images_per_s": steps * BATCH / wall,
             "stall_fraction": max(0.0, 1 - steps * step_s / wall), "host_wait_fraction": waited / wall}
@@ -531,7 +525,7 @@ def _video_fastio(dest: Path, device: str) -> Callable[[], int]:
         n = 0
         for _ in range(4):  # four epochs: 4 x VIDEOS clips
             n += sum(len(b["video"]) for b in ld)
-        _sync()
+        synchronize(device)
         return n * FRAMES
     return run
 
@@ -592,7 +586,7 @@ def image_text_section(work: Path, repeats: int, device: str = "cuda") -> dict[s
 
         def run() -> int:
             n = sum(samples_in(b) for b in ld)
-            _sync()
+            synchronize(dev)
             return n
         return run
 

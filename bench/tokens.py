@@ -55,7 +55,15 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 import numpy as np
 
-from bench.common import RESULTS_DIR, interleaved, machine_info, median_ratio, section_parser, write_results
+from bench.common import (
+    RESULTS_DIR,
+    interleaved,
+    machine_info,
+    median_ratio,
+    section_parser,
+    synchronize,
+    write_results,
+)
 from bench.quiet import before_section
 
 __all__ = ["run"]
@@ -122,16 +130,9 @@ def fastio_reader(dest: Path, seq_len: int, device: str = "cpu"):
 
     def epoch() -> int:
         n = sum(b["tokens"][:, :-1].numel() for b in loader)
-        _synchronize(device)
+        synchronize(device)
         return n
     return epoch
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
 
 
 class _MegatronTokenizer:
@@ -158,7 +159,7 @@ def megatron_reader(prefix: str, seq_len: int, cache: Path, device: str = "cpu")
 
     def epoch() -> int:
         n = sum(b["tokens"].to(device, non_blocking=True).numel() for b in loader)
-        _synchronize(device)
+        synchronize(device)
         return n
     return epoch
 
