@@ -14,7 +14,7 @@ Before each round it waits for a quiet machine (:mod:`bench.quiet`, ``quiet_wait
 what the other processes used during it.
 
 Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants (CheckpointConfig
-options, and ``streams``), ``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
+options, and the torchsnapshot engine's ``streams`` and ``slab_bytes``), ``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
 ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used directly; waits for the previous save before the
 next, as the Checkpointer does) and ``minimal`` (:class:`bench.checkpoint_peers.MinimalWriter`: stage, then hash,
 one file, fsync, rename).
@@ -64,6 +64,7 @@ class _Fastio:
         # "streams": the torchsnapshot engine's WRITE_STREAMS for this saver's writes (for comparisons); set before
         # every save, so savers interleaved in one process each write with their own (default: the shipped value)
         self.streams = options.pop("streams", torchsnapshot_engine.WRITE_STREAMS)
+        self.slab_bytes = options.pop("slab_bytes", torchsnapshot_engine.SLAB_BYTES)  # the same for SLAB_BYTES
         self.ckpt = Checkpointer(root, keep=1, signals=(), **options)
         self.app, self.writes = app, []
 
@@ -71,6 +72,7 @@ class _Fastio:
         from fastio.checkpoint.engines import torchsnapshot_engine
 
         torchsnapshot_engine.WRITE_STREAMS = self.streams
+        torchsnapshot_engine.SLAB_BYTES = self.slab_bytes
         self.ckpt.save(step, self.app)
 
     def busy(self) -> bool:

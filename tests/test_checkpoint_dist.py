@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from helpers import Position, StateHolder, join_group, start_ranks
 from torch import nn
+from torchsnapshot import Snapshot
 
 from fastio import ImageTrain
 from fastio.checkpoint import Checkpointer, catalog, scan
@@ -99,12 +100,16 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(preemption_runs, engine)
         assert ".metadata" in files and not any("model" in f or "optim" in f for f in files), sorted(files)
         return
     # the DDP model and its optimizer are replicated (written once, not per rank); loader and RNG are per rank
+    tensors = {path: entry for path, entry in Snapshot(str(root / "step-5")).get_manifest().items()
+               if getattr(entry, "location", None)}
     for key in ("model", "optim"):
         assert not any(f.startswith((f"0/{key}", f"1/{key}")) for f in files), sorted(files)
-        assert any(f.startswith(f"replicated/{key}") for f in files), sorted(files)
+        mine = [entry for path, entry in tensors.items() if path.split("/")[1] == key]
+        assert mine and all(entry.location.startswith("replicated/") for entry in mine), mine
     manifest = (root / "step-5" / ".snapshot_metadata").read_text()
     for r in range(WORLD):
-        assert any(f.startswith(f"{r}/_fastio_rng/") for f in files), sorted(files)
+        rng = [entry for path, entry in tensors.items() if path.startswith(f"{r}/_fastio_rng/")]
+        assert rng and all(entry.location.startswith(f"{r}/") for entry in rng), rng
         assert f"{r}/loader/consumed" in manifest  # small ints live in torchsnapshot's manifest, per rank
 
 

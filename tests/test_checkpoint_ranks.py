@@ -42,11 +42,11 @@ def disk_full(*_args, **_kwargs):
 def break_engine_write(which: str) -> tuple[object, str, object]:
     """(owner, attribute, original) after making that engine's file writes on this rank fail as on a full disk."""
     if which == "torchsnapshot":
-        from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+        from fastio.checkpoint.engines import torchsnapshot_engine
 
-        async def write(self, write_io):
+        def write(self, path, buf):
             disk_full()
-        owner, name, new = FSStoragePlugin, "write", write
+        owner, name, new = torchsnapshot_engine._LaterErrors, "_write_file", write
     elif which == "dcp":
         from torch.distributed.checkpoint import filesystem
         owner, name, new = filesystem, "_write_files_from_queue", disk_full

@@ -20,32 +20,34 @@ def _tensors(n: int = 12, numel: int = 1 << 18) -> dict[str, torch.Tensor]:
 def test_torchsnapshot_writes_one_file_at_a_time_and_puts_its_settings_back(tmp_path, monkeypatch):
     """torchsnapshot writes up to 16 files at once through 6 executor threads by default, which took the
     training thread's core; a save writes one at a time, and torchsnapshot's own settings come back after."""
-    from torchsnapshot import scheduler
-    from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+    from torchsnapshot import scheduler, snapshot
 
     from fastio.checkpoint.engines import torchsnapshot_engine
 
     inflight, peak, lock = [0], [0], threading.Lock()
-    original = FSStoragePlugin.write
+    original = torchsnapshot_engine._LaterErrors._write_file
 
-    async def counting_write(self, write_io):
+    def counting_write(self, path, buf):
         with lock:
             inflight[0] += 1
             peak[0] = max(peak[0], inflight[0])
         try:
-            await original(self, write_io)
             time.sleep(0.002)  # a slow disk: concurrent writes would overlap here
+            return original(self, path, buf)
         finally:
             with lock:
                 inflight[0] -= 1
 
-    monkeypatch.setattr(FSStoragePlugin, "write", counting_write)
-    before = (scheduler._MAX_PER_RANK_IO_CONCURRENCY, scheduler._MAX_PER_RANK_CPU_CONCURRENCY, dict(os.environ))
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 0)  # a file per tensor: many writes that could overlap
+    monkeypatch.setattr(torchsnapshot_engine._LaterErrors, "_write_file", counting_write)
+    before = (scheduler._MAX_PER_RANK_IO_CONCURRENCY, scheduler._MAX_PER_RANK_CPU_CONCURRENCY, dict(os.environ),
+              snapshot.batch_write_requests)
     state = _tensors()
     with Checkpointer(tmp_path / "ck", engine="torchsnapshot", signals=()) as ckpt:
         ckpt.save(1, {"state": StateHolder(state)}, blocking=True)
     assert peak[0] == torchsnapshot_engine.WRITE_STREAMS == 1
-    assert (scheduler._MAX_PER_RANK_IO_CONCURRENCY, scheduler._MAX_PER_RANK_CPU_CONCURRENCY, dict(os.environ)) == before
+    assert (scheduler._MAX_PER_RANK_IO_CONCURRENCY, scheduler._MAX_PER_RANK_CPU_CONCURRENCY, dict(os.environ),
+            snapshot.batch_write_requests) == before
     fresh = StateHolder({k: torch.zeros_like(v) for k, v in state.items()})
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
         ckpt.restore_latest({"state": fresh})

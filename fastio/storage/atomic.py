@@ -50,15 +50,16 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     return fn
 
 
-def start_writeback(fd: int) -> None:
+def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     """Start writing the dirty pages of the open file ``fd`` to the disk, without waiting for them (Linux:
-    ``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)``), so that they are written while the caller writes the
-    next file instead of all at once in the fsync that follows the last. No durability by itself (no metadata, no
-    wait, no error reported): the caller still fsyncs. Nothing where the call is missing or fails (the fsync then
-    does all of it)."""
+    ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``; ``nbytes`` 0: to the end of the file), so that
+    they are written while the caller writes on instead of all at once in the fsync that follows the last. A page
+    already on its way is skipped, not waited for: a caller that starts part of a file it is still writing passes
+    whole pages it will not write again. No durability by itself (no metadata, no wait, no error reported): the
+    caller still fsyncs. Nothing where the call is missing or fails (the fsync then does all of it)."""
     fn = _sync_file_range()
     if fn is not None:
-        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def publish(tmp: Path, final: Path, *, sync: bool = True) -> None:

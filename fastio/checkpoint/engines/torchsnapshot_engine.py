@@ -1,7 +1,9 @@
 """The torchsnapshot engine: the only module that imports ``torchsnapshot`` (pinned to 0.1.0).
 
 torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that are not public API:
-the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), manifest entry types and
+the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), its batching (``batch_write_requests`` as
+``torchsnapshot.snapshot`` calls it, replaced while writing by :func:`_gather_writes`; ``is_batchable``; the slab
+read's ``BatchedBufferConsumer.consume_buffer``, replaced: see :func:`_consume_slab`), manifest entry types and
 paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
 paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
 ``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, its bfloat16 byte view
@@ -13,7 +15,8 @@ quantized tensor the app has no tensor for: see :func:`_read_quantized`), and th
 exact pin in ``pyproject.toml``; a new torchsnapshot release means re-checking this module, and nothing else.
 
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
-``RANK/...`` for per-rank state and ``replicated/...`` for state written once.
+``RANK/...`` for per-rank state and ``replicated/...`` for state written once; in each, the tensors below
+:data:`SLAB_BYTES` share slab files ``batched/NAME`` (:func:`_gather_writes`; torchsnapshot's batching, not its copy).
 
 A restore reads a rank's own files through the check: the Checkpointer's check hashes the files
 :meth:`TorchSnapshotEngine.reads` foresees for a rank (:func:`fastio.storage.checksum.open_hashed`) and, once every
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import mmap
 import os
 import pickle
 import threading
@@ -38,16 +42,20 @@ from pathlib import Path
 from typing import Any
 
 from torchsnapshot import Snapshot
+from torchsnapshot import batcher as _batcher
 from torchsnapshot import scheduler as _scheduler
+from torchsnapshot import snapshot as _snapshot
 from torchsnapshot import serialization as _serialization
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.io_preparers import tensor as _tensor_io
-from torchsnapshot.io_types import Future, ReadIO, ReadReq, WriteIO
+from torchsnapshot.io_types import BufferStager, Future, ReadIO, ReadReq, WriteIO, WriteReq
 from torchsnapshot.knobs import _DISABLE_BATCHING_ENV_VAR
 from torchsnapshot.manifest import (
+    ChunkedTensorEntry,
     ObjectEntry,
     PrimitiveEntry,
     ShardedTensorEntry,
+    TensorEntry,
     is_container_entry,
     is_replicated,
 )
@@ -55,11 +63,12 @@ from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.serialization import Serializer
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
-from fastio.checkpoint.engines.base import SavedCheckpoint, Stateful, first_line, written_record
+from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_dtype, quantized_keys
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
+from fastio.storage.checksum import DIGESTS
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 
@@ -73,6 +82,11 @@ stream keeps the writer on one core, so a training thread beside it keeps its ow
 section of docs/performance.md: with 16, the training thread kept 26-38% of its CPU share during a write,
 with one 74-92%). Restores keep torchsnapshot's defaults (one that overlaps a save in the same process reads with one
 stream too: the settings are process-wide)."""
+
+SLAB_BYTES = 128 << 20
+"""Host tensors below this size are written into shared slab files of at most this size (torchsnapshot's own
+batching threshold, without its copy: :func:`_gather_writes`); larger ones, and every tensor when it is 0, one file
+each. 528 MiB of model and Adam state: 5 files instead of 97 (see the checkpoint section of docs/performance.md)."""
 
 _settings_lock = threading.Lock()
 _settings_users = 0
@@ -92,10 +106,11 @@ def _storage_bytes(tensor: Any) -> memoryview:
 
 @contextmanager
 def _write_settings() -> Iterator[None]:
-    """For the duration of a write: torchsnapshot's batching off (an environment switch it reads on every
-    take), its write concurrency at :data:`WRITE_STREAMS` (two module globals of ``torchsnapshot.scheduler``
-    it reads when it schedules) and its bfloat16 bytes whole (:func:`_storage_bytes`); the previous values come back
-    afterwards, also when the write raises.
+    """For the duration of a write: torchsnapshot's batching on, as :func:`_gather_writes` (an environment switch it
+    reads on every take, and the name ``torchsnapshot.snapshot`` calls), its write concurrency at
+    :data:`WRITE_STREAMS` (two module globals of ``torchsnapshot.scheduler`` it reads when it schedules) and its
+    bfloat16 bytes whole (:func:`_storage_bytes`); the previous values come back afterwards, also when the write
+    raises.
 
     Counted, so that writes of several Checkpointers in one process overlapping in any order leave
     the settings as they were before the first of them.
@@ -105,8 +120,10 @@ def _write_settings() -> Iterator[None]:
         if _settings_users == 0:
             _settings_previous = (os.environ.get(_DISABLE_BATCHING_ENV_VAR), _scheduler._MAX_PER_RANK_IO_CONCURRENCY,
                                   _scheduler._MAX_PER_RANK_CPU_CONCURRENCY,
-                                  _serialization._tensor_as_memoryview_via_untyped_storage)
-            os.environ[_DISABLE_BATCHING_ENV_VAR] = "True"
+                                  _serialization._tensor_as_memoryview_via_untyped_storage,
+                                  _snapshot.batch_write_requests)
+            os.environ[_DISABLE_BATCHING_ENV_VAR] = "False"
+            _snapshot.batch_write_requests = _gather_writes
             _serialization._tensor_as_memoryview_via_untyped_storage = _storage_bytes
             _scheduler._MAX_PER_RANK_IO_CONCURRENCY = WRITE_STREAMS
             _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = WRITE_STREAMS
@@ -117,13 +134,103 @@ def _write_settings() -> Iterator[None]:
         with _settings_lock:
             _settings_users -= 1
             if _settings_users == 0:
-                batching, io, cpu, as_bytes = _settings_previous
+                batching, io, cpu, as_bytes, batch = _settings_previous
                 _serialization._tensor_as_memoryview_via_untyped_storage = as_bytes
+                _snapshot.batch_write_requests = batch
                 if batching is None:
                     os.environ.pop(_DISABLE_BATCHING_ENV_VAR, None)
                 else:
                     os.environ[_DISABLE_BATCHING_ENV_VAR] = batching
                 _scheduler._MAX_PER_RANK_IO_CONCURRENCY, _scheduler._MAX_PER_RANK_CPU_CONCURRENCY = io, cpu
+
+
+# ---------------------------------------------------------------- slabs: small tensors in one file, never copied
+class _Pieces:
+    """A slab's bytes as the staged tensors' own byte views, in file order: what a slab's write request stages
+    (:class:`_GatheredStager`) and :class:`_LaterErrors` writes, one view after the other, into one file.
+    ``len()`` is the number of bytes (what torchsnapshot's scheduler asks of a staged buffer)."""
+
+    def __init__(self, views: list[memoryview]):
+        self.views = views
+        self.nbytes = sum(view.nbytes for view in views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+class _GatheredStager(BufferStager):
+    """torchsnapshot's slab of small tensors (``batcher.BatchedBufferStager``) without its copy: the tensors'
+    stagers give views of the staged tensors, which the file is written from; no slab is allocated or filled."""
+
+    def __init__(self, parts: list[tuple[int, BufferStager]]):
+        self.parts = parts  # (size, stager), in file order
+
+    async def stage_buffer(self, executor: Any = None) -> _Pieces:
+        views = []
+        for size, stager in self.parts:
+            view = memoryview(await stager.stage_buffer(executor))
+            if view.nbytes != size:
+                raise AssertionError(f"a slab's tensor staged {view.nbytes} bytes, not {size}")
+            views.append(view)
+        return _Pieces(views)
+
+    def get_staging_cost_bytes(self) -> int:
+        return sum(stager.get_staging_cost_bytes() for _, stager in self.parts)
+
+
+def _tensor_entries(entries: list[Any]) -> dict[str, Any]:
+    """Location -> tensor entry, also those inside chunked and sharded entries."""
+    out: dict[str, Any] = {}
+    for entry in entries:
+        if isinstance(entry, TensorEntry):
+            out[entry.location] = entry
+        elif isinstance(entry, ChunkedTensorEntry):
+            out.update((chunk.tensor.location, chunk.tensor) for chunk in entry.chunks)
+        elif isinstance(entry, ShardedTensorEntry):
+            out.update((shard.tensor.location, shard.tensor) for shard in entry.shards)
+    return out
+
+
+def _slab_name(paths: list[str]) -> str:
+    """A slab file's name: the first 16 hex digits of the xxh3-128 of its tensors' paths, one per line."""
+    digest = DIGESTS[WRITE_CHECKSUM]()
+    digest.update("\n".join(paths).encode())
+    return digest.hexdigest()[:16]
+
+
+def _gather_writes(entries: list[Any], write_reqs: list[WriteReq]) -> tuple[list[Any], list[WriteReq]]:
+    """torchsnapshot's ``batch_write_requests`` as fastio writes: each host tensor below :data:`SLAB_BYTES` goes into a
+    slab file with others of its directory (``R/`` of rank R, or ``replicated/``), at ``DIR/batched/NAME`` with its
+    byte range in the manifest, as torchsnapshot's own batching writes them, but written from the staged tensors
+    themselves (:class:`_GatheredStager`): 528 MiB of model and Adam state is 5 files instead of 97. ``NAME`` comes
+    from the slab's tensor paths (:func:`_slab_name`; torchsnapshot's is random): the same state gives the same files,
+    and the replicated slabs of different ranks different ones. Each entry is relocated in place; the other write requests
+    are kept as they are."""
+    slabs: dict[str, list[list[tuple[WriteReq, int]]]] = {}  # directory -> its slabs: (request, size) in file order
+    filled: dict[str, int] = {}  # directory -> bytes in its last slab
+    kept: list[WriteReq] = []
+    for req in write_reqs:
+        tensor = getattr(req.buffer_stager, "tensor", None)
+        size = 0 if tensor is None else tensor.nelement() * tensor.element_size()
+        if tensor is None or tensor.is_cuda or not _batcher.is_batchable(req.buffer_stager) or not 0 < size < SLAB_BYTES:
+            kept.append(req)
+            continue
+        top = req.path.split("/", 1)[0]
+        group = slabs.setdefault(top, [[]])
+        if filled.get(top, 0) + size > SLAB_BYTES:
+            group.append([])
+            filled[top] = 0
+        group[-1].append((req, size))
+        filled[top] = filled.get(top, 0) + size
+    located = _tensor_entries(entries)
+    for top, members in ((top, slab) for top, group in slabs.items() for slab in group):
+        location = f"{top}/batched/{_slab_name([req.path for req, _ in members])}"
+        start = 0
+        for req, size in members:
+            located[req.path].location, located[req.path].byte_range = location, [start, start + size]
+            start += size
+        kept.append(WriteReq(path=location, buffer_stager=_GatheredStager([(n, r.buffer_stager) for r, n in members])))
+    return entries, kept
 
 
 _as_bytes, _from_bytes = _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview
@@ -172,26 +279,33 @@ def _read_quantized(cls: Any, entry: Any, tensor_out: Any = None, buffer_size_li
     return [read], future
 
 
-# Process-wide and for good: each only replaces what raised before.
+async def _consume_slab(self: Any, buf: Any, executor: Any = None) -> None:
+    """torchsnapshot's read of a slab's byte range (``batcher.BatchedBufferConsumer.consume_buffer``): each tensor
+    from its part of the buffer, raising the first error. 0.1.0's own awaited them with ``asyncio.wait``, which leaves
+    the errors in the tasks: a tensor that could not be read was left as it was, without a word. A buffer shorter
+    than the parts is refused."""
+    parts = self.byte_range_to_buffer_consumer
+    end = max((hi for _, hi in parts), default=0)
+    if len(buf) < end:
+        raise ValueError(f"{len(buf)} bytes read where the slab's tensors need {end}")
+    await asyncio.gather(*(consumer.consume_buffer(buf[lo:hi], executor=executor)
+                           for (lo, hi), consumer in parts.items()))
+
+
+# Process-wide and for good: each only replaces what raised, or failed to raise, before.
 _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview = _empty_as_bytes, _empty_from_bytes
 _tensor_io.TensorIOPreparer.prepare_read = classmethod(_read_quantized)
-
-
-def _start_writeback(path: str) -> None:
-    """:func:`~fastio.storage.atomic.start_writeback` of the file at ``path``."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        start_writeback(fd)
-    finally:
-        os.close(fd)
+_batcher.BatchedBufferConsumer.consume_buffer = _consume_slab
 
 
 class _LaterErrors(FSStoragePlugin):
-    """torchsnapshot's file system plugin, keeping the first write error for later instead of raising it,
-    recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the
-    bytes written, which are the Checkpointer's staged copy), and starting each file's writeback to the disk as
-    soon as it is written (``writeback``, :func:`~fastio.storage.atomic.start_writeback`: the commit's fsyncs then
-    find the bytes written or on their way, instead of writing all of them at once).
+    """torchsnapshot's file system plugin, writing each file with one task on the event loop's executor (torchsnapshot's
+    own writes through ``aiofiles``, a thread hop per open, write and close), a slab (:class:`_Pieces`) from its
+    tensors' views one after the other; keeping the first write error for later instead of raising it; recording each
+    file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the bytes written, which
+    are the Checkpointer's staged copy); and starting each file's writeback to the disk as it is written
+    (``writeback``, :func:`~fastio.storage.atomic.start_writeback`, every :data:`_WRITEBACK_BYTES`: the commit's
+    fsyncs then find the bytes written or on their way, instead of writing all of them at once).
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -207,13 +321,44 @@ class _LaterErrors(FSStoragePlugin):
         if self.error is not None:
             return  # this step is lost already: write nothing more
         try:
-            await super().write(write_io)
-            self.written[write_io.path] = written_record(write_io.buf)
-            if self.writeback:
-                await asyncio.get_running_loop().run_in_executor(None, _start_writeback,
-                                                                 os.path.join(self.root, write_io.path))
+            self.written[write_io.path] = await asyncio.get_running_loop().run_in_executor(
+                None, self._write_file, write_io.path, write_io.buf)
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
+
+    def _write_file(self, path: str, buf: Any) -> dict[str, Any]:
+        """Write ``buf`` (bytes, or a slab's :class:`_Pieces`) to the file at ``path`` under the root, hashing it as it
+        goes and starting its writeback every :data:`_WRITEBACK_BYTES`; its written record."""
+        full = os.path.join(self.root, path)
+        parent = os.path.dirname(full)
+        if parent not in self._dir_cache:
+            os.makedirs(parent, exist_ok=True)
+            self._dir_cache.add(parent)
+        views = buf.views if isinstance(buf, _Pieces) else [memoryview(buf)]
+        digest, size, started = DIGESTS[WRITE_CHECKSUM](), 0, 0
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            for view in views:
+                view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                digest.update(view)
+                done = 0
+                while done < view.nbytes:
+                    done += os.write(fd, view[done:])
+                size += done
+                whole = size - size % mmap.PAGESIZE  # pages this file's next bytes will not touch
+                if self.writeback and whole - started >= _WRITEBACK_BYTES:
+                    start_writeback(fd, started, whole - started)
+                    started = whole
+            if self.writeback and size > started:
+                start_writeback(fd, started)
+        finally:
+            os.close(fd)
+        return written_record(None, size, digest.hexdigest())
+
+
+_WRITEBACK_BYTES = 8 << 20
+"""A file's writeback is started after every 8 MiB written into it (:func:`~fastio.storage.atomic.start_writeback`),
+so a slab's first tensors go to the disk while its last are written."""
 
 
 def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
@@ -591,11 +736,11 @@ class TorchSnapshotEngine:
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True) -> dict[str, dict[str, Any]]:
         """``Snapshot.take`` of the staged ``states`` (:func:`_take`: a write error raises on its rank only
-        after the take's collectives), without batching; the files this rank wrote, each with its size and
-        xxh3-128 taken from the bytes written.
+        after the take's collectives), tensors below 128 MiB batched into slab files (:func:`_gather_writes`); the
+        files this rank wrote, each with its size and xxh3-128 taken from the bytes written.
 
-        The staged buffers are a private copy already: torchsnapshot writes straight from them (one file
-        per tensor) instead of packing small tensors into slabs it would allocate and fill.
+        The staged buffers are a private copy already: each slab file is written straight from them, not from a
+        slab torchsnapshot would allocate and fill.
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():

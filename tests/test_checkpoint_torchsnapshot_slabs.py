@@ -1,0 +1,150 @@
+"""The torchsnapshot engine's slab files: tensors below ``SLAB_BYTES`` share files of at most that size, written from
+the staged tensors themselves (no slab is allocated or filled); the manifest gives each its file and byte range, as
+torchsnapshot's own batching writes them, so fastio and plain torchsnapshot both read them back bitwise. Real
+torchsnapshot steps, one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchsnapshot import Snapshot
+
+from fastio.checkpoint import Checkpointer
+from fastio.checkpoint.engines import torchsnapshot_engine
+
+
+def _app(seed: int, trained: bool = True) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(12)), nn.Linear(64, 300))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if trained:
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return {"model": model, "optim": optim}
+
+
+def _tensors(app: dict) -> list[torch.Tensor]:
+    model, optim = app["model"], app["optim"]
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v.clone() for _, v in sorted(optim.state[p].items())]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _entries(step: Path) -> dict[str, object]:
+    """The manifest's tensor entries of a step, by path."""
+    manifest = Snapshot(str(step)).get_manifest()
+    return {path: entry for path, entry in manifest.items() if getattr(entry, "type", None) == "Tensor"}
+
+
+def _files(step: Path) -> dict[str, int]:
+    return {str(f.relative_to(step)): f.stat().st_size for f in (step / "0").rglob("*") if f.is_file()}
+
+
+def _save(root: Path, app: dict) -> Path:
+    with Checkpointer(root, signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, app, blocking=True)
+    return root / "step-1"
+
+
+def test_small_tensors_share_one_slab_file_and_restore_bitwise(tmp_path):
+    app = _app(1)
+    step = _save(tmp_path / "ck", app)
+    entries = _entries(step)
+    ours = [e for path, e in entries.items() if path.split("/")[1] in ("model", "optim")]
+    assert len(ours) == 26 * 4  # 26 parameters, Adam's 2 moments and step tensor for each
+    slabbed = {e.location for e in entries.values()}
+    assert len(slabbed) == 1 and next(iter(slabbed)).startswith("0/batched/")  # 0.6 MB, RNG states too: one slab
+    ranges = sorted(tuple(e.byte_range) for e in entries.values() if e.location in slabbed)
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # packed, in order
+    assert _files(step)[next(iter(slabbed))] == ranges[-1][1]
+
+    into = _app(2, trained=False)  # no optimizer state: torchsnapshot makes the moments from the slab's ranges
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert _same(_tensors(into), _tensors(app))
+
+
+def test_plain_torchsnapshot_reads_fastios_slabs(tmp_path):
+    """Another tool's ``Snapshot.restore`` reads the step as torchsnapshot's own batched layout."""
+    app = _app(3)
+    step = _save(tmp_path / "ck", app)
+    into = _app(4)  # trained: Adam's state exists and is loaded in place
+    Snapshot(str(step)).restore({"model": into["model"], "optim": into["optim"]})
+    assert _same(_tensors(into), _tensors(app))
+
+
+def test_slabs_are_at_most_slab_bytes_and_larger_tensors_keep_their_own_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 40_000)  # a 64x64 float32 weight is 16,384 bytes
+    app = _app(5)
+    step = _save(tmp_path / "ck", app)
+    entries, files = _entries(step), _files(step)
+    big = [e for e in entries.values() if e.shape == [300, 64]]  # 76,800 bytes, its weight and two moments
+    assert len(big) == 3 and all(not e.location.startswith("0/batched/") and e.byte_range is None for e in big)
+    slabs = {name: size for name, size in files.items() if "/batched/" in name}
+    assert len(slabs) > 10 and max(slabs.values()) <= 40_000
+    into = _app(6, trained=False)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert _same(_tensors(into), _tensors(app))
+
+
+def test_a_step_written_one_file_per_tensor_restores_with_slabs_on(tmp_path, monkeypatch):
+    """Steps of earlier releases (one file per tensor, ``SLAB_BYTES = 0`` now) read as before."""
+    app = _app(7)
+    with monkeypatch.context() as patched:
+        patched.setattr(torchsnapshot_engine, "SLAB_BYTES", 0)
+        step = _save(tmp_path / "ck", app)
+    assert not any("/batched/" in name for name in _files(step))
+    locations = [e.location for e in _entries(step).values()]
+    assert len(set(locations)) == len(locations) and set(locations) <= set(_files(step))  # one file per tensor
+    into = _app(8, trained=False)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert _same(_tensors(into), _tensors(app))
+
+
+@pytest.mark.parametrize("flip_at", ["first", "last"])
+def test_a_flipped_byte_in_a_slab_is_refused(tmp_path, flip_at):
+    """A slab's checksum covers every tensor in it: a byte flipped in its first or last tensor is found at restore,
+    and the damaged step is not loaded."""
+    from fastio.errors import CheckpointError
+
+    app = _app(9)
+    step = _save(tmp_path / "ck", app)
+    slab = next(step / name for name in _files(step) if "/batched/" in name)
+    data = bytearray(slab.read_bytes())
+    data[0 if flip_at == "first" else -1] ^= 0x10
+    slab.write_bytes(bytes(data))
+    into = _app(10, trained=False)
+    before = _tensors(into)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="batched"):
+        ckpt.restore_latest(into, step=1)
+    assert _same(_tensors(into), before)
+
+
+def test_a_slab_read_short_fails_the_restore_instead_of_leaving_tensors_unloaded(tmp_path, monkeypatch):
+    """torchsnapshot 0.1.0 awaited a slab's tensors with ``asyncio.wait``, which keeps their errors to itself: a read
+    that gave too few bytes left those tensors as they were, and the restore reported success."""
+    from fastio.errors import CheckpointError
+
+    app = _app(11)
+    _save(tmp_path / "ck", app)
+    real = torchsnapshot_engine._HeldReads.read
+
+    async def short(self, read_io):
+        await real(self, read_io)
+        if "/batched/" in read_io.path:
+            read_io.buf = torchsnapshot_engine._HeldView(read_io.buf.getvalue()[:100])
+
+    monkeypatch.setattr(torchsnapshot_engine._HeldReads, "read", short)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="batched"):
+        ckpt.restore_latest(_app(12, trained=False), step=1)
