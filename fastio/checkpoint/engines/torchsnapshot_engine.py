@@ -3,7 +3,9 @@
 torchsnapshot 0.1.0 is unmaintained, and this adapter leans on parts of it that are not public API:
 the ``Snapshot._metadata`` cache (swapped for a one-key view on restore), its batching (``batch_write_requests`` as
 ``torchsnapshot.snapshot`` calls it, replaced while writing by :func:`_gather_writes`; ``is_batchable``; the slab
-read's ``BatchedBufferConsumer.consume_buffer``, replaced: see :func:`_consume_slab`), manifest entry types and
+read's ``BatchedBufferConsumer.consume_buffer``, replaced: see :func:`_consume_slab`; ``batch_read_requests`` and
+``get_process_memory_budget_bytes`` as ``torchsnapshot.snapshot`` calls them, replaced: see :func:`_batch_reads`,
+:func:`_memory_budget`), manifest entry types and
 paths (``RANK/key/sub/path``, replicated entries listed under rank 0), its escaping of keys in those
 paths (``flatten._encode``), its inverse of flattening (``flatten.inflate``), its logger's name, the
 ``knobs`` environment switch for batching, the write concurrency globals of ``scheduler``, its bfloat16 byte view
@@ -44,8 +46,8 @@ from typing import Any
 from torchsnapshot import Snapshot
 from torchsnapshot import batcher as _batcher
 from torchsnapshot import scheduler as _scheduler
-from torchsnapshot import snapshot as _snapshot
 from torchsnapshot import serialization as _serialization
+from torchsnapshot import snapshot as _snapshot
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.io_preparers import tensor as _tensor_io
 from torchsnapshot.io_types import BufferStager, Future, ReadIO, ReadReq, WriteIO, WriteReq
@@ -292,10 +294,66 @@ async def _consume_slab(self: Any, buf: Any, executor: Any = None) -> None:
                            for (lo, hi), consumer in parts.items()))
 
 
-# Process-wide and for good: each only replaces what raised, or failed to raise, before.
+_READ_BYTES = 16 << 20
+"""A restore reads a slab in pieces of at most this many bytes (:func:`_batch_reads`; a tensor larger than that is
+one piece by itself), so that reading and copying into the app's tensors overlap within :data:`_READ_BUDGET`."""
+
+_READ_BUDGET = 256 << 20
+"""torchsnapshot's memory budget for a restore's reads (:func:`_memory_budget`; its own is a share of the host's
+available memory, up to 32 GiB): the read buffers a restore holds at once, two slabs' worth. torchsnapshot counts a
+read's cost as its buffer plus its tensors (which a restore into the app's own tensors does not allocate), so about
+half of it is held."""
+
+_restoring = threading.local()  # .active: this thread is in :func:`_restore`
+
+
+def _memory_budget(pg: Any) -> int:
+    """torchsnapshot's ``get_process_memory_budget_bytes`` (``torchsnapshot.snapshot`` asks it on every take and
+    restore), at most :data:`_READ_BUDGET` in a thread in :func:`_restore`: 0.1.0 read a small-tensor state's slabs
+    far ahead of their copies, holding all of the state once more."""
+    budget = _process_budget(pg=pg)
+    return min(budget, _READ_BUDGET) if getattr(_restoring, "active", False) else budget
+
+
+_process_budget = _snapshot.get_process_memory_budget_bytes
+
+
+def _batch_reads(read_reqs: list[ReadReq]) -> list[ReadReq]:
+    """torchsnapshot's ``batch_read_requests`` (``torchsnapshot.snapshot`` calls it on every restore and
+    ``read_object``): the byte ranges of one file read together, in pieces of at most :data:`_READ_BYTES`. 0.1.0 made
+    each file one read (a slab's 128 MiB held whole, 16 of them in flight: a restore held all of a small-tensor
+    state once more) and gave it the size of its last range instead of its own (the memory budget never saw it).
+    Reads of whole files are kept as they are."""
+    out: list[ReadReq] = []
+    ranged: dict[str, list[ReadReq]] = {}
+    for req in read_reqs:
+        (out if req.byte_range is None else ranged.setdefault(req.path, [])).append(req)
+    for path, reqs in ranged.items():
+        piece: list[ReadReq] = []
+        for req in sorted(reqs, key=lambda req: tuple(req.byte_range)):
+            if piece and req.byte_range[1] - piece[0].byte_range[0] > _READ_BYTES:
+                out.append(_merged_read(path, piece))
+                piece = []
+            piece.append(req)
+        out.append(_merged_read(path, piece))
+    return out
+
+
+def _merged_read(path: str, reqs: list[ReadReq]) -> ReadReq:
+    """One read of ``path`` covering the byte ranges of ``reqs`` (sorted), each consumer given its part
+    (``batcher.BatchedBufferConsumer``, read by :func:`_consume_slab`)."""
+    low, high = reqs[0].byte_range[0], max(req.byte_range[1] for req in reqs)
+    parts = {(req.byte_range[0] - low, req.byte_range[1] - low): req.buffer_consumer for req in reqs}
+    return ReadReq(path=path, byte_range=(low, high),
+                   buffer_consumer=_batcher.BatchedBufferConsumer(parts, buf_sz_bytes=high - low))
+
+
+# Process-wide and for good: each only replaces what raised, or failed to raise, before, or read a slab whole.
 _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview = _empty_as_bytes, _empty_from_bytes
 _tensor_io.TensorIOPreparer.prepare_read = classmethod(_read_quantized)
 _batcher.BatchedBufferConsumer.consume_buffer = _consume_slab
+_snapshot.batch_read_requests = _batch_reads
+_snapshot.get_process_memory_budget_bytes = _memory_budget
 
 
 class _LaterErrors(FSStoragePlugin):
@@ -427,6 +485,7 @@ class _HeldReads(FSStoragePlugin):
 def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> None:
     """``snap.restore(app)``, step for step as torchsnapshot 0.1.0 does it, but reading through :class:`_HeldReads`."""
     event_loop = asyncio.new_event_loop()
+    _restoring.active = True
     try:
         ranks = PGWrapper(snap.pg)
         storage = _HeldReads(snap.path, held)
@@ -445,6 +504,7 @@ def _restore(snap: Snapshot, app: dict[str, Any], held: Mapping[str, Any]) -> No
         _settle(event_loop, err)
         raise
     finally:
+        _restoring.active = False
         event_loop.close()
 
 
