@@ -44,8 +44,8 @@ from typing import Any
 from torchsnapshot import Snapshot
 from torchsnapshot import batcher as _batcher
 from torchsnapshot import scheduler as _scheduler
-from torchsnapshot import snapshot as _snapshot
 from torchsnapshot import serialization as _serialization
+from torchsnapshot import snapshot as _snapshot
 from torchsnapshot.flatten import _decode, _encode, inflate
 from torchsnapshot.io_preparers import tensor as _tensor_io
 from torchsnapshot.io_types import BufferStager, Future, ReadIO, ReadReq, WriteIO, WriteReq
