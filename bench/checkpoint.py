@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from bench.checkpoint_peers import cpu_per_gib
-from bench.common import RESULTS_DIR, interleaved, machine_info, section_parser, time_call, write_results
+from bench.common import RESULTS_DIR, cores, interleaved, machine_info, section_parser, time_call, write_results
 from bench.model import build, end_rank, state_mib, train_step
 from bench.quiet import MAX_WAIT_S, Quiet, before_section, during, read_sample, readings, wait_quiet
 from fastio import ImageTrain
@@ -467,18 +467,18 @@ def run(workdir: Path, repeats: int = 3, size_mib: int = 1024, steps: int = 20, 
     workdir = Path(workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    torch.set_num_threads(cores)
+    n = cores()
+    torch.set_num_threads(n)
     t0 = time.perf_counter()
     result = {"size_mib": size_mib, "repeats": repeats, "machine": machine_info()}
     result["blocked"] = _quietly(quiet_wait, measure_blocked, workdir, size_mib, repeats)
     _print_blocked(result["blocked"])
-    result["steady"] = _quietly(quiet_wait, measure_overhead, workdir, size_mib, repeats, steps, every, threads=cores)
-    _print_steady(result["steady"], cores)
+    result["steady"] = _quietly(quiet_wait, measure_overhead, workdir, size_mib, repeats, steps, every, threads=n)
+    _print_steady(result["steady"], n)
     result["cadence"] = _cadence(workdir, cadence_mib, repeats, quiet_wait)
     result["cpu"] = _quietly(quiet_wait, cpu_per_gib, workdir / "cpu", cadence_mib, max(2, repeats))
     _print_cpu(result["cpu"])
-    torch.set_num_threads(cores)
+    torch.set_num_threads(n)
     result["resume"] = _quietly(quiet_wait, measure_resume, workdir, size_mib, repeats)
     _print_resume(result["resume"])
     result["integrity"] = _quietly(quiet_wait, measure_integrity, workdir, size_mib)

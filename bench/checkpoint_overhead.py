@@ -14,10 +14,10 @@ Before each round it waits for a quiet machine (:mod:`bench.quiet`, ``quiet_wait
 what the other processes used during it.
 
 Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants (CheckpointConfig
-options, and the torchsnapshot engine's ``streams`` and ``slab_bytes``), ``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
-``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used directly; waits for the previous save before the
-next, as the Checkpointer does) and ``minimal`` (:class:`bench.checkpoint_peers.MinimalWriter`: stage, then hash,
-one file, fsync, rename).
+options, and the torchsnapshot engine's ``streams`` and ``slab_bytes``), ``dcp_process``
+(``torch.distributed.checkpoint.async_save`` with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used
+directly; waits for the previous save before the next, as the Checkpointer does) and ``minimal``
+(:class:`bench.checkpoint_peers.MinimalWriter`: stage, then hash, one file, fsync, rename).
 
     python -m bench.checkpoint_overhead [--size-mib 512] [--rounds 3] [--factor 1 --factor 4] [--saver minimal]
 """

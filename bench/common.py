@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -72,12 +71,16 @@ def verdict(ratio: dict[str, Any], *conditions: Quiet | dict | None) -> str:
     return f"not judged, {'; '.join(notes)}; as measured: {word}" if notes else word
 
 
+def cores() -> int:
+    """The CPUs this process may run on (:func:`fastio.dist.usable_cpus`): what every section counts its cores,
+    workers and threads by."""
+    from fastio.dist import usable_cpus
+
+    return len(usable_cpus())
+
+
 def machine_info() -> dict[str, Any]:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count()
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": cpus,
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpus": cores(),
             "processor": platform.processor() or platform.machine()}
 
 

@@ -54,7 +54,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import synchronize
+from bench.common import cores, synchronize
 from bench.loader import BATCH, SIZE, _dataloader
 from bench.media import cpu_seconds
 
@@ -71,10 +71,6 @@ SECTIONS = ("prepare", "decode", "loader", "train", "video", "tokens", "image_te
 PARTIAL: dict[str, Any] = {}
 """What the running section has measured so far (its rounds, its train runs, GPU memory), written out by :func:`main`
 if the section is stopped (``bench/gpu.sh`` caps each section with ``timeout``) instead of being lost with it."""
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def machine() -> dict[str, Any]:

@@ -51,7 +51,7 @@ from PIL import Image
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, section_parser, verdict, write_results
+from bench.common import RESULTS_DIR, cores, machine_info, section_parser, verdict, write_results
 from bench.quiet import before_section, during, read_sample
 from fastio import ImageTrain
 
@@ -275,7 +275,7 @@ def _rss_mib() -> float:
 
 def _steady_rss(name: str, dest: Path, device: str, epochs: int = 3) -> float:
     """Median RSS (MiB) after each batch of epochs 2..``epochs`` of one contender, in this process."""
-    threads = os.cpu_count() or 1
+    threads = cores()
     samples: list[float] = []
     if name == "fastio":
         from fastio import Loader
@@ -383,11 +383,11 @@ def run(workdir: Path, repeats: int = 3, device: str = "cpu", samples: int = 120
         results_dir: Path | None = RESULTS_DIR) -> dict:
     """Run the comparison, print the table, write ``loader[-DEVICE].json`` + ``.png`` under ``results_dir``
     (None: write nothing) and return the result dict."""
-    cores = os.cpu_count() or 1
-    dest = make_shards(Path(workdir), samples, shards=max(8, 2 * cores))  # every DataLoader worker gets shards
+    n = cores()
+    dest = make_shards(Path(workdir), samples, shards=max(8, 2 * n))  # every DataLoader worker gets shards
     _fastio(dest, device)  # warm the page cache and DALI's lazy initialisation before timing
-    rounds = _rounds(dest, device, cores, repeats)
-    result = _result(rounds, device, cores, samples, repeats)
+    rounds = _rounds(dest, device, n, repeats)
+    result = _result(rounds, device, n, samples, repeats)
     result["steady_rss_mib"] = {name: _steady_rss_in_child(name, dest, device) for name in ("fastio", "dali")}
     result["member_check"] = _member_check(dest, repeats)
     print(table(result))

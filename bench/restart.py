@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, machine_info, section_parser, write_results
+from bench.common import RESULTS_DIR, cores, machine_info, section_parser, write_results
 from bench.quiet import before_section
 
 __all__ = ["make_dataset", "run"]
@@ -85,7 +84,7 @@ def _webdataset(dest: Path):
 
 
 def _workers() -> int:
-    return os.cpu_count() or 1
+    return cores()
 
 
 # -- the children: one restart each, timestamps on stdout ----------------------------------------------

@@ -17,14 +17,13 @@ import argparse
 import importlib
 import inspect
 import json
-import os
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from bench.common import met, section_parser, verdict
+from bench.common import cores, met, section_parser, verdict
 from bench.quiet import before_section, during, read_sample, readings
 from fastio.storage.atomic import atomic_write_bytes
 
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     summary_path = out / "summary.json"
     # Sections not run now keep their last results (each records when it ran and how many repeats).
     previous = json.loads(summary_path.read_text()).get("sections", {}) if summary_path.exists() else {}
-    summary = {"host": {"cpus": os.cpu_count(), "python": platform.python_version(),
+    summary = {"host": {"cpus": cores(), "python": platform.python_version(),
                         "machine": platform.machine()},
                "sections": {k: v for k, v in previous.items() if k in SECTIONS and k not in wanted}}
     failed = [name for name in wanted if not _run_section(name, args, summary)]
