@@ -300,9 +300,9 @@ one piece by itself), so that reading and copying into the app's tensors overlap
 
 _READ_BUDGET = 256 << 20
 """torchsnapshot's memory budget for a restore's reads (:func:`_memory_budget`; its own is a share of the host's
-available memory, up to 32 GiB): the read buffers a restore holds at once, two slabs' worth. torchsnapshot counts a
-read's cost as its buffer plus its tensors (which a restore into the app's own tensors does not allocate), so about
-half of it is held."""
+available memory): how far a restore reads ahead of its copies into the app's tensors, two slabs' worth as
+torchsnapshot counts it (a read's buffer plus its tensors, which a restore into the app's own tensors does not
+allocate: about half of it is read buffers). A read is started when none is in flight, however large."""
 
 _restoring = threading.local()  # .active: this thread is in :func:`_restore`
 
@@ -321,8 +321,8 @@ _process_budget = _snapshot.get_process_memory_budget_bytes
 def _batch_reads(read_reqs: list[ReadReq]) -> list[ReadReq]:
     """torchsnapshot's ``batch_read_requests`` (``torchsnapshot.snapshot`` calls it on every restore and
     ``read_object``): the byte ranges of one file read together, in pieces of at most :data:`_READ_BYTES`. 0.1.0 made
-    each file one read (a slab's 128 MiB held whole, 16 of them in flight: a restore held all of a small-tensor
-    state once more) and gave it the size of its last range instead of its own (the memory budget never saw it).
+    each file one read (a slab's 128 MiB held whole until all its tensors were copied) and gave it the size of its
+    last range instead of its own (the memory budget never saw it).
     Reads of whole files are kept as they are."""
     out: list[ReadReq] = []
     ranged: dict[str, list[ReadReq]] = {}
@@ -348,7 +348,7 @@ def _merged_read(path: str, reqs: list[ReadReq]) -> ReadReq:
                    buffer_consumer=_batcher.BatchedBufferConsumer(parts, buf_sz_bytes=high - low))
 
 
-# Process-wide and for good: each only replaces what raised, or failed to raise, before, or read a slab whole.
+# Process-wide and for good: each only replaces what raised, or failed to raise, before, or read more at once.
 _tensor_io.tensor_as_memoryview, _tensor_io.tensor_from_memoryview = _empty_as_bytes, _empty_from_bytes
 _tensor_io.TensorIOPreparer.prepare_read = classmethod(_read_quantized)
 _batcher.BatchedBufferConsumer.consume_buffer = _consume_slab
