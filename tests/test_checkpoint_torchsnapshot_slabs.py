@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import StateHolder
 from torch import nn
 from torchsnapshot import Snapshot
 
@@ -167,9 +168,9 @@ def test_a_restore_holds_a_bounded_part_of_a_slabbed_state_not_all_of_it_again(t
     monkeypatch.setattr(torchsnapshot_engine, "_READ_BUDGET", 32 << 20, raising=False)
     state = {f"t{i}": torch.full((1 << 17,), float(i)) for i in range(384)}  # 384 x 0.5 MiB
     with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
-        ckpt.save(1, {"s": _Held(state)}, blocking=True)
+        ckpt.save(1, {"s": StateHolder(state)}, blocking=True)
     assert len([f for f in _files(tmp_path / "ck" / "step-1") if "/batched/" in f]) == 2
-    into = _Held({name: torch.zeros_like(t) for name, t in state.items()})
+    into = StateHolder({name: torch.zeros_like(t) for name, t in state.items()})
     del state
     with Checkpointer(tmp_path / "ck", signals=(), read_only=True) as ckpt:
         ctypes.CDLL(None).malloc_trim(0)  # freed memory back to the kernel: read buffers cannot hide in it
@@ -179,14 +180,3 @@ def test_a_restore_holds_a_bounded_part_of_a_slabbed_state_not_all_of_it_again(t
         peak = _rss_mib("VmHWM") - before
     assert all(into.state[f"t{i}"][-1].item() == i for i in range(384))
     assert peak < 96, f"the restore peaked {peak} MiB above the app's tensors"
-
-
-class _Held:
-    def __init__(self, state: dict):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-    def load_state_dict(self, state: dict) -> None:
-        self.state = state
