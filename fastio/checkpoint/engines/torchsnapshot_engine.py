@@ -359,11 +359,12 @@ _snapshot.get_process_memory_budget_bytes = _memory_budget
 class _LaterErrors(FSStoragePlugin):
     """torchsnapshot's file system plugin, writing each file with one task on the event loop's executor (torchsnapshot's
     own writes through ``aiofiles``, a thread hop per open, write and close), a slab (:class:`_Pieces`) from its
-    tensors' views one after the other; keeping the first write error for later instead of raising it; recording each
-    file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``, hashed from the bytes written, which
-    are the Checkpointer's staged copy); and starting each file's writeback to the disk as it is written
-    (``writeback``, :func:`~fastio.storage.atomic.start_writeback`, every :data:`_WRITEBACK_BYTES`: the commit's
-    fsyncs then find the bytes written or on their way, instead of writing all of them at once).
+    tensors' views one after the other; keeping the first write error (an ``OSError`` naming the file) for later
+    instead of raising it; recording each file it wrote (``written``: path -> ``{"bytes": size, "xxh3_128": digest}``,
+    hashed from the bytes written, which are the Checkpointer's staged copy); and starting each file's writeback to
+    the disk as it is written (``writeback``, :func:`~fastio.storage.atomic.start_writeback`, every
+    :data:`_WRITEBACK_BYTES`: the commit's fsyncs then find the bytes written or on their way, instead of writing all
+    of them at once).
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -381,6 +382,9 @@ class _LaterErrors(FSStoragePlugin):
         try:
             self.written[write_io.path] = await asyncio.get_running_loop().run_in_executor(
                 None, self._write_file, write_io.path, write_io.buf)
+        except OSError as err:  # a failed os.write names no file: this one
+            named = err.filename or err.errno is None
+            self.error = err if named else OSError(err.errno, err.strerror, os.path.join(self.root, write_io.path))
         except Exception as err:  # noqa: BLE001 - raised by _take once the collectives are done
             self.error = err
 
