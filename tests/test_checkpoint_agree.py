@@ -207,9 +207,13 @@ def _joined_worker(rank: int, base: str) -> None:
         Checkpointer(Path(base, "two"), signals=()).close()
         dist.destroy_process_group()
     join_group(rank, 3, Path(base, "w3.port"))
-    ckpt = Checkpointer(Path(base, "ck"), signals=(), agree_timeout=2)
-    if rank == 2:
-        time.sleep(3)
+    # ranks 0 and 1 must arrive within agree_timeout of each other (5 s: a loaded machine lags them by seconds);
+    # rank 2 arrives once both have given up on it and said so
+    ckpt = Checkpointer(Path(base, "ck"), signals=(), agree_timeout=5)
+    deadline = time.monotonic() + 60
+    while rank == 2 and not all(Path(base, f"rank{r}.json").exists() for r in (0, 1)) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
     try:
         ckpt.save(1, {"model": nn.Linear(4, 2)}, blocking=True)
         seen = None
