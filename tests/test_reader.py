@@ -51,6 +51,30 @@ def test_concurrent_first_opens_keep_one_descriptor_per_shard_and_close_all(imag
     assert _open_fds() == before
 
 
+def test_threads_reading_the_same_shards_at_once_parse_each_index_once(image_dataset, monkeypatch):
+    """The key CRCs of a shard (its ``.idx`` parsed for the tar-header check) are read by one thread; another that wants
+    the same shard meanwhile waits for them instead of parsing the file again (a fresh reader's first batches)."""
+    import threading
+    import time
+
+    parsed, lock = [], threading.Lock()
+    slow = Dataset.key_crcs
+
+    def key_crcs(self, shard):
+        with lock:
+            parsed.append(shard.name)
+        time.sleep(0.05)  # long enough for every thread to want the shard while the first parses it
+        return slow(self, shard)
+
+    monkeypatch.setattr(Dataset, "key_crcs", key_crcs)
+    ds = Dataset(image_dataset)
+    with Reader(ds, ["cls"], threads=8) as reader:
+        futures = [reader.submit(np.arange(len(ds))) for _ in range(8)]
+        wait(futures)
+        assert all(f.result().fields["cls"][0].size > 0 for f in futures)
+    assert sorted(parsed) == sorted(s.name for s in ds.shards), parsed
+
+
 def test_a_shard_failing_verification_leaves_no_descriptor_open(image_dataset):
     shard = image_dataset / "shards" / "shard-000001.tar"
     data = bytearray(shard.read_bytes())

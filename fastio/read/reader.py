@@ -120,6 +120,7 @@ _HEADER = 512  # a tar member's header, right before its data (read with it: the
 _LONG_NAME = 99  # a header name this long may be the start of a longer one (GNU long name, pax path)
 log = logging.getLogger("fastio")
 _NO_KEY = -1  # a shard whose .idx cannot be read: member names are checked by field and size, not key
+_UNREAD = object()  # a shard whose key CRCs were not read yet
 
 
 def _tar_header(header: bytes) -> tuple[bytes, int | None]:
@@ -196,7 +197,8 @@ class Reader:
         self._files = files
         self._verified: set[int] = set()  # shards of a shard source (cache) whose bytes verify=True has checked
         self._key_crcs: dict[int, np.ndarray | None] = {}  # shard -> CRC-32 of each sample's key (from its .idx)
-        self._key_lock = threading.Lock()
+        self._key_lock = threading.Lock()  # guards _key_locks
+        self._key_locks: dict[int, threading.Lock] = {}  # shard -> held by the one thread reading its key CRCs
         self._fds = _Descriptors()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
         # A reader dropped without close() still releases its threads and file descriptors.
@@ -356,19 +358,27 @@ class Reader:
         return got
 
     def _shard_key_crcs(self, shard_index: int) -> np.ndarray | None:
-        """CRC-32 of the key of each sample of a shard (uint32), from its ``.idx`` (read on the shard's first use);
-        None when it cannot be read."""
-        if shard_index in self._key_crcs:
-            return self._key_crcs[shard_index]
-        shard = self.ds.shards[shard_index]
-        try:
-            crcs = self.ds.key_crcs(shard)
-        except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
-            log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
-                        "(fastio verify names the damage)", err, shard.name)
-            crcs = None
+        """CRC-32 of the key of each sample of a shard (uint32), from its ``.idx`` (read on the shard's first use, by one
+        thread: another wanting the same shard meanwhile waits for it instead of parsing the file again); None when it
+        cannot be read."""
+        crcs = self._key_crcs.get(shard_index, _UNREAD)
+        if crcs is not _UNREAD:
+            return crcs
         with self._key_lock:
-            return self._key_crcs.setdefault(shard_index, crcs)
+            lock = self._key_locks.setdefault(shard_index, threading.Lock())
+        with lock:
+            crcs = self._key_crcs.get(shard_index, _UNREAD)
+            if crcs is not _UNREAD:
+                return crcs
+            shard = self.ds.shards[shard_index]
+            try:
+                crcs = self.ds.key_crcs(shard)
+            except DatasetError as err:  # samples.fxi locates every field without it: read on, say what is not checked
+                log.warning("fastio: %s; the members of shard %s are checked by field and size only, not by key "
+                            "(fastio verify names the damage)", err, shard.name)
+                crcs = None
+            self._key_crcs[shard_index] = crcs
+            return crcs
 
     def _recheck_member(self, index: int, field: str, size: int, offset: int, name: bytes, got: int | None) -> None:
         """DatasetError: the tar header before a field's bytes is not the one the index describes; but a key
