@@ -15,7 +15,9 @@ A group that dies and is started again heals from a peer: the weights, the optim
 The loss is the sum over this rank's samples times ``num_participants() / batch_size``: torchft's allreduce
 averages over the participating groups, so the gradient is that of the global batch's mean, whatever the shares.
 ``--sample-log FILE`` appends one JSON line per committed step: the step, the group and rank, and the dataset
-indices it trained on.
+indices it trained on. A step that does not commit ``--max-retries`` times more in a row (a process group that
+cannot be built, a peer that never answers in time) ends the run with one line naming the step and torchft's
+error, instead of retrying it for ever.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,8 +51,37 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=30, help="seconds before a peer is taken for dead")
+    parser.add_argument("--max-retries", type=int, default=10,
+                        help="times a step that did not commit is tried again before the run stops")
     parser.add_argument("--sample-log", help="append a JSON line per committed step (step, group, rank, indices)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_retries < 0:
+        parser.error(f"--max-retries must be >= 0, got {args.max_retries}")
+    return args
+
+
+class StepFailed(Exception):
+    """A step did not commit ``--max-retries`` + 1 times in a row."""
+
+
+def uncommitted(manager: Manager, step: int, failures: int, max_retries: int) -> int:
+    """The failures in a row after one more try of ``step`` (0 once it committed); StepFailed past ``max_retries``,
+    naming the step and the error torchft recorded for its last try (the first line of it)."""
+    if manager.current_step() > step:
+        return 0
+    failures += 1
+    if failures > max_retries:
+        raise StepFailed(f"step {step} did not commit in {failures} tries in a row (--max-retries {max_retries}): "
+                         f"{reason(manager.errored())}")
+    return failures
+
+
+def reason(err: Any) -> str:
+    """The first line of the error torchft recorded for a step (``manager.errored()``)."""
+    if err is None:  # nothing failed: the step had fewer groups than the Manager's min_replica_size
+        return "too few replica groups took part (min_replica_size)"
+    lines = str(err.original_exception).strip().splitlines()
+    return lines[0] if lines else type(err.original_exception).__name__
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     ddp = DistributedDataParallel(manager, model)
     opt = OptimizerWrapper(manager, optimizer)
-    it = iter(loader)
+    try:
+        train(args, manager, loader, ddp, opt)
+    finally:
+        loader.close()
+        manager.shutdown(wait=False)
+
+
+def train(args: argparse.Namespace, manager: Manager, loader: Loader, ddp: nn.Module, opt: OptimizerWrapper) -> None:
+    """Steps until ``args.steps`` committed ones (StepFailed: one that keeps failing)."""
+    it, failures = iter(loader), 0
     while manager.current_step() < args.steps:
         opt.zero_grad()  # starts this step's quorum
         batch = next(it)  # this rank's share of global batch manager.current_step()
@@ -77,16 +118,15 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         step = manager.current_step()
         opt.step()  # commits, or not: a step that does not commit is taken again, with the same samples
+        failures = uncommitted(manager, step, failures, args.max_retries)
         if manager.current_step() > step and args.sample_log and manager.is_participating():
             with open(args.sample_log, "a") as log:
                 log.write(json.dumps({"step": step, "group": os.environ.get("REPLICA_GROUP_ID", "0"),
                                       "rank": loader.rank, "index": batch["index"].tolist()}) + "\n")
-    loader.close()
-    manager.shutdown(wait=False)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except FastioError as err:
+    except (FastioError, StepFailed) as err:
         sys.exit(f"torchft_train: {err}")

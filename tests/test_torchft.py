@@ -172,44 +172,98 @@ def test_every_committed_step_is_the_one_process_batch_through_a_killed_group(tm
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchft_train.py"
 
 
-def _example_main(argv: list[str]) -> None:
+def _example_main(argv: list[str], stderr: str) -> None:
     """``python examples/torchft_train.py ARGV`` in a rank process (its environment from the test's), every address
-    it advertises 127.0.0.1 (torchft takes the host name for its manager and checkpoint servers)."""
+    it advertises 127.0.0.1 (torchft takes the host name for its manager and checkpoint servers); its stderr goes to
+    the file ``stderr``, and SIGUSR1 writes the stacks of all its threads to ``stderr``.stacks."""
+    import faulthandler
     import runpy
     import socket
     import sys
 
+    with open(stderr, "a") as out:
+        os.dup2(out.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=open(_stacks(stderr), "w"), all_threads=True)
     socket.gethostname = lambda: "127.0.0.1"
     sys.argv = [str(EXAMPLE), *argv]
     runpy.run_path(str(EXAMPLE), run_name="__main__")
 
 
+def _stacks(stderr: str | Path) -> Path:
+    return Path(f"{stderr}.stacks")
+
+
+def _hung_says(stderr: Path) -> str:
+    """The stacks a process sent SIGUSR1 writes (waited for, 10 s at most), then the end of its stderr."""
+    stacks, until = _stacks(stderr), time.monotonic() + 10
+    while not (stacks.exists() and stacks.stat().st_size) and time.monotonic() < until:
+        time.sleep(0.1)
+    return f"{stacks.read_text() if stacks.exists() else '(no stacks written)'}...\n{stderr.read_text()[-2000:]}"
+
+
+def _start_example(monkeypatch, house, group: int, store: TCPStore, argv: list[str], stderr: Path, **env: str):
+    """Replica group ``group`` of the example (one rank, its Manager finding the group's ``store``) on the lighthouse
+    ``house``; ``env`` over ``LOOPBACK``."""
+    env = {**LOOPBACK, "TORCHFT_LIGHTHOUSE": house.address(), "REPLICA_GROUP_ID": str(group), "RANK": "0",
+           "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), **env}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    proc = rank_process(_example_main, (argv, str(stderr)))
+    proc.start()
+    return proc
+
+
+def _join_examples(procs: list, stderrs: list[Path], seconds: float) -> None:
+    """Wait for the example's groups to end, ``seconds`` in all; one still running then fails the test with the
+    stacks of its threads (SIGUSR1) and the end of its stderr, then is killed."""
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [g for g, p in enumerate(procs) if p.is_alive()]
+    for g in hung:
+        os.kill(procs[g].pid, signal.SIGUSR1)
+    said = {g: _hung_says(stderrs[g]) for g in hung}
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, "\n".join(f"group {g} still running after {seconds:.0f} s; its threads and the end of its "
+                               f"stderr:\n{said[g]}" for g in hung)
+
+
 def test_the_example_trains_each_step_on_its_global_batch(tmp_path, image_dataset, monkeypatch):
     house = lighthouse(min_replicas=2, join_ms=1000)
-    stores = [group_store() for _ in range(2)]
     log = tmp_path / "samples.jsonl"
-    procs = []
-    for g, store in enumerate(stores):
-        env = {**LOOPBACK, "TORCHFT_LIGHTHOUSE": house.address(), "REPLICA_GROUP_ID": str(g), "RANK": "0",
-               "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        procs.append(rank_process(_example_main, (["--data", str(image_dataset), "--steps", "8", "--batch-size", "8",
-                                                   "--image-size", "16", "--timeout", "10",
-                                                   "--sample-log", str(log)],)))
-        procs[-1].start()
+    argv = ["--data", str(image_dataset), "--steps", "8", "--batch-size", "8", "--image-size", "16", "--timeout",
+            "10", "--sample-log", str(log)]
+    stores, stderrs = [group_store() for _ in range(2)], [tmp_path / f"g{g}.stderr" for g in range(2)]
     try:
-        for p in procs:
-            p.join(90)
-            assert p.exitcode == 0, p.exitcode
+        procs = [_start_example(monkeypatch, house, g, stores[g], argv, stderrs[g]) for g in range(2)]
+        _join_examples(procs, stderrs, 90)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
         house.shutdown()
+    assert [p.exitcode for p in procs] == [0, 0], [stderr.read_text()[-2000:] for stderr in stderrs]
     want = _one_process(image_dataset, 8, batch_size=8, pipeline=fastio.Raw())
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     for step in range(8):
         shares = sorted((r for r in lines if r["step"] == step), key=lambda r: r["group"])
         assert sorted(i for r in shares for i in r["index"]) == sorted(want[step]), step
+
+
+def test_the_example_stops_on_a_step_that_never_commits(tmp_path, image_dataset, monkeypatch):
+    """A group whose process group cannot be built (gloo on an interface that does not exist) fails every try of
+    step 0: torchft reports the error, the step does not commit, the lighthouse bumps the quorum for the failure
+    and the group reconfigures and fails again. The example ends after ``--max-retries`` more tries, in one line
+    naming the step and the error (it used to try step 0 for ever, a new DALI pipeline each time)."""
+    house, store, stderr = lighthouse(min_replicas=1), group_store(), tmp_path / "g0.stderr"
+    argv = ["--data", str(image_dataset), "--steps", "3", "--batch-size", "8", "--image-size", "16", "--timeout",
+            "5", "--max-retries", "2"]
+    try:
+        proc = _start_example(monkeypatch, house, 0, store, argv, stderr, GLOO_SOCKET_IFNAME="nosuchif0")
+        _join_examples([proc], [stderr], 60)
+    finally:
+        house.shutdown()
+    last = stderr.read_text().strip().splitlines()[-1]
+    assert proc.exitcode == 1, last
+    assert last.startswith("torchft_train: step 0 did not commit in 3 tries in a row (--max-retries 2): "), last
+    assert "nosuchif0" in last, last
