@@ -49,6 +49,16 @@ def _edit(dest: Path, **image_text) -> Path:
     return path
 
 
+def _copy(dest: Path, to: Path) -> Path:
+    """A dataset at ``to`` whose manifest and sample table are copies of ``dest``'s (to be edited), its shards
+    ``dest``'s."""
+    to.mkdir()
+    (to / "shards").symlink_to(dest / "shards")
+    for name in ("manifest.json", "samples.fxi"):
+        (to / name).write_bytes((dest / name).read_bytes())
+    return to
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("vlm-vocab")
@@ -91,12 +101,7 @@ def test_parts_merge_to_the_largest_of_their_ids_and_refuse_parts_of_other_vocab
 
 
 def test_a_manifest_written_before_the_record_loads_with_nothing_known(converted, tmp_path, capsys):
-    src, dest = converted
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "shards").symlink_to(dest / "shards")
-    for name in ("manifest.json", "samples.fxi"):
-        (old / name).write_bytes((dest / name).read_bytes())
+    old = _copy(converted[1], tmp_path / "old")
     _edit(old, vocab_size=None, max_id=None)
     assert "image_text" not in json.loads((old / "manifest.json").read_text())
     assert load_manifest(old).image_text is None
@@ -106,12 +111,8 @@ def test_a_manifest_written_before_the_record_loads_with_nothing_known(converted
 
 
 def test_a_vocabulary_smaller_than_an_id_it_holds_is_refused_naming_the_field(converted, tmp_path, capsys):
-    _, dest = converted
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "shards").symlink_to(dest / "shards")
-    for name in ("manifest.json", "samples.fxi"):
-        (bad / name).write_bytes((dest / name).read_bytes())
+    dest = converted[1]
+    bad = _copy(dest, tmp_path / "bad")
     largest = load_manifest(dest).image_text.max_id
     path = _edit(bad, vocab_size=largest)
     with pytest.raises(DatasetError, match=rf"^{path}: image_text\.max_id: {largest} is outside the vocabulary of "
