@@ -17,7 +17,7 @@ from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.image_text import TOKENS_FIELD
 from tests.helpers import run_cli
-from tests.tokens_helpers import image_text_source, stored_image_text
+from tests.tokens_helpers import image_text_source, stored_image_text, word_corpus
 
 
 def _convert(src: dict, dest: Path, **config) -> None:
@@ -144,3 +144,13 @@ def test_the_embedding_size_is_the_largest_id_plus_one_where_the_vocabulary_is_n
     _edit(copy, vocab_size=None)
     info = load_manifest(copy).image_text
     assert info.vocab_size is None and info.embedding_size == _largest_written(dest) + 1
+
+
+def test_a_token_datasets_manifest_with_an_image_text_entry_is_refused_naming_it(tmp_path):
+    dest = word_corpus(tmp_path)
+    path = dest / "manifest.json"
+    data = json.loads(path.read_text())
+    data["image_text"] = {"vocab_size": data["tokens"]["vocab_size"]}
+    path.write_text(json.dumps(data))
+    with pytest.raises(DatasetError, match=rf"^{path}: image_text: a dataset of kind 'tokens' has no image-text "):
+        load_manifest(dest)

@@ -101,7 +101,7 @@ class _Vocabulary:
     def add(self, fields: dict[str, bytes]) -> None:
         ids = np.frombuffer(fields[TOKENS_FIELD], "<i4")
         if ids.size:
-            self.max_id = max(int(ids.max()), -1 if self.max_id is None else self.max_id)
+            self.max_id = int(ids.max()) if self.max_id is None else max(self.max_id, int(ids.max()))
 
     def manifest_fields(self) -> dict[str, ImageTextInfo]:
         return {"image_text": ImageTextInfo(vocab_size=self.vocab_size, max_id=self.max_id)}

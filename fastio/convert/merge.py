@@ -275,14 +275,14 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
     fields: set[str] = set()
     codecs: dict[str, dict[str, int]] = {}
     skipped = list(plan["scan_skipped"])
-    vocabulary: list[ImageTextInfo | None] = []
+    vocabularies: list[ImageTextInfo | None] = []
     for record in records:
         out = part_dir(dest, record.part, record.of) / name
         try:
             manifest = load_manifest(out)
-            vocabulary = _join_vocabulary(vocabulary, manifest.image_text)
-        except (DatasetError, ValueError) as err:
+        except DatasetError as err:
             raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
+        vocabularies.append(manifest.image_text)
         fields.update(manifest.fields)
         join_video_codecs(codecs, manifest.video_codecs, len(samples))
         skipped += manifest.skipped or []
@@ -298,9 +298,7 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
 
     planned = [_Planned(a, b, part_shards.get((a, b))) for a, b in _cuts(samples, max_bytes, max_samples)]
     _place(samples, planned, staging, plan["name"], max_bytes, max_samples, counts)
-    more = {"video_codecs": codecs} if codecs else {}
-    if vocabulary[0] is not None:
-        more["image_text"] = vocabulary[0]
+    more = {**({"video_codecs": codecs} if codecs else {}), **_merged_vocabulary(vocabularies, records)}
     if name:
         more["split"] = {"name": name, "of": sorted(records[0].datasets)}
     return planned, dict(
@@ -328,16 +326,22 @@ def _place(samples: list[_Sample], planned: list[_Planned], staging: Path, name:
             counts["linked"] += 1
 
 
-def _join_vocabulary(joined: list[ImageTextInfo | None], part: ImageTextInfo | None) -> list[ImageTextInfo | None]:
-    """``[the image_text record of the parts so far and part]`` (:meth:`ImageTextInfo.joined`; ``[]``: no part
-    yet; ``[None]``: the parts record none, as a conversion of images); ValueError where one part records a
-    vocabulary and another none, or another."""
-    if not joined:
-        return [part]
-    if (joined[0] is None) != (part is None):
-        raise ValueError("image_text: the part records " + ("none" if part is None else "one") + " where another "
-                         "part records " + ("one" if part is None else "none") + " (parts of other fastio versions)")
-    return [None if part is None else joined[0].joined(part)]
+def _merged_vocabulary(parts: list[ImageTextInfo | None], records: list[PartRecord]) -> dict[str, ImageTextInfo]:
+    """``{"image_text": the parts' records joined}`` (:meth:`ImageTextInfo.joined`: the same vocabulary size, the
+    largest of the largest ids), ``{}`` where no part records one (a conversion of images); ConvertError naming
+    the part whose record disagrees with the parts before it."""
+    if all(part is None for part in parts):
+        return {}
+    joined = parts[0]
+    for part, record in zip(parts[1:], records[1:]):
+        try:
+            if joined is None or part is None:
+                raise ValueError("image_text: recorded by some parts and not by others (parts of other fastio "
+                                 "versions: convert them again)")
+            joined = joined.joined(part)
+        except ValueError as err:
+            raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
+    return {"image_text": joined}
 
 
 def _cuts(samples: list[_Sample], max_bytes: int, max_samples: int | None) -> list[tuple[int, int]]:
