@@ -74,23 +74,22 @@ def vlm_loss(model: TinyVLM, batch: dict) -> torch.Tensor:
 
 def embedding_size(data: str, tokenizer: str | None) -> int:
     """The rows of the token embedding: the dataset's ``manifest.image_text.embedding_size`` (the vocabulary of the
-    tokenizer it was converted with), which ``tokenizer`` (a ``tokenizer.json``) must agree with; the tokenizer's
-    where the dataset records none (converted before fastio recorded it). ValueError naming what disagrees or
-    lacks."""
+    tokenizer it was converted with), or ``tokenizer``'s ids (a ``tokenizer.json``), which must be the vocabulary
+    the dataset records and hold its largest id. ValueError naming what disagrees or lacks."""
     from fastio.convert.token_convert import load_tokenizer, vocab_size
+    from fastio.dataset.manifest import ImageTextInfo
 
-    info = fastio.Dataset(data).manifest.image_text
-    recorded = None if info is None else info.embedding_size
+    info = fastio.Dataset(data).manifest.image_text or ImageTextInfo()
     if tokenizer is None:
-        if recorded is None:
+        if info.embedding_size is None:
             raise ValueError(f"{data}: the manifest records no vocabulary size (converted before fastio recorded "
                              "it): give --tokenizer, or convert it again")
-        return recorded
+        return info.embedding_size
     ids = vocab_size(load_tokenizer(tokenizer))
-    if recorded is not None and ids != recorded:
-        raise ValueError(f"--tokenizer {tokenizer} has {ids} ids, but {data} was converted with a vocabulary of "
-                         f"{recorded} (manifest.image_text.embedding_size): give the tokenizer it was converted with, "
-                         "or leave --tokenizer out")
+    if info.vocab_size not in (None, ids) or (info.max_id is not None and info.max_id >= ids):
+        recorded = f"a vocabulary of {info.vocab_size}" if info.vocab_size is not None else f"id {info.max_id}"
+        raise ValueError(f"--tokenizer {tokenizer} has {ids} ids, but {data} holds {recorded} (manifest.image_text): "
+                         "give the tokenizer it was converted with, or leave --tokenizer out")
     return ids
 
 

@@ -4,6 +4,7 @@ resumed: the same sequences, bit-identical losses and final weights as a run nev
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -86,5 +87,19 @@ def test_a_tokenizer_of_another_vocabulary_than_the_datasets_is_refused_naming_b
     other = train_tokenizer(tmp_path / "other.json", vocab_size=280, specials=("<image>",))
     rc, out, err = warm.run(EXAMPLE, tmp_path, str(dest), str(tmp_path / "ckpt"), "--tokenizer", str(other))
     embedding = load_manifest(dest).image_text.embedding_size
-    assert rc == 2 and str(other) in err and f"vocabulary of {embedding}" in err, out + err
+    assert rc == 2 and str(other) in err and f"a vocabulary of {embedding} (manifest.image_text)" in err, out + err
+    assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_a_dataset_converted_before_its_vocabulary_was_recorded_needs_the_tokenizer(vlm, warm, tmp_path):
+    dest, _ = vlm
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "shards").symlink_to(dest / "shards")
+    (old / "samples.fxi").write_bytes((dest / "samples.fxi").read_bytes())
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["image_text"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rc, out, err = warm.run(EXAMPLE, tmp_path, str(old), str(tmp_path / "ckpt"))
+    assert rc == 2 and f"{old}: the manifest records no vocabulary size" in err and "give --tokenizer" in err
     assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
