@@ -3,7 +3,7 @@ only, resuming exactly.
 
     fastio convert vlm.jsonl vlm --tokenizer tokenizer.json --chat-template tokenizer_config.json \\
         --image-field images --image-token "<image>"
-    python examples/vlm_train.py vlm ckpt --tokenizer tokenizer.json [--steps 200] [--seq-len 256] \\
+    python examples/vlm_train.py vlm ckpt [--tokenizer tokenizer.json] [--steps 200] [--seq-len 256] \\
         [--image-seq-len 16] [--image-size 32] [--batch-size 4]
 
 ``fastio.ImageText`` packs whole conversations into sequences of ``seq_len + 1`` tokens, each image token repeated
@@ -13,7 +13,9 @@ its kernel, cutting each image into ``image_seq_len`` patches, and a linear proj
 ``image_seq_len`` embeddings, placed over its run: row ``image_rows[i]`` from ``image_starts[i]``. The tiny causal
 transformer of ``examples/gpt_train.py`` reads them with the other tokens' embeddings (``position_ids`` restarting
 and a block-causal mask from ``segment_ids`` at each conversation), and the loss counts a target ``tokens[:, 1:]``
-only where ``loss_mask[:, 1:]`` is True: the replies, never an image, the prompts or padding. The Checkpointer
+only where ``loss_mask[:, 1:]`` is True: the replies, never an image, the prompts or padding. The token embedding
+has the manifest's ``image_text.embedding_size`` rows (the vocabulary of the tokenizer the dataset was converted
+with); ``--tokenizer``, where given, must have as many ids. The Checkpointer
 saves the model, the optimizer, the RNG states and the Loader's position every 5 steps; run the same command after
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences, the same per-step
 losses and the same weights as a run that was never stopped. tests/test_vlm_example.py kills it and compares.
@@ -70,18 +72,33 @@ def vlm_loss(model: TinyVLM, batch: dict) -> torch.Tensor:
     return trained_loss(model(batch), batch)
 
 
-def vocab_size(tokenizer: str) -> int:
-    """The vocabulary size of a Hugging Face ``tokenizer.json`` (its added tokens, the image token, included)."""
-    from tokenizers import Tokenizer
+def embedding_size(data: str, tokenizer: str | None) -> int:
+    """The rows of the token embedding: the dataset's ``manifest.image_text.embedding_size`` (the vocabulary of the
+    tokenizer it was converted with), or ``tokenizer``'s ids (a ``tokenizer.json``), which must be the vocabulary
+    the dataset records and hold its largest id. ValueError naming what disagrees or lacks."""
+    from fastio.convert.token_convert import load_tokenizer, vocab_size
+    from fastio.dataset.manifest import ImageTextInfo
 
-    return Tokenizer.from_file(tokenizer).get_vocab_size(with_added_tokens=True)
+    info = fastio.Dataset(data).manifest.image_text or ImageTextInfo()
+    if tokenizer is None:
+        if info.embedding_size is None:
+            raise ValueError(f"{data}: the manifest records no vocabulary size (converted before fastio recorded "
+                             "it): give --tokenizer, or convert it again")
+        return info.embedding_size
+    ids = vocab_size(load_tokenizer(tokenizer))
+    if info.vocab_size not in (None, ids) or (info.max_id is not None and info.max_id >= ids):
+        recorded = f"a vocabulary of {info.vocab_size}" if info.vocab_size is not None else f"id {info.max_id}"
+        raise ValueError(f"--tokenizer {tokenizer} has {ids} ids, but {data} holds {recorded} (manifest.image_text): "
+                         "give the tokenizer it was converted with, or leave --tokenizer out")
+    return ids
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", help="an image-text dataset (fastio convert --image-field ...)")
     parser.add_argument("ckpt_dir")
-    parser.add_argument("--tokenizer", required=True, help="the tokenizer.json it was converted with")
+    parser.add_argument("--tokenizer", help="the tokenizer.json it was converted with, checked against the "
+                        "vocabulary its manifest records (default: the embedding is sized by the manifest's)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--image-seq-len", type=int, default=16)
@@ -90,14 +107,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         patch_side(args.image_size, args.image_seq_len)
-    except ValueError as err:
+        vocab = embedding_size(args.data, args.tokenizer)
+    except (ValueError, fastio.FastioError) as err:
         parser.error(str(err))
+    print(f"embedding: {vocab} rows", flush=True)
     pipe = fastio.ImageText(image=fastio.ImageTrain(size=args.image_size), seq_len=args.seq_len,
                             image_seq_len=args.image_seq_len, packing="best-fit")
     train_loop(args.ckpt_dir, args.steps,
                lambda: fastio.Loader(args.data, pipeline=pipe, batch_size=args.batch_size, device="cpu", seed=0),
-               lambda train: TinyVLM(vocab_size(args.tokenizer), args.seq_len + 1, args.image_size,
-                                     args.image_seq_len),
+               lambda train: TinyVLM(vocab, args.seq_len + 1, args.image_size, args.image_seq_len),
                vlm_loss,
                note=lambda batch: f" trained {int(batch['loss_mask'][:, 1:].sum())} images {len(batch['images'])}")
 

@@ -43,7 +43,7 @@ def eio_on_data_files():
     undo_disk = _from_disk()
 
     async def read(self, read_io):
-        if "model" in read_io.path or "/batched/" in read_io.path:
+        if "model" in read_io.path or "/_fastio_slabs/" in read_io.path:
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(self.root, read_io.path))
         return await original(self, read_io)
     FSStoragePlugin.read = read
@@ -59,7 +59,7 @@ def short_reads():
 
     async def read(self, read_io):
         await original(self, read_io)
-        if "model" in read_io.path or "/batched/" in read_io.path:
+        if "model" in read_io.path or "/_fastio_slabs/" in read_io.path:
             data = read_io.buf.getvalue()
             read_io.buf = io.BytesIO(data[:len(data) // 2])
     FSStoragePlugin.read = read
@@ -127,8 +127,8 @@ def test_a_file_one_rank_cannot_read_fails_every_rank(tmp_path):
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # DCP's metadata and record are read when the step is opened (the keys and shapes are checked before anything
     # loads)
-    for label, file, phase in (("torchsnapshot:eio", "/1/batched/", "load"),
-                               ("torchsnapshot:short", "from 1/batched/", "load"),
+    for label, file, phase in (("torchsnapshot:eio", "/1/_fastio_slabs/", "load"),
+                               ("torchsnapshot:short", "from 1/_fastio_slabs/", "load"),
                                ("dcp:metadata", "/.metadata", "open"),
                                ("dcp:record", "checkpoint has no state for app key model on saving rank 1", "open")):
         texts = {s[label] for s in seen}

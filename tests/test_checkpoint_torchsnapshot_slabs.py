@@ -64,7 +64,7 @@ def test_small_tensors_share_one_slab_file_and_restore_bitwise(tmp_path):
     ours = [e for path, e in entries.items() if path.split("/")[1] in ("model", "optim")]
     assert len(ours) == 26 * 4  # 26 parameters, Adam's 2 moments and step tensor for each
     slabbed = {e.location for e in entries.values()}
-    assert len(slabbed) == 1 and next(iter(slabbed)).startswith("0/batched/")  # 0.6 MB, RNG states too: one slab
+    assert len(slabbed) == 1 and next(iter(slabbed)).startswith("0/_fastio_slabs/")  # 0.6 MB, RNG states too: one slab
     ranges = sorted(tuple(e.byte_range) for e in entries.values() if e.location in slabbed)
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # packed, in order
     assert _files(step)[next(iter(slabbed))] == ranges[-1][1]
@@ -90,8 +90,8 @@ def test_slabs_are_at_most_slab_bytes_and_larger_tensors_keep_their_own_file(tmp
     step = _save(tmp_path / "ck", app)
     entries, files = _entries(step), _files(step)
     big = [e for e in entries.values() if e.shape == [300, 64]]  # 76,800 bytes, its weight and two moments
-    assert len(big) == 3 and all(not e.location.startswith("0/batched/") and e.byte_range is None for e in big)
-    slabs = {name: size for name, size in files.items() if "/batched/" in name}
+    assert len(big) == 3 and all(not e.location.startswith("0/_fastio_slabs/") and e.byte_range is None for e in big)
+    slabs = {name: size for name, size in files.items() if "/_fastio_slabs/" in name}
     assert len(slabs) > 10 and max(slabs.values()) <= 40_000
     into = _app(6, trained=False)
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
@@ -105,7 +105,7 @@ def test_a_step_written_one_file_per_tensor_restores_with_slabs_on(tmp_path, mon
     with monkeypatch.context() as patched:
         patched.setattr(torchsnapshot_engine, "SLAB_BYTES", 0)
         step = _save(tmp_path / "ck", app)
-    assert not any("/batched/" in name for name in _files(step))
+    assert not any("/_fastio_slabs/" in name for name in _files(step))
     locations = [e.location for e in _entries(step).values()]
     assert len(set(locations)) == len(locations) and set(locations) <= set(_files(step))  # one file per tensor
     into = _app(8, trained=False)
@@ -122,13 +122,13 @@ def test_a_flipped_byte_in_a_slab_is_refused(tmp_path, flip_at):
 
     app = _app(9)
     step = _save(tmp_path / "ck", app)
-    slab = next(step / name for name in _files(step) if "/batched/" in name)
+    slab = next(step / name for name in _files(step) if "/_fastio_slabs/" in name)
     data = bytearray(slab.read_bytes())
     data[0 if flip_at == "first" else -1] ^= 0x10
     slab.write_bytes(bytes(data))
     into = _app(10, trained=False)
     before = _tensors(into)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="batched"):
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="_fastio_slabs"):
         ckpt.restore_latest(into, step=1)
     assert _same(_tensors(into), before)
 
@@ -144,11 +144,11 @@ def test_a_slab_read_short_fails_the_restore_instead_of_leaving_tensors_unloaded
 
     async def short(self, read_io):
         await real(self, read_io)
-        if "/batched/" in read_io.path:
+        if "/_fastio_slabs/" in read_io.path:
             read_io.buf = torchsnapshot_engine._HeldView(read_io.buf.getvalue()[:100])
 
     monkeypatch.setattr(torchsnapshot_engine._HeldReads, "read", short)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="batched"):
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="_fastio_slabs"):
         ckpt.restore_latest(_app(12, trained=False), step=1)
 
 
@@ -169,7 +169,7 @@ def test_a_restore_holds_a_bounded_part_of_a_slabbed_state_not_all_of_it_again(t
     state = {f"t{i}": torch.full((1 << 17,), float(i)) for i in range(384)}  # 384 x 0.5 MiB
     with Checkpointer(tmp_path / "ck", signals=(), engine="torchsnapshot") as ckpt:
         ckpt.save(1, {"s": StateHolder(state)}, blocking=True)
-    assert len([f for f in _files(tmp_path / "ck" / "step-1") if "/batched/" in f]) == 2
+    assert len([f for f in _files(tmp_path / "ck" / "step-1") if "/_fastio_slabs/" in f]) == 2
     into = StateHolder({name: torch.zeros_like(t) for name, t in state.items()})
     del state
     with Checkpointer(tmp_path / "ck", signals=(), read_only=True) as ckpt:
@@ -180,3 +180,56 @@ def test_a_restore_holds_a_bounded_part_of_a_slabbed_state_not_all_of_it_again(t
         peak = _rss_mib("VmHWM") - before
     assert all(into.state[f"t{i}"][-1].item() == i for i in range(384))
     assert peak < 96, f"the restore peaked {peak} MiB above the app's tensors"
+
+
+def _files_of(step: Path) -> list[str]:
+    return sorted(str(f.relative_to(step)) for f in step.rglob("*") if f.is_file())
+
+
+def test_an_app_key_named_batched_whose_state_is_one_tensor_saves_and_restores(tmp_path, monkeypatch):
+    """torchsnapshot stores a state that is one tensor (or a dict it does not flatten) as the file ``R/KEY``: an app
+    key ``batched`` made ``0/batched`` a file where the slabs of the other keys needed a directory, and every save of
+    that app failed (``FileExistsError``)."""
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 4096)
+    app = _app(13)
+    app["batched"] = StateHolder(torch.arange(2048, dtype=torch.float32))  # 8 KiB: a file of its own
+    app["keyed"] = StateHolder({(0, 1): torch.arange(5)})  # a tuple key: torchsnapshot pickles the dict whole
+    step = _save(tmp_path / "ck", app)
+    assert "0/batched" in _files_of(step)
+    into = _app(14, trained=False)
+    into["batched"], into["keyed"] = StateHolder(torch.zeros(2048)), StateHolder({(0, 1): torch.zeros(5)})
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert _same(_tensors(into), _tensors(app))
+    assert torch.equal(into["batched"].state, app["batched"].state)
+    assert torch.equal(into["keyed"].state[(0, 1)], torch.arange(5))
+
+
+def test_a_state_key_spelling_a_slab_name_keeps_its_own_file(tmp_path, monkeypatch):
+    """Slab names come from their tensors' paths: an app key ``batched`` holding a large tensor under the name of the
+    other keys' slab was written to the same file as that slab; the save reported success, the checksum recorded was
+    the last write's, and the restore loaded the large tensor's first bytes as the model's (or failed)."""
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 4096)
+    small = {"w": torch.full((10,), 2.0)}
+    first = _save(tmp_path / "a", {"model": StateHolder(small)})
+    (name,) = [f.rsplit("/", 1)[1] for f in _files_of(first) if f.startswith("0/") and "/_fastio_rng/" not in f]
+    big = torch.arange(4096, dtype=torch.float32)  # 16 KiB: a file of its own, 0/batched/NAME
+    _save(tmp_path / "b", {"model": StateHolder(small), "batched": StateHolder({name: big})})
+    into = {"model": StateHolder({"w": torch.zeros(10)}), "batched": StateHolder({name: torch.zeros(4096)})}
+    with Checkpointer(tmp_path / "b", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert torch.equal(into["model"].state["w"], small["w"]) and torch.equal(into["batched"].state[name], big)
+
+
+def test_a_step_with_slabs_in_batched_restores(tmp_path, monkeypatch):
+    """Steps written before slabs moved out of the app keys' names (``R/batched/NAME``) read as before: the manifest
+    gives each tensor's file."""
+    app = _app(15)
+    with monkeypatch.context() as patched:
+        patched.setattr(torchsnapshot_engine, "SLAB_DIR", "batched")
+        step = _save(tmp_path / "ck", app)
+    assert {e.location.rsplit("/", 1)[0] for e in _entries(step).values()} == {"0/batched"}
+    into = _app(16, trained=False)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest(into).step == 1
+    assert _same(_tensors(into), _tensors(app))

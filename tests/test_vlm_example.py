@@ -4,16 +4,18 @@ resumed: the same sequences, bit-identical losses and final weights as a run nev
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
 from resume import killed_and_resumed
-from tokens_helpers import image_text_source
+from tokens_helpers import image_text_source, train_tokenizer
 
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
+from fastio.dataset.manifest import load_manifest
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vlm_train.py"
 STEPS = 18
@@ -63,4 +65,41 @@ def test_vlm_example_trains_on_images_and_the_mask_and_resumes_exactly_after_sig
 def test_an_image_seq_len_that_cuts_no_square_patches_is_refused_naming_it(vlm, warm, tmp_path):
     rc, out, err = _warm(warm, vlm, tmp_path / "ckpt", "--image-seq-len", "12")
     assert rc == 2 and "--image-seq-len 12 must be a square" in err
+    assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_without_tokenizer_the_embedding_is_sized_by_the_dataset_as_with_the_tokenizer(vlm, warm, tmp_path):
+    dest, tokenizer = vlm
+    common = ["--seq-len", "256", "--image-seq-len", "16", "--image-size", "16", "--batch-size", "2", "--steps", "2"]
+    rc, given, err = warm.run(EXAMPLE, tmp_path, str(dest), str(tmp_path / "given"), "--tokenizer", str(tokenizer),
+                              *common)
+    assert rc == 0, given + err
+    rc, sized, err = warm.run(EXAMPLE, tmp_path, str(dest), str(tmp_path / "sized"), *common)
+    assert rc == 0, sized + err
+    embedding = load_manifest(dest).image_text.embedding_size
+    assert all(f"embedding: {embedding} rows" in out for out in (given, sized))
+    weights = [re.search(r"^done: 2 steps, weights (\w+)$", out, re.M)[1] for out in (given, sized)]
+    assert weights[0] == weights[1]
+
+
+def test_a_tokenizer_of_another_vocabulary_than_the_datasets_is_refused_naming_both(vlm, warm, tmp_path):
+    dest, _ = vlm
+    other = train_tokenizer(tmp_path / "other.json", vocab_size=280, specials=("<image>",))
+    rc, out, err = warm.run(EXAMPLE, tmp_path, str(dest), str(tmp_path / "ckpt"), "--tokenizer", str(other))
+    embedding = load_manifest(dest).image_text.embedding_size
+    assert rc == 2 and str(other) in err and f"a vocabulary of {embedding} (manifest.image_text)" in err, out + err
+    assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
+
+
+def test_a_dataset_converted_before_its_vocabulary_was_recorded_needs_the_tokenizer(vlm, warm, tmp_path):
+    dest, _ = vlm
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "shards").symlink_to(dest / "shards")
+    (old / "samples.fxi").write_bytes((dest / "samples.fxi").read_bytes())
+    manifest = json.loads((dest / "manifest.json").read_text())
+    del manifest["image_text"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    rc, out, err = warm.run(EXAMPLE, tmp_path, str(old), str(tmp_path / "ckpt"))
+    assert rc == 2 and f"{old}: the manifest records no vocabulary size" in err and "give --tokenizer" in err
     assert "Traceback" not in err and not (tmp_path / "ckpt").exists()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
-from fastio.checkpoint.engines.base import first_line
+from fastio.checkpoint.engines.base import RESERVED_PREFIX, first_line
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, groups_mismatch, module_shapes, state_mismatch
 from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
@@ -53,8 +53,6 @@ __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "Restorer", "TrainSt
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_fastio_rng"
-RESERVED_PREFIX = "_fastio"
-"""App keys the Checkpointer keeps for itself (the RNG streams; older checkpoints' ``_fastio_progress``)."""
 LOADER_POLICIES = ("exact", "next-epoch")
 """``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
 

@@ -482,9 +482,18 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
 
 
 def _vocabulary(tokens: dict[str, Any]) -> str:
-    """A token dataset's vocabulary as ``fastio inspect`` prints it: its size, and the largest id where recorded."""
+    """A token or image-text dataset's vocabulary as ``fastio inspect`` prints it: its size, and the largest id
+    where recorded."""
     largest = "" if tokens.get("max_id") is None else f", largest id {tokens['max_id']}"
     return f"{tokens.get('vocab_size') or 'not recorded'}{largest}"
+
+
+def _print_image_text(info: dict[str, Any] | None) -> None:
+    """An image-text dataset's vocabulary line, with the rows a model's token embedding needs."""
+    if info is None:
+        return
+    rows = "" if info["embedding_size"] is None else f"; a token embedding of {info['embedding_size']} rows"
+    click.echo(f"text:     vocabulary: {_vocabulary(info)}{rows}")
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -512,6 +521,7 @@ def _print_info(info: dict[str, Any]) -> None:
         _print_packing(info.get("packing"))
         return
     click.echo("fields:   " + ", ".join(f"{f} ({n})" for f, n in info["fields"].items()))
+    _print_image_text(info.get("image_text"))
     if info.get("videos"):
         click.echo("videos:   " + ", ".join(f"{v['codec']} {v['count']}" + ("" if v["cpu"] else " (NVDEC on a GPU, "
                                                                              "PyAV on a CPU)") for v in info["videos"]))

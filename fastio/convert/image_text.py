@@ -17,7 +17,9 @@ fetches) and its ``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.
 ``max_side``, ``max_pixels``, ``on_error`` (an undecodable image skips its sample, listed naming the line and the
 file or URL, or stops the run naming it), ``split`` and ``shuffle``, shards, ``.idx``, ``samples.fxi``, manifest,
 parts and merge. The manifest's ``convert_options.image_text`` records the tokenizer's and template's checksums and
-the image token and its id.
+the image token and its id; its ``image_text`` entry (:class:`~fastio.dataset.manifest.ImageTextInfo`) the
+tokenizer's vocabulary size and the largest id of the samples written (per split, per part: a merge keeps the
+largest), so that a model sizes its token embedding from the dataset (``manifest.image_text.embedding_size``).
 
 The image token must be one token of the tokenizer (one of its added tokens, encoding to itself alone).
 """
@@ -37,9 +39,10 @@ from fastio.checks import check_fields, checked, config_error, rule
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
-from fastio.convert.token_convert import eos_token_id, load_tokenizer, with_specials
+from fastio.convert.token_convert import eos_token_id, load_tokenizer, vocab_size, with_specials
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
+from fastio.dataset.manifest import ImageTextInfo
 from fastio.errors import ConvertError, StorageError
 from fastio.formats.chat_template import ChatTemplateError, load_chat_template
 from fastio.formats.image_text import (
@@ -83,8 +86,25 @@ def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> Conv
     """Convert the JSONL ``config.source`` of image-text conversations into ``config.dest`` (or one part of it), as
     :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
     coder = _Coder(options)
-    config = replace(config, extra_options={"image_text": coder.recorded()})
+    config = replace(config, extra_options={"image_text": coder.recorded()},
+                     tally=lambda: _Vocabulary(coder.vocab_size))
     return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options))
+
+
+class _Vocabulary:
+    """A dataset's ``image_text`` manifest record (:class:`~fastio.dataset.manifest.ImageTextInfo`): the tokenizer's
+    vocabulary size and the largest id of the samples written (a :class:`~fastio.convert.run.SampleTally`)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.max_id = vocab_size, None
+
+    def add(self, fields: dict[str, bytes]) -> None:
+        ids = np.frombuffer(fields[TOKENS_FIELD], "<i4")
+        if ids.size:
+            self.max_id = int(ids.max()) if self.max_id is None else max(self.max_id, int(ids.max()))
+
+    def manifest_fields(self) -> dict[str, ImageTextInfo]:
+        return {"image_text": ImageTextInfo(vocab_size=self.vocab_size, max_id=self.max_id)}
 
 
 class _Coder:
@@ -103,6 +123,7 @@ class _Coder:
         eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer)
         self.template = with_specials(template, self.tokenizer, eos)
         self.image_id = self._image_id()
+        self.vocab_size = vocab_size(self.tokenizer)
         self.encoder = ChatEncoder(self.tokenizer, self.template, "generation", options.messages_field, np.int32)
 
     def _image_id(self) -> int:

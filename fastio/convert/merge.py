@@ -42,6 +42,7 @@ from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_
 from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts
 from fastio.dataset.manifest import (
     SHARDS_DIR,
+    ImageTextInfo,
     Manifest,
     ShardRecord,
     load_manifest,
@@ -274,12 +275,14 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
     fields: set[str] = set()
     codecs: dict[str, dict[str, int]] = {}
     skipped = list(plan["scan_skipped"])
+    vocabularies: list[ImageTextInfo | None] = []
     for record in records:
         out = part_dir(dest, record.part, record.of) / name
         try:
             manifest = load_manifest(out)
         except DatasetError as err:
             raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
+        vocabularies.append(manifest.image_text)
         fields.update(manifest.fields)
         join_video_codecs(codecs, manifest.video_codecs, len(samples))
         skipped += manifest.skipped or []
@@ -294,26 +297,51 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
         raise ConvertError(f"{plan['source']['path']}: every sample{of_split} was skipped{example}")
 
     planned = [_Planned(a, b, part_shards.get((a, b))) for a, b in _cuts(samples, max_bytes, max_samples)]
+    _place(samples, planned, staging, plan["name"], max_bytes, max_samples, counts)
+    more = {**({"video_codecs": codecs} if codecs else {}), **_merged_vocabulary(vocabularies, records)}
+    if name:
+        more["split"] = {"name": name, "of": sorted(records[0].datasets)}
+    return planned, dict(
+        name=plan["name"], fields=sorted(fields), skipped=skipped,
+        image_fields=sorted(f for f in fields if is_image_field(f)), converted_from=plan["source"],
+        label_map=plan["label_map"], image_field=plan["image_field"], label_field=plan["label_field"],
+        label_rule=plan.get("label_rule"), convert_options=options, **more)
+
+
+def _place(samples: list[_Sample], planned: list[_Planned], staging: Path, name: str, max_bytes: int,
+           max_samples: int | None, counts: dict[str, int]) -> None:
+    """Give each planned shard its record: a part shard's where one holds exactly its samples (linked), else the
+    one re-packed into ``staging`` with the runs of its neighbours that no part shard holds (counted in ``counts``)."""
     run: list[_Planned] = []
     for shard in [*planned, None]:
         if shard is not None and shard.source is None:
             run.append(shard)
             continue
         if run:
-            _repack(samples, run, staging / f"run-{run[0].start}", plan["name"], max_bytes, max_samples)
+            _repack(samples, run, staging / f"run-{run[0].start}", name, max_bytes, max_samples)
             counts["repacked"] += len(run)
             run = []
         if shard is not None:
             shard.record = samples[shard.start].shard
             counts["linked"] += 1
-    manifest_fields = dict(
-        name=plan["name"], fields=sorted(fields), skipped=skipped,
-        image_fields=sorted(f for f in fields if is_image_field(f)), converted_from=plan["source"],
-        label_map=plan["label_map"], image_field=plan["image_field"], label_field=plan["label_field"],
-        label_rule=plan.get("label_rule"), convert_options=options)
-    if name:
-        manifest_fields["split"] = {"name": name, "of": sorted(records[0].datasets)}
-    return planned, {**manifest_fields, **({"video_codecs": codecs} if codecs else {})}
+
+
+def _merged_vocabulary(parts: list[ImageTextInfo | None], records: list[PartRecord]) -> dict[str, ImageTextInfo]:
+    """``{"image_text": the parts' records joined}`` (:meth:`ImageTextInfo.joined`: the same vocabulary size, the
+    largest of the largest ids), ``{}`` where no part records one (a conversion of images); ConvertError naming
+    the part whose record disagrees with the parts before it."""
+    if all(part is None for part in parts):
+        return {}
+    joined = parts[0]
+    for part, record in zip(parts[1:], records[1:]):
+        try:
+            if joined is None or part is None:
+                raise ValueError("image_text: recorded by some parts and not by others (parts of other fastio "
+                                 "versions: convert them again)")
+            joined = joined.joined(part)
+        except ValueError as err:
+            raise ConvertError(f"{part_name(record.part, record.of)}: {err}") from None
+    return {"image_text": joined}
 
 
 def _cuts(samples: list[_Sample], max_bytes: int, max_samples: int | None) -> list[tuple[int, int]]:

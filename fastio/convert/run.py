@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastio import converters
 from fastio.checks import check_fields, checked, config_error, one_of, rule
@@ -86,6 +86,20 @@ __all__ = [
 DEFAULT_SHARD_SIZE = 256 * 10**6
 Scanner = Callable[[Path], ScanResult]
 """What scans a conversion's source into entries (:func:`fastio.converters.scan` by default)."""
+
+
+class SampleTally(Protocol):
+    """What a conversion built on this one learns from one dataset's written samples
+    (:attr:`ConvertConfig.tally`): an image-text conversion's largest token id."""
+
+    def add(self, fields: dict[str, bytes]) -> None:
+        """Count a sample written (its fields' bytes)."""
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """What the dataset's manifest records of the samples counted (:func:`fastio.dataset.manifest.make_manifest`'s
+        optional fields)."""
+
+
 ON_ERROR = ("skip", "fail")
 
 
@@ -215,6 +229,10 @@ class ConvertConfig:
     extra_options: dict[str, Any] | None = None
     """Options of a conversion built on this one, recorded in each manifest's ``convert_options`` (an image-text
     conversion's ``image_text``, :mod:`fastio.convert.image_text`)."""
+    tally: Callable[[], SampleTally] | None = None
+    """Of a conversion built on this one: makes, for each dataset written (a split, a part), what counts its samples
+    as they are written and adds what it learnt to the dataset's manifest (an image-text conversion's vocabulary
+    record, :class:`fastio.dataset.manifest.ImageTextInfo`); None: nothing more."""
 
     def __post_init__(self) -> None:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
@@ -478,10 +496,11 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 
     On any error the shard being written stays a hidden temporary and is dropped (the writer aborts). The
     manifest counts the videos of each codec (``video_codecs``) when there are any; ``transcoded`` counts the files
-    stored transcoded (:attr:`ConvertResult.transcoded`)."""
+    stored transcoded (:attr:`ConvertResult.transcoded`); ``config.tally`` counts the samples written."""
     skipped: list[dict[str, str]] = []
     codecs: dict[str, dict[str, int]] = {}
     nbytes, written = 0, 0
+    tally = config.tally() if config.tally is not None else None
     with ShardWriter(out, name=config.name, max_bytes=config.shard_size,
                      max_samples=config.max_samples_per_shard) as writer:
         for entry, (fields, reason, where) in loaded:
@@ -493,18 +512,13 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
                 skipped.append({"path": _display_path(where, config.source), "reason": reason})
                 progress.update(1, 0)
                 continue
-            try:
-                fields = resolve_fields(fields)
-            except OSError as err:
-                raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
+            fields = _store(writer, entry, fields)
             if PROBE_FIELD in fields:
                 count_video_codec(codecs, written, fields[PROBE_FIELD])
                 count_transcoded(transcoded, fields[PROBE_FIELD])
-            try:
-                writer.write({"__key__": entry.key, **fields})
-            except ValueError as err:  # e.g. a column name too long for a tar member name
-                raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
             written += 1
+            if tally is not None:
+                tally.add(fields)
             size = sum(len(v) for v in fields.values())
             nbytes += size
             progress.update(1, size)
@@ -514,9 +528,25 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
         if codecs:
             manifest_fields["video_codecs"] = codecs
+        if tally is not None:
+            manifest_fields.update(tally.manifest_fields())
         manifest = writer.close(skipped=scan_skipped + skipped,
                                 image_fields=sorted(f for f in writer.fields if is_image_field(f)), **manifest_fields)
     return manifest, skipped, nbytes
+
+
+def _store(writer: ShardWriter, entry, fields: dict) -> dict[str, bytes]:
+    """Write a loaded entry's sample (its file fields read again where a worker handed back their FileRef); its
+    fields' bytes. ConvertError naming the entry's origin for a file that changed or a field that cannot be stored."""
+    try:
+        fields = resolve_fields(fields)
+    except OSError as err:
+        raise ConvertError(f"{entry.origin}: file changed or vanished during conversion ({err})") from None
+    try:
+        writer.write({"__key__": entry.key, **fields})
+    except ValueError as err:  # e.g. a column name too long for a tar member name
+        raise ConvertError(f"{entry.origin}: cannot be stored ({err})") from None
+    return fields
 
 
 def convert(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertResult:

@@ -81,7 +81,7 @@ from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
            "eos_token_id", "load_tokenizer", "shard_record", "special_tokens", "starts_new_token_shard", "token_manifest",
-           "token_shard_cuts", "with_specials"]
+           "token_shard_cuts", "vocab_size", "with_specials"]
 
 TOKEN_PLAN = "tokens"
 """``plan["kind"]`` of a token conversion's part records (:mod:`fastio.convert.token_merge` merges them)."""
@@ -231,6 +231,12 @@ def load_tokenizer(path: Path):
         return Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
         raise ConvertError(f"{path}: not a tokenizer.json ({str(err).splitlines()[0][:200]})") from None
+
+
+def vocab_size(tokenizer) -> int:
+    """The ids of a ``tokenizers.Tokenizer``: its largest id + 1 (added tokens included, holes counted), what a
+    conversion records as the manifest's ``vocab_size``."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0) + 1
 
 
 def special_tokens(tokenizer) -> dict[str, int]:
@@ -403,10 +409,10 @@ def _coder(config: TokenConvertConfig) -> _Coder:
     template = None if config.chat_template is None else _chat_template(config)
     eos = config.eos if template is None or config.eos else template.variables.get("eos_token")
     eos_id = eos_token_id(tokenizer, eos, config.tokenizer)
-    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0) + 1  # ids 0 .. the largest
+    ids = vocab_size(tokenizer)
     if template is not None:
         template = with_specials(template, tokenizer, eos_id)
-    return _Coder(eos_id, vocab_size, token_dtype(vocab_size), sha256_file(config.tokenizer), template)
+    return _Coder(eos_id, ids, token_dtype(ids), sha256_file(config.tokenizer), template)
 
 
 def _chat_template(config: TokenConvertConfig) -> ChatTemplate:

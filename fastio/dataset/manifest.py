@@ -29,6 +29,7 @@ from fastio.storage.atomic import atomic_write_bytes
 __all__ = [
     "FORMAT",
     "ChatInfo",
+    "ImageTextInfo",
     "FORMAT_VERSION",
     "READ_VERSIONS",
     "format_version",
@@ -42,6 +43,7 @@ __all__ = [
     "SPLITS_NAME",
     "ShardRecord",
     "TokenInfo",
+    "embedding_size",
     "fingerprint",
     "is_location",
     "is_shard_name",
@@ -65,7 +67,9 @@ FORMAT_VERSION = 3
 (``location``/``idx_location``: shards indexed where they are by ``fastio index``). 3: ``kind: "tokens"``, a token
 dataset (Megatron ``.bin``/``.idx`` shards, :class:`TokenInfo`). A manifest that needs nothing of 2 or 3 is written
 as 1 (:func:`format_version`), so an older fastio still reads converted datasets and refuses an indexed or token
-one by its version instead of reporting its shards missing."""
+one by its version instead of reporting its shards missing. An optional entry that an older fastio ignores (an
+image-text dataset's ``image_text``, :class:`ImageTextInfo`) needs no new version: a manifest without it reads as
+"not known"."""
 READ_VERSIONS = (1, 2, 3)
 KINDS = {"samples": ".tar", "tokens": ".bin"}
 """What a dataset holds (the manifest's ``kind``, ``samples`` when absent) and its shards' file suffix: WebDataset
@@ -235,9 +239,8 @@ class TokenInfo:
 
     @property
     def embedding_size(self) -> int | None:
-        """Rows a model's token embedding needs: ``vocab_size`` where known, else the largest id + 1 (None:
-        neither is recorded)."""
-        return self.vocab_size if self.vocab_size is not None else None if self.max_id is None else self.max_id + 1
+        """Rows a model's token embedding needs (:func:`embedding_size`)."""
+        return embedding_size(self.vocab_size, self.max_id)
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -297,6 +300,45 @@ class ChatInfo:
         return cls(**values, mask=data["mask"])
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageTextInfo:
+    """The manifest's ``image_text`` entry of an image-text dataset (``fastio convert --image-field``,
+    :mod:`fastio.convert.image_text`): its vocabulary, so that a model sizes its token embedding from the dataset
+    (:attr:`embedding_size`). Optional: a dataset converted before fastio recorded it has none
+    (:attr:`Manifest.image_text` None: not known)."""
+
+    vocab_size: int | None = checked(count, default=None)
+    """Ids of the tokenizer it was converted with: its largest id + 1, added tokens (the image token) included
+    (None: not known)."""
+    max_id: int | None = checked(count, default=None)
+    """The largest id of the samples' ``tokens.i32`` (None: not known, or no sample holds a token)."""
+
+    @property
+    def embedding_size(self) -> int | None:
+        """Rows a model's token embedding needs (:func:`embedding_size`)."""
+        return embedding_size(self.vocab_size, self.max_id)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def joined(self, other: ImageTextInfo) -> ImageTextInfo:
+        """The record of a dataset of this one's samples and ``other``'s (parts merged): the same vocabulary, the
+        larger of the largest ids; ValueError naming both vocabulary sizes where they differ."""
+        if other.vocab_size != self.vocab_size:
+            raise ValueError(f"image_text.vocab_size: {other.vocab_size} where another part records "
+                             f"{self.vocab_size} (the parts were converted with other tokenizers)")
+        ids = [i for i in (self.max_id, other.max_id) if i is not None]
+        return ImageTextInfo(self.vocab_size, max(ids, default=None))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ImageTextInfo:
+        """The ``image_text`` entry; DatasetError naming ``where`` and the field (a ``max_id`` outside the
+        vocabulary among them)."""
+        values = _read(cls, data, where)
+        _check_in_vocabulary(values.get("max_id"), values.get("vocab_size"), f"{where}.max_id")
+        return cls(**values)
+
+
 def _check_max_id(value: int | None, dtype: str, eos: int, vocab: int | None, where: str) -> None:
     """The ``tokens`` entry's largest id (None: absent) fits the token type, is at least ``eos`` (every document ends
     with it) and inside the vocabulary; DatasetError naming ``where``."""
@@ -306,8 +348,20 @@ def _check_max_id(value: int | None, dtype: str, eos: int, vocab: int | None, wh
         raise DatasetError(f"{where}: {value} does not fit {dtype}")
     if value < eos:
         raise DatasetError(f"{where}: {value} is below eos_id {eos}, which ends every document")
-    if vocab is not None and value >= vocab:
+    _check_in_vocabulary(value, vocab, where)
+
+
+def _check_in_vocabulary(value: int | None, vocab: int | None, where: str) -> None:
+    """A largest id (None: not known) inside a vocabulary of ``vocab`` ids (None: not known); DatasetError naming
+    ``where``."""
+    if value is not None and vocab is not None and value >= vocab:
         raise DatasetError(f"{where}: {value} is outside the vocabulary of {vocab} ids")
+
+
+def embedding_size(vocab_size: int | None, max_id: int | None) -> int | None:
+    """Rows a model's token embedding needs: ``vocab_size`` where known, else the largest id + 1 (None: neither is
+    known)."""
+    return vocab_size if vocab_size is not None else None if max_id is None else max_id + 1
 
 
 def _read(cls: type, data: Any, where: str) -> dict[str, Any]:
@@ -320,8 +374,8 @@ def _read(cls: type, data: Any, where: str) -> dict[str, Any]:
                         lacks=lambda keys: DatasetError(f"{where} lacks {', '.join(keys)}"))
 
 
-_OPTIONAL_KEYS = ("kind", "tokens", "index", "probes", "image_field", "image_fields", "field_counts", "label_field",
-                  "label_map", "label_rule", "skipped", "source", "convert_options", "split", "video_codecs")
+_OPTIONAL_KEYS = ("kind", "tokens", "image_text", "index", "probes", "image_field", "image_fields", "field_counts",
+                  "label_field", "label_map", "label_rule", "skipped", "source", "convert_options", "split", "video_codecs")
 """The manifest's optional keys: written when set (or named in :attr:`Manifest.nulls`), absent otherwise."""
 
 _ATTRIBUTES = {"source": "converted_from"}
@@ -363,6 +417,8 @@ class Manifest:
     """What the dataset holds: ``samples`` (WebDataset tars) or ``tokens`` (Megatron ``.bin``/``.idx``)."""
     tokens: TokenInfo | None = None
     """A token dataset's token type, end-of-document id and counts (None: a dataset of samples)."""
+    image_text: ImageTextInfo | None = None
+    """An image-text dataset's vocabulary (None: another kind of dataset, or one converted before it was recorded)."""
     index: IndexRecord | None = None
     """The consolidated sample index (None: a dataset opened from its ``.idx`` files)."""
     probes: IndexRecord | None = None
@@ -415,7 +471,7 @@ class Manifest:
             if key == "kind" and value == "samples":
                 value = None
             if value is not None:
-                out[key] = value.as_dict() if isinstance(value, (TokenInfo, IndexRecord)) else value
+                out[key] = value.as_dict() if isinstance(value, (TokenInfo, ImageTextInfo, IndexRecord)) else value
             elif key in self.nulls:
                 out[key] = None
         return out
@@ -427,8 +483,10 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """The manifest of a JSON object that :func:`_validate` has passed."""
-        optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS if k not in ("kind", "tokens", "index", "probes")}
-        tokens, index, probes = data.get("tokens"), data.get("index"), data.get("probes")
+        optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS
+                    if k not in ("kind", "tokens", "image_text", "index", "probes")}
+        tokens, index, probes, image_text = data.get("tokens"), data.get("index"), data.get("probes"), data.get(
+            "image_text")
         shards = shard_records(data)
         return cls(name=data.get("name"), shards=shards, fields=list(data["fields"]),
                    total_samples=data["total_samples"],
@@ -436,6 +494,7 @@ class Manifest:
                    format_version=data["format_version"], fastio_version=data.get("fastio_version"),
                    kind=data.get("kind", "samples"),
                    tokens=None if tokens is None else TokenInfo.from_dict(tokens, "tokens"),
+                   image_text=None if image_text is None else ImageTextInfo.from_dict(image_text, "image_text"),
                    index=None if index is None else IndexRecord.from_dict(index, "index"),
                    probes=None if probes is None else IndexRecord.from_dict(probes, "probes"),
                    nulls=frozenset(k for k in _OPTIONAL_KEYS if k in data and data[k] is None), **optional)
@@ -453,7 +512,8 @@ def make_manifest(*, name: str, shards: list[ShardRecord], fields: list[str], in
                   **optional: Any) -> Manifest:
     """A manifest for ``shards`` (in order) whose samples have ``fields``, with the consolidated ``index``
     if one was written; ``optional`` sets :class:`Manifest`'s optional fields (``image_field``, ``label_field``,
-    ``label_map``, ``converted_from``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``).
+    ``label_map``, ``converted_from``, ``skipped``, ...; a token dataset: ``kind="tokens"`` and ``tokens=TokenInfo(...)``;
+    an image-text dataset: ``image_text=ImageTextInfo(...)``).
     One given as None is written as ``null``. A ``ValueError`` names a key the manifest does not have."""
     unknown = sorted(set(optional) - {_attribute(k) for k in _OPTIONAL_KEYS})
     if unknown:
@@ -705,7 +765,11 @@ def _validate_kind(manifest: dict[str, Any], path: str) -> None:
     if kind != "tokens":
         if manifest.get("tokens") is not None:
             raise DatasetError(f"{path}: tokens: only a dataset of kind 'tokens' has it")
+        if manifest.get("image_text") is not None:
+            ImageTextInfo.from_dict(manifest["image_text"], f"{path}: image_text")
         return
+    if manifest.get("image_text") is not None:
+        raise DatasetError(f"{path}: image_text: a dataset of kind 'tokens' has no image-text samples")
     if manifest.get("format_version", 0) < 3:
         raise DatasetError(f"{path}: kind 'tokens' needs format_version 3, the manifest says "
                            f"{manifest.get('format_version')}")

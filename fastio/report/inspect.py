@@ -18,7 +18,9 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.dataset.files import dest_child, dest_split_names
+from fastio.dataset.manifest import ImageTextInfo
 from fastio.errors import DatasetError
+from fastio.formats.image_text import is_image_text
 from fastio.formats.images import image_size, is_image_field
 from fastio.formats.media import CPU_VIDEO_CODECS
 from fastio.formats.megatron import MegatronIndex
@@ -42,9 +44,11 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     With ``order``, also ``"order"``: one :func:`order_quality` result per shuffle mode for epoch
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
     (capped at the dataset size). ``skipped`` counts the inputs the conversion or index left out,
-    ``skipped_inputs`` lists them (``{path, reason}``). A token dataset: documents and tokens instead of fields
-    and images, and with ``order`` its ``"packing"`` (:func:`packing_report` for ``seq_len`` and ``window``, as
-    :class:`fastio.Tokens` packs it). For a split DEST: ``{"path", "splits": {name: <that dict>}}``.
+    ``skipped_inputs`` lists them (``{path, reason}``). An image-text dataset: also ``"image_text"``, its
+    vocabulary (``vocab_size``, ``max_id``, ``embedding_size``; None where not recorded). A token dataset:
+    documents and tokens instead of fields and images, and with ``order`` its ``"packing"`` (:func:`packing_report`
+    for ``seq_len`` and ``window``, as :class:`fastio.Tokens` packs it). For a split DEST: ``{"path", "splits":
+    {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
 
     An ``s3://`` DEST is read through the node-local cache (``cache_dir``, ``cache_size``, ``storage_options``
@@ -227,6 +231,16 @@ def _videos(ds: Dataset) -> dict[str, Any]:
                        for c, r in sorted(codecs.items())]} if codecs else {}
 
 
+def _image_text(ds: Dataset) -> dict[str, Any]:
+    """An image-text dataset's ``{"image_text": {vocab_size, max_id, embedding_size}}`` (each None where not
+    recorded), or nothing for another dataset."""
+    if not is_image_text(ds.manifest.convert_options):
+        return {}
+    info = ds.manifest.image_text or ImageTextInfo()
+    return {"image_text": {"vocab_size": info.vocab_size, "max_id": info.max_id,
+                           "embedding_size": info.embedding_size}}
+
+
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
                  block_shards: int, seq_len: int, window: int, opening: dict[str, Any]) -> dict[str, Any]:
     ds = Dataset(root, **opening)
@@ -240,7 +254,7 @@ def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, e
         "fields": {f: int((table.sizes[f] >= 0).sum()) for f in ds.fields},
         "image_field": ds.image_field, "label_field": ds.label_field,
         "skipped": len(ds.manifest.skipped or []), "skipped_inputs": ds.manifest.skipped or [],
-        **_videos(ds),
+        **_videos(ds), **_image_text(ds),
     }
     label = ds.label_field
     values = _label_classes(ds, info)

@@ -17,7 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["WRITE_CHECKSUM", "Engine", "SavedCheckpoint", "Stateful", "first_line", "written_record"]
+__all__ = ["RESERVED_PREFIX", "WRITE_CHECKSUM", "Engine", "SavedCheckpoint", "Stateful", "first_line", "written_record"]
+
+RESERVED_PREFIX = "_fastio"
+"""App keys the Checkpointer keeps for itself (the RNG streams; older checkpoints' ``_fastio_progress``): it refuses
+an app's key starting with it, so an engine may also name files of its own with it where app keys name theirs."""
 
 WRITE_CHECKSUM = "xxh3_128"
 """The checksum an engine takes of each file from the bytes it writes (:meth:`Engine.save`'s records): the commit's,

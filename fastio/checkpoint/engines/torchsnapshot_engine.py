@@ -18,7 +18,8 @@ exact pin in ``pyproject.toml``; a new torchsnapshot release means re-checking t
 
 Files in a step directory: ``.snapshot_metadata`` (YAML manifest, written last by rank 0), then
 ``RANK/...`` for per-rank state and ``replicated/...`` for state written once; in each, the tensors below
-:data:`SLAB_BYTES` share slab files ``batched/NAME`` (:func:`_gather_writes`; torchsnapshot's batching, not its copy).
+:data:`SLAB_BYTES` share slab files ``_fastio_slabs/NAME`` (:data:`SLAB_DIR`, :func:`_gather_writes`; torchsnapshot's
+batching, not its copy).
 
 A restore reads a rank's own files through the check: the Checkpointer's check hashes the files
 :meth:`TorchSnapshotEngine.reads` foresees for a rank (:func:`fastio.storage.checksum.open_hashed`) and, once every
@@ -65,7 +66,14 @@ from torchsnapshot.pg_wrapper import PGWrapper
 from torchsnapshot.serialization import Serializer
 from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
-from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
+from fastio.checkpoint.engines.base import (
+    RESERVED_PREFIX,
+    WRITE_CHECKSUM,
+    SavedCheckpoint,
+    Stateful,
+    first_line,
+    written_record,
+)
 from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_dtype, quantized_keys
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
@@ -89,6 +97,15 @@ SLAB_BYTES = 128 << 20
 """Host tensors below this size are written into shared slab files of at most this size (torchsnapshot's own
 batching threshold, without its copy: :func:`_gather_writes`); larger ones, and every tensor when it is 0, one file
 each. 528 MiB of model and Adam state: 5 files instead of 97 (see the checkpoint section of docs/performance.md)."""
+
+SLAB_DIR = f"{RESERVED_PREFIX}_slabs"
+"""The directory of a rank's (or the replicated state's) slab files, ``R/_fastio_slabs/NAME``: torchsnapshot names
+every file of an app key ``KEY`` ``R/KEY`` or ``R/KEY/...`` (``replicated/`` for replicated state, the key escaped
+by ``flatten._encode``, which leaves a leading ``_fastio`` as it is), and the Checkpointer refuses app keys starting
+with :data:`~fastio.checkpoint.engines.base.RESERVED_PREFIX`, so no state's file can be a slab's or its directory.
+Steps written before name it ``batched`` (``R/batched/NAME``, torchsnapshot's own name): an app key ``batched`` whose
+state was one tensor made ``R/batched`` a file (every save failed), one holding a tensor under a slab's name wrote
+the same file as that slab. Those steps read as before: the manifest gives each tensor's file."""
 
 _settings_lock = threading.Lock()
 _settings_users = 0
@@ -202,12 +219,12 @@ def _slab_name(paths: list[str]) -> str:
 
 def _gather_writes(entries: list[Any], write_reqs: list[WriteReq]) -> tuple[list[Any], list[WriteReq]]:
     """torchsnapshot's ``batch_write_requests`` as fastio writes: each host tensor below :data:`SLAB_BYTES` goes into a
-    slab file with others of its directory (``R/`` of rank R, or ``replicated/``), at ``DIR/batched/NAME`` with its
-    byte range in the manifest, as torchsnapshot's own batching writes them, but written from the staged tensors
-    themselves (:class:`_GatheredStager`): 528 MiB of model and Adam state is 5 files instead of 97. ``NAME`` comes
-    from the slab's tensor paths (:func:`_slab_name`; torchsnapshot's is random): the same state gives the same files,
-    and the replicated slabs of different ranks different ones. Each entry is relocated in place; the other write requests
-    are kept as they are."""
+    slab file with others of its directory (``R/`` of rank R, or ``replicated/``), at ``DIR/_fastio_slabs/NAME``
+    (:data:`SLAB_DIR`: no app key's file or directory) with its byte range in the manifest, as torchsnapshot's own
+    batching writes them, but written from the staged tensors themselves (:class:`_GatheredStager`): 528 MiB of model
+    and Adam state is 5 files instead of 97. ``NAME`` comes from the slab's tensor paths (:func:`_slab_name`;
+    torchsnapshot's is random): the same state gives the same files, and the replicated slabs of different ranks
+    different ones. Each entry is relocated in place; the other write requests are kept as they are."""
     slabs: dict[str, list[list[tuple[WriteReq, int]]]] = {}  # directory -> its slabs: (request, size) in file order
     filled: dict[str, int] = {}  # directory -> bytes in its last slab
     kept: list[WriteReq] = []
@@ -226,7 +243,7 @@ def _gather_writes(entries: list[Any], write_reqs: list[WriteReq]) -> tuple[list
         filled[top] = filled.get(top, 0) + size
     located = _tensor_entries(entries)
     for top, members in ((top, slab) for top, group in slabs.items() for slab in group):
-        location = f"{top}/batched/{_slab_name([req.path for req, _ in members])}"
+        location = f"{top}/{SLAB_DIR}/{_slab_name([req.path for req, _ in members])}"
         start = 0
         for req, size in members:
             located[req.path].location, located[req.path].byte_range = location, [start, start + size]
