@@ -17,7 +17,7 @@ averages over the participating groups, so the gradient is that of the global ba
 ``--sample-log FILE`` appends one JSON line per committed step: the step, the group and rank, and the dataset
 indices it trained on. A step that does not commit ``--max-retries`` times more in a row (a process group that
 cannot be built, a peer that never answers in time) ends the run with one line naming the step and torchft's
-error, instead of retrying it for ever.
+error, instead of retrying it for ever; so does a step whose quorum did not form within ``--quorum-timeout``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=30, help="seconds before a peer is taken for dead")
+    parser.add_argument("--quorum-timeout", type=float, default=60,
+                        help="seconds a step waits for the lighthouse's quorum before the run stops")
     parser.add_argument("--max-retries", type=int, default=10,
                         help="times a step that did not commit is tried again before the run stops")
     parser.add_argument("--sample-log", help="append a JSON line per committed step (step, group, rank, indices)")
@@ -61,7 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 class StepFailed(Exception):
-    """A step did not commit ``--max-retries`` + 1 times in a row."""
+    """A step that cannot be taken: it did not commit ``--max-retries`` + 1 times in a row, or its quorum did not
+    come within ``--quorum-timeout``."""
 
 
 def uncommitted(manager: Manager, step: int, failures: int, max_retries: int) -> int:
@@ -76,12 +79,27 @@ def uncommitted(manager: Manager, step: int, failures: int, max_retries: int) ->
     return failures
 
 
+def take(it: Any, manager: Manager, quorum_timeout: float) -> dict:
+    """``next(it)``: this rank's share of the step, which waits for the step's quorum; StepFailed naming the step
+    when torchft gave up waiting for it."""
+    try:
+        return next(it)
+    except TimeoutError as err:
+        raise StepFailed(f"step {manager.current_step()}: no quorum within --quorum-timeout {quorum_timeout:g} s "
+                         f"(fewer replica groups asked the lighthouse than its --min_replicas): {first_line(err)}"
+                         ) from None
+
+
 def reason(err: Any) -> str:
-    """The first line of the error torchft recorded for a step (``manager.errored()``)."""
+    """What torchft recorded for a step that did not commit (``manager.errored()``), in one line."""
     if err is None:  # nothing failed: the step had fewer groups than the Manager's min_replica_size
         return "too few replica groups took part (min_replica_size)"
-    lines = str(err.original_exception).strip().splitlines()
-    return lines[0] if lines else type(err.original_exception).__name__
+    return first_line(err.original_exception)
+
+
+def first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         load_state_dict=lambda state: (model.load_state_dict(state["model"]), optimizer.load_state_dict(state["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         replica_id=f"group{os.environ.get('REPLICA_GROUP_ID', '0')}", init_sync=False,
-        timeout=timedelta(seconds=args.timeout))
+        timeout=timedelta(seconds=args.timeout), quorum_timeout=timedelta(seconds=args.quorum_timeout))
     loader = Loader(args.data, pipeline=ImageTrain(size=args.image_size), batch_size=args.batch_size, seed=0,
                     drop_last=True, replicas=manager, device="cpu")
     torch.manual_seed(0)  # every group builds the same weights, so step 0 needs no sync (init_sync=False)
@@ -112,7 +130,7 @@ def train(args: argparse.Namespace, manager: Manager, loader: Loader, ddp: nn.Mo
     it, failures = iter(loader), 0
     while manager.current_step() < args.steps:
         opt.zero_grad()  # starts this step's quorum
-        batch = next(it)  # this rank's share of global batch manager.current_step()
+        batch = take(it, manager, args.quorum_timeout)  # this rank's share of global batch current_step()
         out = ddp(batch["image"].float())
         loss = F.cross_entropy(out, batch["label"], reduction="sum") * manager.num_participants() / args.batch_size
         loss.backward()

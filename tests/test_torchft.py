@@ -267,3 +267,21 @@ def test_the_example_stops_on_a_step_that_never_commits(tmp_path, image_dataset,
     assert proc.exitcode == 1, last
     assert last.startswith("torchft_train: step 0 did not commit in 3 tries in a row (--max-retries 2): "), last
     assert "nosuchif0" in last, last
+
+
+def test_the_example_stops_when_its_step_gets_no_quorum(tmp_path, image_dataset, monkeypatch):
+    """A lighthouse waiting for two groups and one group started: step 0's quorum never forms. The example ends
+    once ``--quorum-timeout`` has passed, in one line naming the step and the wait (torchft's TimeoutError came out
+    as a traceback)."""
+    house, store, stderr = lighthouse(min_replicas=2), group_store(), tmp_path / "g0.stderr"
+    argv = ["--data", str(image_dataset), "--steps", "3", "--batch-size", "8", "--image-size", "16",
+            "--quorum-timeout", "3"]
+    try:
+        proc = _start_example(monkeypatch, house, 0, store, argv, stderr)
+        _join_examples([proc], [stderr], 60)
+    finally:
+        house.shutdown()
+    last = stderr.read_text().strip().splitlines()[-1]
+    assert proc.exitcode == 1, last
+    assert last.startswith("torchft_train: step 0: no quorum within --quorum-timeout 3 s (fewer replica groups "
+                           "asked the lighthouse than its --min_replicas): "), last
