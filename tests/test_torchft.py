@@ -201,6 +201,13 @@ def _hung_says(stderr: Path) -> str:
     return f"{stacks.read_text() if stacks.exists() else '(no stacks written)'}...\n{stderr.read_text()[-2000:]}"
 
 
+def _said(stderr: Path) -> str:
+    """The example's one line of why it stopped (``torchft_train: ...``) in its stderr, where torchft's own threads
+    log too, also after it (the whole stderr's end when there is not exactly one such line)."""
+    said = [line for line in stderr.read_text().splitlines() if line.startswith("torchft_train: ")]
+    return said[0] if len(said) == 1 else stderr.read_text()[-2000:]
+
+
 def _start_example(monkeypatch, house, group: int, store: TCPStore, argv: list[str], stderr: Path, **env: str):
     """Replica group ``group`` of the example (one rank, its Manager finding the group's ``store``) on the lighthouse
     ``house``; ``env`` over ``LOOPBACK``."""
@@ -263,7 +270,7 @@ def test_the_example_stops_on_a_step_that_never_commits(tmp_path, image_dataset,
         _join_examples([proc], [stderr], 60)
     finally:
         house.shutdown()
-    last = stderr.read_text().strip().splitlines()[-1]
+    last = _said(stderr)
     assert proc.exitcode == 1, last
     assert last.startswith("torchft_train: step 0 did not commit in 3 tries in a row (--max-retries 2): "), last
     assert "nosuchif0" in last, last
@@ -281,7 +288,7 @@ def test_the_example_stops_when_its_step_gets_no_quorum(tmp_path, image_dataset,
         _join_examples([proc], [stderr], 60)
     finally:
         house.shutdown()
-    last = stderr.read_text().strip().splitlines()[-1]
+    last = _said(stderr)
     assert proc.exitcode == 1, last
     assert last.startswith("torchft_train: step 0: no quorum within --quorum-timeout 3 s (fewer replica groups "
                            "asked the lighthouse than its --min_replicas): "), last
