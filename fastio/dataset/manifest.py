@@ -485,8 +485,8 @@ class Manifest:
         """The manifest of a JSON object that :func:`_validate` has passed."""
         optional = {_attribute(k): data.get(k) for k in _OPTIONAL_KEYS
                     if k not in ("kind", "tokens", "image_text", "index", "probes")}
-        tokens, index, probes, image_text = data.get("tokens"), data.get("index"), data.get("probes"), data.get(
-            "image_text")
+        tokens, image_text = data.get("tokens"), data.get("image_text")
+        index, probes = data.get("index"), data.get("probes")
         shards = shard_records(data)
         return cls(name=data.get("name"), shards=shards, fields=list(data["fields"]),
                    total_samples=data["total_samples"],
