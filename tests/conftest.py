@@ -180,6 +180,17 @@ def warm():
     runner.close()
 
 
+@pytest.fixture(scope="session")
+def warm_one_thread():
+    """``warm``'s interpreter with ``OMP_NUM_THREADS=1`` from its start: the runs of training scripts a test runs
+    with one thread each (tests/resume.py's ``killed_and_resumed``)."""
+    from warm_python import WarmPython
+
+    runner = WarmPython(env={"OMP_NUM_THREADS": "1"})
+    yield runner
+    runner.close()
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for a tiny model trained in the test process (two would busy-wait on a shared core)."""

@@ -91,8 +91,9 @@ class WarmPython:
     # TORCHINDUCTOR_CACHE_DIR, may differ: the child takes them as a fresh python would.)
     AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_")
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """The server, with this process's environment and ``env`` over it (what a child's run may not change)."""
+        self.env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=Path(__file__).parent, env=self.env)
 
@@ -164,7 +165,7 @@ class WarmRun:
                 if not running:
                     break
                 if not done:
-                    time.sleep(0.01)
+                    time.sleep(0.002)  # a step of a tiny training can take milliseconds: a signal lands soon after
             if pending:
                 yield pending
 
