@@ -63,10 +63,14 @@ def _put_ids(dest: Path, key: str, ids: dict[int, int]) -> None:
     (dest / "manifest.json").write_text(json.dumps(manifest))
 
 
-def _drop_record(dest: Path) -> None:
-    """Remove the manifest's ``image_text`` entry, as a dataset converted before fastio recorded it."""
+def _drop_record(dest: Path, *keys: str) -> None:
+    """Remove ``keys`` of the manifest's ``image_text`` entry (none given: the entry), as a dataset converted before
+    fastio recorded them."""
     manifest = json.loads((dest / "manifest.json").read_text())
-    del manifest["image_text"]
+    for key in keys:
+        del manifest["image_text"][key]
+    if not keys:
+        del manifest["image_text"]
     (dest / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -117,6 +121,16 @@ def test_a_manifest_without_the_record_is_checked_for_negative_ids_only(dataset,
     assert load_manifest(dataset).image_text is None
     assert _lines(dataset, capsys) == [
         f"{SHARD}: 00000005: {TOKENS_FIELD} holds token id -2: token ids are never negative (a damaged shard)"]
+
+
+def test_a_record_of_the_vocabulary_alone_holds_the_ids_to_it(dataset, capsys):
+    info = load_manifest(dataset).image_text
+    _drop_record(dataset, "max_id")  # as where no sample held a token
+    _put_ids(dataset, "00000004", {1: info.max_id + 1})  # inside the vocabulary: nothing recorded to hold it against
+    _put_ids(dataset, "00000005", {0: info.vocab_size + 1})
+    assert load_manifest(dataset).image_text.max_id is None
+    assert _lines(dataset, capsys) == [f"{SHARD}: 00000005: {TOKENS_FIELD} holds token id {info.vocab_size + 1}, "
+                                       f"outside the vocabulary of {info.vocab_size} ids"]
 
 
 def test_an_s3_dest_names_the_same_id(dataset, capsys, aws_env, s3_bucket):
