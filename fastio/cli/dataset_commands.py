@@ -363,7 +363,7 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 @storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,
            profile: str | None) -> None:
-    """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem.
+    """Check DEST against its manifest: checksums, counts, tar members, token ids, index. Exit 1 on any problem.
 
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
     from fastio.report.verify import verify as run_verify
