@@ -74,8 +74,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
 @click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
 @click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
-@click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
-@click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--label-column", default=None, help="Tables: column with labels (default: detected: label, class or cls).")
+@click.option("--key-column", default=None, help="Tables: column with sample keys (default: detected: __key__ or key).")
 @click.option("--labels", default="auto", show_default=True, metavar="auto|integers|names",
               help="Tables: label rule. auto: the values when all are integral (2, 2.0), sorted class names "
                    "numbered from 0 when none is, an error naming rows on a mix; names: always class names.")

@@ -198,9 +198,12 @@ class ConvertConfig:
     path_column: str | None = None
     """Tables: the column with file paths (default: detected)."""
     label_column: str | None = None
-    """Tables: the column with labels (default: ``label`` when present)."""
+    """Tables: the column with labels (default: detected, the first of ``label``, ``class``, ``cls`` the table has).
+    The table options (``path_column``, ``label_column``, ``key_column``, ``labels``, ``root``) given for a source
+    that is no table (an image folder, loose files, an image-text JSONL) are refused, naming the option."""
     key_column: str | None = None
-    """Tables: the column with sample keys (default: derived from the path or row number)."""
+    """Tables: the column with sample keys (default: ``__key__`` or ``key`` when present, else derived from the
+    path or the row number)."""
     labels: str = checked(one_of(LABEL_CHOICES), default="auto")
     """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (the values themselves when every label is
     integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
@@ -598,9 +601,15 @@ def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     server starts first, to import their modules while the scan runs."""
     if config.workers > 1:
         start_server(load_entry, _init_worker, _WORKER_IMPORTS)
-    scan = scanner(config.source) if scanner is not None else converters.scan(config.source, config.format, ScanOptions(
-        path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
-        root=config.root, labels=config.labels))
+    options = ScanOptions(path_column=config.path_column, label_column=config.label_column,
+                          key_column=config.key_column, root=config.root, labels=config.labels)
+    if scanner is None:
+        scan = converters.scan(config.source, config.format, options)
+    else:  # an image-text JSONL: its own scan, which takes no table option and no format
+        if config.format is not None:
+            raise ConvertError(f"format={config.format!r}: an image-text conversion reads its JSONL as it is")
+        converters.refuse_table_options("image-text", options)
+        scan = scanner(config.source)
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)
         if bad is not None:
