@@ -18,15 +18,24 @@ from fastio.formats.images import DEFAULT_MAX_PIXELS
 
 __all__ = ["convert", "index", "inspect", "merge", "verify"]
 
+_FLAG_OF_FIELD = {"progress_every_s": "progress_every"}
+"""Config fields whose flag has another name: ``progress_every_s`` is ``--progress-every``."""
+_CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
+"""A config's "not given" (None) in the command's words: a flag left out, ``--max-pixels 0``."""
+
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
-    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``; a flag the message already
-    names before its Python spelling (``--transcode vp9 (transcode='vp9')``) is named once."""
+    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side`` (``progress_every_s`` ->
+    ``--progress-every``: :data:`_FLAG_OF_FIELD`); a flag the message already names before its Python spelling
+    (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
     ctx = click.get_current_context()
     flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
              for opt in p.opts if opt.startswith("--")}
+    flags.update({field: flags[name] for field, name in _FLAG_OF_FIELD.items() if name in flags})
+    for python, words in _CLI_WORDS.items():
+        text = text.replace(python, words)
     names = "|".join(sorted(flags, key=len, reverse=True))
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
