@@ -68,7 +68,7 @@ class CheckpointConfig:
     file of a checkpoint after the engine wrote it (``NAME.zst``), the commit marker records it, and a restore
     decompresses (into a temporary directory next to the step, so it needs that much free space) without being
     told. Off by default because it does not pay on float state: on trained fp32 weights and Adam moments zstd
-    saves about 8% of the bytes (x1.08), with the shuffle about 15% (x1.18), at ~300 MB/s per core: several
+    saves about 8% of the bytes (x1.08), with the shuffle about 15% (x1.17), at ~300 MB/s per core: several
     core-seconds per GiB on the writer, slower than most disks take the bytes it saves."""
 
     writer_nice: int = 0
