@@ -255,11 +255,11 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
 
 
 @cli.command()
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset DEST already holds.")
 @click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
-def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
+def merge(dest: str, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
     """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
     single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
     from fastio.convert.merge import merge as run_merge

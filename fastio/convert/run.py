@@ -70,7 +70,7 @@ from fastio.formats.media import (
 )
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
-from fastio.storage import is_remote
+from fastio.storage import local_or_url
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
 __all__ = [
@@ -241,8 +241,7 @@ class ConvertConfig:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
         here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
         # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
-        self.source = self.source if isinstance(self.source, str) and is_remote(self.source) else Path(self.source)
-        self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
+        self.source, self.dest = local_or_url(self.source), local_or_url(self.dest)
         if self.format is not None and self.format not in converters.FORMATS:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
