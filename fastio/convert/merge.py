@@ -108,14 +108,21 @@ class _Planned:
     staged: Path | None = None
 
 
+def _local_dest(dest: str | Path) -> Path:
+    """DEST's folder (``file:///abs`` is ``/abs``); a ConvertError for an object-store URL: parts are merged on a
+    file system."""
+    where = local_or_url(dest)
+    if isinstance(where, str):
+        raise ConvertError(f"{where}: fastio merge needs the parts on a (shared) file system; merge there, then upload")
+    return where
+
+
 def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False) -> MergeResult:
     """Check the parts under ``DEST/.parts`` and publish them as one dataset in DEST (see the module docstring).
 
     Raises ConvertError naming missing, incomplete, still-running or mismatched parts."""
     started = time.perf_counter()
-    dest = local_or_url(dest)
-    if isinstance(dest, str):
-        raise ConvertError(f"{dest}: fastio merge needs the parts on a (shared) file system; merge there, then upload")
+    dest = _local_dest(dest)
     root = dest / PARTS_DIR
     if not root.is_dir():
         raise ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/; convert with part=K/N first)")
