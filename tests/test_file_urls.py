@@ -7,9 +7,9 @@ verify``/``merge`` and ``inspect`` of a split DEST refused the URL as a missing 
 from __future__ import annotations
 
 import torch
+from helpers import run_cli
 
 import fastio
-from helpers import run_cli
 
 
 def test_convert_verify_inspect_and_merge_take_a_file_url(image_folder, tmp_path, monkeypatch, capsys):
