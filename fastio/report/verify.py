@@ -49,7 +49,7 @@ from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
 from fastio.progress import count
-from fastio.storage import is_remote, open_storage
+from fastio.storage import local_or_url, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.ids import IdScan, first_outside, id_problem
 from fastio.tokens.starts import read_starts
@@ -436,9 +436,9 @@ def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | No
 
     An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
     folder (not the cache: a damaged object is reported, not refused), checked, and deleted."""
-    if is_remote(dest):
-        return _verify_remote(str(dest), decode, storage_options)
-    dest = Path(dest)
+    dest = local_or_url(dest)
+    if isinstance(dest, str):
+        return _verify_remote(dest, decode, storage_options)
     report = VerifyReport(dest)
     splits = split_names(dest)
     for name in splits or [""]:
