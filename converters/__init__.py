@@ -12,9 +12,12 @@ from fastio.converters import files, imagefolder, parquet, table
 from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
 from fastio.errors import ConvertError
 
-__all__ = ["FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect", "scan"]
+__all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
+           "refuse_table_options", "scan"]
 
 FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
+TABLE_FORMATS = ("csv", "jsonl", "parquet")
+"""The formats whose rows the table options of :class:`ScanOptions` (columns, label rule, root) apply to."""
 
 
 def detect(source: Path) -> str:
@@ -52,6 +55,7 @@ def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = Non
     want_dir = fmt in ("imagefolder", "files")
     if want_dir != source.is_dir():
         raise ConvertError(f"{source}: format {fmt} needs a {'directory' if want_dir else 'file'}")
+    refuse_table_options(fmt, options)
     try:
         if fmt == "imagefolder":
             result = imagefolder.scan(source, options)
@@ -68,3 +72,17 @@ def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = Non
             if result.skipped else ""
         raise ConvertError(f"{source}: no samples found as {fmt}{why}")
     return result
+
+
+def refuse_table_options(kind: str, options: ScanOptions) -> None:
+    """ConvertError naming the first table option of ``options`` that was given for a source of ``kind`` that is no
+    table (an image folder, loose files, an image-text JSONL): its converter would ignore it."""
+    if kind in TABLE_FORMATS:
+        return
+    given = [(name, getattr(options, name)) for name in ("path_column", "label_column", "key_column", "root")
+             if getattr(options, name) is not None]
+    given += [("labels", options.labels)] if options.labels != ScanOptions.labels else []
+    if given:
+        name, value = given[0]
+        raise ConvertError(f"{name}={str(value)!r}: an option of a table source ({', '.join(TABLE_FORMATS)}), "
+                           f"not of {kind}")

@@ -103,14 +103,16 @@ class ScanResult:
 
 @dataclass(frozen=True)
 class ScanOptions:
-    """Format options a user may give; each converter uses the ones that apply to it."""
+    """Format options a user may give: the table options; given for a source that is no table, they are refused
+    (:func:`fastio.converters.refuse_table_options`)."""
 
     path_column: str | None = None
     """Table column holding file paths relative to ``root`` (default: detected)."""
     label_column: str | None = None
-    """Table column holding the class label (default: ``label`` when present)."""
+    """Table column holding the class label (default: the first of ``label``, ``class``, ``cls`` present)."""
     key_column: str | None = None
-    """Table column holding the sample key (default: derived from the path or the row number)."""
+    """Table column holding the sample key (default: ``__key__`` or ``key`` when present, else derived from the
+    path or the row number)."""
     labels: str = "auto"
     """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (integers when every label is integral, names
     when none is, else an error naming rows), ``integers`` or ``names``."""

@@ -5,8 +5,8 @@
 Converts IMAGES (an image folder; default: a small generated one) into s3://bucket/prefix/data, reads the
 train split through the node-local cache, trains a few steps with checkpoints in s3://bucket/prefix/ckpt,
 then restores the newest one in a new Checkpointer. The endpoint and credentials come from where the AWS
-tools look (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., ~/.aws); the cache from FASTIO_CACHE_DIR or
-~/.cache/fastio. tests/test_docs.py runs it against a local moto S3 server.
+tools look (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ..., ~/.aws); the cache from FASTIO_CACHE_DIR, else
+XDG_CACHE_HOME/fastio, else ~/.cache/fastio. tests/test_docs.py runs it against a local moto S3 server.
 """
 
 import subprocess

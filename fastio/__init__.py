@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Dataset": "fastio.dataset.dataset",
     "ShardWriter": "fastio.dataset.shards",
-    "convert": "fastio.convert.run",
+    "convert": "fastio.convert",  # the subpackage (its convert, ConvertConfig): importing it binds the name anyway
     "index_shards": "fastio.convert.wds_index",
     "IndexConfig": "fastio.convert.wds_index",
     "Loader": "fastio.loader",

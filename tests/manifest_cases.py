@@ -111,9 +111,24 @@ def _token_cases(tmp: Path) -> None:
                                   dest=tmp / "out" / "tokens-indexed"))
 
 
+def _image_text_case(tmp: Path) -> None:
+    """Six image-text conversations (0..3 images each) in two shards: the manifest records the tokenizer's and
+    template's checksums (the files are the same bytes each run) and the vocabulary (``image_text``)."""
+    from tokens_helpers import image_text_source
+
+    from fastio.convert.image_text import ImageTextOptions, convert_image_text
+    from fastio.convert.run import ConvertConfig
+
+    (tmp / "vlm").mkdir()
+    src = image_text_source(tmp / "vlm", n=6)
+    convert_image_text(ConvertConfig(src["source"], tmp / "out" / "image-text", workers=1, max_samples_per_shard=4),
+                       ImageTextOptions(src["tokenizer"], src["config"]))
+
+
 def build(tmp: Path) -> dict[str, str]:
     """Write every case under ``tmp/out`` and return their normalised manifests."""
     _convert_cases(tmp)
     _index_cases(tmp)
     _token_cases(tmp)
+    _image_text_case(tmp)
     return manifests(tmp / "out", tmp)

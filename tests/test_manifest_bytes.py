@@ -1,6 +1,7 @@
 """Manifests are written byte for byte as before the manifest became a typed object on the write side: convert
-(folder, split, table, parts + merge), ``fastio index`` (in place, with DEST), token convert and token index,
-against ``fixtures/manifest_bytes.json`` (recorded before the change by ``fixtures/make_manifest_fixtures.py``)."""
+(folder, split, table, parts + merge), ``fastio index`` (in place, with DEST), token convert and token index, and
+image-text convert, against ``fixtures/manifest_bytes.json`` (recorded before the change by
+``fixtures/make_manifest_fixtures.py``; the image-text case recorded since, the other cases' bytes unchanged)."""
 
 from __future__ import annotations
 

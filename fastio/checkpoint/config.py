@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastio.checkpoint.compress import parse_compression
 from fastio.checkpoint.engines import AUTO, check_engine_name
-from fastio.storage.url import is_remote
+from fastio.storage.url import local_or_url
 
 __all__ = ["POLICIES", "CheckpointConfig"]
 
@@ -68,7 +68,7 @@ class CheckpointConfig:
     file of a checkpoint after the engine wrote it (``NAME.zst``), the commit marker records it, and a restore
     decompresses (into a temporary directory next to the step, so it needs that much free space) without being
     told. Off by default because it does not pay on float state: on trained fp32 weights and Adam moments zstd
-    saves about 8% of the bytes (x1.08), with the shuffle about 15% (x1.18), at ~300 MB/s per core: several
+    saves about 8% of the bytes (x1.08), with the shuffle about 15% (x1.17), at ~300 MB/s per core: several
     core-seconds per GiB on the writer, slower than most disks take the bytes it saves."""
 
     writer_nice: int = 0
@@ -102,12 +102,13 @@ class CheckpointConfig:
     """The object-store URL checkpoints are uploaded to (None: ``dir`` is the checkpoint directory itself)."""
 
     def __post_init__(self) -> None:
-        if is_remote(self.dir):
+        where = local_or_url(self.dir)
+        if isinstance(where, str):
             from fastio.checkpoint.remote import default_staging_dir
 
-            self.url = str(self.dir).rstrip("/")
-            self.dir = self.staging_dir or default_staging_dir(self.url)
-        self.dir = Path(self.dir)
+            self.url = where.rstrip("/")
+            where = self.staging_dir or default_staging_dir(self.url)
+        self.dir = Path(where)
         if str(self.dir) == "":
             raise ValueError("CheckpointConfig.dir must not be empty")
         self._check_numbers()

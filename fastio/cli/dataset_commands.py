@@ -18,15 +18,24 @@ from fastio.formats.images import DEFAULT_MAX_PIXELS
 
 __all__ = ["convert", "index", "inspect", "merge", "verify"]
 
+_FLAG_OF_FIELD = {"progress_every_s": "progress_every"}
+"""Config fields whose flag has another name: ``progress_every_s`` is ``--progress-every``."""
+_CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
+"""A config's "not given" (None) in the command's words: a flag left out, ``--max-pixels 0``."""
+
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
-    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``; a flag the message already
-    names before its Python spelling (``--transcode vp9 (transcode='vp9')``) is named once."""
+    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side`` (``progress_every_s`` ->
+    ``--progress-every``: :data:`_FLAG_OF_FIELD`); a flag the message already names before its Python spelling
+    (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
     ctx = click.get_current_context()
     flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
              for opt in p.opts if opt.startswith("--")}
+    flags.update({field: flags[name] for field, name in _FLAG_OF_FIELD.items() if name in flags})
+    for python, words in _CLI_WORDS.items():
+        text = text.replace(python, words)
     names = "|".join(sorted(flags, key=len, reverse=True))
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
@@ -74,8 +83,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
 @click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
 @click.option("--path-column", default=None, help="Tables: column with file paths (default: detected).")
-@click.option("--label-column", default=None, help="Tables: column with labels (default: label).")
-@click.option("--key-column", default=None, help="Tables: column with sample keys.")
+@click.option("--label-column", default=None, help="Tables: column with labels (default: detected: label, class or cls).")
+@click.option("--key-column", default=None, help="Tables: column with sample keys (default: detected: __key__ or key).")
 @click.option("--labels", default="auto", show_default=True, metavar="auto|integers|names",
               help="Tables: label rule. auto: the values when all are integral (2, 2.0), sorted class names "
                    "numbered from 0 when none is, an error naming rows on a mix; names: always class names.")
@@ -246,11 +255,11 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
 
 
 @cli.command()
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")
 @click.option("--overwrite", is_flag=True, help="Replace a dataset DEST already holds.")
 @click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
-def merge(dest: Path, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
+def merge(dest: str, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
     """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
     single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
     from fastio.convert.merge import merge as run_merge
@@ -363,7 +372,7 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 @storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,
            profile: str | None) -> None:
-    """Check DEST against its manifest: checksums, counts, tar members, index. Exit 1 on any problem.
+    """Check DEST against its manifest: checksums, counts, tar members, token ids, index. Exit 1 on any problem.
 
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
     from fastio.report.verify import verify as run_verify

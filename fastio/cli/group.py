@@ -42,14 +42,17 @@ def storage_flags(cache: bool = False):
     def wrap(fn):
         flags = [
             click.option("--endpoint-url", default=None, metavar="URL",
-                         help="s3:// URLs: S3-compatible endpoint (default: AWS_ENDPOINT_URL, the profile, AWS)."),
-            click.option("--region", default=None, help="s3:// URLs: region (default: AWS_REGION, the profile)."),
-            click.option("--profile", default=None, help="s3:// URLs: AWS profile (default: AWS_PROFILE)."),
+                         help="s3:// URLs: S3-compatible endpoint (default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, "
+                              "the profile, AWS)."),
+            click.option("--region", default=None,
+                         help="s3:// URLs: region (default: AWS_REGION or AWS_DEFAULT_REGION, the profile, us-east-1)."),
+            click.option("--profile", default=None, help="s3:// URLs: AWS profile (default: AWS_PROFILE, else default)."),
         ]
         if cache:
             flags += [
                 click.option("--cache-dir", default=None, type=click.Path(path_type=Path),
-                             help="s3:// DEST: node-local shard cache (default: $FASTIO_CACHE_DIR or ~/.cache/fastio)."),
+                             help="s3:// DEST: node-local shard cache (default: $FASTIO_CACHE_DIR, else "
+                                  "$XDG_CACHE_HOME/fastio, else ~/.cache/fastio)."),
                 click.option("--cache-size", default=None,
                              help="s3:// DEST: cache bound, e.g. 500GB (default: half the free space)."),
             ]

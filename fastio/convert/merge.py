@@ -56,7 +56,7 @@ from fastio.errors import ConvertError, DatasetError
 from fastio.formats.dali_idx import IndexEntry, parse_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import join_video_codecs
-from fastio.storage import is_remote
+from fastio.storage import local_or_url
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
@@ -108,12 +108,21 @@ class _Planned:
     staged: Path | None = None
 
 
+def _local_dest(dest: str | Path) -> Path:
+    """DEST's folder (``file:///abs`` is ``/abs``); a ConvertError for an object-store URL: parts are merged on a
+    file system."""
+    where = local_or_url(dest)
+    if isinstance(where, str):
+        raise ConvertError(f"{where}: fastio merge needs the parts on a (shared) file system; merge there, then upload")
+    return where
+
+
 def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False) -> MergeResult:
     """Check the parts under ``DEST/.parts`` and publish them as one dataset in DEST (see the module docstring).
 
     Raises ConvertError naming missing, incomplete, still-running or mismatched parts."""
     started = time.perf_counter()
-    dest = Path(dest)
+    dest = _local_dest(dest)
     root = dest / PARTS_DIR
     if not root.is_dir():
         raise ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/; convert with part=K/N first)")
@@ -140,7 +149,7 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
             manifests = {"": manifest}
         else:
             source = plan["source"]["path"]  # a URL (an image-text JSONL on s3://) stays a str
-            check_dest(dest, source if is_remote(source) else Path(source), overwrite)
+            check_dest(dest, local_or_url(source), overwrite)
             staging = root / STAGING
             if staging.exists():
                 shutil.rmtree(staging)

@@ -70,7 +70,7 @@ from fastio.formats.media import (
 )
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
-from fastio.storage import is_remote
+from fastio.storage import local_or_url
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
 
 __all__ = [
@@ -198,9 +198,12 @@ class ConvertConfig:
     path_column: str | None = None
     """Tables: the column with file paths (default: detected)."""
     label_column: str | None = None
-    """Tables: the column with labels (default: ``label`` when present)."""
+    """Tables: the column with labels (default: detected, the first of ``label``, ``class``, ``cls`` the table has).
+    The table options (``path_column``, ``label_column``, ``key_column``, ``labels``, ``root``) given for a source
+    that is no table (an image folder, loose files, an image-text JSONL) are refused, naming the option."""
     key_column: str | None = None
-    """Tables: the column with sample keys (default: derived from the path or row number)."""
+    """Tables: the column with sample keys (default: ``__key__`` or ``key`` when present, else derived from the
+    path or the row number)."""
     labels: str = checked(one_of(LABEL_CHOICES), default="auto")
     """Tables: the label rule (:mod:`fastio.formats.labels`): ``auto`` (the values themselves when every label is
     integral, such as ``2``, ``2.0`` or ``" 2"``; sorted class names numbered from 0 when none is; a mix is an
@@ -238,8 +241,7 @@ class ConvertConfig:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
         here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
         # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
-        self.source = self.source if isinstance(self.source, str) and is_remote(self.source) else Path(self.source)
-        self.dest = self.dest if is_remote(self.dest) else Path(self.dest)
+        self.source, self.dest = local_or_url(self.source), local_or_url(self.dest)
         if self.format is not None and self.format not in converters.FORMATS:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)
@@ -598,9 +600,15 @@ def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     server starts first, to import their modules while the scan runs."""
     if config.workers > 1:
         start_server(load_entry, _init_worker, _WORKER_IMPORTS)
-    scan = scanner(config.source) if scanner is not None else converters.scan(config.source, config.format, ScanOptions(
-        path_column=config.path_column, label_column=config.label_column, key_column=config.key_column,
-        root=config.root, labels=config.labels))
+    options = ScanOptions(path_column=config.path_column, label_column=config.label_column,
+                          key_column=config.key_column, root=config.root, labels=config.labels)
+    if scanner is None:
+        scan = converters.scan(config.source, config.format, options)
+    else:  # an image-text JSONL: its own scan, which takes no table option and no format
+        if config.format is not None:
+            raise ConvertError(f"format={config.format!r}: an image-text conversion reads its JSONL as it is")
+        converters.refuse_table_options("image-text", options)
+        scan = scanner(config.source)
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)
         if bad is not None:

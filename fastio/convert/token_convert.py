@@ -74,7 +74,7 @@ from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard,
 from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
-from fastio.storage import is_remote
+from fastio.storage import local_or_url
 from fastio.storage.checksum import sha256_file
 from fastio.storage.lock import LOCK_NAME, DirLock
 from fastio.tokens.starts import shard_starts, write_starts
@@ -159,8 +159,7 @@ class TokenConvertConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
         for key in ("source", "dest"):
-            if not is_remote(str(getattr(self, key))):
-                object.__setattr__(self, key, Path(getattr(self, key)))
+            object.__setattr__(self, key, local_or_url(getattr(self, key)))
         if self.part is not None:
             object.__setattr__(self, "part", parse_part(self.part))
             if isinstance(self.dest, str):

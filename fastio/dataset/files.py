@@ -30,7 +30,7 @@ from fastio.errors import DatasetError, StorageError
 from fastio.storage.base import Storage, open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache, default_cache_dir
 from fastio.storage.options import StorageOptions
-from fastio.storage.url import parse_location
+from fastio.storage.url import local_or_url
 
 __all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "no_manifest",
            "open_files"]
@@ -297,9 +297,8 @@ def open_files(dest: str | Path, *, cache_dir: str | Path | None = None, cache_s
 
 def dest_child(dest: str | Path, name: str) -> str | Path:
     """``dest/name`` for a folder or a URL (a split of a ``split`` DEST)."""
-    if isinstance(dest, Path) or not parse_location(dest).remote:
-        return Path(dest) / name
-    return f"{str(dest).rstrip('/')}/{name}"
+    where = local_or_url(dest)
+    return where / name if isinstance(where, Path) else f"{where.rstrip('/')}/{name}"
 
 
 def dest_split_names(dest: str | Path, storage_options: StorageOptions | dict | None = None) -> list[str] | None:

@@ -62,11 +62,13 @@ class PerformanceOptions:
             raise ValueError(f"pin_threads must be True, False or None, got {self.pin_threads!r}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        object.__setattr__(self, "num_threads", self.num_threads or cores)
-        object.__setattr__(self, "read_ahead", self.prefetch + 1 if self.read_ahead is None else self.read_ahead)
-        object.__setattr__(self, "reader_threads", self.reader_threads or min(4, cores))
-        if self.num_threads < 1 or self.read_ahead < 0 or self.reader_threads < 1:
-            raise ValueError("num_threads and reader_threads must be >= 1 and read_ahead >= 0")
+        defaults = {"num_threads": cores, "read_ahead": self.prefetch + 1, "reader_threads": min(4, cores)}
+        for name, default in defaults.items():  # None: the default; 0 is a value, checked as any other
+            value = getattr(self, name)
+            object.__setattr__(self, name, default if value is None else value)
+            least = 0 if name == "read_ahead" else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
 
 
 @dataclass(frozen=True)

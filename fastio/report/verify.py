@@ -1,4 +1,4 @@
-"""Check a converted dataset against its manifest: checksums, counts, tar members, index (``verify``),
+"""Check a converted dataset against its manifest: checksums, counts, tar members, token ids, index (``verify``),
 and that ``shards/`` holds no file the manifest does not list (a stray shard or index, e.g. from another
 conversion, is reported: a reader would never see it, but it is not this dataset).
 
@@ -8,7 +8,10 @@ case each split is checked and shard names are prefixed with the split name. A t
 ending with the end-of-document id, every id inside the vocabulary (and not above the largest the manifest records)
 and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`); a chat dataset's (``tokens.chat``)
 also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and
-not for the end-of-document id (a conversation ends as its template ends it).
+not for the end-of-document id (a conversation ends as its template ends it). An image-text sample's members
+(:mod:`fastio.formats.image_text`) are checked by their sizes, and its ``tokens.i32`` by the rule of a token
+dataset's ids: the first id that is negative, outside the vocabulary or above the largest id the manifest's
+``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from fastio.dataset.files import LocalFiles, dest_split_names, no_manifest
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     SHARDS_DIR,
+    ImageTextInfo,
     IndexRecord,
     Manifest,
     ShardRecord,
@@ -45,9 +49,9 @@ from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
 from fastio.progress import count
-from fastio.storage import is_remote, open_storage
+from fastio.storage import local_or_url, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
-from fastio.tokens.ids import IdScan
+from fastio.tokens.ids import IdScan, first_outside, id_problem
 from fastio.tokens.starts import read_starts
 
 __all__ = ["Problem", "VerifyReport", "verify"]
@@ -110,10 +114,12 @@ def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
         report.audio_decoded += 1
 
 
-def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool = False):
+def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool, ids: ImageTextInfo):
     """[(key, ((ext, offset, size), ...)), ...] in tar order; member problems go into ``report``. A ``foreign``
     tar (indexed by ``fastio index``, not written by fastio) may hold what its index passed over: folders,
-    links, hidden files and members without a field name (:mod:`fastio.convert.foreign_tar`)."""
+    links, hidden files and members without a field name (:mod:`fastio.convert.foreign_tar`). Each ``tokens.i32``
+    member's ids are checked against ``ids`` (an image-text dataset's vocabulary record, maybe empty:
+    :func:`_token_id_problem`)."""
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     with tarfile.open(path, "r:") as tar:
         for member in tar:
@@ -133,19 +139,42 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
                 samples[-1][1].append((ext, member.offset_data, member.size))
             else:
                 samples.append((key, [(ext, member.offset_data, member.size)]))
-            if decode and is_image_field(ext):
-                data = tar.extractfile(member).read()
-                try:
-                    check_image(data)
-                    report.decoded += 1
-                except ImageCheckError as err:
-                    report.problems.append(Problem(label, key, f"field {ext}: {err}"))
-            elif decode and is_media_field(ext):
-                try:
-                    _decode_media(tar.extractfile(member).read(), ext, report)
-                except MediaCheckError as err:
-                    report.problems.append(Problem(label, key, f"field {ext}: {err}"))
+            what = _member_problem(tar, member, ext, decode, ids, report)
+            if what is not None:
+                report.problems.append(Problem(label, key, what))
     return samples
+
+
+def _member_problem(tar: tarfile.TarFile, member: tarfile.TarInfo, ext: str, decode: bool, ids: ImageTextInfo,
+                    report: VerifyReport) -> str | None:
+    """What is wrong with one member's bytes, read only where checked: an image, video or audio file that does not
+    decode (``decode``), an image-text sample's ``tokens.i32`` holding a bad id (checked against ``ids``)."""
+    if ext == TOKENS_FIELD:
+        return _token_id_problem(tar.extractfile(member).read(), ids)
+    if decode and is_image_field(ext):
+        try:
+            check_image(tar.extractfile(member).read())
+            report.decoded += 1
+        except ImageCheckError as err:
+            return f"field {ext}: {err}"
+    elif decode and is_media_field(ext):
+        try:
+            _decode_media(tar.extractfile(member).read(), ext, report)
+        except MediaCheckError as err:
+            return f"field {ext}: {err}"
+    return None
+
+
+def _token_id_problem(data: bytes, info: ImageTextInfo) -> str | None:
+    """The first id of an image-text sample's ``tokens.i32`` that is negative, outside the vocabulary or above the
+    largest id the manifest records (``info``: what it records, maybe nothing), by the rule of a token dataset's ids
+    (:mod:`fastio.tokens.ids`); None for good ids, or a member that is not whole int32 ids (reported by its size)."""
+    if len(data) % 4 or not data:
+        return None
+    tokens = np.frombuffer(data, "<i4")
+    top = info.max_id + 1 if info.max_id is not None else info.vocab_size  # max_id < vocab_size (checked on load)
+    at = first_outside(tokens, top, int(tokens.min()), int(tokens.max()))
+    return None if at is None else f"{TOKENS_FIELD} {id_problem(int(tokens[at]), info.vocab_size, info.max_id)}"
 
 
 def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: TokenInfo, report: VerifyReport,
@@ -214,7 +243,7 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
         problems.append(f"document {end_bad} does not end with the end-of-document id {info.eos_id}")
     problems += ids.problems(pair.index)
     if info.max_id is not None and ids.high is not None and ids.high > info.max_id:
-        problems.append(f"holds token id {ids.high}, above the largest the manifest records ({info.max_id})")
+        problems.append(id_problem(ids.high, None, info.max_id))
     return problems
 
 
@@ -328,7 +357,7 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
     foreign = (manifest.converted_from or {}).get("format") == "webdataset"
     lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
-    _verify_tar(tar_path, shard, entries, decode, foreign, label, report)
+    _verify_tar(tar_path, shard, entries, decode, foreign, label, report, manifest.image_text or ImageTextInfo())
     return shard, as_fields(entries) if lower else entries
 
 
@@ -363,10 +392,11 @@ def _idx_entries(idx_path: Path, shard: ShardRecord, label: str, report: VerifyR
 
 
 def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode: bool, foreign: bool, label: str,
-                report: VerifyReport) -> None:
-    """The tar's samples: their count against the record, keys adjacent, and the ``.idx`` entries matching them."""
+                report: VerifyReport, ids: ImageTextInfo) -> None:
+    """The tar's samples: their count against the record, keys adjacent, their ``tokens.i32`` ids against ``ids``
+    (an image-text dataset's vocabulary record), and the ``.idx`` entries matching them."""
     try:
-        samples = _tar_samples(tar_path, decode, report, label, foreign)
+        samples = _tar_samples(tar_path, decode, report, label, foreign, ids)
     except (tarfile.TarError, OSError, EOFError) as err:
         report.problems.append(Problem(label, None, f"tar does not parse ({err})"))
         return
@@ -406,9 +436,9 @@ def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | No
 
     An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
     folder (not the cache: a damaged object is reported, not refused), checked, and deleted."""
-    if is_remote(dest):
-        return _verify_remote(str(dest), decode, storage_options)
-    dest = Path(dest)
+    dest = local_or_url(dest)
+    if isinstance(dest, str):
+        return _verify_remote(dest, decode, storage_options)
     report = VerifyReport(dest)
     splits = split_names(dest)
     for name in splits or [""]:

@@ -8,7 +8,7 @@ endpoint, region and credentials come from, :mod:`fastio.storage.retry` for what
 
 from fastio.storage.base import LocalStorage, ObjectInfo, S3Storage, Storage, open_storage
 from fastio.storage.options import StorageOptions
-from fastio.storage.url import Location, is_remote, parse_location
+from fastio.storage.url import Location, is_remote, local_or_url, parse_location
 
 __all__ = ["Location", "LocalStorage", "ObjectInfo", "S3Storage", "Storage", "StorageOptions", "is_remote",
-           "open_storage", "parse_location"]
+           "local_or_url", "open_storage", "parse_location"]

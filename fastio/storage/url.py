@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 from fastio.errors import StorageError
 
-__all__ = ["REMOTE_SCHEMES", "Location", "is_remote", "join_key", "parse_location"]
+__all__ = ["REMOTE_SCHEMES", "Location", "is_remote", "join_key", "local_or_url", "parse_location"]
 
 REMOTE_SCHEMES = ("s3",)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
@@ -46,6 +46,13 @@ def join_key(prefix: str, key: str) -> str:
 def is_remote(dest: str | Path) -> bool:
     """True for an object-store URL (``s3://...``); False for a local path; StorageError for another scheme."""
     return parse_location(dest).remote
+
+
+def local_or_url(dest: str | Path) -> str | Path:
+    """A DEST as the code keeps it: an object-store URL as the string given, anything else as its local Path
+    (``file:///abs/path`` is ``/abs/path``, never a folder named ``file:``); StorageError as :func:`parse_location`."""
+    location = parse_location(dest)
+    return str(dest) if location.remote else location.path
 
 
 def parse_location(dest: str | Path) -> Location:

@@ -1,6 +1,8 @@
 """What a pass over a shard's token ids can tell cheaply (``fastio index`` and ``fastio verify`` each read every id
 once): the largest, the first one outside ``[0, vocab_size)``, and the tell of int32 tokens read through an ``.idx``
-that says uint16.
+that says uint16. The rule of an id (not negative, inside the vocabulary, not above the largest the manifest records:
+:func:`first_outside`) and the words that name a bad one (:func:`id_problem`) are also ``fastio verify``'s for an
+image-text sample's ``tokens.i32``.
 
 Such an ``.idx`` (made by hand, or by a tool told the wrong type) counts each int32 token as two uint16 ones, so its
 sizes agree with the ``.bin``; read that way, every token at an odd offset is the high half of an id: 0 below
@@ -21,13 +23,31 @@ import numpy as np
 
 from fastio.formats.megatron import MegatronIndex
 
-__all__ = ["HIGH_HALF", "LOW_SPREAD", "IdScan", "document_at"]
+__all__ = ["HIGH_HALF", "LOW_SPREAD", "IdScan", "document_at", "first_outside", "id_problem"]
 
 HIGH_HALF = 15
 """The largest high half of an int32 id below 2**20 (every vocabulary in use): 15."""
 LOW_SPREAD = 256
 """Low halves reaching this while every high half is at most :data:`HIGH_HALF`: no real uint16 data (a vocabulary
 of 16 ids or fewer keeps every token small, and is taken as it is)."""
+
+
+def first_outside(tokens: np.ndarray, top: int | None, low: int, high: int) -> int | None:
+    """The offset of the first of ``tokens`` (their smallest ``low`` and largest ``high``, at hand) that is negative or
+    not below ``top`` (None: no upper bound); None where every one is inside."""
+    if low >= 0 and (top is None or high < top):
+        return None
+    return int(np.argmax((tokens < 0) | (tokens >= top) if top is not None else tokens < 0))
+
+
+def id_problem(value: int, vocab_size: int | None, max_id: int | None = None, damaged: str = "shard") -> str:
+    """``holds token id VALUE`` and why that is wrong: negative (a ``damaged`` file), outside the vocabulary of
+    ``vocab_size`` ids, else above ``max_id``, the largest the manifest records."""
+    if value < 0:
+        return f"holds token id {value}: token ids are never negative (a damaged {damaged})"
+    if vocab_size is not None and value >= vocab_size:
+        return f"holds token id {value}, outside the vocabulary of {vocab_size} ids"
+    return f"holds token id {value}, above the largest the manifest records ({max_id})"
 
 
 def document_at(index: MegatronIndex, token: int) -> int:
@@ -58,9 +78,8 @@ class IdScan:
         self.seen, self._uint16 = self.seen + tokens.size, tokens.dtype == np.uint16
         low, high = int(tokens.min()), int(tokens.max())
         self.high = high if self.high is None else max(self.high, high)
-        top = self.vocab_size if self.vocab_size is not None else high + 1
-        if self.bad is None and (low < 0 or high >= top):
-            at = int(np.argmax((tokens < 0) | (tokens >= top)))
+        at = first_outside(tokens, self.vocab_size, low, high) if self.bad is None else None
+        if at is not None:
             self.bad = (first + at, int(tokens[at]))
         odd, even = tokens[(first + 1) % 2::2], tokens[first % 2::2]
         self._odd_high = max(self._odd_high, int(odd.max()) if odd.size else 0)
@@ -71,9 +90,7 @@ class IdScan:
         of a bad id), one line each."""
         if self.bad is not None:
             at, value = self.bad
-            why = (": token ids are never negative (a damaged .bin)" if value < 0
-                   else f", outside the vocabulary of {self.vocab_size} ids")
-            yield f"document {document_at(index, at)} holds token id {value}{why}"
+            yield f"document {document_at(index, at)} {id_problem(value, self.vocab_size, damaged='.bin')}"
         if self._uint16 and self.seen > 2 * index.documents and self._high_halves():
             small = "0" if self._odd_high == 0 else f"at most {self._odd_high}"
             yield (f"every second token is {small} (each one at an odd offset): int32 tokens under an .idx that says "
