@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Position, start_ranks
+from helpers import Position, join_group, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
@@ -25,16 +25,12 @@ from fastio.storage.lock import LOCK_NAME
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def runs_worker(rank: int, plan: list[tuple]) -> None:
-    """Each ``(worker, port, *args)`` of the plan in turn: ``worker(rank, port, *args)``."""
-    for worker, port, *args in plan:
-        worker(rank, port, *args)
+    """Each ``(worker, meeting, *args)`` of the plan in turn: ``worker(rank, meeting, *args)``, each run's gloo group
+    met through its own file (:func:`helpers.join_group`: a port picked when the test started could be taken by the
+    time a later run starts)."""
+    for worker, meeting, *args in plan:
+        worker(rank, meeting, *args)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +55,8 @@ def runs(moto_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
                      engine, compression, str(where)))
     where, bucket = cases["fallback"]
     plan.append((fallback_worker, f"s3://{bucket}/runs/fallback", options, str(where), str(where)))
-    start_ranks(runs_worker, ([(worker, free_port(), *args) for worker, *args in plan],), WORLD)
+    start_ranks(runs_worker, ([(worker, str(base / f"meet-{n}"), *args) for n, (worker, *args) in enumerate(plan)],),
+                WORLD)
     return cases
 
 
@@ -68,8 +65,8 @@ def refused_staging(where: Path) -> list[str]:
     return [str(where / "node0"), str(where / "a-file" / "node1")]
 
 
-def refused_worker(rank: int, port: int, url: str, options: dict, staging: list[str], out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def refused_worker(rank: int, meeting: str, url: str, options: dict, staging: list[str], out: str) -> None:
+    join_group(rank, WORLD, meeting)
     try:
         try:
             Checkpointer(url, storage_options=options, staging_dir=staging[rank], signals=()).close()
@@ -102,9 +99,9 @@ def build():
     return {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=0.01), "loader": Position()}
 
 
-def round_trip_worker(rank: int, port: int, url: str, options: dict, staging: list[str], restore_staging: list[str],
+def round_trip_worker(rank: int, meeting: str, url: str, options: dict, staging: list[str], restore_staging: list[str],
                       engine: str, compression: str | None, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, meeting)
     try:
         app = build()
         torch.manual_seed(100 + rank)
@@ -167,8 +164,8 @@ def test_two_nodes_with_their_own_staging_dirs_round_trip_through_s3(moto_server
         assert got == sorted(k[len("step-4/"):] for k in keys)
 
 
-def fallback_worker(rank: int, port: int, url: str, options: dict, root: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def fallback_worker(rank: int, meeting: str, url: str, options: dict, root: str, out: str) -> None:
+    join_group(rank, WORLD, meeting)
     try:
         app = build()
         saved = {}

@@ -601,7 +601,7 @@ def lightning_ddp_runs(tmp_path_factory, audio_ds) -> Path:
             (3, {**resume, "name": "resume3", "where": str(out / "resume3")})]
     plan = out / "plan.json"
     plan.write_text(json.dumps({"done": str(out), "runs": [
-        {"devices": n, "port": free_port(), "argv": [json.dumps(run)]} for n, run in runs]}))
+        {"devices": n, "argv": [json.dumps(run)]} for n, run in runs]}))
     start_ranks(_lightning_ddp_rank, (str(plan),), 3)
     return out
 
