@@ -384,8 +384,10 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
         click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
         raise click.exceptions.Exit(1)
     if not quiet:
+        from fastio.progress import count
+
         decoded = f", {report.decoded_line()}" if decode else ""
-        click.echo(f"ok: {dest}: {report.shards} shards, {report.samples} samples verified{decoded}")
+        click.echo(f"ok: {dest}: {count(report.shards, 'shard')}, {count(report.samples, 'sample')} verified{decoded}")
 
 
 @cli.command()

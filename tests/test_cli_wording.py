@@ -1,0 +1,56 @@
+"""Summary lines count in the singular for one ("1 shard", not "1 shards": one plural rule,
+:func:`fastio.progress.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
+``torchsnapshot+zstd+shuffle`` pushed the later columns out of line), and a closed Loader's refusal names the
+method called (``check_state_dict`` said ``load_state_dict``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from helpers import run_cli
+
+import fastio
+from fastio.errors import LoaderClosedError
+
+
+def test_merge_and_verify_of_one_part_and_one_shard_say_it_in_the_singular(image_folder, tmp_path, capsys):
+    one, parts = tmp_path / "one" / "cat", tmp_path / "parts"
+    one.mkdir(parents=True)
+    shutil.copy(next(image_folder.rglob("*.jpg")), one / "a.jpg")
+    assert run_cli(["convert", str(one.parent), str(parts), "--part", "0/1", "--workers", "1", "-q"],
+                   capsys)[0] == 0
+    code, out, err = run_cli(["merge", str(parts)], capsys)
+    assert code == 0, err
+    line = (out + err).strip().splitlines()[-1]
+    assert "merged 1 part into" in line and ": 1 sample in 1 shard (" in line, line
+    code, out, err = run_cli(["verify", str(parts)], capsys)
+    assert code == 0 and f"ok: {parts}: 1 shard, 1 sample verified" in out, out + err
+
+
+def test_ckpt_ls_columns_are_as_wide_as_their_widest_cell(tmp_path, capsys):
+    for step, compression in ((1, None), (20, "zstd+shuffle")):
+        with fastio.Checkpointer(tmp_path, signals=(), engine="torchsnapshot", compression=compression) as ckpt:
+            ckpt.save(step, {"model": torch.nn.Linear(2, 2)}, blocking=True, metrics={"loss": 0.5})
+    code, out, err = run_cli(["ckpt", "ls", str(tmp_path)], capsys)
+    assert code == 0, err
+    header, *rows = out.splitlines()
+    assert len(rows) == 2 and "torchsnapshot+zstd+shuffle" in rows[1], out
+    for row in rows:  # each column starts where its header does, whatever the engine's name
+        assert row.index("committed") == header.index("STATE"), out
+        assert row.index("torchsnapshot") == header.index("ENGINE"), out
+        assert re.search(r"\d{4}-\d\d-\d\dT", row).start() == header.index("COMMITTED"), out
+        assert row.index("loss=") == header.index("METRICS"), out
+        assert row.index(" kB") + len(" kB") == header.index("SIZE") + len("SIZE"), out  # sizes right-aligned
+
+
+def test_check_state_dict_on_a_closed_loader_names_check_state_dict(image_dataset):
+    loader = fastio.Loader(image_dataset, batch_size=4, device="cpu", num_threads=1)
+    state = loader.state_dict()
+    loader.close()
+    with pytest.raises(LoaderClosedError, match="check_state_dict on a closed"):
+        loader.check_state_dict(state)
+    with pytest.raises(LoaderClosedError, match="load_state_dict on a closed"):
+        loader.load_state_dict(state)
