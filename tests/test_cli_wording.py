@@ -1,7 +1,8 @@
 """Summary lines count in the singular for one ("1 shard", not "1 shards": one plural rule,
 :func:`fastio.progress.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
 ``torchsnapshot+zstd+shuffle`` pushed the later columns out of line), and a closed Loader's refusal names the
-method called (``check_state_dict`` said ``load_state_dict``)."""
+method called (``check_state_dict`` said ``load_state_dict``). Found beside them: a summary's "1 classes", and
+"a audio clip pipeline" in the refusal of samples without audio."""
 
 from __future__ import annotations
 
@@ -54,3 +55,25 @@ def test_check_state_dict_on_a_closed_loader_names_check_state_dict(image_datase
         loader.check_state_dict(state)
     with pytest.raises(LoaderClosedError, match="load_state_dict on a closed"):
         loader.load_state_dict(state)
+
+
+def test_convert_of_one_class_says_1_class(image_folder, tmp_path, capsys):
+    one = tmp_path / "one" / "cat"
+    one.mkdir(parents=True)
+    shutil.copy(next(image_folder.rglob("*.jpg")), one / "a.jpg")
+    code, out, err = run_cli(["convert", str(one.parent), str(tmp_path / "ds"), "--workers", "1"], capsys)
+    assert code == 0, err
+    assert "converted 1 sample (" in out and "labels: names (1 class, labels are" in out, out
+
+
+def test_a_clip_pipeline_over_samples_without_its_kind_names_them_in_good_english(tmp_path):
+    from fastio.convert import ConvertConfig, convert
+    from fastio.convert.synthetic import make_audio, make_video
+
+    make_audio(tmp_path / "m" / "x" / "a.wav", seconds=0.3)
+    make_video(tmp_path / "m" / "x" / "b.webm", frames=4, fps=8)
+    convert(ConvertConfig(source=tmp_path / "m", dest=tmp_path / "ds", progress=False))
+    with pytest.raises(fastio.DatasetError) as err:
+        fastio.Loader(tmp_path / "ds", pipeline=fastio.AudioClips(sample_rate=16000, seconds=0.2), batch_size=2,
+                      device="cpu")
+    assert "1 of 2 samples have no audio field" in str(err.value) and "an audio clip pipeline" in str(err.value)

@@ -113,8 +113,9 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
     if lacking:
         raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
                            f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
-                           f"a {what} clip pipeline needs one in every sample: convert the {what} files into a "
-                           "dataset of their own (and mix it with others with fastio.Mixture)")
+                           f"{'an' if what == 'audio' else 'a'} {what} clip pipeline needs one in every sample: "
+                           f"convert the {what} files into a dataset of their own (and mix it with others with "
+                           "fastio.Mixture)")
 
 
 class _ProbeReader:
