@@ -1,8 +1,9 @@
 """Summary lines count in the singular for one ("1 shard", not "1 shards": one plural rule,
 :func:`fastio.progress.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
 ``torchsnapshot+zstd+shuffle`` pushed the later columns out of line), and a closed Loader's refusal names the
-method called (``check_state_dict`` said ``load_state_dict``). Found beside them: a summary's "1 classes", and
-"a audio clip pipeline" in the refusal of samples without audio."""
+method called (``check_state_dict`` said ``load_state_dict``). Found beside them: a summary's "1 classes",
+"a audio clip pipeline" in the refusal of samples without audio, and "1 video in codec h264 are decoded" in the
+PyAV fallback's line."""
 
 from __future__ import annotations
 
@@ -77,3 +78,16 @@ def test_a_clip_pipeline_over_samples_without_its_kind_names_them_in_good_englis
         fastio.Loader(tmp_path / "ds", pipeline=fastio.AudioClips(sample_rate=16000, seconds=0.2), batch_size=2,
                       device="cpu")
     assert "1 of 2 samples have no audio field" in str(err.value) and "an audio clip pipeline" in str(err.value)
+
+
+def test_the_pyav_fallback_line_of_one_video_says_is(tmp_path, caplog):
+    from fastio.convert import ConvertConfig, convert
+    from fastio.convert.synthetic import make_video
+
+    make_video(tmp_path / "v" / "x" / "a.mp4", frames=4, fps=8)
+    convert(ConvertConfig(source=tmp_path / "v", dest=tmp_path / "ds", progress=False))
+    with caplog.at_level("WARNING", logger="fastio"):
+        fastio.Loader(tmp_path / "ds", pipeline=fastio.VideoClips(frames=2, size=16), batch_size=1, device="cpu").close()
+    said = [r.getMessage() for r in caplog.records if "decoded on the CPU" in r.getMessage()]
+    assert said == [f"{tmp_path / 'ds'}: 1 video in codec h264 is decoded on the CPU with PyAV (DALI's CPU decoder "
+                    "does not read h264; a Loader on a GPU decodes it with NVDEC)"], said
