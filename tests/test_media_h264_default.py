@@ -124,7 +124,7 @@ def test_verify_decode_decodes_videos_and_audio(mp4_ds, tmp_path, capsys):
     synthetic.make_audio(tmp_path / "a" / "c0" / "t.flac", seconds=0.5)
     convert(ConvertConfig(source=tmp_path / "a", dest=tmp_path / "ads", workers=1, progress=False))
     code, out, err = run_cli(["verify", str(tmp_path / "ads"), "--decode"], capsys)
-    assert code == 0 and out.strip().endswith("samples verified, 0 images and 1 audio file decoded"), out
+    assert code == 0 and out.strip().endswith(" 1 sample verified, 0 images and 1 audio file decoded"), out
 
 
 def test_verify_decode_names_a_video_that_does_not_decode(tmp_path, capsys):
