@@ -23,7 +23,8 @@ def ckpt() -> None:
 @storage_flags()
 def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
     """List the checkpoints in DIRECTORY, a directory or an s3:// prefix (either engine): step, state, engine
-    (+zstd when compressed), size as stored, commit time, metrics."""
+    (+ the codec when compressed: torchsnapshot+zstd, dcp+zstd+shuffle), size as stored, commit time, metrics;
+    each column as wide as its widest cell."""
     from fastio.checkpoint.catalog import list_steps
 
     directory, rows = list_steps(directory, storage_options(endpoint_url, region, profile))
