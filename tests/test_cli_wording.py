@@ -2,8 +2,8 @@
 :func:`fastio.progress.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
 ``torchsnapshot+zstd+shuffle`` pushed the later columns out of line), and a closed Loader's refusal names the
 method called (``check_state_dict`` said ``load_state_dict``). Found beside them: a summary's "1 classes",
-"a audio clip pipeline" in the refusal of samples without audio, and "1 video in codec h264 are decoded" in the
-PyAV fallback's line."""
+"a audio clip pipeline" in the refusal of samples without audio, "1 video in codec h264 are decoded" in the
+PyAV fallback's line, and a folder named ``dest`` turned into ``--dest`` at the start of a message."""
 
 from __future__ import annotations
 
@@ -91,3 +91,21 @@ def test_the_pyav_fallback_line_of_one_video_says_is(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "decoded on the CPU" in r.getMessage()]
     assert said == [f"{tmp_path / 'ds'}: 1 video in codec h264 is decoded on the CPU with PyAV (DALI's CPU decoder "
                     "does not read h264; a Loader on a GPU decodes it with NVDEC)"], said
+
+
+def test_a_path_named_like_a_flag_stays_a_path_in_the_message(tmp_path, monkeypatch, capsys):
+    """``fastio index shards --dest dest`` into a folder that is not fastio output said ``--dest: DEST is not
+    empty``: the folder's name, leading the message, was taken for the config field ``dest`` and made a flag."""
+    import io
+    import tarfile
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "0.tar", "w") as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "dest" / "notes.txt").write_text("not fastio's")
+    code, _, err = run_cli(["index", "shards", "--dest", "dest", "-q"], capsys)
+    assert code == 2 and err.startswith("fastio: error: dest: DEST is not empty"), err
