@@ -109,3 +109,15 @@ def test_a_path_named_like_a_flag_stays_a_path_in_the_message(tmp_path, monkeypa
     (tmp_path / "dest" / "notes.txt").write_text("not fastio's")
     code, _, err = run_cli(["index", "shards", "--dest", "dest", "-q"], capsys)
     assert code == 2 and err.startswith("fastio: error: dest: DEST is not empty"), err
+
+
+def test_audio_skipped_under_transcode_vp9_points_to_vp9_flac(tmp_path, capsys):
+    """``--transcode vp9`` leaves audio DALI does not read skipped; the reason pointed to ``--transcode flac``
+    alone ("the default"), which would drop the video re-encoding asked for: ``vp9,flac`` does both."""
+    from fastio.convert.synthetic import make_audio
+
+    make_audio(tmp_path / "a" / "x" / "a.mp3", seconds=0.3)
+    code, _, err = run_cli(["convert", str(tmp_path / "a"), str(tmp_path / "ds"), "--transcode", "vp9", "-q",
+                            "--workers", "1"], capsys)
+    assert code == 2 and "x/a.mp3: audio codec mp3float is not read by DALI's audio decoder" in err, err
+    assert "--transcode vp9,flac where videos are re-encoded too" in err and "(transcode=" not in err, err
