@@ -35,13 +35,12 @@ def _cuda_available() -> bool:
 SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run on a busy 2-core machine (Dec 2026)
     "test_docs.py",  # 143
     "test_newcomer.py",  # 73
-    "test_checkpoint_waiting.py",  # 56 + 8 (quiet, Dec 2: the rank runs of test_checkpoint_review6.py and round6)
-    "test_tokens_read.py",  # 36 (quiet, Dec 2) + test_tokens_review2.py's (62 with them, Dec 6, busy, 2 workers)
     "test_checkpoint_resume.py",  # 62
     "test_accelerate.py",  # 53
     "test_media_dist.py",  # 45 (alone, load 4)
     "test_vlm_example.py",  # 44 (alone, busy: load 8, Dec 6; the example straight, killed, resumed, restored)
     "test_torchft.py",  # 41 (alone, load 16-20, Dec 6: 3 torchft runs of separate processes)
+    "test_checkpoint_waiting.py",  # 42 (alone, Dec 6: shorter looks and stops; 63 before)
     "test_lightning.py",  # 39
     "test_checkpoint_strict.py",  # 20 (test_checkpoint_round6.py's elastic ranks; 47 on Dec 6, busy, 2 workers)
     "test_checkpoint_fsdp.py",  # 33
@@ -51,14 +50,15 @@ SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run 
     "test_lightning_resume.py",  # 24
     "test_checkpoint_ranks.py",  # 20
     "test_checkpoint_dist.py",  # 18
-    "test_storage_stall.py",  # 15 (test_review_round4_data.py's 10 s outage; 21 on Dec 6, busy, 2 workers)
     "test_storage_lease.py",  # 14
+    "test_storage_stall.py",  # 12 (alone, Dec 6: a 4 s outage; 20 with the 10 s one)
     "test_torchft_loader.py",  # 17 (alone, load 16-20, Dec 6)
     "test_kill.py",  # 13
     "test_checkpoint_restore_reads.py",  # 13 (busy, Dec 6: one 2-rank FSDP2 run, then one process)
     "test_tokens_loader.py",  # 12
     "test_convert.py",  # 11
     "test_checkpoint_s3_dist.py",  # 10
+    "test_tokens_read.py",  # 7 (alone, Dec 6; 14 before the Feistel reference was computed at once)
     "test_checkpoint_restore_exact.py",  # 6 (Dec 6: one 2-rank FSDP2 run, one child process)
 )
 
@@ -176,6 +176,17 @@ def warm():
     from warm_python import WarmPython
 
     runner = WarmPython()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def warm_one_thread():
+    """``warm``'s interpreter with ``OMP_NUM_THREADS=1`` from its start: the runs of training scripts a test runs
+    with one thread each (tests/resume.py's ``killed_and_resumed``)."""
+    from warm_python import WarmPython
+
+    runner = WarmPython(env={"OMP_NUM_THREADS": "1"})
     yield runner
     runner.close()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -98,31 +97,29 @@ def run_ranks(loaders: list, n: int | None = None, state: dict[str, Any] | None 
     return steps, states
 
 
-def killed_and_resumed(command: list[str], ckpt_dir: Path, kill_at: int = 13, steps: int = 18
+def killed_and_resumed(warm, command: list[str], ckpt_dir: Path, kill_at: int = 13, steps: int = 18
                        ) -> tuple[dict[int, str], dict[int, str], int]:
-    """An example training script (``command``; it prints ``step N loss ...`` lines and checkpoints into
-    ``ckpt_dir``) SIGKILLed after step ``kill_at`` once a checkpoint is committed, then run again to ``steps``:
-    (each step's line after ``step N`` before the kill, the same after the resume, the step it resumed at)."""
+    """An example training script (``command``: ``[python, script, *args]``; it prints ``step N loss ...`` lines and
+    checkpoints into ``ckpt_dir``) SIGKILLed after step ``kill_at`` once a checkpoint is committed, then run again to
+    ``steps``, both with ``OMP_NUM_THREADS=1`` and started by ``warm`` (conftest's ``warm_one_thread``): (each step's
+    line after ``step N`` before the kill, the same after the resume, the step it resumed at)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = subprocess.Popen([*command, "--steps", "500"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env)
-    lines = []
-    for line in killed.stdout:
-        lines.append(line)
+    script, *args = command[1:]
+    killed = warm.start(Path(script), Path.cwd(), *args, "--steps", "500", env=env)
+    for line in killed.lines():
         if line.startswith(f"step {kill_at} "):
             break
     deadline = time.monotonic() + 60
     while not list(ckpt_dir.glob("step-*[0-9]")) and time.monotonic() < deadline:
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
-    lines += killed.stdout.readlines()
-    killed.wait()
-    assert killed.returncode == -signal.SIGKILL
-    done = subprocess.run([*command, "--steps", str(steps)], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    rc, before, _ = killed.wait()
+    assert rc == -signal.SIGKILL
+    rc, after, err = warm.run(Path(script), Path.cwd(), *args, "--steps", str(steps), env=env)
+    assert rc == 0, after + err
 
     def each_step(text):
         return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) (loss .*)$", text, re.M)}
 
-    start = int(re.search(r"^resumed at step (\d+)$", done.stdout, re.M)[1])
-    return each_step("".join(lines)), each_step(done.stdout), start
+    start = int(re.search(r"^resumed at step (\d+)$", after, re.M)[1])
+    return each_step(before), each_step(after), start

@@ -145,7 +145,7 @@ def test_a_mixture_keeps_each_conversations_mask_and_trains_every_plain_token(ch
     assert seen[0] > 0 and seen[1] > 0
 
 
-def test_sft_example_trains_on_the_mask_and_resumes_exactly_after_sigkill(chat, tmp_path):
+def test_sft_example_trains_on_the_mask_and_resumes_exactly_after_sigkill(chat, tmp_path, warm_one_thread):
     """examples/sft_train.py killed with SIGKILL mid-run: the same command continues from its last committed step
     with the same sequences and bit-identical losses; each step trains on the replies' tokens only."""
     import sys
@@ -156,7 +156,7 @@ def test_sft_example_trains_on_the_mask_and_resumes_exactly_after_sigkill(chat, 
     example = Path(__file__).resolve().parent.parent / "examples" / "sft_train.py"
     command = [sys.executable, str(example), str(chat), str(tmp_path / "ckpt"), "--seq-len", str(SEQ),
                "--batch-size", "4"]
-    before, after, start = killed_and_resumed(command, tmp_path / "ckpt")
+    before, after, start = killed_and_resumed(warm_one_thread, command, tmp_path / "ckpt")
     assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
     overlap = [s for s in after if s in before]
     assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)

@@ -24,6 +24,18 @@ from torch import nn
 from fastio.checkpoint import Checkpointer, group
 from fastio.errors import CheckpointError
 
+# The library's intervals made shorter in the rank processes (a beat every 0.25 s, looks 0.75 s apart, a rank named
+# after 1 s: against 0.5, 1.5 and 5 s), in the library's proportions (looks three beats apart), so that a rank
+# stopped or busy STOP_S (twice the time after which one is named, as 4 s were against 2 s before) shows what it
+# shows in seconds.
+STOP_S = 2.0
+
+
+def quick_looks() -> None:
+    """In a rank process: a rank waiting in a collective notes its arrival, counts its beats and looks at the others'
+    sooner (``group``'s module attributes)."""
+    group.ARRIVED_AFTER_S, group.LOOKS_APART_S, group.ABSENT_WARN_S = 0.25, 0.75, 1.0
+
 
 def _burn(stop: threading.Event) -> None:
     """A busy machine: a thread of the rank's own that holds the GIL most of the time."""
@@ -37,11 +49,10 @@ def _burn(stop: threading.Event) -> None:
 def load_worker(rank: int, port: int, root: str, out: str) -> None:
     """Blocking and background saves and a restore on 2 ranks slowed by a GIL-holding thread each (alive, not
     stopped); what the watching threads said, which threads are left, and whether beats go on after close."""
-    from fastio.checkpoint import group
     from fastio.dist import default_store
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0  # the looks come sooner: a false line would show within the test's time
+    quick_looks()  # the looks come sooner: a false line would show within the test's time
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     stop = threading.Event()
@@ -56,10 +67,10 @@ def load_worker(rank: int, port: int, root: str, out: str) -> None:
     keys = [ckpt._ranks._key, ckpt._writer_ranks._key]
     ckpt.close()
     stop.set()
-    time.sleep(1.0)  # a watching thread ends within a store request of its collective's end
+    time.sleep(0.5)  # a watching thread ends within a store request of its collective's end
     left = sorted(t.name for t in threading.enumerate() if t.name.startswith("fastio-"))
     beats = [int(default_store().add(f"{k}/beat/{rank}", 0)) for k in keys]
-    time.sleep(1.2)
+    time.sleep(0.6)  # beats (were any still counted) come every 0.25 s
     beats_later = [int(default_store().add(f"{k}/beat/{rank}", 0)) for k in keys]
     dist.barrier()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"lines": lines.lines, "left": left, "beats": beats,
@@ -84,12 +95,12 @@ def test_slow_ranks_are_not_named_and_no_thread_or_beat_is_left(tmp_path):
 
 
 def kill_worker(rank: int, victim: int, port: int, root: str, out: str) -> None:
-    """Rank ``victim`` busy 3 s at the end of the write phase (beating), then SIGKILLed; the other waits for it
+    """Rank ``victim`` busy STOP_S at the end of the write phase (beating), then SIGKILLed; the other waits for it
     in the phase's agreement, its watching thread looking at the victim's beats, the store on rank 0."""
     from fastio.checkpoint import group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0
+    quick_looks()
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     ckpt = Checkpointer(root, signals=())
@@ -98,7 +109,7 @@ def kill_worker(rank: int, victim: int, port: int, root: str, out: str) -> None:
 
     def hook(group_name: str, phase: str) -> None:
         if (group_name, phase) == ("checkpoint writer", "write") and rank == victim:
-            time.sleep(3)
+            time.sleep(STOP_S)
             os.kill(os.getpid(), signal.SIGKILL)
 
     group.fault_hook = hook
@@ -135,12 +146,12 @@ RESTORE_CASES = (("stopped in open", "open", True), ("stopped in load", "load", 
 
 
 def stop_restore_worker(rank: int, port: int, root: str, out: str) -> None:
-    """Rank 1 stopped (SIGSTOP, continued 4 s later) or busy 4 s at the end of a restore's phase; rank 0 waits
+    """Rank 1 stopped (SIGSTOP, continued STOP_S later) or busy STOP_S at the end of a restore's phase; rank 0 waits
     for it in the phase's agreement."""
     from fastio.checkpoint import group
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0
+    quick_looks()
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     app = {"model": nn.Linear(4, 2)}
@@ -152,9 +163,9 @@ def stop_restore_worker(rank: int, port: int, root: str, out: str) -> None:
             if (group_name, at) != ("checkpointer", phase):
                 return
             if not stop:
-                time.sleep(4)
+                time.sleep(STOP_S)
                 return
-            stop_for(4)  # stopped in here
+            stop_for(STOP_S)  # stopped in here
 
         group.fault_hook = hook if rank == 1 else None
         lines.lines.clear()
@@ -180,24 +191,23 @@ def test_a_rank_stopped_inside_a_restore_is_named_once_and_a_busy_one_not(tmp_pa
 
 
 def slow_worker(rank: int, port: int, root: str, out: str) -> None:
-    """Ranks slow (4 s) in the Checkpointer's own work outside its phases' functions: rank 0 taking the
+    """Ranks slow (STOP_S) in the Checkpointer's own work outside its phases' functions: rank 0 taking the
     directory at construction (its lock; an s3:// dir's lease, requests that can retry), rank 1 making the
     engine at its first save (importing torchsnapshot, seconds on a loaded node); the other waits for it."""
-    from fastio.checkpoint import group
     from fastio.checkpoint.checkpointer import Checkpointer as Ck
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0
+    quick_looks()
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     take, make = Ck._take_dir, Ck._engine
 
     def slow_take(self):
-        time.sleep(4 if rank == 0 else 0)
+        time.sleep(STOP_S if rank == 0 else 0)
         return take(self)
 
     def slow_make(self, name):
-        time.sleep(4 if rank == 1 and name not in self._engines else 0)
+        time.sleep(STOP_S if rank == 1 and name not in self._engines else 0)
         return make(self, name)
 
     Ck._take_dir, Ck._engine = slow_take, slow_make
@@ -224,18 +234,18 @@ def test_a_rank_slow_in_the_checkpointers_own_work_is_not_named(tmp_path):
 
 
 def node_worker(rank: int, port: int, url: str, options: dict, root: str, out: str) -> None:
-    """2 simulated nodes of an s3:// dir (a staging directory each): rank 0, its node's leader, slow (4 s)
+    """2 simulated nodes of an s3:// dir (a staging directory each): rank 0, its node's leader, slow (STOP_S)
     removing its node's temporary copy after the commit; rank 1 goes on to the blocking save's last agreement."""
-    from fastio.checkpoint import commit, group
+    from fastio.checkpoint import commit
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0
+    quick_looks()
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     remove = commit.removal.remove_step
 
     def slow_remove(path):
-        time.sleep(4 if rank == 0 and str(path).endswith(".tmp") else 0)
+        time.sleep(STOP_S if rank == 0 and str(path).endswith(".tmp") else 0)
         return remove(path)
 
     commit.removal.remove_step = slow_remove
@@ -266,10 +276,10 @@ CASES = (("stopped in stage", "checkpointer", "stage"), ("stopped in write", "ch
 
 
 def stop_worker(rank: int, port: int, root: str, out: str) -> None:
-    """Rank 1 stops itself (SIGSTOP, continued 4 s later) at the end of a save's phase, after the save was entered
-    (or, busy, sleeps 4 s there); rank 0 waits for it in the phase's agreement."""
+    """Rank 1 stops itself (SIGSTOP, continued STOP_S later) at the end of a save's phase, after the save was entered
+    (or, busy, sleeps STOP_S there); rank 0 waits for it in the phase's agreement."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group.ABSENT_WARN_S = 2.0
+    quick_looks()
     lines = Lines()
     logging.getLogger("fastio.checkpoint.group").addHandler(lines)
     app = {"model": nn.Linear(4, 2)}
@@ -280,9 +290,9 @@ def stop_worker(rank: int, port: int, root: str, out: str) -> None:
             if (group_name, at) != (name, phase):
                 return
             if label.startswith("busy"):
-                time.sleep(4)
+                time.sleep(STOP_S)
                 return
-            stop_for(4)  # stopped in here
+            stop_for(STOP_S)  # stopped in here
 
         group.fault_hook = hook if rank == 1 else None
         lines.lines.clear()

@@ -4,8 +4,9 @@ Each block runs as a standalone script (``python snippet.py``) in a fresh tempor
 ``./images/`` (``fastio.convert.synthetic.make_imagefolder``: 10 classes of small JPEGs) and ``./ds/`` (that folder
 converted by ``fastio convert images ds --split train=0.9,val=0.1``: ``ds/train``, ``ds/val``), both made once
 per session. A snippet that cannot run there lives under ``examples/`` and is run by a test of its own.
-The snippets and the quickstart's plain runs are started by ``tests/warm_python.py`` (a child forked from an
-interpreter that imported torch and DALI once: ``python snippet.py`` without the ~2 s of those imports each time).
+The snippets and the quickstart's runs (its preempted one too) are started by ``tests/warm_python.py`` (a child
+forked from an interpreter that imported torch and DALI once: ``python snippet.py`` without the ~2 s of those imports
+each time).
 """
 
 from __future__ import annotations
@@ -98,20 +99,13 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir,
     """SIGUSR1 mid-epoch: the run saves, says so and exits 0; the same command resumes at that step and ends
     at the same step count as an uninterrupted run would (180 train samples, batch 16: 12 steps an epoch);
     a third launch restores the final save and trains nothing."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=workdir,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 3 "):
-                proc.send_signal(signal.SIGUSR1)
-        rc = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(lines)
-    assert rc == 0, out
+    run = warm.start(QUICKSTART, workdir)
+    for line in run.lines():
+        if line.startswith("step 3 "):
+            run.send_signal(signal.SIGUSR1)
+            break
+    rc, out, err = run.wait()
+    assert rc == 0, out + err
     saved = re.search(r"^preempted: saved step (\d+)", out, re.MULTILINE)
     assert saved, out
     at = int(saved.group(1))

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ctrl_c_default
 
 from fastio import Dataset
 from fastio.errors import DatasetError
@@ -53,20 +52,16 @@ def losses(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step (\d+) loss (\S+)$", out, re.MULTILINE)}
 
 
-def interrupt_at(cmd: list[str], prefix: str, cwd=None) -> tuple[int, str]:
-    """Run ``cmd``, send it SIGINT (Ctrl-C) when it prints a line starting with ``prefix``; its exit code and
-    stderr (the process is killed if it outlives the test)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=ctrl_c_default)
-    try:
-        for line in proc.stdout:
-            if line.startswith(prefix):
-                proc.send_signal(signal.SIGINT)
-                break
-        return proc.wait(timeout=120), proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def interrupt_at(warm, script: Path, cwd: Path, *args: str, prefix: str) -> tuple[int, str]:
+    """``python script ARGS`` in ``cwd`` (started by the warm interpreter), sent SIGINT (Ctrl-C, as from a terminal)
+    when it prints a line starting with ``prefix``; its exit code and stderr."""
+    run = warm.start(script, cwd, *args, timeout=120)
+    for line in run.lines():
+        if line.startswith(prefix):
+            run.send_signal(signal.SIGINT)
+            break
+    rc, _, err = run.wait()
+    return rc, err
 
 
 def test_num_classes_of_converted_and_indexed_datasets_agree(data):
@@ -109,7 +104,7 @@ def test_ctrl_c_ends_the_quickstart_with_one_line_and_the_resume_is_exact(data, 
     run's."""
     straight = quickstart(warm, data, "ds", str(tmp_path / "straight"), "1")
     assert straight.returncode == 0, straight.stderr
-    rc, err = interrupt_at([sys.executable, str(QUICKSTART), "ds", str(tmp_path / "ckpt"), "1"], "step 8 ", cwd=data)
+    rc, err = interrupt_at(warm, QUICKSTART, data, "ds", str(tmp_path / "ckpt"), "1", prefix="step 8 ")
     assert rc == 130, err
     assert "Traceback" not in err
     saved = one_interrupted_line(err, "quickstart.py", tmp_path / "ckpt")
@@ -205,7 +200,8 @@ def test_ctrl_c_ends_train_py_with_one_line_and_the_resume_ends_bitwise_equal(da
     ends with the weights of an uninterrupted run, bit for bit."""
     straight = train_py_warm(warm, data, tmp_path / "straight", "--quiet")
     assert straight.returncode == 0, straight.stderr
-    rc, err = interrupt_at(train_py(data, tmp_path / "ckpt"), "step 7 ")
+    script, *args = train_py(data, tmp_path / "ckpt")[1:]
+    rc, err = interrupt_at(warm, Path(script), Path.cwd(), *args, prefix="step 7 ")
     assert rc == 130 and "Traceback" not in err, err
     saved = one_interrupted_line(err, "train.py", tmp_path / "ckpt")
     resumed = train_py_warm(warm, data, tmp_path / "ckpt", "--quiet")

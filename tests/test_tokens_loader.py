@@ -209,7 +209,7 @@ def test_verify_checks_each_shard_before_its_first_use(corpus, tmp_path):
         _loader(bad, verify=True)
 
 
-def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path):
+def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path, warm_one_thread):
     """examples/gpt_train.py killed with SIGKILL mid-run: the same command continues from its last committed
     step with the same sequences and bit-identical losses."""
     import sys
@@ -220,7 +220,7 @@ def test_gpt_example_resumes_exactly_after_sigkill(corpus, tmp_path):
     example = Path(__file__).resolve().parent.parent / "examples" / "gpt_train.py"
     command = [sys.executable, str(example), str(corpus), str(tmp_path / "ckpt"), "--seq-len", "32",
                "--batch-size", "4"]
-    before, after, start = killed_and_resumed(command, tmp_path / "ckpt")
+    before, after, start = killed_and_resumed(warm_one_thread, command, tmp_path / "ckpt")
     assert start in (5, 10) and sorted(after) == list(range(start + 1, 19))
     overlap = [s for s in after if s in before]
     assert len(overlap) >= 3 and all(after[s] == before[s] for s in overlap)

@@ -45,13 +45,14 @@ def _weights(stdout: str) -> str:
     return re.search(rf"^done: {STEPS} steps, weights (\w+)$", stdout, re.M)[1]
 
 
-def test_vlm_example_trains_on_images_and_the_mask_and_resumes_exactly_after_sigkill(vlm, warm, tmp_path):
+def test_vlm_example_trains_on_images_and_the_mask_and_resumes_exactly_after_sigkill(vlm, warm, warm_one_thread,
+                                                                                      tmp_path):
     rc, straight, err = _warm(warm, vlm, tmp_path / "straight", "--steps", str(STEPS))
     assert rc == 0, straight + err
     steps = {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) (loss .*)$", straight, re.M)}
     assert sorted(steps) == list(range(1, STEPS + 1))
     command = [sys.executable, str(EXAMPLE), *_args(vlm, tmp_path / "ckpt")]
-    before, after, start = killed_and_resumed(command, tmp_path / "ckpt", steps=STEPS)
+    before, after, start = killed_and_resumed(warm_one_thread, command, tmp_path / "ckpt", steps=STEPS)
     assert start in (5, 10) and sorted(after) == list(range(start + 1, STEPS + 1))
     assert all(after[s] == steps[s] for s in after) and all(before[s] == steps[s] for s in before)
     rc, resumed, err = _warm(warm, vlm, tmp_path / "ckpt", "--steps", str(STEPS))  # restores the last step

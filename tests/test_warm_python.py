@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 
 import pytest
@@ -54,3 +55,23 @@ def test_a_runs_environment_is_its_own_and_what_is_read_at_start_is_refused(warm
     assert warm.run(path, tmp_path)[1].startswith("None ")  # the next run has the server's environment again
     with pytest.raises(AssertionError, match="cannot run with other OMP_NUM_THREADS"):
         warm.run(path, tmp_path, env={**os.environ, "OMP_NUM_THREADS": "7"})
+
+
+def test_a_started_script_is_read_as_it_writes_and_ctrl_c_or_a_kill_reaches_it(warm, tmp_path):
+    """``start``: its lines come while it runs; SIGINT raises KeyboardInterrupt in it (as in a python started from a
+    terminal, whatever the server inherited); SIGKILL ends it, reported as the signal."""
+    waiting = script(tmp_path, """
+        import time
+        print("ready", flush=True)
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise SystemExit(130)
+    """)
+    for sig, want in ((signal.SIGINT, (130, "ready\ninterrupted\n")), (signal.SIGKILL, (-9, "ready\n"))):
+        run = warm.start(waiting, tmp_path)
+        assert next(run.lines()) == "ready\n"
+        run.send_signal(sig)
+        rc, out, _ = run.wait()
+        assert (rc, out) == want

@@ -8,13 +8,18 @@ The child of a request: its own working directory, stdin ``/dev/null``, stdout a
 handlers run); an uncaught exception prints its traceback and exits 1, as ``python`` does. Only the top-level
 ``import torch`` and ``import nvidia.dali`` that a snippet would do itself are done ahead, never fastio.
 
+A script can also be started (``WarmPython.start``): the caller gets its process id at once, reads its stdout as
+the script writes it (``WarmRun.lines``: what it flushed), signals it (SIGINT raises KeyboardInterrupt in it, as in a
+python started from a terminal, even where the server inherited SIGINT ignored; SIGKILL, SIGUSR1...) and waits for
+its end (``WarmRun.wait``). One script runs at a time.
+
 A request may carry an environment (``env``): the child takes it, and its ``PYTHONPATH`` goes on ``sys.path`` after
 the script's folder; what is read at an interpreter's or torch's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``...)
 must be the server's (``WarmPython`` refuses otherwise).
 
 Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "env", "path",
-"out", "err"}``; one JSON line a reply on stdout, ``{"rc": exit code, negative for a signal}`` (``timeout``
-seconds: SIGALRM ends it)."""
+"out", "err"}``; two JSON lines a reply on stdout: ``{"pid": the child's process id}`` once it is forked, then
+``{"rc": exit code, negative for a signal}`` (``timeout`` seconds: SIGALRM ends it)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -36,6 +43,7 @@ def _child(request: dict) -> None:
         os.dup2(os.open(request[name], os.O_WRONLY | os.O_TRUNC), fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.chdir(request["cwd"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, as in a python started from a terminal
     signal.alarm(int(request["timeout"]))
     script = request["script"]
     sys.argv = [script, *request.get("args", [])]
@@ -68,6 +76,8 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             _child(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
         replies.flush()
@@ -81,8 +91,9 @@ class WarmPython:
     # TORCHINDUCTOR_CACHE_DIR, may differ: the child takes them as a fresh python would.)
     AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOMP_", "KMP_", "LD_")
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        """The server, with this process's environment and ``env`` over it (what a child's run may not change)."""
+        self.env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=Path(__file__).parent, env=self.env)
 
@@ -97,6 +108,11 @@ class WarmPython:
             env: dict[str, str] | None = None) -> tuple[int, str, str]:
         """``python script *args`` in ``cwd`` (with ``env``, else the server's environment): its exit code
         (negative: the signal that ended it), stdout, stderr."""
+        return self.start(script, cwd, *args, timeout=timeout, env=env).wait()
+
+    def start(self, script: Path, cwd: Path, *args: str, timeout: float = 300,
+              env: dict[str, str] | None = None) -> WarmRun:
+        """:meth:`run`'s script, started: its :class:`WarmRun` (wait for it before the next start)."""
         path = []
         if env is not None:
             self._check_env(env)
@@ -111,17 +127,59 @@ class WarmPython:
                                           "timeout": timeout, "env": env, "path": path,
                                           **files}) + "\n")
         self.proc.stdin.flush()
+        return WarmRun(self, json.loads(self._reply())["pid"], files)
+
+    def _reply(self) -> str:
         reply = self.proc.stdout.readline()
         assert reply, f"the warm interpreter ended (exit code {self.proc.poll()})"
-        try:
-            return (json.loads(reply)["rc"], *(Path(files[n]).read_text(errors="replace") for n in ("out", "err")))
-        finally:
-            for name in files.values():
-                os.unlink(name)
+        return reply
 
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+class WarmRun:
+    """A script :meth:`WarmPython.start` started: ``pid``; its stdout lines as they come; its end."""
+
+    def __init__(self, warm: WarmPython, pid: int, files: dict[str, str]) -> None:
+        self.warm, self.pid, self.files = warm, pid, files
+
+    def _running(self) -> bool:
+        """The child has not ended (the server reaps it at once: an ended one is a zombie for an instant)."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    def lines(self) -> Iterator[str]:
+        """Its stdout, line by line, as the script writes (flushes) it, until it ends (the last line may lack its
+        newline); stop reading at any line: the script runs on."""
+        with open(self.files["out"], errors="replace") as out:
+            pending = ""
+            while True:
+                running = self._running()
+                pending += out.read()
+                *done, pending = pending.split("\n")
+                yield from (line + "\n" for line in done)
+                if not running:
+                    break
+                if not done:
+                    time.sleep(0.002)  # a step of a tiny training can take milliseconds: a signal lands soon after
+            if pending:
+                yield pending
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self) -> tuple[int, str, str]:
+        """Its exit code (negative: the signal that ended it), stdout, stderr."""
+        rc = json.loads(self.warm._reply())["rc"]
+        try:
+            return (rc, *(Path(self.files[n]).read_text(errors="replace") for n in ("out", "err")))
+        finally:
+            for name in self.files.values():
+                os.unlink(name)
 
 
 if __name__ == "__main__":
