@@ -391,7 +391,7 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``. With another world size the rest of that epoch is re-split into
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
-        state = self.check_state_dict(state)
+        state = self._checked(state, "load_state_dict")
         if self._replicas is not None:  # the position is the Manager's step; the stream follows it by itself
             self._replicas.check_state(state, self.config.batch_size, K_STEP)
             return
@@ -404,7 +404,11 @@ class Loader:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
         checkpoint restore checks first, then loads). Returns the state with its integers as ``int``.
         :class:`~fastio.errors.LoaderClosedError` after :meth:`close`, as :meth:`load_state_dict`."""
-        self._refuse_closed("load_state_dict")
+        return self._checked(state, "check_state_dict")
+
+    def _checked(self, state: dict[str, Any], called: str) -> dict[str, Any]:
+        """:meth:`check_state_dict`, refused on a closed Loader naming ``called`` (the method the caller called)."""
+        self._refuse_closed(called)
         state = _checked_state(state)
         rs = self.read_set
         self.pipeline.check_state(state)  # first: the pipeline's units (a token mixture's sizes follow from them)

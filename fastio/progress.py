@@ -3,7 +3,8 @@ seconds; nothing with --quiet) and summary lines.
 
 The lines every command shares: :func:`human_bytes`, :func:`count` ("1 shard", "2 shards"), :func:`skipped_lines`
 (skipped inputs by reason, each reason once with its count and first inputs), :func:`parse_size`,
-:func:`rate_line`. Imports nothing of fastio; ``tqdm`` only when a bar is shown."""
+:func:`rate_line`, :func:`table_lines` (columns as wide as their widest cell). Imports nothing of fastio;
+``tqdm`` only when a bar is shown."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes", "parse_size", "progress_wanted", "rate_line"]
+__all__ = ["Progress", "count", "human_bytes", "parse_size", "progress_wanted", "rate_line", "table_lines"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
 
@@ -84,10 +85,19 @@ def _skipped_line(reason: str, paths: list[str], named: int = 3) -> str:
 
 
 def rate_line(samples: int, nbytes: int, seconds: float) -> str:
-    """``N samples (X MB) in Ts (R samples/s, M MB/s)``."""
+    """``N samples (X MB) in Ts (R samples/s, M MB/s)`` (``1 sample`` for one)."""
     s = max(seconds, 1e-9)
-    return (f"{samples} samples ({human_bytes(nbytes)}) in {seconds:.1f}s "
+    return (f"{count(samples, 'sample')} ({human_bytes(nbytes)}) in {seconds:.1f}s "
             f"({samples / s:.0f} samples/s, {nbytes / s / 1e6:.1f} MB/s)")
+
+
+def table_lines(rows: list[list[str]], right: frozenset[int] = frozenset(), gap: str = "  ") -> list[str]:
+    """``rows`` (the first the header) as lines whose columns are each as wide as their widest cell: columns
+    ``right`` right-aligned, the others left-aligned; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    last = len(widths) - 1
+    return [gap.join(cell if i == last else cell.rjust(w) if i in right else cell.ljust(w)
+                     for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
 
 
 class Progress:

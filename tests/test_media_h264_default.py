@@ -120,11 +120,11 @@ def test_the_first_remedy_is_transcode_which_needs_no_ffmpeg_binary(mp4_folder, 
 def test_verify_decode_decodes_videos_and_audio(mp4_ds, tmp_path, capsys):
     code, out, err = run_cli(["verify", str(mp4_ds), "--decode"], capsys)
     assert code == 0, err
-    assert out.strip() == f"ok: {mp4_ds}: 1 shards, 4 samples verified, 0 images and 4 videos (a clip each) decoded"
+    assert out.strip() == f"ok: {mp4_ds}: 1 shard, 4 samples verified, 0 images and 4 videos (a clip each) decoded"
     synthetic.make_audio(tmp_path / "a" / "c0" / "t.flac", seconds=0.5)
     convert(ConvertConfig(source=tmp_path / "a", dest=tmp_path / "ads", workers=1, progress=False))
     code, out, err = run_cli(["verify", str(tmp_path / "ads"), "--decode"], capsys)
-    assert code == 0 and out.strip().endswith("samples verified, 0 images and 1 audio file decoded"), out
+    assert code == 0 and out.strip().endswith(" 1 sample verified, 0 images and 1 audio file decoded"), out
 
 
 def test_verify_decode_names_a_video_that_does_not_decode(tmp_path, capsys):

@@ -189,8 +189,9 @@ class Checkpointer:
                     self._remote.hold()
         except OSError as err:
             problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
-        except LockedError as err:
-            problem = f"{err}; {READ_ONLY_HINT}"
+        except LockedError as err:  # the lease's names the URL; an s3:// dir's staging dir lock names the URL first
+            named = not self.config.url or str(err).startswith(self.config.url)
+            problem = f"{'' if named else self.config.url + ': its staging directory '}{err}; {READ_ONLY_HINT}"
         except FastioError as err:
             problem = str(err)
         if problem:

@@ -147,5 +147,6 @@ class Stager:
             return copy.copy(obj)
         raise CheckpointError(
             f"state key {path!r}: cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__} "
-            "(state_dicts may hold tensors, numbers, strings, bytes, None, and dicts/lists/tuples of them)"
+            "(state_dicts may hold tensors, DTensors, numbers, strings, bytes, None, torch dtypes, devices and sizes, "
+            "and dicts/lists/tuples of them)"
         )

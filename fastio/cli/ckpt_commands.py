@@ -7,7 +7,7 @@ import json
 import click
 
 from fastio.cli.group import cli, storage_flags, storage_options
-from fastio.progress import human_bytes
+from fastio.progress import human_bytes, table_lines
 
 __all__ = ["ckpt"]
 
@@ -23,7 +23,8 @@ def ckpt() -> None:
 @storage_flags()
 def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str | None, profile: str | None) -> None:
     """List the checkpoints in DIRECTORY, a directory or an s3:// prefix (either engine): step, state, engine
-    (+zstd when compressed), size as stored, commit time, metrics."""
+    (+ the codec when compressed: torchsnapshot+zstd, dcp+zstd+shuffle), size as stored, commit time, metrics;
+    each column as wide as its widest cell."""
     from fastio.checkpoint.catalog import list_steps
 
     directory, rows = list_steps(directory, storage_options(endpoint_url, region, profile))
@@ -33,13 +34,13 @@ def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str 
     if not rows:
         click.echo(f"{directory}: no checkpoints")
         return
-    click.echo(f"{'STEP':>10}  {'STATE':<11} {'ENGINE':<18} {'SIZE':>10}  {'COMMITTED (UTC)':<20}  METRICS")
+    table = [["STEP", "STATE", "ENGINE", "SIZE", "COMMITTED (UTC)", "METRICS"]]
     for r in rows:
-        metrics = " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))
-        state = r["state"]
         engine = (r["engine"] or "-") + (f"+{r['compression']}" if r.get("compression") else "")
-        click.echo(f"{r['step']:>10}  {state:<11} {engine:<18} {human_bytes(r['bytes']):>10}  "
-                   f"{r['time_utc'] or '-':<20}  {metrics}")
+        table.append([str(r["step"]), r["state"], engine, human_bytes(r["bytes"]), r["time_utc"] or "-",
+                      " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))])
+    for line in table_lines(table, right=frozenset({0, 3})):
+        click.echo(line.rstrip())
 
 
 @ckpt.command("verify")

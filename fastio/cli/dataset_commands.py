@@ -28,7 +28,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
     ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side`` (``progress_every_s`` ->
-    ``--progress-every``: :data:`_FLAG_OF_FIELD`); a flag the message already names before its Python spelling
+    ``--progress-every``: :data:`_FLAG_OF_FIELD`), unless that word is a value given on the command line (a
+    folder named ``dest``); a flag the message already names before its Python spelling
     (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
     ctx = click.get_current_context()
     flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
@@ -37,8 +38,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     for python, words in _CLI_WORDS.items():
         text = text.replace(python, words)
     names = "|".join(sorted(flags, key=len, reverse=True))
+    given = {str(v) for v in ctx.params.values() if isinstance(v, (str, Path))}  # a path the user named stays one
     if leading:
-        text = re.sub(rf"^({names})(?=[: ])", lambda m: flags[m[1]], text)
+        text = re.sub(rf"^({names})(?=[: ])", lambda m: m[1] if m[1] in given else flags[m[1]], text)
     text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
     return re.sub(r"(--[a-z][a-z-]*(?: [^\s()]+)?) \(\1\)", r"\1", text)
@@ -384,8 +386,10 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
         click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
         raise click.exceptions.Exit(1)
     if not quiet:
+        from fastio.progress import count
+
         decoded = f", {report.decoded_line()}" if decode else ""
-        click.echo(f"ok: {dest}: {report.shards} shards, {report.samples} samples verified{decoded}")
+        click.echo(f"ok: {dest}: {count(report.shards, 'shard')}, {count(report.samples, 'sample')} verified{decoded}")
 
 
 @cli.command()

@@ -56,6 +56,7 @@ from fastio.errors import ConvertError, DatasetError
 from fastio.formats.dali_idx import IndexEntry, parse_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import join_video_codecs
+from fastio.progress import count
 from fastio.storage import local_or_url
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
@@ -84,8 +85,9 @@ class MergeResult:
 
     def summary(self) -> str:
         shards = self.linked + self.repacked
-        noun = "documents" if all(m.kind == "tokens" for m in self.manifests.values()) else "samples"
-        return (f"merged {self.parts} parts into {self.dest}: {self.samples} {noun} in {shards} shards "
+        noun = "document" if all(m.kind == "tokens" for m in self.manifests.values()) else "sample"
+        return (f"merged {count(self.parts, 'part')} into {self.dest}: {count(self.samples, noun)} in "
+                f"{count(shards, 'shard')} "
                 f"({self.linked} linked, {self.repacked} re-packed) in {self.seconds:.1f}s")
 
 

@@ -304,7 +304,7 @@ class ConvertResult:
         rule = self.label_rule
         if rule == "names":
             classes = len(next(m.label_map for m in self.manifests.values() if m.label_map))
-            rule = f"{rule} ({classes} classes, {LABEL_RULES[rule]})"
+            rule = f"{rule} ({count(classes, 'class', 'classes')}, {LABEL_RULES[rule]})"
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
         labels = f"; labels: {rule}" if rule else ""

@@ -228,8 +228,8 @@ def _dali_reads_audio(container: str, codec: str) -> bool:
     return codecs is not None and codec in codecs
 
 
-_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), the default, which stores it decoded by PyAV "
-                   "as FLAC; "
+_AUDIO_WAYS_OUT = ("convert it with --transcode flac (transcode='flac'), the default, or --transcode vp9,flac "
+                   "(transcode='vp9,flac') where videos are re-encoded too, which stores it decoded by PyAV as FLAC; "
                    "or re-encode it as FLAC, WAV or Opus (e.g. ffmpeg -i IN -c:a flac OUT.flac)")
 
 

@@ -113,8 +113,9 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
     if lacking:
         raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
                            f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
-                           f"a {what} clip pipeline needs one in every sample: convert the {what} files into a "
-                           "dataset of their own (and mix it with others with fastio.Mixture)")
+                           f"{'an' if what == 'audio' else 'a'} {what} clip pipeline needs one in every sample: "
+                           f"convert the {what} files into a dataset of their own (and mix it with others with "
+                           "fastio.Mixture)")
 
 
 class _ProbeReader:
@@ -265,10 +266,11 @@ def _say_fallback(found: list[tuple[Dataset, str, dict[str, int]]]) -> None:
             _SAID.add((str(ds.root), codec))
             by_root.setdefault(str(ds.root), []).append((codec, seen["count"]))
     for root, codecs in by_root.items():
+        one = sum(n for _, n in codecs) == 1
         logging.getLogger("fastio").warning(
-            f"{root}: {', '.join(count(n, 'video') + f' in codec {c}' for c, n in codecs)} are decoded on the CPU "
-            f"with PyAV (DALI's CPU decoder does not read {', '.join(c for c, _ in codecs)}; a Loader on a GPU "
-            "decodes them with NVDEC)")
+            f"{root}: {', '.join(count(n, 'video') + f' in codec {c}' for c, n in codecs)} "
+            f"{'is' if one else 'are'} decoded on the CPU with PyAV (DALI's CPU decoder does not read "
+            f"{', '.join(c for c, _ in codecs)}; a Loader on a GPU decodes {'it' if one else 'them'} with NVDEC)")
 
 
 @dataclass(frozen=True)
