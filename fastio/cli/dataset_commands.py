@@ -205,9 +205,16 @@ def _image_text_options(tokenizer: Path | None, chat_template: Path | None, imag
 
     try:
         return ImageTextOptions(tokenizer, chat_template, image_field=image_field,
-                                image_token=image_token or "<image>", messages_field=messages_field or "messages")
+                                image_token=_given(image_token, "<image>"),
+                                messages_field=_given(messages_field, "messages"))
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+
+
+def _given(value: Any, default: Any) -> Any:
+    """A flag's value, or ``default`` where it was not given (an empty value given stays, for the config to refuse:
+    ``--messages-field ''`` is not the default field)."""
+    return default if value is None else value
 
 
 def _run_image_text(config, options):
@@ -239,9 +246,11 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     if params["chat_template"] is None and any(params[k] is not None for k in chat):
         raise ConvertError("--messages-field, --train-on, --max-tokens and --overlong need --chat-template (a "
                            "conversion of conversations)")
-    options.update({"messages_field": params["messages_field"] or "messages", "train_on": params["train_on"] or
-                    "generation", "max_tokens": params["max_tokens"], "overlong": params["overlong"] or "refuse"})
-    options.update({"text_field": params["text_field"] or "text", "special_in_text": params["special_in_text"] or "plain",
+    options.update({"messages_field": _given(params["messages_field"], "messages"),
+                    "train_on": _given(params["train_on"], "generation"), "max_tokens": params["max_tokens"],
+                    "overlong": _given(params["overlong"], "refuse")})
+    options.update({"text_field": _given(params["text_field"], "text"),
+                    "special_in_text": _given(params["special_in_text"], "plain"),
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
-from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder
+from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
@@ -294,7 +294,11 @@ def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray,
     if w["chat"] is not None:
         lengths, ids, mask, counts = w["chat"].encode(wheres, texts)
         return lengths, ids, counts, mask
-    docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
+    try:
+        docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
+    except TypeError:  # tokenizers' refusal of a str that is not text
+        refuse_unencodable(wheres, texts, w["field"])
+        raise
     lengths, flat = _concat(docs)
     held = _documents_with(lengths, flat, w["specials"])
     if held:

@@ -1,0 +1,62 @@
+"""Bad image-text input a user writes by mistake, refused in one line naming the line and field before DEST is
+touched (never a traceback from ``tokenizers``, never a flag's empty value silently replaced by its default): a JSON
+``\\ud800`` escape in a message, a folder named as an image, an empty ``--image-token``, a missing messages field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+from tokens_helpers import image_text_source
+
+from fastio.convert.image_text import ImageTextOptions, convert_image_text
+from fastio.convert.run import ConvertConfig
+from fastio.errors import ConvertError
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return image_text_source(tmp_path_factory.mktemp("vlmbad"), n=3)
+
+
+def _with_line(src: dict, line: dict | str) -> None:
+    """``src``'s JSONL: its first two lines, then ``line`` (line 3)."""
+    rows = "".join(json.dumps(r) + "\n" for r in src["rows"][:2])
+    src["source"].write_text(rows + (line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def _convert(src: dict, dest, **options) -> None:
+    convert_image_text(ConvertConfig(src["source"], dest, workers=1),
+                       ImageTextOptions(src["tokenizer"], src["config"], **options))
+
+
+def test_a_lone_surrogate_escape_in_a_message_is_named_by_line_and_field(source, tmp_path):
+    _with_line(source, '{"images": [], "messages": [{"role": "user", "content": "a \\ud800"}, '
+                       '{"role": "assistant", "content": "b"}]}')
+    with pytest.raises(ConvertError, match=r"vlm.jsonl:3: field 'messages' holds '\\ud800', half of a UTF-16"):
+        _convert(source, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_folder_named_as_an_image_is_called_a_folder(source, tmp_path):
+    (source["source"].parent / "img" / "dir.png").mkdir(exist_ok=True)
+    _with_line(source, {"images": ["img/dir.png"], "messages": [{"role": "user", "content": "<image> a"},
+                                                                {"role": "assistant", "content": "b"}]})
+    with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: images\[0\]: img/dir.png is a folder, not an image$"):
+        _convert(source, tmp_path / "d")
+
+
+def test_a_missing_messages_field_is_called_missing(source, tmp_path):
+    _with_line(source, {"images": []})
+    with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: field 'messages' is missing or null, not a list"):
+        _convert(source, tmp_path / "d")
+
+
+def test_an_empty_image_token_is_refused_not_replaced_by_the_default(source, tmp_path, capsys):
+    _with_line(source, json.dumps(source["rows"][2]))
+    code, _, err = run_cli(["convert", str(source["source"]), str(tmp_path / "d"), "--tokenizer",
+                            str(source["tokenizer"]), "--chat-template", str(source["config"]), "--image-field",
+                            "images", "--image-token", "", "--workers", "1"], capsys)
+    assert code == 2 and err == "fastio: error: --image-token must be a token's text, got ''\n", err
+    assert not (tmp_path / "d").exists()
