@@ -1,6 +1,7 @@
 """Bad image-text input a user writes by mistake, refused in one line naming the line and field before DEST is
 touched (never a traceback from ``tokenizers``, never a flag's empty value silently replaced by its default): a JSON
-``\\ud800`` escape in a message, a folder named as an image, an empty ``--image-token``, a missing messages field."""
+``\\ud800`` escape in a message, a folder named as an image, an empty ``--image-token``, a missing messages field;
+and a Loader state whose ``image_text`` entry is not a record (a LoaderStateError, not an AttributeError)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 
 import pytest
 from helpers import run_cli
-from tokens_helpers import image_text_source
+from tokens_helpers import image_text_dataset, image_text_source
 
+import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, LoaderStateError
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,12 @@ def test_an_empty_image_token_is_refused_not_replaced_by_the_default(source, tmp
                             "images", "--image-token", "", "--workers", "1"], capsys)
     assert code == 2 and err == "fastio: error: --image-token must be a token's text, got ''\n", err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_state_whose_image_text_entry_is_not_a_record_is_refused_naming_it(tmp_path):
+    pipe = fastio.ImageText(image=fastio.ImageEval(size=8), seq_len=255, image_seq_len=4)
+    with fastio.Loader(image_text_dataset(tmp_path, n=4), pipeline=pipe, batch_size=1, device="cpu") as loader:
+        state = {**loader.state_dict(), "image_text": "damaged"}
+        with pytest.raises(LoaderStateError, match=r"^loader state's 'image_text' entry is str, not the options of "
+                                                   r"fastio.ImageText \(a damaged state\)$"):
+            loader.load_state_dict(state)
