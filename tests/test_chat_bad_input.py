@@ -76,3 +76,21 @@ def test_an_empty_messages_field_flag_is_refused_not_replaced_by_the_default(tmp
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("fastio: error: --messages-field") and "''" in err, err
     assert not (tmp_path / "d").exists()
+
+
+def test_overlong_other_than_refuse_without_max_tokens_is_refused_naming_both_flags(tmp_path, capsys, files):
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": conversations(1)[0]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]), "--overlong", "drop")
+    assert code == 2 and err == ("fastio: error: --overlong drop needs --max-tokens N (the most tokens a conversation "
+                                 "may have; without it no conversation is over)\n"), err
+    assert not (tmp_path / "d").exists()
+
+
+def test_every_conversation_left_out_as_overlong_is_named_as_such_not_as_empty(tmp_path, capsys, files):
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": conversations(1)[0]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]), "--max-tokens", "3",
+                        "--overlong", "drop")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.endswith("c.jsonl: nothing to write: 3 conversations longer than --max-tokens 3 left out "
+                        "(--overlong drop)\n"), err
+    assert not (tmp_path / "d").exists()

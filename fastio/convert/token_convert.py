@@ -152,9 +152,10 @@ class TokenConvertConfig:
     """With ``chat_template``: the most tokens a conversation may have (None: no limit here; a Loader refuses a
     ``seq_len + 1`` below the longest). Set it to the training ``seq_len + 1``."""
     overlong: str = checked(one_of(OVERLONG), default="refuse")
-    """With ``max_tokens``: a longer conversation is refused (``refuse``), left out and counted (``drop``), or cut
-    to its first turns that fit, whole, ending with an assistant message (``truncate``; counted; dropped when even
-    the first exchange is too long). Never cut mid-turn (:mod:`fastio.convert.chat_encode`)."""
+    """With ``max_tokens`` (``drop`` and ``truncate`` without it: a ValueError): a longer conversation is refused
+    (``refuse``), left out and counted (``drop``), or cut to its first turns that fit, whole, ending with an
+    assistant message (``truncate``; counted; dropped when even the first exchange is too long). Never cut mid-turn
+    (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
@@ -169,6 +170,9 @@ class TokenConvertConfig:
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.overlong != "refuse" and self.max_tokens is None:
+            raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
+                             "have; without it no conversation is over)")
 
     @property
     def field(self) -> str:
@@ -616,6 +620,9 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     """The shards, the document-starts table and the manifest (last) into DEST, emptied and locked."""
     written = _write(config, corpus, coder, config.dest)
     if not written.shards:
+        if written.dropped:
+            raise ConvertError(f"{config.source}: nothing to write: {count(written.dropped, 'conversation')} longer "
+                               f"than max_tokens={config.max_tokens} left out (overlong={config.overlong!r})")
         raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
     records = _records(written)
     source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,
