@@ -85,7 +85,8 @@ def train_loop(ckpt_dir: str, steps: int, make_loader, make_model, loss_of, note
     model, the optimizer and the Loader's position), resumed from the last committed step, preemption obeyed."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same float sums in every run: per-step losses compare bit for bit
-    ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)
+    with fastio.exit_cleanly():  # a CKPT_DIR that cannot be made (a file there) is one line too
+        ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)
     with fastio.exit_cleanly(ckpt):
         train = make_loader()
         model = make_model(train)

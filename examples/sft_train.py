@@ -13,7 +13,7 @@ of the chat template's ``{% generation %}`` blocks (the replies), never the prom
 The Checkpointer saves the model, the optimizer and the Loader's position every 5 steps; run the same command after
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences and the same
 per-step losses as a run that was never stopped. tests/test_chat_loader.py kills it and compares. A size flag that
-is not a positive integer is refused in one line naming it (exit 2).
+is not a positive integer, or a CKPT_DIR that cannot be made, is refused in one line naming it (exit 2).
 """
 
 from __future__ import annotations

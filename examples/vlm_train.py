@@ -15,8 +15,8 @@ transformer of ``examples/gpt_train.py`` reads them with the other tokens' embed
 and a block-causal mask from ``segment_ids`` at each conversation), and the loss counts a target ``tokens[:, 1:]``
 only where ``loss_mask[:, 1:]`` is True: the replies, never an image, the prompts or padding. The token embedding
 has the manifest's ``image_text.embedding_size`` rows (the vocabulary of the tokenizer the dataset was converted
-with); ``--tokenizer``, where given, must have as many ids. A size flag that is not a positive integer, or a dataset
-that is not image-text, is refused in one line naming it (exit 2). The Checkpointer
+with); ``--tokenizer``, where given, must have as many ids. A size flag that is not a positive integer, a dataset
+that is not image-text or a CKPT_DIR that cannot be made is refused in one line naming it (exit 2). The Checkpointer
 saves the model, the optimizer, the RNG states and the Loader's position every 5 steps; run the same command after
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences, the same per-step
 losses and the same weights as a run that was never stopped. tests/test_vlm_example.py kills it and compares.
