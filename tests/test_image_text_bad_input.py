@@ -1,7 +1,9 @@
 """Bad image-text input a user writes by mistake, refused in one line naming the line and field before DEST is
 touched (never a traceback from ``tokenizers``, never a flag's empty value silently replaced by its default): a JSON
 ``\\ud800`` escape in a message, a folder named as an image, an empty ``--image-token``, a missing messages field;
-and a Loader state whose ``image_text`` entry is not a record (a LoaderStateError, not an AttributeError)."""
+a byte that is not UTF-8 deep in the JSONL (named by its line and file offset: the offset was the text reader's
+chunk's); and a Loader state whose ``image_text`` entry is not a record (a LoaderStateError, not an
+AttributeError)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,13 @@ def test_a_state_whose_image_text_entry_is_not_a_record_is_refused_naming_it(tmp
         with pytest.raises(LoaderStateError, match=r"^loader state's 'image_text' entry is str, not the options of "
                                                    r"fastio.ImageText \(a damaged state\)$"):
             loader.load_state_dict(state)
+
+
+def test_a_byte_that_is_not_utf8_deep_in_the_jsonl_is_named_by_its_line_and_file_offset(source, tmp_path):
+    line = (json.dumps(source["rows"][0]) + "\n").encode()
+    data = line * 80  # well past the text reader's first chunk
+    at = len(line) * 60 + 5
+    source["source"].write_bytes(data[:at] + b"\xff" + data[at:])
+    with pytest.raises(ConvertError, match=rf"vlm.jsonl:61: unreadable table \(not UTF-8: invalid start byte at byte "
+                                           rf"{at}\)$"):
+        _convert(source, tmp_path / "d")
