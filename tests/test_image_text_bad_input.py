@@ -83,3 +83,14 @@ def test_a_byte_that_is_not_utf8_deep_in_the_jsonl_is_named_by_its_line_and_file
     with pytest.raises(ConvertError, match=rf"vlm.jsonl:61: unreadable table \(not UTF-8: invalid start byte at byte "
                                            rf"{at}\)$"):
         _convert(source, tmp_path / "d")
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\u0000"])
+def test_an_image_path_no_file_system_can_name_is_refused_naming_the_line(source, tmp_path, escape):
+    line = ('{"images": ["img/a' + escape + '.png"], "messages": [{"role": "user", "content": "<image> a"}, '
+            '{"role": "assistant", "content": "b"}]}')
+    _with_line(source, line)
+    with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: images\[0\]: img/a.*\.png is not a file name \(it holds "
+                                           r"a NUL or a lone surrogate character\)$"):
+        _convert(source, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
