@@ -90,7 +90,9 @@ def test_an_image_path_no_file_system_can_name_is_refused_naming_the_line(source
     line = ('{"images": ["img/a' + escape + '.png"], "messages": [{"role": "user", "content": "<image> a"}, '
             '{"role": "assistant", "content": "b"}]}')
     _with_line(source, line)
-    with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: images\[0\]: img/a.*\.png is not a file name \(it holds "
-                                           r"a NUL or a lone surrogate character\)$"):
+    shown = repr("img/a" + json.loads(f'"{escape}"') + ".png")
+    with pytest.raises(ConvertError) as err:
         _convert(source, tmp_path / "d")
+    assert str(err.value) == (f"vlm.jsonl:3: images[0]: {shown} is not a file name (it holds a NUL or a lone "
+                              "surrogate character)")
     assert not (tmp_path / "d").exists()

@@ -226,7 +226,7 @@ def _image_file(value: str, root: Path, at: str) -> FileRef:
     path = root / value
     outside = resolve_inside(path, root)
     if outside is not None:
-        raise ConvertError(f"{at}: {value} {outside}")
+        raise ConvertError(f"{at}: {value if value.isprintable() else repr(value)} {outside}")
     if path.is_dir():
         raise ConvertError(f"{at}: {value} is a folder, not an image")
     if not path.is_file():
