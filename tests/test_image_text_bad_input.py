@@ -8,6 +8,7 @@ AttributeError)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from helpers import run_cli
@@ -96,3 +97,13 @@ def test_an_image_path_no_file_system_can_name_is_refused_naming_the_line(source
     assert str(err.value) == (f"vlm.jsonl:3: images[0]: {shown} is not a file name (it holds a NUL or a lone "
                               "surrogate character)")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("image, option", [
+    (lambda: fastio.ImageTrain(size=16, fields=["0.jpg"]), "fields=('0.jpg',)"),
+    (lambda: fastio.ImageEval(size=16, text={"txt": fastio.Tokenize("tokenizer.json", max_len=8)}), "text="),
+])
+def test_an_image_option_imagetext_does_not_use_is_refused_not_ignored(image, option):
+    with pytest.raises(ValueError, match=r"^image: fastio.ImageText decodes each image of a sample alone, so the "
+                                         rf"image object's {re.escape(option)}.* is not used: leave it out"):
+        fastio.ImageText(image=image(), seq_len=64, image_seq_len=4)
