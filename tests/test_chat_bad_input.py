@@ -8,7 +8,7 @@ import json
 
 import pytest
 from helpers import run_cli
-from tokens_helpers import chat_config, chat_tokenizer, conversations
+from tokens_helpers import chat_config, chat_tokenizer, conversations, train_tokenizer
 
 from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 from fastio.errors import ConvertError
@@ -94,3 +94,13 @@ def test_every_conversation_left_out_as_overlong_is_named_as_such_not_as_empty(t
     assert err.endswith("c.jsonl: nothing to write: 3 conversations longer than --max-tokens 3 left out "
                         "(--overlong drop)\n"), err
     assert not (tmp_path / "d").exists()
+
+
+def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blamed_on_the_config(tmp_path, capsys,
+                                                                                              files):
+    bare = train_tokenizer(tmp_path / "bare.json", eos=None, specials=("<|im_start|>", "<|im_end|>", "<s>"))
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": conversations(1)[0]}))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(bare),
+                            "--chat-template", str(files[1]), "--workers", "1"], capsys)
+    assert code == 2 and err == (f"fastio: error: {bare}: '<|endoftext|>' is not a special token (the eos_token of "
+                                 f"{files[1]}); its special tokens: <s>, <|im_end|>, <|im_start|>\n"), err

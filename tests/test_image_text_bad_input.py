@@ -12,7 +12,7 @@ import re
 
 import pytest
 from helpers import run_cli
-from tokens_helpers import image_text_dataset, image_text_source
+from tokens_helpers import image_text_dataset, image_text_source, train_tokenizer
 
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
@@ -107,3 +107,11 @@ def test_an_image_option_imagetext_does_not_use_is_refused_not_ignored(image, op
     with pytest.raises(ValueError, match=r"^image: fastio.ImageText decodes each image of a sample alone, so the "
                                          rf"image object's {re.escape(option)}.* is not used: leave it out"):
         fastio.ImageText(image=image(), seq_len=64, image_seq_len=4)
+
+
+def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blamed_on_the_config(source, tmp_path):
+    bare = train_tokenizer(tmp_path / "bare.json", eos=None, specials=("<|im_start|>", "<|im_end|>", "<s>", "<image>"))
+    with pytest.raises(ConvertError, match=rf"^{re.escape(str(bare))}: '<\|endoftext\|>' is not a special token \(the "
+                                           rf"eos_token of {re.escape(str(source['config']))}\); its special tokens"):
+        convert_image_text(ConvertConfig(source["source"], tmp_path / "d", workers=1),
+                           ImageTextOptions(bare, source["config"]))

@@ -125,7 +125,8 @@ class _Coder:
         if not template.has_generation:
             raise ConvertError(f"{options.chat_template}: the chat template marks no {{% generation %}} block, so no "
                                "token would be trained (docs/tokens.md)")
-        eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer)
+        eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer,
+                           f"the eos_token of {options.chat_template}")
         self.template = with_specials(template, self.tokenizer, eos)
         self.image_id = self._image_id()
         self.vocab_size = vocab_size(self.tokenizer)

@@ -247,14 +247,16 @@ def special_tokens(tokenizer) -> dict[str, int]:
     return {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
-def eos_token_id(tokenizer, eos: str | None, path: Path) -> int:
+def eos_token_id(tokenizer, eos: str | None, path: Path, named_by: str | None = None) -> int:
     """The id of ``eos``, or of the tokenizer's end-of-text token (:data:`EOS_NAMES`) when ``eos`` is None; either
-    one of its special tokens (an ordinary word as ``eos`` would end every document that holds it)."""
+    one of its special tokens (an ordinary word as ``eos`` would end every document that holds it). ``named_by``:
+    what named ``eos`` for the message where it is not one (default: the ``eos`` option)."""
     specials = special_tokens(tokenizer)
     have = ", ".join(sorted(specials)) or "none"
     if eos is not None:
         if eos not in specials:
-            raise ConvertError(f"{path}: {eos!r} is not a special token (eos={eos!r}); its special tokens: {have}")
+            raise ConvertError(f"{path}: {eos!r} is not a special token ({named_by or f'eos={eos!r}'}); its special "
+                               f"tokens: {have}")
         return specials[eos]
     found = next((specials[n] for n in EOS_NAMES if n in specials), None)
     if found is None:
@@ -414,8 +416,10 @@ class _Coder:
 def _coder(config: TokenConvertConfig) -> _Coder:
     tokenizer = load_tokenizer(config.tokenizer)
     template = None if config.chat_template is None else _chat_template(config)
-    eos = config.eos if template is None or config.eos else template.variables.get("eos_token")
-    eos_id = eos_token_id(tokenizer, eos, config.tokenizer)
+    by_template = template is not None and not config.eos
+    eos = template.variables.get("eos_token") if by_template else config.eos
+    eos_id = eos_token_id(tokenizer, eos, config.tokenizer,
+                          f"the eos_token of {config.chat_template}" if by_template else None)
     ids = vocab_size(tokenizer)
     if template is not None:
         template = with_specials(template, tokenizer, eos_id)
