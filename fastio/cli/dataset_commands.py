@@ -522,7 +522,8 @@ def _print_info(info: dict[str, Any]) -> None:
     tokens = info.get("tokens")
     if tokens:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
-        click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
+        total = count(tokens["total_tokens"], f"{tokens['dtype']} token")
+        click.echo(f"tokens:   {count(info['samples'], 'document')}, {total} "
                    f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
                    f"document min {d['min']}  median {d['median']}  max {d['max']}")
         chat = tokens.get("chat")

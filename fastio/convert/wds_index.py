@@ -513,7 +513,9 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
         if wanted not in counts:
             raise DatasetError(f"label_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         if counts[wanted] != total:
-            raise DatasetError(f"label_field: {total - counts[wanted]} of {total} samples lack field {wanted!r}")
+            lacking = total - counts[wanted]
+            raise DatasetError(f"label_field: {lacking} of {count(total, 'sample')} "
+                               f"{'lacks' if lacking == 1 else 'lack'} field {wanted!r}")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
 

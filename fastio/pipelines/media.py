@@ -90,9 +90,11 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     for f in found if table is not None else ():
         if f in table.unprobed:
             n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
-            raise DatasetError(f"{ds.root}: {n} samples' {f} could not be probed when indexed (the first: shard "
-                               f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
-                               "index again, or convert the files with fastio convert (which skips them)")
+            whose = count(n, "sample's", "samples'")
+            raise DatasetError(f"{ds.root}: {whose} {f} could not be probed when indexed "
+                               f"(the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove "
+                               f"{'it' if n == 1 else 'them'} from the shards and index again, or convert the files "
+                               "with fastio convert (which skips them)")
     return tuple(found)
 
 
@@ -111,7 +113,8 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
         lacking += len(without)
         first = a + int(without[0]) if first is None and len(without) else first
     if lacking:
-        raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
+        raise DatasetError(f"{ds.root}: {lacking} of {count(len(ds), 'sample')} {'has' if lacking == 1 else 'have'} "
+                           f"no {what} field (the first: "
                            f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
                            f"{'an' if what == 'audio' else 'a'} {what} clip pipeline needs one in every sample: "
                            f"convert the {what} files into a dataset of their own (and mix it with others with "

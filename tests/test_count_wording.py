@@ -1,0 +1,118 @@
+"""Messages that count things say one of them in the singular ("1 sample's", "1 of 2 samples has", "1 uint16
+token"): each goes through :func:`fastio.progress.count`, the one home of the plural rule. Each test makes the
+count 1 for real (a dataset of that shape, a summary of that run) and reads the message a user sees."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import run_cli
+
+import fastio
+from fastio.convert.wds_index import IndexConfig, index_shards
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _loader(root: Path, pipeline) -> fastio.Loader:
+    return fastio.Loader(root, pipeline=pipeline, batch_size=2, device="cpu", shuffle="none", num_threads=1,
+                         world_size=1, rank=0)
+
+
+def test_one_unprobed_sample_is_one_samples_field(tmp_path):
+    from fastio.convert import synthetic
+
+    flac = synthetic.make_audio(tmp_path / "a.flac", seconds=0.5).read_bytes()
+    mp3 = synthetic.make_audio(tmp_path / "b.mp3", seconds=0.5).read_bytes()
+    _tar(tmp_path / "wds" / "a-000000.tar", {"k0.flac": flac, "k0.cls": b"0", "k1.mp3": mp3, "k1.cls": b"1"})
+    index_shards(IndexConfig(source=tmp_path / "wds"))
+    with pytest.raises(fastio.DatasetError, match=r": 1 sample's mp3 could not be probed when indexed \(the first: "
+                                                  r"shard a-000000.tar key 'k1'"):
+        _loader(tmp_path / "wds", fastio.AudioClips(sample_rate=16000, seconds=0.25))
+
+
+def test_one_sample_without_a_video_field_has_none(tmp_path):
+    from fastio.convert import synthetic
+
+    webm = synthetic.make_video(tmp_path / "v.webm", frames=6, fps=12).read_bytes()
+    _tar(tmp_path / "wds" / "s-000000.tar", {"k0.webm": webm, "k0.cls": b"0", "k1.png": _png(), "k1.cls": b"1"})
+    index_shards(IndexConfig(tmp_path / "wds"))
+    with pytest.raises(fastio.DatasetError, match=r": 1 of 2 samples has no video field \(the first: shard "
+                                                  r"s-000000.tar key 'k1'"):
+        _loader(tmp_path / "wds", fastio.VideoClips(frames=2, size=8, dtype="uint8", crop="center"))
+
+
+def test_one_sample_without_the_label_field_lacks_it(tmp_path):
+    _tar(tmp_path / "wds" / "s-000000.tar", {"k0.png": _png(), "k0.cls": b"0", "k1.png": _png()})
+    with pytest.raises(fastio.DatasetError, match=r"^label_field: 1 of 2 samples lacks field 'cls'$"):
+        index_shards(IndexConfig(tmp_path / "wds", label_field="cls"))
+
+
+@pytest.mark.parametrize("fractions, said", [({"val": 0.1}, "split fraction 0.1 for 'val' of 1 sample leaves it empty"),
+                                             ({"val": 0.6}, "split fractions 0.6 of 1 sample leave train empty")])
+def test_a_split_of_one_sample_says_one_sample(tmp_path, fractions, said):
+    from fastio.convert.split import assign_splits
+
+    with pytest.raises(ValueError) as err:
+        assign_splits(1, fractions, seed=0)
+    assert str(err.value) == said
+
+
+@pytest.fixture
+def one_token(tmp_path) -> Path:
+    """A token dataset of one document of one token (its end-of-document id), indexed in place."""
+    from fastio.formats.megatron import MegatronWriter
+
+    dest = tmp_path / "ds"
+    dest.mkdir()
+    writer = MegatronWriter(str(dest / "part-000.bin"), "uint16")
+    writer.add(np.array([0]))
+    writer.close()
+    return dest
+
+
+def test_token_index_summary_of_one_token_says_one_token(one_token):
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    summary = index_tokens(TokenIndexConfig(one_token, eos_id=0)).summary()
+    assert ": indexed 1 shard, 1 document, 1 uint16 token (largest id 0) in " in summary
+
+
+def test_inspect_of_one_token_says_one_token(one_token, capsys):
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    index_tokens(TokenIndexConfig(one_token, eos_id=0))
+    code, out, err = run_cli(["inspect", str(one_token)], capsys)
+    assert code == 0, err
+    assert "tokens:   1 document, 1 uint16 token (end of document: id 0;" in out
+
+
+def test_token_convert_summary_of_one_token_says_one_token():
+    from fastio.convert.token_convert import TokenConvertResult
+
+    result = TokenConvertResult(dest="ds", shards=1, documents=1, tokens=1, empty=0, bytes=2, seconds=1.0,
+                                dtype="uint16", eos_id=0, trained=1)
+    summary = result.summary()
+    assert summary.startswith("ds: 1 document, 1 uint16 token (2 B) in 1 shard; 0 empty documents skipped; "
+                              "1 token trained (100.0%);"), summary
