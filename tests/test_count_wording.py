@@ -5,26 +5,15 @@ count 1 for real (a dataset of that shape, a summary of that run) and reads the 
 from __future__ import annotations
 
 import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import run_cli
+from test_media import write_wds_tar
 
 import fastio
 from fastio.convert.wds_index import IndexConfig, index_shards
-
-
-def _tar(path: Path, members: dict[str, bytes]) -> Path:
-    """A WebDataset tar as a user's tool writes it (tarfile), members in the given order."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
 
 
 def _png() -> bytes:
@@ -45,7 +34,7 @@ def test_one_unprobed_sample_is_one_samples_field(tmp_path):
 
     flac = synthetic.make_audio(tmp_path / "a.flac", seconds=0.5).read_bytes()
     mp3 = synthetic.make_audio(tmp_path / "b.mp3", seconds=0.5).read_bytes()
-    _tar(tmp_path / "wds" / "a-000000.tar", {"k0.flac": flac, "k0.cls": b"0", "k1.mp3": mp3, "k1.cls": b"1"})
+    write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.flac": flac, "k0.cls": b"0", "k1.mp3": mp3, "k1.cls": b"1"})
     index_shards(IndexConfig(source=tmp_path / "wds"))
     with pytest.raises(fastio.DatasetError, match=r": 1 sample's mp3 could not be probed when indexed \(the first: "
                                                   r"shard a-000000.tar key 'k1'"):
@@ -56,7 +45,7 @@ def test_one_sample_without_a_video_field_has_none(tmp_path):
     from fastio.convert import synthetic
 
     webm = synthetic.make_video(tmp_path / "v.webm", frames=6, fps=12).read_bytes()
-    _tar(tmp_path / "wds" / "s-000000.tar", {"k0.webm": webm, "k0.cls": b"0", "k1.png": _png(), "k1.cls": b"1"})
+    write_wds_tar(tmp_path / "wds" / "s-000000.tar", {"k0.webm": webm, "k0.cls": b"0", "k1.png": _png(), "k1.cls": b"1"})
     index_shards(IndexConfig(tmp_path / "wds"))
     with pytest.raises(fastio.DatasetError, match=r": 1 of 2 samples has no video field \(the first: shard "
                                                   r"s-000000.tar key 'k1'"):
@@ -64,7 +53,7 @@ def test_one_sample_without_a_video_field_has_none(tmp_path):
 
 
 def test_one_sample_without_the_label_field_lacks_it(tmp_path):
-    _tar(tmp_path / "wds" / "s-000000.tar", {"k0.png": _png(), "k0.cls": b"0", "k1.png": _png()})
+    write_wds_tar(tmp_path / "wds" / "s-000000.tar", {"k0.png": _png(), "k0.cls": b"0", "k1.png": _png()})
     with pytest.raises(fastio.DatasetError, match=r"^label_field: 1 of 2 samples lacks field 'cls'$"):
         index_shards(IndexConfig(tmp_path / "wds", label_field="cls"))
 

@@ -68,7 +68,7 @@ from fastio.dataset.manifest import (
     make_manifest,
     write_manifest,
 )
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, install_hint
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
@@ -223,7 +223,7 @@ def load_tokenizer(path: Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConvertError("tokenizers is not installed: pip install 'fastio[tokens]'") from None
+        raise ConvertError(f"tokenizers is not installed: {install_hint('tokens')}") from None
     if not Path(path).is_file():
         raise ConvertError(f"{path}: no such tokenizer file (a Hugging Face tokenizer.json)")
     try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.dist import usable_cpus
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, install_hint
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
     CPU_VIDEO_CODECS,
@@ -370,7 +370,7 @@ class VideoClips(_Clips):
             _positive_int("fallback_threads", self.fallback_threads)
         if self.cpu_fallback == "pyav":
             if not _have_pyav():
-                raise ValueError("cpu_fallback='pyav' needs PyAV: pip install 'fastio[media]'")
+                raise ValueError(f"cpu_fallback='pyav' needs PyAV: {install_hint('media')}")
 
     def evaluation(self) -> VideoClips:
         """The same clips with ``crop="center"`` (no random crop, no flip)."""
@@ -490,12 +490,12 @@ class VideoClips(_Clips):
         if self.cpu_fallback is not None:
             return
         for ds, codec, seen in _not_cpu_codecs(read_set)[:1]:
-            i = seen["first"]
+            i, add = seen["first"], "" if _have_pyav() else f" ({install_hint('media')})"
             raise DatasetError(
                 f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
                 f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
                 "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
-                f"VideoClips(cpu_fallback='pyav'){'' if _have_pyav() else ' (pip install fastio[media])'}, or "
+                f"VideoClips(cpu_fallback='pyav'){add}, or "
                 "convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:
