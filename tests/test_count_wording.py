@@ -105,3 +105,35 @@ def test_token_convert_summary_of_one_token_says_one_token():
     summary = result.summary()
     assert summary.startswith("ds: 1 document, 1 uint16 token (2 B) in 1 shard; 0 empty documents skipped; "
                               "1 token trained (100.0%);"), summary
+
+
+@pytest.fixture
+def one_sample(tmp_path, capsys) -> Path:
+    """An image dataset of one sample, indexed in place."""
+    from helpers import indexed_tar
+
+    return indexed_tar(tmp_path / "one", {"k0": {"png": _png(), "cls": b"0"}}, capsys)
+
+
+def test_a_state_past_a_one_sample_dataset_says_one_sample(one_sample):
+    loader = fastio.Loader(one_sample, pipeline=fastio.Raw(), batch_size=1, device="cpu", world_size=1, rank=0)
+    state = {**loader.state_dict(), "consumed": 5}
+    with pytest.raises(fastio.LoaderStateError, match=r"consumed=5 \(dataset has 1 sample\)$"):
+        loader.load_state_dict(state)
+
+
+def test_a_part_past_one_part_says_one_part():
+    from fastio.convert.parts import parse_part
+
+    with pytest.raises(ValueError, match=r"^part: K must be in 0\.\.0 for 1 part, got 1$"):
+        parse_part("1/1")
+
+
+def test_verify_of_a_shard_cut_to_one_sample_says_one_sample(tmp_path, capsys):
+    from helpers import indexed_tar
+
+    ds = indexed_tar(tmp_path / "two", {"k0": {"png": _png(), "cls": b"0"}, "k1": {"png": _png(), "cls": b"1"}},
+                     capsys)
+    write_wds_tar(ds / "0.tar", {"k0.png": _png(), "k0.cls": b"0"})
+    code, out, err = run_cli(["verify", str(ds)], capsys)
+    assert code != 0 and "0.tar: holds 1 sample, manifest says 2" in out + err, out + err

@@ -219,9 +219,9 @@ class _Clips(Pipeline):
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
         except ValueError as err:  # MediaCheckError too
             return str(err)
-        count = "frames" if self.media == "video" else "samples"
-        if found[count] != stored[count]:
-            return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
+        unit = "frames" if self.media == "video" else "samples"
+        if found[unit] != stored[unit]:
+            return f"it has {found[unit]} {unit}, its {PROBE_FIELD} says {stored[unit]}"
         return None if self.media == "video" else _dali_reads_less(
             batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 

@@ -402,7 +402,7 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
         return
     report.samples += len(samples)
     if len(samples) != shard.samples:
-        report.problems.append(Problem(label, None, f"holds {len(samples)} samples, manifest says {shard.samples}"))
+        report.problems.append(Problem(label, None, f"holds {count(len(samples), 'sample')}, manifest says {shard.samples}"))
     seen: set[str] = set()
     for key, members in samples:
         if key in seen:
