@@ -137,3 +137,18 @@ def test_verify_of_a_shard_cut_to_one_sample_says_one_sample(tmp_path, capsys):
     write_wds_tar(ds / "0.tar", {"k0.png": _png(), "k0.cls": b"0"})
     code, out, err = run_cli(["verify", str(ds)], capsys)
     assert code != 0 and "0.tar: holds 1 sample, manifest says 2" in out + err, out + err
+
+
+def test_inspect_packing_of_one_sequence_says_one_sequence_and_one_token(tmp_path, capsys):
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+    from fastio.formats.megatron import MegatronWriter
+
+    (tmp_path / "ds").mkdir()
+    writer = MegatronWriter(str(tmp_path / "ds" / "part-000.bin"), "uint16")
+    writer.add(np.array([1, 2, 0]))  # 3 tokens: one sequence of seq_len 2 (+1 shared), 1 token of tail
+    writer.close()
+    index_tokens(TokenIndexConfig(tmp_path / "ds", eos_id=0))
+    code, out, err = run_cli(["inspect", str(tmp_path / "ds"), "--order", "--seq-len", "2"], capsys)
+    assert code == 0, err
+    assert "packing:  seq_len 2, window 4096 documents: concat 1 sequence (1 token of tail left out); best-fit 1 " \
+           in out, out

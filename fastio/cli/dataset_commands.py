@@ -443,10 +443,13 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
 
 
 def _print_packing(p: dict[str, Any] | None) -> None:
+    from fastio.progress import count
+
     if p:
         c = p["concat"]
-        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat {c['sequences']} "
-                   f"sequences ({c['tail_tokens']} tokens of tail left out); best-fit {p['best-fit']['sequences']} "
+        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat "
+                   f"{count(c['sequences'], 'sequence')} ({count(c['tail_tokens'], 'token')} of tail left out); "
+                   f"best-fit {p['best-fit']['sequences']} "
                    f"(padding {p['best-fit']['padding_fraction']:.1%}), first-fit {p['first-fit']['sequences']} "
                    f"(padding {p['first-fit']['padding_fraction']:.1%})")
 
