@@ -152,3 +152,14 @@ def test_inspect_packing_of_one_sequence_says_one_sequence_and_one_token(tmp_pat
     assert code == 0, err
     assert "packing:  seq_len 2, window 4096 documents: concat 1 sequence (1 token of tail left out); best-fit 1 " \
            in out, out
+
+
+def test_a_bin_cut_to_one_byte_says_one_byte_and_one_token(one_token):
+    import os
+
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    os.truncate(one_token / "part-000.bin", 1)
+    with pytest.raises(fastio.DatasetError, match=r"part-000\.bin: 1 byte, but part-000\.idx indexes 2 \(1 uint16 "
+                                                  r"token\): truncated"):
+        index_tokens(TokenIndexConfig(one_token, eos_id=0))
