@@ -163,3 +163,19 @@ def test_a_bin_cut_to_one_byte_says_one_byte_and_one_token(one_token):
     with pytest.raises(fastio.DatasetError, match=r"part-000\.bin: 1 byte, but part-000\.idx indexes 2 \(1 uint16 "
                                                   r"token\): truncated"):
         index_tokens(TokenIndexConfig(one_token, eos_id=0))
+
+
+def test_verify_of_one_problem_says_one_problem(image_dataset, capsys):
+    (image_dataset / "shards" / "shard-000099.tar").write_bytes(b"")
+    code, out, err = run_cli(["verify", str(image_dataset)], capsys)
+    assert code == 1 and out == "shards/shard-000099.tar: file is not listed in the manifest\n", out
+    assert err == f"fastio: verify: 1 problem in {image_dataset}\n"
+
+
+def test_ckpt_verify_of_one_checkpoint_says_one_checkpoint(tmp_path, capsys):
+    import torch
+
+    with fastio.Checkpointer(tmp_path / "ck", every_steps=1) as ckpt:
+        ckpt.maybe_save(1, {"model": torch.nn.Linear(2, 2)})
+    code, out, err = run_cli(["ckpt", "verify", str(tmp_path / "ck")], capsys)
+    assert code == 0 and out == f"{tmp_path / 'ck'}: 1 committed checkpoint verified (step 1)\n", out + err

@@ -274,7 +274,7 @@ def test_verify_reports_shard_files_missing_from_the_manifest(image_dataset, cap
                         "shards/shard-000099.tar: file is not listed in the manifest"]
     assert main(["verify", str(image_dataset)]) == 1
     out, err = capsys.readouterr()
-    assert "shards/shard-000099.tar: file is not listed in the manifest" in out and "2 problem(s)" in err
+    assert "shards/shard-000099.tar: file is not listed in the manifest" in out and "2 problems" in err
 
 
 # -- bare `fastio` ------------------------------------------------------------------------------------

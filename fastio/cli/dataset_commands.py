@@ -377,17 +377,16 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
     """Check DEST against its manifest: checksums, counts, tar members, token ids, index. Exit 1 on any problem.
 
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
+    from fastio.progress import count
     from fastio.report.verify import verify as run_verify
 
     report = run_verify(dest, decode=decode, storage_options=storage_options(endpoint_url, region, profile))
     for problem in report.problems:
         click.echo(problem.line())
     if report.problems:
-        click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
+        click.echo(f"fastio: verify: {count(len(report.problems), 'problem')} in {dest}", err=True)
         raise click.exceptions.Exit(1)
     if not quiet:
-        from fastio.progress import count
-
         decoded = f", {report.decoded_line()}" if decode else ""
         click.echo(f"ok: {dest}: {count(report.shards, 'shard')}, {count(report.samples, 'sample')} verified{decoded}")
 
