@@ -179,3 +179,13 @@ def test_ckpt_verify_of_one_checkpoint_says_one_checkpoint(tmp_path, capsys):
         ckpt.maybe_save(1, {"model": torch.nn.Linear(2, 2)})
     code, out, err = run_cli(["ckpt", "verify", str(tmp_path / "ck")], capsys)
     assert code == 0 and out == f"{tmp_path / 'ck'}: 1 committed checkpoint verified (step 1)\n", out + err
+
+
+def test_inspect_of_a_one_source_mixture_says_one_source(one_sample, tmp_path, capsys):
+    import json
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {"a": str(one_sample)}, "weights": {"a": 1}, "samples_per_epoch": 2}))
+    code, out, err = run_cli(["inspect", str(path)], capsys)
+    assert code == 0, err
+    assert f"mixture:  {path}: 1 source, 2 samples per epoch\n" in out, out

@@ -462,6 +462,7 @@ def _print_skipped(info: dict[str, Any]) -> None:
 
 def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, seq_len: int,
                      cache_dir: Path | None, cache_size: str | None, options: dict | None) -> None:
+    from fastio.progress import count
     from fastio.read.mixture import Mixture
     from fastio.report.mix_order import mixture_order_report
 
@@ -473,8 +474,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} {info['unit']} per "
-               "epoch")
+    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, {info['samples_per_epoch']} {info['unit']} "
+               "per epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
