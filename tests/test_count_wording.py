@@ -189,3 +189,19 @@ def test_inspect_of_a_one_source_mixture_says_one_source(one_sample, tmp_path, c
     code, out, err = run_cli(["inspect", str(path)], capsys)
     assert code == 0, err
     assert f"mixture:  {path}: 1 source, 2 samples per epoch\n" in out, out
+
+
+def test_a_dali_index_of_one_sample_says_one_sample(one_sample):
+    import hashlib
+
+    from fastio.formats.dali_idx import check_index, key_crcs, parse_index
+
+    with pytest.raises(ValueError, match=r"^x\.idx: header says 1 sample, file lists 0$"):
+        parse_index("v1.2 1\n", source="x.idx")
+    cut = b"v1.2 1\n"
+    with pytest.raises(ValueError, match=r"^x\.idx: header says 1 sample, file lists 0$"):
+        key_crcs(cut, samples=1, sha256=hashlib.sha256(cut).hexdigest(), source="x.idx")
+    (idx,) = one_sample.glob("*.idx")
+    entries = parse_index(idx.read_text(), source=idx.name)
+    with pytest.raises(ValueError, match=r"^0\.idx: index lists 1 sample, manifest says 2$"):
+        check_index(entries, samples=2, tar_bytes=(one_sample / "0.tar").stat().st_size, source=idx.name)
