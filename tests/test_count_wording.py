@@ -205,3 +205,14 @@ def test_a_dali_index_of_one_sample_says_one_sample(one_sample):
     entries = parse_index(idx.read_text(), source=idx.name)
     with pytest.raises(ValueError, match=r"^0\.idx: index lists 1 sample, manifest says 2$"):
         check_index(entries, samples=2, tar_bytes=(one_sample / "0.tar").stat().st_size, source=idx.name)
+
+
+def test_a_sample_table_of_one_sample_says_one_sample(tmp_path):
+    from fastio.dataset.manifest import ShardRecord
+    from fastio.dataset.sample_table import build_index
+    from fastio.formats.dali_idx import IndexEntry
+
+    record = ShardRecord(name="a.tar", samples=2, bytes=10240, sha256="0" * 64, idx_sha256="0" * 64)
+    with pytest.raises(ValueError, match=r"^shard a\.tar: index lists 1 sample, record says 2$"):
+        build_index(tmp_path / "table", [(record, [IndexEntry("x", (("jpg", 512, 10),))])], ["jpg"])
+    assert not (tmp_path / "table").exists()
