@@ -216,3 +216,18 @@ def test_a_sample_table_of_one_sample_says_one_sample(tmp_path):
     with pytest.raises(ValueError, match=r"^shard a\.tar: index lists 1 sample, record says 2$"):
         build_index(tmp_path / "table", [(record, [IndexEntry("x", (("jpg", 512, 10),))])], ["jpg"])
     assert not (tmp_path / "table").exists()
+
+
+def test_verify_of_a_one_token_shard_its_manifest_overstates_says_one(one_token, capsys):
+    import json
+
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    index_tokens(TokenIndexConfig(one_token, eos_id=0))
+    manifest = json.loads((one_token / "manifest.json").read_text())
+    manifest["shards"][0].update(samples=2, tokens=3)
+    manifest["total_samples"], manifest["tokens"]["total_tokens"] = 2, 3
+    (one_token / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(["verify", str(one_token)], capsys)
+    assert code == 1 and "part-000.bin: holds 1 document, manifest says 2\n" in out, out + err
+    assert "part-000.bin: holds 1 token, manifest says 3\n" in out, out

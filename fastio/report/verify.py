@@ -194,9 +194,9 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         return [*problems, str(err)]
     report.samples += pair.documents
     if pair.documents != shard.samples:
-        problems.append(f"holds {pair.documents} documents, manifest says {shard.samples}")
+        problems.append(f"holds {count(pair.documents, 'document')}, manifest says {shard.samples}")
     if shard.tokens is not None and pair.index.tokens != shard.tokens:
-        problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
+        problems.append(f"holds {count(pair.index.tokens, 'token')}, manifest says {shard.tokens}")
     if info.chat is not None:
         problems += _mask_problems(bin_path, shard, pair.index.tokens)
     return problems + _document_problems(pair, info, starts)
