@@ -231,3 +231,14 @@ def test_verify_of_a_one_token_shard_its_manifest_overstates_says_one(one_token,
     code, out, err = run_cli(["verify", str(one_token)], capsys)
     assert code == 1 and "part-000.bin: holds 1 document, manifest says 2\n" in out, out + err
     assert "part-000.bin: holds 1 token, manifest says 3\n" in out, out
+
+
+def test_a_sample_too_long_with_its_one_image_says_one_image(tmp_path):
+    from tokens_helpers import image_text_dataset
+
+    ds = image_text_dataset(tmp_path, n=2)  # sample i holds i % 4 images: sample 1 the one image
+    pipe = fastio.ImageText(image=fastio.ImageEval(size=8, dtype="uint8", crop_ratio=1.0), seq_len=512,
+                            image_seq_len=4000)
+    with pytest.raises(fastio.DatasetError, match=r"key '00000001': \d+ tokens with its 1 image expanded to "
+                                                  r"image_seq_len 4000, more than seq_len \+ 1 = 513"):
+        fastio.Loader(ds, pipeline=pipe, batch_size=1, device="cpu", world_size=1, rank=0)
