@@ -29,7 +29,7 @@ def _loader(root: Path, pipeline) -> fastio.Loader:
                          world_size=1, rank=0)
 
 
-def test_one_unprobed_sample_is_one_samples_field(tmp_path):
+def test_one_unprobed_sample_says_one_samples_field(tmp_path):
     from fastio.convert import synthetic
 
     flac = synthetic.make_audio(tmp_path / "a.flac", seconds=0.5).read_bytes()
