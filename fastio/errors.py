@@ -3,11 +3,18 @@
 :class:`FastioError` and its kinds: :class:`DatasetError`, :class:`ConvertError`, :class:`LoaderStateError`,
 :class:`LoaderArgumentError` (also a ``TypeError``: another loader's argument, with fastio's equivalent),
 :class:`CheckpointError`, :class:`StorageError` (``url``, ``transient``, ``missing``) and
-:class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used). Imports nothing of
-fastio."""
+:class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used); and
+:func:`install_hint`, what a message says to add an optional dependency (fastio installs from its checkout,
+docs/install.md). Imports nothing of fastio."""
 
 __all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "LoaderArgumentError", "CheckpointError",
-           "StorageError", "StorageOptionsError"]
+           "StorageError", "StorageOptionsError", "install_hint"]
+
+
+def install_hint(extra: str) -> str:
+    """How to add the optional dependencies of fastio's ``extra`` (``media``, ``tokens``): fastio is installed from
+    its checkout, not from the package index (whose ``fastio`` is someone else's package)."""
+    return f"pip install -e '.[{extra}]' in fastio's checkout, as docs/install.md says"
 
 
 class FastioError(Exception):

@@ -30,6 +30,7 @@ from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
 from fastio.pipelines.base import dali_inputs, dali_reason
+from fastio.progress import count
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -426,7 +427,7 @@ class Loader:
         epoch, consumed = state[K_EPOCH], state[K_CONSUMED]
         if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
-                                   f"(dataset has {self._sampler.samples} samples)")
+                                   f"(dataset has {count(self._sampler.samples, 'sample')})")
         return state
 
     def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:

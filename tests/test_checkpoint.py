@@ -574,7 +574,7 @@ def test_cli_ls_and_verify(tmp_path, engine, capsys):
     table = capsys.readouterr().out
     assert "loss=0.5" in table and "incomplete" in table
     assert fastio_main(["ckpt", "verify", str(root)]) == 0
-    assert "2 committed checkpoint(s) verified" in capsys.readouterr().out
+    assert "2 committed checkpoints verified" in capsys.readouterr().out
 
     victim = next(p for p in sorted((root / "step-2").rglob("*")) if p.is_file() and p.stat().st_size > 100
                   and p.name != naming.COMMIT_FILE)

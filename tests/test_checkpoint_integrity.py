@@ -281,7 +281,7 @@ def test_ckpt_verify_on_a_directory_that_is_not_a_checkpoint_directory_is_an_err
     assert f"fastio: error: {tmp_path / 'data'}: not a checkpoint directory" in capsys.readouterr().err
     Checkpointer(tmp_path / "fresh", signals=()).close()  # created by a Checkpointer, nothing saved yet: fine
     assert fastio_main(["ckpt", "verify", str(tmp_path / "fresh")]) == 0
-    assert "0 committed checkpoint(s) verified" in capsys.readouterr().out
+    assert "0 committed checkpoints verified" in capsys.readouterr().out
 
 
 

@@ -107,7 +107,7 @@ def test_ckpt_ls_and_verify_read_an_s3_prefix_without_changing_it(moto_server, s
     assert json.loads(out)["dir"] == url and [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["path"] == f"{url}/step-2" and rows[1]["metrics"] == {"loss": 1.0} and rows[1]["files"] > 3
     code, out, _ = run_cli(["ckpt", "verify", url], capsys)
-    assert code == 0 and out == f"{url}: 2 committed checkpoint(s) verified (step 1, step 2)\n"
+    assert code == 0 and out == f"{url}: 2 committed checkpoints verified (step 1, step 2)\n"
     code, out, _ = run_cli(["ckpt", "verify", url, "--all"], capsys)
     assert code == 1 and out == f"{url}/step-3: no fastio-commit.json (an upload in progress, or one that failed)\n"
     victim = next(k for k, n in before.items() if k.startswith("step-2/") and n > 100

@@ -77,7 +77,7 @@ def test_a_clip_pipeline_over_samples_without_its_kind_names_them_in_good_englis
     with pytest.raises(fastio.DatasetError) as err:
         fastio.Loader(tmp_path / "ds", pipeline=fastio.AudioClips(sample_rate=16000, seconds=0.2), batch_size=2,
                       device="cpu")
-    assert "1 of 2 samples have no audio field" in str(err.value) and "an audio clip pipeline" in str(err.value)
+    assert "1 of 2 samples has no audio field" in str(err.value) and "an audio clip pipeline" in str(err.value)
 
 
 def test_the_pyav_fallback_line_of_one_video_says_is(tmp_path, caplog):

@@ -201,7 +201,7 @@ def test_check_index_accepts_what_the_writer_writes(tmp_path, image_dataset):
     ds = Dataset(image_dataset)
     for shard in ds.shards:
         check_index(ds.read_index(shard), samples=shard.samples, tar_bytes=shard.bytes)
-    with pytest.raises(ValueError, match="index lists 1 samples, manifest says 2"):
+    with pytest.raises(ValueError, match="index lists 1 sample, manifest says 2"):
         check_index([IndexEntry("a", (("jpg", 512, 3),))], samples=2, tar_bytes=10240)
 
 
@@ -274,7 +274,7 @@ def test_verify_reports_shard_files_missing_from_the_manifest(image_dataset, cap
                         "shards/shard-000099.tar: file is not listed in the manifest"]
     assert main(["verify", str(image_dataset)]) == 1
     out, err = capsys.readouterr()
-    assert "shards/shard-000099.tar: file is not listed in the manifest" in out and "2 problem(s)" in err
+    assert "shards/shard-000099.tar: file is not listed in the manifest" in out and "2 problems" in err
 
 
 # -- bare `fastio` ------------------------------------------------------------------------------------

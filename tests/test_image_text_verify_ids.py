@@ -18,6 +18,7 @@ from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
 from fastio.dataset.manifest import load_manifest
 from fastio.formats.image_text import TOKENS_FIELD
+from fastio.progress import count
 from fastio.report.verify import verify
 from fastio.storage import open_storage
 from fastio.storage.checksum import digests_file
@@ -79,7 +80,7 @@ def _lines(dest: Path | str, capsys) -> list[str]:
     code, out, err = run_cli(["verify", str(dest)], capsys)
     lines = out.splitlines()
     assert code == 1 and "Traceback" not in out + err, out + err
-    assert err.strip() == f"fastio: verify: {len(lines)} problem(s) in {dest}", err
+    assert err.strip() == f"fastio: verify: {count(len(lines), 'problem')} in {dest}", err
     return lines
 
 

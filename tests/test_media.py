@@ -699,7 +699,7 @@ def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder
     result = index_shards(IndexConfig(source=tmp_path / "bad"))
     assert [s["path"].rsplit("/", 1)[1] for s in result.skipped] == ["a-000000.tar:k9.mp3"]
     assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): audio codec mp3")
-    with pytest.raises(fastio.DatasetError, match=r"1 samples' mp3 could not be probed when indexed \(the first: "
+    with pytest.raises(fastio.DatasetError, match=r"1 sample's mp3 could not be probed when indexed \(the first: "
                                                   r"shard a-000000.tar key 'k9': audio codec mp3"):
         audio_loader(tmp_path / "bad")
 
@@ -847,7 +847,7 @@ def test_a_video_loader_names_a_sample_without_a_video_as_lacking_its_video(tmp_
     index_shards(IndexConfig(tmp_path / "wds"))
     clips = fastio.VideoClips(frames=2, size=8, dtype="uint8", crop="center")
     # refused when the Loader is made (since the media review), naming the sample and what it lacks
-    with pytest.raises(fastio.DatasetError, match=r"1 of 2 samples have no video field \(the first: shard "
+    with pytest.raises(fastio.DatasetError, match=r"1 of 2 samples has no video field \(the first: shard "
                                                   r"s-000000.tar key 'k1'; fields: cls, png, webm\)"):
         fastio.Loader(tmp_path / "wds", pipeline=clips, batch_size=2, device="cpu", shuffle="none",
                       num_threads=1, world_size=1, rank=0)

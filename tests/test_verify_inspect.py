@@ -51,7 +51,7 @@ def test_flipped_byte_is_reported_with_shard(image_dataset, capsys):
     assert cli(["verify", str(image_dataset)]) == 1
     out, err = capsys.readouterr()
     assert lines(out) == problems
-    assert lines(err) == [f"fastio: verify: 2 problem(s) in {image_dataset}"]
+    assert lines(err) == [f"fastio: verify: 2 problems in {image_dataset}"]
 
 
 def test_missing_shard_and_damaged_index(image_dataset):

@@ -7,7 +7,7 @@ import json
 import click
 
 from fastio.cli.group import cli, storage_flags, storage_options
-from fastio.progress import human_bytes, table_lines
+from fastio.progress import count, human_bytes, table_lines
 
 __all__ = ["ckpt"]
 
@@ -65,5 +65,5 @@ def verify_cmd(directory: str, include_uncommitted: bool, endpoint_url: str | No
             click.echo(line)
         raise click.exceptions.Exit(1)
     gone = f"; skipped step(s) {', '.join(map(str, report.vanished))}: being deleted" if report.vanished else ""
-    click.echo(f"{directory}: {len(report.steps)} committed checkpoint(s) verified "
+    click.echo(f"{directory}: {count(len(report.steps), 'committed checkpoint')} verified "
                f"({', '.join(f'step {s}' for s in report.steps) or 'none'}){gone}")

@@ -387,17 +387,16 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
     """Check DEST against its manifest: checksums, counts, tar members, token ids, index. Exit 1 on any problem.
 
     DEST is a folder or s3://bucket/prefix (each object is downloaded and checked, one shard at a time)."""
+    from fastio.progress import count
     from fastio.report.verify import verify as run_verify
 
     report = run_verify(dest, decode=decode, storage_options=storage_options(endpoint_url, region, profile))
     for problem in report.problems:
         click.echo(problem.line())
     if report.problems:
-        click.echo(f"fastio: verify: {len(report.problems)} problem(s) in {dest}", err=True)
+        click.echo(f"fastio: verify: {count(len(report.problems), 'problem')} in {dest}", err=True)
         raise click.exceptions.Exit(1)
     if not quiet:
-        from fastio.progress import count
-
         decoded = f", {report.decoded_line()}" if decode else ""
         click.echo(f"ok: {dest}: {count(report.shards, 'shard')}, {count(report.samples, 'sample')} verified{decoded}")
 
@@ -453,10 +452,13 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
 
 
 def _print_packing(p: dict[str, Any] | None) -> None:
+    from fastio.progress import count
+
     if p:
         c = p["concat"]
-        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat {c['sequences']} "
-                   f"sequences ({c['tail_tokens']} tokens of tail left out); best-fit {p['best-fit']['sequences']} "
+        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat "
+                   f"{count(c['sequences'], 'sequence')} ({count(c['tail_tokens'], 'token')} of tail left out); "
+                   f"best-fit {p['best-fit']['sequences']} "
                    f"(padding {p['best-fit']['padding_fraction']:.1%}), first-fit {p['first-fit']['sequences']} "
                    f"(padding {p['first-fit']['padding_fraction']:.1%})")
 
@@ -470,6 +472,7 @@ def _print_skipped(info: dict[str, Any]) -> None:
 
 def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size: int, seq_len: int,
                      cache_dir: Path | None, cache_size: str | None, options: dict | None) -> None:
+    from fastio.progress import count
     from fastio.read.mixture import Mixture
     from fastio.report.mix_order import mixture_order_report
 
@@ -481,8 +484,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {len(info['sources'])} sources, {info['samples_per_epoch']} {info['unit']} per "
-               "epoch")
+    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, {info['samples_per_epoch']} {info['unit']} "
+               "per epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
@@ -532,7 +535,8 @@ def _print_info(info: dict[str, Any]) -> None:
     tokens = info.get("tokens")
     if tokens:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
-        click.echo(f"tokens:   {count(info['samples'], 'document')}, {tokens['total_tokens']} {tokens['dtype']} tokens "
+        total = count(tokens["total_tokens"], f"{tokens['dtype']} token")
+        click.echo(f"tokens:   {count(info['samples'], 'document')}, {total} "
                    f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
                    f"document min {d['min']}  median {d['median']}  max {d['max']}")
         chat = tokens.get("chat")

@@ -34,6 +34,7 @@ from typing import Any
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
+from fastio.progress import count
 from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.lock import LOCK_NAME, current_holder
 
@@ -84,7 +85,7 @@ def parse_part(text: str | tuple[int, int], environ: dict[str, str] | None = Non
     if n < 1:
         raise ValueError(f"part: the number of parts must be at least 1, got {n}")
     if not 0 <= k < n:
-        raise ValueError(f"part: K must be in 0..{n - 1} for {n} parts, got {k}")
+        raise ValueError(f"part: K must be in 0..{n - 1} for {count(n, 'part')}, got {k}")
     return k, n
 
 

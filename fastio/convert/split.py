@@ -18,6 +18,8 @@ import math
 import random
 from collections.abc import Hashable, Sequence
 
+from fastio.progress import count
+
 __all__ = ["SPLIT_BY", "assign_splits"]
 
 SPLIT_BY = ("label", "random")
@@ -30,19 +32,20 @@ def assign_splits(n: int, fractions: dict[str, float], seed: int, labels: Sequen
     Raises ValueError naming the split that would be empty, or ``train`` when nothing is left for it."""
     sizes = {}
     for name, frac in fractions.items():
-        count = round(frac * n)
-        if count == 0:
-            raise ValueError(f"split fraction {frac} for {name!r} of {n} samples leaves it empty")
-        sizes[name] = count
+        size = round(frac * n)
+        if size == 0:
+            raise ValueError(f"split fraction {frac} for {name!r} of {count(n, 'sample')} leaves it empty")
+        sizes[name] = size
     if sum(sizes.values()) >= n:
-        raise ValueError(f"split fractions {', '.join(map(str, fractions.values()))} of {n} samples leave train empty")
+        raise ValueError(f"split fractions {', '.join(map(str, fractions.values()))} of {count(n, 'sample')} leave "
+                         "train empty")
     if labels is None:
         order = list(range(n))
         random.Random(f"{seed}:split").shuffle(order)
         groups, start = {}, 0
-        for name, count in sizes.items():
-            groups[name] = sorted(order[start:start + count])
-            start += count
+        for name, size in sizes.items():
+            groups[name] = sorted(order[start:start + size])
+            start += size
         return {"train": sorted(order[start:]), **groups}
     return _stratified(n, fractions, sizes, seed, labels)
 

@@ -68,7 +68,7 @@ from fastio.dataset.manifest import (
     make_manifest,
     write_manifest,
 )
-from fastio.errors import ConvertError
+from fastio.errors import ConvertError, install_hint
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
@@ -211,11 +211,11 @@ class TokenConvertResult:
         special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
                    if self.special_text else "")
         if self.trained is not None:
-            special += f"; {self.trained} tokens trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
+            special += f"; {count(self.trained, 'token')} trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
         if self.dropped or self.truncated:
             special += (f"; over max_tokens: {count(self.dropped, 'conversation')} dropped, {self.truncated} cut to "
                         "their first turns")
-        return (f"{where}: {count(self.documents, 'document')}, {self.tokens} {self.dtype} tokens "
+        return (f"{where}: {count(self.documents, 'document')}, {count(self.tokens, f'{self.dtype} token')} "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
 
@@ -227,7 +227,7 @@ def load_tokenizer(path: Path):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConvertError("tokenizers is not installed: pip install 'fastio[tokens]'") from None
+        raise ConvertError(f"tokenizers is not installed: {install_hint('tokens')}") from None
     if not Path(path).is_file():
         raise ConvertError(f"{path}: no such tokenizer file (a Hugging Face tokenizer.json)")
     try:

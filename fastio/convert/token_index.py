@@ -109,7 +109,7 @@ class TokenIndexResult:
     def summary(self) -> str:
         largest = "" if self.max_id is None else f" (largest id {self.max_id})"
         return (f"{self.dest}: indexed {count(self.shards, 'shard')}, {count(self.documents, 'document')}, "
-                f"{self.tokens} {self.dtype} tokens{largest} in {self.seconds:.1f}s (nothing copied)")
+                f"{count(self.tokens, f'{self.dtype} token')}{largest} in {self.seconds:.1f}s (nothing copied)")
 
 
 @dataclass(frozen=True)

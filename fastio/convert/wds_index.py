@@ -63,7 +63,7 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, install_hint
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
@@ -211,7 +211,7 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str,
                 rows[j][name] = str(err)
     except ImportError:  # PyAV, imported by the probe on use
         raise DatasetError(f"{display}: holds video or audio ({media[0][1]}); probing it needs PyAV: "
-                           "pip install 'fastio[media]'") from None
+                           f"{install_hint('media')}") from None
     finally:
         os.close(fd)
     return rows
@@ -513,7 +513,9 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
         if wanted not in counts:
             raise DatasetError(f"label_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         if counts[wanted] != total:
-            raise DatasetError(f"label_field: {total - counts[wanted]} of {total} samples lack field {wanted!r}")
+            lacking = total - counts[wanted]
+            raise DatasetError(f"label_field: {lacking} of {count(total, 'sample')} "
+                               f"{'lacks' if lacking == 1 else 'lack'} field {wanted!r}")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
 

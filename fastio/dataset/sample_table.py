@@ -47,6 +47,7 @@ import numpy as np
 from fastio.dataset.manifest import IndexRecord, ShardRecord
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry
+from fastio.progress import count
 from fastio.storage.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.storage.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
 
@@ -98,7 +99,8 @@ class IndexBuilder:
     def add(self, record: ShardRecord, entries: Sequence[IndexEntry]) -> None:
         """Append shard ``record`` whose ``.idx`` lists ``entries``; ValueError if they disagree."""
         if len(entries) != record.samples:
-            raise ValueError(f"shard {record.name}: index lists {len(entries)} samples, record says {record.samples}")
+            raise ValueError(f"shard {record.name}: index lists {count(len(entries), 'sample')}, record says "
+                             f"{record.samples}")
         n = len(entries)
         span = np.empty(n, np.int64)
         offsets: dict[str, np.ndarray] = {}

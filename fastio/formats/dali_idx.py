@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastio.formats.wds import member_name, split_member_name
+from fastio.progress import count
 
 __all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
 
@@ -64,10 +65,10 @@ def parse_index(text: str, source: str = "<index>") -> list[IndexEntry]:
     header = lines[0].split()
     if len(header) != 2 or header[0] != INDEX_VERSION or not header[1].isdigit():
         raise ValueError(f"{source}: not a {INDEX_VERSION} WebDataset index (header {lines[0]!r})")
-    count = int(header[1])
+    listed = int(header[1])
     body = lines[1:]
-    if len(body) != count:
-        raise ValueError(f"{source}: header says {count} samples, file lists {len(body)}")
+    if len(body) != listed:
+        raise ValueError(f"{source}: header says {count(listed, 'sample')}, file lists {len(body)}")
     entries = []
     for lineno, line in enumerate(body, start=2):
         parts = line.split(" ")
@@ -95,7 +96,7 @@ def check_index(entries: list[IndexEntry], *, samples: int, tar_bytes: int, sour
     """ValueError naming ``source`` and the first entry that cannot describe a shard of ``tar_bytes``
     bytes holding ``samples`` samples (see the module docstring for the rules)."""
     if len(entries) != samples:
-        raise ValueError(f"{source}: index lists {len(entries)} samples, manifest says {samples}")
+        raise ValueError(f"{source}: index lists {count(len(entries), 'sample')}, manifest says {samples}")
     keys: set[str] = set()
     end = 0  # where the previous member's data ended
     for n, entry in enumerate(entries):
@@ -134,7 +135,7 @@ def key_crcs(data: bytes, *, samples: int, sha256: str, source: str = "<index>")
     if len(header) != 2 or header[0] != INDEX_VERSION.encode() or header[1] != str(samples).encode():
         raise ValueError(f"{source}: header {lines[0][:40]!r} is not '{INDEX_VERSION} {samples}'")
     if len(lines) != samples + 2 or lines[-1]:
-        raise ValueError(f"{source}: header says {samples} samples, file lists {len(lines) - 2}")
+        raise ValueError(f"{source}: header says {count(samples, 'sample')}, file lists {len(lines) - 2}")
     if not data.isascii():
         raise ValueError(f"{source}: not an index (a non-ASCII byte)")
     out = np.empty(samples, np.uint32)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from fastio.errors import DatasetError
+from fastio.progress import count
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
 
@@ -166,8 +167,9 @@ class MegatronIndex:
     def check_bin(self, size: int, name: str) -> None:
         """DatasetError naming the ``.bin`` (``name``) unless its ``size`` is what this index says."""
         if size != self.bin_bytes:
-            raise DatasetError(f"{name}: {size} bytes, but {partner_path(Path(name)).name} indexes {self.bin_bytes} "
-                               f"({self.tokens} {self.dtype} tokens): truncated, or indexed with another token type")
+            raise DatasetError(f"{name}: {count(size, 'byte')}, but {partner_path(Path(name)).name} indexes "
+                               f"{self.bin_bytes} ({count(self.tokens, f'{self.dtype} token')}): truncated, or "
+                               "indexed with another token type")
 
     def edge_chunks(self) -> Iterator[tuple[int, np.ndarray]]:
         """The token offsets of every document's start and the end, :data:`CHECK_CHUNK` documents at a time, in

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from fastio.dist import usable_cpus
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, install_hint
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
     CPU_VIDEO_CODECS,
@@ -90,9 +90,11 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
     for f in found if table is not None else ():
         if f in table.unprobed:
             n, (i, why) = table.unprobed[f]["count"], table.unprobed[f]["first"]
-            raise DatasetError(f"{ds.root}: {n} samples' {f} could not be probed when indexed (the first: shard "
-                               f"{ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove them from the shards and "
-                               "index again, or convert the files with fastio convert (which skips them)")
+            whose = count(n, "sample's", "samples'")
+            raise DatasetError(f"{ds.root}: {whose} {f} could not be probed when indexed "
+                               f"(the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove "
+                               f"{'it' if n == 1 else 'them'} from the shards and index again, or convert the files "
+                               "with fastio convert (which skips them)")
     return tuple(found)
 
 
@@ -111,7 +113,8 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
         lacking += len(without)
         first = a + int(without[0]) if first is None and len(without) else first
     if lacking:
-        raise DatasetError(f"{ds.root}: {lacking} of {len(ds)} samples have no {what} field (the first: "
+        raise DatasetError(f"{ds.root}: {lacking} of {count(len(ds), 'sample')} {'has' if lacking == 1 else 'have'} "
+                           f"no {what} field (the first: "
                            f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
                            f"{'an' if what == 'audio' else 'a'} {what} clip pipeline needs one in every sample: "
                            f"convert the {what} files into a dataset of their own (and mix it with others with "
@@ -216,9 +219,9 @@ class _Clips(Pipeline):
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
         except ValueError as err:  # MediaCheckError too
             return str(err)
-        count = "frames" if self.media == "video" else "samples"
-        if found[count] != stored[count]:
-            return f"it has {found[count]} {count}, its {PROBE_FIELD} says {stored[count]}"
+        unit = "frames" if self.media == "video" else "samples"
+        if found[unit] != stored[unit]:
+            return f"it has {found[unit]} {unit}, its {PROBE_FIELD} says {stored[unit]}"
         return None if self.media == "video" else _dali_reads_less(
             batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
@@ -367,7 +370,7 @@ class VideoClips(_Clips):
             _positive_int("fallback_threads", self.fallback_threads)
         if self.cpu_fallback == "pyav":
             if not _have_pyav():
-                raise ValueError("cpu_fallback='pyav' needs PyAV: pip install 'fastio[media]'")
+                raise ValueError(f"cpu_fallback='pyav' needs PyAV: {install_hint('media')}")
 
     def evaluation(self) -> VideoClips:
         """The same clips with ``crop="center"`` (no random crop, no flip)."""
@@ -487,12 +490,12 @@ class VideoClips(_Clips):
         if self.cpu_fallback is not None:
             return
         for ds, codec, seen in _not_cpu_codecs(read_set)[:1]:
-            i = seen["first"]
+            i, add = seen["first"], "" if _have_pyav() else f" ({install_hint('media')})"
             raise DatasetError(
                 f"{ds.root}: holds {count(seen['count'], 'video')} in codec {codec}, which DALI's CPU decoder "
                 f"does not read (the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}): decode them on a "
                 "GPU with device='cuda' (NVDEC), decode them on the CPU with PyAV with "
-                f"VideoClips(cpu_fallback='pyav'){'' if _have_pyav() else ' (pip install fastio[media])'}, or "
+                f"VideoClips(cpu_fallback='pyav'){add}, or "
                 "convert the files with --transcode vp9 (transcode='vp9')")
 
     def _trimmed(self, encoded: list[np.ndarray], probes: list, starts: np.ndarray) -> tuple[list, np.ndarray]:

@@ -39,7 +39,7 @@ from fastio.dataset.manifest import (
     split_names,
 )
 from fastio.dataset.sample_table import check_index as check_sample_index
-from fastio.errors import DatasetError, StorageError
+from fastio.errors import DatasetError, StorageError, install_hint
 from fastio.formats.dali_idx import check_index, parse_index
 from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, member_problems
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
@@ -105,7 +105,7 @@ def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
     """Decode video or audio field ``ext`` (a video: its first clip; audio: whole) and count it; MediaCheckError
     when PyAV cannot, or is not installed."""
     if importlib.util.find_spec("av") is None:
-        raise MediaCheckError("not decoded: PyAV is not installed (pip install 'fastio[media]')")
+        raise MediaCheckError(f"not decoded: PyAV is not installed ({install_hint('media')})")
     if is_video_field(ext):
         decode_clip(data, 0, VERIFY_CLIP_FRAMES, 1)
         report.videos_decoded += 1
@@ -194,9 +194,9 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         return [*problems, str(err)]
     report.samples += pair.documents
     if pair.documents != shard.samples:
-        problems.append(f"holds {pair.documents} documents, manifest says {shard.samples}")
+        problems.append(f"holds {count(pair.documents, 'document')}, manifest says {shard.samples}")
     if shard.tokens is not None and pair.index.tokens != shard.tokens:
-        problems.append(f"holds {pair.index.tokens} tokens, manifest says {shard.tokens}")
+        problems.append(f"holds {count(pair.index.tokens, 'token')}, manifest says {shard.tokens}")
     if info.chat is not None:
         problems += _mask_problems(bin_path, shard, pair.index.tokens)
     return problems + _document_problems(pair, info, starts)
@@ -402,7 +402,7 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
         return
     report.samples += len(samples)
     if len(samples) != shard.samples:
-        report.problems.append(Problem(label, None, f"holds {len(samples)} samples, manifest says {shard.samples}"))
+        report.problems.append(Problem(label, None, f"holds {count(len(samples), 'sample')}, manifest says {shard.samples}"))
     seen: set[str] = set()
     for key, members in samples:
         if key in seen:

@@ -34,6 +34,7 @@ from fastio.formats.image_text import MASK_FIELD, OPTIONS_KEY, TOKENS_FIELD, ima
 from fastio.formats.images import image_size
 from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
+from fastio.progress import count
 from fastio.tokens.packing import (
     BestFitPacking,
     cu_from,
@@ -126,7 +127,7 @@ def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, ima
     long = np.flatnonzero(costs > seq_len + 1)
     if long.size:
         i = int(long[0])
-        raise DatasetError(f"{ds.where(i)}: {int(costs[i])} tokens with its {int(images[i])} images expanded "
+        raise DatasetError(f"{ds.where(i)}: {int(costs[i])} tokens with its {count(int(images[i]), 'image')} expanded "
                            f"to image_seq_len {image_seq_len}, more than seq_len + 1 = {seq_len + 1}: a sample is "
                            f"never cut; raise seq_len to at least {int(costs.max()) - 1}")
     limit = (1 << IMAGE_KEY_BITS) if max_images is None else max_images
