@@ -181,9 +181,13 @@ def _inside(path: str, root: str) -> bool:
 
 
 def resolve_inside(path: Path, root: Path) -> str | None:
-    """Why ``path`` may not be read as part of a source rooted at ``root`` (None when it may): its real
-    path (symlinks followed) must lie inside ``root``'s real path."""
-    real = os.path.realpath(path)
+    """Why ``path`` may not be read as part of a source rooted at ``root`` (None when it may): it must be a name a
+    file system takes (no NUL, no lone surrogate: a JSON ``\\u0000`` or ``\\ud800`` escape), and its real path
+    (symlinks followed) must lie inside ``root``'s real path."""
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, UnicodeEncodeError):  # os refuses the name itself
+        return "is not a file name (it holds a NUL or a lone surrogate character)"
     if not _inside(real, os.path.realpath(root)):
         return f"resolves outside {root} (to {real})"
     return None

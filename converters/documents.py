@@ -12,8 +12,9 @@ With ``messages=True`` (a chat conversion) each document is the field's JSON val
 messages are checked by :mod:`fastio.convert.chat_encode`), and a ``.txt`` file is refused (it holds no messages).
 
 Refusals are one :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is
-not JSON, a missing or non-text field, text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes,
-writes shards or knows shard sizes.
+not a JSON object, a missing or non-text field (named with its option: ``text_field``, or a chat conversion's
+``messages_field``), text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes, writes shards or
+knows shard sizes.
 """
 
 from __future__ import annotations
@@ -122,12 +123,27 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
                 raise ConvertError(f"{where}: not UTF-8 text (byte {err.start})") from None
             except ValueError as err:
                 raise ConvertError(f"{where}: not a JSON object ({err})") from None
-            if not isinstance(row, dict) or field not in row:
-                raise ConvertError(f"{where}: has no field {field!r} (text_field={field!r})")
+            if not isinstance(row, dict):
+                raise ConvertError(f"{where}: {_json_kind(row)}, not a JSON object")
+            if field not in row:
+                raise ConvertError(f"{where}: has no field {field!r} ({_field_option(messages)}={field!r})")
             text = row[field]
             if not messages and not isinstance(text, str):
                 raise ConvertError(f"{where}: field {field!r} is {type(text).__name__}, not text")
             yield where, text
+
+
+def _field_option(messages: bool) -> str:
+    """The option that names the field read: a chat conversion's ``messages_field``, else ``text_field``."""
+    return "messages_field" if messages else "text_field"
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value that is not an object is, in JSON's words (``a list``, ``null``, ...)."""
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", str: "a string", list: "a list"}
+    return kinds.get(type(value), "a number")
 
 
 def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None], messages: bool = False
@@ -141,7 +157,8 @@ def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None], me
         raise ConvertError(f"{name}: not a Parquet file ({err})") from None
     names = pf.schema_arrow.names
     if field not in names:
-        raise ConvertError(f"{name}: has no column {field!r} (text_field={field!r}; columns: {', '.join(names)})")
+        raise ConvertError(f"{name}: has no column {field!r} ({_field_option(messages)}={field!r}; columns: "
+                           f"{', '.join(names)})")
     kind = pf.schema_arrow.field(field).type
     if not messages and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConvertError(f"{name}: column {field!r} is {kind}, not text")

@@ -71,10 +71,24 @@ def read_rows(source: Path, fmt: str) -> tuple[list[str], list[tuple[int, Row]]]
     try:
         with open(source, encoding="utf-8-sig", newline="") as f:
             return _read_csv(f, source) if fmt == "csv" else _read_jsonl(f, source)
-    except UnicodeDecodeError as err:
-        raise ConvertError(f"{source}: unreadable table (not UTF-8: {err.reason} at byte {err.start})") from None
+    except UnicodeDecodeError:
+        raise ConvertError(_not_utf8(source)) from None
     except OSError as err:
         raise ConvertError(f"{source}: unreadable table ({err.strerror or err})") from None
+
+
+def _not_utf8(source: Path) -> str:
+    """The message of a table that is not UTF-8, naming the line and the file offset of its first bad byte (the
+    text reader's error counts from the chunk it was decoding, not from the file's start)."""
+    data = source.read_bytes()
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        data[bom:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = bom + err.start
+        line = data.count(b"\n", 0, at) + 1
+        return f"{source}:{line}: unreadable table (not UTF-8: {err.reason} at byte {at})"
+    return f"{source}: unreadable table (not UTF-8)"
 
 
 def _read_csv(f, source: Path) -> tuple[list[str], list[tuple[int, Row]]]:

@@ -68,13 +68,25 @@ def next_token_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse's one-line error names the flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def train_loop(ckpt_dir: str, steps: int, make_loader, make_model, loss_of, note=lambda batch: "") -> None:
     """The loop both token examples share: ``make_loader()``, ``make_model(loader)``, AdamW, ``loss_of(model,
     batch)`` a step, a ``step N loss ...`` line each (``note(batch)`` added), the Checkpointer every 5 steps (the
     model, the optimizer and the Loader's position), resumed from the last committed step, preemption obeyed."""
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same float sums in every run: per-step losses compare bit for bit
-    ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)
+    with fastio.exit_cleanly():  # a CKPT_DIR that cannot be made (a file there) is one line too
+        ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)
     with fastio.exit_cleanly(ckpt):
         train = make_loader()
         model = make_model(train)
@@ -111,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("data", help="a token dataset (fastio convert --tokenizer, fastio index --eos-id)")
     parser.add_argument("ckpt_dir")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=64)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     args = parser.parse_args(argv)
 
     def make_model(train: fastio.Loader) -> TinyGPT:

@@ -12,7 +12,8 @@ conversation), and the loss counts a target ``tokens[:, 1:]`` only where ``loss_
 of the chat template's ``{% generation %}`` blocks (the replies), never the prompts, template text or padding.
 The Checkpointer saves the model, the optimizer and the Loader's position every 5 steps; run the same command after
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences and the same
-per-step losses as a run that was never stopped. tests/test_chat_loader.py kills it and compares.
+per-step losses as a run that was never stopped. tests/test_chat_loader.py kills it and compares. A size flag that
+is not a positive integer, or a CKPT_DIR that cannot be made, is refused in one line naming it (exit 2).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gpt_train import TinyGPT, train_loop
+from gpt_train import TinyGPT, positive_int, train_loop
 from torch import nn
 
 import fastio
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("data", help="a chat dataset (fastio convert --tokenizer ... --chat-template ...)")
     parser.add_argument("ckpt_dir")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     args = parser.parse_args(argv)
     train_loop(args.ckpt_dir, args.steps,
                lambda: fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len, packing="best-fit"),

@@ -15,7 +15,8 @@ transformer of ``examples/gpt_train.py`` reads them with the other tokens' embed
 and a block-causal mask from ``segment_ids`` at each conversation), and the loss counts a target ``tokens[:, 1:]``
 only where ``loss_mask[:, 1:]`` is True: the replies, never an image, the prompts or padding. The token embedding
 has the manifest's ``image_text.embedding_size`` rows (the vocabulary of the tokenizer the dataset was converted
-with); ``--tokenizer``, where given, must have as many ids. The Checkpointer
+with); ``--tokenizer``, where given, must have as many ids. A size flag that is not a positive integer, a dataset
+that is not image-text or a CKPT_DIR that cannot be made is refused in one line naming it (exit 2). The Checkpointer
 saves the model, the optimizer, the RNG states and the Loader's position every 5 steps; run the same command after
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences, the same per-step
 losses and the same weights as a run that was never stopped. tests/test_vlm_example.py kills it and compares.
@@ -27,7 +28,7 @@ import argparse
 import math
 
 import torch
-from gpt_train import TinyGPT, train_loop
+from gpt_train import TinyGPT, positive_int, train_loop
 from sft_train import trained_loss
 from torch import nn
 
@@ -75,11 +76,15 @@ def vlm_loss(model: TinyVLM, batch: dict) -> torch.Tensor:
 def embedding_size(data: str, tokenizer: str | None) -> int:
     """The rows of the token embedding: the dataset's ``manifest.image_text.embedding_size`` (the vocabulary of the
     tokenizer it was converted with), or ``tokenizer``'s ids (a ``tokenizer.json``), which must be the vocabulary
-    the dataset records and hold its largest id. ValueError naming what disagrees or lacks."""
+    the dataset records and hold its largest id. ValueError naming what disagrees or lacks (a DatasetError naming a
+    dataset that is not image-text)."""
     from fastio.convert.token_convert import load_tokenizer, vocab_size
     from fastio.dataset.manifest import ImageTextInfo
+    from fastio.tokens.image_text import image_token_id
 
-    info = fastio.Dataset(data).manifest.image_text or ImageTextInfo()
+    dataset = fastio.Dataset(data)
+    image_token_id(dataset)  # a DatasetError naming a dataset that is not image-text
+    info = dataset.manifest.image_text or ImageTextInfo()
     if tokenizer is None:
         if info.embedding_size is None:
             raise ValueError(f"{data}: the manifest records no vocabulary size (converted before fastio recorded "
@@ -100,10 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", help="the tokenizer.json it was converted with, checked against the "
                         "vocabulary its manifest records (default: the embedding is sized by the manifest's)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--image-seq-len", type=int, default=16)
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--image-seq-len", type=positive_int, default=16)
+    parser.add_argument("--image-size", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     args = parser.parse_args(argv)
     try:
         patch_side(args.image_size, args.image_seq_len)

@@ -173,7 +173,7 @@ def test_bad_tables_name_file_and_line(tmp_path, name, body, message):
 
 def test_non_utf8_table(tmp_path):
     (tmp_path / "t.csv").write_bytes(b"path\n\xff\xfe.jpg\n")
-    with pytest.raises(ConvertError, match=r"t.csv: unreadable table \(not UTF-8"):
+    with pytest.raises(ConvertError, match=r"t.csv:2: unreadable table \(not UTF-8: invalid start byte at byte 5\)"):
         converters.scan(tmp_path / "t.csv")
 
 

@@ -29,9 +29,13 @@ def entry() -> int:
     """The ``fastio`` command's own process (the console script, ``python -m fastio.cli``): no BLAS thread pool
     (numpy's OpenBLAS starts one a CPU at import, and no command multiplies matrices; ``OPENBLAS_NUM_THREADS`` set to 1
     unless it is set), so the process stays single-threaded and its convert workers can be forks of it
-    (:mod:`fastio.convert.workers`); then :func:`main`. (:func:`main` itself, called in a process of yours, changes
-    nothing of its environment.)"""
+    (:mod:`fastio.convert.workers`); stdout escapes what its encoding cannot write (a lone surrogate in a name it
+    prints: a JSON ``\\ud800`` escape, a file name that is not UTF-8), as stderr does, rather than failing after the
+    work is done; then :func:`main`. (:func:`main` itself, called in a process of yours, changes nothing of its
+    environment.)"""
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     return main()
 
 

@@ -26,10 +26,10 @@ _CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
 
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
-    ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME`` and, with
-    ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side`` (``progress_every_s`` ->
-    ``--progress-every``: :data:`_FLAG_OF_FIELD`), unless that word is a value given on the command line (a
-    folder named ``dest``); a flag the message already names before its Python spelling
+    ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME``, ``max_tokens=3`` ->
+    ``--max-tokens 3`` and, with ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
+    (``progress_every_s`` -> ``--progress-every``: :data:`_FLAG_OF_FIELD`), unless that word is a value given on
+    the command line (a folder named ``dest``); a flag the message already names before its Python spelling
     (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
     ctx = click.get_current_context()
     flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
@@ -41,7 +41,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     given = {str(v) for v in ctx.params.values() if isinstance(v, (str, Path))}  # a path the user named stays one
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: m[1] if m[1] in given else flags[m[1]], text)
-    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b)",
+    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b|\d+\b)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
     return re.sub(r"(--[a-z][a-z-]*(?: [^\s()]+)?) \(\1\)", r"\1", text)
 
@@ -130,7 +130,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
                    "seq_len shorter than the longest).")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
-                   "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted).")
+                   "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted); drop and "
+                   "truncate without --max-tokens are refused.")
 @click.option("--image-field", default=None, metavar="FIELD",
               help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "
                    "line's FIELD lists its images (paths relative to the JSONL's folder, or s3:// URLs; the JSONL may "
@@ -205,9 +206,16 @@ def _image_text_options(tokenizer: Path | None, chat_template: Path | None, imag
 
     try:
         return ImageTextOptions(tokenizer, chat_template, image_field=image_field,
-                                image_token=image_token or "<image>", messages_field=messages_field or "messages")
+                                image_token=_given(image_token, "<image>"),
+                                messages_field=_given(messages_field, "messages"))
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+
+
+def _given(value: Any, default: Any) -> Any:
+    """A flag's value, or ``default`` where it was not given (an empty value given stays, for the config to refuse:
+    ``--messages-field ''`` is not the default field)."""
+    return default if value is None else value
 
 
 def _run_image_text(config, options):
@@ -239,9 +247,11 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     if params["chat_template"] is None and any(params[k] is not None for k in chat):
         raise ConvertError("--messages-field, --train-on, --max-tokens and --overlong need --chat-template (a "
                            "conversion of conversations)")
-    options.update({"messages_field": params["messages_field"] or "messages", "train_on": params["train_on"] or
-                    "generation", "max_tokens": params["max_tokens"], "overlong": params["overlong"] or "refuse"})
-    options.update({"text_field": params["text_field"] or "text", "special_in_text": params["special_in_text"] or "plain",
+    options.update({"messages_field": _given(params["messages_field"], "messages"),
+                    "train_on": _given(params["train_on"], "generation"), "max_tokens": params["max_tokens"],
+                    "overlong": _given(params["overlong"], "refuse")})
+    options.update({"text_field": _given(params["text_field"], "text"),
+                    "special_in_text": _given(params["special_in_text"], "plain"),
                     "storage_options": storage_options(params["endpoint_url"], params["region"], params["profile"])},
                    **{k: v for k, v in kwargs.items() if v is not None})
     try:

@@ -30,7 +30,7 @@ from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages"]
+__all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
@@ -44,7 +44,8 @@ def check_messages(messages: Any, where: str, field: str) -> None:
     assistant's calls, its content None or absent; a None value is dropped before rendering, as transformers
     drops it)."""
     if not isinstance(messages, list) or not messages:
-        what = "an empty list" if isinstance(messages, list) else type(messages).__name__
+        what = ("an empty list" if isinstance(messages, list) else "missing or null" if messages is None else
+                type(messages).__name__)
         raise ConvertError(f"{where}: field {field!r} is {what}, not a list of messages")
     for i, m in enumerate(messages):
         _check_message(m, f"{where}: {field}[{i}]")
@@ -67,6 +68,19 @@ def _check_message(m: Any, at: str) -> None:
         raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
     if calls is not None and not isinstance(calls, list):
         raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
+
+
+def refuse_unencodable(wheres: Sequence[str], texts: Sequence[str], field: str) -> None:
+    """ConvertError naming ``where`` and ``field`` of the first of ``texts`` that is not text ``tokenizers`` encodes:
+    one holding a lone surrogate (``"\\ud800"`` in JSON is valid JSON, half of a UTF-16 pair, no character); None
+    when every text encodes (the caller re-raises what ``tokenizers`` raised). Called only after ``tokenizers``
+    refused a batch, so a good batch pays nothing."""
+    for where, text in zip(wheres, texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ConvertError(f"{where}: field {field!r} holds {text[err.start]!r}, half of a UTF-16 surrogate pair "
+                               "(a lone \\u escape in the JSON), not text") from None
 
 
 class ChatEncoder:
@@ -92,7 +106,11 @@ class ChatEncoder:
         """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
         order (a dropped conversation left out)."""
         texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
-        encodings = self._tokenized(list(texts))
+        try:
+            encodings = self._tokenized(list(texts))
+        except TypeError:  # tokenizers' refusal of a str that is not text
+            refuse_unencodable(wheres, texts, self.field)
+            raise
         counts = {"dropped": 0, "truncated": 0}
         if self.max_tokens is not None and any(len(e.ids) > self.max_tokens for e in encodings):
             encodings, spans = self._fitted(wheres, conversations, encodings, list(spans), counts)

@@ -58,7 +58,12 @@ from fastio.storage.checksum import sha256_file
 
 __all__ = ["ImageTextOptions", "convert_image_text", "scan_image_text"]
 
-_FIELD = rule(lambda v: isinstance(v, str) and v != "", "must be a field name")
+def _some_text(v: Any) -> bool:
+    return isinstance(v, str) and v != ""
+
+
+_FIELD = rule(_some_text, "must be a field name")
+_TOKEN = rule(_some_text, "must be a token's text")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class ImageTextOptions:
     """A chat template with ``{% generation %}`` blocks (a ``.jinja`` file or a ``tokenizer_config.json``)."""
     image_field: str = checked(_FIELD, default="images")
     """The JSONL field holding each line's list of image paths."""
-    image_token: str = checked(_FIELD, default="<image>")
+    image_token: str = checked(_TOKEN, default="<image>")
     """The placeholder of one image in the messages' text: one token of the tokenizer."""
     messages_field: str = checked(_FIELD, default="messages")
     """The JSONL field holding each line's conversation."""
@@ -120,7 +125,8 @@ class _Coder:
         if not template.has_generation:
             raise ConvertError(f"{options.chat_template}: the chat template marks no {{% generation %}} block, so no "
                                "token would be trained (docs/tokens.md)")
-        eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer)
+        eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer,
+                           f"the eos_token of {options.chat_template}")
         self.template = with_specials(template, self.tokenizer, eos)
         self.image_id = self._image_id()
         self.vocab_size = vocab_size(self.tokenizer)
@@ -217,11 +223,13 @@ def _is_url(value: str, at: str) -> bool:
 
 
 def _image_file(value: str, root: Path, at: str) -> FileRef:
-    """The image file ``value`` names below ``root``; ConvertError for one outside it or missing."""
+    """The image file ``value`` names below ``root``; ConvertError for one outside it, a folder or missing."""
     path = root / value
     outside = resolve_inside(path, root)
     if outside is not None:
-        raise ConvertError(f"{at}: {value} {outside}")
+        raise ConvertError(f"{at}: {value if value.isprintable() else repr(value)} {outside}")
+    if path.is_dir():
+        raise ConvertError(f"{at}: {value} is a folder, not an image")
     if not path.is_file():
         raise ConvertError(f"{at}: no such image: {value}")
     return FileRef(str(path))

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
-from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder
+from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
 from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
@@ -152,9 +152,10 @@ class TokenConvertConfig:
     """With ``chat_template``: the most tokens a conversation may have (None: no limit here; a Loader refuses a
     ``seq_len + 1`` below the longest). Set it to the training ``seq_len + 1``."""
     overlong: str = checked(one_of(OVERLONG), default="refuse")
-    """With ``max_tokens``: a longer conversation is refused (``refuse``), left out and counted (``drop``), or cut
-    to its first turns that fit, whole, ending with an assistant message (``truncate``; counted; dropped when even
-    the first exchange is too long). Never cut mid-turn (:mod:`fastio.convert.chat_encode`)."""
+    """With ``max_tokens`` (``drop`` and ``truncate`` without it: a ValueError): a longer conversation is refused
+    (``refuse``), left out and counted (``drop``), or cut to its first turns that fit, whole, ending with an
+    assistant message (``truncate``; counted; dropped when even the first exchange is too long). Never cut mid-turn
+    (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
@@ -169,6 +170,9 @@ class TokenConvertConfig:
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.overlong != "refuse" and self.max_tokens is None:
+            raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
+                             "have; without it no conversation is over)")
 
     @property
     def field(self) -> str:
@@ -243,14 +247,16 @@ def special_tokens(tokenizer) -> dict[str, int]:
     return {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
-def eos_token_id(tokenizer, eos: str | None, path: Path) -> int:
+def eos_token_id(tokenizer, eos: str | None, path: Path, named_by: str | None = None) -> int:
     """The id of ``eos``, or of the tokenizer's end-of-text token (:data:`EOS_NAMES`) when ``eos`` is None; either
-    one of its special tokens (an ordinary word as ``eos`` would end every document that holds it)."""
+    one of its special tokens (an ordinary word as ``eos`` would end every document that holds it). ``named_by``:
+    what named ``eos`` for the message where it is not one (default: the ``eos`` option)."""
     specials = special_tokens(tokenizer)
     have = ", ".join(sorted(specials)) or "none"
     if eos is not None:
         if eos not in specials:
-            raise ConvertError(f"{path}: {eos!r} is not a special token (eos={eos!r}); its special tokens: {have}")
+            raise ConvertError(f"{path}: {eos!r} is not a special token ({named_by or f'eos={eos!r}'}); its special "
+                               f"tokens: {have}")
         return specials[eos]
     found = next((specials[n] for n in EOS_NAMES if n in specials), None)
     if found is None:
@@ -294,7 +300,11 @@ def _encode(batch: tuple[list[str], list[str]]) -> tuple[np.ndarray, np.ndarray,
     if w["chat"] is not None:
         lengths, ids, mask, counts = w["chat"].encode(wheres, texts)
         return lengths, ids, counts, mask
-    docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
+    try:
+        docs = [e.ids for e in w["tokenizer"].encode_batch(texts, add_special_tokens=False)]
+    except TypeError:  # tokenizers' refusal of a str that is not text
+        refuse_unencodable(wheres, texts, w["field"])
+        raise
     lengths, flat = _concat(docs)
     held = _documents_with(lengths, flat, w["specials"])
     if held:
@@ -406,8 +416,10 @@ class _Coder:
 def _coder(config: TokenConvertConfig) -> _Coder:
     tokenizer = load_tokenizer(config.tokenizer)
     template = None if config.chat_template is None else _chat_template(config)
-    eos = config.eos if template is None or config.eos else template.variables.get("eos_token")
-    eos_id = eos_token_id(tokenizer, eos, config.tokenizer)
+    by_template = template is not None and not config.eos
+    eos = template.variables.get("eos_token") if by_template else config.eos
+    eos_id = eos_token_id(tokenizer, eos, config.tokenizer,
+                          f"the eos_token of {config.chat_template}" if by_template else None)
     ids = vocab_size(tokenizer)
     if template is not None:
         template = with_specials(template, tokenizer, eos_id)
@@ -612,6 +624,9 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     """The shards, the document-starts table and the manifest (last) into DEST, emptied and locked."""
     written = _write(config, corpus, coder, config.dest)
     if not written.shards:
+        if written.dropped:
+            raise ConvertError(f"{config.source}: nothing to write: {count(written.dropped, 'conversation')} longer "
+                               f"than max_tokens={config.max_tokens} left out (overlong={config.overlong!r})")
         raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
     records = _records(written)
     source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,

@@ -73,7 +73,7 @@ class ImageText(Pipeline):
     default_fields: ClassVar[str] = "none"
     image: ImageTrain | ImageEval = ImageTrain(size=336)
     """What decodes and augments each image (:class:`fastio.ImageTrain` or :class:`fastio.ImageEval`, any size,
-    dtype, layout, mean and std; its ``fields`` and ``text`` are not used)."""
+    dtype, layout, mean and std; one given ``fields`` or ``text`` is refused: they are not used)."""
     seq_len: int = 4096
     """Tokens of input per sequence (each holds ``seq_len + 1``); a sample longer than ``seq_len + 1`` with its images
     expanded is refused when the Loader is made."""
@@ -92,6 +92,10 @@ class ImageText(Pipeline):
     def __post_init__(self):
         if not isinstance(self.image, (ImageTrain, ImageEval)):
             raise ValueError(f"image must be a fastio.ImageTrain or fastio.ImageEval, got {self.image!r}")
+        for name in ("fields", "text"):
+            if getattr(self.image, name) is not None:
+                raise ValueError(f"image: fastio.ImageText decodes each image of a sample alone, so the image object's "
+                                 f"{name}={getattr(self.image, name)!r} is not used: leave it out")
         for name in ("seq_len", "image_seq_len", "window"):
             _positive(name, getattr(self, name))
         if self.packing != "best-fit":

@@ -120,6 +120,9 @@ def check_entry(state: dict[str, Any], entry: str, mine: dict[str, Any], what: s
     saved = state.get(entry)
     if saved is None:
         raise LoaderStateError(f"loader state is not of {what} (no {entry!r} entry), this Loader reads fastio.{name}")
+    if not isinstance(saved, dict):
+        raise LoaderStateError(f"loader state's {entry!r} entry is {type(saved).__name__}, not the options of "
+                               f"fastio.{name} (a damaged state)")
     for key, value in mine.items():
         if saved.get(key) != value:
             raise LoaderStateError(f"loader state has {entry} {key}={saved.get(key)!r}, this Loader's "
