@@ -84,10 +84,9 @@ def test_verify_decode_without_pyav_says_how_to_add_it(h264_ds, no_pyav, capsys)
 
 def test_no_hint_installs_fastio_from_the_index():
     """``pip install 'fastio[...]'`` / ``pip install fastio[...]`` (the index's fastio) is said nowhere (a built
-    wheel's ``'fastio[cuda13] @ file:///...'``, docs/install.md, is fastio's own).
-    pipelines/text.py's docstring is another branch's file at the time of writing: left to it."""
+    wheel's ``'fastio[cuda13] @ file:///...'``, docs/install.md, is fastio's own)."""
     from_index = re.compile(r"pip install '?fastio\[[\w,]*\]'?(?! @)")
     files = [*ROOT.joinpath("fastio").rglob("*.py"), *ROOT.joinpath("docs").glob("*.md"), ROOT / "README.md"]
     said = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
-            if from_index.search(line) and p.relative_to(ROOT) != Path("fastio/pipelines/text.py")]
+            if from_index.search(line)]
     assert said == []

@@ -30,7 +30,8 @@ _TOKENIZERS_LOCK = threading.Lock()
 @dataclass(frozen=True)
 class Tokenize:
     """Tokenize a text field with the Hugging Face ``tokenizer.json`` at ``path`` (the ``tokenizers`` library:
-    ``pip install 'fastio[tokens]'``; its special tokens added as the file says), to ``max_len`` ids."""
+    ``pip install -e '.[tokens]'`` in fastio's checkout; its special tokens added as the file says), to ``max_len``
+    ids."""
 
     path: str
     max_len: int = 77
