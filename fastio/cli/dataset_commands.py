@@ -54,7 +54,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
 @click.option("--shard-size", default="256MB", show_default=True,
               help="Largest shard size: bytes or human units (256MB, 1GiB, 500k).")
 @click.option("--max-samples-per-shard", type=int, default=None, help="At most this many samples per shard.")
-@click.option("--workers", type=int, default=None, help="Worker processes (default: one per CPU).")
+@click.option("--workers", type=int, default=None,
+              help="Worker processes (default: one per CPU; never more than the samples to load).")
 @click.option("--shuffle/--no-shuffle", default=False, show_default=True,
               help="Permute the sample order with --seed before sharding.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for --shuffle and --split.")

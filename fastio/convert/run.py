@@ -159,7 +159,8 @@ class ConvertConfig:
     max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
     """At most this many samples per shard; None: no limit."""
     workers: int = checked(rule(lambda v: v >= 1, "must be at least 1"), default_factory=default_workers)
-    """Processes that read, check and re-encode samples; does not change the output."""
+    """Processes that read, check and re-encode samples (never more than there are samples to load); does not change
+    the output."""
     shuffle: bool = False
     """Permute the sample order (with ``seed``) before sharding."""
     seed: int = 0
@@ -693,15 +694,16 @@ def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcod
     bytes_in = 0
     load_options = (config.max_side, config.quality, config.max_pixels, label_field, config.transcode,
                     config.video_decoder, config.storage_options)
-    pool = _start_pool(config.workers, load_options)
+    total = sum(len(job[1]) for job in jobs)
+    workers = min(config.workers, max(1, total))  # no more processes than entries to load
+    pool = _start_pool(workers, load_options)
     try:
-        with Progress(sum(len(job[1]) for job in jobs), enabled=config.progress, desc="convert",
-                      every_s=config.progress_every_s) as progress:
+        with Progress(total, enabled=config.progress, desc="convert", every_s=config.progress_every_s) as progress:
             for split_name, entries, out, fields in jobs:
                 if pool is None:
                     results = map(load_entry, entries)
                 else:
-                    results = pool.map(entries, chunksize=max(1, min(16, len(entries) // (config.workers * 8))))
+                    results = pool.map(entries, chunksize=max(1, min(16, len(entries) // (workers * 8))))
                 manifest, skipped, nbytes = _write_dataset(config, out, split_name, zip(entries, results), progress,
                                                            allow_empty=allow_empty, transcoded=transcoded, **fields)
                 manifests[split_name] = manifest
