@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from fastio.dataset.dataset import Dataset
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
 from fastio.futures import gathered
 from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
@@ -52,6 +53,11 @@ class Mixture:
             changes what an epoch holds, not its length.
         verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
             (as for :class:`~fastio.Dataset`).
+
+    Refused when it is made, in one line naming two sources: token datasets beside datasets of samples
+    (``DatasetError``), and token, chat or image-text datasets whose manifests record different tokenizer files
+    (:class:`~fastio.errors.MixtureError`, also a ``ValueError``: an id would mean another token in each; a source
+    without the record mixes, with a warning where its vocabulary size differs: :func:`_check_tokenizers`).
     """
 
     def __init__(self, sources: Mapping[str, str | Path | Dataset],
@@ -76,6 +82,7 @@ class Mixture:
             if len(ds) < 1:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         _check_kinds(self.names, self.datasets)
+        _check_tokenizers(self.names, self.datasets)
         self._given, self._given_samples = given, samples_per_epoch
         self._units: tuple[tuple[int], ...] | None = None  # in_units: each source one run of that many units
         self._size([len(ds) for ds in self.datasets])
@@ -347,6 +354,31 @@ def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
                            f"{o!r} holds stored samples (kind {ods.manifest.kind!r}); a mixture mixes one kind: "
                            "token datasets (read with fastio.Tokens; with image-text datasets, fastio.ImageText) or "
                            "datasets of samples")
+
+
+def _check_tokenizers(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
+    """MixtureError naming two sources (and their tokenizers' checksums) whose manifests record different tokenizer
+    files (``tokens.tokenizer_sha256``, ``image_text.tokenizer_sha256``): an id would mean another token in each. A
+    source without the record (``fastio index``, an older conversion) is not refused: nothing says its tokenizer is
+    another (a vocabulary size alone does not: an image-text tokenizer may be a text one and its added image
+    token); where recorded vocabulary sizes differ too, a warning names them."""
+    ours = [(n, ds, ds.manifest.tokenizer_sha256) for n, ds in zip(names, datasets)]
+    known = [(n, ds, sha) for n, ds, sha in ours if sha is not None]
+    other = next((entry for entry in known if entry[2] != known[0][2]), None)
+    if other is not None:
+        (a, ads, x), (b, bds, y) = known[0], other
+        raise MixtureError(f"mixture sources {a!r} ({ads.root}, tokenizer sha256 {x[:12]}...) and {b!r} ({bds.root}, "
+                           f"tokenizer sha256 {y[:12]}...) were tokenized with different tokenizers: an id means "
+                           "another token in each; convert them with one tokenizer file")
+    sized = [(n, ds, ds.manifest.vocab_size) for n, ds, _ in ours if ds.manifest.vocab_size is not None]
+    odd = next((entry for entry in sized if entry[2] != sized[0][2]), None)
+    if odd is not None:
+        (a, ads, x), (b, bds, y) = sized[0], odd
+        warnings.warn(f"mixture sources {a!r} ({ads.root}, a vocabulary of {x} ids) and {b!r} ({bds.root}, {y} ids) "
+                      "record different vocabulary sizes, and not both the checksum of their tokenizer file (a "
+                      "dataset converted before fastio recorded it): mixed as given; if they were tokenized with "
+                      "different tokenizers an id means another token in each (convert them again to have it "
+                      "checked)", UserWarning, stacklevel=3)
 
 
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
