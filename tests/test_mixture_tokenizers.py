@@ -1,9 +1,10 @@
 """Token datasets mix only where their ids mean the same tokens: every dataset ``fastio convert`` tokenizes (plain,
 chat, image-text) records the sha256 of the tokenizer file it was given (``tokens.tokenizer_sha256``,
 ``image_text.tokenizer_sha256``), and a ``fastio.Mixture`` refuses sources whose records differ, naming both
-sources and both checksums. A source without the record (``fastio index``ed shards, a dataset converted before
-fastio recorded it) mixes as before; one whose recorded vocabulary size differs from another's is mixed with a
-warning. ``fastio inspect`` prints the checksum; a damaged one is refused naming the field."""
+sources and both checksums; an image-text dataset converted before the record is known by its
+``convert_options.image_text``. A source without any record (``fastio index``ed shards, a token dataset converted
+before fastio recorded it) mixes as before; one whose recorded vocabulary size differs from another's is mixed with
+a warning. ``fastio inspect`` prints the checksum; a damaged one is refused naming the field."""
 
 from __future__ import annotations
 
@@ -122,6 +123,20 @@ def test_a_dataset_without_the_record_and_of_another_vocabulary_size_mixes_with_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same vocabulary size: nothing to say
         fastio.Mixture({"chat": data["chat"], "old": _without_record(data["plain"], tmp_path / "old-plain")})
+
+
+def test_an_image_text_dataset_converted_before_the_record_is_known_by_its_convert_options(data, tmp_path):
+    old = tmp_path / "old-vlm"
+    shutil.copytree(data["vlm"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["image_text"]["tokenizer_sha256"]  # what an image-text conversion wrote before it was recorded
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    loaded = load_manifest(old)
+    assert loaded.image_text.tokenizer_sha256 is None
+    assert loaded.tokenizer_sha256 == _sha(data["tokenizer"])  # convert_options.image_text: (size, sha256)
+    fastio.Mixture({"old": old, "plain": data["plain"]})
+    with pytest.raises(ValueError, match=r"mixture sources 'old' .* and 'other' .* different tokenizers"):
+        fastio.Mixture({"old": old, "other": data["other"]})
 
 
 def test_a_damaged_tokenizer_sha256_is_refused_naming_the_field(data, tmp_path, capsys):

@@ -20,6 +20,7 @@ from typing import Any
 from fastio import __version__
 from fastio.checks import checked, count, read_checked, rule
 from fastio.errors import DatasetError
+from fastio.formats.image_text import options_tokenizer_sha256
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
 from fastio.formats.token_mask import MASK_FORMAT
@@ -476,10 +477,12 @@ class Manifest:
     @property
     def tokenizer_sha256(self) -> str | None:
         """The checksum of the tokenizer file a token or image-text dataset was tokenized with
-        (:attr:`TokenInfo.tokenizer_sha256`, :attr:`ImageTextInfo.tokenizer_sha256`; None: not recorded, or a
-        dataset of samples)."""
+        (:attr:`TokenInfo.tokenizer_sha256`, :attr:`ImageTextInfo.tokenizer_sha256`; an image-text dataset converted
+        before that recorded it: its ``convert_options``'
+        :func:`~fastio.formats.image_text.options_tokenizer_sha256`; None: not recorded, or a dataset of samples)."""
         info = self.tokens or self.image_text
-        return None if info is None else info.tokenizer_sha256
+        recorded = None if info is None else info.tokenizer_sha256
+        return recorded if recorded is not None else options_tokenizer_sha256(self.convert_options)
 
     @property
     def vocab_size(self) -> int | None:

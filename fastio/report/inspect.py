@@ -239,7 +239,7 @@ def _image_text(ds: Dataset) -> dict[str, Any]:
         return {}
     info = ds.manifest.image_text or ImageTextInfo()
     return {"image_text": {"vocab_size": info.vocab_size, "max_id": info.max_id,
-                           "embedding_size": info.embedding_size, "tokenizer_sha256": info.tokenizer_sha256}}
+                           "embedding_size": info.embedding_size, "tokenizer_sha256": ds.manifest.tokenizer_sha256}}
 
 
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,
