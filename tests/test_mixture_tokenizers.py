@@ -20,6 +20,7 @@ import pytest
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
+from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 from fastio.convert.token_index import TokenIndexConfig, index_tokens
 from fastio.dataset.manifest import ImageTextInfo, load_manifest
 from fastio.errors import DatasetError
@@ -89,6 +90,18 @@ def test_the_cli_refuses_a_mixture_file_of_different_tokenizers_in_one_line(data
     code, out, err = run_cli(["inspect", str(mix), "--seq-len", "16"], capsys)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"fastio: error: {mix}: mixture sources 'plain'") and "different tokenizers" in err
+
+
+def test_datasets_of_one_tokenizer_ending_documents_with_other_ids_are_refused_naming_both(data, tmp_path):
+    plain = data["plain"]
+    convert_tokens(TokenConvertConfig(plain.parent / "c.jsonl", tmp_path / "turns", data["tokenizer"],
+                                      eos="<|im_end|>", workers=1))
+    ids = load_manifest(plain).tokens.eos_id, load_manifest(tmp_path / "turns").tokens.eos_id
+    assert ids[0] != ids[1]
+    mix = fastio.Mixture({"plain": plain, "turns": tmp_path / "turns"})  # one tokenizer file: made
+    with pytest.raises(DatasetError, match=rf"sources 'plain' \(end-of-document id {ids[0]}\) and 'turns' "
+                                           rf"\({ids[1]}\) end documents with different ids"):
+        fastio.Loader(mix, pipeline=fastio.Tokens(seq_len=16), batch_size=4, device="cpu")
 
 
 def _without_record(dest: Path, to: Path) -> Path:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import two_differing
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
@@ -362,19 +363,19 @@ def _check_tokenizers(names: Sequence[str], datasets: Sequence[Dataset]) -> None
     source without the record (``fastio index``, an older conversion) is not refused: nothing says its tokenizer is
     another (a vocabulary size alone does not: an image-text tokenizer may be a text one and its added image
     token); where recorded vocabulary sizes differ too, a warning names them."""
-    ours = [(n, ds, ds.manifest.tokenizer_sha256) for n, ds in zip(names, datasets)]
-    known = [(n, ds, sha) for n, ds, sha in ours if sha is not None]
-    other = next((entry for entry in known if entry[2] != known[0][2]), None)
-    if other is not None:
-        (a, ads, x), (b, bds, y) = known[0], other
-        raise MixtureError(f"mixture sources {a!r} ({ads.root}, tokenizer sha256 {x[:12]}...) and {b!r} ({bds.root}, "
+    root = {n: ds.root for n, ds in zip(names, datasets)}
+    differing = two_differing({n: ds.manifest.tokenizer_sha256 for n, ds in zip(names, datasets)
+                               if ds.manifest.tokenizer_sha256 is not None})
+    if differing is not None:
+        (a, x), (b, y) = differing
+        raise MixtureError(f"mixture sources {a!r} ({root[a]}, tokenizer sha256 {x[:12]}...) and {b!r} ({root[b]}, "
                            f"tokenizer sha256 {y[:12]}...) were tokenized with different tokenizers: an id means "
                            "another token in each; convert them with one tokenizer file")
-    sized = [(n, ds, ds.manifest.vocab_size) for n, ds, _ in ours if ds.manifest.vocab_size is not None]
-    odd = next((entry for entry in sized if entry[2] != sized[0][2]), None)
-    if odd is not None:
-        (a, ads, x), (b, bds, y) = sized[0], odd
-        warnings.warn(f"mixture sources {a!r} ({ads.root}, a vocabulary of {x} ids) and {b!r} ({bds.root}, {y} ids) "
+    differing = two_differing({n: ds.manifest.vocab_size for n, ds in zip(names, datasets)
+                               if ds.manifest.vocab_size is not None})
+    if differing is not None:
+        (a, x), (b, y) = differing
+        warnings.warn(f"mixture sources {a!r} ({root[a]}, a vocabulary of {x} ids) and {b!r} ({root[b]}, {y} ids) "
                       "record different vocabulary sizes, and not both the checksum of their tokenizer file (a "
                       "dataset converted before fastio recorded it): mixed as given; if they were tokenized with "
                       "different tokenizers an id means another token in each (convert them again to have it "
