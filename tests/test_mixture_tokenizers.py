@@ -4,15 +4,16 @@ chat, image-text) records the sha256 of the tokenizer file it was given (``token
 sources and both checksums; an image-text dataset converted before the record is known by its
 ``convert_options.image_text``. A source without any record (``fastio index``ed shards, a token dataset converted
 before fastio recorded it) mixes as before; one whose recorded vocabulary size differs from another's is mixed with
-a warning. ``fastio inspect`` prints the checksum; a damaged one is refused naming the field."""
+a warning (logged). Sources of one file ending documents with other ids are refused by the Loader, naming both.
+``fastio inspect`` prints the checksum; a damaged one is refused naming the field."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -114,28 +115,31 @@ def _without_record(dest: Path, to: Path) -> Path:
     return to
 
 
-def test_a_dataset_without_the_record_mixes_as_before(data, tmp_path):
+def test_a_dataset_without_the_record_mixes_as_before(data, tmp_path, caplog):
     eos = load_manifest(data["other"]).tokens.eos_id
     index_tokens(TokenIndexConfig(data["other"] / "shards", eos_id=eos, dest=tmp_path / "indexed"))
     assert load_manifest(tmp_path / "indexed").tokenizer_sha256 is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no vocabulary recorded: nothing to compare, not a word
+    with caplog.at_level(logging.WARNING, logger="fastio"):
         mix = fastio.Mixture({"plain": data["plain"], "indexed": tmp_path / "indexed"})
+    assert not caplog.records  # no vocabulary recorded: nothing to compare, not a word
     with fastio.Loader(mix, pipeline=fastio.Tokens(seq_len=16), batch_size=4, device="cpu") as ld:
         assert next(iter(ld))["tokens"].shape == (4, 17)
 
 
-def test_a_dataset_without_the_record_and_of_another_vocabulary_size_mixes_with_a_warning(data, tmp_path):
+def test_a_dataset_without_the_record_and_of_another_vocabulary_size_mixes_with_a_warning(data, tmp_path, caplog):
     old = _without_record(data["other"], tmp_path / "old")
     sizes = load_manifest(data["plain"]).tokens.vocab_size, load_manifest(old).tokens.vocab_size
     assert sizes[0] != sizes[1]
-    with pytest.warns(UserWarning, match=rf"mixture sources 'plain' \(.*{sizes[0]} ids\) and 'old' \(.*{sizes[1]} "
-                                         r"ids\) record different vocabulary sizes"):
+    with caplog.at_level(logging.WARNING, logger="fastio"):
         mix = fastio.Mixture({"plain": data["plain"], "old": old})
     assert mix.names == ("plain", "old")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same vocabulary size: nothing to say
+    assert len(caplog.records) == 1 and re.match(
+        rf"fastio: mixture sources 'plain' \(.*{sizes[0]} ids\) and 'old' \(.*{sizes[1]} ids\) record different "
+        "vocabulary sizes", caplog.records[0].getMessage())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastio"):
         fastio.Mixture({"chat": data["chat"], "old": _without_record(data["plain"], tmp_path / "old-plain")})
+    assert not caplog.records  # the same vocabulary size: nothing to say
 
 
 def test_an_image_text_dataset_converted_before_the_record_is_known_by_its_convert_options(data, tmp_path):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -58,7 +58,7 @@ class Mixture:
     Refused when it is made, in one line naming two sources: token datasets beside datasets of samples
     (``DatasetError``), and token, chat or image-text datasets whose manifests record different tokenizer files
     (:class:`~fastio.errors.MixtureError`, also a ``ValueError``: an id would mean another token in each; a source
-    without the record mixes, with a warning where its vocabulary size differs: :func:`_check_tokenizers`).
+    without the record mixes, with a warning logged where its vocabulary size differs: :func:`_check_tokenizers`).
     """
 
     def __init__(self, sources: Mapping[str, str | Path | Dataset],
@@ -362,7 +362,7 @@ def _check_tokenizers(names: Sequence[str], datasets: Sequence[Dataset]) -> None
     files (``tokens.tokenizer_sha256``, ``image_text.tokenizer_sha256``): an id would mean another token in each. A
     source without the record (``fastio index``, an older conversion) is not refused: nothing says its tokenizer is
     another (a vocabulary size alone does not: an image-text tokenizer may be a text one and its added image
-    token); where recorded vocabulary sizes differ too, a warning names them."""
+    token); where recorded vocabulary sizes differ too, a warning (the ``fastio`` logger's) names them."""
     root = {n: ds.root for n, ds in zip(names, datasets)}
     differing = two_differing({n: ds.manifest.tokenizer_sha256 for n, ds in zip(names, datasets)
                                if ds.manifest.tokenizer_sha256 is not None})
@@ -375,11 +375,11 @@ def _check_tokenizers(names: Sequence[str], datasets: Sequence[Dataset]) -> None
                                if ds.manifest.vocab_size is not None})
     if differing is not None:
         (a, x), (b, y) = differing
-        warnings.warn(f"mixture sources {a!r} ({root[a]}, a vocabulary of {x} ids) and {b!r} ({root[b]}, {y} ids) "
-                      "record different vocabulary sizes, and not both the checksum of their tokenizer file (a "
-                      "dataset converted before fastio recorded it): mixed as given; if they were tokenized with "
-                      "different tokenizers an id means another token in each (convert them again to have it "
-                      "checked)", UserWarning, stacklevel=3)
+        logging.getLogger("fastio").warning(
+            f"fastio: mixture sources {a!r} ({root[a]}, a vocabulary of {x} ids) and {b!r} ({root[b]}, {y} ids) record "
+            "different vocabulary sizes, and not both the checksum of their tokenizer file (a dataset converted "
+            "before fastio recorded it): mixed as given; if they were tokenized with different tokenizers an id "
+            "means another token in each (convert them again to have it checked)")
 
 
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:
