@@ -1,7 +1,7 @@
 """Messages that count things say one of them in the singular ("1 sample's", "1 of 2 samples has", "1 uint16
-token"): each goes through :func:`fastio.words.count` (or :func:`fastio.words.agree` for a verb), the one home
-of the plural rule, which every floor may import. Each test makes the
-count 1 for real (a dataset of that shape, a summary of that run) and reads the message a user sees."""
+token", "1 byte"): each goes through :func:`fastio.words.count` (or :func:`fastio.words.agree` for the word or
+verb alone), the one home of the plural rule, which every floor may import. Each test makes the count 1 for real
+(a dataset of that shape, a summary of that run) and reads the message a user sees."""
 
 from __future__ import annotations
 
