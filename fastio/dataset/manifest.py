@@ -70,7 +70,8 @@ FORMAT_VERSION = 3
 dataset (Megatron ``.bin``/``.idx`` shards, :class:`TokenInfo`). A manifest that needs nothing of 2 or 3 is written
 as 1 (:func:`format_version`), so an older fastio still reads converted datasets and refuses an indexed or token
 one by its version instead of reporting its shards missing. An optional entry that an older fastio ignores (an
-image-text dataset's ``image_text``, :class:`ImageTextInfo`) needs no new version: a manifest without it reads as
+image-text dataset's ``image_text``, :class:`ImageTextInfo`; the tokenizer's ``tokenizer_sha256`` inside it or inside
+``tokens``: a record's reader skips keys it does not declare) needs no new version: a manifest without it reads as
 "not known"."""
 READ_VERSIONS = (1, 2, 3)
 KINDS = {"samples": ".tar", "tokens": ".bin"}
