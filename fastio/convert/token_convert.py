@@ -47,10 +47,9 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
-from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
-    clear_part_dir,
     parse_part,
     part_dir,
     start_part_dir,
@@ -76,7 +75,6 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import local_or_url
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import LOCK_NAME, DirLock
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
@@ -556,41 +554,6 @@ def _info(config: TokenConvertConfig, coder: _Coder, records: list[ShardRecord],
                      starts=starts, chat=chat)
 
 
-class _Claim:
-    """``folder`` (DEST, or a part's directory ``outer`` folders down) locked for a run, and taken back if the run
-    fails with an exception (a refusal, a full disk; not an interruption, which a rerun redoes): once the run has
-    :attr:`emptied` it, its files (all the run's) go, then the lock file if the run made it, then the folders the
-    run made, innermost first (one that holds another process's files stays). A ``with`` block."""
-
-    def __init__(self, folder: Path, purpose: str, *outer: Path):
-        self.folder, self.emptied = folder, False
-        self.made = [d for d in (*outer, folder) if not d.exists()]
-        self.had_lock = (folder / LOCK_NAME).exists()
-        self.lock = DirLock(folder, purpose)
-
-    def __enter__(self) -> _Claim:
-        lock_dest(self.lock, self.folder)
-        return self
-
-    def __exit__(self, kind, err, tb) -> None:
-        try:
-            if kind is not None and issubclass(kind, Exception):
-                self._withdraw()
-        finally:
-            self.lock.release()
-
-    def _withdraw(self) -> None:
-        try:
-            if self.emptied:
-                clear_part_dir(self.folder)  # everything but the lock (a part's directory or DEST alike)
-            if not self.had_lock:
-                (self.folder / LOCK_NAME).unlink(missing_ok=True)
-            for folder in reversed(self.made):
-                folder.rmdir()
-        except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
-            pass
-
-
 def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     """Tokenize ``config.source`` into a token dataset in ``config.dest``, or with ``config.part`` one part of it
     into ``DEST/.parts/`` (see the module docstring)."""
@@ -605,12 +568,13 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     check_dest(config.dest, local_source, config.overwrite)
     if config.part is not None:
         return _convert_part(config, corpus, coder, started)
-    with _Claim(config.dest, "fastio convert") as claim:
+    with Claim(config.dest, "fastio convert") as claim:
+        claim.take()
         check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
         parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
         try:
             reset_dest(config.dest)
-            claim.emptied = True
+            claim.emptied()
             written = _write_dataset(config, corpus, coder)
         except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
             raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
@@ -658,10 +622,11 @@ def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, sta
     """Part K of N into ``DEST/.parts/part-K-of-N/`` (its lock only: parts run side by side); ``part.json`` last."""
     k, n = config.part
     directory = part_dir(config.dest, k, n)
-    with _Claim(directory, f"fastio convert --part {k}/{n}", config.dest, directory.parent) as claim:
+    with Claim(directory, f"fastio convert --part {k}/{n}") as claim:
+        claim.take()
         try:
             start_part_dir(config.dest, k, n, directory)
-            claim.emptied = True
+            claim.emptied()
             span = part_span(corpus.total, k, n)
             written = _write(config, corpus, coder, directory, span)
             write_part_record(directory, PartRecord(part=k, of=n, plan=_plan(config, corpus, coder),
