@@ -49,7 +49,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool, default_workers, start_server
+from fastio.convert.workers import OrderedPool, start_server, workers_field
 from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
@@ -159,7 +159,7 @@ class ConvertConfig:
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
     max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
     """At most this many samples per shard; None: no limit."""
-    workers: int = checked(rule(lambda v: v >= 1, "must be at least 1"), default_factory=default_workers)
+    workers: int = workers_field()
     """Processes that read, check and re-encode samples (never more than there are samples to load); does not change
     the output."""
     shuffle: bool = False

@@ -56,7 +56,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.run import DEFAULT_SHARD_SIZE
-from fastio.convert.workers import OrderedPool, default_workers
+from fastio.convert.workers import OrderedPool, workers_field
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     ChatInfo,
@@ -114,7 +114,7 @@ class TokenConvertConfig:
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = checked(positive_integer, default_factory=default_workers)
+    workers: int = workers_field()
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
