@@ -298,7 +298,9 @@ class ConvertResult:
     def shards(self) -> int:
         return sum(len(m.shards) for m in self.manifests.values())
 
-    def summary(self) -> str:
+    def summary(self, words: Callable[[str], str] = str) -> str:
+        """One line (what was written, skipped, renamed, transcoded), then the skipped inputs by reason; ``words``
+        puts each reason's options (``(max_pixels)``) as the reader knows them (the command: ``(--max-pixels)``)."""
         parts = ", ".join(f"{n}: {m.total_samples}" for n, m in self.manifests.items() if n)
         split = f" [{parts}]" if parts else ""
         part = f"part {self.part[0]}/{self.part[1]}: " if self.part else ""
@@ -314,7 +316,7 @@ class ConvertResult:
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
-                + skipped_lines(self.skipped, more))
+                + skipped_lines([{**s, "reason": words(str(s.get("reason")))} for s in self.skipped], more))
 
 
 def renamed_line(renamed: list[tuple[str, str, str]]) -> str:

@@ -36,7 +36,7 @@ records and the plan every part must share: source listing, options, tokenizer c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
@@ -202,8 +202,12 @@ class TokenConvertResult:
     """Conversations over ``max_tokens`` left out (``overlong="drop"``, or ``"truncate"`` where nothing fit)."""
     truncated: int = 0
     """Conversations over ``max_tokens`` cut to their first turns (``overlong="truncate"``)."""
+    max_tokens: int | None = None
+    """A chat conversion's ``max_tokens`` (what ``dropped`` and ``truncated`` were over)."""
 
-    def summary(self) -> str:
+    def summary(self, words: Callable[[str], str] = str) -> str:
+        """One line: documents, tokens, shards, what was skipped, dropped or cut; ``words`` puts the options it
+        names (``max_tokens=4096``) as the reader knows them (the command: ``--max-tokens 4096``)."""
         rate = self.tokens / max(self.seconds, 1e-9)
         where = f"part {self.part[0]}/{self.part[1]} of {self.dest} (merge with fastio merge)" if self.part else self.dest
         special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
@@ -211,8 +215,8 @@ class TokenConvertResult:
         if self.trained is not None:
             special += f"; {count(self.trained, 'token')} trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
         if self.dropped or self.truncated:
-            special += (f"; over max_tokens: {count(self.dropped, 'conversation')} dropped, {self.truncated} cut to "
-                        "their first turns")
+            special += (f"; over {words(f'max_tokens={self.max_tokens}')}: {count(self.dropped, 'conversation')} "
+                        f"dropped, {self.truncated} cut to their first turns")
         return (f"{where}: {count(self.documents, 'document')}, {count(self.tokens, f'{self.dtype} token')} "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
@@ -615,7 +619,7 @@ def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, starte
                               bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
                               dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special,
                               trained=sum(m.trained for m in written.masks) if coder.template is not None else None,
-                              dropped=written.dropped, truncated=written.truncated)
+                              dropped=written.dropped, truncated=written.truncated, max_tokens=config.max_tokens)
 
 
 def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
