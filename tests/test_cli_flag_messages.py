@@ -69,3 +69,15 @@ def test_a_part_into_an_s3_dest_is_refused_naming_the_flag(tmp_path, capsys, ima
     code, out, err = run_cli(["convert", str(image_folder), "s3://bucket/ds", "--part", "0/2"], capsys)
     assert code == 2 and "s3://bucket/ds: --part ... needs a DEST" in err, err
     _no_field_names(err)
+
+
+def test_max_samples_per_shard_below_one_is_one_message_for_image_and_token_conversions(tmp_path, capsys,
+                                                                                        image_folder):
+    from tokens_helpers import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    tok = train_tokenizer(tmp_path / "tokenizer.json")
+    for args in ([str(image_folder)], [str(tmp_path / "c.jsonl"), "--tokenizer", str(tok)]):
+        code, _, err = run_cli(["convert", args[0], str(tmp_path / "out"), *args[1:], "--max-samples-per-shard", "0"],
+                               capsys)
+        assert (code, err) == (2, "fastio: error: --max-samples-per-shard must be a positive integer, got 0\n"), args

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastio import converters
-from fastio.checks import check_fields, checked, config_error, one_of, rule
+from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.dest import Claim, check_dest, lock_parts, reset_dest, upload_dataset
 from fastio.convert.objects import read_object
 from fastio.convert.parts import (
@@ -157,7 +157,7 @@ class ConvertConfig:
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
-    max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
+    max_samples_per_shard: int | None = checked(positive_integer, default=None)
     """At most this many samples per shard; None: no limit."""
     workers: int = workers_field()
     """Processes that read, check and re-encode samples (never more than there are samples to load); does not change
