@@ -154,7 +154,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
-    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
+    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last); a run that fails
+    or is stopped with Ctrl-C takes back what it wrote (a killed one leaves it marked unfinished for the rerun). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
     --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
