@@ -99,8 +99,8 @@ def _empty(folder: Path, keep: tuple[str, ...]) -> None:
 class Claim:
     """``folder`` (DEST, or a part's directory) locked for one run, and taken back if the run fails: by an
     exception or an interruption (Ctrl-C; a SIGKILL or SIGTERM leaves an interrupted run, which the same command
-    redoes). A ``with`` block; :meth:`take` locks (:func:`lock_dest`), :meth:`emptied` says the run emptied the
-    folder (:func:`reset_dest`, :func:`~fastio.convert.parts.start_part_dir`).
+    redoes). A ``with`` block; :meth:`take` locks (:func:`lock_dest`), :meth:`reset` empties DEST
+    (:func:`reset_dest`), :meth:`emptied` says the run emptied a part's folder.
 
     Taking back removes only what the run made, and only while it holds the lock: once the folder was emptied, its
     entries (all the run's: the marker last, kept if it was there before the run); then the lock file if the run
@@ -117,7 +117,16 @@ class Claim:
     def take(self) -> None:
         lock_dest(self.lock, self.folder)
 
+    def reset(self) -> None:
+        """:func:`reset_dest` under the claim: once the marker is in place, what the folder holds is the run's (an
+        interruption while it is emptied included)."""
+        try:
+            reset_dest(self.folder)
+        finally:
+            self._emptied = (self.folder / MARKER_NAME).is_file()
+
     def emptied(self) -> None:
+        """The run emptied the folder itself (a part's, :func:`~fastio.convert.parts.start_part_dir`)."""
         self._emptied = True
 
     def __enter__(self) -> Claim:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from fastio import converters
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
-from fastio.convert.dest import Claim, check_dest, lock_parts, reset_dest, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.objects import read_object
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -627,8 +627,7 @@ def _guard_os(config: ConvertConfig, write):
 def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float,
                claim: Claim) -> ConvertResult:
     """Reset DEST, then load and write every group (split) of ``scan``'s entries; the manifests go last."""
-    reset_dest(config.dest)
-    claim.emptied()
+    claim.reset()
     scan_skipped = [s.as_dict() for s in scan.skipped]
     jobs = []
     for split_name, indices in groups.items():

@@ -47,7 +47,7 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
-from fastio.convert.dest import Claim, check_dest, lock_parts, reset_dest, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
     parse_part,
@@ -577,8 +577,7 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
         check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
         parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
         try:
-            reset_dest(config.dest)
-            claim.emptied()
+            claim.reset()
             written = _write_dataset(config, corpus, coder)
         except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
             raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
