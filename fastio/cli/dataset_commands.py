@@ -519,12 +519,19 @@ def _vocabulary(tokens: dict[str, Any]) -> str:
     return f"{tokens.get('vocab_size') or 'not recorded'}{largest}"
 
 
+def _tokenizer(tokens: dict[str, Any]) -> str:
+    """``; tokenizer sha256 HEX`` (its first 12 digits: what a Mixture compares) where a token or image-text dataset
+    records the checksum of its tokenizer file, else nothing."""
+    sha = tokens.get("tokenizer_sha256")
+    return "" if sha is None else f"; tokenizer sha256 {sha[:12]}"
+
+
 def _print_image_text(info: dict[str, Any] | None) -> None:
     """An image-text dataset's vocabulary line, with the rows a model's token embedding needs."""
     if info is None:
         return
     rows = "" if info["embedding_size"] is None else f"; a token embedding of {info['embedding_size']} rows"
-    click.echo(f"text:     vocabulary: {_vocabulary(info)}{rows}")
+    click.echo(f"text:     vocabulary: {_vocabulary(info)}{rows}{_tokenizer(info)}")
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -542,8 +549,8 @@ def _print_info(info: dict[str, Any]) -> None:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
         total = count(tokens["total_tokens"], f"{tokens['dtype']} token")
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {total} "
-                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
-                   f"document min {d['min']}  median {d['median']}  max {d['max']}")
+                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}{_tokenizer(tokens)}); "
+                   f"tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
         chat = tokens.get("chat")
         if chat:
             click.echo(f"chat:     conversations, {count(chat['trained_tokens'], 'token')} trained "

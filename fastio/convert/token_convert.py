@@ -79,7 +79,7 @@ from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
            "eos_token_id", "load_tokenizer", "shard_record", "special_tokens", "starts_new_token_shard", "token_manifest",
-           "token_shard_cuts", "vocab_size", "with_specials"]
+           "token_shard_cuts", "tokenizer_sha256", "vocab_size", "with_specials"]
 
 TOKEN_PLAN = "tokens"
 """``plan["kind"]`` of a token conversion's part records (:mod:`fastio.convert.token_merge` merges them)."""
@@ -236,6 +236,16 @@ def load_tokenizer(path: Path):
         return Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
         raise ConvertError(f"{path}: not a tokenizer.json ({str(err).splitlines()[0][:200]})") from None
+
+
+def tokenizer_sha256(path: Path) -> str:
+    """The hex sha256 of a tokenizer file's bytes, as a conversion was given it: what a token or image-text
+    dataset's manifest records of its tokenizer (``tokens.tokenizer_sha256``, ``image_text.tokenizer_sha256``), and
+    what a :class:`fastio.Mixture` compares. The file's bytes, not the ``tokenizers`` library's serialisation of the
+    tokenizer it loads (which changes between its versions): one file gives one checksum whichever fastio reads it.
+    An image-text conversion's image token is one of the file's own tokens (convert adds none), so a plain, a chat
+    and an image-text dataset of one file record the same checksum."""
+    return sha256_file(path)[1]
 
 
 def vocab_size(tokenizer) -> int:
@@ -406,12 +416,13 @@ class _ShardSeries:
 @dataclass(frozen=True)
 class _Coder:
     """What the tokenizer decides: the end-of-document id, the vocabulary (its largest id + 1, holes counted) and
-    token type, the file's checksum; a chat conversion's template (its special tokens filled in)."""
+    token type, the file's checksum (``sha256``: ``(size, hex)`` as a part's plan records it; the manifest records
+    the hex, :func:`tokenizer_sha256`); a chat conversion's template (its special tokens filled in)."""
 
     eos_id: int
     vocab_size: int
     dtype: str
-    sha256: str
+    sha256: tuple[int, str]
     template: ChatTemplate | None = None
 
 
@@ -555,7 +566,7 @@ def _info(config: TokenConvertConfig, coder: _Coder, records: list[ShardRecord],
                         trained_tokens=sum(m.trained for m in written.masks), longest=written.longest, mask=MASK_FORMAT)
     return TokenInfo(dtype=coder.dtype, eos_id=coder.eos_id, total_tokens=sum(r.tokens or 0 for r in records),
                      vocab_size=coder.vocab_size, one_sequence_per_document=True,  # as MegatronWriter writes
-                     starts=starts, chat=chat)
+                     starts=starts, chat=chat, tokenizer_sha256=coder.sha256[1])
 
 
 def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
