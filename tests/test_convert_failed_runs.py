@@ -14,6 +14,8 @@ from tokens_helpers import chat_config, chat_tokenizer, conversations, image_tex
 
 from fastio.convert.run import ConvertConfig, convert
 from fastio.dataset.manifest import MARKER_NAME
+from fastio.report.verify import verify
+from fastio.storage.atomic import tmp_path_for
 from fastio.storage.lock import LOCK_NAME
 
 
@@ -172,3 +174,46 @@ def test_the_lock_file_left_by_an_earlier_run_stays(tmp_path, capsys):
     (tmp_path / "mine" / LOCK_NAME).write_text("{}")
     _fails(capsys, source, tmp_path / "mine", *options)
     assert sorted(_tree(tmp_path / "mine")) == [LOCK_NAME]  # the run's holder record in it, the file the user's
+
+
+def test_a_failed_run_whose_lock_file_was_replaced_takes_back_nothing_of_the_next_writer(tmp_path):
+    """The lock file removed while the run holds it (``rm -rf`` of DEST's lock, a remount) lets a second writer lock
+    a new file and write DEST; the first run, failing afterwards, no longer holds DEST's lock: it deletes nothing
+    (not the second writer's complete dataset, not its lock file)."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    dest = tmp_path / "ds"
+
+    class NextWriter:  # at the first run's second sample: its lock file goes and another conversion writes DEST
+        seen = 0
+
+        def add(self, fields):
+            NextWriter.seen += 1
+            if NextWriter.seen == 2:
+                (dest / LOCK_NAME).unlink()
+                convert(ConvertConfig(source, dest, workers=1, overwrite=True))
+                raise RuntimeError("the first run fails after the second one finished")
+
+        def manifest_fields(self):
+            return {}
+
+    with pytest.raises(RuntimeError):
+        convert(ConvertConfig(source, dest, workers=1, max_samples_per_shard=1, tally=NextWriter))
+    assert (dest / "manifest.json").is_file() and (dest / LOCK_NAME).is_file()
+    assert verify(dest).ok
+
+
+def test_an_overwrite_that_fails_before_it_emptied_dest_keeps_the_old_dataset(tmp_path, capsys):
+    """A run with --overwrite that cannot even write its marker (here its temporary name is taken by a folder; a
+    full disk alike) has deleted nothing: the old dataset stays, byte for byte."""
+    source, options = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "ds"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    before = _tree(tmp_path / "ds")
+    blocked = tmp_path_for(tmp_path / "ds" / MARKER_NAME)
+    blocked.mkdir()
+    _fails(capsys, source, tmp_path / "ds", "--overwrite")
+    assert blocked.is_dir() and (tmp_path / "ds" / "manifest.json").is_file()
+    blocked.rmdir()
+    assert _tree(tmp_path / "ds") == before

@@ -102,7 +102,9 @@ class Claim:
     redoes). A ``with`` block; :meth:`take` locks (:func:`lock_dest`), :meth:`reset` empties DEST
     (:func:`reset_dest`), :meth:`emptied` says the run emptied a part's folder.
 
-    Taking back removes only what the run made, and only while it holds the lock: once the folder was emptied, its
+    Taking back removes only what the run made, and only while it holds the lock and the lock file at the folder is
+    still the one it locked (removed or replaced mid-run: another writer may be using the folder, so nothing is
+    taken back and the run's files stay, marked unfinished): once the folder was emptied (this run's marker written), its
     entries (all the run's: the marker last, kept if it was there before the run); then the lock file if the run
     made it, then the folders the run made (the folder and the parents it was made in), innermost first, each only
     if empty (one that holds another process's files stays). Nothing that was there before the run goes, but what
@@ -120,10 +122,11 @@ class Claim:
     def reset(self) -> None:
         """:func:`reset_dest` under the claim: once the marker is in place, what the folder holds is the run's (an
         interruption while it is emptied included)."""
+        before = _file_id(self.folder / MARKER_NAME)
         try:
             reset_dest(self.folder)
-        finally:
-            self._emptied = (self.folder / MARKER_NAME).is_file()
+        finally:  # this run's marker is a new file (written beside the old one, then renamed over it)
+            self._emptied = _file_id(self.folder / MARKER_NAME) not in (None, before)
 
     def emptied(self) -> None:
         """The run emptied the folder itself (a part's, :func:`~fastio.convert.parts.start_part_dir`)."""
@@ -134,7 +137,7 @@ class Claim:
 
     def __exit__(self, kind, err, tb) -> None:
         try:
-            if kind is not None and self.lock.held:
+            if kind is not None and self.lock.owns_path():  # not once its lock file was removed or replaced
                 self._take_back()
         finally:
             self.lock.release()
@@ -151,6 +154,15 @@ class Claim:
                 folder.rmdir()
         except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
             pass
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of the file at ``path``, None if there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def lock_dest(lock: DirLock, dest: Path) -> None:

@@ -89,6 +89,16 @@ def current_holder(directory: str | Path) -> str | None:
     return None
 
 
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` (the same device and inode)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 class DirLock:
     """An exclusive, process-lifetime lock on a directory. Use as a context manager or ``acquire``/``release``.
 
@@ -139,15 +149,16 @@ class DirLock:
                                   f" (one writer per directory; {LOCK_NAME} is released when that process ends)") from None
             raise LockedError(f"{self.directory}: cannot lock {LOCK_NAME} ({err.strerror}); on Lustre mount with "
                               "-o flock") from None
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
-            now = None
-        held = os.fstat(fd)
-        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        if not _is_at(fd, path):
             os.close(fd)
             return None
         return fd
+
+    def owns_path(self) -> bool:
+        """Whether this lock is held and the file it holds is still the one at ``directory/.fastio-lock`` (not
+        removed or replaced since: then another writer may hold the file now there, and the directory is no longer
+        this holder's alone)."""
+        return self._fd is not None and _is_at(self._fd, self.directory / LOCK_NAME)
 
     def release(self) -> None:
         if self._fd is not None:
