@@ -217,3 +217,31 @@ def test_an_overwrite_that_fails_before_it_emptied_dest_keeps_the_old_dataset(tm
     assert blocked.is_dir() and (tmp_path / "ds" / "manifest.json").is_file()
     blocked.rmdir()
     assert _tree(tmp_path / "ds") == before
+
+
+@pytest.mark.parametrize("planted", ["a link to another folder", "a folder others can write in"])
+def test_a_staging_folder_that_is_not_the_users_own_is_refused_before_anything_is_written(
+        tmp_path, capsys, aws_env, s3_bucket, planted):
+    """The staging folder's name is known in advance (``/tmp`` by default, shared by every user): one planted there
+    (a link to a folder of the user's, or a folder anyone can write a ``dest`` link into) would have the conversion
+    empty that folder (it replaces a killed run's copy) and delete it after. It is refused, naming it; the folder
+    it leads to keeps its files."""
+    from fastio.convert.dest import staging_path
+
+    source, options = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    url, stage = f"s3://{s3_bucket}/ds", tmp_path / "stage"
+    staging = staging_path(url, stage)
+    mine = tmp_path / "mine" / "dest"
+    mine.mkdir(parents=True)
+    (mine / "only-copy.txt").write_text("irreplaceable")
+    stage.mkdir()
+    if planted == "a link to another folder":
+        staging.symlink_to(tmp_path / "mine")
+    else:
+        staging.mkdir(mode=0o777)
+        staging.chmod(0o777)
+        (staging / "dest").symlink_to(mine)
+    err = _fails(capsys, source, url, "--staging-dir", str(stage))
+    assert str(staging) in err, err
+    assert _tree(tmp_path / "mine") == {"dest": None, "dest/only-copy.txt": b"irreplaceable"}

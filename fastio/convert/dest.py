@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -308,7 +309,7 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
                       write: Callable[[Path], T], guard: Callable[[], None]) -> T:
     before = _check_remote_dest(storage, overwrite)
     old = [k for k in before if _is_dataset_key(k)]  # a previous conversion's: deleted after an overwrite
-    staging = staging_path(str(dest), staging_dir)
+    staging = _own_staging(staging_path(str(dest), staging_dir), dest)
     lock = DirLock(staging, f"fastio convert to {dest}")
     lock_dest(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
@@ -332,6 +333,24 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
         shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
         lock.release()
     return result
+
+
+def _own_staging(staging: Path, dest: str) -> Path:
+    """DEST's staging folder, made (mode 0700) if missing; ConvertError naming it if the one there is not a folder
+    of this user's that only they can write in: its name is known in advance, in a folder every user writes in
+    (``/tmp``), and a link or a folder planted there would have the conversion empty, then delete, what it leads
+    to."""
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(staging)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConvertError(f"{staging}: the staging folder of {dest} is not a folder of this user's that only they "
+                           "can write in (a link, another user's folder, or one others can write in); nothing was "
+                           "written: remove it, or give another --staging-dir")
+    return staging
 
 
 def _publish(storage: Storage, local: Path, guard: Callable[[], None]) -> list[str]:
