@@ -245,3 +245,32 @@ def test_a_staging_folder_that_is_not_the_users_own_is_refused_before_anything_i
     err = _fails(capsys, source, url, "--staging-dir", str(stage))
     assert str(staging) in err, err
     assert _tree(tmp_path / "mine") == {"dest": None, "dest/only-copy.txt": b"irreplaceable"}
+
+
+def test_files_another_process_puts_in_dest_during_a_failed_run_stay(tmp_path, capsys):
+    """DEST is the user's folder: what someone else writes in it while the run writes (under names a conversion
+    never writes) is not the run's to take back. It stays, and so that the next conversion refuses DEST instead of
+    emptying it, the run's marker goes too."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    dest = tmp_path / "new" / "ds"
+
+    class Meanwhile:  # at the run's second sample, another process writes into DEST; the run then fails
+        seen = 0
+
+        def add(self, fields):
+            Meanwhile.seen += 1
+            if Meanwhile.seen == 2:
+                (dest / "notes.txt").write_text("the user's")
+                (dest / "train").mkdir()
+                (dest / "train" / "mine.txt").write_text("the user's too")
+                raise RuntimeError("the run fails")
+
+        def manifest_fields(self):
+            return {}
+
+    with pytest.raises(RuntimeError):
+        convert(ConvertConfig(source, dest, workers=1, max_samples_per_shard=1, tally=Meanwhile))
+    assert _tree(dest) == {"notes.txt": b"the user's", "train": None, "train/mine.txt": b"the user's too"}
+    err = _fails(capsys, source, dest)
+    assert "not fastio output" in err and _tree(dest)["notes.txt"] == b"the user's"

@@ -33,13 +33,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
+from fastio.formats.media import PROBES_NAME
 from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
 from fastio.storage.url import parse_location
+from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
 
@@ -82,19 +85,40 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
     _empty(dest, keep=(MARKER_NAME, LOCK_NAME, *keep))  # the holder's lock is on the lock file
 
 
-def _empty(folder: Path, keep: tuple[str, ...]) -> None:
-    """Remove every entry of ``folder`` but those named in ``keep``; the final files (manifests, a part's record)
-    first, so that ``folder`` stops being a dataset (or a complete part) before anything else changes."""
+def _empty(folder: Path, keep: tuple[str, ...], only: Callable[[Path], bool] = lambda entry: True) -> bool:
+    """Remove every entry of ``folder`` but those named in ``keep`` (and those ``only`` refuses); the final files
+    (manifests, a part's record) first, so that ``folder`` stops being a dataset (or a complete part) before
+    anything else changes. Whether an entry that ``only`` refused was left."""
     for final in [folder / SPLITS_NAME, folder / MANIFEST_NAME, *folder.glob(f"*/{MANIFEST_NAME}"),
                   folder / PART_RECORD]:
         final.unlink(missing_ok=True)
+    left = False
     for child in folder.iterdir():
         if child.name in keep:
             continue
-        if child.is_dir() and not child.is_symlink():
+        if not only(child):
+            left = True
+        elif child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
+    return left
+
+
+# the files a conversion writes in DEST, a split's folder or a part's folder (beside shards/): a failed run takes
+# back only these, their temporary names, shards/ and folders holding nothing else
+_RUN_FILES = frozenset({MARKER_NAME, MANIFEST_NAME, SPLITS_NAME, PART_RECORD, INDEX_NAME, PROBES_NAME, STARTS_NAME})
+_RUN_NAMES = _RUN_FILES | {tmp_path_for(Path(name)).name for name in _RUN_FILES}
+
+
+def _a_runs_entry(entry: Path, depth: int = 0) -> bool:
+    """Whether ``entry`` (in a folder a run emptied) is of a kind a conversion writes there: a file of
+    ``_RUN_NAMES``, ``shards/``, or a folder (a split's) holding only such entries."""
+    if entry.name in _RUN_NAMES or (entry.name == SHARDS_DIR and not entry.is_symlink()):
+        return True
+    if depth > 0 or entry.is_symlink() or not entry.is_dir():
+        return False
+    return all(_a_runs_entry(child, depth + 1) for child in entry.iterdir())
 
 
 class Claim:
@@ -105,11 +129,13 @@ class Claim:
 
     Taking back removes only what the run made, and only while it holds the lock and the lock file at the folder is
     still the one it locked (removed or replaced mid-run: another writer may be using the folder, so nothing is
-    taken back and the run's files stay, marked unfinished): once the folder was emptied (this run's marker written), its
-    entries (all the run's: the marker last, kept if it was there before the run); then the lock file if the run
-    made it, then the folders the run made (the folder and the parents it was made in), innermost first, each only
-    if empty (one that holds another process's files stays). Nothing that was there before the run goes, but what
-    emptying the folder deleted (an interrupted run's files, a dataset replaced with ``overwrite``)."""
+    taken back and the run's files stay, marked unfinished). Once the folder was emptied (this run's marker
+    written): the entries a conversion writes (final and index files, ``shards/``, split folders holding nothing
+    else; what another process put there meanwhile stays), then the marker, kept if it was there before the run.
+    Then the lock file if the run made it, then the folders the run made (the folder and the parents it was made
+    in), innermost first, each only if empty (one that holds another process's files stays). Nothing that was
+    there before the run goes, but what emptying the folder deleted (an interrupted run's files, a dataset
+    replaced with ``overwrite``)."""
 
     def __init__(self, folder: Path, purpose: str):
         self.folder, self._emptied = folder, False
@@ -145,8 +171,8 @@ class Claim:
 
     def _take_back(self) -> None:
         try:
-            if self._emptied:
-                _empty(self.folder, keep=(LOCK_NAME, MARKER_NAME))
+            if self._emptied:  # what others put in the folder meanwhile stays (the marker keeps no run from it)
+                _empty(self.folder, keep=(LOCK_NAME, MARKER_NAME), only=_a_runs_entry)
                 if MARKER_NAME not in self._had:
                     (self.folder / MARKER_NAME).unlink(missing_ok=True)
             if LOCK_NAME not in self._had:
