@@ -264,6 +264,7 @@ def test_files_another_process_puts_in_dest_during_a_failed_run_stay(tmp_path, c
                 (dest / "notes.txt").write_text("the user's")
                 (dest / "train").mkdir()
                 (dest / "train" / "mine.txt").write_text("the user's too")
+                (dest / "train" / "manifest.json").write_text("{}")
                 raise RuntimeError("the run fails")
 
         def manifest_fields(self):
@@ -271,6 +272,23 @@ def test_files_another_process_puts_in_dest_during_a_failed_run_stay(tmp_path, c
 
     with pytest.raises(RuntimeError):
         convert(ConvertConfig(source, dest, workers=1, max_samples_per_shard=1, tally=Meanwhile))
-    assert _tree(dest) == {"notes.txt": b"the user's", "train": None, "train/mine.txt": b"the user's too"}
+    assert _tree(dest) == {"notes.txt": b"the user's", "train": None, "train/mine.txt": b"the user's too",
+                           "train/manifest.json": b"{}"}
     err = _fails(capsys, source, dest)
     assert "not fastio output" in err and _tree(dest)["notes.txt"] == b"the user's"
+
+
+def test_emptying_dest_deletes_nothing_through_a_link_in_it(tmp_path, capsys):
+    """A link in DEST to another dataset's folder (an interrupted run's DEST, replaced by the rerun; or a folder
+    given with --overwrite) goes as a link: the dataset it leads to keeps its manifest."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "other"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    before = _tree(tmp_path / "other")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / MARKER_NAME).write_text("fastio convert output; complete once manifest.json exists\n")
+    (tmp_path / "half" / "val").symlink_to(tmp_path / "other")
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "half"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "half" / "val").exists() and _tree(tmp_path / "other") == before

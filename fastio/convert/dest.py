@@ -85,24 +85,21 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
     _empty(dest, keep=(MARKER_NAME, LOCK_NAME, *keep))  # the holder's lock is on the lock file
 
 
-def _empty(folder: Path, keep: tuple[str, ...], only: Callable[[Path], bool] = lambda entry: True) -> bool:
-    """Remove every entry of ``folder`` but those named in ``keep`` (and those ``only`` refuses); the final files
-    (manifests, a part's record) first, so that ``folder`` stops being a dataset (or a complete part) before
-    anything else changes. Whether an entry that ``only`` refused was left."""
+def _empty(folder: Path, keep: tuple[str, ...], only: Callable[[Path], bool] = lambda entry: True) -> None:
+    """Remove every entry of ``folder`` but those named in ``keep`` and those ``only`` refuses (an entry of
+    ``folder``); the final files (manifests, a part's record) first, so that ``folder`` stops being a dataset (or a
+    complete part) before anything else changes."""
     for final in [folder / SPLITS_NAME, folder / MANIFEST_NAME, *folder.glob(f"*/{MANIFEST_NAME}"),
                   folder / PART_RECORD]:
-        final.unlink(missing_ok=True)
-    left = False
+        if final.parent == folder or (not final.parent.is_symlink() and only(final.parent)):  # not through a link
+            final.unlink(missing_ok=True)
     for child in folder.iterdir():
-        if child.name in keep:
+        if child.name in keep or not only(child):
             continue
-        if not only(child):
-            left = True
-        elif child.is_dir() and not child.is_symlink():
+        if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
-    return left
 
 
 # the files a conversion writes in DEST, a split's folder or a part's folder (beside shards/): a failed run takes
