@@ -3,7 +3,8 @@
 ``DirLock(dir)`` creates ``dir/.fastio-lock`` and takes an exclusive ``flock`` on it for as long as it is
 held. The kernel drops the lock when the holding process ends in any way (exit, exception, SIGKILL), so a
 requeued job never finds a stale lock; the file's content (host, pid, Slurm job, start time) only names the
-holder in the error a second writer gets. The file itself is left in place, but by a holder that made the
+holder in the error a second writer gets (a lock file that is a link is refused: nothing is written through it,
+see ``O_NOFOLLOW``). The file itself is left in place, but by a holder that made the
 directory for a run that failed and takes it back (:class:`fastio.convert.dest.Claim`): it deletes the file while
 it still holds the lock, and :meth:`DirLock.acquire` checks, once it holds a lock, that the file it locked is still
 the one at the path (else it opens the new one and locks again), so a process that opened the old file just before
@@ -137,9 +138,14 @@ class DirLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except FileNotFoundError:  # the directory went after mkdir made it sure
             return None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise LockedError(f"{self.directory}: {LOCK_NAME} is a link, not a lock file (nothing was written through "
+                              "it); remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
