@@ -297,13 +297,13 @@ class Loader:
         their reader) and its graph; checked against the read set's size."""
         cfg, rs = self.config, self.read_set
         rank, world = cfg.rank, cfg.world_size
-        if rank is None or world is None:
+        if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
+            rank, world = self._replicas.ranks(rank, world)
+        elif rank is None or world is None:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
         self._place_device()
-        if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
-            self._replicas.check_world(rank, world)
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
         source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
@@ -394,12 +394,19 @@ class Loader:
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
         state = self._checked(state, "load_state_dict")
         if self._replicas is not None:  # the position is the Manager's step; the stream follows it by itself
-            self._replicas.check_state(state, self.config.batch_size, K_STEP)
+            self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
             return
         self._close_active()
         self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
         if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
             self.epoch, self.consumed = self.epoch + 1, 0
+
+    def check_restored_with(self, app: dict[str, Any]) -> None:
+        """LoaderStateError unless a checkpoint restore of ``app`` (app key -> object) restores what this Loader's
+        position lies in besides its own state: with ``replicas=``, the torchft Manager (its step is the position).
+        :class:`fastio.Checkpointer` asks before anything loads."""
+        if self._replicas is not None:
+            self._replicas.check_restored_with(app)
 
     def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a

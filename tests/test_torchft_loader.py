@@ -183,8 +183,8 @@ def test_a_checkpointer_restore_continues_at_the_managers_step(house, image_data
     second = group_store()
     again = manager(second.port, house, 0)
     with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        with pytest.raises(CheckpointError, match="loader state is at torchft step 3, the Manager at step 0: .*put the "
-                           "Manager into the Checkpointer's app state"):
+        with pytest.raises(CheckpointError, match="app key 'loader': its position is the step of the torchft.Manager "
+                           "it was given"):
             ck.restore_latest({"loader": loader}, strict=False)
         ck.restore_latest({"loader": loader, "torchft": again})
         got = steps([(again, loader)], 2)
@@ -246,3 +246,86 @@ def test_a_group_heals_into_the_loader_made_after_it_closed_one(house, image_dat
     for m, loader in ((m0, l0), (m1, l1)):
         loader.close()
         m.shutdown(wait=False)
+
+
+def test_the_loader_takes_its_rank_and_world_from_the_manager_and_refuses_another(house, image_dataset, monkeypatch):
+    """Without rank=/world_size= the Loader is the Manager's rank of its group (not the environment's, which a
+    Manager made with rank= and world_size= need not have); a rank that is not the Manager's is refused (two ranks
+    of a group would take the same share and none the other)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    store = group_store()
+    m0 = manager(store.port, house, 0, rank=0, world=2)
+    m1 = manager(store.port, house, 0, rank=1, world=2)
+    with fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m1) as loader:
+        assert (loader.rank, loader.world_size) == (1, 2)
+    with pytest.raises(LoaderArgumentError, match=r"^Loader got rank=0 with replicas=: this torchft.Manager is rank 1 "
+                       r"of its replica group of 2; leave rank= out, or pass 1$"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m1, rank=0, world_size=2)
+    for m in (m1, m0):
+        m.shutdown(wait=False)
+
+
+def test_a_state_saved_without_replicas_at_another_position_than_the_managers_step_is_refused(house, image_dataset):
+    """A plain Loader's state (no torchft step) names its position by epoch and consumed samples: loaded into a
+    Loader with replicas= whose Manager is at another step it is refused (it was taken silently, and the run went
+    on from the Manager's step); at the Manager's step it loads."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    with _loader(image_dataset, options) as plain:
+        it = iter(plain)
+        for _ in range(3):
+            next(it)
+        state = plain.state_dict()
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader:
+        with pytest.raises(LoaderStateError, match=r"^loader state \(saved without replicas=\) is at epoch 0, 18 "
+                           r"samples consumed: global batch 3 of 6 samples, the torchft Manager at step 0: .*restore "
+                           r"the Manager at step 3"):
+            loader.load_state_dict(state)
+        m.load_state_dict({"step": 3, "batches_committed": 3})
+        loader.load_state_dict(state)
+        (b,), = steps([(m, loader)], 1)
+        assert b["step"] == 3 and b["index"].tolist() == [x.tolist() for x in _one_process(
+            image_dataset, options, 4)[3]["index"]]
+    m.shutdown(wait=False)
+
+
+def test_a_manager_without_the_state_hooks_fastio_uses_is_refused_in_one_line(house, image_dataset):
+    """A Manager of another torchft whose state dict hooks are not the ones fastio registers its state with (here:
+    one taken away) is refused naming what is missing and the torchft version, not with torchft's AttributeError."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    hooks = m._user_state_dicts
+    del m._user_state_dicts
+    try:
+        with pytest.raises(LoaderArgumentError, match=r"^replicas=: this torchft.Manager has no _user_state_dicts "
+                           r"\(torchft 2026\.10\.26\), which fastio reads \(its rank, step and quorum, and the "
+                           "state dict hooks "):
+            fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m)
+    finally:
+        m._user_state_dicts = hooks
+    m.shutdown(wait=False)
+
+
+def test_a_checkpointer_restore_without_the_manager_is_refused_before_anything_loads(house, image_dataset, tmp_path):
+    """The Loader's position is the Manager's step: a restore of an app without the Manager is refused before the
+    model loads (the model was loaded first, then the Loader refused: a run half restored)."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        steps([(m, loader)], 2)
+        ck.save(2, {"loader": loader, "torchft": m, "model": torch.nn.Linear(2, 2)}, blocking=True)
+    m.shutdown(wait=False)
+    second = group_store()
+    again = manager(second.port, house, 0)
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        with pytest.raises(CheckpointError, match=r"step-2: app key 'loader': its position is the step of the "
+                           r"torchft.Manager it was given \(replicas=\), which this app does not restore: put that "
+                           r"Manager into the app state with it"):
+            ck.restore_latest({"loader": loader, "model": model}, strict=False)
+        assert torch.equal(model.weight, before) and again.current_step() == 0
+    again.shutdown(wait=False)

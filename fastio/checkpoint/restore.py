@@ -102,9 +102,12 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
                       policy: str) -> dict[str, Any]:
     """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
     loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one (by the object's
-    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since)."""
+    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since). An
+    object with a ``check_restored_with(app)`` is asked first whether ``app`` restores what its position lies in
+    (the fastio Loader of a torchft job: the Manager)."""
     held: dict[str, Any] = {}
     for key in keys:
+        _check_restored_with(app, key, path)
         state, obj = saved.read(key, src), app[key]
         move = getattr(obj, "next_epoch_state", None) if policy == "next-epoch" else None
         if policy == "next-epoch" and not callable(move):
@@ -121,6 +124,16 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
         held[key] = state
     return held
+
+
+def _check_restored_with(app: dict[str, Any], key: str, path: Path) -> None:
+    """CheckpointError naming ``key`` when its object says ``app`` lacks what its position lies in."""
+    check = getattr(app[key], "check_restored_with", None)
+    if callable(check):
+        try:
+            check(app)
+        except FastioError as err:
+            raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
 
 
 def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:

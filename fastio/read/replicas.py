@@ -10,13 +10,18 @@ imported only when a Manager is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastio.errors import LoaderArgumentError, LoaderStateError
-from fastio.order.replicas import Share
+from fastio.order.replicas import Share, step_position
 
 __all__ = ["STATE_KEY", "TorchftReplicas"]
+
+_READ = ("_group_rank", "_group_world_size", "_user_state_dicts", "_load_state_dict_fns", "register_state_dict_fn",
+         "current_step", "num_participants", "participating_rank", "is_participating")
+"""What fastio reads of a Manager: its rank in its group and the group's size, the state dict hooks it registers the
+Loader's state with, the step and the quorum (torchft-nightly 2026.10.26 has them all)."""
 
 STATE_KEY = "fastio_loader"
 """The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders open at once)."""
@@ -31,6 +36,12 @@ class TorchftReplicas:
         if not isinstance(manager, torchft.Manager):
             raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
                                       "Manager of this replica group")
+        missing = [name for name in _READ if not hasattr(manager, name)]
+        if missing:
+            raise LoaderArgumentError(f"replicas=: this torchft.Manager has no {', '.join(missing)} (torchft "
+                                      f"{_torchft_version()}), which fastio reads (its rank, step and quorum, and the "
+                                      "state dict hooks it registers the Loader's state with); fastio is tested "
+                                      "with torchft-nightly 2026.10.26")
         self.manager = manager
         self._key: str | None = None  # the key registered in the Manager's state dict, until unregister
 
@@ -39,14 +50,20 @@ class TorchftReplicas:
         """The ranks of this replica group (the Manager's ``world_size``, its env ``WORLD_SIZE`` by default)."""
         return int(self.manager._group_world_size)
 
-    def check_world(self, rank: int, world_size: int) -> None:
-        """LoaderArgumentError when the Loader's ranks are not those of one replica group."""
-        group = self.group_world_size
-        if world_size != group:
+    def ranks(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        """``(rank, world_size)`` of the Loader in its replica group: the Manager's (``rank``/``world_size`` it was
+        made with, else its environment's ``RANK``/``WORLD_SIZE``); LoaderArgumentError for given ones that are not
+        (two ranks of a group would take the same share, and no rank the other)."""
+        group, mine = self.group_world_size, int(self.manager._group_rank)
+        if world_size is not None and world_size != group:
             raise LoaderArgumentError(
                 f"Loader got world_size={world_size} with replicas=: it counts the ranks of one replica group "
                 f"({group} for this Manager), not of all groups; leave world_size= (and rank=) out, or pass the "
                 "group's")
+        if rank is not None and rank != mine:
+            raise LoaderArgumentError(f"Loader got rank={rank} with replicas=: this torchft.Manager is rank {mine} "
+                                      f"of its replica group of {group}; leave rank= out, or pass {mine}")
+        return mine, group
 
     def step(self) -> int:
         """The Manager's step: the global batch the next batch is a share of."""
@@ -88,16 +105,53 @@ class TorchftReplicas:
             m._user_state_dicts = {k: f for k, f in m._user_state_dicts.items() if k != key}
             m._load_state_dict_fns = {k: f for k, f in m._load_state_dict_fns.items() if k != key}
 
-    def check_state(self, state: dict[str, Any], batch_size: int, step_key: str) -> None:
+    def check_restored_with(self, app: Mapping[str, Any]) -> None:
+        """LoaderStateError unless ``app`` (what a checkpoint restores with the Loader) holds the Manager: its step
+        is the Loader's position."""
+        if not any(obj is self.manager for obj in app.values()):
+            raise LoaderStateError("its position is the step of the torchft.Manager it was given (replicas=), which "
+                                   "this app does not restore: put that Manager into the app state with it "
+                                   "({'loader': loader, 'torchft': manager, ...})")
+
+    def check_state(self, state: dict[str, Any], batch_size: int, step_key: str, batches_per_epoch: int) -> None:
         """LoaderStateError unless ``state`` is of the same global batch and at the Manager's step (a restore must
-        restore the Manager's state too: the step is the position)."""
+        restore the Manager's state too: the step is the position); a state saved without replicas= (no step) at
+        the position of the Manager's step."""
         saved = state.get("batch_size")
         if saved is not None and saved != batch_size:
             raise LoaderStateError(f"loader state has batch_size={saved!r}, this Loader's global batch is "
                                    f"{batch_size} (with replicas= batch_size is the global batch of one step)")
         step = state.get(step_key)
-        if step is not None and step != self.step():
+        if step is None:
+            self._check_position(state["epoch"], state["consumed"], batch_size, batches_per_epoch)
+        elif step != self.step():
             raise LoaderStateError(
                 f"loader state is at torchft step {step}, the Manager at step {self.step()}: with replicas= the "
                 "position is the Manager's step; restore the Manager's state_dict() with the Loader's (put the "
                 "Manager into the Checkpointer's app state)")
+
+    def _check_position(self, epoch: int, consumed: int, batch_size: int, batches_per_epoch: int) -> None:
+        """LoaderStateError unless ``(epoch, consumed)`` (a state saved without replicas=) is where the Manager's
+        step is."""
+        now = self.step()
+        if (epoch, consumed) == step_position(now, batches_per_epoch, batch_size):
+            return
+        g, rest = divmod(consumed, batch_size)
+        at, fix = (f"global batch {epoch * batches_per_epoch + g} of {batch_size} samples",
+                   f"restore the Manager at step {epoch * batches_per_epoch + g} (manager.load_state_dict)") \
+            if not rest else (f"not at the end of a global batch of {batch_size} samples",
+                              "no step is at that position")
+        raise LoaderStateError(f"loader state (saved without replicas=) is at epoch {epoch}, {consumed} samples "
+                               f"consumed: {at}, the torchft Manager at step {now}: with replicas= the position is "
+                               f"the Manager's step; {fix}, or start without the loader state")
+
+
+def _torchft_version() -> str:
+    from importlib import metadata
+
+    for dist in ("torchft-nightly", "torchft"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "of unknown version"
