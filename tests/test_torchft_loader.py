@@ -329,3 +329,19 @@ def test_a_checkpointer_restore_without_the_manager_is_refused_before_anything_l
             ck.restore_latest({"loader": loader, "model": model}, strict=False)
         assert torch.equal(model.weight, before) and again.current_step() == 0
     again.shutdown(wait=False)
+
+
+def test_a_participating_group_with_an_empty_share_gets_a_flagged_repeat(house, image_dataset):
+    """A global batch of one sample over two groups: the second group's share is empty, so it gets the batch's
+    sample again flagged ``padded`` (the loss of docs/trainers.md leaves it out), and the first the sample itself."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 1}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 2)]
+    stores = group_store(), group_store()
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2))]
+    for b0, b1 in steps(pairs, 2):
+        assert b0["participating"] and b1["participating"]
+        assert (b0["index"].tolist(), b0["padded"].tolist()) == (want[b0["step"]], [False])
+        assert (b1["index"].tolist(), b1["padded"].tolist()) == (want[b0["step"]], [True])
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
