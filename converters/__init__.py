@@ -11,6 +11,7 @@ from pathlib import Path
 from fastio.converters import files, imagefolder, parquet, table
 from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
 from fastio.errors import ConvertError
+from fastio.words import count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
            "refuse_table_options", "scan"]
@@ -68,8 +69,8 @@ def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = Non
     except PermissionError as err:
         raise ConvertError(f"{err.filename or source}: permission denied") from None
     if not result.entries:
-        why = f" ({len(result.skipped)} files left out, e.g. {result.skipped[0].path}: {result.skipped[0].reason})" \
-            if result.skipped else ""
+        first = result.skipped[0] if result.skipped else None
+        why = f" ({count(len(result.skipped), 'file')} left out, e.g. {first.path}: {first.reason})" if first else ""
         raise ConvertError(f"{source}: no samples found as {fmt}{why}")
     return result
 

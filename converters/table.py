@@ -41,6 +41,7 @@ from fastio.converters.base import (
 from fastio.errors import ConvertError
 from fastio.formats.labels import check_label, choose_label_rule, integral_text, is_empty_label, label_name
 from fastio.formats.media import media_field_for_suffix
+from fastio.words import count
 
 __all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
 
@@ -107,7 +108,8 @@ def _read_csv(f, source: Path) -> tuple[list[str], list[tuple[int, Row]]]:
                 continue
             if len(values) != len(header):
                 raise ConvertError(
-                    f"{source}:{reader.line_num}: unreadable table (expected {len(header)} columns, found {len(values)})"
+                    f"{source}:{reader.line_num}: unreadable table (expected {count(len(header), 'column')}, "
+                    f"found {len(values)})"
                 )
             rows.append((reader.line_num, dict(zip(header, values))))
     except csv.Error as err:

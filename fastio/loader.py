@@ -30,12 +30,12 @@ from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
 from fastio.pipelines.base import dali_inputs, dali_reason
-from fastio.progress import count
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
 from fastio.read.readset import ReadSet, coming, open_read_set
 from fastio.read.stats import Stats
+from fastio.words import count
 
 __all__ = ["STATE_VERSION", "Loader", "LoaderConfig", "OrderOptions", "PerformanceOptions", "RankOptions",
            "ShardOptions"]
@@ -315,12 +315,12 @@ class Loader:
         self._pinned: list[int] = []  # the thread ids of its workers pinned so far
         self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
-        units = source.units
+        units = count(n, source.unit)
         if cfg.batch_size > n:
-            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({n} {units})")
+            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the dataset ({units})")
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
-                               f"dataset ({n} {units}) and drop_last leaves no batch")
+                               f"dataset ({units}) and drop_last leaves no batch")
 
     def _place_device(self) -> None:
         """The device the Loader decodes on (and torch's device of its batches)."""

@@ -1,10 +1,11 @@
 """Progress on stderr (a tqdm bar when stderr is a terminal; else, for logs such as Slurm's, one line every few
 seconds; nothing with --quiet) and summary lines.
 
-The lines every command shares: :func:`human_bytes`, :func:`count` ("1 shard", "2 shards"), :func:`skipped_lines`
+The lines every command shares: :func:`human_bytes`, :func:`count` ("1 shard", "2 shards"; its home, with the
+verbs that agree with a count, is :mod:`fastio.words`), :func:`skipped_lines`
 (skipped inputs by reason, each reason once with its count and first inputs), :func:`parse_size`,
-:func:`rate_line`, :func:`table_lines` (columns as wide as their widest cell). Imports nothing of fastio;
-``tqdm`` only when a bar is shown."""
+:func:`rate_line`, :func:`table_lines` (columns as wide as their widest cell). Imports nothing of fastio but
+:mod:`fastio.words`; ``tqdm`` only when a bar is shown."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import re
 import sys
 import time
 from typing import TextIO
+
+from fastio.words import count
 
 __all__ = ["Progress", "count", "human_bytes", "parse_size", "progress_wanted", "rate_line", "table_lines"]
 
@@ -51,11 +54,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
-
-
-def count(n: int, noun: str, plural: str | None = None) -> str:
-    """``count(1, "shard")`` -> ``1 shard``; ``count(3, "shard")`` -> ``3 shards``."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 SKIPPED_SHOWN = 5
@@ -141,7 +139,7 @@ class Progress:
         rate = self.samples / max(elapsed, 1e-9)
         eta = f"{(self.total - self.samples) / rate:.0f} s" if rate > 0 else "unknown"
         pct = 100 * self.samples / self.total if self.total else 100.0
-        return (f"{self.desc}: {self.samples}/{self.total} samples ({pct:.0f}%), {rate:.0f} samples/s, "
+        return (f"{self.desc}: {self.samples}/{count(self.total, 'sample')} ({pct:.0f}%), {rate:.0f} samples/s, "
                 f"{self.bytes / max(elapsed, 1e-9) / 1e6:.1f} MB/s, {elapsed:.0f} s elapsed, ETA {eta}")
 
     def close(self) -> None:

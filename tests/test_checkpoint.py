@@ -201,8 +201,8 @@ def test_app_without_a_saved_key_is_named(tmp_path, engine):
     app = make_app()
     with Checkpointer(tmp_path / "ck") as ckpt:
         ckpt.save(1, {"model": app["model"]}, blocking=True)
-    with pytest.raises(CheckpointError, match=r"step-1: checkpoint has no state for app key\(s\) loader, optim on rank 0 "
-                       r"\(it holds: model; written by 1 rank\(s\), this run has 1\)"):
+    with pytest.raises(CheckpointError, match=r"step-1: checkpoint has no state for app keys loader, optim on rank 0 "
+                       r"\(it holds: model; written by 1 rank, this run has 1\)"):
         Checkpointer(tmp_path / "ck").restore_latest(app)
 
 

@@ -92,7 +92,7 @@ def test_verify_skips_a_step_that_retention_deletes_while_it_is_checked(tmp_path
     monkeypatch.setattr(catalog, "_check_file", check_file)
     code, out, _ = run_cli(["ckpt", "verify", str(root)], capsys)
     assert renamed and code == 0, out
-    assert "1 committed checkpoint verified (step 2); skipped step(s) 1: being deleted" in out
+    assert "1 committed checkpoint verified (step 2); skipped step 1: being deleted" in out
     monkeypatch.setattr(catalog, "_check_file", real)  # a missing file in a step that keeps its marker: damage
     victim = root / "step-2" / sorted(scan.read_commit(root / "step-2").files)[0]
     victim.unlink()

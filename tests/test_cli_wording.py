@@ -1,5 +1,5 @@
 """Summary lines count in the singular for one ("1 shard", not "1 shards": one plural rule,
-:func:`fastio.progress.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
+:func:`fastio.words.count`), ``fastio ckpt ls`` sizes its columns to their widest cell (an engine
 ``torchsnapshot+zstd+shuffle`` pushed the later columns out of line), and a closed Loader's refusal names the
 method called (``check_state_dict`` said ``load_state_dict``). Found beside them: a summary's "1 classes",
 "a audio clip pipeline" in the refusal of samples without audio, "1 video in codec h264 are decoded" in the

@@ -1,10 +1,12 @@
 """Messages that count things say one of them in the singular ("1 sample's", "1 of 2 samples has", "1 uint16
-token"): each goes through :func:`fastio.progress.count`, the one home of the plural rule. Each test makes the
-count 1 for real (a dataset of that shape, a summary of that run) and reads the message a user sees."""
+token", "1 byte"): each goes through :func:`fastio.words.count` (or :func:`fastio.words.agree` for the word or
+verb alone), the one home of the plural rule, which every floor may import. Each test makes the count 1 for real
+(a dataset of that shape, a summary of that run) and reads the message a user sees."""
 
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -242,3 +244,117 @@ def test_a_sample_too_long_with_its_one_image_says_one_image(tmp_path):
     with pytest.raises(fastio.DatasetError, match=r"key '00000001': \d+ tokens with its 1 image expanded to "
                                                   r"image_seq_len 4000, more than seq_len \+ 1 = 513"):
         fastio.Loader(ds, pipeline=pipe, batch_size=1, device="cpu", world_size=1, rank=0)
+
+
+# The floors and leaves that import nothing else of fastio (order/, read/stats.py, formats/media.py) count through
+# fastio.words too.
+
+def test_the_rule_has_one_home_that_progress_re_exports():
+    from fastio import progress, words
+
+    assert progress.count is words.count
+    assert [words.count(n, "byte") for n in (0, 1, 2)] == ["0 bytes", "1 byte", "2 bytes"]
+    assert [words.agree(n, "has", "have") for n in (1, 2)] == ["has", "have"]
+
+
+def test_a_position_past_a_one_sample_order_says_one_sample():
+    from fastio.order.sampler import epoch_order
+
+    with pytest.raises(IndexError, match=r"^position 1 out of range for an order of 1 sample$"):
+        epoch_order([1], seed=0, epoch=0, fingerprint="f")[1]
+    with pytest.raises(IndexError, match=r"^position 3 out of range for an order of 1 sample$"):
+        epoch_order([1], seed=0, epoch=0, fingerprint="f")[np.array([0, 3])]
+
+
+def test_a_position_past_a_one_sample_mixture_epoch_says_one_sample():
+    from fastio.order.mixorder import MixSampler, MixSchedule
+    from fastio.order.sampler import SamplerSpec
+
+    schedule = MixSchedule(names=("a",), weights=(1.0,), fingerprints=("f",), samples_per_epoch=1)
+    order = MixSampler.make(SamplerSpec(seed=0), schedule, [[1]]).order(0)
+    with pytest.raises(IndexError, match=r"^position 1 out of range for a mixture epoch of 1 sample$"):
+        order[1]
+
+
+def test_a_step_of_no_global_batch_of_one_sample_says_one_sample():
+    from fastio.order.replicas import step_position
+
+    with pytest.raises(ValueError, match=r"^an epoch has no global batch of 1 sample: no step can be taken$"):
+        step_position(0, 0, 1)
+
+
+def test_the_progress_line_after_one_batch_says_one_batch(capsys):
+    from fastio.read.stats import Stats
+
+    stats = Stats(progress=True, every_s=0.0)
+    stats.end_wait(stats.begin_wait(), 1)
+    assert capsys.readouterr().err.startswith("fastio: 1 batch, ")
+
+
+def test_a_probe_table_of_one_sample_says_one_sample(tmp_path):
+    from fastio.formats.media import ProbeTable, write_probe_table
+
+    write_probe_table(tmp_path / "probes.fxp", [{}])
+    data = (tmp_path / "probes.fxp").read_bytes()
+    with pytest.raises(ValueError, match=r"^probes\.fxp: version \d+, 1 sample; expected version \d+, 2 samples$"):
+        ProbeTable(data, "probes.fxp", samples=2)
+    with pytest.raises(ValueError, match=r"version \d+, 2 samples; expected version \d+, 1 sample$"):
+        ProbeTable(data.replace(b'"samples": 1', b'"samples": 2'), "probes.fxp", samples=1)
+
+
+def test_a_shard_cut_to_one_byte_says_one_byte(one_sample, capsys):
+    loader = fastio.Loader(one_sample, pipeline=fastio.Raw(), batch_size=1, device="cpu", world_size=1, rank=0)
+    size = (one_sample / "0.tar").stat().st_size
+    os.truncate(one_sample / "0.tar", 1)
+    code, out, err = run_cli(["verify", str(one_sample)], capsys)
+    assert code == 1 and f"0.tar: size 1 byte, manifest says {size}" in out, out + err
+    with pytest.raises(fastio.DatasetError, match=rf"shard 0\.tar is 1 byte, manifest says {size}$"):
+        next(iter(loader))
+
+
+def test_a_batch_larger_than_a_one_sample_dataset_says_one_sample(one_sample):
+    with pytest.raises(fastio.DatasetError, match=r": batch_size 2 is larger than the dataset \(1 sample\)$"):
+        _loader(one_sample, fastio.Raw())
+
+
+def test_a_checkpoint_of_one_rank_lacking_one_app_key_says_one_of_each(tmp_path):
+    import torch
+
+    with fastio.Checkpointer(tmp_path / "ck", every_steps=1) as ckpt:
+        ckpt.maybe_save(1, {"model": torch.nn.Linear(2, 2)})
+    with fastio.Checkpointer(tmp_path / "ck", every_steps=1) as ckpt, pytest.raises(
+            fastio.CheckpointError, match=r": checkpoint has no state for app key optim on rank 0 \(it holds: model; "
+                                          r"written by 1 rank, this run has 1\)$"):
+        model = torch.nn.Linear(2, 2)
+        ckpt.restore_latest({"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1)})
+
+
+def test_one_silent_mel_band_says_it_holds_and_it_would():
+    with pytest.raises(ValueError, match=r"^n_mels=48 is too many for n_fft=128 at sample_rate=16000: 1 mel band \(the "
+                                         r"first: 0\) holds no FFT bin, so it would always be silent; "):
+        fastio.AudioClips(sample_rate=16000, seconds=0.25, n_mels=48, n_fft=128)
+
+
+def test_a_cache_of_one_block_shard_says_the_one_largest_shard():
+    from fastio.read.working_set import check_working_set
+
+    with pytest.raises(fastio.StorageError, match=r"\(two windows of the 1 largest shard \(a batch crossing"):
+        check_working_set([100, 100, 100], "block", 1, 0, 150, "s3://b/ds")
+
+
+def test_samples_with_one_field_fields_does_not_list_say_field(tmp_path):
+    from fastio.dataset.manifest import ShardRecord
+    from fastio.dataset.sample_table import build_index
+    from fastio.formats.dali_idx import IndexEntry
+
+    record = ShardRecord(name="a.tar", samples=1, bytes=10240, sha256="0" * 64, idx_sha256="0" * 64)
+    with pytest.raises(ValueError, match=r"^samples have field png that fields does not list$"):
+        build_index(tmp_path / "table", [(record, [IndexEntry("x", (("jpg", 512, 10), ("png", 1024, 10)))])], ["jpg"])
+
+
+def test_tokens_of_seq_len_one_over_one_token_say_one_token(one_token):
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    index_tokens(TokenIndexConfig(one_token, eos_id=0))
+    with pytest.raises(fastio.DatasetError, match=r": seq_len 1 needs more than 1 token; the corpus holds 1$"):
+        fastio.Loader(one_token, pipeline=fastio.Tokens(seq_len=1), batch_size=1, device="cpu", world_size=1, rank=0)

@@ -329,7 +329,7 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys,
             next(iter(loader))
     with Reader(Dataset(folder), ["cls"]) as reader:  # the label members too (same sizes)
         assert reader.read(np.arange(2))["cls"][1].tobytes() == b"1"  # samples before the swap still read
-        with pytest.raises(DatasetError, match=r"key 's02': field 'cls': .* holds member 's03\.cls' of 1 bytes"):
+        with pytest.raises(DatasetError, match=r"key 's02': field 'cls': .* holds member 's03\.cls' of 1 byte"):
             reader.read(np.arange(8))
 
 

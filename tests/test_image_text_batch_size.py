@@ -23,12 +23,12 @@ def _loader(vlm, **options):
 
 
 def test_a_batch_larger_than_an_epochs_sequences_is_refused_counting_sequences(vlm):
-    with pytest.raises(DatasetError, match=r"batch_size 2 is larger than the dataset \(1 packed sequences\)") as err:
+    with pytest.raises(DatasetError, match=r"batch_size 2 is larger than the dataset \(1 packed sequence\)") as err:
         _loader(vlm, batch_size=2)
     assert "samples" not in str(err.value)
 
 
 def test_drop_last_on_ranks_counts_sequences(vlm):
-    with pytest.raises(DatasetError, match=r"global batch 2 is larger than the dataset \(1 packed sequences\) and "
+    with pytest.raises(DatasetError, match=r"global batch 2 is larger than the dataset \(1 packed sequence\) and "
                                            "drop_last leaves no batch"):
         _loader(vlm, batch_size=1, world_size=2, rank=0, drop_last=True)

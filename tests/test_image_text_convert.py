@@ -98,7 +98,7 @@ def test_verify_passes_the_dataset_and_names_a_sample_whose_mask_does_not_fit_it
         writer.close()
     report = verify(tmp_path / "bad")
     assert [(p.key, p.what) for p in report.problems] == [
-        ("a", f"{MASK_FIELD} holds 1 bytes, not one bit for each of the 9 tokens"),
+        ("a", f"{MASK_FIELD} holds 1 byte, not one bit for each of the 9 tokens"),
         ("b", "its images are numbered [1], not 0..0 once each")]
 
 
@@ -136,7 +136,7 @@ def _rewrite(src: dict, line: int, **changes) -> None:
 def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(tmp_path):
     src = image_text_source(tmp_path, n=4)
     _rewrite(src, 3, images=src["rows"][2]["images"][:1])
-    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3: 1 image\(s\) in 'images' but 2 '<image>' placeholder"):
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3: 1 image in 'images' but 2 '<image>' placeholders"):
         _convert(src, tmp_path / "ds")
     assert not (tmp_path / "ds").exists()
 

@@ -54,7 +54,7 @@ def test_a_deadline_bounds_a_read_however_long_the_request_timeout(silent_endpoi
     assert StorageOptions().deadline_s == 120
     st = open_storage("s3://bucket/p", options(silent_endpoint, deadline_s=1.5))  # timeout_s stays 60
     started = time.monotonic()
-    with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 1 attempts in 1\.\d s "
+    with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 1 attempt in 1\.\d s "
                                            r"\(deadline_s=1\.5\): no answer before the deadline") as info:
         st.get("k.bin")
     assert 1.4 < time.monotonic() - started < 3 and info.value.transient

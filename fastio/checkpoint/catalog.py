@@ -30,6 +30,7 @@ from fastio.storage.base import Storage
 from fastio.storage.checksum import DIGESTS, digest_file, open_hashed
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.mirror import DirMirror
+from fastio.words import count
 
 __all__ = [
     "VerifyReport",
@@ -71,8 +72,8 @@ def _check_file(p: Path, want: dict[str, Any], held: dict[str, Any] | None = Non
     except OSError as err:
         return f"{p}: unreadable: {err.strerror or err}"
     if found != size:  # another process's truncation or append meanwhile
-        how = f"cut short while read: it ended at offset {found}" if found < size else f"grew to {found} bytes"
-        return f"{p}: {how}, commit marker says {size} bytes"
+        how = f"cut short while read: it ended at offset {found}" if found < size else f"grew to {count(found, 'byte')}"
+        return f"{p}: {how}, commit marker says {count(size, 'byte')}"
     if digest != want[algo]:
         return f"{p}: {algo} {digest[:16]}..., commit marker says {str(want[algo])[:16]}..."
     if held is not None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fastio.checkpoint import naming, publish, removal, retention, rollback, scan
 from fastio.errors import CheckpointError, StorageError
+from fastio.words import agree
 
 if TYPE_CHECKING:
     from fastio.checkpoint.group import RankGroup
@@ -124,8 +125,8 @@ class Commit(Protocol):
 
 def _warn_superseded(where: object, step: int, floor: int, steps: list[int]) -> None:
     if steps:
-        log.warning("fastio: %s: committing step %d after a rollback to step %d: step(s) %s superseded (files kept, "
-                    "no longer checkpoints)", where, step, floor, ", ".join(map(str, steps)))
+        log.warning("fastio: %s: committing step %d after a rollback to step %d: %s %s superseded (files kept, "
+                    "no longer checkpoints)", where, step, floor, agree(len(steps), "step"), ", ".join(map(str, steps)))
 
 
 class _Steps:

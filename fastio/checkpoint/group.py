@@ -64,6 +64,7 @@ from fastio.checkpoint import agree
 from fastio.checkpoint.engines.base import first_line
 from fastio.dist import default_store, process_gone
 from fastio.errors import CheckpointError, FastioError
+from fastio.words import count
 
 __all__ = ["RankGroup"]
 
@@ -182,7 +183,7 @@ class RankGroup:
         failed = [(r, p) for r, p in enumerate(every) if p]
         if failed:
             rank, text = failed[0]
-            more = f", and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
+            more = f", and {count(len(failed) - 1, 'other rank')}" if len(failed) > 1 else ""
             where = f" ({phase} failed on rank {rank}{more})" if self.world > 1 and blame else ""
             raise CheckpointError(f"{text}{where}") from cause
 

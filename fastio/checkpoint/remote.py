@@ -50,6 +50,7 @@ from fastio.storage import open_storage
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
+from fastio.words import agree
 
 __all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
 
@@ -262,8 +263,8 @@ class RemoteCheckpoints:
         for step in old + sorted(leftovers):
             self.mirror.remove(naming.step_name(step))
         if leftovers:
-            log.info("fastio: %s: removed leftovers of uncommitted step(s) %s (older than committed step %d)",
-                     self.url, ", ".join(map(str, sorted(leftovers))), done[-1])
+            log.info("fastio: %s: removed leftovers of uncommitted %s %s (older than committed step %d)",
+                     self.url, agree(len(leftovers), "step"), ", ".join(map(str, sorted(leftovers))), done[-1])
 
     def after_commit(self, keep: int) -> None:
         """Upload every locally committed step the store lacks, then apply retention on the store; each only

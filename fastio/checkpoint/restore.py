@@ -38,6 +38,7 @@ from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError, FastioError
+from fastio.words import agree, count
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -302,7 +303,7 @@ class Restorer:
             problems = self._fetch(cand) or self._check_step(cand, path)
             if not problems:
                 return cand, skipped
-            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            more = f" (and {count(len(problems) - 1, 'more problem')})" if len(problems) > 1 else ""
             skipped.append((cand, str(path), problems[0] + more))
             if step is not None:
                 raise CheckpointError(f"{path}: damaged checkpoint: {problems[0]}{more}")
@@ -388,8 +389,9 @@ class Restorer:
         sharded = holds_dtensor(app)
         if sharded and name != "dcp":
             raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "
-                                  f"(FSDP2 / tensor parallel) state of app key(s) {', '.join(sharded)}: restore it "
-                                  "into the unsharded model and save again with engine='dcp'")
+                                  f"(FSDP2 / tensor parallel) state of {agree(len(sharded), 'app key')} "
+                                  f"{', '.join(sharded)}: restore it into the unsharded model and save again with "
+                                  "engine='dcp'")
         engine = self.engine(name)
         prepared, _ = engine.prepare(app)
         saved = engine.open(files, pg=self.ranks.pg, held=self.held)
@@ -400,12 +402,12 @@ class Restorer:
         if missing:
             holds = ", ".join(sorted(k for k in have if not k.startswith(RESERVED_PREFIX))) or "nothing"
             raise CheckpointError(
-                f"{path}: checkpoint has no state for app key(s) {', '.join(missing)} on rank {src} "
-                f"(it holds: {holds}; written by {world} rank(s), this run has {self.world_size})")
+                f"{path}: checkpoint has no state for {agree(len(missing), 'app key')} {', '.join(missing)} on rank "
+                f"{src} (it holds: {holds}; written by {count(world, 'rank')}, this run has {self.world_size})")
         extra = sorted(k for k in have if k not in prepared and not k.startswith(RESERVED_PREFIX))
         if extra and strict:
-            raise CheckpointError(f"{path}: checkpoint holds state for app key(s) {', '.join(extra)}, which this "
-                                  "app lacks (restore_latest(..., strict=False) skips them)")
+            raise CheckpointError(f"{path}: checkpoint holds state for {agree(len(extra), 'app key')} "
+                                  f"{', '.join(extra)}, which this app lacks (restore_latest(..., strict=False) skips them)")
         held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
         targets = {k: v for k, v in prepared.items() if k not in held}
         whose = f" (rank {self.rank} takes saved rank {src}'s state)" if world != self.world_size else ""
@@ -469,9 +471,10 @@ class Restorer:
             log.warning("fastio: %s restored with strict=False; skipped: %s", path, "; ".join(skipped))
         if elastic:
             if self.rank == 0:
-                log.warning("fastio: %s was written by %d rank(s), this run has %d: replicated %s restored on "
+                log.warning("fastio: %s was written by %s, this run has %d: replicated %s restored on "
                             "every rank; per-rank %s from saved rank r %% %d, progress from rank 0; RNG not "
-                            "restored (left as this run seeded it)", path, opened.saved_world, self.world_size,
+                            "restored (left as this run seeded it)", path, count(opened.saved_world, "rank"),
+                            self.world_size,
                             ", ".join(replicated) or "nothing", ", ".join(per_rank) or "nothing", opened.saved_world)
         elif has_rng:
             restore_rng(targets[RNG_KEY].state)

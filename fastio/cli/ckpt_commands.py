@@ -8,6 +8,7 @@ import click
 
 from fastio.cli.group import cli, storage_flags, storage_options
 from fastio.progress import count, human_bytes, table_lines
+from fastio.words import agree
 
 __all__ = ["ckpt"]
 
@@ -64,6 +65,7 @@ def verify_cmd(directory: str, include_uncommitted: bool, endpoint_url: str | No
         for line in report.problems:
             click.echo(line)
         raise click.exceptions.Exit(1)
-    gone = f"; skipped step(s) {', '.join(map(str, report.vanished))}: being deleted" if report.vanished else ""
+    steps = agree(len(report.vanished), "step")
+    gone = f"; skipped {steps} {', '.join(map(str, report.vanished))}: being deleted" if report.vanished else ""
     click.echo(f"{directory}: {count(len(report.steps), 'committed checkpoint')} verified "
                f"({', '.join(f'step {s}' for s in report.steps) or 'none'}){gone}")

@@ -323,7 +323,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
     from fastio.convert.listing import paths_pattern
     from fastio.convert.wds_index import IndexConfig, index_shards
-    from fastio.progress import progress_wanted
+    from fastio.progress import count, progress_wanted
 
     if eos_id is not None:
         _index_tokens(click.get_current_context(), quiet)
@@ -338,7 +338,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     except ValueError as err:
         raise DatasetError(_in_flags(str(err), leading=True)) from None
     show = progress_wanted(quiet)
-    report = (lambda done, total: click.echo(f"\rindexed {done}/{total} shards", nl=done == total, err=True)) \
+    report = (lambda done, total: click.echo(f"\rindexed {done}/{count(total, 'shard')}", nl=done == total, err=True)) \
         if show else None
     try:
         result = index_shards(config, progress=report)
@@ -457,7 +457,7 @@ def _print_packing(p: dict[str, Any] | None) -> None:
 
     if p:
         c = p["concat"]
-        click.echo(f"packing:  seq_len {p['seq_len']}, window {p['window']} documents: concat "
+        click.echo(f"packing:  seq_len {p['seq_len']}, window {count(p['window'], 'document')}: concat "
                    f"{count(c['sequences'], 'sequence')} ({count(c['tail_tokens'], 'token')} of tail left out); "
                    f"best-fit {p['best-fit']['sequences']} "
                    f"(padding {p['best-fit']['padding_fraction']:.1%}), first-fit {p['first-fit']['sequences']} "
@@ -490,8 +490,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
-    click.echo(f"order:    epochs {info['epoch']}..{info['epoch'] + info['epochs'] - 1}, {info['batches']} batches "
-               f"of {info['batch_size']} (seed {info['seed']})")
+    click.echo(f"order:    epochs {info['epoch']}..{info['epoch'] + info['epochs'] - 1}, "
+               f"{count(info['batches'], 'batch', 'batches')} of {info['batch_size']} (seed {info['seed']})")
     for name, b in info["per_batch"].items():
         r = info["repeat_distance"][name]
         again = f"repeats after >= {r['min']} (median {r['median']:g}) positions" if r["repeats"] else "no repeat"
@@ -501,7 +501,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     if len(info["phases"]) > 1 or info["phases"][0]["position"]:
         for p in info["phases"]:
             shares = ", ".join(f"{k} {w:.4f}" for k, w in p["shares"].items())
-            click.echo(f"phase:    from position {p['position']}: {shares}; {p['batches']} batches wholly inside")
+            click.echo(f"phase:    from position {p['position']}: {shares}; "
+                       f"{count(p['batches'], 'batch', 'batches')} wholly inside")
             for name, b in p["per_batch"].items():
                 if b["min"] is not None:
                     click.echo(f"  {name:<12} per batch {b['min']}..{b['max']} (expected {b['expected']:g}, max "
@@ -542,9 +543,9 @@ def _print_info(info: dict[str, Any]) -> None:
                    f"document min {d['min']}  median {d['median']}  max {d['max']}")
         chat = tokens.get("chat")
         if chat:
-            click.echo(f"chat:     conversations, {chat['trained_tokens']} tokens trained "
+            click.echo(f"chat:     conversations, {count(chat['trained_tokens'], 'token')} trained "
                        f"({100 * chat['trained_tokens'] / max(tokens['total_tokens'], 1):.1f}%, "
-                       f"train_on {chat['train_on']}); the longest {chat['longest']} tokens: seq_len at least "
+                       f"train_on {chat['train_on']}); the longest {count(chat['longest'], 'token')}: seq_len at least "
                        f"{max(chat['longest'] - 1, 1)} with packing='best-fit'")
         _print_packing(info.get("packing"))
         return

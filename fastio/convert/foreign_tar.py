@@ -34,6 +34,7 @@ from fastio.formats.dali_idx import IndexEntry
 from fastio.formats.labels import parse_label
 from fastio.formats.wds import field_of, is_field_name, split_member_name
 from fastio.storage.checksum import digests_file
+from fastio.words import count
 
 __all__ = ["COMPRESSED", "TarContents", "as_fields", "read_tar"]
 
@@ -77,7 +78,7 @@ def _check_head(path: Path, name: str) -> None:
             raise DatasetError(f"{name}: a {kind}-compressed tar: its members cannot be read at offsets; "
                                "`fastio convert` it into a dataset (or decompress it) instead")
     if len(head) < 512:
-        raise DatasetError(f"{name}: not a tar ({len(head)} bytes, shorter than one tar block)")
+        raise DatasetError(f"{name}: not a tar ({count(len(head), 'byte')}, shorter than one tar block)")
     try:
         tarfile.TarInfo.frombuf(head, "utf-8", "surrogateescape")
     except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError):

@@ -55,6 +55,7 @@ from fastio.formats.image_text import (
 )
 from fastio.storage import is_remote, parse_location
 from fastio.storage.checksum import sha256_file
+from fastio.words import agree, count
 
 __all__ = ["ImageTextOptions", "convert_image_text", "scan_image_text"]
 
@@ -200,8 +201,8 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
         raise ConvertError(f"{where}: field {options.image_field!r} is not a list of image paths")
     if len(paths) != placeholders:
-        raise ConvertError(f"{where}: {len(paths)} image(s) in {options.image_field!r} but {placeholders} "
-                           f"{options.image_token!r} placeholder(s) in {options.messages_field!r}")
+        raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
+                           f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}")
     fields: dict[str, Any] = {}
     for n, value in enumerate(paths):
         at = f"{where}: {options.image_field}[{n}]"

@@ -221,7 +221,7 @@ def _complete_parts(dest: Path, n: int) -> list[PartRecord]:
             raise ConvertError(f"{directory}: part record says part {record.part} of {record.of}")
         records.append(record)
     if missing:
-        raise ConvertError(f"{dest}: {len(missing)} of {n} parts not complete, {_rerun(dest, n, records)} and "
+        raise ConvertError(f"{dest}: {len(missing)} of {count(n, 'part')} not complete, {_rerun(dest, n, records)} and "
                            f"merge again: {', '.join(missing)}")
     return records
 
@@ -270,7 +270,7 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
                                    f"continue at {at}")
             at = end
         if at != ref.datasets[name]["count"]:
-            raise ConvertError(f"{dest}: parts cover {at} of {ref.datasets[name]['count']} samples")
+            raise ConvertError(f"{dest}: parts cover {at} of {count(ref.datasets[name]['count'], 'sample')}")
     return ref.plan
 
 
@@ -406,7 +406,7 @@ def _read_index(path: Path, shard: ShardRecord) -> list[IndexEntry]:
     except (ValueError, UnicodeDecodeError) as err:
         raise ConvertError(f"{idx}: {err}") from None
     if len(entries) != shard.samples:
-        raise ConvertError(f"{idx}: lists {len(entries)} samples, its manifest {shard.samples}")
+        raise ConvertError(f"{idx}: lists {count(len(entries), 'sample')}, its manifest {shard.samples}")
     return entries
 
 

@@ -226,8 +226,8 @@ def _scan_bin(storage: Storage, pair: _Pair, ends: _LastTokens, ids: IdScan, dty
                 pending.append(pool.submit(fetch, starts[i + _AHEAD]))
             pending[i] = None
             if len(data) != min(_RANGE, pair.bin_size - start):
-                raise DatasetError(f"{_display(storage, pair.bin_key)}: shorter than listed ({pair.bin_size} bytes): "
-                                   "changed while it was indexed")
+                raise DatasetError(f"{_display(storage, pair.bin_key)}: shorter than listed "
+                                   f"({count(pair.bin_size, 'byte')}): changed while it was indexed")
             for h in hashes.values():
                 h.update(data)
             tokens = np.frombuffer(data, dtype)

@@ -84,6 +84,7 @@ from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import LockedError
 from fastio.storage.options import StorageOptions
+from fastio.words import agree
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "index_shards", "merge_index_parts"]
 
@@ -505,7 +506,7 @@ def _first_difference(old: bytes, new: bytes) -> str:
     for n, (x, y) in enumerate(zip(a, b), start=1):
         if x != y:
             return f"line {n}"
-    return f"{len(a)} lines, fastio makes {len(b)}"
+    return f"{count(len(a), 'line')}, fastio makes {len(b)}"
 
 
 def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str]) -> str | None:
@@ -515,7 +516,7 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
         if counts[wanted] != total:
             lacking = total - counts[wanted]
             raise DatasetError(f"label_field: {lacking} of {count(total, 'sample')} "
-                               f"{'lacks' if lacking == 1 else 'lack'} field {wanted!r}")
+                               f"{agree(lacking, 'lacks', 'lack')} field {wanted!r}")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
 

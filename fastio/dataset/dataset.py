@@ -27,6 +27,7 @@ from fastio.formats.dali_idx import IndexEntry, key_crcs, load_index
 from fastio.formats.labels import parse_label
 from fastio.formats.media import ProbeTable
 from fastio.storage.checksum import DIGESTS
+from fastio.words import count
 
 __all__ = ["Dataset", "Rows", "Shard", "SampleTable"]
 
@@ -296,9 +297,9 @@ class Dataset:
         short = [f for f in wanted if counts is not None and counts.get(f, 0) < len(self)]
         if short:
             f = short[0]
-            raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {len(self)} samples, and this "
-                               "pipeline needs it in every sample (pipeline=fastio.Raw() delivers the samples lacking it, "
-                               "with batch['has'])")
+            raise DatasetError(f"{self.root}: field {f!r} is in {counts.get(f, 0)} of {count(len(self), 'sample')}, "
+                               "and this pipeline needs it in every sample (pipeline=fastio.Raw() delivers the samples "
+                               "lacking it, with batch['has'])")
 
 
 def _digest(algo: str, data) -> str:

@@ -31,6 +31,7 @@ from fastio.storage.base import Storage, open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache, default_cache_dir
 from fastio.storage.options import StorageOptions
 from fastio.storage.url import local_or_url
+from fastio.words import count
 
 __all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "no_manifest",
            "open_files"]
@@ -229,7 +230,7 @@ class RemoteFiles(DatasetFiles):
                     where = key.rsplit("/", 1)[1] if location.startswith(f"{SHARDS_DIR}/") else storage.url_of(key)
                     raise DatasetError(f"{self.storage.url}: shard file {where} is missing")
                 if size is not None and found[key] != size:
-                    raise DatasetError(f"{storage.url_of(key)}: shard {r.name} is {found[key]} bytes, "
+                    raise DatasetError(f"{storage.url_of(key)}: shard {r.name} is {count(found[key], 'byte')}, "
                                        f"the manifest says {size}")
 
     def _fetch(self, storage: Storage, key: str, path: Path, sha256: str, what: str) -> None:
@@ -251,7 +252,7 @@ class RemoteFiles(DatasetFiles):
         where = [self._where(r.tar_key) for r in records]
         storages = {id(st): st for st, _ in where}
         if len(storages) > 1:
-            raise DatasetError(f"{self.storage.url}: shards lie in {len(storages)} places (DEST and buckets "
+            raise DatasetError(f"{self.storage.url}: shards lie in {count(len(storages), 'place')} (DEST and buckets "
                                f"{', '.join(sorted(self._buckets))}); one dataset reads shards from one")
         storage = next(iter(storages.values()), self.storage)
         return storage, [CacheEntry(r.name, key, r.sha256, r.bytes, r.xxh3_128) for r, (_, key) in zip(records, where)]

@@ -25,6 +25,7 @@ from fastio.formats.labels import LABEL_RULES
 from fastio.formats.token_mask import MASK_FORMAT
 from fastio.formats.wds import is_field_name, is_plain_name
 from fastio.storage.atomic import atomic_write_bytes
+from fastio.words import agree
 
 __all__ = [
     "FORMAT",
@@ -355,7 +356,7 @@ def _check_in_vocabulary(value: int | None, vocab: int | None, where: str) -> No
     """A largest id (None: not known) inside a vocabulary of ``vocab`` ids (None: not known); DatasetError naming
     ``where``."""
     if value is not None and vocab is not None and value >= vocab:
-        raise DatasetError(f"{where}: {value} is outside the vocabulary of {vocab} ids")
+        raise DatasetError(f"{where}: {value} is outside the vocabulary of {vocab} {agree(vocab, 'id')}")
 
 
 def embedding_size(vocab_size: int | None, max_id: int | None) -> int | None:

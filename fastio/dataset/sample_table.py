@@ -47,9 +47,9 @@ import numpy as np
 from fastio.dataset.manifest import IndexRecord, ShardRecord
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry
-from fastio.progress import count
 from fastio.storage.atomic import atomic_write_bytes, publish, tmp_path_for
 from fastio.storage.checksum import DIGESTS, HashingWriter, digests_file, sha256_file
+from fastio.words import agree, count
 
 __all__ = ["INDEX_NAME", "INDEX_VERSION", "IndexBuilder", "Rows", "SampleIndex", "build_index", "check_index",
            "check_once"]
@@ -128,7 +128,7 @@ class IndexBuilder:
         span = np.asarray(span_offset, np.int64)
         sizes = {f: np.asarray(v, np.int64) for f, v in sizes.items()}
         if len(span) != n or any(len(v) != n for v in sizes.values()):
-            raise ValueError(f"shard {record.name}: columns of {len(span)} samples, record says {n}")
+            raise ValueError(f"shard {record.name}: columns of {count(len(span), 'sample')}, record says {n}")
         if offsets is None:
             self._shards.append((record.name, span, {}, sizes))
             return
@@ -148,7 +148,8 @@ class IndexBuilder:
         fields = sorted(fields)
         extra = {f for _, _, _, sizes in self._shards for f in sizes} - set(fields)
         if extra:
-            raise ValueError(f"samples have field(s) {', '.join(sorted(extra))} that fields does not list")
+            raise ValueError(f"samples have {agree(len(extra), 'field')} {', '.join(sorted(extra))} that fields does "
+                             "not list")
         n = sum(len(span) for _, span, _, _ in self._shards)
         span_max = max((int(span.max()) for _, span, _, _ in self._shards if len(span)), default=0)
         columns: list[tuple[str, np.dtype, list[np.ndarray], int]] = [
@@ -300,8 +301,8 @@ class SampleIndex:
         except (ValueError, KeyError, TypeError) as err:
             raise DatasetError(f"{source}: sample index header does not parse ({err})") from None
         if n != self.samples or shards != len(counts):
-            raise DatasetError(f"{source}: sample index lists {n} samples in {shards} shards, the manifest "
-                               f"{self.samples} in {len(counts)}")
+            raise DatasetError(f"{source}: sample index lists {count(n, 'sample')} in {count(shards, 'shard')}, the "
+                               f"manifest {self.samples} in {len(counts)}")
         if idx_fields != self.fields:
             raise DatasetError(f"{source}: sample index fields {idx_fields} differ from the manifest's {self.fields}")
         if stored not in ("derived", "stored"):
@@ -337,7 +338,7 @@ class SampleIndex:
                 stat = os.fstat(f.fileno())
                 size = stat.st_size
                 if record is not None and size != record.bytes:
-                    raise DatasetError(f"{path}: sample index is {size} bytes, the manifest says {record.bytes}")
+                    raise DatasetError(f"{path}: sample index is {count(size, 'byte')}, the manifest says {record.bytes}")
                 if verify and record is not None and sha256_file(path)[1] != record.sha256:
                     raise DatasetError(f"{path}: sample index sha256 does not match the manifest")
                 buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -365,7 +366,7 @@ class SampleIndex:
         bytes), and ends inside the shard's size. O(samples), a chunk of rows at a time."""
         sizes = np.asarray(shard_bytes, np.int64)
         if len(sizes) != len(self._starts) - 1:
-            raise ValueError(f"{len(sizes)} shard sizes for {len(self._starts) - 1} shards")
+            raise ValueError(f"{count(len(sizes), 'shard size')} for {count(len(self._starts) - 1, 'shard')}")
         prev_shard, prev_end = -1, 0
         for a in range(0, self.samples, chunk):
             b = min(a + chunk, self.samples)
@@ -383,7 +384,7 @@ class SampleIndex:
             if bad.any():
                 j = int(np.argmax(bad))
                 s = int(shard[j])
-                what = (f"ends at byte {int(end[j])}, past the shard's {int(sizes[s])} bytes" if end[j] > sizes[s]
+                what = (f"ends at byte {int(end[j])}, past the shard's {count(int(sizes[s]), 'byte')}" if end[j] > sizes[s]
                         else f"starts at byte {int(rows.span_offset[j])}, inside the previous sample or header")
                 raise DatasetError(f"{self.source}: sample index row {a + j} (shard #{s}, sample "
                                    f"{a + j - int(self._starts[s])}) {what}: a damaged or tampered index "
@@ -447,7 +448,7 @@ def check_index(path: Path, record: IndexRecord, shards: Sequence[tuple[ShardRec
     size, digest = sha256_file(path)
     problems = []
     if size != record.bytes:
-        problems.append(f"size {size} bytes, manifest says {record.bytes}")
+        problems.append(f"size {count(size, 'byte')}, manifest says {record.bytes}")
     if digest != record.sha256:
         problems.append("sha256 does not match the manifest")
     if record.xxh3_128 is not None and digests_file(path, ("xxh3_128",))[1]["xxh3_128"] != record.xxh3_128:

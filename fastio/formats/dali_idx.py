@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fastio.formats.wds import member_name, split_member_name
-from fastio.progress import count
+from fastio.words import count
 
 __all__ = ["INDEX_VERSION", "IndexEntry", "check_index", "format_index", "key_crcs", "load_index", "parse_index"]
 
@@ -110,7 +110,7 @@ def check_index(entries: list[IndexEntry], *, samples: int, tar_bytes: int, sour
             if offset % _BLOCK or offset < end + _BLOCK or offset + size > tar_bytes:
                 what = f"{source}: entry {n} (key {key!r}) field {ext!r}: offset {offset} size {size}"
                 if offset + size > tar_bytes:
-                    raise ValueError(f"{what} reaches past the end of the shard ({tar_bytes} bytes)")
+                    raise ValueError(f"{what} reaches past the end of the shard ({count(tar_bytes, 'byte')})")
                 raise ValueError(f"{what} is not the start of a member's data after the previous member")
             end = offset + -(-size // _BLOCK) * _BLOCK
 

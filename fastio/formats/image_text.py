@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from fastio.formats.images import is_image_field
+from fastio.words import count
 
 __all__ = ["MASK_FIELD", "OPTIONS_KEY", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens",
            "image_field_name", "image_number", "is_image_text", "member_problems"]
@@ -77,9 +78,9 @@ def decode_sample(tokens: bytes, mask: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def _size_problems(tokens: int, mask: int) -> Iterable[str]:
     if tokens % 4:
-        yield f"{TOKENS_FIELD} holds {tokens} bytes, not a whole number of int32 ids"
+        yield f"{TOKENS_FIELD} holds {count(tokens, 'byte')}, not a whole number of int32 ids"
     elif mask != -(-(tokens // 4) // 8):
-        yield f"{MASK_FIELD} holds {mask} bytes, not one bit for each of the {tokens // 4} tokens"
+        yield f"{MASK_FIELD} holds {count(mask, 'byte')}, not one bit for each of the {count(tokens // 4, 'token')}"
 
 
 def member_problems(sizes: dict[str, int]) -> list[str]:

@@ -19,6 +19,8 @@ import struct
 import warnings
 from contextlib import contextmanager
 
+from fastio.words import count
+
 __all__ = [
     "DEFAULT_MAX_PIXELS",
     "IMAGE_FIELDS",
@@ -105,7 +107,7 @@ def check_pixels(data, max_pixels: int | None) -> tuple[int, int]:
     except ValueError as err:
         raise ImageCheckError(f"not a readable image ({err})") from None
     if max_pixels is not None and w * h > max_pixels:
-        raise ImageCheckError(f"image of {w}x{h} = {w * h} pixels is over the limit of {max_pixels} (max_pixels)")
+        raise ImageCheckError(f"image of {w}x{h} = {count(w * h, 'pixel')} is over the limit of {max_pixels} (max_pixels)")
     return w, h
 
 

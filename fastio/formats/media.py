@@ -24,6 +24,8 @@ import json
 import os
 from typing import Any
 
+from fastio.words import agree, count
+
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
            "PROBES_NAME", "PROBE_FIELD", "DECODER_CODECS", "VIDEO_DECODERS", "VIDEO_FIELDS", "TRANSCODES",
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
@@ -377,9 +379,9 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
         raise MediaCheckError(_video_refusal(codec, video_decoder))
     keyframes = info.get("keyframes") or [0]  # a container that flags none: decoded from its first frame
     if keyframes[0] != 0:  # cut from a longer stream (ffmpeg -c copy -ss at a frame that is not a keyframe)
-        raise MediaCheckError(f"its first frame is not a keyframe: its {keyframes[0]} frames before the first keyframe "
-                              "refer to frames it does not have and cannot be decoded; re-encode it (e.g. ffmpeg "
-                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
+        raise MediaCheckError(f"its first frame is not a keyframe: its {count(keyframes[0], 'frame')} before the first "
+                              f"keyframe {agree(keyframes[0], 'refers', 'refer')} to frames it does not have and cannot "
+                              "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
@@ -542,8 +544,8 @@ class ProbeTable:
             size = int.from_bytes(data[8:16], "little")
             header = json.loads(bytes(data[16:16 + size]))
             if header["version"] != _PROBES_VERSION or header["samples"] != samples:
-                raise ValueError(f"version {header['version']}, {header['samples']} samples; expected version "
-                                 f"{_PROBES_VERSION}, {samples} samples")
+                raise ValueError(f"version {header['version']}, {count(header['samples'], 'sample')}; expected "
+                                 f"version {_PROBES_VERSION}, {count(samples, 'sample')}")
             start = 16 + size + (-(16 + size) % 8)
             self._offsets = np.frombuffer(data, "<i8", samples + 1, start)
             self._blob = memoryview(data)[start + 8 * (samples + 1):]
@@ -581,7 +583,7 @@ class ProbeTable:
         a, b = int(self._offsets[index]), int(self._offsets[index + 1])
         try:
             if not 0 <= a <= b <= len(self._blob):
-                raise ValueError(f"entry at {a}..{b} outside the table's {len(self._blob)} bytes")
+                raise ValueError(f"entry at {a}..{b} outside the table's {count(len(self._blob), 'byte')}")
             entry = json.loads(self._blob[a:b].tobytes() or b"{}").get(field)
         except (ValueError, AttributeError) as err:
             raise ValueError(f"{self.where}: sample {index}: damaged probe entry ({err})") from None

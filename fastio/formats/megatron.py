@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from fastio.errors import DatasetError
-from fastio.progress import count
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
+from fastio.words import count
 
 __all__ = ["CHECK_CHUNK", "HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronIndex", "MegatronShard", "MegatronWriter",
            "WrittenShard", "partner_path", "token_dtype"]
@@ -114,13 +114,14 @@ class MegatronIndex:
         n = self.sequences
         plain = HEADER_BYTES + n * 12 + entries * 8
         if size not in (plain, plain + n):  # + n: Megatron's multimodal sequence modes
-            raise DatasetError(f"{self.name}: {size} bytes, its header ({n} sequences, {entries - 1} documents) "
+            raise DatasetError(f"{self.name}: {count(size, 'byte')}, its header ({count(n, 'sequence')}, "
+                               f"{count(entries - 1, 'document')}) "
                                f"needs {plain}: truncated or not a Megatron .idx")
         self.documents = entries - 1
         self.one_per_document = one_per_document
         if one_per_document and self.documents != n:
-            raise DatasetError(f"{self.name}: {n} sequences for {self.documents} documents, and its manifest says one "
-                               "sequence per document")
+            raise DatasetError(f"{self.name}: {count(n, 'sequence')} for {count(self.documents, 'document')}, and its "
+                               "manifest says one sequence per document")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._map = getattr(mm, "_mmap", None)
         self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
@@ -292,7 +293,7 @@ class MegatronIndex:
             last = int(chunk[-1])
             self._advise("MADV_DONTNEED")
         if not ok:
-            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {n} sequences")
+            raise DatasetError(f"{self.name}: document indices do not run from 0 up to the {count(n, 'sequence')}")
 
     def is_one_per_document(self) -> bool:
         """Whether document ``j`` is sequence ``j`` for every ``j`` (``doc_index`` is 0, 1, ..., N; O(N), in chunks
@@ -417,7 +418,7 @@ class MegatronWriter:
         """Append documents back to back: ``tokens`` holds them all, ``lengths`` their token counts (in order)."""
         tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int64)
         if int(lengths.sum()) != tokens.size or (lengths.size and lengths.min() < 0):
-            raise ValueError(f"lengths add up to {int(lengths.sum())}, not the {tokens.size} tokens given")
+            raise ValueError(f"lengths add up to {int(lengths.sum())}, not the {count(tokens.size, 'token')} given")
         if tokens.size and (tokens.min() < 0 or tokens.max() > self._limit):
             bad = int(tokens[(tokens < 0) | (tokens > self._limit)][0])
             raise ValueError(f"token id {bad} does not fit {self.dtype.name} ({self.bin_path.name})")

@@ -24,6 +24,7 @@ import numpy as np
 from fastio.errors import DatasetError
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
+from fastio.words import count
 
 __all__ = ["MAGIC", "MASK_FORMAT", "MASK_SUFFIX", "MaskFile", "MaskWriter", "WrittenMask", "mask_path", "mask_size"]
 
@@ -111,7 +112,7 @@ class MaskFile:
         try:
             size = os.fstat(fd).st_size
             if size != mask_size(tokens):
-                raise DatasetError(f"{self.path}: {size} bytes, a loss mask of {tokens} tokens has "
+                raise DatasetError(f"{self.path}: {count(size, 'byte')}, a loss mask of {count(tokens, 'token')} has "
                                    f"{mask_size(tokens)}: truncated or not this shard's")
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         finally:

@@ -47,6 +47,7 @@ import numpy as np
 
 from fastio.order.feistel import domain_bits, permute, round_keys
 from fastio.order.sampler import EpochOrder, Sampler, SamplerSpec
+from fastio.words import count
 
 __all__ = ["MAX_PERIOD", "MIX_ALGORITHM", "MixOrder", "MixSampler", "MixSchedule", "check_positions", "check_shares",
            "integer_weights", "window_spread"]
@@ -208,7 +209,8 @@ class MixSchedule:
         check_positions([0, *(pos for pos, _ in self.changes)], "schedule")  # schedule[0]: weights, at 0
         for i, (pos, weights) in enumerate(self.changes):
             if len(weights) != len(self.names):
-                raise ValueError(f"changes[{i}] (position {pos}): {len(weights)} weights for {len(self.names)} sources")
+                raise ValueError(f"changes[{i}] (position {pos}): {count(len(weights), 'weight')} for "
+                                 f"{count(len(self.names), 'source')}")
             _check_weights(self.names, weights, f" (the schedule's entry at position {pos})")
         if self.samples_per_epoch < 1:
             raise ValueError(f"samples_per_epoch must be >= 1, got {self.samples_per_epoch!r}")
@@ -300,11 +302,11 @@ class MixOrder:
         if isinstance(key, (int, np.integer)):
             p = int(key) + n if key < 0 else int(key)
             if not 0 <= p < n:
-                raise IndexError(f"position {int(key)} out of range for a mixture epoch of {n} samples")
+                raise IndexError(f"position {int(key)} out of range for a mixture epoch of {count(n, 'sample')}")
             return int(self._at(np.array([p], np.int64))[0])
         pos = np.asarray(key).astype(np.int64, copy=False)
         if pos.size and (pos.min() < 0 or pos.max() >= n):
-            raise IndexError(f"positions out of range for a mixture epoch of {n} samples")
+            raise IndexError(f"positions out of range for a mixture epoch of {count(n, 'sample')}")
         return self._at(pos)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:

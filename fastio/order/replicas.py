@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from fastio.words import agree
+
 __all__ = ["Share", "SharePlan", "split", "step_position"]
 
 
@@ -31,7 +33,7 @@ def step_position(step: int, batches_per_epoch: int, batch_size: int) -> tuple[i
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     if batches_per_epoch < 1:
-        raise ValueError(f"an epoch has no global batch of {batch_size} samples: no step can be taken")
+        raise ValueError(f"an epoch has no global batch of {batch_size} {agree(batch_size, 'sample')}: no step can be taken")
     epoch, g = divmod(int(step), batches_per_epoch)
     return epoch, g * batch_size
 

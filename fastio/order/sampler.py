@@ -26,6 +26,7 @@ from functools import cached_property
 import numpy as np
 
 from fastio.order.feistel import GOLDEN, ORDER_ALGORITHM, domain_bits, permute, round_keys
+from fastio.words import agree
 
 __all__ = ["ORDER_ALGORITHM", "REMAINDER_MODES", "SHUFFLE_MODES", "EpochOrder", "EpochPlan", "Sampler",
            "SamplerSpec", "epoch_order"]
@@ -207,7 +208,7 @@ class EpochOrder:
         if isinstance(key, (int, np.integer)):
             p = int(key) + self._n if key < 0 else int(key)
             if not 0 <= p < self._n:
-                raise IndexError(f"position {int(key)} out of range for an order of {self._n} samples")
+                raise IndexError(f"position {int(key)} out of range for an order of {self._n} {agree(self._n, 'sample')}")
             return int(self._at(np.array([p], np.int64))[0])
         pos = np.asarray(key)
         if pos.dtype.kind not in "iu":
@@ -215,7 +216,7 @@ class EpochOrder:
         pos = pos.astype(np.int64, copy=False)
         if pos.size and (pos.min() < 0 or pos.max() >= self._n):
             bad = int(pos[(pos < 0) | (pos >= self._n)][0])
-            raise IndexError(f"position {bad} out of range for an order of {self._n} samples")
+            raise IndexError(f"position {bad} out of range for an order of {self._n} {agree(self._n, 'sample')}")
         return self._at(pos)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:

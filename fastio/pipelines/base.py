@@ -188,8 +188,8 @@ K_TOKENS = "tokens"
 """The Loader state's entry of a :class:`fastio.Tokens` pipeline."""
 K_IMAGE_TEXT = "image_text"
 """The Loader state's entry of a :class:`fastio.ImageText` pipeline."""
-PACKED_UNITS = "packed sequences"
-"""What the Loader's messages call the units of the packed kinds (their :class:`Source`'s ``units``)."""
+PACKED_UNIT = "packed sequence"
+"""What the Loader's messages call a unit of the packed kinds (their :class:`Source`'s ``unit``)."""
 PACKED_ENTRIES = {K_TOKENS: "Tokens", K_IMAGE_TEXT: "ImageText"}
 """The state entries of the kinds whose units are packed sequences (their ``consumed`` counts sequences): a state
 holding one does not continue a kind of samples."""

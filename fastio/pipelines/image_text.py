@@ -14,7 +14,7 @@ import numpy as np
 
 from fastio.pipelines.base import (
     K_IMAGE_TEXT,
-    PACKED_UNITS,
+    PACKED_UNIT,
     Delivery,
     GraphDef,
     Pipeline,
@@ -139,7 +139,7 @@ class ImageText(Pipeline):
         packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
-                      self, PACKED_UNITS)
+                      self, PACKED_UNIT)
 
     def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
         """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
@@ -172,7 +172,7 @@ class ImageText(Pipeline):
             key_base += len(src.dataset)
         token_reader = TokenReader(tokens, read_set.reader_threads) if tokens else None
         return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self,
-                      PACKED_UNITS)
+                      PACKED_UNIT)
 
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:

@@ -48,7 +48,7 @@ from fastio.pipelines.base import (
 )
 from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, image_problem, image_read_fields
 from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
-from fastio.progress import count
+from fastio.words import agree, count
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
@@ -93,7 +93,7 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
             whose = count(n, "sample's", "samples'")
             raise DatasetError(f"{ds.root}: {whose} {f} could not be probed when indexed "
                                f"(the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove "
-                               f"{'it' if n == 1 else 'them'} from the shards and index again, or convert the files "
+                               f"{agree(n, 'it', 'them')} from the shards and index again, or convert the files "
                                "with fastio convert (which skips them)")
     return tuple(found)
 
@@ -113,7 +113,7 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
         lacking += len(without)
         first = a + int(without[0]) if first is None and len(without) else first
     if lacking:
-        raise DatasetError(f"{ds.root}: {lacking} of {count(len(ds), 'sample')} {'has' if lacking == 1 else 'have'} "
+        raise DatasetError(f"{ds.root}: {lacking} of {count(len(ds), 'sample')} {agree(lacking, 'has', 'have')} "
                            f"no {what} field (the first: "
                            f"shard {ds.shard_of(first).name} key {ds.key(first)!r}; fields: {', '.join(ds.fields)}); "
                            f"{'an' if what == 'audio' else 'a'} {what} clip pipeline needs one in every sample: "
@@ -219,9 +219,9 @@ class _Clips(Pipeline):
             found = probe(batch.image[j].tobytes(), batch.image_field[j])
         except ValueError as err:  # MediaCheckError too
             return str(err)
-        unit = "frames" if self.media == "video" else "samples"
+        unit, noun = ("frames", "frame") if self.media == "video" else ("samples", "sample")
         if found[unit] != stored[unit]:
-            return f"it has {found[unit]} {unit}, its {PROBE_FIELD} says {stored[unit]}"
+            return f"it has {count(found[unit], noun)}, its {PROBE_FIELD} says {stored[unit]}"
         return None if self.media == "video" else _dali_reads_less(
             batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
@@ -269,11 +269,11 @@ def _say_fallback(found: list[tuple[Dataset, str, dict[str, int]]]) -> None:
             _SAID.add((str(ds.root), codec))
             by_root.setdefault(str(ds.root), []).append((codec, seen["count"]))
     for root, codecs in by_root.items():
-        one = sum(n for _, n in codecs) == 1
+        videos = sum(n for _, n in codecs)
         logging.getLogger("fastio").warning(
             f"{root}: {', '.join(count(n, 'video') + f' in codec {c}' for c, n in codecs)} "
-            f"{'is' if one else 'are'} decoded on the CPU with PyAV (DALI's CPU decoder does not read "
-            f"{', '.join(c for c, _ in codecs)}; a Loader on a GPU decodes {'it' if one else 'them'} with NVDEC)")
+            f"{agree(videos, 'is', 'are')} decoded on the CPU with PyAV (DALI's CPU decoder does not read "
+            f"{', '.join(c for c, _ in codecs)}; a Loader on a GPU decodes {agree(videos, 'it', 'them')} with NVDEC)")
 
 
 @dataclass(frozen=True)
@@ -646,8 +646,9 @@ class AudioClips(_Clips):
         empty = [] if self.n_mels is None else empty_mel_bands(self.sample_rate, self.n_fft, self.n_mels)
         if empty:
             raise ValueError(f"n_mels={self.n_mels} is too many for n_fft={self.n_fft} at sample_rate="
-                             f"{self.sample_rate}: {len(empty)} mel bands (the first: {empty[0]}) hold no FFT bin, so "
-                             "they would always be silent; use fewer mels or a larger n_fft")
+                             f"{self.sample_rate}: {count(len(empty), 'mel band')} (the first: {empty[0]}) "
+                             f"{agree(len(empty), 'holds', 'hold')} no FFT bin, so {agree(len(empty), 'it', 'they')} "
+                             "would always be silent; use fewer mels or a larger n_fft")
 
     @property
     def length(self) -> int:
@@ -731,7 +732,7 @@ def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
         return None
     if read >= samples:
         return None
-    return f"DALI's audio decoder reads {read} of its {samples} samples; re-encode it (e.g. as FLAC)"
+    return f"DALI's audio decoder reads {read} of its {count(samples, 'sample')}; re-encode it (e.g. as FLAC)"
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import K_TOKENS, PACKED_UNITS, Delivery, Pipeline, Placement, Source
+from fastio.pipelines.base import K_TOKENS, PACKED_UNIT, Delivery, Pipeline, Placement, Source
 from fastio.pipelines.image import refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
@@ -84,7 +84,7 @@ class Tokens(Pipeline):
 
         plan, packings = self._packed(read_set, sampling, place)
         sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources, packings)]
-        return Source(plan, TokenReader(sources, read_set.reader_threads), self, PACKED_UNITS)
+        return Source(plan, TokenReader(sources, read_set.reader_threads), self, PACKED_UNIT)
 
     def _packed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement
                 ) -> tuple[UnitPlan, list[ConcatPacking | BestFitPacking]]:

@@ -29,6 +29,7 @@ from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, chec
 from fastio.order.sampler import SamplerSpec
 from fastio.read.reader import ReadBatch, Reader
 from fastio.storage.url import is_remote
+from fastio.words import count
 
 _EMPTY = np.empty(0, np.uint8)
 
@@ -292,8 +293,8 @@ def _check_past(mixture: Mixture, old: Sequence, position: int, epoch: int, cons
         a, b = (was[i] if i < len(was) else None), (now[i] if i < len(now) else None)
         if a is None or b is None or not _same_entry(a, b):
             raise LoaderStateError(
-                f"{mixture.root}: loader state is at stream position {position} (mixture epoch {epoch}, {consumed} "
-                f"samples in), and this mixture's schedule changes what came before it: entry {i} was "
+                f"{mixture.root}: loader state is at stream position {position} (mixture epoch {epoch}, "
+                f"{count(consumed, 'sample')} in), and this mixture's schedule changes what came before it: entry {i} was "
                 f"{_describe_entry(mixture.names, a)} and is {_describe_entry(mixture.names, b)}; entries before "
                 f"position {position} must stay as saved (entries from {position} on may change)")
 
@@ -312,7 +313,7 @@ def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: in
                 f"weights=[(0, {mapping(weights)}), ({position}, {mapping(mixture.weights)})]"
                 if samples == mixture.samples_per_epoch else "")
     raise LoaderStateError(
-        f"{mixture.root}: loader state is {consumed} samples into mixture epoch {epoch} with weights {old} and "
+        f"{mixture.root}: loader state is {count(consumed, 'sample')} into mixture epoch {epoch} with weights {old} and "
         f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
         f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
         f"epoch: continue from the start of epoch {epoch + 1} {next_epoch_way(epoch)}{schedule}")

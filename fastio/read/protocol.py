@@ -132,9 +132,9 @@ class Source(Generic[K]):
     plan: UnitPlan
     reader: UnitReader
     pipeline: K
-    units: str = "samples"
-    """What the Loader's messages call the plan's units (a batch's rows): ``samples``, or a kind's own (``packed
-    sequences``)."""
+    unit: str = "sample"
+    """What the Loader's messages call one of the plan's units (a batch's row): ``sample``, or a kind's own
+    (``packed sequence``), counted through :func:`fastio.words.count`."""
 
 
 class DatasetSource(Protocol):

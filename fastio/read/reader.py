@@ -42,6 +42,7 @@ from fastio.formats.labels import parse_label as _parse_label_bytes
 from fastio.formats.labels import parse_labels as _parse_labels_bytes
 from fastio.formats.media import is_audio_field, is_video_field
 from fastio.storage.checksum import sha256_fd
+from fastio.words import count
 
 __all__ = ["ReadBatch", "Reader", "ShardFiles", "parse_label", "parse_labels", "sample_where"]
 
@@ -286,7 +287,7 @@ class Reader:
             j = int(outside[0])
             raise DatasetError(f"{self.index.source}: {sample_where(self.ds, int(indices[j]))}: byte range "
                                f"{int(t.span_offset[j])}+{int(t.span_size[j])} lies outside the shard's "
-                               f"{int(self._shard_bytes[t.shard[j]])} bytes")
+                               f"{count(int(self._shard_bytes[t.shard[j]]), 'byte')}")
 
     def _refuse_missing(self, indices: np.ndarray, columns: list, size: np.ndarray) -> None:
         """DatasetError naming the first sample that lacks a wanted field (``size`` < 0) it may not lack."""
@@ -348,7 +349,7 @@ class Reader:
                 if len(piece) != z[r]:
                     f = self.fields[k % cols] if k % cols < len(self.fields) else "image"
                     raise DatasetError(f"{sample_where(self.ds, i)}: field {f!r} is truncated "
-                                       f"({len(piece)} of {z[r]} bytes at offset {o[r]})")
+                                       f"({len(piece)} of {count(z[r], 'byte')} at offset {o[r]})")
                 name, got_size = _tar_header(data[lo - _HEADER:lo]) if lo >= _HEADER else (b"", None)
                 crc = _NO_KEY if crcs is None else int(crcs[i - base])
                 if not _member_matches(name, got_size, crc, names[k], z[r]):
@@ -387,11 +388,11 @@ class Reader:
         key = self.ds.key(index)
         if got == size and not key.isascii():
             return
-        found = (f"member {name.decode('utf-8', 'replace')!r} of {got} bytes" if got is not None
+        found = (f"member {name.decode('utf-8', 'replace')!r} of {count(got, 'byte')}" if got is not None
                  else f"no tar header ({name[:16]!r}...)")
         raise DatasetError(f"{sample_where(self.ds, index)}: field {field!r}: the index says member "
-                           f"{key + '.' + field!r} of {size} bytes at offset {offset}, the shard holds {found} there: "
-                           "it was rewritten after it was indexed; re-run `fastio index` (or the conversion)")
+                           f"{key + '.' + field!r} of {count(size, 'byte')} at offset {offset}, the shard holds {found} "
+                           "there: it was rewritten after it was indexed; re-run `fastio index` (or the conversion)")
 
     def _hold(self, shards: list[int]) -> dict[int, int]:
         """Descriptors of these shards, held (in use) until released when they come from a shard source."""
@@ -449,7 +450,8 @@ class Reader:
         st = os.fstat(fd)
         if st.st_size != shard.bytes:
             os.close(fd)
-            raise DatasetError(f"{self.ds.root}: shard {shard.name} is {st.st_size} bytes, manifest says {shard.bytes}")
+            raise DatasetError(f"{self.ds.root}: shard {shard.name} is {count(st.st_size, 'byte')}, manifest says "
+                               f"{shard.bytes}")
         self._fds.identity[shard_index] = _identity(st)
         self._fds.paths[shard_index] = path
         if self.verify:

@@ -29,6 +29,7 @@ from fastio.read.options import Options
 from fastio.read.protocol import Delivery, FieldChoice, Reads
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
 from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
+from fastio.words import count
 
 __all__ = ["K_MIXTURE", "DatasetReadSet", "MixtureReadSet", "ReadSet", "open_read_set"]
 
@@ -241,7 +242,7 @@ class DatasetReadSet(ReadSet):
 
         def line() -> str:
             s = _storage_stats(files)
-            return f"storage wait {s['wait_s']:.1f} s, {s['retries']} retries"
+            return f"storage wait {s['wait_s']:.1f} s, {count(s['retries'], 'retry', 'retries')}"
         return line
 
 

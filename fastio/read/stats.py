@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastio.words import count
+
 __all__ = ["PROGRESS_EVERY_S", "Stats", "Window"]
 
 PROGRESS_EVERY_S = 5.0
@@ -72,7 +74,7 @@ class Stats:
     def _print(self, what: str) -> None:
         self._last_print = time.perf_counter()
         d = self.epoch.as_dict()
-        print(f"fastio: {what}{d['batches']} batches, {d['samples_per_s']:.0f} samples/s, "
+        print(f"fastio: {what}{count(d['batches'], 'batch', 'batches')}, {d['samples_per_s']:.0f} samples/s, "
               f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}",
               file=sys.stderr, flush=True)
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from fastio.errors import StorageError
 from fastio.progress import human_bytes
+from fastio.words import agree, count
 
 __all__ = ["check_shared_working_set", "check_working_set", "working_set_bytes"]
 
@@ -52,9 +53,9 @@ def _fitting_read_ahead(need, shard_read_ahead: int, cache_size: int) -> int:
 
 def _warn_shrunk(where: str, shard_read_ahead: int, fits: int, cache_size: int, what: str) -> None:
     logging.getLogger("fastio").warning(
-        "%s: shard_read_ahead %d shrunk to %d: cache_size %s holds %s but not %d more shards read ahead (raise "
+        "%s: shard_read_ahead %d shrunk to %d: cache_size %s holds %s but not %s read ahead (raise "
         "cache_size, or set shard_read_ahead=%d to silence this)", where, shard_read_ahead, fits,
-        human_bytes(cache_size), what, shard_read_ahead, fits)
+        human_bytes(cache_size), what, count(shard_read_ahead, "more shard"), fits)
 
 
 def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int,
@@ -79,8 +80,8 @@ def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shard
     if need <= cache_size:
         return
     what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
-            "block": f"two windows of the {block_shards} largest shards (a batch crossing into the next window "
-                     "holds shards of both)",
+            "block": f"two windows of the {block_shards} largest {agree(block_shards, 'shard')} (a batch crossing "
+                     "into the next window holds shards of both)",
             "none": "the two largest shards (a batch crossing into the next)"}[shuffle]
     # a size named is always enough for the mode it is named with
     fits = [b for b in range(1, len(shard_bytes) + 1) if working_set_bytes(shard_bytes, "block", b, 0) <= cache_size]
@@ -95,7 +96,7 @@ def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shard
                 f"{smallest}")
     have, want = human_bytes(cache_size), human_bytes(need)
     if have == want:  # rounded alike: the bytes say which is larger
-        have, want = f"{cache_size} bytes", f"{need} bytes"
+        have, want = count(cache_size, "byte"), count(need, "byte")
         hint = hint.replace(human_bytes(need), want)
     raise StorageError(f"{url}: cache_size {have} cannot hold what shuffle={shuffle!r} reads at once: {want} "
                        f"({what}); {hint}", url=url)

@@ -26,6 +26,7 @@ from fastio.formats.media import CPU_VIDEO_CODECS
 from fastio.formats.megatron import MegatronIndex
 from fastio.order.sampler import SHUFFLE_MODES, epoch_order
 from fastio.read.reader import Reader
+from fastio.words import count
 
 __all__ = ["inspect", "order_quality", "packing_report"]
 
@@ -117,7 +118,7 @@ def order_quality(shard_sizes: Sequence[int], labels: np.ndarray, *, seed: int =
     order = epoch_order(list(shard_sizes), seed, epoch, fingerprint, mode, block_shards)
     n = len(order)
     if len(labels) != n:
-        raise ValueError(f"labels has {len(labels)} entries, shard sizes add up to {n}")
+        raise ValueError(f"labels has {count(len(labels), 'entry', 'entries')}, shard sizes add up to {n}")
     if batch_size < 1 or batch_size > n:
         raise ValueError(f"batch_size must be in 1..{n}, got {batch_size}")
     _, lab = np.unique(labels, return_inverse=True)

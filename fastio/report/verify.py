@@ -48,11 +48,11 @@ from fastio.formats.megatron import MegatronShard
 from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
-from fastio.progress import count
 from fastio.storage import local_or_url, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.ids import IdScan, first_outside, id_problem
 from fastio.tokens.starts import read_starts
+from fastio.words import count
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -364,7 +364,7 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
 def _file_problems(path: Path, shard: ShardRecord | IndexRecord) -> list[str]:
     """The file's size and checksums against its record (a shard's, or the probe table's)."""
     size, digests = digests_file(path, ("sha256", "xxh3_128") if shard.xxh3_128 else ("sha256",))
-    out = [f"size {size} bytes, manifest says {shard.bytes}"] if size != shard.bytes else []
+    out = [f"size {count(size, 'byte')}, manifest says {shard.bytes}"] if size != shard.bytes else []
     if digests["sha256"] != shard.sha256:
         out.append("sha256 does not match the manifest")
     if shard.xxh3_128 and digests["xxh3_128"] != shard.xxh3_128:

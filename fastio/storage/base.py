@@ -25,6 +25,7 @@ from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.options import StorageOptions
 from fastio.storage.retry import Permanent, retrying
 from fastio.storage.url import Location, join_key, parse_location
+from fastio.words import count
 
 __all__ = ["LocalStorage", "ObjectInfo", "S3Storage", "Storage", "Versioned", "open_storage"]
 
@@ -239,7 +240,7 @@ class S3Storage(Storage):
         full = self._key(key)
         data = self._retrying(lambda: self._client.get(full, start, end), key, what)
         if end is not None and len(data) != end - (start or 0):
-            raise StorageError(f"{self.url_of(key)}: {what} returned {len(data)} bytes", url=self.url_of(key))
+            raise StorageError(f"{self.url_of(key)}: {what} returned {count(len(data), 'byte')}", url=self.url_of(key))
         return data
 
     def get_buffer(self, key: str) -> memoryview:
@@ -303,7 +304,7 @@ class S3Storage(Storage):
             if size <= part:
                 data = self.get(key) if size else b""
                 if len(data) != size:
-                    raise StorageError(f"{self.url_of(key)}: object is {len(data)} bytes, expected {size}",
+                    raise StorageError(f"{self.url_of(key)}: object is {count(len(data), 'byte')}, expected {size}",
                                        url=self.url_of(key))
                 os.pwrite(fd, data, 0)
                 return size

@@ -48,6 +48,7 @@ from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
 from fastio.storage.checksum import DIGESTS, digest_file
+from fastio.words import count
 
 __all__ = ["CACHE_MARKER", "CHECKPOINT_STAGING", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
 
@@ -323,8 +324,8 @@ class ShardCache:
                         return True
                     if attempt == 2:
                         raise StorageError(f"{url}: shard {entry.name} does not match the manifest after 2 downloads "
-                                           f"(manifest {algo} {want[:16]}…, {entry.size} bytes; downloaded "
-                                           f"{digest[:16]}…, {size} bytes)", url=url)
+                                           f"(manifest {algo} {want[:16]}…, {count(entry.size, 'byte')}; downloaded "
+                                           f"{digest[:16]}…, {count(size, 'byte')})", url=url)
             finally:
                 try:
                     tmp.unlink()

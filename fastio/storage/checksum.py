@@ -12,6 +12,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from fastio.words import count
+
 __all__ = ["CHUNK", "DIGESTS", "CheckedFile", "ShortRead", "digest_bytes", "digest_fd", "digest_file", "digests_fd",
            "digests_file", "open_hashed", "sha256_file", "sha256_fd", "HashingWriter"]
 
@@ -61,8 +63,8 @@ class ShortRead(OSError):
     longer the file that was checked (replaced meanwhile)."""
 
     def __init__(self, path: str, offset: int, size: int, why: str = ""):
-        super().__init__(errno.EIO, why or f"ended at offset {offset}, {size} bytes expected (truncated meanwhile?)",
-                         path)
+        expected = f"ended at offset {offset}, {count(size, 'byte')} expected (truncated meanwhile?)"
+        super().__init__(errno.EIO, why or expected, path)
         self.offset, self.size = offset, size
 
 

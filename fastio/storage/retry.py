@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from fastio.errors import StorageError
+from fastio.words import count
 
 __all__ = ["Permanent", "Transient", "log", "retrying", "store_of"]
 
@@ -99,8 +100,8 @@ class _Outages:
                 return
             del self._open[store]
         if answered:
-            log.warning("fastio: %s answers again after %.1f s (%d retries)", store, time.monotonic() - state[1],
-                        state[2])
+            log.warning("fastio: %s answers again after %.1f s (%s)", store, time.monotonic() - state[1],
+                        count(state[2], "retry", "retries"))
 
 
 _outages = _Outages()
@@ -150,10 +151,10 @@ def _attempts(fn, url, what, retries, backoff_s, backoff_max_s, deadline_s, atte
             reason = "no answer before the deadline" if isinstance(err, _Overdue) else str(err)
             delay = rng.uniform(0, min(backoff_max_s, backoff_s * (2 ** attempt)))
             if isinstance(err, _Overdue) or (deadline_s is not None and elapsed + delay >= deadline_s):
-                raise StorageError(f"{url}: {what} failed after {attempt + 1} attempts in {elapsed:.1f} s "
+                raise StorageError(f"{url}: {what} failed after {count(attempt + 1, 'attempt')} in {elapsed:.1f} s "
                                    f"(deadline_s={deadline_s:g}): {reason}", url=url, transient=True) from None
             if retries is not None and attempt >= retries:
-                raise StorageError(f"{url}: {what} failed after {attempt + 1} attempts: {reason}", url=url,
+                raise StorageError(f"{url}: {what} failed after {count(attempt + 1, 'attempt')}: {reason}", url=url,
                                    transient=True) from None
             retried.append(attempt)
             _log_retry(url, what, attempt, retries, deadline_s, elapsed, reason, delay)
@@ -168,7 +169,7 @@ def _log_retry(url: str, what: str, attempt: int, retries: int | None, deadline_
     """One WARNING for the retry that starts the store's outage, DEBUG for every other."""
     store = store_of(url)
     of = "" if retries is None else f" of {retries + 1}"
-    bound = " or ".join([*([f"{retries} retries"] if retries is not None else []),
+    bound = " or ".join([*([count(retries, "retry", "retries")] if retries is not None else []),
                          *([f"deadline_s={deadline_s:g}"] if deadline_s is not None else [])])
     if _outages.retry(store, first=attempt == 0):
         log.warning("fastio: %s: %s failed (attempt %d%s, %.1f s so far): %s; retrying in %.1f s, each request "

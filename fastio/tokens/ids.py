@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from fastio.formats.megatron import MegatronIndex
+from fastio.words import count
 
 __all__ = ["HIGH_HALF", "LOW_SPREAD", "IdScan", "document_at", "first_outside", "id_problem"]
 
@@ -46,7 +47,7 @@ def id_problem(value: int, vocab_size: int | None, max_id: int | None = None, da
     if value < 0:
         return f"holds token id {value}: token ids are never negative (a damaged {damaged})"
     if vocab_size is not None and value >= vocab_size:
-        return f"holds token id {value}, outside the vocabulary of {vocab_size} ids"
+        return f"holds token id {value}, outside the vocabulary of {count(vocab_size, 'id')}"
     return f"holds token id {value}, above the largest the manifest records ({max_id})"
 
 

@@ -34,7 +34,6 @@ from fastio.formats.image_text import MASK_FIELD, OPTIONS_KEY, TOKENS_FIELD, ima
 from fastio.formats.images import image_size
 from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
-from fastio.progress import count
 from fastio.tokens.packing import (
     BestFitPacking,
     cu_from,
@@ -44,6 +43,7 @@ from fastio.tokens.packing import (
     ramp,
     segment_ids,
 )
+from fastio.words import count
 
 __all__ = ["IMAGE_KEY_BITS", "ImageTextBatch", "ImageTextReader", "ImageTextSource", "MixedReader", "SampleCosts",
            "draw_keys", "image_members", "image_text_packing", "image_token_id", "merged"]
@@ -127,14 +127,14 @@ def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, ima
     long = np.flatnonzero(costs > seq_len + 1)
     if long.size:
         i = int(long[0])
-        raise DatasetError(f"{ds.where(i)}: {int(costs[i])} tokens with its {count(int(images[i]), 'image')} expanded "
-                           f"to image_seq_len {image_seq_len}, more than seq_len + 1 = {seq_len + 1}: a sample is "
+        raise DatasetError(f"{ds.where(i)}: {count(int(costs[i]), 'token')} with its {count(int(images[i]), 'image')} "
+                           f"expanded to image_seq_len {image_seq_len}, more than seq_len + 1 = {seq_len + 1}: a sample is "
                            f"never cut; raise seq_len to at least {int(costs.max()) - 1}")
     limit = (1 << IMAGE_KEY_BITS) if max_images is None else max_images
     many = np.flatnonzero(images > limit)
     if many.size:
         i = int(many[0])
-        raise DatasetError(f"{ds.where(i)}: {int(images[i])} images, more than max_images = {limit} a "
+        raise DatasetError(f"{ds.where(i)}: {count(int(images[i]), 'image')}, more than max_images = {limit} a "
                            f"sequence: a sample is never cut; raise max_images to at least {int(images.max())}")
 
 
@@ -293,7 +293,7 @@ class ImageTextReader:
         if bad.size:
             j = int(bad[0])
             tokens = int(np.count_nonzero(which[image] == j))
-            raise DatasetError(f"{self.source.ds.where(int(laid.samples[j]))}: {tokens} image tokens (id "
+            raise DatasetError(f"{self.source.ds.where(int(laid.samples[j]))}: {count(tokens, 'image token')} (id "
                                f"{self.image_id}) but a different number of image members: the sample does not "
                                "match its samples.fxi; run fastio verify")
 

@@ -61,6 +61,7 @@ from fastio.tokens.packing import (
     segment_ids,
 )
 from fastio.tokens.starts import read_starts
+from fastio.words import count
 
 __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader", "TokenSource", "TokenUnits",
            "check_chat_packing", "mixture_units", "open_tables", "packing_of", "source_packings"]
@@ -85,8 +86,8 @@ def open_tables(ds: Dataset) -> list[MegatronIndex]:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
         index = MegatronIndex(shard.idx_path, info.dtype, one_per_document=info.one_sequence_per_document)
         if (index.documents, index.bin_bytes) != (shard.samples, shard.bytes):
-            raise DatasetError(f"{ds.root}: shard {shard.name}: its .idx indexes {index.documents} documents in "
-                               f"{index.bin_bytes} bytes, the manifest says {shard.samples} in {shard.bytes}")
+            raise DatasetError(f"{ds.root}: shard {shard.name}: its .idx indexes {count(index.documents, 'document')} in "
+                               f"{count(index.bin_bytes, 'byte')}, the manifest says {shard.samples} in {shard.bytes}")
         tables.append(index)
     if info.starts is not None:
         every, values = read_starts(ds.files.index_path(info.starts, "document starts table"), info.starts,
@@ -130,8 +131,8 @@ def check_chat_packing(ds: Dataset, seq_len: int, packing: str) -> None:
         raise DatasetError(f"{ds.root}: a chat dataset (conversations with a loss mask) is packed whole: "
                            f"fastio.Tokens(packing='best-fit'), not {packing!r}")
     if chat.longest > seq_len + 1:
-        raise DatasetError(f"{ds.root}: its longest conversation has {chat.longest} tokens, more than seq_len + 1 = "
-                           f"{seq_len + 1}: a conversation is never cut; raise seq_len to at least "
+        raise DatasetError(f"{ds.root}: its longest conversation has {count(chat.longest, 'token')}, more than "
+                           f"seq_len + 1 = {seq_len + 1}: a conversation is never cut; raise seq_len to at least "
                            f"{chat.longest - 1}, or convert again with --max-tokens {seq_len + 1} (--overlong drop "
                            f"or truncate; in Python TokenConvertConfig(max_tokens={seq_len + 1}, overlong='drop' or "
                            "'truncate'))")
@@ -495,7 +496,7 @@ class TokenReader:
         need = end * itemsize
         size = os.fstat(fd).st_size
         if need > min(size, tokens.size * itemsize):
-            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {size} bytes, the .idx says {shard.bytes} "
+            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {count(size, 'byte')}, the .idx says {shard.bytes} "
                                f"(a sequence reads up to byte {need}): truncated")
         return tokens
 

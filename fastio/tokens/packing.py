@@ -53,6 +53,7 @@ import numpy as np
 
 from fastio.order.feistel import GOLDEN, domain_bits, permute, round_keys
 from fastio.order.sampler import Sampler, SamplerSpec
+from fastio.words import count
 
 __all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
            "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts", "piece_bounds", "piece_starts",
@@ -251,7 +252,7 @@ class ConcatPacking(_BlockPacking):
                  fingerprint: str = "", block_docs: int = 4096):
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
         if self.total_tokens <= seq_len:
-            raise ValueError(f"seq_len {seq_len} needs more than {seq_len} tokens; the corpus holds "
+            raise ValueError(f"seq_len {seq_len} needs more than {count(seq_len, 'token')}; the corpus holds "
                              f"{self.total_tokens}")
         self.sequences = (self.total_tokens - 1) // seq_len
         self.documents = int(self._blk_n.sum())

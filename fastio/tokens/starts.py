@@ -26,6 +26,7 @@ from fastio.errors import DatasetError
 from fastio.formats.megatron import MegatronIndex
 from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.checksum import DIGESTS
+from fastio.words import count
 
 __all__ = ["STARTS_EVERY", "STARTS_NAME", "read_starts", "shard_starts", "starts_bytes", "write_starts"]
 
@@ -78,15 +79,15 @@ def read_starts(path: Path, record: IndexRecord, documents: Sequence[int]) -> tu
         raise DatasetError(f"{path}: document starts table cannot be read: {err.strerror or err}") from None
     digest = _xxh3(data) if record.xxh3_128 else DIGESTS["sha256"](data).hexdigest()
     if len(data) != record.bytes or digest != (record.xxh3_128 or record.sha256):
-        raise DatasetError(f"{path}: document starts table does not match the manifest ({len(data)} bytes, "
+        raise DatasetError(f"{path}: document starts table does not match the manifest ({count(len(data), 'byte')}, "
                            f"{record.bytes} recorded); run fastio verify")
     magic, version, every, shards = _HEAD.unpack_from(data) if len(data) >= _HEAD.size else (b"", 0, 0, 0)
     if magic != _MAGIC or version != _VERSION or every < 1 or shards != len(documents) or \
             len(data) < _HEAD.size + 8 * shards:
-        raise DatasetError(f"{path}: not a version-{_VERSION} document starts table of {len(documents)} shards")
+        raise DatasetError(f"{path}: not a version-{_VERSION} document starts table of {count(len(documents), 'shard')}")
     counts = np.frombuffer(data, "<u8", shards, _HEAD.size).astype(np.int64)
     want = np.array([_entries(d, every) for d in documents], np.int64)
     if not np.array_equal(counts, want) or len(data) != _HEAD.size + 8 * shards + 8 * int(want.sum()):
-        raise DatasetError(f"{path}: its entry counts do not fit the manifest's shards (every {every} documents)")
+        raise DatasetError(f"{path}: its entry counts do not fit the manifest's shards (every {count(every, 'document')})")
     values = np.frombuffer(data, "<i8", int(want.sum()), _HEAD.size + 8 * shards)
     return every, np.split(values, np.cumsum(want)[:-1])

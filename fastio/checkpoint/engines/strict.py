@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fastio.errors import CheckpointError
+from fastio.words import agree, count
 
 __all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes",
            "quantized_dtype", "quantized_keys", "shape_of", "state_mismatch"]
@@ -58,8 +59,8 @@ def group_sizes(groups: Any) -> list[int] | None:
 
 
 def _groups(sizes: list[int]) -> str:
-    noun = "parameter group" if len(sizes) == 1 else "parameter groups"
-    return f"{len(sizes)} {noun} ({', '.join(map(str, sizes)) or 'none'} parameter{'' if sizes == [1] else 's'})"
+    parameters = agree(sizes[0] if len(sizes) == 1 else 0, "parameter")
+    return f"{count(len(sizes), 'parameter group')} ({', '.join(map(str, sizes)) or 'none'} {parameters})"
 
 
 _GROUP = re.compile(r"param_groups\.(\d+)\.")
@@ -69,9 +70,6 @@ _GROUP = re.compile(r"param_groups\.(\d+)\.")
 def _group_count(keys: Iterable[str]) -> int:
     return len({m.group(1) for k in keys if (m := _GROUP.match(k))})
 
-
-def _count(n: int) -> str:
-    return f"{n} parameter group" + ("" if n == 1 else "s")
 
 
 def groups_mismatch(key: str, saved: list[int] | None, own: list[int] | None) -> str | None:
@@ -156,7 +154,8 @@ class Mismatch:
         saved, own = _group_count(self._saved), _group_count(self._own)
         if not saved or not own or saved == own:
             return None
-        return f"app key {self.key}: the checkpoint's optimizer has {_count(saved)}, the app's {_count(own)}"
+        return (f"app key {self.key}: the checkpoint's optimizer has {count(saved, 'parameter group')}, the app's "
+                f"{count(own, 'parameter group')}")
 
     def keep_groups(self) -> None:
         """Leave the app's parameter groups as they are (the checkpoint's would name other parameters): their

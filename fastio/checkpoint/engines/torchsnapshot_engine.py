@@ -79,6 +79,7 @@ from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
 from fastio.storage.checksum import DIGESTS
+from fastio.words import count
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
 
@@ -189,7 +190,7 @@ class _GatheredStager(BufferStager):
         for size, stager in self.parts:
             view = memoryview(await stager.stage_buffer(executor))
             if view.nbytes != size:
-                raise AssertionError(f"a slab's tensor staged {view.nbytes} bytes, not {size}")
+                raise AssertionError(f"a slab's tensor staged {count(view.nbytes, 'byte')}, not {size}")
             views.append(view)
         return _Pieces(views)
 
@@ -306,7 +307,7 @@ async def _consume_slab(self: Any, buf: Any, executor: Any = None) -> None:
     parts = self.byte_range_to_buffer_consumer
     end = max((hi for _, hi in parts), default=0)
     if len(buf) < end:
-        raise ValueError(f"{len(buf)} bytes read where the slab's tensors need {end}")
+        raise ValueError(f"{count(len(buf), 'byte')} read where the slab's tensors need {end}")
     await asyncio.gather(*(consumer.consume_buffer(buf[lo:hi], executor=executor)
                            for (lo, hi), consumer in parts.items()))
 
