@@ -345,3 +345,25 @@ def test_a_participating_group_with_an_empty_share_gets_a_flagged_repeat(house, 
     for m, loader in pairs:
         loader.close()
         m.shutdown(wait=False)
+
+
+def test_failures_in_a_row_and_at_an_epoch_boundary_retake_the_step_bit_for_bit(house, image_dataset):
+    """Step 2 fails three times in a row, the last step of epoch 0 (7) and the first of epoch 1 (8) once each: every
+    try of a step takes its one-process batch, images included (ImageTrain's crops are drawn per sample, so the
+    stream made again for a retry decodes the same pixels)."""
+    options = {"pipeline": fastio.ImageTrain(size=16), "batch_size": 6}
+    want = _one_process(image_dataset, options, 10)
+    fails = {2: 3, 7: 1, 8: 1}
+
+    def commit(step: int) -> bool:
+        fails[step] = fails.get(step, 0) - 1
+        return fails[step] < 0
+
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader:
+        got = steps([(m, loader)], 15, commit=commit)
+    m.shutdown(wait=False)
+    assert [b["step"] for (b,) in got] == [0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 7, 7, 8, 8, 9]
+    for (b,) in got:
+        assert all(torch.equal(b[k], want[b["step"]][k]) for k in ("index", "image", "label")), b["step"]
