@@ -443,8 +443,10 @@ class Loader:
         Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
         mixture's source) converted again since the save, with more or other samples, is taken. The rest is checked
         as :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, a mixture's sources
-        and schedule); changes nothing."""
+        and schedule); changes nothing. Refused with ``replicas=`` (the position is the torchft Manager's step)."""
         state = _checked_state(state)
+        if self._replicas is not None:  # the position is the Manager's step
+            self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
         rs = self.read_set
         moved = {**state, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0, K_FINGERPRINT: rs.fingerprint,
                  **rs.renewed_state(state)}

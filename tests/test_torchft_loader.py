@@ -367,3 +367,25 @@ def test_failures_in_a_row_and_at_an_epoch_boundary_retake_the_step_bit_for_bit(
     assert [b["step"] for (b,) in got] == [0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 7, 7, 8, 8, 9]
     for (b,) in got:
         assert all(torch.equal(b[k], want[b["step"]][k]) for k in ("index", "image", "label")), b["step"]
+
+
+def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(house, image_dataset, tmp_path):
+    """loader_policy="next-epoch" moves a Loader's state to the next epoch, but with replicas= the position is the
+    Manager's step: the restore said epoch 1 and the Loader went on at step 3 of epoch 0. It is refused before
+    anything loads, naming the step that starts epoch 1 (8 global batches of 6 an epoch)."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        steps([(m, loader)], 3)
+        ck.save(3, {"loader": loader, "torchft": m}, blocking=True)
+    m.shutdown(wait=False)
+    second = group_store()
+    again = manager(second.port, house, 0)
+    with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        with pytest.raises(CheckpointError, match=r"app key 'loader': loader_policy='next-epoch' with replicas=: the "
+                           r"position is the torchft Manager's step, not the Loader's state; .*the Manager at step 8 "
+                           r"\(the first of epoch 1\)"):
+            ck.restore_latest({"loader": loader, "torchft": again}, loader_policy="next-epoch")
+        assert again.current_step() == 0
+    again.shutdown(wait=False)
