@@ -389,3 +389,28 @@ def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(hou
             ck.restore_latest({"loader": loader, "torchft": again}, loader_policy="next-epoch")
         assert again.current_step() == 0
     again.shutdown(wait=False)
+
+
+def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_step(house, image_dataset):
+    """The quorum of step 0 is refused when not started (no quorum yet); so is that of a later step: the batch was
+    cut by the last step's quorum, whose groups need not be this step's (a share lost or taken twice). A retry
+    (another quorum) and asking again within the step are not refused."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        it = iter(loader)
+        m.start_quorum()
+        first = next(it)["index"].tolist()
+        m.report_error(RuntimeError("step 0 fails on purpose"))
+        assert not m.should_commit()
+        m.start_quorum()  # step 0 again
+        assert next(it)["index"].tolist() == first
+        assert m.should_commit() and m.current_step() == 1
+        with pytest.raises(LoaderArgumentError, match=r"^the batch of torchft step 1 was asked before that step's "
+                           r"quorum was started: start it first \(optimizer.zero_grad\(\) of "):
+            next(it)
+        m.start_quorum()
+        it = iter(loader)  # the refusal ended the last one, as any error inside a generator
+        again = [next(it)["index"].tolist() for _ in range(2)]
+        assert again[0] == again[1] != first
+    m.shutdown(wait=False)

@@ -19,7 +19,7 @@ from fastio.order.replicas import Share, step_position
 __all__ = ["STATE_KEY", "TorchftReplicas"]
 
 _READ = ("_group_rank", "_group_world_size", "_user_state_dicts", "_load_state_dict_fns", "register_state_dict_fn",
-         "current_step", "num_participants", "participating_rank", "is_participating")
+         "current_step", "num_participants", "participating_rank", "is_participating", "_quorum_future")
 """What fastio reads of a Manager: its rank in its group and the group's size, the state dict hooks it registers the
 Loader's state with, the step and the quorum (torchft-nightly 2026.10.26 has them all)."""
 
@@ -44,6 +44,7 @@ class TorchftReplicas:
                                       "with torchft-nightly 2026.10.26")
         self.manager = manager
         self._key: str | None = None  # the key registered in the Manager's state dict, until unregister
+        self._quorum: tuple[Any, int] | None = None  # the quorum (its future) a batch was last cut by, its step
 
     @property
     def group_world_size(self) -> int:
@@ -79,9 +80,21 @@ class TorchftReplicas:
                                       "batch")
         participant = self.manager.participating_rank()
         step = self.step()
+        self._check_started(step)
         if participant is None or not self.manager.is_participating():
             return step, None
         return step, Share(participants, participant, rank, world_size)
+
+    def _check_started(self, step: int) -> None:
+        """LoaderArgumentError when step ``step``'s batch would be cut by the quorum of an earlier step (this one's
+        was not started: its groups need not be the same); the same step again (asked twice) is not refused."""
+        quorum = self.manager._quorum_future  # a new one at each start_quorum
+        if self._quorum is not None and quorum is self._quorum[0] and step != self._quorum[1]:
+            raise LoaderArgumentError(
+                f"the batch of torchft step {step} was asked before that step's quorum was started: start it first "
+                "(optimizer.zero_grad() of torchft.optim.OptimizerWrapper, or manager.start_quorum()); the last "
+                "step's quorum need not have this step's replica groups")
+        self._quorum = quorum, step
 
     def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
         """Put a Loader's state into the Manager's state dict (sent to a healing group with the weights); returns
