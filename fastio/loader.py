@@ -394,19 +394,20 @@ class Loader:
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
         state = self._checked(state, "load_state_dict")
         if self._replicas is not None:  # the position is the Manager's step; the stream follows it by itself
-            self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
+            self._replicas.check_step(state, K_STEP)
             return
         self._close_active()
         self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
         if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
             self.epoch, self.consumed = self.epoch + 1, 0
 
-    def check_restored_with(self, app: dict[str, Any]) -> None:
-        """LoaderStateError unless a checkpoint restore of ``app`` (app key -> object) restores what this Loader's
-        position lies in besides its own state: with ``replicas=``, the torchft Manager (its step is the position).
-        :class:`fastio.Checkpointer` asks before anything loads."""
+    def check_restored_with(self, app: dict[str, Any], state: Any) -> None:
+        """LoaderStateError unless a checkpoint restore of ``app`` (app key -> object) with this Loader's ``state``
+        restores what the position lies in besides the Loader's state: with ``replicas=`` and a state saved with
+        them, the torchft Manager (its step is the position). :class:`fastio.Checkpointer` asks before anything
+        loads."""
         if self._replicas is not None:
-            self._replicas.check_restored_with(app)
+            self._replicas.check_restored_with(app, state, K_STEP)
 
     def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
@@ -435,6 +436,8 @@ class Loader:
         if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {count(self._sampler.samples, 'sample')})")
+        if self._replicas is not None:
+            self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
         return state
 
     def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -414,3 +414,32 @@ def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_s
         again = [next(it)["index"].tolist() for _ in range(2)]
         assert again[0] == again[1] != first
     m.shutdown(wait=False)
+
+
+def test_a_checkpoint_of_a_run_without_replicas_restores_into_a_torchft_run_at_the_managers_step(
+        house, image_dataset, tmp_path):
+    """A run moving to torchft: its checkpoint holds no Manager. With the Manager at a step other than the saved
+    position the restore is refused before the model loads; with the Manager at that step (set by the app) the
+    Loader goes on from it."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 4)]
+    saved = torch.nn.Linear(2, 2)
+    with _loader(image_dataset, options) as plain, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        it = iter(plain)
+        for _ in range(3):
+            next(it)
+        ck.save(3, {"loader": plain, "model": saved}, blocking=True)
+    store = group_store()
+    m = manager(store.port, house, 0)
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        with pytest.raises(CheckpointError, match=r"app key 'loader': loader state \(saved without replicas=\) is at "
+                           r"epoch 0, 18 samples consumed: global batch 3 of 6 samples, the torchft Manager at step 0"):
+            ck.restore_latest({"loader": loader, "model": model})
+        assert torch.equal(model.weight, before)
+        m.load_state_dict({"step": 3, "batches_committed": 3})
+        ck.restore_latest({"loader": loader, "model": model})
+        (b,), = steps([(m, loader)], 1)
+    assert torch.equal(model.weight, saved.weight) and (b["step"], b["index"].tolist()) == (3, want[3])
+    m.shutdown(wait=False)

@@ -118,26 +118,30 @@ class TorchftReplicas:
             m._user_state_dicts = {k: f for k, f in m._user_state_dicts.items() if k != key}
             m._load_state_dict_fns = {k: f for k, f in m._load_state_dict_fns.items() if k != key}
 
-    def check_restored_with(self, app: Mapping[str, Any]) -> None:
-        """LoaderStateError unless ``app`` (what a checkpoint restores with the Loader) holds the Manager: its step
-        is the Loader's position."""
-        if not any(obj is self.manager for obj in app.values()):
+    def check_restored_with(self, app: Mapping[str, Any], state: Any, step_key: str) -> None:
+        """LoaderStateError when ``state`` (a Loader state a checkpoint restores) is at a torchft step and ``app``
+        (what it restores with it) lacks the Manager: its step is the Loader's position. A state saved without
+        replicas= (no step) needs none: the Manager's step is checked against its position."""
+        if isinstance(state, dict) and step_key in state and not any(obj is self.manager for obj in app.values()):
             raise LoaderStateError("its position is the step of the torchft.Manager it was given (replicas=), which "
                                    "this app does not restore: put that Manager into the app state with it "
                                    "({'loader': loader, 'torchft': manager, ...})")
 
     def check_state(self, state: dict[str, Any], batch_size: int, step_key: str, batches_per_epoch: int) -> None:
-        """LoaderStateError unless ``state`` is of the same global batch and at the Manager's step (a restore must
-        restore the Manager's state too: the step is the position); a state saved without replicas= (no step) at
-        the position of the Manager's step."""
+        """LoaderStateError unless ``state`` is of the same global batch, and a state saved without replicas= (no
+        step) at the position of the Manager's step (a state with a step: :meth:`check_step` as it loads)."""
         saved = state.get("batch_size")
         if saved is not None and saved != batch_size:
             raise LoaderStateError(f"loader state has batch_size={saved!r}, this Loader's global batch is "
                                    f"{batch_size} (with replicas= batch_size is the global batch of one step)")
-        step = state.get(step_key)
-        if step is None:
+        if state.get(step_key) is None:
             self._check_position(state["epoch"], state["consumed"], batch_size, batches_per_epoch)
-        elif step != self.step():
+
+    def check_step(self, state: dict[str, Any], step_key: str) -> None:
+        """LoaderStateError unless ``state``'s step (if it has one) is the Manager's: a restore must restore the
+        Manager's state too (checked as the Loader's state loads: a checkpoint restore loads the Manager first)."""
+        step = state.get(step_key)
+        if step is not None and step != self.step():
             raise LoaderStateError(
                 f"loader state is at torchft step {step}, the Manager at step {self.step()}: with replicas= the "
                 "position is the Manager's step; restore the Manager's state_dict() with the Loader's (put the "
