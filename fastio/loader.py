@@ -180,10 +180,11 @@ class LoaderConfig:
     """Check each shard's sha256 against the manifest before its first use, and the sample index's when the
     Loader opens the dataset (an ``s3://`` dataset's shards are always checked, when the cache fills them)."""
     rank: int | None = None
-    """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
-    checked against the world size when the Loader is made."""
+    """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0; with
+    ``replicas=``, the Manager's rank in its replica group); checked against the world size when the Loader is made."""
     world_size: int | None = None
-    """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
+    """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1; with ``replicas=``, the ranks of the
+    Manager's replica group)."""
     progress: bool = False
     """Print a throughput/stall line to stderr every 5 seconds while batches come (``stats.PROGRESS_EVERY_S``),
     and one at the end of every epoch."""
