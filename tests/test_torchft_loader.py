@@ -171,15 +171,20 @@ def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(hous
         m.shutdown(wait=False)
 
 
+def _checkpoint_at(house: str, target, options: dict, ck_dir: Path, count: int, **more) -> None:
+    """A one-group torchft run of ``count`` steps, its Loader and Manager (and ``more``) saved at step ``count``."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(target, options, m) as loader, fastio.Checkpointer(ck_dir, signals=()) as ck:
+        steps([(m, loader)], count)
+        ck.save(count, {"loader": loader, "torchft": m, **more}, blocking=True)
+    m.shutdown(wait=False)
+
+
 def test_a_checkpointer_restore_continues_at_the_managers_step(house, image_dataset, tmp_path):
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
     want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
-    store = group_store()
-    m = manager(store.port, house, 0)
-    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        steps([(m, loader)], 3)
-        ck.save(3, {"loader": loader, "torchft": m}, blocking=True)
-    m.shutdown(wait=False)
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 3)
     second = group_store()
     again = manager(second.port, house, 0)
     with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
@@ -312,12 +317,7 @@ def test_a_checkpointer_restore_without_the_manager_is_refused_before_anything_l
     """The Loader's position is the Manager's step: a restore of an app without the Manager is refused before the
     model loads (the model was loaded first, then the Loader refused: a run half restored)."""
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
-    store = group_store()
-    m = manager(store.port, house, 0)
-    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        steps([(m, loader)], 2)
-        ck.save(2, {"loader": loader, "torchft": m, "model": torch.nn.Linear(2, 2)}, blocking=True)
-    m.shutdown(wait=False)
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 2, model=torch.nn.Linear(2, 2))
     second = group_store()
     again = manager(second.port, house, 0)
     model = torch.nn.Linear(2, 2)
@@ -374,12 +374,7 @@ def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(hou
     Manager's step: the restore said epoch 1 and the Loader went on at step 3 of epoch 0. It is refused before
     anything loads, naming the step that starts epoch 1 (8 global batches of 6 an epoch)."""
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
-    store = group_store()
-    m = manager(store.port, house, 0)
-    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        steps([(m, loader)], 3)
-        ck.save(3, {"loader": loader, "torchft": m}, blocking=True)
-    m.shutdown(wait=False)
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 3)
     second = group_store()
     again = manager(second.port, house, 0)
     with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
