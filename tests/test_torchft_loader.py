@@ -438,3 +438,83 @@ def test_a_checkpoint_of_a_run_without_replicas_restores_into_a_torchft_run_at_t
         (b,), = steps([(m, loader)], 1)
     assert torch.equal(model.weight, saved.weight) and (b["step"], b["index"].tolist()) == (3, want[3])
     m.shutdown(wait=False)
+
+
+def _union_is_the_global_batch(rows: list, want: list[list[int]]) -> None:
+    """Each step's participating shares, in quorum order, are that step's one-process batch."""
+    for row in rows:
+        shares = [b["index"].tolist() for b in row if b["participating"]]
+        assert [i for share in shares for i in share] == want[row[0]["step"]], row[0]["step"]
+
+
+def test_a_group_leaving_twice_and_coming_back_loses_and_repeats_no_sample(house, image_dataset):
+    """Quorums of 2, 1, 2 (the group back heals with an empty batch, then takes part), 1 group through an epoch
+    boundary: every step is its one-process batch, split over the groups of that step's quorum."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 10)]
+    stores = [group_store() for _ in range(3)]
+    m0 = manager(stores[0].port, house, 0)
+    l0 = _loader(image_dataset, options, m0)
+    rows = []
+    for life in range(2):
+        m1 = manager(stores[1 + life].port, house, 1)
+        with _loader(image_dataset, options, m1) as l1:
+            rows += steps([(m0, l0), (m1, l1)], 3)
+        m1.shutdown(wait=False)
+        rows += steps([(m0, l0)], 2)
+    assert [r[0]["step"] for r in rows] == list(range(10)) and not rows[5][1]["participating"]
+    _union_is_the_global_batch(rows, want)
+    l0.close()
+    m0.shutdown(wait=False)
+
+
+def test_a_checkpoint_of_two_groups_restores_into_three(house, image_dataset, tmp_path):
+    """Saved by one of 2 groups at step 3, restored by 3 new groups: each step from 3 on is split in 3."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 6)]
+    stores = [group_store() for _ in range(5)]
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2))]
+    steps(pairs, 3)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.save(3, {"loader": pairs[0][1], "torchft": pairs[0][0]}, blocking=True)
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2, 5))]
+    for m, loader in pairs:
+        with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+            ck.restore_latest({"loader": loader, "torchft": m})
+    rows = steps(pairs, 3)
+    assert [row[0]["step"] for row in rows] == [3, 4, 5]
+    assert all(b["participating"] and len(b["index"]) == 2 for row in rows for b in row)
+    _union_is_the_global_batch(rows, want)
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_a_group_restarted_from_an_older_checkpoint_heals_to_its_peers_step(house, image_dataset, tmp_path):
+    """A group saved at step 3 and started again from that checkpoint while its peer went on to step 6: it heals
+    with an empty batch at step 6 and then takes half of each global batch."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 9)]
+    stores = [group_store() for _ in range(3)]
+    m0, m1 = manager(stores[0].port, house, 0), manager(stores[1].port, house, 1)
+    l0, l1 = _loader(image_dataset, options, m0), _loader(image_dataset, options, m1)
+    steps([(m0, l0), (m1, l1)], 3)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.save(3, {"loader": l1, "torchft": m1}, blocking=True)
+    l1.close()
+    m1.shutdown(wait=False)
+    steps([(m0, l0)], 3)
+    m1 = manager(stores[2].port, house, 1)
+    l1 = _loader(image_dataset, options, m1)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.restore_latest({"loader": l1, "torchft": m1})
+    rows = steps([(m0, l0), (m1, l1)], 3)
+    assert [b["step"] for row in rows for b in row] == [6, 6, 7, 7, 8, 8]
+    assert not rows[0][1]["participating"] and all(b["participating"] for row in rows[1:] for b in row)
+    _union_is_the_global_batch(rows, want)
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)
