@@ -389,7 +389,7 @@ def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(hou
 def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_step(house, image_dataset):
     """The quorum of step 0 is refused when not started (no quorum yet); so is that of a later step: the batch was
     cut by the last step's quorum, whose groups need not be this step's (a share lost or taken twice). A retry
-    (another quorum) and asking again within the step are not refused."""
+    (another quorum) is not refused."""
     store = group_store()
     m = manager(store.port, house, 0)
     with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
@@ -406,8 +406,22 @@ def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_s
             next(it)
         m.start_quorum()
         it = iter(loader)  # the refusal ended the last one, as any error inside a generator
-        again = [next(it)["index"].tolist() for _ in range(2)]
-        assert again[0] == again[1] != first
+        assert next(it)["index"].tolist() != first
+    m.shutdown(wait=False)
+
+
+def test_a_second_batch_asked_in_one_step_is_refused_naming_gradient_accumulation(house, image_dataset):
+    """A step has one batch: a loop asking twice in a step (micro-batches of gradient accumulation, or the inner
+    steps of torchft's LocalSGD/DiLoCo, whose Manager steps once per sync) got the same samples again, silently."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        it = iter(loader)
+        m.start_quorum()
+        next(it)
+        with pytest.raises(LoaderArgumentError, match=r"^a second batch of torchft step 0 was asked in that step: with "
+                           r"replicas= a step has one batch .* for gradient accumulation make batch_size the global batch .*LocalSGD"):
+            next(it)
     m.shutdown(wait=False)
 
 

@@ -87,13 +87,21 @@ class TorchftReplicas:
 
     def _check_started(self, step: int) -> None:
         """LoaderArgumentError when step ``step``'s batch would be cut by the quorum of an earlier step (this one's
-        was not started: its groups need not be the same); the same step again (asked twice) is not refused."""
+        was not started: its groups need not be the same), or is asked a second time in one step (the same samples
+        again)."""
         quorum = self.manager._quorum_future  # a new one at each start_quorum
-        if self._quorum is not None and quorum is self._quorum[0] and step != self._quorum[1]:
+        if self._quorum is not None and quorum is self._quorum[0]:
+            if step != self._quorum[1]:
+                raise LoaderArgumentError(
+                    f"the batch of torchft step {step} was asked before that step's quorum was started: start it "
+                    "first (optimizer.zero_grad() of torchft.optim.OptimizerWrapper, or manager.start_quorum()); "
+                    "the last step's quorum need not have this step's replica groups")
             raise LoaderArgumentError(
-                f"the batch of torchft step {step} was asked before that step's quorum was started: start it first "
-                "(optimizer.zero_grad() of torchft.optim.OptimizerWrapper, or manager.start_quorum()); the last "
-                "step's quorum need not have this step's replica groups")
+                f"a second batch of torchft step {step} was asked in that step: with replicas= a step has one batch "
+                "(this rank's share of the step's global batch; a step that does not commit is taken again after "
+                "the next quorum); for gradient accumulation make batch_size the global batch of the whole step "
+                "and split the batch into micro-batches; torchft's LocalSGD/DiLoCo (a Manager step per sync) are "
+                "not supported")
         self._quorum = quorum, step
 
     def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
