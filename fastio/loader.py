@@ -290,6 +290,7 @@ class Loader:
         self._ahead: Exception | None = None  # what feeding it ahead raised, for the next batch to raise
         self._share: Share | None = None  # with replicas=: the share the feeder's plans are cut to
         self._empty: dict[str, Any] | None = None  # with replicas=: a batch of no samples (a group not taking part)
+        self._step_epoch = 0  # with replicas=: the epoch of the last step's batch (for the stats' epochs)
         if self._replicas is not None:
             self._replicas.register(self.state_dict, self.load_state_dict)
 
@@ -624,9 +625,9 @@ class Loader:
             while True:
                 step, share = self._replicas.share(self.rank, self.world_size)
                 epoch, self.consumed = step_position(step, len(self._sampler), self.config.batch_size)
-                if epoch != self.epoch:
+                if epoch != self._step_epoch:  # not self.epoch: state_dict() moves it to the Manager's step
                     self._stats.end_epoch()
-                self.epoch = epoch
+                self.epoch = self._step_epoch = epoch
                 if share is None and self._empty is not None:
                     yield dict(self._empty)
                     continue

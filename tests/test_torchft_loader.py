@@ -420,7 +420,8 @@ def test_a_second_batch_asked_in_one_step_is_refused_naming_gradient_accumulatio
         m.start_quorum()
         next(it)
         with pytest.raises(LoaderArgumentError, match=r"^a second batch of torchft step 0 was asked in that step: with "
-                           r"replicas= a step has one batch .* for gradient accumulation make batch_size the global batch .*LocalSGD"):
+                           r"replicas= a step has one batch .* for gradient accumulation make batch_size the "
+                           r"global batch .*LocalSGD"):
             next(it)
     m.shutdown(wait=False)
 
@@ -532,3 +533,18 @@ def test_a_group_restarted_from_an_older_checkpoint_heals_to_its_peers_step(hous
     for m, loader in ((m0, l0), (m1, l1)):
         loader.close()
         m.shutdown(wait=False)
+
+
+def test_the_stats_of_an_epoch_end_with_it_when_the_state_is_saved_between_steps(house, image_dataset):
+    """``stats()["last_epoch"]`` is the epoch before the current one (8 steps of 6 samples), also when the loop
+    saves the Loader's state after each step: the save moved the Loader's epoch ahead of its batches, and the
+    epoch's end was not counted."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        for _ in range(10):
+            steps([(m, loader)], 1)
+            loader.state_dict()
+        stats = loader.stats()
+    assert (stats["last_epoch"]["batches"], stats["epoch"]["batches"], stats["overall"]["batches"]) == (8, 2, 10)
+    m.shutdown(wait=False)
