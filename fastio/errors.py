@@ -1,14 +1,15 @@
 """Exceptions that reach users as one line naming the offending file, shard, key or field.
 
-:class:`FastioError` and its kinds: :class:`DatasetError`, :class:`ConvertError`, :class:`LoaderStateError`,
+:class:`FastioError` and its kinds: :class:`DatasetError` (:class:`MixtureError`, also a ``ValueError``: datasets that
+cannot be read as one stream), :class:`ConvertError`, :class:`LoaderStateError`,
 :class:`LoaderArgumentError` (also a ``TypeError``: another loader's argument, with fastio's equivalent),
 :class:`CheckpointError`, :class:`StorageError` (``url``, ``transient``, ``missing``) and
 :class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used); and
 :func:`install_hint`, what a message says to add an optional dependency (fastio installs from its checkout,
 docs/install.md). Imports nothing of fastio."""
 
-__all__ = ["FastioError", "DatasetError", "ConvertError", "LoaderStateError", "LoaderArgumentError", "CheckpointError",
-           "StorageError", "StorageOptionsError", "install_hint"]
+__all__ = ["FastioError", "DatasetError", "MixtureError", "ConvertError", "LoaderStateError", "LoaderArgumentError",
+           "CheckpointError", "StorageError", "StorageOptionsError", "install_hint"]
 
 
 def install_hint(extra: str) -> str:
@@ -23,6 +24,11 @@ class FastioError(Exception):
 
 class DatasetError(FastioError):
     """A fastio dataset (DEST) is missing, incomplete, corrupt or asked for something it lacks."""
+
+
+class MixtureError(DatasetError, ValueError):
+    """Datasets that a :class:`fastio.Mixture` cannot read as one stream: token datasets tokenized with different
+    tokenizers (an id would mean another token in each). Also a ``ValueError``, as for any bad argument."""
 
 
 class ConvertError(FastioError):

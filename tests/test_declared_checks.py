@@ -26,7 +26,8 @@ CHAT = {"template_sha256": "d" * 64, "train_on": "all", "trained_tokens": 4, "lo
 BAD = {"name": "../x.tar", "samples": -1, "bytes": "10", "sha256": "A" * 64, "idx_sha256": 7, "xxh3_128": "f" * 31,
        "location": "a/../b", "idx_location": "", "tokens": 1.5, "dtype": "int8", "eos_id": True, "total_tokens": -2,
        "vocab_size": "1", "one_sequence_per_document": "yes", "max_id": -3, "mask_sha256": "0" * 63,
-       "template_sha256": None, "train_on": "assistant", "trained_tokens": "7", "longest": -1}
+       "template_sha256": None, "train_on": "assistant", "trained_tokens": "7", "longest": -1,
+       "tokenizer_sha256": "g" * 64}
 
 
 def checked_names(cls: type) -> set[str]:

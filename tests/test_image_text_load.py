@@ -8,6 +8,7 @@ through the cache; a mixture with chat and plain token datasets; refusals in one
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from itertools import islice
 from pathlib import Path
@@ -318,11 +319,15 @@ def test_a_state_of_other_options_or_another_kind_is_refused(vlm):
 
 @pytest.fixture(scope="module")
 def mixed(vlm, tmp_path_factory):
-    """The image-text dataset, a chat token dataset (30 conversations) and a plain token dataset (120 documents)."""
+    """The image-text dataset, a chat token dataset (30 conversations) and a plain token dataset (120 documents),
+    all three of the image-text source's tokenizer file (a mixture of other tokenizers is refused:
+    tests/test_mixture_tokenizers.py)."""
     root = tmp_path_factory.mktemp("vlm-mix")
     (root / "plain").mkdir()
     (root / "c").mkdir()
-    return {"vlm": vlm["ds"], "chat": chat_dataset(root / "c", n=30), "plain": word_corpus(root / "plain")}
+    shutil.copy(vlm["src"]["tokenizer"], root / "c" / "tokenizer.json")
+    return {"vlm": vlm["ds"], "chat": chat_dataset(root / "c", n=30),
+            "plain": word_corpus(root / "plain", vlm["src"]["tokenizer"])}
 
 
 def _mix_loader(mixed, image=None, **options):

@@ -16,6 +16,7 @@ from fastio.convert.run import ConvertConfig
 from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.image_text import TOKENS_FIELD
+from fastio.storage.checksum import sha256_file
 from tests.helpers import run_cli
 from tests.tokens_helpers import image_text_source, stored_image_text, word_corpus
 
@@ -102,7 +103,7 @@ def test_parts_merge_to_the_largest_of_their_ids_and_refuse_parts_of_other_vocab
 
 def test_a_manifest_written_before_the_record_loads_with_nothing_known(converted, tmp_path, capsys):
     old = _copy(converted[1], tmp_path / "old")
-    _edit(old, vocab_size=None, max_id=None)
+    _edit(old, vocab_size=None, max_id=None, tokenizer_sha256=None)
     assert "image_text" not in json.loads((old / "manifest.json").read_text())
     assert load_manifest(old).image_text is None
     code, out, err = run_cli(["inspect", str(old)], capsys)
@@ -133,7 +134,8 @@ def test_inspect_shows_the_vocabulary_and_the_embedding_size(converted, capsys):
     assert f"vocabulary: {vocab}, largest id {largest}; a token embedding of {vocab} rows" in out
     code, out, err = run_cli(["inspect", str(dest), "--json"], capsys)
     assert code == 0, err
-    assert json.loads(out)["image_text"] == {"vocab_size": vocab, "max_id": largest, "embedding_size": vocab}
+    assert json.loads(out)["image_text"] == {"vocab_size": vocab, "max_id": largest, "embedding_size": vocab,
+                                             "tokenizer_sha256": sha256_file(src["tokenizer"])[1]}
 
 
 def test_the_embedding_size_is_the_largest_id_plus_one_where_the_vocabulary_is_not_known(converted, tmp_path):

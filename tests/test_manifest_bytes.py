@@ -1,7 +1,9 @@
 """Manifests are written byte for byte as before the manifest became a typed object on the write side: convert
 (folder, split, table, parts + merge), ``fastio index`` (in place, with DEST), token convert and token index, and
 image-text convert, against ``fixtures/manifest_bytes.json`` (recorded before the change by
-``fixtures/make_manifest_fixtures.py``; the image-text case recorded since, the other cases' bytes unchanged)."""
+``fixtures/make_manifest_fixtures.py``; the image-text case recorded since, the other cases' bytes unchanged but the
+tokenizer file's sha256 that token and image-text conversions record since: ``tokens.tokenizer_sha256``,
+``image_text.tokenizer_sha256``)."""
 
 from __future__ import annotations
 

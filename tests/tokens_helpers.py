@@ -32,12 +32,12 @@ def train_tokenizer(path: Path, eos: str | None = "<|endoftext|>", vocab_size: i
     return path
 
 
-def word_corpus(root: Path) -> Path:
-    """A converted token dataset of 120 documents of 1..29 random words (seeded), 25 documents per shard, with
-    its tokenizer, under ``root``; returns the dataset's folder."""
+def word_corpus(root: Path, tokenizer: Path | None = None) -> Path:
+    """A converted token dataset of 120 documents of 1..29 random words (seeded), 25 documents per shard, under
+    ``root``, tokenized with ``tokenizer`` (default: its own, trained into ``root``); returns the dataset's folder."""
     from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
-    tok = train_tokenizer(root / "tokenizer.json")
+    tok = tokenizer or train_tokenizer(root / "tokenizer.json")
     rng = np.random.default_rng(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     texts = [" ".join(rng.choice(words, int(rng.integers(1, 30)))) for _ in range(120)]

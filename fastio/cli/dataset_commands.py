@@ -27,7 +27,8 @@ _CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME``, ``max_tokens=3`` ->
-    ``--max-tokens 3`` and, with ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
+    ``--max-tokens 3``, ``part=...`` -> ``--part ...``, ``(max_pixels)`` -> ``(--max-pixels)`` and, with ``leading``
+    (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
     (``progress_every_s`` -> ``--progress-every``: :data:`_FLAG_OF_FIELD`), unless that word is a value given on
     the command line (a folder named ``dest``); a flag the message already names before its Python spelling
     (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
@@ -41,8 +42,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     given = {str(v) for v in ctx.params.values() if isinstance(v, (str, Path))}  # a path the user named stays one
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: m[1] if m[1] in given else flags[m[1]], text)
-    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b|\d+\b)",
+    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b|\d+\b|\.\.\.)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
+    text = re.sub(rf"\(({names})\)", lambda m: m[0] if m[1] in given else f"({flags[m[1]]})", text)  # (max_pixels)
     return re.sub(r"(--[a-z][a-z-]*(?: [^\s()]+)?) \(\1\)", r"\1", text)
 
 
@@ -152,7 +154,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
-    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
+    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last); a run that fails
+    or is stopped with Ctrl-C takes back what it wrote (a killed one leaves it marked unfinished for the rerun). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
     --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
@@ -188,7 +191,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
-        click.echo(result.summary())
+        click.echo(result.summary(words=_in_flags))
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
@@ -264,7 +267,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
-        click.echo(result.summary())
+        click.echo(result.summary(words=_in_flags))
 
 
 @cli.command()
@@ -516,12 +519,19 @@ def _vocabulary(tokens: dict[str, Any]) -> str:
     return f"{tokens.get('vocab_size') or 'not recorded'}{largest}"
 
 
+def _tokenizer(tokens: dict[str, Any]) -> str:
+    """``; tokenizer sha256 HEX`` (its first 12 digits: what a Mixture compares) where a token or image-text dataset
+    records the checksum of its tokenizer file, else nothing."""
+    sha = tokens.get("tokenizer_sha256")
+    return "" if sha is None else f"; tokenizer sha256 {sha[:12]}"
+
+
 def _print_image_text(info: dict[str, Any] | None) -> None:
     """An image-text dataset's vocabulary line, with the rows a model's token embedding needs."""
     if info is None:
         return
     rows = "" if info["embedding_size"] is None else f"; a token embedding of {info['embedding_size']} rows"
-    click.echo(f"text:     vocabulary: {_vocabulary(info)}{rows}")
+    click.echo(f"text:     vocabulary: {_vocabulary(info)}{rows}{_tokenizer(info)}")
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -539,8 +549,8 @@ def _print_info(info: dict[str, Any]) -> None:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}
         total = count(tokens["total_tokens"], f"{tokens['dtype']} token")
         click.echo(f"tokens:   {count(info['samples'], 'document')}, {total} "
-                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}); tokens per "
-                   f"document min {d['min']}  median {d['median']}  max {d['max']}")
+                   f"(end of document: id {tokens['eos_id']}; vocabulary: {_vocabulary(tokens)}{_tokenizer(tokens)}); "
+                   f"tokens per document min {d['min']}  median {d['median']}  max {d['max']}")
         chat = tokens.get("chat")
         if chat:
             click.echo(f"chat:     conversations, {count(chat['trained_tokens'], 'token')} trained "

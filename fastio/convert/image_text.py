@@ -19,7 +19,9 @@ file or URL, or stops the run naming it), ``split`` and ``shuffle``, shards, ``.
 parts and merge. The manifest's ``convert_options.image_text`` records the tokenizer's and template's checksums and
 the image token and its id; its ``image_text`` entry (:class:`~fastio.dataset.manifest.ImageTextInfo`) the
 tokenizer's vocabulary size and the largest id of the samples written (per split, per part: a merge keeps the
-largest), so that a model sizes its token embedding from the dataset (``manifest.image_text.embedding_size``).
+largest), so that a model sizes its token embedding from the dataset (``manifest.image_text.embedding_size``), and
+the tokenizer file's checksum (:func:`~fastio.convert.token_convert.tokenizer_sha256`: a plain or chat dataset of
+the same file records the same, and a :class:`fastio.Mixture` compares them).
 
 The image token must be one token of the tokenizer (one of its added tokens, encoding to itself alone).
 """
@@ -39,7 +41,7 @@ from fastio.checks import check_fields, checked, config_error, rule
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
-from fastio.convert.token_convert import eos_token_id, load_tokenizer, vocab_size, with_specials
+from fastio.convert.token_convert import eos_token_id, load_tokenizer, tokenizer_sha256, vocab_size, with_specials
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
 from fastio.dataset.manifest import ImageTextInfo
@@ -93,16 +95,17 @@ def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> Conv
     :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
     coder = _Coder(options)
     config = replace(config, extra_options={"image_text": coder.recorded()},
-                     tally=lambda: _Vocabulary(coder.vocab_size))
+                     tally=lambda: _Vocabulary(coder.vocab_size, coder.tokenizer_sha256))
     return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options))
 
 
 class _Vocabulary:
     """A dataset's ``image_text`` manifest record (:class:`~fastio.dataset.manifest.ImageTextInfo`): the tokenizer's
-    vocabulary size and the largest id of the samples written (a :class:`~fastio.convert.run.SampleTally`)."""
+    vocabulary size and checksum, and the largest id of the samples written (a
+    :class:`~fastio.convert.run.SampleTally`)."""
 
-    def __init__(self, vocab_size: int):
-        self.vocab_size, self.max_id = vocab_size, None
+    def __init__(self, vocab_size: int, tokenizer: str):
+        self.vocab_size, self.tokenizer, self.max_id = vocab_size, tokenizer, None
 
     def add(self, fields: dict[str, bytes]) -> None:
         ids = np.frombuffer(fields[TOKENS_FIELD], "<i4")
@@ -110,7 +113,8 @@ class _Vocabulary:
             self.max_id = int(ids.max()) if self.max_id is None else max(self.max_id, int(ids.max()))
 
     def manifest_fields(self) -> dict[str, ImageTextInfo]:
-        return {"image_text": ImageTextInfo(vocab_size=self.vocab_size, max_id=self.max_id)}
+        return {"image_text": ImageTextInfo(vocab_size=self.vocab_size, max_id=self.max_id,
+                                            tokenizer_sha256=self.tokenizer)}
 
 
 class _Coder:
@@ -131,6 +135,7 @@ class _Coder:
         self.template = with_specials(template, self.tokenizer, eos)
         self.image_id = self._image_id()
         self.vocab_size = vocab_size(self.tokenizer)
+        self.tokenizer_sha256 = tokenizer_sha256(options.tokenizer)
         self.encoder = ChatEncoder(self.tokenizer, self.template, "generation", options.messages_field, np.int32)
 
     def _image_id(self) -> int:

@@ -122,7 +122,8 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
     info = TokenInfo(dtype=plan["tokens"]["dtype"], eos_id=plan["tokens"]["eos_id"],
                      total_tokens=sum(r.tokens for r in result), vocab_size=plan["tokens"]["vocab_size"],
                      one_sequence_per_document=True,  # the parts' pairs and the repacked ones: MegatronWriter's
-                     starts=starts, chat=None if chat is None else _chat_info(chat, records))
+                     starts=starts, chat=None if chat is None else _chat_info(chat, records),
+                     tokenizer_sha256=plan["tokens"]["tokenizer_sha256"][1])  # the plan's (size, hex)
     source = {**plan["source"], "empty_documents": empty, "special_text_documents": special}
     for key in ("overlong_dropped", "overlong_truncated"):  # a chat conversion with max_tokens
         if key in records[0].datasets[""]:

@@ -20,6 +20,7 @@ from typing import Any
 from fastio import __version__
 from fastio.checks import checked, count, read_checked, rule
 from fastio.errors import DatasetError
+from fastio.formats.image_text import options_tokenizer_sha256
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
 from fastio.formats.token_mask import MASK_FORMAT
@@ -69,7 +70,8 @@ FORMAT_VERSION = 3
 dataset (Megatron ``.bin``/``.idx`` shards, :class:`TokenInfo`). A manifest that needs nothing of 2 or 3 is written
 as 1 (:func:`format_version`), so an older fastio still reads converted datasets and refuses an indexed or token
 one by its version instead of reporting its shards missing. An optional entry that an older fastio ignores (an
-image-text dataset's ``image_text``, :class:`ImageTextInfo`) needs no new version: a manifest without it reads as
+image-text dataset's ``image_text``, :class:`ImageTextInfo`; the tokenizer's ``tokenizer_sha256`` inside it or inside
+``tokens``: a record's reader skips keys it does not declare) needs no new version: a manifest without it reads as
 "not known"."""
 READ_VERSIONS = (1, 2, 3)
 KINDS = {"samples": ".tar", "tokens": ".bin"}
@@ -237,6 +239,11 @@ class TokenInfo:
     chat: ChatInfo | None = None
     """A chat dataset's conversations (``fastio convert --chat-template``): each document is one conversation,
     each shard has a loss mask; None: plain documents, every token trained."""
+    tokenizer_sha256: str | None = checked(_matches(_SHA256, "a hex sha256"), default=None)
+    """Hex sha256 of the bytes of the tokenizer file the documents were tokenized with, as ``fastio convert
+    --tokenizer`` was given it (:func:`fastio.convert.token_convert.tokenizer_sha256`), so that datasets of one
+    tokenizer file are known to mean the same tokens by the same ids (:class:`fastio.Mixture` compares them); None:
+    not known (shards indexed by ``fastio index``, or converted before fastio recorded it)."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -245,7 +252,7 @@ class TokenInfo:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("vocab_size", "max_id", "chat"):
+        for key in ("vocab_size", "max_id", "chat", "tokenizer_sha256"):
             if out[key] is None:
                 del out[key]
         if not self.one_sequence_per_document:
@@ -313,6 +320,9 @@ class ImageTextInfo:
     (None: not known)."""
     max_id: int | None = checked(count, default=None)
     """The largest id of the samples' ``tokens.i32`` (None: not known, or no sample holds a token)."""
+    tokenizer_sha256: str | None = checked(_matches(_SHA256, "a hex sha256"), default=None)
+    """Hex sha256 of the bytes of the tokenizer file the conversations were tokenized with, by the rule of
+    :attr:`TokenInfo.tokenizer_sha256` (None: not known: converted before fastio recorded it)."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -324,12 +334,17 @@ class ImageTextInfo:
 
     def joined(self, other: ImageTextInfo) -> ImageTextInfo:
         """The record of a dataset of this one's samples and ``other``'s (parts merged): the same vocabulary, the
-        larger of the largest ids; ValueError naming both vocabulary sizes where they differ."""
+        larger of the largest ids, the tokenizer's checksum where both record it (None where one does not: not known
+        for all the samples); ValueError naming both vocabulary sizes, or both checksums, where they differ."""
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"image_text.vocab_size: {other.vocab_size} where another part records "
                              f"{self.vocab_size} (the parts were converted with other tokenizers)")
+        mine, theirs = self.tokenizer_sha256, other.tokenizer_sha256
+        if None not in (mine, theirs) and mine != theirs:
+            raise ValueError(f"image_text.tokenizer_sha256: {theirs} where another part records {mine} (the parts "
+                             "were converted with other tokenizers)")
         ids = [i for i in (self.max_id, other.max_id) if i is not None]
-        return ImageTextInfo(self.vocab_size, max(ids, default=None))
+        return ImageTextInfo(self.vocab_size, max(ids, default=None), mine if mine == theirs else None)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ImageTextInfo:
@@ -460,6 +475,23 @@ class Manifest:
     def fingerprint(self) -> str:
         """See :func:`fingerprint`."""
         return fingerprint(self.shards)
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        """The checksum of the tokenizer file a token or image-text dataset was tokenized with
+        (:attr:`TokenInfo.tokenizer_sha256`, :attr:`ImageTextInfo.tokenizer_sha256`; an image-text dataset converted
+        before that recorded it: its ``convert_options``'
+        :func:`~fastio.formats.image_text.options_tokenizer_sha256`; None: not recorded, or a dataset of samples)."""
+        info = self.tokens or self.image_text
+        recorded = None if info is None else info.tokenizer_sha256
+        return recorded if recorded is not None else options_tokenizer_sha256(self.convert_options)
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The ids of the tokenizer a token or image-text dataset was tokenized with (:attr:`TokenInfo.vocab_size`,
+        :attr:`ImageTextInfo.vocab_size`; None: not recorded, or a dataset of samples)."""
+        info = self.tokens or self.image_text
+        return None if info is None else info.vocab_size
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of ``manifest.json``."""

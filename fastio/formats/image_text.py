@@ -26,7 +26,7 @@ from fastio.formats.images import is_image_field
 from fastio.words import count
 
 __all__ = ["MASK_FIELD", "OPTIONS_KEY", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens",
-           "image_field_name", "image_number", "is_image_text", "member_problems"]
+           "image_field_name", "image_number", "is_image_text", "member_problems", "options_tokenizer_sha256"]
 
 TOKENS_FIELD = "tokens.i32"
 """The member holding a sample's token ids (little-endian int32)."""
@@ -35,12 +35,24 @@ MASK_FIELD = "mask.bits"
 OPTIONS_KEY = "image_text"
 """The key of the manifest's ``convert_options`` that an image-text conversion records (its image token id, ...)."""
 _IMAGE = re.compile(r"(0|[1-9][0-9]*)\.[A-Za-z0-9]+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def is_image_text(convert_options: dict | None) -> bool:
     """Whether a manifest's ``convert_options`` are an image-text conversion's (they record ``image_token_id``)."""
     options = (convert_options or {}).get(OPTIONS_KEY)
     return isinstance(options, dict) and "image_token_id" in options
+
+
+def options_tokenizer_sha256(convert_options: dict | None) -> str | None:
+    """The hex sha256 of the tokenizer file that an image-text conversion's ``convert_options`` record
+    (``image_text.tokenizer_sha256``: ``[size, hex]``, as every image-text conversion wrote it, also before its
+    manifest's ``image_text`` entry recorded the hex); None where they hold no such pair."""
+    options = (convert_options or {}).get(OPTIONS_KEY)
+    pair = options.get("tokenizer_sha256") if isinstance(options, dict) else None
+    if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], str) and _SHA256.fullmatch(pair[1]):
+        return pair[1]
+    return None
 
 
 def image_field_name(number: int, ext: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -21,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import two_differing
 from fastio.dataset.dataset import Dataset
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
 from fastio.futures import gathered
 from fastio.order.mixorder import MixSampler, MixSchedule, check_positions, check_shares
@@ -53,6 +55,11 @@ class Mixture:
             changes what an epoch holds, not its length.
         verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
             (as for :class:`~fastio.Dataset`).
+
+    Refused when it is made, in one line naming two sources: token datasets beside datasets of samples
+    (``DatasetError``), and token, chat or image-text datasets whose manifests record different tokenizer files
+    (:class:`~fastio.errors.MixtureError`, also a ``ValueError``: an id would mean another token in each; a source
+    without the record mixes, with a warning logged where its vocabulary size differs: :func:`_check_tokenizers`).
     """
 
     def __init__(self, sources: Mapping[str, str | Path | Dataset],
@@ -77,6 +84,7 @@ class Mixture:
             if len(ds) < 1:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
         _check_kinds(self.names, self.datasets)
+        _check_tokenizers(self.names, self.datasets)
         self._given, self._given_samples = given, samples_per_epoch
         self._units: tuple[tuple[int], ...] | None = None  # in_units: each source one run of that many units
         self._size([len(ds) for ds in self.datasets])
@@ -348,6 +356,31 @@ def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
                            f"{o!r} holds stored samples (kind {ods.manifest.kind!r}); a mixture mixes one kind: "
                            "token datasets (read with fastio.Tokens; with image-text datasets, fastio.ImageText) or "
                            "datasets of samples")
+
+
+def _check_tokenizers(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
+    """MixtureError naming two sources (and their tokenizers' checksums) whose manifests record different tokenizer
+    files (``tokens.tokenizer_sha256``, ``image_text.tokenizer_sha256``): an id would mean another token in each. A
+    source without the record (``fastio index``, an older conversion) is not refused: nothing says its tokenizer is
+    another (a vocabulary size alone does not: an image-text tokenizer may be a text one and its added image
+    token); where recorded vocabulary sizes differ too, a warning (the ``fastio`` logger's) names them."""
+    root = {n: ds.root for n, ds in zip(names, datasets)}
+    differing = two_differing({n: ds.manifest.tokenizer_sha256 for n, ds in zip(names, datasets)
+                               if ds.manifest.tokenizer_sha256 is not None})
+    if differing is not None:
+        (a, x), (b, y) = differing
+        raise MixtureError(f"mixture sources {a!r} ({root[a]}, tokenizer sha256 {x[:12]}...) and {b!r} ({root[b]}, "
+                           f"tokenizer sha256 {y[:12]}...) were tokenized with different tokenizers: an id means "
+                           "another token in each; convert them with one tokenizer file")
+    differing = two_differing({n: ds.manifest.vocab_size for n, ds in zip(names, datasets)
+                               if ds.manifest.vocab_size is not None})
+    if differing is not None:
+        (a, x), (b, y) = differing
+        logging.getLogger("fastio").warning(
+            f"fastio: mixture sources {a!r} ({root[a]}, a vocabulary of {x} ids) and {b!r} ({root[b]}, {y} ids) record "
+            "different vocabulary sizes, and not both the checksum of their tokenizer file (a dataset converted "
+            "before fastio recorded it): mixed as given; if they were tokenized with different tokenizers an id "
+            "means another token in each (convert them again to have it checked)")
 
 
 def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tuple[float, ...]], ...]:

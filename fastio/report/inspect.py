@@ -46,8 +46,9 @@ def inspect(dest: str | Path, *, max_images: int = 1000, order: bool = False, se
     ``epoch`` of a Loader with ``seed`` and ``block_shards``, in global batches of ``batch_size``
     (capped at the dataset size). ``skipped`` counts the inputs the conversion or index left out,
     ``skipped_inputs`` lists them (``{path, reason}``). An image-text dataset: also ``"image_text"``, its
-    vocabulary (``vocab_size``, ``max_id``, ``embedding_size``; None where not recorded). A token dataset:
-    documents and tokens instead of fields and images, and with ``order`` its ``"packing"`` (:func:`packing_report`
+    vocabulary (``vocab_size``, ``max_id``, ``embedding_size``, ``tokenizer_sha256``; None where not recorded). A
+    token dataset: documents and tokens (its manifest's ``tokens`` entry, ``tokenizer_sha256`` among them where
+    recorded) instead of fields and images, and with ``order`` its ``"packing"`` (:func:`packing_report`
     for ``seq_len`` and ``window``, as :class:`fastio.Tokens` packs it). For a split DEST: ``{"path", "splits":
     {name: <that dict>}}``.
     JSON-serialisable. ValueError names a bad parameter; DatasetError a bad DEST.
@@ -233,13 +234,13 @@ def _videos(ds: Dataset) -> dict[str, Any]:
 
 
 def _image_text(ds: Dataset) -> dict[str, Any]:
-    """An image-text dataset's ``{"image_text": {vocab_size, max_id, embedding_size}}`` (each None where not
-    recorded), or nothing for another dataset."""
+    """An image-text dataset's ``{"image_text": {vocab_size, max_id, embedding_size, tokenizer_sha256}}`` (each None
+    where not recorded), or nothing for another dataset."""
     if not is_image_text(ds.manifest.convert_options):
         return {}
     info = ds.manifest.image_text or ImageTextInfo()
     return {"image_text": {"vocab_size": info.vocab_size, "max_id": info.max_id,
-                           "embedding_size": info.embedding_size}}
+                           "embedding_size": info.embedding_size, "tokenizer_sha256": ds.manifest.tokenizer_sha256}}
 
 
 def _inspect_one(root: str | Path, *, max_images: int, order: bool, seed: int, epoch: int, batch_size: int,

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import two_differing
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
 from fastio.formats.megatron import MegatronIndex
@@ -224,10 +225,10 @@ def source_packings(mixture: Any, seq_len: int, packing: str, window: int, spec:
     ``pack(dataset, its spec)`` where that gives a packing (an image-text source's), else as a token dataset;
     DatasetError naming two token sources that end documents with different ids, or the source a packing
     refuses."""
-    eos = {name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)
-           if ds.manifest.tokens is not None}
-    if len(set(eos.values())) > 1:
-        (a, x), (b, y) = _two_differing(eos)
+    differing = two_differing({name: ds.manifest.tokens.eos_id for name, ds in zip(mixture.names, mixture.datasets)
+                               if ds.manifest.tokens is not None})
+    if differing is not None:
+        (a, x), (b, y) = differing
         raise DatasetError(f"{mixture.root}: sources {a!r} (end-of-document id {x}) and {b!r} ({y}) end documents "
                            "with different ids; a batch's position_ids and cu_seqlens need one: mix token datasets "
                            "of one tokenizer")
@@ -295,13 +296,6 @@ def _mapped_tokens(fd: int, dtype: np.dtype) -> np.ndarray:
     if hasattr(mmap, "MADV_RANDOM"):
         mapping.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mapping, dtype)
-
-
-def _two_differing(values: dict[str, int]) -> list[tuple[str, int]]:
-    """The first two (name, value) pairs of ``values`` whose values differ."""
-    items = list(values.items())
-    first = items[0]
-    return [first, next(it for it in items if it[1] != first[1])]
 
 
 @dataclass(frozen=True)
