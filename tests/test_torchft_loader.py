@@ -14,6 +14,7 @@ from fastio.convert import synthetic
 from fastio.convert.run import ConvertConfig, convert
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import CheckpointError, LoaderArgumentError, LoaderStateError
+from tests.tokens_helpers import chat_dataset
 from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager, steps
 
 
@@ -52,6 +53,10 @@ def _kinds(request, tmp_path, image_dataset):
     if kind == "tokens":
         return request.getfixturevalue("token_ds"), {"pipeline": fastio.Tokens(seq_len=8), "batch_size": 4}, (
             "index", "tokens", "position_ids")
+    if kind == "chat":  # whole conversations packed best-fit, with their loss mask
+        (tmp_path / "chat").mkdir()
+        return chat_dataset(tmp_path / "chat"), {"pipeline": fastio.Tokens(seq_len=128, packing="best-fit"),
+                                                 "batch_size": 3}, ("index", "tokens", "loss_mask", "segment_ids")
     if kind == "mixture":
         sources = {"a": _txt(tmp_path / "a", 10, 0), "b": _txt(tmp_path / "b", 7, 1)}
         mix = fastio.Mixture(sources, weights=[(0, {"a": 3, "b": 1}), (9, {"a": 1, "b": 3})])
@@ -61,7 +66,7 @@ def _kinds(request, tmp_path, image_dataset):
         "index", "video", "label")
 
 
-@pytest.fixture(params=["image", "tokens", "mixture", "video"])
+@pytest.fixture(params=["image", "tokens", "chat", "mixture", "video"])
 def kind(request, tmp_path, image_dataset):
     return _kinds(request, tmp_path, image_dataset)
 
