@@ -323,17 +323,25 @@ def test_a_checkpointer_restore_without_the_manager_is_refused_before_anything_l
     model loads (the model was loaded first, then the Loader refused: a run half restored)."""
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
     _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 2, model=torch.nn.Linear(2, 2))
-    second = group_store()
-    again = manager(second.port, house, 0)
+    store = group_store()
+    again = manager(store.port, house, 0)
+    with _loader(image_dataset, options, again) as loader:
+        _refused_before_the_model_loads(tmp_path / "ck", loader, r"step-2: app key 'loader': its position is the "
+                                        r"step of the torchft.Manager it was given \(replicas=\), which this app "
+                                        r"does not restore: put that Manager into the app state with it")
+        assert again.current_step() == 0
+    again.shutdown(wait=False)
+
+
+def _refused_before_the_model_loads(ck_dir: Path, loader, match: str) -> torch.nn.Module:
+    """A model of the checkpoint's shape, left as it was by a restore of ``{"loader": loader, "model": model}``
+    that is refused (``match``)."""
     model = torch.nn.Linear(2, 2)
     before = model.weight.detach().clone()
-    with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        with pytest.raises(CheckpointError, match=r"step-2: app key 'loader': its position is the step of the "
-                           r"torchft.Manager it was given \(replicas=\), which this app does not restore: put that "
-                           r"Manager into the app state with it"):
-            ck.restore_latest({"loader": loader, "model": model}, strict=False)
-        assert torch.equal(model.weight, before) and again.current_step() == 0
-    again.shutdown(wait=False)
+    with fastio.Checkpointer(ck_dir, read_only=True) as ck, pytest.raises(CheckpointError, match=match):
+        ck.restore_latest({"loader": loader, "model": model}, strict=False)
+    assert torch.equal(model.weight, before)
+    return model
 
 
 def test_a_participating_group_with_an_empty_share_gets_a_flagged_repeat(house, image_dataset):
@@ -446,13 +454,10 @@ def test_a_checkpoint_of_a_run_without_replicas_restores_into_a_torchft_run_at_t
         ck.save(3, {"loader": plain, "model": saved}, blocking=True)
     store = group_store()
     m = manager(store.port, house, 0)
-    model = torch.nn.Linear(2, 2)
-    before = model.weight.detach().clone()
     with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        with pytest.raises(CheckpointError, match=r"app key 'loader': loader state \(saved without replicas=\) is at "
-                           r"epoch 0, 18 samples consumed: global batch 3 of 6 samples, the torchft Manager at step 0"):
-            ck.restore_latest({"loader": loader, "model": model})
-        assert torch.equal(model.weight, before)
+        model = _refused_before_the_model_loads(tmp_path / "ck", loader, r"app key 'loader': loader state \(saved "
+                                                r"without replicas=\) is at epoch 0, 18 samples consumed: global "
+                                                r"batch 3 of 6 samples, the torchft Manager at step 0")
         m.load_state_dict({"step": 3, "batches_committed": 3})
         ck.restore_latest({"loader": loader, "model": model})
         (b,), = steps([(m, loader)], 1)
