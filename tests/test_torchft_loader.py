@@ -558,3 +558,21 @@ def test_the_stats_of_an_epoch_end_with_it_when_the_state_is_saved_between_steps
         stats = loader.stats()
     assert (stats["last_epoch"]["batches"], stats["epoch"]["batches"], stats["overall"]["batches"]) == (8, 2, 10)
     m.shutdown(wait=False)
+
+
+def test_a_state_of_a_group_of_two_ranks_loads_into_a_group_of_one(house, image_dataset):
+    """Replica groups restarted with another number of ranks: the state names the group's world size, but the order
+    is the global batches', so a one-rank group goes on from the step with the whole global batch."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 1)]
+    stores = group_store(), group_store()
+    two = manager(stores[0].port, house, 0, rank=0, world=2)
+    with _loader(image_dataset, options, two) as loader:
+        state = loader.state_dict()
+    two.shutdown(wait=False)
+    one = manager(stores[1].port, house, 1)
+    with _loader(image_dataset, options, one) as loader:
+        loader.load_state_dict(state)
+        (b,), = steps([(one, loader)], 1)
+    assert state["world_size"] == 2 and b["index"].tolist() == want[0]
+    one.shutdown(wait=False)
