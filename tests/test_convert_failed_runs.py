@@ -14,6 +14,8 @@ from tokens_helpers import chat_config, chat_tokenizer, conversations, image_tex
 
 from fastio.convert.run import ConvertConfig, convert
 from fastio.dataset.manifest import MARKER_NAME
+from fastio.report.verify import verify
+from fastio.storage.atomic import tmp_path_for
 from fastio.storage.lock import LOCK_NAME
 
 
@@ -172,3 +174,121 @@ def test_the_lock_file_left_by_an_earlier_run_stays(tmp_path, capsys):
     (tmp_path / "mine" / LOCK_NAME).write_text("{}")
     _fails(capsys, source, tmp_path / "mine", *options)
     assert sorted(_tree(tmp_path / "mine")) == [LOCK_NAME]  # the run's holder record in it, the file the user's
+
+
+def test_a_failed_run_whose_lock_file_was_replaced_takes_back_nothing_of_the_next_writer(tmp_path):
+    """The lock file removed while the run holds it (``rm -rf`` of DEST's lock, a remount) lets a second writer lock
+    a new file and write DEST; the first run, failing afterwards, no longer holds DEST's lock: it deletes nothing
+    (not the second writer's complete dataset, not its lock file)."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    dest = tmp_path / "ds"
+
+    class NextWriter:  # at the first run's second sample: its lock file goes and another conversion writes DEST
+        seen = 0
+
+        def add(self, fields):
+            NextWriter.seen += 1
+            if NextWriter.seen == 2:
+                (dest / LOCK_NAME).unlink()
+                convert(ConvertConfig(source, dest, workers=1, overwrite=True))
+                raise RuntimeError("the first run fails after the second one finished")
+
+        def manifest_fields(self):
+            return {}
+
+    with pytest.raises(RuntimeError):
+        convert(ConvertConfig(source, dest, workers=1, max_samples_per_shard=1, tally=NextWriter))
+    assert (dest / "manifest.json").is_file() and (dest / LOCK_NAME).is_file()
+    assert verify(dest).ok
+
+
+def test_an_overwrite_that_fails_before_it_emptied_dest_keeps_the_old_dataset(tmp_path, capsys):
+    """A run with --overwrite that cannot even write its marker (here its temporary name is taken by a folder; a
+    full disk alike) has deleted nothing: the old dataset stays, byte for byte."""
+    source, options = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "ds"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    before = _tree(tmp_path / "ds")
+    blocked = tmp_path_for(tmp_path / "ds" / MARKER_NAME)
+    blocked.mkdir()
+    _fails(capsys, source, tmp_path / "ds", "--overwrite")
+    assert blocked.is_dir() and (tmp_path / "ds" / "manifest.json").is_file()
+    blocked.rmdir()
+    assert _tree(tmp_path / "ds") == before
+
+
+@pytest.mark.parametrize("planted", ["a link to another folder", "a folder others can write in"])
+def test_a_staging_folder_that_is_not_the_users_own_is_refused_before_anything_is_written(
+        tmp_path, capsys, aws_env, s3_bucket, planted):
+    """The staging folder's name is known in advance (``/tmp`` by default, shared by every user): one planted there
+    (a link to a folder of the user's, or a folder anyone can write a ``dest`` link into) would have the conversion
+    empty that folder (it replaces a killed run's copy) and delete it after. It is refused, naming it; the folder
+    it leads to keeps its files."""
+    from fastio.convert.dest import staging_path
+
+    source, options = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    url, stage = f"s3://{s3_bucket}/ds", tmp_path / "stage"
+    staging = staging_path(url, stage)
+    mine = tmp_path / "mine" / "dest"
+    mine.mkdir(parents=True)
+    (mine / "only-copy.txt").write_text("irreplaceable")
+    stage.mkdir()
+    if planted == "a link to another folder":
+        staging.symlink_to(tmp_path / "mine")
+    else:
+        staging.mkdir(mode=0o777)
+        staging.chmod(0o777)
+        (staging / "dest").symlink_to(mine)
+    err = _fails(capsys, source, url, "--staging-dir", str(stage))
+    assert str(staging) in err, err
+    assert _tree(tmp_path / "mine") == {"dest": None, "dest/only-copy.txt": b"irreplaceable"}
+
+
+def test_files_another_process_puts_in_dest_during_a_failed_run_stay(tmp_path, capsys):
+    """DEST is the user's folder: what someone else writes in it while the run writes (under names a conversion
+    never writes) is not the run's to take back. It stays, and so that the next conversion refuses DEST instead of
+    emptying it, the run's marker goes too."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    dest = tmp_path / "new" / "ds"
+
+    class Meanwhile:  # at the run's second sample, another process writes into DEST; the run then fails
+        seen = 0
+
+        def add(self, fields):
+            Meanwhile.seen += 1
+            if Meanwhile.seen == 2:
+                (dest / "notes.txt").write_text("the user's")
+                (dest / "train").mkdir()
+                (dest / "train" / "mine.txt").write_text("the user's too")
+                (dest / "train" / "manifest.json").write_text("{}")
+                raise RuntimeError("the run fails")
+
+        def manifest_fields(self):
+            return {}
+
+    with pytest.raises(RuntimeError):
+        convert(ConvertConfig(source, dest, workers=1, max_samples_per_shard=1, tally=Meanwhile))
+    assert _tree(dest) == {"notes.txt": b"the user's", "train": None, "train/mine.txt": b"the user's too",
+                           "train/manifest.json": b"{}"}
+    err = _fails(capsys, source, dest)
+    assert "not fastio output" in err and _tree(dest)["notes.txt"] == b"the user's"
+
+
+def test_emptying_dest_deletes_nothing_through_a_link_in_it(tmp_path, capsys):
+    """A link in DEST to another dataset's folder (an interrupted run's DEST, replaced by the rerun; or a folder
+    given with --overwrite) goes as a link: the dataset it leads to keeps its manifest."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "other"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    before = _tree(tmp_path / "other")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / MARKER_NAME).write_text("fastio convert output; complete once manifest.json exists\n")
+    (tmp_path / "half" / "val").symlink_to(tmp_path / "other")
+    code, out, err = run_cli(["convert", str(source), str(tmp_path / "half"), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "half" / "val").exists() and _tree(tmp_path / "other") == before

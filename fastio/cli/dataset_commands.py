@@ -104,8 +104,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="When stderr is not a terminal (a log file, Slurm): a progress line this often.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
               help="s3:// DEST: where the dataset is written before the upload, in a folder named after DEST "
-                   "(a killed run's copy is replaced by the rerun; needs the dataset's size; default: the "
-                   "system temp dir).")
+                   "and only you can write in (one that is a link or others can write in is refused; a killed "
+                   "run's copy is replaced by the rerun; needs the dataset's size; default: the system temp dir).")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="A tokenizer.json: write a token dataset (Megatron .bin/.idx shards) from JSONL, Parquet or .txt "
                    "documents (docs/tokens.md).")

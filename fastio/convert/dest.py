@@ -26,19 +26,23 @@ import hashlib
 import itertools
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
+from fastio.formats.media import PROBES_NAME
 from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
 from fastio.storage.url import parse_location
+from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
 
@@ -81,19 +85,37 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
     _empty(dest, keep=(MARKER_NAME, LOCK_NAME, *keep))  # the holder's lock is on the lock file
 
 
-def _empty(folder: Path, keep: tuple[str, ...]) -> None:
-    """Remove every entry of ``folder`` but those named in ``keep``; the final files (manifests, a part's record)
-    first, so that ``folder`` stops being a dataset (or a complete part) before anything else changes."""
+def _empty(folder: Path, keep: tuple[str, ...], only: Callable[[Path], bool] = lambda entry: True) -> None:
+    """Remove every entry of ``folder`` but those named in ``keep`` and those ``only`` refuses (an entry of
+    ``folder``); the final files (manifests, a part's record) first, so that ``folder`` stops being a dataset (or a
+    complete part) before anything else changes."""
     for final in [folder / SPLITS_NAME, folder / MANIFEST_NAME, *folder.glob(f"*/{MANIFEST_NAME}"),
                   folder / PART_RECORD]:
-        final.unlink(missing_ok=True)
+        if final.parent == folder or (not final.parent.is_symlink() and only(final.parent)):  # not through a link
+            final.unlink(missing_ok=True)
     for child in folder.iterdir():
-        if child.name in keep:
+        if child.name in keep or not only(child):
             continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+# the files a conversion writes in DEST, a split's folder or a part's folder (beside shards/): a failed run takes
+# back only these, their temporary names, shards/ and folders holding nothing else
+_RUN_FILES = frozenset({MARKER_NAME, MANIFEST_NAME, SPLITS_NAME, PART_RECORD, INDEX_NAME, PROBES_NAME, STARTS_NAME})
+_RUN_NAMES = _RUN_FILES | {tmp_path_for(Path(name)).name for name in _RUN_FILES}
+
+
+def _a_runs_entry(entry: Path, depth: int = 0) -> bool:
+    """Whether ``entry`` (in a folder a run emptied) is of a kind a conversion writes there: a file of
+    ``_RUN_NAMES``, ``shards/``, or a folder (a split's) holding only such entries."""
+    if entry.name in _RUN_NAMES or (entry.name == SHARDS_DIR and not entry.is_symlink()):
+        return True
+    if depth > 0 or entry.is_symlink() or not entry.is_dir():
+        return False
+    return all(_a_runs_entry(child, depth + 1) for child in entry.iterdir())
 
 
 class Claim:
@@ -102,11 +124,15 @@ class Claim:
     redoes). A ``with`` block; :meth:`take` locks (:func:`lock_dest`), :meth:`reset` empties DEST
     (:func:`reset_dest`), :meth:`emptied` says the run emptied a part's folder.
 
-    Taking back removes only what the run made, and only while it holds the lock: once the folder was emptied, its
-    entries (all the run's: the marker last, kept if it was there before the run); then the lock file if the run
-    made it, then the folders the run made (the folder and the parents it was made in), innermost first, each only
-    if empty (one that holds another process's files stays). Nothing that was there before the run goes, but what
-    emptying the folder deleted (an interrupted run's files, a dataset replaced with ``overwrite``)."""
+    Taking back removes only what the run made, and only while it holds the lock and the lock file at the folder is
+    still the one it locked (removed or replaced mid-run: another writer may be using the folder, so nothing is
+    taken back and the run's files stay, marked unfinished). Once the folder was emptied (this run's marker
+    written): the entries a conversion writes (final and index files, ``shards/``, split folders holding nothing
+    else; what another process put there meanwhile stays), then the marker, kept if it was there before the run.
+    Then the lock file if the run made it, then the folders the run made (the folder and the parents it was made
+    in), innermost first, each only if empty (one that holds another process's files stays). Nothing that was
+    there before the run goes, but what emptying the folder deleted (an interrupted run's files, a dataset
+    replaced with ``overwrite``)."""
 
     def __init__(self, folder: Path, purpose: str):
         self.folder, self._emptied = folder, False
@@ -120,10 +146,11 @@ class Claim:
     def reset(self) -> None:
         """:func:`reset_dest` under the claim: once the marker is in place, what the folder holds is the run's (an
         interruption while it is emptied included)."""
+        before = _file_id(self.folder / MARKER_NAME)
         try:
             reset_dest(self.folder)
-        finally:
-            self._emptied = (self.folder / MARKER_NAME).is_file()
+        finally:  # this run's marker is a new file (written beside the old one, then renamed over it)
+            self._emptied = _file_id(self.folder / MARKER_NAME) not in (None, before)
 
     def emptied(self) -> None:
         """The run emptied the folder itself (a part's, :func:`~fastio.convert.parts.start_part_dir`)."""
@@ -134,15 +161,15 @@ class Claim:
 
     def __exit__(self, kind, err, tb) -> None:
         try:
-            if kind is not None and self.lock.held:
+            if kind is not None and self.lock.owns_path():  # not once its lock file was removed or replaced
                 self._take_back()
         finally:
             self.lock.release()
 
     def _take_back(self) -> None:
         try:
-            if self._emptied:
-                _empty(self.folder, keep=(LOCK_NAME, MARKER_NAME))
+            if self._emptied:  # what others put in the folder meanwhile stays (the marker keeps no run from it)
+                _empty(self.folder, keep=(LOCK_NAME, MARKER_NAME), only=_a_runs_entry)
                 if MARKER_NAME not in self._had:
                     (self.folder / MARKER_NAME).unlink(missing_ok=True)
             if LOCK_NAME not in self._had:
@@ -151,6 +178,15 @@ class Claim:
                 folder.rmdir()
         except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
             pass
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of the file at ``path``, None if there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def lock_dest(lock: DirLock, dest: Path) -> None:
@@ -296,7 +332,7 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
                       write: Callable[[Path], T], guard: Callable[[], None]) -> T:
     before = _check_remote_dest(storage, overwrite)
     old = [k for k in before if _is_dataset_key(k)]  # a previous conversion's: deleted after an overwrite
-    staging = staging_path(str(dest), staging_dir)
+    staging = _own_staging(staging_path(str(dest), staging_dir), dest)
     lock = DirLock(staging, f"fastio convert to {dest}")
     lock_dest(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
@@ -320,6 +356,24 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
         shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
         lock.release()
     return result
+
+
+def _own_staging(staging: Path, dest: str) -> Path:
+    """DEST's staging folder, made (mode 0700) if missing; ConvertError naming it if the one there is not a folder
+    of this user's that only they can write in: its name is known in advance, in a folder every user writes in
+    (``/tmp``), and a link or a folder planted there would have the conversion empty, then delete, what it leads
+    to."""
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(staging)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConvertError(f"{staging}: the staging folder of {dest} is not a folder of this user's that only they "
+                           "can write in (a link, another user's folder, or one others can write in); nothing was "
+                           "written: remove it, or give another --staging-dir")
+    return staging
 
 
 def _publish(storage: Storage, local: Path, guard: Callable[[], None]) -> list[str]:

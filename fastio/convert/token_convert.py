@@ -11,7 +11,7 @@ document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); th
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
 :func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST); a
-refused run (bad input, a full disk) takes back what it made in DEST (:class:`_Claim`).
+refused run (bad input, a full disk) takes back what it made in DEST (:class:`fastio.convert.dest.Claim`).
 
 Special tokens. The end-of-document token must be one of the tokenizer's special tokens, and no document holds a
 special token's id: a document whose text holds a special token's string (``<|endoftext|>`` in web text) is

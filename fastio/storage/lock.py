@@ -3,7 +3,8 @@
 ``DirLock(dir)`` creates ``dir/.fastio-lock`` and takes an exclusive ``flock`` on it for as long as it is
 held. The kernel drops the lock when the holding process ends in any way (exit, exception, SIGKILL), so a
 requeued job never finds a stale lock; the file's content (host, pid, Slurm job, start time) only names the
-holder in the error a second writer gets. The file itself is left in place, but by a holder that made the
+holder in the error a second writer gets (a lock file that is a link is refused: nothing is written through it,
+see ``O_NOFOLLOW``). The file itself is left in place, but by a holder that made the
 directory for a run that failed and takes it back (:class:`fastio.convert.dest.Claim`): it deletes the file while
 it still holds the lock, and :meth:`DirLock.acquire` checks, once it holds a lock, that the file it locked is still
 the one at the path (else it opens the new one and locks again), so a process that opened the old file just before
@@ -89,6 +90,16 @@ def current_holder(directory: str | Path) -> str | None:
     return None
 
 
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` (the same device and inode)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 class DirLock:
     """An exclusive, process-lifetime lock on a directory. Use as a context manager or ``acquire``/``release``.
 
@@ -127,9 +138,14 @@ class DirLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except FileNotFoundError:  # the directory went after mkdir made it sure
             return None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise LockedError(f"{self.directory}: {LOCK_NAME} is a link, not a lock file (nothing was written through "
+                              "it); remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -139,15 +155,16 @@ class DirLock:
                                   f" (one writer per directory; {LOCK_NAME} is released when that process ends)") from None
             raise LockedError(f"{self.directory}: cannot lock {LOCK_NAME} ({err.strerror}); on Lustre mount with "
                               "-o flock") from None
-        try:
-            now = os.stat(path)
-        except FileNotFoundError:
-            now = None
-        held = os.fstat(fd)
-        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        if not _is_at(fd, path):
             os.close(fd)
             return None
         return fd
+
+    def owns_path(self) -> bool:
+        """Whether this lock is held and the file it holds is still the one at ``directory/.fastio-lock`` (not
+        removed or replaced since: then another writer may hold the file now there, and the directory is no longer
+        this holder's alone)."""
+        return self._fd is not None and _is_at(self._fd, self.directory / LOCK_NAME)
 
     def release(self) -> None:
         if self._fd is not None:
