@@ -12,8 +12,9 @@ Each step trains on global batch ``manager.current_step()`` of fastio's order (`
 one-process Loader gives at that batch), split over the groups in that step's quorum and over each group's ranks.
 A group that dies and is started again heals from a peer: the weights, the optimizer and the Loader's position
 (its state is in the Manager's state dict) come with the step, and the group takes part again from the next step.
-The loss is the sum over this rank's samples times ``num_participants() / batch_size``: torchft's allreduce
-averages over the participating groups, so the gradient is that of the global batch's mean, whatever the shares.
+The loss is the sum over this rank's samples (not those flagged ``padded``) times ``num_participants() /
+batch_size``: torchft's allreduce averages over the participating groups, so the gradient is that of the global
+batch's mean, whatever the shares.
 ``--sample-log FILE`` appends one JSON line per committed step: the step, the group and rank, and the dataset
 indices it trained on. A step that does not commit ``--max-retries`` times more in a row (a process group that
 cannot be built, a peer that never answers in time) ends the run with one line naming the step and torchft's
@@ -132,7 +133,9 @@ def train(args: argparse.Namespace, manager: Manager, loader: Loader, ddp: nn.Mo
         opt.zero_grad()  # starts this step's quorum
         batch = take(it, manager, args.quorum_timeout)  # this rank's share of global batch current_step()
         out = ddp(batch["image"].float())
-        loss = F.cross_entropy(out, batch["label"], reduction="sum") * manager.num_participants() / args.batch_size
+        kept = ~batch["padded"]  # a rank whose share of a batch is empty gets its first sample again, flagged
+        loss = F.cross_entropy(out[kept], batch["label"][kept], reduction="sum") * manager.num_participants() \
+            / args.batch_size
         loss.backward()
         step = manager.current_step()
         opt.step()  # commits, or not: a step that does not commit is taken again, with the same samples

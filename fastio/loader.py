@@ -180,10 +180,11 @@ class LoaderConfig:
     """Check each shard's sha256 against the manifest before its first use, and the sample index's when the
     Loader opens the dataset (an ``s3://`` dataset's shards are always checked, when the cache fills them)."""
     rank: int | None = None
-    """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0);
-    checked against the world size when the Loader is made."""
+    """This rank (default: :func:`fastio.dist.rank_and_world`: torch.distributed, else env RANK, else 0; with
+    ``replicas=``, the Manager's rank in its replica group); checked against the world size when the Loader is made."""
     world_size: int | None = None
-    """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1)."""
+    """Number of ranks (default: torch.distributed, else env WORLD_SIZE, else 1; with ``replicas=``, the ranks of the
+    Manager's replica group)."""
     progress: bool = False
     """Print a throughput/stall line to stderr every 5 seconds while batches come (``stats.PROGRESS_EVERY_S``),
     and one at the end of every epoch."""
@@ -289,6 +290,7 @@ class Loader:
         self._ahead: Exception | None = None  # what feeding it ahead raised, for the next batch to raise
         self._share: Share | None = None  # with replicas=: the share the feeder's plans are cut to
         self._empty: dict[str, Any] | None = None  # with replicas=: a batch of no samples (a group not taking part)
+        self._step_epoch = 0  # with replicas=: the epoch of the last step's batch (for the stats' epochs)
         if self._replicas is not None:
             self._replicas.register(self.state_dict, self.load_state_dict)
 
@@ -297,13 +299,13 @@ class Loader:
         their reader) and its graph; checked against the read set's size."""
         cfg, rs = self.config, self.read_set
         rank, world = cfg.rank, cfg.world_size
-        if rank is None or world is None:
+        if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
+            rank, world = self._replicas.ranks(rank, world)
+        elif rank is None or world is None:
             found_rank, found_world = rank_and_world()
             rank = found_rank if rank is None else rank
             world = found_world if world is None else world
         self._place_device()
-        if self._replicas is not None:  # batch_size is the global batch, split at each step (fastio.order.replicas)
-            self._replicas.check_world(rank, world)
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
         source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
@@ -394,12 +396,20 @@ class Loader:
         global batches of the new size (each remaining sample once); later epochs are fresh runs."""
         state = self._checked(state, "load_state_dict")
         if self._replicas is not None:  # the position is the Manager's step; the stream follows it by itself
-            self._replicas.check_state(state, self.config.batch_size, K_STEP)
+            self._replicas.check_step(state, K_STEP)
             return
         self._close_active()
         self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
         if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
             self.epoch, self.consumed = self.epoch + 1, 0
+
+    def check_restored_with(self, app: dict[str, Any], state: Any) -> None:
+        """LoaderStateError unless a checkpoint restore of ``app`` (app key -> object) with this Loader's ``state``
+        restores what the position lies in besides the Loader's state: with ``replicas=`` and a state saved with
+        them, the torchft Manager (its step is the position). :class:`fastio.Checkpointer` asks before anything
+        loads."""
+        if self._replicas is not None:
+            self._replicas.check_restored_with(app, state, K_STEP)
 
     def check_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
         """LoaderStateError unless :meth:`load_state_dict` can continue from ``state``; changes nothing (a
@@ -428,6 +438,8 @@ class Loader:
         if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {count(self._sampler.samples, 'sample')})")
+        if self._replicas is not None:
+            self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
         return state
 
     def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -436,8 +448,10 @@ class Loader:
         Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
         mixture's source) converted again since the save, with more or other samples, is taken. The rest is checked
         as :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, a mixture's sources
-        and schedule); changes nothing."""
+        and schedule); changes nothing. Refused with ``replicas=`` (the position is the torchft Manager's step)."""
         state = _checked_state(state)
+        if self._replicas is not None:  # the position is the Manager's step
+            self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
         rs = self.read_set
         moved = {**state, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0, K_FINGERPRINT: rs.fingerprint,
                  **rs.renewed_state(state)}
@@ -611,9 +625,9 @@ class Loader:
             while True:
                 step, share = self._replicas.share(self.rank, self.world_size)
                 epoch, self.consumed = step_position(step, len(self._sampler), self.config.batch_size)
-                if epoch != self.epoch:
+                if epoch != self._step_epoch:  # not self.epoch: state_dict() moves it to the Manager's step
                     self._stats.end_epoch()
-                self.epoch = epoch
+                self.epoch = self._step_epoch = epoch
                 if share is None and self._empty is not None:
                     yield dict(self._empty)
                     continue

@@ -48,7 +48,7 @@ CASES = {
     "bad shard size": lambda t, f: ([str(f), str(t / "out"), "--shard-size", "lots"], ["--shard-size", "'lots'"]),
     "bad split": lambda t, f: ([str(f), str(t / "out"), "--split", "val=2"], ["--split", "'val'"]),
     "bad on-error": lambda t, f: ([str(f), str(t / "out"), "--on-error", "ignore"], ["--on-error", "'ignore'"]),
-    "zero workers": lambda t, f: ([str(f), str(t / "out"), "--workers", "0"], ["--workers must be at least 1"]),
+    "zero workers": lambda t, f: ([str(f), str(t / "out"), "--workers", "0"], ["--workers must be a positive integer"]),
     "dest is a file": lambda t, f: ([str(f), str(table(t, "file.txt", "x"))], ["file.txt: exists and is not a directory"]),
     "dest below a file": lambda t, f: ([str(f), str(table(t, "file2.txt", "x") / "sub")],
                                        ["file2.txt/sub: Not a directory"]),

@@ -20,3 +20,64 @@ def test_a_bad_convert_flag_value_is_named_in_the_commands_words(image_folder, t
     assert named in err and words in err, err
     assert "None" not in err and "progress_every_s" not in err, err
     assert not dest.exists()
+
+
+_FIELDS = ("max_pixels", "transcode=", "video_decoder", "max_tokens", "overlong=", "on_error", "part=")
+"""Config fields whose flags the messages below must name instead."""
+
+
+def _no_field_names(text: str) -> None:
+    assert not any(field in text for field in _FIELDS), text
+
+
+def test_the_skipped_inputs_a_convert_lists_name_flags_not_config_fields(tmp_path, capsys):
+    from PIL import Image
+
+    from fastio.convert.synthetic import make_audio, make_video
+
+    src = tmp_path / "src"
+    src.mkdir()
+    Image.new("RGB", (40, 40)).save(src / "big.jpg")
+    Image.new("RGB", (8, 8)).save(src / "small.jpg")
+    make_audio(src / "tone.mp3", seconds=0.2)
+    make_video(src / "clip.mp4", frames=2)
+    code, out, err = run_cli(["convert", str(src), str(tmp_path / "ds"), "--workers", "1", "--max-pixels", "1000",
+                              "--transcode", "none", "--video-decoder", "cpu"], capsys)
+    assert code == 0, err
+    assert "over the limit of 1000 (--max-pixels)" in out, out
+    assert "--transcode flac, the default" in out and "--video-decoder cpu keeps" in out, out
+    _no_field_names(out)
+    code, out, err = run_cli(["convert", str(src), str(tmp_path / "fail"), "--workers", "1", "--max-pixels", "1000",
+                              "--on-error", "fail", "--transcode", "none"], capsys)
+    assert code == 2 and "(--max-pixels) (--on-error fail)" in err, err
+    _no_field_names(err)
+
+
+def test_a_chat_convert_summary_names_max_tokens_as_the_flag(tmp_path, capsys):
+    from tokens_helpers import chat_config, chat_tokenizer, conversations, write_chats
+
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(12))
+    code, out, err = run_cli(["convert", str(chats), str(tmp_path / "ds"), "--workers", "1", "--tokenizer",
+                              str(chat_tokenizer(tmp_path / "tokenizer.json")), "--chat-template",
+                              str(chat_config(tmp_path / "tokenizer_config.json")), "--max-tokens", "60",
+                              "--overlong", "drop"], capsys)
+    assert code == 0 and "over --max-tokens 60: 8 conversations dropped" in out, (out, err)
+    _no_field_names(out)
+
+
+def test_a_part_into_an_s3_dest_is_refused_naming_the_flag(tmp_path, capsys, image_folder):
+    code, out, err = run_cli(["convert", str(image_folder), "s3://bucket/ds", "--part", "0/2"], capsys)
+    assert code == 2 and "s3://bucket/ds: --part ... needs a DEST" in err, err
+    _no_field_names(err)
+
+
+def test_max_samples_per_shard_below_one_is_one_message_for_image_and_token_conversions(tmp_path, capsys,
+                                                                                        image_folder):
+    from tokens_helpers import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    tok = train_tokenizer(tmp_path / "tokenizer.json")
+    for args in ([str(image_folder)], [str(tmp_path / "c.jsonl"), "--tokenizer", str(tok)]):
+        code, _, err = run_cli(["convert", args[0], str(tmp_path / "out"), *args[1:], "--max-samples-per-shard", "0"],
+                               capsys)
+        assert (code, err) == (2, "fastio: error: --max-samples-per-shard must be a positive integer, got 0\n"), args

@@ -169,6 +169,7 @@ def test_ctrl_c_stops_convert_and_its_workers_with_one_line(tmp_path):
     while any(alive(k) for k in kids) and time.monotonic() < gone_by:
         time.sleep(0.05)
     assert not [k for k in kids if alive(k)]
+    assert not dest.exists()  # the run made DEST: Ctrl-C takes it back (docs/convert.md), as any failure does
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr
     assert len(Dataset(dest)) == 60

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import time
 from itertools import islice
 
@@ -187,6 +188,16 @@ def test_rank_is_checked_against_a_world_size_from_the_environment(image_dataset
         Loader(image_dataset, batch_size=4, device="cpu", rank=2)
     assert Loader(image_dataset, batch_size=4, device="cpu", rank=1).world_size == 2
 
+
+
+@pytest.mark.parametrize("name,value", [("rank", True), ("rank", "0"), ("rank", 0.0), ("world_size", 1.0),
+                                        ("world_size", "2")])
+def test_rank_and_world_size_that_are_not_integers_are_refused_naming_the_value(image_dataset, name, value):
+    """rank=True was taken as rank 1, world_size=1.0 as 1, and rank="0" came out as a TypeError from a comparison
+    (and with replicas= as "got rank=0 ..., pass 0")."""
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer \(or None: found from torch.distributed or "
+                       rf"the environment\), got {re.escape(repr(value))}$"):
+        Loader(image_dataset, batch_size=4, device="cpu", **{"rank": 0, "world_size": 1, name: value})
 
 @pytest.mark.parametrize("kind", [ImageTrain, ImageEval])
 def test_feeder_feeds_a_pipeline_the_plan_in_order_across_epochs(image_dataset, kind):

@@ -33,3 +33,14 @@ def test_lock_of_a_killed_process_does_not_block(tmp_path):
     assert (tmp_path / LOCK_NAME).exists()  # the file stays; only the flock went with the process
     with DirLock(tmp_path, "requeued"):
         pass
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_what_it_leads_to_is_untouched(tmp_path):
+    """``DIR/.fastio-lock`` planted as a link (in a folder others can write in) would have the writer truncate and
+    overwrite the file it leads to with its holder record; the lock is refused naming it, the file keeps its bytes."""
+    (tmp_path / "yours.txt").write_text("the only copy")
+    (tmp_path / "dest").mkdir()
+    (tmp_path / "dest" / LOCK_NAME).symlink_to(tmp_path / "yours.txt")
+    with pytest.raises(LockedError, match=f"{LOCK_NAME}.*link"):
+        DirLock(tmp_path / "dest").acquire()
+    assert (tmp_path / "yours.txt").read_text() == "the only copy"

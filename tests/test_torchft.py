@@ -40,10 +40,10 @@ def _group_main(group: int, rank: int, world: int, store_port: int, lighthouse_a
     first groups wait for the restarted one to be up (``gate``), so that it comes back before the run ends."""
     os.environ.update(LOOPBACK)
     mgr = manager(store_port, lighthouse_addr, group, rank, world, timeout_s=5)  # a busy machine is not a dead peer
-    if restarted:
-        Path(gate).touch()
     loader = fastio.Loader(dest, pipeline=fastio.Raw(), batch_size=GLOBAL_BATCH, seed=0, drop_last=True, replicas=mgr,
                            rank=rank, world_size=world)
+    if restarted:  # ready to ask for its first quorum (made before: on a busy machine the others could finish first)
+        Path(gate).touch()
     it = iter(loader)
     with open(log, "a") as out:
         def write(**record):

@@ -14,6 +14,7 @@ from fastio.convert import synthetic
 from fastio.convert.run import ConvertConfig, convert
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import CheckpointError, LoaderArgumentError, LoaderStateError
+from tests.tokens_helpers import chat_dataset
 from tests.torchft_helpers import LOOPBACK, group_store, lighthouse, manager, steps
 
 
@@ -52,6 +53,10 @@ def _kinds(request, tmp_path, image_dataset):
     if kind == "tokens":
         return request.getfixturevalue("token_ds"), {"pipeline": fastio.Tokens(seq_len=8), "batch_size": 4}, (
             "index", "tokens", "position_ids")
+    if kind == "chat":  # whole conversations packed best-fit, with their loss mask
+        (tmp_path / "chat").mkdir()
+        return chat_dataset(tmp_path / "chat"), {"pipeline": fastio.Tokens(seq_len=128, packing="best-fit"),
+                                                 "batch_size": 3}, ("index", "tokens", "loss_mask", "segment_ids")
     if kind == "mixture":
         sources = {"a": _txt(tmp_path / "a", 10, 0), "b": _txt(tmp_path / "b", 7, 1)}
         mix = fastio.Mixture(sources, weights=[(0, {"a": 3, "b": 1}), (9, {"a": 1, "b": 3})])
@@ -61,7 +66,7 @@ def _kinds(request, tmp_path, image_dataset):
         "index", "video", "label")
 
 
-@pytest.fixture(params=["image", "tokens", "mixture", "video"])
+@pytest.fixture(params=["image", "tokens", "chat", "mixture", "video"])
 def kind(request, tmp_path, image_dataset):
     return _kinds(request, tmp_path, image_dataset)
 
@@ -171,20 +176,25 @@ def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(hous
         m.shutdown(wait=False)
 
 
+def _checkpoint_at(house: str, target, options: dict, ck_dir: Path, count: int, **more) -> None:
+    """A one-group torchft run of ``count`` steps, its Loader and Manager (and ``more``) saved at step ``count``."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(target, options, m) as loader, fastio.Checkpointer(ck_dir, signals=()) as ck:
+        steps([(m, loader)], count)
+        ck.save(count, {"loader": loader, "torchft": m, **more}, blocking=True)
+    m.shutdown(wait=False)
+
+
 def test_a_checkpointer_restore_continues_at_the_managers_step(house, image_dataset, tmp_path):
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
     want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
-    store = group_store()
-    m = manager(store.port, house, 0)
-    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        steps([(m, loader)], 3)
-        ck.save(3, {"loader": loader, "torchft": m}, blocking=True)
-    m.shutdown(wait=False)
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 3)
     second = group_store()
     again = manager(second.port, house, 0)
     with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
-        with pytest.raises(CheckpointError, match="loader state is at torchft step 3, the Manager at step 0: .*put the "
-                           "Manager into the Checkpointer's app state"):
+        with pytest.raises(CheckpointError, match="app key 'loader': its position is the step of the torchft.Manager "
+                           "it was given"):
             ck.restore_latest({"loader": loader}, strict=False)
         ck.restore_latest({"loader": loader, "torchft": again})
         got = steps([(again, loader)], 2)
@@ -246,3 +256,323 @@ def test_a_group_heals_into_the_loader_made_after_it_closed_one(house, image_dat
     for m, loader in ((m0, l0), (m1, l1)):
         loader.close()
         m.shutdown(wait=False)
+
+
+def test_the_loader_takes_its_rank_and_world_from_the_manager_and_refuses_another(house, image_dataset, monkeypatch):
+    """Without rank=/world_size= the Loader is the Manager's rank of its group (not the environment's, which a
+    Manager made with rank= and world_size= need not have); a rank that is not the Manager's is refused (two ranks
+    of a group would take the same share and none the other)."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    store = group_store()
+    m0 = manager(store.port, house, 0, rank=0, world=2)
+    m1 = manager(store.port, house, 0, rank=1, world=2)
+    with fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m1) as loader:
+        assert (loader.rank, loader.world_size) == (1, 2)
+    with pytest.raises(LoaderArgumentError, match=r"^Loader got rank=0 with replicas=: this torchft.Manager is rank 1 "
+                       r"of its replica group of 2; leave rank= out, or pass 1$"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m1, rank=0, world_size=2)
+    for m in (m1, m0):
+        m.shutdown(wait=False)
+
+
+def test_a_state_saved_without_replicas_at_another_position_than_the_managers_step_is_refused(house, image_dataset):
+    """A plain Loader's state (no torchft step) names its position by epoch and consumed samples: loaded into a
+    Loader with replicas= whose Manager is at another step it is refused (it was taken silently, and the run went
+    on from the Manager's step); at the Manager's step it loads."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    with _loader(image_dataset, options) as plain:
+        it = iter(plain)
+        for _ in range(3):
+            next(it)
+        state = plain.state_dict()
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader:
+        with pytest.raises(LoaderStateError, match=r"^loader state \(saved without replicas=\) is at epoch 0, 18 "
+                           r"samples consumed: global batch 3 of 6 samples, the torchft Manager at step 0: .*restore "
+                           r"the Manager at step 3"):
+            loader.load_state_dict(state)
+        m.load_state_dict({"step": 3, "batches_committed": 3})
+        loader.load_state_dict(state)
+        (b,), = steps([(m, loader)], 1)
+        assert b["step"] == 3 and b["index"].tolist() == [x.tolist() for x in _one_process(
+            image_dataset, options, 4)[3]["index"]]
+    m.shutdown(wait=False)
+
+
+def test_a_manager_without_the_state_hooks_fastio_uses_is_refused_in_one_line(house, image_dataset):
+    """A Manager of another torchft whose state dict hooks are not the ones fastio registers its state with (here:
+    one taken away) is refused naming what is missing and the torchft version, not with torchft's AttributeError."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    hooks = m._user_state_dicts
+    del m._user_state_dicts
+    try:
+        with pytest.raises(LoaderArgumentError, match=r"^replicas=: this torchft.Manager has no _user_state_dicts "
+                           r"\(torchft 2026\.10\.26\), which fastio reads \(its rank, step and quorum, and the "
+                           "state dict hooks "):
+            fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=m)
+    finally:
+        m._user_state_dicts = hooks
+    m.shutdown(wait=False)
+
+
+def test_a_checkpointer_restore_without_the_manager_is_refused_before_anything_loads(house, image_dataset, tmp_path):
+    """The Loader's position is the Manager's step: a restore of an app without the Manager is refused before the
+    model loads (the model was loaded first, then the Loader refused: a run half restored)."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 2, model=torch.nn.Linear(2, 2))
+    store = group_store()
+    again = manager(store.port, house, 0)
+    with _loader(image_dataset, options, again) as loader:
+        _refused_before_the_model_loads(tmp_path / "ck", loader, r"step-2: app key 'loader': its position is the "
+                                        r"step of the torchft.Manager it was given \(replicas=\), which this app "
+                                        r"does not restore: put that Manager into the app state with it")
+        assert again.current_step() == 0
+    again.shutdown(wait=False)
+
+
+def _refused_before_the_model_loads(ck_dir: Path, loader, match: str) -> torch.nn.Module:
+    """A model of the checkpoint's shape, left as it was by a restore of ``{"loader": loader, "model": model}``
+    that is refused (``match``)."""
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with fastio.Checkpointer(ck_dir, read_only=True) as ck, pytest.raises(CheckpointError, match=match):
+        ck.restore_latest({"loader": loader, "model": model}, strict=False)
+    assert torch.equal(model.weight, before)
+    return model
+
+
+def test_a_participating_group_with_an_empty_share_gets_a_flagged_repeat(house, image_dataset):
+    """A global batch of one sample over two groups: the second group's share is empty, so it gets the batch's
+    sample again flagged ``padded`` (the loss of docs/trainers.md leaves it out), and the first the sample itself."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 1}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 2)]
+    stores = group_store(), group_store()
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2))]
+    for b0, b1 in steps(pairs, 2):
+        assert b0["participating"] and b1["participating"]
+        assert (b0["index"].tolist(), b0["padded"].tolist()) == (want[b0["step"]], [False])
+        assert (b1["index"].tolist(), b1["padded"].tolist()) == (want[b0["step"]], [True])
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_failures_in_a_row_and_at_an_epoch_boundary_retake_the_step_bit_for_bit(house, image_dataset):
+    """Step 2 fails three times in a row, the last step of epoch 0 (7) and the first of epoch 1 (8) once each: every
+    try of a step takes its one-process batch, images included (ImageTrain's crops are drawn per sample, so the
+    stream made again for a retry decodes the same pixels)."""
+    options = {"pipeline": fastio.ImageTrain(size=16), "batch_size": 6}
+    want = _one_process(image_dataset, options, 10)
+    fails = {2: 3, 7: 1, 8: 1}
+
+    def commit(step: int) -> bool:
+        fails[step] = fails.get(step, 0) - 1
+        return fails[step] < 0
+
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader:
+        got = steps([(m, loader)], 15, commit=commit)
+    m.shutdown(wait=False)
+    assert [b["step"] for (b,) in got] == [0, 1, 2, 2, 2, 2, 3, 4, 5, 6, 7, 7, 8, 8, 9]
+    for (b,) in got:
+        assert all(torch.equal(b[k], want[b["step"]][k]) for k in ("index", "image", "label")), b["step"]
+
+
+def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(house, image_dataset, tmp_path):
+    """loader_policy="next-epoch" moves a Loader's state to the next epoch, but with replicas= the position is the
+    Manager's step: the restore said epoch 1 and the Loader went on at step 3 of epoch 0. It is refused before
+    anything loads, naming the step that starts epoch 1 (8 global batches of 6 an epoch)."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 3)
+    second = group_store()
+    again = manager(second.port, house, 0)
+    with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        with pytest.raises(CheckpointError, match=r"app key 'loader': loader_policy='next-epoch' with replicas=: the "
+                           r"position is the torchft Manager's step, not the Loader's state; .*the Manager at step 8 "
+                           r"\(the first of epoch 1\)"):
+            ck.restore_latest({"loader": loader, "torchft": again}, loader_policy="next-epoch")
+        assert again.current_step() == 0
+    again.shutdown(wait=False)
+
+
+def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_step(house, image_dataset):
+    """The quorum of step 0 is refused when not started (no quorum yet); so is that of a later step: the batch was
+    cut by the last step's quorum, whose groups need not be this step's (a share lost or taken twice). A retry
+    (another quorum) is not refused."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        it = iter(loader)
+        m.start_quorum()
+        first = next(it)["index"].tolist()
+        m.report_error(RuntimeError("step 0 fails on purpose"))
+        assert not m.should_commit()
+        m.start_quorum()  # step 0 again
+        assert next(it)["index"].tolist() == first
+        assert m.should_commit() and m.current_step() == 1
+        with pytest.raises(LoaderArgumentError, match=r"^the batch of torchft step 1 was asked before that step's "
+                           r"quorum was started: start it first \(optimizer.zero_grad\(\) of "):
+            next(it)
+        m.start_quorum()
+        it = iter(loader)  # the refusal ended the last one, as any error inside a generator
+        assert next(it)["index"].tolist() != first
+    m.shutdown(wait=False)
+
+
+def test_a_second_batch_asked_in_one_step_is_refused_naming_gradient_accumulation(house, image_dataset):
+    """A step has one batch: a loop asking twice in a step (micro-batches of gradient accumulation, or the inner
+    steps of torchft's LocalSGD/DiLoCo, whose Manager steps once per sync) got the same samples again, silently."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        it = iter(loader)
+        m.start_quorum()
+        next(it)
+        with pytest.raises(LoaderArgumentError, match=r"^a second batch of torchft step 0 was asked in that step: with "
+                           r"replicas= a step has one batch .* for gradient accumulation make batch_size the "
+                           r"global batch .*LocalSGD"):
+            next(it)
+    m.shutdown(wait=False)
+
+
+def test_a_checkpoint_of_a_run_without_replicas_restores_into_a_torchft_run_at_the_managers_step(
+        house, image_dataset, tmp_path):
+    """A run moving to torchft: its checkpoint holds no Manager. With the Manager at a step other than the saved
+    position the restore is refused before the model loads; with the Manager at that step (set by the app) the
+    Loader goes on from it."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 4)]
+    saved = torch.nn.Linear(2, 2)
+    with _loader(image_dataset, options) as plain, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        it = iter(plain)
+        for _ in range(3):
+            next(it)
+        ck.save(3, {"loader": plain, "model": saved}, blocking=True)
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, options, m) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        model = _refused_before_the_model_loads(tmp_path / "ck", loader, r"app key 'loader': loader state \(saved "
+                                                r"without replicas=\) is at epoch 0, 18 samples consumed: global "
+                                                r"batch 3 of 6 samples, the torchft Manager at step 0")
+        m.load_state_dict({"step": 3, "batches_committed": 3})
+        ck.restore_latest({"loader": loader, "model": model})
+        (b,), = steps([(m, loader)], 1)
+    assert torch.equal(model.weight, saved.weight) and (b["step"], b["index"].tolist()) == (3, want[3])
+    m.shutdown(wait=False)
+
+
+def _union_is_the_global_batch(rows: list, want: list[list[int]]) -> None:
+    """Each step's participating shares, in quorum order, are that step's one-process batch."""
+    for row in rows:
+        shares = [b["index"].tolist() for b in row if b["participating"]]
+        assert [i for share in shares for i in share] == want[row[0]["step"]], row[0]["step"]
+
+
+def test_a_group_leaving_twice_and_coming_back_loses_and_repeats_no_sample(house, image_dataset):
+    """Quorums of 2, 1, 2 (the group back heals with an empty batch, then takes part), 1 group through an epoch
+    boundary: every step is its one-process batch, split over the groups of that step's quorum."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 10)]
+    stores = [group_store() for _ in range(3)]
+    m0 = manager(stores[0].port, house, 0)
+    l0 = _loader(image_dataset, options, m0)
+    rows = []
+    for life in range(2):
+        m1 = manager(stores[1 + life].port, house, 1)
+        with _loader(image_dataset, options, m1) as l1:
+            rows += steps([(m0, l0), (m1, l1)], 3)
+        m1.shutdown(wait=False)
+        rows += steps([(m0, l0)], 2)
+    assert [r[0]["step"] for r in rows] == list(range(10)) and not rows[5][1]["participating"]
+    _union_is_the_global_batch(rows, want)
+    l0.close()
+    m0.shutdown(wait=False)
+
+
+def test_a_checkpoint_of_two_groups_restores_into_three(house, image_dataset, tmp_path):
+    """Saved by one of 2 groups at step 3, restored by 3 new groups: each step from 3 on is split in 3."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 6)]
+    stores = [group_store() for _ in range(5)]
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2))]
+    steps(pairs, 3)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.save(3, {"loader": pairs[0][1], "torchft": pairs[0][0]}, blocking=True)
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2, 5))]
+    for m, loader in pairs:
+        with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+            ck.restore_latest({"loader": loader, "torchft": m})
+    rows = steps(pairs, 3)
+    assert [row[0]["step"] for row in rows] == [3, 4, 5]
+    assert all(b["participating"] and len(b["index"]) == 2 for row in rows for b in row)
+    _union_is_the_global_batch(rows, want)
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_a_group_restarted_from_an_older_checkpoint_heals_to_its_peers_step(house, image_dataset, tmp_path):
+    """A group saved at step 3 and started again from that checkpoint while its peer went on to step 6: it heals
+    with an empty batch at step 6 and then takes half of each global batch."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 9)]
+    stores = [group_store() for _ in range(3)]
+    m0, m1 = manager(stores[0].port, house, 0), manager(stores[1].port, house, 1)
+    l0, l1 = _loader(image_dataset, options, m0), _loader(image_dataset, options, m1)
+    steps([(m0, l0), (m1, l1)], 3)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.save(3, {"loader": l1, "torchft": m1}, blocking=True)
+    l1.close()
+    m1.shutdown(wait=False)
+    steps([(m0, l0)], 3)
+    m1 = manager(stores[2].port, house, 1)
+    l1 = _loader(image_dataset, options, m1)
+    with fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:
+        ck.restore_latest({"loader": l1, "torchft": m1})
+    rows = steps([(m0, l0), (m1, l1)], 3)
+    assert [b["step"] for row in rows for b in row] == [6, 6, 7, 7, 8, 8]
+    assert not rows[0][1]["participating"] and all(b["participating"] for row in rows[1:] for b in row)
+    _union_is_the_global_batch(rows, want)
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)
+
+
+def test_the_stats_of_an_epoch_end_with_it_when_the_state_is_saved_between_steps(house, image_dataset):
+    """``stats()["last_epoch"]`` is the epoch before the current one (8 steps of 6 samples), also when the loop
+    saves the Loader's state after each step: the save moved the Loader's epoch ahead of its batches, and the
+    epoch's end was not counted."""
+    store = group_store()
+    m = manager(store.port, house, 0)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 6}, m) as loader:
+        for _ in range(10):
+            steps([(m, loader)], 1)
+            loader.state_dict()
+        stats = loader.stats()
+    assert (stats["last_epoch"]["batches"], stats["epoch"]["batches"], stats["overall"]["batches"]) == (8, 2, 10)
+    m.shutdown(wait=False)
+
+
+def test_a_state_of_a_group_of_two_ranks_loads_into_a_group_of_one(house, image_dataset):
+    """Replica groups restarted with another number of ranks: the state names the group's world size, but the order
+    is the global batches', so a one-rank group goes on from the step with the whole global batch."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 1)]
+    stores = group_store(), group_store()
+    two = manager(stores[0].port, house, 0, rank=0, world=2)
+    with _loader(image_dataset, options, two) as loader:
+        state = loader.state_dict()
+    two.shutdown(wait=False)
+    one = manager(stores[1].port, house, 1)
+    with _loader(image_dataset, options, one) as loader:
+        loader.load_state_dict(state)
+        (b,), = steps([(one, loader)], 1)
+    assert state["world_size"] == 2 and b["index"].tolist() == want[0]
+    one.shutdown(wait=False)

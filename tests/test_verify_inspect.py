@@ -14,7 +14,7 @@ from PIL import Image
 from fastio.cli import main
 from fastio.convert.run import ConvertConfig, convert
 from fastio.dataset.dataset import Dataset
-from fastio.dataset.manifest import MANIFEST_NAME, SPLITS_NAME
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
 from fastio.errors import DatasetError
 from fastio.report.inspect import inspect, order_quality
 from fastio.report.verify import verify
@@ -102,6 +102,20 @@ def test_verify_on_a_non_dataset_is_a_one_line_error(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and lines(err) == [(f"fastio: error: {tmp_path / 'nothing'}: not a fastio dataset "
                                           "(no manifest.json; an interrupted conversion?)")]
+
+
+def test_an_unfinished_conversion_is_named_so_not_offered_to_fastio_index(tmp_path, capsys):
+    """What a killed convert leaves (its marker, some shards, no manifest) is said to be an unfinished conversion
+    to run again: making the shards written so far a dataset (`fastio index`) would publish part of the source."""
+    dest = tmp_path / "killed"
+    (dest / "shards").mkdir(parents=True)
+    (dest / MARKER_NAME).write_text("fastio convert output; complete once manifest.json exists\n")
+    (dest / "shards" / "shard-000000.tar").write_bytes(b"\0" * 1024)
+    assert cli(["verify", str(dest)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and lines(err) == [f"fastio: error: {dest}: an unfinished fastio convert (killed or stopped: "
+                                        f"{MARKER_NAME} without {MANIFEST_NAME}), not a dataset; run the same "
+                                        "fastio convert again to finish it"]
 
 
 def test_inspect_counts_classes_and_sizes(image_dataset, image_folder):

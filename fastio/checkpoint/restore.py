@@ -103,10 +103,13 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
                       policy: str) -> dict[str, Any]:
     """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
     loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one (by the object's
-    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since)."""
+    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since). An
+    object with a ``check_restored_with(app, state)`` is asked first whether ``app`` restores what its position
+    lies in (the fastio Loader of a torchft job: the Manager)."""
     held: dict[str, Any] = {}
     for key in keys:
         state, obj = saved.read(key, src), app[key]
+        _check_restored_with(app, key, state, path)
         move = getattr(obj, "next_epoch_state", None) if policy == "next-epoch" else None
         if policy == "next-epoch" and not callable(move):
             if not isinstance(state, dict) or loader_epoch({key: state}) is None:
@@ -122,6 +125,16 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
         held[key] = state
     return held
+
+
+def _check_restored_with(app: dict[str, Any], key: str, state: Any, path: Path) -> None:
+    """CheckpointError naming ``key`` when its object says ``app`` lacks what the position of ``state`` lies in."""
+    check = getattr(app[key], "check_restored_with", None)
+    if callable(check):
+        try:
+            check(app, state)
+        except FastioError as err:
+            raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
 
 
 def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:

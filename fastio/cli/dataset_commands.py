@@ -27,7 +27,8 @@ _CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
 def _in_flags(text: str, *, leading: bool = False) -> str:
     """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME``, ``max_tokens=3`` ->
-    ``--max-tokens 3`` and, with ``leading`` (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
+    ``--max-tokens 3``, ``part=...`` -> ``--part ...``, ``(max_pixels)`` -> ``(--max-pixels)`` and, with ``leading``
+    (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
     (``progress_every_s`` -> ``--progress-every``: :data:`_FLAG_OF_FIELD`), unless that word is a value given on
     the command line (a folder named ``dest``); a flag the message already names before its Python spelling
     (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
@@ -41,8 +42,9 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     given = {str(v) for v in ctx.params.values() if isinstance(v, (str, Path))}  # a path the user named stays one
     if leading:
         text = re.sub(rf"^({names})(?=[: ])", lambda m: m[1] if m[1] in given else flags[m[1]], text)
-    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b|\d+\b)",
+    text = re.sub(rf"\b({names})=(True\b|'[^']*'|[A-Z]+\b|\d+\b|\.\.\.)",
                   lambda m: flags[m[1]] + ("" if m[2] == "True" else " " + m[2].strip("'")), text)
+    text = re.sub(rf"\(({names})\)", lambda m: m[0] if m[1] in given else f"({flags[m[1]]})", text)  # (max_pixels)
     return re.sub(r"(--[a-z][a-z-]*(?: [^\s()]+)?) \(\1\)", r"\1", text)
 
 
@@ -102,8 +104,8 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
               help="When stderr is not a terminal (a log file, Slurm): a progress line this often.")
 @click.option("--staging-dir", default=None, type=click.Path(path_type=Path),
               help="s3:// DEST: where the dataset is written before the upload, in a folder named after DEST "
-                   "(a killed run's copy is replaced by the rerun; needs the dataset's size; default: the "
-                   "system temp dir).")
+                   "and only you can write in (one that is a link or others can write in is refused; a killed "
+                   "run's copy is replaced by the rerun; needs the dataset's size; default: the system temp dir).")
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="A tokenizer.json: write a token dataset (Megatron .bin/.idx shards) from JSONL, Parquet or .txt "
                    "documents (docs/tokens.md).")
@@ -152,7 +154,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
-    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last). With
+    DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last); a run that fails
+    or is stopped with Ctrl-C takes back what it wrote (a killed one leaves it marked unfinished for the rerun). With
     --part K/N, convert one of N parts (they may run at once, on several nodes); then `fastio merge DEST`.
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
     --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
@@ -188,7 +191,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
-        click.echo(result.summary())
+        click.echo(result.summary(words=_in_flags))
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
@@ -264,7 +267,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     except ConvertError as err:
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
-        click.echo(result.summary())
+        click.echo(result.summary(words=_in_flags))
 
 
 @cli.command()

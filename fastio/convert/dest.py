@@ -3,7 +3,8 @@ check it, lock it, reset it, stage an ``s3://`` one locally and upload it, final
 
 Local DEST: :func:`check_dest` (a conversion's: new, empty or fastio's own output) or :func:`check_index_dest`
 (``fastio index`` with a DEST other than SOURCE's folder); :func:`reset_dest` empties it but for the marker
-(written first: fastio output, without a final file an interrupted run) before it is written again.
+(written first: fastio output, without a final file an interrupted run) before it is written again. A run that
+fails (an exception, Ctrl-C) takes back what it made under its :class:`Claim`: DEST as it was before the run.
 
 One writer per DEST: a writer holds DEST's :class:`~fastio.storage.lock.DirLock` (``DEST/.fastio-lock``,
 :func:`lock_dest`; :func:`writer_lock` for a DEST that may be on an object store) from before it checks DEST until
@@ -15,32 +16,37 @@ so a killed run never blocks the next. An ``s3://`` DEST is guarded the same way
 requeue of the same Slurm job).
 
 Object-store DEST: a dataset is written into a local staging folder named after DEST (:func:`staging_path`), then
-uploaded, final files last (:func:`upload_dataset`); ``fastio index`` puts its few files with
-:func:`publish_uploads`.
+uploaded, final files last (:func:`upload_dataset`; an upload that fails deletes the objects it put that were not
+there before); ``fastio index`` puts its few files with :func:`publish_uploads`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fastio.convert.parts import PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SPLITS_NAME
+from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
+from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
+from fastio.formats.media import PROBES_NAME
 from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
 from fastio.storage.url import parse_location
+from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
 
-__all__ = ["check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest", "publish_uploads",
+__all__ = ["Claim", "check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest", "publish_uploads",
            "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
 
 
@@ -76,16 +82,111 @@ def reset_dest(dest: Path, keep: tuple[str, ...] = ()) -> None:
     :func:`check_dest` first)."""
     dest.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(dest / MARKER_NAME, b"fastio convert output; complete once manifest.json or splits.json exists\n")
-    # The final files go first so that DEST stops being a dataset before anything else changes.
-    for final in [dest / SPLITS_NAME, dest / MANIFEST_NAME, *dest.glob(f"*/{MANIFEST_NAME}")]:
-        final.unlink(missing_ok=True)
-    for child in dest.iterdir():
-        if child.name in (MARKER_NAME, LOCK_NAME) or child.name in keep:  # the holder's lock is on the lock file
+    _empty(dest, keep=(MARKER_NAME, LOCK_NAME, *keep))  # the holder's lock is on the lock file
+
+
+def _empty(folder: Path, keep: tuple[str, ...], only: Callable[[Path], bool] = lambda entry: True) -> None:
+    """Remove every entry of ``folder`` but those named in ``keep`` and those ``only`` refuses (an entry of
+    ``folder``); the final files (manifests, a part's record) first, so that ``folder`` stops being a dataset (or a
+    complete part) before anything else changes."""
+    for final in [folder / SPLITS_NAME, folder / MANIFEST_NAME, *folder.glob(f"*/{MANIFEST_NAME}"),
+                  folder / PART_RECORD]:
+        if final.parent == folder or (not final.parent.is_symlink() and only(final.parent)):  # not through a link
+            final.unlink(missing_ok=True)
+    for child in folder.iterdir():
+        if child.name in keep or not only(child):
             continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+# the files a conversion writes in DEST, a split's folder or a part's folder (beside shards/): a failed run takes
+# back only these, their temporary names, shards/ and folders holding nothing else
+_RUN_FILES = frozenset({MARKER_NAME, MANIFEST_NAME, SPLITS_NAME, PART_RECORD, INDEX_NAME, PROBES_NAME, STARTS_NAME})
+_RUN_NAMES = _RUN_FILES | {tmp_path_for(Path(name)).name for name in _RUN_FILES}
+
+
+def _a_runs_entry(entry: Path, depth: int = 0) -> bool:
+    """Whether ``entry`` (in a folder a run emptied) is of a kind a conversion writes there: a file of
+    ``_RUN_NAMES``, ``shards/``, or a folder (a split's) holding only such entries."""
+    if entry.name in _RUN_NAMES or (entry.name == SHARDS_DIR and not entry.is_symlink()):
+        return True
+    if depth > 0 or entry.is_symlink() or not entry.is_dir():
+        return False
+    return all(_a_runs_entry(child, depth + 1) for child in entry.iterdir())
+
+
+class Claim:
+    """``folder`` (DEST, or a part's directory) locked for one run, and taken back if the run fails: by an
+    exception or an interruption (Ctrl-C; a SIGKILL or SIGTERM leaves an interrupted run, which the same command
+    redoes). A ``with`` block; :meth:`take` locks (:func:`lock_dest`), :meth:`reset` empties DEST
+    (:func:`reset_dest`), :meth:`emptied` says the run emptied a part's folder.
+
+    Taking back removes only what the run made, and only while it holds the lock and the lock file at the folder is
+    still the one it locked (removed or replaced mid-run: another writer may be using the folder, so nothing is
+    taken back and the run's files stay, marked unfinished). Once the folder was emptied (this run's marker
+    written): the entries a conversion writes (final and index files, ``shards/``, split folders holding nothing
+    else; what another process put there meanwhile stays), then the marker, kept if it was there before the run.
+    Then the lock file if the run made it, then the folders the run made (the folder and the parents it was made
+    in), innermost first, each only if empty (one that holds another process's files stays). Nothing that was
+    there before the run goes, but what emptying the folder deleted (an interrupted run's files, a dataset
+    replaced with ``overwrite``)."""
+
+    def __init__(self, folder: Path, purpose: str):
+        self.folder, self._emptied = folder, False
+        self._made = list(itertools.takewhile(lambda d: not d.exists(), (folder, *folder.parents)))  # innermost first
+        self._had = {name for name in (LOCK_NAME, MARKER_NAME) if (folder / name).exists()}
+        self.lock = DirLock(folder, purpose)
+
+    def take(self) -> None:
+        lock_dest(self.lock, self.folder)
+
+    def reset(self) -> None:
+        """:func:`reset_dest` under the claim: once the marker is in place, what the folder holds is the run's (an
+        interruption while it is emptied included)."""
+        before = _file_id(self.folder / MARKER_NAME)
+        try:
+            reset_dest(self.folder)
+        finally:  # this run's marker is a new file (written beside the old one, then renamed over it)
+            self._emptied = _file_id(self.folder / MARKER_NAME) not in (None, before)
+
+    def emptied(self) -> None:
+        """The run emptied the folder itself (a part's, :func:`~fastio.convert.parts.start_part_dir`)."""
+        self._emptied = True
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        try:
+            if kind is not None and self.lock.owns_path():  # not once its lock file was removed or replaced
+                self._take_back()
+        finally:
+            self.lock.release()
+
+    def _take_back(self) -> None:
+        try:
+            if self._emptied:  # what others put in the folder meanwhile stays (the marker keeps no run from it)
+                _empty(self.folder, keep=(LOCK_NAME, MARKER_NAME), only=_a_runs_entry)
+                if MARKER_NAME not in self._had:
+                    (self.folder / MARKER_NAME).unlink(missing_ok=True)
+            if LOCK_NAME not in self._had:
+                (self.folder / LOCK_NAME).unlink(missing_ok=True)  # still held: DirLock.acquire sees it gone
+            for folder in self._made:
+                folder.rmdir()
+        except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
+            pass
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of the file at ``path``, None if there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def lock_dest(lock: DirLock, dest: Path) -> None:
@@ -176,9 +277,8 @@ def _is_dataset_key(key: str) -> bool:
 
 
 def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
-    """The keys of a previous conversion under DEST (to delete after an ``overwrite``); ConvertError if
-    DEST holds a dataset (without ``overwrite``) or objects fastio did not write. The lease object
-    (``.fastio-lock``) is neither: it is the writer's, never listed for deletion."""
+    """Every key under DEST but the lease object (``.fastio-lock``: the writer's, never deleted); ConvertError if
+    DEST holds a dataset (without ``overwrite``) or objects fastio did not write."""
     keys = [o.key for o in storage.list() if o.key != LOCK_NAME]
     if not keys:
         return []
@@ -187,7 +287,7 @@ def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
         raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
     if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:
         raise ConvertError(f"{storage.url}: already holds a converted dataset; pass overwrite=True to replace it")
-    return [k for k in keys if _is_dataset_key(k)]
+    return keys
 
 
 def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | None, overwrite: bool,
@@ -230,8 +330,9 @@ def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
 
 def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
                       write: Callable[[Path], T], guard: Callable[[], None]) -> T:
-    old = _check_remote_dest(storage, overwrite)
-    staging = staging_path(str(dest), staging_dir)
+    before = _check_remote_dest(storage, overwrite)
+    old = [k for k in before if _is_dataset_key(k)]  # a previous conversion's: deleted after an overwrite
+    staging = _own_staging(staging_path(str(dest), staging_dir), dest)
     lock = DirLock(staging, f"fastio convert to {dest}")
     lock_dest(lock, staging)  # a second conversion of DEST on this host is refused here, before it touches the copy
     try:
@@ -243,9 +344,11 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
         for key in old:
             if key.split("/")[-1] in _FINAL_NAMES:
                 storage.delete(key)
-        splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
-        last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
-        uploaded = storage.publish_dir(local, keys_last=last, before_last=guard)
+        try:
+            uploaded = _publish(storage, local, guard)
+        except BaseException:
+            _take_back_uploads(storage, local, set(before), guard)
+            raise
         guard()
         for key in sorted(set(old) - set(uploaded)):
             storage.delete(key)
@@ -253,6 +356,45 @@ def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, ove
         shutil.rmtree(staging, ignore_errors=True)  # the lock file with it, while still held: we are done
         lock.release()
     return result
+
+
+def _own_staging(staging: Path, dest: str) -> Path:
+    """DEST's staging folder, made (mode 0700) if missing; ConvertError naming it if the one there is not a folder
+    of this user's that only they can write in: its name is known in advance, in a folder every user writes in
+    (``/tmp``), and a link or a folder planted there would have the conversion empty, then delete, what it leads
+    to."""
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(staging)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConvertError(f"{staging}: the staging folder of {dest} is not a folder of this user's that only they "
+                           "can write in (a link, another user's folder, or one others can write in); nothing was "
+                           "written: remove it, or give another --staging-dir")
+    return staging
+
+
+def _publish(storage: Storage, local: Path, guard: Callable[[], None]) -> list[str]:
+    """Upload the dataset in ``local``, each manifest after the shards, ``splits.json`` last; the keys."""
+    splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
+    last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
+    return storage.publish_dir(local, keys_last=last, before_last=guard)
+
+
+def _take_back_uploads(storage: Storage, local: Path, before: set[str], guard: Callable[[], None]) -> None:
+    """After an upload that failed: delete the objects it may have put that were not under DEST before it (the
+    marker last), while the lease is still this writer's; what cannot be deleted stays (a marked, unfinished
+    conversion, which the rerun replaces)."""
+    keys = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    new = sorted((k for k in keys if k not in before), key=lambda k: k == MARKER_NAME)
+    try:
+        guard()
+        for key in new:
+            storage.delete(key)
+    except Exception:  # noqa: BLE001 - the upload's own error is the one to report
+        pass
 
 
 def publish_uploads(dest: Storage, uploads: list[tuple[str, Path]]) -> None:

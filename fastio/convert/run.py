@@ -6,7 +6,8 @@ options and seed give byte-identical shards and manifests whatever the number of
 
 DEST life cycle: the marker file is written first, shards are published one by one, the manifest
 (or, with ``split``, ``splits.json`` after every split's manifest) is written last. A DEST holding the
-marker but no final file is an interrupted run, which the same command redoes from scratch.
+marker but no final file is an interrupted run (killed), which the same command redoes from scratch; a run that
+fails with an exception or Ctrl-C leaves DEST as it was before it (:class:`fastio.convert.dest.Claim`).
 
 One writer per DEST: a conversion holds DEST's lock from before it checks DEST until its last file is published
 (checks, locks, reset, staging and upload: :mod:`fastio.convert.dest`, every writer's); a part started while DEST's
@@ -33,8 +34,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fastio import converters
-from fastio.checks import check_fields, checked, config_error, one_of, rule
-from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
+from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.objects import read_object
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -48,7 +49,7 @@ from fastio.convert.parts import (
     write_part_record,
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
-from fastio.convert.workers import OrderedPool, default_workers, start_server
+from fastio.convert.workers import OrderedPool, start_server, workers_field
 from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
 from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
@@ -71,7 +72,7 @@ from fastio.formats.media import (
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
 from fastio.storage import local_or_url
-from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+from fastio.storage.lock import LOCK_NAME
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -156,9 +157,9 @@ class ConvertConfig:
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest shard in bytes (or a human size such as ``256MB``); a bigger sample gets its own shard."""
-    max_samples_per_shard: int | None = checked(rule(lambda v: v > 0, "must be positive"), default=None)
+    max_samples_per_shard: int | None = checked(positive_integer, default=None)
     """At most this many samples per shard; None: no limit."""
-    workers: int = checked(rule(lambda v: v >= 1, "must be at least 1"), default_factory=default_workers)
+    workers: int = workers_field()
     """Processes that read, check and re-encode samples (never more than there are samples to load); does not change
     the output."""
     shuffle: bool = False
@@ -297,7 +298,9 @@ class ConvertResult:
     def shards(self) -> int:
         return sum(len(m.shards) for m in self.manifests.values())
 
-    def summary(self) -> str:
+    def summary(self, words: Callable[[str], str] = str) -> str:
+        """One line (what was written, skipped, renamed, transcoded), then the skipped inputs by reason; ``words``
+        puts each reason's options (``(max_pixels)``) as the reader knows them (the command: ``(--max-pixels)``)."""
         parts = ", ".join(f"{n}: {m.total_samples}" for n, m in self.manifests.items() if n)
         split = f" [{parts}]" if parts else ""
         part = f"part {self.part[0]}/{self.part[1]}: " if self.part else ""
@@ -313,7 +316,7 @@ class ConvertResult:
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
-                + skipped_lines(self.skipped, more))
+                + skipped_lines([{**s, "reason": words(str(s.get("reason")))} for s in self.skipped], more))
 
 
 def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
@@ -573,24 +576,21 @@ def convert(config: ConvertConfig, scanner: Scanner | None = None) -> ConvertRes
         check_dest(config.dest, config.source, config.overwrite)
         scan, groups = _scan(config, scanner)
         return _guard_os(config, lambda: _write_part(config, scan, groups, started))
-    lock = DirLock(config.dest, purpose="fastio convert")
-    if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
-        lock_dest(lock, config.dest)
-    try:
-        return _convert_locked(config, lock, started, scanner)
-    finally:
-        lock.release()
+    with Claim(config.dest, "fastio convert") as claim:  # a failed run takes back what it made
+        if (config.dest / LOCK_NAME).is_file():  # a DEST that may be in use: ask its lock before judging its files
+            claim.take()
+        return _convert_locked(config, claim, started, scanner)
 
 
-def _convert_locked(config: ConvertConfig, lock: DirLock, started: float, scanner: Scanner | None) -> ConvertResult:
+def _convert_locked(config: ConvertConfig, claim: Claim, started: float, scanner: Scanner | None) -> ConvertResult:
     check_dest(config.dest, config.source, config.overwrite)
     scan, groups = _scan(config, scanner)
-    if not lock.held:
-        lock_dest(lock, config.dest)
+    if not claim.lock.held:
+        claim.take()
         check_dest(config.dest, config.source, config.overwrite)  # again: a run that held the lock may have finished
     parts = lock_parts(config.dest)
     try:
-        return _guard_os(config, lambda: _write_all(config, scan, groups, started))
+        return _guard_os(config, lambda: _write_all(config, scan, groups, started, claim))
     finally:
         for part in parts:
             part.release()
@@ -624,9 +624,10 @@ def _guard_os(config: ConvertConfig, write):
         raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
 
 
-def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
+def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float,
+               claim: Claim) -> ConvertResult:
     """Reset DEST, then load and write every group (split) of ``scan``'s entries; the manifests go last."""
-    reset_dest(config.dest)
+    claim.reset()
     scan_skipped = [s.as_dict() for s in scan.skipped]
     jobs = []
     for split_name, indices in groups.items():
@@ -654,13 +655,10 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
     skipped inputs, labels and options go into the part record, which the merge checks across parts."""
     k, n = config.part
     directory = part_dir(config.dest, k, n)
-    lock = DirLock(directory, f"fastio convert --part {k}/{n}")
-    try:
-        lock.acquire()
-    except LockedError as err:
-        raise ConvertError(str(err)) from None
-    try:
+    with Claim(directory, f"fastio convert --part {k}/{n}") as claim:  # a failed part takes back what it made
+        claim.take()
         start_part_dir(config.dest, k, n, directory)
+        claim.emptied()
         jobs, ranges = [], {}
         for split_name, indices in groups.items():
             entries = [scan.entries[i] for i in indices]
@@ -677,8 +675,6 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
                 "label_rule": scan.label_rule,
                 "scan_skipped": [s.as_dict() for s in scan.skipped]}
         write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=ranges))
-    finally:
-        lock.release()
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
                          renamed=scan.renamed, transcoded=transcoded)

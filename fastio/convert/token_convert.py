@@ -11,7 +11,7 @@ document-starts table (``DEST/doc-starts.fxs``, :mod:`fastio.tokens.starts`); th
 (``kind: "tokens"``, checksums of every file, token type, end-of-document id, vocabulary size, per-shard document
 and token counts) is published last; DEST's life cycle and its one-writer lock are those of
 :func:`fastio.convert.run.convert` (marker first, lock held throughout, a rerun redoes an interrupted DEST); a
-refused run (bad input, a full disk) takes back what it made in DEST (:class:`_Claim`).
+refused run (bad input, a full disk) takes back what it made in DEST (:class:`fastio.convert.dest.Claim`).
 
 Special tokens. The end-of-document token must be one of the tokenizer's special tokens, and no document holds a
 special token's id: a document whose text holds a special token's string (``<|endoftext|>`` in web text) is
@@ -36,7 +36,7 @@ records and the plan every part must share: source listing, options, tokenizer c
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import chain, islice
 from pathlib import Path
@@ -47,17 +47,16 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
-from fastio.convert.dest import check_dest, lock_dest, lock_parts, reset_dest, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
-    clear_part_dir,
     parse_part,
     part_dir,
     start_part_dir,
     write_part_record,
 )
 from fastio.convert.run import DEFAULT_SHARD_SIZE
-from fastio.convert.workers import OrderedPool, default_workers
+from fastio.convert.workers import OrderedPool, workers_field
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     ChatInfo,
@@ -76,7 +75,6 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
 from fastio.storage import local_or_url
 from fastio.storage.checksum import sha256_file
-from fastio.storage.lock import LOCK_NAME, DirLock
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",
@@ -116,7 +114,7 @@ class TokenConvertConfig:
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
-    workers: int = checked(positive_integer, default_factory=default_workers)
+    workers: int = workers_field()
     """Tokenizing processes (1: in this process)."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
     """Largest ``.bin`` in bytes (or human units: ``256MB``)."""
@@ -204,8 +202,12 @@ class TokenConvertResult:
     """Conversations over ``max_tokens`` left out (``overlong="drop"``, or ``"truncate"`` where nothing fit)."""
     truncated: int = 0
     """Conversations over ``max_tokens`` cut to their first turns (``overlong="truncate"``)."""
+    max_tokens: int | None = None
+    """A chat conversion's ``max_tokens`` (what ``dropped`` and ``truncated`` were over)."""
 
-    def summary(self) -> str:
+    def summary(self, words: Callable[[str], str] = str) -> str:
+        """One line: documents, tokens, shards, what was skipped, dropped or cut; ``words`` puts the options it
+        names (``max_tokens=4096``) as the reader knows them (the command: ``--max-tokens 4096``)."""
         rate = self.tokens / max(self.seconds, 1e-9)
         where = f"part {self.part[0]}/{self.part[1]} of {self.dest} (merge with fastio merge)" if self.part else self.dest
         special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
@@ -213,8 +215,8 @@ class TokenConvertResult:
         if self.trained is not None:
             special += f"; {count(self.trained, 'token')} trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
         if self.dropped or self.truncated:
-            special += (f"; over max_tokens: {count(self.dropped, 'conversation')} dropped, {self.truncated} cut to "
-                        "their first turns")
+            special += (f"; over {words(f'max_tokens={self.max_tokens}')}: {count(self.dropped, 'conversation')} "
+                        f"dropped, {self.truncated} cut to their first turns")
         return (f"{where}: {count(self.documents, 'document')}, {count(self.tokens, f'{self.dtype} token')} "
                 f"({human_bytes(self.bytes)}) in {count(self.shards, 'shard')}; {count(self.empty, 'empty document')}"
                 f" skipped{special}; end of document: id {self.eos_id}; {self.seconds:.1f}s ({rate:.0f} tokens/s)")
@@ -567,41 +569,6 @@ def _info(config: TokenConvertConfig, coder: _Coder, records: list[ShardRecord],
                      starts=starts, chat=chat, tokenizer_sha256=coder.sha256[1])
 
 
-class _Claim:
-    """``folder`` (DEST, or a part's directory ``outer`` folders down) locked for a run, and taken back if the run
-    fails with an exception (a refusal, a full disk; not an interruption, which a rerun redoes): once the run has
-    :attr:`emptied` it, its files (all the run's) go, then the lock file if the run made it, then the folders the
-    run made, innermost first (one that holds another process's files stays). A ``with`` block."""
-
-    def __init__(self, folder: Path, purpose: str, *outer: Path):
-        self.folder, self.emptied = folder, False
-        self.made = [d for d in (*outer, folder) if not d.exists()]
-        self.had_lock = (folder / LOCK_NAME).exists()
-        self.lock = DirLock(folder, purpose)
-
-    def __enter__(self) -> _Claim:
-        lock_dest(self.lock, self.folder)
-        return self
-
-    def __exit__(self, kind, err, tb) -> None:
-        try:
-            if kind is not None and issubclass(kind, Exception):
-                self._withdraw()
-        finally:
-            self.lock.release()
-
-    def _withdraw(self) -> None:
-        try:
-            if self.emptied:
-                clear_part_dir(self.folder)  # everything but the lock (a part's directory or DEST alike)
-            if not self.had_lock:
-                (self.folder / LOCK_NAME).unlink(missing_ok=True)
-            for folder in reversed(self.made):
-                folder.rmdir()
-        except OSError:  # a folder another run writes in too, or one this one cannot change: left as it is
-            pass
-
-
 def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     """Tokenize ``config.source`` into a token dataset in ``config.dest``, or with ``config.part`` one part of it
     into ``DEST/.parts/`` (see the module docstring)."""
@@ -616,12 +583,12 @@ def convert_tokens(config: TokenConvertConfig) -> TokenConvertResult:
     check_dest(config.dest, local_source, config.overwrite)
     if config.part is not None:
         return _convert_part(config, corpus, coder, started)
-    with _Claim(config.dest, "fastio convert") as claim:
+    with Claim(config.dest, "fastio convert") as claim:
+        claim.take()
         check_dest(config.dest, local_source, config.overwrite)  # again, under the lock
         parts = lock_parts(config.dest)  # a part still being converted: refused, nothing deleted
         try:
-            reset_dest(config.dest)
-            claim.emptied = True
+            claim.reset()
             written = _write_dataset(config, corpus, coder)
         except OSError as err:  # DEST unwritable, disk full, a source file unreadable mid-run
             raise ConvertError(f"{err.filename or config.dest}: {err.strerror or err}") from None
@@ -662,17 +629,18 @@ def _result(config: TokenConvertConfig, coder: _Coder, written: _Written, starte
                               bytes=sum(s.bin_bytes for s in shards), seconds=time.perf_counter() - started,
                               dtype=coder.dtype, eos_id=coder.eos_id, part=config.part, special_text=written.special,
                               trained=sum(m.trained for m in written.masks) if coder.template is not None else None,
-                              dropped=written.dropped, truncated=written.truncated)
+                              dropped=written.dropped, truncated=written.truncated, max_tokens=config.max_tokens)
 
 
 def _convert_part(config: TokenConvertConfig, corpus: Corpus, coder: _Coder, started: float) -> TokenConvertResult:
     """Part K of N into ``DEST/.parts/part-K-of-N/`` (its lock only: parts run side by side); ``part.json`` last."""
     k, n = config.part
     directory = part_dir(config.dest, k, n)
-    with _Claim(directory, f"fastio convert --part {k}/{n}", config.dest, directory.parent) as claim:
+    with Claim(directory, f"fastio convert --part {k}/{n}") as claim:
+        claim.take()
         try:
             start_part_dir(config.dest, k, n, directory)
-            claim.emptied = True
+            claim.emptied()
             span = part_span(corpus.total, k, n)
             written = _write(config, corpus, coder, directory, span)
             write_part_record(directory, PartRecord(part=k, of=n, plan=_plan(config, corpus, coder),

@@ -42,9 +42,10 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any
 
+from fastio.checks import checked, positive_integer
 from fastio.dist import process_gone, usable_cpus
 
-__all__ = ["OrderedPool", "default_workers", "detach_child", "start_server"]
+__all__ = ["OrderedPool", "default_workers", "detach_child", "start_server", "workers_field"]
 
 _PR_SET_PDEATHSIG = 1
 _METHODS = ("forkserver", "spawn", "fork")
@@ -53,6 +54,13 @@ _METHODS = ("forkserver", "spawn", "fork")
 def default_workers() -> int:
     """How many worker processes a conversion starts by default: the CPUs this process may run on."""
     return len(usable_cpus())
+
+
+def workers_field() -> Any:
+    """The ``workers`` field of every conversion's config (images, tables, image-text, tokens, chat): default
+    :func:`default_workers`, and one rule with one message for a count below one or not an integer, ``workers must
+    be a positive integer, got 0`` (``--workers ...`` from the command)."""
+    return checked(positive_integer, default_factory=default_workers)
 
 
 def _die_with_parent() -> None:

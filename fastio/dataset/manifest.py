@@ -574,8 +574,9 @@ _LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
 
 
 def not_a_dataset(dest: Path) -> DatasetError:
-    """The error for a local DEST without a manifest: a file, a folder of tar shards or of images (naming the
-    command that makes it a dataset), a missing folder, or else an interrupted conversion."""
+    """The error for a local DEST without a manifest: a file, an unfinished conversion (its marker: run it again), a
+    folder of tar shards or of images (naming the command that makes it a dataset), a missing folder, or else an
+    interrupted conversion."""
     if dest.is_file():
         dataset = dest.parent.parent
         if dest.suffix.lower() == ".tar" and dest.parent.name == SHARDS_DIR and (dataset / MANIFEST_NAME).is_file():
@@ -587,6 +588,10 @@ def not_a_dataset(dest: Path) -> DatasetError:
                             "or `fastio index`")
     if not dest.is_dir():
         return DatasetError(f"{dest}: no such dataset directory")
+    if (dest / MARKER_NAME).is_file():  # not fastio index's advice: the shards written so far are part of the source
+        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
+        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
+                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
     holds = _holds(dest)
     if "tar" in holds:
         return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
@@ -595,6 +600,15 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _read_head(path: Path) -> bytes:
+    """The first bytes of ``path`` (b"" if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(64)
+    except OSError:
+        return b""
 
 
 def _holds(folder: Path) -> set[str]:

@@ -11,6 +11,7 @@ config from groups.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,13 @@ class RankOptions:
 
     rank: int | None = None
     world_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("rank", "world_size"):  # their ranges: fastio.order.sampler.Sampler (rank of world_size)
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"{name} must be an integer (or None: found from torch.distributed or the "
+                                 f"environment), got {value!r}")
 
 
 GROUPS = {"order": OrderOptions, "performance": PerformanceOptions, "shards": ShardOptions, "ranks": RankOptions}

@@ -10,13 +10,18 @@ imported only when a Manager is given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastio.errors import LoaderArgumentError, LoaderStateError
-from fastio.order.replicas import Share
+from fastio.order.replicas import Share, step_position
 
 __all__ = ["STATE_KEY", "TorchftReplicas"]
+
+_READ = ("_group_rank", "_group_world_size", "_user_state_dicts", "_load_state_dict_fns", "register_state_dict_fn",
+         "current_step", "num_participants", "participating_rank", "is_participating", "_quorum_future")
+"""What fastio reads of a Manager: its rank in its group and the group's size, the state dict hooks it registers the
+Loader's state with, the step and the quorum (torchft-nightly 2026.10.26 has them all)."""
 
 STATE_KEY = "fastio_loader"
 """The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders open at once)."""
@@ -31,22 +36,35 @@ class TorchftReplicas:
         if not isinstance(manager, torchft.Manager):
             raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
                                       "Manager of this replica group")
+        missing = [name for name in _READ if not hasattr(manager, name)]
+        if missing:
+            raise LoaderArgumentError(f"replicas=: this torchft.Manager has no {', '.join(missing)} (torchft "
+                                      f"{_torchft_version()}), which fastio reads (its rank, step and quorum, and the "
+                                      "state dict hooks it registers the Loader's state with); fastio is tested "
+                                      "with torchft-nightly 2026.10.26")
         self.manager = manager
         self._key: str | None = None  # the key registered in the Manager's state dict, until unregister
+        self._quorum: tuple[Any, int] | None = None  # the quorum (its future) a batch was last cut by, its step
 
     @property
     def group_world_size(self) -> int:
         """The ranks of this replica group (the Manager's ``world_size``, its env ``WORLD_SIZE`` by default)."""
         return int(self.manager._group_world_size)
 
-    def check_world(self, rank: int, world_size: int) -> None:
-        """LoaderArgumentError when the Loader's ranks are not those of one replica group."""
-        group = self.group_world_size
-        if world_size != group:
+    def ranks(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        """``(rank, world_size)`` of the Loader in its replica group: the Manager's (``rank``/``world_size`` it was
+        made with, else its environment's ``RANK``/``WORLD_SIZE``); LoaderArgumentError for given ones that are not
+        (two ranks of a group would take the same share, and no rank the other)."""
+        group, mine = self.group_world_size, int(self.manager._group_rank)
+        if world_size is not None and world_size != group:
             raise LoaderArgumentError(
                 f"Loader got world_size={world_size} with replicas=: it counts the ranks of one replica group "
                 f"({group} for this Manager), not of all groups; leave world_size= (and rank=) out, or pass the "
                 "group's")
+        if rank is not None and rank != mine:
+            raise LoaderArgumentError(f"Loader got rank={rank} with replicas=: this torchft.Manager is rank {mine} "
+                                      f"of its replica group of {group}; leave rank= out, or pass {mine}")
+        return mine, group
 
     def step(self) -> int:
         """The Manager's step: the global batch the next batch is a share of."""
@@ -62,9 +80,29 @@ class TorchftReplicas:
                                       "batch")
         participant = self.manager.participating_rank()
         step = self.step()
+        self._check_started(step)
         if participant is None or not self.manager.is_participating():
             return step, None
         return step, Share(participants, participant, rank, world_size)
+
+    def _check_started(self, step: int) -> None:
+        """LoaderArgumentError when step ``step``'s batch would be cut by the quorum of an earlier step (this one's
+        was not started: its groups need not be the same), or is asked a second time in one step (the same samples
+        again)."""
+        quorum = self.manager._quorum_future  # a new one at each start_quorum
+        if self._quorum is not None and quorum is self._quorum[0]:
+            if step != self._quorum[1]:
+                raise LoaderArgumentError(
+                    f"the batch of torchft step {step} was asked before that step's quorum was started: start it "
+                    "first (optimizer.zero_grad() of torchft.optim.OptimizerWrapper, or manager.start_quorum()); "
+                    "the last step's quorum need not have this step's replica groups")
+            raise LoaderArgumentError(
+                f"a second batch of torchft step {step} was asked in that step: with replicas= a step has one batch "
+                "(this rank's share of the step's global batch; a step that does not commit is taken again after "
+                "the next quorum); for gradient accumulation make batch_size the global batch of the whole step "
+                "and split the batch into micro-batches; torchft's LocalSGD/DiLoCo (a Manager step per sync) are "
+                "not supported")
+        self._quorum = quorum, step
 
     def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
         """Put a Loader's state into the Manager's state dict (sent to a healing group with the weights); returns
@@ -88,16 +126,65 @@ class TorchftReplicas:
             m._user_state_dicts = {k: f for k, f in m._user_state_dicts.items() if k != key}
             m._load_state_dict_fns = {k: f for k, f in m._load_state_dict_fns.items() if k != key}
 
-    def check_state(self, state: dict[str, Any], batch_size: int, step_key: str) -> None:
-        """LoaderStateError unless ``state`` is of the same global batch and at the Manager's step (a restore must
-        restore the Manager's state too: the step is the position)."""
+    def check_restored_with(self, app: Mapping[str, Any], state: Any, step_key: str) -> None:
+        """LoaderStateError when ``state`` (a Loader state a checkpoint restores) is at a torchft step and ``app``
+        (what it restores with it) lacks the Manager: its step is the Loader's position. A state saved without
+        replicas= (no step) needs none: the Manager's step is checked against its position."""
+        if isinstance(state, dict) and step_key in state and not any(obj is self.manager for obj in app.values()):
+            raise LoaderStateError("its position is the step of the torchft.Manager it was given (replicas=), which "
+                                   "this app does not restore: put that Manager into the app state with it "
+                                   "({'loader': loader, 'torchft': manager, ...})")
+
+    def check_state(self, state: dict[str, Any], batch_size: int, step_key: str, batches_per_epoch: int) -> None:
+        """LoaderStateError unless ``state`` is of the same global batch, and a state saved without replicas= (no
+        step) at the position of the Manager's step (a state with a step: :meth:`check_step` as it loads)."""
         saved = state.get("batch_size")
         if saved is not None and saved != batch_size:
             raise LoaderStateError(f"loader state has batch_size={saved!r}, this Loader's global batch is "
                                    f"{batch_size} (with replicas= batch_size is the global batch of one step)")
+        if state.get(step_key) is None:
+            self._check_position(state["epoch"], state["consumed"], batch_size, batches_per_epoch)
+
+    def check_step(self, state: dict[str, Any], step_key: str) -> None:
+        """LoaderStateError unless ``state``'s step (if it has one) is the Manager's: a restore must restore the
+        Manager's state too (checked as the Loader's state loads: a checkpoint restore loads the Manager first)."""
         step = state.get(step_key)
         if step is not None and step != self.step():
             raise LoaderStateError(
                 f"loader state is at torchft step {step}, the Manager at step {self.step()}: with replicas= the "
                 "position is the Manager's step; restore the Manager's state_dict() with the Loader's (put the "
                 "Manager into the Checkpointer's app state)")
+
+    def refuse_next_epoch(self, epoch: int, batches_per_epoch: int) -> None:
+        """LoaderStateError: a state moved to the next epoch (``loader_policy="next-epoch"``) cannot move the
+        position, which is the Manager's step; names the step that starts that epoch."""
+        raise LoaderStateError(f"loader_policy='next-epoch' with replicas=: the position is the torchft Manager's "
+                               "step, not the Loader's state; restore with loader_policy='exact', or without the "
+                               f"Loader's key and with the Manager at step {(epoch + 1) * batches_per_epoch} (the "
+                               f"first of epoch {epoch + 1})")
+
+    def _check_position(self, epoch: int, consumed: int, batch_size: int, batches_per_epoch: int) -> None:
+        """LoaderStateError unless ``(epoch, consumed)`` (a state saved without replicas=) is where the Manager's
+        step is."""
+        now = self.step()
+        if (epoch, consumed) == step_position(now, batches_per_epoch, batch_size):
+            return
+        g, rest = divmod(consumed, batch_size)
+        at, fix = (f"global batch {epoch * batches_per_epoch + g} of {batch_size} samples",
+                   f"restore the Manager at step {epoch * batches_per_epoch + g} (manager.load_state_dict)") \
+            if not rest else (f"not at the end of a global batch of {batch_size} samples",
+                              "no step is at that position")
+        raise LoaderStateError(f"loader state (saved without replicas=) is at epoch {epoch}, {consumed} samples "
+                               f"consumed: {at}, the torchft Manager at step {now}: with replicas= the position is "
+                               f"the Manager's step; {fix}, or start without the loader state")
+
+
+def _torchft_version() -> str:
+    from importlib import metadata
+
+    for dist in ("torchft-nightly", "torchft"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "of unknown version"

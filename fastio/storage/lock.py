@@ -3,8 +3,12 @@
 ``DirLock(dir)`` creates ``dir/.fastio-lock`` and takes an exclusive ``flock`` on it for as long as it is
 held. The kernel drops the lock when the holding process ends in any way (exit, exception, SIGKILL), so a
 requeued job never finds a stale lock; the file's content (host, pid, Slurm job, start time) only names the
-holder in the error a second writer gets. The file itself is left in place: deleting it while another process
-waits on it would let two writers in.
+holder in the error a second writer gets (a lock file that is a link is refused: nothing is written through it,
+see ``O_NOFOLLOW``). The file itself is left in place, but by a holder that made the
+directory for a run that failed and takes it back (:class:`fastio.convert.dest.Claim`): it deletes the file while
+it still holds the lock, and :meth:`DirLock.acquire` checks, once it holds a lock, that the file it locked is still
+the one at the path (else it opens the new one and locks again), so a process that opened the old file just before
+it went can never hold a lock beside the next writer's.
 
 Shared file systems: on NFSv4 ``flock`` is carried out as a POSIX byte-range lock by the server, and the
 server releases it when the client's lease expires (about 90 s after a node dies). On Lustre, ``flock``
@@ -26,6 +30,7 @@ from pathlib import Path
 __all__ = ["LOCK_NAME", "DirLock", "LockedError", "current_holder", "describe_holder", "holder_of", "holder_record"]
 
 LOCK_NAME = ".fastio-lock"
+_TRIES = 100  # of DirLock.acquire, while the file it locked is removed under it
 
 
 class LockedError(Exception):
@@ -85,6 +90,16 @@ def current_holder(directory: str | Path) -> str | None:
     return None
 
 
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` (the same device and inode)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
 class DirLock:
     """An exclusive, process-lifetime lock on a directory. Use as a context manager or ``acquire``/``release``.
 
@@ -105,9 +120,32 @@ class DirLock:
         """Take the lock or raise :class:`LockedError` at once (never waits)."""
         if self._fd is not None:
             return self
+        for _ in range(_TRIES):
+            fd = self._locked_fd()
+            if fd is not None:
+                break
+        else:
+            raise LockedError(f"{self.directory}: {LOCK_NAME} keeps being removed while this process locks it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder_record(self.purpose)).encode(), 0)
+        self._fd = fd
+        return self
+
+    def _locked_fd(self) -> int | None:
+        """A descriptor of ``directory/.fastio-lock`` holding its flock; None when the file locked is no longer the
+        one at that path (its holder, a run that made the directory, removed it, or the directory, on failure:
+        try again, so that two writers never hold locks on two different files)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except FileNotFoundError:  # the directory went after mkdir made it sure
+            return None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise LockedError(f"{self.directory}: {LOCK_NAME} is a link, not a lock file (nothing was written through "
+                              "it); remove it") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -117,10 +155,16 @@ class DirLock:
                                   f" (one writer per directory; {LOCK_NAME} is released when that process ends)") from None
             raise LockedError(f"{self.directory}: cannot lock {LOCK_NAME} ({err.strerror}); on Lustre mount with "
                               "-o flock") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder_record(self.purpose)).encode(), 0)
-        self._fd = fd
-        return self
+        if not _is_at(fd, path):
+            os.close(fd)
+            return None
+        return fd
+
+    def owns_path(self) -> bool:
+        """Whether this lock is held and the file it holds is still the one at ``directory/.fastio-lock`` (not
+        removed or replaced since: then another writer may hold the file now there, and the directory is no longer
+        this holder's alone)."""
+        return self._fd is not None and _is_at(self._fd, self.directory / LOCK_NAME)
 
     def release(self) -> None:
         if self._fd is not None:
