@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -51,17 +50,20 @@ def test_one_process_save_state_mid_epoch_then_load_state(tmp_path, image_datase
     _check(tmp_path, (1, 16))
 
 
-def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp_path, image_dataset):
-    """torchrun, gloo: 2 processes x 8 a batch, 3 steps an epoch, saved after step 4."""
+def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp_path, image_dataset,
+                                                                            warm_one_thread):
+    """torchrun, gloo: 2 processes x 8 a batch, 3 steps an epoch, saved after step 4. ``torchrun`` (the console
+    script) is started by the warm interpreter (one thread); it starts each run's 2 processes as ``python`` itself."""
     from s3server import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port()), str(EXAMPLE), "--data", str(image_dataset), "--epochs", "2"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
+              "--data", str(image_dataset), "--epochs", "2"]
     for args in (["--save-at", "4", "--state-dir", "state", "--save-weights", "full.pt"],
                  ["--resume", "state", "--save-weights", "resumed.pt"]):
-        done = subprocess.run([*launch, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        rc, out, err = warm_one_thread.run(torchrun, tmp_path, *launch, *args, env=env)
+        assert rc == 0, out[-3000:] + err[-3000:]
     _check(tmp_path, (1, 16))
 
 

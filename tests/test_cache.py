@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import write_image_dataset
+from helpers import spawn_ranks
 
 from fastio import ImageEval, Loader, Raw
 from fastio.dataset.dataset import Dataset
@@ -109,32 +110,27 @@ def test_global_shuffle_matches_the_local_dataset_and_second_epoch_is_warm(moto_
     remote.close()
 
 
-_CHILD = textwrap.dedent("""
-    import json, sys
-    from fastio import Loader, Raw
-    url, cache, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def _read_through_cache(url: str, cache: str, options: dict, out: str) -> None:
+    """In a process of its own: one epoch of ``url`` through the node cache at ``cache``; into ``out``, the samples
+    it read and the shards it downloaded."""
     with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=cache,
                 cache_size="1GB", storage_options=options, num_threads=1) as loader:
         n = sum(int((~b["padded"]).sum()) for b in loader)
         s = loader.stats()["storage"]
-    print(json.dumps({"samples": n, "downloads": s["waited_fills"] + s["ahead_fills"]}))
-""")
+    Path(out).write_text(json.dumps({"samples": n, "downloads": s["waited_fills"] + s["ahead_fills"]}))
 
 
 def test_two_processes_sharing_a_cache_download_each_shard_once(moto_server, s3_bucket, fault_proxy, small_shards,
                                                                  tmp_path):
+    """Two processes at once (``spawn_ranks``: forked from the forkserver that imported torch once) read the same
+    dataset through one cache directory."""
     url = f"s3://{s3_bucket}/ds"
     upload(small_shards, url, moto_server.options())
     fault_proxy.slowdown, fault_proxy.cut = 0.2, 0.2
-    options = json.dumps(moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, url, str(tmp_path / "cache"), options],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-2000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    options = moto_server.options(fault_proxy.endpoint, backoff_s=0.01)
+    spawn_ranks(_read_through_cache, lambda r: (url, str(tmp_path / "cache"), options, str(tmp_path / f"read{r}.json")),
+                2, timeout=240)
+    results = [json.loads((tmp_path / f"read{r}.json").read_text()) for r in range(2)]
     assert [r["samples"] for r in results] == [48, 48]
     assert sum(r["downloads"] for r in results) == 6  # each of the 6 shards downloaded once on the node
     assert ShardCache(tmp_path / "cache").usage() == (sum(shard_sizes(small_shards)), 6)

@@ -511,7 +511,9 @@ SIGNAL_WORKER = """
 """
 
 
-def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path):
+def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path, warm):
+    """SIGUSR1 to a script (started by the warm interpreter) under a Slurm job: a blocking save at the next step,
+    ``scontrol requeue JOBID``, the step restorable."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     record = tmp_path / "scontrol.args"
@@ -523,14 +525,13 @@ def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bindir}:{os.environ['PATH']}",
            "SLURM_JOB_ID": "4242"}
     env.pop("SLURM_ARRAY_JOB_ID", None)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ck")], stdout=subprocess.PIPE,
-                            text=True, env=env)
-    for line in proc.stdout:
+    run = warm.start(script, tmp_path, str(tmp_path / "ck"), timeout=120, env=env)
+    for line in run.lines():
         if line.startswith("step 5"):
-            proc.send_signal(signal.SIGUSR1)
+            run.send_signal(signal.SIGUSR1)
             break
-    out = proc.stdout.read()
-    assert proc.wait(timeout=120) == 0
+    rc, out, err = run.wait()
+    assert rc == 0, out + err
     last = [line for line in out.splitlines() if line.startswith("preempted")]
     assert len(last) == 1, out
     _, step, value = last[0].split()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -114,17 +112,19 @@ def test_lightning_loader_is_stateful_and_not_a_dataloader(image_dataset):
         assert wrapped.state_dict()["epoch"] == 3
 
 
-def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp_path, image_dataset):
+def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp_path, image_dataset,
+                                                                            warm_one_thread):
+    """``python examples/lightning_train.py --devices 2`` (rank 0 started by the warm interpreter, one thread; Lightning
+    starts rank 1 as ``python`` itself), twice: a run saving mid-epoch, then one resumed from there."""
     from s3server import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
 
     def run(*args: str) -> None:
-        cmd = [sys.executable, str(EXAMPLE), "--data", str(image_dataset), "--val", str(image_dataset),
-               "--devices", "2", "--max-epochs", "2", *args]
-        done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "val_acc" in done.stdout, done.stdout[-3000:]  # validation ran, on both ranks (sync_dist)
+        rc, out, err = warm_one_thread.run(EXAMPLE, tmp_path, "--data", str(image_dataset), "--val",
+                                           str(image_dataset), "--devices", "2", "--max-epochs", "2", *args, env=env)
+        assert rc == 0, out[-3000:] + err[-3000:]
+        assert "val_acc" in out, out[-3000:]  # validation ran, on both ranks (sync_dist)
 
     # 48 samples, 2 ranks x 8: 3 steps an epoch; checkpoints at steps 2, 4 and 6
     run("--ckpt-dir", "ckpt", "--every-n-steps", "2", "--save-weights", "full.pt", "--log-indices", "seen")
