@@ -81,3 +81,22 @@ def test_max_samples_per_shard_below_one_is_one_message_for_image_and_token_conv
         code, _, err = run_cli(["convert", args[0], str(tmp_path / "out"), *args[1:], "--max-samples-per-shard", "0"],
                                capsys)
         assert (code, err) == (2, "fastio: error: --max-samples-per-shard must be a positive integer, got 0\n"), args
+
+
+def test_inspect_lists_the_recorded_skip_reasons_with_the_convert_flags(tmp_path, capsys):
+    """The manifest records a reason with its config field (``(max_pixels)``); ``fastio inspect`` prints it as the
+    flag the user typed (``--max-pixels``), in its summary and with ``--skipped``; ``--json`` stays the record."""
+    from PIL import Image
+
+    src, dest = tmp_path / "src", tmp_path / "ds"
+    src.mkdir()
+    Image.new("RGB", (40, 40)).save(src / "big.jpg")
+    Image.new("RGB", (8, 8)).save(src / "small.jpg")
+    assert run_cli(["convert", str(src), str(dest), "--workers", "1", "--max-pixels", "1000", "-q"], capsys)[0] == 0
+    for flags in ([], ["--skipped"]):
+        code, out, err = run_cli(["inspect", str(dest), *flags], capsys)
+        assert code == 0 and "over the limit of 1000 (--max-pixels)" in out, (flags, out, err)
+        _no_field_names(out)
+    code, out, _ = run_cli(["inspect", str(dest), "--json"], capsys)
+    assert code == 0 and "over the limit of 1000 (max_pixels)" in out, out
+
