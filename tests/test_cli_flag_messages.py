@@ -100,3 +100,18 @@ def test_inspect_lists_the_recorded_skip_reasons_with_the_convert_flags(tmp_path
     code, out, _ = run_cli(["inspect", str(dest), "--json"], capsys)
     assert code == 0 and "over the limit of 1000 (max_pixels)" in out, out
 
+
+def test_merge_without_parts_names_the_convert_command_and_its_part_flag(tmp_path, capsys, image_folder):
+    code, _, err = run_cli(["merge", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "fastio convert SOURCE" in err and "--part K/N" in err, err
+    _no_field_names(err)
+    dest = tmp_path / "parted"
+    (dest / ".parts").mkdir(parents=True)
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and "fastio convert SOURCE" in err and "--part K/N" in err, err
+    _no_field_names(err)
+    assert run_cli(["convert", str(image_folder), str(dest), "--workers", "1", "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and f"fastio convert {image_folder} {dest}" in err and "--part K/2" in err, err
+    _no_field_names(err)
+
