@@ -115,3 +115,37 @@ def test_merge_without_parts_names_the_convert_command_and_its_part_flag(tmp_pat
     assert code == 2 and f"fastio convert {image_folder} {dest}" in err and "--part K/2" in err, err
     _no_field_names(err)
 
+
+def test_an_overlong_conversation_refused_names_both_overlong_values_as_flags(tmp_path, capsys):
+    from tokens_helpers import chat_config, chat_tokenizer, conversations, write_chats
+
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(12))
+    code, _, err = run_cli(["convert", str(chats), str(tmp_path / "ds"), "--workers", "1", "--tokenizer",
+                            str(chat_tokenizer(tmp_path / "tokenizer.json")), "--chat-template",
+                            str(chat_config(tmp_path / "tokenizer_config.json")), "--max-tokens", "60"], capsys)
+    assert code == 2 and "(--overlong drop or --overlong truncate handles" in err, err
+    _no_field_names(err)
+
+
+def _eos_in_words_tokenizer(path):
+    """A broken tokenizer: its word ``world`` has the id of its special token ``</s>`` (the end of document)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    spec = json.loads(tok.to_str())
+    spec["model"]["vocab"]["</s>"] = 2
+    spec["added_tokens"] = [{"id": 2, "content": "</s>", "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True}]
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_a_tokenizer_making_the_eos_id_from_text_names_the_eos_flag(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text('{"text": "hello world </s>"}\n')
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "ds"), "--workers", "1",
+                            "--tokenizer", str(_eos_in_words_tokenizer(tmp_path / "tokenizer.json"))], capsys)
+    assert code == 2 and "end-of-document id 2 inside it" in err and "--eos TOKEN" in err, err
+    assert err.count("\n") == 1 and "another eos" not in err, err
