@@ -496,8 +496,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, {info['samples_per_epoch']} {info['unit']} "
-               "per epoch")
+    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, "
+               f"{count(info['samples_per_epoch'], info['unit_singular'], info['unit'])} per epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
