@@ -91,8 +91,8 @@ def test_the_seq_len_refusal_names_the_cli_flags_and_the_library_fields(chat):
         fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
     line = str(err.value)
     assert "\n" not in line
-    assert "--max-tokens 64 (--overlong drop or truncate" in line
-    assert "TokenConvertConfig(max_tokens=64, overlong='drop' or 'truncate')" in line
+    assert "--max-tokens 64 (--overlong drop or --overlong truncate;" in line
+    assert "TokenConvertConfig(max_tokens=64, overlong='drop') or overlong='truncate'" in line
 
 
 def test_exact_resume_is_bitwise(chat):

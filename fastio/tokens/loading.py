@@ -135,8 +135,8 @@ def check_chat_packing(ds: Dataset, seq_len: int, packing: str) -> None:
         raise DatasetError(f"{ds.root}: its longest conversation has {count(chat.longest, 'token')}, more than "
                            f"seq_len + 1 = {seq_len + 1}: a conversation is never cut; raise seq_len to at least "
                            f"{chat.longest - 1}, or convert again with --max-tokens {seq_len + 1} (--overlong drop "
-                           f"or truncate; in Python TokenConvertConfig(max_tokens={seq_len + 1}, overlong='drop' or "
-                           "'truncate'))")
+                           f"or --overlong truncate; in Python TokenConvertConfig(max_tokens={seq_len + 1}, "
+                           "overlong='drop') or overlong='truncate')")
 
 
 class _EpochUnits:
