@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from fastio.words import count
@@ -60,14 +61,16 @@ SKIPPED_SHOWN = 5
 """Skipped inputs a summary names (the rest: ``fastio inspect DEST --skipped``)."""
 
 
-def skipped_lines(skipped: list[dict[str, str]], more: str, shown: int = SKIPPED_SHOWN) -> str:
+def skipped_lines(skipped: list[dict[str, str]], more: str, shown: int = SKIPPED_SHOWN,
+                  words: Callable[[str], str] = str) -> str:
     """The skipped inputs by reason, each reason once, its first ``shown`` reasons one line each after a newline:
     ``  PATH: REASON`` for a reason of one input, ``  N inputs (PATH, PATH, PATH, and K more): REASON`` for one of
     several; then, when there are more reasons, a line saying how many inputs they hold and ``more`` (the command
-    that lists them all)."""
+    that lists them all). ``words`` puts each reason's options (``(max_pixels)``) as the reader knows them (a
+    command's: ``(--max-pixels)``)."""
     paths: dict[str, list[str]] = {}
     for s in skipped:
-        paths.setdefault(str(s.get("reason")), []).append(str(s.get("path")))
+        paths.setdefault(words(str(s.get("reason"))), []).append(str(s.get("path")))
     lines = [_skipped_line(reason, found) for reason, found in list(paths.items())[:shown]]
     rest = sum(len(found) for found in list(paths.values())[shown:])
     if rest:

@@ -194,7 +194,7 @@ def test_conversations_over_max_tokens_are_dropped_or_keep_their_first_turns_who
 
 def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path):
     with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
-                                           r"than max_tokens=40 \(overlong='drop' or 'truncate'"):
+                                           r"than max_tokens=40 \(overlong='drop' or overlong='truncate'"):
         chat_dataset(tmp_path, n=20, max_tokens=40)
 
 

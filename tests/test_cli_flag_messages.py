@@ -81,3 +81,71 @@ def test_max_samples_per_shard_below_one_is_one_message_for_image_and_token_conv
         code, _, err = run_cli(["convert", args[0], str(tmp_path / "out"), *args[1:], "--max-samples-per-shard", "0"],
                                capsys)
         assert (code, err) == (2, "fastio: error: --max-samples-per-shard must be a positive integer, got 0\n"), args
+
+
+def test_inspect_lists_the_recorded_skip_reasons_with_the_convert_flags(tmp_path, capsys):
+    """The manifest records a reason with its config field (``(max_pixels)``); ``fastio inspect`` prints it as the
+    flag the user typed (``--max-pixels``), in its summary and with ``--skipped``; ``--json`` stays the record."""
+    from PIL import Image
+
+    src, dest = tmp_path / "src", tmp_path / "ds"
+    src.mkdir()
+    Image.new("RGB", (40, 40)).save(src / "big.jpg")
+    Image.new("RGB", (8, 8)).save(src / "small.jpg")
+    assert run_cli(["convert", str(src), str(dest), "--workers", "1", "--max-pixels", "1000", "-q"], capsys)[0] == 0
+    for flags in ([], ["--skipped"]):
+        code, out, err = run_cli(["inspect", str(dest), *flags], capsys)
+        assert code == 0 and "over the limit of 1000 (--max-pixels)" in out, (flags, out, err)
+        _no_field_names(out)
+    code, out, _ = run_cli(["inspect", str(dest), "--json"], capsys)
+    assert code == 0 and "over the limit of 1000 (max_pixels)" in out, out
+
+
+def test_merge_without_parts_names_the_convert_command_and_its_part_flag(tmp_path, capsys, image_folder):
+    code, _, err = run_cli(["merge", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and "fastio convert SOURCE" in err and "--part K/N" in err, err
+    _no_field_names(err)
+    dest = tmp_path / "parted"
+    (dest / ".parts").mkdir(parents=True)
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and "fastio convert SOURCE" in err and "--part K/N" in err, err
+    _no_field_names(err)
+    assert run_cli(["convert", str(image_folder), str(dest), "--workers", "1", "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and f"fastio convert {image_folder} {dest}" in err and "--part K/2" in err, err
+    _no_field_names(err)
+
+
+def test_an_overlong_conversation_refused_names_both_overlong_values_as_flags(tmp_path, capsys):
+    from tokens_helpers import chat_config, chat_tokenizer, conversations, write_chats
+
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(12))
+    code, _, err = run_cli(["convert", str(chats), str(tmp_path / "ds"), "--workers", "1", "--tokenizer",
+                            str(chat_tokenizer(tmp_path / "tokenizer.json")), "--chat-template",
+                            str(chat_config(tmp_path / "tokenizer_config.json")), "--max-tokens", "60"], capsys)
+    assert code == 2 and "(--overlong drop or --overlong truncate handles" in err, err
+    _no_field_names(err)
+
+
+def _eos_in_words_tokenizer(path):
+    """A broken tokenizer: its word ``world`` has the id of its special token ``</s>`` (the end of document)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    spec = json.loads(tok.to_str())
+    spec["model"]["vocab"]["</s>"] = 2
+    spec["added_tokens"] = [{"id": 2, "content": "</s>", "single_word": False, "lstrip": False, "rstrip": False,
+                             "normalized": False, "special": True}]
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_a_tokenizer_making_the_eos_id_from_text_names_the_eos_flag(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text('{"text": "hello world </s>"}\n')
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "ds"), "--workers", "1",
+                            "--tokenizer", str(_eos_in_words_tokenizer(tmp_path / "tokenizer.json"))], capsys)
+    assert code == 2 and "end-of-document id 2 inside it" in err and "--eos TOKEN" in err, err
+    assert err.count("\n") == 1 and "another eos" not in err, err

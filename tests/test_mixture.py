@@ -270,6 +270,19 @@ def test_inspect_order_on_a_mixture_file(raw_sources, tmp_path, capsys):
     assert code == 2 and f"{path}: weights['b'] must be a positive number, got 0" in err
 
 
+def test_inspect_counts_a_mixture_epoch_of_one_sample_in_the_singular(raw_sources, tmp_path, capsys):
+    from helpers import run_cli
+
+    path = tmp_path / "mix.json"
+    for n, line in ((1, "1 sample per epoch"), (2, "2 samples per epoch")):
+        path.write_text(json.dumps({"sources": {"a": str(raw_sources["a"])}, "samples_per_epoch": n}))
+        code, out, err = run_cli(["inspect", str(path)], capsys)
+        assert code == 0 and f"1 source, {line}" in out, (out, err)
+        code, out, _ = run_cli(["inspect", str(path), "--json"], capsys)  # "unit" stays; "unit_singular" is added
+        info = json.loads(out)
+        assert (info["samples_per_epoch"], info["unit"], info["unit_singular"]) == (n, "samples", "sample")
+
+
 @pytest.mark.parametrize("kw", [dict(drop_last=True), dict(remainder="partial"), dict(remainder="pad")])
 def test_resume_on_a_rank_with_drop_last_and_remainders(raw_sources, kw):
     # 50 samples, global batch 2 x 4 = 8: a dropped, a partial or a padded last batch; resume across it

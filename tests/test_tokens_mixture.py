@@ -169,7 +169,8 @@ def test_inspect_reports_a_token_mixture_in_sequences(corpora, tmp_path, capsys)
     assert code == 0, err
     info = json.loads(out)
     sizes = [TokenDataset(dest).packing(SEQ).sequences for dest in corpora.values()]
-    assert info["unit"] == "sequences" and info["samples_per_epoch"] == sum(sizes) != 200  # not documents
+    assert (info["unit"], info["unit_singular"]) == ("sequences", "sequence")
+    assert info["samples_per_epoch"] == sum(sizes) != 200  # not documents
     assert [s["samples"] for s in info["sources"]] == sizes
     assert info["phases"][0]["per_batch"]["code"] == {"expected": 2, "min": 2, "max": 2, "max_deviation": 0}
     assert info["phases"][1]["per_batch"]["code"]["expected"] == 4

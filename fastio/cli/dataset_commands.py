@@ -24,8 +24,9 @@ _CLI_WORDS = {" (or None)": "", "(or None for no limit)": "(0 for no limit)"}
 """A config's "not given" (None) in the command's words: a flag left out, ``--max-pixels 0``."""
 
 
-def _in_flags(text: str, *, leading: bool = False) -> str:
-    """A library message in terms of the current command's flags: ``on_error='fail'`` -> ``--on-error fail``,
+def _in_flags(text: str, *, leading: bool = False, command: click.Command | None = None) -> str:
+    """A library message in terms of the flags of ``command`` (default: the current command; ``fastio inspect``
+    names what ``fastio convert`` recorded with :func:`convert`'s): ``on_error='fail'`` -> ``--on-error fail``,
     ``overwrite=True`` -> ``--overwrite``, ``path_column=NAME`` -> ``--path-column NAME``, ``max_tokens=3`` ->
     ``--max-tokens 3``, ``part=...`` -> ``--part ...``, ``(max_pixels)`` -> ``(--max-pixels)`` and, with ``leading``
     (a parameter's ValueError), a leading ``max_side`` -> ``--max-side``
@@ -33,7 +34,7 @@ def _in_flags(text: str, *, leading: bool = False) -> str:
     the command line (a folder named ``dest``); a flag the message already names before its Python spelling
     (``--transcode vp9 (transcode='vp9')``) is named once; Python's None in the command's words (:data:`_CLI_WORDS`)."""
     ctx = click.get_current_context()
-    flags = {opt[2:].replace("-", "_"): opt for p in ctx.command.params if isinstance(p, click.Option)
+    flags = {opt[2:].replace("-", "_"): opt for p in (command or ctx.command).params if isinstance(p, click.Option)
              for opt in p.opts if opt.startswith("--")}
     flags.update({field: flags[name] for field, name in _FLAG_OF_FIELD.items() if name in flags})
     for python, words in _CLI_WORDS.items():
@@ -467,9 +468,16 @@ def _print_packing(p: dict[str, Any] | None) -> None:
                    f"(padding {p['first-fit']['padding_fraction']:.1%})")
 
 
+def _recorded(reason: str) -> str:
+    """A skip reason as the manifest records it (config fields: ``(max_pixels)``) in :func:`convert`'s flags
+    (``(--max-pixels)``), as the conversion printed it; the options a ``fastio index`` reason names
+    (``video_decoder='cpu'``) are flags of both commands."""
+    return _in_flags(reason, command=convert)
+
+
 def _print_skipped(info: dict[str, Any]) -> None:
     for s in info["skipped_inputs"]:
-        click.echo(f"{s.get('path')}: {s.get('reason')}")
+        click.echo(f"{s.get('path')}: {_recorded(str(s.get('reason')))}")
     if not info["skipped_inputs"]:
         click.echo(f"{info['path']}: nothing was skipped")
 
@@ -488,8 +496,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, {info['samples_per_epoch']} {info['unit']} "
-               "per epoch")
+    click.echo(f"mixture:  {path}: {count(len(info['sources']), 'source')}, "
+               f"{count(info['samples_per_epoch'], info['unit_singular'], info['unit'])} per epoch")
     for s in info["sources"]:
         click.echo(f"  {s['name']:<12} share {s['share']:.4f}  {s['per_epoch']} per epoch of {s['samples']} "
                    f"({s['cycles']:.2f} cycles)  {s['path']}")
@@ -543,7 +551,7 @@ def _print_info(info: dict[str, Any]) -> None:
         click.echo(f"source:   {src.get('format')} {src.get('path')}")
     click.echo(f"samples:  {count(info['samples'], 'sample')} in {count(info['shards'], 'shard')}, "
                f"{human_bytes(info['bytes'])} of shard files (skipped at conversion: {info['skipped']})"
-               + skipped_lines(info["skipped_inputs"], f"fastio inspect {info['path']} --skipped"))
+               + skipped_lines(info["skipped_inputs"], f"fastio inspect {info['path']} --skipped", words=_recorded))
     tokens = info.get("tokens")
     if tokens:
         d = tokens["per_document"] or {"min": 0, "median": 0, "max": 0}

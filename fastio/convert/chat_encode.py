@@ -138,7 +138,7 @@ class ChatEncoder:
             if len(e.ids) > self.max_tokens:
                 if self.overlong == "refuse":
                     raise ConvertError(f"{where}: field {self.field!r}: the conversation has {len(e.ids)} tokens, "
-                                       f"more than max_tokens={self.max_tokens} (overlong='drop' or 'truncate' "
+                                       f"more than max_tokens={self.max_tokens} (overlong='drop' or overlong='truncate' "
                                        "handles such conversations)")
                 e, s = self._truncated(messages, where) if self.overlong == "truncate" else (None, None)
                 counts["dropped" if e is None else "truncated"] += 1

@@ -127,7 +127,7 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
     dest = _local_dest(dest)
     root = dest / PARTS_DIR
     if not root.is_dir():
-        raise ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/; convert with part=K/N first)")
+        raise ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/); first write them: {_write_parts(dest)}")
     locks = [DirLock(dest, "fastio merge")]
     try:
         try:
@@ -203,7 +203,7 @@ def _part_count(dest: Path) -> int:
     found = sorted({n for k, n in (parse_part_dir(p.name) or (None, None) for p in (dest / PARTS_DIR).iterdir())
                     if n is not None})
     if not found:
-        raise ConvertError(f"{dest}: no parts to merge in {PARTS_DIR}/ (convert with part=K/N first)")
+        raise ConvertError(f"{dest}: no parts to merge in {PARTS_DIR}/; first write them: {_write_parts(dest)}")
     if len(found) > 1:
         raise ConvertError(f"{dest}: {PARTS_DIR}/ holds parts of conversions in {' and '.join(map(str, found))} "
                            "parts; move away the ones that do not belong to this conversion")
@@ -234,7 +234,13 @@ def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
         return f"index them (fastio index {plan['source']['path']}{where} --part K/{n})"
     if plan.get("kind") == TOKEN_PLAN:
         return f"convert them ({part_command(plan, dest, n)})"
-    return f"convert them (part=K/{n})"
+    source = plan.get("source", {}).get("path", "SOURCE")
+    return f"convert them (fastio convert {source} {dest} --part K/{n} with the other parts' options)"
+
+
+def _write_parts(dest: Path) -> str:
+    """The command that writes the parts (``fastio merge`` names what the user types, as :func:`_rerun` does)."""
+    return f"fastio convert SOURCE {dest} --part K/N for each K in 0..N-1"
 
 
 def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:

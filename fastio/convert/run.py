@@ -319,7 +319,7 @@ class ConvertResult:
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
-                + skipped_lines([{**s, "reason": words(str(s.get("reason")))} for s in self.skipped], more))
+                + skipped_lines(self.skipped, more, words=words))
 
 
 def renamed_line(renamed: list[tuple[str, str, str]]) -> str:

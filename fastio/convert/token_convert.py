@@ -341,7 +341,7 @@ def _as_plain_text(docs: list[list[int]], held: list[int], wheres: list[str], te
     for i, e in zip(held, encodings):
         if w["eos_id"] in e.ids:  # the model itself (not the added-token split) makes the id: a broken tokenizer
             raise ConvertError(f"{wheres[i]}: the tokenizer encodes this text with the end-of-document id "
-                               f"{w['eos_id']} inside it, as text; choose another eos")
+                               f"{w['eos_id']} inside it, as text; name another end-of-document token with eos=TOKEN")
         docs[i] = e.ids
 
 

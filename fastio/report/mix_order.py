@@ -22,6 +22,9 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     sequences of ``fastio.Tokens(seq_len, packing, window)`` (``unit``: ``sequences``, else ``samples``; each
     source's ``samples`` is then its sequences). JSON-serialisable:
 
+    - ``samples_per_epoch``, counted in ``unit`` (plural) and ``unit_singular`` (``sample``, ``sequence``: for a
+      count of one, as ``fastio.words.count(n, unit_singular, unit)`` words it);
+
     - ``sources``: per source its path, samples, share (the normalised weight at the first inspected position),
       samples per mixture epoch ``epoch`` (``per_epoch``) and how many times that covers the source
       (``cycles``);
@@ -36,12 +39,12 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
       ``median``; ``repeats`` = how many deliveries were repeats; all None without a repeat).
     """
     _check_arguments(shuffle, batch_size, epochs)
-    unit = "samples"
+    unit, one = "samples", "sample"
     if mixture.datasets[0].manifest.tokens is not None:  # a token mixture (Mixture() refuses mixed kinds)
         from fastio.tokens.loading import source_packings
 
         sized = source_packings(mixture, seq_len, packing, window, SamplerSpec(seed=seed, shuffle=shuffle))
-        mixture, unit = mixture.in_units([p.sequences for p in sized]), "sequences"
+        mixture, unit, one = mixture.in_units([p.sequences for p in sized]), "sequences", "sequence"
     n = len(mixture)
     batch_size = min(batch_size, n)
     sampler = mixture.sampler(SamplerSpec(seed=seed, shuffle=shuffle, block_shards=block_shards))
@@ -55,8 +58,8 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
                 "cycles": round(int(m) / size, 3)}
                for name, ds, size, w, m in zip(mixture.names, mixture.datasets, mixture.sizes,
                                                mixture.phases[first][1], schedule.per_epoch(epoch).tolist())]
-    return {"samples_per_epoch": n, "unit": unit, "seed": seed, "epoch": epoch, "epochs": epochs, "shuffle": shuffle,
-            "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
+    return {"samples_per_epoch": n, "unit": unit, "unit_singular": one, "seed": seed, "epoch": epoch, "epochs": epochs,
+            "shuffle": shuffle, "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
             "per_batch": _per_batch(mixture.names, counts, expected), "phases": phases,
             "repeat_distance": _repeat_distance(mixture, ids, src)}
 
