@@ -142,6 +142,27 @@ def test_an_error_or_ctrl_c_midway_takes_back_what_the_run_made(tmp_path):
         assert _tree(tmp_path / "mine") == {}
 
 
+@pytest.mark.parametrize("kind", ["tokens", "image folder"])
+def test_a_dest_spelt_through_a_new_folder_and_dotdot_is_judged_and_taken_back_where_the_os_finds_it(
+        tmp_path, capsys, kind):
+    """``x/new/../ds`` (``x/new`` missing) is ``x/ds``: a failed run leaves no ``x/new`` behind, and an empty
+    ``x/ds`` that was there stays; through a link (``x/link/..`` is the parent of the link's target, not ``x``),
+    ``..`` keeps the meaning the OS gives it."""
+    source, options = SOURCES[kind](tmp_path)
+    x, elsewhere = tmp_path / "x", tmp_path / "elsewhere"
+    (elsewhere / "target").mkdir(parents=True)
+    x.mkdir()
+    _fails(capsys, source, x / "new" / ".." / "ds", *options)
+    assert _tree(x) == {}
+    (x / "ds").mkdir()
+    _fails(capsys, source, x / "new" / ".." / "ds", *options)
+    assert _tree(x) == {"ds": None}  # the user's empty folder: there before the run, so it stays
+    (x / "ds").rmdir()
+    (x / "link").symlink_to(elsewhere / "target")
+    _fails(capsys, source, x / "link" / ".." / "new" / ".." / "ds", *options)
+    assert _tree(x) == {"link": None} and _tree(elsewhere) == {"target": None}
+
+
 def test_a_failed_part_removes_the_folders_it_made(tmp_path, capsys):
     source, options = _files(tmp_path)
     _fails(capsys, source, tmp_path / "parts", *options, "--part", "1/2")

@@ -62,7 +62,7 @@ def alive(pid: int) -> bool:
 
 def kill_at(cmd: list[str], moment, sig: int, env=None) -> None:
     """Run ``cmd``; when ``moment()`` holds, freeze it, signal it, and check that it and its children are gone
-    within 5 s and that its stdout pipe reached EOF (no child kept it open)."""
+    within 5 s, that its stdout pipe reached EOF (no child kept it open) and that no worker wrote a traceback."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 60
     while not moment() and proc.poll() is None and time.monotonic() < deadline:
@@ -79,7 +79,8 @@ def kill_at(cmd: list[str], moment, sig: int, env=None) -> None:
     assert not [k for k in kids if alive(k)], "processes outlived the killed run"
     ready, _, _ = select.select([proc.stdout], [], [], max(0.1, gone_by - time.monotonic()))
     assert ready and proc.stdout.read() == b"", "stdout is still held open: a `| tail` would wait forever"
-    proc.stderr.close()
+    err = proc.stderr.read().decode()
+    assert "Traceback" not in err and "Process " not in err, err  # a worker that lost its parent goes quietly
 
 
 def cli(*args: str) -> list[str]:

@@ -4,10 +4,31 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from fastio.convert.dest import Claim
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError
+
+_AT_MKDIR: dict[str, list] = {}
+"""Steps to run just before this process calls ``os.mkdir`` on a path (the path's string: its steps, one a call)."""
+
+
+def _at_mkdir(event: str, args: tuple) -> None:
+    if event == "os.mkdir" and _AT_MKDIR:
+        steps = _AT_MKDIR.get(os.fspath(args[0]))
+        if steps:
+            steps.pop(0)()  # popped first: a mkdir the step makes runs no step
+
+
+def _before_mkdirs(steps: dict[Path, list]) -> None:
+    """Run ``steps[path]`` in turn at this process's next calls of ``os.mkdir(path)`` (an audit hook: the real calls
+    in their real order, no stand-in for the code that makes them)."""
+    if not _AT_MKDIR.get("hooked"):
+        sys.addaudithook(_at_mkdir)
+        _AT_MKDIR["hooked"] = [None]  # no path is named so
+    _AT_MKDIR.update({str(path): list(calls) for path, calls in steps.items()})
 
 
 def test_second_holder_is_refused_with_directory_and_holder(tmp_path):
@@ -44,3 +65,18 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_leads_to_is_untouched
     with pytest.raises(LockedError, match=f"{LOCK_NAME}.*link"):
         DirLock(tmp_path / "dest").acquire()
     assert (tmp_path / "yours.txt").read_text() == "the only copy"
+
+
+def test_a_lock_whose_new_parent_another_run_removes_meanwhile_makes_it_again(tmp_path):
+    """Two conversions into new DESTs under one new folder: the first makes ``new/``, then fails and takes it back
+    (empty) just after the second made sure ``new/`` was there and just before it makes its DEST in it. The second
+    makes ``new/`` again and holds its lock: no "No such file or directory"."""
+    new = tmp_path / "new"
+    first, second = Claim(new / "a", "first"), Claim(new / "b", "second")
+    _before_mkdirs({new: [first.take],  # the first run makes new/ and new/a while the second makes sure new/ is there
+                    new / "b": [lambda: None,  # the second's first try: new/ is not there yet
+                                lambda: first.__exit__(RuntimeError, RuntimeError("failed"), None)]})
+    with second:
+        second.take()
+        assert second.lock.owns_path() and not (new / "a").exists()
+    assert not first.lock.held

@@ -121,6 +121,25 @@ def test_a_worker_dead_before_its_first_chunk_is_named_not_a_broken_pipe():
             list(pool.map(range(8)))
 
 
+def test_a_worker_whose_caller_is_gone_exits_quietly(capfd):
+    """A caller killed mid-run (SIGKILL) closes its pipe ends before the kernel's death signal reaches the workers: a
+    worker that finds its pipe broken (a result it cannot send) or reset (a result never read) exits at once without
+    multiprocessing's "Process ForkProcess-N:" and traceback (the terminal shows only the caller's death)."""
+    pool = OrderedPool(time.sleep, 2, method="fork")
+    try:
+        pool._conns[0].send([0.3])  # busy when the caller goes: its result has nowhere to go
+        pool._conns[1].send([0])
+        assert pool._conns[1].poll(10)  # its result is waiting, unread, when the caller goes
+        for conn in pool._conns:
+            conn.close()
+        for proc in pool._procs:
+            proc.join(10)
+        assert [proc.exitcode for proc in pool._procs] == [0, 0]
+        assert capfd.readouterr().err == ""
+    finally:
+        pool.close()
+
+
 def _environ(name):
     return os.environ.get(name)
 

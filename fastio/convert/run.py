@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from fastio import converters
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
-from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
+from fastio.convert.dest import Claim, check_dest, dest_location, lock_parts, upload_dataset
 from fastio.convert.objects import read_object
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -152,7 +152,9 @@ class ConvertConfig:
     """The raw dataset: a directory (imagefolder, files) or a table file (csv, jsonl, parquet); an image-text
     conversion's JSONL may be an ``s3://`` URL (kept as a str; :mod:`fastio.convert.image_text`)."""
     dest: Path
-    """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split)."""
+    """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split). Kept with ``..`` folded
+    where it follows a folder that does not exist (``x/new/../ds`` is ``x/ds``:
+    :func:`fastio.convert.dest.dest_location`)."""
     format: str | None = None
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE
@@ -242,8 +244,9 @@ class ConvertConfig:
     def __post_init__(self) -> None:
         """ValueError naming the parameter (``max_samples_per_shard must be positive, got 0``): the values converted
         here, then the fields' rules (:func:`fastio.checks.check_fields`)."""
-        # DEST is a local folder or an object-store URL (kept as str); another scheme is a StorageError.
-        self.source, self.dest = local_or_url(self.source), local_or_url(self.dest)
+        # DEST is a local folder (``..`` after a missing folder folded) or an object-store URL (kept as str); another
+        # scheme is a StorageError.
+        self.source, self.dest = local_or_url(self.source), dest_location(self.dest)
         if self.format is not None and self.format not in converters.FORMATS:
             raise ValueError(f"format: unknown format {self.format!r} (choose from {', '.join(converters.FORMATS)})")
         self.shard_size = parse_size(self.shard_size)

@@ -47,7 +47,7 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
-from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
+from fastio.convert.dest import Claim, check_dest, dest_location, lock_parts, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
     parse_part,
@@ -105,7 +105,8 @@ class TokenConvertConfig:
     source: Path | str
     """A document file or a folder of them, or an ``s3://`` object or prefix (kept as a str)."""
     dest: Path | str
-    """The dataset folder to write, or an ``s3://`` prefix (kept as a str: written in ``staging_dir``, then
+    """The dataset folder to write (``..`` after a folder that does not exist folded, as
+    :func:`fastio.convert.run.convert`'s), or an ``s3://`` prefix (kept as a str: written in ``staging_dir``, then
     uploaded, the manifest last, as :func:`fastio.convert.run.convert` does)."""
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
@@ -157,8 +158,8 @@ class TokenConvertConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
-        for key in ("source", "dest"):
-            object.__setattr__(self, key, local_or_url(getattr(self, key)))
+        object.__setattr__(self, "source", local_or_url(self.source))
+        object.__setattr__(self, "dest", dest_location(self.dest))  # ``..`` after a missing folder folded
         if self.part is not None:
             object.__setattr__(self, "part", parse_part(self.part))
             if isinstance(self.dest, str):

@@ -24,7 +24,9 @@ Workers never outlive their parent, however it ends (exit, exception, SIGTERM, S
 the kernel for SIGKILL when the process that forked it dies (``PR_SET_PDEATHSIG`` on Linux; the fork server
 ends when the caller does), closes every descriptor it inherited but its own pipe end (so it holds no lock of
 its parent's, such as DEST's ``.fastio-lock``, no other worker's pipe and not the caller's stdout: a ``| tail``
-sees EOF once the caller and its fork server have ended), and returns at EOF on its pipe.
+sees EOF once the caller and its fork server have ended), and returns at EOF on its pipe, or quietly, printing no
+traceback, when its pipe is broken or reset (a killed caller's pipe ends close before the kernel's SIGKILL reaches
+its workers).
 :func:`detach_child` is that set-up, for any process fastio forks.
 """
 
@@ -176,17 +178,36 @@ def _serve(conn, fn: Callable, initializer: Callable | None, initargs: tuple, pa
     os.environ.update(environ)
     if initializer is not None:
         initializer(*initargs)
-    while True:
+    while (chunk := _next_chunk(conn)) is not None:
         try:
-            chunk = conn.recv()
-        except EOFError:
-            return
-        if chunk is None:
-            return
-        try:
-            conn.send(("ok", [fn(x) for x in chunk]))
+            reply = ("ok", [fn(x) for x in chunk])
         except BaseException as err:  # hand the error to the caller, as Pool.imap does
-            conn.send(("error", err))
+            reply = ("error", err)
+        if not _reply(conn, reply):
+            return
+
+
+def _next_chunk(conn) -> list[Any] | None:
+    """The worker's next chunk; None at the end: the pool's None, or its caller gone (EOF, or a reset where results
+    it never read were waiting: a killed caller's pipe ends close before its death signal reaches the worker)."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _reply(conn, reply: tuple[str, Any]) -> bool:
+    """Send ``reply`` to the caller; False when it is gone (a broken pipe or a reset: the worker ends quietly, with
+    no traceback of multiprocessing's). A result or error that cannot be pickled is sent as a RuntimeError saying
+    so."""
+    try:
+        conn.send(reply)
+    except OSError:
+        return False
+    except Exception as err:  # noqa: BLE001 - pickling fails before anything is written; a str always pickles
+        return _reply(conn, ("error", RuntimeError(f"a worker's {reply[0]} reply cannot be sent to the caller: "
+                                                   f"{type(err).__name__}: {err}")))
+    return True
 
 
 class OrderedPool:

@@ -8,7 +8,8 @@ see ``O_NOFOLLOW``). The file itself is left in place, but by a holder that made
 directory for a run that failed and takes it back (:class:`fastio.convert.dest.Claim`): it deletes the file while
 it still holds the lock, and :meth:`DirLock.acquire` checks, once it holds a lock, that the file it locked is still
 the one at the path (else it opens the new one and locks again), so a process that opened the old file just before
-it went can never hold a lock beside the next writer's.
+it went can never hold a lock beside the next writer's. A directory, or a folder above it, that such a run takes
+back while another process is making it is made again.
 
 Shared file systems: on NFSv4 ``flock`` is carried out as a POSIX byte-range lock by the server, and the
 server releases it when the client's lease expires (about 90 s after a node dies). On Lustre, ``flock``
@@ -125,6 +126,7 @@ class DirLock:
             if fd is not None:
                 break
         else:
+            self.directory.mkdir(parents=True, exist_ok=True)  # a folder that cannot be made: its own error
             raise LockedError(f"{self.directory}: {LOCK_NAME} keeps being removed while this process locks it")
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder_record(self.purpose)).encode(), 0)
@@ -133,13 +135,14 @@ class DirLock:
 
     def _locked_fd(self) -> int | None:
         """A descriptor of ``directory/.fastio-lock`` holding its flock; None when the file locked is no longer the
-        one at that path (its holder, a run that made the directory, removed it, or the directory, on failure:
-        try again, so that two writers never hold locks on two different files)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        one at that path (its holder, a run that made the directory, removed it, or the directory, on failure), or when
+        the directory or a folder above it went while it was made (another run that had made it took it back): try
+        again, making what is missing, so that two writers never hold locks on two different files."""
         path = self.directory / LOCK_NAME
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except FileNotFoundError:  # the directory went after mkdir made it sure
+        except FileNotFoundError:  # a folder on the way went after mkdir made it sure (a failed run took it back)
             return None
         except OSError as err:
             if err.errno != errno.ELOOP:
