@@ -32,34 +32,40 @@ def _cuda_available() -> bool:
 # --no-loadscope-reorder: files handed out in this order) end on short files and finish together, instead of
 # one idling while the other runs a long file handed out last (xdist's default order puts files with few
 # tests, these ones, last).
-SLOW_FILES = (  # seconds of each, summed over its tests in one `make test` run on a busy 2-core machine (Dec 2026)
-    "test_docs.py",  # 143
-    "test_newcomer.py",  # 73
-    "test_checkpoint_resume.py",  # 62
-    "test_accelerate.py",  # 53
-    "test_media_dist.py",  # 45 (alone, load 4)
-    "test_vlm_example.py",  # 44 (alone, busy: load 8, Dec 6; the example straight, killed, resumed, restored)
-    "test_torchft.py",  # 41 (alone, load 16-20, Dec 6: 3 torchft runs of separate processes)
-    "test_checkpoint_waiting.py",  # 42 (alone, Dec 6: shorter looks and stops; 63 before)
-    "test_lightning.py",  # 39
-    "test_checkpoint_strict.py",  # 20 (test_checkpoint_round6.py's elastic ranks; 47 on Dec 6, busy, 2 workers)
-    "test_checkpoint_fsdp.py",  # 33
-    "test_checkpoint.py",  # 29
-    "test_checkpoint_rollback.py",  # 28
-    "test_cache.py",  # 25
-    "test_lightning_resume.py",  # 24
-    "test_checkpoint_ranks.py",  # 20
-    "test_checkpoint_dist.py",  # 18
-    "test_storage_lease.py",  # 14
-    "test_storage_stall.py",  # 12 (alone, Dec 6: a 4 s outage; 20 with the 10 s one)
-    "test_torchft_loader.py",  # 17 (alone, load 16-20, Dec 6)
-    "test_kill.py",  # 13
-    "test_checkpoint_restore_reads.py",  # 13 (busy, Dec 6: one 2-rank FSDP2 run, then one process)
-    "test_tokens_loader.py",  # 12
-    "test_convert.py",  # 11
-    "test_checkpoint_s3_dist.py",  # 10
-    "test_tokens_read.py",  # 7 (alone, Dec 6; 14 before the Feistel reference was computed at once)
-    "test_checkpoint_restore_exact.py",  # 6 (Dec 6: one 2-rank FSDP2 run, one child process)
+SLOW_FILES = (  # seconds of each, summed over its tests (setup included) in one `make test` run on the quiet 2-core
+    # machine (Dec 6 2026, 21:39 UTC: 2159 tests, 637.6 s of tests in 339.8 s); every file over 5 s
+    "test_docs.py",  # 58
+    "test_checkpoint_waiting.py",  # 42
+    "test_media_dist.py",  # 30
+    "test_bench_gpu.py",  # 26
+    "test_checkpoint_agree.py",  # 24
+    "test_accelerate.py",  # 22
+    "test_vlm_example.py",  # 21
+    "test_torchft.py",  # 20
+    "test_newcomer.py",  # 20
+    "test_torchft_loader.py",  # 18
+    "test_checkpoint_resume.py",  # 17
+    "test_lightning.py",  # 16
+    "test_bench_revs.py",  # 14
+    "test_checkpoint.py",  # 14
+    "test_checkpoint_ranks.py",  # 13
+    "test_lightning_resume.py",  # 12
+    "test_storage_lease.py",  # 12
+    "test_checkpoint_rollback.py",  # 11
+    "test_storage_stall.py",  # 10
+    "test_workers.py",  # 10
+    "test_bench_image_text.py",  # 10
+    "test_checkpoint_fsdp.py",  # 9
+    "test_cache.py",  # 8
+    "test_tokens_index_integrity.py",  # 8
+    "test_tokens_read.py",  # 7
+    "test_bench_run_tiny.py",  # 7
+    "test_media_fallback.py",  # 7
+    "test_checkpoint_readonly.py",  # 7
+    "test_checkpoint_dist.py",  # 6
+    "test_training_example_flags.py",  # 6
+    "test_checkpoint_s3_dist.py",  # 5
+    "test_checkpoint_s3.py",  # 5
 )
 
 
