@@ -1,7 +1,9 @@
 """Several multi-process training runs in ONE set of processes (tests/test_lightning_resume.py,
 tests/test_accelerate.py): each process imports torch and the trainer once for all the runs instead of once a
-run, the costly part of a run on a small dataset. ``launch`` (in the test) starts one process a rank of the
-largest run; ``run_plan`` (in each of them) runs the runs in order, a fresh gloo group each."""
+run, the costly part of a run on a small dataset; and that import is done once for all the ranks: ``launch`` (in
+the test) starts one fresh python that does the script's imports, then forks one process a rank of the largest
+run, each running the script as ``python script --plan PLAN`` would; ``run_plan`` (in each of them) runs the
+runs in order, a fresh gloo group each."""
 
 from __future__ import annotations
 
