@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from warm_python import run_as_main
+
 
 def run_plan(path: str, main: Callable[[list[str]], object], after: Callable[[], None]) -> None:
     """The runs of the JSON plan at ``path`` (``{"runs": [{"devices": N, "argv": [...]}, ...], "done": DIR}``), in
@@ -108,9 +110,6 @@ def _start_ranks(script: str, plan: str, ranks: int) -> None:
 def _fork_rank(script: str, plan: str, rank: int) -> int:
     """A child that becomes rank ``rank``'s ``python script --plan plan`` (the warm interpreter's way,
     tests/warm_python.py) and exits as it would; its process id."""
-    import runpy
-    import traceback
-
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -121,15 +120,7 @@ def _fork_rank(script: str, plan: str, rank: int) -> int:
     os.dup2(out, 2)
     os.environ["LOCAL_RANK"] = str(rank)
     sys.argv = [script, "--plan", plan]
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    raise SystemExit(code)  # out of _start_ranks too: an ordinary interpreter exit (threads joined, atexit run)
+    run_as_main(script)  # SystemExit out of _start_ranks too: never back in its loop
 
 
 if __name__ == "__main__":
