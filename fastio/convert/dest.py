@@ -41,7 +41,7 @@ from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
-from fastio.storage.url import parse_location
+from fastio.storage.url import dest_location, parse_location
 from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
@@ -320,12 +320,14 @@ def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | 
 def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     """The local folder a conversion into the URL ``dest`` is written in before its upload:
     ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
-    temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
-    left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
+    temporary directory; ``..`` after a folder that does not exist folded, as DEST's:
+    :func:`~fastio.storage.url.dest_location`). One name per DEST and user, so a rerun after a kill finds the copy
+    the killed run left, locks it and replaces it; it holds the whole dataset until the upload ends, then is
+    removed."""
     url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
+    return dest_location(Path(staging_dir or tempfile.gettempdir())) / f"fastio-convert-{uid}-{digest}"
 
 
 def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,
