@@ -189,6 +189,16 @@ def test_a_failed_conversion_to_s3_leaves_nothing_under_the_prefix(tmp_path, cap
     assert _tree(staging) == {}
 
 
+def test_a_staging_dir_spelt_through_a_new_folder_and_dotdot_is_made_where_the_os_finds_it(tmp_path, capsys,
+                                                                                            aws_env, s3_bucket):
+    """``--staging-dir x/new/../st`` (``x/new`` missing) is ``x/st``, as DEST: no ``x/new`` is left behind."""
+    source, options = _files(tmp_path)
+    x = tmp_path / "x"
+    x.mkdir()
+    _fails(capsys, source, f"s3://{s3_bucket}/ds", *options, "--staging-dir", str(x / "new" / ".." / "st"))
+    assert _tree(x) == {"st": None}
+
+
 def test_the_lock_file_left_by_an_earlier_run_stays(tmp_path, capsys):
     source, options = _files(tmp_path)
     (tmp_path / "mine").mkdir()

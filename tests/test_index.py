@@ -211,6 +211,19 @@ def test_index_with_dest_leaves_a_read_only_source_alone(shards, tmp_path, capsy
     assert code == 1 and "wds-000001.tar: sha256 does not match the manifest" in out
 
 
+def test_a_dest_spelt_through_a_new_folder_and_dotdot_is_made_where_the_os_finds_it(shards, tmp_path, capsys):
+    """``--dest x/new/../meta`` (``x/new`` missing) is ``x/meta``, as ``fastio convert``'s DEST: no ``x/new`` is
+    made on the way and left behind."""
+    folder, expected = shards
+    x = tmp_path / "x"
+    x.mkdir()
+    code, _, err = run_cli(["index", f"{folder}/wds-{{000000..000002}}.tar", "--dest", str(x / "new" / ".." / "meta"),
+                            "-q"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in x.iterdir()) == ["meta"]
+    _read_all(x / "meta", {k: v for k, v in expected.items() if k.startswith("w")})
+
+
 def _refused(capsys, source, needle: str, *extra: str) -> None:
     code, out, err = run_cli(["index", str(source), *extra], capsys)
     assert code == 2 and err.startswith("fastio: error: ") and needle in err and err.count("\n") == 1, err

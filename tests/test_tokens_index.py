@@ -73,6 +73,18 @@ def test_index_elsewhere_names_pairs_by_path(tmp_path, capsys):
     assert rc == 2 and "already holds a manifest; pass --overwrite" in out
 
 
+def test_a_dest_spelt_through_a_new_folder_and_dotdot_is_made_where_the_os_finds_it(tmp_path, capsys):
+    """``--dest x/new/../meta`` (``x/new`` missing) is ``x/meta``: no ``x/new`` is made on the way and left
+    behind."""
+    data, x = tmp_path / "data", tmp_path / "x"
+    megatron_pair(data, "a", DOCS)
+    x.mkdir()
+    rc, out = run(capsys, "index", data, "--eos-id", EOS, "--dest", x / "new" / ".." / "meta")
+    assert rc == 0, out
+    assert sorted(p.name for p in x.iterdir()) == ["meta"]
+    assert load_manifest(x / "meta").shards[0].location == str((data / "a.bin").resolve())
+
+
 def test_verify_finds_a_changed_pair(tmp_path, capsys):
     data = tmp_path / "data"
     megatron_pair(data, "a", DOCS)

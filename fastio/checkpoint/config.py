@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastio.checkpoint.compress import parse_compression
 from fastio.checkpoint.engines import AUTO, check_engine_name
-from fastio.storage.url import local_or_url
+from fastio.storage.url import dest_location, local_or_url
 
 __all__ = ["POLICIES", "CheckpointConfig"]
 
@@ -25,7 +25,9 @@ class CheckpointConfig:
 
     dir: str | Path
     """Directory holding ``step-N/`` checkpoints (shared storage when several hosts write), or an
-    ``s3://bucket/prefix`` URL: then ``dir`` becomes the local staging directory and ``url`` the URL."""
+    ``s3://bucket/prefix`` URL: then ``dir`` becomes the local staging directory and ``url`` the URL. Kept with
+    ``..`` folded where it follows a folder that does not exist (``runs/new/../ckpt`` is ``runs/ckpt``, and no
+    ``runs/new`` is made: :func:`fastio.storage.url.dest_location`)."""
 
     every_steps: int = 0
     """Save when ``step % every_steps == 0``; 0 turns step-based saving off."""
@@ -111,6 +113,7 @@ class CheckpointConfig:
         self.dir = Path(where)
         if str(self.dir) == "":
             raise ValueError("CheckpointConfig.dir must not be empty")
+        self.dir = dest_location(self.dir)
         self._check_numbers()
         if self.policy not in POLICIES:
             raise ValueError(f"CheckpointConfig.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

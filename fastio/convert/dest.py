@@ -41,36 +41,16 @@ from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
-from fastio.storage.url import local_or_url, parse_location
+from fastio.storage.url import dest_location, parse_location
 from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
 
-__all__ = ["Claim", "check_dest", "check_index_dest", "dest_location", "lock_dest", "lock_parts", "mark_index_dest",
+__all__ = ["Claim", "check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest",
            "publish_uploads", "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
 
 
 # -- a local DEST ------------------------------------------------------------------------------------
-
-def dest_location(dest: str | Path) -> str | Path:
-    """A conversion's DEST as it keeps it (:func:`~fastio.storage.url.local_or_url`), a local one as the OS will find
-    it once the run has made its missing folders (:func:`_as_made`)."""
-    where = local_or_url(dest)
-    return _as_made(where) if isinstance(where, Path) else where
-
-
-def _as_made(path: Path) -> Path:
-    """``path`` with ``..`` folded in its part that does not exist yet (``x/new/../ds`` with no ``x/new`` is
-    ``x/ds``), the part that exists kept as written. Made as written, ``x/new`` would be made on the way and left
-    behind, and ``x/ds`` judged (is it there, does it hold a dataset) by a path that does not lead to it yet. Only
-    the missing part is folded: no link can be in it, while in the existing part ``link/..`` is the folder above
-    the link's target, which folding would change."""
-    parts = path.parts
-    missing = next((k for k in range(1, len(parts) + 1) if not os.path.lexists(Path(*parts[:k]))), None)
-    if missing is None:
-        return path
-    return Path(*parts[:missing - 1], os.path.normpath(os.path.join(*parts[missing - 1:])))
-
 
 def _is_complete(dest: Path) -> bool:
     return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
@@ -340,12 +320,14 @@ def upload_dataset(dest: str, storage_options: dict | None, staging_dir: Path | 
 def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     """The local folder a conversion into the URL ``dest`` is written in before its upload:
     ``STAGING_DIR/fastio-convert-<uid>-<sha256 of dest, 16 hex>`` (default ``STAGING_DIR``: the system's
-    temporary directory). One name per DEST and user, so a rerun after a kill finds the copy the killed run
-    left, locks it and replaces it; it holds the whole dataset until the upload ends, then is removed."""
+    temporary directory; ``..`` after a folder that does not exist folded, as DEST's:
+    :func:`~fastio.storage.url.dest_location`). One name per DEST and user, so a rerun after a kill finds the copy
+    the killed run left, locks it and replaces it; it holds the whole dataset until the upload ends, then is
+    removed."""
     url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return Path(staging_dir or tempfile.gettempdir()) / f"fastio-convert-{uid}-{digest}"
+    return dest_location(Path(staging_dir or tempfile.gettempdir())) / f"fastio-convert-{uid}-{digest}"
 
 
 def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,

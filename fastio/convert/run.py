@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from fastio import converters
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
-from fastio.convert.dest import Claim, check_dest, dest_location, lock_parts, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.objects import read_object
 from fastio.convert.parts import (
     PARTS_DIR,
@@ -71,8 +71,8 @@ from fastio.formats.media import (
 )
 from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
-from fastio.storage import local_or_url
 from fastio.storage.lock import LOCK_NAME
+from fastio.storage.url import dest_location, local_or_url
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -154,7 +154,7 @@ class ConvertConfig:
     dest: Path
     """Output directory; gets ``shards/``, ``manifest.json`` (or one sub-dataset per split). Kept with ``..`` folded
     where it follows a folder that does not exist (``x/new/../ds`` is ``x/ds``:
-    :func:`fastio.convert.dest.dest_location`)."""
+    :func:`fastio.storage.url.dest_location`)."""
     format: str | None = None
     """Source format (one of ``fastio.converters.FORMATS``); None: detected from ``source``."""
     shard_size: int | str = DEFAULT_SHARD_SIZE

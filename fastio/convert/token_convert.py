@@ -47,7 +47,7 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import OVERLONG, TRAIN_ON, ChatEncoder, refuse_unencodable
 from fastio.convert.corpus import Corpus, open_corpus, part_span
-from fastio.convert.dest import Claim, check_dest, dest_location, lock_parts, upload_dataset
+from fastio.convert.dest import Claim, check_dest, lock_parts, upload_dataset
 from fastio.convert.parts import (
     PartRecord,
     parse_part,
@@ -73,8 +73,8 @@ from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard,
 from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
 from fastio.formats.wds import is_plain_name
 from fastio.progress import count, human_bytes, parse_size
-from fastio.storage import local_or_url
 from fastio.storage.checksum import sha256_file
+from fastio.storage.url import dest_location, local_or_url
 from fastio.tokens.starts import shard_starts, write_starts
 
 __all__ = ["EOS_NAMES", "SPECIAL_IN_TEXT", "TOKEN_PLAN", "TokenConvertConfig", "TokenConvertResult", "convert_tokens",

@@ -51,6 +51,7 @@ from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
 from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
+from fastio.storage.url import dest_location
 from fastio.tokens.ids import IdScan
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
@@ -289,7 +290,7 @@ def _record(storage: Storage, pair: _Pair, got: _Checked, in_place: bool) -> Sha
 def _open(config: TokenIndexConfig) -> tuple[Storage, Storage, bool]:
     """SOURCE's storage, DEST's, and whether DEST is SOURCE; DatasetError for a DEST that cannot take the index."""
     source = open_storage(str(config.source), config.storage_options)
-    dest = source if config.dest is None else open_storage(str(config.dest), config.storage_options)
+    dest = source if config.dest is None else open_storage(dest_location(str(config.dest)), config.storage_options)
     in_place = dest.url == source.url or not (source.remote or dest.remote) and _same_folder(source, dest)
     if not in_place and source.remote and not dest.remote:
         raise DatasetError(f"{config.dest}: pairs on an object store are indexed into an s3:// DEST (or in place)")

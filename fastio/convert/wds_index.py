@@ -84,6 +84,7 @@ from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import LockedError
 from fastio.storage.options import StorageOptions
+from fastio.storage.url import dest_location
 from fastio.words import agree
 
 __all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "index_shards", "merge_index_parts"]
@@ -305,7 +306,8 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
 
 def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard]) -> tuple[Storage, bool]:
     """Where the index goes and whether that is in place; DatasetError for a DEST that cannot take it."""
-    dest_storage = src_root if config.dest is None else open_storage(config.dest, config.storage_options)
+    dest_storage = src_root if config.dest is None else open_storage(dest_location(config.dest),
+                                                                       config.storage_options)
     in_place = dest_storage.url == src_root.url
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")

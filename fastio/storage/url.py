@@ -6,6 +6,7 @@ local path (``fastio convert SRC s3:/x`` must not create a folder named ``s3:``)
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ from urllib.parse import unquote
 
 from fastio.errors import StorageError
 
-__all__ = ["REMOTE_SCHEMES", "Location", "is_remote", "join_key", "local_or_url", "parse_location"]
+__all__ = ["REMOTE_SCHEMES", "Location", "dest_location", "is_remote", "join_key", "local_or_url", "parse_location"]
 
 REMOTE_SCHEMES = ("s3",)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
@@ -53,6 +54,27 @@ def local_or_url(dest: str | Path) -> str | Path:
     (``file:///abs/path`` is ``/abs/path``, never a folder named ``file:``); StorageError as :func:`parse_location`."""
     location = parse_location(dest)
     return str(dest) if location.remote else location.path
+
+
+def dest_location(dest: str | Path) -> str | Path:
+    """A folder fastio writes into (a conversion's or an index's DEST, a checkpoint directory) as it keeps it
+    (:func:`local_or_url`), a local one as the OS will find it once its missing folders are made
+    (:func:`_as_made`)."""
+    where = local_or_url(dest)
+    return _as_made(where) if isinstance(where, Path) else where
+
+
+def _as_made(path: Path) -> Path:
+    """``path`` with ``..`` folded in its part that does not exist yet (``x/new/../ds`` with no ``x/new`` is
+    ``x/ds``), the part that exists kept as written. Made as written, ``x/new`` would be made on the way and left
+    behind, and ``x/ds`` judged (is it there, does it hold a dataset) by a path that does not lead to it yet. Only
+    the missing part is folded: no link can be in it, while in the existing part ``link/..`` is the folder above
+    the link's target, which folding would change."""
+    parts = path.parts
+    missing = next((k for k in range(1, len(parts) + 1) if not os.path.lexists(Path(*parts[:k]))), None)
+    if missing is None:
+        return path
+    return Path(*parts[:missing - 1], os.path.normpath(os.path.join(*parts[missing - 1:])))
 
 
 def parse_location(dest: str | Path) -> Location:
