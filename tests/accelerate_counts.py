@@ -31,7 +31,9 @@ def _forget() -> None:
     GradientState._reset_state()
 
 
+EXAMPLE_MAIN = _example_main()  # its imports (Accelerate, torch, fastio) at this module's: plan_runs does them once
+
 if __name__ == "__main__":
     from plan_runs import run_plan
 
-    run_plan(sys.argv[sys.argv.index("--plan") + 1], _example_main(), _forget)
+    run_plan(sys.argv[sys.argv.index("--plan") + 1], EXAMPLE_MAIN, _forget)

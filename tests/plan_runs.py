@@ -1,17 +1,22 @@
 """Several multi-process training runs in ONE set of processes (tests/test_lightning_resume.py,
 tests/test_accelerate.py): each process imports torch and the trainer once for all the runs instead of once a
-run, the costly part of a run on a small dataset. ``launch`` (in the test) starts one process a rank of the
-largest run; ``run_plan`` (in each of them) runs the runs in order, a fresh gloo group each."""
+run, the costly part of a run on a small dataset; and that import is done once for all the ranks: ``launch`` (in
+the test) starts one fresh python that does the script's imports, then forks one process a rank of the largest
+run, each running the script as ``python script --plan PLAN`` would; ``run_plan`` (in each of them) runs the
+runs in order, a fresh gloo group each."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from warm_python import run_as_main
 
 
 def run_plan(path: str, main: Callable[[list[str]], object], after: Callable[[], None]) -> None:
@@ -56,31 +61,67 @@ def _run_port(meeting: Path, rank: int, timeout: float = 300) -> int:
 
 def launch(script: Path, where: Path, runs: list[tuple[int, list[str]]], timeout: float = 300) -> None:
     """The ``(devices, arguments)`` runs in order, by ``python script --plan PLAN`` in one process a rank of the
-    largest run (``run_plan``), started here; fail with the output of the ranks that failed."""
+    largest run (``run_plan``), started here as forks of one fresh python that did the script's imports first
+    (``_start_ranks``: Lightning's or Accelerate's import once, not once a rank); fail with the output of the
+    ranks that failed."""
     plan = where / "plan.json"
     plan.write_text(json.dumps({"done": str(where), "runs": [{"devices": devices, "argv": argv} for devices, argv in runs]}))
-    outs = [where / f"rank{r}.out" for r in range(max(devices for devices, _ in runs))]
-    procs = []
-    for rank, out in enumerate(outs):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-               "OMP_NUM_THREADS": "1"}
-        with open(out, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, str(script), "--plan", str(plan)], env=env, cwd=where,
-                                          stdout=f, stderr=subprocess.STDOUT))
+    ranks = max(devices for devices, _ in runs)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "0", "OMP_NUM_THREADS": "1"}
+    with open(where / "launch.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, str(script), str(plan), str(ranks)], env=env, cwd=where,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait(procs, timeout)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the processes ran past {timeout:.0f} s") from None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"rank {r}: " + outs[r].read_text()[-3000:] for r in failed)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (where / "ranks.rc").exists(), f"no rank started: {(where / 'launch.out').read_text()[-3000:]}"
+    codes = json.loads((where / "ranks.rc").read_text())
+    failed = [rank for rank, rc in enumerate(codes) if rc != 0]
+    assert not failed, "\n".join(f"rank {r} (exit code {codes[r]}): " + (where / f"rank{r}.out").read_text()[-3000:]
+                                  for r in failed)
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Until every process ended or one failed."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and all(p.returncode in (None, 0) for p in procs):
-        assert time.monotonic() < deadline, f"the processes ran past {timeout:.0f} s"
-        time.sleep(0.2)
+def _start_ranks(script: str, plan: str, ranks: int) -> None:
+    """In ``launch``'s python: the script's top-level imports (its module run under another name than
+    ``__main__``), then one fork a rank that runs it as ``LOCAL_RANK=r python script --plan PLAN`` would, its
+    output in ``rankR.out``; until each ended or one failed (the others killed then); their exit codes in
+    ``ranks.rc``."""
+    import runpy
+
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="plan_runs_preload")
+    pids = [_fork_rank(script, plan, rank) for rank in range(ranks)]
+    codes: list[int | None] = [None] * ranks
+    while None in codes:
+        pid, status = os.wait()
+        codes[pids.index(pid)] = code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            for rank, other in enumerate(pids):
+                if codes[rank] is None:
+                    os.kill(other, signal.SIGKILL)
+    Path("ranks.rc").write_text(json.dumps(codes))
+
+
+def _fork_rank(script: str, plan: str, rank: int) -> int:
+    """A child that becomes rank ``rank``'s ``python script --plan plan`` (the warm interpreter's way,
+    tests/warm_python.py) and exits as it would; its process id."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    out = os.open(f"rank{rank}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.environ["LOCAL_RANK"] = str(rank)
+    sys.argv = [script, "--plan", plan]
+    run_as_main(script)  # SystemExit out of _start_ranks too: never back in its loop
+
+
+if __name__ == "__main__":
+    _start_ranks(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -31,13 +31,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 
 def _child(request: dict) -> None:
     """In the forked child: become ``python script`` and exit as it would (never returns to the serve loop)."""
-    import runpy
     import signal
-    import traceback
 
     for fd, name in ((1, "out"), (2, "err")):
         os.dup2(os.open(request[name], os.O_WRONLY | os.O_TRUNC), fd)
@@ -52,6 +51,16 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[1:1] = request["path"]  # PYTHONPATH's folders, where the server started without them
+    run_as_main(script)
+
+
+def run_as_main(script: str) -> NoReturn:
+    """Run ``script`` as ``__main__`` and exit as ``python script`` would: an uncaught exception prints its
+    traceback and exits 1; ``SystemExit`` out of every caller, so the interpreter ends as usual (non-daemon
+    threads joined, ``atexit`` handlers run)."""
+    import runpy
+    import traceback
+
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
