@@ -526,11 +526,7 @@ def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path, warm):
            "SLURM_JOB_ID": "4242"}
     env.pop("SLURM_ARRAY_JOB_ID", None)
     run = warm.start(script, tmp_path, str(tmp_path / "ck"), timeout=120, env=env)
-    for line in run.lines():
-        if line.startswith("step 5"):
-            run.send_signal(signal.SIGUSR1)
-            break
-    rc, out, err = run.wait()
+    rc, out, err = run.signal_at("step 5", signal.SIGUSR1)
     assert rc == 0, out + err
     last = [line for line in out.splitlines() if line.startswith("preempted")]
     assert len(last) == 1, out

@@ -34,11 +34,7 @@ def run_until(warm, cmd: list[str], step: int, sig: int) -> tuple[int, str]:
     exit code and output (stdout, then stderr)."""
     script, *args = cmd[1:]
     run = warm.start(Path(script), Path.cwd(), *args, env=env(), timeout=180)
-    for line in run.lines():
-        if line.startswith(f"step {step} "):
-            run.send_signal(sig)
-            break
-    rc, out, err = run.wait()
+    rc, out, err = run.signal_at(f"step {step} ", sig)
     return rc, out + err
 
 

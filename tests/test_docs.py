@@ -99,12 +99,7 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir,
     """SIGUSR1 mid-epoch: the run saves, says so and exits 0; the same command resumes at that step and ends
     at the same step count as an uninterrupted run would (180 train samples, batch 16: 12 steps an epoch);
     a third launch restores the final save and trains nothing."""
-    run = warm.start(QUICKSTART, workdir)
-    for line in run.lines():
-        if line.startswith("step 3 "):
-            run.send_signal(signal.SIGUSR1)
-            break
-    rc, out, err = run.wait()
+    rc, out, err = warm.start(QUICKSTART, workdir).signal_at("step 3 ", signal.SIGUSR1)
     assert rc == 0, out + err
     saved = re.search(r"^preempted: saved step (\d+)", out, re.MULTILINE)
     assert saved, out

@@ -55,12 +55,7 @@ def losses(out: str) -> dict[int, str]:
 def interrupt_at(warm, script: Path, cwd: Path, *args: str, prefix: str) -> tuple[int, str]:
     """``python script ARGS`` in ``cwd`` (started by the warm interpreter), sent SIGINT (Ctrl-C, as from a terminal)
     when it prints a line starting with ``prefix``; its exit code and stderr."""
-    run = warm.start(script, cwd, *args, timeout=120)
-    for line in run.lines():
-        if line.startswith(prefix):
-            run.send_signal(signal.SIGINT)
-            break
-    rc, _, err = run.wait()
+    rc, _, err = warm.start(script, cwd, *args, timeout=120).signal_at(prefix, signal.SIGINT)
     return rc, err
 
 

@@ -181,6 +181,15 @@ class WarmRun:
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def signal_at(self, prefix: str, sig: int) -> tuple[int, str, str]:
+        """Send ``sig`` once the script prints a line starting with ``prefix`` (none if it never does), then
+        :meth:`wait`."""
+        for line in self.lines():
+            if line.startswith(prefix):
+                self.send_signal(sig)
+                break
+        return self.wait()
+
     def wait(self) -> tuple[int, str, str]:
         """Its exit code (negative: the signal that ended it), stdout, stderr."""
         rc = json.loads(self.warm._reply())["rc"]
