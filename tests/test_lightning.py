@@ -15,12 +15,12 @@ import pytest
 import torch
 from resume import same_batch
 
-pl = pytest.importorskip("lightning.pytorch")
+import fastio
+from fastio import ImageTrain, Loader, Raw
 
-
-import fastio  # noqa: E402
-from fastio import ImageTrain, Loader, Raw  # noqa: E402
-from fastio.integrations.lightning import FastioDataModule, LightningLoader  # noqa: E402
+# Lightning (~1.4 s to import: torchmetrics, matplotlib) is imported by the tests that use it, not at collection:
+# both of make test's workers collect this file, one runs it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs fastio[lightning]")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "lightning_train.py"
@@ -34,13 +34,17 @@ def _example():
     return module
 
 
-def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
+def _trainer(tmp_path: Path, **kwargs):
+    import lightning.pytorch as pl
+
     return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
 
 
 
 def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, image_dataset, one_thread):
+    import lightning.pytorch as pl
+
     Classifier = _example().Classifier
     pl.seed_everything(0, verbose=False)
     model = Classifier(4)
@@ -66,6 +70,8 @@ def test_one_process_resume_from_mid_epoch_checkpoints_is_bitwise(tmp_path, imag
 
 def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dataset, one_thread):
     """limit_train_batches=2: Lightning's epoch 1 starts the Loader's epoch 1, not batch 3 of epoch 0."""
+    from fastio.integrations.lightning import FastioDataModule
+
     Classifier = _example().Classifier
     model = Classifier(4)
     data = FastioDataModule(image_dataset, **OPTIONS)
@@ -80,6 +86,8 @@ def test_epochs_follow_lightning_when_it_ends_an_epoch_early(tmp_path, image_dat
 def test_every_validation_sees_the_whole_validation_set(tmp_path, image_dataset, one_thread):
     """Lightning's sanity check runs 2 validation batches before training; the validation after epoch 0 must
     still see every sample, not the rest of an epoch the sanity check started."""
+    from fastio.integrations.lightning import FastioDataModule
+
     class Recording(_example().Classifier):
         def on_validation_epoch_start(self):
             self.val_runs = [*getattr(self, "val_runs", []), []]
@@ -97,12 +105,16 @@ def test_every_validation_sees_the_whole_validation_set(tmp_path, image_dataset,
 
 
 def test_the_datamodule_refuses_a_rank_of_its_own(image_dataset):
+    from fastio.integrations.lightning import FastioDataModule
+
     with pytest.raises(ValueError, match="rank= is taken from the Lightning trainer"):
         FastioDataModule(image_dataset, rank=1, **OPTIONS)
 
 
 def test_lightning_loader_is_stateful_and_not_a_dataloader(image_dataset):
     from lightning.pytorch.utilities.combined_loader import _Stateful
+
+    from fastio.integrations.lightning import LightningLoader
 
     with Loader(image_dataset, **OPTIONS) as loader:
         wrapped = LightningLoader(loader)
@@ -146,6 +158,8 @@ def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp
 def test_the_datamodule_refuses_the_old_image_options_naming_the_pipeline_object(image_dataset):
     """The old flat options (``image_size=``, ``eval_crop_ratio=``, ``pipeline="raw"`` in ``val_options``) are
     refused in one line naming the object; the object's options reach the validation ``ImageEval``."""
+    from fastio.integrations.lightning import FastioDataModule
+
     options = {k: v for k, v in OPTIONS.items() if k != "pipeline"}
     with pytest.raises(fastio.LoaderArgumentError, match=r"^image_size=32, eval_crop_ratio=0\.5: the old spelling; "
                        r"give the pipeline object: pipeline=fastio\.ImageEval\(size=32, crop_ratio=0\.5\)$"):
