@@ -8,12 +8,13 @@ through the Checkpointer, also into other clip options."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import free_port, start_ranks
+from helpers import free_port, join_group, start_ranks
 from resume import batches, same_batch
 
 pytest.importorskip("av")
@@ -103,46 +104,64 @@ def clips_of(batch: dict) -> list[tuple[int | tuple[int, int], int, object]]:
 
 # -- 2 real gloo ranks ----------------------------------------------------------------------------------------
 
-def _first_run(rank: int, world: int, port: int, data: dict[str, str], out: str, save_after: int) -> None:
+def _first_run(data: dict[str, str], out: str, save_after: int) -> None:
     """A rank of the first run: each kind's whole epoch 0 (rank and world size from torch.distributed), its state
     saved after ``save_after`` batches."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for kind, dest in data.items():
-            with clip_loader(kind, dest) as loader:
-                got, state = [], None
-                for step, batch in enumerate(loader):
-                    got.append(batch)
-                    dist.all_reduce(torch.ones(1))  # a DDP step: would hang if one rank ran out of batches
-                    if step + 1 == save_after:
-                        state = loader.state_dict()
-                torch.save({"batches": got, "state": state, "rank": loader.rank, "world": loader.world_size},
-                           Path(out, f"{kind}.first.rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    rank = dist.get_rank()
+    for kind, dest in data.items():
+        with clip_loader(kind, dest) as loader:
+            got, state = [], None
+            for step, batch in enumerate(loader):
+                got.append(batch)
+                dist.all_reduce(torch.ones(1))  # a DDP step: would hang if one rank ran out of batches
+                if step + 1 == save_after:
+                    state = loader.state_dict()
+            torch.save({"batches": got, "state": state, "rank": loader.rank, "world": loader.world_size},
+                       Path(out, f"{kind}.first.rank{rank}.pt"))
 
 
-def _resumed_run(rank: int, world: int, port: int, data: dict[str, str], out: str, name: str) -> None:
-    """A rank of a resumed run: each kind's loader loads the state its rank saved (rank 0's where the first run
-    had no such rank) and reads the rest of epoch 0."""
+def _resumed_run(data: dict[str, str], out: str, name: str) -> None:
+    """A rank of a resumed run: each kind's loader, new, loads the state its rank saved (rank 0's where the first
+    run had no such rank) from its file and reads the rest of epoch 0."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        for kind, dest in data.items():
-            saved = Path(out, f"{kind}.first.rank{rank}.pt")
-            saved = saved if saved.exists() else Path(out, f"{kind}.first.rank0.pt")
-            with clip_loader(kind, dest) as loader:
-                loader.load_state_dict(torch.load(saved, weights_only=False)["state"])
-                got = []
-                for batch in loader:
-                    got.append(batch)
-                    dist.all_reduce(torch.ones(1))
-                torch.save({"batches": got, "epoch": loader.epoch}, Path(out, f"{kind}.{name}.rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    rank = dist.get_rank()
+    for kind, dest in data.items():
+        saved = Path(out, f"{kind}.first.rank{rank}.pt")
+        saved = saved if saved.exists() else Path(out, f"{kind}.first.rank0.pt")
+        with clip_loader(kind, dest) as loader:
+            loader.load_state_dict(torch.load(saved, weights_only=False)["state"])
+            got = []
+            for batch in loader:
+                got.append(batch)
+                dist.all_reduce(torch.ones(1))
+            torch.save({"batches": got, "epoch": loader.epoch}, Path(out, f"{kind}.{name}.rank{rank}.pt"))
+
+
+def _rank_runs(rank: int, data: dict[str, str], out: str) -> None:
+    """A process of ``rank_runs``: the first run on 2 ranks, then its resumes on 2 and on 3, each run a gloo group
+    of its own (``join_group``); a rank that is not in a run waits until rank 0 marks it done."""
+    import torch.distributed as dist
+
+    runs = [("first", 2, lambda: _first_run(data, out, SAVE_AFTER)),
+            ("resume2", 2, lambda: _resumed_run(data, out, "resume2")),
+            ("resume3", 3, lambda: _resumed_run(data, out, "resume3"))]
+    for name, world, run in runs:
+        done = Path(out, f"{name}.done")
+        if rank >= world:
+            while not done.exists():
+                time.sleep(0.05)
+            continue
+        join_group(rank, world, Path(out, f"{name}.port"))
+        try:
+            run()
+            dist.barrier()  # every rank's files written before the next run reads them
+        finally:
+            dist.destroy_process_group()
+        if rank == 0:
+            done.touch()
 
 
 SAVE_AFTER = 1  # batches of 2 a rank: 4 of the epoch's samples consumed at the save
@@ -169,11 +188,12 @@ def rank_data(video_ds, audio_ds, photo_ds) -> dict:
 
 @pytest.fixture(scope="module")
 def rank_runs(tmp_path_factory, rank_data) -> Path:
-    """The first run (2 ranks) and its resumes on 2 and 3 ranks; their batches and states, per kind and rank."""
+    """The first run (2 ranks) and its resumes on 2 and 3 ranks; their batches and states, per kind and rank. The
+    three runs share one set of 3 processes (each starts, imports DALI and builds its first pipeline once, the
+    costly part of these runs); every Loader of a run is new, a resumed one restored from the state file the
+    first run wrote."""
     out = tmp_path_factory.mktemp("ranks")
-    start_ranks(_first_run, (2, free_port(), rank_data, str(out), SAVE_AFTER), 2)
-    start_ranks(_resumed_run, (2, free_port(), rank_data, str(out), "resume2"), 2)
-    start_ranks(_resumed_run, (3, free_port(), rank_data, str(out), "resume3"), 3)
+    start_ranks(_rank_runs, (rank_data, str(out)), 3)
     return out
 
 
