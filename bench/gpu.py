@@ -56,12 +56,14 @@ if __package__ in (None, ""):  # run as a script: make `bench` and `fastio` impo
 
 from bench.common import cores, synchronize
 from bench.loader import BATCH, SIZE, _dataloader
-from bench.media import cpu_seconds
+from bench.media import VIDEO_FRAMES, cpu_seconds
 
 TINY = bool(os.environ.get("FASTIO_GPU_BENCH_TINY"))
 """Set: every size cut down, to check on the CPU that the sections run (``--device cpu``); no figures."""
 UNIQUE, COPIES = (64, 2) if TINY else (2000, 3)
 VIDEOS, FRAMES, STRIDE, CLIP_SIZE, CLIP_BATCH = 8 if TINY else 32, 16, 2, 112, 8
+VIDEO_LENGTH = 40 if TINY else VIDEO_FRAMES
+"""Frames of each video (``bench.media``'s 300; cut down: a clip spans ``(FRAMES - 1) * STRIDE + 1`` = 31)."""
 LOADS = (0.0, 0.65, 1.0)
 TOKEN_DOCS, SEQ_LEN = (2000, 256) if TINY else (10_000, 2048)
 CONVERSATIONS = 64 if TINY else 600
@@ -117,12 +119,12 @@ def image_shards(work: Path) -> Path:
     return dest
 
 
-def _one_video(args: tuple[str, int]) -> None:
+def _one_video(args: tuple[str, int, int]) -> None:
     from bench.media import _video
 
-    path, seed = args
+    path, seed, frames = args
     if not Path(path).exists():
-        _video(Path(path), seed)
+        _video(Path(path), seed, frames)
 
 
 def videos(work: Path) -> tuple[Path, list[str]]:
@@ -131,12 +133,12 @@ def videos(work: Path) -> tuple[Path, list[str]]:
 
     from bench.media import _converted
 
-    src = work / f"h264-{VIDEOS}"
+    src = work / (f"h264-{VIDEOS}" if VIDEO_LENGTH == VIDEO_FRAMES else f"h264-{VIDEOS}x{VIDEO_LENGTH}")
     paths = [str(src / f"c{i % 4}" / f"v{i:05d}.mp4") for i in range(VIDEOS)]
     for c in range(4):
         (src / f"c{c}").mkdir(parents=True, exist_ok=True)
     with get_context("spawn").Pool(min(cores(), VIDEOS)) as pool:
-        pool.map(_one_video, [(p, i) for i, p in enumerate(paths)])
+        pool.map(_one_video, [(p, i, VIDEO_LENGTH) for i, p in enumerate(paths)])
     return _converted(src, "nvdec"), paths
 
 

@@ -10,7 +10,8 @@ import pytest
 
 import bench.gpu as gpu
 
-TINY = {"UNIQUE": 48, "COPIES": 3, "VIDEOS": 8, "MODEL": "tiny conv", "TOKEN_DOCS": 400, "SEQ_LEN": 128, "CONVERSATIONS": 16}
+TINY = {"UNIQUE": 48, "COPIES": 3, "VIDEOS": 8, "VIDEO_LENGTH": 40, "MODEL": "tiny conv", "TOKEN_DOCS": 400,
+        "SEQ_LEN": 128, "CONVERSATIONS": 16}
 
 
 @pytest.fixture(scope="module")
