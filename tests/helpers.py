@@ -1,6 +1,7 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
 WebDataset tar indexed by ``fastio index``, real ranks in processes forked from a server that imported torch once
-(``free_port``, ``join_group``, ``spawn_ranks``, ``start_ranks``, ``rank_process``), a rank stopping itself for a
+(``free_port``, ``join_group``, ``spawn_ranks``, ``start_ranks``, ``rank_process``; ``fork_ranks``: from one of them
+that did the ranks' other imports once), a rank stopping itself for a
 while (``stop_for``), and Ctrl-C's default action for a child a test interrupts (``ctrl_c_default``)."""
 
 import io
@@ -8,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -212,6 +214,41 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
 
 def _rank_as_started_here(rank: int, env: dict[str, str], cwd: str, fn: Callable, *args) -> None:
     as_started_here(env, cwd, fn, rank, *args)
+
+
+def fork_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
+    """In a process of ``start_ranks`` that imported what every rank imports (Lightning: ~2 s of CPU a process), the
+    ranks forked from it: ``fn(rank, *args)`` in each, joined; a rank that fails prints its traceback, the others
+    are killed then, and this raises naming it (``start_ranks`` then raises here)."""
+    import traceback
+
+    pids = []
+    for rank in range(nprocs):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                fn(rank, *args)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    codes: dict[int, int] = {}
+    while len(codes) < nprocs:
+        pid, status = os.wait()
+        codes[pids.index(pid)] = os.waitstatus_to_exitcode(status)
+        if codes[pids.index(pid)] != 0:
+            for rank, other in enumerate(pids):
+                if rank not in codes:
+                    os.kill(other, signal.SIGKILL)
+    failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
+    assert not failed, f"ranks failed (rank: exit code): {failed}"
 
 
 def spawn_ranks(target: Callable, args_of: Callable[[int], tuple], world: int, timeout: float) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import free_port, join_group, start_ranks
+from helpers import fork_ranks, free_port, join_group, start_ranks
 from resume import batches, same_batch
 
 pytest.importorskip("av")
@@ -594,6 +594,16 @@ def _lightning_ddp_rank(rank: int, plan: str) -> None:
     run_plan(plan, _lightning_ddp_run, torch.distributed.destroy_process_group)
 
 
+def _lightning_ddp_ranks(_: int, plan: str) -> None:
+    """The process ``lightning_ddp_runs`` starts: Lightning imported once, then the 3 processes of the plan forked
+    from it (as ``plan_runs.launch`` starts a script's ranks)."""
+    import lightning.pytorch  # noqa: F401
+
+    import fastio.integrations.lightning  # noqa: F401
+
+    fork_ranks(_lightning_ddp_rank, (plan,), 3)
+
+
 def _lightning_ddp_run(argv: list[str]) -> None:
     """One run of the plan: ``argv[0]`` its options (JSON); the rank's result to ``OUT/NAME.rankR.pt``."""
     import json
@@ -608,9 +618,9 @@ def _lightning_ddp_run(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def lightning_ddp_runs(tmp_path_factory, audio_ds) -> Path:
-    """AudioClips under Lightning DDP (gloo), in one set of 3 processes: a whole run of 3 epochs on 2 ranks
-    (2 steps an epoch, a checkpoint every step, validation each epoch), then resumes from its step 3 (mid-epoch
-    1) on 2 ranks and on 3."""
+    """AudioClips under Lightning DDP (gloo), in one set of 3 processes (forked from one that imported Lightning):
+    a whole run of 3 epochs on 2 ranks (2 steps an epoch, a checkpoint every step, validation each epoch), then
+    resumes from its step 3 (mid-epoch 1) on 2 ranks and on 3."""
     import json
 
     out = tmp_path_factory.mktemp("lightning-ddp")
@@ -622,7 +632,7 @@ def lightning_ddp_runs(tmp_path_factory, audio_ds) -> Path:
     plan = out / "plan.json"
     plan.write_text(json.dumps({"done": str(out), "runs": [
         {"devices": n, "argv": [json.dumps(run)]} for n, run in runs]}))
-    start_ranks(_lightning_ddp_rank, (str(plan),), 3)
+    start_ranks(_lightning_ddp_ranks, (str(plan),), 1)
     return out
 
 
