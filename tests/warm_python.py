@@ -6,7 +6,8 @@ The child of a request: its own working directory, stdin ``/dev/null``, stdout a
 ``sys.argv == [script, *args]``, ``sys.path[0]`` the script's folder, the script run as ``__main__`` in a fresh namespace
 (so a missing ``import`` still fails), and an ordinary interpreter exit (non-daemon threads joined, ``atexit``
 handlers run); an uncaught exception prints its traceback and exits 1, as ``python`` does. Only the top-level
-``import torch`` and ``import nvidia.dali`` that a snippet would do itself are done ahead, never fastio.
+``import torch`` and ``import nvidia.dali`` that a snippet would do itself are done ahead (and ``torch._dynamo``, which
+torch imports by itself at a script's first optimizer, ``torch.optim.Optimizer``: ~1 s of CPU), never fastio.
 
 A script can also be started (``WarmPython.start``): the caller gets its process id at once, reads its stdout as
 the script writes it (``WarmRun.lines``: what it flushed), signals it (SIGINT raises KeyboardInterrupt in it, as in a
@@ -76,6 +77,7 @@ def serve() -> None:
     """Answer requests on stdin until it closes."""
     import nvidia.dali  # noqa: F401  (what a snippet's own import would load; a child finds it loaded)
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch's own lazy import at a script's first optimizer: ~1 s of CPU a child)
 
     replies = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
