@@ -181,9 +181,10 @@ def stop_for(seconds: float) -> None:
 # (multiprocessing's forkserver), not spawned: a spawned rank spends ~2 s importing torch before its first line.
 # The server is a fresh interpreter (nothing of pytest's, no threads of the test process), like a spawned
 # rank's; each rank takes the test process's environment and working directory as they are when it starts,
-# as a spawned one would (the server's are those of its own start).
+# as a spawned one would (the server's are those of its own start). It imported torch._dynamo too, which torch
+# imports by itself at a process's first optimizer (torch.optim.Optimizer.__init__: ~1 s of CPU a rank).
 RANKS = mp.get_context("forkserver")
-RANKS.set_forkserver_preload(["torch", "torch.distributed"])
+RANKS.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
 
 
 def as_started_here(env: dict[str, str], cwd: str, target: Callable, *args) -> None:
