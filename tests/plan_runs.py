@@ -88,10 +88,13 @@ def launch(script: Path, where: Path, runs: list[tuple[int, list[str]]], timeout
 
 def _start_ranks(script: str, plan: str, ranks: int) -> None:
     """In ``launch``'s python: the script's top-level imports (its module run under another name than
-    ``__main__``), then one fork a rank that runs it as ``LOCAL_RANK=r python script --plan PLAN`` would, its
+    ``__main__``) and torch._dynamo (torch imports it by itself at a process's first optimizer: ~1 s of CPU a
+    rank), then one fork a rank that runs it as ``LOCAL_RANK=r python script --plan PLAN`` would, its
     output in ``rankR.out``; until each ended or one failed (the others killed then); their exit codes in
     ``ranks.rc``."""
     import runpy
+
+    import torch._dynamo  # noqa: F401
 
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="plan_runs_preload")
