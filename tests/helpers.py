@@ -221,8 +221,10 @@ def fork_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
     """In a process of ``start_ranks`` that imported what every rank imports (Lightning: ~2 s of CPU a process), the
     ranks forked from it: ``fn(rank, *args)`` in each, joined; a rank that fails prints its traceback, the others
     are killed then, and this raises naming it (``start_ranks`` then raises here)."""
+    import gc
     import traceback
 
+    gc.freeze()  # never collected: the ranks' collections do not copy it page by page (warm_python.serve)
     pids = []
     for rank in range(nprocs):
         sys.stdout.flush()

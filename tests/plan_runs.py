@@ -7,6 +7,7 @@ runs in order, a fresh gloo group each."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -98,6 +99,7 @@ def _start_ranks(script: str, plan: str, ranks: int) -> None:
 
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="plan_runs_preload")
+    gc.freeze()  # never collected: the ranks' collections and ends do not copy it page by page (warm_python.serve)
     pids = [_fork_rank(script, plan, rank) for rank in range(ranks)]
     codes: list[int | None] = [None] * ranks
     while None in codes:
