@@ -177,11 +177,15 @@ def stop_for(seconds: float) -> None:
 
 # Rank processes are forked from one server process per test process that imported torch once
 # (multiprocessing's forkserver), not spawned: a spawned rank spends ~2 s importing torch before its first line.
-# The server is a fresh interpreter (nothing of pytest's, no threads of the test process), like a spawned
+# The server also imported what nearly every rank imports next, each rank again before (~0.6 s of CPU a rank):
+# torch.distributed.tensor (the Checkpointer's first save looks for DTensors), DCP and torchsnapshot (the
+# engines), pytest (the test module a rank's function comes from imports conftest, which imports it).
+# The server is a fresh interpreter (nothing of pytest's state, no threads of the test process), like a spawned
 # rank's; each rank takes the test process's environment and working directory as they are when it starts,
 # as a spawned one would (the server's are those of its own start).
 RANKS = mp.get_context("forkserver")
-RANKS.set_forkserver_preload(["torch", "torch.distributed"])
+RANKS.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+                              "torchsnapshot", "pytest"])
 
 
 def as_started_here(env: dict[str, str], cwd: str, target: Callable, *args) -> None:
