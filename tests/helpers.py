@@ -177,15 +177,16 @@ def stop_for(seconds: float) -> None:
 
 # Rank processes are forked from one server process per test process that imported torch once
 # (multiprocessing's forkserver), not spawned: a spawned rank spends ~2 s importing torch before its first line.
-# The server also imported what nearly every rank imports next, each rank again before (~0.6 s of CPU a rank):
-# torch.distributed.tensor (the Checkpointer's first save looks for DTensors), DCP and torchsnapshot (the
-# engines), pytest (the test module a rank's function comes from imports conftest, which imports it).
+# The server also imported what nearly every rank imports next, each rank again before (~0.6 s of CPU a rank,
+# and as much again for one that makes an optimizer): torch.distributed.tensor (the Checkpointer's first save
+# looks for DTensors), DCP and torchsnapshot (the engines), torch._dynamo (a torch.optim optimizer's construction
+# imports it), pytest (the test module a rank's function comes from imports conftest, which imports it).
 # The server is a fresh interpreter (nothing of pytest's state, no threads of the test process), like a spawned
 # rank's; each rank takes the test process's environment and working directory as they are when it starts,
 # as a spawned one would (the server's are those of its own start).
 RANKS = mp.get_context("forkserver")
 RANKS.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
-                              "torchsnapshot", "pytest"])
+                              "torchsnapshot", "torch._dynamo", "pytest"])
 
 
 def as_started_here(env: dict[str, str], cwd: str, target: Callable, *args) -> None:
