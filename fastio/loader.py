@@ -1,6 +1,7 @@
 """The Loader users iterate: this rank's slice of the global order, read ahead, decoded by DALI, as torch.
 
-Iterating a Loader yields the rest of the current epoch and then moves to the next epoch by itself.
+Iterating a Loader yields the rest of the current epoch and then moves to the next epoch by itself; after a failed
+``next()`` the next one on the same iterator asks for the batch that failed again.
 ``state_dict()`` records the position (global samples consumed by the training loop, not prefetched);
 ``load_state_dict()`` continues from there, at the same or at a different world size.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,7 +248,9 @@ class Loader:
     ``image`` (and ``label``) are on the loader's device; ``index`` (int64 dataset-wide indices, see
     :meth:`key`; for a mixture also ``source``) and ``padded`` (bool) stay on the CPU. ``len(loader)`` is the
     number of batches of a full epoch on every rank. Iterating yields the rest of the current epoch, then the
-    epoch advances.
+    epoch advances. A ``next()`` that raises (a storage error, a damaged shard, a refused torchft step) does not end
+    the iterator: its next ``next()`` asks again for the batch at the Loader's position (with ``replicas=``, that
+    of the Manager's step then).
 
     ``replicas=`` a ``torchft.Manager`` (fault-tolerant training, docs/trainers.md): ``batch_size`` is then the global
     batch of one step, and each batch is this rank's share of global batch ``manager.current_step()`` (the samples a
@@ -470,7 +473,7 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._refuse_closed("iteration")
         self._close_active()
-        self._active = self._iterate() if self._replicas is None else self._steps()
+        self._active = _Batches(self._iterate if self._replicas is None else self._steps, self._drop_stream)
         return self._active
 
     def close(self) -> None:
@@ -710,6 +713,44 @@ class Loader:
             return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
+
+
+class _Batches:
+    """A Loader's iterator: the batches of ``make()`` (a generator of batches from the Loader's position), made
+    again after a failed ``next()``, so that the next call asks for the batch that failed again (a generator that
+    raised is finished: the next ``next()`` would end the loop silently, as if the epoch were over). The error
+    reaches the caller as it was raised; ``drop()`` drops the stream, which the failure may have left half-made (the
+    next call makes it again at the position). The end of the epoch (StopIteration) and :meth:`close` end it for
+    good."""
+
+    __slots__ = ("_make", "_drop", "_batches")
+
+    def __init__(self, make: Callable[[], Iterator[dict[str, Any]]], drop: Callable[[], None]):
+        self._make, self._drop = make, drop
+        self._batches: Iterator[dict[str, Any]] | None = make()
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        batches = self._batches
+        if batches is None:
+            raise StopIteration
+        try:
+            return next(batches)
+        except StopIteration:
+            self._batches = None
+            raise
+        except BaseException:  # the generator is finished (its finally paused the stats): the next call makes another
+            self._batches = self._make()
+            self._drop()
+            raise
+
+    def close(self) -> None:
+        """End the iteration (the generator's ``finally`` runs now)."""
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            batches.close()
 
 
 def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:

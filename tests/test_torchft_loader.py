@@ -418,8 +418,7 @@ def test_a_batch_asked_before_its_steps_quorum_was_started_is_refused_at_every_s
                            r"quorum was started: start it first \(optimizer.zero_grad\(\) of "):
             next(it)
         m.start_quorum()
-        it = iter(loader)  # the refusal ended the last one, as any error inside a generator
-        assert next(it)["index"].tolist() != first
+        assert next(it)["index"].tolist() != first  # the refusal did not end the iterator
     m.shutdown(wait=False)
 
 
@@ -437,6 +436,33 @@ def test_a_second_batch_asked_in_one_step_is_refused_naming_gradient_accumulatio
                            r"global batch .*LocalSGD"):
             next(it)
     m.shutdown(wait=False)
+
+
+def test_a_refused_second_batch_leaves_the_iterator_going_and_the_next_quorum_gets_its_steps_batch(house,
+                                                                                                 image_dataset):
+    """The refusal is raised inside the Loader's iterator: a loop that catches it and goes on (after the next quorum)
+    gets that step's batch from the same iterator, through a failed step too, where the iterator had ended (a
+    generator an error finished) and the loop with it, silently, as if the epoch were over."""
+    options = {"pipeline": fastio.ImageEval(size=32), "batch_size": 8}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 4)]
+    store = group_store()
+    m = manager(store.port, house, 0)
+    got = []
+    with _loader(image_dataset, options, m) as loader:
+        it = iter(loader)
+        for step in range(4):
+            m.start_quorum()
+            got.append(next(it, {"index": torch.tensor([-1])})["index"].tolist())
+            with pytest.raises(LoaderArgumentError, match=rf"^a second batch of torchft step {step} was asked"):
+                next(it)
+            if step == 1:  # a failed step: taken again after the next quorum, from the same iterator
+                m.report_error(RuntimeError("step 1 fails on purpose"))
+                assert not m.should_commit()
+                m.start_quorum()
+                assert next(it)["index"].tolist() == got[-1]
+            assert m.should_commit()
+    m.shutdown(wait=False)
+    assert got == want
 
 
 def test_a_checkpoint_of_a_run_without_replicas_restores_into_a_torchft_run_at_the_managers_step(

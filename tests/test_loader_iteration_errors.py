@@ -1,0 +1,122 @@
+"""A failed ``next()`` on a Loader's iterator: the error reaches the loop as it was raised, and the next ``next()`` on
+the same iterator asks for the batch that failed again. The iterator was a generator, which a raised error finishes:
+a loop that caught the error and went on ended silently, as if the epoch were over, its samples lost. (With
+``replicas=``, a refused batch of a torchft step: tests/test_torchft_loader.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastio import ImageEval
+from fastio.errors import DatasetError
+from fastio.loader import Loader
+
+BATCHES = 6  # 48 samples, batches of 8; without shuffling batches 4 and 5 are those of shard-000002.tar
+
+
+def _loader(dest: Path) -> Loader:
+    return Loader(dest, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
+                  num_threads=1, shuffle="none")
+
+
+def _epoch(dest: Path) -> list[dict]:
+    """An uninterrupted epoch of the same Loader: its batches' indices and images."""
+    with _loader(dest) as loader:
+        return [_kept(batch) for batch in loader]
+
+
+def _kept(batch: dict) -> dict:
+    return {"index": batch["index"].tolist(), "image": batch["image"].clone()}
+
+
+def _damage(shard: Path) -> bytes:
+    """Rewrite the name in the first tar header of ``shard`` (the same size, another key: its reads fail, naming
+    the shard); returns its bytes, to :func:`_restore`."""
+    data = shard.read_bytes()
+    shard.chmod(0o644)
+    _restore(shard, b"xxxx" + data[4:])
+    return data
+
+
+def _restore(shard: Path, data: bytes) -> None:
+    """Write ``data`` into ``shard`` in place, its mtime kept: the file the reader opened, unchanged as far as it
+    can tell (a changed size or mtime is refused as a shard replaced while being read)."""
+    before = shard.stat()
+    shard.write_bytes(data)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _same(got: list[dict], want: list[dict]) -> bool:
+    return [b["index"] for b in got] == [b["index"] for b in want] and \
+        all(torch.equal(g["image"], w["image"]) for g, w in zip(got, want))
+
+
+def test_next_after_a_failed_next_delivers_the_batch_that_failed_and_the_epoch_loses_and_repeats_nothing(
+        image_dataset):
+    want = _epoch(image_dataset)
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    intact = _damage(shard)
+    loader = _loader(image_dataset)
+    it = iter(loader)
+    got, failed_at = [], []
+    while len(got) < BATCHES:
+        try:
+            batch = next(it)
+        except DatasetError as err:
+            assert "shard-000002.tar" in str(err) and "rewritten after it was indexed" in str(err), err
+            failed_at.append(len(got))
+            _restore(shard, intact)  # the storage is back: the loop goes on with the same iterator
+            batch = next(it, None)
+            assert batch is not None, f"the iterator ended after the error at batch {len(got)} of {BATCHES}"
+        got.append(_kept(batch))
+    assert len(failed_at) == 1 and 3 <= failed_at[0] <= 4, failed_at  # the batch that feeds, or reads, shard 2
+    assert _same(got, want)
+    with pytest.raises(StopIteration):  # the end of the epoch stays the end of this iterator
+        next(it)
+    assert (loader.epoch, loader.consumed) == (1, 0)
+    assert loader.stats()["last_epoch"]["batches"] == BATCHES
+    assert [b["index"].tolist() for b in loader] == [b["index"] for b in want]  # the next epoch (no shuffle)
+    loader.close()
+
+
+def test_a_for_loop_entered_again_over_the_same_iterator_goes_on_from_the_batch_that_failed(image_dataset):
+    want = _epoch(image_dataset)
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    intact = _damage(shard)
+    got, errors = [], []
+    with _loader(image_dataset) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            try:
+                for batch in it:
+                    got.append(_kept(batch))
+                break
+            except DatasetError as err:
+                errors.append(str(err))
+                _restore(shard, intact)
+    assert len(errors) == 1 and "shard-000002.tar" in errors[0], errors
+    assert _same(got, want), [b["index"] for b in got]
+
+
+def test_an_error_in_the_loop_body_or_at_the_first_batch_keeps_the_position(image_dataset):
+    """The first batch failing (nothing delivered yet) is asked again; so is nothing after an error raised by the
+    loop's own body, which is not the iterator's (the next batch is the one after the last delivered)."""
+    want = _epoch(image_dataset)
+    shard = image_dataset / "shards" / "shard-000000.tar"
+    intact = _damage(shard)
+    with _loader(image_dataset) as loader:
+        it = iter(loader)
+        with pytest.raises(DatasetError, match="shard-000000.tar"):
+            next(it)
+        _restore(shard, intact)
+        got = [_kept(next(it))]
+        with pytest.raises(ArithmeticError, match="the training step fails"):
+            for batch in it:
+                got.append(_kept(batch))
+                raise ArithmeticError("the training step fails")
+        got += [_kept(batch) for batch in it]
+    assert _same(got, want), [b["index"] for b in got]
