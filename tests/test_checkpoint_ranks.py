@@ -74,7 +74,7 @@ class Refusing:
 
 def survivor_ended(rank: int, out: str, timeout: float = 60) -> None:
     """In a rank process: wait until rank ``rank`` has written its results and its process has ended (at most
-    ``timeout`` seconds: then go on, as the fixed 3 s this replaces did, and the test shows what follows)."""
+    ``timeout`` seconds, then go on: what follows is checked the same either way, a hang is never the result)."""
     from fastio.dist import process_gone
 
     deadline = time.monotonic() + timeout
