@@ -1,8 +1,8 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
 WebDataset tar indexed by ``fastio index``, real ranks in processes forked from a server that imported torch once
 (``free_port``, ``join_group``, ``spawn_ranks``, ``start_ranks``, ``rank_process``; ``fork_ranks``: from one of them
-that did the ranks' other imports once), a rank stopping itself for a
-while (``stop_for``), and Ctrl-C's default action for a child a test interrupts (``ctrl_c_default``)."""
+that did the ranks' other imports once), a rank stopping itself for a while (``stop_for``), and Ctrl-C's default
+action for a child a test interrupts (``ctrl_c_default``)."""
 
 import io
 import os
@@ -179,12 +179,16 @@ def stop_for(seconds: float) -> None:
 
 # Rank processes are forked from one server process per test process that imported torch once
 # (multiprocessing's forkserver), not spawned: a spawned rank spends ~2 s importing torch before its first line.
-# The server is a fresh interpreter (nothing of pytest's, no threads of the test process), like a spawned
+# The server also imported what nearly every rank imports next, each rank again before (~0.6 s of CPU a rank,
+# and as much again for one that makes an optimizer): torch.distributed.tensor (the Checkpointer's first save
+# looks for DTensors), DCP and torchsnapshot (the engines), torch._dynamo (a torch.optim optimizer's construction
+# imports it), pytest (the test module a rank's function comes from imports conftest, which imports it).
+# The server is a fresh interpreter (nothing of pytest's state, no threads of the test process), like a spawned
 # rank's; each rank takes the test process's environment and working directory as they are when it starts,
-# as a spawned one would (the server's are those of its own start). It imported torch._dynamo too, which torch
-# imports by itself at a process's first optimizer (torch.optim.Optimizer.__init__: ~1 s of CPU a rank).
+# as a spawned one would (the server's are those of its own start).
 RANKS = mp.get_context("forkserver")
-RANKS.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+RANKS.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+                              "torchsnapshot", "torch._dynamo", "pytest"])
 
 
 def as_started_here(env: dict[str, str], cwd: str, target: Callable, *args) -> None:

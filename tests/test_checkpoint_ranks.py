@@ -72,16 +72,29 @@ class Refusing:
         self.value = state["value"]
 
 
+def survivor_ended(rank: int, out: str, timeout: float = 60) -> None:
+    """In a rank process: wait until rank ``rank`` has written its results and its process has ended (at most
+    ``timeout`` seconds, then go on: what follows is checked the same either way, a hang is never the result)."""
+    from fastio.dist import process_gone
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (Path(out, f"rank{rank}.json").exists()
+                                               and process_gone(int(Path(out, f"pid{rank}").read_text()))):
+        time.sleep(0.05)
+
+
 def worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(rank)
     app = {"model": nn.Linear(4, 2), "loader": Position()}
     seen: dict[str, str | None] = {}
 
+    Path(out, f"pid{rank}").write_text(str(os.getpid()))
+
     def inject(phase: str, failing: int, *, die: bool = False):
         def hook(_group: str, now: str) -> None:
             if die and now == phase and rank == 0 and world > 2:
-                time.sleep(3)  # late: the other survivor has raised and ended its process by now
+                survivor_ended(1, out)  # late: once the other survivor has raised and ended its process
             if now == phase and rank == failing:
                 if die:
                     os._exit(0)  # this rank goes away: its sockets close, the others are mid-collective
