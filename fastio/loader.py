@@ -719,20 +719,26 @@ class _Batches:
     """A Loader's iterator: the batches of ``make()`` (a generator of batches from the Loader's position), made
     again after a failed ``next()``, so that the next call asks for the batch that failed again (a generator that
     raised is finished: the next ``next()`` would end the loop silently, as if the epoch were over). The error
-    reaches the caller as it was raised; ``drop()`` drops the stream, which the failure may have left half-made (the
+    reaches the caller as it was raised, and nothing more runs then (a Ctrl-C's save is not kept waiting); the next
+    call, or :meth:`close`, first calls ``drop()``, which drops the stream the failure may have left half-made (the
     next call makes it again at the position). The end of the epoch (StopIteration) and :meth:`close` end it for
     good."""
 
-    __slots__ = ("_make", "_drop", "_batches")
+    __slots__ = ("_make", "_drop", "_batches", "_failed")
 
     def __init__(self, make: Callable[[], Iterator[dict[str, Any]]], drop: Callable[[], None]):
         self._make, self._drop = make, drop
         self._batches: Iterator[dict[str, Any]] | None = make()
+        self._failed = False
 
     def __iter__(self) -> _Batches:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        if self._failed:  # the generator is finished (its finally paused the stats): another, on a new stream
+            self._failed = False
+            self._drop()
+            self._batches = self._make()
         batches = self._batches
         if batches is None:
             raise StopIteration
@@ -741,16 +747,18 @@ class _Batches:
         except StopIteration:
             self._batches = None
             raise
-        except BaseException:  # the generator is finished (its finally paused the stats): the next call makes another
-            self._batches = self._make()
-            self._drop()
+        except BaseException:
+            self._failed = True
             raise
 
     def close(self) -> None:
-        """End the iteration (the generator's ``finally`` runs now)."""
+        """End the iteration (the generator's ``finally`` runs now; a stream a failure left goes too)."""
         batches, self._batches = self._batches, None
         if batches is not None:
             batches.close()
+        if self._failed:
+            self._failed = False
+            self._drop()
 
 
 def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:

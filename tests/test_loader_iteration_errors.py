@@ -5,7 +5,9 @@ a loop that caught the error and went on ended silently, as if the epoch were ov
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -119,4 +121,51 @@ def test_an_error_in_the_loop_body_or_at_the_first_batch_keeps_the_position(imag
                 got.append(_kept(batch))
                 raise ArithmeticError("the training step fails")
         got += [_kept(batch) for batch in it]
+    assert _same(got, want), [b["index"] for b in got]
+
+
+def test_iterating_the_loader_again_after_a_failed_next_starts_at_the_batch_that_failed(image_dataset):
+    """The other way a loop goes on after an error: ``for batch in loader`` again (a new iterator; the failed one is
+    closed, and with it the stream the failure left) gives the batch that failed and the rest of the epoch."""
+    want = _epoch(image_dataset)
+    shard = image_dataset / "shards" / "shard-000001.tar"
+    with _loader(image_dataset) as loader:
+        got = []
+        intact = _damage(shard)
+        with pytest.raises(DatasetError, match="shard-000001.tar"):
+            for batch in loader:
+                got.append(_kept(batch))
+        _restore(shard, intact)
+        got += [_kept(batch) for batch in loader]
+    assert len(got) == len(want) and _same(got, want), [b["index"] for b in got]
+
+
+@dataclass(frozen=True)
+class _BuildFailsOnce(ImageEval):
+    """``ImageEval`` whose graph's first build fails (a transient error in DALI's build, e.g. out of memory)."""
+
+    def graph(self):
+        real, builds = super().graph(), []
+
+        def body(inputs, device):
+            builds.append(device)
+            if len(builds) == 1:
+                raise RuntimeError("the graph's first build fails")
+            return real.body(inputs, device)
+
+        return dataclasses.replace(real, body=body)
+
+
+@pytest.mark.parametrize("again", ["the same iterator", "a new iterator"])
+def test_a_graph_whose_build_failed_is_built_again_before_the_next_batch(image_dataset, again):
+    """The stream a failed build left (its reads started, no graph) is not used: the next ``next()``, on the same
+    iterator or on a new one (``for batch in loader`` again), builds the graph again and delivers decoded batches,
+    not the read bytes."""
+    want = _epoch(image_dataset)
+    with Loader(image_dataset, batch_size=8, pipeline=_BuildFailsOnce(size=32), device="cpu", world_size=1, rank=0,
+                num_threads=1, shuffle="none") as loader:
+        it = iter(loader)
+        with pytest.raises(RuntimeError, match="the graph's first build fails"):
+            next(it)
+        got = [_kept(batch) for batch in (it if again == "the same iterator" else loader)]
     assert _same(got, want), [b["index"] for b in got]
