@@ -123,14 +123,7 @@ class LightningLoader:
         self._trainer = trainer
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self._batches()
-
-    def _batches(self) -> Iterator[dict[str, Any]]:
-        # A generator: nothing runs until the first batch is asked for, so a set_epoch between iter() and it
-        # (Lightning's order when it resumes from an end-of-epoch checkpoint) moves the Loader before it starts.
-        if self.whole_epochs:
-            _rewind(self.loader)
-        yield from self.loader
+        return _FromFirstBatch(self)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -148,6 +141,28 @@ class LightningLoader:
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
         return getattr(self.__dict__["loader"], name)
+
+
+class _FromFirstBatch:
+    """A :class:`LightningLoader`'s iterator: the Loader's own, made at the first ``next()``, not at ``iter()``, so a
+    ``set_epoch`` between them (Lightning's order when it resumes from an end-of-epoch checkpoint) moves the Loader
+    before it starts; after a failed ``next()`` the next one asks for the batch that failed again, as the Loader's
+    iterator does (a generator here would end the loop silently instead)."""
+
+    __slots__ = ("_of", "_batches")
+
+    def __init__(self, of: LightningLoader):
+        self._of, self._batches = of, None
+
+    def __iter__(self) -> _FromFirstBatch:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._batches is None:
+            if self._of.whole_epochs:
+                _rewind(self._of.loader)
+            self._batches = iter(self._of.loader)
+        return next(self._batches)
 
 
 def _rewind(loader: Loader) -> None:
