@@ -736,9 +736,9 @@ class _Batches:
 
     def __next__(self) -> dict[str, Any]:
         if self._failed:  # the generator is finished (its finally paused the stats): another, on a new stream
-            self._failed = False
-            self._drop()
+            self._drop()  # a Ctrl-C in here leaves it failed: the next call drops again
             self._batches = self._make()
+            self._failed = False
         batches = self._batches
         if batches is None:
             raise StopIteration
@@ -757,8 +757,8 @@ class _Batches:
         if batches is not None:
             batches.close()
         if self._failed:
-            self._failed = False
             self._drop()
+            self._failed = False
 
 
 def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from fastio import ImageEval
 from fastio.errors import DatasetError
 from fastio.loader import Loader
+from fastio.read.feeder import Feeder
 
 BATCHES = 6  # 48 samples, batches of 8; without shuffling batches 4 and 5 are those of shard-000002.tar
 
@@ -168,4 +170,42 @@ def test_a_graph_whose_build_failed_is_built_again_before_the_next_batch(image_d
         with pytest.raises(RuntimeError, match="the graph's first build fails"):
             next(it)
         got = [_kept(batch) for batch in (it if again == "the same iterator" else loader)]
+    assert _same(got, want), [b["index"] for b in got]
+
+
+def _interrupt_at(code) -> list:
+    """Trace calls until ``code`` is called, and raise KeyboardInterrupt there (a Ctrl-C arriving just then);
+    returns the list that then holds that call's frame."""
+    hits = []
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code is code and not hits:
+            hits.append(frame)
+            raise KeyboardInterrupt  # the trace is unset as it raises
+        return None
+
+    sys.settrace(trace)
+    return hits
+
+
+def test_a_ctrl_c_while_the_failed_stream_is_dropped_leaves_the_batch_to_the_next_next(image_dataset):
+    """The next ``next()`` after a failure first drops the stream the failure left (DALI's threads and buffers:
+    it takes a while); a Ctrl-C then reaches the loop, and the ``next()`` after it still asks for the batch that
+    failed, not an end of the epoch."""
+    want = _epoch(image_dataset)
+    with Loader(image_dataset, batch_size=8, pipeline=_BuildFailsOnce(size=32), device="cpu", world_size=1, rank=0,
+                num_threads=1, shuffle="none") as loader:
+        it = iter(loader)
+        with pytest.raises(RuntimeError, match="the graph's first build fails"):
+            next(it)
+        assert loader._feeder is not None  # the reads the failed build left, dropped by the next call
+        traced = sys.gettrace()
+        try:
+            hits = _interrupt_at(Feeder.cancel.__code__)
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            sys.settrace(traced)
+        assert hits, "the stream was not dropped"
+        got = [_kept(batch) for batch in it]
     assert _same(got, want), [b["index"] for b in got]
