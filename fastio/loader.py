@@ -611,10 +611,9 @@ class Loader:
                                        f"the loader is at epoch {epoch} consumed {self.consumed}")
                 self._stats.end_wait(started, len(fed.padded) - int(np.count_nonzero(fed.padded)))
                 self.read_set.count(batch, fed.padded)
-                self.consumed = fed.consumed
                 if fed.last:  # the epoch is over (with drop_last, before its dropped tail)
-                    self.epoch, self.consumed = epoch + 1, 0
-                    self._stats.end_epoch()
+                    self._stats.end_epoch()  # its line printed before the position moves (a Ctrl-C there)
+                self.epoch, self.consumed = (epoch + 1, 0) if fed.last else (epoch, fed.consumed)
                 yield batch
                 if self.epoch != epoch:
                     return

@@ -19,6 +19,7 @@ from fastio import ImageEval
 from fastio.errors import DatasetError
 from fastio.loader import Loader
 from fastio.read.feeder import Feeder
+from fastio.read.stats import Stats
 
 BATCHES = 6  # 48 samples, batches of 8; without shuffling batches 4 and 5 are those of shard-000002.tar
 
@@ -238,3 +239,24 @@ def test_a_progress_line_that_cannot_be_written_loses_no_batch_and_keeps_the_epo
         broken.close()
     assert not errors and _same(got, want), (errors, [b["index"] for b in got])
     assert (loader.epoch, loader.consumed) == (1, 0)
+
+
+def test_a_ctrl_c_in_the_epochs_progress_line_leaves_the_position_before_the_last_batch(image_dataset):
+    """A Ctrl-C while the epoch's progress line is printed (the last batch made, not yet delivered): the position
+    a save then takes, and the next ``next()``, are at that batch, not past it in the next epoch."""
+    want = _epoch(image_dataset)
+    with Loader(image_dataset, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
+                num_threads=1, shuffle="none", progress=True) as loader:
+        it = iter(loader)
+        got = [_kept(next(it)) for _ in range(BATCHES - 1)]
+        traced = sys.gettrace()
+        try:
+            hits = _interrupt_at(Stats._print.__code__)
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            sys.settrace(traced)
+        assert hits and (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (0, 40)
+        got += [_kept(batch) for batch in it]
+        assert (loader.epoch, loader.consumed) == (1, 0)
+    assert _same(got, want), [b["index"] for b in got]
