@@ -14,6 +14,7 @@ they are made again only when the position jumps. ``close()`` releases them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Callable, Iterator
@@ -746,8 +747,9 @@ class _Batches:
         except StopIteration:
             self._batches = None
             raise
-        except BaseException:
+        except BaseException as err:
             self._failed = True
+            _let_go(err)
             raise
 
     def close(self) -> None:
@@ -758,6 +760,30 @@ class _Batches:
         if self._failed:
             self._drop()
             self._failed = False
+
+
+def _let_go(err: BaseException) -> None:
+    """Clear the locals of fastio's and DALI's finished frames that ``err``'s traceback (and those of the errors it
+    was raised from) holds: they hold the failed stream's pipeline (DALI's threads and buffers, GPU memory on cuda),
+    which would live on while the loop keeps the error (the ``except`` block that asks again), next to the one the
+    next batch builds. The loop's own frames keep theirs."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            _clear_frames(tb.tb_frame)
+            tb = tb.tb_next
+        err = err.__cause__ or err.__context__
+
+
+def _clear_frames(frame: Any) -> None:
+    """Clear ``frame`` and the frames that called it, up to the first that is not fastio's or DALI's (an error
+    raised while feeding ahead was caught in a call before this one: that call's frames hang on its traceback's)."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fastio.", "nvidia.dali")):
+        with contextlib.suppress(RuntimeError):  # a frame still running (this call's) keeps its locals
+            frame.clear()
+        frame = frame.f_back
 
 
 def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:

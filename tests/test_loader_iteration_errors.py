@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,3 +262,24 @@ def test_a_ctrl_c_in_the_epochs_progress_line_leaves_the_position_before_the_las
         got += [_kept(batch) for batch in it]
         assert (loader.epoch, loader.consumed) == (1, 0)
     assert _same(got, want), [b["index"] for b in got]
+
+
+def test_an_error_kept_after_a_failed_next_does_not_keep_the_dropped_pipeline(image_dataset):
+    """The stream a failure dropped goes with its DALI pipeline (threads, buffers: GPU memory on cuda), also while
+    the loop still holds the error (the ``except`` block that asks again, a list of errors): the pipeline is not
+    kept by the error's traceback once the batch is asked again."""
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    intact = _damage(shard)
+    with _loader(image_dataset) as loader:
+        it = iter(loader)
+        next(it)
+        pipeline = weakref.ref(loader._built.pipe)
+        with pytest.raises(DatasetError, match="shard-000002.tar") as failure:
+            for _ in range(BATCHES):
+                next(it)
+        _restore(shard, intact)
+        assert next(it)["index"].tolist()[0] == loader.consumed - 8
+        gc.collect()
+        held = [getattr(r, "f_code", type(r)) for r in gc.get_referrers(pipeline())] if pipeline() else []
+        assert pipeline() is None, held
+    assert failure.value is not None
