@@ -26,9 +26,9 @@ from fastio.read.stats import Stats
 BATCHES = 6  # 48 samples, batches of 8; without shuffling batches 4 and 5 are those of shard-000002.tar
 
 
-def _loader(dest: Path) -> Loader:
-    return Loader(dest, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
-                  num_threads=1, shuffle="none")
+def _loader(dest: Path, pipeline=None, **options) -> Loader:
+    return Loader(dest, batch_size=8, pipeline=pipeline or ImageEval(size=32), device="cpu", world_size=1, rank=0,
+                  num_threads=1, shuffle="none", **options)
 
 
 def _epoch(dest: Path) -> list[dict]:
@@ -162,25 +162,30 @@ class _BuildFailsOnce(ImageEval):
         return dataclasses.replace(real, body=body)
 
 
+def _failed_build(loader: Loader):
+    """An iterator of ``loader`` (of ``_BuildFailsOnce``) whose first ``next()`` failed."""
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match="the graph's first build fails"):
+        next(it)
+    return it
+
+
 @pytest.mark.parametrize("again", ["the same iterator", "a new iterator"])
 def test_a_graph_whose_build_failed_is_built_again_before_the_next_batch(image_dataset, again):
     """The stream a failed build left (its reads started, no graph) is not used: the next ``next()``, on the same
     iterator or on a new one (``for batch in loader`` again), builds the graph again and delivers decoded batches,
     not the read bytes."""
     want = _epoch(image_dataset)
-    with Loader(image_dataset, batch_size=8, pipeline=_BuildFailsOnce(size=32), device="cpu", world_size=1, rank=0,
-                num_threads=1, shuffle="none") as loader:
-        it = iter(loader)
-        with pytest.raises(RuntimeError, match="the graph's first build fails"):
-            next(it)
+    with _loader(image_dataset, _BuildFailsOnce(size=32)) as loader:
+        it = _failed_build(loader)
         got = [_kept(batch) for batch in (it if again == "the same iterator" else loader)]
     assert _same(got, want), [b["index"] for b in got]
 
 
-def _interrupt_at(code) -> list:
-    """Trace calls until ``code`` is called, and raise KeyboardInterrupt there (a Ctrl-C arriving just then);
-    returns the list that then holds that call's frame."""
-    hits = []
+def _next_interrupted_at(it, code) -> bool:
+    """``next(it)``, with a KeyboardInterrupt raised as ``code`` is first called (a Ctrl-C arriving just then):
+    whether it was called."""
+    hits, traced = [], sys.gettrace()
 
     def trace(frame, event, arg):
         if event == "call" and frame.f_code is code and not hits:
@@ -189,7 +194,12 @@ def _interrupt_at(code) -> list:
         return None
 
     sys.settrace(trace)
-    return hits
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        sys.settrace(traced)
+    return bool(hits)
 
 
 def test_a_ctrl_c_while_the_failed_stream_is_dropped_leaves_the_batch_to_the_next_next(image_dataset):
@@ -197,19 +207,10 @@ def test_a_ctrl_c_while_the_failed_stream_is_dropped_leaves_the_batch_to_the_nex
     it takes a while); a Ctrl-C then reaches the loop, and the ``next()`` after it still asks for the batch that
     failed, not an end of the epoch."""
     want = _epoch(image_dataset)
-    with Loader(image_dataset, batch_size=8, pipeline=_BuildFailsOnce(size=32), device="cpu", world_size=1, rank=0,
-                num_threads=1, shuffle="none") as loader:
-        it = iter(loader)
-        with pytest.raises(RuntimeError, match="the graph's first build fails"):
-            next(it)
+    with _loader(image_dataset, _BuildFailsOnce(size=32)) as loader:
+        it = _failed_build(loader)
         assert loader._feeder is not None  # the reads the failed build left, dropped by the next call
-        traced = sys.gettrace()
-        try:
-            hits = _interrupt_at(Feeder.cancel.__code__)
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-        finally:
-            sys.settrace(traced)
+        hits = _next_interrupted_at(it, Feeder.cancel.__code__)
         assert hits, "the stream was not dropped"
         got = [_kept(batch) for batch in it]
     assert _same(got, want), [b["index"] for b in got]
@@ -225,8 +226,7 @@ def test_a_progress_line_that_cannot_be_written_loses_no_batch_and_keeps_the_epo
     os.close(read)
     broken = open(write, "w")  # noqa: SIM115 - closed below, its unwritten line dropped
     got, errors = [], []
-    with Loader(image_dataset, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
-                num_threads=1, shuffle="none", progress=True) as loader:
+    with _loader(image_dataset, progress=True) as loader:
         monkeypatch.setattr(sys, "stderr", broken)
         it = iter(loader)
         while len(got) <= BATCHES and len(errors) < 2:
@@ -247,17 +247,10 @@ def test_a_ctrl_c_in_the_epochs_progress_line_leaves_the_position_before_the_las
     """A Ctrl-C while the epoch's progress line is printed (the last batch made, not yet delivered): the position
     a save then takes, and the next ``next()``, are at that batch, not past it in the next epoch."""
     want = _epoch(image_dataset)
-    with Loader(image_dataset, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
-                num_threads=1, shuffle="none", progress=True) as loader:
+    with _loader(image_dataset, progress=True) as loader:
         it = iter(loader)
         got = [_kept(next(it)) for _ in range(BATCHES - 1)]
-        traced = sys.gettrace()
-        try:
-            hits = _interrupt_at(Stats._print.__code__)
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-        finally:
-            sys.settrace(traced)
+        hits = _next_interrupted_at(it, Stats._print.__code__)
         assert hits and (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (0, 40)
         got += [_kept(batch) for batch in it]
         assert (loader.epoch, loader.consumed) == (1, 0)
