@@ -14,6 +14,7 @@ they are made again only when the position jumps. ``close()`` releases them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Callable, Iterator
@@ -611,10 +612,9 @@ class Loader:
                                        f"the loader is at epoch {epoch} consumed {self.consumed}")
                 self._stats.end_wait(started, len(fed.padded) - int(np.count_nonzero(fed.padded)))
                 self.read_set.count(batch, fed.padded)
-                self.consumed = fed.consumed
                 if fed.last:  # the epoch is over (with drop_last, before its dropped tail)
-                    self.epoch, self.consumed = epoch + 1, 0
-                    self._stats.end_epoch()
+                    self._stats.end_epoch()  # its line printed before the position moves (a Ctrl-C there)
+                self.epoch, self.consumed = (epoch + 1, 0) if fed.last else (epoch, fed.consumed)
                 yield batch
                 if self.epoch != epoch:
                     return
@@ -736,9 +736,9 @@ class _Batches:
 
     def __next__(self) -> dict[str, Any]:
         if self._failed:  # the generator is finished (its finally paused the stats): another, on a new stream
-            self._failed = False
-            self._drop()
+            self._drop()  # a Ctrl-C in here leaves it failed: the next call drops again
             self._batches = self._make()
+            self._failed = False
         batches = self._batches
         if batches is None:
             raise StopIteration
@@ -747,8 +747,9 @@ class _Batches:
         except StopIteration:
             self._batches = None
             raise
-        except BaseException:
+        except BaseException as err:
             self._failed = True
+            _let_go(err)
             raise
 
     def close(self) -> None:
@@ -757,8 +758,32 @@ class _Batches:
         if batches is not None:
             batches.close()
         if self._failed:
-            self._failed = False
             self._drop()
+            self._failed = False
+
+
+def _let_go(err: BaseException) -> None:
+    """Clear the locals of fastio's and DALI's finished frames that ``err``'s traceback (and those of the errors it
+    was raised from) holds: they hold the failed stream's pipeline (DALI's threads and buffers, GPU memory on cuda),
+    which would live on while the loop keeps the error (the ``except`` block that asks again), next to the one the
+    next batch builds. The loop's own frames keep theirs."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            _clear_frames(tb.tb_frame)
+            tb = tb.tb_next
+        err = err.__cause__ or err.__context__
+
+
+def _clear_frames(frame: Any) -> None:
+    """Clear ``frame`` and the frames that called it, up to the first that is not fastio's or DALI's (an error
+    raised while feeding ahead was caught in a call before this one: that call's frames hang on its traceback's)."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fastio.", "nvidia.dali")):
+        with contextlib.suppress(RuntimeError):  # a frame still running (this call's) keeps its locals
+            frame.clear()
+        frame = frame.f_back
 
 
 def torch_value(value: Any, device: torch.device | None, owned: bool) -> Any:

@@ -5,8 +5,12 @@ a loop that caught the error and went on ended silently, as if the epoch were ov
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
+import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +20,15 @@ import torch
 from fastio import ImageEval
 from fastio.errors import DatasetError
 from fastio.loader import Loader
+from fastio.read.feeder import Feeder
+from fastio.read.stats import Stats
 
 BATCHES = 6  # 48 samples, batches of 8; without shuffling batches 4 and 5 are those of shard-000002.tar
 
 
-def _loader(dest: Path) -> Loader:
-    return Loader(dest, batch_size=8, pipeline=ImageEval(size=32), device="cpu", world_size=1, rank=0,
-                  num_threads=1, shuffle="none")
+def _loader(dest: Path, pipeline=None, **options) -> Loader:
+    return Loader(dest, batch_size=8, pipeline=pipeline or ImageEval(size=32), device="cpu", world_size=1, rank=0,
+                  num_threads=1, shuffle="none", **options)
 
 
 def _epoch(dest: Path) -> list[dict]:
@@ -156,16 +162,117 @@ class _BuildFailsOnce(ImageEval):
         return dataclasses.replace(real, body=body)
 
 
+def _failed_build(loader: Loader):
+    """An iterator of ``loader`` (of ``_BuildFailsOnce``) whose first ``next()`` failed."""
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match="the graph's first build fails"):
+        next(it)
+    return it
+
+
 @pytest.mark.parametrize("again", ["the same iterator", "a new iterator"])
 def test_a_graph_whose_build_failed_is_built_again_before_the_next_batch(image_dataset, again):
     """The stream a failed build left (its reads started, no graph) is not used: the next ``next()``, on the same
     iterator or on a new one (``for batch in loader`` again), builds the graph again and delivers decoded batches,
     not the read bytes."""
     want = _epoch(image_dataset)
-    with Loader(image_dataset, batch_size=8, pipeline=_BuildFailsOnce(size=32), device="cpu", world_size=1, rank=0,
-                num_threads=1, shuffle="none") as loader:
-        it = iter(loader)
-        with pytest.raises(RuntimeError, match="the graph's first build fails"):
-            next(it)
+    with _loader(image_dataset, _BuildFailsOnce(size=32)) as loader:
+        it = _failed_build(loader)
         got = [_kept(batch) for batch in (it if again == "the same iterator" else loader)]
     assert _same(got, want), [b["index"] for b in got]
+
+
+def _next_interrupted_at(it, code) -> bool:
+    """``next(it)``, with a KeyboardInterrupt raised as ``code`` is first called (a Ctrl-C arriving just then):
+    whether it was called."""
+    hits, traced = [], sys.gettrace()
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code is code and not hits:
+            hits.append(frame)
+            raise KeyboardInterrupt  # the trace is unset as it raises
+        return None
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        sys.settrace(traced)
+    return bool(hits)
+
+
+def test_a_ctrl_c_while_the_failed_stream_is_dropped_leaves_the_batch_to_the_next_next(image_dataset):
+    """The next ``next()`` after a failure first drops the stream the failure left (DALI's threads and buffers:
+    it takes a while); a Ctrl-C then reaches the loop, and the ``next()`` after it still asks for the batch that
+    failed, not an end of the epoch."""
+    want = _epoch(image_dataset)
+    with _loader(image_dataset, _BuildFailsOnce(size=32)) as loader:
+        it = _failed_build(loader)
+        assert loader._feeder is not None  # the reads the failed build left, dropped by the next call
+        hits = _next_interrupted_at(it, Feeder.cancel.__code__)
+        assert hits, "the stream was not dropped"
+        got = [_kept(batch) for batch in it]
+    assert _same(got, want), [b["index"] for b in got]
+
+
+def test_a_progress_line_that_cannot_be_written_loses_no_batch_and_keeps_the_epoch(image_dataset, monkeypatch):
+    """``progress=True`` writes a line at each epoch's end, after the Loader's position has moved past the last
+    batch: a stderr that cannot be written (a terminal gone, a closed pipe) raised there, and the ``next()`` after
+    the error, which asks for the batch at the position, went on into the next epoch: the last batch was lost. A
+    progress line that cannot be written is left out."""
+    want = _epoch(image_dataset)
+    read, write = os.pipe()
+    os.close(read)
+    broken = open(write, "w")  # noqa: SIM115 - closed below, its unwritten line dropped
+    got, errors = [], []
+    with _loader(image_dataset, progress=True) as loader:
+        monkeypatch.setattr(sys, "stderr", broken)
+        it = iter(loader)
+        while len(got) <= BATCHES and len(errors) < 2:
+            try:
+                got.append(_kept(next(it)))
+            except StopIteration:
+                break
+            except OSError as err:
+                errors.append(err)
+        monkeypatch.undo()
+    with contextlib.suppress(OSError):
+        broken.close()
+    assert not errors and _same(got, want), (errors, [b["index"] for b in got])
+    assert (loader.epoch, loader.consumed) == (1, 0)
+
+
+def test_a_ctrl_c_in_the_epochs_progress_line_leaves_the_position_before_the_last_batch(image_dataset):
+    """A Ctrl-C while the epoch's progress line is printed (the last batch made, not yet delivered): the position
+    a save then takes, and the next ``next()``, are at that batch, not past it in the next epoch."""
+    want = _epoch(image_dataset)
+    with _loader(image_dataset, progress=True) as loader:
+        it = iter(loader)
+        got = [_kept(next(it)) for _ in range(BATCHES - 1)]
+        hits = _next_interrupted_at(it, Stats._print.__code__)
+        assert hits and (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (0, 40)
+        got += [_kept(batch) for batch in it]
+        assert (loader.epoch, loader.consumed) == (1, 0)
+    assert _same(got, want), [b["index"] for b in got]
+
+
+def test_an_error_kept_after_a_failed_next_does_not_keep_the_dropped_pipeline(image_dataset):
+    """The stream a failure dropped goes with its DALI pipeline (threads, buffers: GPU memory on cuda), also while
+    the loop still holds the error (the ``except`` block that asks again, a list of errors): the pipeline is not
+    kept by the error's traceback once the batch is asked again."""
+    shard = image_dataset / "shards" / "shard-000002.tar"
+    intact = _damage(shard)
+    with _loader(image_dataset) as loader:
+        it = iter(loader)
+        next(it)
+        pipeline = weakref.ref(loader._built.pipe)
+        with pytest.raises(DatasetError, match="shard-000002.tar") as failure:
+            for _ in range(BATCHES):
+                next(it)
+        _restore(shard, intact)
+        assert next(it)["index"].tolist()[0] == loader.consumed - 8
+        gc.collect()
+        held = [getattr(r, "f_code", type(r)) for r in gc.get_referrers(pipeline())] if pipeline() else []
+        assert pipeline() is None, held
+    assert failure.value is not None

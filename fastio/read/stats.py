@@ -7,6 +7,7 @@ calls). 0 means data was always ready; 1 means the loop did nothing but wait.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -72,11 +73,14 @@ class Stats:
             self._print("")
 
     def _print(self, what: str) -> None:
+        """A progress line to stderr; one that cannot be written (a terminal gone, a closed pipe) is left out: it
+        is printed as a batch is delivered, and raised there the batch would be lost."""
         self._last_print = time.perf_counter()
         d = self.epoch.as_dict()
-        print(f"fastio: {what}{count(d['batches'], 'batch', 'batches')}, {d['samples_per_s']:.0f} samples/s, "
-              f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}",
-              file=sys.stderr, flush=True)
+        line = (f"fastio: {what}{count(d['batches'], 'batch', 'batches')}, {d['samples_per_s']:.0f} samples/s, "
+                f"stall {100 * d['stall_fraction']:.1f}%{', ' + self.detail() if self.detail else ''}")
+        with contextlib.suppress(OSError):
+            print(line, file=sys.stderr, flush=True)
 
     def pause(self) -> None:
         """The loop left the iterator (epoch end, break): time until the next request is not counted."""
