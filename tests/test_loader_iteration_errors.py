@@ -276,3 +276,22 @@ def test_an_error_kept_after_a_failed_next_does_not_keep_the_dropped_pipeline(im
         held = [getattr(r, "f_code", type(r)) for r in gc.get_referrers(pipeline())] if pipeline() else []
         assert pipeline() is None, held
     assert failure.value is not None
+
+
+def test_a_lightning_loaders_iterator_goes_on_after_a_failed_next(image_dataset):
+    """``LightningLoader`` (what ``FastioDataModule`` hands Lightning) iterated directly: a failed ``next()`` leaves
+    its iterator going, as the Loader's (it was a generator, ended by the error: the rest of the epoch was lost)."""
+    pytest.importorskip("lightning.pytorch")
+    from fastio.integrations.lightning import LightningLoader
+
+    want = _epoch(image_dataset)
+    shard = image_dataset / "shards" / "shard-000001.tar"
+    intact = _damage(shard)
+    with _loader(image_dataset) as loader:
+        it, got = iter(LightningLoader(loader)), []
+        with pytest.raises(DatasetError, match="shard-000001.tar"):
+            while True:
+                got.append(_kept(next(it)))
+        _restore(shard, intact)
+        got += [_kept(batch) for batch in it]
+    assert _same(got, want), [b["index"] for b in got]
