@@ -6,7 +6,10 @@ at step 0 and zero their gradients (docs/trainers.md)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,15 +17,55 @@ from typing import Any
 
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
-from torchft._torchft import LighthouseServer
 
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
 _ASKED: set[int] = set()  # the Managers (by id) that started a quorum in steps()
 
+# The lighthouse's process: torchft's extension module loaded from its file (not the torchft package, which imports
+# torch: ~1 s), a LighthouseServer on 127.0.0.1, its address on stdout, shut down when stdin closes.
+_SERVE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("torchft._torchft", sys.argv[1])
+ext = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ext)
+server = ext.LighthouseServer(bind="127.0.0.1:0", **json.loads(sys.argv[2]))
+print(server.address(), flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
 
-def lighthouse(min_replicas: int = 1, join_ms: int = 100) -> LighthouseServer:
-    return LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_ms, quorum_tick_ms=20,
-                            heartbeat_timeout_ms=1000)
+
+class Lighthouse:
+    """A real torchft lighthouse (``LighthouseServer``) in a process of its own, with the server's ``address()`` and
+    ``shutdown()``. Not in the test's process: its Rust server once segfaulted there (in libc, on its thread
+    ``torchft-lighths``), which ended the pytest-xdist worker and left ``make test`` waiting at its end."""
+
+    def __init__(self, **options: int):
+        from torchft import _torchft
+
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, _torchft.__file__, json.dumps(options)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._address = self._proc.stdout.readline().strip()
+        if not self._address:
+            self.shutdown()
+            raise RuntimeError(f"the lighthouse process ended with {self._proc.returncode} before its address")
+
+    def address(self) -> str:
+        return self._address
+
+    def shutdown(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc.stdout.close()
+
+
+def lighthouse(min_replicas: int = 1, join_ms: int = 100) -> Lighthouse:
+    return Lighthouse(min_replicas=min_replicas, join_timeout_ms=join_ms, quorum_tick_ms=20, heartbeat_timeout_ms=1000)
 
 
 def group_store() -> TCPStore:
