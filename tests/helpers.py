@@ -225,10 +225,11 @@ def fork_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
     """In a process of ``start_ranks`` that imported what every rank imports (Lightning: ~2 s of CPU a process), the
     ranks forked from it: ``fn(rank, *args)`` in each, joined; a rank that fails prints its traceback, the others
     are killed then, and this raises naming it (``start_ranks`` then raises here)."""
-    import gc
     import traceback
 
-    gc.freeze()  # never collected: the ranks' collections do not copy it page by page (warm_python.serve)
+    from warm_python import ready_to_fork, wait_forked
+
+    ready_to_fork()
     pids = []
     for rank in range(nprocs):
         sys.stdout.flush()
@@ -246,15 +247,7 @@ def fork_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    codes: dict[int, int] = {}
-    while len(codes) < nprocs:
-        pid, status = os.wait()
-        codes[pids.index(pid)] = os.waitstatus_to_exitcode(status)
-        if codes[pids.index(pid)] != 0:
-            for rank, other in enumerate(pids):
-                if rank not in codes:
-                    os.kill(other, signal.SIGKILL)
-    failed = {rank: code for rank, code in sorted(codes.items()) if code != 0}
+    failed = {rank: code for rank, code in enumerate(wait_forked(pids)) if code != 0}
     assert not failed, f"ranks failed (rank: exit code): {failed}"
 
 

@@ -7,7 +7,6 @@ runs in order, a fresh gloo group each."""
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from warm_python import run_as_main
+from warm_python import ready_to_fork, run_as_main, wait_forked
 
 
 def run_plan(path: str, main: Callable[[list[str]], object], after: Callable[[], None]) -> None:
@@ -95,21 +94,11 @@ def _start_ranks(script: str, plan: str, ranks: int) -> None:
     ``ranks.rc``."""
     import runpy
 
-    import torch._dynamo  # noqa: F401
-
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="plan_runs_preload")
-    gc.freeze()  # never collected: the ranks' collections and ends do not copy it page by page (warm_python.serve)
+    ready_to_fork()
     pids = [_fork_rank(script, plan, rank) for rank in range(ranks)]
-    codes: list[int | None] = [None] * ranks
-    while None in codes:
-        pid, status = os.wait()
-        codes[pids.index(pid)] = code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            for rank, other in enumerate(pids):
-                if codes[rank] is None:
-                    os.kill(other, signal.SIGKILL)
-    Path("ranks.rc").write_text(json.dumps(codes))
+    Path("ranks.rc").write_text(json.dumps(wait_forked(pids)))
 
 
 def _fork_rank(script: str, plan: str, rank: int) -> int:

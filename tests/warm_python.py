@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,15 +75,36 @@ def run_as_main(script: str) -> NoReturn:
     raise SystemExit(code)
 
 
+def ready_to_fork() -> None:
+    """In a process about to fork children that run as fresh pythons would: ``torch._dynamo`` imported (torch's own
+    lazy import at a process's first optimizer: ~1 s of CPU a child), then what is loaded frozen: never collected, so
+    a child's collections and its interpreter's end do not write to every page of it (copy-on-write: ~0.5 s of CPU a
+    child, most of a short script's run); Python's advice for fork."""
+    import torch._dynamo  # noqa: F401
+
+    gc.freeze()
+
+
+def wait_forked(pids: list[int]) -> list[int]:
+    """The exit codes of this process's children ``pids``, in order, once each ended; the first that fails gets the
+    others killed."""
+    codes: list[int | None] = [None] * len(pids)
+    while None in codes:
+        pid, status = os.wait()
+        codes[pids.index(pid)] = code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            for other, got in zip(pids, codes):
+                if got is None:
+                    os.kill(other, signal.SIGKILL)
+    return codes
+
+
 def serve() -> None:
     """Answer requests on stdin until it closes."""
     import nvidia.dali  # noqa: F401  (what a snippet's own import would load; a child finds it loaded)
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (torch's own lazy import at a script's first optimizer: ~1 s of CPU a child)
 
-    # What is loaded now is never collected, so a child's collections and its interpreter's end do not write to every
-    # page of it (copy-on-write: ~0.5 s of CPU a child, most of a short script's run); Python's advice for fork.
-    gc.freeze()
+    ready_to_fork()
     replies = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         request = json.loads(line)
