@@ -30,11 +30,10 @@ def env() -> dict[str, str]:
 
 
 def run_until(warm, cmd: list[str], step: int, sig: int) -> tuple[int, str]:
-    """``cmd`` (``[python, script, *args]``, started by ``warm``), sent ``sig`` once it prints ``step <step>``; its
+    """``cmd`` (``[python, script, *args]``, started by ``warm``), sent ``sig`` as it prints ``step <step>``; its
     exit code and output (stdout, then stderr)."""
     script, *args = cmd[1:]
-    run = warm.start(Path(script), Path.cwd(), *args, env=env(), timeout=180)
-    rc, out, err = run.signal_at(f"step {step} ", sig)
+    rc, out, err = warm.run(Path(script), Path.cwd(), *args, env=env(), timeout=180, signal_at=(f"step {step} ", sig))
     return rc, out + err
 
 
@@ -61,11 +60,11 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path,
 
     rc, out = run_until(warm_one_thread, cmd, kill_at, signal.SIGKILL)
     assert rc == -signal.SIGKILL, why + out
-    # The child may print a step or two more before the signal lands (a loaded machine); nothing it had
-    # not reached can be committed, and the newest write may not have committed yet.
+    # The child ends as it prints step kill_at: nothing after it can be committed, and the newest write may not
+    # have committed yet.
     reached = max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
     before = [e.step for e in scan.committed(ckpt)]
-    assert not before or max(before) <= reached, why + out
+    assert reached == kill_at and (not before or max(before) <= reached), why + out
 
     rc, out = run_until(warm_one_thread, cmd, usr1_at, signal.SIGUSR1)
     assert rc == 0, why + out
@@ -73,10 +72,9 @@ def test_killed_and_preempted_runs_resume_bitwise_equal(image_dataset, tmp_path,
     preempted = [line for line in out.splitlines() if line.startswith("preempted: saved step")]
     assert len(preempted) == 1 and "final weights" not in out, why + out
     saved = int(preempted[0].split()[3])
-    # The signal lands at or after step usr1_at (a loaded machine runs a step or two more first); the save is the
-    # step the run stopped at: no step after it was trained.
+    # The signal comes as step usr1_at is printed; the save is that step, and no step after it was trained.
     last = max(int(line.split()[1]) for line in out.splitlines() if line.startswith("step "))
-    assert usr1_at <= saved == last, why + out
+    assert usr1_at == saved == last, why + out
     assert max(e.step for e in scan.committed(ckpt)) == saved
 
     rc, out, err = warm_one_thread.run(Path(cmd[1]), Path.cwd(), *cmd[2:], env=env(), timeout=180)

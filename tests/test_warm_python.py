@@ -75,3 +75,22 @@ def test_a_started_script_is_read_as_it_writes_and_ctrl_c_or_a_kill_reaches_it(w
         run.send_signal(sig)
         rc, out, _ = run.wait()
         assert (rc, out) == want
+
+
+def test_signal_at_reaches_the_script_as_it_prints_that_line(warm, tmp_path):
+    """``signal_at=(prefix, sig)``: the signal comes right after the first line starting with ``prefix`` is written,
+    before the script's next statement, however fast the script runs on; a line that never comes sends none."""
+    fast = script(tmp_path, """
+        import signal, sys
+        signal.signal(signal.SIGUSR1, lambda *_: print("usr1", flush=True))
+        for step in range(1, 6):
+            print(f"step {step}", flush=True)
+            print(f"after {step}", file=sys.stderr, flush=True)
+    """)
+    rc, out, err = warm.run(fast, tmp_path, signal_at=("step 3", signal.SIGINT))
+    assert rc == 1 and out == "step 1\nstep 2\nstep 3\n" and err.startswith("after 1\nafter 2\nTraceback"), out + err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    rc, out, _ = warm.run(fast, tmp_path, signal_at=("step 2", signal.SIGUSR1))
+    assert (rc, out) == (0, "step 1\nstep 2\nusr1\nstep 3\nstep 4\nstep 5\n")
+    assert warm.run(fast, tmp_path, signal_at=("step 9", signal.SIGKILL))[:2] == (0, "step 1\nstep 2\nstep 3\nstep 4\n"
+                                                                                   "step 5\n")

@@ -14,12 +14,17 @@ the script writes it (``WarmRun.lines``: what it flushed), signals it (SIGINT ra
 python started from a terminal, even where the server inherited SIGINT ignored; SIGKILL, SIGUSR1...) and waits for
 its end (``WarmRun.wait``). One script runs at a time.
 
+A signal at a step (``signal_at=(prefix, signal)``) is sent by the child to itself, the moment it has written and
+flushed a stdout line starting with ``prefix``: a real signal, delivered as a Ctrl-C or a scheduler's signal that came
+right then would be. A signal sent by the test when it reads that line raced the script: a tiny training runs its last
+4 steps, an evaluation and a save in 60 ms, and on a loaded machine it had ended before the signal came.
+
 A request may carry an environment (``env``): the child takes it, and its ``PYTHONPATH`` goes on ``sys.path`` after
 the script's folder; what is read at an interpreter's or torch's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``...)
 must be the server's (``WarmPython`` refuses otherwise).
 
 Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "env", "path",
-"out", "err"}``; two JSON lines a reply on stdout: ``{"pid": the child's process id}`` once it is forked, then
+"out", "err", "signal_at"}``; two JSON lines a reply on stdout: ``{"pid": the child's process id}`` once it is forked, then
 ``{"rc": exit code, negative for a signal}`` (``timeout`` seconds: SIGALRM ends it)."""
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def _child(request: dict) -> None:
     os.chdir(request["cwd"])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C, as in a python started from a terminal
     signal.alarm(int(request["timeout"]))
+    if request.get("signal_at"):
+        sys.stdout = _SignalAt(sys.stdout, *request["signal_at"])
     script = request["script"]
     sys.argv = [script, *request.get("args", [])]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -55,6 +62,28 @@ def _child(request: dict) -> None:
         os.environ.update(request["env"])
         sys.path[1:1] = request["path"]  # PYTHONPATH's folders, where the server started without them
     run_as_main(script)
+
+
+class _SignalAt:
+    """``stream`` (the child's ``sys.stdout``), which sends ``sig`` to this process once, right after a line starting
+    with ``prefix`` is written (and flushed, so the caller sees it)."""
+
+    def __init__(self, stream, prefix: str, sig: int) -> None:
+        self._stream, self._prefix, self._sig = stream, prefix, sig
+        self._line: str | None = ""  # the unfinished line; None once the signal is sent
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        if self._line is not None:
+            *done, self._line = (self._line + text).split("\n")
+            if any(line.startswith(self._prefix) for line in done):
+                self._line = None
+                self._stream.flush()
+                os.kill(os.getpid(), self._sig)
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def run_as_main(script: str) -> NoReturn:
@@ -141,15 +170,17 @@ class WarmPython:
                          if k.startswith(self.AT_START) and k != "PYTHONPATH")
         assert not changed, f"the warm interpreter cannot run with other {', '.join(changed)}: start a fresh python"
 
-    def run(self, script: Path, cwd: Path, *args: str, timeout: float = 300,
-            env: dict[str, str] | None = None) -> tuple[int, str, str]:
-        """``python script *args`` in ``cwd`` (with ``env``, else the server's environment): its exit code
-        (negative: the signal that ended it), stdout, stderr."""
-        return self.start(script, cwd, *args, timeout=timeout, env=env).wait()
+    def run(self, script: Path, cwd: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None,
+            signal_at: tuple[str, int] | None = None) -> tuple[int, str, str]:
+        """``python script *args`` in ``cwd`` (with ``env``, else the server's environment; ``signal_at``: see
+        :meth:`start`): its exit code (negative: the signal that ended it), stdout, stderr."""
+        return self.start(script, cwd, *args, timeout=timeout, env=env, signal_at=signal_at).wait()
 
-    def start(self, script: Path, cwd: Path, *args: str, timeout: float = 300,
-              env: dict[str, str] | None = None) -> WarmRun:
-        """:meth:`run`'s script, started: its :class:`WarmRun` (wait for it before the next start)."""
+    def start(self, script: Path, cwd: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None,
+              signal_at: tuple[str, int] | None = None) -> WarmRun:
+        """:meth:`run`'s script, started: its :class:`WarmRun` (wait for it before the next start); with
+        ``signal_at=(prefix, signal)``, it sends itself ``signal`` right after it writes a line starting with
+        ``prefix``."""
         path = []
         if env is not None:
             self._check_env(env)
@@ -161,7 +192,7 @@ class WarmPython:
             fd, files[name] = tempfile.mkstemp(suffix=f".{name}")
             os.close(fd)
         self.proc.stdin.write(json.dumps({"script": str(script), "cwd": str(cwd), "args": list(args),
-                                          "timeout": timeout, "env": env, "path": path,
+                                          "timeout": timeout, "env": env, "path": path, "signal_at": signal_at,
                                           **files}) + "\n")
         self.proc.stdin.flush()
         return WarmRun(self, json.loads(self._reply())["pid"], files)
@@ -208,15 +239,6 @@ class WarmRun:
 
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
-
-    def signal_at(self, prefix: str, sig: int) -> tuple[int, str, str]:
-        """Send ``sig`` once the script prints a line starting with ``prefix`` (none if it never does), then
-        :meth:`wait`."""
-        for line in self.lines():
-            if line.startswith(prefix):
-                self.send_signal(sig)
-                break
-        return self.wait()
 
     def wait(self) -> tuple[int, str, str]:
         """Its exit code (negative: the signal that ended it), stdout, stderr."""
