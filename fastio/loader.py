@@ -711,7 +711,9 @@ class Loader:
         first = dali_reason(err)
         if in_flight and where is not None:
             return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
-        keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8]) if in_flight else "?"
+        if not in_flight:  # the graph failed with no batch of this Loader's in it
+            return DatasetError(f"{rs.root}: DALI failed: {first}")
+        keys = ", ".join(repr(rs.key_of(i)) for i in in_flight[0].indices[:8])
         return DatasetError(f"{rs.root}: DALI failed on a batch with keys {keys}: {first}")
 
 
