@@ -486,13 +486,16 @@ class Loader:
         if self._closed:
             return
         self._closed = True
-        if self._replicas is not None:
-            self._replicas.unregister()
-        self._close_active()
-        self._drop_stream()
-        if self._reader is not self.read_set.reader:
-            self._reader.close()
-        self.read_set.close()
+        # each step runs even where one before it raised (a Ctrl-C while DALI's threads stop): closing again
+        # returns at once, so a step skipped here would leave the reader's threads and open shards for good
+        with contextlib.ExitStack() as steps:  # run last-in first: in the order below
+            steps.callback(self.read_set.close)
+            if self._reader is not self.read_set.reader:
+                steps.callback(self._reader.close)
+            steps.callback(self._drop_stream)
+            steps.callback(self._close_active)
+            if self._replicas is not None:
+                steps.callback(self._replicas.unregister)
 
     def __enter__(self) -> Loader:
         return self

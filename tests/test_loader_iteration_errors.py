@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import shutil
 import sys
 import weakref
 from dataclasses import dataclass
@@ -182,8 +183,8 @@ def test_a_graph_whose_build_failed_is_built_again_before_the_next_batch(image_d
     assert _same(got, want), [b["index"] for b in got]
 
 
-def _next_interrupted_at(it, code) -> bool:
-    """``next(it)``, with a KeyboardInterrupt raised as ``code`` is first called (a Ctrl-C arriving just then):
+def _interrupted_at(call, code) -> bool:
+    """``call()``, with a KeyboardInterrupt raised as ``code`` is first called (a Ctrl-C arriving just then):
     whether it was called."""
     hits, traced = [], sys.gettrace()
 
@@ -196,7 +197,7 @@ def _next_interrupted_at(it, code) -> bool:
     sys.settrace(trace)
     try:
         with pytest.raises(KeyboardInterrupt):
-            next(it)
+            call()
     finally:
         sys.settrace(traced)
     return bool(hits)
@@ -210,10 +211,29 @@ def test_a_ctrl_c_while_the_failed_stream_is_dropped_leaves_the_batch_to_the_nex
     with _loader(image_dataset, _BuildFailsOnce(size=32)) as loader:
         it = _failed_build(loader)
         assert loader._feeder is not None  # the reads the failed build left, dropped by the next call
-        hits = _next_interrupted_at(it, Feeder.cancel.__code__)
+        hits = _interrupted_at(lambda: next(it), Feeder.cancel.__code__)
         assert hits, "the stream was not dropped"
         got = [_kept(batch) for batch in it]
     assert _same(got, want), [b["index"] for b in got]
+
+
+def test_a_ctrl_c_while_the_loader_closes_still_closes_its_reader(image_dataset, tmp_path):
+    """``close()`` stops DALI's threads, then the reader's: a Ctrl-C in the first step left the reader's threads and
+    its open shards for good (``close()`` again returns at once, the Loader being closed). Every step runs now."""
+    dest = tmp_path / "own"  # shards no other Loader of this process has open
+    shutil.copytree(image_dataset, dest)
+
+    def open_shards() -> list[str]:
+        fds = Path("/proc/self/fd")
+        return [t for t in (os.readlink(fd) for fd in fds.iterdir() if fd.name.isdigit() and fd.exists())
+                if t.startswith(str(dest / "shards"))]
+
+    loader = _loader(dest)
+    next(iter(loader))
+    assert open_shards()  # the reader keeps its shards open
+    assert _interrupted_at(loader.close, Feeder.cancel.__code__)
+    assert not open_shards()
+    loader.close()  # harmless
 
 
 def test_a_progress_line_that_cannot_be_written_loses_no_batch_and_keeps_the_epoch(image_dataset, monkeypatch):
@@ -250,7 +270,7 @@ def test_a_ctrl_c_in_the_epochs_progress_line_leaves_the_position_before_the_las
     with _loader(image_dataset, progress=True) as loader:
         it = iter(loader)
         got = [_kept(next(it)) for _ in range(BATCHES - 1)]
-        hits = _next_interrupted_at(it, Stats._print.__code__)
+        hits = _interrupted_at(lambda: next(it), Stats._print.__code__)
         assert hits and (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (0, 40)
         got += [_kept(batch) for batch in it]
         assert (loader.epoch, loader.consumed) == (1, 0)
