@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -20,6 +22,7 @@ from torchft import Manager, ProcessGroupGloo
 
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
 _ASKED: set[int] = set()  # the Managers (by id) that started a quorum in steps()
+_HOUSE: dict[int, str] = {}  # each Manager's (by id) lighthouse address, from manager()
 
 # The lighthouse's process: torchft's extension module loaded from its file (not the torchft package, which imports
 # torch: ~1 s), a LighthouseServer on 127.0.0.1, its address on stdout, shut down when stdin closes.
@@ -78,26 +81,42 @@ def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, wo
     """Rank ``rank`` of replica group ``group``'s Manager, with short timeouts (a dead peer is seen in seconds); the
     process's environment has ``LOOPBACK``."""
     assert all(os.environ.get(k) == v for k, v in LOOPBACK.items()), "gloo not on loopback"
-    return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
+    made = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
                    min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
                    lighthouse_addr=lighthouse_addr, replica_id=f"group{group}", hostname="127.0.0.1",
                    timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=30),
                    connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
+    _HOUSE[id(made)] = lighthouse_addr
+    return made
+
+
+def wait_asked(address: str, participants: int, timeout_s: float = 30) -> None:
+    """Wait until the lighthouse at ``address`` holds the quorum requests of ``participants`` groups (its status
+    page: "... have N participants ...")."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = opener.open(f"{address}/status", timeout=5).read().decode()
+        if re.search(rf"\bhave {participants} participants\b", status):
+            return
+        assert time.monotonic() < deadline, f"the lighthouse never had {participants} participants: {status}"
+        time.sleep(0.01)
 
 
 def steps(loaders: list[tuple[Manager, Any]], count: int, commit: Callable[[int], bool] = lambda s: True
           ) -> list[list[dict]]:
     """``count`` steps of single-rank groups in this process: every Manager starts its quorum, then each group takes
     its batch and commits (``commit(step)`` False: an error is reported first, so the step is not committed). The
-    group that has not asked before asks first, and is waited for, so that the quorum of its first step takes it in
-    (the lighthouse forms a quorum at once when the groups of the last one have asked)."""
+    group that has not asked before asks first, and the lighthouse is waited for until it holds that request, so
+    that the quorum of its first step takes it in (the lighthouse forms a quorum at once when the groups of the last
+    one have asked; a fixed 0.3 s wait was not always enough on a loaded machine)."""
     out = []
     its = [iter(loader) for _, loader in loaders]
     for _ in range(count):
         for m, _ in sorted(loaders, key=lambda ml: id(ml[0]) in _ASKED):
             m.start_quorum()
             if id(m) not in _ASKED and len(loaders) > 1:
-                time.sleep(0.3)  # its request reaches the lighthouse first
+                wait_asked(_HOUSE[id(m)], 1)  # its request reaches the lighthouse first
             _ASKED.add(id(m))
         out.append([dict(next(it), step=m.current_step(), participating=m.is_participating())
                     for (m, _), it in zip(loaders, its)])
