@@ -234,12 +234,18 @@ _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_
                 "staging_dir", "chat_template", "messages_field", "train_on", "max_tokens", "overlong")
 
 
+def _flag(ctx: click.Context, name: str) -> str:
+    """The long flag of parameter ``name`` as the user types it (``fmt`` -> ``--format``)."""
+    option = next(p for p in ctx.command.params if p.name == name)
+    return next(opt for opt in option.opts if opt.startswith("--"))
+
+
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
     from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     params = ctx.params
-    other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
+    other = [_flag(ctx, p) for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
         raise ConvertError("--text-field, --eos, --special-in-text and the chat options (--chat-template, ...) need "
