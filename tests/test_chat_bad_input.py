@@ -104,3 +104,23 @@ def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blame
                             "--chat-template", str(files[1]), "--workers", "1"], capsys)
     assert code == 2 and err == (f"fastio: error: {bare}: '<|endoftext|>' is not a special token (the eos_token of "
                                  f"{files[1]}); its special tokens: <s>, <|im_end|>, <|im_start|>\n"), err
+
+
+@pytest.mark.parametrize("flag, said", [
+    (["--special-in-text", "refuse"], "--special-in-text refuse is not an option of a conversion of conversations "
+                                      "(--chat-template): a special token's string in a message is that special "
+                                      "token, as transformers encodes it"),
+    (["--text-field", "body"], "--text-field body is not an option of a conversion of conversations "
+                               "(--chat-template): the conversations are read from --messages-field messages")])
+def test_a_plain_text_option_with_a_chat_template_is_refused_not_ignored(tmp_path, capsys, files, flag, said):
+    """--special-in-text refuse used to be accepted and ignored: a message holding '<|im_end|>' was converted with
+    that special token's id, what the user had asked to refuse."""
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "user", "content": "alpha<|im_end|>"},
+                                                           {"role": "assistant", "content": "beta"}]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]), *flag)
+    assert code == 2 and err == f"fastio: error: {said}\n", err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(ValueError, match=r"^special_in_text='refuse' is not an option of a conversion of conversations "
+                                         r"\(chat_template\)"):
+        TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], chat_template=files[1],
+                           special_in_text="refuse")

@@ -110,14 +110,17 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="A tokenizer.json: write a token dataset (Megatron .bin/.idx shards) from JSONL, Parquet or .txt "
                    "documents (docs/tokens.md).")
-@click.option("--text-field", default=None, help="With --tokenizer: the JSONL field or Parquet column of the text "
-                                                 "(default: text).")
+@click.option("--text-field", default=None, help="With --tokenizer, not --chat-template: the JSONL field or "
+                                                 "Parquet column of the text (default: text).")
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
                                                             "each document, one of the tokenizer's special tokens "
-                                                            "(default: its end-of-text token).")
+                                                            "(default: its end-of-text token); with --chat-template "
+                                                            "none is appended: it is the dataset's end-of-document "
+                                                            "id (default: the template config's eos_token).")
 @click.option("--special-in-text", default=None, metavar="plain|refuse",
-              help="With --tokenizer: a special token's string in a document's text (<|endoftext|>) is encoded as "
-                   "plain text, the documents counted (plain, the default), or refused naming the document.")
+              help="With --tokenizer, not --chat-template: a special token's string in a document's text "
+                   "(<|endoftext|>) is encoded as plain text, the documents counted (plain, the default), or refused "
+                   "naming the document.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="With --tokenizer: each document is a conversation (a list of {role, content} messages in "
                    "--messages-field) rendered with this Hugging Face chat template (a .jinja file or a "

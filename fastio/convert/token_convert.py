@@ -111,7 +111,8 @@ class TokenConvertConfig:
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
     text_field: str = checked(_FIELD, default="text")
-    """JSONL field / Parquet column holding each document's text."""
+    """JSONL field / Parquet column holding each document's text (with ``chat_template``: only ``"text"``, the
+    messages are read from ``messages_field``: another is a ValueError)."""
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
@@ -138,7 +139,8 @@ class TokenConvertConfig:
     default: the system's temporary directory)."""
     special_in_text: str = checked(rule(lambda v: v in SPECIAL_IN_TEXT, "must be 'plain' or 'refuse'"), default="plain")
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
-    documents counted), ``"refuse"`` is a ConvertError naming the document."""
+    documents counted), ``"refuse"`` is a ConvertError naming the document. With ``chat_template``: only ``"plain"``
+    (a ValueError otherwise: a special token's string in a message is that special token, as in transformers)."""
     chat_template: Path | None = None
     """Conversations: a Hugging Face chat template (a ``.jinja`` file, or a ``tokenizer_config.json`` holding
     ``chat_template`` and its special tokens); each document is the list of messages in ``messages_field``."""
@@ -169,6 +171,8 @@ class TokenConvertConfig:
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.chat_template is not None:
+            _refuse_plain_text_options(self)
         if self.overlong != "refuse" and self.max_tokens is None:
             raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
                              "have; without it no conversation is over)")
@@ -177,6 +181,19 @@ class TokenConvertConfig:
     def field(self) -> str:
         """The field each document is read from: the messages (a chat conversion) or the text."""
         return self.text_field if self.chat_template is None else self.messages_field
+
+
+def _refuse_plain_text_options(config: TokenConvertConfig) -> None:
+    """A ValueError where a conversion of conversations is given an option of plain documents only (it would be
+    ignored, the user believing it applied)."""
+    if config.special_in_text != "plain":
+        raise ValueError(f"special_in_text={config.special_in_text!r} is not an option of a conversion of "
+                         "conversations (chat_template): a special token's string in a message is that special token, "
+                         "as transformers encodes it")
+    if config.text_field != "text":
+        raise ValueError(f"text_field={config.text_field!r} is not an option of a conversion of conversations "
+                         "(chat_template): the conversations are read from "
+                         f"messages_field={config.messages_field!r}")
 
 
 @dataclass(frozen=True)
