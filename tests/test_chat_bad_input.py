@@ -124,3 +124,33 @@ def test_a_plain_text_option_with_a_chat_template_is_refused_not_ignored(tmp_pat
                                          r"\(chat_template\)"):
         TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], chat_template=files[1],
                            special_in_text="refuse")
+
+
+SHAREGPT_ROLES = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{{ '[' + m.role + '] ' + m.content + '\\n' }}{% endif %}{% endfor %}")
+"""A template that trains what role 'assistant' says and renders any other role as a prompt."""
+
+
+def test_conversations_of_which_no_token_is_trained_are_refused_not_published(tmp_path, capsys, files):
+    """ShareGPT's roles ('human', 'gpt') under a template that tests for 'assistant': every conversation rendered,
+    none trained; it used to be published with exit 0 ('0 tokens trained (0.0%)'), a dataset that trains nothing."""
+    (tmp_path / "t.jinja").write_text(SHAREGPT_ROLES)
+    chats = [[{"role": "human", "content": "alpha"}, {"role": "gpt", "content": "beta"}]] * 3
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(files[0]),
+                            "--chat-template", str(tmp_path / "t.jinja"), "--workers", "1"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fastio: error: {tmp_path / 'c.jsonl'}: nothing to train: no token of the 3 conversations "
+                          f"is inside a {{% generation %}} block of {tmp_path / 't.jinja'}"), err
+    assert "--train-on all" in err and not (tmp_path / "d").exists()
+    for k in (0, 1):  # parts: each may train nothing, the merge refuses the whole
+        convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "p", files[0], workers=1, part=(k, 2),
+                                          chat_template=tmp_path / "t.jinja"))
+    code, _, err = run_cli(["merge", str(tmp_path / "p")], capsys)
+    assert code == 2 and "nothing to train: no token of the 3 conversations" in err, err
+    assert not (tmp_path / "p" / "manifest.json").exists()
+    chats[1] = [{"role": "human", "content": "alpha"}, {"role": "assistant", "content": "beta"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    result = convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], workers=1,
+                                               chat_template=tmp_path / "t.jinja"))
+    assert result.documents == 3 and result.trained > 0  # one trained conversation is enough

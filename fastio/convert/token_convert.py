@@ -25,7 +25,9 @@ messages in ``messages_field``, rendered with a Hugging Face chat template and t
 are the template's), and each shard gets a loss mask ``NAME.mask`` beside its ``.bin``
 (:mod:`fastio.formats.token_mask`) marking the tokens of the template's ``{% generation %}`` blocks (``train_on=
 "all"``: every token); the manifest's ``tokens.chat`` records the template's checksum, the trained tokens and the
-longest conversation, each shard record its mask's sha256.
+longest conversation, each shard record its mask's sha256. A conversion (or merge) that would train no token at all
+is refused (:func:`refuse_untrained`); the options of plain documents (``text_field``, ``special_in_text``) are
+refused with a template rather than ignored.
 
 With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.convert.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
@@ -624,6 +626,9 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
             raise ConvertError(f"{config.source}: nothing to write: {count(written.dropped, 'conversation')} longer "
                                f"than max_tokens={config.max_tokens} left out (overlong={config.overlong!r})")
         raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
+    if config.chat_template is not None:
+        refuse_untrained(config.source, config.chat_template, config.train_on, sum(m.trained for m in written.masks),
+                         sum(s.documents for s in written.shards))
     records = _records(written)
     source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,
               **_overlong(config, written)}
@@ -631,6 +636,17 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     write_manifest(config.dest, token_manifest(config.name, records, _info(config, coder, records, starts, written), source,
                                                _options(config)))
     return written
+
+
+def refuse_untrained(source: Any, template: Any, train_on: str, trained: int, conversations: int) -> None:
+    """A ConvertError where a conversion of conversations trained on the template's generation blocks trains no
+    token at all (a dataset no step would learn from: most often the assistant's messages in a role the template
+    does not test for); a conversion or merge calls it before its manifest."""
+    if train_on == "generation" and trained == 0:
+        raise ConvertError(f"{source}: nothing to train: no token of the {count(conversations, 'conversation')} is "
+                           f"inside a {{% generation %}} block of {template} (are the assistant's messages in the role "
+                           "the template tests for, 'assistant' where the data says 'gpt'?); train_on='all' trains "
+                           "every token")
 
 
 def _overlong(config: TokenConvertConfig, written: _Written) -> dict[str, int]:

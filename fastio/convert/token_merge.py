@@ -32,7 +32,7 @@ import numpy as np
 from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
 from fastio.convert.run import DEFAULT_SHARD_SIZE
-from fastio.convert.token_convert import shard_record, token_manifest, token_shard_cuts
+from fastio.convert.token_convert import refuse_untrained, shard_record, token_manifest, token_shard_cuts
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     ChatInfo,
@@ -102,6 +102,9 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
     if not lengths.size:
         raise ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
     options = plan["convert_options"]
+    if plan["tokens"].get("chat") is not None:
+        refuse_untrained(source, options["chat_template"], plan["tokens"]["chat"]["train_on"],
+                         sum(r.datasets[""].get("trained_tokens", 0) for r in records), lengths.size)
     cuts = token_shard_cuts(lengths * np.dtype(plan["tokens"]["dtype"]).itemsize, options["shard_size"],
                             options["max_samples_per_shard"])
     whole = {(s.first, s.first + s.record.samples): s for s in shards}
