@@ -61,6 +61,9 @@ def test_a_surrogate_pair_escape_is_text_and_converts(tmp_path, files):
 
 @pytest.mark.parametrize("line, said", [("[1, 2]", "a list, not a JSON object"),
                                         ("null", "null, not a JSON object"),
+                                        # json's own words counted the line's newline as a line 2: 'line 2 column 1'
+                                        ('{"messages": [', "not a JSON object (Expecting value at the end of the line)"),
+                                        ('{"messages": [}]}', "not a JSON object (Expecting value at column 15)"),
                                         ('{"text": "hi"}', "has no field 'messages' (--messages-field messages)")])
 def test_a_line_that_is_not_a_conversation_object_is_named_with_the_chat_flag(tmp_path, capsys, files, line, said):
     _source(tmp_path / "c.jsonl", line)
