@@ -106,6 +106,9 @@ def test_refusals_concat_and_a_seq_len_a_conversation_does_not_fit(chat):
                                            rf"= 64: a conversation is never cut; raise seq_len to at least "
                                            rf"{longest - 1}"):
         fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
+    tight = fastio.Tokens(seq_len=longest - 1, packing="best-fit")  # seq_len + 1 == the longest: it fits (--help)
+    with fastio.Loader(chat, pipeline=tight, batch_size=2, device="cpu") as ld:
+        assert max(int((b["segment_ids"] > 0).sum(axis=1).max()) for b in ld) == longest
 
 
 def test_the_seq_len_refusal_names_the_cli_flags_and_the_library_fields(chat):

@@ -134,7 +134,7 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--max-tokens", type=int, default=None, metavar="N",
               help="With --chat-template: the most tokens a conversation may have (the training seq_len + 1); a "
                    "longer one is handled by --overlong, never cut mid-turn (default: no limit; the Loader refuses a "
-                   "seq_len shorter than the longest).")
+                   "seq_len + 1 below the longest).")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
                    "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted); drop and "
