@@ -432,14 +432,14 @@ class TokenReader:
         one = bool((spans.shard == spans.shard[0]).all())
         stops = start + count
         masked = bits is not None and self._chat[s]
-        heads = piece_starts(rows, count, self.width)
         if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
             if masked:
                 bits[:] = self._mask(s, int(spans.shard[0])).bits(at)
-                bits[heads] = False  # a conversation's first token is no target (see the module docstring)
+                bits[piece_starts(rows, count, self.width)] = False  # a conversation's first token: no target
             return self._tokens(s, int(spans.shard[0]), at, int(stops.max())).astype(np.int64)
         if flat is None:
             flat = np.full(size, self.eos_id, np.int64)
+        heads = piece_starts(rows, count, self.width)
         to = np.repeat(heads - before, count)
         to += k  # its place in flat
         each = None if one else np.repeat(spans.shard, count)
