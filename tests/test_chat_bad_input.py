@@ -157,3 +157,16 @@ def test_conversations_of_which_no_token_is_trained_are_refused_not_published(tm
     result = convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], workers=1,
                                                chat_template=tmp_path / "t.jinja"))
     assert result.documents == 3 and result.trained > 0  # one trained conversation is enough
+
+
+def test_a_template_message_holding_a_newline_is_still_one_line(tmp_path, capsys, files):
+    """The template's own words go into the line: CHATML's raise_exception('unknown role ' ~ role) with a role
+    holding a newline (data), or a template raising a two-line message, printed two lines; control characters are
+    now escaped."""
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "wiz\nard", "content": "x"}]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]))
+    assert code == 2 and err.endswith("the template refused it: unknown role wiz\\nard\n") and err.count("\n") == 1, err
+    (tmp_path / "t.jinja").write_text('{% generation %}{{ raise_exception("no\\r\\nway\\tout") }}{% endgeneration %}')
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(tmp_path / "t.jinja"), "--train-on", "all")
+    assert code == 2 and err.endswith("the template refused it: no\\r\\nway\\tout\n") and err.count("\n") == 1, err
+    assert not (tmp_path / "d").exists()

@@ -130,7 +130,8 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
 
 def render(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """``(text, spans)``: the conversation rendered (:func:`prepare_messages` first) and its generation spans in
-    characters; a :class:`ChatTemplateError` with the template's own message when it raises or fails."""
+    characters; a :class:`ChatTemplateError` with the template's own message (on one line: :func:`_one_line`) when
+    it raises or fails."""
     import jinja2
 
     compiled = _compiled(template.text, template.path)
@@ -142,10 +143,19 @@ def render(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tupl
                                            add_generation_prompt=False, **template.variables):
                 blocks.append(block)
     except jinja2.TemplateError as err:
-        raise ChatTemplateError(f"the template refused it: {err}") from None
+        raise ChatTemplateError(f"the template refused it: {_one_line(str(err))}") from None
     except Exception as err:  # noqa: BLE001 (a template may fail in any way: an attribute of None, a bad index)
-        raise ChatTemplateError(f"the template failed: {type(err).__name__}: {err}") from None
+        raise ChatTemplateError(f"the template failed: {type(err).__name__}: {_one_line(str(err))}") from None
     return "".join(blocks), spans
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(text: str) -> str:
+    """A template's message (its words, often with the data's: ``'unknown role ' ~ role``) with its control
+    characters escaped (a newline as ``\\n``), so that the refusal stays one line."""
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
 
 
 @lru_cache(maxsize=8)
