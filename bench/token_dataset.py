@@ -7,8 +7,8 @@ manifest and against each other); :meth:`TokenDataset.packing` gives the pure or
 (:class:`~fastio.tokens.packing.ConcatPacking` or :class:`~fastio.tokens.packing.BestFitPacking`) over its
 documents, and :meth:`TokenDataset.batch` reads the sequences a plan names, with their ``position_ids``,
 ``cu_seqlens`` and ``loss_mask``; a chat dataset's ``loss_mask`` is its stored mask
-(:mod:`fastio.formats.token_mask`) but on each conversation's first token, and its boundaries are the conversations' (the pieces'), as the Loader's.
-Local datasets only.
+(:mod:`fastio.formats.token_mask`) but on each conversation's first token, and its boundaries are the
+conversations' (the pieces'), as the Loader's. Local datasets only.
 """
 
 from __future__ import annotations

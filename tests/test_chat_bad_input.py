@@ -170,3 +170,14 @@ def test_a_template_message_holding_a_newline_is_still_one_line(tmp_path, capsys
     code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(tmp_path / "t.jinja"), "--train-on", "all")
     assert code == 2 and err.endswith("the template refused it: no\\r\\nway\\tout\n") and err.count("\n") == 1, err
     assert not (tmp_path / "d").exists()
+
+
+def test_conversations_the_template_renders_to_nothing_are_named_as_such(tmp_path, capsys, files):
+    """Every conversation rendered empty (a template whose output is all under a false condition) was refused as
+    'holds no document with text (3 empty documents)': the text was there, the template wrote nothing of it."""
+    (tmp_path / "t.jinja").write_text("{% if false %}{% generation %}{{ messages }}{% endgeneration %}{% endif %}")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(3)))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(tmp_path / "t.jinja"))
+    assert code == 2 and err == (f"fastio: error: {tmp_path / 'c.jsonl'}: holds no conversation the chat template "
+                                 "renders to any token (3 conversations rendered empty)\n"), err
+    assert not (tmp_path / "d").exists()

@@ -625,7 +625,7 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
         if written.dropped:
             raise ConvertError(f"{config.source}: nothing to write: {count(written.dropped, 'conversation')} longer "
                                f"than max_tokens={config.max_tokens} left out (overlong={config.overlong!r})")
-        raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
+        raise nothing_to_write(config.source, written.empty, config.chat_template is not None)
     if config.chat_template is not None:
         refuse_untrained(config.source, config.chat_template, config.train_on, sum(m.trained for m in written.masks),
                          sum(s.documents for s in written.shards))
@@ -636,6 +636,15 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     write_manifest(config.dest, token_manifest(config.name, records, _info(config, coder, records, starts, written), source,
                                                _options(config)))
     return written
+
+
+def nothing_to_write(source: Any, empty: int, chat: bool) -> ConvertError:
+    """The refusal of a conversion (or merge) whose every document was empty: no text, or every conversation rendered
+    to nothing by its template."""
+    if chat:
+        return ConvertError(f"{source}: holds no conversation the chat template renders to any token "
+                            f"({count(empty, 'conversation')} rendered empty)")
+    return ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
 
 
 def refuse_untrained(source: Any, template: Any, train_on: str, trained: int, conversations: int) -> None:

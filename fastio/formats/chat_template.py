@@ -31,8 +31,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKEN_KEYS", "ChatTemplate", "ChatTemplateError", "has_generation",
-           "load_chat_template", "prepare_messages", "render"]
+__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKEN_KEYS", "ChatTemplate", "ChatTemplateError",
+           "has_generation", "load_chat_template", "prepare_messages", "render"]
 
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 """A ``{% generation %}`` tag (transformers' own test of a template for one)."""
