@@ -94,8 +94,9 @@ class _Rows:
 
 
 class Assemble:
-    """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained), positions and
-    segments per sample, padding after (position ramp, segment 0, untrained); its images decoded by PIL."""
+    """One packed row as arrays: image tokens expanded to ``image_seq_len`` copies (never trained, nor a sample's
+    first token), positions and segments per sample, padding after (position ramp, segment 0, untrained); its images
+    decoded by PIL."""
 
     def __init__(self, packing: Packing, image_id: int):
         from bench.loader import PeerTransform
@@ -118,6 +119,7 @@ class Assemble:
             n = int(reps.sum())
             tokens[at:at + n] = np.repeat(ids, reps)
             mask[at:at + n] = np.repeat(bits & ~image, reps)
+            mask[at] = False  # a sample's first token is no target: the token before it is another sample's
             segments[at:at + n], positions[at:at + n] = k, np.arange(n)
             starts += (at + (np.cumsum(reps) - reps)[image]).tolist()
             images += [self._image(sample[f]) for f in image_fields(sample)]

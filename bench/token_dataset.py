@@ -7,8 +7,8 @@ manifest and against each other); :meth:`TokenDataset.packing` gives the pure or
 (:class:`~fastio.tokens.packing.ConcatPacking` or :class:`~fastio.tokens.packing.BestFitPacking`) over its
 documents, and :meth:`TokenDataset.batch` reads the sequences a plan names, with their ``position_ids``,
 ``cu_seqlens`` and ``loss_mask``; a chat dataset's ``loss_mask`` is its stored mask
-(:mod:`fastio.formats.token_mask`) and its boundaries are the conversations' (the pieces'), as the Loader's.
-Local datasets only.
+(:mod:`fastio.formats.token_mask`) but on each conversation's first token, and its boundaries are the
+conversations' (the pieces'), as the Loader's. Local datasets only.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class TokenDataset:
     def batch(self, packing: ConcatPacking | BestFitPacking, epoch: int, sequences: np.ndarray
               ) -> dict[str, np.ndarray]:
         """``tokens`` int64 [B, seq_len + 1] (padding: the end-of-document id), ``loss_mask`` bool (same shape, False
-        on padding, and a chat dataset's stored mask: a target ``tokens[:, 1:]`` counts where ``loss_mask[:, 1:]``),
+        on padding, and a chat dataset's stored mask but on each conversation's first token: a target ``tokens[:, 1:]``
+        counts where ``loss_mask[:, 1:]``),
         ``position_ids`` (same shape) and ``cu_seqlens`` int32 [n + 1] (padding one segment) of sequences
         ``sequences`` of ``epoch``."""
         width = packing.seq_len + 1
@@ -108,7 +109,11 @@ class TokenDataset:
             pieces = packing.pieces(epoch, s)
             got = self.read(pieces)
             tokens[row, :got.size] = got
-            mask[row, :got.size] = True if self.masks is None else self.read_mask(pieces)
+            if self.masks is None:
+                mask[row, :got.size] = True
+            else:  # the stored bits, but each conversation's first token: no target (fastio/tokens/loading.py)
+                mask[row, :got.size] = self.read_mask(pieces)
+                mask[row, np.cumsum([0] + [p.count for p in pieces[:-1]])] = False
             rows += [row] * len(pieces)
             counts += [p.count for p in pieces]
         if self.masks is None:

@@ -122,7 +122,7 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
             except UnicodeDecodeError as err:
                 raise ConvertError(f"{where}: not UTF-8 text (byte {err.start})") from None
             except ValueError as err:
-                raise ConvertError(f"{where}: not a JSON object ({err})") from None
+                raise ConvertError(f"{where}: not a JSON object ({_json_reason(err)})") from None
             if not isinstance(row, dict):
                 raise ConvertError(f"{where}: {_json_kind(row)}, not a JSON object")
             if field not in row:
@@ -131,6 +131,15 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
             if not messages and not isinstance(text, str):
                 raise ConvertError(f"{where}: field {field!r} is {type(text).__name__}, not text")
             yield where, text
+
+
+def _json_reason(err: ValueError) -> str:
+    """Why ``json`` refused a line, placed in that line (its own words, ``line 2 column 1 (char 15)``, count the
+    line's newline as a second line)."""
+    if not isinstance(err, json.JSONDecodeError):
+        return str(err)
+    end = len(err.doc.rstrip("\r\n"))
+    return f"{err.msg} at " + ("the end of the line" if err.pos >= end else f"column {err.pos + 1}")
 
 
 def _field_option(messages: bool) -> str:

@@ -61,6 +61,9 @@ def test_a_surrogate_pair_escape_is_text_and_converts(tmp_path, files):
 
 @pytest.mark.parametrize("line, said", [("[1, 2]", "a list, not a JSON object"),
                                         ("null", "null, not a JSON object"),
+                                        # json's own words counted the line's newline as a line 2: 'line 2 column 1'
+                                        ('{"messages": [', "not a JSON object (Expecting value at the end of the line)"),
+                                        ('{"messages": [}]}', "not a JSON object (Expecting value at column 15)"),
                                         ('{"text": "hi"}', "has no field 'messages' (--messages-field messages)")])
 def test_a_line_that_is_not_a_conversation_object_is_named_with_the_chat_flag(tmp_path, capsys, files, line, said):
     _source(tmp_path / "c.jsonl", line)
@@ -104,3 +107,77 @@ def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blame
                             "--chat-template", str(files[1]), "--workers", "1"], capsys)
     assert code == 2 and err == (f"fastio: error: {bare}: '<|endoftext|>' is not a special token (the eos_token of "
                                  f"{files[1]}); its special tokens: <s>, <|im_end|>, <|im_start|>\n"), err
+
+
+@pytest.mark.parametrize("flag, said", [
+    (["--special-in-text", "refuse"], "--special-in-text refuse is not an option of a conversion of conversations "
+                                      "(--chat-template): a special token's string in a message is that special "
+                                      "token, as transformers encodes it"),
+    (["--text-field", "body"], "--text-field body is not an option of a conversion of conversations "
+                               "(--chat-template): the conversations are read from --messages-field messages")])
+def test_a_plain_text_option_with_a_chat_template_is_refused_not_ignored(tmp_path, capsys, files, flag, said):
+    """--special-in-text refuse used to be accepted and ignored: a message holding '<|im_end|>' was converted with
+    that special token's id, what the user had asked to refuse."""
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "user", "content": "alpha<|im_end|>"},
+                                                           {"role": "assistant", "content": "beta"}]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]), *flag)
+    assert code == 2 and err == f"fastio: error: {said}\n", err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(ValueError, match=r"^special_in_text='refuse' is not an option of a conversion of conversations "
+                                         r"\(chat_template\)"):
+        TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], chat_template=files[1],
+                           special_in_text="refuse")
+
+
+SHAREGPT_ROLES = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{{ '[' + m.role + '] ' + m.content + '\\n' }}{% endif %}{% endfor %}")
+"""A template that trains what role 'assistant' says and renders any other role as a prompt."""
+
+
+def test_conversations_of_which_no_token_is_trained_are_refused_not_published(tmp_path, capsys, files):
+    """ShareGPT's roles ('human', 'gpt') under a template that tests for 'assistant': every conversation rendered,
+    none trained; it used to be published with exit 0 ('0 tokens trained (0.0%)'), a dataset that trains nothing."""
+    (tmp_path / "t.jinja").write_text(SHAREGPT_ROLES)
+    chats = [[{"role": "human", "content": "alpha"}, {"role": "gpt", "content": "beta"}]] * 3
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(files[0]),
+                            "--chat-template", str(tmp_path / "t.jinja"), "--workers", "1"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fastio: error: {tmp_path / 'c.jsonl'}: nothing to train: no token of the 3 conversations "
+                          f"is inside a {{% generation %}} block of {tmp_path / 't.jinja'}"), err
+    assert "--train-on all" in err and not (tmp_path / "d").exists()
+    for k in (0, 1):  # parts: each may train nothing, the merge refuses the whole
+        convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "p", files[0], workers=1, part=(k, 2),
+                                          chat_template=tmp_path / "t.jinja"))
+    code, _, err = run_cli(["merge", str(tmp_path / "p")], capsys)
+    assert code == 2 and "nothing to train: no token of the 3 conversations" in err, err
+    assert not (tmp_path / "p" / "manifest.json").exists()
+    chats[1] = [{"role": "human", "content": "alpha"}, {"role": "assistant", "content": "beta"}]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    result = convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], workers=1,
+                                               chat_template=tmp_path / "t.jinja"))
+    assert result.documents == 3 and result.trained > 0  # one trained conversation is enough
+
+
+def test_a_template_message_holding_a_newline_is_still_one_line(tmp_path, capsys, files):
+    """The template's own words go into the line: CHATML's raise_exception('unknown role ' ~ role) with a role
+    holding a newline (data), or a template raising a two-line message, printed two lines; control characters are
+    now escaped."""
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "wiz\nard", "content": "x"}]}))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]))
+    assert code == 2 and err.endswith("the template refused it: unknown role wiz\\nard\n") and err.count("\n") == 1, err
+    (tmp_path / "t.jinja").write_text('{% generation %}{{ raise_exception("no\\r\\nway\\tout") }}{% endgeneration %}')
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(tmp_path / "t.jinja"), "--train-on", "all")
+    assert code == 2 and err.endswith("the template refused it: no\\r\\nway\\tout\n") and err.count("\n") == 1, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_conversations_the_template_renders_to_nothing_are_named_as_such(tmp_path, capsys, files):
+    """Every conversation rendered empty (a template whose output is all under a false condition) was refused as
+    'holds no document with text (3 empty documents)': the text was there, the template wrote nothing of it."""
+    (tmp_path / "t.jinja").write_text("{% if false %}{% generation %}{{ messages }}{% endgeneration %}{% endif %}")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(3)))
+    code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(tmp_path / "t.jinja"))
+    assert code == 2 and err == (f"fastio: error: {tmp_path / 'c.jsonl'}: holds no conversation the chat template "
+                                 "renders to any token (3 conversations rendered empty)\n"), err
+    assert not (tmp_path / "d").exists()

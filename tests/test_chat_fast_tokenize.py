@@ -188,3 +188,31 @@ def test_conversations_equal_transformers_on_tokenizers_path(chat_files, tmp_pat
     assert encoder.fast is None
     _assert_equal_transformers(encoder, hf_tokenizer(tmp_path / "tokenizer.json", config), GLUED,
                                _conversations(20, 3))
+
+
+FULL_WIDTH = ("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>")
+"""DeepSeek's special tokens: not ASCII (full-width bars, U+2581), split out of the text as any added token."""
+THINKING = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '<｜User｜>' + m.content }}"
+            "{% else %}{{ '<｜Assistant｜>' }}{% generation %}{% if m.reasoning_content is defined %}"
+            "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
+            "{{ m.content + '<｜end▁of▁sentence｜>' }}{% endgeneration %}{% endif %}{% endfor %}")
+"""A DeepSeek-R1-like template: non-ASCII special tokens around the turns, the reasoning inside the reply's span."""
+
+
+def test_non_ascii_special_tokens_and_reasoning_equal_transformers_on_the_fast_path(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    from tokens_helpers import CHAT_WORDS, CORPUS, train_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [*CORPUS, *(" ".join(CHAT_WORDS[i:] + CHAT_WORDS[:i]) for i in range(len(CHAT_WORDS)))] * 2
+    tok = train_tokenizer(tmp_path / "tokenizer.json", eos=None, vocab_size=400, specials=FULL_WIDTH, texts=texts)
+    (tmp_path / "config.json").write_text(json.dumps({"chat_template": THINKING, "bos_token": FULL_WIDTH[0],
+                                                      "eos_token": FULL_WIDTH[3]}))
+    encoder = _encoder(load_tokenizer(tok), tmp_path / "config.json")
+    assert encoder.fast is not None
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tok), bos_token=FULL_WIDTH[0], eos_token=FULL_WIDTH[3])
+    chats = _conversations(30, 9)
+    for i, chat in enumerate(chats):  # reasoning (under any of its names) on some replies: transformers aliases it
+        for m in chat[1::2][: i % 3]:
+            m[("reasoning_content", "thinking", "reasoning")[i % 3]] = "".join(PIECES[i % len(PIECES)])
+    _assert_equal_transformers(encoder, hf, THINKING, chats)

@@ -60,7 +60,8 @@ def test_every_conversation_once_whole_with_transformers_mask(chat):
     pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
     root = chat.parent
     hf = hf_tokenizer(root / "tokenizer.json", root / "tokenizer_config.json")
-    want = Counter(tuple(map(tuple, hf_ids_and_mask(hf, GLUED, c))) for c in conversations(N, 0))
+    want = Counter((tuple(ids), (0, *mask[1:]))  # the first token is no target: test_no_conversations_first_...
+                   for ids, mask in (hf_ids_and_mask(hf, GLUED, c) for c in conversations(N, 0)))
     eos = load_manifest(chat).tokens.eos_id
     assert any(eos in ids[:-1] for ids, _ in want)  # an end-of-text id inside a conversation: not a boundary
     got = Counter()
@@ -72,7 +73,29 @@ def test_every_conversation_once_whole_with_transformers_mask(chat):
             for ids, mask, pos in _segments({k: (v[keep] if k in rows else v) for k, v in b.items()}):
                 assert np.array_equal(pos, np.arange(len(ids)))  # position_ids restart at each conversation
                 got[(ids, mask)] += 1
-    assert got == want  # each conversation once, whole, its mask transformers' assistant mask
+    assert got == want  # each conversation once, whole, its mask transformers' assistant mask (but its first token)
+
+
+def test_no_conversations_first_token_is_a_target(chat):
+    """A conversation whose first token its mask trains (GLUED renders a system message first as 'a' + text, the
+    first token straddling a generation block's edge): packed after another conversation, that token's target slot
+    would be predicted from the other conversation's last token, a target transformers never trains (its labels
+    shift within one conversation; DataCollatorWithFlattening labels each packed sequence's first token -100). The
+    Loader's loss_mask is False there wherever the conversation lands, True on every other trained token."""
+    stored = stored_conversations(chat)
+    assert any(mask[0] for _, mask in stored)  # the case arises: a stored mask trains a first token
+    want = Counter((tuple(ids), (0, *mask[1:])) for ids, mask in stored)
+    got, later = Counter(), 0
+    with _loader(chat) as ld:
+        for b in ld:
+            seg, mask = b["segment_ids"].numpy(), b["loss_mask"].numpy()
+            first = (seg > 0) & (np.diff(seg, axis=1, prepend=0) != 0)
+            assert not mask[first].any()
+            later += int(first[:, 1:].sum())
+            keep = ~b["padded"].numpy()
+            rows = {"tokens", "loss_mask", "position_ids", "segment_ids"}
+            got.update((ids, m) for ids, m, _ in _segments({k: (v[keep] if k in rows else v) for k, v in b.items()}))
+    assert later > 0 and got == want  # conversations packed after others; every other trained token still trained
 
 
 def test_refusals_concat_and_a_seq_len_a_conversation_does_not_fit(chat):
@@ -83,6 +106,9 @@ def test_refusals_concat_and_a_seq_len_a_conversation_does_not_fit(chat):
                                            rf"= 64: a conversation is never cut; raise seq_len to at least "
                                            rf"{longest - 1}"):
         fastio.Loader(chat, pipeline=fastio.Tokens(seq_len=63, packing="best-fit"), batch_size=2, device="cpu")
+    tight = fastio.Tokens(seq_len=longest - 1, packing="best-fit")  # seq_len + 1 == the longest: it fits (--help)
+    with fastio.Loader(chat, pipeline=tight, batch_size=2, device="cpu") as ld:
+        assert max(int((b["segment_ids"] > 0).sum(axis=1).max()) for b in ld) == longest
 
 
 def test_the_seq_len_refusal_names_the_cli_flags_and_the_library_fields(chat):
@@ -125,7 +151,7 @@ def plain(chat):
 
 
 def test_a_mixture_keeps_each_conversations_mask_and_trains_every_plain_token(chat, plain):
-    stored = {tuple(ids): tuple(mask) for ids, mask in stored_conversations(chat)}
+    stored = {tuple(ids): (0, *mask[1:]) for ids, mask in stored_conversations(chat)}  # the first: no target
     mix = fastio.Mixture({"chat": chat, "plain": plain}, weights={"chat": 0.5, "plain": 0.5})
     seen = Counter()
     with _loader(mix, batch_size=8) as ld:

@@ -133,3 +133,32 @@ def test_template_files_jinja_and_config(chat_files, tmp_path):
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="none.json: holds no chat_template"):
         load_chat_template(tmp_path / "none.json")
+
+
+def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transformers(chat_files, tmp_path):
+    """transformers (>= 4.43) saves a tokenizer's template as chat_template.jinja beside tokenizer_config.json (the
+    config then holds none) and, loading, gives that file priority over a chat_template the config still holds.
+    --chat-template tokenizer_config.json used to be refused for the first and rendered the stale template for
+    the second; it is now the file's template with the config's special tokens, equal to transformers loading the
+    folder."""
+    import json
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    tok, _ = chat_files
+    shutil.copy(tok, tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "alpha beta"},
+            {"role": "assistant", "content": "gamma"}]
+    for stale in (GLUED, None):
+        config = {"bos_token": "<s>", "eos_token": "<|endoftext|>"} | ({"chat_template": stale} if stale else {})
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+        template = load_chat_template(tmp_path / "tokenizer_config.json")
+        assert template.text == CHATML and template.path == str(tmp_path / "chat_template.jinja")
+        assert template.variables == {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
+        encoder = ChatEncoder(load_tokenizer(tok), template, "generation", "messages", np.dtype("uint16"))
+        hf = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+        want = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        (ids, mask), = _each(encoder, [chat])
+        assert (ids, mask) == (list(want["input_ids"]), list(want["assistant_masks"])) and sum(mask) > 0

@@ -516,3 +516,30 @@ def test_image_tokens_are_never_trained_even_where_the_template_trains_the_turn_
             _check_batch(batch, ref, _by_tokens(ref), vlm["image_id"])
             image = batch["tokens"].numpy() == vlm["image_id"]
             assert image.any() and not batch["loss_mask"].numpy()[image].any()
+
+
+ASSISTANT_FIRST = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                   "{% endgeneration %}{% else %}{{ '\\n[' + m.role + '] ' + m.content + '\\n' }}{% endif %}{% endfor %}")
+"""A template that renders an assistant's message first as its bare text, a generation block from character 0."""
+
+
+def test_no_conversations_first_token_is_a_target(vlm, tmp_path):
+    """A conversation whose first token is trained (it opens with the assistant's words): packed after another,
+    that token's target slot would be predicted from the other's last token, a target transformers never trains;
+    its loss_mask is False wherever it lands, every other trained token True (as fastio.Tokens does)."""
+    (tmp_path / "t.jinja").write_text(ASSISTANT_FIRST)
+    line = {"images": [], "messages": [{"role": "assistant", "content": "alpha beta"},
+                                       {"role": "user", "content": "gamma"}, {"role": "assistant", "content": "delta"}]}
+    (tmp_path / "c.jsonl").write_text((json.dumps(line) + "\n") * 6)
+    convert_image_text(ConvertConfig(tmp_path / "c.jsonl", tmp_path / "ds", workers=1),
+                       ImageTextOptions(vlm["src"]["tokenizer"], tmp_path / "t.jinja"))
+    (ids, stored, _), = set((tuple(i), tuple(m), ()) for i, m, _ in _reference(tmp_path / "ds", vlm["image_id"]))
+    assert stored[0] and sum(stored) > 1  # the first token is one the template trains
+    later = 0
+    with _loader(tmp_path / "ds", seq_len=3 * len(ids) - 1) as ld:
+        for b in ld:
+            tokens, mask = b["tokens"].numpy(), b["loss_mask"].numpy()
+            for r, a, e in _segments(b):
+                assert tuple(tokens[r, a:e]) == ids and tuple(mask[r, a:e]) == (False, *stored[1:])
+                later += a > 0
+    assert later > 0

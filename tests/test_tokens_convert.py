@@ -150,6 +150,17 @@ def test_hostile_inputs_named(tmp_path, tokenizer):
     assert not (tmp_path / "e" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("flag, said", [(["--format", "csv"], "--format"), (["-q", "--shuffle"], "--shuffle"),
+                                        (["--split-by", "random"], "--split-by")])
+def test_an_image_option_of_a_token_conversion_is_refused_by_the_flag_the_user_typed(tmp_path, tokenizer, capsys,
+                                                                                     flag, said):
+    """The refusal names the flag as typed: ``--format`` (its parameter is called ``fmt``) was named ``--fmt``."""
+    src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
+    r = fastio(capsys, "convert", src, tmp_path / "ds", "--tokenizer", tokenizer, *flag)
+    assert r.exit_code == 2 and r.output == f"fastio: error: {said}: not an option of a token conversion (--tokenizer)\n"
+    assert not (tmp_path / "ds").exists()
+
+
 def test_cli_refuses_image_options_and_verify_inspect_work(tmp_path, tokenizer, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", TEXTS)
     r = fastio(capsys, *["convert", str(src), str(tmp_path / "ds"), "--tokenizer", str(tokenizer), "--max-side", "64"])

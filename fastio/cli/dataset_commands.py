@@ -110,14 +110,17 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--tokenizer", type=click.Path(path_type=Path), default=None,
               help="A tokenizer.json: write a token dataset (Megatron .bin/.idx shards) from JSONL, Parquet or .txt "
                    "documents (docs/tokens.md).")
-@click.option("--text-field", default=None, help="With --tokenizer: the JSONL field or Parquet column of the text "
-                                                 "(default: text).")
+@click.option("--text-field", default=None, help="With --tokenizer, not --chat-template: the JSONL field or "
+                                                 "Parquet column of the text (default: text).")
 @click.option("--eos", default=None, metavar="TOKEN", help="With --tokenizer: the end-of-document token appended to "
                                                             "each document, one of the tokenizer's special tokens "
-                                                            "(default: its end-of-text token).")
+                                                            "(default: its end-of-text token); with --chat-template "
+                                                            "none is appended: it is the dataset's end-of-document "
+                                                            "id (default: the template config's eos_token).")
 @click.option("--special-in-text", default=None, metavar="plain|refuse",
-              help="With --tokenizer: a special token's string in a document's text (<|endoftext|>) is encoded as "
-                   "plain text, the documents counted (plain, the default), or refused naming the document.")
+              help="With --tokenizer, not --chat-template: a special token's string in a document's text "
+                   "(<|endoftext|>) is encoded as plain text, the documents counted (plain, the default), or refused "
+                   "naming the document.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="With --tokenizer: each document is a conversation (a list of {role, content} messages in "
                    "--messages-field) rendered with this Hugging Face chat template (a .jinja file or a "
@@ -131,7 +134,7 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--max-tokens", type=int, default=None, metavar="N",
               help="With --chat-template: the most tokens a conversation may have (the training seq_len + 1); a "
                    "longer one is handled by --overlong, never cut mid-turn (default: no limit; the Loader refuses a "
-                   "seq_len shorter than the longest).")
+                   "seq_len + 1 below the longest).")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
                    "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted); drop and "
@@ -234,12 +237,18 @@ _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_
                 "staging_dir", "chat_template", "messages_field", "train_on", "max_tokens", "overlong")
 
 
+def _flag(ctx: click.Context, name: str) -> str:
+    """The long flag of parameter ``name`` as the user types it (``fmt`` -> ``--format``)."""
+    option = next(p for p in ctx.command.params if p.name == name)
+    return next(opt for opt in option.opts if opt.startswith("--"))
+
+
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
     from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     params = ctx.params
-    other = [f"--{p.replace('_', '-')}" for p in params if p not in _TOKEN_FLAGS and
+    other = [_flag(ctx, p) for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
         raise ConvertError("--text-field, --eos, --special-in-text and the chat options (--chat-template, ...) need "

@@ -25,7 +25,9 @@ messages in ``messages_field``, rendered with a Hugging Face chat template and t
 are the template's), and each shard gets a loss mask ``NAME.mask`` beside its ``.bin``
 (:mod:`fastio.formats.token_mask`) marking the tokens of the template's ``{% generation %}`` blocks (``train_on=
 "all"``: every token); the manifest's ``tokens.chat`` records the template's checksum, the trained tokens and the
-longest conversation, each shard record its mask's sha256.
+longest conversation, each shard record its mask's sha256. A conversion (or merge) that would train no token at all
+is refused (:func:`refuse_untrained`); the options of plain documents (``text_field``, ``special_in_text``) are
+refused with a template rather than ignored.
 
 With ``part`` (K, N), only the documents of part K's span of the listing (:func:`fastio.convert.corpus.part_span`)
 are tokenized, into ``DEST/.parts/part-K-of-N/`` (its own lock; ``part.json`` last, holding the part's shard
@@ -111,7 +113,8 @@ class TokenConvertConfig:
     tokenizer: Path
     """A Hugging Face ``tokenizer.json``."""
     text_field: str = checked(_FIELD, default="text")
-    """JSONL field / Parquet column holding each document's text."""
+    """JSONL field / Parquet column holding each document's text (with ``chat_template``: only ``"text"``, the
+    messages are read from ``messages_field``: another is a ValueError)."""
     eos: str | None = None
     """End-of-document token, one of the tokenizer's special tokens (default: its end-of-text token,
     :data:`EOS_NAMES`)."""
@@ -138,7 +141,8 @@ class TokenConvertConfig:
     default: the system's temporary directory)."""
     special_in_text: str = checked(rule(lambda v: v in SPECIAL_IN_TEXT, "must be 'plain' or 'refuse'"), default="plain")
     """A special token's string in a document's text (``<|endoftext|>``): ``"plain"`` encodes it as text (the
-    documents counted), ``"refuse"`` is a ConvertError naming the document."""
+    documents counted), ``"refuse"`` is a ConvertError naming the document. With ``chat_template``: only ``"plain"``
+    (a ValueError otherwise: a special token's string in a message is that special token, as in transformers)."""
     chat_template: Path | None = None
     """Conversations: a Hugging Face chat template (a ``.jinja`` file, or a ``tokenizer_config.json`` holding
     ``chat_template`` and its special tokens); each document is the list of messages in ``messages_field``."""
@@ -169,6 +173,8 @@ class TokenConvertConfig:
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.chat_template is not None:
+            _refuse_plain_text_options(self)
         if self.overlong != "refuse" and self.max_tokens is None:
             raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
                              "have; without it no conversation is over)")
@@ -177,6 +183,19 @@ class TokenConvertConfig:
     def field(self) -> str:
         """The field each document is read from: the messages (a chat conversion) or the text."""
         return self.text_field if self.chat_template is None else self.messages_field
+
+
+def _refuse_plain_text_options(config: TokenConvertConfig) -> None:
+    """A ValueError where a conversion of conversations is given an option of plain documents only (it would be
+    ignored, the user believing it applied)."""
+    if config.special_in_text != "plain":
+        raise ValueError(f"special_in_text={config.special_in_text!r} is not an option of a conversion of "
+                         "conversations (chat_template): a special token's string in a message is that special token, "
+                         "as transformers encodes it")
+    if config.text_field != "text":
+        raise ValueError(f"text_field={config.text_field!r} is not an option of a conversion of conversations "
+                         "(chat_template): the conversations are read from "
+                         f"messages_field={config.messages_field!r}")
 
 
 @dataclass(frozen=True)
@@ -606,7 +625,10 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
         if written.dropped:
             raise ConvertError(f"{config.source}: nothing to write: {count(written.dropped, 'conversation')} longer "
                                f"than max_tokens={config.max_tokens} left out (overlong={config.overlong!r})")
-        raise ConvertError(f"{config.source}: holds no document with text ({count(written.empty, 'empty document')})")
+        raise nothing_to_write(config.source, written.empty, config.chat_template is not None)
+    if config.chat_template is not None:
+        refuse_untrained(config.source, config.chat_template, config.train_on, sum(m.trained for m in written.masks),
+                         sum(s.documents for s in written.shards))
     records = _records(written)
     source = {**_source(config, corpus), "empty_documents": written.empty, "special_text_documents": written.special,
               **_overlong(config, written)}
@@ -614,6 +636,26 @@ def _write_dataset(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) ->
     write_manifest(config.dest, token_manifest(config.name, records, _info(config, coder, records, starts, written), source,
                                                _options(config)))
     return written
+
+
+def nothing_to_write(source: Any, empty: int, chat: bool) -> ConvertError:
+    """The refusal of a conversion (or merge) whose every document was empty: no text, or every conversation rendered
+    to nothing by its template."""
+    if chat:
+        return ConvertError(f"{source}: holds no conversation the chat template renders to any token "
+                            f"({count(empty, 'conversation')} rendered empty)")
+    return ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
+
+
+def refuse_untrained(source: Any, template: Any, train_on: str, trained: int, conversations: int) -> None:
+    """A ConvertError where a conversion of conversations trained on the template's generation blocks trains no
+    token at all (a dataset no step would learn from: most often the assistant's messages in a role the template
+    does not test for); a conversion or merge calls it before its manifest."""
+    if train_on == "generation" and trained == 0:
+        raise ConvertError(f"{source}: nothing to train: no token of the {count(conversations, 'conversation')} is "
+                           f"inside a {{% generation %}} block of {template} (are the assistant's messages in the role "
+                           "the template tests for, 'assistant' where the data says 'gpt'?); train_on='all' trains "
+                           "every token")
 
 
 def _overlong(config: TokenConvertConfig, written: _Written) -> dict[str, int]:

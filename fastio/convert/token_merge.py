@@ -32,7 +32,13 @@ import numpy as np
 from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, PartRecord, part_dir
 from fastio.convert.run import DEFAULT_SHARD_SIZE
-from fastio.convert.token_convert import shard_record, token_manifest, token_shard_cuts
+from fastio.convert.token_convert import (
+    nothing_to_write,
+    refuse_untrained,
+    shard_record,
+    token_manifest,
+    token_shard_cuts,
+)
 from fastio.dataset.manifest import (
     SHARDS_DIR,
     ChatInfo,
@@ -45,7 +51,7 @@ from fastio.dataset.manifest import (
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.megatron import MegatronIndex, MegatronShard, MegatronWriter, WrittenShard, partner_path
 from fastio.formats.token_mask import MASK_FORMAT, MaskFile, MaskWriter, WrittenMask, mask_path
-from fastio.progress import count, parse_size
+from fastio.progress import parse_size
 from fastio.storage import is_remote
 from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME
@@ -100,8 +106,11 @@ def merge_token_parts(dest: Path, records: list[PartRecord], plan: dict[str, Any
     empty = sum(r.datasets[""]["empty_documents"] for r in records)
     special = sum(r.datasets[""].get("special_text_documents", 0) for r in records)
     if not lengths.size:
-        raise ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
+        raise nothing_to_write(source, empty, plan["tokens"].get("chat") is not None)
     options = plan["convert_options"]
+    if plan["tokens"].get("chat") is not None:
+        refuse_untrained(source, options["chat_template"], plan["tokens"]["chat"]["train_on"],
+                         sum(r.datasets[""].get("trained_tokens", 0) for r in records), lengths.size)
     cuts = token_shard_cuts(lengths * np.dtype(plan["tokens"]["dtype"]).itemsize, options["shard_size"],
                             options["max_samples_per_shard"])
     whole = {(s.first, s.first + s.record.samples): s for s in shards}

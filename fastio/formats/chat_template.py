@@ -12,7 +12,8 @@ value is None dropped, a message's reasoning (``reasoning_content``, ``thinking`
 
 A generation span is ``(start, end)`` in characters of the rendered text: where the block's output begins in the
 text rendered before it, and its length after. The template of a ``tokenizer_config.json`` is its ``chat_template``
-(a string, or a list of named templates: the one named ``default``), and its special tokens (``bos_token``,
+(a string, or a list of named templates: the one named ``default``), or the ``chat_template.jinja`` beside it where
+there is one (transformers saves a template there, and takes it first), and its special tokens (``bos_token``,
 ``eos_token``, ...: a string or an added-token object's ``content``) are the template's variables.
 
 The only importer of ``jinja2``.
@@ -24,17 +25,20 @@ import hashlib
 import json
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERATION_TAG", "SPECIAL_TOKEN_KEYS", "ChatTemplate", "ChatTemplateError", "has_generation",
-           "load_chat_template", "prepare_messages", "render"]
+__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKEN_KEYS", "ChatTemplate", "ChatTemplateError",
+           "has_generation", "load_chat_template", "prepare_messages", "render"]
 
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 """A ``{% generation %}`` tag (transformers' own test of a template for one)."""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""The file beside ``tokenizer_config.json`` that holds a tokenizer's template as transformers (>= 4.43) saves it;
+loading, transformers takes it over a ``chat_template`` the config holds."""
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens of a ``tokenizer_config.json`` a template sees by these names."""
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -80,13 +84,15 @@ def _config_template(data: Any, path: Path) -> str:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str):
-        raise ChatTemplateError(f"{path}: holds no chat_template string (a tokenizer_config.json's, or a .jinja file)")
+        raise ChatTemplateError(f"{path}: holds no chat_template string, and no {CHAT_TEMPLATE_FILE} is beside it (a "
+                                "tokenizer_config.json's, or a .jinja file)")
     return template
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate:
     """The template of a ``.jinja`` file (no variables of its own) or of a ``tokenizer_config.json`` (with its special
-    tokens as variables); a :class:`ChatTemplateError` naming the file otherwise."""
+    tokens as variables: its ``chat_template``, or where a :data:`CHAT_TEMPLATE_FILE` is beside it, that file's, as
+    transformers loads a tokenizer's folder); a :class:`ChatTemplateError` naming the file otherwise."""
     path = Path(path)
     try:
         raw = path.read_text(encoding="utf-8")
@@ -100,8 +106,11 @@ def load_chat_template(path: str | Path) -> ChatTemplate:
             data = json.loads(raw)
         except ValueError as err:
             raise ChatTemplateError(f"{path}: not JSON ({err})") from None
-        text = _config_template(data, path)
         variables = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(data.get(k))) is not None}
+        beside = path.with_name(CHAT_TEMPLATE_FILE)
+        if beside.is_file():  # transformers' priority over the config's own chat_template
+            return replace(load_chat_template(beside), variables=variables)
+        text = _config_template(data, path)
     _compiled(text, str(path))  # a syntax error named now, not at the first conversation
     return ChatTemplate(text, str(path), variables)
 
@@ -121,7 +130,8 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
 
 def render(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """``(text, spans)``: the conversation rendered (:func:`prepare_messages` first) and its generation spans in
-    characters; a :class:`ChatTemplateError` with the template's own message when it raises or fails."""
+    characters; a :class:`ChatTemplateError` with the template's own message (on one line: :func:`_one_line`) when
+    it raises or fails."""
     import jinja2
 
     compiled = _compiled(template.text, template.path)
@@ -133,10 +143,19 @@ def render(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tupl
                                            add_generation_prompt=False, **template.variables):
                 blocks.append(block)
     except jinja2.TemplateError as err:
-        raise ChatTemplateError(f"the template refused it: {err}") from None
+        raise ChatTemplateError(f"the template refused it: {_one_line(str(err))}") from None
     except Exception as err:  # noqa: BLE001 (a template may fail in any way: an attribute of None, a bad index)
-        raise ChatTemplateError(f"the template failed: {type(err).__name__}: {err}") from None
+        raise ChatTemplateError(f"the template failed: {type(err).__name__}: {_one_line(str(err))}") from None
     return "".join(blocks), spans
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _one_line(text: str) -> str:
+    """A template's message (its words, often with the data's: ``'unknown role ' ~ role``) with its control
+    characters escaped (a newline as ``\\n``), so that the refusal stays one line."""
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
 
 
 @lru_cache(maxsize=8)

@@ -52,11 +52,12 @@ def _positive(name: str, value: Any) -> None:
 class ImageText(Pipeline):
     """Packed image-text sequences (docs/image-text.md): ``batch["tokens"]`` int64 [B, seq_len + 1] (each image token
     repeated ``image_seq_len`` times: the image's run), ``batch["loss_mask"]`` bool like it (the trained tokens of the
-    conversation: never an image token, never padding), ``position_ids``, ``cu_seqlens``, ``segment_ids`` and
-    ``max_seqlen`` as :class:`fastio.Tokens` gives them (a segment per sample, padding one), ``batch["images"]``
-    [M, 3, size, size] (or [M, size, size, 3]: the ``image`` object's dtype, layout and normalisation; on the
-    Loader's device) in the order of their runs, ``batch["image_rows"]`` and ``batch["image_starts"]`` int64 [M] (the
-    row of each image's run and the position of its first token there), ``batch["index"]`` the sequence ids.
+    conversation: never an image token, a sample's first token or padding), ``position_ids``, ``cu_seqlens``,
+    ``segment_ids`` and ``max_seqlen`` as :class:`fastio.Tokens` gives them (a segment per sample, padding one),
+    ``batch["images"]`` [M, 3, size, size] (or [M, size, size, 3]: the ``image`` object's dtype, layout and
+    normalisation; on the Loader's device) in the order of their runs, ``batch["image_rows"]`` and
+    ``batch["image_starts"]`` int64 [M] (the row of each image's run and the position of its first token there),
+    ``batch["index"]`` the sequence ids.
 
     Samples are packed whole by best-fit (the order, blocks and resume of ``fastio.Tokens(packing="best-fit")``),
     each counting ``len(tokens) - images + images * image_seq_len`` tokens; padding holds id 0. Each image is

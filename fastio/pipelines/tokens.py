@@ -36,8 +36,9 @@ class Tokens(Pipeline):
     ids. Tensors stay on the CPU.
 
     A chat dataset (``fastio convert --chat-template``) packs whole conversations (``packing="best-fit"``; a
-    ``seq_len`` shorter than its longest conversation is refused): ``loss_mask`` is True exactly on the trained
-    tokens (the template's ``{% generation %}`` blocks), ``position_ids`` restart and ``cu_seqlens`` cut at each
+    ``seq_len + 1`` below its longest conversation is refused): ``loss_mask`` is True exactly on the trained
+    tokens (the template's ``{% generation %}`` blocks) but a conversation's first token (a target only of the
+    conversation packed before it: transformers never trains it), ``position_ids`` restart and ``cu_seqlens`` cut at each
     conversation. In a mixture of chat and plain token datasets a plain document trains every token.
 
     ``fastio.Loader(DEST, pipeline=fastio.Tokens(seq_len=2048), batch_size=8)``, or a ``fastio.Mixture`` of token

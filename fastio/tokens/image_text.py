@@ -258,11 +258,13 @@ class ImageTextReader:
         grown = np.bincount(which, reps, ntok.size).astype(np.int64)
         self._check_images(laid, image, which, grown)
         before = np.cumsum(laid.count) - laid.count
-        to = np.repeat(piece_starts(laid.rows, laid.count, width) - before, laid.count)
+        heads = piece_starts(laid.rows, laid.count, width)
+        to = np.repeat(heads - before, laid.count)
         to += np.arange(to.size)
         flat, loss = np.full(size, PAD_ID, np.int64), np.zeros(size, bool)
         flat[to] = np.repeat(tokens, reps)
         loss[to] = np.repeat(mask & ~image, reps)
+        loss[heads] = False  # a conversation's first token is no target (fastio.tokens.loading)
         real = np.zeros(size, bool)
         real[to] = True
         first = to[np.cumsum(reps) - reps][image]  # each image run's first flat position

@@ -22,7 +22,9 @@ the file's size on every read; a cached shard's mapped while the cache holds it 
 A chat dataset (``tokens.chat``: conversations with a loss mask per shard, :mod:`fastio.formats.token_mask`) packs
 whole conversations: ``packing="best-fit"`` only, and a ``seq_len`` its longest conversation fits (refused
 otherwise, never cut). Its tokens' mask bits are gathered with the tokens (``loss_mask``: the stored bit and not
-padding; a plain source of a mixture: every token but padding), and where a reader has a chat source a batch's
+padding, and not a conversation's first token: packed after another conversation, its target slot would be
+predicted from that one's last token, a target transformers never trains, its labels shifting within one
+conversation; a plain source of a mixture: every token but padding), and where a reader has a chat source a batch's
 document boundaries are its pieces' starts (each piece one whole conversation or plain document), not the
 end-of-document ids (a template may write that token inside a conversation). Every batch also has
 ``segment_ids`` (int32 like ``tokens``: 1, 2, ... for each row's documents, 0 on padding, Grain's convention) and
@@ -433,10 +435,12 @@ class TokenReader:
         if one and flat is None and at.size == size:  # the pieces fill every row in order (concat): no scatter
             if masked:
                 bits[:] = self._mask(s, int(spans.shard[0])).bits(at)
+                bits[piece_starts(rows, count, self.width)] = False  # a conversation's first token: no target
             return self._tokens(s, int(spans.shard[0]), at, int(stops.max())).astype(np.int64)
         if flat is None:
             flat = np.full(size, self.eos_id, np.int64)
-        to = np.repeat(piece_starts(rows, count, self.width) - before, count)
+        heads = piece_starts(rows, count, self.width)
+        to = np.repeat(heads - before, count)
         to += k  # its place in flat
         each = None if one else np.repeat(spans.shard, count)
         for shard in np.unique(spans.shard).tolist():
@@ -445,6 +449,8 @@ class TokenReader:
             flat[to[here]] = self._tokens(s, shard, at[here], end)
             if masked:
                 bits[to[here]] = self._mask(s, shard).bits(at[here])
+        if masked:
+            bits[heads] = False
         return flat
 
     def _mask(self, s: int, k: int) -> MaskFile:
