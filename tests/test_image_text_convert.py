@@ -222,6 +222,29 @@ def test_an_undecodable_image_skips_its_sample_naming_the_line_or_stops_the_run(
         _convert(src, tmp_path / "ds2", on_error="fail")
 
 
+@pytest.mark.parametrize("fmt", ["TGA", "ICO", "PCX"])
+def test_an_image_pil_reads_but_the_loaders_decoder_does_not_skips_its_sample_naming_it(tmp_path, fmt):
+    src = image_text_source(tmp_path, n=4)
+    Image.new("RGB", (16, 16), (200, 60, 20)).save(tmp_path / src["rows"][1]["images"][0], fmt)  # named .png
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 3 and [s["path"] for s in result.skipped] == ["vlm.jsonl:2 (img/s1-0.png)"]
+    assert result.skipped[0]["reason"] == (f"a {fmt} image: not a type the Loader decodes (JPEG, PNG, WebP, BMP, GIF "
+                                           "or TIFF)")
+    with pytest.raises(ConvertError, match=rf"^vlm\.jsonl:2 \(img/s1-0\.png\): a {fmt} image: .*on_error='fail'"):
+        _convert(src, tmp_path / "ds2", on_error="fail")
+    assert "not a type the Loader decodes" in verify_decoded_problem(tmp_path / "ds", src, 1)
+
+
+def verify_decoded_problem(dest: Path, src: dict, line: int) -> str:
+    """What ``fastio verify --decode`` says of line ``line``'s image when it is written into a dataset as it is
+    (a dataset converted before convert refused it)."""
+    png = (dest.parent / src["rows"][line]["images"][0]).read_bytes()
+    with ShardWriter(dest.parent / "old") as writer:
+        writer.write({"__key__": "a", "0.png": png, TOKENS_FIELD: bytes(4), MASK_FIELD: b"\0"})
+        writer.close()
+    return " ".join(p.what for p in verify(dest.parent / "old", decode=True).problems)
+
+
 def test_an_image_token_the_tokenizer_lacks_is_refused_in_one_line(tmp_path, capsys):
     src = image_text_source(tmp_path, n=2)
     code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "ds"), "--tokenizer", str(src["tokenizer"]),

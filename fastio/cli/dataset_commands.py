@@ -83,7 +83,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
               help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
                    "one (see --on-error); 0: no limit of fastio's own.")
 @click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
-              help="A rejected input (corrupt or unreadable file, image over --max-pixels, bad or empty label, "
+              help="A rejected input (corrupt or unreadable file, image over --max-pixels or of a type the Loader "
+                   "does not decode, bad or empty label, "
                    "path outside --root, symlink against the policy) is skipped and listed in the manifest, "
                    "or stops the run.")
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")

@@ -31,6 +31,7 @@ __all__ = [
     "image_field_for_suffix",
     "image_size",
     "is_image_field",
+    "loader_decodes",
     "sniff_image_field",
 ]
 
@@ -79,6 +80,26 @@ def sniff_image_field(data: bytes) -> str | None:
     return None
 
 
+_DECODED_ELSE = (b"II+\x00", b"MM\x00+", b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51")
+"""Magic numbers of what DALI's image decoder also reads by content: BigTIFF, JPEG 2000 (a file, a codestream)."""
+
+
+def loader_decodes(data) -> bool:
+    """Whether the Loader's image decoder reads the encoded ``data``, judged by its magic number: the types of
+    :func:`sniff_image_field` (GIF transcoded in the reader thread), BigTIFF, PNM and JPEG 2000, which DALI decodes by
+    content. PIL reads more (TGA, ICO, PCX, SGI, QOI, ...), which DALI refuses."""
+    head = bytes(data[:12])
+    pnm = head[:1] == b"P" and head[1:2] in (b"1", b"2", b"3", b"4", b"5", b"6") and head[2:3].isspace()
+    return sniff_image_field(head) is not None or head.startswith(_DECODED_ELSE) or pnm
+
+
+def _refuse_undecoded(data, img) -> None:
+    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to."""
+    if not loader_decodes(data):
+        raise ImageCheckError(f"a {img.format or 'unknown'} image: not a type the Loader decodes (JPEG, PNG, WebP, "
+                              "BMP, GIF or TIFF)")
+
+
 @contextmanager
 def _pil():
     """PIL's Image module with its DecompressionBombWarning silenced (fastio applies its own limit)."""
@@ -113,7 +134,7 @@ def check_pixels(data, max_pixels: int | None) -> tuple[int, int]:
 
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     """Decode ``data`` (after :func:`check_pixels` with ``max_pixels``); return its (width, height) or raise
-    :class:`ImageCheckError`.
+    :class:`ImageCheckError` (also for an image PIL reads but the Loader's decoder does not: :func:`loader_decodes`).
 
     A JPEG is decoded at 1/8 scale (libjpeg's DCT scaling, PIL's ``draft``): it still reads every entropy-coded
     byte and refuses what a full decode refuses (``tests/test_images.py`` compares the two on a corpus of
@@ -123,6 +144,7 @@ def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
         check_pixels(data, max_pixels)
     with _pil():
         img = _open(data)
+        _refuse_undecoded(data, img)
         size = img.size
         try:
             if img.format == "JPEG":
@@ -154,6 +176,7 @@ def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[by
             img.load()
         except Exception as err:  # noqa: BLE001  (any decoder failure means a bad image)
             raise ImageCheckError(f"image does not decode ({_reason(err)})") from None
+        _refuse_undecoded(data, img)  # kept as it is: it must be what the Loader decodes (a re-encoded one is)
         return data, (w, h)
     scale = max_side / max(w, h)
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
