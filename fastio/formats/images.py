@@ -93,11 +93,20 @@ def loader_decodes(data) -> bool:
     return sniff_image_field(head) is not None or head.startswith(_DECODED_ELSE) or pnm
 
 
+_TIFF_MISREAD = {"LA": "its alpha read as colour", "I": "32-bit integer pixels refused"}
+"""TIFF modes (PIL's) that DALI's TIFF decoder misreads, and how: grey with alpha comes out as (grey, alpha, grey)
+where a PNG's comes out grey; 32-bit integer pixels fail its decode."""
+
+
 def _refuse_undecoded(data, img) -> None:
-    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to."""
+    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to, or a TIFF
+    of a mode the Loader's decoder misreads (:data:`_TIFF_MISREAD`)."""
     if not loader_decodes(data):
         raise ImageCheckError(f"a {img.format or 'unknown'} image: not a type the Loader decodes (JPEG, PNG, WebP, "
                               "BMP, GIF or TIFF)")
+    if img.format == "TIFF" and img.mode in _TIFF_MISREAD:
+        raise ImageCheckError(f"a TIFF image of mode {img.mode}, which the Loader's decoder misreads "
+                              f"({_TIFF_MISREAD[img.mode]}): store it as PNG")
 
 
 @contextmanager
@@ -170,13 +179,13 @@ def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[by
     from PIL import Image
 
     img = _open(data)
+    _refuse_undecoded(data, img)
     w, h = img.size
     if max(w, h) <= max_side:
         try:
             img.load()
         except Exception as err:  # noqa: BLE001  (any decoder failure means a bad image)
             raise ImageCheckError(f"image does not decode ({_reason(err)})") from None
-        _refuse_undecoded(data, img)  # kept as it is: it must be what the Loader decodes (a re-encoded one is)
         return data, (w, h)
     scale = max_side / max(w, h)
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
