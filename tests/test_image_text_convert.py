@@ -203,6 +203,33 @@ def test_split_and_shuffle_in_parts_then_merge_are_byte_equal_to_one_conversion(
     assert _keys(tmp_path / "whole" / "train") != sorted(_keys(tmp_path / "whole" / "train"))
 
 
+def test_root_names_the_folder_the_image_paths_start_from_as_in_a_llava_layout(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    src = image_text_source(tmp_path / "data", n=4)  # data/vlm.jsonl naming img/...
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "data" / "img").rename(tmp_path / "shared" / "img")  # the images on shared storage,
+    (tmp_path / "data" / "img").symlink_to(tmp_path / "shared" / "img")  # linked in beside the JSONL
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: img/s1-0\.png resolves outside "):
+        _convert(src, tmp_path / "refused")
+    _convert(src, tmp_path / "ds", root=tmp_path / "shared")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    stored = stored_image_text(tmp_path / "ds")
+    assert len(stored) == 4
+    for sample in stored:
+        assert_sample_is_its_line(sample, src, hf)
+    assert load_manifest(tmp_path / "ds").converted_from["options"]["root"] == str((tmp_path / "shared").resolve())
+    flags = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+             "--workers", "1", "-q"]
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(tmp_path / "data")], capsys)  # the link leaves it
+    assert code == 2 and err == (f"fastio: error: vlm.jsonl:2: images[0]: img/s1-0.png resolves outside "
+                                 f"{tmp_path / 'data'} (to {tmp_path / 'shared' / 'img' / 's1-0.png'})\n"), err
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(tmp_path / "none")], capsys)
+    assert code == 2 and err == f"fastio: error: --root {tmp_path / 'none'}: no such folder\n", err
+    assert not (tmp_path / "cli").exists()
+
+
 def test_a_missing_image_is_refused_naming_the_line(tmp_path):
     src = image_text_source(tmp_path, n=4)
     (tmp_path / src["rows"][1]["images"][0]).unlink()
