@@ -230,6 +230,19 @@ def test_root_names_the_folder_the_image_paths_start_from_as_in_a_llava_layout(t
     assert not (tmp_path / "cli").exists()
 
 
+def test_a_file_url_names_its_local_image_as_its_path_does(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    by_path = _convert(src, tmp_path / "by-path")
+    rows = [{**r, "images": [(tmp_path / p).as_uri() for p in r["images"]]} for r in src["rows"]]
+    (tmp_path / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _convert(src, tmp_path / "by-url").samples == by_path.samples == 4
+    assert stored_image_text(tmp_path / "by-url") == stored_image_text(tmp_path / "by-path")
+    rows[1]["images"] = [(tmp_path.parent / "elsewhere.png").as_uri()]
+    (tmp_path / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: file:///\S+/elsewhere\.png resolves outside "):
+        _convert(src, tmp_path / "outside")
+
+
 def test_a_missing_image_is_refused_naming_the_line(tmp_path):
     src = image_text_source(tmp_path, n=4)
     (tmp_path / src["rows"][1]["images"][0]).unlink()

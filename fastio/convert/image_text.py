@@ -55,7 +55,7 @@ from fastio.formats.image_text import (
     image_field_name,
     image_number,
 )
-from fastio.storage import is_remote, parse_location
+from fastio.storage import is_remote, local_or_url, parse_location
 from fastio.storage.checksum import sha256_file
 from fastio.words import agree, count
 
@@ -246,8 +246,9 @@ def _is_url(value: str, at: str) -> bool:
 
 
 def _image_file(value: str, root: Path, at: str) -> FileRef:
-    """The image file ``value`` names below ``root``; ConvertError for one outside it, a folder or missing."""
-    path = root / value
+    """The image file ``value`` (a path, or a ``file://`` URL) names below ``root``; ConvertError for one outside
+    it, a folder or missing."""
+    path = root / local_or_url(value)
     outside = resolve_inside(path, root)
     if outside is not None:
         raise ConvertError(f"{at}: {value if value.isprintable() else repr(value)} {outside}")
@@ -261,6 +262,9 @@ def _image_file(value: str, root: Path, at: str) -> FileRef:
 def _image_url(value: str, root: str, at: str) -> str:
     """The URL of the image ``value`` names: a URL as it is (checked), or a path relative to the URL ``root`` (that of
     a JSONL at a URL), which must stay below it."""
+    if value.lower().startswith("file:"):
+        raise ConvertError(f"{at}: {value}: a JSONL at a URL names its images by s3:// URLs or by paths under its "
+                           "prefix")
     if not _is_url(value, at):
         folder = parse_location(root)
         key = posixpath.normpath(posixpath.join(folder.prefix, value))
