@@ -276,7 +276,8 @@ def test_an_image_pil_reads_but_the_loaders_decoder_does_not_skips_its_sample_na
 
 
 @pytest.mark.parametrize("mode, value, why", [
-    ("LA", (120, 40), "its alpha read as colour"), ("I", 100000, "32-bit integer pixels refused")])
+    ("LA", (120, 40), "its alpha read as colour): store it as PNG"),
+    ("I", 100000, "32-bit integer pixels refused): store it with 8 or 16 bits a pixel")])
 def test_a_tiff_the_loaders_decoder_misreads_skips_its_sample_naming_why(tmp_path, mode, value, why):
     src = image_text_source(tmp_path, n=4)
     src["rows"][1]["images"] = ["img/s1-0.tiff"]
@@ -284,8 +285,7 @@ def test_a_tiff_the_loaders_decoder_misreads_skips_its_sample_naming_why(tmp_pat
     Image.new(mode, (16, 16), value).save(tmp_path / "img" / "s1-0.tiff")
     result = _convert(src, tmp_path / "ds")
     assert result.samples == 3 and [s["path"] for s in result.skipped] == ["vlm.jsonl:2 (img/s1-0.tiff)"]
-    assert result.skipped[0]["reason"] == (f"a TIFF image of mode {mode}, which the Loader's decoder misreads ({why}): "
-                                           "store it as PNG")
+    assert result.skipped[0]["reason"] == f"a TIFF image of mode {mode}, which the Loader's decoder misreads ({why}"
     src["rows"][1]["images"] = ["img/s1-0.tiff"]
     assert "which the Loader's decoder misreads" in verify_decoded_problem(tmp_path / "ds", src, 1)
 

@@ -93,9 +93,10 @@ def loader_decodes(data) -> bool:
     return sniff_image_field(head) is not None or head.startswith(_DECODED_ELSE) or pnm
 
 
-_TIFF_MISREAD = {"LA": "its alpha read as colour", "I": "32-bit integer pixels refused"}
-"""TIFF modes (PIL's) that DALI's TIFF decoder misreads, and how: grey with alpha comes out as (grey, alpha, grey)
-where a PNG's comes out grey; 32-bit integer pixels fail its decode."""
+_TIFF_MISREAD = {"LA": "its alpha read as colour): store it as PNG",
+                 "I": "32-bit integer pixels refused): store it with 8 or 16 bits a pixel"}
+"""TIFF modes (PIL's) that DALI's TIFF decoder misreads, how, and what to do: grey with alpha comes out as (grey,
+alpha, grey) where a PNG's comes out grey; 32-bit integer pixels fail its decode."""
 
 
 def _refuse_undecoded(data, img) -> None:
@@ -106,7 +107,7 @@ def _refuse_undecoded(data, img) -> None:
                               "BMP, GIF or TIFF)")
     if img.format == "TIFF" and img.mode in _TIFF_MISREAD:
         raise ImageCheckError(f"a TIFF image of mode {img.mode}, which the Loader's decoder misreads "
-                              f"({_TIFF_MISREAD[img.mode]}): store it as PNG")
+                              f"({_TIFF_MISREAD[img.mode]}")
 
 
 @contextmanager
