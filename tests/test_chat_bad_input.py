@@ -104,3 +104,14 @@ def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blame
                             "--chat-template", str(files[1]), "--workers", "1"], capsys)
     assert code == 2 and err == (f"fastio: error: {bare}: '<|endoftext|>' is not a special token (the eos_token of "
                                  f"{files[1]}); its special tokens: <s>, <|im_end|>, <|im_start|>\n"), err
+
+
+def test_a_bos_token_the_template_renders_but_the_tokenizer_lacks_is_blamed_on_the_config(tmp_path, capsys, files):
+    other = train_tokenizer(tmp_path / "other.json", specials=("<|im_start|>", "<|im_end|>"))
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": conversations(1)[0]}))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(other),
+                            "--chat-template", str(files[1]), "--workers", "1"], capsys)
+    assert code == 2 and err == (f"fastio: error: {other}: '<s>' is not a special token (the bos_token of "
+                                 f"{files[1]}, which its template renders); its special tokens: <|endoftext|>, "
+                                 "<|im_end|>, <|im_start|>\n"), err
+    assert not (tmp_path / "d").exists()

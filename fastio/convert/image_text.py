@@ -133,7 +133,7 @@ class _Coder:
                                "token would be trained (docs/tokens.md)")
         eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer,
                            f"the eos_token of {options.chat_template}")
-        self.template = with_specials(template, self.tokenizer, eos)
+        self.template = with_specials(template, self.tokenizer, eos, options.tokenizer)
         self.image_id = self._image_id()
         self.vocab_size = vocab_size(self.tokenizer)
         self.tokenizer_sha256 = tokenizer_sha256(options.tokenizer)
