@@ -275,6 +275,14 @@ def test_an_image_pil_reads_but_the_loaders_decoder_does_not_skips_its_sample_na
     assert "not a type the Loader decodes" in verify_decoded_problem(tmp_path / "ds", src, 1)
 
 
+def test_a_zero_byte_image_is_called_empty(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    (tmp_path / src["rows"][1]["images"][0]).write_bytes(b"")
+    result = _convert(src, tmp_path / "ds")
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [
+        ("vlm.jsonl:2 (img/s1-0.png)", "an empty file (0 bytes), not an image")]
+
+
 @pytest.mark.parametrize("mode, value, why", [
     ("LA", (120, 40), "its alpha read as colour): store it as PNG"),
     ("I", 100000, "32-bit integer pixels refused): store it with 8 or 16 bits a pixel")])

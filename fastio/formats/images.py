@@ -93,6 +93,12 @@ def loader_decodes(data) -> bool:
     return sniff_image_field(head) is not None or head.startswith(_DECODED_ELSE) or pnm
 
 
+def _refuse_empty(data) -> None:
+    """ImageCheckError for an empty file (PIL's word for it is UnidentifiedImageError)."""
+    if not len(data):
+        raise ImageCheckError("an empty file (0 bytes), not an image")
+
+
 _TIFF_MISREAD = {"LA": "its alpha read as colour): store it as PNG",
                  "I": "32-bit integer pixels refused): store it with 8 or 16 bits a pixel"}
 """TIFF modes (PIL's) that DALI's TIFF decoder misreads, how, and what to do: grey with alpha comes out as (grey,
@@ -144,12 +150,14 @@ def check_pixels(data, max_pixels: int | None) -> tuple[int, int]:
 
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     """Decode ``data`` (after :func:`check_pixels` with ``max_pixels``); return its (width, height) or raise
-    :class:`ImageCheckError` (also for an image PIL reads but the Loader's decoder does not: :func:`loader_decodes`).
+    :class:`ImageCheckError` (also for an image PIL reads but the Loader's decoder does not: :func:`loader_decodes`;
+    an empty file is called one).
 
     A JPEG is decoded at 1/8 scale (libjpeg's DCT scaling, PIL's ``draft``): it still reads every entropy-coded
     byte and refuses what a full decode refuses (``tests/test_images.py`` compares the two on a corpus of
     damaged JPEGs: truncated, bits flipped and bytes garbled in the entropy data, damaged headers), at about
     half the cost. Other formats are decoded fully."""
+    _refuse_empty(data)
     if max_pixels is not None:
         check_pixels(data, max_pixels)
     with _pil():
@@ -170,6 +178,7 @@ def downscale(data: bytes, field: str, max_side: int, quality: int,
     """Decode ``data`` (checking it, and its size against ``max_pixels`` first) and, if its longer side
     exceeds ``max_side``, shrink it to that side and re-encode in the same format (``quality`` for
     JPEG/WebP). Returns (bytes, (w, h)) with the original bytes when no resize was needed."""
+    _refuse_empty(data)
     if max_pixels is not None:
         check_pixels(data, max_pixels)
     with _pil():
