@@ -77,7 +77,8 @@ def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = Non
 
 def refuse_table_options(kind: str, options: ScanOptions) -> None:
     """ConvertError naming the first table option of ``options`` that was given for a source of ``kind`` that is no
-    table (an image folder, loose files, an image-text JSONL): its converter would ignore it."""
+    table (an image folder, loose files, an image-text JSONL, whose scan is given ``root`` but no other): its
+    converter would ignore it."""
     if kind in TABLE_FORMATS:
         return
     given = [(name, getattr(options, name)) for name in ("path_column", "label_column", "key_column", "root")

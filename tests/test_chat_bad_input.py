@@ -181,3 +181,14 @@ def test_conversations_the_template_renders_to_nothing_are_named_as_such(tmp_pat
     assert code == 2 and err == (f"fastio: error: {tmp_path / 'c.jsonl'}: holds no conversation the chat template "
                                  "renders to any token (3 conversations rendered empty)\n"), err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_bos_token_the_template_renders_but_the_tokenizer_lacks_is_blamed_on_the_config(tmp_path, capsys, files):
+    other = train_tokenizer(tmp_path / "other.json", specials=("<|im_start|>", "<|im_end|>"))
+    _source(tmp_path / "c.jsonl", json.dumps({"messages": conversations(1)[0]}))
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tmp_path / "d"), "--tokenizer", str(other),
+                            "--chat-template", str(files[1]), "--workers", "1"], capsys)
+    assert code == 2 and err == (f"fastio: error: {other}: '<s>' is not a special token (the bos_token of "
+                                 f"{files[1]}, which its template renders); its special tokens: <|endoftext|>, "
+                                 "<|im_end|>, <|im_start|>\n"), err
+    assert not (tmp_path / "d").exists()

@@ -115,3 +115,15 @@ def test_an_eos_token_the_template_config_names_but_the_tokenizer_lacks_is_blame
                                            rf"eos_token of {re.escape(str(source['config']))}\); its special tokens"):
         convert_image_text(ConvertConfig(source["source"], tmp_path / "d", workers=1),
                            ImageTextOptions(bare, source["config"]))
+
+
+def test_a_bos_token_the_template_renders_but_the_tokenizer_lacks_is_blamed_on_the_config(source, tmp_path):
+    # transformers adds such a token as a new id; tokenizers alone would split '<s>' into pieces: ids unlike its
+    other = train_tokenizer(tmp_path / "other.json", specials=("<|im_start|>", "<|im_end|>", "<image>"))
+    with pytest.raises(ConvertError) as err:
+        convert_image_text(ConvertConfig(source["source"], tmp_path / "d", workers=1),
+                           ImageTextOptions(other, source["config"]))
+    assert str(err.value) == (f"{other}: '<s>' is not a special token (the bos_token of {source['config']}, which "
+                              "its template renders); its special tokens: <image>, <|endoftext|>, <|im_end|>, "
+                              "<|im_start|>")
+    assert not (tmp_path / "d").exists()

@@ -203,6 +203,46 @@ def test_split_and_shuffle_in_parts_then_merge_are_byte_equal_to_one_conversion(
     assert _keys(tmp_path / "whole" / "train") != sorted(_keys(tmp_path / "whole" / "train"))
 
 
+def test_root_names_the_folder_the_image_paths_start_from_as_in_a_llava_layout(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    src = image_text_source(tmp_path / "data", n=4)  # data/vlm.jsonl naming img/...
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "data" / "img").rename(tmp_path / "shared" / "img")  # the images on shared storage,
+    (tmp_path / "data" / "img").symlink_to(tmp_path / "shared" / "img")  # linked in beside the JSONL
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: img/s1-0\.png resolves outside "):
+        _convert(src, tmp_path / "refused")
+    _convert(src, tmp_path / "ds", root=tmp_path / "shared")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    stored = stored_image_text(tmp_path / "ds")
+    assert len(stored) == 4
+    for sample in stored:
+        assert_sample_is_its_line(sample, src, hf)
+    assert load_manifest(tmp_path / "ds").converted_from["options"]["root"] == str((tmp_path / "shared").resolve())
+    flags = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+             "--workers", "1", "-q"]
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(tmp_path / "data")], capsys)  # the link leaves it
+    assert code == 2 and err == (f"fastio: error: vlm.jsonl:2: images[0]: img/s1-0.png resolves outside "
+                                 f"{tmp_path / 'data'} (to {tmp_path / 'shared' / 'img' / 's1-0.png'})\n"), err
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(tmp_path / "none")], capsys)
+    assert code == 2 and err == f"fastio: error: --root {tmp_path / 'none'}: no such folder\n", err
+    assert not (tmp_path / "cli").exists()
+
+
+def test_a_file_url_names_its_local_image_as_its_path_does(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    by_path = _convert(src, tmp_path / "by-path")
+    rows = [{**r, "images": [(tmp_path / p).as_uri() for p in r["images"]]} for r in src["rows"]]
+    (tmp_path / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _convert(src, tmp_path / "by-url").samples == by_path.samples == 4
+    assert stored_image_text(tmp_path / "by-url") == stored_image_text(tmp_path / "by-path")
+    rows[1]["images"] = [(tmp_path.parent / "elsewhere.png").as_uri()]
+    (tmp_path / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: file:///\S+/elsewhere\.png resolves outside "):
+        _convert(src, tmp_path / "outside")
+
+
 def test_a_missing_image_is_refused_naming_the_line(tmp_path):
     src = image_text_source(tmp_path, n=4)
     (tmp_path / src["rows"][1]["images"][0]).unlink()
@@ -220,6 +260,52 @@ def test_an_undecodable_image_skips_its_sample_naming_the_line_or_stops_the_run(
     assert [len(_images(s)) for s in stored_image_text(tmp_path / "ds")] == [0, 1, 3, 0, 1]
     with pytest.raises(ConvertError, match=r"^vlm\.jsonl:3 \(img/s2-1\.jpg\): .*on_error='fail'"):
         _convert(src, tmp_path / "ds2", on_error="fail")
+
+
+@pytest.mark.parametrize("fmt", ["TGA", "ICO", "PCX"])
+def test_an_image_pil_reads_but_the_loaders_decoder_does_not_skips_its_sample_naming_it(tmp_path, fmt):
+    src = image_text_source(tmp_path, n=4)
+    Image.new("RGB", (16, 16), (200, 60, 20)).save(tmp_path / src["rows"][1]["images"][0], fmt)  # named .png
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 3 and [s["path"] for s in result.skipped] == ["vlm.jsonl:2 (img/s1-0.png)"]
+    assert result.skipped[0]["reason"] == (f"a {fmt} image: not a type the Loader decodes (JPEG, PNG, WebP, BMP, GIF "
+                                           "or TIFF)")
+    with pytest.raises(ConvertError, match=rf"^vlm\.jsonl:2 \(img/s1-0\.png\): a {fmt} image: .*on_error='fail'"):
+        _convert(src, tmp_path / "ds2", on_error="fail")
+    assert "not a type the Loader decodes" in verify_decoded_problem(tmp_path / "ds", src, 1)
+
+
+def test_a_zero_byte_image_is_called_empty(tmp_path):
+    src = image_text_source(tmp_path, n=4)
+    (tmp_path / src["rows"][1]["images"][0]).write_bytes(b"")
+    result = _convert(src, tmp_path / "ds")
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [
+        ("vlm.jsonl:2 (img/s1-0.png)", "an empty file (0 bytes), not an image")]
+
+
+@pytest.mark.parametrize("mode, value, why", [
+    ("LA", (120, 40), "its alpha read as colour): store it as PNG"),
+    ("I", 100000, "32-bit integer pixels refused): store it with 8 or 16 bits a pixel")])
+def test_a_tiff_the_loaders_decoder_misreads_skips_its_sample_naming_why(tmp_path, mode, value, why):
+    src = image_text_source(tmp_path, n=4)
+    src["rows"][1]["images"] = ["img/s1-0.tiff"]
+    (tmp_path / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in src["rows"]))
+    Image.new(mode, (16, 16), value).save(tmp_path / "img" / "s1-0.tiff")
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 3 and [s["path"] for s in result.skipped] == ["vlm.jsonl:2 (img/s1-0.tiff)"]
+    assert result.skipped[0]["reason"] == f"a TIFF image of mode {mode}, which the Loader's decoder misreads ({why}"
+    src["rows"][1]["images"] = ["img/s1-0.tiff"]
+    assert "which the Loader's decoder misreads" in verify_decoded_problem(tmp_path / "ds", src, 1)
+
+
+def verify_decoded_problem(dest: Path, src: dict, line: int) -> str:
+    """What ``fastio verify --decode`` says of line ``line``'s image when it is written into a dataset as it is
+    (a dataset converted before convert refused it)."""
+    png = (dest.parent / src["rows"][line]["images"][0]).read_bytes()
+    with ShardWriter(dest.parent / "old") as writer:
+        writer.write({"__key__": "a", "0.png": png, TOKENS_FIELD: bytes(4), MASK_FIELD: b"\0"})
+        writer.close()
+    return " ".join(p.what for p in verify(dest.parent / "old", decode=True).problems)
 
 
 def test_an_image_token_the_tokenizer_lacks_is_refused_in_one_line(tmp_path, capsys):

@@ -103,6 +103,11 @@ def test_a_missing_object_or_an_unreachable_store_is_refused_naming_the_line_and
     with pytest.raises(ConvertError, match=rf"^vlm\.jsonl:2: images\[0\]: \.\./elsewhere\.png resolves outside "
                                            rf"s3://{bucket}/vlm"):
         _convert(vlm, f"s3://{bucket}/vlm/vlm.jsonl", tmp_path / "ds")
+    rows[1]["images"] = [(tmp_path / "local" / "img" / "s1-0.png").as_uri()]  # a local file: not under its prefix
+    store.put_bytes("vlm.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: file:///\S+: a JSONL at a URL names its "
+                                           r"images by s3:// URLs or by paths under its prefix$"):
+        _convert(vlm, f"s3://{bucket}/vlm/vlm.jsonl", tmp_path / "ds")
     assert not (tmp_path / "ds").exists()
 
 

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
 from fastio.dataset.manifest import load_manifest
+from fastio.errors import DatasetError
 from fastio.formats.image_text import TOKENS_FIELD
 from fastio.progress import count
 from fastio.report.verify import verify
@@ -142,3 +144,15 @@ def test_an_s3_dest_names_the_same_id(dataset, capsys, aws_env, s3_bucket):
         store.put_file(path.relative_to(dataset).as_posix(), path)
     assert _lines(f"s3://{s3_bucket}/vlm", capsys) == [
         f"{SHARD}: 00000005: {TOKENS_FIELD} holds token id {vocab + 3}, outside the vocabulary of {vocab} ids"]
+
+
+def test_an_image_token_without_its_image_is_named_as_the_loader_names_it(dataset, capsys):
+    image_id = load_manifest(dataset).convert_options["image_text"]["image_token_id"]
+    _put_ids(dataset, "00000004", {1: image_id})  # sample 4 holds no image: its samples.fxi plans none
+    assert _lines(dataset, capsys) == [
+        f"{SHARD}: 00000004: {TOKENS_FIELD} holds 1 image token (id {image_id}) but the sample has 0 images"]
+    pipe = fastio.ImageText(image=fastio.ImageEval(size=8), seq_len=1023, image_seq_len=4)
+    with fastio.Loader(dataset, pipeline=pipe, batch_size=1, device="cpu") as loader, pytest.raises(
+            DatasetError, match=r"key '00000004': 1 image token \(id \d+\) but a different number of image members: "
+                                r".*run fastio verify$"):
+        list(loader)

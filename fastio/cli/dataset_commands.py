@@ -83,7 +83,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
               help="An image with more pixels (read from its header, before decoding) is rejected like a corrupt "
                    "one (see --on-error); 0: no limit of fastio's own.")
 @click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
-              help="A rejected input (corrupt or unreadable file, image over --max-pixels, bad or empty label, "
+              help="A rejected input (corrupt or unreadable file, image over --max-pixels or of a type the Loader "
+                   "does not decode, bad or empty label, "
                    "path outside --root, symlink against the policy) is skipped and listed in the manifest, "
                    "or stops the run.")
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
@@ -95,8 +96,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
               help="Tables: label rule. auto: the values when all are integral (2, 2.0), sorted class names "
                    "numbered from 0 when none is, an error naming rows on a mix; names: always class names.")
 @click.option("--root", type=click.Path(path_type=Path), default=None,
-              help="Tables: relative paths start here and every path must resolve inside it "
-                   "(default: the table's folder).")
+              help="Tables and image-text JSONL: relative paths start here and every path must resolve inside it "
+                   "(default: the table's or JSONL's folder).")
 @click.option("--part", default=None, metavar="K/N",
               help="Convert only part K (0-based) of N into DEST/.parts/ for `fastio merge DEST`; "
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")

@@ -1,11 +1,11 @@
 """``fastio convert vlm.jsonl DEST --tokenizer tokenizer.json --chat-template T --image-field images``: image-text
 conversations (LLaVA-style) into an image dataset whose samples also hold tokens and a loss mask.
 
-Each JSONL line holds ``image_field`` (a list of 0..n images: paths relative to the JSONL's folder, a path
-resolving outside it refused, or ``s3://`` URLs) and ``messages_field`` (a conversation, as a chat conversion reads
-one), whose text holds one ``image_token`` per image, in order. The JSONL itself may be an ``s3://`` URL
-(downloaded to be read; its relative paths name objects under its prefix). The scan (this module, in the
-converting process) renders and tokenizes every conversation as a chat conversion does
+Each JSONL line holds ``image_field`` (a list of 0..n images: paths relative to the JSONL's folder or to the
+conversion's ``root``, a path resolving outside it refused, or ``s3://`` URLs) and ``messages_field`` (a
+conversation, as a chat conversion reads one), whose text holds one ``image_token`` per image, in order. The JSONL
+itself may be an ``s3://`` URL (downloaded to be read; its relative paths name objects under its prefix). The scan
+(this module, in the converting process) renders and tokenizes every conversation as a chat conversion does
 (:class:`fastio.convert.chat_encode.ChatEncoder`: the template, its ``{% generation %}`` spans, transformers' mask
 rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a line whose image-token count differs from its
 image count, a missing image (a file, or an object: each object's size is asked in the scan, many at once,
@@ -55,7 +55,7 @@ from fastio.formats.image_text import (
     image_field_name,
     image_number,
 )
-from fastio.storage import is_remote, parse_location
+from fastio.storage import is_remote, local_or_url, parse_location
 from fastio.storage.checksum import sha256_file
 from fastio.words import agree, count
 
@@ -96,7 +96,8 @@ def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> Conv
     coder = _Coder(options)
     config = replace(config, extra_options={"image_text": coder.recorded()},
                      tally=lambda: _Vocabulary(coder.vocab_size, coder.tokenizer_sha256))
-    return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options))
+    return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options,
+                                                                  config.root))
 
 
 class _Vocabulary:
@@ -132,7 +133,7 @@ class _Coder:
                                "token would be trained (docs/tokens.md)")
         eos = eos_token_id(self.tokenizer, template.variables.get("eos_token"), options.tokenizer,
                            f"the eos_token of {options.chat_template}")
-        self.template = with_specials(template, self.tokenizer, eos)
+        self.template = with_specials(template, self.tokenizer, eos, options.tokenizer)
         self.image_id = self._image_id()
         self.vocab_size = vocab_size(self.tokenizer)
         self.tokenizer_sha256 = tokenizer_sha256(options.tokenizer)
@@ -156,15 +157,16 @@ class _Coder:
 
 
 def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder | None = None,
-                    storage_options: dict | None = None) -> ScanResult:
-    """The entries of every line of ``source`` (a JSONL file, or its ``s3://`` URL; see the module docstring);
-    ConvertError naming a refused line."""
+                    storage_options: dict | None = None, root: Path | None = None) -> ScanResult:
+    """The entries of every line of ``source`` (a JSONL file, or its ``s3://`` URL; see the module docstring), its
+    relative image paths starting at ``root`` (a local JSONL's; None: its folder); ConvertError naming a refused
+    line."""
     coder = coder or _Coder(options)
+    root = _root(source, root)
     rows = _rows(source, storage_options)
     wheres = [f"{PurePosixPath(str(source)).name}:{lineno}" for lineno, _ in rows]
     lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
     ends = np.cumsum(lengths)
-    root = source.parent if isinstance(source, Path) else source.rpartition("/")[0]
     lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
         tokens = ids[ends[i] - lengths[i]:ends[i]]
@@ -178,7 +180,22 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
     description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
                    "options": {"image_field": options.image_field, "messages_field": options.messages_field,
                                "image_token": options.image_token}}
+    if isinstance(root, Path) and root != source.parent:
+        description["options"]["root"] = str(root.resolve())
     return ScanResult(entries=entries, description=description, image_field=None)
+
+
+def _root(source: Path | str, root: Path | None) -> Path | str:
+    """Where ``source``'s relative image paths start: ``root`` (a folder; a local JSONL's only), else the JSONL's
+    folder, or its URL's prefix; ConvertError naming a bad ``root``."""
+    if root is None:
+        return source.parent if isinstance(source, Path) else source.rpartition("/")[0]
+    if not isinstance(source, Path):
+        raise ConvertError(f"root={str(root)!r}: an image-text JSONL at a URL reads its relative image paths under "
+                           "its own prefix")
+    if not Path(root).is_dir():
+        raise ConvertError(f"root={str(root)!r}: no such folder")
+    return Path(root)
 
 
 def _rows(source: Path | str, storage_options: dict | None) -> list[tuple[int, dict]]:
@@ -229,8 +246,9 @@ def _is_url(value: str, at: str) -> bool:
 
 
 def _image_file(value: str, root: Path, at: str) -> FileRef:
-    """The image file ``value`` names below ``root``; ConvertError for one outside it, a folder or missing."""
-    path = root / value
+    """The image file ``value`` (a path, or a ``file://`` URL) names below ``root``; ConvertError for one outside
+    it, a folder or missing."""
+    path = root / local_or_url(value)
     outside = resolve_inside(path, root)
     if outside is not None:
         raise ConvertError(f"{at}: {value if value.isprintable() else repr(value)} {outside}")
@@ -244,6 +262,9 @@ def _image_file(value: str, root: Path, at: str) -> FileRef:
 def _image_url(value: str, root: str, at: str) -> str:
     """The URL of the image ``value`` names: a URL as it is (checked), or a path relative to the URL ``root`` (that of
     a JSONL at a URL), which must stay below it."""
+    if value.lower().startswith("file:"):
+        raise ConvertError(f"{at}: {value}: a JSONL at a URL names its images by s3:// URLs or by paths under its "
+                           "prefix")
     if not _is_url(value, at):
         folder = parse_location(root)
         key = posixpath.normpath(posixpath.join(folder.prefix, value))

@@ -204,7 +204,8 @@ class ConvertConfig:
     label_column: str | None = None
     """Tables: the column with labels (default: detected, the first of ``label``, ``class``, ``cls`` the table has).
     The table options (``path_column``, ``label_column``, ``key_column``, ``labels``, ``root``) given for a source
-    that is no table (an image folder, loose files, an image-text JSONL) are refused, naming the option."""
+    that is no table (an image folder, loose files; an image-text JSONL takes ``root`` alone) are refused, naming the
+    option."""
     key_column: str | None = None
     """Tables: the column with sample keys (default: ``__key__`` or ``key`` when present, else derived from the
     path or the row number)."""
@@ -215,7 +216,9 @@ class ConvertConfig:
     (``label_rule``) and the summary."""
     root: Path | None = None
     """Tables: the folder relative paths start from and every path must resolve into (default: the
-    table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected."""
+    table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected. An image-text
+    JSONL (a local one): the folder its relative image paths start from, every one resolving into it (default:
+    the JSONL's folder; one elsewhere is refused, naming its line)."""
     progress: bool = False
     """Draw a progress bar on stderr."""
     progress_every_s: float | None = checked(rule(lambda v: v > 0, "must be > 0 (or None)"), default=None)
@@ -611,7 +614,7 @@ def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     else:  # an image-text JSONL: its own scan, which takes no table option and no format
         if config.format is not None:
             raise ConvertError(f"format={config.format!r}: an image-text conversion reads its JSONL as it is")
-        converters.refuse_table_options("image-text", options)
+        converters.refuse_table_options("image-text", dataclasses.replace(options, root=None))  # its images' root
         scan = scanner(config.source)
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)

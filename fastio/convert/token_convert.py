@@ -37,6 +37,7 @@ records and the plan every part must share: source listing, options, tokenizer c
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -455,7 +456,7 @@ def _coder(config: TokenConvertConfig) -> _Coder:
                           f"the eos_token of {config.chat_template}" if by_template else None)
     ids = vocab_size(tokenizer)
     if template is not None:
-        template = with_specials(template, tokenizer, eos_id)
+        template = with_specials(template, tokenizer, eos_id, config.tokenizer)
     return _Coder(eos_id, ids, token_dtype(ids), sha256_file(config.tokenizer), template)
 
 
@@ -473,10 +474,17 @@ def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
     return template
 
 
-def with_specials(template: ChatTemplate, tokenizer, eos_id: int) -> ChatTemplate:
+def with_specials(template: ChatTemplate, tokenizer, eos_id: int, path: Path) -> ChatTemplate:
     """``template`` with ``eos_token`` (the end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`) where its
-    file names none."""
+    file names none; ConvertError naming the tokenizer (``path``) and the template's file for a special token the
+    file names and the template renders (``{{ bos_token }}``) that is not one of the tokenizer's special tokens:
+    transformers adds it as a new id, where the tokenizer alone splits its text into pieces."""
     specials = special_tokens(tokenizer)
+    for name, token in template.variables.items():
+        if token not in specials and re.search(rf"\b{name}\b", template.text):
+            have = ", ".join(sorted(specials)) or "none"
+            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {template.path}, which its "
+                               f"template renders); its special tokens: {have}")
     names = {i: t for t, i in specials.items()}
     filled = {"eos_token": names[eos_id]}
     bos = next((n for n in BOS_NAMES if n in specials), None)

@@ -26,7 +26,8 @@ from fastio.formats.images import is_image_field
 from fastio.words import count
 
 __all__ = ["MASK_FIELD", "OPTIONS_KEY", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens",
-           "image_field_name", "image_number", "is_image_text", "member_problems", "options_tokenizer_sha256"]
+           "image_field_name", "image_number", "is_image_text", "member_problems", "options_image_token_id",
+           "options_tokenizer_sha256"]
 
 TOKENS_FIELD = "tokens.i32"
 """The member holding a sample's token ids (little-endian int32)."""
@@ -42,6 +43,12 @@ def is_image_text(convert_options: dict | None) -> bool:
     """Whether a manifest's ``convert_options`` are an image-text conversion's (they record ``image_token_id``)."""
     options = (convert_options or {}).get(OPTIONS_KEY)
     return isinstance(options, dict) and "image_token_id" in options
+
+
+def options_image_token_id(convert_options: dict | None) -> int | None:
+    """The image token's id that an image-text conversion's ``convert_options`` record (``image_text.image_token_id``);
+    None for any other dataset's."""
+    return int(convert_options[OPTIONS_KEY]["image_token_id"]) if is_image_text(convert_options) else None
 
 
 def options_tokenizer_sha256(convert_options: dict | None) -> str | None:
@@ -95,9 +102,11 @@ def _size_problems(tokens: int, mask: int) -> Iterable[str]:
         yield f"{MASK_FIELD} holds {count(mask, 'byte')}, not one bit for each of the {count(tokens // 4, 'token')}"
 
 
-def member_problems(sizes: dict[str, int]) -> list[str]:
+def member_problems(sizes: dict[str, int], image_tokens: tuple[int, int] | None = None) -> list[str]:
     """What is wrong with an image-text sample given its members' sizes (field -> bytes): a missing token or mask
-    member, sizes that disagree, images not numbered 0, 1, ... ; [] for a good one."""
+    member, sizes that disagree, images not numbered 0, 1, ..., and (``image_tokens``: how many of its
+    ``tokens.i32`` ids are the image token, and that id) a number of image tokens unlike its number of images
+    (a reader expands each image token into the run of the image of its number); [] for a good one."""
     if TOKENS_FIELD not in sizes or MASK_FIELD not in sizes:
         missing = TOKENS_FIELD if TOKENS_FIELD not in sizes else MASK_FIELD
         return [f"an image-text sample without {missing}"]
@@ -105,4 +114,7 @@ def member_problems(sizes: dict[str, int]) -> list[str]:
     numbers = sorted(n for f in sizes if (n := image_number(f)) is not None)
     if numbers != list(range(len(numbers))):
         problems.append(f"its images are numbered {numbers}, not 0..{len(numbers) - 1} once each")
+    if image_tokens is not None and image_tokens[0] != len(numbers):
+        problems.append(f"{TOKENS_FIELD} holds {count(image_tokens[0], 'image token')} (id {image_tokens[1]}) but the "
+                        f"sample has {count(len(numbers), 'image')}")
     return problems

@@ -31,6 +31,7 @@ __all__ = [
     "image_field_for_suffix",
     "image_size",
     "is_image_field",
+    "loader_decodes",
     "sniff_image_field",
 ]
 
@@ -79,6 +80,42 @@ def sniff_image_field(data: bytes) -> str | None:
     return None
 
 
+_DECODED_ELSE = (b"II+\x00", b"MM\x00+", b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51")
+"""Magic numbers of what DALI's image decoder also reads by content: BigTIFF, JPEG 2000 (a file, a codestream)."""
+
+
+def loader_decodes(data) -> bool:
+    """Whether the Loader's image decoder reads the encoded ``data``, judged by its magic number: the types of
+    :func:`sniff_image_field` (GIF transcoded in the reader thread), BigTIFF, PNM and JPEG 2000, which DALI decodes by
+    content. PIL reads more (TGA, ICO, PCX, SGI, QOI, ...), which DALI refuses."""
+    head = bytes(data[:12])
+    pnm = head[:1] == b"P" and head[1:2] in (b"1", b"2", b"3", b"4", b"5", b"6") and head[2:3].isspace()
+    return sniff_image_field(head) is not None or head.startswith(_DECODED_ELSE) or pnm
+
+
+def _refuse_empty(data) -> None:
+    """ImageCheckError for an empty file (PIL's word for it is UnidentifiedImageError)."""
+    if not len(data):
+        raise ImageCheckError("an empty file (0 bytes), not an image")
+
+
+_TIFF_MISREAD = {"LA": "its alpha read as colour): store it as PNG",
+                 "I": "32-bit integer pixels refused): store it with 8 or 16 bits a pixel"}
+"""TIFF modes (PIL's) that DALI's TIFF decoder misreads, how, and what to do: grey with alpha comes out as (grey,
+alpha, grey) where a PNG's comes out grey; 32-bit integer pixels fail its decode."""
+
+
+def _refuse_undecoded(data, img) -> None:
+    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to, or a TIFF
+    of a mode the Loader's decoder misreads (:data:`_TIFF_MISREAD`)."""
+    if not loader_decodes(data):
+        raise ImageCheckError(f"a {img.format or 'unknown'} image: not a type the Loader decodes (JPEG, PNG, WebP, "
+                              "BMP, GIF or TIFF)")
+    if img.format == "TIFF" and img.mode in _TIFF_MISREAD:
+        raise ImageCheckError(f"a TIFF image of mode {img.mode}, which the Loader's decoder misreads "
+                              f"({_TIFF_MISREAD[img.mode]}")
+
+
 @contextmanager
 def _pil():
     """PIL's Image module with its DecompressionBombWarning silenced (fastio applies its own limit)."""
@@ -113,16 +150,19 @@ def check_pixels(data, max_pixels: int | None) -> tuple[int, int]:
 
 def check_image(data: bytes, max_pixels: int | None = None) -> tuple[int, int]:
     """Decode ``data`` (after :func:`check_pixels` with ``max_pixels``); return its (width, height) or raise
-    :class:`ImageCheckError`.
+    :class:`ImageCheckError` (also for an image PIL reads but the Loader's decoder does not: :func:`loader_decodes`;
+    an empty file is called one).
 
     A JPEG is decoded at 1/8 scale (libjpeg's DCT scaling, PIL's ``draft``): it still reads every entropy-coded
     byte and refuses what a full decode refuses (``tests/test_images.py`` compares the two on a corpus of
     damaged JPEGs: truncated, bits flipped and bytes garbled in the entropy data, damaged headers), at about
     half the cost. Other formats are decoded fully."""
+    _refuse_empty(data)
     if max_pixels is not None:
         check_pixels(data, max_pixels)
     with _pil():
         img = _open(data)
+        _refuse_undecoded(data, img)
         size = img.size
         try:
             if img.format == "JPEG":
@@ -138,6 +178,7 @@ def downscale(data: bytes, field: str, max_side: int, quality: int,
     """Decode ``data`` (checking it, and its size against ``max_pixels`` first) and, if its longer side
     exceeds ``max_side``, shrink it to that side and re-encode in the same format (``quality`` for
     JPEG/WebP). Returns (bytes, (w, h)) with the original bytes when no resize was needed."""
+    _refuse_empty(data)
     if max_pixels is not None:
         check_pixels(data, max_pixels)
     with _pil():
@@ -148,6 +189,7 @@ def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[by
     from PIL import Image
 
     img = _open(data)
+    _refuse_undecoded(data, img)
     w, h = img.size
     if max(w, h) <= max_side:
         try:

@@ -11,7 +11,8 @@ also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its
 not for the end-of-document id (a conversation ends as its template ends it). An image-text sample's members
 (:mod:`fastio.formats.image_text`) are checked by their sizes, and its ``tokens.i32`` by the rule of a token
 dataset's ids: the first id that is negative, outside the vocabulary or above the largest id the manifest's
-``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only).
+``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only), and
+so is a sample holding more or fewer image tokens (the id its ``convert_options.image_text`` records) than images.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from fastio.dataset.manifest import (
 from fastio.dataset.sample_table import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError, install_hint
 from fastio.formats.dali_idx import check_index, parse_index
-from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, member_problems
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, member_problems, options_image_token_id
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
 from fastio.formats.media import MediaCheckError, ProbeTable, is_media_field, is_video_field, probe
 from fastio.formats.megatron import MegatronShard
@@ -114,12 +115,35 @@ def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
         report.audio_decoded += 1
 
 
-def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool, ids: ImageTextInfo):
+@dataclass
+class _TokensCheck:
+    """What an image-text sample's ``tokens.i32`` is checked against: the manifest's vocabulary record (``info``,
+    maybe empty) and the image token's id (None: not an image-text dataset); ``image_tokens`` gathers how many image
+    tokens each sample's ``tokens.i32`` holds (by key, as the tar is read), for :func:`member_problems`."""
+
+    info: ImageTextInfo
+    image_id: int | None
+    image_tokens: dict[str, int] = field(default_factory=dict)
+
+    def problem(self, key: str, data: bytes) -> str | None:
+        """The first bad id of sample ``key``'s ``tokens.i32`` ``data`` (:func:`_token_id_problem`), its image
+        tokens counted."""
+        if self.image_id is not None and not len(data) % 4:
+            self.image_tokens[key] = int(np.count_nonzero(np.frombuffer(data, "<i4") == self.image_id))
+        return _token_id_problem(data, self.info)
+
+    def image_pair(self, key: str) -> tuple[int, int] | None:
+        """(image tokens of sample ``key``, the image token's id); None where not counted."""
+        n = self.image_tokens.get(key)
+        return None if n is None or self.image_id is None else (n, self.image_id)
+
+
+def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, foreign: bool, ids: _TokensCheck):
     """[(key, ((ext, offset, size), ...)), ...] in tar order; member problems go into ``report``. A ``foreign``
     tar (indexed by ``fastio index``, not written by fastio) may hold what its index passed over: folders,
     links, hidden files and members without a field name (:mod:`fastio.convert.foreign_tar`). Each ``tokens.i32``
-    member's ids are checked against ``ids`` (an image-text dataset's vocabulary record, maybe empty:
-    :func:`_token_id_problem`)."""
+    member's ids are checked by ``ids`` (an image-text dataset's vocabulary record, maybe empty, and its image
+    token: :class:`_TokensCheck`)."""
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     with tarfile.open(path, "r:") as tar:
         for member in tar:
@@ -139,18 +163,18 @@ def _tar_samples(path: Path, decode: bool, report: VerifyReport, label: str, for
                 samples[-1][1].append((ext, member.offset_data, member.size))
             else:
                 samples.append((key, [(ext, member.offset_data, member.size)]))
-            what = _member_problem(tar, member, ext, decode, ids, report)
+            what = _member_problem(tar, member, key, ext, decode, ids, report)
             if what is not None:
                 report.problems.append(Problem(label, key, what))
     return samples
 
 
-def _member_problem(tar: tarfile.TarFile, member: tarfile.TarInfo, ext: str, decode: bool, ids: ImageTextInfo,
-                    report: VerifyReport) -> str | None:
+def _member_problem(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str, ext: str, decode: bool,
+                    ids: _TokensCheck, report: VerifyReport) -> str | None:
     """What is wrong with one member's bytes, read only where checked: an image, video or audio file that does not
-    decode (``decode``), an image-text sample's ``tokens.i32`` holding a bad id (checked against ``ids``)."""
+    decode (``decode``), an image-text sample's ``tokens.i32`` holding a bad id (checked by ``ids``)."""
     if ext == TOKENS_FIELD:
-        return _token_id_problem(tar.extractfile(member).read(), ids)
+        return ids.problem(key, tar.extractfile(member).read())
     if decode and is_image_field(ext):
         try:
             check_image(tar.extractfile(member).read())
@@ -357,7 +381,8 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     # lowercased (as_fields), unless it was indexed before fastio did so (then a field may have capitals)
     foreign = (manifest.converted_from or {}).get("format") == "webdataset"
     lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
-    _verify_tar(tar_path, shard, entries, decode, foreign, label, report, manifest.image_text or ImageTextInfo())
+    ids = _TokensCheck(manifest.image_text or ImageTextInfo(), options_image_token_id(manifest.convert_options))
+    _verify_tar(tar_path, shard, entries, decode, foreign, label, report, ids)
     return shard, as_fields(entries) if lower else entries
 
 
@@ -392,9 +417,9 @@ def _idx_entries(idx_path: Path, shard: ShardRecord, label: str, report: VerifyR
 
 
 def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode: bool, foreign: bool, label: str,
-                report: VerifyReport, ids: ImageTextInfo) -> None:
-    """The tar's samples: their count against the record, keys adjacent, their ``tokens.i32`` ids against ``ids``
-    (an image-text dataset's vocabulary record), and the ``.idx`` entries matching them."""
+                report: VerifyReport, ids: _TokensCheck) -> None:
+    """The tar's samples: their count against the record, keys adjacent, their ``tokens.i32`` ids checked by ``ids``
+    (an image-text dataset's vocabulary record and image token), and the ``.idx`` entries matching them."""
     try:
         samples = _tar_samples(tar_path, decode, report, label, foreign, ids)
     except (tarfile.TarError, OSError, EOFError) as err:
@@ -408,7 +433,7 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
         if key in seen:
             report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
         seen.add(key)
-        report.problems.extend(Problem(label, key, what) for what in _image_text_problems(members))
+        report.problems.extend(Problem(label, key, what) for what in _image_text_problems(members, ids.image_pair(key)))
     if entries is None:
         return
     for i, (key, members) in enumerate(samples):
@@ -421,11 +446,12 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
         report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
 
 
-def _image_text_problems(members: list[tuple[str, int, int]]) -> list[str]:
+def _image_text_problems(members: list[tuple[str, int, int]], image_tokens: tuple[int, int] | None) -> list[str]:
     """An image-text sample's members (:mod:`fastio.formats.image_text`) checked by their sizes: tokens and mask
-    agreeing, images numbered 0, 1, ...; [] for any other sample."""
+    agreeing, images numbered 0, 1, ..., as many as its image tokens (``image_tokens``: their count and id, None
+    where not counted); [] for any other sample."""
     sizes = {ext: size for ext, _, size in members}
-    return member_problems(sizes) if TOKENS_FIELD in sizes or MASK_FIELD in sizes else []
+    return member_problems(sizes, image_tokens) if TOKENS_FIELD in sizes or MASK_FIELD in sizes else []
 
 
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:

@@ -30,7 +30,7 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.formats.image_text import MASK_FIELD, OPTIONS_KEY, TOKENS_FIELD, image_number, is_image_text
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, image_number, options_image_token_id
 from fastio.formats.images import image_size
 from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
@@ -58,12 +58,13 @@ PAD_ID = 0
 def image_token_id(ds: Dataset) -> int:
     """The image token's id an image-text dataset records (``convert_options.image_text.image_token_id``);
     DatasetError naming ``ds`` for any other dataset."""
-    if ds.manifest.tokens is not None or not is_image_text(ds.manifest.convert_options):
+    image_id = options_image_token_id(ds.manifest.convert_options)
+    if ds.manifest.tokens is not None or image_id is None:
         what = "a token dataset" if ds.manifest.tokens is not None else f"a dataset of kind {ds.manifest.kind!r}"
         raise DatasetError(f"{ds.root}: {what}, not an image-text dataset (its manifest records no "
                            "convert_options.image_text): fastio.ImageText reads datasets of fastio convert "
                            "--image-field (docs/image-text.md)")
-    return int(ds.manifest.convert_options[OPTIONS_KEY]["image_token_id"])
+    return image_id
 
 
 def image_members(ds: Dataset) -> tuple[str, ...]:
