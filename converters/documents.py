@@ -1,5 +1,6 @@
 """Text documents for a token dataset, in input order: JSONL (one document per line, its text in ``text_field``),
-Parquet (the ``text_field`` column, one document per row) and plain text (``.txt``: one document per file). SOURCE is
+Parquet (the ``text_field`` column, one document per row: any Arrow string type, or a dictionary of one) and plain
+text (``.txt``: one document per file; a leading UTF-8 byte order mark is no text, as JSON reads it). SOURCE is
 one such file or a folder of them (walked in sorted path order under fastio's symlink policy, :func:`walk_files`).
 
 Yields ``(where, text)``: ``where`` names the file (and the line or row) for messages; ``text`` may be empty (the
@@ -31,6 +32,7 @@ __all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_docume
 DOCUMENT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 """The file kinds a token conversion reads, by suffix (lowercased)."""
 _PARQUET_BATCH = 4096
+_BOM = b"\xef\xbb\xbf"
 
 
 def document_files(source: Path) -> list[Path]:
@@ -84,11 +86,14 @@ def file_documents(path: Path, text_field: str = "text", name: str | None = None
 
 
 def _text_file(path: Path, name: str) -> str:
+    """A ``.txt`` file's text; a leading UTF-8 byte order mark (a "UTF-8 with BOM" save) is no text, as JSON
+    reads it before a JSONL line."""
     data = path.read_bytes()
+    mark = len(_BOM) if data.startswith(_BOM) else 0
     try:
-        return data.decode("utf-8")
+        return data[mark:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ConvertError(f"{name}: not UTF-8 text (byte {err.start})") from None
+        raise ConvertError(f"{name}: not UTF-8 text (byte {mark + err.start})") from None
 
 
 def _skip_to(f, start: int) -> int:
@@ -169,7 +174,7 @@ def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None], me
         raise ConvertError(f"{name}: has no column {field!r} ({_field_option(messages)}={field!r}; columns: "
                            f"{', '.join(names)})")
     kind = pf.schema_arrow.field(field).type
-    if not messages and not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if not messages and not _is_text(pa, kind):
         raise ConvertError(f"{name}: column {field!r} is {kind}, not text")
     rows, size = pf.metadata.num_rows, path.stat().st_size
     first, stop = _rows_in(span, rows, size)
@@ -184,6 +189,14 @@ def _parquet(path: Path, field: str, name: str, span: tuple[int, int | None], me
             row += 1
         if row >= stop:
             return
+
+
+def _is_text(pa, kind) -> bool:
+    """Whether an Arrow column type holds text: ``string``, ``large_string``, ``string_view`` or a dictionary of
+    one of them (a pandas category column, a writer's dictionary encoding); its values read as ``str``."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def _rows_in(span: tuple[int, int | None], rows: int, size: int) -> tuple[int, int]:

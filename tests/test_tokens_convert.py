@@ -285,3 +285,41 @@ def test_a_second_writer_is_refused(tmp_path, tokenizer):
         with pytest.raises(ConvertError, match=r"ds: in use by .*another conversion"):
             convert_tokens(TokenConvertConfig(src, tmp_path / "ds", tokenizer, workers=1))
     assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_a_utf8_byte_order_mark_is_no_text_in_a_txt_file_as_in_jsonl(tmp_path, tokenizer):
+    # Found by review: a .txt saved "UTF-8 with BOM" (Windows Notepad) had the mark's three bytes tokenized at its
+    # document's start, while the same mark before a JSONL line was dropped (json reads it as the encoding's mark).
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"\xef\xbb\xbf" + "the quick brown fox".encode())
+    (folder / "b.txt").write_bytes(b"\xef\xbb\xbf")  # only the mark: an empty document
+    (tmp_path / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "the quick brown fox"}).encode() + b"\n")
+    result = convert_tokens(TokenConvertConfig(folder, tmp_path / "t", tokenizer, workers=1))
+    convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "j", tokenizer, workers=1))
+    expected = expected_docs(tokenizer, ["the quick brown fox"])[0]
+    assert all_documents(tmp_path / "t") == all_documents(tmp_path / "j") == expected
+    assert result.empty == 1
+    (folder / "c.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9")  # a byte past the mark is counted from the file's start
+    with pytest.raises(ConvertError, match=r"c\.txt: not UTF-8 text \(byte 6\)"):
+        convert_tokens(TokenConvertConfig(folder, tmp_path / "t2", tokenizer, workers=1))
+
+
+@pytest.mark.parametrize("kind", ["dictionary", "large_string", "string_view"])
+def test_a_parquet_text_column_of_any_arrow_string_type_is_text(tmp_path, tokenizer, kind):
+    # Found by review: a dictionary-encoded text column (pandas' category dtype, or a writer's dictionary) was
+    # refused as 'dictionary<values=string, ...>, not text'; its values are text.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = pa.array(TEXTS[:3] + [None])
+    column = {"dictionary": lambda: column.dictionary_encode(), "large_string": lambda: column.cast(pa.large_string()),
+              "string_view": lambda: column.cast(pa.string_view())}[kind]()
+    pq.write_table(pa.table({"body": column}), tmp_path / "c.parquet")
+    assert kind in str(pq.ParquetFile(tmp_path / "c.parquet").schema_arrow.field("body").type)
+    convert_tokens(TokenConvertConfig(tmp_path / "c.parquet", tmp_path / "p", tokenizer, text_field="body", workers=1))
+    assert all_documents(tmp_path / "p") == expected_docs(tokenizer, TEXTS[:3])[0]
+    pq.write_table(pa.table({"body": pa.array([b"a", b"b"]).dictionary_encode()}), tmp_path / "n.parquet")
+    with pytest.raises(ConvertError, match=r"n\.parquet: column 'body' is dictionary<values=binary"):
+        convert_tokens(TokenConvertConfig(tmp_path / "n.parquet", tmp_path / "q", tokenizer, text_field="body",
+                                          workers=1))
