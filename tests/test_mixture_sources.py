@@ -87,3 +87,19 @@ def test_a_source_without_a_label_field_is_refused_though_some_samples_have_a_fi
         with Loader(Mixture(sources), batch_size=2, pipeline=Raw(), device="cpu", world_size=1, rank=0) as loader:
             batches = list(loader)  # raw without fields=: the label only when every source has one
         assert sum(len(x["index"]) for x in batches) == len(loader) * 2 and "label" not in batches[0]
+
+
+def test_a_mixture_file_naming_a_key_twice_is_refused_naming_it(tmp_path):
+    # Found by review: JSON keeps the last of two equal keys, so a source pasted twice under one name (or a weight
+    # given twice) silently dropped the first: the mixture read other data than the file shows.
+    _small(tmp_path / "a", 5)
+    _small(tmp_path / "b", 5)
+    spec = tmp_path / "mix.json"
+    spec.write_text('{"sources": {"web": "a", "web": "b"}}')
+    with pytest.raises(DatasetError, match=rf"^{spec}: key 'web' appears twice in one object .*: name it once$"):
+        Mixture.from_file(spec)
+    spec.write_text('{"sources": {"x": "a", "y": "b"}, "weights": [[0, {"x": 1, "y": 1, "x": 3}]]}')
+    with pytest.raises(DatasetError, match=rf"^{spec}: key 'x' appears twice"):
+        Mixture.from_file(spec)
+    spec.write_text('{"sources": {"x": "a", "y": "b"}, "weights": {"x": 3, "y": 1}}')
+    assert Mixture.from_file(spec).weights == pytest.approx([0.75, 0.25])

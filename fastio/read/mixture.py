@@ -39,6 +39,20 @@ __all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state", "next
            "renewed_mixture_state"]
 
 
+class _Twice(ValueError):
+    """A key given twice in one object of a mixture file (its ``args[0]``)."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of a mixture file, each key once (``json``'s ``object_pairs_hook``): _Twice naming a repeat."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(key)
+        out[key] = value
+    return out
+
+
 class Mixture:
     """Datasets mixed by weight: ``Mixture({"web": "s3://b/web", "coco": "/data/coco"}, weights={"web": 3,
     "coco": 1})``.
@@ -124,12 +138,16 @@ class Mixture:
         """A mixture described by a JSON file ``{"sources": {name: path or URL}, "weights": {name: weight},
         "samples_per_epoch": N}`` (``weights`` and ``samples_per_epoch`` optional; ``weights`` may be a schedule,
         ``[[position, {name: weight}], ...]``; relative paths are relative to the file). ``opening``: as for the
-        constructor. DatasetError names the file and the bad entry."""
+        constructor. DatasetError names the file and the bad entry (a key given twice in one object too: JSON would
+        keep the last silently)."""
         path = Path(path)
         try:
-            spec = json.loads(path.read_text())
+            spec = json.loads(path.read_text(), object_pairs_hook=_once)
         except OSError as err:
             raise DatasetError(f"{path}: cannot read the mixture file ({err.strerror or err})") from None
+        except _Twice as err:
+            raise DatasetError(f"{path}: key {err.args[0]!r} appears twice in one object (JSON would keep the last "
+                               "and drop the other silently): name it once") from None
         except ValueError as err:
             raise DatasetError(f"{path}: not a JSON mixture file ({err})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("sources"), dict):
