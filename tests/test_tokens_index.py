@@ -273,3 +273,18 @@ def test_hostile_s3_pairs_refused_in_one_line_naming_the_url(tmp_path, aws_env, 
 
     assert re.search(message.format(b=s3_bucket), out), out
     assert not store.exists("mega/manifest.json")
+
+
+def test_a_megatron_data_prefix_or_one_file_of_a_pair_is_named_with_its_folder(tmp_path, capsys):
+    # Found by review: a Megatron user names data by its prefix (--data-path data/web_text_document) or one file of
+    # the pair; fastio index said 'no such folder' of a file that exists, not what it takes instead.
+    data = tmp_path / "data"
+    megatron_pair(data, "web_text_document", DOCS)
+    for given in ("web_text_document", "web_text_document.bin", "web_text_document.idx"):
+        rc, out = run(capsys, "index", data / given, "--eos-id", EOS)
+        assert rc == 2 and out.count("\n") == 1, out
+        assert out.startswith(f"fastio: error: {data / given}: ") and "no such folder" not in out, out
+        assert f"give its folder, {data}" in out, out
+    assert not (data / "manifest.json").exists()
+    rc, out = run(capsys, "index", data / "nope", "--eos-id", EOS)
+    assert rc == 2 and f"{data / 'nope'}: no such folder" in out, out

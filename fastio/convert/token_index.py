@@ -135,8 +135,19 @@ def _listing(storage: Storage, source: str) -> dict[str, int]:
         return {o.key: o.size for o in storage.list("") if "/" not in o.key and _pair_file(o.key)}
     root = storage.location.path
     if not root.is_dir():
-        raise DatasetError(f"{source}: no such folder")
+        raise DatasetError(f"{source}: {_not_a_folder(root)}")
     return {e.name: e.stat().st_size for e in os.scandir(root) if _pair_file(e.name) and e.is_file()}
+
+
+def _not_a_folder(root: Path) -> str:
+    """Why a local SOURCE that is not a folder is refused: a file or Megatron data prefix (``--data-path
+    data/web_text_document``) is named with its folder, which is what fastio index takes."""
+    stem = root.with_suffix("") if root.suffix in (".bin", ".idx") else root
+    if root.is_file() or Path(f"{stem}.bin").is_file() or Path(f"{stem}.idx").is_file():
+        kind = "a file" if root.is_file() else "a Megatron data prefix"
+        return (f"{kind}, not a folder: fastio index takes the folder holding the .bin/.idx pairs (each pair directly "
+                f"in it becomes a shard): give its folder, {root.parent}")
+    return "no such folder"
 
 
 def _pair_file(name: str) -> bool:
