@@ -288,3 +288,21 @@ def test_a_megatron_data_prefix_or_one_file_of_a_pair_is_named_with_its_folder(t
     assert not (data / "manifest.json").exists()
     rc, out = run(capsys, "index", data / "nope", "--eos-id", EOS)
     assert rc == 2 and f"{data / 'nope'}: no such folder" in out, out
+
+
+def test_the_loader_given_megatron_pairs_not_yet_indexed_names_fastio_index(tmp_path, capsys):
+    # Found by review: a Loader (or verify, inspect) given a folder of Megatron pairs, a data prefix or a .bin said
+    # 'not a fastio dataset (no manifest.json; an interrupted conversion?)', or 'no such dataset directory' /
+    # 'a file' without the command that makes the pairs a dataset.
+    import fastio
+    from fastio.errors import DatasetError
+
+    data = tmp_path / "data"
+    megatron_pair(data, "web_text_document", DOCS)
+    index = rf"`fastio index {data} --eos-id N`"
+    for given in ("", "web_text_document", "web_text_document.bin"):
+        with pytest.raises(DatasetError, match=rf"^{data / given if given else data}: .*Megatron.*{index}"):
+            fastio.Loader(data / given if given else data, pipeline=fastio.Tokens(seq_len=4), batch_size=1,
+                          device="cpu")
+    rc, out = run(capsys, "verify", data)
+    assert rc == 2 and out.count("\n") == 1 and f"fastio index {data} --eos-id N" in out, out

@@ -575,15 +575,24 @@ _LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
 
 def not_a_dataset(dest: Path) -> DatasetError:
     """The error for a local DEST without a manifest: a file, an unfinished conversion (its marker: run it again), a
-    folder of tar shards or of images (naming the command that makes it a dataset), a missing folder, or else an
-    interrupted conversion."""
+    folder of tar shards, of Megatron pairs (a pair's file or data prefix too) or of images (naming the command that
+    makes it a dataset), a missing folder, or else an interrupted conversion."""
     if dest.is_file():
         dataset = dest.parent.parent
-        if dest.suffix.lower() == ".tar" and dest.parent.name == SHARDS_DIR and (dataset / MANIFEST_NAME).is_file():
+        if (dest.suffix.lower() in (".tar", ".bin", ".idx") and dest.parent.name == SHARDS_DIR
+                and (dataset / MANIFEST_NAME).is_file()):
             return DatasetError(f"{dest}: a shard of the dataset {dataset}: give the dataset folder")
         if dest.suffix.lower() == ".tar":
             return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
                                 f"shards one with `fastio index {dest.parent}`, then give that folder")
+    pairs = _megatron_folder(dest)
+    if pairs is not None and not (dest / MARKER_NAME).is_file():
+        what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
+            "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
+        return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
+                            f"{'it' if pairs == dest else 'its folder'} one with `fastio index {pairs} --eos-id N` (N: the id that ends every document), then give "
+                            "that folder")
+    if dest.is_file():
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
                             "or `fastio index`")
     if not dest.is_dir():
@@ -600,6 +609,20 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _megatron_folder(dest: Path) -> Path | None:
+    """The folder ``fastio index`` takes where ``dest`` is a folder holding Megatron ``.bin``/``.idx`` pairs
+    directly, one file of such a pair, or a Megatron data prefix (what Megatron's ``--data-path`` names:
+    ``data/web_text_document``); else None."""
+    if dest.is_dir():
+        try:
+            names = {n for n in os.listdir(dest)[:_LOOK_AT] if not n.startswith(".")}
+        except OSError:
+            return None
+        return dest if any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names) else None
+    stem = dest.with_suffix("") if dest.suffix in (".bin", ".idx") else dest
+    return dest.parent if Path(f"{stem}.bin").is_file() and Path(f"{stem}.idx").is_file() else None
 
 
 def _read_head(path: Path) -> bytes:
