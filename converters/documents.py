@@ -12,9 +12,10 @@ input order, so a span is a contiguous run of documents: :mod:`fastio.convert.co
 With ``messages=True`` (a chat conversion) each document is the field's JSON value as it is (a conversation: its
 messages are checked by :mod:`fastio.convert.chat_encode`), and a ``.txt`` file is refused (it holds no messages).
 
-Refusals are one :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is
-not a JSON object, a missing or non-text field (named with its option: ``text_field``, or a chat conversion's
-``messages_field``), text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes, writes shards or
+A null text (a JSONL ``null``, a Parquet null) is an empty document. Refusals are one
+:class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is not a JSON object, a
+missing field (named with its option: ``text_field``, or a chat conversion's ``messages_field``), a non-text one
+(its value named in JSON's words: ``a number``, ``an object``, ...), text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes, writes shards or
 knows shard sizes.
 """
 
@@ -133,8 +134,10 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
             if field not in row:
                 raise ConvertError(f"{where}: has no field {field!r} ({_field_option(messages)}={field!r})")
             text = row[field]
+            if not messages and text is None:
+                text = ""  # a null is an empty document, as a Parquet null is
             if not messages and not isinstance(text, str):
-                raise ConvertError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+                raise ConvertError(f"{where}: field {field!r} is {_json_kind(text)}, not text")
             yield where, text
 
 
@@ -156,7 +159,7 @@ def _json_kind(value: object) -> str:
     """What a JSON value that is not an object is, in JSON's words (``a list``, ``null``, ...)."""
     if value is None:
         return "null"
-    kinds = {bool: "a boolean", str: "a string", list: "a list"}
+    kinds = {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}
     return kinds.get(type(value), "a number")
 
 

@@ -128,7 +128,7 @@ def test_hostile_inputs_named(tmp_path, tokenizer):
     cases = {
         "bad.jsonl": (b'{"text": "ok"}\n{not json\n', r"bad\.jsonl:2: not a JSON object"),
         "nofield.jsonl": (b'{"text": "ok"}\n{"body": "x"}\n', r"nofield\.jsonl:2: has no field 'text'"),
-        "num.jsonl": (b'{"text": 3}\n', r"num\.jsonl:1: field 'text' is int, not text"),
+        "num.jsonl": (b'{"text": 3}\n', r"num\.jsonl:1: field 'text' is a number, not text"),
         "latin.txt": ("caf\xe9".encode("latin-1"), r"latin\.txt: not UTF-8 text \(byte 3\)"),
     }
     for name, (data, message) in cases.items():
@@ -323,3 +323,24 @@ def test_a_parquet_text_column_of_any_arrow_string_type_is_text(tmp_path, tokeni
     with pytest.raises(ConvertError, match=r"n\.parquet: column 'body' is dictionary<values=binary"):
         convert_tokens(TokenConvertConfig(tmp_path / "n.parquet", tmp_path / "q", tokenizer, text_field="body",
                                           workers=1))
+
+
+def test_a_jsonl_null_text_is_an_empty_document_as_a_parquet_null_and_other_values_are_named_in_json_words(
+        tmp_path, tokenizer):
+    # Found by review: the same table exported as Parquet and as JSONL (pandas' to_json writes a missing text as
+    # null) converted differently: a Parquet null is an empty document, a JSONL null stopped the run with "field
+    # 'text' is NoneType, not text" (Python's type names: 'dict', 'list', 'NoneType' where the file says null).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["the quick brown fox", None, "a stream of tokens"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "c.parquet")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    from_parquet = convert_tokens(TokenConvertConfig(tmp_path / "c.parquet", tmp_path / "p", tokenizer, workers=1))
+    from_jsonl = convert_tokens(TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "j", tokenizer, workers=1))
+    assert all_documents(tmp_path / "j") == all_documents(tmp_path / "p") == expected_docs(tokenizer, texts[::2])[0]
+    assert from_jsonl.empty == from_parquet.empty == 1
+    for value, said in [({"a": 1}, "an object"), ([1], "a list"), (True, "a boolean"), (1.5, "a number")]:
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(ConvertError, match=rf"bad\.jsonl:2: field 'text' is {said}, not text$"):
+            convert_tokens(TokenConvertConfig(tmp_path / "bad.jsonl", tmp_path / "b", tokenizer, workers=1))
