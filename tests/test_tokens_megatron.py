@@ -235,3 +235,19 @@ def test_one_per_document_claim_is_checked(tmp_path):
     assert MegatronIndex(tmp_path / "three.idx").documents == 2
     with pytest.raises(DatasetError, match=r"three\.idx: 3 sequences for 2 documents, and its manifest says one"):
         MegatronIndex(tmp_path / "three.idx", one_per_document=True)
+
+
+def test_an_old_megatron_index_and_a_cut_header_are_named_as_such(tmp_path):
+    # Found by review: Megatron's older 'lazy'/'cached' indexed format (magic TNTIDX, what preprocess_data.py wrote
+    # with --dataset-impl lazy/cached) and an .idx cut inside its 34-byte header were both 'no MMIDIDX header':
+    # the one says nothing of the fix (make the pairs again as mmap), the other has that header's magic.
+    written = _write(tmp_path / "s.bin", DOCS)
+    good = written.idx_path.read_bytes()
+    written.idx_path.write_bytes(b"TNTIDX\x00\x00" + (1).to_bytes(8, "little") + bytes(32))
+    with pytest.raises(DatasetError, match=r"s\.idx: Megatron's older lazy/cached index format \(TNTIDX\), not the "
+                                           r"mmap one \(MMIDIDX\).*--dataset-impl mmap"):
+        MegatronShard(tmp_path / "s.bin")
+    written.idx_path.write_bytes(good[:20])
+    with pytest.raises(DatasetError, match=r"s\.idx: 20 bytes, cut inside the 34-byte header of a Megatron \.idx: "
+                                           r"truncated"):
+        MegatronShard(tmp_path / "s.bin")

@@ -17,7 +17,8 @@ fastio writes one sequence per document (as Megatron's ``preprocess_data.py`` do
 a reader takes document ``j`` as sequences ``doc_index[j] .. doc_index[j+1]``, contiguous in ``.bin``.
 The token type is uint16 where the vocabulary has fewer than 65,500 ids (Megatron's ``optimal_dtype``), else
 int32. Reading maps both files (``numpy.memmap``): a document is found in O(1) and nothing of size N is read
-at open. Refusals are one :class:`~fastio.errors.DatasetError` naming the file: bad magic or version, a token type
+at open. Refusals are one :class:`~fastio.errors.DatasetError` naming the file: bad magic (the older lazy/cached ``TNTIDX``
+format named as such) or version, a header cut short, a token type
 that is not uint16/int32 (or not the one expected), a size that disagrees with its counts, a ``.bin`` shorter or
 longer than its ``.idx`` says (truncated, or indexed with another token type), a missing partner file.
 """
@@ -43,6 +44,7 @@ __all__ = ["CHECK_CHUNK", "HEADER_BYTES", "MAGIC", "TOKEN_DTYPES", "MegatronInde
            "WrittenShard", "partner_path", "token_dtype"]
 
 MAGIC = b"MMIDIDX\x00\x00"
+_OLD_MAGIC = b"TNTIDX\x00\x00"  # Megatron's (and fairseq's) older lazy/cached IndexedDataset: not read
 VERSION = 1
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
 TOKEN_DTYPES = {"uint16": 8, "int32": 4}
@@ -146,8 +148,15 @@ class MegatronIndex:
         _madvise(self._map, name)
 
     def _header(self, head: bytes) -> tuple[int, int, int]:
-        if len(head) < HEADER_BYTES or head[:9] != MAGIC:
+        if head.startswith(_OLD_MAGIC):
+            raise DatasetError(f"{self.name}: Megatron's older lazy/cached index format (TNTIDX), not the mmap one "
+                               "(MMIDIDX) fastio reads: make the pairs again with Megatron's preprocessing as mmap "
+                               "(its default; --dataset-impl mmap where it has the option)")
+        if head[:9] != MAGIC:
             raise DatasetError(f"{self.name}: not a Megatron .idx (no MMIDIDX header)")
+        if len(head) < HEADER_BYTES:
+            raise DatasetError(f"{self.name}: {count(len(head), 'byte')}, cut inside the {HEADER_BYTES}-byte header of "
+                               "a Megatron .idx: truncated")
         version, code, sequences, entries = struct.unpack("<QBQQ", head[9:HEADER_BYTES])
         if version != VERSION:
             raise DatasetError(f"{self.name}: Megatron .idx version {version}, fastio reads {VERSION}")
