@@ -634,3 +634,18 @@ def test_jpeg_and_tif_members_are_image_fields(tmp_path, capsys):
                     world_size=1, rank=0) as loader:
             batch = next(iter(loader))
         assert batch["image"].shape[0] == 3 and batch["label"].tolist() == [0, 1, 2]
+
+
+def test_indexing_the_shards_folder_of_a_dataset_is_refused_and_leaves_that_dataset_whole(shards, tmp_path, capsys):
+    # Found by review: `fastio index DATASET/shards` wrote a manifest.json and samples.fxi among DATASET's tar
+    # shards (the folder the tars are in), and `fastio verify DATASET` then failed ('file is not listed').
+    folder, _ = shards
+    code, out, err = run_cli(["index", str(folder), "--dest", str(tmp_path / "ds")], capsys)
+    assert code == 0, err
+    inner = tmp_path / "ds" / "shards"  # where DEST's own files go (its .idx files)
+    for tar in sorted(folder.glob("wds-*.tar"))[:1]:
+        shutil.copy(tar, inner / tar.name)
+    before = sorted(p.name for p in inner.iterdir())
+    _refused(capsys, inner, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}")
+    _refused(capsys, folder, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}", "--dest", str(inner))
+    assert sorted(p.name for p in inner.iterdir()) == before

@@ -306,3 +306,25 @@ def test_the_loader_given_megatron_pairs_not_yet_indexed_names_fastio_index(tmp_
                           device="cpu")
     rc, out = run(capsys, "verify", data)
     assert rc == 2 and out.count("\n") == 1 and f"fastio index {data} --eos-id N" in out, out
+
+
+def test_indexing_the_shards_folder_of_a_dataset_is_refused_and_leaves_that_dataset_whole(tmp_path, capsys):
+    # Found by review: `fastio index DATASET/shards --eos-id N` (the folder that holds the .bin/.idx files) wrote a
+    # manifest.json and doc-starts.fxs among DATASET's shards, and `fastio verify DATASET` then failed ('file is not
+    # listed in the manifest').
+    data = tmp_path / "data"
+    megatron_pair(data, "web_text_document", DOCS)
+    index_tokens(TokenIndexConfig(data, eos_id=EOS, dest=tmp_path / "ds"))
+    shards = tmp_path / "conv" / "shards"
+    shards.mkdir(parents=True)
+    for f in data.iterdir():
+        (shards / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "conv" / "manifest.json").write_text((tmp_path / "ds" / "manifest.json").read_text())
+    before = sorted(p.name for p in shards.iterdir())
+    for args in ([shards], [data, "--dest", shards], [shards, "--overwrite"]):
+        rc, out = run(capsys, "index", *args, "--eos-id", EOS)
+        assert rc == 2 and out.count("\n") == 1, out
+        assert f"{shards}: the shards/ folder of the dataset {tmp_path / 'conv'}" in out, out
+    assert sorted(p.name for p in shards.iterdir()) == before
+    rc, out = run(capsys, "index", shards, "--eos-id", EOS, "--dest", tmp_path / "view")  # a view elsewhere: fine
+    assert rc == 0, out

@@ -225,6 +225,20 @@ def lock_parts(dest: Path) -> list[DirLock]:
     return locks
 
 
+def refuse_a_datasets_shards(dest: Storage) -> None:
+    """DatasetError where a local DEST of ``fastio index`` is the ``shards/`` folder of a dataset (beside its
+    manifest): the index would put its own manifest and tables among that dataset's files, and ``fastio verify`` of
+    it would then fail. Whatever ``overwrite`` says: it is another dataset's folder."""
+    if dest.remote:
+        return
+    path = dest.location.path
+    real = Path(os.path.realpath(path))
+    if real.name == SHARDS_DIR and (real.parent / MANIFEST_NAME).is_file():
+        raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
+                           "files to that dataset; it is read as it is (give the dataset's folder), or index these "
+                           "shards into another folder (--dest)")
+
+
 def check_index_dest(dest: Storage, overwrite: bool) -> None:
     """A DEST other than SOURCE's folder must be new, empty or fastio's (its marker, a manifest, parts), as
     ``fastio convert``'s; with ``overwrite`` any folder is written into (``fastio index --eos-id`` too)."""

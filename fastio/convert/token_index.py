@@ -32,7 +32,8 @@ import numpy as np
 
 from fastio.checks import check_fields, checked, config_error, positive_integer, rule
 from fastio.checks import count as count_problem
-from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
+from fastio.convert.dest import (check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards,
+                                 writer_lock)
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     ShardRecord,
@@ -317,6 +318,7 @@ def _same_folder(a: Storage, b: Storage) -> bool:
 
 
 def _check_dest(config: TokenIndexConfig, dest: Storage, in_place: bool) -> None:
+    refuse_a_datasets_shards(dest)
     if not in_place:  # first: a DEST that cannot be a folder is named as such
         check_index_dest(dest, config.overwrite)
     if dest.exists(MANIFEST_NAME) and not config.overwrite:

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checks import check_fields, checked, one_of, positive_integer, rule
-from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, writer_lock
+from fastio.convert.dest import (check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards,
+                                 writer_lock)
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
@@ -309,6 +310,7 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
     dest_storage = src_root if config.dest is None else open_storage(dest_location(config.dest),
                                                                        config.storage_options)
     in_place = dest_storage.url == src_root.url
+    refuse_a_datasets_shards(dest_storage)
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
     _check_locations(shards, in_place, dest_storage.url)
