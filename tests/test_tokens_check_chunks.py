@@ -81,7 +81,9 @@ def test_index_names_a_later_chunks_bad_document_as_in_one_pass(tmp_path, monkey
         index_tokens(TokenIndexConfig(data, 0))
     assert str(chunked.value) == str(whole.value) == (f"{data / 's.bin'}: document 2500 ends with token 7, not eos_id "
                                                      "0 (documents are taken as they are: each must end with its "
-                                                     "end-of-document token)")
+                                                     "end-of-document token; Megatron's preprocess_data.py appends "
+                                                     "it only with --append-eod: made without it, make the pairs "
+                                                     "again with it)")
 
 
 def test_index_names_the_document_of_a_negative_id_in_a_later_chunk(tmp_path, monkeypatch):

@@ -102,7 +102,8 @@ def test_verify_finds_a_changed_pair(tmp_path, capsys):
     ("no-idx", r"a\.bin: has no partner a\.idx"),
     ("no-bin", r"a\.idx: has no partner a\.bin"),
     ("magic", r"a\.idx: not a Megatron \.idx"),
-    ("wrong-eos", r"a\.bin: document 0 ends with token 2, not eos_id 3"),
+    ("wrong-eos", r"a\.bin: document 0 ends with token 2, not eos_id 3 .*Megatron's preprocess_data\.py appends "
+                  r"it only with --append-eod"),
     ("empty", r"data: holds no Megatron \.bin/\.idx pairs"),
 ])
 def test_hostile_pairs_refused_in_one_line(tmp_path, capsys, damage, message):

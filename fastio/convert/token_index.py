@@ -283,7 +283,9 @@ def _check_pair(storage: Storage, pair: _Pair, dtype: str | None, config: TokenI
             raise DatasetError(f"{bin_name}: {problem}")
     if ends.wrong is not None:
         raise DatasetError(f"{bin_name}: document {ends.wrong[0]} ends with token {ends.wrong[1]}, not eos_id {eos_id} "
-                           "(documents are taken as they are: each must end with its end-of-document token)")
+                           "(documents are taken as they are: each must end with its end-of-document token; Megatron's "
+                           "preprocess_data.py appends it only with --append-eod: made without it, make the pairs "
+                           "again with it)")
     return _Checked(index, digests, idx_sha256, one, starts, ids.high)
 
 
