@@ -15,8 +15,9 @@ messages are checked by :mod:`fastio.convert.chat_encode`), and a ``.txt`` file 
 A null text (a JSONL ``null``, a Parquet null) is an empty document. Refusals are one
 :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is not a JSON object, a
 missing field (named with its option: ``text_field``, or a chat conversion's ``messages_field``), a non-text one
-(its value named in JSON's words: ``a number``, ``an object``, ...), text that is not UTF-8, a file of another kind in SOURCE. Never tokenizes, writes shards or
-knows shard sizes.
+(its value named in JSON's words: ``a number``, ``an object``, ...), text that is not UTF-8, a file of another kind
+in SOURCE (:func:`not_a_document_file`: a ``.json`` or a compressed file named with the way on). Never tokenizes,
+writes shards or knows shard sizes.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from pathlib import Path
 from fastio.converters.base import walk_files
 from fastio.errors import ConvertError
 
-__all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_documents"]
+__all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_documents", "not_a_document_file"]
 
 DOCUMENT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 """The file kinds a token conversion reads, by suffix (lowercased)."""
 _PARQUET_BATCH = 4096
 _BOM = b"\xef\xbb\xbf"
+_COMPRESSED = {".gz", ".zst", ".zstd", ".bz2", ".xz", ".lz4"}
 
 
 def document_files(source: Path) -> list[Path]:
@@ -50,11 +52,22 @@ def document_files(source: Path) -> list[Path]:
             raise ConvertError(f"{source / bad.path}: {bad.reason}")
     other = next((f for f in files if f.suffix.lower() not in DOCUMENT_SUFFIXES), None)
     if other is not None:
-        raise ConvertError(f"{other}: not a document file (a token conversion reads "
-                           f"{', '.join(DOCUMENT_SUFFIXES)})")
+        raise not_a_document_file(str(other))
     if not files:
         raise ConvertError(f"{source}: holds no document files ({', '.join(DOCUMENT_SUFFIXES)})")
     return files
+
+
+def not_a_document_file(name: str) -> ConvertError:
+    """The refusal of a file (or object) ``name`` that is not a document file, with the way on where its name tells
+    it: a ``.json`` (one object a line, Megatron's loose JSON, is JSONL), a compressed file."""
+    suffix = Path(name).suffix.lower()
+    hint = ""
+    if suffix == ".json":
+        hint = f"; one JSON object a line, as Megatron's loose JSON is, is JSONL: name it {Path(name).stem}.jsonl"
+    elif suffix in _COMPRESSED:
+        hint = f"; compressed ({suffix}): decompress it first"
+    return ConvertError(f"{name}: not a document file (a token conversion reads {', '.join(DOCUMENT_SUFFIXES)}{hint})")
 
 
 def iter_documents(source: Path, text_field: str = "text") -> Iterator[tuple[str, str]]:

@@ -344,3 +344,20 @@ def test_a_jsonl_null_text_is_an_empty_document_as_a_parquet_null_and_other_valu
         (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": value}) + "\n")
         with pytest.raises(ConvertError, match=rf"bad\.jsonl:2: field 'text' is {said}, not text$"):
             convert_tokens(TokenConvertConfig(tmp_path / "bad.jsonl", tmp_path / "b", tokenizer, workers=1))
+
+
+def test_a_megatron_loose_json_file_and_a_compressed_one_are_named_with_the_way_on(tmp_path, tokenizer):
+    # Found by review: Megatron's preprocess_data.py reads 'loose JSON' (one object a line) named .json, and
+    # pretraining corpora ship as .jsonl.gz / .json.zst; each was 'not a document file' with nothing on what to do.
+    data = b'{"text": "the quick brown fox"}\n'
+    cases = {"corpus.json": r"corpus\.json: not a document file .*one JSON object a line, as Megatron's loose JSON "
+                            r"is, is JSONL: name it corpus\.jsonl",
+             "corpus.jsonl.gz": r"corpus\.jsonl\.gz: not a document file .*compressed \(\.gz\): decompress it first",
+             "corpus.json.zst": r"corpus\.json\.zst: not a document file .*compressed \(\.zst\): decompress it first"}
+    for name, message in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConvertError, match=message):
+            convert_tokens(TokenConvertConfig(tmp_path / name, tmp_path / "out", tokenizer, workers=1))
+    (tmp_path / "corpus.jsonl").write_bytes(data)  # renamed: converted as it is
+    convert_tokens(TokenConvertConfig(tmp_path / "corpus.jsonl", tmp_path / "out", tokenizer, workers=1))
+    assert all_documents(tmp_path / "out") == expected_docs(tokenizer, ["the quick brown fox"])[0]

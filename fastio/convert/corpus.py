@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastio.converters.documents import DOCUMENT_SUFFIXES, document_files, file_documents
+from fastio.converters.documents import DOCUMENT_SUFFIXES, document_files, file_documents, not_a_document_file
 from fastio.errors import ConvertError
 from fastio.storage import Storage, is_remote, open_storage, parse_location
 
@@ -122,8 +122,7 @@ def open_corpus(source: str | Path, storage_options: dict | None = None) -> Corp
         files = [DocumentFile(url, leaf, size)]
     other = next((f for f in files if Path(f.key).suffix.lower() not in DOCUMENT_SUFFIXES), None)
     if other is not None:
-        raise ConvertError(f"{other.name}: not a document file (a token conversion reads "
-                           f"{', '.join(DOCUMENT_SUFFIXES)})")
+        raise not_a_document_file(other.name)
     return Corpus(url, files, storage)
 
 

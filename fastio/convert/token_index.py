@@ -32,8 +32,7 @@ import numpy as np
 
 from fastio.checks import check_fields, checked, config_error, positive_integer, rule
 from fastio.checks import count as count_problem
-from fastio.convert.dest import (check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards,
-                                 writer_lock)
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards, writer_lock
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     ShardRecord,

@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checks import check_fields, checked, one_of, positive_integer, rule
-from fastio.convert.dest import (check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards,
-                                 writer_lock)
+from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards, writer_lock
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (

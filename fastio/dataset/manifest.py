@@ -590,8 +590,8 @@ def not_a_dataset(dest: Path) -> DatasetError:
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
             "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
         return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
-                            f"{'it' if pairs == dest else 'its folder'} one with `fastio index {pairs} --eos-id N` (N: the id that ends every document), then give "
-                            "that folder")
+                            f"{'it' if pairs == dest else 'its folder'} one with `fastio index {pairs} --eos-id N` "
+                            "(N: the id that ends every document), then give that folder")
     if dest.is_file():
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
                             "or `fastio index`")
