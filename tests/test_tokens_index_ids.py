@@ -129,3 +129,21 @@ def test_gpt_example_trains_on_megatron_data_indexed_as_the_readme_says(tmp_path
     code, out, err = warm.run(EXAMPLE, tmp_path, str(data), str(tmp_path / "ck"), "--steps", "3", "--seq-len", "16",
                               "--batch-size", "2")
     assert code == 0 and "done: 3 steps" in out, out + err
+
+
+def test_a_vocabulary_larger_than_the_token_type_holds_is_refused_by_index_and_verify(tmp_path, capsys):
+    """Found by review: uint16 tokens indexed with --vocab-size 100000 were taken: a uint16 .bin cannot hold that
+    tokenizer's ids above 65,535 (a tool that wrote them as uint16 cut each to its low 16 bits, another token's id,
+    which no check sees), and Megatron writes such a vocabulary as int32."""
+    data = pair(tmp_path / "data", "a", documents())
+    code, out, err = run_cli(["index", str(data), "--eos-id", str(EOS), "--vocab-size", "100000"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, out + err
+    assert err.startswith(f"fastio: error: {data / 'a.bin'}: uint16 tokens cannot hold the ids of a vocabulary of "
+                          "100000 ids (at most 65535)"), err
+    assert not (data / "manifest.json").exists()
+    assert run_cli(["index", str(data), "--eos-id", str(EOS), "--vocab-size", "65536"], capsys)[0] == 0  # they fit
+    manifest = json.loads((data / "manifest.json").read_text())  # a dataset indexed before this check
+    manifest["tokens"]["vocab_size"] = 100_000
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli(["verify", str(data)], capsys)
+    assert code == 1 and "uint16 tokens cannot hold the ids of a vocabulary of 100000 ids" in out + err, out + err

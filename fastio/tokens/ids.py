@@ -10,9 +10,10 @@ sizes agree with the ``.bin``; read that way, every token at an odd offset is th
 such run: :meth:`IdScan.problems` names it where every odd-offset token is 0, or at most 15 while the even-offset ones
 reach 256, and some document is longer than two tokens (data of one-token documents and their end-of-document id 0
 is taken as it is).
-Not caught: the reverse (uint16 tokens under an ``.idx`` that says int32: ids of two tokens each, most of them
-above any vocabulary), unless ``vocab_size`` is known or the documents' ends betray it; ids of another tokenizer
-inside the vocabulary.
+A vocabulary of more ids than the token type holds (``vocab_size`` above 65,536 for uint16 tokens) is named too: such a
+tokenizer's large ids cannot be in the ``.bin`` as they are. Not caught: the reverse (uint16 tokens under an ``.idx``
+that says int32: ids of two tokens each, most of them above any vocabulary), unless ``vocab_size`` is known or the
+documents' ends betray it; ids of another tokenizer inside the vocabulary.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class IdScan:
             small = "0" if self._odd_high == 0 else f"at most {self._odd_high}"
             yield (f"every second token is {small} (each one at an odd offset): int32 tokens under an .idx that says "
                    "uint16? (it counts each int32 token as two)")
+        top = int(np.iinfo(index.dtype).max)
+        if self.vocab_size is not None and self.vocab_size - 1 > top:
+            yield (f"{index.dtype} tokens cannot hold the ids of a vocabulary of {count(self.vocab_size, 'id')} (at "
+                   f"most {top}): a tool that wrote that tokenizer's ids as {index.dtype} cut each one above {top} to "
+                   "another token's id, which no check can see; Megatron writes such a vocabulary as int32: make the "
+                   "pairs again so (or, if the tokenizer has fewer ids, give its own size)")
 
     def _high_halves(self) -> bool:
         """Whether the tokens at odd offsets look like int32 ids' high halves: all 0, or all at most
