@@ -90,16 +90,26 @@ def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, wo
     return made
 
 
-def wait_asked(address: str, participants: int, timeout_s: float = 30) -> None:
-    """Wait until the lighthouse at ``address`` holds the quorum requests of ``participants`` groups (its status
-    page: "... have N participants ...")."""
+def lighthouse_status(address: str) -> tuple[int, int, str]:
+    """The lighthouse's status page: the id of its last quorum, the groups whose requests it holds for the next,
+    and the page."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    page = opener.open(f"{address}/status", timeout=5).read().decode()
+    quorum = re.search(r"Current quorum_id: (\d+)", page)
+    asked = re.search(r"\[\d+/(\d+) participants healthy\]", page)  # "[healthy/all participants healthy]"
+    assert quorum and asked, page
+    return int(quorum.group(1)), int(asked.group(1)), page
+
+
+def wait_asked(address: str, participants: int, quorum: int, timeout_s: float = 30) -> None:
+    """Wait until the lighthouse at ``address`` holds the quorum requests of ``participants`` groups, or has made a
+    quorum after quorum id ``quorum`` (which took the requests it held)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status = opener.open(f"{address}/status", timeout=5).read().decode()
-        if re.search(rf"\bhave {participants} participants\b", status):
+        made, asked, page = lighthouse_status(address)
+        if asked >= participants or made > quorum:
             return
-        assert time.monotonic() < deadline, f"the lighthouse never had {participants} participants: {status}"
+        assert time.monotonic() < deadline, f"the lighthouse never had {participants} participants: {page}"
         time.sleep(0.01)
 
 
@@ -113,10 +123,11 @@ def steps(loaders: list[tuple[Manager, Any]], count: int, commit: Callable[[int]
     out = []
     its = [iter(loader) for _, loader in loaders]
     for _ in range(count):
-        for m, _ in sorted(loaders, key=lambda ml: id(ml[0]) in _ASKED):
+        quorum = lighthouse_status(_HOUSE[id(loaders[0][0])])[0] if len(loaders) > 1 else 0
+        for k, (m, _) in enumerate(sorted(loaders, key=lambda ml: id(ml[0]) in _ASKED)):
             m.start_quorum()
             if id(m) not in _ASKED and len(loaders) > 1:
-                wait_asked(_HOUSE[id(m)], 1)  # its request reaches the lighthouse first
+                wait_asked(_HOUSE[id(m)], k + 1, quorum)  # its request reaches the lighthouse before the others'
             _ASKED.add(id(m))
         out.append([dict(next(it), step=m.current_step(), participating=m.is_participating())
                     for (m, _), it in zip(loaders, its)])
