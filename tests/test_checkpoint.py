@@ -221,8 +221,10 @@ def test_unsupported_state_value_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"every_steps": -1}, {"keep": 1.5}, {"policy": "queue"},
-                                 {"signals": ("SIGNOPE",)}, {"every_seconds": -2}, {"engine": "nope"}])
+                                 {"signals": ("SIGNOPE",)}, {"every_seconds": -2}, {"engine": "nope"},
+                                 {"every_seconds": float("nan")}])
 def test_config_validation(bad, tmp_path):
+    """Each bad field is a ValueError naming it; a NaN period passed ``< 0`` and silently never saved."""
     with pytest.raises(ValueError, match=next(iter(bad))):
         CheckpointConfig(dir=tmp_path, **bad)
 

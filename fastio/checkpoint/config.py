@@ -148,7 +148,7 @@ class CheckpointConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"CheckpointConfig.{name} must be an int >= 0, got {value!r}")
         if isinstance(self.every_seconds, bool) or not isinstance(self.every_seconds, (int, float)) \
-                or self.every_seconds < 0:
+                or not self.every_seconds >= 0:  # NaN too: it compares false with every period, so never saves
             raise ValueError(f"CheckpointConfig.every_seconds must be a number >= 0, got {self.every_seconds!r}")
         if isinstance(self.agree_timeout, bool) or not isinstance(self.agree_timeout, (int, float)) \
                 or not 0 < self.agree_timeout < float("inf"):
