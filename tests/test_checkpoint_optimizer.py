@@ -103,6 +103,49 @@ def test_positional_state_of_another_parameter_shape_refused_before_anything_loa
         trained(model2, optim2)
 
 
+OTHER_KINDS = {"SGD into Adam": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), torch.optim.Adam,
+                                   "betas, eps"),
+               "Adam into SGD": (torch.optim.Adam, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                 "dampening, momentum")}
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+@pytest.mark.parametrize("kind", sorted(OTHER_KINDS))
+def test_an_optimizer_of_another_kind_refused_before_anything_loads(tmp_path, engine, kind):
+    """A checkpoint of one kind of torch optimizer restored into another (positional state: torchsnapshot, DCP's
+    optimizer of no app module): its parameter groups lack settings the app's optimizer needs. strict: refused
+    before anything loads, naming the app key and the settings; strict=False: left as it was (listed), and it
+    trains on. SGD into Adam failed in the load (`restore failed: KeyError: 'step'`) after the model had loaded;
+    Adam into SGD loaded without a word and the next step failed in torch (KeyError: 'momentum')."""
+    saved_kind, app_kind, missing = OTHER_KINDS[kind]
+    model = net()
+    optim = saved_kind(model.parameters())
+    trained(model, optim)
+    app = {"model": model, "optim": optim} if engine == "torchsnapshot" else {"optim": optim}
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        ckpt.save(1, app, blocking=True)
+    for strict in (True, False):
+        model2 = net(1)
+        optim2 = app_kind(model2.parameters())
+        trained(model2, optim2)
+        app2 = {"model": model2, "optim": optim2} if engine == "torchsnapshot" else {"optim": optim2}
+        before = copy.deepcopy({"model": model2.state_dict(), "optim": optim2.state_dict()})
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            if strict:
+                with pytest.raises(CheckpointError) as err:
+                    ckpt.restore_latest(app2)
+                assert (f"app key optim: the checkpoint's optimizer has no {missing} in parameter group 0, which "
+                        f"the app's {type(optim2).__name__} needs") in str(err.value), str(err.value)
+                assert "\n" not in str(err.value)
+                assert same({"model": model2.state_dict(), "optim": optim2.state_dict()}, before)
+                continue
+            skipped = ckpt.restore_latest(app2, strict=False).skipped
+        assert same(optim2.state_dict(), before["optim"])  # left as it was
+        assert any(s.startswith(f"app key optim: the checkpoint's optimizer has no {missing}") and
+                   s.endswith("(optimizer left as it was)") for s in skipped), skipped
+        trained(model2, optim2)
+
+
 TORCH_OPTIMIZERS = {
     "Adam amsgrad": lambda ps: torch.optim.Adam(ps, amsgrad=True), "AdamW": torch.optim.AdamW,
     "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "Adagrad": torch.optim.Adagrad,

@@ -33,7 +33,14 @@ from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
 from fastio.checkpoint.engines import ENGINES, holds_dtensor
 from fastio.checkpoint.engines.base import RESERVED_PREFIX, first_line
-from fastio.checkpoint.engines.strict import Mismatch, group_sizes, groups_mismatch, module_shapes, state_mismatch
+from fastio.checkpoint.engines.strict import (
+    Mismatch,
+    group_sizes,
+    groups_mismatch,
+    module_shapes,
+    settings_mismatch,
+    state_mismatch,
+)
 from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen
@@ -171,7 +178,8 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
               modules: dict[str, Any] | None = None) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
     read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
-    optimizers, the shapes of its positional state against the app's parameters (which torch does not check), and
+    optimizers, the settings its groups need (a checkpoint of another kind of optimizer) and the shapes of its
+    positional state against the app's parameters (neither of which torch checks), and
     at another world size each per-rank module's state keys and shapes (the engine checks replicated ones), and
     with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check).
     ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
@@ -183,7 +191,8 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
         own = group_sizes(getattr(obj, "param_groups", None))
         line = groups_mismatch(key, saved.param_groups(key, src), own) if own is not None else None
         if own is not None and not line:
-            line = state_mismatch(key, saved.state_shapes(key, src), obj)
+            line = (settings_mismatch(key, saved.group_settings(key, src), obj)
+                    or state_mismatch(key, saved.state_shapes(key, src), obj))
         if line and strict:
             raise CheckpointError(f"{where}: checkpoint does not match the app: {line} (restore_latest(..., "
                                   "strict=False) leaves that optimizer as it is and loads the rest)")

@@ -93,6 +93,12 @@ class SavedCheckpoint(Protocol):
         or is global state that the engine checks by its own rule (DCP)."""
         ...
 
+    def group_settings(self, key: str, rank: int) -> list[set[str]] | None:
+        """The setting names (``lr``, ``betas``, ...) of each parameter group of the optimizer state saving rank
+        ``rank`` wrote for ``key``, without reading a tensor; None when that state shows no such groups or is global
+        state that the engine checks by its own rule (DCP)."""
+        ...
+
     def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
         """The shape of each tensor of the optimizer state saving rank ``rank`` wrote for ``key``, by (parameter
         position, state name) (``state/0/exp_avg``), without reading a tensor; empty when that state has none or

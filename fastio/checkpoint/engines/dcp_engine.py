@@ -679,6 +679,12 @@ class DcpCheckpoint(SavedCheckpoint):
         state = self.read(key, rank, mmap=True)
         return group_sizes(state.get("param_groups")) if isinstance(state, dict) else None
 
+    def group_settings(self, key: str, rank: int) -> list[set[str]] | None:
+        """A per-rank optimizer's groups' setting names (its file mapped, no tensor read); None for a global key."""
+        if self.param_groups(key, rank) is None:
+            return None
+        return [set(map(str, g)) - {"params"} for g in self.read(key, rank, mmap=True)["param_groups"]]
+
     def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
         """A per-rank optimizer's state shapes (its file mapped, no tensor read); empty for a global key."""
         if key in self.global_keys:

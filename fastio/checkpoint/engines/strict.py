@@ -10,7 +10,8 @@ Checkpointer logs them and hands them back in ``TrainState.skipped``).
 The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
 dict it rebuilt against the module's own; with ``strict``, its manifest against every module first), DCP in its
 load planner (the checkpoint's metadata against the flattened state dict it is asked to fill). An optimizer's
-parameter groups are part of the rule: torchsnapshot's state is positional, so an optimizer of other groups is
+parameter groups are part of the rule (their number and sizes, and for torch's own optimizers the settings the app's kind
+needs): torchsnapshot's state is positional, so an optimizer of other groups is
 skipped whole; DCP's is keyed by parameter name, so with another number of groups the app's groups stay and each
 parameter's state loads by name.
 """
@@ -25,7 +26,7 @@ from fastio.errors import CheckpointError
 from fastio.words import agree, count
 
 __all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes",
-           "quantized_dtype", "quantized_keys", "shape_of", "state_mismatch"]
+           "quantized_dtype", "quantized_keys", "settings_mismatch", "shape_of", "state_mismatch"]
 
 _SHOWN = 8
 
@@ -87,17 +88,52 @@ PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
 """The per-parameter state torch's own optimizers (``torch.optim``) keep in their parameter's shape."""
 
 
+def _torch_optimizer(optim: Any) -> Any:
+    """``optim`` when it is one of torch's own optimizers (``torch.optim``), or the one a wrapper holds (Accelerate's
+    ``.optimizer``, Lightning's ``._optimizer``); None otherwise."""
+    for _ in range(3):
+        if type(optim).__module__.startswith("torch.optim."):
+            return optim
+        optim = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
+    return optim if type(optim).__module__.startswith("torch.optim.") else None
+
+
+def _settings_lacking(optim: Any, names: set[str]) -> list[str]:
+    """The settings of ``optim``'s kind (its ``defaults``) that a parameter group holding only ``names`` still lacks
+    once torch loads it: what the class's ``__setstate__`` fills in for a state of an older torch is not lacking. A
+    scratch optimizer of the class is given the group (no tensor, no parameter); nothing when that fails."""
+    group: dict[str, Any] = dict.fromkeys(names)
+    group["params"] = []
+    try:
+        scratch = type(optim).__new__(type(optim))
+        scratch.__setstate__({"defaults": dict(optim.defaults), "state": {}, "param_groups": [group]})
+    except Exception:  # noqa: BLE001 - an optimizer whose __setstate__ needs more: torch's own load decides
+        return []
+    return sorted(set(optim.defaults) - set(group))
+
+
+def settings_mismatch(key: str, saved: list[set[str]] | None, optim: Any) -> str | None:
+    """One line when a torch optimizer's parameter groups in a checkpoint (``saved``: the setting names of each
+    group, ``lr``, ``betas``, ...) lack a setting the app's optimizer needs: a checkpoint of another kind of optimizer
+    (SGD's into Adam), which torch's ``load_state_dict`` takes, its groups replacing the app's, and whose state or
+    next step then fails (``KeyError: 'momentum'``). None when they fit, or for another optimizer."""
+    optim = _torch_optimizer(optim)
+    for g, names in enumerate(saved or [] if optim is not None else []):
+        lacking = _settings_lacking(optim, names)
+        if lacking:
+            return (f"app key {key}: the checkpoint's optimizer has no {', '.join(lacking)} in parameter group {g}, "
+                    f"which the app's {type(optim).__name__} needs (saved by another kind of optimizer?)")
+    return None
+
+
 def state_mismatch(key: str, saved: Mapping[tuple[int, str], tuple[int, ...]], optim: Any) -> str | None:
     """One line when a torch optimizer's positional state in a checkpoint (``saved``: (parameter position, state
     name) -> shape) holds a tensor kept in the parameter's shape (:data:`PARAM_SHAPED`) of another shape than
     the app's parameter at that position (groups of as many parameters, in another order): torch's
     ``load_state_dict`` takes it, and its next step fails. None when they fit, or for another optimizer. A
     wrapper's optimizer (Accelerate's ``.optimizer``, Lightning's ``._optimizer``) is looked into."""
-    for _ in range(3):
-        if type(optim).__module__.startswith("torch.optim."):
-            break
-        optim = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
-    if not type(optim).__module__.startswith("torch.optim."):
+    optim = _torch_optimizer(optim)
+    if optim is None:
         return None
     params = [(g, p) for g, group in enumerate(optim.param_groups) for p in group["params"]]
     for (i, name), shape in sorted(saved.items()):

@@ -732,6 +732,17 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
                 sizes[int(p[1])] += 1
         return list(sizes.values())
 
+    def group_settings(self, key: str, rank: int) -> list[set[str]] | None:
+        """From the manifest's ``KEY/param_groups/G/NAME`` entries; None when it does not show the groups."""
+        if self.param_groups(key, rank) is None:
+            return None
+        groups: dict[int, set[str]] = {}
+        for path in self._entries(key, rank):
+            p = path.split("/")[1:]
+            if len(p) >= 3 and p[0] == "param_groups" and p[1].isdigit():
+                groups.setdefault(int(p[1]), set()).add(_decode(p[2]))
+        return [groups[g] - {"params"} for g in sorted(groups)]
+
     def state_shapes(self, key: str, rank: int) -> dict[tuple[int, str], tuple[int, ...]]:
         """From the manifest's ``KEY/state/P/NAME`` tensor entries."""
         out: dict[tuple[int, str], tuple[int, ...]] = {}
