@@ -118,3 +118,36 @@ def test_a_quantized_tensor_into_a_module_s_plain_one_is_refused_naming_the_keys
     assert "\n" not in text
     assert torch.equal(into.b, before["b"]) and not torch.equal(into.weight, before["weight"])
     assert any("b (torch.qint8" in line for line in state.skipped), state.skipped
+
+
+UNWRITABLE = {  # a tensor either engine cannot checkpoint, or torchsnapshot cannot: (make it, engines, words)
+    "meta": (lambda: torch.empty(3, device="meta"), ENGINES, "a meta tensor has no data"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), ENGINES, "a nested tensor"),
+    "sparse": (lambda: torch.eye(3).to_sparse(), ["torchsnapshot"], "a sparse_coo tensor"),
+    "uint16": (lambda: torch.tensor([1, 2]).to(torch.uint16), ["torchsnapshot"], "torch.uint16 tensor"),
+    "float8": (lambda: torch.ones(2).to(torch.float8_e4m3fn), ["torchsnapshot"], "torch.float8_e4m3fn tensor"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNWRITABLE))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_tensor_the_engine_cannot_write_is_refused_at_save_naming_its_key(tmp_path, engine, kind):
+    """Before: a meta or nested tensor failed the staging with torch's own words and no key (``NotImplementedError:
+    Cannot copy out of meta tensor; no data!``); a sparse, uint16 or float8 tensor with torchsnapshot failed in the
+    background write, raised at the next call without its key (``checkpoint write failed: ValueError: Unsupported
+    dtype torch.uint16``). Now the save is refused before anything is written, naming the key path; DCP writes what it
+    can and restores it."""
+    make, refusing, words = UNWRITABLE[kind]
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        if engine not in refusing:
+            ckpt.save(1, {"t": StateHolder({"x": {"y": make()}})}, blocking=True)
+            back = StateHolder({})
+            ckpt.restore_latest({"t": back})
+            assert torch.equal(back.state["x"]["y"].to_dense().float(), make().to_dense().float())
+            return
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(1, {"t": StateHolder({"x": {"y": make()}})}, blocking=True)
+        assert ckpt.steps() == []
+    text = str(err.value)
+    assert text.startswith("state key 't/x/y': ") and words in text and "\n" not in text, text
+    assert not list((tmp_path / "ck").glob("step-*"))

@@ -469,7 +469,7 @@ class Checkpointer:
             progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
-            return engine, self._stager.stage(states), global_keys, progress
+            return engine, self._stager.stage(states, engine.refusal), global_keys, progress
 
         try:
             engine, staged, global_keys, progress = self._ranks.run("stage", stage)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,20 +63,34 @@ class Frozen:
         self.state = state_dict
 
 
+def _no_data(t: torch.Tensor) -> str | None:
+    """Why no engine can checkpoint ``t`` (a meta tensor, a nested one), None when one may."""
+    if t.is_meta:
+        return "a meta tensor has no data to checkpoint (materialise it first: to_empty() and init, or load weights)"
+    if t.is_nested:
+        return "cannot checkpoint a nested tensor (neither engine writes one: save its parts, t.unbind())"
+    return None
+
+
 class Stager:
     """Copies state_dicts into buffers keyed by their path; a buffer is reallocated only when its shape changes."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: list = []
+        self._refusal: Callable[[torch.Tensor], str | None] | None = None
 
     def release(self) -> None:
         self._buffers.clear()
 
-    def stage(self, states: dict[str, Any]) -> dict[str, Any]:
-        """Return a copy of ``states`` (a dict of state_dicts) that later changes to the originals cannot reach."""
+    def stage(self, states: dict[str, Any], refusal: Callable[[torch.Tensor], str | None] | None = None
+              ) -> dict[str, Any]:
+        """Return a copy of ``states`` (a dict of state_dicts) that later changes to the originals cannot reach.
+        ``refusal``: why the engine cannot write a tensor (None when it can): a CheckpointError naming its key path,
+        before anything is copied."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
+        self._refusal = refusal
         out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
         for path in set(self._buffers) - seen:
             del self._buffers[path]
@@ -130,6 +145,9 @@ class Stager:
             return buf
         if isinstance(obj, torch.Tensor):
             _refuse_subclass(obj, path)
+            why = _no_data(obj) or (self._refusal(obj) if self._refusal is not None else None)
+            if why:
+                raise CheckpointError(f"state key {path!r}: {why}")
             if obj.layout != torch.strided or obj.is_quantized or type(obj) is not torch.Tensor \
                     and not isinstance(obj, torch.nn.Parameter):
                 return obj.detach().to("cpu", copy=True)

@@ -124,6 +124,12 @@ class Engine(Protocol):
         (sharded or identical), which the engine may write once and reshard. Others are per rank."""
         ...
 
+    def refusal(self, tensor: Any) -> str | None:
+        """Why this engine cannot write ``tensor`` (a dtype or layout its format has no place for), in words that
+        follow its key path; None when it can. Asked of every tensor while a save stages, before anything is
+        written."""
+        ...
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True) -> dict[str, dict[str, Any]] | None:

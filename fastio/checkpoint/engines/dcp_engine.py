@@ -822,6 +822,10 @@ class DcpEngine:
                 out[key] = obj
         return out, frozenset(shared)
 
+    def refusal(self, tensor: Any) -> str | None:
+        """None: DCP writes every dtype and layout a plain tensor has (non-strided ones pickled)."""
+        return None
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True) -> dict[str, dict[str, Any]]:

@@ -828,6 +828,20 @@ class TorchSnapshotEngine:
         (replication is said by the ``replicated`` globs instead)."""
         return dict(app), frozenset()
 
+    def refusal(self, tensor: Any) -> str | None:
+        """torchsnapshot's serialisation has no format for a dtype outside its list (``torch.uint16``, the float8s)
+        nor for a sparse layout: without this the save failed in the background write, without the key."""
+        import torch
+
+        if tensor.layout != torch.strided:
+            what = f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+        elif tensor.dtype not in _serialization.ALL_SUPPORTED_DTYPES:
+            what = f"a {tensor.dtype} tensor"
+        else:
+            return None
+        return (f"torchsnapshot cannot checkpoint {what} (save with engine='dcp', or store it as another dtype or "
+                f"layout: t.to_dense(), t.view(torch.int16))")
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True) -> dict[str, dict[str, Any]]:
