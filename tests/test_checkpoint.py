@@ -448,6 +448,8 @@ def test_unusable_directory_is_named(tmp_path, engine):
     blocker.write_text("not a directory")
     with pytest.raises(CheckpointError, match=rf"{blocker}/ck: cannot create checkpoint directory"):
         Checkpointer(blocker / "ck")
+    with pytest.raises(CheckpointError, match=rf"^{blocker}: is a file, not a checkpoint directory$"):
+        Checkpointer(blocker)  # was 'cannot create checkpoint directory: File exists'
     root = tmp_path / "ck"
     ckpt = Checkpointer(root, every_steps=1)
     app = make_app()

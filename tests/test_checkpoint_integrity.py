@@ -285,6 +285,22 @@ def test_ckpt_verify_on_a_directory_that_is_not_a_checkpoint_directory_is_an_err
 
 
 
+def test_ckpt_commands_on_a_file_or_a_step_directory_say_so(tmp_path, capsys):
+    """A file given as the directory was 'checkpoint directory does not exist' (it exists); a step directory given
+    to ``ls`` was 'no checkpoints' (exit 0), to ``verify`` 'not a checkpoint directory' without the way out."""
+    (tmp_path / "afile").write_text("x")
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"t": StateHolder({"x": torch.ones(2)})}, blocking=True)
+    for command in ("ls", "verify"):
+        assert fastio_main(["ckpt", command, str(tmp_path / "afile")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"fastio: error: {tmp_path / 'afile'}: is a file, not a checkpoint directory", err
+        assert fastio_main(["ckpt", command, str(tmp_path / "ck" / "step-1")]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"fastio: error: {tmp_path / 'ck' / 'step-1'}: is one checkpoint (step 1), not a checkpoint directory: "
+            f"give the directory holding it, {tmp_path / 'ck'}")
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 20 MiB tmpfs (mounting needs root: elsewhere the test says so and skips)."""

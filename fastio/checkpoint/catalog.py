@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quarantined_name, step_name
+from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quarantined_name, parse_step_name, step_name
 from fastio.checkpoint.publish import data_files
 from fastio.checkpoint.record import CommitRecord, parse_commit
 from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
@@ -146,10 +146,23 @@ class VerifyReport:
     not damaged."""
 
 
-def _check_root(root: Path) -> Path:
+def _local_root(root: Path) -> Path:
+    """``root`` as a directory the commands read: CheckpointError when it is missing, a file, or one step of a
+    checkpoint directory (a mistake for the directory holding it, named)."""
     root = Path(root)
+    if root.is_file():
+        raise CheckpointError(f"{root}: is a file, not a checkpoint directory")
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    step = parse_step_name(root.name)
+    if step is not None and (root / COMMIT_FILE).is_file():
+        raise CheckpointError(f"{root}: is one checkpoint (step {step}), not a checkpoint directory: give the "
+                              f"directory holding it, {root.parent}")
+    return root
+
+
+def _check_root(root: Path) -> Path:
+    root = _local_root(root)
     if not is_checkpoint_dir(root):
         raise CheckpointError(f"{root}: not a checkpoint directory (no step-N directories, no {LOCK_NAME})")
     return root
@@ -183,9 +196,7 @@ def verify(root: Path, *, include_uncommitted: bool = False) -> list[str]:
 def list_checkpoints(root: Path) -> list[dict]:
     """One row per step directory (quarantined ones too): step, committed, bytes (as stored), engine, checksum,
     compression, time, epoch, metrics, problem."""
-    root = Path(root)
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    root = _local_root(root)
     rows = []
     entries = scan(root)
     for child in sorted(root.iterdir()):
