@@ -657,3 +657,23 @@ def test_checkpointer_refuses_a_dataset_directory(tmp_path, image_dataset):
         with pytest.raises(CheckpointError, match=rf"{ds}: is a fastio dataset \({name}\), not a checkpoint"):
             Checkpointer(ds, signals=())
         assert sorted(p.name for p in ds.iterdir()) == before  # no lock file dropped there
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4", None, float("nan")])
+def test_a_step_that_is_not_an_int_of_zero_or_more_is_refused_before_anything_is_written(tmp_path, bad):
+    """Before: save(-1), save(1.5), save(True) committed 'step--1', 'step-1.5', 'step-True', which no restore lists:
+    the relaunch started from scratch beside them; save('4') committed a marker no restore could read."""
+    app = make_app()
+    with Checkpointer(tmp_path / "ck", signals=(), every_steps=1) as ckpt:
+        for call in (ckpt.save, ckpt.maybe_save):
+            with pytest.raises(ValueError, match=r"^step must be an int >= 0, got "):
+                call(bad, app)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".fastio-lock"]
+
+
+def test_a_numpy_integer_step_is_saved_as_its_int(tmp_path):
+    """Before: 'checkpoint write failed: TypeError: Object of type int64 is not JSON serializable'."""
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(np.int64(3), make_app(), blocking=True)
+        assert ckpt.steps() == [3]
+        assert ckpt.restore_latest(make_app()).step == 3

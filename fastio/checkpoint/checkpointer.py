@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import shutil
 import tempfile
 import threading
@@ -80,6 +81,18 @@ def _rank_world() -> tuple[int, int]:
         raise CheckpointError(f"WORLD_SIZE={world} (rank {rank}) but torch.distributed is not initialised: "
                               "call torch.distributed.init_process_group before creating the Checkpointer")
     return rank, world
+
+
+def _step_number(step: Any) -> int:
+    """``step`` as the int a save records (a NumPy integer too); ValueError for anything else or a negative one:
+    ``step--1``, ``step-1.5`` or ``step-True`` would be committed, and no restore would ever list it."""
+    try:
+        number = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return int(number)
 
 
 def _engine_of(engines: dict[str, Engine], name: str) -> Engine:
@@ -231,13 +244,15 @@ class Checkpointer:
 
     def maybe_save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
                    epoch: int | None = None, force: bool = False) -> bool:
-        """Save after ``step`` when one is due (or forced, or a preemption signal came); True if a save started.
+        """Save after ``step`` (an int >= 0, a NumPy integer too; anything else is a ValueError) when one is due (or
+        forced, or a preemption signal came); True if a save started.
 
         Returns once the state is staged; the write goes on in the background. An error of an
         earlier background write is raised here as a :class:`CheckpointError`. Without ``epoch``, the
         epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`).
         """
         self._refuse_if_read_only()
+        step = _step_number(step)
         self._raise_if_failed(wait=False)
         every = self.config.every_steps
         due = force or (every > 0 and step % every == 0)
@@ -266,8 +281,10 @@ class Checkpointer:
 
     def save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
              epoch: int | None = None, blocking: bool = False) -> None:
-        """Save after ``step`` now (waiting for an earlier write first); ``blocking`` also waits for the commit."""
+        """Save after ``step`` (an int >= 0, as for :meth:`maybe_save`) now (waiting for an earlier write first);
+        ``blocking`` also waits for the commit."""
         self._refuse_if_read_only()
+        step = _step_number(step)
         self._raise_if_failed(wait=False)
         self._save(step, app, metrics, epoch, blocking=blocking)
 
