@@ -677,3 +677,17 @@ def test_a_numpy_integer_step_is_saved_as_its_int(tmp_path):
         ckpt.save(np.int64(3), make_app(), blocking=True)
         assert ckpt.steps() == [3]
         assert ckpt.restore_latest(make_app()).step == 3
+
+
+@pytest.mark.parametrize("state, path", [({"a/b": torch.ones(2), "a": {"b": torch.zeros(2)}}, "h/a/b"),
+                                         ({1: torch.ones(2), "1": torch.zeros(2)}, "h/1")])
+def test_two_entries_of_one_key_path_are_refused_not_merged(tmp_path, engine, state, path):
+    """Before: both entries were staged into one buffer (and flattened to one path by either engine): the save was
+    committed and the restore gave both the second's value, the first's lost without a word."""
+    with Checkpointer(tmp_path / "ck", signals=(), engine=engine) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(1, {"h": StateHolder(state)}, blocking=True)
+        assert ckpt.steps() == []
+    text = str(err.value)
+    assert text.startswith(f"state key {path!r}: two entries of the state have this key path") and "\n" not in text
+    assert not list((tmp_path / "ck").glob("step-*"))

@@ -79,6 +79,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: list = []
         self._refusal: Callable[[torch.Tensor], str | None] | None = None
+        self._paths: set[str] = set()
 
     def release(self) -> None:
         self._buffers.clear()
@@ -91,6 +92,7 @@ class Stager:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
         self._refusal = refusal
+        self._paths: set[str] = set()
         out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
         for path in set(self._buffers) - seen:
             del self._buffers[path]
@@ -137,6 +139,10 @@ class Stager:
         return buf
 
     def _walk(self, obj: Any, path: str, pairs: list, seen: set[str]) -> Any:
+        if path in self._paths:  # one buffer, one path in either engine's files: one entry would be lost
+            raise CheckpointError(f"state key {path!r}: two entries of the state have this key path (a key holding "
+                                  "'/' beside nested dicts, or keys 1 and '1'): rename one")
+        self._paths.add(path)
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
             seen.add(path)
