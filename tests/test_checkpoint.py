@@ -691,3 +691,25 @@ def test_two_entries_of_one_key_path_are_refused_not_merged(tmp_path, engine, st
     text = str(err.value)
     assert text.startswith(f"state key {path!r}: two entries of the state have this key path") and "\n" not in text
     assert not list((tmp_path / "ck").glob("step-*"))
+
+
+def test_bad_metrics_epoch_or_restore_step_are_named_before_anything_is_written(tmp_path):
+    """Before: metrics={'loss': 'x'} was 'CheckpointError: ValueError: could not convert string to float: 'x'' (no
+    key), epoch=1.7 was recorded as epoch 1 without a word, restore_latest(step='3') said 'no committed checkpoint for
+    step 3 (committed: 3)' and step=3.0 called a step-3.0 that does not exist a damaged checkpoint."""
+    app = make_app()
+    with Checkpointer(tmp_path / "ck", signals=(), every_steps=1) as ckpt:
+        for call in (ckpt.save, ckpt.maybe_save):
+            with pytest.raises(ValueError, match=r"^metrics\['loss'\] must be a number, got 'x'$"):
+                call(1, app, metrics={"loss": "x"})
+            with pytest.raises(ValueError, match=r"^metrics must be a dict of numbers, got \[1\]$"):
+                call(1, app, metrics=[1])
+            with pytest.raises(ValueError, match=r"^epoch must be an int >= 0, got 1.7$"):
+                call(1, app, epoch=1.7)
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".fastio-lock"]
+        ckpt.save(3, app, metrics={"loss": torch.tensor(0.5)}, epoch=np.int64(2), blocking=True)
+        for bad in ("3", 3.0, True, -1):
+            with pytest.raises(ValueError, match=r"^step must be an int >= 0, got "):
+                ckpt.restore_latest(app, step=bad)
+        state = ckpt.restore_latest(app, step=np.int64(3))
+    assert (state.step, state.epoch, state.metrics) == (3, 2, {"loss": 0.5})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import operator
 import shutil
 import tempfile
@@ -92,6 +93,33 @@ def _step_number(step: Any) -> int:
         number = -1
     if number < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return int(number)
+
+
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is a metric a save can record as a float: a real number (NumPy's too) or a one-element
+    tensor, told by its type alone (no float() here: a CUDA tensor's would wait for the device at every call)."""
+    return isinstance(value, numbers.Real) or isinstance(value, torch.Tensor) and value.numel() == 1 \
+        and not value.is_complex()
+
+
+def _check_progress(metrics: Any, epoch: Any) -> int | None:
+    """A save's ``epoch`` as an int (None: the loader's) once ``metrics`` are checked; ValueError naming a metric
+    that is not a number, or an epoch that is not an int >= 0: recorded as given, or cut to an int, it was a failed
+    save naming no key, or another epoch without a word."""
+    if metrics is not None and not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict of numbers, got {metrics!r}")
+    for key, value in (metrics or {}).items():
+        if not _is_number(value):
+            raise ValueError(f"metrics[{key!r}] must be a number, got {value!r}")
+    if epoch is None:
+        return None
+    try:
+        number = operator.index(epoch) if not isinstance(epoch, bool) else -1
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
     return int(number)
 
 
@@ -249,10 +277,12 @@ class Checkpointer:
 
         Returns once the state is staged; the write goes on in the background. An error of an
         earlier background write is raised here as a :class:`CheckpointError`. Without ``epoch``, the
-        epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`).
+        epoch of the app's loader is recorded (whatever its app key, see :func:`loader_epoch`). ``metrics`` are numbers
+        by name (a one-element tensor too), ``epoch`` an int >= 0: anything else is a ValueError naming it.
         """
         self._refuse_if_read_only()
         step = _step_number(step)
+        epoch = _check_progress(metrics, epoch)
         self._raise_if_failed(wait=False)
         every = self.config.every_steps
         due = force or (every > 0 and step % every == 0)
@@ -285,6 +315,7 @@ class Checkpointer:
         ``blocking`` also waits for the commit."""
         self._refuse_if_read_only()
         step = _step_number(step)
+        epoch = _check_progress(metrics, epoch)
         self._raise_if_failed(wait=False)
         self._save(step, app, metrics, epoch, blocking=blocking)
 
@@ -350,6 +381,7 @@ class Checkpointer:
         starts (the saved one + 1).
         """
         self._check_app(app)
+        step = None if step is None else _step_number(step)
         if loader_policy not in LOADER_POLICIES:
             raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
         if loader_policy != "exact" and not loader_keys(app):
