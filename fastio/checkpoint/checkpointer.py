@@ -312,7 +312,8 @@ class Checkpointer:
     def save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
              epoch: int | None = None, blocking: bool = False) -> None:
         """Save after ``step`` (an int >= 0, as for :meth:`maybe_save`) now (waiting for an earlier write first);
-        ``blocking`` also waits for the commit."""
+        ``blocking`` also waits for the commit. The step this Checkpointer saved last (or restored) is not saved again:
+        the state of one step is saved once (a final ``save`` after a periodic one at the same step writes nothing)."""
         self._refuse_if_read_only()
         step = _step_number(step)
         epoch = _check_progress(metrics, epoch)
