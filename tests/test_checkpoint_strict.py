@@ -290,3 +290,25 @@ def test_elastic_not_strict_loads_what_fits_per_rank(elastic_runs):
         assert dcp["error"] is None and dcp["model"] == pytest.approx(res["dcp-True"]["model"] + 64), (rank, dcp)
         assert any("app key optim: the checkpoint's optimizer has 2" in s for s in dcp["skipped"]) == (rank == 1), \
             (rank, dcp)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_model_on_the_meta_device_is_refused_naming_its_key(tmp_path, engine, strict):
+    """A model made on the meta device and not yet materialised (``to_empty``) has no storage to restore into.
+    Before: torchsnapshot returned the step as restored with every tensor still meta (a later ``to_empty`` and
+    init trained from random weights at the saved step); DCP failed with 'ValueError: Default process group has not
+    been initialized'. Now one line naming the app key and its tensors, nothing loaded, also with strict=False."""
+    ckpt = saved(tmp_path, engine, {"model": model(2), "other": model(1)})
+    with torch.device("meta"):
+        empty = model(2)
+    other = model(1)
+    other_before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore_latest({"model": empty, "other": other}, strict=strict)
+    ckpt.close()
+    text = str(err.value)
+    assert ("app key model: its tensors are on the meta device, with no storage to restore into: 0.weight, 0.bias, "
+            "1.weight, 1.bias (materialise the model first: model.to_empty(device=...))") in text, text
+    assert "\n" not in text
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in other_before.items())

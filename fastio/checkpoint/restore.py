@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastio.checkpoint import catalog, compress, naming, removal, scan
 from fastio.checkpoint.elastic import restore_elastic
-from fastio.checkpoint.engines import ENGINES, holds_dtensor
+from fastio.checkpoint.engines import ENGINES, holds_dtensor, meta_refusal
 from fastio.checkpoint.engines.base import RESERVED_PREFIX, first_line
 from fastio.checkpoint.engines.strict import (
     Mismatch,
@@ -392,9 +392,13 @@ class Restorer:
 
     def _open(self, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
               loader_policy: str) -> _Opened:
-        """This rank's checks before anything loads: the engine can restore this app, the checkpoint has state for
+        """This rank's checks before anything loads: no app tensor is on the meta device, the engine can restore this
+        app, the checkpoint has state for
         every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
         name = commit.engine
+        meta = meta_refusal(app)
+        if meta:
+            raise CheckpointError(f"{path}: {meta}")
         sharded = holds_dtensor(app)
         if sharded and name != "dcp":
             raise CheckpointError(f"{path}: written by the {name} engine, which cannot restore into DTensor "

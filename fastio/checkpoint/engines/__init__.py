@@ -22,7 +22,7 @@ from typing import Any
 from fastio.checkpoint.engines.base import Engine, SavedCheckpoint, Stateful, first_line
 
 __all__ = ["AUTO", "DEFAULT_ENGINE", "ENGINES", "Engine", "SavedCheckpoint", "Stateful", "check_engine_name",
-           "choose_engine", "first_line", "get_engine", "holds_dtensor"]
+           "choose_engine", "first_line", "get_engine", "holds_dtensor", "meta_refusal"]
 
 ENGINES: dict[str, str] = {
     "torchsnapshot": "fastio.checkpoint.engines.torchsnapshot_engine:TorchSnapshotEngine",
@@ -65,6 +65,27 @@ def holds_dtensor(app: dict[str, Any]) -> list[str]:
         if any(isinstance(t, DTensor) for t in tensors):
             found.append(key)
     return found
+
+
+def meta_refusal(app: dict[str, Any]) -> str | None:
+    """One line naming the first app key whose module parameters/buffers or optimizer parameters are on the meta
+    device (made there, not yet materialised): no engine can restore into a tensor without storage (torchsnapshot's
+    copies into one do nothing, DCP's state dict fails). None when there is none."""
+    import torch
+
+    for key, obj in app.items():
+        if isinstance(obj, torch.nn.Module):
+            named = itertools.chain(obj.named_parameters(), obj.named_buffers())
+        elif isinstance(obj, torch.optim.Optimizer):
+            named = enumerate(p for g in obj.param_groups for p in g["params"])
+        else:
+            continue
+        names = [f"parameter {n}" if isinstance(n, int) else n for n, t in named if t.is_meta]
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            return (f"app key {key}: its tensors are on the meta device, with no storage to restore into: {shown} "
+                    "(materialise the model first: model.to_empty(device=...))")
+    return None
 
 
 def choose_engine(name: str, app: dict[str, Any]) -> str:
