@@ -222,9 +222,10 @@ def test_unsupported_state_value_is_named(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"every_steps": -1}, {"keep": 1.5}, {"policy": "queue"},
                                  {"signals": ("SIGNOPE",)}, {"every_seconds": -2}, {"engine": "nope"},
-                                 {"every_seconds": float("nan")}])
+                                 {"every_seconds": float("nan")}, {"signals": ("SIGKILL",)}, {"signals": (19,)}])
 def test_config_validation(bad, tmp_path):
-    """Each bad field is a ValueError naming it; a NaN period passed ``< 0`` and silently never saved."""
+    """Each bad field is a ValueError naming it; a NaN period passed ``< 0`` and silently never saved, and SIGKILL or
+    SIGSTOP (which no handler can catch) was a raw 'OSError: [Errno 22] Invalid argument' once the lock was taken."""
     with pytest.raises(ValueError, match=next(iter(bad))):
         CheckpointConfig(dir=tmp_path, **bad)
 

@@ -45,7 +45,8 @@ class CheckpointConfig:
     """Write in the background (``maybe_save`` returns once the state is staged); False blocks until committed."""
 
     signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
-    """Signals that request a preemption save; their handler only sets a flag. Empty: install none."""
+    """Signals that request a preemption save; their handler only sets a flag. Empty: install none. SIGKILL and
+    SIGSTOP, which no handler can catch, are refused."""
 
     requeue: bool = False
     """After a preemption save under Slurm, rank 0 runs ``scontrol requeue <job id>``."""
@@ -157,11 +158,15 @@ class CheckpointConfig:
 
 
 def _signal_names(signals) -> tuple[str, ...]:
-    """The names of ``signals`` (names or numbers); ValueError naming one that is no signal."""
+    """The names of ``signals`` (names or numbers); ValueError naming one that is no signal, or one no handler can
+    catch (SIGKILL, SIGSTOP)."""
     names = []
     for sig in signals:
         try:
             names.append(signal.Signals[sig].name if isinstance(sig, str) else signal.Signals(sig).name)
         except (KeyError, ValueError):
             raise ValueError(f"CheckpointConfig.signals: unknown signal {sig!r}") from None
+        if names[-1] in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"CheckpointConfig.signals: {names[-1]} cannot be caught (no process can act on it: "
+                             "preemption schedulers send SIGTERM or SIGUSR1 first)")
     return tuple(names)
