@@ -466,6 +466,11 @@ def test_unusable_directory_is_named(tmp_path, engine):
         (tmp_path / "moved").rename(root)
     ckpt.close()
     assert Checkpointer(root).restore_latest(make_app()).step == 1
+    for read_only in (False, True):  # a step given for its directory: no lock, no steps written into a checkpoint
+        with pytest.raises(CheckpointError, match=rf"^{root}/step-1: is one checkpoint \(step 1\), not a checkpoint "
+                                                  rf"directory: give the directory holding it, {root}$"):
+            Checkpointer(root / "step-1", read_only=read_only)
+    assert sorted(p.name for p in (root / "step-1").iterdir() if p.name.startswith(".fastio")) == []
 
 
 KILL_WORKER = """

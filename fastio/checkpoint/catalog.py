@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quarantined_name, parse_step_name, step_name
+from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quarantined_name, step_name
 from fastio.checkpoint.publish import data_files
 from fastio.checkpoint.record import CommitRecord, parse_commit
 from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
-from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, remote_steps, scan
+from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, refuse_step_dir, remote_steps, scan
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
@@ -154,10 +154,7 @@ def _local_root(root: Path) -> Path:
         raise CheckpointError(f"{root}: is a file, not a checkpoint directory")
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
-    step = parse_step_name(root.name)
-    if step is not None and (root / COMMIT_FILE).is_file():
-        raise CheckpointError(f"{root}: is one checkpoint (step {step}), not a checkpoint directory: give the "
-                              f"directory holding it, {root.parent}")
+    refuse_step_dir(root)
     return root
 
 

@@ -223,6 +223,7 @@ class Checkpointer:
         problem: str | None = None
         try:
             scan.refuse_dataset_dir(self.dir)
+            scan.refuse_step_dir(self.dir)
             if self.dir.is_file():
                 raise CheckpointError(f"{self.dir}: is a file, not a checkpoint directory")
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease

@@ -161,6 +161,17 @@ def refuse_dataset_dir(root: Path) -> None:
                                   "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
 
 
+def refuse_step_dir(root: Path) -> None:
+    """CheckpointError when ``root`` is one step of a checkpoint directory (``step-N`` holding its commit marker, a
+    ``step-N.tmp`` holding the writer's mark): a mistake for the directory holding it, named. A Checkpointer there
+    would write into a checkpoint (which retention then deletes with everything in it)."""
+    root = Path(root)
+    step = parse_step_dir_name(root.name)
+    if step is not None and ((root / COMMIT_FILE).is_file() or (root / WRITING_FILE).is_file()):
+        raise CheckpointError(f"{root}: is one checkpoint (step {step[0]}), not a checkpoint directory: give the "
+                              f"directory holding it, {root.parent}")
+
+
 def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
     """``{step: {key under step-N/: size}}`` of every ``step-N/`` prefix on a store, oldest step first."""
     try:
