@@ -719,3 +719,17 @@ def test_bad_metrics_epoch_or_restore_step_are_named_before_anything_is_written(
                 ckpt.restore_latest(app, step=bad)
         state = ckpt.restore_latest(app, step=np.int64(3))
     assert (state.step, state.epoch, state.metrics) == (3, 2, {"loss": 0.5})
+
+
+def test_a_closed_checkpointer_refuses_to_save_or_restore(tmp_path):
+    """Before: save() after close() wrote and committed step-2 without the directory's lock (released by close: another
+    job may hold it by then), and restore_latest() cleaned and moved steps aside without it."""
+    app = make_app()
+    ckpt = Checkpointer(tmp_path / "ck", signals=(), every_steps=1)
+    ckpt.save(1, app, blocking=True)
+    ckpt.close()
+    ckpt.close()  # again: nothing to do
+    for call in (lambda: ckpt.save(2, app), lambda: ckpt.maybe_save(2, app), lambda: ckpt.restore_latest(app)):
+        with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'ck'}: this Checkpointer is closed"):
+            call()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".fastio-lock", "step-1"]

@@ -245,6 +245,7 @@ class Checkpointer:
     def _start_state(self) -> None:
         """The scheduling state of a new Checkpointer: nothing in flight, no step saved, the clock started."""
         self._stager = Stager()
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._pruner: threading.Thread | None = None
         self._inflight_step: int | None = None
@@ -329,11 +330,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last write and for retention's deletions, remove the signal handlers, free staging memory and
-        release DIR's lock."""
+        release DIR's lock. Closing again does nothing; a save or restore after it is a CheckpointError (``steps()``
+        still lists the committed steps)."""
         try:
             self._raise_if_failed(wait=True)
             self._finish_pruning()
         finally:
+            self._closed = True
             self._ranks.close()
             self._flag.uninstall()
             self._stager.release()
@@ -382,6 +385,7 @@ class Checkpointer:
         changed or a dataset converted again with more samples; ``TrainState.epoch`` is then the epoch the loader
         starts (the saved one + 1).
         """
+        self._refuse_if_closed()
         self._check_app(app)
         step = None if step is None else _step_number(step)
         if loader_policy not in LOADER_POLICIES:
@@ -399,7 +403,14 @@ class Checkpointer:
             self._elapsed_before = state.elapsed
         return state
 
+    def _refuse_if_closed(self) -> None:
+        """After ``close`` the lock is released (another job may hold it) and the handlers gone: no save or restore."""
+        if self._closed:
+            raise CheckpointError(f"{self.config.url or self.dir}: this Checkpointer is closed (close() released the "
+                                  "directory's lock): make a new one")
+
     def _refuse_if_read_only(self) -> None:
+        self._refuse_if_closed()
         if self.read_only:
             raise CheckpointError(f"{self.config.url or self.dir}: this Checkpointer is read-only (read_only=True): "
                                   "it restores, it does not save")
