@@ -733,3 +733,19 @@ def test_a_closed_checkpointer_refuses_to_save_or_restore(tmp_path):
         with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'ck'}: this Checkpointer is closed"):
             call()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".fastio-lock", "step-1"]
+
+
+def test_a_state_dict_that_raises_is_named_by_its_app_key(tmp_path):
+    """Before: 'CheckpointError: ValueError: boom', no app key; now the key and the call, nothing written."""
+    class Broken:
+        def state_dict(self):
+            raise ValueError("boom")
+
+        def load_state_dict(self, state):
+            pass
+
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match=r"^app key broken: state_dict\(\) failed: ValueError: boom$"):
+            ckpt.save(1, {"model": torch.nn.Linear(2, 2), "broken": Broken()}, blocking=True)
+        assert ckpt.steps() == []
+    assert not list((tmp_path / "ck").glob("step-*"))

@@ -123,6 +123,19 @@ def _check_progress(metrics: Any, epoch: Any) -> int | None:
     return int(number)
 
 
+def _state_dicts(prepared: dict[str, Any]) -> dict[str, Any]:
+    """Every app object's ``state_dict()``; one that raises is a CheckpointError naming its app key."""
+    states = {}
+    for key, obj in prepared.items():
+        try:
+            states[key] = obj.state_dict()
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the app's own code: named, not a bare traceback line
+            raise CheckpointError(f"app key {key}: state_dict() failed: {first_line(err)}") from err
+    return states
+
+
 def _engine_of(engines: dict[str, Engine], name: str) -> Engine:
     """The engine ``name`` from a Checkpointer's ``engines``, made at its first use (its library imported then)."""
     if name not in engines:
@@ -529,7 +542,7 @@ class Checkpointer:
             if self._leader:
                 made.append(self._commit.start(step))
             rng = capture_rng()
-            states = {key: obj.state_dict() for key, obj in prepared.items()}
+            states = _state_dicts(prepared)
             progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
