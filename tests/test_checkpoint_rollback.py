@@ -268,3 +268,20 @@ def test_a_step_published_in_a_commit_another_rank_failed_stays_on_the_branch(tm
         assert seen["steps"] == [6, 8], seen
     assert states(root) == {6: "committed", 8: "committed"}
 
+
+
+def test_a_lower_step_saved_without_a_restore_is_warned_as_such(tmp_path, caplog):
+    """A run started without restore_latest beside an older run's steps supersedes them at its first commit. The
+    warning said 'committing step 5 after a rollback to step 5', though nothing was rolled back; it now says that
+    this Checkpointer restored nothing, so the forgotten restore is found."""
+    app = {"t": StateHolder({"x": torch.ones(2)})}
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(10, app, blocking=True)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, caplog.at_level("WARNING", logger="fastio"):
+        ckpt.save(5, app, blocking=True)
+        assert ckpt.steps() == [5]
+    lines = [r.getMessage() for r in caplog.records if "superseded" in r.getMessage()]
+    assert lines == [f"fastio: {tmp_path / 'ck'}: committing step 5 below committed steps this Checkpointer did not "
+                     "restore (started without restore_latest?): step 10 superseded (files kept, no longer "
+                     "checkpoints)"], lines
+    assert (tmp_path / "ck" / "step-10" / rollback.SUPERSEDED_FILE).is_file()  # kept, no longer a checkpoint

@@ -123,10 +123,15 @@ class Commit(Protocol):
         ...
 
 
-def _warn_superseded(where: object, step: int, floor: int, steps: list[int]) -> None:
-    if steps:
-        log.warning("fastio: %s: committing step %d after a rollback to step %d: %s %s superseded (files kept, "
-                    "no longer checkpoints)", where, step, floor, agree(len(steps), "step"), ", ".join(map(str, steps)))
+def _warn_superseded(where: object, step: int, restored: int | None, steps: list[int]) -> None:
+    """The warning naming the steps a commit of ``step`` superseded: after a rollback to ``restored``, or (None)
+    below steps this Checkpointer never restored, most often a run started without ``restore_latest``."""
+    if not steps:
+        return
+    why = (f"after a rollback to step {restored}" if restored is not None else
+           "below committed steps this Checkpointer did not restore (started without restore_latest?)")
+    log.warning("fastio: %s: committing step %d %s: %s %s superseded (files kept, no longer checkpoints)", where, step,
+                why, agree(len(steps), "step"), ", ".join(map(str, steps)))
 
 
 class _Steps:
@@ -216,9 +221,9 @@ class LocalCommit(_Steps):
                 if remote is not None:  # both records first, so a kill anywhere leaves every doomed step hidden
                     remote.start_rollback(floor)
                 rollback.start_rollback(self.root, floor, [e.step for e in scan.committed(self.root)])
-                _warn_superseded(self.root, step, floor, rollback.finish_rollback(self.root))
+                _warn_superseded(self.root, step, self.restored, rollback.finish_rollback(self.root))
                 if remote is not None:
-                    _warn_superseded(remote.url, step, floor, remote.finish_rollback())
+                    _warn_superseded(remote.url, step, self.restored, remote.finish_rollback())
                 publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info, known=written)
                 self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
                 self._expired += retention.expire(self.root, keep)  # the files go in prune()
@@ -265,7 +270,7 @@ class NodeLocalCommit(_Steps):
             if rank == 0:
                 remote.confirm()
                 remote.start_rollback(floor)
-                _warn_superseded(remote.url, step, floor, remote.finish_rollback())
+                _warn_superseded(remote.url, step, self.restored, remote.finish_rollback())
                 remote.make_room(step)
 
         ranks.run("confirm", confirm)
