@@ -112,3 +112,18 @@ def test_a_read_only_restore_on_s3_takes_no_lease_and_no_staging_dir(moto_server
             reader.save(3, restored)
         reader.close()
         assert not private.exists() and open_storage(url, options).get(".fastio-lock") == lease
+
+
+def test_a_read_only_restore_of_a_directory_that_does_not_exist_is_an_error(tmp_path):
+    """A restore-only process (evaluation, export) given a mistyped directory got None, the answer for a fresh
+    start, and went on with the app's untrained weights. Now it is a CheckpointError naming the directory; an existing
+    directory without steps is still None (training has not saved yet), and nothing is created."""
+    holder = StateHolder({"w": torch.zeros(2)})
+    with Checkpointer(tmp_path / "no" / "such", signals=(), read_only=True) as ckpt:
+        with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'no' / 'such'}: checkpoint directory does not exist "
+                                                  r"\(read_only=True: nothing to restore\)$"):
+            ckpt.restore_latest({"model": holder})
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "empty").mkdir()
+    with Checkpointer(tmp_path / "empty", signals=(), read_only=True) as ckpt:
+        assert ckpt.restore_latest({"model": holder}) is None

@@ -378,7 +378,8 @@ class Checkpointer:
         reason, and moved aside (``step-N.quarantined``) so that a later save of that step cannot replace
         it; the newest intact one is restored. CheckpointError when step directories exist but none is
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
-        temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside.
+        temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside, and a
+        directory that does not exist is a CheckpointError (a restore-only process has no fresh start).
         RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
         (see :mod:`fastio.checkpoint.elastic`). The progress returned (epoch, metrics, elapsed, hparams) is the
         commit marker's, rank 0's at the save, on every rank. The restore itself is the Checkpointer's
@@ -407,6 +408,9 @@ class Checkpointer:
             raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
                              "Loader)")
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
+        if self.read_only and self.config.url is None and not self.dir.is_dir():  # a typo, not a fresh start
+            raise CheckpointError(f"{self.dir}: checkpoint directory does not exist (read_only=True: nothing to "
+                                  "restore)")
         self._raise_if_failed(wait=True)
         self._finish_pruning()  # the restore's clean-up deletes hidden leftovers too
         state = self._restorer.restore_latest(app, step, strict, loader_policy)
