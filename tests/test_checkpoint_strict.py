@@ -312,3 +312,12 @@ def test_a_model_on_the_meta_device_is_refused_naming_its_key(tmp_path, engine, 
             "1.weight, 1.bias (materialise the model first: model.to_empty(device=...))") in text, text
     assert "\n" not in text
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in other_before.items())
+
+
+def test_a_non_persistent_buffer_left_on_the_meta_device_does_not_refuse_the_restore(tmp_path):
+    """Only the state a restore fills is judged: a buffer outside the state dict (``persistent=False``) is not."""
+    ckpt = saved(tmp_path, "torchsnapshot", {"model": model(1)})
+    into = model(1)
+    into.register_buffer("cache", torch.empty(4, device="meta"), persistent=False)
+    assert ckpt.restore_latest({"model": into}).step == 1
+    ckpt.close()

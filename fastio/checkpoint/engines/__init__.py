@@ -74,13 +74,14 @@ def meta_refusal(app: dict[str, Any]) -> str | None:
     import torch
 
     for key, obj in app.items():
-        if isinstance(obj, torch.nn.Module):
-            named = itertools.chain(obj.named_parameters(), obj.named_buffers())
+        if isinstance(obj, torch.nn.Module):  # its state (a non-persistent buffer left on meta is not restored)
+            named = obj.state_dict(keep_vars=True).items()
         elif isinstance(obj, torch.optim.Optimizer):
             named = enumerate(p for g in obj.param_groups for p in g["params"])
         else:
             continue
-        names = [f"parameter {n}" if isinstance(n, int) else n for n, t in named if t.is_meta]
+        names = [f"parameter {n}" if isinstance(n, int) else n for n, t in named
+                 if isinstance(t, torch.Tensor) and t.is_meta]
         if names:
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
             return (f"app key {key}: its tensors are on the meta device, with no storage to restore into: {shown} "
