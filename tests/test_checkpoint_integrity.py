@@ -295,6 +295,8 @@ def test_ckpt_commands_on_a_file_or_a_step_directory_say_so(tmp_path, capsys):
         assert fastio_main(["ckpt", command, str(tmp_path / "afile")]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"fastio: error: {tmp_path / 'afile'}: is a file, not a checkpoint directory", err
+        assert fastio_main(["ckpt", command, ""]) == 2  # "$CKPT" unset: was the current directory ('.: no checkpoints')
+        assert capsys.readouterr().err.strip() == "fastio: error: the checkpoint directory given is empty ('')"
         assert fastio_main(["ckpt", command, str(tmp_path / "ck" / "step-1")]) == 2
         assert capsys.readouterr().err.strip() == (
             f"fastio: error: {tmp_path / 'ck' / 'step-1'}: is one checkpoint (step 1), not a checkpoint directory: "

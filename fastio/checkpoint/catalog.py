@@ -223,10 +223,18 @@ def listing_row(step: int, where: str, commit: CommitRecord | None, size: int, p
 
 
 # ---------------------------------------------------------------- a directory or an s3:// prefix
+def _location(where: str | Path):
+    """``where`` parsed; CheckpointError for an empty one (an unset shell variable), which would be the current
+    directory."""
+    if not str(where).strip():
+        raise CheckpointError(f"the checkpoint directory given is empty ({str(where)!r})")
+    return parse_location(str(where))
+
+
 def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[str, list[dict]]:
     """``(where, rows)``: one row per step (see :func:`list_checkpoints`) of a checkpoint
     directory or ``s3://`` prefix, oldest first."""
-    loc = parse_location(str(where))
+    loc = _location(where)
     if not loc.remote:
         return str(loc.path), list_checkpoints(loc.path)
     storage = open_storage(loc, storage_options)
@@ -276,7 +284,7 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
     """``(where, report)``: every committed checkpoint of a directory or ``s3://`` prefix checked against its
     commit marker (see :func:`verify_report`). CheckpointError when ``where`` holds no
     checkpoints at all (no step, no lock)."""
-    loc = parse_location(str(where))
+    loc = _location(where)
     if not loc.remote:
         return str(loc.path), verify_report(loc.path, include_uncommitted=include_uncommitted)
     storage = open_storage(loc, storage_options)
