@@ -749,3 +749,13 @@ def test_a_state_dict_that_raises_is_named_by_its_app_key(tmp_path):
             ckpt.save(1, {"model": torch.nn.Linear(2, 2), "broken": Broken()}, blocking=True)
         assert ckpt.steps() == []
     assert not list((tmp_path / "ck").glob("step-*"))
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_directory_name_is_refused_not_the_current_directory(empty, tmp_path, monkeypatch):
+    """CheckpointConfig(dir='') (an unset variable) became Path('.'): its check for an empty dir compared str(Path(''))
+    == '.' with '' and never fired, so a Checkpointer wrote its lock and steps into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^CheckpointConfig.dir must not be empty"):
+        Checkpointer(empty, signals=())
+    assert list(tmp_path.iterdir()) == []

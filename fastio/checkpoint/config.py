@@ -105,6 +105,8 @@ class CheckpointConfig:
     """The object-store URL checkpoints are uploaded to (None: ``dir`` is the checkpoint directory itself)."""
 
     def __post_init__(self) -> None:
+        if not str(self.dir).strip():  # before Path(): Path('') is '.', the current directory
+            raise ValueError(f"CheckpointConfig.dir must not be empty, got {self.dir!r}")
         where = local_or_url(self.dir)
         if isinstance(where, str):
             from fastio.checkpoint.remote import default_staging_dir
@@ -112,8 +114,6 @@ class CheckpointConfig:
             self.url = where.rstrip("/")
             where = self.staging_dir or default_staging_dir(self.url)
         self.dir = Path(where)
-        if str(self.dir) == "":
-            raise ValueError("CheckpointConfig.dir must not be empty")
         self.dir = dest_location(self.dir)
         self._check_numbers()
         if self.policy not in POLICIES:
