@@ -92,6 +92,11 @@ def rate_line(samples: int, nbytes: int, seconds: float) -> str:
             f"({samples / s:.0f} samples/s, {nbytes / s / 1e6:.1f} MB/s)")
 
 
+def trained_line(trained: int, tokens: int) -> str:
+    """A summary's note of the tokens a conversion of conversations trains (their loss mask set), of ``tokens``."""
+    return f"; {count(trained, 'token')} trained ({100 * trained / max(tokens, 1):.1f}%)"
+
+
 def table_lines(rows: list[list[str]], right: frozenset[int] = frozenset(), gap: str = "  ") -> list[str]:
     """``rows`` (the first the header) as lines whose columns are each as wide as their widest cell: columns
     ``right`` right-aligned, the others left-aligned; the last column is not padded."""

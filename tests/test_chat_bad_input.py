@@ -8,7 +8,7 @@ import json
 
 import pytest
 from helpers import run_cli
-from tokens_helpers import chat_config, chat_tokenizer, conversations, train_tokenizer
+from tokens_helpers import SHAREGPT_ROLES, chat_config, chat_tokenizer, conversations, train_tokenizer
 
 from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 from fastio.errors import ConvertError
@@ -127,11 +127,6 @@ def test_a_plain_text_option_with_a_chat_template_is_refused_not_ignored(tmp_pat
                                          r"\(chat_template\)"):
         TokenConvertConfig(tmp_path / "c.jsonl", tmp_path / "d", files[0], chat_template=files[1],
                            special_in_text="refuse")
-
-
-SHAREGPT_ROLES = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
-                  "{% endgeneration %}{% else %}{{ '[' + m.role + '] ' + m.content + '\\n' }}{% endif %}{% endfor %}")
-"""A template that trains what role 'assistant' says and renders any other role as a prompt."""
 
 
 def test_conversations_of_which_no_token_is_trained_are_refused_not_published(tmp_path, capsys, files):

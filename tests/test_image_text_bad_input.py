@@ -12,12 +12,14 @@ import re
 
 import pytest
 from helpers import run_cli
-from tokens_helpers import image_text_dataset, image_text_source, train_tokenizer
+from tokens_helpers import SHAREGPT_ROLES, image_text_dataset, image_text_source, stored_image_text, train_tokenizer
 
 import fastio
 from fastio.convert.image_text import ImageTextOptions, convert_image_text
 from fastio.convert.run import ConvertConfig
+from fastio.dataset.manifest import load_manifest
 from fastio.errors import ConvertError, LoaderStateError
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample
 
 
 @pytest.fixture(scope="module")
@@ -126,4 +128,59 @@ def test_a_bos_token_the_template_renders_but_the_tokenizer_lacks_is_blamed_on_t
     assert str(err.value) == (f"{other}: '<s>' is not a special token (the bos_token of {source['config']}, which "
                               "its template renders); its special tokens: <image>, <|endoftext|>, <|im_end|>, "
                               "<|im_start|>")
+    assert not (tmp_path / "d").exists()
+
+
+def _sharegpt(src: dict, trained: tuple[int, ...] = ()) -> None:
+    """``src``'s JSONL with ShareGPT's roles ('human', 'gpt'), but the lines ``trained`` (0-based), whose replies
+    keep role 'assistant'."""
+    rows = []
+    for i, row in enumerate(src["rows"]):
+        roles = {"user": "human", "assistant": "assistant" if i in trained else "gpt"}
+        rows.append({**row, "messages": [{**m, "role": roles[m["role"]]} for m in row["messages"]]})
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_conversations_of_which_no_token_is_trained_are_refused_not_published(tmp_path, capsys):
+    """ShareGPT's roles under a template that trains role 'assistant': every sample rendered, none trained; it used
+    to be published with exit 0 (and no trained count in the summary), a dataset that trains nothing."""
+    src = image_text_source(tmp_path, n=4)
+    template = tmp_path / "t.jinja"
+    template.write_text(SHAREGPT_ROLES)
+    _sharegpt(src)
+    flags = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(template), "--image-field", "images",
+             "--workers", "1"]
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "d"), *flags], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fastio: error: {src['source']}: nothing to train: no token of the 4 conversations is "
+                          f"inside a {{% generation %}} block of {template} (are the assistant's messages in the role "
+                          "the template tests for, 'assistant' where the data says 'gpt'?); rename"), err
+    assert "an image-text conversion trains only those blocks" in err and not (tmp_path / "d").exists()
+    options = ImageTextOptions(src["tokenizer"], template)
+    for k in (0, 1):  # parts: each may train nothing, the merge refuses the whole
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "p", workers=1, part=(k, 2)), options)
+    code, _, err = run_cli(["merge", str(tmp_path / "p")], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fastio: error: {src['source']}: nothing to train: no token of the 4 conversations is "
+                          "inside a {% generation %} block of the chat template of sha256 "), err
+    assert not (tmp_path / "p" / "manifest.json").exists() and not (tmp_path / "p" / "shards").exists()
+    _sharegpt(src, trained=(1,))  # one trained conversation is enough
+    result = convert_image_text(ConvertConfig(src["source"], tmp_path / "d", workers=1), options)
+    masks = [decode_sample(s[TOKENS_FIELD], s[MASK_FIELD])[1] for s in stored_image_text(tmp_path / "d")]
+    trained = int(sum(m.sum() for m in masks))
+    assert result.samples == 4 and trained > 0 and masks[1].any() and not any(m.any() for i, m in enumerate(masks)
+                                                                               if i != 1)
+    assert load_manifest(tmp_path / "d").image_text.trained_tokens == trained
+    assert f"; {trained} tokens trained (" in result.summary()
+
+
+def test_a_split_in_which_no_token_is_trained_is_refused_naming_it(tmp_path):
+    """Each split is a dataset of its own: one whose samples train nothing is refused, naming the split."""
+    src = image_text_source(tmp_path, n=4)
+    (tmp_path / "t.jinja").write_text(SHAREGPT_ROLES)
+    _sharegpt(src, trained=(0,))
+    with pytest.raises(ConvertError, match=r"vlm\.jsonl \(split (train|val)\): nothing to train: no token of the 2 "
+                                           r"conversations"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "d", workers=1, split="val=0.5"),
+                           ImageTextOptions(src["tokenizer"], tmp_path / "t.jinja"))
     assert not (tmp_path / "d").exists()

@@ -325,3 +325,29 @@ def test_the_cli_converts_an_image_text_jsonl(tmp_path, capsys):
                               "--image-token", "<image>", "--workers", "1"], capsys)
     assert code == 0, err
     assert "converted 3 samples" in out and [len(_images(s)) for s in stored_image_text(tmp_path / "ds")] == [0, 1, 2]
+    ids, masks = zip(*(decode_sample(s[TOKENS_FIELD], s[MASK_FIELD]) for s in stored_image_text(tmp_path / "ds")))
+    trained, tokens = int(sum(m.sum() for m in masks)), sum(i.size for i in ids)
+    assert 0 < trained < tokens and f"; {trained} tokens trained ({100 * trained / tokens:.1f}%)" in out, out
+    info = load_manifest(tmp_path / "ds").image_text
+    assert (info.trained_tokens, info.total_tokens) == (trained, tokens)
+
+
+def test_parts_count_their_trained_tokens_and_older_parts_without_the_count_still_merge(tmp_path):
+    """A merge adds the parts' trained tokens; parts converted before the count was recorded merge (the count not
+    known) rather than be refused as training nothing."""
+    src = image_text_source(tmp_path, n=8)
+    whole = _convert(src, tmp_path / "whole")
+    for dest in ("merged", "old"):
+        for k in range(2):
+            _convert(src, tmp_path / dest, part=(k, 2))
+    for manifest in (tmp_path / "old" / ".parts").glob("part-*/manifest.json"):
+        data = json.loads(manifest.read_text())
+        for key in ("trained_tokens", "total_tokens"):
+            del data["image_text"][key]
+        manifest.write_text(json.dumps(data))
+    assert merge(tmp_path / "merged").samples == merge(tmp_path / "old").samples == 8
+    info = load_manifest(tmp_path / "whole").image_text
+    assert info.trained_tokens > 0 and whole.manifests[""].image_text == info
+    assert load_manifest(tmp_path / "merged").image_text == info
+    old = load_manifest(tmp_path / "old").image_text
+    assert (old.trained_tokens, old.total_tokens, old.max_id) == (None, None, info.max_id)

@@ -103,7 +103,7 @@ def test_parts_merge_to_the_largest_of_their_ids_and_refuse_parts_of_other_vocab
 
 def test_a_manifest_written_before_the_record_loads_with_nothing_known(converted, tmp_path, capsys):
     old = _copy(converted[1], tmp_path / "old")
-    _edit(old, vocab_size=None, max_id=None, tokenizer_sha256=None)
+    _edit(old, vocab_size=None, max_id=None, tokenizer_sha256=None, total_tokens=None, trained_tokens=None)
     assert "image_text" not in json.loads((old / "manifest.json").read_text())
     assert load_manifest(old).image_text is None
     code, out, err = run_cli(["inspect", str(old)], capsys)

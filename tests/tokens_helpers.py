@@ -75,6 +75,10 @@ GLUED = (
 """A template whose generation spans begin inside a word ('a' then the reply, no space): tokens that straddle the
 span's first edge."""
 
+SHAREGPT_ROLES = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                  "{% endgeneration %}{% else %}{{ '[' + m.role + '] ' + m.content + '\\n' }}{% endif %}{% endfor %}")
+"""A template that trains what role 'assistant' says and renders any other role as a prompt."""
+
 CHAT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa quick brown fox jumps lazy dog".split()
 
 

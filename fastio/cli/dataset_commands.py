@@ -143,7 +143,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--image-field", default=None, metavar="FIELD",
               help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "
                    "line's FIELD lists its images (paths relative to the JSONL's folder, or s3:// URLs; the JSONL may "
-                   "be an s3:// URL too), stored as images beside the conversation's tokens and loss mask.")
+                   "be an s3:// URL too), stored as images beside the conversation's tokens and loss mask; a "
+                   "dataset of which no token is trained is refused.")
 @click.option("--image-token", default=None, metavar="TOKEN",
               help="With --image-field: the placeholder of one image in the messages' text, one token of the "
                    "tokenizer (default: <image>).")

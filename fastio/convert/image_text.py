@@ -21,7 +21,9 @@ the image token and its id; its ``image_text`` entry (:class:`~fastio.dataset.ma
 tokenizer's vocabulary size and the largest id of the samples written (per split, per part: a merge keeps the
 largest), so that a model sizes its token embedding from the dataset (``manifest.image_text.embedding_size``), and
 the tokenizer file's checksum (:func:`~fastio.convert.token_convert.tokenizer_sha256`: a plain or chat dataset of
-the same file records the same, and a :class:`fastio.Mixture` compares them).
+the same file records the same, and a :class:`fastio.Mixture` compares them), and the samples' tokens, all and
+trained (their mask set: the summary prints them). A dataset (a split, a merge of parts) in which no token is
+trained is refused before its manifest (:func:`refuse_untrained`, by the chat conversion's rule).
 
 The image token must be one token of the tokenizer (one of its added tokens, encoding to itself alone).
 """
@@ -42,6 +44,7 @@ from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, tokenizer_sha256, vocab_size, with_specials
+from fastio.convert.token_convert import refuse_untrained as refuse_chat_untrained
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
 from fastio.dataset.manifest import ImageTextInfo
@@ -50,6 +53,7 @@ from fastio.formats.chat_template import ChatTemplateError, load_chat_template
 from fastio.formats.image_text import (
     MASK_FIELD,
     TOKENS_FIELD,
+    decode_sample,
     encode_mask,
     encode_tokens,
     image_field_name,
@@ -59,7 +63,7 @@ from fastio.storage import is_remote, local_or_url, parse_location
 from fastio.storage.checksum import sha256_file
 from fastio.words import agree, count
 
-__all__ = ["ImageTextOptions", "convert_image_text", "scan_image_text"]
+__all__ = ["ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
 
 def _some_text(v: Any) -> bool:
     return isinstance(v, str) and v != ""
@@ -95,27 +99,46 @@ def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> Conv
     :func:`fastio.convert.run.convert` converts an image table (see the module docstring)."""
     coder = _Coder(options)
     config = replace(config, extra_options={"image_text": coder.recorded()},
-                     tally=lambda: _Vocabulary(coder.vocab_size, coder.tokenizer_sha256))
+                     tally=lambda: _Tally(coder.vocab_size, coder.tokenizer_sha256, config.source,
+                                          options.chat_template))
     return convert(config, scanner=lambda source: scan_image_text(source, options, coder, config.storage_options,
                                                                   config.root))
 
 
-class _Vocabulary:
+class _Tally:
     """A dataset's ``image_text`` manifest record (:class:`~fastio.dataset.manifest.ImageTextInfo`): the tokenizer's
-    vocabulary size and checksum, and the largest id of the samples written (a
-    :class:`~fastio.convert.run.SampleTally`)."""
+    vocabulary size and checksum, the largest id of the samples written and their tokens, all and trained (a
+    :class:`~fastio.convert.run.SampleTally`, which refuses a dataset that trains none: :func:`refuse_untrained`)."""
 
-    def __init__(self, vocab_size: int, tokenizer: str):
+    def __init__(self, vocab_size: int, tokenizer: str, source: Path | str, template: Path):
         self.vocab_size, self.tokenizer, self.max_id = vocab_size, tokenizer, None
+        self.source, self.template = source, template
+        self.samples = self.tokens = self.trained = 0
 
     def add(self, fields: dict[str, bytes]) -> None:
-        ids = np.frombuffer(fields[TOKENS_FIELD], "<i4")
+        ids, mask = decode_sample(fields[TOKENS_FIELD], fields[MASK_FIELD])
         if ids.size:
             self.max_id = int(ids.max()) if self.max_id is None else max(self.max_id, int(ids.max()))
+        self.samples, self.tokens, self.trained = self.samples + 1, self.tokens + ids.size, self.trained + int(mask.sum())
+
+    def refuse(self, split_name: str) -> None:
+        refuse_untrained(self.source, split_name, self.template, self.trained, self.samples)
 
     def manifest_fields(self) -> dict[str, ImageTextInfo]:
         return {"image_text": ImageTextInfo(vocab_size=self.vocab_size, max_id=self.max_id,
-                                            tokenizer_sha256=self.tokenizer)}
+                                            tokenizer_sha256=self.tokenizer, total_tokens=self.tokens,
+                                            trained_tokens=self.trained)}
+
+
+def refuse_untrained(source: Any, split_name: str, template: Any, trained: int | None, samples: int) -> None:
+    """A ConvertError where a dataset of image-text conversations (``source``'s split ``split_name``, "" without
+    splits; a conversion's or a merge's) trains no token of its ``samples``
+    (:func:`fastio.convert.token_convert.refuse_untrained`, the chat conversion's rule; ``trained`` None: not known,
+    never refused)."""
+    refuse_chat_untrained(f"{source} (split {split_name})" if split_name else source, template, "generation", trained,
+                          samples,
+                          way_out="rename that role in the JSONL or in the template (an image-text conversion trains "
+                                  "only those blocks)")
 
 
 class _Coder:

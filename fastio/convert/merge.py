@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.convert.dest import check_dest, reset_dest
+from fastio.convert.image_text import refuse_untrained
 from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
 from fastio.convert.token_convert import TOKEN_PLAN
 from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
@@ -315,7 +316,12 @@ def _assemble(dest: Path, name: str, records: list[PartRecord], plan: dict[str, 
 
     planned = [_Planned(a, b, part_shards.get((a, b))) for a, b in _cuts(samples, max_bytes, max_samples)]
     _place(samples, planned, staging, plan["name"], max_bytes, max_samples, counts)
-    more = {**({"video_codecs": codecs} if codecs else {}), **_merged_vocabulary(vocabularies, records)}
+    vocabulary = _merged_vocabulary(vocabularies, records)
+    if vocabulary:  # image-text parts: the whole must train a token
+        template = f"the chat template of sha256 {options.get('image_text', {}).get('template_sha256', '')[:12]}"
+        refuse_untrained(plan["source"]["path"], name, template, vocabulary["image_text"].trained_tokens,
+                         len(samples))
+    more = {**({"video_codecs": codecs} if codecs else {}), **vocabulary}
     if name:
         more["split"] = {"name": name, "of": sorted(records[0].datasets)}
     return planned, dict(

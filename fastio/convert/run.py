@@ -70,7 +70,7 @@ from fastio.formats.media import (
     probe_json,
 )
 from fastio.formats.wds import is_plain_name
-from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines
+from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines, trained_line
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.url import dest_location, local_or_url
 
@@ -91,7 +91,7 @@ Scanner = Callable[[Path], ScanResult]
 
 class SampleTally(Protocol):
     """What a conversion built on this one learns from one dataset's written samples
-    (:attr:`ConvertConfig.tally`): an image-text conversion's largest token id."""
+    (:attr:`ConvertConfig.tally`): an image-text conversion's largest token id and trained tokens."""
 
     def add(self, fields: dict[str, bytes]) -> None:
         """Count a sample written (its fields' bytes)."""
@@ -99,6 +99,11 @@ class SampleTally(Protocol):
     def manifest_fields(self) -> dict[str, Any]:
         """What the dataset's manifest records of the samples counted (:func:`fastio.dataset.manifest.make_manifest`'s
         optional fields)."""
+
+    def refuse(self, split_name: str) -> None:
+        """A ConvertError where the dataset counted (split ``split_name``, "" without ``split``) must not be
+        published (an image-text conversion's: no token trained); asked before its manifest, never of a part's
+        (the merge asks of the whole)."""
 
 
 ON_ERROR = ("skip", "fail")
@@ -320,9 +325,17 @@ class ConvertResult:
         labels = f"; labels: {rule}" if rule else ""
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
-                f"{split} at {where}; skipped {len(self.skipped)}{labels}{renamed_line(self.renamed)}"
+                f"{split} at {where}; skipped {len(self.skipped)}{labels}{self._trained()}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
                 + skipped_lines(self.skipped, more, words=words))
+
+    def _trained(self) -> str:
+        """An image-text conversion's trained tokens (:attr:`ImageTextInfo.trained_tokens` of every dataset written),
+        or nothing."""
+        infos = [m.image_text for m in self.manifests.values()]
+        if not infos or any(i is None or i.trained_tokens is None or i.total_tokens is None for i in infos):
+            return ""
+        return trained_line(sum(i.trained_tokens for i in infos), sum(i.total_tokens for i in infos))
 
 
 def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
@@ -508,7 +521,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
 
     On any error the shard being written stays a hidden temporary and is dropped (the writer aborts). The
     manifest counts the videos of each codec (``video_codecs``) when there are any; ``transcoded`` counts the files
-    stored transcoded (:attr:`ConvertResult.transcoded`); ``config.tally`` counts the samples written."""
+    stored transcoded (:attr:`ConvertResult.transcoded`); ``config.tally`` counts the samples written (and may refuse
+    them, but for a part's, ``allow_empty``)."""
     skipped: list[dict[str, str]] = []
     codecs: dict[str, dict[str, int]] = {}
     nbytes, written = 0, 0
@@ -541,6 +555,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
         if codecs:
             manifest_fields["video_codecs"] = codecs
         if tally is not None:
+            if not allow_empty:  # a part's samples are asked of when merged
+                tally.refuse(split_name)
             manifest_fields.update(tally.manifest_fields())
         manifest = writer.close(skipped=scan_skipped + skipped,
                                 image_fields=sorted(f for f in writer.fields if is_image_field(f)), **manifest_fields)

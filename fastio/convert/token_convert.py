@@ -75,7 +75,7 @@ from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, load_c
 from fastio.formats.megatron import MegatronIndex, MegatronWriter, WrittenShard, token_dtype
 from fastio.formats.token_mask import MASK_FORMAT, MaskWriter, WrittenMask, mask_path
 from fastio.formats.wds import is_plain_name
-from fastio.progress import count, human_bytes, parse_size
+from fastio.progress import count, human_bytes, parse_size, trained_line
 from fastio.storage.checksum import sha256_file
 from fastio.storage.url import dest_location, local_or_url
 from fastio.tokens.starts import shard_starts, write_starts
@@ -234,7 +234,7 @@ class TokenConvertResult:
         special = (f"; {count(self.special_text, 'document')} with special-token text encoded as plain text"
                    if self.special_text else "")
         if self.trained is not None:
-            special += f"; {count(self.trained, 'token')} trained ({100 * self.trained / max(self.tokens, 1):.1f}%)"
+            special += trained_line(self.trained, self.tokens)
         if self.dropped or self.truncated:
             special += (f"; over {words(f'max_tokens={self.max_tokens}')}: {count(self.dropped, 'conversation')} "
                         f"dropped, {self.truncated} cut to their first turns")
@@ -655,15 +655,17 @@ def nothing_to_write(source: Any, empty: int, chat: bool) -> ConvertError:
     return ConvertError(f"{source}: holds no document with text ({count(empty, 'empty document')})")
 
 
-def refuse_untrained(source: Any, template: Any, train_on: str, trained: int, conversations: int) -> None:
-    """A ConvertError where a conversion of conversations trained on the template's generation blocks trains no
-    token at all (a dataset no step would learn from: most often the assistant's messages in a role the template
-    does not test for); a conversion or merge calls it before its manifest."""
+def refuse_untrained(source: Any, template: Any, train_on: str, trained: int | None, conversations: int,
+                     way_out: str = "train_on='all' trains every token") -> None:
+    """A ConvertError where a dataset of conversations trained on the template's generation blocks trains no token
+    at all (a dataset no step would learn from: most often the assistant's messages in a role the template does not
+    test for), ending with ``way_out``; a conversion or merge of chat (:mod:`fastio.convert.token_merge`) or
+    image-text (:mod:`fastio.convert.image_text`) conversations calls it before its manifest. ``trained`` None: not
+    known (parts converted before it was counted), never refused."""
     if train_on == "generation" and trained == 0:
         raise ConvertError(f"{source}: nothing to train: no token of the {count(conversations, 'conversation')} is "
                            f"inside a {{% generation %}} block of {template} (are the assistant's messages in the role "
-                           "the template tests for, 'assistant' where the data says 'gpt'?); train_on='all' trains "
-                           "every token")
+                           f"the template tests for, 'assistant' where the data says 'gpt'?); {way_out}")
 
 
 def _overlong(config: TokenConvertConfig, written: _Written) -> dict[str, int]:

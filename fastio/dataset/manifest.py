@@ -312,8 +312,8 @@ class ChatInfo:
 class ImageTextInfo:
     """The manifest's ``image_text`` entry of an image-text dataset (``fastio convert --image-field``,
     :mod:`fastio.convert.image_text`): its vocabulary, so that a model sizes its token embedding from the dataset
-    (:attr:`embedding_size`). Optional: a dataset converted before fastio recorded it has none
-    (:attr:`Manifest.image_text` None: not known)."""
+    (:attr:`embedding_size`), and its tokens, all and trained. Optional: a dataset converted before fastio recorded
+    it has none (:attr:`Manifest.image_text` None: not known)."""
 
     vocab_size: int | None = checked(count, default=None)
     """Ids of the tokenizer it was converted with: its largest id + 1, added tokens (the image token) included
@@ -323,6 +323,11 @@ class ImageTextInfo:
     tokenizer_sha256: str | None = checked(_matches(_SHA256, "a hex sha256"), default=None)
     """Hex sha256 of the bytes of the tokenizer file the conversations were tokenized with, by the rule of
     :attr:`TokenInfo.tokenizer_sha256` (None: not known: converted before fastio recorded it)."""
+    total_tokens: int | None = checked(count, default=None)
+    """Tokens of all the samples' ``tokens.i32`` (None: not known: converted before fastio counted them)."""
+    trained_tokens: int | None = checked(count, default=None)
+    """Tokens whose loss mask (``mask.bits``) is set, in all the samples, as :attr:`ChatInfo.trained_tokens` counts
+    a chat dataset's (None: not known: converted before fastio counted them)."""
 
     @property
     def embedding_size(self) -> int | None:
@@ -334,8 +339,9 @@ class ImageTextInfo:
 
     def joined(self, other: ImageTextInfo) -> ImageTextInfo:
         """The record of a dataset of this one's samples and ``other``'s (parts merged): the same vocabulary, the
-        larger of the largest ids, the tokenizer's checksum where both record it (None where one does not: not known
-        for all the samples); ValueError naming both vocabulary sizes, or both checksums, where they differ."""
+        larger of the largest ids, the tokenizer's checksum where both record it and the sums of their token counts
+        where both count them (None where one does not: not known for all the samples); ValueError naming both
+        vocabulary sizes, or both checksums, where they differ."""
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"image_text.vocab_size: {other.vocab_size} where another part records "
                              f"{self.vocab_size} (the parts were converted with other tokenizers)")
@@ -344,7 +350,9 @@ class ImageTextInfo:
             raise ValueError(f"image_text.tokenizer_sha256: {theirs} where another part records {mine} (the parts "
                              "were converted with other tokenizers)")
         ids = [i for i in (self.max_id, other.max_id) if i is not None]
-        return ImageTextInfo(self.vocab_size, max(ids, default=None), mine if mine == theirs else None)
+        return ImageTextInfo(self.vocab_size, max(ids, default=None), mine if mine == theirs else None,
+                             _sum_known(self.total_tokens, other.total_tokens),
+                             _sum_known(self.trained_tokens, other.trained_tokens))
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ImageTextInfo:
@@ -353,6 +361,11 @@ class ImageTextInfo:
         values = _read(cls, data, where)
         _check_in_vocabulary(values.get("max_id"), values.get("vocab_size"), f"{where}.max_id")
         return cls(**values)
+
+
+def _sum_known(a: int | None, b: int | None) -> int | None:
+    """Two parts' counts added; None where either is not known."""
+    return None if a is None or b is None else a + b
 
 
 def _check_max_id(value: int | None, dtype: str, eos: int, vocab: int | None, where: str) -> None:
