@@ -135,6 +135,7 @@ class RankGroup:
         self.gave_up: str | None = None
         """The verdict of ranks that gave up waiting for this one to enter an operation (module docstring)."""
         self._entering = False
+        self._gave_up_here = False  # this rank gave up itself: its watch says nothing of the verdict it raised
         self._store = None
         if world > 1 and agree_timeout is not None:
             self._watch_give_ups()
@@ -300,6 +301,7 @@ class RankGroup:
         verdict = self._store_compare_set(f"{key}/verdict", text)
         if verdict == "ok":
             return
+        self._gave_up_here = True  # before the key is set: this rank's own watch wakes on it
         if self._store_compare_set(f"{self._key}/gave-up", verdict) == verdict:
             deadline = time.monotonic() + GONE_WAIT_S
             seen = [f"{self._key}/gave-up/seen/{r}" for r in range(self.world) if r != self.rank]
@@ -383,7 +385,7 @@ class RankGroup:
             if verdict == GAVE_UP_CLOSED:
                 return
             self.gave_up = verdict
-            if not self._entering:
+            if not self._entering and not self._gave_up_here:  # (its watch may wake after it left the entry)
                 log.error("fastio: %s; rank %d (this process) was not in that operation: a collective of its own "
                           "that those ranks do not join fails once they stop (gloo: Connection closed by peer)",
                           verdict, self.rank)
