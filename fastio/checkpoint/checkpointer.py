@@ -87,12 +87,17 @@ def _rank_world() -> tuple[int, int]:
 def _step_number(step: Any) -> int:
     """``step`` as the int a save records (a NumPy integer too); ValueError for anything else or a negative one:
     ``step--1``, ``step-1.5`` or ``step-True`` would be committed, and no restore would ever list it."""
+    return _whole_number("step", step)
+
+
+def _whole_number(name: str, value: Any) -> int:
+    """``value`` as an int >= 0 (a NumPy integer too; not a bool, a float or a string); ValueError naming ``name``."""
     try:
-        number = operator.index(step) if not isinstance(step, bool) else -1
+        number = operator.index(value) if not isinstance(value, bool) else -1
     except TypeError:
         number = -1
     if number < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return int(number)
 
 
@@ -112,15 +117,7 @@ def _check_progress(metrics: Any, epoch: Any) -> int | None:
     for key, value in (metrics or {}).items():
         if not _is_number(value):
             raise ValueError(f"metrics[{key!r}] must be a number, got {value!r}")
-    if epoch is None:
-        return None
-    try:
-        number = operator.index(epoch) if not isinstance(epoch, bool) else -1
-    except TypeError:
-        number = -1
-    if number < 0:
-        raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-    return int(number)
+    return None if epoch is None else _whole_number("epoch", epoch)
 
 
 def _state_dicts(prepared: dict[str, Any]) -> dict[str, Any]:
