@@ -47,5 +47,5 @@ def test_the_image_text_example_names_a_chat_dataset_as_not_image_text(warm, tmp
 def test_a_checkpoint_folder_that_is_a_file_is_one_line_naming_it(warm, tmp_path, datasets, script):
     (tmp_path / "ckpt").write_text("not a folder")
     rc, out, err = warm.run(EXAMPLES / script, tmp_path, str(datasets[script]), str(tmp_path / "ckpt"), "--steps", "1")
-    assert rc == 2 and err.strip().splitlines() == [f"{script}: error: {tmp_path / 'ckpt'}: cannot create checkpoint "
-                                                    "directory: File exists"], out + err
+    assert rc == 2 and err.strip().splitlines() == [f"{script}: error: {tmp_path / 'ckpt'}: is a file, not a "
+                                                    "checkpoint directory"], out + err
