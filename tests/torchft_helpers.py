@@ -76,10 +76,11 @@ def group_store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, world: int = 1, timeout_s: float = 3,
+def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, world: int = 1, timeout_s: float = 10,
             **kw: Any) -> Manager:
-    """Rank ``rank`` of replica group ``group``'s Manager, with short timeouts (a dead peer is seen in seconds); the
-    process's environment has ``LOOPBACK``."""
+    """Rank ``rank`` of replica group ``group``'s Manager, with timeouts of seconds (a dead peer is seen in seconds;
+    not 3: a quorum's process-group setup on a loaded machine once took longer to reach its own store); the process's
+    environment has ``LOOPBACK``."""
     assert all(os.environ.get(k) == v for k, v in LOOPBACK.items()), "gloo not on loopback"
     made = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
                    min_replica_size=1, store_addr="127.0.0.1", store_port=store_port, rank=rank, world_size=world,
