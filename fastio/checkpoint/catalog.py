@@ -23,7 +23,7 @@ from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quara
 from fastio.checkpoint.publish import data_files
 from fastio.checkpoint.record import CommitRecord, parse_commit
 from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
-from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, refuse_step_dir, remote_steps, scan
+from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, refuse_file_or_step, remote_steps, scan
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
@@ -150,11 +150,9 @@ def _local_root(root: Path) -> Path:
     """``root`` as a directory the commands read: CheckpointError when it is missing, a file, or one step of a
     checkpoint directory (a mistake for the directory holding it, named)."""
     root = Path(root)
-    if root.is_file():
-        raise CheckpointError(f"{root}: is a file, not a checkpoint directory")
+    refuse_file_or_step(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
-    refuse_step_dir(root)
     return root
 
 

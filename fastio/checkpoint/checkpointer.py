@@ -84,14 +84,9 @@ def _rank_world() -> tuple[int, int]:
     return rank, world
 
 
-def _step_number(step: Any) -> int:
-    """``step`` as the int a save records (a NumPy integer too); ValueError for anything else or a negative one:
-    ``step--1``, ``step-1.5`` or ``step-True`` would be committed, and no restore would ever list it."""
-    return _whole_number("step", step)
-
-
 def _whole_number(name: str, value: Any) -> int:
-    """``value`` as an int >= 0 (a NumPy integer too; not a bool, a float or a string); ValueError naming ``name``."""
+    """``value`` as an int >= 0 (a NumPy integer too; not a bool, a float or a string); ValueError naming ``name``. A
+    save's step taken otherwise would commit ``step--1``, ``step-1.5`` or ``step-True``, which no restore lists."""
     try:
         number = operator.index(value) if not isinstance(value, bool) else -1
     except TypeError:
@@ -233,9 +228,7 @@ class Checkpointer:
         problem: str | None = None
         try:
             scan.refuse_dataset_dir(self.dir)
-            scan.refuse_step_dir(self.dir)
-            if self.dir.is_file():
-                raise CheckpointError(f"{self.dir}: is a file, not a checkpoint directory")
+            scan.refuse_file_or_step(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
@@ -293,7 +286,7 @@ class Checkpointer:
         by name (a one-element tensor too), ``epoch`` an int >= 0: anything else is a ValueError naming it.
         """
         self._refuse_if_read_only()
-        step = _step_number(step)
+        step = _whole_number("step", step)
         epoch = _check_progress(metrics, epoch)
         self._raise_if_failed(wait=False)
         every = self.config.every_steps
@@ -327,7 +320,7 @@ class Checkpointer:
         ``blocking`` also waits for the commit. The step this Checkpointer saved last (or restored) is not saved again:
         the state of one step is saved once (a final ``save`` after a periodic one at the same step writes nothing)."""
         self._refuse_if_read_only()
-        step = _step_number(step)
+        step = _whole_number("step", step)
         epoch = _check_progress(metrics, epoch)
         self._raise_if_failed(wait=False)
         self._save(step, app, metrics, epoch, blocking=blocking)
@@ -398,7 +391,7 @@ class Checkpointer:
         """
         self._refuse_if_closed()
         self._check_app(app)
-        step = None if step is None else _step_number(step)
+        step = None if step is None else _whole_number("step", step)
         if loader_policy not in LOADER_POLICIES:
             raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
         if loader_policy != "exact" and not loader_keys(app):

@@ -39,6 +39,7 @@ __all__ = [
     "is_checkpoint_dir",
     "read_commit",
     "refuse_dataset_dir",
+    "refuse_file_or_step",
     "remote_steps",
     "scan",
 ]
@@ -161,11 +162,14 @@ def refuse_dataset_dir(root: Path) -> None:
                                   "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
 
 
-def refuse_step_dir(root: Path) -> None:
-    """CheckpointError when ``root`` is one step of a checkpoint directory (``step-N`` holding its commit marker, a
-    ``step-N.tmp`` holding the writer's mark): a mistake for the directory holding it, named. A Checkpointer there
-    would write into a checkpoint (which retention then deletes with everything in it)."""
+def refuse_file_or_step(root: Path) -> None:
+    """CheckpointError when ``root``, given as a checkpoint directory, is a file, or one step of a checkpoint
+    directory (``step-N`` holding its commit marker, a ``step-N.tmp`` holding the writer's mark): a mistake for the
+    directory holding it, named. A Checkpointer there would write into a checkpoint (which retention then deletes
+    with everything in it)."""
     root = Path(root)
+    if root.is_file():
+        raise CheckpointError(f"{root}: is a file, not a checkpoint directory")
     step = parse_step_dir_name(root.name)
     if step is not None and ((root / COMMIT_FILE).is_file() or (root / WRITING_FILE).is_file()):
         raise CheckpointError(f"{root}: is one checkpoint (step {step[0]}), not a checkpoint directory: give the "
