@@ -26,7 +26,8 @@ Python threads): where each spends it.
 
 Besides the epoch: the time to the first batch (fastio: ``Loader(...)`` to the first batch of a fresh
 epoch, and ``Loader(...)`` + ``load_state_dict`` of a mid-epoch state to its first batch; DALI: pipeline
-build to the first batch) in the same rounds, its ratios paired too; and the steady RSS of a process that runs
+build to the first batch), ``FIRSTS`` of each in every round (taking turns in first place), its ratios paired
+too (each turn's); and the steady RSS of a process that runs
 three epochs with fastio or with DALI's reader (median of the RSS sampled after every batch of the
 second and third epochs, each in its own fresh process). And the cost of the tar-header check every read
 makes (``fastio.read.reader``: each member's header, read with its data, against the index): raw reads of every
@@ -59,6 +60,9 @@ __all__ = ["make_shards", "run", "table"]
 
 SIZE = 224
 BATCH = 64
+FIRSTS = 4
+"""First batches per contender each round (fastio fresh, fastio resumed, DALI's reader, taking turns in first place):
+one first batch (~0.08 s) swings by more than the difference being judged, so each round pairs several."""
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
 
@@ -435,9 +439,10 @@ def _rounds(dest: Path, device: str, cores: int, repeats: int) -> dict:
                 out["by_thread"][name].setdefault(group, []).append(1000 * secs / n)
             print(f"  round {r + 1}/{repeats}  {name:<11} {out['runs'][name][-1]:9.1f} samples/s  "
                   f"{out['cpu'][name][-1]:6.2f} CPU ms/sample", file=sys.stderr, flush=True)
-        names = list(firsts)  # rotated each round: the first of them always came right after the ceiling's epoch
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            out["first"][name].append(firsts[name]())
+        names = list(firsts)  # rotated each time: the first of them always came right after the ceiling's epoch
+        for k in range(r * FIRSTS, (r + 1) * FIRSTS):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                out["first"][name].append(firsts[name]())
         out["quiet"].append(during(start, read_sample()))
         print(_round_line(out, r, repeats), file=sys.stderr, flush=True)
     return out
@@ -448,13 +453,14 @@ def _round_line(out: dict, r: int, repeats: int) -> str:
     runs, first, quiet = out["runs"], out["first"], out["quiet"][r]
     return (f"  round {r + 1}/{repeats}  fastio / DataLoader {runs['fastio'][r] / runs['dataloader'][r]:.3f}, "
             f"fastio / DALI {runs['fastio'][r] / runs['dali'][r]:.3f}; first batch "
-            + " ".join(f"{k} {v[r]:.3f}s" for k, v in first.items())
+            + " ".join(f"{k} {statistics.median(v[r * FIRSTS:(r + 1) * FIRSTS]):.3f}s" for k, v in first.items())
             + f"; other processes used {quiet.others:.2f} of {quiet.cores} cores")
 
 
 def _result(rounds: dict, device: str, cores: int, samples: int, repeats: int) -> dict:
     """The result dict of :func:`run` from :func:`_rounds`'s figures: medians, and paired ratios (the median over
-    the rounds of fastio's figure over the peer's in the same round)."""
+    the rounds of fastio's figure over the peer's in the same round; the first batches: of each of the :data:`FIRSTS`
+    turns of every round)."""
     runs, first = rounds["runs"], rounds["first"]
     median = {k: statistics.median(v) for k, v in runs.items()}
     quiet = rounds["quiet"]

@@ -12,11 +12,16 @@ import pytest
 import bench.index
 import bench.run
 from bench.common import verdict
-from bench.loader import _result, _round_line, _round_order, table
+from bench.loader import FIRSTS, _result, _round_line, _round_order, table
 from bench.quiet import Quiet
 
 QUIET = Quiet(False, 0.02, 2, 0.4)
 BUSY = Quiet(True, 1.2, 2, 5.1)
+
+
+def turns(per_round: list[float]) -> list[float]:
+    """FIRSTS first batches a round, each the round's figure (round r's are at r * FIRSTS.., not at r)."""
+    return [x for x in per_round for _ in range(FIRSTS)]
 
 
 def rounds(quiet: list[Quiet]) -> dict:
@@ -26,7 +31,9 @@ def rounds(quiet: list[Quiet]) -> dict:
                  "dataloader": [300.0, 450.0, 480.0], "ceiling": [2000.0, 2000.0, 2000.0]},
         "cpu": {k: [3.0, 3.0, 3.0] for k in ("fastio", "dali", "dataloader", "ceiling")},
         "by_thread": {"fastio": {"python": [0.1, 0.1, 0.1]}, "dali": {}},
-        "first": {"fastio": [0.1, 0.2, 0.3], "fastio_resumed": [0.1, 0.2, 0.3], "dali": [0.3, 0.1, 0.2]},
+        # FIRSTS first batches a round, each turn paired
+        "first": {"fastio": turns([0.1, 0.2, 0.3]), "fastio_resumed": turns([0.1, 0.2, 0.3]),
+                  "dali": turns([0.3, 0.1, 0.2])},
         "quiet": quiet,
     }
 
@@ -52,6 +59,7 @@ def test_a_round_line_names_its_round_and_what_the_others_used():
     line = _round_line(rounds([QUIET, BUSY, QUIET]), 1, 3)
     assert line.startswith("  round 2/3  ")
     assert "fastio / DALI 1.125" in line and "other processes used 1.20 of 2 cores" in line
+    assert "first batch fastio 0.200s fastio_resumed 0.200s dali 0.100s" in line  # the medians of round 2's turns
 
 
 def test_a_busy_round_withholds_the_verdicts_and_says_why():
