@@ -218,12 +218,14 @@ class LoaderConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         options = Options.from_flat({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
-        for name in ("num_threads", "read_ahead", "reader_threads"):  # the defaults, filled in
-            put(name, getattr(options.performance, name))
+        for name in ("num_threads", "prefetch", "read_ahead", "reader_threads", "progress", "drop_last", "verify",
+                     "shard_read_ahead"):  # as checked: the defaults filled in, numpy integers as ints
+            put(name, options.flat()[name])
         put("options", options)
         order = options.order
         put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
                                     batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
+        put("batch_size", self.sampling.batch_size)
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
