@@ -155,7 +155,8 @@ class LoaderConfig:
     batch's host tensors follow through pinned memory, ``index``/``source``/``padded`` stay on the host), ``cpu``
     (DALI CPU operators) or ``auto`` (cuda when available)."""
     seed: int = 0
-    """Seeds the order of every epoch and every sample's augmentation."""
+    """Seeds the order of every epoch and every sample's augmentation (any integer; a :class:`fastio.Graph`'s DALI
+    random operators are seeded with it modulo 2**63, the range DALI takes)."""
     shuffle: str = "global"
     """``global`` (full permutation), ``block`` (shuffled shards, samples shuffled in windows) or ``none``."""
     block_shards: int = 4
