@@ -228,6 +228,30 @@ def test_bad_weights_are_named(raw_sources, weights, match):
         Mixture(raw_sources, samples_per_epoch=0)
 
 
+
+def test_a_weight_too_large_for_a_float_is_named(raw_sources, tmp_path):
+    """An integer weight past a float's range failed with a bare OverflowError (also out of Mixture.from_file,
+    which names the file only for ValueError and DatasetError)."""
+    with pytest.raises(ValueError, match=r"^weights\['a'\] must be a positive number, got 1000.*0 \(too large "):
+        Mixture(raw_sources, weights={"a": 10**400, "b": 1, "c": 1})
+    path = tmp_path / "mix.json"
+    path.write_text('{"sources": {"a": "%s", "b": "%s", "c": "%s"}, "weights": {"a": 1, "b": 1, "c": %d}}'
+                    % (*(str(raw_sources[k]) for k in "abc"), 10**400))
+    with pytest.raises(DatasetError, match=rf"^{path}: weights\['c'\] must be a positive number, got"):
+        Mixture.from_file(path)
+
+
+def test_weights_whose_sum_is_past_a_float_keep_their_proportions(raw_sources):
+    """Each weight finite, their sum not: the shares were all 0, refused as "weight of 'a' must be a positive number,
+    got 0.0", a weight that was not given."""
+    big = _raw_loader(raw_sources, {"a": 1.5e308, "b": 1e308, "c": 0.5e308})
+    small = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    assert big.dataset.weights == pytest.approx(small.dataset.weights)
+    for x, y in zip(big, small):
+        assert x["source"].tolist() == y["source"].tolist() and x["index"].tolist() == y["index"].tolist()
+    big.close()
+    small.close()
+
 def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path):
     from fastio.dataset.manifest import MANIFEST_NAME
     from fastio.storage import open_storage

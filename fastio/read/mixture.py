@@ -425,11 +425,23 @@ def _entry_weights(names: tuple[str, ...], weights: Mapping, what: str, note: st
     if unknown or missing:
         raise ValueError(f"{what} must name every source once: unknown {unknown}, missing {missing}")
     for k, w in weights.items():
-        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0:
-            raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not _positive_float(w):
+            too_large = " (too large for a float)" if isinstance(w, numbers.Integral) and w > 0 else ""
+            raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}{too_large}")
     raw = tuple(float(weights[k]) for k in names)
+    if not math.isfinite(sum(raw)):  # each weight finite, their sum not: the same proportions, scaled down
+        raw = tuple(w / max(raw) for w in raw)
     check_shares(names, raw, note)
     return raw
+
+
+def _positive_float(w: numbers.Real) -> bool:
+    """Whether ``w`` is a positive finite float (an integer past a float's range is not: OverflowError)."""
+    try:
+        w = float(w)
+    except OverflowError:
+        return False
+    return math.isfinite(w) and w > 0
 
 
 def _open(name: str, where: Any, opening: dict) -> Dataset:
