@@ -208,6 +208,23 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
         ld.close()
 
 
+
+@pytest.mark.parametrize("entry,value", [("names", 5), ("names", None), ("names", "ab"), ("fingerprints", 5),
+                                         ("fingerprints", ["x"]), ("samples_per_epoch", "x"),
+                                         ("samples_per_epoch", None), ("samples_per_epoch", 50.5),
+                                         ("samples_per_epoch", True), ("samples_per_epoch", -50)])
+def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, value):
+    """A state's ``mixture`` entry with names or fingerprints that are not lists failed with a bare
+    "TypeError: 'int' object is not iterable"; a samples_per_epoch that is not an integer with a bare ValueError
+    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']."""
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    next(iter(loader))
+    state = loader.state_dict()
+    bad = {**state, "mixture": {**state["mixture"], entry: value}}
+    with pytest.raises(LoaderStateError, match=rf"^mixture\(a, b, c\): loader state's mixture entry has {entry}="):
+        loader.load_state_dict(bad)
+    loader.close()
+
 def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):

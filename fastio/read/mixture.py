@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import numbers
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -255,8 +256,9 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
             or not {"weights", "schedule"} & saved.keys():
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
+    samples = _check_entry(mixture, saved)
     _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
-    old, samples = _saved_phases(mixture, saved), int(saved["samples_per_epoch"])
+    old = _saved_phases(mixture, saved)
     if samples == mixture.samples_per_epoch and _same_phases(old, mixture.phases):
         return
     if len(old) == 1 and len(mixture.phases) == 1:
@@ -268,6 +270,30 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
             f"{mixture.samples_per_epoch}: a schedule's positions count samples across epochs of that length, "
             "so it cannot change under a schedule")
     _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
+
+
+def _check_entry(mixture: Mixture, saved: dict) -> int:
+    """The saved entry's ``samples_per_epoch``, once its names and fingerprints are lists of one string per source
+    and it is a positive integer (a numpy or 0-d torch one too: a checkpoint round trip); else LoaderStateError
+    naming the entry (a hand-edited state: ``list(5)`` or ``int("x")`` would fail without naming it, ``"ab"``
+    would read as two names, ``50.5`` as 50)."""
+    def refuse(key: str, what: str) -> LoaderStateError:
+        return LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not {what}")
+
+    for key in ("names", "fingerprints"):  # names of other sources: _check_sources names both lists
+        value = saved[key]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise refuse(key, "a list of strings")
+    if len(saved["fingerprints"]) != len(saved["names"]):
+        raise refuse("fingerprints", f"one per source of names={list(saved['names'])!r}")
+    value = saved["samples_per_epoch"]
+    try:
+        samples = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        samples = 0
+    if samples < 1:
+        raise refuse("samples_per_epoch", "a positive integer")
+    return samples
 
 
 def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
