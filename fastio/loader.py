@@ -57,6 +57,8 @@ _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE,
 def _as_int(key: str, value: Any) -> int:
     """A state integer, also when a checkpoint round trip made it a numpy or 0-d torch integer."""
     try:
+        if isinstance(value, bool):  # a hand-edited "consumed": true is not 1 sample
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
@@ -226,7 +228,10 @@ class LoaderConfig:
         order = options.order
         put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
                                     batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
-        put("batch_size", self.sampling.batch_size)
+        for name in ("batch_size", "seed", "block_shards"):  # as ints: they go into the Loader's state
+            put(name, getattr(self.sampling, name))
+        put("rank", options.ranks.rank)
+        put("world_size", options.ranks.world_size)
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")

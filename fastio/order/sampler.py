@@ -68,6 +68,7 @@ class SamplerSpec:
             raise ValueError(f"block_shards must be an integer >= 1, got {self.block_shards!r}")
         if self.block_shards < 1:
             raise ValueError(f"block_shards must be >= 1, got {self.block_shards!r}")
+        object.__setattr__(self, "block_shards", int(self.block_shards))
         if isinstance(self.batch_size, (bool, np.bool_)) or not isinstance(self.batch_size, numbers.Integral) \
                 or self.batch_size < 1:  # a numpy integer too (a config read with numpy); True is not 1 sample
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")

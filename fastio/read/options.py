@@ -132,6 +132,8 @@ class RankOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ValueError(f"{name} must be an integer (or None: found from torch.distributed or the "
                                  f"environment), got {value!r}")
+            if value is not None:
+                _put(self, name, int(value))  # a numpy integer as int: it goes into the Loader's state
 
 
 GROUPS = {"order": OrderOptions, "performance": PerformanceOptions, "shards": ShardOptions, "ranks": RankOptions}
