@@ -380,6 +380,7 @@ class Loader:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         epoch = int(epoch)
         self._refuse_closed("set_epoch")
+        self._sampler.plan(epoch)  # ValueError where the order cannot reach it (a mixture's: int64 stream positions)
         if self._replicas is not None:
             raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
                                       "the batches run on through the epochs by themselves; do not call set_epoch")
@@ -450,6 +451,10 @@ class Loader:
         if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {count(self._sampler.samples, 'sample')})")
+        try:
+            self._sampler.plan(epoch)  # as set_epoch
+        except ValueError as err:
+            raise LoaderStateError(f"loader state has epoch={epoch}: {err}") from None
         if self._replicas is not None:
             self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
         return state

@@ -225,6 +225,24 @@ def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, va
         loader.load_state_dict(bad)
     loader.close()
 
+
+def test_an_epoch_past_the_mixture_streams_range_is_refused_naming_it(raw_sources):
+    """A mixture's order counts stream positions (epoch * samples_per_epoch + position) in int64: set_epoch(2**58)
+    (or a state of that epoch) on a mixture of 50 samples per epoch was taken, and the first batch failed with a
+    bare "OverflowError: Python int too large to convert to C long"."""
+    last = 2**63 // 50 - 1  # its stream ends at position 2**63 - 1 at most
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=rf"^epoch {last + 1} of a mixture of 50 samples per epoch ends at stream "
+                                         rf"position {(last + 2) * 50 - 1}, past 2\*\*63 - 1"):
+        loader.set_epoch(last + 1)
+    with pytest.raises(LoaderStateError, match=rf"^loader state has epoch={last + 1}: epoch {last + 1} of a mixture"):
+        loader.load_state_dict({**state, "epoch": last + 1, "consumed": 6})
+    loader.set_epoch(last)
+    got = next(iter(loader))
+    assert len(got["index"]) == 6 and loader.state_dict()["epoch"] == last
+    loader.close()
+
 def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):

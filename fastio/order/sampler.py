@@ -127,10 +127,15 @@ class Sampler:
         """The lazy delivery order of epoch ``epoch`` (see :func:`epoch_order`)."""
         return EpochOrder(self.shard_sizes, self.spec, epoch, self.fingerprint)
 
+    def check_epoch(self, epoch: int) -> None:
+        """ValueError naming ``epoch`` where this sampler cannot order it (a dataset's order takes any epoch >= 0:
+        it hashes it; a mixture's counts its stream positions in int64)."""
+
     def plan(self, epoch: int, start: int = 0) -> EpochPlan:
         """This rank's batches of epoch ``epoch`` from global position ``start`` (samples consumed) on."""
         if not 0 <= start <= self.samples:
             raise ValueError(f"start must be in 0..{self.samples}, got {start}")
+        self.check_epoch(epoch)
         return EpochPlan(self, epoch, self.order(epoch), start)
 
 
