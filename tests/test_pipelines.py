@@ -79,6 +79,14 @@ def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_option
     (lambda: fastio.ImageEval(layout="NCHW"), "layout must be CHW or HWC, got 'NCHW'"),
     (lambda: fastio.ImageEval(crop_ratio=1.5), r"crop_ratio must be in \(0, 1\], got 1.5"),
     (lambda: fastio.ImageTrain(std=(0.2, 0.2, 0)), "mean and std need 3 values, std > 0"),
+    # NaN or inf passed (every pixel of every image NaN); a string passed its length check and failed in the
+    # graph with a bare "TypeError: can't multiply sequence by non-int of type 'float'"; True was 1.0
+    (lambda: fastio.ImageTrain(std=(float("nan"), 0.2, 0.2)), r"mean and std need 3 values, std > 0, each a finite "
+                                                              r"number; got \(0.485, 0.456, 0.406\), \(nan, 0.2, 0.2\)$"),
+    (lambda: fastio.ImageEval(mean=(0.5, float("inf"), 0.5)), r"mean and std need 3 values, .*\(0.5, inf, 0.5\)"),
+    (lambda: fastio.ImageTrain(mean="abc"), r"mean and std need 3 values, .*got \('a', 'b', 'c'\)"),
+    (lambda: fastio.ImageTrain(mean=(True, 0.5, 0.5)), r"mean and std need 3 values, .*got \(True, 0.5, 0.5\)"),
+    (lambda: fastio.ImageEval(crop_ratio=True), r"crop_ratio must be in \(0, 1\], got True"),
     (lambda: fastio.Raw(fields="txt"), "fields must be a sequence of field names, got 'txt'"),
     (lambda: fastio.Graph(None), "Graph needs a callable fn"),
 ])
