@@ -110,6 +110,24 @@ def test_a_graph_object_is_the_graph_function(image_dataset):
     assert x["image"].shape == (8, 16, 16, 3) and x["label"].shape == (8,)
 
 
+
+@pytest.mark.parametrize("name", ["index", "source", "padded", "label", "cls"])
+def test_a_graph_output_named_as_an_entry_the_loader_adds_is_refused(image_dataset, name):
+    """A graph output named ``padded``, ``source`` or ``label`` (or a field of ``fields=``) was silently replaced
+    by the Loader's own entry: the user's values were lost; one named ``index`` replaced the indices the Loader
+    checks, and the batch failed with DALI's bare "Cannot produce a numpy array: the tensors in the list do not
+    all have the same shape"."""
+    def graph(image, device):
+        from nvidia.dali import fn
+
+        return {"image": fn.resize(image, resize_x=8, resize_y=8), name: fn.resize(image, resize_x=4, resize_y=4)}
+
+    with Loader(image_dataset, pipeline=fastio.Graph(graph, fields=("cls",)), batch_size=4, device="cpu",
+                world_size=1, rank=0, num_threads=1) as loader:
+        with pytest.raises(ValueError, match=rf"^fastio.Graph\(graph\): the graph's output {name!r} is an entry "
+                                             rf"the Loader adds to the batch \(.*\): name it otherwise$"):
+            next(iter(loader))
+
 def _tagged(dest: Path, n: int, label_field: str) -> Path:
     with ShardWriter(dest, max_samples=4) as writer:
         for i in range(n):

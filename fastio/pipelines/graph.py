@@ -35,4 +35,10 @@ class Graph(ImageKind):
 
         img = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB, adjust_orientation=False)
         result = self.fn(img, decoder_device)
-        return {"index": inp["index"], **(result if isinstance(result, dict) else {"image": result})}
+        outputs = result if isinstance(result, dict) else {"image": result}
+        added = ("index", "source", "padded", "label", *(self.fields or ()))
+        clash = next((name for name in outputs if name in added), None)
+        if clash is not None:  # the Loader's entry would replace it (index: the one it checks) without a word
+            raise ValueError(f"fastio.Graph({getattr(self.fn, '__name__', 'fn')}): the graph's output {clash!r} is an "
+                             f"entry the Loader adds to the batch ({', '.join(added)}): name it otherwise")
+        return {"index": inp["index"], **outputs}
