@@ -128,6 +128,24 @@ def test_a_graph_output_named_as_an_entry_the_loader_adds_is_refused(image_datas
                                              rf"the Loader adds to the batch \(.*\): name it otherwise$"):
             next(iter(loader))
 
+
+@pytest.mark.parametrize("returned", ["none", "list", "number key"])
+def test_a_graph_that_returns_no_nodes_is_named(image_dataset, returned):
+    """A graph function returning None (a forgotten return) or a list of nodes failed with DALI's bare TypeError
+    ("Illegal output type. The output 1 is a `<class 'NoneType'>`"), naming neither the function nor fastio's
+    rule; a dict keyed by a number made a batch entry named 1."""
+    def graph(image, device):
+        from nvidia.dali import fn
+
+        node = fn.resize(image, resize_x=8, resize_y=8)
+        return {"none": None, "list": [node], "number key": {1: node}}[returned]
+
+    with Loader(image_dataset, pipeline=fastio.Graph(graph), batch_size=4, device="cpu", world_size=1, rank=0,
+                num_threads=1) as loader:
+        with pytest.raises(ValueError, match=r"^fastio.Graph\(graph\): the graph function returned .*, not a DALI "
+                                             r"node or a dict of them by name$"):
+            next(iter(loader))
+
 def _tagged(dest: Path, n: int, label_field: str) -> Path:
     with ShardWriter(dest, max_samples=4) as writer:
         for i in range(n):
