@@ -271,6 +271,9 @@ class Loader:
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, *,
                  replicas: Any = None, **overrides: Any):
         _check_habits(overrides)
+        if config is not None and not isinstance(config, LoaderConfig):
+            raise LoaderArgumentError(f"Loader's config must be a fastio.LoaderConfig, got {type(config).__name__} "
+                                      f"{config!r:.60}: pass options as keywords, Loader(dest, **options)")
         if config is None:
             config = LoaderConfig(**overrides)
         elif overrides:
