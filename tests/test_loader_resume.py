@@ -173,3 +173,22 @@ def test_a_bool_in_a_state_is_not_an_integer(image_dataset, key):
     with _factory(image_dataset, pipeline=Raw())() as loader:
         with pytest.raises(LoaderStateError, match=rf"^loader state has {key}=True, not an integer$"):
             loader.load_state_dict({**loader.state_dict(), key: True})
+
+
+@pytest.mark.parametrize("shuffle", ["global", "none"])
+def test_block_shards_matters_to_a_resume_only_in_block_mode(image_dataset, shuffle):
+    """A state of shuffle='global' (or 'none') was refused by a Loader with another block_shards, "the sample
+    order would differ": only 'block' windows use it."""
+    from fastio.errors import LoaderStateError
+
+    state = check_resume(_factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=2), n=3, k=3)
+    make = _factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=3)
+    again, ref = make(), _factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=2)()
+    again.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert all(same_batch(a, b) for a, b in zip(again, ref))
+    again.close()
+    ref.close()
+    with _factory(image_dataset, pipeline=Raw(), shuffle="block", block_shards=3)() as block:
+        with pytest.raises(LoaderStateError, match="block_shards=2, this loader block_shards=3"):
+            block.load_state_dict({**state, "shuffle": "block"})
