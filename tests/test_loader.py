@@ -146,6 +146,22 @@ def test_any_integer_seed_seeds_dali_reproducibly(image_dataset, seed):
     assert torch.equal(runs[0], runs[1])
     assert next(iter(_loader(image_dataset, seed=seed)))["image"].shape == (8, 3, 32, 32)
 
+
+def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
+    """``loader.key(1.5)`` answered sample 1's key (int() truncated it), ``key(True)`` too; ``key("x")`` failed with
+    a bare "invalid literal for int()"; the same for a mixture's source position and index."""
+    with _loader(image_dataset) as loader:
+        assert loader.key(np.int64(3)) == loader.key(torch.tensor(3)) == loader.key(3)
+        for bad in (1.5, True, "x"):
+            with pytest.raises(TypeError, match=rf"^key: sample index {bad!r} is not an integer$"):
+                loader.key(bad)
+    with _loader(fastio.Mixture({"a": image_dataset, "b": image_dataset})) as mixed:
+        assert mixed.key(1, np.int64(3)) == mixed.key("b", 3)
+        with pytest.raises(TypeError, match=r"^key: source 1.0 is not an integer \(or a source's name\)$"):
+            mixed.key(1.0, 3)
+        with pytest.raises(TypeError, match=r"^key: sample index 2.5 is not an integer$"):
+            mixed.key("a", 2.5)
+
 def test_extra_fields_and_padding(image_dataset):
     loader = _loader(image_dataset, pipeline=ImageEval(fields=("cls",)), batch_size=5)
     assert len(loader) == 10
