@@ -243,6 +243,18 @@ def test_an_epoch_past_the_mixture_streams_range_is_refused_naming_it(raw_source
     assert len(got["index"]) == 6 and loader.state_dict()["epoch"] == last
     loader.close()
 
+
+@pytest.mark.parametrize("samples", [2**62 + 1, 2**63, 2**64])
+def test_a_samples_per_epoch_past_the_orders_range_is_refused(raw_sources, samples):
+    """samples_per_epoch=2**63 was taken and the first batch failed with a bare "OverflowError: cannot fit 'int'
+    into an index-sized integer"; 2**64 with a message naming "its last epoch" as -1."""
+    with pytest.raises(ValueError, match=rf"^samples_per_epoch must be a positive integer of at most 2\*\*62 \(a "
+                                         rf"mixture's order counts positions in int64\), got {samples}$"):
+        Mixture(raw_sources, samples_per_epoch=samples)
+    big = Mixture(raw_sources, samples_per_epoch=2**62)  # the bound itself is taken
+    with Loader(big, batch_size=2, pipeline=Raw(), device="cpu", world_size=1, rank=0, num_threads=1) as loader:
+        assert len(loader) == 2**61 and len(next(iter(loader))["index"]) == 2
+
 def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):

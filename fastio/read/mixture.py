@@ -35,6 +35,8 @@ from fastio.storage.url import is_remote
 from fastio.words import count
 
 _EMPTY = np.empty(0, np.uint8)
+MAX_SAMPLES_PER_EPOCH = 2**62
+"""The longest mixture epoch: its positions (and a padded last batch's past its end) are int64 arrays."""
 
 __all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state", "next_epoch_way",
            "renewed_mixture_state"]
@@ -91,6 +93,9 @@ class Mixture:
         if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool) or not isinstance(
                 samples_per_epoch, numbers.Integral) or samples_per_epoch < 1):
             raise ValueError(f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}")
+        if samples_per_epoch is not None and samples_per_epoch > MAX_SAMPLES_PER_EPOCH:
+            raise ValueError(f"samples_per_epoch must be a positive integer of at most 2**62 (a mixture's order "
+                             f"counts positions in int64), got {samples_per_epoch!r}")
         opening = {"verify": verify, "cache_dir": cache_dir, "cache_size": cache_size,
                    "storage_options": storage_options}
         self.datasets: tuple[Dataset, ...] = tuple(
