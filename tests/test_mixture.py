@@ -423,6 +423,9 @@ def test_a_schedule_is_checked_where_it_enters(raw_sources):
                            ([(0, w), (10, w), (3, w)], r"weights\[2\]: position 3 is not after"),
                            ([(0, w), (2.5, w)], r"weights\[1\]: the position must be an integer >= 0 .*got 2\.5"),
                            ([(0, w), (True, w)], r"weights\[1\]: the position must be an integer"),
+                           # was taken, and the first batch failed with a bare OverflowError
+                           ([(0, w), (2**63, w)], r"^weights\[1\]: position 9223372036854775808 is past 2\*\*63 - 1, "
+                                                  r"the last stream position a mixture's order counts$"),
                            ([(0, w), (9, {"a": 1, "b": 0, "c": 1})], r"weights\[1\]\['b'\] must be a positive "
                                                                      r"number, got 0"),
                            ([(0, w), (9, {"a": 1, "b": 1})], r"weights\[1\] must name every source once: unknown "

@@ -139,6 +139,9 @@ def check_positions(positions: Sequence[Any], what: str = "weights") -> None:
                              f"got {pos!r}")
         if i == 0 and pos != 0:
             raise ValueError(f"{what}[0]: a schedule starts at position 0, got {pos!r}")
+        if pos > _LAST_STREAM:
+            raise ValueError(f"{what}[{i}]: position {pos!r} is past 2**63 - 1, the last stream position a mixture's "
+                             "order counts")
         if i and pos <= positions[i - 1]:
             raise ValueError(f"{what}[{i}]: position {pos!r} is not after the previous entry's {positions[i - 1]!r} "
                              "(a schedule's positions strictly increase)")
