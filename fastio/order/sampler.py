@@ -195,7 +195,8 @@ class EpochOrder:
             firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if s else sizes
             self._slot_first = firsts[perm]  # dataset-wide first index of the shard in each (permuted) slot
             self._slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)  # S + 1
-            edges = self._slot_start[np.r_[np.arange(0, s, spec.block_shards), s]] if s else np.zeros(1, np.int64)
+            step = min(spec.block_shards, s)  # one window from s up (an int64 step: block_shards may be larger)
+            edges = self._slot_start[np.r_[np.arange(0, s, step), s]] if s else np.zeros(1, np.int64)
             self._win_start, win_size = edges[:-1], np.diff(edges)
             self._win_bits = np.array([domain_bits(m) for m in win_size.tolist()], dtype=np.int64)
             self._win_size = win_size
