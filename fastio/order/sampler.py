@@ -107,6 +107,9 @@ class Sampler:
             raise ValueError(f"world_size must be >= 1, got {self.world_size!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
+        if self.global_batch > 2**62:  # a plan's positions (a padded batch's past the epoch's end) are int64
+            raise ValueError(f"global batch {self.spec.batch_size} x world_size {self.world_size} = "
+                             f"{self.global_batch} is past 2**62, the largest a plan's int64 positions hold")
         object.__setattr__(self, "shard_sizes", tuple(int(s) for s in self.shard_sizes))
 
     @cached_property
