@@ -221,17 +221,16 @@ class LoaderConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         options = Options.from_flat({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
+        checked = options.flat()
         for name in ("num_threads", "prefetch", "read_ahead", "reader_threads", "progress", "drop_last", "verify",
-                     "shard_read_ahead"):  # as checked: the defaults filled in, numpy integers as ints
-            put(name, options.flat()[name])
+                     "shard_read_ahead", "rank", "world_size"):  # as checked: defaults filled in, numpy ints as int
+            put(name, checked[name])
         put("options", options)
         order = options.order
         put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
                                     batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
         for name in ("batch_size", "seed", "block_shards"):  # as ints: they go into the Loader's state
             put(name, getattr(self.sampling, name))
-        put("rank", options.ranks.rank)
-        put("world_size", options.ranks.world_size)
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
