@@ -382,10 +382,10 @@ class Loader:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         epoch = int(epoch)
         self._refuse_closed("set_epoch")
-        self._sampler.plan(epoch)  # ValueError where the order cannot reach it (a mixture's: int64 stream positions)
         if self._replicas is not None:
             raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
                                       "the batches run on through the epochs by themselves; do not call set_epoch")
+        self._sampler.plan(epoch)  # ValueError where the order cannot reach it (a mixture's: int64 stream positions)
         if epoch != self.epoch:
             self._close_active()
             self.epoch, self.consumed = epoch, 0
