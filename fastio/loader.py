@@ -57,6 +57,8 @@ _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE,
 def _as_int(key: str, value: Any) -> int:
     """A state integer, also when a checkpoint round trip made it a numpy or 0-d torch integer."""
     try:
+        if isinstance(value, bool):  # a hand-edited "consumed": true is not 1 sample
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
@@ -155,7 +157,8 @@ class LoaderConfig:
     batch's host tensors follow through pinned memory, ``index``/``source``/``padded`` stay on the host), ``cpu``
     (DALI CPU operators) or ``auto`` (cuda when available)."""
     seed: int = 0
-    """Seeds the order of every epoch and every sample's augmentation."""
+    """Seeds the order of every epoch and every sample's augmentation (any integer; a :class:`fastio.Graph`'s DALI
+    random operators are seeded with it modulo 2**63, the range DALI takes)."""
     shuffle: str = "global"
     """``global`` (full permutation), ``block`` (shuffled shards, samples shuffled in windows) or ``none``."""
     block_shards: int = 4
@@ -218,12 +221,16 @@ class LoaderConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         options = Options.from_flat({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
-        for name in ("num_threads", "read_ahead", "reader_threads"):  # the defaults, filled in
-            put(name, getattr(options.performance, name))
+        checked = options.flat()
+        for name in ("num_threads", "prefetch", "read_ahead", "reader_threads", "progress", "drop_last", "verify",
+                     "shard_read_ahead", "rank", "world_size"):  # as checked: defaults filled in, numpy ints as int
+            put(name, checked[name])
         put("options", options)
         order = options.order
         put("sampling", SamplerSpec(seed=order.seed, shuffle=order.shuffle, block_shards=order.block_shards,
                                     batch_size=self.batch_size, drop_last=order.drop_last, remainder=order.remainder))
+        for name in ("batch_size", "seed", "block_shards"):  # as ints: they go into the Loader's state
+            put(name, getattr(self.sampling, name))
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
@@ -263,6 +270,9 @@ class Loader:
     def __init__(self, dest: str | Path | Dataset | Mixture, config: LoaderConfig | None = None, *,
                  replicas: Any = None, **overrides: Any):
         _check_habits(overrides)
+        if config is not None and not isinstance(config, LoaderConfig):
+            raise LoaderArgumentError(f"Loader's config must be a fastio.LoaderConfig, got {type(config).__name__} "
+                                      f"{config!r:.60}: pass options as keywords, Loader(dest, **options)")
         if config is None:
             config = LoaderConfig(**overrides)
         elif overrides:
@@ -375,6 +385,7 @@ class Loader:
         if self._replicas is not None:
             raise LoaderArgumentError("set_epoch with replicas=: the position is the torchft Manager's step, and "
                                       "the batches run on through the epochs by themselves; do not call set_epoch")
+        self._sampler.plan(epoch)  # ValueError where the order cannot reach it (a mixture's: int64 stream positions)
         if epoch != self.epoch:
             self._close_active()
             self.epoch, self.consumed = epoch, 0
@@ -435,6 +446,8 @@ class Loader:
                                    f"{next_epoch_way(state[K_EPOCH])}")
         mine = self.state_dict()
         for k in _ORDER_KEYS:
+            if k == K_BLOCK_SHARDS and state[K_SHUFFLE] != "block":
+                continue  # only block windows use it: the order of 'global' and 'none' is the same with any
             if state[k] != mine[k]:
                 raise LoaderStateError(f"loader state has {k}={state[k]!r}, this loader {k}={mine[k]!r} "
                                        f"(the sample order would differ)")
@@ -442,6 +455,10 @@ class Loader:
         if not (epoch >= 0 and 0 <= consumed <= self._sampler.samples):
             raise LoaderStateError(f"loader state has epoch={epoch!r} consumed={consumed!r} "
                                    f"(dataset has {count(self._sampler.samples, 'sample')})")
+        try:
+            self._sampler.plan(epoch)  # as set_epoch
+        except ValueError as err:
+            raise LoaderStateError(f"loader state has epoch={epoch}: {err}") from None
         if self._replicas is not None:
             self._replicas.check_state(state, self.config.batch_size, K_STEP, len(self._sampler))
         return state

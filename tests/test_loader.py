@@ -131,6 +131,37 @@ def test_user_pipeline_and_output_options(image_dataset):
     assert h["image"].dtype == torch.float16
 
 
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64 + 5])
+def test_any_integer_seed_seeds_dali_reproducibly(image_dataset, seed):
+    """DALI's pipeline takes a seed in 0..2**63-1 and draws a random one for a negative seed: seed=2**63 failed with
+    a bare TypeError from DALI's constructor (also for ImageTrain, which draws nothing in DALI), and seed=-1 gave a
+    user graph's DALI random operators another draw in every run."""
+    from nvidia.dali import fn
+
+    def graph(image, device):
+        return {"noise": fn.random.uniform(shape=[4])}  # seeded from the pipeline's seed
+
+    runs = [next(iter(_loader(image_dataset, pipeline=Graph(graph), seed=seed)))["noise"] for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert next(iter(_loader(image_dataset, seed=seed)))["image"].shape == (8, 3, 32, 32)
+
+
+def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
+    """``loader.key(1.5)`` answered sample 1's key (int() truncated it), ``key(True)`` too; ``key("x")`` failed with
+    a bare "invalid literal for int()"; the same for a mixture's source position and index."""
+    with _loader(image_dataset) as loader:
+        assert loader.key(np.int64(3)) == loader.key(torch.tensor(3)) == loader.key(3)
+        for bad in (1.5, True, "x"):
+            with pytest.raises(TypeError, match=rf"^key: sample index {bad!r} is not an integer$"):
+                loader.key(bad)
+    with _loader(fastio.Mixture({"a": image_dataset, "b": image_dataset})) as mixed:
+        assert mixed.key(1, np.int64(3)) == mixed.key("b", 3)
+        with pytest.raises(TypeError, match=r"^key: source 1.0 is not an integer \(or a source's name\)$"):
+            mixed.key(1.0, 3)
+        with pytest.raises(TypeError, match=r"^key: sample index 2.5 is not an integer$"):
+            mixed.key("a", 2.5)
+
 def test_extra_fields_and_padding(image_dataset):
     loader = _loader(image_dataset, pipeline=ImageEval(fields=("cls",)), batch_size=5)
     assert len(loader) == 10

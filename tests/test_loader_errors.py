@@ -213,3 +213,13 @@ def test_a_shard_rewritten_before_its_first_read_stops_the_loop_where_it_did_bef
             got.append(batch["index"].tolist())
     assert got == [list(range(8 * b, 8 * b + 8)) for b in range(3)]
     loader.close()
+
+
+@pytest.mark.parametrize("config", [{"batch_size": 4}, 4])
+def test_a_config_that_is_not_a_loader_config_is_named(image_dataset, config):
+    """A dict of options (read from a YAML file) given as the config failed with a bare "AttributeError: 'dict'
+    object has no attribute 'pipeline'"."""
+    with pytest.raises(fastio.LoaderArgumentError, match=rf"^Loader's config must be a fastio.LoaderConfig, got "
+                                                         rf"{type(config).__name__} .*: pass options as keywords, "
+                                                         r"Loader\(dest, \*\*options\)$"):
+        Loader(image_dataset, config)

@@ -140,3 +140,55 @@ def test_a_numpy_seed_resumes(image_dataset):
     state = check_resume(lambda: Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", seed=np.int64(3),
                                         world_size=1, rank=0, num_threads=1), n=3, k=3)
     assert state["seed"] == 3  # a guard: numpy integers (a config read with numpy) stay accepted
+
+
+def test_a_config_of_numpy_integers_gives_a_state_a_checkpoint_takes(image_dataset, tmp_path):
+    """seed, block_shards, rank and world_size given as numpy integers (a config read with numpy) came back as
+    numpy integers in state_dict() (consumed too, computed from them), which the Checkpointer refused: "state key
+    'loader/seed': cannot checkpoint a numpy.int64"."""
+    from fastio.checkpoint import Checkpointer
+
+    def make(**kw):
+        return Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", num_threads=1, shuffle="block",
+                      **kw)
+
+    loader = make(seed=np.int64(3), block_shards=np.int32(2), world_size=np.int64(2), rank=np.int64(1))
+    list(islice(iter(loader), 2))
+    state = loader.state_dict()
+    assert all(type(v) is int for k, v in state.items() if k not in ("fingerprint", "shuffle")), state
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"loader": loader}, blocking=True)
+        again = make(seed=3, block_shards=2, world_size=2, rank=1)
+        ckpt.restore_latest({"loader": again})
+    assert again.state_dict() == state and state["consumed"] == 16
+    loader.close()
+    again.close()
+
+
+@pytest.mark.parametrize("key", ["epoch", "consumed"])
+def test_a_bool_in_a_state_is_not_an_integer(image_dataset, key):
+    """A hand-edited state's ``consumed: true`` was read as 1 sample consumed."""
+    from fastio.errors import LoaderStateError
+
+    with _factory(image_dataset, pipeline=Raw())() as loader:
+        with pytest.raises(LoaderStateError, match=rf"^loader state has {key}=True, not an integer$"):
+            loader.load_state_dict({**loader.state_dict(), key: True})
+
+
+@pytest.mark.parametrize("shuffle", ["global", "none"])
+def test_block_shards_matters_to_a_resume_only_in_block_mode(image_dataset, shuffle):
+    """A state of shuffle='global' (or 'none') was refused by a Loader with another block_shards, "the sample
+    order would differ": only 'block' windows use it."""
+    from fastio.errors import LoaderStateError
+
+    state = check_resume(_factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=2), n=3, k=3)
+    make = _factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=3)
+    again, ref = make(), _factory(image_dataset, pipeline=Raw(), shuffle=shuffle, block_shards=2)()
+    again.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert all(same_batch(a, b) for a, b in zip(again, ref))
+    again.close()
+    ref.close()
+    with _factory(image_dataset, pipeline=Raw(), shuffle="block", block_shards=3)() as block:
+        with pytest.raises(LoaderStateError, match="block_shards=2, this loader block_shards=3"):
+            block.load_state_dict({**state, "shuffle": "block"})

@@ -208,6 +208,53 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
         ld.close()
 
 
+
+@pytest.mark.parametrize("entry,value", [("names", 5), ("names", None), ("names", "ab"), ("fingerprints", 5),
+                                         ("fingerprints", ["x"]), ("samples_per_epoch", "x"),
+                                         ("samples_per_epoch", None), ("samples_per_epoch", 50.5),
+                                         ("samples_per_epoch", True), ("samples_per_epoch", -50)])
+def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, value):
+    """A state's ``mixture`` entry with names or fingerprints that are not lists failed with a bare
+    "TypeError: 'int' object is not iterable"; a samples_per_epoch that is not an integer with a bare ValueError
+    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']."""
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    next(iter(loader))
+    state = loader.state_dict()
+    bad = {**state, "mixture": {**state["mixture"], entry: value}}
+    with pytest.raises(LoaderStateError, match=rf"^mixture\(a, b, c\): loader state's mixture entry has {entry}="):
+        loader.load_state_dict(bad)
+    loader.close()
+
+
+def test_an_epoch_past_the_mixture_streams_range_is_refused_naming_it(raw_sources):
+    """A mixture's order counts stream positions (epoch * samples_per_epoch + position) in int64: set_epoch(2**58)
+    (or a state of that epoch) on a mixture of 50 samples per epoch was taken, and the first batch failed with a
+    bare "OverflowError: Python int too large to convert to C long"."""
+    last = 2**63 // 50 - 1  # its stream ends at position 2**63 - 1 at most
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match=rf"^epoch {last + 1} of a mixture of 50 samples per epoch ends at stream "
+                                         rf"position {(last + 2) * 50 - 1}, past 2\*\*63 - 1"):
+        loader.set_epoch(last + 1)
+    with pytest.raises(LoaderStateError, match=rf"^loader state has epoch={last + 1}: epoch {last + 1} of a mixture"):
+        loader.load_state_dict({**state, "epoch": last + 1, "consumed": 6})
+    loader.set_epoch(last)
+    got = next(iter(loader))
+    assert len(got["index"]) == 6 and loader.state_dict()["epoch"] == last
+    loader.close()
+
+
+@pytest.mark.parametrize("samples", [2**62 + 1, 2**63, 2**64])
+def test_a_samples_per_epoch_past_the_orders_range_is_refused(raw_sources, samples):
+    """samples_per_epoch=2**63 was taken and the first batch failed with a bare "OverflowError: cannot fit 'int'
+    into an index-sized integer"; 2**64 with a message naming "its last epoch" as -1."""
+    with pytest.raises(ValueError, match=rf"^samples_per_epoch must be a positive integer of at most 2\*\*62 \(a "
+                                         rf"mixture's order counts positions in int64\), got {samples}$"):
+        Mixture(raw_sources, samples_per_epoch=samples)
+    big = Mixture(raw_sources, samples_per_epoch=2**62)  # the bound itself is taken
+    with Loader(big, batch_size=2, pipeline=Raw(), device="cpu", world_size=1, rank=0, num_threads=1) as loader:
+        assert len(loader) == 2**61 and len(next(iter(loader))["index"]) == 2
+
 def test_a_source_lacking_a_field_is_named(raw_sources, tmp_path):
     sources = {**raw_sources, "nolabel": _small(tmp_path / "n", 5, 0, with_label=False)}
     with pytest.raises(DatasetError, match=r"mixture source 'nolabel': .*no field 'cls'"):
@@ -227,6 +274,30 @@ def test_bad_weights_are_named(raw_sources, weights, match):
     with pytest.raises(ValueError, match="samples_per_epoch must be a positive integer, got 0"):
         Mixture(raw_sources, samples_per_epoch=0)
 
+
+
+def test_a_weight_too_large_for_a_float_is_named(raw_sources, tmp_path):
+    """An integer weight past a float's range failed with a bare OverflowError (also out of Mixture.from_file,
+    which names the file only for ValueError and DatasetError)."""
+    with pytest.raises(ValueError, match=r"^weights\['a'\] must be a positive number, got 1000.*0 \(too large "):
+        Mixture(raw_sources, weights={"a": 10**400, "b": 1, "c": 1})
+    path = tmp_path / "mix.json"
+    path.write_text('{"sources": {"a": "%s", "b": "%s", "c": "%s"}, "weights": {"a": 1, "b": 1, "c": %d}}'
+                    % (*(str(raw_sources[k]) for k in "abc"), 10**400))
+    with pytest.raises(DatasetError, match=rf"^{path}: weights\['c'\] must be a positive number, got"):
+        Mixture.from_file(path)
+
+
+def test_weights_whose_sum_is_past_a_float_keep_their_proportions(raw_sources):
+    """Each weight finite, their sum not: the shares were all 0, refused as "weight of 'a' must be a positive number,
+    got 0.0", a weight that was not given."""
+    big = _raw_loader(raw_sources, {"a": 1.5e308, "b": 1e308, "c": 0.5e308})
+    small = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    assert big.dataset.weights == pytest.approx(small.dataset.weights)
+    for x, y in zip(big, small):
+        assert x["source"].tolist() == y["source"].tolist() and x["index"].tolist() == y["index"].tolist()
+    big.close()
+    small.close()
 
 def test_an_s3_source_in_a_mixture(moto_server, s3_bucket, raw_sources, tmp_path):
     from fastio.dataset.manifest import MANIFEST_NAME
@@ -352,6 +423,9 @@ def test_a_schedule_is_checked_where_it_enters(raw_sources):
                            ([(0, w), (10, w), (3, w)], r"weights\[2\]: position 3 is not after"),
                            ([(0, w), (2.5, w)], r"weights\[1\]: the position must be an integer >= 0 .*got 2\.5"),
                            ([(0, w), (True, w)], r"weights\[1\]: the position must be an integer"),
+                           # was taken, and the first batch failed with a bare OverflowError
+                           ([(0, w), (2**63, w)], r"^weights\[1\]: position 9223372036854775808 is past 2\*\*63 - 1, "
+                                                  r"the last stream position a mixture's order counts$"),
                            ([(0, w), (9, {"a": 1, "b": 0, "c": 1})], r"weights\[1\]\['b'\] must be a positive "
                                                                      r"number, got 0"),
                            ([(0, w), (9, {"a": 1, "b": 1})], r"weights\[1\] must name every source once: unknown "

@@ -159,3 +159,13 @@ def test_a_version_1_loader_state_is_refused_with_the_reason(image_dataset):
     loader.load_state_dict({**state, "consumed": 16})  # this version's own state still loads
     assert loader.state_dict()["consumed"] == 16
     loader.close()
+
+
+@pytest.mark.parametrize("block_shards", [2**63, 2**70])
+def test_block_shards_past_int64_is_one_window_as_any_past_the_shards(block_shards):
+    """block_shards=2**63 (an integer: accepted) failed the first lookup with numpy's bare "IndexError: arrays used
+    as indices must be of integer (or boolean) type"; any block_shards from the number of shards up is one window."""
+    sizes = [16, 16, 7, 16]
+    whole = np.asarray(epoch_order(sizes, 3, 1, "fp", "block", block_shards=4))
+    assert np.array_equal(np.asarray(epoch_order(sizes, 3, 1, "fp", "block", block_shards=block_shards)), whole)
+    assert sorted(whole.tolist()) == list(range(55))

@@ -79,6 +79,14 @@ def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_option
     (lambda: fastio.ImageEval(layout="NCHW"), "layout must be CHW or HWC, got 'NCHW'"),
     (lambda: fastio.ImageEval(crop_ratio=1.5), r"crop_ratio must be in \(0, 1\], got 1.5"),
     (lambda: fastio.ImageTrain(std=(0.2, 0.2, 0)), "mean and std need 3 values, std > 0"),
+    # NaN or inf passed (every pixel of every image NaN); a string passed its length check and failed in the
+    # graph with a bare "TypeError: can't multiply sequence by non-int of type 'float'"; True was 1.0
+    (lambda: fastio.ImageTrain(std=(float("nan"), 0.2, 0.2)), r"mean and std need 3 values, std > 0, each a finite "
+                                                              r"number; got \(0.485, 0.456, 0.406\), \(nan, 0.2, 0.2\)$"),
+    (lambda: fastio.ImageEval(mean=(0.5, float("inf"), 0.5)), r"mean and std need 3 values, .*\(0.5, inf, 0.5\)"),
+    (lambda: fastio.ImageTrain(mean="abc"), r"mean and std need 3 values, .*got \('a', 'b', 'c'\)"),
+    (lambda: fastio.ImageTrain(mean=(True, 0.5, 0.5)), r"mean and std need 3 values, .*got \(True, 0.5, 0.5\)"),
+    (lambda: fastio.ImageEval(crop_ratio=True), r"crop_ratio must be in \(0, 1\], got True"),
     (lambda: fastio.Raw(fields="txt"), "fields must be a sequence of field names, got 'txt'"),
     (lambda: fastio.Graph(None), "Graph needs a callable fn"),
 ])
@@ -101,6 +109,42 @@ def test_a_graph_object_is_the_graph_function(image_dataset):
         x = next(iter(b))
     assert x["image"].shape == (8, 16, 16, 3) and x["label"].shape == (8,)
 
+
+
+@pytest.mark.parametrize("name", ["index", "source", "padded", "label", "cls"])
+def test_a_graph_output_named_as_an_entry_the_loader_adds_is_refused(image_dataset, name):
+    """A graph output named ``padded``, ``source`` or ``label`` (or a field of ``fields=``) was silently replaced
+    by the Loader's own entry: the user's values were lost; one named ``index`` replaced the indices the Loader
+    checks, and the batch failed with DALI's bare "Cannot produce a numpy array: the tensors in the list do not
+    all have the same shape"."""
+    def graph(image, device):
+        from nvidia.dali import fn
+
+        return {"image": fn.resize(image, resize_x=8, resize_y=8), name: fn.resize(image, resize_x=4, resize_y=4)}
+
+    with Loader(image_dataset, pipeline=fastio.Graph(graph, fields=("cls",)), batch_size=4, device="cpu",
+                world_size=1, rank=0, num_threads=1) as loader:
+        with pytest.raises(ValueError, match=rf"^fastio.Graph\(graph\): the graph's output {name!r} is an entry "
+                                             rf"the Loader adds to the batch \(.*\): name it otherwise$"):
+            next(iter(loader))
+
+
+@pytest.mark.parametrize("returned", ["none", "list", "number key"])
+def test_a_graph_that_returns_no_nodes_is_named(image_dataset, returned):
+    """A graph function returning None (a forgotten return) or a list of nodes failed with DALI's bare TypeError
+    ("Illegal output type. The output 1 is a `<class 'NoneType'>`"), naming neither the function nor fastio's
+    rule; a dict keyed by a number made a batch entry named 1."""
+    def graph(image, device):
+        from nvidia.dali import fn
+
+        node = fn.resize(image, resize_x=8, resize_y=8)
+        return {"none": None, "list": [node], "number key": {1: node}}[returned]
+
+    with Loader(image_dataset, pipeline=fastio.Graph(graph), batch_size=4, device="cpu", world_size=1, rank=0,
+                num_threads=1) as loader:
+        with pytest.raises(ValueError, match=r"^fastio.Graph\(graph\): the graph function returned .*, not a DALI "
+                                             r"node or a dict of them by name$"):
+            next(iter(loader))
 
 def _tagged(dest: Path, n: int, label_field: str) -> Path:
     with ShardWriter(dest, max_samples=4) as writer:

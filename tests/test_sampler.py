@@ -131,3 +131,13 @@ def test_iter_batches_chunks_are_shared_by_plans_of_one_sampler_and_read_only():
     assert np.shares_memory(a[0][0], b[0][0]) and not a[0][0].flags.writeable
     fresh = Sampler(spec, SIZES, "fp", 2, 1).plan(1, 8)
     assert all(np.array_equal(x[0], fresh.batch(g)[0]) for g, x in enumerate(a))
+
+
+@pytest.mark.parametrize("world, batch", [(2**63, 1), (2**61, 4)])
+def test_a_global_batch_past_int64_positions_is_refused_naming_it(world, batch):
+    """world_size=2**63 (an integer: accepted) failed the first batch with a bare "OverflowError: Python int too
+    large to convert to C long": a plan's positions are int64."""
+    with pytest.raises(ValueError, match=rf"^global batch {batch} x world_size {world} = {batch * world} is past "
+                                         r"2\*\*62, the largest a plan's int64 positions hold$"):
+        Sampler(SamplerSpec(batch_size=batch), SIZES, "fp", world_size=world, rank=0)
+    assert len(Sampler(SamplerSpec(batch_size=1), SIZES, "fp", world_size=2**62, rank=2**62 - 1)) == 1

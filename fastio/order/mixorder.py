@@ -58,6 +58,7 @@ MAX_PERIOD = 1 << 16
 """Longest period of the source schedule; weights that need more are apportioned over this many positions
 (each proportion then within 1/MAX_PERIOD of the asked one). A share below 1/MAX_PERIOD cannot be represented
 and is refused (:func:`check_shares`)."""
+_LAST_STREAM = 2**63 - 1  # the last stream position a schedule's int64 arithmetic counts
 _ORDERS = 64  # per-source epoch orders kept (a tiny source goes through many of its epochs per chunk)
 
 
@@ -138,6 +139,9 @@ def check_positions(positions: Sequence[Any], what: str = "weights") -> None:
                              f"got {pos!r}")
         if i == 0 and pos != 0:
             raise ValueError(f"{what}[0]: a schedule starts at position 0, got {pos!r}")
+        if pos > _LAST_STREAM:
+            raise ValueError(f"{what}[{i}]: position {pos!r} is past 2**63 - 1, the last stream position a mixture's "
+                             "order counts")
         if i and pos <= positions[i - 1]:
             raise ValueError(f"{what}[{i}]: position {pos!r} is not after the previous entry's {positions[i - 1]!r} "
                              "(a schedule's positions strictly increase)")
@@ -396,6 +400,16 @@ class MixSampler(Sampler):
     def base(self) -> tuple[int, ...]:
         """Mixture id of each source's first sample."""
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.sizes)[:-1]]))
+
+    def check_epoch(self, epoch: int) -> None:
+        """ValueError where mixture epoch ``epoch`` ends past stream position ``2**63 - 1``: the schedule counts
+        stream positions (``epoch * samples_per_epoch + position``) in int64."""
+        n = self.schedule.samples_per_epoch
+        end = (epoch + 1) * n - 1
+        if end > _LAST_STREAM:
+            raise ValueError(f"epoch {epoch} of a mixture of {count(n, 'sample')} per epoch ends at stream position "
+                             f"{end}, past 2**63 - 1, the last one a mixture's order counts (its last epoch is "
+                             f"{(_LAST_STREAM + 1) // n - 1})")
 
     def order(self, epoch: int) -> MixOrder:
         return MixOrder(self, epoch)

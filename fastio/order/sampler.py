@@ -68,8 +68,11 @@ class SamplerSpec:
             raise ValueError(f"block_shards must be an integer >= 1, got {self.block_shards!r}")
         if self.block_shards < 1:
             raise ValueError(f"block_shards must be >= 1, got {self.block_shards!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+        object.__setattr__(self, "block_shards", int(self.block_shards))
+        if isinstance(self.batch_size, (bool, np.bool_)) or not isinstance(self.batch_size, numbers.Integral) \
+                or self.batch_size < 1:  # a numpy integer too (a config read with numpy); True is not 1 sample
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        object.__setattr__(self, "batch_size", int(self.batch_size))
         if self.remainder not in REMAINDER_MODES:
             raise ValueError(f"remainder must be one of {', '.join(REMAINDER_MODES)}, got {self.remainder!r}")
 
@@ -104,6 +107,9 @@ class Sampler:
             raise ValueError(f"world_size must be >= 1, got {self.world_size!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
+        if self.global_batch > 2**62:  # a plan's positions (a padded batch's past the epoch's end) are int64
+            raise ValueError(f"global batch {self.spec.batch_size} x world_size {self.world_size} = "
+                             f"{self.global_batch} is past 2**62, the largest a plan's int64 positions hold")
         object.__setattr__(self, "shard_sizes", tuple(int(s) for s in self.shard_sizes))
 
     @cached_property
@@ -124,10 +130,15 @@ class Sampler:
         """The lazy delivery order of epoch ``epoch`` (see :func:`epoch_order`)."""
         return EpochOrder(self.shard_sizes, self.spec, epoch, self.fingerprint)
 
+    def check_epoch(self, epoch: int) -> None:
+        """ValueError naming ``epoch`` where this sampler cannot order it (a dataset's order takes any epoch >= 0:
+        it hashes it; a mixture's counts its stream positions in int64)."""
+
     def plan(self, epoch: int, start: int = 0) -> EpochPlan:
         """This rank's batches of epoch ``epoch`` from global position ``start`` (samples consumed) on."""
         if not 0 <= start <= self.samples:
             raise ValueError(f"start must be in 0..{self.samples}, got {start}")
+        self.check_epoch(epoch)
         return EpochPlan(self, epoch, self.order(epoch), start)
 
 
@@ -187,7 +198,8 @@ class EpochOrder:
             firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if s else sizes
             self._slot_first = firsts[perm]  # dataset-wide first index of the shard in each (permuted) slot
             self._slot_start = np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)  # S + 1
-            edges = self._slot_start[np.r_[np.arange(0, s, spec.block_shards), s]] if s else np.zeros(1, np.int64)
+            step = min(spec.block_shards, s)  # one window from s up (an int64 step: block_shards may be larger)
+            edges = self._slot_start[np.r_[np.arange(0, s, step), s]] if s else np.zeros(1, np.int64)
             self._win_start, win_size = edges[:-1], np.diff(edges)
             self._win_bits = np.array([domain_bits(m) for m in win_size.tolist()], dtype=np.int64)
             self._win_size = win_size

@@ -294,12 +294,19 @@ def _sources_kept(conditionals: bool) -> AbstractContextManager:
     return generated_sources_kept_private()
 
 
+def dali_seed(seed: int) -> int:
+    """The seed of a DALI pipeline for the Loader's ``seed``: DALI takes 0..2**63-1 and draws a random seed for a
+    negative one (another draw of a graph's random operators in every run), and refuses a larger one with a bare
+    TypeError. Seeds in its range are passed as they are."""
+    return int(seed) % 2**63
+
+
 def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threads: int, device: str,
                 device_id: int | None, prefetch: int, seed: int = 0) -> BuiltPipeline:
     """``graph`` built as a DALI pipeline: its inputs from ``source`` (returning ``graph.feed``'s arrays; called
     across epochs for as long as the pipeline runs, keeping what it returned alive until that batch's outputs come
     back) through one batch-mode external source (fastio's order, not DALI's), each with its declared dtype, then
-    ``graph.body``."""
+    ``graph.body``. ``seed`` (any integer: the Loader's) seeds DALI's random operators as :func:`dali_seed`."""
     from nvidia.dali import fn, pipeline_def, types
 
     dtypes = {"uint8": types.UINT8, "int32": types.INT32, "int64": types.INT64, "float32": types.FLOAT,
@@ -309,7 +316,7 @@ def build_graph(graph: GraphDef, source: Callable, *, batch_size: int, num_threa
     outputs: list[str] = list(graph.outputs or ())
 
     @pipeline_def(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                  prefetch_queue_depth=prefetch, seed=seed, enable_conditionals=graph.conditionals)
+                  prefetch_queue_depth=prefetch, seed=dali_seed(seed), enable_conditionals=graph.conditionals)
     def dali_graph():
         # no_copy: DALI reads the arrays the source returns in place; the source keeps them until the
         # batch's outputs are returned (fastio.read.feeder.Feeder does), which is what DALI requires. Given as

@@ -32,7 +32,26 @@ class Graph(ImageKind):
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> dict[str, Any]:
         from nvidia.dali import fn, types
+        from nvidia.dali.data_node import DataNode
 
         img = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB, adjust_orientation=False)
         result = self.fn(img, decoder_device)
-        return {"index": inp["index"], **(result if isinstance(result, dict) else {"image": result})}
+        outputs = result if isinstance(result, dict) else {"image": result}
+        if not all(isinstance(k, str) and isinstance(v, DataNode) for k, v in outputs.items()):
+            raise ValueError(f"fastio.Graph({self._name()}): the graph function returned {_short(result)}, not a DALI "
+                             "node or a dict of them by name")
+        added = ("index", "source", "padded", "label", *(self.fields or ()))
+        clash = next((name for name in outputs if name in added), None)
+        if clash is not None:  # the Loader's entry would replace it (index: the one it checks) without a word
+            raise ValueError(f"fastio.Graph({self._name()}): the graph's output {clash!r} is an "
+                             f"entry the Loader adds to the batch ({', '.join(added)}): name it otherwise")
+        return {"index": inp["index"], **outputs}
+
+    def _name(self) -> str:
+        return getattr(self.fn, "__name__", "fn")
+
+
+def _short(value: Any) -> str:
+    """``value`` for a message, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

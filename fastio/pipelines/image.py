@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,8 +61,13 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
         raise ValueError(f"layout must be CHW or HWC, got {layout!r}")
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-        raise ValueError(f"mean and std need 3 values, std > 0; got {mean}, {std}")
+    if len(mean) != 3 or len(std) != 3 or not all(map(_finite_number, (*mean, *std))) or min(std) <= 0:
+        raise ValueError(f"mean and std need 3 values, std > 0, each a finite number; got {mean}, {std}")
+
+
+def _finite_number(value: Any) -> bool:
+    """A real number (not a bool), finite: NaN or inf in mean or std makes every pixel NaN."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def check_hw_decoder_load(load: Any) -> None:
@@ -73,8 +79,8 @@ def check_hw_decoder_load(load: Any) -> None:
 
 
 def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
-    if not 0 < ratio <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {ratio}")
+    if not _finite_number(ratio) or not 0 < ratio <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
 
 
 def refuse_image_text(ds: Dataset, kind: str) -> None:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import numbers
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -34,6 +35,8 @@ from fastio.storage.url import is_remote
 from fastio.words import count
 
 _EMPTY = np.empty(0, np.uint8)
+MAX_SAMPLES_PER_EPOCH = 2**62
+"""The longest mixture epoch: its positions (and a padded last batch's past its end) are int64 arrays."""
 
 __all__ = ["MixReader", "Mixture", "check_mixture_state", "mixture_state", "next_epoch_way",
            "renewed_mixture_state"]
@@ -90,6 +93,9 @@ class Mixture:
         if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool) or not isinstance(
                 samples_per_epoch, numbers.Integral) or samples_per_epoch < 1):
             raise ValueError(f"samples_per_epoch must be a positive integer, got {samples_per_epoch!r}")
+        if samples_per_epoch is not None and samples_per_epoch > MAX_SAMPLES_PER_EPOCH:
+            raise ValueError(f"samples_per_epoch must be a positive integer of at most 2**62 (a mixture's order "
+                             f"counts positions in int64), got {samples_per_epoch!r}")
         opening = {"verify": verify, "cache_dir": cache_dir, "cache_size": cache_size,
                    "storage_options": storage_options}
         self.datasets: tuple[Dataset, ...] = tuple(
@@ -255,8 +261,9 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
             or not {"weights", "schedule"} & saved.keys():
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
+    samples = _check_entry(mixture, saved)
     _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
-    old, samples = _saved_phases(mixture, saved), int(saved["samples_per_epoch"])
+    old = _saved_phases(mixture, saved)
     if samples == mixture.samples_per_epoch and _same_phases(old, mixture.phases):
         return
     if len(old) == 1 and len(mixture.phases) == 1:
@@ -268,6 +275,30 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
             f"{mixture.samples_per_epoch}: a schedule's positions count samples across epochs of that length, "
             "so it cannot change under a schedule")
     _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
+
+
+def _check_entry(mixture: Mixture, saved: dict) -> int:
+    """The saved entry's ``samples_per_epoch``, once its names and fingerprints are lists of one string per source
+    and it is a positive integer (a numpy or 0-d torch one too: a checkpoint round trip); else LoaderStateError
+    naming the entry (a hand-edited state: ``list(5)`` or ``int("x")`` would fail without naming it, ``"ab"``
+    would read as two names, ``50.5`` as 50)."""
+    def refuse(key: str, what: str) -> LoaderStateError:
+        return LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not {what}")
+
+    for key in ("names", "fingerprints"):  # names of other sources: _check_sources names both lists
+        value = saved[key]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise refuse(key, "a list of strings")
+    if len(saved["fingerprints"]) != len(saved["names"]):
+        raise refuse("fingerprints", f"one per source of names={list(saved['names'])!r}")
+    value = saved["samples_per_epoch"]
+    try:
+        samples = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        samples = 0
+    if samples < 1:
+        raise refuse("samples_per_epoch", "a positive integer")
+    return samples
 
 
 def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
@@ -425,11 +456,23 @@ def _entry_weights(names: tuple[str, ...], weights: Mapping, what: str, note: st
     if unknown or missing:
         raise ValueError(f"{what} must name every source once: unknown {unknown}, missing {missing}")
     for k, w in weights.items():
-        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w) or w <= 0:
-            raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}")
+        if isinstance(w, bool) or not isinstance(w, numbers.Real) or not _positive_float(w):
+            too_large = " (too large for a float)" if isinstance(w, numbers.Integral) and w > 0 else ""
+            raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}{too_large}")
     raw = tuple(float(weights[k]) for k in names)
+    if not math.isfinite(sum(raw)):  # each weight finite, their sum not: the same proportions, scaled down
+        raw = tuple(w / max(raw) for w in raw)
     check_shares(names, raw, note)
     return raw
+
+
+def _positive_float(w: numbers.Real) -> bool:
+    """Whether ``w`` is a positive finite float (an integer past a float's range is not: OverflowError)."""
+    try:
+        w = float(w)
+    except OverflowError:
+        return False
+    return math.isfinite(w) and w > 0
 
 
 def _open(name: str, where: Any, opening: dict) -> Dataset:

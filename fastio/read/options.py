@@ -15,9 +15,35 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from fastio.dist import usable_cpus
 
-__all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions"]
+__all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions", "count_option",
+           "switch_option"]
+
+
+def count_option(name: str, value: Any, least: int) -> int:
+    """``value`` as an int of at least ``least`` (a numpy integer too: a config read with numpy), else ValueError
+    naming the option: a string, a float or a bool (taken as a count of 1) would otherwise reach a comparison or
+    DALI's constructor and fail there without naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {int(value)}")
+    return int(value)
+
+
+def switch_option(name: str, value: Any) -> bool:
+    """``value`` as a bool (a numpy bool too), else ValueError naming the option: a value taken by its truth would
+    turn ``drop_last="no"`` on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _put(group: Any, name: str, value: Any) -> None:
+    object.__setattr__(group, name, value)  # frozen: __post_init__ stores the checked value this way
 
 
 @dataclass(frozen=True)
@@ -34,6 +60,9 @@ class OrderOptions:
     """Drop the last incomplete global batch of each epoch."""
     remainder: str = "pad"
     """Without drop_last: ``pad`` (wrap to the epoch's start) or ``partial`` (smaller batches)."""
+
+    def __post_init__(self):  # the others are checked by fastio.order.sampler.SamplerSpec, which uses them
+        _put(self, "drop_last", switch_option("drop_last", self.drop_last))
 
 
 @dataclass(frozen=True)
@@ -61,15 +90,12 @@ class PerformanceOptions:
         cores = len(usable_cpus())
         if self.pin_threads is not None and not isinstance(self.pin_threads, bool):
             raise ValueError(f"pin_threads must be True, False or None, got {self.pin_threads!r}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        _put(self, "progress", switch_option("progress", self.progress))
+        _put(self, "prefetch", count_option("prefetch", self.prefetch, 1))
         defaults = {"num_threads": cores, "read_ahead": self.prefetch + 1, "reader_threads": min(4, cores)}
         for name, default in defaults.items():  # None: the default; 0 is a value, checked as any other
             value = getattr(self, name)
-            object.__setattr__(self, name, default if value is None else value)
-            least = 0 if name == "read_ahead" else 1
-            if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {value}")
+            _put(self, name, default if value is None else count_option(name, value, 0 if name == "read_ahead" else 1))
 
 
 @dataclass(frozen=True)
@@ -89,8 +115,8 @@ class ShardOptions:
     """For an ``s3://`` dataset: shards fetched into the cache ahead of the furthest shard being read."""
 
     def __post_init__(self):
-        if self.shard_read_ahead < 0:
-            raise ValueError(f"shard_read_ahead must be >= 0, got {self.shard_read_ahead}")
+        _put(self, "verify", switch_option("verify", self.verify))
+        _put(self, "shard_read_ahead", count_option("shard_read_ahead", self.shard_read_ahead, 0))
 
 
 @dataclass(frozen=True)
@@ -106,6 +132,8 @@ class RankOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ValueError(f"{name} must be an integer (or None: found from torch.distributed or the "
                                  f"environment), got {value!r}")
+            if value is not None:
+                _put(self, name, int(value))  # a numpy integer as int: it goes into the Loader's state
 
 
 GROUPS = {"order": OrderOptions, "performance": PerformanceOptions, "shards": ShardOptions, "ranks": RankOptions}

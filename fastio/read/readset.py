@@ -14,6 +14,7 @@ under its own name.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,7 +223,7 @@ class DatasetReadSet(ReadSet):
     def key(self, source: int | str, index: int | None = None) -> str:
         if index is not None:
             raise TypeError("a dataset's loader names a sample by key(index)")
-        return self.target.key(int(source))
+        return self.target.key(_whole(source, "sample index"))
 
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         saved = state.get(K_MIXTURE)
@@ -279,7 +280,9 @@ class MixtureReadSet(ReadSet):
     def key(self, source: int | str, index: int | None = None) -> str:
         if index is None:
             raise TypeError("a mixture's loader names a sample by key(source, index)")
-        return self.target.key(source, index)
+        if not isinstance(source, str):
+            source = _whole(source, "source", " (or a source's name)")
+        return self.target.key(source, _whole(index, "sample index"))
 
     def where(self, i: int) -> str:
         return self.target.describe(i)
@@ -377,3 +380,14 @@ def coming(plans: Callable[[int, int], Any], epoch: int, consumed: int) -> Calla
             for indices, _, _ in plan.iter_chunks():
                 yield indices
     return chunks
+
+
+def _whole(value: Any, what: str, alternative: str = "") -> int:
+    """``value`` (a numpy integer or 0-d torch one too) as an int for :meth:`fastio.Loader.key`, else TypeError
+    naming it: ``int()`` would truncate 1.5 to another sample's key."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"key: {what} {value!r} is not an integer{alternative}") from None
