@@ -649,3 +649,32 @@ def test_indexing_the_shards_folder_of_a_dataset_is_refused_and_leaves_that_data
     _refused(capsys, inner, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}")
     _refused(capsys, folder, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}", "--dest", str(inner))
     assert sorted(p.name for p in inner.iterdir()) == before
+
+
+def test_a_manifest_json_fastio_did_not_write_is_never_replaced(tmp_path, capsys):
+    # Found by review: a shard folder holding the user's own manifest.json was refused as "already holds a
+    # dataset (manifest.json); pass --overwrite", and --overwrite then replaced that file (maybe its only copy)
+    # with fastio's manifest; with --dest the same, since a manifest.json counted as fastio output.
+    _tar(tmp_path / "src" / "x.tar")
+    mine = b'{"shards": "my own list, the only copy"}\n'
+    (tmp_path / "src" / "manifest.json").write_bytes(mine)
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(tmp_path / "src"), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{tmp_path / 'src' / 'manifest.json'}: not a fastio manifest" in err and "--dest" in err, err
+        assert "--overwrite" not in err, err
+    assert (tmp_path / "src" / "manifest.json").read_bytes() == mine
+    assert not (tmp_path / "src" / "x.idx").exists() and not (tmp_path / "src" / "samples.fxi").exists()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "manifest.json").write_bytes(b"not even json")
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), *extra], capsys)
+        assert code == 2 and f"{dest / 'manifest.json'}: not a fastio manifest" in err, err
+    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json"]
+    assert (dest / "manifest.json").read_bytes() == b"not even json"
+    # fastio's own manifest is still indexed again with --overwrite
+    (tmp_path / "src" / "manifest.json").unlink()
+    assert run_cli(["index", str(tmp_path / "src"), "-q"], capsys)[0] == 0
+    assert run_cli(["index", str(tmp_path / "src"), "--overwrite", "-q"], capsys)[0] == 0
+

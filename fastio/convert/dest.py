@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import stat
@@ -32,8 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from fastio.convert.listing import display_of
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.media import PROBES_NAME
@@ -47,7 +49,7 @@ from fastio.tokens.starts import STARTS_NAME
 T = TypeVar("T")
 
 __all__ = ["Claim", "check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest",
-           "publish_uploads", "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
+           "publish_uploads", "refuse_a_foreign_manifest", "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
 
 
 # -- a local DEST ------------------------------------------------------------------------------------
@@ -237,6 +239,23 @@ def refuse_a_datasets_shards(dest: Storage) -> None:
         raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")
+
+
+def refuse_a_foreign_manifest(dest: Storage) -> None:
+    """DatasetError where DEST of ``fastio index`` (SOURCE's folder by default) holds a ``manifest.json`` that is not
+    a fastio manifest (another tool's, the user's own): it would be replaced by fastio's, and it may be the only
+    copy. Whatever ``overwrite`` says: overwrite re-indexes fastio's own dataset, it deletes nobody else's file."""
+    if not dest.exists(MANIFEST_NAME):
+        return
+    where = display_of(dest, MANIFEST_NAME)
+    try:
+        data = dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME).read_bytes()
+        ours = json.loads(data).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # a folder of that name, not JSON, not a JSON object
+        ours = False
+    if not ours:
+        raise DatasetError(f"{where}: not a fastio manifest, and fastio index writes its manifest.json there; it is "
+                           "left as it is: move it away, or index into another folder (--dest)")
 
 
 def check_index_dest(dest: Storage, overwrite: bool) -> None:

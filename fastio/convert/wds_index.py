@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checks import check_fields, checked, one_of, positive_integer, rule
-from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards, writer_lock
+from fastio.convert.dest import (
+    check_index_dest,
+    mark_index_dest,
+    publish_uploads,
+    refuse_a_datasets_shards,
+    refuse_a_foreign_manifest,
+    writer_lock,
+)
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
@@ -317,6 +324,7 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
     if not in_place:
         check_index_dest(dest_storage, config.overwrite)
+    refuse_a_foreign_manifest(dest_storage)
     if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
