@@ -678,3 +678,17 @@ def test_a_manifest_json_fastio_did_not_write_is_never_replaced(tmp_path, capsys
     assert run_cli(["index", str(tmp_path / "src"), "-q"], capsys)[0] == 0
     assert run_cli(["index", str(tmp_path / "src"), "--overwrite", "-q"], capsys)[0] == 0
 
+
+
+def test_one_tar_path_is_indexed_as_several_are(tmp_path, capsys):
+    # Found by review: `fastio index wds/*.tar` indexed a folder's shards when the glob matched two or more, but
+    # when it matched one the single path was refused ("a file: give the folder holding the shards").
+    _tar(tmp_path / "wds" / "only.tar")
+    (tmp_path / "wds" / "notes.tar.txt").write_text("not a shard")
+    code, out, err = run_cli(["index", str(tmp_path / "wds" / "only.tar")], capsys)
+    assert code == 0 and "1 shard, 3 samples" in out, err
+    manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+    assert [s["location"] for s in manifest["shards"]] == ["only.tar"]
+    assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0
+    code, _, err = run_cli(["index", str(tmp_path / "wds" / "notes.tar.txt")], capsys)
+    assert code == 2 and f"{tmp_path / 'wds' / 'notes.tar.txt'}: a file" in err, err

@@ -1,8 +1,8 @@
 """What ``fastio index`` SOURCE names, in order: a folder (every ``*.tar`` below it, in sorted order; links to files
 followed, links to folders listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a
-brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; several local paths become
-one: :func:`paths_pattern`). A shard named twice, a compressed tar, a path that is no regular file: one
-:class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
+brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; one or several local
+``.tar`` paths become one: :func:`paths_pattern`). A shard named twice, a compressed tar, a path that is no regular
+file: one :class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def paths_pattern(paths: list[str]) -> str:
-    """The brace pattern naming several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
+    """The brace pattern naming one or several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
     expanded): ``COMMON/{a.tar,b/c.tar}``, with COMMON their deepest common folder (the default DEST).
     DatasetError naming a path that is not a local ``.tar`` file or that a brace pattern cannot hold."""
     for path in paths:
@@ -105,6 +105,8 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
             "the folder, or a brace pattern such as '/data/{000..009}.tar'")
     if not storage.remote and not storage.location.path.is_dir():
         if storage.location.path.is_file():
+            if source.lower().endswith(".tar"):  # a shell glob that matched one shard: as several paths are
+                return _pattern_listing(paths_pattern([source]), options)
             raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
         if any(c in source for c in "*?["):
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))

@@ -108,7 +108,7 @@ class IndexConfig:
     """What ``fastio index`` indexes and where it writes (checked when made: ValueError naming the parameter)."""
 
     source: str | Path
-    """A folder of tars, an ``s3://bucket/prefix/``, or a brace pattern of tar paths or URLs."""
+    """A folder of tars, an ``s3://bucket/prefix/``, a brace pattern of tar paths or URLs, or one local tar path."""
     dest: str | Path | None = None
     """Where the metadata goes; None: SOURCE's folder (the ``.idx`` files beside the tars)."""
     label_field: str | None = checked(_FIELD_NAME, default=None)
