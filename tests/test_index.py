@@ -692,3 +692,24 @@ def test_one_tar_path_is_indexed_as_several_are(tmp_path, capsys):
     assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0
     code, _, err = run_cli(["index", str(tmp_path / "wds" / "notes.tar.txt")], capsys)
     assert code == 2 and f"{tmp_path / 'wds' / 'notes.tar.txt'}: a file" in err, err
+
+
+def test_verify_names_a_shard_below_the_folder_by_its_path(shards, tmp_path, capsys):
+    # Found by review: `fastio verify` of shards indexed in place below sub-folders named them by their record
+    # name, sub/gnu.tar as 'sub-gnu.tar' and its index as 'gnu.idx', files that exist nowhere; with --dest, a
+    # shard by its bare name, not where it is.
+    folder, _ = shards
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    with open(folder / "sub" / "gnu.tar", "ab") as f:
+        f.write(b"\0" * 512)
+    (folder / "sub" / "pax.idx").unlink()
+    code, out, _ = run_cli(["verify", str(folder)], capsys)
+    assert code == 1, out
+    assert "sub/gnu.tar: sha256 does not match the manifest" in out.splitlines(), out
+    assert "sub/pax.tar: index sub/pax.idx is missing" in out.splitlines(), out
+    assert "sub-" not in out, out
+    meta = tmp_path / "meta"
+    assert run_cli(["index", str(folder), "--dest", str(meta), "-q"], capsys)[0] == 0
+    (folder / "sub" / "gnu.tar").unlink()
+    code, out, _ = run_cli(["verify", str(meta)], capsys)
+    assert code == 1 and f"{folder / 'sub' / 'gnu.tar'}: shard file is missing" in out.splitlines(), out

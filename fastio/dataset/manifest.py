@@ -117,7 +117,8 @@ class ShardRecord:
     per ~1 GB/s; ``fastio verify`` checks both."""
     location: str | None = checked(_location, default=None)
     """Where the tar is when not at ``shards/NAME`` (``fastio index``): relative to DEST (``/``-separated, no
-    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
+    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique); ``fastio verify`` names
+    the file by its location."""
     idx_location: str | None = checked(_location, default=None)
     """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
     tokens: int | None = checked(count, default=None)
