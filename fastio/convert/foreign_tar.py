@@ -4,8 +4,8 @@ checksums, the fields it holds (with counts) and what it leaves out, or a refusa
 What WebDataset accepts is accepted: members of a sample in any order, keys with folders (``a/b/c.jpg``: key
 ``a/b/c``), multi-dot names (``x.seg.png``: field ``seg.png``), GNU long names and pax headers (read by
 :mod:`tarfile`), samples lacking some fields, empty tars. Entries that are not regular files (folders, links)
-and hidden files are passed over as ``wds2idx`` does; members WebDataset cannot name (no extension) are left
-out and reported.
+and hidden files are passed over as ``wds2idx`` does; links (their samples come without that field) and members
+WebDataset cannot name (no extension) are reported.
 
 A member's field is its suffix lowercased, as WebDataset reads it (``a.JPG`` is field ``jpg``); the entries
 keep the suffix as written.
@@ -87,6 +87,18 @@ def _check_head(path: Path, name: str) -> None:
         raise DatasetError(f"{name}: not a tar (no tar header at byte 0: {err})") from None
 
 
+_LINKS = {tarfile.LNKTYPE: "a hard link to another member (its bytes are not stored under this name; WebDataset "
+                          "reads none for it)",
+          tarfile.SYMTYPE: "a symbolic link (its bytes are not stored in the tar; WebDataset reads none for it)"}
+"""Why a link member (passed over, as ``wds2idx`` and WebDataset do) is named in ``skipped``: the sample comes without
+that field (GNU tar stores a file hard-linked to one already archived as such a link)."""
+
+
+def _hidden(member: str) -> bool:
+    base = member[member.rfind("/") + 1:]
+    return not base or base.startswith(".")
+
+
 def _listed_member(info: tarfile.TarInfo, name: str, size: int) -> str | None:
     """The member's name when its ``.idx`` lists it (None: not a regular file, or hidden); DatasetError for a
     member that cannot be read at an offset (sparse, past the end of the file) or listed (spaces, non-ASCII)."""
@@ -99,8 +111,7 @@ def _listed_member(info: tarfile.TarInfo, name: str, size: int) -> str | None:
         raise DatasetError(f"{name}: truncated: member {info.name} needs bytes up to "
                            f"{info.offset_data + info.size}, the file has {size}")
     member = info.name
-    base = member[member.rfind("/") + 1:]
-    if not base or base.startswith("."):
+    if _hidden(member):
         return None  # hidden files, as wds2idx does
     if not member.isascii() or any(c.isspace() for c in member):
         raise DatasetError(f"{name}: member {member!r}: a name with spaces or non-ASCII characters "
@@ -122,6 +133,8 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
             for info in tar:
                 member = _listed_member(info, name, size)
                 if member is None:
+                    if info.type in _LINKS and not _hidden(info.name):
+                        out.skipped.append((info.name, _LINKS[info.type]))
                     continue
                 k, ext = split_member_name(member)
                 if not ext or not is_field_name(ext):
