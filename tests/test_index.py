@@ -743,3 +743,17 @@ def test_links_inside_a_tar_are_named_in_skipped(tmp_path, capsys):
     if WDS2IDX.exists():
         subprocess.run([str(WDS2IDX), str(x), str(tmp_path / "dali.idx")], check=True, capture_output=True)
         assert (tmp_path / "dali.idx").read_bytes() == (tmp_path / "wds" / "x.idx").read_bytes()
+
+
+def test_tars_joined_with_cat_are_refused_not_read_as_the_first(tmp_path, capsys):
+    # Found by review: `cat a.tar b.tar > ab.tar` makes a file whose second tar follows the first one's
+    # end-of-archive blocks; tarfile (so WebDataset) and GNU tar without -i stop there, and fastio index made a
+    # dataset of a.tar's samples alone, b.tar's left out unsaid.
+    a, b = _tar(tmp_path / "parts" / "a.tar", 2), _tar(tmp_path / "parts" / "b.tar", 3)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "x.tar").write_bytes(a + b)
+    _refused_unchanged(folder, capsys, f"data after its end-of-archive blocks (at byte {len(a)})",
+                       "tars joined with `cat`")
+    (folder / "x.tar").write_bytes(a + b"\0" * 4096)  # more zero padding is still a whole tar
+    assert run_cli(["index", str(folder / "x.tar"), "-q"], capsys)[0] == 0

@@ -14,8 +14,9 @@ Refused (:class:`~fastio.errors.DatasetError`, naming the file): a key that appe
 named), a field twice in one sample (``a.cls`` and ``a.CLS`` too), compressed tars (their members cannot be
 read at offsets), files that are not tars, end before their last member's data or lack the end-of-archive
 block after it (cut at a member boundary, which cannot be told from a tar written without those blocks: both
-refused), a damaged header after the first (:mod:`tarfile` would take it for the end), GNU sparse members
-(their bytes are not at one offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
+refused), hold data after those blocks (tars joined with ``cat``: readers stop at the first), a damaged header
+after the first (:mod:`tarfile` would take it for the end), GNU sparse members (their bytes are not at one
+offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
 
 The entries are those ``wds2idx`` writes (tar order, the data's offset), with one exception: for a member with
 a GNU long name, ``wds2idx`` records the offset of the long-name block (``tar --block-num``), not of the data;
@@ -191,8 +192,9 @@ def _not_a_label(head: bytes, size: int) -> str | None:
 
 
 def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) -> None:
-    """:mod:`tarfile` stops quietly at a damaged header or at the end of the file after a member; what follows
-    the last member must be tar's end-of-archive block (zeros), else samples would be left out unsaid."""
+    """:mod:`tarfile` stops quietly at a damaged header, at the end of the file after a member, or at the
+    end-of-archive blocks of the first of two tars joined; what follows the last member must be tar's end-of-archive
+    block, then only zeros, else samples would be left out unsaid."""
     after = f"after member {last}" if last else "at the start"
     if offset + 512 > size:
         raise DatasetError(f"{name}: truncated: the file ends at byte {size} {after}, without tar's "
@@ -201,6 +203,25 @@ def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) 
     with open(path, "rb") as f:
         f.seek(offset)
         block = f.read(512)
-    if block.count(0) != len(block):
-        raise DatasetError(f"{name}: damaged: no valid tar header at byte {offset} ({after}); "
-                           "the members after it cannot be found")
+        if block.count(0) != len(block):
+            raise DatasetError(f"{name}: damaged: no valid tar header at byte {offset} ({after}); "
+                               "the members after it cannot be found")
+        data = _first_data(f, offset + 512)
+    if data is not None:
+        raise DatasetError(f"{name}: holds data after its end-of-archive blocks (at byte {data}), where tar readers "
+                           "(WebDataset, tar without -i) stop: tars joined with `cat`? Its members there would be left "
+                           "out unsaid; write the members into one tar (or index the tars apart)")
+
+
+def _first_data(f, start: int) -> int | None:
+    """The offset (of its 512-byte block) of the first byte that is not zero from ``start`` to the end of ``f``, or
+    None: after a tar's end-of-archive blocks come only zeros (its padding to a 10 KiB record)."""
+    f.seek(start)
+    at = start
+    while chunk := f.read(1 << 20):
+        stripped = chunk.lstrip(b"\0")
+        if stripped:
+            first = at + len(chunk) - len(stripped)
+            return first - (first - start) % 512
+        at += len(chunk)
+    return None
