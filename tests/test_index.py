@@ -757,3 +757,21 @@ def test_tars_joined_with_cat_are_refused_not_read_as_the_first(tmp_path, capsys
                        "tars joined with `cat`")
     (folder / "x.tar").write_bytes(a + b"\0" * 4096)  # more zero padding is still a whole tar
     assert run_cli(["index", str(folder / "x.tar"), "-q"], capsys)[0] == 0
+
+
+def test_a_dest_that_is_the_source_folder_spelt_another_way_is_in_place(tmp_path, capsys, monkeypatch):
+    # Found by review: DEST was in place only when spelt as SOURCE's folder was: `fastio index wds/ --dest wds`,
+    # `--dest /abs/wds` from inside, or DEST through a link to the folder were refused as a folder that is "not
+    # fastio output", and with --overwrite indexed as another DEST (a shards/ folder and a .fastio-output marker
+    # among the user's tars, the shards named by absolute path).
+    _tar(tmp_path / "wds" / "x.tar")
+    (tmp_path / "link").symlink_to(tmp_path / "wds")
+    monkeypatch.chdir(tmp_path)
+    for source, dest in (("wds/", "wds"), ("wds", str(tmp_path / "wds")), ("wds", "link"), ("link/x.tar", "./wds")):
+        code, out, err = run_cli(["index", source, "--dest", dest, "--overwrite", "-q"], capsys)
+        assert code == 0, (source, dest, err)
+        assert sorted(p.name for p in (tmp_path / "wds").iterdir()) == [
+            ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
+        manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+        assert [s["location"] for s in manifest["shards"]] == ["x.tar"], (source, dest)
+        assert manifest["source"]["indexed_in_place"] is True

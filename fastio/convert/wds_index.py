@@ -315,7 +315,8 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
     """Where the index goes and whether that is in place; DatasetError for a DEST that cannot take it."""
     dest_storage = src_root if config.dest is None else open_storage(dest_location(config.dest),
                                                                        config.storage_options)
-    in_place = dest_storage.url == src_root.url
+    in_place = _same_place(dest_storage, src_root)
+    dest_storage = src_root if in_place else dest_storage  # DEST spelt another way (``wds/``, absolute, a link)
     refuse_a_datasets_shards(dest_storage)
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
@@ -329,6 +330,13 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
     return dest_storage, in_place
+
+
+def _same_place(a: Storage, b: Storage) -> bool:
+    """Whether two storages are one folder or prefix, however spelt (a local one by its resolved path)."""
+    if a.remote or b.remote:
+        return a.url == b.url
+    return os.path.realpath(a.location.path) == os.path.realpath(b.location.path)
 
 
 INDEX_PLAN = "fastio-index"
