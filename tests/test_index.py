@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -367,6 +368,28 @@ def test_expand_braces():
     assert expand_braces("s3://b/{a,b}-{8..10}.tar") == [
         "s3://b/a-8.tar", "s3://b/a-9.tar", "s3://b/a-10.tar", "s3://b/b-8.tar", "s3://b/b-9.tar", "s3://b/b-10.tar"]
     assert os.sep == "/"
+
+
+def test_expand_braces_as_webdataset_does(tmp_path, capsys):
+    # Found by review: nested braces listed a shard twice ('{a,{b,c}}.tar': a, b, a, c; then refused as named
+    # twice), letter and stepped ranges were taken as names ('{a..c}', '{0..8..2}': "no such shard"), and a
+    # group without a comma lost its braces ('{a}.tar' named a.tar); WebDataset (braceexpand) reads each as bash.
+    from braceexpand import braceexpand
+
+    from fastio.convert.listing import expand_braces
+    from fastio.errors import DatasetError
+
+    for pattern in ("{a,{b,c}}.tar", "d/{0..4..2}-{x..z}.tar", "{a}.tar", "x{}.tar", "{a,b{1..2},}c", "{0..10}",
+                    "{08..11}", "{000..9}", "{9..011}", "{3..1}", "{-1..1}", "{01..-1}", "{c..a}", "{Z..b..3}",
+                    "{,a}", "{a,}{{b}}", "s3://b/p/{00000..00002}.tar", "a{b}c{d,e}f"):
+        assert expand_braces(pattern) == list(braceexpand(pattern)), pattern
+    for pattern in ("{a,b", "a}b{", "{a,{b}"):
+        with pytest.raises(DatasetError, match=re.escape(f"{pattern}: unbalanced braces")):
+            expand_braces(pattern)
+    for name in "abc":
+        _tar(tmp_path / f"{name}.tar")
+    code, out, err = run_cli(["index", str(tmp_path / "{a,{b,c}}.tar")], capsys)
+    assert code == 0 and "3 shards" in out, err
 
 
 def test_listing_refusals_name_the_path_and_what_it_is(tmp_path, capsys):

@@ -1,15 +1,17 @@
 """What ``fastio index`` SOURCE names, in order: a folder (every ``*.tar`` below it, in sorted order; links to files
 followed, links to folders listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a
-brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; one or several local
-``.tar`` paths become one: :func:`paths_pattern`). A shard named twice, a compressed tar, a path that is no regular
-file: one :class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
+brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; several local paths become
+one: :func:`paths_pattern`), or one local ``.tar`` path. A shard named twice, a compressed tar, a path that is no
+regular file: one :class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
 
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import stat
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +25,9 @@ from fastio.storage.options import StorageOptions
 __all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "paths_pattern"]
 
 _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
-_BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
+_CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
+_LETTERS = string.ascii_uppercase + string.ascii_lowercase
 
 
 @dataclass
@@ -38,23 +41,59 @@ class ListedShard:
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """``{a,b}`` alternatives and ``{000..099}`` ranges (zero-padded like their bounds), as WebDataset does."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[:m.start()], m[1], pattern[m.end():]
-    r = _RANGE.match(body)
-    if r:
-        a, b = int(r[1]), int(r[2])
-        width = len(r[1]) if r[1].startswith("0") and len(r[1]) > 1 else 0
-        options = [str(i).zfill(width) for i in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
-    else:
-        options = body.split(",")
-    return [x for o in options for x in expand_braces(head + o + tail)]
+    """The paths a brace pattern names, as WebDataset's ``braceexpand`` (bash's rules) makes them: ``{a,b}``
+    alternatives (nested too), ``{000..099}`` ranges zero-padded like their bounds, letter ranges and steps
+    (``{a..e..2}``); a group that is neither (``{x}``) stays as written. DatasetError for unbalanced braces."""
+    parts: list[list[str]] = []
+    start = depth = 0
+    for pos, c in enumerate(pattern):
+        if c == "{":
+            if depth == 0:
+                parts.append([pattern[start:pos]])
+                start = pos
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth < 0:
+                break
+            if depth == 0:
+                body = pattern[start + 1:pos]
+                options = _brace_options(body)
+                parts.append(options if options is not None else ["{" + x + "}" for x in expand_braces(body)])
+                start = pos + 1
+    if depth:
+        raise DatasetError(f"{pattern}: unbalanced braces")
+    parts.append([pattern[start:]])
+    return ["".join(p) for p in itertools.product(*parts)]
+
+
+def _brace_options(body: str) -> list[str] | None:
+    """What one brace group ``{body}`` expands to: a range, or alternatives split at its own commas (each expanded);
+    None where it is neither (no comma outside nested groups)."""
+    if r := _INT_RANGE.match(body):
+        a, b, step = r[1], r[2], int(r[3] or 1) or 1
+        width = max(len(a), len(b)) if any(x.startswith(("0", "-0")) for x in (a, b) if x not in ("0", "-0")) else 0
+        i, j = int(a), int(b)
+        return [str(n).zfill(width) if n >= 0 else "-" + str(-n).zfill(width - 1)
+                for n in (range(i, j + 1, step) if i < j else range(i, j - 1, -step))]
+    if r := _CHAR_RANGE.match(body):
+        step = int(r[3] or 1) or 1
+        i, j = _LETTERS.index(r[1]), _LETTERS.index(r[2])
+        return list(_LETTERS[i:j + 1:step] if i < j else _LETTERS[i:(j - 1 if j else None):-step])
+    items, start, depth = [], 0, 0
+    for pos, c in enumerate(body):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            items.append(body[start:pos])
+            start = pos + 1
+    if not items:
+        return None
+    items.append(body[start:])
+    return [x for item in items for x in expand_braces(item)]
 
 
 def paths_pattern(paths: list[str]) -> str:
-    """The brace pattern naming one or several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
+    """The brace pattern naming several local ``.tar`` paths (``fastio index wds/*.tar``, a glob the shell
     expanded): ``COMMON/{a.tar,b/c.tar}``, with COMMON their deepest common folder (the default DEST).
     DatasetError naming a path that is not a local ``.tar`` file or that a brace pattern cannot hold."""
     for path in paths:
@@ -84,9 +123,15 @@ def list_shards(source: str, options: StorageOptions | dict | None
 def _pattern_listing(source: str, options) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
     prefix = source[:source.index("{")]
     folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    return _named_listing(folder, [p[len(folder) + 1:] if folder else p for p in expand_braces(source)], source,
+                          options)
+
+
+def _named_listing(folder: str, keys: list[str], source: str, options
+                   ) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
+    """The shards ``keys`` in ``folder`` (SOURCE's folder, the default DEST), which ``source`` names."""
     storage = open_storage(folder or ".", options)
-    shards = [ListedShard(display_of(storage, key), storage, key)
-              for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
+    shards = [ListedShard(display_of(storage, key), storage, key) for key in keys]
     listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
     for s in shards:
         _refuse_compressed(s.key, s.display)
@@ -106,7 +151,7 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
     if not storage.remote and not storage.location.path.is_dir():
         if storage.location.path.is_file():
             if source.lower().endswith(".tar"):  # a shell glob that matched one shard: as several paths are
-                return _pattern_listing(paths_pattern([source]), options)
+                return _named_listing(os.path.dirname(source), [os.path.basename(source)], source, options)
             raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
         if any(c in source for c in "*?["):
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
