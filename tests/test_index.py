@@ -798,3 +798,19 @@ def test_a_dest_that_is_the_source_folder_spelt_another_way_is_in_place(tmp_path
         manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
         assert [s["location"] for s in manifest["shards"]] == ["x.tar"], (source, dest)
         assert manifest["source"]["indexed_in_place"] is True
+
+
+def test_an_index_again_into_its_dest_takes_the_idx_of_a_shard_gone_away(tmp_path, capsys):
+    # Found by review: `fastio index SRC --dest D --overwrite` after a shard left SRC published a manifest without
+    # it but left its D/shards/NAME.idx, and `fastio verify D` then failed ('file is not listed in the manifest').
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+    (tmp_path / "src" / "x1.tar").unlink()
+    (dest / "shards" / "notes.txt").write_text("someone's file")  # not fastio's: left alone
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["notes.txt", "x0.idx", "x2.idx"]
+    (dest / "shards" / "notes.txt").unlink()
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err

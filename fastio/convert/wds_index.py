@@ -279,6 +279,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     try:
         if lock is not None:
             lock.acquire()
+        earlier = set() if in_place or part is not None else _recorded_idx(dest_storage)
         if not in_place:
             mark_index_dest(dest_storage)
         if part is not None:
@@ -300,6 +301,8 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
                 guard()
                 _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
                         Path(tmp))
+                for key in sorted(earlier - {r.idx_key for r in done.records}):
+                    dest_storage.delete(key)
     except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
@@ -505,6 +508,19 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
+
+
+def _recorded_idx(dest: Storage) -> set[str]:
+    """The ``.idx`` files in ``DEST/shards/`` that DEST's manifest (an earlier index's, replaced with overwrite)
+    lists: fastio's own, removed once the new manifest no longer lists them (a shard gone from SOURCE), else
+    ``fastio verify`` would name each as a file the manifest does not list. Empty without a readable manifest."""
+    if not dest.exists(MANIFEST_NAME):
+        return set()
+    try:
+        shards = json.loads(dest.get(MANIFEST_NAME))["shards"]
+        return {ShardRecord.from_dict(s, MANIFEST_NAME).idx_key for s in shards if s.get("idx_location") is None}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
+        return set()
 
 
 def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
