@@ -290,6 +290,20 @@ def test_index_on_s3_in_place_and_with_dest(aws_env, s3_bucket, shards, tmp_path
     assert code == 0, err
     assert ro.exists("manifest.json") and ro.exists("sub/gnu.idx")
     _read_all(f"s3://{s3_bucket}/ro", expected, cache_dir=tmp_path / "c2")
+    # on S3 too: another tool's manifest.json is never replaced; an index again into its DEST takes the .idx of a
+    # shard gone from SOURCE
+    other = open_storage(f"s3://{s3_bucket}/other")
+    other.put_bytes("manifest.json", b"[1, 2]")
+    code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", other.url, "--overwrite", "-q"], capsys)
+    assert code == 2 and f"{other.url}/manifest.json: not a fastio manifest" in err, err
+    assert other.get("manifest.json") == b"[1, 2]" and [o.key for o in other.list()] == ["manifest.json"]
+    ro.delete("wds-000001.tar")
+    code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", f"s3://{s3_bucket}/meta", "--overwrite",
+                            "-q"], capsys)
+    assert code == 0, err
+    meta = open_storage(f"s3://{s3_bucket}/meta")
+    assert meta.exists("shards/wds-000000.idx") and not meta.exists("shards/wds-000001.idx")
+    assert run_cli(["verify", meta.url], capsys)[0] == 0
 
 
 def test_exact_resume_over_indexed_shards(shards, capsys):
