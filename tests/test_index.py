@@ -828,3 +828,16 @@ def test_an_index_again_into_its_dest_takes_the_idx_of_a_shard_gone_away(tmp_pat
     (dest / "shards" / "notes.txt").unlink()
     code, out, err = run_cli(["verify", str(dest)], capsys)
     assert code == 0, out + err
+
+
+def test_a_brace_in_a_name_that_expands_to_nothing_else_is_a_name(tmp_path, capsys):
+    # Found by review: any '{' made SOURCE a brace pattern, so a folder named 'b{x}' was refused as 'a folder, not
+    # a tar file', and 'b{x}/0.tar' was indexed into b{x}'s parent (the folder before the brace), its manifest there.
+    for name in ("b{x}", "c{"):
+        _tar(tmp_path / name / "0.tar")
+        for source in (tmp_path / name, tmp_path / name / "0.tar"):
+            code, out, err = run_cli(["index", str(source), "--overwrite", "-q"], capsys)
+            assert code == 0, err
+            assert (tmp_path / name / "manifest.json").is_file() and not (tmp_path / "manifest.json").exists()
+    code, _, err = run_cli(["index", str(tmp_path / "d{0..1")], capsys)
+    assert code == 2 and f"{tmp_path / 'd{0..1'}: unbalanced braces" in err, err

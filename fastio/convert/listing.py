@@ -115,9 +115,22 @@ def list_shards(source: str, options: StorageOptions | dict | None
                 ) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
     """The storage of SOURCE's folder (the default DEST), the shards SOURCE names, in order, and what a folder's
     listing passed over with reasons (``skipped``). A shard named twice is refused."""
-    storage, shards, skipped = (_pattern_listing if "{" in source else _folder_listing)(source, options)
+    storage, shards, skipped = (_pattern_listing if _is_pattern(source) else _folder_listing)(source, options)
     _refuse_repeats(shards)
     return storage, shards, skipped
+
+
+def _is_pattern(source: str) -> bool:
+    """Whether SOURCE is a brace pattern: a brace that expands to nothing else (``b{x}``), or an unbalanced one in
+    the name of a local file or folder, is part of a name."""
+    if "{" not in source:
+        return False
+    try:
+        return expand_braces(source) != [source]
+    except DatasetError:
+        if "://" not in source and os.path.lexists(source):
+            return False
+        raise
 
 
 def _pattern_listing(source: str, options) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
