@@ -841,3 +841,21 @@ def test_a_brace_in_a_name_that_expands_to_nothing_else_is_a_name(tmp_path, caps
             assert (tmp_path / name / "manifest.json").is_file() and not (tmp_path / "manifest.json").exists()
     code, _, err = run_cli(["index", str(tmp_path / "d{0..1")], capsys)
     assert code == 2 and f"{tmp_path / 'd{0..1'}: unbalanced braces" in err, err
+
+
+def test_a_merge_again_takes_the_idx_of_a_shard_gone_away(tmp_path, capsys):
+    # Found by review: as one run did, `fastio index --part K/N` then `fastio merge --overwrite` after a shard
+    # left SOURCE left its DEST/shards/NAME.idx, and `fastio verify` failed ('file is not listed in the manifest').
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    for again in ([], ["--overwrite"]):
+        for k in range(2):
+            assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", f"{k}/2", "-q", *again],
+                           capsys)[0] == 0
+        code, _, err = run_cli(["merge", str(dest), "-q", *again], capsys)
+        assert code == 0, err
+        (tmp_path / "src" / "x2.tar").unlink(missing_ok=True)
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x1.idx"]
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err

@@ -279,7 +279,6 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     try:
         if lock is not None:
             lock.acquire()
-        earlier = set() if in_place or part is not None else _recorded_idx(dest_storage)
         if not in_place:
             mark_index_dest(dest_storage)
         if part is not None:
@@ -301,8 +300,6 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
                 guard()
                 _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
                         Path(tmp))
-                for key in sorted(earlier - {r.idx_key for r in done.records}):
-                    dest_storage.delete(key)
     except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
@@ -434,7 +431,10 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
 
 def _finish(name: str, source: str, label_field: str | None, image_field: str | None, in_place: bool,
             done: _Indexed, dest: Storage, tmp: Path) -> Manifest:
-    """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST; returns the manifest."""
+    """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST, then remove the ``.idx`` files in
+    ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`_recorded_idx`); returns the
+    manifest."""
+    earlier = set() if in_place else _recorded_idx(dest)
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
@@ -453,6 +453,8 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    for key in sorted(earlier - {r.idx_key for r in done.records}):
+        dest.delete(key)
     return manifest
 
 
