@@ -859,3 +859,29 @@ def test_a_merge_again_takes_the_idx_of_a_shard_gone_away(tmp_path, capsys):
     assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x1.idx"]
     code, out, err = run_cli(["verify", str(dest)], capsys)
     assert code == 0, out + err
+
+
+def test_a_users_folder_named_shards_is_indexed(shards, tmp_path, capsys):
+    # Found by review: a folder SOURCE's shards/ was never entered (meant for a fastio dataset's own), so
+    # `fastio index data` with the user's tars in data/shards/ said 'holds no .tar files', and with one more tar
+    # beside it indexed that one alone, data/shards/ left out unsaid; then `fastio index data/shards` was refused
+    # as 'the shards/ folder of the dataset data' (the index in place, whose files lie beside its tars).
+    data = tmp_path / "data"
+    _tar(data / "shards" / "a.tar")
+    _tar(data / "more" / "b.tar", 2)
+    code, out, err = run_cli(["index", str(data)], capsys)
+    assert code == 0 and "2 shards, 5 samples" in out, err
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert [s["location"] for s in manifest["shards"]] == ["more/b.tar", "shards/a.tar"]
+    assert run_cli(["verify", str(data)], capsys)[0] == 0
+    code, out, err = run_cli(["index", str(data / "shards"), "-q"], capsys)
+    assert code == 0, err
+    # a fastio dataset's own shards/ (made with --dest: its .idx files, here a tar put there) is still not entered
+    folder, _ = shards
+    ds = tmp_path / "ds"
+    assert run_cli(["index", str(folder), "--dest", str(ds), "-q"], capsys)[0] == 0
+    _tar(ds / "shards" / "stray.tar")
+    code, _, err = run_cli(["index", str(ds / "shards")], capsys)
+    assert code == 2 and f"{ds / 'shards'}: the shards/ folder of the dataset {ds}" in err, err
+    code, _, err = run_cli(["index", str(ds), "--dest", str(tmp_path / "again")], capsys)
+    assert code == 2 and "holds no .tar files" in err, err

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fastio.convert.listing import display_of
+from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
 from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
 from fastio.dataset.sample_table import INDEX_NAME
@@ -229,13 +229,14 @@ def lock_parts(dest: Path) -> list[DirLock]:
 
 def refuse_a_datasets_shards(dest: Storage) -> None:
     """DatasetError where a local DEST of ``fastio index`` is the ``shards/`` folder of a dataset (beside its
-    manifest): the index would put its own manifest and tables among that dataset's files, and ``fastio verify`` of
-    it would then fail. Whatever ``overwrite`` says: it is another dataset's folder."""
+    manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own manifest and tables among
+    that dataset's files, and ``fastio verify`` of it would then fail. Whatever ``overwrite`` says: it is another
+    dataset's folder."""
     if dest.remote:
         return
     path = dest.location.path
     real = Path(os.path.realpath(path))
-    if real.name == SHARDS_DIR and (real.parent / MANIFEST_NAME).is_file():
+    if real.name == SHARDS_DIR and owns_shards_dir(open_storage(real.parent)):
         raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")

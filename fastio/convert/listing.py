@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import re
 import stat
@@ -16,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
-from fastio.dataset.manifest import SHARDS_DIR
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
 from fastio.errors import DatasetError
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
 
-__all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "paths_pattern"]
+__all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "owns_shards_dir", "paths_pattern"]
 
 _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
@@ -169,15 +170,16 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
         if any(c in source for c in "*?["):
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
+    own = owns_shards_dir(storage)
     if storage.remote:
-        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
+        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key, own)], []
         if not found and any(c in source for c in "*?["):
             raise DatasetError(glob)
         if not found and source.endswith(".tar"):
             raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
                                "pattern")
     else:
-        found, skipped = _walk_local(storage.location.path)
+        found, skipped = _walk_local(storage.location.path, own)
     shards = []
     for key, size in found:
         s = ListedShard(display_of(storage, key), storage, key, size)
@@ -200,12 +202,30 @@ def _no_tars(source: str, keys: list[str]) -> DatasetError:
     return DatasetError(f"{source}: holds no .tar files")
 
 
-def _listed(key: str) -> bool:
-    """Whether a folder's listing looks at ``key``: not hidden, not in fastio's own ``shards/``."""
-    return not any(p.startswith(".") for p in key.split("/")) and key.split("/")[0] != SHARDS_DIR
+def owns_shards_dir(folder: Storage) -> bool:
+    """Whether ``folder``'s ``shards/`` is a fastio dataset's own (its shards, or the ``.idx`` files of an index with
+    ``--dest``), finished or not: ``folder`` holds fastio's marker, or a fastio manifest that is not of an index in
+    place (whose files lie beside the tars, never in ``shards/``). A user's folder named ``shards`` is not."""
+    if folder.exists(MARKER_NAME):
+        return True
+    if not folder.exists(MANIFEST_NAME):
+        return False
+    try:
+        manifest = json.loads(folder.get(MANIFEST_NAME))
+    except (OSError, ValueError):
+        return False
+    source = manifest.get("source") if isinstance(manifest, dict) else None
+    return (isinstance(manifest, dict) and manifest.get("format") == FORMAT
+            and not (isinstance(source, dict) and source.get("indexed_in_place") is True))
 
 
-def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
+def _listed(key: str, own_shards: bool) -> bool:
+    """Whether a folder's listing looks at ``key``: not hidden, not in a fastio dataset's own ``shards/``
+    (``own_shards``: :func:`owns_shards_dir` of the folder listed)."""
+    return not any(p.startswith(".") for p in key.split("/")) and not (own_shards and key.split("/")[0] == SHARDS_DIR)
+
+
+def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
     """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
     it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
     are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
@@ -216,7 +236,7 @@ def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str
     def visit(folder: str, prefix: str) -> None:
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             key, display = prefix + entry.name, os.path.abspath(entry.path)
-            if not _listed(key):
+            if not _listed(key, own_shards):
                 continue
             if key.endswith(".tar"):
                 found.append((key, _local_tar(display)))

@@ -290,7 +290,8 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     and its shards are where the manifest says (``shards/``, or where ``fastio index`` found them)."""
     manifest = load_manifest(root)
     local = LocalFiles(root) if fetch is None else None
-    _stray_files(root, prefix, manifest.shards, listed_files, report)
+    if not (manifest.converted_from or {}).get("indexed_in_place"):  # in place, shards/ is the user's, not fastio's
+        _stray_files(root, prefix, manifest.shards, listed_files, report)
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
     starts = _starts_table(root, prefix, manifest, report)
     for shard in _each_shard(manifest.shards, fetch):
