@@ -156,10 +156,7 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
                                        " (fields are suffixes lowercased, as WebDataset reads them)")
                 members.append((ext, info.offset_data, info.size))
                 if f in label_fields and f not in out.bad_labels:
-                    data.seek(info.offset_data)
-                    reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
-                    if reason:
-                        out.bad_labels[f] = f"sample {k!r}: {reason}"
+                    _check_label(out, f, k, data, info)
                 member_names.append(member)
             _check_end(path, name, tar.offset, size, tar.members[-1].name if tar.members else None)
     except tarfile.ReadError as err:
@@ -180,6 +177,15 @@ def as_fields(entries: list[IndexEntry]) -> list[IndexEntry]:
     the suffixes as written (byte-equal to ``wds2idx``)."""
     return [e if all(x == field_of(x) for x, _, _ in e.members)
             else IndexEntry(e.key, tuple((field_of(x), o, n) for x, o, n in e.members)) for e in entries]
+
+
+def _check_label(out: TarContents, field: str, key: str, data, info: tarfile.TarInfo) -> None:
+    """Record in ``out.bad_labels`` why the value of label field ``field`` (member ``info`` of the open tar
+    ``data``) of sample ``key`` is not a label, if it is not."""
+    data.seek(info.offset_data)
+    reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
+    if reason:
+        out.bad_labels[field] = f"sample {key!r}: {reason}"
 
 
 def _not_a_label(head: bytes, size: int) -> str | None:

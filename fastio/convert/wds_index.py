@@ -520,7 +520,8 @@ def _recorded_idx(dest: Storage) -> set[str]:
         return set()
     try:
         shards = json.loads(dest.get(MANIFEST_NAME))["shards"]
-        return {ShardRecord.from_dict(s, MANIFEST_NAME).idx_key for s in shards if s.get("idx_location") is None}
+        records = [ShardRecord.from_dict(s, MANIFEST_NAME) for s in shards]
+        return {r.idx_key for r in records if r.idx_location is None}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
         return set()
 
