@@ -54,6 +54,9 @@ def test_a_loader_given_a_webdataset_shard_spec_names_fastio_index(shards, capsy
     assert code == 2 and f"`fastio index '{spec}'`" in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(DatasetError, match=r"no such dataset directory"):
         Dataset(shards / "none" / "x{1,2}")
+    assert run_cli(["index", str(shards), "-q"], capsys)[0] == 0
+    with pytest.raises(DatasetError, match=rf"^{re.escape(spec)}: .*: their folder {shards} is one; give it$"):
+        Dataset(spec)
 
 
 def test_a_shard_inside_a_dataset_names_the_dataset(image_dataset):

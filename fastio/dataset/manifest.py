@@ -633,6 +633,8 @@ def _shard_pattern(dest: Path) -> DatasetError | None:
     if at < 0 or not text.lower().endswith(".tar"):
         return None
     folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
+    if (Path(folder) / MANIFEST_NAME).is_file():
+        return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
     command = f"fastio index '{text}'" if "{" in text else f"fastio index {folder}"  # fastio expands no globs
     return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: a dataset is a folder; make its shards one "
                         f"with `{command}`, then give {folder}")
