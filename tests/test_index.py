@@ -406,6 +406,22 @@ def test_expand_braces_as_webdataset_does(tmp_path, capsys):
     assert code == 0 and "3 shards" in out, err
 
 
+
+def test_a_brace_range_too_large_is_refused_before_it_is_expanded(tmp_path, capsys):
+    # Found by review: expand_braces made every name before any was looked at, so a range typed with a digit
+    # too many ('{0..9999999999}.tar') or two ranges multiplied held the index in a loop filling memory.
+    from fastio.convert.listing import MAX_PATTERN_NAMES, expand_braces
+    from fastio.errors import DatasetError
+
+    for pattern, names in (("d/{0..9999999999}.tar", 10**10), ("{0..99999}-{0..99999}.tar", 10**10),
+                           ("{a,b}{0..99999999..2}", 5 * 10**7)):
+        with pytest.raises(DatasetError, match=re.escape(f"{pattern}: names {names:,} shards, more than fastio "
+                                                         f"lists ({MAX_PATTERN_NAMES:,})")):
+            expand_braces(pattern)
+    code, _, err = run_cli(["index", str(tmp_path / "{0..9999999999}.tar")], capsys)
+    assert code == 2 and "more than fastio lists" in err, err
+
+
 def test_listing_refusals_name_the_path_and_what_it_is(tmp_path, capsys):
     """A *.tar that is a broken link (a missing mount), a device, a FIFO or a folder; a shard named twice; a
     glob; a DEST under a file; an .idx place taken by a folder: one line each, nothing half-written left."""

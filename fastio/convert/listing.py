@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import math
 import os
 import re
 import stat
@@ -23,7 +24,8 @@ from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
 
-__all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "owns_shards_dir", "paths_pattern"]
+__all__ = ["MAX_PATTERN_NAMES", "ListedShard", "display_of", "expand_braces", "list_shards", "owns_shards_dir",
+           "paths_pattern"]
 
 _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
@@ -41,10 +43,28 @@ class ListedShard:
     size: int | None = None
 
 
+MAX_PATTERN_NAMES = 10_000_000
+"""The most paths a brace pattern may name: more is a typo (a range with a digit too many), refused before any name
+is made (they would fill memory)."""
+
+
+class _TooMany(Exception):
+    """A brace pattern names ``args[0]`` paths, more than :data:`MAX_PATTERN_NAMES`."""
+
+
 def expand_braces(pattern: str) -> list[str]:
     """The paths a brace pattern names, as WebDataset's ``braceexpand`` (bash's rules) makes them: ``{a,b}``
     alternatives (nested too), ``{000..099}`` ranges zero-padded like their bounds, letter ranges and steps
-    (``{a..e..2}``); a group that is neither (``{x}``) stays as written. DatasetError for unbalanced braces."""
+    (``{a..e..2}``); a group that is neither (``{x}``) stays as written. DatasetError for unbalanced braces and for
+    more than :data:`MAX_PATTERN_NAMES` paths (counted before they are made)."""
+    try:
+        return _expand(pattern)
+    except _TooMany as err:
+        raise DatasetError(f"{pattern}: names {err.args[0]:,} shards, more than fastio lists "
+                           f"({MAX_PATTERN_NAMES:,}): a range with a digit too many?") from None
+
+
+def _expand(pattern: str) -> list[str]:
     parts: list[list[str]] = []
     start = depth = 0
     for pos, c in enumerate(pattern):
@@ -60,21 +80,25 @@ def expand_braces(pattern: str) -> list[str]:
             if depth == 0:
                 body = pattern[start + 1:pos]
                 options = _brace_options(body)
-                parts.append(options if options is not None else ["{" + x + "}" for x in expand_braces(body)])
+                parts.append(options if options is not None else ["{" + x + "}" for x in _expand(body)])
                 start = pos + 1
     if depth:
         raise DatasetError(f"{pattern}: unbalanced braces")
     parts.append([pattern[start:]])
+    if (total := math.prod(len(p) for p in parts)) > MAX_PATTERN_NAMES:
+        raise _TooMany(total)
     return ["".join(p) for p in itertools.product(*parts)]
 
 
 def _brace_options(body: str) -> list[str] | None:
     """What one brace group ``{body}`` expands to: a range, or alternatives split at its own commas (each expanded);
-    None where it is neither (no comma outside nested groups)."""
+    None where it is neither (no comma outside nested groups). _TooMany before a range too long is made."""
     if r := _INT_RANGE.match(body):
         a, b, step = r[1], r[2], int(r[3] or 1) or 1
         width = max(len(a), len(b)) if any(x.startswith(("0", "-0")) for x in (a, b) if x not in ("0", "-0")) else 0
         i, j = int(a), int(b)
+        if (n := abs(j - i) // step + 1) > MAX_PATTERN_NAMES:
+            raise _TooMany(n)
         return [str(n).zfill(width) if n >= 0 else "-" + str(-n).zfill(width - 1)
                 for n in (range(i, j + 1, step) if i < j else range(i, j - 1, -step))]
     if r := _CHAR_RANGE.match(body):
@@ -90,7 +114,10 @@ def _brace_options(body: str) -> list[str] | None:
     if not items:
         return None
     items.append(body[start:])
-    return [x for item in items for x in expand_braces(item)]
+    out = [x for item in items for x in _expand(item)]
+    if len(out) > MAX_PATTERN_NAMES:
+        raise _TooMany(len(out))
+    return out
 
 
 def paths_pattern(paths: list[str]) -> str:
