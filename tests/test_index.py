@@ -901,3 +901,13 @@ def test_a_users_folder_named_shards_is_indexed(shards, tmp_path, capsys):
     assert code == 2 and f"{ds / 'shards'}: the shards/ folder of the dataset {ds}" in err, err
     code, _, err = run_cli(["index", str(ds), "--dest", str(tmp_path / "again")], capsys)
     assert code == 2 and "holds no .tar files" in err, err
+
+
+def test_a_label_field_some_samples_lack_names_the_first_of_them(tmp_path, capsys):
+    # Found by review: `--label-field cls` where one sample of 50 lacked it said only 'label_field: 1 of 50 samples
+    # lacks field 'cls'', naming no shard nor sample to look at.
+    members = [(f"s{i}.{ext}", data) for i in range(50) for ext, data in (("jpg", b"x"), ("cls", b"%d" % (i % 3)))
+               if not (i == 37 and ext == "cls")]
+    _small_tar(tmp_path / "wds" / "sub" / "x.tar", members)
+    _refused(capsys, tmp_path / "wds", "--label-field: 1 of 50 samples lacks field 'cls' (the first: shard sub/x.tar key "
+                                      "'s37')", "--label-field", "cls")

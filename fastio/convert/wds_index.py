@@ -475,7 +475,7 @@ def _fields_of(source: str, label_field: str | None, image_field: str | None, do
         raise DatasetError(f"{source}: no samples in any shard (all empty)")
     fields = sorted(done.field_counts)
     total = sum(r.samples for r in done.records)
-    label = _label_field(label_field, done.field_counts, total, fields)
+    label = _label_field(label_field, done.field_counts, total, fields, lambda f: _first_without(done, f))
     if label is not None:
         _check_labels(label, done)
     image_fields = sorted(f for f in fields if is_image_field(f))
@@ -547,16 +547,26 @@ def _first_difference(old: bytes, new: bytes) -> str:
     return f"{count(len(a), 'line')}, fastio makes {len(b)}"
 
 
-def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str]) -> str | None:
+def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str],
+                 first_without: Callable[[str], str]) -> str | None:
     if wanted is not None:
         if wanted not in counts:
             raise DatasetError(f"label_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         if counts[wanted] != total:
             lacking = total - counts[wanted]
             raise DatasetError(f"label_field: {lacking} of {count(total, 'sample')} "
-                               f"{agree(lacking, 'lacks', 'lack')} field {wanted!r}")
+                               f"{agree(lacking, 'lacks', 'lack')} field {wanted!r} (the first: {first_without(wanted)})")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _first_without(done: _Indexed, field: str) -> str:
+    """``shard NAME key 'KEY'`` of the first sample without ``field`` (a shard by where it is: its location)."""
+    for record, entries in zip(done.records, done.entries):
+        for entry in entries:
+            if all(field_of(ext) != field for ext, _, _ in entry.members):
+                return f"shard {record.location or record.name} key {entry.key!r}"
+    return "none"
 
 
 def _check_labels(label: str, done: _Indexed) -> None:
