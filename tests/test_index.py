@@ -911,3 +911,19 @@ def test_a_label_field_some_samples_lack_names_the_first_of_them(tmp_path, capsy
     _small_tar(tmp_path / "wds" / "sub" / "x.tar", members)
     _refused(capsys, tmp_path / "wds", "--label-field: 1 of 50 samples lacks field 'cls' (the first: shard sub/x.tar key "
                                       "'s37')", "--label-field", "cls")
+
+
+def test_a_label_field_one_sample_lacks_is_said_not_dropped_unsaid(tmp_path, capsys):
+    # Found by review: with `cls` in 49 of 50 samples the index took no label field (the rule: one every sample
+    # has) and said nothing; the Loader then gave batches without labels, far from the cause.
+    members = [(f"s{i}.{ext}", data) for i in range(50) for ext, data in (("jpg", b"x"), ("cls", b"%d" % (i % 3)))
+               if not (i == 37 and ext == "cls")]
+    _small_tar(tmp_path / "wds" / "x.tar", members)
+    code, out, err = run_cli(["index", str(tmp_path / "wds")], capsys)
+    assert code == 0, err
+    assert out.splitlines()[1] == ("  no label field: cls is in 49 of 50 samples (the first without it: shard x.tar "
+                                   "key 's37'); a label field is one every sample has"), out
+    assert json.loads((tmp_path / "wds" / "manifest.json").read_text())["label_field"] is None
+    _tar(tmp_path / "ok" / "x.tar")
+    code, out, err = run_cli(["index", str(tmp_path / "ok")], capsys)
+    assert code == 0 and len(out.splitlines()) == 1, out

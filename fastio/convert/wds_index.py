@@ -153,12 +153,15 @@ class IndexResult:
     written_idx: int
     """``.idx`` files written (the others existed and matched)."""
     skipped: list[dict[str, str]] = field(default_factory=list)
+    label_note: str | None = None
+    """Why no label field was taken although ``cls`` or ``label`` is in some samples (:func:`_label_note`)."""
 
     def summary(self) -> str:
         s = max(self.seconds, 1e-9)
         return (f"indexed {count(self.shards, 'shard')}, {count(self.samples, 'sample')} ({human_bytes(self.bytes)}) "
                 f"in {self.seconds:.1f}s ({self.shards / s:.1f} shards/s, {self.bytes / s / 1e6:.1f} MB/s) -> "
                 f"{self.dest}; {self.written_idx} .idx written, {len(self.skipped)} skipped"
+                + (f"\n  {self.label_note}" if self.label_note else "")
                 + skipped_lines(self.skipped, f"fastio inspect {self.dest} --skipped"))
 
 
@@ -308,7 +311,8 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     return IndexResult(dest=dest_storage.url if dest_storage.remote else dest_storage.location.path,
                        shards=len(done.records), samples=sum(r.samples for r in done.records),
                        bytes=sum(r.bytes for r in done.records), seconds=time.perf_counter() - started,
-                       written_idx=done.written, skipped=done.skipped)
+                       written_idx=done.written, skipped=done.skipped,
+                       label_note=_label_note(done) if part is None and config.label_field is None else None)
 
 
 def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard]) -> tuple[Storage, bool]:
@@ -558,6 +562,20 @@ def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[s
                                f"{agree(lacking, 'lacks', 'lack')} field {wanted!r} (the first: {first_without(wanted)})")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _label_note(done: _Indexed) -> str | None:
+    """A line for the summary where no label field was taken but ``cls`` or ``label`` is in some samples (a label
+    field is one every sample has): else the Loader gives batches without labels, and nothing says why."""
+    total = sum(r.samples for r in done.records)
+    counts = done.field_counts
+    if total == 0 or any(counts.get(f) == total for f in LABEL_FIELDS):
+        return None
+    f = next((f for f in LABEL_FIELDS if counts.get(f)), None)
+    if f is None:
+        return None
+    return (f"no label field: {f} is in {counts[f]} of {count(total, 'sample')} (the first without it: "
+            f"{_first_without(done, f)}); a label field is one every sample has")
 
 
 def _first_without(done: _Indexed, field: str) -> str:
