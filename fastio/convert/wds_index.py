@@ -308,11 +308,15 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     finally:
         if lock is not None:
             lock.release()
-    return IndexResult(dest=dest_storage.url if dest_storage.remote else dest_storage.location.path,
-                       shards=len(done.records), samples=sum(r.samples for r in done.records),
-                       bytes=sum(r.bytes for r in done.records), seconds=time.perf_counter() - started,
-                       written_idx=done.written, skipped=done.skipped,
-                       label_note=_label_note(done) if part is None and config.label_field is None else None)
+    return _result(dest_storage, done, started, _label_note(done) if part is None and config.label_field is None
+                   else None)
+
+
+def _result(dest: Storage, done: _Indexed, started: float, label_note: str | None) -> IndexResult:
+    return IndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(done.records),
+                       samples=sum(r.samples for r in done.records), bytes=sum(r.bytes for r in done.records),
+                       seconds=time.perf_counter() - started, written_idx=done.written, skipped=done.skipped,
+                       label_note=label_note)
 
 
 def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard]) -> tuple[Storage, bool]:
