@@ -927,3 +927,17 @@ def test_a_label_field_one_sample_lacks_is_said_not_dropped_unsaid(tmp_path, cap
     _tar(tmp_path / "ok" / "x.tar")
     code, out, err = run_cli(["index", str(tmp_path / "ok")], capsys)
     assert code == 0 and len(out.splitlines()) == 1, out
+
+
+def test_an_index_in_place_never_replaces_a_converted_datasets_manifest(image_dataset, capsys):
+    # Found by review: tars put in a converted dataset's folder (ds/extra/x.tar) and `fastio index ds --overwrite`
+    # replaced that dataset's manifest (its label map, its shards in shards/) with an index of the extra tars.
+    _tar(image_dataset / "extra" / "x.tar")
+    before = (image_dataset / "manifest.json").read_bytes()
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(image_dataset), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{image_dataset / 'manifest.json'}: the manifest of a dataset fastio index did not make" in err, err
+        assert "--dest" in err and "--overwrite" not in err, err
+    assert (image_dataset / "manifest.json").read_bytes() == before
+    assert not (image_dataset / "extra" / "x.idx").exists()

@@ -244,19 +244,24 @@ def refuse_a_datasets_shards(dest: Storage) -> None:
 
 def refuse_a_foreign_manifest(dest: Storage) -> None:
     """DatasetError where DEST of ``fastio index`` (SOURCE's folder by default) holds a ``manifest.json`` that is not
-    a fastio manifest (another tool's, the user's own): it would be replaced by fastio's, and it may be the only
-    copy. Whatever ``overwrite`` says: overwrite re-indexes fastio's own dataset, it deletes nobody else's file."""
+    the manifest of an index of WebDataset shards: another tool's or the user's own (maybe the only copy), or that of
+    a dataset ``fastio convert`` made (its label map, its shards in ``shards/``). Either would be replaced by the
+    index's. Whatever ``overwrite`` says: overwrite re-indexes an index, it replaces no other dataset or file."""
     if not dest.exists(MANIFEST_NAME):
         return
     where = display_of(dest, MANIFEST_NAME)
     try:
-        data = dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME).read_bytes()
-        ours = json.loads(data).get("format") == FORMAT
+        manifest = json.loads(dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME)
+                              .read_bytes())
+        ours, source = manifest.get("format") == FORMAT, manifest.get("source")
     except (OSError, ValueError, AttributeError):  # a folder of that name, not JSON, not a JSON object
-        ours = False
+        ours, source = False, None
     if not ours:
         raise DatasetError(f"{where}: not a fastio manifest, and fastio index writes its manifest.json there; it is "
                            "left as it is: move it away, or index into another folder (--dest)")
+    if not (isinstance(source, dict) and "indexed_in_place" in source):  # what only fastio index records
+        raise DatasetError(f"{where}: the manifest of a dataset fastio index did not make (a conversion's); that "
+                           "dataset is left as it is: index these shards into another folder (--dest)")
 
 
 def check_index_dest(dest: Storage, overwrite: bool) -> None:
