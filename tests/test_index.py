@@ -941,3 +941,18 @@ def test_an_index_in_place_never_replaces_a_converted_datasets_manifest(image_da
         assert "--dest" in err and "--overwrite" not in err, err
     assert (image_dataset / "manifest.json").read_bytes() == before
     assert not (image_dataset / "extra" / "x.idx").exists()
+
+
+def test_a_shard_named_in_capitals_is_indexed(tmp_path, capsys):
+    # Found by review: `fastio index wds/A.TAR wds/b.tar` (or the brace pattern naming them) wrote the .idx files,
+    # then died with a raw ValueError from the manifest ('A.TAR' is not a shard file name); the folder's walk
+    # passed A.TAR over without a word (only *.tar in lower case), indexing b.tar alone.
+    _tar(tmp_path / "wds" / "A.TAR")
+    _tar(tmp_path / "wds" / "b.tar", 2)
+    for source in ([str(tmp_path / "wds" / "A.TAR"), str(tmp_path / "wds" / "b.tar")], [str(tmp_path / "wds")]):
+        code, out, err = run_cli(["index", *source, "--overwrite", "-q"], capsys)
+        assert code == 0 and "Traceback" not in err, err
+        manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+        assert [(s["name"], s["location"], s["samples"]) for s in manifest["shards"]] == [
+            ("A.tar", "A.TAR", 3), ("b.tar", "b.tar", 2)], manifest["shards"]
+        assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0

@@ -211,7 +211,7 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
     for key, size in found:
         s = ListedShard(display_of(storage, key), storage, key, size)
         _refuse_compressed(s.key, s.display)
-        if key.endswith(".tar"):
+        if key.lower().endswith(".tar"):
             shards.append(s)
     if not shards:
         raise _no_tars(source, [key for key, _ in found])
@@ -265,7 +265,7 @@ def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | Non
             key, display = prefix + entry.name, os.path.abspath(entry.path)
             if not _listed(key, own_shards):
                 continue
-            if key.endswith(".tar"):
+            if key.lower().endswith(".tar"):
                 found.append((key, _local_tar(display)))
             elif entry.is_dir(follow_symlinks=False):
                 visit(entry.path, key + "/")

@@ -230,22 +230,25 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str,
 
 
 def _record_names(shards: list[ListedShard]) -> list[str]:
-    """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE."""
+    """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE (``A.TAR``, or a tar a
+    brace pattern names ``x.dat``: ``A.tar``, ``x.dat.tar``)."""
     taken: set[str] = set()
     names = []
     for s in shards:
-        base = _UNSAFE.sub("_", s.key.replace("/", "-"))
-        base = base if re.match(r"[A-Za-z0-9_\-]", base) else "_" + base
-        name, i = base, 1
+        stem = s.key[:-len(".tar")] if s.key.lower().endswith(".tar") else s.key
+        stem = _UNSAFE.sub("_", stem.replace("/", "-"))
+        stem = stem if re.match(r"[A-Za-z0-9_\-]", stem) else "_" + stem
+        name, i = f"{stem}.tar", 1
         while name in taken:
-            name, i = f"{base[:-len('.tar')]}-{i}.tar", i + 1
+            name, i = f"{stem}-{i}.tar", i + 1
         taken.add(name)
         names.append(name)
     return names
 
 
 def _idx_key(key: str) -> str:
-    return key[: -len(".tar")] + ".idx"
+    """Where a tar's ``.idx`` goes beside it: ``x.tar`` (any case) -> ``x.idx``, another name ``x.dat`` -> ``x.dat.idx``."""
+    return (key[: -len(".tar")] if key.lower().endswith(".tar") else key) + ".idx"
 
 
 def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None = None) -> IndexResult:
