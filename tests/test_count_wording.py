@@ -56,7 +56,8 @@ def test_one_sample_without_a_video_field_has_none(tmp_path):
 
 def test_one_sample_without_the_label_field_lacks_it(tmp_path):
     write_wds_tar(tmp_path / "wds" / "s-000000.tar", {"k0.png": _png(), "k0.cls": b"0", "k1.png": _png()})
-    with pytest.raises(fastio.DatasetError, match=r"^label_field: 1 of 2 samples lacks field 'cls'$"):
+    with pytest.raises(fastio.DatasetError, match=r"^label_field: 1 of 2 samples lacks field 'cls' \(the first: shard "
+                                                  r"s-000000.tar key 'k1'\)$"):
         index_shards(IndexConfig(tmp_path / "wds", label_field="cls"))
 
 

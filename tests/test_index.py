@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -289,6 +290,20 @@ def test_index_on_s3_in_place_and_with_dest(aws_env, s3_bucket, shards, tmp_path
     assert code == 0, err
     assert ro.exists("manifest.json") and ro.exists("sub/gnu.idx")
     _read_all(f"s3://{s3_bucket}/ro", expected, cache_dir=tmp_path / "c2")
+    # on S3 too: another tool's manifest.json is never replaced; an index again into its DEST takes the .idx of a
+    # shard gone from SOURCE
+    other = open_storage(f"s3://{s3_bucket}/other")
+    other.put_bytes("manifest.json", b"[1, 2]")
+    code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", other.url, "--overwrite", "-q"], capsys)
+    assert code == 2 and f"{other.url}/manifest.json: not a fastio manifest" in err, err
+    assert other.get("manifest.json") == b"[1, 2]" and [o.key for o in other.list()] == ["manifest.json"]
+    ro.delete("wds-000001.tar")
+    code, _, err = run_cli(["index", f"s3://{s3_bucket}/ro/", "--dest", f"s3://{s3_bucket}/meta", "--overwrite",
+                            "-q"], capsys)
+    assert code == 0, err
+    meta = open_storage(f"s3://{s3_bucket}/meta")
+    assert meta.exists("shards/wds-000000.idx") and not meta.exists("shards/wds-000001.idx")
+    assert run_cli(["verify", meta.url], capsys)[0] == 0
 
 
 def test_exact_resume_over_indexed_shards(shards, capsys):
@@ -367,6 +382,44 @@ def test_expand_braces():
     assert expand_braces("s3://b/{a,b}-{8..10}.tar") == [
         "s3://b/a-8.tar", "s3://b/a-9.tar", "s3://b/a-10.tar", "s3://b/b-8.tar", "s3://b/b-9.tar", "s3://b/b-10.tar"]
     assert os.sep == "/"
+
+
+def test_expand_braces_as_webdataset_does(tmp_path, capsys):
+    # Found by review: nested braces listed a shard twice ('{a,{b,c}}.tar': a, b, a, c; then refused as named
+    # twice), letter and stepped ranges were taken as names ('{a..c}', '{0..8..2}': "no such shard"), and a
+    # group without a comma lost its braces ('{a}.tar' named a.tar); WebDataset (braceexpand) reads each as bash.
+    from braceexpand import braceexpand
+
+    from fastio.convert.listing import expand_braces
+    from fastio.errors import DatasetError
+
+    for pattern in ("{a,{b,c}}.tar", "d/{0..4..2}-{x..z}.tar", "{a}.tar", "x{}.tar", "{a,b{1..2},}c", "{0..10}",
+                    "{08..11}", "{000..9}", "{9..011}", "{3..1}", "{-1..1}", "{01..-1}", "{c..a}", "{Z..b..3}",
+                    "{,a}", "{a,}{{b}}", "s3://b/p/{00000..00002}.tar", "a{b}c{d,e}f"):
+        assert expand_braces(pattern) == list(braceexpand(pattern)), pattern
+    for pattern in ("{a,b", "a}b{", "{a,{b}"):
+        with pytest.raises(DatasetError, match=re.escape(f"{pattern}: unbalanced braces")):
+            expand_braces(pattern)
+    for name in "abc":
+        _tar(tmp_path / f"{name}.tar")
+    code, out, err = run_cli(["index", str(tmp_path / "{a,{b,c}}.tar")], capsys)
+    assert code == 0 and "3 shards" in out, err
+
+
+
+def test_a_brace_range_too_large_is_refused_before_it_is_expanded(tmp_path, capsys):
+    # Found by review: expand_braces made every name before any was looked at, so a range typed with a digit
+    # too many ('{0..9999999999}.tar') or two ranges multiplied held the index in a loop filling memory.
+    from fastio.convert.listing import MAX_PATTERN_NAMES, expand_braces
+    from fastio.errors import DatasetError
+
+    for pattern, names in (("d/{0..9999999999}.tar", 10**10), ("{0..99999}-{0..99999}.tar", 10**10),
+                           ("{a,b}{0..99999999..2}", 5 * 10**7)):
+        with pytest.raises(DatasetError, match=re.escape(f"{pattern}: names {names:,} shards, more than fastio "
+                                                         f"lists ({MAX_PATTERN_NAMES:,})")):
+            expand_braces(pattern)
+    code, _, err = run_cli(["index", str(tmp_path / "{0..9999999999}.tar")], capsys)
+    assert code == 2 and "more than fastio lists" in err, err
 
 
 def test_listing_refusals_name_the_path_and_what_it_is(tmp_path, capsys):
@@ -649,3 +702,257 @@ def test_indexing_the_shards_folder_of_a_dataset_is_refused_and_leaves_that_data
     _refused(capsys, inner, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}")
     _refused(capsys, folder, f"{inner}: the shards/ folder of the dataset {tmp_path / 'ds'}", "--dest", str(inner))
     assert sorted(p.name for p in inner.iterdir()) == before
+
+
+def test_a_manifest_json_fastio_did_not_write_is_never_replaced(tmp_path, capsys):
+    # Found by review: a shard folder holding the user's own manifest.json was refused as "already holds a
+    # dataset (manifest.json); pass --overwrite", and --overwrite then replaced that file (maybe its only copy)
+    # with fastio's manifest; with --dest the same, since a manifest.json counted as fastio output.
+    _tar(tmp_path / "src" / "x.tar")
+    mine = b'{"shards": "my own list, the only copy"}\n'
+    (tmp_path / "src" / "manifest.json").write_bytes(mine)
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(tmp_path / "src"), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{tmp_path / 'src' / 'manifest.json'}: not a fastio manifest" in err and "--dest" in err, err
+        assert "--overwrite" not in err, err
+    assert (tmp_path / "src" / "manifest.json").read_bytes() == mine
+    assert not (tmp_path / "src" / "x.idx").exists() and not (tmp_path / "src" / "samples.fxi").exists()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "manifest.json").write_bytes(b"not even json")
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), *extra], capsys)
+        assert code == 2 and f"{dest / 'manifest.json'}: not a fastio manifest" in err, err
+    assert sorted(p.name for p in dest.iterdir()) == ["manifest.json"]
+    assert (dest / "manifest.json").read_bytes() == b"not even json"
+    # fastio's own manifest is still indexed again with --overwrite
+    (tmp_path / "src" / "manifest.json").unlink()
+    assert run_cli(["index", str(tmp_path / "src"), "-q"], capsys)[0] == 0
+    assert run_cli(["index", str(tmp_path / "src"), "--overwrite", "-q"], capsys)[0] == 0
+
+
+
+def test_one_tar_path_is_indexed_as_several_are(tmp_path, capsys):
+    # Found by review: `fastio index wds/*.tar` indexed a folder's shards when the glob matched two or more, but
+    # when it matched one the single path was refused ("a file: give the folder holding the shards").
+    _tar(tmp_path / "wds" / "only.tar")
+    (tmp_path / "wds" / "notes.tar.txt").write_text("not a shard")
+    code, out, err = run_cli(["index", str(tmp_path / "wds" / "only.tar")], capsys)
+    assert code == 0 and "1 shard, 3 samples" in out, err
+    manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+    assert [s["location"] for s in manifest["shards"]] == ["only.tar"]
+    assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0
+    code, _, err = run_cli(["index", str(tmp_path / "wds" / "notes.tar.txt")], capsys)
+    assert code == 2 and f"{tmp_path / 'wds' / 'notes.tar.txt'}: a file" in err, err
+
+
+def test_verify_names_a_shard_below_the_folder_by_its_path(shards, tmp_path, capsys):
+    # Found by review: `fastio verify` of shards indexed in place below sub-folders named them by their record
+    # name, sub/gnu.tar as 'sub-gnu.tar' and its index as 'gnu.idx', files that exist nowhere; with --dest, a
+    # shard by its bare name, not where it is.
+    folder, _ = shards
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    with open(folder / "sub" / "gnu.tar", "ab") as f:
+        f.write(b"\0" * 512)
+    (folder / "sub" / "pax.idx").unlink()
+    code, out, _ = run_cli(["verify", str(folder)], capsys)
+    assert code == 1, out
+    assert "sub/gnu.tar: sha256 does not match the manifest" in out.splitlines(), out
+    assert "sub/pax.tar: index sub/pax.idx is missing" in out.splitlines(), out
+    assert "sub-" not in out, out
+    meta = tmp_path / "meta"
+    assert run_cli(["index", str(folder), "--dest", str(meta), "-q"], capsys)[0] == 0
+    (folder / "sub" / "gnu.tar").unlink()
+    code, out, _ = run_cli(["verify", str(meta)], capsys)
+    assert code == 1 and f"{folder / 'sub' / 'gnu.tar'}: shard file is missing" in out.splitlines(), out
+
+
+def test_links_inside_a_tar_are_named_in_skipped(tmp_path, capsys):
+    # Found by review: GNU tar stores a file hard-linked to one already in the archive (images deduplicated by
+    # hard links) as a link member without bytes; WebDataset and wds2idx pass it over, and so did fastio index,
+    # unsaid: the sample came without that field. The .idx is still wds2idx's; the manifest's skipped names it.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"same image")
+    (src / "a.cls").write_text("0")
+    os.link(src / "a.jpg", src / "b.jpg")
+    (src / "b.cls").write_text("1")
+    os.symlink("a.cls", src / "c.cls")
+    (src / "c.jpg").write_bytes(b"other")
+    (tmp_path / "wds").mkdir()
+    subprocess.run(["tar", "--format=gnu", "-cf", str(tmp_path / "wds" / "x.tar"), "-C", str(src),
+                    "a.jpg", "a.cls", "b.jpg", "b.cls", "c.cls", "c.jpg"], check=True)
+    assert tarfile.open(tmp_path / "wds" / "x.tar").getmember("b.jpg").islnk()
+    code, out, err = run_cli(["index", str(tmp_path / "wds")], capsys)
+    assert code == 0 and "3 samples" in out and "2 skipped" in out, err
+    x = tmp_path / "wds" / "x.tar"
+    skipped = json.loads((tmp_path / "wds" / "manifest.json").read_text())["skipped"]
+    assert skipped == [
+        {"path": f"{x}:b.jpg", "reason": "a hard link to another member (its bytes are not stored under this name; "
+                                         "WebDataset reads none for it)"},
+        {"path": f"{x}:c.cls", "reason": "a symbolic link (its bytes are not stored in the tar; WebDataset reads "
+                                         "none for it)"}], skipped
+    if WDS2IDX.exists():
+        subprocess.run([str(WDS2IDX), str(x), str(tmp_path / "dali.idx")], check=True, capture_output=True)
+        assert (tmp_path / "dali.idx").read_bytes() == (tmp_path / "wds" / "x.idx").read_bytes()
+
+
+def test_tars_joined_with_cat_are_refused_not_read_as_the_first(tmp_path, capsys):
+    # Found by review: `cat a.tar b.tar > ab.tar` makes a file whose second tar follows the first one's
+    # end-of-archive blocks; tarfile (so WebDataset) and GNU tar without -i stop there, and fastio index made a
+    # dataset of a.tar's samples alone, b.tar's left out unsaid.
+    a, b = _tar(tmp_path / "parts" / "a.tar", 2), _tar(tmp_path / "parts" / "b.tar", 3)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "x.tar").write_bytes(a + b)
+    _refused_unchanged(folder, capsys, f"data after its end-of-archive blocks (at byte {len(a)})",
+                       "tars joined with `cat`")
+    (folder / "x.tar").write_bytes(a + b"\0" * 4096)  # more zero padding is still a whole tar
+    assert run_cli(["index", str(folder / "x.tar"), "-q"], capsys)[0] == 0
+
+
+def test_a_dest_that_is_the_source_folder_spelt_another_way_is_in_place(tmp_path, capsys, monkeypatch):
+    # Found by review: DEST was in place only when spelt as SOURCE's folder was: `fastio index wds/ --dest wds`,
+    # `--dest /abs/wds` from inside, or DEST through a link to the folder were refused as a folder that is "not
+    # fastio output", and with --overwrite indexed as another DEST (a shards/ folder and a .fastio-output marker
+    # among the user's tars, the shards named by absolute path).
+    _tar(tmp_path / "wds" / "x.tar")
+    (tmp_path / "link").symlink_to(tmp_path / "wds")
+    monkeypatch.chdir(tmp_path)
+    for source, dest in (("wds/", "wds"), ("wds", str(tmp_path / "wds")), ("wds", "link"), ("link/x.tar", "./wds")):
+        code, out, err = run_cli(["index", source, "--dest", dest, "--overwrite", "-q"], capsys)
+        assert code == 0, (source, dest, err)
+        assert sorted(p.name for p in (tmp_path / "wds").iterdir()) == [
+            ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
+        manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+        assert [s["location"] for s in manifest["shards"]] == ["x.tar"], (source, dest)
+        assert manifest["source"]["indexed_in_place"] is True
+
+
+def test_an_index_again_into_its_dest_takes_the_idx_of_a_shard_gone_away(tmp_path, capsys):
+    # Found by review: `fastio index SRC --dest D --overwrite` after a shard left SRC published a manifest without
+    # it but left its D/shards/NAME.idx, and `fastio verify D` then failed ('file is not listed in the manifest').
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+    (tmp_path / "src" / "x1.tar").unlink()
+    (dest / "shards" / "notes.txt").write_text("someone's file")  # not fastio's: left alone
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["notes.txt", "x0.idx", "x2.idx"]
+    (dest / "shards" / "notes.txt").unlink()
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err
+
+
+def test_a_brace_in_a_name_that_expands_to_nothing_else_is_a_name(tmp_path, capsys):
+    # Found by review: any '{' made SOURCE a brace pattern, so a folder named 'b{x}' was refused as 'a folder, not
+    # a tar file', and 'b{x}/0.tar' was indexed into b{x}'s parent (the folder before the brace), its manifest there.
+    for name in ("b{x}", "c{"):
+        _tar(tmp_path / name / "0.tar")
+        for source in (tmp_path / name, tmp_path / name / "0.tar"):
+            code, out, err = run_cli(["index", str(source), "--overwrite", "-q"], capsys)
+            assert code == 0, err
+            assert (tmp_path / name / "manifest.json").is_file() and not (tmp_path / "manifest.json").exists()
+    code, _, err = run_cli(["index", str(tmp_path / "d{0..1")], capsys)
+    assert code == 2 and f"{tmp_path / 'd{0..1'}: unbalanced braces" in err, err
+
+
+def test_a_merge_again_takes_the_idx_of_a_shard_gone_away(tmp_path, capsys):
+    # Found by review: as one run did, `fastio index --part K/N` then `fastio merge --overwrite` after a shard
+    # left SOURCE left its DEST/shards/NAME.idx, and `fastio verify` failed ('file is not listed in the manifest').
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    for again in ([], ["--overwrite"]):
+        for k in range(2):
+            assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--part", f"{k}/2", "-q", *again],
+                           capsys)[0] == 0
+        code, _, err = run_cli(["merge", str(dest), "-q", *again], capsys)
+        assert code == 0, err
+        (tmp_path / "src" / "x2.tar").unlink(missing_ok=True)
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x1.idx"]
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err
+
+
+def test_a_users_folder_named_shards_is_indexed(shards, tmp_path, capsys):
+    # Found by review: a folder SOURCE's shards/ was never entered (meant for a fastio dataset's own), so
+    # `fastio index data` with the user's tars in data/shards/ said 'holds no .tar files', and with one more tar
+    # beside it indexed that one alone, data/shards/ left out unsaid; then `fastio index data/shards` was refused
+    # as 'the shards/ folder of the dataset data' (the index in place, whose files lie beside its tars).
+    data = tmp_path / "data"
+    _tar(data / "shards" / "a.tar")
+    _tar(data / "more" / "b.tar", 2)
+    code, out, err = run_cli(["index", str(data)], capsys)
+    assert code == 0 and "2 shards, 5 samples" in out, err
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert [s["location"] for s in manifest["shards"]] == ["more/b.tar", "shards/a.tar"]
+    assert run_cli(["verify", str(data)], capsys)[0] == 0
+    code, out, err = run_cli(["index", str(data / "shards"), "-q"], capsys)
+    assert code == 0, err
+    # a fastio dataset's own shards/ (made with --dest: its .idx files, here a tar put there) is still not entered
+    folder, _ = shards
+    ds = tmp_path / "ds"
+    assert run_cli(["index", str(folder), "--dest", str(ds), "-q"], capsys)[0] == 0
+    _tar(ds / "shards" / "stray.tar")
+    code, _, err = run_cli(["index", str(ds / "shards")], capsys)
+    assert code == 2 and f"{ds / 'shards'}: the shards/ folder of the dataset {ds}" in err, err
+    code, _, err = run_cli(["index", str(ds), "--dest", str(tmp_path / "again")], capsys)
+    assert code == 2 and "holds no .tar files" in err, err
+
+
+def test_a_label_field_some_samples_lack_names_the_first_of_them(tmp_path, capsys):
+    # Found by review: `--label-field cls` where one sample of 50 lacked it said only 'label_field: 1 of 50 samples
+    # lacks field 'cls'', naming no shard nor sample to look at.
+    members = [(f"s{i}.{ext}", data) for i in range(50) for ext, data in (("jpg", b"x"), ("cls", b"%d" % (i % 3)))
+               if not (i == 37 and ext == "cls")]
+    _small_tar(tmp_path / "wds" / "sub" / "x.tar", members)
+    _refused(capsys, tmp_path / "wds", "--label-field: 1 of 50 samples lacks field 'cls' (the first: shard sub/x.tar key "
+                                      "'s37')", "--label-field", "cls")
+
+
+def test_a_label_field_one_sample_lacks_is_said_not_dropped_unsaid(tmp_path, capsys):
+    # Found by review: with `cls` in 49 of 50 samples the index took no label field (the rule: one every sample
+    # has) and said nothing; the Loader then gave batches without labels, far from the cause.
+    members = [(f"s{i}.{ext}", data) for i in range(50) for ext, data in (("jpg", b"x"), ("cls", b"%d" % (i % 3)))
+               if not (i == 37 and ext == "cls")]
+    _small_tar(tmp_path / "wds" / "x.tar", members)
+    code, out, err = run_cli(["index", str(tmp_path / "wds")], capsys)
+    assert code == 0, err
+    assert out.splitlines()[1] == ("  no label field: cls is in 49 of 50 samples (the first without it: shard x.tar "
+                                   "key 's37'); a label field is one every sample has"), out
+    assert json.loads((tmp_path / "wds" / "manifest.json").read_text())["label_field"] is None
+    _tar(tmp_path / "ok" / "x.tar")
+    code, out, err = run_cli(["index", str(tmp_path / "ok")], capsys)
+    assert code == 0 and len(out.splitlines()) == 1, out
+
+
+def test_an_index_in_place_never_replaces_a_converted_datasets_manifest(image_dataset, capsys):
+    # Found by review: tars put in a converted dataset's folder (ds/extra/x.tar) and `fastio index ds --overwrite`
+    # replaced that dataset's manifest (its label map, its shards in shards/) with an index of the extra tars.
+    _tar(image_dataset / "extra" / "x.tar")
+    before = (image_dataset / "manifest.json").read_bytes()
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["index", str(image_dataset), *extra], capsys)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{image_dataset / 'manifest.json'}: the manifest of a dataset fastio index did not make" in err, err
+        assert "--dest" in err and "--overwrite" not in err, err
+    assert (image_dataset / "manifest.json").read_bytes() == before
+    assert not (image_dataset / "extra" / "x.idx").exists()
+
+
+def test_a_shard_named_in_capitals_is_indexed(tmp_path, capsys):
+    # Found by review: `fastio index wds/A.TAR wds/b.tar` (or the brace pattern naming them) wrote the .idx files,
+    # then died with a raw ValueError from the manifest ('A.TAR' is not a shard file name); the folder's walk
+    # passed A.TAR over without a word (only *.tar in lower case), indexing b.tar alone.
+    _tar(tmp_path / "wds" / "A.TAR")
+    _tar(tmp_path / "wds" / "b.tar", 2)
+    for source in ([str(tmp_path / "wds" / "A.TAR"), str(tmp_path / "wds" / "b.tar")], [str(tmp_path / "wds")]):
+        code, out, err = run_cli(["index", *source, "--overwrite", "-q"], capsys)
+        assert code == 0 and "Traceback" not in err, err
+        manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
+        assert [(s["name"], s["location"], s["samples"]) for s in manifest["shards"]] == [
+            ("A.tar", "A.TAR", 3), ("b.tar", "b.tar", 2)], manifest["shards"]
+        assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -36,6 +37,26 @@ def test_a_loader_given_a_list_of_shards_names_fastio_index(shards):
     tars = [str(p) for p in sorted(shards.glob("*.tar"))]
     with pytest.raises(DatasetError, match=rf"a list; a dataset is one folder: .*`fastio index {shards}`"):
         Loader(tars, batch_size=4, device="cpu")
+
+
+def test_a_loader_given_a_webdataset_shard_spec_names_fastio_index(shards, capsys):
+    # Found by review: Loader('wds/shard-{000000..000002}.tar'), the spec WebDataset takes, and a quoted glob said
+    # only 'no such dataset directory'.
+    spec = f"{shards}/shard-{{000000..000002}}.tar"
+    with pytest.raises(DatasetError, match=rf"^{re.escape(spec)}: a pattern of tar shards, not a dataset: .*"
+                                           rf"`fastio index '{re.escape(spec)}'`, then give {shards}"):
+        Loader(spec, batch_size=4, device="cpu")
+    glob = f"{shards}/*.tar"
+    with pytest.raises(DatasetError, match=rf"^{re.escape(glob)}: a pattern of tar shards, not a dataset: .*"
+                                           rf"`fastio index {shards}`, then give {shards}"):
+        Dataset(glob)
+    code, _, err = run_cli(["verify", spec], capsys)
+    assert code == 2 and f"`fastio index '{spec}'`" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(DatasetError, match=r"no such dataset directory"):
+        Dataset(shards / "none" / "x{1,2}")
+    assert run_cli(["index", str(shards), "-q"], capsys)[0] == 0
+    with pytest.raises(DatasetError, match=rf"^{re.escape(spec)}: .*: their folder {shards} is one; give it$"):
+        Dataset(spec)
 
 
 def test_a_shard_inside_a_dataset_names_the_dataset(image_dataset):

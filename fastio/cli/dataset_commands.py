@@ -332,7 +332,7 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
-    several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
+    one or several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
     samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
     manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
     doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""

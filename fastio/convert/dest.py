@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import stat
@@ -32,8 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.media import PROBES_NAME
@@ -47,7 +49,7 @@ from fastio.tokens.starts import STARTS_NAME
 T = TypeVar("T")
 
 __all__ = ["Claim", "check_dest", "check_index_dest", "lock_dest", "lock_parts", "mark_index_dest",
-           "publish_uploads", "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
+           "publish_uploads", "refuse_a_foreign_manifest", "reset_dest", "staging_path", "upload_dataset", "writer_lock"]
 
 
 # -- a local DEST ------------------------------------------------------------------------------------
@@ -227,16 +229,39 @@ def lock_parts(dest: Path) -> list[DirLock]:
 
 def refuse_a_datasets_shards(dest: Storage) -> None:
     """DatasetError where a local DEST of ``fastio index`` is the ``shards/`` folder of a dataset (beside its
-    manifest): the index would put its own manifest and tables among that dataset's files, and ``fastio verify`` of
-    it would then fail. Whatever ``overwrite`` says: it is another dataset's folder."""
+    manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own manifest and tables among
+    that dataset's files, and ``fastio verify`` of it would then fail. Whatever ``overwrite`` says: it is another
+    dataset's folder."""
     if dest.remote:
         return
     path = dest.location.path
     real = Path(os.path.realpath(path))
-    if real.name == SHARDS_DIR and (real.parent / MANIFEST_NAME).is_file():
+    if real.name == SHARDS_DIR and owns_shards_dir(open_storage(real.parent)):
         raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")
+
+
+def refuse_a_foreign_manifest(dest: Storage) -> None:
+    """DatasetError where DEST of ``fastio index`` (SOURCE's folder by default) holds a ``manifest.json`` that is not
+    the manifest of an index of WebDataset shards: another tool's or the user's own (maybe the only copy), or that of
+    a dataset ``fastio convert`` made (its label map, its shards in ``shards/``). Either would be replaced by the
+    index's. Whatever ``overwrite`` says: overwrite re-indexes an index, it replaces no other dataset or file."""
+    if not dest.exists(MANIFEST_NAME):
+        return
+    where = display_of(dest, MANIFEST_NAME)
+    try:
+        manifest = json.loads(dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME)
+                              .read_bytes())
+        ours, source = manifest.get("format") == FORMAT, manifest.get("source")
+    except (OSError, ValueError, AttributeError):  # a folder of that name, not JSON, not a JSON object
+        ours, source = False, None
+    if not ours:
+        raise DatasetError(f"{where}: not a fastio manifest, and fastio index writes its manifest.json there; it is "
+                           "left as it is: move it away, or index into another folder (--dest)")
+    if not (isinstance(source, dict) and "indexed_in_place" in source):  # what only fastio index records
+        raise DatasetError(f"{where}: the manifest of a dataset fastio index did not make (a conversion's); that "
+                           "dataset is left as it is: index these shards into another folder (--dest)")
 
 
 def check_index_dest(dest: Storage, overwrite: bool) -> None:

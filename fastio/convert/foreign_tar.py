@@ -4,8 +4,8 @@ checksums, the fields it holds (with counts) and what it leaves out, or a refusa
 What WebDataset accepts is accepted: members of a sample in any order, keys with folders (``a/b/c.jpg``: key
 ``a/b/c``), multi-dot names (``x.seg.png``: field ``seg.png``), GNU long names and pax headers (read by
 :mod:`tarfile`), samples lacking some fields, empty tars. Entries that are not regular files (folders, links)
-and hidden files are passed over as ``wds2idx`` does; members WebDataset cannot name (no extension) are left
-out and reported.
+and hidden files are passed over as ``wds2idx`` does; links (their samples come without that field) and members
+WebDataset cannot name (no extension) are reported.
 
 A member's field is its suffix lowercased, as WebDataset reads it (``a.JPG`` is field ``jpg``); the entries
 keep the suffix as written.
@@ -14,8 +14,9 @@ Refused (:class:`~fastio.errors.DatasetError`, naming the file): a key that appe
 named), a field twice in one sample (``a.cls`` and ``a.CLS`` too), compressed tars (their members cannot be
 read at offsets), files that are not tars, end before their last member's data or lack the end-of-archive
 block after it (cut at a member boundary, which cannot be told from a tar written without those blocks: both
-refused), a damaged header after the first (:mod:`tarfile` would take it for the end), GNU sparse members
-(their bytes are not at one offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
+refused), hold data after those blocks (tars joined with ``cat``: readers stop at the first), a damaged header
+after the first (:mod:`tarfile` would take it for the end), GNU sparse members (their bytes are not at one
+offset), names an ``.idx`` line cannot hold (spaces, non-ASCII).
 
 The entries are those ``wds2idx`` writes (tar order, the data's offset), with one exception: for a member with
 a GNU long name, ``wds2idx`` records the offset of the long-name block (``tar --block-num``), not of the data;
@@ -87,6 +88,18 @@ def _check_head(path: Path, name: str) -> None:
         raise DatasetError(f"{name}: not a tar (no tar header at byte 0: {err})") from None
 
 
+_LINKS = {tarfile.LNKTYPE: "a hard link to another member (its bytes are not stored under this name; WebDataset "
+                          "reads none for it)",
+          tarfile.SYMTYPE: "a symbolic link (its bytes are not stored in the tar; WebDataset reads none for it)"}
+"""Why a link member (passed over, as ``wds2idx`` and WebDataset do) is named in ``skipped``: the sample comes without
+that field (GNU tar stores a file hard-linked to one already archived as such a link)."""
+
+
+def _hidden(member: str) -> bool:
+    base = member[member.rfind("/") + 1:]
+    return not base or base.startswith(".")
+
+
 def _listed_member(info: tarfile.TarInfo, name: str, size: int) -> str | None:
     """The member's name when its ``.idx`` lists it (None: not a regular file, or hidden); DatasetError for a
     member that cannot be read at an offset (sparse, past the end of the file) or listed (spaces, non-ASCII)."""
@@ -99,8 +112,7 @@ def _listed_member(info: tarfile.TarInfo, name: str, size: int) -> str | None:
         raise DatasetError(f"{name}: truncated: member {info.name} needs bytes up to "
                            f"{info.offset_data + info.size}, the file has {size}")
     member = info.name
-    base = member[member.rfind("/") + 1:]
-    if not base or base.startswith("."):
+    if _hidden(member):
         return None  # hidden files, as wds2idx does
     if not member.isascii() or any(c.isspace() for c in member):
         raise DatasetError(f"{name}: member {member!r}: a name with spaces or non-ASCII characters "
@@ -122,6 +134,8 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
             for info in tar:
                 member = _listed_member(info, name, size)
                 if member is None:
+                    if info.type in _LINKS and not _hidden(info.name):
+                        out.skipped.append((info.name, _LINKS[info.type]))
                     continue
                 k, ext = split_member_name(member)
                 if not ext or not is_field_name(ext):
@@ -142,10 +156,7 @@ def read_tar(path: Path, name: str, label_fields: tuple[str, ...] = ()) -> TarCo
                                        " (fields are suffixes lowercased, as WebDataset reads them)")
                 members.append((ext, info.offset_data, info.size))
                 if f in label_fields and f not in out.bad_labels:
-                    data.seek(info.offset_data)
-                    reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
-                    if reason:
-                        out.bad_labels[f] = f"sample {k!r}: {reason}"
+                    _check_label(out, f, k, data, info)
                 member_names.append(member)
             _check_end(path, name, tar.offset, size, tar.members[-1].name if tar.members else None)
     except tarfile.ReadError as err:
@@ -168,6 +179,15 @@ def as_fields(entries: list[IndexEntry]) -> list[IndexEntry]:
             else IndexEntry(e.key, tuple((field_of(x), o, n) for x, o, n in e.members)) for e in entries]
 
 
+def _check_label(out: TarContents, field: str, key: str, data, info: tarfile.TarInfo) -> None:
+    """Record in ``out.bad_labels`` why the value of label field ``field`` (member ``info`` of the open tar
+    ``data``) of sample ``key`` is not a label, if it is not."""
+    data.seek(info.offset_data)
+    reason = _not_a_label(data.read(min(info.size, _LABEL_READ)), info.size)
+    if reason:
+        out.bad_labels[field] = f"sample {key!r}: {reason}"
+
+
 def _not_a_label(head: bytes, size: int) -> str | None:
     """Why a label field's value (its first bytes ``head``, ``size`` in all) is not a label, or None."""
     try:
@@ -178,8 +198,9 @@ def _not_a_label(head: bytes, size: int) -> str | None:
 
 
 def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) -> None:
-    """:mod:`tarfile` stops quietly at a damaged header or at the end of the file after a member; what follows
-    the last member must be tar's end-of-archive block (zeros), else samples would be left out unsaid."""
+    """:mod:`tarfile` stops quietly at a damaged header, at the end of the file after a member, or at the
+    end-of-archive blocks of the first of two tars joined; what follows the last member must be tar's end-of-archive
+    block, then only zeros, else samples would be left out unsaid."""
     after = f"after member {last}" if last else "at the start"
     if offset + 512 > size:
         raise DatasetError(f"{name}: truncated: the file ends at byte {size} {after}, without tar's "
@@ -188,6 +209,25 @@ def _check_end(path: Path, name: str, offset: int, size: int, last: str | None) 
     with open(path, "rb") as f:
         f.seek(offset)
         block = f.read(512)
-    if block.count(0) != len(block):
-        raise DatasetError(f"{name}: damaged: no valid tar header at byte {offset} ({after}); "
-                           "the members after it cannot be found")
+        if block.count(0) != len(block):
+            raise DatasetError(f"{name}: damaged: no valid tar header at byte {offset} ({after}); "
+                               "the members after it cannot be found")
+        data = _first_data(f, offset + 512)
+    if data is not None:
+        raise DatasetError(f"{name}: holds data after its end-of-archive blocks (at byte {data}), where tar readers "
+                           "(WebDataset, tar without -i) stop: tars joined with `cat`? Its members there would be left "
+                           "out unsaid; write the members into one tar (or index the tars apart)")
+
+
+def _first_data(f, start: int) -> int | None:
+    """The offset (of its 512-byte block) of the first byte that is not zero from ``start`` to the end of ``f``, or
+    None: after a tar's end-of-archive blocks come only zeros (its padding to a 10 KiB record)."""
+    f.seek(start)
+    at = start
+    while chunk := f.read(1 << 20):
+        stripped = chunk.lstrip(b"\0")
+        if stripped:
+            first = at + len(chunk) - len(stripped)
+            return first - (first - start) % 512
+        at += len(chunk)
+    return None

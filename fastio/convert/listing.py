@@ -1,30 +1,36 @@
 """What ``fastio index`` SOURCE names, in order: a folder (every ``*.tar`` below it, in sorted order; links to files
 followed, links to folders listed in ``skipped``, not followed: :func:`_walk_local`), an ``s3://bucket/prefix/``, or a
 brace pattern of shards (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``; several local paths become
-one: :func:`paths_pattern`). A shard named twice, a compressed tar, a path that is no regular file: one
-:class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
+one: :func:`paths_pattern`), or one local ``.tar`` path. A shard named twice, a compressed tar, a path that is no
+regular file: one :class:`~fastio.errors.DatasetError` naming it (:func:`list_shards`)."""
 
 from __future__ import annotations
 
 import errno
+import itertools
+import json
+import math
 import os
 import re
 import stat
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
-from fastio.dataset.manifest import SHARDS_DIR
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
 from fastio.errors import DatasetError
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
 
-__all__ = ["ListedShard", "display_of", "expand_braces", "list_shards", "paths_pattern"]
+__all__ = ["MAX_PATTERN_NAMES", "ListedShard", "display_of", "expand_braces", "list_shards", "owns_shards_dir",
+           "paths_pattern"]
 
 _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz", ".tar.lz4")
-_BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+_INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
+_CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
+_LETTERS = string.ascii_uppercase + string.ascii_lowercase
 
 
 @dataclass
@@ -37,20 +43,81 @@ class ListedShard:
     size: int | None = None
 
 
+MAX_PATTERN_NAMES = 10_000_000
+"""The most paths a brace pattern may name: more is a typo (a range with a digit too many), refused before any name
+is made (they would fill memory)."""
+
+
+class _TooMany(Exception):
+    """A brace pattern names ``args[0]`` paths, more than :data:`MAX_PATTERN_NAMES`."""
+
+
 def expand_braces(pattern: str) -> list[str]:
-    """``{a,b}`` alternatives and ``{000..099}`` ranges (zero-padded like their bounds), as WebDataset does."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[:m.start()], m[1], pattern[m.end():]
-    r = _RANGE.match(body)
-    if r:
-        a, b = int(r[1]), int(r[2])
-        width = len(r[1]) if r[1].startswith("0") and len(r[1]) > 1 else 0
-        options = [str(i).zfill(width) for i in (range(a, b + 1) if a <= b else range(a, b - 1, -1))]
-    else:
-        options = body.split(",")
-    return [x for o in options for x in expand_braces(head + o + tail)]
+    """The paths a brace pattern names, as WebDataset's ``braceexpand`` (bash's rules) makes them: ``{a,b}``
+    alternatives (nested too), ``{000..099}`` ranges zero-padded like their bounds, letter ranges and steps
+    (``{a..e..2}``); a group that is neither (``{x}``) stays as written. DatasetError for unbalanced braces and for
+    more than :data:`MAX_PATTERN_NAMES` paths (counted before they are made)."""
+    try:
+        return _expand(pattern)
+    except _TooMany as err:
+        raise DatasetError(f"{pattern}: names {err.args[0]:,} shards, more than fastio lists "
+                           f"({MAX_PATTERN_NAMES:,}): a range with a digit too many?") from None
+
+
+def _expand(pattern: str) -> list[str]:
+    parts: list[list[str]] = []
+    start = depth = 0
+    for pos, c in enumerate(pattern):
+        if c == "{":
+            if depth == 0:
+                parts.append([pattern[start:pos]])
+                start = pos
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth < 0:
+                break
+            if depth == 0:
+                body = pattern[start + 1:pos]
+                options = _brace_options(body)
+                parts.append(options if options is not None else ["{" + x + "}" for x in _expand(body)])
+                start = pos + 1
+    if depth:
+        raise DatasetError(f"{pattern}: unbalanced braces")
+    parts.append([pattern[start:]])
+    if (total := math.prod(len(p) for p in parts)) > MAX_PATTERN_NAMES:
+        raise _TooMany(total)
+    return ["".join(p) for p in itertools.product(*parts)]
+
+
+def _brace_options(body: str) -> list[str] | None:
+    """What one brace group ``{body}`` expands to: a range, or alternatives split at its own commas (each expanded);
+    None where it is neither (no comma outside nested groups). _TooMany before a range too long is made."""
+    if r := _INT_RANGE.match(body):
+        a, b, step = r[1], r[2], int(r[3] or 1) or 1
+        width = max(len(a), len(b)) if any(x.startswith(("0", "-0")) for x in (a, b) if x not in ("0", "-0")) else 0
+        i, j = int(a), int(b)
+        if (n := abs(j - i) // step + 1) > MAX_PATTERN_NAMES:
+            raise _TooMany(n)
+        return [str(n).zfill(width) if n >= 0 else "-" + str(-n).zfill(width - 1)
+                for n in (range(i, j + 1, step) if i < j else range(i, j - 1, -step))]
+    if r := _CHAR_RANGE.match(body):
+        step = int(r[3] or 1) or 1
+        i, j = _LETTERS.index(r[1]), _LETTERS.index(r[2])
+        return list(_LETTERS[i:j + 1:step] if i < j else _LETTERS[i:(j - 1 if j else None):-step])
+    items, start, depth = [], 0, 0
+    for pos, c in enumerate(body):
+        depth += (c == "{") - (c == "}")
+        if c == "," and depth == 0:
+            items.append(body[start:pos])
+            start = pos + 1
+    if not items:
+        return None
+    items.append(body[start:])
+    out = [x for item in items for x in _expand(item)]
+    if len(out) > MAX_PATTERN_NAMES:
+        raise _TooMany(len(out))
+    return out
 
 
 def paths_pattern(paths: list[str]) -> str:
@@ -76,17 +143,36 @@ def list_shards(source: str, options: StorageOptions | dict | None
                 ) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
     """The storage of SOURCE's folder (the default DEST), the shards SOURCE names, in order, and what a folder's
     listing passed over with reasons (``skipped``). A shard named twice is refused."""
-    storage, shards, skipped = (_pattern_listing if "{" in source else _folder_listing)(source, options)
+    storage, shards, skipped = (_pattern_listing if _is_pattern(source) else _folder_listing)(source, options)
     _refuse_repeats(shards)
     return storage, shards, skipped
+
+
+def _is_pattern(source: str) -> bool:
+    """Whether SOURCE is a brace pattern: a brace that expands to nothing else (``b{x}``), or an unbalanced one in
+    the name of a local file or folder, is part of a name."""
+    if "{" not in source:
+        return False
+    try:
+        return expand_braces(source) != [source]
+    except DatasetError:
+        if "://" not in source and os.path.lexists(source):
+            return False
+        raise
 
 
 def _pattern_listing(source: str, options) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
     prefix = source[:source.index("{")]
     folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+    return _named_listing(folder, [p[len(folder) + 1:] if folder else p for p in expand_braces(source)], source,
+                          options)
+
+
+def _named_listing(folder: str, keys: list[str], source: str, options
+                   ) -> tuple[Storage, list[ListedShard], list[dict[str, str]]]:
+    """The shards ``keys`` in ``folder`` (SOURCE's folder, the default DEST), which ``source`` names."""
     storage = open_storage(folder or ".", options)
-    shards = [ListedShard(display_of(storage, key), storage, key)
-              for key in (p[len(folder) + 1:] if folder else p for p in expand_braces(source))]
+    shards = [ListedShard(display_of(storage, key), storage, key) for key in keys]
     listed = {o.key: o.size for o in storage.list("")} if storage.remote else None
     for s in shards:
         _refuse_compressed(s.key, s.display)
@@ -105,24 +191,27 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
             "the folder, or a brace pattern such as '/data/{000..009}.tar'")
     if not storage.remote and not storage.location.path.is_dir():
         if storage.location.path.is_file():
+            if source.lower().endswith(".tar"):  # a shell glob that matched one shard: as several paths are
+                return _named_listing(os.path.dirname(source), [os.path.basename(source)], source, options)
             raise DatasetError(f"{source}: a file: give the folder holding the shards, or a brace pattern")
         if any(c in source for c in "*?["):
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
+    own = owns_shards_dir(storage)
     if storage.remote:
-        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key)], []
+        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key, own)], []
         if not found and any(c in source for c in "*?["):
             raise DatasetError(glob)
         if not found and source.endswith(".tar"):
             raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
                                "pattern")
     else:
-        found, skipped = _walk_local(storage.location.path)
+        found, skipped = _walk_local(storage.location.path, own)
     shards = []
     for key, size in found:
         s = ListedShard(display_of(storage, key), storage, key, size)
         _refuse_compressed(s.key, s.display)
-        if key.endswith(".tar"):
+        if key.lower().endswith(".tar"):
             shards.append(s)
     if not shards:
         raise _no_tars(source, [key for key, _ in found])
@@ -140,12 +229,30 @@ def _no_tars(source: str, keys: list[str]) -> DatasetError:
     return DatasetError(f"{source}: holds no .tar files")
 
 
-def _listed(key: str) -> bool:
-    """Whether a folder's listing looks at ``key``: not hidden, not in fastio's own ``shards/``."""
-    return not any(p.startswith(".") for p in key.split("/")) and key.split("/")[0] != SHARDS_DIR
+def owns_shards_dir(folder: Storage) -> bool:
+    """Whether ``folder``'s ``shards/`` is a fastio dataset's own (its shards, or the ``.idx`` files of an index with
+    ``--dest``), finished or not: ``folder`` holds fastio's marker, or a fastio manifest that is not of an index in
+    place (whose files lie beside the tars, never in ``shards/``). A user's folder named ``shards`` is not."""
+    if folder.exists(MARKER_NAME):
+        return True
+    if not folder.exists(MANIFEST_NAME):
+        return False
+    try:
+        manifest = json.loads(folder.get(MANIFEST_NAME))
+    except (OSError, ValueError):
+        return False
+    source = manifest.get("source") if isinstance(manifest, dict) else None
+    return (isinstance(manifest, dict) and manifest.get("format") == FORMAT
+            and not (isinstance(source, dict) and source.get("indexed_in_place") is True))
 
 
-def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
+def _listed(key: str, own_shards: bool) -> bool:
+    """Whether a folder's listing looks at ``key``: not hidden, not in a fastio dataset's own ``shards/``
+    (``own_shards``: :func:`owns_shards_dir` of the folder listed)."""
+    return not any(p.startswith(".") for p in key.split("/")) and not (own_shards and key.split("/")[0] == SHARDS_DIR)
+
+
+def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
     """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
     it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
     are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
@@ -156,9 +263,9 @@ def _walk_local(root: Path) -> tuple[list[tuple[str, int | None]], list[dict[str
     def visit(folder: str, prefix: str) -> None:
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             key, display = prefix + entry.name, os.path.abspath(entry.path)
-            if not _listed(key):
+            if not _listed(key, own_shards):
                 continue
-            if key.endswith(".tar"):
+            if key.lower().endswith(".tar"):
                 found.append((key, _local_tar(display)))
             elif entry.is_dir(follow_symlinks=False):
                 visit(entry.path, key + "/")

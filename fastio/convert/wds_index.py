@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from fastio.checks import check_fields, checked, one_of, positive_integer, rule
-from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards, writer_lock
+from fastio.convert.dest import (
+    check_index_dest,
+    mark_index_dest,
+    publish_uploads,
+    refuse_a_datasets_shards,
+    refuse_a_foreign_manifest,
+    writer_lock,
+)
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
@@ -101,7 +108,7 @@ class IndexConfig:
     """What ``fastio index`` indexes and where it writes (checked when made: ValueError naming the parameter)."""
 
     source: str | Path
-    """A folder of tars, an ``s3://bucket/prefix/``, or a brace pattern of tar paths or URLs."""
+    """A folder of tars, an ``s3://bucket/prefix/``, a brace pattern of tar paths or URLs, or one local tar path."""
     dest: str | Path | None = None
     """Where the metadata goes; None: SOURCE's folder (the ``.idx`` files beside the tars)."""
     label_field: str | None = checked(_FIELD_NAME, default=None)
@@ -146,12 +153,15 @@ class IndexResult:
     written_idx: int
     """``.idx`` files written (the others existed and matched)."""
     skipped: list[dict[str, str]] = field(default_factory=list)
+    label_note: str | None = None
+    """Why no label field was taken although ``cls`` or ``label`` is in some samples (:func:`_label_note`)."""
 
     def summary(self) -> str:
         s = max(self.seconds, 1e-9)
         return (f"indexed {count(self.shards, 'shard')}, {count(self.samples, 'sample')} ({human_bytes(self.bytes)}) "
                 f"in {self.seconds:.1f}s ({self.shards / s:.1f} shards/s, {self.bytes / s / 1e6:.1f} MB/s) -> "
                 f"{self.dest}; {self.written_idx} .idx written, {len(self.skipped)} skipped"
+                + (f"\n  {self.label_note}" if self.label_note else "")
                 + skipped_lines(self.skipped, f"fastio inspect {self.dest} --skipped"))
 
 
@@ -220,22 +230,25 @@ def _probe_members(path: Path, entries: list[IndexEntry], display: str,
 
 
 def _record_names(shards: list[ListedShard]) -> list[str]:
-    """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE."""
+    """A unique shard name (``NAME.tar``, no folder) for each tar, from its path below SOURCE (``A.TAR``, or a tar a
+    brace pattern names ``x.dat``: ``A.tar``, ``x.dat.tar``)."""
     taken: set[str] = set()
     names = []
     for s in shards:
-        base = _UNSAFE.sub("_", s.key.replace("/", "-"))
-        base = base if re.match(r"[A-Za-z0-9_\-]", base) else "_" + base
-        name, i = base, 1
+        stem = s.key[:-len(".tar")] if s.key.lower().endswith(".tar") else s.key
+        stem = _UNSAFE.sub("_", stem.replace("/", "-"))
+        stem = stem if re.match(r"[A-Za-z0-9_\-]", stem) else "_" + stem
+        name, i = f"{stem}.tar", 1
         while name in taken:
-            name, i = f"{base[:-len('.tar')]}-{i}.tar", i + 1
+            name, i = f"{stem}-{i}.tar", i + 1
         taken.add(name)
         names.append(name)
     return names
 
 
 def _idx_key(key: str) -> str:
-    return key[: -len(".tar")] + ".idx"
+    """Where a tar's ``.idx`` goes beside it: ``x.tar`` (any case) -> ``x.idx``, another name ``x.dat`` -> ``x.dat.idx``."""
+    return (key[: -len(".tar")] if key.lower().endswith(".tar") else key) + ".idx"
 
 
 def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None = None) -> IndexResult:
@@ -298,17 +311,23 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
     finally:
         if lock is not None:
             lock.release()
-    return IndexResult(dest=dest_storage.url if dest_storage.remote else dest_storage.location.path,
-                       shards=len(done.records), samples=sum(r.samples for r in done.records),
-                       bytes=sum(r.bytes for r in done.records), seconds=time.perf_counter() - started,
-                       written_idx=done.written, skipped=done.skipped)
+    return _result(dest_storage, done, started, _label_note(done) if part is None and config.label_field is None
+                   else None)
+
+
+def _result(dest: Storage, done: _Indexed, started: float, label_note: str | None) -> IndexResult:
+    return IndexResult(dest=dest.url if dest.remote else dest.location.path, shards=len(done.records),
+                       samples=sum(r.samples for r in done.records), bytes=sum(r.bytes for r in done.records),
+                       seconds=time.perf_counter() - started, written_idx=done.written, skipped=done.skipped,
+                       label_note=label_note)
 
 
 def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard]) -> tuple[Storage, bool]:
     """Where the index goes and whether that is in place; DatasetError for a DEST that cannot take it."""
     dest_storage = src_root if config.dest is None else open_storage(dest_location(config.dest),
                                                                        config.storage_options)
-    in_place = dest_storage.url == src_root.url
+    in_place = _same_place(dest_storage, src_root)
+    dest_storage = src_root if in_place else dest_storage  # DEST spelt another way (``wds/``, absolute, a link)
     refuse_a_datasets_shards(dest_storage)
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
@@ -317,10 +336,18 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
         raise DatasetError(f"{dest_storage.url}: part: indexing in parts writes to a local DEST (merge is local)")
     if not in_place:
         check_index_dest(dest_storage, config.overwrite)
+    refuse_a_foreign_manifest(dest_storage)
     if config.part is None and dest_storage.exists(MANIFEST_NAME) and not config.overwrite:
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
     return dest_storage, in_place
+
+
+def _same_place(a: Storage, b: Storage) -> bool:
+    """Whether two storages are one folder or prefix, however spelt (a local one by its resolved path)."""
+    if a.remote or b.remote:
+        return a.url == b.url
+    return os.path.realpath(a.location.path) == os.path.realpath(b.location.path)
 
 
 INDEX_PLAN = "fastio-index"
@@ -415,7 +442,10 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
 
 def _finish(name: str, source: str, label_field: str | None, image_field: str | None, in_place: bool,
             done: _Indexed, dest: Storage, tmp: Path) -> Manifest:
-    """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST; returns the manifest."""
+    """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST, then remove the ``.idx`` files in
+    ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`_recorded_idx`); returns the
+    manifest."""
+    earlier = set() if in_place else _recorded_idx(dest)
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
@@ -434,6 +464,8 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
+    for key in sorted(earlier - {r.idx_key for r in done.records}):
+        dest.delete(key)
     return manifest
 
 
@@ -454,7 +486,7 @@ def _fields_of(source: str, label_field: str | None, image_field: str | None, do
         raise DatasetError(f"{source}: no samples in any shard (all empty)")
     fields = sorted(done.field_counts)
     total = sum(r.samples for r in done.records)
-    label = _label_field(label_field, done.field_counts, total, fields)
+    label = _label_field(label_field, done.field_counts, total, fields, lambda f: _first_without(done, f))
     if label is not None:
         _check_labels(label, done)
     image_fields = sorted(f for f in fields if is_image_field(f))
@@ -491,6 +523,20 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
+def _recorded_idx(dest: Storage) -> set[str]:
+    """The ``.idx`` files in ``DEST/shards/`` that DEST's manifest (an earlier index's, replaced with overwrite)
+    lists: fastio's own, removed once the new manifest no longer lists them (a shard gone from SOURCE), else
+    ``fastio verify`` would name each as a file the manifest does not list. Empty without a readable manifest."""
+    if not dest.exists(MANIFEST_NAME):
+        return set()
+    try:
+        shards = json.loads(dest.get(MANIFEST_NAME))["shards"]
+        records = [ShardRecord.from_dict(s, MANIFEST_NAME) for s in shards]
+        return {r.idx_key for r in records if r.idx_location is None}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
+        return set()
+
+
 def _existing(storage: Storage, key: str, tar: str) -> bytes | None:
     """The bytes of an ``.idx`` already at ``key``, or None; DatasetError if something else is there."""
     if not storage.remote:
@@ -512,16 +558,40 @@ def _first_difference(old: bytes, new: bytes) -> str:
     return f"{count(len(a), 'line')}, fastio makes {len(b)}"
 
 
-def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str]) -> str | None:
+def _label_field(wanted: str | None, counts: Counter, total: int, fields: list[str],
+                 first_without: Callable[[str], str]) -> str | None:
     if wanted is not None:
         if wanted not in counts:
             raise DatasetError(f"label_field: no sample has field {wanted!r} (fields: {', '.join(fields)})")
         if counts[wanted] != total:
             lacking = total - counts[wanted]
             raise DatasetError(f"label_field: {lacking} of {count(total, 'sample')} "
-                               f"{agree(lacking, 'lacks', 'lack')} field {wanted!r}")
+                               f"{agree(lacking, 'lacks', 'lack')} field {wanted!r} (the first: {first_without(wanted)})")
         return wanted
     return next((f for f in LABEL_FIELDS if counts.get(f) == total), None)
+
+
+def _label_note(done: _Indexed) -> str | None:
+    """A line for the summary where no label field was taken but ``cls`` or ``label`` is in some samples (a label
+    field is one every sample has): else the Loader gives batches without labels, and nothing says why."""
+    total = sum(r.samples for r in done.records)
+    counts = done.field_counts
+    if total == 0 or any(counts.get(f) == total for f in LABEL_FIELDS):
+        return None
+    f = next((f for f in LABEL_FIELDS if counts.get(f)), None)
+    if f is None:
+        return None
+    return (f"no label field: {f} is in {counts[f]} of {count(total, 'sample')} (the first without it: "
+            f"{_first_without(done, f)}); a label field is one every sample has")
+
+
+def _first_without(done: _Indexed, field: str) -> str:
+    """``shard NAME key 'KEY'`` of the first sample without ``field`` (a shard by where it is: its location)."""
+    for record, entries in zip(done.records, done.entries):
+        for entry in entries:
+            if all(field_of(ext) != field for ext, _, _ in entry.members):
+                return f"shard {record.location or record.name} key {entry.key!r}"
+    return "none"
 
 
 def _check_labels(label: str, done: _Indexed) -> None:

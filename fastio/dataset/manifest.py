@@ -117,7 +117,8 @@ class ShardRecord:
     per ~1 GB/s; ``fastio verify`` checks both."""
     location: str | None = checked(_location, default=None)
     """Where the tar is when not at ``shards/NAME`` (``fastio index``): relative to DEST (``/``-separated, no
-    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique, for messages)."""
+    ``..``), an absolute path, or an ``s3://`` URL. ``name`` still names the shard (unique); ``fastio verify`` names
+    the file by its location."""
     idx_location: str | None = checked(_location, default=None)
     """Where its ``.idx`` is when not at ``shards/NAME.idx``, in the same terms as ``location``."""
     tokens: int | None = checked(count, default=None)
@@ -588,8 +589,8 @@ _LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
 
 def not_a_dataset(dest: Path) -> DatasetError:
     """The error for a local DEST without a manifest: a file, an unfinished conversion (its marker: run it again), a
-    folder of tar shards, of Megatron pairs (a pair's file or data prefix too) or of images (naming the command that
-    makes it a dataset), a missing folder, or else an interrupted conversion."""
+    folder of tar shards, of Megatron pairs (a pair's file or data prefix too) or of images, a brace pattern or glob
+    of tars (naming the command that makes it a dataset), a missing folder, or else an interrupted conversion."""
     if dest.is_file():
         dataset = dest.parent.parent
         if (dest.suffix.lower() in (".tar", ".bin", ".idx") and dest.parent.name == SHARDS_DIR
@@ -609,7 +610,7 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
                             "or `fastio index`")
     if not dest.is_dir():
-        return DatasetError(f"{dest}: no such dataset directory")
+        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory")
     if (dest / MARKER_NAME).is_file():  # not fastio index's advice: the shards written so far are part of the source
         what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
         return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
@@ -622,6 +623,21 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _shard_pattern(dest: Path) -> DatasetError | None:
+    """The error for a WebDataset shard spec (``wds/shard-{000..009}.tar``, what other loaders take) or a glob of
+    tars given as a dataset, naming the ``fastio index`` command that makes their folder one; else None."""
+    text = str(dest)
+    at = min((text.index(c) for c in "{*?[" if c in text), default=-1)
+    if at < 0 or not text.lower().endswith(".tar"):
+        return None
+    folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
+    if (Path(folder) / MANIFEST_NAME).is_file():
+        return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
+    command = f"fastio index '{text}'" if "{" in text else f"fastio index {folder}"  # fastio expands no globs
+    return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: a dataset is a folder; make its shards one "
+                        f"with `{command}`, then give {folder}")
 
 
 def _megatron_folder(dest: Path) -> Path | None:

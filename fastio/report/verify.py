@@ -290,7 +290,8 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     and its shards are where the manifest says (``shards/``, or where ``fastio index`` found them)."""
     manifest = load_manifest(root)
     local = LocalFiles(root) if fetch is None else None
-    _stray_files(root, prefix, manifest.shards, listed_files, report)
+    if not (manifest.converted_from or {}).get("indexed_in_place"):  # in place, shards/ is the user's, not fastio's
+        _stray_files(root, prefix, manifest.shards, listed_files, report)
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
     starts = _starts_table(root, prefix, manifest, report)
     for shard in _each_shard(manifest.shards, fetch):
@@ -359,7 +360,7 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
                   ) -> tuple[ShardRecord, list | None] | None:
     """Check one shard's files (a token shard's: also against ``starts``, its entries of the document-starts table);
     its (record, .idx entries) for the consolidated index check (None: not checked that far, or a token shard)."""
-    label = f"{prefix}{shard.name}"
+    label = f"{prefix}{shard.location or shard.name}"  # where the file is (indexed in place: its path below DEST)
     tar_path, idx_path = root / SHARDS_DIR / shard.name, root / SHARDS_DIR / shard.idx_name
     if local is not None:
         try:
@@ -398,19 +399,21 @@ def _file_problems(path: Path, shard: ShardRecord | IndexRecord) -> list[str]:
 
 
 def _idx_entries(idx_path: Path, shard: ShardRecord, label: str, report: VerifyReport) -> list | None:
-    """The shard's ``.idx`` entries, checked against the record (None: missing or unparsable, reported)."""
+    """The shard's ``.idx`` entries, checked against the record (None: missing or unparsable, reported); messages
+    name it as the manifest places it (indexed in place: its path below DEST)."""
+    shown = shard.idx_location or shard.idx_name
     if not idx_path.is_file():
-        report.problems.append(Problem(label, None, f"index {idx_path.name} is missing"))
+        report.problems.append(Problem(label, None, f"index {shown} is missing"))
         return None
     if sha256_file(idx_path)[1] != shard.idx_sha256:
-        report.problems.append(Problem(label, None, f"index {idx_path.name} sha256 does not match the manifest"))
+        report.problems.append(Problem(label, None, f"index {shown} sha256 does not match the manifest"))
     try:
-        entries = parse_index(idx_path.read_text(), source=idx_path.name)
+        entries = parse_index(idx_path.read_text(), source=shown)
     except (ValueError, UnicodeDecodeError) as err:
         report.problems.append(Problem(label, None, f"index does not parse: {err}"))
         return None
     try:
-        check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=idx_path.name)
+        check_index(entries, samples=len(entries), tar_bytes=shard.bytes, source=shown)
     except ValueError as err:
         report.problems.append(Problem(label, None, f"index is inconsistent: {err}"))
     return entries
