@@ -163,6 +163,21 @@ def test_max_side_downscales_only_big_images(tmp_path):
     assert ds.manifest.convert_options["max_side"] == 64
 
 
+def test_another_tools_manifest_is_not_called_a_converted_dataset(tmp_path, image_folder):
+    """A DEST holding a ``manifest.json`` fastio did not write (another tool's, the user's own) is "not fastio output",
+    as any other file: it was called "a converted dataset" to be replaced, and --overwrite would then have replaced
+    that folder's contents on a false description. The file stays."""
+    dest = tmp_path / "theirs"
+    dest.mkdir()
+    (dest / "manifest.json").write_text('{"name": "my-project", "version": 2}')
+    with pytest.raises(ConvertError, match=r"theirs: directory is not empty and is not fastio output"):
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    assert (dest / "manifest.json").read_text() == '{"name": "my-project", "version": 2}'
+    (dest / "manifest.json").write_text("not json")
+    with pytest.raises(ConvertError, match=r"theirs: directory is not empty and is not fastio output"):
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+
+
 def test_dest_rules(tmp_path, image_folder):
     dest = tmp_path / "d"
     convert(ConvertConfig(source=image_folder, dest=dest, workers=1))

@@ -35,7 +35,7 @@ from typing import TypeVar
 
 from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, written_by_fastio
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.media import PROBES_NAME
@@ -55,7 +55,16 @@ __all__ = ["Claim", "check_dest", "check_index_dest", "lock_dest", "lock_parts",
 # -- a local DEST ------------------------------------------------------------------------------------
 
 def _is_complete(dest: Path) -> bool:
-    return (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file()
+    """Whether DEST holds a converted dataset: fastio's manifest or split list (another tool's ``manifest.json`` is
+    none: DEST is then "not fastio output")."""
+    return any(_fastio_file(dest / name) for name in (MANIFEST_NAME, SPLITS_NAME))
+
+
+def _fastio_file(path: Path) -> bool:
+    try:
+        return path.is_file() and written_by_fastio(path.read_bytes())
+    except OSError:
+        return False
 
 
 def check_dest(dest: Path, source: Path | str | None, overwrite: bool) -> None:
@@ -251,11 +260,11 @@ def refuse_a_foreign_manifest(dest: Storage) -> None:
         return
     where = display_of(dest, MANIFEST_NAME)
     try:
-        manifest = json.loads(dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME)
-                              .read_bytes())
-        ours, source = manifest.get("format") == FORMAT, manifest.get("source")
-    except (OSError, ValueError, AttributeError):  # a folder of that name, not JSON, not a JSON object
-        ours, source = False, None
+        data = dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME).read_bytes()
+    except OSError:  # a folder of that name
+        data = b""
+    ours = written_by_fastio(data) and json.loads(data).get("format") == FORMAT  # not a split list's
+    source = json.loads(data).get("source") if ours else None
     if not ours:
         raise DatasetError(f"{where}: not a fastio manifest, and fastio index writes its manifest.json there; it is "
                            "left as it is: move it away, or index into another folder (--dest)")

@@ -55,6 +55,7 @@ __all__ = [
     "split_names",
     "write_manifest",
     "write_splits",
+    "written_by_fastio",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -791,6 +792,16 @@ def _records_valid(shards: list) -> bool:
     if not (all(isinstance(v, str) for v in masks) and _SHA256S.fullmatch("".join(v + "\n" for v in masks))):
         return False
     return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
+
+
+def written_by_fastio(data: bytes) -> bool:
+    """Whether ``data`` (a ``manifest.json`` or ``splits.json`` file's bytes) is fastio's: a JSON object whose format is
+    :data:`FORMAT` or :data:`SPLITS_FORMAT`. Not a check of the rest: what may be replaced as fastio's own output."""
+    try:
+        found = json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(found, dict) and found.get("format") in (FORMAT, SPLITS_FORMAT)
 
 
 def _validate(manifest: Any, path: str) -> None:
