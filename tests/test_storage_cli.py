@@ -94,6 +94,12 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     code, _, err = run_cli(["convert", str(image_folder), f"s3://{s3_bucket}/mine", "-q"], capsys)
     assert code == 2 and "prefix is not empty and is not fastio output" in err
     assert open_storage(f"s3://{s3_bucket}/mine").get("notes.txt") == b"precious"
+    theirs = open_storage(f"s3://{s3_bucket}/theirs")  # another tool's manifest.json: no fastio output either
+    theirs.put_bytes("manifest.json", b'{"name": "my-project"}')
+    for extra in ([], ["--overwrite"]):
+        code, _, err = run_cli(["convert", str(image_folder), f"s3://{s3_bucket}/theirs", "-q", *extra], capsys)
+        assert code == 2 and "prefix is not empty and is not fastio output" in err, err
+    assert theirs.get("manifest.json") == b'{"name": "my-project"}'
     code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)
     assert code == 2 and f"s3://{s3_bucket}/nothing: not a fastio dataset" in err
     for command in ("verify", "inspect"):  # said "not a fastio dataset (no manifest.json ...)"

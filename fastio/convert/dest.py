@@ -330,7 +330,8 @@ def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
     keys = [o.key for o in storage.list() if o.key != LOCK_NAME]
     if not keys:
         return []
-    ours = any(k in (MARKER_NAME, *_FINAL_NAMES) for k in keys)
+    # another tool's manifest.json is no fastio output (overwrite would replace it): its bytes are looked at
+    ours = MARKER_NAME in keys or any(k in keys and written_by_fastio(storage.get(k)) for k in _FINAL_NAMES)
     if not ours:
         raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
     if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:
