@@ -208,11 +208,37 @@ class ShardCache:
     def path(self, sha256: str) -> Path:
         return self.objects / f"{sha256}.tar"
 
-    def meta_dir(self, name: str) -> Path:
-        """A per-dataset folder for small metadata files (manifest, indexes); not counted, never evicted."""
+    def meta_dir(self, name: str, *, url: str, subfolders: tuple[str, ...] = ()) -> Path:
+        """A per-dataset folder (for the dataset at ``url``) for small metadata files (manifest, indexes), with its
+        ``subfolders``; not counted, never evicted. StorageError naming ``url`` and cache_dir if it cannot be made."""
         d = self.dir / META_DIR / name
-        d.mkdir(parents=True, exist_ok=True)
+        try:
+            for folder in (d, *(d / sub for sub in subfolders)):
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self.write_error(url, err) from None
         return d
+
+    def put_meta(self, path: Path, data: bytes, url: str) -> None:
+        """Publish ``data`` (the verified copy of object ``url``) at ``path`` in a :meth:`meta_dir` through a temporary
+        name of this process and thread (several processes of a node may write the same file at once; each rename
+        is atomic); StorageError naming ``url`` and cache_dir if it cannot be written, and no temporary left."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as err:
+            raise self.write_error(url, err) from None
+
+    def write_error(self, url: str, err: OSError) -> StorageError:
+        """The error for ``err``, raised where the cache writes to its own directory (read-only, full) while it
+        keeps a copy of ``url``: one line naming both and the reason."""
+        return StorageError(f"{url}: cannot write to cache_dir {self.dir}: {err.strerror or err}", url=url)
 
     # -- space ----------------------------------------------------------------------------------------
 
@@ -309,6 +335,13 @@ class ShardCache:
         if final.exists():
             return False
         url = storage.url_of(entry.key)
+        try:
+            return self._fill(storage, entry, final, url, wait)
+        except OSError as err:  # the cache's own disk: read-only, full (the store's faults are StorageErrors)
+            raise self.write_error(url, err) from None
+
+    def _fill(self, storage: Storage, entry: CacheEntry, final: Path, url: str, wait: bool) -> bool:
+        """:meth:`fill` once ``final`` was not there."""
         tmp = self.objects / f".{entry.sha256}.tar.tmp"
         with _flocked(self.objects / f".{entry.sha256}.lock", fcntl.LOCK_EX):
             if final.exists():  # another process filled it while we waited for the lock
