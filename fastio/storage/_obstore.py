@@ -39,14 +39,35 @@ __all__ = ["S3Client"]
 _STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP\s*)(\d{3})\b", re.IGNORECASE)
 
 
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_CONNECT_STAGE = re.compile(r'ConnectError\(\s*"([^"]+)"')
+_OS_REASON = re.compile(r'\b(?:message|error): "([^"]+)"')
+
+
+def _cause(text: str) -> str:
+    """Why a request got no answer, from the debug chain of an object_store HTTP error (its first line says only
+    "error sending request"): ``timed out``, ``connect: Connection refused``, ``connect: dns error: ...``;
+    "" when the chain names no HTTP error."""
+    kind = _HTTP_KIND.search(text)
+    if kind is None:
+        return ""
+    if kind[1] == "Timeout":
+        return "timed out"
+    stage, reason = _CONNECT_STAGE.search(text), _OS_REASON.search(text)
+    said = [x for x in (stage[1] if stage and stage[1] != "tcp connect error" else "", reason[1] if reason else "") if x]
+    return ": ".join([kind[1].lower(), *said])
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
-    # object_store messages are long multi-line chains; the status line and the server's code are what matter
+    # object_store messages are long multi-line chains; the status line, the server's code and, for a request that
+    # got no answer, its cause are what matter
     status = _STATUS.search(text)
     code = re.search(r"<Code>([^<]+)</Code>", text)
     head = text.split("Debug source")[0].strip().splitlines()[0] if text else type(err).__name__
     head = re.sub(r"^.*?(Server returned|Error performing|error sending|request or response body)", r"\1", head)[:160]
-    extra = ", ".join(x for x in (f"HTTP {status[1]}" if status else "", code[1] if code else "") if x)
+    extra = ", ".join(x for x in (f"HTTP {status[1]}" if status else "", code[1] if code else "",
+                                  "" if status else _cause(text)) if x)
     return f"{head} ({extra})" if extra and extra not in head else head
 
 
