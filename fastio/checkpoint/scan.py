@@ -39,6 +39,7 @@ __all__ = [
     "is_checkpoint_dir",
     "read_commit",
     "refuse_dataset_dir",
+    "refuse_empty_prefix",
     "refuse_file_or_step",
     "remote_steps",
     "scan",
@@ -174,6 +175,21 @@ def refuse_file_or_step(root: Path) -> None:
     if step is not None and ((root / COMMIT_FILE).is_file() or (root / WRITING_FILE).is_file()):
         raise CheckpointError(f"{root}: is one checkpoint (step {step[0]}), not a checkpoint directory: give the "
                               f"directory holding it, {root.parent}")
+
+
+def refuse_empty_prefix(storage: Storage, steps: dict[int, dict[str, int]], why: str = "") -> None:
+    """CheckpointError when an ``s3://`` prefix, given as a checkpoint directory, holds no ``step-N/`` (``steps``:
+    :func:`remote_steps`) and no writer's lease (``.fastio-lock``): a mistyped prefix, or another thing's (a dataset),
+    not a run that has not saved yet (its writer holds the lease). ``why`` ends the message."""
+    if not steps and _lease_size(storage) is None:
+        raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME}){why}")
+
+
+def _lease_size(storage: Storage) -> int | None:
+    try:
+        return storage.head(LOCK_NAME)
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
 
 
 def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:
