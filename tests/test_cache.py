@@ -26,6 +26,7 @@ from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import DatasetError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache
+from fastio.words import count
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,6 +186,34 @@ def test_verify_checks_a_cached_copy_damaged_on_the_nodes_disk(moto_server, s3_b
                                                                  rf"{cached}\)"):
         raw_epoch(loader)
     assert want  # the same loader without the damage read every sample
+
+
+def test_a_cached_copy_cut_short_on_the_nodes_disk_is_filled_again(moto_server, s3_bucket, small_shards, tmp_path,
+                                                                     caplog):
+    """Before: a cached copy cut short on the node's disk (a crash, a full disk, a hand copy) stayed in the cache and
+    failed every later run with 'shard shard-000001.tar key ...: field 'jpg' is truncated', words that blame the
+    dataset (whose `fastio verify` then passes). The size is checked at open (one fstat): such a copy is dropped,
+    named in one warning, and filled again from the store; the epoch is the whole dataset."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+
+    def epoch() -> dict[int, bytes]:
+        with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
+                    cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options()) as loader:
+            return raw_epoch(loader)
+
+    want = epoch()
+    entry = _entries(small_shards)[1]
+    cached = tmp_path / "cache" / "objects" / f"{entry.sha256}.tar"
+    for size in (entry.size // 2, 0):
+        os.chmod(cached, 0o644)
+        os.truncate(cached, size)
+        caplog.clear()
+        assert epoch() == want
+        assert cached.read_bytes() == (small_shards / SHARDS_DIR / entry.name).read_bytes()
+        said = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+        assert said == [f"{url}/{SHARDS_DIR}/{entry.name}: the cached copy {cached} is {count(size, 'byte')}, the "
+                        f"manifest says {entry.size} (cut short on this node's disk): filled again"], said
 
 
 def test_missing_dataset_and_missing_shard_name_the_url(moto_server, s3_bucket, small_shards, tmp_path):

@@ -23,7 +23,8 @@ Rules:
   every 10 s of use) not in use are deleted until the new shard fits in ``cache_size``. Only
   ``objects/<sha256>.tar`` and ``.tmp`` names are ever deleted: files the cache did not make are never touched.
 - **No torn reads**: a reader opens, locks, then checks that the file is still linked; an entry evicted in
-  between is filled again.
+  between is filled again. It checks the size too: a copy cut short on the node's disk (a crash, a full disk, a
+  hand copy) is removed (under the fill lock, only if still the same file), named in one warning, and filled again.
 """
 
 from __future__ import annotations
@@ -366,6 +367,27 @@ class ShardCache:
                     pass
         return True
 
+    def drop_cut_short(self, entry: CacheEntry, seen: os.stat_result, url: str) -> None:
+        """Remove the entry's copy whose stat is ``seen`` (its size not the manifest's: cut short on this node's disk,
+        by a crash, a full disk or a hand copy), named in one warning, so that the next open fills it again. Under
+        the shard's fill lock, and only if the copy there is still that file (another process may have replaced it
+        with a good one already); readers holding it keep their descriptors."""
+        path = self.path(entry.sha256)
+        try:
+            with _flocked(self.objects / f".{entry.sha256}.lock", fcntl.LOCK_EX):
+                try:
+                    now = path.stat()
+                except FileNotFoundError:
+                    return
+                if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                    return
+                path.unlink()
+        except OSError as err:
+            raise self.write_error(url, err) from None
+        logging.getLogger("fastio").warning(
+            "%s: the cached copy %s is %s, the manifest says %d (cut short on this node's disk): filled again", url,
+            path, count(seen.st_size, "byte"), entry.size)
+
     @staticmethod
     def _download(storage: Storage, entry: CacheEntry, tmp: Path) -> tuple[int, str]:
         """Fill ``tmp`` (already at its full size) and return ``(size, sha256)`` of what arrived, fsynced.
@@ -560,8 +582,13 @@ class CachedShardFiles:
                 filled = True
                 continue
             fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it from now on
-            if os.fstat(fd).st_nlink == 0:  # evicted between open and lock
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # evicted between open and lock
                 os.close(fd)
+                continue
+            if st.st_size != entry.size:  # cut short on this node's disk: never read, filled again
+                os.close(fd)
+                self.cache.drop_cut_short(entry, st, self.storage.url_of(entry.key))
                 continue
             os.utime(fd)  # most recently used
             self._touched[i] = time.monotonic()
