@@ -184,3 +184,38 @@ def test_a_rollback_on_s3_supersedes_the_abandoned_branch_keeping_its_objects(mo
     with checkpointer(1, "c") as ckpt:
         assert ckpt.restore_latest(relaunched).step == 31
     assert same_state(relaunched, branch)
+
+
+def test_a_damaged_step_on_the_store_costs_no_disk_at_each_restart(moto_server, s3_bucket, tmp_path, caplog):
+    """Before: each restore into the same staging dir downloaded the damaged newest step again and moved that download
+    aside (step-2.quarantined, -2, -3...): a job requeued N times kept N full copies of a checkpoint on the node's
+    disk. A download is not the only copy (the store keeps it, for the rollback of the next commit to move aside):
+    it is removed, and the warning names the store's copy."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    app = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.maybe_save(step, app)
+            ckpt.wait()
+    store = open_storage(url, options)
+    victim = next(o for o in store.list("step-2/") if not o.key.endswith(naming.COMMIT_FILE) and o.size > 100)
+    data = bytearray(store.get(victim.key))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(victim.key, bytes(data))
+    before = {o.key: o.size for o in store.list()}
+    for _ in range(3):
+        caplog.clear()
+        with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "b", signals=()) as ckpt:
+            assert ckpt.restore_latest(make_app(seed=5)).step == 1
+        said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+        assert len(said) == 1 and said[0].endswith(f"; the download of {url}/step-2 removed (the store keeps it)"), said
+        assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("step-")) == ["step-1"]
+    assert {o.key: o.size for o in store.list() if o.key != ".fastio-lock"} == before
+    # a step committed in the staging dir (not a download: perhaps the only copy) is still moved aside, never deleted
+    local = tmp_path / "a" / victim.key
+    local.write_bytes(local.read_bytes()[:-1])
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=5)).step == 1
+    assert (tmp_path / "a" / "step-2.quarantined" / victim.key.split("/", 1)[1]).is_file()

@@ -122,6 +122,11 @@ class Commit(Protocol):
         False when every step is already in ``root``."""
         ...
 
+    def downloaded(self, step: int) -> str | None:
+        """The store's URL of ``step`` when ``root``'s copy of it is what :meth:`fetch` downloaded in this process
+        (not the only copy); None otherwise."""
+        ...
+
 
 def _warn_superseded(where: object, step: int, restored: int | None, steps: list[int]) -> None:
     """The warning naming the steps a commit of ``step`` superseded: after a rollback to ``restored``, or (None)
@@ -193,6 +198,9 @@ class _Steps:
     @property
     def fetches(self) -> bool:
         return self.remote is not None
+
+    def downloaded(self, step: int) -> str | None:
+        return self.remote.download_of(step) if self.remote is not None else None
 
     def _remote_steps(self) -> list[int]:
         try:

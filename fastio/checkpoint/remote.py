@@ -123,6 +123,7 @@ class RemoteCheckpoints:
         self.url, self.root = url, Path(root)
         self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
+        self._downloaded: dict[int, tuple[str, int]] = {}  # step -> (its URL, the inode of its download's folder)
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
         """Take the prefix's lease (:class:`~fastio.storage.lock.LockedError` naming the holder; StorageError if the
@@ -239,6 +240,17 @@ class RemoteCheckpoints:
             self.mirror.pull(dest.name, dest)
         except StorageError as err:
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
+        self._downloaded[step] = (self.mirror.storage.url_of(dest.name), dest.stat().st_ino)
+
+    def download_of(self, step: int) -> str | None:
+        """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it
+        into (a copy of what the store keeps; not a step committed here since, which may be the only copy); else
+        None."""
+        url, ino = self._downloaded.get(step, ("", -1))
+        try:
+            return url if url and naming.step_dir(self.root, step).stat().st_ino == ino else None
+        except FileNotFoundError:
+            return None
 
     def committed_steps(self) -> list[int]:
         """The store's committed steps, oldest first (less those of a rollback in progress)."""

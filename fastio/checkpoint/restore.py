@@ -144,15 +144,22 @@ def _check_restored_with(app: dict[str, Any], key: str, state: Any, path: Path) 
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
 
 
-def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
+def _set_aside(newer: list[Unrecognised], *, read_only: bool, downloaded: Callable[[int], str | None]) -> None:
     """Move the damaged or unrecognised steps above the chosen one aside (not with ``read_only``), one warning
-    each."""
-    for _, path_, reason in newer:
+    each; a step this restore downloaded (``downloaded(step)``: the store's URL) is removed instead: the store keeps
+    it (a restart would otherwise keep one more copy of it each time)."""
+    for step, path_, reason in newer:
         if not Path(path_).exists():
             continue
+        source = downloaded(step)
         try:
-            moved = ("; left in place (read_only)" if read_only else
-                     f"; moved aside to {removal.quarantine(Path(path_)).name}")
+            if read_only:
+                moved = "; left in place (read_only)"
+            elif source is not None:
+                removal.remove_step(Path(path_))
+                moved = f"; the download of {source} removed (the store keeps it)"
+            else:
+                moved = f"; moved aside to {removal.quarantine(Path(path_)).name}"
         except OSError as err:
             moved = f"; left in place ({err.strerror or err})"
         reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
@@ -290,7 +297,7 @@ class Restorer:
                                       f"damaged or unrecognised, newest {newer[0][1]}: {newer[0][2]}")
             return None
         if self.leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
-            _set_aside(newer, read_only=self.read_only)
+            _set_aside(newer, read_only=self.read_only, downloaded=commit.downloaded)
         path = commit.step_dir(chosen)
         state = self._restore(path, scan.read_commit(path), app, strict, loader_policy)
         commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
