@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import run_cli
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, catalog, naming
+from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 
 
@@ -219,3 +221,40 @@ def test_a_damaged_step_on_the_store_costs_no_disk_at_each_restart(moto_server, 
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
         assert ckpt.restore_latest(make_app(seed=5)).step == 1
     assert (tmp_path / "a" / "step-2.quarantined" / victim.key.split("/", 1)[1]).is_file()
+
+
+def _two_steps(url: str, options: dict, staging) -> tuple[dict, str]:
+    """Steps 1 and 2 saved to ``url``; the app, and the key of a file of step 2 (not its marker)."""
+    app = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=staging, signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.maybe_save(step, app)
+            ckpt.wait()
+    keys = [o for o in open_storage(url, options).list("step-2/") if not o.key.endswith(naming.COMMIT_FILE)]
+    return app, max(keys, key=lambda o: o.size).key
+
+
+def test_a_store_that_fails_while_the_newest_step_downloads_fails_the_restore(moto_server, s3_bucket, fault_proxy,
+                                                                            tmp_path, caplog):
+    """Before: an outage (503 past deadline_s) while the newest step downloaded was taken for damage: restore_latest
+    fell back to step 1 without a word, and the next commit superseded the intact step 2 (moved aside on the store,
+    no checkpoint any more): progress lost to a network blip. Now a step that could not be read fails the restore,
+    naming its URL, and nothing is superseded. An object listed and then gone (404: retention racing a read-only
+    restore) is damage: that step is skipped, with the one warning every skipped step gets, naming the object."""
+    url = f"s3://{s3_bucket}/ckpt"
+    app, victim = _two_steps(url, moto_server.options(), tmp_path / "a")
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    fault_proxy.down = {f"/ckpt/{victim}"}
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "b", signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match=rf"^{url}/step-2: cannot be downloaded: {url}/{victim}: GET failed "
+                                                  r"after \d+ attempts in .*deadline_s=1"):
+            ckpt.restore_latest(make_app(seed=5))
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(("step-", ".step-"))]
+    assert naming.COMMIT_FILE in {o.key.split("/")[-1] for o in open_storage(url, options).list("step-2/")}
+    fault_proxy.down, fault_proxy.gone = set(), {f"/ckpt/{victim}"}
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "c", signals=(), read_only=True) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=5)).step == 1
+    said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(said) == 1 and f"{url}/{victim}: GET failed: not found" in said[0], said

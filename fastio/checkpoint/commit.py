@@ -111,9 +111,10 @@ class Commit(Protocol):
         directories that are not committed checkpoints. CheckpointError when ``step`` is not committed."""
         ...
 
-    def fetch(self, step: int) -> None:
+    def fetch(self, step: int) -> list[str]:
         """The lowest rank of ``ranks_here``: make committed ``step`` readable in ``root`` (downloaded when it
-        is only on the store; not verified here, the caller checks every copy)."""
+        is only on the store; not verified here, the caller checks every copy). Returns the step's problems found
+        on the way (an object gone from the store); CheckpointError when the store could not be read."""
         ...
 
     @property
@@ -191,9 +192,8 @@ class _Steps:
             if entry.temporary:
                 log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
 
-    def fetch(self, step: int) -> None:
-        if self.remote is not None:
-            self.remote.fetch(step)
+    def fetch(self, step: int) -> list[str]:
+        return self.remote.fetch(step) if self.remote is not None else []
 
     @property
     def fetches(self) -> bool:

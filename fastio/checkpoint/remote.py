@@ -228,19 +228,28 @@ class RemoteCheckpoints:
         log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
         return target
 
-    def fetch(self, step: int) -> None:
+    def fetch(self, step: int) -> list[str]:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
-        the caller checks every node's copy)."""
+        the caller checks every node's copy). Returns the step's problems: an object listed, then gone (404:
+        retention racing a read-only restore), makes it incomplete. Any other failure (the store unreachable past
+        ``deadline_s``, a refusal, the staging disk) is a CheckpointError: a step that could not be read is not
+        known to be damaged, and falling back past it would have the next commit supersede it."""
         dest = naming.step_dir(self.root, step)
         if any(e.step == step for e in scan.committed(self.root)):
-            return
-        if dest.exists():
-            removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+            return []
         try:
+            if dest.exists():
+                removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
             self.mirror.pull(dest.name, dest)
         except StorageError as err:
+            if err.missing:
+                return [str(err)]
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded into {self.root}: "
+                                  f"{err.strerror or err}") from None
         self._downloaded[step] = (self.mirror.storage.url_of(dest.name), dest.stat().st_ino)
+        return []
 
     def download_of(self, step: int) -> str | None:
         """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it

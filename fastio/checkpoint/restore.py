@@ -149,7 +149,8 @@ def _set_aside(newer: list[Unrecognised], *, read_only: bool, downloaded: Callab
     each; a step this restore downloaded (``downloaded(step)``: the store's URL) is removed instead: the store keeps
     it (a restart would otherwise keep one more copy of it each time)."""
     for step, path_, reason in newer:
-        if not Path(path_).exists():
+        if not Path(path_).exists():  # never downloaded here (an object gone from the store): nothing to move
+            log.warning("fastio: skipping checkpoint %s: %s", path_, reason)
             continue
         source = downloaded(step)
         try:
@@ -327,10 +328,20 @@ class Restorer:
 
     def _fetch(self, step: int) -> list[str]:
         """Collective where the commit fetches (an ``s3://`` dir): ``step`` made readable here by each directory's
-        lowest rank, the others waiting for it; every rank's problems. Nothing to do (no agreement) otherwise."""
+        lowest rank, the others waiting for it; every rank's problems (an object gone from the store). A store
+        that could not be read fails the restore on every rank (no fallback: the step is not known to be damaged,
+        and the next commit would supersede it). Nothing to do (no agreement) otherwise."""
         if not self.commit.fetches:
             return []
-        return self.ranks.collect("fetch", lambda: self.commit.fetch(step) or [] if self.leader else [])
+        problems: list[str] = []
+        failure: str | None = None
+        if self.leader:
+            try:
+                problems = self.commit.fetch(step)
+            except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
+                failure = str(err) if isinstance(err, FastioError) else f"{self.where}: {first_line(err)}"
+        self.ranks.check("fetch", failure, blame=False)
+        return self.ranks.collect("fetched", lambda: problems)
 
     def _check_step(self, step: int, path: Path) -> list[str]:
         """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file
