@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from fastio.checkpoint import Checkpointer, catalog, naming
 from fastio.errors import CheckpointError
 from fastio.storage import open_storage
+from fastio.storage.options import StorageOptions
 
 
 def make_app(seed: int = 0):
@@ -258,3 +260,37 @@ def test_a_store_that_fails_while_the_newest_step_downloads_fails_the_restore(mo
         assert ckpt.restore_latest(make_app(seed=5)).step == 1
     said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
     assert len(said) == 1 and f"{url}/{victim}: GET failed: not found" in said[0], said
+
+
+def test_ckpt_verify_that_cannot_read_a_step_says_so_and_calls_nothing_damaged(moto_server, s3_bucket, aws_env,
+                                                                               fault_proxy, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Before: `fastio ckpt verify s3://...` whose temporary folder could not hold a file of a step (the file size
+    limit here, a quota-free stand-in for a full disk) died with a raw OSError traceback from the download; and one
+    whose store failed past deadline_s while it downloaded a step reported that step as damaged (exit 1), an
+    intact checkpoint someone might then delete. Every download (Storage.get_to_file) now names the object and the
+    folder in a StorageError, and a step that could not be read is 'cannot be verified': one line, exit 2."""
+    import resource
+    import signal
+
+    url = f"s3://{s3_bucket}/ckpt"
+    _, victim = _two_steps(url, moto_server.options(), tmp_path / "a")
+    size = open_storage(url, moto_server.options()).head(victim)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, hard))
+    try:
+        code, out, err = run_cli(["ckpt", "verify", url], capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (out, err)
+    assert err.startswith(f"fastio: error: {url}/step-1: cannot be verified: {url}/step-1/") and \
+        ": cannot download into " in err and err.endswith(": File too large\n"), err
+    resolve = StorageOptions.resolve.__func__  # a 1 s deadline: the same retries and error, 119 s sooner
+    monkeypatch.setattr(StorageOptions, "resolve", classmethod(
+        lambda cls, overrides=None, env=None: dataclasses.replace(resolve(cls, overrides, env), deadline_s=1.0)))
+    fault_proxy.down = {f"/ckpt/{victim}"}
+    code, out, err = run_cli(["ckpt", "verify", url, "--endpoint-url", fault_proxy.endpoint], capsys)
+    assert code == 2 and err.count("\n") == 1 and "damaged" not in out + err, (out, err)
+    assert err.startswith(f"fastio: error: {url}/step-2: cannot be verified: {url}/{victim}: GET failed after "), err

@@ -313,7 +313,11 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
             try:
                 mirror.pull(name, local)
                 found = verify_step(StepEntry(step, local, read_commit(local)))
-            except (StorageError, CheckpointError) as err:
+            except StorageError as err:  # an object gone is damage; an unreachable store or a full disk is not
+                if not err.missing:
+                    raise CheckpointError(f"{url}: cannot be verified: {err}") from None
+                found = [str(err)]
+            except CheckpointError as err:
                 found = [str(err)]
             shutil.rmtree(local, ignore_errors=True)
             if found and not _marked(storage, name):  # retention deletes the marker first: being deleted

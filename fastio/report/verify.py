@@ -49,7 +49,7 @@ from fastio.formats.megatron import MegatronShard
 from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.token_mask import MaskFile
 from fastio.formats.wds import split_member_name
-from fastio.storage import Storage, local_or_url, open_storage
+from fastio.storage import local_or_url, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.ids import IdScan, first_outside, id_problem
 from fastio.tokens.starts import read_starts
@@ -481,16 +481,6 @@ def _remote_file(storage, prefix: str, location: str):
     return storage, f"{prefix}{location}"
 
 
-def _download(storage: Storage, key: str, path: Path) -> None:
-    """Object ``key`` into the local ``path``; StorageError naming both when the local disk refuses it (full,
-    read-only), not the OSError."""
-    try:
-        storage.get_to_file(key, path)
-    except OSError as err:
-        raise StorageError(f"{storage.url_of(key)}: cannot download into {path.parent}: {err.strerror or err}",
-                           url=storage.url_of(key)) from None
-
-
 def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> VerifyReport:
     storage = open_storage(url, storage_options)
     report = VerifyReport(url)
@@ -500,7 +490,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
             sub, prefix = Path(tmp) / name, f"{name}/" if name else ""
             (sub / SHARDS_DIR).mkdir(parents=True)
             try:
-                _download(storage, f"{prefix}{MANIFEST_NAME}", sub / MANIFEST_NAME)
+                storage.get_to_file(f"{prefix}{MANIFEST_NAME}", sub / MANIFEST_NAME)
             except StorageError as err:
                 if err.missing:
                     raise no_manifest(storage.url_of(prefix.rstrip("/")), storage) from None
@@ -509,7 +499,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                 loaded = load_manifest(sub)
                 for record in (loaded.index, loaded.probes, loaded.tokens.starts if loaded.tokens else None):
                     if record is not None:
-                        _download(storage, f"{prefix}{record.name}", sub / record.name)
+                        storage.get_to_file(f"{prefix}{record.name}", sub / record.name)
             except StorageError as err:
                 if not err.missing:
                     raise
@@ -524,7 +514,7 @@ def _verify_remote(url: str, decode: bool, storage_options: dict | None) -> Veri
                     path = sub / SHARDS_DIR / file
                     where, key = _remote_file(storage, prefix, location)
                     try:
-                        _download(where, key, path)
+                        where.get_to_file(key, path)
                     except StorageError as err:
                         if not err.missing:
                             raise
