@@ -649,3 +649,27 @@ def test_a_cache_dir_too_full_for_a_shard_is_named_and_keeps_nothing(moto_server
     assert f"{url}/shards/shard-000000.tar: " in str(info.value) and f"cache_dir {cache}" in str(info.value)
     assert "File too large" in str(info.value)
     assert not [p for p in (cache / "objects").iterdir() if p.name.endswith((".tar", ".tmp"))]
+
+
+def test_a_url_given_as_cache_dir_is_refused_not_made_a_local_folder(moto_server, aws_env, s3_bucket, small_shards,
+                                                                    tmp_path, monkeypatch, capsys):
+    """Before: cache_dir='s3://bucket/cache' (or --cache-dir s3://...) filled a local folder 's3:/bucket/cache' in the
+    working directory, and 'file:///abs/path' one named 'file:'. Now an object-store URL is refused naming
+    cache_dir, and a file:// URL is its path."""
+    from helpers import run_cli
+
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    monkeypatch.chdir(tmp_path)
+    for bad in (f"s3://{s3_bucket}/cache", Path(f"s3://{s3_bucket}/cache"), "gs://bucket/cache"):
+        with pytest.raises(StorageError, match=r"^cache_dir .*: must be a local directory \(a path, or "
+                                               r"file:///absolute/path\), not a URL$"):
+            Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=bad,
+                   storage_options=moto_server.options())
+    code, _, err = run_cli(["inspect", url, "--cache-dir", f"s3://{s3_bucket}/cache"], capsys)
+    assert code == 2 and err.startswith("fastio: error: cache_dir s3:/") and err.count("\n") == 1, err
+    with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=f"file://{tmp_path}/c",
+                storage_options=moto_server.options()) as loader:
+        assert len(raw_epoch(loader)) == 48
+    assert (tmp_path / "c" / ".fastio-cache").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(":")]  # no folder 's3:' or 'file:'

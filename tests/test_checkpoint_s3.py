@@ -294,3 +294,20 @@ def test_ckpt_verify_that_cannot_read_a_step_says_so_and_calls_nothing_damaged(m
     code, out, err = run_cli(["ckpt", "verify", url, "--endpoint-url", fault_proxy.endpoint], capsys)
     assert code == 2 and err.count("\n") == 1 and "damaged" not in out + err, (out, err)
     assert err.startswith(f"fastio: error: {url}/step-2: cannot be verified: {url}/{victim}: GET failed after "), err
+
+
+def test_a_url_given_as_staging_dir_is_refused_by_name(moto_server, s3_bucket, tmp_path, monkeypatch):
+    """Before: Checkpointer(url, staging_dir='s3://...') was refused as 's3:/bucket/stage: looks like a URL passed as
+    a Path (pass URLs as str)', though a str was passed, and staging_dir='file:///abs/path' the same way. Now the
+    message names staging_dir and what it takes, and a file:// URL is its path (the rule cache_dir follows)."""
+    from fastio.errors import StorageError
+
+    url = f"s3://{s3_bucket}/ckpt"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match=rf"^staging_dir s3://{s3_bucket}/stage: must be a local directory \(a "
+                                           r"path, or file:///absolute/path\), not a URL$"):
+        Checkpointer(url, storage_options=moto_server.options(), staging_dir=f"s3://{s3_bucket}/stage", signals=())
+    with Checkpointer(url, storage_options=moto_server.options(), staging_dir=f"file://{tmp_path}/stage",
+                      signals=()) as ckpt:
+        assert ckpt.dir == tmp_path / "stage"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(":")]

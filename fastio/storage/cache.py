@@ -49,6 +49,7 @@ from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
 from fastio.storage.checksum import DIGESTS, digest_file
+from fastio.storage.url import local_folder
 from fastio.words import count
 
 __all__ = ["CACHE_MARKER", "CHECKPOINT_STAGING", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
@@ -176,7 +177,7 @@ class ShardCache:
     """
 
     def __init__(self, cache_dir: str | Path, cache_size: int | str | None = None, *, wait_s: float = 120.0):
-        self.dir = Path(cache_dir)
+        self.dir = local_folder(cache_dir, "cache_dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not (self.dir / CACHE_MARKER).is_file():
