@@ -145,3 +145,20 @@ def test_a_number_of_the_wrong_type_is_named(kw, match):
     with pytest.raises(ValueError, match=match):  # as a user passes them
         Dataset("s3://some-bucket/ds", storage_options={"endpoint": "http://127.0.0.1:9", **kw})
     assert StorageOptions(deadline_s=30, retries=3).deadline_s == 30
+
+
+def test_no_credentials_anywhere_is_named(moto_server, s3_bucket, tmp_path, monkeypatch):
+    """Before: with no keys in storage_options, the environment or ~/.aws, the client's last resort (the instance
+    metadata service) failing gave 'HEAD failed: Error performing PUT http://169.254.169.254/latest/api/token ...',
+    which names neither credentials nor where fastio looked. Now the error says no credentials were found and
+    where, and keeps the client's own line."""
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    st = open_storage(f"s3://{s3_bucket}/p", {"endpoint": moto_server.endpoint, "region": "us-east-1", "retries": 0,
+                                                "deadline_s": 30})
+    with pytest.raises(StorageError, match=rf"^s3://{s3_bucket}/p/x\.bin: HEAD failed.*: no credentials: none in "
+                                           r"storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile "
+                                           r"in ~/\.aws, and the instance metadata service gave none \(.*169\.254"):
+        st.head("x.bin")

@@ -39,6 +39,7 @@ __all__ = ["S3Client"]
 _STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP\s*)(\d{3})\b", re.IGNORECASE)
 
 
+_CREDENTIAL_SERVICES = ("169.254.169.254", "169.254.170.2")  # EC2 instance metadata, ECS task credentials
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _CONNECT_STAGE = re.compile(r'ConnectError\(\s*"([^"]+)"')
 _OS_REASON = re.compile(r'\b(?:message|error): "([^"]+)"')
@@ -68,7 +69,11 @@ def _first_line(err: BaseException) -> str:
     head = re.sub(r"^.*?(Server returned|Error performing|error sending|request or response body)", r"\1", head)[:160]
     extra = ", ".join(x for x in (f"HTTP {status[1]}" if status else "", code[1] if code else "",
                                   "" if status else _cause(text)) if x)
-    return f"{head} ({extra})" if extra and extra not in head else head
+    line = f"{head} ({extra})" if extra and extra not in head else head
+    if any(host in text for host in _CREDENTIAL_SERVICES):  # the client's last resort for credentials failed
+        return ("no credentials: none in storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile in "
+                f"~/.aws, and the instance metadata service gave none ({line})")
+    return line
 
 
 @contextmanager
