@@ -156,8 +156,10 @@ def test_no_credentials_anywhere_is_named(moto_server, s3_bucket, tmp_path, monk
         if k.startswith("AWS_"):
             monkeypatch.delenv(k)
     monkeypatch.setenv("HOME", str(tmp_path))
+    # one attempt, bounded well inside the deadline (where the metadata service does not answer at all, its
+    # connection error is what the line keeps)
     st = open_storage(f"s3://{s3_bucket}/p", {"endpoint": moto_server.endpoint, "region": "us-east-1", "retries": 0,
-                                                "deadline_s": 30})
+                                                "timeout_s": 5, "connect_timeout_s": 2, "deadline_s": 30})
     with pytest.raises(StorageError, match=rf"^s3://{s3_bucket}/p/x\.bin: HEAD failed.*: no credentials: none in "
                                            r"storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile "
                                            r"in ~/\.aws, and the instance metadata service gave none \(.*169\.254"):
