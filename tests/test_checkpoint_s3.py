@@ -311,3 +311,23 @@ def test_a_url_given_as_staging_dir_is_refused_by_name(moto_server, s3_bucket, t
                       signals=()) as ckpt:
         assert ckpt.dir == tmp_path / "stage"
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(":")]
+
+
+def test_a_staging_dir_of_another_url_is_refused_not_restored_from(moto_server, s3_bucket, tmp_path):
+    """Before: a staging_dir reused for another s3:// prefix handed that run's steps over as this one's:
+    Checkpointer('s3://b/runB', staging_dir=S).restore_latest() restored run A's step 2 (steps() said []), and its
+    next commit 'rolled back' from it. Now a staging dir records the URL it stages, and another URL is refused
+    naming both; the first URL still uses it."""
+    from fastio.errors import CheckpointError
+
+    options, stage = moto_server.options(), tmp_path / "stage"
+    run_a, run_b = f"s3://{s3_bucket}/runA", f"s3://{s3_bucket}/runB"
+    _two_steps(run_a, options, stage)
+    refused = (rf"^{run_b}: staging_dir {stage} stages the checkpoints of {run_a}; its steps would be restored and "
+               r"uploaded as this prefix's: give another staging_dir$")
+    for read_only in (False, True):
+        with pytest.raises(CheckpointError, match=refused):
+            Checkpointer(run_b, storage_options=options, staging_dir=stage, signals=(), read_only=read_only)
+    assert open_storage(run_b, options).list() == []
+    with Checkpointer(f"{run_a}/", storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=3)).step == 2

@@ -233,7 +233,10 @@ class Checkpointer:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
                 if self._remote is not None:
+                    self._remote.bind_staging(write=True)
                     self._remote.hold()
+            elif self._remote is not None and self.config.staging_dir is not None:
+                self._remote.bind_staging(write=False)
         except OSError as err:
             problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
         except LockedError as err:  # the lease's names the URL; an s3:// dir's staging dir lock names the URL first
@@ -436,7 +439,8 @@ class Checkpointer:
     # ----------------------------------------------------------------- internals
     def _group_staging(self) -> None:
         """Collective at construction: find the ranks sharing this rank's staging dir; the lowest rank of each
-        node-local dir (other than rank 0's) takes its DirLock. Every rank fails together, naming the problem."""
+        node-local dir (other than rank 0's) takes its DirLock and checks (or records) the prefix it stages. Every
+        rank fails together, naming the problem."""
         from fastio.checkpoint.remote import staging_groups, staging_views
 
         groups = staging_groups(staging_views(self.dir, self._ranks))  # the same on every rank
@@ -446,7 +450,8 @@ class Checkpointer:
             if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0 and not self.read_only:
                 try:
                     self._lock.acquire()
-                except (LockedError, OSError) as err:
+                    self._remote.bind_staging(write=True)  # as rank 0 did its own (_take_dir)
+                except (LockedError, OSError, CheckpointError) as err:
                     problem = str(err)
             if len(groups) > 1 and self.rank == 0:
                 log.info("fastio: %s: %d node-local staging directories; each node uploads its own files",

@@ -33,6 +33,7 @@ never touched.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 import tempfile
@@ -47,12 +48,16 @@ from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.retention import expired
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 from fastio.words import agree
 
-__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
+__all__ = ["STAGING_RECORD", "RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
+
+STAGING_RECORD = ".fastio-staging.json"
+"""In a staging dir: ``{"url": ...}``, the ``s3://`` prefix whose checkpoints it stages."""
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +129,25 @@ class RemoteCheckpoints:
         self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
         self._downloaded: dict[int, tuple[str, int]] = {}  # step -> (its URL, the inode of its download's folder)
+
+    def bind_staging(self, *, write: bool) -> None:
+        """CheckpointError when the staging directory stages another prefix's checkpoints (its
+        :data:`STAGING_RECORD` names it): its committed steps would be restored, and uploaded, as this prefix's.
+        With ``write``, records this prefix there when nothing is recorded (a staging dir of an older fastio, or a
+        new one: adopted)."""
+        record, url = self.root / STAGING_RECORD, self.mirror.storage.url
+        try:
+            staged = json.loads(record.read_text())["url"]
+        except FileNotFoundError:
+            if write:
+                atomic_write_bytes(record, json.dumps({"url": url}).encode())
+            return
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{url}: staging_dir {self.root} has an unreadable {STAGING_RECORD} ({err}): give "
+                                  "another staging_dir") from None
+        if staged != url:
+            raise CheckpointError(f"{url}: staging_dir {self.root} stages the checkpoints of {staged}; its steps would "
+                                  "be restored and uploaded as this prefix's: give another staging_dir")
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
         """Take the prefix's lease (:class:`~fastio.storage.lock.LockedError` naming the holder; StorageError if the
