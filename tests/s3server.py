@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["FaultProxy", "MotoServer", "free_port"]
+__all__ = ["REQUEST_TIMEOUT", "FaultProxy", "MotoServer", "free_port"]
 
 ACCESS_KEY, SECRET_KEY, REGION = "fastio-test", "fastio-test-secret", "us-east-1"
 
@@ -87,6 +87,10 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
              b"<Message>Please reduce your request rate.</Message></Error>")
 _NO_SUCH_KEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
                 b"<Message>The specified key does not exist.</Message></Error>")
+REQUEST_TIMEOUT = (400, b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>RequestTimeout</Code><Message>Your '
+                   b"socket connection to the server was not read from or written to within the timeout period."
+                   b"</Message></Error>")
+"""What S3 answers a request whose body came too slowly: HTTP 400, yet worth retrying (as the AWS SDKs do)."""
 _DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
            b"<Message>Access Denied</Message></Error>")
 
@@ -95,7 +99,8 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream_port`` that injects faults.
 
     Args:
-        slowdown: fraction of requests answered ``503 SlowDown``.
+        slowdown: fraction of requests answered ``503 SlowDown`` (or ``throttle``: another ``(status, body)``,
+            e.g. :data:`REQUEST_TIMEOUT`).
         cut: fraction of GET requests whose response body is cut off halfway (connection closed).
         max_faults: the same request is faulted at most this many times in a row.
         seed: seeds the fault choice.
@@ -109,6 +114,7 @@ class FaultProxy:
                  seed: int = 0):
         self.upstream_port, self.slowdown, self.cut, self.max_faults, self.seed = (
             upstream_port, slowdown, cut, max_faults, seed)
+        self.throttle: tuple[int, bytes] = (503, _SLOWDOWN)
         self.forbidden: set[str] = set()
         self.gone: set[str] = set()
         self.down: set[str] = set()
@@ -151,7 +157,7 @@ class FaultProxy:
                 if decision == "gone":
                     return self._reply(404, _NO_SUCH_KEY)
                 if decision == "slowdown":
-                    return self._reply(503, _SLOWDOWN)
+                    return self._reply(*proxy.throttle)
                 dropped = {"transfer-encoding", "content-length", *proxy.drop_headers}
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)

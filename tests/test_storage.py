@@ -164,3 +164,18 @@ def test_no_credentials_anywhere_is_named(moto_server, s3_bucket, tmp_path, monk
                                            r"storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile "
                                            r"in ~/\.aws, and the instance metadata service gave none \(.*169\.254"):
         st.head("x.bin")
+
+
+def test_an_s3_request_timeout_is_retried_though_it_is_a_400(moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Before: S3's 'RequestTimeout' (HTTP 400: a request body that came too slowly, on a loaded link) was taken for a
+    bad request and failed a read or an upload (a checkpoint's file) at once. The AWS SDKs retry it; so does fastio,
+    as it retries 503 SlowDown."""
+    from s3server import REQUEST_TIMEOUT
+
+    fault_proxy.slowdown, fault_proxy.max_faults, fault_proxy.throttle = 1.0, 2, REQUEST_TIMEOUT
+    st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
+    (tmp_path / "f").write_bytes(b"checkpoint bytes")
+    st.put_file("f.bin", tmp_path / "f")
+    st.put_bytes("g.bin", b"small")
+    assert st.get("f.bin") == b"checkpoint bytes" and st.get("g.bin") == b"small"
+    assert fault_proxy.counts["slowdown"] >= 6 and st.retry_count > 0

@@ -76,6 +76,17 @@ def _first_line(err: BaseException) -> str:
     return line
 
 
+_TRANSIENT_CODES = ("RequestTimeout", "OperationAborted", "Throttling", "ThrottlingException", "RequestThrottled",
+                    "TooManyRequestsException", "RequestLimitExceeded")
+"""S3 error codes sent with a 4xx status that retrying cures (as the AWS SDKs retry them): a request body that came
+too slowly (400 RequestTimeout), a conflicting operation in progress (409 OperationAborted), throttling."""
+
+
+def _retried_code(text: str) -> bool:
+    code = re.search(r"<Code>([^<]+)</Code>", text)
+    return code is not None and code[1] in _TRANSIENT_CODES
+
+
 @contextmanager
 def _translated() -> Iterator[None]:
     try:
@@ -95,7 +106,7 @@ def _translated() -> Iterator[None]:
             raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
         if code == 412 or (code == 409 and "ConditionalRequestConflict" in str(err)):
             raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
-        if code is not None and 400 <= code < 500 and code not in (408, 429):
+        if code is not None and 400 <= code < 500 and code not in (408, 429) and not _retried_code(str(err)):
             raise Permanent(_first_line(err)) from None
         raise Transient(_first_line(err)) from None
     except (OSError, TimeoutError) as err:  # raised while a response body streams in
