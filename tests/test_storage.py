@@ -179,3 +179,21 @@ def test_an_s3_request_timeout_is_retried_though_it_is_a_400(moto_server, s3_buc
     st.put_bytes("g.bin", b"small")
     assert st.get("f.bin") == b"checkpoint bytes" and st.get("g.bin") == b"small"
     assert fault_proxy.counts["slowdown"] >= 6 and st.retry_count > 0
+
+
+def test_a_redirect_to_another_region_fails_at_once_naming_the_region(moto_server, s3_bucket, fault_proxy):
+    """Before: S3's answer to a bucket addressed in the wrong region (301 PermanentRedirect, no Location) was taken
+    for a transient fault and retried until deadline_s (120 s by default), then named only as '... Received redirect
+    without LOCATION, this normally indicates an incorrectly confi' (cut short). Now it fails at once, naming the
+    likely cause."""
+    fault_proxy.slowdown, fault_proxy.max_faults = 1.0, 1000
+    fault_proxy.throttle = (301, b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>'
+                                 b"The bucket you are attempting to access must be addressed using the specified "
+                                 b"endpoint.</Message></Error>")
+    st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint))
+    t = time.monotonic()
+    with pytest.raises(StorageError, match=rf"^s3://{s3_bucket}/p/x\.bin: GET failed: redirected: the bucket is in "
+                                           r"another region than the one configured \(region=, AWS_REGION\), or the "
+                                           r"endpoint is wrong \(") as info:
+        st.get("x.bin")
+    assert time.monotonic() - t < 5 and not info.value.transient

@@ -102,6 +102,9 @@ def _translated() -> Iterator[None]:
     except BaseError as err:
         status = _STATUS.search(str(err))
         code = int(status[1]) if status else None
+        if "Received redirect" in str(err) or (code is not None and 300 <= code < 400):  # S3: PermanentRedirect
+            raise Permanent("redirected: the bucket is in another region than the one configured (region=, "
+                            f"AWS_REGION), or the endpoint is wrong ({_first_line(err)})") from None
         if code == 404:
             raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
         if code == 412 or (code == 409 and "ConditionalRequestConflict" in str(err)):
