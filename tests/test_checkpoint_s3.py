@@ -331,3 +331,36 @@ def test_a_staging_dir_of_another_url_is_refused_not_restored_from(moto_server, 
     assert open_storage(run_b, options).list() == []
     with Checkpointer(f"{run_a}/", storage_options=options, staging_dir=stage, signals=()) as ckpt:
         assert ckpt.restore_latest(make_app(seed=3)).step == 2
+
+
+def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(moto_server, s3_bucket, tmp_path,
+                                                                           caplog):
+    """Before: node A staged steps 1-3; the job, requeued on node B, rolled back to step 2 and committed a new step 3
+    (the old one superseded and moved aside on the store); requeued on node A again, restore_latest() restored A's
+    local copy of the abandoned step 3 - weights of a branch the run had given up - because a step committed in the
+    staging dir was used without asking the store. Now a local step whose commit marker is not the store's is moved
+    aside (one warning) and the store's downloaded; one the store marks superseded is skipped."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    first = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2, 3):
+            train_step(first)
+            ckpt.maybe_save(step, first)
+            ckpt.wait()
+    branch = make_app(seed=7)
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch, step=2).step == 2
+        train_step(branch)
+        train_step(branch)  # another branch: not step 3 again (the RNG states restored, one step would be)
+        ckpt.maybe_save(3, branch)
+        ckpt.wait()
+    restored = make_app(seed=9)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(restored).step == 3
+    assert same_state(restored, branch) and not same_state(restored, first)
+    said = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: the store's commit marker is not this "
+                                                 f"staging dir's ({tmp_path / 'A' / 'step-3'}"), said
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()  # moved aside, never deleted

@@ -259,11 +259,21 @@ class RemoteCheckpoints:
         ``deadline_s``, a refusal, the staging disk) is a CheckpointError: a step that could not be read is not
         known to be damaged, and falling back past it would have the next commit supersede it."""
         dest = naming.step_dir(self.root, step)
+        replaced = False
         if any(e.step == step for e in scan.committed(self.root)):
-            return []
+            why = self._staged_differs(dest)
+            if why is None:
+                return []
+            if why == rollback.SUPERSEDED_FILE:  # skipped, then moved aside by the restore
+                return [f"{dest}: superseded on the store by a rollback ({self.url}/{dest.name}/{why})"]
+            replaced = True
         try:
             if dest.exists():
-                removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+                moved = removal.quarantine(dest)  # an uncommitted leftover, or another branch's: never deleted
+                if replaced:
+                    log.warning("fastio: %s/%s: the store's commit marker is not this staging dir's (%s, a step of "
+                                "a branch the run gave up, or of another writer): moved aside to %s, the store's "
+                                "downloaded", self.url, dest.name, dest, moved.name)
             self.mirror.pull(dest.name, dest)
         except StorageError as err:
             if err.missing:
@@ -274,6 +284,22 @@ class RemoteCheckpoints:
                                   f"{err.strerror or err}") from None
         self._downloaded[step] = (self.mirror.storage.url_of(dest.name), dest.stat().st_ino)
         return []
+
+    def _staged_differs(self, dest: Path) -> str | None:
+        """Why the committed step in the staging dir (``dest``) is not the store's: ``"marker"`` when the store's
+        step has another commit marker (committed again after a rollback, by another node), ``SUPERSEDED_FILE`` when
+        the store superseded it; None when it is the store's, or the store has no commit of it yet (an upload
+        pending: the staging dir's is the newest copy)."""
+        sub = self.mirror.storage.child(dest.name)
+        try:
+            keys = {o.key for o in sub.list()}
+            if naming.COMMIT_FILE in keys:
+                return None if sub.get(naming.COMMIT_FILE) == (dest / naming.COMMIT_FILE).read_bytes() else "marker"
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be compared with the store's: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{dest}: cannot read: {err.strerror or err}") from None
+        return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
 
     def download_of(self, step: int) -> str | None:
         """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it
