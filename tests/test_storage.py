@@ -197,3 +197,16 @@ def test_a_redirect_to_another_region_fails_at_once_naming_the_region(moto_serve
                                            r"endpoint is wrong \(") as info:
         st.get("x.bin")
     assert time.monotonic() - t < 5 and not info.value.transient
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such(moto_server):
+    """Before: every call on a bucket that does not exist said 'not found (...NoSuchBucket)', the words of a missing
+    object: a Checkpointer's lease 's3://nosuchbkt/ck/.fastio-lock: conditional PUT failed: not found'. Now the
+    adapter says 'no such bucket' (a missing object still says 'not found')."""
+    st = open_storage("s3://no-such-bucket-at-all/p", moto_server.options())
+    for call, what in ((lambda: st.get("k"), "GET"), (lambda: st.list(), "LIST"),
+                       (lambda: st.put_bytes("k", b"x"), "PUT")):
+        with pytest.raises(StorageError, match=rf"^s3://no-such-bucket-at-all/p(/k)?: {what} failed: no such bucket \(.*"
+                                               r"NoSuchBucket") as info:
+            call()
+        assert info.value.missing

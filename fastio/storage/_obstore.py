@@ -87,12 +87,17 @@ def _retried_code(text: str) -> bool:
     return code is not None and code[1] in _TRANSIENT_CODES
 
 
+def _not_found(err: BaseException) -> str:
+    """A 404's words: the bucket's absence (S3's NoSuchBucket) is not a missing object's."""
+    return f"{'no such bucket' if 'NoSuchBucket' in str(err) else 'not found'} ({_first_line(err)})"
+
+
 @contextmanager
 def _translated() -> Iterator[None]:
     try:
         yield
     except (NotFoundError, FileNotFoundError) as err:
-        raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+        raise Permanent(_not_found(err), missing=True) from None
     except (AlreadyExistsError, PreconditionError) as err:
         raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
     except (PermissionDeniedError, UnauthenticatedError, PermissionError) as err:
@@ -106,7 +111,7 @@ def _translated() -> Iterator[None]:
             raise Permanent("redirected: the bucket is in another region than the one configured (region=, "
                             f"AWS_REGION), or the endpoint is wrong ({_first_line(err)})") from None
         if code == 404:
-            raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+            raise Permanent(_not_found(err), missing=True) from None
         if code == 412 or (code == 409 and "ConditionalRequestConflict" in str(err)):
             raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
         if code is not None and 400 <= code < 500 and code not in (408, 429) and not _retried_code(str(err)):
