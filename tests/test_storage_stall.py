@@ -151,3 +151,18 @@ def test_a_request_that_gets_no_answer_says_why(silent_endpoint):
         st = open_storage("s3://bucket/p", options(endpoint, retries=1, backoff_s=0.01, deadline_s=30, **extra))
         with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 2 attempts: .*" + cause):
             st.get("k.bin")
+
+
+def test_an_https_endpoint_that_speaks_plain_http_fails_at_once_naming_tls(moto_server):
+    """Before: endpoint https://host:port on a plain-HTTP server (MinIO without TLS, a test server) failed every
+    TLS handshake, each taken for a transient fault: retried until deadline_s (120 s by default), then named
+    '... error sending request (connect)'. A handshake the server answers with something else than TLS, or a
+    certificate the client refuses, cannot be cured by retrying: it fails at once, naming TLS."""
+    endpoint = moto_server.endpoint.replace("http://", "https://")
+    st = open_storage("s3://bucket/p", options(endpoint))
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"^s3://bucket/p/k\.bin: GET failed: TLS handshake failed \(the endpoint "
+                                           r"is https:// but the server does not speak TLS, or its certificate is not "
+                                           r"trusted\): .*InvalidContentType") as info:
+        st.get("k.bin")
+    assert time.monotonic() - started < 5 and not info.value.transient

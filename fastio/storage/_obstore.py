@@ -43,6 +43,10 @@ _CREDENTIAL_SERVICES = ("169.254.169.254", "169.254.170.2")  # EC2 instance meta
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _CONNECT_STAGE = re.compile(r'ConnectError\(\s*"([^"]+)"')
 _OS_REASON = re.compile(r'\b(?:message|error): "([^"]+)"')
+_TLS_REASON = re.compile(r"\berror: (\w+)\(\s*(\w+)")  # rustls: InvalidMessage(InvalidContentType)
+_TLS_REFUSALS = ("InvalidContentType", "InvalidCertificate", "UnknownIssuer", "CorruptMessage", "HandshakeFailure",
+                 "NotValidForName", "certificate verify failed")
+"""A TLS handshake that retrying cannot cure: the server does not speak TLS, or its certificate is refused."""
 
 
 def _cause(text: str) -> str:
@@ -54,8 +58,9 @@ def _cause(text: str) -> str:
         return ""
     if kind[1] == "Timeout":
         return "timed out"
-    stage, reason = _CONNECT_STAGE.search(text), _OS_REASON.search(text)
-    said = [x for x in (stage[1] if stage and stage[1] != "tcp connect error" else "", reason[1] if reason else "") if x]
+    stage, reason, tls = _CONNECT_STAGE.search(text), _OS_REASON.search(text), _TLS_REASON.search(text)
+    said = [x for x in (stage[1] if stage and stage[1] != "tcp connect error" else "",
+                        reason[1] if reason else f"{tls[1]}({tls[2]})" if tls else "") if x]
     return ": ".join([kind[1].lower(), *said])
 
 
@@ -107,6 +112,9 @@ def _translated() -> Iterator[None]:
     except BaseError as err:
         status = _STATUS.search(str(err))
         code = int(status[1]) if status else None
+        if code is None and any(refusal in str(err) for refusal in _TLS_REFUSALS):
+            raise Permanent("TLS handshake failed (the endpoint is https:// but the server does not speak TLS, or its "
+                            f"certificate is not trusted): {_first_line(err)}") from None
         if "Received redirect" in str(err) or (code is not None and 300 <= code < 400):  # S3: PermanentRedirect
             raise Permanent("redirected: the bucket is in another region than the one configured (region=, "
                             f"AWS_REGION), or the endpoint is wrong ({_first_line(err)})") from None
