@@ -44,7 +44,7 @@ _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
 _CONNECT_STAGE = re.compile(r'ConnectError\(\s*"([^"]+)"')
 _OS_REASON = re.compile(r'\b(?:message|error): "([^"]+)"')
 _TLS_REASON = re.compile(r"\berror: (\w+)\(\s*(\w+)")  # rustls: InvalidMessage(InvalidContentType)
-_TLS_REFUSALS = ("InvalidContentType", "InvalidCertificate", "UnknownIssuer", "CorruptMessage", "HandshakeFailure",
+_TLS_REFUSALS = ("InvalidContentType", "InvalidCertificate", "UnknownIssuer", "HandshakeFailure",
                  "NotValidForName", "certificate verify failed")
 """A TLS handshake that retrying cannot cure: the server does not speak TLS, or its certificate is refused."""
 
