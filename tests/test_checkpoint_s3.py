@@ -364,3 +364,23 @@ def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(mot
     assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: the store's commit marker is not this "
                                                  f"staging dir's ({tmp_path / 'A' / 'step-3'}"), said
     assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()  # moved aside, never deleted
+
+
+def test_a_dataset_prefix_is_refused_as_a_checkpoint_directory(moto_server, s3_bucket, tmp_path, image_dataset):
+    """Before: Checkpointer('s3://bucket/imagenet') on a dataset's prefix took its lease there (a later
+    `fastio convert --overwrite` of the dataset refused as 'in use') and dropped step-N/ among its shards, where a
+    local dataset directory has long been refused. Now the store's manifest.json (or splits.json) refuses it the
+    same way, and nothing is written there."""
+    from fastio.dataset.manifest import MANIFEST_NAME
+    from fastio.errors import CheckpointError
+
+    url = f"s3://{s3_bucket}/imagenet"
+    store = open_storage(url, moto_server.options())
+    store.publish_dir(image_dataset, keys_last=(MANIFEST_NAME,))
+    before = [o.key for o in store.list()]
+    for read_only in (False, True):
+        with pytest.raises(CheckpointError, match=rf"^{url}: is a fastio dataset \(manifest\.json\), not a checkpoint "
+                                                  r"directory; give the Checkpointer a directory of its own"):
+            Checkpointer(url, storage_options=moto_server.options(), staging_dir=tmp_path / "stage", signals=(),
+                         read_only=read_only)
+    assert [o.key for o in store.list()] == before

@@ -228,6 +228,8 @@ class Checkpointer:
         problem: str | None = None
         try:
             scan.refuse_dataset_dir(self.dir)
+            if self._remote is not None:
+                scan.refuse_dataset_dir(self._remote.mirror.storage)
             scan.refuse_file_or_step(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)

@@ -150,17 +150,33 @@ def is_checkpoint_dir(root: Path) -> bool:
     return (root / LOCK_NAME).exists() or any(is_step_like_name(p.name) for p in root.iterdir())
 
 
-def refuse_dataset_dir(root: Path) -> None:
-    """CheckpointError when ``root`` is a fastio dataset (its ``manifest.json`` or ``splits.json`` says so): a
-    Checkpointer must not drop its lock and steps among a dataset's files."""
+def refuse_dataset_dir(root: Path | Storage) -> None:
+    """CheckpointError when ``root`` (a directory, or an ``s3://`` prefix's Storage) is a fastio dataset (its
+    ``manifest.json`` or ``splits.json`` says so): a Checkpointer must not drop its lock (lease) and steps among a
+    dataset's files."""
     for name, fmt in ((MANIFEST_NAME, FORMAT), (SPLITS_NAME, SPLITS_FORMAT)):
         try:
-            data = json.loads((Path(root) / name).read_bytes())
+            data = json.loads(_read(root, name))
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and data.get("format") == fmt:
-            raise CheckpointError(f"{root}: is a fastio dataset ({name}), not a checkpoint directory; give the "
+            where = root.url if isinstance(root, Storage) else root
+            raise CheckpointError(f"{where}: is a fastio dataset ({name}), not a checkpoint directory; give the "
                                   "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
+
+
+def _read(root: Path | Storage, name: str) -> bytes:
+    """``name`` under ``root``; OSError if there is none (a store that cannot be read is a CheckpointError)."""
+    if not isinstance(root, Storage):
+        return (Path(root) / name).read_bytes()
+    try:
+        if root.head(name) is None:
+            raise FileNotFoundError(name)
+        return root.get(name)
+    except StorageError as err:
+        if err.missing:
+            raise FileNotFoundError(name) from None
+        raise CheckpointError(f"{root.url}: cannot read: {err}") from None
 
 
 def refuse_file_or_step(root: Path) -> None:
