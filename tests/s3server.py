@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["FaultProxy", "MotoServer", "free_port"]
+__all__ = ["REQUEST_TIMEOUT", "FaultProxy", "MotoServer", "free_port"]
 
 ACCESS_KEY, SECRET_KEY, REGION = "fastio-test", "fastio-test-secret", "us-east-1"
 
@@ -85,6 +85,12 @@ class MotoServer:
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+_NO_SUCH_KEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+                b"<Message>The specified key does not exist.</Message></Error>")
+REQUEST_TIMEOUT = (400, b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>RequestTimeout</Code><Message>Your '
+                   b"socket connection to the server was not read from or written to within the timeout period."
+                   b"</Message></Error>")
+"""What S3 answers a request whose body came too slowly: HTTP 400, yet worth retrying (as the AWS SDKs do)."""
 _DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
            b"<Message>Access Denied</Message></Error>")
 
@@ -93,20 +99,25 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream_port`` that injects faults.
 
     Args:
-        slowdown: fraction of requests answered ``503 SlowDown``.
+        slowdown: fraction of requests answered ``503 SlowDown`` (or ``throttle``: another ``(status, body)``,
+            e.g. :data:`REQUEST_TIMEOUT`).
         cut: fraction of GET requests whose response body is cut off halfway (connection closed).
         max_faults: the same request is faulted at most this many times in a row.
         seed: seeds the fault choice.
-    ``forbidden`` (a set of path substrings) answers 403 AccessDenied, always. ``drop_headers`` (lower-case
-    request header names) are not passed on: dropping ``if-none-match`` and ``if-match`` makes a store that
-    ignores conditional writes. ``counts`` tallies what was done.
+    ``forbidden`` (a set of path substrings) answers 403 AccessDenied, always; ``gone`` answers a GET or HEAD
+    404 NoSuchKey (an object listed, then deleted); ``down`` answers 503 SlowDown, always (an outage of those
+    keys). ``drop_headers`` (lower-case request header names) are not passed on: dropping ``if-none-match`` and
+    ``if-match`` makes a store that ignores conditional writes. ``counts`` tallies what was done.
     """
 
     def __init__(self, upstream_port: int, *, slowdown: float = 0.0, cut: float = 0.0, max_faults: int = 2,
                  seed: int = 0):
         self.upstream_port, self.slowdown, self.cut, self.max_faults, self.seed = (
             upstream_port, slowdown, cut, max_faults, seed)
+        self.throttle: tuple[int, bytes] = (503, _SLOWDOWN)
         self.forbidden: set[str] = set()
+        self.gone: set[str] = set()
+        self.down: set[str] = set()
         self.drop_headers: set[str] = set()
         self.counts: Counter = Counter()
         self._seen: Counter = Counter()
@@ -143,8 +154,10 @@ class FaultProxy:
                 decision = proxy._decide(self.command, self.path, self.headers.get("Range", ""))
                 if decision == "forbid":
                     return self._reply(403, _DENIED)
+                if decision == "gone":
+                    return self._reply(404, _NO_SUCH_KEY)
                 if decision == "slowdown":
-                    return self._reply(503, _SLOWDOWN)
+                    return self._reply(*proxy.throttle)
                 dropped = {"transfer-encoding", "content-length", *proxy.drop_headers}
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
@@ -191,6 +204,12 @@ class FaultProxy:
             if any(f in path for f in self.forbidden):
                 self.counts["forbid"] += 1
                 return "forbid"
+            if method in ("GET", "HEAD") and any(f in path for f in self.gone):
+                self.counts["gone"] += 1
+                return "gone"
+            if any(f in path for f in self.down):
+                self.counts["slowdown"] += 1
+                return "slowdown"
             ident = f"{method} {path} {range_header}"
             seen = self._seen[ident]
             self._seen[ident] += 1

@@ -6,6 +6,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import DatasetError, StorageError
 from fastio.storage import open_storage
 from fastio.storage.cache import CachedShardFiles, CacheEntry, ShardCache
+from fastio.words import count
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,6 +186,34 @@ def test_verify_checks_a_cached_copy_damaged_on_the_nodes_disk(moto_server, s3_b
                                                                  rf"{cached}\)"):
         raw_epoch(loader)
     assert want  # the same loader without the damage read every sample
+
+
+def test_a_cached_copy_cut_short_on_the_nodes_disk_is_filled_again(moto_server, s3_bucket, small_shards, tmp_path,
+                                                                     caplog):
+    """Before: a cached copy cut short on the node's disk (a crash, a full disk, a hand copy) stayed in the cache and
+    failed every later run with 'shard shard-000001.tar key ...: field 'jpg' is truncated', words that blame the
+    dataset (whose `fastio verify` then passes). The size is checked at open (one fstat): such a copy is dropped,
+    named in one warning, and filled again from the store; the epoch is the whole dataset."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+
+    def epoch() -> dict[int, bytes]:
+        with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
+                    cache_dir=str(tmp_path / "cache"), storage_options=moto_server.options()) as loader:
+            return raw_epoch(loader)
+
+    want = epoch()
+    entry = _entries(small_shards)[1]
+    cached = tmp_path / "cache" / "objects" / f"{entry.sha256}.tar"
+    for size in (entry.size // 2, 0):
+        os.chmod(cached, 0o644)
+        os.truncate(cached, size)
+        caplog.clear()
+        assert epoch() == want
+        assert cached.read_bytes() == (small_shards / SHARDS_DIR / entry.name).read_bytes()
+        said = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+        assert said == [f"{url}/{SHARDS_DIR}/{entry.name}: the cached copy {cached} is {count(size, 'byte')}, the "
+                        f"manifest says {entry.size} (cut short on this node's disk): filled again"], said
 
 
 def test_missing_dataset_and_missing_shard_name_the_url(moto_server, s3_bucket, small_shards, tmp_path):
@@ -546,3 +576,100 @@ def _link(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
+
+
+def _modes_bind() -> list[str]:
+    """A command prefix under which a directory's mode bits refuse writes (as root, the override of them
+    dropped with ``setpriv``); skips where that cannot be had."""
+    if os.geteuid() != 0:
+        return []
+    prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+    if not shutil.which("setpriv") or subprocess.run([*prefix, "true"]).returncode != 0:
+        pytest.skip("root without setpriv: a read-only directory cannot be made")
+    return prefix
+
+
+@pytest.mark.parametrize("read_only", ["objects", "meta", "meta-folder"])
+def test_a_cache_dir_that_cannot_be_written_is_one_line_naming_it(aws_env, s3_bucket, small_shards, tmp_path,
+                                                                  read_only):
+    """Before: a cache whose shard folder (``objects``) or metadata folder (``meta``, or the dataset's folder in
+    it) was read-only made `fastio inspect` and the Loader fail with a raw PermissionError traceback naming a
+    temporary or lock file. Now: one line naming cache_dir (and the shard's URL for a fill), exit 2, nothing
+    left behind."""
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, {})
+    cache = tmp_path / "cache"
+    if read_only == "meta-folder":  # the dataset's metadata already there from an earlier run, then made read-only
+        with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
+                    cache_dir=cache) as loader:
+            next(iter(loader))
+        folder = next((cache / "meta").iterdir())
+        for path in [*folder.rglob("*"), folder]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+    else:
+        ShardCache(cache)
+        (cache / read_only).chmod(0o555)
+    before = sorted(p.name for p in (cache / "objects").iterdir())
+    try:
+        proc = subprocess.run([*_modes_bind(), sys.executable, "-m", "fastio.cli", "inspect", url, "--cache-dir",
+                               str(cache)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    finally:
+        for path in cache.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("fastio: error: ") and f"cache_dir {cache}" in proc.stderr
+    assert "Permission denied" in proc.stderr
+    if read_only == "objects":
+        assert f"{url}/shards/shard-000000.tar" in proc.stderr
+    assert sorted(p.name for p in (cache / "objects").iterdir()) == before and not list(cache.rglob("*.tmp"))
+
+
+def test_a_cache_dir_too_full_for_a_shard_is_named_and_keeps_nothing(moto_server, s3_bucket, small_shards, tmp_path):
+    """Before: a fill that the disk could not hold (here: the file size limit, a quota-free stand-in for a full
+    disk) raised a raw OSError from the Loader. Now a StorageError names the shard's URL and cache_dir, and no
+    partial copy is left."""
+    import resource
+
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    cache = tmp_path / "cache"
+    smallest = min(shard_sizes(small_shards))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (smallest // 2, hard))
+    try:
+        with pytest.raises(StorageError) as info:
+            with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none",
+                        shard_read_ahead=0, cache_dir=cache, storage_options=moto_server.options()) as loader:
+                next(iter(loader))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert f"{url}/shards/shard-000000.tar: " in str(info.value) and f"cache_dir {cache}" in str(info.value)
+    assert "File too large" in str(info.value)
+    assert not [p for p in (cache / "objects").iterdir() if p.name.endswith((".tar", ".tmp"))]
+
+
+def test_a_url_given_as_cache_dir_is_refused_not_made_a_local_folder(moto_server, aws_env, s3_bucket, small_shards,
+                                                                    tmp_path, monkeypatch, capsys):
+    """Before: cache_dir='s3://bucket/cache' (or --cache-dir s3://...) filled a local folder 's3:/bucket/cache' in the
+    working directory, and 'file:///abs/path' one named 'file:'. Now an object-store URL is refused naming
+    cache_dir, and a file:// URL is its path."""
+    from helpers import run_cli
+
+    url = f"s3://{s3_bucket}/ds"
+    upload(small_shards, url, moto_server.options())
+    monkeypatch.chdir(tmp_path)
+    for bad in (f"s3://{s3_bucket}/cache", Path(f"s3://{s3_bucket}/cache"), "gs://bucket/cache"):
+        with pytest.raises(StorageError, match=r"^cache_dir .*: must be a local directory \(a path, or "
+                                               r"file:///absolute/path\), not a URL$"):
+            Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=bad,
+                   storage_options=moto_server.options())
+    code, _, err = run_cli(["inspect", url, "--cache-dir", f"s3://{s3_bucket}/cache"], capsys)
+    assert code == 2 and err.startswith("fastio: error: cache_dir s3:/") and err.count("\n") == 1, err
+    with Loader(url, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=f"file://{tmp_path}/c",
+                storage_options=moto_server.options()) as loader:
+        assert len(raw_epoch(loader)) == 48
+    assert (tmp_path / "c" / ".fastio-cache").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(":")]  # no folder 's3:' or 'file:'

@@ -127,3 +127,26 @@ def test_a_read_only_restore_of_a_directory_that_does_not_exist_is_an_error(tmp_
     (tmp_path / "empty").mkdir()
     with Checkpointer(tmp_path / "empty", signals=(), read_only=True) as ckpt:
         assert ckpt.restore_latest({"model": holder}) is None
+
+
+def test_a_read_only_restore_of_an_s3_prefix_without_checkpoints_is_an_error(moto_server, s3_bucket, tmp_path):
+    """Before: a restore-only Checkpointer given a mistyped s3:// prefix (no object under it), or a dataset's prefix,
+    got None, the answer for a fresh start, and an evaluation went on with untrained weights, where a local
+    directory that does not exist was a CheckpointError. Now a prefix holding no step-N/ and no writer's lease is
+    refused as `fastio ckpt verify` refuses it; one where training holds the lease but has not saved yet is still
+    None, and nothing is written to the store."""
+    options = moto_server.options()
+    holder = StateHolder({"w": torch.zeros(2)})
+    store = open_storage(f"s3://{s3_bucket}", options)
+    store.put_bytes("ds/manifest.json", b"{}")
+    for prefix in ("no/such", "ds"):
+        url = f"s3://{s3_bucket}/{prefix}"
+        with Checkpointer(url, storage_options=options, signals=(), read_only=True) as ckpt:
+            with pytest.raises(CheckpointError, match=rf"^{url}: not a checkpoint prefix \(no step-N/, no "
+                                                      r"\.fastio-lock\) \(read_only=True: nothing to restore\)$"):
+                ckpt.restore_latest({"model": holder})
+    assert [o.key for o in store.list()] == ["ds/manifest.json"]
+    url = f"s3://{s3_bucket}/run"
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "train", signals=()):  # holds the lease
+        with Checkpointer(url, storage_options=options, signals=(), read_only=True) as ckpt:
+            assert ckpt.restore_latest({"model": holder}) is None

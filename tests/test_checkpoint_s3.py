@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import pytest
 import torch
 from helpers import run_cli
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, catalog, naming
+from fastio.errors import CheckpointError
 from fastio.storage import open_storage
+from fastio.storage.options import StorageOptions
 
 
 def make_app(seed: int = 0):
@@ -184,3 +188,199 @@ def test_a_rollback_on_s3_supersedes_the_abandoned_branch_keeping_its_objects(mo
     with checkpointer(1, "c") as ckpt:
         assert ckpt.restore_latest(relaunched).step == 31
     assert same_state(relaunched, branch)
+
+
+def test_a_damaged_step_on_the_store_costs_no_disk_at_each_restart(moto_server, s3_bucket, tmp_path, caplog):
+    """Before: each restore into the same staging dir downloaded the damaged newest step again and moved that download
+    aside (step-2.quarantined, -2, -3...): a job requeued N times kept N full copies of a checkpoint on the node's
+    disk. A download is not the only copy (the store keeps it, for the rollback of the next commit to move aside):
+    it is removed, and the warning names the store's copy."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    app = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.maybe_save(step, app)
+            ckpt.wait()
+    store = open_storage(url, options)
+    victim = next(o for o in store.list("step-2/") if not o.key.endswith(naming.COMMIT_FILE) and o.size > 100)
+    data = bytearray(store.get(victim.key))
+    data[len(data) // 2] ^= 0xFF
+    store.put_bytes(victim.key, bytes(data))
+    before = {o.key: o.size for o in store.list()}
+    for _ in range(3):
+        caplog.clear()
+        with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "b", signals=()) as ckpt:
+            assert ckpt.restore_latest(make_app(seed=5)).step == 1
+        said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+        assert len(said) == 1 and said[0].endswith(f"; the download of {url}/step-2 removed (the store keeps it)"), said
+        assert sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("step-")) == ["step-1"]
+    assert {o.key: o.size for o in store.list() if o.key != ".fastio-lock"} == before
+    # a step committed in the staging dir (not a download: perhaps the only copy) is still moved aside, never deleted
+    local = tmp_path / "a" / victim.key
+    local.write_bytes(local.read_bytes()[:-1])
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "a", signals=()) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=5)).step == 1
+    assert (tmp_path / "a" / "step-2.quarantined" / victim.key.split("/", 1)[1]).is_file()
+
+
+def _two_steps(url: str, options: dict, staging) -> tuple[dict, str]:
+    """Steps 1 and 2 saved to ``url``; the app, and the key of a file of step 2 (not its marker)."""
+    app = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=staging, signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.maybe_save(step, app)
+            ckpt.wait()
+    keys = [o for o in open_storage(url, options).list("step-2/") if not o.key.endswith(naming.COMMIT_FILE)]
+    return app, max(keys, key=lambda o: o.size).key
+
+
+def test_a_store_that_fails_while_the_newest_step_downloads_fails_the_restore(moto_server, s3_bucket, fault_proxy,
+                                                                            tmp_path, caplog):
+    """Before: an outage (503 past deadline_s) while the newest step downloaded was taken for damage: restore_latest
+    fell back to step 1 without a word, and the next commit superseded the intact step 2 (moved aside on the store,
+    no checkpoint any more): progress lost to a network blip. Now a step that could not be read fails the restore,
+    naming its URL, and nothing is superseded. An object listed and then gone (404: retention racing a read-only
+    restore) is damage: that step is skipped, with the one warning every skipped step gets, naming the object."""
+    url = f"s3://{s3_bucket}/ckpt"
+    app, victim = _two_steps(url, moto_server.options(), tmp_path / "a")
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    fault_proxy.down = {f"/ckpt/{victim}"}
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "b", signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match=rf"^{url}/step-2: cannot be downloaded: {url}/{victim}: GET failed "
+                                                  r"after \d+ attempts in .*deadline_s=1"):
+            ckpt.restore_latest(make_app(seed=5))
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(("step-", ".step-"))]
+    assert naming.COMMIT_FILE in {o.key.split("/")[-1] for o in open_storage(url, options).list("step-2/")}
+    fault_proxy.down, fault_proxy.gone = set(), {f"/ckpt/{victim}"}
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "c", signals=(), read_only=True) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=5)).step == 1
+    said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(said) == 1 and f"{url}/{victim}: GET failed: not found" in said[0], said
+
+
+def test_ckpt_verify_that_cannot_read_a_step_says_so_and_calls_nothing_damaged(moto_server, s3_bucket, aws_env,
+                                                                               fault_proxy, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Before: `fastio ckpt verify s3://...` whose temporary folder could not hold a file of a step (the file size
+    limit here, a quota-free stand-in for a full disk) died with a raw OSError traceback from the download; and one
+    whose store failed past deadline_s while it downloaded a step reported that step as damaged (exit 1), an
+    intact checkpoint someone might then delete. Every download (Storage.get_to_file) now names the object and the
+    folder in a StorageError, and a step that could not be read is 'cannot be verified': one line, exit 2."""
+    import resource
+    import signal
+
+    url = f"s3://{s3_bucket}/ckpt"
+    _, victim = _two_steps(url, moto_server.options(), tmp_path / "a")
+    size = open_storage(url, moto_server.options()).head(victim)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, hard))
+    try:
+        code, out, err = run_cli(["ckpt", "verify", url], capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (out, err)
+    assert err.startswith(f"fastio: error: {url}/step-1: cannot be verified: {url}/step-1/") and \
+        ": cannot download into " in err and err.endswith(": File too large\n"), err
+    resolve = StorageOptions.resolve.__func__  # a 1 s deadline: the same retries and error, 119 s sooner
+    monkeypatch.setattr(StorageOptions, "resolve", classmethod(
+        lambda cls, overrides=None, env=None: dataclasses.replace(resolve(cls, overrides, env), deadline_s=1.0)))
+    fault_proxy.down = {f"/ckpt/{victim}"}
+    code, out, err = run_cli(["ckpt", "verify", url, "--endpoint-url", fault_proxy.endpoint], capsys)
+    assert code == 2 and err.count("\n") == 1 and "damaged" not in out + err, (out, err)
+    assert err.startswith(f"fastio: error: {url}/step-2: cannot be verified: {url}/{victim}: GET failed after "), err
+
+
+def test_a_url_given_as_staging_dir_is_refused_by_name(moto_server, s3_bucket, tmp_path, monkeypatch):
+    """Before: Checkpointer(url, staging_dir='s3://...') was refused as 's3:/bucket/stage: looks like a URL passed as
+    a Path (pass URLs as str)', though a str was passed, and staging_dir='file:///abs/path' the same way. Now the
+    message names staging_dir and what it takes, and a file:// URL is its path (the rule cache_dir follows)."""
+    from fastio.errors import StorageError
+
+    url = f"s3://{s3_bucket}/ckpt"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match=rf"^staging_dir s3://{s3_bucket}/stage: must be a local directory \(a "
+                                           r"path, or file:///absolute/path\), not a URL$"):
+        Checkpointer(url, storage_options=moto_server.options(), staging_dir=f"s3://{s3_bucket}/stage", signals=())
+    with Checkpointer(url, storage_options=moto_server.options(), staging_dir=f"file://{tmp_path}/stage",
+                      signals=()) as ckpt:
+        assert ckpt.dir == tmp_path / "stage"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(":")]
+
+
+def test_a_staging_dir_of_another_url_is_refused_not_restored_from(moto_server, s3_bucket, tmp_path):
+    """Before: a staging_dir reused for another s3:// prefix handed that run's steps over as this one's:
+    Checkpointer('s3://b/runB', staging_dir=S).restore_latest() restored run A's step 2 (steps() said []), and its
+    next commit 'rolled back' from it. Now a staging dir records the URL it stages, and another URL is refused
+    naming both; the first URL still uses it."""
+    from fastio.errors import CheckpointError
+
+    options, stage = moto_server.options(), tmp_path / "stage"
+    run_a, run_b = f"s3://{s3_bucket}/runA", f"s3://{s3_bucket}/runB"
+    _two_steps(run_a, options, stage)
+    refused = (rf"^{run_b}: staging_dir {stage} stages the checkpoints of {run_a}; its steps would be restored and "
+               r"uploaded as this prefix's: give another staging_dir$")
+    for read_only in (False, True):
+        with pytest.raises(CheckpointError, match=refused):
+            Checkpointer(run_b, storage_options=options, staging_dir=stage, signals=(), read_only=read_only)
+    assert open_storage(run_b, options).list() == []
+    with Checkpointer(f"{run_a}/", storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        assert ckpt.restore_latest(make_app(seed=3)).step == 2
+
+
+def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(moto_server, s3_bucket, tmp_path,
+                                                                           caplog):
+    """Before: node A staged steps 1-3; the job, requeued on node B, rolled back to step 2 and committed a new step 3
+    (the old one superseded and moved aside on the store); requeued on node A again, restore_latest() restored A's
+    local copy of the abandoned step 3 - weights of a branch the run had given up - because a step committed in the
+    staging dir was used without asking the store. Now a local step whose commit marker is not the store's is moved
+    aside (one warning) and the store's downloaded; one the store marks superseded is skipped."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    first = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2, 3):
+            train_step(first)
+            ckpt.maybe_save(step, first)
+            ckpt.wait()
+    branch = make_app(seed=7)
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch, step=2).step == 2
+        train_step(branch)
+        train_step(branch)  # another branch: not step 3 again (the RNG states restored, one step would be)
+        ckpt.maybe_save(3, branch)
+        ckpt.wait()
+    restored = make_app(seed=9)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(restored).step == 3
+    assert same_state(restored, branch) and not same_state(restored, first)
+    said = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: the store's commit marker is not this "
+                                                 f"staging dir's ({tmp_path / 'A' / 'step-3'}"), said
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()  # moved aside, never deleted
+
+
+def test_a_dataset_prefix_is_refused_as_a_checkpoint_directory(moto_server, s3_bucket, tmp_path, image_dataset):
+    """Before: Checkpointer('s3://bucket/imagenet') on a dataset's prefix took its lease there (a later
+    `fastio convert --overwrite` of the dataset refused as 'in use') and dropped step-N/ among its shards, where a
+    local dataset directory has long been refused. Now the store's manifest.json (or splits.json) refuses it the
+    same way, and nothing is written there."""
+    from fastio.dataset.manifest import MANIFEST_NAME
+    from fastio.errors import CheckpointError
+
+    url = f"s3://{s3_bucket}/imagenet"
+    store = open_storage(url, moto_server.options())
+    store.publish_dir(image_dataset, keys_last=(MANIFEST_NAME,))
+    before = [o.key for o in store.list()]
+    for read_only in (False, True):
+        with pytest.raises(CheckpointError, match=rf"^{url}: is a fastio dataset \(manifest\.json\), not a checkpoint "
+                                                  r"directory; give the Checkpointer a directory of its own"):
+            Checkpointer(url, storage_options=moto_server.options(), staging_dir=tmp_path / "stage", signals=(),
+                         read_only=read_only)
+    assert [o.key for o in store.list()] == before

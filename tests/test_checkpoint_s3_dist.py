@@ -18,6 +18,7 @@ from helpers import Position, join_group, start_ranks
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
+from fastio.checkpoint.remote import STAGING_RECORD
 from fastio.errors import CheckpointError
 from fastio.storage import open_storage
 from fastio.storage.lock import LOCK_NAME
@@ -89,7 +90,7 @@ def test_a_rank_that_cannot_use_its_staging_dir_is_refused_by_name(moto_server, 
                           "probe file could not be written or listed); give staging_dir= a writable directory")
     # rank 0 let go of the prefix's lease and of its staging lock; no probe files are left behind
     assert open_storage(url, options).head(LOCK_NAME) is None
-    assert sorted(p.name for p in Path(staging[0]).iterdir()) == [LOCK_NAME]
+    assert sorted(p.name for p in Path(staging[0]).iterdir()) == [LOCK_NAME, STAGING_RECORD]
     Checkpointer(url, storage_options=options, staging_dir=staging[0], signals=()).close()
 
 
@@ -156,7 +157,7 @@ def test_two_nodes_with_their_own_staging_dirs_round_trip_through_s3(moto_server
     assert all(k.endswith(".zst") for k in keys if not k.endswith("fastio-commit.json")) == bool(compression)
     # each node wrote part of the step and uploaded it; no node kept a temporary or a partial step
     for node in nodes:
-        assert sorted(p.name for p in Path(node).iterdir()) == [LOCK_NAME]
+        assert sorted(p.name for p in Path(node).iterdir()) == [LOCK_NAME, STAGING_RECORD]
     # the restore pulled the whole step into each node's staging dir
     for new in ("new0", "new1"):
         got = sorted(p.relative_to(tmp_path / new / "step-4").as_posix() for p in (tmp_path / new / "step-4").rglob("*")
@@ -212,10 +213,10 @@ def test_two_nodes_fall_back_together_past_a_step_damaged_on_the_store(moto_serv
     for r in range(WORLD):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["step"] == 2 and got["consumed"] == got["saved"] == 2 * (r + 1)
-        # each node's copy of step 4 was moved aside (not deleted); step 2 was pulled and restored; each node's
-        # staging dir is locked by its own lowest rank
+        # each node's download of step 4 was removed (the store keeps step 4: no copy of it on each node's disk at
+        # each restart); step 2 was pulled and restored; each node's staging dir is locked by its own lowest rank
         names = sorted(p.name for p in (tmp_path / f"new{r}").iterdir())
-        assert names == [LOCK_NAME, "step-2", "step-4.quarantined"]
+        assert names == [LOCK_NAME, STAGING_RECORD, "step-2"]
         assert "step-5: checkpoint write failed: " in got["lost"] and "lease lost: taken over by intruder" in got["lost"]
     assert {o.key.split("/")[0] for o in open_storage(url, moto_server.options()).list()} == {
         LOCK_NAME, "step-2", "step-4"}  # step 5 never uploaded; the intruder's lease left alone

@@ -145,3 +145,68 @@ def test_a_number_of_the_wrong_type_is_named(kw, match):
     with pytest.raises(ValueError, match=match):  # as a user passes them
         Dataset("s3://some-bucket/ds", storage_options={"endpoint": "http://127.0.0.1:9", **kw})
     assert StorageOptions(deadline_s=30, retries=3).deadline_s == 30
+
+
+def test_no_credentials_anywhere_is_named(moto_server, s3_bucket, tmp_path, monkeypatch):
+    """Before: with no keys in storage_options, the environment or ~/.aws, the client's last resort (the instance
+    metadata service) failing gave 'HEAD failed: Error performing PUT http://169.254.169.254/latest/api/token ...',
+    which names neither credentials nor where fastio looked. Now the error says no credentials were found and
+    where, and keeps the client's own line."""
+    for k in list(os.environ):
+        if k.startswith("AWS_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    # one attempt, bounded well inside the deadline (where the metadata service does not answer at all, its
+    # connection error is what the line keeps)
+    st = open_storage(f"s3://{s3_bucket}/p", {"endpoint": moto_server.endpoint, "region": "us-east-1", "retries": 0,
+                                                "timeout_s": 5, "connect_timeout_s": 2, "deadline_s": 30})
+    with pytest.raises(StorageError, match=rf"^s3://{s3_bucket}/p/x\.bin: HEAD failed.*: no credentials: none in "
+                                           r"storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile "
+                                           r"in ~/\.aws, and the instance metadata service gave none \(.*169\.254"):
+        st.head("x.bin")
+
+
+def test_an_s3_request_timeout_is_retried_though_it_is_a_400(moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Before: S3's 'RequestTimeout' (HTTP 400: a request body that came too slowly, on a loaded link) was taken for a
+    bad request and failed a read or an upload (a checkpoint's file) at once. The AWS SDKs retry it; so does fastio,
+    as it retries 503 SlowDown."""
+    from s3server import REQUEST_TIMEOUT
+
+    fault_proxy.slowdown, fault_proxy.max_faults, fault_proxy.throttle = 1.0, 2, REQUEST_TIMEOUT
+    st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
+    (tmp_path / "f").write_bytes(b"checkpoint bytes")
+    st.put_file("f.bin", tmp_path / "f")
+    st.put_bytes("g.bin", b"small")
+    assert st.get("f.bin") == b"checkpoint bytes" and st.get("g.bin") == b"small"
+    assert fault_proxy.counts["slowdown"] >= 6 and st.retry_count > 0
+
+
+def test_a_redirect_to_another_region_fails_at_once_naming_the_region(moto_server, s3_bucket, fault_proxy):
+    """Before: S3's answer to a bucket addressed in the wrong region (301 PermanentRedirect, no Location) was taken
+    for a transient fault and retried until deadline_s (120 s by default), then named only as '... Received redirect
+    without LOCATION, this normally indicates an incorrectly confi' (cut short). Now it fails at once, naming the
+    likely cause."""
+    fault_proxy.slowdown, fault_proxy.max_faults = 1.0, 1000
+    fault_proxy.throttle = (301, b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>'
+                                 b"The bucket you are attempting to access must be addressed using the specified "
+                                 b"endpoint.</Message></Error>")
+    st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint))
+    t = time.monotonic()
+    with pytest.raises(StorageError, match=rf"^s3://{s3_bucket}/p/x\.bin: GET failed: redirected: the bucket is in "
+                                           r"another region than the one configured \(region=, AWS_REGION\), or the "
+                                           r"endpoint is wrong \(") as info:
+        st.get("x.bin")
+    assert time.monotonic() - t < 5 and not info.value.transient
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such(moto_server):
+    """Before: every call on a bucket that does not exist said 'not found (...NoSuchBucket)', the words of a missing
+    object: a Checkpointer's lease 's3://nosuchbkt/ck/.fastio-lock: conditional PUT failed: not found'. Now the
+    adapter says 'no such bucket' (a missing object still says 'not found')."""
+    st = open_storage("s3://no-such-bucket-at-all/p", moto_server.options())
+    for call, what in ((lambda: st.get("k"), "GET"), (lambda: st.list(), "LIST"),
+                       (lambda: st.put_bytes("k", b"x"), "PUT")):
+        with pytest.raises(StorageError, match=rf"^s3://no-such-bucket-at-all/p(/k)?: {what} failed: no such bucket \(.*"
+                                               r"NoSuchBucket") as info:
+            call()
+        assert info.value.missing

@@ -113,3 +113,26 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
     code, _, err = run_cli(["inspect", f"s3://{s3_bucket}/nothing", "--endpoint-url", "http://127.0.0.1:9"], capsys)
     assert code == 2 and err.count("\n") == 1 and f"s3://{s3_bucket}/nothing" in err and "Traceback" not in err
     assert "deadline_s=2" in err, err  # it was retried to the deadline (a refusal not retried would not say so)
+
+
+def test_verify_with_no_room_for_a_download_is_one_line(aws_env, s3_bucket, image_folder, capsys):
+    """Before: `fastio verify s3://...` whose temporary folder could not hold a shard (here the file size limit, a
+    quota-free stand-in for a full disk) died with a raw OSError traceback from the download. Now one line names
+    the object and the folder, exit 2."""
+    import resource
+    import signal
+
+    url = f"s3://{s3_bucket}/ds"
+    assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
+    smallest = min(o.size for o in open_storage(url).list("shards/") if o.key.endswith(".tar"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (smallest // 2, hard))
+    try:
+        code, out, err = run_cli(["verify", url], capsys)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fastio: error: {url}/shards/shard-000000.tar: cannot download into ") and \
+        err.endswith(": File too large\n"), err

@@ -136,3 +136,33 @@ def test_retries_none_is_the_default_and_is_checked():
         with pytest.raises(ValueError, match=rf"^retries must be None \(until deadline_s\) or an integer >= 0, "
                                              rf"got {re.escape(repr(bad))}$"):
             StorageOptions(retries=bad)
+
+
+def test_a_request_that_gets_no_answer_says_why(silent_endpoint):
+    """Before: a refused connection, an endpoint host that does not resolve and a request timeout were all
+    'HTTP error: error sending request', in the warning and in the error after deadline_s: nothing said which.
+    Now the cause the client reports is named."""
+    from s3server import free_port
+
+    cases = [(f"http://127.0.0.1:{free_port()}", {}, r"error sending request \(connect: Connection refused\)"),
+             ("http://no-such-host.invalid:9000", {}, r"error sending request \(connect: dns error: failed to lookup"),
+             (silent_endpoint, {"timeout_s": 0.3}, r"error sending request \(timed out\)")]
+    for endpoint, extra, cause in cases:
+        st = open_storage("s3://bucket/p", options(endpoint, retries=1, backoff_s=0.01, deadline_s=30, **extra))
+        with pytest.raises(StorageError, match=r"s3://bucket/p/k\.bin: GET failed after 2 attempts: .*" + cause):
+            st.get("k.bin")
+
+
+def test_an_https_endpoint_that_speaks_plain_http_fails_at_once_naming_tls(moto_server):
+    """Before: endpoint https://host:port on a plain-HTTP server (MinIO without TLS, a test server) failed every
+    TLS handshake, each taken for a transient fault: retried until deadline_s (120 s by default), then named
+    '... error sending request (connect)'. A handshake the server answers with something else than TLS, or a
+    certificate the client refuses, cannot be cured by retrying: it fails at once, naming TLS."""
+    endpoint = moto_server.endpoint.replace("http://", "https://")
+    st = open_storage("s3://bucket/p", options(endpoint))
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"^s3://bucket/p/k\.bin: GET failed: TLS handshake failed \(the endpoint "
+                                           r"is https:// but the server does not speak TLS, or its certificate is not "
+                                           r"trusted\): .*InvalidContentType") as info:
+        st.get("k.bin")
+    assert time.monotonic() - started < 5 and not info.value.transient

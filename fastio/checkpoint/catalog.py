@@ -23,7 +23,15 @@ from fastio.checkpoint.naming import COMMIT_FILE, QUARANTINE_SUFFIX, parse_quara
 from fastio.checkpoint.publish import data_files
 from fastio.checkpoint.record import CommitRecord, parse_commit
 from fastio.checkpoint.rollback import SUPERSEDED, SUPERSEDED_FILE, pending_remote_rollback
-from fastio.checkpoint.scan import StepEntry, is_checkpoint_dir, read_commit, refuse_file_or_step, remote_steps, scan
+from fastio.checkpoint.scan import (
+    StepEntry,
+    is_checkpoint_dir,
+    read_commit,
+    refuse_empty_prefix,
+    refuse_file_or_step,
+    remote_steps,
+    scan,
+)
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage, parse_location
 from fastio.storage.base import Storage
@@ -287,8 +295,7 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
         return str(loc.path), verify_report(loc.path, include_uncommitted=include_uncommitted)
     storage = open_storage(loc, storage_options)
     steps = remote_steps(storage)
-    if not steps and storage.head(LOCK_NAME) is None:
-        raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME})")
+    refuse_empty_prefix(storage, steps)
     mirror = DirMirror(storage, COMMIT_FILE)
     problems, verified, vanished = [], [], []
     doomed = pending_remote_rollback(storage)
@@ -306,7 +313,11 @@ def verify_steps(where: str | Path, *, include_uncommitted: bool = False,
             try:
                 mirror.pull(name, local)
                 found = verify_step(StepEntry(step, local, read_commit(local)))
-            except (StorageError, CheckpointError) as err:
+            except StorageError as err:  # an object gone is damage; an unreachable store or a full disk is not
+                if not err.missing:
+                    raise CheckpointError(f"{url}: cannot be verified: {err}") from None
+                found = [str(err)]
+            except CheckpointError as err:
                 found = [str(err)]
             shutil.rmtree(local, ignore_errors=True)
             if found and not _marked(storage, name):  # retention deletes the marker first: being deleted

@@ -228,12 +228,17 @@ class Checkpointer:
         problem: str | None = None
         try:
             scan.refuse_dataset_dir(self.dir)
+            if self._remote is not None:
+                scan.refuse_dataset_dir(self._remote.mirror.storage)
             scan.refuse_file_or_step(self.dir)
             if not self.read_only:  # a restore-only Checkpointer takes no lock and no lease
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
                 if self._remote is not None:
+                    self._remote.bind_staging(write=True)
                     self._remote.hold()
+            elif self._remote is not None and self.config.staging_dir is not None:
+                self._remote.bind_staging(write=False)
         except OSError as err:
             problem = f"{self.dir}: cannot create checkpoint directory: {err.strerror or err}"
         except LockedError as err:  # the lease's names the URL; an s3:// dir's staging dir lock names the URL first
@@ -369,7 +374,8 @@ class Checkpointer:
         it; the newest intact one is restored. CheckpointError when step directories exist but none is
         intact, or when ``step`` is asked for and is missing or damaged. fastio's own abandoned
         temporaries (``step-N.tmp``) are deleted; with ``read_only=True`` nothing is deleted or moved aside, and a
-        directory that does not exist is a CheckpointError (a restore-only process has no fresh start).
+        directory that does not exist (an ``s3://`` prefix holding no ``step-N/`` and no writer's lease) is a
+        CheckpointError (a restore-only process has no fresh start).
         RNG states are restored last. A checkpoint written by another number of ranks is restored elastically
         (see :mod:`fastio.checkpoint.elastic`). The progress returned (epoch, metrics, elapsed, hparams) is the
         commit marker's, rank 0's at the save, on every rank. The restore itself is the Checkpointer's
@@ -398,9 +404,8 @@ class Checkpointer:
             raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
                              "Loader)")
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
-        if self.read_only and self.config.url is None and not self.dir.is_dir():  # a typo, not a fresh start
-            raise CheckpointError(f"{self.dir}: checkpoint directory does not exist (read_only=True: nothing to "
-                                  "restore)")
+        if self.read_only:
+            self._refuse_a_typo()
         self._raise_if_failed(wait=True)
         self._finish_pruning()  # the restore's clean-up deletes hidden leftovers too
         state = self._restorer.restore_latest(app, step, strict, loader_policy)
@@ -409,6 +414,17 @@ class Checkpointer:
             self._last_time = self._started = time.monotonic()
             self._elapsed_before = state.elapsed
         return state
+
+    def _refuse_a_typo(self) -> None:
+        """A read-only restore of a directory that does not exist, or of an ``s3://`` prefix that holds no checkpoint's
+        objects (:func:`~fastio.checkpoint.scan.refuse_empty_prefix`), is a CheckpointError: a typo, not a fresh
+        start (a restore-only process has none)."""
+        why = " (read_only=True: nothing to restore)"
+        if self._remote is not None:
+            storage = self._remote.mirror.storage
+            scan.refuse_empty_prefix(storage, scan.remote_steps(storage), why)
+        elif not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: checkpoint directory does not exist{why}")
 
     def _refuse_if_closed(self) -> None:
         """After ``close`` the lock is released (another job may hold it) and the handlers gone: no save or restore."""
@@ -425,7 +441,8 @@ class Checkpointer:
     # ----------------------------------------------------------------- internals
     def _group_staging(self) -> None:
         """Collective at construction: find the ranks sharing this rank's staging dir; the lowest rank of each
-        node-local dir (other than rank 0's) takes its DirLock. Every rank fails together, naming the problem."""
+        node-local dir (other than rank 0's) takes its DirLock and checks (or records) the prefix it stages. Every
+        rank fails together, naming the problem."""
         from fastio.checkpoint.remote import staging_groups, staging_views
 
         groups = staging_groups(staging_views(self.dir, self._ranks))  # the same on every rank
@@ -435,7 +452,8 @@ class Checkpointer:
             if len(groups) > 1 and self._dir_ranks[0] == self.rank and self.rank != 0 and not self.read_only:
                 try:
                     self._lock.acquire()
-                except (LockedError, OSError) as err:
+                    self._remote.bind_staging(write=True)  # as rank 0 did its own (_take_dir)
+                except (LockedError, OSError, CheckpointError) as err:
                     problem = str(err)
             if len(groups) > 1 and self.rank == 0:
                 log.info("fastio: %s: %d node-local staging directories; each node uploads its own files",

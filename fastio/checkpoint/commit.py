@@ -111,15 +111,21 @@ class Commit(Protocol):
         directories that are not committed checkpoints. CheckpointError when ``step`` is not committed."""
         ...
 
-    def fetch(self, step: int) -> None:
+    def fetch(self, step: int) -> list[str]:
         """The lowest rank of ``ranks_here``: make committed ``step`` readable in ``root`` (downloaded when it
-        is only on the store; not verified here, the caller checks every copy)."""
+        is only on the store; not verified here, the caller checks every copy). Returns the step's problems found
+        on the way (an object gone from the store); CheckpointError when the store could not be read."""
         ...
 
     @property
     def fetches(self) -> bool:
         """:meth:`fetch` may download (an ``s3://`` dir): the other ranks wait for it before they read the step.
         False when every step is already in ``root``."""
+        ...
+
+    def downloaded(self, step: int) -> str | None:
+        """The store's URL of ``step`` when ``root``'s copy of it is what :meth:`fetch` downloaded in this process
+        (not the only copy); None otherwise."""
         ...
 
 
@@ -186,13 +192,15 @@ class _Steps:
             if entry.temporary:
                 log.warning("fastio: leaving %s alone: %s", entry.path, entry.problem)
 
-    def fetch(self, step: int) -> None:
-        if self.remote is not None:
-            self.remote.fetch(step)
+    def fetch(self, step: int) -> list[str]:
+        return self.remote.fetch(step) if self.remote is not None else []
 
     @property
     def fetches(self) -> bool:
         return self.remote is not None
+
+    def downloaded(self, step: int) -> str | None:
+        return self.remote.download_of(step) if self.remote is not None else None
 
     def _remote_steps(self) -> list[int]:
         try:

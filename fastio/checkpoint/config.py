@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastio.checkpoint.compress import parse_compression
 from fastio.checkpoint.engines import AUTO, check_engine_name
-from fastio.storage.url import dest_location, local_or_url
+from fastio.storage.url import dest_location, local_folder, local_or_url
 
 __all__ = ["POLICIES", "CheckpointConfig"]
 
@@ -112,7 +112,7 @@ class CheckpointConfig:
             from fastio.checkpoint.remote import default_staging_dir
 
             self.url = where.rstrip("/")
-            where = self.staging_dir or default_staging_dir(self.url)
+            where = local_folder(self.staging_dir, "staging_dir") if self.staging_dir else default_staging_dir(self.url)
         self.dir = Path(where)
         self.dir = dest_location(self.dir)
         self._check_numbers()

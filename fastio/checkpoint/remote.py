@@ -33,6 +33,7 @@ never touched.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 import tempfile
@@ -47,12 +48,16 @@ from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.retention import expired
 from fastio.errors import CheckpointError, StorageError
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.cache import CHECKPOINT_STAGING, default_cache_dir
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.mirror import DirMirror
 from fastio.words import agree
 
-__all__ = ["RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
+__all__ = ["STAGING_RECORD", "RemoteCheckpoints", "default_staging_dir", "staging_groups", "staging_views"]
+
+STAGING_RECORD = ".fastio-staging.json"
+"""In a staging dir: ``{"url": ...}``, the ``s3://`` prefix whose checkpoints it stages."""
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,26 @@ class RemoteCheckpoints:
         self.url, self.root = url, Path(root)
         self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
+        self._downloaded: dict[int, tuple[str, int]] = {}  # step -> (its URL, the inode of its download's folder)
+
+    def bind_staging(self, *, write: bool) -> None:
+        """CheckpointError when the staging directory stages another prefix's checkpoints (its
+        :data:`STAGING_RECORD` names it): its committed steps would be restored, and uploaded, as this prefix's.
+        With ``write``, records this prefix there when nothing is recorded (a staging dir of an older fastio, or a
+        new one: adopted)."""
+        record, url = self.root / STAGING_RECORD, self.mirror.storage.url
+        try:
+            staged = json.loads(record.read_text())["url"]
+        except FileNotFoundError:
+            if write:
+                atomic_write_bytes(record, json.dumps({"url": url}).encode())
+            return
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{url}: staging_dir {self.root} has an unreadable {STAGING_RECORD} ({err}): give "
+                                  "another staging_dir") from None
+        if staged != url:
+            raise CheckpointError(f"{url}: staging_dir {self.root} stages the checkpoints of {staged}; its steps would "
+                                  "be restored and uploaded as this prefix's: give another staging_dir")
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
         """Take the prefix's lease (:class:`~fastio.storage.lock.LockedError` naming the holder; StorageError if the
@@ -227,18 +252,64 @@ class RemoteCheckpoints:
         log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
         return target
 
-    def fetch(self, step: int) -> None:
+    def fetch(self, step: int) -> list[str]:
         """Make ``step-N`` committed in the staging directory, downloaded when it is not (not verified here:
-        the caller checks every node's copy)."""
+        the caller checks every node's copy). Returns the step's problems: an object listed, then gone (404:
+        retention racing a read-only restore), makes it incomplete. Any other failure (the store unreachable past
+        ``deadline_s``, a refusal, the staging disk) is a CheckpointError: a step that could not be read is not
+        known to be damaged, and falling back past it would have the next commit supersede it."""
         dest = naming.step_dir(self.root, step)
+        replaced = False
         if any(e.step == step for e in scan.committed(self.root)):
-            return
-        if dest.exists():
-            removal.quarantine(dest)  # an uncommitted leftover: moved aside, never deleted
+            why = self._staged_differs(dest)
+            if why is None:
+                return []
+            if why == rollback.SUPERSEDED_FILE:  # skipped, then moved aside by the restore
+                return [f"{dest}: superseded on the store by a rollback ({self.url}/{dest.name}/{why})"]
+            replaced = True
         try:
+            if dest.exists():
+                moved = removal.quarantine(dest)  # an uncommitted leftover, or another branch's: never deleted
+                if replaced:
+                    log.warning("fastio: %s/%s: the store's commit marker is not this staging dir's (%s, a step of "
+                                "a branch the run gave up, or of another writer): moved aside to %s, the store's "
+                                "downloaded", self.url, dest.name, dest, moved.name)
             self.mirror.pull(dest.name, dest)
         except StorageError as err:
+            if err.missing:
+                return [str(err)]
             raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be downloaded into {self.root}: "
+                                  f"{err.strerror or err}") from None
+        self._downloaded[step] = (self.mirror.storage.url_of(dest.name), dest.stat().st_ino)
+        return []
+
+    def _staged_differs(self, dest: Path) -> str | None:
+        """Why the committed step in the staging dir (``dest``) is not the store's: ``"marker"`` when the store's
+        step has another commit marker (committed again after a rollback, by another node), ``SUPERSEDED_FILE`` when
+        the store superseded it; None when it is the store's, or the store has no commit of it yet (an upload
+        pending: the staging dir's is the newest copy)."""
+        sub = self.mirror.storage.child(dest.name)
+        try:
+            keys = {o.key for o in sub.list()}
+            if naming.COMMIT_FILE in keys:
+                return None if sub.get(naming.COMMIT_FILE) == (dest / naming.COMMIT_FILE).read_bytes() else "marker"
+        except StorageError as err:
+            raise CheckpointError(f"{self.url}/{dest.name}: cannot be compared with the store's: {err}") from None
+        except OSError as err:
+            raise CheckpointError(f"{dest}: cannot read: {err.strerror or err}") from None
+        return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
+
+    def download_of(self, step: int) -> str | None:
+        """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it
+        into (a copy of what the store keeps; not a step committed here since, which may be the only copy); else
+        None."""
+        url, ino = self._downloaded.get(step, ("", -1))
+        try:
+            return url if url and naming.step_dir(self.root, step).stat().st_ino == ino else None
+        except FileNotFoundError:
+            return None
 
     def committed_steps(self) -> list[int]:
         """The store's committed steps, oldest first (less those of a rollback in progress)."""

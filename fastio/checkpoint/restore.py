@@ -144,15 +144,23 @@ def _check_restored_with(app: dict[str, Any], key: str, state: Any, path: Path) 
             raise CheckpointError(f"{path}: app key {key!r}: {err}") from err
 
 
-def _set_aside(newer: list[Unrecognised], *, read_only: bool) -> None:
+def _set_aside(newer: list[Unrecognised], *, read_only: bool, downloaded: Callable[[int], str | None]) -> None:
     """Move the damaged or unrecognised steps above the chosen one aside (not with ``read_only``), one warning
-    each."""
-    for _, path_, reason in newer:
-        if not Path(path_).exists():
+    each; a step this restore downloaded (``downloaded(step)``: the store's URL) is removed instead: the store keeps
+    it (a restart would otherwise keep one more copy of it each time)."""
+    for step, path_, reason in newer:
+        if not Path(path_).exists():  # never downloaded here (an object gone from the store): nothing to move
+            log.warning("fastio: skipping checkpoint %s: %s", path_, reason)
             continue
+        source = downloaded(step)
         try:
-            moved = ("; left in place (read_only)" if read_only else
-                     f"; moved aside to {removal.quarantine(Path(path_)).name}")
+            if read_only:
+                moved = "; left in place (read_only)"
+            elif source is not None:
+                removal.remove_step(Path(path_))
+                moved = f"; the download of {source} removed (the store keeps it)"
+            else:
+                moved = f"; moved aside to {removal.quarantine(Path(path_)).name}"
         except OSError as err:
             moved = f"; left in place ({err.strerror or err})"
         reason = reason[len(path_) + 2:] if reason.startswith(f"{path_}: ") else reason
@@ -290,7 +298,7 @@ class Restorer:
                                       f"damaged or unrecognised, newest {newer[0][1]}: {newer[0][2]}")
             return None
         if self.leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
-            _set_aside(newer, read_only=self.read_only)
+            _set_aside(newer, read_only=self.read_only, downloaded=commit.downloaded)
         path = commit.step_dir(chosen)
         state = self._restore(path, scan.read_commit(path), app, strict, loader_policy)
         commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
@@ -320,10 +328,20 @@ class Restorer:
 
     def _fetch(self, step: int) -> list[str]:
         """Collective where the commit fetches (an ``s3://`` dir): ``step`` made readable here by each directory's
-        lowest rank, the others waiting for it; every rank's problems. Nothing to do (no agreement) otherwise."""
+        lowest rank, the others waiting for it; every rank's problems (an object gone from the store). A store
+        that could not be read fails the restore on every rank (no fallback: the step is not known to be damaged,
+        and the next commit would supersede it). Nothing to do (no agreement) otherwise."""
         if not self.commit.fetches:
             return []
-        return self.ranks.collect("fetch", lambda: self.commit.fetch(step) or [] if self.leader else [])
+        problems: list[str] = []
+        failure: str | None = None
+        if self.leader:
+            try:
+                problems = self.commit.fetch(step)
+            except Exception as err:  # noqa: BLE001 - agreed on below, raised on every rank
+                failure = str(err) if isinstance(err, FastioError) else f"{self.where}: {first_line(err)}"
+        self.ranks.check("fetch", failure, blame=False)
+        return self.ranks.collect("fetched", lambda: problems)
 
     def _check_step(self, step: int, path: Path) -> list[str]:
         """Collective: problems with the committed checkpoint ``step`` in ``path`` (its marker, then every listed file

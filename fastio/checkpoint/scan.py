@@ -39,6 +39,7 @@ __all__ = [
     "is_checkpoint_dir",
     "read_commit",
     "refuse_dataset_dir",
+    "refuse_empty_prefix",
     "refuse_file_or_step",
     "remote_steps",
     "scan",
@@ -149,17 +150,33 @@ def is_checkpoint_dir(root: Path) -> bool:
     return (root / LOCK_NAME).exists() or any(is_step_like_name(p.name) for p in root.iterdir())
 
 
-def refuse_dataset_dir(root: Path) -> None:
-    """CheckpointError when ``root`` is a fastio dataset (its ``manifest.json`` or ``splits.json`` says so): a
-    Checkpointer must not drop its lock and steps among a dataset's files."""
+def refuse_dataset_dir(root: Path | Storage) -> None:
+    """CheckpointError when ``root`` (a directory, or an ``s3://`` prefix's Storage) is a fastio dataset (its
+    ``manifest.json`` or ``splits.json`` says so): a Checkpointer must not drop its lock (lease) and steps among a
+    dataset's files."""
     for name, fmt in ((MANIFEST_NAME, FORMAT), (SPLITS_NAME, SPLITS_FORMAT)):
         try:
-            data = json.loads((Path(root) / name).read_bytes())
+            data = json.loads(_read(root, name))
         except (OSError, ValueError):
             continue
         if isinstance(data, dict) and data.get("format") == fmt:
-            raise CheckpointError(f"{root}: is a fastio dataset ({name}), not a checkpoint directory; give the "
+            where = root.url if isinstance(root, Storage) else root
+            raise CheckpointError(f"{where}: is a fastio dataset ({name}), not a checkpoint directory; give the "
                                   "Checkpointer a directory of its own, e.g. a sibling such as ckpt/")
+
+
+def _read(root: Path | Storage, name: str) -> bytes:
+    """``name`` under ``root``; OSError if there is none (a store that cannot be read is a CheckpointError)."""
+    if not isinstance(root, Storage):
+        return (Path(root) / name).read_bytes()
+    try:
+        if root.head(name) is None:
+            raise FileNotFoundError(name)
+        return root.get(name)
+    except StorageError as err:
+        if err.missing:
+            raise FileNotFoundError(name) from None
+        raise CheckpointError(f"{root.url}: cannot read: {err}") from None
 
 
 def refuse_file_or_step(root: Path) -> None:
@@ -174,6 +191,21 @@ def refuse_file_or_step(root: Path) -> None:
     if step is not None and ((root / COMMIT_FILE).is_file() or (root / WRITING_FILE).is_file()):
         raise CheckpointError(f"{root}: is one checkpoint (step {step[0]}), not a checkpoint directory: give the "
                               f"directory holding it, {root.parent}")
+
+
+def refuse_empty_prefix(storage: Storage, steps: dict[int, dict[str, int]], why: str = "") -> None:
+    """CheckpointError when an ``s3://`` prefix, given as a checkpoint directory, holds no ``step-N/`` (``steps``:
+    :func:`remote_steps`) and no writer's lease (``.fastio-lock``): a mistyped prefix, or another thing's (a dataset),
+    not a run that has not saved yet (its writer holds the lease). ``why`` ends the message."""
+    if not steps and _lease_size(storage) is None:
+        raise CheckpointError(f"{storage.url}: not a checkpoint prefix (no step-N/, no {LOCK_NAME}){why}")
+
+
+def _lease_size(storage: Storage) -> int | None:
+    try:
+        return storage.head(LOCK_NAME)
+    except StorageError as err:
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
 
 
 def remote_steps(storage: Storage) -> dict[int, dict[str, int]]:

@@ -43,7 +43,7 @@ from fastio.storage import S3Storage, Storage, open_storage
 from fastio.storage.atomic import atomic_write_bytes, tmp_path_for
 from fastio.storage.lease import Lease, LeaseLostError, writer_lease
 from fastio.storage.lock import LOCK_NAME, DirLock, LockedError, holder_of
-from fastio.storage.url import dest_location, parse_location
+from fastio.storage.url import dest_location, local_folder, parse_location
 from fastio.tokens.starts import STARTS_NAME
 
 T = TypeVar("T")
@@ -376,7 +376,8 @@ def staging_path(dest: str, staging_dir: Path | None = None) -> Path:
     url = parse_location(str(dest)).url  # s3://b/ds/ and s3://b/ds are one DEST: one copy for both
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     uid = os.getuid() if hasattr(os, "getuid") else 0
-    return dest_location(Path(staging_dir or tempfile.gettempdir())) / f"fastio-convert-{uid}-{digest}"
+    root = local_folder(staging_dir, "staging_dir") if staging_dir else Path(tempfile.gettempdir())
+    return dest_location(root) / f"fastio-convert-{uid}-{digest}"
 
 
 def _upload_converted(dest: str, storage: Storage, staging_dir: Path | None, overwrite: bool,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -127,15 +126,6 @@ class LocalFiles(DatasetFiles):
                     raise DatasetError(f"{self.root}: shard file {where} is missing")
 
 
-def _write_unique_tmp(path: Path, data: bytes) -> None:
-    """Publish ``data`` at ``path`` through a temporary name of this process and thread (several processes of
-    a node may write the same verified file at once; each rename is atomic)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def no_manifest(url: str, storage: Storage) -> DatasetError:
     """The error for a DEST on an object store (``storage``) whose manifest is missing: its bucket does not
     exist (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), or it is not
@@ -157,10 +147,10 @@ class RemoteFiles(DatasetFiles):
         self.storage, self.cache = storage, cache
         self.display = storage.url
         self.cache_size = cache.size
-        self.meta = cache.meta_dir(hashlib.sha256(storage.url.encode()).hexdigest()[:20])
+        self.meta = cache.meta_dir(hashlib.sha256(storage.url.encode()).hexdigest()[:20], url=storage.url,
+                                   subfolders=(SHARDS_DIR,))
         self._fetched: set[str] = set()  # metadata files verified in this process
         self._buckets: dict[str, Storage] = {}  # bucket roots of shards named by URL (fastio index --dest)
-        (self.meta / SHARDS_DIR).mkdir(exist_ok=True)
 
     def _where(self, key: str) -> tuple[Storage, str]:
         """The storage and key of a record's location (relative to DEST, or an ``s3://`` URL)."""
@@ -183,7 +173,7 @@ class RemoteFiles(DatasetFiles):
                 _refuse_split_parent(url, dest_split_names(url, self.storage.options))
                 raise no_manifest(url, self.storage) from None
             raise
-        _write_unique_tmp(self.meta / MANIFEST_NAME, data)
+        self.cache.put_meta(self.meta / MANIFEST_NAME, data, self.storage.url_of(MANIFEST_NAME))
         try:
             return load_manifest(self.meta)
         except DatasetError as err:  # name the URL, not the cached copy
@@ -243,7 +233,7 @@ class RemoteFiles(DatasetFiles):
         for _ in range(2):
             data = storage.get(key)
             if hashlib.sha256(data).hexdigest() == sha256:
-                _write_unique_tmp(path, data)
+                self.cache.put_meta(path, data, storage.url_of(key))
                 return
         raise DatasetError(f"{storage.url_of(key)}: {what} does not match the manifest's checksum after 2 downloads")
 

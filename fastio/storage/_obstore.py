@@ -39,15 +39,62 @@ __all__ = ["S3Client"]
 _STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP\s*)(\d{3})\b", re.IGNORECASE)
 
 
+_CREDENTIAL_SERVICES = ("169.254.169.254", "169.254.170.2")  # EC2 instance metadata, ECS task credentials
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_CONNECT_STAGE = re.compile(r'ConnectError\(\s*"([^"]+)"')
+_OS_REASON = re.compile(r'\b(?:message|error): "([^"]+)"')
+_TLS_REASON = re.compile(r"\berror: (\w+)\(\s*(\w+)")  # rustls: InvalidMessage(InvalidContentType)
+_TLS_REFUSALS = ("InvalidContentType", "InvalidCertificate", "UnknownIssuer", "HandshakeFailure",
+                 "NotValidForName", "certificate verify failed")
+"""A TLS handshake that retrying cannot cure: the server does not speak TLS, or its certificate is refused."""
+
+
+def _cause(text: str) -> str:
+    """Why a request got no answer, from the debug chain of an object_store HTTP error (its first line says only
+    "error sending request"): ``timed out``, ``connect: Connection refused``, ``connect: dns error: ...``;
+    "" when the chain names no HTTP error."""
+    kind = _HTTP_KIND.search(text)
+    if kind is None:
+        return ""
+    if kind[1] == "Timeout":
+        return "timed out"
+    stage, reason, tls = _CONNECT_STAGE.search(text), _OS_REASON.search(text), _TLS_REASON.search(text)
+    said = [x for x in (stage[1] if stage and stage[1] != "tcp connect error" else "",
+                        reason[1] if reason else f"{tls[1]}({tls[2]})" if tls else "") if x]
+    return ": ".join([kind[1].lower(), *said])
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
-    # object_store messages are long multi-line chains; the status line and the server's code are what matter
+    # object_store messages are long multi-line chains; the status line, the server's code and, for a request that
+    # got no answer, its cause are what matter
     status = _STATUS.search(text)
     code = re.search(r"<Code>([^<]+)</Code>", text)
     head = text.split("Debug source")[0].strip().splitlines()[0] if text else type(err).__name__
     head = re.sub(r"^.*?(Server returned|Error performing|error sending|request or response body)", r"\1", head)[:160]
-    extra = ", ".join(x for x in (f"HTTP {status[1]}" if status else "", code[1] if code else "") if x)
-    return f"{head} ({extra})" if extra and extra not in head else head
+    extra = ", ".join(x for x in (f"HTTP {status[1]}" if status else "", code[1] if code else "",
+                                  "" if status else _cause(text)) if x)
+    line = f"{head} ({extra})" if extra and extra not in head else head
+    if any(host in text for host in _CREDENTIAL_SERVICES):  # the client's last resort for credentials failed
+        return ("no credentials: none in storage_options, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile in "
+                f"~/.aws, and the instance metadata service gave none ({line})")
+    return line
+
+
+_TRANSIENT_CODES = ("RequestTimeout", "OperationAborted", "Throttling", "ThrottlingException", "RequestThrottled",
+                    "TooManyRequestsException", "RequestLimitExceeded")
+"""S3 error codes sent with a 4xx status that retrying cures (as the AWS SDKs retry them): a request body that came
+too slowly (400 RequestTimeout), a conflicting operation in progress (409 OperationAborted), throttling."""
+
+
+def _retried_code(text: str) -> bool:
+    code = re.search(r"<Code>([^<]+)</Code>", text)
+    return code is not None and code[1] in _TRANSIENT_CODES
+
+
+def _not_found(err: BaseException) -> str:
+    """A 404's words: the bucket's absence (S3's NoSuchBucket) is not a missing object's."""
+    return f"{'no such bucket' if 'NoSuchBucket' in str(err) else 'not found'} ({_first_line(err)})"
 
 
 @contextmanager
@@ -55,7 +102,7 @@ def _translated() -> Iterator[None]:
     try:
         yield
     except (NotFoundError, FileNotFoundError) as err:
-        raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+        raise Permanent(_not_found(err), missing=True) from None
     except (AlreadyExistsError, PreconditionError) as err:
         raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
     except (PermissionDeniedError, UnauthenticatedError, PermissionError) as err:
@@ -65,11 +112,17 @@ def _translated() -> Iterator[None]:
     except BaseError as err:
         status = _STATUS.search(str(err))
         code = int(status[1]) if status else None
+        if code is None and any(refusal in str(err) for refusal in _TLS_REFUSALS):
+            raise Permanent("TLS handshake failed (the endpoint is https:// but the server does not speak TLS, or its "
+                            f"certificate is not trusted): {_first_line(err)}") from None
+        if "Received redirect" in str(err) or (code is not None and 300 <= code < 400):  # S3: PermanentRedirect
+            raise Permanent("redirected: the bucket is in another region than the one configured (region=, "
+                            f"AWS_REGION), or the endpoint is wrong ({_first_line(err)})") from None
         if code == 404:
-            raise Permanent(f"not found ({_first_line(err)})", missing=True) from None
+            raise Permanent(_not_found(err), missing=True) from None
         if code == 412 or (code == 409 and "ConditionalRequestConflict" in str(err)):
             raise Permanent(f"precondition failed ({_first_line(err)})", precondition=True) from None
-        if code is not None and 400 <= code < 500 and code not in (408, 429):
+        if code is not None and 400 <= code < 500 and code not in (408, 429) and not _retried_code(str(err)):
             raise Permanent(_first_line(err)) from None
         raise Transient(_first_line(err)) from None
     except (OSError, TimeoutError) as err:  # raised while a response body streams in

@@ -98,7 +98,16 @@ class Storage(ABC):
         """Delete one object (callers delete only what fastio wrote)."""
 
     def get_to_file(self, key: str, path: Path, size: int | None = None) -> int:
-        """Download the object into ``path`` (created or truncated); returns its size."""
+        """Download the object into ``path`` (created or truncated); returns its size. Every failure is a
+        StorageError naming the object: one of the local file (a full or read-only disk) names ``path``'s folder
+        too, not an OSError."""
+        try:
+            return self._get_to_file(key, Path(path), size)
+        except OSError as err:
+            raise StorageError(f"{self.url_of(key)}: cannot download into {Path(path).parent}: "
+                               f"{err.strerror or err}", url=self.url_of(key)) from None
+
+    def _get_to_file(self, key: str, path: Path, size: int | None) -> int:
         data = self.get(key)
         with open(path, "wb") as f:
             f.write(data)
@@ -290,7 +299,7 @@ class S3Storage(Storage):
         full = [self._key(k) for k in keys]
         return self._retrying(lambda: self._client.presign(full, expires_s), keys[0] if keys else "", "presign")
 
-    def get_to_file(self, key: str, path: Path, size: int | None = None) -> int:
+    def _get_to_file(self, key: str, path: Path, size: int | None) -> int:
         """Ranged GETs of ``part_size`` bytes, ``concurrency`` at once, written in place with ``pwrite`` (the file
         is set to ``size`` bytes first, not truncated to zero)."""
         if size is None:

@@ -23,7 +23,8 @@ Rules:
   every 10 s of use) not in use are deleted until the new shard fits in ``cache_size``. Only
   ``objects/<sha256>.tar`` and ``.tmp`` names are ever deleted: files the cache did not make are never touched.
 - **No torn reads**: a reader opens, locks, then checks that the file is still linked; an entry evicted in
-  between is filled again.
+  between is filled again. It checks the size too: a copy cut short on the node's disk (a crash, a full disk, a
+  hand copy) is removed (under the fill lock, only if still the same file), named in one warning, and filled again.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from fastio.errors import StorageError
 from fastio.progress import human_bytes, parse_size
 from fastio.storage.base import Storage
 from fastio.storage.checksum import DIGESTS, digest_file
+from fastio.storage.url import local_folder
 from fastio.words import count
 
 __all__ = ["CACHE_MARKER", "CHECKPOINT_STAGING", "CacheEntry", "CachedShardFiles", "ShardCache", "default_cache_dir"]
@@ -175,7 +177,7 @@ class ShardCache:
     """
 
     def __init__(self, cache_dir: str | Path, cache_size: int | str | None = None, *, wait_s: float = 120.0):
-        self.dir = Path(cache_dir)
+        self.dir = local_folder(cache_dir, "cache_dir")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not (self.dir / CACHE_MARKER).is_file():
@@ -208,11 +210,37 @@ class ShardCache:
     def path(self, sha256: str) -> Path:
         return self.objects / f"{sha256}.tar"
 
-    def meta_dir(self, name: str) -> Path:
-        """A per-dataset folder for small metadata files (manifest, indexes); not counted, never evicted."""
+    def meta_dir(self, name: str, *, url: str, subfolders: tuple[str, ...] = ()) -> Path:
+        """A per-dataset folder (for the dataset at ``url``) for small metadata files (manifest, indexes), with its
+        ``subfolders``; not counted, never evicted. StorageError naming ``url`` and cache_dir if it cannot be made."""
         d = self.dir / META_DIR / name
-        d.mkdir(parents=True, exist_ok=True)
+        try:
+            for folder in (d, *(d / sub for sub in subfolders)):
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self.write_error(url, err) from None
         return d
+
+    def put_meta(self, path: Path, data: bytes, url: str) -> None:
+        """Publish ``data`` (the verified copy of object ``url``) at ``path`` in a :meth:`meta_dir` through a temporary
+        name of this process and thread (several processes of a node may write the same file at once; each rename
+        is atomic); StorageError naming ``url`` and cache_dir if it cannot be written, and no temporary left."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as err:
+            raise self.write_error(url, err) from None
+
+    def write_error(self, url: str, err: OSError) -> StorageError:
+        """The error for ``err``, raised where the cache writes to its own directory (read-only, full) while it
+        keeps a copy of ``url``: one line naming both and the reason."""
+        return StorageError(f"{url}: cannot write to cache_dir {self.dir}: {err.strerror or err}", url=url)
 
     # -- space ----------------------------------------------------------------------------------------
 
@@ -309,6 +337,13 @@ class ShardCache:
         if final.exists():
             return False
         url = storage.url_of(entry.key)
+        try:
+            return self._fill(storage, entry, final, url, wait)
+        except OSError as err:  # the cache's own disk: read-only, full (the store's faults are StorageErrors)
+            raise self.write_error(url, err) from None
+
+    def _fill(self, storage: Storage, entry: CacheEntry, final: Path, url: str, wait: bool) -> bool:
+        """:meth:`fill` once ``final`` was not there."""
         tmp = self.objects / f".{entry.sha256}.tar.tmp"
         with _flocked(self.objects / f".{entry.sha256}.lock", fcntl.LOCK_EX):
             if final.exists():  # another process filled it while we waited for the lock
@@ -332,6 +367,27 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
         return True
+
+    def drop_cut_short(self, entry: CacheEntry, seen: os.stat_result, url: str) -> None:
+        """Remove the entry's copy whose stat is ``seen`` (its size not the manifest's: cut short on this node's disk,
+        by a crash, a full disk or a hand copy), named in one warning, so that the next open fills it again. Under
+        the shard's fill lock, and only if the copy there is still that file (another process may have replaced it
+        with a good one already); readers holding it keep their descriptors."""
+        path = self.path(entry.sha256)
+        try:
+            with _flocked(self.objects / f".{entry.sha256}.lock", fcntl.LOCK_EX):
+                try:
+                    now = path.stat()
+                except FileNotFoundError:
+                    return
+                if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                    return
+                path.unlink()
+        except OSError as err:
+            raise self.write_error(url, err) from None
+        logging.getLogger("fastio").warning(
+            "%s: the cached copy %s is %s, the manifest says %d (cut short on this node's disk): filled again", url,
+            path, count(seen.st_size, "byte"), entry.size)
 
     @staticmethod
     def _download(storage: Storage, entry: CacheEntry, tmp: Path) -> tuple[int, str]:
@@ -527,8 +583,13 @@ class CachedShardFiles:
                 filled = True
                 continue
             fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it from now on
-            if os.fstat(fd).st_nlink == 0:  # evicted between open and lock
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # evicted between open and lock
                 os.close(fd)
+                continue
+            if st.st_size != entry.size:  # cut short on this node's disk: never read, filled again
+                os.close(fd)
+                self.cache.drop_cut_short(entry, st, self.storage.url_of(entry.key))
                 continue
             os.utime(fd)  # most recently used
             self._touched[i] = time.monotonic()

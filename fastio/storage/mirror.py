@@ -3,7 +3,8 @@
 ``DirMirror(storage, marker)`` keeps ``PREFIX/NAME/...`` copies of local directories: :meth:`push` uploads
 every file and the marker last (a reader that sees the marker sees every file), :meth:`remove` deletes the
 marker first (the copy stops counting before its files go) and then only the keys under ``NAME/``,
-:meth:`pull` downloads a complete copy into a temporary folder and renames it into place. The checkpoint
+:meth:`pull` downloads a complete copy into a temporary folder and renames it into place (the folder is removed
+if the download fails). The checkpoint
 layer uses it for ``step-N`` directories whose marker is the commit file.
 """
 
@@ -45,13 +46,18 @@ class DirMirror:
         sub = self.storage.child(name)
         objects = sub.list()
         if not any(o.key == self.marker for o in objects):
-            raise StorageError(f"{sub.url}: has no {self.marker} (incomplete upload)", url=sub.url)
+            raise StorageError(f"{sub.url}: has no {self.marker} (incomplete upload, or being deleted)", url=sub.url,
+                               missing=True)
         part = Path(str(dest) + ".part")
         shutil.rmtree(part, ignore_errors=True)
-        for o in objects:
-            target = part / o.key
-            target.parent.mkdir(parents=True, exist_ok=True)
-            sub.get_to_file(o.key, target, o.size)
+        try:
+            for o in objects:
+                target = part / o.key
+                target.parent.mkdir(parents=True, exist_ok=True)
+                sub.get_to_file(o.key, target, o.size)
+        except BaseException:
+            shutil.rmtree(part, ignore_errors=True)  # a partial download, of what the store keeps
+            raise
         os.replace(part, dest)
         fsync_dir(Path(dest).parent)
 

@@ -14,7 +14,8 @@ from urllib.parse import unquote
 
 from fastio.errors import StorageError
 
-__all__ = ["REMOTE_SCHEMES", "Location", "dest_location", "is_remote", "join_key", "local_or_url", "parse_location"]
+__all__ = ["REMOTE_SCHEMES", "Location", "dest_location", "is_remote", "join_key", "local_folder", "local_or_url",
+           "parse_location"]
 
 REMOTE_SCHEMES = ("s3",)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
@@ -54,6 +55,20 @@ def local_or_url(dest: str | Path) -> str | Path:
     (``file:///abs/path`` is ``/abs/path``, never a folder named ``file:``); StorageError as :func:`parse_location`."""
     location = parse_location(dest)
     return str(dest) if location.remote else location.path
+
+
+def local_folder(value: str | Path, what: str) -> Path:
+    """A folder that holds this node's own files (``cache_dir``, a ``staging_dir``) as a Path: a local path, or
+    ``file:///abs/path`` given as a str; StorageError naming ``what`` for any other URL, also one that pathlib
+    mangled (``Path("s3://b/x")`` is ``s3:/b/x``), never a local folder named ``s3:``."""
+    text = str(value)
+    m = _SCHEME.match(text)
+    if m is None:
+        return Path(value)
+    if isinstance(value, str) and m[1].lower() == "file" and text.lower().startswith("file://"):
+        return parse_location(text).path
+    raise StorageError(f"{what} {text}: must be a local directory (a path, or file:///absolute/path), not a URL",
+                       url=text)
 
 
 def dest_location(dest: str | Path) -> str | Path:
