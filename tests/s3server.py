@@ -230,3 +230,16 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
+
+
+def fails_at_once(call, match: str, within_s: float = 5.0) -> None:
+    """``call()`` raises a :class:`fastio.errors.StorageError` matching ``match`` that is not transient, within
+    ``within_s`` seconds: a fault no retry can cure, failed at once instead of retried until the deadline."""
+    import pytest
+
+    from fastio.errors import StorageError
+
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=match) as info:
+        call()
+    assert time.monotonic() - started < within_s and not info.value.transient

@@ -169,13 +169,11 @@ def test_another_tools_manifest_is_not_called_a_converted_dataset(tmp_path, imag
     that folder's contents on a false description. The file stays."""
     dest = tmp_path / "theirs"
     dest.mkdir()
-    (dest / "manifest.json").write_text('{"name": "my-project", "version": 2}')
-    with pytest.raises(ConvertError, match=r"theirs: directory is not empty and is not fastio output"):
-        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
-    assert (dest / "manifest.json").read_text() == '{"name": "my-project", "version": 2}'
-    (dest / "manifest.json").write_text("not json")
-    with pytest.raises(ConvertError, match=r"theirs: directory is not empty and is not fastio output"):
-        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    for theirs in ('{"name": "my-project", "version": 2}', "not json"):
+        (dest / "manifest.json").write_text(theirs)
+        with pytest.raises(ConvertError, match=r"theirs: directory is not empty and is not fastio output"):
+            convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+        assert (dest / "manifest.json").read_text() == theirs
 
 
 def test_dest_rules(tmp_path, image_folder):
