@@ -24,8 +24,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 __all__ = ["Check", "check_fields", "checked", "config_error", "count", "is_type", "one_of", "positive_integer",
-           "read_checked", "rule", "two_differing"]
+           "read_checked", "rule", "switch_option", "two_differing"]
 
 Check = Callable[[Any], "str | None"]
 """What is wrong with a value (``"is not an integer"``), None when nothing is."""
@@ -109,3 +111,11 @@ def one_of(choices: tuple[str, ...], suffix: str = "") -> Check:
 
 positive_integer = rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "must be a positive integer")
 """A config's count of at least 1 (never a bool): ``must be a positive integer``."""
+
+
+def switch_option(name: str, value: Any) -> bool:
+    """``value`` as a bool (a numpy bool too), else ValueError naming the option: a value taken by its truth would
+    turn ``drop_last="no"`` on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)

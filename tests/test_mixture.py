@@ -288,6 +288,19 @@ def test_a_weight_too_large_for_a_float_is_named(raw_sources, tmp_path):
         Mixture.from_file(path)
 
 
+def test_verify_is_a_switch_not_a_truth_value(raw_sources):
+    """``verify="no"`` was read by its truth (a non-empty string: every index and shard checked), as the Loader's own
+    switches were before they were checked; a Dataset and a Mixture now refuse it, naming the option."""
+    from fastio import Dataset
+
+    for make in (lambda v: Dataset(raw_sources["a"], verify=v), lambda v: Mixture(raw_sources, verify=v)):
+        for bad in ("no", 0, None):
+            with pytest.raises(ValueError, match=rf"^verify must be True or False, got {bad!r}$"):
+                make(bad)
+    assert Dataset(raw_sources["a"], verify=np.bool_(True)).verify is True  # a numpy bool is a switch
+    assert Mixture(raw_sources, verify=True).names == ("a", "b", "c")
+
+
 def test_weights_whose_sum_is_past_a_float_keep_their_proportions(raw_sources):
     """Each weight finite, their sum not: the shares were all 0, refused as "weight of 'a' must be a positive number,
     got 0.0", a weight that was not given."""

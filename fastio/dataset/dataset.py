@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import switch_option
 from fastio.dataset.files import DatasetFiles, open_files
 from fastio.dataset.manifest import Manifest, ShardRecord
 from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex, check_once
@@ -91,7 +92,7 @@ class Dataset:
         # layer's business: its files (`DatasetFiles`) hand over the manifest, the local index and local shard paths.
         self.files = open_files(dest, cache_dir=cache_dir, cache_size=cache_size, storage_options=storage_options)
         self.root: Path | str = self.files.display
-        self.verify = verify
+        self.verify = switch_option("verify", verify)  # not by its truth: verify="no" would check
         self.manifest: Manifest = self.files.load_manifest()
         shards, first = [], 0
         for record in self.manifest.shards:

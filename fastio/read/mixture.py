@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checks import two_differing
+from fastio.checks import switch_option, two_differing
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
@@ -96,7 +96,7 @@ class Mixture:
         if samples_per_epoch is not None and samples_per_epoch > MAX_SAMPLES_PER_EPOCH:
             raise ValueError(f"samples_per_epoch must be a positive integer of at most 2**62 (a mixture's order "
                              f"counts positions in int64), got {samples_per_epoch!r}")
-        opening = {"verify": verify, "cache_dir": cache_dir, "cache_size": cache_size,
+        opening = {"verify": switch_option("verify", verify), "cache_dir": cache_dir, "cache_size": cache_size,
                    "storage_options": storage_options}
         self.datasets: tuple[Dataset, ...] = tuple(
             d if isinstance(d, Dataset) else _open(name, d, opening) for name, d in sources.items())

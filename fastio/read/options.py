@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from fastio.checks import switch_option
 from fastio.dist import usable_cpus
 
-__all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions", "count_option",
-           "switch_option"]
+__all__ = ["OrderOptions", "Options", "PerformanceOptions", "RankOptions", "ShardOptions", "count_option"]
 
 
 def count_option(name: str, value: Any, least: int) -> int:
@@ -32,14 +32,6 @@ def count_option(name: str, value: Any, least: int) -> int:
     if value < least:
         raise ValueError(f"{name} must be >= {least}, got {int(value)}")
     return int(value)
-
-
-def switch_option(name: str, value: Any) -> bool:
-    """``value`` as a bool (a numpy bool too), else ValueError naming the option: a value taken by its truth would
-    turn ``drop_last="no"`` on."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
 
 
 def _put(group: Any, name: str, value: Any) -> None:
