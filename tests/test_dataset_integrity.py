@@ -319,7 +319,7 @@ def test_a_shard_rewritten_with_two_samples_swapped_is_refused(tmp_path, capsys,
     assert (folder / "0.tar").stat().st_size == size
     refused = (rf"^{folder}: shard 0\.tar key 's02': field 'txt': the index says member 's02\.txt' of 17 bytes at "
                r"offset \d+, the shard holds member 's03\.txt' of 17 bytes there: it was rewritten after it was "
-               r"indexed; re-run `fastio index` \(or the conversion\)$")
+               rf"indexed; re-run `fastio index {folder} --overwrite`$")
     with Loader(folder, batch_size=8, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
         with pytest.raises(DatasetError, match=refused):
             next(iter(loader))

@@ -956,3 +956,37 @@ def test_a_shard_named_in_capitals_is_indexed(tmp_path, capsys):
         assert [(s["name"], s["location"], s["samples"]) for s in manifest["shards"]] == [
             ("A.tar", "A.TAR", 3), ("b.tar", "b.tar", 2)], manifest["shards"]
         assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0
+
+
+def test_overwrite_replaces_the_idx_fastio_wrote_for_a_changed_shard_never_the_users(tmp_path, capsys):
+    # Found by review: a shard rewritten after `fastio index DIR` (in place) was refused by the Loader with "re-run
+    # `fastio index`", which refused (a manifest exists), and `fastio index DIR --overwrite` then refused the .idx
+    # fastio itself had written ("an existing .idx is never overwritten"): the user had to delete it by hand.
+    folder = tmp_path / "web"
+    samples = [(f"s{i:02d}", b"text of sample %02d" % i) for i in range(6)]
+    _small_tar(folder / "a.tar", [(f"{k}.{f}", d) for k, v in samples for f, d in (("txt", v), ("cls", b"1"))])
+    _small_tar(folder / "b.tar", [("u0.txt", b"user's"), ("u0.cls", b"0")])
+    assert run_cli(["index", str(folder / "b.tar"), "--dest", str(tmp_path / "elsewhere"), "-q"], capsys)[0] == 0
+    shutil.copy(tmp_path / "elsewhere" / "shards" / "b.idx", folder / "b.idx")  # the user's own .idx, as fastio's
+    code, out, err = run_cli(["index", str(folder)], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+    assert run_cli(["index", str(folder), "--overwrite", "-q"], capsys)[0] == 0  # found again: still the user's
+    order = [samples[i] for i in (0, 2, 1, 3, 4, 5)]  # rewritten, the same size: s01 and s02 swapped
+    _small_tar(folder / "a.tar", [(f"{k}.{f}", d) for k, v in order for f, d in (("txt", v), ("cls", b"1"))])
+    with Loader(folder, batch_size=6, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        with pytest.raises(Exception, match=re.escape(f"re-run `fastio index {folder} --overwrite`")):
+            next(iter(loader))
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)  # the command the Loader named
+    assert code == 0 and "1 .idx written" in out, err
+    assert (folder / "b.idx").read_bytes() == (tmp_path / "elsewhere" / "shards" / "b.idx").read_bytes()
+    with Loader(folder, batch_size=7, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        assert sorted(bytes(t) for t in next(iter(loader))["txt"]) == sorted([v for _, v in samples] + [b"user's"])
+    _small_tar(folder / "b.tar", [("u1.txt", b"user's"), ("u1.cls", b"0")])  # the user's .idx is never replaced
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and f"{folder / 'b.idx'}: exists and differs" in err and "fastio did not write" in err, err
+    assert (folder / "b.idx").read_bytes() == (tmp_path / "elsewhere" / "shards" / "b.idx").read_bytes()
+    _small_tar(folder / "b.tar", [("u0.txt", b"user's"), ("u0.cls", b"0")])
+    (folder / "a.idx").write_text("v1.2 1\ntxt 512 3 s00.txt\n")  # fastio's .idx, replaced by the user since
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and f"{folder / 'a.idx'}: exists and differs" in err and "fastio did not write" in err, err
