@@ -397,7 +397,8 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 @cli.command()
 @click.argument("dest")
 @click.option("--decode", is_flag=True,
-              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file.")
+              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file, and "
+                   "name each sample without an image field (the image pipelines refuse it).")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
 @storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,

@@ -489,6 +489,15 @@ class Manifest:
     def __repr__(self) -> str:
         return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self.shards)})"
 
+    @property
+    def image_order(self) -> tuple[str, ...]:
+        """The image fields a sample's image is read from by the image pipelines (the first it has): the main one,
+        then the others (a dataset may mix formats; DALI decodes by content); empty without an image field."""
+        if self.image_field is None:
+            return ()
+        others = self.image_fields or [f for f in self.fields if is_image_field(f)]
+        return (self.image_field, *[f for f in others if f != self.image_field])
+
     @cached_property
     def fingerprint(self) -> str:
         """See :func:`fingerprint`."""
