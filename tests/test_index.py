@@ -990,3 +990,34 @@ def test_overwrite_replaces_the_idx_fastio_wrote_for_a_changed_shard_never_the_u
     (folder / "a.idx").write_text("v1.2 1\ntxt 512 3 s00.txt\n")  # fastio's .idx, replaced by the user since
     code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
     assert code == 2 and f"{folder / 'a.idx'}: exists and differs" in err and "fastio did not write" in err, err
+
+
+def _unshare_ro_works(tmp: Path) -> bool:
+    """Whether this process may make a read-only bind mount in a mount namespace of its own (root, unshare)."""
+    folder = tmp / "probe-ro"
+    folder.mkdir()
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind -o ro {folder} {folder} && ! touch {folder}/x"],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def test_an_index_in_place_of_a_read_only_folder_names_the_way_out(tmp_path, capsys):
+    # Found by review: `fastio index DIR` of a read-only folder (a read-only mount of the shards) said
+    # "DIR/.fastio-lock: Read-only file system": the file, but not that --dest indexes such shards. Tested with a
+    # read-only bind mount in a mount namespace of its own (as root chmod does not stop writes).
+    if not _unshare_ro_works(tmp_path):
+        pytest.skip("needs unshare -m and mount --bind -o ro (root)")
+    folder = tmp_path / "ro"
+    _small_tar(folder / "a.tar", [("s0.txt", b"zero"), ("s1.txt", b"one")])
+    cli = "import sys; from fastio.cli import main; sys.exit(main(sys.argv[1:]))"
+    script = (f"mount --bind -o ro {folder} {folder} && {sys.executable} -c '{cli}' index {folder} -q; "
+              f"echo rc=$?; {sys.executable} -c '{cli}' index {folder} --dest {tmp_path / 'meta'} -q; echo rc=$?")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["rc=2", "rc=0"], (done.stdout, done.stderr)
+    assert done.stderr == (f"fastio: error: {folder}/.fastio-lock: Read-only file system; the shards' folder cannot "
+                           f"be written: index them into another folder with --dest DIR\n"), done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["a.tar"]
+    assert (tmp_path / "meta" / "manifest.json").is_file() and (tmp_path / "meta" / "shards" / "a.idx").is_file()

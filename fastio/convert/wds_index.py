@@ -26,6 +26,7 @@ left out with reasons (``skipped``: empty tars, members without a field name).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -264,8 +265,21 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     try:
         return _index_shards(config, progress)
     except OSError as err:  # DEST unwritable, a folder unreadable, disk full, ...: one line naming the file
-        raise DatasetError(f"{err.filename2 or err.filename or config.dest or config.source}: {err.strerror or err}") \
-            from None
+        raise DatasetError(f"{err.filename2 or err.filename or config.dest or config.source}: {err.strerror or err}"
+                           f"{_way_out(err, config)}") from None
+
+
+def _way_out(err: OSError, config: IndexConfig) -> str:
+    """``; ... dest=DIR`` (the CLI says ``--dest DIR``) where ``err`` is a write refused in a folder that cannot be
+    written (a read-only mount, permissions): the shards' folder, indexed in place by default, or DEST; else ``""``."""
+    name = err.filename2 or err.filename
+    if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not isinstance(name, (str, Path)):
+        return ""
+    if os.access(os.path.dirname(os.path.abspath(name)), os.W_OK):  # e.g. a shard that cannot be read
+        return ""
+    if config.dest is None:
+        return "; the shards' folder cannot be written: index them into another folder with dest=DIR"
+    return "; DEST cannot be written: index into a folder that can be, dest=DIR"
 
 
 def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
