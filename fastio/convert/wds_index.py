@@ -566,7 +566,8 @@ def fastios_idx(dest: Storage, in_place: bool) -> dict[str, str]:
         if not in_place:
             return {r.idx_key: r.idx_sha256 for r in records if r.idx_location is None}
         kept = data["source"][IDX_KEPT]
-        if not data["source"].get("indexed_in_place") or not all(isinstance(k, str) for k in kept):
+        if not data["source"].get("indexed_in_place") or not isinstance(kept, list) \
+                or not all(isinstance(k, str) for k in kept):
             return {}
         return {r.idx_key: r.idx_sha256 for r in records if r.idx_location is not None and r.idx_key not in kept}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
@@ -580,8 +581,8 @@ def _check_replace(dest: Storage, key: str, tar: str, existing: bytes, text: byt
     where = (f"{display_of(dest, key)}: exists and differs from the index of {tar} "
              f"({_first_difference(existing, text)})")
     if ours.get(key) != hashlib.sha256(existing).hexdigest():
-        raise DatasetError(f"{where}; an .idx fastio did not write is never overwritten: remove it, or index with "
-                           "--dest elsewhere")
+        raise DatasetError(f"{where}; an .idx that DEST's manifest does not record as fastio's (yours, or changed "
+                           "since) is never overwritten: remove it, or index with --dest elsewhere")
     if not overwrite:
         raise DatasetError(f"{where}; an earlier fastio index wrote it: pass --overwrite to replace it")
 
