@@ -1021,3 +1021,21 @@ def test_an_index_in_place_of_a_read_only_folder_names_the_way_out(tmp_path, cap
                            f"be written: index them into another folder with --dest DIR\n"), done.stderr
     assert sorted(p.name for p in folder.iterdir()) == ["a.tar"]
     assert (tmp_path / "meta" / "manifest.json").is_file() and (tmp_path / "meta" / "shards" / "a.idx").is_file()
+
+
+def test_overwrite_replaces_the_idx_fastio_wrote_on_s3_too(aws_env, s3_bucket, tmp_path, capsys):
+    from fastio.storage import open_storage
+
+    src = open_storage(f"s3://{s3_bucket}/web")
+    for name, keys in (("a.tar", ("s0", "s1", "s2")), ("b.tar", ("u0",))):
+        _small_tar(tmp_path / name, [(f"{k}.{f}", d) for k in keys for f, d in (("txt", k.encode()), ("cls", b"1"))])
+        src.put_file(name, tmp_path / name)
+    src.put_bytes("b.idx", b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n")  # the user's, as fastio makes it
+    assert run_cli(["index", src.url, "-q"], capsys)[0] == 0
+    _small_tar(tmp_path / "a.tar", [(f"{k}.{f}", d) for k in ("s0", "s2", "s1") for f, d in (("txt", k.encode()),
+                                                                                           ("cls", b"1"))])
+    src.put_file("a.tar", tmp_path / "a.tar")
+    code, out, err = run_cli(["index", src.url, "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert src.get("b.idx") == b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"
+    assert run_cli(["verify", src.url], capsys)[0] == 0
