@@ -908,8 +908,10 @@ def rebuild_hint(manifest: Manifest, root: str | Path) -> str:
     exact command that replaces the index (the ``.idx`` files fastio wrote too); for a conversion, running it again."""
     source = manifest.converted_from or {}
     path = source.get("path")
+    if source.get("format") == "megatron":
+        return "re-run `fastio index` of its .bin/.idx pairs with --eos-id and --overwrite"
     if source.get("format") != "webdataset" or not isinstance(path, str):
-        return "convert the source again (or re-run `fastio index`)"
+        return "convert the source again (fastio convert with --overwrite)"
     root = root if isinstance(root, str) and "://" in root else os.path.abspath(root)
     return f"re-run `{reindex_command(path, root, in_place=bool(source.get('indexed_in_place')))}`"
 
