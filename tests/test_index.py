@@ -956,3 +956,86 @@ def test_a_shard_named_in_capitals_is_indexed(tmp_path, capsys):
         assert [(s["name"], s["location"], s["samples"]) for s in manifest["shards"]] == [
             ("A.tar", "A.TAR", 3), ("b.tar", "b.tar", 2)], manifest["shards"]
         assert run_cli(["verify", str(tmp_path / "wds")], capsys)[0] == 0
+
+
+def test_overwrite_replaces_the_idx_fastio_wrote_for_a_changed_shard_never_the_users(tmp_path, capsys):
+    # Found by review: a shard rewritten after `fastio index DIR` (in place) was refused by the Loader with "re-run
+    # `fastio index`", which refused (a manifest exists), and `fastio index DIR --overwrite` then refused the .idx
+    # fastio itself had written ("an existing .idx is never overwritten"): the user had to delete it by hand.
+    folder = tmp_path / "web"
+    samples = [(f"s{i:02d}", b"text of sample %02d" % i) for i in range(6)]
+    _small_tar(folder / "a.tar", [(f"{k}.{f}", d) for k, v in samples for f, d in (("txt", v), ("cls", b"1"))])
+    _small_tar(folder / "b.tar", [("u0.txt", b"user's"), ("u0.cls", b"0")])
+    assert run_cli(["index", str(folder / "b.tar"), "--dest", str(tmp_path / "elsewhere"), "-q"], capsys)[0] == 0
+    shutil.copy(tmp_path / "elsewhere" / "shards" / "b.idx", folder / "b.idx")  # the user's own .idx, as fastio's
+    code, out, err = run_cli(["index", str(folder)], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+    assert run_cli(["index", str(folder), "--overwrite", "-q"], capsys)[0] == 0  # found again: still the user's
+    order = [samples[i] for i in (0, 2, 1, 3, 4, 5)]  # rewritten, the same size: s01 and s02 swapped
+    _small_tar(folder / "a.tar", [(f"{k}.{f}", d) for k, v in order for f, d in (("txt", v), ("cls", b"1"))])
+    with Loader(folder, batch_size=6, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        with pytest.raises(Exception, match=re.escape(f"re-run `fastio index {folder} --overwrite`")):
+            next(iter(loader))
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)  # the command the Loader named
+    assert code == 0 and "1 .idx written" in out, err
+    assert (folder / "b.idx").read_bytes() == (tmp_path / "elsewhere" / "shards" / "b.idx").read_bytes()
+    with Loader(folder, batch_size=7, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        assert sorted(bytes(t) for t in next(iter(loader))["txt"]) == sorted([v for _, v in samples] + [b"user's"])
+    _small_tar(folder / "b.tar", [("u1.txt", b"user's"), ("u1.cls", b"0")])  # the user's .idx is never replaced
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and f"{folder / 'b.idx'}: exists and differs" in err and "does not record as fastio's" in err, err
+    assert (folder / "b.idx").read_bytes() == (tmp_path / "elsewhere" / "shards" / "b.idx").read_bytes()
+    _small_tar(folder / "b.tar", [("u0.txt", b"user's"), ("u0.cls", b"0")])
+    (folder / "a.idx").write_text("v1.2 1\ntxt 512 3 s00.txt\n")  # fastio's .idx, replaced by the user since
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and f"{folder / 'a.idx'}: exists and differs" in err and "does not record as fastio's" in err, err
+
+
+def _unshare_ro_works(tmp: Path) -> bool:
+    """Whether this process may make a read-only bind mount in a mount namespace of its own (root, unshare)."""
+    folder = tmp / "probe-ro"
+    folder.mkdir()
+    if shutil.which("unshare") is None:
+        return False
+    done = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind -o ro {folder} {folder} && ! touch {folder}/x"],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def test_an_index_in_place_of_a_read_only_folder_names_the_way_out(tmp_path, capsys):
+    # Found by review: `fastio index DIR` of a read-only folder (a read-only mount of the shards) said
+    # "DIR/.fastio-lock: Read-only file system": the file, but not that --dest indexes such shards. Tested with a
+    # read-only bind mount in a mount namespace of its own (as root chmod does not stop writes).
+    if not _unshare_ro_works(tmp_path):
+        pytest.skip("needs unshare -m and mount --bind -o ro (root)")
+    folder = tmp_path / "ro"
+    _small_tar(folder / "a.tar", [("s0.txt", b"zero"), ("s1.txt", b"one")])
+    cli = "import sys; from fastio.cli import main; sys.exit(main(sys.argv[1:]))"
+    script = (f"mount --bind -o ro {folder} {folder} && {sys.executable} -c '{cli}' index {folder} -q; "
+              f"echo rc=$?; {sys.executable} -c '{cli}' index {folder} --dest {tmp_path / 'meta'} -q; echo rc=$?")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["rc=2", "rc=0"], (done.stdout, done.stderr)
+    assert done.stderr == (f"fastio: error: {folder}/.fastio-lock: Read-only file system; the shards' folder cannot "
+                           f"be written: index them into another folder with --dest DIR\n"), done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["a.tar"]
+    assert (tmp_path / "meta" / "manifest.json").is_file() and (tmp_path / "meta" / "shards" / "a.idx").is_file()
+
+
+def test_overwrite_replaces_the_idx_fastio_wrote_on_s3_too(aws_env, s3_bucket, tmp_path, capsys):
+    from fastio.storage import open_storage
+
+    src = open_storage(f"s3://{s3_bucket}/web")
+    for name, keys in (("a.tar", ("s0", "s1", "s2")), ("b.tar", ("u0",))):
+        _small_tar(tmp_path / name, [(f"{k}.{f}", d) for k in keys for f, d in (("txt", k.encode()), ("cls", b"1"))])
+        src.put_file(name, tmp_path / name)
+    src.put_bytes("b.idx", b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n")  # the user's, as fastio makes it
+    assert run_cli(["index", src.url, "-q"], capsys)[0] == 0
+    _small_tar(tmp_path / "a.tar", [(f"{k}.{f}", d) for k in ("s0", "s2", "s1") for f, d in (("txt", k.encode()),
+                                                                                           ("cls", b"1"))])
+    src.put_file("a.tar", tmp_path / "a.tar")
+    code, out, err = run_cli(["index", src.url, "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert src.get("b.idx") == b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"
+    assert run_cli(["verify", src.url], capsys)[0] == 0

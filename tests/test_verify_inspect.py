@@ -310,3 +310,28 @@ def test_a_malformed_xxh3_is_one_line_naming_the_field(image_dataset, value):
     (image_dataset / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(DatasetError, match=r"shards\[1\]\.xxh3_128: .* is not a hex xxh3-128"):
         Dataset(image_dataset)
+
+
+def test_decode_names_a_sample_without_an_image_that_the_image_pipelines_refuse(tmp_path, capsys):
+    # Found by review: `fastio verify --decode` said ok for a WebDataset shard with a sample holding no image
+    # (an img2dataset shard whose download failed keeps its txt and json), which fastio.ImageTrain refuses at load
+    # time ("sample has no image field"): verify now names it as the Loader does.
+    from helpers import indexed_tar
+
+    from fastio import ImageTrain
+    from fastio.convert.synthetic import photo_jpeg
+    from fastio.loader import Loader
+
+    jpeg = photo_jpeg(np.random.default_rng(0), 24, 20)
+    folder = indexed_tar(tmp_path / "web", {"s00": {"jpg": jpeg, "cls": b"0"}, "s01": {"txt": b"a cat", "cls": b"1"},
+                                            "s02": {"PNG": jpeg, "cls": b"1"}}, capsys)  # jpg or png: an image
+    assert verify(folder).ok
+    report = verify(folder, decode=True)
+    assert [p.line() for p in report.problems] == [
+        "0.tar: s01: sample has no image field (jpg, png): an image pipeline (fastio.ImageTrain, ImageEval) "
+        "refuses it"] and report.decoded == 2
+    assert cli(["verify", str(folder), "--decode"]) == 1
+    assert lines(capsys.readouterr().out) == [p.line() for p in report.problems]
+    with Loader(folder, batch_size=3, device="cpu", pipeline=ImageTrain(size=16), shuffle="none") as loader:
+        with pytest.raises(DatasetError, match=r"key 's01': sample has no image field \(jpg, png\)$"):
+            next(iter(loader))

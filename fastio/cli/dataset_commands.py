@@ -313,8 +313,9 @@ def merge(dest: str, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
 @click.option("--video-decoder", default="auto", show_default=True, metavar="auto|cpu|nvdec",
               help="Which videos are probed: auto (every codec a Loader decodes, H.264 too), cpu (VP8, VP9, MJPEG) "
                    "or nvdec (as auto); a member of another codec stays in its shard, named, not probed.")
-@click.option("--overwrite", is_flag=True, help="Index again where a manifest exists (shards and existing .idx "
-                                                "files are never written).")
+@click.option("--overwrite", is_flag=True, help="Index again where a manifest exists, replacing the .idx files "
+                                                "fastio wrote (shards and .idx files it did not write are never "
+                                                "written).")
 @click.option("--part", default=None, metavar="K/N",
               help="Index only part K (0-based) of N of the listing into DEST/.parts/ for `fastio merge DEST`; "
                    "auto/N takes K from SLURM_ARRAY_TASK_ID.")
@@ -332,10 +333,11 @@ def index(source: tuple[str, ...], dest: str | None, label_field: str | None, im
     """Make existing WebDataset shards a fastio dataset without rewriting them.
 
     SOURCE is a folder of .tar shards, s3://bucket/prefix/, a brace pattern (/data/{00000..00999}.tar), or
-    one or several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked, never overwritten),
-    samples.fxi, probes.fxp when samples hold video or audio (each such member probed once with PyAV) and
-    manifest.json. With --eos-id, SOURCE is a folder or s3:// prefix of Megatron .bin/.idx pairs and only
-    doc-starts.fxs (where documents start) and manifest.json (with the largest id, and --vocab-size) are written."""
+    one or several local .tar files (wds/*.tar). Writes .idx files (existing ones are checked; only those an
+    earlier fastio index wrote are replaced, with --overwrite), samples.fxi, probes.fxp when samples hold video or
+    audio (each such member probed once with PyAV) and manifest.json. With --eos-id, SOURCE is a folder or s3://
+    prefix of Megatron .bin/.idx pairs and only doc-starts.fxs (where documents start) and manifest.json (with
+    the largest id, and --vocab-size) are written."""
     from fastio.convert.listing import paths_pattern
     from fastio.convert.wds_index import IndexConfig, index_shards
     from fastio.progress import count, progress_wanted
@@ -395,7 +397,8 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 @cli.command()
 @click.argument("dest")
 @click.option("--decode", is_flag=True,
-              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file.")
+              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file, and "
+                   "name each sample without an image field (the image pipelines refuse it).")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
 @storage_flags()
 def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, region: str | None,

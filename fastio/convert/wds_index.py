@@ -8,8 +8,10 @@ Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an obje
 GETs into a temporary file, removed after). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
-  against what fastio makes of the tar, never overwritten), then ``samples.fxi`` and ``manifest.json``
-  (last) beside the shards; the manifest names each shard by its path relative to DEST;
+  against what fastio makes of the tar: one the user brought is never overwritten; one an earlier index wrote,
+  :func:`fastios_idx`, is replaced with ``overwrite``), then ``samples.fxi`` and ``manifest.json`` (last)
+  beside the shards; the manifest names each shard by its path relative to DEST and lists the ``.idx`` files
+  fastio did not write (``source.idx_kept``);
 - with ``dest`` elsewhere (a read-only bucket), every ``.idx`` in ``DEST/shards/``, and the manifest names
   the shards by absolute path or URL.
 
@@ -24,6 +26,7 @@ left out with reasons (``skipped``: empty tars, members without a field name).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -94,7 +97,7 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.url import dest_location
 from fastio.words import agree
 
-__all__ = ["INDEX_PLAN", "IndexConfig", "IndexResult", "index_shards", "merge_index_parts"]
+__all__ = ["IDX_KEPT", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards", "merge_index_parts"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -118,7 +121,8 @@ class IndexConfig:
     name: str = "webdataset"
     """The dataset's name in the manifest."""
     overwrite: bool = False
-    """Index again where a manifest exists (shards and existing ``.idx`` files are never written)."""
+    """Index again where a manifest exists, replacing the ``.idx`` files an earlier index wrote (shards, and
+    ``.idx`` files fastio did not write, are never written: :func:`fastios_idx`)."""
     threads: int = checked(positive_integer, default=4)
     """Shards read at once (each is read sequentially)."""
     part: str | tuple[int, int] | None = None
@@ -261,8 +265,21 @@ def index_shards(config: IndexConfig, progress: Callable[[int, int], None] | Non
     try:
         return _index_shards(config, progress)
     except OSError as err:  # DEST unwritable, a folder unreadable, disk full, ...: one line naming the file
-        raise DatasetError(f"{err.filename2 or err.filename or config.dest or config.source}: {err.strerror or err}") \
-            from None
+        raise DatasetError(f"{err.filename2 or err.filename or config.dest or config.source}: {err.strerror or err}"
+                           f"{_way_out(err, config)}") from None
+
+
+def _way_out(err: OSError, config: IndexConfig) -> str:
+    """``; ... dest=DIR`` (the CLI says ``--dest DIR``) where ``err`` is a write refused in a folder that cannot be
+    written (a read-only mount, permissions): the shards' folder, indexed in place by default, or DEST; else ``""``."""
+    name = err.filename2 or err.filename
+    if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not isinstance(name, (str, Path)):
+        return ""
+    if os.access(os.path.dirname(os.path.abspath(name)), os.W_OK):  # e.g. a shard that cannot be read
+        return ""
+    if config.dest is None:
+        return "; the shards' folder cannot be written: index them into another folder with dest=DIR"
+    return "; DEST cannot be written: index into a folder that can be, dest=DIR"
 
 
 def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
@@ -382,12 +399,15 @@ class _Indexed:
     """Candidate label field -> its first value that is not a label, named by shard and key."""
     probes: list[dict[str, Any]] = field(default_factory=list)
     """Per sample (dataset order): each media field's probe, or why it has none (:func:`_probe_members`)."""
+    kept: list[str] | None = field(default_factory=list)
+    """In place: the keys of the ``.idx`` files that were there and that fastio did not write (None: not known,
+    a part record of an older fastio): recorded as ``source.idx_kept`` (:func:`fastios_idx`)."""
 
     def state(self) -> dict:
         """For a part record (entries are in the ``.idx`` files; probes only when a sample has media)."""
         media = {"probes": self.probes} if any(self.probes) else {}
         return {"shards": [r.as_dict() for r in self.records], "field_counts": dict(self.field_counts),
-                "skipped": self.skipped, "bad_labels": self.bad_labels, **media}
+                "skipped": self.skipped, "bad_labels": self.bad_labels, IDX_KEPT: self.kept, **media}
 
     def add_bad_labels(self, found: dict[str, str]) -> None:
         """Keep the first bad value of each field, in listing order."""
@@ -409,6 +429,7 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
             if progress is not None:
                 progress(i + 1, len(shards))
     uploads: list[tuple[str, Path]] = []
+    ours = fastios_idx(dest, in_place)
     for shard, name, (got, probes) in zip(shards, names, contents):
         out.skipped += [{"path": f"{shard.display}:{member}", "reason": why} for member, why in got.skipped]
         out.skipped += [{"path": f"{shard.display}:{e.key}.{f}", "reason": f"not probed (kept in the shard): {why}"}
@@ -421,9 +442,10 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
         idx_key = _idx_key(shard.key) if in_place else f"{SHARDS_DIR}/{name[:-len('.tar')]}.idx"
         existing = _existing(dest, idx_key, shard.display) if in_place else None  # DEST/shards/ is fastio's own
         if existing is not None and existing != text:
-            raise DatasetError(f"{display_of(dest, idx_key)}: exists and differs from the index of "
-                               f"{shard.display} ({_first_difference(existing, text)}); an existing .idx is never "
-                               "overwritten: remove it, or index with --dest elsewhere")
+            _check_replace(dest, idx_key, shard.display, existing, text, ours, config.overwrite)
+            existing = None  # an .idx an earlier index wrote, replaced
+        if existing is not None and idx_key not in ours:
+            out.kept.append(idx_key)
         if existing is None:
             path = tmp / f"idx-{len(out.records)}.idx"
             path.write_bytes(text)
@@ -443,9 +465,9 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
 def _finish(name: str, source: str, label_field: str | None, image_field: str | None, in_place: bool,
             done: _Indexed, dest: Storage, tmp: Path) -> Manifest:
     """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST, then remove the ``.idx`` files in
-    ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`_recorded_idx`); returns the
+    ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`fastios_idx`); returns the
     manifest."""
-    earlier = set() if in_place else _recorded_idx(dest)
+    earlier = set() if in_place else set(fastios_idx(dest, in_place=False))
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
@@ -460,7 +482,8 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
         **({"video_codecs": codecs} if codecs else {}),
         image_fields=[image, *[f for f in image_fields if f != image]] if image else image_fields,
         label_field=label, field_counts=dict(sorted(done.field_counts.items())), skipped=done.skipped,
-        converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place})
+        converted_from={"format": "webdataset", "path": source, "indexed_in_place": in_place,
+                        **({IDX_KEPT: sorted(done.kept)} if in_place and done.kept is not None else {})})
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
@@ -517,24 +540,51 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
         done.field_counts.update(state["field_counts"])
         done.add_bad_labels(state.get("bad_labels", {}))
         done.skipped += state["skipped"]
+        done.kept = None if done.kept is None or IDX_KEPT not in state else done.kept + state[IDX_KEPT]
     options = plan["options"]
     with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
                        options["in_place"], done, open_storage(Path(dest)), Path(tmp))
 
 
-def _recorded_idx(dest: Storage) -> set[str]:
-    """The ``.idx`` files in ``DEST/shards/`` that DEST's manifest (an earlier index's, replaced with overwrite)
-    lists: fastio's own, removed once the new manifest no longer lists them (a shard gone from SOURCE), else
-    ``fastio verify`` would name each as a file the manifest does not list. Empty without a readable manifest."""
+IDX_KEPT = "idx_kept"
+"""The manifest's ``source`` key listing the ``.idx`` files an index in place found and did not write."""
+
+
+def fastios_idx(dest: Storage, in_place: bool) -> dict[str, str]:
+    """The one rule of which ``.idx`` files an index may replace or remove: those DEST's manifest (an earlier
+    index's) records fastio wrote, as ``{key: the sha256 recorded}``. With ``--dest``, every one in ``DEST/shards/``
+    (fastio's own; removed once the new manifest no longer lists them, a shard gone from SOURCE, else ``fastio
+    verify`` would name each as a file the manifest does not list). In place, the ``.idx`` of each shard it lists,
+    less those it records the user brought (``source.idx_kept``); none where it does not record them (an index by
+    an older fastio): the user's are never written. Empty without a readable manifest."""
     if not dest.exists(MANIFEST_NAME):
-        return set()
+        return {}
     try:
-        shards = json.loads(dest.get(MANIFEST_NAME))["shards"]
-        records = [ShardRecord.from_dict(s, MANIFEST_NAME) for s in shards]
-        return {r.idx_key for r in records if r.idx_location is None}
+        data = json.loads(dest.get(MANIFEST_NAME))
+        records = [ShardRecord.from_dict(s, MANIFEST_NAME) for s in data["shards"]]
+        if not in_place:
+            return {r.idx_key: r.idx_sha256 for r in records if r.idx_location is None}
+        kept = data["source"][IDX_KEPT]
+        if not data["source"].get("indexed_in_place") or not isinstance(kept, list) \
+                or not all(isinstance(k, str) for k in kept):
+            return {}
+        return {r.idx_key: r.idx_sha256 for r in records if r.idx_location is not None and r.idx_key not in kept}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
-        return set()
+        return {}
+
+
+def _check_replace(dest: Storage, key: str, tar: str, existing: bytes, text: bytes, ours: dict[str, str],
+                   overwrite: bool) -> None:
+    """DatasetError unless the ``.idx`` at ``key``, which differs from the index of ``tar``, may be replaced: one
+    an earlier index wrote (:func:`fastios_idx`), unchanged since, with ``overwrite``."""
+    where = (f"{display_of(dest, key)}: exists and differs from the index of {tar} "
+             f"({_first_difference(existing, text)})")
+    if ours.get(key) != hashlib.sha256(existing).hexdigest():
+        raise DatasetError(f"{where}; an .idx that DEST's manifest does not record as fastio's (yours, or changed "
+                           "since) is never overwritten: remove it, or index with --dest elsewhere")
+    if not overwrite:
+        raise DatasetError(f"{where}; an earlier fastio index wrote it: pass --overwrite to replace it")
 
 
 def _existing(storage: Storage, key: str, tar: str) -> bytes | None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from fastio.checks import switch_option
 from fastio.dataset.files import DatasetFiles, open_files
-from fastio.dataset.manifest import Manifest, ShardRecord
+from fastio.dataset.manifest import Manifest, ShardRecord, rebuild_hint
 from fastio.dataset.sample_table import IndexBuilder, Rows, SampleIndex, check_once
 from fastio.errors import DatasetError
 from fastio.formats.dali_idx import IndexEntry, key_crcs, load_index
@@ -105,6 +105,12 @@ class Dataset:
         self.files.check(shards)
         if self.manifest.index is not None:  # memory-mapped and checked now; .idx files only on demand
             self.index  # noqa: B018
+
+    @property
+    def rebuild_hint(self) -> str:
+        """What makes this dataset again after its shards changed (:func:`fastio.dataset.manifest.rebuild_hint`):
+        ``re-run `fastio index /data/wds --overwrite```, or converting the source again."""
+        return rebuild_hint(self.manifest, self.root)
 
     def __repr__(self) -> str:
         return f"Dataset({str(self.root)!r}, samples={len(self)}, shards={len(self.shards)})"
@@ -223,7 +229,7 @@ class Dataset:
             return None
         where = f"{self.root}: {record.name}"
         changed = DatasetError(f"{where}: does not match the manifest (size or checksum): the file changed after "
-                               "indexing; index the shards again (fastio index --overwrite)")
+                               f"indexing; {self.rebuild_hint}")
         path = self.files.index_path(record, "probe table")
         try:
             stat = path.stat()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +40,8 @@ __all__ = [
     "KINDS",
     "MANIFEST_NAME",
     "Manifest",
+    "rebuild_hint",
+    "reindex_command",
     "MARKER_NAME",
     "SHARDS_DIR",
     "SPLITS_FORMAT",
@@ -486,6 +489,15 @@ class Manifest:
     def __repr__(self) -> str:
         return f"Manifest(name={self.name!r}, samples={self.total_samples}, shards={len(self.shards)})"
 
+    @property
+    def image_order(self) -> tuple[str, ...]:
+        """The image fields a sample's image is read from by the image pipelines (the first it has): the main one,
+        then the others (a dataset may mix formats; DALI decodes by content); empty without an image field."""
+        if self.image_field is None:
+            return ()
+        others = self.image_fields or [f for f in self.fields if is_image_field(f)]
+        return (self.image_field, *[f for f in others if f != self.image_field])
+
     @cached_property
     def fingerprint(self) -> str:
         """See :func:`fingerprint`."""
@@ -889,3 +901,30 @@ def _validate_kind(manifest: dict[str, Any], path: str) -> None:
         raise DatasetError(f"{path}: shards[{counts.index(None)}] lacks tokens (a token dataset's shards count them)")
     if sum(counts) != info.total_tokens:
         raise DatasetError(f"{path}: tokens.total_tokens does not equal the sum of shard token counts")
+
+
+def rebuild_hint(manifest: Manifest, root: str | Path) -> str:
+    """What makes the dataset at ``root`` again after its shards changed: for shards indexed by ``fastio index``, the
+    exact command that replaces the index (the ``.idx`` files fastio wrote too); for a conversion, running it again."""
+    source = manifest.converted_from or {}
+    path = source.get("path")
+    if source.get("format") == "megatron":
+        return "re-run `fastio index` of its .bin/.idx pairs with --eos-id and --overwrite"
+    if source.get("format") != "webdataset" or not isinstance(path, str):
+        return "convert the source again (fastio convert with --overwrite)"
+    root = root if isinstance(root, str) and "://" in root else os.path.abspath(root)
+    return f"re-run `{reindex_command(path, root, in_place=bool(source.get('indexed_in_place')))}`"
+
+
+def reindex_command(path: str, root: str, *, in_place: bool) -> str:
+    """``fastio index SOURCE [--dest ROOT] --overwrite`` for an index of ``path`` (as given then) into ``root``. In
+    place, a relative SOURCE is spelt from ``root`` (SOURCE's folder): the folder itself, or its tar or brace pattern
+    of tars; with ``--dest``, a relative SOURCE cannot be found again and is shown as given."""
+    absolute = "://" in path or os.path.isabs(path)
+    if in_place and not absolute:
+        plain = os.path.normpath(path)
+        cut = plain[:plain.index("{")] if "{" in plain else plain
+        tail = plain[cut.rfind("/") + 1:]
+        folder = tail in (".", "..") or tail == os.path.basename(root)
+        path = root if folder else f"{root}/{tail}"
+    return f"fastio index {shlex.quote(path)}" + ("" if in_place else f" --dest {shlex.quote(root)}") + " --overwrite"

@@ -22,7 +22,6 @@ import numpy as np
 
 from fastio.errors import DatasetError
 from fastio.formats.image_text import is_image_text
-from fastio.formats.images import is_image_field
 from fastio.formats.media import is_audio_field, is_video_field
 from fastio.pipelines.augment import random_resized_crop
 from fastio.pipelines.base import (
@@ -110,10 +109,9 @@ def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool
     refuse_image_text(ds, kind)
     if ds.image_field is None:
         raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
-    # A sample's image is the first of the image fields it has: the main one, then the others (a dataset
-    # may mix formats; DALI decodes by content). Image fields are optional in a sample for that reason.
-    others = ds.manifest.image_fields or [f for f in ds.fields if is_image_field(f)]
-    image = (ds.image_field, *[f for f in others if f != ds.image_field])
+    # A sample's image is the first of the image fields it has (Manifest.image_order); each is optional in a
+    # sample for that reason, and a sample with none of them is refused when read (verify --decode names it)
+    image = ds.manifest.image_order
     ds.require_fields(list(fields), in_every_sample=True)
     return ReadFields(tuple(f for f in fields if f != ds.image_field), image, sizes, image, decodable)
 

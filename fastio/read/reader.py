@@ -392,7 +392,7 @@ class Reader:
                  else f"no tar header ({name[:16]!r}...)")
         raise DatasetError(f"{sample_where(self.ds, index)}: field {field!r}: the index says member "
                            f"{key + '.' + field!r} of {count(size, 'byte')} at offset {offset}, the shard holds {found} "
-                           "there: it was rewritten after it was indexed; re-run `fastio index` (or the conversion)")
+                           f"there: it was rewritten after it was indexed; {self.ds.rebuild_hint}")
 
     def _hold(self, shards: list[int]) -> dict[int, int]:
         """Descriptors of these shards, held (in use) until released when they come from a shard source."""
@@ -451,7 +451,7 @@ class Reader:
         if st.st_size != shard.bytes:
             os.close(fd)
             raise DatasetError(f"{self.ds.root}: shard {shard.name} is {count(st.st_size, 'byte')}, manifest says "
-                               f"{shard.bytes}")
+                               f"{shard.bytes}: it changed after it was indexed; {self.ds.rebuild_hint}")
         self._fds.identity[shard_index] = _identity(st)
         self._fds.paths[shard_index] = path
         if self.verify:

@@ -13,6 +13,8 @@ not for the end-of-document id (a conversation ends as its template ends it). An
 dataset's ids: the first id that is negative, outside the vocabulary or above the largest id the manifest's
 ``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only), and
 so is a sample holding more or fewer image tokens (the id its ``convert_options.image_text`` records) than images.
+With ``decode``, a sample of a dataset with an image field that holds none of its image fields
+(:attr:`fastio.dataset.manifest.Manifest.image_order`) is named: the image pipelines refuse it when read.
 """
 
 from __future__ import annotations
@@ -42,13 +44,13 @@ from fastio.dataset.manifest import (
 from fastio.dataset.sample_table import check_index as check_sample_index
 from fastio.errors import DatasetError, StorageError, install_hint
 from fastio.formats.dali_idx import check_index, parse_index
-from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, member_problems, options_image_token_id
+from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, is_image_text, member_problems, options_image_token_id
 from fastio.formats.images import ImageCheckError, check_image, is_image_field
 from fastio.formats.media import MediaCheckError, ProbeTable, is_media_field, is_video_field, probe
 from fastio.formats.megatron import MegatronShard
 from fastio.formats.pyav_clips import decode_clip
 from fastio.formats.token_mask import MaskFile
-from fastio.formats.wds import split_member_name
+from fastio.formats.wds import field_of, split_member_name
 from fastio.storage import local_or_url, open_storage
 from fastio.storage.checksum import digests_file, sha256_file
 from fastio.tokens.ids import IdScan, first_outside, id_problem
@@ -383,7 +385,8 @@ def _verify_shard(root: Path, prefix: str, shard: ShardRecord, manifest: Manifes
     foreign = (manifest.converted_from or {}).get("format") == "webdataset"
     lower = foreign and entries is not None and all(f == f.lower() for f in manifest.fields)
     ids = _TokensCheck(manifest.image_text or ImageTextInfo(), options_image_token_id(manifest.convert_options))
-    _verify_tar(tar_path, shard, entries, decode, foreign, label, report, ids)
+    images = manifest.image_order if decode and not is_image_text(manifest.convert_options) else ()
+    _verify_tar(tar_path, shard, entries, decode, foreign, label, report, ids, images)
     return shard, as_fields(entries) if lower else entries
 
 
@@ -420,9 +423,11 @@ def _idx_entries(idx_path: Path, shard: ShardRecord, label: str, report: VerifyR
 
 
 def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode: bool, foreign: bool, label: str,
-                report: VerifyReport, ids: _TokensCheck) -> None:
+                report: VerifyReport, ids: _TokensCheck, images: tuple[str, ...] = ()) -> None:
     """The tar's samples: their count against the record, keys adjacent, their ``tokens.i32`` ids checked by ``ids``
-    (an image-text dataset's vocabulary record and image token), and the ``.idx`` entries matching them."""
+    (an image-text dataset's vocabulary record and image token), each holding one of ``images`` (the image fields
+    the image pipelines read, :attr:`Manifest.image_order`; empty: not checked), and the ``.idx`` entries matching
+    them."""
     try:
         samples = _tar_samples(tar_path, decode, report, label, foreign, ids)
     except (tarfile.TarError, OSError, EOFError) as err:
@@ -437,6 +442,9 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
             report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
         seen.add(key)
         report.problems.extend(Problem(label, key, what) for what in _image_text_problems(members, ids.image_pair(key)))
+        if images and not any(field_of(ext) in images or ext in images for ext, _, _ in members):
+            report.problems.append(Problem(label, key, f"sample has no image field ({', '.join(images)}): an image "
+                                                       "pipeline (fastio.ImageTrain, ImageEval) refuses it"))
     if entries is None:
         return
     for i, (key, members) in enumerate(samples):
