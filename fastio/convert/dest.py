@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import shutil
 import stat
@@ -35,7 +34,7 @@ from typing import TypeVar
 
 from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, written_by_fastio
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, fastio_json
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.media import PROBES_NAME
@@ -62,7 +61,7 @@ def _is_complete(dest: Path) -> bool:
 
 def _fastio_file(path: Path) -> bool:
     try:
-        return path.is_file() and written_by_fastio(path.read_bytes())
+        return path.is_file() and fastio_json(path.read_bytes()) is not None
     except OSError:
         return False
 
@@ -263,11 +262,11 @@ def refuse_a_foreign_manifest(dest: Storage) -> None:
         data = dest.get(MANIFEST_NAME) if dest.remote else (dest.location.path / MANIFEST_NAME).read_bytes()
     except OSError:  # a folder of that name
         data = b""
-    ours = written_by_fastio(data) and json.loads(data).get("format") == FORMAT  # not a split list's
-    source = json.loads(data).get("source") if ours else None
-    if not ours:
+    manifest = fastio_json(data)
+    if manifest is None or manifest["format"] != FORMAT:  # not fastio's, or a split list
         raise DatasetError(f"{where}: not a fastio manifest, and fastio index writes its manifest.json there; it is "
                            "left as it is: move it away, or index into another folder (--dest)")
+    source = manifest.get("source")
     if not (isinstance(source, dict) and "indexed_in_place" in source):  # what only fastio index records
         raise DatasetError(f"{where}: the manifest of a dataset fastio index did not make (a conversion's); that "
                            "dataset is left as it is: index these shards into another folder (--dest)")
@@ -331,7 +330,7 @@ def _check_remote_dest(storage: Storage, overwrite: bool) -> list[str]:
     if not keys:
         return []
     # another tool's manifest.json is no fastio output (overwrite would replace it): its bytes are looked at
-    ours = MARKER_NAME in keys or any(k in keys and written_by_fastio(storage.get(k)) for k in _FINAL_NAMES)
+    ours = MARKER_NAME in keys or any(k in keys and fastio_json(storage.get(k)) is not None for k in _FINAL_NAMES)
     if not ours:
         raise ConvertError(f"{storage.url}: prefix is not empty and is not fastio output; give a new prefix")
     if any(k.split("/")[-1] in _FINAL_NAMES for k in keys) and not overwrite:

@@ -31,6 +31,7 @@ from fastio.words import agree
 
 __all__ = [
     "FORMAT",
+    "fastio_json",
     "ChatInfo",
     "ImageTextInfo",
     "FORMAT_VERSION",
@@ -58,7 +59,6 @@ __all__ = [
     "split_names",
     "write_manifest",
     "write_splits",
-    "written_by_fastio",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -806,14 +806,15 @@ def _records_valid(shards: list) -> bool:
     return all(is_location(s[k]) for s in shards for k in ("location", "idx_location") if s.get(k) is not None)
 
 
-def written_by_fastio(data: bytes) -> bool:
-    """Whether ``data`` (a ``manifest.json`` or ``splits.json`` file's bytes) is fastio's: a JSON object whose format is
-    :data:`FORMAT` or :data:`SPLITS_FORMAT`. Not a check of the rest: what may be replaced as fastio's own output."""
+def fastio_json(data: bytes) -> dict | None:
+    """``data`` (a ``manifest.json`` or ``splits.json`` file's bytes) parsed, where it is fastio's: a JSON object whose
+    format is :data:`FORMAT` or :data:`SPLITS_FORMAT`; else None. Not a check of the rest: what may be replaced as
+    fastio's own output."""
     try:
         found = json.loads(data)
     except (ValueError, RecursionError):
-        return False
-    return isinstance(found, dict) and found.get("format") in (FORMAT, SPLITS_FORMAT)
+        return None
+    return found if isinstance(found, dict) and found.get("format") in (FORMAT, SPLITS_FORMAT) else None
 
 
 def _validate(manifest: Any, path: str) -> None:
