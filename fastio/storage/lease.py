@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 
 _NO_SUCH_ETAG = '"fastio-lease-probe-00000000000000000000"'
 
+_left_here: dict[str, str] = {}
+"""Lease URL -> the token of a lease this process held and could not release (its delete failed): this process may
+take it back at once (:meth:`Lease._stale`)."""
+
 
 class LeaseLostError(FastioError):
     """A lease this process held was taken over by another writer, or could not be renewed in time."""
@@ -141,6 +145,7 @@ class Lease:
                     if etag is None:
                         continue
             self._etag, self._renewed_at = etag, sent
+            _left_here.pop(self.url, None)
             self._probe(body)
             self._stop.clear()
             self._thread = threading.Thread(target=self._heartbeat, name="fastio-lease", daemon=True)
@@ -190,6 +195,8 @@ class Lease:
             return f"Slurm job {job} was requeued (restart {_restart_count()}, the holder ran as restart {restart})"
         if host == me["host"] and _pid_gone(pid):
             return f"pid {pid} on {host} has exited"
+        if host == me["host"] and pid == os.getpid() and _left_here.get(self.url) == info["token"]:
+            return "this process's own, left by a release that failed"
         now, ttl = time.time(), self._ttl_of(info)
         try:
             expires = float(info.get("expires", 0))
@@ -308,8 +315,12 @@ class Lease:
                 if not self._lost:
                     self._renew()  # still ours, and fresh: nobody can judge it stale before the delete
                     self.storage.delete(self.key)
-            except (LeaseLostError, StorageError) as err:
+            except LeaseLostError as err:
                 log.warning("fastio: %s: lease not released (%s)", self.url, err)
+            except StorageError as err:  # still ours on the store: this process may take it back (_stale)
+                _left_here[self.url] = self._token
+                log.warning("fastio: %s: lease not released (%s); it expires by itself, and a new writer in this "
+                            "process takes it back at once", self.url, err)
             finally:
                 self._etag = None
 
