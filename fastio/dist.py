@@ -61,6 +61,16 @@ def alone_on_node(world_size: int) -> bool:
     return world_size == 1
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks after boot, ``/proc/PID/stat``), which tells it from a
+    later process given the same pid; None when that cannot be read (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_gone(pid: int) -> bool:
     """True when process ``pid`` of this host has ended: it does not exist, or it is a zombie; another user's live
     process has not."""

@@ -150,3 +150,62 @@ def test_a_read_only_restore_of_an_s3_prefix_without_checkpoints_is_an_error(mot
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "train", signals=()):  # holds the lease
         with Checkpointer(url, storage_options=options, signals=(), read_only=True) as ckpt:
             assert ckpt.restore_latest({"model": holder}) is None
+
+
+READER = """
+    import json, os, signal, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from helpers import StateHolder
+    from fastio.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(sys.argv[1], storage_options=json.loads(sys.argv[2]), read_only=True, signals=())
+    ckpt.restore_latest({"model": StateHolder({"w": torch.zeros(4)})})
+    print(ckpt.dir, flush=True)
+    if sys.argv[3] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.readline()  # alive until the test is done
+"""
+
+
+def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_server, s3_bucket, tmp_path,
+                                                                         monkeypatch):
+    """Before: a read-only restore of an s3:// dir without staging_dir downloads into a private temporary directory
+    that only close() removed: a killed evaluation job left a whole checkpoint's copy in /tmp each time. Now the next
+    one removes the copies of processes that are gone (by pid and start time), never a live process's."""
+    import json
+    import tempfile
+
+    url, options = f"s3://{s3_bucket}/ckpt", moto_server.options()
+    with Trainer(url, tmp_path, options):
+        pass  # steps 1 and 2 on the store
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    script = tmp_path / "reader.py"
+    script.write_text(textwrap.dedent(READER))
+
+    def reader(how: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), url, json.dumps(options), how], cwd=REPO,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)})
+
+    killed = reader("kill")
+    killed_dir = Path(killed.stdout.readline().strip())
+    assert killed.wait(timeout=60) == -9, killed.stderr.read()
+    assert killed_dir.parent == tmp and (killed_dir / "step-2" / naming.COMMIT_FILE).is_file()  # left by the kill
+    live = reader("live")
+    try:
+        live_dir = Path(live.stdout.readline().strip())
+        assert live_dir.parent == tmp and live_dir.is_dir(), live.stderr.read()
+        mine = Checkpointer(url, storage_options=options, read_only=True, signals=())
+        assert mine.restore_latest(app()).step == 2
+        with Checkpointer(url, storage_options=options, read_only=True, signals=()) as again:
+            assert again.restore_latest(app()).step == 2
+        assert not killed_dir.exists()  # its process is gone
+        assert live_dir.is_dir() and mine.dir.is_dir()  # live processes' (another's, this one's) are kept
+        mine.close()
+        assert not mine.dir.exists()
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)

@@ -31,7 +31,6 @@ import logging
 import numbers
 import operator
 import shutil
-import tempfile
 import threading
 import time
 from functools import partial
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastio.checkpoint import agree, compress, naming, scan
+from fastio.checkpoint import agree, compress, naming, removal, scan
 from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
@@ -172,7 +171,7 @@ class Checkpointer:
         self.rank, self.world_size = _rank_world()
         self.read_only = self.config.read_only
         if self.read_only and self.config.url is not None and self.config.staging_dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix="fastio-ckpt-restore-"))  # the default may be a writer's
+            self.dir = removal.start_private_staging()  # the default may be a writer's; a killed one's go
         # Every collective of the Checkpointer goes through one of its two rank groups (fastio.checkpoint.group),
         # each on a gloo group of its own: the training thread's (construction, scheduling, restores) and the
         # writer thread's (a save's write and commit, and the engine's own collectives), so that the two

@@ -92,7 +92,8 @@ class CheckpointConfig:
     """Restore only (e.g. evaluation beside training): no lock or lease is taken (the training job holds them),
     nothing under ``dir`` is cleaned, moved aside, superseded or deleted, and ``save``/``maybe_save`` raise. With
     an ``s3://`` dir and no ``staging_dir``, steps are downloaded into a private temporary directory that
-    ``close`` removes (the default staging directory may be the training job's)."""
+    ``close`` removes (the default staging directory may be the training job's), and which the next read-only
+    Checkpointer of the host removes once a kill left it (:func:`fastio.checkpoint.removal.start_private_staging`)."""
 
     agree_timeout: float = 300.0
     """Seconds the ranks wait for each other to start the same operation (``Checkpointer(...)``, ``maybe_save``,

@@ -20,6 +20,11 @@
   step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_abandoned` deletes it once
   process PID of the host its mark names has ended (another host's: a day after its mark was written), never
   under a restore still reading it (a read-only one beside training);
+- a private download directory of a read-only restore of an ``s3://`` dir without ``staging_dir``
+  (``<tmp>/fastio-ckpt-restore-*``, marked with its process's host, pid and start time: :func:`start_private_staging`),
+  which ``close`` removes, left by a killed process: the next :func:`start_private_staging` of this host deletes it
+  once that process has ended (its pid gone, or taken by a process that started at another time), never a live
+  process's; one without a readable mark (an older fastio's, or a kill before the mark) is left alone;
 - nothing else. A ``step-N`` with a missing, unreadable or unknown commit marker, or whose files do not
   match it, and a ``step-N.tmp`` without the writer's mark holding anything else are left alone or moved aside by
   rename to ``step-N.quarantined`` (:func:`quarantine`), never deleted. A committed ``step-N`` about to be
@@ -33,6 +38,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,11 +54,14 @@ from fastio.checkpoint.naming import (
 )
 from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
-from fastio.dist import process_gone
-from fastio.storage.atomic import fsync_dir
+from fastio.dist import process_gone, process_start
+from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
 __all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
-           "start_restore_dir"]
+           "start_private_staging", "start_restore_dir"]
+
+PRIVATE_STAGING_PREFIX = "fastio-ckpt-restore-"
+"""The name of a read-only restore's private download directory begins so (:func:`start_private_staging`)."""
 
 OTHER_HOST_RESTORE_S = 24 * 3600.0
 """A restore directory marked by another host (whose processes this one cannot see) is abandoned this long after
@@ -122,6 +131,39 @@ def start_restore_dir(root: Path, step: int) -> Path:
     (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                                    "time": time.time()}))
     return path
+
+
+def start_private_staging() -> Path:
+    """A new private download directory (in the system's temporary directory) for a read-only restore of an
+    ``s3://`` dir without ``staging_dir``, marked (:data:`~fastio.checkpoint.naming.RESTORING_FILE`: host, pid,
+    start time) as this process's; first the ones of this host's ended processes (killed before ``close``) go."""
+    tmp = Path(tempfile.gettempdir())
+    for child in tmp.glob(f"{PRIVATE_STAGING_PREFIX}*"):
+        if _private_staging_abandoned(child):
+            shutil.rmtree(child, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=PRIVATE_STAGING_PREFIX, dir=tmp))
+    atomic_write_bytes(path / RESTORING_FILE, json.dumps({
+        "host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()),
+        "time": time.time()}).encode())
+    return path
+
+
+def _private_staging_abandoned(child: Path) -> bool:
+    """``child`` is this user's marked private download directory of a process of this host that has ended: its pid
+    gone, or now another process's (another start time). Unmarked, unreadable or another host's: not known."""
+    try:
+        if child.is_symlink() or child.lstat().st_uid != os.getuid():
+            return False
+        mark = json.loads((child / RESTORING_FILE).read_text())
+        host, pid, start = mark["host"], mark["pid"], mark["start"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    if host != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid():
+        return False
+    if process_gone(pid):
+        return True
+    now = process_start(pid)
+    return isinstance(start, int) and now is not None and now != start
 
 
 def _restore_abandoned(child: Path) -> bool:
