@@ -137,6 +137,46 @@ def test_an_optimizer_of_another_kind_refused_before_anything_loads(tmp_path, en
                s.endswith("(optimizer left as it was)") for s in skipped), skipped
 
 
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+@pytest.mark.parametrize("saved_kind, app_kind", [(torch.optim.AdamW, torch.optim.Adam),
+                                                  (torch.optim.Adam, torch.optim.AdamW)])
+def test_adam_and_adamw_are_told_apart(tmp_path, engine, saved_kind, app_kind):
+    """Before: Adam and AdamW keep the same state and settings (torch >= 2.6: AdamW is an Adam with
+    decoupled_weight_decay=True), so a checkpoint of one restored into the other without a word, and the group's
+    saved decoupled_weight_decay made the app's Adam train as an AdamW (or its AdamW as an Adam). Now the commit
+    marker records each optimizer's class, and another class is refused before anything loads, naming both;
+    strict=False leaves that optimizer as it was."""
+    saved, app = saved_kind.__name__, app_kind.__name__
+    skipped = _refused_then_left(tmp_path, engine, lambda m: saved_kind(m.parameters(), weight_decay=0.1),
+                                 lambda m: app_kind(m.parameters(), weight_decay=0.1),
+                                 f"app key optim: the checkpoint's optimizer is a torch.optim.{saved.lower()}.{saved}, "
+                                 f"the app's a torch.optim.{app.lower()}.{app}")
+    assert any(s.startswith("app key optim: the checkpoint's optimizer is a ") and
+               s.endswith("(optimizer left as it was)") for s in skipped), skipped
+
+
+def test_a_checkpoint_without_the_optimizers_class_still_restores(tmp_path):
+    """A commit marker of an older fastio records no optimizer class: its optimizer restores as before."""
+    import json
+
+    from fastio.checkpoint import naming
+
+    model = net()
+    optim = torch.optim.AdamW(model.parameters())
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    marker = tmp_path / "ck" / "step-1" / naming.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    assert data.pop("optimizers") == {"optim": "torch.optim.adamw.AdamW"}
+    marker.write_text(json.dumps(data))
+    model2 = net(1)
+    optim2 = torch.optim.AdamW(model2.parameters())
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest({"model": model2, "optim": optim2}).step == 1
+    assert same(optim2.state_dict(), optim.state_dict())
+
+
 TORCH_OPTIMIZERS = {
     "Adam amsgrad": lambda ps: torch.optim.Adam(ps, amsgrad=True), "AdamW": torch.optim.AdamW,
     "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "Adagrad": torch.optim.Adagrad,

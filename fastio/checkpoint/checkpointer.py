@@ -46,6 +46,7 @@ from fastio.checkpoint.commit import Commit, LocalCommit, NodeLocalCommit
 from fastio.checkpoint.config import CheckpointConfig
 from fastio.checkpoint.engines import choose_engine, get_engine
 from fastio.checkpoint.engines.base import Engine, first_line
+from fastio.checkpoint.engines.strict import optimizer_classes
 from fastio.checkpoint.group import RankGroup
 from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
 from fastio.checkpoint.record import CommitInfo, Progress
@@ -524,7 +525,8 @@ class Checkpointer:
         if self.world_size > 1 and not global_keys:
             replicated += _replicated_keys(app)
         info = CommitInfo(engine=engine.name, progress=progress,
-                          compression=self._compression.codec if self._compression is not None else None)
+                          compression=self._compression.codec if self._compression is not None else None,
+                          optimizers=optimizer_classes(app))
         self._inflight_step = step
         self._last_step = step
         self._last_time = time.monotonic()

@@ -1,9 +1,11 @@
 """The commit marker ``fastio-commit.json`` as a typed record: parsed and checked here, serialised here.
 
 A marker says that a step directory is a checkpoint (see :mod:`fastio.checkpoint.scan`). It holds the step, the
-commit time, the engine that wrote the files, the codec of a compressed checkpoint, the size and checksum of every
-file, and the save's progress (:class:`Progress`: epoch, metrics, elapsed time, hparams, world size): the one
-progress record of a checkpoint, written once by rank 0 and read back on every rank by a restore.
+commit time, the engine that wrote the files, the codec of a compressed checkpoint, the class of each optimizer
+saved (``optimizers``: Adam and AdamW hold the same state, so a restore checks it; absent from older markers),
+the size and checksum of every file, and the save's progress (:class:`Progress`: epoch, metrics, elapsed time,
+hparams, world size): the one progress record of a checkpoint, written once by rank 0 and read back on every rank by
+a restore.
 
 Versions read: 1 (files carry ``sha256``, no ``checksum`` or ``engine`` field: torchsnapshot), 2 (``xxh3_128``),
 3 (as 2, plus ``compression``; the files listed as stored). A field that an older marker lacks takes the value that
@@ -59,6 +61,8 @@ class CommitInfo:
     progress: Progress
     compression: str | None = None
     """The codec of a compressed checkpoint (a version 3 marker), None when its files are plain."""
+    optimizers: Mapping[str, str] = field(default_factory=dict)
+    """App key -> the class of each optimizer saved (``torch.optim.adamw.AdamW``)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,9 @@ class CommitRecord:
     engine: str = checked(is_type(str), default=DEFAULT_ENGINE)
     compression: str | None = checked(is_type(str), default=None)
     progress: Progress = field(default_factory=Progress)
+    optimizers: Mapping[str, str] = checked(is_type(dict), default_factory=dict)
+    """App key -> the class of each optimizer saved, a dotted name (``torch.optim.adamw.AdamW``); empty in markers
+    of older fastio (nothing then to check a restore's optimizers against)."""
 
     @classmethod
     def new(cls, files: Mapping[str, Mapping[str, Any]], *, step: int, info: CommitInfo) -> CommitRecord:
@@ -86,7 +93,7 @@ class CommitRecord:
         return cls(version=COMPRESSED_VERSION if info.compression else COMMIT_VERSION, step=step, files=dict(files),
                    time=now, time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), checksum=CHECKSUM,
                    bytes=sum(f["bytes"] for f in files.values()), engine=info.engine, compression=info.compression,
-                   progress=info.progress)
+                   progress=info.progress, optimizers=dict(info.optimizers))
 
     def to_json(self) -> dict[str, Any]:
         """The marker as JSON values (the progress fields at the top level, as every version wrote them)."""
@@ -97,6 +104,8 @@ class CommitRecord:
                 "hparams": dict(p.hparams), "engine": self.engine, "files": {k: dict(v) for k, v in self.files.items()}}
         if self.compression:
             data["compression"] = self.compression
+        if self.optimizers:
+            data["optimizers"] = dict(self.optimizers)
         return data
 
     def encode(self) -> bytes:

@@ -35,6 +35,7 @@ from fastio.checkpoint.engines import ENGINES, holds_dtensor, meta_refusal
 from fastio.checkpoint.engines.base import RESERVED_PREFIX, first_line
 from fastio.checkpoint.engines.strict import (
     Mismatch,
+    class_mismatch,
     group_sizes,
     groups_mismatch,
     module_shapes,
@@ -183,11 +184,13 @@ class _Opened:
 
 
 def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool, where: str,
-              modules: dict[str, Any] | None = None) -> dict[str, str]:
+              modules: dict[str, Any] | None = None, classes: dict[str, str] | None = None) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
     read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
     optimizers, the settings its groups need (a checkpoint of another kind of optimizer) and the shapes of its
-    positional state against the app's parameters (neither of which torch checks), and
+    positional state against the app's parameters (neither of which torch checks), and its class against the one
+    the commit marker records (``classes``: the line of each app key whose class differs; Adam and AdamW hold the
+    same state and settings), and
     at another world size each per-rank module's state keys and shapes (the engine checks replicated ones), and
     with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check).
     ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
@@ -201,6 +204,7 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
         if own is not None and not line:
             line = (settings_mismatch(key, saved.group_settings(key, src), obj)
                     or state_mismatch(key, saved.state_shapes(key, src), obj))
+        line = line or (classes or {}).get(key)
         if line and strict:
             raise CheckpointError(f"{where}: checkpoint does not match the app: {line} (restore_latest(..., "
                                   "strict=False) leaves that optimizer as it is and loads the rest)")
@@ -442,8 +446,9 @@ class Restorer:
         held = check_state_dicts(saved, app, loader_keys(app), src, path, loader_policy)
         targets = {k: v for k, v in prepared.items() if k not in held}
         whose = f" (rank {self.rank} takes saved rank {src}'s state)" if world != self.world_size else ""
+        classes = {k: line for k in targets if (line := class_mismatch(k, commit.optimizers.get(k), app.get(k)))}
         dropped = _precheck(saved, targets, src, strict, elastic=world != self.world_size, where=f"{path}{whose}",
-                            modules=app if own_keys(app, targets) else None)
+                            modules=app if own_keys(app, targets) else None, classes=classes)
         return _Opened(prepared, saved, world, extra, held, dropped)
 
     def _load(self, path: Path, opened: _Opened, targets: dict[str, Any],

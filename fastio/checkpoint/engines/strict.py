@@ -25,8 +25,9 @@ from typing import Any
 from fastio.errors import CheckpointError
 from fastio.words import agree, count
 
-__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "group_sizes", "groups_mismatch", "module_shapes",
-           "quantized_dtype", "quantized_keys", "settings_mismatch", "shape_of", "state_mismatch"]
+__all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "class_mismatch", "group_sizes", "groups_mismatch",
+           "module_shapes", "optimizer_classes", "quantized_dtype", "quantized_keys", "settings_mismatch", "shape_of",
+           "state_mismatch"]
 
 _SHOWN = 8
 
@@ -96,6 +97,41 @@ def _torch_optimizer(optim: Any) -> Any:
             return optim
         optim = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
     return optim if type(optim).__module__.startswith("torch.optim.") else None
+
+
+def _inner_optimizer(optim: Any) -> Any:
+    """The optimizer an optimizer wrapper holds (Accelerate's ``.optimizer``, Lightning's ``._optimizer``), or ``optim``
+    itself: the innermost object with an optimizer's ``param_groups``."""
+    for _ in range(3):
+        inner = getattr(optim, "optimizer", None) or getattr(optim, "_optimizer", None)
+        if inner is None or group_sizes(getattr(inner, "param_groups", None)) is None:
+            break
+        optim = inner
+    return optim
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def optimizer_classes(app: Mapping[str, Any]) -> dict[str, str]:
+    """App key -> the class (``torch.optim.adamw.AdamW``) of each app object that is an optimizer (has an optimizer's
+    ``param_groups``; a wrapper's inner optimizer), as the commit marker records it: Adam and AdamW keep the same
+    state and settings, so nothing else in a checkpoint tells them apart."""
+    return {key: _class_name(_inner_optimizer(obj)) for key, obj in app.items()
+            if group_sizes(getattr(obj, "param_groups", None)) is not None}
+
+
+def class_mismatch(key: str, saved: Any, optim: Any) -> str | None:
+    """One line when the checkpoint's optimizer of ``key`` was of another class (``saved``: the marker's record, a
+    dotted name) than the app's ``optim`` (compared by class name); None when they match, or either is not known
+    (a marker of an older fastio, an object that is not an optimizer)."""
+    if not isinstance(saved, str) or group_sizes(getattr(optim, "param_groups", None)) is None:
+        return None
+    own = _class_name(_inner_optimizer(optim))
+    if saved.rsplit(".", 1)[-1] == own.rsplit(".", 1)[-1]:
+        return None
+    return f"app key {key}: the checkpoint's optimizer is a {saved}, the app's a {own}"
 
 
 def _settings_lacking(optim: Any, names: set[str]) -> list[str]:
