@@ -333,6 +333,29 @@ def test_a_staging_dir_of_another_url_is_refused_not_restored_from(moto_server, 
         assert ckpt.restore_latest(make_app(seed=3)).step == 2
 
 
+def test_a_staging_dir_of_an_older_fastio_holding_steps_the_store_lacks_is_refused(moto_server, s3_bucket, tmp_path):
+    """Before: a staging dir without its record (written by a fastio from before the record) was adopted for any
+    prefix unchecked: Checkpointer('s3://b/runB', staging_dir=S) with S holding run A's committed steps restored run
+    A's step 2 as runB's, and its next commit uploaded run A's steps to runB. Now such a dir is checked against the
+    store first: committed steps the store lacks are refused, naming them and how to clear them, for a writer and a
+    read-only restore alike, and nothing is recorded or uploaded; one whose steps the store holds is adopted."""
+    from fastio.checkpoint.remote import STAGING_RECORD
+
+    options, stage = moto_server.options(), tmp_path / "stage"
+    run_a, run_b = f"s3://{s3_bucket}/runA", f"s3://{s3_bucket}/runB"
+    _two_steps(run_a, options, stage)
+    (stage / STAGING_RECORD).unlink()  # as an older fastio left it
+    refused = (rf"^{run_b}: staging_dir {stage} records no prefix \(a staging dir of an older fastio\) and holds "
+               rf"committed step-1, step-2, which {run_b} lacks: .*move them out of {stage}")
+    for read_only in (True, False):
+        with pytest.raises(CheckpointError, match=refused):
+            Checkpointer(run_b, storage_options=options, staging_dir=stage, signals=(), read_only=read_only)
+    assert open_storage(run_b, options).list() == [] and not (stage / STAGING_RECORD).exists()
+    with Checkpointer(run_a, storage_options=options, staging_dir=stage, signals=()) as ckpt:  # the store holds them
+        assert ckpt.restore_latest(make_app(seed=3)).step == 2
+    assert json.loads((stage / STAGING_RECORD).read_text()) == {"url": run_a}
+
+
 def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(moto_server, s3_bucket, tmp_path,
                                                                            caplog):
     """Before: node A staged steps 1-3; the job, requeued on node B, rolled back to step 2 and committed a new step 3

@@ -133,12 +133,14 @@ class RemoteCheckpoints:
     def bind_staging(self, *, write: bool) -> None:
         """CheckpointError when the staging directory stages another prefix's checkpoints (its
         :data:`STAGING_RECORD` names it): its committed steps would be restored, and uploaded, as this prefix's.
-        With ``write``, records this prefix there when nothing is recorded (a staging dir of an older fastio, or a
-        new one: adopted)."""
+        When nothing is recorded (a staging dir of an older fastio, or a new one), the dir is adopted only when
+        every step committed in it is committed on the store too (:meth:`_refuse_unknown_steps`); with ``write``,
+        this prefix is then recorded."""
         record, url = self.root / STAGING_RECORD, self.mirror.storage.url
         try:
             staged = json.loads(record.read_text())["url"]
         except FileNotFoundError:
+            self._refuse_unknown_steps()
             if write:
                 atomic_write_bytes(record, json.dumps({"url": url}).encode())
             return
@@ -148,6 +150,27 @@ class RemoteCheckpoints:
         if staged != url:
             raise CheckpointError(f"{url}: staging_dir {self.root} stages the checkpoints of {staged}; its steps would "
                                   "be restored and uploaded as this prefix's: give another staging_dir")
+
+    def _refuse_unknown_steps(self) -> None:
+        """CheckpointError naming the steps committed in a staging dir that records no prefix which the store does not
+        hold committed: they may be another prefix's (a staging dir an older fastio shared between runs), which a
+        restore would take and the next commit upload as this prefix's."""
+        local = [e.step for e in scan.committed(self.root)]
+        if not local:
+            return
+        url = self.mirror.storage.url
+        try:
+            unknown = sorted(set(local) - set(self.committed_steps()))
+        except StorageError as err:
+            raise CheckpointError(f"{url}: staging_dir {self.root} records no prefix and cannot be checked against the "
+                                  f"store: {err}") from None
+        if unknown:
+            names = ", ".join(naming.step_dir(self.root, s).name for s in unknown)
+            raise CheckpointError(
+                f"{url}: staging_dir {self.root} records no prefix (a staging dir of an older fastio) and holds "
+                f"committed {names}, which {url} lacks: they may be another prefix's checkpoints, which would be "
+                f"restored and uploaded as this one's; move them out of {self.root} (upload them to {url} first if "
+                "they are this prefix's), or give another staging_dir")
 
     def hold(self, purpose: str = "fastio checkpointer") -> None:
         """Take the prefix's lease (:class:`~fastio.storage.lock.LockedError` naming the holder; StorageError if the
