@@ -52,6 +52,36 @@ def test_more_layers_and_other_shapes_are_refused(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("saved_dtype, app_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_another_dtype_is_refused_unless_a_cast_is_asked_for(tmp_path, engine, saved_dtype, app_dtype):
+    """Before: a checkpoint of an fp32 model restored into a bf16 one (or the reverse) was cast without a word, on
+    both engines: a dtype changed by mistake gave other weights silently. Now strict refuses it before anything
+    loads, naming the app key, the state keys and both dtypes, and the way to ask for the cast; strict=False leaves
+    those tensors as they are and lists them; restore_latest(..., cast_dtypes=True) casts them as torch does."""
+    old = model(2).to(saved_dtype)
+    ckpt = saved(tmp_path, engine, {"model": old})
+    new = model(2).to(app_dtype)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.zero_()
+    a, b = str(saved_dtype), str(app_dtype)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.restore_latest({"model": new})
+    said = str(err.value)
+    assert (f"app key model: other dtype: 0.bias (checkpoint {a}, app {b}), 0.weight (checkpoint {a}, app {b}), "
+            f"1.bias (checkpoint {a}, app {b}), 1.weight (checkpoint {a}, app {b})") in said, said
+    assert "cast_dtypes=True" in said and "\n" not in said, said
+    assert all(not p.any() for p in new.parameters())  # nothing loaded
+    skipped = ckpt.restore_latest({"model": new}, strict=False).skipped
+    assert any(s.startswith("app key model: other dtype: 0.bias") for s in skipped), skipped
+    assert all(not p.any() for p in new.parameters())  # left as they were
+    assert ckpt.restore_latest({"model": new}, cast_dtypes=True).skipped == []
+    for key, value in old.state_dict().items():
+        assert new.state_dict()[key].dtype == app_dtype and torch.equal(new.state_dict()[key], value.to(app_dtype))
+    ckpt.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_app_key_missing_from_the_app_is_refused(tmp_path, engine):
     ckpt = saved(tmp_path, engine, {"model": model(1), "extra": model(1)})
     with pytest.raises(CheckpointError, match=r"app key extra, which this app lacks"):

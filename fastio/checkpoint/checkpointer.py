@@ -365,7 +365,7 @@ class Checkpointer:
         return self._commit.steps()
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True,
-                       loader_policy: str = "exact") -> TrainState | None:
+                       loader_policy: str = "exact", cast_dtypes: bool = False) -> TrainState | None:
         """Load the newest intact checkpoint (or ``step``) into ``app``; None when DIR holds none at all.
 
         Every file of the chosen checkpoint is first checked against its commit marker (size and
@@ -383,8 +383,10 @@ class Checkpointer:
 
         Strict by default: state in the checkpoint that ``app`` has no place for (an app key, a module's
         parameter or buffer, an optimizer's entry), state of ``app`` the checkpoint lacks, and a tensor of
-        another shape are a CheckpointError naming the keys. ``strict=False`` restores what matches, leaves
-        the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``).
+        another shape or dtype are a CheckpointError naming the keys. ``strict=False`` restores what matches, leaves
+        the rest as it is, and lists what it skipped (one warning, and ``TrainState.skipped``). ``cast_dtypes=True``
+        casts a tensor saved in another dtype (fp32 into a bf16 model, or the reverse) as torch's copy does: the
+        opt-in for a dtype changed on purpose.
 
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
         read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
@@ -408,7 +410,7 @@ class Checkpointer:
             self._refuse_a_typo()
         self._raise_if_failed(wait=True)
         self._finish_pruning()  # the restore's clean-up deletes hidden leftovers too
-        state = self._restorer.restore_latest(app, step, strict, loader_policy)
+        state = self._restorer.restore_latest(app, step, strict, loader_policy, bool(cast_dtypes))
         if state is not None:  # the next save continues the restored run's clock
             self._last_step = state.step
             self._last_time = self._started = time.monotonic()

@@ -29,7 +29,7 @@ __all__ = ["restore_elastic"]
 
 
 def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, rank: int, saved_world: int,
-                    strict: bool = True) -> tuple[list[str], list[str], list[str]]:
+                    strict: bool = True, cast: bool = False) -> tuple[list[str], list[str], list[str]]:
     """Restore ``targets`` on this ``rank`` by the rule above (``saved_world`` ranks wrote ``saved``);
     returns the ``(replicated, per_rank)`` keys and what a non-``strict`` restore skipped (see
     :meth:`SavedCheckpoint.restore <fastio.checkpoint.engines.base.SavedCheckpoint.restore>`).
@@ -41,10 +41,10 @@ def restore_elastic(saved: SavedCheckpoint, targets: dict[str, Stateful], *, ran
     src = rank % saved_world
     per_rank = [k for k in targets if not saved.is_replicated(k, src)]
     replicated = [k for k in targets if k not in per_rank]
-    skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict)
+    skipped = saved.restore({k: targets[k] for k in replicated}, strict=strict, cast=cast)
     for key in per_rank:  # another rank's state, read leaf by leaf; a module by the strict rule
         target = targets[key]
         if isinstance(target, nn.Module):
-            target = CheckedModule(key, target, strict=strict, where=str(saved.path), skipped=skipped)
+            target = CheckedModule(key, target, strict=strict, where=str(saved.path), skipped=skipped, cast=cast)
         target.load_state_dict(saved.read(key, src))
     return replicated, per_rank, skipped

@@ -39,6 +39,7 @@ from fastio.checkpoint.engines.strict import (
     group_sizes,
     groups_mismatch,
     module_shapes,
+    other_dtypes,
     settings_mismatch,
     state_mismatch,
 )
@@ -181,18 +182,22 @@ class _Opened:
     """The loaders' checked states, loaded last."""
     dropped: dict[str, str]
     """Optimizers whose parameter groups cannot load (``strict=False``): app key -> why, left as they are."""
+    cast: bool = False
+    """A tensor saved in another dtype than the app's is cast by the load (``cast_dtypes=True``), not refused."""
 
 
 def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, elastic: bool, where: str,
-              modules: dict[str, Any] | None = None, classes: dict[str, str] | None = None) -> dict[str, str]:
+              modules: dict[str, Any] | None = None, classes: dict[str, str] | None = None,
+              cast: bool = False) -> dict[str, str]:
     """What the engines' load would refuse only while loading, checked from the checkpoint's metadata (no tensor
     read) before anything loads: each optimizer's parameter groups (torch's own check) and, for torch's own
     optimizers, the settings its groups need (a checkpoint of another kind of optimizer) and the shapes of its
     positional state against the app's parameters (neither of which torch checks), and its class against the one
     the commit marker records (``classes``: the line of each app key whose class differs; Adam and AdamW hold the
     same state and settings), and
-    at another world size each per-rank module's state keys and shapes (the engine checks replicated ones), and
-    with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check).
+    at another world size each per-rank module's state keys, shapes and dtypes (the engine checks replicated ones),
+    and with ``modules`` (the app) every module's (the app's own objects load first, before the engine's own check);
+    ``cast``: a dtype is no difference.
     ``strict``: the first difference is a CheckpointError; otherwise the optimizers that cannot load, each with its
     line (left as they are; a module loads what matches, :func:`restore_elastic`)."""
     from torch import nn
@@ -212,7 +217,9 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
             dropped[key] = f"{line} (optimizer left as it was)"
         module = (modules or {}).get(key, obj)  # the app's module; its state as the engine loads it: ``obj``'s
         if strict and isinstance(module, nn.Module) and (modules or elastic and not saved.is_replicated(key, src)):
-            found = Mismatch(key, saved.shapes(key, src), module_shapes(obj))
+            own_state = obj.state_dict()
+            found = Mismatch(key, saved.shapes(key, src), module_shapes(obj),
+                             dtypes=other_dtypes(saved.dtypes(key, src), own_state, cast=cast))
             if found:
                 raise found.refusal(where)
     return dropped
@@ -282,16 +289,17 @@ class Restorer:
     ``fastio.storage.checksum.CheckedFile``), from the check to the end of the restore (:meth:`_owners`)."""
 
     def restore_latest(self, app: dict[str, Any], step: int | None, strict: bool,
-                       loader_policy: str) -> TrainState | None:
+                       loader_policy: str, cast: bool = False) -> TrainState | None:
         """The newest intact committed step (or ``step``) loaded into ``app``, None when there is none; the
-        Checkpointer has checked the arguments and entered the operation on every rank."""
+        Checkpointer has checked the arguments and entered the operation on every rank. ``cast``: a tensor saved in
+        another dtype than the app's is cast (``restore_latest(..., cast_dtypes=True)``), not a difference."""
         try:
-            return self._restore_latest(app, step, strict, loader_policy)
+            return self._restore_latest(app, step, strict, loader_policy, cast)
         finally:
             self.held.clear()  # the files checked go with the restore
 
     def _restore_latest(self, app: dict[str, Any], step: int | None, strict: bool,
-                        loader_policy: str) -> TrainState | None:
+                        loader_policy: str, cast: bool) -> TrainState | None:
         commit = self.commit
         candidates, unrecognised = self.ranks.broadcast("plan", self.ranks.run("plan", lambda: self._plan(step)))
         chosen, skipped = self._choose(candidates, step)
@@ -304,7 +312,7 @@ class Restorer:
         if self.leader:  # moved aside, so that a later save of that step cannot replace it (each node its copy)
             _set_aside(newer, read_only=self.read_only, downloaded=commit.downloaded)
         path = commit.step_dir(chosen)
-        state = self._restore(path, scan.read_commit(path), app, strict, loader_policy)
+        state = self._restore(path, scan.read_commit(path), app, strict, loader_policy, cast)
         commit.restored = chosen  # a rollback: the next commit supersedes every committed step above it
         return state
 
@@ -377,11 +385,11 @@ class Restorer:
         return owners, self.share[0] in owners.values()
 
     def _restore(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-                 loader_policy: str) -> TrainState:
+                 loader_policy: str, cast: bool) -> TrainState:
         """Restore the verified step ``path`` (its marker ``commit``): from its own files, or, compressed, from
         their plain copies decompressed into a private directory next to it."""
         if not commit.compression:
-            return self._restore_from(path, path, commit, app, strict, loader_policy)
+            return self._restore_from(path, path, commit, app, strict, loader_policy, cast)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
         # the work; the engine reads there; the directory goes when every rank is done with it.
         made = self.ranks.run("decompress", lambda: self._start_restore_dir(commit.step))
@@ -392,7 +400,7 @@ class Restorer:
             self.ranks.run("decompress", lambda: [compress.restore_file(path / rel, work / compress.stored_name(rel),
                                                                         commit.compression) for rel in mine])
             try:
-                return self._restore_from(path, work, commit, app, strict, loader_policy)
+                return self._restore_from(path, work, commit, app, strict, loader_policy, cast)
             except CheckpointError as err:  # name the checkpoint, not the directory about to go
                 raise CheckpointError(str(err).replace(str(work), str(path))) from err.__cause__
         finally:
@@ -413,7 +421,7 @@ class Restorer:
                                   f"{err.strerror or err}") from None
 
     def _open(self, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
-              loader_policy: str) -> _Opened:
+              loader_policy: str, cast: bool) -> _Opened:
         """This rank's checks before anything loads: no app tensor is on the meta device, the engine can restore this
         app, the checkpoint has state for
         every app key (and, when ``strict``, none other), the loaders' states pass their own checks."""
@@ -448,8 +456,8 @@ class Restorer:
         whose = f" (rank {self.rank} takes saved rank {src}'s state)" if world != self.world_size else ""
         classes = {k: line for k in targets if (line := class_mismatch(k, commit.optimizers.get(k), app.get(k)))}
         dropped = _precheck(saved, targets, src, strict, elastic=world != self.world_size, where=f"{path}{whose}",
-                            modules=app if own_keys(app, targets) else None, classes=classes)
-        return _Opened(prepared, saved, world, extra, held, dropped)
+                            modules=app if own_keys(app, targets) else None, classes=classes, cast=cast)
+        return _Opened(prepared, saved, world, extra, held, dropped, cast)
 
     def _load(self, path: Path, opened: _Opened, targets: dict[str, Any],
               strict: bool) -> tuple[list[str], list[str], list[str]]:
@@ -457,9 +465,10 @@ class Restorer:
         try:
             if opened.saved_world != self.world_size:
                 replicated, per_rank, skipped = restore_elastic(opened.saved, targets, rank=self.rank,
-                                                                saved_world=opened.saved_world, strict=strict)
+                                                                saved_world=opened.saved_world, strict=strict,
+                                                                cast=opened.cast)
                 return replicated, per_rank, list(skipped or [])
-            return [], [], list(opened.saved.restore(targets, strict=strict) or [])
+            return [], [], list(opened.saved.restore(targets, strict=strict, cast=opened.cast) or [])
         except CheckpointError:
             raise
         except Exception as err:  # a mismatched model or an app object refusing its state lands here
@@ -490,11 +499,12 @@ class Restorer:
         return replicated, per_rank + (list(opened.held) if opened.saved_world != self.world_size else []), skipped
 
     def _restore_from(self, path: Path, files: Path, commit: CommitRecord, app: dict[str, Any],
-                      strict: bool, loader_policy: str) -> TrainState:
+                      strict: bool, loader_policy: str, cast: bool) -> TrainState:
         """Restore the checkpoint ``path`` (its plain files are in ``files``) into ``app``: the checks each rank
         makes (the loaders' states read and checked too), then the loads (:func:`_load_all`); each agreed,
         so a rank that fails fails every rank's restore."""
-        opened = self.ranks.run("open", lambda: self._open(path, files, commit, app, strict, loader_policy))
+        opened = self.ranks.run("open", lambda: self._open(path, files, commit, app, strict, loader_policy,
+                                                                    cast))
         elastic = opened.saved_world != self.world_size  # see fastio.checkpoint.elastic for the rule
         targets = {k: v for k, v in opened.prepared.items()  # loaders: checked, loaded last
                    if k not in opened.held and k not in opened.dropped}

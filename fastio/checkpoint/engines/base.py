@@ -75,16 +75,22 @@ class SavedCheckpoint(Protocol):
         (identical on every rank, so any rank of any world size may restore it)."""
         ...
 
-    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True, cast: bool = False) -> list[str]:
         """Collective: load each target from this rank's saved state (its own rank's, or the replicated
         copy); each target's ``load_state_dict`` is called once. Raises what the engine raises. Modules are
         restored by the strict rule (:mod:`fastio.checkpoint.engines.strict`): ``strict`` refuses any
-        difference with a CheckpointError naming the keys; otherwise returns what was skipped, one line each."""
+        difference with a CheckpointError naming the keys; otherwise returns what was skipped, one line each.
+        ``cast``: a tensor of another dtype than the app's is cast (torch's copy), not a difference."""
         ...
 
     def shapes(self, key: str, rank: int) -> dict[str, tuple[int, ...] | None]:
         """The state keys saving rank ``rank`` wrote for ``key`` (a flat state dict, a module's), with the shape of
         each plain tensor (None for anything else), from the engine's metadata: no tensor is read."""
+        ...
+
+    def dtypes(self, key: str, rank: int) -> dict[str, str]:
+        """The dtype (its name, ``torch.float32``) of each plain tensor saving rank ``rank`` wrote for ``key``, by the
+        state keys :meth:`shapes` names, from the engine's metadata: no tensor is read."""
         ...
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:

@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 
 from fastio.checkpoint.agree import terms_code
 from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
-from fastio.checkpoint.engines.strict import Mismatch, group_sizes, quantized_keys, shape_of
+from fastio.checkpoint.engines.strict import Mismatch, group_sizes, other_dtypes, quantized_keys, shape_of
 from fastio.errors import CheckpointError
 from fastio.progress import human_bytes
 from fastio.storage.atomic import start_writeback
@@ -228,9 +228,9 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
     the strict rule (:mod:`fastio.checkpoint.engines.strict`) to the checkpoint's keys against the app's: DCP
     itself loads only the keys it is asked for, so a checkpoint of a larger model would load silently."""
 
-    def __init__(self, where: Path, *, strict: bool = True, skipped: list[str] | None = None):
+    def __init__(self, where: Path, *, strict: bool = True, skipped: list[str] | None = None, cast: bool = False):
         super().__init__(allow_partial_load=not strict)
-        self.where, self.strict = where, strict
+        self.where, self.strict, self.cast = where, strict, cast
         self.skipped = skipped if skipped is not None else []
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
@@ -258,7 +258,7 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 
     def _mismatches(self, metadata, saved_paths: dict) -> list[Mismatch]:
         """Per app key of the state dict, what differs between the checkpoint's metadata and the app's state: keys,
-        shapes, and tensors quantized in the checkpoint, not in the app."""
+        shapes, dtypes (unless ``cast``), and tensors quantized in the checkpoint, not in the app."""
         keys = {_top(fqn, self.mappings) for fqn in self.state_dict}
         saved = {fqn: m for fqn, m in metadata.state_dict_metadata.items() if _top(fqn, saved_paths) in keys}
         found = []
@@ -269,7 +269,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
                       for fqn, m in mine.items()}
             ours = {fqn[sub:]: v for fqn, v in self.state_dict.items() if _top(fqn, self.mappings) == key}
             dtypes = {fqn[sub:]: m.properties.dtype for fqn, m in mine.items() if hasattr(m, "properties")}
-            mismatch = Mismatch(key, theirs, {k: shape_of(v) for k, v in ours.items()}, quantized_keys(dtypes, ours))
+            mismatch = Mismatch(key, theirs, {k: shape_of(v) for k, v in ours.items()}, quantized_keys(dtypes, ours),
+                                other_dtypes(dtypes, ours, cast=self.cast))
             if mismatch:
                 found.append(mismatch)
         return found
@@ -631,7 +632,7 @@ class DcpCheckpoint(SavedCheckpoint):
     def is_replicated(self, key: str, rank: int) -> bool:
         return key in self.global_keys
 
-    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True, cast: bool = False) -> list[str]:
         """Collective: global keys through one ``dcp.load`` into this run's own layout (resharding as
         needed), then this rank's per-rank keys."""
         rank, _ = _rank()
@@ -645,7 +646,8 @@ class DcpCheckpoint(SavedCheckpoint):
         if shared:
             try:
                 dcp.load(template, storage_reader=_HeldReader(self.path, self.metadata(), self.held),
-                         planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped), process_group=self.pg,
+                         planner=_SafeLoadPlanner(self.path, strict=strict, skipped=skipped, cast=cast),
+                         process_group=self.pg,
                          no_dist=_rank()[1] == 1)
             except CheckpointError:
                 raise
@@ -670,6 +672,17 @@ class DcpCheckpoint(SavedCheckpoint):
                     for fqn, m in meta.state_dict_metadata.items() if _top(fqn, paths) == key}
         state = self.read(key, rank, mmap=True)
         return {str(k): shape_of(v) for k, v in state.items()} if isinstance(state, dict) else {}
+
+    def dtypes(self, key: str, rank: int) -> dict[str, str]:
+        """The dtype (its name) of each tensor of a key's state, as :meth:`shapes` names them."""
+        if key in self.global_keys:
+            meta = self.metadata()
+            paths = meta.planner_data or {}
+            return {fqn[len(key) + 1:]: str(m.properties.dtype) for fqn, m in meta.state_dict_metadata.items()
+                    if _top(fqn, paths) == key and hasattr(m, "properties")}
+        state = self.read(key, rank, mmap=True)
+        return ({str(k): str(v.dtype) for k, v in state.items() if shape_of(v) is not None}
+                if isinstance(state, dict) else {})
 
     def param_groups(self, key: str, rank: int) -> list[int] | None:
         """A per-rank optimizer's parameters per group (its file mapped, no tensor read); None for a global key

@@ -1,11 +1,13 @@
 """Strict restores: what a checkpoint holds against what the app has room for, one rule for both engines.
 
 A restore compares, per app key, the state keys the checkpoint holds with the state keys the app object has
-(and, of tensors present in both, their shapes and whether the checkpoint's is quantized where the app's is
-not). By default any difference is a
+(and, of tensors present in both, their shapes, their dtypes, and whether the checkpoint's is quantized where the
+app's is not). By default any difference is a
 :class:`~fastio.errors.CheckpointError` naming the app key and the state keys. With ``strict=False`` what
 matches is loaded, the rest of the app's state is left as it is, and every skipped key is listed (the
-Checkpointer logs them and hands them back in ``TrainState.skipped``).
+Checkpointer logs them and hands them back in ``TrainState.skipped``). A tensor of another dtype (saved fp32, the
+app's bf16) is a difference unless the restore is asked to cast (``cast``: ``restore_latest(..., cast_dtypes=True)``,
+which copies it with torch's cast), since a dtype changed by mistake would give other weights without a word.
 
 The engines apply the rule where they see both sides: torchsnapshot through :class:`CheckedModule` (the state
 dict it rebuilt against the module's own; with ``strict``, its manifest against every module first), DCP in its
@@ -26,8 +28,8 @@ from fastio.errors import CheckpointError
 from fastio.words import agree, count
 
 __all__ = ["PARAM_SHAPED", "CheckedModule", "Mismatch", "class_mismatch", "group_sizes", "groups_mismatch",
-           "module_shapes", "optimizer_classes", "quantized_dtype", "quantized_keys", "settings_mismatch", "shape_of",
-           "state_mismatch"]
+           "module_shapes", "optimizer_classes", "other_dtypes", "quantized_dtype", "quantized_keys", "settings_mismatch",
+           "shape_of", "state_mismatch"]
 
 _SHOWN = 8
 
@@ -49,6 +51,21 @@ def quantized_keys(saved: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str
     copy it into: state key -> (the checkpoint's dtype, the app's)."""
     return {k: (str(d), str(own[k].dtype)) for k, d in saved.items()
             if quantized_dtype(d) and getattr(own.get(k), "is_quantized", True) is False}
+
+
+def other_dtypes(saved: Mapping[str, Any], own: Mapping[str, Any], *, cast: bool = False) -> dict[str, tuple[str, str]]:
+    """The state keys whose tensor the checkpoint holds in another dtype than the app's tensor (``saved``: state key ->
+    its dtype, a torch dtype or its name; ``own``: state key -> the app's value), quantized ones aside
+    (:func:`quantized_keys`): state key -> (the checkpoint's dtype, the app's). Empty with ``cast`` (the restore
+    was asked to cast them)."""
+    out: dict[str, tuple[str, str]] = {}
+    for k, d in ({} if cast else saved).items():
+        mine = getattr(own.get(k), "dtype", None)
+        if mine is None or shape_of(own[k]) is None or quantized_dtype(d) or quantized_dtype(mine):
+            continue
+        if str(d) != str(mine):
+            out[k] = (str(d), str(mine))
+    return out
 
 
 def group_sizes(groups: Any) -> list[int] | None:
@@ -197,10 +214,15 @@ class Mismatch:
     """The differences between one app key's state in a checkpoint and in the app."""
 
     def __init__(self, key: str, saved: Mapping[str, tuple[int, ...] | None], own: Mapping[str, tuple[int, ...] | None],
-                 quantized: Mapping[str, tuple[str, str]] | None = None):
+                 quantized: Mapping[str, tuple[str, str]] | None = None,
+                 dtypes: Mapping[str, tuple[str, str]] | None = None):
         self.key, self._saved, self._own = key, set(saved), set(own)
         self.quantized = sorted((k, a, b) for k, (a, b) in (quantized or {}).items())
         """Tensors quantized in the checkpoint, not in the app (:func:`quantized_keys`): (state key, checkpoint's
+        dtype, app's dtype)."""
+        self.dtypes = sorted((k, a, b) for k, (a, b) in (dtypes or {}).items()
+                             if k in own and saved.get(k) == own[k])
+        """Tensors in both, of the same shape and another dtype (:func:`other_dtypes`): (state key, checkpoint's
         dtype, app's dtype)."""
         self.kept: set[str] = set()
         """The app's parameter groups' keys, left as they are (:meth:`keep_groups`)."""
@@ -213,12 +235,12 @@ class Mismatch:
         """Tensors in both, of other shapes: (state key, checkpoint's shape, app's shape)."""
 
     def __bool__(self) -> bool:
-        return bool(self.unexpected or self.missing or self.shapes or self.quantized)
+        return bool(self.unexpected or self.missing or self.shapes or self.quantized or self.dtypes)
 
     @property
     def skipped_keys(self) -> set[str]:
         """The app's state keys a non-strict restore leaves as they are."""
-        return set(self.missing) | {k for k, _, _ in self.shapes + self.quantized} | self.kept
+        return set(self.missing) | {k for k, _, _ in self.shapes + self.quantized + self.dtypes} | self.kept
 
     def groups_line(self) -> str | None:
         """One line when this is an optimizer's state as DCP names it (``param_groups.G.lr``) and the checkpoint
@@ -236,6 +258,7 @@ class Mismatch:
         self.unexpected = [k for k in self.unexpected if not _GROUP.match(k)]
         self.missing = [k for k in self.missing if not _GROUP.match(k)]
         self.shapes = [s for s in self.shapes if not _GROUP.match(s[0])]
+        self.dtypes = [s for s in self.dtypes if not _GROUP.match(s[0])]
 
     def lines(self) -> list[str]:
         """One line per kind of difference, naming the app key and the state keys."""
@@ -250,6 +273,10 @@ class Mismatch:
         if self.quantized:
             shown = [f"{k} ({a}, app {b})" for k, a, b in self.quantized]
             out.append(f"app key {self.key}: quantized in the checkpoint, not in the app: {_names(shown)}")
+        if self.dtypes:
+            shown = [f"{k} (checkpoint {a}, app {b})" for k, a, b in self.dtypes]
+            out.append(f"app key {self.key}: other dtype: {_names(shown)} (restore_latest(..., cast_dtypes=True) "
+                       "casts them)")
         return out
 
     def refusal(self, where: str) -> CheckpointError:
@@ -260,8 +287,9 @@ class Mismatch:
 class CheckedModule:
     """An ``nn.Module`` as a restore target that applies the rule to the state dict it is given."""
 
-    def __init__(self, key: str, module: Any, *, strict: bool, where: str, skipped: list[str]):
+    def __init__(self, key: str, module: Any, *, strict: bool, where: str, skipped: list[str], cast: bool = False):
         self.key, self.module, self.strict, self.where, self.skipped = key, module, strict, where, skipped
+        self.cast = cast
 
     def state_dict(self) -> dict[str, Any]:
         return self.module.state_dict()
@@ -270,7 +298,8 @@ class CheckedModule:
         own = self.module.state_dict()
         found = Mismatch(self.key, {k: shape_of(v) for k, v in state_dict.items()},
                          {k: shape_of(v) for k, v in own.items()},
-                         quantized_keys({k: v.dtype for k, v in state_dict.items() if shape_of(v) is not None}, own))
+                         quantized_keys(dtypes := {k: v.dtype for k, v in state_dict.items() if shape_of(v) is not None},
+                                        own), other_dtypes(dtypes, own, cast=self.cast))
         if not found:
             self.module.load_state_dict(state_dict)
             return

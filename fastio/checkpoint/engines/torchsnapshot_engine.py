@@ -74,7 +74,14 @@ from fastio.checkpoint.engines.base import (
     first_line,
     written_record,
 )
-from fastio.checkpoint.engines.strict import CheckedModule, Mismatch, module_shapes, quantized_dtype, quantized_keys
+from fastio.checkpoint.engines.strict import (
+    CheckedModule,
+    Mismatch,
+    module_shapes,
+    other_dtypes,
+    quantized_dtype,
+    quantized_keys,
+)
 from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
@@ -632,9 +639,10 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
     def is_replicated(self, key: str, rank: int) -> bool:
         return all(is_container_entry(e) or is_replicated(e) for e in self._entries(key, rank).values())
 
-    def restore(self, targets: dict[str, Stateful], *, strict: bool = True) -> list[str]:
+    def restore(self, targets: dict[str, Stateful], *, strict: bool = True, cast: bool = False) -> list[str]:
         """``Snapshot.restore(targets)``, one key at a time, each from a manifest holding only that key;
-        modules through :class:`~fastio.checkpoint.engines.strict.CheckedModule` (the strict rule).
+        modules through :class:`~fastio.checkpoint.engines.strict.CheckedModule` (the strict rule; ``cast``: a
+        tensor of another dtype is cast, not a difference).
 
         torchsnapshot 0.1.0's ``restore`` walks the whole manifest for every app key (``_load_stateful``),
         so restoring model, optimizer, loader and RNG would read every tensor once per key; with a
@@ -646,12 +654,12 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         snap = self._snap
         full = snap.metadata
         skipped: list[str] = []
-        self._check_modules(targets, strict)  # all or nothing: before any key is loaded, on every rank
+        self._check_modules(targets, strict, cast)  # all or nothing: before any key is loaded, on every rank
         error: Exception | None = None  # the first load error of this rank, raised once every key's restore is done
         try:
             for key, obj in targets.items():
                 if isinstance(obj, nn.Module):
-                    obj = CheckedModule(key, obj, strict=strict, where=str(self.path), skipped=skipped)
+                    obj = CheckedModule(key, obj, strict=strict, where=str(self.path), skipped=skipped, cast=cast)
                 escaped = _encode(key)
                 view = {path: entry for path, entry in full.manifest.items() if path.split("/")[1:2] == [escaped]}
                 snap._metadata = replace(full, manifest=view)
@@ -671,8 +679,8 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             raise error
         return skipped
 
-    def _check_modules(self, targets: dict[str, Stateful], strict: bool) -> None:
-        """Strict: every module target against this rank's manifest (state keys, tensor shapes), agreed over the
+    def _check_modules(self, targets: dict[str, Stateful], strict: bool, cast: bool) -> None:
+        """Strict: every module target against this rank's manifest (state keys, tensor shapes and dtypes), agreed over the
         ranks before any key is loaded (keys load one by one, in place: a module refused only when its turn came
         left the keys before it loaded). The rank that found a difference raises it; the others raise a
         CheckpointError marked ``elsewhere``, which :meth:`fastio.checkpoint.group.RankGroup.run` leaves to it."""
@@ -685,8 +693,9 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
         mine = None
         for key, obj in targets.items():
             if isinstance(obj, nn.Module):
-                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj),
-                                 quantized_keys(self._dtypes(key, rank), obj.state_dict()))
+                own, dtypes = obj.state_dict(), self.dtypes(key, rank)
+                found = Mismatch(key, self.shapes(key, rank), module_shapes(obj), quantized_keys(dtypes, own),
+                                 other_dtypes(dtypes, own, cast=cast))
                 if found:
                     mine = str(found.refusal(str(self.path)))
                     break
@@ -713,7 +722,7 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             out.setdefault(_decode(parts[1]), tuple(int(n) for n in shape) if shape is not None else None)
         return out
 
-    def _dtypes(self, key: str, rank: int) -> dict[str, str]:
+    def dtypes(self, key: str, rank: int) -> dict[str, str]:
         """The dtype (its name) of each tensor the manifest holds directly under a state key of ``key`` (a module's)."""
         return {_decode(parts[1]): entry.dtype for path, entry in self._entries(key, rank).items()
                 if len(parts := path.split("/")) == 2 and isinstance(getattr(entry, "dtype", None), str)}
