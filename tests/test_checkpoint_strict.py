@@ -82,6 +82,23 @@ def test_another_dtype_is_refused_unless_a_cast_is_asked_for(tmp_path, engine, s
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_another_dtype_is_refused_before_the_apps_own_objects_load(tmp_path, engine):
+    """The app's own objects (a counter) load before the engine's keys: a dtype refused only by the engine's load
+    would leave the counter loaded and the model not. The check before anything loads names it instead."""
+    from helpers import StateHolder
+
+    ckpt = saved(tmp_path, engine, {"model": model(2), "counter": StateHolder({"n": 5})})
+    counter = StateHolder({"n": 0})
+    with pytest.raises(CheckpointError, match=r"app key model: other dtype: 0\.bias \(checkpoint torch\.float32, app "
+                                              r"torch\.float64\)"):
+        ckpt.restore_latest({"model": model(2).double(), "counter": counter})
+    assert counter.state == {"n": 0}
+    assert ckpt.restore_latest({"model": model(2).double(), "counter": counter}, cast_dtypes=True).step == 1
+    assert counter.state == {"n": 5}
+    ckpt.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_app_key_missing_from_the_app_is_refused(tmp_path, engine):
     ckpt = saved(tmp_path, engine, {"model": model(1), "extra": model(1)})
     with pytest.raises(CheckpointError, match=r"app key extra, which this app lacks"):

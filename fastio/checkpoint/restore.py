@@ -38,9 +38,9 @@ from fastio.checkpoint.engines.strict import (
     class_mismatch,
     group_sizes,
     groups_mismatch,
-    module_shapes,
     other_dtypes,
     settings_mismatch,
+    shape_of,
     state_mismatch,
 )
 from fastio.checkpoint.record import CommitRecord
@@ -217,8 +217,8 @@ def _precheck(saved: Any, targets: dict[str, Any], src: int, strict: bool, *, el
             dropped[key] = f"{line} (optimizer left as it was)"
         module = (modules or {}).get(key, obj)  # the app's module; its state as the engine loads it: ``obj``'s
         if strict and isinstance(module, nn.Module) and (modules or elastic and not saved.is_replicated(key, src)):
-            own_state = obj.state_dict()
-            found = Mismatch(key, saved.shapes(key, src), module_shapes(obj),
+            own_state = obj.state_dict()  # once: an FSDP module's gathers its state
+            found = Mismatch(key, saved.shapes(key, src), {k: shape_of(v) for k, v in own_state.items()},
                              dtypes=other_dtypes(saved.dtypes(key, src), own_state, cast=cast))
             if found:
                 raise found.refusal(where)
