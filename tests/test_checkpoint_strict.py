@@ -81,6 +81,15 @@ def test_another_dtype_is_refused_unless_a_cast_is_asked_for(tmp_path, engine, s
     ckpt.close()
 
 
+def test_cast_dtypes_must_be_a_bool(tmp_path):
+    """A string ('no') would have asked for the cast; it is refused, naming the argument, before anything loads."""
+    ckpt = saved(tmp_path, "torchsnapshot", {"model": model(2)})
+    new = model(2).double()
+    with pytest.raises(TypeError, match=r"^cast_dtypes must be True or False, got 'no'$"):
+        ckpt.restore_latest({"model": new}, cast_dtypes="no")
+    ckpt.close()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_another_dtype_is_refused_before_the_apps_own_objects_load(tmp_path, engine):
     """The app's own objects (a counter) load before the engine's keys: a dtype refused only by the engine's load

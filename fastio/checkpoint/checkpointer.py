@@ -400,6 +400,8 @@ class Checkpointer:
         self._refuse_if_closed()
         self._check_app(app)
         step = None if step is None else _whole_number("step", step)
+        if not isinstance(cast_dtypes, bool):
+            raise TypeError(f"cast_dtypes must be True or False, got {cast_dtypes!r}")
         if loader_policy not in LOADER_POLICIES:
             raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
         if loader_policy != "exact" and not loader_keys(app):
@@ -410,7 +412,7 @@ class Checkpointer:
             self._refuse_a_typo()
         self._raise_if_failed(wait=True)
         self._finish_pruning()  # the restore's clean-up deletes hidden leftovers too
-        state = self._restorer.restore_latest(app, step, strict, loader_policy, bool(cast_dtypes))
+        state = self._restorer.restore_latest(app, step, strict, loader_policy, cast_dtypes)
         if state is not None:  # the next save continues the restored run's clock
             self._last_step = state.step
             self._last_time = self._started = time.monotonic()
