@@ -377,3 +377,34 @@ def test_a_non_persistent_buffer_left_on_the_meta_device_does_not_refuse_the_res
     into.register_buffer("cache", torch.empty(4, device="meta"), persistent=False)
     assert ckpt.restore_latest({"model": into}).step == 1
     ckpt.close()
+
+
+def dtype_saver(rank: int, base: str) -> None:
+    """2 ranks save a head of their own weights (per rank with torchsnapshot, global with DCP), fp32."""
+    join_group(rank, 2, Path(base, "w2.port"))
+    try:
+        for engine in ENGINES:
+            torch.manual_seed(rank)
+            with Checkpointer(Path(base, engine), signals=(), engine=engine) as ckpt:
+                ckpt.save(1, {"head": nn.Linear(4, 2)}, blocking=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_elastic_per_rank_module_of_another_dtype_refused_unless_cast(tmp_path, engine):
+    """At another world size (2 saving ranks, this one process) a module of another dtype is refused too (with
+    torchsnapshot the per-rank state this rank takes); cast_dtypes=True loads saved rank 0's, cast."""
+    start_ranks(dtype_saver, (str(tmp_path),), 2)
+    torch.manual_seed(0)
+    expected = nn.Linear(4, 2)
+    head = nn.Linear(4, 2).double()
+    with torch.no_grad():
+        head.weight.zero_()
+    with Checkpointer(tmp_path / engine, signals=()) as ckpt:
+        with pytest.raises(CheckpointError, match=r"app key head: other dtype: bias \(checkpoint torch\.float32, app "
+                                                  r"torch\.float64\), weight"):
+            ckpt.restore_latest({"head": head})
+        assert not head.weight.any()
+        ckpt.restore_latest({"head": head}, cast_dtypes=True)
+    assert head.weight.dtype == torch.float64 and torch.equal(head.weight, expected.weight.double())
