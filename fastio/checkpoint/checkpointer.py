@@ -84,6 +84,17 @@ def _rank_world() -> tuple[int, int]:
     return rank, world
 
 
+def _check_restore_options(app: dict[str, Any], loader_policy: str, cast_dtypes: bool) -> None:
+    """``restore_latest``'s options, checked where they enter (a TypeError or ValueError naming the value)."""
+    if not isinstance(cast_dtypes, bool):
+        raise TypeError(f"cast_dtypes must be True or False, got {cast_dtypes!r}")
+    if loader_policy not in LOADER_POLICIES:
+        raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
+    if loader_policy != "exact" and not loader_keys(app):
+        raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
+                         "Loader)")
+
+
 def _whole_number(name: str, value: Any) -> int:
     """``value`` as an int >= 0 (a NumPy integer too; not a bool, a float or a string); ValueError naming ``name``. A
     save's step taken otherwise would commit ``step--1``, ``step-1.5`` or ``step-True``, which no restore lists."""
@@ -400,13 +411,7 @@ class Checkpointer:
         self._refuse_if_closed()
         self._check_app(app)
         step = None if step is None else _whole_number("step", step)
-        if not isinstance(cast_dtypes, bool):
-            raise TypeError(f"cast_dtypes must be True or False, got {cast_dtypes!r}")
-        if loader_policy not in LOADER_POLICIES:
-            raise ValueError(f"loader_policy must be one of {', '.join(LOADER_POLICIES)}, got {loader_policy!r}")
-        if loader_policy != "exact" and not loader_keys(app):
-            raise ValueError(f"loader_policy={loader_policy!r}, but no app object has check_state_dict (a fastio "
-                             "Loader)")
+        _check_restore_options(app, loader_policy, cast_dtypes)
         self._ranks.enter("restore_latest")  # before any collective: a rank saving instead is refused by name
         if self.read_only:
             self._refuse_a_typo()
