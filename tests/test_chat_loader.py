@@ -232,3 +232,71 @@ def test_token_dataset_batches_are_the_loaders(chat):
             want = ds.batch(packing, 0, b["index"].numpy())
             for key in ("tokens", "loss_mask", "position_ids", "cu_seqlens"):
                 assert np.array_equal(want[key], b[key].numpy()), key
+
+
+@pytest.fixture(scope="module")
+def chat_all(chat):
+    """The chat dataset's conversations converted again with train_on='all': the same .bin files (so the same
+    fingerprint), other loss masks."""
+    root = chat.parent
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", root / "chat-all", root / "tokenizer.json",
+                                      chat_template=root / "tokenizer_config.json", train_on="all", workers=1,
+                                      max_samples_per_shard=20))
+    return root / "chat-all"
+
+
+def _state_after(dest, n=2):
+    with _loader(dest) as ld:
+        it = iter(ld)
+        for _ in range(n):
+            next(it)
+        return ld.state_dict()
+
+
+def test_a_resume_on_other_loss_masks_is_refused_naming_the_option(chat, chat_all):
+    assert load_manifest(chat).fingerprint == load_manifest(chat_all).fingerprint  # the tokens are the same
+    state = _state_after(chat)
+    with _loader(chat_all) as other, pytest.raises(fastio.LoaderStateError) as err:
+        other.load_state_dict(state)
+    line = str(err.value)
+    assert "train_on" in line and "'generation'" in line and "'all'" in line and str(chat_all) in line
+    with _loader(chat) as same:  # the same masks: accepted
+        same.load_state_dict(state)
+
+
+def test_a_resume_on_a_plain_index_of_the_chat_shards_is_refused(chat, tmp_path):
+    """The chat dataset's .bin/.idx pairs indexed as plain documents (every token trained): same fingerprint."""
+    import shutil
+
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    src = tmp_path / "pairs"
+    src.mkdir()
+    for f in (chat / "shards").glob("*.[bi][id][nx]"):
+        shutil.copy(f, src / f.name)
+    eos = load_manifest(chat).tokens.eos_id
+    index_tokens(TokenIndexConfig(src, eos_id=eos))
+    assert load_manifest(src).fingerprint == load_manifest(chat).fingerprint
+    state = _state_after(chat)
+    with _loader(src) as other, pytest.raises(fastio.LoaderStateError, match="loss mask"):
+        other.load_state_dict(state)
+
+
+def test_a_state_saved_before_loss_masks_were_recorded_still_loads(chat):
+    state = _state_after(chat)
+    state.pop("loss_mask")
+    with _loader(chat) as ld:
+        ld.load_state_dict(state)
+        assert ld.consumed == state["consumed"]
+
+
+def test_a_mixture_resume_on_a_source_of_other_loss_masks_is_refused_naming_the_source(chat, chat_all, plain):
+    def mix(source):
+        return fastio.Mixture({"chat": source, "plain": plain}, weights={"chat": 0.5, "plain": 0.5})
+    state = _state_after(mix(chat))
+    with _loader(mix(chat_all)) as other, pytest.raises(fastio.LoaderStateError) as err:
+        other.load_state_dict(state)
+    assert "source 'chat'" in str(err.value) and "train_on='generation'" in str(err.value)
+    with _loader(mix(chat_all)) as other:  # the next epoch is drawn from the masks as they are now
+        other.load_state_dict(other.next_epoch_state(state))
+        assert other.epoch == state["epoch"] + 1
