@@ -16,8 +16,10 @@ The shards are read in place (a local dataset) or through the node-local cache (
 set's shard source, filled ahead in the order the coming sequences want them). A read is numpy work on whole
 batches: the batches submitted while the reader was busy are read together (:meth:`TokenReader.read_batches`),
 their pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`) and gathered with one fancy index
-per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, checked against
-the file's size on every read; a cached shard's mapped while the cache holds it for the read).
+per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, its size checked
+against the manifest's when mapped and against the offsets read on every read; a cached shard's mapped while the
+cache holds it for the read, its size checked each time). A file cut short during a read still kills the process
+with SIGBUS (docs/tokens.md).
 
 A chat dataset (``tokens.chat``: conversations with a loss mask per shard, :mod:`fastio.formats.token_mask`) packs
 whole conversations: ``packing="best-fit"`` only, and a ``seq_len`` its longest conversation fits (refused
@@ -478,12 +480,25 @@ class TokenReader:
             return np.take(self._checked(s, k, fd, tokens, end), at)
         fd = source.files.acquire(k)
         try:  # the mapping (and its copy of fd) goes with the array, before the shard is released
+            self._check_size(s, k, fd)
             return np.take(self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), end), at)
         finally:
             source.files.release(k)
 
     def _dtype(self, s: int) -> np.dtype:
         return np.dtype(self.sources[s].ds.manifest.tokens.dtype).newbyteorder("<")
+
+    def _check_size(self, s: int, k: int, fd: int) -> None:
+        """DatasetError naming shard ``k`` of source ``s`` and both sizes unless its open ``.bin`` (``fd``) has the
+        manifest's size: checked when it is mapped, so that a file cut short (or grown, or replaced in place) before
+        that is refused, not read (a read past a mapped file's end kills the process with SIGBUS)."""
+        source = self.sources[s]
+        shard = source.ds.shards[k]
+        size = os.fstat(fd).st_size
+        if size != shard.bytes:
+            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {count(size, 'byte')}, the manifest says "
+                               f"{shard.bytes}: {'truncated' if size < shard.bytes else 'grown'} or rewritten since it "
+                               "was written (replace a shard by a rename, never in place); run fastio verify")
 
     def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, end: int) -> np.ndarray:
         """``tokens`` (shard ``k``'s mapping), once the file still holds the offsets below ``end`` (a file cut
@@ -506,6 +521,7 @@ class TokenReader:
         if got is not None:
             return got
         fd = self._hold(s, k)
+        self._check_size(s, k, fd)
         with self._lock:
             if (s, k) not in self._maps:
                 self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
