@@ -74,6 +74,8 @@ __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader
 GROUP = 4
 """Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
 page faults cost more than the calls saved, here)."""
+_INT64_IDS = 2**63
+"""Unit ids (``epoch * sequences + sequence``) are int64: below this."""
 ORDER_CHUNK = 256
 """Batches of a plan looked up at once for the feeder (the order's fixed cost per lookup is most of its cost: 256
 batches of 8 cost about 2 us a batch where 32 cost 33)."""
@@ -192,7 +194,13 @@ class TokenUnits:
         return len(self.sampler)
 
     def plan(self, epoch: int, start: int = 0) -> _EpochUnits:
-        return _EpochUnits(self.sampler.plan(epoch, start), self.packing.sequences)
+        """The plan of ``epoch`` from global position ``start``; ValueError naming the epoch where its unit ids
+        (``epoch * sequences + sequence``) would leave int64 (a hand-edited state, a ``set_epoch`` far off)."""
+        sequences = self.packing.sequences
+        if (epoch + 1) * sequences > _INT64_IDS:
+            raise ValueError(f"epoch {epoch} is past the sequence ids' reach (epoch * {sequences} + sequence must fit "
+                             f"int64: the last epoch is {_INT64_IDS // sequences - 1})")
+        return _EpochUnits(self.sampler.plan(epoch, start), sequences)
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,19 @@ class TokenMixSampler(MixSampler):
     def total(self) -> int:
         """All sources' sequences: the ids' period."""
         return sum(self.sizes)
+
+    def check_epoch(self, epoch: int) -> None:
+        """The mixture's limit (:meth:`MixSampler.check_epoch`), then ValueError naming ``epoch`` and the source
+        where a source's own epoch by the end of it puts the ids past int64 (a source drawn more often than its
+        size's share runs through its own epochs faster than the mixture: its ids wrapped, naming other
+        sequences)."""
+        super().check_epoch(epoch)
+        end = min((epoch + 1) * self.schedule.samples_per_epoch, _INT64_IDS - 1)
+        for name, got, size in zip(self.schedule.names, self.schedule.delivered(end).tolist(), self.sizes):
+            last = (got - 1) // size if got else 0
+            if (last + 1) * self.total > _INT64_IDS:
+                raise ValueError(f"epoch {epoch} is past the sequence ids' reach: source {name!r} is in its own epoch "
+                                 f"{last} by its end, and source epoch * {self.total} + sequence must fit int64")
 
     def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
         return np.asarray(epochs, np.int64) * self.total + self.base[s] + local
