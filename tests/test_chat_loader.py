@@ -300,3 +300,20 @@ def test_a_mixture_resume_on_a_source_of_other_loss_masks_is_refused_naming_the_
     with _loader(mix(chat_all)) as other:  # the next epoch is drawn from the masks as they are now
         other.load_state_dict(other.next_epoch_state(state))
         assert other.epoch == state["epoch"] + 1
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, tmp_path, verify):
+    """A damaged manifest whose chat shard has no mask_sha256: refused naming the shard (with verify=True it was a raw
+    TypeError from the sha256 comparison; without, the mask read unchecked by any checksum)."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["shards"][1]["mask_sha256"]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    name = manifest["shards"][1]["name"]
+    with pytest.raises(DatasetError, match=rf"bad: shard {name}: the manifest lists no loss mask .*fastio verify"):
+        with _loader(bad, verify=verify) as ld:
+            list(ld)

@@ -83,12 +83,16 @@ batches of 8 cost about 2 us a batch where 32 cost 33)."""
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
     """Each shard's ``.idx`` of token dataset ``ds`` (local, or fetched and checked into the cache's metadata),
-    its documents and ``.bin`` bytes checked against the manifest; with ``ds.verify`` a local ``.idx``'s sha256
+    its documents and ``.bin`` bytes checked against the manifest (a chat dataset's shard refused where the
+    manifest lists no loss mask checksum for it); with ``ds.verify`` a local ``.idx``'s sha256
     too (a fetched one always is). Where the manifest records a document-starts table (:mod:`fastio.tokens.starts`),
     each index takes its block edges from it (checked: its xxh3-128, counts, first and last entries)."""
     info = ds.manifest.tokens
     tables = []
     for shard in ds.shards:
+        if info.chat is not None and shard.mask_sha256 is None:
+            raise DatasetError(f"{ds.root}: shard {shard.name}: the manifest lists no loss mask ({shard.mask_name}) for "
+                               "this chat shard (a damaged manifest); run fastio verify")
         if ds.verify and ds.files.cache_size is None:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
         index = MegatronIndex(shard.idx_path, info.dtype, one_per_document=info.one_sequence_per_document)
