@@ -317,3 +317,20 @@ def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, 
     with pytest.raises(DatasetError, match=rf"bad: shard {name}: the manifest lists no loss mask .*fastio verify"):
         with _loader(bad, verify=verify) as ld:
             list(ld)
+
+
+def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):
+    """A chat shard's .mask cut short between two reads (after the Loader mapped it): refused naming the file, as a
+    .bin is; it killed the process with SIGBUS."""
+    import os
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    with _loader(bad, reader_threads=1, read_ahead=1, prefetch=1) as ld:
+        it = iter(ld)
+        next(it)  # the masks of the shards read so far are mapped
+        for mask in (bad / "shards").glob("*.mask"):
+            os.truncate(mask, 8)
+        with pytest.raises(DatasetError, match=r"bad/shards/shard-\d+\.mask: 8 bytes, .*truncated"):
+            list(it)
