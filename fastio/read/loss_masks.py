@@ -8,8 +8,8 @@ same fingerprint and so the same order, but train on other targets. The fingerpr
 order: changing it would move every chat run's order); the state records the masks beside it:
 
 - a plain token dataset: ``{"train_on": "plain"}`` (every token trained);
-- a chat dataset: ``{"train_on": "generation" | "all", "template_sha256": ..., "masks": ...}`` (``masks``: 16 hex
-  digits of sha256 over the shards' names and ``.mask`` checksums, the masks themselves);
+- a chat dataset: ``{"train_on": "generation" | "all", "template_sha256": ..., "masks": ...}`` (``masks``: the
+  manifest's :attr:`~fastio.dataset.manifest.Manifest.masks_fingerprint`, the masks themselves, computed once);
 - a dataset of stored samples: nothing (an image-text sample's ``mask.bits`` is a member of its tar, whose sha256
   the fingerprint covers already).
 
@@ -19,7 +19,6 @@ without the entry (saved by a fastio before it recorded masks) is taken as it is
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,10 +43,7 @@ def masks_of(ds: Dataset) -> dict[str, str] | None:
     chat = tokens.chat
     if chat is None:
         return {"train_on": "plain"}
-    h = hashlib.sha256()
-    for shard in ds.shards:
-        h.update(f"{shard.name}:{shard.mask_sha256}\n".encode())
-    return {"train_on": chat.train_on, "template_sha256": chat.template_sha256, "masks": h.hexdigest()[:16]}
+    return {"train_on": chat.train_on, "template_sha256": chat.template_sha256, "masks": ds.manifest.masks_fingerprint}
 
 
 def dataset_masks(ds: Dataset) -> dict[str, Any]:
