@@ -334,3 +334,12 @@ def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp
             os.truncate(mask, 8)
         with pytest.raises(DatasetError, match=r"bad/shards/shard-\d+\.mask: 8 bytes, .*truncated"):
             list(it)
+
+
+def test_a_dataset_converted_again_is_refused_by_its_fingerprint_before_its_masks(chat, tmp_path):
+    """Other conversations with other masks: the refusal is the fingerprint's (another dataset, the way to the next
+    epoch), not a loss-mask difference that would suggest only the masks changed."""
+    other = chat_dataset(tmp_path, n=30, seed=4, template=GLUED, train_on="all")
+    state = _state_after(chat)
+    with _loader(other) as ld, pytest.raises(fastio.LoaderStateError, match="fingerprint"):
+        ld.load_state_dict(state)

@@ -60,15 +60,17 @@ def mixture_masks(names: Sequence[str], datasets: Sequence[Dataset]) -> dict[str
 
 def check_dataset_masks(ds: Dataset, state: dict[str, Any], next_epoch: str) -> None:
     """LoaderStateError naming ``ds``, the option and both values unless ``state``'s entry (if any) is ``ds``'s
-    (``next_epoch``: the way to start the next epoch on these masks)."""
+    (``next_epoch``: the way to start the next epoch on these masks). Only where the state is of ``ds``'s tokens
+    (its ``fingerprint``): a state of other tokens is the fingerprint's refusal (another dataset), not the masks'."""
     saved, mine = state.get(K_LOSS_MASK), masks_of(ds)
-    if saved is not None:
+    if saved is not None and state.get("fingerprint") == ds.fingerprint:
         _compare(saved, mine, f"{ds.root}", next_epoch)
 
 
 def check_mixture_masks(root: Any, names: Sequence[str], datasets: Sequence[Dataset], state: dict[str, Any],
                         next_epoch: str) -> None:
-    """As :func:`check_dataset_masks`, per token source of a mixture (the refusal names the source)."""
+    """As :func:`check_dataset_masks`, per token source of a mixture (the refusal names the source; asked after the
+    mixture's entry, whose check refuses a source of other tokens first)."""
     saved = state.get(K_LOSS_MASK)
     if saved is None:
         return
