@@ -232,3 +232,114 @@ def test_token_dataset_batches_are_the_loaders(chat):
             want = ds.batch(packing, 0, b["index"].numpy())
             for key in ("tokens", "loss_mask", "position_ids", "cu_seqlens"):
                 assert np.array_equal(want[key], b[key].numpy()), key
+
+
+@pytest.fixture(scope="module")
+def chat_all(chat):
+    """The chat dataset's conversations converted again with train_on='all': the same .bin files (so the same
+    fingerprint), other loss masks."""
+    root = chat.parent
+    convert_tokens(TokenConvertConfig(root / "chats.jsonl", root / "chat-all", root / "tokenizer.json",
+                                      chat_template=root / "tokenizer_config.json", train_on="all", workers=1,
+                                      max_samples_per_shard=20))
+    return root / "chat-all"
+
+
+def _state_after(dest, n=2):
+    with _loader(dest) as ld:
+        it = iter(ld)
+        for _ in range(n):
+            next(it)
+        return ld.state_dict()
+
+
+def test_a_resume_on_other_loss_masks_is_refused_naming_the_option(chat, chat_all):
+    assert load_manifest(chat).fingerprint == load_manifest(chat_all).fingerprint  # the tokens are the same
+    state = _state_after(chat)
+    with _loader(chat_all) as other, pytest.raises(fastio.LoaderStateError) as err:
+        other.load_state_dict(state)
+    line = str(err.value)
+    assert "train_on" in line and "'generation'" in line and "'all'" in line and str(chat_all) in line
+    with _loader(chat) as same:  # the same masks: accepted
+        same.load_state_dict(state)
+
+
+def test_a_resume_on_a_plain_index_of_the_chat_shards_is_refused(chat, tmp_path):
+    """The chat dataset's .bin/.idx pairs indexed as plain documents (every token trained): same fingerprint."""
+    import shutil
+
+    from fastio.convert.token_index import TokenIndexConfig, index_tokens
+
+    src = tmp_path / "pairs"
+    src.mkdir()
+    for f in (chat / "shards").glob("*.[bi][id][nx]"):
+        shutil.copy(f, src / f.name)
+    eos = load_manifest(chat).tokens.eos_id
+    index_tokens(TokenIndexConfig(src, eos_id=eos))
+    assert load_manifest(src).fingerprint == load_manifest(chat).fingerprint
+    state = _state_after(chat)
+    with _loader(src) as other, pytest.raises(fastio.LoaderStateError, match="loss mask"):
+        other.load_state_dict(state)
+
+
+def test_a_state_saved_before_loss_masks_were_recorded_still_loads(chat):
+    state = _state_after(chat)
+    state.pop("loss_mask")
+    with _loader(chat) as ld:
+        ld.load_state_dict(state)
+        assert ld.consumed == state["consumed"]
+
+
+def test_a_mixture_resume_on_a_source_of_other_loss_masks_is_refused_naming_the_source(chat, chat_all, plain):
+    def mix(source):
+        return fastio.Mixture({"chat": source, "plain": plain}, weights={"chat": 0.5, "plain": 0.5})
+    state = _state_after(mix(chat))
+    with _loader(mix(chat_all)) as other, pytest.raises(fastio.LoaderStateError) as err:
+        other.load_state_dict(state)
+    assert "source 'chat'" in str(err.value) and "train_on='generation'" in str(err.value)
+    with _loader(mix(chat_all)) as other:  # the next epoch is drawn from the masks as they are now
+        other.load_state_dict(other.next_epoch_state(state))
+        assert other.epoch == state["epoch"] + 1
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, tmp_path, verify):
+    """A damaged manifest whose chat shard has no mask_sha256: refused naming the shard (with verify=True it was a raw
+    TypeError from the sha256 comparison; without, the mask read unchecked by any checksum)."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    del manifest["shards"][1]["mask_sha256"]
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    name = manifest["shards"][1]["name"]
+    with pytest.raises(DatasetError, match=rf"bad: shard {name}: the manifest lists no loss mask .*fastio verify"):
+        with _loader(bad, verify=verify) as ld:
+            list(ld)
+
+
+def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):
+    """A chat shard's .mask cut short between two reads (after the Loader mapped it): refused naming the file, as a
+    .bin is; it killed the process with SIGBUS."""
+    import os
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    with _loader(bad, reader_threads=1, read_ahead=1, prefetch=1) as ld:
+        it = iter(ld)
+        next(it)  # the masks of the shards read so far are mapped
+        for mask in (bad / "shards").glob("*.mask"):
+            os.truncate(mask, 8)
+        with pytest.raises(DatasetError, match=r"bad/shards/shard-\d+\.mask: 8 bytes, .*truncated"):
+            list(it)
+
+
+def test_a_dataset_converted_again_is_refused_by_its_fingerprint_before_its_masks(chat, tmp_path):
+    """Other conversations with other masks: the refusal is the fingerprint's (another dataset, the way to the next
+    epoch), not a loss-mask difference that would suggest only the masks changed."""
+    other = chat_dataset(tmp_path, n=30, seed=4, template=GLUED, train_on="all")
+    state = _state_after(chat)
+    with _loader(other) as ld, pytest.raises(fastio.LoaderStateError, match="fingerprint"):
+        ld.load_state_dict(state)

@@ -176,6 +176,45 @@ def test_documents_of_several_sequences_are_indexed_and_read_whole(tmp_path):
     assert ds.shards[0].index.starts(np.array([0, 2, 3])).tolist() == [0, 6, 11]
 
 
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_megatron_pairs_with_empty_documents_and_a_one_document_shard_pack_every_token(tmp_path, packing):
+    """megatron-core pairs holding documents of length 0 (one shard nothing else) and a shard of one document:
+    indexed, then packed at seq_len 1, at a document's length and past the corpus: every token once (concat: every
+    input token but the tail; best-fit: every token, padding masked), the same sequences at world sizes 1, 2, 3, 5."""
+    import fastio
+
+    data = tmp_path / "data"
+    megatron_pair(data, "a", [DOCS[0], [], DOCS[1]])
+    megatron_pair(data, "b", [[]])
+    megatron_pair(data, "c", [DOCS[2]])
+    index_tokens(TokenIndexConfig(data, EOS))
+    every = sorted(t for d in (DOCS[0], DOCS[1], DOCS[2]) for t in d)
+    total = len(every)
+    for seq_len in (1, len(DOCS[2]) - 1, total + 5):
+        if packing == "concat" and seq_len >= total:
+            with pytest.raises(fastio.DatasetError, match=rf"seq_len {seq_len} needs more than"):
+                fastio.Loader(data, pipeline=fastio.Tokens(seq_len=seq_len), batch_size=1, device="cpu")
+            continue
+        seen = {}
+        for world in (1, 2, 3, 5):
+            tokens, ids = [], []
+            for rank in range(world):
+                with fastio.Loader(data, pipeline=fastio.Tokens(seq_len=seq_len, packing=packing), batch_size=1,
+                                   device="cpu", world_size=world, rank=rank, drop_last=False) as ld:
+                    for b in ld:
+                        if b["padded"].item():
+                            continue
+                        row = b["tokens"][0]
+                        tokens += (row[:-1] if packing == "concat" else row[b["loss_mask"][0]]).tolist()
+                        ids.append(b["index"].item())
+            seen[world] = sorted(ids)
+            if packing == "concat":
+                assert len(tokens) == (total - 1) // seq_len * seq_len and set(tokens) <= set(every)
+            else:
+                assert sorted(tokens) == every
+        assert len({tuple(v) for v in seen.values()}) == 1 and len(set(seen[1])) == len(seen[1])
+
+
 # -- s3:// ---------------------------------------------------------------------------------------------------------
 
 def _pairs_folder(folder, dtype="uint16", shards=2, docs=120):

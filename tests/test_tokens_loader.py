@@ -134,6 +134,23 @@ def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
         ld.load_state_dict(image_state)
 
 
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_an_epoch_past_the_sequence_ids_reach_is_refused_not_an_overflow(corpus, packing):
+    """A hand-edited state (or set_epoch) of an epoch whose sequence ids, ``epoch * sequences + sequence``, leave
+    int64: refused naming the epoch where the state is checked, not a raw OverflowError on the first batch."""
+    with _loader(corpus, packing) as ld:
+        next(iter(ld))
+        state = ld.state_dict()
+        far = 2**63 // ld._sampler.samples
+        with pytest.raises(ValueError, match=rf"epoch {far}"):
+            ld.set_epoch(far)
+    with _loader(corpus, packing) as ld:
+        with pytest.raises(LoaderStateError, match=rf"epoch={far}: .*int64"):
+            ld.load_state_dict({**state, "epoch": far})
+        ld.load_state_dict({**state, "epoch": far - 1})  # the last epoch the ids reach
+        assert len(next(iter(ld))["tokens"]) == 4
+
+
 class _TinyLM(torch.nn.Module):
     """A bigram model: enough to train on the token batches and compare weights."""
 

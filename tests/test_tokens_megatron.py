@@ -251,3 +251,19 @@ def test_an_old_megatron_index_and_a_cut_header_are_named_as_such(tmp_path):
     with pytest.raises(DatasetError, match=r"s\.idx: 20 bytes, cut inside the 34-byte header of a Megatron \.idx: "
                                            r"truncated"):
         MegatronShard(tmp_path / "s.bin")
+
+
+@pytest.mark.parametrize("one_per_document", [False, True])
+def test_an_idx_cut_short_after_it_was_opened_is_named_not_read_as_zeros(tmp_path, one_per_document):
+    """An .idx cut short while an index holds it mapped (a Loader's, for its life): a lookup of document starts is
+    refused naming the file and both sizes; it read zeros from the mapping's last page (every document starting at
+    token 0: other tokens, silently), or died with SIGBUS past it."""
+    _write(tmp_path / "s.bin", DOCS)
+    index = MegatronIndex(tmp_path / "s.idx", one_per_document=one_per_document)
+    want = index.starts(np.arange(len(DOCS) + 1)).tolist()
+    full = (tmp_path / "s.idx").stat().st_size
+    with open(tmp_path / "s.idx", "r+b") as f:
+        f.truncate(34)
+    with pytest.raises(DatasetError, match=rf"s\.idx: 34 bytes, {full} when it was opened: cut short"):
+        index.starts(np.arange(len(DOCS) + 1))
+    assert want == [0, 4, 6, 12, 13]  # what it read before the cut

@@ -210,3 +210,23 @@ def test_a_state_of_another_seq_len_is_refused_naming_it(corpora):
     with pytest.raises(LoaderStateError, match=r"tokens seq_len=16, this Loader's fastio\.Tokens seq_len=17"):
         other.load_state_dict(state)  # not the mixture's sizes, which follow from it
     other.close()
+
+
+def test_an_epoch_whose_source_epochs_leave_the_ids_reach_is_refused_not_wrapped(corpora):
+    """A hand-edited epoch near the end of the mixture's stream: a source drawn more often than its size's share is
+    in an own epoch whose sequence ids (``source_epoch * total + base + sequence``) leave int64. Refused naming the
+    epoch, where its ids wrapped silently (other sources' sequences, or none of them, delivered as its)."""
+    weights = {"web": 0.95, "code": 0.05}
+    with _loader(corpora, weights) as ld:
+        next(iter(ld))
+        state = ld.state_dict()
+        n = ld._sampler.schedule.samples_per_epoch
+    far = (2**63 // n) * 9 // 10  # a stream position the schedule still counts
+    with _loader(corpora, weights) as ld:
+        with pytest.raises(LoaderStateError, match=rf"epoch={far}: .*int64"):
+            ld.load_state_dict({**state, "epoch": far})
+    with _loader(corpora, weights) as ld:  # an epoch the ids reach: the sources the schedule says
+        ld.load_state_dict({**state, "epoch": 1000})
+        batch = next(iter(ld))
+        want, _ = ld._sampler.schedule.sources(1000, np.arange(state["consumed"], state["consumed"] + 8))
+        assert batch["source"].tolist() == want.tolist()

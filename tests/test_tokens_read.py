@@ -25,6 +25,7 @@ from bench.token_dataset import TokenDataset
 from fastio.errors import DatasetError
 from fastio.tokens import packing as packing_module
 from fastio.tokens.packing import BestFitPacking, ConcatPacking, boundaries, cu_seqlens, position_ids
+from fastio.words import count
 
 EOS = 0
 
@@ -246,6 +247,30 @@ def test_a_bin_cut_short_under_a_running_loader_is_named(corpora, tmp_path):
             os.truncate(shard, shard.stat().st_size // 2)
         with pytest.raises(DatasetError, match=r"bad: shard shard-\d+\.bin: .*truncated"):
             list(it)
+
+
+@pytest.mark.parametrize("change", ["cut", "grown", "odd"])
+def test_a_bin_of_another_size_than_the_manifests_is_refused_when_opened(corpora, tmp_path, change):
+    """A .bin cut short, grown (bytes appended) or cut to an odd size before the Loader opens it: refused on its
+    first read naming the shard and both sizes, even where no sequence reads past its end (a grown one delivered its
+    first tokens as if nothing were wrong)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(corpora[0], bad)
+    shard = sorted((bad / "shards").glob("*.bin"))[0]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        if change == "grown":
+            f.seek(0, os.SEEK_END)
+            f.write(b"\0\0")
+        else:
+            f.truncate(size - (1 if change == "odd" else 2))
+    now = shard.stat().st_size
+    with fastio.Loader(bad, pipeline=fastio.Tokens(seq_len=16, window=8), batch_size=4, device="cpu", seed=1,
+                       reader_threads=1) as ld:
+        with pytest.raises(DatasetError) as err:
+            list(ld)
+    line = str(err.value)
+    assert f"shard {shard.name}: {count(now, 'byte')}, the manifest says {size}" in line
 
 
 def test_batches_read_together_are_the_batches_read_alone(corpora):

@@ -51,6 +51,7 @@ __all__ = [
     "TokenInfo",
     "embedding_size",
     "fingerprint",
+    "masks_fingerprint",
     "is_location",
     "is_shard_name",
     "load_manifest",
@@ -503,6 +504,11 @@ class Manifest:
         """See :func:`fingerprint`."""
         return fingerprint(self.shards)
 
+    @cached_property
+    def masks_fingerprint(self) -> str:
+        """See :func:`masks_fingerprint`."""
+        return masks_fingerprint(self.shards)
+
     @property
     def tokenizer_sha256(self) -> str | None:
         """The checksum of the tokenizer file a token or image-text dataset was tokenized with
@@ -721,6 +727,15 @@ def fingerprint(shards: Sequence[ShardRecord]) -> str:
     h = hashlib.sha256()
     for shard in shards:
         h.update(f"{shard.name}:{shard.samples}:{shard.sha256}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def masks_fingerprint(shards: Sequence[ShardRecord]) -> str:
+    """Identity of a chat dataset's loss masks: shard names and ``.mask`` checksums, in order (16 hex digits; what
+    :func:`fingerprint` leaves out, :mod:`fastio.read.loss_masks`)."""
+    h = hashlib.sha256()
+    for shard in shards:
+        h.update(f"{shard.name}:{shard.mask_sha256}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -20,7 +20,8 @@ int32. Reading maps both files (``numpy.memmap``): a document is found in O(1) a
 at open. Refusals are one :class:`~fastio.errors.DatasetError` naming the file: bad magic (the older lazy/cached ``TNTIDX``
 format named as such) or version, a header cut short, a token type
 that is not uint16/int32 (or not the one expected), a size that disagrees with its counts, a ``.bin`` shorter or
-longer than its ``.idx`` says (truncated, or indexed with another token type), a missing partner file.
+longer than its ``.idx`` says (truncated, or indexed with another token type), a missing partner file; and an
+``.idx`` cut short after it was opened, on the next lookup of document starts (its size checked before each).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class MegatronIndex:
                                "manifest says one sequence per document")
         mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         self._map = getattr(mm, "_mmap", None)
+        self._bytes = size
         self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each
         self.lengths = np.frombuffer(mm, np.int32, n, HEADER_BYTES)
         self.pointers = np.frombuffer(mm, np.int64, n, HEADER_BYTES + 4 * n)
@@ -226,7 +228,8 @@ class MegatronIndex:
         return self._read_starts(docs)
 
     def _read_starts(self, docs: np.ndarray) -> np.ndarray:
-        """:meth:`starts` from the file."""
+        """:meth:`starts` from the file, once it still has the size it had when opened (:meth:`_check_size`)."""
+        self._check_size()
         sparse = docs.size * _SPARSE < self.documents
         if self.one_per_document:
             seq = docs
@@ -236,6 +239,15 @@ class MegatronIndex:
         out = np.full(seq.shape, self.tokens, dtype=np.int64)
         out[inside] = (self._entries("pointers", seq[inside]) if sparse else self.pointers[seq[inside]]) // self.itemsize
         return out
+
+    def _check_size(self) -> None:
+        """DatasetError naming the file unless it has the size it had when opened (the mapping's own descriptor
+        asked): one cut short under the mapping reads zeros in its last page (other documents' offsets, silently)
+        and kills the process with SIGBUS past it; one cut short during a lookup still can."""
+        now = self._bytes if self._map is None else self._map.size()
+        if now != self._bytes:
+            raise DatasetError(f"{self.name}: {count(now, 'byte')}, {self._bytes} when it was opened: cut short or "
+                               "changed since (replace a pair by a rename, never in place; run fastio verify)")
 
     def _entries(self, column: str, at: np.ndarray) -> np.ndarray:
         """``column[at]`` (``pointers`` or ``doc_index``: int64 columns of the file) read with ``pread``: the span

@@ -101,7 +101,10 @@ class MaskWriter:
 
 class MaskFile:
     """The mask of a shard of ``tokens`` tokens at ``path``, mapped read-only; DatasetError naming the file when it
-    is missing, has another magic, or its size is not :func:`mask_size` of ``tokens``."""
+    is missing, has another magic, or its size is not :func:`mask_size` of ``tokens``: when it is opened, and again
+    before every read (the mapping's own descriptor asked: a file cut short under the mapping would read zeros in
+    its last page, a mask that trains nothing, and kill the process with SIGBUS past it; one cut short during a read
+    still can)."""
 
     def __init__(self, path: str | Path, tokens: int):
         self.path, self.tokens = Path(path), tokens
@@ -110,24 +113,28 @@ class MaskFile:
         except OSError as err:
             raise DatasetError(f"{self.path}: {err.strerror or err} (a chat shard's loss mask)") from None
         try:
-            size = os.fstat(fd).st_size
-            if size != mask_size(tokens):
-                raise DatasetError(f"{self.path}: {count(size, 'byte')}, a loss mask of {count(tokens, 'token')} has "
-                                   f"{mask_size(tokens)}: truncated or not this shard's")
-            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            self._check_size(os.fstat(fd).st_size)
+            self._map = mmap.mmap(fd, mask_size(tokens), access=mmap.ACCESS_READ)  # holds its own copy of fd
         finally:
             os.close(fd)
         if self._map[:len(MAGIC)] != MAGIC:
             raise DatasetError(f"{self.path}: not a fastio loss mask (magic {bytes(self._map[:8])!r})")
         self._bits = np.frombuffer(self._map, np.uint8, offset=len(MAGIC))
 
+    def _check_size(self, size: int) -> None:
+        if size != mask_size(self.tokens):
+            raise DatasetError(f"{self.path}: {count(size, 'byte')}, a loss mask of {count(self.tokens, 'token')} has "
+                               f"{mask_size(self.tokens)}: truncated or not this shard's")
+
     def bits(self, at: np.ndarray) -> np.ndarray:
         """bool: the bits of the tokens at offsets ``at`` (each below :attr:`tokens`)."""
+        self._check_size(self._map.size())
         at = np.asarray(at, np.int64)
         return (np.take(self._bits, at >> 3) >> (at & 7).astype(np.uint8) & 1).astype(bool)
 
     def all(self) -> np.ndarray:
         """bool [tokens]: every token's bit."""
+        self._check_size(self._map.size())
         return np.unpackbits(self._bits, count=self.tokens, bitorder="little").astype(bool)
 
     def close(self) -> None:

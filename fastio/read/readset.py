@@ -25,7 +25,15 @@ import torch
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
-from fastio.read.mixture import MixReader, Mixture, check_mixture_state, mixture_state, renewed_mixture_state
+from fastio.read.loss_masks import check_dataset_masks, check_mixture_masks, dataset_masks, mixture_masks
+from fastio.read.mixture import (
+    MixReader,
+    Mixture,
+    check_mixture_state,
+    mixture_state,
+    next_epoch_way,
+    renewed_mixture_state,
+)
 from fastio.read.options import Options
 from fastio.read.protocol import Delivery, FieldChoice, Reads
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
@@ -225,12 +233,19 @@ class DatasetReadSet(ReadSet):
             raise TypeError("a dataset's loader names a sample by key(index)")
         return self.target.key(_whole(source, "sample index"))
 
+    def state(self) -> dict[str, Any]:
+        return dataset_masks(self.target)
+
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         saved = state.get(K_MIXTURE)
         if saved is not None:
             names = ", ".join(map(repr, saved.get("names", []))) if isinstance(saved, dict) else ""
             raise LoaderStateError(f"{self.root}: loader state is of a mixture (sources {names}), this "
                                    "Loader reads one dataset: make it with the same fastio.Mixture")
+        check_dataset_masks(self.target, state, next_epoch_way(epoch))
+
+    def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return dataset_masks(self.target)
 
     def stats(self) -> dict[str, Any]:
         files = self.sources[0].files
@@ -288,13 +303,17 @@ class MixtureReadSet(ReadSet):
         return self.target.describe(i)
 
     def state(self) -> dict[str, Any]:
-        return {K_MIXTURE: mixture_state(self.target)}
+        return {K_MIXTURE: mixture_state(self.target), **mixture_masks(self.names, self.target.datasets)}
 
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         check_mixture_state(self.target, state.get(K_MIXTURE), epoch, consumed)
+        check_mixture_masks(self.root, self.names, self.target.datasets, state, next_epoch_way(epoch))
 
     def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {K_MIXTURE: renewed_mixture_state(self.target, state.get(K_MIXTURE))} if K_MIXTURE in state else {}
+        renewed = mixture_masks(self.names, self.target.datasets)
+        if K_MIXTURE in state:
+            renewed[K_MIXTURE] = renewed_mixture_state(self.target, state.get(K_MIXTURE))
+        return renewed
 
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:
         src = positions["source"].numpy()[~padded]

@@ -16,8 +16,10 @@ The shards are read in place (a local dataset) or through the node-local cache (
 set's shard source, filled ahead in the order the coming sequences want them). A read is numpy work on whole
 batches: the batches submitted while the reader was busy are read together (:meth:`TokenReader.read_batches`),
 their pieces found at once (:meth:`~fastio.tokens.packing.ConcatPacking.spans`) and gathered with one fancy index
-per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, checked against
-the file's size on every read; a cached shard's mapped while the cache holds it for the read).
+per shard from its ``.bin`` mapped read-only (a local shard's mapping kept for the reader's life, its size checked
+against the manifest's when mapped and against the offsets read on every read; a cached shard's mapped while the
+cache holds it for the read, its size checked each time). A file cut short during a read still kills the process
+with SIGBUS (docs/tokens.md).
 
 A chat dataset (``tokens.chat``: conversations with a loss mask per shard, :mod:`fastio.formats.token_mask`) packs
 whole conversations: ``packing="best-fit"`` only, and a ``seq_len`` its longest conversation fits (refused
@@ -72,6 +74,8 @@ __all__ = ["GROUP", "ORDER_CHUNK", "TokenBatch", "TokenMixSampler", "TokenReader
 GROUP = 4
 """Most batches a reader thread reads together (those submitted while it was busy; more costs fresh memory, whose
 page faults cost more than the calls saved, here)."""
+_INT64_IDS = 2**63
+"""Unit ids (``epoch * sequences + sequence``) are int64: below this."""
 ORDER_CHUNK = 256
 """Batches of a plan looked up at once for the feeder (the order's fixed cost per lookup is most of its cost: 256
 batches of 8 cost about 2 us a batch where 32 cost 33)."""
@@ -79,12 +83,16 @@ batches of 8 cost about 2 us a batch where 32 cost 33)."""
 
 def open_tables(ds: Dataset) -> list[MegatronIndex]:
     """Each shard's ``.idx`` of token dataset ``ds`` (local, or fetched and checked into the cache's metadata),
-    its documents and ``.bin`` bytes checked against the manifest; with ``ds.verify`` a local ``.idx``'s sha256
+    its documents and ``.bin`` bytes checked against the manifest (a chat dataset's shard refused where the
+    manifest lists no loss mask checksum for it); with ``ds.verify`` a local ``.idx``'s sha256
     too (a fetched one always is). Where the manifest records a document-starts table (:mod:`fastio.tokens.starts`),
     each index takes its block edges from it (checked: its xxh3-128, counts, first and last entries)."""
     info = ds.manifest.tokens
     tables = []
     for shard in ds.shards:
+        if info.chat is not None and shard.mask_sha256 is None:
+            raise DatasetError(f"{ds.root}: shard {shard.name}: the manifest lists no loss mask ({shard.mask_name}) for "
+                               "this chat shard (a damaged manifest); run fastio verify")
         if ds.verify and ds.files.cache_size is None:
             _check_sha256(ds, shard.idx_path, shard.idx_sha256)
         index = MegatronIndex(shard.idx_path, info.dtype, one_per_document=info.one_sequence_per_document)
@@ -190,7 +198,13 @@ class TokenUnits:
         return len(self.sampler)
 
     def plan(self, epoch: int, start: int = 0) -> _EpochUnits:
-        return _EpochUnits(self.sampler.plan(epoch, start), self.packing.sequences)
+        """The plan of ``epoch`` from global position ``start``; ValueError naming the epoch where its unit ids
+        (``epoch * sequences + sequence``) would leave int64 (a hand-edited state, a ``set_epoch`` far off)."""
+        sequences = self.packing.sequences
+        if (epoch + 1) * sequences > _INT64_IDS:
+            raise ValueError(f"epoch {epoch} is past the sequence ids' reach (epoch * {sequences} + sequence must fit "
+                             f"int64: the last epoch is {_INT64_IDS // sequences - 1})")
+        return _EpochUnits(self.sampler.plan(epoch, start), sequences)
 
 
 @dataclass(frozen=True)
@@ -202,6 +216,19 @@ class TokenMixSampler(MixSampler):
     def total(self) -> int:
         """All sources' sequences: the ids' period."""
         return sum(self.sizes)
+
+    def check_epoch(self, epoch: int) -> None:
+        """The mixture's limit (:meth:`MixSampler.check_epoch`), then ValueError naming ``epoch`` and the source
+        where a source's own epoch by the end of it puts the ids past int64 (a source drawn more often than its
+        size's share runs through its own epochs faster than the mixture: its ids wrapped, naming other
+        sequences)."""
+        super().check_epoch(epoch)
+        end = min((epoch + 1) * self.schedule.samples_per_epoch, _INT64_IDS - 1)
+        for name, got, size in zip(self.schedule.names, self.schedule.delivered(end).tolist(), self.sizes):
+            last = (got - 1) // size if got else 0
+            if (last + 1) * self.total > _INT64_IDS:
+                raise ValueError(f"epoch {epoch} is past the sequence ids' reach: source {name!r} is in its own epoch "
+                                 f"{last} by its end, and source epoch * {self.total} + sequence must fit int64")
 
     def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
         return np.asarray(epochs, np.int64) * self.total + self.base[s] + local
@@ -478,12 +505,25 @@ class TokenReader:
             return np.take(self._checked(s, k, fd, tokens, end), at)
         fd = source.files.acquire(k)
         try:  # the mapping (and its copy of fd) goes with the array, before the shard is released
+            self._check_size(s, k, fd)
             return np.take(self._checked(s, k, fd, _mapped_tokens(fd, self._dtype(s)), end), at)
         finally:
             source.files.release(k)
 
     def _dtype(self, s: int) -> np.dtype:
         return np.dtype(self.sources[s].ds.manifest.tokens.dtype).newbyteorder("<")
+
+    def _check_size(self, s: int, k: int, fd: int) -> None:
+        """DatasetError naming shard ``k`` of source ``s`` and both sizes unless its open ``.bin`` (``fd``) has the
+        manifest's size: checked when it is mapped, so that a file cut short (or grown, or replaced in place) before
+        that is refused, not read (a read past a mapped file's end kills the process with SIGBUS)."""
+        source = self.sources[s]
+        shard = source.ds.shards[k]
+        size = os.fstat(fd).st_size
+        if size != shard.bytes:
+            raise DatasetError(f"{source.ds.root}: shard {shard.name}: {count(size, 'byte')}, the manifest says "
+                               f"{shard.bytes}: {'truncated' if size < shard.bytes else 'grown'} or rewritten since it "
+                               "was written (replace a shard by a rename, never in place); run fastio verify")
 
     def _checked(self, s: int, k: int, fd: int, tokens: np.ndarray, end: int) -> np.ndarray:
         """``tokens`` (shard ``k``'s mapping), once the file still holds the offsets below ``end`` (a file cut
@@ -506,6 +546,7 @@ class TokenReader:
         if got is not None:
             return got
         fd = self._hold(s, k)
+        self._check_size(s, k, fd)
         with self._lock:
             if (s, k) not in self._maps:
                 self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
