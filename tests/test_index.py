@@ -1039,3 +1039,24 @@ def test_overwrite_replaces_the_idx_fastio_wrote_on_s3_too(aws_env, s3_bucket, t
     assert code == 0 and "1 .idx written" in out, err
     assert src.get("b.idx") == b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"
     assert run_cli(["verify", src.url], capsys)[0] == 0
+
+
+def test_the_rebuild_command_of_a_relative_source_with_dest_works_from_anywhere(tmp_path, capsys, monkeypatch):
+    # Found by review: `fastio index web --dest meta` recorded SOURCE as typed ('web'), and the Loader's "re-run
+    # `fastio index web --dest /abs/meta --overwrite`" was right only from the folder the index was run in.
+    samples = [(f"s{i:02d}", b"text of sample %02d" % i) for i in range(4)]
+    _small_tar(tmp_path / "web" / "a.tar", [(f"{k}.txt", v) for k, v in samples])
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["index", "web", "--dest", "meta", "-q"], capsys)[0] == 0
+    assert json.loads((tmp_path / "meta" / "manifest.json").read_text())["source"]["path"] == str(tmp_path / "web")
+    order = [samples[i] for i in (0, 2, 1, 3)]  # rewritten, the same size: s01 and s02 swapped
+    _small_tar(tmp_path / "web" / "a.tar", [(f"{k}.txt", v) for k, v in order])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    command = f"fastio index {tmp_path / 'web'} --dest {tmp_path / 'meta'} --overwrite"
+    with Loader(tmp_path / "meta", batch_size=4, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        with pytest.raises(Exception, match=re.escape(f"re-run `{command}`")):
+            next(iter(loader))
+    code, out, err = run_cli(command.split()[1:], capsys)  # the command it names, from another folder
+    assert code == 0 and "1 .idx written" in out, err

@@ -284,9 +284,9 @@ def _way_out(err: OSError, config: IndexConfig) -> str:
 
 def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
     started = time.perf_counter()
-    source = str(config.source)
-    src_root, shards, listing_skipped = list_shards(source, config.storage_options)
+    src_root, shards, listing_skipped = list_shards(str(config.source), config.storage_options)
     dest_storage, in_place = _index_dest(config, src_root, shards)
+    source = _recorded_source(config.source, in_place)
     names = _record_names(shards)
     part = None
     if config.part is not None:
@@ -317,7 +317,8 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             publish_uploads(dest_storage, done.uploads)
             if part is not None:
                 k, n, a, b, count, digest = part
-                write_part_record(lock_dir, PartRecord(part=k, of=n, plan=_plan(config, in_place, count, digest),
+                plan = _plan(config, source, in_place, count, digest)
+                write_part_record(lock_dir, PartRecord(part=k, of=n, plan=plan,
                                                        datasets={"": {"range": [a, b], "count": count, **done.state()}}))
             else:
                 guard()
@@ -360,6 +361,15 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
     return dest_storage, in_place
 
 
+def _recorded_source(source: str | Path, in_place: bool) -> str:
+    """SOURCE as the manifest records it (``source.path``, from which the Loader's rebuild command is made,
+    :func:`fastio.dataset.manifest.reindex_command`): with ``--dest``, a local path made absolute (as typed, a relative
+    one is right only from the folder the index ran in); in place as given (spelt from DEST, which may move); a URL
+    as given."""
+    text = str(source)
+    return text if in_place or "://" in text else os.path.abspath(text)
+
+
 def _same_place(a: Storage, b: Storage) -> bool:
     """Whether two storages are one folder or prefix, however spelt (a local one by its resolved path)."""
     if a.remote or b.remote:
@@ -371,9 +381,9 @@ INDEX_PLAN = "fastio-index"
 """``plan.kind`` of the parts of an index (``fastio merge`` publishes them with :func:`merge_index_parts`)."""
 
 
-def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
-    """What every part of one index shares (compared by the merge)."""
-    return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
+def _plan(config: IndexConfig, source: str, in_place: bool, count: int, digest: str) -> dict:
+    """What every part of one index shares (compared by the merge); ``source`` as the manifest records it."""
+    return {"kind": INDEX_PLAN, "source": {"path": source}, "listing": digest, "count": count,
             "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
                         "in_place": in_place, **({"video_decoder": config.video_decoder}
                                                  if config.video_decoder != DEFAULT_VIDEO_DECODER else {})}}
