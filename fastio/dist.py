@@ -5,14 +5,14 @@
 
 Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), and the rule for
 the CPUs a process may use (:func:`usable_cpus`), when it has its node to itself (:func:`alone_on_node`) and
-whether a process of this host has ended (:func:`process_gone`).
+whether a process of this host has ended (:func:`process_gone`; :func:`process_start` tells a reused pid apart).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["alone_on_node", "default_store", "process_gone", "rank_and_world", "usable_cpus"]
+__all__ = ["alone_on_node", "default_store", "process_gone", "process_start", "rank_and_world", "usable_cpus"]
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -59,6 +59,16 @@ def alone_on_node(world_size: int) -> bool:
     if local is not None and local.strip().isdecimal():  # what int() reads ("²" is a digit, not a number)
         return int(local) == 1
     return world_size == 1
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` of this host started (clock ticks after boot, ``/proc/PID/stat``'s 22nd field), or None
+    where that cannot be read (it has ended, no ``/proc``): with the pid, names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def process_gone(pid: int) -> bool:

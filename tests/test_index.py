@@ -1060,3 +1060,45 @@ def test_the_rebuild_command_of_a_relative_source_with_dest_works_from_anywhere(
             next(iter(loader))
     code, out, err = run_cli(command.split()[1:], capsys)  # the command it names, from another folder
     assert code == 0 and "1 .idx written" in out, err
+
+
+def _start_time(pid: int) -> str:
+    """Process ``pid``'s start time (clock ticks after boot), as /proc/PID/stat gives it."""
+    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
+
+
+def test_a_killed_index_leaves_no_download_a_later_run_does_not_take_away(tmp_path, capsys, monkeypatch):
+    # Found by review: an index reading from S3 that is killed left its download (a whole shard) in
+    # /tmp/fastio-index-*, and every later run left it there. Now a run's folder is named by its process (pid and
+    # start time), and a later run removes those whose process is gone; never a live process's.
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    _tar(tmp_path / "src" / "x0.tar")
+    try:
+        folders = {"dead": f"fastio-index-{dead_pid}-{_start_time(os.getpid())}-abc",  # its pid ended
+                   "reused": f"fastio-index-{live.pid}-1-abc",  # a live pid, another process's start time
+                   "live": f"fastio-index-{live.pid}-{_start_time(live.pid)}-abc",
+                   "me": f"fastio-index-{os.getpid()}-{_start_time(os.getpid())}-abc",
+                   "older": "fastio-index-k2j4x8q1",  # an older fastio's: whose is unknown
+                   "other": f"fastio-verify-{dead_pid}-1-abc"}
+        for name in folders.values():
+            (scratch / name).mkdir()
+            (scratch / name / ".fastio-index-x.tar").write_bytes(b"a shard's download")
+            for path in (scratch / name / ".fastio-index-x.tar", scratch / name):
+                os.utime(path, (1e9, 1e9))  # nothing changed there for long
+        (scratch / folders["dead"] / "new.tar").write_bytes(b"")  # just written: maybe a process of another pid
+        assert run_cli(["index", str(tmp_path / "src"), "-q"], capsys)[0] == 0  # namespace, not seen from here
+        assert (scratch / folders["dead"]).is_dir()
+        for path in (scratch / folders["dead"] / "new.tar", scratch / folders["dead"]):
+            os.utime(path, (1e9, 1e9))
+        assert run_cli(["index", str(tmp_path / "src"), "--overwrite", "-q"], capsys)[0] == 0
+        assert sorted(p.name for p in scratch.iterdir()) == sorted(folders[k] for k in ("live", "me", "older", "other"))
+    finally:
+        live.kill()
+        live.wait()

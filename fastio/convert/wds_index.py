@@ -5,7 +5,8 @@ listed in ``skipped``, not followed), an ``s3://bucket/prefix/``, or a brace pat
 (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused (the listing:
 :mod:`fastio.convert.listing`).
 Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an object store downloaded by parallel ranged
-GETs into a temporary file, removed after). What is written, all of it metadata:
+GETs into a temporary file, removed after; the run's folder for them, ``TMP/fastio-index-<pid>-<start>-*``, is removed by
+a later run where a kill left it: :mod:`fastio.convert.scratch`). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
   against what fastio makes of the tar: one the user brought is never overwritten; one an earlier index wrote,
@@ -61,6 +62,7 @@ from fastio.convert.parts import (
     part_range,
     write_part_record,
 )
+from fastio.convert.scratch import INDEX_SCRATCH, scratch_dir
 from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
@@ -306,8 +308,8 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             mark_index_dest(dest_storage)
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
-        with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
-            done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
+        with scratch_dir(INDEX_SCRATCH) as tmp:
+            done = _index_range(config, shards, names, dest_storage, in_place, tmp, progress)
             done.skipped[:0] = listing_skipped
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
@@ -323,7 +325,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             else:
                 guard()
                 _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
-                        Path(tmp))
+                        tmp)
     except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
@@ -552,9 +554,9 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
         done.skipped += state["skipped"]
         done.kept = None if done.kept is None or IDX_KEPT not in state else done.kept + state[IDX_KEPT]
     options = plan["options"]
-    with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+    with scratch_dir(INDEX_SCRATCH) as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
-                       options["in_place"], done, open_storage(Path(dest)), Path(tmp))
+                       options["in_place"], done, open_storage(Path(dest)), tmp)
 
 
 IDX_KEPT = "idx_kept"
