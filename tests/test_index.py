@@ -824,7 +824,7 @@ def test_a_dest_that_is_the_source_folder_spelt_another_way_is_in_place(tmp_path
         code, out, err = run_cli(["index", source, "--dest", dest, "--overwrite", "-q"], capsys)
         assert code == 0, (source, dest, err)
         assert sorted(p.name for p in (tmp_path / "wds").iterdir()) == [
-            ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
+            ".fastio-idx.json", ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
         manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
         assert [s["location"] for s in manifest["shards"]] == ["x.tar"], (source, dest)
         assert manifest["source"]["indexed_in_place"] is True
@@ -1102,3 +1102,87 @@ def test_a_killed_index_leaves_no_download_a_later_run_does_not_take_away(tmp_pa
     finally:
         live.kill()
         live.wait()
+
+
+def _killed_before_the_manifest(monkeypatch, args: list[str], capsys) -> None:
+    """Run ``fastio index ARGS`` stopped as a kill would stop it: after its .idx files, before its manifest."""
+    import fastio.convert.wds_index as wds_index
+
+    publish = wds_index.publish_uploads
+
+    def killed_at_the_manifest(dest, uploads):
+        if any(key == "manifest.json" for key, _ in uploads):
+            raise KeyboardInterrupt  # a kill here: no manifest
+        publish(dest, uploads)
+
+    monkeypatch.setattr(wds_index, "publish_uploads", killed_at_the_manifest)
+    assert run_cli(["index", *args, "-q"], capsys)[0] == 130
+    monkeypatch.setattr(wds_index, "publish_uploads", publish)
+
+
+def _text_tar(path: Path, keys: tuple[str, ...]) -> None:
+    _small_tar(path, [(f"{k}.{f}", d) for k in keys for f, d in (("txt", k.encode()), ("cls", b"1"))])
+
+
+def test_the_idx_files_of_a_killed_first_run_are_fastios_never_the_users(tmp_path, capsys, monkeypatch):
+    # Found by review: an index in place killed after its .idx files but before its manifest left .idx files no
+    # manifest lists; the rerun counted them as the user's (source.idx_kept), and once a shard changed, `fastio
+    # index DIR --overwrite` refused to replace fastio's own .idx. The user's own .idx is still never replaced.
+    folder = tmp_path / "web"
+    _text_tar(folder / "a.tar", ("s0", "s1", "s2"))
+    _text_tar(folder / "b.tar", ("u0",))
+    users = b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"  # the user's, as fastio makes it
+    (folder / "b.idx").write_bytes(users)
+    _killed_before_the_manifest(monkeypatch, [str(folder)], capsys)
+    assert (folder / "a.idx").is_file() and not (folder / "manifest.json").exists()
+    _text_tar(folder / "a.tar", ("s0", "s2", "s1"))  # changed before the rerun
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+    assert run_cli(["verify", str(folder)], capsys)[0] == 0
+    _text_tar(folder / "b.tar", ("u1",))  # the user's .idx is never replaced
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and "does not record as fastio's" in err and (folder / "b.idx").read_bytes() == users, err
+    # killed again, with the shards unchanged: the rerun finds fastio's .idx as it left it, and still its own
+    _text_tar(folder / "b.tar", ("u0",))
+    (folder / "manifest.json").unlink()
+    (folder / "a.idx").unlink()
+    _killed_before_the_manifest(monkeypatch, [str(folder)], capsys)
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+
+
+def test_a_killed_first_run_with_dest_leaves_no_idx_the_rerun_does_not_list(tmp_path, capsys, monkeypatch):
+    # Found by review: `fastio index SRC --dest D` killed before its manifest left D/shards/*.idx; a shard removed
+    # from SRC before the rerun left its .idx there, listed by no manifest, and `fastio verify D` failed.
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    _killed_before_the_manifest(monkeypatch, [str(tmp_path / "src"), "--dest", str(dest)], capsys)
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x1.idx", "x2.idx"]
+    (tmp_path / "src" / "x1.tar").unlink()
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x2.idx"]
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err
+
+
+def test_the_idx_fastio_wrote_for_a_shard_gone_away_is_replaced_for_a_new_tar_of_its_name(tmp_path, capsys):
+    # Found by review: the .idx fastio wrote beside a shard later removed stayed (in place, .idx files are never
+    # deleted); the next manifest no longer listed it, so a different tar of that name was then refused: "an .idx
+    # that DEST's manifest does not record as fastio's", and the user had to delete fastio's .idx by hand.
+    folder = tmp_path / "web"
+    _text_tar(folder / "a.tar", ("s0", "s1"))
+    _text_tar(folder / "b.tar", ("t0", "t1"))
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    (folder / "b.tar").unlink()
+    assert run_cli(["index", str(folder), "--overwrite", "-q"], capsys)[0] == 0
+    assert (folder / "b.idx").is_file()  # never deleted in place
+    _text_tar(folder / "b.tar", ("t0", "t1", "t2"))  # another tar of that name
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert run_cli(["verify", str(folder)], capsys)[0] == 0
+    (folder / "b.idx").write_text("v1.2 1\ntxt 512 2 t0.txt\n")  # changed since by the user: theirs
+    _text_tar(folder / "b.tar", ("t0", "t1"))
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and "does not record as fastio's" in err, err

@@ -55,6 +55,7 @@ from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
     PART_RECORD,
+    PARTS_DIR,
     PartRecord,
     parse_part,
     part_dir,
@@ -91,6 +92,7 @@ from fastio.formats.media import (
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
 from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError
@@ -99,7 +101,8 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.url import dest_location
 from fastio.words import agree
 
-__all__ = ["IDX_KEPT", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards", "merge_index_parts"]
+__all__ = ["IDX_KEPT", "IDX_LEDGER", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards",
+           "merge_index_parts"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -316,6 +319,7 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             elif config.label_field is not None:  # a part knows its label field only when it is named
                 _check_labels(config.label_field, done)
             guard()
+            _write_ledger(dest_storage, _ledger_key(part), done.ledger)  # before the first .idx
             publish_uploads(dest_storage, done.uploads)
             if part is not None:
                 k, n, a, b, count, digest = part
@@ -361,6 +365,11 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
         raise DatasetError(f"{dest_storage.url}: already holds a dataset ({MANIFEST_NAME}); pass overwrite "
                            "(--overwrite) to index again")
     return dest_storage, in_place
+
+
+def _ledger_key(part: tuple | None) -> str:
+    """Where a run records the ``.idx`` files it writes (:data:`IDX_LEDGER`): DEST's, or its part folder's."""
+    return IDX_LEDGER if part is None else f"{PARTS_DIR}/{part_name(part[0], part[1])}/{IDX_LEDGER}"
 
 
 def _recorded_source(source: str | Path, in_place: bool) -> str:
@@ -414,6 +423,9 @@ class _Indexed:
     kept: list[str] | None = field(default_factory=list)
     """In place: the keys of the ``.idx`` files that were there and that fastio did not write (None: not known,
     a part record of an older fastio): recorded as ``source.idx_kept`` (:func:`fastios_idx`)."""
+
+    ledger: dict[str, str] = field(default_factory=dict)
+    """The ``.idx`` files fastio wrote in DEST that this run leaves there, ``{key: sha256}`` (:data:`IDX_LEDGER`)."""
 
     def state(self) -> dict:
         """For a part record (entries are in the ``.idx`` files; probes only when a sample has media)."""
@@ -471,6 +483,7 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
         out.probes += probes
         out.field_counts.update(got.fields)
     out.uploads = uploads
+    out.ledger = _ledger_of(dest, out, {} if config.part is not None else ours)
     return out
 
 
@@ -479,7 +492,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST, then remove the ``.idx`` files in
     ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`fastios_idx`); returns the
     manifest."""
-    earlier = set() if in_place else set(fastios_idx(dest, in_place=False))
+    earlier = fastios_idx(dest, in_place)
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
@@ -499,8 +512,10 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
-    for key in sorted(earlier - {r.idx_key for r in done.records}):
+    gone = [] if in_place else sorted(set(earlier) - {r.idx_key for r in done.records})
+    for key in gone:
         dest.delete(key)
+    _write_ledger(dest, IDX_LEDGER, _ledger_of(dest, done, {k: v for k, v in earlier.items() if k not in gone}))
     return manifest
 
 
@@ -563,13 +578,62 @@ IDX_KEPT = "idx_kept"
 """The manifest's ``source`` key listing the ``.idx`` files an index in place found and did not write."""
 
 
+IDX_LEDGER = ".fastio-idx.json"
+"""In DEST (a part's, in its folder): ``{"format": "fastio-idx", "idx": {key: sha256}}``, every ``.idx`` fastio index
+wrote there that is still there, the shard's listed or not. Written before a run's first ``.idx`` (a run killed before
+its manifest leaves ``.idx`` files the rerun knows as fastio's) and again after the manifest (an ``.idx`` of a shard
+gone from SOURCE, kept in place, stays fastio's: a new tar of that name replaces it)."""
+
+
 def fastios_idx(dest: Storage, in_place: bool) -> dict[str, str]:
-    """The one rule of which ``.idx`` files an index may replace or remove: those DEST's manifest (an earlier
-    index's) records fastio wrote, as ``{key: the sha256 recorded}``. With ``--dest``, every one in ``DEST/shards/``
-    (fastio's own; removed once the new manifest no longer lists them, a shard gone from SOURCE, else ``fastio
-    verify`` would name each as a file the manifest does not list). In place, the ``.idx`` of each shard it lists,
-    less those it records the user brought (``source.idx_kept``); none where it does not record them (an index by
-    an older fastio): the user's are never written. Empty without a readable manifest."""
+    """The one rule of which ``.idx`` files an index may replace or remove, as ``{key: the sha256 recorded}``: those
+    DEST's ledger (:data:`IDX_LEDGER`, DEST's and its parts') or its manifest (an earlier index's) records fastio
+    wrote. With ``--dest``, those in ``DEST/shards/`` (fastio's own; removed once the new manifest no longer lists
+    them, a shard gone from SOURCE, else ``fastio verify`` would name each as a file the manifest does not list). In
+    place, also the ``.idx`` of each shard the manifest lists, less those it records the user brought
+    (``source.idx_kept``); none where it does not record them (an index by an older fastio): the user's are never
+    written. Only the sha256 recorded lets an ``.idx`` be replaced (:func:`_check_replace`)."""
+    ledgers = [IDX_LEDGER] + ([] if dest.remote else [
+        f"{PARTS_DIR}/{p.name}/{IDX_LEDGER}" for p in sorted((dest.location.path / PARTS_DIR).glob("part-*"))])
+    found = {k: v for key in ledgers for k, v in _read_ledger(dest, key).items()}
+    return {**found, **_manifests_idx(dest, in_place)}
+
+
+def _read_ledger(dest: Storage, key: str) -> dict[str, str]:
+    """The ``idx`` of the ledger at ``key`` (:data:`IDX_LEDGER`); empty where there is none or it cannot be read."""
+    try:
+        if not dest.exists(key):
+            return {}
+        data = json.loads(dest.get(key))
+        got = data["idx"] if data.get("format") == "fastio-idx" else {}
+        return {k: v for k, v in got.items() if isinstance(k, str) and isinstance(v, str)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
+        return {}
+
+
+def _write_ledger(dest: Storage, key: str, idx: dict[str, str]) -> None:
+    """Record ``idx`` at ``key`` (:data:`IDX_LEDGER`), replacing it whole; none is written where none is owed."""
+    if not idx and not dest.exists(key):
+        return
+    data = json.dumps({"format": "fastio-idx", "idx": dict(sorted(idx.items()))}, indent=0).encode()
+    if dest.remote:
+        dest.put_bytes(key, data)
+    else:
+        atomic_write_bytes(dest.location.path / key, data)
+
+
+def _ledger_of(dest: Storage, done: _Indexed, earlier: dict[str, str]) -> dict[str, str]:
+    """The ledger after a run: the ``.idx`` of each shard it records that the user did not bring (all of them
+    where that is unknown, ``done.kept`` None, but those ``earlier`` did not record), and each of ``earlier``'s
+    (fastio's) of another shard that is still there."""
+    own = {r.idx_key: r.idx_sha256 for r in done.records
+           if (r.idx_key not in done.kept if done.kept is not None else r.idx_key in earlier)}
+    return {**{k: v for k, v in earlier.items() if k not in {r.idx_key for r in done.records} and dest.exists(k)},
+            **own}
+
+
+def _manifests_idx(dest: Storage, in_place: bool) -> dict[str, str]:
+    """The ``.idx`` files DEST's manifest records fastio wrote (see :func:`fastios_idx`); empty without one."""
     if not dest.exists(MANIFEST_NAME):
         return {}
     try:
