@@ -1186,3 +1186,13 @@ def test_the_idx_fastio_wrote_for_a_shard_gone_away_is_replaced_for_a_new_tar_of
     _text_tar(folder / "b.tar", ("t0", "t1"))
     code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
     assert code == 2 and "does not record as fastio's" in err, err
+
+
+def test_merge_help_and_its_no_parts_message_name_fastio_index_too(tmp_path, capsys):
+    # Found by the newcomer pass: `fastio merge --help` said it publishes the parts of `fastio convert --part K/N`
+    # only, and `fastio merge DEST` with no parts named only `fastio convert` to write them, though it publishes the
+    # parts of `fastio index --part K/N` as well.
+    code, out, _ = run_cli(["merge", "--help"], capsys)
+    assert code == 0 and "fastio index" in " ".join(out.split()), out
+    code, _, err = run_cli(["merge", str(tmp_path / "dest")], capsys)
+    assert code == 2 and f"fastio index SOURCE --dest {tmp_path / 'dest'} --part K/N" in err, err

@@ -288,8 +288,9 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
 @click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
 def merge(dest: str, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
-    """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
-    single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
+    """Publish the N parts written by `fastio convert --part K/N` (or `fastio index --dest DEST --part K/N`) as
+    one dataset in DEST, identical to a single run. Fails naming any part that is missing, incomplete or made
+    differently."""
     from fastio.convert.merge import merge as run_merge
 
     try:
