@@ -1060,6 +1060,11 @@ def test_the_rebuild_command_of_a_relative_source_with_dest_works_from_anywhere(
             next(iter(loader))
     code, out, err = run_cli(command.split()[1:], capsys)  # the command it names, from another folder
     assert code == 0 and "1 .idx written" in out, err
+    for n in range(2):  # a brace pattern too ('./' dropped; '..' kept: '{a,b}/..' is no folder to fold)
+        _small_tar(tmp_path / "web2" / f"{n}.tar", [(f"{k}.txt", v) for k, v in samples])
+    assert run_cli(["index", "../web2/./{0..1}.tar", "--dest", "meta2", "-q"], capsys)[0] == 0
+    recorded = json.loads((elsewhere / "meta2" / "manifest.json").read_text())["source"]["path"]
+    assert recorded == f"{elsewhere}/../web2/{{0..1}}.tar", recorded
 
 
 def _start_time(pid: int) -> str:

@@ -375,10 +375,14 @@ def _ledger_key(part: tuple | None) -> str:
 def _recorded_source(source: str | Path, in_place: bool) -> str:
     """SOURCE as the manifest records it (``source.path``, from which the Loader's rebuild command is made,
     :func:`fastio.dataset.manifest.reindex_command`): with ``--dest``, a local path made absolute (as typed, a relative
-    one is right only from the folder the index ran in); in place as given (spelt from DEST, which may move); a URL
-    as given."""
+    one is right only from the folder the index ran in; a brace pattern is not normalised, as ``{a,b}/..`` is no
+    folder); in place as given (spelt from DEST, which may move); a URL as given."""
     text = str(source)
-    return text if in_place or "://" in text else os.path.abspath(text)
+    if in_place or "://" in text:
+        return text
+    if "{" not in text:
+        return os.path.abspath(text)
+    return re.sub(r"/(\./)+", "/", os.path.join(os.getcwd(), text))  # ./ is no folder in any alternative
 
 
 def _same_place(a: Storage, b: Storage) -> bool:
