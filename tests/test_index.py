@@ -1170,6 +1170,15 @@ def test_a_killed_first_run_with_dest_leaves_no_idx_the_rerun_does_not_list(tmp_
     assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x2.idx"]
     code, out, err = run_cli(["verify", str(dest)], capsys)
     assert code == 0, out + err
+    # a damaged ledger names nothing fastio may remove: outside shards/, or a file changed since it was recorded
+    (tmp_path / "mine.idx").write_text("the user's")
+    (dest / "shards" / "x9.idx").write_text("the user's too")
+    sha = hashlib.sha256(b"the user's").hexdigest()
+    ledger = json.loads((dest / ".fastio-idx.json").read_text())
+    ledger["idx"].update({"../mine.idx": sha, str(tmp_path / "mine.idx"): sha, "shards/x9.idx": sha})
+    (dest / ".fastio-idx.json").write_text(json.dumps(ledger))
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert (tmp_path / "mine.idx").read_text() == "the user's" and (dest / "shards" / "x9.idx").is_file()
 
 
 def test_the_idx_fastio_wrote_for_a_shard_gone_away_is_replaced_for_a_new_tar_of_its_name(tmp_path, capsys):

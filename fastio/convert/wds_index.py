@@ -76,7 +76,7 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
-from fastio.errors import DatasetError, install_hint
+from fastio.errors import DatasetError, StorageError, install_hint
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
@@ -516,7 +516,8 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
-    gone = [] if in_place else sorted(set(earlier) - {r.idx_key for r in done.records})
+    gone = [] if in_place else [k for k in sorted(set(earlier) - {r.idx_key for r in done.records})
+                                if k.startswith(f"{SHARDS_DIR}/") and _unchanged(dest, k, earlier[k])]
     for key in gone:
         dest.delete(key)
     _write_ledger(dest, IDX_LEDGER, _ledger_of(dest, done, {k: v for k, v in earlier.items() if k not in gone}))
@@ -610,9 +611,16 @@ def _read_ledger(dest: Storage, key: str) -> dict[str, str]:
             return {}
         data = json.loads(dest.get(key))
         got = data["idx"] if data.get("format") == "fastio-idx" else {}
-        return {k: v for k, v in got.items() if isinstance(k, str) and isinstance(v, str)}
+        return {k: v for k, v in got.items() if _LEDGER_KEY.fullmatch(k) and ".." not in k.split("/")
+                and isinstance(v, str) and _SHA256.fullmatch(v)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
         return {}
+
+
+_LEDGER_KEY = re.compile(r"[^/\\\x00-\x1f\x7f][^\\\x00-\x1f\x7f]*\.idx")
+"""A key a ledger may hold: a relative path ending in ``.idx`` (a damaged ledger names nothing else to replace or
+remove; ``..`` is refused too)."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _write_ledger(dest: Storage, key: str, idx: dict[str, str]) -> None:
@@ -624,6 +632,14 @@ def _write_ledger(dest: Storage, key: str, idx: dict[str, str]) -> None:
         dest.put_bytes(key, data)
     else:
         atomic_write_bytes(dest.location.path / key, data)
+
+
+def _unchanged(dest: Storage, key: str, sha256: str) -> bool:
+    """Whether the file at ``key`` is there with the sha256 fastio recorded (one changed since is not fastio's)."""
+    try:
+        return dest.exists(key) and hashlib.sha256(dest.get(key)).hexdigest() == sha256
+    except (OSError, StorageError):  # left for the next run (the ledger keeps it)
+        return False
 
 
 def _ledger_of(dest: Storage, done: _Indexed, earlier: dict[str, str]) -> dict[str, str]:
