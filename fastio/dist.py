@@ -5,14 +5,14 @@
 
 Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), and the rule for
 the CPUs a process may use (:func:`usable_cpus`), when it has its node to itself (:func:`alone_on_node`) and
-whether a process of this host has ended (:func:`process_gone`).
+whether a process of this host has ended (:func:`process_gone`; :func:`process_start` tells a reused pid apart).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["alone_on_node", "default_store", "process_gone", "rank_and_world", "usable_cpus"]
+__all__ = ["alone_on_node", "default_store", "process_gone", "process_start", "rank_and_world", "usable_cpus"]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -285,6 +285,22 @@ def test_ckpt_verify_on_a_directory_that_is_not_a_checkpoint_directory_is_an_err
 
 
 
+def test_ckpt_commands_on_a_dataset_directory_say_it_is_a_dataset(image_folder, tmp_path, capsys):
+    # Found by review: `fastio ckpt verify ds` (the dataset given for the checkpoint directory) said "0 committed
+    # checkpoints verified (none)", exit 0, and `fastio ckpt ls ds` "no checkpoints": the lock file every dataset
+    # writer leaves (.fastio-lock) was taken for a Checkpointer's.
+    ds = tmp_path / "ds"
+    assert fastio_main(["convert", str(image_folder), str(ds), "--split", "val=0.25", "-q"]) == 0
+    assert (ds / ".fastio-lock").is_file()  # left by the conversion
+    for command, folder, name in [(c, f, n) for c in ("ls", "verify")
+                                  for f, n in ((ds, "splits.json"), (ds / "val", "manifest.json"))]:
+        assert fastio_main(["ckpt", command, str(folder)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"fastio: error: {folder}: is a fastio dataset ({name}), not a checkpoint "
+                              "directory"), err
+        assert "\n" not in err
+
+
 def test_ckpt_commands_on_a_file_or_a_step_directory_say_so(tmp_path, capsys):
     """A file given as the directory was 'checkpoint directory does not exist' (it exists); a step directory given
     to ``ls`` was 'no checkpoints' (exit 0), to ``verify`` 'not a checkpoint directory' without the way out."""

@@ -124,3 +124,24 @@ def test_inspect_names_a_missing_mixture_file_and_refuses_a_negative_epoch(tmp_p
     assert code == 2 and f"{tmp_path / 'mix.json'}: cannot read the mixture file" in err
     code, _, err = run_cli(["inspect", str(tmp_path), "--order", "--epoch", "-1"], capsys)
     assert code == 2 and "--epoch" in err and "-1" in err
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "{src}", "", "--overwrite"], ["convert", "", "out"], ["index", "{shards}", "--dest", "", "--overwrite"],
+    ["index", "{shards}", "--dest", " "], ["merge", "", "--overwrite"], ["verify", ""], ["inspect", ""],
+], ids=lambda a: " ".join(a[:4]))
+def test_an_empty_path_is_refused_never_read_as_the_current_folder(args, tmp_path, image_folder, capsys, monkeypatch):
+    # Found by the newcomer pass: `fastio convert SRC "$DEST" --overwrite` with DEST unset replaced the contents of the
+    # current folder with a dataset (its files deleted): '' was read as '.'. So was SOURCE, `index --dest`, merge's,
+    # verify's and inspect's DEST (as `fastio ckpt ls ''` was before it was refused).
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "a.tar").write_bytes(b"\0" * 1024)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("the user's only copy")
+    monkeypatch.chdir(here)
+    args = [a.format(src=image_folder, shards=shards) for a in args]
+    code, _, err = run_cli(args, capsys)
+    assert_one_line_error(code, err, "empty")
+    assert sorted(p.name for p in here.iterdir()) == ["notes.txt"]

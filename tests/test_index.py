@@ -824,7 +824,7 @@ def test_a_dest_that_is_the_source_folder_spelt_another_way_is_in_place(tmp_path
         code, out, err = run_cli(["index", source, "--dest", dest, "--overwrite", "-q"], capsys)
         assert code == 0, (source, dest, err)
         assert sorted(p.name for p in (tmp_path / "wds").iterdir()) == [
-            ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
+            ".fastio-idx.json", ".fastio-lock", "manifest.json", "samples.fxi", "x.idx", "x.tar"], (source, dest)
         manifest = json.loads((tmp_path / "wds" / "manifest.json").read_text())
         assert [s["location"] for s in manifest["shards"]] == ["x.tar"], (source, dest)
         assert manifest["source"]["indexed_in_place"] is True
@@ -1039,3 +1039,174 @@ def test_overwrite_replaces_the_idx_fastio_wrote_on_s3_too(aws_env, s3_bucket, t
     assert code == 0 and "1 .idx written" in out, err
     assert src.get("b.idx") == b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"
     assert run_cli(["verify", src.url], capsys)[0] == 0
+
+
+def test_the_rebuild_command_of_a_relative_source_with_dest_works_from_anywhere(tmp_path, capsys, monkeypatch):
+    # Found by review: `fastio index web --dest meta` recorded SOURCE as typed ('web'), and the Loader's "re-run
+    # `fastio index web --dest /abs/meta --overwrite`" was right only from the folder the index was run in.
+    samples = [(f"s{i:02d}", b"text of sample %02d" % i) for i in range(4)]
+    _small_tar(tmp_path / "web" / "a.tar", [(f"{k}.txt", v) for k, v in samples])
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["index", "web", "--dest", "meta", "-q"], capsys)[0] == 0
+    assert json.loads((tmp_path / "meta" / "manifest.json").read_text())["source"]["path"] == str(tmp_path / "web")
+    order = [samples[i] for i in (0, 2, 1, 3)]  # rewritten, the same size: s01 and s02 swapped
+    _small_tar(tmp_path / "web" / "a.tar", [(f"{k}.txt", v) for k, v in order])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    command = f"fastio index {tmp_path / 'web'} --dest {tmp_path / 'meta'} --overwrite"
+    with Loader(tmp_path / "meta", batch_size=4, pipeline=Raw(fields=("txt",)), device="cpu", shuffle="none") as loader:
+        with pytest.raises(Exception, match=re.escape(f"re-run `{command}`")):
+            next(iter(loader))
+    code, out, err = run_cli(command.split()[1:], capsys)  # the command it names, from another folder
+    assert code == 0 and "1 .idx written" in out, err
+    for n in range(2):  # a brace pattern too ('./' dropped; '..' kept: '{a,b}/..' is no folder to fold)
+        _small_tar(tmp_path / "web2" / f"{n}.tar", [(f"{k}.txt", v) for k, v in samples])
+    assert run_cli(["index", "../web2/./{0..1}.tar", "--dest", "meta2", "-q"], capsys)[0] == 0
+    recorded = json.loads((elsewhere / "meta2" / "manifest.json").read_text())["source"]["path"]
+    assert recorded == f"{elsewhere}/../web2/{{0..1}}.tar", recorded
+
+
+def _start_time(pid: int) -> str:
+    """Process ``pid``'s start time (clock ticks after boot), as /proc/PID/stat gives it."""
+    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19].decode()
+
+
+def test_a_killed_index_leaves_no_download_a_later_run_does_not_take_away(tmp_path, capsys, monkeypatch):
+    # Found by review: an index reading from S3 that is killed left its download (a whole shard) in
+    # /tmp/fastio-index-*, and every later run left it there. Now a run's folder is named by its process (pid and
+    # start time), and a later run removes those whose process is gone; never a live process's.
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    _tar(tmp_path / "src" / "x0.tar")
+    try:
+        folders = {"dead": f"fastio-index-{dead_pid}-{_start_time(os.getpid())}-abc",  # its pid ended
+                   "reused": f"fastio-index-{live.pid}-1-abc",  # a live pid, another process's start time
+                   "live": f"fastio-index-{live.pid}-{_start_time(live.pid)}-abc",
+                   "me": f"fastio-index-{os.getpid()}-{_start_time(os.getpid())}-abc",
+                   "older": "fastio-index-k2j4x8q1",  # an older fastio's: whose is unknown
+                   "other": f"fastio-verify-{dead_pid}-1-abc"}
+        for name in folders.values():
+            (scratch / name).mkdir()
+            (scratch / name / ".fastio-index-x.tar").write_bytes(b"a shard's download")
+            for path in (scratch / name / ".fastio-index-x.tar", scratch / name):
+                os.utime(path, (1e9, 1e9))  # nothing changed there for long
+        (scratch / folders["dead"] / "new.tar").write_bytes(b"")  # just written: maybe a process of another pid
+        assert run_cli(["index", str(tmp_path / "src"), "-q"], capsys)[0] == 0  # namespace, not seen from here
+        assert (scratch / folders["dead"]).is_dir()
+        for path in (scratch / folders["dead"] / "new.tar", scratch / folders["dead"]):
+            os.utime(path, (1e9, 1e9))
+        assert run_cli(["index", str(tmp_path / "src"), "--overwrite", "-q"], capsys)[0] == 0
+        assert sorted(p.name for p in scratch.iterdir()) == sorted(folders[k] for k in ("live", "me", "older", "other"))
+    finally:
+        live.kill()
+        live.wait()
+
+
+def _killed_before_the_manifest(monkeypatch, args: list[str], capsys) -> None:
+    """Run ``fastio index ARGS`` stopped as a kill would stop it: after its .idx files, before its manifest."""
+    import fastio.convert.wds_index as wds_index
+
+    publish = wds_index.publish_uploads
+
+    def killed_at_the_manifest(dest, uploads):
+        if any(key == "manifest.json" for key, _ in uploads):
+            raise KeyboardInterrupt  # a kill here: no manifest
+        publish(dest, uploads)
+
+    monkeypatch.setattr(wds_index, "publish_uploads", killed_at_the_manifest)
+    assert run_cli(["index", *args, "-q"], capsys)[0] == 130
+    monkeypatch.setattr(wds_index, "publish_uploads", publish)
+
+
+def _text_tar(path: Path, keys: tuple[str, ...]) -> None:
+    _small_tar(path, [(f"{k}.{f}", d) for k in keys for f, d in (("txt", k.encode()), ("cls", b"1"))])
+
+
+def test_the_idx_files_of_a_killed_first_run_are_fastios_never_the_users(tmp_path, capsys, monkeypatch):
+    # Found by review: an index in place killed after its .idx files but before its manifest left .idx files no
+    # manifest lists; the rerun counted them as the user's (source.idx_kept), and once a shard changed, `fastio
+    # index DIR --overwrite` refused to replace fastio's own .idx. The user's own .idx is still never replaced.
+    folder = tmp_path / "web"
+    _text_tar(folder / "a.tar", ("s0", "s1", "s2"))
+    _text_tar(folder / "b.tar", ("u0",))
+    users = b"v1.2 1\ntxt 512 2 u0.txt cls 1536 1 u0.cls\n"  # the user's, as fastio makes it
+    (folder / "b.idx").write_bytes(users)
+    _killed_before_the_manifest(monkeypatch, [str(folder)], capsys)
+    assert (folder / "a.idx").is_file() and not (folder / "manifest.json").exists()
+    _text_tar(folder / "a.tar", ("s0", "s2", "s1"))  # changed before the rerun
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+    assert run_cli(["verify", str(folder)], capsys)[0] == 0
+    _text_tar(folder / "b.tar", ("u1",))  # the user's .idx is never replaced
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and "does not record as fastio's" in err and (folder / "b.idx").read_bytes() == users, err
+    # killed again, with the shards unchanged: the rerun finds fastio's .idx as it left it, and still its own
+    _text_tar(folder / "b.tar", ("u0",))
+    (folder / "manifest.json").unlink()
+    (folder / "a.idx").unlink()
+    _killed_before_the_manifest(monkeypatch, [str(folder)], capsys)
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    assert json.loads((folder / "manifest.json").read_text())["source"]["idx_kept"] == ["b.idx"]
+
+
+def test_a_killed_first_run_with_dest_leaves_no_idx_the_rerun_does_not_list(tmp_path, capsys, monkeypatch):
+    # Found by review: `fastio index SRC --dest D` killed before its manifest left D/shards/*.idx; a shard removed
+    # from SRC before the rerun left its .idx there, listed by no manifest, and `fastio verify D` failed.
+    for n in range(3):
+        _tar(tmp_path / "src" / f"x{n}.tar")
+    dest = tmp_path / "meta"
+    _killed_before_the_manifest(monkeypatch, [str(tmp_path / "src"), "--dest", str(dest)], capsys)
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x1.idx", "x2.idx"]
+    (tmp_path / "src" / "x1.tar").unlink()
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == ["x0.idx", "x2.idx"]
+    code, out, err = run_cli(["verify", str(dest)], capsys)
+    assert code == 0, out + err
+    # a damaged ledger names nothing fastio may remove: outside shards/, or a file changed since it was recorded
+    (tmp_path / "mine.idx").write_text("the user's")
+    (dest / "shards" / "x9.idx").write_text("the user's too")
+    sha = hashlib.sha256(b"the user's").hexdigest()
+    ledger = json.loads((dest / ".fastio-idx.json").read_text())
+    ledger["idx"].update({"../mine.idx": sha, str(tmp_path / "mine.idx"): sha, "shards/x9.idx": sha})
+    (dest / ".fastio-idx.json").write_text(json.dumps(ledger))
+    assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "--overwrite", "-q"], capsys)[0] == 0
+    assert (tmp_path / "mine.idx").read_text() == "the user's" and (dest / "shards" / "x9.idx").is_file()
+
+
+def test_the_idx_fastio_wrote_for_a_shard_gone_away_is_replaced_for_a_new_tar_of_its_name(tmp_path, capsys):
+    # Found by review: the .idx fastio wrote beside a shard later removed stayed (in place, .idx files are never
+    # deleted); the next manifest no longer listed it, so a different tar of that name was then refused: "an .idx
+    # that DEST's manifest does not record as fastio's", and the user had to delete fastio's .idx by hand.
+    folder = tmp_path / "web"
+    _text_tar(folder / "a.tar", ("s0", "s1"))
+    _text_tar(folder / "b.tar", ("t0", "t1"))
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    (folder / "b.tar").unlink()
+    assert run_cli(["index", str(folder), "--overwrite", "-q"], capsys)[0] == 0
+    assert (folder / "b.idx").is_file()  # never deleted in place
+    _text_tar(folder / "b.tar", ("t0", "t1", "t2"))  # another tar of that name
+    code, out, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 0 and "1 .idx written" in out, err
+    assert run_cli(["verify", str(folder)], capsys)[0] == 0
+    (folder / "b.idx").write_text("v1.2 1\ntxt 512 2 t0.txt\n")  # changed since by the user: theirs
+    _text_tar(folder / "b.tar", ("t0", "t1"))
+    code, _, err = run_cli(["index", str(folder), "--overwrite"], capsys)
+    assert code == 2 and "does not record as fastio's" in err, err
+
+
+def test_merge_help_and_its_no_parts_message_name_fastio_index_too(tmp_path, capsys):
+    # Found by the newcomer pass: `fastio merge --help` said it publishes the parts of `fastio convert --part K/N`
+    # only, and `fastio merge DEST` with no parts named only `fastio convert` to write them, though it publishes the
+    # parts of `fastio index --part K/N` as well.
+    code, out, _ = run_cli(["merge", "--help"], capsys)
+    assert code == 0 and "fastio index" in " ".join(out.split()), out
+    code, _, err = run_cli(["merge", str(tmp_path / "dest")], capsys)
+    assert code == 2 and f"fastio index SOURCE --dest {tmp_path / 'dest'} --part K/N" in err, err

@@ -27,6 +27,7 @@ from fastio.checkpoint.scan import (
     StepEntry,
     is_checkpoint_dir,
     read_commit,
+    refuse_dataset_dir,
     refuse_empty_prefix,
     refuse_file_or_step,
     remote_steps,
@@ -155,12 +156,14 @@ class VerifyReport:
 
 
 def _local_root(root: Path) -> Path:
-    """``root`` as a directory the commands read: CheckpointError when it is missing, a file, or one step of a
-    checkpoint directory (a mistake for the directory holding it, named)."""
+    """``root`` as a directory the commands read: CheckpointError when it is missing, a file, one step of a
+    checkpoint directory (a mistake for the directory holding it, named) or a dataset (whose writer's lock file,
+    ``.fastio-lock``, is no Checkpointer's)."""
     root = Path(root)
     refuse_file_or_step(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint directory does not exist")
+    refuse_dataset_dir(root)
     return root
 
 

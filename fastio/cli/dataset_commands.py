@@ -170,6 +170,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
+    _refuse_idle_flags(click.get_current_context())
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
                                      (text_field, eos, special_in_text, train_on, max_tokens, overlong))
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
@@ -198,6 +199,25 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
         click.echo(result.summary(words=_in_flags))
+
+
+_PARTNERS = {"quality": ("max_side",), "split_by": ("split",), "seed": ("shuffle", "split")}
+"""A ``fastio convert`` flag that is read only with one of these (given, or true)."""
+
+
+def _refuse_idle_flags(ctx: click.Context) -> None:
+    """ConvertError naming a flag that would change nothing, unsaid, while the user believes it applied:
+    ``--staging-dir`` with a local DEST; outside a token conversion (which refuses them by name), a flag given without
+    any of its partners (:data:`_PARTNERS`)."""
+    params = ctx.params
+    if params["staging_dir"] is not None and "://" not in params["dest"]:
+        raise ConvertError("--staging-dir: only with an s3:// DEST (a local DEST is written where it is); alone it "
+                           "changes nothing")
+    for name, partners in _PARTNERS.items() if params["tokenizer"] is None else ():
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT and \
+                not any(params[p] for p in partners):
+            raise ConvertError(f"{_flag(ctx, name)}: only with {' or '.join(_flag(ctx, p) for p in partners)}; alone "
+                               "it changes nothing")
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
@@ -288,8 +308,9 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
 @click.option("--keep-parts", is_flag=True, help="Keep DEST/.parts/ after publishing (default: remove it).")
 @click.option("--quiet", "-q", is_flag=True, help="No summary line.")
 def merge(dest: str, overwrite: bool, keep_parts: bool, quiet: bool) -> None:
-    """Publish the N parts written by `fastio convert --part K/N` as one dataset in DEST, identical to a
-    single `fastio convert`. Fails naming any part that is missing, incomplete or made differently."""
+    """Publish the N parts written by `fastio convert --part K/N` (or `fastio index --dest DEST --part K/N`) as
+    one dataset in DEST, identical to a single run. Fails naming any part that is missing, incomplete or made
+    differently."""
     from fastio.convert.merge import merge as run_merge
 
     try:

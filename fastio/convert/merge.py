@@ -240,8 +240,9 @@ def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
 
 
 def _write_parts(dest: Path) -> str:
-    """The command that writes the parts (``fastio merge`` names what the user types, as :func:`_rerun` does)."""
-    return f"fastio convert SOURCE {dest} --part K/N for each K in 0..N-1"
+    """The commands that write the parts (``fastio merge`` names what the user types, as :func:`_rerun` does)."""
+    return (f"fastio convert SOURCE {dest} --part K/N (or fastio index SOURCE --dest {dest} --part K/N) "
+            "for each K in 0..N-1")
 
 
 def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:

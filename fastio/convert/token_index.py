@@ -20,7 +20,6 @@ refused in one :class:`~fastio.errors.DatasetError` naming the file or URL.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ import numpy as np
 from fastio.checks import check_fields, checked, config_error, positive_integer, rule
 from fastio.checks import count as count_problem
 from fastio.convert.dest import check_index_dest, mark_index_dest, publish_uploads, refuse_a_datasets_shards, writer_lock
+from fastio.convert.scratch import INDEX_SCRATCH, scratch_dir
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
     ShardRecord,
@@ -357,14 +357,14 @@ def _index_pairs(config: TokenIndexConfig, source: Storage, dest: Storage, pairs
                  lock: DirLock | Lease | None) -> tuple[TokenInfo, list[ShardRecord]]:
     """Check and record every pair, then publish the document-starts table and the manifest (last) into DEST."""
     dtype, records, one, starts, highs = None, [], True, [], []
-    with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+    with scratch_dir(INDEX_SCRATCH) as tmp:
         for pair in pairs:
-            got = _check_pair(source, pair, dtype, config, Path(tmp))
+            got = _check_pair(source, pair, dtype, config, tmp)
             dtype, one = got.index.dtype, one and got.one_per_document
             records.append(_record(source, pair, got, in_place))
             starts.append(got.starts)
             highs += [] if got.max_id is None else [got.max_id]
-        staged = Path(tmp) / "out"
+        staged = tmp / "out"
         staged.mkdir()
         info = TokenInfo(dtype=dtype, eos_id=config.eos_id, total_tokens=sum(r.tokens for r in records),
                          vocab_size=config.vocab_size, one_sequence_per_document=one,

@@ -5,7 +5,8 @@ listed in ``skipped``, not followed), an ``s3://bucket/prefix/``, or a brace pat
 (``/data/{00000..00999}.tar``, ``s3://b/p/shard-{000..099}.tar``); a shard named twice is refused (the listing:
 :mod:`fastio.convert.listing`).
 Each tar is read once (:func:`fastio.convert.foreign_tar.read_tar`; from an object store downloaded by parallel ranged
-GETs into a temporary file, removed after). What is written, all of it metadata:
+GETs into a temporary file, removed after; the run's folder for them, ``TMP/fastio-index-<pid>-<start>-*``, is removed by
+a later run where a kill left it: :mod:`fastio.convert.scratch`). What is written, all of it metadata:
 
 - by default (DEST = SOURCE's folder) a ``.idx`` beside each tar that has none (one that exists is checked
   against what fastio makes of the tar: one the user brought is never overwritten; one an earlier index wrote,
@@ -54,6 +55,7 @@ from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
 from fastio.convert.listing import ListedShard, display_of, list_shards
 from fastio.convert.parts import (
     PART_RECORD,
+    PARTS_DIR,
     PartRecord,
     parse_part,
     part_dir,
@@ -61,6 +63,7 @@ from fastio.convert.parts import (
     part_range,
     write_part_record,
 )
+from fastio.convert.scratch import INDEX_SCRATCH, scratch_dir
 from fastio.dataset.files import LocalFiles
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
@@ -73,7 +76,7 @@ from fastio.dataset.manifest import (
     write_manifest,
 )
 from fastio.dataset.sample_table import INDEX_NAME, IndexBuilder
-from fastio.errors import DatasetError, install_hint
+from fastio.errors import DatasetError, StorageError, install_hint
 from fastio.formats.dali_idx import IndexEntry, format_index, load_index
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
@@ -89,6 +92,7 @@ from fastio.formats.media import (
 from fastio.formats.wds import field_of
 from fastio.progress import count, human_bytes, skipped_lines
 from fastio.storage import open_storage
+from fastio.storage.atomic import atomic_write_bytes
 from fastio.storage.base import Storage
 from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError
@@ -97,7 +101,8 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.url import dest_location
 from fastio.words import agree
 
-__all__ = ["IDX_KEPT", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards", "merge_index_parts"]
+__all__ = ["IDX_KEPT", "IDX_LEDGER", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards",
+           "merge_index_parts"]
 
 LABEL_FIELDS = ("cls", "label")
 """Fields taken as the label, in this order, when ``label_field`` is not given and every sample has one."""
@@ -284,9 +289,9 @@ def _way_out(err: OSError, config: IndexConfig) -> str:
 
 def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | None) -> IndexResult:
     started = time.perf_counter()
-    source = str(config.source)
-    src_root, shards, listing_skipped = list_shards(source, config.storage_options)
+    src_root, shards, listing_skipped = list_shards(str(config.source), config.storage_options)
     dest_storage, in_place = _index_dest(config, src_root, shards)
+    source = _recorded_source(config.source, in_place)
     names = _record_names(shards)
     part = None
     if config.part is not None:
@@ -306,23 +311,25 @@ def _index_shards(config: IndexConfig, progress: Callable[[int, int], None] | No
             mark_index_dest(dest_storage)
         if part is not None:
             (lock_dir / PART_RECORD).unlink(missing_ok=True)
-        with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
-            done = _index_range(config, shards, names, dest_storage, in_place, Path(tmp), progress)
+        with scratch_dir(INDEX_SCRATCH) as tmp:
+            done = _index_range(config, shards, names, dest_storage, in_place, tmp, progress)
             done.skipped[:0] = listing_skipped
             if part is None:
                 _fields_of(source, config.label_field, config.image_field, done)  # refused before any write
             elif config.label_field is not None:  # a part knows its label field only when it is named
                 _check_labels(config.label_field, done)
             guard()
+            _write_ledger(dest_storage, _ledger_key(part), done.ledger)  # before the first .idx
             publish_uploads(dest_storage, done.uploads)
             if part is not None:
                 k, n, a, b, count, digest = part
-                write_part_record(lock_dir, PartRecord(part=k, of=n, plan=_plan(config, in_place, count, digest),
+                plan = _plan(config, source, in_place, count, digest)
+                write_part_record(lock_dir, PartRecord(part=k, of=n, plan=plan,
                                                        datasets={"": {"range": [a, b], "count": count, **done.state()}}))
             else:
                 guard()
                 _finish(config.name, source, config.label_field, config.image_field, in_place, done, dest_storage,
-                        Path(tmp))
+                        tmp)
     except (LockedError, LeaseLostError) as err:
         raise DatasetError(str(err)) from None
     finally:
@@ -360,6 +367,24 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
     return dest_storage, in_place
 
 
+def _ledger_key(part: tuple | None) -> str:
+    """Where a run records the ``.idx`` files it writes (:data:`IDX_LEDGER`): DEST's, or its part folder's."""
+    return IDX_LEDGER if part is None else f"{PARTS_DIR}/{part_name(part[0], part[1])}/{IDX_LEDGER}"
+
+
+def _recorded_source(source: str | Path, in_place: bool) -> str:
+    """SOURCE as the manifest records it (``source.path``, from which the Loader's rebuild command is made,
+    :func:`fastio.dataset.manifest.reindex_command`): with ``--dest``, a local path made absolute (as typed, a relative
+    one is right only from the folder the index ran in; a brace pattern is not normalised, as ``{a,b}/..`` is no
+    folder); in place as given (spelt from DEST, which may move); a URL as given."""
+    text = str(source)
+    if in_place or "://" in text:
+        return text
+    if "{" not in text:
+        return os.path.abspath(text)
+    return re.sub(r"/(\./)+", "/", os.path.join(os.getcwd(), text))  # ./ is no folder in any alternative
+
+
 def _same_place(a: Storage, b: Storage) -> bool:
     """Whether two storages are one folder or prefix, however spelt (a local one by its resolved path)."""
     if a.remote or b.remote:
@@ -371,9 +396,9 @@ INDEX_PLAN = "fastio-index"
 """``plan.kind`` of the parts of an index (``fastio merge`` publishes them with :func:`merge_index_parts`)."""
 
 
-def _plan(config: IndexConfig, in_place: bool, count: int, digest: str) -> dict:
-    """What every part of one index shares (compared by the merge)."""
-    return {"kind": INDEX_PLAN, "source": {"path": str(config.source)}, "listing": digest, "count": count,
+def _plan(config: IndexConfig, source: str, in_place: bool, count: int, digest: str) -> dict:
+    """What every part of one index shares (compared by the merge); ``source`` as the manifest records it."""
+    return {"kind": INDEX_PLAN, "source": {"path": source}, "listing": digest, "count": count,
             "options": {"name": config.name, "label_field": config.label_field, "image_field": config.image_field,
                         "in_place": in_place, **({"video_decoder": config.video_decoder}
                                                  if config.video_decoder != DEFAULT_VIDEO_DECODER else {})}}
@@ -402,6 +427,9 @@ class _Indexed:
     kept: list[str] | None = field(default_factory=list)
     """In place: the keys of the ``.idx`` files that were there and that fastio did not write (None: not known,
     a part record of an older fastio): recorded as ``source.idx_kept`` (:func:`fastios_idx`)."""
+
+    ledger: dict[str, str] = field(default_factory=dict)
+    """The ``.idx`` files fastio wrote in DEST that this run leaves there, ``{key: sha256}`` (:data:`IDX_LEDGER`)."""
 
     def state(self) -> dict:
         """For a part record (entries are in the ``.idx`` files; probes only when a sample has media)."""
@@ -459,6 +487,7 @@ def _index_range(config: IndexConfig, shards: list[ListedShard], names: list[str
         out.probes += probes
         out.field_counts.update(got.fields)
     out.uploads = uploads
+    out.ledger = _ledger_of(dest, out, {} if config.part is not None else ours)
     return out
 
 
@@ -467,7 +496,7 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     """Write ``samples.fxi``, then ``manifest.json`` (last) into DEST, then remove the ``.idx`` files in
     ``DEST/shards/`` that the manifest replaced listed and this one does not (:func:`fastios_idx`); returns the
     manifest."""
-    earlier = set() if in_place else set(fastios_idx(dest, in_place=False))
+    earlier = fastios_idx(dest, in_place)
     fields, label, image, image_fields = _fields_of(source, label_field, image_field, done)
     builder = IndexBuilder()
     for record, es in zip(done.records, done.entries):
@@ -487,8 +516,11 @@ def _finish(name: str, source: str, label_field: str | None, image_field: str | 
     write_manifest(staged, manifest)
     tables = [(PROBES_NAME, staged / PROBES_NAME)] if probes else []
     publish_uploads(dest, [(INDEX_NAME, staged / INDEX_NAME), *tables, (MANIFEST_NAME, staged / MANIFEST_NAME)])
-    for key in sorted(earlier - {r.idx_key for r in done.records}):
+    gone = [] if in_place else [k for k in sorted(set(earlier) - {r.idx_key for r in done.records})
+                                if k.startswith(f"{SHARDS_DIR}/") and _unchanged(dest, k, earlier[k])]
+    for key in gone:
         dest.delete(key)
+    _write_ledger(dest, IDX_LEDGER, _ledger_of(dest, done, {k: v for k, v in earlier.items() if k not in gone}))
     return manifest
 
 
@@ -542,22 +574,86 @@ def merge_index_parts(dest: Path, records: list[PartRecord], plan: dict, *, over
         done.skipped += state["skipped"]
         done.kept = None if done.kept is None or IDX_KEPT not in state else done.kept + state[IDX_KEPT]
     options = plan["options"]
-    with tempfile.TemporaryDirectory(prefix="fastio-index-") as tmp:
+    with scratch_dir(INDEX_SCRATCH) as tmp:
         return _finish(options["name"], plan["source"]["path"], options["label_field"], options["image_field"],
-                       options["in_place"], done, open_storage(Path(dest)), Path(tmp))
+                       options["in_place"], done, open_storage(Path(dest)), tmp)
 
 
 IDX_KEPT = "idx_kept"
 """The manifest's ``source`` key listing the ``.idx`` files an index in place found and did not write."""
 
 
+IDX_LEDGER = ".fastio-idx.json"
+"""In DEST (a part's, in its folder): ``{"format": "fastio-idx", "idx": {key: sha256}}``, every ``.idx`` fastio index
+wrote there that is still there, the shard's listed or not. Written before a run's first ``.idx`` (a run killed before
+its manifest leaves ``.idx`` files the rerun knows as fastio's) and again after the manifest (an ``.idx`` of a shard
+gone from SOURCE, kept in place, stays fastio's: a new tar of that name replaces it)."""
+
+
 def fastios_idx(dest: Storage, in_place: bool) -> dict[str, str]:
-    """The one rule of which ``.idx`` files an index may replace or remove: those DEST's manifest (an earlier
-    index's) records fastio wrote, as ``{key: the sha256 recorded}``. With ``--dest``, every one in ``DEST/shards/``
-    (fastio's own; removed once the new manifest no longer lists them, a shard gone from SOURCE, else ``fastio
-    verify`` would name each as a file the manifest does not list). In place, the ``.idx`` of each shard it lists,
-    less those it records the user brought (``source.idx_kept``); none where it does not record them (an index by
-    an older fastio): the user's are never written. Empty without a readable manifest."""
+    """The one rule of which ``.idx`` files an index may replace or remove, as ``{key: the sha256 recorded}``: those
+    DEST's ledger (:data:`IDX_LEDGER`, DEST's and its parts') or its manifest (an earlier index's) records fastio
+    wrote. With ``--dest``, those in ``DEST/shards/`` (fastio's own; removed once the new manifest no longer lists
+    them, a shard gone from SOURCE, else ``fastio verify`` would name each as a file the manifest does not list). In
+    place, also the ``.idx`` of each shard the manifest lists, less those it records the user brought
+    (``source.idx_kept``); none where it does not record them (an index by an older fastio): the user's are never
+    written. Only the sha256 recorded lets an ``.idx`` be replaced (:func:`_check_replace`)."""
+    ledgers = [IDX_LEDGER] + ([] if dest.remote else [
+        f"{PARTS_DIR}/{p.name}/{IDX_LEDGER}" for p in sorted((dest.location.path / PARTS_DIR).glob("part-*"))])
+    found = {k: v for key in ledgers for k, v in _read_ledger(dest, key).items()}
+    return {**found, **_manifests_idx(dest, in_place)}
+
+
+def _read_ledger(dest: Storage, key: str) -> dict[str, str]:
+    """The ``idx`` of the ledger at ``key`` (:data:`IDX_LEDGER`); empty where there is none or it cannot be read."""
+    try:
+        if not dest.exists(key):
+            return {}
+        data = json.loads(dest.get(key))
+        got = data["idx"] if data.get("format") == "fastio-idx" else {}
+        return {k: v for k, v in got.items() if _LEDGER_KEY.fullmatch(k) and ".." not in k.split("/")
+                and isinstance(v, str) and _SHA256.fullmatch(v)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DatasetError):
+        return {}
+
+
+_LEDGER_KEY = re.compile(r"[^/\\\x00-\x1f\x7f][^\\\x00-\x1f\x7f]*\.idx")
+"""A key a ledger may hold: a relative path ending in ``.idx`` (a damaged ledger names nothing else to replace or
+remove; ``..`` is refused too)."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _write_ledger(dest: Storage, key: str, idx: dict[str, str]) -> None:
+    """Record ``idx`` at ``key`` (:data:`IDX_LEDGER`), replacing it whole; none is written where none is owed."""
+    if not idx and not dest.exists(key):
+        return
+    data = json.dumps({"format": "fastio-idx", "idx": dict(sorted(idx.items()))}, indent=0).encode()
+    if dest.remote:
+        dest.put_bytes(key, data)
+    else:
+        atomic_write_bytes(dest.location.path / key, data)
+
+
+def _unchanged(dest: Storage, key: str, sha256: str) -> bool:
+    """Whether the file at ``key`` is there with the sha256 fastio recorded (one changed since is not fastio's)."""
+    try:
+        return dest.exists(key) and hashlib.sha256(dest.get(key)).hexdigest() == sha256
+    except (OSError, StorageError):  # left for the next run (the ledger keeps it)
+        return False
+
+
+def _ledger_of(dest: Storage, done: _Indexed, earlier: dict[str, str]) -> dict[str, str]:
+    """The ledger after a run: the ``.idx`` of each shard it records that the user did not bring (all of them
+    where that is unknown, ``done.kept`` None, but those ``earlier`` did not record), and each of ``earlier``'s
+    (fastio's) of another shard that is still there."""
+    own = {r.idx_key: r.idx_sha256 for r in done.records
+           if (r.idx_key not in done.kept if done.kept is not None else r.idx_key in earlier)}
+    return {**{k: v for k, v in earlier.items() if k not in {r.idx_key for r in done.records} and dest.exists(k)},
+            **own}
+
+
+def _manifests_idx(dest: Storage, in_place: bool) -> dict[str, str]:
+    """The ``.idx`` files DEST's manifest records fastio wrote (see :func:`fastios_idx`); empty without one."""
     if not dest.exists(MANIFEST_NAME):
         return {}
     try:

@@ -935,7 +935,8 @@ def rebuild_hint(manifest: Manifest, root: str | Path) -> str:
 def reindex_command(path: str, root: str, *, in_place: bool) -> str:
     """``fastio index SOURCE [--dest ROOT] --overwrite`` for an index of ``path`` (as given then) into ``root``. In
     place, a relative SOURCE is spelt from ``root`` (SOURCE's folder): the folder itself, or its tar or brace pattern
-    of tars; with ``--dest``, a relative SOURCE cannot be found again and is shown as given."""
+    of tars; with ``--dest``, fastio records SOURCE absolute (a relative one, recorded by a fastio before that,
+    cannot be found again and is shown as given)."""
     absolute = "://" in path or os.path.isabs(path)
     if in_place and not absolute:
         plain = os.path.normpath(path)

@@ -15,7 +15,7 @@ from urllib.parse import unquote
 from fastio.errors import StorageError
 
 __all__ = ["REMOTE_SCHEMES", "Location", "dest_location", "is_remote", "join_key", "local_folder", "local_or_url",
-           "parse_location"]
+           "parse_location", "refuse_empty"]
 
 REMOTE_SCHEMES = ("s3",)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/")
@@ -92,8 +92,17 @@ def _as_made(path: Path) -> Path:
     return Path(*parts[:missing - 1], os.path.normpath(os.path.join(*parts[missing - 1:])))
 
 
+def refuse_empty(path: str | Path) -> None:
+    """StorageError where ``path`` is a str that is empty or only spaces: a shell variable that is not set
+    (``"$DEST"``), never the current folder, which ``Path("")`` is (a DEST replaced with ``overwrite`` is emptied)."""
+    if isinstance(path, str) and not path.strip():
+        raise StorageError(f"the path given is empty ({path!r}): name the folder ('.' for the current one)", url=path)
+
+
 def parse_location(dest: str | Path) -> Location:
-    """Parse a DEST: a local path, ``file:///abs/path``, or ``s3://bucket[/prefix]``."""
+    """Parse a DEST: a local path, ``file:///abs/path``, or ``s3://bucket[/prefix]``; an empty one is refused
+    (:func:`refuse_empty`)."""
+    refuse_empty(dest)
     if isinstance(dest, Path):
         if _SCHEME.match(str(dest)):  # Path("s3://b/x") is "s3:/b/x": a URL mangled by pathlib, never a folder
             raise StorageError(f"{dest}: looks like a URL passed as a Path (pass URLs as str)", url=str(dest))
