@@ -170,7 +170,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    _refuse_idle_flags(click.get_current_context())
+    _warn_idle_flags(click.get_current_context())
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
                                      (text_field, eos, special_in_text, train_on, max_tokens, overlong))
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
@@ -205,19 +205,25 @@ _PARTNERS = {"quality": ("max_side",), "split_by": ("split",), "seed": ("shuffle
 """A ``fastio convert`` flag that is read only with one of these (given, or true)."""
 
 
-def _refuse_idle_flags(ctx: click.Context) -> None:
-    """ConvertError naming a flag that would change nothing, unsaid, while the user believes it applied:
-    ``--staging-dir`` with a local DEST; outside a token conversion (which refuses them by name), a flag given without
-    any of its partners (:data:`_PARTNERS`)."""
-    params = ctx.params
+def _warn_idle_flags(ctx: click.Context) -> None:
+    """``warning: ...`` on stderr for each of :func:`_idle_flags`."""
+    for line in _idle_flags(ctx):
+        click.echo(f"warning: {line}", err=True)
+
+
+def _idle_flags(ctx: click.Context) -> list[str]:
+    """A line for each flag that changes nothing here, said so that the user does not believe it applied (a warning,
+    not a refusal: the conversion is the same as without it): ``--staging-dir`` with a local DEST; outside a token
+    conversion (which refuses them by name), a flag given without any of its partners (:data:`_PARTNERS`)."""
+    params, lines = ctx.params, []
     if params["staging_dir"] is not None and "://" not in params["dest"]:
-        raise ConvertError("--staging-dir: only with an s3:// DEST (a local DEST is written where it is); alone it "
-                           "changes nothing")
+        lines.append("--staging-dir: read only with an s3:// DEST (a local DEST is written where it is); ignored")
     for name, partners in _PARTNERS.items() if params["tokenizer"] is None else ():
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT and \
                 not any(params[p] for p in partners):
-            raise ConvertError(f"{_flag(ctx, name)}: only with {' or '.join(_flag(ctx, p) for p in partners)}; alone "
-                               "it changes nothing")
+            lines.append(f"{_flag(ctx, name)}: read only with {' or '.join(_flag(ctx, p) for p in partners)}; "
+                         "ignored")
+    return lines
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
