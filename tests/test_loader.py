@@ -171,6 +171,16 @@ def test_extra_fields_and_padding(image_dataset):
     assert len(_loader(image_dataset, batch_size=5, drop_last=True)) == 9
 
 
+@pytest.mark.parametrize("pipeline", [ImageTrain(size=32, fields=("jpg", "cls")), ImageEval(size=32, fields=("jpg",))])
+def test_the_image_field_asked_as_a_field_is_delivered_as_its_stored_bytes(image_dataset, pipeline):
+    """fields=("jpg",) delivers each sample's encoded image beside the decoded one, as Raw and the clip kinds
+    deliver a field they are asked for (it was dropped from the batch without a word)."""
+    got = next(iter(_loader(image_dataset, pipeline=pipeline, shuffle="none")))
+    raw = next(iter(_loader(image_dataset, pipeline=Raw(fields=("jpg",)), shuffle="none")))
+    assert torch.equal(got["index"], raw["index"])
+    assert got["jpg"] == raw["jpg"] and got["image"].shape == (8, 3, 32, 32)
+
+
 def test_stats_and_progress_line(image_dataset, capsys):
     loader = _loader(image_dataset)
     for _ in islice(batches(loader), 8):

@@ -111,9 +111,11 @@ def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool
         raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
     # A sample's image is the first of the image fields it has (Manifest.image_order); each is optional in a
     # sample for that reason, and a sample with none of them is refused when read (verify --decode names it)
+    # An image field asked for among ``fields`` is delivered too, as its stored bytes (as any field, and as Raw and
+    # the clip kinds deliver theirs): the graph decodes the reader's own copy, which decodable() may transcode
     image = ds.manifest.image_order
     ds.require_fields(list(fields), in_every_sample=True)
-    return ReadFields(tuple(f for f in fields if f != ds.image_field), image, sizes, image, decodable)
+    return ReadFields(tuple(fields), image, sizes, image, decodable)
 
 
 def image_problem(batch: ReadBatch, j: int) -> str | None:
@@ -194,7 +196,8 @@ class _Image(ImageKind):
     """Image layout: CHW or HWC."""
     fields: tuple[str, ...] | None = None
     """Fields delivered besides the image (default: the label field, as ``batch["label"]``); every sample must
-    have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes."""
+    have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes: the image field
+    itself (``fields=("jpg", "cls")``) comes as each sample's stored, encoded bytes beside the decoded image."""
     text: dict[str, Tokenize] | tuple[tuple[str, Tokenize], ...] | None = None
     """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), off the
     training thread: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
