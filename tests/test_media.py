@@ -198,6 +198,7 @@ def test_video_clips_float_layouts_and_several_clips(video_ds):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(frames=0), "frames must be an integer >= 1, got 0"),
+    (dict(size=100000), "^size must be at most 8192 pixels, got 100000: "),
     (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
     (dict(crop="left"), "crop must be random or center, got 'left'"),
     (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),

@@ -75,6 +75,12 @@ def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_option
 
 @pytest.mark.parametrize("make,match", [
     (lambda: fastio.ImageTrain(size=0), "size must be an integer >= 1, got 0"),
+    # an absurd size failed at the first batch as DALI's bad_alloc, blamed on the batch's keys
+    (lambda: fastio.ImageTrain(size=100000), r"^size must be at most 8192 pixels, got 100000: an output side beyond "
+                                             r"that makes each image gigabytes"),
+    (lambda: fastio.ImageEval(size=300, crop_ratio=0.01), r"^size / crop_ratio \(the shorter side resized before the "
+                                                          r"center crop\) must be at most 16384 pixels, got 300 / 0.01 "
+                                                          r"= 30000: "),
     (lambda: fastio.ImageTrain(dtype="int8"), "dtype must be one of float32, float16, uint8, got 'int8'"),
     (lambda: fastio.ImageEval(layout="NCHW"), "layout must be CHW or HWC, got 'NCHW'"),
     (lambda: fastio.ImageEval(crop_ratio=1.5), r"crop_ratio must be in \(0, 1\], got 1.5"),

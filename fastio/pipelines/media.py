@@ -46,7 +46,7 @@ from fastio.pipelines.base import (
     declared,
     refuse_tokens,
 )
-from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, image_problem, image_read_fields
+from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, check_side, image_problem, image_read_fields
 from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
 from fastio.words import agree, count
 
@@ -317,7 +317,7 @@ class VideoClips(_Clips):
     stride: int = 1
     """Distance between a clip's frames, in frames of the video."""
     size: int = 112
-    """Output side S: frames are S x S."""
+    """Output side S: frames are S x S (at most 8192: ``fastio.pipelines.image.MAX_SIDE``)."""
     clips_per_video: int = 1
     """Clips K drawn from each video (each its own start; one crop and flip for all K)."""
     crop: str = "random"
@@ -348,8 +348,9 @@ class VideoClips(_Clips):
         object.__setattr__(self, "mean", tuple(self.mean))
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "scale", tuple(self.scale))
-        for name in ("frames", "stride", "size", "clips_per_video"):
+        for name in ("frames", "stride", "clips_per_video"):
             _positive_int(name, getattr(self, name))
+        check_side(self.size)
         if not isinstance(self.flip, (bool, np.bool_)):
             raise ValueError(f"flip must be True or False, got {self.flip!r}")
         if self.crop not in CROPS:
