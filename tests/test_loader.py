@@ -11,6 +11,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from conftest import write_image_dataset
 from PIL import Image
 from resume import batches, same_batch
 
@@ -147,7 +148,7 @@ def test_any_integer_seed_seeds_dali_reproducibly(image_dataset, seed):
     assert next(iter(_loader(image_dataset, seed=seed)))["image"].shape == (8, 3, 32, 32)
 
 
-def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
+def test_key_takes_only_an_integer_index(image_dataset, image_folder, tmp_path):
     """``loader.key(1.5)`` answered sample 1's key (int() truncated it), ``key(True)`` too; ``key("x")`` failed with
     a bare "invalid literal for int()"; the same for a mixture's source position and index."""
     with _loader(image_dataset) as loader:
@@ -155,7 +156,8 @@ def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
         for bad in (1.5, True, "x"):
             with pytest.raises(TypeError, match=rf"^key: sample index {bad!r} is not an integer$"):
                 loader.key(bad)
-    with _loader(fastio.Mixture({"a": image_dataset, "b": image_dataset})) as mixed:
+    resharded = write_image_dataset(tmp_path / "ds8", image_folder, max_samples=8)  # one dataset twice is refused
+    with _loader(fastio.Mixture({"a": image_dataset, "b": resharded})) as mixed:
         assert mixed.key(1, np.int64(3)) == mixed.key("b", 3)
         with pytest.raises(TypeError, match=r"^key: source 1.0 is not an integer \(or a source's name\)$"):
             mixed.key(1.0, 3)

@@ -312,10 +312,13 @@ def test_a_mixture_of_audio_and_images_is_refused_by_name(audio_ds, photo_ds):
         audio_loader(mix)
 
 
-def test_a_mixture_of_video_datasets(video_ds):
+def test_a_mixture_of_video_datasets(video_ds, tmp_path):
+    import shutil
+
     import fastio
 
-    mix = fastio.Mixture({"a": str(video_ds), "b": str(video_ds)}, weights={"a": 1, "b": 1})
+    copy = shutil.copytree(video_ds, tmp_path / "copy")  # one place twice is refused; a copy mixes
+    mix = fastio.Mixture({"a": str(video_ds), "b": str(copy)}, weights={"a": 1, "b": 1})
     with video_loader(mix, batch_size=2) as loader:
         b = next(iter(loader))
     assert b["video"].shape == (2, 4, 24, 24, 3) and "source" in b

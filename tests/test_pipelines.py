@@ -280,7 +280,7 @@ def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
     assert not (old - {"dtype"}) & uses, uses  # (a DALI tensor's dtype is read when copying to the GPU)
 
 
-def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
+def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset, tmp_path):
     """Reader and MixReader take the same argument: a callable giving the coming batches (called lazily)."""
     from fastio.dataset.dataset import Dataset
     from fastio.read.mixture import MixReader
@@ -292,10 +292,10 @@ def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
         calls.append(1)
         yield np.arange(4)
 
-    ds = Dataset(image_dataset)
-    with Reader(ds, ["cls"], threads=1) as reader:
+    ds, other = Dataset(image_dataset), Dataset(_tagged(tmp_path / "t", 4, "cls"))  # one dataset twice is refused
+    with Reader(ds, ["cls"], threads=1) as reader, Reader(other, ["cls"], threads=1) as second:
         reader.read_ahead_shards(coming)  # local shards: nothing to fetch, and nothing iterated
-        mix = MixReader(Mixture({"a": ds, "b": ds}), [reader, reader])
+        mix = MixReader(Mixture({"a": ds, "b": other}), [reader, second])
         mix.read_ahead_shards(coming)
     assert calls == []
 
