@@ -700,6 +700,12 @@ def test_several_clips_per_video_resume_exactly(zoo_ds, shuffle):
     (dict(seconds=float("nan")), "seconds must be .*got nan"),
     (dict(seconds=-0.5), r"seconds must be .*got -0.5"),
     (dict(sample_rate=0), "sample_rate must be an integer >= 1, got 0"),
+    # a clip of 1.6e10 samples overflowed DALI's int32 slice shape: "fn.slice: shape value out of range ... Got:
+    # -1.17987e+09", a DatasetError blaming the batch's keys
+    (dict(seconds=1e6), r"^seconds \* sample_rate must be at most 268435456 samples \(a clip of 1 GiB of float32\), "
+                        r"got 1000000.0 \* 16000 = 16000000000$"),
+    (dict(seconds=20000, sample_rate=16000), r"^seconds \* sample_rate must be at most 268435456 samples"),
+    (dict(seconds=1e308), r"^seconds \* sample_rate must be at most 268435456 samples .*= inf$"),  # OverflowError
     (dict(n_mels=64, n_fft=64), r"n_mels=64 .*n_fft=64"),
     (dict(n_mels=128, n_fft=128, sample_rate=8000), r"n_mels=128 .*n_fft=128 at sample_rate=8000: \d+ mel bands"),
 ])
@@ -714,6 +720,11 @@ def test_audio_clip_options_name_the_bad_value(bad, match):
     (dict(stride=-2), "stride must be an integer >= 1, got -2"),
     (dict(size=0), "size must be an integer >= 1, got 0"),
     (dict(clips_per_video=0), "clips_per_video must be an integer >= 1, got 0"),
+    # frames=2**31 was accepted, and a Loader's first batch ran the machine out of memory: the process was killed
+    (dict(frames=2**31), r"^frames \* clips_per_video \(the frames decoded per video\) must be at most 4096, got "
+                         r"2147483648 \* 1: each is decoded at the video's own size first \(4096 frames of 640 x 360 are "
+                         r"2.8 GB\)$"),
+    (dict(frames=64, clips_per_video=100), r"^frames \* clips_per_video .* must be at most 4096, got 64 \* 100: "),
     (dict(flip="yes"), "flip must be True or False, got 'yes'"),
 ])
 def test_video_clip_options_name_the_bad_value(bad, match):

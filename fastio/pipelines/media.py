@@ -61,6 +61,13 @@ __all__ = ["AudioClips", "VideoClips"]
 
 VIDEO_LAYOUTS = ("FCHW", "FHWC", "CFHW")
 CROPS = ("random", "center")
+MAX_CLIP_FRAMES = 4096
+"""The most frames a :class:`VideoClips` decodes per video (``frames * clips_per_video``): each is decoded at the
+video's own size before it is resized (4096 frames of 640 x 360 are 2.8 GB); more ran the machine out of memory at
+the first batch (``frames=2**31``: the process killed)."""
+MAX_CLIP_SAMPLES = 2**28
+"""The most samples of an :class:`AudioClips` clip (1 GiB of float32; 4.6 hours at 16 kHz): a longer one ran DALI
+out of memory, or past its int32 shapes (a bare ``shape value out of range`` blaming the batch's keys)."""
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -313,7 +320,7 @@ class VideoClips(_Clips):
         "roi_start": "float32", "roi_end": "float32", "flip": "int32", "turned": "bool", "transpose": "bool",
         "turn_h": "int32", "turn_v": "int32", "fallback": "bool", "frames": "uint8"}
     frames: int = 16
-    """Frames per clip."""
+    """Frames per clip (``frames * clips_per_video`` at most 4096: :data:`MAX_CLIP_FRAMES`)."""
     stride: int = 1
     """Distance between a clip's frames, in frames of the video."""
     size: int = 112
@@ -350,6 +357,10 @@ class VideoClips(_Clips):
         object.__setattr__(self, "scale", tuple(self.scale))
         for name in ("frames", "stride", "clips_per_video"):
             _positive_int(name, getattr(self, name))
+        if self.frames * self.clips_per_video > MAX_CLIP_FRAMES:
+            raise ValueError(f"frames * clips_per_video (the frames decoded per video) must be at most "
+                             f"{MAX_CLIP_FRAMES}, got {self.frames} * {self.clips_per_video}: each is decoded at the "
+                             "video's own size first (4096 frames of 640 x 360 are 2.8 GB)")
         check_side(self.size)
         if not isinstance(self.flip, (bool, np.bool_)):
             raise ValueError(f"flip must be True or False, got {self.flip!r}")
@@ -627,7 +638,7 @@ class AudioClips(_Clips):
     sample_rate: int = 16000
     """Output rate in Hz: every file is resampled to it."""
     seconds: float = 1.0
-    """Clip length in seconds."""
+    """Clip length in seconds (``seconds * sample_rate`` at most 2**28 samples: :data:`MAX_CLIP_SAMPLES`)."""
     n_mels: int | None = None
     """Mel bands of a log-mel output; None delivers the waveform. ValueError when a band would hold no FFT bin
     of ``n_fft`` (:func:`empty_mel_bands`)."""
@@ -642,7 +653,12 @@ class AudioClips(_Clips):
         for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
             _positive_int(name, getattr(self, name))
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
-                or not math.isfinite(self.seconds) or self.length < 1:
+                or not math.isfinite(self.seconds):
+            raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
+        if self.sample_rate * float(self.seconds) > MAX_CLIP_SAMPLES:  # before length: a product past a float's range
+            raise ValueError(f"seconds * sample_rate must be at most {MAX_CLIP_SAMPLES} samples (a clip of 1 GiB of "
+                             f"float32), got {self.seconds!r} * {self.sample_rate} = {self.sample_rate * self.seconds:.0f}")
+        if self.length < 1:
             raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
         empty = [] if self.n_mels is None else empty_mel_bands(self.sample_rate, self.n_fft, self.n_mels)
         if empty:
