@@ -826,6 +826,37 @@ def test_audio_dali_decodes_shorter_than_its_probe_is_named(tmp_path):
                 pass
 
 
+def _ogg_crc(page: bytes) -> int:
+    """An Ogg page's CRC-32 (polynomial 0x04c11db7, not reflected), of the page with its checksum field zero."""
+    crc = 0
+    for byte in page:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def test_audio_dali_cannot_open_though_pyav_reads_it_is_named(tmp_path):
+    """An Ogg Opus file whose header's pre-skip (60000 samples) is past its sound: PyAV reads it (312 samples), DALI's
+    decoder cannot open it ("SF_INFO struct incomplete"). The error said "DALI failed on a batch with keys 'k0',
+    'k1'", naming no file: the check asked of each sample took a file DALI cannot open for one it reads in full."""
+    import fastio
+
+    data = bytearray(make_audio(tmp_path / "a.opus", "libopus", "ogg", rate=48000, seconds=1.2).read_bytes())
+    head = data.find(b"OpusHead")
+    data[head + 10:head + 12] = (60000).to_bytes(2, "little")  # the pre-skip, on the first page
+    end = 27 + data[26] + sum(data[27:27 + data[26]])
+    data[22:26] = bytes(4)
+    data[22:26] = _ogg_crc(bytes(data[:end])).to_bytes(4, "little")
+    good = make_audio(tmp_path / "b.flac", "flac", "flac", rate=16000).read_bytes()
+    files = {"k0": good, "k1": bytes(data)}
+    dest = write_media(tmp_path / "ds", "ogg", files, {k: check_media(v, "ogg") for k, v in files.items()})
+    with pytest.raises(fastio.DatasetError, match=r"key 'k1': field 'ogg' failed to decode \(DALI's audio decoder "
+                                                  r"cannot read it \(fn\.decoders\.audio: .*\); re-encode it "):
+        with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
+            next(iter(ld))
+
+
 # -- ranks and elastic resume ------------------------------------------------------------------------------------
 
 def test_elastic_resume_of_several_clips_and_of_audio_keeps_each_sample_once_with_its_clips(zoo_ds, sounds_ds):

@@ -43,6 +43,8 @@ from fastio.pipelines.base import (
     ReadFields,
     Source,
     check_fields,
+    dali_out_of_memory,
+    dali_reason,
     declared,
     refuse_tokens,
 )
@@ -229,7 +231,7 @@ class _Clips(Pipeline):
         unit, noun = ("frames", "frame") if self.media == "video" else ("samples", "sample")
         if found[unit] != stored[unit]:
             return f"it has {count(found[unit], noun)}, its {PROBE_FIELD} says {stored[unit]}"
-        return None if self.media == "video" else _dali_reads_less(
+        return None if self.media == "video" else _dali_audio_problem(
             batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
     conditionals: ClassVar[bool] = False
@@ -730,10 +732,12 @@ def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> 
     return out[:, 0], out[:, 1], out[:, 2]
 
 
-def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
-    """Why DALI's audio decoder fails on a file PyAV reads in full: it reads fewer samples than the probe counted
+def _dali_audio_problem(encoded: np.ndarray, samples: int) -> str | None:
+    """Why DALI's audio decoder fails on a file PyAV reads in full: it cannot open it (an Ogg Opus header whose
+    pre-skip is past the sound: "SF_INFO struct incomplete"), or it reads fewer samples than the probe counted
     (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
-    after the graph failed (one small pipeline per sample), None when DALI reads it all or fails to read it."""
+    after the graph failed (one small pipeline per sample), None when DALI reads it all (or ran out of memory
+    trying: not the file's fault)."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
@@ -745,8 +749,10 @@ def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
         pipe = decode()
         pipe.build()
         read = int(pipe.run()[0][0].shape()[0])
-    except Exception:  # whatever DALI raises, it cannot read it at all: not this case
-        return None
+    except Exception as err:  # whatever DALI raises: it cannot read this file alone
+        if dali_out_of_memory(err):
+            return None
+        return f"DALI's audio decoder cannot read it ({dali_reason(err)}); re-encode it (e.g. as FLAC)"
     if read >= samples:
         return None
     return f"DALI's audio decoder reads {read} of its {count(samples, 'sample')}; re-encode it (e.g. as FLAC)"
