@@ -101,6 +101,23 @@ def test_pipeline_objects_check_their_options(make, match):
         make()
 
 
+@pytest.mark.parametrize("text,memory", [
+    ("Critical error in pipeline:\nError in thread 0: [/opt/dali/dali/pipeline/...] std::bad_alloc", True),
+    ("Error in MIXED operator `nvidia.dali.fn.decoders.image`:\nCUDA allocation failed", True),
+    ("CUDA runtime API error cudaErrorMemoryAllocation (2):\nout of memory", True),
+    ("nvJPEG error (NVJPEG_STATUS_ALLOCATOR_FAILURE)", True),
+    ("OpenCV(4.x) error: (-4:Insufficient memory) Failed to allocate 12345678 bytes in function 'OutOfMemoryError'", True),
+    ("Error in CPU operator `nvidia.dali.fn.decoders.image`:\nUnrecognized image format", False),
+    ("fn.decoders.audio: Failed to open encoded data: Internal error : SF_INFO struct incomplete.", False),
+])
+def test_dali_out_of_memory_tells_an_allocation_failure_from_bad_data(text, memory):
+    """The Loader blames no sample where DALI says an allocation failed (GPU failures are not reproducible on the
+    CPU: DALI's, CUDA's, nvJPEG's and OpenCV's wordings, as their libraries hold them)."""
+    from fastio.pipelines.base import dali_out_of_memory
+
+    assert dali_out_of_memory(RuntimeError(text)) is memory
+
+
 def test_a_graph_object_is_the_graph_function(image_dataset):
     def flip(image, device):
         from nvidia.dali import fn

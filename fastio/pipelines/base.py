@@ -383,7 +383,9 @@ def dali_reason(err: BaseException) -> str:
 
 
 _DALI_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|CUDA allocation failed|cudaErrorMemoryAllocation|"
-                                 r"CUDA_ERROR_OUT_OF_MEMORY", re.IGNORECASE)
+                                 r"CUDA_ERROR_OUT_OF_MEMORY|DALI_ERROR_OUT_OF_MEMORY|OutOfMemoryError|"
+                                 r"NVJPEG_STATUS_ALLOCATOR_FAILURE|Failed to allocate", re.IGNORECASE)
+"""How DALI (2.4: the strings in libdali*.so), CUDA, nvJPEG and OpenCV inside it say an allocation failed."""
 
 
 def dali_out_of_memory(err: BaseException) -> bool:
