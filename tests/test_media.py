@@ -533,6 +533,33 @@ def test_a_video_dali_cannot_decode_is_named(tmp_path, video_folder):
             next(iter(loader))
 
 
+def test_a_video_with_a_damaged_frame_is_named(tmp_path):
+    """A VP9 video whose 11th packet's payload is damaged (the file demuxes to its 40 frames, as its probe says;
+    PyAV and DALI fail at that frame): the Loader said "DALI failed on a batch with keys 'k0', 'k1', 'k2'", naming
+    no file, because the check asked of each sample after a failure only demuxed it. It is decoded now."""
+    import io
+
+    import av
+
+    from fastio.errors import DatasetError
+
+    good = synthetic.make_video(tmp_path / "v.webm", frames=40, fps=10, keyframe_every=10).read_bytes()
+    with av.open(io.BytesIO(good)) as container:
+        payload = [bytes(p) for p in container.demux(video=0) if p.size][10]
+    at = good.find(payload)
+    bad = good[:at + 1] + bytes(b ^ 0xA5 for b in payload[1:]) + good[at + len(payload):]
+    info = check_media(good, "webm")
+    assert check_media(bad, "webm") == info  # demuxed, the same frames
+    videos = {"k0": good, "k1": bad, "k2": good}
+    dest = _write_videos(tmp_path / "ds", videos, {k: info for k in videos})
+    pipe = fastio.VideoClips(frames=8, stride=4, size=16)
+    with pytest.raises(DatasetError, match=r"^.*ds: shard shard-000000.tar key 'k1': field 'webm' failed to decode "
+                                           r"\(cannot be decoded by PyAV \(frame 10: .*\)\)$"):
+        with video_loader(dest, pipe, batch_size=3, shuffle="none", seed=1) as loader:
+            for _ in loader:
+                pass
+
+
 def test_videos_without_probes_are_refused_by_name(tmp_path, video_folder):
     from fastio.errors import DatasetError
 

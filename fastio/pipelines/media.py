@@ -33,7 +33,7 @@ from fastio.formats.media import (
     trim_video,
 )
 from fastio.formats.ogg import dali_opus_layout, last_granule
-from fastio.formats.pyav_clips import CPU_FALLBACKS
+from fastio.formats.pyav_clips import CPU_FALLBACKS, undecodable_frame
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import (
     Delivery,
@@ -231,8 +231,10 @@ class _Clips(Pipeline):
         unit, noun = ("frames", "frame") if self.media == "video" else ("samples", "sample")
         if found[unit] != stored[unit]:
             return f"it has {count(found[unit], noun)}, its {PROBE_FIELD} says {stored[unit]}"
-        return None if self.media == "video" else _dali_audio_problem(
-            batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
+        if self.media == "video":  # the probe demuxes: a damaged frame shows only when decoded
+            bad = undecodable_frame(batch.image[j].tobytes())
+            return None if bad is None else f"cannot be decoded by PyAV ({bad})"
+        return _dali_audio_problem(batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
