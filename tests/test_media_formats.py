@@ -425,7 +425,9 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
     kept = result.samples
     assert "c0/good.webm" not in reasons
     assert "cannot be probed" in reasons["c0/zero.webm"]
-    assert "c0/silence.flac" in reasons and "no audio stream" in reasons["c0/silence.flac"]
+    # a video named as audio said only "no audio stream"; it says what the file is, as the reverse case does
+    assert reasons["c0/silence.flac"] == ("no audio stream, only video (vp9 in matroska): its suffix says flac; name "
+                                          "it by its container (.webm, .mkv, .mp4, ...) to store it as a video")
     assert "mp3" in reasons["c0/song.mp3"] and "FLAC" in reasons["c0/song.mp3"]
     assert "h264" in reasons["c0/camera.mp4"] and "--transcode vp9" in reasons["c0/camera.mp4"]
     assert "png image" in reasons["c0/picture.webm"] and "not a video" in reasons["c0/picture.webm"]
