@@ -67,6 +67,9 @@ MAX_CLIP_FRAMES = 4096
 """The most frames a :class:`VideoClips` decodes per video (``frames * clips_per_video``): each is decoded at the
 video's own size before it is resized (4096 frames of 640 x 360 are 2.8 GB); more ran the machine out of memory at
 the first batch (``frames=2**31``: the process killed)."""
+MAX_FFT = 2**16
+"""The largest ``AudioClips(n_fft=...)`` (4 s at 16 kHz; speech and music use 256..4096): its mel bands are checked
+over its ``n_fft / 2 + 1`` bins when it is made (``n_fft=2**31`` allocated gigabytes there)."""
 MAX_CLIP_SAMPLES = 2**28
 """The most samples of an :class:`AudioClips` clip (1 GiB of float32; 4.6 hours at 16 kHz): a longer one ran DALI
 out of memory, or past its int32 shapes (a bare ``shape value out of range`` blaming the batch's keys)."""
@@ -647,7 +650,7 @@ class AudioClips(_Clips):
     """Mel bands of a log-mel output; None delivers the waveform. ValueError when a band would hold no FFT bin
     of ``n_fft`` (:func:`empty_mel_bands`)."""
     n_fft: int = 400
-    """FFT size and window length of the spectrogram (``n_mels`` only)."""
+    """FFT size and window length of the spectrogram (``n_mels`` only; at most 65536: :data:`MAX_FFT`)."""
     hop: int = 160
     """Samples between spectrogram windows (``n_mels`` only)."""
 
@@ -656,6 +659,8 @@ class AudioClips(_Clips):
         _positive_int("sample_rate", self.sample_rate)
         for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
             _positive_int(name, getattr(self, name))
+        if self.n_fft > MAX_FFT:
+            raise ValueError(f"n_fft must be at most {MAX_FFT} (4 s at 16 kHz), got {self.n_fft!r}")
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
                 or not math.isfinite(self.seconds):
             raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
