@@ -711,6 +711,9 @@ def test_several_clips_per_video_resume_exactly(zoo_ds, shuffle):
     # n_fft=2**31 allocated 8 GiB (then n_mels times more) checking the mel bands: a bare numpy MemoryError, or the
     # process killed
     (dict(n_mels=40, n_fft=2**31), r"^n_fft must be at most 65536 \(4 s at 16 kHz\), got 2147483648$"),
+    # hop=2**31 failed building the Loader's graph with DALI's bare RuntimeError "Invalid window step: -2147483648"
+    (dict(n_mels=40, hop=2**31), r"^hop must be at most 268435456 samples \(a clip's largest length\), got "
+                                 r"2147483648$"),
     (dict(n_mels=64, n_fft=64), r"n_mels=64 .*n_fft=64"),
     (dict(n_mels=128, n_fft=128, sample_rate=8000), r"n_mels=128 .*n_fft=128 at sample_rate=8000: \d+ mel bands"),
 ])

@@ -652,7 +652,7 @@ class AudioClips(_Clips):
     n_fft: int = 400
     """FFT size and window length of the spectrogram (``n_mels`` only; at most 65536: :data:`MAX_FFT`)."""
     hop: int = 160
-    """Samples between spectrogram windows (``n_mels`` only)."""
+    """Samples between spectrogram windows (``n_mels`` only; at most 2**28: :data:`MAX_CLIP_SAMPLES`)."""
 
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
@@ -661,6 +661,8 @@ class AudioClips(_Clips):
             _positive_int(name, getattr(self, name))
         if self.n_fft > MAX_FFT:
             raise ValueError(f"n_fft must be at most {MAX_FFT} (4 s at 16 kHz), got {self.n_fft!r}")
+        if self.hop > MAX_CLIP_SAMPLES:  # DALI's window step is an int32: 2**31 wrapped to a negative one
+            raise ValueError(f"hop must be at most {MAX_CLIP_SAMPLES} samples (a clip's largest length), got {self.hop!r}")
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
                 or not math.isfinite(self.seconds):
             raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
