@@ -199,6 +199,12 @@ def test_video_clips_float_layouts_and_several_clips(video_ds):
 @pytest.mark.parametrize("bad,match", [
     (dict(frames=0), "frames must be an integer >= 1, got 0"),
     (dict(size=100000), "^size must be at most 8192 pixels, got 100000: "),
+    # NaN made a third of every clip's values NaN, without a word; a string failed building the graph with
+    # "could not convert string to float: 'aaaa...'" (ImageTrain refused both already)
+    (dict(mean=(float("nan"), 0.5, 0.5)), r"^mean and std need 3 values, std > 0, each a finite number; got "
+                                          r"\(nan, 0.5, 0.5\), \(0.229, 0.224, 0.225\)$"),
+    (dict(std=(float("inf"), 0.2, 0.2)), r"^mean and std need 3 values, .*\(inf, 0.2, 0.2\)$"),
+    (dict(mean="abc"), r"^mean and std need 3 values, .*got \('a', 'b', 'c'\)"),
     (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
     (dict(crop="left"), "crop must be random or center, got 'left'"),
     (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),

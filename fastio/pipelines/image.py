@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "MAX_SIDE", "ImageEval", "ImageKind", "ImageTrain",
-           "check_side", "decodable", "image_problem", "image_read_fields"]
+           "check_mean_std", "check_side", "decodable", "image_problem", "image_read_fields"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -64,6 +64,12 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be CHW or HWC, got {layout!r}")
     check_side(size, name)
+    check_mean_std(mean, std)
+
+
+def check_mean_std(mean: Any, std: Any) -> None:
+    """ValueError naming ``mean`` and ``std`` unless each is 3 finite numbers (not bools), ``std`` > 0: NaN or inf
+    makes every pixel of a channel NaN."""
     if len(mean) != 3 or len(std) != 3 or not all(map(_finite_number, (*mean, *std))) or min(std) <= 0:
         raise ValueError(f"mean and std need 3 values, std > 0, each a finite number; got {mean}, {std}")
 

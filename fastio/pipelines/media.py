@@ -48,7 +48,14 @@ from fastio.pipelines.base import (
     declared,
     refuse_tokens,
 )
-from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, check_side, image_problem, image_read_fields
+from fastio.pipelines.image import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    check_mean_std,
+    check_side,
+    image_problem,
+    image_read_fields,
+)
 from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
 from fastio.words import agree, count
 
@@ -379,8 +386,7 @@ class VideoClips(_Clips):
             raise ValueError(f"layout must be one of {', '.join(VIDEO_LAYOUTS)}, got {self.layout!r}")
         if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.scale!r}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ValueError(f"mean and std need 3 values, std > 0; got {self.mean}, {self.std}")
+        check_mean_std(self.mean, self.std)
 
     def _check_fallback(self) -> None:
         if self.cpu_fallback is not None and self.cpu_fallback not in CPU_FALLBACKS:
