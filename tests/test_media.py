@@ -205,6 +205,11 @@ def test_video_clips_float_layouts_and_several_clips(video_ds):
                                           r"\(nan, 0.5, 0.5\), \(0.229, 0.224, 0.225\)$"),
     (dict(std=(float("inf"), 0.2, 0.2)), r"^mean and std need 3 values, .*\(inf, 0.2, 0.2\)$"),
     (dict(mean="abc"), r"^mean and std need 3 values, .*got \('a', 'b', 'c'\)"),
+    # a string or None in scale raised a bare TypeError ("'<' not supported between instances of 'int' and 'str'");
+    # True passed as 1
+    (dict(scale="ab"), r"^scale must be \(lo, hi\) with 0 < lo <= hi <= 1, got \('a', 'b'\)$"),
+    (dict(scale=(None, 1)), r"^scale must be \(lo, hi\) .*got \(None, 1\)$"),
+    (dict(scale=(True, True)), r"^scale must be \(lo, hi\) .*got \(True, True\)$"),
     (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
     (dict(crop="left"), "crop must be random or center, got 'left'"),
     (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),

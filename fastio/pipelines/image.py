@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "MAX_SIDE", "ImageEval", "ImageKind", "ImageTrain",
-           "check_mean_std", "check_side", "decodable", "image_problem", "image_read_fields"]
+           "check_mean_std", "check_side", "decodable", "finite_number", "image_problem", "image_read_fields"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -70,7 +70,7 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
 def check_mean_std(mean: Any, std: Any) -> None:
     """ValueError naming ``mean`` and ``std`` unless each is 3 finite numbers (not bools), ``std`` > 0: NaN or inf
     makes every pixel of a channel NaN."""
-    if len(mean) != 3 or len(std) != 3 or not all(map(_finite_number, (*mean, *std))) or min(std) <= 0:
+    if len(mean) != 3 or len(std) != 3 or not all(map(finite_number, (*mean, *std))) or min(std) <= 0:
         raise ValueError(f"mean and std need 3 values, std > 0, each a finite number; got {mean}, {std}")
 
 
@@ -85,7 +85,7 @@ def check_side(size: Any, name: str = "size") -> None:
                          "DALI out of memory at the first batch")
 
 
-def _finite_number(value: Any) -> bool:
+def finite_number(value: Any) -> bool:
     """A real number (not a bool), finite: NaN or inf in mean or std makes every pixel NaN."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
@@ -101,7 +101,7 @@ def check_hw_decoder_load(load: Any) -> None:
 def check_crop_ratio(ratio: Any, name: str = "crop_ratio", size: int | None = None) -> None:
     """ValueError naming ``ratio`` unless it is in (0, 1] and, with ``size``, resizes the shorter side to
     ``size / ratio`` <= :data:`MAX_RESIZED` pixels."""
-    if not _finite_number(ratio) or not 0 < ratio <= 1:
+    if not finite_number(ratio) or not 0 < ratio <= 1:
         raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
     if size is not None and size / ratio > MAX_RESIZED:
         raise ValueError(f"size / {name} (the shorter side resized before the center crop) must be at most "

@@ -53,6 +53,7 @@ from fastio.pipelines.image import (
     IMAGENET_STD,
     check_mean_std,
     check_side,
+    finite_number,
     image_problem,
     image_read_fields,
 )
@@ -384,7 +385,8 @@ class VideoClips(_Clips):
             raise ValueError(f"dtype must be float32 or uint8, got {self.dtype!r}")
         if self.layout not in VIDEO_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(VIDEO_LAYOUTS)}, got {self.layout!r}")
-        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
+        if len(self.scale) != 2 or not all(map(finite_number, self.scale)) \
+                or not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.scale!r}")
         check_mean_std(self.mean, self.std)
 
