@@ -3,13 +3,14 @@
 :class:`FastioError` and its kinds: :class:`DatasetError` (:class:`MixtureError`, also a ``ValueError``: datasets that
 cannot be read as one stream), :class:`ConvertError`, :class:`LoaderStateError`,
 :class:`LoaderArgumentError` (also a ``TypeError``: another loader's argument, with fastio's equivalent),
+:class:`PipelineMemoryError` (also a ``MemoryError``: a batch's outputs that do not fit, not bad data),
 :class:`CheckpointError`, :class:`StorageError` (``url``, ``transient``, ``missing``) and
 :class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used); and
 :func:`install_hint`, what a message says to add an optional dependency (fastio installs from its checkout,
 docs/install.md). Imports nothing of fastio."""
 
 __all__ = ["FastioError", "DatasetError", "MixtureError", "ConvertError", "LoaderStateError", "LoaderArgumentError",
-           "CheckpointError", "StorageError", "StorageOptionsError", "install_hint"]
+           "PipelineMemoryError", "CheckpointError", "StorageError", "StorageOptionsError", "install_hint"]
 
 
 def install_hint(extra: str) -> str:
@@ -47,6 +48,11 @@ class LoaderArgumentError(FastioError, TypeError):
 class LoaderClosedError(FastioError, ValueError):
     """A closed Loader asked to move or deliver (iteration, ``load_state_dict``, ``set_epoch``): only its
     ``state_dict`` (the last position) and ``close`` still answer."""
+
+
+class PipelineMemoryError(FastioError, MemoryError):
+    """A Loader's DALI pipeline ran out of memory (host or GPU) making a batch: the outputs asked for (the batch size,
+    a kind's output size, a graph's operators) do not fit, whatever the samples. Also a ``MemoryError``."""
 
 
 class CheckpointError(FastioError):

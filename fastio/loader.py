@@ -27,11 +27,18 @@ import torch
 
 from fastio.dataset.dataset import Dataset
 from fastio.dist import alone_on_node, rank_and_world, usable_cpus
-from fastio.errors import DatasetError, FastioError, LoaderArgumentError, LoaderClosedError, LoaderStateError
+from fastio.errors import (
+    DatasetError,
+    FastioError,
+    LoaderArgumentError,
+    LoaderClosedError,
+    LoaderStateError,
+    PipelineMemoryError,
+)
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import dali_inputs, dali_reason
+from fastio.pipelines.base import dali_inputs, dali_out_of_memory, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -713,9 +720,10 @@ class Loader:
         owned = self._built is not None and self._built.owned_outputs
         return torch_value(value, self.torch_device if self.device == "cuda" else None, owned)
 
-    def _decode_error(self, in_flight: list[Fed], err: Exception) -> DatasetError:
+    def _decode_error(self, in_flight: list[Fed], err: Exception) -> FastioError:
         """Map a DALI failure back to the sample: the first one the pipeline's graph finds undecodable too
-        (:attr:`fastio.pipelines.GraphDef.problem`), in feed order."""
+        (:attr:`fastio.pipelines.GraphDef.problem`), in feed order; else, where DALI ran out of memory, a
+        :class:`PipelineMemoryError` (the outputs do not fit; the samples are not blamed)."""
         rs, where = self.read_set, self._graph.where
         for fed in in_flight:
             if where is not None:  # the kind names its graph's samples (fastio.ImageText: each image)
@@ -729,6 +737,10 @@ class Loader:
                 if problem is not None:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)
+        if dali_out_of_memory(err):
+            return PipelineMemoryError(f"{rs.root}: DALI ran out of memory making a batch of {self.config.batch_size} "
+                                       f"({first}): the pipeline's outputs do not fit, not the data; lower batch_size "
+                                       "or the output size")
         if in_flight and where is not None:
             return DatasetError(f"DALI failed on a batch of {'; '.join(where(in_flight[0].batch)[:4])}: {first}")
         if not in_flight:  # the graph failed with no batch of this Loader's in it

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_image_dataset
 from test_mixture import _small
 from torch import nn
 
@@ -83,7 +84,8 @@ def test_a_module_of_another_shape_leaves_every_other_app_key_as_it_was(tmp_path
     assert opt2.param_groups[0]["lr"] == 0.5, "the optimizer was loaded"
 
 
-def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_path, image_dataset, one_thread):
+def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_path, image_dataset, image_folder,
+                                                                         one_thread):
     """Resuming a mid-epoch Lightning checkpoint with other mixture weights is refused with a hint Lightning can
     follow (a checkpoint saved at an epoch's end), and resuming from such a checkpoint with the new weights works."""
     import importlib.util
@@ -98,8 +100,10 @@ def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_p
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
 
+    resharded = write_image_dataset(tmp_path / "ds8", image_folder, max_samples=8)  # one dataset twice is refused
+
     def data(weights: dict) -> FastioDataModule:
-        return FastioDataModule(Mixture({"a": image_dataset, "b": image_dataset}, weights=weights), batch_size=8,
+        return FastioDataModule(Mixture({"a": image_dataset, "b": resharded}, weights=weights), batch_size=8,
                                 pipeline=ImageTrain(size=32), device="cpu", num_threads=1, reader_threads=1)
 
     def trainer(**kw) -> pl.Trainer:

@@ -11,6 +11,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from conftest import write_image_dataset
 from PIL import Image
 from resume import batches, same_batch
 
@@ -147,7 +148,7 @@ def test_any_integer_seed_seeds_dali_reproducibly(image_dataset, seed):
     assert next(iter(_loader(image_dataset, seed=seed)))["image"].shape == (8, 3, 32, 32)
 
 
-def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
+def test_key_takes_only_an_integer_index(image_dataset, image_folder, tmp_path):
     """``loader.key(1.5)`` answered sample 1's key (int() truncated it), ``key(True)`` too; ``key("x")`` failed with
     a bare "invalid literal for int()"; the same for a mixture's source position and index."""
     with _loader(image_dataset) as loader:
@@ -155,7 +156,8 @@ def test_key_takes_only_an_integer_index(image_dataset, tmp_path):
         for bad in (1.5, True, "x"):
             with pytest.raises(TypeError, match=rf"^key: sample index {bad!r} is not an integer$"):
                 loader.key(bad)
-    with _loader(fastio.Mixture({"a": image_dataset, "b": image_dataset})) as mixed:
+    resharded = write_image_dataset(tmp_path / "ds8", image_folder, max_samples=8)  # one dataset twice is refused
+    with _loader(fastio.Mixture({"a": image_dataset, "b": resharded})) as mixed:
         assert mixed.key(1, np.int64(3)) == mixed.key("b", 3)
         with pytest.raises(TypeError, match=r"^key: source 1.0 is not an integer \(or a source's name\)$"):
             mixed.key(1.0, 3)
@@ -169,6 +171,16 @@ def test_extra_fields_and_padding(image_dataset):
     assert int(epoch[-1]["padded"].sum()) == 2 and not epoch[0]["padded"].any()
     assert epoch[-1]["index"][-2:].tolist() == epoch[0]["index"][:2].tolist()  # wraps to the epoch start
     assert len(_loader(image_dataset, batch_size=5, drop_last=True)) == 9
+
+
+@pytest.mark.parametrize("pipeline", [ImageTrain(size=32, fields=("jpg", "cls")), ImageEval(size=32, fields=("jpg",))])
+def test_the_image_field_asked_as_a_field_is_delivered_as_its_stored_bytes(image_dataset, pipeline):
+    """fields=("jpg",) delivers each sample's encoded image beside the decoded one, as Raw and the clip kinds
+    deliver a field they are asked for (it was dropped from the batch without a word)."""
+    got = next(iter(_loader(image_dataset, pipeline=pipeline, shuffle="none")))
+    raw = next(iter(_loader(image_dataset, pipeline=Raw(fields=("jpg",)), shuffle="none")))
+    assert torch.equal(got["index"], raw["index"])
+    assert got["jpg"] == raw["jpg"] and got["image"].shape == (8, 3, 32, 32)
 
 
 def test_stats_and_progress_line(image_dataset, capsys):

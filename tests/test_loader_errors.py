@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -139,6 +140,23 @@ def test_bad_arguments(image_dataset, kw, match):
 def test_bad_image_options(image_dataset, options, match):
     with pytest.raises(ValueError, match=match):
         _loader(image_dataset, pipeline=ImageTrain(**options))
+
+
+def test_dali_out_of_memory_is_not_blamed_on_the_data(image_dataset):
+    """A graph that runs DALI out of memory (an output of 10^6 x 10^6 pixels: DALI's std::bad_alloc) says so and
+    what to lower; it was a DatasetError blaming the batch's keys, whose images are fine."""
+    def huge(image, device):
+        from nvidia.dali import fn
+
+        return fn.resize(image, resize_x=1_000_000, resize_y=1_000_000)
+
+    with pytest.raises(fastio.errors.PipelineMemoryError) as err:
+        next(iter(_loader(image_dataset, pipeline=fastio.Graph(huge), batch_size=2)))
+    text = str(err.value)
+    assert not isinstance(err.value, DatasetError) and isinstance(err.value, (FastioError, MemoryError))
+    assert re.fullmatch(r".*ds: DALI ran out of memory making a batch of 2 \(fn\.resize: std::bad_alloc\): the "
+                        r"pipeline's outputs do not fit, not the data; lower batch_size or the output size", text), text
+    assert "key" not in text
 
 
 def test_errors_are_fastio_errors():

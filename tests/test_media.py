@@ -198,6 +198,18 @@ def test_video_clips_float_layouts_and_several_clips(video_ds):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(frames=0), "frames must be an integer >= 1, got 0"),
+    (dict(size=100000), "^size must be at most 8192 pixels, got 100000: "),
+    # NaN made a third of every clip's values NaN, without a word; a string failed building the graph with
+    # "could not convert string to float: 'aaaa...'" (ImageTrain refused both already)
+    (dict(mean=(float("nan"), 0.5, 0.5)), r"^mean and std need 3 values, std > 0, each a finite number; got "
+                                          r"\(nan, 0.5, 0.5\), \(0.229, 0.224, 0.225\)$"),
+    (dict(std=(float("inf"), 0.2, 0.2)), r"^mean and std need 3 values, .*\(inf, 0.2, 0.2\)$"),
+    (dict(mean="abc"), r"^mean and std need 3 values, .*got \('a', 'b', 'c'\)"),
+    # a string or None in scale raised a bare TypeError ("'<' not supported between instances of 'int' and 'str'");
+    # True passed as 1
+    (dict(scale="ab"), r"^scale must be \(lo, hi\) with 0 < lo <= hi <= 1, got \('a', 'b'\)$"),
+    (dict(scale=(None, 1)), r"^scale must be \(lo, hi\) .*got \(None, 1\)$"),
+    (dict(scale=(True, True)), r"^scale must be \(lo, hi\) .*got \(True, True\)$"),
     (dict(layout="NCHW"), "layout must be one of FCHW, FHWC, CFHW, got 'NCHW'"),
     (dict(crop="left"), "crop must be random or center, got 'left'"),
     (dict(scale=(0.5, 0.2)), r"scale must be \(lo, hi\)"),
@@ -311,10 +323,13 @@ def test_a_mixture_of_audio_and_images_is_refused_by_name(audio_ds, photo_ds):
         audio_loader(mix)
 
 
-def test_a_mixture_of_video_datasets(video_ds):
+def test_a_mixture_of_video_datasets(video_ds, tmp_path):
+    import shutil
+
     import fastio
 
-    mix = fastio.Mixture({"a": str(video_ds), "b": str(video_ds)}, weights={"a": 1, "b": 1})
+    copy = shutil.copytree(video_ds, tmp_path / "copy")  # one place twice is refused; a copy mixes
+    mix = fastio.Mixture({"a": str(video_ds), "b": str(copy)}, weights={"a": 1, "b": 1})
     with video_loader(mix, batch_size=2) as loader:
         b = next(iter(loader))
     assert b["video"].shape == (2, 4, 24, 24, 3) and "source" in b
@@ -527,6 +542,33 @@ def test_a_video_dali_cannot_decode_is_named(tmp_path, video_folder):
     with pytest.raises(DatasetError, match=r"key 'k2': field 'webm' failed to decode"):
         with video_loader(dest, pipe, batch_size=4, shuffle="none", seed=1) as loader:
             next(iter(loader))
+
+
+def test_a_video_with_a_damaged_frame_is_named(tmp_path):
+    """A VP9 video whose 11th packet's payload is damaged (the file demuxes to its 40 frames, as its probe says;
+    PyAV and DALI fail at that frame): the Loader said "DALI failed on a batch with keys 'k0', 'k1', 'k2'", naming
+    no file, because the check asked of each sample after a failure only demuxed it. It is decoded now."""
+    import io
+
+    import av
+
+    from fastio.errors import DatasetError
+
+    good = synthetic.make_video(tmp_path / "v.webm", frames=40, fps=10, keyframe_every=10).read_bytes()
+    with av.open(io.BytesIO(good)) as container:
+        payload = [bytes(p) for p in container.demux(video=0) if p.size][10]
+    at = good.find(payload)
+    bad = good[:at + 1] + bytes(b ^ 0xA5 for b in payload[1:]) + good[at + len(payload):]
+    info = check_media(good, "webm")
+    assert check_media(bad, "webm") == info  # demuxed, the same frames
+    videos = {"k0": good, "k1": bad, "k2": good}
+    dest = _write_videos(tmp_path / "ds", videos, {k: info for k in videos})
+    pipe = fastio.VideoClips(frames=8, stride=4, size=16)
+    with pytest.raises(DatasetError, match=r"^.*ds: shard shard-000000.tar key 'k1': field 'webm' failed to decode "
+                                           r"\(cannot be decoded by PyAV \(frame 10: .*\)\)$"):
+        with video_loader(dest, pipe, batch_size=3, shuffle="none", seed=1) as loader:
+            for _ in loader:
+                pass
 
 
 def test_videos_without_probes_are_refused_by_name(tmp_path, video_folder):

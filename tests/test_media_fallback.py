@@ -194,11 +194,15 @@ def test_h264_clips_elastic_resume_keeps_each_sample_once_and_its_clip(h264_ds):
     assert all(single[k] == frames for k, frames in got.items())
 
 
-def test_a_mixture_repeating_h264_videos_decodes_each_delivery_s_own_clip(h264_ds):
+def test_a_mixture_repeating_h264_videos_decodes_each_delivery_s_own_clip(h264_ds, tmp_path):
+    import shutil
+
     import fastio
 
-    # "h" (5 videos) fills 15 of the 20 positions of each mixture epoch: its repeats draw their own starts
-    mix = fastio.Mixture({"h": str(h264_ds), "o": str(h264_ds)}, weights={"h": 3, "o": 1}, samples_per_epoch=20)
+    # "h" (5 videos) fills 15 of the 20 positions of each mixture epoch: its repeats draw their own starts ("o": a
+    # copy of it, one place twice being refused)
+    other = shutil.copytree(h264_ds, tmp_path / "other")
+    mix = fastio.Mixture({"h": str(h264_ds), "o": str(other)}, weights={"h": 3, "o": 1}, samples_per_epoch=20)
     starts: dict[int, set[int]] = {}
     with clips_loader(mix, batch_size=4) as loader:
         for b in loader:

@@ -425,7 +425,9 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
     kept = result.samples
     assert "c0/good.webm" not in reasons
     assert "cannot be probed" in reasons["c0/zero.webm"]
-    assert "c0/silence.flac" in reasons and "no audio stream" in reasons["c0/silence.flac"]
+    # a video named as audio said only "no audio stream"; it says what the file is, as the reverse case does
+    assert reasons["c0/silence.flac"] == ("no audio stream, only video (vp9 in matroska): its suffix says flac; name "
+                                          "it by its container (.webm, .mkv, .mp4, ...) to store it as a video")
     assert "mp3" in reasons["c0/song.mp3"] and "FLAC" in reasons["c0/song.mp3"]
     assert "h264" in reasons["c0/camera.mp4"] and "--transcode vp9" in reasons["c0/camera.mp4"]
     assert "png image" in reasons["c0/picture.webm"] and "not a video" in reasons["c0/picture.webm"]
@@ -700,6 +702,18 @@ def test_several_clips_per_video_resume_exactly(zoo_ds, shuffle):
     (dict(seconds=float("nan")), "seconds must be .*got nan"),
     (dict(seconds=-0.5), r"seconds must be .*got -0.5"),
     (dict(sample_rate=0), "sample_rate must be an integer >= 1, got 0"),
+    # a clip of 1.6e10 samples overflowed DALI's int32 slice shape: "fn.slice: shape value out of range ... Got:
+    # -1.17987e+09", a DatasetError blaming the batch's keys
+    (dict(seconds=1e6), r"^seconds \* sample_rate must be at most 268435456 samples \(a clip of 1 GiB of float32\), "
+                        r"got 1000000.0 \* 16000 = 16000000000$"),
+    (dict(seconds=20000, sample_rate=16000), r"^seconds \* sample_rate must be at most 268435456 samples"),
+    (dict(seconds=1e308), r"^seconds \* sample_rate must be at most 268435456 samples .*= inf$"),  # OverflowError
+    # n_fft=2**31 allocated 8 GiB (then n_mels times more) checking the mel bands: a bare numpy MemoryError, or the
+    # process killed
+    (dict(n_mels=40, n_fft=2**31), r"^n_fft must be at most 65536 \(4 s at 16 kHz\), got 2147483648$"),
+    # hop=2**31 failed building the Loader's graph with DALI's bare RuntimeError "Invalid window step: -2147483648"
+    (dict(n_mels=40, hop=2**31), r"^hop must be at most 268435456 samples \(a clip's largest length\), got "
+                                 r"2147483648$"),
     (dict(n_mels=64, n_fft=64), r"n_mels=64 .*n_fft=64"),
     (dict(n_mels=128, n_fft=128, sample_rate=8000), r"n_mels=128 .*n_fft=128 at sample_rate=8000: \d+ mel bands"),
 ])
@@ -714,6 +728,11 @@ def test_audio_clip_options_name_the_bad_value(bad, match):
     (dict(stride=-2), "stride must be an integer >= 1, got -2"),
     (dict(size=0), "size must be an integer >= 1, got 0"),
     (dict(clips_per_video=0), "clips_per_video must be an integer >= 1, got 0"),
+    # frames=2**31 was accepted, and a Loader's first batch ran the machine out of memory: the process was killed
+    (dict(frames=2**31), r"^frames \* clips_per_video \(the frames decoded per video\) must be at most 4096, got "
+                         r"2147483648 \* 1: each is decoded at the video's own size first \(4096 frames of 640 x 360 are "
+                         r"2.8 GB\)$"),
+    (dict(frames=64, clips_per_video=100), r"^frames \* clips_per_video .* must be at most 4096, got 64 \* 100: "),
     (dict(flip="yes"), "flip must be True or False, got 'yes'"),
 ])
 def test_video_clip_options_name_the_bad_value(bad, match):
@@ -813,6 +832,37 @@ def test_audio_dali_decodes_shorter_than_its_probe_is_named(tmp_path):
         with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
             for _ in ld:
                 pass
+
+
+def _ogg_crc(page: bytes) -> int:
+    """An Ogg page's CRC-32 (polynomial 0x04c11db7, not reflected), of the page with its checksum field zero."""
+    crc = 0
+    for byte in page:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def test_audio_dali_cannot_open_though_pyav_reads_it_is_named(tmp_path):
+    """An Ogg Opus file whose header's pre-skip (60000 samples) is past its sound: PyAV reads it (312 samples), DALI's
+    decoder cannot open it ("SF_INFO struct incomplete"). The error said "DALI failed on a batch with keys 'k0',
+    'k1'", naming no file: the check asked of each sample took a file DALI cannot open for one it reads in full."""
+    import fastio
+
+    data = bytearray(make_audio(tmp_path / "a.opus", "libopus", "ogg", rate=48000, seconds=1.2).read_bytes())
+    head = data.find(b"OpusHead")
+    data[head + 10:head + 12] = (60000).to_bytes(2, "little")  # the pre-skip, on the first page
+    end = 27 + data[26] + sum(data[27:27 + data[26]])
+    data[22:26] = bytes(4)
+    data[22:26] = _ogg_crc(bytes(data[:end])).to_bytes(4, "little")
+    good = make_audio(tmp_path / "b.flac", "flac", "flac", rate=16000).read_bytes()
+    files = {"k0": good, "k1": bytes(data)}
+    dest = write_media(tmp_path / "ds", "ogg", files, {k: check_media(v, "ogg") for k, v in files.items()})
+    with pytest.raises(fastio.DatasetError, match=r"key 'k1': field 'ogg' failed to decode \(DALI's audio decoder "
+                                                  r"cannot read it \(fn\.decoders\.audio: .*\); re-encode it "):
+        with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
+            next(iter(ld))
 
 
 # -- ranks and elastic resume ------------------------------------------------------------------------------------

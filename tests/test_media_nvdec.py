@@ -148,7 +148,9 @@ def test_nvdec_with_transcode_reencodes_only_what_nvdec_cannot_read(tmp_path, h2
     assert set(m.fields) == {"cls", "mp4", "probe.json", "webm"}  # odd.mkv became c1/odd.webm; the mp4s stay
 
 
-def test_a_cpu_loader_without_cpu_fallback_refuses_h264_when_it_is_made(nvdec_ds):
+def test_a_cpu_loader_without_cpu_fallback_refuses_h264_when_it_is_made(nvdec_ds, tmp_path):
+    import shutil
+
     import fastio
 
     clips = fastio.VideoClips(frames=4, stride=2, size=24, cpu_fallback=None)
@@ -163,7 +165,8 @@ def test_a_cpu_loader_without_cpu_fallback_refuses_h264_when_it_is_made(nvdec_ds
         with pytest.raises(DatasetError) as got:
             clips_loader(nvdec_ds, clips, device=device)  # made, never iterated
         assert str(got.value) == expected
-    mix = fastio.Mixture({"gpu": str(nvdec_ds), "also": str(nvdec_ds)})
+    also = shutil.copytree(nvdec_ds, tmp_path / "also")  # one place twice is refused; a copy mixes
+    mix = fastio.Mixture({"gpu": str(nvdec_ds), "also": str(also)})
     with pytest.raises(DatasetError) as got:
         clips_loader(mix, clips)
     assert str(got.value) == expected

@@ -4,6 +4,7 @@ and the Loader on a mixture (batches, exact and elastic resume, weight changes, 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from itertools import islice
 
@@ -274,6 +275,32 @@ def test_bad_weights_are_named(raw_sources, weights, match):
     with pytest.raises(ValueError, match="samples_per_epoch must be a positive integer, got 0"):
         Mixture(raw_sources, samples_per_epoch=0)
 
+
+
+def test_the_same_dataset_under_two_names_is_refused_naming_both(raw_sources, tmp_path, caplog):
+    """A dataset listed twice was accepted: each of its samples came twice a mixture epoch (and a source's
+    no-repeat promise broke). Refused however it is spelled: another path to it, an opened Dataset. A copy at
+    another place (a local copy beside its bucket's) is mixed, with a warning naming both."""
+    import shutil
+
+    from fastio import Dataset
+    from fastio.errors import MixtureError
+
+    a = raw_sources["a"]
+    (tmp_path / "link").symlink_to(a)
+    for twin in (a, str(a) + "/", tmp_path / "link", Dataset(a)):
+        with pytest.raises(MixtureError, match=rf"^mixture sources 'a' and 'again' are the same dataset \({a}\): each "
+                                               "of its samples would come twice a mixture epoch; name it once"):
+            Mixture({"a": a, "b": raw_sources["b"], "again": twin})
+    copy = shutil.copytree(a, tmp_path / "copy")
+    with caplog.at_level("WARNING", logger="fastio"):
+        assert len(Mixture({"a": a, "again": copy})) == 60
+    assert re.search(rf"mixture sources 'a' \({a}\) and 'again' \({copy}\) hold the same shards \(fingerprint "
+                     r"[0-9a-f]{16}\): each sample comes once from each, twice a mixture epoch", caplog.text), caplog.text
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {"a": str(a), "b": str(a)}}))
+    with pytest.raises(DatasetError, match=rf"^{path}: mixture sources 'a' and 'b' are the same dataset \({a}\)"):
+        Mixture.from_file(path)
 
 
 def test_a_weight_too_large_for_a_float_is_named(raw_sources, tmp_path):

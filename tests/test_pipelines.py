@@ -75,6 +75,12 @@ def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_option
 
 @pytest.mark.parametrize("make,match", [
     (lambda: fastio.ImageTrain(size=0), "size must be an integer >= 1, got 0"),
+    # an absurd size failed at the first batch as DALI's bad_alloc, blamed on the batch's keys
+    (lambda: fastio.ImageTrain(size=100000), r"^size must be at most 8192 pixels, got 100000: an output side beyond "
+                                             r"that makes each image gigabytes"),
+    (lambda: fastio.ImageEval(size=300, crop_ratio=0.01), r"^size / crop_ratio \(the shorter side resized before the "
+                                                          r"center crop\) must be at most 16384 pixels, got 300 / 0.01 "
+                                                          r"= 30000: "),
     (lambda: fastio.ImageTrain(dtype="int8"), "dtype must be one of float32, float16, uint8, got 'int8'"),
     (lambda: fastio.ImageEval(layout="NCHW"), "layout must be CHW or HWC, got 'NCHW'"),
     (lambda: fastio.ImageEval(crop_ratio=1.5), r"crop_ratio must be in \(0, 1\], got 1.5"),
@@ -93,6 +99,23 @@ def test_the_refusal_of_an_old_option_beside_a_pipeline_object_names_only_option
 def test_pipeline_objects_check_their_options(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("text,memory", [
+    ("Critical error in pipeline:\nError in thread 0: [/opt/dali/dali/pipeline/...] std::bad_alloc", True),
+    ("Error in MIXED operator `nvidia.dali.fn.decoders.image`:\nCUDA allocation failed", True),
+    ("CUDA runtime API error cudaErrorMemoryAllocation (2):\nout of memory", True),
+    ("nvJPEG error (NVJPEG_STATUS_ALLOCATOR_FAILURE)", True),
+    ("OpenCV(4.x) error: (-4:Insufficient memory) Failed to allocate 12345678 bytes in function 'OutOfMemoryError'", True),
+    ("Error in CPU operator `nvidia.dali.fn.decoders.image`:\nUnrecognized image format", False),
+    ("fn.decoders.audio: Failed to open encoded data: Internal error : SF_INFO struct incomplete.", False),
+])
+def test_dali_out_of_memory_tells_an_allocation_failure_from_bad_data(text, memory):
+    """The Loader blames no sample where DALI says an allocation failed (GPU failures are not reproducible on the
+    CPU: DALI's, CUDA's, nvJPEG's and OpenCV's wordings, as their libraries hold them)."""
+    from fastio.pipelines.base import dali_out_of_memory
+
+    assert dali_out_of_memory(RuntimeError(text)) is memory
 
 
 def test_a_graph_object_is_the_graph_function(image_dataset):
@@ -274,7 +297,7 @@ def test_the_loader_holds_no_kinds_options_and_no_mixture_branch():
     assert not (old - {"dtype"}) & uses, uses  # (a DALI tensor's dtype is read when copying to the GPU)
 
 
-def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
+def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset, tmp_path):
     """Reader and MixReader take the same argument: a callable giving the coming batches (called lazily)."""
     from fastio.dataset.dataset import Dataset
     from fastio.read.mixture import MixReader
@@ -286,10 +309,10 @@ def test_read_ahead_takes_a_callable_on_a_dataset_and_a_mixture(image_dataset):
         calls.append(1)
         yield np.arange(4)
 
-    ds = Dataset(image_dataset)
-    with Reader(ds, ["cls"], threads=1) as reader:
+    ds, other = Dataset(image_dataset), Dataset(_tagged(tmp_path / "t", 4, "cls"))  # one dataset twice is refused
+    with Reader(ds, ["cls"], threads=1) as reader, Reader(other, ["cls"], threads=1) as second:
         reader.read_ahead_shards(coming)  # local shards: nothing to fetch, and nothing iterated
-        mix = MixReader(Mixture({"a": ds, "b": ds}), [reader, reader])
+        mix = MixReader(Mixture({"a": ds, "b": other}), [reader, second])
         mix.read_ahead_shards(coming)
     assert calls == []
 

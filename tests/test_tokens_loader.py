@@ -266,7 +266,7 @@ def test_inspect_order_reports_the_packing(corpus, capsys):
 NO_KEYS = r"ds: a token dataset .*, not as samples: it has no sample keys$"
 
 
-def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the_idx_damaged(token_ds):
+def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the_idx_damaged(token_ds, corpus):
     """``loader.key(i)`` of a Tokens Loader parsed Megatron's .idx as DALI's and said 'part-000.idx: not an index
     (non-ASCII byte ...)': a healthy dataset called damaged."""
     pipe = fastio.Tokens(seq_len=8)
@@ -274,7 +274,7 @@ def test_key_of_a_token_loader_says_sequences_have_no_key_instead_of_calling_the
         with pytest.raises(fastio.DatasetError, match=NO_KEYS) as err:
             loader.key(0)
     assert "not an index" not in str(err.value) and "\n" not in str(err.value)
-    mix = fastio.Mixture({"a": token_ds, "b": token_ds})
+    mix = fastio.Mixture({"a": corpus, "b": token_ds})  # one dataset twice is refused
     with fastio.Loader(mix, pipeline=pipe, batch_size=2, device="cpu", world_size=1, rank=0) as loader:
         with pytest.raises(fastio.DatasetError, match=NO_KEYS):
             loader.key("b", 0)

@@ -538,9 +538,10 @@ def test_a_local_and_s3_mixture_with_a_schedule_resumes_as_the_local_one(corpus,
     open_storage(url, moto_server.options()).publish_dir(corpus, keys_last=(MANIFEST_NAME,))
     schedule = [(0, {"a": 3, "b": 1}), (20, {"a": 1, "b": 2})]
     cache = dict(cache_dir=str(tmp_path / "cache"), cache_size="1GB", storage_options=moto_server.options())
+    local_b = shutil.copytree(corpus, tmp_path / "b")  # the corpus again, at another place (one place twice is refused)
 
     def make(remote=True):
-        data = fastio.Mixture({"a": corpus, "b": url if remote else corpus}, weights=schedule,
+        data = fastio.Mixture({"a": corpus, "b": url if remote else local_b}, weights=schedule,
                               **(cache if remote else {}))
         return _loader(data, packing, batch_size=4, reader_threads=2)
 

@@ -95,16 +95,21 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
             streams = container.streams.video if video else container.streams.audio
             if not streams:
-                raise MediaCheckError(_no_stream(container, video))
+                raise MediaCheckError(_no_stream(container, video, field))
             stream = streams[0]
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
 
 
-def _no_stream(container, video: bool) -> str:
+def _no_stream(container, video: bool, field: str) -> str:
     """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
-    recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container)."""
+    recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container); an audio
+    field holding a video (a video named ``.flac``) as a video."""
+    if not video and container.streams.video:
+        shown = f"{container.streams.video[0].codec_context.name} in {container.format.name.split(',')[0]}"
+        return (f"no audio stream, only video ({shown}): its suffix says {field}; name it by its container (.webm, "
+                ".mkv, .mp4, ...) to store it as a video")
     if not video or not container.streams.audio:
         return f"no {'video' if video else 'audio'} stream"
     audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"

@@ -18,7 +18,7 @@ import numpy as np
 
 from fastio.formats.media import MediaCheckError
 
-__all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip"]
+__all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip", "undecodable_frame"]
 
 CPU_FALLBACKS = ("auto", "pyav")
 """What ``VideoClips(cpu_fallback=...)`` takes besides None: the CPU decoder of videos DALI's CPU decoder does not
@@ -65,6 +65,24 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
                                   f"{got[f].shape[0]} at frame {f}): clips are cropped and resized by its first "
                                   "size; re-encode it at one size")
     return np.stack([got[f] for f in wanted])
+
+
+def undecodable_frame(data: bytes) -> str | None:
+    """Why PyAV cannot decode every frame of video ``data`` (``frame 10: ...``, one line), or None: each packet
+    of its first video stream decoded in turn (frames not converted, nothing kept: a long video costs its decode,
+    not its frames' memory). Asked only after a clip failed, of each sample of the batch in turn."""
+    import av
+
+    decoded = 0
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            stream.codec_context.thread_count = 1
+            for packet in container.demux(stream):
+                decoded += len(stream.codec_context.decode(packet if packet.size else None))
+    except (av.FFmpegError, IndexError) as err:
+        return f"frame {decoded}: {getattr(err, 'strerror', None) or err}"
+    return None
 
 
 def _kept(packet):

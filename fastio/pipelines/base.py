@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "dali_inputs", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of",
+           "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -379,6 +380,18 @@ def dali_reason(err: BaseException) -> str:
         return next(line for line in lines if line)[:160]
     said = re.sub(r'^Assert on ".*?" failed: ', "", re.sub(r"^Error in thread \d+: (\[[^\]]*\] )?", "", said))
     return f"{op.group(1) + ': ' if op else ''}{said}"[:200]
+
+
+_DALI_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|CUDA allocation failed|cudaErrorMemoryAllocation|"
+                                 r"CUDA_ERROR_OUT_OF_MEMORY|DALI_ERROR_OUT_OF_MEMORY|OutOfMemoryError|"
+                                 r"NVJPEG_STATUS_ALLOCATOR_FAILURE|Failed to allocate", re.IGNORECASE)
+"""How DALI (2.4: the strings in libdali*.so), CUDA, nvJPEG and OpenCV inside it say an allocation failed."""
+
+
+def dali_out_of_memory(err: BaseException) -> bool:
+    """Whether a DALI pipeline error is an allocation that failed (host ``std::bad_alloc``, or the GPU's): the
+    outputs do not fit, whatever the samples."""
+    return _DALI_OUT_OF_MEMORY.search(str(err)) is not None
 
 
 def field_value(values: list[bytes]):

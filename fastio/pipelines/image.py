@@ -43,13 +43,18 @@ if TYPE_CHECKING:
     from fastio.read.protocol import ReadSet
     from fastio.read.reader import ReadBatch
 
-__all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "ImageEval", "ImageKind", "ImageTrain", "decodable",
-           "image_problem", "image_read_fields"]
+__all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "MAX_SIDE", "ImageEval", "ImageKind", "ImageTrain",
+           "check_mean_std", "check_side", "decodable", "finite_number", "image_problem", "image_read_fields"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DTYPES = ("float32", "float16", "uint8")
 LAYOUTS = ("CHW", "HWC")
+MAX_SIDE = 8192
+"""The largest output side (pixels) of a kind's images or frames: an 8192 x 8192 float32 RGB image is 768 MiB
+already; a larger side runs DALI out of memory at the first batch (std::bad_alloc), not at the option."""
+MAX_RESIZED = 2 * MAX_SIDE
+"""The largest side an image is resized to before a crop (:class:`ImageEval`'s ``size / crop_ratio``)."""
 
 
 def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any, name: str = "size") -> None:
@@ -58,13 +63,29 @@ def check_image_options(size: Any, mean: Any, std: Any, dtype: Any, layout: Any,
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be CHW or HWC, got {layout!r}")
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-    if len(mean) != 3 or len(std) != 3 or not all(map(_finite_number, (*mean, *std))) or min(std) <= 0:
+    check_side(size, name)
+    check_mean_std(mean, std)
+
+
+def check_mean_std(mean: Any, std: Any) -> None:
+    """ValueError naming ``mean`` and ``std`` unless each is 3 finite numbers (not bools), ``std`` > 0: NaN or inf
+    makes every pixel of a channel NaN."""
+    if len(mean) != 3 or len(std) != 3 or not all(map(finite_number, (*mean, *std))) or min(std) <= 0:
         raise ValueError(f"mean and std need 3 values, std > 0, each a finite number; got {mean}, {std}")
 
 
-def _finite_number(value: Any) -> bool:
+def check_side(size: Any, name: str = "size") -> None:
+    """ValueError naming ``size`` (an output side in pixels, as the caller spells it: ``name``) unless it is an
+    integer in 1..:data:`MAX_SIDE`."""
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+    if size > MAX_SIDE:
+        raise ValueError(f"{name} must be at most {MAX_SIDE} pixels, got {size!r}: an output side beyond that makes "
+                         f"each image gigabytes ({MAX_SIDE} x {MAX_SIDE} float32 RGB is 768 MiB already), which runs "
+                         "DALI out of memory at the first batch")
+
+
+def finite_number(value: Any) -> bool:
     """A real number (not a bool), finite: NaN or inf in mean or std makes every pixel NaN."""
     return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
@@ -77,9 +98,15 @@ def check_hw_decoder_load(load: Any) -> None:
         raise ValueError(f"hw_decoder_load must be None or a number in [0, 1], got {load!r}")
 
 
-def check_crop_ratio(ratio: Any, name: str = "crop_ratio") -> None:
-    if not _finite_number(ratio) or not 0 < ratio <= 1:
+def check_crop_ratio(ratio: Any, name: str = "crop_ratio", size: int | None = None) -> None:
+    """ValueError naming ``ratio`` unless it is in (0, 1] and, with ``size``, resizes the shorter side to
+    ``size / ratio`` <= :data:`MAX_RESIZED` pixels."""
+    if not finite_number(ratio) or not 0 < ratio <= 1:
         raise ValueError(f"{name} must be in (0, 1], got {ratio!r}")
+    if size is not None and size / ratio > MAX_RESIZED:
+        raise ValueError(f"size / {name} (the shorter side resized before the center crop) must be at most "
+                         f"{MAX_RESIZED} pixels, got {size} / {ratio!r} = {size / ratio:.0f}: a larger image runs "
+                         "DALI out of memory at the first batch")
 
 
 def refuse_image_text(ds: Dataset, kind: str) -> None:
@@ -111,9 +138,11 @@ def image_read_fields(ds: Dataset, fields: Sequence[str], kind: str, sizes: bool
         raise DatasetError(f"{ds.root}: dataset has no image field; {_no_image_way_out(ds.fields)}")
     # A sample's image is the first of the image fields it has (Manifest.image_order); each is optional in a
     # sample for that reason, and a sample with none of them is refused when read (verify --decode names it)
+    # An image field asked for among ``fields`` is delivered too, as its stored bytes (as any field, and as Raw and
+    # the clip kinds deliver theirs): the graph decodes the reader's own copy, which decodable() may transcode
     image = ds.manifest.image_order
     ds.require_fields(list(fields), in_every_sample=True)
-    return ReadFields(tuple(f for f in fields if f != ds.image_field), image, sizes, image, decodable)
+    return ReadFields(tuple(fields), image, sizes, image, decodable)
 
 
 def image_problem(batch: ReadBatch, j: int) -> str | None:
@@ -183,7 +212,7 @@ class _Image(ImageKind):
     """Options both image kinds share."""
 
     size: int = 224
-    """Output side S: images are S x S."""
+    """Output side S: images are S x S (at most :data:`MAX_SIDE`, 8192)."""
     mean: tuple[float, float, float] = IMAGENET_MEAN
     """Per-channel mean on the 0..1 scale, subtracted before dividing by ``std`` (not with ``uint8``)."""
     std: tuple[float, float, float] = IMAGENET_STD
@@ -194,7 +223,8 @@ class _Image(ImageKind):
     """Image layout: CHW or HWC."""
     fields: tuple[str, ...] | None = None
     """Fields delivered besides the image (default: the label field, as ``batch["label"]``); every sample must
-    have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes."""
+    have them. Numeric text fields come as int64 or float64 tensors, others as lists of bytes: the image field
+    itself (``fields=("jpg", "cls")``) comes as each sample's stored, encoded bytes beside the decoded image."""
     text: dict[str, Tokenize] | tuple[tuple[str, Tokenize], ...] | None = None
     """Text fields delivered tokenized (``{"txt": fastio.Tokenize("tokenizer.json", max_len=77)}``), off the
     training thread: ``batch["txt"]`` int64 [B, max_len] and ``batch["txt_mask"]`` bool [B, max_len]; every sample
@@ -305,11 +335,12 @@ class ImageEval(_Image):
 
     kind: ClassVar[str] = "image-eval"
     crop_ratio: float = 0.875
-    """The center crop's share of the resized shorter side, in (0, 1]."""
+    """The center crop's share of the resized shorter side, in (0, 1] (``size / crop_ratio`` at most
+    :data:`MAX_RESIZED`, 16384)."""
 
     def __post_init__(self):
         super().__post_init__()
-        check_crop_ratio(self.crop_ratio)
+        check_crop_ratio(self.crop_ratio, size=self.size)
 
     def _graph(self, inp: dict[str, Any], decoder_device: str) -> tuple:
         from nvidia.dali import fn

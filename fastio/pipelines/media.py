@@ -33,7 +33,7 @@ from fastio.formats.media import (
     trim_video,
 )
 from fastio.formats.ogg import dali_opus_layout, last_granule
-from fastio.formats.pyav_clips import CPU_FALLBACKS
+from fastio.formats.pyav_clips import CPU_FALLBACKS, undecodable_frame
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import (
     Delivery,
@@ -43,10 +43,20 @@ from fastio.pipelines.base import (
     ReadFields,
     Source,
     check_fields,
+    dali_out_of_memory,
+    dali_reason,
     declared,
     refuse_tokens,
 )
-from fastio.pipelines.image import IMAGENET_MEAN, IMAGENET_STD, image_problem, image_read_fields
+from fastio.pipelines.image import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    check_mean_std,
+    check_side,
+    finite_number,
+    image_problem,
+    image_read_fields,
+)
 from fastio.pipelines.video_fallback import FallbackReader, decode_jobs
 from fastio.words import agree, count
 
@@ -61,6 +71,16 @@ __all__ = ["AudioClips", "VideoClips"]
 
 VIDEO_LAYOUTS = ("FCHW", "FHWC", "CFHW")
 CROPS = ("random", "center")
+MAX_CLIP_FRAMES = 4096
+"""The most frames a :class:`VideoClips` decodes per video (``frames * clips_per_video``): each is decoded at the
+video's own size before it is resized (4096 frames of 640 x 360 are 2.8 GB); more ran the machine out of memory at
+the first batch (``frames=2**31``: the process killed)."""
+MAX_FFT = 2**16
+"""The largest ``AudioClips(n_fft=...)`` (4 s at 16 kHz; speech and music use 256..4096): its mel bands are checked
+over its ``n_fft / 2 + 1`` bins when it is made (``n_fft=2**31`` allocated gigabytes there)."""
+MAX_CLIP_SAMPLES = 2**28
+"""The most samples of an :class:`AudioClips` clip (1 GiB of float32; 4.6 hours at 16 kHz): a longer one ran DALI
+out of memory, or past its int32 shapes (a bare ``shape value out of range`` blaming the batch's keys)."""
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -222,8 +242,10 @@ class _Clips(Pipeline):
         unit, noun = ("frames", "frame") if self.media == "video" else ("samples", "sample")
         if found[unit] != stored[unit]:
             return f"it has {count(found[unit], noun)}, its {PROBE_FIELD} says {stored[unit]}"
-        return None if self.media == "video" else _dali_reads_less(
-            batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
+        if self.media == "video":  # the probe demuxes: a damaged frame shows only when decoded
+            bad = undecodable_frame(batch.image[j].tobytes())
+            return None if bad is None else f"cannot be decoded by PyAV ({bad})"
+        return _dali_audio_problem(batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -313,11 +335,11 @@ class VideoClips(_Clips):
         "roi_start": "float32", "roi_end": "float32", "flip": "int32", "turned": "bool", "transpose": "bool",
         "turn_h": "int32", "turn_v": "int32", "fallback": "bool", "frames": "uint8"}
     frames: int = 16
-    """Frames per clip."""
+    """Frames per clip (``frames * clips_per_video`` at most 4096: :data:`MAX_CLIP_FRAMES`)."""
     stride: int = 1
     """Distance between a clip's frames, in frames of the video."""
     size: int = 112
-    """Output side S: frames are S x S."""
+    """Output side S: frames are S x S (at most 8192: ``fastio.pipelines.image.MAX_SIDE``)."""
     clips_per_video: int = 1
     """Clips K drawn from each video (each its own start; one crop and flip for all K)."""
     crop: str = "random"
@@ -348,8 +370,13 @@ class VideoClips(_Clips):
         object.__setattr__(self, "mean", tuple(self.mean))
         object.__setattr__(self, "std", tuple(self.std))
         object.__setattr__(self, "scale", tuple(self.scale))
-        for name in ("frames", "stride", "size", "clips_per_video"):
+        for name in ("frames", "stride", "clips_per_video"):
             _positive_int(name, getattr(self, name))
+        if self.frames * self.clips_per_video > MAX_CLIP_FRAMES:
+            raise ValueError(f"frames * clips_per_video (the frames decoded per video) must be at most "
+                             f"{MAX_CLIP_FRAMES}, got {self.frames} * {self.clips_per_video}: each is decoded at the "
+                             "video's own size first (4096 frames of 640 x 360 are 2.8 GB)")
+        check_side(self.size)
         if not isinstance(self.flip, (bool, np.bool_)):
             raise ValueError(f"flip must be True or False, got {self.flip!r}")
         if self.crop not in CROPS:
@@ -358,10 +385,10 @@ class VideoClips(_Clips):
             raise ValueError(f"dtype must be float32 or uint8, got {self.dtype!r}")
         if self.layout not in VIDEO_LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(VIDEO_LAYOUTS)}, got {self.layout!r}")
-        if len(self.scale) != 2 or not 0 < self.scale[0] <= self.scale[1] <= 1:
+        if len(self.scale) != 2 or not all(map(finite_number, self.scale)) \
+                or not 0 < self.scale[0] <= self.scale[1] <= 1:
             raise ValueError(f"scale must be (lo, hi) with 0 < lo <= hi <= 1, got {self.scale!r}")
-        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ValueError(f"mean and std need 3 values, std > 0; got {self.mean}, {self.std}")
+        check_mean_std(self.mean, self.std)
 
     def _check_fallback(self) -> None:
         if self.cpu_fallback is not None and self.cpu_fallback not in CPU_FALLBACKS:
@@ -626,22 +653,31 @@ class AudioClips(_Clips):
     sample_rate: int = 16000
     """Output rate in Hz: every file is resampled to it."""
     seconds: float = 1.0
-    """Clip length in seconds."""
+    """Clip length in seconds (``seconds * sample_rate`` at most 2**28 samples: :data:`MAX_CLIP_SAMPLES`)."""
     n_mels: int | None = None
     """Mel bands of a log-mel output; None delivers the waveform. ValueError when a band would hold no FFT bin
     of ``n_fft`` (:func:`empty_mel_bands`)."""
     n_fft: int = 400
-    """FFT size and window length of the spectrogram (``n_mels`` only)."""
+    """FFT size and window length of the spectrogram (``n_mels`` only; at most 65536: :data:`MAX_FFT`)."""
     hop: int = 160
-    """Samples between spectrogram windows (``n_mels`` only)."""
+    """Samples between spectrogram windows (``n_mels`` only; at most 2**28: :data:`MAX_CLIP_SAMPLES`)."""
 
     def __post_init__(self):
         object.__setattr__(self, "fields", check_fields(self.fields))
         _positive_int("sample_rate", self.sample_rate)
         for name in ("n_fft", "hop") + (("n_mels",) if self.n_mels is not None else ()):
             _positive_int(name, getattr(self, name))
+        if self.n_fft > MAX_FFT:
+            raise ValueError(f"n_fft must be at most {MAX_FFT} (4 s at 16 kHz), got {self.n_fft!r}")
+        if self.hop > MAX_CLIP_SAMPLES:  # DALI's window step is an int32: 2**31 wrapped to a negative one
+            raise ValueError(f"hop must be at most {MAX_CLIP_SAMPLES} samples (a clip's largest length), got {self.hop!r}")
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, numbers.Real) \
-                or not math.isfinite(self.seconds) or self.length < 1:
+                or not math.isfinite(self.seconds):
+            raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
+        if self.sample_rate * float(self.seconds) > MAX_CLIP_SAMPLES:  # before length: a product past a float's range
+            raise ValueError(f"seconds * sample_rate must be at most {MAX_CLIP_SAMPLES} samples (a clip of 1 GiB of "
+                             f"float32), got {self.seconds!r} * {self.sample_rate} = {self.sample_rate * self.seconds:.0f}")
+        if self.length < 1:
             raise ValueError(f"seconds must be a finite number giving at least one sample, got {self.seconds!r}")
         empty = [] if self.n_mels is None else empty_mel_bands(self.sample_rate, self.n_fft, self.n_mels)
         if empty:
@@ -713,10 +749,12 @@ def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> 
     return out[:, 0], out[:, 1], out[:, 2]
 
 
-def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
-    """Why DALI's audio decoder fails on a file PyAV reads in full: it reads fewer samples than the probe counted
+def _dali_audio_problem(encoded: np.ndarray, samples: int) -> str | None:
+    """Why DALI's audio decoder fails on a file PyAV reads in full: it cannot open it (an Ogg Opus header whose
+    pre-skip is past the sound: "SF_INFO struct incomplete"), or it reads fewer samples than the probe counted
     (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
-    after the graph failed (one small pipeline per sample), None when DALI reads it all or fails to read it."""
+    after the graph failed (one small pipeline per sample), None when DALI reads it all (or ran out of memory
+    trying: not the file's fault)."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
@@ -728,8 +766,10 @@ def _dali_reads_less(encoded: np.ndarray, samples: int) -> str | None:
         pipe = decode()
         pipe.build()
         read = int(pipe.run()[0][0].shape()[0])
-    except Exception:  # whatever DALI raises, it cannot read it at all: not this case
-        return None
+    except Exception as err:  # whatever DALI raises: it cannot read this file alone
+        if dali_out_of_memory(err):
+            return None
+        return f"DALI's audio decoder cannot read it ({dali_reason(err)}); re-encode it (e.g. as FLAC)"
     if read >= samples:
         return None
     return f"DALI's audio decoder reads {read} of its {count(samples, 'sample')}; re-encode it (e.g. as FLAC)"

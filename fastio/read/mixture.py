@@ -73,7 +73,10 @@ class Mixture:
         verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
             (as for :class:`~fastio.Dataset`).
 
-    Refused when it is made, in one line naming two sources: token datasets beside datasets of samples
+    Refused when it is made, in one line naming two sources: one dataset under two names (the same place however
+    spelled; :class:`~fastio.errors.MixtureError`: each sample would come twice an epoch; ``weights=`` sets how often
+    a source's samples come; copies at two places are mixed, with a warning), token datasets beside datasets of
+    samples
     (``DatasetError``), and token, chat or image-text datasets whose manifests record different tokenizer files
     (:class:`~fastio.errors.MixtureError`, also a ``ValueError``: an id would mean another token in each; a source
     without the record mixes, with a warning logged where its vocabulary size differs: :func:`_check_tokenizers`).
@@ -103,6 +106,7 @@ class Mixture:
         for name, ds in zip(self.names, self.datasets):
             if len(ds) < 1:
                 raise DatasetError(f"mixture source {name!r} ({ds.root}) has no samples")
+        _check_once(self.names, self.datasets)
         _check_kinds(self.names, self.datasets)
         _check_tokenizers(self.names, self.datasets)
         self._given, self._given_samples = given, samples_per_epoch
@@ -390,6 +394,32 @@ def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
     if isinstance(saved, dict) and saved.get("names") == list(mixture.names):
         return {**saved, "fingerprints": list(mixture.fingerprints)}
     return saved
+
+
+def _location(ds: Dataset) -> str:
+    """Where ``ds`` is, one spelling per place: a local directory resolved (links, ``..``), a URL without a trailing
+    slash."""
+    return str(Path(ds.root).resolve()) if isinstance(ds.root, Path) else str(ds.root).rstrip("/")
+
+
+def _check_once(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
+    """MixtureError naming the first two sources that are one dataset (the same place, however spelled): each of its
+    samples would come twice a mixture epoch, and a source's promise (no sample repeats before all of its samples
+    have come) would not hold for it. Copies at two places (the same shards: one fingerprint) are mixed, with a
+    warning (the ``fastio`` logger's) naming both: a local copy beside its bucket's may be meant."""
+    places: dict[str, tuple[str, Dataset]] = {}
+    copies: dict[str, tuple[str, Dataset]] = {}
+    for name, ds in zip(names, datasets):
+        other, ods = places.setdefault(_location(ds), (name, ds))
+        if other != name:
+            raise MixtureError(f"mixture sources {other!r} and {name!r} are the same dataset ({ods.root}): each of "
+                               "its samples would come twice a mixture epoch; name it once (weights= sets how often "
+                               "its samples come)")
+        other, ods = copies.setdefault(ds.fingerprint, (name, ds))
+        if other != name:
+            logging.getLogger("fastio").warning(
+                "mixture sources %r (%s) and %r (%s) hold the same shards (fingerprint %s): each sample comes once from "
+                "each, twice a mixture epoch", other, ods.root, name, ds.root, ds.fingerprint)
 
 
 def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
