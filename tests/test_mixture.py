@@ -277,30 +277,34 @@ def test_bad_weights_are_named(raw_sources, weights, match):
 
 
 
-def test_the_same_dataset_under_two_names_is_refused_naming_both(raw_sources, tmp_path, caplog):
-    """A dataset listed twice was accepted: each of its samples came twice a mixture epoch (and a source's
-    no-repeat promise broke). Refused however it is spelled: another path to it, an opened Dataset. A copy at
-    another place (a local copy beside its bucket's) is mixed, with a warning naming both."""
+def test_the_same_dataset_under_two_names_is_mixed_with_a_warning_naming_both(raw_sources, tmp_path, caplog):
+    """A dataset listed twice was accepted without a word: each of its samples comes twice a mixture epoch (and a
+    source's no-repeat promise does not hold for the dataset). However it is spelled (another path to it, an opened
+    Dataset), and for a copy at another place (a local copy beside its bucket's), a warning names both sources; the
+    mixture is the one asked for (a user may name a dataset twice on purpose)."""
     import shutil
 
     from fastio import Dataset
-    from fastio.errors import MixtureError
 
     a = raw_sources["a"]
     (tmp_path / "link").symlink_to(a)
+    alone = len(Mixture({"a": a, "b": raw_sources["b"]}))
     for twin in (a, str(a) + "/", tmp_path / "link", Dataset(a)):
-        with pytest.raises(MixtureError, match=rf"^mixture sources 'a' and 'again' are the same dataset \({a}\): each "
-                                               "of its samples would come twice a mixture epoch; name it once"):
-            Mixture({"a": a, "b": raw_sources["b"], "again": twin})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fastio"):
+            assert len(Mixture({"a": a, "b": raw_sources["b"], "again": twin})) == alone + len(Dataset(a))
+        assert f"mixture sources 'a' and 'again' are the same dataset ({a}): each of its samples comes twice a " \
+               "mixture epoch" in caplog.text, caplog.text
     copy = shutil.copytree(a, tmp_path / "copy")
+    caplog.clear()
     with caplog.at_level("WARNING", logger="fastio"):
         assert len(Mixture({"a": a, "again": copy})) == 60
     assert re.search(rf"mixture sources 'a' \({a}\) and 'again' \({copy}\) hold the same shards \(fingerprint "
                      r"[0-9a-f]{16}\): each sample comes once from each, twice a mixture epoch", caplog.text), caplog.text
-    path = tmp_path / "mix.json"
-    path.write_text(json.dumps({"sources": {"a": str(a), "b": str(a)}}))
-    with pytest.raises(DatasetError, match=rf"^{path}: mixture sources 'a' and 'b' are the same dataset \({a}\)"):
-        Mixture.from_file(path)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastio"):
+        assert len(Mixture({"a": a, "b": raw_sources["b"]})) == alone
+    assert "same" not in caplog.text, caplog.text
 
 
 def test_a_weight_too_large_for_a_float_is_named(raw_sources, tmp_path):

@@ -73,10 +73,9 @@ class Mixture:
         verify, cache_dir, cache_size, storage_options: how sources given as paths or URLs are opened
             (as for :class:`~fastio.Dataset`).
 
-    Refused when it is made, in one line naming two sources: one dataset under two names (the same place however
-    spelled; :class:`~fastio.errors.MixtureError`: each sample would come twice an epoch; ``weights=`` sets how often
-    a source's samples come; copies at two places are mixed, with a warning), token datasets beside datasets of
-    samples
+    One dataset under two names (the same place however spelled, or copies of its shards) is mixed as given, with a
+    warning naming both (each of its samples comes twice an epoch; ``weights=`` sets how often a source's samples
+    come). Refused when it is made, in one line naming two sources: token datasets beside datasets of samples
     (``DatasetError``), and token, chat or image-text datasets whose manifests record different tokenizer files
     (:class:`~fastio.errors.MixtureError`, also a ``ValueError``: an id would mean another token in each; a source
     without the record mixes, with a warning logged where its vocabulary size differs: :func:`_check_tokenizers`).
@@ -403,23 +402,25 @@ def _location(ds: Dataset) -> str:
 
 
 def _check_once(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
-    """MixtureError naming the first two sources that are one dataset (the same place, however spelled): each of its
-    samples would come twice a mixture epoch, and a source's promise (no sample repeats before all of its samples
-    have come) would not hold for it. Copies at two places (the same shards: one fingerprint) are mixed, with a
-    warning (the ``fastio`` logger's) naming both: a local copy beside its bucket's may be meant."""
-    places: dict[str, tuple[str, Dataset]] = {}
-    copies: dict[str, tuple[str, Dataset]] = {}
+    """A warning (the ``fastio`` logger's) naming two sources that are one dataset (the same place, however spelled)
+    or copies of it (the same shards: one fingerprint): each of its samples comes once from each name, so twice a
+    mixture epoch, and a source's promise (no sample repeats before all of its samples have come) does not hold for
+    the dataset. Mixed as given, not refused: a local copy beside its bucket's, or a source named twice to weigh it,
+    may be meant."""
+    warn = logging.getLogger("fastio").warning
+    places: dict[str, str] = {}
+    copies: dict[str, str] = {}
     for name, ds in zip(names, datasets):
-        other, ods = places.setdefault(_location(ds), (name, ds))
+        other = places.setdefault(_location(ds), name)
         if other != name:
-            raise MixtureError(f"mixture sources {other!r} and {name!r} are the same dataset ({ods.root}): each of "
-                               "its samples would come twice a mixture epoch; name it once (weights= sets how often "
-                               "its samples come)")
-        other, ods = copies.setdefault(ds.fingerprint, (name, ds))
+            warn("mixture sources %r and %r are the same dataset (%s): each of its samples comes twice a mixture epoch, "
+                 "once from each; name it once and let weights= say how often its samples come", other, name,
+                 datasets[names.index(other)].root)
+            continue
+        other = copies.setdefault(ds.fingerprint, name)
         if other != name:
-            logging.getLogger("fastio").warning(
-                "mixture sources %r (%s) and %r (%s) hold the same shards (fingerprint %s): each sample comes once from "
-                "each, twice a mixture epoch", other, ods.root, name, ds.root, ds.fingerprint)
+            warn("mixture sources %r (%s) and %r (%s) hold the same shards (fingerprint %s): each sample comes once from "
+                 "each, twice a mixture epoch", other, datasets[names.index(other)].root, name, ds.root, ds.fingerprint)
 
 
 def _check_kinds(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
