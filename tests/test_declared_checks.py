@@ -54,7 +54,7 @@ def marker(**fields) -> bytes:
 
 
 def test_the_commit_marker_names_each_declared_field_and_its_value():
-    assert checked_names(CommitRecord) == {"time", "time_utc", "checksum", "bytes", "engine", "compression"}
+    assert checked_names(CommitRecord) == {"time", "time_utc", "checksum", "bytes", "engine", "compression", "optimizers"}
     assert checked_names(Progress) == {f.name for f in dataclasses.fields(Progress)}
     for key in sorted(checked_names(CommitRecord) | checked_names(Progress)):
         with pytest.raises(CheckpointError, match=rf"^F: commit marker field '{key}' is \[1\], expected "):
