@@ -104,6 +104,33 @@ def test_every_validation_sees_the_whole_validation_set(tmp_path, image_dataset,
     assert after_epochs == [list(range(48))] * 2
 
 
+def test_loaders_made_again_each_epoch_close_the_ones_they_replace(tmp_path, image_dataset, one_thread):
+    """reload_dataloaders_every_n_epochs=1: Lightning asks the DataModule for new Loaders every epoch; those they
+    replace are closed then, not at the end of the fit (each kept its threads and open shards: 2 more threads an
+    epoch), and the epochs still follow Lightning's."""
+    from fastio.errors import LoaderClosedError
+    from fastio.integrations.lightning import FastioDataModule
+
+    class Recording(_example().Classifier):
+        made: list = []
+
+        def on_train_epoch_start(self):
+            now = [self.trainer.train_dataloader.loader, self.trainer.val_dataloaders.loader]
+            self.made += [loader for loader in now if all(loader is not seen for seen in self.made)]
+            for old in self.made:
+                if all(old is not loader for loader in now):
+                    with pytest.raises(LoaderClosedError):
+                        iter(old)
+
+    model = Recording(4)
+    data = FastioDataModule(image_dataset, image_dataset, **OPTIONS)
+    _trainer(tmp_path, max_epochs=3, limit_train_batches=1, limit_val_batches=1, reload_dataloaders_every_n_epochs=1,
+             enable_checkpointing=False).fit(model, datamodule=data)
+    with Loader(image_dataset, **OPTIONS) as ref:
+        want = [(epoch, next(iter(ref))["index"].tolist()) for epoch in range(3) if ref.set_epoch(epoch) is None]
+    assert len(model.made) >= 4 and model.seen == want
+
+
 def test_the_datamodule_refuses_a_rank_of_its_own(image_dataset):
     from fastio.integrations.lightning import FastioDataModule
 

@@ -181,7 +181,8 @@ class FastioDataModule(pl.LightningDataModule):
     ``VideoClips`` center-cropped, ``Tokens`` as it is), ``shuffle="none"`` and ``remainder="partial"`` (each sample
     once; repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the
     same whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size``
-    come from the trainer and cannot be given.
+    come from the trainer and cannot be given. A Loader made again (``reload_dataloaders_every_n_epochs``) closes
+    the one it replaces; ``teardown`` closes the last ones.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
@@ -195,7 +196,7 @@ class FastioDataModule(pl.LightningDataModule):
         validate = {"pipeline": evaluation_of(self.config.pipeline), "shuffle": "none", "remainder": "partial",
                     **(val_options or {})}
         self.val_config = dataclasses.replace(self.config, **validate)
-        self._loaders: list[Loader] = []
+        self._loaders: dict[bool, Loader] = {}  # the training (True) and validation Loaders Lightning holds
         if val is None:  # Lightning runs no validation loop for a datamodule without this method
             self.val_dataloader = None
 
@@ -204,7 +205,10 @@ class FastioDataModule(pl.LightningDataModule):
         if trainer is None:
             raise RuntimeError("FastioDataModule makes its Loaders for a trainer: pass it to trainer.fit(...)")
         loader = Loader(dest, config, rank=trainer.global_rank, world_size=trainer.world_size)
-        self._loaders.append(loader)
+        replaced = self._loaders.pop(training, None)  # reload_dataloaders_every_n_epochs: Lightning drops it
+        if replaced is not None:
+            replaced.close()
+        self._loaders[training] = loader
         return LightningLoader(loader, whole_epochs=not training, trainer=trainer if training else None)
 
     def train_dataloader(self) -> LightningLoader:
@@ -216,6 +220,6 @@ class FastioDataModule(pl.LightningDataModule):
         return self._make(self.val, self.val_config, training=False)
 
     def teardown(self, stage: str) -> None:
-        for loader in self._loaders:
+        for loader in self._loaders.values():
             loader.close()
         self._loaders.clear()
