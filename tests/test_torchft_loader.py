@@ -4,6 +4,7 @@ state in the Manager's state dict, Checkpointer restores and the refusals. The r
 group is tests/test_torchft.py."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,19 @@ def test_misuse_is_refused_in_one_line_naming_the_fix(house, image_dataset):
         with pytest.raises(LoaderArgumentError, match="set_epoch with replicas="):
             loader.set_epoch(1)
     m.shutdown(wait=False)
+
+
+def test_replicas_without_torchft_or_with_the_manager_class_is_refused_in_one_line(image_dataset, monkeypatch):
+    """The Manager class instead of a Manager is named as a class; a process where torchft does not import gets a
+    LoaderArgumentError naming the package, not torchft's ModuleNotFoundError."""
+    from torchft import Manager
+
+    with pytest.raises(LoaderArgumentError, match="replicas= takes a torchft.Manager, got the class Manager: pass"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=Manager)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what Python does for a package that is not installed
+    with pytest.raises(LoaderArgumentError, match=r"replicas= needs torchft, which does not import here .*pip "
+                       r"install torchft-nightly"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=Manager)
 
 
 def test_a_closed_loader_leaves_the_managers_state_and_the_next_loader_takes_its_place(house, image_dataset):

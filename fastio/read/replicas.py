@@ -32,11 +32,16 @@ class TorchftReplicas:
     """The replica groups of a ``torchft.Manager`` as a Loader sees them."""
 
     def __init__(self, manager: Any):
-        import torchft
-
+        try:
+            import torchft
+        except ImportError as err:
+            raise LoaderArgumentError(f"replicas= needs torchft, which does not import here ({err}): install it "
+                                      "(pip install torchft-nightly; fastio is tested with torchft-nightly "
+                                      "2026.10.26)") from None
         if not isinstance(manager, torchft.Manager):
-            raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
-                                      "Manager of this replica group")
+            given = f"the class {manager.__qualname__}" if isinstance(manager, type) else type(manager).__name__
+            raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {given}: pass the Manager of this "
+                                      "replica group")
         missing = [name for name in _READ if not hasattr(manager, name)]
         if missing:
             raise LoaderArgumentError(f"replicas=: this torchft.Manager has no {', '.join(missing)} (torchft "
