@@ -6,6 +6,7 @@ kind and options."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -149,6 +150,11 @@ def test_lightning_loader_is_stateful_and_not_a_dataloader(image_dataset):
         assert len(wrapped) == 6 and wrapped.dataset is loader.dataset
         wrapped.sampler.set_epoch(3)
         assert wrapped.state_dict()["epoch"] == 3
+        # copy.copy makes the object before its __dict__ is filled, and asks it for __setstate__: an
+        # AttributeError, not a KeyError from the attribute forwarding (copy.copy failed with KeyError: 'loader')
+        copied = copy.copy(wrapped)
+        assert copied.loader is loader and len(copied) == 6
+        assert not hasattr(LightningLoader.__new__(LightningLoader), "no_such_name")
 
 
 def test_two_process_ddp_resume_is_bitwise_and_every_rank_gets_its_own_slice(tmp_path, image_dataset,

@@ -140,6 +140,8 @@ class LightningLoader:
             _align_progress(self._trainer, self.loader)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
+        if "loader" not in self.__dict__:  # not made yet (copy.copy asks for __setstate__ first): no forwarding
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.__dict__["loader"], name)
 
 
