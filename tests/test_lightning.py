@@ -132,6 +132,15 @@ def test_loaders_made_again_each_epoch_close_the_ones_they_replace(tmp_path, ima
     assert len(model.made) >= 4 and model.seen == want
 
 
+def test_the_example_refuses_a_missing_resume_checkpoint_in_one_line(tmp_path, image_dataset, capsys):
+    """``--resume`` of a checkpoint that is not there ended in Lightning's FileNotFoundError traceback after the
+    trainer was set up; it is a usage error now, naming the option and the path."""
+    with pytest.raises(SystemExit) as stop:
+        _example().main(["--data", str(image_dataset), "--resume", str(tmp_path / "step=4.ckpt")])
+    assert stop.value.code == 2
+    assert f"--resume {tmp_path / 'step=4.ckpt'}: no such checkpoint file" in capsys.readouterr().err
+
+
 def test_the_datamodule_refuses_a_rank_of_its_own(image_dataset):
     from fastio.integrations.lightning import FastioDataModule
 
