@@ -23,6 +23,8 @@ Lightning as a :class:`LightningLoader`:
   ``len(loader)`` of the new one). The training loader sets that counter of the fit loop to
   ``len(loader) - loader.batches_left()``, so Lightning's epoch ends exactly where the Loader's does and every
   remaining sample is trained once (global steps, and with them ``every_n_train_steps``, are not changed).
+  A position at the start of an epoch saved within the one before (at its last batch, where the Loader moves
+  on) ends that epoch in Lightning's count too, so the next one is trained whole.
   A checkpoint saved in ``on_train_epoch_end`` and restarted (``max_steps`` runs restart it) would send
   Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
   the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
@@ -71,7 +73,7 @@ def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
         # the Loader does; at the world size of the save the counter already is that
         _set_batch_counter(trainer, len(loader) - loader.batches_left())
         return
-    epochs = trainer.fit_loop.epoch_progress
+    epochs, batches = trainer.fit_loop.epoch_progress, trainer.fit_loop.epoch_loop.batch_progress
     if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1:
         # Saved in on_train_epoch_end (every_n_epochs), and restarted (max_steps runs are): Lightning would go
         # back into the finished epoch (for one more batch, or none and then past the Loader's next epoch).
@@ -79,6 +81,14 @@ def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
         # restarting resets its own counters).
         epochs.current.completed, epochs.total.completed = epochs.current.processed, epochs.total.processed
         trainer.fit_loop.epoch_loop.restarting = False
+    elif batches.current.ready:
+        # Saved within an epoch (at its last batch: the Loader moves on as it hands that out) whose samples are all
+        # trained at this world size. Lightning ends its epoch when its count of the old size's batches reaches
+        # len(loader): with more batches an epoch here it would go on in the epoch it counts, with the next
+        # epoch's batches (or, after its set_epoch, the finished one's again), and end the next epoch early.
+        # Finish it as Lightning does an epoch saved at its last batch: the next one starts afresh.
+        _set_batch_counter(trainer, len(loader))
+        batches.is_last_batch = True
 
 
 def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
