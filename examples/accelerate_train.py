@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-indices", help="each process writes [epoch, dataset indices] of its batches to "
                         "PATH.rankR (padding repeats left out)")
     args = parser.parse_args(argv)
+    if args.resume and not os.path.isdir(args.resume):
+        parser.error(f"--resume {args.resume}: no such state directory (one that --save-at wrote)")
+    if args.save_at and not args.state_dir:
+        parser.error("--save-at needs --state-dir (where to save the state)")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(args.seed)

@@ -58,6 +58,9 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+_CKPT_WORDS = ("last", "best", "hpc", "registry")  # what Lightning's ckpt_path= takes besides a path or URL
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="training dataset (a directory made by `fastio convert`)")
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-weights", help="rank 0 writes the final state_dict here")
     parser.add_argument("--log-indices", help="each rank writes the dataset indices of its batches to PATH.rankR")
     args = parser.parse_args(argv)
+    if args.resume and "://" not in args.resume and args.resume not in _CKPT_WORDS and not os.path.isfile(args.resume):
+        parser.error(f"--resume {args.resume}: no such checkpoint file")
 
     pl.seed_everything(args.seed, workers=False, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"

@@ -114,3 +114,15 @@ def test_skip_first_batches_on_a_loader_names_why_it_is_not_needed(image_dataset
         assert not hasattr(loader, "batch_sampler") and hasattr(loader, "dataset")
         with pytest.raises(AttributeError, match="'Loader' object has no attribute 'nope'"):
             loader.nope  # noqa: B018
+
+
+def test_the_example_refuses_a_missing_resume_state_and_a_save_without_a_directory(tmp_path, image_dataset, capsys):
+    """``--resume`` of a directory that is not there ended in Accelerate's ValueError traceback, ``--save-at``
+    without ``--state-dir`` in a TypeError from posixpath after the steps it trained: both are usage errors now,
+    before anything runs, naming the option."""
+    main = _example().main
+    for args, said in ((["--resume", str(tmp_path / "none")], f"--resume {tmp_path / 'none'}: no such state "
+                        "directory"), (["--save-at", "2"], "--save-at needs --state-dir")):
+        with pytest.raises(SystemExit) as stop:
+            main(["--data", str(image_dataset), *args])
+        assert stop.value.code == 2 and said in capsys.readouterr().err

@@ -32,10 +32,10 @@ def _end_of_epoch_runs(where: Path, data: Path, devices: int, stop: str, validat
              *extra]]
 
 
-def _mid_epoch_runs(where: Path, data: Path, before: int) -> list[list[str]]:
-    """Run 1 (epoch 0, saving after step 6 on 2 processes, step 4 on 3) and run 2 (resumes from there; to the end
-    of epoch 1), as ``lightning_counts.py`` arguments (without ``--devices``)."""
-    step = {2: 6, 3: 4}[before]
+def _mid_epoch_runs(where: Path, data: Path, before: int, step: int | None = None) -> list[list[str]]:
+    """Run 1 (epoch 0, saving after step 6 on 2 processes, step 4 on 3, or after ``step``) and run 2 (resumes from
+    there; to the end of epoch 1), as ``lightning_counts.py`` arguments (without ``--devices``)."""
+    step = step or {2: 6, 3: 4}[before]
     return [[str(data), str(where / "first"), "--max-epochs", "1", "--save-every-steps", str(step),
              "--ckpt-dir", str(where / "ckpt")],
             [str(data), str(where / "second"), "--max-epochs", "2",
@@ -50,7 +50,9 @@ def ddp_runs(tmp_path_factory) -> Path:
     data = dataset80(base)
     end2 = _end_of_epoch_runs(base / "end-2", data, 2, "--max-epochs", False)
     mid23, mid32 = _mid_epoch_runs(base / "mid-2-3", data, 2), _mid_epoch_runs(base / "mid-3-2", data, 3)
-    launch(SCRIPT, base, [(2, end2[0]), (2, end2[1]), (2, mid23[0]), (3, mid32[0]), (3, mid23[1]), (2, mid32[1])])
+    last32 = _mid_epoch_runs(base / "last-3-2", data, 3, step=7)
+    launch(SCRIPT, base, [(2, end2[0]), (2, end2[1]), (2, mid23[0]), (3, mid32[0]), (3, last32[0]), (3, mid23[1]),
+                          (2, mid32[1]), (2, last32[1])])
     return base
 
 
@@ -95,6 +97,19 @@ def test_a_mid_epoch_checkpoint_resumed_at_another_world_size_trains_each_sample
     assert_exactly_once(counts[0], f"epoch 0, {before} processes then {after}")
     assert_exactly_once(counts[1], f"epoch 1, on {after} processes")
     assert len({len(batches) for batches in second}) == 1, "every rank ran the same number of steps"
+
+
+def test_a_checkpoint_at_an_epochs_last_step_resumed_at_a_smaller_global_batch_trains_the_next_epoch(ddp_runs):
+    """3 processes x 4 a batch: 7 steps an epoch, saved after step 7, the epoch's last (the Loader's position: the
+    start of epoch 1); 2 processes resume, where an epoch has 10 steps. Lightning counts 7 done of 10, and went on
+    in epoch 0 for 3 more steps, for which its set_epoch(0) moved the Loader back to epoch 0's start: 24 samples
+    of epoch 0 trained twice. Epoch 0 ends at the resume now, and epoch 1 is trained once."""
+    where = ddp_runs / "last-3-2"
+    first, second = read_logs(where, "first"), read_logs(where, "second")
+    counts = per_epoch([batches[:7] for batches in first], second)
+    assert sorted(counts) == [0, 1]
+    assert_exactly_once(counts[0], "epoch 0, on 3 processes")
+    assert_exactly_once(counts[1], "epoch 1, on 2 processes after the resume")
 
 
 def test_batches_left_is_what_a_restored_loader_delivers(tmp_path):

@@ -4,6 +4,7 @@ state in the Manager's state dict, Checkpointer restores and the refusals. The r
 group is tests/test_torchft.py."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def kind(request, tmp_path, image_dataset):
 def _loader(target, options, mgr=None, **more):
     opts = {"seed": 0, "drop_last": True, "device": "cpu", "num_threads": 1, **options, **more}
     if mgr is None:
-        return fastio.Loader(target, rank=0, world_size=1, **opts)
+        return fastio.Loader(target, **{"rank": 0, "world_size": 1, **opts})
     return fastio.Loader(target, replicas=mgr, **opts)
 
 
@@ -215,6 +216,19 @@ def test_misuse_is_refused_in_one_line_naming_the_fix(house, image_dataset):
         with pytest.raises(LoaderArgumentError, match="set_epoch with replicas="):
             loader.set_epoch(1)
     m.shutdown(wait=False)
+
+
+def test_replicas_without_torchft_or_with_the_manager_class_is_refused_in_one_line(image_dataset, monkeypatch):
+    """The Manager class instead of a Manager is named as a class; a process where torchft does not import gets a
+    LoaderArgumentError naming the package, not torchft's ModuleNotFoundError."""
+    from torchft import Manager
+
+    with pytest.raises(LoaderArgumentError, match="replicas= takes a torchft.Manager, got the class Manager: pass"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=Manager)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # what Python does for a package that is not installed
+    with pytest.raises(LoaderArgumentError, match=r"replicas= needs torchft, which does not import here .*pip "
+                       r"install torchft-nightly"):
+        fastio.Loader(image_dataset, pipeline=fastio.Raw(), batch_size=6, replicas=Manager)
 
 
 def test_a_closed_loader_leaves_the_managers_state_and_the_next_loader_takes_its_place(house, image_dataset):
@@ -602,3 +616,33 @@ def test_a_state_of_a_group_of_two_ranks_loads_into_a_group_of_one(house, image_
         (b,), = steps([(one, loader)], 1)
     assert state["world_size"] == 2 and b["index"].tolist() == want[0]
     one.shutdown(wait=False)
+
+
+def test_a_state_of_a_multi_rank_run_without_replicas_loads_at_its_global_batch_and_back(house, image_dataset):
+    """A torchrun run of 2 ranks of 5 samples moving to torchft with a global batch of 10: its state's batch_size is
+    each rank's, so it is the same global batch (refused before: "batch_size=5, this Loader's global batch is 10");
+    one of 2 ranks of 4 is another global batch, refused naming both. And back: the torchft Loader's state goes on
+    in a plain Loader of 2 ranks of 5 at that step's samples."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 10}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 4)]
+    states = {}
+    for per_rank in (5, 4):
+        with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": per_rank}, rank=0, world_size=2) as plain:
+            it = iter(plain)
+            next(it), next(it)
+            states[per_rank] = plain.state_dict()
+    store = group_store()
+    m = manager(store.port, house, 0)
+    m.load_state_dict({"step": 2, "batches_committed": 2})
+    with _loader(image_dataset, options, m) as loader:
+        with pytest.raises(LoaderStateError, match=r"loader state has a global batch of 8 \(saved without replicas=: "
+                           r"batch_size=4 on each of 2 ranks\), this Loader's global batch is 10"):
+            loader.load_state_dict(states[4])
+        loader.load_state_dict(states[5])
+        (b,), = steps([(m, loader)], 1)
+        back = loader.state_dict()
+    m.shutdown(wait=False)
+    with _loader(image_dataset, {"pipeline": fastio.Raw(), "batch_size": 5}) as plain:
+        plain.load_state_dict(back)
+        assert next(iter(plain))["index"].tolist() == want[3][:5]
+    assert (b["step"], b["index"].tolist()) == (2, want[2])

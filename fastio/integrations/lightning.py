@@ -23,6 +23,8 @@ Lightning as a :class:`LightningLoader`:
   ``len(loader)`` of the new one). The training loader sets that counter of the fit loop to
   ``len(loader) - loader.batches_left()``, so Lightning's epoch ends exactly where the Loader's does and every
   remaining sample is trained once (global steps, and with them ``every_n_train_steps``, are not changed).
+  A position at the start of an epoch saved within the one before (at its last batch, where the Loader moves
+  on) ends that epoch in Lightning's count too, so the next one is trained whole.
   A checkpoint saved in ``on_train_epoch_end`` and restarted (``max_steps`` runs restart it) would send
   Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
   the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
@@ -71,7 +73,7 @@ def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
         # the Loader does; at the world size of the save the counter already is that
         _set_batch_counter(trainer, len(loader) - loader.batches_left())
         return
-    epochs = trainer.fit_loop.epoch_progress
+    epochs, batches = trainer.fit_loop.epoch_progress, trainer.fit_loop.epoch_loop.batch_progress
     if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1:
         # Saved in on_train_epoch_end (every_n_epochs), and restarted (max_steps runs are): Lightning would go
         # back into the finished epoch (for one more batch, or none and then past the Loader's next epoch).
@@ -79,6 +81,14 @@ def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
         # restarting resets its own counters).
         epochs.current.completed, epochs.total.completed = epochs.current.processed, epochs.total.processed
         trainer.fit_loop.epoch_loop.restarting = False
+    elif batches.current.ready:
+        # Saved within an epoch (at its last batch: the Loader moves on as it hands that out) whose samples are all
+        # trained at this world size. Lightning ends its epoch when its count of the old size's batches reaches
+        # len(loader): with more batches an epoch here it would go on in the epoch it counts, with the next
+        # epoch's batches (or, after its set_epoch, the finished one's again), and end the next epoch early.
+        # Finish it as Lightning does an epoch saved at its last batch: the next one starts afresh.
+        _set_batch_counter(trainer, len(loader))
+        batches.is_last_batch = True
 
 
 def _set_batch_counter(trainer: pl.Trainer, done: int) -> None:
@@ -140,6 +150,8 @@ class LightningLoader:
             _align_progress(self._trainer, self.loader)
 
     def __getattr__(self, name: str) -> Any:  # only for names not found above
+        if "loader" not in self.__dict__:  # not made yet (copy.copy asks for __setstate__ first): no forwarding
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.__dict__["loader"], name)
 
 
@@ -181,7 +193,8 @@ class FastioDataModule(pl.LightningDataModule):
     ``VideoClips`` center-cropped, ``Tokens`` as it is), ``shuffle="none"`` and ``remainder="partial"`` (each sample
     once; repeats flagged in ``batch["padded"]``), then ``val_options`` over them; every validation run reads the
     same whole epoch of it (epoch 0: the same samples with the same clips each time). ``rank`` and ``world_size``
-    come from the trainer and cannot be given.
+    come from the trainer and cannot be given. A Loader made again (``reload_dataloaders_every_n_epochs``) closes
+    the one it replaces; ``teardown`` closes the last ones.
     """
 
     def __init__(self, train: str | Path | None, val: str | Path | None = None, *,
@@ -195,7 +208,7 @@ class FastioDataModule(pl.LightningDataModule):
         validate = {"pipeline": evaluation_of(self.config.pipeline), "shuffle": "none", "remainder": "partial",
                     **(val_options or {})}
         self.val_config = dataclasses.replace(self.config, **validate)
-        self._loaders: list[Loader] = []
+        self._loaders: dict[bool, Loader] = {}  # the training (True) and validation Loaders Lightning holds
         if val is None:  # Lightning runs no validation loop for a datamodule without this method
             self.val_dataloader = None
 
@@ -204,7 +217,10 @@ class FastioDataModule(pl.LightningDataModule):
         if trainer is None:
             raise RuntimeError("FastioDataModule makes its Loaders for a trainer: pass it to trainer.fit(...)")
         loader = Loader(dest, config, rank=trainer.global_rank, world_size=trainer.world_size)
-        self._loaders.append(loader)
+        replaced = self._loaders.pop(training, None)  # reload_dataloaders_every_n_epochs: Lightning drops it
+        if replaced is not None:
+            replaced.close()
+        self._loaders[training] = loader
         return LightningLoader(loader, whole_epochs=not training, trainer=trainer if training else None)
 
     def train_dataloader(self) -> LightningLoader:
@@ -216,6 +232,6 @@ class FastioDataModule(pl.LightningDataModule):
         return self._make(self.val, self.val_config, training=False)
 
     def teardown(self, stage: str) -> None:
-        for loader in self._loaders:
+        for loader in self._loaders.values():
             loader.close()
         self._loaders.clear()

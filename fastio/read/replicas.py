@@ -15,6 +15,7 @@ from typing import Any
 
 from fastio.errors import LoaderArgumentError, LoaderStateError
 from fastio.order.replicas import Share, step_position
+from fastio.words import agree
 
 __all__ = ["STATE_KEY", "TorchftReplicas"]
 
@@ -31,11 +32,16 @@ class TorchftReplicas:
     """The replica groups of a ``torchft.Manager`` as a Loader sees them."""
 
     def __init__(self, manager: Any):
-        import torchft
-
+        try:
+            import torchft
+        except ImportError as err:
+            raise LoaderArgumentError(f"replicas= needs torchft, which does not import here ({err}): install it "
+                                      "(pip install torchft-nightly; fastio is tested with torchft-nightly "
+                                      "2026.10.26)") from None
         if not isinstance(manager, torchft.Manager):
-            raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {type(manager).__name__}: pass the "
-                                      "Manager of this replica group")
+            given = f"the class {manager.__qualname__}" if isinstance(manager, type) else type(manager).__name__
+            raise LoaderArgumentError(f"replicas= takes a torchft.Manager, got {given}: pass the Manager of this "
+                                      "replica group")
         missing = [name for name in _READ if not hasattr(manager, name)]
         if missing:
             raise LoaderArgumentError(f"replicas=: this torchft.Manager has no {', '.join(missing)} (torchft "
@@ -138,11 +144,12 @@ class TorchftReplicas:
     def check_state(self, state: dict[str, Any], batch_size: int, step_key: str, batches_per_epoch: int) -> None:
         """LoaderStateError unless ``state`` is of the same global batch, and a state saved without replicas= (no
         step) at the position of the Manager's step (a state with a step: :meth:`check_step` as it loads)."""
-        saved = state.get("batch_size")
-        if saved is not None and saved != batch_size:
-            raise LoaderStateError(f"loader state has batch_size={saved!r}, this Loader's global batch is "
-                                   f"{batch_size} (with replicas= batch_size is the global batch of one step)")
-        if state.get(step_key) is None:
+        plain = state.get(step_key) is None
+        saved = _global_batch(state, plain)
+        if saved is not None and saved[0] != batch_size:
+            raise LoaderStateError(f"loader state has {saved[1]}, this Loader's global batch is {batch_size} (with "
+                                   "replicas= batch_size is the global batch of one step)")
+        if plain:
             self._check_position(state["epoch"], state["consumed"], batch_size, batches_per_epoch)
 
     def check_step(self, state: dict[str, Any], step_key: str) -> None:
@@ -177,6 +184,20 @@ class TorchftReplicas:
         raise LoaderStateError(f"loader state (saved without replicas=) is at epoch {epoch}, {consumed} samples "
                                f"consumed: {at}, the torchft Manager at step {now}: with replicas= the position is "
                                f"the Manager's step; {fix}, or start without the loader state")
+
+
+def _global_batch(state: dict[str, Any], plain: bool) -> tuple[int, str] | None:
+    """The global batch of a Loader state and how to name it, None if it has no ``batch_size``: a state with
+    replicas= has it as its ``batch_size``; one saved without (``plain``) has ``batch_size`` on each of its
+    ``world_size`` ranks (a torchrun run of 4 ranks of 8 moving to torchft has a global batch of 32)."""
+    size = state.get("batch_size")
+    if size is None:
+        return None
+    if not plain:
+        return size, f"batch_size={size!r}"
+    ranks = state["world_size"]
+    return size * ranks, f"a global batch of {size * ranks} (saved without replicas=: batch_size={size} on each of " \
+                         f"{ranks} {agree(ranks, 'rank')})"
 
 
 def _torchft_version() -> str:
