@@ -407,3 +407,78 @@ def test_a_dataset_prefix_is_refused_as_a_checkpoint_directory(moto_server, s3_b
             Checkpointer(url, storage_options=moto_server.options(), staging_dir=tmp_path / "stage", signals=(),
                          read_only=read_only)
     assert [o.key for o in store.list()] == before
+
+
+def test_a_save_during_a_store_outage_is_committed_locally_and_uploaded_when_the_store_answers(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Before: a save whose commit met an outage (503 past deadline_s) was lost on the node too: the commit asked the
+    store about rollbacks first, failed, and the written step-2.tmp was deleted, although the node had every byte
+    (a job preempted then lost that progress). Now, holding the lease, the Checkpointer knows the store's committed
+    steps need no superseding: the step is committed in the staging dir (one warning naming it and that it is not on
+    the store yet), uploaded at the next save, and close() waits for the upload, else fails naming the local-only
+    step and its folder; the next Checkpointer of that staging dir restores and uploads it. An outage longer than
+    lease_ttl_s (deadline_s is twice the ttl by default) changes nothing: the step is committed on the node, the
+    upload confirms the lease first."""
+    import time
+
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05, lease_ttl_s=1, lease_skew_s=30)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}  # every request to the bucket: 503 SlowDown, past deadline_s
+    time.sleep(1.5)  # and past lease_ttl_s: the lease is not renewed during the outage
+    train_step(app)
+    caplog.clear()
+    ckpt.save(2, app, blocking=True)  # no error: committed on the node
+    assert (stage / "step-2" / naming.COMMIT_FILE).is_file()
+    said = [r.getMessage() for r in caplog.records if "not on the store yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-2: committed in {stage / 'step-2'}, not on "
+                                                 "the store yet"), said
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(3, app, blocking=True)  # the store answers: step 2 uploaded with step 3
+    assert ckpt.steps() == [1, 2, 3]
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    with pytest.raises(CheckpointError, match=rf"^{url}: step 4 is committed only in {stage / 'step-4'} \(not on the "
+                                              rf"store: .*\): the next Checkpointer\({url!r}, staging_dir="):
+        ckpt.close()
+    fault_proxy.down = set()
+    assert "step-4/fastio-commit.json" not in {o.key for o in store.list()}
+    restored = make_app(seed=3)
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 4
+        assert same_state(restored, app)
+        train_step(restored)
+        again.save(5, restored, blocking=True)
+        assert again.steps() == [1, 2, 3, 4, 5]
+
+
+def test_the_first_save_after_a_rollback_during_a_store_outage_fails_naming_what_it_must_supersede(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The exception to committing in the staging dir during an outage: after restore_latest(step=1) with step 2 on
+    the store, the next commit must first supersede step 2 there (a local-only step 3 beside a committed step 2 of
+    the abandoned branch would be superseded by it at the next restore). That save fails naming step 2, nothing is
+    committed, and the next save once the store answers does the rollback."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+        train_step(app)
+        ckpt.save(2, app, blocking=True)
+        assert ckpt.restore_latest(app, step=1).step == 1
+        fault_proxy.down = {f"/{s3_bucket}"}
+        with pytest.raises(CheckpointError, match=rf"step-3: checkpoint write failed: {url}: cannot supersede the "
+                                                  r"steps above 1: .*\(step 2 on the store must be superseded before "
+                                                  r"this step is committed: a rollback waits for the store\)"):
+            ckpt.save(3, app, blocking=True)
+        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
+        fault_proxy.down = set()
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 4]

@@ -28,6 +28,12 @@ confirms it before a step's upload, before its commit marker, before a rollback 
 before retention; a lost lease fails that save
 (nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
+
+A store outage at a shared staging dir's commit: holding the lease, rank 0 knows the store's committed steps
+(listed when it took the lease, at restores and uploads); when none is above the new step's floor, the step is
+committed in the staging dir without the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
+next commit or ``close()`` (:meth:`RemoteCheckpoints.upload_unsent`, which names the steps only staged when the
+store still does not answer). A rollback that must supersede steps on the store fails the save instead.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fastio.checkpoint import naming, publish, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
@@ -121,6 +127,13 @@ def _copy_objects(source, dest, objects) -> None:
             dest.put_file(o.key, local)
 
 
+def _outage_of(err: Exception) -> StorageError | None:
+    """The StorageError behind ``err`` when it is an outage (the store unreachable or failing past ``deadline_s``:
+    retrying could cure it), else None (a refusal, a missing object, damage)."""
+    cause = err if isinstance(err, StorageError) else err.__cause__
+    return cause if isinstance(cause, StorageError) and cause.transient else None
+
+
 class RemoteCheckpoints:
     """The object-store side of a Checkpointer whose local ``root`` stages what is written to ``url``."""
 
@@ -129,6 +142,11 @@ class RemoteCheckpoints:
         self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
         self._downloaded: dict[int, tuple[str, int]] = {}  # step -> (its URL, the inode of its download's folder)
+        self._known: set[int] | None = None
+        """The store's committed steps as this process last listed them (None: not listed yet); holding the lease,
+        no other writer changes them, so a commit during an outage knows whether it must supersede any."""
+        self._outage: StorageError | None = None  # the store's, met by this commit's rollback: nothing superseded
+        self._unsent = False  # a commit met an outage: steps committed in the staging dir may be missing on the store
 
     def bind_staging(self, *, write: bool) -> None:
         """CheckpointError when the staging directory stages another prefix's checkpoints (its
@@ -179,6 +197,10 @@ class RemoteCheckpoints:
         if lease is not None:
             lease.acquire()
         self.lease = lease
+        try:
+            self.committed_steps()  # what the store holds, for a commit that meets an outage (_may_defer)
+        except (StorageError, CheckpointError):
+            self._known = None
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
@@ -234,24 +256,58 @@ class RemoteCheckpoints:
     def start_rollback(self, floor: int) -> list[int]:
         """Before the first commit after a restore of step ``floor``: record on the store every committed step
         above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
-        a checkpoint. Only while the lease (if held) is confirmed."""
-        return self._superseding(lambda: rollback.start_remote_rollback(
-            self.mirror.storage, floor, self.committed_steps, self._confirm), floor)
+        a checkpoint. Only while the lease (if held) is confirmed. When the store cannot be reached (an outage past
+        ``deadline_s``) and the steps this writer knows on it (:meth:`_may_defer`) leave nothing above ``floor`` to
+        supersede, returns [] instead of raising: the commit goes on in the staging dir, its upload later."""
+        self._outage = None
+        try:
+            doomed = rollback.start_remote_rollback(self.mirror.storage, floor, self.committed_steps, self._confirm)
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except (StorageError, CheckpointError) as err:
+            self._outage = _outage_of(err)
+            if self._outage is None or not self._may_defer(floor):
+                self._outage = None
+                raise self._cannot_supersede(err, floor) from None
+            return []
+        if self._known is not None:
+            self._known -= set(doomed)
+        return doomed
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
-        deleted; every other object kept), then delete the record; returns the steps it listed."""
-        return self._superseding(lambda: rollback.finish_remote_rollback(self.mirror.storage, self._confirm), None)
-
-    def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
-        """``fn()``, its store and lease errors as one CheckpointError."""
+        deleted; every other object kept), then delete the record; returns the steps it listed. Nothing (and [])
+        after :meth:`start_rollback` met an outage, or when this one meets one: a record written stays on the store,
+        hiding its steps, and the next commit finishes it."""
+        if self._outage is not None:
+            return []
         try:
-            return fn()
+            return rollback.finish_remote_rollback(self.mirror.storage, self._confirm)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
-        except StorageError as err:
-            above = f" above {floor}" if floor is not None else " of a rollback"
-            raise CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}") from None
+        except (StorageError, CheckpointError) as err:
+            self._outage = _outage_of(err)
+            if self._outage is None:
+                raise self._cannot_supersede(err, None) from None
+            return []
+
+    def _may_defer(self, floor: int) -> bool:
+        """A commit above ``floor`` may go on in the staging dir while the store is out: this writer listed the
+        store's committed steps, none is above ``floor``, and its lease (if any) is not known lost. A lease not
+        renewed during a long outage may be taken over meanwhile; the staging dir is this writer's still (its
+        DirLock), and the upload confirms the lease before anything is written to the store."""
+        if self._known is None or any(s > floor for s in self._known):
+            return False
+        return self.lease is None or (self.lease.held and self.lease.lost is None)
+
+    def _cannot_supersede(self, err: Exception, floor: int | None) -> CheckpointError:
+        """The CheckpointError of a rollback that failed on the store; naming the steps it must supersede first
+        when they are why the commit cannot wait for the store."""
+        above = f" above {floor}" if floor is not None else " of a rollback"
+        doomed = sorted(s for s in self._known or () if floor is not None and s > floor)
+        why = (f" ({agree(len(doomed), 'step')} {', '.join(map(str, doomed))} on the store must be superseded before "
+               "this step is committed: a rollback waits for the store)" if doomed and _outage_of(err) else "")
+        return CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}{why}")
 
     def make_room(self, step: int) -> str | None:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
@@ -271,7 +327,7 @@ class RemoteCheckpoints:
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
-            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from None
+            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from err
         log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
         return target
 
@@ -337,7 +393,9 @@ class RemoteCheckpoints:
     def committed_steps(self) -> list[int]:
         """The store's committed steps, oldest first (less those of a rollback in progress)."""
         doomed = self.pending_rollback()
-        return sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        steps = sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        self._known = set(steps)
+        return steps
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
@@ -356,13 +414,53 @@ class RemoteCheckpoints:
             self._confirm()
         for step in old + sorted(leftovers):
             self.mirror.remove(naming.step_name(step))
+            if self._known is not None:
+                self._known.discard(step)
         if leftovers:
             log.info("fastio: %s: removed leftovers of uncommitted %s %s (older than committed step %d)",
                      self.url, agree(len(leftovers), "step"), ", ".join(map(str, sorted(leftovers))), done[-1])
 
     def after_commit(self, keep: int) -> None:
-        """Upload every locally committed step the store lacks, then apply retention on the store; each only
-        while the lease (if held) is confirmed."""
+        """Upload every locally committed step the store lacks, then apply retention on the store; each only while
+        the lease (if held) is confirmed. An outage (the store unreachable past ``deadline_s``) fails nothing: one
+        warning names the steps committed only in the staging dir, uploaded at the next commit or by
+        :meth:`upload_unsent` (``close()``)."""
+        outage = self._upload(keep)
+        if outage is not None:
+            unsent = self.unsent()
+            if unsent:
+                log.warning("fastio: %s/%s: committed in %s, not on the store yet (%s); uploaded at the next save, or "
+                            "by close()", self.url, ", ".join(p.name for p in unsent), ", ".join(map(str, unsent)),
+                            outage)
+            else:
+                log.warning("fastio: %s: retention not applied on the store (%s); applied at the next save", self.url,
+                            outage)
+
+    def upload_unsent(self, keep: int) -> None:
+        """``close()``: when a commit met an outage, upload what the store still lacks (:meth:`after_commit`, each
+        request within ``deadline_s``); a CheckpointError naming the steps still committed only in the staging dir,
+        where they are and what uploads them."""
+        if not self._unsent:
+            return
+        outage = self._upload(keep)
+        unsent = self.unsent() if outage is not None else []
+        if unsent:
+            steps = agree(len(unsent), "step")
+            where = unsent[0] if len(unsent) == 1 else f"{self.root} ({', '.join(p.name for p in unsent)})"
+            raise CheckpointError(
+                f"{self.url}: {steps} {', '.join(str(naming.parse_step_name(p.name)) for p in unsent)} "
+                f"{'is' if len(unsent) == 1 else 'are'} committed only in {where} (not on the store: {outage}): the "
+                f"next Checkpointer({self.url!r}, staging_dir={str(self.root)!r}) uploads "
+                f"{'it' if len(unsent) == 1 else 'them'} at its first save (its restore_latest restores the newest "
+                "first); keep the staging dir until then")
+
+    def unsent(self) -> list[Path]:
+        """The steps committed in the staging dir that the store lacked when this writer last listed it."""
+        return [e.path for e in scan.committed(self.root) if self._known is None or e.step not in self._known]
+
+    def _upload(self, keep: int) -> StorageError | None:
+        """:meth:`after_commit`'s work; the store's error when it was an outage (retried later), a CheckpointError
+        for any other failure (a refusal, a lost lease)."""
         try:
             self._confirm()
             remote = set(self.committed_steps())
@@ -371,8 +469,16 @@ class RemoteCheckpoints:
                     self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
+                    self._known = set(remote)
             self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
-        except StorageError as err:
-            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+        except (StorageError, CheckpointError) as err:
+            outage = _outage_of(err)
+            if outage is None:
+                raise (err if isinstance(err, CheckpointError) else
+                       CheckpointError(f"{self.url}: upload failed: {err}")) from None
+            self._unsent = True
+            return outage
+        self._unsent = False
+        return None
