@@ -482,3 +482,35 @@ def test_the_first_save_after_a_rollback_during_a_store_outage_fails_naming_what
         fault_proxy.down = set()
         ckpt.save(4, app, blocking=True)
         assert ckpt.steps() == [1, 4]
+
+
+def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s3_bucket, tmp_path, caplog):
+    """Before: node A staged steps 1-3; requeued on node B, the job rolled back to step 2 and committed step 4 (step 3
+    superseded on the store); requeued on node A, it restored step 4 and its next save uploaded every staged step the
+    store lacked, A's step 3 among them: the superseded step 3 was moved aside on the store and the abandoned
+    branch's step 3 committed again (a checkpoint once more, for fallbacks and retention). A staged step whose
+    marker the store keeps as superseded is that abandoned step: it is not uploaded (one warning), and moved aside in
+    the staging dir, never deleted."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    first = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2, 3):
+            train_step(first)
+            ckpt.save(step, first, blocking=True)
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch, step=2).step == 2
+        train_step(branch)
+        ckpt.save(4, branch, blocking=True)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch).step == 4
+        train_step(branch)
+        ckpt.save(5, branch, blocking=True)
+        assert ckpt.steps() == [1, 2, 4, 5]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {1: "committed", 2: "committed", 3: "superseded", 4: "committed", 5: "committed"}, rows
+    said = [r.getMessage() for r in caplog.records if "superseded on the store" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: not uploaded: "), said
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()

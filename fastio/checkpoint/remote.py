@@ -454,6 +454,24 @@ class RemoteCheckpoints:
                 f"{'it' if len(unsent) == 1 else 'them'} at its first save (its restore_latest restores the newest "
                 "first); keep the staging dir until then")
 
+    def _set_aside_if_abandoned(self, path: Path) -> bool:
+        """True when the store keeps staged step ``path`` superseded with this staging dir's own commit marker: it is
+        that step of a branch a rollback (on another node) gave up, not an upload pending; it is moved aside
+        (``step-N.quarantined``, never deleted), with one warning."""
+        sub = self.mirror.storage.child(path.name)
+        if sub.head(rollback.SUPERSEDED_FILE) is None:
+            return False
+        try:
+            if sub.get(rollback.SUPERSEDED_FILE) != (path / naming.COMMIT_FILE).read_bytes():
+                return False  # another step of that number, superseded: make_room moves it aside on the store
+            done = f"moved aside to {removal.quarantine(path).name}"
+        except OSError as err:
+            done = f"left in place (cannot move it aside: {err.strerror or err})"
+        log.warning("fastio: %s/%s: not uploaded: superseded on the store by a rollback (%s holds this staging dir's "
+                    "commit marker, a step of a branch the run gave up); %s %s", self.url, path.name,
+                    rollback.SUPERSEDED_FILE, path, done)
+        return True
+
     def unsent(self) -> list[Path]:
         """The steps committed in the staging dir that the store lacked when this writer last listed it."""
         return [e.path for e in scan.committed(self.root) if self._known is None or e.step not in self._known]
@@ -465,7 +483,7 @@ class RemoteCheckpoints:
             self._confirm()
             remote = set(self.committed_steps())
             for entry in scan.committed(self.root):
-                if entry.step not in remote:
+                if entry.step not in remote and not self._set_aside_if_abandoned(entry.path):
                     self.make_room(entry.step)
                     self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
                     remote.add(entry.step)
