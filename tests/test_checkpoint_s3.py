@@ -514,3 +514,66 @@ def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s
     said = [r.getMessage() for r in caplog.records if "superseded on the store" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: not uploaded: "), said
     assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()
+
+
+def test_a_staged_step_another_writer_continued_past_is_neither_restored_nor_uploaded(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Node A committed step 5 in its staging dir during an outage (the store had step 1) and was killed before the
+    upload; the job, requeued on node B, restored step 1 (all the store had) and saved step 2. Requeued on node A,
+    restore_latest took A's staged step 5 (newest, 'an upload pending') over B's step 2, and its next save uploaded
+    it: the run jumped back to a branch another writer had continued past, B's work silently superseded. The
+    staging dir now records, for a step committed there and not uploaded, the store's steps it knew then; a step
+    the store gained others than those since is of a branch given up (the newest save is the run's state): skipped
+    by the restore, moved aside (never deleted), not uploaded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(5, app, blocking=True)
+    with pytest.raises(CheckpointError, match="step 5 is committed only in"):
+        ckpt.close()
+    fault_proxy.down = set()
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch).step == 1
+        train_step(branch)
+        ckpt.save(2, branch, blocking=True)
+    restored = make_app(seed=9)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(restored).step == 2
+        assert same_state(restored, branch)
+        ckpt.save(6, restored, blocking=True)
+        assert ckpt.steps() == [1, 2, 6]
+    said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "and step 2 was committed on the store since (another writer" in said[0], said
+    assert (tmp_path / "A" / "step-5.quarantined" / naming.COMMIT_FILE).is_file()
+
+
+def test_steps_staged_during_an_outage_are_all_uploaded_when_the_store_comes_back_in_parts(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Steps 2 and 3 staged during an outage; the store answers again but for step 3's keys: step 2 is uploaded,
+    step 3 and the new step 4 stay staged (this writer's own step 2 on the store is no other writer's continuation,
+    which would make step 3 a branch given up); once the store answers for all, everything is uploaded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    app = make_app()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+        fault_proxy.down = {f"/{s3_bucket}"}
+        for step in (2, 3):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        fault_proxy.down = {"/ckpt/step-3/"}
+        train_step(app)
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 2]
+        fault_proxy.down = set()
+        train_step(app)
+        ckpt.save(5, app, blocking=True)
+        assert ckpt.steps() == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "A" / ".fastio-unsent.json").exists()
+    assert not [p for p in (tmp_path / "A").iterdir() if p.name.endswith(".quarantined")]

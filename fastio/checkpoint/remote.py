@@ -33,7 +33,10 @@ A store outage at a shared staging dir's commit: holding the lease, rank 0 knows
 (listed when it took the lease, at restores and uploads); when none is above the new step's floor, the step is
 committed in the staging dir without the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
 next commit or ``close()`` (:meth:`RemoteCheckpoints.upload_unsent`, which names the steps only staged when the
-store still does not answer). A rollback that must supersede steps on the store fails the save instead.
+store still does not answer). A rollback that must supersede steps on the store fails the save instead. A staged
+step the store lacks is an upload pending unless the store superseded it (its own marker kept as superseded) or gained
+committed steps its writer did not know when it staged it (:data:`UNSENT_RECORD`: another writer continued without
+it): those are neither restored nor uploaded.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ __all__ = ["STAGING_RECORD", "RemoteCheckpoints", "default_staging_dir", "stagin
 
 STAGING_RECORD = ".fastio-staging.json"
 """In a staging dir: ``{"url": ...}``, the ``s3://`` prefix whose checkpoints it stages."""
+
+UNSENT_RECORD = ".fastio-unsent.json"
+"""In a staging dir: ``{"N": [steps...]}``: for each step committed there and not uploaded yet, the store's committed
+steps its writer knew when it committed it. A step the store has since gained others than those is of a branch
+another writer continued (the newest save is the run's state): neither restored nor uploaded."""
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +350,7 @@ class RemoteCheckpoints:
         if any(e.step == step for e in scan.committed(self.root)):
             why = self._staged_differs(dest)
             if why is None:
-                return []
+                return self._continued_past(step)
             if why == rollback.SUPERSEDED_FILE:  # skipped, then moved aside by the restore
                 return [f"{dest}: superseded on the store by a rollback ({self.url}/{dest.name}/{why})"]
             replaced = True
@@ -379,6 +387,46 @@ class RemoteCheckpoints:
         except OSError as err:
             raise CheckpointError(f"{dest}: cannot read: {err.strerror or err}") from None
         return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
+
+    def record_staged(self, step: int) -> None:
+        """Rank 0, once ``step`` is committed in the staging dir, before its upload: note in :data:`UNSENT_RECORD`
+        the store's committed steps this writer knows now and the steps staged before it, not uploaded yet, which
+        this writer uploads first (nothing when it has not listed the store)."""
+        if self._known is None:
+            return
+        records = self._unsent_records()
+        records[step] = set(self._known) | (set(records) - {step})  # the steps staged before it: uploaded first
+        self._write_unsent(records)
+
+    def _unsent_records(self) -> dict[int, set[int]]:
+        """:data:`UNSENT_RECORD` (empty when there is none, or it cannot be read: its steps then count as pending)."""
+        try:
+            return {int(k): set(map(int, v)) for k, v in json.loads((self.root / UNSENT_RECORD).read_text()).items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            log.warning("fastio: %s: unreadable (%s); its steps count as uploads pending", self.root / UNSENT_RECORD,
+                        err)
+            return {}
+
+    def _write_unsent(self, records: dict[int, set[int]]) -> None:
+        path = self.root / UNSENT_RECORD
+        if records:
+            atomic_write_bytes(path, json.dumps({str(k): sorted(v) for k, v in sorted(records.items())}).encode())
+        else:
+            path.unlink(missing_ok=True)
+
+    def _continued_past(self, step: int) -> list[str]:
+        """Why staged ``step``, which the store has no commit of, is no upload pending (one problem; none when it
+        is): the store has committed steps its writer did not know when it committed it (:data:`UNSENT_RECORD`),
+        another writer's, who continued the run from the store without it."""
+        known = self._unsent_records().get(step)
+        since = sorted(set(self._known or ()) - known) if known is not None else []
+        if not since:
+            return []
+        return [f"{naming.step_dir(self.root, step)}: committed only in this staging dir, and {agree(len(since), 'step')} "
+                f"{', '.join(map(str, since))} {agree(len(since), 'was', 'were')} committed on the store since (another "
+                "writer continued the run without it)"]
 
     def download_of(self, step: int) -> str | None:
         """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it
@@ -454,40 +502,51 @@ class RemoteCheckpoints:
                 f"{'it' if len(unsent) == 1 else 'them'} at its first save (its restore_latest restores the newest "
                 "first); keep the staging dir until then")
 
-    def _set_aside_if_abandoned(self, path: Path) -> bool:
-        """True when the store keeps staged step ``path`` superseded with this staging dir's own commit marker: it is
-        that step of a branch a rollback (on another node) gave up, not an upload pending; it is moved aside
+    def _set_aside_if_abandoned(self, path: Path, step: int) -> bool:
+        """True when staged ``step`` (``path``), which the store lacks, is of a branch the run gave up, not an upload
+        pending: the store keeps it superseded with this staging dir's own commit marker (a rollback on another
+        node), or another writer committed steps since (:meth:`_continued_past`); it is moved aside
         (``step-N.quarantined``, never deleted), with one warning."""
+        why = self._continued_past(step)
         sub = self.mirror.storage.child(path.name)
-        if sub.head(rollback.SUPERSEDED_FILE) is None:
-            return False
         try:
-            if sub.get(rollback.SUPERSEDED_FILE) != (path / naming.COMMIT_FILE).read_bytes():
-                return False  # another step of that number, superseded: make_room moves it aside on the store
+            if not why and sub.head(rollback.SUPERSEDED_FILE) is not None \
+                    and sub.get(rollback.SUPERSEDED_FILE) == (path / naming.COMMIT_FILE).read_bytes():
+                why = [f"superseded on the store by a rollback ({rollback.SUPERSEDED_FILE} holds this staging dir's "
+                       "commit marker, a step of a branch the run gave up)"]
+            if not why:
+                return False  # a superseded step of that number with another marker: make_room moves it aside
             done = f"moved aside to {removal.quarantine(path).name}"
         except OSError as err:
             done = f"left in place (cannot move it aside: {err.strerror or err})"
-        log.warning("fastio: %s/%s: not uploaded: superseded on the store by a rollback (%s holds this staging dir's "
-                    "commit marker, a step of a branch the run gave up); %s %s", self.url, path.name,
-                    rollback.SUPERSEDED_FILE, path, done)
+        log.warning("fastio: %s/%s: not uploaded: %s; %s %s", self.url, path.name, why[0], path, done)
         return True
 
     def unsent(self) -> list[Path]:
         """The steps committed in the staging dir that the store lacked when this writer last listed it."""
         return [e.path for e in scan.committed(self.root) if self._known is None or e.step not in self._known]
 
+    def _push_staged(self, remote: set[int]) -> None:
+        """Upload every step committed in the staging dir that the store (``remote``: its committed steps) lacks,
+        oldest first, but for those of a branch the run gave up (:meth:`_set_aside_if_abandoned`); then drop the
+        :data:`UNSENT_RECORD` entries of the steps the store has or the staging dir no longer commits."""
+        for entry in scan.committed(self.root):
+            if entry.step in remote or self._set_aside_if_abandoned(entry.path, entry.step):
+                continue
+            self.make_room(entry.step)
+            self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
+            remote.add(entry.step)
+            self._known = set(remote)
+        staged, records = {e.step for e in scan.committed(self.root)}, self._unsent_records()
+        if any(s in remote or s not in staged for s in records):
+            self._write_unsent({s: k for s, k in records.items() if s not in remote and s in staged})
+
     def _upload(self, keep: int) -> StorageError | None:
         """:meth:`after_commit`'s work; the store's error when it was an outage (retried later), a CheckpointError
         for any other failure (a refusal, a lost lease)."""
         try:
             self._confirm()
-            remote = set(self.committed_steps())
-            for entry in scan.committed(self.root):
-                if entry.step not in remote and not self._set_aside_if_abandoned(entry.path):
-                    self.make_room(entry.step)
-                    self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
-                    remote.add(entry.step)
-                    self._known = set(remote)
+            self._push_staged(set(self.committed_steps()))
             self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
