@@ -437,6 +437,7 @@ def test_a_save_during_a_store_outage_is_committed_locally_and_uploaded_when_the
     said = [r.getMessage() for r in caplog.records if "not on the store yet" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-2: committed in {stage / 'step-2'}, not on "
                                                  "the store yet"), said
+    assert f"{url}/fastio-rollback.json: HEAD failed" in said[0]  # the outage the rollback met: no second wait for it
     fault_proxy.down = set()
     train_step(app)
     ckpt.save(3, app, blocking=True)  # the store answers: step 2 uploaded with step 3

@@ -472,8 +472,12 @@ class RemoteCheckpoints:
         """Upload every locally committed step the store lacks, then apply retention on the store; each only while
         the lease (if held) is confirmed. An outage (the store unreachable past ``deadline_s``) fails nothing: one
         warning names the steps committed only in the staging dir, uploaded at the next commit or by
-        :meth:`upload_unsent` (``close()``)."""
-        outage = self._upload(keep)
+        :meth:`upload_unsent` (``close()``). Not tried when this commit's rollback has just met the outage: each
+        request would wait ``deadline_s`` again, and the next save waits for this one."""
+        if self._outage is not None:
+            outage, self._unsent = self._outage, True
+        else:
+            outage = self._upload(keep)
         if outage is not None:
             unsent = self.unsent()
             if unsent:
