@@ -578,3 +578,30 @@ def test_steps_staged_during_an_outage_are_all_uploaded_when_the_store_comes_bac
         assert ckpt.steps() == [1, 2, 3, 4, 5]
     assert not (tmp_path / "A" / ".fastio-unsent.json").exists()
     assert not [p for p in (tmp_path / "A").iterdir() if p.name.endswith(".quarantined")]
+
+
+def test_close_after_the_lease_was_taken_during_an_outage_names_the_step_left_staged(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Step 2 staged during an outage longer than the lease's ttl; meanwhile another writer took the lease (and let
+    it go). close() finds the lease lost and uploads nothing, as it must; before, its error said only 'lease lost'
+    and not that step 2 exists only in the staging dir. Now it names the step and its folder."""
+    import time
+
+    url = f"s3://{s3_bucket}/ckpt"
+    ttl = dict(lease_ttl_s=1, lease_skew_s=0)
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05,
+                                                                 **ttl), staging_dir=tmp_path / "A", signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}  # for this writer only: the other one talks to the store directly
+    train_step(app)
+    ckpt.save(2, app, blocking=True)
+    time.sleep(2.5)  # past the lease's expiry
+    with Checkpointer(url, storage_options=moto_server.options(**ttl), staging_dir=tmp_path / "B", signals=()):
+        pass
+    fault_proxy.down = set()
+    with pytest.raises(CheckpointError, match=rf"lease lost: .*; step 2 is committed only in {tmp_path / 'A' / 'step-2'}"
+                                              r" \(not uploaded\)"):
+        ckpt.close()
+    assert (tmp_path / "A" / "step-2" / naming.COMMIT_FILE).is_file()
+    assert ckpt.steps() == [1]

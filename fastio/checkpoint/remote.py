@@ -491,20 +491,30 @@ class RemoteCheckpoints:
     def upload_unsent(self, keep: int) -> None:
         """``close()``: when a commit met an outage, upload what the store still lacks (:meth:`after_commit`, each
         request within ``deadline_s``); a CheckpointError naming the steps still committed only in the staging dir,
-        where they are and what uploads them."""
+        where they are and what uploads them (or, when the upload was refused, a lost lease, that it did not)."""
         if not self._unsent:
             return
-        outage = self._upload(keep)
+        try:
+            outage = self._upload(keep)
+        except CheckpointError as err:
+            unsent = self.unsent()
+            if unsent:
+                raise CheckpointError(f"{err}; {self._only_staged(unsent)} (not uploaded)") from None
+            raise
         unsent = self.unsent() if outage is not None else []
         if unsent:
-            steps = agree(len(unsent), "step")
-            where = unsent[0] if len(unsent) == 1 else f"{self.root} ({', '.join(p.name for p in unsent)})"
+            them = "it" if len(unsent) == 1 else "them"
             raise CheckpointError(
-                f"{self.url}: {steps} {', '.join(str(naming.parse_step_name(p.name)) for p in unsent)} "
-                f"{'is' if len(unsent) == 1 else 'are'} committed only in {where} (not on the store: {outage}): the "
-                f"next Checkpointer({self.url!r}, staging_dir={str(self.root)!r}) uploads "
-                f"{'it' if len(unsent) == 1 else 'them'} at its first save (its restore_latest restores the newest "
-                "first); keep the staging dir until then")
+                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}): the next Checkpointer("
+                f"{self.url!r}, staging_dir={str(self.root)!r}) uploads {them} at its first save (its restore_latest "
+                "restores the newest first); keep the staging dir until then")
+
+    def _only_staged(self, unsent: list[Path]) -> str:
+        """``step 4 is committed only in /stage/step-4`` (``steps 2, 4 are ... in /stage (step-2, step-4)``)."""
+        steps = ", ".join(str(naming.parse_step_name(p.name)) for p in unsent)
+        if len(unsent) == 1:
+            return f"step {steps} is committed only in {unsent[0]}"
+        return f"steps {steps} are committed only in {self.root} ({', '.join(p.name for p in unsent)})"
 
     def _set_aside_if_abandoned(self, path: Path, step: int) -> bool:
         """True when staged ``step`` (``path``), which the store lacks, is of a branch the run gave up, not an upload
