@@ -407,3 +407,201 @@ def test_a_dataset_prefix_is_refused_as_a_checkpoint_directory(moto_server, s3_b
             Checkpointer(url, storage_options=moto_server.options(), staging_dir=tmp_path / "stage", signals=(),
                          read_only=read_only)
     assert [o.key for o in store.list()] == before
+
+
+def test_a_save_during_a_store_outage_is_committed_locally_and_uploaded_when_the_store_answers(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Before: a save whose commit met an outage (503 past deadline_s) was lost on the node too: the commit asked the
+    store about rollbacks first, failed, and the written step-2.tmp was deleted, although the node had every byte
+    (a job preempted then lost that progress). Now, holding the lease, the Checkpointer knows the store's committed
+    steps need no superseding: the step is committed in the staging dir (one warning naming it and that it is not on
+    the store yet), uploaded at the next save, and close() waits for the upload, else fails naming the local-only
+    step and its folder; the next Checkpointer of that staging dir restores and uploads it. An outage longer than
+    lease_ttl_s (deadline_s is twice the ttl by default) changes nothing: the step is committed on the node, the
+    upload confirms the lease first."""
+    import time
+
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05, lease_ttl_s=1, lease_skew_s=30)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}  # every request to the bucket: 503 SlowDown, past deadline_s
+    time.sleep(1.5)  # and past lease_ttl_s: the lease is not renewed during the outage
+    train_step(app)
+    caplog.clear()
+    ckpt.save(2, app, blocking=True)  # no error: committed on the node
+    assert (stage / "step-2" / naming.COMMIT_FILE).is_file()
+    said = [r.getMessage() for r in caplog.records if "not on the store yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-2: committed in {stage / 'step-2'}, not on "
+                                                 "the store yet"), said
+    assert f"{url}/fastio-rollback.json: HEAD failed" in said[0]  # the outage the rollback met: no second wait for it
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(3, app, blocking=True)  # the store answers: step 2 uploaded with step 3
+    assert ckpt.steps() == [1, 2, 3]
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    with pytest.raises(CheckpointError, match=rf"^{url}: step 4 is committed only in {stage / 'step-4'} \(not on the "
+                                              rf"store: .*\): the next Checkpointer\({url!r}, staging_dir="):
+        ckpt.close()
+    fault_proxy.down = set()
+    assert "step-4/fastio-commit.json" not in {o.key for o in store.list()}
+    restored = make_app(seed=3)
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 4
+        assert same_state(restored, app)
+        train_step(restored)
+        again.save(5, restored, blocking=True)
+        assert again.steps() == [1, 2, 3, 4, 5]
+
+
+def test_the_first_save_after_a_rollback_during_a_store_outage_fails_naming_what_it_must_supersede(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The exception to committing in the staging dir during an outage: after restore_latest(step=1) with step 2 on
+    the store, the next commit must first supersede step 2 there (a local-only step 3 beside a committed step 2 of
+    the abandoned branch would be superseded by it at the next restore). That save fails naming step 2, nothing is
+    committed, and the next save once the store answers does the rollback."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+        train_step(app)
+        ckpt.save(2, app, blocking=True)
+        assert ckpt.restore_latest(app, step=1).step == 1
+        fault_proxy.down = {f"/{s3_bucket}"}
+        with pytest.raises(CheckpointError, match=rf"step-3: checkpoint write failed: {url}: cannot supersede the "
+                                                  r"steps above 1: .*\(step 2 on the store must be superseded before "
+                                                  r"this step is committed: a rollback waits for the store\)"):
+            ckpt.save(3, app, blocking=True)
+        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
+        fault_proxy.down = set()
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 4]
+
+
+def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s3_bucket, tmp_path, caplog):
+    """Before: node A staged steps 1-3; requeued on node B, the job rolled back to step 2 and committed step 4 (step 3
+    superseded on the store); requeued on node A, it restored step 4 and its next save uploaded every staged step the
+    store lacked, A's step 3 among them: the superseded step 3 was moved aside on the store and the abandoned
+    branch's step 3 committed again (a checkpoint once more, for fallbacks and retention). A staged step whose
+    marker the store keeps as superseded is that abandoned step: it is not uploaded (one warning), and moved aside in
+    the staging dir, never deleted."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    first = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2, 3):
+            train_step(first)
+            ckpt.save(step, first, blocking=True)
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch, step=2).step == 2
+        train_step(branch)
+        ckpt.save(4, branch, blocking=True)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch).step == 4
+        train_step(branch)
+        ckpt.save(5, branch, blocking=True)
+        assert ckpt.steps() == [1, 2, 4, 5]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {1: "committed", 2: "committed", 3: "superseded", 4: "committed", 5: "committed"}, rows
+    said = [r.getMessage() for r in caplog.records if "superseded on the store" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: not uploaded: "), said
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()
+
+
+def test_a_staged_step_another_writer_continued_past_is_neither_restored_nor_uploaded(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Node A committed step 5 in its staging dir during an outage (the store had step 1) and was killed before the
+    upload; the job, requeued on node B, restored step 1 (all the store had) and saved step 2. Requeued on node A,
+    restore_latest took A's staged step 5 (newest, 'an upload pending') over B's step 2, and its next save uploaded
+    it: the run jumped back to a branch another writer had continued past, B's work silently superseded. The
+    staging dir now records, for a step committed there and not uploaded, the store's steps it knew then; a step
+    the store gained others than those since is of a branch given up (the newest save is the run's state): skipped
+    by the restore, moved aside (never deleted), not uploaded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(5, app, blocking=True)
+    with pytest.raises(CheckpointError, match="step 5 is committed only in"):
+        ckpt.close()
+    fault_proxy.down = set()
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
+        assert ckpt.restore_latest(branch).step == 1
+        train_step(branch)
+        ckpt.save(2, branch, blocking=True)
+    restored = make_app(seed=9)
+    caplog.clear()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        assert ckpt.restore_latest(restored).step == 2
+        assert same_state(restored, branch)
+        ckpt.save(6, restored, blocking=True)
+        assert ckpt.steps() == [1, 2, 6]
+    said = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(said) == 1 and "and step 2 was committed on the store since (another writer" in said[0], said
+    assert (tmp_path / "A" / "step-5.quarantined" / naming.COMMIT_FILE).is_file()
+
+
+def test_steps_staged_during_an_outage_are_all_uploaded_when_the_store_comes_back_in_parts(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Steps 2 and 3 staged during an outage; the store answers again but for step 3's keys: step 2 is uploaded,
+    step 3 and the new step 4 stay staged (this writer's own step 2 on the store is no other writer's continuation,
+    which would make step 3 a branch given up); once the store answers for all, everything is uploaded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    app = make_app()
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        ckpt.save(1, app, blocking=True)
+        fault_proxy.down = {f"/{s3_bucket}"}
+        for step in (2, 3):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        fault_proxy.down = {"/ckpt/step-3/"}
+        train_step(app)
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 2]
+        fault_proxy.down = set()
+        train_step(app)
+        ckpt.save(5, app, blocking=True)
+        assert ckpt.steps() == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "A" / ".fastio-unsent.json").exists()
+    assert not [p for p in (tmp_path / "A").iterdir() if p.name.endswith(".quarantined")]
+
+
+def test_close_after_the_lease_was_taken_during_an_outage_names_the_step_left_staged(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Step 2 staged during an outage longer than the lease's ttl; meanwhile another writer took the lease (and let
+    it go). close() finds the lease lost and uploads nothing, as it must; before, its error said only 'lease lost'
+    and not that step 2 exists only in the staging dir. Now it names the step and its folder."""
+    import time
+
+    url = f"s3://{s3_bucket}/ckpt"
+    ttl = dict(lease_ttl_s=1, lease_skew_s=0)
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05,
+                                                                 **ttl), staging_dir=tmp_path / "A", signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.down = {f"/{s3_bucket}"}  # for this writer only: the other one talks to the store directly
+    train_step(app)
+    ckpt.save(2, app, blocking=True)
+    time.sleep(2.5)  # past the lease's expiry
+    with Checkpointer(url, storage_options=moto_server.options(**ttl), staging_dir=tmp_path / "B", signals=()):
+        pass
+    fault_proxy.down = set()
+    with pytest.raises(CheckpointError, match=rf"lease lost: .*; step 2 is committed only in {tmp_path / 'A' / 'step-2'}"
+                                              r" \(not uploaded\)"):
+        ckpt.close()
+    assert (tmp_path / "A" / "step-2" / naming.COMMIT_FILE).is_file()
+    assert ckpt.steps() == [1]

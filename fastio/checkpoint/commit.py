@@ -236,6 +236,7 @@ class LocalCommit(_Steps):
                 self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
                 self._expired += retention.expire(self.root, keep)  # the files go in prune()
                 if self.remote is not None:
+                    self.remote.record_staged(step)  # what the store held: an outage may keep it staged only
                     self.remote.after_commit(keep)
 
         ranks.run("commit", commit)

@@ -28,6 +28,15 @@ confirms it before a step's upload, before its commit marker, before a rollback 
 before retention; a lost lease fails that save
 (nothing more is uploaded or deleted). Listing and retention look only at ``step-N/`` keys, so the lease object is
 never touched.
+
+A store outage at a shared staging dir's commit: holding the lease, rank 0 knows the store's committed steps
+(listed when it took the lease, at restores and uploads); when none is above the new step's floor, the step is
+committed in the staging dir without the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
+next commit or ``close()`` (:meth:`RemoteCheckpoints.upload_unsent`, which names the steps only staged when the
+store still does not answer). A rollback that must supersede steps on the store fails the save instead. A staged
+step the store lacks is an upload pending unless the store superseded it (its own marker kept as superseded) or gained
+committed steps its writer did not know when it staged it (:data:`UNSENT_RECORD`: another writer continued without
+it): those are neither restored nor uploaded.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fastio.checkpoint import naming, publish, removal, rollback, scan
 from fastio.checkpoint.group import RankGroup
@@ -58,6 +67,11 @@ __all__ = ["STAGING_RECORD", "RemoteCheckpoints", "default_staging_dir", "stagin
 
 STAGING_RECORD = ".fastio-staging.json"
 """In a staging dir: ``{"url": ...}``, the ``s3://`` prefix whose checkpoints it stages."""
+
+UNSENT_RECORD = ".fastio-unsent.json"
+"""In a staging dir: ``{"N": [steps...]}``: for each step committed there and not uploaded yet, the store's committed
+steps its writer knew when it committed it. A step the store has since gained others than those is of a branch
+another writer continued (the newest save is the run's state): neither restored nor uploaded."""
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +135,13 @@ def _copy_objects(source, dest, objects) -> None:
             dest.put_file(o.key, local)
 
 
+def _outage_of(err: Exception) -> StorageError | None:
+    """The StorageError behind ``err`` when it is an outage (the store unreachable or failing past ``deadline_s``:
+    retrying could cure it), else None (a refusal, a missing object, damage)."""
+    cause = err if isinstance(err, StorageError) else err.__cause__
+    return cause if isinstance(cause, StorageError) and cause.transient else None
+
+
 class RemoteCheckpoints:
     """The object-store side of a Checkpointer whose local ``root`` stages what is written to ``url``."""
 
@@ -129,6 +150,11 @@ class RemoteCheckpoints:
         self.mirror = DirMirror(open_storage(url, storage_options), naming.COMMIT_FILE)
         self.lease: Lease | None = None
         self._downloaded: dict[int, tuple[str, int]] = {}  # step -> (its URL, the inode of its download's folder)
+        self._known: set[int] | None = None
+        """The store's committed steps as this process last listed them (None: not listed yet); holding the lease,
+        no other writer changes them, so a commit during an outage knows whether it must supersede any."""
+        self._outage: StorageError | None = None  # the store's, met by this commit's rollback: nothing superseded
+        self._unsent = False  # a commit met an outage: steps committed in the staging dir may be missing on the store
 
     def bind_staging(self, *, write: bool) -> None:
         """CheckpointError when the staging directory stages another prefix's checkpoints (its
@@ -179,6 +205,10 @@ class RemoteCheckpoints:
         if lease is not None:
             lease.acquire()
         self.lease = lease
+        try:
+            self.committed_steps()  # what the store holds, for a commit that meets an outage (_may_defer)
+        except (StorageError, CheckpointError):
+            self._known = None
 
     def release(self) -> None:
         lease, self.lease = self.lease, None
@@ -234,24 +264,58 @@ class RemoteCheckpoints:
     def start_rollback(self, floor: int) -> list[int]:
         """Before the first commit after a restore of step ``floor``: record on the store every committed step
         above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
-        a checkpoint. Only while the lease (if held) is confirmed."""
-        return self._superseding(lambda: rollback.start_remote_rollback(
-            self.mirror.storage, floor, self.committed_steps, self._confirm), floor)
+        a checkpoint. Only while the lease (if held) is confirmed. When the store cannot be reached (an outage past
+        ``deadline_s``) and the steps this writer knows on it (:meth:`_may_defer`) leave nothing above ``floor`` to
+        supersede, returns [] instead of raising: the commit goes on in the staging dir, its upload later."""
+        self._outage = None
+        try:
+            doomed = rollback.start_remote_rollback(self.mirror.storage, floor, self.committed_steps, self._confirm)
+        except LeaseLostError as err:
+            raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
+        except (StorageError, CheckpointError) as err:
+            self._outage = _outage_of(err)
+            if self._outage is None or not self._may_defer(floor):
+                self._outage = None
+                raise self._cannot_supersede(err, floor) from None
+            return []
+        if self._known is not None:
+            self._known -= set(doomed)
+        return doomed
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
-        deleted; every other object kept), then delete the record; returns the steps it listed."""
-        return self._superseding(lambda: rollback.finish_remote_rollback(self.mirror.storage, self._confirm), None)
-
-    def _superseding(self, fn: Callable[[], list[int]], floor: int | None) -> list[int]:
-        """``fn()``, its store and lease errors as one CheckpointError."""
+        deleted; every other object kept), then delete the record; returns the steps it listed. Nothing (and [])
+        after :meth:`start_rollback` met an outage, or when this one meets one: a record written stays on the store,
+        hiding its steps, and the next commit finishes it."""
+        if self._outage is not None:
+            return []
         try:
-            return fn()
+            return rollback.finish_remote_rollback(self.mirror.storage, self._confirm)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
-        except StorageError as err:
-            above = f" above {floor}" if floor is not None else " of a rollback"
-            raise CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}") from None
+        except (StorageError, CheckpointError) as err:
+            self._outage = _outage_of(err)
+            if self._outage is None:
+                raise self._cannot_supersede(err, None) from None
+            return []
+
+    def _may_defer(self, floor: int) -> bool:
+        """A commit above ``floor`` may go on in the staging dir while the store is out: this writer listed the
+        store's committed steps, none is above ``floor``, and its lease (if any) is not known lost. A lease not
+        renewed during a long outage may be taken over meanwhile; the staging dir is this writer's still (its
+        DirLock), and the upload confirms the lease before anything is written to the store."""
+        if self._known is None or any(s > floor for s in self._known):
+            return False
+        return self.lease is None or (self.lease.held and self.lease.lost is None)
+
+    def _cannot_supersede(self, err: Exception, floor: int | None) -> CheckpointError:
+        """The CheckpointError of a rollback that failed on the store; naming the steps it must supersede first
+        when they are why the commit cannot wait for the store."""
+        above = f" above {floor}" if floor is not None else " of a rollback"
+        doomed = sorted(s for s in self._known or () if floor is not None and s > floor)
+        why = (f" ({agree(len(doomed), 'step')} {', '.join(map(str, doomed))} on the store must be superseded before "
+               "this step is committed: a rollback waits for the store)" if doomed and _outage_of(err) else "")
+        return CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}{why}")
 
     def make_room(self, step: int) -> str | None:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
@@ -271,7 +335,7 @@ class RemoteCheckpoints:
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except StorageError as err:
-            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from None
+            raise CheckpointError(f"{self.url}/{name}: cannot move the superseded step aside: {err}") from err
         log.warning("fastio: %s/%s: a superseded step of that number moved aside to %s", self.url, name, target)
         return target
 
@@ -286,7 +350,7 @@ class RemoteCheckpoints:
         if any(e.step == step for e in scan.committed(self.root)):
             why = self._staged_differs(dest)
             if why is None:
-                return []
+                return self._continued_past(step)
             if why == rollback.SUPERSEDED_FILE:  # skipped, then moved aside by the restore
                 return [f"{dest}: superseded on the store by a rollback ({self.url}/{dest.name}/{why})"]
             replaced = True
@@ -324,6 +388,46 @@ class RemoteCheckpoints:
             raise CheckpointError(f"{dest}: cannot read: {err.strerror or err}") from None
         return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
 
+    def record_staged(self, step: int) -> None:
+        """Rank 0, once ``step`` is committed in the staging dir, before its upload: note in :data:`UNSENT_RECORD`
+        the store's committed steps this writer knows now and the steps staged before it, not uploaded yet, which
+        this writer uploads first (nothing when it has not listed the store)."""
+        if self._known is None:
+            return
+        records = self._unsent_records()
+        records[step] = set(self._known) | (set(records) - {step})  # the steps staged before it: uploaded first
+        self._write_unsent(records)
+
+    def _unsent_records(self) -> dict[int, set[int]]:
+        """:data:`UNSENT_RECORD` (empty when there is none, or it cannot be read: its steps then count as pending)."""
+        try:
+            return {int(k): set(map(int, v)) for k, v in json.loads((self.root / UNSENT_RECORD).read_text()).items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            log.warning("fastio: %s: unreadable (%s); its steps count as uploads pending", self.root / UNSENT_RECORD,
+                        err)
+            return {}
+
+    def _write_unsent(self, records: dict[int, set[int]]) -> None:
+        path = self.root / UNSENT_RECORD
+        if records:
+            atomic_write_bytes(path, json.dumps({str(k): sorted(v) for k, v in sorted(records.items())}).encode())
+        else:
+            path.unlink(missing_ok=True)
+
+    def _continued_past(self, step: int) -> list[str]:
+        """Why staged ``step``, which the store has no commit of, is no upload pending (one problem; none when it
+        is): the store has committed steps its writer did not know when it committed it (:data:`UNSENT_RECORD`),
+        another writer's, who continued the run from the store without it."""
+        known = self._unsent_records().get(step)
+        since = sorted(set(self._known or ()) - known) if known is not None else []
+        if not since:
+            return []
+        return [f"{naming.step_dir(self.root, step)}: committed only in this staging dir, and {agree(len(since), 'step')} "
+                f"{', '.join(map(str, since))} {agree(len(since), 'was', 'were')} committed on the store since (another "
+                "writer continued the run without it)"]
+
     def download_of(self, step: int) -> str | None:
         """The store's URL of ``step`` when ``root``'s ``step-N`` is still the folder :meth:`fetch` downloaded it
         into (a copy of what the store keeps; not a step committed here since, which may be the only copy); else
@@ -337,7 +441,9 @@ class RemoteCheckpoints:
     def committed_steps(self) -> list[int]:
         """The store's committed steps, oldest first (less those of a rollback in progress)."""
         doomed = self.pending_rollback()
-        return sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        steps = sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        self._known = set(steps)
+        return steps
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
@@ -356,23 +462,114 @@ class RemoteCheckpoints:
             self._confirm()
         for step in old + sorted(leftovers):
             self.mirror.remove(naming.step_name(step))
+            if self._known is not None:
+                self._known.discard(step)
         if leftovers:
             log.info("fastio: %s: removed leftovers of uncommitted %s %s (older than committed step %d)",
                      self.url, agree(len(leftovers), "step"), ", ".join(map(str, sorted(leftovers))), done[-1])
 
     def after_commit(self, keep: int) -> None:
-        """Upload every locally committed step the store lacks, then apply retention on the store; each only
-        while the lease (if held) is confirmed."""
+        """Upload every locally committed step the store lacks, then apply retention on the store; each only while
+        the lease (if held) is confirmed. An outage (the store unreachable past ``deadline_s``) fails nothing: one
+        warning names the steps committed only in the staging dir, uploaded at the next commit or by
+        :meth:`upload_unsent` (``close()``). Not tried when this commit's rollback has just met the outage: each
+        request would wait ``deadline_s`` again, and the next save waits for this one."""
+        if self._outage is not None:
+            outage, self._unsent = self._outage, True
+        else:
+            outage = self._upload(keep)
+        if outage is not None:
+            unsent = self.unsent()
+            if unsent:
+                log.warning("fastio: %s/%s: committed in %s, not on the store yet (%s); uploaded at the next save, or "
+                            "by close()", self.url, ", ".join(p.name for p in unsent), ", ".join(map(str, unsent)),
+                            outage)
+            else:
+                log.warning("fastio: %s: retention not applied on the store (%s); applied at the next save", self.url,
+                            outage)
+
+    def upload_unsent(self, keep: int) -> None:
+        """``close()``: when a commit met an outage, upload what the store still lacks (:meth:`after_commit`, each
+        request within ``deadline_s``); a CheckpointError naming the steps still committed only in the staging dir,
+        where they are and what uploads them (or, when the upload was refused, a lost lease, that it did not)."""
+        if not self._unsent:
+            return
+        try:
+            outage = self._upload(keep)
+        except CheckpointError as err:
+            unsent = self.unsent()
+            if unsent:
+                raise CheckpointError(f"{err}; {self._only_staged(unsent)} (not uploaded)") from None
+            raise
+        unsent = self.unsent() if outage is not None else []
+        if unsent:
+            them = "it" if len(unsent) == 1 else "them"
+            raise CheckpointError(
+                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}): the next Checkpointer("
+                f"{self.url!r}, staging_dir={str(self.root)!r}) uploads {them} at its first save (its restore_latest "
+                "restores the newest first); keep the staging dir until then")
+
+    def _only_staged(self, unsent: list[Path]) -> str:
+        """``step 4 is committed only in /stage/step-4`` (``steps 2, 4 are ... in /stage (step-2, step-4)``)."""
+        steps = ", ".join(str(naming.parse_step_name(p.name)) for p in unsent)
+        if len(unsent) == 1:
+            return f"step {steps} is committed only in {unsent[0]}"
+        return f"steps {steps} are committed only in {self.root} ({', '.join(p.name for p in unsent)})"
+
+    def _set_aside_if_abandoned(self, path: Path, step: int) -> bool:
+        """True when staged ``step`` (``path``), which the store lacks, is of a branch the run gave up, not an upload
+        pending: the store keeps it superseded with this staging dir's own commit marker (a rollback on another
+        node), or another writer committed steps since (:meth:`_continued_past`); it is moved aside
+        (``step-N.quarantined``, never deleted), with one warning."""
+        why = self._continued_past(step)
+        sub = self.mirror.storage.child(path.name)
+        try:
+            if not why and sub.head(rollback.SUPERSEDED_FILE) is not None \
+                    and sub.get(rollback.SUPERSEDED_FILE) == (path / naming.COMMIT_FILE).read_bytes():
+                why = [f"superseded on the store by a rollback ({rollback.SUPERSEDED_FILE} holds this staging dir's "
+                       "commit marker, a step of a branch the run gave up)"]
+            if not why:
+                return False  # a superseded step of that number with another marker: make_room moves it aside
+            done = f"moved aside to {removal.quarantine(path).name}"
+        except OSError as err:
+            done = f"left in place (cannot move it aside: {err.strerror or err})"
+        log.warning("fastio: %s/%s: not uploaded: %s; %s %s", self.url, path.name, why[0], path, done)
+        return True
+
+    def unsent(self) -> list[Path]:
+        """The steps committed in the staging dir that the store lacked when this writer last listed it."""
+        return [e.path for e in scan.committed(self.root) if self._known is None or e.step not in self._known]
+
+    def _push_staged(self, remote: set[int]) -> None:
+        """Upload every step committed in the staging dir that the store (``remote``: its committed steps) lacks,
+        oldest first, but for those of a branch the run gave up (:meth:`_set_aside_if_abandoned`); then drop the
+        :data:`UNSENT_RECORD` entries of the steps the store has or the staging dir no longer commits."""
+        for entry in scan.committed(self.root):
+            if entry.step in remote or self._set_aside_if_abandoned(entry.path, entry.step):
+                continue
+            self.make_room(entry.step)
+            self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
+            remote.add(entry.step)
+            self._known = set(remote)
+        staged, records = {e.step for e in scan.committed(self.root)}, self._unsent_records()
+        if any(s in remote or s not in staged for s in records):
+            self._write_unsent({s: k for s, k in records.items() if s not in remote and s in staged})
+
+    def _upload(self, keep: int) -> StorageError | None:
+        """:meth:`after_commit`'s work; the store's error when it was an outage (retried later), a CheckpointError
+        for any other failure (a refusal, a lost lease)."""
         try:
             self._confirm()
-            remote = set(self.committed_steps())
-            for entry in scan.committed(self.root):
-                if entry.step not in remote:
-                    self.make_room(entry.step)
-                    self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
-                    remote.add(entry.step)
+            self._push_staged(set(self.committed_steps()))
             self._retain(keep)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
-        except StorageError as err:
-            raise CheckpointError(f"{self.url}: upload failed: {err}") from None
+        except (StorageError, CheckpointError) as err:
+            outage = _outage_of(err)
+            if outage is None:
+                raise (err if isinstance(err, CheckpointError) else
+                       CheckpointError(f"{self.url}: upload failed: {err}")) from None
+            self._unsent = True
+            return outage
+        self._unsent = False
+        return None

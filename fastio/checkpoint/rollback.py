@@ -123,11 +123,11 @@ def pending_remote_rollback(storage: Storage) -> frozenset[int]:
         if storage.head(ROLLBACK_FILE) is None:
             return frozenset()
     except StorageError as err:
-        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from None
+        raise CheckpointError(f"{storage.url}: cannot list checkpoints: {err}") from err  # the cause tells an outage
     try:
         text = storage.get(ROLLBACK_FILE)
     except StorageError as err:
-        raise CheckpointError(f"{storage.url_of(ROLLBACK_FILE)}: cannot read: {err}") from None
+        raise CheckpointError(f"{storage.url_of(ROLLBACK_FILE)}: cannot read: {err}") from err
     return parse_rollback(text, storage.url_of(ROLLBACK_FILE))
 
 

@@ -122,6 +122,12 @@ class Lease:
     def held(self) -> bool:
         return self._etag is not None
 
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was found lost (taken over, deleted by someone else); None while it is not known lost
+        (a lease not renewed during an outage is not known lost: :meth:`confirm` finds out)."""
+        return self._lost
+
     # ------------------------------------------------------------------ acquire
     def acquire(self) -> Lease:
         """Take the lease, or take over a stale one, or raise :class:`~fastio.storage.lock.LockedError` at once."""
