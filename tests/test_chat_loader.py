@@ -319,6 +319,32 @@ def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, 
             list(ld)
 
 
+def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_shard(chat, tmp_path):
+    """Found by hostile review of hand-edited manifests: tokens.chat.longest edited below the real longest let a
+    seq_len through that the longest conversation does not fit, and best-fit packing cut it into pieces without a
+    word (its second piece trained without its prompt). The documents' lengths are read anyway when the packing
+    counts its sequences: a conversation longer than the manifest says is refused there, naming the shard."""
+    import re
+    import shutil
+
+    from fastio.formats.megatron import MegatronIndex
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest - 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    tokens = fastio.Tokens(seq_len=longest - 2, packing="best-fit", window=16)  # fits the edited longest only
+    with pytest.raises(DatasetError, match=rf"bad: shard \S+: holds a conversation of {longest} tokens, more than "
+                                           rf"the manifest's tokens\.chat\.longest \({longest - 1}\)") as err:
+        with fastio.Loader(bad, pipeline=tokens, batch_size=4, device="cpu", seed=5) as ld:
+            list(ld)
+    name = re.search(r"shard (\S+):", str(err.value))[1]
+    idx = MegatronIndex(bad / "shards" / name.replace(".bin", ".idx"))
+    assert int(np.diff(idx.starts(np.arange(idx.documents + 1))).max()) == longest  # the shard it is in
+
+
 def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):
     """A chat shard's .mask cut short between two reads (after the Loader mapped it): refused naming the file, as a
     .bin is; it killed the process with SIGBUS."""
