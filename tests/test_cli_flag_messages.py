@@ -48,6 +48,31 @@ def test_a_convert_flag_that_changes_nothing_is_named_in_a_warning(image_folder,
         assert code == 0 and "warning" not in err, err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--seed", "3"], "--seed: read only with --shuffle or --split"),
+    (["--split-by", "random"], "--split-by: read only with --split"),
+    (["--quality", "50"], "--quality: read only with --max-side"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_an_image_text_flag_that_changes_nothing_is_named_in_a_warning(tmp_path, capsys, flags, named):
+    # Found by the review of the rule above: it was skipped whenever --tokenizer was given (a token conversion
+    # refuses --seed, --split and --shuffle by name), so an image-text conversion (--tokenizer with --image-field,
+    # which does take --split and --shuffle) ignored `--seed 3` without them without a word.
+    from tokens_helpers import image_text_source
+
+    src = image_text_source(tmp_path, n=4)
+    common = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+              "--workers", "1", "-q"]
+    dest, plain = tmp_path / "out", tmp_path / "plain"
+    code, _, err = run_cli(["convert", str(src["source"]), str(dest), *common, *flags], capsys)
+    assert code == 0 and err == f"warning: {named}; ignored\n", err
+    assert run_cli(["convert", str(src["source"]), str(plain), *common], capsys)[0] == 0
+    shards = sorted(p.name for p in (plain / "shards").iterdir())
+    assert shards and all((dest / "shards" / n).read_bytes() == (plain / "shards" / n).read_bytes() for n in shards)
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "shuffled"), *common, "--seed", "3",
+                            "--shuffle"], capsys)
+    assert code == 0 and "warning" not in err, err
+
+
 _FIELDS = ("max_pixels", "transcode=", "video_decoder", "max_tokens", "overlong=", "on_error", "part=")
 """Config fields whose flags the messages below must name instead."""
 

@@ -214,11 +214,13 @@ def _warn_idle_flags(ctx: click.Context) -> None:
 def _idle_flags(ctx: click.Context) -> list[str]:
     """A line for each flag that changes nothing here, said so that the user does not believe it applied (a warning,
     not a refusal: the conversion is the same as without it): ``--staging-dir`` with a local DEST; outside a token
-    conversion (which refuses them by name), a flag given without any of its partners (:data:`_PARTNERS`)."""
+    conversion (which refuses them by name; an image-text one takes them), a flag given without any of its
+    partners (:data:`_PARTNERS`)."""
     params, lines = ctx.params, []
     if params["staging_dir"] is not None and "://" not in params["dest"]:
         lines.append("--staging-dir: read only with an s3:// DEST (a local DEST is written where it is); ignored")
-    for name, partners in _PARTNERS.items() if params["tokenizer"] is None else ():
+    token_conversion = params["tokenizer"] is not None and params["image_field"] is None
+    for name, partners in _PARTNERS.items() if not token_conversion else ():
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT and \
                 not any(params[p] for p in partners):
             lines.append(f"{_flag(ctx, name)}: read only with {' or '.join(_flag(ctx, p) for p in partners)}; "
