@@ -73,6 +73,62 @@ def test_an_image_text_flag_that_changes_nothing_is_named_in_a_warning(tmp_path,
     assert code == 0 and "warning" not in err, err
 
 
+@pytest.mark.parametrize("flag, kept, named", [
+    (["--seed", "3"], [], "--seed: read only with --order"),
+    (["--epoch", "2"], [], "--epoch: read only with --order"),
+    (["--batch-size", "8"], [], "--batch-size: read only with --order"),
+    (["--seq-len", "16"], [], "--seq-len: read only with --order"),
+    (["--cache-dir", "cache"], [], "--cache-dir: read only with an s3:// DEST"),
+    (["--cache-size", "1GB"], [], "--cache-size: read only with an s3:// DEST"),
+    (["--skipped"], ["--json"], "--skipped: read only without --json"),
+], ids=lambda v: v[0] if isinstance(v, list) and v else None)
+def test_an_inspect_flag_that_changes_nothing_is_named_in_a_warning(image_dataset, capsys, flag, kept, named):
+    # Found by review of fastio inspect: --seed, --epoch, --batch-size and --seq-len without --order, the cache flags
+    # with a local DEST and --skipped with --json (which prints the whole report) were ignored without a word.
+    # The rule of fastio convert: a warning on stderr, the report the same as without the flag.
+    code, plain, _ = run_cli(["inspect", str(image_dataset), *kept], capsys)
+    assert code == 0
+    code, out, err = run_cli(["inspect", str(image_dataset), *flag, *kept], capsys)
+    assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), err
+    assert err.count("\n") == 1, err
+    assert out == plain
+
+
+def _mixture_file(tmp_path, image_folder):
+    from fastio.convert.run import ConvertConfig, convert
+
+    for name in ("a", "b"):
+        convert(ConvertConfig(source=image_folder, dest=tmp_path / name, workers=1, progress=False))
+    mix = tmp_path / "mix.json"
+    mix.write_text('{"sources": {"a": "a", "b": "b"}, "weights": {"a": 3, "b": 1}}')
+    return mix
+
+
+def test_inspect_of_a_mixture_file_warns_of_what_it_does_not_read_only(image_folder, tmp_path, capsys):
+    """A mixture file's report reads --seed, --epoch, --batch-size and --seq-len without --order (it is an order
+    report; docs/mixtures.md): no warning for them; --max-images and --skipped it never reads."""
+    mix = _mixture_file(tmp_path, image_folder)
+    code, out, err = run_cli(["inspect", str(mix), "--seed", "3", "--epoch", "1", "--batch-size", "8"], capsys)
+    assert code == 0 and err == "" and "(seed 3)" in out and "epochs 1..2" in out, (out, err)
+    code, out, err = run_cli(["inspect", str(mix), "--order", "--batch-size", "8"], capsys)  # as the docs show it
+    assert code == 0 and err == "", err
+    code, plain, _ = run_cli(["inspect", str(mix)], capsys)
+    for flags, named in ((["--max-images", "5"], "--max-images: read only with a dataset DEST"),
+                         (["--skipped"], "--skipped: read only with a dataset DEST")):
+        code, out, err = run_cli(["inspect", str(mix), *flags], capsys)
+        assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), err
+        assert err.count("\n") == 1 and out == plain
+
+
+@pytest.mark.parametrize("target", ["dataset", "mixture"])
+def test_inspect_refuses_a_cache_size_that_is_no_size_naming_the_flag(image_dataset, image_folder, tmp_path, capsys,
+                                                                      target):
+    dest = image_dataset if target == "dataset" else _mixture_file(tmp_path, image_folder)
+    code, out, err = run_cli(["inspect", str(dest), "--cache-size", "lots"], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith("fastio: error: --cache-size: cannot read 'lots' as a size"), err
+
+
 _FIELDS = ("max_pixels", "transcode=", "video_decoder", "max_tokens", "overlong=", "on_error", "part=")
 """Config fields whose flags the messages below must name instead."""
 
