@@ -570,6 +570,25 @@ def test_inspect_a_mixture_file_with_a_schedule(raw_sources, tmp_path, capsys):
     assert code == 2 and f"{path}: weights[1]: position 0 is not after the previous entry's 0" in err
 
 
+@pytest.mark.parametrize("epoch, named", [(2**62, 2**62), (2**63 // 60 - 1, 2**63 // 60)])
+def test_inspect_of_a_mixture_epoch_past_the_orders_reach_is_one_line(raw_sources, tmp_path, capsys, epoch, named):
+    """Found by hostile review of fastio inspect: ``--epoch`` past the int64 stream positions of a mixture's order
+    (the report's first epoch) was a raw OverflowError traceback from numpy, and past it by the report's second
+    epoch only, a report of wrapped positions (exit 0); both are the order's own refusal (as set_epoch's), naming
+    the epoch and the last one there is, exit 2."""
+    from helpers import run_cli
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {k: str(v) for k, v in raw_sources.items()}, "samples_per_epoch": 60}))
+    code, out, err = run_cli(["inspect", str(path), "--epoch", str(epoch)], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"fastio: error: the report's epochs {epoch}..{epoch + 1}: epoch {named} of a mixture of "
+                          "60 samples per epoch ends at stream position"), err
+    assert f"its last epoch is {2**63 // 60 - 1}" in err
+    code, _, err = run_cli(["inspect", str(path), "--epoch", str(2**63 // 60 - 2)], capsys)  # its last two: reported
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
 def test_a_scheduled_state_goes_through_the_checkpointer(raw_sources, tmp_path, engine):
     from fastio import Checkpointer
