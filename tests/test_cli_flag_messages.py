@@ -94,6 +94,33 @@ def test_an_inspect_flag_that_changes_nothing_is_named_in_a_warning(image_datase
     assert out == plain
 
 
+def test_an_inspect_flag_the_dests_kind_does_not_read_is_named_in_a_warning(image_dataset, tmp_path, capsys):
+    # Found by review of fastio inspect: a token dataset's --order is its packing (--seq-len), so --seed, --epoch and
+    # --batch-size changed nothing there, nor --max-images (no images); --seq-len changes nothing for a dataset of
+    # samples. Known once DEST is open: a warning each, the report the same as without the flag.
+    from tokens_helpers import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text("".join(f'{{"text": "hello world number {i}"}}\n' for i in range(20)))
+    tokens = tmp_path / "tok"
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tokens), "--tokenizer",
+                            str(train_tokenizer(tmp_path / "tokenizer.json")), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    packed = ["--order", "--seq-len", "8"]
+    for dest, flag, kept, named in (
+            (tokens, ["--seed", "3"], packed, "--seed: read only with a dataset of samples"),
+            (tokens, ["--epoch", "1"], packed, "--epoch: read only with a dataset of samples"),
+            (tokens, ["--batch-size", "8"], packed, "--batch-size: read only with a dataset of samples"),
+            (tokens, ["--max-images", "5"], [], "--max-images: read only with a dataset of samples"),
+            (image_dataset, ["--seq-len", "8"], ["--order"], "--seq-len: read only with a token dataset")):
+        code, plain, _ = run_cli(["inspect", str(dest), *kept], capsys)
+        assert code == 0
+        code, out, err = run_cli(["inspect", str(dest), *flag, *kept], capsys)
+        assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), (flag, err)
+        assert err.count("\n") == 1 and out == plain, (flag, err)
+    code, _, err = run_cli(["inspect", str(tokens), *packed], capsys)
+    assert code == 0 and err == "", err
+
+
 def _mixture_file(tmp_path, image_folder):
     from fastio.convert.run import ConvertConfig, convert
 
@@ -106,7 +133,8 @@ def _mixture_file(tmp_path, image_folder):
 
 def test_inspect_of_a_mixture_file_warns_of_what_it_does_not_read_only(image_folder, tmp_path, capsys):
     """A mixture file's report reads --seed, --epoch, --batch-size and --seq-len without --order (it is an order
-    report; docs/mixtures.md): no warning for them; --max-images and --skipped it never reads."""
+    report; docs/mixtures.md): no warning for them; --max-images and --skipped it never reads, --seq-len only for
+    a mixture of token datasets."""
     mix = _mixture_file(tmp_path, image_folder)
     code, out, err = run_cli(["inspect", str(mix), "--seed", "3", "--epoch", "1", "--batch-size", "8"], capsys)
     assert code == 0 and err == "" and "(seed 3)" in out and "epochs 1..2" in out, (out, err)
@@ -114,7 +142,8 @@ def test_inspect_of_a_mixture_file_warns_of_what_it_does_not_read_only(image_fol
     assert code == 0 and err == "", err
     code, plain, _ = run_cli(["inspect", str(mix)], capsys)
     for flags, named in ((["--max-images", "5"], "--max-images: read only with a dataset DEST"),
-                         (["--skipped"], "--skipped: read only with a dataset DEST")):
+                         (["--skipped"], "--skipped: read only with a dataset DEST"),
+                         (["--seq-len", "8"], "--seq-len: read only with a token dataset")):
         code, out, err = run_cli(["inspect", str(mix), *flags], capsys)
         assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), err
         assert err.count("\n") == 1 and out == plain

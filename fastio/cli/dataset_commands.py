@@ -476,6 +476,8 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
                            storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
+    first = next(iter(info["splits"].values())) if "splits" in info else info  # the splits are of one kind
+    warn_idle_flags(click.get_current_context(), _kind_idle(click.get_current_context(), "tokens" in first))
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
@@ -502,6 +504,21 @@ def _inspect_idle(ctx: click.Context, mixture: bool) -> dict[str, str]:
     if "://" not in ctx.params["dest"]:
         idle.update({name: "with an s3:// DEST (a local one is read where it is)" for name in ("cache_dir", "cache_size")})
     return idle
+
+
+def _kind_idle(ctx: click.Context, tokens: bool, mixture: bool = False) -> dict[str, str]:
+    """The flags of ``fastio inspect`` that the kind of DEST (known once it is open) does not read, for
+    :func:`~fastio.cli.group.warn_idle_flags`: a token dataset's ``--order`` is its packing (``--seq-len`` alone)
+    and it has no images; a dataset (or ``mixture`` file) of samples has no packing. The ``--order`` options
+    without ``--order`` are :func:`_inspect_idle`'s (said once)."""
+    ordered = ctx.params["order"] or mixture
+    if tokens:
+        idle = {} if mixture else {"max_images": "with a dataset of samples (a token dataset has no images)"}
+        if ordered and not mixture:
+            idle.update({name: "with a dataset of samples (a token dataset's --order is its packing into --seq-len)"
+                         for name in ("seed", "epoch", "batch_size")})
+        return idle
+    return {"seq_len": "with a token dataset (or a mixture file of them)"} if ordered else {}
 
 
 def _check_size(value: str | None, field: str) -> None:
@@ -553,6 +570,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
         info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size, seq_len=seq_len)
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
+    ctx = click.get_current_context()
+    warn_idle_flags(ctx, _kind_idle(ctx, info["unit"] == "sequences", mixture=True))
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
