@@ -6,6 +6,7 @@ and elastic resume."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -343,6 +344,25 @@ def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_
     name = re.search(r"shard (\S+):", str(err.value))[1]
     idx = MegatronIndex(bad / "shards" / name.replace(".bin", ".idx"))
     assert int(np.diff(idx.starts(np.arange(idx.documents + 1))).max()) == longest  # the shard it is in
+
+
+def test_verify_names_the_shard_holding_a_conversation_longer_than_the_manifest_says(chat, tmp_path):
+    """The Loader's refusal above tells the user to look at the manifest; fastio verify (which reads every .idx)
+    passed such a manifest as clean. Now it names each shard holding a conversation longer than tokens.chat.longest."""
+    import shutil
+
+    from fastio.report.verify import verify
+
+    assert not verify(chat).problems
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest - 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    lines = [p.line() for p in verify(bad).problems]
+    assert lines and all(re.fullmatch(rf"shard-\d+\S*: holds a conversation of {longest} tokens, more than the "
+                                      rf"manifest's tokens\.chat\.longest \({longest - 1}\)", line) for line in lines), lines
 
 
 def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):

@@ -7,8 +7,9 @@ case each split is checked and shard names are prefixed with the split name. A t
 ``.bin``/``.idx``) are checked for their checksums, the ``.idx`` structure, document and token counts, every document
 ending with the end-of-document id, every id inside the vocabulary (and not above the largest the manifest records)
 and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`); a chat dataset's (``tokens.chat``)
-also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and
-not for the end-of-document id (a conversation ends as its template ends it). An image-text sample's members
+also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens) and
+its conversations' lengths (none over ``tokens.chat.longest``), and not for the end-of-document id (a
+conversation ends as its template ends it). An image-text sample's members
 (:mod:`fastio.formats.image_text`) are checked by their sizes, and its ``tokens.i32`` by the rule of a token
 dataset's ids: the first id that is negative, outside the vocabulary or above the largest id the manifest's
 ``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only), and
@@ -249,12 +250,13 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
     """A token shard's documents (its structure checked), :data:`~fastio.formats.megatron.CHECK_CHUNK` at a time
     (bounded memory): each ends with the end-of-document id, the ids as :class:`~fastio.tokens.ids.IdScan` checks
     them and not above the manifest's largest, and its entries of the document-starts table (``starts``) are its
-    documents' starts."""
-    problems, table, ids, end_bad = [], [], IdScan(info.vocab_size), None
+    documents' starts; a chat shard's conversations none longer than the manifest's ``tokens.chat.longest``."""
+    problems, table, ids, end_bad, longest = [], [], IdScan(info.vocab_size), None, 0
     every = starts[0] if starts is not None else 0
     for lo, edges in pair.index.edge_chunks():
         if every:
             table.append(edges[np.arange(-lo % every, edges.size - 1, every)])
+        longest = max(longest, int(np.diff(edges).max(initial=0)))
         docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
         if not docs.size:
             continue
@@ -268,6 +270,9 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
     if end_bad is not None:
         problems.append(f"document {end_bad} does not end with the end-of-document id {info.eos_id}")
     problems += ids.problems(pair.index)
+    if info.chat is not None and longest > info.chat.longest:  # a Loader would admit a seq_len that cuts it
+        problems.append(f"holds a conversation of {count(longest, 'token')}, more than the manifest's "
+                        f"tokens.chat.longest ({info.chat.longest})")
     if info.max_id is not None and ids.high is not None and ids.high > info.max_id:
         problems.append(id_problem(ids.high, None, info.max_id))
     return problems

@@ -148,7 +148,7 @@ def _check_longest(ds: Dataset, packed: BestFitPacking) -> None:
             raise DatasetError(f"{ds.root}: shard {shard.name}: holds a conversation of {count(longest, 'token')}, "
                                f"more than the manifest's tokens.chat.longest ({chat.longest}): a damaged or "
                                "hand-edited manifest (a seq_len it admits would cut that conversation); restore the "
-                               "manifest or convert again")
+                               "manifest or convert again (fastio verify names every such shard)")
 
 
 def check_chat_packing(ds: Dataset, seq_len: int, packing: str) -> None:
