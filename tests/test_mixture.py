@@ -212,11 +212,19 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
 @pytest.mark.parametrize("entry,value", [("names", 5), ("names", None), ("names", "ab"), ("fingerprints", 5),
                                          ("fingerprints", ["x"]), ("samples_per_epoch", "x"),
                                          ("samples_per_epoch", None), ("samples_per_epoch", 50.5),
-                                         ("samples_per_epoch", True), ("samples_per_epoch", -50)])
+                                         ("samples_per_epoch", True), ("samples_per_epoch", -50),
+                                         ("weights", [float("nan"), 2, 1]), ("weights", [3, 0, 1]),
+                                         ("weights", [3, -2, 1]), ("weights", [3, 2, float("inf")]),
+                                         ("schedule", [[0, [3, 2, 1]], [0, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], [-5, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], [900, [1, float("nan"), 1]]])])
 def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, value):
     """A state's ``mixture`` entry with names or fingerprints that are not lists failed with a bare
     "TypeError: 'int' object is not iterable"; a samples_per_epoch that is not an integer with a bare ValueError
-    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']."""
+    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']. Weights that
+    are no positive numbers (NaN, 0, -2, inf) were taken for another mixture's, and the refusal suggested a
+    schedule holding them, which Mixture refuses; a schedule with such weights in its future, or positions that
+    do not increase, was taken without a word."""
     loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
     next(iter(loader))
     state = loader.state_dict()
