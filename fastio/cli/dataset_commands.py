@@ -210,13 +210,21 @@ def _convert_idle(ctx: click.Context) -> dict[str, str]:
     them): ``--staging-dir`` with a local DEST; outside a token conversion (which refuses them by name; an
     image-text one takes them), a flag given without any of its partners (:data:`_PARTNERS`)."""
     params, idle = ctx.params, {}
-    if "://" not in params["dest"]:
+    if not _remote(params["dest"]):
         idle["staging_dir"] = "with an s3:// DEST (a local DEST is written where it is)"
     token_conversion = params["tokenizer"] is not None and params["image_field"] is None
     for name, partners in _PARTNERS.items() if not token_conversion else ():
         if not any(params[p] for p in partners):
             idle[name] = "with " + " or ".join(long_flag(ctx, p) for p in partners)
     return idle
+
+
+def _remote(dest: str) -> bool:
+    """Whether DEST is an object store URL (``s3://``; a ``file://`` URL is a local folder), as the library reads it
+    (a URL it cannot read is refused here, as it would be there)."""
+    from fastio.storage.url import is_remote
+
+    return is_remote(dest)
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
@@ -501,7 +509,7 @@ def _inspect_idle(ctx: click.Context, mixture: bool) -> dict[str, str]:
         return {**idle, **{name: "with a dataset DEST (not a mixture file)" for name in ("max_images", "list_skipped")}}
     if not ctx.params["order"]:
         idle.update({name: "with --order" for name in ("seed", "epoch", "batch_size", "seq_len")})
-    if "://" not in ctx.params["dest"]:
+    if not _remote(ctx.params["dest"]):
         idle.update({name: "with an s3:// DEST (a local one is read where it is)" for name in ("cache_dir", "cache_size")})
     return idle
 
