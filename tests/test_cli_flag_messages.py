@@ -122,6 +122,18 @@ def test_an_inspect_flag_the_dests_kind_does_not_read_is_named_in_a_warning(imag
     assert code == 0 and err == "", err
 
 
+def test_the_report_flags_with_skipped_are_named_in_a_warning(image_dataset, capsys):
+    # Found by review of fastio inspect: --skipped prints the skipped inputs and nothing else, so --order (and its
+    # options) and --max-images changed nothing beside it, without a word (the order was even computed).
+    code, plain, _ = run_cli(["inspect", str(image_dataset), "--skipped"], capsys)
+    assert code == 0
+    code, out, err = run_cli(["inspect", str(image_dataset), "--skipped", "--order", "--seed", "3",
+                              "--max-images", "5"], capsys)
+    assert code == 0 and out == plain, err
+    assert sorted(err.splitlines()) == [f"warning: {flag}: read only without --skipped (it lists the skipped inputs "
+                                        "alone); ignored" for flag in ("--max-images", "--order", "--seed")], err
+
+
 def _mixture_file(tmp_path, image_folder):
     from fastio.convert.run import ConvertConfig, convert
 

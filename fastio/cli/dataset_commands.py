@@ -501,7 +501,8 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
 def _inspect_idle(ctx: click.Context, mixture: bool) -> dict[str, str]:
     """:func:`~fastio.cli.group.warn_idle_flags`' flags of ``fastio inspect`` (the report is the same without them):
     a dataset's ``--order`` options without ``--order``, the cache flags with a local DEST, ``--skipped`` with
-    ``--json`` (the report holds every skipped input); a ``mixture`` file's report is an order report (it reads
+    ``--json`` (the report holds every skipped input), the report's flags with ``--skipped`` alone (it prints
+    nothing else); a ``mixture`` file's report is an order report (it reads
     the ``--order`` options without it, and the cache flags for its sources) that probes no image and lists no
     skipped input."""
     idle = {"list_skipped": "without --json (its report lists them in skipped_inputs)"} if ctx.params["as_json"] else {}
@@ -511,7 +512,18 @@ def _inspect_idle(ctx: click.Context, mixture: bool) -> dict[str, str]:
         idle.update({name: "with --order" for name in ("seed", "epoch", "batch_size", "seq_len")})
     if not _remote(ctx.params["dest"]):
         idle.update({name: "with an s3:// DEST (a local one is read where it is)" for name in ("cache_dir", "cache_size")})
+    if _skipped_only(ctx):
+        idle.update({name: "without --skipped (it lists the skipped inputs alone)" for name in _REPORT_FLAGS})
     return idle
+
+
+_REPORT_FLAGS = ("max_images", "order", "seed", "epoch", "batch_size", "seq_len")
+"""The flags of ``fastio inspect``'s report, which ``--skipped`` (without ``--json``) does not print."""
+
+
+def _skipped_only(ctx: click.Context) -> bool:
+    """Whether ``fastio inspect`` prints the skipped inputs alone (``--skipped`` without ``--json``)."""
+    return ctx.params["list_skipped"] and not ctx.params["as_json"]
 
 
 def _kind_idle(ctx: click.Context, tokens: bool, mixture: bool = False) -> dict[str, str]:
@@ -520,6 +532,8 @@ def _kind_idle(ctx: click.Context, tokens: bool, mixture: bool = False) -> dict[
     and it has no images; a dataset (or ``mixture`` file) of samples has no packing. The ``--order`` options
     without ``--order`` are :func:`_inspect_idle`'s (said once)."""
     ordered = ctx.params["order"] or mixture
+    if _skipped_only(ctx) and not mixture:  # said by _inspect_idle
+        return {}
     if tokens:
         idle = {} if mixture else {"max_images": "with a dataset of samples (a token dataset has no images)"}
         if ordered and not mixture:
