@@ -120,6 +120,9 @@ def test_an_inspect_flag_the_dests_kind_does_not_read_is_named_in_a_warning(imag
         assert err.count("\n") == 1 and out == plain, (flag, err)
     code, _, err = run_cli(["inspect", str(tokens), *packed], capsys)
     assert code == 0 and err == "", err
+    code, out, err = run_cli(["inspect", str(tokens), "--skipped", "--order"], capsys)  # --seq-len 2048: too long,
+    assert code == 0 and out == f"{tokens}: nothing was skipped\n", err  # but ignored: not computed, not refused
+    assert err.startswith("warning: --order: read only without --skipped"), err
 
 
 def test_the_report_flags_with_skipped_are_named_in_a_warning(image_dataset, capsys):

@@ -479,6 +479,8 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
                          storage_options(endpoint_url, region, profile))
         return
     try:
+        if _skipped_only(click.get_current_context()):  # the report's flags ignored: not computed, nor refused
+            order, max_images = False, 0
         info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
                            cache_dir=cache_dir, cache_size=cache_size, seq_len=seq_len,
                            storage_options=storage_options(endpoint_url, region, profile))
