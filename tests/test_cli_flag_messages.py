@@ -137,6 +137,14 @@ def test_the_report_flags_with_skipped_are_named_in_a_warning(image_dataset, cap
                                         "alone); ignored" for flag in ("--max-images", "--order", "--seed")], err
 
 
+@pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--max-images", "-1"]], ids=lambda f: f[0])
+def test_an_inspect_value_that_is_no_value_is_one_line_even_where_the_flag_is_idle(image_dataset, capsys, flag):
+    # Found with the idle-flag warnings: `inspect DEST --batch-size 0` (without --order) printed "ignored", then
+    # refused the value: two lines that disagree. A value that is not valid is refused in one line, as --epoch -1.
+    code, out, err = run_cli(["inspect", str(image_dataset), *flag], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and flag[0] in err and "warning" not in err, err
+
+
 def _mixture_file(tmp_path, image_folder):
     from fastio.convert.run import ConvertConfig, convert
 

@@ -445,7 +445,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @cli.command()
 @click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--max-images", type=int, default=1000, show_default=True,
+@click.option("--max-images", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Probe the headers of at most this many images for size statistics.")
 @click.option("--order", is_flag=True,
               help="Also rate the Loader's epoch order per shuffle mode: class mixing per batch against "
@@ -453,7 +453,7 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @click.option("--seed", type=int, default=0, show_default=True, help="Loader seed for --order (a mixture file: its order).")
 @click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
               help="Epoch for --order (a mixture file: its order).")
-@click.option("--batch-size", type=int, default=256, show_default=True,
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
               help="Global batch size for --order (capped at the dataset size; a mixture file: its order).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="A token dataset's --order: sequences of this many tokens (+1), packed as fastio.Tokens does "
