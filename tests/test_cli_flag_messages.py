@@ -49,6 +49,28 @@ def test_a_convert_flag_that_changes_nothing_is_named_in_a_warning(image_folder,
 
 
 @pytest.mark.parametrize("flags, named", [
+    (["--quality", "500"], "--quality must be in 1..100, got 500"),
+    (["--split-by", "bogus"], "--split-by must be one of label, random, got 'bogus'"),
+    (["--staging-dir", "stage", "--max-pixels", "-1"], "--max-pixels must be positive"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_convert_value_that_is_no_value_is_one_line_even_where_the_flag_is_idle(image_folder, tmp_path, capsys,
+                                                                                  flags, named):
+    # Found with inspect's idle-flag warnings: `convert SRC DEST --quality 500` (without --max-side) printed that
+    # --quality is ignored, then refused its value: two lines that disagree. The values are checked first.
+    dest = tmp_path / "out"
+    code, _, err = run_cli(["convert", str(image_folder), str(dest), *flags], capsys)
+    assert code == 2 and err.count("\n") == 1 and named in err and "warning" not in err, err
+    assert not dest.exists()
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    from tokens_helpers import train_tokenizer
+
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(dest), "--tokenizer",
+                            str(train_tokenizer(tmp_path / "tokenizer.json")), "--staging-dir", "stage",
+                            "--max-samples-per-shard", "0"], capsys)  # a token conversion's values: likewise
+    assert code == 2 and err.count("\n") == 1 and "warning" not in err, err
+
+
+@pytest.mark.parametrize("flags, named", [
     (["--seed", "3"], "--seed: read only with --shuffle or --split"),
     (["--split-by", "random"], "--split-by: read only with --split"),
     (["--quality", "50"], "--quality: read only with --max-side"),

@@ -170,7 +170,6 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    warn_idle_flags(click.get_current_context(), _convert_idle(click.get_current_context()))
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
                                      (text_field, eos, special_in_text, train_on, max_tokens, overlong))
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
@@ -193,6 +192,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+    warn_idle_flags(click.get_current_context(), _convert_idle(click.get_current_context()))  # once values are good
     try:
         result = run_convert(config) if image_text is None else _run_image_text(config, image_text)
     except ConvertError as err:
@@ -295,6 +295,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
         config = TokenConvertConfig(**options)
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+    warn_idle_flags(ctx, _convert_idle(ctx))  # once its values are good
     try:
         result = convert_tokens(config)
     except ConvertError as err:
