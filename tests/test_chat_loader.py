@@ -365,6 +365,25 @@ def test_verify_names_the_shard_holding_a_conversation_longer_than_the_manifest_
                                       rf"manifest's tokens\.chat\.longest \({longest - 1}\)", line) for line in lines), lines
 
 
+def test_verify_names_a_manifest_overstating_the_longest_conversation(chat, tmp_path):
+    """The other way round: tokens.chat.longest edited above every conversation makes the Loader refuse a seq_len
+    all of them fit ("its longest conversation has N tokens"), and fastio verify passed the manifest as clean; it
+    now names the manifest, with both lengths."""
+    import shutil
+
+    from fastio.report.verify import verify
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest + 100
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    assert [p.line() for p in verify(bad).problems] == [
+        f"manifest.json: tokens.chat.longest is {longest + 100}, the longest conversation of its shards has "
+        f"{longest} tokens"]
+
+
 def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):
     """A chat shard's .mask cut short between two reads (after the Loader mapped it): refused naming the file, as a
     .bin is; it killed the process with SIGBUS."""
