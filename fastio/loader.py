@@ -864,7 +864,8 @@ def _replicas_of(manager: Any) -> Any:
 
 
 def _checked_state(state: Any) -> dict[str, Any]:
-    """``state`` with its integers as ints, once its version and keys are those of this fastio's states."""
+    """``state`` with its integers as ints, once its version and keys are those of this fastio's states (its
+    ``world_size``, ``batch_size`` and ``block_shards`` positive)."""
     if not isinstance(state, dict) or K_VERSION not in state:
         raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
     state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
@@ -879,4 +880,8 @@ def _checked_state(state: Any) -> dict[str, Any]:
                if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
+    for key in (K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS):  # a state's are >= 1 (the first two: the save's)
+        if key in state and state[key] < 1:
+            raise LoaderStateError(f"loader state has {key}={state[key]!r}, not a positive integer (a damaged or "
+                                   "hand-edited state)")
     return state

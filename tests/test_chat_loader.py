@@ -6,6 +6,7 @@ and elastic resume."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -317,6 +318,70 @@ def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, 
     with pytest.raises(DatasetError, match=rf"bad: shard {name}: the manifest lists no loss mask .*fastio verify"):
         with _loader(bad, verify=verify) as ld:
             list(ld)
+
+
+def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_shard(chat, tmp_path):
+    """Found by hostile review of hand-edited manifests: tokens.chat.longest edited below the real longest let a
+    seq_len through that the longest conversation does not fit, and best-fit packing cut it into pieces without a
+    word (its second piece trained without its prompt). The documents' lengths are read anyway when the packing
+    counts its sequences: a conversation longer than the manifest says is refused there, naming the shard."""
+    import re
+    import shutil
+
+    from fastio.formats.megatron import MegatronIndex
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest - 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    tokens = fastio.Tokens(seq_len=longest - 2, packing="best-fit", window=16)  # fits the edited longest only
+    with pytest.raises(DatasetError, match=rf"bad: shard \S+: holds a conversation of {longest} tokens, more than "
+                                           rf"the manifest's tokens\.chat\.longest \({longest - 1}\)") as err:
+        with fastio.Loader(bad, pipeline=tokens, batch_size=4, device="cpu", seed=5) as ld:
+            list(ld)
+    name = re.search(r"shard (\S+):", str(err.value))[1]
+    idx = MegatronIndex(bad / "shards" / name.replace(".bin", ".idx"))
+    assert int(np.diff(idx.starts(np.arange(idx.documents + 1))).max()) == longest  # the shard it is in
+
+
+def test_verify_names_the_shard_holding_a_conversation_longer_than_the_manifest_says(chat, tmp_path):
+    """The Loader's refusal above tells the user to look at the manifest; fastio verify (which reads every .idx)
+    passed such a manifest as clean. Now it names each shard holding a conversation longer than tokens.chat.longest."""
+    import shutil
+
+    from fastio.report.verify import verify
+
+    assert not verify(chat).problems
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest - 1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    lines = [p.line() for p in verify(bad).problems]
+    assert lines and all(re.fullmatch(rf"shard-\d+\S*: holds a conversation of {longest} tokens, more than the "
+                                      rf"manifest's tokens\.chat\.longest \({longest - 1}\)", line) for line in lines), lines
+
+
+def test_verify_names_a_manifest_overstating_the_longest_conversation(chat, tmp_path):
+    """The other way round: tokens.chat.longest edited above every conversation makes the Loader refuse a seq_len
+    all of them fit ("its longest conversation has N tokens"), and fastio verify passed the manifest as clean; it
+    now names the manifest, with both lengths."""
+    import shutil
+
+    from fastio.report.verify import verify
+
+    bad = tmp_path / "bad"
+    shutil.copytree(chat, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    longest = manifest["tokens"]["chat"]["longest"]
+    manifest["tokens"]["chat"]["longest"] = longest + 100
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    assert [p.line() for p in verify(bad).problems] == [
+        f"manifest.json: tokens.chat.longest is {longest + 100}, the longest conversation of its shards has "
+        f"{longest} tokens"]
 
 
 def test_a_mask_cut_short_under_a_running_loader_is_named_not_a_sigbus(chat, tmp_path):

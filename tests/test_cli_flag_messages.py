@@ -48,6 +48,162 @@ def test_a_convert_flag_that_changes_nothing_is_named_in_a_warning(image_folder,
         assert code == 0 and "warning" not in err, err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--quality", "500"], "--quality must be in 1..100, got 500"),
+    (["--split-by", "bogus"], "--split-by must be one of label, random, got 'bogus'"),
+    (["--staging-dir", "stage", "--max-pixels", "-1"], "--max-pixels must be positive"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_a_convert_value_that_is_no_value_is_one_line_even_where_the_flag_is_idle(image_folder, tmp_path, capsys,
+                                                                                  flags, named):
+    # Found with inspect's idle-flag warnings: `convert SRC DEST --quality 500` (without --max-side) printed that
+    # --quality is ignored, then refused its value: two lines that disagree. The values are checked first.
+    dest = tmp_path / "out"
+    code, _, err = run_cli(["convert", str(image_folder), str(dest), *flags], capsys)
+    assert code == 2 and err.count("\n") == 1 and named in err and "warning" not in err, err
+    assert not dest.exists()
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    from tokens_helpers import train_tokenizer
+
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(dest), "--tokenizer",
+                            str(train_tokenizer(tmp_path / "tokenizer.json")), "--staging-dir", "stage",
+                            "--max-samples-per-shard", "0"], capsys)  # a token conversion's values: likewise
+    assert code == 2 and err.count("\n") == 1 and "warning" not in err, err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--seed", "3"], "--seed: read only with --shuffle or --split"),
+    (["--split-by", "random"], "--split-by: read only with --split"),
+    (["--quality", "50"], "--quality: read only with --max-side"),
+], ids=lambda v: v[0] if isinstance(v, list) else None)
+def test_an_image_text_flag_that_changes_nothing_is_named_in_a_warning(tmp_path, capsys, flags, named):
+    # Found by the review of the rule above: it was skipped whenever --tokenizer was given (a token conversion
+    # refuses --seed, --split and --shuffle by name), so an image-text conversion (--tokenizer with --image-field,
+    # which does take --split and --shuffle) ignored `--seed 3` without them without a word.
+    from tokens_helpers import image_text_source
+
+    src = image_text_source(tmp_path, n=4)
+    common = ["--tokenizer", str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+              "--workers", "1", "-q"]
+    dest, plain = tmp_path / "out", tmp_path / "plain"
+    code, _, err = run_cli(["convert", str(src["source"]), str(dest), *common, *flags], capsys)
+    assert code == 0 and err == f"warning: {named}; ignored\n", err
+    assert run_cli(["convert", str(src["source"]), str(plain), *common], capsys)[0] == 0
+    shards = sorted(p.name for p in (plain / "shards").iterdir())
+    assert shards and all((dest / "shards" / n).read_bytes() == (plain / "shards" / n).read_bytes() for n in shards)
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "shuffled"), *common, "--seed", "3",
+                            "--shuffle"], capsys)
+    assert code == 0 and "warning" not in err, err
+
+
+@pytest.mark.parametrize("flag, kept, named", [
+    (["--seed", "3"], [], "--seed: read only with --order"),
+    (["--epoch", "2"], [], "--epoch: read only with --order"),
+    (["--batch-size", "8"], [], "--batch-size: read only with --order"),
+    (["--seq-len", "16"], [], "--seq-len: read only with --order"),
+    (["--cache-dir", "cache"], [], "--cache-dir: read only with an s3:// DEST"),
+    (["--cache-size", "1GB"], [], "--cache-size: read only with an s3:// DEST"),
+    (["--skipped"], ["--json"], "--skipped: read only without --json"),
+], ids=lambda v: v[0] if isinstance(v, list) and v else None)
+def test_an_inspect_flag_that_changes_nothing_is_named_in_a_warning(image_dataset, capsys, flag, kept, named):
+    # Found by review of fastio inspect: --seed, --epoch, --batch-size and --seq-len without --order, the cache flags
+    # with a local DEST and --skipped with --json (which prints the whole report) were ignored without a word.
+    # The rule of fastio convert: a warning on stderr, the report the same as without the flag.
+    code, plain, _ = run_cli(["inspect", str(image_dataset), *kept], capsys)
+    assert code == 0
+    for dest in (str(image_dataset), image_dataset.as_uri()):  # a file:// URL is a local DEST too
+        code, out, err = run_cli(["inspect", dest, *flag, *kept], capsys)
+        assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), err
+        assert err.count("\n") == 1, err
+        assert out == plain.replace(str(image_dataset), dest)
+
+
+def test_an_inspect_flag_the_dests_kind_does_not_read_is_named_in_a_warning(image_dataset, tmp_path, capsys):
+    # Found by review of fastio inspect: a token dataset's --order is its packing (--seq-len), so --seed, --epoch and
+    # --batch-size changed nothing there, nor --max-images (no images); --seq-len changes nothing for a dataset of
+    # samples. Known once DEST is open: a warning each, the report the same as without the flag.
+    from tokens_helpers import train_tokenizer
+
+    (tmp_path / "c.jsonl").write_text("".join(f'{{"text": "hello world number {i}"}}\n' for i in range(20)))
+    tokens = tmp_path / "tok"
+    code, _, err = run_cli(["convert", str(tmp_path / "c.jsonl"), str(tokens), "--tokenizer",
+                            str(train_tokenizer(tmp_path / "tokenizer.json")), "--workers", "1", "-q"], capsys)
+    assert code == 0, err
+    packed = ["--order", "--seq-len", "8"]
+    for dest, flag, kept, named in (
+            (tokens, ["--seed", "3"], packed, "--seed: read only with a dataset of samples"),
+            (tokens, ["--epoch", "1"], packed, "--epoch: read only with a dataset of samples"),
+            (tokens, ["--batch-size", "8"], packed, "--batch-size: read only with a dataset of samples"),
+            (tokens, ["--max-images", "5"], [], "--max-images: read only with a dataset of samples"),
+            (image_dataset, ["--seq-len", "8"], ["--order"], "--seq-len: read only with a token dataset")):
+        code, plain, _ = run_cli(["inspect", str(dest), *kept], capsys)
+        assert code == 0
+        code, out, err = run_cli(["inspect", str(dest), *flag, *kept], capsys)
+        assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), (flag, err)
+        assert err.count("\n") == 1 and out == plain, (flag, err)
+    code, _, err = run_cli(["inspect", str(tokens), *packed], capsys)
+    assert code == 0 and err == "", err
+    code, out, err = run_cli(["inspect", str(tokens), "--skipped", "--order"], capsys)  # --seq-len 2048: too long,
+    assert code == 0 and out == f"{tokens}: nothing was skipped\n", err  # but ignored: not computed, not refused
+    assert err.startswith("warning: --order: read only without --skipped"), err
+
+
+def test_the_report_flags_with_skipped_are_named_in_a_warning(image_dataset, capsys):
+    # Found by review of fastio inspect: --skipped prints the skipped inputs and nothing else, so --order (and its
+    # options) and --max-images changed nothing beside it, without a word (the order was even computed).
+    code, plain, _ = run_cli(["inspect", str(image_dataset), "--skipped"], capsys)
+    assert code == 0
+    code, out, err = run_cli(["inspect", str(image_dataset), "--skipped", "--order", "--seed", "3",
+                              "--max-images", "5"], capsys)
+    assert code == 0 and out == plain, err
+    assert sorted(err.splitlines()) == [f"warning: {flag}: read only without --skipped (it lists the skipped inputs "
+                                        "alone); ignored" for flag in ("--max-images", "--order", "--seed")], err
+
+
+@pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--max-images", "-1"]], ids=lambda f: f[0])
+def test_an_inspect_value_that_is_no_value_is_one_line_even_where_the_flag_is_idle(image_dataset, capsys, flag):
+    # Found with the idle-flag warnings: `inspect DEST --batch-size 0` (without --order) printed "ignored", then
+    # refused the value: two lines that disagree. A value that is not valid is refused in one line, as --epoch -1.
+    code, out, err = run_cli(["inspect", str(image_dataset), *flag], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1 and flag[0] in err and "warning" not in err, err
+
+
+def _mixture_file(tmp_path, image_folder):
+    from fastio.convert.run import ConvertConfig, convert
+
+    for name in ("a", "b"):
+        convert(ConvertConfig(source=image_folder, dest=tmp_path / name, workers=1, progress=False))
+    mix = tmp_path / "mix.json"
+    mix.write_text('{"sources": {"a": "a", "b": "b"}, "weights": {"a": 3, "b": 1}}')
+    return mix
+
+
+def test_inspect_of_a_mixture_file_warns_of_what_it_does_not_read_only(image_folder, tmp_path, capsys):
+    """A mixture file's report reads --seed, --epoch, --batch-size and --seq-len without --order (it is an order
+    report; docs/mixtures.md): no warning for them; --max-images and --skipped it never reads, --seq-len only for
+    a mixture of token datasets."""
+    mix = _mixture_file(tmp_path, image_folder)
+    code, out, err = run_cli(["inspect", str(mix), "--seed", "3", "--epoch", "1", "--batch-size", "8"], capsys)
+    assert code == 0 and err == "" and "(seed 3)" in out and "epochs 1..2" in out, (out, err)
+    code, out, err = run_cli(["inspect", str(mix), "--order", "--batch-size", "8"], capsys)  # as the docs show it
+    assert code == 0 and err == "", err
+    code, plain, _ = run_cli(["inspect", str(mix)], capsys)
+    for flags, named in ((["--max-images", "5"], "--max-images: read only with a dataset DEST"),
+                         (["--skipped"], "--skipped: read only with a dataset DEST"),
+                         (["--seq-len", "8"], "--seq-len: read only with a token dataset")):
+        code, out, err = run_cli(["inspect", str(mix), *flags], capsys)
+        assert code == 0 and err.startswith(f"warning: {named}") and err.endswith("; ignored\n"), err
+        assert err.count("\n") == 1 and out == plain
+
+
+@pytest.mark.parametrize("target", ["dataset", "mixture"])
+def test_inspect_refuses_a_cache_size_that_is_no_size_naming_the_flag(image_dataset, image_folder, tmp_path, capsys,
+                                                                      target):
+    dest = image_dataset if target == "dataset" else _mixture_file(tmp_path, image_folder)
+    code, out, err = run_cli(["inspect", str(dest), "--cache-size", "lots"], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith("fastio: error: --cache-size: cannot read 'lots' as a size"), err
+
+
 _FIELDS = ("max_pixels", "transcode=", "video_decoder", "max_tokens", "overlong=", "on_error", "part=")
 """Config fields whose flags the messages below must name instead."""
 

@@ -213,11 +213,19 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
 @pytest.mark.parametrize("entry,value", [("names", 5), ("names", None), ("names", "ab"), ("fingerprints", 5),
                                          ("fingerprints", ["x"]), ("samples_per_epoch", "x"),
                                          ("samples_per_epoch", None), ("samples_per_epoch", 50.5),
-                                         ("samples_per_epoch", True), ("samples_per_epoch", -50)])
+                                         ("samples_per_epoch", True), ("samples_per_epoch", -50),
+                                         ("weights", [float("nan"), 2, 1]), ("weights", [3, 0, 1]),
+                                         ("weights", [3, -2, 1]), ("weights", [3, 2, float("inf")]),
+                                         ("schedule", [[0, [3, 2, 1]], [0, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], [-5, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], [900, [1, float("nan"), 1]]])])
 def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, value):
     """A state's ``mixture`` entry with names or fingerprints that are not lists failed with a bare
     "TypeError: 'int' object is not iterable"; a samples_per_epoch that is not an integer with a bare ValueError
-    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']."""
+    or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']. Weights that
+    are no positive numbers (NaN, 0, -2, inf) were taken for another mixture's, and the refusal suggested a
+    schedule holding them, which Mixture refuses; a schedule with such weights in its future, or positions that
+    do not increase, was taken without a word."""
     loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
     next(iter(loader))
     state = loader.state_dict()
@@ -599,6 +607,25 @@ def test_inspect_a_mixture_file_with_a_schedule(raw_sources, tmp_path, capsys):
     path.write_text(json.dumps({**spec, "weights": [[0, {"a": 1, "b": 1, "c": 1}], [0, {"a": 1, "b": 1, "c": 1}]]}))
     code, _, err = run_cli(["inspect", str(path)], capsys)
     assert code == 2 and f"{path}: weights[1]: position 0 is not after the previous entry's 0" in err
+
+
+@pytest.mark.parametrize("epoch, named", [(2**62, 2**62), (2**63 // 60 - 1, 2**63 // 60)])
+def test_inspect_of_a_mixture_epoch_past_the_orders_reach_is_one_line(raw_sources, tmp_path, capsys, epoch, named):
+    """Found by hostile review of fastio inspect: ``--epoch`` past the int64 stream positions of a mixture's order
+    (the report's first epoch) was a raw OverflowError traceback from numpy, and past it by the report's second
+    epoch only, a report of wrapped positions (exit 0); both are the order's own refusal (as set_epoch's), naming
+    the epoch and the last one there is, exit 2."""
+    from helpers import run_cli
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {k: str(v) for k, v in raw_sources.items()}, "samples_per_epoch": 60}))
+    code, out, err = run_cli(["inspect", str(path), "--epoch", str(epoch)], capsys)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith(f"fastio: error: the report's epochs {epoch}..{epoch + 1}: epoch {named} of a mixture of "
+                          "60 samples per epoch ends at stream position"), err
+    assert f"its last epoch is {2**63 // 60 - 1}" in err
+    code, _, err = run_cli(["inspect", str(path), "--epoch", str(2**63 // 60 - 2)], capsys)  # its last two: reported
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])

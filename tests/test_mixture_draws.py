@@ -115,6 +115,33 @@ def test_draw_keys_do_not_depend_on_the_batch_or_rank():
     assert got == {p: (int(i), int(k)) for p, (i, k) in enumerate(zip(ids, keys))}
 
 
+def test_an_epoch_whose_draw_keys_leave_int64_is_refused_naming_the_source(image_sources):
+    """Found by hostile review of int64 bounds: a tiny source weighted to nearly every position of a long mixture
+    epoch begins so many of its own epochs in it that ``id + c * total`` left int64: numpy wrapped the keys
+    silently (repeats drew another sample's crops, or each other's). Refused where the epoch enters (the plan,
+    ``set_epoch``, a state's check), naming the epoch and the source; an epoch the keys reach is unchanged."""
+    from fastio.errors import LoaderStateError
+
+    n = 2**62  # samples_per_epoch at its bound: the small source (9 samples) fills 0.999 of it
+    sampler = _mix_sampler(weights=(0.999, 0.001), samples=n)
+    with pytest.raises(ValueError, match=r"epoch 0 is past the draw keys' reach: source 'small' .*int64"):
+        sampler.plan(0)
+    fits = _mix_sampler(weights=(0.999, 0.001), samples=n // 4)  # c * 19 below 2**63: keys exact, as before
+    pos = np.arange(n // 4 - 4, n // 4, dtype=np.int64)
+    order = fits.plan(1).order
+    ids = order[pos]
+    src, k = fits.schedule.sources(1, pos)
+    c = k // np.array([9, 10])[src] - order._first_cycle[src]
+    assert c.max() > 2**56 and order.draw_keys(pos, ids).tolist() == [int(i) + int(x) * 19 for i, x in zip(ids, c)]
+    mixture = fastio.Mixture(image_sources, weights={"small": 0.999, "other": 0.001}, samples_per_epoch=n)
+    with fastio.Loader(mixture, batch_size=8, pipeline=fastio.ImageTrain(size=24), device="cpu", seed=5,
+                       num_threads=1, world_size=1, rank=0) as ld:
+        with pytest.raises(ValueError, match=r"epoch 0 .*source 'small'"):
+            ld.set_epoch(0)
+        with pytest.raises(LoaderStateError, match=r"epoch=0: .*source 'small'"):
+            ld.check_state_dict(ld.state_dict())
+
+
 # -- images ---------------------------------------------------------------------------------------------
 
 

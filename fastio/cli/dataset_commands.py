@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from fastio.cli.group import cli, storage_flags, storage_options
+from fastio.cli.group import cli, long_flag, storage_flags, storage_options, warn_idle_flags
 from fastio.errors import ConvertError, DatasetError, FastioError
 from fastio.formats.images import DEFAULT_MAX_PIXELS
 
@@ -170,7 +170,6 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
     from fastio.progress import progress_wanted
 
-    _warn_idle_flags(click.get_current_context())
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
                                      (text_field, eos, special_in_text, train_on, max_tokens, overlong))
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
@@ -193,6 +192,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         )
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+    warn_idle_flags(click.get_current_context(), _convert_idle(click.get_current_context()))  # once values are good
     try:
         result = run_convert(config) if image_text is None else _run_image_text(config, image_text)
     except ConvertError as err:
@@ -205,25 +205,26 @@ _PARTNERS = {"quality": ("max_side",), "split_by": ("split",), "seed": ("shuffle
 """A ``fastio convert`` flag that is read only with one of these (given, or true)."""
 
 
-def _warn_idle_flags(ctx: click.Context) -> None:
-    """``warning: ...`` on stderr for each of :func:`_idle_flags`."""
-    for line in _idle_flags(ctx):
-        click.echo(f"warning: {line}", err=True)
+def _convert_idle(ctx: click.Context) -> dict[str, str]:
+    """:func:`~fastio.cli.group.warn_idle_flags`' flags of ``fastio convert`` (the conversion is the same as without
+    them): ``--staging-dir`` with a local DEST; outside a token conversion (which refuses them by name; an
+    image-text one takes them), a flag given without any of its partners (:data:`_PARTNERS`)."""
+    params, idle = ctx.params, {}
+    if not _remote(params["dest"]):
+        idle["staging_dir"] = "with an s3:// DEST (a local DEST is written where it is)"
+    token_conversion = params["tokenizer"] is not None and params["image_field"] is None
+    for name, partners in _PARTNERS.items() if not token_conversion else ():
+        if not any(params[p] for p in partners):
+            idle[name] = "with " + " or ".join(long_flag(ctx, p) for p in partners)
+    return idle
 
 
-def _idle_flags(ctx: click.Context) -> list[str]:
-    """A line for each flag that changes nothing here, said so that the user does not believe it applied (a warning,
-    not a refusal: the conversion is the same as without it): ``--staging-dir`` with a local DEST; outside a token
-    conversion (which refuses them by name), a flag given without any of its partners (:data:`_PARTNERS`)."""
-    params, lines = ctx.params, []
-    if params["staging_dir"] is not None and "://" not in params["dest"]:
-        lines.append("--staging-dir: read only with an s3:// DEST (a local DEST is written where it is); ignored")
-    for name, partners in _PARTNERS.items() if params["tokenizer"] is None else ():
-        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT and \
-                not any(params[p] for p in partners):
-            lines.append(f"{_flag(ctx, name)}: read only with {' or '.join(_flag(ctx, p) for p in partners)}; "
-                         "ignored")
-    return lines
+def _remote(dest: str) -> bool:
+    """Whether DEST is an object store URL (``s3://``; a ``file://`` URL is a local folder), as the library reads it
+    (a URL it cannot read is refused here, as it would be there)."""
+    from fastio.storage.url import is_remote
+
+    return is_remote(dest)
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
@@ -265,18 +266,12 @@ _TOKEN_FLAGS = ("source", "dest", "tokenizer", "text_field", "eos", "special_in_
                 "staging_dir", "chat_template", "messages_field", "train_on", "max_tokens", "overlong")
 
 
-def _flag(ctx: click.Context, name: str) -> str:
-    """The long flag of parameter ``name`` as the user types it (``fmt`` -> ``--format``)."""
-    option = next(p for p in ctx.command.params if p.name == name)
-    return next(opt for opt in option.opts if opt.startswith("--"))
-
-
 def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
     """``fastio convert --tokenizer``: the flags a token conversion takes, the others refused by name."""
     from fastio.convert.token_convert import TokenConvertConfig, convert_tokens
 
     params = ctx.params
-    other = [_flag(ctx, p) for p in params if p not in _TOKEN_FLAGS and
+    other = [long_flag(ctx, p) for p in params if p not in _TOKEN_FLAGS and
              ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
     if params["tokenizer"] is None:
         raise ConvertError("--text-field, --eos, --special-in-text and the chat options (--chat-template, ...) need "
@@ -300,6 +295,7 @@ def _convert_tokens(ctx: click.Context, quiet: bool, **kwargs: Any) -> None:
         config = TokenConvertConfig(**options)
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
+    warn_idle_flags(ctx, _convert_idle(ctx))  # once its values are good
     try:
         result = convert_tokens(config)
     except ConvertError as err:
@@ -450,15 +446,16 @@ def verify(dest: str, decode: bool, quiet: bool, endpoint_url: str | None, regio
 @cli.command()
 @click.argument("dest")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--max-images", type=int, default=1000, show_default=True,
+@click.option("--max-images", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Probe the headers of at most this many images for size statistics.")
 @click.option("--order", is_flag=True,
               help="Also rate the Loader's epoch order per shuffle mode: class mixing per batch against "
                    "a uniform shuffle, and the mean displacement of samples from their stored position.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Loader seed for --order.")
-@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True, help="Epoch for --order.")
-@click.option("--batch-size", type=int, default=256, show_default=True,
-              help="Global batch size for --order (capped at the dataset size).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Loader seed for --order (a mixture file: its order).")
+@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Epoch for --order (a mixture file: its order).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Global batch size for --order (capped at the dataset size; a mixture file: its order).")
 @click.option("--seq-len", type=click.IntRange(min=1), default=2048, show_default=True,
               help="A token dataset's --order: sequences of this many tokens (+1), packed as fastio.Tokens does "
                    "(concat: sequences and tail; best-fit and first-fit: padding). A mixture file of token "
@@ -475,16 +472,23 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.report.inspect import inspect as run_inspect
 
-    if dest.endswith(".json") and not Path(dest).is_dir():  # a mixture file (docs/mixtures.md)
+    mixture = dest.endswith(".json") and not Path(dest).is_dir()  # a mixture file (docs/mixtures.md)
+    _check_size(cache_size, "cache_size")
+    warn_idle_flags(click.get_current_context(), _inspect_idle(click.get_current_context(), mixture))
+    if mixture:
         _inspect_mixture(dest, as_json, seed, epoch, batch_size, seq_len, cache_dir, cache_size,
                          storage_options(endpoint_url, region, profile))
         return
     try:
+        if _skipped_only(click.get_current_context()):  # the report's flags ignored: not computed, nor refused
+            order, max_images = False, 0
         info = run_inspect(dest, max_images=max_images, order=order, seed=seed, epoch=epoch, batch_size=batch_size,
                            cache_dir=cache_dir, cache_size=cache_size, seq_len=seq_len,
                            storage_options=storage_options(endpoint_url, region, profile))
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
+    first = next(iter(info["splits"].values())) if "splits" in info else info  # the splits are of one kind
+    warn_idle_flags(click.get_current_context(), _kind_idle(click.get_current_context(), "tokens" in first))
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
@@ -495,6 +499,63 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
             show(sub)
     else:
         show(info)
+
+
+def _inspect_idle(ctx: click.Context, mixture: bool) -> dict[str, str]:
+    """:func:`~fastio.cli.group.warn_idle_flags`' flags of ``fastio inspect`` (the report is the same without them):
+    a dataset's ``--order`` options without ``--order``, the cache flags with a local DEST, ``--skipped`` with
+    ``--json`` (the report holds every skipped input), the report's flags with ``--skipped`` alone (it prints
+    nothing else); a ``mixture`` file's report is an order report (it reads
+    the ``--order`` options without it, and the cache flags for its sources) that probes no image and lists no
+    skipped input."""
+    idle = {"list_skipped": "without --json (its report lists them in skipped_inputs)"} if ctx.params["as_json"] else {}
+    if mixture:
+        return {**idle, **{name: "with a dataset DEST (not a mixture file)" for name in ("max_images", "list_skipped")}}
+    if not ctx.params["order"]:
+        idle.update({name: "with --order" for name in ("seed", "epoch", "batch_size", "seq_len")})
+    if not _remote(ctx.params["dest"]):
+        idle.update({name: "with an s3:// DEST (a local one is read where it is)" for name in ("cache_dir", "cache_size")})
+    if _skipped_only(ctx):
+        idle.update({name: "without --skipped (it lists the skipped inputs alone)" for name in _REPORT_FLAGS})
+    return idle
+
+
+_REPORT_FLAGS = ("max_images", "order", "seed", "epoch", "batch_size", "seq_len")
+"""The flags of ``fastio inspect``'s report, which ``--skipped`` (without ``--json``) does not print."""
+
+
+def _skipped_only(ctx: click.Context) -> bool:
+    """Whether ``fastio inspect`` prints the skipped inputs alone (``--skipped`` without ``--json``)."""
+    return ctx.params["list_skipped"] and not ctx.params["as_json"]
+
+
+def _kind_idle(ctx: click.Context, tokens: bool, mixture: bool = False) -> dict[str, str]:
+    """The flags of ``fastio inspect`` that the kind of DEST (known once it is open) does not read, for
+    :func:`~fastio.cli.group.warn_idle_flags`: a token dataset's ``--order`` is its packing (``--seq-len`` alone)
+    and it has no images; a dataset (or ``mixture`` file) of samples has no packing. The ``--order`` options
+    without ``--order`` are :func:`_inspect_idle`'s (said once)."""
+    ordered = ctx.params["order"] or mixture
+    if _skipped_only(ctx) and not mixture:  # said by _inspect_idle
+        return {}
+    if tokens:
+        idle = {} if mixture else {"max_images": "with a dataset of samples (a token dataset has no images)"}
+        if ordered and not mixture:
+            idle.update({name: "with a dataset of samples (a token dataset's --order is its packing into --seq-len)"
+                         for name in ("seed", "epoch", "batch_size")})
+        return idle
+    return {"seq_len": "with a token dataset (or a mixture file of them)"} if ordered else {}
+
+
+def _check_size(value: str | None, field: str) -> None:
+    """FastioError in the command's words (``--cache-size: cannot read 'lots' as a size ...``) unless ``value`` is
+    a size (or not given), whether or not the command goes on to read it."""
+    from fastio.progress import parse_size
+
+    try:
+        if value is not None:
+            parse_size(value, field)
+    except ValueError as err:
+        raise FastioError(_in_flags(str(err), leading=True)) from None
 
 
 def _print_packing(p: dict[str, Any] | None) -> None:
@@ -534,6 +595,8 @@ def _inspect_mixture(path: str, as_json: bool, seed: int, epoch: int, batch_size
         info = mixture_order_report(mixture, seed=seed, epoch=epoch, batch_size=batch_size, seq_len=seq_len)
     except ValueError as err:
         raise FastioError(_in_flags(str(err), leading=True)) from None
+    ctx = click.get_current_context()
+    warn_idle_flags(ctx, _kind_idle(ctx, info["unit"] == "sequences", mixture=True))
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return

@@ -1,6 +1,7 @@
 """The ``fastio`` click group that every subcommand module registers on (its own module, so that the
-subcommand modules and :func:`fastio.cli.main` import it without importing each other), and the object-store
-flags that several subcommands share."""
+subcommand modules and :func:`fastio.cli.main` import it without importing each other), the object-store
+flags that several subcommands share, and the one rule for a flag given where it changes nothing
+(:func:`warn_idle_flags`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import click
 
 from fastio import __version__
 
-__all__ = ["FullHelpGroup", "cli", "storage_flags", "storage_options"]
+__all__ = ["FullHelpGroup", "cli", "long_flag", "storage_flags", "storage_options", "warn_idle_flags"]
 
 
 class FullHelpGroup(click.Group):
@@ -66,3 +67,18 @@ def storage_options(endpoint_url: str | None, region: str | None, profile: str |
     """The flags of :func:`storage_flags` that were given, as ``storage_options``."""
     given = {"endpoint": endpoint_url, "region": region, "profile": profile}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def long_flag(ctx: click.Context, name: str) -> str:
+    """The long flag of parameter ``name`` as the user types it (``fmt`` -> ``--format``)."""
+    option = next(p for p in ctx.command.params if p.name == name)
+    return next(opt for opt in option.opts if opt.startswith("--"))
+
+
+def warn_idle_flags(ctx: click.Context, idle: dict[str, str]) -> None:
+    """``warning: FLAG: read only WHEN; ignored`` on stderr for each parameter of ``idle`` (name -> WHEN, e.g.
+    ``with --order``) given on the command line: a flag that changes nothing here, said so that the user does not
+    believe it applied; a warning, not a refusal (the command does what it does without the flag)."""
+    for name, when in idle.items():
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            click.echo(f"warning: {long_flag(ctx, name)}: read only {when}; ignored", err=True)

@@ -403,13 +403,29 @@ class MixSampler(Sampler):
 
     def check_epoch(self, epoch: int) -> None:
         """ValueError where mixture epoch ``epoch`` ends past stream position ``2**63 - 1``: the schedule counts
-        stream positions (``epoch * samples_per_epoch + position``) in int64."""
+        stream positions (``epoch * samples_per_epoch + position``) in int64; or where its draw keys would leave
+        int64 (:meth:`_check_draw_keys`)."""
         n = self.schedule.samples_per_epoch
         end = (epoch + 1) * n - 1
         if end > _LAST_STREAM:
             raise ValueError(f"epoch {epoch} of a mixture of {count(n, 'sample')} per epoch ends at stream position "
                              f"{end}, past 2**63 - 1, the last one a mixture's order counts (its last epoch is "
                              f"{(_LAST_STREAM + 1) // n - 1})")
+        self._check_draw_keys(epoch)
+
+    def _check_draw_keys(self, epoch: int) -> None:
+        """ValueError naming ``epoch`` and the source where :meth:`MixOrder.draw_keys` of a delivery in it (``id +
+        c * total``, ``c``: the source's own epochs begun in it before the delivery) would leave int64: a tiny source
+        filling most of a long epoch (numpy wrapped such keys silently: another sample's draws)."""
+        n, total = self.schedule.samples_per_epoch, sum(self.sizes)
+        before = self.schedule.delivered(epoch * n).tolist()
+        after = self.schedule.delivered(min((epoch + 1) * n, _LAST_STREAM)).tolist()
+        for name, b, a, size in zip(self.schedule.names, before, after, self.sizes):
+            c = (a - 1) // size - b // size if a > b else 0
+            if (c + 1) * total > _LAST_STREAM + 1:
+                raise ValueError(f"epoch {epoch} is past the draw keys' reach: source {name!r} ({count(size, 'sample')}) "
+                                 f"begins {c} of its own epochs in it, and a repeat's draw key (sample id + c * "
+                                 f"{total}) must fit int64: lower samples_per_epoch ({n}) or that source's weight")
 
     def order(self, epoch: int) -> MixOrder:
         return MixOrder(self, epoch)

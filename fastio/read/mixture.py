@@ -317,7 +317,8 @@ def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None
 
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
-    """The saved schedule (``schedule``, else the plain ``weights`` from position 0)."""
+    """The saved schedule (``schedule``, else the plain ``weights`` from position 0); LoaderStateError naming the
+    entry where it is not one a mixture has: positions from 0 that increase, weights positive numbers."""
     entries = saved["schedule"] if "schedule" in saved else [[0, saved["weights"]]]
     try:
         phases = [(int(pos), tuple(float(w) for w in shares)) for pos, shares in entries]
@@ -327,6 +328,16 @@ def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float,
     if not phases or any(len(w) != len(mixture.names) for _, w in phases):
         raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule does not give a weight per source: "
                                f"{entries!r}")
+    key = "schedule" if "schedule" in saved else "weights"
+    try:
+        check_positions([pos for pos, _ in phases], key)  # as int() read them (a checkpoint's may be tensors)
+    except ValueError as err:
+        raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {err}") from None
+    for pos, weights in phases:
+        bad = next((w for w in weights if not (math.isfinite(w) and w > 0)), None)
+        if bad is not None:
+            raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not "
+                                   f"positive weights: {bad!r} (at position {pos})")
     return phases
 
 

@@ -37,7 +37,8 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
       above;
     - ``repeat_distance``: per source, the positions between two deliveries of the same sample (``min``,
       ``median``; ``repeats`` = how many deliveries were repeats; all None without a repeat).
-    """
+
+    ValueError where one of those epochs is past the order's reach (:func:`_check_epochs`)."""
     _check_arguments(shuffle, batch_size, epochs)
     unit, one = "samples", "sample"
     if mixture.datasets[0].manifest.tokens is not None:  # a token mixture (Mixture() refuses mixed kinds)
@@ -48,6 +49,7 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
     n = len(mixture)
     batch_size = min(batch_size, n)
     sampler = mixture.sampler(SamplerSpec(seed=seed, shuffle=shuffle, block_shards=block_shards))
+    _check_epochs(sampler, epoch, epochs)
     ids = np.concatenate([sampler.order(e)[np.arange(n)] for e in range(epoch, epoch + epochs)])
     src, _ = mixture.split(ids)
     counts, expected, phase = _full_batches(mixture, seed, src, epoch, epochs, batch_size)
@@ -62,6 +64,16 @@ def mixture_order_report(mixture: Mixture, *, seed: int = 0, epoch: int = 0, bat
             "shuffle": shuffle, "batch_size": batch_size, "batches": int(counts.shape[0]), "sources": sources,
             "per_batch": _per_batch(mixture.names, counts, expected), "phases": phases,
             "repeat_distance": _repeat_distance(mixture, ids, src)}
+
+
+def _check_epochs(sampler: Any, epoch: int, epochs: int) -> None:
+    """ValueError naming the report's epochs where one of them is past the order's reach (as set_epoch refuses it:
+    past the order's int64 positions numpy would wrap or raise)."""
+    for e in range(epoch, epoch + epochs):
+        try:
+            sampler.check_epoch(e)
+        except ValueError as err:
+            raise ValueError(f"the report's epochs {epoch}..{epoch + epochs - 1}: {err}") from None
 
 
 def _check_arguments(shuffle: str, batch_size: int, epochs: int) -> None:

@@ -7,8 +7,9 @@ case each split is checked and shard names are prefixed with the split name. A t
 ``.bin``/``.idx``) are checked for their checksums, the ``.idx`` structure, document and token counts, every document
 ending with the end-of-document id, every id inside the vocabulary (and not above the largest the manifest records)
 and not int32 tokens under an ``.idx`` that says uint16 (:mod:`fastio.tokens.ids`); a chat dataset's (``tokens.chat``)
-also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens), and
-not for the end-of-document id (a conversation ends as its template ends it). An image-text sample's members
+also for each shard's loss mask (``NAME.mask``: listed, present, its sha256, its size for the shard's tokens) and
+its conversations' lengths (none over ``tokens.chat.longest``), and not for the end-of-document id (a
+conversation ends as its template ends it). An image-text sample's members
 (:mod:`fastio.formats.image_text`) are checked by their sizes, and its ``tokens.i32`` by the rule of a token
 dataset's ids: the first id that is negative, outside the vocabulary or above the largest id the manifest's
 ``image_text`` entry records is named with the shard and key (a manifest without the entry: negative ids only), and
@@ -86,6 +87,8 @@ class VerifyReport:
     """Videos of which a clip (:data:`VERIFY_CLIP_FRAMES` frames from the first) was decoded with PyAV."""
     audio_decoded: int = 0
     """Audio files decoded whole with PyAV."""
+    longest_conversation: int = 0
+    """A chat dataset's (the one checked last, of a ``split`` DEST) longest conversation, in tokens."""
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -225,7 +228,7 @@ def _token_problems(bin_path: Path, idx_path: Path, shard: ShardRecord, info: To
         problems.append(f"holds {count(pair.index.tokens, 'token')}, manifest says {shard.tokens}")
     if info.chat is not None:
         problems += _mask_problems(bin_path, shard, pair.index.tokens)
-    return problems + _document_problems(pair, info, starts)
+    return problems + _document_problems(pair, info, starts, report)
 
 
 def _mask_problems(bin_path: Path, shard: ShardRecord, tokens: int) -> list[str]:
@@ -245,16 +248,18 @@ def _mask_problems(bin_path: Path, shard: ShardRecord, tokens: int) -> list[str]
     return []
 
 
-def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None) -> list[str]:
+def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, np.ndarray] | None,
+                       report: VerifyReport) -> list[str]:
     """A token shard's documents (its structure checked), :data:`~fastio.formats.megatron.CHECK_CHUNK` at a time
     (bounded memory): each ends with the end-of-document id, the ids as :class:`~fastio.tokens.ids.IdScan` checks
     them and not above the manifest's largest, and its entries of the document-starts table (``starts``) are its
-    documents' starts."""
-    problems, table, ids, end_bad = [], [], IdScan(info.vocab_size), None
+    documents' starts; a chat shard's conversations none longer than the manifest's ``tokens.chat.longest``."""
+    problems, table, ids, end_bad, longest = [], [], IdScan(info.vocab_size), None, 0
     every = starts[0] if starts is not None else 0
     for lo, edges in pair.index.edge_chunks():
         if every:
             table.append(edges[np.arange(-lo % every, edges.size - 1, every)])
+        longest = max(longest, int(np.diff(edges).max(initial=0)))
         docs = np.flatnonzero(edges[1:] > edges[:-1])  # documents with tokens
         if not docs.size:
             continue
@@ -268,6 +273,10 @@ def _document_problems(pair: MegatronShard, info: TokenInfo, starts: tuple[int, 
     if end_bad is not None:
         problems.append(f"document {end_bad} does not end with the end-of-document id {info.eos_id}")
     problems += ids.problems(pair.index)
+    report.longest_conversation = max(report.longest_conversation, longest) if info.chat is not None else 0
+    if info.chat is not None and longest > info.chat.longest:  # a Loader would admit a seq_len that cuts it
+        problems.append(f"holds a conversation of {count(longest, 'token')}, more than the manifest's "
+                        f"tokens.chat.longest ({info.chat.longest})")
     if info.max_id is not None and ids.high is not None and ids.high > info.max_id:
         problems.append(id_problem(ids.high, None, info.max_id))
     return problems
@@ -295,11 +304,13 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     if not (manifest.converted_from or {}).get("indexed_in_place"):  # in place, shards/ is the user's, not fastio's
         _stray_files(root, prefix, manifest.shards, listed_files, report)
     parsed, found = [], len(report.problems)  # (record, .idx entries) for the consolidated index check
-    starts = _starts_table(root, prefix, manifest, report)
+    starts, report.longest_conversation = _starts_table(root, prefix, manifest, report), 0
     for shard in _each_shard(manifest.shards, fetch):
         checked = _verify_shard(root, prefix, shard, manifest, local, decode, report, starts.get(shard.name))
         if checked is not None:
             parsed.append(checked)
+    if len(report.problems) == found:  # every shard read whole: their longest is the dataset's
+        report.problems += _longest_problem(prefix, manifest, report.longest_conversation)
     record = manifest.index
     if record is not None:
         shards_ok = len(report.problems) == found  # else the shards' problems are the ones to report
@@ -308,6 +319,16 @@ def _verify_one(root: Path, prefix: str, decode: bool, report: VerifyReport,
     if manifest.probes is not None:
         report.problems += [Problem(f"{prefix}{manifest.probes.name}", None, what)
                             for what in _probe_problems(root / manifest.probes.name, manifest)]
+
+
+def _longest_problem(prefix: str, manifest: Manifest, longest: int) -> list[Problem]:
+    """A chat dataset's manifest whose ``tokens.chat.longest`` is above its shards' ``longest`` conversation (a
+    Loader would refuse a seq_len that every conversation fits; one below is named with its shard)."""
+    chat = manifest.tokens.chat if manifest.tokens is not None else None
+    if chat is None or chat.longest <= longest:
+        return []
+    return [Problem(f"{prefix}{MANIFEST_NAME}", None, f"tokens.chat.longest is {chat.longest}, the longest "
+                                                      f"conversation of its shards has {count(longest, 'token')}")]
 
 
 def _starts_table(root: Path, prefix: str, manifest: Manifest, report: VerifyReport

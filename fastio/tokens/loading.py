@@ -122,15 +122,33 @@ def _check_sha256(ds: Dataset, path: Path, want: str) -> None:
 def packing_of(ds: Dataset, tables: list[MegatronIndex], seq_len: int, packing: str, window: int, spec: SamplerSpec
                ) -> ConcatPacking | BestFitPacking:
     """The packing of ``ds``'s documents that ``spec``'s seed and shuffle draw (``window``: documents per block); a
-    chat dataset's refused unless whole conversations fit (:func:`check_chat_packing`)."""
+    chat dataset's refused unless whole conversations fit (:func:`check_chat_packing`, then :func:`_check_longest`:
+    none longer than its manifest says)."""
     check_chat_packing(ds, seq_len, packing)
     common = {"seed": spec.seed, "shuffle": spec.shuffle, "fingerprint": ds.fingerprint, "block_docs": window}
     try:
         if packing == "concat":
             return ConcatPacking(tables, seq_len, **common)
-        return BestFitPacking(tables, seq_len, **common)
+        packed = BestFitPacking(tables, seq_len, **common)
     except ValueError as err:
         raise DatasetError(f"{ds.root}: {err}") from None
+    _check_longest(ds, packed)
+    return packed
+
+
+def _check_longest(ds: Dataset, packed: BestFitPacking) -> None:
+    """DatasetError naming the shard where a chat dataset's conversation is longer than its manifest's
+    ``tokens.chat.longest`` (a damaged or hand-edited manifest: :func:`check_chat_packing` trusts it, and best-fit
+    would cut that conversation); the lengths are those the packing read to count its sequences."""
+    chat = ds.manifest.tokens.chat
+    if chat is None:
+        return
+    for shard, longest in zip(ds.shards, packed.longest.tolist()):
+        if longest > chat.longest:
+            raise DatasetError(f"{ds.root}: shard {shard.name}: holds a conversation of {count(longest, 'token')}, "
+                               f"more than the manifest's tokens.chat.longest ({chat.longest}): a damaged or "
+                               "hand-edited manifest (a seq_len it admits would cut that conversation); restore the "
+                               "manifest or convert again (fastio verify names every such shard)")
 
 
 def check_chat_packing(ds: Dataset, seq_len: int, packing: str) -> None:

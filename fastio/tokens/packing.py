@@ -396,6 +396,8 @@ class BestFitPacking(_BlockPacking):
         self.kind = f"{fit}-fit"
         super().__init__(tables, seq_len, seed=seed, shuffle=shuffle, fingerprint=fingerprint, block_docs=block_docs)
         self.fit, self.budget = fit, budget
+        self.longest = np.zeros(len(self.tables), np.int64)
+        """The longest document of each table (read by :meth:`_counts`; zeros with a ``budget``)."""
         self._bins = self._counts() if budget is None else np.array(
             [len(self._packed(b)) for b in range(self._blk_n.size)], np.int64)
         self.sequences = int(self._bins.sum())
@@ -407,11 +409,12 @@ class BestFitPacking(_BlockPacking):
     def _counts(self) -> np.ndarray:
         """The number of sequences of every block, in block order, from the documents' lengths alone (read in
         contiguous runs of whole blocks of a shard, :data:`_LENGTH_RUN` documents at most a lookup; the runs of
-        small shards counted together, that many documents at most)."""
+        small shards counted together, that many documents at most); each table's longest document on the way
+        (:attr:`longest`)."""
         count = _count_best if self.fit == "best" else _count_first
         step = self.block_docs * max(1, _LENGTH_RUN // self.block_docs)
         out, lengths, heads, held = [np.zeros(0, np.int64)], [], [], 0
-        for table in self.tables:
+        for k, table in enumerate(self.tables):
             d = int(table.documents)
             for lo in range(0, d, step):
                 hi = min(d, lo + step)
@@ -419,6 +422,7 @@ class BestFitPacking(_BlockPacking):
                     out.append(_run_counts(np.concatenate(lengths), np.concatenate(heads), self.seq_len + 1, count))
                     lengths, heads, held = [], [], 0
                 lengths.append(np.diff(table.starts(np.arange(lo, hi + 1, dtype=np.int64))))
+                self.longest[k] = max(int(self.longest[k]), int(lengths[-1].max(initial=0)))
                 heads.append(held + np.arange(0, hi - lo, self.block_docs))
                 held += hi - lo
         if held:
