@@ -136,7 +136,7 @@ def test_peak_memory_of_the_checks_is_a_few_chunks_whatever_the_shard(tmp_path, 
     try:
         pair.index.check_structure()
         assert pair.index.is_one_per_document()
-        assert verify._document_problems(pair, info, None) == []
+        assert verify._document_problems(pair, info, None, verify.VerifyReport(tmp_path)) == []
         for start in range(0, len(raw), 1 << 14):
             ends.see(start, np.frombuffer(raw[start:start + (1 << 14)], np.uint16))
         peak = tracemalloc.get_traced_memory()[1]
@@ -168,6 +168,7 @@ def test_resident_pages_of_the_mapped_files_are_dropped_chunk_by_chunk(tmp_path,
     pair = MegatronShard(written.bin_path)
     pair.index.check_structure()
     assert pair.index.is_one_per_document()
-    assert verify._document_problems(pair, TokenInfo(dtype="uint16", eos_id=0, total_tokens=n), None) == []
+    assert verify._document_problems(pair, TokenInfo(dtype="uint16", eos_id=0, total_tokens=n), None,
+                                      verify.VerifyReport(tmp_path)) == []
     # one pass each, every page read; what stays resident is at most the last chunk's (512 KB of each column)
     assert mapped_kb(written.idx_path) < 4096 and mapped_kb(written.bin_path) < 1024
