@@ -38,7 +38,7 @@ from fastio.errors import (
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import dali_inputs, dali_out_of_memory, dali_reason
+from fastio.pipelines.base import checked_graph, dali_inputs, dali_out_of_memory, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -330,7 +330,7 @@ class Loader:
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
         source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
-        self._graph: GraphDef | None = self.pipeline.graph()
+        self._graph: GraphDef | None = checked_graph(self.pipeline.graph(), self.pipeline)
         self.rank, self.world_size = rank, world
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin

@@ -21,6 +21,7 @@ never the reverse. ``docs/adding-a-kind.md`` walks through adding a kind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, LoaderArgumentError, LoaderStateError
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of",
-           "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "checked_graph", "dali_inputs", "dali_out_of_memory", "dali_reason",
+           "evaluation_of", "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -172,8 +173,59 @@ class GraphDef:
 
 def declared(names: Sequence[str], dtypes: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """``(name, dtype)`` of each input name by its kind's table ``dtypes`` (a numbered name, ``start0`` or
-    ``encoded1``, by its stem)."""
-    return tuple((n, dtypes[n.rstrip("0123456789")]) for n in names)
+    ``encoded1``, by its stem); None for a name the table lacks (:func:`checked_graph` names it)."""
+    return tuple((n, dtypes.get(n.rstrip("0123456789"))) for n in names)
+
+
+def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None:
+    """``graph`` (``pipeline.graph()``) with its declared inputs checked (LoaderArgumentError naming the kind and an
+    input without a dtype of :data:`DTYPES`), its ``feed`` checking each batch's inputs against them
+    (:func:`_checked_feed`)."""
+    if graph is None:
+        return None
+    name = type(pipeline).__name__
+    for input_name, dtype in graph.inputs:
+        if dtype is None:
+            raise LoaderArgumentError(f"{name}'s graph input {input_name!r} has no dtype: declare it in its "
+                                      "input_dtypes (docs/adding-a-kind.md)")
+        if dtype not in DTYPES:
+            raise LoaderArgumentError(f"{name}'s graph input {input_name!r} is declared {dtype!r}: a graph input's "
+                                      f"dtype is one of {', '.join(DTYPES)}")
+    return dataclasses.replace(graph, feed=_checked_feed(graph, name))
+
+
+def _checked_feed(graph: GraphDef, name: str) -> Callable[..., tuple]:
+    """``graph.feed``, refusing a batch's inputs (LoaderArgumentError naming the kind ``name`` and the input) that
+    are not the declared ones: another count, dtype, or number of samples than the first input's. Whole-batch
+    checks (a list of per-sample arrays: its first array's dtype)."""
+    feed, names = graph.feed, graph.names
+    wanted = [np.dtype(dtype) for _, dtype in graph.inputs]
+
+    def fed(*args: Any, **kwargs: Any) -> tuple:
+        values = feed(*args, **kwargs)
+        if not isinstance(values, (tuple, list)) or len(values) != len(names):
+            gave = f"{len(values)} inputs" if isinstance(values, (tuple, list)) else type(values).__name__
+            raise LoaderArgumentError(f"{name}'s graph feed gave {gave}, its graph declares {len(names)} "
+                                      f"({', '.join(names)})")
+        lengths = []
+        for input_name, want, value in zip(names, wanted, values):
+            first = value[0] if isinstance(value, (list, tuple)) and len(value) else value
+            dtype = getattr(first, "dtype", None)
+            if isinstance(value, (list, tuple)) and not len(value):
+                dtype = want
+            shape = getattr(value, "shape", None)
+            if dtype != want or (shape is not None and not shape):
+                gave = f"as {dtype}" if dtype != want else "as a scalar"
+                raise LoaderArgumentError(f"{name}'s graph feed gave input {input_name!r} {gave}, declared {want} "
+                                          "(a numpy array of one value per sample, or a list of per-sample arrays)")
+            lengths.append(len(value))
+        if len(set(lengths)) > 1:
+            bad = next(i for i, n in enumerate(lengths) if n != lengths[0])
+            raise LoaderArgumentError(f"{name}'s graph feed gave input {names[bad]!r} for {lengths[bad]} samples, "
+                                      f"input {names[0]!r} for {lengths[0]}")
+        return values
+
+    return fed
 
 
 def check_fields(fields: Any) -> tuple[str, ...] | None:

@@ -1,0 +1,110 @@
+"""A kind of one's own written from docs/adding-a-kind.md, and the mistakes a newcomer makes writing one: each is
+refused in one line naming the kind, the hook and the input, output or entry, never DALI's, numpy's or Python's
+bare error, nor a batch silently missing what the kind gave (found writing kinds from the page, as a newcomer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import fastio
+from fastio.errors import LoaderArgumentError
+from fastio.pipelines import ImageKind
+
+
+@dataclass(frozen=True)
+class Gain(ImageKind):
+    """The page's second example: an image kind with one more input, ``gain`` (float32), fed per sample."""
+
+    kind: ClassVar[str] = "gain"
+    input_dtypes: ClassVar[dict[str, str]] = {**ImageKind.input_dtypes, "gain": "float32"}
+    output_names: ClassVar[tuple[str, ...]] = ("image", "index")
+
+    def input_names(self):
+        return ("encoded", "index", "gain")
+
+    def inputs(self, batch, *, seed, epoch):
+        return (*super().inputs(batch, seed=seed, epoch=epoch), np.full(len(batch.indices), 1.5, np.float32))
+
+    def _graph(self, inp, decoder_device):
+        from nvidia.dali import fn, types
+
+        img = fn.resize(fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.GRAY),
+                        resize_x=8, resize_y=8)
+        return fn.cast(fn.cast(img, dtype=types.FLOAT) * inp["gain"], dtype=types.UINT8), inp["index"]
+
+
+def first_batch(dest, pipeline, batch_size=4):
+    with fastio.Loader(dest, batch_size=batch_size, pipeline=pipeline, device="cpu", world_size=1, rank=0,
+                       num_threads=1, shuffle="none") as loader:
+        return next(iter(loader))
+
+
+def test_the_pages_kind_with_an_input_of_its_own_runs(image_dataset):
+    batch = first_batch(image_dataset, Gain())
+    assert batch["image"].shape == (4, 8, 8, 1) and batch["label"].shape == (4,)
+
+
+@dataclass(frozen=True)
+class NotFed(Gain):
+    def inputs(self, batch, *, seed, epoch):
+        return ImageKind.inputs(self, batch, seed=seed, epoch=epoch)
+
+
+@dataclass(frozen=True)
+class FedMore(Gain):
+    def inputs(self, batch, *, seed, epoch):
+        return (*super().inputs(batch, seed=seed, epoch=epoch), np.zeros(len(batch.indices), np.int32))
+
+
+@dataclass(frozen=True)
+class OtherDtype(Gain):
+    def inputs(self, batch, *, seed, epoch):
+        *rest, gain = super().inputs(batch, seed=seed, epoch=epoch)
+        return (*rest, gain.astype(np.float64))
+
+
+@dataclass(frozen=True)
+class Short(Gain):
+    def inputs(self, batch, *, seed, epoch):
+        *rest, gain = super().inputs(batch, seed=seed, epoch=epoch)
+        return (*rest, gain[:-1])
+
+
+@pytest.mark.parametrize("kind,said", [
+    (NotFed(), r"NotFed's graph feed gave 2 inputs, its graph declares 3 \(encoded, index, gain\)"),
+    (FedMore(), r"FedMore's graph feed gave 4 inputs, its graph declares 3 \(encoded, index, gain\)"),
+    (OtherDtype(), r"OtherDtype's graph feed gave input 'gain' as float64, declared float32"),
+    (Short(), r"Short's graph feed gave input 'gain' for 3 samples, input 'encoded' for 4"),
+])
+def test_a_feed_that_breaks_its_declared_inputs_is_named(image_dataset, kind, said):
+    """An input declared and not fed failed as DALI's "tuple index out of range", blamed on the batch's keys as a
+    DatasetError; another dtype or batch length as DALI's "ExternalSource expected data of type float" or "Batch size
+    clash! ... __ExternalSource_2", naming no input; an input fed and not declared was dropped without a word."""
+    with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+        first_batch(image_dataset, kind)
+
+
+@dataclass(frozen=True)
+class Undeclared(Gain):
+    input_dtypes: ClassVar[dict[str, str]] = dict(ImageKind.input_dtypes)
+
+
+@dataclass(frozen=True)
+class Float64(Gain):
+    input_dtypes: ClassVar[dict[str, str]] = {**ImageKind.input_dtypes, "gain": "float64"}
+
+
+@pytest.mark.parametrize("kind,said", [
+    (Undeclared(), r"Undeclared's graph input 'gain' has no dtype: declare it in its input_dtypes"),
+    (Float64(), r"Float64's graph input 'gain' is declared 'float64': a graph input's dtype is one of uint8, int32, "
+                r"int64, float32, bool"),
+])
+def test_an_input_without_a_dtype_fastio_feeds_is_named(image_dataset, kind, said):
+    """Both were a bare KeyError ('gain', 'float64') from deep in the graph's build."""
+    with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+        first_batch(image_dataset, kind)
+
