@@ -38,7 +38,7 @@ from fastio.errors import (
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import checked_graph, dali_inputs, dali_out_of_memory, dali_reason
+from fastio.pipelines.base import checked_batch, checked_graph, dali_inputs, dali_out_of_memory, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -680,7 +680,8 @@ class Loader:
     def _batch(self, outputs: dict[str, Any], fed: Fed) -> dict[str, Any]:
         """The pipeline's batch of ``fed`` (its host tensors moved onto the GPU on cuda), then ``index``
         (``source``) and ``padded``, which stay on the host."""
-        batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
+        batch = checked_batch(self.pipeline, self.pipeline.assemble(outputs, self.read_set.delivery(
+            fed.batch, self._on_device)), len(fed.indices))
         if self.device == "cuda":
             batch = {k: self._on_gpu(v) for k, v in batch.items()}
         batch.update(self.read_set.positions(fed.indices))
@@ -713,7 +714,8 @@ class Loader:
         index = out.pop("index").as_array().reshape(-1)
         want = fed.indices if self._graph.fed_index is None else self._graph.fed_index(fed.batch)
         if not np.array_equal(index, want):
-            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {want[:8]}")
+            raise LoaderArgumentError(f"{type(self.pipeline).__name__}'s graph output 'index' is not the fed index (it "
+                                      f"gave {index[:8]} for a batch fed {want[:8]}): return inp['index'] as it is")
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 import fastio
 from fastio.errors import LoaderArgumentError
@@ -108,3 +109,75 @@ def test_an_input_without_a_dtype_fastio_feeds_is_named(image_dataset, kind, sai
     with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
         first_batch(image_dataset, kind)
 
+
+@dataclass(frozen=True)
+class LabelOut(Gain):
+    output_names: ClassVar[tuple[str, ...]] = ("image", "label", "index")
+
+    def _graph(self, inp, decoder_device):
+        image, index = super()._graph(inp, decoder_device)
+        return image, inp["gain"], index
+
+
+@dataclass(frozen=True)
+class NoIndex(Gain):
+    output_names: ClassVar[tuple[str, ...]] = ("image",)
+
+    def _graph(self, inp, decoder_device):
+        return super()._graph(inp, decoder_device)[0]
+
+
+@dataclass(frozen=True)
+class OtherIndex(Gain):
+    def _graph(self, inp, decoder_device):
+        return super()._graph(inp, decoder_device)[0], inp["gain"]
+
+
+@dataclass(frozen=True)
+class MoreNodes(Gain):
+    def _graph(self, inp, decoder_device):
+        return (*super()._graph(inp, decoder_device), inp["gain"])
+
+
+@pytest.mark.parametrize("kind,said", [
+    (LabelOut(), r"LabelOut's graph output 'label' is an entry the Loader adds to the batch \(label, source, "
+                 r"padded\): name it otherwise"),
+    (NoIndex(), r"NoIndex's graph outputs \('image'\) lack 'index': return the fed inp\['index'\] as one"),
+    (OtherIndex(), r"OtherIndex's graph output 'index' is not the fed index \(it gave \[1\.5 1\.5 1\.5 1\.5\] for a "
+                   r"batch fed \[0 1 2 3\]\): return inp\['index'\] as it is"),
+    (MoreNodes(), r"MoreNodes's graph gave 3 outputs, its output names are 2 \(image, index\)"),
+])
+def test_a_graph_whose_outputs_are_not_its_declared_ones_is_named(image_dataset, kind, said):
+    """A graph output ``label`` was replaced by the batch's labels (the kind's values lost without a word); an
+    ``index`` output missing was a bare KeyError('index'), one holding something else an "internal error" blaming
+    fastio; a node beyond the output names was dropped without a word."""
+    with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+        first_batch(image_dataset, kind)
+
+
+@dataclass(frozen=True)
+class Returns(Gain):
+    returned: str = "list"
+
+    def assemble(self, outputs, delivery):
+        image = outputs["image"]
+        return {"list": [image], "none": None, "numpy": {"image": image.numpy()}, "short": {"image": image[:-1]},
+                "index": {"image": image, "index": torch.zeros(4)}, "key": {1: image}}[self.returned]
+
+
+@pytest.mark.parametrize("returned,said", [
+    ("list", r"Returns.assemble returned a list, not a dict of the batch's entries by name"),
+    ("none", r"Returns.assemble returned a NoneType, not a dict of the batch's entries by name"),
+    ("key", r"Returns.assemble returned a batch entry named 1, not by a string"),
+    ("numpy", r"Returns.assemble returned batch\['image'\] as a numpy array: give a torch tensor "
+              r"\(torch.from_numpy\)"),
+    ("short", r"Returns.assemble returned batch\['image'\] of 3 rows for a batch of 4: one row per unit"),
+    ("index", r"Returns.assemble returned batch\['index'\], an entry the Loader adds \(index, source, padded\): "
+              r"name it otherwise"),
+])
+def test_an_assemble_that_returns_no_batch_is_named(image_dataset, returned, said):
+    """A list or None was a bare AttributeError ("'list' object has no attribute 'update'") from the Loader; a
+    numpy array stayed numpy (and on the host with device='cuda'), a short batch went out with 3 images and 4
+    labels, an ``index`` entry was replaced by the Loader's: all without a word."""
+    with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+        first_batch(image_dataset, Returns(returned=returned))

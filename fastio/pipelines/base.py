@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "checked_graph", "dali_inputs", "dali_out_of_memory", "dali_reason",
-           "evaluation_of", "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "checked_batch", "checked_graph", "dali_inputs", "dali_out_of_memory",
+           "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -191,7 +191,67 @@ def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None
         if dtype not in DTYPES:
             raise LoaderArgumentError(f"{name}'s graph input {input_name!r} is declared {dtype!r}: a graph input's "
                                       f"dtype is one of {', '.join(DTYPES)}")
-    return dataclasses.replace(graph, feed=_checked_feed(graph, name))
+    return dataclasses.replace(graph, feed=_checked_feed(graph, name), body=_checked_body(graph, name))
+
+
+LOADER_ENTRIES = ("index", "source", "padded")
+"""The entries the Loader adds to a kind's batch (:meth:`Pipeline.assemble` leaves them out)."""
+READ_SET_ENTRIES = ("label", "source", "padded")
+"""The batch entries a graph output may not be named: the read set's labels and the Loader's entries (``index``, the
+fed indices passed through, is the one the Loader checks and takes out)."""
+
+
+def _checked_body(graph: GraphDef, name: str) -> Callable[[dict[str, Any], str], Any]:
+    """``graph.body``, refusing (LoaderArgumentError naming the kind ``name``) outputs that are not its declared ones:
+    another number of nodes than :attr:`GraphDef.outputs` names, no ``index`` among them, or one named as an entry
+    the batch has from the read set or the Loader (which would replace it without a word)."""
+    body, declared_names = graph.body, graph.outputs
+
+    def checked(inputs: dict[str, Any], decoder_device: str) -> Any:
+        out = body(inputs, decoder_device)
+        if declared_names is None:
+            names = tuple(out) if isinstance(out, dict) else ()
+        else:
+            nodes = len(out) if isinstance(out, (tuple, list)) else 1
+            if nodes != len(declared_names):
+                raise LoaderArgumentError(f"{name}'s graph gave {nodes} outputs, its output names are "
+                                          f"{len(declared_names)} ({', '.join(declared_names)})")
+            names = declared_names
+        if "index" not in names:
+            raise LoaderArgumentError(f"{name}'s graph outputs ({', '.join(map(repr, names))}) lack 'index': return "
+                                      "the fed inp['index'] as one (the Loader checks it against what it fed)")
+        clash = next((n for n in names if n in READ_SET_ENTRIES), None)
+        if clash is not None:
+            raise LoaderArgumentError(f"{name}'s graph output {clash!r} is an entry the Loader adds to the batch "
+                                      f"({', '.join(READ_SET_ENTRIES)}): name it otherwise")
+        return out
+
+    return checked
+
+
+def checked_batch(pipeline: Pipeline, batch: Any, rows: int) -> dict[str, Any]:
+    """``batch`` as ``pipeline.assemble`` returned it for a read batch of ``rows`` units, once it is a dict of the
+    batch's entries by name, none of them an entry the Loader adds (:data:`LOADER_ENTRIES`), none a numpy array,
+    each tensor or list ``rows`` long but those of the kind's :attr:`Pipeline.whole_batch`; else
+    LoaderArgumentError naming the kind and the entry. A few checks a batch, per entry."""
+    name = f"{type(pipeline).__name__}.assemble"
+    if not isinstance(batch, dict):
+        raise LoaderArgumentError(f"{name} returned a {type(batch).__name__}, not a dict of the batch's entries by "
+                                  "name")
+    for key, value in batch.items():
+        if not isinstance(key, str):
+            raise LoaderArgumentError(f"{name} returned a batch entry named {key!r}, not by a string")
+        if key in LOADER_ENTRIES:
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}], an entry the Loader adds "
+                                      f"({', '.join(LOADER_ENTRIES)}): name it otherwise")
+        if isinstance(value, np.ndarray):
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}] as a numpy array: give a torch tensor "
+                                      "(torch.from_numpy)")
+        length = len(value) if isinstance(value, list) else value.shape[0] if getattr(value, "ndim", 0) else None
+        if length is not None and length != rows and key not in pipeline.whole_batch:
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}] of {length} rows for a batch of {rows}: one "
+                                      "row per unit, or name the entry in the kind's whole_batch")
+    return batch
 
 
 def _checked_feed(graph: GraphDef, name: str) -> Callable[..., tuple]:
@@ -275,6 +335,9 @@ class Pipeline:
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
     fields: tuple[str, ...] | None = None
+    whole_batch: ClassVar[tuple[str, ...]] = ()
+    """Entries of :meth:`assemble`'s batch that are not one row per unit (a packed batch's ``cu_seqlens``): the
+    Loader checks every other tensor and list is as long as the batch."""
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
