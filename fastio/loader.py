@@ -241,6 +241,11 @@ class LoaderConfig:
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
+        params = getattr(self.pipeline, "__dataclass_params__", None)
+        if params is not None and not params.frozen:
+            raise ValueError(f"pipeline {self.pipeline!r:.80} is a dataclass that is not frozen: make it "
+                             "@dataclass(frozen=True) (its options must not change under a running Loader; "
+                             "docs/adding-a-kind.md)")
 
     @classmethod
     def grouped(cls, *, order: OrderOptions | None = None, performance: PerformanceOptions | None = None,

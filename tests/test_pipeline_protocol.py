@@ -13,7 +13,7 @@ import torch
 
 import fastio
 from fastio.errors import LoaderArgumentError
-from fastio.pipelines import ImageKind
+from fastio.pipelines import ImageKind, ReadFields
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,64 @@ def test_an_assemble_that_returns_no_batch_is_named(image_dataset, returned, sai
     labels, an ``index`` entry was replaced by the Loader's: all without a word."""
     with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
         first_batch(image_dataset, Returns(returned=returned))
+
+
+@dataclass(frozen=True)
+class ReadsNothing(fastio.Pipeline):
+    """Reads no stored sample (read_fields None) but keeps the default source, which reads stored samples."""
+
+    def read_fields(self, ds, fields):
+        return None
+
+
+@dataclass(frozen=True)
+class Reads(fastio.Pipeline):
+    returned: str = "tuple"
+
+    def read_fields(self, ds, fields):
+        return {"tuple": ("jpg",), "none image": ReadFields(tuple(fields), image=(None,))}[self.returned]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_kind_that_reads_no_stored_sample_keeps_no_default_source(image_dataset, tmp_path, mixed):
+    """Its first batch was a bare AttributeError ("'NoneType' object has no attribute 'read_ahead_shards'")."""
+    target = fastio.Mixture({"a": image_dataset, "b": image_dataset}) if mixed else image_dataset
+    with pytest.raises(LoaderArgumentError, match=r"^ReadsNothing.read_fields returned None \(it reads no stored "
+                                                  r"sample\), and its source is the default one, which reads stored "
+                                                  r"samples: define source\(read_set, sampling, place\)"):
+        first_batch(target, ReadsNothing())
+
+
+@pytest.mark.parametrize("returned,said", [
+    ("tuple", r"Reads.read_fields returned a tuple \('jpg',\), not a ReadFields or None"),
+    ("none image", r"Reads.read_fields returned a ReadFields whose image holds None, not a field name: "
+                   r"\(None,\)"),
+])
+def test_read_fields_that_name_no_fields_are_named(image_dataset, returned, said):
+    """A tuple was a bare AttributeError ("'tuple' object has no attribute 'fields'") from the read set; the page's
+    ``image=(ds.image_field,)`` on a dataset without one said "dataset has no field None", naming no kind."""
+    with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+        first_batch(image_dataset, Reads(returned=returned))
+
+
+def test_a_kind_that_is_not_frozen_is_refused_naming_it():
+    """A dataclass kind without frozen=True ran, its options changeable under a running Loader (and its LoaderConfig
+    unhashable: "unhashable type: 'Loose'")."""
+    @dataclass
+    class Loose(fastio.Pipeline):
+        size: int = 8
+
+        def read_fields(self, ds, fields):
+            return ReadFields(tuple(fields))
+
+    with pytest.raises(ValueError, match=r"^pipeline .*Loose\(size=8\) is a dataclass that is not frozen: make it "
+                                         r"@dataclass\(frozen=True\)"):
+        fastio.LoaderConfig(pipeline=Loose())
+
+
+@pytest.mark.parametrize("name,hook", [("assembel", "assemble"), ("read_field", "read_fields"),
+                                       ("stat_dict", "state_dict"), ("check_states", "check_state")])
+def test_a_misspelled_hook_is_refused_when_its_class_is_made(name, hook):
+    """A hook misspelled was never called: the base's ran instead (an empty state, a default batch) silently."""
+    with pytest.raises(TypeError, match=rf"^Odd.{name}: not a hook of the pipeline protocol; did you mean {hook}\?"):
+        type("Odd", (fastio.Pipeline,), {name: lambda self, *args: None})

@@ -326,6 +326,23 @@ _OLD_HOOKS = {
 is made (it would be ignored)."""
 
 
+HOOKS = ("read_fields", "source", "graph", "assemble", "state_dict", "check_state")
+"""The six hooks of the pipeline protocol: all the Loader calls of a pipeline object."""
+
+
+def _misspelt_hook(cls: type) -> tuple[str, str] | None:
+    """``(name, hook)`` where ``cls`` defines a public method ``name`` that is not a hook but nearly spells one
+    (``assembel``, ``stat_dict``), else None."""
+    import difflib
+
+    for name, value in vars(cls).items():
+        if callable(value) and not name.startswith("_") and name not in HOOKS:
+            close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.85)
+            if close:
+                return name, close[0]
+    return None
+
+
 class Pipeline:
     """The base of pipeline objects (see the module docstring): six hooks. Subclasses are frozen dataclasses whose
     fields are their options; each checks them when made (``ValueError`` naming the value)."""
@@ -345,6 +362,11 @@ class Pipeline:
         if old:
             raise TypeError(f"{cls.__name__}.{old[0]}: the pipeline protocol has no {old[0]!r} hook now; "
                             f"{_OLD_HOOKS[old[0]]} (docs/adding-a-kind.md)")
+        misspelt = _misspelt_hook(cls)
+        if misspelt:
+            raise TypeError(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
+                            f"{misspelt[1]}? (the base's {misspelt[1]} would run instead; a helper of your own: name "
+                            f"it _{misspelt[0]})")
         if cls.default_fields not in DEFAULT_FIELDS:
             raise TypeError(f"{cls.__name__}.default_fields must be one of {', '.join(DEFAULT_FIELDS)}, got "
                             f"{cls.default_fields!r}")
@@ -359,6 +381,11 @@ class Pipeline:
         """The order of this kind's units on ``place``'s rank and what reads them (DatasetError, asked when the
         Loader is made, for a dataset that cannot be read there): the read set's order and reader of stored
         samples. A kind whose unit is not a stored sample (a packed token sequence) makes both here, together."""
+        if any(s.reader is None for s in read_set.sources):
+            raise LoaderArgumentError(f"{type(self).__name__}.read_fields returned None (it reads no stored sample), "
+                                      "and its source is the default one, which reads stored samples: define "
+                                      "source(read_set, sampling, place) returning the plan and reader of its own "
+                                      "units (docs/adding-a-kind.md)")
         return Source(read_set.sampler(sampling, place.world_size, place.rank), read_set.reader, self)
 
     def graph(self) -> GraphDef | None:
