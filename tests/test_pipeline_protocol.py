@@ -242,3 +242,43 @@ def test_a_misspelled_hook_is_refused_when_its_class_is_made(name, hook):
     """A hook misspelled was never called: the base's ran instead (an empty state, a default batch) silently."""
     with pytest.raises(TypeError, match=rf"^Odd.{name}: not a hook of the pipeline protocol; did you mean {hook}\?"):
         type("Odd", (fastio.Pipeline,), {name: lambda self, *args: None})
+
+
+@dataclass(frozen=True)
+class Scaled(fastio.Pipeline):
+    """A kind with an option of its own in the Loader's state, and the base's check_state."""
+
+    scale: int = 2
+    shape: tuple[int, ...] = (1, 2)
+
+    def read_fields(self, ds, fields):
+        return ReadFields(tuple(fields), image=ds.manifest.image_order, sizes=True)
+
+    def assemble(self, outputs, delivery):
+        return {"size": torch.from_numpy(delivery.read.sizes.copy()) * self.scale, "label": delivery.labels()}
+
+    def state_dict(self):
+        return {"scaled": {"scale": self.scale, "shape": self.shape}}
+
+
+def test_a_kinds_state_entries_are_checked_by_the_base_on_resume(image_dataset, tmp_path):
+    """A kind recording its options in state_dict() and keeping the base's check_state resumed a state saved with
+    other options without a word (its batches no longer those the state was saved with); its entries are compared
+    now, through a checkpoint too (where a tuple may come back a list)."""
+    opts = dict(batch_size=4, device="cpu", world_size=1, rank=0, shuffle="none")
+    with fastio.Loader(image_dataset, pipeline=Scaled(), **opts) as loader:
+        it = iter(loader)
+        next(it), next(it)
+        with fastio.Checkpointer(tmp_path / "ckpt") as ckpt:
+            ckpt.save(2, {"loader": loader}, blocking=True)
+        state = loader.state_dict()
+    with fastio.Loader(image_dataset, pipeline=Scaled(), **opts) as again:
+        with fastio.Checkpointer(tmp_path / "ckpt") as ckpt:
+            ckpt.restore_latest({"loader": again})
+        assert again.consumed == 8
+    with fastio.Loader(image_dataset, pipeline=Scaled(scale=3), **opts) as other:
+        with pytest.raises(fastio.LoaderStateError, match=r"^loader state has scaled=\{'scale': 2, 'shape': \(1, 2\)\}, "
+                                                          r"this Scaled gives \{'scale': 3, 'shape': \(1, 2\)\}"):
+            other.load_state_dict(state)
+        with pytest.raises(fastio.LoaderStateError, match=r"^loader state has no 'scaled' entry, this Scaled gives "):
+            other.load_state_dict({k: v for k, v in state.items() if k != "scaled"})

@@ -412,11 +412,32 @@ class Pipeline:
 
     def check_state(self, state: dict[str, Any]) -> None:
         """LoaderStateError when ``state`` (a whole Loader state) cannot continue with this pipeline: by default, one
-        whose position counts the packed sequences of :data:`PACKED_ENTRIES`' kinds, not samples."""
+        whose position counts the packed sequences of :data:`PACKED_ENTRIES`' kinds, not samples, or whose entries
+        of this kind's :meth:`state_dict` differ from this object's (its options), or lack one."""
         for entry, name in PACKED_ENTRIES.items():
             if entry in state:
                 raise LoaderStateError(f"loader state has a {entry!r} entry: it is a position among the packed "
                                        f"sequences of fastio.{name}, and pipeline {self.kind!r} counts samples")
+        for entry, mine in self.state_dict().items():
+            if entry not in state:
+                raise LoaderStateError(f"loader state has no {entry!r} entry, this {type(self).__name__} gives "
+                                       f"{mine!r:.200} (a state of another kind)")
+            if not _same(state[entry], mine):
+                raise LoaderStateError(f"loader state has {entry}={state[entry]!r:.200}, this {type(self).__name__} "
+                                       f"gives {mine!r:.200}: a state saved with other options of the kind")
+
+
+def _same(saved: Any, mine: Any) -> bool:
+    """Whether a state entry as saved equals this object's, a checkpoint's round trip aside (a tuple saved comes
+    back a list; a number a numpy or 0-d torch one)."""
+    if isinstance(mine, dict):
+        return isinstance(saved, dict) and saved.keys() == mine.keys() and all(_same(saved[k], mine[k]) for k in mine)
+    if isinstance(mine, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(mine) and all(map(_same, saved, mine))
+    try:
+        return bool(saved == mine)
+    except (TypeError, ValueError, RuntimeError):  # an array of several values: not one option's value
+        return False
 
 
 def evaluation_of(pipeline: Pipeline) -> Pipeline:
