@@ -282,3 +282,25 @@ def test_a_kinds_state_entries_are_checked_by_the_base_on_resume(image_dataset, 
             other.load_state_dict(state)
         with pytest.raises(fastio.LoaderStateError, match=r"^loader state has no 'scaled' entry, this Scaled gives "):
             other.load_state_dict({k: v for k, v in state.items() if k != "scaled"})
+
+
+def test_a_kind_that_sets_no_kind_is_named_by_its_class(image_dataset):
+    """A kind without ``kind`` took the base's, "graph": messages named a user's kind 'graph' (fastio.Graph's name)."""
+    @dataclass(frozen=True)
+    class Thumbs(ImageKind):
+        def _graph(self, inp, decoder_device):
+            from nvidia.dali import fn
+
+            return fn.resize(fn.decoders.image(inp["encoded"], device=decoder_device), resize_x=8, resize_y=8), \
+                inp["index"]
+
+    @dataclass(frozen=True)
+    class Smaller(Thumbs):
+        pass
+
+    assert (Thumbs.kind, Smaller.kind, fastio.Graph.kind, fastio.ImageTrain.kind) == \
+           ("Thumbs", "Smaller", "graph", "image-train")
+    with fastio.Loader(image_dataset, batch_size=4, pipeline=Smaller(), device="cpu", world_size=1, rank=0) as loader:
+        state = {**loader.state_dict(), "tokens": {"seq_len": 8}}
+        with pytest.raises(fastio.LoaderStateError, match=r"fastio.Tokens, and pipeline 'Smaller' counts samples"):
+            loader.load_state_dict(state)

@@ -347,8 +347,9 @@ class Pipeline:
     """The base of pipeline objects (see the module docstring): six hooks. Subclasses are frozen dataclasses whose
     fields are their options; each checks them when made (``ValueError`` naming the value)."""
 
-    kind: ClassVar[str] = "graph"
-    """How messages name the kind (``image-train``, ``raw``, ...)."""
+    kind: ClassVar[str] = "pipeline"
+    """How messages name the kind (``image-train``, ``raw``, ...); a class that sets none (nor a class it derives
+    from, but those named so) is named by its class name."""
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
     fields: tuple[str, ...] | None = None
@@ -362,6 +363,10 @@ class Pipeline:
         if old:
             raise TypeError(f"{cls.__name__}.{old[0]}: the pipeline protocol has no {old[0]!r} hook now; "
                             f"{_OLD_HOOKS[old[0]]} (docs/adding-a-kind.md)")
+        if "kind" not in vars(cls):
+            named_by = next(c for c in cls.__mro__[1:] if "kind" in vars(c))
+            if named_by is Pipeline or vars(named_by).get("_kind_from_name", False):
+                cls.kind, cls._kind_from_name = cls.__name__, True
         misspelt = _misspelt_hook(cls)
         if misspelt:
             raise TypeError(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
