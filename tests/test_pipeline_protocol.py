@@ -304,3 +304,18 @@ def test_a_kind_that_sets_no_kind_is_named_by_its_class(image_dataset):
         state = {**loader.state_dict(), "tokens": {"seq_len": 8}}
         with pytest.raises(fastio.LoaderStateError, match=r"fastio.Tokens, and pipeline 'Smaller' counts samples"):
             loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("hook,defined,said", [
+    ("assemble", lambda self, outputs: {}, r"Odd.assemble\(self, outputs\): the Loader calls it as "
+                                           r"assemble\(self, outputs, delivery\)"),
+    ("graph", lambda self, device: None, r"Odd.graph\(self, device\): the Loader calls it as graph\(self\)"),
+    ("read_fields", lambda ds, fields: None, r"Odd.read_fields\(ds, fields\): the Loader calls it as "
+                                             r"read_fields\(self, ds, fields\)"),
+])
+def test_a_hook_that_takes_other_arguments_is_refused_when_its_class_is_made(hook, defined, said):
+    """It failed only when the Loader called it, with Python's bare "takes 2 positional arguments but 3 were
+    given" from inside the Loader."""
+    with pytest.raises(TypeError, match=rf"^{said}"):
+        type("Odd", (fastio.Pipeline,), {hook: defined})
+    type("Fine", (fastio.Pipeline,), {hook: lambda self, *args, **kwargs: None})  # anything it can take is taken

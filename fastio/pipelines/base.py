@@ -326,8 +326,28 @@ _OLD_HOOKS = {
 is made (it would be ignored)."""
 
 
-HOOKS = ("read_fields", "source", "graph", "assemble", "state_dict", "check_state")
-"""The six hooks of the pipeline protocol: all the Loader calls of a pipeline object."""
+HOOK_ARGUMENTS = {"read_fields": ("ds", "fields"), "source": ("read_set", "sampling", "place"), "graph": (),
+                  "assemble": ("outputs", "delivery"), "state_dict": (), "check_state": ("state",)}
+"""The six hooks of the pipeline protocol (all the Loader calls of a pipeline object), each with what it is called
+with besides ``self``."""
+HOOKS = tuple(HOOK_ARGUMENTS)
+
+
+def _hook_taking_other_arguments(cls: type) -> str | None:
+    """How the first hook ``cls`` defines that cannot be called as the Loader calls it is defined
+    (``assemble(self, outputs)``), else None."""
+    import inspect
+
+    for hook, arguments in HOOK_ARGUMENTS.items():
+        fn = vars(cls).get(hook)
+        if not inspect.isfunction(fn):  # a staticmethod, a property ...: left to the call
+            continue
+        signature = inspect.signature(fn)
+        try:
+            signature.bind(None, *arguments)
+        except TypeError:
+            return f"{hook}{signature}"
+    return None
 
 
 def _misspelt_hook(cls: type) -> tuple[str, str] | None:
@@ -367,6 +387,11 @@ class Pipeline:
             named_by = next(c for c in cls.__mro__[1:] if "kind" in vars(c))
             if named_by is Pipeline or vars(named_by).get("_kind_from_name", False):
                 cls.kind, cls._kind_from_name = cls.__name__, True
+        other = _hook_taking_other_arguments(cls)
+        if other:
+            hook = other.split("(")[0]
+            raise TypeError(f"{cls.__name__}.{other}: the Loader calls it as "
+                            f"{hook}({', '.join(('self', *HOOK_ARGUMENTS[hook]))}) (docs/adding-a-kind.md)")
         misspelt = _misspelt_hook(cls)
         if misspelt:
             raise TypeError(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
