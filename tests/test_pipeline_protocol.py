@@ -75,7 +75,15 @@ class Short(Gain):
         return (*rest, gain[:-1])
 
 
+@dataclass(frozen=True)
+class PlainList(Gain):
+    def inputs(self, batch, *, seed, epoch):
+        *rest, gain = super().inputs(batch, seed=seed, epoch=epoch)
+        return (*rest, gain.tolist())
+
+
 @pytest.mark.parametrize("kind,said", [
+    (PlainList(), r"PlainList's graph feed gave input 'gain' as a list of float, declared float32"),
     (NotFed(), r"NotFed's graph feed gave 2 inputs, its graph declares 3 \(encoded, index, gain\)"),
     (FedMore(), r"FedMore's graph feed gave 4 inputs, its graph declares 3 \(encoded, index, gain\)"),
     (OtherDtype(), r"OtherDtype's graph feed gave input 'gain' as float64, declared float32"),

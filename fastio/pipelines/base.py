@@ -275,7 +275,9 @@ def _checked_feed(graph: GraphDef, name: str) -> Callable[..., tuple]:
                 dtype = want
             shape = getattr(value, "shape", None)
             if dtype != want or (shape is not None and not shape):
-                gave = f"as {dtype}" if dtype != want else "as a scalar"
+                gave = "as a scalar" if dtype == want else f"as {dtype}" if dtype is not None else \
+                    f"as a {type(value).__name__} of {type(first).__name__}" if first is not value else \
+                    f"as a {type(value).__name__}"
                 raise LoaderArgumentError(f"{name}'s graph feed gave input {input_name!r} {gave}, declared {want} "
                                           "(a numpy array of one value per sample, or a list of per-sample arrays)")
             lengths.append(len(value))
