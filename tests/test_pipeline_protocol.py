@@ -147,7 +147,15 @@ class MoreNodes(Gain):
         return (*super()._graph(inp, decoder_device), inp["gain"])
 
 
+@dataclass(frozen=True)
+class Typo(Gain):
+    def _graph(self, inp, decoder_device):
+        image, index = super()._graph(inp, decoder_device)
+        return image * inp["gian"], index
+
+
 @pytest.mark.parametrize("kind,said", [
+    (Typo(), r"Typo's graph body asked for input 'gian': its inputs are encoded, index, gain"),
     (LabelOut(), r"LabelOut's graph output 'label' is an entry the Loader adds to the batch \(label, source, "
                  r"padded\): name it otherwise"),
     (NoIndex(), r"NoIndex's graph outputs \('image'\) lack 'index': return the fed inp\['index'\] as one"),

@@ -201,6 +201,19 @@ READ_SET_ENTRIES = ("label", "source", "padded")
 fed indices passed through, is the one the Loader checks and takes out)."""
 
 
+class _Inputs(dict):
+    """A graph body's inputs by name: one it asks for that is not declared is a LoaderArgumentError naming the kind
+    and the inputs, not a bare KeyError from the graph's build."""
+
+    def __init__(self, kind: str, inputs: dict[str, Any]):
+        super().__init__(inputs)
+        self.kind = kind
+
+    def __missing__(self, key: Any) -> Any:
+        raise LoaderArgumentError(f"{self.kind}'s graph body asked for input {key!r}: its inputs are "
+                                  f"{', '.join(self)}")
+
+
 def _checked_body(graph: GraphDef, name: str) -> Callable[[dict[str, Any], str], Any]:
     """``graph.body``, refusing (LoaderArgumentError naming the kind ``name``) outputs that are not its declared ones:
     another number of nodes than :attr:`GraphDef.outputs` names, no ``index`` among them, or one named as an entry
@@ -208,7 +221,7 @@ def _checked_body(graph: GraphDef, name: str) -> Callable[[dict[str, Any], str],
     body, declared_names = graph.body, graph.outputs
 
     def checked(inputs: dict[str, Any], decoder_device: str) -> Any:
-        out = body(inputs, decoder_device)
+        out = body(_Inputs(name, inputs), decoder_device)
         if declared_names is None:
             names = tuple(out) if isinstance(out, dict) else ()
         else:
