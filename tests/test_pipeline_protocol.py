@@ -4,12 +4,14 @@ bare error, nor a batch silently missing what the kind gave (found writing kinds
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
+from conftest import write_image_dataset
 
 import fastio
 from fastio.errors import LoaderArgumentError
@@ -335,3 +337,20 @@ def test_a_hook_that_takes_other_arguments_is_refused_when_its_class_is_made(hoo
     with pytest.raises(TypeError, match=rf"^{said}"):
         type("Odd", (fastio.Pipeline,), {hook: defined})
     type("Fine", (fastio.Pipeline,), {hook: lambda self, *args, **kwargs: None})  # anything it can take is taken
+
+
+@dataclass(frozen=True)
+class NoProblem(Gain):
+    """A graph declared without a ``problem`` (None): nothing names an undecodable sample but DALI."""
+
+    def graph(self):
+        return dataclasses.replace(super().graph(), problem=None)
+
+
+def test_a_graph_without_a_problem_hook_still_names_the_batch_dali_failed_on(image_folder, tmp_path):
+    """With ``problem=None`` a failing batch raised TypeError("'NoneType' object is not callable") from the Loader's
+    decode-error path, hiding what DALI said."""
+    next(image_folder.rglob("*.jpg")).write_bytes(b"not an image at all")
+    dest = write_image_dataset(tmp_path / "bad", image_folder)
+    with pytest.raises(fastio.DatasetError, match=r"DALI failed on a batch with keys .*: fn\.decoders\.image"):
+        first_batch(dest, NoProblem(), batch_size=48)

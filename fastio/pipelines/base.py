@@ -151,8 +151,9 @@ class GraphDef:
     indices, which the Loader checks."""
     outputs: tuple[str, ...] | None
     """The output names, in order; None: ``body`` returns them as a dict (a user's graph names its own)."""
-    problem: Callable[[ReadBatch, int], str | None]
-    """Why sample ``j`` of a read batch cannot be decoded, or None: asked after the graph failed, to name it."""
+    problem: Callable[[ReadBatch, int], str | None] | None
+    """Why sample ``j`` of a read batch cannot be decoded, or None: asked after the graph failed, to name it (None:
+    no sample is named; the batch's keys and what DALI said are)."""
     conditionals: bool = False
     """Whether ``body`` branches per sample with ``if`` on a boolean input (DALI's ``enable_conditionals``)."""
     per_unit: int = 1
@@ -191,7 +192,13 @@ def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None
         if dtype not in DTYPES:
             raise LoaderArgumentError(f"{name}'s graph input {input_name!r} is declared {dtype!r}: a graph input's "
                                       f"dtype is one of {', '.join(DTYPES)}")
-    return dataclasses.replace(graph, feed=_checked_feed(graph, name), body=_checked_body(graph, name))
+    return dataclasses.replace(graph, feed=_checked_feed(graph, name), body=_checked_body(graph, name),
+                               problem=graph.problem or _no_problem)
+
+
+def _no_problem(batch: Any, j: int) -> None:
+    """The ``problem`` of a graph declared without one: no sample is named, the batch and DALI's words are."""
+    return None
 
 
 LOADER_ENTRIES = ("index", "source", "padded")
