@@ -38,7 +38,7 @@ from fastio.errors import (
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import checked_batch, checked_graph, dali_inputs, dali_out_of_memory, dali_reason
+from fastio.pipelines.base import checked_batch, checked_graph, checked_source, dali_inputs, dali_out_of_memory, dali_reason
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -333,7 +333,8 @@ class Loader:
             world = found_world if world is None else world
         self._place_device()
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
-        source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
+        source = checked_source(self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device)),
+                                self.pipeline)
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
         self._graph: GraphDef | None = checked_graph(self.pipeline.graph(), self.pipeline)
         self.rank, self.world_size = rank, world

@@ -354,3 +354,21 @@ def test_a_graph_without_a_problem_hook_still_names_the_batch_dali_failed_on(ima
     dest = write_image_dataset(tmp_path / "bad", image_folder)
     with pytest.raises(fastio.DatasetError, match=r"DALI failed on a batch with keys .*: fn\.decoders\.image"):
         first_batch(dest, NoProblem(), batch_size=48)
+
+
+@dataclass(frozen=True)
+class PairSource(fastio.Pipeline):
+    """Returns the plan and the reader as a tuple, not a Source."""
+
+    def read_fields(self, ds, fields):
+        return ReadFields(tuple(fields), image=ds.manifest.image_order, sizes=True)
+
+    def source(self, read_set, sampling, place):
+        return read_set.sampler(sampling, place.world_size, place.rank), read_set.reader
+
+
+def test_a_source_that_is_not_a_source_is_named(image_dataset):
+    """It was a bare AttributeError ("'tuple' object has no attribute 'plan'") from the Loader's constructor."""
+    with pytest.raises(LoaderArgumentError, match=r"^PairSource.source returned a tuple, not a "
+                                                  r"fastio.pipelines.Source\(plan, reader, pipeline\)"):
+        first_batch(image_dataset, PairSource())

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "checked_batch", "checked_graph", "dali_inputs", "dali_out_of_memory",
-           "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "checked_batch", "checked_graph", "checked_source", "dali_inputs",
+           "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -176,6 +176,19 @@ def declared(names: Sequence[str], dtypes: dict[str, str]) -> tuple[tuple[str, s
     """``(name, dtype)`` of each input name by its kind's table ``dtypes`` (a numbered name, ``start0`` or
     ``encoded1``, by its stem); None for a name the table lacks (:func:`checked_graph` names it)."""
     return tuple((n, dtypes.get(n.rstrip("0123456789"))) for n in names)
+
+
+def checked_source(source: Any, pipeline: Pipeline) -> Source:
+    """``source`` (``pipeline.source(...)``) once it is a :class:`Source` whose pipeline is a pipeline object;
+    else LoaderArgumentError naming the kind."""
+    name = f"{type(pipeline).__name__}.source"
+    if not isinstance(source, Source):
+        raise LoaderArgumentError(f"{name} returned a {type(source).__name__}, not a "
+                                  "fastio.pipelines.Source(plan, reader, pipeline)")
+    if not isinstance(source.pipeline, Pipeline):
+        raise LoaderArgumentError(f"{name} returned a Source whose pipeline is {source.pipeline!r:.80}, not a "
+                                  "pipeline object (the object itself, or the one settled for the device)")
+    return source
 
 
 def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None:
