@@ -38,7 +38,15 @@ from fastio.errors import (
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import checked_batch, checked_graph, checked_source, dali_inputs, dali_out_of_memory, dali_reason
+from fastio.pipelines.base import (
+    checked_batch,
+    checked_graph,
+    checked_source,
+    checked_state_entries,
+    dali_inputs,
+    dali_out_of_memory,
+    dali_reason,
+)
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -414,7 +422,7 @@ class Loader:
                  K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
                  K_FINGERPRINT: self.read_set.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
         state.update(self.read_set.state())
-        state.update(self.pipeline.state_dict())
+        state.update(checked_state_entries(self.pipeline.state_dict(), self.pipeline, (*state, K_STEP)))
         if self._replicas is not None:
             state[K_STEP] = step
         return state

@@ -372,3 +372,25 @@ def test_a_source_that_is_not_a_source_is_named(image_dataset):
     with pytest.raises(LoaderArgumentError, match=r"^PairSource.source returned a tuple, not a "
                                                   r"fastio.pipelines.Source\(plan, reader, pipeline\)"):
         first_batch(image_dataset, PairSource())
+
+
+@dataclass(frozen=True)
+class Clashing(Scaled):
+    entry: str = "seed"
+
+    def state_dict(self):
+        return {self.entry: 5} if self.entry else ["not", "a", "dict"]
+
+
+@pytest.mark.parametrize("entry", ["seed", "consumed", "mixture", ""])
+def test_a_kinds_state_entry_named_as_the_loaders_is_refused(image_dataset, entry):
+    """A kind's entry named ``seed`` or ``consumed`` replaced the Loader's own in ``state_dict()`` without a word (a
+    resume then at another position or order); ``mixture``, a mixture's; a list was a bare ValueError from
+    dict.update."""
+    target = fastio.Mixture({"a": image_dataset, "b": image_dataset})
+    with fastio.Loader(target, batch_size=4, pipeline=Clashing(entry=entry), device="cpu", world_size=1,
+                       rank=0) as loader:
+        said = rf"Clashing.state_dict gives {entry!r}, an entry of the Loader's own state" if entry else \
+            r"Clashing.state_dict returned a list, not a dict of the kind's entries"
+        with pytest.raises(LoaderArgumentError, match=rf"^{said}"):
+            loader.state_dict()

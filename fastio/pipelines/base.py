@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "checked_batch", "checked_graph", "checked_source", "dali_inputs",
-           "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "checked_batch", "checked_graph", "checked_source", "checked_state_entries",
+           "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -189,6 +189,20 @@ def checked_source(source: Any, pipeline: Pipeline) -> Source:
         raise LoaderArgumentError(f"{name} returned a Source whose pipeline is {source.pipeline!r:.80}, not a "
                                   "pipeline object (the object itself, or the one settled for the device)")
     return source
+
+
+def checked_state_entries(entries: Any, pipeline: Pipeline, taken: Collection[str]) -> dict[str, Any]:
+    """``entries`` (``pipeline.state_dict()``) once it is a dict none of whose entries is named as one of ``taken``
+    (the Loader's and the read set's own state entries, which it would replace); else LoaderArgumentError naming
+    the kind and the entry."""
+    name = f"{type(pipeline).__name__}.state_dict"
+    if not isinstance(entries, dict):
+        raise LoaderArgumentError(f"{name} returned a {type(entries).__name__}, not a dict of the kind's entries")
+    clash = next((k for k in entries if k in taken), None)
+    if clash is not None:
+        raise LoaderArgumentError(f"{name} gives {clash!r}, an entry of the Loader's own state "
+                                  f"({', '.join(sorted(taken))}): name it otherwise")
+    return entries
 
 
 def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None:
