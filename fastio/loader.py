@@ -38,7 +38,15 @@ from fastio.errors import (
 from fastio.order.replicas import Share, step_position
 from fastio.order.sampler import SamplerSpec
 from fastio.pipelines import BuiltPipeline, GraphDef, ImageTrain, Pipeline, Placement, build_graph
-from fastio.pipelines.base import dali_inputs, dali_out_of_memory, dali_reason
+from fastio.pipelines.base import (
+    checked_batch,
+    checked_graph,
+    checked_source,
+    checked_state_entries,
+    dali_inputs,
+    dali_out_of_memory,
+    dali_reason,
+)
 from fastio.read.feeder import Fed, Feeder
 from fastio.read.mixture import Mixture, next_epoch_way
 from fastio.read.options import Options, OrderOptions, PerformanceOptions, RankOptions, ShardOptions
@@ -241,6 +249,11 @@ class LoaderConfig:
         if not isinstance(self.pipeline, Pipeline):
             raise ValueError(f"pipeline must be a pipeline object (fastio.ImageTrain(), fastio.ImageEval(), "
                              f"fastio.Raw(), fastio.Graph(fn), fastio.Tokens(...), ...), got {self.pipeline!r}")
+        params = getattr(self.pipeline, "__dataclass_params__", None)
+        if params is not None and not params.frozen:
+            raise ValueError(f"pipeline {self.pipeline!r:.80} is a dataclass that is not frozen: make it "
+                             "@dataclass(frozen=True) (its options must not change under a running Loader; "
+                             "docs/adding-a-kind.md)")
 
     @classmethod
     def grouped(cls, *, order: OrderOptions | None = None, performance: PerformanceOptions | None = None,
@@ -328,9 +341,10 @@ class Loader:
             world = found_world if world is None else world
         self._place_device()
         plan_world, plan_rank = (world, rank) if self._replicas is None else (1, 0)
-        source = self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device))
+        source = checked_source(self.pipeline.source(rs, cfg.sampling, Placement(plan_rank, plan_world, self.device)),
+                                self.pipeline)
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
-        self._graph: GraphDef | None = self.pipeline.graph()
+        self._graph: GraphDef | None = checked_graph(self.pipeline.graph(), self.pipeline)
         self.rank, self.world_size = rank, world
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
@@ -408,7 +422,7 @@ class Loader:
                  K_WORLD_SIZE: self.world_size, K_BATCH_SIZE: cfg.batch_size,
                  K_FINGERPRINT: self.read_set.fingerprint, K_SHUFFLE: cfg.shuffle, K_BLOCK_SHARDS: cfg.block_shards}
         state.update(self.read_set.state())
-        state.update(self.pipeline.state_dict())
+        state.update(checked_state_entries(self.pipeline.state_dict(), self.pipeline, (*state, K_STEP)))
         if self._replicas is not None:
             state[K_STEP] = step
         return state
@@ -680,7 +694,8 @@ class Loader:
     def _batch(self, outputs: dict[str, Any], fed: Fed) -> dict[str, Any]:
         """The pipeline's batch of ``fed`` (its host tensors moved onto the GPU on cuda), then ``index``
         (``source``) and ``padded``, which stay on the host."""
-        batch = self.pipeline.assemble(outputs, self.read_set.delivery(fed.batch, self._on_device))
+        batch = checked_batch(self.pipeline, self.pipeline.assemble(outputs, self.read_set.delivery(
+            fed.batch, self._on_device)), len(fed.indices))
         if self.device == "cuda":
             batch = {k: self._on_gpu(v) for k, v in batch.items()}
         batch.update(self.read_set.positions(fed.indices))
@@ -713,7 +728,8 @@ class Loader:
         index = out.pop("index").as_array().reshape(-1)
         want = fed.indices if self._graph.fed_index is None else self._graph.fed_index(fed.batch)
         if not np.array_equal(index, want):
-            raise RuntimeError(f"internal error: DALI returned indices {index[:8]} for a batch fed {want[:8]}")
+            raise LoaderArgumentError(f"{type(self.pipeline).__name__}'s graph output 'index' is not the fed index (it "
+                                      f"gave {index[:8]} for a batch fed {want[:8]}): return inp['index'] as it is")
         return {name: self._tensor(value) for name, value in out.items()}
 
     def _tensor(self, value):

@@ -21,6 +21,7 @@ never the reverse. ``docs/adding-a-kind.md`` walks through adding a kind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.errors import DatasetError, LoaderStateError
+from fastio.errors import DatasetError, LoaderArgumentError, LoaderStateError
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
-           "build_graph", "check_fields", "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of",
-           "field_value", "refuse_tokens"]
+           "build_graph", "check_fields", "checked_batch", "checked_graph", "checked_source", "checked_state_entries",
+           "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -150,8 +151,9 @@ class GraphDef:
     indices, which the Loader checks."""
     outputs: tuple[str, ...] | None
     """The output names, in order; None: ``body`` returns them as a dict (a user's graph names its own)."""
-    problem: Callable[[ReadBatch, int], str | None]
-    """Why sample ``j`` of a read batch cannot be decoded, or None: asked after the graph failed, to name it."""
+    problem: Callable[[ReadBatch, int], str | None] | None
+    """Why sample ``j`` of a read batch cannot be decoded, or None: asked after the graph failed, to name it (None:
+    no sample is named; the batch's keys and what DALI said are)."""
     conditionals: bool = False
     """Whether ``body`` branches per sample with ``if`` on a boolean input (DALI's ``enable_conditionals``)."""
     per_unit: int = 1
@@ -172,8 +174,167 @@ class GraphDef:
 
 def declared(names: Sequence[str], dtypes: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """``(name, dtype)`` of each input name by its kind's table ``dtypes`` (a numbered name, ``start0`` or
-    ``encoded1``, by its stem)."""
-    return tuple((n, dtypes[n.rstrip("0123456789")]) for n in names)
+    ``encoded1``, by its stem); None for a name the table lacks (:func:`checked_graph` names it)."""
+    return tuple((n, dtypes.get(n.rstrip("0123456789"))) for n in names)
+
+
+def checked_source(source: Any, pipeline: Pipeline) -> Source:
+    """``source`` (``pipeline.source(...)``) once it is a :class:`Source` whose pipeline is a pipeline object;
+    else LoaderArgumentError naming the kind."""
+    name = f"{type(pipeline).__name__}.source"
+    if not isinstance(source, Source):
+        raise LoaderArgumentError(f"{name} returned a {type(source).__name__}, not a "
+                                  "fastio.pipelines.Source(plan, reader, pipeline)")
+    if not isinstance(source.pipeline, Pipeline):
+        raise LoaderArgumentError(f"{name} returned a Source whose pipeline is {source.pipeline!r:.80}, not a "
+                                  "pipeline object (the object itself, or the one settled for the device)")
+    return source
+
+
+def checked_state_entries(entries: Any, pipeline: Pipeline, taken: Collection[str]) -> dict[str, Any]:
+    """``entries`` (``pipeline.state_dict()``) once it is a dict none of whose entries is named as one of ``taken``
+    (the Loader's and the read set's own state entries, which it would replace); else LoaderArgumentError naming
+    the kind and the entry."""
+    name = f"{type(pipeline).__name__}.state_dict"
+    if not isinstance(entries, dict):
+        raise LoaderArgumentError(f"{name} returned a {type(entries).__name__}, not a dict of the kind's entries")
+    clash = next((k for k in entries if k in taken), None)
+    if clash is not None:
+        raise LoaderArgumentError(f"{name} gives {clash!r}, an entry of the Loader's own state "
+                                  f"({', '.join(sorted(taken))}): name it otherwise")
+    return entries
+
+
+def checked_graph(graph: GraphDef | None, pipeline: Pipeline) -> GraphDef | None:
+    """``graph`` (``pipeline.graph()``) with its declared inputs checked (LoaderArgumentError naming the kind and an
+    input without a dtype of :data:`DTYPES`), its ``feed`` checking each batch's inputs against them
+    (:func:`_checked_feed`)."""
+    if graph is None:
+        return None
+    name = type(pipeline).__name__
+    for input_name, dtype in graph.inputs:
+        if dtype is None:
+            raise LoaderArgumentError(f"{name}'s graph input {input_name!r} has no dtype: declare it in its "
+                                      "input_dtypes (docs/adding-a-kind.md)")
+        if dtype not in DTYPES:
+            raise LoaderArgumentError(f"{name}'s graph input {input_name!r} is declared {dtype!r}: a graph input's "
+                                      f"dtype is one of {', '.join(DTYPES)}")
+    return dataclasses.replace(graph, feed=_checked_feed(graph, name), body=_checked_body(graph, name),
+                               problem=graph.problem or _no_problem)
+
+
+def _no_problem(batch: Any, j: int) -> None:
+    """The ``problem`` of a graph declared without one: no sample is named, the batch and DALI's words are."""
+    return None
+
+
+LOADER_ENTRIES = ("index", "source", "padded")
+"""The entries the Loader adds to a kind's batch (:meth:`Pipeline.assemble` leaves them out)."""
+READ_SET_ENTRIES = ("label", "source", "padded")
+"""The batch entries a graph output may not be named: the read set's labels and the Loader's entries (``index``, the
+fed indices passed through, is the one the Loader checks and takes out)."""
+
+
+class _Inputs(dict):
+    """A graph body's inputs by name: one it asks for that is not declared is a LoaderArgumentError naming the kind
+    and the inputs, not a bare KeyError from the graph's build."""
+
+    def __init__(self, kind: str, inputs: dict[str, Any]):
+        super().__init__(inputs)
+        self.kind = kind
+
+    def __missing__(self, key: Any) -> Any:
+        raise LoaderArgumentError(f"{self.kind}'s graph body asked for input {key!r}: its inputs are "
+                                  f"{', '.join(self)}")
+
+
+def _checked_body(graph: GraphDef, name: str) -> Callable[[dict[str, Any], str], Any]:
+    """``graph.body``, refusing (LoaderArgumentError naming the kind ``name``) outputs that are not its declared ones:
+    another number of nodes than :attr:`GraphDef.outputs` names, no ``index`` among them, or one named as an entry
+    the batch has from the read set or the Loader (which would replace it without a word)."""
+    body, declared_names = graph.body, graph.outputs
+
+    def checked(inputs: dict[str, Any], decoder_device: str) -> Any:
+        out = body(_Inputs(name, inputs), decoder_device)
+        if declared_names is None:
+            names = tuple(out) if isinstance(out, dict) else ()
+        else:
+            nodes = len(out) if isinstance(out, (tuple, list)) else 1
+            if nodes != len(declared_names):
+                raise LoaderArgumentError(f"{name}'s graph gave {nodes} outputs, its output names are "
+                                          f"{len(declared_names)} ({', '.join(declared_names)})")
+            names = declared_names
+        if "index" not in names:
+            raise LoaderArgumentError(f"{name}'s graph outputs ({', '.join(map(repr, names))}) lack 'index': return "
+                                      "the fed inp['index'] as one (the Loader checks it against what it fed)")
+        clash = next((n for n in names if n in READ_SET_ENTRIES), None)
+        if clash is not None:
+            raise LoaderArgumentError(f"{name}'s graph output {clash!r} is an entry the Loader adds to the batch "
+                                      f"({', '.join(READ_SET_ENTRIES)}): name it otherwise")
+        return out
+
+    return checked
+
+
+def checked_batch(pipeline: Pipeline, batch: Any, rows: int) -> dict[str, Any]:
+    """``batch`` as ``pipeline.assemble`` returned it for a read batch of ``rows`` units, once it is a dict of the
+    batch's entries by name, none of them an entry the Loader adds (:data:`LOADER_ENTRIES`), none a numpy array,
+    each tensor or list ``rows`` long but those of the kind's :attr:`Pipeline.whole_batch`; else
+    LoaderArgumentError naming the kind and the entry. A few checks a batch, per entry."""
+    name = f"{type(pipeline).__name__}.assemble"
+    if not isinstance(batch, dict):
+        raise LoaderArgumentError(f"{name} returned a {type(batch).__name__}, not a dict of the batch's entries by "
+                                  "name")
+    for key, value in batch.items():
+        if not isinstance(key, str):
+            raise LoaderArgumentError(f"{name} returned a batch entry named {key!r}, not by a string")
+        if key in LOADER_ENTRIES:
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}], an entry the Loader adds "
+                                      f"({', '.join(LOADER_ENTRIES)}): name it otherwise")
+        if isinstance(value, np.ndarray):
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}] as a numpy array: give a torch tensor "
+                                      "(torch.from_numpy)")
+        length = len(value) if isinstance(value, list) else value.shape[0] if getattr(value, "ndim", 0) else None
+        if length is not None and length != rows and key not in pipeline.whole_batch:
+            raise LoaderArgumentError(f"{name} returned batch[{key!r}] of {length} rows for a batch of {rows}: one "
+                                      "row per unit, or name the entry in the kind's whole_batch")
+    return batch
+
+
+def _checked_feed(graph: GraphDef, name: str) -> Callable[..., tuple]:
+    """``graph.feed``, refusing a batch's inputs (LoaderArgumentError naming the kind ``name`` and the input) that
+    are not the declared ones: another count, dtype, or number of samples than the first input's. Whole-batch
+    checks (a list of per-sample arrays: its first array's dtype)."""
+    feed, names = graph.feed, graph.names
+    wanted = [np.dtype(dtype) for _, dtype in graph.inputs]
+
+    def fed(*args: Any, **kwargs: Any) -> tuple:
+        values = feed(*args, **kwargs)
+        if not isinstance(values, (tuple, list)) or len(values) != len(names):
+            gave = f"{len(values)} inputs" if isinstance(values, (tuple, list)) else type(values).__name__
+            raise LoaderArgumentError(f"{name}'s graph feed gave {gave}, its graph declares {len(names)} "
+                                      f"({', '.join(names)})")
+        lengths = []
+        for input_name, want, value in zip(names, wanted, values):
+            first = value[0] if isinstance(value, (list, tuple)) and len(value) else value
+            dtype = getattr(first, "dtype", None)
+            if isinstance(value, (list, tuple)) and not len(value):
+                dtype = want
+            shape = getattr(value, "shape", None)
+            if dtype != want or (shape is not None and not shape):
+                gave = "as a scalar" if dtype == want else f"as {dtype}" if dtype is not None else \
+                    f"as a {type(value).__name__} of {type(first).__name__}" if first is not value else \
+                    f"as a {type(value).__name__}"
+                raise LoaderArgumentError(f"{name}'s graph feed gave input {input_name!r} {gave}, declared {want} "
+                                          "(a numpy array of one value per sample, or a list of per-sample arrays)")
+            lengths.append(len(value))
+        if len(set(lengths)) > 1:
+            bad = next(i for i, n in enumerate(lengths) if n != lengths[0])
+            raise LoaderArgumentError(f"{name}'s graph feed gave input {names[bad]!r} for {lengths[bad]} samples, "
+                                      f"input {names[0]!r} for {lengths[0]}")
+        return values
+
+    return fed
 
 
 def check_fields(fields: Any) -> tuple[str, ...] | None:
@@ -214,15 +375,56 @@ _OLD_HOOKS = {
 is made (it would be ignored)."""
 
 
+HOOK_ARGUMENTS = {"read_fields": ("ds", "fields"), "source": ("read_set", "sampling", "place"), "graph": (),
+                  "assemble": ("outputs", "delivery"), "state_dict": (), "check_state": ("state",)}
+"""The six hooks of the pipeline protocol (all the Loader calls of a pipeline object), each with what it is called
+with besides ``self``."""
+HOOKS = tuple(HOOK_ARGUMENTS)
+
+
+def _hook_taking_other_arguments(cls: type) -> str | None:
+    """How the first hook ``cls`` defines that cannot be called as the Loader calls it is defined
+    (``assemble(self, outputs)``), else None."""
+    import inspect
+
+    for hook, arguments in HOOK_ARGUMENTS.items():
+        fn = vars(cls).get(hook)
+        if not inspect.isfunction(fn):  # a staticmethod, a property ...: left to the call
+            continue
+        signature = inspect.signature(fn)
+        try:
+            signature.bind(None, *arguments)
+        except TypeError:
+            return f"{hook}{signature}"
+    return None
+
+
+def _misspelt_hook(cls: type) -> tuple[str, str] | None:
+    """``(name, hook)`` where ``cls`` defines a public method ``name`` that is not a hook but nearly spells one
+    (``assembel``, ``stat_dict``), else None."""
+    import difflib
+
+    for name, value in vars(cls).items():
+        if callable(value) and not name.startswith("_") and name not in HOOKS:
+            close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.85)
+            if close:
+                return name, close[0]
+    return None
+
+
 class Pipeline:
     """The base of pipeline objects (see the module docstring): six hooks. Subclasses are frozen dataclasses whose
     fields are their options; each checks them when made (``ValueError`` naming the value)."""
 
-    kind: ClassVar[str] = "graph"
-    """How messages name the kind (``image-train``, ``raw``, ...)."""
+    kind: ClassVar[str] = "pipeline"
+    """How messages name the kind (``image-train``, ``raw``, ...); a class that sets none (nor a class it derives
+    from, but those named so) is named by its class name."""
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
     fields: tuple[str, ...] | None = None
+    whole_batch: ClassVar[tuple[str, ...]] = ()
+    """Entries of :meth:`assemble`'s batch that are not one row per unit (a packed batch's ``cu_seqlens``): the
+    Loader checks every other tensor and list is as long as the batch."""
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -230,6 +432,20 @@ class Pipeline:
         if old:
             raise TypeError(f"{cls.__name__}.{old[0]}: the pipeline protocol has no {old[0]!r} hook now; "
                             f"{_OLD_HOOKS[old[0]]} (docs/adding-a-kind.md)")
+        if "kind" not in vars(cls):
+            named_by = next(c for c in cls.__mro__[1:] if "kind" in vars(c))
+            if named_by is Pipeline or vars(named_by).get("_kind_from_name", False):
+                cls.kind, cls._kind_from_name = cls.__name__, True
+        other = _hook_taking_other_arguments(cls)
+        if other:
+            hook = other.split("(")[0]
+            raise TypeError(f"{cls.__name__}.{other}: the Loader calls it as "
+                            f"{hook}({', '.join(('self', *HOOK_ARGUMENTS[hook]))}) (docs/adding-a-kind.md)")
+        misspelt = _misspelt_hook(cls)
+        if misspelt:
+            raise TypeError(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
+                            f"{misspelt[1]}? (the base's {misspelt[1]} would run instead; a helper of your own: name "
+                            f"it _{misspelt[0]})")
         if cls.default_fields not in DEFAULT_FIELDS:
             raise TypeError(f"{cls.__name__}.default_fields must be one of {', '.join(DEFAULT_FIELDS)}, got "
                             f"{cls.default_fields!r}")
@@ -244,6 +460,11 @@ class Pipeline:
         """The order of this kind's units on ``place``'s rank and what reads them (DatasetError, asked when the
         Loader is made, for a dataset that cannot be read there): the read set's order and reader of stored
         samples. A kind whose unit is not a stored sample (a packed token sequence) makes both here, together."""
+        if any(s.reader is None for s in read_set.sources):
+            raise LoaderArgumentError(f"{type(self).__name__}.read_fields returned None (it reads no stored sample), "
+                                      "and its source is the default one, which reads stored samples: define "
+                                      "source(read_set, sampling, place) returning the plan and reader of its own "
+                                      "units (docs/adding-a-kind.md)")
         return Source(read_set.sampler(sampling, place.world_size, place.rank), read_set.reader, self)
 
     def graph(self) -> GraphDef | None:
@@ -270,11 +491,32 @@ class Pipeline:
 
     def check_state(self, state: dict[str, Any]) -> None:
         """LoaderStateError when ``state`` (a whole Loader state) cannot continue with this pipeline: by default, one
-        whose position counts the packed sequences of :data:`PACKED_ENTRIES`' kinds, not samples."""
+        whose position counts the packed sequences of :data:`PACKED_ENTRIES`' kinds, not samples, or whose entries
+        of this kind's :meth:`state_dict` differ from this object's (its options), or lack one."""
         for entry, name in PACKED_ENTRIES.items():
             if entry in state:
                 raise LoaderStateError(f"loader state has a {entry!r} entry: it is a position among the packed "
                                        f"sequences of fastio.{name}, and pipeline {self.kind!r} counts samples")
+        for entry, mine in self.state_dict().items():
+            if entry not in state:
+                raise LoaderStateError(f"loader state has no {entry!r} entry, this {type(self).__name__} gives "
+                                       f"{mine!r:.200} (a state of another kind)")
+            if not _same(state[entry], mine):
+                raise LoaderStateError(f"loader state has {entry}={state[entry]!r:.200}, this {type(self).__name__} "
+                                       f"gives {mine!r:.200}: a state saved with other options of the kind")
+
+
+def _same(saved: Any, mine: Any) -> bool:
+    """Whether a state entry as saved equals this object's, a checkpoint's round trip aside (a tuple saved comes
+    back a list; a number a numpy or 0-d torch one)."""
+    if isinstance(mine, dict):
+        return isinstance(saved, dict) and saved.keys() == mine.keys() and all(_same(saved[k], mine[k]) for k in mine)
+    if isinstance(mine, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(mine) and all(map(_same, saved, mine))
+    try:
+        return bool(saved == mine)
+    except (TypeError, ValueError, RuntimeError):  # an array of several values: not one option's value
+        return False
 
 
 def evaluation_of(pipeline: Pipeline) -> Pipeline:

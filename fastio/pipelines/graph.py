@@ -19,6 +19,7 @@ class Graph(ImageKind):
     each). ``Loader(dest, pipeline=my_graph)`` is the same as ``pipeline=fastio.Graph(my_graph)``.
     """
 
+    kind: ClassVar[str] = "graph"
     output_names: ClassVar[tuple[str, ...] | None] = None  # the graph function names them
     fn: Callable[..., Any] = None
     """The graph function."""

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from fastio.errors import LoaderArgumentError
+
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
     from fastio.order.sampler import EpochPlan, SamplerSpec
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["DEFAULT_FIELDS", "DatasetSource", "Delivery", "FieldChoice", "Placement", "ReadFields", "ReadSet", "Reads",
-           "Source", "UnitPlan", "UnitReader"]
+           "Source", "UnitPlan", "UnitReader", "read_fields_of"]
 
 DEFAULT_FIELDS = ("label", "shared", "none")
 """What a kind delivers when its ``fields`` is None: the label, every field the datasets share, or nothing."""
@@ -173,3 +175,21 @@ class Reads(Protocol):
     default_fields: ClassVar[str]
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None: ...
+
+
+def read_fields_of(pipeline: Reads, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
+    """``pipeline.read_fields(ds, fields)``, once it is None or a :class:`ReadFields` whose fields are field names
+    (LoaderArgumentError naming the kind and what it returned: ``image=(ds.image_field,)`` of a dataset without
+    one holds None)."""
+    wanted = pipeline.read_fields(ds, fields)
+    name = f"{type(pipeline).__name__}.read_fields"
+    if wanted is not None and not isinstance(wanted, ReadFields):
+        raise LoaderArgumentError(f"{name} returned a {type(wanted).__name__} {wanted!r:.80}, not a ReadFields or "
+                                  "None")
+    for part in ("fields", "image", "optional"):
+        names = getattr(wanted, part, ())
+        if isinstance(names, str) or not all(isinstance(f, str) and f for f in names):
+            raise LoaderArgumentError(f"{name} returned a ReadFields whose {part} holds "
+                                      f"{next((f for f in names if not isinstance(f, str) or not f), names)!r}, not "
+                                      f"a field name: {names!r:.80} (for {ds.root})")
+    return wanted

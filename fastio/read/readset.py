@@ -35,7 +35,7 @@ from fastio.read.mixture import (
     renewed_mixture_state,
 )
 from fastio.read.options import Options
-from fastio.read.protocol import Delivery, FieldChoice, Reads
+from fastio.read.protocol import Delivery, FieldChoice, Reads, read_fields_of
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
 from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
 from fastio.words import count
@@ -346,7 +346,7 @@ def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, 
     """The reader of ``ds`` for ``pipeline`` delivering ``fields`` (none where the pipeline reads no stored
     sample: then only its shard source), with at most ``read_ahead`` shards read ahead (default
     ``options.shards.shard_read_ahead``; fewer where the cache has no room for them)."""
-    wanted = pipeline.read_fields(ds, fields)
+    wanted = read_fields_of(pipeline, ds, fields)
     need = None
     order, shards = options.order, options.shards
     depth = shards.shard_read_ahead if read_ahead is None else read_ahead
