@@ -442,10 +442,12 @@ class Pipeline:
             raise TypeError(f"{cls.__name__}.{other}: the Loader calls it as "
                             f"{hook}({', '.join(('self', *HOOK_ARGUMENTS[hook]))}) (docs/adding-a-kind.md)")
         misspelt = _misspelt_hook(cls)
-        if misspelt:
-            raise TypeError(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
-                            f"{misspelt[1]}? (the base's {misspelt[1]} would run instead; a helper of your own: name "
-                            f"it _{misspelt[0]})")
+        if misspelt:  # a warning, not a refusal: a helper of that name may be meant
+            import warnings
+
+            warnings.warn(f"{cls.__name__}.{misspelt[0]}: not a hook of the pipeline protocol; did you mean "
+                          f"{misspelt[1]}? (the base's {misspelt[1]} runs instead; a helper of your own: name it "
+                          f"_{misspelt[0]} to silence this)", UserWarning, stacklevel=2)
         if cls.default_fields not in DEFAULT_FIELDS:
             raise TypeError(f"{cls.__name__}.default_fields must be one of {', '.join(DEFAULT_FIELDS)}, got "
                             f"{cls.default_fields!r}")
