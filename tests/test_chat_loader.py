@@ -320,15 +320,10 @@ def test_a_chat_manifest_listing_no_mask_for_a_shard_is_refused_naming_it(chat, 
             list(ld)
 
 
-def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_shard(chat, tmp_path):
-    """Found by hostile review of hand-edited manifests: tokens.chat.longest edited below the real longest let a
-    seq_len through that the longest conversation does not fit, and best-fit packing cut it into pieces without a
-    word (its second piece trained without its prompt). The documents' lengths are read anyway when the packing
-    counts its sequences: a conversation longer than the manifest says is refused there, naming the shard."""
-    import re
+def _understated_longest(chat, tmp_path):
+    """(a copy of the chat dataset whose manifest says its longest conversation is one token shorter than it is, that
+    conversation's length)."""
     import shutil
-
-    from fastio.formats.megatron import MegatronIndex
 
     bad = tmp_path / "bad"
     shutil.copytree(chat, bad)
@@ -336,6 +331,19 @@ def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_
     longest = manifest["tokens"]["chat"]["longest"]
     manifest["tokens"]["chat"]["longest"] = longest - 1
     (bad / "manifest.json").write_text(json.dumps(manifest))
+    return bad, longest
+
+
+def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_shard(chat, tmp_path):
+    """Found by hostile review of hand-edited manifests: tokens.chat.longest edited below the real longest let a
+    seq_len through that the longest conversation does not fit, and best-fit packing cut it into pieces without a
+    word (its second piece trained without its prompt). The documents' lengths are read anyway when the packing
+    counts its sequences: a conversation longer than the manifest says is refused there, naming the shard."""
+    import re
+
+    from fastio.formats.megatron import MegatronIndex
+
+    bad, longest = _understated_longest(chat, tmp_path)
     tokens = fastio.Tokens(seq_len=longest - 2, packing="best-fit", window=16)  # fits the edited longest only
     with pytest.raises(DatasetError, match=rf"bad: shard \S+: holds a conversation of {longest} tokens, more than "
                                            rf"the manifest's tokens\.chat\.longest \({longest - 1}\)") as err:
@@ -349,17 +357,10 @@ def test_a_manifest_understating_the_longest_conversation_is_refused_naming_the_
 def test_verify_names_the_shard_holding_a_conversation_longer_than_the_manifest_says(chat, tmp_path):
     """The Loader's refusal above tells the user to look at the manifest; fastio verify (which reads every .idx)
     passed such a manifest as clean. Now it names each shard holding a conversation longer than tokens.chat.longest."""
-    import shutil
-
     from fastio.report.verify import verify
 
     assert not verify(chat).problems
-    bad = tmp_path / "bad"
-    shutil.copytree(chat, bad)
-    manifest = json.loads((bad / "manifest.json").read_text())
-    longest = manifest["tokens"]["chat"]["longest"]
-    manifest["tokens"]["chat"]["longest"] = longest - 1
-    (bad / "manifest.json").write_text(json.dumps(manifest))
+    bad, longest = _understated_longest(chat, tmp_path)
     lines = [p.line() for p in verify(bad).problems]
     assert lines and all(re.fullmatch(rf"shard-\d+\S*: holds a conversation of {longest} tokens, more than the "
                                       rf"manifest's tokens\.chat\.longest \({longest - 1}\)", line) for line in lines), lines

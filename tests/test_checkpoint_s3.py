@@ -356,6 +356,18 @@ def test_a_staging_dir_of_an_older_fastio_holding_steps_the_store_lacks_is_refus
     assert json.loads((stage / STAGING_RECORD).read_text()) == {"url": run_a}
 
 
+def _three_steps_staged_in_a(s3_bucket, moto_server, tmp_path):
+    """(url, options, app): node A, staging dir ``tmp_path/A``, has saved and committed steps 1-3 of the app."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options()
+    first = make_app()
+    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2, 3):
+            train_step(first)
+            ckpt.save(step, first, blocking=True)
+    return url, options, first
+
+
 def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(moto_server, s3_bucket, tmp_path,
                                                                            caplog):
     """Before: node A staged steps 1-3; the job, requeued on node B, rolled back to step 2 and committed a new step 3
@@ -363,14 +375,7 @@ def test_a_staging_dir_holding_a_step_the_store_replaced_restores_the_stores(mot
     local copy of the abandoned step 3 - weights of a branch the run had given up - because a step committed in the
     staging dir was used without asking the store. Now a local step whose commit marker is not the store's is moved
     aside (one warning) and the store's downloaded; one the store marks superseded is skipped."""
-    url = f"s3://{s3_bucket}/ckpt"
-    options = moto_server.options()
-    first = make_app()
-    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
-        for step in (1, 2, 3):
-            train_step(first)
-            ckpt.maybe_save(step, first)
-            ckpt.wait()
+    url, options, first = _three_steps_staged_in_a(s3_bucket, moto_server, tmp_path)
     branch = make_app(seed=7)
     with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
         assert ckpt.restore_latest(branch, step=2).step == 2
@@ -492,13 +497,7 @@ def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s
     branch's step 3 committed again (a checkpoint once more, for fallbacks and retention). A staged step whose
     marker the store keeps as superseded is that abandoned step: it is not uploaded (one warning), and moved aside in
     the staging dir, never deleted."""
-    url = f"s3://{s3_bucket}/ckpt"
-    options = moto_server.options()
-    first = make_app()
-    with Checkpointer(url, every_steps=1, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
-        for step in (1, 2, 3):
-            train_step(first)
-            ckpt.save(step, first, blocking=True)
+    url, options, first = _three_steps_staged_in_a(s3_bucket, moto_server, tmp_path)
     branch = make_app(seed=7)
     with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as ckpt:
         assert ckpt.restore_latest(branch, step=2).step == 2
