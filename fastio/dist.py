@@ -71,6 +71,15 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+def process_ended(pid: int, start: int | None) -> bool:
+    """Whether the process ``pid`` of this host that started at ``start`` (:func:`process_start`; None: not known)
+    has ended: its pid gone (:func:`process_gone`), or now a later process's (another start time)."""
+    if process_gone(pid):
+        return True
+    now = process_start(pid)
+    return start is not None and now is not None and now != start
+
+
 def process_gone(pid: int) -> bool:
     """True when process ``pid`` of this host has ended: it does not exist, or it is a zombie; another user's live
     process has not."""

@@ -54,7 +54,7 @@ from fastio.checkpoint.naming import (
 )
 from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
-from fastio.dist import process_gone, process_start
+from fastio.dist import process_ended, process_gone, process_start
 from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
 __all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
@@ -160,10 +160,7 @@ def _private_staging_abandoned(child: Path) -> bool:
         return False
     if host != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid == os.getpid():
         return False
-    if process_gone(pid):
-        return True
-    now = process_start(pid)
-    return isinstance(start, int) and now is not None and now != start
+    return process_ended(pid, start if isinstance(start, int) else None)
 
 
 def _restore_abandoned(child: Path) -> bool:

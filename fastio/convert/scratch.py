@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fastio.dist import process_gone, process_start
+from fastio.dist import process_ended, process_start
 
 __all__ = ["INDEX_SCRATCH", "scratch_dir"]
 
@@ -49,16 +49,9 @@ def remove_abandoned(root: Path, prefix: str) -> None:
         got = named.fullmatch(path.name)
         if got is None or path.is_symlink() or not path.is_dir():
             continue
-        if _gone(int(got.group(1)), got.group(2)) and _settled(path):
+        start = int(got.group(2)) or None  # 0: not known when it was made
+        if process_ended(int(got.group(1)), start) and _settled(path):
             shutil.rmtree(path, ignore_errors=True)  # another user's, or one removed meanwhile: left as it is
-
-
-def _gone(pid: int, start: str) -> bool:
-    """Whether process ``pid`` that started at ``start`` has ended (its pid gone, or now a later process's)."""
-    if process_gone(pid):
-        return True
-    now = process_start(pid)
-    return now is not None and start != "0" and str(now) != start
 
 
 def _settled(path: Path) -> bool:
