@@ -50,6 +50,26 @@ def test_any_weights_stay_within_quota(weights):
     assert window_spread(src, weights, len(weights)).max() < 2  # any window of any length: less than 2 off
 
 
+@pytest.mark.parametrize("seed", [0, 2])  # the schedule starts at offsets 0 and 2 of its period
+def test_the_last_epoch_of_the_stream_keeps_each_sources_count(seed):
+    """The periodic schedule's offset was added to the stream position in int64: in the last epoch a mixture
+    counts (its stream ends at 2**63 - 1) the last positions wrapped, and their sources' counts came out negative
+    (another sample, or the wrong source, delivered)."""
+    n = 2**20  # 2**63 is a multiple: the last epoch ends at stream position 2**63 - 1 exactly
+    sched = _schedule((1, 2), samples=n, seed=seed)
+    assert sched.phase == seed
+    last = 2**63 // n - 1
+    sampler = MixSampler.make(SamplerSpec(), sched, [[7], [13]])
+    sampler.check_epoch(last)  # taken: so it must be ordered right
+    pos = np.arange(n - 6, n)
+    src, k = sched.sources(last, pos)
+    assert k.tolist() == [int(sched.delivered(last * n + p)[s]) for p, s in zip(pos.tolist(), src.tolist())]
+    steps = [sched.delivered(last * n + p + 1) - sched.delivered(last * n + p) for p in pos[:-1].tolist()]
+    assert [int(np.flatnonzero(d)[0]) for d in steps] == src[:-1].tolist()  # the source each position counts
+    ids = sampler.order(last)[pos]
+    assert ((ids >= 0) & (ids < 20)).all() and (np.asarray(sampler.base)[src] <= ids).all()
+
+
 def _stream(sampler, source, epochs):
     """Source ``source``'s own indices in delivery order over mixture epochs ``0 .. epochs-1``."""
     out = []

@@ -181,11 +181,15 @@ class _Phase:
     def sources(self, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` at stream positions ``stream`` (all in this phase)."""
         src, rank = _period(self.counts)
-        q = self.offset + stream - self.start
-        r = q % self.period
+        # q = offset + stream - start, its turns of the period and place in it, without forming q: offset +
+        # stream passes int64 in the last positions of the stream (2**63 - 1 is the last a mixture counts)
+        turns, r = np.divmod(np.asarray(stream, np.int64) - self.start, self.period)
+        r = r + self.offset
+        carry = r >= self.period  # offset < period: one turn more at most
+        turns, r = turns + carry, r - self.period * carry
         s = src[r]
         first = self.base - self.before(self.offset)
-        return s, (q // self.period) * np.asarray(self.counts, np.int64)[s] + rank[r] + first[s]
+        return s, turns * np.asarray(self.counts, np.int64)[s] + rank[r] + first[s]
 
 
 @dataclass(frozen=True)
