@@ -19,6 +19,7 @@ from fastio.dataset.shards import ShardWriter
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.mixorder import MixSampler, MixSchedule, window_spread
 from fastio.order.sampler import SamplerSpec
+from fastio.read.readset import coming
 
 # -- the pure order --------------------------------------------------------------------------------
 
@@ -271,6 +272,22 @@ def test_an_epoch_past_the_mixture_streams_range_is_refused_naming_it(raw_source
     got = next(iter(loader))
     assert len(got["index"]) == 6 and loader.state_dict()["epoch"] == last
     loader.close()
+
+
+def test_the_last_epoch_a_mixture_orders_is_delivered_whole_and_the_next_refused(raw_sources):
+    """The feeder walked on into the epoch after the one being delivered: in the last epoch a mixture's int64
+    stream reaches, planning the next one raised ValueError before the last epoch's first batch came out."""
+    last = 2**63 // 50 - 1
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    loader.set_epoch(last)
+    got = list(loader)
+    assert len(got) == 9 and sum(int((~b["padded"]).sum()) for b in got) == 50
+    with pytest.raises(ValueError, match=rf"^epoch {last + 1} of a mixture of 50 samples per epoch ends"):
+        next(iter(loader))
+    loader.close()
+    sampler = MixSampler.make(SamplerSpec(batch_size=6), _schedule((3, 2, 1), samples=50), [[30], [7], [13]])
+    ahead = list(coming(sampler.plan, last, 12)())  # the shard read-ahead's ids: the rest of this epoch, then none
+    assert sum(len(ids) for ids in ahead) == 6 * 7
 
 
 @pytest.mark.parametrize("samples", [2**62 + 1, 2**63, 2**64])

@@ -107,9 +107,15 @@ class Feeder:
         self._fed: deque[_InGraph] = deque()
 
     def _walk(self, epoch: int, start: int) -> Iterator[tuple[EpochPlan, int, np.ndarray, np.ndarray]]:
-        empty_epochs = 0
+        empty_epochs, first = 0, True
         while True:
-            plan = self.plans(epoch, start)
+            try:
+                plan = self.plans(epoch, start)
+            except ValueError:
+                if first:
+                    raise
+                return  # the order ends before this epoch (a mixture's int64 stream): asked for, it is refused
+            first = False
             yield from ((plan, g, *batch) for g, batch in enumerate(plan.iter_batches()))
             empty_epochs = 0 if len(plan) else empty_epochs + 1
             if empty_epochs > 1:  # two epochs in a row without a batch: a whole epoch has none

@@ -395,9 +395,14 @@ def coming(plans: Callable[[int, int], Any], epoch: int, consumed: int) -> Calla
     """The read set's ids from ``(epoch, consumed)`` to the end of the next epoch, a chunk of batches at a time,
     in order (for ``read_ahead_shards``): ``plans`` is the sampler's ``plan``."""
     def chunks() -> Iterable[np.ndarray]:
-        for plan in (plans(epoch, consumed), plans(epoch + 1, 0)):
-            for indices, _, _ in plan.iter_chunks():
-                yield indices
+        for indices, _, _ in plans(epoch, consumed).iter_chunks():
+            yield indices
+        try:
+            after = plans(epoch + 1, 0)
+        except ValueError:  # the order ends with this epoch (a mixture's int64 stream): asked for, it is refused
+            return
+        for indices, _, _ in after.iter_chunks():
+            yield indices
     return chunks
 
 
