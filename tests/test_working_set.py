@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,27 @@ def test_the_read_ahead_that_fits_is_returned_and_only_the_batches_own_shards_ar
     with pytest.raises(StorageError, match=r"cache_size 199 B cannot hold .* 200 B .*; raise cache_size to at least 200 B$"):
         check_working_set(sizes, "block", 1, 2, 199, "s3://b/ds")
     assert check_working_set(sizes, "none", 1, 10**9, 10**9, "s3://b/ds") == 10**9  # a deep read-ahead: no loop over it
+
+
+def test_a_refusal_at_a_million_shards_comes_at_once_and_names_the_largest_block_shards_that_fits():
+    """The refusal's hint tried every block_shards from 1 to the shard count, sorting all shard sizes for each: at
+    the 10^5 shards of docs/scaling.md a rank spent minutes (quadratic) before its one line; at 10^6, hours."""
+    code = ("from fastio.read.working_set import check_working_set\n"
+            "try:\n    check_working_set([10**6] * 10**6, 'global', 4, 2, 5 * 10**6, 's3://b/ds')\n"
+            "except Exception as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.endswith("cache_size 5.0 MB cannot hold what shuffle='global' reads at once: 1.0 TB (every shard: a "
+                        "global shuffle draws each batch from the whole dataset); use shuffle='block' with "
+                        "block_shards <= 2, or raise cache_size to 1.0 TB\n"), out
+    rng = random.Random(0)
+    for _ in range(200):  # ragged shards: the largest block_shards whose two largest windows fit, as named
+        sizes = [rng.randint(1, 50) for _ in range(rng.randint(2, 12))]
+        room = rng.randint(1, sum(sizes) - 1)
+        fits = [b for b in range(1, len(sizes) + 1) if sum(sorted(sizes)[::-1][:2 * b]) <= room]
+        with pytest.raises(StorageError) as err:
+            check_working_set(sizes, "global", 1, 0, room, "s3://b/ds")
+        named = f"block_shards <= {max(fits)}," if fits else "block_shards <="
+        assert (named in str(err.value)) == bool(fits), (sizes, room, str(err.value))
 
 
 def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_server, s3_bucket, image_folder,

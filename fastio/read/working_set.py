@@ -84,13 +84,13 @@ def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shard
                      "into the next window holds shards of both)",
             "none": "the two largest shards (a batch crossing into the next)"}[shuffle]
     # a size named is always enough for the mode it is named with
-    fits = [b for b in range(1, len(shard_bytes) + 1) if working_set_bytes(shard_bytes, "block", b, 0) <= cache_size]
+    fits = _largest_block_shards(shard_bytes, cache_size)
     smallest = human_bytes(_largest(shard_bytes, 2))  # block_shards=1, two windows
     block = "shuffle='block' with " if shuffle == "global" else ""
     if shuffle == "none" or (shuffle == "block" and block_shards == 1 and not fits):
         hint = f"raise cache_size to at least {smallest}"
     elif fits:
-        hint = f"use {block}block_shards <= {max(fits)}, or raise cache_size to {human_bytes(need)}"
+        hint = f"use {block}block_shards <= {fits}, or raise cache_size to {human_bytes(need)}"
     else:
         hint = (f"raise cache_size to {human_bytes(need)}, or use {block}block_shards=1 with cache_size at least "
                 f"{smallest}")
@@ -100,6 +100,14 @@ def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shard
         hint = hint.replace(human_bytes(need), want)
     raise StorageError(f"{url}: cache_size {have} cannot hold what shuffle={shuffle!r} reads at once: {want} "
                        f"({what}); {hint}", url=url)
+
+
+def _largest_block_shards(shard_bytes: Sequence[int], cache_size: int) -> int:
+    """The largest ``block_shards`` whose two windows (no read-ahead) ``cache_size`` holds, 0 where not even one
+    shard a window fits: one sort, not one per candidate (quadratic at 10^5 shards)."""
+    top = np.cumsum(np.sort(np.asarray(shard_bytes, np.int64))[::-1])  # top[k - 1]: bytes of the k largest
+    k = int(np.searchsorted(top, cache_size, "right"))  # the most of the largest shards that fit together
+    return len(top) if k == len(top) else k // 2
 
 
 def check_shared_working_set(sources: dict[str, Sequence[int]], shuffle: str, block_shards: int,
