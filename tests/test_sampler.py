@@ -141,3 +141,56 @@ def test_a_global_batch_past_int64_positions_is_refused_naming_it(world, batch):
                                          r"2\*\*62, the largest a plan's int64 positions hold$"):
         Sampler(SamplerSpec(batch_size=batch), SIZES, "fp", world_size=world, rank=0)
     assert len(Sampler(SamplerSpec(batch_size=1), SIZES, "fp", world_size=2**62, rank=2**62 - 1)) == 1
+
+
+def _steps(spec, sizes, world, epoch, start, count=None):
+    """Every rank's (indices, padded) of each global batch of ``epoch`` from ``start`` (``count`` of them, or all),
+    checking that the ranks agree on the count and that chunked look-ups give ``batch(g)``; and the state's
+    ``consumed`` after them."""
+    plans = [Sampler(spec, sizes, "fp", world, r).plan(epoch, start) for r in range(world)]
+    assert len({len(p) for p in plans}) == 1, "ranks got different numbers of batches"
+    n = len(plans[0]) if count is None else count
+    steps = [[p.batch(g) for p in plans] for g in range(n)]
+    for p in plans:
+        for g, (ids, pad) in enumerate(p.iter_batches(0, chunk=3)):
+            assert np.array_equal(ids, p.batch(g)[0]) and np.array_equal(pad, p.batch(g)[1])
+    return steps, plans[0].consumed_after(n - 1) if n else start
+
+
+@pytest.mark.parametrize("case", range(300))
+def test_a_resume_at_any_world_and_batch_size_delivers_the_epoch_once(case):
+    """Property: save after k global batches (0, mid-epoch, the last batch: an epoch boundary) at world size w1 and
+    batch b1, resume at w2 and b2: the samples delivered (padding repeats left out) are the epoch's, each once (with
+    drop_last: none twice); each batch follows the padding rule; at the same world and batch size the continuation
+    is the uninterrupted run's, bitwise."""
+    rng = np.random.default_rng(case)
+    sizes = rng.integers(0, 8, rng.integers(1, 6)).tolist()
+    if not sum(sizes):
+        sizes[0] = 1  # tiny datasets: N=1, N < world size, N < batch size
+    n = sum(sizes)
+    common = dict(seed=[0, 2**63 - 1, 5][case % 3], shuffle=["global", "block", "none"][case // 3 % 3],
+                  block_shards=int(rng.integers(1, 4)), drop_last=bool(case % 5 == 0),
+                  remainder=["pad", "partial"][case // 9 % 2])
+    (w1, w2), (b1, b2) = rng.integers(1, 10, 2).tolist(), rng.integers(1, 6, 2).tolist()
+    old, new = SamplerSpec(batch_size=b1, **common), SamplerSpec(batch_size=b2, **common)
+    epoch = [0, 7, 2**63 - 1][case % 3]
+    total = len(Sampler(old, sizes, "fp", w1, 0))
+    k = int(rng.choice([0, total // 2, max(total - 1, 0), total]))
+    first, consumed = _steps(old, sizes, w1, epoch, 0, k)
+    rest, _ = _steps(new, sizes, w2, epoch, consumed)
+    got = [i for step in first + rest for ids, pad in step for i in ids[~pad].tolist()]
+    counts = np.bincount(got, minlength=n)
+    assert counts.max(initial=0) <= 1 and (common["drop_last"] or (counts == 1).all()), (sizes, w1, b1, k, w2, b2)
+    for (w, b), steps in (((w1, b1), first), ((w2, b2), rest)):
+        for step in steps:
+            lengths = [len(ids) for ids, _ in step]
+            if common["remainder"] == "pad" or sum(int((~pad).sum()) for _, pad in step) == w * b:
+                assert lengths == [b] * w  # a full batch, or one padded by wrapping to the epoch's start
+            else:  # partial: the rest split evenly; a rank left with none gets one padded repeat
+                real = [int((~pad).sum()) for _, pad in step]
+                assert max(real) - min(real) <= 1 and all(x == max(r, 1) for x, r in zip(lengths, real))
+    if consumed < n:
+        again, _ = _steps(old, sizes, w1, epoch, consumed)
+        whole, _ = _steps(old, sizes, w1, epoch, 0)
+        assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+                   for x, y in zip(again, whole[k:]) for a, b in zip(x, y)) and len(again) == len(whole) - k
