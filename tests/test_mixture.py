@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import tracemalloc
 from collections import Counter
 from itertools import islice
 
@@ -684,3 +685,34 @@ def test_a_scheduled_state_goes_through_the_checkpointer(raw_sources, tmp_path, 
     got = list(islice(batches(fresh), 3))
     fresh.close()
     assert all(same_batch(a, b) for a, b in zip(want, got))
+
+
+def _peak(call):
+    """``call()`` and the peak bytes Python allocated while it ran (tracemalloc: numpy's buffers included)."""
+    tracemalloc.start()
+    try:
+        out = call()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("shuffle", ["global", "block", "none"])
+def test_a_billion_positions_on_rank_999_of_1000_cost_what_a_batch_costs(raw_sources, shuffle):
+    """Scale, lazily: a Loader over an epoch of 10^9 positions (a mixture's samples_per_epoch) on rank 999 of 1000;
+    its making, ``state_dict``, ``load_state_dict`` of an elastic state (saved at world 999, 7 positions before the
+    epoch's end) and the last batch each allocate kilobytes, as at 10^6 (an O(N) step would take gigabytes)."""
+    def loader(n):
+        return Loader(Mixture(raw_sources, weights={"a": 0.123, "b": 0.456, "c": 0.421}, samples_per_epoch=n),
+                      batch_size=3, pipeline=Raw(), device="cpu", world_size=1000, rank=999, num_threads=1,
+                      prefetch=2, shuffle=shuffle, remainder="partial")
+
+    for n in (10**6, 10**9):
+        ld, made = _peak(lambda: loader(n))
+        state, saved = _peak(ld.state_dict)
+        _, loaded = _peak(lambda: ld.load_state_dict({**state, "epoch": 5, "consumed": n - 7, "world_size": 999}))
+        batch, first = _peak(lambda: next(iter(ld)))
+        ld.close()
+        assert max(made, saved, loaded, first) < 4 << 20, (n, made, saved, loaded, first)
+        assert batch["padded"].tolist() == [True]  # 7 left for 1000 ranks: rank 999 gets one padded repeat
+        assert (ld.state_dict()["epoch"], ld.state_dict()["consumed"]) == (6, 0)
