@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from itertools import islice
 
 import numpy as np
 import pytest
+from conftest import write_image_dataset
 from resume import batches, check_resume, run_ranks, same_batch
 
 from fastio import ImageEval, ImageTrain, Raw
@@ -192,3 +194,41 @@ def test_block_shards_matters_to_a_resume_only_in_block_mode(image_dataset, shuf
     with _factory(image_dataset, pipeline=Raw(), shuffle="block", block_shards=3)() as block:
         with pytest.raises(LoaderStateError, match="block_shards=2, this loader block_shards=3"):
             block.load_state_dict({**state, "shuffle": "block"})
+
+
+@pytest.fixture(scope="module")
+def tiny_datasets(tmp_path_factory, _image_originals) -> dict[int, object]:
+    """Datasets of 1, 3 and 7 samples (shards of 1, 2 and 3) made from the session's image folder."""
+    folder, _ = _image_originals
+    base, out = tmp_path_factory.mktemp("tiny"), {}
+    images = sorted(folder.rglob("*.jpg"))
+    for n, per in ((1, 1), (3, 2), (7, 3)):
+        src = base / f"src{n}"
+        for path in images[:n]:
+            (src / path.parent.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, src / path.parent.name / path.name)
+        out[n] = write_image_dataset(base / f"ds{n}", src, max_samples=per)
+    return out
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_a_loader_resumed_at_any_world_and_batch_size_delivers_the_epoch_once(tiny_datasets, image_dataset, case):
+    """Property, through the Loader: save after k steps (0, mid-epoch, the last one) at world w1 and batch b1, load
+    at w2 and b2 in fresh Loaders: the samples of the epoch are delivered once (padding repeats flagged), whatever the
+    shuffle, remainder, seed or epoch; tiny datasets (N=1, N < world size, N < global batch) included."""
+    rng = np.random.default_rng(case)
+    n = [1, 3, 7, 48][case % 4]
+    dest = image_dataset if n == 48 else tiny_datasets[n]
+    common = dict(pipeline=Raw(), seed=[0, 2**63 - 1][case % 2], shuffle=["global", "block", "none"][case % 3],
+                  remainder=["pad", "partial"][case // 4 % 2], block_shards=2)
+    (w1, w2) = rng.integers(1, 5, 2).tolist()
+    (b1, b2) = rng.integers(1, min(n, 4) + 1, 2).tolist()  # a batch larger than the dataset is refused
+    epoch = [0, 5, 2**63 - 1][case % 3]
+    total = -(-n // (w1 * b1))
+    k = int(rng.choice([0, total // 2, total - 1]))
+    before, states = _run_ranks(dest, w1, n_batches=k, epoch=epoch, batch_size=b1, **common)
+    assert len({tuple(sorted(s.items())) for s in states}) == 1, "ranks disagree on the state"
+    after, _ = _run_ranks(dest, w2, state=states[0], batch_size=b2, **common)
+    got = Counter(_delivered(before) + _delivered(after))
+    assert got == Counter(range(n)), (n, w1, b1, k, w2, b2, common)
+    assert all(len(b["index"]) == b2 for step in after for b in step) or common["remainder"] == "partial"

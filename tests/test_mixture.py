@@ -7,6 +7,7 @@ import json
 import re
 import tracemalloc
 from collections import Counter
+from functools import partial
 from itertools import islice
 
 import numpy as np
@@ -708,10 +709,10 @@ def test_a_billion_positions_on_rank_999_of_1000_cost_what_a_batch_costs(raw_sou
                       prefetch=2, shuffle=shuffle, remainder="partial")
 
     for n in (10**6, 10**9):
-        ld, made = _peak(lambda: loader(n))
+        ld, made = _peak(partial(loader, n))
         state, saved = _peak(ld.state_dict)
-        _, loaded = _peak(lambda: ld.load_state_dict({**state, "epoch": 5, "consumed": n - 7, "world_size": 999}))
-        batch, first = _peak(lambda: next(iter(ld)))
+        _, loaded = _peak(partial(ld.load_state_dict, {**state, "epoch": 5, "consumed": n - 7, "world_size": 999}))
+        batch, first = _peak(partial(next, iter(ld)))
         ld.close()
         assert max(made, saved, loaded, first) < 4 << 20, (n, made, saved, loaded, first)
         assert batch["padded"].tolist() == [True]  # 7 left for 1000 ranks: rank 999 gets one padded repeat
