@@ -435,9 +435,9 @@ class Loader:
             self._replicas.check_step(state, K_STEP)
             return
         self._close_active()
+        # kept where nothing of that epoch is left at this world size (drop_last): iterating it moves on to the next
+        # one, and set_epoch(epoch) before keeps the position, as for any restored epoch (it went back to its start)
         self.epoch, self.consumed = state[K_EPOCH], state[K_CONSUMED]
-        if not len(self._sampler.plan(self.epoch, self.consumed)):  # nothing left of that epoch at this world size
-            self.epoch, self.consumed = self.epoch + 1, 0
 
     def check_restored_with(self, app: dict[str, Any], state: Any) -> None:
         """LoaderStateError unless a checkpoint restore of ``app`` (app key -> object) with this Loader's ``state``

@@ -123,10 +123,25 @@ def test_drop_last_epoch_ends_at_its_last_full_batch(image_dataset):
     assert len(list(islice(iter(loader), 9))) == 9
     assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
     check_resume(make, n=9, k=3)
-    # An elastic restore whose rest of the epoch is smaller than one new global batch goes to the next epoch.
+    # An elastic restore whose rest of the epoch is smaller than one new global batch: that epoch has no batch
+    # left, and iterating it moves on to the next epoch.
     resumed = _factory(image_dataset, batch_size=5, drop_last=True, pipeline=Raw(), world_size=2, rank=0)()
     resumed.load_state_dict({**loader.state_dict(), "epoch": 0, "consumed": 40})
+    assert resumed.batches_left() == 0 and list(resumed) == []
     assert (resumed.state_dict()["epoch"], resumed.state_dict()["consumed"]) == (1, 0)
+
+
+def test_set_epoch_after_a_restore_with_nothing_left_at_the_new_size_repeats_nothing(image_dataset):
+    """A mid-epoch state whose rest is smaller than one global batch at the new world size (drop_last): the restore
+    moved the Loader to the next epoch by itself, so the loop's set_epoch(0) (the restored epoch: "keeps a restored
+    mid-epoch position", loader.md) moved it back to epoch 0's start and the whole epoch was delivered again."""
+    kw = dict(batch_size=5, drop_last=True, pipeline=Raw())
+    before, states = _run_ranks(image_dataset, 1, n_batches=8, **kw)  # 40 of 48: 8 left, a global batch is 10
+    after, _ = _run_ranks(image_dataset, 2, state=states[0], epoch=0, **kw)
+    assert after == [], f"{len(after)} steps of epoch 0 delivered again"
+    nxt, _ = _run_ranks(image_dataset, 2, state=states[0], epoch=1, **kw)
+    fresh, _ = _run_ranks(image_dataset, 2, epoch=1, **kw)
+    assert len(nxt) == len(fresh) == 4 and all(same_batch(a, b) for x, y in zip(nxt, fresh) for a, b in zip(x, y))
 
 
 def test_partial_remainder_resume_and_elastic(image_dataset):
