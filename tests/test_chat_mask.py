@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tokens_helpers import CHATML, GLUED, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
+from tokens_helpers import CHATML, GLUED, SHAREGPT_ROLES, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
 
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.token_convert import load_tokenizer
@@ -66,6 +66,25 @@ def test_a_token_straddling_a_span_edge_is_trained(chat_files):
     (ids, mask), = _each(encoder, [chat])
     assert mask[straddler] == 1 and mask[straddler - 1] == 0
     assert (ids, mask) == tuple(map(list, hf_ids_and_mask(hf_tokenizer(tok, config), GLUED, chat)))
+
+
+def test_an_empty_generation_block_at_the_very_start_trains_nothing(chat_files):
+    """Found by hostile review: an empty assistant message first, under a template that renders it bare (a span
+    (0, 0)), trained every token of the conversation, the user's prompt included (the span's last character taken
+    as absent). transformers has no mask to give (char_to_token(-1): OverflowError); the span has no character,
+    so it trains nothing, and the mask is transformers' mask of the conversation without that message (the same
+    text)."""
+    tok, root = chat_files
+    config = chat_config(root / "sharegpt.json", SHAREGPT_ROLES)
+    encoder, _ = _encoder(tok, config)
+    hf = hf_tokenizer(tok, config)
+    rest = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": "gamma"}]
+    chat = [{"role": "assistant", "content": ""}, *rest]
+    with pytest.raises(OverflowError):
+        hf_ids_and_mask(hf, SHAREGPT_ROLES, chat)
+    (ids, mask), = _each(encoder, [chat])
+    want_ids, want_mask = hf_ids_and_mask(hf, SHAREGPT_ROLES, rest)
+    assert (ids, mask) == (want_ids, want_mask) and 0 < sum(mask) < len(mask)
 
 
 def test_train_on_all_marks_every_token(chat_files):
