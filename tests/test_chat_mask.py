@@ -152,6 +152,9 @@ def test_template_files_jinja_and_config(chat_files, tmp_path):
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="none.json: holds no chat_template"):
         load_chat_template(tmp_path / "none.json")
+    (tmp_path / "list.json").write_text("[1, 2]")  # was a raw AttributeError ('list' object has no attribute 'get')
+    with pytest.raises(ChatTemplateError, match="list.json: a JSON list, not an object"):
+        load_chat_template(tmp_path / "list.json")
 
 
 def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transformers(chat_files, tmp_path):

@@ -475,16 +475,20 @@ def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
 
 
 def with_specials(template: ChatTemplate, tokenizer, eos_id: int, path: Path) -> ChatTemplate:
-    """``template`` with ``eos_token`` (the end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`) where its
-    file names none; ConvertError naming the tokenizer (``path``) and the template's file for a special token the
-    file names and the template renders (``{{ bos_token }}``) that is not one of the tokenizer's special tokens:
-    transformers adds it as a new id, where the tokenizer alone splits its text into pieces."""
+    """``template`` (a ``.jinja`` file alone: no config names its special tokens) with ``eos_token`` (the
+    end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`); a config's template as it is (a token its config
+    does not name is undefined, as transformers renders it); ConvertError naming the tokenizer (``path``) and the
+    template's file for a special token the file names and the template renders (``{{ bos_token }}``) that is not
+    one of the tokenizer's special tokens: transformers adds it as a new id, where the tokenizer alone splits its
+    text into pieces."""
     specials = special_tokens(tokenizer)
     for name, token in template.variables.items():
         if token not in specials and re.search(rf"\b{name}\b", template.text):
             have = ", ".join(sorted(specials)) or "none"
-            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {template.path}, which its "
+            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {template.config or template.path}, which its "
                                f"template renders); its special tokens: {have}")
+    if template.config is not None:
+        return template
     names = {i: t for t, i in specials.items()}
     filled = {"eos_token": names[eos_id]}
     bos = next((n for n in BOS_NAMES if n in specials), None)
