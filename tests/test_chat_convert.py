@@ -255,3 +255,27 @@ def test_a_configs_special_tokens_are_those_transformers_loads_none_guessed(tmp_
     want = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert stored_conversations(tmp_path / "out") == [(list(want["input_ids"]), list(want["assistant_masks"]))]
     assert load_manifest(tmp_path / "out").tokens.eos_id == 0  # <|endoftext|>, by the config or by its name
+
+
+@pytest.mark.parametrize("saved", [
+    {"truncation": {"direction": "Right", "max_length": 12, "strategy": "LongestFirst", "stride": 0}},
+    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "<|endoftext|>"}},
+], ids=["truncation", "padding"])
+def test_a_truncation_or_padding_saved_in_the_tokenizer_is_not_applied(tmp_path, saved):
+    """Found by hostile review: a tokenizer.json saved with a truncation (``enable_truncation(512)`` then
+    ``save``: some published ones are) cut every conversation at its max_length, mid-turn, silently (the stored
+    ids and mask ended there; here no reply token was left, so the run was refused as training nothing), and one
+    saved with a padding stored each conversation padded with pad tokens, as if the conversation held them.
+    transformers applies neither unless asked (apply_chat_template tokenizes without truncation or padding);
+    fastio now loads the tokenizer without them."""
+    spec = json.loads(chat_tokenizer(tmp_path / "plain.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, **saved}))
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    chats = conversations(6, seed=3, turns=(2, 4))
+    convert_tokens(TokenConvertConfig(write_chats(tmp_path / "c.jsonl", chats), tmp_path / "out",
+                                      tmp_path / "tokenizer.json", chat_template=config, workers=1))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want = [tuple(map(list, hf_ids_and_mask(hf, CHATML, c))) for c in chats]
+    assert stored_conversations(tmp_path / "out") == want
+    assert max(len(ids) for ids, _ in want) > 12 and min(len(ids) for ids, _ in want) < 64

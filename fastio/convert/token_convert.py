@@ -246,7 +246,9 @@ class TokenConvertResult:
 # -- the tokenizer ------------------------------------------------------------------------------------
 
 def load_tokenizer(path: Path):
-    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` (ConvertError naming the file otherwise)."""
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` (ConvertError naming the file otherwise), without the
+    truncation or padding the file may save: transformers' tokenizer applies them only when asked (its
+    ``apply_chat_template`` and ``tokenizer(text)`` never), and a conversion must not cut or pad a document."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -254,9 +256,12 @@ def load_tokenizer(path: Path):
     if not Path(path).is_file():
         raise ConvertError(f"{path}: no such tokenizer file (a Hugging Face tokenizer.json)")
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
         raise ConvertError(f"{path}: not a tokenizer.json ({str(err).splitlines()[0][:200]})") from None
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def tokenizer_sha256(path: Path) -> str:
