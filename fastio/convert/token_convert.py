@@ -489,8 +489,8 @@ def with_specials(template: ChatTemplate, tokenizer, eos_id: int, path: Path) ->
     specials = special_tokens(tokenizer)
     for name, token in template.variables.items():
         if token not in specials and re.search(rf"\b{name}\b", template.text):
-            have = ", ".join(sorted(specials)) or "none"
-            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {template.config or template.path}, which its "
+            have, named_by = ", ".join(sorted(specials)) or "none", template.config or template.path
+            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {named_by}, which its "
                                f"template renders); its special tokens: {have}")
     if template.config is not None:
         return template
