@@ -7,16 +7,37 @@ cannot be read as one stream), :class:`ConvertError`, :class:`LoaderStateError`,
 :class:`CheckpointError`, :class:`StorageError` (``url``, ``transient``, ``missing``) and
 :class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used); and
 :func:`install_hint`, what a message says to add an optional dependency (fastio installs from its checkout,
-docs/install.md). Imports nothing of fastio."""
+docs/install.md); :func:`os_error_text`, what a message says of an ``OSError`` (the limit of open files named
+where that is the cause). Imports nothing of fastio."""
 
 __all__ = ["FastioError", "DatasetError", "MixtureError", "ConvertError", "LoaderStateError", "LoaderArgumentError",
-           "PipelineMemoryError", "CheckpointError", "StorageError", "StorageOptionsError", "install_hint"]
+           "PipelineMemoryError", "CheckpointError", "StorageError", "StorageOptionsError", "install_hint", "os_error_text"]
 
 
 def install_hint(extra: str) -> str:
     """How to add the optional dependencies of fastio's ``extra`` (``media``, ``tokens``): fastio is installed from
     its checkout, not from the package index (whose ``fastio`` is someone else's package)."""
     return f"pip install -e '.[{extra}]' in fastio's checkout, as docs/install.md says"
+
+
+def os_error_text(err: OSError) -> str:
+    """``err``'s words; for too many open files (EMFILE) also the limit and what holds them: a token Loader keeps
+    each shard's ``.idx`` and ``.bin`` (and a chat shard's ``.mask``) open, so a dataset of many shards needs a
+    limit above a few files a shard (``ulimit -n``)."""
+    import errno
+
+    text = err.strerror or str(err)
+    if err.errno != errno.EMFILE:
+        return text
+    try:
+        import resource
+
+        limit = f" of {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    except (ImportError, OSError, ValueError):
+        limit = ""
+    return (f"{text}: this process reached its limit{limit} open files (ulimit -n); a token Loader keeps each "
+            "shard's .idx and .bin, and a chat shard's .mask, open: raise the limit (ulimit -n 65536), or use "
+            "fewer, larger shards")
 
 
 class FastioError(Exception):

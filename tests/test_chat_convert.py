@@ -217,3 +217,65 @@ def test_parquet_conversations_convert_as_jsonl_and_a_txt_file_is_refused(tmp_pa
                             str(tmp_path / "tokenizer.json"), "--chat-template", str(tmp_path / "tokenizer_config.json"),
                             "--workers", "1"], capsys)
     assert code != 0 and err.startswith("fastio: error: ") and "c.txt: a .txt file holds no conversations" in err
+
+
+BOS_AND_EOS = ("{{ bos_token }}{% for m in messages %}{{ m.role + ': ' }}{% if m.role == 'assistant' %}{% generation %}"
+               "{{ m.content }}{{ eos_token }}{% endgeneration %}{% else %}{{ m.content + '\\n' }}{% endif %}"
+               "{% endfor %}")
+"""A template writing ``{{ bos_token }}`` and ``{{ eos_token }}``: what they are depends on the config's files."""
+
+
+@pytest.mark.parametrize("config, legacy", [
+    ({"eos_token": "<|endoftext|>"}, None),  # no bos_token: undefined, rendered as nothing
+    ({"eos_token": "<|endoftext|>", "bos_token": None}, None),
+    ({"eos_token": "<|endoftext|>"}, {"bos_token": "<s>"}),  # a legacy save: special_tokens_map.json's
+    ({"eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"}, {"bos_token": {"content": "<s>"}}),  # it wins
+    ({"eos_token": "<|endoftext|>", "added_tokens_decoder": {}}, {"bos_token": "<s>"}),  # not a legacy save
+    ({}, None),  # no eos_token either: undefined; the end-of-document id is the end-of-text token found by name
+], ids=["no-bos", "null-bos", "legacy-bos", "legacy-over-config", "not-legacy", "no-specials"])
+def test_a_configs_special_tokens_are_those_transformers_loads_none_guessed(tmp_path, config, legacy):
+    """Found by hostile review: a tokenizer_config.json naming no bos_token (Qwen's "bos_token": null) under a
+    template writing {{ bos_token }} was rendered with '<s>' (a special token guessed by its name, as for a .jinja
+    file alone), where transformers loading the folder renders nothing: every conversation had one token more
+    than the model's own. A legacy save's special_tokens_map.json beside the config (no added_tokens_decoder in
+    it), which transformers reads over the config, was ignored. The conversion now renders with the special
+    tokens transformers loads from the folder, and no others."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = chat_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": BOS_AND_EOS, **config}))
+    if legacy is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(legacy))
+    chat = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": "gamma"}]
+    convert_tokens(TokenConvertConfig(write_chats(tmp_path / "c.jsonl", [chat]), tmp_path / "out", tok,
+                                      chat_template=tmp_path / "tokenizer_config.json", workers=1))
+    hf = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    if "eos_token" not in config:  # transformers renders an undefined eos_token as nothing too
+        hf.eos_token = None
+    want = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert stored_conversations(tmp_path / "out") == [(list(want["input_ids"]), list(want["assistant_masks"]))]
+    assert load_manifest(tmp_path / "out").tokens.eos_id == 0  # <|endoftext|>, by the config or by its name
+
+
+@pytest.mark.parametrize("saved", [
+    {"truncation": {"direction": "Right", "max_length": 12, "strategy": "LongestFirst", "stride": 0}},
+    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "<|endoftext|>"}},
+], ids=["truncation", "padding"])
+def test_a_truncation_or_padding_saved_in_the_tokenizer_is_not_applied(tmp_path, saved):
+    """Found by hostile review: a tokenizer.json saved with a truncation (``enable_truncation(512)`` then
+    ``save``: some published ones are) cut every conversation at its max_length, mid-turn, silently (the stored
+    ids and mask ended there; here no reply token was left, so the run was refused as training nothing), and one
+    saved with a padding stored each conversation padded with pad tokens, as if the conversation held them.
+    transformers applies neither unless asked (apply_chat_template tokenizes without truncation or padding);
+    fastio now loads the tokenizer without them."""
+    spec = json.loads(chat_tokenizer(tmp_path / "plain.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, **saved}))
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    chats = conversations(6, seed=3, turns=(2, 4))
+    convert_tokens(TokenConvertConfig(write_chats(tmp_path / "c.jsonl", chats), tmp_path / "out",
+                                      tmp_path / "tokenizer.json", chat_template=config, workers=1))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want = [tuple(map(list, hf_ids_and_mask(hf, CHATML, c))) for c in chats]
+    assert stored_conversations(tmp_path / "out") == want
+    assert max(len(ids) for ids, _ in want) > 12 and min(len(ids) for ids, _ in want) < 64

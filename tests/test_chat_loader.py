@@ -6,7 +6,11 @@ and elastic resume."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from collections import Counter
 
 import numpy as np
@@ -409,3 +413,31 @@ def test_a_dataset_converted_again_is_refused_by_its_fingerprint_before_its_mask
     state = _state_after(chat)
     with _loader(other) as ld, pytest.raises(fastio.LoaderStateError, match="fingerprint"):
         ld.load_state_dict(state)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts the open files in /proc/self/fd (Linux)")
+def test_too_many_open_files_is_named_with_the_limit(chat):
+    """Found by hostile review (a chat dataset of 1,500 shards under ulimit -n 1024): a token Loader keeps each
+    shard's .idx and .bin, and a chat shard's .mask, open, so a dataset of more shards than the limit allows
+    failed opening with a raw OSError naming nothing ('[Errno 24] Too many open files', from numpy's memmap), or
+    mid-epoch naming a file but not the cause. Now each is one DatasetError naming the file, the limit and the way
+    out, wherever the limit is reached (a process allowed two files more than it holds at the start)."""
+    script = textwrap.dedent(f"""
+        import os, resource, fastio
+        def run():
+            with fastio.Loader({str(chat)!r}, pipeline=fastio.Tokens(seq_len={SEQ}, packing="best-fit"),
+                               batch_size=4, device="cpu", seed=0, reader_threads=1) as loader:
+                return sum(1 for _ in loader)
+        run()  # everything imported: what the limit stops below is the dataset's files
+        held = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 2, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        try:
+            run()
+        except fastio.DatasetError as err:
+            print(err)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.fullmatch(rf"{re.escape(str(chat))}/shards/shard-\d+\.(idx|bin|mask): (cannot be mapped \()?Too many "
+                        r"open files: this process reached its limit of \d+ open files \(ulimit -n\); .*raise the "
+                        r"limit.*\n", out.stdout), out.stdout + out.stderr[-2000:]

@@ -4,9 +4,20 @@ conversation by conversation, on a tokenizer and templates built here (tests/tok
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
-from tokens_helpers import CHATML, GLUED, chat_config, chat_tokenizer, conversations, hf_ids_and_mask, hf_tokenizer
+from tokens_helpers import (
+    CHATML,
+    GLUED,
+    SHAREGPT_ROLES,
+    chat_config,
+    chat_tokenizer,
+    conversations,
+    hf_ids_and_mask,
+    hf_tokenizer,
+)
 
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.token_convert import load_tokenizer
@@ -66,6 +77,25 @@ def test_a_token_straddling_a_span_edge_is_trained(chat_files):
     (ids, mask), = _each(encoder, [chat])
     assert mask[straddler] == 1 and mask[straddler - 1] == 0
     assert (ids, mask) == tuple(map(list, hf_ids_and_mask(hf_tokenizer(tok, config), GLUED, chat)))
+
+
+def test_an_empty_generation_block_at_the_very_start_trains_nothing(chat_files):
+    """Found by hostile review: an empty assistant message first, under a template that renders it bare (a span
+    (0, 0)), trained every token of the conversation, the user's prompt included (the span's last character taken
+    as absent). transformers has no mask to give (char_to_token(-1): OverflowError); the span has no character,
+    so it trains nothing, and the mask is transformers' mask of the conversation without that message (the same
+    text)."""
+    tok, root = chat_files
+    config = chat_config(root / "sharegpt.json", SHAREGPT_ROLES)
+    encoder, _ = _encoder(tok, config)
+    hf = hf_tokenizer(tok, config)
+    rest = [{"role": "user", "content": "alpha beta"}, {"role": "assistant", "content": "gamma"}]
+    chat = [{"role": "assistant", "content": ""}, *rest]
+    with pytest.raises(OverflowError):
+        hf_ids_and_mask(hf, SHAREGPT_ROLES, chat)
+    (ids, mask), = _each(encoder, [chat])
+    want_ids, want_mask = hf_ids_and_mask(hf, SHAREGPT_ROLES, rest)
+    assert (ids, mask) == (want_ids, want_mask) and 0 < sum(mask) < len(mask)
 
 
 def test_train_on_all_marks_every_token(chat_files):
@@ -133,6 +163,9 @@ def test_template_files_jinja_and_config(chat_files, tmp_path):
     (tmp_path / "none.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match="none.json: holds no chat_template"):
         load_chat_template(tmp_path / "none.json")
+    (tmp_path / "list.json").write_text("[1, 2]")  # was a raw AttributeError ('list' object has no attribute 'get')
+    with pytest.raises(ChatTemplateError, match="list.json: a JSON list, not an object"):
+        load_chat_template(tmp_path / "list.json")
 
 
 def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transformers(chat_files, tmp_path):
@@ -162,3 +195,61 @@ def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transform
         want = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         (ids, mask), = _each(encoder, [chat])
         assert (ids, mask) == (list(want["input_ids"]), list(want["assistant_masks"])) and sum(mask) > 0
+
+
+LLAMA3_SHAPED = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '<|im_end|>\\n\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|endoftext|>' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] | trim + '<|endoftext|>' }}{% endif %}{% endfor %}"
+)
+"""Llama 3's shape (header tokens around the role, contents trimmed, an end-of-turn token), on the test specials."""
+MISTRAL_SHAPED = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{% generation %}{{ ' ' + m['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+"""Mistral's shape ([INST] ... [/INST] as text, a reply glued after a space, the end of text after it)."""
+
+
+def _hostile() -> list[list[dict]]:
+    """Conversations a user's broken or unusual data holds."""
+    def m(role, content):
+        return {"role": role, "content": content}
+
+    return [
+        [m("user", "alpha"), m("assistant", "")],  # an empty reply
+        [m("assistant", "beta first"), m("user", "gamma")],  # the assistant first
+        [m("user", "x"), m("assistant", "a"), m("assistant", "b"), m("assistant", "")],  # consecutive replies
+        [m("system", "  "), m("user", "\n\n"), m("assistant", " \t ")],  # whitespace only
+        [m("user", "e\u0301 \u0301combining"), m("assistant", "emoji 😀👍🏽 family 👨\u200d👩\u200d👧")],
+        [m("user", "שלום עולם"), m("assistant", "مرحبا \u200f rtl 日本語")],
+        [m("user", "typed <|im_start|>assistant\nfake<|im_end|>"), m("assistant", "said <|im_end|> <s> <|endoftext|>")],
+        [m("user", "<|im_end|>"), m("assistant", "<|im_start|>")],
+        [m("system", "s"), m("user", "u1"), m("assistant", "a1"), m("user", "u2"), m("assistant", "a2"), m("user", "?")],
+        [m("user", "a"), m("assistant", "x\r\ny\u2028z\u0085 \x00 \ufeffbom")],
+    ]
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3_SHAPED, MISTRAL_SHAPED], ids=["chatml", "llama3", "mistral"])
+def test_hostile_conversations_equal_transformers(chat_files, template):
+    """Empty, first and consecutive assistant turns, whitespace-only content, combining marks, emoji, RTL text,
+    the template's own special tokens typed in a message (special tokens, as transformers makes them): ids and mask
+    equal transformers', conversation by conversation; one transformers refuses (a role the template raises on) is
+    refused naming the line."""
+    tok, root = chat_files
+    config = chat_config(root / f"hostile_{len(template)}.json", template)
+    encoder, _ = _encoder(tok, config)
+    hf = hf_tokenizer(tok, config)
+    compared = 0
+    for i, chat in enumerate(_hostile()):
+        try:
+            want = hf_ids_and_mask(hf, template, chat)
+        except Exception as err:  # noqa: BLE001 (transformers' refusal: the template's raise_exception)
+            with pytest.raises(ConvertError, match=rf"^c.jsonl:{i + 1}: field 'messages': chat template .*"
+                               rf"{re.escape(str(err))}"):
+                encoder.encode([f"c.jsonl:{i + 1}"], [chat])
+            continue
+        (ids, mask), = _each(encoder, [chat])
+        assert (ids, mask) == want, f"conversation {i}"
+        compared += 1
+    assert compared >= 6

@@ -54,6 +54,23 @@ def write_jsonl(path, texts, field="text"):
     return path
 
 
+def test_a_truncation_or_padding_saved_in_the_tokenizer_is_not_applied(tmp_path, tokenizer):
+    """A tokenizer.json saved with a truncation cut every document at its max_length (the rest of the text lost,
+    silently), and one saved with a padding refused every short document (its pad ids, the end-of-text token,
+    taken for text). transformers' tokenizer applies neither unless asked; nor does a conversion now."""
+    spec = json.loads(tokenizer.read_text())
+    texts = [t for t in TEXTS if t]
+    want, _ = expected_docs(tokenizer, texts)
+    for saved in ({"truncation": {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}},
+                  {"padding": {"strategy": {"Fixed": 40}, "direction": "Right", "pad_to_multiple_of": None,
+                               "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}}):
+        (tmp_path / "saved.json").write_text(json.dumps({**spec, **saved}))
+        dest = tmp_path / next(iter(saved))
+        convert_tokens(TokenConvertConfig(write_jsonl(tmp_path / "c.jsonl", texts), dest, tmp_path / "saved.json",
+                                          workers=1))
+        assert all_documents(dest) == want and max(map(len, want)) > 3
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_jsonl_in_order_across_shards(tmp_path, tokenizer, workers):
     src = write_jsonl(tmp_path / "c.jsonl", TEXTS * 3)

@@ -246,7 +246,9 @@ class TokenConvertResult:
 # -- the tokenizer ------------------------------------------------------------------------------------
 
 def load_tokenizer(path: Path):
-    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` (ConvertError naming the file otherwise)."""
+    """The ``tokenizers.Tokenizer`` of a ``tokenizer.json`` (ConvertError naming the file otherwise), without the
+    truncation or padding the file may save: transformers' tokenizer applies them only when asked (its
+    ``apply_chat_template`` and ``tokenizer(text)`` never), and a conversion must not cut or pad a document."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -254,9 +256,12 @@ def load_tokenizer(path: Path):
     if not Path(path).is_file():
         raise ConvertError(f"{path}: no such tokenizer file (a Hugging Face tokenizer.json)")
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 (the Rust side raises a bare Exception)
         raise ConvertError(f"{path}: not a tokenizer.json ({str(err).splitlines()[0][:200]})") from None
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def tokenizer_sha256(path: Path) -> str:
@@ -475,16 +480,20 @@ def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
 
 
 def with_specials(template: ChatTemplate, tokenizer, eos_id: int, path: Path) -> ChatTemplate:
-    """``template`` with ``eos_token`` (the end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`) where its
-    file names none; ConvertError naming the tokenizer (``path``) and the template's file for a special token the
-    file names and the template renders (``{{ bos_token }}``) that is not one of the tokenizer's special tokens:
-    transformers adds it as a new id, where the tokenizer alone splits its text into pieces."""
+    """``template`` (a ``.jinja`` file alone: no config names its special tokens) with ``eos_token`` (the
+    end-of-document token) and ``bos_token`` (:data:`BOS_NAMES`); a config's template as it is (a token its config
+    does not name is undefined, as transformers renders it); ConvertError naming the tokenizer (``path``) and the
+    template's file for a special token the file names and the template renders (``{{ bos_token }}``) that is not
+    one of the tokenizer's special tokens: transformers adds it as a new id, where the tokenizer alone splits its
+    text into pieces."""
     specials = special_tokens(tokenizer)
     for name, token in template.variables.items():
         if token not in specials and re.search(rf"\b{name}\b", template.text):
-            have = ", ".join(sorted(specials)) or "none"
-            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {template.path}, which its "
+            have, named_by = ", ".join(sorted(specials)) or "none", template.config or template.path
+            raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {named_by}, which its "
                                f"template renders); its special tokens: {have}")
+    if template.config is not None:
+        return template
     names = {i: t for t, i in specials.items()}
     filled = {"eos_token": names[eos_id]}
     bos = next((n for n in BOS_NAMES if n in specials), None)

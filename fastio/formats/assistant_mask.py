@@ -10,6 +10,9 @@ end, or beginning on text the tokenizer drops) this and every later span train n
 last character (or that token is the first of the text), the span trains every token to the end of the
 conversation. An empty span (``start == end``) trains nothing unless its neighbours say so by these rules.
 These are transformers' rules, quirks included, so that the two masks are equal (``tests/test_chat_mask.py``).
+One case transformers cannot answer: an empty span at the very start (``(0, 0)``: an empty assistant message
+rendered first, bare), for which it asks ``char_to_token(-1)`` and fails (OverflowError); it has no character, so
+it trains nothing (taking its last character as absent trained the whole conversation, prompts included).
 
 Imports nothing of fastio.
 """
@@ -28,8 +31,10 @@ def assistant_mask(encoding: Any, spans: list[tuple[int, int]], n: int) -> np.nd
     the generation ``spans`` train (see the module docstring)."""
     mask = np.zeros(n, bool)
     for start, end in spans:
+        if end == 0:  # empty, at the very start: nothing to train (transformers fails on it)
+            continue
         first = encoding.char_to_token(start)
-        last = encoding.char_to_token(end - 1) if end > 0 else None
+        last = encoding.char_to_token(end - 1)
         if first is None:
             break
         mask[first:last + 1 if last else n] = True

@@ -14,7 +14,9 @@ A generation span is ``(start, end)`` in characters of the rendered text: where 
 text rendered before it, and its length after. The template of a ``tokenizer_config.json`` is its ``chat_template``
 (a string, or a list of named templates: the one named ``default``), or the ``chat_template.jinja`` beside it where
 there is one (transformers saves a template there, and takes it first), and its special tokens (``bos_token``,
-``eos_token``, ...: a string or an added-token object's ``content``) are the template's variables.
+``eos_token``, ...: a string or an added-token object's ``content``) are the template's variables: those of the
+config, and where it lists no ``added_tokens_decoder`` (a legacy save) those of a ``special_tokens_map.json`` beside
+it over them, as transformers loads a tokenizer's folder; one neither names is undefined (rendered as nothing).
 
 The only importer of ``jinja2``.
 """
@@ -31,7 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKEN_KEYS", "ChatTemplate", "ChatTemplateError",
+__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS", "ChatTemplate",
+           "ChatTemplateError",
            "has_generation", "load_chat_template", "prepare_messages", "render"]
 
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -39,6 +42,9 @@ GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """The file beside ``tokenizer_config.json`` that holds a tokenizer's template as transformers (>= 4.43) saves it;
 loading, transformers takes it over a ``chat_template`` the config holds."""
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+"""The file beside ``tokenizer_config.json`` of a legacy save's special tokens: transformers reads it (over the
+config's) where the config lists no ``added_tokens_decoder``."""
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens of a ``tokenizer_config.json`` a template sees by these names."""
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -56,6 +62,9 @@ class ChatTemplate:
     text: str
     path: str
     variables: dict[str, str] = field(default_factory=dict)
+    config: str | None = None
+    """The ``tokenizer_config.json`` whose special tokens are :attr:`variables` (None: a ``.jinja`` file alone, whose
+    caller may fill them in)."""
 
     @property
     def sha256(self) -> str:
@@ -106,13 +115,33 @@ def load_chat_template(path: str | Path) -> ChatTemplate:
             data = json.loads(raw)
         except ValueError as err:
             raise ChatTemplateError(f"{path}: not JSON ({err})") from None
-        variables = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(data.get(k))) is not None}
+        if not isinstance(data, dict):
+            raise ChatTemplateError(f"{path}: a JSON {type(data).__name__}, not an object (a tokenizer_config.json)")
+        variables = _special_tokens(data, path)
         beside = path.with_name(CHAT_TEMPLATE_FILE)
         if beside.is_file():  # transformers' priority over the config's own chat_template
-            return replace(load_chat_template(beside), variables=variables)
+            return replace(load_chat_template(beside), variables=variables, config=str(path))
         text = _config_template(data, path)
     _compiled(text, str(path))  # a syntax error named now, not at the first conversation
-    return ChatTemplate(text, str(path), variables)
+    return ChatTemplate(text, str(path), variables, None if path.suffix.lower() != ".json" else str(path))
+
+
+def _special_tokens(config: dict, path: Path) -> dict[str, str]:
+    """The special tokens of a ``tokenizer_config.json`` (``config``, read from ``path``) by name, as transformers
+    loads them: the config's, and where it lists no ``added_tokens_decoder`` (a legacy save) those a
+    :data:`SPECIAL_TOKENS_MAP_FILE` beside it names, over them; a token given as None is none."""
+    tokens = {k: config.get(k) for k in SPECIAL_TOKEN_KEYS}
+    legacy = path.with_name(SPECIAL_TOKENS_MAP_FILE)
+    if "added_tokens_decoder" not in config and legacy.is_file():
+        try:
+            extra = json.loads(legacy.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ChatTemplateError(f"{legacy}: cannot be read as JSON ({getattr(err, 'strerror', None) or err})"
+                                    ) from None
+        if not isinstance(extra, dict):
+            raise ChatTemplateError(f"{legacy}: a JSON {type(extra).__name__}, not an object")
+        tokens.update((k, extra[k]) for k in SPECIAL_TOKEN_KEYS if k in extra)
+    return {k: t for k, v in tokens.items() if (t := _token_text(v)) is not None}
 
 
 def prepare_messages(messages: list[dict]) -> list[dict]:

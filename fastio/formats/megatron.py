@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, os_error_text
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
 from fastio.words import count
@@ -104,7 +104,7 @@ class MegatronIndex:
             raise DatasetError(f"{self.name}: no such Megatron .idx file (the partner of "
                                f"{partner_path(self.path).name})") from None
         except OSError as err:
-            raise DatasetError(f"{self.name}: cannot read ({err.strerror or err})") from None
+            raise DatasetError(f"{self.name}: cannot read ({os_error_text(err)})") from None
         code, self.sequences, entries = self._header(head)
         if code not in _CODE_NAMES or _CODE_NAMES[code] not in TOKEN_DTYPES:
             raise DatasetError(f"{self.name}: token type {_CODE_NAMES.get(code, f'code {code}')} is not one fastio "
@@ -125,7 +125,10 @@ class MegatronIndex:
         if one_per_document and self.documents != n:
             raise DatasetError(f"{self.name}: {count(n, 'sequence')} for {count(self.documents, 'document')}, and its "
                                "manifest says one sequence per document")
-        mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        try:
+            mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        except OSError as err:
+            raise DatasetError(f"{self.name}: cannot be mapped ({os_error_text(err)})") from None
         self._map = getattr(mm, "_mmap", None)
         self._bytes = size
         self._advise("MADV_RANDOM")  # lookups touch one entry a page: no read-around of 32 pages for each

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, os_error_text
 from fastio.storage.atomic import fsync_dir, tmp_path_for
 from fastio.storage.checksum import HashingWriter
 from fastio.words import count
@@ -111,10 +111,13 @@ class MaskFile:
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as err:
-            raise DatasetError(f"{self.path}: {err.strerror or err} (a chat shard's loss mask)") from None
+            raise DatasetError(f"{self.path}: {os_error_text(err)} (a chat shard's loss mask)") from None
         try:
             self._check_size(os.fstat(fd).st_size)
             self._map = mmap.mmap(fd, mask_size(tokens), access=mmap.ACCESS_READ)  # holds its own copy of fd
+        except OSError as err:
+            raise DatasetError(f"{self.path}: cannot be mapped ({os_error_text(err)}; a chat shard's loss mask)"
+                               ) from None
         finally:
             os.close(fd)
         if self._map[:len(MAGIC)] != MAGIC:

@@ -48,7 +48,7 @@ import numpy as np
 
 from fastio.checks import two_differing
 from fastio.dataset.dataset import Dataset
-from fastio.errors import DatasetError
+from fastio.errors import DatasetError, os_error_text
 from fastio.formats.megatron import MegatronIndex
 from fastio.formats.token_mask import MaskFile
 from fastio.order.mixorder import MixSampler, source_seed
@@ -567,7 +567,11 @@ class TokenReader:
         self._check_size(s, k, fd)
         with self._lock:
             if (s, k) not in self._maps:
-                self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
+                try:
+                    self._maps[(s, k)] = (fd, _mapped_tokens(fd, self._dtype(s)))
+                except OSError as err:
+                    raise DatasetError(f"{self.sources[s].ds.shards[k].path}: cannot be mapped "
+                                       f"({os_error_text(err)})") from None
             return self._maps[(s, k)]
 
     def _hold(self, s: int, k: int) -> int:
@@ -582,7 +586,7 @@ class TokenReader:
             try:
                 fd = os.open(shard.path, os.O_RDONLY)
             except OSError as err:
-                raise DatasetError(f"{shard.path}: {err.strerror or err}") from None
+                raise DatasetError(f"{shard.path}: {os_error_text(err)}") from None
             with self._lock:
                 if (s, k) in self._fds:  # another thread opened it meanwhile
                     os.close(fd)
