@@ -35,10 +35,11 @@ def masked_loss(model: nn.Module, batch: dict) -> torch.Tensor:
 
 def trained_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     """Mean cross-entropy of ``logits`` [B, L, vocab] (of the inputs ``tokens[:, :-1]``) against the targets
-    ``tokens[:, 1:]``, counting only the trained ones (``loss_mask[:, 1:]``)."""
+    ``tokens[:, 1:]``, counting only the trained ones (``loss_mask[:, 1:]``; none of a row ``padded`` flags: a
+    repeat that fills an epoch's last batch)."""
     targets = batch["tokens"][:, 1:]
     each = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    trained = batch["loss_mask"][:, 1:].flatten()
+    trained = (batch["loss_mask"][:, 1:] & ~batch["padded"][:, None]).flatten()
     return (each * trained).sum() / trained.sum().clamp(min=1)
 
 
