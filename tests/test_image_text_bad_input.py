@@ -69,6 +69,16 @@ def test_an_empty_image_token_is_refused_not_replaced_by_the_default(source, tmp
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("flag,value", [("--train-on", "all"), ("--eos", "<s>"), ("--max-tokens", "10")])
+def test_a_token_conversion_flag_is_refused_naming_that_flag_alone(source, tmp_path, capsys, flag, value):
+    _with_line(source, json.dumps(source["rows"][2]))
+    code, _, err = run_cli(["convert", str(source["source"]), str(tmp_path / "d"), "--tokenizer",
+                            str(source["tokenizer"]), "--chat-template", str(source["config"]), "--image-field",
+                            "images", flag, value, "--workers", "1"], capsys)
+    assert code == 2 and err == f"fastio: error: {flag}: not an option of an image-text conversion (--image-field)\n"
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_state_whose_image_text_entry_is_not_a_record_is_refused_naming_it(tmp_path):
     pipe = fastio.ImageText(image=fastio.ImageEval(size=8), seq_len=255, image_seq_len=4)
     with fastio.Loader(image_text_dataset(tmp_path, n=4), pipeline=pipe, batch_size=1, device="cpu") as loader:
