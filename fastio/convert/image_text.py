@@ -30,6 +30,7 @@ The image token must be one token of the tokenizer (one of its added tokens, enc
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterator
 from contextlib import closing
@@ -242,9 +243,7 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     ConvertError naming the line for a bad list, a count that differs from the placeholders', a path outside
     ``root``, a missing file or one that is not an image. An image at a URL is left as its URL (str), its object
     asked for by :func:`_ask_sizes`."""
-    paths = row.get(options.image_field, [])
-    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise ConvertError(f"{where}: field {options.image_field!r} is not a list of image paths")
+    paths = _image_paths(row, where, options.image_field)
     if len(paths) != placeholders:
         raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
                            f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}")
@@ -259,6 +258,25 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
             raise ConvertError(f"{at}: {value} is not an image (suffix {suffix!r})")
         fields[image_field_name(n, ext)] = image
     return fields
+
+
+def _image_paths(row: dict, where: str, field: str) -> list[str]:
+    """The list of image paths of a line's ``field`` (absent: none); ConvertError naming the line and saying what
+    the field, or which of its items, is instead (a string, as LLaVA's own JSON holds one image, says how to write
+    it)."""
+    paths = row.get(field, [])
+    if not isinstance(paths, list):
+        hint = f" (one image is a list of one: [{json.dumps(paths)}])" if isinstance(paths, str) else ""
+        raise ConvertError(f"{where}: field {field!r} is {_what(paths)}, not a list of image paths{hint}")
+    for n, path in enumerate(paths):
+        if not isinstance(path, str) or not path:
+            raise ConvertError(f"{where}: {field}[{n}] is {_what(path)}, not an image path")
+    return paths
+
+
+def _what(value: Any) -> str:
+    """What a JSON value is, in a message: ``null``, ``an empty string`` or its Python type's name."""
+    return "null" if value is None else "an empty string" if value == "" else type(value).__name__
 
 
 def _is_url(value: str, at: str) -> bool:
