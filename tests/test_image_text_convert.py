@@ -141,6 +141,20 @@ def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(t
     assert not (tmp_path / "ds").exists()
 
 
+def test_an_image_token_in_a_trained_reply_is_in_the_stored_mask_as_transformers_has_it(tmp_path):
+    """docs/image-text.md: the stored mask covers an image token only where the template trains the turn holding
+    it (here an assistant's reply), as transformers' mask does; the Loader never trains its run
+    (tests/test_image_text_load.py)."""
+    src = image_text_source(tmp_path, n=2)
+    messages = [{"role": "user", "content": "draw it"}, {"role": "assistant", "content": "here <image> it is"}]
+    _rewrite(src, 2, images=["img/s1-0.png"], messages=messages)
+    _convert(src, tmp_path / "ds")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    ids, mask = decode_sample(*(stored_image_text(tmp_path / "ds")[1][f] for f in (TOKENS_FIELD, MASK_FIELD)))
+    assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, CHATML, messages)
+    assert mask[ids == hf.convert_tokens_to_ids("<image>")].tolist() == [True]
+
+
 def _keys(dest: Path) -> list[str]:
     return [s["__key__"] for s in stored_image_text(dest)]
 
