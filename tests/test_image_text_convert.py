@@ -155,6 +155,24 @@ def test_an_image_token_in_a_trained_reply_is_in_the_stored_mask_as_transformers
     assert mask[ids == hf.convert_tokens_to_ids("<image>")].tolist() == [True]
 
 
+def test_the_scan_tokenizes_a_bounded_batch_of_lines_at_a_time(tmp_path, monkeypatch):
+    """The scan tokenized the whole JSONL in one batch: every conversation's encoding (ids, offsets, ...: about
+    170 bytes a token with a tokenizer ``tokenizers`` encodes) held at once, tens of GB for a LLaVA-sized file
+    (665k conversations). It encodes ``_ENCODE_BATCH`` lines at a time (a chat conversion: 256), the same
+    samples."""
+    from fastio.convert import image_text
+
+    src = image_text_source(tmp_path, n=10)
+    options = ImageTextOptions(src["tokenizer"], src["config"])
+    whole = image_text.scan_image_text(src["source"], options).entries
+    monkeypatch.setattr(image_text, "_ENCODE_BATCH", 3)
+    coder, batches = image_text._Coder(options), []
+    encode = coder.encoder.encode
+    coder.encoder.encode = lambda wheres, messages: (batches.append(len(wheres)), encode(wheres, messages))[1]
+    assert image_text.scan_image_text(src["source"], options, coder).entries == whole
+    assert batches == [3, 3, 3, 1]
+
+
 def _keys(dest: Path) -> list[str]:
     return [s["__key__"] for s in stored_image_text(dest)]
 

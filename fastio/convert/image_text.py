@@ -66,6 +66,12 @@ from fastio.words import agree, count
 
 __all__ = ["ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
 
+_ENCODE_BATCH = 1024
+"""Conversations the scan tokenizes at once: each one's encoding (ids, offsets, ...: ~170 bytes a token with
+``tokenizers``) lives only while its batch is laid out into ``tokens.i32`` and ``mask.bits`` (4 bytes a token and a
+bit), so the scan's memory does not grow with the JSONL's tokens times that."""
+
+
 def _some_text(v: Any) -> bool:
     return isinstance(v, str) and v != ""
 
@@ -189,15 +195,10 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
     root = _root(source, root)
     rows = _rows(source, storage_options)
     wheres = [f"{PurePosixPath(str(source)).name}:{lineno}" for lineno, _ in rows]
-    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
-    ends = np.cumsum(lengths)
     lines = []
-    for i, ((_, row), where) in enumerate(zip(rows, wheres)):
-        tokens = ids[ends[i] - lengths[i]:ends[i]]
-        fields = _images(row, where, root, options, int(np.count_nonzero(tokens == coder.image_id)))
-        fields[TOKENS_FIELD] = encode_tokens(tokens)
-        fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
-        lines.append(fields)
+    for start in range(0, len(rows), _ENCODE_BATCH):
+        stop = start + _ENCODE_BATCH
+        lines += _encoded(rows[start:stop], wheres[start:stop], root, options, coder)
     _ask_sizes(lines, wheres, options.image_field, storage_options)
     entries = [Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
                for i, (fields, where) in enumerate(zip(lines, wheres))]
@@ -207,6 +208,22 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
     if isinstance(root, Path) and root != source.parent:
         description["options"]["root"] = str(root.resolve())
     return ScanResult(entries=entries, description=description, image_field=None)
+
+
+def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, options: ImageTextOptions,
+             coder: _Coder) -> list[dict[str, Any]]:
+    """Each of ``rows``' fields: its images (:func:`_images`), ``tokens.i32`` and ``mask.bits``, the rows encoded
+    in one batch; ConvertError naming a refused line."""
+    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
+    ends = np.cumsum(lengths)
+    lines = []
+    for i, ((_, row), where) in enumerate(zip(rows, wheres)):
+        tokens = ids[ends[i] - lengths[i]:ends[i]]
+        fields = _images(row, where, root, options, int(np.count_nonzero(tokens == coder.image_id)))
+        fields[TOKENS_FIELD] = encode_tokens(tokens)
+        fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
+        lines.append(fields)
+    return lines
 
 
 def _root(source: Path | str, root: Path | None) -> Path | str:
