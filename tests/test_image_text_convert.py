@@ -259,6 +259,9 @@ def test_root_names_the_folder_the_image_paths_start_from_as_in_a_llava_layout(t
     code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
                             str(tmp_path / "none")], capsys)
     assert code == 2 and err == f"fastio: error: --root {tmp_path / 'none'}: no such folder\n", err
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(src["source"])], capsys)  # a file there: not called missing
+    assert code == 2 and err == f"fastio: error: --root {src['source']}: a file, not a folder\n", err
     assert not (tmp_path / "cli").exists()
 
 

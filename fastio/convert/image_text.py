@@ -235,7 +235,7 @@ def _root(source: Path | str, root: Path | None) -> Path | str:
         raise ConvertError(f"root={str(root)!r}: an image-text JSONL at a URL reads its relative image paths under "
                            "its own prefix")
     if not Path(root).is_dir():
-        raise ConvertError(f"root={str(root)!r}: no such folder")
+        raise ConvertError(f"root={str(root)!r}: {'a file, not a folder' if Path(root).exists() else 'no such folder'}")
     return Path(root)
 
 
