@@ -173,6 +173,19 @@ def test_the_scan_tokenizes_a_bounded_batch_of_lines_at_a_time(tmp_path, monkeyp
     assert batches == [3, 3, 3, 1]
 
 
+def test_image_tokens_the_template_writes_itself_are_named_as_the_templates(tmp_path):
+    """An image token the chat template writes itself (here ChatML's own <|im_end|>, given as --image-token) was
+    counted as the messages' placeholders: '0 images in 'images' but 6 '<|im_end|>' placeholders in 'messages'',
+    though no message holds one. The line says how many the template wrote."""
+    src = image_text_source(tmp_path, n=2)
+    options = ImageTextOptions(src["tokenizer"], src["config"], image_token="<|im_end|>")
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:1: 0 images in 'images' but (\d+) '<\|im_end\|>' "
+                                           r"placeholders in 'messages' \(\1 of them written by the chat template "
+                                           r"\S*tokenizer_config\.json, not in the messages' text\)$"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1), options)
+    assert not (tmp_path / "ds").exists()
+
+
 def _keys(dest: Path) -> list[str]:
     return [s["__key__"] for s in stored_image_text(dest)]
 

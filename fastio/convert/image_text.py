@@ -262,8 +262,12 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     asked for by :func:`_ask_sizes`."""
     paths = _image_paths(row, where, options.image_field)
     if len(paths) != placeholders:
+        templates = placeholders - _written(row.get(options.messages_field), options.image_token)
+        by_template = (f" ({templates} of them written by the chat template {options.chat_template}, not in the "
+                       "messages' text)") if templates > 0 else ""
         raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
-                           f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}")
+                           f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}"
+                           f"{by_template}")
     fields: dict[str, Any] = {}
     for n, value in enumerate(paths):
         at = f"{where}: {options.image_field}[{n}]"
@@ -289,6 +293,14 @@ def _image_paths(row: dict, where: str, field: str) -> list[str]:
         if not isinstance(path, str) or not path:
             raise ConvertError(f"{where}: {field}[{n}] is {_what(path)}, not an image path")
     return paths
+
+
+def _written(value: Any, token: str) -> int:
+    """How often ``token`` occurs in the strings of ``value`` (a line's messages: their text, content parts too)."""
+    if isinstance(value, str):
+        return value.count(token)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return sum(_written(v, token) for v in items)
 
 
 def _what(value: Any) -> str:
