@@ -24,6 +24,7 @@ from fastio.report.verify import verify
 from tests.helpers import run_cli
 from tests.tokens_helpers import (
     CHATML,
+    chat_config,
     hf_ids_and_mask,
     hf_tokenizer,
     image_colour,
@@ -184,6 +185,42 @@ def test_image_tokens_the_template_writes_itself_are_named_as_the_templates(tmp_
                                            r"\S*tokenizer_config\.json, not in the messages' text\)$"):
         convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1), options)
     assert not (tmp_path / "ds").exists()
+
+
+LLAVA_HF = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+            "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+            "{{ '<image>\\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+            "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+            "{% endfor %}{% else %}{% generation %}"
+            "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+            "{% endfor %}{% endgeneration %}{% endif %}{% endfor %}")
+"""llava-hf's chat template (with a generation block): it writes the image token for each ``{"type": "image"}``
+content part, the messages' text holding none."""
+
+
+def test_content_parts_whose_image_token_the_template_writes_convert_as_transformers_renders_them(tmp_path):
+    src = image_text_source(tmp_path, n=2)
+    config = chat_config(tmp_path / "llava_config.json", LLAVA_HF)
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    rows = [{"images": ["img/s1-0.png"], "messages": [
+                {"role": "user", "content": [{"type": "image"}, text("What is this?")]},
+                {"role": "assistant", "content": [text("A flat colour.")]}]},
+            {"images": ["img/s1-0.png", "img/s1-0.png"], "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "image"}, text("Same?")]},
+                {"role": "assistant", "content": [text("No.")]}, {"role": "user", "content": [text("Sure?")]},
+                {"role": "assistant", "content": [text("Quite.")]}]},
+            {"messages": [{"role": "user", "content": [text("hi")]}, {"role": "assistant", "content": [text("yo")]}]}]
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1),
+                       ImageTextOptions(src["tokenizer"], config))
+    hf = hf_tokenizer(src["tokenizer"], config)
+    stored = stored_image_text(tmp_path / "ds")
+    assert len(stored) == 3
+    for sample, row in zip(stored, rows):
+        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+        assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, LLAVA_HF, row["messages"])
+        assert int(np.count_nonzero(ids == hf.convert_tokens_to_ids("<image>"))) == len(row.get("images", []))
+        assert _images(sample) == [(tmp_path / p).read_bytes() for p in row.get("images", [])] and mask.any()
 
 
 def _keys(dest: Path) -> list[str]:
