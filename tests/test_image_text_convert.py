@@ -403,6 +403,18 @@ def test_an_image_token_the_tokenizer_lacks_is_refused_in_one_line(tmp_path, cap
     assert not (tmp_path / "ds").exists()
 
 
+def test_an_ordinary_vocabulary_token_as_image_token_is_refused_as_docs_say(tmp_path):
+    """docs/image-text.md: the image token must be one of the tokenizer's added tokens. A word of its vocabulary
+    that encodes to itself alone ('alpha') was taken: text merges it with its neighbours ('x alpha' is 'Ġalpha',
+    'alphaalpha' one 'alpha'), so the placeholders counted were not the ones written."""
+    src = image_text_source(tmp_path, n=2)
+    options = ImageTextOptions(src["tokenizer"], src["config"], image_token="alpha")
+    with pytest.raises(ConvertError, match=r"tokenizer\.json: image token 'alpha' is an ordinary token of the "
+                                           r"tokenizer's vocabulary, not one of its added tokens"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1), options)
+    assert not (tmp_path / "ds").exists()
+
+
 def test_the_cli_converts_an_image_text_jsonl(tmp_path, capsys):
     src = image_text_source(tmp_path, n=3)
     code, out, err = run_cli(["convert", str(src["source"]), str(tmp_path / "ds"), "--tokenizer",

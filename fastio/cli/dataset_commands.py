@@ -146,8 +146,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "be an s3:// URL too), stored as images beside the conversation's tokens and loss mask; a "
                    "dataset of which no token is trained is refused.")
 @click.option("--image-token", default=None, metavar="TOKEN",
-              help="With --image-field: the placeholder of one image in the messages' text, one token of the "
-                   "tokenizer (default: <image>).")
+              help="With --image-field: the placeholder of one image in the messages' text, one of the "
+                   "tokenizer's added tokens (default: <image>).")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,

@@ -91,7 +91,7 @@ class ImageTextOptions:
     image_field: str = checked(_FIELD, default="images")
     """The JSONL field holding each line's list of image paths."""
     image_token: str = checked(_TOKEN, default="<image>")
-    """The placeholder of one image in the messages' text: one token of the tokenizer."""
+    """The placeholder of one image in the messages' text: one of the tokenizer's added tokens."""
     messages_field: str = checked(_FIELD, default="messages")
     """The JSONL field holding each line's conversation."""
 
@@ -175,6 +175,11 @@ class _Coder:
         if image_id is None or self.tokenizer.encode(token, add_special_tokens=False).ids != [image_id]:
             raise ConvertError(f"{path}: image token {token!r} is not one token of the tokenizer (add it as a "
                                "special token, or name one it has with --image-token)")
+        if image_id not in self.tokenizer.get_added_tokens_decoder():
+            raise ConvertError(f"{path}: image token {token!r} is an ordinary token of the tokenizer's vocabulary, not "
+                               "one of its added tokens (text merges it with its neighbours, so the placeholders "
+                               "counted would not be those written): add it as a special token, or name one it has "
+                               "with --image-token")
         return image_id
 
     def recorded(self) -> dict[str, Any]:
