@@ -223,6 +223,21 @@ def test_content_parts_whose_image_token_the_template_writes_convert_as_transfor
         assert _images(sample) == [(tmp_path / p).read_bytes() for p in row.get("images", [])] and mask.any()
 
 
+def test_a_samples_key_is_its_line_where_blank_lines_come_before_it(tmp_path):
+    """docs/image-text.md: samples are keyed by line (line N: key N - 1, as messages name it ``vlm.jsonl:N``). A
+    blank line (which holds no conversation) shifted every later key by one: line 3's sample was 00000001."""
+    src = image_text_source(tmp_path, n=3)
+    lines = [json.dumps(r) for r in src["rows"]]
+    src["source"].write_text(f"{lines[0]}\n\n{lines[1]}\n  \n{lines[2]}\n")
+    _convert(src, tmp_path / "ds")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    stored = stored_image_text(tmp_path / "ds")
+    assert [s["__key__"] for s in stored] == ["00000000", "00000002", "00000004"]
+    for sample, row in zip(stored, src["rows"]):
+        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+        assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, CHATML, row["messages"])
+
+
 def _keys(dest: Path) -> list[str]:
     return [s["__key__"] for s in stored_image_text(dest)]
 

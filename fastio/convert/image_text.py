@@ -205,8 +205,9 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
         stop = start + _ENCODE_BATCH
         lines += _encoded(rows[start:stop], wheres[start:stop], root, options, coder)
     _ask_sizes(lines, wheres, options.image_field, storage_options)
-    entries = [Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
-               for i, (fields, where) in enumerate(zip(lines, wheres))]
+    # line N's key is N - 1 (a blank line's left unused), as messages name it (vlm.jsonl:N)
+    entries = [Entry(key=f"{lineno - 1:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
+               for (lineno, _), fields, where in zip(rows, lines, wheres)]
     description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
                    "options": {"image_field": options.image_field, "messages_field": options.messages_field,
                                "image_token": options.image_token}}
