@@ -54,6 +54,24 @@ def test_a_folder_named_as_an_image_is_called_a_folder(source, tmp_path):
         _convert(source, tmp_path / "d")
 
 
+@pytest.mark.parametrize("images,what", [
+    ("img/s1-0.png", r"field 'images' is str, not a list of image paths \(one image is a list of one: "
+                     r"\[\"img/s1-0.png\"\]\)"),
+    (None, "field 'images' is null, not a list of image paths"),
+    ({"0": "img/s1-0.png"}, "field 'images' is dict, not a list of image paths"),
+    (["img/s1-0.png", None], r"images\[1\] is null, not an image path"),
+    (["img/s1-0.png", ""], r"images\[1\] is an empty string, not an image path"),
+    ([3], r"images\[0\] is int, not an image path")], ids=["str", "null", "dict", "null-item", "empty", "int"])
+def test_an_images_field_that_is_not_a_list_of_paths_is_named_with_what_it_is(source, tmp_path, images, what):
+    """LLaVA's own JSON holds one image as a string (``"image": "x.jpg"``): the line says what the field (or which
+    item) is, not only that it is wrong."""
+    _with_line(source, {"images": images, "messages": [{"role": "user", "content": "<image> a"},
+                                                       {"role": "assistant", "content": "b"}]})
+    with pytest.raises(ConvertError, match=rf"^vlm.jsonl:3: {what}$"):
+        _convert(source, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_missing_messages_field_is_called_missing(source, tmp_path):
     _with_line(source, {"images": []})
     with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: field 'messages' is missing or null, not a list"):
@@ -66,6 +84,16 @@ def test_an_empty_image_token_is_refused_not_replaced_by_the_default(source, tmp
                             str(source["tokenizer"]), "--chat-template", str(source["config"]), "--image-field",
                             "images", "--image-token", "", "--workers", "1"], capsys)
     assert code == 2 and err == "fastio: error: --image-token must be a token's text, got ''\n", err
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--train-on", "all"), ("--eos", "<s>"), ("--max-tokens", "10")])
+def test_a_token_conversion_flag_is_refused_naming_that_flag_alone(source, tmp_path, capsys, flag, value):
+    _with_line(source, json.dumps(source["rows"][2]))
+    code, _, err = run_cli(["convert", str(source["source"]), str(tmp_path / "d"), "--tokenizer",
+                            str(source["tokenizer"]), "--chat-template", str(source["config"]), "--image-field",
+                            "images", flag, value, "--workers", "1"], capsys)
+    assert code == 2 and err == f"fastio: error: {flag}: not an option of an image-text conversion (--image-field)\n"
     assert not (tmp_path / "d").exists()
 
 

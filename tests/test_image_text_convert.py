@@ -24,6 +24,7 @@ from fastio.report.verify import verify
 from tests.helpers import run_cli
 from tests.tokens_helpers import (
     CHATML,
+    chat_config,
     hf_ids_and_mask,
     hf_tokenizer,
     image_colour,
@@ -141,6 +142,102 @@ def test_a_placeholder_count_unlike_the_image_count_is_refused_naming_the_line(t
     assert not (tmp_path / "ds").exists()
 
 
+def test_an_image_token_in_a_trained_reply_is_in_the_stored_mask_as_transformers_has_it(tmp_path):
+    """docs/image-text.md: the stored mask covers an image token only where the template trains the turn holding
+    it (here an assistant's reply), as transformers' mask does; the Loader never trains its run
+    (tests/test_image_text_load.py)."""
+    src = image_text_source(tmp_path, n=2)
+    messages = [{"role": "user", "content": "draw it"}, {"role": "assistant", "content": "here <image> it is"}]
+    _rewrite(src, 2, images=["img/s1-0.png"], messages=messages)
+    _convert(src, tmp_path / "ds")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    ids, mask = decode_sample(*(stored_image_text(tmp_path / "ds")[1][f] for f in (TOKENS_FIELD, MASK_FIELD)))
+    assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, CHATML, messages)
+    assert mask[ids == hf.convert_tokens_to_ids("<image>")].tolist() == [True]
+
+
+def test_the_scan_tokenizes_a_bounded_batch_of_lines_at_a_time(tmp_path, monkeypatch):
+    """The scan tokenized the whole JSONL in one batch: every conversation's encoding (ids, offsets, ...: about
+    170 bytes a token with a tokenizer ``tokenizers`` encodes) held at once, tens of GB for a LLaVA-sized file
+    (665k conversations). It encodes ``_ENCODE_BATCH`` lines at a time (a chat conversion: 256), the same
+    samples."""
+    from fastio.convert import image_text
+
+    src = image_text_source(tmp_path, n=10)
+    options = ImageTextOptions(src["tokenizer"], src["config"])
+    whole = image_text.scan_image_text(src["source"], options).entries
+    monkeypatch.setattr(image_text, "_ENCODE_BATCH", 3)
+    coder, batches = image_text._Coder(options), []
+    encode = coder.encoder.encode
+    coder.encoder.encode = lambda wheres, messages: (batches.append(len(wheres)), encode(wheres, messages))[1]
+    assert image_text.scan_image_text(src["source"], options, coder).entries == whole
+    assert batches == [3, 3, 3, 1]
+
+
+def test_image_tokens_the_template_writes_itself_are_named_as_the_templates(tmp_path):
+    """An image token the chat template writes itself (here ChatML's own <|im_end|>, given as --image-token) was
+    counted as the messages' placeholders: '0 images in 'images' but 6 '<|im_end|>' placeholders in 'messages'',
+    though no message holds one. The line says how many the template wrote."""
+    src = image_text_source(tmp_path, n=2)
+    options = ImageTextOptions(src["tokenizer"], src["config"], image_token="<|im_end|>")
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:1: 0 images in 'images' but (\d+) '<\|im_end\|>' "
+                                           r"placeholders in 'messages' \(\1 of them written by the chat template "
+                                           r"\S*tokenizer_config\.json, not in the messages' text\)$"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1), options)
+    assert not (tmp_path / "ds").exists()
+
+
+LLAVA_HF = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+            "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+            "{{ '<image>\\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+            "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+            "{% endfor %}{% else %}{% generation %}"
+            "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+            "{% endfor %}{% endgeneration %}{% endif %}{% endfor %}")
+"""llava-hf's chat template (with a generation block): it writes the image token for each ``{"type": "image"}``
+content part, the messages' text holding none."""
+
+
+def test_content_parts_whose_image_token_the_template_writes_convert_as_transformers_renders_them(tmp_path):
+    src = image_text_source(tmp_path, n=2)
+    config = chat_config(tmp_path / "llava_config.json", LLAVA_HF)
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    rows = [{"images": ["img/s1-0.png"], "messages": [
+                {"role": "user", "content": [{"type": "image"}, text("What is this?")]},
+                {"role": "assistant", "content": [text("A flat colour.")]}]},
+            {"images": ["img/s1-0.png", "img/s1-0.png"], "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "image"}, text("Same?")]},
+                {"role": "assistant", "content": [text("No.")]}, {"role": "user", "content": [text("Sure?")]},
+                {"role": "assistant", "content": [text("Quite.")]}]},
+            {"messages": [{"role": "user", "content": [text("hi")]}, {"role": "assistant", "content": [text("yo")]}]}]
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1),
+                       ImageTextOptions(src["tokenizer"], config))
+    hf = hf_tokenizer(src["tokenizer"], config)
+    stored = stored_image_text(tmp_path / "ds")
+    assert len(stored) == 3
+    for sample, row in zip(stored, rows):
+        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+        assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, LLAVA_HF, row["messages"])
+        assert int(np.count_nonzero(ids == hf.convert_tokens_to_ids("<image>"))) == len(row.get("images", []))
+        assert _images(sample) == [(tmp_path / p).read_bytes() for p in row.get("images", [])] and mask.any()
+
+
+def test_a_samples_key_is_its_line_where_blank_lines_come_before_it(tmp_path):
+    """docs/image-text.md: samples are keyed by line (line N: key N - 1, as messages name it ``vlm.jsonl:N``). A
+    blank line (which holds no conversation) shifted every later key by one: line 3's sample was 00000001."""
+    src = image_text_source(tmp_path, n=3)
+    lines = [json.dumps(r) for r in src["rows"]]
+    src["source"].write_text(f"{lines[0]}\n\n{lines[1]}\n  \n{lines[2]}\n")
+    _convert(src, tmp_path / "ds")
+    hf = hf_tokenizer(src["tokenizer"], src["config"])
+    stored = stored_image_text(tmp_path / "ds")
+    assert [s["__key__"] for s in stored] == ["00000000", "00000002", "00000004"]
+    for sample, row in zip(stored, src["rows"]):
+        ids, mask = decode_sample(sample[TOKENS_FIELD], sample[MASK_FIELD])
+        assert (ids.tolist(), mask.astype(int).tolist()) == hf_ids_and_mask(hf, CHATML, row["messages"])
+
+
 def _keys(dest: Path) -> list[str]:
     return [s["__key__"] for s in stored_image_text(dest)]
 
@@ -227,6 +324,9 @@ def test_root_names_the_folder_the_image_paths_start_from_as_in_a_llava_layout(t
     code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
                             str(tmp_path / "none")], capsys)
     assert code == 2 and err == f"fastio: error: --root {tmp_path / 'none'}: no such folder\n", err
+    code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), *flags, "--root",
+                            str(src["source"])], capsys)  # a file there: not called missing
+    assert code == 2 and err == f"fastio: error: --root {src['source']}: a file, not a folder\n", err
     assert not (tmp_path / "cli").exists()
 
 
@@ -315,6 +415,18 @@ def test_an_image_token_the_tokenizer_lacks_is_refused_in_one_line(tmp_path, cap
                             "--image-token", "<img>"], capsys)
     assert code != 0 and err.count("\n") == 1
     assert err.startswith("fastio: error: ") and "image token '<img>' is not one token of the tokenizer" in err
+    assert not (tmp_path / "ds").exists()
+
+
+def test_an_ordinary_vocabulary_token_as_image_token_is_refused_as_docs_say(tmp_path):
+    """docs/image-text.md: the image token must be one of the tokenizer's added tokens. A word of its vocabulary
+    that encodes to itself alone ('alpha') was taken: text merges it with its neighbours ('x alpha' is 'Ġalpha',
+    'alphaalpha' one 'alpha'), so the placeholders counted were not the ones written."""
+    src = image_text_source(tmp_path, n=2)
+    options = ImageTextOptions(src["tokenizer"], src["config"], image_token="alpha")
+    with pytest.raises(ConvertError, match=r"tokenizer\.json: image token 'alpha' is an ordinary token of the "
+                                           r"tokenizer's vocabulary, not one of its added tokens"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1), options)
     assert not (tmp_path / "ds").exists()
 
 

@@ -146,8 +146,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "be an s3:// URL too), stored as images beside the conversation's tokens and loss mask; a "
                    "dataset of which no token is trained is refused.")
 @click.option("--image-token", default=None, metavar="TOKEN",
-              help="With --image-field: the placeholder of one image in the messages' text, one token of the "
-                   "tokenizer (default: <image>).")
+              help="With --image-field: the placeholder of one image in the messages' text, one of the "
+                   "tokenizer's added tokens (default: <image>).")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
@@ -171,7 +171,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.progress import progress_wanted
 
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
-                                     (text_field, eos, special_in_text, train_on, max_tokens, overlong))
+                                     {"text_field": text_field, "eos": eos, "special_in_text": special_in_text,
+                                      "train_on": train_on, "max_tokens": max_tokens, "overlong": overlong})
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
                                                           messages_field, train_on, max_tokens, overlong)):
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
@@ -228,17 +229,18 @@ def _remote(dest: str) -> bool:
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
-                        image_token: str | None, messages_field: str | None, others: tuple):
-    """An image-text conversion's options (``--image-field`` given), refusing the token-only flags; None without."""
+                        image_token: str | None, messages_field: str | None, others: dict[str, Any]):
+    """An image-text conversion's options (``--image-field`` given), refusing the token-only flags (``others``:
+    parameter name -> value, None where not given) by name; None without."""
     if image_field is None:
         if image_token is not None:
             raise ConvertError("--image-token needs --image-field (an image-text conversion)")
         return None
     if tokenizer is None or chat_template is None:
         raise ConvertError("--image-field needs --tokenizer and --chat-template (an image-text conversion)")
-    if any(v is not None for v in others):
-        raise ConvertError("--text-field, --eos, --special-in-text, --train-on, --max-tokens and --overlong are not "
-                           "options of an image-text conversion (--image-field)")
+    given = [long_flag(click.get_current_context(), name) for name, value in others.items() if value is not None]
+    if given:
+        raise ConvertError(f"{', '.join(given)}: not an option of an image-text conversion (--image-field)")
     from fastio.convert.image_text import ImageTextOptions
 
     try:

@@ -30,6 +30,7 @@ The image token must be one token of the tokenizer (one of its added tokens, enc
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterator
 from contextlib import closing
@@ -65,6 +66,12 @@ from fastio.words import agree, count
 
 __all__ = ["ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
 
+_ENCODE_BATCH = 1024
+"""Conversations the scan tokenizes at once: each one's encoding (ids, offsets, ...: ~170 bytes a token with
+``tokenizers``) lives only while its batch is laid out into ``tokens.i32`` and ``mask.bits`` (4 bytes a token and a
+bit), so the scan's memory does not grow with the JSONL's tokens times that."""
+
+
 def _some_text(v: Any) -> bool:
     return isinstance(v, str) and v != ""
 
@@ -84,7 +91,7 @@ class ImageTextOptions:
     image_field: str = checked(_FIELD, default="images")
     """The JSONL field holding each line's list of image paths."""
     image_token: str = checked(_TOKEN, default="<image>")
-    """The placeholder of one image in the messages' text: one token of the tokenizer."""
+    """The placeholder of one image in the messages' text: one of the tokenizer's added tokens."""
     messages_field: str = checked(_FIELD, default="messages")
     """The JSONL field holding each line's conversation."""
 
@@ -168,6 +175,11 @@ class _Coder:
         if image_id is None or self.tokenizer.encode(token, add_special_tokens=False).ids != [image_id]:
             raise ConvertError(f"{path}: image token {token!r} is not one token of the tokenizer (add it as a "
                                "special token, or name one it has with --image-token)")
+        if image_id not in self.tokenizer.get_added_tokens_decoder():
+            raise ConvertError(f"{path}: image token {token!r} is an ordinary token of the tokenizer's vocabulary, not "
+                               "one of its added tokens (text merges it with its neighbours, so the placeholders "
+                               "counted would not be those written): add it as a special token, or name one it has "
+                               "with --image-token")
         return image_id
 
     def recorded(self) -> dict[str, Any]:
@@ -188,6 +200,26 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
     root = _root(source, root)
     rows = _rows(source, storage_options)
     wheres = [f"{PurePosixPath(str(source)).name}:{lineno}" for lineno, _ in rows]
+    lines = []
+    for start in range(0, len(rows), _ENCODE_BATCH):
+        stop = start + _ENCODE_BATCH
+        lines += _encoded(rows[start:stop], wheres[start:stop], root, options, coder)
+    _ask_sizes(lines, wheres, options.image_field, storage_options)
+    # line N's key is N - 1 (a blank line's left unused), as messages name it (vlm.jsonl:N)
+    entries = [Entry(key=f"{lineno - 1:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
+               for (lineno, _), fields, where in zip(rows, lines, wheres)]
+    description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
+                   "options": {"image_field": options.image_field, "messages_field": options.messages_field,
+                               "image_token": options.image_token}}
+    if isinstance(root, Path) and root != source.parent:
+        description["options"]["root"] = str(root.resolve())
+    return ScanResult(entries=entries, description=description, image_field=None)
+
+
+def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, options: ImageTextOptions,
+             coder: _Coder) -> list[dict[str, Any]]:
+    """Each of ``rows``' fields: its images (:func:`_images`), ``tokens.i32`` and ``mask.bits``, the rows encoded
+    in one batch; ConvertError naming a refused line."""
     lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
     ends = np.cumsum(lengths)
     lines = []
@@ -197,15 +229,7 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
         fields[TOKENS_FIELD] = encode_tokens(tokens)
         fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
         lines.append(fields)
-    _ask_sizes(lines, wheres, options.image_field, storage_options)
-    entries = [Entry(key=f"{i:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
-               for i, (fields, where) in enumerate(zip(lines, wheres))]
-    description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
-                   "options": {"image_field": options.image_field, "messages_field": options.messages_field,
-                               "image_token": options.image_token}}
-    if isinstance(root, Path) and root != source.parent:
-        description["options"]["root"] = str(root.resolve())
-    return ScanResult(entries=entries, description=description, image_field=None)
+    return lines
 
 
 def _root(source: Path | str, root: Path | None) -> Path | str:
@@ -217,7 +241,7 @@ def _root(source: Path | str, root: Path | None) -> Path | str:
         raise ConvertError(f"root={str(root)!r}: an image-text JSONL at a URL reads its relative image paths under "
                            "its own prefix")
     if not Path(root).is_dir():
-        raise ConvertError(f"root={str(root)!r}: no such folder")
+        raise ConvertError(f"root={str(root)!r}: {'a file, not a folder' if Path(root).exists() else 'no such folder'}")
     return Path(root)
 
 
@@ -242,12 +266,14 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     ConvertError naming the line for a bad list, a count that differs from the placeholders', a path outside
     ``root``, a missing file or one that is not an image. An image at a URL is left as its URL (str), its object
     asked for by :func:`_ask_sizes`."""
-    paths = row.get(options.image_field, [])
-    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-        raise ConvertError(f"{where}: field {options.image_field!r} is not a list of image paths")
+    paths = _image_paths(row, where, options.image_field)
     if len(paths) != placeholders:
+        templates = placeholders - _written(row.get(options.messages_field), options.image_token)
+        by_template = (f" ({templates} of them written by the chat template {options.chat_template}, not in the "
+                       "messages' text)") if templates > 0 else ""
         raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
-                           f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}")
+                           f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}"
+                           f"{by_template}")
     fields: dict[str, Any] = {}
     for n, value in enumerate(paths):
         at = f"{where}: {options.image_field}[{n}]"
@@ -259,6 +285,33 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
             raise ConvertError(f"{at}: {value} is not an image (suffix {suffix!r})")
         fields[image_field_name(n, ext)] = image
     return fields
+
+
+def _image_paths(row: dict, where: str, field: str) -> list[str]:
+    """The list of image paths of a line's ``field`` (absent: none); ConvertError naming the line and saying what
+    the field, or which of its items, is instead (a string, as LLaVA's own JSON holds one image, says how to write
+    it)."""
+    paths = row.get(field, [])
+    if not isinstance(paths, list):
+        hint = f" (one image is a list of one: [{json.dumps(paths)}])" if isinstance(paths, str) else ""
+        raise ConvertError(f"{where}: field {field!r} is {_what(paths)}, not a list of image paths{hint}")
+    for n, path in enumerate(paths):
+        if not isinstance(path, str) or not path:
+            raise ConvertError(f"{where}: {field}[{n}] is {_what(path)}, not an image path")
+    return paths
+
+
+def _written(value: Any, token: str) -> int:
+    """How often ``token`` occurs in the strings of ``value`` (a line's messages: their text, content parts too)."""
+    if isinstance(value, str):
+        return value.count(token)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return sum(_written(v, token) for v in items)
+
+
+def _what(value: Any) -> str:
+    """What a JSON value is, in a message: ``null``, ``an empty string`` or its Python type's name."""
+    return "null" if value is None else "an empty string" if value == "" else type(value).__name__
 
 
 def _is_url(value: str, at: str) -> bool:
