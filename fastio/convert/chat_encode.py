@@ -56,7 +56,8 @@ def _check_message(m: Any, at: str) -> None:
     if not isinstance(m, dict):
         raise ConvertError(f"{at} is {type(m).__name__}, not a message object")
     if m.get("role") is None:
-        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})')
+        sharegpt = " (ShareGPT's 'from'/'value' keys: rename them 'role'/'content')" if "from" in m else ""
+        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})' + sharegpt)
     if not isinstance(m["role"], str):
         raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
     content, calls = m.get("content"), m.get("tool_calls")
