@@ -5,6 +5,7 @@ changes nothing in the directory, and refuses to save; the refusal a second writ
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StateHolder
+from helpers import StateHolder, restore_dir_of
 
 from fastio.checkpoint import Checkpointer, naming, scan
 from fastio.errors import CheckpointError
@@ -209,3 +210,50 @@ def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_ser
     finally:
         live.stdin.close()
         live.wait(timeout=60)
+
+
+KILLED_IN_DECOMPRESS = """
+    import os, signal, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from helpers import StateHolder
+    from fastio.checkpoint import Checkpointer, compress
+
+    def killed(*args):  # the process dies as the first file is decompressed into its working copy
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    compress.restore_file = killed
+    Checkpointer(sys.argv[1], read_only=True, signals=()).restore_latest({"model": StateHolder({"w": torch.zeros(4)})})
+"""
+
+
+def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the_next_one(tmp_path):
+    """Before: a read-only restore of a compressed local checkpoint decompresses into `.step-N.restore-PID` in DIR;
+    killed, it left that copy there, and only a writer's restore ever removed it (an evaluation beside training
+    left one more copy per kill). Now the next restore, read-only too, removes the copies of ended processes (by pid
+    and start time), never a live one's, and leaves everything else in DIR as it was."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(KILLED_IN_DECOMPRESS))
+    before = tree(root)
+    killed = subprocess.run([sys.executable, str(script), str(root)], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith(".step-1.restore-"))
+    assert len(left) == 1, sorted(p.name for p in root.iterdir())  # the kill left its working copy
+    live = subprocess.Popen(["sleep", "60"])  # a live process of this host, as another reader
+    try:
+        theirs = restore_dir_of(root, 1, live.pid)
+        (theirs / "model.bin").write_bytes(b"being read")
+        with Checkpointer(root, read_only=True, signals=()) as reader:
+            restored = app()
+            assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0
+        assert not (root / left[0]).exists()
+        assert (theirs / "model.bin").read_bytes() == b"being read"
+    finally:
+        live.kill()
+        live.wait()
+    shutil.rmtree(theirs)
+    assert tree(root) == before

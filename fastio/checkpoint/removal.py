@@ -17,9 +17,11 @@
   mark or its half-written ``.fastio-writing.json.tmp`` (a kill between creating the temporary and publishing
   its mark): :func:`remove_abandoned` deletes it (no data can be in it);
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
-  step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_abandoned` deletes it once
-  process PID of the host its mark names has ended (another host's: a day after its mark was written), never
-  under a restore still reading it (a read-only one beside training);
+  step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_ended_restores` deletes it
+  once process PID of the host its mark names has ended (by pid and, where the mark has it, the process's start
+  time; another host's: a day after its mark was written), never under a restore still reading it (a read-only
+  one beside training); a writer's :func:`remove_abandoned` and a read-only restore's start of its own copy
+  call it;
 - a private download directory of a read-only restore of an ``s3://`` dir without ``staging_dir``
   (``<tmp>/fastio-ckpt-restore-*``, marked with its process's host, pid and start time: :func:`start_private_staging`),
   which ``close`` removes, left by a killed process: the next :func:`start_private_staging` of this host deletes it
@@ -54,11 +56,11 @@ from fastio.checkpoint.naming import (
 )
 from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
-from fastio.dist import process_ended, process_gone, process_start
+from fastio.dist import process_ended, process_start
 from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
-__all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
-           "start_private_staging", "start_restore_dir"]
+__all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned",
+           "remove_ended_restores", "remove_step", "start_private_staging", "start_restore_dir"]
 
 PRIVATE_STAGING_PREFIX = "fastio-ckpt-restore-"
 """The name of a read-only restore's private download directory begins so (:func:`start_private_staging`)."""
@@ -122,14 +124,14 @@ def quarantine(path: Path) -> Path:
 
 
 def start_restore_dir(root: Path, step: int) -> Path:
-    """Create (empty, marked) this process's restore directory for ``step``: the mark is what
-    :func:`remove_abandoned` recognises."""
+    """Create (empty, marked with this process's host, pid and start time) this process's restore directory for
+    ``step``: the mark is what :func:`remove_ended_restores` recognises."""
     path = restore_dir(root, step)
     if path.exists():  # this pid's own, from an earlier restore that could not clean up
         shutil.rmtree(path)
     path.mkdir()
     (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                   "time": time.time()}))
+                                                   "start": process_start(os.getpid()), "time": time.time()}))
     return path
 
 
@@ -164,21 +166,22 @@ def _private_staging_abandoned(child: Path) -> bool:
 
 
 def _restore_abandoned(child: Path) -> bool:
-    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) gone from the host
-    its mark names, or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
+    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) of the host its mark
+    names ended (:func:`~fastio.dist.process_ended`, by the start time its mark holds: a reused pid is another
+    process), or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
     pid = parse_restore_name(child.name)
-    if pid is None or not child.is_dir() or not (child / RESTORING_FILE).is_file():
+    if pid is None or child.is_symlink() or not child.is_dir() or not (child / RESTORING_FILE).is_file():
         return False
     try:
         mark = json.loads((child / RESTORING_FILE).read_text())
-        host, started = mark.get("host"), float(mark.get("time", 0))
+        host, started, start = mark.get("host"), float(mark.get("time", 0)), mark.get("start")
     except (OSError, ValueError, TypeError, AttributeError):
         return True  # a mark cut short by a kill
     if host != socket.gethostname():
         return time.time() - started > OTHER_HOST_RESTORE_S
     if pid == os.getpid():
         return True  # this process's own, from a restore that could not clean up
-    return process_gone(pid)
+    return process_ended(pid, start if isinstance(start, int) and not isinstance(start, bool) else None)
 
 
 def _is_empty_quarantined_tmp(path: Path) -> bool:
@@ -189,13 +192,23 @@ def _is_empty_quarantined_tmp(path: Path) -> bool:
             and holds_only_writer_marks(path))
 
 
+def remove_ended_restores(root: Path) -> list[Path]:
+    """Delete the restore directories (``.step-N.restore-PID``) of ended restores under ``root`` (see the module
+    docstring), never a live process's; returns them. What cannot be deleted (a read-only mount) is left."""
+    removed = []
+    for child in sorted(Path(root).iterdir()):
+        if _restore_abandoned(child):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
 def _remove_hidden_leftovers(root: Path) -> list[Path]:
     """Delete the ended restores' directories, the deletions a kill cut short and the empty quarantined
     temporaries under ``root``; returns them."""
-    removed = []
+    removed = remove_ended_restores(root)
     for child in sorted(Path(root).iterdir()):
-        if (_restore_abandoned(child)
-                or is_deleting_name(child.name) and child.is_dir()  # also a deletion a kill cut short
+        if (is_deleting_name(child.name) and child.is_dir()  # also a deletion a kill cut short
                 or _is_empty_quarantined_tmp(child)):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)

@@ -411,10 +411,13 @@ class Restorer:
                     shutil.rmtree(work, ignore_errors=True)
 
     def _start_restore_dir(self, step: int) -> str | None:
-        """One private directory per staging directory, made by the lowest rank seeing it."""
+        """One private directory per staging directory, made by the lowest rank seeing it; a read-only restore first
+        deletes the ones of ended restores (a killed evaluation's: no writer's restore may come to delete them)."""
         if not self.leader:
             return None
         try:
+            if self.read_only:
+                removal.remove_ended_restores(self.commit.root)
             return str(removal.start_restore_dir(self.commit.root, step))
         except OSError as err:
             raise CheckpointError(f"{naming.restore_dir(self.commit.root, step)}: cannot create: "
