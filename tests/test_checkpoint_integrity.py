@@ -129,6 +129,29 @@ def test_unrecognised_commit_marker_is_skipped_not_deleted(tmp_path, caplog, dam
     assert [f for f in files if f.name != naming.COMMIT_FILE] == [f for f in kept if f.name != naming.COMMIT_FILE]
 
 
+@pytest.mark.parametrize("name", ["step-02", "step-\u0662"])  # a leading zero; an Arabic-Indic digit two
+def test_a_step_directory_renamed_to_another_spelling_of_its_step_is_no_step(tmp_path, caplog, capsys, name):
+    """Before: `step-02` (a step directory renamed by hand) was step 2 to `ckpt ls` and `ckpt verify` ("2 committed
+    checkpoints verified"), while a restore looked for `step-2`, warned that it had no commit marker and fell back to
+    step 1; a step 2 saved later stood beside it as a second step 2, which retention could delete in its place. Now
+    only fastio's own spelling, `step-N` in ASCII digits without a leading zero, is a step: the renamed directory
+    is nobody's step, listed by none and never deleted."""
+    root = tmp_path / "ck"
+    save_steps(root)
+    (root / "step-2").rename(root / name)
+    kept = sorted(p.relative_to(root / name) for p in (root / name).rglob("*"))
+    assert fastio_main(["ckpt", "verify", str(root)]) == 0
+    assert "1 committed checkpoint verified (step 1)" in capsys.readouterr().out
+    state, _, warned = restore(root, caplog)
+    assert state.step == 1 and warned == []
+    app = make_app()
+    with Checkpointer(root, signals=(), keep=1) as ckpt:
+        for step in (2, 3):
+            ckpt.save(step, app, blocking=True)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == sorted([name, "step-3"])
+    assert sorted(p.relative_to(root / name) for p in (root / name).rglob("*")) == kept
+
+
 def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
     """Never delete data newer than the step restored: the damaged step-2 stays, also after step 2 is saved again."""
     root = tmp_path / "ck"

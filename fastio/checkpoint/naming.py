@@ -39,10 +39,13 @@ WRITING_FILE = "fastio-writing.json"
 QUARANTINE_SUFFIX = ".quarantined"
 RESTORING_FILE = "fastio-restoring.json"
 """The mark in a restore's private directory: proof that fastio made it."""
-_DELETING_RE = re.compile(r"^\.step-(\d+)(\.tmp)?\.deleting-(\d+)$")
-_STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
-_QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
-_RESTORE_RE = re.compile(r"^\.step-(\d+)\.restore-(\d+)$")
+_N = r"(0|[1-9][0-9]*)"
+"""A step in a name: as :func:`step_name` spells it (ASCII digits, no leading zero): ``step-02`` (a directory renamed
+by hand) is no step, or it would be a second step 2 beside ``step-2``, and a restore would look for it as ``step-2``."""
+_DELETING_RE = re.compile(rf"^\.step-{_N}(\.tmp)?\.deleting-([0-9]+)$")
+_STEP_RE = re.compile(rf"^step-{_N}(\.tmp)?$")
+_QUARANTINE_RE = re.compile(rf"^step-{_N}(\.tmp)?\.quarantined(-[0-9]+)?$")
+_RESTORE_RE = re.compile(rf"^\.step-{_N}\.restore-([0-9]+)$")
 
 
 def step_name(step: int) -> str:
