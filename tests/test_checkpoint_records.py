@@ -109,8 +109,11 @@ def test_a_version_1_marker_reads_with_that_versions_meaning():
 
 
 @pytest.mark.parametrize(("field", "value"), [("engine", 5), ("epoch", "one"), ("metrics", [1]), ("step", True),
-                                              ("world_size", 1.5)])
+                                              ("world_size", 1.5), ("metrics", {"loss": "x"}),
+                                              ("metrics", {"loss": True})])
 def test_a_marker_field_of_the_wrong_type_is_one_error_naming_the_file_and_field(tmp_path, field, value):
+    """A metric that is no number (a marker edited by hand) was read as is: `fastio ckpt ls` then failed with a
+    raw `ValueError: Unknown format code 'g' for object of type 'str'`, and a restore handed it back as a metric."""
     good = CommitRecord.new({}, step=1, info=CommitInfo(engine="torchsnapshot", progress=Progress()))
     text = json.dumps({**json.loads(good.encode()), field: value}).encode()
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker (field '{field}'|lacks 'files' or 'step')"):

@@ -39,13 +39,20 @@ CHECKSUM = "xxh3_128"
 """The checksum new commits record per file (see :mod:`fastio.storage.checksum`)."""
 
 
+def _numbers(values: Mapping[str, Any]) -> str | None:
+    """The problem with a dict of metrics: a value that is no number (never a bool)."""
+    bad = next((k for k, v in values.items() if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+    return None if bad is None else f"expected a number for {bad!r}"
+
+
 @dataclass(frozen=True)
 class Progress:
     """A save's progress, as rank 0 saw it: what ``restore_latest`` hands back in its ``TrainState``."""
 
     epoch: int = checked(is_type(int), default=-1)
     """The epoch given to (or found by) ``maybe_save``; -1 when unknown."""
-    metrics: Mapping[str, float] = checked(is_type(dict), default_factory=dict)
+    metrics: Mapping[str, float] = checked(lambda v: is_type(dict)(v) or _numbers(v), default_factory=dict)
+    """Name -> number (a save refuses any other metric)."""
     elapsed: float = checked(is_type(int, float), default=0.0)
     """Seconds of training (summed over restarts) up to the save."""
     hparams: Mapping[str, Any] = checked(is_type(dict), default_factory=dict)
