@@ -7,7 +7,8 @@
 - committed checkpoints older than the newest ``keep`` (:mod:`fastio.checkpoint.retention`), each renamed to a
   hidden ``.step-N.deleting-PID`` first (:func:`hide_step`, on the save's path) and then deleted
   (:func:`finish_removal`, after the save counts as done; both: :func:`remove_step`); :func:`remove_abandoned`
-  finishes such a deletion a kill cut short;
+  finishes such a deletion a kill cut short; a step that is a link goes as a link, its target (outside DIR)
+  left in place with a warning;
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.commit`; no node holds the whole step);
 - on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
@@ -37,6 +38,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -61,6 +63,8 @@ from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
 __all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned",
            "remove_ended_restores", "remove_step", "start_private_staging", "start_restore_dir"]
+
+log = logging.getLogger(__name__)
 
 PRIVATE_STAGING_PREFIX = "fastio-ckpt-restore-"
 """The name of a read-only restore's private download directory begins so (:func:`start_private_staging`)."""
@@ -110,7 +114,20 @@ def finish_removal(doomed: list[Path]) -> None:
     except OSError:
         return
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        _delete(path)
+
+
+def _delete(path: Path) -> None:
+    """Delete a renamed-away step's files; a step that is a link (moved to another disk and linked back) goes as
+    a link: its target, outside DIR and maybe the only copy, is left in place, with a warning naming it."""
+    path = Path(path)
+    if path.is_symlink():
+        target = os.readlink(path)
+        path.unlink(missing_ok=True)
+        log.warning("fastio: expired checkpoint %s was a link to %s: the link removed, %s left in place", path,
+                    target, target)
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def quarantine(path: Path) -> Path:
@@ -208,8 +225,10 @@ def _remove_hidden_leftovers(root: Path) -> list[Path]:
     temporaries under ``root``; returns them."""
     removed = remove_ended_restores(root)
     for child in sorted(Path(root).iterdir()):
-        if (is_deleting_name(child.name) and child.is_dir()  # also a deletion a kill cut short
-                or _is_empty_quarantined_tmp(child)):
+        if is_deleting_name(child.name) and (child.is_dir() or child.is_symlink()):  # a deletion a kill cut short
+            _delete(child)
+            removed.append(child)
+        elif _is_empty_quarantined_tmp(child):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
