@@ -257,3 +257,49 @@ def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the
         live.wait()
     shutil.rmtree(theirs)
     assert tree(root) == before
+
+
+@pytest.mark.parametrize("other_step", [1, 2])
+def test_two_read_only_restores_of_compressed_steps_in_one_process_keep_their_copies(tmp_path, monkeypatch,
+                                                                                     other_step):
+    """Before: every restore of one process decompressed step N into the same `.step-N.restore-PID`, and counted
+    any such directory of its own pid as a leftover: a second read-only Checkpointer of the process (another thread:
+    an evaluation of several checkpoints at once) restoring while the first was reading deleted the first's copy
+    under it. Now each restore's copy is its own, and only ended restores' copies are leftovers."""
+    import threading
+
+    from fastio.checkpoint import compress
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
+    real, started, go = compress.restore_file, threading.Event(), threading.Event()
+
+    def held(src, dst, codec):  # the first restore stops after decompressing its first file
+        real(src, dst, codec)
+        if threading.current_thread().name == "first":
+            started.set()
+            go.wait(60)
+
+    monkeypatch.setattr(compress, "restore_file", held)
+    got: dict[str, object] = {}
+
+    def first():
+        try:
+            with Checkpointer(root, read_only=True, signals=()) as reader:
+                restored = app()
+                got["first"] = (reader.restore_latest(restored, step=1).step, float(restored["model"].state["w"][0]))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            got["first"] = err
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    assert started.wait(60)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        restored = app()
+        assert reader.restore_latest(restored, step=other_step).step == other_step
+    go.set()
+    thread.join(60)
+    assert got["first"] == (1, 1.0)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".step-")]

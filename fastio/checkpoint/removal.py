@@ -37,13 +37,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from fastio.checkpoint.naming import (
@@ -61,8 +64,8 @@ from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
 from fastio.dist import process_ended, process_start
 from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
-__all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned",
-           "remove_ended_restores", "remove_step", "start_private_staging", "start_restore_dir"]
+__all__ = ["OTHER_HOST_RESTORE_S", "end_restore_dir", "finish_removal", "hide_step", "quarantine",
+           "remove_abandoned", "remove_ended_restores", "remove_step", "start_private_staging", "start_restore_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +143,37 @@ def quarantine(path: Path) -> Path:
     return target
 
 
+_LIVE: set[str] = set()
+"""This process's restore directories in use (:func:`start_restore_dir` to :func:`end_restore_dir`): another
+restore of the process (another Checkpointer, another thread) neither takes nor deletes them."""
+_LIVE_LOCK = threading.Lock()
+
+
 def start_restore_dir(root: Path, step: int) -> Path:
-    """Create (empty, marked with this process's host, pid and start time) this process's restore directory for
-    ``step``: the mark is what :func:`remove_ended_restores` recognises."""
-    path = restore_dir(root, step)
-    if path.exists():  # this pid's own, from an earlier restore that could not clean up
-        shutil.rmtree(path)
-    path.mkdir()
-    (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                   "start": process_start(os.getpid()), "time": time.time()}))
+    """Create (empty, marked with this process's host, pid and start time) a restore directory of this process for
+    ``step``, its own until :func:`end_restore_dir` (``-K`` when another restore of the process uses the plain name):
+    the mark is what :func:`remove_ended_restores` recognises."""
+    with _LIVE_LOCK:
+        path = next(p for p in map(partial(restore_dir, root, step, None), itertools.count(1))
+                    if str(p) not in _LIVE)
+        _LIVE.add(str(path))
+    try:
+        if path.exists():  # this process's own, from an earlier restore that could not clean up
+            shutil.rmtree(path)
+        path.mkdir()
+        (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                       "start": process_start(os.getpid()), "time": time.time()}))
+    except BaseException:
+        end_restore_dir(path)
+        raise
     return path
+
+
+def end_restore_dir(path: Path) -> None:
+    """Delete a restore directory :func:`start_restore_dir` made, once its restore is done with it."""
+    shutil.rmtree(path, ignore_errors=True)
+    with _LIVE_LOCK:
+        _LIVE.discard(str(path))
 
 
 def start_private_staging() -> Path:
@@ -196,8 +220,9 @@ def _restore_abandoned(child: Path) -> bool:
         return True  # a mark cut short by a kill
     if host != socket.gethostname():
         return time.time() - started > OTHER_HOST_RESTORE_S
-    if pid == os.getpid():
-        return True  # this process's own, from a restore that could not clean up
+    if pid == os.getpid():  # this process's own: a leftover unless a restore of the process is using it
+        with _LIVE_LOCK:
+            return str(child) not in _LIVE
     return process_ended(pid, start if isinstance(start, int) and not isinstance(start, bool) else None)
 
 

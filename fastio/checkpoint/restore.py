@@ -24,7 +24,6 @@ rank 0's at the save, the same on every rank). Older checkpoints also hold a per
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -408,7 +407,7 @@ class Restorer:
                 self.ranks.barrier("restore")  # every rank is done reading
             finally:
                 if self.leader:
-                    shutil.rmtree(work, ignore_errors=True)
+                    removal.end_restore_dir(work)
 
     def _start_restore_dir(self, step: int) -> str | None:
         """One private directory per staging directory, made by the lowest rank seeing it; a read-only restore first
