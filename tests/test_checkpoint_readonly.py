@@ -303,3 +303,29 @@ def test_two_read_only_restores_of_compressed_steps_in_one_process_keep_their_co
     thread.join(60)
     assert got["first"] == (1, 1.0)
     assert not [p.name for p in root.iterdir() if p.name.startswith(".step-")]
+
+
+def test_a_read_only_restore_listing_while_retention_renames_the_only_step_finds_the_next(tmp_path, monkeypatch):
+    """Before: beside a training job with keep=1, a read-only restore that listed DIR just before the job committed
+    step 2 and renamed step 1 away (retention) found step 1 gone when it read its marker, and so no step at all:
+    restore_latest returned None, a fresh start's answer (an evaluation went on with untrained weights; 132 of 200
+    restores in a stress run). Now a listing that lost a step while it was read is taken again."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), keep=0) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
+    later = tmp_path / "later"
+    (root / "step-2").rename(later)
+    real, moved = scan.read_commit, []
+
+    def training_moves_on(path):  # the job commits step 2 and retention renames step 1 away, after the listing
+        if Path(path).name == "step-1" and not moved:
+            moved.append(later.rename(root / "step-2"))
+            (root / "step-1").rename(root / naming.deleting_name("step-1"))
+        return real(path)
+
+    monkeypatch.setattr(scan, "read_commit", training_moves_on)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        restored = app()
+        state = reader.restore_latest(restored)
+    assert moved and state is not None and state.step == 2 and float(restored["model"].state["w"][0]) == 2.0
