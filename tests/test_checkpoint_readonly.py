@@ -329,3 +329,28 @@ def test_a_read_only_restore_listing_while_retention_renames_the_only_step_finds
         restored = app()
         state = reader.restore_latest(restored)
     assert moved and state is not None and state.step == 2 and float(restored["model"].state["w"][0]) == 2.0
+
+
+@pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
+def test_a_step_deleted_while_it_is_restored_is_named_so(tmp_path, monkeypatch, engine):
+    """Before: a step that the training job's retention (keep=1) deleted after the restore had checked it and before
+    the engine read it failed with what the engine then missed, with DCP `checkpoint has no state for app key
+    _fastio_rng on saving rank 0`, as if it were another app's checkpoint. Now the error says the step was deleted
+    while it was being restored, and what to do."""
+    from fastio.checkpoint.restore import Restorer
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+    real = Restorer._open
+
+    def retention_meanwhile(self, path, *args, **kwargs):  # the job's retention renames it away, then deletes it
+        shutil.rmtree(Path(path).rename(root / naming.deleting_name("step-1")))
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Restorer, "_open", retention_meanwhile)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        with pytest.raises(CheckpointError, match=rf"^{root / 'step-1'}: deleted while it was being restored "
+                                                  r"\(by the retention of the job writing the directory\? keep it at "
+                                                  r"keep=2 or more beside a read-only restore\): "):
+            reader.restore_latest(app())

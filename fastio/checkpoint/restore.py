@@ -386,7 +386,19 @@ class Restorer:
     def _restore(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
                  loader_policy: str, cast: bool) -> TrainState:
         """Restore the verified step ``path`` (its marker ``commit``): from its own files, or, compressed, from
-        their plain copies decompressed into a private directory next to it."""
+        their plain copies decompressed into a private directory next to it. A failure of a step gone meanwhile
+        (another job's retention) says so."""
+        try:
+            return self._restore_step(path, commit, app, strict, loader_policy, cast)
+        except CheckpointError as err:
+            if (path / naming.COMMIT_FILE).exists():
+                raise
+            raise CheckpointError(f"{path}: deleted while it was being restored (by the retention of the job writing "
+                                  f"the directory? keep it at keep=2 or more beside a read-only restore): {err}"
+                                  ) from err.__cause__
+
+    def _restore_step(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+                      loader_policy: str, cast: bool) -> TrainState:
         if not commit.compression:
             return self._restore_from(path, path, commit, app, strict, loader_policy, cast)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
