@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -118,3 +119,18 @@ def test_a_marker_field_of_the_wrong_type_is_one_error_naming_the_file_and_field
     text = json.dumps({**json.loads(good.encode()), field: value}).encode()
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker (field '{field}'|lacks 'files' or 'step')"):
         parse_commit(text, f"{tmp_path}/m")
+
+
+@pytest.mark.parametrize("rel", ["../step-1/fastio-commit.json", "/etc/hostname", "a/../../b", "", "a//b", "./a"])
+def test_a_marker_listing_a_path_outside_its_step_is_one_error_naming_it(tmp_path, rel):
+    """Before: a marker (edited by hand, or untrusted) could list `../step-1/...` or `/etc/hostname`: ckpt verify and a
+    restore read (hashed) that file outside the step, and a restore of a compressed step wrote its decompressed copy
+    to the same path under its working directory's parent. Now a listed path must be a plain relative path inside
+    the step (as the writer lists them): anything else is one error naming the file and the path."""
+    good = CommitRecord.new({"x": {"bytes": 1, CHECKSUM: "ab"}}, step=1,
+                            info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    data = json.loads(good.encode())
+    data["files"][rel] = data["files"]["x"]
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker lists {re.escape(repr(rel))}, not a "
+                                              r"relative path inside the step$"):
+        parse_commit(json.dumps(data).encode(), f"{tmp_path}/m")

@@ -140,9 +140,18 @@ def _files(data: dict, where: str) -> dict[str, dict[str, Any]]:
     if not isinstance(files, dict) or not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
         raise CheckpointError(f"{where}: commit marker lacks 'files' or 'step'")
     for rel, rec in files.items():
+        if not _inside(rel):
+            raise CheckpointError(f"{where}: commit marker lists {rel!r}, not a relative path inside the step")
         if not isinstance(rec, dict):
             raise CheckpointError(f"{where}: commit marker entry for {rel!r} is {rec!r}, expected a dict")
     return files
+
+
+def _inside(rel: str) -> bool:
+    """A listed file's path as the writer lists them: relative, ``/``-separated, no empty, ``.`` or ``..`` part (a
+    marker listing another is edited or untrusted: its files would be read, and a compressed step's written, outside
+    the step)."""
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 def parse_commit(text: bytes, where: str) -> CommitRecord:
