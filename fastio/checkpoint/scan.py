@@ -14,6 +14,7 @@ versions refuse version 3 instead of misreading it. A step of a rollback in prog
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def _scan_once(root: Path) -> tuple[list[StepEntry], bool]:
     for child in root.iterdir():
         parsed = parse_step_dir_name(child.name)
         if not parsed or not child.is_dir():
-            lost = lost or bool(parsed) and not child.exists()  # renamed away since listed
+            lost = lost or bool(parsed) and not os.path.lexists(child)  # renamed away since listed (not a dead link)
             continue
         step, temporary = parsed
         entry = _temporary(step, child) if temporary else _named(step, child, doomed)
