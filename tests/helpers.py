@@ -89,6 +89,7 @@ def reseal(step: Path) -> None:
     for rel in data["files"]:
         size, digest = digest_file(step / rel, record.CHECKSUM)
         data["files"][rel] = {"bytes": size, record.CHECKSUM: digest}
+    data["bytes"] = sum(f["bytes"] for f in data["files"].values())
     marker.write_text(json.dumps(data))
 
 

@@ -134,3 +134,19 @@ def test_a_marker_listing_a_path_outside_its_step_is_one_error_naming_it(tmp_pat
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker lists {re.escape(repr(rel))}, not a "
                                               r"relative path inside the step$"):
         parse_commit(json.dumps(data).encode(), f"{tmp_path}/m")
+
+
+def test_a_marker_whose_files_do_not_add_up_to_its_total_is_one_error(tmp_path):
+    """Before: a marker that lost a file's entry (edited by hand; `"files": {}` at worst) still parsed, and a
+    restore loaded the step reading the unlisted files unchecked (ckpt verify said `not listed in the commit
+    marker`, exit 1). Now the listed sizes must add up to the marker's own total (`bytes`, which every marker since
+    version 2 holds): one error naming the file, and the step is unrecognised, so a restore falls back."""
+    good = CommitRecord.new({"a": {"bytes": 3, CHECKSUM: "ab"}, "b": {"bytes": 4, CHECKSUM: "cd"}}, step=1,
+                            info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    data = json.loads(good.encode())
+    assert parse_commit(json.dumps(data).encode(), "m").bytes == 7
+    for files in ({"a": data["files"]["a"]}, {}):
+        with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker lists {len(files)} files? of "
+                                                  rf"{sum(f['bytes'] for f in files.values())} bytes, its total "
+                                                  r"says 7 \(a file's entry lost\?\)$"):
+            parse_commit(json.dumps({**data, "files": files}).encode(), f"{tmp_path}/m")

@@ -25,6 +25,7 @@ from typing import Any
 from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.checks import checked, is_type, read_checked
 from fastio.errors import CheckpointError
+from fastio.words import count
 
 __all__ = ["CHECKSUM", "COMMIT_FORMAT", "COMMIT_VERSION", "COMPRESSED_VERSION", "READ_VERSIONS", "CommitInfo",
            "CommitRecord", "Progress", "parse_commit"]
@@ -147,6 +148,18 @@ def _files(data: dict, where: str) -> dict[str, dict[str, Any]]:
     return files
 
 
+def _check_total(files: Mapping[str, Mapping[str, Any]], total: int | None, where: str) -> None:
+    """CheckpointError when the listed files' sizes do not add up to the marker's total (``bytes``, written with
+    them): a marker that lost a file's entry, whose file a restore would read unchecked. Nothing to compare in a
+    marker without a total (version 1) or with a size that is no integer (named by the file's check)."""
+    sizes = [rec.get("bytes") for rec in files.values()]
+    if total is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return
+    if sum(sizes) != total:
+        raise CheckpointError(f"{where}: commit marker lists {count(len(sizes), 'file')} of {sum(sizes)} bytes, its "
+                              f"total says {total} (a file's entry lost?)")
+
+
 def _inside(rel: str) -> bool:
     """A listed file's path as the writer lists them: relative, ``/``-separated, no empty, ``.`` or ``..`` part (a
     marker listing another is edited or untrusted: its files would be read, and a compressed step's written, outside
@@ -173,5 +186,6 @@ def parse_commit(text: bytes, where: str) -> CommitRecord:
         values["time"] = float(values["time"])
     if not values.get("compression"):
         values.pop("compression", None)
+    _check_total(files, values.get("bytes"), where)
     return CommitRecord(version=data["version"], step=data["step"], files=files, progress=_progress(data, where),
                         **values)
