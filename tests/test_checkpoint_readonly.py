@@ -354,3 +354,34 @@ def test_a_step_deleted_while_it_is_restored_is_named_so(tmp_path, monkeypatch, 
                                                   r"\(by the retention of the job writing the directory\? keep it at "
                                                   r"keep=2 or more beside a read-only restore\): "):
             reader.restore_latest(app())
+
+
+def test_a_read_only_restore_of_a_compressed_step_on_a_read_only_mount_decompresses_elsewhere(tmp_path,
+                                                                                             monkeypatch):
+    """Before: a read-only restore (evaluation) of a compressed checkpoint on a read-only mount failed with
+    `.step-1.restore-PID: cannot create: Read-only file system`: its working copy could only be in DIR. Now a
+    read-only restore of one rank that cannot write DIR decompresses into a private temporary directory (marked,
+    removed when the restore ends; a killed one's by the next), and DIR is left as it was."""
+    import subprocess
+    import tempfile
+
+    where = tmp_path / "mnt"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        root = where / "ck"
+        with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+            ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        before = tree(root)
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        with Checkpointer(root, read_only=True, signals=()) as reader:
+            restored = app()
+            assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0
+        assert tree(root) == before and list(tmp.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

@@ -23,6 +23,7 @@ rank 0's at the save, the same on every rank). Older checkpoints also hold a per
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,8 @@ __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "Restorer", "TrainSt
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_fastio_rng"
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""A directory this process may not write (a read-only mount, another user's)."""
 LOADER_POLICIES = ("exact", "next-epoch")
 """``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
 
@@ -423,7 +426,9 @@ class Restorer:
 
     def _start_restore_dir(self, step: int) -> str | None:
         """One private directory per staging directory, made by the lowest rank seeing it; a read-only restore first
-        deletes the ones of ended restores (a killed evaluation's: no writer's restore may come to delete them)."""
+        deletes the ones of ended restores (a killed evaluation's: no writer's restore may come to delete them). A
+        read-only restore of one rank that cannot write DIR (a read-only mount) decompresses into a private
+        temporary directory instead (:func:`~fastio.checkpoint.removal.start_private_staging`)."""
         if not self.leader:
             return None
         try:
@@ -431,6 +436,8 @@ class Restorer:
                 removal.remove_ended_restores(self.commit.root)
             return str(removal.start_restore_dir(self.commit.root, step))
         except OSError as err:
+            if self.read_only and len(self.commit.ranks_here) == 1 and err.errno in _CANNOT_WRITE:
+                return str(removal.start_private_staging())
             raise CheckpointError(f"{naming.restore_dir(self.commit.root, step)}: cannot create: "
                                   f"{err.strerror or err}") from None
 
